@@ -1,0 +1,38 @@
+"""The exception hierarchy of secure-vfl.
+
+Every error a user can act on derives from :class:`SecureVFLError`, and its message says what was
+expected and what was found (``"`p_miss` must be in [0, 1). Found 1.5."``).
+"""
+
+from __future__ import annotations
+
+
+class SecureVFLError(Exception):
+    """Base class of every error raised on purpose by secure-vfl."""
+
+
+class ConfigError(SecureVFLError, ValueError):
+    """A configuration value or command-line flag is out of range or of the wrong kind."""
+
+
+class DataError(SecureVFLError, ValueError):
+    """A dataset, data file or array does not have the expected format, shape or content."""
+
+
+class DatasetNotInstalledError(DataError):
+    """A registered dataset's files are not on this machine; the message says how to install them."""
+
+
+class ProtocolError(SecureVFLError):
+    """A message from another party breaks the protocol: wrong schema, sender, batch, shape or dtype."""
+
+
+class IntegrityError(ProtocolError):
+    """A message's content is corrupt: non-finite values, a tampered or replayed payload."""
+
+
+class RegistryError(SecureVFLError, KeyError):
+    """A name is registered twice, or looked up and not found."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
