@@ -20,11 +20,11 @@ class DataError(SecureVFLError, ValueError):
 
 
 class DatasetNotInstalledError(DataError):
-    """A registered dataset's files are not on this machine; the message says how to install them."""
+    """A registered dataset's files are missing here; the message says how to install them."""
 
 
 class ProtocolError(SecureVFLError):
-    """A message from another party breaks the protocol: wrong schema, sender, batch, shape or dtype."""
+    """A message breaks the protocol: wrong schema, sender, batch, shape or dtype."""
 
 
 class IntegrityError(ProtocolError):

@@ -26,7 +26,11 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` atomically."""
-    atomic_write(path, lambda tmp: tmp.write_text(text, encoding="utf-8"))
+
+    def write(tmp: Path) -> None:
+        tmp.write_text(text, encoding="utf-8")
+
+    atomic_write(path, write)
 
 
 def atomic_write_json(path: Path, payload: Any) -> None:

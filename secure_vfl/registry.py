@@ -30,7 +30,9 @@ class Registry(Generic[T]):
             return self._entries[name]
         except KeyError:
             known = ", ".join(sorted(self._entries)) or "none"
-            raise RegistryError(f"unknown {self._kind} {name!r}; expected one of: {known}.") from None
+            raise RegistryError(
+                f"unknown {self._kind} {name!r}; expected one of: {known}."
+            ) from None
 
     def names(self) -> list[str]:
         """The registered names, sorted."""

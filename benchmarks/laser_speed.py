@@ -1,0 +1,183 @@
+"""How LASER-VFL and its baselines scale with the number of parties, and what vectorising buys.
+
+Three measurements in one run, each configuration in a fresh process (so peak memory is its own):
+
+1. epoch time and peak training memory (RSS above the process's footprint before the model is
+   built) for every method at K = 2, 4, 6, 8 parties (Combinatorial only up to K = 6: it trains
+   2^K - 1 predictors);
+2. the median training-step time of LASER with ``grouped`` and ``mixed`` batches;
+3. the median step time of LASER's vectorised task forward against a looped one (one aggregator
+   call and one head evaluation per (head, subset size)), and the speed-up.
+
+    python benchmarks/laser_speed.py            # the committed configuration
+    python benchmarks/laser_speed.py --quick    # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import resource
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+METHODS = ["local", "standard", "ensemble", "plugvfl", "laser", "combinatorial"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    kind: str  # "epoch" or "steps"
+    method: str
+    parties: int
+    batching: Literal["grouped", "mixed"] = "grouped"
+    vectorised: bool = True
+    epochs: int = 3
+    steps: int = 200
+    dataset: str = "satellite"
+    p_miss: float = 0.1
+
+
+def _rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run(job: Job) -> dict[str, Any]:
+    """Measure one configuration (runs in its own process)."""
+    from secure_vfl.experiment import TrainConfig, build_method, prepare_data
+    from secure_vfl.methods import MethodConfig
+
+    config = TrainConfig(
+        method=job.method,
+        dataset=job.dataset,
+        parties=job.parties,
+        train_missing=f"mcar:{job.p_miss:g}",
+        test_missing=("mcar:0",),
+        seed=0,
+        method_config=MethodConfig(
+            epochs=job.epochs, batching=job.batching, vectorised=job.vectorised
+        ),
+    )
+    data = prepare_data(config)
+    before = _rss_mib()
+    method = build_method(config, data)
+    out: dict[str, Any] = dataclasses.asdict(job)
+    if job.kind == "epoch":
+        times: list[float] = []
+        last = [time.perf_counter()]
+        steps = method.steps_per_epoch()
+
+        def on_step(step: int, loss: float) -> None:
+            if step % steps == 0:
+                now = time.perf_counter()
+                times.append(now - last[0])
+                last[0] = now
+
+        method.fit(on_step=on_step)
+        out["epoch_s"] = statistics.median(times)
+        out["peak_mib"] = _rss_mib() - before
+        return out
+    step = method.train_step  # type: ignore[attr-defined]
+    sampler = method.sampler  # type: ignore[attr-defined]
+    rng = np.random.default_rng(0)
+    durations: list[float] = []
+    round = 0
+    while len(durations) < job.steps + 10:
+        for batch_id, rows in enumerate(sampler.epoch(rng)):
+            start = time.perf_counter()
+            step(rows, round, batch_id)
+            durations.append(time.perf_counter() - start)
+            round += 1
+            if len(durations) >= job.steps + 10:
+                break
+    out["step_ms"] = 1000 * statistics.median(durations[10:])
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--parties", nargs="+", type=int, default=[2, 4, 6, 8])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args(argv)
+
+    from tqdm import tqdm
+
+    from secure_vfl.io import atomic_write_json, atomic_write_text
+
+    epochs, steps = (1, 20) if args.quick else (3, 200)
+    jobs = [
+        Job("epoch", method, k, epochs=epochs)
+        for k in args.parties
+        for method in METHODS
+        if method != "combinatorial" or k <= 6
+    ]
+    jobs += [
+        Job("steps", "laser", k, batching=batching, vectorised=vectorised, steps=steps)
+        for k in (4, 8)
+        for batching in ("grouped", "mixed")
+        for vectorised in (True, False)
+    ]
+    results = []
+    context = get_context("spawn")
+    for job in tqdm(jobs, desc="configurations", unit="config"):
+        with ProcessPoolExecutor(1, mp_context=context) as pool:
+            results.append(pool.submit(run, job).result())
+
+    command = "python benchmarks/laser_speed.py " + " ".join(
+        argv if argv is not None else sys.argv[1:]
+    )
+    lines = [
+        "# LASER-VFL speed and memory",
+        "",
+        f"Command: `{command.strip()}`  ",
+        "Satellite (4435 training rows), train p_miss 0.1, batch 128, torch threads: default (2). "
+        "Epoch time is the median over "
+        f"{epochs} epochs; peak memory is the process's maximum RSS growth once data is loaded.",
+        "",
+        "## Epoch time (s) and peak training memory (MiB) by number of parties",
+        "",
+        "| method | " + " | ".join(f"K={k}" for k in args.parties) + " |",
+        "|---|" + "---|" * len(args.parties),
+    ]
+    epoch_rows = {(r["method"], r["parties"]): r for r in results if r["kind"] == "epoch"}
+    for method in METHODS:
+        cells = []
+        for k in args.parties:
+            r = epoch_rows.get((method, k))
+            cells.append(f"{r['epoch_s']:.2f} s / {r['peak_mib']:.0f} MiB" if r else "–")
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    step_rows = {
+        (r["parties"], r["batching"], r["vectorised"]): r["step_ms"]
+        for r in results
+        if r["kind"] == "steps"
+    }
+    lines += [
+        "",
+        "## LASER step time (ms, median of "
+        f"{steps} steps): batching modes and vectorised vs looped task forward",
+        "",
+        "| K | batching | vectorised | looped | speed-up |",
+        "|---|---|---|---|---|",
+    ]
+    for k in (4, 8):
+        for batching in ("grouped", "mixed"):
+            fast, slow = step_rows[(k, batching, True)], step_rows[(k, batching, False)]
+            lines.append(f"| {k} | {batching} | {fast:.2f} | {slow:.2f} | {slow / fast:.2f}x |")
+    text = "\n".join(lines) + "\n"
+    stem = "laser_speed_quick" if args.quick else "laser_speed"
+    args.out.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(args.out / f"{stem}.md", text)
+    atomic_write_json(args.out / f"{stem}.json", {"command": command, "results": results})
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,279 @@
+"""The ``secure-vfl`` command line (also ``python -m secure_vfl``).
+
+Every flag is validated before anything is written: a bad value prints one line saying what was
+expected and what was found, and the command exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from secure_vfl import methods
+from secure_vfl.errors import ConfigError, SecureVFLError
+
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line and exits with status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _number(
+    kind: Callable[[str], Any], what: str, check: Callable[[Any], bool]
+) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, found {text!r}") from None
+        if (isinstance(value, float) and not math.isfinite(value)) or not check(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, found {text!r}")
+        return value
+
+    return parse
+
+
+positive_int = _number(int, "a positive integer", lambda v: v >= 1)
+non_negative_int = _number(int, "a non-negative integer", lambda v: v >= 0)
+probability = _number(float, "a probability in [0, 1)", lambda v: 0 <= v < 1)
+positive_float = _number(float, "a positive number", lambda v: v > 0)
+parties_count = _number(int, "an integer number of parties in [2, 10]", lambda v: 2 <= v <= 10)
+
+
+def existing_file(text: str) -> Path:
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"expected an existing file, found {text!r}")
+    return path
+
+
+def mechanism(text: str) -> str:
+    from secure_vfl.data.missingness import parse_mechanism
+
+    try:
+        return parse_mechanism(text).label
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="secure-vfl", description=__doc__.splitlines()[0] if __doc__ else None)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    train = commands.add_parser("train", help="train a VFL method and evaluate it")
+    train.add_argument("--method", required=True, choices=methods.METHODS.names())
+    source = train.add_mutually_exclusive_group(required=True)
+    source.add_argument("--dataset", help="a registered dataset (see `secure-vfl datasets`)")
+    source.add_argument(
+        "--party-file",
+        type=existing_file,
+        action="append",
+        metavar="PATH",
+        help="one CSV/Parquet file per party: an `id` column and that party's features",
+    )
+    train.add_argument(
+        "--label-file",
+        type=existing_file,
+        metavar="PATH",
+        help="CSV/Parquet with `id` and `label` (with --party-file)",
+    )
+    train.add_argument("--parties", type=parties_count, default=4, metavar="K")
+    missing_train = train.add_mutually_exclusive_group()
+    missing_train.add_argument(
+        "--p-miss-train",
+        type=probability,
+        metavar="P",
+        help="MCAR probability that a block is missing in training",
+    )
+    missing_train.add_argument(
+        "--missing-train",
+        type=mechanism,
+        metavar="MECH",
+        help="mcar:P | mcar:P1,..,PK | beta | dirichlet:A | mar1 | mar2 | mnar:P",
+    )
+    train.add_argument(
+        "--p-miss-test",
+        type=probability,
+        action="append",
+        metavar="P",
+        help="MCAR test probability (repeatable; default 0 and 0.5)",
+    )
+    train.add_argument(
+        "--missing-test",
+        type=mechanism,
+        action="append",
+        metavar="MECH",
+        help="a test missingness mechanism (repeatable)",
+    )
+    train.add_argument("--heads", choices=["all", "active"], default="all")
+    train.add_argument("--batching", choices=["grouped", "mixed"], default="mixed")
+    train.add_argument("--epochs", type=positive_int, default=20, metavar="N")
+    train.add_argument("--batch-size", type=positive_int, default=128, metavar="B")
+    train.add_argument("--lr", type=positive_float, default=0.03)
+    train.add_argument(
+        "--standard-incomplete",
+        choices=["random", "zero"],
+        default="random",
+        help="what Standard VFL does on incomplete test samples",
+    )
+    train.add_argument("--seed", type=non_negative_int, default=0, metavar="S")
+    train.add_argument(
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help="output directory (default runs/METHOD-DATASET-sSEED)",
+    )
+    train.add_argument(
+        "--store",
+        type=Path,
+        metavar="PATH",
+        help="SQLite results store (default: results.sqlite beside DIR)",
+    )
+    train.add_argument("--overwrite", action="store_true", help="replace DIR/result.json")
+    train.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    datasets = commands.add_parser("datasets", help="list datasets, or install them")
+    datasets.add_argument("action", nargs="?", choices=["list", "install"], default="list")
+    datasets.add_argument("names", nargs="*", metavar="NAME")
+    datasets.add_argument("--all", action="store_true", help="with install: every dataset")
+    return parser
+
+
+def _train_config(args: argparse.Namespace) -> Any:
+    from secure_vfl.experiment import TrainConfig
+
+    if args.party_file and args.label_file is None:
+        raise ConfigError("--party-file needs --label-file PATH. Found no label file.")
+    if args.label_file is not None and not args.party_file:
+        raise ConfigError("--label-file goes with --party-file. Found a dataset instead.")
+    train_missing = args.missing_train or f"mcar:{args.p_miss_train or 0.0:g}"
+    tests = [f"mcar:{p:g}" for p in args.p_miss_test or []] + list(args.missing_test or [])
+    method_config = methods.MethodConfig(
+        heads=args.heads,
+        batching=args.batching,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        standard_incomplete=args.standard_incomplete,
+    )
+    return TrainConfig(
+        method=args.method,
+        dataset=args.dataset,
+        party_files=tuple(args.party_file or ()),
+        label_file=args.label_file,
+        parties=args.parties if not args.party_file else len(args.party_file),
+        train_missing=train_missing,
+        test_missing=tuple(tests) if tests else ("mcar:0", "mcar:0.5"),
+        seed=args.seed,
+        method_config=method_config,
+    )
+
+
+def _summary(result: Any, out: Path) -> str:
+    lines = [
+        f"{result.method} on {result.dataset} (train {result.config['train_missing']}, "
+        f"{result.samples['train']} training samples) in {result.wall_time_s:.1f} s",
+        f"{'test missingness':<20}{'accuracy %':>12}{'F1 x100':>10}",
+    ]
+    for name, values in result.metrics.items():
+        lines.append(f"{name:<20}{values['accuracy']:>12.2f}{values['f1']:>10.2f}")
+    lines.append(f"result: {out / 'result.json'}")
+    return "\n".join(lines)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from secure_vfl.data.datasets import DATASETS
+    from secure_vfl.experiment import prepare_data, run_training
+    from secure_vfl.io import atomic_write_json
+    from secure_vfl.store import ResultsStore
+
+    config = _train_config(args)
+    if config.dataset is not None:
+        spec = DATASETS.get(config.dataset)
+        if not spec.is_installed():
+            raise ConfigError(f"dataset {config.dataset!r} is not installed. {spec.install_hint()}")
+    out: Path = args.out or Path("runs") / f"{config.method}-{config.data_name}-s{config.seed}"
+    if (out / "result.json").exists() and not args.overwrite:
+        raise ConfigError(
+            f"{out / 'result.json'} exists; expected a new --out directory (or --overwrite)."
+        )
+    store = ResultsStore(args.store or out.parent / "results.sqlite")
+    data = prepare_data(config)
+    bar: Any = None
+
+    def on_start(total: int) -> None:
+        nonlocal bar
+        bar = tqdm(total=total, desc=config.method, unit="step", disable=args.quiet, leave=False)
+
+    def on_step(step: int, loss: float) -> None:
+        bar.update(1)
+        if step % 10 == 0:
+            bar.set_postfix(loss=f"{loss:.3f}")
+
+    try:
+        result = run_training(config, data=data, on_start=on_start, on_step=on_step)
+    finally:
+        if bar is not None:
+            bar.close()
+    atomic_write_json(out / "result.json", result.to_json())
+    store.add(result.to_json(), kind="train", out_dir=out)
+    print(_summary(result, out))
+    return 0
+
+
+def run_datasets(args: argparse.Namespace) -> int:
+    from secure_vfl.data.datasets import DATASETS, dataset_status, install_dataset
+
+    if args.action == "install":
+        names = DATASETS.names() if args.all else args.names
+        if not names:
+            raise ConfigError("datasets install needs NAME ... or --all. Found neither.")
+        for name in names:
+            DATASETS.get(name)
+        for name in names:
+            install_dataset(name)
+        return 0
+    if args.names or args.all:
+        raise ConfigError("names and --all go with `datasets install`. Found them with `list`.")
+    rows = [("name", "kind", "shape", "source", "installed")]
+    hints = []
+    for spec, installed in dataset_status():
+        rows.append((spec.name, spec.kind, spec.shape, spec.source, "yes" if installed else "no"))
+        if not installed:
+            hints.append(f"  {spec.name}: {spec.install_hint()}")
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+    if hints:
+        print("\nto install a missing dataset:")
+        print("\n".join(hints))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "train":
+            return run_train(args)
+        return run_datasets(args)
+    except SecureVFLError as error:
+        print(f"secure-vfl: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("secure-vfl: interrupted; nothing was written.", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

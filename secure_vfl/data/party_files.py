@@ -1,0 +1,156 @@
+"""The user's own vertical data: one CSV or Parquet file per party plus a label file.
+
+A party file has an ``id`` column and that party's numeric feature columns; the label file has
+``id`` and ``label``. Ids are compared as text, so ``007`` in a CSV stays ``007``. Files are
+validated on read, so a bad file fails here with a message naming the problem, not deep inside
+training.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from secure_vfl.errors import DataError
+
+ID_COLUMN = "id"
+LABEL_COLUMN = "label"
+_SUFFIXES = (".csv", ".parquet", ".pq")
+
+
+@dataclass(frozen=True)
+class PartyTable:
+    """One party's rows: ``ids`` (str, unique), ``features`` (float32, (N, D)), column names."""
+
+    name: str
+    ids: np.ndarray
+    features: np.ndarray
+    columns: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class LabelTable:
+    """The label party's rows: ``ids`` (str, unique), ``labels`` (int64 in 0..C-1) and the
+    original label value of each class index, sorted."""
+
+    ids: np.ndarray
+    labels: np.ndarray
+    classes: tuple[object, ...]
+
+
+def _read_frame(path: Path) -> pd.DataFrame:
+    """Read a CSV or Parquet file with the ``id`` column as text."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in _SUFFIXES:
+        raise DataError(f"{path} must be a .csv or .parquet file. Found suffix {suffix!r}.")
+    if not path.is_file():
+        raise DataError(f"expected a data file at {path}. Found no such file.")
+    try:
+        if suffix == ".csv":
+            frame = pd.read_csv(path, dtype={ID_COLUMN: str})
+        else:
+            frame = pd.read_parquet(path)
+    except (ValueError, OSError, pd.errors.ParserError) as error:
+        raise DataError(f"{path} could not be read as {suffix[1:]}: {error}") from None
+    frame.columns = [str(c) for c in frame.columns]
+    if ID_COLUMN not in frame.columns:
+        raise DataError(
+            f"{path} must have an `{ID_COLUMN}` column. Found columns: {list(frame.columns)}."
+        )
+    if len(frame) == 0:
+        raise DataError(f"{path} must have at least one row. Found none.")
+    return frame
+
+
+def _read_ids(frame: pd.DataFrame, path: Path) -> np.ndarray:
+    """The ``id`` column as unique strings; empty and duplicate ids are refused."""
+    column = frame[ID_COLUMN]
+    empty = int(column.isna().sum())
+    if empty:
+        first = int(np.flatnonzero(column.isna().to_numpy())[0])
+        raise DataError(
+            f"{path}: every row must have an id. Found {empty} empty (first at row {first})."
+        )
+    ids = column.astype(str).to_numpy(dtype=str)
+    unique, counts = np.unique(ids, return_counts=True)
+    if unique.size != ids.size:
+        repeated = unique[counts > 1]
+        raise DataError(
+            f"{path}: ids must be unique. Found {repeated.size} repeated, "
+            f"e.g. {', '.join(map(repr, repeated[:3].tolist()))}."
+        )
+    return ids
+
+
+def read_party_file(path: Path) -> PartyTable:
+    """Read and validate one party's file: unique ids, at least one finite numeric feature."""
+    path = Path(path)
+    frame = _read_frame(path)
+    ids = _read_ids(frame, path)
+    feature_frame = frame.drop(columns=ID_COLUMN)
+    if feature_frame.shape[1] == 0:
+        raise DataError(f"{path} must have at least one feature column besides `id`. Found none.")
+    non_numeric = [
+        str(c) for c in feature_frame.columns if not pd.api.types.is_numeric_dtype(feature_frame[c])
+    ]
+    if non_numeric:
+        raise DataError(
+            f"{path}: feature columns must be numeric. Found non-numeric columns: {non_numeric}."
+        )
+    values = feature_frame.to_numpy(dtype=np.float64, na_value=np.nan)
+    missing = np.isnan(values)
+    if missing.any():
+        bad_columns = missing.any(axis=0)
+        columns = [str(c) for c, bad in zip(feature_frame.columns, bad_columns, strict=True) if bad]
+        raise DataError(
+            f"{path}: features must not be missing. Found {int(missing.sum())} missing values in "
+            f"{int(missing.any(axis=1).sum())} rows, columns {columns}; impute or drop them first."
+        )
+    features = values.astype(np.float32)
+    if not np.isfinite(features).all():
+        raise DataError(
+            f"{path}: features must be finite float32 values. "
+            f"Found {int((~np.isfinite(features)).sum())} infinite or too large."
+        )
+    return PartyTable(
+        name=path.stem,
+        ids=ids,
+        features=features,
+        columns=tuple(str(c) for c in feature_frame.columns),
+    )
+
+
+def read_label_file(path: Path) -> LabelTable:
+    """Read the label file: ``id`` and ``label`` columns; labels map to 0..C-1 in sorted order.
+
+    Other columns are ignored.
+    """
+    path = Path(path)
+    frame = _read_frame(path)
+    if LABEL_COLUMN not in frame.columns:
+        raise DataError(
+            f"{path} must have a `{LABEL_COLUMN}` column. Found columns: {list(frame.columns)}."
+        )
+    ids = _read_ids(frame, path)
+    column = frame[LABEL_COLUMN]
+    if column.isna().any():
+        raise DataError(
+            f"{path}: every row must have a label. Found {int(column.isna().sum())} empty."
+        )
+    values = column.tolist()
+    try:
+        classes = tuple(sorted(set(values)))
+    except TypeError:
+        raise DataError(
+            f"{path}: labels must be of one sortable kind (all numbers or all text). "
+            f"Found types {sorted({type(v).__name__ for v in values})}."
+        ) from None
+    if len(classes) < 2:
+        raise DataError(f"{path}: a classifier needs at least 2 classes. Found {list(classes)}.")
+    index = {value: position for position, value in enumerate(classes)}
+    labels = np.fromiter((index[v] for v in values), dtype=np.int64, count=len(values))
+    return LabelTable(ids=ids, labels=labels, classes=classes)

@@ -1,0 +1,1 @@
+"""The party-boundary seam: roles, typed messages, alignment, aggregation and transports."""

@@ -1,0 +1,110 @@
+"""The aggregation seam: sums of party contributions, delivered only to the party entitled to them.
+
+A head (the receiver) asks for ``T`` sums per batch row: ``selection[t, b, k]`` says whether party
+``k``'s representation of row ``b`` enters sum ``t``. The plain aggregator adds tensors in the
+clear; the privacy layer replaces it with pairwise-mask secure aggregation, Paillier or CKKS
+behind this same interface, so no learning algorithm changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from secure_vfl.errors import ProtocolError
+from secure_vfl.federation.messages import AGGREGATOR, RepresentationMessage, SumMessage
+
+
+class Aggregator(Protocol):
+    """Turns the representations of a batch into per-task sums for one receiver."""
+
+    def combine(
+        self,
+        contributions: Sequence[RepresentationMessage],
+        selection: Tensor,
+        *,
+        parties: Sequence[str],
+        receiver: str,
+        round: int,
+        batch_id: int,
+    ) -> SumMessage:
+        """Sum ``contributions`` as ``selection`` (T, B, K) asks; ``parties`` names columns."""
+        ...
+
+
+def dense_representations(
+    contributions: Sequence[RepresentationMessage], parties: Sequence[str], batch_size: int
+) -> tuple[Tensor, Tensor]:
+    """Stack contributions into (K, B, d), zeros where absent, and a (B, K) presence mask."""
+    if not contributions:
+        raise ProtocolError("an aggregation needs at least one contribution, found none.")
+    column = {name: k for k, name in enumerate(parties)}
+    dim = contributions[0].representation.shape[1]
+    dense = torch.zeros(len(parties), batch_size, dim)
+    present = torch.zeros(batch_size, len(parties), dtype=torch.bool)
+    for message in contributions:
+        if message.sender not in column:
+            raise ProtocolError(
+                f"representation from unknown party {message.sender!r}; expected one of {parties}."
+            )
+        if message.representation.shape[1] != dim:
+            raise ProtocolError(
+                f"representation from {message.sender}: width {dim} expected, "
+                f"found {message.representation.shape[1]}."
+            )
+        k = column[message.sender]
+        if bool(present[:, k].any()):
+            raise ProtocolError(f"two representations from {message.sender} in one batch.")
+        if message.positions.numel() and int(message.positions.max()) >= batch_size:
+            raise ProtocolError(
+                f"representation from {message.sender}: positions must be < {batch_size}, "
+                f"found {int(message.positions.max())}."
+            )
+        dense[k, message.positions] = message.representation
+        present[message.positions, k] = True
+    return dense, present
+
+
+def check_selection(selection: Tensor, present: Tensor) -> None:
+    """Refuse a selection that asks for a representation nobody sent."""
+    if selection.dtype != torch.bool or selection.dim() != 3:
+        raise ProtocolError(
+            f"selection must be a 3-d bool tensor (tasks, batch, parties), "
+            f"found {selection.dim()}-d {selection.dtype}."
+        )
+    if tuple(selection.shape[1:]) != tuple(present.shape):
+        raise ProtocolError(
+            f"selection of shape (T, {present.shape[0]}, {present.shape[1]}) expected, "
+            f"found {tuple(selection.shape)}."
+        )
+    if bool((selection & ~present.unsqueeze(0)).any()):
+        raise ProtocolError("selection asks for a representation that its party did not send.")
+
+
+class PlainAggregator:
+    """Sums in the clear. Insecure: whoever runs it sees every party's representation."""
+
+    def combine(
+        self,
+        contributions: Sequence[RepresentationMessage],
+        selection: Tensor,
+        *,
+        parties: Sequence[str],
+        receiver: str,
+        round: int,
+        batch_id: int,
+    ) -> SumMessage:
+        dense, present = dense_representations(contributions, parties, selection.shape[1])
+        check_selection(selection, present)
+        sums = torch.einsum("tbk,kbd->tbd", selection.to(dense.dtype), dense)
+        return SumMessage(
+            sender=AGGREGATOR,
+            receiver=receiver,
+            round=round,
+            batch_id=batch_id,
+            sums=sums,
+            counts=selection.sum(dim=2),
+        )

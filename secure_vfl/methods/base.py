@@ -1,0 +1,233 @@
+"""What every learning method shares: its configuration, its interface and the training loop."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from secure_vfl.data.vertical import VerticalData, VerticalSplit
+from secure_vfl.errors import ConfigError
+from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
+from secure_vfl.federation.channel import Channel
+from secure_vfl.federation.messages import party_name
+from secure_vfl.federation.parties import DataParty, HeadParty
+from secure_vfl.models.networks import make_bottom
+from secure_vfl.registry import Registry
+
+Heads = Literal["all", "active"]
+Batching = Literal["grouped", "mixed"]
+StepCallback = Callable[[int, float], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MethodConfig:
+    """Hyper-parameters shared by the split-network methods (defaults: LASER reference, tabular).
+
+    ``heads="all"`` gives every party labels and a head (the LASER paper); ``"active"`` keeps one
+    label party (party 0) with a single head (the threat model's setting). ``batching="grouped"``
+    forms batches of one observed set (the paper); ``"mixed"`` samples subsets per sample.
+    """
+
+    heads: Heads = "all"
+    batching: Batching = "mixed"
+    epochs: int = 20
+    batch_size: int = 128
+    lr: float = 0.03
+    momentum: float = 0.8
+    weight_decay: float = 0.0
+    representation_dim: int = 128
+    standard_incomplete: Literal["random", "zero"] = "random"
+    plug_dropout: float = 0.5
+    vectorised: bool = True
+
+    def __post_init__(self) -> None:
+        _choice("heads", self.heads, ("all", "active"))
+        _choice("batching", self.batching, ("grouped", "mixed"))
+        _choice("standard_incomplete", self.standard_incomplete, ("random", "zero"))
+        _positive_int("epochs", self.epochs)
+        _positive_int("batch_size", self.batch_size)
+        _positive_int("representation_dim", self.representation_dim)
+        if not (self.lr > 0 and np.isfinite(self.lr)):
+            raise ConfigError(f"`lr` must be a positive number. Found {self.lr}.")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"`momentum` must be in [0, 1). Found {self.momentum}.")
+        if not self.weight_decay >= 0:
+            raise ConfigError(f"`weight_decay` must be >= 0. Found {self.weight_decay}.")
+        if not 0 <= self.plug_dropout < 1:
+            raise ConfigError(f"`plug_dropout` must be in [0, 1). Found {self.plug_dropout}.")
+
+
+def _choice(name: str, value: object, allowed: Sequence[str]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"`{name}` must be one of {', '.join(allowed)}. Found {value!r}.")
+
+
+def _positive_int(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"`{name}` must be a positive integer. Found {value!r}.")
+
+
+class BatchSampler(Protocol):
+    """Yields the training batches of one epoch as index arrays."""
+
+    def epoch(self, rng: np.random.Generator) -> Iterator[np.ndarray]: ...
+
+
+class Method(Protocol):
+    """A trainable VFL method: fit on the training split, predict on any test split."""
+
+    name: str
+
+    def fit(self, *, on_step: StepCallback | None = None) -> list[float]:
+        """Train; return the mean training loss of every epoch."""
+        ...
+
+    def predict(self, split_name: str) -> np.ndarray:
+        """Predicted class of every (sample, party): (N, K) int64, -1 where the party is absent."""
+        ...
+
+    def steps_per_epoch(self) -> int:
+        """Number of training steps in one epoch (for progress bars)."""
+        ...
+
+
+class MethodFactory(Protocol):
+    """Builds a method for the given data; each method's module registers one."""
+
+    def __call__(
+        self,
+        data: VerticalData,
+        config: MethodConfig,
+        *,
+        seed: int,
+        channel: Channel | None = None,
+        aggregator: Aggregator | None = None,
+    ) -> Method: ...
+
+
+METHODS: Registry[MethodFactory] = Registry("method")
+
+
+@dataclass
+class Federation:
+    """The parties of one run, the channel they talk through and the aggregator they use."""
+
+    data: VerticalData
+    parties: list[DataParty]
+    channel: Channel
+    aggregator: Aggregator
+    generator: torch.Generator
+    rng: np.random.Generator
+
+    @property
+    def names(self) -> list[str]:
+        return [p.name for p in self.parties]
+
+
+def split_tensors(data: VerticalData) -> dict[str, VerticalSplit]:
+    """Every split of ``data`` by name: ``"train"`` and each test mechanism's label."""
+    return {"train": data.train, **data.tests}
+
+
+def build_federation(
+    data: VerticalData,
+    config: MethodConfig,
+    *,
+    seed: int,
+    channel: Channel | None,
+    aggregator: Aggregator | None,
+    bottoms: Sequence[nn.Module] | None = None,
+) -> Federation:
+    """One data party per block, each with a fresh bottom model and its own SGD optimiser."""
+    splits = split_tensors(data)
+    parties = []
+    for k in range(data.train.parties):
+        shape = data.train.blocks[k].shape[1:]
+        if bottoms is not None:
+            model = bottoms[k]
+        else:
+            with isolated_seed(seed + k):
+                model = make_bottom(shape, out=config.representation_dim)
+        blocks = {name: torch.from_numpy(split.blocks[k]) for name, split in splits.items()}
+        parties.append(DataParty(party_name(k), blocks, model, sgd(model, config)))
+    return Federation(
+        data=data,
+        parties=parties,
+        channel=channel if channel is not None else Channel(),
+        aggregator=aggregator if aggregator is not None else PlainAggregator(),
+        generator=torch.Generator().manual_seed(seed),
+        rng=np.random.default_rng(seed),
+    )
+
+
+def head_party(name: str, data: VerticalData, head: nn.Module, config: MethodConfig) -> HeadParty:
+    """A party holding the labels of every split and ``head``."""
+    labels = {n: torch.from_numpy(s.labels) for n, s in split_tensors(data).items()}
+    return HeadParty(name, labels, head, sgd(head, config))
+
+
+def sgd(module: nn.Module, config: MethodConfig) -> torch.optim.Optimizer:
+    """The optimiser of the LASER reference: SGD with momentum."""
+    return torch.optim.SGD(
+        module.parameters(),
+        lr=config.lr,
+        momentum=config.momentum,
+        weight_decay=config.weight_decay,
+    )
+
+
+@contextmanager
+def isolated_seed(seed: int) -> Iterator[None]:
+    """Seed torch's global RNG (used by parameter initialisation) inside this block only."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
+
+
+def random_predictions(mask: np.ndarray, num_classes: int, rng: np.random.Generator) -> np.ndarray:
+    """A uniformly random class for every observed (sample, party): (N, K), -1 where absent."""
+    out = rng.integers(0, num_classes, size=mask.shape).astype(np.int64)
+    out[~mask] = -1
+    return out
+
+
+def broadcast_prediction(prediction: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Every observed party reports the one joint ``prediction`` (N,): (N, K), -1 where absent."""
+    out = np.repeat(prediction.astype(np.int64)[:, None], mask.shape[1], axis=1)
+    out[~mask] = -1
+    return out
+
+
+def batches(n: int, size: int) -> list[Tensor]:
+    """Consecutive index batches over ``n`` rows (evaluation order)."""
+    return [torch.arange(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def train_epochs(
+    step: Callable[[np.ndarray, int, int], float],
+    sampler: BatchSampler,
+    *,
+    epochs: int,
+    rng: np.random.Generator,
+    on_step: StepCallback | None,
+) -> list[float]:
+    """Run ``step(rows, round, batch_id)`` over every batch of every epoch; mean loss per epoch."""
+    losses = []
+    round = 0
+    for _ in range(epochs):
+        total, count = 0.0, 0
+        for batch_id, rows in enumerate(sampler.epoch(rng)):
+            loss = step(rows, round, batch_id)
+            total += loss * len(rows)
+            count += len(rows)
+            round += 1
+            if on_step is not None:
+                on_step(round, loss)
+        losses.append(total / count if count else float("nan"))
+    return losses

@@ -1,0 +1,371 @@
+"""LASER-VFL (Valdeira et al.): one head per party on the mean of any subset of representations.
+
+Training samples tasks per batch: for each observed head k and each size s = 1..n (n = number of
+observed blocks of the sample) one subset of the observed set of size s that contains k, weighted
+``a_s = C(n-1, s-1) / s`` (paper eq. 6), which makes the sampled loss an unbiased estimate of
+eq. 5. Sampling, fusion and the head's loss are vectorised over sizes and samples: one aggregator
+call and one head evaluation per head and batch, whatever the batch's observed sets.
+
+The same machinery gives the Local and Ensemble baselines (tasks restricted to ``{k}``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from functools import partial
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from secure_vfl.data.samplers import make_sampler
+from secure_vfl.data.vertical import VerticalData
+from secure_vfl.errors import ConfigError
+from secure_vfl.federation.aggregator import Aggregator
+from secure_vfl.federation.channel import Channel
+from secure_vfl.federation.messages import (
+    AGGREGATOR,
+    GradientMessage,
+    RepresentationMessage,
+    party_name,
+)
+from secure_vfl.federation.parties import HeadParty, gradient_messages
+from secure_vfl.methods.base import (
+    METHODS,
+    MethodConfig,
+    StepCallback,
+    batches,
+    broadcast_prediction,
+    build_federation,
+    head_party,
+    isolated_seed,
+    split_tensors,
+    train_epochs,
+)
+from secure_vfl.models.networks import LinearHead
+
+Planner = Literal["laser", "local"]
+
+
+def _binomials(size: int) -> Tensor:
+    """table[n, s] = C(n, s) for 0 <= n, s <= size."""
+    return torch.tensor(
+        [[math.comb(n, s) for s in range(size + 1)] for n in range(size + 1)], dtype=torch.float32
+    )
+
+
+def laser_weights(observed: Tensor, sizes: Tensor, *, per_head: bool) -> Tensor:
+    """Loss weight of a sampled task of size ``s`` for a sample with ``n`` observed blocks.
+
+    Per head (``heads="all"``): ``C(n-1, s-1) / s`` (paper eq. 6). For a single head
+    (``heads="active"``) a size-s subset is drawn from all C(n, s) subsets; the weight
+    ``C(n, s) / n`` (equal to ``C(n-1, s-1) / s``) makes its loss LASER's objective averaged over
+    the n observed heads. Sizes above ``n`` weigh 0.
+    """
+    table = _binomials(int(max(int(observed.max()), int(sizes.max()))))
+    n = observed.long()
+    s = sizes.long()
+    valid = (s >= 1) & (s <= n)
+    nm1 = (n - 1).clamp(min=0)
+    sm1 = (s - 1).clamp(min=0)
+    if per_head:
+        weight = table[nm1, sm1] / s.clamp(min=1)
+    else:
+        weight = table[n, s.clamp(max=table.shape[1] - 1)] / n.clamp(min=1)
+    return torch.where(valid, weight, torch.zeros_like(weight))
+
+
+def sample_tasks(
+    mask: Tensor, heads: list[int] | None, generator: torch.Generator
+) -> tuple[Tensor, Tensor]:
+    """Draw LASER's tasks for a batch with per-sample observed sets ``mask`` (B, K).
+
+    Returns ``selection`` (H, K, B, K) bool — for head ``h``, size slot ``s`` (size s + 1) and
+    sample ``b``, which parties enter the mean — and ``weights`` (H, K, B). With ``heads=None`` a
+    single head draws subsets that need not contain any given party (``heads="active"``).
+    Subsets are uniform: random priorities, the head's own block first, unobserved blocks last,
+    and the s + 1 smallest taken.
+    """
+    batch, parties = mask.shape
+    head_list = heads if heads is not None else [-1]
+    priority = torch.rand((len(head_list), parties, batch, parties), generator=generator)
+    for i, h in enumerate(head_list):
+        if h >= 0:
+            priority[i, :, :, h] = -1.0
+    priority = torch.where(
+        mask.view(1, 1, batch, parties), priority, torch.full_like(priority, 2.0)
+    )
+    rank = priority.argsort(dim=-1).argsort(dim=-1)
+    sizes = torch.arange(1, parties + 1).view(1, parties, 1)
+    observed = mask.sum(dim=1).view(1, 1, batch)
+    weights = laser_weights(
+        observed.expand(len(head_list), parties, batch),
+        sizes.expand(len(head_list), parties, batch),
+        per_head=heads is not None,
+    )
+    if heads is not None:
+        head_observed = mask[:, heads].T.reshape(len(head_list), 1, batch)
+        weights = weights * head_observed
+    selection = (rank < sizes.unsqueeze(-1)) & mask.view(1, 1, batch, parties)
+    selection &= (weights > 0).unsqueeze(-1)
+    return selection, weights
+
+
+def local_tasks(mask: Tensor, heads: list[int]) -> tuple[Tensor, Tensor]:
+    """One task per head: its own block alone, on the samples it observes (Local, Ensemble)."""
+    batch, parties = mask.shape
+    selection = torch.zeros((len(heads), 1, batch, parties), dtype=torch.bool)
+    for i, h in enumerate(heads):
+        selection[i, 0, :, h] = mask[:, h]
+    weights = selection.any(dim=-1).float()
+    return selection, weights
+
+
+class MeanFusionMethod:
+    """Bottoms at the data parties, linear heads on the mean of a selected subset of them."""
+
+    def __init__(
+        self,
+        data: VerticalData,
+        config: MethodConfig,
+        *,
+        seed: int,
+        planner: Planner,
+        name: str,
+        channel: Channel | None = None,
+        aggregator: Aggregator | None = None,
+    ) -> None:
+        if planner == "local" and config.heads != "all":
+            raise ConfigError(
+                f"{name} trains a head at every party, so it needs heads='all'. "
+                f"Found {config.heads!r}."
+            )
+        self.name = name
+        self.config = config
+        self.planner = planner
+        self.data = data
+        self.fed = build_federation(data, config, seed=seed, channel=channel, aggregator=aggregator)
+        parties = data.train.parties
+        self.head_index = list(range(parties)) if config.heads == "all" else [0]
+        heads = []
+        for h in self.head_index:
+            with isolated_seed(seed + 1000 + h):
+                head = LinearHead(config.representation_dim, data.num_classes)
+            heads.append(head_party(party_name(h), data, head, config))
+        self.heads: list[HeadParty] = heads
+        self.sampler = make_sampler(config.batching, data.train.mask, config.batch_size)
+
+    def steps_per_epoch(self) -> int:
+        return sum(1 for _ in self.sampler.epoch(np.random.default_rng(0)))
+
+    def plan(self, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """Selection (H, T, B, K) and weights (H, T, B) of this batch's tasks."""
+        if self.planner == "local":
+            return local_tasks(mask, self.head_index)
+        heads = self.head_index if self.config.heads == "all" else None
+        return sample_tasks(mask, heads, self.fed.generator)
+
+    def represent(
+        self, split: str, rows: Tensor, mask: Tensor, *, round: int, batch_id: int, train: bool
+    ) -> list[RepresentationMessage]:
+        """Every observed party's representations of the batch, delivered to the aggregator."""
+        messages = []
+        for k, party in enumerate(self.fed.parties):
+            positions = torch.nonzero(mask[:, k]).flatten()
+            if positions.numel() == 0:
+                continue
+            message = party.represent(
+                split,
+                rows[positions],
+                positions,
+                receiver=AGGREGATOR,
+                round=round,
+                batch_id=batch_id,
+                train=train,
+            )
+            messages.append(
+                self.fed.channel.receive(
+                    message, sender=party.name, receiver=AGGREGATOR, round=round, batch_id=batch_id
+                )
+            )
+        return messages
+
+    def fused(
+        self,
+        head: HeadParty,
+        representations: list[RepresentationMessage],
+        selection: Tensor,
+        *,
+        round: int,
+        batch_id: int,
+    ) -> tuple[Tensor, Tensor]:
+        """The means the head asked for (T, B, d), via the aggregator, and counts (T, B, 1)."""
+        message = self.fed.aggregator.combine(
+            representations,
+            selection,
+            parties=self.fed.names,
+            receiver=head.name,
+            round=round,
+            batch_id=batch_id,
+        )
+        message = self.fed.channel.receive(
+            message, sender=AGGREGATOR, receiver=head.name, round=round, batch_id=batch_id
+        )
+        counts = message.counts.clamp(min=1).unsqueeze(-1).to(message.sums.dtype)
+        return message.sums / counts, counts
+
+    def head_loss(
+        self,
+        head: HeadParty,
+        representations: list[RepresentationMessage],
+        selection: Tensor,
+        weights: Tensor,
+        rows: Tensor,
+        mask: Tensor,
+        *,
+        round: int,
+        batch_id: int,
+    ) -> tuple[float, list[GradientMessage]]:
+        """One head's weighted task loss; backward into the head; gradients owed to each party."""
+        means, counts = self.fused(head, representations, selection, round=round, batch_id=batch_id)
+        means.requires_grad_(True)
+        head.head.train()
+        logits = head.head(means)
+        tasks, batch, classes = logits.shape
+        labels = head.labels("train", rows)
+        losses = F.cross_entropy(
+            logits.reshape(-1, classes), labels.repeat(tasks), reduction="none"
+        ).view(tasks, batch)
+        loss = (weights * losses).sum() / batch
+        loss.backward()
+        assert means.grad is not None
+        per_contribution = means.grad / counts
+        dense = torch.einsum("tbk,tbd->kbd", selection.to(per_contribution.dtype), per_contribution)
+        used = selection.flatten(0, 1).any(dim=0)
+        messages = gradient_messages(
+            head.name, dense, mask, self.fed.names, round=round, batch_id=batch_id
+        )
+        return loss.item(), [m for m in messages if bool(used[self.fed.names.index(m.receiver)])]
+
+    def train_step(self, rows_np: np.ndarray, round: int, batch_id: int) -> float:
+        """One step of Algorithm 1 through the seam."""
+        rows = torch.from_numpy(rows_np)
+        mask = torch.from_numpy(self.data.train.mask[rows_np])
+        representations = self.represent(
+            "train", rows, mask, round=round, batch_id=batch_id, train=True
+        )
+        selection, weights = self.plan(mask)
+        received: dict[str, list[GradientMessage]] = defaultdict(list)
+        total = 0.0
+        for i, head in enumerate(self.heads):
+            if self.config.vectorised:
+                chunks = [slice(None)]
+            else:
+                chunks = [slice(t, t + 1) for t in range(selection.shape[1])]
+            for chunk in chunks:
+                if not bool((weights[i, chunk] > 0).any()):
+                    continue
+                loss, messages = self.head_loss(
+                    head,
+                    representations,
+                    selection[i, chunk],
+                    weights[i, chunk],
+                    rows,
+                    mask,
+                    round=round,
+                    batch_id=batch_id,
+                )
+                total += loss
+                for message in messages:
+                    received[message.receiver].append(
+                        self.fed.channel.receive(
+                            message,
+                            sender=head.name,
+                            receiver=message.receiver,
+                            round=round,
+                            batch_id=batch_id,
+                        )
+                    )
+        for party in self.fed.parties:
+            if party.name in received:
+                party.backward(received[party.name], round=round)
+            else:
+                party.discard_pending()
+            party.step()
+        for head in self.heads:
+            head.step()
+        return total
+
+    def fit(self, *, on_step: StepCallback | None = None) -> list[float]:
+        return train_epochs(
+            self.train_step,
+            self.sampler,
+            epochs=self.config.epochs,
+            rng=self.fed.rng,
+            on_step=on_step,
+        )
+
+    def head_predictions(self, split_name: str) -> np.ndarray:
+        """Each head's prediction from exactly the observed set (Algorithm 2): (N, K), -1 absent.
+
+        With a single head (``heads="active"``) every observed party reports the label party's
+        prediction.
+        """
+        split = split_tensors(self.data)[split_name]
+        out = np.full(split.mask.shape, -1, dtype=np.int64)
+        for batch_id, rows in enumerate(batches(split.n, 1024)):
+            mask = torch.from_numpy(split.mask[rows.numpy()])
+            representations = self.represent(
+                split_name, rows, mask, round=0, batch_id=batch_id, train=False
+            )
+            for i, head in enumerate(self.heads):
+                h = self.head_index[i]
+                if self.planner == "local":
+                    selection = torch.zeros_like(mask)
+                    selection[:, h] = mask[:, h]
+                elif self.config.heads == "all":
+                    selection = mask & mask[:, h : h + 1]
+                else:
+                    selection = mask
+                answered = selection.any(dim=1)
+                if not bool(answered.any()):
+                    continue
+                means, _ = self.fused(
+                    head, representations, selection.unsqueeze(0), round=0, batch_id=batch_id
+                )
+                head.head.eval()
+                with torch.no_grad():
+                    predicted = head.head(means[0]).argmax(dim=-1).numpy()
+                if self.config.heads == "all":
+                    idx = rows.numpy()[answered.numpy()]
+                    out[idx, h] = predicted[answered.numpy()]
+                else:
+                    out[rows.numpy()] = broadcast_prediction(predicted, mask.numpy())
+        return out
+
+    def predict(self, split_name: str) -> np.ndarray:
+        if self.name != "ensemble":
+            return self.head_predictions(split_name)
+        return majority_vote(self.head_predictions(split_name), self.data.num_classes, self.fed.rng)
+
+
+def majority_vote(
+    predictions: np.ndarray, num_classes: int, rng: np.random.Generator
+) -> np.ndarray:
+    """Ensemble: the observed parties' majority class, ties broken at random, reported by all."""
+    observed = predictions >= 0
+    votes = np.zeros((predictions.shape[0], num_classes))
+    for k in range(predictions.shape[1]):
+        rows = np.nonzero(observed[:, k])[0]
+        np.add.at(votes, (rows, predictions[rows, k]), 1.0)
+    tie_break = rng.random(votes.shape) * 0.5
+    winner = np.argmax(votes + tie_break, axis=1)
+    return broadcast_prediction(winner, observed)
+
+
+METHODS.register("laser", partial(MeanFusionMethod, planner="laser", name="laser"))
+METHODS.register("local", partial(MeanFusionMethod, planner="local", name="local"))
+METHODS.register("ensemble", partial(MeanFusionMethod, planner="local", name="ensemble"))

@@ -1,0 +1,127 @@
+"""The baselines: Local, Ensemble, Standard VFL, PlugVFL and Combinatorial behave as defined."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from conftest import MakeData
+
+from secure_vfl.errors import ConfigError
+from secure_vfl.federation.channel import Channel, RecordingLayer
+from secure_vfl.methods import METHODS, MethodConfig
+from secure_vfl.methods.baselines import Combinatorial, ConcatFusionMethod
+from secure_vfl.methods.laser import majority_vote
+from secure_vfl.metrics import accuracy
+
+FAST = MethodConfig(epochs=4, batch_size=64, lr=0.05)
+
+
+@pytest.mark.parametrize("name", ["local", "ensemble", "standard", "plugvfl", "combinatorial"])
+def test_every_baseline_learns_on_fully_observed_data(make_data: MakeData, name: str) -> None:
+    data = make_data(train_missing="mcar:0", test_missing=("mcar:0",))
+    method = METHODS.get(name)(data, FAST, seed=0)
+    losses = method.fit()
+    assert losses[-1] < losses[0]
+    predictions = method.predict("mcar:0")
+    assert np.array_equal(predictions >= 0, data.tests["mcar:0"].mask)
+    assert accuracy(predictions, data.tests["mcar:0"].labels) > 60.0  # chance is 33 %
+
+
+def test_standard_vfl_trains_on_complete_samples_and_guesses_on_incomplete_ones(
+    make_data: MakeData,
+) -> None:
+    data = make_data(train_missing="mcar:0.3", test_missing=("mcar:0.3",), n=1200)
+    method = METHODS.get("standard")(data, FAST, seed=0)
+    assert isinstance(method, ConcatFusionMethod)
+    assert np.array_equal(method.train_rows, np.nonzero(data.train.mask.all(axis=1))[0])
+    method.fit()
+    split = data.tests["mcar:0.3"]
+    predictions = method.predict("mcar:0.3")
+    complete = split.mask.all(axis=1)
+    assert complete.sum() > 40 and (~complete).sum() > 100
+    assert accuracy(predictions[complete], split.labels[complete]) > 60.0
+    assert accuracy(predictions[~complete], split.labels[~complete]) < 45.0
+
+
+def test_standard_vfl_can_zero_impute_instead_of_guessing(make_data: MakeData) -> None:
+    data = make_data(train_missing="mcar:0", test_missing=("mcar:0.5",))
+    config = dataclasses.replace(FAST, standard_incomplete="zero")
+    method = METHODS.get("standard")(data, config, seed=0)
+    method.fit()
+    split = data.tests["mcar:0.5"]
+    incomplete = ~split.mask.all(axis=1)
+    predictions = method.predict("mcar:0.5")
+    assert accuracy(predictions[incomplete], split.labels[incomplete]) > 45.0
+
+
+def test_plugvfl_drops_passive_parties_but_never_the_label_party(make_data: MakeData) -> None:
+    data = make_data(train_missing="mcar:0")
+    recorder = RecordingLayer()
+    config = dataclasses.replace(FAST, plug_dropout=0.9)
+    method = METHODS.get("plugvfl")(data, config, seed=0, channel=Channel([recorder]))
+    assert isinstance(method, ConcatFusionMethod)
+    method.train_step(np.arange(64), 0, 0)
+    gradients = {m.receiver: m.gradient for m in recorder.messages if m.kind == "gradient"}
+    zero_rows = {k: int((g.abs().sum(1) == 0).sum()) for k, g in gradients.items()}
+    assert zero_rows["party-0"] == 0
+    assert all(zero_rows[f"party-{k}"] > 40 for k in (1, 2, 3))  # ~90 % of 64 rows dropped
+
+
+def test_local_heads_use_only_their_own_block(make_data: MakeData) -> None:
+    data = make_data(train_missing="mcar:0", test_missing=("mcar:0",))
+    method = METHODS.get("local")(data, FAST, seed=0)
+    method.fit()
+    before = method.predict("mcar:0")
+    party = method.fed.parties[1]
+    party._blocks["mcar:0"] = torch.randn_like(party._blocks["mcar:0"])
+    after = method.predict("mcar:0")
+    assert np.array_equal(before[:, [0, 2, 3]], after[:, [0, 2, 3]])
+    assert not np.array_equal(before[:, 1], after[:, 1])
+
+
+def test_majority_vote_picks_the_majority_and_breaks_ties_at_random() -> None:
+    predictions = np.array([[1, 1, 2, -1], [0, 1, -1, -1]])
+    winners = set()
+    for seed in range(30):
+        voted = majority_vote(predictions, 3, np.random.default_rng(seed))
+        assert voted[0].tolist() == [1, 1, 1, -1]
+        assert voted[1, 0] == voted[1, 1] and voted[1, 2] == -1
+        winners.add(int(voted[1, 0]))
+    assert winners == {0, 1}
+
+
+def test_combinatorial_has_one_predictor_per_subset_and_uses_the_exact_one(
+    make_data: MakeData,
+) -> None:
+    data = make_data(parties=3, train_missing="mcar:0.3", test_missing=("mcar:0.5",))
+    method = METHODS.get("combinatorial")(data, FAST, seed=0)
+    assert isinstance(method, Combinatorial)
+    assert len(method.subsets) == 7
+    assert sum(len(m) for m in method.members.values()) == 12  # 3 * 2^(3-1) bottoms
+    method.fit()
+    split = data.tests["mcar:0.5"]
+    recorder = RecordingLayer()
+    method.fed.channel.layers.append(recorder)
+    method.predict("mcar:0.5")
+    used = {m.tag for m in recorder.messages if m.kind == "representation"}
+    observed_sets = {tuple(np.nonzero(row)[0]) for row in split.mask}
+    assert used == {"subset:" + ",".join(map(str, s)) for s in observed_sets}
+
+
+def test_methods_that_need_labels_at_every_party_refuse_a_single_head(
+    make_data: MakeData,
+) -> None:
+    data = make_data()
+    active = dataclasses.replace(FAST, heads="active")
+    for name in ("local", "ensemble", "combinatorial"):
+        with pytest.raises(ConfigError, match="heads='all'"):
+            METHODS.get(name)(data, active, seed=0)
+
+
+def test_combinatorial_refuses_too_many_parties(make_data: MakeData) -> None:
+    data = make_data(parties=9)
+    with pytest.raises(ConfigError, match=r"K must be <= 8\. Found K=9"):
+        METHODS.get("combinatorial")(data, FAST, seed=0)

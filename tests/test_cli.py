@@ -1,0 +1,182 @@
+"""The command line: bad input is refused in one line with exit 2; good input writes results."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from secure_vfl.cli import main
+from secure_vfl.store import ResultsStore
+
+BAD_FLAGS = [
+    (["--p-miss-train", "1.5"], "expected a probability in [0, 1), found '1.5'"),
+    (["--p-miss-train", "abc"], "expected a probability in [0, 1), found 'abc'"),
+    (["--p-miss-test", "-0.1"], "expected a probability in [0, 1), found '-0.1'"),
+    (["--epochs", "0"], "expected a positive integer, found '0'"),
+    (["--batch-size", "ten"], "expected a positive integer, found 'ten'"),
+    (["--parties", "1"], "expected an integer number of parties in [2, 10], found '1'"),
+    (["--parties", "11"], "found '11'"),
+    (["--seed", "-3"], "expected a non-negative integer, found '-3'"),
+    (["--lr", "nan"], "expected a positive number, found 'nan'"),
+    (["--heads", "some"], "invalid choice: 'some'"),
+    (["--batching", "random"], "invalid choice: 'random'"),
+    (["--missing-train", "mcar:2"], "`p` must be in [0, 1). Found 2.0"),
+    (["--missing-test", "weird"], "unknown missingness mechanism 'weird'"),
+    (["--p-miss-train", "0.1", "--missing-train", "mar1"], "not allowed with argument"),
+]
+
+
+@pytest.mark.parametrize(("extra", "message"), BAD_FLAGS)
+def test_bad_flags_are_refused_in_one_line_and_nothing_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--method", "laser", "--dataset", "digits", "--out", str(out), *extra])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert message in err
+    assert not tmp_path.joinpath("run").exists()
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        (
+            ["--method", "laser", "--dataset", "no-such-data"],
+            "unknown dataset 'no-such-data'; expected one of:",
+        ),
+        (["--method", "nope", "--dataset", "digits"], "invalid choice: 'nope'"),
+        (
+            ["--method", "laser", "--party-file", "missing.csv"],
+            "expected an existing file, found 'missing.csv'",
+        ),
+    ],
+)
+def test_bad_names_and_paths_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], source: list[str], message: str
+) -> None:
+    argv = ["train", *source, "--out", str(tmp_path / "r")]
+    try:
+        code = main(argv)
+    except SystemExit as exit_info:
+        code = exit_info.code  # type: ignore[assignment]
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_train_writes_result_json_and_a_store_row(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "laser-digits"
+    argv = [
+        "train",
+        "--method",
+        "laser",
+        "--dataset",
+        "digits",
+        "--epochs",
+        "5",
+        "--p-miss-train",
+        "0.2",
+        "--p-miss-test",
+        "0",
+        "--p-miss-test",
+        "0.5",
+        "--out",
+        str(out),
+        "--quiet",
+    ]
+    assert main(argv) == 0
+    result = json.loads((out / "result.json").read_text())
+    assert result["method"] == "laser" and result["dataset"] == "digits"
+    assert set(result["metrics"]) == {"mcar:0", "mcar:0.5"}
+    assert result["metrics"]["mcar:0"]["accuracy"] > 60.0  # chance is 10 %
+    assert len(result["epoch_loss"]) == 5 and result["wall_time_s"] > 0
+    assert result["config"]["method_config"]["epochs"] == 5
+    rows = ResultsStore(tmp_path / "results.sqlite").rows()
+    assert len(rows) == 1 and rows[0]["metrics"] == result["metrics"]
+    printed = capsys.readouterr().out
+    assert "mcar:0.5" in printed and "accuracy" in printed
+    # A second run into the same directory is refused unless asked to overwrite.
+    assert main(argv) == 2
+    assert "exists" in capsys.readouterr().err
+    assert len(ResultsStore(tmp_path / "results.sqlite").rows()) == 1
+
+
+def test_train_on_the_users_own_party_files(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    n = 240
+    ids = np.array([f"id{i:04d}" for i in range(n)])
+    y = rng.integers(0, 2, size=n)
+    x = rng.normal(size=(n, 6)) + y[:, None] * 1.5
+    files = []
+    for k in range(3):
+        keep = rng.random(n) < 0.85
+        frame = pd.DataFrame(
+            {"id": ids[keep], f"a{k}": x[keep, 2 * k], f"b{k}": x[keep, 2 * k + 1]}
+        )
+        path = tmp_path / f"bank{k}.csv"
+        frame.to_csv(path, index=False)
+        files.append(path)
+    labels = tmp_path / "labels.csv"
+    pd.DataFrame({"id": ids, "label": np.where(y == 1, "yes", "no")}).to_csv(labels, index=False)
+    argv = [
+        "train",
+        "--method",
+        "laser",
+        "--epochs",
+        "3",
+        "--label-file",
+        str(labels),
+        "--out",
+        str(tmp_path / "own"),
+        "--quiet",
+    ]
+    for path in files:
+        argv += ["--party-file", str(path)]
+    assert main(argv) == 0
+    result = json.loads((tmp_path / "own" / "result.json").read_text())
+    assert result["dataset"] == "own-files"
+    assert result["metrics"]["mcar:0"]["accuracy"] > 70.0
+
+
+def test_party_files_need_a_label_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "p.csv"
+    pd.DataFrame({"id": [1, 2], "x": [0.1, 0.2]}).to_csv(path, index=False)
+    code = main(
+        [
+            "train",
+            "--method",
+            "laser",
+            "--party-file",
+            str(path),
+            "--party-file",
+            str(path),
+            "--out",
+            str(tmp_path / "r"),
+        ]
+    )
+    assert code == 2
+    assert "--label-file" in capsys.readouterr().err
+
+
+def test_module_entry_point_and_dataset_listing_run() -> None:
+    completed = subprocess.run(
+        [sys.executable, "-m", "secure_vfl", "datasets"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    for name in ("digits", "breast-cancer", "fashion-mnist", "satellite", "german-credit"):
+        assert name in completed.stdout

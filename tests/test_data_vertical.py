@@ -1,0 +1,252 @@
+"""The vertical pipeline: partition, standardise with train stats, mask, zero-fill, drop."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from secure_vfl.data.datasets import DatasetSplit, LabeledArrays, load_dataset
+from secure_vfl.data.missingness import parse_mechanism
+from secure_vfl.data.vertical import VerticalSplit, make_vertical, vertical_from_party_files
+from secure_vfl.errors import ConfigError, DataError
+from secure_vfl.federation.alignment import JoinAligner
+
+
+def rng(seed: int = 0) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+def toy_split(n_train: int = 4000, n_test: int = 4000, width: int = 12) -> DatasetSplit:
+    generator = rng(10)
+    train_x = generator.normal(3.0, 2.0, size=(n_train, width)).astype(np.float32)
+    test_x = generator.normal(-1.0, 1.0, size=(n_test, width)).astype(np.float32)
+    return DatasetSplit(
+        name="toy",
+        kind="tabular",
+        train=LabeledArrays(train_x, generator.integers(0, 3, n_train)),
+        test=LabeledArrays(test_x, generator.integers(0, 3, n_test)),
+        num_classes=3,
+        feature_names=tuple(f"f{i}" for i in range(width)),
+    )
+
+
+def same_rows_split(n: int = 20000) -> DatasetSplit:
+    """Train and test are the same rows, labelled by row index so kept rows can be matched."""
+    x = rng(11).normal(size=(n, 8)).astype(np.float32)
+    arrays = LabeledArrays(x, np.arange(n, dtype=np.int64))
+    return DatasetSplit("same", "tabular", arrays, arrays, num_classes=n)
+
+
+def test_make_vertical_builds_blocks_masks_and_test_splits():
+    data = make_vertical(
+        load_dataset("digits", rng=rng()),
+        parties=4,
+        train_missing=parse_mechanism("mcar:0.3"),
+        test_missing=[parse_mechanism("mcar:0"), parse_mechanism("mcar:0.5")],
+        rng=rng(1),
+    )
+    assert data.name == "digits" and data.kind == "tabular" and data.num_classes == 10
+    assert data.block_shapes == ((16,),) * 4 and data.parties == 4
+    assert set(data.tests) == {"mcar:0", "mcar:0.5"}
+    assert set(data.dropped) == {"train", "mcar:0", "mcar:0.5"}
+    assert data.dropped["mcar:0"] == 0
+    assert data.train.n + data.dropped["train"] == 1438
+    assert data.tests["mcar:0.5"].n + data.dropped["mcar:0.5"] == 359
+    assert data.tests["mcar:0"].mask.all()
+    assert data.feature_names is not None and data.feature_names[1][0] == "pixel_2_0"
+    for split in (data.train, *data.tests.values()):
+        assert split.mask.any(axis=1).all()  # no sample without an observed block
+        for k, block in enumerate(split.blocks):
+            assert block.dtype == np.float32
+            assert not block[~split.mask[:, k]].any()  # unobserved entries are zero
+
+
+def test_dropped_samples_are_counted():
+    data = make_vertical(
+        toy_split(),
+        parties=2,
+        train_missing=parse_mechanism("mcar:0.5"),
+        test_missing=[parse_mechanism("mcar:0.5")],
+        rng=rng(2),
+    )
+    # Both of 2 blocks missing: p^2 = 0.25 of 4000 samples.
+    assert abs(data.dropped["train"] - 1000) < 100
+    assert data.train.n == 4000 - data.dropped["train"]
+
+
+def test_blocks_are_standardised_with_training_statistics_only():
+    data = make_vertical(
+        toy_split(),
+        parties=3,
+        train_missing=parse_mechanism("mcar:0"),
+        test_missing=[parse_mechanism("mcar:0")],
+        rng=rng(3),
+    )
+    for block in data.train.blocks:
+        np.testing.assert_allclose(block.mean(axis=0), 0.0, atol=1e-4)
+        np.testing.assert_allclose(block.std(axis=0), 1.0, atol=1e-3)
+    for block in data.tests["mcar:0"].blocks:
+        np.testing.assert_allclose(block.mean(axis=0), -2.0, atol=0.1)  # (-1 - 3) / 2
+
+
+def test_masking_rules_see_standardised_blocks():
+    split = toy_split()
+    scaled = DatasetSplit(
+        "toy",
+        "tabular",
+        LabeledArrays(split.train.x * 1000 + 7, split.train.y),
+        LabeledArrays(split.test.x * 1000 + 7, split.test.y),
+        num_classes=3,
+    )
+    for text in ("mar1", "mar2", "mnar:0.9"):
+        mechanism = parse_mechanism(text)
+        plain, rescaled = (
+            make_vertical(
+                data, parties=4, train_missing=mechanism, test_missing=[mechanism], rng=rng(4)
+            )
+            for data in (split, scaled)
+        )
+        np.testing.assert_array_equal(plain.train.mask, rescaled.train.mask)
+        assert 0.2 < plain.train.mask.mean() < 0.9  # the rule did drop blocks
+
+
+def test_train_and_test_masks_are_independent():
+    n = 20000
+    data = make_vertical(
+        same_rows_split(n),
+        parties=4,
+        train_missing=parse_mechanism("mcar:0.3"),
+        test_missing=[parse_mechanism("mcar:0.3"), parse_mechanism("mcar:0.3,0.3,0.3,0.3")],
+        rng=rng(5),
+    )
+    full = []
+    for key, split in [("train", data.train), *data.tests.items()]:
+        mask = np.zeros((n, 4), dtype=bool)  # dropped rows: no block observed
+        mask[split.labels] = split.mask
+        assert data.dropped[key] == n - split.n > 0
+        full.append(mask)
+    for first, second in ((0, 1), (0, 2), (1, 2)):
+        both_missing = (~full[first] & ~full[second]).mean()
+        assert abs(both_missing - 0.09) < 0.01  # p^2 when independent, 0.3 if identical
+
+
+def test_duplicate_test_mechanisms_are_refused():
+    with pytest.raises(ConfigError, match=r"must be distinct. Found repeated \['mar1'\]"):
+        make_vertical(
+            toy_split(100, 100),
+            parties=2,
+            train_missing=parse_mechanism("mar1"),
+            test_missing=[parse_mechanism("mar1"), parse_mechanism("mar1")],
+            rng=rng(),
+        )
+
+
+def test_image_data_is_cut_into_patches():
+    generator = rng(6)
+    arrays = LabeledArrays(
+        generator.random((50, 1, 28, 28)).astype(np.float32), generator.integers(0, 10, 50)
+    )
+    split = DatasetSplit("images", "image", arrays, arrays, num_classes=10)
+    data = make_vertical(
+        split,
+        parties=8,
+        train_missing=parse_mechanism("mcar:0.2"),
+        test_missing=[parse_mechanism("mar2")],
+        rng=rng(7),
+    )
+    assert data.block_shapes == ((1, 14, 7),) * 8
+    assert data.feature_names is None
+
+
+def test_subset_keeps_blocks_labels_and_mask_in_step():
+    data = make_vertical(
+        toy_split(100, 100),
+        parties=3,
+        train_missing=parse_mechanism("mcar:0.2"),
+        test_missing=[],
+        rng=rng(8),
+    )
+    index = np.array([5, 2, 9])
+    subset = data.train.subset(index)
+    assert subset.n == 3 and subset.parties == 3
+    np.testing.assert_array_equal(subset.blocks[1], data.train.blocks[1][index])
+    np.testing.assert_array_equal(subset.labels, data.train.labels[index])
+    np.testing.assert_array_equal(subset.mask, data.train.mask[index])
+
+
+def test_vertical_split_validates_its_arrays():
+    with pytest.raises(DataError, match=r"`mask` must be bool of shape \(2, 1\)"):
+        VerticalSplit((np.zeros((2, 3), np.float32),), np.zeros(2, np.int64), np.ones((2, 2), bool))
+
+
+def write_party_files(root: Path) -> tuple[list[Path], Path]:
+    """Three parties holding overlapping ids; the feature encodes the label (10 * label + k)."""
+    generator = rng(12)
+    ids = np.array([f"u{i:04d}" for i in range(600)])
+    labels = generator.integers(0, 2, ids.size)
+    label_path = root / "labels.csv"
+    rows = ["id,label"] + [f"{i},{'yes' if y else 'no'}" for i, y in zip(ids, labels, strict=True)]
+    rows.append("nobody,yes")  # a label no party holds
+    label_path.write_text("\n".join(rows) + "\n")
+    paths = []
+    for k in range(3):
+        held = generator.random(ids.size) < 0.7
+        order = generator.permutation(np.flatnonzero(held))
+        path = root / f"party{k}.csv"
+        lines = ["id,a,b"] + [f"{ids[i]},{10 * labels[i] + k},{generator.normal()}" for i in order]
+        path.write_text("\n".join(lines) + "\n")
+        paths.append(path)
+    return paths, label_path
+
+
+def test_party_files_are_aligned_split_and_masked(tmp_path):
+    paths, label_path = write_party_files(tmp_path)
+    data = vertical_from_party_files(
+        paths,
+        label_path,
+        aligner=JoinAligner(),
+        train_missing=parse_mechanism("mcar:0"),
+        test_missing=[parse_mechanism("mcar:0"), parse_mechanism("mcar:0.5")],
+        rng=rng(13),
+    )
+    assert data.num_classes == 2 and data.block_shapes == ((2,),) * 3
+    held_anywhere = set().union(*(pd.read_csv(p, dtype={"id": str})["id"] for p in paths))
+    label_ids = pd.read_csv(label_path, dtype={"id": str})["id"]
+    assert data.dropped["alignment"] == (~label_ids.isin(held_anywhere)).sum() > 1
+    assert data.feature_names == (("a", "b"),) * 3
+    total = data.train.n + data.tests["mcar:0"].n + data.dropped["train"] + data.dropped["mcar:0"]
+    assert total + data.dropped["alignment"] == 601  # every labelled id accounted for
+    # With mcar:0 the mask is the alignment mask: about 70 % held per party.
+    np.testing.assert_allclose(data.train.mask.mean(axis=0), 0.7, atol=0.06)
+    for split in (data.train, *data.tests.values()):
+        for k, block in enumerate(split.blocks):
+            held = split.mask[:, k]
+            assert not block[~held].any()
+            # Feature a = 10 * label + k: after standardising, label 1 rows sit above label 0.
+            values, labels = block[held, 0], split.labels[held]
+            assert values[labels == 1].min() > values[labels == 0].max()
+    # Standardised with the training rows the party holds.
+    for k, block in enumerate(data.train.blocks):
+        held = data.train.mask[:, k]
+        assert abs(block[held, 1].mean()) < 1e-5
+    # mcar:0.5 on top of the alignment: about 0.7 * 0.5 of all (kept and dropped) cells observed.
+    halved = data.tests["mcar:0.5"]
+    cells = (halved.n + data.dropped["mcar:0.5"]) * 3
+    assert abs(halved.mask.sum() / cells - 0.35) < 0.08
+
+
+def test_party_files_with_bad_file_are_refused(tmp_path):
+    paths, label_path = write_party_files(tmp_path)
+    paths[1].write_text("key,a\n1,2\n")
+    with pytest.raises(DataError, match=r"party1\.csv must have an `id` column"):
+        vertical_from_party_files(
+            paths,
+            label_path,
+            aligner=JoinAligner(),
+            train_missing=parse_mechanism("mcar:0"),
+            test_missing=[],
+            rng=rng(),
+        )

@@ -1,0 +1,200 @@
+"""LASER-VFL: task sampling, loss weights, the seam it trains through, inference on any subset."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from conftest import MakeData
+
+from secure_vfl.data.vertical import VerticalData
+from secure_vfl.federation.aggregator import PlainAggregator
+from secure_vfl.federation.channel import Channel, RecordingLayer
+from secure_vfl.federation.messages import GradientMessage, SumMessage
+from secure_vfl.methods import METHODS, MethodConfig
+from secure_vfl.methods.laser import MeanFusionMethod, laser_weights, sample_tasks
+from secure_vfl.metrics import accuracy
+
+FAST = MethodConfig(epochs=3, batch_size=64, lr=0.05)
+
+
+def test_loss_weights_match_the_closed_form() -> None:
+    for n in range(1, 7):
+        for s in range(1, 8):
+            observed, size = torch.tensor([n]), torch.tensor([s])
+            per_head = float(laser_weights(observed, size, per_head=True)[0])
+            single = float(laser_weights(observed, size, per_head=False)[0])
+            if s > n:
+                assert per_head == 0.0 and single == 0.0
+            else:
+                assert per_head == pytest.approx(math.comb(n - 1, s - 1) / s)
+                assert single == pytest.approx(math.comb(n, s) / n)
+
+
+def test_sampled_tasks_contain_their_head_have_their_size_and_stay_observed() -> None:
+    generator = torch.Generator().manual_seed(0)
+    mask = torch.from_numpy(np.random.default_rng(0).random((200, 5)) < 0.6)
+    mask[mask.sum(1) == 0, 0] = True
+    selection, weights = sample_tasks(mask, list(range(5)), generator)
+    assert selection.shape == (5, 5, 200, 5) and weights.shape == (5, 5, 200)
+    n = mask.sum(1)
+    for h in range(5):
+        for s in range(5):
+            active = weights[h, s] > 0
+            assert torch.equal(active, mask[:, h] & (s + 1 <= n))
+            chosen = selection[h, s]
+            assert bool(chosen[active, h].all())
+            assert torch.equal(chosen[active].sum(1), torch.full((int(active.sum()),), s + 1))
+            assert not bool((chosen & ~mask).any())
+            assert not bool(chosen[~active].any())
+
+
+def test_task_sampling_is_an_unbiased_estimate_of_the_full_objective() -> None:
+    """E[sum_s a_s 1{S_s = I}] must equal eq. 5's weight 1/|I| for every I containing the head."""
+    draws = 20000
+    mask = torch.ones(draws, 4, dtype=torch.bool)
+    selection, weights = sample_tasks(mask, [0], torch.Generator().manual_seed(1))
+    totals: Counter[tuple[int, ...]] = Counter()
+    for s in range(4):
+        for row, weight in zip(selection[0, s].tolist(), weights[0, s].tolist(), strict=True):
+            totals[tuple(k for k in range(4) if row[k])] += weight
+    for size in range(1, 5):
+        for rest in itertools.combinations(range(1, 4), size - 1):
+            subset = (0, *rest)
+            assert totals[subset] / draws == pytest.approx(1 / size, rel=0.05)
+    assert all(0 in subset for subset in totals)
+
+
+def test_single_head_tasks_cover_every_subset_with_weight_one_over_n() -> None:
+    draws = 20000
+    mask = torch.ones(draws, 3, dtype=torch.bool)
+    selection, weights = sample_tasks(mask, None, torch.Generator().manual_seed(2))
+    totals: Counter[tuple[int, ...]] = Counter()
+    for s in range(3):
+        for row, weight in zip(selection[0, s].tolist(), weights[0, s].tolist(), strict=True):
+            totals[tuple(k for k in range(3) if row[k])] += weight
+    assert len(totals) == 7
+    for subset, total in totals.items():
+        assert total / draws == pytest.approx(1 / 3, rel=0.05), subset
+
+
+def _parameters(method: MeanFusionMethod) -> list[torch.Tensor]:
+    models = [p.model for p in method.fed.parties] + [h.head for h in method.heads]
+    return [t.detach().clone() for m in models for t in m.parameters()]
+
+
+def _train(data: VerticalData, config: MethodConfig, **kwargs: object) -> MeanFusionMethod:
+    method = METHODS.get("laser")(data, config, seed=3, **kwargs)  # type: ignore[arg-type]
+    method.fit()
+    assert isinstance(method, MeanFusionMethod)
+    return method
+
+
+@pytest.mark.parametrize("batching", ["grouped", "mixed"])
+def test_vectorised_and_looped_task_forward_train_the_same_model(
+    make_data: MakeData, batching: str
+) -> None:
+    data = make_data()
+    config = dataclasses.replace(FAST, epochs=1, batching=batching)
+    fast = _train(data, config)
+    slow = _train(data, dataclasses.replace(config, vectorised=False))
+    for a, b in zip(_parameters(fast), _parameters(slow), strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads", ["all", "active"])
+@pytest.mark.parametrize("batching", ["grouped", "mixed"])
+def test_laser_learns_and_predicts_from_every_subset_of_blocks(
+    make_data: MakeData, heads: str, batching: str
+) -> None:
+    data = make_data(train_missing="mcar:0.3")
+    parties = data.train.parties
+    base = data.tests["mcar:0"]
+    tests = {}
+    for size in range(1, parties + 1):
+        for subset in itertools.combinations(range(parties), size):
+            mask = np.zeros_like(base.mask)
+            mask[:, list(subset)] = True
+            blocks = tuple(
+                np.where(mask[:, k].reshape(-1, 1), b, 0).astype(np.float32)
+                for k, b in enumerate(base.blocks)
+            )
+            tests[str(subset)] = dataclasses.replace(base, blocks=blocks, mask=mask)
+    data = dataclasses.replace(data, tests=tests)
+    config = dataclasses.replace(FAST, heads=heads, batching=batching)
+    method = _train(data, config)
+    for name, split in tests.items():
+        predictions = method.predict(name)
+        assert np.array_equal(predictions >= 0, split.mask), name
+        assert accuracy(predictions, split.labels) > 55.0, name  # chance is 33 %
+
+
+def test_a_training_step_sends_every_message_through_the_channel(make_data: MakeData) -> None:
+    data = make_data(train_missing="mcar:0")
+    recorder = RecordingLayer()
+    method = METHODS.get("laser")(data, FAST, seed=0, channel=Channel([recorder]))
+    assert isinstance(method, MeanFusionMethod)
+    rows = np.arange(32)
+    method.train_step(rows, 0, 0)
+    parties = [f"party-{k}" for k in range(4)]
+    routes = Counter((m.kind, m.sender, m.receiver) for m in recorder.messages)
+    expected = Counter(
+        [("representation", p, "aggregator") for p in parties]
+        + [("sum", "aggregator", p) for p in parties]
+        + [("gradient", h, p) for h in parties for p in parties]
+    )
+    assert routes == expected
+    for message in recorder.messages:
+        assert message.round == 0 and message.batch_id == 0
+        if isinstance(message, GradientMessage):
+            assert message.positions.tolist() == list(range(32))
+        if isinstance(message, SumMessage):
+            assert message.sums.shape == (4, 32, FAST.representation_dim)
+
+
+class _ZeroGradients:
+    """A channel layer that replaces every gradient message's content with zeros."""
+
+    def on_message(self, message):  # type: ignore[no-untyped-def]
+        if isinstance(message, GradientMessage):
+            return dataclasses.replace(message, gradient=torch.zeros_like(message.gradient))
+        return message
+
+
+def test_bottom_models_learn_only_from_the_gradient_messages_they_receive(
+    make_data: MakeData,
+) -> None:
+    data = make_data()
+    config = dataclasses.replace(FAST, epochs=1, momentum=0.0)
+    method = METHODS.get("laser")(data, config, seed=0, channel=Channel([_ZeroGradients()]))
+    assert isinstance(method, MeanFusionMethod)
+    bottoms_before = [t.clone() for p in method.fed.parties for t in p.model.parameters()]
+    heads_before = [t.clone() for h in method.heads for t in h.head.parameters()]
+    method.fit()
+    bottoms_after = list(t for p in method.fed.parties for t in p.model.parameters())
+    heads_after = list(t for h in method.heads for t in h.head.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(bottoms_before, bottoms_after, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(heads_before, heads_after, strict=True))
+
+
+class _PerturbingAggregator(PlainAggregator):
+    """Adds a constant to every sum: a stand-in for a faulty secure backend."""
+
+    def combine(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        message = super().combine(*args, **kwargs)
+        return dataclasses.replace(message, sums=message.sums + 0.5)
+
+
+def test_swapping_the_aggregator_changes_the_trained_model(make_data: MakeData) -> None:
+    data = make_data()
+    config = dataclasses.replace(FAST, epochs=1)
+    plain = _parameters(_train(data, config))
+    again = _parameters(_train(data, config))
+    perturbed = _parameters(_train(data, config, aggregator=_PerturbingAggregator()))
+    assert all(torch.equal(a, b) for a, b in zip(plain, again, strict=True))
+    assert not all(torch.allclose(a, b) for a, b in zip(plain, perturbed, strict=True))
