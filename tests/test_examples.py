@@ -1,0 +1,27 @@
+"""The README's examples run as written (with fewer epochs)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quickstart_prints_both_methods_with_accuracies() -> None:
+    completed = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "quickstart.py"), "--epochs", "3"],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
+    lines = completed.stdout.splitlines()
+    assert lines[0].startswith("digits:")
+    assert lines[1].startswith("Standard VFL can train only on the")
+    rows = {line.split()[0]: line.split()[1:] for line in lines[3:]}
+    assert set(rows) == {"standard", "laser"}
+    for values in rows.values():
+        assert len(values) == 2
+        assert all(0.0 <= float(v.rstrip("%")) <= 100.0 for v in values)
