@@ -25,3 +25,12 @@ def test_quickstart_prints_both_methods_with_accuracies() -> None:
     for values in rows.values():
         assert len(values) == 2
         assert all(0.0 <= float(v.rstrip("%")) <= 100.0 for v in values)
+
+
+def test_readme_python_snippets_run(capsys) -> None:  # type: ignore[no-untyped-def]
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    snippets = [block.split("```", 1)[0] for block in readme.split("```python\n")[1:]]
+    assert snippets, "the README should show the Python API"
+    for snippet in snippets:
+        exec(compile(snippet, "README.md", "exec"), {})
+    assert "'accuracy'" in capsys.readouterr().out
