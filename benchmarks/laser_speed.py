@@ -71,7 +71,7 @@ def run(job: Job) -> dict[str, Any]:
     if job.kind == "epoch":
         times: list[float] = []
         last = [time.perf_counter()]
-        steps = method.steps_per_epoch()
+        steps = len(method.sampler)
 
         def on_step(step: int, loss: float) -> None:
             if step % steps == 0:
@@ -83,8 +83,8 @@ def run(job: Job) -> dict[str, Any]:
         out["epoch_s"] = statistics.median(times)
         out["peak_mib"] = _rss_mib() - before
         return out
-    step = method.train_step  # type: ignore[attr-defined]
-    sampler = method.sampler  # type: ignore[attr-defined]
+    step = method.train_step
+    sampler = method.sampler
     rng = np.random.default_rng(0)
     durations: list[float] = []
     round = 0

@@ -148,7 +148,7 @@ def run_training(
     start = time.perf_counter()
     method = build_method(config, data)
     if on_start is not None:
-        on_start(method.steps_per_epoch() * config.method_config.epochs)
+        on_start(len(method.sampler) * config.method_config.epochs)
     losses = method.fit(on_step=on_step)
     metrics = evaluate(method, data)
     return TrainResult(

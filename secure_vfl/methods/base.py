@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from secure_vfl.data.samplers import BatchSampler
 from secure_vfl.data.vertical import VerticalData, VerticalSplit
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
@@ -73,16 +74,15 @@ def _positive_int(name: str, value: int) -> None:
         raise ConfigError(f"`{name}` must be a positive integer. Found {value!r}.")
 
 
-class BatchSampler(Protocol):
-    """Yields the training batches of one epoch as index arrays."""
-
-    def epoch(self, rng: np.random.Generator) -> Iterator[np.ndarray]: ...
-
-
 class Method(Protocol):
     """A trainable VFL method: fit on the training split, predict on any test split."""
 
     name: str
+    sampler: BatchSampler
+
+    def train_step(self, rows: np.ndarray, round: int, batch_id: int) -> float:
+        """One training step on the training rows ``rows``; returns its loss."""
+        ...
 
     def fit(self, *, on_step: StepCallback | None = None) -> list[float]:
         """Train; return the mean training loss of every epoch."""
@@ -90,10 +90,6 @@ class Method(Protocol):
 
     def predict(self, split_name: str) -> np.ndarray:
         """Predicted class of every (sample, party): (N, K) int64, -1 where the party is absent."""
-        ...
-
-    def steps_per_epoch(self) -> int:
-        """Number of training steps in one epoch (for progress bars)."""
         ...
 
 

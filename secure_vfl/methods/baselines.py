@@ -15,6 +15,7 @@ Local and Ensemble share LASER's code (:mod:`secure_vfl.methods.laser`).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from functools import partial
 
 import numpy as np
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from secure_vfl.data.samplers import make_sampler
+from secure_vfl.data.samplers import BatchSampler, make_sampler
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation.aggregator import Aggregator, dense_representations
@@ -31,7 +32,6 @@ from secure_vfl.federation.messages import AGGREGATOR, RepresentationMessage, pa
 from secure_vfl.federation.parties import DataParty, HeadParty, gradient_messages
 from secure_vfl.methods.base import (
     METHODS,
-    BatchSampler,
     MethodConfig,
     StepCallback,
     batches,
@@ -54,7 +54,10 @@ class _SubsetSampler:
         self._inner = inner
         self._index = index
 
-    def epoch(self, rng: np.random.Generator):  # type: ignore[no-untyped-def]
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def epoch(self, rng: np.random.Generator) -> Iterator[np.ndarray]:
         for rows in self._inner.epoch(rng):
             yield self._index[rows]
 
@@ -84,15 +87,10 @@ class ConcatFusionMethod:
             self.train_rows = np.nonzero(mask.all(axis=1))[0]
         else:
             self.train_rows = np.arange(data.train.n)
-        self.sampler = _SubsetSampler(
+        self.sampler: BatchSampler = _SubsetSampler(
             make_sampler(config.batching, mask[self.train_rows], config.batch_size),
             self.train_rows,
         )
-
-    def steps_per_epoch(self) -> int:
-        if self.train_rows.size == 0:
-            return 0
-        return sum(1 for _ in self.sampler.epoch(np.random.default_rng(0)))
 
     def _inputs(
         self, split: str, rows: Tensor, mask: Tensor, *, round: int, batch_id: int, train: bool
@@ -250,9 +248,6 @@ class Combinatorial:
                 head = LinearHead(config.representation_dim, data.num_classes)
             self.heads[subset] = head_party(party_name(subset[0]), data, head, config)
         self.sampler = make_sampler(config.batching, data.train.mask, config.batch_size)
-
-    def steps_per_epoch(self) -> int:
-        return sum(1 for _ in self.sampler.epoch(np.random.default_rng(0)))
 
     def _means(
         self,

@@ -158,9 +158,6 @@ class MeanFusionMethod:
         self.heads: list[HeadParty] = heads
         self.sampler = make_sampler(config.batching, data.train.mask, config.batch_size)
 
-    def steps_per_epoch(self) -> int:
-        return sum(1 for _ in self.sampler.epoch(np.random.default_rng(0)))
-
     def plan(self, mask: Tensor) -> tuple[Tensor, Tensor]:
         """Selection (H, T, B, K) and weights (H, T, B) of this batch's tasks."""
         if self.planner == "local":
