@@ -18,6 +18,9 @@ def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     tmp = Path(tmp_name)
     try:
         write(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o666 & ~umask)  # mkstemp creates 0600; results are ordinary files
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

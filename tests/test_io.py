@@ -1,0 +1,35 @@
+"""Atomic writes leave either the whole new file or the old one, never a half-written file."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from secure_vfl.io import atomic_write, atomic_write_json
+
+
+def test_atomic_write_json_writes_readable_ordinary_files(tmp_path: Path) -> None:
+    target = tmp_path / "sub" / "result.json"
+    atomic_write_json(target, {"b": 1, "a": [1, 2]})
+    assert json.loads(target.read_text()) == {"a": [1, 2], "b": 1}
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~umask
+
+
+def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path: Path) -> None:
+    target = tmp_path / "result.json"
+    target.write_text("old")
+
+    def failing(tmp: Path) -> None:
+        tmp.write_text("half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError, match="disk full"):
+        atomic_write(target, failing)
+    assert target.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["result.json"]
