@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,7 +17,12 @@ from secure_vfl.data.vertical import VerticalData, VerticalSplit
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
 from secure_vfl.federation.channel import Channel
-from secure_vfl.federation.messages import party_name
+from secure_vfl.federation.messages import (
+    AGGREGATOR,
+    GradientMessage,
+    RepresentationMessage,
+    party_name,
+)
 from secure_vfl.federation.parties import DataParty, HeadParty
 from secure_vfl.models.networks import make_bottom
 from secure_vfl.registry import Registry
@@ -124,6 +130,97 @@ class Federation:
     @property
     def names(self) -> list[str]:
         return [p.name for p in self.parties]
+
+    def send_representations(
+        self,
+        split: str,
+        rows: Tensor,
+        present: Tensor,
+        *,
+        receiver: str,
+        round: int,
+        batch_id: int,
+        train: bool,
+        senders: Sequence[DataParty] | None = None,
+        tag: str = "",
+    ) -> list[RepresentationMessage]:
+        """Each sender's representations of its present rows of the batch, as delivered.
+
+        ``present`` is (B, len(senders)); senders default to the federation's data parties.
+        """
+        senders = self.parties if senders is None else senders
+        messages = []
+        for k, party in enumerate(senders):
+            positions = torch.nonzero(present[:, k]).flatten()
+            if positions.numel() == 0:
+                continue
+            message = party.represent(
+                split,
+                rows[positions],
+                positions,
+                receiver=receiver,
+                round=round,
+                batch_id=batch_id,
+                train=train,
+                tag=tag,
+            )
+            messages.append(
+                self.channel.receive(
+                    message, sender=party.name, receiver=receiver, round=round, batch_id=batch_id
+                )
+            )
+        return messages
+
+    def means(
+        self,
+        representations: Sequence[RepresentationMessage],
+        selection: Tensor,
+        *,
+        receiver: str,
+        round: int,
+        batch_id: int,
+    ) -> tuple[Tensor, Tensor]:
+        """Per-task means (T, B, d) of the selected representations, summed by the aggregator
+        and delivered to ``receiver``, with their counts (T, B, 1) (at least 1)."""
+        message = self.aggregator.combine(
+            representations,
+            selection,
+            parties=self.names,
+            receiver=receiver,
+            round=round,
+            batch_id=batch_id,
+        )
+        message = self.channel.receive(
+            message, sender=AGGREGATOR, receiver=receiver, round=round, batch_id=batch_id
+        )
+        counts = message.counts.clamp(min=1).unsqueeze(-1).to(message.sums.dtype)
+        return message.sums / counts, counts
+
+    def deliver_gradients(
+        self, messages: Sequence[GradientMessage], *, round: int, batch_id: int
+    ) -> dict[str, list[GradientMessage]]:
+        """Send gradient messages through the channel; what each receiver got, by name."""
+        received: dict[str, list[GradientMessage]] = defaultdict(list)
+        for message in messages:
+            received[message.receiver].append(
+                self.channel.receive(
+                    message,
+                    sender=message.sender,
+                    receiver=message.receiver,
+                    round=round,
+                    batch_id=batch_id,
+                )
+            )
+        return received
+
+    def apply_gradients(self, received: dict[str, list[GradientMessage]], *, round: int) -> None:
+        """Every party backpropagates what it received (or forgets its forward) and steps."""
+        for party in self.parties:
+            if party.name in received:
+                party.backward(received[party.name], round=round)
+            else:
+                party.discard_pending()
+            party.step()
 
 
 def split_tensors(data: VerticalData) -> dict[str, VerticalSplit]:

@@ -28,7 +28,7 @@ from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation.aggregator import Aggregator, dense_representations
 from secure_vfl.federation.channel import Channel
-from secure_vfl.federation.messages import AGGREGATOR, RepresentationMessage, party_name
+from secure_vfl.federation.messages import AGGREGATOR, party_name
 from secure_vfl.federation.parties import DataParty, HeadParty, gradient_messages
 from secure_vfl.methods.base import (
     METHODS,
@@ -96,29 +96,15 @@ class ConcatFusionMethod:
         self, split: str, rows: Tensor, mask: Tensor, *, round: int, batch_id: int, train: bool
     ) -> Tensor:
         """(B, K, d) representations at the label party, zeros where a block is absent."""
-        messages: list[RepresentationMessage] = []
-        for k, party in enumerate(self.fed.parties):
-            positions = torch.nonzero(mask[:, k]).flatten()
-            if positions.numel() == 0:
-                continue
-            message = party.represent(
-                split,
-                rows[positions],
-                positions,
-                receiver=self.label_party.name,
-                round=round,
-                batch_id=batch_id,
-                train=train,
-            )
-            messages.append(
-                self.fed.channel.receive(
-                    message,
-                    sender=party.name,
-                    receiver=self.label_party.name,
-                    round=round,
-                    batch_id=batch_id,
-                )
-            )
+        messages = self.fed.send_representations(
+            split,
+            rows,
+            mask,
+            receiver=self.label_party.name,
+            round=round,
+            batch_id=batch_id,
+            train=train,
+        )
         dense, _ = dense_representations(messages, self.fed.names, rows.numel())
         return dense.permute(1, 0, 2)
 
@@ -137,26 +123,16 @@ class ConcatFusionMethod:
         loss = F.cross_entropy(logits, self.label_party.labels("train", rows))
         loss.backward()
         assert inputs.grad is not None
-        for message in gradient_messages(
+        messages = gradient_messages(
             self.label_party.name,
             inputs.grad.permute(1, 0, 2),
             mask,
             self.fed.names,
             round=round,
             batch_id=batch_id,
-        ):
-            delivered = self.fed.channel.receive(
-                message,
-                sender=self.label_party.name,
-                receiver=message.receiver,
-                round=round,
-                batch_id=batch_id,
-            )
-            party = self.fed.parties[self.fed.names.index(delivered.receiver)]
-            party.backward([delivered], round=round)
-        for party in self.fed.parties:
-            party.discard_pending()
-            party.step()
+        )
+        received = self.fed.deliver_gradients(messages, round=round, batch_id=batch_id)
+        self.fed.apply_gradients(received, round=round)
         self.label_party.step()
         return loss.item()
 
@@ -259,47 +235,30 @@ class Combinatorial:
         round: int,
         batch_id: int,
         train: bool,
-    ) -> tuple[Tensor, list[RepresentationMessage]]:
+    ) -> Tensor:
         """Predictor ``subset``'s mean representation of the ``covered`` rows of the batch."""
-        head = self.heads[subset]
-        positions = torch.nonzero(covered).flatten()
-        tag = subset_tag(subset)
-        messages = []
-        for party in self.members[subset]:
-            message = party.represent(
-                split,
-                rows[positions],
-                positions,
-                receiver=AGGREGATOR,
-                round=round,
-                batch_id=batch_id,
-                train=train,
-                tag=tag,
-            )
-            messages.append(
-                self.fed.channel.receive(
-                    message,
-                    sender=party.name,
-                    receiver=AGGREGATOR,
-                    round=round,
-                    batch_id=batch_id,
-                )
-            )
+        members = self.members[subset]
+        messages = self.fed.send_representations(
+            split,
+            rows,
+            covered.unsqueeze(1).expand(-1, len(members)),
+            receiver=AGGREGATOR,
+            round=round,
+            batch_id=batch_id,
+            train=train,
+            senders=members,
+            tag=subset_tag(subset),
+        )
         selection = torch.zeros((1, rows.numel(), len(self.fed.names)), dtype=torch.bool)
-        for k in subset:
-            selection[0, :, k] = covered
-        summed = self.fed.aggregator.combine(
+        selection[0][:, list(subset)] = covered.unsqueeze(1)
+        means, _ = self.fed.means(
             messages,
             selection,
-            parties=self.fed.names,
-            receiver=head.name,
+            receiver=self.heads[subset].name,
             round=round,
             batch_id=batch_id,
         )
-        summed = self.fed.channel.receive(
-            summed, sender=AGGREGATOR, receiver=head.name, round=round, batch_id=batch_id
-        )
-        return summed.sums[0, positions] / len(subset), messages
+        return means[0, covered]
 
     def train_step(self, rows_np: np.ndarray, round: int, batch_id: int) -> float:
         rows = torch.from_numpy(rows_np)
@@ -310,7 +269,7 @@ class Combinatorial:
             if not bool(covered.any()):
                 continue
             head = self.heads[subset]
-            means, _ = self._means(
+            means = self._means(
                 subset, "train", rows, covered, round=round, batch_id=batch_id, train=True
             )
             means.requires_grad_(True)
@@ -328,11 +287,9 @@ class Combinatorial:
             messages = gradient_messages(
                 head.name, dense, present, self.fed.names, round=round, batch_id=batch_id, tag=tag
             )
-            for party, message in zip(self.members[subset], messages, strict=True):
-                delivered = self.fed.channel.receive(
-                    message, sender=head.name, receiver=party.name, round=round, batch_id=batch_id
-                )
-                party.backward([delivered], round=round, tag=tag)
+            received = self.fed.deliver_gradients(messages, round=round, batch_id=batch_id)
+            for party in self.members[subset]:
+                party.backward(received[party.name], round=round, tag=tag)
                 party.step()
             head.step()
             total += loss.item()
@@ -358,7 +315,7 @@ class Combinatorial:
                     exact &= mask[:, k] if k in subset else ~mask[:, k]
                 if not bool(exact.any()):
                     continue
-                means, _ = self._means(
+                means = self._means(
                     subset, split_name, rows, exact, round=0, batch_id=batch_id, train=False
                 )
                 head = self.heads[subset]

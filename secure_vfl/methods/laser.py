@@ -12,7 +12,6 @@ The same machinery gives the Local and Ensemble baselines (tasks restricted to `
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from functools import partial
 from typing import Literal
 
@@ -165,55 +164,6 @@ class MeanFusionMethod:
         heads = self.head_index if self.config.heads == "all" else None
         return sample_tasks(mask, heads, self.fed.generator)
 
-    def represent(
-        self, split: str, rows: Tensor, mask: Tensor, *, round: int, batch_id: int, train: bool
-    ) -> list[RepresentationMessage]:
-        """Every observed party's representations of the batch, delivered to the aggregator."""
-        messages = []
-        for k, party in enumerate(self.fed.parties):
-            positions = torch.nonzero(mask[:, k]).flatten()
-            if positions.numel() == 0:
-                continue
-            message = party.represent(
-                split,
-                rows[positions],
-                positions,
-                receiver=AGGREGATOR,
-                round=round,
-                batch_id=batch_id,
-                train=train,
-            )
-            messages.append(
-                self.fed.channel.receive(
-                    message, sender=party.name, receiver=AGGREGATOR, round=round, batch_id=batch_id
-                )
-            )
-        return messages
-
-    def fused(
-        self,
-        head: HeadParty,
-        representations: list[RepresentationMessage],
-        selection: Tensor,
-        *,
-        round: int,
-        batch_id: int,
-    ) -> tuple[Tensor, Tensor]:
-        """The means the head asked for (T, B, d), via the aggregator, and counts (T, B, 1)."""
-        message = self.fed.aggregator.combine(
-            representations,
-            selection,
-            parties=self.fed.names,
-            receiver=head.name,
-            round=round,
-            batch_id=batch_id,
-        )
-        message = self.fed.channel.receive(
-            message, sender=AGGREGATOR, receiver=head.name, round=round, batch_id=batch_id
-        )
-        counts = message.counts.clamp(min=1).unsqueeze(-1).to(message.sums.dtype)
-        return message.sums / counts, counts
-
     def head_loss(
         self,
         head: HeadParty,
@@ -227,7 +177,9 @@ class MeanFusionMethod:
         batch_id: int,
     ) -> tuple[float, list[GradientMessage]]:
         """One head's weighted task loss; backward into the head; gradients owed to each party."""
-        means, counts = self.fused(head, representations, selection, round=round, batch_id=batch_id)
+        means, counts = self.fed.means(
+            representations, selection, receiver=head.name, round=round, batch_id=batch_id
+        )
         means.requires_grad_(True)
         head.head.train()
         logits = head.head(means)
@@ -251,11 +203,11 @@ class MeanFusionMethod:
         """One step of Algorithm 1 through the seam."""
         rows = torch.from_numpy(rows_np)
         mask = torch.from_numpy(self.data.train.mask[rows_np])
-        representations = self.represent(
-            "train", rows, mask, round=round, batch_id=batch_id, train=True
+        representations = self.fed.send_representations(
+            "train", rows, mask, receiver=AGGREGATOR, round=round, batch_id=batch_id, train=True
         )
         selection, weights = self.plan(mask)
-        received: dict[str, list[GradientMessage]] = defaultdict(list)
+        outgoing: list[GradientMessage] = []
         total = 0.0
         for i, head in enumerate(self.heads):
             if self.config.vectorised:
@@ -276,22 +228,9 @@ class MeanFusionMethod:
                     batch_id=batch_id,
                 )
                 total += loss
-                for message in messages:
-                    received[message.receiver].append(
-                        self.fed.channel.receive(
-                            message,
-                            sender=head.name,
-                            receiver=message.receiver,
-                            round=round,
-                            batch_id=batch_id,
-                        )
-                    )
-        for party in self.fed.parties:
-            if party.name in received:
-                party.backward(received[party.name], round=round)
-            else:
-                party.discard_pending()
-            party.step()
+                outgoing += messages
+        received = self.fed.deliver_gradients(outgoing, round=round, batch_id=batch_id)
+        self.fed.apply_gradients(received, round=round)
         for head in self.heads:
             head.step()
         return total
@@ -315,8 +254,14 @@ class MeanFusionMethod:
         out = np.full(split.mask.shape, -1, dtype=np.int64)
         for batch_id, rows in enumerate(batches(split.n, 1024)):
             mask = torch.from_numpy(split.mask[rows.numpy()])
-            representations = self.represent(
-                split_name, rows, mask, round=0, batch_id=batch_id, train=False
+            representations = self.fed.send_representations(
+                split_name,
+                rows,
+                mask,
+                receiver=AGGREGATOR,
+                round=0,
+                batch_id=batch_id,
+                train=False,
             )
             for i, head in enumerate(self.heads):
                 h = self.head_index[i]
@@ -330,8 +275,12 @@ class MeanFusionMethod:
                 answered = selection.any(dim=1)
                 if not bool(answered.any()):
                     continue
-                means, _ = self.fused(
-                    head, representations, selection.unsqueeze(0), round=0, batch_id=batch_id
+                means, _ = self.fed.means(
+                    representations,
+                    selection.unsqueeze(0),
+                    receiver=head.name,
+                    round=0,
+                    batch_id=batch_id,
                 )
                 head.head.eval()
                 with torch.no_grad():
