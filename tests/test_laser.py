@@ -26,14 +26,12 @@ FAST = MethodConfig(epochs=3, batch_size=64, lr=0.05)
 def test_loss_weights_match_the_closed_form() -> None:
     for n in range(1, 7):
         for s in range(1, 8):
-            observed, size = torch.tensor([n]), torch.tensor([s])
-            per_head = float(laser_weights(observed, size, per_head=True)[0])
-            single = float(laser_weights(observed, size, per_head=False)[0])
+            weight = float(laser_weights(torch.tensor([n]), torch.tensor([s]))[0])
             if s > n:
-                assert per_head == 0.0 and single == 0.0
+                assert weight == 0.0
             else:
-                assert per_head == pytest.approx(math.comb(n - 1, s - 1) / s)
-                assert single == pytest.approx(math.comb(n, s) / n)
+                assert weight == pytest.approx(math.comb(n - 1, s - 1) / s)
+                assert weight == pytest.approx(math.comb(n, s) / n)  # the single-head form
 
 
 def test_sampled_tasks_contain_their_head_have_their_size_and_stay_observed() -> None:

@@ -56,24 +56,19 @@ def _binomials(size: int) -> Tensor:
     )
 
 
-def laser_weights(observed: Tensor, sizes: Tensor, *, per_head: bool) -> Tensor:
-    """Loss weight of a sampled task of size ``s`` for a sample with ``n`` observed blocks.
+def laser_weights(observed: Tensor, sizes: Tensor) -> Tensor:
+    """Loss weight ``a_s = C(n-1, s-1) / s`` of a sampled task of size ``s`` (paper eq. 6).
 
-    Per head (``heads="all"``): ``C(n-1, s-1) / s`` (paper eq. 6). For a single head
-    (``heads="active"``) a size-s subset is drawn from all C(n, s) subsets; the weight
-    ``C(n, s) / n`` (equal to ``C(n-1, s-1) / s``) makes its loss LASER's objective averaged over
-    the n observed heads. Sizes above ``n`` weigh 0.
+    ``n`` is the sample's number of observed blocks; sizes above ``n`` weigh 0. The same weight
+    serves a single head (``heads="active"``) that draws its size-s subset from all C(n, s)
+    subsets: ``C(n, s) / n`` equals ``C(n-1, s-1) / s``, so the single head's sampled loss
+    estimates LASER's objective averaged over the n observed heads.
     """
     table = _binomials(int(max(int(observed.max()), int(sizes.max()))))
     n = observed.long()
     s = sizes.long()
     valid = (s >= 1) & (s <= n)
-    nm1 = (n - 1).clamp(min=0)
-    sm1 = (s - 1).clamp(min=0)
-    if per_head:
-        weight = table[nm1, sm1] / s.clamp(min=1)
-    else:
-        weight = table[n, s.clamp(max=table.shape[1] - 1)] / n.clamp(min=1)
+    weight = table[(n - 1).clamp(min=0), (s - 1).clamp(min=0)] / s.clamp(min=1)
     return torch.where(valid, weight, torch.zeros_like(weight))
 
 
@@ -103,7 +98,6 @@ def sample_tasks(
     weights = laser_weights(
         observed.expand(len(head_list), parties, batch),
         sizes.expand(len(head_list), parties, batch),
-        per_head=heads is not None,
     )
     if heads is not None:
         head_observed = mask[:, heads].T.reshape(len(head_list), 1, batch)
