@@ -233,24 +233,42 @@ def run_train(args: argparse.Namespace) -> int:
 
 def run_datasets(args: argparse.Namespace) -> int:
     from secure_vfl.data.datasets import DATASETS, dataset_status, install_dataset
+    from secure_vfl.data.imputation import (
+        IMPUTATION_DATASETS,
+        imputation_dataset_status,
+        install_imputation_dataset,
+    )
 
     if args.action == "install":
-        names = DATASETS.names() if args.all else args.names
+        names = DATASETS.names() + IMPUTATION_DATASETS.names() if args.all else args.names
         if not names:
             raise ConfigError("datasets install needs NAME ... or --all. Found neither.")
         for name in names:
-            DATASETS.get(name)
+            if name not in DATASETS and name not in IMPUTATION_DATASETS:
+                known = ", ".join(sorted(DATASETS.names() + IMPUTATION_DATASETS.names()))
+                raise ConfigError(f"unknown dataset {name!r}; expected one of: {known}.")
         for name in names:
-            install_dataset(name)
+            if name in DATASETS:
+                install_dataset(name)
+            else:
+                install_imputation_dataset(name)
         return 0
     if args.names or args.all:
         raise ConfigError("names and --all go with `datasets install`. Found them with `list`.")
-    rows = [("name", "kind", "shape", "source", "installed")]
+    rows = [("name", "use", "shape", "source", "installed")]
     hints = []
-    for spec, installed in dataset_status():
-        rows.append((spec.name, spec.kind, spec.shape, spec.source, "yes" if installed else "no"))
+    status: list[tuple[str, str, str, str, bool, str]] = [
+        (s.name, f"classification ({s.kind})", s.shape, s.source, ok, s.install_hint())
+        for s, ok in dataset_status()
+    ]
+    status += [
+        (s.name, "imputation", s.shape, s.source, ok, s.install_hint())
+        for s, ok in imputation_dataset_status()
+    ]
+    for name, use, shape, source, installed, hint in status:
+        rows.append((name, use, shape, source, "yes" if installed else "no"))
         if not installed:
-            hints.append(f"  {spec.name}: {spec.install_hint()}")
+            hints.append(f"  {name}: {hint}")
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))

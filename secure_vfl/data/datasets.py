@@ -13,7 +13,7 @@ import os
 import subprocess
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -138,7 +138,7 @@ def data_home() -> Path:
     return base / "secure-vfl"
 
 
-def _debian_files(relative: tuple[str, ...]) -> list[Path]:
+def debian_files(relative: tuple[str, ...]) -> list[Path]:
     """The package files under the first root holding all of them (``data_home()/debian``, then
     the system root); the ``data_home`` paths when neither does, so errors show where to put them.
     """
@@ -261,7 +261,7 @@ def read_idx_gz(path: Path) -> np.ndarray:
 def _load_fashion_mnist(rng: np.random.Generator) -> DatasetSplit:
     """The official 60k/10k split, images scaled to [0, 1] with shape (N, 1, 28, 28)."""
     del rng  # the split is fixed
-    train_x, train_y, test_x, test_y = (read_idx_gz(p) for p in _debian_files(_FASHION_FILES))
+    train_x, train_y, test_x, test_y = (read_idx_gz(p) for p in debian_files(_FASHION_FILES))
 
     def arrays(images: np.ndarray, labels: np.ndarray) -> LabeledArrays:
         x = (images.astype(np.float32) / 255.0)[:, None, :, :]
@@ -301,7 +301,7 @@ SATELLITE_TRAIN_ROWS = 4435
 def _load_satellite(rng: np.random.Generator) -> DatasetSplit:
     """Landsat multispectral pixels (Statlog), 36 features, 6 soil/crop classes."""
     del rng  # the split is fixed
-    (path,) = _debian_files((_SATELLITE_FILE,))
+    (path,) = debian_files((_SATELLITE_FILE,))
     frame = read_rda(path, "Satellite")
     if "classes" not in frame.columns or frame.shape != (6435, 37):
         raise DataError(
@@ -328,7 +328,7 @@ _GERMAN_CREDIT_FILE = "usr/lib/R/site-library/caret/data/GermanCredit.RData"
 
 def _load_german_credit(rng: np.random.Generator) -> DatasetSplit:
     """German credit (caret's dummy-coded version): label ``Class`` Good -> 1, Bad -> 0."""
-    (path,) = _debian_files((_GERMAN_CREDIT_FILE,))
+    (path,) = debian_files((_GERMAN_CREDIT_FILE,))
     frame = read_rda(path, "GermanCredit")
     if "Class" not in frame.columns:
         raise DataError(f"{path} must have a `Class` column. Found {list(frame.columns)[:5]}...")
@@ -356,7 +356,7 @@ def _register_debian() -> None:
             debian_packages=("dataset-fashion-mnist",),
             shape="60000 + 10000 x 1x28x28, 10 classes",
             loader=_load_fashion_mnist,
-            files=lambda: _debian_files(_FASHION_FILES),
+            files=lambda: debian_files(_FASHION_FILES),
         ),
     )
     DATASETS.register(
@@ -369,7 +369,7 @@ def _register_debian() -> None:
             debian_packages=("r-cran-mlbench",),
             shape="4435 + 2000 x 36, 6 classes",
             loader=_load_satellite,
-            files=lambda: _debian_files((_SATELLITE_FILE,)),
+            files=lambda: debian_files((_SATELLITE_FILE,)),
         ),
     )
     DATASETS.register(
@@ -382,7 +382,7 @@ def _register_debian() -> None:
             debian_packages=("r-cran-caret",),
             shape="1000 x 61, 2 classes",
             loader=_load_german_credit,
-            files=lambda: _debian_files((_GERMAN_CREDIT_FILE,)),
+            files=lambda: debian_files((_GERMAN_CREDIT_FILE,)),
         ),
     )
 
@@ -394,13 +394,19 @@ _register_debian()
 def load_dataset(name: str, *, rng: np.random.Generator) -> DatasetSplit:
     """Load a registered dataset; ``rng`` draws the split of datasets without an official one."""
     spec = DATASETS.get(name)
-    if not spec.is_installed():
-        missing = [str(p) for p in spec.files() if not p.is_file()]
+    require_installed(name, spec.files())
+    return spec.loader(rng)
+
+
+def require_installed(name: str, files: list[Path]) -> None:
+    """Raise :class:`DatasetNotInstalledError` naming the missing files and the install command
+    when any of dataset ``name``'s ``files`` is absent."""
+    missing = [str(p) for p in files if not p.is_file()]
+    if missing:
         raise DatasetNotInstalledError(
             f"dataset {name!r} is not installed: expected {', '.join(missing)}. "
             f"Install it with `secure-vfl datasets install {name}`."
         )
-    return spec.loader(rng)
 
 
 def dataset_status() -> list[tuple[DatasetSpec, bool]]:
@@ -434,13 +440,28 @@ def install_dataset(name: str, *, log: Callable[[str], None] = print) -> None:
     ``apt-get update`` and a retry; otherwise the error says which commands to run.
     """
     spec = DATASETS.get(name)
-    if spec.is_installed():
+    install_debian_dataset(name, spec.debian_packages, spec.files, log=log)
+
+
+def install_debian_dataset(
+    name: str,
+    debian_packages: Sequence[str],
+    files: Callable[[], list[Path]],
+    *,
+    log: Callable[[str], None] = print,
+) -> None:
+    """Unpack ``debian_packages`` under ``data_home()/debian`` until all of ``files()`` exist.
+
+    The install step of every registry (classification and imputation datasets); see
+    :func:`install_dataset` for the behaviour.
+    """
+    if all(path.is_file() for path in files()):
         log(f"{name}: already installed.")
         return
     target = data_home() / "debian"
     target.mkdir(parents=True, exist_ok=True)
     updated = False
-    for package in spec.debian_packages:
+    for package in debian_packages:
         with tempfile.TemporaryDirectory(prefix="secure-vfl-deb-") as tmp:
             workdir = Path(tmp)
             log(f"{name}: apt-get download {package}")
@@ -471,10 +492,10 @@ def install_dataset(name: str, *, log: Callable[[str], None] = print) -> None:
                     f"`dpkg -x {debs[0].name}` must unpack into {target}. Found exit code "
                     f"{unpacked.returncode}: {_tail(unpacked.stderr)}."
                 )
-    if not spec.is_installed():
-        missing = [str(p) for p in spec.files() if not p.is_file()]
+    missing = [str(p) for p in files() if not p.is_file()]
+    if missing:
         raise DataError(
-            f"after unpacking {', '.join(spec.debian_packages)}, {name!r} must have its files. "
+            f"after unpacking {', '.join(debian_packages)}, {name!r} must have its files. "
             f"Found these missing: {', '.join(missing)}."
         )
     log(f"{name}: installed under {target}.")

@@ -1,0 +1,606 @@
+"""The data layer of federated imputation (FedHF-Impute): clients with different feature schemas.
+
+Every client holds rows of one global feature space of ``F`` features. Two kinds of absence are
+kept apart everywhere: a feature outside a client's schema is *unavailable* (``available`` is
+False for the whole column), a feature inside it can still be *missing* in a row (NaN). Values
+are NaN in both cases; ``available`` says which case it is.
+
+Data comes from a registered offline dataset (:data:`IMPUTATION_DATASETS`, split into clients by
+:func:`make_imputation_task`) or from the user's own files, one per client
+(:func:`make_task_from_client_files`). :func:`hide_entries` is the one evaluation protocol all
+methods are scored with.
+"""
+
+from __future__ import annotations
+
+import bz2
+import lzma
+import warnings
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from numbers import Integral
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from secure_vfl.data.datasets import (
+    debian_files,
+    install_debian_dataset,
+    read_rda,
+    require_installed,
+)
+from secure_vfl.errors import ConfigError, DataError
+from secure_vfl.registry import Registry
+
+ID_COLUMN = "id"
+"""A column of this name in a client file identifies rows and is not a feature."""
+
+HIDE_FRACTION = 0.2
+"""Share of observed-and-available entries the evaluation protocol hides (FedHF-Impute)."""
+
+_SUFFIXES = (".csv", ".parquet", ".pq")
+
+
+@dataclass(frozen=True, eq=False)
+class ClientData:
+    """One client's rows in the global feature space.
+
+    ``values`` is float32 ``(n, F)`` on the raw scale with NaN where an entry is missing or its
+    feature is unavailable; ``available`` is the client's schema, bool ``(F,)``.
+    """
+
+    name: str
+    values: np.ndarray
+    available: np.ndarray
+
+    def __post_init__(self) -> None:
+        if self.values.dtype != np.float32 or self.values.ndim != 2:
+            raise DataError(
+                f"client {self.name!r}: `values` must be float32 of shape (n, F). "
+                f"Found {self.values.dtype} of shape {self.values.shape}."
+            )
+        features = self.values.shape[1]
+        if self.available.dtype != np.bool_ or self.available.shape != (features,):
+            raise DataError(
+                f"client {self.name!r}: `available` must be bool of shape ({features},). "
+                f"Found {self.available.dtype} of shape {self.available.shape}."
+            )
+        if np.isinf(self.values).any():
+            raise DataError(
+                f"client {self.name!r}: `values` must be finite or NaN. "
+                f"Found {int(np.isinf(self.values).sum())} infinite."
+            )
+        leaking = ~np.isnan(self.values[:, ~self.available])
+        if leaking.any():
+            raise DataError(
+                f"client {self.name!r}: unavailable features must hold only NaN. "
+                f"Found {int(leaking.sum())} values in unavailable columns."
+            )
+
+    @property
+    def observed(self) -> np.ndarray:
+        """Bool ``(n, F)``: the entry is in the client's schema and not missing."""
+        return self.available[None, :] & ~np.isnan(self.values)
+
+    @property
+    def n(self) -> int:
+        """The number of rows."""
+        return int(self.values.shape[0])
+
+
+@dataclass(frozen=True)
+class ImputationTask:
+    """``K`` clients' training and test rows over the global ``features``.
+
+    ``test[k]`` belongs to the same client as ``train[k]`` and has the same availability mask.
+    """
+
+    name: str
+    features: tuple[str, ...]
+    train: tuple[ClientData, ...]
+    test: tuple[ClientData, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.train) != len(self.test) or not self.train:
+            raise DataError(
+                "`train` and `test` must hold the same clients, at least one. "
+                f"Found {len(self.train)} train and {len(self.test)} test clients."
+            )
+        names = [client.name for client in self.train]
+        if len(set(names)) != len(names):
+            raise DataError(f"client names must be distinct. Found {names}.")
+        if len(set(self.features)) != len(self.features):
+            repeated = sorted({f for f in self.features if self.features.count(f) > 1})
+            raise DataError(f"feature names must be distinct. Found {repeated} repeated.")
+        width = len(self.features)
+        for train, test in zip(self.train, self.test, strict=True):
+            if train.name != test.name:
+                raise DataError(
+                    "test clients must be in the order of the train clients. "
+                    f"Found {test.name!r} where {train.name!r} was expected."
+                )
+            for part, client in (("train", train), ("test", test)):
+                if client.values.shape[1] != width:
+                    raise DataError(
+                        f"{part} client {client.name!r} must have the {width} task features. "
+                        f"Found {client.values.shape[1]} columns."
+                    )
+            if not np.array_equal(train.available, test.available):
+                raise DataError(
+                    f"client {train.name!r} must have the same availability in train and test. "
+                    f"Found features {np.flatnonzero(train.available).tolist()} in train and "
+                    f"{np.flatnonzero(test.available).tolist()} in test."
+                )
+
+
+def _check_feature_count(count: int, where: str) -> None:
+    """Imputing from other features needs at least two of them."""
+    if count < 2:
+        raise DataError(f"{where} must have at least 2 feature columns. Found {count}.")
+
+
+def _check_numeric(frame: pd.DataFrame, where: str) -> None:
+    """Refuse non-numeric columns, naming them."""
+    bad = [str(c) for c in frame.columns if not pd.api.types.is_numeric_dtype(frame[c])]
+    if bad:
+        raise DataError(f"{where}: feature columns must be numeric. Found non-numeric {bad}.")
+
+
+def _as_float32(frame: pd.DataFrame, where: str) -> np.ndarray:
+    """The frame's values as float32 with NaN for missing; infinities are refused."""
+    values = frame.to_numpy(dtype=np.float64, na_value=np.nan).astype(np.float32)
+    if np.isinf(values).any():
+        raise DataError(
+            f"{where}: values must be finite or missing. "
+            f"Found {int(np.isinf(values).sum())} infinite or beyond float32."
+        )
+    return values
+
+
+def _split_client(
+    client: ClientData, test_fraction: float, rng: np.random.Generator
+) -> tuple[ClientData, ClientData]:
+    """A seeded random (unstratified) train/test split of one client's rows, order kept."""
+    n_test = round(test_fraction * client.n)
+    if client.n - n_test < 2:
+        raise DataError(
+            f"client {client.name!r} must keep at least 2 training rows. Found {client.n} rows, "
+            f"{client.n - n_test} left for training with test_fraction {test_fraction}; "
+            "use fewer clients, a smaller test_fraction or more rows."
+        )
+    in_test = np.zeros(client.n, dtype=bool)
+    in_test[rng.permutation(client.n)[:n_test]] = True
+    return (
+        ClientData(client.name, client.values[~in_test], client.available.copy()),
+        ClientData(client.name, client.values[in_test], client.available.copy()),
+    )
+
+
+def _check_test_fraction(test_fraction: float) -> None:
+    if not 0.0 < test_fraction < 1.0:
+        raise ConfigError(f"`test_fraction` must be in (0, 1). Found {test_fraction}.")
+
+
+def _split_clients(
+    name: str,
+    features: tuple[str, ...],
+    clients: Sequence[ClientData],
+    test_fraction: float,
+    rng: np.random.Generator,
+) -> ImputationTask:
+    """Split each client's rows into train and test and assemble the task."""
+    splits = [_split_client(client, test_fraction, rng) for client in clients]
+    return ImputationTask(
+        name=name,
+        features=features,
+        train=tuple(train for train, _ in splits),
+        test=tuple(test for _, test in splits),
+    )
+
+
+def make_imputation_task(
+    frame: pd.DataFrame,
+    *,
+    name: str,
+    clients: int = 4,
+    availability: float = 0.6,
+    test_fraction: float = 0.2,
+    rng: np.random.Generator,
+) -> ImputationTask:
+    """Deal a numeric table's rows to ``clients`` clients with random feature schemas.
+
+    Rows are shuffled and dealt into near-equal parts; each client keeps ``round(availability *
+    F)`` features (at least one) drawn independently, as in FedHF-Impute ("each client keeps a
+    random 60 % of the features"), and its unavailable columns are set to NaN. Each client's rows
+    are then split into train and test by ``test_fraction``. NaN in ``frame`` is a natural
+    missing value and stays one.
+    """
+    if isinstance(clients, bool) or not isinstance(clients, Integral) or clients < 1:
+        raise ConfigError(f"`clients` must be an integer >= 1. Found {clients!r}.")
+    if not 0.0 < availability <= 1.0:
+        raise ConfigError(f"`availability` must be in (0, 1]. Found {availability}.")
+    _check_test_fraction(test_fraction)
+    _check_feature_count(frame.shape[1], f"dataset {name!r}")
+    _check_numeric(frame, f"dataset {name!r}")
+    values = _as_float32(frame, f"dataset {name!r}")
+    features = tuple(str(c) for c in frame.columns)
+    width = len(features)
+    kept = max(1, round(availability * width))
+    parts = np.array_split(rng.permutation(values.shape[0]), clients)
+    full_clients = []
+    for k, rows in enumerate(parts):
+        available = np.zeros(width, dtype=bool)
+        available[rng.choice(width, size=kept, replace=False)] = True
+        client_values = values[np.sort(rows)]
+        client_values[:, ~available] = np.nan
+        full_clients.append(ClientData(f"client-{k}", client_values, available))
+    return _split_clients(name, features, full_clients, test_fraction, rng)
+
+
+def hide_entries(
+    client: ClientData, fraction: float = HIDE_FRACTION, *, rng: np.random.Generator
+) -> tuple[ClientData, np.ndarray]:
+    """Hide a uniformly random ``fraction`` of the client's observed-and-available entries.
+
+    The evaluation protocol of every method: ``round(fraction * count)`` of the ``count``
+    observed entries become NaN in a copy; unavailable and already-missing entries are never
+    touched. Returns the copy and the bool ``(n, F)`` mask of the hidden entries, on which the
+    imputation error is measured.
+    """
+    if not 0.0 <= fraction <= 1.0:
+        raise ConfigError(f"`fraction` must be in [0, 1]. Found {fraction}.")
+    candidates = np.flatnonzero(client.observed.ravel())
+    chosen = rng.choice(candidates, size=round(fraction * candidates.size), replace=False)
+    hidden = np.zeros(client.values.shape, dtype=bool)
+    hidden.flat[chosen] = True
+    values = client.values.copy()
+    values[hidden] = np.nan
+    return ClientData(client.name, values, client.available.copy()), hidden
+
+
+def client_from_frame(name: str, frame: pd.DataFrame, features: Sequence[str]) -> ClientData:
+    """Place one client's table into the global ``features``: its columns are its schema.
+
+    A feature absent from ``frame`` is unavailable at this client; NaN inside a present column is
+    missing. An ``id`` column is ignored; a column that is not one of ``features`` is refused.
+    """
+    frame = frame.drop(columns=[c for c in frame.columns if str(c) == ID_COLUMN])
+    columns = [str(c) for c in frame.columns]
+    index = {feature: position for position, feature in enumerate(features)}
+    unknown = [c for c in columns if c not in index]
+    if unknown:
+        raise DataError(
+            f"client {name!r}: columns must be among the {len(index)} global features. "
+            f"Found unknown {unknown}."
+        )
+    _check_numeric(frame, f"client {name!r}")
+    values = np.full((len(frame), len(index)), np.nan, dtype=np.float32)
+    positions = [index[c] for c in columns]
+    values[:, positions] = _as_float32(frame, f"client {name!r}")
+    available = np.zeros(len(index), dtype=bool)
+    available[positions] = True
+    return ClientData(name, values, available)
+
+
+def _read_client_frame(path: Path) -> pd.DataFrame:
+    """Read one client's CSV or Parquet file; refuse unreadable, empty or non-numeric files."""
+    suffix = path.suffix.lower()
+    if suffix not in _SUFFIXES:
+        raise DataError(f"{path} must be a .csv or .parquet file. Found suffix {suffix!r}.")
+    if not path.is_file():
+        raise DataError(f"expected a client file at {path}. Found no such file.")
+    try:
+        if suffix == ".csv":
+            frame = pd.read_csv(path, dtype={ID_COLUMN: str})
+        else:
+            frame = pd.read_parquet(path)
+    except (ValueError, OSError, pd.errors.ParserError) as error:
+        raise DataError(f"{path} could not be read as {suffix[1:]}: {error}") from None
+    frame.columns = [str(c) for c in frame.columns]
+    features = frame.drop(columns=[c for c in frame.columns if c == ID_COLUMN])
+    if features.shape[1] == 0:
+        raise DataError(f"{path} must have at least one feature column. Found none.")
+    if len(frame) == 0:
+        raise DataError(f"{path} must have at least one row. Found none.")
+    _check_numeric(features, str(path))
+    return features
+
+
+def read_client_files(paths: Sequence[Path]) -> tuple[tuple[str, ...], list[ClientData]]:
+    """Read one CSV or Parquet file per client into the global feature space.
+
+    The global features are the union of the files' columns in first-seen order; a column absent
+    from a file is unavailable at that client, an empty cell is missing, an ``id`` column is
+    ignored. Clients are named by file stem, which must be distinct.
+    """
+    if not paths:
+        raise ConfigError("at least one client file is needed. Found none.")
+    frames: dict[str, pd.DataFrame] = {}
+    for path in map(Path, paths):
+        if path.stem in frames:
+            raise DataError(
+                f"client files must have distinct names (file stems). Found {path.stem!r} twice, "
+                f"the second at {path}; rename one of them."
+            )
+        frames[path.stem] = _read_client_frame(path)
+    features: dict[str, None] = {}
+    for frame in frames.values():
+        features.update(dict.fromkeys(frame.columns))
+    names = tuple(features)
+    _check_feature_count(len(names), f"the client files together ({', '.join(map(str, paths))})")
+    return names, [client_from_frame(stem, frame, names) for stem, frame in frames.items()]
+
+
+def make_task_from_client_files(
+    paths: Sequence[Path], *, test_fraction: float = 0.2, rng: np.random.Generator
+) -> ImputationTask:
+    """Read the user's client files (:func:`read_client_files`) and split each client's rows
+    into train and test by ``test_fraction``."""
+    _check_test_fraction(test_fraction)
+    features, clients = read_client_files(paths)
+    return _split_clients("client-files", features, clients, test_fraction, rng)
+
+
+# --- R lazy-load databases (``Rdata.rdb`` / ``Rdata.rdx``), read without R ---------------------
+
+_LZMA2_FILTERS = [{"id": lzma.FILTER_LZMA2, "preset": 6}]
+"""R compresses lazy-load entries of type 'Z' as a raw LZMA2 stream with preset 6."""
+
+
+def _parse_r_serialized(data: bytes, where: str) -> Any:
+    """Parse and convert one R-serialized object with ``rdata``."""
+    from rdata.conversion import convert
+    from rdata.parser import parse_data
+
+    try:
+        with warnings.catch_warnings():
+            # R's data files carry no encoding tag; rdata assumes ASCII and says so.
+            warnings.filterwarnings("ignore", message="Unknown encoding", category=UserWarning)
+            return convert(parse_data(data, extension=".rds"))
+    except Exception as error:  # rdata raises many kinds on corrupt input
+        raise DataError(
+            f"{where} must hold an R-serialized object. Parsing failed: "
+            f"{type(error).__name__}: {error}"
+        ) from None
+
+
+def _decompress_entry(blob: bytes, compression: int, where: str) -> bytes:
+    """Undo R's lazy-load compression: a 4-byte big-endian length, then (types 2 and 3) a type
+    byte ('0' none, '1' zlib, '2' bzip2, 'Z' LZMA2), then the compressed bytes."""
+    if len(blob) < 5:
+        raise DataError(f"{where} must be a compressed entry of at least 5 bytes. Found {blob!r}.")
+    expected = int.from_bytes(blob[:4], "big")
+    try:
+        if compression == 1:
+            raw = zlib.decompress(blob[4:])
+        else:
+            kind, body = blob[4:5], blob[5:]
+            if kind == b"0":
+                raw = body
+            elif kind == b"1":
+                raw = zlib.decompress(body)
+            elif kind == b"2":
+                raw = bz2.decompress(body)
+            elif kind == b"Z":
+                raw = lzma.decompress(body, format=lzma.FORMAT_RAW, filters=_LZMA2_FILTERS)
+            else:
+                raise DataError(
+                    f"{where} must have compression type '0', '1', '2' or 'Z'. Found {kind!r}."
+                )
+    except (zlib.error, OSError, lzma.LZMAError) as error:
+        raise DataError(
+            f"{where} must decompress (R compression type {compression}). Found: {error}"
+        ) from None
+    if len(raw) != expected:
+        raise DataError(f"{where} declares {expected} bytes. Found {len(raw)} after decompressing.")
+    return raw
+
+
+def read_lazyload(database: Path, object_name: str) -> Any:
+    """Read one object from an R lazy-load database without R.
+
+    ``database`` is the ``.rdb`` file; its ``.rdx`` sibling is a serialized index mapping each
+    object to an (offset, length) in the ``.rdb`` and saying how entries are compressed. Data
+    frames come back as :class:`pandas.DataFrame`.
+    """
+    index_path = database.with_suffix(".rdx")
+    index = _parse_r_serialized(index_path.read_bytes(), str(index_path))
+    if not isinstance(index, dict) or "variables" not in index:
+        raise DataError(
+            f"{index_path} must be an R lazy-load index with `variables`. "
+            f"Found {type(index).__name__} {str(index)[:80]}."
+        )
+    variables = index["variables"]
+    if object_name not in variables:
+        raise DataError(
+            f"{database} must hold an object named {object_name!r}. "
+            f"Found objects: {sorted(str(v) for v in variables)}."
+        )
+    position = np.asarray(variables[object_name]).ravel()
+    if position.size != 2:
+        raise DataError(
+            f"{index_path} must give {object_name!r} as (offset, length). Found {position}."
+        )
+    offset, length = int(position[0]), int(position[1])
+    compression = int(np.asarray(index.get("compressed", 1)).ravel()[0])
+    with database.open("rb") as handle:
+        handle.seek(offset)
+        blob = handle.read(length)
+    where = f"{database} entry {object_name!r}"
+    if len(blob) != length:
+        raise DataError(f"{where} must span {length} bytes at {offset}. Found {len(blob)}.")
+    return _parse_r_serialized(_decompress_entry(blob, compression, where), where)
+
+
+def _read_lazyload_frame(database: Path, object_name: str) -> pd.DataFrame:
+    """One data frame from an R lazy-load database."""
+    frame = read_lazyload(database, object_name)
+    if not isinstance(frame, pd.DataFrame):
+        raise DataError(
+            f"{database} must hold {object_name!r} as a data frame. Found {type(frame).__name__}."
+        )
+    return frame
+
+
+# --- the registry of offline imputation datasets ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class ImputationDatasetSpec:
+    """A registered imputation dataset: an unlabelled numeric table with natural NaNs."""
+
+    name: str
+    description: str
+    source: str
+    debian_packages: tuple[str, ...]
+    shape: str
+    loader: Callable[[], pd.DataFrame]
+    files: Callable[[], list[Path]]
+
+    def is_installed(self) -> bool:
+        """True when every file the loader needs exists on this machine."""
+        return all(path.is_file() for path in self.files())
+
+    def install_hint(self) -> str:
+        """One line telling the user how to make this dataset available."""
+        if not self.debian_packages:
+            return f"{self.source}; nothing to install."
+        return f"secure-vfl datasets install {self.name}"
+
+
+IMPUTATION_DATASETS: Registry[ImputationDatasetSpec] = Registry("imputation dataset")
+"""Every imputation dataset the CLI and benchmarks can select by name (unlabelled tables, so
+apart from the classification registry ``DATASETS``)."""
+
+
+def _numeric_float_frame(frame: pd.DataFrame, columns: Sequence[str], where: str) -> pd.DataFrame:
+    """``columns`` of ``frame`` as float64 with NaN for R's NA, on a fresh 0..n-1 index."""
+    missing = [c for c in columns if c not in frame.columns]
+    if missing:
+        raise DataError(
+            f"{where} must have columns {list(columns)}. Found {list(frame.columns)} "
+            f"(missing {missing})."
+        )
+    selected = frame[list(columns)]
+    _check_numeric(selected, where)
+    return pd.DataFrame(selected.to_numpy(dtype=np.float64, na_value=np.nan), columns=list(columns))
+
+
+_OZONE_FILE = "usr/lib/R/site-library/mlbench/data/Ozone.rda"
+OZONE_COLUMNS = tuple(f"V{i}" for i in range(4, 14))
+"""The 10 numeric columns of mlbench's Ozone; V1-V3 are month, day of month and weekday."""
+
+
+def _load_ozone() -> pd.DataFrame:
+    """LA ozone, 366 days x 10 meteorological measurements with their natural NaNs."""
+    (path,) = debian_files((_OZONE_FILE,))
+    frame = read_rda(path, "Ozone")
+    if frame.shape != (366, 13):
+        raise DataError(f"{path} must hold Ozone as 366 x 13. Found {frame.shape}.")
+    return _numeric_float_frame(frame, OZONE_COLUMNS, str(path))
+
+
+_R_DATASETS_DB = (
+    "usr/lib/R/library/datasets/data/Rdata.rdb",
+    "usr/lib/R/library/datasets/data/Rdata.rdx",
+)
+AIRQUALITY_COLUMNS = ("Ozone", "Solar.R", "Wind", "Temp")
+"""R's ``airquality`` measurements; Month and Day are calendar fields, not measurements."""
+
+
+def _load_airquality() -> pd.DataFrame:
+    """New York air quality, May-September 1973: 153 days x 4 measurements with NaNs."""
+    database, _ = debian_files(_R_DATASETS_DB)
+    frame = _read_lazyload_frame(database, "airquality")
+    if frame.shape != (153, 6):
+        raise DataError(f"{database} must hold airquality as 153 x 6. Found {frame.shape}.")
+    return _numeric_float_frame(frame, AIRQUALITY_COLUMNS, f"{database} airquality")
+
+
+_VIM_DB = (
+    "usr/lib/R/site-library/VIM/data/Rdata.rdb",
+    "usr/lib/R/site-library/VIM/data/Rdata.rdx",
+)
+
+
+def _load_chorizon() -> pd.DataFrame:
+    """Kola C-horizon geochemistry (VIM::chorizonDL), 606 samples with natural NaNs.
+
+    The ``*``-marked descriptors (sample id, country, aspect) are not measurements and columns
+    without one observed value cannot be imputed or scored: both are dropped.
+    """
+    database, _ = debian_files(_VIM_DB)
+    frame = _read_lazyload_frame(database, "chorizonDL")
+    if frame.shape != (606, 110):
+        raise DataError(f"{database} must hold chorizonDL as 606 x 110. Found {frame.shape}.")
+    columns = [
+        str(c) for c in frame.columns if not str(c).startswith("*") and frame[c].notna().any()
+    ]
+    return _numeric_float_frame(frame, columns, f"{database} chorizonDL")
+
+
+def _register_imputation_datasets() -> None:
+    """Register the offline imputation datasets (all R data read without R, GPL: loaded where
+    they were unpacked, never copied into the repo)."""
+    entries = (
+        ImputationDatasetSpec(
+            name="ozone",
+            description="LA ozone 1976 (mlbench::Ozone): 10 numeric columns V4-V13; "
+            "the AirQuality analogue of the FedHF reference run",
+            source="Debian package r-cran-mlbench",
+            debian_packages=("r-cran-mlbench",),
+            shape="366 x 10, 203 NaN",
+            loader=_load_ozone,
+            files=lambda: debian_files((_OZONE_FILE,)),
+        ),
+        ImputationDatasetSpec(
+            name="airquality",
+            description="New York air quality 1973 (R datasets::airquality): Ozone, Solar.R, "
+            "Wind, Temp; the calendar fields Month and Day are dropped",
+            source="Debian package r-base-core (R's datasets library, read without R)",
+            debian_packages=("r-base-core",),
+            shape="153 x 4, 44 NaN",
+            loader=_load_airquality,
+            files=lambda: debian_files(_R_DATASETS_DB),
+        ),
+        ImputationDatasetSpec(
+            name="chorizon",
+            description="Kola C-horizon soil geochemistry (VIM::chorizonDL), wide: element "
+            "concentrations, coordinates, elevation; id/country/aspect and 3 never-observed "
+            "columns dropped",
+            source="Debian package r-cran-vim",
+            debian_packages=("r-cran-vim",),
+            shape="606 x 104, 8260 NaN",
+            loader=_load_chorizon,
+            files=lambda: debian_files(_VIM_DB),
+        ),
+    )
+    for spec in entries:
+        IMPUTATION_DATASETS.register(spec.name, spec)
+
+
+_register_imputation_datasets()
+
+
+def load_imputation_dataset(name: str) -> pd.DataFrame:
+    """Load a registered imputation dataset as a float64 table with NaN for missing values."""
+    spec = IMPUTATION_DATASETS.get(name)
+    require_installed(name, spec.files())
+    return spec.loader()
+
+
+def imputation_dataset_status() -> list[tuple[ImputationDatasetSpec, bool]]:
+    """Every registered imputation dataset with whether its files are here, sorted by name."""
+    return [
+        (spec, spec.is_installed()) for spec in map(IMPUTATION_DATASETS.get, IMPUTATION_DATASETS)
+    ]
+
+
+def install_imputation_dataset(name: str, *, log: Callable[[str], None] = print) -> None:
+    """Fetch and unpack the Debian packages of imputation dataset ``name`` (the same steps and
+    errors as :func:`secure_vfl.data.datasets.install_dataset`)."""
+    spec = IMPUTATION_DATASETS.get(name)
+    install_debian_dataset(name, spec.debian_packages, spec.files, log=log)
