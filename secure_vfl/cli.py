@@ -46,6 +46,14 @@ non_negative_int = _number(int, "a non-negative integer", lambda v: v >= 0)
 probability = _number(float, "a probability in [0, 1)", lambda v: 0 <= v < 1)
 positive_float = _number(float, "a positive number", lambda v: v > 0)
 parties_count = _number(int, "an integer number of parties in [2, 10]", lambda v: 2 <= v <= 10)
+clients_count = _number(int, "an integer number of clients in [2, 64]", lambda v: 2 <= v <= 64)
+share = _number(float, "a share in (0, 1]", lambda v: 0 < v <= 1)
+
+
+def _imputer_names() -> list[str]:
+    from secure_vfl.methods.imputation import IMPUTERS
+
+    return IMPUTERS.names()
 
 
 def existing_file(text: str) -> Path:
@@ -140,6 +148,54 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--overwrite", action="store_true", help="replace DIR/result.json")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
 
+    impute = commands.add_parser(
+        "impute", help="federated imputation across clients with different feature schemas"
+    )
+    impute.add_argument("--method", required=True, choices=_imputer_names())
+    impute_source = impute.add_mutually_exclusive_group(required=True)
+    impute_source.add_argument(
+        "--dataset", help="an imputation dataset (see `secure-vfl datasets`)"
+    )
+    impute_source.add_argument(
+        "--client-file",
+        type=existing_file,
+        action="append",
+        metavar="PATH",
+        help="one CSV/Parquet file per client: NaN = missing, absent column = unavailable",
+    )
+    impute.add_argument("--clients", type=clients_count, default=4, metavar="K")
+    impute.add_argument(
+        "--availability",
+        type=share,
+        default=0.6,
+        metavar="A",
+        help="share of the features each client keeps (with --dataset)",
+    )
+    impute.add_argument("--rounds", type=positive_int, default=30, metavar="R")
+    impute.add_argument("--local-epochs", type=positive_int, default=2, metavar="E")
+    impute.add_argument("--batch-size", type=positive_int, default=16, metavar="B")
+    impute.add_argument("--lr", type=positive_float, default=1e-3)
+    impute.add_argument("--seed", type=non_negative_int, default=0, metavar="S")
+    impute.add_argument(
+        "--out",
+        type=Path,
+        metavar="DIR",
+        help="output directory (default runs/impute-METHOD-DATASET-sSEED)",
+    )
+    impute.add_argument(
+        "--store",
+        type=Path,
+        metavar="PATH",
+        help="SQLite results store (default: results.sqlite beside DIR)",
+    )
+    impute.add_argument(
+        "--save-imputed",
+        action="store_true",
+        help="also write each client's imputed table to DIR/imputed/",
+    )
+    impute.add_argument("--overwrite", action="store_true", help="replace DIR/result.json")
+    impute.add_argument("--quiet", action="store_true", help="no progress bar")
+
     datasets = commands.add_parser("datasets", help="list datasets, or install them")
     datasets.add_argument("action", nargs="?", choices=["list", "install"], default="list")
     datasets.add_argument("names", nargs="*", metavar="NAME")
@@ -231,6 +287,99 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_impute(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from secure_vfl.data.imputation import IMPUTATION_DATASETS
+    from secure_vfl.experiment import ImputeRunConfig, prepare_imputation_task, run_imputation
+    from secure_vfl.io import atomic_write_json
+    from secure_vfl.methods.imputation import ImputeConfig
+    from secure_vfl.store import ResultsStore
+
+    config = ImputeRunConfig(
+        method=args.method,
+        dataset=args.dataset,
+        client_files=tuple(args.client_file or ()),
+        clients=args.clients,
+        availability=args.availability,
+        seed=args.seed,
+        impute_config=ImputeConfig(
+            rounds=args.rounds,
+            local_epochs=args.local_epochs,
+            batch_size=args.batch_size,
+            lr=args.lr,
+        ),
+    )
+    if config.dataset is not None:
+        spec = IMPUTATION_DATASETS.get(config.dataset)
+        if not spec.is_installed():
+            raise ConfigError(f"dataset {config.dataset!r} is not installed. {spec.install_hint()}")
+    out: Path = args.out or Path("runs") / (
+        f"impute-{config.method}-{config.data_name}-s{config.seed}"
+    )
+    if (out / "result.json").exists() and not args.overwrite:
+        raise ConfigError(
+            f"{out / 'result.json'} exists; expected a new --out directory (or --overwrite)."
+        )
+    store = ResultsStore(args.store or out.parent / "results.sqlite")
+    task = prepare_imputation_task(config)
+    with tqdm(
+        total=config.impute_config.rounds,
+        desc=config.method,
+        unit="round",
+        disable=args.quiet,
+        leave=False,
+    ) as bar:
+
+        def on_round(round: int, rmse: float) -> None:
+            bar.update(1)
+            bar.set_postfix(val_rmse=f"{rmse:.3f}")
+
+        result, imputer = run_imputation(config, task=task, on_round=on_round)
+    if args.save_imputed:
+        _save_imputed(out / "imputed", task, imputer)
+    atomic_write_json(out / "result.json", result.to_json())
+    store.add(result.to_json(), kind="impute", out_dir=out)
+    lines = [
+        f"{result.method} on {result.dataset} ({len(result.clients)} clients) "
+        f"in {result.wall_time_s:.1f} s",
+        f"{'client':<20}{'RMSE (std units)':>18}{'hidden entries':>16}",
+    ]
+    for name, rmse in result.rmse_per_client.items():
+        lines.append(f"{name:<20}{rmse:>18.4f}{result.hidden_per_client[name]:>16}")
+    lines.append(
+        f"{'all clients':<20}{result.rmse:>18.4f}{sum(result.hidden_per_client.values()):>16}"
+    )
+    lines.append(f"result: {out / 'result.json'}")
+    print("\n".join(lines))
+    return 0
+
+
+def _save_imputed(directory: Path, task: Any, imputer: Any) -> None:
+    """Each client's rows (training, then test) with missing-but-available entries filled."""
+    import numpy as np
+    import pandas as pd
+
+    from secure_vfl.data.imputation import ClientData
+    from secure_vfl.io import atomic_write
+
+    for k, (train, test) in enumerate(zip(task.train, task.test, strict=True)):
+        rows = ClientData(
+            name=train.name,
+            values=np.concatenate([train.values, test.values]),
+            available=train.available,
+        )
+        imputed = imputer.impute(k, rows)
+        columns = [f for f, keep in zip(task.features, train.available, strict=True) if keep]
+        frame = pd.DataFrame(imputed[:, train.available], columns=columns)
+        frame.insert(0, "split", ["train"] * train.n + ["test"] * test.n)
+
+        def write(tmp: Path, frame: pd.DataFrame = frame) -> None:
+            frame.to_csv(tmp, index=False)
+
+        atomic_write(directory / f"{train.name}.csv", write)
+
+
 def run_datasets(args: argparse.Namespace) -> int:
     from secure_vfl.data.datasets import DATASETS, dataset_status, install_dataset
     from secure_vfl.data.imputation import (
@@ -284,6 +433,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "train":
             return run_train(args)
+        if args.command == "impute":
+            return run_impute(args)
         return run_datasets(args)
     except SecureVFLError as error:
         print(f"secure-vfl: error: {error}", file=sys.stderr)

@@ -526,20 +526,40 @@ _VIM_DB = (
 )
 
 
+CHORIZON_NOT_CONCENTRATIONS = ("XCOO", "YCOO", "ELEV")
+"""chorizonDL columns that are coordinates or elevation, not element concentrations."""
+CHORIZON_CODES = ("LITO", "TOPC")
+"""chorizonDL's lithology and topography class codes: categories, not quantities to impute."""
+CHORIZON_MIN_DISTINCT = 5
+"""Columns with fewer distinct observed values are detection-limit artefacts, not measurements."""
+
+
 def _load_chorizon() -> pd.DataFrame:
     """Kola C-horizon geochemistry (VIM::chorizonDL), 606 samples with natural NaNs.
 
-    The ``*``-marked descriptors (sample id, country, aspect) are not measurements and columns
-    without one observed value cannot be imputed or scored: both are dropped.
+    Dropped: the ``*``-marked descriptors (sample id, country, aspect), the class codes LITO and
+    TOPC, and columns with fewer than 5 distinct observed values (never observed, or only at a
+    detection limit). Element concentrations are positive and heavy-tailed (max / median up to
+    250), so they are log10-transformed, as is usual for geochemical data; otherwise a few
+    extreme entries, standardised by a near-constant training column, dominate every RMSE.
     """
     database, _ = debian_files(_VIM_DB)
     frame = _read_lazyload_frame(database, "chorizonDL")
     if frame.shape != (606, 110):
         raise DataError(f"{database} must hold chorizonDL as 606 x 110. Found {frame.shape}.")
     columns = [
-        str(c) for c in frame.columns if not str(c).startswith("*") and frame[c].notna().any()
+        str(c)
+        for c in frame.columns
+        if not str(c).startswith("*")
+        and str(c) not in CHORIZON_CODES
+        and frame[c].nunique(dropna=True) >= CHORIZON_MIN_DISTINCT
     ]
-    return _numeric_float_frame(frame, columns, f"{database} chorizonDL")
+    numeric = _numeric_float_frame(frame, columns, f"{database} chorizonDL")
+    concentrations = [c for c in numeric.columns if c not in CHORIZON_NOT_CONCENTRATIONS]
+    if (numeric[concentrations] <= 0).any().any():
+        raise DataError(f"{database} chorizonDL concentrations must be positive to take logs.")
+    numeric[concentrations] = np.log10(numeric[concentrations])
+    return numeric
 
 
 def _register_imputation_datasets() -> None:
@@ -568,12 +588,12 @@ def _register_imputation_datasets() -> None:
         ),
         ImputationDatasetSpec(
             name="chorizon",
-            description="Kola C-horizon soil geochemistry (VIM::chorizonDL), wide: element "
-            "concentrations, coordinates, elevation; id/country/aspect and 3 never-observed "
-            "columns dropped",
+            description="Kola C-horizon soil geochemistry (VIM::chorizonDL), wide: log10 element "
+            "concentrations, coordinates, elevation; descriptors, class codes and columns with "
+            "< 5 distinct values dropped",
             source="Debian package r-cran-vim",
             debian_packages=("r-cran-vim",),
-            shape="606 x 104, 8260 NaN",
+            shape="606 x 99, 7659 NaN",
             loader=_load_chorizon,
             files=lambda: debian_files(_VIM_DB),
         ),

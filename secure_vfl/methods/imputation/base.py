@@ -1,0 +1,127 @@
+"""What every imputation method shares: its configuration, its interface and the rule of eq. 7."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from secure_vfl.data.imputation import ClientData, ImputationTask
+from secure_vfl.errors import ConfigError, DataError
+from secure_vfl.federation.aggregator import Aggregator
+from secure_vfl.federation.channel import Channel
+from secure_vfl.registry import Registry
+
+RoundCallback = Callable[[int, float], None]
+
+
+def _positive_int(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"`{name}` must be a positive integer. Found {value!r}.")
+
+
+def _fraction(name: str, value: float, *, closed: bool) -> None:
+    upper_ok = value <= 1.0 if closed else value < 1.0
+    if isinstance(value, bool) or not (isinstance(value, int | float) and value > 0 and upper_ok):
+        interval = "(0, 1]" if closed else "(0, 1)"
+        raise ConfigError(f"`{name}` must be in {interval}. Found {value!r}.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImputeConfig:
+    """Hyper-parameters of FedHF-Impute and its neural baselines (defaults: DESIGN section 5).
+
+    ``batch_size=16`` rather than the reference's 64: clients of ~60 training rows would
+    otherwise train on one or two batches per epoch (REFERENCE.md). ``validation_fraction`` of
+    each client's observed-and-available training entries is held out from training as the
+    fixed validation mask Omega_val (Algorithm 2, line 14). ``hidden`` is the GNN's d and the
+    DAE's width; ``layers`` and ``top_k`` concern FedHF only; the non-neural baselines use none.
+    """
+
+    rounds: int = 30
+    local_epochs: int = 2
+    batch_size: int = 16
+    lr: float = 1e-3
+    hidden: int = 128
+    layers: int = 3
+    top_k: int = 8
+    block_fraction: float = 0.25
+    client_fraction: float = 1.0
+    validation_fraction: float = 0.2
+
+    def __post_init__(self) -> None:
+        for name in ("rounds", "local_epochs", "batch_size", "hidden", "layers", "top_k"):
+            _positive_int(name, getattr(self, name))
+        if isinstance(self.lr, bool) or not (
+            isinstance(self.lr, int | float) and self.lr > 0 and np.isfinite(self.lr)
+        ):
+            raise ConfigError(f"`lr` must be a positive number. Found {self.lr!r}.")
+        _fraction("block_fraction", self.block_fraction, closed=True)
+        _fraction("client_fraction", self.client_fraction, closed=True)
+        _fraction("validation_fraction", self.validation_fraction, closed=False)
+
+
+class Imputer(Protocol):
+    """A fitted-on-training-rows imputer that fills one client's rows by the rule of eq. 7."""
+
+    name: str
+
+    def fit(self, *, on_round: RoundCallback | None = None) -> list[float]:
+        """Train; return the validation RMSE of every round ([] for non-iterative methods)."""
+        ...
+
+    def impute(self, client_index: int, client: ClientData) -> np.ndarray:
+        """Client ``client_index``'s rows filled: float32 (n, F), raw scale, NaN if unavailable."""
+        ...
+
+
+class ImputerFactory(Protocol):
+    """Builds an imputer for a task; each method's module registers one."""
+
+    def __call__(
+        self,
+        task: ImputationTask,
+        config: ImputeConfig,
+        *,
+        seed: int,
+        aggregator: Aggregator | None = None,
+        channel: Channel | None = None,
+    ) -> Imputer: ...
+
+
+IMPUTERS: Registry[ImputerFactory] = Registry("imputer")
+
+
+def check_client(task: ImputationTask, client_index: int, client: ClientData) -> None:
+    """Refuse rows that do not belong to training client ``client_index``'s schema."""
+    clients = len(task.train)
+    if not 0 <= client_index < clients:
+        raise DataError(f"`client_index` must be in [0, {clients}). Found {client_index}.")
+    reference = task.train[client_index]
+    if client.values.ndim != 2 or client.values.shape[1] != len(task.features):
+        raise DataError(
+            f"rows of {client.name} must have {len(task.features)} columns. "
+            f"Found shape {client.values.shape}."
+        )
+    if not np.array_equal(client.available, reference.available):
+        raise DataError(
+            f"rows of {client.name} must have the availability mask of {reference.name} "
+            f"(the schema the imputer was fitted on); found a different mask."
+        )
+
+
+def imputation_rule(client: ClientData, predicted: np.ndarray) -> np.ndarray:
+    """Eq. 7: observed values kept exactly, missing-but-available entries from ``predicted``,
+    schema-unavailable features left NaN."""
+    observed = client.observed
+    fill = ~observed & client.available[None, :]
+    if not np.all(np.isfinite(predicted[fill])):
+        raise DataError(
+            f"the imputer must predict finite values for the missing-but-available entries of "
+            f"{client.name}; found {int((~np.isfinite(predicted[fill])).sum())} non-finite."
+        )
+    out = np.where(observed, client.values, predicted).astype(np.float32)
+    out[:, ~client.available] = np.nan
+    return out

@@ -1,0 +1,94 @@
+"""`secure-vfl impute`: bad input refused in one line, good input writes result and tables."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from secure_vfl.cli import main
+from secure_vfl.store import ResultsStore
+
+BAD_FLAGS = [
+    (["--clients", "1"], "expected an integer number of clients in [2, 64], found '1'"),
+    (["--availability", "0"], "expected a share in (0, 1], found '0'"),
+    (["--availability", "1.5"], "expected a share in (0, 1], found '1.5'"),
+    (["--rounds", "0"], "expected a positive integer, found '0'"),
+    (["--local-epochs", "-1"], "expected a positive integer, found '-1'"),
+    (["--lr", "0"], "expected a positive number, found '0'"),
+    (["--method", "magic"], "invalid choice: 'magic'"),
+]
+
+
+@pytest.mark.parametrize(("extra", "message"), BAD_FLAGS)
+def test_bad_impute_flags_are_refused_and_nothing_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    argv = ["impute", "--method", "fedhf", "--dataset", "ozone", "--out", str(tmp_path / "r")]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, *extra])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unknown_imputation_dataset_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["impute", "--method", "mean", "--dataset", "digits", "--out", str(tmp_path / "r")])
+    assert code == 2
+    assert "unknown imputation dataset 'digits'" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_impute_writes_result_store_row_and_imputed_tables(tmp_path: Path) -> None:
+    out = tmp_path / "fedhf"
+    argv = [
+        "impute",
+        "--method",
+        "fedhf",
+        "--dataset",
+        "ozone",
+        "--rounds",
+        "2",
+        "--out",
+        str(out),
+        "--save-imputed",
+        "--quiet",
+    ]
+    assert main(argv) == 0
+    result = json.loads((out / "result.json").read_text())
+    assert result["method"] == "fedhf" and result["dataset"] == "ozone"
+    assert len(result["validation_curve"]) == 2
+    assert set(result["rmse_per_client"]) == {f"client-{k}" for k in range(4)}
+    assert 0.0 < result["rmse"] < 3.0
+    rows = ResultsStore(tmp_path / "results.sqlite").rows()
+    assert len(rows) == 1 and rows[0]["kind"] == "impute"
+    for name, info in result["clients"].items():
+        table = pd.read_csv(out / "imputed" / f"{name}.csv")
+        assert len(table) == info["train_rows"] + info["test_rows"]
+        assert table.shape[1] == info["available_features"] + 1  # + the split column
+        assert not table.drop(columns="split").isna().any().any()
+
+
+def test_impute_on_the_users_own_client_files(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    latent = rng.normal(size=(200, 2))
+    full = pd.DataFrame(latent @ rng.normal(size=(2, 6)), columns=[f"x{i}" for i in range(6)])
+    full[rng.random(full.shape) < 0.1] = np.nan
+    paths = []
+    for k, columns in enumerate([["x0", "x1", "x2", "x3"], ["x2", "x3", "x4", "x5"]]):
+        path = tmp_path / f"site{k}.csv"
+        full.iloc[k * 100 : (k + 1) * 100][columns].to_csv(path, index=False)
+        paths.append(path)
+    argv = ["impute", "--method", "knn", "--out", str(tmp_path / "own"), "--quiet"]
+    for path in paths:
+        argv += ["--client-file", str(path)]
+    assert main(argv) == 0
+    result = json.loads((tmp_path / "own" / "result.json").read_text())
+    assert result["dataset"] == "client-files"
+    assert set(result["rmse_per_client"]) == {"site0", "site1"}

@@ -1,0 +1,172 @@
+"""Federated statistics and the feature graph equal what pooling the clients' rows would give."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from secure_vfl.data.imputation import ClientData
+from secure_vfl.errors import ConfigError, DataError
+from secure_vfl.federation.channel import Channel, RecordingLayer
+from secure_vfl.federation.messages import RepresentationMessage
+from secure_vfl.methods.imputation import ImputeConfig, federated_statistics
+from secure_vfl.models.feature_graph import FeatureGraph
+
+
+def _clients() -> list[ClientData]:
+    """Three clients, nine features: NaNs, heterogeneous schemas and the awkward cases.
+
+    Feature 2 has mean 1e4 and std 1 (raw float32 sums of squares would cancel); feature 6 is
+    constant (no correlation defined); features 7 and 8 are never co-observed except in one row
+    (n = 1: undefined); features 0 and 1 are never available at the same client.
+    """
+    rng = np.random.default_rng(3)
+    latent = rng.normal(size=(90, 2))
+    x = latent @ rng.normal(size=(2, 9)) + 0.3 * rng.normal(size=(90, 9))
+    x[:, 2] = 1e4 + x[:, 2]
+    x[:, 6] = 7.0
+    x[rng.random(x.shape) < 0.25] = np.nan
+    availability = [
+        [1, 0, 1, 1, 1, 0, 1, 1, 0],
+        [0, 1, 1, 1, 0, 1, 1, 0, 1],
+        [0, 1, 1, 0, 1, 1, 1, 1, 1],
+    ]
+    clients = []
+    for k, rows in enumerate((slice(0, 25), slice(25, 55), slice(55, 90))):
+        available = np.array(availability[k], dtype=bool)
+        values = x[rows].astype(np.float32)
+        values[:, ~available] = np.nan
+        if k == 2:  # features 7 and 8 share exactly one observed row
+            values[:, 8] = np.nan
+            values[0, 7] = values[0, 8] = 1.5
+        clients.append(ClientData(f"client-{k}", values, available))
+    return clients
+
+
+def _pooled(clients: list[ClientData]) -> pd.DataFrame:
+    return pd.DataFrame(np.concatenate([c.values for c in clients]).astype(np.float64))
+
+
+def _reference_graph(correlation: np.ndarray, top_k: int) -> dict[int, dict[int, float]]:
+    """Top-k |corr| neighbours of each feature, written the plain way, weights / global max."""
+    features = correlation.shape[0]
+    edges = {}
+    for i in range(features):
+        scored = [
+            (abs(correlation[i, j]), j)
+            for j in range(features)
+            if j != i and np.isfinite(correlation[i, j])
+        ]
+        scored.sort(key=lambda item: (-item[0], item[1]))
+        edges[i] = dict((j, s) for s, j in scored[:top_k])
+    largest = max(s for row in edges.values() for s in row.values())
+    return {i: {j: s / largest for j, s in row.items()} for i, row in edges.items()}
+
+
+def test_federated_statistics_equal_pooled_statistics() -> None:
+    clients = _clients()
+    statistics = federated_statistics(clients)
+    pooled = _pooled(clients)
+    np.testing.assert_allclose(statistics.standardisation.mean, pooled.mean(), rtol=1e-6)
+    np.testing.assert_allclose(statistics.standardisation.std[:6], pooled.std(ddof=0)[:6], 1e-5)
+    assert statistics.standardisation.std[6] == 1.0  # constant feature: std 1, not 0
+    observed = pooled.notna().to_numpy().astype(np.int64)
+    np.testing.assert_array_equal(statistics.counts, observed.T @ observed)
+    expected = pooled.corr(min_periods=2).to_numpy().copy()
+    np.fill_diagonal(expected, np.nan)
+    got = statistics.correlation.copy()
+    np.fill_diagonal(got, np.nan)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(expected))
+    np.testing.assert_allclose(got[~np.isnan(got)], expected[~np.isnan(expected)], atol=1e-5)
+    assert np.isnan(got[0, 1]) and np.isnan(got[7, 8]) and np.all(np.isnan(got[6]))
+
+
+@pytest.mark.parametrize("top_k", [2, 8])
+def test_feature_graph_from_federated_statistics_equals_graph_from_pooled_data(top_k) -> None:
+    clients = _clients()
+    graph = federated_statistics(clients).graph(top_k=top_k)
+    reference = _reference_graph(_pooled(clients).corr(min_periods=2).to_numpy(), top_k)
+    assert graph.neighbours.shape == (9, top_k)
+    for i in range(9):
+        got = {
+            int(j): float(w)
+            for j, w, valid in zip(
+                graph.neighbours[i], graph.weights[i], graph.mask[i], strict=True
+            )
+            if valid
+        }
+        assert set(got) == set(reference[i])
+        for j, weight in reference[i].items():
+            assert got[j] == pytest.approx(weight, abs=1e-5)
+    assert float(graph.weights.max()) == pytest.approx(1.0)
+    assert not graph.mask[6].any()  # the constant feature has no neighbours at all
+
+
+def test_statistics_travel_as_sums_through_the_seam() -> None:
+    clients = _clients()
+    recorder = RecordingLayer()
+    federated_statistics(clients, channel=Channel([recorder]))
+    sent = [m for m in recorder.messages if isinstance(m, RepresentationMessage)]
+    assert [m.round for m in sent] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    features = 9
+    sizes = {m.round: m.representation.shape for m in sent}
+    assert sizes == {
+        0: (1, 2 * features),
+        1: (1, features),
+        2: (1, features * (features + 1) + 2 * features * features),
+    }
+    assert recorder.kinds().count("sum") == 3
+
+
+def test_feature_graph_keeps_the_strongest_neighbours_and_pads_the_rest() -> None:
+    correlation = np.array(
+        [
+            [1.0, -0.9, 0.3, np.nan],
+            [-0.9, 1.0, 0.3, 0.3],
+            [0.3, 0.3, 1.0, np.nan],
+            [np.nan, 0.3, np.nan, 1.0],
+        ]
+    )
+    graph = FeatureGraph.from_correlation(correlation, top_k=3)
+    assert graph.neighbours[0].tolist()[:2] == [1, 2] and graph.mask[0].tolist() == [1, 1, 0]
+    assert graph.neighbours[0, 2] == 0 and graph.weights[0, 2] == 0.0  # padding: self, weight 0
+    assert graph.neighbours[1].tolist() == [0, 2, 3]  # the tie 0.3 / 0.3 goes to the lower index
+    np.testing.assert_allclose(graph.weights[1], [1.0, 1 / 3, 1 / 3], rtol=1e-6)
+    assert graph.mask[3].tolist() == [True, False, False]
+
+
+def test_feature_graph_refuses_inconsistent_tables() -> None:
+    with pytest.raises(DataError, match="`weights` must be a float32 array of shape"):
+        FeatureGraph(
+            neighbours=np.zeros((2, 1), dtype=np.int64),
+            weights=np.zeros((2, 2), dtype=np.float32),
+            mask=np.zeros((2, 1), dtype=bool),
+        )
+    with pytest.raises(ConfigError, match=r"`top_k` must be a positive integer\. Found 0\."):
+        FeatureGraph.from_correlation(np.eye(3), top_k=0)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("rounds", 0, "`rounds` must be a positive integer. Found 0."),
+        ("local_epochs", 1.5, "`local_epochs` must be a positive integer. Found 1.5."),
+        ("batch_size", True, "`batch_size` must be a positive integer. Found True."),
+        ("top_k", -1, "`top_k` must be a positive integer. Found -1."),
+        ("lr", 0.0, "`lr` must be a positive number. Found 0.0."),
+        ("lr", float("nan"), "`lr` must be a positive number. Found nan."),
+        ("block_fraction", 0.0, r"`block_fraction` must be in \(0, 1\]. Found 0.0."),
+        ("client_fraction", 1.5, r"`client_fraction` must be in \(0, 1\]. Found 1.5."),
+        ("validation_fraction", 1.0, r"`validation_fraction` must be in \(0, 1\). Found 1.0."),
+    ],
+)
+def test_config_refuses_bad_values(field, value, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ImputeConfig(**{field: value})
+
+
+def test_config_defaults_follow_the_design() -> None:
+    config = ImputeConfig()
+    assert (config.rounds, config.local_epochs, config.batch_size, config.lr) == (30, 2, 16, 1e-3)
+    assert (config.hidden, config.layers, config.top_k, config.block_fraction) == (128, 3, 8, 0.25)
