@@ -172,6 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of the features each client keeps (with --dataset)",
     )
     impute.add_argument("--rounds", type=positive_int, default=30, metavar="R")
+    impute.add_argument(
+        "--client-fraction",
+        type=share,
+        default=1.0,
+        metavar="C",
+        help="share of the clients sampled for each FedAvg round",
+    )
     impute.add_argument("--local-epochs", type=positive_int, default=2, metavar="E")
     impute.add_argument("--batch-size", type=positive_int, default=16, metavar="B")
     impute.add_argument("--lr", type=positive_float, default=1e-3)
@@ -305,6 +312,7 @@ def run_impute(args: argparse.Namespace) -> int:
         seed=args.seed,
         impute_config=ImputeConfig(
             rounds=args.rounds,
+            client_fraction=args.client_fraction,
             local_epochs=args.local_epochs,
             batch_size=args.batch_size,
             lr=args.lr,
