@@ -32,16 +32,12 @@ from secure_vfl.data.datasets import (
     read_rda,
     require_installed,
 )
+from secure_vfl.data.party_files import ID_COLUMN, read_table
 from secure_vfl.errors import ConfigError, DataError
 from secure_vfl.registry import Registry
 
-ID_COLUMN = "id"
-"""A column of this name in a client file identifies rows and is not a feature."""
-
 HIDE_FRACTION = 0.2
 """Share of observed-and-available entries the evaluation protocol hides (FedHF-Impute)."""
-
-_SUFFIXES = (".csv", ".parquet", ".pq")
 
 
 @dataclass(frozen=True, eq=False)
@@ -287,24 +283,10 @@ def client_from_frame(name: str, frame: pd.DataFrame, features: Sequence[str]) -
 
 def _read_client_frame(path: Path) -> pd.DataFrame:
     """Read one client's CSV or Parquet file; refuse unreadable, empty or non-numeric files."""
-    suffix = path.suffix.lower()
-    if suffix not in _SUFFIXES:
-        raise DataError(f"{path} must be a .csv or .parquet file. Found suffix {suffix!r}.")
-    if not path.is_file():
-        raise DataError(f"expected a client file at {path}. Found no such file.")
-    try:
-        if suffix == ".csv":
-            frame = pd.read_csv(path, dtype={ID_COLUMN: str})
-        else:
-            frame = pd.read_parquet(path)
-    except (ValueError, OSError, pd.errors.ParserError) as error:
-        raise DataError(f"{path} could not be read as {suffix[1:]}: {error}") from None
-    frame.columns = [str(c) for c in frame.columns]
+    frame = read_table(path, what="client file")
     features = frame.drop(columns=[c for c in frame.columns if c == ID_COLUMN])
     if features.shape[1] == 0:
         raise DataError(f"{path} must have at least one feature column. Found none.")
-    if len(frame) == 0:
-        raise DataError(f"{path} must have at least one row. Found none.")
     _check_numeric(features, str(path))
     return features
 

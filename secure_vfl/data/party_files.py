@@ -41,14 +41,14 @@ class LabelTable:
     classes: tuple[object, ...]
 
 
-def _read_frame(path: Path) -> pd.DataFrame:
-    """Read a CSV or Parquet file with the ``id`` column as text."""
+def read_table(path: Path, *, what: str = "data file") -> pd.DataFrame:
+    """Read a non-empty CSV or Parquet file; an ``id`` column, if any, is read as text."""
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in _SUFFIXES:
         raise DataError(f"{path} must be a .csv or .parquet file. Found suffix {suffix!r}.")
     if not path.is_file():
-        raise DataError(f"expected a data file at {path}. Found no such file.")
+        raise DataError(f"expected a {what} at {path}. Found no such file.")
     try:
         if suffix == ".csv":
             frame = pd.read_csv(path, dtype={ID_COLUMN: str})
@@ -57,12 +57,18 @@ def _read_frame(path: Path) -> pd.DataFrame:
     except (ValueError, OSError, pd.errors.ParserError) as error:
         raise DataError(f"{path} could not be read as {suffix[1:]}: {error}") from None
     frame.columns = [str(c) for c in frame.columns]
+    if len(frame) == 0:
+        raise DataError(f"{path} must have at least one row. Found none.")
+    return frame
+
+
+def _read_frame(path: Path) -> pd.DataFrame:
+    """Read a party or label file, which must have the ``id`` column."""
+    frame = read_table(path)
     if ID_COLUMN not in frame.columns:
         raise DataError(
             f"{path} must have an `{ID_COLUMN}` column. Found columns: {list(frame.columns)}."
         )
-    if len(frame) == 0:
-        raise DataError(f"{path} must have at least one row. Found none.")
     return frame
 
 
