@@ -16,12 +16,11 @@ import argparse
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _shared import command_line, run_jobs, write_outputs
 
 METHODS = ["mean", "knn", "mice", "dae", "fed-mean", "fed-dae", "fedhf"]
 FEDERATED_BASELINES = ["fed-mean", "fed-dae"]
@@ -156,28 +155,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
 
-    from tqdm import tqdm
-
-    from secure_vfl.io import atomic_write_json, atomic_write_text
-
     if args.quick:
         args.seeds, args.rounds = args.seeds[:1], 3
     jobs = [(m, d, s, args.rounds) for d in args.datasets for m in args.methods for s in args.seeds]
     jobs.sort(key=lambda job: (job[1] != "chorizon", job[0] not in ("fedhf", "fed-dae", "dae")))
     start = time.perf_counter()
-    results = []
-    with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn")) as pool:
-        futures = [pool.submit(run_job, *job) for job in jobs]
-        for future in tqdm(as_completed(futures), total=len(futures), desc="runs", unit="run"):
-            results.append(future.result())
+    results = run_jobs(run_job, jobs, workers=args.workers)
     elapsed = time.perf_counter() - start
     results.sort(
         key=lambda r: (DATASETS.index(r["dataset"]), METHODS.index(r["method"]), r["seed"])
     )
 
-    command = "python benchmarks/fedhf_table.py " + " ".join(
-        argv if argv is not None else sys.argv[1:]
-    )
+    command = command_line("fedhf_table.py", argv)
     table, checks = summarise(results)
     text = (
         "# FedHF-Impute Table II pattern, reproduced on offline datasets\n\n"
@@ -190,11 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{table}\n\n{PAPER_TABLE}"
     )
     stem = "fedhf_table_quick" if args.quick else "fedhf_table"
-    args.out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(args.out / f"{stem}.md", text)
-    atomic_write_json(
-        args.out / f"{stem}.json", {"command": command, "results": results, "checks": checks}
-    )
+    write_outputs(args.out, stem, text, {"command": command, "results": results, "checks": checks})
     plot(results, args.out / f"{stem}.png")
     print(text)
     return 0

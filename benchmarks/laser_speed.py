@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+from _shared import command_line, write_outputs
 
 METHODS = ["local", "standard", "ensemble", "plugvfl", "laser", "combinatorial"]
 
@@ -109,8 +110,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from tqdm import tqdm
 
-    from secure_vfl.io import atomic_write_json, atomic_write_text
-
     epochs, steps = (1, 20) if args.quick else (3, 200)
     jobs = [
         Job("epoch", method, k, epochs=epochs)
@@ -130,9 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         with ProcessPoolExecutor(1, mp_context=context) as pool:
             results.append(pool.submit(run, job).result())
 
-    command = "python benchmarks/laser_speed.py " + " ".join(
-        argv if argv is not None else sys.argv[1:]
-    )
+    command = command_line("laser_speed.py", argv)
     lines = [
         "# LASER-VFL speed and memory",
         "",
@@ -172,9 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             lines.append(f"| {k} | {batching} | {fast:.2f} | {slow:.2f} | {slow / fast:.2f}x |")
     text = "\n".join(lines) + "\n"
     stem = "laser_speed_quick" if args.quick else "laser_speed"
-    args.out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(args.out / f"{stem}.md", text)
-    atomic_write_json(args.out / f"{stem}.json", {"command": command, "results": results})
+    write_outputs(args.out, stem, text, {"command": command, "results": results})
     print(text)
     return 0
 

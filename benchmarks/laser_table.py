@@ -18,13 +18,12 @@ import os
 import sys
 import time
 from collections import defaultdict
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from functools import cache
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _shared import command_line, run_jobs, write_outputs
 
 METHODS = ["local", "standard", "ensemble", "combinatorial", "plugvfl", "laser"]
 P_MISS = [0.0, 0.1, 0.5]
@@ -236,10 +235,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
 
-    from tqdm import tqdm
-
-    from secure_vfl.io import atomic_write_json, atomic_write_text
-
     plans = [PLANS[name] for name in args.datasets]
     if args.quick:
         plans = [
@@ -256,17 +251,11 @@ def main(argv: list[str] | None = None) -> int:
     # Slowest jobs first so the pool's tail is short.
     jobs.sort(key=lambda job: (job[1] != "combinatorial", job[0].name != "fashion-mnist"))
     start = time.perf_counter()
-    results = []
-    with ProcessPoolExecutor(args.workers, mp_context=get_context("spawn")) as pool:
-        futures = [pool.submit(run_job, *job) for job in jobs]
-        for future in tqdm(as_completed(futures), total=len(futures), desc="runs", unit="run"):
-            results.append(future.result())
+    results = run_jobs(run_job, jobs, workers=args.workers)
     elapsed = time.perf_counter() - start
     results.sort(key=lambda r: (r["dataset"], METHODS.index(r["method"]), r["p_train"], r["seed"]))
 
-    command = "python benchmarks/laser_table.py " + " ".join(
-        argv if argv is not None else sys.argv[1:]
-    )
+    command = command_line("laser_table.py", argv)
     body, checks = tables(results)
     setup = "\n".join(
         f"- {p.name}: train subset {p.train_subset or 'all'}, test subset "
@@ -281,11 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         f"({args.workers} workers x 1 thread).\n\n{setup}\n\n{body}"
     )
     stem = "laser_table_quick" if args.quick else "laser_table"
-    args.out.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(args.out / f"{stem}.md", text)
-    atomic_write_json(
-        args.out / f"{stem}.json", {"command": command, "results": results, "checks": checks}
-    )
+    write_outputs(args.out, stem, text, {"command": command, "results": results, "checks": checks})
     plot(results, args.out / f"{stem}.png")
     print(text)
     return 0
