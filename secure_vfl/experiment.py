@@ -147,7 +147,7 @@ def run_training(
     config: TrainConfig,
     *,
     data: VerticalData | None = None,
-    on_start: Any = None,
+    on_start: Callable[[int], None] | None = None,
     on_step: StepCallback | None = None,
 ) -> TrainResult:
     """Train ``config.method`` and evaluate it on every test missingness.
