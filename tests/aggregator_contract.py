@@ -1,0 +1,138 @@
+"""The contract every :class:`Aggregator` backend inherits: its sums equal the plain oracle's.
+
+Subclass :class:`AggregatorContract` as ``Test...`` and implement :meth:`make_aggregator` (and
+:meth:`step` when the backend rounds). The oracle is a float64 einsum of the same float32 inputs;
+the allowed error is the backend's own step plus float32 accumulation error, which bounds even
+the plain backend's float32 einsum.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor
+
+from secure_vfl.errors import ProtocolError
+from secure_vfl.federation.aggregator import Aggregator, sum_vectors
+from secure_vfl.federation.channel import Channel
+from secure_vfl.federation.messages import AGGREGATOR, RepresentationMessage, party_name
+
+PARTIES = [party_name(k) for k in range(4)]
+RECEIVER = party_name(0)
+
+
+def representations(
+    present: Tensor, width: int, generator: torch.Generator, *, round: int, batch_id: int
+) -> list[RepresentationMessage]:
+    """One message per party with any present row (``present`` (B, K)), normal values * 3."""
+    messages = []
+    for k, name in enumerate(PARTIES):
+        positions = torch.nonzero(present[:, k]).flatten()
+        if positions.numel() == 0:
+            continue
+        values = 3.0 * torch.randn(positions.numel(), width, generator=generator)
+        messages.append(
+            RepresentationMessage(
+                sender=name,
+                receiver=AGGREGATOR,
+                round=round,
+                batch_id=batch_id,
+                positions=positions,
+                representation=values,
+            )
+        )
+    return messages
+
+
+def releasable_selection(present: Tensor, tasks: int, generator: torch.Generator) -> Tensor:
+    """A random (T, B, K) selection of present parties with 0 or >= 2 contributors per sum."""
+    selection = torch.rand((tasks, *present.shape), generator=generator) < 0.6
+    selection &= present.unsqueeze(0)
+    selection[selection.sum(dim=2) == 1] = False
+    return selection
+
+
+def oracle(messages: list[RepresentationMessage], selection: Tensor) -> tuple[Tensor, Tensor]:
+    """Float64 sums of the selected representations and the sums of their magnitudes."""
+    _, batch, parties = selection.shape
+    width = messages[0].representation.shape[1]
+    dense = torch.zeros(parties, batch, width, dtype=torch.float64)
+    for message in messages:
+        dense[PARTIES.index(message.sender), message.positions] = message.representation.double()
+    chosen = selection.double()
+    return (
+        torch.einsum("tbk,kbd->tbd", chosen, dense),
+        torch.einsum("tbk,kbd->tbd", chosen, dense.abs()),
+    )
+
+
+class AggregatorContract:
+    """Behaviour every aggregation backend shares, checked against the plain oracle."""
+
+    def make_aggregator(self) -> Aggregator:
+        """A fresh backend under test."""
+        raise NotImplementedError
+
+    def step(self, parties: int) -> float:
+        """The backend's rounding bound on a sum of ``parties`` values (0 for exact backends)."""
+        return 0.0
+
+    def assert_close_to_oracle(
+        self, sums: Tensor, messages: list[RepresentationMessage], selection: Tensor
+    ) -> None:
+        expected, magnitude = oracle(messages, selection)
+        bound = self.step(selection.shape[2]) + 2.0**-23 * selection.shape[2] * magnitude
+        assert sums.dtype == torch.float32
+        error = (sums.double() - expected).abs()
+        assert bool((error <= bound).all()), f"largest error {float((error - bound).max())}"
+
+    def test_random_selections_sum_like_the_plain_oracle(self) -> None:
+        generator = torch.Generator().manual_seed(11)
+        aggregator = self.make_aggregator()
+        for batch_id in range(3):
+            present = torch.rand(32, 4, generator=generator) < 0.8
+            messages = representations(present, 8, generator, round=5, batch_id=batch_id)
+            selection = releasable_selection(present, 3, generator)
+            result = aggregator.combine(
+                messages, selection, parties=PARTIES, receiver=RECEIVER, round=5, batch_id=batch_id
+            )
+            self.assert_close_to_oracle(result.sums, messages, selection)
+            assert torch.equal(result.counts, selection.sum(dim=2))
+            assert (result.receiver, result.round, result.batch_id) == (RECEIVER, 5, batch_id)
+            result.validate()
+
+    def test_an_absent_party_is_left_out_of_every_sum(self) -> None:
+        generator = torch.Generator().manual_seed(12)
+        present = torch.rand(24, 4, generator=generator) < 0.9
+        present[:, 2] = False  # party-2 sends nothing this batch (a missing block)
+        messages = representations(present, 6, generator, round=1, batch_id=0)
+        assert party_name(2) not in {m.sender for m in messages}
+        selection = releasable_selection(present, 4, generator)
+        result = self.make_aggregator().combine(
+            messages, selection, parties=PARTIES, receiver=RECEIVER, round=1, batch_id=0
+        )
+        self.assert_close_to_oracle(result.sums, messages, selection)
+        nobody = selection.sum(dim=2) == 0
+        assert bool((result.sums[nobody] == 0).all())
+
+    def test_sum_vectors_adds_whole_vectors(self) -> None:
+        generator = torch.Generator().manual_seed(13)
+        vectors = {name: torch.randn(50, generator=generator) for name in PARTIES[:3]}
+        total = sum_vectors(self.make_aggregator(), Channel(), vectors, receiver="server", round=2)
+        expected = sum(v.double() for v in vectors.values())
+        magnitude = sum(v.double().abs() for v in vectors.values())
+        assert isinstance(expected, Tensor) and isinstance(magnitude, Tensor)
+        bound = self.step(3) + 2.0**-23 * 3 * magnitude
+        assert bool(((total.double() - expected).abs() <= bound).all())
+
+    def test_a_selection_of_a_representation_never_sent_is_refused(self) -> None:
+        generator = torch.Generator().manual_seed(14)
+        present = torch.ones(8, 4, dtype=torch.bool)
+        present[3, 1] = False
+        messages = representations(present, 4, generator, round=0, batch_id=0)
+        selection = torch.zeros(1, 8, 4, dtype=torch.bool)
+        selection[0, 3, :2] = True
+        with pytest.raises(ProtocolError, match="did not send"):
+            self.make_aggregator().combine(
+                messages, selection, parties=PARTIES, receiver=RECEIVER, round=0, batch_id=0
+            )

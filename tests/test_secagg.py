@@ -1,0 +1,285 @@
+"""Pairwise-mask secure aggregation: the aggregator contract, exactness, privacy of what crosses
+the wire, refusals that change nothing, dropouts, and LASER / FedAvg trained through it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from aggregator_contract import (
+    PARTIES,
+    RECEIVER,
+    AggregatorContract,
+    oracle,
+    releasable_selection,
+    representations,
+)
+from conftest import MakeData
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from torch import Tensor
+
+from protocols.secagg import (
+    MaskingAggregator,
+    decode_fixed_point,
+    encode_fixed_point,
+    fixed_point_limit,
+)
+from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
+from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
+from secure_vfl.federation.channel import Channel
+from secure_vfl.federation.messages import RepresentationMessage
+from secure_vfl.methods import MethodConfig
+from secure_vfl.methods.imputation.fedhf import federated_average
+from secure_vfl.methods.laser import MeanFusionMethod
+
+
+def masking(seed: int = 0, **kwargs: object) -> MaskingAggregator:
+    """A masking aggregator whose keys come from a seeded source (tests only)."""
+    return MaskingAggregator(entropy=np.random.default_rng(seed).bytes, **kwargs)  # type: ignore[arg-type]
+
+
+class TestPlainAggregatorContract(AggregatorContract):
+    def make_aggregator(self) -> Aggregator:
+        return PlainAggregator()
+
+
+class TestMaskingAggregatorContract(AggregatorContract):
+    def make_aggregator(self) -> Aggregator:
+        return masking()
+
+    def step(self, parties: int) -> float:
+        return masking().step(parties)
+
+
+def full_batch(
+    seed: int, *, batch: int = 16, width: int = 8, tasks: int = 2, round: int = 0, batch_id: int = 0
+) -> tuple[list[RepresentationMessage], Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    present = torch.ones(batch, 4, dtype=torch.bool)
+    messages = representations(present, width, generator, round=round, batch_id=batch_id)
+    return messages, releasable_selection(present, tasks, generator)
+
+
+def combine(
+    aggregator: MaskingAggregator,
+    messages: list[RepresentationMessage],
+    selection: Tensor,
+    *,
+    round: int = 0,
+    batch_id: int = 0,
+) -> Tensor:
+    return aggregator.combine(
+        messages, selection, parties=PARTIES, receiver=RECEIVER, round=round, batch_id=batch_id
+    ).sums
+
+
+def test_the_secure_sum_is_the_exact_ring_sum_of_the_rounded_values() -> None:
+    messages, selection = full_batch(1, batch=64, tasks=4)
+    aggregator = masking()
+    dense = torch.stack([m.representation for m in messages]).numpy()
+    encoded = encode_fixed_point(dense, fraction_bits=aggregator.fraction_bits, parties=4)
+    chosen = selection.numpy().astype(np.uint64)
+    ring = np.einsum("tbk,kbd->tbd", chosen, encoded)  # uint64: wraps like the protocol
+    expected = decode_fixed_point(ring, fraction_bits=aggregator.fraction_bits)
+    assert torch.equal(combine(aggregator, messages, selection), torch.from_numpy(expected).float())
+
+
+def test_fixed_point_round_trip_is_within_half_a_step() -> None:
+    values = np.random.default_rng(0).normal(0.0, 100.0, size=1000)
+    decoded = decode_fixed_point(
+        encode_fixed_point(values, fraction_bits=24, parties=4), fraction_bits=24
+    )
+    assert np.abs(decoded - values).max() <= 2.0**-25
+
+
+def test_masked_contributions_look_uniform_whatever_the_value() -> None:
+    generator = torch.Generator().manual_seed(2)
+    present = torch.ones(128, 4, dtype=torch.bool)
+    selection = torch.ones(2, 128, 4, dtype=torch.bool)
+    aggregator = masking()
+    observed = []
+    for batch_id, scale in enumerate([0.0, 1000.0]):
+        messages = representations(present, 16, generator, round=0, batch_id=batch_id)
+        messages = [
+            dataclasses.replace(m, representation=m.representation * 0 + scale) for m in messages
+        ]
+        combine(aggregator, messages, selection, batch_id=batch_id)
+        masked = aggregator.last_masked[PARTIES[1]]
+        encoded = encode_fixed_point(np.full(masked.shape, scale), fraction_bits=24, parties=4)
+        assert not np.any(masked == encoded)
+        observed.append(masked)
+    for masked in observed:
+        top_bit = (masked >> np.uint64(63)).astype(np.float64)
+        assert abs(top_bit.mean() - 0.5) < 0.03
+        assert abs((masked / 2.0**64).mean() - 0.5) < 0.03
+    assert set(aggregator.last_masked) == set(PARTIES)
+
+
+def test_a_sum_over_a_single_contributor_is_refused_and_changes_nothing() -> None:
+    messages, selection = full_batch(3)
+    aggregator = masking()
+    lonely = selection.clone()
+    lonely[0, 5] = False
+    lonely[0, 5, 2] = True
+    with pytest.raises(ProtocolError, match=r"single party.*task 0, row 5, party party-2"):
+        combine(aggregator, messages, lonely)
+    assert aggregator.last_masked == {} and aggregator.party_keys == {}
+    result = combine(aggregator, messages, selection)  # the same context is still fresh
+    expected, _ = oracle(messages, selection)
+    assert torch.allclose(result.double(), expected, atol=1e-5)
+
+
+def test_a_sum_over_nobody_is_zero() -> None:
+    messages, _ = full_batch(4)
+    nobody = torch.zeros(1, 16, 4, dtype=torch.bool)
+    assert bool((combine(masking(), messages, nobody) == 0).all())
+
+
+def test_a_replayed_context_is_refused() -> None:
+    messages, selection = full_batch(5, round=3, batch_id=7)
+    aggregator = masking()
+    combine(aggregator, messages, selection, round=3, batch_id=7)
+    with pytest.raises(ProtocolError, match=r"round 3, batch 7 were already used"):
+        combine(aggregator, messages, selection, round=3, batch_id=7)
+
+
+def test_a_message_replayed_from_another_round_or_batch_is_refused() -> None:
+    messages, selection = full_batch(6, round=3, batch_id=7)
+    aggregator = masking()
+    with pytest.raises(ProtocolError, match=r"round 4, batch 7 expected, found .* round 3"):
+        combine(aggregator, messages, selection, round=4, batch_id=7)
+    with pytest.raises(ProtocolError, match=r"batch 8 expected, found .* batch 7"):
+        combine(aggregator, messages, selection, round=3, batch_id=8)
+    assert aggregator.last_masked == {}
+
+
+def test_a_value_that_could_overflow_the_ring_is_refused() -> None:
+    messages, selection = full_batch(7)
+    limit = fixed_point_limit(24, 4)
+    big = messages[1].representation.clone()
+    big[0, 0] = 1.01 * limit
+    messages[1] = dataclasses.replace(messages[1], representation=big)
+    aggregator = masking()
+    with pytest.raises(ProtocolError, match=r"overflows the fixed-point ring.*must be <= 6\.87"):
+        combine(aggregator, messages, selection)
+    assert aggregator.last_masked == {} and aggregator.party_keys == {}
+
+
+def test_a_party_with_a_replaced_key_breaks_the_sum_and_is_detected() -> None:
+    messages, selection = full_batch(8)
+    aggregator = masking()
+    combine(aggregator, messages, selection)
+    aggregator.party_keys[PARTIES[1]] = X25519PrivateKey.generate()  # not republished
+    messages, selection = full_batch(8, batch_id=1)
+    with pytest.raises(IntegrityError, match="masks did not cancel"):
+        combine(aggregator, messages, selection, batch_id=1)
+
+
+def test_a_tampered_masked_contribution_shifts_the_sum_undetected() -> None:
+    # Masks give privacy, not integrity: the server cannot tell a tampered contribution.
+    def tamper(sender: str, masked: np.ndarray) -> np.ndarray:
+        if sender != PARTIES[1]:
+            return masked
+        changed = masked.copy()
+        changed[0, 3, 2] += np.uint64(2**24)  # +1.0 in fixed point
+        return changed
+
+    messages, selection = full_batch(9)
+    selection[0, 3, :] = True
+    honest = combine(masking(), messages, selection)
+    tampered = combine(masking(wire=tamper), messages, selection)
+    shift = (tampered - honest).abs()
+    assert float(shift[0, 3, 2]) == pytest.approx(1.0, abs=1e-5)
+    shift[0, 3, 2] = 0
+    assert float(shift.max()) == 0.0
+
+
+def test_a_dropped_party_is_removed_and_the_survivors_sum_is_exact() -> None:
+    generator = torch.Generator().manual_seed(10)
+    present = torch.ones(32, 4, dtype=torch.bool)
+    messages = representations(present, 8, generator, round=0, batch_id=0)
+    selection = torch.rand(3, 32, 4, generator=generator) < 0.7
+    selection[selection.sum(dim=2) < 3] = False  # >= 2 survivors wherever party-3 drops out
+    survivors = [m for m in messages if m.sender != PARTIES[3]]  # its message never arrives
+    aggregator = masking()
+    result = aggregator.recover(
+        survivors,
+        selection,
+        parties=PARTIES,
+        receiver=RECEIVER,
+        round=0,
+        batch_id=0,
+        dropped=[PARTIES[3]],
+    )
+    kept = selection.clone()
+    kept[..., 3] = False
+    expected, magnitude = oracle(survivors, kept)
+    assert bool(((result.sums.double() - expected).abs() <= 1e-6 + 2e-7 * magnitude).all())
+    assert torch.equal(result.counts, kept.sum(dim=2))
+    assert set(aggregator.last_masked) == set(PARTIES[:3])
+
+
+def test_a_dropout_that_leaves_a_single_survivor_is_refused() -> None:
+    messages, _ = full_batch(11)
+    selection = torch.zeros(1, 16, 4, dtype=torch.bool)
+    selection[0, 0, [0, 1, 2]] = True
+    selection[0, 1, [1, 3]] = True
+    aggregator = masking()
+    with pytest.raises(ProtocolError, match="row 1, party party-1"):
+        aggregator.recover(
+            messages,
+            selection,
+            parties=PARTIES,
+            receiver=RECEIVER,
+            round=0,
+            batch_id=0,
+            dropped=[PARTIES[3]],
+        )
+    assert aggregator.last_masked == {}
+
+
+def test_fraction_bits_out_of_range_are_refused() -> None:
+    with pytest.raises(ConfigError, match=r"`fraction_bits` must be in \[0, 40\]. Found 63"):
+        MaskingAggregator(fraction_bits=63)
+
+
+def test_federated_averaging_through_masks_matches_the_plain_average() -> None:
+    generator = torch.Generator().manual_seed(12)
+    updates = {
+        name: (10 * (k + 1), torch.randn(200, generator=generator))
+        for k, name in enumerate(PARTIES)
+    }
+    plain = federated_average(PlainAggregator(), Channel(), updates, receiver="server", round=1)
+    secure = federated_average(masking(), Channel(), updates, receiver="server", round=1)
+    assert plain is not None and secure is not None
+    assert torch.allclose(secure, plain, atol=1e-6, rtol=1e-6)
+
+
+class _PairwiseLaser(MeanFusionMethod):
+    """LASER whose single head never asks for a one-party sum (the secure-mode planner)."""
+
+    def plan(self, mask: Tensor) -> tuple[Tensor, Tensor]:
+        selection, weights = super().plan(mask)
+        single = selection.sum(dim=-1) == 1
+        return selection & ~single.unsqueeze(-1), torch.where(single, 0.0, weights)
+
+
+def test_laser_trained_through_masks_matches_laser_trained_in_the_clear(
+    make_data: MakeData,
+) -> None:
+    data = make_data()
+    config = MethodConfig(heads="active", epochs=1)
+    models = []
+    for aggregator in (PlainAggregator(), masking()):
+        method = _PairwiseLaser(
+            data, config, seed=3, planner="laser", name="laser", aggregator=aggregator
+        )
+        method.fit()
+        modules = [p.model for p in method.fed.parties] + [h.head for h in method.heads]
+        models.append([t.detach().clone() for m in modules for t in m.parameters()])
+    plain, secure = models
+    assert all(
+        torch.allclose(a, b, atol=1e-5, rtol=1e-4) for a, b in zip(plain, secure, strict=True)
+    )
