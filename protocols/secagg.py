@@ -1,7 +1,7 @@
 """Pairwise-mask secure aggregation (Bonawitz et al., CCS 2017, without the secret sharing).
 
 Each pair of parties agrees on a key by X25519 and HKDF-SHA256; per aggregation call they expand
-it, with ChaCha20 keyed by the call's context (session, receiver, round, batch id, call counter),
+it, with ChaCha20 keyed by the call's context (session, receiver, round, batch id, tag, counter),
 into masks that one adds and the other subtracts. Values travel as fixed-point integers in the
 ring Z_2^64, so a masked contribution is uniform and tells the aggregator nothing, while the masks
 cancel exactly in the sum the receiver gets. The whole protocol is simulated in process: every
@@ -79,7 +79,7 @@ class MaskingAggregator:
     ``entropy`` (default ``os.urandom``) supplies the key pairs and the session id; inject a
     seeded source only in tests. ``wire`` sees each party's masked contribution on its way to the
     server and returns what arrives (identity by default): a hook for recording or tampering.
-    Every (receiver, round, batch id) context is used at most once: a replay is refused.
+    Every (receiver, round, batch id, tag) context is used at most once: a replay is refused.
 
     Observable state (simulation only): ``party_keys`` (each party's X25519 secret; deployed, only
     its owner holds it), ``public_keys`` (the published directory) and ``last_masked`` (the uint64
@@ -105,7 +105,7 @@ class MaskingAggregator:
         self.party_keys: dict[str, X25519PrivateKey] = {}
         self.public_keys: dict[str, bytes] = {}
         self._pair_keys: dict[tuple[str, str], tuple[X25519PrivateKey, bytes, bytes]] = {}
-        self._used_contexts: set[tuple[str, int, int]] = set()
+        self._used_contexts: set[tuple[str, int, int, str]] = set()
         self._calls = 0
         self.last_masked: dict[str, np.ndarray] = {}
 
@@ -131,6 +131,7 @@ class MaskingAggregator:
         receiver: str,
         round: int,
         batch_id: int,
+        tag: str = "",
     ) -> SumMessage:
         """Secure per-task sums: every contributor masks, the server adds, the masks cancel."""
         return self._aggregate(
@@ -140,6 +141,7 @@ class MaskingAggregator:
             receiver=receiver,
             round=round,
             batch_id=batch_id,
+            tag=tag,
             dropped=frozenset(),
         )
 
@@ -153,6 +155,7 @@ class MaskingAggregator:
         round: int,
         batch_id: int,
         dropped: Collection[str],
+        tag: str = "",
     ) -> SumMessage:
         """A round in which the ``dropped`` parties were selected but their messages never came.
 
@@ -173,6 +176,7 @@ class MaskingAggregator:
             receiver=receiver,
             round=round,
             batch_id=batch_id,
+            tag=tag,
             dropped=frozenset(dropped),
         )
 
@@ -185,6 +189,7 @@ class MaskingAggregator:
         receiver: str,
         round: int,
         batch_id: int,
+        tag: str,
         dropped: frozenset[str],
     ) -> SumMessage:
         """Check everything, then mask per party, sum at the server and unmask dropouts."""
@@ -210,11 +215,11 @@ class MaskingAggregator:
                 f">= 2 contributors, found {int(single.sum())} sums with one (first: task {t}, "
                 f"row {b}, party {parties[int(torch.nonzero(released[t, b])[0])]})."
             )
-        context = (receiver, round, batch_id)
+        context = (receiver, round, batch_id, tag)
         if context in self._used_contexts:
             raise ProtocolError(
-                f"masks for receiver {receiver!r}, round {round}, batch {batch_id} were already "
-                "used in this session; a fresh (round, batch id) is expected for every sum."
+                f"masks for receiver {receiver!r}, round {round}, batch {batch_id}, tag {tag!r} "
+                "were already used in this session; a fresh context is expected for every sum."
             )
         encoded = encode_fixed_point(
             dense.numpy(), fraction_bits=self.fraction_bits, parties=len(parties)
@@ -223,7 +228,7 @@ class MaskingAggregator:
         self._used_contexts.add(context)
         self._calls += 1
         self.setup(parties)
-        info = self._mask_context(receiver, round, batch_id, self._calls)
+        info = self._mask_context(receiver, round, batch_id, tag, self._calls)
         chosen = selection.numpy()
         masked = self._mask_all(encoded, chosen, parties, info, dropped)
         arrived = {
@@ -254,15 +259,19 @@ class MaskingAggregator:
             counts=counts,
         )
 
-    def _mask_context(self, receiver: str, round: int, batch_id: int, counter: int) -> bytes:
-        """HKDF info binding masks to this session, receiver, round, batch and call."""
-        name = receiver.encode()
+    def _mask_context(
+        self, receiver: str, round: int, batch_id: int, tag: str, counter: int
+    ) -> bytes:
+        """HKDF info binding masks to this session, receiver, round, batch, tag and call."""
+        name, label = receiver.encode(), tag.encode()
         return b"".join(
             [
                 _MASK_INFO,
                 self.session_id,
                 len(name).to_bytes(4, "big"),
                 name,
+                len(label).to_bytes(4, "big"),
+                label,
                 round.to_bytes(8, "big"),
                 batch_id.to_bytes(8, "big"),
                 counter.to_bytes(8, "big"),

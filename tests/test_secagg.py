@@ -69,9 +69,16 @@ def combine(
     *,
     round: int = 0,
     batch_id: int = 0,
+    tag: str = "",
 ) -> Tensor:
     return aggregator.combine(
-        messages, selection, parties=PARTIES, receiver=RECEIVER, round=round, batch_id=batch_id
+        messages,
+        selection,
+        parties=PARTIES,
+        receiver=RECEIVER,
+        round=round,
+        batch_id=batch_id,
+        tag=tag,
     ).sums
 
 
@@ -140,9 +147,12 @@ def test_a_sum_over_nobody_is_zero() -> None:
 def test_a_replayed_context_is_refused() -> None:
     messages, selection = full_batch(5, round=3, batch_id=7)
     aggregator = masking()
-    combine(aggregator, messages, selection, round=3, batch_id=7)
-    with pytest.raises(ProtocolError, match=r"round 3, batch 7 were already used"):
-        combine(aggregator, messages, selection, round=3, batch_id=7)
+    first = combine(aggregator, messages, selection, round=3, batch_id=7, tag="train")
+    with pytest.raises(ProtocolError, match=r"round 3, batch 7, tag 'train' were already used"):
+        combine(aggregator, messages, selection, round=3, batch_id=7, tag="train")
+    # The same round and batch under another tag (e.g. prediction) is a fresh context.
+    again = combine(aggregator, messages, selection, round=3, batch_id=7, tag="predict/test")
+    assert torch.equal(first, again)
 
 
 def test_a_message_replayed_from_another_round_or_batch_is_refused() -> None:
@@ -271,7 +281,7 @@ def test_laser_trained_through_masks_matches_laser_trained_in_the_clear(
 ) -> None:
     data = make_data()
     config = MethodConfig(heads="active", epochs=1)
-    models = []
+    models, predictions = [], []
     for aggregator in (PlainAggregator(), masking()):
         method = _PairwiseLaser(
             data, config, seed=3, planner="laser", name="laser", aggregator=aggregator
@@ -279,7 +289,10 @@ def test_laser_trained_through_masks_matches_laser_trained_in_the_clear(
         method.fit()
         modules = [p.model for p in method.fed.parties] + [h.head for h in method.heads]
         models.append([t.detach().clone() for m in modules for t in m.parameters()])
+        # Prediction after training uses fresh mask contexts (its own tag), never a reuse.
+        predictions.append(method.predict("mcar:0"))
     plain, secure = models
     assert all(
         torch.allclose(a, b, atol=1e-5, rtol=1e-4) for a, b in zip(plain, secure, strict=True)
     )
+    assert (predictions[0] == predictions[1]).mean() > 0.99

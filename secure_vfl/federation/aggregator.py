@@ -31,8 +31,13 @@ class Aggregator(Protocol):
         receiver: str,
         round: int,
         batch_id: int,
+        tag: str = "",
     ) -> SumMessage:
-        """Sum ``contributions`` as ``selection`` (T, B, K) asks; ``parties`` names columns."""
+        """Sum ``contributions`` as ``selection`` (T, B, K) asks; ``parties`` names columns.
+
+        ``(receiver, round, batch_id, tag)`` names the call: secure backends derive fresh masks
+        from it and refuse to serve the same context twice, so callers make it unique.
+        """
         ...
 
 
@@ -97,6 +102,7 @@ class PlainAggregator:
         receiver: str,
         round: int,
         batch_id: int,
+        tag: str = "",
     ) -> SumMessage:
         dense, present = dense_representations(contributions, parties, selection.shape[1])
         check_selection(selection, present)
@@ -118,6 +124,7 @@ def sum_vectors(
     *,
     receiver: str,
     round: int,
+    tag: str = "",
 ) -> Tensor:
     """The sum of one flat float32 vector per party, through the aggregator and the channel.
 
@@ -141,6 +148,7 @@ def sum_vectors(
             round=round,
             batch_id=0,
             positions=torch.zeros(1, dtype=torch.int64),
+            tag=tag,
             representation=vector.detach().to(torch.float32).reshape(1, -1),
         )
         messages.append(
@@ -148,7 +156,7 @@ def sum_vectors(
         )
     selection = torch.ones(1, 1, len(names), dtype=torch.bool)
     summed = aggregator.combine(
-        messages, selection, parties=names, receiver=receiver, round=round, batch_id=0
+        messages, selection, parties=names, receiver=receiver, round=round, batch_id=0, tag=tag
     )
     summed = channel.receive(summed, sender=AGGREGATOR, receiver=receiver, round=round, batch_id=0)
     return summed.sums[0, 0]

@@ -179,9 +179,14 @@ class Federation:
         receiver: str,
         round: int,
         batch_id: int,
+        tag: str,
     ) -> tuple[Tensor, Tensor]:
         """Per-task means (T, B, d) of the selected representations, summed by the aggregator
-        and delivered to ``receiver``, with their counts (T, B, 1) (at least 1)."""
+        and delivered to ``receiver``, with their counts (T, B, 1) (at least 1).
+
+        ``tag`` tells this call apart from others with the same round and batch (training vs
+        prediction, one task chunk vs another) so secure backends never reuse a mask context.
+        """
         message = self.aggregator.combine(
             representations,
             selection,
@@ -189,6 +194,7 @@ class Federation:
             receiver=receiver,
             round=round,
             batch_id=batch_id,
+            tag=tag,
         )
         message = self.channel.receive(
             message, sender=AGGREGATOR, receiver=receiver, round=round, batch_id=batch_id

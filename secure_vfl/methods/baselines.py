@@ -257,6 +257,7 @@ class Combinatorial:
             receiver=self.heads[subset].name,
             round=round,
             batch_id=batch_id,
+            tag=subset_tag(subset) + ("/train" if train else f"/predict/{split}"),
         )
         return means[0, covered]
 

@@ -169,10 +169,16 @@ class MeanFusionMethod:
         *,
         round: int,
         batch_id: int,
+        tag: str,
     ) -> tuple[float, list[GradientMessage]]:
         """One head's weighted task loss; backward into the head; gradients owed to each party."""
         means, counts = self.fed.means(
-            representations, selection, receiver=head.name, round=round, batch_id=batch_id
+            representations,
+            selection,
+            receiver=head.name,
+            round=round,
+            batch_id=batch_id,
+            tag=tag,
         )
         means.requires_grad_(True)
         head.head.train()
@@ -205,10 +211,10 @@ class MeanFusionMethod:
         total = 0.0
         for i, head in enumerate(self.heads):
             if self.config.vectorised:
-                chunks = [slice(None)]
+                chunks = {"train": slice(None)}
             else:
-                chunks = [slice(t, t + 1) for t in range(selection.shape[1])]
-            for chunk in chunks:
+                chunks = {f"train/size-{t + 1}": slice(t, t + 1) for t in range(selection.shape[1])}
+            for tag, chunk in chunks.items():
                 if not bool((weights[i, chunk] > 0).any()):
                     continue
                 loss, messages = self.head_loss(
@@ -220,6 +226,7 @@ class MeanFusionMethod:
                     mask,
                     round=round,
                     batch_id=batch_id,
+                    tag=tag,
                 )
                 total += loss
                 outgoing += messages
@@ -275,6 +282,7 @@ class MeanFusionMethod:
                     receiver=head.name,
                     round=0,
                     batch_id=batch_id,
+                    tag=f"predict/{split_name}",
                 )
                 head.head.eval()
                 with torch.no_grad():

@@ -107,7 +107,9 @@ def federated_average(
         name: torch.cat([float(n) * theta.to(torch.float32), torch.tensor([float(n)])])
         for name, (n, theta) in updates.items()
     }
-    total = sum_vectors(aggregator, channel, contributions, receiver=receiver, round=round)
+    total = sum_vectors(
+        aggregator, channel, contributions, receiver=receiver, round=round, tag="fedavg"
+    )
     weight = float(total[-1])
     return total[:-1] / weight if weight > 0 else None
 
@@ -298,7 +300,12 @@ class ReconstructionImputer:
                 for client, (sse, count) in zip(self.clients, errors, strict=True)
             }
             total = sum_vectors(
-                self.aggregator, self.channel, reports, receiver=SERVER, round=round
+                self.aggregator,
+                self.channel,
+                reports,
+                receiver=SERVER,
+                round=round,
+                tag="validation",
             )
             sse, count = float(total[0]), float(total[1])
         else:

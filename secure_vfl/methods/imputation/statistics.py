@@ -144,7 +144,9 @@ def _federated_sum(
     round: int,
 ) -> np.ndarray:
     contributions = {name: torch.from_numpy(v.astype(np.float32)) for name, v in vectors.items()}
-    total = sum_vectors(aggregator, channel, contributions, receiver=receiver, round=round)
+    total = sum_vectors(
+        aggregator, channel, contributions, receiver=receiver, round=round, tag="statistics"
+    )
     return total.numpy().astype(np.float64)
 
 
