@@ -207,7 +207,44 @@ def build_parser() -> argparse.ArgumentParser:
     datasets.add_argument("action", nargs="?", choices=["list", "install"], default="list")
     datasets.add_argument("names", nargs="*", metavar="NAME")
     datasets.add_argument("--all", action="store_true", help="with install: every dataset")
+
+    psi = commands.add_parser(
+        "psi", help="private set intersection of two id files (both roles in-process)"
+    )
+    psi.add_argument("--mine", required=True, type=existing_file, help="CSV: this side's ids")
+    psi.add_argument("--theirs", required=True, type=existing_file, help="CSV: the peer's ids")
+    psi.add_argument("--id-column", default="id", help="column holding the ids (default: id)")
+    psi.add_argument("--mode", choices=["intersection", "cardinality"], default="intersection")
+    psi.add_argument("--out", type=Path, help="write the intersecting ids here (one per line)")
     return parser
+
+
+def _read_ids(path: Path, column: str) -> list[str]:
+    import csv
+
+    with path.open(newline="", encoding="utf-8") as handle:
+        reader = csv.DictReader(handle)
+        if reader.fieldnames is None or column not in reader.fieldnames:
+            raise ConfigError(
+                f"expected a column {column!r} in {path}. Found columns {reader.fieldnames}."
+            )
+        return [row[column] for row in reader]
+
+
+def run_psi_command(args: argparse.Namespace) -> int:
+    """`secure-vfl psi`: DH-PSI of --mine against --theirs; --mine's side learns the result."""
+    from protocols.psi import run_psi
+    from secure_vfl.io import atomic_write_text
+
+    if args.mode == "cardinality" and args.out is not None:
+        raise ConfigError("--out needs --mode intersection; cardinality mode reveals only a size.")
+    mine = _read_ids(args.mine, args.id_column)
+    result = run_psi(mine, _read_ids(args.theirs, args.id_column), mode=args.mode)
+    print(f"intersection size: {result.size} (of {len(mine)} mine, {result.peer_size} theirs)")
+    if result.indices is not None and args.out is not None:
+        atomic_write_text(args.out, "".join(f"{mine[i]}\n" for i in result.indices))
+        print(f"intersecting ids written to {args.out}")
+    return 0
 
 
 def _train_config(args: argparse.Namespace) -> Any:
@@ -443,6 +480,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_train(args)
         if args.command == "impute":
             return run_impute(args)
+        if args.command == "psi":
+            return run_psi_command(args)
         return run_datasets(args)
     except SecureVFLError as error:
         print(f"secure-vfl: error: {error}", file=sys.stderr)

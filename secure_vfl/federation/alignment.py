@@ -65,7 +65,7 @@ class Aligner(Protocol):
         ...
 
 
-def _check_unique(ids: np.ndarray, who: str) -> None:
+def check_unique_ids(ids: np.ndarray, who: str) -> None:
     if ids.ndim != 1:
         raise DataError(f"{who} ids must be 1-D. Found shape {ids.shape}.")
     unique, counts = np.unique(ids, return_counts=True)
@@ -74,7 +74,7 @@ def _check_unique(ids: np.ndarray, who: str) -> None:
         raise DataError(f"{who} ids must be unique. Found repeats, e.g. {repeated}.")
 
 
-def _id_kind(ids: np.ndarray) -> str:
+def id_kind(ids: np.ndarray) -> str:
     return "text" if ids.dtype.kind in "USO" else "number"
 
 
@@ -92,17 +92,17 @@ class JoinAligner:
         if len(party_ids) == 0:
             raise DataError("expected the ids of at least one party. Found none.")
         label_ids = np.asarray(label_ids)
-        _check_unique(label_ids, "label party")
+        check_unique_ids(label_ids, "label party")
         label_order = np.argsort(label_ids, kind="stable")
         sorted_labels = label_ids[label_order]
         rows = np.full((sorted_labels.size, len(party_ids)), -1, dtype=np.int64)
         for k, ids in enumerate(party_ids):
             ids = np.asarray(ids)
-            _check_unique(ids, f"party {k}")
-            if _id_kind(ids) != _id_kind(label_ids):
+            check_unique_ids(ids, f"party {k}")
+            if id_kind(ids) != id_kind(label_ids):
                 raise DataError(
                     f"party {k} ids must be of the same kind as the label ids "
-                    f"({_id_kind(label_ids)}). Found {_id_kind(ids)}."
+                    f"({id_kind(label_ids)}). Found {id_kind(ids)}."
                 )
             if ids.size == 0:
                 continue

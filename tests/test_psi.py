@@ -1,0 +1,289 @@
+"""DH-PSI over X25519 (protocols/psi.py): correctness against a plaintext oracle, what the
+requester learns, refusal of degenerate or replayed messages, and the PSI aligner contract."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from protocols.psi import (
+    CHUNK,
+    POINT_BYTES,
+    PsiAligner,
+    PsiMessage,
+    PsiRequester,
+    PsiResponder,
+    PsiResponse,
+    hash_ids,
+    hash_to_point,
+    mask_points,
+    run_psi,
+)
+from secure_vfl.errors import IntegrityError, ProtocolError
+from secure_vfl.federation.alignment import JoinAligner
+
+KEY_A = bytes(range(1, 33))
+KEY_B = bytes(range(101, 133))
+
+
+def _points(payload: bytes) -> list[bytes]:
+    return [payload[i : i + POINT_BYTES] for i in range(0, len(payload), POINT_BYTES)]
+
+
+def _pair(mine, theirs, *, mode="intersection", session="s1", seed=0):
+    rng = np.random.default_rng(seed)
+    requester = PsiRequester(mine, session_id=session, mode=mode, key=KEY_A, rng=rng)
+    responder = PsiResponder(theirs, session_id=session, mode=mode, key=KEY_B, rng=rng)
+    return requester, responder
+
+
+def test_psi_reveals_only_intersection():
+    mine = [f"user-{i}" for i in range(0, 300)]
+    theirs = [f"user-{i}" for i in range(200, 450)]
+    transcript: list[PsiMessage] = []
+    result = run_psi(
+        mine,
+        theirs,
+        key_mine=KEY_A,
+        key_theirs=KEY_B,
+        rng=np.random.default_rng(1),
+        transcript=transcript,
+    )
+    request, response = transcript
+    assert isinstance(response, PsiResponse) and response.receiver == "requester"
+    # A recovers exactly the intersection.
+    assert result.indices is not None
+    assert [mine[i] for i in result.indices] == [f"user-{i}" for i in range(200, 300)]
+    assert result.size == 100 and result.peer_size == len(theirs)
+    # A's view of B's set is |B| masked values, none of them B's raw hashed ids.
+    view = _points(response.own_points)
+    assert len(view) == len(theirs)
+    # Both sides send their masked ids shuffled, so positions say nothing about id order.
+    in_b_order = _points(mask_points(KEY_B, hash_ids(theirs, len(theirs))).tobytes())
+    assert sorted(in_b_order) == sorted(view)
+    assert sum(a == b for a, b in zip(in_b_order, view, strict=True)) < 10
+    in_a_order = _points(mask_points(KEY_A, hash_ids(mine, len(mine))).tobytes())
+    assert sum(a == b for a, b in zip(in_a_order, _points(request.points), strict=True)) < 10
+    raw_theirs = {hash_to_point(y) for y in theirs}
+    assert raw_theirs.isdisjoint(view)
+    # What A can compute from its own ids with its own key: H(x), a·H(x), a·a·H(x).
+    hashed = hash_ids(mine, len(mine))
+    once = mask_points(KEY_A, hashed)
+    twice = mask_points(KEY_A, once)
+    computable = {p for a in (hashed, once, twice) for p in _points(a.tobytes())}
+    outside = [f"user-{i}" for i in range(300, 450)]
+    outside_masked = mask_points(KEY_B, hash_ids(outside, len(outside)))
+    assert set(_points(outside_masked.tobytes())) <= set(view)
+    assert computable.isdisjoint(view)
+    # After A's own masking, B's non-intersecting values match nothing of A's.
+    doubled_outside = mask_points(KEY_A, outside_masked)
+    doubled_mine = set(_points(response.peer_points))
+    assert doubled_mine.isdisjoint(_points(doubled_outside.tobytes()))
+
+
+def test_cardinality_mode_reveals_only_the_size():
+    n = 2000
+    mine = np.arange(n)
+    theirs = np.arange(n // 2, n + 700)
+    transcript: list[PsiMessage] = []
+    result = run_psi(
+        mine,
+        theirs,
+        mode="cardinality",
+        key_mine=KEY_A,
+        key_theirs=KEY_B,
+        rng=np.random.default_rng(7),
+        transcript=transcript,
+    )
+    assert result.size == n // 2 and result.indices is None
+    request, response = transcript
+    in_request_order = mask_points(KEY_B, np.frombuffer(request.points, dtype="S32"))
+    returned = np.frombuffer(response.peer_points, dtype="S32")
+    assert sorted(_points(in_request_order.tobytes())) == sorted(_points(returned.tobytes()))
+    fixed_points = int((in_request_order == returned).sum())
+    assert fixed_points < n // 100  # a random shuffle: the positions tell A nothing
+
+    requester, responder = _pair(mine, theirs)  # intersection mode keeps A's order
+    request = requester.request()
+    response = responder.respond(request)
+    in_request_order = mask_points(KEY_B, np.frombuffer(request.points, dtype="S32"))
+    assert response.peer_points == in_request_order.tobytes()
+
+
+def test_double_masking_commutes_and_keys_and_hash_are_consistent():
+    ids = [f"id-{i}" for i in range(50)] + [7, 7.0, "ü"]
+    hashed = hash_ids(ids, len(ids))
+    ab = mask_points(KEY_B, mask_points(KEY_A, hashed))
+    ba = mask_points(KEY_A, mask_points(KEY_B, hashed))
+    assert ab.tobytes() == ba.tobytes()
+    assert set(_points(mask_points(KEY_A, hashed).tobytes())).isdisjoint(
+        _points(mask_points(KEY_B, hashed).tobytes())
+    )
+    assert hash_to_point("id-3") == hash_to_point("id-3") == _points(hashed.tobytes())[3]
+    assert hash_to_point("id-3") != hash_to_point("id-4")
+    assert hash_to_point(7) == hash_to_point(7.0) == hash_to_point(np.int64(7))
+    assert all(p[31] < 0x80 for p in (hash_to_point(x) for x in ids))
+
+
+def test_parallel_masking_equals_serial_and_names_the_bad_point():
+    hashed = hash_ids(range(2 * CHUNK + 5), 2 * CHUNK + 5)
+    serial = mask_points(KEY_A, hashed, workers=1)
+    assert mask_points(KEY_A, hashed, workers=2).tobytes() == serial.tobytes()
+    bad = hashed.copy()
+    bad[CHUNK + 3] = bytes(POINT_BYTES)
+    with pytest.raises(IntegrityError, match=f"point {CHUNK + 3} is of low order"):
+        mask_points(KEY_A, bad, workers=2)
+
+
+@pytest.mark.parametrize("low_order", [bytes(32), (1).to_bytes(32, "little")])
+def test_low_order_point_refused_without_state_change(low_order):
+    mine, theirs = [f"a{i}" for i in range(20)], [f"a{i}" for i in range(10, 40)]
+    requester, responder = _pair(mine, theirs)
+    request = requester.request()
+    points = _points(request.points)
+    points[4] = low_order
+    bad = dataclasses.replace(request, points=b"".join(points))
+    with pytest.raises(IntegrityError, match="point 4 is of low order"):
+        responder.respond(bad)
+    response = responder.respond(request)  # state unchanged: the genuine request still works
+
+    own = _points(response.own_points)
+    own[2] = low_order
+    with pytest.raises(IntegrityError, match="point 2 is of low order"):
+        requester.finish(dataclasses.replace(response, own_points=b"".join(own)))
+    assert requester.result is None
+    assert requester.finish(response).size == 10
+
+
+def test_malformed_points_refused():
+    requester, responder = _pair(["x", "y"], ["y", "z"])
+    request = requester.request()
+    with pytest.raises(ProtocolError, match=r"32-byte points expected\. Found 63 bytes"):
+        responder.respond(dataclasses.replace(request, points=request.points[:-1]))
+    with pytest.raises(ProtocolError, match=r"32-byte points expected\. Found 31 bytes"):
+        responder.respond(dataclasses.replace(request, points=request.points[:31]))
+    duplicated = request.points[:32] * 2
+    with pytest.raises(IntegrityError, match="distinct masked values expected"):
+        responder.respond(dataclasses.replace(request, points=duplicated))
+    response = responder.respond(request)
+    with pytest.raises(ProtocolError, match="2 doubly masked points expected"):
+        requester.finish(dataclasses.replace(response, peer_points=response.peer_points[:32]))
+    assert requester.finish(response).size == 1
+
+
+def test_tampered_masked_value_does_not_match_or_is_refused():
+    ids = [f"same-{i}" for i in range(50)]
+    requester, responder = _pair(ids, ids)
+    response = responder.respond(requester.request())
+    own = bytearray(response.own_points)
+    own[0] ^= 0x01  # another valid point: its id simply no longer matches
+    result = requester.finish(dataclasses.replace(response, own_points=bytes(own)))
+    assert result.size == 49 and result.indices is not None and len(result.indices) == 49
+
+    requester, responder = _pair(ids, ids)
+    response = responder.respond(requester.request())
+    own = bytearray(response.own_points)
+    own[31] ^= 0x80  # top bit set: never produced by X25519, refused
+    with pytest.raises(IntegrityError, match="point 0 is not a canonical u-coordinate"):
+        requester.finish(dataclasses.replace(response, own_points=bytes(own)))
+    assert requester.result is None
+
+
+def test_message_from_another_session_or_replayed_refused():
+    requester, _ = _pair(["x", "y"], ["y"], session="session-1")
+    _, other_responder = _pair(["x", "y"], ["y"], session="session-2")
+    request = requester.request()
+    with pytest.raises(ProtocolError, match="session id 'session-2' expected, found 'session-1'"):
+        other_responder.respond(request)
+    requester2, responder2 = _pair(["x", "y"], ["y"], session="session-2")
+    request2 = requester2.request()
+    response2 = responder2.respond(request2)
+    with pytest.raises(ProtocolError, match="session id 'session-1' expected"):
+        requester.finish(response2)
+    with pytest.raises(ProtocolError, match="one request per session"):
+        responder2.respond(request2)
+    with pytest.raises(ProtocolError, match="round 1 expected, found 0"):
+        requester.finish(dataclasses.replace(response2, round=0, session_id="session-1"))
+    assert requester.result is None
+    assert requester2.finish(response2).size == 1
+
+
+@pytest.mark.parametrize("kind", ["number", "text"])
+def test_psi_aligner_equals_join_aligner(kind):
+    rng = np.random.default_rng(3)
+    universe = rng.choice(5000, size=1200, replace=False)
+    label = rng.choice(universe, size=500, replace=False)
+    parties = [rng.choice(universe, size=size, replace=False) for size in (400, 150, 300)]
+    if kind == "text":
+        label = np.array([f"patient-{i}" for i in label])
+        parties = [np.array([f"patient-{i}" for i in ids]) for ids in parties]
+    keys = np.random.default_rng(4)
+    psi = PsiAligner(rng=np.random.default_rng(5), key_factory=lambda: keys.bytes(32))
+    got = psi.align(parties, label)
+    expected = JoinAligner().align(parties, label)
+    assert np.array_equal(got.sample_ids, expected.sample_ids)
+    assert np.array_equal(got.rows, expected.rows)
+    assert np.array_equal(got.label_rows, expected.label_rows)
+    assert np.array_equal(got.mask, expected.mask)
+    assert got.dropped == expected.dropped > 0
+    assert 0 < got.mask.sum() < got.mask.size  # partial overlaps
+
+
+def test_psi_aligner_data_parties_never_see_each_others_ids():
+    transcript: list[PsiMessage] = []
+    label = np.array(["a", "b", "c", "d"])
+    parties = [np.array(["a", "x"]), np.array(["b", "c", "y"])]
+    PsiAligner(transcript=transcript).align(parties, label)
+    received: dict[str, int] = {}
+    for message in transcript:
+        assert "label-party" in (message.sender, message.receiver)
+        received[message.receiver] = received.get(message.receiver, 0) + 1
+    assert received == {"party-0": 2, "party-1": 2, "label-party": 2}
+
+
+def test_cli_psi_writes_the_intersection(tmp_path, capsys):
+    from secure_vfl.cli import main
+
+    (tmp_path / "mine.csv").write_text("id,x\na,1\nb,2\nc,3\n", encoding="utf-8")
+    (tmp_path / "theirs.csv").write_text("id\nc\nd\na\n", encoding="utf-8")
+    out = tmp_path / "common.txt"
+    args = ["psi", "--mine", str(tmp_path / "mine.csv"), "--theirs", str(tmp_path / "theirs.csv")]
+    assert main([*args, "--out", str(out)]) == 0
+    assert "intersection size: 2 (of 3 mine, 3 theirs)" in capsys.readouterr().out
+    assert out.read_text(encoding="utf-8") == "a\nc\n"
+    assert main([*args, "--id-column", "name"]) == 2
+    assert "expected a column 'name'" in capsys.readouterr().err
+
+
+def test_psi_command_writes_only_the_intersection(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from secure_vfl.cli import main
+
+    (tmp_path / "mine.csv").write_text("id,x\na,1\nb,2\nc,3\nd,4\n", encoding="utf-8")
+    (tmp_path / "theirs.csv").write_text("id\nc\nz\na\ny\nq\n", encoding="utf-8")
+    out = tmp_path / "common.txt"
+    argv = ["psi", "--mine", str(tmp_path / "mine.csv"), "--theirs", str(tmp_path / "theirs.csv")]
+    assert main([*argv, "--out", str(out)]) == 0
+    assert out.read_text(encoding="utf-8").split() == ["a", "c"]
+    assert "intersection size: 2 (of 4 mine, 5 theirs)" in capsys.readouterr().out
+    assert main([*argv, "--mode", "cardinality"]) == 0
+    assert "intersection size: 2" in capsys.readouterr().out
+    assert main([*argv, "--mode", "cardinality", "--out", str(tmp_path / "no.txt")]) == 2
+    assert "--out needs --mode intersection" in capsys.readouterr().err
+    assert not (tmp_path / "no.txt").exists()
+    assert (
+        main(
+            [
+                "psi",
+                "--mine",
+                str(tmp_path / "mine.csv"),
+                "--theirs",
+                str(tmp_path / "theirs.csv"),
+                "--id-column",
+                "key",
+            ]
+        )
+        == 2
+    )
+    assert "expected a column 'key'" in capsys.readouterr().err
