@@ -40,7 +40,7 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
 from secure_vfl.errors import ConfigError, DataError, IntegrityError, ProtocolError
-from secure_vfl.federation.alignment import Alignment, check_unique_ids, id_kind
+from secure_vfl.federation.alignment import ALIGNERS, Alignment, check_unique_ids, id_kind
 from secure_vfl.federation.messages import Message, check_header
 
 PsiMode = Literal["intersection", "cardinality"]
@@ -668,3 +668,6 @@ class PsiAligner:
     def _record(self, *messages: PsiMessage) -> None:
         if self.transcript is not None:
             self.transcript.extend(messages)
+
+
+ALIGNERS.register("psi", PsiAligner)

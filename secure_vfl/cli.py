@@ -93,6 +93,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="CSV/Parquet with `id` and `label` (with --party-file)",
     )
+    train.add_argument(
+        "--align",
+        choices=["join", "psi"],
+        default="join",
+        help="how party files are aligned by id: plain join (insecure) or PSI over X25519",
+    )
     train.add_argument("--parties", type=parties_count, default=4, metavar="K")
     missing_train = train.add_mutually_exclusive_group()
     missing_train.add_argument(
@@ -254,6 +260,8 @@ def _train_config(args: argparse.Namespace) -> Any:
         raise ConfigError("--party-file needs --label-file PATH. Found no label file.")
     if args.label_file is not None and not args.party_file:
         raise ConfigError("--label-file goes with --party-file. Found a dataset instead.")
+    if args.align == "psi":
+        import protocols.psi  # noqa: F401  (registers the `psi` aligner)
     train_missing = args.missing_train or f"mcar:{args.p_miss_train or 0.0:g}"
     tests = [f"mcar:{p:g}" for p in args.p_miss_test or []] + list(args.missing_test or [])
     method_config = methods.MethodConfig(
@@ -272,6 +280,7 @@ def _train_config(args: argparse.Namespace) -> Any:
         parties=args.parties if not args.party_file else len(args.party_file),
         train_missing=train_missing,
         test_missing=tuple(tests) if tests else ("mcar:0", "mcar:0.5"),
+        align=args.align,
         seed=args.seed,
         method_config=method_config,
     )

@@ -21,7 +21,7 @@ from secure_vfl.data.imputation import (
 from secure_vfl.data.missingness import parse_mechanism
 from secure_vfl.data.vertical import VerticalData, make_vertical, vertical_from_party_files
 from secure_vfl.errors import ConfigError
-from secure_vfl.federation.alignment import JoinAligner
+from secure_vfl.federation.alignment import make_aligner
 from secure_vfl.methods.base import StepCallback
 from secure_vfl.methods.imputation import IMPUTERS, ImputeConfig, Imputer
 from secure_vfl.methods.imputation.evaluation import evaluate as evaluate_imputer
@@ -40,6 +40,7 @@ class TrainConfig:
     parties: int = 4
     train_missing: str = "mcar:0"
     test_missing: tuple[str, ...] = ("mcar:0",)
+    align: str = "join"
     seed: int = 0
     method_config: methods.MethodConfig = field(default_factory=methods.MethodConfig)
 
@@ -70,6 +71,12 @@ class TrainConfig:
             parse_mechanism(text)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError(f"`seed` must be a non-negative integer. Found {self.seed!r}.")
+        if self.align != "join" and self.dataset is not None:
+            raise ConfigError(
+                f"`align` applies to party files (a registered dataset is aligned already). "
+                f"Found align={self.align!r} with dataset {self.dataset!r}."
+            )
+        make_aligner(self.align)  # refuses an unknown name before anything runs
 
     @property
     def data_name(self) -> str:
@@ -118,7 +125,7 @@ def prepare_data(config: TrainConfig) -> VerticalData:
     return vertical_from_party_files(
         config.party_files,
         config.label_file,
-        aligner=JoinAligner(),
+        aligner=make_aligner(config.align),
         train_missing=train_missing,
         test_missing=test_missing,
         rng=rng,

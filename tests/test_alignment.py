@@ -67,3 +67,12 @@ class TestJoinAligner(AlignerContract):
     def test_alignment_validates_rows(self):
         with pytest.raises(DataError, match="`rows` must be int64"):
             Alignment(np.array(["a"]), np.zeros((1, 2), np.int32), np.zeros(1, np.int64))
+
+
+def test_aligners_are_chosen_by_name_and_unknown_names_are_refused():
+    from secure_vfl.errors import ConfigError
+    from secure_vfl.federation.alignment import JoinAligner, make_aligner
+
+    assert isinstance(make_aligner("join"), JoinAligner)
+    with pytest.raises(ConfigError, match=r"unknown aligner 'magic'.*importing protocols\.psi"):
+        make_aligner("magic")

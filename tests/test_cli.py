@@ -149,6 +149,22 @@ def test_train_on_the_users_own_party_files(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "own" / "result.json").read_text())
     assert result["dataset"] == "own-files"
     assert result["metrics"]["mcar:0"]["accuracy"] > 70.0
+    # PSI alignment reveals less but aligns the same samples: the same seed trains the same model.
+    psi_argv = [a if a != str(tmp_path / "own") else str(tmp_path / "psi") for a in argv]
+    assert main([*psi_argv, "--align", "psi"]) == 0
+    with_psi = json.loads((tmp_path / "psi" / "result.json").read_text())
+    assert with_psi["config"]["align"] == "psi"
+    assert with_psi["metrics"] == result["metrics"]
+    assert with_psi["samples"] == result["samples"]
+
+
+def test_psi_alignment_is_for_party_files_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["train", "--method", "laser", "--dataset", "digits", "--align", "psi"]
+    assert main([*argv, "--out", str(tmp_path / "r")]) == 2
+    assert "`align` applies to party files" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_party_files_need_a_label_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

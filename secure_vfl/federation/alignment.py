@@ -6,13 +6,14 @@ private set intersection protocol can stand behind the same interface as the pla
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
-from secure_vfl.errors import DataError
+from secure_vfl.errors import ConfigError, DataError
+from secure_vfl.registry import Registry
 
 
 @dataclass(frozen=True)
@@ -118,3 +119,18 @@ class JoinAligner:
             label_rows=label_order[kept].astype(np.int64),
             dropped=int((~kept).sum()),
         )
+
+
+ALIGNERS: Registry[Callable[[], Aligner]] = Registry("aligner")
+"""Aligners by name (``--align``): ``join`` here; importing ``protocols.psi`` adds ``psi``."""
+ALIGNERS.register("join", JoinAligner)
+
+
+def make_aligner(name: str) -> Aligner:
+    """The aligner registered as ``name``; says which module registers the privacy-layer ones."""
+    if name not in ALIGNERS:
+        raise ConfigError(
+            f"unknown aligner {name!r}; expected one of {', '.join(ALIGNERS.names())} "
+            "(`psi` is registered by importing protocols.psi)."
+        )
+    return ALIGNERS.get(name)()
