@@ -26,15 +26,16 @@ Caveats stated, not hidden:
 - Adjacency is add/remove of one record (Opacus' convention): a record changes one clipped row
   by at most C. For label-only adjacency (one label replaced), a gradient row can move by 2C, so
   the effective noise multiplier of a :class:`GradientNoise` release is sigma / 2.
-- Every release that crosses the channel is noised and recorded, including the representations
-  sent at prediction time; pricing those against the training records over-states epsilon
-  (conservatively) until messages say which phase they belong to.
+- Every release that crosses the channel is noised, but only releases of training records
+  (messages with ``phase == "train"``) are recorded: representations sent at prediction time
+  concern the rows being predicted, not the training records the accountant protects.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -245,15 +246,17 @@ class _RowNoise:
 class EmbeddingNoise(_RowNoise):
     """Channel layer: Gaussian mechanism on every representation message (protects features).
 
-    One :class:`GaussianRelease` of kind ``"embedding"`` per message, spent by its sender.
-    Other messages pass unchanged; the message passed in is never mutated.
+    One :class:`GaussianRelease` of kind ``"embedding"`` per training message, spent by its
+    sender. Other messages, and a party's message to itself (a label party's own block in a
+    concatenation model), pass unchanged; the message passed in is never mutated.
     """
 
     def on_message(self, message: M) -> M:
-        if not isinstance(message, RepresentationMessage):
+        if not isinstance(message, RepresentationMessage) or message.sender == message.receiver:
             return message
         noisy = dataclasses.replace(message, representation=self.privatise(message.representation))
-        self.release(message.sender, "embedding")
+        if message.phase == "train":
+            self.release(message.sender, "embedding")
         return noisy
 
 
@@ -269,7 +272,8 @@ class GradientNoise(_RowNoise):
         if not isinstance(message, GradientMessage) or message.sender == message.receiver:
             return message
         noisy = dataclasses.replace(message, gradient=self.privatise(message.gradient))
-        self.release(message.sender, "gradient")
+        if message.phase == "train":
+            self.release(message.sender, "gradient")
         return noisy
 
 
@@ -344,6 +348,13 @@ def make_private_party(
     rows the party happened to observe, which varies per batch); ``max_grad_norm`` is therefore
     on the scale of the head's mean loss. One ``"dp-sgd"`` event per optimiser step.
     """
+    # The bottom model's input needs no gradient, so torch notes that its full backward hook
+    # fires on outputs only; that is what the split pattern wants, not a problem to show users.
+    warnings.filterwarnings(
+        "ignore",
+        message="Full backward hook is firing when gradients are computed with respect to module",
+        category=UserWarning,
+    )
     _check_noise(noise_multiplier, max_grad_norm)
     if not 0 < sample_rate <= 1:
         raise ConfigError(f"`sample_rate` must be in (0, 1]. Found {sample_rate}.")

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from secure_vfl import methods
-from secure_vfl.errors import ConfigError, SecureVFLError
+from secure_vfl.errors import ConfigError, IntegrityError, SecureVFLError
 
 EXIT_USAGE = 2
 
@@ -48,6 +48,16 @@ positive_float = _number(float, "a positive number", lambda v: v > 0)
 parties_count = _number(int, "an integer number of parties in [2, 10]", lambda v: 2 <= v <= 10)
 clients_count = _number(int, "an integer number of clients in [2, 64]", lambda v: 2 <= v <= 64)
 share = _number(float, "a share in (0, 1]", lambda v: 0 < v <= 1)
+open_probability = _number(float, "a probability in (0, 1)", lambda v: 0 < v < 1)
+
+
+def noise_spec(text: str) -> tuple[float, float]:
+    from protocols.dp import parse_noise
+
+    try:
+        return parse_noise(text)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _imputer_names() -> list[str]:
@@ -138,6 +148,32 @@ def build_parser() -> argparse.ArgumentParser:
         default="random",
         help="what Standard VFL does on incomplete test samples",
     )
+    privacy = train.add_argument_group("differential privacy (protocols.dp, Opacus accountant)")
+    privacy.add_argument(
+        "--dp-embeddings",
+        type=noise_spec,
+        metavar="SIGMA:CLIP",
+        help="clip + Gaussian noise on every representation (protects features)",
+    )
+    privacy.add_argument(
+        "--dp-gradients",
+        type=noise_spec,
+        metavar="SIGMA:CLIP",
+        help="clip + Gaussian noise on every gradient sent back (protects labels)",
+    )
+    privacy.add_argument(
+        "--dp-sgd",
+        type=noise_spec,
+        metavar="SIGMA:CLIP",
+        help="DP-SGD (Opacus) of every data party's bottom model",
+    )
+    privacy.add_argument(
+        "--target-epsilon",
+        type=positive_float,
+        metavar="E",
+        help="calibrate SIGMA so that no party spends more than E",
+    )
+    privacy.add_argument("--delta", type=open_probability, default=1e-5, metavar="D")
     train.add_argument("--seed", type=non_negative_int, default=0, metavar="S")
     train.add_argument(
         "--out",
@@ -256,6 +292,13 @@ def run_psi_command(args: argparse.Namespace) -> int:
 def _train_config(args: argparse.Namespace) -> Any:
     from secure_vfl.experiment import TrainConfig
 
+    if args.target_epsilon is not None and not (
+        args.dp_embeddings or args.dp_gradients or args.dp_sgd
+    ):
+        raise ConfigError(
+            "--target-epsilon calibrates a mechanism: expected --dp-embeddings, --dp-gradients "
+            "or --dp-sgd. Found none."
+        )
     if args.party_file and args.label_file is None:
         raise ConfigError("--party-file needs --label-file PATH. Found no label file.")
     if args.label_file is not None and not args.party_file:
@@ -294,8 +337,114 @@ def _summary(result: Any, out: Path) -> str:
     ]
     for name, values in result.metrics.items():
         lines.append(f"{name:<20}{values['accuracy']:>12.2f}{values['f1']:>10.2f}")
+    if result.privacy is not None:
+        spent = ", ".join(f"{p} {e:.2f}" for p, e in sorted(result.privacy["epsilon"].items()))
+        lines.append(f"epsilon (delta {result.privacy['delta']:g}): {spent}")
     lines.append(f"result: {out / 'result.json'}")
     return "\n".join(lines)
+
+
+def _differential_privacy(args: argparse.Namespace, config: Any, data: Any) -> tuple[Any, Any, Any]:
+    """The channel, build hook and report of the DP flags (all None when none is given)."""
+    requested = {
+        kind: spec
+        for kind, spec in (
+            ("embedding", args.dp_embeddings),
+            ("gradient", args.dp_gradients),
+            ("dp-sgd", args.dp_sgd),
+        )
+        if spec is not None
+    }
+    if not requested:
+        return None, None, None
+    if args.dp_sgd is not None and config.method == "combinatorial":
+        raise ConfigError(
+            "--dp-sgd applies to methods with one bottom model per party. "
+            "Found --method combinatorial."
+        )
+    import torch
+
+    from protocols.dp import (
+        EmbeddingNoise,
+        GradientNoise,
+        PrivacyAccountant,
+        calibrate_noise,
+        make_private_party,
+    )
+    from secure_vfl.federation.channel import Channel
+
+    accountant = PrivacyAccountant()
+    sample_rate = min(1.0, config.method_config.batch_size / data.train.n)
+    channel = Channel()
+    noise: dict[str, tuple[float, float]] = dict(requested)
+
+    def generator(offset: int) -> torch.Generator:
+        return torch.Generator().manual_seed(config.seed * 1000 + offset)
+
+    def on_built(method: Any) -> None:
+        if args.target_epsilon is not None:
+            # Worst case per party and step: one embedding release, a gradient from every
+            # head, one DP-SGD step; one sigma for all mechanisms keeps every party under E.
+            per_step = (
+                ("embedding" in noise)
+                + data.train.parties * ("gradient" in noise)
+                + ("dp-sgd" in noise)
+            )
+            steps = len(method.sampler) * config.method_config.epochs * per_step
+            sigma = calibrate_noise(
+                args.target_epsilon, args.delta, sample_rate=sample_rate, steps=steps
+            )
+            for kind, (_, clip) in list(noise.items()):
+                noise[kind] = (sigma, clip)
+        if "embedding" in noise:
+            sigma, clip = noise["embedding"]
+            channel.layers.append(
+                EmbeddingNoise(
+                    sigma,
+                    clip,
+                    sample_rate=sample_rate,
+                    generator=generator(0),
+                    on_event=accountant.on_event,
+                )
+            )
+        if "gradient" in noise:
+            sigma, clip = noise["gradient"]
+            channel.layers.append(
+                GradientNoise(
+                    sigma,
+                    clip,
+                    sample_rate=sample_rate,
+                    generator=generator(1),
+                    on_event=accountant.on_event,
+                )
+            )
+        if "dp-sgd" in noise:
+            sigma, clip = noise["dp-sgd"]
+            for k, party in enumerate(method.fed.parties):
+                make_private_party(
+                    party,
+                    noise_multiplier=sigma,
+                    max_grad_norm=clip,
+                    sample_rate=sample_rate,
+                    on_event=accountant.on_event,
+                    generator=generator(10 + k),
+                )
+
+    def report() -> dict[str, Any]:
+        releases: dict[str, dict[str, int]] = {}
+        for event in accountant.events:
+            counts = releases.setdefault(event.party, {})
+            counts[event.kind] = counts.get(event.kind, 0) + 1
+        return {
+            "accountant": "rdp",
+            "delta": args.delta,
+            "sample_rate": sample_rate,
+            "noise": {kind: {"sigma": s, "clip": c} for kind, (s, c) in noise.items()},
+            "epsilon": accountant.epsilons(args.delta),
+            "releases": releases,
+        }
+
+    return channel, on_built, report
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -318,6 +467,7 @@ def run_train(args: argparse.Namespace) -> int:
         )
     store = ResultsStore(args.store or out.parent / "results.sqlite")
     data = prepare_data(config)
+    channel, on_built, privacy_report = _differential_privacy(args, config, data)
     bar: Any = None
 
     def on_start(total: int) -> None:
@@ -330,7 +480,22 @@ def run_train(args: argparse.Namespace) -> int:
             bar.set_postfix(loss=f"{loss:.3f}")
 
     try:
-        result = run_training(config, data=data, on_start=on_start, on_step=on_step)
+        result = run_training(
+            config,
+            data=data,
+            channel=channel,
+            on_built=on_built,
+            privacy_report=privacy_report,
+            on_start=on_start,
+            on_step=on_step,
+        )
+    except IntegrityError as error:
+        if channel is None:
+            raise
+        raise IntegrityError(
+            f"training diverged under the DP noise ({error}); expected a smaller SIGMA, a CLIP "
+            "on the scale of what is clipped (gradient rows are ~1/batch), or a lower --lr."
+        ) from None
     finally:
         if bar is not None:
             bar.close()

@@ -22,6 +22,7 @@ from secure_vfl.data.missingness import parse_mechanism
 from secure_vfl.data.vertical import VerticalData, make_vertical, vertical_from_party_files
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation.alignment import make_aligner
+from secure_vfl.federation.channel import Channel
 from secure_vfl.methods.base import StepCallback
 from secure_vfl.methods.imputation import IMPUTERS, ImputeConfig, Imputer
 from secure_vfl.methods.imputation.evaluation import evaluate as evaluate_imputer
@@ -102,6 +103,7 @@ class TrainResult:
     wall_time_s: float
     samples: dict[str, int]
     dropped: dict[str, int]
+    privacy: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -132,10 +134,12 @@ def prepare_data(config: TrainConfig) -> VerticalData:
     )
 
 
-def build_method(config: TrainConfig, data: VerticalData) -> methods.Method:
-    """The configured method, built on ``data``."""
+def build_method(
+    config: TrainConfig, data: VerticalData, *, channel: Channel | None = None
+) -> methods.Method:
+    """The configured method, built on ``data``, its parties talking through ``channel``."""
     factory = methods.METHODS.get(config.method)
-    return factory(data, config.method_config, seed=config.seed)
+    return factory(data, config.method_config, seed=config.seed, channel=channel)
 
 
 def evaluate(method: methods.Method, data: VerticalData) -> dict[str, dict[str, float]]:
@@ -154,16 +158,24 @@ def run_training(
     config: TrainConfig,
     *,
     data: VerticalData | None = None,
+    channel: Channel | None = None,
+    on_built: Callable[[methods.Method], None] | None = None,
+    privacy_report: Callable[[], dict[str, Any]] | None = None,
     on_start: Callable[[int], None] | None = None,
     on_step: StepCallback | None = None,
 ) -> TrainResult:
     """Train ``config.method`` and evaluate it on every test missingness.
 
-    ``on_start(total_steps)`` is called once before training (for a progress bar).
+    Hooks let the composition root add protection without the core knowing it: ``channel``
+    carries the parties' messages (e.g. with DP layers), ``on_built(method)`` runs before
+    training (e.g. to make parties private), ``privacy_report()`` fills ``result.privacy``
+    after evaluation; ``on_start(total_steps)`` is called once before training.
     """
     data = data if data is not None else prepare_data(config)
     start = time.perf_counter()
-    method = build_method(config, data)
+    method = build_method(config, data, channel=channel)
+    if on_built is not None:
+        on_built(method)
     if on_start is not None:
         on_start(len(method.sampler) * config.method_config.epochs)
     losses = method.fit(on_step=on_step)
@@ -177,6 +189,7 @@ def run_training(
         wall_time_s=time.perf_counter() - start,
         samples={"train": data.train.n, **{name: s.n for name, s in data.tests.items()}},
         dropped=dict(data.dropped),
+        privacy=privacy_report() if privacy_report is not None else None,
     )
 
 

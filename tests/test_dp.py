@@ -337,3 +337,27 @@ def test_dp_sgd_step_without_gradients_releases_nothing() -> None:
     party.step()
     assert events == [GaussianRelease("party-1", 1.0, 0.1, "dp-sgd")]
     assert any(not torch.equal(a, b) for a, b in zip(before, party.model.parameters(), strict=True))
+
+
+def test_prediction_releases_are_noised_but_not_priced_against_training_records() -> None:
+    accountant = PrivacyAccountant()
+    layer = EmbeddingNoise(
+        1.0,
+        1.0,
+        sample_rate=0.1,
+        generator=torch.Generator().manual_seed(0),
+        on_event=accountant.on_event,
+    )
+    rows = torch.zeros(4, 3)
+    for phase in ("train", "predict"):
+        message = RepresentationMessage(
+            sender="party-1",
+            receiver="aggregator",
+            round=0,
+            batch_id=0,
+            positions=torch.arange(4),
+            phase=phase,
+            representation=rows,
+        )
+        assert not torch.equal(layer.on_message(message).representation, rows)
+    assert [event.kind for event in accountant.events] == ["embedding"]

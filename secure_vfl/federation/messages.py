@@ -17,6 +17,7 @@ from torch import Tensor
 from secure_vfl.errors import IntegrityError, ProtocolError
 
 SCHEMA_VERSION = 1
+PHASES = ("train", "predict")
 
 PartyId = str
 AGGREGATOR: PartyId = "aggregator"
@@ -94,12 +95,22 @@ def _check_tensor(
 
 @dataclass(frozen=True, kw_only=True)
 class RowsMessage(Message):
-    """A message about some rows of the current batch, at ``positions`` within it."""
+    """A message about some rows of the current batch, at ``positions`` within it.
+
+    ``phase`` says whether the rows are training records (``"train"``) or rows being predicted
+    (``"predict"``), so privacy accounting can price only releases of training records.
+    """
 
     positions: Tensor
     tag: str = ""
+    phase: str = "train"
 
     def _check_rows(self, name: str, tensor: Tensor) -> None:
+        if self.phase not in PHASES:
+            raise ProtocolError(
+                f"{self.kind} from {self.sender}: phase must be one of {PHASES}, "
+                f"found {self.phase!r}."
+            )
         _check_tensor(self, "positions", self.positions, dims=1, dtype=torch.int64)
         if tensor.shape[0] != self.positions.shape[0]:
             raise ProtocolError(

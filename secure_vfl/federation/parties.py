@@ -64,6 +64,7 @@ class DataParty:
             batch_id=batch_id,
             positions=positions,
             tag=tag,
+            phase="train" if train else "predict",
             representation=sent,
         )
 
