@@ -224,6 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
     impute.add_argument("--local-epochs", type=positive_int, default=2, metavar="E")
     impute.add_argument("--batch-size", type=positive_int, default=16, metavar="B")
     impute.add_argument("--lr", type=positive_float, default=1e-3)
+    impute.add_argument(
+        "--secure-agg",
+        choices=["none", "masks"],
+        default="none",
+        help="how client sums (statistics, FedAvg updates) are formed: in the clear, or by "
+        "pairwise-mask secure aggregation (the server sees only sums)",
+    )
     impute.add_argument("--seed", type=non_negative_int, default=0, metavar="S")
     impute.add_argument(
         "--out",
@@ -505,6 +512,15 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _secure_aggregator(name: str) -> Any:
+    """The aggregator backend chosen by ``--secure-agg`` (None: the plain default)."""
+    if name == "none":
+        return None
+    from protocols.secagg import MaskingAggregator
+
+    return MaskingAggregator()
+
+
 def run_impute(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -554,7 +570,9 @@ def run_impute(args: argparse.Namespace) -> int:
             bar.update(1)
             bar.set_postfix(val_rmse=f"{rmse:.3f}")
 
-        result, imputer = run_imputation(config, task=task, on_round=on_round)
+        result, imputer = run_imputation(
+            config, task=task, aggregator=_secure_aggregator(args.secure_agg), on_round=on_round
+        )
     if args.save_imputed:
         _save_imputed(out / "imputed", task, imputer)
     atomic_write_json(out / "result.json", result.to_json())

@@ -21,6 +21,7 @@ from secure_vfl.data.imputation import (
 from secure_vfl.data.missingness import parse_mechanism
 from secure_vfl.data.vertical import VerticalData, make_vertical, vertical_from_party_files
 from secure_vfl.errors import ConfigError
+from secure_vfl.federation.aggregator import Aggregator
 from secure_vfl.federation.alignment import make_aligner
 from secure_vfl.federation.channel import Channel
 from secure_vfl.methods.base import StepCallback
@@ -252,6 +253,7 @@ class ImputeResult:
     validation_curve: list[float]
     wall_time_s: float
     clients: dict[str, dict[str, int]]
+    aggregator: str = "PlainAggregator"
 
     @property
     def metrics(self) -> dict[str, Any]:
@@ -285,17 +287,23 @@ def run_imputation(
     config: ImputeRunConfig,
     *,
     task: ImputationTask | None = None,
+    aggregator: Aggregator | None = None,
     on_round: Callable[[int, float], None] | None = None,
 ) -> tuple[ImputeResult, Imputer]:
     """Fit ``config.method`` on the clients' training rows and score it on hidden test entries.
 
-    The global standardisation comes from federated statistics (sums through the aggregator),
-    the same for every method, so RMSEs are comparable across methods.
+    Every sum the clients send (statistics, model updates, validation errors) goes through
+    ``aggregator`` (plain by default; a secure backend from ``protocols`` otherwise). The global
+    standardisation comes from those federated statistics, the same for every method, so RMSEs
+    are comparable across methods.
     """
     task = task if task is not None else prepare_imputation_task(config)
     start = time.perf_counter()
-    statistics = federated_statistics(task.train)
-    imputer = IMPUTERS.get(config.method)(task, config.impute_config, seed=config.seed)
+    # The evaluation's own copy of the statistics (a separate, fresh aggregation context).
+    statistics = federated_statistics(task.train, aggregator=aggregator, tag="statistics/eval")
+    imputer = IMPUTERS.get(config.method)(
+        task, config.impute_config, seed=config.seed, aggregator=aggregator
+    )
     curve = imputer.fit(on_round=on_round)
     scores = evaluate_imputer(
         imputer, task, standardisation=statistics.standardisation, seed=config.seed
@@ -319,5 +327,6 @@ def run_imputation(
             }
             for train, test in zip(task.train, task.test, strict=True)
         },
+        aggregator=type(aggregator).__name__ if aggregator is not None else "PlainAggregator",
     )
     return result, imputer

@@ -142,11 +142,10 @@ def _federated_sum(
     channel: Channel,
     receiver: str,
     round: int,
+    tag: str,
 ) -> np.ndarray:
     contributions = {name: torch.from_numpy(v.astype(np.float32)) for name, v in vectors.items()}
-    total = sum_vectors(
-        aggregator, channel, contributions, receiver=receiver, round=round, tag="statistics"
-    )
+    total = sum_vectors(aggregator, channel, contributions, receiver=receiver, round=round, tag=tag)
     return total.numpy().astype(np.float64)
 
 
@@ -187,12 +186,15 @@ def federated_statistics(
     aggregator: Aggregator | None = None,
     channel: Channel | None = None,
     receiver: str = SERVER,
+    tag: str = "statistics",
 ) -> FederatedStatistics:
     """Global standardisation and pairwise correlations from the clients' summed statistics."""
     features = _check_clients(clients)
     aggregator = aggregator if aggregator is not None else PlainAggregator()
     channel = channel if channel is not None else Channel()
-    route = partial(_federated_sum, aggregator=aggregator, channel=channel, receiver=receiver)
+    route = partial(
+        _federated_sum, aggregator=aggregator, channel=channel, receiver=receiver, tag=tag
+    )
 
     moments = route({c.name: client_moments(c) for c in clients}, round=0)
     count, total = moments[:features], moments[features:]

@@ -1,0 +1,402 @@
+"""Secure sums under the receiver's Paillier key (Paillier, EUROCRYPT 1999), many values per
+ciphertext.
+
+Three roles are simulated in process with real ``phe`` ciphertexts: the receiver (the head or
+label party) owns a key pair and publishes the public key; every contributing party packs its
+fixed-point values into plaintexts and encrypts them under that key; the aggregator multiplies
+ciphertexts (adds plaintexts) without ever holding the private key; the receiver decrypts and
+unpacks the sums. Ciphertexts are standard ``phe`` ones (g = n + 1, exponent 0): a stock
+``PaillierPrivateKey.raw_decrypt`` of a summed ciphertext gives the packed integer.
+
+Packing layout (:class:`PackingLayout`). A value x is encoded as the integer e = round(x * 2^f)
+with -2^(v-1) <= e < 2^(v-1) (anything else is refused) and sent as u = e + 2^(v-1), so
+0 <= u < 2^v. Slot i of a plaintext holds bits [i*w, (i+1)*w) with w = v + ceil(log2 K) + 1 for
+K parties, and a plaintext holds s = floor((bits(n) - 1) / w) slots, in (task, row, column) order.
+A party puts u in the slots of the sums it enters and 0 elsewhere, so the slot of sum (t, b, j)
+adds up to sum_{k in S_tb} u_k = sum_k e_k + |S_tb| * 2^(v-1), and the receiver, who knows
+|S_tb| (the public ``counts``), subtracts the offset.
+
+No overflow: every slot sum is at most |S_tb| * (2^v - 1) <= K * (2^v - 1) < 2^(v + ceil(log2 K))
+= 2^(w-1), so no slot carries into the next one and the top bit of each slot stays 0; the whole
+plaintext is below 2^(s*w) <= 2^(bits(n)-1) < n, so nothing wraps modulo n either. The receiver
+checks both facts on every decryption: a slot sum outside [0, |S_tb| * (2^v - 1)] or a set bit
+above the last slot raises :class:`IntegrityError`. A wrong private key decrypts to an integer
+that is uniform modulo n, which fails these checks with overwhelming probability.
+
+Obfuscators. Encryption is c = (1 + n*m) * r^n mod n^2; the costly part, r^n mod n^2, does not
+depend on the message, so each sender keeps an :class:`ObfuscatorPool` of them computed ahead of
+time (offline, e.g. while the previous batch trains) and the hot path is one multiplication
+modulo n^2 per ciphertext. Every obfuscator is used once; an empty pool is refilled on demand.
+
+Promises (semi-honest parties, non-colluding aggregator): the aggregator and the network see only
+ciphertexts; the receiver learns only sums over >= 2 contributors (a sum over one is refused).
+Paillier is malleable, so integrity is not promised: a ciphertext replaced by garbage is detected
+with overwhelming probability by the range checks above, but a ciphertext shifted homomorphically
+by a valid small amount silently shifts the sum.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import reduce
+
+import gmpy2
+import numpy as np
+import torch
+from phe import paillier
+from torch import Tensor
+
+from protocols.secagg import decode_fixed_point, encode_fixed_point
+from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
+from secure_vfl.federation.aggregator import check_selection, dense_representations
+from secure_vfl.federation.messages import AGGREGATOR, RepresentationMessage, SumMessage
+
+DEFAULT_KEY_BITS = 2048
+DEFAULT_VALUE_BITS = 32
+DEFAULT_FRACTION_BITS = 16
+DEFAULT_POOL_SIZE = 64
+
+KeyPair = tuple[paillier.PaillierPublicKey, paillier.PaillierPrivateKey]
+KeyGenerator = Callable[[int], KeyPair]
+WireTap = Callable[[str, list[paillier.EncryptedNumber]], list[paillier.EncryptedNumber]]
+
+
+def generate_key_pair(key_bits: int) -> KeyPair:
+    """A fresh ``phe`` key pair with a ``key_bits`` modulus (primes from the OS's CSPRNG)."""
+    public_key, private_key = paillier.generate_paillier_keypair(n_length=key_bits)
+    return public_key, private_key
+
+
+@dataclass(frozen=True)
+class PackingLayout:
+    """Where values sit in a plaintext: ``slots`` slots of ``slot_bits`` bits, lowest first.
+
+    ``value_bits`` (v) bound one offset-encoded value, ``fraction_bits`` (f) its fixed-point
+    scale; ``slot_bits`` = v + ceil(log2 K) + 1 leaves room to add K of them without a carry.
+    """
+
+    value_bits: int
+    fraction_bits: int
+    slot_bits: int
+    slots: int
+
+    @classmethod
+    def for_sum(
+        cls, *, key_bits: int, value_bits: int, fraction_bits: int, parties: int
+    ) -> PackingLayout:
+        """The layout for sums of up to ``parties`` values under a ``key_bits``-bit modulus."""
+        slot_bits = value_bits + math.ceil(math.log2(max(parties, 1))) + 1
+        if slot_bits > 64:
+            raise ProtocolError(
+                f"a packed slot must fit 64 bits: {value_bits} value bits plus headroom for "
+                f"{parties} parties need {slot_bits}; lower value_bits or the number of parties."
+            )
+        slots = (key_bits - 1) // slot_bits
+        if slots < 1:
+            raise ProtocolError(
+                f"a {key_bits}-bit modulus holds no {slot_bits}-bit slot; use a larger key."
+            )
+        return cls(value_bits, fraction_bits, slot_bits, slots)
+
+    @property
+    def offset(self) -> int:
+        """2^(v-1): added to every encoded value so that slots hold non-negative integers."""
+        return 1 << (self.value_bits - 1)
+
+    def ciphertexts(self, values: int) -> int:
+        """How many plaintexts ``values`` slots take."""
+        return -(-values // self.slots)
+
+    def pack(self, slots: np.ndarray) -> list[int]:
+        """Pack a flat uint64 array of slot values (each < 2^slot_bits) into plaintext ints."""
+        count = self.ciphertexts(slots.size)
+        padded = np.zeros(count * self.slots, dtype="<u8")
+        padded[: slots.size] = slots
+        bits = np.unpackbits(padded.view(np.uint8).reshape(-1, 8), axis=1, bitorder="little")
+        rows = bits[:, : self.slot_bits].reshape(count, self.slots * self.slot_bits)
+        packed = np.packbits(rows, axis=1, bitorder="little")
+        return [int.from_bytes(row.tobytes(), "little") for row in packed]
+
+    def unpack(self, plaintexts: Sequence[int], values: int, *, key_bits: int) -> np.ndarray:
+        """The first ``values`` slot values of ``plaintexts`` as uint64; refuse set bits beyond
+        the last slot (a plaintext that no honest sum produces)."""
+        width = (key_bits + 7) // 8
+        raw = np.frombuffer(
+            b"".join(int(p).to_bytes(width, "little") for p in plaintexts), dtype=np.uint8
+        ).reshape(len(plaintexts), width)
+        bits = np.unpackbits(raw, axis=1, bitorder="little")
+        used = self.slots * self.slot_bits
+        if bool(bits[:, used:].any()):
+            raise IntegrityError(
+                f"a decrypted sum has bits set above its {self.slots} packed slots (all zero "
+                "expected): the ciphertext was tampered with or decrypted with the wrong key."
+            )
+        slots = bits[:, :used].reshape(-1, self.slot_bits)
+        wide = np.zeros((slots.shape[0], 64), dtype=np.uint8)
+        wide[:, : self.slot_bits] = slots
+        return np.packbits(wide, axis=1, bitorder="little").view("<u8").reshape(-1)[:values]
+
+
+class ObfuscatorPool:
+    """A sender's stock of r^n mod n^2 for one public key, each drawn once.
+
+    ``rng`` supplies r uniform in [1, n) (default the OS's CSPRNG; inject a seeded
+    ``random.Random`` only in tests). ``generated`` counts every obfuscator computed.
+    """
+
+    def __init__(self, public_key: paillier.PaillierPublicKey, rng: random.Random) -> None:
+        self.public_key = public_key
+        self._rng = rng
+        self._n = gmpy2.mpz(public_key.n)
+        self._nsquare = gmpy2.mpz(public_key.nsquare)
+        self._stock: list[gmpy2.mpz] = []
+        self.generated = 0
+
+    def __len__(self) -> int:
+        return len(self._stock)
+
+    def fill(self, count: int) -> None:
+        """Compute obfuscators until at least ``count`` are in stock (the expensive step)."""
+        while len(self._stock) < count:
+            r = gmpy2.mpz(self._rng.randrange(1, self.public_key.n))
+            self._stock.append(gmpy2.powmod(r, self._n, self._nsquare))
+            self.generated += 1
+
+    def draw(self, count: int) -> list[gmpy2.mpz]:
+        """Take ``count`` obfuscators out of the pool, refilling it first if it runs short."""
+        self.fill(count)
+        drawn, self._stock = self._stock[:count], self._stock[count:]
+        return drawn
+
+    def encrypt(self, plaintexts: Sequence[int]) -> list[paillier.EncryptedNumber]:
+        """Paillier encryptions of ``plaintexts`` (each in [0, n)): (1 + n*m) * r^n mod n^2."""
+        out = []
+        for plaintext, obfuscator in zip(plaintexts, self.draw(len(plaintexts)), strict=True):
+            nude = (self._n * plaintext + 1) % self._nsquare
+            ciphertext = int(gmpy2.mul(nude, obfuscator) % self._nsquare)
+            out.append(paillier.EncryptedNumber(self.public_key, ciphertext, 0))
+        return out
+
+
+class PaillierAggregator:
+    """Secure sums by packed Paillier encryption under the receiver's key, behind the
+    :class:`Aggregator` seam.
+
+    ``key_bits`` sizes the receiver's modulus (2048 by default; tests use 1024). ``value_bits``
+    and ``fraction_bits`` fix the encoding: values must lie in
+    [-2^(v-1-f), 2^(v-1-f)) (+-32768 by default) and are rounded to a step of 2^-f.
+    ``key_generator`` makes key pairs (default :func:`generate_key_pair`; inject a cached one in
+    tests), ``rng`` draws the obfuscators' r, ``pool_size`` is how many obfuscators
+    :meth:`prepare` stocks per sender by default. ``wire`` sees each party's ciphertexts on their
+    way to the aggregator and returns what arrives (identity by default): a hook for recording
+    or tampering. Every (receiver, round, batch id, tag) context is served at most once.
+
+    Observable state (simulation only): ``public_keys`` (the published directory),
+    ``private_keys`` (each receiver's secret; deployed, only its owner holds it), ``pools``
+    (each (sender, receiver) obfuscator pool), ``last_ciphertexts`` (what reached the aggregator
+    from each party in the last call) and ``last_sum`` (the summed ciphertexts the receiver got).
+    """
+
+    def __init__(
+        self,
+        *,
+        key_bits: int = DEFAULT_KEY_BITS,
+        value_bits: int = DEFAULT_VALUE_BITS,
+        fraction_bits: int = DEFAULT_FRACTION_BITS,
+        key_generator: KeyGenerator = generate_key_pair,
+        rng: random.Random | None = None,
+        pool_size: int = DEFAULT_POOL_SIZE,
+        wire: WireTap | None = None,
+    ) -> None:
+        for name, value, low, high in [
+            ("key_bits", key_bits, 256, 8192),
+            ("value_bits", value_bits, 8, 56),
+            ("fraction_bits", fraction_bits, 0, value_bits - 2),
+            ("pool_size", pool_size, 0, 10**6),
+        ]:
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ConfigError(f"`{name}` must be an integer. Found {value!r}.")
+            if not low <= value <= high:
+                raise ConfigError(f"`{name}` must be in [{low}, {high}]. Found {value}.")
+        self.key_bits = key_bits
+        self.value_bits = value_bits
+        self.fraction_bits = fraction_bits
+        self.pool_size = pool_size
+        self._key_generator = key_generator
+        self._rng = rng if rng is not None else secrets.SystemRandom()
+        self._wire = wire
+        self.public_keys: dict[str, paillier.PaillierPublicKey] = {}
+        # In-process simulation: every private key lives here; deployed, only its owner has it.
+        self.private_keys: dict[str, paillier.PaillierPrivateKey] = {}
+        self.pools: dict[tuple[str, str], ObfuscatorPool] = {}
+        self._used_contexts: set[tuple[str, int, int, str]] = set()
+        self.last_ciphertexts: dict[str, list[paillier.EncryptedNumber]] = {}
+        self.last_sum: list[paillier.EncryptedNumber] = []
+
+    def limit(self) -> float:
+        """Largest magnitude a value may have: 2^(v-1-f) minus one step."""
+        return float((1 << (self.value_bits - 1)) - 1) / float(1 << self.fraction_bits)
+
+    def step(self, parties: int) -> float:
+        """Largest distance between a secure sum of ``parties`` values and their float sum."""
+        return parties * 2.0 ** -(self.fraction_bits + 1)
+
+    def layout(self, parties: int) -> PackingLayout:
+        """The packing layout of a sum over up to ``parties`` contributors under this key size."""
+        return PackingLayout.for_sum(
+            key_bits=self.key_bits,
+            value_bits=self.value_bits,
+            fraction_bits=self.fraction_bits,
+            parties=parties,
+        )
+
+    def setup(self, receiver: str) -> paillier.PaillierPublicKey:
+        """Give ``receiver`` a key pair (once) and publish its public key."""
+        if receiver not in self.public_keys:
+            public_key, private_key = self._key_generator(self.key_bits)
+            if public_key.n.bit_length() != self.key_bits:
+                raise ConfigError(
+                    f"the key generator must give a {self.key_bits}-bit modulus, found "
+                    f"{public_key.n.bit_length()} bits."
+                )
+            self.public_keys[receiver] = public_key
+            self.private_keys[receiver] = private_key
+        return self.public_keys[receiver]
+
+    def pool(self, sender: str, receiver: str) -> ObfuscatorPool:
+        """``sender``'s obfuscator pool for ``receiver``'s current public key."""
+        public_key = self.setup(receiver)
+        pool = self.pools.get((sender, receiver))
+        if pool is None or pool.public_key != public_key:
+            pool = ObfuscatorPool(public_key, self._rng)
+            self.pools[(sender, receiver)] = pool
+        return pool
+
+    def prepare(self, senders: Sequence[str], receiver: str, *, obfuscators: int = -1) -> None:
+        """The offline phase: key the receiver and stock each sender's pool with ``obfuscators``
+        r^n values (``pool_size`` by default), so that :meth:`combine` only multiplies."""
+        count = self.pool_size if obfuscators < 0 else obfuscators
+        for sender in senders:
+            self.pool(sender, receiver).fill(count)
+
+    def combine(
+        self,
+        contributions: Sequence[RepresentationMessage],
+        selection: Tensor,
+        *,
+        parties: Sequence[str],
+        receiver: str,
+        round: int,
+        batch_id: int,
+        tag: str = "",
+    ) -> SumMessage:
+        """Secure per-task sums: every contributor encrypts its packed slots, the aggregator
+        multiplies ciphertexts, the receiver decrypts and removes the offsets."""
+        # Everything is checked before any key, pool or context changes.
+        dense, present = dense_representations(contributions, parties, selection.shape[1])
+        for message in contributions:
+            if (message.receiver, message.round, message.batch_id) != (AGGREGATOR, round, batch_id):
+                raise ProtocolError(
+                    f"representation from {message.sender}: receiver {AGGREGATOR!r}, round "
+                    f"{round}, batch {batch_id} expected, found receiver {message.receiver!r}, "
+                    f"round {message.round}, batch {message.batch_id} (a replayed message?)."
+                )
+        check_selection(selection, present)
+        counts = selection.sum(dim=2)
+        single = counts == 1
+        if bool(single.any()):
+            t, b = (int(i) for i in torch.nonzero(single)[0])
+            raise ProtocolError(
+                f"a sum reveals a single party's representation: every released sum needs 0 or "
+                f">= 2 contributors, found {int(single.sum())} sums with one (first: task {t}, "
+                f"row {b}, party {parties[int(torch.nonzero(selection[t, b])[0])]})."
+            )
+        context = (receiver, round, batch_id, tag)
+        if context in self._used_contexts:
+            raise ProtocolError(
+                f"receiver {receiver!r}, round {round}, batch {batch_id}, tag {tag!r} was "
+                "already served in this session; a fresh context is expected for every sum."
+            )
+        layout = self.layout(len(parties))
+        encoded = self._encode(dense.numpy(), len(parties))
+
+        self._used_contexts.add(context)
+        chosen = selection.numpy()
+        tasks, batch, width = chosen.shape[0], chosen.shape[1], encoded.shape[2]
+        values = tasks * batch * width
+        arrived: dict[str, list[paillier.EncryptedNumber]] = {}
+        for k, name in enumerate(parties):
+            mine = chosen[..., k]
+            if not mine.any():
+                continue
+            offset_values = (encoded[k] + layout.offset).astype(np.uint64)
+            slots = np.where(mine[..., None], offset_values[None], np.uint64(0))
+            ciphertexts = self.pool(name, receiver).encrypt(layout.pack(slots.reshape(-1)))
+            arrived[name] = self._wire(name, ciphertexts) if self._wire else ciphertexts
+        self.last_ciphertexts = arrived
+        self.last_sum = self._add(arrived, layout.ciphertexts(values))
+        sums = self._decrypt(receiver, layout, counts.numpy(), (tasks, batch, width))
+        return SumMessage(
+            sender=AGGREGATOR,
+            receiver=receiver,
+            round=round,
+            batch_id=batch_id,
+            sums=torch.from_numpy(sums),
+            counts=counts,
+        )
+
+    def _encode(self, dense: np.ndarray, parties: int) -> np.ndarray:
+        """round(x * 2^f) as int64 (K, B, d); refuse any outside [-2^(v-1), 2^(v-1))."""
+        encoded = encode_fixed_point(dense, fraction_bits=self.fraction_bits, parties=parties)
+        signed = encoded.view(np.int64)
+        half = 1 << (self.value_bits - 1)
+        outside = (signed < -half) | (signed >= half)
+        if bool(outside.any()):
+            largest = float(np.abs(dense[outside]).max())
+            raise ProtocolError(
+                f"a value of magnitude {largest:.6g} is outside the Paillier fixed-point range: "
+                f"with {self.value_bits} value bits and {self.fraction_bits} fraction bits every "
+                f"|value| must be <= {self.limit():.6g}; clip the values or lower fraction_bits."
+            )
+        return signed
+
+    def _add(
+        self, arrived: dict[str, list[paillier.EncryptedNumber]], count: int
+    ) -> list[paillier.EncryptedNumber]:
+        """The aggregator's part: slot-wise homomorphic sums, ciphertext by ciphertext."""
+        for name, ciphertexts in arrived.items():
+            if len(ciphertexts) != count:
+                raise IntegrityError(
+                    f"{count} ciphertexts expected from {name}, found {len(ciphertexts)}."
+                )
+        if not arrived:
+            return []
+        return [reduce(lambda a, b: a + b, column) for column in zip(*arrived.values())]
+
+    def _decrypt(
+        self,
+        receiver: str,
+        layout: PackingLayout,
+        counts: np.ndarray,
+        shape: tuple[int, int, int],
+    ) -> np.ndarray:
+        """The receiver's part: decrypt, unpack, check each slot's range, remove the offsets."""
+        tasks, batch, width = shape
+        if not self.last_sum:  # nobody contributed to any sum
+            return np.zeros(shape, dtype=np.float32)
+        private_key = self.private_keys[receiver]
+        plaintexts = [private_key.raw_decrypt(c.ciphertext(be_secure=False)) for c in self.last_sum]
+        slots = layout.unpack(plaintexts, tasks * batch * width, key_bits=self.key_bits)
+        sums = slots.astype(np.int64).reshape(shape)
+        contributors = counts.astype(np.int64)[..., None]
+        if bool(((sums < 0) | (sums > contributors * ((1 << layout.value_bits) - 1))).any()):
+            raise IntegrityError(
+                "a decrypted slot sum is outside [0, contributors * (2^v - 1)] (every honest sum "
+                "is inside): the ciphertext was tampered with or decrypted with the wrong key."
+            )
+        signed = sums - contributors * layout.offset
+        return decode_fixed_point(signed, fraction_bits=self.fraction_bits).astype(np.float32)
