@@ -276,10 +276,12 @@ class PaillierAggregator:
             self.pools[(sender, receiver)] = pool
         return pool
 
-    def prepare(self, senders: Sequence[str], receiver: str, *, obfuscators: int = -1) -> None:
+    def prepare(
+        self, senders: Sequence[str], receiver: str, *, obfuscators: int | None = None
+    ) -> None:
         """The offline phase: key the receiver and stock each sender's pool with ``obfuscators``
         r^n values (``pool_size`` by default), so that :meth:`combine` only multiplies."""
-        count = self.pool_size if obfuscators < 0 else obfuscators
+        count = self.pool_size if obfuscators is None else obfuscators
         for sender in senders:
             self.pool(sender, receiver).fill(count)
 
@@ -351,18 +353,19 @@ class PaillierAggregator:
 
     def _encode(self, dense: np.ndarray, parties: int) -> np.ndarray:
         """round(x * 2^f) as int64 (K, B, d); refuse any outside [-2^(v-1), 2^(v-1))."""
-        encoded = encode_fixed_point(dense, fraction_bits=self.fraction_bits, parties=parties)
-        signed = encoded.view(np.int64)
-        half = 1 << (self.value_bits - 1)
-        outside = (signed < -half) | (signed >= half)
+        scaled = np.rint(np.asarray(dense, dtype=np.float64) * float(1 << self.fraction_bits))
+        half = float(1 << (self.value_bits - 1))
+        outside = ~np.isfinite(scaled) | (scaled < -half) | (scaled >= half)
         if bool(outside.any()):
             largest = float(np.abs(dense[outside]).max())
             raise ProtocolError(
                 f"a value of magnitude {largest:.6g} is outside the Paillier fixed-point range: "
                 f"with {self.value_bits} value bits and {self.fraction_bits} fraction bits every "
-                f"|value| must be <= {self.limit():.6g}; clip the values or lower fraction_bits."
+                f"|value| must be finite and <= {self.limit():.6g}; clip the values or lower "
+                "fraction_bits."
             )
-        return signed
+        encoded = encode_fixed_point(dense, fraction_bits=self.fraction_bits, parties=parties)
+        return encoded.view(np.int64)
 
     def _add(
         self, arrived: dict[str, list[paillier.EncryptedNumber]], count: int
@@ -375,7 +378,9 @@ class PaillierAggregator:
                 )
         if not arrived:
             return []
-        return [reduce(lambda a, b: a + b, column) for column in zip(*arrived.values())]
+        return [
+            reduce(lambda a, b: a + b, column) for column in zip(*arrived.values(), strict=True)
+        ]
 
     def _decrypt(
         self,

@@ -16,6 +16,7 @@ from secure_vfl.errors import ProtocolError
 from secure_vfl.federation.aggregator import Aggregator, sum_vectors
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import AGGREGATOR, RepresentationMessage, party_name
+from secure_vfl.methods.laser import MeanFusionMethod
 
 PARTIES = [party_name(k) for k in range(4)]
 RECEIVER = party_name(0)
@@ -64,6 +65,46 @@ def oracle(messages: list[RepresentationMessage], selection: Tensor) -> tuple[Te
         torch.einsum("tbk,kbd->tbd", chosen, dense),
         torch.einsum("tbk,kbd->tbd", chosen, dense.abs()),
     )
+
+
+def full_batch(
+    seed: int, *, batch: int = 16, width: int = 8, tasks: int = 2, round: int = 0, batch_id: int = 0
+) -> tuple[list[RepresentationMessage], Tensor]:
+    """Representations from all four parties and a selection with 0 or >= 2 per sum."""
+    generator = torch.Generator().manual_seed(seed)
+    present = torch.ones(batch, 4, dtype=torch.bool)
+    messages = representations(present, width, generator, round=round, batch_id=batch_id)
+    return messages, releasable_selection(present, tasks, generator)
+
+
+def combine(
+    aggregator: Aggregator,
+    messages: list[RepresentationMessage],
+    selection: Tensor,
+    *,
+    round: int = 0,
+    batch_id: int = 0,
+    tag: str = "",
+) -> Tensor:
+    """The sums ``aggregator`` delivers to :data:`RECEIVER` for ``selection``."""
+    return aggregator.combine(
+        messages,
+        selection,
+        parties=PARTIES,
+        receiver=RECEIVER,
+        round=round,
+        batch_id=batch_id,
+        tag=tag,
+    ).sums
+
+
+class PairwiseLaser(MeanFusionMethod):
+    """LASER whose single head never asks for a one-party sum (a stand-in secure planner)."""
+
+    def plan(self, mask: Tensor) -> tuple[Tensor, Tensor]:
+        selection, weights = super().plan(mask)
+        single = selection.sum(dim=-1) == 1
+        return selection & ~single.unsqueeze(-1), torch.where(single, 0.0, weights)
 
 
 class AggregatorContract:

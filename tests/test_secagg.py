@@ -12,13 +12,14 @@ from aggregator_contract import (
     PARTIES,
     RECEIVER,
     AggregatorContract,
+    PairwiseLaser,
+    combine,
+    full_batch,
     oracle,
-    releasable_selection,
     representations,
 )
 from conftest import MakeData
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
-from torch import Tensor
 
 from protocols.secagg import (
     MaskingAggregator,
@@ -29,10 +30,8 @@ from protocols.secagg import (
 from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
 from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
 from secure_vfl.federation.channel import Channel
-from secure_vfl.federation.messages import RepresentationMessage
 from secure_vfl.methods import MethodConfig
 from secure_vfl.methods.imputation.fedhf import federated_average
-from secure_vfl.methods.laser import MeanFusionMethod
 
 
 def masking(seed: int = 0, **kwargs: object) -> MaskingAggregator:
@@ -51,35 +50,6 @@ class TestMaskingAggregatorContract(AggregatorContract):
 
     def step(self, parties: int) -> float:
         return masking().step(parties)
-
-
-def full_batch(
-    seed: int, *, batch: int = 16, width: int = 8, tasks: int = 2, round: int = 0, batch_id: int = 0
-) -> tuple[list[RepresentationMessage], Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    present = torch.ones(batch, 4, dtype=torch.bool)
-    messages = representations(present, width, generator, round=round, batch_id=batch_id)
-    return messages, releasable_selection(present, tasks, generator)
-
-
-def combine(
-    aggregator: MaskingAggregator,
-    messages: list[RepresentationMessage],
-    selection: Tensor,
-    *,
-    round: int = 0,
-    batch_id: int = 0,
-    tag: str = "",
-) -> Tensor:
-    return aggregator.combine(
-        messages,
-        selection,
-        parties=PARTIES,
-        receiver=RECEIVER,
-        round=round,
-        batch_id=batch_id,
-        tag=tag,
-    ).sums
 
 
 def test_the_secure_sum_is_the_exact_ring_sum_of_the_rounded_values() -> None:
@@ -267,15 +237,6 @@ def test_federated_averaging_through_masks_matches_the_plain_average() -> None:
     assert torch.allclose(secure, plain, atol=1e-6, rtol=1e-6)
 
 
-class _PairwiseLaser(MeanFusionMethod):
-    """LASER whose single head never asks for a one-party sum (the secure-mode planner)."""
-
-    def plan(self, mask: Tensor) -> tuple[Tensor, Tensor]:
-        selection, weights = super().plan(mask)
-        single = selection.sum(dim=-1) == 1
-        return selection & ~single.unsqueeze(-1), torch.where(single, 0.0, weights)
-
-
 def test_laser_trained_through_masks_matches_laser_trained_in_the_clear(
     make_data: MakeData,
 ) -> None:
@@ -283,7 +244,7 @@ def test_laser_trained_through_masks_matches_laser_trained_in_the_clear(
     config = MethodConfig(heads="active", epochs=1)
     models, predictions = [], []
     for aggregator in (PlainAggregator(), masking()):
-        method = _PairwiseLaser(
+        method = PairwiseLaser(
             data, config, seed=3, planner="laser", name="laser", aggregator=aggregator
         )
         method.fit()

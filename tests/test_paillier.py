@@ -1,0 +1,315 @@
+"""Packed Paillier secure sums: the aggregator contract, exactness against a plaintext oracle,
+standard ciphertexts, refusals that change nothing, wrong keys, tampering, and LASER through it."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import random
+
+import numpy as np
+import pytest
+import torch
+from aggregator_contract import (
+    PARTIES,
+    RECEIVER,
+    AggregatorContract,
+    PairwiseLaser,
+    combine,
+    full_batch,
+    oracle,
+)
+from conftest import MakeData
+from phe import paillier
+from torch import Tensor
+
+from protocols.paillier import KeyPair, PackingLayout, PaillierAggregator, generate_key_pair
+from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
+from secure_vfl.federation.aggregator import Aggregator, PlainAggregator, sum_vectors
+from secure_vfl.federation.channel import Channel
+from secure_vfl.federation.messages import RepresentationMessage
+from secure_vfl.methods import MethodConfig
+
+SMALL_KEY = 1024
+Ciphertexts = list[paillier.EncryptedNumber]
+
+
+def cached_key_pair(index: int, bits: int = SMALL_KEY) -> KeyPair:
+    """Key generation is slow; tests share a few key pairs (index tells them apart)."""
+    return _key_pair(index, bits)
+
+
+@functools.cache
+def _key_pair(index: int, bits: int) -> KeyPair:
+    return generate_key_pair(bits)
+
+
+def paillier_aggregator(seed: int = 0, **kwargs: object) -> PaillierAggregator:
+    """A small-key aggregator with a cached key pair and seeded obfuscators (tests only)."""
+    options: dict[str, object] = {
+        "key_bits": SMALL_KEY,
+        "key_generator": lambda bits: cached_key_pair(0, bits),
+        "rng": random.Random(seed),
+        "pool_size": 8,
+    }
+    options.update(kwargs)
+    return PaillierAggregator(**options)  # type: ignore[arg-type]
+
+
+class TestPaillierAggregatorContract(AggregatorContract):
+    def make_aggregator(self) -> Aggregator:
+        return paillier_aggregator()
+
+    def step(self, parties: int) -> float:
+        return paillier_aggregator().step(parties)
+
+
+def rounded_sums(
+    messages: list[RepresentationMessage], selection: Tensor, fraction_bits: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The oracle in integers: (T, B, d) sums of round(x * 2^f) and per-party offset slots."""
+    dense = np.stack([m.representation.double().numpy() for m in messages])
+    encoded = np.rint(dense * 2.0**fraction_bits).astype(np.int64)
+    chosen = selection.numpy().astype(np.int64)
+    return np.einsum("tbk,kbd->tbd", chosen, encoded), encoded
+
+
+def test_the_secure_sum_is_the_exact_sum_of_the_rounded_values() -> None:
+    messages, selection = full_batch(1, batch=32, tasks=3)
+    aggregator = paillier_aggregator()
+    integers, _ = rounded_sums(messages, selection, aggregator.fraction_bits)
+    expected = torch.from_numpy(integers / 2.0**aggregator.fraction_bits).float()
+    assert torch.equal(combine(aggregator, messages, selection), expected)
+
+
+def test_a_stock_phe_private_key_decrypts_the_sum_to_the_expected_packed_integer() -> None:
+    messages, selection = full_batch(2, batch=8, width=4)
+    aggregator = paillier_aggregator()
+    combine(aggregator, messages, selection)
+    layout = aggregator.layout(4)
+    assert (layout.slot_bits, layout.slots) == (32 + 2 + 1, 1023 // 35)
+    # Independent oracle: sum over contributors of (round(x * 2^16) + 2^31) per slot, in
+    # (task, row, column) order, slot i at bit 35 * i.
+    _, encoded = rounded_sums(messages, selection, 16)
+    chosen = selection.numpy()
+    slot_values = [
+        sum(int(encoded[k, b, j]) + 2**31 for k in range(4) if chosen[t, b, k])
+        for t in range(chosen.shape[0])
+        for b in range(chosen.shape[1])
+        for j in range(encoded.shape[2])
+    ]
+    expected = [
+        sum(v << (35 * i) for i, v in enumerate(slot_values[start : start + layout.slots]))
+        for start in range(0, len(slot_values), layout.slots)
+    ]
+    _, stock_key = cached_key_pair(0)
+    assert isinstance(stock_key, paillier.PaillierPrivateKey)
+    assert all(isinstance(c, paillier.EncryptedNumber) for c in aggregator.last_sum)
+    decrypted = [stock_key.raw_decrypt(c.ciphertext(be_secure=False)) for c in aggregator.last_sum]
+    assert decrypted == expected
+    # A single party's ciphertext decrypts to its own offset slots (zero where not selected).
+    first = stock_key.raw_decrypt(aggregator.last_ciphertexts[PARTIES[1]][0].ciphertext(False))
+    mine = [
+        int(encoded[1, b, j]) + 2**31 if chosen[t, b, 1] else 0
+        for t in range(chosen.shape[0])
+        for b in range(chosen.shape[1])
+        for j in range(encoded.shape[2])
+    ][: layout.slots]
+    assert first == sum(v << (35 * i) for i, v in enumerate(mine))
+
+
+def test_slots_of_sums_a_party_does_not_enter_carry_no_offset() -> None:
+    # Per-(t, b) contributor sets of every size 0, 2, 3 and 4, negative and positive values.
+    messages, _ = full_batch(3, batch=4, width=3)
+    messages = [
+        dataclasses.replace(m, representation=-m.representation if k % 2 else m.representation)
+        for k, m in enumerate(messages)
+    ]
+    selection = torch.zeros(2, 4, 4, dtype=torch.bool)
+    selection[0, 1, [0, 3]] = True
+    selection[0, 2, [1, 2, 3]] = True
+    selection[0, 3, :] = True
+    selection[1, 0, [2, 3]] = True
+    aggregator = paillier_aggregator()
+    result = aggregator.combine(
+        messages, selection, parties=PARTIES, receiver=RECEIVER, round=0, batch_id=0
+    )
+    integers, _ = rounded_sums(messages, selection, 16)
+    assert torch.equal(result.sums, torch.from_numpy(integers / 2.0**16).float())
+    assert bool((result.sums[0, 0] == 0).all()) and bool((result.sums[1, 1:] == 0).all())
+    assert result.counts.tolist() == [[0, 2, 3, 4], [2, 0, 0, 0]]
+
+
+def test_packing_round_trips_every_slot_value() -> None:
+    layout = PackingLayout.for_sum(key_bits=1024, value_bits=32, fraction_bits=16, parties=4)
+    values = np.random.default_rng(0).integers(0, 2**35, size=200, dtype=np.uint64)
+    values[:3] = [0, 2**35 - 1, 1]
+    plaintexts = layout.pack(values)
+    assert len(plaintexts) == layout.ciphertexts(200) == -(-200 // 29)
+    assert all(0 <= p < 2**1023 for p in plaintexts)
+    assert np.array_equal(layout.unpack(plaintexts, 200, key_bits=1024), values)
+
+
+def test_a_sum_over_a_single_contributor_is_refused_and_changes_nothing() -> None:
+    messages, selection = full_batch(4)
+    aggregator = paillier_aggregator()
+    lonely = selection.clone()
+    lonely[0, 5] = False
+    lonely[0, 5, 2] = True
+    with pytest.raises(ProtocolError, match=r"single party.*task 0, row 5, party party-2"):
+        combine(aggregator, messages, lonely)
+    assert aggregator.last_ciphertexts == {} and aggregator.public_keys == {}
+    assert aggregator.pools == {}
+    result = combine(aggregator, messages, selection)  # the same context is still fresh
+    expected, _ = oracle(messages, selection)
+    assert bool(((result.double() - expected).abs() <= aggregator.step(4) + 1e-5).all())
+
+
+def test_a_sum_over_nobody_is_zero() -> None:
+    messages, _ = full_batch(5)
+    nobody = torch.zeros(1, 16, 4, dtype=torch.bool)
+    aggregator = paillier_aggregator()
+    assert bool((combine(aggregator, messages, nobody) == 0).all())
+    assert aggregator.last_sum == []
+
+
+def test_a_replayed_context_is_refused() -> None:
+    messages, selection = full_batch(6, round=3, batch_id=7)
+    aggregator = paillier_aggregator()
+    first = combine(aggregator, messages, selection, round=3, batch_id=7, tag="train")
+    with pytest.raises(ProtocolError, match=r"round 3, batch 7, tag 'train' was already served"):
+        combine(aggregator, messages, selection, round=3, batch_id=7, tag="train")
+    again = combine(aggregator, messages, selection, round=3, batch_id=7, tag="predict/test")
+    assert torch.equal(first, again)
+
+
+def test_a_message_replayed_from_another_round_or_batch_is_refused() -> None:
+    messages, selection = full_batch(7, round=3, batch_id=7)
+    aggregator = paillier_aggregator()
+    with pytest.raises(ProtocolError, match=r"round 4, batch 7 expected, found .* round 3"):
+        combine(aggregator, messages, selection, round=4, batch_id=7)
+    with pytest.raises(ProtocolError, match=r"batch 8 expected, found .* batch 7"):
+        combine(aggregator, messages, selection, round=3, batch_id=8)
+    assert aggregator.last_ciphertexts == {} and aggregator.public_keys == {}
+
+
+def test_a_value_outside_the_fixed_point_range_is_refused() -> None:
+    messages, selection = full_batch(8)
+    aggregator = paillier_aggregator()
+    assert aggregator.limit() == pytest.approx(32768.0, abs=1e-4)
+    big = messages[1].representation.clone()
+    big[0, 0] = -32769.0
+    messages[1] = dataclasses.replace(messages[1], representation=big)
+    with pytest.raises(ProtocolError, match=r"magnitude 32769 is outside .* finite and <= 32768"):
+        combine(aggregator, messages, selection)
+    assert aggregator.last_ciphertexts == {} and aggregator.public_keys == {}
+    nan = big.clone()
+    nan[0, 0] = float("nan")
+    messages[1] = dataclasses.replace(messages[1], representation=nan)
+    with pytest.raises(ProtocolError, match=r"magnitude nan is outside"):
+        combine(aggregator, messages, selection)
+    messages[1] = dataclasses.replace(messages[1], representation=big.clamp(-32767, 32767))
+    combine(aggregator, messages, selection)  # nothing was spent by the refusals
+
+
+def test_decrypting_with_another_key_pair_is_detected() -> None:
+    messages, selection = full_batch(9)
+    aggregator = paillier_aggregator()
+    combine(aggregator, messages, selection)
+    aggregator.private_keys[RECEIVER] = cached_key_pair(1)[1]  # not the published key's
+    messages, selection = full_batch(9, batch_id=1)
+    with pytest.raises(IntegrityError, match="wrong key"):
+        combine(aggregator, messages, selection, batch_id=1)
+
+
+def test_a_ciphertext_replaced_in_transit_is_detected() -> None:
+    def replace(sender: str, sent: Ciphertexts) -> Ciphertexts:
+        if sender != PARTIES[2]:
+            return sent
+        forged = sent[0].public_key.encrypt(random.Random(1).getrandbits(1000))
+        return [forged, *sent[1:]]
+
+    messages, selection = full_batch(10)
+    with pytest.raises(IntegrityError, match="tampered"):
+        combine(paillier_aggregator(wire=replace), messages, selection)
+
+
+def test_a_homomorphic_shift_in_transit_moves_the_sum_undetected() -> None:
+    # Paillier is malleable: adding E(2^16 << 35 * 2), a valid +1.0 in slot 2, goes unnoticed.
+    def shift(sender: str, sent: Ciphertexts) -> Ciphertexts:
+        if sender != PARTIES[1]:
+            return sent
+        return [sent[0] + sent[0].public_key.encrypt(2**16 << (35 * 2)), *sent[1:]]
+
+    messages, selection = full_batch(11)
+    selection[0, 0, :] = True
+    honest = combine(paillier_aggregator(), messages, selection)
+    tampered = combine(paillier_aggregator(wire=shift), messages, selection)
+    moved = (tampered - honest).abs()
+    assert float(moved[0, 0, 2]) == pytest.approx(1.0, abs=1e-4)
+    moved[0, 0, 2] = 0
+    assert float(moved.max()) == 0.0
+
+
+def test_obfuscators_come_from_the_pool_and_are_never_reused() -> None:
+    messages, selection = full_batch(12)
+    aggregator = paillier_aggregator()
+    aggregator.prepare(PARTIES, RECEIVER, obfuscators=20)
+    pool = aggregator.pool(PARTIES[0], RECEIVER)
+    assert (len(pool), pool.generated) == (20, 20)
+    combine(aggregator, messages, selection)
+    used = aggregator.layout(4).ciphertexts(2 * 16 * 8)
+    assert (len(pool), pool.generated) == (20 - used, 20)
+    seen = [c.ciphertext(False) for cs in aggregator.last_ciphertexts.values() for c in cs]
+    assert len(set(seen)) == len(seen)
+    pool.draw(len(pool) + 3)  # a shortfall refills on demand
+    assert (len(pool), pool.generated) == (0, 23)
+
+
+def test_sum_vectors_works_through_paillier() -> None:
+    generator = torch.Generator().manual_seed(13)
+    vectors = {name: torch.randn(300, generator=generator) for name in PARTIES[:3]}
+    plain = sum_vectors(PlainAggregator(), Channel(), vectors, receiver="server", round=1)
+    secure = sum_vectors(paillier_aggregator(), Channel(), vectors, receiver="server", round=1)
+    assert bool(((secure - plain).abs() <= 3 * 2.0**-17 + 1e-6).all())
+
+
+def test_the_default_2048_bit_key_sums_exactly() -> None:
+    messages, selection = full_batch(14, batch=8, width=4)
+    aggregator = paillier_aggregator(
+        key_bits=2048, key_generator=lambda bits: cached_key_pair(0, bits)
+    )
+    integers, _ = rounded_sums(messages, selection, 16)
+    expected = torch.from_numpy(integers / 2.0**16).float()
+    assert torch.equal(combine(aggregator, messages, selection), expected)
+    assert aggregator.layout(4).slots == 2047 // 35
+    assert aggregator.public_keys[RECEIVER].n.bit_length() == 2048
+
+
+def test_configuration_out_of_range_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"`value_bits` must be in \[8, 56\]. Found 60"):
+        PaillierAggregator(value_bits=60)
+    with pytest.raises(ConfigError, match=r"`fraction_bits` must be in \[0, 30\]. Found 31"):
+        PaillierAggregator(fraction_bits=31)
+    with pytest.raises(ConfigError, match=r"`key_bits` must be an integer. Found '2048'"):
+        PaillierAggregator(key_bits="2048")  # type: ignore[arg-type]
+
+
+def test_laser_trained_through_paillier_matches_laser_trained_in_the_clear(
+    make_data: MakeData,
+) -> None:
+    data = make_data(n=120)
+    config = MethodConfig(heads="active", epochs=1)
+    models = []
+    for aggregator in (PlainAggregator(), paillier_aggregator(pool_size=0)):
+        method = PairwiseLaser(
+            data, config, seed=3, planner="laser", name="laser", aggregator=aggregator
+        )
+        method.fit()
+        modules = [p.model for p in method.fed.parties] + [h.head for h in method.heads]
+        models.append([t.detach().clone() for m in modules for t in m.parameters()])
+    plain, secure = models
+    # Sums are rounded to 2^-16 per value, which moves the weights of a few steps far less.
+    assert all(
+        torch.allclose(a, b, atol=1e-5, rtol=1e-4) for a, b in zip(plain, secure, strict=True)
+    )
