@@ -1,5 +1,10 @@
-"""The privacy layer: PSI, secure aggregation, Paillier/CKKS backends, differential privacy and TLS.
+"""The privacy layer: each module implements one of the core's seam interfaces.
 
-Each module implements one of the core's seam interfaces (``secure_vfl.federation``); none forks a
-core algorithm. Nothing is implemented here yet: see the project's open issues.
+- :mod:`protocols.psi`: Diffie-Hellman PSI over X25519 and a PSI-backed ``Aligner``.
+- :mod:`protocols.secagg`: pairwise-mask secure aggregation, an ``Aggregator``.
+- :mod:`protocols.paillier`: Paillier secure sums (``phe``), an ``Aggregator``.
+- :mod:`protocols.dp`: Gaussian noise as channel layers, DP-SGD with Opacus, the accountant.
+
+None forks a core algorithm; the core (``secure_vfl``) never imports this package, only the
+command line (the composition root) does.
 """
