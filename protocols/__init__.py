@@ -3,6 +3,7 @@
 - :mod:`protocols.psi`: Diffie-Hellman PSI over X25519 and a PSI-backed ``Aligner``.
 - :mod:`protocols.secagg`: pairwise-mask secure aggregation, an ``Aggregator``.
 - :mod:`protocols.paillier`: Paillier secure sums (``phe``), an ``Aggregator``.
+- :mod:`protocols.ckks`: CKKS secure sums under the receiver's key (``tenseal``), an ``Aggregator``.
 - :mod:`protocols.dp`: Gaussian noise as channel layers, DP-SGD with Opacus, the accountant.
 
 None forks a core algorithm; the core (``secure_vfl``) never imports this package, only the

@@ -1,0 +1,354 @@
+"""Secure sums under the receiver's CKKS key (Cheon, Kim, Kim and Song, ASIACRYPT 2017), packed.
+
+Three roles are simulated in process with real TenSEAL ciphertexts: the receiver (the head or
+label party) makes a CKKS context holding the secret key and publishes it *without* the secret
+key, serialized to bytes (``save_secret_key=False``); every sender loads those bytes, so what it
+holds really cannot decrypt. Each contributing party packs all its values into as few CKKS
+vectors as possible (``N/2`` slots each, in (task, row, column) order, its value in the slots of
+the sums it enters and 0 elsewhere), encrypts them with the public key and sends the serialized
+ciphertexts; the aggregator, which holds only the public context, adds them slot-wise; the
+receiver decrypts. Division by the number of contributors (a mean) happens after decryption, at
+the receiver, with the public ``counts``: no homomorphic multiplication is ever needed.
+
+Parameters (:data:`DEFAULT_COEFF_MOD_BIT_SIZES`). Additions consume no multiplicative depth, so
+the modulus chain needs no rescaling prime: N = 8192 with coefficient moduli [60, 60] (one 60-bit
+data prime plus the special prime SEAL keeps for key switching) and scale 2^40. That is 120 bits
+in all, within the 218 bits the HE standard allows for 128-bit security at N = 8192, and half
+the ciphertext size of the usual [60, 40, 60] (about 128 KiB per ciphertext instead of 230 KiB).
+A slot holds value * 2^40 below the 60-bit data prime: |sum| < 2^18 with two bits to spare,
+hence the magnitude limit below.
+
+Error bound. CKKS is approximate: encoding rounds to 1/2^40 per coefficient and fresh encryption
+adds noise of a few hundred units (std 3.2 times ~sqrt(N) terms), which after decoding is far
+below 2^-20 per slot for these parameters (about 2^-26 measured, whatever the magnitude, since
+the noise is absolute). A sum of K ciphertexts adds the K errors, so every secure sum is within
+``K * 2^-20`` of the exact sum of its float32 inputs (:meth:`CkksAggregator.step`), before the
+final rounding to float32. Values must be finite with |value| <= ``max_magnitude`` (4096 by
+default) and ``parties * max_magnitude <= 2^18``, so no slot sum reaches the data prime.
+
+Promises (semi-honest parties, non-colluding aggregator): the aggregator and the network see only
+ciphertexts under the receiver's key; the receiver learns only sums over >= 2 contributors (a
+sum over one is refused before any state changes); each (receiver, round, batch id, tag) context
+is served once. CKKS gives **no integrity**: ciphertexts are malleable and carry no MAC. A
+ciphertext whose bytes no longer parse is refused (:class:`IntegrityError`), and a decrypted sum
+outside what honest inputs can produce (|sum| > contributors * max_magnitude + bound, or a
+nonzero slot nobody entered) is refused too, which catches garbage and the wrong secret key with
+overwhelming probability; but a valid ciphertext of a small shift added in transit moves the
+sum silently.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import tenseal as ts
+import torch
+from torch import Tensor
+
+from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
+from secure_vfl.federation.aggregator import check_selection, dense_representations
+from secure_vfl.federation.messages import AGGREGATOR, RepresentationMessage, SumMessage
+
+DEFAULT_POLY_MODULUS_DEGREE = 8192
+DEFAULT_COEFF_MOD_BIT_SIZES = (60, 60)
+DEFAULT_SCALE_BITS = 40
+DEFAULT_MAX_MAGNITUDE = 4096.0
+ERROR_BITS = 20  # stated per-ciphertext, per-slot error: 2^-20
+HE_STANDARD_MAX_BITS = {4096: 109, 8192: 218, 16384: 438, 32768: 881}  # 128-bit security
+
+WireTap = Callable[[str, list[bytes]], list[bytes]]
+
+
+def make_secret_context(
+    poly_modulus_degree: int = DEFAULT_POLY_MODULUS_DEGREE,
+    coeff_mod_bit_sizes: Sequence[int] = DEFAULT_COEFF_MOD_BIT_SIZES,
+    scale_bits: int = DEFAULT_SCALE_BITS,
+) -> ts.Context:
+    """A receiver's fresh CKKS context with its secret key (no Galois keys: nothing rotates)."""
+    context = ts.context(
+        ts.SCHEME_TYPE.CKKS,
+        poly_modulus_degree=poly_modulus_degree,
+        coeff_mod_bit_sizes=list(coeff_mod_bit_sizes),
+    )
+    context.global_scale = float(2**scale_bits)
+    return context
+
+
+def public_context_bytes(context: ts.Context) -> bytes:
+    """What the receiver publishes: the context serialized without secret, relin or Galois keys."""
+    return bytes(
+        context.serialize(
+            save_public_key=True,
+            save_secret_key=False,
+            save_galois_keys=False,
+            save_relin_keys=False,
+        )
+    )
+
+
+def load_public_context(published: bytes) -> ts.Context:
+    """A sender's (or the aggregator's) context, loaded from the receiver's published bytes;
+    refuse one that carries a secret key (the receiver would have leaked it)."""
+    try:
+        context = ts.context_from(published)
+    except (ValueError, RuntimeError) as error:
+        raise IntegrityError(f"the published CKKS context does not load: {error}.") from error
+    if context.has_secret_key() or not context.is_public():
+        raise ProtocolError(
+            "a published CKKS context must not hold the secret key; publish it serialized with "
+            "save_secret_key=False."
+        )
+    return context
+
+
+class CkksAggregator:
+    """Secure sums by packed CKKS encryption under the receiver's key, behind the
+    :class:`Aggregator` seam.
+
+    ``poly_modulus_degree``, ``coeff_mod_bit_sizes`` and ``scale_bits`` fix the CKKS parameters
+    (defaults N = 8192, [60, 60], 2^40; see the module docstring for why); ``max_magnitude``
+    bounds every value (4096 by default). ``wire`` sees each party's serialized ciphertexts on
+    their way to the aggregator and returns what arrives (identity by default): a hook for
+    recording or tampering. Every (receiver, round, batch id, tag) context is served at most once.
+
+    Observable state (simulation only): ``secret_contexts`` (each receiver's context with its
+    secret key; deployed, only its owner holds it), ``published`` (each receiver's public context
+    as bytes), ``last_ciphertexts`` (the bytes that reached the aggregator from each party in the
+    last call) and ``last_sum`` (the summed ciphertexts' bytes the receiver got).
+    """
+
+    def __init__(
+        self,
+        *,
+        poly_modulus_degree: int = DEFAULT_POLY_MODULUS_DEGREE,
+        coeff_mod_bit_sizes: Sequence[int] = DEFAULT_COEFF_MOD_BIT_SIZES,
+        scale_bits: int = DEFAULT_SCALE_BITS,
+        max_magnitude: float = DEFAULT_MAX_MAGNITUDE,
+        wire: WireTap | None = None,
+    ) -> None:
+        if poly_modulus_degree not in HE_STANDARD_MAX_BITS:
+            raise ConfigError(
+                f"`poly_modulus_degree` must be one of {sorted(HE_STANDARD_MAX_BITS)}. "
+                f"Found {poly_modulus_degree!r}."
+            )
+        bits = list(coeff_mod_bit_sizes)
+        if len(bits) < 2 or not all(isinstance(b, int) and 20 <= b <= 60 for b in bits):
+            raise ConfigError(
+                "`coeff_mod_bit_sizes` must list >= 2 integers in [20, 60] (data primes, then "
+                f"the special prime). Found {bits!r}."
+            )
+        if sum(bits) > HE_STANDARD_MAX_BITS[poly_modulus_degree]:
+            raise ConfigError(
+                f"`coeff_mod_bit_sizes` total {sum(bits)} bits, above the "
+                f"{HE_STANDARD_MAX_BITS[poly_modulus_degree]} bits that keep 128-bit security "
+                f"at N = {poly_modulus_degree} (HE standard)."
+            )
+        if isinstance(scale_bits, bool) or not isinstance(scale_bits, int):
+            raise ConfigError(f"`scale_bits` must be an integer. Found {scale_bits!r}.")
+        data_bits = sum(bits[:-1])
+        if not 30 <= scale_bits <= data_bits - 4:
+            raise ConfigError(
+                f"`scale_bits` must be in [30, {data_bits - 4}] for {data_bits} data-prime bits. "
+                f"Found {scale_bits}."
+            )
+        if not (np.isfinite(max_magnitude) and max_magnitude > 0):
+            raise ConfigError(
+                f"`max_magnitude` must be positive and finite. Found {max_magnitude}."
+            )
+        self.poly_modulus_degree = poly_modulus_degree
+        self.coeff_mod_bit_sizes = tuple(bits)
+        self.scale_bits = scale_bits
+        self.max_magnitude = float(max_magnitude)
+        # |slot sum| * 2^scale must stay below 2^(data_bits - 2): two bits to spare.
+        self.sum_limit = float(2 ** (data_bits - 2 - scale_bits))
+        self._wire = wire
+        # In-process simulation: every secret context lives here; deployed, only its owner has it.
+        self.secret_contexts: dict[str, ts.Context] = {}
+        self.published: dict[str, bytes] = {}
+        self._public_contexts: dict[str, ts.Context] = {}
+        self._used_contexts: set[tuple[str, int, int, str]] = set()
+        self.last_ciphertexts: dict[str, list[bytes]] = {}
+        self.last_sum: list[bytes] = []
+
+    @property
+    def slots(self) -> int:
+        """Values per CKKS vector: N / 2."""
+        return self.poly_modulus_degree // 2
+
+    def step(self, parties: int) -> float:
+        """The stated bound on |secure sum - exact sum| of ``parties`` values: K * 2^-20."""
+        return parties * 2.0**-ERROR_BITS
+
+    def ciphertexts(self, values: int) -> int:
+        """How many CKKS vectors ``values`` packed values take."""
+        return -(-values // self.slots)
+
+    def setup(self, receiver: str) -> bytes:
+        """Give ``receiver`` a secret context (once) and publish its public context as bytes."""
+        if receiver not in self.secret_contexts:
+            secret = make_secret_context(
+                self.poly_modulus_degree, self.coeff_mod_bit_sizes, self.scale_bits
+            )
+            published = public_context_bytes(secret)
+            public = load_public_context(published)  # the round trip every sender makes
+            self.secret_contexts[receiver] = secret
+            self.published[receiver] = published
+            self._public_contexts[receiver] = public
+        return self.published[receiver]
+
+    def public_context(self, receiver: str) -> ts.Context:
+        """The context senders and the aggregator hold for ``receiver``: loaded from the
+        published bytes, so it has the public key and no secret key."""
+        self.setup(receiver)
+        return self._public_contexts[receiver]
+
+    def combine(
+        self,
+        contributions: Sequence[RepresentationMessage],
+        selection: Tensor,
+        *,
+        parties: Sequence[str],
+        receiver: str,
+        round: int,
+        batch_id: int,
+        tag: str = "",
+    ) -> SumMessage:
+        """Secure per-task sums: every contributor encrypts its packed slots, the aggregator adds
+        ciphertexts, the receiver decrypts and checks every slot is one an honest sum gives."""
+        # Everything is checked before any context changes.
+        dense, present = dense_representations(contributions, parties, selection.shape[1])
+        for message in contributions:
+            if (message.receiver, message.round, message.batch_id) != (AGGREGATOR, round, batch_id):
+                raise ProtocolError(
+                    f"representation from {message.sender}: receiver {AGGREGATOR!r}, round "
+                    f"{round}, batch {batch_id} expected, found receiver {message.receiver!r}, "
+                    f"round {message.round}, batch {message.batch_id} (a replayed message?)."
+                )
+        check_selection(selection, present)
+        counts = selection.sum(dim=2)
+        single = counts == 1
+        if bool(single.any()):
+            t, b = (int(i) for i in torch.nonzero(single)[0])
+            raise ProtocolError(
+                f"a sum reveals a single party's representation: every released sum needs 0 or "
+                f">= 2 contributors, found {int(single.sum())} sums with one (first: task {t}, "
+                f"row {b}, party {parties[int(torch.nonzero(selection[t, b])[0])]})."
+            )
+        context = (receiver, round, batch_id, tag)
+        if context in self._used_contexts:
+            raise ProtocolError(
+                f"receiver {receiver!r}, round {round}, batch {batch_id}, tag {tag!r} was "
+                "already served in this session; a fresh context is expected for every sum."
+            )
+        values = dense.numpy().astype(np.float64)
+        self._check_range(values, len(parties))
+
+        self._used_contexts.add(context)
+        public = self.public_context(receiver)
+        chosen = selection.numpy()
+        tasks, batch, width = chosen.shape[0], chosen.shape[1], values.shape[2]
+        total = tasks * batch * width
+        arrived: dict[str, list[bytes]] = {}
+        for k, name in enumerate(parties):
+            mine = chosen[..., k]
+            if not mine.any():
+                continue
+            slots = np.where(mine[..., None], values[k][None], 0.0).reshape(-1)
+            sent = [
+                bytes(
+                    ts.ckks_vector(public, slots[start : start + self.slots].tolist()).serialize()
+                )
+                for start in range(0, total, self.slots)
+            ]
+            arrived[name] = self._wire(name, sent) if self._wire else sent
+        self.last_ciphertexts = arrived
+        self.last_sum = self._add(public, arrived, self.ciphertexts(total))
+        sums = self._decrypt(receiver, counts.numpy(), (tasks, batch, width))
+        return SumMessage(
+            sender=AGGREGATOR,
+            receiver=receiver,
+            round=round,
+            batch_id=batch_id,
+            sums=torch.from_numpy(sums),
+            counts=counts,
+        )
+
+    def _check_range(self, values: np.ndarray, parties: int) -> None:
+        """Refuse non-finite values, |value| > max_magnitude, or more parties than the data
+        prime leaves room for at that magnitude."""
+        if parties * self.max_magnitude > self.sum_limit:
+            raise ProtocolError(
+                f"{parties} parties of |value| <= {self.max_magnitude:.6g} could sum beyond "
+                f"{self.sum_limit:.6g}, the most a {self.scale_bits}-bit scale leaves in the "
+                "data prime; lower max_magnitude or scale_bits."
+            )
+        outside = ~np.isfinite(values) | (np.abs(values) > self.max_magnitude)
+        if bool(outside.any()):
+            largest = float(np.abs(values[outside]).max())
+            raise ProtocolError(
+                f"a value of magnitude {largest:.6g} is outside the CKKS range: every |value| "
+                f"must be finite and <= {self.max_magnitude:.6g} for the stated error bound; "
+                "clip the values or raise max_magnitude."
+            )
+
+    def _load(self, context: ts.Context, data: bytes, who: str) -> ts.CKKSVector:
+        """Deserialize one ciphertext; bytes that do not parse are an :class:`IntegrityError`."""
+        try:
+            return ts.ckks_vector_from(context, data)
+        except (ValueError, RuntimeError, TypeError) as error:
+            raise IntegrityError(
+                f"a CKKS ciphertext {who} does not deserialize ({error}): it was corrupted or "
+                "tampered with in transit."
+            ) from error
+
+    def _add(self, public: ts.Context, arrived: dict[str, list[bytes]], count: int) -> list[bytes]:
+        """The aggregator's part, with only the public context: slot-wise homomorphic sums."""
+        for name, sent in arrived.items():
+            if len(sent) != count:
+                raise IntegrityError(
+                    f"{count} ciphertexts expected from {name}, found {len(sent)}."
+                )
+        if not arrived:
+            return []
+        totals: list[bytes] = []
+        for i in range(count):
+            total: ts.CKKSVector | None = None
+            for name, sent in arrived.items():
+                vector = self._load(public, sent[i], f"from {name}")
+                total = vector if total is None else total + vector
+            assert total is not None
+            totals.append(bytes(total.serialize()))
+        return totals
+
+    def _decrypt(
+        self, receiver: str, counts: np.ndarray, shape: tuple[int, int, int]
+    ) -> np.ndarray:
+        """The receiver's part: decrypt with the secret context, check every slot against what
+        honest inputs can give (|sum| <= contributors * max_magnitude + bound), reshape, and
+        set the sums nobody entered to exactly 0."""
+        tasks, batch, width = shape
+        if not self.last_sum:  # nobody contributed to any sum
+            return np.zeros(shape, dtype=np.float32)
+        secret = self.secret_contexts[receiver]
+        decrypted = np.concatenate(
+            [np.asarray(self._load(secret, c, "of the sum").decrypt()) for c in self.last_sum]
+        )
+        total = tasks * batch * width
+        sums, padding = decrypted[:total], decrypted[total:]
+        parties = int(counts.max()) if counts.size else 0
+        bound = self.step(max(parties, 1))
+        limit = np.repeat(counts.reshape(-1).astype(np.float64), width) * self.max_magnitude
+        if (
+            not bool(np.isfinite(decrypted).all())
+            or bool((np.abs(sums) > limit + bound).any())
+            or bool((np.abs(padding) > bound).any())
+        ):
+            raise IntegrityError(
+                "a decrypted CKKS sum is outside contributors * max_magnitude + the error bound "
+                "(every honest sum is inside): the ciphertext was tampered with or decrypted "
+                "with the wrong key."
+            )
+        # A sum nobody entered is exactly 0 (counts are public): drop its encryption noise.
+        sums = np.where(counts[..., None] > 0, sums.reshape(shape), 0.0)
+        return sums.astype(np.float32)
