@@ -47,7 +47,13 @@ import torch
 from torch import Tensor
 
 from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
-from secure_vfl.federation.aggregator import check_selection, dense_representations
+from secure_vfl.federation.aggregator import (
+    ContextLedger,
+    check_contribution_headers,
+    check_selection,
+    dense_representations,
+    refuse_single_contributors,
+)
 from secure_vfl.federation.messages import AGGREGATOR, RepresentationMessage, SumMessage
 
 DEFAULT_POLY_MODULUS_DEGREE = 8192
@@ -167,7 +173,7 @@ class CkksAggregator:
         self.secret_contexts: dict[str, ts.Context] = {}
         self.published: dict[str, bytes] = {}
         self._public_contexts: dict[str, ts.Context] = {}
-        self._used_contexts: set[tuple[str, int, int, str]] = set()
+        self._contexts = ContextLedger()
         self.last_ciphertexts: dict[str, list[bytes]] = {}
         self.last_sum: list[bytes] = []
 
@@ -218,33 +224,14 @@ class CkksAggregator:
         ciphertexts, the receiver decrypts and checks every slot is one an honest sum gives."""
         # Everything is checked before any context changes.
         dense, present = dense_representations(contributions, parties, selection.shape[1])
-        for message in contributions:
-            if (message.receiver, message.round, message.batch_id) != (AGGREGATOR, round, batch_id):
-                raise ProtocolError(
-                    f"representation from {message.sender}: receiver {AGGREGATOR!r}, round "
-                    f"{round}, batch {batch_id} expected, found receiver {message.receiver!r}, "
-                    f"round {message.round}, batch {message.batch_id} (a replayed message?)."
-                )
+        check_contribution_headers(contributions, round=round, batch_id=batch_id)
         check_selection(selection, present)
-        counts = selection.sum(dim=2)
-        single = counts == 1
-        if bool(single.any()):
-            t, b = (int(i) for i in torch.nonzero(single)[0])
-            raise ProtocolError(
-                f"a sum reveals a single party's representation: every released sum needs 0 or "
-                f">= 2 contributors, found {int(single.sum())} sums with one (first: task {t}, "
-                f"row {b}, party {parties[int(torch.nonzero(selection[t, b])[0])]})."
-            )
-        context = (receiver, round, batch_id, tag)
-        if context in self._used_contexts:
-            raise ProtocolError(
-                f"receiver {receiver!r}, round {round}, batch {batch_id}, tag {tag!r} was "
-                "already served in this session; a fresh context is expected for every sum."
-            )
+        counts = refuse_single_contributors(selection, parties)
+        context = self._contexts.check(receiver, round, batch_id, tag)
         values = dense.numpy().astype(np.float64)
         self._check_range(values, len(parties))
 
-        self._used_contexts.add(context)
+        self._contexts.spend(context)
         public = self.public_context(receiver)
         chosen = selection.numpy()
         tasks, batch, width = chosen.shape[0], chosen.shape[1], values.shape[2]

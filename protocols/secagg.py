@@ -27,7 +27,13 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from torch import Tensor
 
 from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
-from secure_vfl.federation.aggregator import check_selection, dense_representations
+from secure_vfl.federation.aggregator import (
+    ContextLedger,
+    check_contribution_headers,
+    check_selection,
+    dense_representations,
+    refuse_single_contributors,
+)
 from secure_vfl.federation.messages import AGGREGATOR, RepresentationMessage, SumMessage
 
 DEFAULT_FRACTION_BITS = 24
@@ -105,7 +111,7 @@ class MaskingAggregator:
         self.party_keys: dict[str, X25519PrivateKey] = {}
         self.public_keys: dict[str, bytes] = {}
         self._pair_keys: dict[tuple[str, str], tuple[X25519PrivateKey, bytes, bytes]] = {}
-        self._used_contexts: set[tuple[str, int, int, str]] = set()
+        self._contexts = ContextLedger()
         self._calls = 0
         self.last_masked: dict[str, np.ndarray] = {}
 
@@ -196,36 +202,17 @@ class MaskingAggregator:
         # Everything is checked before any key, counter or context changes.
         dense, present = dense_representations(contributions, parties, selection.shape[1])
         check_selection(selection, torch.ones_like(present))
-        for message in contributions:
-            if (message.receiver, message.round, message.batch_id) != (AGGREGATOR, round, batch_id):
-                raise ProtocolError(
-                    f"representation from {message.sender}: receiver {AGGREGATOR!r}, round "
-                    f"{round}, batch {batch_id} expected, found receiver {message.receiver!r}, "
-                    f"round {message.round}, batch {message.batch_id} (a replayed message?)."
-                )
+        check_contribution_headers(contributions, round=round, batch_id=batch_id)
         survivors = torch.tensor([name not in dropped for name in parties], dtype=torch.bool)
         released = selection & survivors.view(1, 1, -1)
         check_selection(released, present)
-        counts = released.sum(dim=2)
-        single = counts == 1
-        if bool(single.any()):
-            t, b = (int(i) for i in torch.nonzero(single)[0])
-            raise ProtocolError(
-                f"a sum reveals a single party's representation: every released sum needs 0 or "
-                f">= 2 contributors, found {int(single.sum())} sums with one (first: task {t}, "
-                f"row {b}, party {parties[int(torch.nonzero(released[t, b])[0])]})."
-            )
-        context = (receiver, round, batch_id, tag)
-        if context in self._used_contexts:
-            raise ProtocolError(
-                f"masks for receiver {receiver!r}, round {round}, batch {batch_id}, tag {tag!r} "
-                "were already used in this session; a fresh context is expected for every sum."
-            )
+        counts = refuse_single_contributors(released, parties)
+        context = self._contexts.check(receiver, round, batch_id, tag)
         encoded = encode_fixed_point(
             dense.numpy(), fraction_bits=self.fraction_bits, parties=len(parties)
         )
 
-        self._used_contexts.add(context)
+        self._contexts.spend(context)
         self._calls += 1
         self.setup(parties)
         info = self._mask_context(receiver, round, batch_id, tag, self._calls)

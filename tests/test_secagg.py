@@ -118,7 +118,7 @@ def test_a_replayed_context_is_refused() -> None:
     messages, selection = full_batch(5, round=3, batch_id=7)
     aggregator = masking()
     first = combine(aggregator, messages, selection, round=3, batch_id=7, tag="train")
-    with pytest.raises(ProtocolError, match=r"round 3, batch 7, tag 'train' were already used"):
+    with pytest.raises(ProtocolError, match=r"round 3, batch 7, tag 'train' was already served"):
         combine(aggregator, messages, selection, round=3, batch_id=7, tag="train")
     # The same round and batch under another tag (e.g. prediction) is a fresh context.
     again = combine(aggregator, messages, selection, round=3, batch_id=7, tag="predict/test")

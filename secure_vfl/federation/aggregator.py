@@ -160,3 +160,56 @@ def sum_vectors(
     )
     summed = channel.receive(summed, sender=AGGREGATOR, receiver=receiver, round=round, batch_id=0)
     return summed.sums[0, 0]
+
+
+def check_contribution_headers(
+    contributions: Sequence[RepresentationMessage], *, round: int, batch_id: int
+) -> None:
+    """Refuse a contribution addressed to another receiver, round or batch (a replay)."""
+    for message in contributions:
+        if (message.receiver, message.round, message.batch_id) != (AGGREGATOR, round, batch_id):
+            raise ProtocolError(
+                f"representation from {message.sender}: receiver {AGGREGATOR!r}, round "
+                f"{round}, batch {batch_id} expected, found receiver {message.receiver!r}, "
+                f"round {message.round}, batch {message.batch_id} (a replayed message?)."
+            )
+
+
+def refuse_single_contributors(released: Tensor, parties: Sequence[str]) -> Tensor:
+    """The contributor count of every released sum; refuse any sum over exactly one party.
+
+    A secure backend promises the receiver learns only sums over >= 2 contributors.
+    """
+    counts = released.sum(dim=2)
+    single = counts == 1
+    if bool(single.any()):
+        t, b = (int(i) for i in torch.nonzero(single)[0])
+        raise ProtocolError(
+            f"a sum reveals a single party's representation: every released sum needs 0 or "
+            f">= 2 contributors, found {int(single.sum())} sums with one (first: task {t}, "
+            f"row {b}, party {parties[int(torch.nonzero(released[t, b])[0])]})."
+        )
+    return counts
+
+
+class ContextLedger:
+    """The (receiver, round, batch id, tag) contexts a secure backend has served: each once."""
+
+    def __init__(self) -> None:
+        self._served: set[tuple[str, int, int, str]] = set()
+
+    def check(
+        self, receiver: str, round: int, batch_id: int, tag: str
+    ) -> tuple[str, int, int, str]:
+        """Refuse a context served before; return it for :meth:`spend`."""
+        context = (receiver, round, batch_id, tag)
+        if context in self._served:
+            raise ProtocolError(
+                f"receiver {receiver!r}, round {round}, batch {batch_id}, tag {tag!r} was "
+                "already served in this session; a fresh context is expected for every sum."
+            )
+        return context
+
+    def spend(self, context: tuple[str, int, int, str]) -> None:
+        """Mark ``context`` as served (call once every check has passed)."""
+        self._served.add(context)
