@@ -177,3 +177,47 @@ class AggregatorContract:
             self.make_aggregator().combine(
                 messages, selection, parties=PARTIES, receiver=RECEIVER, round=0, batch_id=0
             )
+
+
+class SecureAggregatorContract(AggregatorContract):
+    """What every *secure* backend adds: refusals that leave no trace, and fresh contexts."""
+
+    def untouched(self, aggregator: Aggregator) -> bool:
+        """Whether ``aggregator`` holds no keys, ciphertexts or masks yet (backend-specific)."""
+        raise NotImplementedError
+
+    def test_a_sum_over_a_single_contributor_is_refused_and_changes_nothing(self) -> None:
+        messages, selection = full_batch(4)
+        aggregator = self.make_aggregator()
+        lonely = selection.clone()
+        lonely[0, 5] = False
+        lonely[0, 5, 2] = True
+        with pytest.raises(ProtocolError, match=r"single party.*task 0, row 5, party party-2"):
+            combine(aggregator, messages, lonely)
+        assert self.untouched(aggregator)
+        result = combine(aggregator, messages, selection)  # the same context is still fresh
+        self.assert_close_to_oracle(result, messages, selection)
+
+    def test_a_sum_over_nobody_is_zero(self) -> None:
+        messages, _ = full_batch(5)
+        nobody = torch.zeros(1, 16, 4, dtype=torch.bool)
+        assert bool((combine(self.make_aggregator(), messages, nobody) == 0).all())
+
+    def test_a_replayed_context_is_refused_and_another_tag_is_fresh(self) -> None:
+        messages, selection = full_batch(6, round=3, batch_id=7)
+        aggregator = self.make_aggregator()
+        first = combine(aggregator, messages, selection, round=3, batch_id=7, tag="train")
+        with pytest.raises(ProtocolError, match=r"round 3, batch 7, tag 'train' was already"):
+            combine(aggregator, messages, selection, round=3, batch_id=7, tag="train")
+        again = combine(aggregator, messages, selection, round=3, batch_id=7, tag="predict/x")
+        self.assert_close_to_oracle(first, messages, selection)
+        self.assert_close_to_oracle(again, messages, selection)
+
+    def test_a_message_replayed_from_another_round_or_batch_is_refused(self) -> None:
+        messages, selection = full_batch(7, round=3, batch_id=7)
+        aggregator = self.make_aggregator()
+        with pytest.raises(ProtocolError, match=r"round 4, batch 7 expected, found .* round 3"):
+            combine(aggregator, messages, selection, round=4, batch_id=7)
+        with pytest.raises(ProtocolError, match=r"batch 8 expected, found .* batch 7"):
+            combine(aggregator, messages, selection, round=3, batch_id=8)
+        assert self.untouched(aggregator)

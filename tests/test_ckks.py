@@ -13,8 +13,8 @@ import torch
 from aggregator_contract import (
     PARTIES,
     RECEIVER,
-    AggregatorContract,
     PairwiseLaser,
+    SecureAggregatorContract,
     combine,
     full_batch,
     oracle,
@@ -30,16 +30,20 @@ from protocols.ckks import (
 from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
 from secure_vfl.federation.aggregator import Aggregator, PlainAggregator, sum_vectors
 from secure_vfl.federation.channel import Channel
-from secure_vfl.federation.messages import AGGREGATOR, RepresentationMessage
+from secure_vfl.federation.messages import RepresentationMessage
 from secure_vfl.methods import MethodConfig
 
 
-class TestCkksAggregatorContract(AggregatorContract):
+class TestCkksAggregatorContract(SecureAggregatorContract):
     def make_aggregator(self) -> Aggregator:
         return CkksAggregator()
 
     def step(self, parties: int) -> float:
         return CkksAggregator().step(parties)
+
+    def untouched(self, aggregator: Aggregator) -> bool:
+        assert isinstance(aggregator, CkksAggregator)
+        return aggregator.last_ciphertexts == {} and aggregator.secret_contexts == {}
 
 
 def within_bound(
@@ -109,49 +113,6 @@ def test_the_public_context_cannot_decrypt_and_carries_no_secret_key() -> None:
     aggregator = CkksAggregator()
     assert not ts.context_from(aggregator.setup(RECEIVER)).has_secret_key()
     assert not aggregator.public_context(RECEIVER).has_secret_key()
-
-
-def test_a_sum_over_a_single_contributor_is_refused_and_changes_nothing() -> None:
-    messages, selection = full_batch(4)
-    aggregator = CkksAggregator()
-    lonely = selection.clone()
-    lonely[0, 5] = False
-    lonely[0, 5, 2] = True
-    with pytest.raises(ProtocolError, match=r"single party.*task 0, row 5, party party-2"):
-        combine(aggregator, messages, lonely)
-    assert aggregator.last_ciphertexts == {} and aggregator.secret_contexts == {}
-    result = combine(aggregator, messages, selection)  # the same context is still fresh
-    assert within_bound(result, messages, selection) <= 0.0
-
-
-def test_a_sum_over_nobody_is_zero() -> None:
-    messages, _ = full_batch(5)
-    nobody = torch.zeros(1, 16, 4, dtype=torch.bool)
-    aggregator = CkksAggregator()
-    assert bool((combine(aggregator, messages, nobody) == 0).all())
-    assert aggregator.last_sum == []
-
-
-def test_a_replayed_context_is_refused() -> None:
-    messages, selection = full_batch(6, round=3, batch_id=7)
-    aggregator = CkksAggregator()
-    first = combine(aggregator, messages, selection, round=3, batch_id=7, tag="train")
-    with pytest.raises(ProtocolError, match=r"round 3, batch 7, tag 'train' was already served"):
-        combine(aggregator, messages, selection, round=3, batch_id=7, tag="train")
-    again = combine(aggregator, messages, selection, round=3, batch_id=7, tag="predict/test")
-    # Fresh encryption noise differs, both are within the bound.
-    assert float((first - again).abs().max()) <= 2 * aggregator.step(4) + 1e-5
-
-
-def test_a_message_replayed_from_another_round_or_batch_is_refused() -> None:
-    messages, selection = full_batch(7, round=3, batch_id=7)
-    aggregator = CkksAggregator()
-    with pytest.raises(ProtocolError, match=r"round 4, batch 7 expected, found .* round 3"):
-        combine(aggregator, messages, selection, round=4, batch_id=7)
-    with pytest.raises(ProtocolError, match=r"batch 8 expected, found .* batch 7"):
-        combine(aggregator, messages, selection, round=3, batch_id=8)
-    assert aggregator.last_ciphertexts == {} and aggregator.secret_contexts == {}
-    assert messages[0].receiver == AGGREGATOR
 
 
 def test_a_value_outside_the_range_is_refused() -> None:

@@ -13,11 +13,10 @@ import torch
 from aggregator_contract import (
     PARTIES,
     RECEIVER,
-    AggregatorContract,
     PairwiseLaser,
+    SecureAggregatorContract,
     combine,
     full_batch,
-    oracle,
 )
 from conftest import MakeData
 from phe import paillier
@@ -56,12 +55,20 @@ def paillier_aggregator(seed: int = 0, **kwargs: object) -> PaillierAggregator:
     return PaillierAggregator(**options)  # type: ignore[arg-type]
 
 
-class TestPaillierAggregatorContract(AggregatorContract):
+class TestPaillierAggregatorContract(SecureAggregatorContract):
     def make_aggregator(self) -> Aggregator:
         return paillier_aggregator()
 
     def step(self, parties: int) -> float:
         return paillier_aggregator().step(parties)
+
+    def untouched(self, aggregator: Aggregator) -> bool:
+        assert isinstance(aggregator, PaillierAggregator)
+        return (
+            aggregator.last_ciphertexts == {}
+            and aggregator.public_keys == {}
+            and aggregator.pools == {}
+        )
 
 
 def rounded_sums(
@@ -148,49 +155,6 @@ def test_packing_round_trips_every_slot_value() -> None:
     assert len(plaintexts) == layout.ciphertexts(200) == -(-200 // 29)
     assert all(0 <= p < 2**1023 for p in plaintexts)
     assert np.array_equal(layout.unpack(plaintexts, 200, key_bits=1024), values)
-
-
-def test_a_sum_over_a_single_contributor_is_refused_and_changes_nothing() -> None:
-    messages, selection = full_batch(4)
-    aggregator = paillier_aggregator()
-    lonely = selection.clone()
-    lonely[0, 5] = False
-    lonely[0, 5, 2] = True
-    with pytest.raises(ProtocolError, match=r"single party.*task 0, row 5, party party-2"):
-        combine(aggregator, messages, lonely)
-    assert aggregator.last_ciphertexts == {} and aggregator.public_keys == {}
-    assert aggregator.pools == {}
-    result = combine(aggregator, messages, selection)  # the same context is still fresh
-    expected, _ = oracle(messages, selection)
-    assert bool(((result.double() - expected).abs() <= aggregator.step(4) + 1e-5).all())
-
-
-def test_a_sum_over_nobody_is_zero() -> None:
-    messages, _ = full_batch(5)
-    nobody = torch.zeros(1, 16, 4, dtype=torch.bool)
-    aggregator = paillier_aggregator()
-    assert bool((combine(aggregator, messages, nobody) == 0).all())
-    assert aggregator.last_sum == []
-
-
-def test_a_replayed_context_is_refused() -> None:
-    messages, selection = full_batch(6, round=3, batch_id=7)
-    aggregator = paillier_aggregator()
-    first = combine(aggregator, messages, selection, round=3, batch_id=7, tag="train")
-    with pytest.raises(ProtocolError, match=r"round 3, batch 7, tag 'train' was already served"):
-        combine(aggregator, messages, selection, round=3, batch_id=7, tag="train")
-    again = combine(aggregator, messages, selection, round=3, batch_id=7, tag="predict/test")
-    assert torch.equal(first, again)
-
-
-def test_a_message_replayed_from_another_round_or_batch_is_refused() -> None:
-    messages, selection = full_batch(7, round=3, batch_id=7)
-    aggregator = paillier_aggregator()
-    with pytest.raises(ProtocolError, match=r"round 4, batch 7 expected, found .* round 3"):
-        combine(aggregator, messages, selection, round=4, batch_id=7)
-    with pytest.raises(ProtocolError, match=r"batch 8 expected, found .* batch 7"):
-        combine(aggregator, messages, selection, round=3, batch_id=8)
-    assert aggregator.last_ciphertexts == {} and aggregator.public_keys == {}
 
 
 def test_a_value_outside_the_fixed_point_range_is_refused() -> None:

@@ -13,6 +13,7 @@ from aggregator_contract import (
     RECEIVER,
     AggregatorContract,
     PairwiseLaser,
+    SecureAggregatorContract,
     combine,
     full_batch,
     oracle,
@@ -44,12 +45,16 @@ class TestPlainAggregatorContract(AggregatorContract):
         return PlainAggregator()
 
 
-class TestMaskingAggregatorContract(AggregatorContract):
+class TestMaskingAggregatorContract(SecureAggregatorContract):
     def make_aggregator(self) -> Aggregator:
         return masking()
 
     def step(self, parties: int) -> float:
         return masking().step(parties)
+
+    def untouched(self, aggregator: Aggregator) -> bool:
+        assert isinstance(aggregator, MaskingAggregator)
+        return aggregator.last_masked == {} and aggregator.party_keys == {}
 
 
 def test_the_secure_sum_is_the_exact_ring_sum_of_the_rounded_values() -> None:
@@ -92,47 +97,6 @@ def test_masked_contributions_look_uniform_whatever_the_value() -> None:
         assert abs(top_bit.mean() - 0.5) < 0.03
         assert abs((masked / 2.0**64).mean() - 0.5) < 0.03
     assert set(aggregator.last_masked) == set(PARTIES)
-
-
-def test_a_sum_over_a_single_contributor_is_refused_and_changes_nothing() -> None:
-    messages, selection = full_batch(3)
-    aggregator = masking()
-    lonely = selection.clone()
-    lonely[0, 5] = False
-    lonely[0, 5, 2] = True
-    with pytest.raises(ProtocolError, match=r"single party.*task 0, row 5, party party-2"):
-        combine(aggregator, messages, lonely)
-    assert aggregator.last_masked == {} and aggregator.party_keys == {}
-    result = combine(aggregator, messages, selection)  # the same context is still fresh
-    expected, _ = oracle(messages, selection)
-    assert torch.allclose(result.double(), expected, atol=1e-5)
-
-
-def test_a_sum_over_nobody_is_zero() -> None:
-    messages, _ = full_batch(4)
-    nobody = torch.zeros(1, 16, 4, dtype=torch.bool)
-    assert bool((combine(masking(), messages, nobody) == 0).all())
-
-
-def test_a_replayed_context_is_refused() -> None:
-    messages, selection = full_batch(5, round=3, batch_id=7)
-    aggregator = masking()
-    first = combine(aggregator, messages, selection, round=3, batch_id=7, tag="train")
-    with pytest.raises(ProtocolError, match=r"round 3, batch 7, tag 'train' was already served"):
-        combine(aggregator, messages, selection, round=3, batch_id=7, tag="train")
-    # The same round and batch under another tag (e.g. prediction) is a fresh context.
-    again = combine(aggregator, messages, selection, round=3, batch_id=7, tag="predict/test")
-    assert torch.equal(first, again)
-
-
-def test_a_message_replayed_from_another_round_or_batch_is_refused() -> None:
-    messages, selection = full_batch(6, round=3, batch_id=7)
-    aggregator = masking()
-    with pytest.raises(ProtocolError, match=r"round 4, batch 7 expected, found .* round 3"):
-        combine(aggregator, messages, selection, round=4, batch_id=7)
-    with pytest.raises(ProtocolError, match=r"batch 8 expected, found .* batch 7"):
-        combine(aggregator, messages, selection, round=3, batch_id=8)
-    assert aggregator.last_masked == {}
 
 
 def test_a_value_that_could_overflow_the_ring_is_refused() -> None:
