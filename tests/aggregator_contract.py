@@ -8,6 +8,8 @@ the plain backend's float32 einsum.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import Tensor
@@ -185,6 +187,24 @@ class SecureAggregatorContract(AggregatorContract):
     def untouched(self, aggregator: Aggregator) -> bool:
         """Whether ``aggregator`` holds no keys, ciphertexts or masks yet (backend-specific)."""
         raise NotImplementedError
+
+    def magnitude_limit(self) -> float:
+        """The largest |value| the backend accepts (its fixed-point or encoding range)."""
+        raise NotImplementedError
+
+    def test_values_beyond_the_range_are_refused_and_spend_nothing(self) -> None:
+        messages, selection = full_batch(8)
+        aggregator = self.make_aggregator()
+        for bad in (-1.01 * self.magnitude_limit(), float("nan")):
+            values = messages[1].representation.clone()
+            values[0, 0] = bad
+            tampered = [*messages]
+            tampered[1] = dataclasses.replace(messages[1], representation=values)
+            with pytest.raises(ProtocolError):
+                combine(aggregator, tampered, selection)
+            assert self.untouched(aggregator)
+        result = combine(aggregator, messages, selection)  # nothing was spent by the refusals
+        self.assert_close_to_oracle(result, messages, selection)
 
     def test_a_sum_over_a_single_contributor_is_refused_and_changes_nothing(self) -> None:
         messages, selection = full_batch(4)

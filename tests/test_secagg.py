@@ -52,6 +52,9 @@ class TestMaskingAggregatorContract(SecureAggregatorContract):
     def step(self, parties: int) -> float:
         return masking().step(parties)
 
+    def magnitude_limit(self) -> float:
+        return fixed_point_limit(24, 4)
+
     def untouched(self, aggregator: Aggregator) -> bool:
         assert isinstance(aggregator, MaskingAggregator)
         return aggregator.last_masked == {} and aggregator.party_keys == {}
