@@ -48,6 +48,7 @@ from torch import Tensor
 
 from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
 from secure_vfl.federation.aggregator import (
+    AggregationCost,
     ContextLedger,
     check_contribution_headers,
     check_selection,
@@ -174,6 +175,7 @@ class CkksAggregator:
         self.published: dict[str, bytes] = {}
         self._public_contexts: dict[str, ts.Context] = {}
         self._contexts = ContextLedger()
+        self.cost = AggregationCost()
         self.last_ciphertexts: dict[str, list[bytes]] = {}
         self.last_sum: list[bytes] = []
 
@@ -220,13 +222,40 @@ class CkksAggregator:
         batch_id: int,
         tag: str = "",
     ) -> SumMessage:
+        """See :meth:`_combine`; the call is timed and its wire bytes counted in ``cost``."""
+        with self.cost.timed():
+            result = self._combine(
+                contributions,
+                selection,
+                parties=parties,
+                receiver=receiver,
+                round=round,
+                batch_id=batch_id,
+                tag=tag,
+            )
+        for sender, sent in self.last_ciphertexts.items():
+            self.cost.add_bytes(sender, tag, sum(self._wire_size(c) for c in sent))
+        self.cost.add_bytes(AGGREGATOR, tag, sum(self._wire_size(c) for c in self.last_sum))
+        return result
+
+    def _combine(
+        self,
+        contributions: Sequence[RepresentationMessage],
+        selection: Tensor,
+        *,
+        parties: Sequence[str],
+        receiver: str,
+        round: int,
+        batch_id: int,
+        tag: str = "",
+    ) -> SumMessage:
         """Secure per-task sums: every contributor encrypts its packed slots, the aggregator adds
         ciphertexts, the receiver decrypts and checks every slot is one an honest sum gives."""
         # Everything is checked before any context changes.
         dense, present = dense_representations(contributions, parties, selection.shape[1])
         check_contribution_headers(contributions, round=round, batch_id=batch_id)
         check_selection(selection, present)
-        counts = refuse_single_contributors(selection, parties)
+        counts = refuse_single_contributors(selection, parties, receiver=receiver)
         context = self._contexts.check(receiver, round, batch_id, tag)
         values = dense.numpy().astype(np.float64)
         self._check_range(values, len(parties))
@@ -260,6 +289,11 @@ class CkksAggregator:
             sums=torch.from_numpy(sums),
             counts=counts,
         )
+
+    @staticmethod
+    def _wire_size(ciphertext: bytes) -> int:
+        """Bytes of one serialized CKKS vector on the wire."""
+        return len(ciphertext)
 
     def _check_range(self, values: np.ndarray, parties: int) -> None:
         """Refuse non-finite values, |value| > max_magnitude, or more parties than the data

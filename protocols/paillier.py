@@ -53,6 +53,7 @@ from torch import Tensor
 from protocols.secagg import decode_fixed_point, encode_fixed_point
 from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
 from secure_vfl.federation.aggregator import (
+    AggregationCost,
     ContextLedger,
     check_contribution_headers,
     check_selection,
@@ -240,6 +241,7 @@ class PaillierAggregator:
         self.private_keys: dict[str, paillier.PaillierPrivateKey] = {}
         self.pools: dict[tuple[str, str], ObfuscatorPool] = {}
         self._contexts = ContextLedger()
+        self.cost = AggregationCost()
         self.last_ciphertexts: dict[str, list[paillier.EncryptedNumber]] = {}
         self.last_sum: list[paillier.EncryptedNumber] = []
 
@@ -302,13 +304,40 @@ class PaillierAggregator:
         batch_id: int,
         tag: str = "",
     ) -> SumMessage:
+        """See :meth:`_combine`; the call is timed and its wire bytes counted in ``cost``."""
+        with self.cost.timed():
+            result = self._combine(
+                contributions,
+                selection,
+                parties=parties,
+                receiver=receiver,
+                round=round,
+                batch_id=batch_id,
+                tag=tag,
+            )
+        for sender, sent in self.last_ciphertexts.items():
+            self.cost.add_bytes(sender, tag, sum(self._wire_size(c) for c in sent))
+        self.cost.add_bytes(AGGREGATOR, tag, sum(self._wire_size(c) for c in self.last_sum))
+        return result
+
+    def _combine(
+        self,
+        contributions: Sequence[RepresentationMessage],
+        selection: Tensor,
+        *,
+        parties: Sequence[str],
+        receiver: str,
+        round: int,
+        batch_id: int,
+        tag: str = "",
+    ) -> SumMessage:
         """Secure per-task sums: every contributor encrypts its packed slots, the aggregator
         multiplies ciphertexts, the receiver decrypts and removes the offsets."""
         # Everything is checked before any key, pool or context changes.
         dense, present = dense_representations(contributions, parties, selection.shape[1])
         check_contribution_headers(contributions, round=round, batch_id=batch_id)
         check_selection(selection, present)
-        counts = refuse_single_contributors(selection, parties)
+        counts = refuse_single_contributors(selection, parties, receiver=receiver)
         context = self._contexts.check(receiver, round, batch_id, tag)
         layout = self.layout(len(parties))
         encoded = self._encode(dense.numpy(), len(parties))
@@ -337,6 +366,11 @@ class PaillierAggregator:
             sums=torch.from_numpy(sums),
             counts=counts,
         )
+
+    @staticmethod
+    def _wire_size(ciphertext: paillier.EncryptedNumber) -> int:
+        """Bytes of one ciphertext on the wire: an integer mod n^2."""
+        return (ciphertext.public_key.nsquare.bit_length() + 7) // 8
 
     def _encode(self, dense: np.ndarray, parties: int) -> np.ndarray:
         """round(x * 2^f) as int64 (K, B, d); refuse any outside [-2^(v-1), 2^(v-1))."""

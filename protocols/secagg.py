@@ -28,6 +28,7 @@ from torch import Tensor
 
 from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
 from secure_vfl.federation.aggregator import (
+    AggregationCost,
     ContextLedger,
     check_contribution_headers,
     check_selection,
@@ -112,6 +113,7 @@ class MaskingAggregator:
         self.public_keys: dict[str, bytes] = {}
         self._pair_keys: dict[tuple[str, str], tuple[X25519PrivateKey, bytes, bytes]] = {}
         self._contexts = ContextLedger()
+        self.cost = AggregationCost()
         self._calls = 0
         self.last_masked: dict[str, np.ndarray] = {}
 
@@ -140,16 +142,17 @@ class MaskingAggregator:
         tag: str = "",
     ) -> SumMessage:
         """Secure per-task sums: every contributor masks, the server adds, the masks cancel."""
-        return self._aggregate(
-            contributions,
-            selection,
-            parties=parties,
-            receiver=receiver,
-            round=round,
-            batch_id=batch_id,
-            tag=tag,
-            dropped=frozenset(),
-        )
+        with self.cost.timed():
+            return self._aggregate(
+                contributions,
+                selection,
+                parties=parties,
+                receiver=receiver,
+                round=round,
+                batch_id=batch_id,
+                tag=tag,
+                dropped=frozenset(),
+            )
 
     def recover(
         self,
@@ -175,16 +178,17 @@ class MaskingAggregator:
         unknown = sorted(set(dropped) - set(parties))
         if unknown:
             raise ProtocolError(f"dropped parties must be among {list(parties)}, found {unknown}.")
-        return self._aggregate(
-            contributions,
-            selection,
-            parties=parties,
-            receiver=receiver,
-            round=round,
-            batch_id=batch_id,
-            tag=tag,
-            dropped=frozenset(dropped),
-        )
+        with self.cost.timed():
+            return self._aggregate(
+                contributions,
+                selection,
+                parties=parties,
+                receiver=receiver,
+                round=round,
+                batch_id=batch_id,
+                tag=tag,
+                dropped=frozenset(dropped),
+            )
 
     def _aggregate(
         self,
@@ -206,7 +210,7 @@ class MaskingAggregator:
         survivors = torch.tensor([name not in dropped for name in parties], dtype=torch.bool)
         released = selection & survivors.view(1, 1, -1)
         check_selection(released, present)
-        counts = refuse_single_contributors(released, parties)
+        counts = refuse_single_contributors(released, parties, receiver=receiver)
         context = self._contexts.check(receiver, round, batch_id, tag)
         encoded = encode_fixed_point(
             dense.numpy(), fraction_bits=self.fraction_bits, parties=len(parties)
@@ -223,6 +227,8 @@ class MaskingAggregator:
             for name, value in masked.items()
         }
         self.last_masked = arrived
+        for name, value in arrived.items():
+            self.cost.add_bytes(name, tag, value.nbytes)
         total = np.zeros((*chosen.shape[:2], encoded.shape[2]), dtype=np.uint64)
         for value in arrived.values():
             total += value
@@ -237,6 +243,7 @@ class MaskingAggregator:
                         total, name, peer, sign, chosen[..., i] & chosen[..., j], info
                     )
         sums = self._decode_sum(total)
+        self.cost.add_bytes(AGGREGATOR, tag, total.nbytes)
         return SumMessage(
             sender=AGGREGATOR,
             receiver=receiver,

@@ -26,6 +26,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
+SECURE_AGGREGATORS = ["none", "masks", "paillier", "ckks"]
+
+
 def _number(
     kind: Callable[[str], Any], what: str, check: Callable[[Any], bool]
 ) -> Callable[[str], Any]:
@@ -147,6 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["random", "zero"],
         default="random",
         help="what Standard VFL does on incomplete test samples",
+    )
+    train.add_argument(
+        "--secure-agg",
+        choices=SECURE_AGGREGATORS,
+        default="none",
+        help="secure sums of representations (laser --heads active): pairwise masks, Paillier "
+        "or CKKS; the label party learns only sums over >= 2 other parties",
     )
     privacy = train.add_argument_group("differential privacy (protocols.dp, Opacus accountant)")
     privacy.add_argument(
@@ -321,6 +331,7 @@ def _train_config(args: argparse.Namespace) -> Any:
         batch_size=args.batch_size,
         lr=args.lr,
         standard_incomplete=args.standard_incomplete,
+        secure_sums=args.secure_agg != "none",
     )
     return TrainConfig(
         method=args.method,
@@ -492,6 +503,7 @@ def run_train(args: argparse.Namespace) -> int:
             data=data,
             channel=channel,
             on_built=on_built,
+            aggregator=_secure_aggregator(args.secure_agg),
             privacy_report=privacy_report,
             on_start=on_start,
             on_step=on_step,
@@ -516,6 +528,14 @@ def _secure_aggregator(name: str) -> Any:
     """The aggregator backend chosen by ``--secure-agg`` (None: the plain default)."""
     if name == "none":
         return None
+    if name == "paillier":
+        from protocols.paillier import PaillierAggregator
+
+        return PaillierAggregator()
+    if name == "ckks":
+        from protocols.ckks import CkksAggregator
+
+        return CkksAggregator()
     from protocols.secagg import MaskingAggregator
 
     return MaskingAggregator()

@@ -21,9 +21,9 @@ from secure_vfl.data.imputation import (
 from secure_vfl.data.missingness import parse_mechanism
 from secure_vfl.data.vertical import VerticalData, make_vertical, vertical_from_party_files
 from secure_vfl.errors import ConfigError
-from secure_vfl.federation.aggregator import Aggregator
+from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
 from secure_vfl.federation.alignment import make_aligner
-from secure_vfl.federation.channel import Channel
+from secure_vfl.federation.channel import Channel, TrafficMeter
 from secure_vfl.methods.base import StepCallback
 from secure_vfl.methods.imputation import IMPUTERS, ImputeConfig, Imputer
 from secure_vfl.methods.imputation.evaluation import evaluate as evaluate_imputer
@@ -105,6 +105,7 @@ class TrainResult:
     samples: dict[str, int]
     dropped: dict[str, int]
     privacy: dict[str, Any] | None = None
+    traffic: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -136,11 +137,45 @@ def prepare_data(config: TrainConfig) -> VerticalData:
 
 
 def build_method(
-    config: TrainConfig, data: VerticalData, *, channel: Channel | None = None
+    config: TrainConfig,
+    data: VerticalData,
+    *,
+    channel: Channel | None = None,
+    aggregator: Aggregator | None = None,
 ) -> methods.Method:
-    """The configured method, built on ``data``, its parties talking through ``channel``."""
+    """The configured method, built on ``data``, its parties talking through ``channel`` and
+    summing through ``aggregator`` (plain by default)."""
     factory = methods.METHODS.get(config.method)
-    return factory(data, config.method_config, seed=config.seed, channel=channel)
+    return factory(
+        data, config.method_config, seed=config.seed, channel=channel, aggregator=aggregator
+    )
+
+
+def traffic_report(
+    meter: TrafficMeter, channel: Channel, aggregator: Aggregator, *, train_steps: int
+) -> dict[str, Any]:
+    """Bytes each party (and the aggregator) put on the wire, per phase and per training step,
+    and the seconds spent in protection (a secure aggregator's calls and the channel's layers).
+    """
+    totals: dict[str, dict[str, int]] = {}
+    for source in (meter.bytes, aggregator.cost.bytes):
+        for (endpoint, phase), count in source.items():
+            per_phase = totals.setdefault(endpoint, {"train": 0, "predict": 0})
+            per_phase[phase] += count
+    layers = {name: s for name, s in channel.layer_seconds.items() if name != "TrafficMeter"}
+    secure = not isinstance(aggregator, PlainAggregator)
+    return {
+        "aggregator": type(aggregator).__name__,
+        "train_steps": train_steps,
+        "bytes": dict(sorted(totals.items())),
+        "bytes_per_step": {
+            endpoint: per_phase["train"] / max(train_steps, 1)
+            for endpoint, per_phase in sorted(totals.items())
+        },
+        "aggregation_s": aggregator.cost.seconds,
+        "channel_layers_s": layers,
+        "protection_s": (aggregator.cost.seconds if secure else 0.0) + sum(layers.values()),
+    }
 
 
 def evaluate(method: methods.Method, data: VerticalData) -> dict[str, dict[str, float]]:
@@ -160,6 +195,7 @@ def run_training(
     *,
     data: VerticalData | None = None,
     channel: Channel | None = None,
+    aggregator: Aggregator | None = None,
     on_built: Callable[[methods.Method], None] | None = None,
     privacy_report: Callable[[], dict[str, Any]] | None = None,
     on_start: Callable[[int], None] | None = None,
@@ -168,17 +204,23 @@ def run_training(
     """Train ``config.method`` and evaluate it on every test missingness.
 
     Hooks let the composition root add protection without the core knowing it: ``channel``
-    carries the parties' messages (e.g. with DP layers), ``on_built(method)`` runs before
+    carries the parties' messages (e.g. with DP layers), ``aggregator`` sums representations
+    (a secure backend; plain by default), ``on_built(method)`` runs before
     training (e.g. to make parties private), ``privacy_report()`` fills ``result.privacy``
     after evaluation; ``on_start(total_steps)`` is called once before training.
     """
     data = data if data is not None else prepare_data(config)
+    channel = channel if channel is not None else Channel()
+    aggregator = aggregator if aggregator is not None else PlainAggregator()
+    meter = TrafficMeter()
+    channel.layers.append(meter)  # counts payload sizes, which no layer changes
     start = time.perf_counter()
-    method = build_method(config, data, channel=channel)
+    method = build_method(config, data, channel=channel, aggregator=aggregator)
     if on_built is not None:
         on_built(method)
+    steps = len(method.sampler) * config.method_config.epochs
     if on_start is not None:
-        on_start(len(method.sampler) * config.method_config.epochs)
+        on_start(steps)
     losses = method.fit(on_step=on_step)
     metrics = evaluate(method, data)
     return TrainResult(
@@ -191,6 +233,7 @@ def run_training(
         samples={"train": data.train.n, **{name: s.n for name, s in data.tests.items()}},
         dropped=dict(data.dropped),
         privacy=privacy_report() if privacy_report is not None else None,
+        traffic=traffic_report(meter, channel, aggregator, train_steps=steps),
     )
 
 

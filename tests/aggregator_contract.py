@@ -18,7 +18,6 @@ from secure_vfl.errors import ProtocolError
 from secure_vfl.federation.aggregator import Aggregator, sum_vectors
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import AGGREGATOR, RepresentationMessage, party_name
-from secure_vfl.methods.laser import MeanFusionMethod
 
 PARTIES = [party_name(k) for k in range(4)]
 RECEIVER = party_name(0)
@@ -48,10 +47,11 @@ def representations(
 
 
 def releasable_selection(present: Tensor, tasks: int, generator: torch.Generator) -> Tensor:
-    """A random (T, B, K) selection of present parties with 0 or >= 2 contributors per sum."""
+    """A random (T, B, K) selection of present parties whose sums have 0 or >= 2 contributors
+    besides the receiver (party 0)."""
     selection = torch.rand((tasks, *present.shape), generator=generator) < 0.6
     selection &= present.unsqueeze(0)
-    selection[selection.sum(dim=2) == 1] = False
+    selection[selection[..., 1:].sum(dim=2) == 1] = False
     return selection
 
 
@@ -98,15 +98,6 @@ def combine(
         batch_id=batch_id,
         tag=tag,
     ).sums
-
-
-class PairwiseLaser(MeanFusionMethod):
-    """LASER whose single head never asks for a one-party sum (a stand-in secure planner)."""
-
-    def plan(self, mask: Tensor) -> tuple[Tensor, Tensor]:
-        selection, weights = super().plan(mask)
-        single = selection.sum(dim=-1) == 1
-        return selection & ~single.unsqueeze(-1), torch.where(single, 0.0, weights)
 
 
 class AggregatorContract:
@@ -217,6 +208,21 @@ class SecureAggregatorContract(AggregatorContract):
         assert self.untouched(aggregator)
         result = combine(aggregator, messages, selection)  # the same context is still fresh
         self.assert_close_to_oracle(result, messages, selection)
+
+    def test_the_receivers_own_term_does_not_count_as_a_second_contributor(self) -> None:
+        messages, selection = full_batch(4)
+        aggregator = self.make_aggregator()
+        pair = selection.clone()
+        pair[0, 3] = False
+        pair[0, 3, 0] = True  # the receiver's own block ...
+        pair[0, 3, 1] = True  # ... and one other: the receiver would learn party-1's term
+        with pytest.raises(ProtocolError, match=r"to party-0.*row 3, party party-1"):
+            combine(aggregator, messages, pair)
+        assert self.untouched(aggregator)
+        own = selection.clone()
+        own[0, 3] = False
+        own[0, 3, 0] = True  # the receiver's own term alone reveals nothing new
+        self.assert_close_to_oracle(combine(aggregator, messages, own), messages, own)
 
     def test_a_sum_over_nobody_is_zero(self) -> None:
         messages, _ = full_batch(5)

@@ -13,7 +13,6 @@ import torch
 from aggregator_contract import (
     PARTIES,
     RECEIVER,
-    PairwiseLaser,
     SecureAggregatorContract,
     combine,
     full_batch,
@@ -32,6 +31,7 @@ from secure_vfl.federation.aggregator import Aggregator, PlainAggregator, sum_ve
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import RepresentationMessage
 from secure_vfl.methods import MethodConfig
+from secure_vfl.methods.laser import MeanFusionMethod
 
 
 class TestCkksAggregatorContract(SecureAggregatorContract):
@@ -202,10 +202,10 @@ def test_laser_trained_through_ckks_matches_laser_trained_in_the_clear(
     make_data: MakeData,
 ) -> None:
     data = make_data(n=120)
-    config = MethodConfig(heads="active", epochs=1)
+    config = MethodConfig(heads="active", epochs=1, secure_sums=True)
     models = []
     for aggregator in (PlainAggregator(), CkksAggregator()):
-        method = PairwiseLaser(
+        method = MeanFusionMethod(
             data, config, seed=3, planner="laser", name="laser", aggregator=aggregator
         )
         method.fit()

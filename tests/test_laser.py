@@ -13,11 +13,18 @@ import torch
 from conftest import MakeData
 
 from secure_vfl.data.vertical import VerticalData
+from secure_vfl.errors import ConfigError
 from secure_vfl.federation.aggregator import PlainAggregator
 from secure_vfl.federation.channel import Channel, RecordingLayer
 from secure_vfl.federation.messages import GradientMessage, SumMessage
 from secure_vfl.methods import METHODS, MethodConfig
-from secure_vfl.methods.laser import MeanFusionMethod, laser_weights, sample_tasks
+from secure_vfl.methods.laser import (
+    MeanFusionMethod,
+    laser_weights,
+    sample_tasks,
+    secure_prediction_selection,
+    secure_tasks,
+)
 from secure_vfl.metrics import accuracy
 
 FAST = MethodConfig(epochs=3, batch_size=64, lr=0.05)
@@ -79,6 +86,86 @@ def test_single_head_tasks_cover_every_subset_with_weight_one_over_n() -> None:
     assert len(totals) == 7
     for subset, total in totals.items():
         assert total / draws == pytest.approx(1 / 3, rel=0.05), subset
+
+
+def _releasable(subset: tuple[int, ...], receiver: int = 0) -> bool:
+    return len([k for k in subset if k != receiver]) != 1
+
+
+def test_secure_tasks_release_only_sums_that_hide_every_other_party() -> None:
+    generator = torch.Generator().manual_seed(4)
+    mask = torch.rand(5000, 5, generator=generator) < 0.6
+    selection, weights = secure_tasks(mask, 0, generator)
+    assert selection.shape == (1, 1, 5000, 5) and weights.shape == (1, 1, 5000)
+    chosen = selection[0, 0]
+    assert not bool((chosen & ~mask).any())
+    others = chosen[:, 1:].sum(dim=1)
+    assert not bool((others == 1).any())
+    # Exactly the samples with some releasable subset are trained, each on one non-empty task.
+    trainable = mask[:, 0] | (mask[:, 1:].sum(dim=1) >= 2)
+    assert torch.equal(weights[0, 0] > 0, trainable)
+    assert torch.equal(chosen.any(dim=1), trainable)
+
+
+def test_secure_tasks_are_uniform_and_unbiased_for_the_restricted_objective() -> None:
+    """E[w 1{S = I}] must be LASER's single-head weight 1/n for every releasable I, 0 else."""
+    draws = 30000
+    mask = torch.ones(draws, 4, dtype=torch.bool)
+    mask[:, 3] = False  # observed set {0, 1, 2}: n = 3
+    selection, weights = secure_tasks(mask, 0, torch.Generator().manual_seed(5))
+    totals: Counter[tuple[int, ...]] = Counter()
+    for row, weight in zip(selection[0, 0].tolist(), weights[0, 0].tolist(), strict=True):
+        totals[tuple(k for k in range(4) if row[k])] += weight
+    releasable = [
+        subset
+        for size in range(1, 4)
+        for subset in itertools.combinations(range(3), size)
+        if _releasable(subset)
+    ]
+    assert sorted(totals) == sorted(releasable)  # {0}, {1, 2}, {0, 1, 2}
+    for subset in releasable:
+        assert totals[subset] / draws == pytest.approx(1 / 3, rel=0.05), subset
+
+
+def test_secure_prediction_uses_the_largest_releasable_subset() -> None:
+    mask = torch.tensor(
+        [[1, 1, 1, 0], [1, 1, 0, 0], [0, 1, 0, 0], [0, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.bool
+    )
+    expected = torch.tensor(
+        [[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [0, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.bool
+    )
+    assert torch.equal(secure_prediction_selection(mask, 0), expected)
+
+
+@pytest.mark.parametrize(
+    ("method", "heads"), [("laser", "all"), ("local", "all"), ("standard", "active")]
+)
+def test_methods_that_would_reveal_a_party_refuse_secure_sums(
+    make_data: MakeData, method: str, heads: str
+) -> None:
+    config = dataclasses.replace(FAST, heads=heads, secure_sums=True)
+    with pytest.raises(ConfigError, match="cannot run under secure aggregation"):
+        METHODS.get(method)(make_data(), config, seed=0)
+
+
+def test_secure_laser_learns_through_sums_that_hide_every_other_party(
+    make_data: MakeData,
+) -> None:
+    data = make_data(train_missing="mcar:0.3", test_missing=("mcar:0", "mcar:0.5"))
+    released: list[torch.Tensor] = []
+
+    class Watching(PlainAggregator):
+        def combine(self, contributions, selection, **kwargs):  # type: ignore[no-untyped-def]
+            released.append(selection)
+            return super().combine(contributions, selection, **kwargs)
+
+    config = dataclasses.replace(FAST, heads="active", secure_sums=True)
+    method = _train(data, config, aggregator=Watching())
+    assert len(released) > 10
+    for selection in released:
+        assert not bool((selection[..., 1:].sum(dim=2) == 1).any())
+    for name, split in data.tests.items():
+        assert accuracy(method.predict(name), split.labels) > 55.0, name  # chance is 33 %
 
 
 def _parameters(method: MeanFusionMethod) -> list[torch.Tensor]:

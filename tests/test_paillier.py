@@ -13,7 +13,6 @@ import torch
 from aggregator_contract import (
     PARTIES,
     RECEIVER,
-    PairwiseLaser,
     SecureAggregatorContract,
     combine,
     full_batch,
@@ -28,6 +27,7 @@ from secure_vfl.federation.aggregator import Aggregator, PlainAggregator, sum_ve
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import RepresentationMessage
 from secure_vfl.methods import MethodConfig
+from secure_vfl.methods.laser import MeanFusionMethod
 
 SMALL_KEY = 1024
 Ciphertexts = list[paillier.EncryptedNumber]
@@ -136,7 +136,7 @@ def test_slots_of_sums_a_party_does_not_enter_carry_no_offset() -> None:
         for k, m in enumerate(messages)
     ]
     selection = torch.zeros(2, 4, 4, dtype=torch.bool)
-    selection[0, 1, [0, 3]] = True
+    selection[0, 1, [1, 3]] = True
     selection[0, 2, [1, 2, 3]] = True
     selection[0, 3, :] = True
     selection[1, 0, [2, 3]] = True
@@ -258,10 +258,10 @@ def test_laser_trained_through_paillier_matches_laser_trained_in_the_clear(
     make_data: MakeData,
 ) -> None:
     data = make_data(n=120)
-    config = MethodConfig(heads="active", epochs=1)
+    config = MethodConfig(heads="active", epochs=1, secure_sums=True)
     models = []
     for aggregator in (PlainAggregator(), paillier_aggregator(pool_size=0)):
-        method = PairwiseLaser(
+        method = MeanFusionMethod(
             data, config, seed=3, planner="laser", name="laser", aggregator=aggregator
         )
         method.fit()

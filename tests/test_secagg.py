@@ -12,7 +12,6 @@ from aggregator_contract import (
     PARTIES,
     RECEIVER,
     AggregatorContract,
-    PairwiseLaser,
     SecureAggregatorContract,
     combine,
     full_batch,
@@ -33,6 +32,7 @@ from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
 from secure_vfl.federation.channel import Channel
 from secure_vfl.methods import MethodConfig
 from secure_vfl.methods.imputation.fedhf import federated_average
+from secure_vfl.methods.laser import MeanFusionMethod
 
 
 def masking(seed: int = 0, **kwargs: object) -> MaskingAggregator:
@@ -148,7 +148,8 @@ def test_a_dropped_party_is_removed_and_the_survivors_sum_is_exact() -> None:
     present = torch.ones(32, 4, dtype=torch.bool)
     messages = representations(present, 8, generator, round=0, batch_id=0)
     selection = torch.rand(3, 32, 4, generator=generator) < 0.7
-    selection[selection.sum(dim=2) < 3] = False  # >= 2 survivors wherever party-3 drops out
+    # 0 or 2 survivors besides the receiver (party-0) in every sum once party-3 drops out.
+    selection[selection[..., 1:3].sum(dim=2) == 1] = False
     survivors = [m for m in messages if m.sender != PARTIES[3]]  # its message never arrives
     aggregator = masking()
     result = aggregator.recover(
@@ -208,10 +209,10 @@ def test_laser_trained_through_masks_matches_laser_trained_in_the_clear(
     make_data: MakeData,
 ) -> None:
     data = make_data()
-    config = MethodConfig(heads="active", epochs=1)
+    config = MethodConfig(heads="active", epochs=1, secure_sums=True)
     models, predictions = [], []
     for aggregator in (PlainAggregator(), masking()):
-        method = PairwiseLaser(
+        method = MeanFusionMethod(
             data, config, seed=3, planner="laser", name="laser", aggregator=aggregator
         )
         method.fit()

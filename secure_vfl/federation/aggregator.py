@@ -8,7 +8,11 @@ behind this same interface, so no learning algorithm changes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import time
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -16,11 +20,53 @@ from torch import Tensor
 
 from secure_vfl.errors import ProtocolError
 from secure_vfl.federation.channel import Channel
-from secure_vfl.federation.messages import AGGREGATOR, RepresentationMessage, SumMessage
+from secure_vfl.federation.messages import (
+    AGGREGATOR,
+    RepresentationMessage,
+    SumMessage,
+    message_bytes,
+)
+
+
+def phase_of(tag: str) -> str:
+    """The phase an aggregation call serves, from its tag: ``"predict"`` or ``"train"``."""
+    return "predict" if tag.startswith("predict") else "train"
+
+
+@dataclass
+class AggregationCost:
+    """What an aggregator's calls cost: wire bytes by endpoint and phase, and seconds.
+
+    Bytes are those the backend's protocol puts on the wire (float32 tensors in the clear,
+    masked ring elements, ciphertexts); the contributors' and the aggregator's (the delivered
+    sums) are counted under their own names.
+    """
+
+    bytes: Counter[tuple[str, str]] = field(default_factory=Counter)
+    seconds: float = 0.0
+    calls: int = 0
+
+    def add_bytes(self, endpoint: str, tag: str, count: int) -> None:
+        self.bytes[(endpoint, phase_of(tag))] += int(count)
+
+    @contextmanager
+    def timed(self) -> Iterator[None]:
+        """Count the seconds spent inside the block as one call."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds += time.perf_counter() - start
+            self.calls += 1
 
 
 class Aggregator(Protocol):
-    """Turns the representations of a batch into per-task sums for one receiver."""
+    """Turns the representations of a batch into per-task sums for one receiver.
+
+    ``cost`` accumulates the bytes and seconds of every call (see :class:`AggregationCost`).
+    """
+
+    cost: AggregationCost
 
     def combine(
         self,
@@ -93,6 +139,9 @@ def check_selection(selection: Tensor, present: Tensor) -> None:
 class PlainAggregator:
     """Sums in the clear. Insecure: whoever runs it sees every party's representation."""
 
+    def __init__(self) -> None:
+        self.cost = AggregationCost()
+
     def combine(
         self,
         contributions: Sequence[RepresentationMessage],
@@ -104,17 +153,22 @@ class PlainAggregator:
         batch_id: int,
         tag: str = "",
     ) -> SumMessage:
-        dense, present = dense_representations(contributions, parties, selection.shape[1])
-        check_selection(selection, present)
-        sums = torch.einsum("tbk,kbd->tbd", selection.to(dense.dtype), dense)
-        return SumMessage(
-            sender=AGGREGATOR,
-            receiver=receiver,
-            round=round,
-            batch_id=batch_id,
-            sums=sums,
-            counts=selection.sum(dim=2),
-        )
+        with self.cost.timed():
+            dense, present = dense_representations(contributions, parties, selection.shape[1])
+            check_selection(selection, present)
+            sums = torch.einsum("tbk,kbd->tbd", selection.to(dense.dtype), dense)
+            result = SumMessage(
+                sender=AGGREGATOR,
+                receiver=receiver,
+                round=round,
+                batch_id=batch_id,
+                sums=sums,
+                counts=selection.sum(dim=2),
+            )
+        for message in contributions:
+            self.cost.add_bytes(message.sender, tag, message_bytes(message))
+        self.cost.add_bytes(AGGREGATOR, tag, message_bytes(result))
+        return result
 
 
 def sum_vectors(
@@ -175,21 +229,30 @@ def check_contribution_headers(
             )
 
 
-def refuse_single_contributors(released: Tensor, parties: Sequence[str]) -> Tensor:
-    """The contributor count of every released sum; refuse any sum over exactly one party.
+def refuse_single_contributors(
+    released: Tensor, parties: Sequence[str], *, receiver: str | None = None
+) -> Tensor:
+    """The contributor count of every released sum; refuse any sum that reveals one party.
 
-    A secure backend promises the receiver learns only sums over >= 2 contributors.
+    A secure backend promises the receiver learns only sums over >= 2 contributors *besides
+    itself*: a receiver that is also a contributor (LASER's label party holds a feature block)
+    knows its own term, so the sum of its own and one other party's representation would hand
+    it the other one. Sums with no other contributor (the receiver's own term alone) are fine.
     """
-    counts = released.sum(dim=2)
-    single = counts == 1
+    others = released
+    if receiver is not None and receiver in parties:
+        others = released.clone()
+        others[..., list(parties).index(receiver)] = False
+    single = others.sum(dim=2) == 1
     if bool(single.any()):
         t, b = (int(i) for i in torch.nonzero(single)[0])
         raise ProtocolError(
-            f"a sum reveals a single party's representation: every released sum needs 0 or "
-            f">= 2 contributors, found {int(single.sum())} sums with one (first: task {t}, "
-            f"row {b}, party {parties[int(torch.nonzero(released[t, b])[0])]})."
+            f"a sum reveals a single party's representation to {receiver or 'the receiver'}: "
+            f"every released sum needs 0 or >= 2 contributors besides the receiver, found "
+            f"{int(single.sum())} sums with one (first: task {t}, row {b}, party "
+            f"{parties[int(torch.nonzero(others[t, b])[0])]})."
         )
-    return counts
+    return released.sum(dim=2)
 
 
 class ContextLedger:

@@ -7,10 +7,12 @@ party; they only see what crosses the boundary.
 
 from __future__ import annotations
 
+import time
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from typing import Protocol, TypeVar
 
-from secure_vfl.federation.messages import Message, check_header
+from secure_vfl.federation.messages import AGGREGATOR, Message, check_header, message_bytes
 
 M = TypeVar("M", bound=Message)
 
@@ -47,11 +49,17 @@ class Channel:
     ) -> None:
         self.layers = list(layers)
         self.transport: Transport = transport if transport is not None else InProcessTransport()
+        self.layer_seconds: defaultdict[str, float] = defaultdict(float)
 
     def send(self, message: M) -> M:
-        """Pass ``message`` through every layer and deliver it; return what the receiver gets."""
+        """Pass ``message`` through every layer and deliver it; return what the receiver gets.
+
+        ``layer_seconds`` accumulates the time each layer class spends (e.g. DP noise).
+        """
         for layer in self.layers:
+            start = time.perf_counter()
             message = layer.on_message(message)
+            self.layer_seconds[type(layer).__name__] += time.perf_counter() - start
         return self.transport.deliver(message)
 
     def receive(
@@ -76,3 +84,20 @@ class RecordingLayer:
     def kinds(self) -> list[str]:
         """The kinds of the recorded messages, in order."""
         return [m.kind for m in self.messages]
+
+
+class TrafficMeter:
+    """Counts the payload bytes of every message between parties, by sender and phase.
+
+    Messages to or from the aggregator are left out: the aggregation protocol's wire format
+    (masked ring elements, ciphertexts) is the aggregator's to count (``Aggregator.cost``).
+    """
+
+    def __init__(self) -> None:
+        self.bytes: Counter[tuple[str, str]] = Counter()
+
+    def on_message(self, message: M) -> M:
+        if AGGREGATOR not in (message.sender, message.receiver):
+            phase = getattr(message, "phase", "train")
+            self.bytes[(message.sender, phase)] += message_bytes(message)
+        return message

@@ -54,6 +54,15 @@ class Message:
             )
 
 
+def message_bytes(message: Message) -> int:
+    """The payload size of ``message`` on the wire: the bytes of its tensors (headers aside)."""
+    return sum(
+        int(value.numel() * value.element_size())
+        for value in vars(message).values()
+        if isinstance(value, Tensor)
+    )
+
+
 def check_header(
     message: Message, *, sender: PartyId | None = None, receiver: PartyId, round: int, batch_id: int
 ) -> None:

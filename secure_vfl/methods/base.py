@@ -39,6 +39,8 @@ class MethodConfig:
     ``heads="all"`` gives every party labels and a head (the LASER paper); ``"active"`` keeps one
     label party (party 0) with a single head (the threat model's setting). ``batching="grouped"``
     forms batches of one observed set (the paper); ``"mixed"`` samples subsets per sample.
+    ``secure_sums=True`` says the aggregator is a secure backend that releases only sums over
+    0 or >= 2 parties besides the receiver: methods plan only such sums, or refuse to run.
     """
 
     heads: Heads = "all"
@@ -52,6 +54,7 @@ class MethodConfig:
     standard_incomplete: Literal["random", "zero"] = "random"
     plug_dropout: float = 0.5
     vectorised: bool = True
+    secure_sums: bool = False
 
     def __post_init__(self) -> None:
         _choice("heads", self.heads, ("all", "active"))
@@ -68,6 +71,15 @@ class MethodConfig:
             raise ConfigError(f"`weight_decay` must be >= 0. Found {self.weight_decay}.")
         if not 0 <= self.plug_dropout < 1:
             raise ConfigError(f"`plug_dropout` must be in [0, 1). Found {self.plug_dropout}.")
+
+
+def refuse_secure_sums(config: MethodConfig, method: str, reason: str) -> None:
+    """Raise ConfigError when ``config`` asks for secure sums that ``method`` cannot use."""
+    if config.secure_sums:
+        raise ConfigError(
+            f"{method} cannot run under secure aggregation: {reason} Secure sums serve "
+            "laser with heads='active'."
+        )
 
 
 def _choice(name: str, value: object, allowed: Sequence[str]) -> None:

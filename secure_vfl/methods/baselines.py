@@ -40,6 +40,7 @@ from secure_vfl.methods.base import (
     head_party,
     isolated_seed,
     random_predictions,
+    refuse_secure_sums,
     sgd,
     split_tensors,
     train_epochs,
@@ -75,6 +76,12 @@ class ConcatFusionMethod:
         channel: Channel | None = None,
         aggregator: Aggregator | None = None,
     ) -> None:
+        refuse_secure_sums(
+            config,
+            name,
+            "the label party concatenates every party's representation, there is no sum to hide "
+            "them in.",
+        )
         self.name = name
         self.config = config
         self.data = data
@@ -187,6 +194,11 @@ class Combinatorial:
         channel: Channel | None = None,
         aggregator: Aggregator | None = None,
     ) -> None:
+        refuse_secure_sums(
+            config,
+            "combinatorial",
+            "its predictors over two parties hand the head party the other party's term.",
+        )
         parties = data.train.parties
         if config.heads != "all":
             raise ConfigError(

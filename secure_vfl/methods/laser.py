@@ -7,6 +7,15 @@ eq. 5. Sampling, fusion and the head's loss are vectorised over sizes and sample
 call and one head evaluation per head and batch, whatever the batch's observed sets.
 
 The same machinery gives the Local and Ensemble baselines (tasks restricted to ``{k}``).
+
+Under secure aggregation (``MethodConfig.secure_sums``) the single label party (``heads="active"``)
+may only receive sums that hide every other party's term: a sum over its own block and one
+other party's would hand it that party's representation, and two overlapping sums of the same
+sample in one step would give one by difference. :func:`secure_tasks` therefore draws *one*
+task per sample from the subsets with 0 or >= 2 parties besides the label party, re-weighted to
+stay unbiased for LASER's objective restricted to those subsets. ``heads="all"`` cannot be made
+secure this way: LASER's head k must be trained on, and predict from, the pair {k, j}, and a sum
+of two terms one of which the receiver holds is the other term in the clear.
 """
 
 from __future__ import annotations
@@ -107,6 +116,60 @@ def sample_tasks(
     return selection, weights
 
 
+def secure_tasks(mask: Tensor, receiver: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """One task per sample whose sum reveals no single party to ``receiver`` (the label party).
+
+    With a single head every non-empty subset S of a sample's observed set O weighs ``1 / n``
+    in LASER's objective (``a_s / C(n, s) = 1 / n``, n = |O|). The releasable subsets A(O) are
+    those with 0 or >= 2 parties besides the receiver; S is drawn uniformly from A(O) and
+    weighted ``|A(O)| / n``, an unbiased estimate of ``(1 / n) sum_{S in A(O)} CE(S)``. Samples
+    with no releasable subset (the receiver's block absent and one other party observed) get
+    weight 0. Returns selection (1, 1, B, K) and weights (1, 1, B).
+    """
+    batch, parties = mask.shape
+    own = mask[:, receiver]
+    others_mask = mask.clone()
+    others_mask[:, receiver] = False
+    others = others_mask.sum(dim=1)
+    # counts[b, j]: releasable subsets of sample b with exactly j parties besides the receiver.
+    table = _binomials(parties)
+    j = torch.arange(parties)
+    counts = table[others.unsqueeze(1), j.unsqueeze(0)] * torch.where(own, 2.0, 1.0).unsqueeze(1)
+    counts[:, 0] = own.float()
+    counts[:, 1] = 0.0
+    releasable = counts.sum(dim=1)
+    usable = releasable > 0
+    drawn = torch.multinomial(
+        torch.where(usable.unsqueeze(1), counts, torch.ones_like(counts)), 1, generator=generator
+    ).squeeze(1)
+    # The drawn number of other parties, uniformly among the observed others.
+    priority = torch.rand((batch, parties), generator=generator)
+    priority = torch.where(others_mask, priority, torch.full_like(priority, 2.0))
+    rank = priority.argsort(dim=1).argsort(dim=1)
+    chosen = (rank < drawn.unsqueeze(1)) & others_mask
+    # The receiver's own block: alone when no other is drawn, else in half the subsets.
+    coin = torch.rand(batch, generator=generator) < 0.5
+    chosen[:, receiver] = own & ((drawn == 0) | coin)
+    n = mask.sum(dim=1).clamp(min=1).float()
+    weights = torch.where(usable, releasable / n, torch.zeros_like(n))
+    chosen &= usable.unsqueeze(1)
+    return chosen.view(1, 1, batch, parties), weights.view(1, 1, batch)
+
+
+def secure_prediction_selection(mask: Tensor, receiver: int) -> Tensor:
+    """The largest releasable subset of every sample's observed set for prediction (B, K).
+
+    With >= 2 other parties observed, all of them; with one, the receiver's block alone (the
+    lone other party cannot be hidden); with none, the receiver's block (possibly nothing).
+    """
+    selection = mask.clone()
+    others = mask.sum(dim=1) - mask[:, receiver].long()
+    lone = others < 2
+    selection[lone] = False
+    selection[lone, receiver] = mask[lone, receiver]
+    return selection
+
+
 def local_tasks(mask: Tensor, heads: list[int]) -> tuple[Tensor, Tensor]:
     """One task per head: its own block alone, on the samples it observes (Local, Ensemble)."""
     batch, parties = mask.shape
@@ -136,6 +199,12 @@ class MeanFusionMethod:
                 f"{name} trains a head at every party, so it needs heads='all'. "
                 f"Found {config.heads!r}."
             )
+        if config.secure_sums and (planner == "local" or config.heads != "active"):
+            raise ConfigError(
+                f"{name} with heads={config.heads!r} cannot run under secure aggregation: a head "
+                "that holds a block and receives its sum with one other party's term learns "
+                "that term. Use --method laser --heads active."
+            )
         self.name = name
         self.config = config
         self.planner = planner
@@ -155,6 +224,8 @@ class MeanFusionMethod:
         """Selection (H, T, B, K) and weights (H, T, B) of this batch's tasks."""
         if self.planner == "local":
             return local_tasks(mask, self.head_index)
+        if self.config.secure_sums:
+            return secure_tasks(mask, self.head_index[0], self.fed.generator)
         heads = self.head_index if self.config.heads == "all" else None
         return sample_tasks(mask, heads, self.fed.generator)
 
@@ -249,7 +320,8 @@ class MeanFusionMethod:
         """Each head's prediction from exactly the observed set (Algorithm 2): (N, K), -1 absent.
 
         With a single head (``heads="active"``) every observed party reports the label party's
-        prediction.
+        prediction; under secure sums it predicts from :func:`secure_prediction_selection`, and
+        a sample with nothing releasable gets the head's answer to a zero mean (its prior).
         """
         split = split_tensors(self.data)[split_name]
         out = np.full(split.mask.shape, -1, dtype=np.int64)
@@ -271,10 +343,12 @@ class MeanFusionMethod:
                     selection[:, h] = mask[:, h]
                 elif self.config.heads == "all":
                     selection = mask & mask[:, h : h + 1]
+                elif self.config.secure_sums:
+                    selection = secure_prediction_selection(mask, h)
                 else:
                     selection = mask
                 answered = selection.any(dim=1)
-                if not bool(answered.any()):
+                if self.config.heads == "all" and not bool(answered.any()):
                     continue
                 means, _ = self.fed.means(
                     representations,
