@@ -401,11 +401,12 @@ def _differential_privacy(args: argparse.Namespace, config: Any, data: Any) -> t
 
     def on_built(method: Any) -> None:
         if args.target_epsilon is not None:
-            # Worst case per party and step: one embedding release, a gradient from every
-            # head, one DP-SGD step; one sigma for all mechanisms keeps every party under E.
+            # Worst case per party and step: one embedding release, a gradient message from a
+            # label holder to each other party (its own bottom's is no release), one DP-SGD
+            # step; one sigma for all mechanisms keeps every party under E.
             per_step = (
                 ("embedding" in noise)
-                + data.train.parties * ("gradient" in noise)
+                + (data.train.parties - 1) * ("gradient" in noise)
                 + ("dp-sgd" in noise)
             )
             steps = len(method.sampler) * config.method_config.epochs * per_step

@@ -1,0 +1,152 @@
+"""Secure training demo: four organisations train one model on their own files, privately.
+
+Each party gets a file with its own columns of scikit-learn's digits (bundled, offline) under
+customer ids, in its own row order and missing some customers; the label party (party-0) also
+holds the labels. The same LASER-VFL run (single label party, ``--heads active``) is trained
+three times through the ``secure-vfl train`` command:
+
+- in plaintext: ids joined in the clear, representations summed in the clear, no noise;
+- with PSI over X25519 for the alignment and secure sums (pairwise masks by default, or
+  Paillier / CKKS): the label party learns only sums over >= 2 other parties, so LASER trains
+  on one releasable subset per sample and predicts from the largest releasable one;
+- the same plus differential privacy on the gradients sent back to the data parties (label
+  privacy), calibrated so that no party spends more than ``--target-epsilon``.
+
+It prints accuracy, epsilon, bytes per training step and time side by side; ten seconds or so.
+
+    python examples/secure_training_demo.py [--secure-agg masks|paillier|ckks] [--epochs N]
+        [--target-epsilon E] [--seed S] [--workdir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from sklearn.datasets import load_digits
+
+from secure_vfl.cli import main as secure_vfl
+
+PARTIES = 4
+HELD = 0.9  # share of the customers each data party holds
+
+
+def write_party_files(directory: Path, rng: np.random.Generator) -> tuple[list[Path], Path]:
+    """One CSV per party (``id`` + its columns, its own subset and order) and a label file."""
+    features, labels = load_digits(return_X_y=True)
+    ids = np.array([f"cust-{i:05d}" for i in range(len(labels))])
+    columns = np.array_split(np.arange(features.shape[1]), PARTIES)
+    paths = []
+    for k, cols in enumerate(columns):
+        held = np.sort(rng.choice(len(ids), size=int(HELD * len(ids)), replace=False))
+        order = rng.permutation(held)
+        table = pd.DataFrame(features[np.ix_(order, cols)], columns=[f"pixel_{c}" for c in cols])
+        table.insert(0, "id", ids[order])
+        path = directory / f"party-{k}.csv"
+        table.to_csv(path, index=False)
+        paths.append(path)
+    label_path = directory / "labels.csv"
+    pd.DataFrame({"id": ids, "label": labels}).sample(frac=1.0, random_state=0).to_csv(
+        label_path, index=False
+    )
+    return paths, label_path
+
+
+def train(argv: list[str]) -> tuple[dict[str, Any], float]:
+    """Run ``secure-vfl train`` quietly; its result.json and the whole call's seconds."""
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = secure_vfl(argv)
+    if code != 0:
+        raise SystemExit(f"secure-vfl train {' '.join(argv)} failed with status {code}")
+    out = Path(argv[argv.index("--out") + 1])
+    return json.loads((out / "result.json").read_text()), time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--secure-agg", choices=["masks", "paillier", "ckks"], default="masks")
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--target-epsilon", type=float, default=8.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workdir", type=Path, help="keep the files and results here")
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory() as scratch:
+        workdir = args.workdir or Path(scratch)
+        workdir.mkdir(parents=True, exist_ok=True)
+        party_files, label_file = write_party_files(workdir, np.random.default_rng(args.seed))
+        common = ["train", "--method", "laser", "--heads", "active", "--quiet", "--overwrite"]
+        common += ["--label-file", str(label_file), "--seed", str(args.seed)]
+        common += ["--epochs", str(args.epochs), "--lr", "0.1"]
+        common += ["--p-miss-test", "0", "--p-miss-test", "0.5"]
+        for path in party_files:
+            common += ["--party-file", str(path)]
+        print(
+            f"{PARTIES} parties, each holding {HELD:.0%} of 1797 customers (digits, 64 pixels "
+            f"split 16 per party); label party: party-0"
+        )
+        secure = ["--align", "psi", "--secure-agg", args.secure_agg]
+        noise = ["--dp-gradients", "1.0:0.002", "--target-epsilon", str(args.target_epsilon)]
+        runs = {
+            "plaintext": ["--align", "join"],
+            "PSI + secure sums": secure,
+            "PSI + secure sums + DP": [*secure, *noise],
+        }
+        results = {
+            name: train([*common, *flags, "--out", str(workdir / f"run-{i}")])
+            for i, (name, flags) in enumerate(runs.items())
+        }
+    print(report(results, args.secure_agg))
+
+
+def report(results: dict[str, tuple[dict[str, Any], float]], agg: str) -> str:
+    """The side-by-side table: one column per run."""
+
+    def column(result: dict[str, Any], seconds: float) -> list[str]:
+        privacy = result["privacy"]
+        traffic = result["traffic"]
+        cells = [
+            "PSI" if result["config"]["align"] == "psi" else "join (clear)",
+            agg if result["config"]["method_config"]["secure_sums"] else "plain",
+            f"sigma {privacy['noise']['gradient']['sigma']:.2f}" if privacy else "none",
+            str(result["samples"]["train"]),
+        ]
+        cells += [f"{values['accuracy']:.1f} %" for values in result["metrics"].values()]
+        cells += [
+            f"{max(privacy['epsilon'].values()):.2f}" if privacy else "inf",
+            f"{sum(traffic['bytes_per_step'].values()) / 1e3:.0f} kB",
+            f"{seconds:.1f} s",
+            f"{traffic['protection_s']:.2f} s",
+        ]
+        return cells
+
+    first = next(iter(results.values()))[0]
+    deltas = [r["privacy"]["delta"] for r, _ in results.values() if r["privacy"]]
+    names = ["alignment", "sums of representations", "noise on gradients", "training samples"]
+    names += [f"accuracy, test {name}" for name in first["metrics"]]
+    names += [
+        f"epsilon, worst party (delta {deltas[0]:g})" if deltas else "epsilon, worst party",
+        "bytes per training step",
+        "time (alignment + training)",
+        "  of which protection",
+    ]
+    columns = [column(result, seconds) for result, seconds in results.values()]
+    width = max(len(n) for n in names) + 2
+    cell = max(len(c) for c in [*results, *(c for col in columns for c in col)]) + 2
+    lines = [f"{'':<{width}}" + "".join(f"{name:<{cell}}" for name in results)]
+    for i, name in enumerate(names):
+        lines.append(f"{name:<{width}}" + "".join(f"{col[i]:<{cell}}" for col in columns))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
