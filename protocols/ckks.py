@@ -46,6 +46,7 @@ import tenseal as ts
 import torch
 from torch import Tensor
 
+from protocols._ciphertext import CiphertextAggregator
 from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
 from secure_vfl.federation.aggregator import (
     AggregationCost,
@@ -109,7 +110,7 @@ def load_public_context(published: bytes) -> ts.Context:
     return context
 
 
-class CkksAggregator:
+class CkksAggregator(CiphertextAggregator[bytes]):
     """Secure sums by packed CKKS encryption under the receiver's key, behind the
     :class:`Aggregator` seam.
 
@@ -211,33 +212,6 @@ class CkksAggregator:
         self.setup(receiver)
         return self._public_contexts[receiver]
 
-    def combine(
-        self,
-        contributions: Sequence[RepresentationMessage],
-        selection: Tensor,
-        *,
-        parties: Sequence[str],
-        receiver: str,
-        round: int,
-        batch_id: int,
-        tag: str = "",
-    ) -> SumMessage:
-        """See :meth:`_combine`; the call is timed and its wire bytes counted in ``cost``."""
-        with self.cost.timed():
-            result = self._combine(
-                contributions,
-                selection,
-                parties=parties,
-                receiver=receiver,
-                round=round,
-                batch_id=batch_id,
-                tag=tag,
-            )
-        for sender, sent in self.last_ciphertexts.items():
-            self.cost.add_bytes(sender, tag, sum(self._wire_size(c) for c in sent))
-        self.cost.add_bytes(AGGREGATOR, tag, sum(self._wire_size(c) for c in self.last_sum))
-        return result
-
     def _combine(
         self,
         contributions: Sequence[RepresentationMessage],
@@ -247,7 +221,7 @@ class CkksAggregator:
         receiver: str,
         round: int,
         batch_id: int,
-        tag: str = "",
+        tag: str,
     ) -> SumMessage:
         """Secure per-task sums: every contributor encrypts its packed slots, the aggregator adds
         ciphertexts, the receiver decrypts and checks every slot is one an honest sum gives."""
@@ -290,8 +264,7 @@ class CkksAggregator:
             counts=counts,
         )
 
-    @staticmethod
-    def _wire_size(ciphertext: bytes) -> int:
+    def _wire_size(self, ciphertext: bytes) -> int:
         """Bytes of one serialized CKKS vector on the wire."""
         return len(ciphertext)
 

@@ -50,6 +50,7 @@ import torch
 from phe import paillier
 from torch import Tensor
 
+from protocols._ciphertext import CiphertextAggregator
 from protocols.secagg import decode_fixed_point, encode_fixed_point
 from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
 from secure_vfl.federation.aggregator import (
@@ -189,7 +190,7 @@ class ObfuscatorPool:
         return out
 
 
-class PaillierAggregator:
+class PaillierAggregator(CiphertextAggregator[paillier.EncryptedNumber]):
     """Secure sums by packed Paillier encryption under the receiver's key, behind the
     :class:`Aggregator` seam.
 
@@ -293,33 +294,6 @@ class PaillierAggregator:
         for sender in senders:
             self.pool(sender, receiver).fill(count)
 
-    def combine(
-        self,
-        contributions: Sequence[RepresentationMessage],
-        selection: Tensor,
-        *,
-        parties: Sequence[str],
-        receiver: str,
-        round: int,
-        batch_id: int,
-        tag: str = "",
-    ) -> SumMessage:
-        """See :meth:`_combine`; the call is timed and its wire bytes counted in ``cost``."""
-        with self.cost.timed():
-            result = self._combine(
-                contributions,
-                selection,
-                parties=parties,
-                receiver=receiver,
-                round=round,
-                batch_id=batch_id,
-                tag=tag,
-            )
-        for sender, sent in self.last_ciphertexts.items():
-            self.cost.add_bytes(sender, tag, sum(self._wire_size(c) for c in sent))
-        self.cost.add_bytes(AGGREGATOR, tag, sum(self._wire_size(c) for c in self.last_sum))
-        return result
-
     def _combine(
         self,
         contributions: Sequence[RepresentationMessage],
@@ -329,7 +303,7 @@ class PaillierAggregator:
         receiver: str,
         round: int,
         batch_id: int,
-        tag: str = "",
+        tag: str,
     ) -> SumMessage:
         """Secure per-task sums: every contributor encrypts its packed slots, the aggregator
         multiplies ciphertexts, the receiver decrypts and removes the offsets."""
@@ -367,8 +341,7 @@ class PaillierAggregator:
             counts=counts,
         )
 
-    @staticmethod
-    def _wire_size(ciphertext: paillier.EncryptedNumber) -> int:
+    def _wire_size(self, ciphertext: paillier.EncryptedNumber) -> int:
         """Bytes of one ciphertext on the wire: an integer mod n^2."""
         return (ciphertext.public_key.nsquare.bit_length() + 7) // 8
 
