@@ -25,7 +25,7 @@ from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
 from secure_vfl.federation.alignment import make_aligner
 from secure_vfl.federation.channel import Channel, TrafficMeter
 from secure_vfl.methods.base import StepCallback
-from secure_vfl.methods.imputation import IMPUTERS, ImputeConfig, Imputer
+from secure_vfl.methods.imputation import IMPUTERS, ImputeConfig, Imputer, StatisticsPrivacy
 from secure_vfl.methods.imputation.evaluation import evaluate as evaluate_imputer
 from secure_vfl.methods.imputation.statistics import federated_statistics
 from secure_vfl.metrics import accuracy, f1
@@ -297,6 +297,7 @@ class ImputeResult:
     wall_time_s: float
     clients: dict[str, dict[str, int]]
     aggregator: str = "PlainAggregator"
+    privacy: dict[str, Any] | None = None
 
     @property
     def metrics(self) -> dict[str, Any]:
@@ -331,21 +332,26 @@ def run_imputation(
     *,
     task: ImputationTask | None = None,
     aggregator: Aggregator | None = None,
+    privacy: StatisticsPrivacy | None = None,
+    privacy_report: Callable[[], dict[str, Any]] | None = None,
     on_round: Callable[[int, float], None] | None = None,
 ) -> tuple[ImputeResult, Imputer]:
     """Fit ``config.method`` on the clients' training rows and score it on hidden test entries.
 
     Every sum the clients send (statistics, model updates, validation errors) goes through
-    ``aggregator`` (plain by default; a secure backend from ``protocols`` otherwise). The global
-    standardisation comes from those federated statistics, the same for every method, so RMSEs
-    are comparable across methods.
+    ``aggregator`` (plain by default; a secure backend from ``protocols`` otherwise); ``privacy``
+    (optional) clips and noises the statistics the method's clients release, and
+    ``privacy_report()`` fills ``result.privacy`` after the fit. The scoring standardisation
+    comes from exact federated statistics, the same for every method and privacy setting, so
+    RMSEs are comparable across both: it is the evaluator's yardstick, not a release of the
+    method.
     """
     task = task if task is not None else prepare_imputation_task(config)
     start = time.perf_counter()
     # The evaluation's own copy of the statistics (a separate, fresh aggregation context).
     statistics = federated_statistics(task.train, aggregator=aggregator, tag="statistics/eval")
     imputer = IMPUTERS.get(config.method)(
-        task, config.impute_config, seed=config.seed, aggregator=aggregator
+        task, config.impute_config, seed=config.seed, aggregator=aggregator, privacy=privacy
     )
     curve = imputer.fit(on_round=on_round)
     scores = evaluate_imputer(
@@ -371,5 +377,6 @@ def run_imputation(
             for train, test in zip(task.train, task.test, strict=True)
         },
         aggregator=type(aggregator).__name__ if aggregator is not None else "PlainAggregator",
+        privacy=privacy_report() if privacy_report is not None else None,
     )
     return result, imputer

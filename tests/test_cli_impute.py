@@ -8,8 +8,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from test_paillier import paillier_aggregator
 
+from protocols.dp import GaussianRelease, PrivacyAccountant
 from secure_vfl.cli import main
+from secure_vfl.experiment import ImputeRunConfig, prepare_imputation_task, run_imputation
+from secure_vfl.methods.imputation import ImputeConfig
 from secure_vfl.store import ResultsStore
 
 BAD_FLAGS = [
@@ -21,6 +25,13 @@ BAD_FLAGS = [
     (["--local-epochs", "-1"], "expected a positive integer, found '-1'"),
     (["--lr", "0"], "expected a positive number, found '0'"),
     (["--method", "magic"], "invalid choice: 'magic'"),
+    (["--secure-agg", "rot13"], "invalid choice: 'rot13'"),
+    (["--dp-statistics", "0:1"], "SIGMA must be > 0 for a private release"),
+    (["--dp-statistics", "abc"], "Noise must be given as SIGMA:CLIP"),
+    (["--dp-statistics", "1:x"], "must be two numbers"),
+    (["--dp-statistics", "1:0"], "The clip norm must be a positive number"),
+    (["--dp-statistics", "1:1", "--target-epsilon", "0"], "expected a positive number"),
+    (["--dp-statistics", "1:1", "--delta", "1"], "expected a probability in (0, 1)"),
 ]
 
 
@@ -126,3 +137,91 @@ def test_secure_aggregation_of_client_sums_matches_the_clear(tmp_path: Path) -> 
     # Training amplifies the fixed-point rounding a little; the result stays close.
     plain, secure = results["fedhf", "none"], results["fedhf", "masks"]
     assert secure["rmse"] == pytest.approx(plain["rmse"], abs=0.02)
+
+
+def _impute(tmp_path: Path, name: str, *extra: str, method: str = "fedhf") -> dict:
+    out = tmp_path / name
+    argv = ["impute", "--method", method, "--dataset", "ozone", "--out", str(out), "--quiet"]
+    assert main([*argv, *extra]) == 0
+    return json.loads((out / "result.json").read_text())
+
+
+def test_paillier_and_ckks_statistics_on_the_cli_match_the_clear(tmp_path: Path) -> None:
+    """Ozone's raw sums (~4e5 per client) exceed both backends' ranges unless encoded."""
+    plain = _impute(tmp_path, "none", method="fed-mean")
+    for backend, name in (("paillier", "PaillierAggregator"), ("ckks", "CkksAggregator")):
+        secure = _impute(tmp_path, backend, "--secure-agg", backend, method="fed-mean")
+        assert secure["aggregator"] == name
+        assert secure["rmse"] == pytest.approx(plain["rmse"], abs=1e-6)
+
+
+def test_fedhf_under_ckks_on_the_cli_matches_the_clear(tmp_path: Path) -> None:
+    plain = _impute(tmp_path, "none", "--rounds", "2")
+    secure = _impute(tmp_path, "ckks", "--rounds", "2", "--secure-agg", "ckks")
+    assert secure["aggregator"] == "CkksAggregator"
+    np.testing.assert_allclose(secure["validation_curve"], plain["validation_curve"], atol=2e-3)
+    assert secure["rmse"] == pytest.approx(plain["rmse"], abs=5e-3)
+
+
+def test_fedhf_under_paillier_matches_the_clear() -> None:
+    """FedAvg updates and statistics through 1024-bit Paillier (the tests' key size)."""
+    config = ImputeRunConfig(
+        method="fedhf",
+        dataset="ozone",
+        impute_config=ImputeConfig(rounds=2, local_epochs=1, hidden=16, layers=1),
+    )
+    task = prepare_imputation_task(config)
+    plain, _ = run_imputation(config, task=task)
+    secure, _ = run_imputation(config, task=task, aggregator=paillier_aggregator())
+    assert secure.aggregator == "PaillierAggregator"
+    np.testing.assert_allclose(secure.validation_curve, plain.validation_curve, atol=1e-3)
+    assert secure.rmse == pytest.approx(plain.rmse, abs=2e-3)
+
+
+def test_dp_statistics_write_epsilon_per_client_to_the_result(tmp_path: Path) -> None:
+    result = _impute(
+        tmp_path, "dp", "--rounds", "1", "--secure-agg", "masks", "--dp-statistics", "2:1.5"
+    )
+    privacy = result["privacy"]
+    clients = {f"client-{k}" for k in range(4)}
+    assert set(privacy["epsilon"]) == clients
+    assert privacy["releases"] == {name: {"statistics": 3} for name in clients}
+    assert privacy["noise"] == {"statistics": {"sigma": 2.0, "clip": 1.5}}
+    assert privacy["noise_shares"] == 4 and privacy["delta"] == 1e-5
+    reference = PrivacyAccountant()
+    for _ in range(3):
+        reference.on_event(GaussianRelease("client-0", 2.0, 1.0, "statistics"))
+    for epsilon in privacy["epsilon"].values():
+        assert epsilon == pytest.approx(reference.epsilon("client-0", 1e-5), rel=1e-9)
+    # without secure aggregation every client adds the whole noise (nothing is shared)
+    local = _impute(tmp_path, "local", "--rounds", "1", "--dp-statistics", "2:1.5")
+    assert local["privacy"]["noise_shares"] == 1
+
+
+def test_target_epsilon_calibrates_the_statistics_noise(tmp_path: Path) -> None:
+    result = _impute(
+        tmp_path,
+        "target",
+        "--rounds",
+        "1",
+        "--dp-statistics",
+        "1:2",
+        "--target-epsilon",
+        "4",
+        "--delta",
+        "1e-6",
+    )
+    privacy = result["privacy"]
+    assert privacy["noise"]["statistics"]["sigma"] > 1.0
+    assert all(3.9 <= e <= 4.0 for e in privacy["epsilon"].values())
+
+
+def test_target_epsilon_without_dp_statistics_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["impute", "--method", "fedhf", "--dataset", "ozone", "--out", str(tmp_path / "r")]
+    assert main([*argv, "--target-epsilon", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "expected --dp-statistics SIGMA:CLIP with it" in err
+    assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "r" / "result.json").exists()

@@ -234,6 +234,7 @@ def test_federated_average_weights_by_sample_counts_through_the_seam() -> None:
         PlainAggregator(),
         channel,
         {"client-0": (1, theta_small), "client-1": (3, theta_large)},
+        total_rows=4,
         receiver="server",
         round=4,
     )
@@ -241,8 +242,9 @@ def test_federated_average_weights_by_sample_counts_through_the_seam() -> None:
     assert torch.equal(averaged, torch.tensor([4.0, 1.0, 2.0]))  # (1*a + 3*b) / 4 exactly
     sent = [m for m in recorder.messages if isinstance(m, RepresentationMessage)]
     assert [m.sender for m in sent] == ["client-0", "client-1"]
-    assert torch.equal(sent[0].representation[0], torch.tensor([1.0, -2.0, 8.0, 1.0]))
-    assert torch.equal(sent[1].representation[0], torch.tensor([15.0, 6.0, 0.0, 3.0]))
+    # each client sends its share n_k / N of theta: never larger than theta itself
+    assert torch.equal(sent[0].representation[0], torch.tensor([0.25, -0.5, 2.0, 0.25]))
+    assert torch.equal(sent[1].representation[0], torch.tensor([3.75, 1.5, 0.0, 0.75]))
     summed = [m for m in recorder.messages if isinstance(m, SumMessage)]
     assert len(summed) == 1 and summed[0].receiver == "server" and summed[0].round == 4
 
@@ -253,7 +255,8 @@ def test_fedhf_model_updates_travel_only_through_the_seam_with_client_sampling()
     config = ImputeConfig(rounds=3, local_epochs=1, hidden=8, layers=1, client_fraction=0.5)
     imputer = IMPUTERS.get("fedhf")(task, config, seed=0, channel=Channel([recorder]))
     statistics_messages = len(recorder.messages)
-    assert statistics_messages == 3 * (4 + 1)  # three statistics exchanges, 4 clients + the sum
+    # three statistics exchanges and the row count N: 4 clients + the sum each
+    assert statistics_messages == 4 * (4 + 1)
     imputer.fit()
     size = flat_parameters(FeatureGraphImputer(_chain_graph(6), hidden=8, layers=1)).numel()
     updates = [
@@ -264,7 +267,7 @@ def test_fedhf_model_updates_travel_only_through_the_seam_with_client_sampling()
     assert len(updates) == 3 * 2  # client_fraction 0.5: two of the four clients per round
     rounds = [m.round for m in updates]
     assert rounds == [0, 0, 1, 1, 2, 2]
-    assert all(float(m.representation[0, -1]) == 20.0 for m in updates)  # n_k rides along
+    assert all(float(m.representation[0, -1]) == 0.25 for m in updates)  # n_k / N rides along
 
 
 @pytest.fixture(scope="module")

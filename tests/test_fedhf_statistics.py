@@ -5,12 +5,23 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
+import torch
+from test_paillier import paillier_aggregator
 
+from protocols.ckks import CkksAggregator
 from secure_vfl.data.imputation import ClientData
 from secure_vfl.errors import ConfigError, DataError
+from secure_vfl.federation.aggregator import PlainAggregator
 from secure_vfl.federation.channel import Channel, RecordingLayer
 from secure_vfl.federation.messages import RepresentationMessage
 from secure_vfl.methods.imputation import ImputeConfig, federated_statistics
+from secure_vfl.methods.imputation.statistics import (
+    WIDE_DIGITS,
+    WIDE_STEP,
+    WIRE_LIMIT,
+    client_moments,
+    wide_sum,
+)
 from secure_vfl.models.feature_graph import FeatureGraph
 
 
@@ -111,12 +122,14 @@ def test_statistics_travel_as_sums_through_the_seam() -> None:
     assert [m.round for m in sent] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
     features = 9
     sizes = {m.round: m.representation.shape for m in sent}
-    assert sizes == {
-        0: (1, 2 * features),
-        1: (1, features),
+    assert sizes == {  # exchanges 1-2 as WIDE_DIGITS digits each
+        0: (1, WIDE_DIGITS * 2 * features),
+        1: (1, WIDE_DIGITS * features),
         2: (1, features * (features + 1) + 2 * features * features),
     }
     assert recorder.kinds().count("sum") == 3
+    # feature 2 has mean 1e4: its raw sums still travel within the secure backends' range
+    assert max(float(m.representation.abs().max()) for m in sent) <= WIRE_LIMIT
 
 
 def test_feature_graph_keeps_the_strongest_neighbours_and_pads_the_rest() -> None:
@@ -170,3 +183,60 @@ def test_config_defaults_follow_the_design() -> None:
     config = ImputeConfig()
     assert (config.rounds, config.local_epochs, config.batch_size, config.lr) == (30, 2, 16, 1e-3)
     assert (config.hidden, config.layers, config.top_k, config.block_fraction) == (128, 3, 8, 0.25)
+
+
+@pytest.mark.parametrize("backend", ["paillier", "ckks"])
+def test_statistics_under_paillier_and_ckks_equal_plain_within_the_stated_bound(
+    backend: str,
+) -> None:
+    clients = _clients()
+    # Raw sums are far outside both fixed-point ranges (feature 2 has mean 1e4): sent as they
+    # are, Paillier (+-32768) and CKKS (+-4096) would refuse them.
+    assert max(float(np.abs(client_moments(c)).max()) for c in clients) > 2 * 32768
+    aggregator = paillier_aggregator() if backend == "paillier" else CkksAggregator()
+    plain = federated_statistics(clients)
+    secure = federated_statistics(clients, aggregator=aggregator)
+    np.testing.assert_array_equal(secure.counts, plain.counts)
+    # Exchanges 1-2: every raw sum within K * WIDE_STEP (module docstring), on both sides.
+    count = np.diagonal(plain.counts).astype(np.float64)
+    sum_bound = 2 * len(clients) * WIDE_STEP
+    mean_gap = np.abs(secure.standardisation.mean - plain.standardisation.mean)
+    assert np.all(mean_gap <= sum_bound / count), mean_gap
+    variance_gap = np.abs(secure.standardisation.std**2 - plain.standardisation.std**2)
+    mean_shift = 2 * np.abs(secure.standardisation.mean) * mean_gap  # from the centring
+    assert np.all(variance_gap <= (sum_bound + mean_shift * count) / count + 1e-9), variance_gap
+    # Exchange 3: pair sums within K * 2^-17 * M / 256 of values O(n): correlations to 1e-5.
+    both = np.isfinite(plain.correlation)
+    np.testing.assert_array_equal(np.isfinite(secure.correlation), both)
+    np.testing.assert_allclose(secure.correlation[both], plain.correlation[both], atol=1e-5)
+
+
+def test_wide_sums_carry_any_magnitude_within_the_wire_limit_and_the_stated_step() -> None:
+    rng = np.random.default_rng(0)
+    vectors = {
+        f"client-{k}": rng.normal(size=50) * 10.0 ** rng.integers(-3, 14, size=50) for k in range(4)
+    }
+    recorder = RecordingLayer()
+    total = wide_sum(
+        vectors,
+        aggregator=PlainAggregator(),
+        channel=Channel([recorder]),
+        receiver="server",
+        round=0,
+        tag="wide",
+    )
+    sent = [m for m in recorder.messages if isinstance(m, RepresentationMessage)]
+    assert max(float(m.representation.abs().max()) for m in sent) <= WIRE_LIMIT
+    digits = sent[0].representation[0, 50:]
+    assert torch.equal(digits, torch.round(digits))  # integer digits above the lowest
+    exact = np.sum(list(vectors.values()), axis=0)
+    np.testing.assert_allclose(total, exact, rtol=1e-15, atol=4 * WIDE_STEP)
+    with pytest.raises(DataError, match="exceeds what 7 base-1024 digits carry"):
+        wide_sum(
+            {"a": np.array([1e15]), "b": np.array([0.0])},
+            aggregator=PlainAggregator(),
+            channel=Channel(),
+            receiver="server",
+            round=1,
+            tag="wide",
+        )

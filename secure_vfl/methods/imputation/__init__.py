@@ -21,14 +21,18 @@ from secure_vfl.methods.imputation.fedhf import (
 )
 from secure_vfl.methods.imputation.statistics import (
     SERVER,
+    FeatureRanges,
     FederatedStatistics,
     Standardisation,
+    StatisticsPrivacy,
     federated_statistics,
+    wide_sum,
 )
 
 __all__ = [
     "IMPUTERS",
     "SERVER",
+    "FeatureRanges",
     "FederatedStatistics",
     "ImputationScores",
     "ImputeConfig",
@@ -36,6 +40,7 @@ __all__ = [
     "ImputerFactory",
     "ReconstructionImputer",
     "Standardisation",
+    "StatisticsPrivacy",
     "baselines",
     "block_mask",
     "evaluate",
@@ -45,4 +50,5 @@ __all__ = [
     "hidden_test_entries",
     "imputation_rule",
     "masked_mse",
+    "wide_sum",
 ]

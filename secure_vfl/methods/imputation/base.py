@@ -12,6 +12,7 @@ from secure_vfl.data.imputation import ClientData, ImputationTask
 from secure_vfl.errors import ConfigError, DataError
 from secure_vfl.federation.aggregator import Aggregator
 from secure_vfl.federation.channel import Channel
+from secure_vfl.methods.imputation.statistics import StatisticsPrivacy
 from secure_vfl.registry import Registry
 
 RoundCallback = Callable[[int, float], None]
@@ -88,7 +89,10 @@ class ImputerFactory(Protocol):
         seed: int,
         aggregator: Aggregator | None = None,
         channel: Channel | None = None,
-    ) -> Imputer: ...
+        privacy: StatisticsPrivacy | None = None,
+    ) -> Imputer:
+        """``privacy`` (optional) clips and noises the federated statistics each client sends."""
+        ...
 
 
 IMPUTERS: Registry[ImputerFactory] = Registry("imputer")

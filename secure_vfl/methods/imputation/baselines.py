@@ -36,7 +36,11 @@ from secure_vfl.methods.imputation.base import (
     imputation_rule,
 )
 from secure_vfl.methods.imputation.fedhf import ReconstructionImputer, derived_seed
-from secure_vfl.methods.imputation.statistics import Standardisation, federated_statistics
+from secure_vfl.methods.imputation.statistics import (
+    Standardisation,
+    StatisticsPrivacy,
+    federated_statistics,
+)
 
 KNN_NEIGHBOURS = 5
 MICE_ITERATIONS = 10
@@ -152,9 +156,12 @@ def make_mean(
     seed: int,
     aggregator: Aggregator | None = None,
     channel: Channel | None = None,
+    privacy: StatisticsPrivacy | None = None,
 ) -> ColumnMeanImputer:
     """Per-client column means of its training rows (federated mean where never observed)."""
-    statistics = federated_statistics(task.train, aggregator=aggregator, channel=channel)
+    statistics = federated_statistics(
+        task.train, aggregator=aggregator, channel=channel, privacy=privacy
+    )
     fallback = statistics.standardisation.mean
     return ColumnMeanImputer("mean", task, [client_means(c, fallback) for c in task.train])
 
@@ -166,9 +173,12 @@ def make_fed_mean(
     seed: int,
     aggregator: Aggregator | None = None,
     channel: Channel | None = None,
+    privacy: StatisticsPrivacy | None = None,
 ) -> ColumnMeanImputer:
     """Fed-Mean: every client fills with the global means of the federated statistics."""
-    statistics = federated_statistics(task.train, aggregator=aggregator, channel=channel)
+    statistics = federated_statistics(
+        task.train, aggregator=aggregator, channel=channel, privacy=privacy
+    )
     mean = statistics.standardisation.mean
     return ColumnMeanImputer("fed-mean", task, [mean] * len(task.train))
 
@@ -180,9 +190,12 @@ def make_knn(
     seed: int,
     aggregator: Aggregator | None = None,
     channel: Channel | None = None,
+    privacy: StatisticsPrivacy | None = None,
 ) -> PerClientSklearnImputer:
     """kNN per client: ``KNNImputer(n_neighbors=5)``, donors = the client's training rows."""
-    statistics = federated_statistics(task.train, aggregator=aggregator, channel=channel)
+    statistics = federated_statistics(
+        task.train, aggregator=aggregator, channel=channel, privacy=privacy
+    )
     return PerClientSklearnImputer(
         "knn",
         task,
@@ -198,13 +211,16 @@ def make_mice(
     seed: int,
     aggregator: Aggregator | None = None,
     channel: Channel | None = None,
+    privacy: StatisticsPrivacy | None = None,
 ) -> PerClientSklearnImputer:
     """MICE per client: ``IterativeImputer`` (BayesianRidge chains), seeded, 10 iterations.
 
     Imputations are clipped to each column's observed training range: on wide, collinear data
     (chorizon, 104 features) the unclipped chained regressions diverge to infinity.
     """
-    statistics = federated_statistics(task.train, aggregator=aggregator, channel=channel)
+    statistics = federated_statistics(
+        task.train, aggregator=aggregator, channel=channel, privacy=privacy
+    )
     return PerClientSklearnImputer(
         "mice",
         task,
@@ -228,8 +244,11 @@ def _make_dae(
     federated: bool,
     aggregator: Aggregator | None,
     channel: Channel | None,
+    privacy: StatisticsPrivacy | None,
 ) -> ReconstructionImputer:
-    statistics = federated_statistics(task.train, aggregator=aggregator, channel=channel)
+    statistics = federated_statistics(
+        task.train, aggregator=aggregator, channel=channel, privacy=privacy
+    )
     features = len(task.features)
     return ReconstructionImputer(
         name,
@@ -251,10 +270,18 @@ def make_dae(
     seed: int,
     aggregator: Aggregator | None = None,
     channel: Channel | None = None,
+    privacy: StatisticsPrivacy | None = None,
 ) -> ReconstructionImputer:
     """A DAE per client, block-masked like FedHF, trained rounds x local_epochs epochs alone."""
     return _make_dae(
-        "dae", task, config, seed=seed, federated=False, aggregator=aggregator, channel=channel
+        "dae",
+        task,
+        config,
+        seed=seed,
+        federated=False,
+        aggregator=aggregator,
+        channel=channel,
+        privacy=privacy,
     )
 
 
@@ -265,10 +292,18 @@ def make_fed_dae(
     seed: int,
     aggregator: Aggregator | None = None,
     channel: Channel | None = None,
+    privacy: StatisticsPrivacy | None = None,
 ) -> ReconstructionImputer:
     """Fed-DAE: the same DAE trained by the FedAvg loop of FedHF-Impute."""
     return _make_dae(
-        "fed-dae", task, config, seed=seed, federated=True, aggregator=aggregator, channel=channel
+        "fed-dae",
+        task,
+        config,
+        seed=seed,
+        federated=True,
+        aggregator=aggregator,
+        channel=channel,
+        privacy=privacy,
     )
 
 

@@ -3,8 +3,12 @@
 The same loop trains any reconstruction model ``f(x, m, a) -> x_hat`` in standardised space: the
 GNN of :mod:`secure_vfl.models.feature_graph` (``fedhf``) and the denoising autoencoder of the
 baselines, federated (``fed-dae``) or per client (``dae``). Model updates are averaged only
-through :func:`federated_average`, i.e. one :func:`sum_vectors` of ``[n_k * theta_k, n_k]`` per
-round, so a secure aggregator or a DP channel layer can take the plain sum's place.
+through :func:`federated_average`, i.e. one :func:`sum_vectors` of ``[w_k * theta_k, w_k]`` per
+round with w_k = n_k / N the client's share of the N training rows (N from one secure count at
+the start), so a secure aggregator or a DP channel layer can take the plain sum's place. Every
+value sent is then at most max |theta| in magnitude, whatever the clients' sizes, which keeps
+model updates inside the secure backends' fixed-point ranges (GNN parameters are O(1)); the
+validation reports and the row count travel as :func:`wide_sum` digits.
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ from secure_vfl.methods.imputation.statistics import (
     SERVER,
     FederatedStatistics,
     Standardisation,
+    StatisticsPrivacy,
     federated_statistics,
+    wide_sum,
 )
 from secure_vfl.models.feature_graph import FeatureGraphImputer
 
@@ -97,16 +103,26 @@ def federated_average(
     *,
     receiver: str,
     round: int,
+    total_rows: int | None = None,
 ) -> Tensor | None:
     """Eq. 8: sum_k n_k theta_k / sum_k n_k, formed by one secure-sum-able vector sum.
 
-    Each client contributes ``[n_k * theta_k, n_k]``; the receiver divides. Returns None when the
-    participating clients hold no training rows (nothing to average).
+    Each client contributes ``[w_k * theta_k, w_k]`` with its share w_k = n_k / ``total_rows``
+    (public: the federation's row count, by default the total of ``updates``), so no sent value
+    exceeds max |theta_k|; the receiver divides by the summed shares (the cohort's share when
+    clients are sampled). Returns None when the participating clients hold no training rows
+    (nothing to average).
     """
-    contributions = {
-        name: torch.cat([float(n) * theta.to(torch.float32), torch.tensor([float(n)])])
-        for name, (n, theta) in updates.items()
-    }
+    if total_rows is None:
+        total_rows = max(1, sum(n for n, _ in updates.values()))
+    if isinstance(total_rows, bool) or not isinstance(total_rows, int) or total_rows < 1:
+        raise ProtocolError(f"`total_rows` must be a positive integer. Found {total_rows!r}.")
+    contributions = {}
+    for name, (n, theta) in updates.items():
+        share = float(n) / total_rows
+        contributions[name] = torch.cat(
+            [share * theta.to(torch.float32), torch.tensor([share], dtype=torch.float32)]
+        )
     total = sum_vectors(
         aggregator, channel, contributions, receiver=receiver, round=round, tag="fedavg"
     )
@@ -266,6 +282,20 @@ class ReconstructionImputer:
         )
         self.best: list[Tensor | None] = [None] * len(self.clients)
         self.best_round = 0
+        self.total_rows = self._count_rows() if federated else 0
+
+    def _count_rows(self) -> int:
+        """N = sum_k n_k by one secure sum (public from here on: it scales the FedAvg shares)."""
+        counts = {c.shard.name: np.array([float(c.shard.n)]) for c in self.clients}
+        total = wide_sum(
+            counts,
+            aggregator=self.aggregator,
+            channel=self.channel,
+            receiver=SERVER,
+            round=0,
+            tag="rows",
+        )
+        return int(np.rint(total[0]))
 
     def _sample_clients(self) -> list[int]:
         """The cohort S_t: a uniformly random share ``client_fraction`` of the clients."""
@@ -283,7 +313,12 @@ class ReconstructionImputer:
             client.train(self.config.local_epochs)
             updates[client.shard.name] = (client.shard.n, flat_parameters(client.model))
         averaged = federated_average(
-            self.aggregator, self.channel, updates, receiver=SERVER, round=round
+            self.aggregator,
+            self.channel,
+            updates,
+            total_rows=max(self.total_rows, 1),
+            receiver=SERVER,
+            round=round,
         )
         if averaged is not None:
             load_parameters(self.global_model, averaged)
@@ -296,13 +331,13 @@ class ReconstructionImputer:
         errors = [client.validation_error() for client in self.clients]
         if self.federated:
             reports = {
-                client.shard.name: torch.tensor([sse, float(count)])
+                client.shard.name: np.array([sse, float(count)])
                 for client, (sse, count) in zip(self.clients, errors, strict=True)
             }
-            total = sum_vectors(
-                self.aggregator,
-                self.channel,
+            total = wide_sum(
                 reports,
+                aggregator=self.aggregator,
+                channel=self.channel,
                 receiver=SERVER,
                 round=round,
                 tag="validation",
@@ -363,9 +398,12 @@ def make_fedhf(
     seed: int,
     aggregator: Aggregator | None = None,
     channel: Channel | None = None,
+    privacy: StatisticsPrivacy | None = None,
 ) -> ReconstructionImputer:
     """FedHF-Impute: the feature graph from federated statistics, the GNN trained by FedAvg."""
-    statistics = federated_statistics(task.train, aggregator=aggregator, channel=channel)
+    statistics = federated_statistics(
+        task.train, aggregator=aggregator, channel=channel, privacy=privacy
+    )
     graph = statistics.graph(top_k=config.top_k)
     return ReconstructionImputer(
         "fedhf",

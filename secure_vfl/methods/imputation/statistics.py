@@ -1,8 +1,9 @@
 """Federated sufficient statistics: global standardisation and the feature graph without pooling.
 
-Every client sends plain sums (counts, sums, squares and cross-products over co-observed pairs)
-and the sums are formed only through :func:`sum_vectors`, so a secure-sum backend or a DP layer
-can replace the plain aggregator without changing this code. Three short exchanges:
+Every client sends sums (counts, sums, squares and cross-products over co-observed pairs) and
+the sums are formed only through :func:`sum_vectors`, so a secure-sum backend can replace the
+plain aggregator, and a client-side privacy mechanism (:class:`StatisticsPrivacy`) can clip and
+noise what each client sends, without changing this code. Three exchanges:
 
 1. per feature: count and sum of the observed values -> global mean;
 2. per feature: sum of squared deviations from that mean -> global std (no cancellation);
@@ -10,17 +11,55 @@ can replace the plain aggregator without changing this code. Three short exchang
    sum z_j^2 and sum z_i z_j of the standardised values z -> pairwise-complete Pearson
    correlations (the graph of paper section III-B a).
 
-Clients compute in float64; the seam carries float32. Sending centred and scaled values keeps
-every transported number O(n) in standardised units, so the float32 rounding of a sum (relative
-6e-8) moves a correlation by about 1e-7 even for features whose mean is far from zero, where raw
-sums of squares would cancel catastrophically. Counts are exact up to 2^24 rows.
+Ranges. Secure backends take bounded fixed-point values (Paillier +-32768, CKKS +-4096), and
+raw sums are not bounded (Ozone's sum of pressure heights is ~4e5 per client, its sums of
+squared deviations ~2e8). So every value a client sends has |value| <= :data:`WIRE_LIMIT`
+(512, within both backends for up to 64 clients), whatever the data:
+
+- exchanges 1 and 2 (raw units) travel as balanced base-2^10 digits of v * 2^20
+  (:func:`wide_sum`, :func:`split_digits`): v * 2^20 = d_0 + 2^10 d_1 + ... + 2^60 d_6 with
+  integer d_1..d_6 in [-512, 512] and a real d_0 in [-512, 512]. Digit sums are linear, so the
+  receiver rounds the integer digit sums (exact: every backend's error is far below 1/2) and
+  recombines them: a raw sum up to ~5e14 (chorizon's sums of squared deviations reach 2e12)
+  arrives within K * 2^-35 in raw units (:data:`WIDE_STEP`: float32 rounding of d_0, plus the
+  backend's step, Paillier 2^-17 and CKKS 2^-20 per digit, over 2^20), which is tighter than
+  float32 transport of the raw sum itself. A feature whose summed squared deviations are below
+  2 K * 2^-35 (a std below ~1e-5 raw units) is treated as constant;
+- exchange 3's values are standardised, so each client's |value| is at most the largest
+  feature count M (|sum z_i z_j| <= sqrt(sum z_i^2 sum z_j^2) <= M, and so on); M is public
+  after exchange 1, and clients send value * 256 / M, which the receiver scales back. The
+  precision loss: float32 (relative 6e-8) plus the backend's absolute step on values <= 256,
+  at most K * 2^-17 * M / 256 per pair sum (Paillier; CKKS 8x less), i.e. a relative
+  K * 2^-17 * M / (256 n_ij) on a pair's sums: about 3e-7 on Ozone.
+
+Clients compute in float64; the seam carries float32. Counts are exact up to 2^24 rows.
+
+Privacy. With a :class:`StatisticsPrivacy` mechanism every exchange becomes one clipped,
+noised release per client (the mechanism lives in ``protocols.dp_statistics``; this module
+only hands it each row's contribution, and the mechanism clips and noises): values are first
+clipped to the mechanism's public :class:`FeatureRanges` and mapped to u in [-1, 1]
+(exchange 1: counts and sums of u; exchange 2: counts and squared deviations of u, each
+exchange with its own counts because record clipping down-weights a record's counts with its
+sums), or standardised with the released mean and std and clipped to +-``standard_bound``
+(exchange 3). Exchange 3 then releases only N = O'O and C = Z'Z and estimates
+corr_ij = (C_ij / N_ij) / sqrt(v_i v_j), v_i = C_ii / N_ii, taking pairwise means and
+variances from the global standardisation (right when availability is random) instead of
+releasing them: a record's contribution is about half as long, so the same noise costs half
+the signal. The server repairs what noise can break: counts are floored at 0, means kept
+inside the ranges, variances floored at twice their own noise std (the sum's noise std over
+the count: a smaller estimate cannot be told from noise, and an underestimated std would blow
+the standardised values up), correlations whose noisy count is below 2 or whose noisy
+variance is not positive are left undefined (NaN), the rest clipped to [-1, 1]. The graph only
+ranks and weights neighbours by |correlation| (nothing is inverted or factorised), so the
+matrix need not be positive semi-definite.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -34,8 +73,32 @@ from secure_vfl.models.feature_graph import FeatureGraph
 SERVER = "server"
 """The party that receives the federated sums, builds the graph and averages models."""
 
-# A pair's variance below this share of its second moment is float32 rounding, not signal.
-_RELATIVE_VARIANCE_FLOOR = 1e-6
+WIRE_LIMIT = 512.0
+"""Every value a client sends through the aggregator has magnitude <= this."""
+
+DIGIT_BASE = 1024.0
+"""The base of :func:`split_digits`: balanced digits lie in [-512, 512]."""
+
+WIDE_DIGITS = 7
+"""Digits per wide value: magnitudes up to ~5.6e14 (512 * 1024^6 / 2^20)."""
+
+WIDE_FRACTION_BITS = 20
+"""Wide values are sent as digits of v * 2^20: 20 more fraction bits than the lowest digit has."""
+
+WIDE_STEP = 2.0**-35
+"""Each client's contribution to a :func:`wide_sum` arrives within this (raw units)."""
+
+_PAIR_SCALE = 256.0  # exchange 3's values are sent in [-256, 256] (half of WIRE_LIMIT: noise room)
+
+# A pair's variance below this share of its second moment (or, in standardised units where
+# variances are O(1), below this absolute value) is transport rounding, not signal.
+_VARIANCE_FLOOR = 1e-6
+# Under DP, a std below this share of the feature's public half-range is noise, not signal.
+_PRIVATE_STD_FLOOR = 1e-3
+# Under DP, a variance is floored at this many std of its own noise: a smaller estimate cannot
+# be told from noise, and an underestimated std blows the standardised values up, while an
+# overestimated one only compresses them.
+_NOISE_FLOOR = 2.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +130,66 @@ class Standardisation:
 
 
 @dataclass(frozen=True)
+class FeatureRanges:
+    """Public per-feature ranges [lower, upper] that values are clipped to before a private
+    release (as a bounded mean needs declared bounds); agreed by the federation, not measured."""
+
+    lower: np.ndarray
+    upper: np.ndarray
+
+    def __post_init__(self) -> None:
+        if self.lower.shape != self.upper.shape or self.lower.ndim != 1:
+            raise DataError(
+                f"`lower` and `upper` must be vectors of one shape. "
+                f"Found {self.lower.shape} and {self.upper.shape}."
+            )
+        if not (np.all(np.isfinite(self.lower)) and np.all(np.isfinite(self.upper))):
+            raise DataError("feature ranges must be finite numbers; found NaN or inf.")
+        if not np.all(self.upper > self.lower):
+            j = int(np.argmax(~(self.upper > self.lower)))
+            raise DataError(
+                f"every feature range needs lower < upper. Found [{self.lower[j]}, "
+                f"{self.upper[j]}] for feature {j}."
+            )
+
+    @property
+    def centre(self) -> np.ndarray:
+        return (self.lower + self.upper) / 2
+
+    @property
+    def half_width(self) -> np.ndarray:
+        return (self.upper - self.lower) / 2
+
+    def scaled(self, values: np.ndarray) -> np.ndarray:
+        """Values clipped to their range and mapped affinely onto [-1, 1] (NaN stays NaN)."""
+        return np.clip((values - self.centre) / self.half_width, -1.0, 1.0)
+
+
+class StatisticsPrivacy(Protocol):
+    """A client-side mechanism on the statistics: what a client releases instead of exact sums.
+
+    ``ranges`` are the public feature ranges of exchanges 1-2, ``standard_bound`` the |z| at
+    which exchange 3 clips standardised values, ``share_std`` the noise each client adds (the
+    server floors noisy variances at the noise level of the sum, ``share_std * sqrt(K)``).
+    :meth:`privatise` receives one client's per-row contributions (n, d) to an exchange
+    (``"moments"``, ``"deviations"`` or ``"pairs"``) and returns the (d,) vector the client
+    sends (e.g. its rows clipped, summed and noised); it is called once per client and
+    exchange, in order. The pair exchange's rows take n x F(F+1) floats per client (40 MB for
+    500 rows of 100 features).
+    """
+
+    ranges: FeatureRanges
+    standard_bound: float
+
+    @property
+    def share_std(self) -> float:
+        """The std of the noise each client adds to every coordinate it sends (public)."""
+        ...
+
+    def privatise(self, client: str, exchange: str, rows: np.ndarray) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
 class FederatedStatistics:
     """What the server derives from the summed statistics.
 
@@ -82,6 +205,40 @@ class FederatedStatistics:
     def graph(self, *, top_k: int) -> FeatureGraph:
         """The global feature graph: top-k neighbours by |corr|, weights |corr| / max |corr|."""
         return FeatureGraph.from_correlation(self.correlation, top_k=top_k)
+
+
+def split_digits(values: np.ndarray, digits: int = WIDE_DIGITS) -> np.ndarray:
+    """Balanced base-1024 digits of ``values``, lowest first, concatenated: (digits * len,).
+
+    The lowest digit keeps the fraction (real, in [-512, 512]); the others are integers in
+    [-512, 512]. Refuses magnitudes that ``digits`` digits cannot hold.
+    """
+    values = np.asarray(values, dtype=np.float64)
+    if not np.all(np.isfinite(values)):
+        raise DataError("a statistic to send is not finite (NaN or inf in the client's data?).")
+    parts = []
+    rest = values
+    for _ in range(digits):
+        high = np.rint(rest / DIGIT_BASE)
+        parts.append(rest - high * DIGIT_BASE)
+        rest = high
+    if np.any(rest != 0):
+        largest = float(np.abs(values).max())
+        capacity = WIRE_LIMIT * DIGIT_BASE ** (digits - 1)
+        raise DataError(
+            f"a statistic of magnitude {largest:.6g} exceeds what {digits} base-"
+            f"{DIGIT_BASE:g} digits carry (~{capacity:.3g}); rescale that feature's units."
+        )
+    return np.concatenate(parts)
+
+
+def join_digits(digit_sums: np.ndarray, digits: int = WIDE_DIGITS) -> np.ndarray:
+    """Recombine summed digits: integer digit sums are rounded (removing the backend's error)."""
+    parts = np.asarray(digit_sums, dtype=np.float64).reshape(digits, -1)
+    total = parts[0].copy()
+    for i in range(1, digits):
+        total += np.rint(parts[i]) * DIGIT_BASE**i
+    return total
 
 
 def _check_clients(clients: Sequence[ClientData]) -> int:
@@ -115,15 +272,8 @@ def client_deviations(client: ClientData, mean: np.ndarray) -> np.ndarray:
     return (((values - mean) * observed) ** 2).sum(axis=0)
 
 
-def client_pair_statistics(client: ClientData, standardisation: Standardisation) -> np.ndarray:
-    """Exchange 3: co-observed pair statistics of the standardised values, flattened.
-
-    With O the observed indicator and Z the standardised values (0 where unobserved):
-    N = O'O and C = Z'Z (upper triangles, symmetric), S = Z'O (S[i, j] = sum of z_i over rows
-    where j is observed too) and Q = (Z*Z)'O, in full.
-    """
-    values, observed = _observed_values(client)
-    z = (values - standardisation.mean) / standardisation.std * observed
+def _pair_layout(z: np.ndarray, observed: np.ndarray) -> np.ndarray:
+    """Exchange 3's statistics of rows z (standardised, 0 where unobserved), flattened."""
     upper = np.triu_indices(z.shape[1])
     return np.concatenate(
         [
@@ -135,7 +285,31 @@ def client_pair_statistics(client: ClientData, standardisation: Standardisation)
     )
 
 
+def client_pair_statistics(client: ClientData, standardisation: Standardisation) -> np.ndarray:
+    """Exchange 3: co-observed pair statistics of the standardised values, flattened.
+
+    With O the observed indicator and Z the standardised values (0 where unobserved):
+    N = O'O and C = Z'Z (upper triangles, symmetric), S = Z'O (S[i, j] = sum of z_i over rows
+    where j is observed too) and Q = (Z*Z)'O, in full.
+    """
+    return _pair_layout(*_standardised(client, standardisation))
+
+
 def _federated_sum(
+    vectors: dict[str, np.ndarray],
+    round: int,
+    *,
+    aggregator: Aggregator,
+    channel: Channel,
+    receiver: str,
+    tag: str,
+) -> np.ndarray:
+    contributions = {name: torch.from_numpy(v.astype(np.float32)) for name, v in vectors.items()}
+    total = sum_vectors(aggregator, channel, contributions, receiver=receiver, round=round, tag=tag)
+    return total.numpy().astype(np.float64)
+
+
+def wide_sum(
     vectors: dict[str, np.ndarray],
     *,
     aggregator: Aggregator,
@@ -144,9 +318,16 @@ def _federated_sum(
     round: int,
     tag: str,
 ) -> np.ndarray:
-    contributions = {name: torch.from_numpy(v.astype(np.float32)) for name, v in vectors.items()}
-    total = sum_vectors(aggregator, channel, contributions, receiver=receiver, round=round, tag=tag)
-    return total.numpy().astype(np.float64)
+    """The sum of unbounded float64 vectors, sent as digits within :data:`WIRE_LIMIT`; each
+    client's part arrives within :data:`WIDE_STEP`."""
+    shift = float(2**WIDE_FRACTION_BITS)
+    digits = {
+        name: split_digits(np.asarray(v, dtype=np.float64) * shift) for name, v in vectors.items()
+    }
+    summed = _federated_sum(
+        digits, round, aggregator=aggregator, channel=channel, receiver=receiver, tag=tag
+    )
+    return join_digits(summed) / shift
 
 
 def _symmetric(upper_values: np.ndarray, features: int) -> np.ndarray:
@@ -174,10 +355,72 @@ def pairwise_correlation(
         correlation = covariance / np.sqrt(var_i * var_j)
     valid = (
         (n >= 2)
-        & (var_i > _RELATIVE_VARIANCE_FLOOR * second_i)
-        & (var_j > _RELATIVE_VARIANCE_FLOOR * second_j)
+        & (var_i > _VARIANCE_FLOOR * np.maximum(second_i, 1.0))
+        & (var_j > _VARIANCE_FLOOR * np.maximum(second_j, 1.0))
     )
     return np.where(valid, np.clip(correlation, -1.0, 1.0), np.nan)
+
+
+def _exact_standardisation(
+    clients: Sequence[ClientData], send: Callable[..., np.ndarray], features: int
+) -> tuple[Standardisation, np.ndarray]:
+    moments = send({c.name: client_moments(c) for c in clients}, round=0)
+    count, total = moments[:features], moments[features:]
+    mean = np.where(count > 0, total / np.maximum(count, 1), 0.0)
+    squares = send({c.name: client_deviations(c, mean) for c in clients}, round=1)
+    # Below the transport's precision, a sum of squared deviations is 0: a constant feature.
+    spread = (count > 0) & (squares > 2 * len(clients) * WIDE_STEP)
+    std = np.where(spread, np.sqrt(np.maximum(squares, 0.0) / np.maximum(count, 1)), 1.0)
+    return Standardisation(mean=mean, std=std), count
+
+
+def _private_standardisation(
+    clients: Sequence[ClientData],
+    send: Callable[..., np.ndarray],
+    privacy: StatisticsPrivacy,
+) -> tuple[Standardisation, np.ndarray]:
+    """Exchanges 1-2 on values clipped to the public ranges and mapped to u in [-1, 1]."""
+    ranges = privacy.ranges
+    scaled = {}
+    for c in clients:
+        if c.values.shape[1] != ranges.lower.shape[0]:
+            raise DataError(
+                f"the privacy mechanism's ranges cover {ranges.lower.shape[0]} features; "
+                f"{c.name} has {c.values.shape[1]}."
+            )
+        observed = c.observed.astype(np.float64)
+        scaled[c.name] = (
+            np.where(c.observed, ranges.scaled(c.values.astype(np.float64)), 0.0),
+            observed,
+        )
+    moments = send(
+        {
+            name: privacy.privatise(name, "moments", np.concatenate([o, u], axis=1))
+            for name, (u, o) in scaled.items()
+        },
+        round=0,
+    )
+    features = ranges.lower.shape[0]
+    count = np.maximum(moments[:features], 0.0)
+    mean_u = np.clip(np.where(count >= 1, moments[features:] / np.maximum(count, 1), 0.0), -1, 1)
+    # Each exchange carries its own counts: clipping scales a record's counts with its sums,
+    # so the counts of exchange 1 would not match exchange 2's down-weighted records.
+    deviations = send(
+        {
+            name: privacy.privatise(
+                name, "deviations", np.concatenate([o, ((u - mean_u) * o) ** 2], axis=1)
+            )
+            for name, (u, o) in scaled.items()
+        },
+        round=1,
+    )
+    spread_count = np.maximum(deviations[:features], 0.0)
+    var_u = np.where(spread_count >= 1, deviations[features:] / np.maximum(spread_count, 1), 1.0)
+    noise = privacy.share_std * np.sqrt(len(clients))  # the std of the noise in each sum
+    floor = np.maximum(_PRIVATE_STD_FLOOR**2, _NOISE_FLOOR * noise / np.maximum(spread_count, 1))
+    std_u = np.sqrt(np.clip(var_u, np.minimum(floor, 4.0), 4.0))
+    mean = ranges.centre + ranges.half_width * mean_u
+    return Standardisation(mean=mean, std=ranges.half_width * std_u), count
 
 
 def federated_statistics(
@@ -187,32 +430,102 @@ def federated_statistics(
     channel: Channel | None = None,
     receiver: str = SERVER,
     tag: str = "statistics",
+    privacy: StatisticsPrivacy | None = None,
 ) -> FederatedStatistics:
-    """Global standardisation and pairwise correlations from the clients' summed statistics."""
+    """Global standardisation and pairwise correlations from the clients' summed statistics.
+
+    ``privacy`` (optional) turns every exchange into a clipped, noised release per client (see
+    the module docstring); without it the statistics are exact up to the stated precision.
+    """
     features = _check_clients(clients)
     aggregator = aggregator if aggregator is not None else PlainAggregator()
     channel = channel if channel is not None else Channel()
     route = partial(
         _federated_sum, aggregator=aggregator, channel=channel, receiver=receiver, tag=tag
     )
+    send = partial(wide_sum, aggregator=aggregator, channel=channel, receiver=receiver, tag=tag)
+    if privacy is None:
+        standardisation, count = _exact_standardisation(clients, send, features)
+    else:
+        standardisation, count = _private_standardisation(clients, send, privacy)
 
-    moments = route({c.name: client_moments(c) for c in clients}, round=0)
-    count, total = moments[:features], moments[features:]
-    mean = np.where(count > 0, total / np.maximum(count, 1), 0.0)
-    squares = route({c.name: client_deviations(c, mean) for c in clients}, round=1)
-    std = np.sqrt(np.where(count > 0, squares / np.maximum(count, 1), 0.0))
-    std = np.where(std > 0, std, 1.0)
-    standardisation = Standardisation(mean=mean, std=std)
+    # Public after exchange 1: bounds every client's exchange-3 value (module docstring).
+    largest_count = max(1.0, float(count.max()) if count.size else 1.0)
+    if privacy is None:
+        n, correlation = _exact_pairs(clients, standardisation, route, largest_count)
+    else:
+        n, correlation = _private_pairs(clients, standardisation, route, largest_count, privacy)
+    return FederatedStatistics(
+        counts=np.rint(np.maximum(n, 0.0)).astype(np.int64),
+        correlation=correlation,
+        standardisation=standardisation,
+    )
 
-    pairs = route({c.name: client_pair_statistics(c, standardisation) for c in clients}, round=2)
+
+def _standardised(client: ClientData, standardisation: Standardisation) -> tuple[np.ndarray, ...]:
+    values, observed = _observed_values(client)
+    return (values - standardisation.mean) / standardisation.std * observed, observed
+
+
+def _exact_pairs(
+    clients: Sequence[ClientData],
+    standardisation: Standardisation,
+    route: Callable[[dict[str, np.ndarray], int], np.ndarray],
+    largest_count: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Exchange 3: pairwise-complete sums, each client's values sent times 256 / M."""
+    scale = _PAIR_SCALE / largest_count
+    vectors = {c.name: _pair_layout(*_standardised(c, standardisation)) * scale for c in clients}
+    pairs = route(vectors, 2) / scale
+    features = len(standardisation.mean)
     triangle = features * (features + 1) // 2
     square = features * features
     n = _symmetric(pairs[:triangle], features)
     cross = _symmetric(pairs[triangle : 2 * triangle], features)
     sums = pairs[2 * triangle : 2 * triangle + square].reshape(features, features)
     seconds = pairs[2 * triangle + square :].reshape(features, features)
-    return FederatedStatistics(
-        counts=np.rint(n).astype(np.int64),
-        correlation=pairwise_correlation(n, cross, sums, seconds),
-        standardisation=standardisation,
-    )
+    return n, pairwise_correlation(n, cross, sums, seconds)
+
+
+def _private_pairs(
+    clients: Sequence[ClientData],
+    standardisation: Standardisation,
+    route: Callable[[dict[str, np.ndarray], int], np.ndarray],
+    largest_count: float,
+    privacy: StatisticsPrivacy,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Exchange 3 under DP: only N = O'O and C = Z'Z of the (released) standardised values,
+    clipped to +-b, are released, and corr_ij = (C_ij / N_ij) / sqrt(v_i v_j) with v_i =
+    C_ii / N_ii. Pairwise means and variances are taken from the global standardisation
+    (exact when availability is random) rather than released: a record's contribution is then
+    about half as long (no S and Q terms), so the same noise costs half as much signal."""
+    bound = float(privacy.standard_bound)
+    scale = _PAIR_SCALE / (largest_count * max(1.0, bound * bound))
+    features = len(standardisation.mean)
+    upper = np.triu_indices(features)
+    vectors = {}
+    for c in clients:
+        z, observed = _standardised(c, standardisation)
+        z = np.clip(z, -bound, bound)
+        rows = np.concatenate(
+            [
+                np.einsum("ri,rj->rij", observed, observed)[:, upper[0], upper[1]],
+                np.einsum("ri,rj->rij", z, z)[:, upper[0], upper[1]],
+            ],
+            axis=1,
+        )
+        vectors[c.name] = privacy.privatise(c.name, "pairs", rows) * scale
+    pairs = route(vectors, 2) / scale
+    triangle = len(upper[0])
+    n = _symmetric(pairs[:triangle], features)
+    cross = _symmetric(pairs[triangle:], features)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        covariance = cross / np.where(n > 0, n, np.nan)
+        variance = np.diagonal(covariance)
+        positive = variance > _VARIANCE_FLOOR
+        noise = privacy.share_std * np.sqrt(len(clients))
+        floor = _NOISE_FLOOR * noise / np.diagonal(n)
+        variance = np.maximum(variance, floor)
+        correlation = covariance / np.sqrt(np.outer(variance, variance))
+    valid = (n >= 2) & positive[:, None] & positive[None, :]
+    return n, np.where(valid, np.clip(correlation, -1.0, 1.0), np.nan)

@@ -1,0 +1,148 @@
+"""Differentially private graph statistics for FedHF-Impute: clipped records, distributed noise.
+
+FedHF-Impute builds its feature graph from pairwise-complete sufficient statistics (paper 002,
+section III-B a) and names differentially private graph construction as future work (sections
+V-VI). :class:`StatisticsNoise` is that mechanism; it implements the core's
+:class:`~secure_vfl.methods.imputation.statistics.StatisticsPrivacy` hook, so the core never
+imports this module. Each of the three statistics exchanges (moments, deviations, pairs) is one
+Gaussian mechanism (Dwork & Roth 2014, Thm A.1) per client:
+
+- Input clipping (done by the core, with this mechanism's public parameters): in exchanges 1-2
+  each value is clipped to the federation's declared :class:`FeatureRanges` and mapped onto
+  [-1, 1]; in exchange 3 the standardised values are clipped to +-``standard_bound`` std.
+- Record clipping: each row's whole contribution vector to an exchange is scaled down to L2 norm
+  ``clip`` (C) if longer, so adding or removing one record moves its client's sum by at most C
+  (add/remove adjacency, Opacus' convention): the L2 sensitivity is C. A scaled row counts as a
+  fractional row (its counts shrink with its sums), so the statistics stay a weighted, valid set.
+- Noise on the sum, distributed: each of ``shares`` clients adds N(0, (sigma C)^2 / shares) per
+  coordinate, so the sum of all K shares carries N(0, (sigma C)^2). With secure aggregation
+  (masks, Paillier, CKKS) the server sees only that sum, so every client's records are protected
+  by the full noise while each client adds only 1/K of its variance: the error of the released
+  sum is that of one central Gaussian mechanism, not K of them. Without secure aggregation the
+  server sees each client's vector, so ``shares`` must be 1 (every client adds all the noise:
+  local DP, K times the variance in the sum).
+- Accounting: one :class:`~protocols.dp.GaussianRelease` (``kind="statistics"``, noise
+  multiplier sigma, sample rate 1: the statistics cover every training row, no subsampling) per
+  client and exchange, priced per client by :class:`~protocols.dp.PrivacyAccountant`;
+  :data:`STATISTICS_RELEASES` per graph. The releases compose adaptively (exchange 2 uses the
+  released mean, exchange 3 the released standardisation), which RDP composition covers.
+
+Trust, stated: the distributed guarantee assumes semi-honest clients that add their share and a
+server that sees only the secure sum (DESIGN section 4). A server colluding with c clients can
+remove their shares, leaving noise multiplier sigma * sqrt((K - c) / K) on the others' records.
+The ranges must be public (declared by the federation, e.g. physical units); ranges measured on
+the data, as :func:`observed_ranges` does for experiments, are themselves not private.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from protocols.dp import EventCallback, GaussianRelease, clip_rows
+from secure_vfl.data.imputation import ClientData
+from secure_vfl.errors import ConfigError, DataError
+from secure_vfl.methods.imputation.statistics import FeatureRanges
+
+STATISTICS_RELEASES = 3
+"""Releases per client for one graph: moments, deviations, pairs."""
+
+EXCHANGES = ("moments", "deviations", "pairs")
+
+DEFAULT_STANDARD_BOUND = 3.0
+
+
+class StatisticsNoise:
+    """Clip each record's contribution to L2 norm ``clip`` and add this client's share of
+    N(0, (noise_multiplier * clip)^2) to its summed statistics (see the module docstring).
+
+    ``ranges`` are the public feature ranges, ``standard_bound`` the |z| clip of the pair
+    exchange, ``shares`` the number of clients whose noise shares add up in the released sum
+    (K under secure aggregation, 1 without), ``generator`` draws the noise, ``on_event``
+    receives one :class:`GaussianRelease` per call.
+    """
+
+    def __init__(
+        self,
+        noise_multiplier: float,
+        clip: float,
+        *,
+        ranges: FeatureRanges,
+        shares: int,
+        generator: torch.Generator,
+        on_event: EventCallback,
+        standard_bound: float = DEFAULT_STANDARD_BOUND,
+    ) -> None:
+        if not (noise_multiplier > 0 and math.isfinite(noise_multiplier)):
+            raise ConfigError(
+                f"The noise multiplier of a private release must be a positive number. "
+                f"Found {noise_multiplier}."
+            )
+        if not (clip > 0 and math.isfinite(clip)):
+            raise ConfigError(f"The clip norm must be a positive number. Found {clip}.")
+        if isinstance(shares, bool) or not isinstance(shares, int) or shares < 1:
+            raise ConfigError(f"`shares` must be a positive integer. Found {shares!r}.")
+        if not (standard_bound > 0 and math.isfinite(standard_bound)):
+            raise ConfigError(
+                f"`standard_bound` must be a positive number of std. Found {standard_bound}."
+            )
+        self.noise_multiplier = float(noise_multiplier)
+        self.clip = float(clip)
+        self.ranges = ranges
+        self.shares = shares
+        self.standard_bound = float(standard_bound)
+        self.generator = generator
+        self.on_event = on_event
+
+    @property
+    def noise_std(self) -> float:
+        """sigma C: the noise std in every coordinate of a sum of all ``shares`` clients'
+        releases (the central Gaussian mechanism's)."""
+        return self.noise_multiplier * self.clip
+
+    @property
+    def share_std(self) -> float:
+        """The std of the noise one client adds per coordinate: sigma C / sqrt(shares)."""
+        return self.noise_std / math.sqrt(self.shares)
+
+    def privatise(self, client: str, exchange: str, rows: np.ndarray) -> np.ndarray:
+        """``client``'s noisy share of an exchange: its clipped rows summed, plus its noise."""
+        if exchange not in EXCHANGES:
+            raise ConfigError(
+                f"`exchange` must be one of {', '.join(EXCHANGES)}. Found {exchange!r}."
+            )
+        contributions = torch.from_numpy(np.asarray(rows, dtype=np.float64))
+        if contributions.dim() != 2 or not bool(torch.isfinite(contributions).all()):
+            raise DataError(
+                f"{client}: the {exchange} contributions must be a finite (rows, values) array. "
+                f"Found shape {tuple(contributions.shape)}."
+            )
+        total = clip_rows(contributions, self.clip).sum(dim=0)
+        noise = torch.randn(total.shape, generator=self.generator, dtype=torch.float64)
+        self.on_event(GaussianRelease(client, self.noise_multiplier, 1.0, "statistics"))
+        return (total + noise * self.share_std).numpy()
+
+
+def observed_ranges(clients: Sequence[ClientData]) -> FeatureRanges:
+    """Per-feature [min, max] of the observed training values, widened by 0.5 where degenerate.
+
+    For experiments only: ranges measured on the data are not private (they reveal extreme
+    records); a deployment declares its ranges from public knowledge of the units instead.
+    """
+    if not clients:
+        raise DataError("observed ranges need at least one client, found none.")
+    values = np.concatenate([c.values.astype(np.float64) for c in clients])
+    finite = np.where(np.isfinite(values), values, np.nan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN column: never observed
+        lower, upper = np.nanmin(finite, axis=0), np.nanmax(finite, axis=0)
+    lower = np.where(np.isfinite(lower), lower, 0.0)
+    upper = np.where(np.isfinite(upper), upper, 0.0)
+    flat = ~(upper > lower)
+    return FeatureRanges(
+        lower=np.where(flat, lower - 0.5, lower), upper=np.where(flat, upper + 0.5, upper)
+    )

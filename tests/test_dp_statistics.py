@@ -1,0 +1,254 @@
+"""DP graph statistics: record clipping, the noise scale of distributed shares, accounting
+against Opacus, and a graph and standardisation that stay valid under heavy noise."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from opacus.accountants import RDPAccountant
+
+from protocols.dp import GaussianRelease, PrivacyAccountant, calibrate_noise
+from protocols.dp_statistics import (
+    STATISTICS_RELEASES,
+    StatisticsNoise,
+    observed_ranges,
+)
+from protocols.secagg import MaskingAggregator
+from secure_vfl.data.imputation import ClientData, ImputationTask
+from secure_vfl.errors import ConfigError, DataError
+from secure_vfl.methods.imputation import IMPUTERS, ImputeConfig, federated_statistics
+from secure_vfl.methods.imputation.statistics import FeatureRanges
+
+DELTA = 1e-5
+
+
+def discard(event: GaussianRelease) -> None:
+    """An event sink for tests that do not look at events."""
+
+
+def _clients(rows: int = 240, features: int = 6, seed: int = 0) -> list[ClientData]:
+    """Four clients of correlated rows (two latent factors), 15 % missing, one unavailable
+    feature each; feature 1 has mean 500 and std ~30 (a raw scale)."""
+    rng = np.random.default_rng(seed)
+    latent = rng.normal(size=(rows, 2))
+    x = latent @ rng.normal(size=(2, features)) + 0.4 * rng.normal(size=(rows, features))
+    x[:, 1] = 500 + 30 * x[:, 1]
+    x[rng.random(x.shape) < 0.15] = np.nan
+    clients = []
+    for k in range(4):
+        values = x[k::4].astype(np.float32)
+        available = np.ones(features, dtype=bool)
+        available[(k + 2) % features] = False
+        values[:, ~available] = np.nan
+        clients.append(ClientData(f"client-{k}", values, available))
+    return clients
+
+
+def _mechanism(
+    sigma: float,
+    clip: float,
+    *,
+    ranges: FeatureRanges,
+    shares: int = 4,
+    seed: int = 0,
+    accountant: PrivacyAccountant | None = None,
+    standard_bound: float = 3.0,
+) -> StatisticsNoise:
+    return StatisticsNoise(
+        sigma,
+        clip,
+        ranges=ranges,
+        shares=shares,
+        generator=torch.Generator().manual_seed(seed),
+        on_event=accountant.on_event if accountant is not None else discard,
+        standard_bound=standard_bound,
+    )
+
+
+RANGES = FeatureRanges(lower=np.full(3, -1.0), upper=np.full(3, 1.0))
+
+
+def test_each_share_has_std_sigma_clip_over_sqrt_k_and_the_sum_sigma_clip() -> None:
+    sigma, clip, shares = 1.5, 2.0, 4
+    mechanism = _mechanism(sigma, clip, ranges=RANGES, shares=shares)
+    no_rows = np.zeros((0, 50_000))
+    parts = [mechanism.privatise(f"client-{k}", "pairs", no_rows) for k in range(shares)]
+    assert np.std(parts[0]) == pytest.approx(sigma * clip / math.sqrt(shares), rel=0.02)
+    total = np.sum(parts, axis=0)
+    assert np.std(total) == pytest.approx(sigma * clip, rel=0.02)
+    assert abs(float(np.mean(total))) < 5 * sigma * clip / math.sqrt(total.size)
+    # norm of the summed noise: sqrt(d) sigma C
+    expected_norm = math.sqrt(total.size) * sigma * clip
+    assert float(np.linalg.norm(total)) == pytest.approx(expected_norm, rel=0.02)
+
+
+def test_one_record_moves_a_clients_release_by_at_most_the_clip_norm() -> None:
+    rng = np.random.default_rng(1)
+    rows = rng.normal(size=(30, 8)) * 3
+    extra = rng.normal(size=(1, 8)) * 50  # far longer than the clip
+    clip = 1.25
+    without = _mechanism(0.7, clip, ranges=RANGES, seed=5).privatise("c", "moments", rows)
+    with_it = _mechanism(0.7, clip, ranges=RANGES, seed=5).privatise(
+        "c", "moments", np.concatenate([rows, extra])
+    )
+    moved = float(np.linalg.norm(with_it - without))
+    assert moved == pytest.approx(clip, rel=1e-9)  # the long row is scaled to exactly C
+    short = rng.normal(size=(1, 8)) * 0.01
+    with_short = _mechanism(0.7, clip, ranges=RANGES, seed=5).privatise(
+        "c", "moments", np.concatenate([rows, short])
+    )
+    np.testing.assert_allclose(with_short - without, short[0], atol=1e-12)  # left as it is
+
+
+def test_epsilon_per_client_equals_opacus_accountant_for_the_same_releases() -> None:
+    clients = _clients()
+    accountant = PrivacyAccountant()
+    sigma = 2.0
+    mechanism = _mechanism(sigma, 1.0, ranges=observed_ranges(clients), accountant=accountant)
+    federated_statistics(clients, aggregator=MaskingAggregator(), privacy=mechanism)
+    assert accountant.parties() == [c.name for c in clients]
+    assert all(e.kind == "statistics" and e.sample_rate == 1.0 for e in accountant.events)
+    reference = RDPAccountant()
+    for _ in range(STATISTICS_RELEASES):
+        reference.step(noise_multiplier=sigma, sample_rate=1.0)
+    expected = reference.get_epsilon(delta=DELTA)
+    epsilons = accountant.epsilons(DELTA)
+    assert set(epsilons) == {c.name for c in clients}
+    for epsilon in epsilons.values():
+        assert epsilon == pytest.approx(expected, rel=1e-9)
+
+
+def test_calibrated_sigma_spends_the_target_over_the_three_releases() -> None:
+    for target in (1.0, 4.0, 10.0):
+        sigma = calibrate_noise(target, DELTA, sample_rate=1.0, steps=STATISTICS_RELEASES)
+        accountant = PrivacyAccountant()
+        for _ in range(STATISTICS_RELEASES):
+            accountant.on_event(GaussianRelease("client-0", sigma, 1.0, "statistics"))
+        assert 0.99 * target <= accountant.epsilon("client-0", DELTA) <= target
+
+
+def _pooled_global_moment_correlation(
+    clients: list[ClientData], mean: np.ndarray, std: np.ndarray
+) -> np.ndarray:
+    """The oracle of the private pair estimator, on pooled rows: z standardised globally,
+    cov_ij = mean of z_i z_j over co-observed rows, corr_ij = cov_ij / sqrt(cov_ii cov_jj)."""
+    z = (np.concatenate([c.values for c in clients]).astype(np.float64) - mean) / std
+    observed = np.isfinite(z)
+    z = np.where(observed, z, 0.0)
+    covariance = (z.T @ z) / (observed.T.astype(float) @ observed)
+    variance = np.diagonal(covariance)
+    return covariance / np.sqrt(np.outer(variance, variance))
+
+
+def test_almost_noiseless_unclipped_release_gives_the_exact_statistics() -> None:
+    """The private path computes the statistics it claims when clipping and noise do nothing:
+    the exact standardisation, the exact counts, the global-moment correlations of the pool."""
+    clients = _clients()
+    exact = federated_statistics(clients)
+    wide = FeatureRanges(
+        lower=observed_ranges(clients).lower - 1, upper=observed_ranges(clients).upper + 1
+    )
+    mechanism = _mechanism(1e-13, 1e6, ranges=wide, standard_bound=50.0)
+    private = federated_statistics(clients, privacy=mechanism)
+    mean, std = private.standardisation.mean, private.standardisation.std
+    np.testing.assert_allclose(mean, exact.standardisation.mean, rtol=1e-6)
+    np.testing.assert_allclose(std, exact.standardisation.std, rtol=1e-5)
+    np.testing.assert_array_equal(private.counts, exact.counts)
+    oracle = _pooled_global_moment_correlation(clients, mean, std)
+    np.testing.assert_allclose(private.correlation, oracle, atol=1e-5)
+    # and, with random availability, near the pairwise-complete ones (240 rows: within 0.1)
+    np.testing.assert_allclose(private.correlation, exact.correlation, atol=0.1)
+
+
+def test_record_clipping_down_weights_records_without_biasing_the_std() -> None:
+    """Regression: exchange 2 divided its clipped sums by exchange 1's counts, whose records
+    were clipped more, and inflated every std by ~1.5x; each exchange now carries its counts."""
+    clients = _clients(rows=400)
+    exact = federated_statistics(clients).standardisation
+    mechanism = _mechanism(1e-13, 0.5, ranges=observed_ranges(clients))  # clips every record
+    private = federated_statistics(clients, privacy=mechanism).standardisation
+    np.testing.assert_allclose(private.std / exact.std, 1.0, atol=0.1)
+    assert np.all(np.abs(private.mean - exact.mean) < 0.05 * exact.std)
+
+
+def test_heavy_noise_still_gives_a_valid_standardisation_and_graph() -> None:
+    clients = _clients(rows=40)
+    ranges = observed_ranges(clients)
+    mechanism = _mechanism(50.0, 1.0, ranges=ranges, shares=1)
+    statistics = federated_statistics(clients, privacy=mechanism)
+    mean, std = statistics.standardisation.mean, statistics.standardisation.std
+    assert np.all(np.isfinite(mean)) and np.all(np.isfinite(std)) and np.all(std > 0)
+    assert np.all((ranges.lower <= mean) & (mean <= ranges.upper))
+    assert np.all(statistics.counts >= 0)
+    correlation = statistics.correlation
+    finite = np.isfinite(correlation)
+    assert np.all(np.abs(correlation[finite]) <= 1.0)
+    np.testing.assert_array_equal(finite, finite.T)
+    graph = statistics.graph(top_k=3)
+    assert np.all((graph.weights >= 0) & (graph.weights <= 1))
+
+
+def test_moderate_noise_keeps_the_strongest_correlations() -> None:
+    """Utility control: at sigma 1 the noisy graph's correlations stay near the exact ones."""
+    clients = _clients(rows=2000)
+    exact = federated_statistics(clients)
+    mechanism = _mechanism(1.0, 4.0, ranges=observed_ranges(clients))
+    private = federated_statistics(clients, aggregator=MaskingAggregator(), privacy=mechanism)
+    both = np.isfinite(exact.correlation) & np.isfinite(private.correlation)
+    np.fill_diagonal(both, False)
+    gap = np.abs(private.correlation[both] - exact.correlation[both])
+    assert float(gap.max()) < 0.1, gap
+
+
+def test_fedhf_trains_on_private_statistics_and_every_client_spends_three_releases() -> None:
+    clients = _clients(rows=80)
+    task = ImputationTask(
+        name="synthetic",
+        features=tuple(f"x{j}" for j in range(6)),
+        train=tuple(clients),
+        test=tuple(_clients(rows=40, seed=1)),
+    )
+    accountant = PrivacyAccountant()
+    mechanism = _mechanism(3.0, 2.0, ranges=observed_ranges(clients), accountant=accountant)
+    config = ImputeConfig(rounds=2, local_epochs=1, hidden=8, layers=1)
+    imputer = IMPUTERS.get("fedhf")(task, config, seed=0, privacy=mechanism)
+    curve = imputer.fit()
+    assert len(curve) == 2 and all(np.isfinite(curve))
+    releases = {c.name: 0 for c in clients}
+    for event in accountant.events:
+        releases[event.party] += 1
+    assert releases == {c.name: STATISTICS_RELEASES for c in clients}
+
+
+def test_invalid_settings_are_refused() -> None:
+    with pytest.raises(ConfigError, match="noise multiplier of a private release"):
+        _mechanism(0.0, 1.0, ranges=RANGES)
+    with pytest.raises(ConfigError, match="clip norm must be a positive number"):
+        _mechanism(1.0, -1.0, ranges=RANGES)
+    with pytest.raises(ConfigError, match="`shares` must be a positive integer"):
+        _mechanism(1.0, 1.0, ranges=RANGES, shares=0)
+    with pytest.raises(ConfigError, match="`standard_bound`"):
+        _mechanism(1.0, 1.0, ranges=RANGES, standard_bound=math.inf)
+    with pytest.raises(ConfigError, match="`exchange` must be one of"):
+        _mechanism(1.0, 1.0, ranges=RANGES).privatise("c", "graph", np.zeros((1, 2)))
+    with pytest.raises(DataError, match="lower < upper"):
+        FeatureRanges(lower=np.array([0.0, 1.0]), upper=np.array([1.0, 1.0]))
+    with pytest.raises(DataError, match="ranges cover 3 features"):
+        federated_statistics(_clients(), privacy=_mechanism(1.0, 1.0, ranges=RANGES))
+
+
+def test_the_core_offers_the_hook_without_importing_the_mechanism() -> None:
+    """Dependency direction (DESIGN section 2): statistics and FedHF never import protocols."""
+    code = (
+        "import sys, secure_vfl.methods.imputation, secure_vfl.experiment; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'protocols'))"
+    )
+    found = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert found == "[]"
