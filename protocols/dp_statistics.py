@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -125,6 +126,38 @@ class StatisticsNoise:
         noise = torch.randn(total.shape, generator=self.generator, dtype=torch.float64)
         self.on_event(GaussianRelease(client, self.noise_multiplier, 1.0, "statistics"))
         return (total + noise * self.share_std).numpy()
+
+
+def read_feature_ranges(path: Path, features: Sequence[str]) -> FeatureRanges:
+    """Declared ranges from a CSV with columns ``feature``, ``lower``, ``upper`` (one row per
+    feature of the task, in the units the clients hold), in the order of ``features``."""
+    import pandas as pd
+
+    try:
+        table = pd.read_csv(path)
+    except (OSError, ValueError) as error:
+        raise DataError(f"cannot read feature ranges from {path}: {error}") from None
+    missing_columns = {"feature", "lower", "upper"} - set(table.columns)
+    if missing_columns:
+        raise DataError(
+            f"{path}: columns feature, lower, upper expected; missing {sorted(missing_columns)}."
+        )
+    if table["feature"].duplicated().any():
+        repeated = sorted(set(table["feature"][table["feature"].duplicated()].astype(str)))
+        raise DataError(f"{path}: every feature once expected; found {repeated} repeated.")
+    by_name = table.set_index(table["feature"].astype(str))
+    absent = [f for f in features if f not in by_name.index]
+    if absent:
+        raise DataError(f"{path}: no range for feature(s) {absent}; every task feature needs one.")
+    try:
+        lower = by_name.loc[list(features), "lower"].to_numpy(dtype=np.float64)
+        upper = by_name.loc[list(features), "upper"].to_numpy(dtype=np.float64)
+    except ValueError as error:
+        raise DataError(f"{path}: lower and upper must be numbers ({error}).") from None
+    try:
+        return FeatureRanges(lower=lower, upper=upper)
+    except DataError as error:
+        raise DataError(f"{path}: {error}") from None
 
 
 def observed_ranges(clients: Sequence[ClientData]) -> FeatureRanges:

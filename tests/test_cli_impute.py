@@ -225,3 +225,38 @@ def test_target_epsilon_without_dp_statistics_is_refused(
     assert "expected --dp-statistics SIGMA:CLIP with it" in err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "r" / "result.json").exists()
+
+
+def test_declared_feature_ranges_replace_the_observed_ones(tmp_path: Path) -> None:
+    task = prepare_imputation_task(ImputeRunConfig(method="fedhf", dataset="ozone"))
+    table = pd.DataFrame(
+        {"feature": list(task.features), "lower": -1000.0, "upper": 1000.0}
+    ).sample(frac=1.0, random_state=0)  # any row order
+    table.to_csv(tmp_path / "ranges.csv", index=False)
+    args = ["--rounds", "1", "--dp-statistics", "2:1.5"]
+    declared = _impute(
+        tmp_path, "declared", *args, "--feature-ranges", str(tmp_path / "ranges.csv")
+    )
+    observed = _impute(tmp_path, "observed", *args)
+    assert declared["privacy"]["ranges"] == f"declared in {tmp_path / 'ranges.csv'}"
+    assert "not private" in observed["privacy"]["ranges"]
+    assert declared["rmse"] != observed["rmse"]  # the clipping bounds changed what was released
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ({"feature": ["x"], "lower": [0.0]}, "missing ['upper']"),
+        ({"feature": ["x"], "lower": [0.0], "upper": [1.0]}, "no range for feature(s)"),
+    ],
+)
+def test_bad_feature_ranges_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], rows: dict[str, list[object]], message: str
+) -> None:
+    pd.DataFrame(rows).to_csv(tmp_path / "ranges.csv", index=False)
+    argv = ["impute", "--method", "fedhf", "--dataset", "ozone", "--out", str(tmp_path / "r")]
+    argv += ["--dp-statistics", "1:1", "--feature-ranges", str(tmp_path / "ranges.csv")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "r").exists()
