@@ -155,6 +155,32 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--epochs", type=positive_int, default=20, metavar="N")
     train.add_argument("--batch-size", type=positive_int, default=128, metavar="B")
     train.add_argument("--lr", type=positive_float, default=0.03)
+    latent = train.add_argument_group("FALSE-VFL (--method false-vfl-1 / false-vfl-2)")
+    latent.add_argument(
+        "--kappa",
+        type=positive_int,
+        metavar="K",
+        help="importance samples per row in the training bounds (default 10)",
+    )
+    latent.add_argument(
+        "--inference-samples",
+        type=positive_int,
+        metavar="L",
+        help="importance samples per row at prediction (default 50)",
+    )
+    train.add_argument(
+        "--labeled",
+        type=positive_int,
+        metavar="N",
+        help="keep N training labels (a seeded random subset); the other rows are unlabelled",
+    )
+    train.add_argument(
+        "--pretrain-epochs",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="SimSiam pretraining of every party's bottom model on its own rows (0: off)",
+    )
     train.add_argument(
         "--standard-incomplete",
         choices=["random", "zero"],
@@ -366,8 +392,25 @@ def _train_config(args: argparse.Namespace) -> Any:
         lr=args.lr,
         standard_incomplete=args.standard_incomplete,
         secure_sums=args.secure_agg != "none",
+        labeled=args.labeled,
+        pretrain_epochs=args.pretrain_epochs,
     )
+    false_vfl = None
+    latent_flags = {"--kappa": args.kappa, "--inference-samples": args.inference_samples}
+    if args.method.startswith("false-vfl"):
+        from secure_vfl.methods.false_vfl import FalseVflConfig
+
+        false_vfl = FalseVflConfig(
+            kappa=args.kappa or 10, inference_samples=args.inference_samples or 50
+        )
+    elif any(value is not None for value in latent_flags.values()):
+        given = [flag for flag, value in latent_flags.items() if value is not None]
+        raise ConfigError(
+            f"{', '.join(given)} apply to --method false-vfl-1 or false-vfl-2. "
+            f"Found --method {args.method}."
+        )
     return TrainConfig(
+        false_vfl=false_vfl,
         method=args.method,
         dataset=args.dataset,
         party_files=tuple(args.party_file or ()),
@@ -382,9 +425,12 @@ def _train_config(args: argparse.Namespace) -> Any:
 
 
 def _summary(result: Any, out: Path) -> str:
+    labeled = result.config["method_config"]["labeled"]
+    labeled_text = f", {labeled} labelled" if labeled is not None else ""
     lines = [
         f"{result.method} on {result.dataset} (train {result.config['train_missing']}, "
-        f"{result.samples['train']} training samples) in {result.wall_time_s:.1f} s",
+        f"{result.samples['train']} training samples{labeled_text}) in "
+        f"{result.wall_time_s:.1f} s",
         f"{'test missingness':<20}{'accuracy %':>12}{'F1 x100':>10}",
     ]
     for name, values in result.metrics.items():
@@ -413,6 +459,13 @@ def _differential_privacy(args: argparse.Namespace, config: Any, data: Any) -> t
         raise ConfigError(
             "--dp-sgd applies to methods with one bottom model per party. "
             "Found --method combinatorial."
+        )
+    if config.method.startswith("false-vfl"):
+        raise ConfigError(
+            f"differential privacy is not available for {config.method} yet: its latent "
+            "samples, log-likelihoods and latent gradients are not noised or priced by the DP "
+            "layers, and noise on its (mean, precision) would break the precisions. Found "
+            f"{', '.join('--dp-' + k.replace('embedding', 'embeddings') for k in requested)}."
         )
     import torch
 
@@ -443,7 +496,7 @@ def _differential_privacy(args: argparse.Namespace, config: Any, data: Any) -> t
                 + (data.train.parties - 1) * ("gradient" in noise)
                 + ("dp-sgd" in noise)
             )
-            steps = len(method.sampler) * config.method_config.epochs * per_step
+            steps = method.total_steps * per_step
             sigma = calibrate_noise(
                 args.target_epsilon, args.delta, sample_rate=sample_rate, steps=steps
             )

@@ -25,6 +25,7 @@ from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
 from secure_vfl.federation.alignment import make_aligner
 from secure_vfl.federation.channel import Channel, TrafficMeter
 from secure_vfl.methods.base import StepCallback
+from secure_vfl.methods.false_vfl import FalseVflConfig, FalseVflMethod
 from secure_vfl.methods.imputation import IMPUTERS, ImputeConfig, Imputer, StatisticsPrivacy
 from secure_vfl.methods.imputation.evaluation import evaluate as evaluate_imputer
 from secure_vfl.methods.imputation.statistics import federated_statistics
@@ -45,8 +46,14 @@ class TrainConfig:
     align: str = "join"
     seed: int = 0
     method_config: methods.MethodConfig = field(default_factory=methods.MethodConfig)
+    false_vfl: FalseVflConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.false_vfl is not None and not self.method.startswith("false-vfl"):
+            raise ConfigError(
+                f"`false_vfl` options apply to false-vfl-1 and false-vfl-2. "
+                f"Found method {self.method!r}."
+            )
         if self.method not in methods.METHODS:
             raise ConfigError(
                 f"`method` must be one of {', '.join(methods.METHODS.names())}. "
@@ -145,6 +152,17 @@ def build_method(
 ) -> methods.Method:
     """The configured method, built on ``data``, its parties talking through ``channel`` and
     summing through ``aggregator`` (plain by default)."""
+    if config.false_vfl is not None:
+        return FalseVflMethod(
+            data,
+            config.method_config,
+            seed=config.seed,
+            variant=1 if config.method == "false-vfl-1" else 2,
+            name=config.method,
+            channel=channel,
+            aggregator=aggregator,
+            false_vfl=config.false_vfl,
+        )
     factory = methods.METHODS.get(config.method)
     return factory(
         data, config.method_config, seed=config.seed, channel=channel, aggregator=aggregator
@@ -218,7 +236,7 @@ def run_training(
     method = build_method(config, data, channel=channel, aggregator=aggregator)
     if on_built is not None:
         on_built(method)
-    steps = len(method.sampler) * config.method_config.epochs
+    steps = method.total_steps
     if on_start is not None:
         on_start(steps)
     losses = method.fit(on_step=on_step)

@@ -90,8 +90,31 @@ class MixedSampler:
             yield order[start : start + self.batch_size]
 
 
-def make_sampler(kind: SamplerKind, mask: np.ndarray, batch_size: int) -> BatchSampler:
-    """The sampler named ``kind`` for a training set with availability ``mask``."""
+class SubsetSampler:
+    """A sampler over some training rows (``rows``), yielding indices into the full set."""
+
+    def __init__(self, inner: BatchSampler, rows: np.ndarray) -> None:
+        self._inner = inner
+        self.rows = rows
+
+    def __len__(self) -> int:
+        return len(self._inner)
+
+    def epoch(self, rng: np.random.Generator) -> Iterator[np.ndarray]:
+        for batch in self._inner.epoch(rng):
+            yield self.rows[batch]
+
+
+def make_sampler(
+    kind: SamplerKind, mask: np.ndarray, batch_size: int, *, rows: np.ndarray | None = None
+) -> BatchSampler:
+    """The sampler named ``kind`` for a training set with availability ``mask`` (N, K).
+
+    With ``rows``, only those training rows are drawn (e.g. the labelled ones); indices still
+    refer to the full set.
+    """
+    if rows is not None:
+        return SubsetSampler(make_sampler(kind, mask[rows], batch_size), rows)
     if kind == "grouped":
         return GroupedSampler(mask, batch_size)
     if kind == "mixed":

@@ -285,3 +285,20 @@ def vertical_from_party_files(
         feature_names=tuple(table.columns for table in tables),
         dropped={"alignment": alignment.dropped},
     )
+
+
+def labeled_subset(n: int, labeled: int | None, *, rng: np.random.Generator) -> np.ndarray:
+    """The sorted training rows whose labels are kept in the semi-supervised setting.
+
+    ``labeled=None`` keeps every row; otherwise ``labeled`` rows drawn uniformly without
+    replacement from ``rng``. Methods pass ``np.random.default_rng(seed)`` with the run's seed,
+    so every method of a run with the same seed labels the same rows (FALSE-VFL's protocol:
+    N labelled training samples, the rest unlabelled).
+    """
+    if labeled is None:
+        return np.arange(n, dtype=np.int64)
+    if isinstance(labeled, bool) or not isinstance(labeled, int) or not 1 <= labeled <= n:
+        raise ConfigError(
+            f"`labeled` must be an integer in [1, {n}] (the training samples). Found {labeled!r}."
+        )
+    return np.sort(rng.choice(n, size=labeled, replace=False)).astype(np.int64)

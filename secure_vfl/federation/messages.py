@@ -200,3 +200,51 @@ class ErrorMessage(Message):
 
     error: str
     kind: ClassVar[str] = "error"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LatentMessage(RowsMessage):
+    """Latent samples ``h`` drawn by the label party for some rows of the batch (FALSE-VFL).
+
+    ``samples[i, j]`` is the j-th importance sample of the latent of row ``positions[i]``;
+    the receiving party scores its block (or, in FALSE-VFL-II, its missingness) under them.
+    """
+
+    samples: Tensor
+    kind: ClassVar[str] = "latent"
+
+    def validate(self) -> None:
+        super().validate()
+        _check_tensor(self, "samples", self.samples, dims=3, dtype=torch.float32)
+        self._check_rows("samples", self.samples)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LikelihoodMessage(RowsMessage):
+    """A party's log-likelihood of its rows under each latent sample it received (FALSE-VFL).
+
+    ``log_likelihood[i, j]`` is one scalar per row and importance sample: the only thing a party
+    returns about its block in the forward pass.
+    """
+
+    log_likelihood: Tensor
+    kind: ClassVar[str] = "likelihood"
+
+    def validate(self) -> None:
+        super().validate()
+        _check_tensor(self, "log_likelihood", self.log_likelihood, dims=2, dtype=torch.float32)
+        self._check_rows("log_likelihood", self.log_likelihood)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LatentGradientMessage(RowsMessage):
+    """The gradient of a party's returned log-likelihoods with respect to the latent samples it
+    received, already weighted by the loss gradient it was sent (FALSE-VFL backward pass)."""
+
+    gradient: Tensor
+    kind: ClassVar[str] = "latent-gradient"
+
+    def validate(self) -> None:
+        super().validate()
+        _check_tensor(self, "gradient", self.gradient, dims=3, dtype=torch.float32)
+        self._check_rows("gradient", self.gradient)

@@ -13,7 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from secure_vfl.data.samplers import BatchSampler
-from secure_vfl.data.vertical import VerticalData, VerticalSplit
+from secure_vfl.data.vertical import VerticalData, VerticalSplit, labeled_subset
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
 from secure_vfl.federation.channel import Channel
@@ -25,6 +25,7 @@ from secure_vfl.federation.messages import (
 )
 from secure_vfl.federation.parties import DataParty, HeadParty
 from secure_vfl.models.networks import make_bottom
+from secure_vfl.models.simsiam import pretrain_simsiam
 from secure_vfl.registry import Registry
 
 Heads = Literal["all", "active"]
@@ -39,8 +40,13 @@ class MethodConfig:
     ``heads="all"`` gives every party labels and a head (the LASER paper); ``"active"`` keeps one
     label party (party 0) with a single head (the threat model's setting). ``batching="grouped"``
     forms batches of one observed set (the paper); ``"mixed"`` samples subsets per sample.
+    ``pretrain_epochs > 0`` pretrains every party's bottom model with SimSiam on its own
+    training rows, labelled or not, before training (local: nothing is sent).
     ``secure_sums=True`` says the aggregator is a secure backend that releases only sums over
     0 or >= 2 parties besides the receiver: methods plan only such sums, or refuse to run.
+    ``labeled`` keeps that many training labels (a seeded random subset, see
+    :func:`~secure_vfl.data.vertical.labeled_subset`) and treats the other rows as unlabelled;
+    ``None`` labels every training row.
     """
 
     heads: Heads = "all"
@@ -55,6 +61,8 @@ class MethodConfig:
     plug_dropout: float = 0.5
     vectorised: bool = True
     secure_sums: bool = False
+    pretrain_epochs: int = 0
+    labeled: int | None = None
 
     def __post_init__(self) -> None:
         _choice("heads", self.heads, ("all", "active"))
@@ -63,6 +71,14 @@ class MethodConfig:
         _positive_int("epochs", self.epochs)
         _positive_int("batch_size", self.batch_size)
         _positive_int("representation_dim", self.representation_dim)
+        if isinstance(self.pretrain_epochs, bool) or not isinstance(self.pretrain_epochs, int):
+            raise ConfigError(
+                f"`pretrain_epochs` must be an integer >= 0. Found {self.pretrain_epochs!r}."
+            )
+        if self.pretrain_epochs < 0:
+            raise ConfigError(f"`pretrain_epochs` must be >= 0. Found {self.pretrain_epochs}.")
+        if self.labeled is not None:
+            _positive_int("labeled", self.labeled)
         if not (self.lr > 0 and np.isfinite(self.lr)):
             raise ConfigError(f"`lr` must be a positive number. Found {self.lr}.")
         if not 0 <= self.momentum < 1:
@@ -71,6 +87,12 @@ class MethodConfig:
             raise ConfigError(f"`weight_decay` must be >= 0. Found {self.weight_decay}.")
         if not 0 <= self.plug_dropout < 1:
             raise ConfigError(f"`plug_dropout` must be in [0, 1). Found {self.plug_dropout}.")
+
+
+def labeled_rows(data: VerticalData, config: MethodConfig, seed: int) -> np.ndarray:
+    """The training rows whose labels a method may use: all, or ``config.labeled`` of them
+    drawn with the run's seed (the same rows for every method of a run)."""
+    return labeled_subset(data.train.n, config.labeled, rng=np.random.default_rng(seed))
 
 
 def refuse_secure_sums(config: MethodConfig, method: str, reason: str) -> None:
@@ -100,6 +122,11 @@ class Method(Protocol):
 
     def train_step(self, rows: np.ndarray, round: int, batch_id: int) -> float:
         """One training step on the training rows ``rows``; returns its loss."""
+        ...
+
+    @property
+    def total_steps(self) -> int:
+        """How many training steps :meth:`fit` runs (for progress reporting)."""
         ...
 
     def fit(self, *, on_step: StepCallback | None = None) -> list[float]:
@@ -265,6 +292,18 @@ def build_federation(
         else:
             with isolated_seed(seed + k):
                 model = make_bottom(shape, out=config.representation_dim)
+            if config.pretrain_epochs > 0:
+                own_rows = data.train.blocks[k][data.train.mask[:, k]]
+                with isolated_seed(seed + 500 + k):
+                    pretrain_simsiam(
+                        model,
+                        torch.from_numpy(own_rows),
+                        width=config.representation_dim,
+                        epochs=config.pretrain_epochs,
+                        batch_size=config.batch_size,
+                        lr=config.lr,
+                        generator=torch.Generator().manual_seed(seed + 500 + k),
+                    )
         blocks = {name: torch.from_numpy(split.blocks[k]) for name, split in splits.items()}
         parties.append(DataParty(party_name(k), blocks, model, sgd(model, config)))
     return Federation(

@@ -15,7 +15,6 @@ Local and Ensemble share LASER's code (:mod:`secure_vfl.methods.laser`).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from functools import partial
 
 import numpy as np
@@ -39,6 +38,7 @@ from secure_vfl.methods.base import (
     build_federation,
     head_party,
     isolated_seed,
+    labeled_rows,
     random_predictions,
     refuse_secure_sums,
     sgd,
@@ -46,21 +46,6 @@ from secure_vfl.methods.base import (
     train_epochs,
 )
 from secure_vfl.models.networks import ConcatHead, LinearHead, make_bottom
-
-
-class _SubsetSampler:
-    """A sampler over a subset of the training rows, yielding indices of the full set."""
-
-    def __init__(self, inner: BatchSampler, index: np.ndarray) -> None:
-        self._inner = inner
-        self._index = index
-
-    def __len__(self) -> int:
-        return len(self._inner)
-
-    def epoch(self, rng: np.random.Generator) -> Iterator[np.ndarray]:
-        for rows in self._inner.epoch(rng):
-            yield self._index[rows]
 
 
 class ConcatFusionMethod:
@@ -90,13 +75,11 @@ class ConcatFusionMethod:
             head = ConcatHead(data.train.parties, config.representation_dim, data.num_classes)
         self.label_party: HeadParty = head_party(party_name(0), data, head, config)
         mask = data.train.mask
-        if name == "standard":
-            self.train_rows = np.nonzero(mask.all(axis=1))[0]
-        else:
-            self.train_rows = np.arange(data.train.n)
-        self.sampler: BatchSampler = _SubsetSampler(
-            make_sampler(config.batching, mask[self.train_rows], config.batch_size),
-            self.train_rows,
+        self.train_rows = labeled_rows(data, config, seed)
+        if name == "standard":  # Vanilla VFL: only the aligned (complete) labelled samples
+            self.train_rows = self.train_rows[mask[self.train_rows].all(axis=1)]
+        self.sampler: BatchSampler = make_sampler(
+            config.batching, mask, config.batch_size, rows=self.train_rows
         )
 
     def _inputs(
@@ -142,6 +125,10 @@ class ConcatFusionMethod:
         self.fed.apply_gradients(received, round=round)
         self.label_party.step()
         return loss.item()
+
+    @property
+    def total_steps(self) -> int:
+        return len(self.sampler) * self.config.epochs
 
     def fit(self, *, on_step: StepCallback | None = None) -> list[float]:
         if self.train_rows.size == 0:
@@ -199,6 +186,11 @@ class Combinatorial:
             "combinatorial",
             "its predictors over two parties hand the head party the other party's term.",
         )
+        if config.pretrain_epochs:
+            raise ConfigError(
+                "combinatorial keeps 2^K - 1 bottom models per run; SimSiam pretraining applies "
+                f"to methods with one per party. Found pretrain_epochs={config.pretrain_epochs}."
+            )
         parties = data.train.parties
         if config.heads != "all":
             raise ConfigError(
@@ -235,7 +227,12 @@ class Combinatorial:
             with isolated_seed(seed + 20_000 + j):
                 head = LinearHead(config.representation_dim, data.num_classes)
             self.heads[subset] = head_party(party_name(subset[0]), data, head, config)
-        self.sampler = make_sampler(config.batching, data.train.mask, config.batch_size)
+        self.sampler = make_sampler(
+            config.batching,
+            data.train.mask,
+            config.batch_size,
+            rows=labeled_rows(data, config, seed),
+        )
 
     def _means(
         self,
@@ -307,6 +304,10 @@ class Combinatorial:
             head.step()
             total += loss.item()
         return total
+
+    @property
+    def total_steps(self) -> int:
+        return len(self.sampler) * self.config.epochs
 
     def fit(self, *, on_step: StepCallback | None = None) -> list[float]:
         return train_epochs(

@@ -50,6 +50,7 @@ from secure_vfl.methods.base import (
     build_federation,
     head_party,
     isolated_seed,
+    labeled_rows,
     split_tensors,
     train_epochs,
 )
@@ -218,7 +219,12 @@ class MeanFusionMethod:
                 head = LinearHead(config.representation_dim, data.num_classes)
             heads.append(head_party(party_name(h), data, head, config))
         self.heads: list[HeadParty] = heads
-        self.sampler = make_sampler(config.batching, data.train.mask, config.batch_size)
+        self.sampler = make_sampler(
+            config.batching,
+            data.train.mask,
+            config.batch_size,
+            rows=labeled_rows(data, config, seed),
+        )
 
     def plan(self, mask: Tensor) -> tuple[Tensor, Tensor]:
         """Selection (H, T, B, K) and weights (H, T, B) of this batch's tasks."""
@@ -306,6 +312,10 @@ class MeanFusionMethod:
         for head in self.heads:
             head.step()
         return total
+
+    @property
+    def total_steps(self) -> int:
+        return len(self.sampler) * self.config.epochs
 
     def fit(self, *, on_step: StepCallback | None = None) -> list[float]:
         return train_epochs(

@@ -1,0 +1,811 @@
+"""FALSE-VFL-I and FALSE-VFL-II: latent-variable VFL with any alignment and unlabelled rows.
+
+The model (paper section 3.3): every data party k encodes its block into the mean and diagonal
+precision of its factor of q(h | x_obs) and decodes p(x^k | h); the label party (party 0, which
+also holds block 0) holds q(z | h), p(h | z) and the discriminator p(y | h). The posterior
+aggregates only the observed parties (paper eq. 1): mean = average of their means, precision =
+sum of their precisions. Eq. 1 writes covariances, Sigma = (sum_k Sigma_k^-1)^-1; with diagonal
+outputs that is exactly the sum of per-coordinate precisions used here, so there is no
+discrepancy, only the choice to let encoders output precisions rather than variances.
+
+Training is two-stage (section 4): stage 1 maximises the kappa-sample importance-weighted bound
+L_kappa of log p(x_obs) over every training row, labelled or not, with respect to Theta_g; stage
+2 freezes Theta_g and maximises L'_kappa, the bound of log p(y, x_obs), over the labelled rows
+with respect to the discriminator only. Prediction is self-normalised importance sampling over L
+samples whose weights are computed without the label (section 3.4).
+
+FALSE-VFL-II (appendix A.2) adds p(m^k | x^k) at every party: an observed block adds
+log p(m^k = 0 | x^k); a missing block is drawn from the party's decoder, x~^k ~ p(x^k | h_j)
+(reparameterised, from the party's own generator), and adds log p(m^k = 1 | x~^k). The draw's
+density cancels between the model and the proposal, so only the mask term enters the weight.
+
+Communication, in the pattern of section 3.5, every message through the channel:
+
+1. each party with observed rows sends concat[mean, precision] of those rows (a
+   ``RepresentationMessage`` to the aggregator); the aggregator's ``combine`` (one task,
+   selection = the observed set) delivers their sums to the label party as a ``SumMessage``.
+   A secure backend therefore protects the per-party (mean, precision) exactly as it protects
+   LASER's representations.
+2. the label party draws h_1..h_S from q(h | x_obs) and sends each party a ``LatentMessage`` for
+   its observed rows (FALSE-VFL-II: for every row of the batch, missing ones included);
+3. each party returns one scalar per row and sample, log p(x^k | h_j) (+ its mask term in
+   FALSE-VFL-II), as a ``LikelihoodMessage`` (the paper says "probabilities"; their logs carry
+   the same information without underflow);
+4. stage 1 only, backward: the label party sends each party the gradient of the loss with respect
+   to its log-likelihoods (``GradientMessage``, tag ``.../likelihood``); the party backpropagates
+   through its decoder and returns the gradient with respect to the h it received
+   (``LatentGradientMessage``) -- the paper leaves this implicit, but without it the decoders'
+   pull on h never reaches the encoders; the label party adds the returned gradients to its own,
+   backpropagates through the reparameterisation and the aggregated sums, and sends each party
+   the gradient with respect to its (mean, precision) (``GradientMessage``, tag
+   ``.../posterior``). Stage 2 and prediction exchange no gradients.
+
+No party reads another party's tensors; only the label party holds labels, and only of the
+labelled training rows (``MethodConfig.labeled``). What the pattern still reveals, by design of
+the paper: the label party sees each party's per-sample log-likelihoods and, in stage 1, the
+gradient of each party's decoder term with respect to h; each party sees the latent samples.
+Channel layers written for representation and gradient messages (DP noise) see steps 1 and 4's
+``RepresentationMessage`` / ``GradientMessage`` but not the latent, likelihood and
+latent-gradient messages, which carry feature information too.
+
+Under secure sums (``MethodConfig.secure_sums``) the label party may only receive sums that hide
+every other party, so a row observed by the label party and exactly one other party uses the
+label party's block alone, and a row observed by one passive party only has no posterior: it is
+skipped in training and predicted from the prior p(h) (:meth:`FalseVflMethod.posterior_selection`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from secure_vfl.data.samplers import BatchSampler, make_sampler
+from secure_vfl.data.vertical import VerticalData
+from secure_vfl.errors import ConfigError, ProtocolError
+from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
+from secure_vfl.federation.channel import Channel
+from secure_vfl.federation.messages import (
+    AGGREGATOR,
+    GradientMessage,
+    LatentGradientMessage,
+    LatentMessage,
+    LikelihoodMessage,
+    RepresentationMessage,
+    party_name,
+)
+from secure_vfl.methods.base import (
+    METHODS,
+    MethodConfig,
+    StepCallback,
+    _positive_int,
+    broadcast_prediction,
+    isolated_seed,
+    labeled_rows,
+    split_tensors,
+    train_epochs,
+)
+from secure_vfl.methods.laser import secure_prediction_selection
+from secure_vfl.models.latent import (
+    MIN_PRECISION,
+    LabelSideModel,
+    PartyLatentModel,
+    gaussian_log_prob,
+)
+
+Variant = Literal[1, 2]
+_PREDICT_BATCH = 256
+
+
+@dataclass(frozen=True, kw_only=True)
+class FalseVflConfig:
+    """FALSE-VFL's own hyper-parameters: kappa and L (``inference_samples``) as the paper's
+    Table 11; sizes and learning rates scaled to short CPU runs (the paper trains h of 128-256
+    and z of 32-64 dimensions with Adam at 5e-5 to 2e-3 for 150-500 epochs).
+
+    ``pretrain_epochs`` / ``train_epochs`` default to ``MethodConfig.epochs`` for each stage.
+    Both stages use Adam (as the paper) with these learning rates and
+    ``MethodConfig.weight_decay``; ``MethodConfig.lr`` and ``momentum`` (SGD's) are not used.
+    """
+
+    kappa: int = 10
+    inference_samples: int = 50
+    latent_dim: int = 32
+    global_latent_dim: int = 16
+    hidden: int = 128
+    pretrain_epochs: int | None = None
+    train_epochs: int | None = None
+    pretrain_lr: float = 3e-3
+    train_lr: float = 3e-3
+
+    def __post_init__(self) -> None:
+        for name in ("kappa", "inference_samples", "latent_dim", "global_latent_dim", "hidden"):
+            _positive_int(name, getattr(self, name))
+        for name in ("pretrain_epochs", "train_epochs"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        for name in ("pretrain_lr", "train_lr"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ConfigError(f"`{name}` must be a positive number. Found {value}.")
+
+
+def _phase(split: str) -> str:
+    """Releases about training rows are priced as training releases, whatever the stage."""
+    return "train" if split == "train" else "predict"
+
+
+class LatentParty:
+    """A data party of FALSE-VFL: its block, which rows it holds, its encoder/decoder/missingness
+    model and optimiser. It answers posterior requests and latent samples with messages only."""
+
+    def __init__(
+        self,
+        name: str,
+        blocks: Mapping[str, Tensor],
+        observed: Mapping[str, Tensor],
+        model: PartyLatentModel,
+        optimizer: torch.optim.Optimizer,
+        generator: torch.Generator,
+    ) -> None:
+        self.name = name
+        self._blocks = dict(blocks)
+        self._observed = dict(observed)
+        self.model = model
+        self.optimizer = optimizer
+        self.generator = generator
+        self._posterior_pending: dict[tuple[int, str], tuple[Tensor, ...]] = {}
+        self._likelihood_pending: dict[tuple[int, str], tuple[Tensor, ...]] = {}
+
+    def posterior(
+        self,
+        split: str,
+        rows: Tensor,
+        positions: Tensor,
+        *,
+        round: int,
+        batch_id: int,
+        train: bool,
+        tag: str,
+    ) -> RepresentationMessage:
+        """concat[mean, precision] of this party's factor of q(h | x^k) for its held ``rows``."""
+        x = self._blocks[split][rows]
+        with torch.set_grad_enabled(train):
+            mean, precision = self.model.encoder(x)
+            output = torch.cat([mean, precision], dim=-1)
+        if train:
+            self._posterior_pending[(round, tag)] = (output, positions)
+        return RepresentationMessage(
+            sender=self.name,
+            receiver=AGGREGATOR,
+            round=round,
+            batch_id=batch_id,
+            positions=positions,
+            tag=tag,
+            phase=_phase(split),
+            representation=output.detach(),
+        )
+
+    def likelihood(
+        self, message: LatentMessage, split: str, rows: Tensor, *, train: bool
+    ) -> LikelihoodMessage:
+        """log p(x^k | h_j) per row and sample; FALSE-VFL-II adds log p(m^k | x^k or x~^k).
+
+        ``rows`` are the batch's sample indices; the message's positions pick the rows asked
+        about. A row this party does not hold is only ever scored through its missingness model.
+        """
+        h = message.samples.clone().requires_grad_(True) if train else message.samples
+        held = self._observed[split][rows[message.positions]]
+        missingness = self.model.missingness
+        if missingness is None and not bool(held.all()):
+            raise ProtocolError(
+                f"{self.name}: latent samples for rows it does not hold, but it has no "
+                "missingness model (FALSE-VFL-I scores observed rows only)."
+            )
+        with torch.set_grad_enabled(train):
+            log_likelihood = torch.zeros(h.shape[:2])
+            observed = torch.nonzero(held).flatten()
+            if observed.numel():
+                x = self._blocks[split][rows[message.positions[observed]]].flatten(1)
+                value = self.model.decoder.log_prob(x.unsqueeze(1), h[observed])
+                if missingness is not None:
+                    value = value + missingness.log_prob(x, missing=False).unsqueeze(1)
+                log_likelihood = log_likelihood.index_put((observed,), value)
+            missing = torch.nonzero(~held).flatten()
+            if missing.numel() and missingness is not None:
+                drawn = self.model.decoder.sample(h[missing], self.generator)
+                value = missingness.log_prob(drawn, missing=True)
+                log_likelihood = log_likelihood.index_put((missing,), value)
+        if train:
+            key = (message.round, message.tag)
+            self._likelihood_pending[key] = (h, log_likelihood, message.positions)
+        return LikelihoodMessage(
+            sender=self.name,
+            receiver=message.sender,
+            round=message.round,
+            batch_id=message.batch_id,
+            positions=message.positions,
+            tag=message.tag,
+            phase=message.phase,
+            log_likelihood=log_likelihood.detach(),
+        )
+
+    def latent_gradient(self, message: GradientMessage, *, tag: str) -> LatentGradientMessage:
+        """Backpropagate the loss gradient on the returned log-likelihoods into the decoder (and
+        missingness model); return the gradient with respect to the latent samples received."""
+        h, log_likelihood, positions = self._pop(self._likelihood_pending, message, tag)
+        log_likelihood.backward(message.gradient)
+        assert h.grad is not None
+        return LatentGradientMessage(
+            sender=self.name,
+            receiver=message.sender,
+            round=message.round,
+            batch_id=message.batch_id,
+            positions=positions,
+            tag=tag,
+            phase=message.phase,
+            gradient=h.grad.detach(),
+        )
+
+    def backward_posterior(self, message: GradientMessage, *, tag: str) -> None:
+        """Backpropagate the gradient on the sent (mean, precision) into the encoder."""
+        output, _ = self._pop(self._posterior_pending, message, tag)
+        output.backward(message.gradient)
+
+    def _pop(
+        self, pending: dict[tuple[int, str], tuple[Tensor, ...]], message: GradientMessage, tag: str
+    ) -> tuple[Tensor, ...]:
+        if message.receiver != self.name:
+            raise ProtocolError(f"{self.name}: gradient addressed to {message.receiver} refused.")
+        try:
+            entry = pending.pop((message.round, tag))
+        except KeyError:
+            raise ProtocolError(
+                f"{self.name}: gradient for round {message.round} (tag {tag!r}) "
+                "but no pending forward pass."
+            ) from None
+        if not torch.equal(message.positions, entry[-1]):
+            raise ProtocolError(
+                f"{self.name}: gradient rows do not match the {entry[-1].numel()} rows sent."
+            )
+        return entry
+
+    def step(self) -> None:
+        """Apply and clear the accumulated gradients; forget unanswered forward passes."""
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._posterior_pending.clear()
+        self._likelihood_pending.clear()
+
+
+class LatentLabelParty:
+    """The label party's role: labels of the labelled training rows, q(z|h), p(h|z), p(y|h)."""
+
+    def __init__(
+        self,
+        name: str,
+        labels: Tensor,
+        model: LabelSideModel,
+        *,
+        generative_optimizer: torch.optim.Optimizer,
+        discriminator_optimizer: torch.optim.Optimizer,
+        generator: torch.Generator,
+    ) -> None:
+        self.name = name
+        self._labels = labels
+        self.model = model
+        self.generative_optimizer = generative_optimizer
+        self.discriminator_optimizer = discriminator_optimizer
+        self.generator = generator
+
+    def labels(self, rows: Tensor) -> Tensor:
+        """Labels of training ``rows``; refuses rows whose label it does not hold."""
+        labels = self._labels[rows]
+        if bool((labels < 0).any()):
+            raise ProtocolError(f"{self.name}: asked for the label of an unlabelled row.")
+        return labels
+
+
+@dataclass
+class _Forward:
+    """One forward pass through the seam, as the label party sees it.
+
+    ``log_weights`` (B, S) is log p(x_obs, [m,] h_j, z_j) - log q(h_j, z_j | x_obs): no label.
+    """
+
+    log_weights: Tensor
+    samples: Tensor
+    samples_graph: Tensor
+    sums: Tensor
+    likelihoods: dict[str, tuple[Tensor, Tensor]]
+    posterior_positions: dict[str, Tensor]
+
+
+@dataclass(frozen=True)
+class Inference:
+    """SNIS prediction: class probabilities (N, C) and the label-free weights (N, L) behind them."""
+
+    probabilities: np.ndarray
+    weights: np.ndarray
+
+
+class FalseVflMethod:
+    """FALSE-VFL-I (``variant=1``, MAR) or FALSE-VFL-II (``variant=2``, MNAR) through the seam.
+
+    ``sampler`` covers every training row (stage 1); ``labeled_sampler`` the labelled rows
+    (stage 2). ``fit`` runs both stages; ``train_step`` runs one step of the current stage.
+    ``MethodConfig.heads`` does not apply: the paper's setting has one label party (party 0),
+    as Standard VFL and PlugVFL here. ``representation_dim`` does not apply either: the latent
+    sizes are ``false_vfl.latent_dim`` and ``global_latent_dim``.
+    """
+
+    def __init__(
+        self,
+        data: VerticalData,
+        config: MethodConfig,
+        *,
+        seed: int,
+        variant: Variant,
+        name: str,
+        channel: Channel | None = None,
+        aggregator: Aggregator | None = None,
+        false_vfl: FalseVflConfig | None = None,
+    ) -> None:
+        self.name = name
+        self.config = config
+        self.options = false_vfl if false_vfl is not None else FalseVflConfig()
+        self.variant = variant
+        self.data = data
+        self.channel = channel if channel is not None else Channel()
+        self.aggregator: Aggregator = aggregator if aggregator is not None else PlainAggregator()
+        options = self.options
+        splits = split_tensors(data)
+        self.parties: list[LatentParty] = []
+        for k in range(data.parties):
+            with isolated_seed(seed + k):
+                model = PartyLatentModel(
+                    data.block_shapes[k],
+                    options.latent_dim,
+                    hidden=options.hidden,
+                    missingness=variant == 2,
+                )
+            self.parties.append(
+                LatentParty(
+                    party_name(k),
+                    {n: torch.from_numpy(s.blocks[k]) for n, s in splits.items()},
+                    {n: torch.from_numpy(s.mask[:, k]) for n, s in splits.items()},
+                    model,
+                    self._adam(model.parameters(), options.pretrain_lr),
+                    torch.Generator().manual_seed(seed + 100 + k),
+                )
+            )
+        self.labeled_rows = labeled_rows(data, config, seed)
+        labels = torch.full((data.train.n,), -1, dtype=torch.int64)
+        labels[self.labeled_rows] = torch.from_numpy(data.train.labels[self.labeled_rows])
+        with isolated_seed(seed + 1000):
+            label_model = LabelSideModel(
+                options.latent_dim,
+                options.global_latent_dim,
+                data.num_classes,
+                hidden=options.hidden,
+            )
+        self.label_party = LatentLabelParty(
+            party_name(0),
+            labels,
+            label_model,
+            generative_optimizer=self._adam(
+                label_model.generative_parameters(), options.pretrain_lr
+            ),
+            discriminator_optimizer=self._adam(
+                label_model.discriminator.parameters(), options.train_lr
+            ),
+            generator=torch.Generator().manual_seed(seed),
+        )
+        self.sampler: BatchSampler = make_sampler(
+            config.batching, data.train.mask, config.batch_size
+        )
+        self.labeled_sampler: BatchSampler = make_sampler(
+            config.batching, data.train.mask, config.batch_size, rows=self.labeled_rows
+        )
+        self.rng = np.random.default_rng(seed)
+        self.stage: Literal[1, 2] = 1
+        self._queries = 0
+
+    def _adam(self, parameters: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
+        return torch.optim.Adam(parameters, lr=lr, weight_decay=self.config.weight_decay)
+
+    @property
+    def names(self) -> list[str]:
+        return [p.name for p in self.parties]
+
+    @property
+    def total_steps(self) -> int:
+        """Training steps of both stages (for progress reporting)."""
+        return len(self.sampler) * self._epochs(1) + len(self.labeled_sampler) * self._epochs(2)
+
+    def _epochs(self, stage: int) -> int:
+        chosen = self.options.pretrain_epochs if stage == 1 else self.options.train_epochs
+        return chosen if chosen is not None else self.config.epochs
+
+    # ---- the seam ----------------------------------------------------------------------
+
+    def posterior_selection(self, mask: Tensor) -> Tensor:
+        """(B, K): the parties whose (mean, precision) enter each row's posterior.
+
+        The observed set, except under secure sums (``MethodConfig.secure_sums``), where the
+        label party may only receive sums hiding every other party: a row observed by the label
+        party and one other party uses the label party's block alone, and a row observed by one
+        other party only gets no posterior (an empty row: skipped in training, predicted from the
+        prior p(h) at test time).
+        """
+        if not self.config.secure_sums:
+            return mask
+        return secure_prediction_selection(mask, 0)
+
+    def _with_posterior(self, split: str, rows: np.ndarray) -> np.ndarray:
+        """The rows of ``rows`` that have a posterior (all of them without secure sums)."""
+        mask = torch.from_numpy(split_tensors(self.data)[split].mask[rows])
+        return rows[self.posterior_selection(mask).any(dim=1).numpy()]
+
+    def _posterior(
+        self,
+        split: str,
+        rows: Tensor,
+        selection: Tensor,
+        *,
+        round: int,
+        batch_id: int,
+        tag: str,
+        train: bool,
+    ) -> tuple[Tensor, Tensor, Tensor, dict[str, Tensor]]:
+        """Step 1: the selected parties' (mean, precision), summed by the aggregator for the
+        label party. ``selection`` (B, K) is the observed set (see :meth:`posterior_selection`).
+
+        Returns the delivered sums (B, 2 d_h) (a leaf with gradient when ``train``), the posterior
+        mean (average of the selected means) and precision (sum of selected precisions), and
+        each sending party's positions.
+        """
+        contributions = []
+        positions_by_party: dict[str, Tensor] = {}
+        for k, party in enumerate(self.parties):
+            positions = torch.nonzero(selection[:, k]).flatten()
+            if positions.numel() == 0:
+                continue
+            message = party.posterior(
+                split,
+                rows[positions],
+                positions,
+                round=round,
+                batch_id=batch_id,
+                train=train,
+                tag=tag,
+            )
+            contributions.append(
+                self.channel.receive(
+                    message,
+                    sender=party.name,
+                    receiver=AGGREGATOR,
+                    round=round,
+                    batch_id=batch_id,
+                )
+            )
+            positions_by_party[party.name] = positions
+        receiver = self.label_party.name
+        summed = self.aggregator.combine(
+            contributions,
+            selection.unsqueeze(0),
+            parties=self.names,
+            receiver=receiver,
+            round=round,
+            batch_id=batch_id,
+            tag=tag,
+        )
+        summed = self.channel.receive(
+            summed, sender=AGGREGATOR, receiver=receiver, round=round, batch_id=batch_id
+        )
+        sums = summed.sums[0].clone().requires_grad_(train)
+        latent = self.options.latent_dim
+        counts = summed.counts[0].clamp(min=1).unsqueeze(-1).to(sums.dtype)
+        mean = sums[:, :latent] / counts
+        precision = sums[:, latent:].clamp(min=MIN_PRECISION)
+        return sums, mean, precision, positions_by_party
+
+    def _forward(
+        self,
+        split: str,
+        rows: Tensor,
+        mask: Tensor,
+        samples: int,
+        *,
+        round: int,
+        batch_id: int,
+        tag: str,
+        train: bool,
+    ) -> _Forward:
+        """Steps 1-3 of the protocol and the label party's label-free log importance weights.
+
+        Every row must have a posterior (a non-empty :meth:`posterior_selection`). FALSE-VFL-I
+        asks the selected parties for their likelihoods; FALSE-VFL-II also asks the parties
+        missing a row for their mask term. A block left out of a row's posterior under secure
+        sums is left out of its weight too (x^k and m^k marginalised), so the bound stays valid.
+        """
+        label = self.label_party
+        selection = self.posterior_selection(mask)
+        sums, mean, precision, posterior_positions = self._posterior(
+            split, rows, selection, round=round, batch_id=batch_id, tag=tag, train=train
+        )
+        scored = selection | ~mask if self.variant == 2 else selection
+        scale = precision.rsqrt().unsqueeze(1)
+        noise = torch.randn((rows.shape[0], samples, mean.shape[1]), generator=label.generator)
+        samples_graph = mean.unsqueeze(1) + noise * scale
+        sent = samples_graph.detach()
+        total = torch.zeros(rows.shape[0], samples)
+        likelihoods: dict[str, tuple[Tensor, Tensor]] = {}
+        for k, party in enumerate(self.parties):
+            positions = torch.nonzero(scored[:, k]).flatten()
+            if positions.numel() == 0:
+                continue
+            latent = LatentMessage(
+                sender=label.name,
+                receiver=party.name,
+                round=round,
+                batch_id=batch_id,
+                positions=positions,
+                tag=tag,
+                phase=_phase(split),
+                samples=sent[positions].contiguous(),
+            )
+            latent = self.channel.receive(
+                latent, sender=label.name, receiver=party.name, round=round, batch_id=batch_id
+            )
+            reply = party.likelihood(latent, split, rows, train=train)
+            reply = self.channel.receive(
+                reply, sender=party.name, receiver=label.name, round=round, batch_id=batch_id
+            )
+            value = reply.log_likelihood.clone().requires_grad_(train)
+            likelihoods[party.name] = (reply.positions, value)
+            total = total.index_add(0, reply.positions, value)
+        with torch.set_grad_enabled(train):
+            h = sent.clone().requires_grad_(train)
+            log_q = gaussian_log_prob(h, mean.unsqueeze(1), scale)
+            log_weights = total + label.model.latent_log_ratio(h, label.generator) - log_q
+        return _Forward(
+            log_weights=log_weights,
+            samples=h,
+            samples_graph=samples_graph,
+            sums=sums,
+            likelihoods=likelihoods,
+            posterior_positions=posterior_positions,
+        )
+
+    # ---- training ----------------------------------------------------------------------
+
+    def train_step(self, rows_np: np.ndarray, round: int, batch_id: int) -> float:
+        """One step of the current stage on the training ``rows_np`` that have a posterior;
+        returns the negative bound per sample (-L_kappa in stage 1, -L'_kappa in stage 2)."""
+        rows_np = self._with_posterior("train", rows_np)
+        if rows_np.size == 0:
+            return 0.0
+        rows = torch.from_numpy(rows_np)
+        mask = torch.from_numpy(self.data.train.mask[rows_np])
+        pretraining = self.stage == 1
+        tag = f"stage{self.stage}"
+        forward = self._forward(
+            "train",
+            rows,
+            mask,
+            self.options.kappa,
+            round=round,
+            batch_id=batch_id,
+            tag=tag,
+            train=pretraining,
+        )
+        if pretraining:
+            return self._pretrain_update(forward, round=round, batch_id=batch_id, tag=tag)
+        return self._discriminator_update(forward, rows)
+
+    def _pretrain_update(self, forward: _Forward, *, round: int, batch_id: int, tag: str) -> float:
+        """Stage 1: ascend L_kappa(Theta_g) on a batch of any training rows (paper section 3.4)."""
+        label = self.label_party
+        kappa = self.options.kappa
+        bound = torch.logsumexp(forward.log_weights, dim=1) - math.log(kappa)
+        loss = -bound.mean()
+        loss.backward(retain_graph=True)  # the reparameterisation is backpropagated again below
+        assert forward.samples.grad is not None
+        samples_grad = forward.samples.grad.clone()
+        outgoing = []
+        for name, (positions, value) in forward.likelihoods.items():
+            assert value.grad is not None
+            outgoing.append(
+                GradientMessage(
+                    sender=label.name,
+                    receiver=name,
+                    round=round,
+                    batch_id=batch_id,
+                    positions=positions,
+                    tag=f"{tag}/likelihood",
+                    gradient=value.grad.detach(),
+                )
+            )
+        by_name = {p.name: p for p in self.parties}
+        for message in outgoing:
+            delivered = self.channel.receive(
+                message,
+                sender=label.name,
+                receiver=message.receiver,
+                round=round,
+                batch_id=batch_id,
+            )
+            party = by_name[message.receiver]
+            reply = party.latent_gradient(delivered, tag=tag)
+            reply = self.channel.receive(
+                reply, sender=party.name, receiver=label.name, round=round, batch_id=batch_id
+            )
+            samples_grad.index_add_(0, reply.positions, reply.gradient)
+        forward.samples_graph.backward(samples_grad)
+        assert forward.sums.grad is not None
+        for name, positions in forward.posterior_positions.items():
+            message = GradientMessage(
+                sender=label.name,
+                receiver=name,
+                round=round,
+                batch_id=batch_id,
+                positions=positions,
+                tag=f"{tag}/posterior",
+                gradient=forward.sums.grad[positions].detach().contiguous(),
+            )
+            delivered = self.channel.receive(
+                message, sender=label.name, receiver=name, round=round, batch_id=batch_id
+            )
+            by_name[name].backward_posterior(delivered, tag=tag)
+        for party in self.parties:
+            party.step()
+        label.generative_optimizer.step()
+        label.generative_optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    def _discriminator_update(self, forward: _Forward, rows: Tensor) -> float:
+        """Stage 2: ascend L'_kappa(phi) on labelled rows with Theta_g frozen (no gradients out)."""
+        label = self.label_party
+        kappa = self.options.kappa
+        logits = label.model.discriminator(forward.samples)
+        labels = label.labels(rows)
+        log_py = -F.cross_entropy(
+            logits.flatten(0, 1), labels.repeat_interleave(kappa), reduction="none"
+        ).view(-1, kappa)
+        bound = torch.logsumexp(forward.log_weights + log_py, dim=1) - math.log(kappa)
+        loss = -bound.mean()
+        label.discriminator_optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        label.discriminator_optimizer.step()
+        label.discriminator_optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    def fit(self, *, on_step: StepCallback | None = None) -> list[float]:
+        """Stage 1 on every training row, then stage 2 on the labelled rows.
+
+        Returns the mean loss of every epoch: first the stage-1 epochs (-L_kappa per sample),
+        then the stage-2 epochs (-L'_kappa per sample). ``on_step`` sees rounds counted across
+        both stages.
+        """
+        self.stage = 1
+        losses = train_epochs(
+            self.train_step,
+            self.sampler,
+            epochs=self._epochs(1),
+            rng=self.rng,
+            on_step=on_step,
+        )
+        offset = len(self.sampler) * self._epochs(1)
+        self.stage = 2
+        shifted = None if on_step is None else partial(_shift_round, on_step, offset)
+        losses += train_epochs(
+            self.train_step,
+            self.labeled_sampler,
+            epochs=self._epochs(2),
+            rng=self.rng,
+            on_step=shifted,
+        )
+        return losses
+
+    # ---- evaluation --------------------------------------------------------------------
+
+    def _next_query(self) -> int:
+        """A fresh round number for every evaluation pass, so no aggregation context repeats."""
+        self._queries += 1
+        return self._queries
+
+    def posterior(self, split_name: str, rows: np.ndarray) -> tuple[Tensor, Tensor]:
+        """The aggregated q(h | x_obs) of ``rows`` as the label party gets it: (mean, precision)."""
+        mask = torch.from_numpy(split_tensors(self.data)[split_name].mask[rows])
+        with torch.no_grad():
+            _, mean, precision, _ = self._posterior(
+                split_name,
+                torch.from_numpy(rows),
+                self.posterior_selection(mask),
+                round=self._next_query(),
+                batch_id=0,
+                tag=f"posterior/{split_name}",
+                train=False,
+            )
+        return mean, precision
+
+    def log_weights(self, split_name: str, rows: np.ndarray, samples: int) -> Tensor:
+        """Label-free log importance weights (B, samples) of ``rows``, through the seam."""
+        mask = torch.from_numpy(split_tensors(self.data)[split_name].mask[rows])
+        with torch.no_grad():
+            return self._forward(
+                split_name,
+                torch.from_numpy(rows),
+                mask,
+                samples,
+                round=self._next_query(),
+                batch_id=0,
+                tag=f"weights/{split_name}",
+                train=False,
+            ).log_weights
+
+    def bound(self, split_name: str, rows: np.ndarray, samples: int) -> Tensor:
+        """One draw of the importance-weighted bound log R_samples(x_obs[, m]) per row (B,)."""
+        log_weights = self.log_weights(split_name, rows, samples)
+        return torch.logsumexp(log_weights, dim=1) - math.log(samples)
+
+    def infer(self, split_name: str) -> Inference:
+        """SNIS over L samples: p(y | x_obs) ~ sum_l w_l p(y | h_l), with label-free weights w."""
+        split = split_tensors(self.data)[split_name]
+        samples = self.options.inference_samples
+        round = self._next_query()
+        probabilities = np.zeros((split.n, self.data.num_classes), dtype=np.float32)
+        weights = np.zeros((split.n, samples), dtype=np.float32)
+        label = self.label_party
+        with_posterior = self._with_posterior(split_name, np.arange(split.n))
+        without = np.setdiff1d(np.arange(split.n), with_posterior)
+        for batch_id, start in enumerate(range(0, with_posterior.size, _PREDICT_BATCH)):
+            rows = torch.from_numpy(with_posterior[start : start + _PREDICT_BATCH])
+            mask = torch.from_numpy(split.mask[rows.numpy()])
+            with torch.no_grad():
+                forward = self._forward(
+                    split_name,
+                    rows,
+                    mask,
+                    samples,
+                    round=round,
+                    batch_id=batch_id,
+                    tag=f"predict/{split_name}",
+                    train=False,
+                )
+                normalised = torch.softmax(forward.log_weights, dim=1)
+                class_probabilities = torch.softmax(
+                    label.model.discriminator(forward.samples), dim=-1
+                )
+                mixed = torch.einsum("bl,blc->bc", normalised, class_probabilities)
+            probabilities[rows.numpy()] = mixed.numpy()
+            weights[rows.numpy()] = normalised.numpy()
+        if without.size:  # no releasable posterior: the prior, where all weights are equal
+            with torch.no_grad():
+                prior = label.model.prior_samples(without.size, samples, label.generator)
+                class_probabilities = torch.softmax(label.model.discriminator(prior), dim=-1)
+            probabilities[without] = class_probabilities.mean(dim=1).numpy()
+            weights[without] = 1.0 / samples
+        return Inference(probabilities=probabilities, weights=weights)
+
+    def predict(self, split_name: str) -> np.ndarray:
+        """The label party's SNIS prediction, reported by every observed party: (N, K)."""
+        split = split_tensors(self.data)[split_name]
+        predicted = self.infer(split_name).probabilities.argmax(axis=1)
+        return broadcast_prediction(predicted, split.mask)
+
+
+def _shift_round(on_step: StepCallback, offset: int, round: int, loss: float) -> None:
+    on_step(offset + round, loss)
+
+
+METHODS.register("false-vfl-1", partial(FalseVflMethod, variant=1, name="false-vfl-1"))
+METHODS.register("false-vfl-2", partial(FalseVflMethod, variant=2, name="false-vfl-2"))

@@ -1,0 +1,504 @@
+"""FALSE-VFL-I/II: the bound, the aggregated posterior, the mask term, SNIS, the seam, learning."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from conftest import MakeData
+
+from protocols.secagg import MaskingAggregator
+from secure_vfl.data.vertical import VerticalData, labeled_subset
+from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
+from secure_vfl.federation.aggregator import PlainAggregator
+from secure_vfl.federation.channel import Channel, RecordingLayer
+from secure_vfl.federation.messages import (
+    GradientMessage,
+    LatentGradientMessage,
+    LatentMessage,
+    LikelihoodMessage,
+    RepresentationMessage,
+    SumMessage,
+)
+from secure_vfl.methods import METHODS, MethodConfig
+from secure_vfl.methods.false_vfl import FalseVflConfig, FalseVflMethod
+from secure_vfl.metrics import accuracy
+from secure_vfl.models.latent import gaussian_log_prob
+
+SMALL = FalseVflConfig(latent_dim=6, global_latent_dim=3, hidden=32, kappa=3)
+FAST = MethodConfig(epochs=1, batch_size=64, labeled=100)
+LEARNING = dataclasses.replace(
+    SMALL, latent_dim=8, global_latent_dim=4, kappa=10, pretrain_epochs=10, train_epochs=40
+)
+
+
+def _method(
+    data: VerticalData,
+    variant: int = 1,
+    config: MethodConfig = FAST,
+    options: FalseVflConfig = SMALL,
+    **kwargs: object,
+) -> FalseVflMethod:
+    method = METHODS.get(f"false-vfl-{variant}")(
+        data,
+        config,
+        seed=5,
+        false_vfl=options,  # type: ignore[call-arg]
+        **kwargs,  # type: ignore[arg-type]
+    )
+    assert isinstance(method, FalseVflMethod)
+    return method
+
+
+def _with_test_mask(data: VerticalData, masks: dict[str, np.ndarray]) -> VerticalData:
+    """``data`` whose test splits are the ``mcar:0`` split under each crafted mask."""
+    base = data.tests["mcar:0"]
+    tests = {}
+    for name, mask in masks.items():
+        blocks = tuple(
+            np.where(mask[:, k].reshape(-1, 1), b, 0).astype(np.float32)
+            for k, b in enumerate(base.blocks)
+        )
+        tests[name] = dataclasses.replace(base, blocks=blocks, mask=mask)
+    return dataclasses.replace(data, tests=tests)
+
+
+def _subset_mask(data: VerticalData, parties: list[int]) -> np.ndarray:
+    mask = np.zeros_like(data.tests["mcar:0"].mask)
+    mask[:, parties] = True
+    return mask
+
+
+def test_configuration_errors_say_what_was_expected() -> None:
+    with pytest.raises(ConfigError, match=r"`kappa` must be a positive integer. Found 0."):
+        FalseVflConfig(kappa=0)
+    with pytest.raises(ConfigError, match=r"`train_epochs` must be a positive integer"):
+        FalseVflConfig(train_epochs=-1)
+    with pytest.raises(ConfigError, match=r"`pretrain_lr` must be a positive number"):
+        FalseVflConfig(pretrain_lr=float("nan"))
+    with pytest.raises(ConfigError, match=r"`labeled` must be a positive integer. Found 0."):
+        MethodConfig(labeled=0)
+    with pytest.raises(ConfigError, match=r"`labeled` must be an integer in \[1, 10\]"):
+        labeled_subset(10, 11, rng=np.random.default_rng(0))
+
+
+def test_the_labelled_subset_is_seeded_sorted_and_all_rows_by_default() -> None:
+    first = labeled_subset(500, 40, rng=np.random.default_rng(3))
+    again = labeled_subset(500, 40, rng=np.random.default_rng(3))
+    other = labeled_subset(500, 40, rng=np.random.default_rng(4))
+    assert np.array_equal(first, again) and not np.array_equal(first, other)
+    assert first.size == 40 and np.all(np.diff(first) > 0)
+    assert np.array_equal(labeled_subset(7, None, rng=np.random.default_rng(0)), np.arange(7))
+
+
+@pytest.mark.parametrize("variant", [1, 2])
+def test_the_bound_increases_with_kappa_on_a_fixed_model(make_data: MakeData, variant: int) -> None:
+    """Theorem 3.1: E[log R_kappa] is non-decreasing in kappa (here strictly, at initialisation)."""
+    data = make_data(train_missing="mcar:0.3")
+    method = _method(data, variant)
+    rows = np.arange(200)
+    means = {}
+    for kappa in (1, 5, 50):
+        draws = [method.bound("train", rows, kappa).mean().item() for _ in range(10)]
+        means[kappa] = float(np.mean(draws))
+    assert means[1] < means[5] < means[50], means
+    assert means[50] - means[1] > 0.3, means  # an ELBO (no log-mean-exp) would give ~0
+
+
+def test_the_posterior_ignores_absent_parties(make_data: MakeData) -> None:
+    data = make_data()
+    mask = _subset_mask(data, [0, 2])
+    clean = _with_test_mask(data, {"subset": mask})
+    split = clean.tests["subset"]
+    noisy_blocks = list(split.blocks)
+    for k in (1, 3):  # absent everywhere: fill the blocks the parties do not hold with garbage
+        noisy_blocks[k] = np.random.default_rng(k).normal(size=split.blocks[k].shape)
+        noisy_blocks[k] = noisy_blocks[k].astype(np.float32) * 100
+    noisy = dataclasses.replace(
+        clean, tests={"subset": dataclasses.replace(split, blocks=tuple(noisy_blocks))}
+    )
+    rows = np.arange(50)
+    mean_a, precision_a = _method(clean).posterior("subset", rows)
+    mean_b, precision_b = _method(noisy).posterior("subset", rows)
+    assert torch.equal(mean_a, mean_b) and torch.equal(precision_a, precision_b)
+
+
+def test_the_posterior_averages_means_and_tightens_as_parties_are_added(
+    make_data: MakeData,
+) -> None:
+    """Eq. 1: mean = average of the observed means, precision = sum of observed precisions."""
+    data = make_data()
+    masks = {f"{k}": _subset_mask(data, [k]) for k in range(4)}
+    masks |= {f"0-{last}": _subset_mask(data, list(range(last + 1))) for last in range(1, 4)}
+    method = _method(_with_test_mask(data, masks))
+    rows = np.arange(40)
+    single = [method.posterior(str(k), rows) for k in range(4)]
+    previous = single[0][1]
+    for last in range(1, 4):
+        mean, precision = method.posterior(f"0-{last}", rows)
+        expected_mean = torch.stack([single[k][0] for k in range(last + 1)]).mean(dim=0)
+        expected_precision = torch.stack([single[k][1] for k in range(last + 1)]).sum(dim=0)
+        assert torch.allclose(mean, expected_mean, atol=1e-5)
+        assert torch.allclose(precision, expected_precision, atol=1e-5)
+        assert bool((precision > previous).all())
+        previous = precision
+
+
+def _constant_missingness(method: FalseVflMethod, logit: float) -> None:
+    """Make every party's p(m^k = 1 | x^k) = sigmoid(logit), whatever x^k."""
+    for party in method.parties:
+        assert party.model.missingness is not None
+        last = party.model.missingness.net[-1]
+        assert isinstance(last, torch.nn.Linear)
+        with torch.no_grad():
+            last.weight.zero_()
+            last.bias.fill_(logit)
+
+
+def test_the_mnar_bound_includes_the_mask_term_and_the_mar_bound_does_not(
+    make_data: MakeData,
+) -> None:
+    data = make_data(train_missing="mcar:0.4")
+    rows = np.arange(120)
+    mask = torch.from_numpy(data.train.mask[rows])
+    mar = _method(data, 1).log_weights("train", rows, 4)
+    mnar = _method(data, 2)
+    for logit in (-1.0, 2.0):
+        _constant_missingness(mnar, logit)
+        weights = _reseeded(mnar).log_weights("train", rows, 4)  # the MAR model's h and z
+        p = torch.sigmoid(torch.tensor(logit))
+        mask_term = torch.where(mask, torch.log(1 - p), torch.log(p)).sum(dim=1, keepdim=True)
+        assert torch.allclose(weights - mar, mask_term.expand_as(mar), atol=1e-4)
+    # A missing block is drawn from its party's decoder: with a missingness model that reads
+    # x^k, changing party 3's decoder moves the MNAR weights of rows where party 3 is missing,
+    # never the MAR weights of those rows (party 3 takes no part in them).
+    absent = ~mask[:, 3]
+    assert bool(absent.any())
+    results = {}
+    for variant in (1, 2):
+        method = _method(data, variant)
+        before = _reseeded(method).log_weights("train", rows, 4)
+        decoder_output = method.parties[3].model.decoder.net[-1]
+        assert isinstance(decoder_output, torch.nn.Linear)
+        with torch.no_grad():
+            decoder_output.bias.add_(3.0)
+        results[variant] = (before, _reseeded(method).log_weights("train", rows, 4))
+    mar_before, mar_after = results[1]
+    assert torch.equal(mar_before[absent], mar_after[absent])
+    mnar_before, mnar_after = results[2]
+    assert not torch.allclose(mnar_before[absent], mnar_after[absent])
+
+
+def _reseeded(method: FalseVflMethod) -> FalseVflMethod:
+    """Reset every party's random draws, so two evaluations use the same h, z and x~."""
+    method.label_party.generator.manual_seed(5)
+    for k, party in enumerate(method.parties):
+        party.generator.manual_seed(100 + k)
+    return method
+
+
+def test_snis_weights_are_normalised_and_do_not_depend_on_labels(make_data: MakeData) -> None:
+    data = make_data()
+    permuted = dataclasses.replace(
+        data,
+        tests={
+            name: dataclasses.replace(
+                split, labels=np.random.default_rng(1).permutation(split.labels)
+            )
+            for name, split in data.tests.items()
+        },
+    )
+    first, second = _method(data), _method(permuted)
+    first.fit()
+    second.fit()
+    for name in data.tests:
+        a, b = first.infer(name), second.infer(name)
+        assert a.weights.shape == (data.tests[name].n, SMALL.inference_samples)
+        assert np.allclose(a.weights.sum(axis=1), 1.0, atol=1e-5)
+        assert np.allclose(a.probabilities.sum(axis=1), 1.0, atol=1e-5)
+        assert np.array_equal(a.weights, b.weights)
+        assert np.array_equal(a.probabilities, b.probabilities)
+
+
+def test_the_label_party_holds_only_the_labelled_rows(make_data: MakeData) -> None:
+    data = make_data()
+    method = _method(data)
+    assert method.labeled_rows.size == 100
+    unlabelled = np.setdiff1d(np.arange(data.train.n), method.labeled_rows)
+    with pytest.raises(ProtocolError, match="unlabelled row"):
+        method.label_party.labels(torch.from_numpy(unlabelled[:3]))
+    seen = np.concatenate(list(method.labeled_sampler.epoch(np.random.default_rng(0))))
+    assert np.array_equal(np.sort(seen), method.labeled_rows)
+
+
+def _parameters(modules: list[torch.nn.Module]) -> list[torch.Tensor]:
+    return [p.detach().clone() for m in modules for p in m.parameters()]
+
+
+def test_stage_two_trains_only_the_discriminator(make_data: MakeData) -> None:
+    data = make_data()
+    method = _method(data, 2)
+    generative = [p.model for p in method.parties] + [
+        method.label_party.model.global_encoder,
+        method.label_party.model.global_decoder,
+    ]
+    discriminator = [method.label_party.model.discriminator]
+    start_generative = _parameters(generative)
+    start_discriminator = _parameters(discriminator)
+    method.train_step(np.arange(64), 0, 0)
+    after_stage_one = _parameters(generative)
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(_parameters(discriminator), start_discriminator, strict=True)
+    )
+    assert not all(
+        torch.equal(a, b) for a, b in zip(after_stage_one, start_generative, strict=True)
+    )
+    method.stage = 2
+    method.train_step(method.labeled_rows[:32], 1, 0)
+    assert all(
+        torch.equal(a, b) for a, b in zip(_parameters(generative), after_stage_one, strict=True)
+    )
+    assert not all(
+        torch.equal(a, b)
+        for a, b in zip(_parameters(discriminator), start_discriminator, strict=True)
+    )
+
+
+def _centralised_loss(
+    method: FalseVflMethod, rows: np.ndarray, state: torch.Tensor
+) -> torch.Tensor:
+    """-L_kappa of FALSE-VFL-I computed in one autograd graph, with the same random draws."""
+    generator = torch.Generator()
+    generator.set_state(state)
+    mask = torch.from_numpy(method.data.train.mask[rows])
+    batch, latent, kappa = len(rows), method.options.latent_dim, method.options.kappa
+    mean_sum, precision_sum = torch.zeros(batch, latent), torch.zeros(batch, latent)
+    blocks = [torch.from_numpy(b[rows]) for b in method.data.train.blocks]
+    for k, party in enumerate(method.parties):
+        observed = torch.nonzero(mask[:, k]).flatten()
+        m, p = party.model.encoder(blocks[k][observed])
+        mean_sum = mean_sum.index_add(0, observed, m)
+        precision_sum = precision_sum.index_add(0, observed, p)
+    mean = mean_sum / mask.sum(dim=1, keepdim=True)
+    scale = precision_sum.rsqrt().unsqueeze(1)
+    h = mean.unsqueeze(1) + torch.randn((batch, kappa, latent), generator=generator) * scale
+    total = torch.zeros(batch, kappa)
+    for k, party in enumerate(method.parties):
+        observed = torch.nonzero(mask[:, k]).flatten()
+        x = blocks[k][observed].flatten(1).unsqueeze(1)
+        total = total.index_add(0, observed, party.model.decoder.log_prob(x, h[observed]))
+    label = method.label_party.model
+    log_weights = (
+        total
+        + label.latent_log_ratio(h, generator)
+        - gaussian_log_prob(h, mean.unsqueeze(1), scale)
+    )
+    return -(torch.logsumexp(log_weights, dim=1) - math.log(kappa)).mean()
+
+
+def test_gradients_through_the_seam_equal_those_of_the_centralised_model(
+    make_data: MakeData, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = make_data(train_missing="mcar:0.4")
+    method = _method(data, 1)
+    modules: list[torch.nn.Module] = [p.model for p in method.parties] + [
+        method.label_party.model.global_encoder,
+        method.label_party.model.global_decoder,
+    ]
+    rows = np.arange(48)
+    state = method.label_party.generator.get_state()
+    _centralised_loss(method, rows, state).backward()
+    expected = [p.grad.clone() for m in modules for p in m.parameters()]  # type: ignore[union-attr]
+    for m in modules:
+        m.zero_grad(set_to_none=True)
+    for party in method.parties:
+        monkeypatch.setattr(party, "step", lambda: None)
+    label = method.label_party
+    monkeypatch.setattr(label.generative_optimizer, "step", lambda: None)
+    monkeypatch.setattr(label.generative_optimizer, "zero_grad", lambda set_to_none=True: None)
+    method.train_step(rows, 0, 0)
+    found = [p.grad for m in modules for p in m.parameters()]
+    for a, b in zip(expected, found, strict=True):
+        assert b is not None
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", [1, 2])
+def test_false_vfl_learns_from_few_labels_and_predicts_on_any_missingness(
+    make_data: MakeData, variant: int
+) -> None:
+    data = make_data(train_missing="mcar:0.3")
+    method = _method(data, variant, FAST, LEARNING)
+    losses = method.fit()
+    assert len(losses) == 50
+    assert losses[9] < losses[0] and losses[-1] < losses[10]  # each stage ascends its bound
+    for name, split in data.tests.items():
+        predictions = method.predict(name)
+        assert np.array_equal(predictions >= 0, split.mask)
+        assert accuracy(predictions, split.labels) > 80.0, name  # chance is 33 %
+
+
+def test_messages_follow_the_papers_communication_pattern(make_data: MakeData) -> None:
+    data = make_data(train_missing="mcar:0.3")
+    recorder = RecordingLayer()
+    method = _method(data, 1, channel=Channel([recorder]))
+    rows = np.arange(32)
+    mask = data.train.mask[rows]
+    method.train_step(rows, 0, 0)
+    parties = [f"party-{k}" for k in range(4)]
+    routes = Counter((m.kind, m.sender, m.receiver) for m in recorder.messages)
+    expected = Counter(
+        [("representation", p, "aggregator") for p in parties]
+        + [("sum", "aggregator", "party-0")]
+        + [("latent", "party-0", p) for p in parties]
+        + [("likelihood", p, "party-0") for p in parties]
+        + [("gradient", "party-0", p) for p in parties] * 2
+        + [("latent-gradient", p, "party-0") for p in parties]
+    )
+    assert routes == expected
+    latent, kappa = SMALL.latent_dim, SMALL.kappa
+    block_width = data.train.blocks[0].shape[1]
+    assert block_width not in (latent, 2 * latent, kappa)  # a block could not hide in a message
+    for message in recorder.messages:
+        assert message.round == 0 and message.batch_id == 0
+        if isinstance(message, RepresentationMessage):
+            k = parties.index(message.sender)
+            assert message.positions.tolist() == np.flatnonzero(mask[:, k]).tolist()
+            assert message.representation.shape == (int(mask[:, k].sum()), 2 * latent)
+            assert bool((message.representation[:, latent:] > 0).all())  # precisions
+        elif isinstance(message, SumMessage):
+            assert message.sums.shape == (1, 32, 2 * latent)
+            assert message.counts[0].tolist() == mask.sum(axis=1).tolist()
+        elif isinstance(message, LatentMessage):
+            k = parties.index(message.receiver)
+            assert message.positions.tolist() == np.flatnonzero(mask[:, k]).tolist()
+            assert message.samples.shape[1:] == (kappa, latent)
+        elif isinstance(message, LikelihoodMessage):
+            assert message.log_likelihood.shape[1:] == (kappa,)
+        elif isinstance(message, LatentGradientMessage):
+            assert message.gradient.shape[1:] == (kappa, latent)
+        else:
+            assert isinstance(message, GradientMessage)
+            assert message.tag in ("stage1/likelihood", "stage1/posterior")
+            width = kappa if message.tag.endswith("likelihood") else 2 * latent
+            assert message.gradient.shape[1] == width
+    # Stage 2 and prediction send no gradient anywhere.
+    recorder.messages.clear()
+    method.stage = 2
+    method.train_step(method.labeled_rows[:32], 1, 0)
+    method.predict("mcar:0.5")
+    kinds = set(recorder.kinds())
+    assert kinds == {"representation", "sum", "latent", "likelihood"}
+
+
+def test_mnar_parties_also_score_the_rows_they_miss(make_data: MakeData) -> None:
+    """FALSE-VFL-II sends h to the parties missing a row too (appendix A.2's extra exchange)."""
+    data = make_data(train_missing="mcar:0.3")
+    recorder = RecordingLayer()
+    method = _method(data, 2, channel=Channel([recorder]))
+    method.train_step(np.arange(32), 0, 0)
+    latents = [m for m in recorder.messages if isinstance(m, LatentMessage)]
+    assert len(latents) == 4
+    assert all(m.positions.tolist() == list(range(32)) for m in latents)
+
+
+class _RecordingAggregator(PlainAggregator):
+    """A stand-in secure backend that records what it was asked to sum."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, torch.Tensor, int]] = []
+
+    def combine(self, contributions, selection, **kwargs):  # type: ignore[no-untyped-def]
+        width = contributions[0].representation.shape[1]
+        self.calls.append((kwargs["tag"], selection.clone(), width))
+        return super().combine(contributions, selection, **kwargs)
+
+
+def test_the_posterior_sums_go_through_the_given_aggregator(make_data: MakeData) -> None:
+    data = make_data()
+    aggregator = _RecordingAggregator()
+    method = _method(data, 1, aggregator=aggregator)
+    method.fit()
+    method.predict("mcar:0.5")
+    tags = Counter(tag for tag, _, _ in aggregator.calls)
+    assert tags["stage1"] == len(method.sampler)
+    assert tags["stage2"] == len(method.labeled_sampler)
+    assert tags["predict/mcar:0.5"] == 1
+    assert all(width == 2 * SMALL.latent_dim for _, _, width in aggregator.calls)
+    _, selection, _ = aggregator.calls[-1]
+    assert torch.equal(selection[0], torch.from_numpy(data.tests["mcar:0.5"].mask))
+
+
+def test_under_secure_sums_no_posterior_sum_reveals_a_single_party(make_data: MakeData) -> None:
+    data = make_data(train_missing="mcar:0.3")
+    aggregator = _RecordingAggregator()
+    config = dataclasses.replace(FAST, secure_sums=True)
+    method = _method(data, 2, config, LEARNING, aggregator=aggregator)
+    method.fit()
+    predictions = {name: method.predict(name) for name in data.tests}
+    assert len(aggregator.calls) > 10
+    for _, selection, _ in aggregator.calls:
+        assert not bool((selection[..., 1:].sum(dim=2) == 1).any())
+    # Rows seen by one passive party only are predicted from the prior, with equal weights.
+    split = data.tests["mcar:0.5"]
+    lone = (~split.mask[:, 0]) & (split.mask[:, 1:].sum(axis=1) == 1)
+    assert lone.any()
+    inference = method.infer("mcar:0.5")
+    assert np.allclose(inference.weights[lone], 1.0 / SMALL.inference_samples)
+    assert np.array_equal(predictions["mcar:0.5"] >= 0, split.mask)
+    assert accuracy(predictions["mcar:0"], data.tests["mcar:0"].labels) > 70.0
+
+
+def test_false_vfl_trained_through_masks_matches_false_vfl_trained_in_the_clear(
+    make_data: MakeData,
+) -> None:
+    data = make_data(train_missing="mcar:0.3")
+    config = dataclasses.replace(FAST, secure_sums=True)
+    models = []
+    for aggregator in (
+        PlainAggregator(),
+        MaskingAggregator(entropy=np.random.default_rng(0).bytes),  # type: ignore[arg-type]
+    ):
+        method = _method(data, 1, config, aggregator=aggregator)
+        method.fit()
+        modules = [p.model for p in method.parties] + [method.label_party.model]
+        models.append(_parameters(modules))
+    plain, secure = models
+    assert all(
+        torch.allclose(a, b, atol=1e-4, rtol=1e-3) for a, b in zip(plain, secure, strict=True)
+    )
+
+
+def test_the_new_messages_refuse_malformed_content() -> None:
+    header = {"sender": "party-1", "receiver": "party-0", "round": 0, "batch_id": 0}
+    positions = torch.tensor([0, 2])
+    LikelihoodMessage(**header, positions=positions, log_likelihood=torch.zeros(2, 3)).validate()
+    with pytest.raises(ProtocolError, match="log_likelihood must be a 2-d"):
+        LikelihoodMessage(
+            **header, positions=positions, log_likelihood=torch.zeros(2, 3, 1)
+        ).validate()
+    with pytest.raises(ProtocolError, match="2 rows announced, found 3"):
+        LatentMessage(**header, positions=positions, samples=torch.zeros(3, 4, 5)).validate()
+    with pytest.raises(IntegrityError, match="non-finite"):
+        LatentGradientMessage(
+            **header, positions=positions, gradient=torch.full((2, 4, 5), float("nan"))
+        ).validate()
+    with pytest.raises(ProtocolError, match="autograd graph"):
+        LatentMessage(
+            **header, positions=positions, samples=torch.zeros(2, 4, 5, requires_grad=True)
+        ).validate()
+
+
+def test_fit_reports_every_step_of_both_stages_in_order(make_data: MakeData) -> None:
+    method = _method(make_data(), 1, FAST, dataclasses.replace(SMALL, train_epochs=3))
+    rounds: list[int] = []
+    losses = method.fit(on_step=lambda round, loss: rounds.append(round))
+    assert len(losses) == 1 + 3
+    assert rounds == list(range(1, method.total_steps + 1))
+    assert method.total_steps == len(method.sampler) + 3 * len(method.labeled_sampler)

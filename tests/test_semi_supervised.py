@@ -1,0 +1,111 @@
+"""The semi-supervised setting (``labeled``) and SimSiam pretraining, for every split method."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import MakeData
+
+from secure_vfl.cli import main
+from secure_vfl.errors import ConfigError
+from secure_vfl.federation.channel import Channel, RecordingLayer
+from secure_vfl.methods import METHODS, MethodConfig
+from secure_vfl.methods.base import build_federation, labeled_rows
+from secure_vfl.models.networks import make_bottom
+from secure_vfl.models.simsiam import pretrain_simsiam
+
+FAST = MethodConfig(epochs=2, batch_size=32, lr=0.05, labeled=60)
+SPLIT_METHODS = ["laser", "local", "ensemble", "standard", "plugvfl", "combinatorial"]
+
+
+@pytest.mark.parametrize("name", SPLIT_METHODS)
+def test_methods_train_only_on_the_labelled_rows(make_data: MakeData, name: str) -> None:
+    data = make_data(n=300)
+    labeled = labeled_rows(data, FAST, seed=1)
+    # Unlabelled rows get a class that does not exist: reading one would fail the loss.
+    labels = data.train.labels.copy()
+    unlabelled = np.setdiff1d(np.arange(data.train.n), labeled)
+    labels[unlabelled] = data.num_classes + 7
+    data = dataclasses.replace(data, train=dataclasses.replace(data.train, labels=labels))
+    method = METHODS.get(name)(data, FAST, seed=1)
+    drawn = np.concatenate(list(method.sampler.epoch(np.random.default_rng(0))))
+    assert set(drawn.tolist()) <= set(labeled.tolist())
+    if name == "standard":  # Vanilla VFL: the labelled rows every party holds
+        complete = labeled[data.train.mask[labeled].all(axis=1)]
+        assert sorted(drawn.tolist()) == complete.tolist()
+    else:
+        assert sorted(drawn.tolist()) == labeled.tolist()
+    losses = method.fit()
+    assert all(np.isfinite(losses))
+
+
+def test_every_method_of_a_run_labels_the_same_rows(make_data: MakeData) -> None:
+    data = make_data(n=300)
+    first = labeled_rows(data, FAST, seed=4)
+    assert first.size == 60 and np.array_equal(first, labeled_rows(data, FAST, seed=4))
+    assert not np.array_equal(first, labeled_rows(data, FAST, seed=5))
+    everything = labeled_rows(data, dataclasses.replace(FAST, labeled=None), seed=4)
+    assert np.array_equal(everything, np.arange(data.train.n))
+    with pytest.raises(ConfigError, match=r"`labeled` must be an integer in \[1, "):
+        labeled_rows(data, dataclasses.replace(FAST, labeled=10**6), seed=4)
+
+
+def test_simsiam_pretraining_lowers_its_loss_and_changes_the_bottom() -> None:
+    generator = torch.Generator().manual_seed(0)
+    # Rows on a low-dimensional structure: SimSiam can learn views that agree.
+    rows = torch.randn(512, 3, generator=generator) @ torch.randn(3, 12, generator=generator)
+    torch.manual_seed(0)
+    bottom = make_bottom((12,), out=32)
+    before = [p.detach().clone() for p in bottom.parameters()]
+    losses = pretrain_simsiam(
+        bottom, rows, width=32, epochs=15, batch_size=64, lr=0.05, generator=generator
+    )
+    assert losses[-1] < losses[0] - 0.2
+    assert all(-1.0 <= loss <= 1.0 for loss in losses)
+    assert any(not torch.equal(a, b) for a, b in zip(before, bottom.parameters(), strict=True))
+
+
+def test_pretraining_is_local_and_reproducible(make_data: MakeData) -> None:
+    data = make_data(n=200)
+    config = dataclasses.replace(FAST, pretrain_epochs=2)
+    recording = RecordingLayer()
+    pretrained = build_federation(
+        data, config, seed=3, channel=Channel([recording]), aggregator=None
+    )
+    assert recording.messages == []  # a party pretrains on its own block, sending nothing
+    again = build_federation(data, config, seed=3, channel=None, aggregator=None)
+    plain = build_federation(
+        data, dataclasses.replace(config, pretrain_epochs=0), seed=3, channel=None, aggregator=None
+    )
+    for a, b, c in zip(pretrained.parties, again.parties, plain.parties, strict=True):
+        pa, pb, pc = (list(p.model.parameters()) for p in (a, b, c))
+        assert all(torch.equal(x, y) for x, y in zip(pa, pb, strict=True))
+        assert any(not torch.equal(x, z) for x, z in zip(pa, pc, strict=True))
+
+
+def test_combinatorial_refuses_pretraining(make_data: MakeData) -> None:
+    config = dataclasses.replace(FAST, pretrain_epochs=1)
+    with pytest.raises(ConfigError, match="SimSiam pretraining applies"):
+        METHODS.get("combinatorial")(make_data(), config, seed=0)
+
+
+def test_cli_labeled_run_records_its_labels(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "semi"
+    argv = ["train", "--method", "laser", "--dataset", "digits", "--heads", "active"]
+    argv += ["--labeled", "150", "--pretrain-epochs", "1", "--epochs", "2", "--quiet"]
+    assert main([*argv, "--out", str(out)]) == 0
+    config = json.loads((out / "result.json").read_text())["config"]["method_config"]
+    assert (config["labeled"], config["pretrain_epochs"]) == (150, 1)
+    assert "training samples, 150 labelled)" in capsys.readouterr().out
+    bad = ["train", "--method", "laser", "--dataset", "digits", "--labeled", "0"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*bad, "--out", str(tmp_path / "bad")])
+    assert exit_info.value.code == 2 and "--labeled" in capsys.readouterr().err
+    assert not (tmp_path / "bad").exists()
