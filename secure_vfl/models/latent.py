@@ -5,8 +5,9 @@ its factor of q(h | x^k), a decoder p(x^k | h) and, for FALSE-VFL-II, a missingn
 p(m^k | x^k). Label side, at the label party: the global encoder q(z | h), the global decoder
 p(h | z) and the discriminator p(y | h). All are small MLPs over flattened blocks, sized for a
 2-core CPU, with the depths of the paper's Table 6 MLP column (party encoder and decoder 2 layers,
-missingness model, global encoder and decoder 3, discriminator 2); image patches get the MLP too,
-not the paper's ResNet-18 encoder and transposed-CNN decoder.
+missingness model, global encoder and decoder 3, discriminator 2); image patches get the
+baselines' two-block CNN as encoder (the paper: ResNet-18) and an MLP decoder (the paper: a
+transposed CNN).
 
 Choices the paper leaves open:
 - p(x^k | h) is a diagonal Gaussian whose mean is an MLP of h and whose per-feature scale is a
@@ -28,6 +29,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from secure_vfl.models.networks import ConvBottom
 
 MIN_SCALE = 0.1
 MIN_PRECISION = 1e-3
@@ -51,15 +54,29 @@ def mlp(widths: Sequence[int]) -> nn.Sequential:
 
 
 class PartyEncoder(nn.Module):
-    """x^k -> (mean, diagonal precision) of party k's factor of q(h | x_obs) (paper eq. 1)."""
+    """x^k -> (mean, diagonal precision) of party k's factor of q(h | x_obs) (paper eq. 1).
 
-    def __init__(self, features: int, latent: int, *, hidden: int) -> None:
+    Tabular blocks get a 2-layer MLP; image patches (C, H, W) the same two-block CNN as the
+    baselines' bottom models (:class:`~secure_vfl.models.networks.ConvBottom`), so that FALSE-VFL
+    and the baselines it is compared with share their feature extractor, as in the paper
+    (ResNet-18 for both there).
+    """
+
+    def __init__(self, block_shape: Sequence[int], latent: int, *, hidden: int) -> None:
         super().__init__()
-        self.net = mlp([features, hidden, 2 * latent])
+        if len(block_shape) == 3:
+            self.net: nn.Module = nn.Sequential(
+                ConvBottom(block_shape[0], out=hidden), nn.ReLU(), nn.Linear(hidden, 2 * latent)
+            )
+            self.flatten = False
+        else:
+            self.net = mlp([math.prod(block_shape), hidden, 2 * latent])
+            self.flatten = True
         self.latent = latent
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        mean, raw = self.net(x.flatten(1)).split(self.latent, dim=-1)
+        out = self.net(x.flatten(1) if self.flatten else x)
+        mean, raw = out.split(self.latent, dim=-1)
         return mean, F.softplus(raw) + MIN_PRECISION
 
 
@@ -106,7 +123,7 @@ class PartyLatentModel(nn.Module):
     ) -> None:
         super().__init__()
         features = math.prod(block_shape)
-        self.encoder = PartyEncoder(features, latent, hidden=hidden)
+        self.encoder = PartyEncoder(block_shape, latent, hidden=hidden)
         self.decoder = PartyDecoder(latent, features, hidden=hidden)
         self.missingness = MissingnessModel(features, hidden=hidden) if missingness else None
 
