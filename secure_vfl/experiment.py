@@ -225,7 +225,8 @@ def run_training(
     carries the parties' messages (e.g. with DP layers), ``aggregator`` sums representations
     (a secure backend; plain by default), ``on_built(method)`` runs before
     training (e.g. to make parties private), ``privacy_report()`` fills ``result.privacy``
-    after evaluation; ``on_start(total_steps)`` is called once before training.
+    after evaluation; ``on_start(total_steps)`` is called once before training. A
+    :class:`TrafficMeter` is appended to ``channel`` to fill ``result.traffic``.
     """
     data = data if data is not None else prepare_data(config)
     channel = channel if channel is not None else Channel()

@@ -148,6 +148,13 @@ def test_methods_that_would_reveal_a_party_refuse_secure_sums(
         METHODS.get(method)(make_data(), config, seed=0)
 
 
+@pytest.mark.parametrize("method", ["laser", "false-vfl-1"])
+def test_secure_sums_need_two_parties_to_hide_each_other(make_data: MakeData, method: str) -> None:
+    config = dataclasses.replace(FAST, heads="active", secure_sums=True)
+    with pytest.raises(ConfigError, match="needs at least 3 parties"):
+        METHODS.get(method)(make_data(parties=2), config, seed=0)
+
+
 def test_secure_laser_learns_through_sums_that_hide_every_other_party(
     make_data: MakeData,
 ) -> None:

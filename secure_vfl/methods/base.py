@@ -104,6 +104,16 @@ def refuse_secure_sums(config: MethodConfig, method: str, reason: str) -> None:
         )
 
 
+def require_hiding_crowd(config: MethodConfig, parties: int, method: str) -> None:
+    """Refuse secure sums with fewer than 3 parties: with the label party and one other, no
+    sum can hide the other party's term, so it would never contribute."""
+    if config.secure_sums and parties < 3:
+        raise ConfigError(
+            f"{method} under secure aggregation needs at least 3 parties (the label party and "
+            f"two others whose terms hide each other). Found {parties}."
+        )
+
+
 def _choice(name: str, value: object, allowed: Sequence[str]) -> None:
     if value not in allowed:
         raise ConfigError(f"`{name}` must be one of {', '.join(allowed)}. Found {value!r}.")

@@ -89,6 +89,7 @@ from secure_vfl.methods.base import (
     broadcast_prediction,
     isolated_seed,
     labeled_rows,
+    require_hiding_crowd,
     split_tensors,
     train_epochs,
 )
@@ -358,6 +359,7 @@ class FalseVflMethod:
         aggregator: Aggregator | None = None,
         false_vfl: FalseVflConfig | None = None,
     ) -> None:
+        require_hiding_crowd(config, data.parties, name)
         self.name = name
         self.config = config
         self.options = false_vfl if false_vfl is not None else FalseVflConfig()

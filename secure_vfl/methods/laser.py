@@ -51,6 +51,7 @@ from secure_vfl.methods.base import (
     head_party,
     isolated_seed,
     labeled_rows,
+    require_hiding_crowd,
     split_tensors,
     train_epochs,
 )
@@ -206,6 +207,7 @@ class MeanFusionMethod:
                 "that holds a block and receives its sum with one other party's term learns "
                 "that term. Use --method laser --heads active."
             )
+        require_hiding_crowd(config, data.train.parties, name)
         self.name = name
         self.config = config
         self.planner = planner
