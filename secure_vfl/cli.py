@@ -27,6 +27,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 SECURE_AGGREGATORS = ["none", "masks", "paillier", "ckks"]
+DP_FLAGS = {"embedding": "--dp-embeddings", "gradient": "--dp-gradients", "dp-sgd": "--dp-sgd"}
 
 
 def _number(
@@ -465,7 +466,7 @@ def _differential_privacy(args: argparse.Namespace, config: Any, data: Any) -> t
             f"differential privacy is not available for {config.method} yet: its latent "
             "samples, log-likelihoods and latent gradients are not noised or priced by the DP "
             "layers, and noise on its (mean, precision) would break the precisions. Found "
-            f"{', '.join('--dp-' + k.replace('embedding', 'embeddings') for k in requested)}."
+            f"{', '.join(DP_FLAGS[kind] for kind in requested)}."
         )
     import torch
 
