@@ -170,17 +170,24 @@ def build_method(
 
 
 def traffic_report(
-    meter: TrafficMeter, channel: Channel, aggregator: Aggregator, *, train_steps: int
+    aggregator: Aggregator,
+    *,
+    train_steps: int,
+    meter: TrafficMeter | None = None,
+    channel: Channel | None = None,
 ) -> dict[str, Any]:
-    """Bytes each party (and the aggregator) put on the wire, per phase and per training step,
-    and the seconds spent in protection (a secure aggregator's calls and the channel's layers).
+    """Bytes each party (and the aggregator) put on the wire, per phase and per training step
+    (a FedAvg round for imputation), and the seconds spent in protection (a secure
+    aggregator's calls and the channel's layers). ``meter`` adds the messages between parties
+    that bypass the aggregator.
     """
     totals: dict[str, dict[str, int]] = {}
-    for source in (meter.bytes, aggregator.cost.bytes):
+    for source in (meter.bytes if meter is not None else {}, aggregator.cost.bytes):
         for (endpoint, phase), count in source.items():
             per_phase = totals.setdefault(endpoint, {"train": 0, "predict": 0})
             per_phase[phase] += count
-    layers = {name: s for name, s in channel.layer_seconds.items() if name != "TrafficMeter"}
+    seconds = channel.layer_seconds.items() if channel is not None else []
+    layers = {name: s for name, s in seconds if name != "TrafficMeter"}
     secure = not isinstance(aggregator, PlainAggregator)
     return {
         "aggregator": type(aggregator).__name__,
@@ -252,7 +259,7 @@ def run_training(
         samples={"train": data.train.n, **{name: s.n for name, s in data.tests.items()}},
         dropped=dict(data.dropped),
         privacy=privacy_report() if privacy_report is not None else None,
-        traffic=traffic_report(meter, channel, aggregator, train_steps=steps),
+        traffic=traffic_report(aggregator, train_steps=steps, meter=meter, channel=channel),
     )
 
 
@@ -317,6 +324,7 @@ class ImputeResult:
     clients: dict[str, dict[str, int]]
     aggregator: str = "PlainAggregator"
     privacy: dict[str, Any] | None = None
+    traffic: dict[str, Any] = field(default_factory=dict)
 
     @property
     def metrics(self) -> dict[str, Any]:
@@ -367,8 +375,9 @@ def run_imputation(
     """
     task = task if task is not None else prepare_imputation_task(config)
     start = time.perf_counter()
-    # The evaluation's own copy of the statistics (a separate, fresh aggregation context).
-    statistics = federated_statistics(task.train, aggregator=aggregator, tag="statistics/eval")
+    # The evaluator's own exact statistics (its yardstick, not a release of the method).
+    statistics = federated_statistics(task.train, tag="statistics/eval")
+    aggregator = aggregator if aggregator is not None else PlainAggregator()
     imputer = IMPUTERS.get(config.method)(
         task, config.impute_config, seed=config.seed, aggregator=aggregator, privacy=privacy
     )
@@ -395,7 +404,8 @@ def run_imputation(
             }
             for train, test in zip(task.train, task.test, strict=True)
         },
-        aggregator=type(aggregator).__name__ if aggregator is not None else "PlainAggregator",
+        aggregator=type(aggregator).__name__,
         privacy=privacy_report() if privacy_report is not None else None,
+        traffic=traffic_report(aggregator, train_steps=config.impute_config.rounds),
     )
     return result, imputer

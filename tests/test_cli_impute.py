@@ -260,3 +260,23 @@ def test_bad_feature_ranges_are_refused(
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "r").exists()
+
+
+def test_imputation_results_report_the_wire_bytes_of_every_client(tmp_path: Path) -> None:
+    plain = _impute(tmp_path, "plain", "--rounds", "2")
+    masked = _impute(tmp_path, "masked", "--rounds", "2", "--secure-agg", "masks")
+    clients = {f"client-{k}" for k in range(4)}
+    for result in (plain, masked):
+        traffic = result["traffic"]
+        assert clients <= set(traffic["bytes"]) and traffic["train_steps"] == 2
+        for name in clients:
+            sent = traffic["bytes"][name]["train"]
+            assert sent > 0 and traffic["bytes_per_step"][name] == sent / 2
+    assert plain["traffic"]["protection_s"] == 0.0 < masked["traffic"]["protection_s"]
+    # Masked contributions are uint64 ring elements: twice the float32 bytes of the same sums
+    # (the plain messages also carry an 8-byte row position each).
+    ratio = (
+        masked["traffic"]["bytes"]["client-0"]["train"]
+        / plain["traffic"]["bytes"]["client-0"]["train"]
+    )
+    assert 1.99 < ratio < 2.0
