@@ -176,13 +176,16 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 5))
     x = np.arange(len(PATTERNS))
+    colours = {}
     for i, (variant, values) in enumerate(summary["ours"].items()):
+        colours[variant] = f"C{i}"
         ax.errorbar(
             x, values, yerr=summary["std"][variant], marker="o", label=variant, color=f"C{i}"
         )
     for name, values in PAPER.items():
         if name in ("FALSE-VFL-I", "LASER-VFL"):
-            ax.plot(x, values, linestyle=":", color="grey", label=f"paper: {name}")
+            colour = colours.get(name, "grey")
+            ax.plot(x, values, linestyle=":", color=colour, label=f"paper: {name}")
     ax.set_xticks(x, PAPER_PATTERNS)
     ax.set_ylabel("test accuracy %")
     ax.set_title("Fashion-MNIST, 8 parties, 1000 labels, trained under MCAR 0.2")
