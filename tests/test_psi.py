@@ -13,9 +13,12 @@ from protocols.psi import (
     POINT_BYTES,
     PsiAligner,
     PsiMessage,
+    PsiRequest,
     PsiRequester,
     PsiResponder,
     PsiResponse,
+    ScalarPool,
+    exchange,
     hash_ids,
     hash_to_point,
     mask_points,
@@ -106,8 +109,8 @@ def test_cardinality_mode_reveals_only_the_size():
     assert fixed_points < n // 100  # a random shuffle: the positions tell A nothing
 
     requester, responder = _pair(mine, theirs)  # intersection mode keeps A's order
-    request = requester.request()
-    response = responder.respond(request)
+    [request] = requester.requests()
+    [response] = responder.respond(request)
     in_request_order = mask_points(KEY_B, np.frombuffer(request.points, dtype="S32"))
     assert response.peer_points == in_request_order.tobytes()
 
@@ -141,25 +144,25 @@ def test_parallel_masking_equals_serial_and_names_the_bad_point():
 def test_low_order_point_refused_without_state_change(low_order):
     mine, theirs = [f"a{i}" for i in range(20)], [f"a{i}" for i in range(10, 40)]
     requester, responder = _pair(mine, theirs)
-    request = requester.request()
+    [request] = requester.requests()
     points = _points(request.points)
     points[4] = low_order
     bad = dataclasses.replace(request, points=b"".join(points))
     with pytest.raises(IntegrityError, match="point 4 is of low order"):
         responder.respond(bad)
-    response = responder.respond(request)  # state unchanged: the genuine request still works
+    [response] = responder.respond(request)  # state unchanged: the genuine request still works
 
     own = _points(response.own_points)
     own[2] = low_order
     with pytest.raises(IntegrityError, match="point 2 is of low order"):
-        requester.finish(dataclasses.replace(response, own_points=b"".join(own)))
+        requester.receive(dataclasses.replace(response, own_points=b"".join(own)))
     assert requester.result is None
-    assert requester.finish(response).size == 10
+    assert requester.receive(response).size == 10
 
 
 def test_malformed_points_refused():
     requester, responder = _pair(["x", "y"], ["y", "z"])
-    request = requester.request()
+    [request] = requester.requests()
     with pytest.raises(ProtocolError, match=r"32-byte points expected\. Found 63 bytes"):
         responder.respond(dataclasses.replace(request, points=request.points[:-1]))
     with pytest.raises(ProtocolError, match=r"32-byte points expected\. Found 31 bytes"):
@@ -167,47 +170,47 @@ def test_malformed_points_refused():
     duplicated = request.points[:32] * 2
     with pytest.raises(IntegrityError, match="distinct masked values expected"):
         responder.respond(dataclasses.replace(request, points=duplicated))
-    response = responder.respond(request)
+    [response] = responder.respond(request)
     with pytest.raises(ProtocolError, match="2 doubly masked points expected"):
-        requester.finish(dataclasses.replace(response, peer_points=response.peer_points[:32]))
-    assert requester.finish(response).size == 1
+        requester.receive(dataclasses.replace(response, peer_points=response.peer_points[:32]))
+    assert requester.receive(response).size == 1
 
 
 def test_tampered_masked_value_does_not_match_or_is_refused():
     ids = [f"same-{i}" for i in range(50)]
     requester, responder = _pair(ids, ids)
-    response = responder.respond(requester.request())
+    [response] = responder.respond(next(requester.requests()))
     own = bytearray(response.own_points)
     own[0] ^= 0x01  # another valid point: its id simply no longer matches
-    result = requester.finish(dataclasses.replace(response, own_points=bytes(own)))
+    result = requester.receive(dataclasses.replace(response, own_points=bytes(own)))
     assert result.size == 49 and result.indices is not None and len(result.indices) == 49
 
     requester, responder = _pair(ids, ids)
-    response = responder.respond(requester.request())
+    [response] = responder.respond(next(requester.requests()))
     own = bytearray(response.own_points)
     own[31] ^= 0x80  # top bit set: never produced by X25519, refused
     with pytest.raises(IntegrityError, match="point 0 is not a canonical u-coordinate"):
-        requester.finish(dataclasses.replace(response, own_points=bytes(own)))
+        requester.receive(dataclasses.replace(response, own_points=bytes(own)))
     assert requester.result is None
 
 
 def test_message_from_another_session_or_replayed_refused():
     requester, _ = _pair(["x", "y"], ["y"], session="session-1")
     _, other_responder = _pair(["x", "y"], ["y"], session="session-2")
-    request = requester.request()
+    [request] = requester.requests()
     with pytest.raises(ProtocolError, match="session id 'session-2' expected, found 'session-1'"):
         other_responder.respond(request)
     requester2, responder2 = _pair(["x", "y"], ["y"], session="session-2")
-    request2 = requester2.request()
-    response2 = responder2.respond(request2)
+    [request2] = requester2.requests()
+    [response2] = responder2.respond(request2)
     with pytest.raises(ProtocolError, match="session id 'session-1' expected"):
-        requester.finish(response2)
+        requester.receive(response2)
     with pytest.raises(ProtocolError, match="one request per session"):
         responder2.respond(request2)
     with pytest.raises(ProtocolError, match="round 1 expected, found 0"):
-        requester.finish(dataclasses.replace(response2, round=0, session_id="session-1"))
+        requester.receive(dataclasses.replace(response2, round=0, session_id="session-1"))
     assert requester.result is None
-    assert requester2.finish(response2).size == 1
+    assert requester2.receive(response2).size == 1
 
 
 @pytest.mark.parametrize("kind", ["number", "text"])
@@ -287,3 +290,88 @@ def test_psi_command_writes_only_the_intersection(tmp_path, capsys) -> None:  # 
         == 2
     )
     assert "expected a column 'key'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["intersection", "cardinality"])
+def test_chunked_psi_equals_one_chunk(mode):
+    rng = np.random.default_rng(11)
+    mine = rng.choice(10_000, size=700, replace=False)
+    theirs = rng.choice(10_000, size=450, replace=False)
+    whole = run_psi(mine, theirs, mode=mode, workers=1, chunk_size=CHUNK)
+    transcript: list[PsiMessage] = []
+    chunked = run_psi(mine, theirs, mode=mode, workers=1, chunk_size=64, transcript=transcript)
+    assert chunked.size == whole.size == np.isin(mine, theirs).sum() > 0
+    assert chunked.peer_size == whole.peer_size == len(theirs)
+    if mode == "intersection":
+        assert np.array_equal(chunked.indices, whole.indices)
+        assert np.array_equal(chunked.indices, np.flatnonzero(np.isin(mine, theirs)))
+    requests = [m for m in transcript if isinstance(m, PsiRequest)]
+    responses = [m for m in transcript if isinstance(m, PsiResponse)]
+    assert [m.batch_id for m in requests] == list(range(11))  # ceil(700 / 64)
+    assert [m.batch_id for m in responses] == list(range(len(responses)))
+    assert sum(len(m.own_points) for m in responses) == POINT_BYTES * len(theirs)
+    assert all(len(m.points) <= 64 * POINT_BYTES for m in requests)
+    if mode == "cardinality":  # A's doubled points come back only after its last chunk...
+        last_request = transcript.index(requests[-1])
+        before = transcript[:last_request]
+        assert all(not m.peer_points for m in before if isinstance(m, PsiResponse))
+        # ...shuffled over all of them, not chunk by chunk.
+        first = mask_points(KEY_B, np.frombuffer(requests[0].points, dtype="S32"), workers=1)
+        returned = next(m for m in responses if m.peer_points)
+        assert set(_points(first.tobytes())) != set(_points(returned.peer_points))
+    aligned = PsiAligner(chunk_size=64, workers=1).align([mine, theirs], mine)
+    assert np.array_equal(aligned.rows, JoinAligner().align([mine, theirs], mine).rows)
+
+
+def test_two_workers_give_what_one_gives():
+    mine = [f"user-{i}" for i in range(2500)]
+    theirs = [f"user-{i}" for i in range(1200, 3500)]
+    results = []
+    for workers in (1, 2):
+        with ScalarPool(workers) as pool:
+            requester = PsiRequester(mine, session_id="s", key=KEY_A, workers=pool)
+            responder = PsiResponder(theirs, session_id="s", key=KEY_B, workers=pool)
+            results.append(exchange(requester, responder))
+            assert pool.running == (workers == 2)
+    one, two = results
+    assert one.size == two.size == 1300
+    assert np.array_equal(one.indices, two.indices)
+    assert np.array_equal(two.indices, np.arange(1200, 2500))
+
+
+def test_chunks_repeated_replayed_or_beyond_the_total_refused():
+    mine, theirs = [f"c{i}" for i in range(10)], [f"c{i}" for i in range(5, 30)]
+    requester = PsiRequester(mine, session_id="s", key=KEY_A, chunk_size=4, workers=1)
+    responder = PsiResponder(theirs, session_id="s", key=KEY_B, chunk_size=4, workers=1)
+    first, second, third = requester.requests()
+    assert (first.total, len(third.points)) == (10, 2 * POINT_BYTES)
+    with pytest.raises(ProtocolError, match="batch_id 0 expected, found 1"):
+        responder.respond(second)  # out of order
+    [answer] = responder.respond(first)
+    with pytest.raises(ProtocolError, match="batch_id 1 expected, found 0"):
+        responder.respond(first)  # replayed
+    repeat = dataclasses.replace(second, points=second.points[:96] + first.points[:32])
+    with pytest.raises(IntegrityError, match="distinct masked values expected"):
+        responder.respond(repeat)  # a point of the first chunk again
+    with pytest.raises(ProtocolError, match="10 points announced before, found 11"):
+        responder.respond(dataclasses.replace(second, total=11))
+    other = next(PsiRequester(["z1", "z2", "z3", "z4"], session_id="s", workers=1).requests())
+    with pytest.raises(ProtocolError, match=r"10 in all, expected; found 8 in this one \(12 so"):
+        responder.respond(dataclasses.replace(second, points=second.points + other.points))
+    answers = [answer, *responder.respond(second), *responder.respond(third)]
+    assert len(answers) == 7  # ceil(25 / 4) chunks of the responder's own ids
+
+    assert requester.receive(answers[0]) is None
+    with pytest.raises(ProtocolError, match="batch_id 1 expected, found 0"):
+        requester.receive(answers[0])
+    with pytest.raises(ProtocolError, match="25 own points announced before, found 24"):
+        requester.receive(dataclasses.replace(answers[1], own_total=24))
+    doubled_again = dataclasses.replace(answers[1], peer_points=answers[0].peer_points)
+    with pytest.raises(IntegrityError, match=r"\(A's points\): distinct masked values expected"):
+        requester.receive(doubled_again)
+    own_again = dataclasses.replace(answers[1], own_points=answers[0].own_points)
+    with pytest.raises(IntegrityError, match=r"\(its own points\): distinct masked values"):
+        requester.receive(own_again)
+    results = [requester.receive(a) for a in answers[1:]]
+    assert results[:-1] == [None] * 5 and results[-1] is not None
+    assert results[-1].size == 5 and list(results[-1].indices) == [5, 6, 7, 8, 9]
