@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TypeAlias
 
 import numpy as np
@@ -242,10 +243,12 @@ def _make_dae(
     *,
     seed: int,
     federated: bool,
-    aggregator: Aggregator | None,
-    channel: Channel | None,
-    privacy: StatisticsPrivacy | None,
+    aggregator: Aggregator | None = None,
+    channel: Channel | None = None,
+    privacy: StatisticsPrivacy | None = None,
 ) -> ReconstructionImputer:
+    """A DAE block-masked like FedHF: one per client trained alone (``dae``), or one trained by
+    FedHF-Impute's FedAvg loop (``fed-dae``)."""
     statistics = federated_statistics(
         task.train, aggregator=aggregator, channel=channel, privacy=privacy
     )
@@ -263,53 +266,9 @@ def _make_dae(
     )
 
 
-def make_dae(
-    task: ImputationTask,
-    config: ImputeConfig,
-    *,
-    seed: int,
-    aggregator: Aggregator | None = None,
-    channel: Channel | None = None,
-    privacy: StatisticsPrivacy | None = None,
-) -> ReconstructionImputer:
-    """A DAE per client, block-masked like FedHF, trained rounds x local_epochs epochs alone."""
-    return _make_dae(
-        "dae",
-        task,
-        config,
-        seed=seed,
-        federated=False,
-        aggregator=aggregator,
-        channel=channel,
-        privacy=privacy,
-    )
-
-
-def make_fed_dae(
-    task: ImputationTask,
-    config: ImputeConfig,
-    *,
-    seed: int,
-    aggregator: Aggregator | None = None,
-    channel: Channel | None = None,
-    privacy: StatisticsPrivacy | None = None,
-) -> ReconstructionImputer:
-    """Fed-DAE: the same DAE trained by the FedAvg loop of FedHF-Impute."""
-    return _make_dae(
-        "fed-dae",
-        task,
-        config,
-        seed=seed,
-        federated=True,
-        aggregator=aggregator,
-        channel=channel,
-        privacy=privacy,
-    )
-
-
 IMPUTERS.register("mean", make_mean)
 IMPUTERS.register("knn", make_knn)
 IMPUTERS.register("mice", make_mice)
-IMPUTERS.register("dae", make_dae)
+IMPUTERS.register("dae", partial(_make_dae, "dae", federated=False))
 IMPUTERS.register("fed-mean", make_fed_mean)
-IMPUTERS.register("fed-dae", make_fed_dae)
+IMPUTERS.register("fed-dae", partial(_make_dae, "fed-dae", federated=True))
