@@ -78,7 +78,7 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
 
 from secure_vfl.errors import ConfigError, DataError, IntegrityError, ProtocolError
-from secure_vfl.federation.alignment import ALIGNERS, Alignment, check_unique_ids, id_kind
+from secure_vfl.federation.alignment import ALIGNERS, Alignment, checked_ids
 from secure_vfl.federation.messages import Message, check_header
 
 PsiMode = Literal["intersection", "cardinality"]
@@ -1021,20 +1021,10 @@ class PsiAligner:
 
     def align(self, party_ids: Sequence[np.ndarray], label_ids: np.ndarray) -> Alignment:
         """PSI of the label ids with each party's ids, then the aligned rows (label ids sorted)."""
-        if len(party_ids) == 0:
-            raise DataError("expected the ids of at least one party. Found none.")
-        label_ids = np.asarray(label_ids)
-        check_unique_ids(label_ids, "label party")
+        party_ids, label_ids = checked_ids(party_ids, label_ids)
         sessions: list[tuple[PsiRequester, PsiResponder]] = []
         with ScalarPool(self.workers) as pool:
             for k, ids in enumerate(party_ids):
-                ids = np.asarray(ids)
-                check_unique_ids(ids, f"party {k}")
-                if id_kind(ids) != id_kind(label_ids):
-                    raise DataError(
-                        f"party {k} ids must be of the same kind as the label ids "
-                        f"({id_kind(label_ids)}). Found {id_kind(ids)}."
-                    )
                 session = fresh_session_id()
                 requester = PsiRequester(
                     label_ids,

@@ -79,6 +79,28 @@ def id_kind(ids: np.ndarray) -> str:
     return "text" if ids.dtype.kind in "USO" else "number"
 
 
+def checked_ids(
+    party_ids: Sequence[np.ndarray], label_ids: np.ndarray
+) -> tuple[list[np.ndarray], np.ndarray]:
+    """The parties' and the label party's ids as arrays, refused unless there is at least one
+    party, every party's ids are unique and all are of the label ids' kind."""
+    if len(party_ids) == 0:
+        raise DataError("expected the ids of at least one party. Found none.")
+    label_ids = np.asarray(label_ids)
+    check_unique_ids(label_ids, "label party")
+    arrays = []
+    for k, ids in enumerate(party_ids):
+        ids = np.asarray(ids)
+        check_unique_ids(ids, f"party {k}")
+        if id_kind(ids) != id_kind(label_ids):
+            raise DataError(
+                f"party {k} ids must be of the same kind as the label ids "
+                f"({id_kind(label_ids)}). Found {id_kind(ids)}."
+            )
+        arrays.append(ids)
+    return arrays, label_ids
+
+
 class JoinAligner:
     """Plain join on ids. Insecure: the aligner sees every party's full id list, so use it for
     tests and trusted settings only; a PSI aligner reveals only the intersection.
@@ -90,21 +112,11 @@ class JoinAligner:
 
     def align(self, party_ids: Sequence[np.ndarray], label_ids: np.ndarray) -> Alignment:
         """Join each party's ids against the label party's ids."""
-        if len(party_ids) == 0:
-            raise DataError("expected the ids of at least one party. Found none.")
-        label_ids = np.asarray(label_ids)
-        check_unique_ids(label_ids, "label party")
+        party_ids, label_ids = checked_ids(party_ids, label_ids)
         label_order = np.argsort(label_ids, kind="stable")
         sorted_labels = label_ids[label_order]
         rows = np.full((sorted_labels.size, len(party_ids)), -1, dtype=np.int64)
         for k, ids in enumerate(party_ids):
-            ids = np.asarray(ids)
-            check_unique_ids(ids, f"party {k}")
-            if id_kind(ids) != id_kind(label_ids):
-                raise DataError(
-                    f"party {k} ids must be of the same kind as the label ids "
-                    f"({id_kind(label_ids)}). Found {id_kind(ids)}."
-                )
             if ids.size == 0:
                 continue
             order = np.argsort(ids, kind="stable")
