@@ -30,12 +30,15 @@ def party_name(index: int) -> PartyId:
 
 @dataclass(frozen=True, kw_only=True)
 class Message:
-    """Header shared by every message."""
+    """Header shared by every message: who sends it to whom, in which session (one protocol run:
+    a training run, a PSI exchange), for which round (a training step) and batch (a chunk of a
+    stream)."""
 
     sender: PartyId
     receiver: PartyId
     round: int
     batch_id: int
+    session: str = ""
     schema_version: int = SCHEMA_VERSION
 
     kind: ClassVar[str] = "message"
