@@ -1,6 +1,8 @@
 """The privacy layer: each module implements one of the core's seam interfaces.
 
 - :mod:`protocols.psi`: Diffie-Hellman PSI over X25519 and a PSI-backed ``Aligner``.
+- :mod:`protocols.psi_kernel`: PSI's torch-free arithmetic (hashing ids to X25519 points,
+  scalar multiplication in worker processes, digests), so a worker need not import torch.
 - :mod:`protocols.secagg`: pairwise-mask secure aggregation, an ``Aggregator``.
 - :mod:`protocols.paillier`: Paillier secure sums (``phe``), an ``Aggregator``.
 - :mod:`protocols.ckks`: CKKS secure sums under the receiver's key (``tenseal``), an ``Aggregator``.

@@ -1,9 +1,13 @@
-"""DH-PSI over X25519 (protocols/psi.py): correctness against a plaintext oracle, what the
-requester learns, refusal of degenerate or replayed messages, and the PSI aligner contract."""
+"""DH-PSI over X25519 (protocols/psi/ and protocols/psi_kernel.py): correctness against a
+plaintext oracle, what the requester learns, refusal of degenerate or replayed messages, and the
+PSI aligner contract."""
 
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -208,9 +212,26 @@ def test_message_from_another_session_or_replayed_refused():
     with pytest.raises(ProtocolError, match="one request per session"):
         responder2.respond(request2)
     with pytest.raises(ProtocolError, match="round 1 expected, found 0"):
-        requester.receive(dataclasses.replace(response2, round=0, session_id="session-1"))
+        requester.receive(dataclasses.replace(response2, round=0, session="session-1"))
     assert requester.result is None
     assert requester2.receive(response2).size == 1
+
+
+def test_message_without_a_session_refused():
+    requester, responder = _pair(["x", "y"], ["y"], session="s1")
+    [request] = requester.requests()
+    assert request.session == "s1"
+    with pytest.raises(ProtocolError, match="psi-request from requester: a session id expected"):
+        responder.respond(dataclasses.replace(request, session=""))
+    [response] = responder.respond(request)  # state unchanged: the genuine request still works
+    assert requester.receive(response).size == 1
+
+
+def test_psi_kernel_imports_without_torch():
+    """A spawned or forkserver worker imports only the kernel to run its tasks: no torch."""
+    code = "import sys, protocols.psi_kernel; assert 'torch' not in sys.modules"
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
 
 
 @pytest.mark.parametrize("kind", ["number", "text"])
