@@ -29,7 +29,8 @@ def run_jobs(
 
 def command_line(script: str, argv: Sequence[str] | None) -> str:
     """The command that reproduces this run, as committed beside its results."""
-    return f"python benchmarks/{script} " + " ".join(argv if argv is not None else sys.argv[1:])
+    args = " ".join(argv if argv is not None else sys.argv[1:])
+    return f"python benchmarks/{script} {args}".rstrip()
 
 
 def write_outputs(out: Path, stem: str, text: str, payload: dict[str, Any]) -> None:

@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from psi_costs import target_line as psi_target_line
 from secure_vfl.errors import IntegrityError
 from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
 from secure_vfl.federation.messages import AGGREGATOR, RepresentationMessage, party_name
+from secure_vfl.methods.base import in_process_parties
 
 PARTIES = [party_name(k) for k in range(4)]
 RECEIVER = party_name(0)
@@ -163,7 +164,7 @@ def dp_training(epochs: int) -> list[dict[str, Any]]:
 
         def private(method: Any, kind: str = name, acc: PrivacyAccountant = accountant) -> None:
             if kind == "dp-sgd":
-                for party in method.fed.parties:
+                for party in in_process_parties(method.fed.channel):
                     make_private_party(
                         party,
                         noise_multiplier=1.0,
@@ -217,6 +218,18 @@ def _backends() -> dict[str, Callable[[], Aggregator]]:
     }
 
 
+def _aggregation_bytes(method: Any, aggregator: Aggregator) -> int:
+    """Bytes of the aggregation so far: the backend's protocol messages, or for plain sums the
+    encoded messages to and from the aggregator that crossed the transport."""
+    if not isinstance(aggregator, PlainAggregator):
+        return sum(aggregator.cost.bytes.values())
+    return sum(
+        count
+        for (sender, receiver, _), count in method.fed.channel.transport.bytes.items()
+        if AGGREGATOR in (sender, receiver)
+    )
+
+
 def secure_training(steps: int, epochs: int, train: int, test: int) -> list[dict[str, Any]]:
     """LASER (heads=active, the secure planner) on the Fashion-MNIST CNN through each backend.
 
@@ -251,15 +264,16 @@ def secure_training(steps: int, epochs: int, train: int, test: int) -> list[dict
                 aggregator.prepare(PARTIES, RECEIVER, obfuscators=needed)  # type: ignore[attr-defined]
                 offline.append(time.perf_counter() - start)
             if step == 1:
-                bytes_before = sum(aggregator.cost.bytes.values())
+                bytes_before = _aggregation_bytes(method, aggregator)
             start = time.perf_counter()
             method.train_step(batch, step, 0)
             if step > 0:  # the first step pays for lazy initialisation
                 times.append(time.perf_counter() - start)
-        step_bytes = (sum(aggregator.cost.bytes.values()) - bytes_before) / len(times)
+        step_bytes = (_aggregation_bytes(method, aggregator) - bytes_before) / len(times)
+        parties = in_process_parties(cast(Any, method).fed.channel)
         parameters = [
             t.detach().clone()
-            for module in [p.model for p in method.fed.parties] + [method.heads[0].head]  # type: ignore[attr-defined]
+            for module in [p.model for p in parties] + [parties[0].heads[""].module]
             for t in module.parameters()
         ]
         if name == "plain":

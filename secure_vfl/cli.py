@@ -9,9 +9,10 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, BinaryIO, NoReturn
 
 from secure_vfl import methods
 from secure_vfl.errors import ConfigError, IntegrityError, SecureVFLError
@@ -236,6 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--overwrite", action="store_true", help="replace DIR/result.json")
     train.add_argument("--quiet", action="store_true", help="no progress bar")
+    _capture_option(train)
 
     impute = commands.add_parser(
         "impute", help="federated imputation across clients with different feature schemas"
@@ -322,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     impute.add_argument("--overwrite", action="store_true", help="replace DIR/result.json")
     impute.add_argument("--quiet", action="store_true", help="no progress bar")
+    _capture_option(impute)
 
     datasets = commands.add_parser("datasets", help="list datasets, or install them")
     datasets.add_argument("action", nargs="?", choices=["list", "install"], default="list")
@@ -336,7 +339,31 @@ def build_parser() -> argparse.ArgumentParser:
     psi.add_argument("--id-column", default="id", help="column holding the ids (default: id)")
     psi.add_argument("--mode", choices=["intersection", "cardinality"], default="intersection")
     psi.add_argument("--out", type=Path, help="write the intersecting ids here (one per line)")
+    _capture_option(psi)
     return parser
+
+
+def _capture_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--capture",
+        type=Path,
+        metavar="FILE",
+        help="append every message that crosses the transport to FILE, one record each: a "
+        "4-byte big-endian length, then the encoded message (what the network sees)",
+    )
+
+
+@contextmanager
+def _capture(path: Path | None) -> Iterator[BinaryIO | None]:
+    """The open capture file of ``--capture`` (appended to), or None."""
+    if path is None:
+        yield None
+        return
+    if path.is_dir():
+        raise ConfigError(f"--capture expects a file path. Found the directory {path}.")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("ab") as handle:
+        yield handle
 
 
 def _read_ids(path: Path, column: str) -> list[str]:
@@ -354,12 +381,16 @@ def _read_ids(path: Path, column: str) -> list[str]:
 def run_psi_command(args: argparse.Namespace) -> int:
     """`secure-vfl psi`: DH-PSI of --mine against --theirs; --mine's side learns the result."""
     from protocols.psi import run_psi
+    from secure_vfl.federation.channel import Channel, InProcessTransport
     from secure_vfl.io import atomic_write_text
 
     if args.mode == "cardinality" and args.out is not None:
         raise ConfigError("--out needs --mode intersection; cardinality mode reveals only a size.")
     mine = _read_ids(args.mine, args.id_column)
-    result = run_psi(mine, _read_ids(args.theirs, args.id_column), mode=args.mode)
+    theirs = _read_ids(args.theirs, args.id_column)
+    with _capture(args.capture) as capture:
+        channel = Channel(transport=InProcessTransport(capture=capture))
+        result = run_psi(mine, theirs, mode=args.mode, channel=channel)
     print(f"intersection size: {result.size} (of {len(mine)} mine, {result.peer_size} theirs)")
     if result.indices is not None and args.out is not None:
         atomic_write_text(args.out, "".join(f"{mine[i]}\n" for i in result.indices))
@@ -527,7 +558,7 @@ def _differential_privacy(args: argparse.Namespace, config: Any, data: Any) -> t
             )
         if "dp-sgd" in noise:
             sigma, clip = noise["dp-sgd"]
-            for k, party in enumerate(method.fed.parties):
+            for k, party in enumerate(methods.base.in_process_parties(method.fed.channel)):
                 make_private_party(
                     party,
                     noise_multiplier=sigma,
@@ -559,6 +590,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     from secure_vfl.data.datasets import DATASETS
     from secure_vfl.experiment import prepare_data, run_training
+    from secure_vfl.federation.channel import Channel, InProcessTransport
     from secure_vfl.io import atomic_write_json
     from secure_vfl.store import ResultsStore
 
@@ -575,6 +607,8 @@ def run_train(args: argparse.Namespace) -> int:
     store = ResultsStore(args.store or out.parent / "results.sqlite")
     data = prepare_data(config)
     channel, on_built, privacy_report = _differential_privacy(args, config, data)
+    noisy = channel is not None
+    channel = channel if channel is not None else Channel()
     bar: Any = None
 
     def on_start(total: int) -> None:
@@ -587,18 +621,20 @@ def run_train(args: argparse.Namespace) -> int:
             bar.set_postfix(loss=f"{loss:.3f}")
 
     try:
-        result = run_training(
-            config,
-            data=data,
-            channel=channel,
-            on_built=on_built,
-            aggregator=_secure_aggregator(args.secure_agg),
-            privacy_report=privacy_report,
-            on_start=on_start,
-            on_step=on_step,
-        )
+        with _capture(args.capture) as capture:
+            channel.transport = InProcessTransport(capture=capture)
+            result = run_training(
+                config,
+                data=data,
+                channel=channel,
+                on_built=on_built,
+                aggregator=_secure_aggregator(args.secure_agg),
+                privacy_report=privacy_report,
+                on_start=on_start,
+                on_step=on_step,
+            )
     except IntegrityError as error:
-        if channel is None:
+        if not noisy:
             raise
         raise IntegrityError(
             f"training diverged under the DP noise ({error}); expected a smaller SIGMA, a CLIP "
@@ -703,6 +739,7 @@ def run_impute(args: argparse.Namespace) -> int:
 
     from secure_vfl.data.imputation import IMPUTATION_DATASETS
     from secure_vfl.experiment import ImputeRunConfig, prepare_imputation_task, run_imputation
+    from secure_vfl.federation.channel import Channel, InProcessTransport
     from secure_vfl.io import atomic_write_json
     from secure_vfl.methods.imputation import ImputeConfig
     from secure_vfl.store import ResultsStore
@@ -748,14 +785,16 @@ def run_impute(args: argparse.Namespace) -> int:
             bar.update(1)
             bar.set_postfix(val_rmse=f"{rmse:.3f}")
 
-        result, imputer = run_imputation(
-            config,
-            task=task,
-            aggregator=_secure_aggregator(args.secure_agg),
-            privacy=privacy,
-            privacy_report=privacy_report,
-            on_round=on_round,
-        )
+        with _capture(args.capture) as capture:
+            result, imputer = run_imputation(
+                config,
+                task=task,
+                aggregator=_secure_aggregator(args.secure_agg),
+                channel=Channel(transport=InProcessTransport(capture=capture)),
+                privacy=privacy,
+                privacy_report=privacy_report,
+                on_round=on_round,
+            )
     if args.save_imputed:
         _save_imputed(out / "imputed", task, imputer)
     atomic_write_json(out / "result.json", result.to_json())

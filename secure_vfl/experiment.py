@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,8 @@ from secure_vfl.data.vertical import VerticalData, make_vertical, vertical_from_
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
 from secure_vfl.federation.alignment import make_aligner
-from secure_vfl.federation.channel import Channel, TrafficMeter
+from secure_vfl.federation.channel import Channel
+from secure_vfl.federation.messages import AGGREGATOR
 from secure_vfl.methods.base import StepCallback
 from secure_vfl.methods.false_vfl import FalseVflConfig, FalseVflMethod
 from secure_vfl.methods.imputation import IMPUTERS, ImputeConfig, Imputer, StatisticsPrivacy
@@ -149,9 +151,11 @@ def build_method(
     *,
     channel: Channel | None = None,
     aggregator: Aggregator | None = None,
+    roles: Mapping[str, str] | None = None,
 ) -> methods.Method:
     """The configured method, built on ``data``, its parties talking through ``channel`` and
-    summing through ``aggregator`` (plain by default)."""
+    summing through ``aggregator`` (plain by default); ``roles`` replaces parties by registered
+    roles (see :func:`~secure_vfl.methods.base.build_federation`)."""
     if config.false_vfl is not None:
         return FalseVflMethod(
             data,
@@ -162,33 +166,43 @@ def build_method(
             channel=channel,
             aggregator=aggregator,
             false_vfl=config.false_vfl,
+            roles=roles,
         )
     factory = methods.METHODS.get(config.method)
     return factory(
-        data, config.method_config, seed=config.seed, channel=channel, aggregator=aggregator
+        data,
+        config.method_config,
+        seed=config.seed,
+        channel=channel,
+        aggregator=aggregator,
+        roles=roles,
     )
 
 
 def traffic_report(
-    aggregator: Aggregator,
-    *,
-    train_steps: int,
-    meter: TrafficMeter | None = None,
-    channel: Channel | None = None,
+    aggregator: Aggregator, *, train_steps: int, channel: Channel | None = None
 ) -> dict[str, Any]:
     """Bytes each party (and the aggregator) put on the wire, per phase and per training step
     (a FedAvg round for imputation), and the seconds spent in protection (a secure
-    aggregator's calls and the channel's layers). ``meter`` adds the messages between parties
-    that bypass the aggregator.
+    aggregator's calls and the channel's layers).
+
+    Bytes are the encoded messages that crossed ``channel``'s transport. Under a secure
+    backend the contributions to the aggregator and its sums are counted as the backend's
+    protocol puts them on the wire (masked ring elements, ciphertexts: ``aggregator.cost``),
+    since its sender and receiver halves do not yet run inside the parties.
     """
-    totals: dict[str, dict[str, int]] = {}
-    for source in (meter.bytes if meter is not None else {}, aggregator.cost.bytes):
-        for (endpoint, phase), count in source.items():
-            per_phase = totals.setdefault(endpoint, {"train": 0, "predict": 0})
-            per_phase[phase] += count
-    seconds = channel.layer_seconds.items() if channel is not None else []
-    layers = {name: s for name, s in seconds if name != "TrafficMeter"}
     secure = not isinstance(aggregator, PlainAggregator)
+    sent: Counter[tuple[str, str]] = Counter()
+    if channel is not None:
+        for (sender, receiver, phase), count in channel.transport.bytes.items():
+            if not (secure and AGGREGATOR in (sender, receiver)):
+                sent[(sender, phase)] += count
+    if secure:
+        sent.update(aggregator.cost.bytes)
+    totals: dict[str, dict[str, int]] = {}
+    for (endpoint, phase), count in sent.items():
+        totals.setdefault(endpoint, {"train": 0, "predict": 0})[phase] += count
+    layers = dict(channel.layer_seconds) if channel is not None else {}
     return {
         "aggregator": type(aggregator).__name__,
         "train_steps": train_steps,
@@ -221,6 +235,7 @@ def run_training(
     data: VerticalData | None = None,
     channel: Channel | None = None,
     aggregator: Aggregator | None = None,
+    roles: Mapping[str, str] | None = None,
     on_built: Callable[[methods.Method], None] | None = None,
     privacy_report: Callable[[], dict[str, Any]] | None = None,
     on_start: Callable[[int], None] | None = None,
@@ -230,24 +245,25 @@ def run_training(
 
     Hooks let the composition root add protection without the core knowing it: ``channel``
     carries the parties' messages (e.g. with DP layers), ``aggregator`` sums representations
-    (a secure backend; plain by default), ``on_built(method)`` runs before
+    (a secure backend; plain by default), ``roles`` replaces parties by registered roles
+    (attackers, defenders), ``on_built(method)`` runs before
     training (e.g. to make parties private), ``privacy_report()`` fills ``result.privacy``
-    after evaluation; ``on_start(total_steps)`` is called once before training. A
-    :class:`TrafficMeter` is appended to ``channel`` to fill ``result.traffic``.
+    after evaluation; ``on_start(total_steps)`` is called once before training.
+    ``result.traffic`` counts the bytes that crossed ``channel``'s transport.
     """
     data = data if data is not None else prepare_data(config)
     channel = channel if channel is not None else Channel()
     aggregator = aggregator if aggregator is not None else PlainAggregator()
-    meter = TrafficMeter()
-    channel.layers.append(meter)  # counts payload sizes, which no layer changes
     start = time.perf_counter()
-    method = build_method(config, data, channel=channel, aggregator=aggregator)
+    method = build_method(config, data, channel=channel, aggregator=aggregator, roles=roles)
     if on_built is not None:
         on_built(method)
     steps = method.total_steps
     if on_start is not None:
         on_start(steps)
     losses = method.fit(on_step=on_step)
+    for party in channel.parties.values():
+        party.after_training()
     metrics = evaluate(method, data)
     return TrainResult(
         method=config.method,
@@ -259,7 +275,7 @@ def run_training(
         samples={"train": data.train.n, **{name: s.n for name, s in data.tests.items()}},
         dropped=dict(data.dropped),
         privacy=privacy_report() if privacy_report is not None else None,
-        traffic=traffic_report(aggregator, train_steps=steps, meter=meter, channel=channel),
+        traffic=traffic_report(aggregator, train_steps=steps, channel=channel),
     )
 
 
@@ -359,6 +375,7 @@ def run_imputation(
     *,
     task: ImputationTask | None = None,
     aggregator: Aggregator | None = None,
+    channel: Channel | None = None,
     privacy: StatisticsPrivacy | None = None,
     privacy_report: Callable[[], dict[str, Any]] | None = None,
     on_round: Callable[[int, float], None] | None = None,
@@ -368,7 +385,8 @@ def run_imputation(
     Every sum the clients send (statistics, model updates, validation errors) goes through
     ``aggregator`` (plain by default; a secure backend from ``protocols`` otherwise); ``privacy``
     (optional) clips and noises the statistics the method's clients release, and
-    ``privacy_report()`` fills ``result.privacy`` after the fit. The scoring standardisation
+    ``privacy_report()`` fills ``result.privacy`` after the fit; ``channel`` carries every
+    message (its transport counts the bytes in ``result.traffic``). The scoring standardisation
     comes from exact federated statistics, the same for every method and privacy setting, so
     RMSEs are comparable across both: it is the evaluator's yardstick, not a release of the
     method.
@@ -378,8 +396,14 @@ def run_imputation(
     # The evaluator's own exact statistics (its yardstick, not a release of the method).
     statistics = federated_statistics(task.train, tag="statistics/eval")
     aggregator = aggregator if aggregator is not None else PlainAggregator()
+    channel = channel if channel is not None else Channel()
     imputer = IMPUTERS.get(config.method)(
-        task, config.impute_config, seed=config.seed, aggregator=aggregator, privacy=privacy
+        task,
+        config.impute_config,
+        seed=config.seed,
+        aggregator=aggregator,
+        channel=channel,
+        privacy=privacy,
     )
     curve = imputer.fit(on_round=on_round)
     scores = evaluate_imputer(
@@ -406,6 +430,8 @@ def run_imputation(
         },
         aggregator=type(aggregator).__name__,
         privacy=privacy_report() if privacy_report is not None else None,
-        traffic=traffic_report(aggregator, train_steps=config.impute_config.rounds),
+        traffic=traffic_report(
+            aggregator, train_steps=config.impute_config.rounds, channel=channel
+        ),
     )
     return result, imputer

@@ -12,6 +12,7 @@ from conftest import MakeData
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation.channel import Channel, RecordingLayer
 from secure_vfl.methods import METHODS, MethodConfig
+from secure_vfl.methods.base import in_process_parties
 from secure_vfl.methods.baselines import Combinatorial, ConcatFusionMethod
 from secure_vfl.methods.laser import majority_vote
 from secure_vfl.metrics import accuracy
@@ -63,6 +64,8 @@ def test_plugvfl_drops_passive_parties_but_never_the_label_party(make_data: Make
     config = dataclasses.replace(FAST, plug_dropout=0.9)
     method = METHODS.get("plugvfl")(data, config, seed=0, channel=Channel([recorder]))
     assert isinstance(method, ConcatFusionMethod)
+    # The label party's gradient to its own bottom crosses no boundary: its incoming hook sees it.
+    in_process_parties(method.fed.channel)[0].incoming.append(recorder)
     method.train_step(np.arange(64), 0, 0)
     gradients = {m.receiver: m.gradient for m in recorder.messages if m.kind == "gradient"}
     zero_rows = {k: int((g.abs().sum(1) == 0).sum()) for k, g in gradients.items()}
@@ -75,7 +78,7 @@ def test_local_heads_use_only_their_own_block(make_data: MakeData) -> None:
     method = METHODS.get("local")(data, FAST, seed=0)
     method.fit()
     before = method.predict("mcar:0")
-    party = method.fed.parties[1]
+    party = in_process_parties(method.fed.channel)[1]
     party._blocks["mcar:0"] = torch.randn_like(party._blocks["mcar:0"])
     after = method.predict("mcar:0")
     assert np.array_equal(before[:, [0, 2, 3]], after[:, [0, 2, 3]])
@@ -100,15 +103,19 @@ def test_combinatorial_has_one_predictor_per_subset_and_uses_the_exact_one(
     method = METHODS.get("combinatorial")(data, FAST, seed=0)
     assert isinstance(method, Combinatorial)
     assert len(method.subsets) == 7
-    assert sum(len(m) for m in method.members.values()) == 12  # 3 * 2^(3-1) bottoms
+    parties = in_process_parties(method.fed.channel)
+    # 3 * 2^(3-1) subset bottoms besides each party's own, and each subset's head at its first
+    assert sum(len(p.models) - 1 for p in parties) == 12
+    assert [len(p.heads) for p in parties] == [4, 2, 1]
     method.fit()
     split = data.tests["mcar:0.5"]
     recorder = RecordingLayer()
     method.fed.channel.layers.append(recorder)
     method.predict("mcar:0.5")
-    used = {m.tag for m in recorder.messages if m.kind == "representation"}
+    used = {m.model for m in recorder.messages if m.kind == "represent-request"}
     observed_sets = {tuple(np.nonzero(row)[0]) for row in split.mask}
-    assert used == {"subset:" + ",".join(map(str, s)) for s in observed_sets}
+    # The label party's own requests cross no boundary; every other party's are recorded.
+    assert used == {"subset:" + ",".join(map(str, s)) for s in observed_sets if s != (0,)}
 
 
 def test_methods_that_need_labels_at_every_party_refuse_a_single_head(

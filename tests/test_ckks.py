@@ -31,6 +31,7 @@ from secure_vfl.federation.aggregator import Aggregator, PlainAggregator, sum_ve
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import RepresentationMessage
 from secure_vfl.methods import MethodConfig
+from secure_vfl.methods.base import in_process_parties
 from secure_vfl.methods.laser import MeanFusionMethod
 
 
@@ -209,7 +210,9 @@ def test_laser_trained_through_ckks_matches_laser_trained_in_the_clear(
             data, config, seed=3, planner="laser", name="laser", aggregator=aggregator
         )
         method.fit()
-        modules = [p.model for p in method.fed.parties] + [h.head for h in method.heads]
+        modules = [p.model for p in in_process_parties(method.fed.channel)] + [
+            h.module for p in in_process_parties(method.fed.channel) for h in p.heads.values()
+        ]
         models.append([t.detach().clone() for m in modules for t in m.parameters()])
     plain, secure = models
     # Sums are within ~2^-18 per value, which moves the weights of a few steps far less.

@@ -11,6 +11,8 @@ import pytest
 from protocols.secagg import MaskingAggregator
 from secure_vfl.cli import main
 from secure_vfl.experiment import TrainConfig, prepare_data, run_training
+from secure_vfl.federation import wire
+from secure_vfl.federation.channel import Channel, RecordingLayer
 from secure_vfl.methods import MethodConfig
 
 BASE = [
@@ -65,14 +67,26 @@ def test_plain_traffic_counts_every_representation_the_parties_send() -> None:
         method_config=MethodConfig(heads="active", epochs=2),
     )
     data = prepare_data(config)
-    result = run_training(config, data=data)
+    recorder = RecordingLayer()
+    result = run_training(config, data=data, channel=Channel([recorder]))
     width = config.method_config.representation_dim
     for k in range(1, data.train.parties):
+        sent = [
+            m
+            for m in recorder.messages
+            if m.sender == f"party-{k}" and getattr(m, "phase", "train") == "train"
+        ]
+        assert {m.kind for m in sent} == {"representation"}
+        # Every epoch each party sends its observed rows: float32 values and int64 positions ...
         observed = int(data.train.mask[:, k].sum())
-        # Every epoch each party sends its observed rows: float32 values and int64 positions.
-        expected = 2 * observed * (width * 4 + 8)
-        assert result.traffic["bytes"][f"party-{k}"]["train"] == expected
-    assert result.traffic["protection_s"] == 0.0
+        payload = sum(m.representation.numel() * 4 + m.positions.numel() * 8 for m in sent)
+        assert payload == 2 * observed * (width * 4 + 8)
+        # ... and the traffic report counts them as encoded on the wire, headers included.
+        encoded = sum(len(wire.encode(m)) for m in sent)
+        assert result.traffic["bytes"][f"party-{k}"]["train"] == encoded > payload
+    # No protection: the only layer timed is the test's recorder; plain sums cost nothing.
+    assert list(result.traffic["channel_layers_s"]) == ["RecordingLayer"]
+    assert result.traffic["protection_s"] == result.traffic["channel_layers_s"]["RecordingLayer"]
 
 
 def test_secure_and_plain_runs_with_the_secure_planner_train_the_same_model() -> None:

@@ -25,9 +25,16 @@ from protocols.dp import (
 )
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation.channel import Channel
-from secure_vfl.federation.messages import GradientMessage, RepresentationMessage, SumMessage
-from secure_vfl.federation.parties import DataParty
+from secure_vfl.federation.messages import (
+    GradientMessage,
+    RepresentationMessage,
+    RepresentRequest,
+    SumMessage,
+    UpdateRequest,
+)
+from secure_vfl.federation.parties import DataParty, Party
 from secure_vfl.methods import METHODS, MethodConfig
+from secure_vfl.methods.base import in_process_parties
 from secure_vfl.metrics import accuracy
 
 DELTA = 1e-5
@@ -268,12 +275,27 @@ def test_dp_sgd_clips_each_sample_gradient() -> None:
     make_private_party(
         party, noise_multiplier=0.0, max_grad_norm=max_norm, sample_rate=0.1, on_event=events.append
     )
+    channel, label = Channel(), Party("party-0")
+    party.connect(channel)
+    label.connect(channel)
     rows = torch.arange(20)
-    message = party.represent(
-        "train", rows, rows, receiver="party-0", round=0, batch_id=0, train=True
+    label.send(
+        RepresentRequest(
+            sender="party-0",
+            receiver="party-1",
+            round=0,
+            batch_id=0,
+            split="train",
+            rows=rows,
+            positions=rows,
+            reply_to="party-0",
+        )
     )
+    message = label.take("representation", sender="party-1", round=0, batch_id=0)
     upstream = torch.randn(20, 3, generator=torch.Generator().manual_seed(1))
-    party.backward([gradient(upstream, receiver="party-1")], round=0)
+    label.send(gradient(upstream, receiver="party-1"))
+    party.backpropagate(0)
+    assert isinstance(message, RepresentationMessage)
     assert message.representation.shape == (20, 3)
     params = [p for p in party.model.parameters() if p.requires_grad]
     per_sample = torch.cat([p.grad_sample.reshape(20, -1) for p in params], dim=1)  # type: ignore[attr-defined]
@@ -294,7 +316,7 @@ def test_dp_sgd_party_trains_in_laser_and_reports_one_event_per_step(make_data: 
         data, MethodConfig(epochs=1, heads="active", batch_size=32, lr=0.05), seed=0
     )
     accountant = PrivacyAccountant()
-    party = method.fed.parties[2]  # type: ignore[attr-defined]
+    party = in_process_parties(method.fed.channel)[2]  # type: ignore[attr-defined]
     before = [p.detach().clone() for p in party.model.parameters()]
     make_private_party(
         party,
@@ -324,17 +346,34 @@ def test_dp_sgd_step_without_gradients_releases_nothing() -> None:
         party, noise_multiplier=1.0, max_grad_norm=1.0, sample_rate=0.1, on_event=events.append
     )
     before = [p.detach().clone() for p in party.model.parameters()]
-    rows = torch.arange(10)
-    party.represent("train", rows, rows, receiver="party-0", round=0, batch_id=0, train=True)
-    party.discard_pending()  # its gradient never comes: nothing is released
-    party.step()
+    channel, label = Channel(), Party("party-0")
+    party.connect(channel)
+    label.connect(channel)
+
+    def request(rows: torch.Tensor, round: int) -> None:
+        label.send(
+            RepresentRequest(
+                sender="party-0",
+                receiver="party-1",
+                round=round,
+                batch_id=0,
+                split="train",
+                rows=rows,
+                positions=torch.arange(rows.numel()),
+                reply_to="party-0",
+            )
+        )
+
+    def update(round: int) -> None:
+        label.send(UpdateRequest(sender="party-0", receiver="party-1", round=round, batch_id=0))
+
+    request(torch.arange(10), 0)
+    update(0)  # its gradient never came: nothing is released
     assert events == []
     assert all(torch.equal(a, b) for a, b in zip(before, party.model.parameters(), strict=True))
-    party.represent(
-        "train", rows[:6], rows[:6], receiver="party-0", round=1, batch_id=0, train=True
-    )
-    party.backward([dataclass_replace(gradient(torch.ones(6, 2)), round=1)], round=1)
-    party.step()
+    request(torch.arange(6), 1)
+    label.send(dataclass_replace(gradient(torch.ones(6, 2)), round=1))
+    update(1)
     assert events == [GaussianRelease("party-1", 1.0, 0.1, "dp-sgd")]
     assert any(not torch.equal(a, b) for a, b in zip(before, party.model.parameters(), strict=True))
 

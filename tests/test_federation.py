@@ -15,9 +15,11 @@ from secure_vfl.federation.messages import (
     AGGREGATOR,
     GradientMessage,
     RepresentationMessage,
+    RepresentRequest,
+    UpdateRequest,
     check_header,
 )
-from secure_vfl.federation.parties import DataParty, gradient_messages
+from secure_vfl.federation.parties import DataParty, Party, gradient_messages
 
 PARTIES = ["party-0", "party-1", "party-2"]
 
@@ -33,10 +35,10 @@ def representation(sender: str, positions: list[int], values: torch.Tensor, **he
     )
 
 
-def test_message_with_non_finite_values_is_refused() -> None:
+def test_message_with_non_finite_values_is_refused_on_receipt() -> None:
     message = representation("party-0", [0, 1], torch.tensor([[1.0, float("nan")], [0.0, 1.0]]))
-    with pytest.raises(IntegrityError, match="non-finite"):
-        message.validate()
+    with pytest.raises(IntegrityError, match="finite values expected"):
+        Channel().send(message)
 
 
 def test_message_with_wrong_dtype_shape_or_graph_is_refused() -> None:
@@ -73,7 +75,12 @@ def test_channel_layers_see_messages_in_order_and_transport_validates() -> None:
     recorder = RecordingLayer()
     channel = Channel([recorder])
     good = representation("party-0", [0], torch.ones(1, 2))
-    assert channel.send(good) is good
+    delivered = channel.send(good)
+    # The receiver gets its own copy, decoded from the bytes that crossed.
+    assert delivered is not good and delivered.representation.data_ptr() != (
+        good.representation.data_ptr()
+    )
+    assert torch.equal(delivered.representation, good.representation)
     bad = representation("party-1", [0], torch.full((1, 2), float("inf")))
     with pytest.raises(IntegrityError):
         channel.send(bad)
@@ -120,64 +127,94 @@ def test_aggregator_refuses_duplicate_or_unknown_senders() -> None:
         )
 
 
-def _party() -> DataParty:
+class _Inbox(Party):
+    """A party that only collects what it receives (stands in for a label party)."""
+
+
+def _federation() -> tuple[DataParty, _Inbox, Channel]:
     torch.manual_seed(0)
-    model = nn.Linear(3, 2)
-    return DataParty("party-0", {"train": torch.randn(5, 3)}, model, None)
+    channel = Channel()
+    party = DataParty("party-1", {"train": torch.randn(5, 3)}, nn.Linear(3, 2), None)
+    driver = _Inbox("party-0")
+    party.connect(channel)
+    driver.connect(channel)
+    return party, driver, channel
+
+
+def _request(rows: list[int], positions: list[int], round: int = 7) -> RepresentRequest:
+    return RepresentRequest(
+        sender="party-0",
+        receiver="party-1",
+        round=round,
+        batch_id=0,
+        split="train",
+        rows=torch.tensor(rows),
+        positions=torch.tensor(positions),
+        reply_to="party-0",
+    )
+
+
+def _gradient(positions: list[int], values: torch.Tensor, round: int = 7) -> GradientMessage:
+    return GradientMessage(
+        sender="party-0",
+        receiver="party-1",
+        round=round,
+        batch_id=0,
+        positions=torch.tensor(positions),
+        gradient=values,
+    )
 
 
 def test_data_party_sends_detached_output_and_backward_starts_from_the_message() -> None:
-    party = _party()
-    positions = torch.tensor([0, 1])
-    sent = party.represent(
-        "train",
-        torch.tensor([3, 4]),
-        positions,
-        receiver=AGGREGATOR,
-        round=7,
-        batch_id=0,
-        train=True,
-    )
+    party, driver, _ = _federation()
+    driver.send(_request([3, 4], [0, 1]))
+    sent = driver.take("representation", sender="party-1", round=7, batch_id=0)
+    assert isinstance(sent, RepresentationMessage)
     assert not sent.representation.requires_grad
     gradient = torch.tensor([[1.0, 0.0], [0.0, 2.0]])
-    message = GradientMessage(
-        sender="party-1",
-        receiver="party-0",
-        round=7,
-        batch_id=0,
-        positions=positions,
-        gradient=gradient,
-    )
-    party.backward([message, message], round=7)
+    driver.send(_gradient([0, 1], gradient))
+    driver.send(_gradient([0, 1], gradient))
+    before = party.model.weight.detach().clone()
+    party.optimizer = torch.optim.SGD(party.model.parameters(), lr=1.0)
+    driver.send(UpdateRequest(sender="party-0", receiver="party-1", round=7, batch_id=0))
     x = party._blocks["train"][torch.tensor([3, 4])]
     expected = (2 * gradient).T @ x  # d(sum g * (xW^T + b))/dW for two identical messages
-    assert party.model.weight.grad is not None
-    assert torch.allclose(party.model.weight.grad, expected)
+    assert torch.allclose(before - party.model.weight.detach(), expected)
 
 
 def test_data_party_refuses_gradients_it_did_not_ask_for() -> None:
-    party = _party()
-    gradient = GradientMessage(
-        sender="party-1",
-        receiver="party-0",
-        round=1,
-        batch_id=0,
-        positions=torch.tensor([0]),
-        gradient=torch.ones(1, 2),
-    )
+    _, driver, _ = _federation()
     with pytest.raises(ProtocolError, match="no pending forward pass"):
-        party.backward([gradient], round=1)
-    party.represent(
-        "train",
-        torch.tensor([0, 1]),
-        torch.tensor([0, 1]),
-        receiver=AGGREGATOR,
-        round=1,
-        batch_id=0,
-        train=True,
-    )
-    with pytest.raises(ProtocolError, match="do not match"):
-        party.backward([gradient], round=1)
+        driver.send(_gradient([0], torch.ones(1, 2), round=1))
+    driver.send(_request([0, 1], [0, 1], round=1))
+    with pytest.raises(ProtocolError, match="rows of width 2 sent expected"):
+        driver.send(_gradient([0], torch.ones(1, 2), round=1))
+
+
+def test_a_replayed_request_is_refused_and_changes_nothing() -> None:
+    party, driver, _ = _federation()
+    driver.send(_request([0, 1], [0, 1]))
+    pending = dict(party._pending)
+    with pytest.raises(ProtocolError, match="replayed"):
+        driver.send(_request([2, 3], [0, 1]))
+    assert party._pending.keys() == pending.keys()
+    assert party._pending[(7, "")][0] is pending[(7, "")][0]
+
+
+def test_a_party_sends_only_in_its_own_name_and_to_parties_that_exist() -> None:
+    _, driver, _ = _federation()
+    forged = dataclasses.replace(_request([0], [0]), sender="aggregator")
+    with pytest.raises(ProtocolError, match="posted by 'party-0'"):
+        driver.send(forged)
+    with pytest.raises(ProtocolError, match="no such party"):
+        driver.send(dataclasses.replace(_request([0], [0]), receiver="party-9"))
+
+
+def test_a_request_for_rows_the_party_does_not_hold_is_refused() -> None:
+    party, driver, _ = _federation()
+    with pytest.raises(ProtocolError, match="rows < 5"):
+        driver.send(_request([5], [0]))
+    assert not party._pending
 
 
 def test_gradient_messages_cover_exactly_the_rows_each_party_sent() -> None:

@@ -18,6 +18,7 @@ from secure_vfl.federation.aggregator import PlainAggregator
 from secure_vfl.federation.channel import Channel, RecordingLayer
 from secure_vfl.federation.messages import GradientMessage, SumMessage
 from secure_vfl.methods import METHODS, MethodConfig
+from secure_vfl.methods.base import in_process_parties
 from secure_vfl.methods.laser import (
     MeanFusionMethod,
     laser_weights,
@@ -176,7 +177,9 @@ def test_secure_laser_learns_through_sums_that_hide_every_other_party(
 
 
 def _parameters(method: MeanFusionMethod) -> list[torch.Tensor]:
-    models = [p.model for p in method.fed.parties] + [h.head for h in method.heads]
+    models = [p.model for p in in_process_parties(method.fed.channel)] + [
+        h.module for p in in_process_parties(method.fed.channel) for h in p.heads.values()
+    ]
     return [t.detach().clone() for m in models for t in m.parameters()]
 
 
@@ -234,15 +237,25 @@ def test_a_training_step_sends_every_message_through_the_channel(make_data: Make
     rows = np.arange(32)
     method.train_step(rows, 0, 0)
     parties = [f"party-{k}" for k in range(4)]
+    others = parties[1:]  # what the label party (party-0) does for itself crosses no boundary
     routes = Counter((m.kind, m.sender, m.receiver) for m in recorder.messages)
     expected = Counter(
-        [("representation", p, "aggregator") for p in parties]
+        [("represent-request", "party-0", p) for p in others]
+        + [("representation", p, "aggregator") for p in parties]
+        + [("head-task", "party-0", p) for p in others]
+        + [("sum-request", "party-0", "aggregator") for _ in parties]
         + [("sum", "aggregator", p) for p in parties]
-        + [("gradient", h, p) for h in parties for p in parties]
+        + [("gradient", h, p) for h in parties for p in parties if h != p]
+        + [("loss", p, "party-0") for p in others]
+        + [("update", "party-0", p) for p in others]
     )
     assert routes == expected
     for message in recorder.messages:
         assert message.round == 0 and message.batch_id == 0
+        # The label party's requests carry rows and plans: no feature or label values.
+        if message.kind in ("represent-request", "sum-request", "update"):
+            tensors = [v for v in vars(message).values() if isinstance(v, torch.Tensor)]
+            assert not any(v.is_floating_point() for v in tensors), message.kind
         if isinstance(message, GradientMessage):
             assert message.positions.tolist() == list(range(32))
         if isinstance(message, SumMessage):
@@ -262,16 +275,23 @@ def test_bottom_models_learn_only_from_the_gradient_messages_they_receive(
     make_data: MakeData,
 ) -> None:
     data = make_data()
-    config = dataclasses.replace(FAST, epochs=1, momentum=0.0)
+    config = dataclasses.replace(FAST, epochs=1, momentum=0.0, heads="active")
     method = METHODS.get("laser")(data, config, seed=0, channel=Channel([_ZeroGradients()]))
     assert isinstance(method, MeanFusionMethod)
-    bottoms_before = [t.clone() for p in method.fed.parties for t in p.model.parameters()]
-    heads_before = [t.clone() for h in method.heads for t in h.head.parameters()]
+    label_party, *passive = in_process_parties(method.fed.channel)
+
+    def snapshot(modules: list[torch.nn.Module]) -> list[torch.Tensor]:
+        return [t.detach().clone() for m in modules for t in m.parameters()]
+
+    passive_before = snapshot([p.model for p in passive])
+    own_before = snapshot([label_party.model, label_party.heads[""].module])
     method.fit()
-    bottoms_after = list(t for p in method.fed.parties for t in p.model.parameters())
-    heads_after = list(t for h in method.heads for t in h.head.parameters())
-    assert all(torch.equal(a, b) for a, b in zip(bottoms_before, bottoms_after, strict=True))
-    assert not all(torch.equal(a, b) for a, b in zip(heads_before, heads_after, strict=True))
+    passive_after = snapshot([p.model for p in passive])
+    own_after = snapshot([label_party.model, label_party.heads[""].module])
+    # The passive parties got only zeroed gradient messages; the label party's own bottom and
+    # head learn from its own head, which crosses no boundary.
+    assert all(torch.equal(a, b) for a, b in zip(passive_before, passive_after, strict=True))
+    assert not any(torch.equal(a, b) for a, b in zip(own_before, own_after, strict=True))
 
 
 class _PerturbingAggregator(PlainAggregator):

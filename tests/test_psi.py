@@ -16,7 +16,6 @@ from protocols.psi import (
     CHUNK,
     POINT_BYTES,
     PsiAligner,
-    PsiMessage,
     PsiRequest,
     PsiRequester,
     PsiResponder,
@@ -30,6 +29,7 @@ from protocols.psi import (
 )
 from secure_vfl.errors import IntegrityError, ProtocolError
 from secure_vfl.federation.alignment import JoinAligner
+from secure_vfl.federation.channel import Channel, RecordingLayer
 
 KEY_A = bytes(range(1, 33))
 KEY_B = bytes(range(101, 133))
@@ -49,14 +49,15 @@ def _pair(mine, theirs, *, mode="intersection", session="s1", seed=0):
 def test_psi_reveals_only_intersection():
     mine = [f"user-{i}" for i in range(0, 300)]
     theirs = [f"user-{i}" for i in range(200, 450)]
-    transcript: list[PsiMessage] = []
+    recorder = RecordingLayer()
+    transcript = recorder.messages
     result = run_psi(
         mine,
         theirs,
         key_mine=KEY_A,
         key_theirs=KEY_B,
         rng=np.random.default_rng(1),
-        transcript=transcript,
+        channel=Channel([recorder]),
     )
     request, response = transcript
     assert isinstance(response, PsiResponse) and response.receiver == "requester"
@@ -94,7 +95,8 @@ def test_cardinality_mode_reveals_only_the_size():
     n = 2000
     mine = np.arange(n)
     theirs = np.arange(n // 2, n + 700)
-    transcript: list[PsiMessage] = []
+    recorder = RecordingLayer()
+    transcript = recorder.messages
     result = run_psi(
         mine,
         theirs,
@@ -102,7 +104,7 @@ def test_cardinality_mode_reveals_only_the_size():
         key_mine=KEY_A,
         key_theirs=KEY_B,
         rng=np.random.default_rng(7),
-        transcript=transcript,
+        channel=Channel([recorder]),
     )
     assert result.size == n // 2 and result.indices is None
     request, response = transcript
@@ -256,10 +258,11 @@ def test_psi_aligner_equals_join_aligner(kind):
 
 
 def test_psi_aligner_data_parties_never_see_each_others_ids():
-    transcript: list[PsiMessage] = []
+    recorder = RecordingLayer()
+    transcript = recorder.messages
     label = np.array(["a", "b", "c", "d"])
     parties = [np.array(["a", "x"]), np.array(["b", "c", "y"])]
-    PsiAligner(transcript=transcript).align(parties, label)
+    PsiAligner(channel=Channel([recorder])).align(parties, label)
     received: dict[str, int] = {}
     for message in transcript:
         assert "label-party" in (message.sender, message.receiver)
@@ -319,8 +322,11 @@ def test_chunked_psi_equals_one_chunk(mode):
     mine = rng.choice(10_000, size=700, replace=False)
     theirs = rng.choice(10_000, size=450, replace=False)
     whole = run_psi(mine, theirs, mode=mode, workers=1, chunk_size=CHUNK)
-    transcript: list[PsiMessage] = []
-    chunked = run_psi(mine, theirs, mode=mode, workers=1, chunk_size=64, transcript=transcript)
+    recorder = RecordingLayer()
+    transcript = recorder.messages
+    chunked = run_psi(
+        mine, theirs, mode=mode, workers=1, chunk_size=64, channel=Channel([recorder])
+    )
     assert chunked.size == whole.size == np.isin(mine, theirs).sum() > 0
     assert chunked.peer_size == whole.peer_size == len(theirs)
     if mode == "intersection":

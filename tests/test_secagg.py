@@ -31,6 +31,7 @@ from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
 from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
 from secure_vfl.federation.channel import Channel
 from secure_vfl.methods import MethodConfig
+from secure_vfl.methods.base import in_process_parties
 from secure_vfl.methods.imputation.fedhf import federated_average
 from secure_vfl.methods.laser import MeanFusionMethod
 
@@ -216,7 +217,9 @@ def test_laser_trained_through_masks_matches_laser_trained_in_the_clear(
             data, config, seed=3, planner="laser", name="laser", aggregator=aggregator
         )
         method.fit()
-        modules = [p.model for p in method.fed.parties] + [h.head for h in method.heads]
+        modules = [p.model for p in in_process_parties(method.fed.channel)] + [
+            h.module for p in in_process_parties(method.fed.channel) for h in p.heads.values()
+        ]
         models.append([t.detach().clone() for m in modules for t in m.parameters()])
         # Prediction after training uses fresh mask contexts (its own tag), never a reuse.
         predictions.append(method.predict("mcar:0"))

@@ -15,7 +15,7 @@ from secure_vfl.cli import main
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation.channel import Channel, RecordingLayer
 from secure_vfl.methods import METHODS, MethodConfig
-from secure_vfl.methods.base import build_federation, labeled_rows
+from secure_vfl.methods.base import build_federation, in_process_parties, labeled_rows
 from secure_vfl.models.networks import make_bottom
 from secure_vfl.models.simsiam import pretrain_simsiam
 
@@ -82,7 +82,9 @@ def test_pretraining_is_local_and_reproducible(make_data: MakeData) -> None:
     plain = build_federation(
         data, dataclasses.replace(config, pretrain_epochs=0), seed=3, channel=None, aggregator=None
     )
-    for a, b, c in zip(pretrained.parties, again.parties, plain.parties, strict=True):
+    for a, b, c in zip(
+        *(in_process_parties(f.channel) for f in (pretrained, again, plain)), strict=True
+    ):
         pa, pb, pc = (list(p.model.parameters()) for p in (a, b, c))
         assert all(torch.equal(x, y) for x, y in zip(pa, pb, strict=True))
         assert any(not torch.equal(x, z) for x, z in zip(pa, pc, strict=True))

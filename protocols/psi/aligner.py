@@ -6,11 +6,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from protocols.psi.messages import PsiMessage
 from protocols.psi.roles import PsiRequester, PsiResponder
 from protocols.psi.session import exchange, fresh_session_id
 from protocols.psi_kernel import CHUNK, ScalarPool, fresh_key
 from secure_vfl.federation.alignment import ALIGNERS, Alignment, checked_ids
+from secure_vfl.federation.channel import Channel
 
 
 class PsiAligner:
@@ -31,13 +31,13 @@ class PsiAligner:
         key_factory: Callable[[], bytes] = fresh_key,
         workers: int | None = None,
         chunk_size: int = CHUNK,
-        transcript: list[PsiMessage] | None = None,
+        channel: Channel | None = None,
     ) -> None:
         self.rng = rng
         self.key_factory = key_factory
         self.workers = workers
         self.chunk_size = chunk_size
-        self.transcript = transcript
+        self.channel = channel if channel is not None else Channel()
 
     def align(self, party_ids: Sequence[np.ndarray], label_ids: np.ndarray) -> Alignment:
         """PSI of the label ids with each party's ids, then the aligned rows (label ids sorted)."""
@@ -66,7 +66,7 @@ class PsiAligner:
                     workers=pool,
                     chunk_size=self.chunk_size,
                 )
-                exchange(requester, responder, self.transcript)
+                exchange(requester, responder, self.channel)
                 sessions.append((requester, responder))
         held = np.zeros((label_ids.size, len(party_ids)), dtype=bool)
         for k, (requester, _) in enumerate(sessions):
@@ -79,9 +79,7 @@ class PsiAligner:
         sample_of[label_rows] = np.arange(label_rows.size, dtype=np.int64)
         rows = np.full((label_rows.size, len(party_ids)), -1, dtype=np.int64)
         for k, (requester, responder) in enumerate(sessions):
-            message = requester.matches(sample_of, int(label_rows.size))
-            if self.transcript is not None:
-                self.transcript.append(message)
+            message = self.channel.send(requester.matches(sample_of, int(label_rows.size)))
             rows[:, k] = responder.receive_matches(message)
         return Alignment(
             sample_ids=label_ids[label_rows],

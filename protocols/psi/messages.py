@@ -15,6 +15,7 @@ import numpy as np
 from protocols.psi_kernel import decode_points
 from secure_vfl.errors import ProtocolError
 from secure_vfl.federation.messages import Message
+from secure_vfl.federation.wire import register_message
 
 PsiMode = Literal["intersection", "cardinality"]
 MODES: tuple[PsiMode, ...] = ("intersection", "cardinality")
@@ -47,6 +48,7 @@ class PsiMessage(Message):
             )
 
 
+@register_message
 @dataclass(frozen=True, kw_only=True)
 class PsiRequest(PsiMessage):
     """Step 1, A -> B, one chunk: A's singly masked ids ``a·H(x)``, the next ``len(points) / 32``
@@ -62,6 +64,7 @@ class PsiRequest(PsiMessage):
         decode_points(self.points, f"{self.kind} from {self.sender}")
 
 
+@register_message
 @dataclass(frozen=True, kw_only=True)
 class PsiResponse(PsiMessage):
     """Step 2, B -> A, one chunk of each of two streams, either possibly empty: ``peer_points``,
@@ -81,6 +84,7 @@ class PsiResponse(PsiMessage):
         decode_points(self.own_points, f"{self.kind} from {self.sender} (its own points)")
 
 
+@register_message
 @dataclass(frozen=True, kw_only=True)
 class PsiMatchMessage(PsiMessage):
     """Step 4 (alignment only), A -> B: aligned sample ``sample_positions[j]`` (of ``samples``)

@@ -6,10 +6,10 @@ import secrets
 
 import numpy as np
 
-from protocols.psi.messages import PsiMessage
 from protocols.psi.roles import PsiRequester, PsiResponder, PsiResult
 from protocols.psi_kernel import CHUNK, Ids, ScalarPool
 from secure_vfl.errors import ProtocolError
+from secure_vfl.federation.channel import Channel
 
 
 def fresh_session_id() -> str:
@@ -18,20 +18,15 @@ def fresh_session_id() -> str:
 
 
 def exchange(
-    requester: PsiRequester,
-    responder: PsiResponder,
-    transcript: list[PsiMessage] | None = None,
+    requester: PsiRequester, responder: PsiResponder, channel: Channel | None = None
 ) -> PsiResult:
-    """Run steps 1-3 between two in-process roles, chunk by chunk; messages exchanged are
-    appended to ``transcript`` if given (which then keeps them all)."""
+    """Run steps 1-3 between two in-process roles, chunk by chunk; every message crosses
+    ``channel`` (encoded and decoded by its transport; a fresh in-process one by default)."""
+    channel = channel if channel is not None else Channel()
     result: PsiResult | None = None
     for request in requester.requests():
-        if transcript is not None:
-            transcript.append(request)
-        for response in responder.respond(request):
-            if transcript is not None:
-                transcript.append(response)
-            result = requester.receive(response)
+        for response in responder.respond(channel.send(request)):
+            result = requester.receive(channel.send(response))
     if result is None:
         raise ProtocolError(f"{requester.name}: the response stream ended before it was complete.")
     return result
@@ -48,13 +43,13 @@ def run_psi(
     session_id: str | None = None,
     workers: int | None = None,
     chunk_size: int = CHUNK,
-    transcript: list[PsiMessage] | None = None,
+    channel: Channel | None = None,
 ) -> PsiResult:
     """Run both roles in-process: ``mine`` is the requester (who learns the result).
 
     ``rng`` drives both parties' shuffles (tests; by default each has its own secret-seeded
-    generator). ``workers`` processes (default ``os.cpu_count()``) serve both roles. Messages
-    exchanged are appended to ``transcript`` if given.
+    generator). ``workers`` processes (default ``os.cpu_count()``) serve both roles. Every
+    message crosses ``channel`` (see :func:`exchange`).
     """
     session = session_id if session_id is not None else fresh_session_id()
     with ScalarPool(workers) as pool:
@@ -76,4 +71,4 @@ def run_psi(
             workers=pool,
             chunk_size=chunk_size,
         )
-        return exchange(requester, responder, transcript)
+        return exchange(requester, responder, channel)

@@ -24,7 +24,6 @@ from secure_vfl.federation.messages import (
     AGGREGATOR,
     RepresentationMessage,
     SumMessage,
-    message_bytes,
 )
 
 
@@ -137,7 +136,10 @@ def check_selection(selection: Tensor, present: Tensor) -> None:
 
 
 class PlainAggregator:
-    """Sums in the clear. Insecure: whoever runs it sees every party's representation."""
+    """Sums in the clear. Insecure: whoever runs it sees every party's representation.
+
+    Its bytes are the plain messages themselves, counted by the transport they cross.
+    """
 
     def __init__(self) -> None:
         self.cost = AggregationCost()
@@ -165,9 +167,6 @@ class PlainAggregator:
                 sums=sums,
                 counts=selection.sum(dim=2),
             )
-        for message in contributions:
-            self.cost.add_bytes(message.sender, tag, message_bytes(message))
-        self.cost.add_bytes(AGGREGATOR, tag, message_bytes(result))
         return result
 
 

@@ -3,18 +3,33 @@
 A layer sees every message on its way and may record it, account for it or transform it (DP noise
 on gradients or embeddings, sparsification, an attack's tampering). Layers never reach into a
 party; they only see what crosses the boundary.
+
+The transport moves bytes: the in-process one encodes every message with the wire codec
+(:mod:`secure_vfl.federation.wire`) and decodes it on the other side, so even in one process no
+tensor or object is shared between parties, and it counts (and optionally captures) the bytes
+that crossed. A network transport that puts each party in its own process is a drop-in: it
+implements the same :class:`Transport` protocol.
 """
 
 from __future__ import annotations
 
+import struct
 import time
 from collections import Counter, defaultdict
-from collections.abc import Sequence
-from typing import Protocol, TypeVar
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeVar, cast
 
-from secure_vfl.federation.messages import AGGREGATOR, Message, check_header, message_bytes
+from secure_vfl.errors import ProtocolError
+from secure_vfl.federation import wire
+from secure_vfl.federation.messages import Message, check_header
+
+if TYPE_CHECKING:
+    from secure_vfl.federation.parties import Party
 
 M = TypeVar("M", bound=Message)
+
+CAPTURE_LENGTH = struct.Struct(">I")
 
 
 class ChannelLayer(Protocol):
@@ -26,23 +41,63 @@ class ChannelLayer(Protocol):
 
 
 class Transport(Protocol):
-    """Moves a message to its receiver and returns it as received."""
+    """Moves a message to its receiver and returns it as the receiver decodes it.
+
+    ``bytes`` counts the encoded bytes put on the wire, by (sender, receiver, phase).
+    """
+
+    bytes: Counter[tuple[str, str, str]]
 
     def deliver(self, message: M) -> M:
-        """Deliver ``message``; the receiver validates what arrives."""
+        """Deliver ``message``; what arrives is decoded and validated by the wire codec."""
         ...
 
 
 class InProcessTransport:
-    """All parties in one process: delivery is a hand-over, validated on receipt."""
+    """All parties in one process, but every message crosses as bytes: encoded by the sender,
+    decoded (and validated) on receipt. ``capture`` appends each message as a record
+    ``[4-byte big-endian length][encoded message]`` (see :func:`read_capture`)."""
+
+    def __init__(self, *, capture: BinaryIO | None = None) -> None:
+        self.bytes: Counter[tuple[str, str, str]] = Counter()
+        self.capture = capture
+        self.codec_seconds = 0.0
 
     def deliver(self, message: M) -> M:
-        message.validate()
-        return message
+        start = time.perf_counter()
+        data = wire.encode(message)
+        received = wire.decode(data)
+        self.codec_seconds += time.perf_counter() - start
+        phase = getattr(message, "phase", "train")
+        self.bytes[(message.sender, message.receiver, phase)] += len(data)
+        if self.capture is not None:
+            self.capture.write(CAPTURE_LENGTH.pack(len(data)))
+            self.capture.write(data)
+        return cast(M, received)
+
+
+def read_capture(path: Path) -> Iterator[Message]:
+    """The messages of a capture file, in the order they crossed; ProtocolError on a truncated
+    record or a message the codec refuses."""
+    with path.open("rb") as handle:
+        while header := handle.read(CAPTURE_LENGTH.size):
+            if len(header) < CAPTURE_LENGTH.size:
+                raise ProtocolError(f"{path}: a truncated record length at the end of the file.")
+            (length,) = CAPTURE_LENGTH.unpack(header)
+            data = handle.read(length)
+            if len(data) != length:
+                raise ProtocolError(
+                    f"{path}: a record of {length} bytes expected, found {len(data)}."
+                )
+            yield wire.decode(data)
 
 
 class Channel:
-    """The path every message between parties takes: layers in order, then the transport."""
+    """The path every message between parties takes: layers in order, then the transport.
+
+    Parties attached to the channel receive what is posted to them (:meth:`post`): the channel
+    is the network, and the only thing that knows every party's address.
+    """
 
     def __init__(
         self, layers: Sequence[ChannelLayer] = (), transport: Transport | None = None
@@ -50,6 +105,18 @@ class Channel:
         self.layers = list(layers)
         self.transport: Transport = transport if transport is not None else InProcessTransport()
         self.layer_seconds: defaultdict[str, float] = defaultdict(float)
+        self._parties: dict[str, Party] = {}
+
+    def attach(self, party: Party) -> None:
+        """Make ``party`` reachable by its name; a name is attached once."""
+        if party.name in self._parties:
+            raise ProtocolError(f"a party named {party.name!r} is already on this channel.")
+        self._parties[party.name] = party
+
+    @property
+    def parties(self) -> dict[str, Party]:
+        """The attached parties by name (the network's address book)."""
+        return dict(self._parties)
 
     def send(self, message: M) -> M:
         """Pass ``message`` through every layer and deliver it; return what the receiver gets.
@@ -70,6 +137,25 @@ class Channel:
         check_header(delivered, sender=sender, receiver=receiver, round=round, batch_id=batch_id)
         return delivered
 
+    def post(self, message: Message, *, sender: Party) -> None:
+        """Send ``message`` from the attached party ``sender`` to the attached party it names.
+
+        The channel vouches for the sender (a network transport does so by its certificate): a
+        message whose header names another sender is refused before anything is sent.
+        """
+        if message.sender != sender.name or self._parties.get(sender.name) is not sender:
+            raise ProtocolError(
+                f"{message.kind} claims sender {message.sender!r} but was posted by "
+                f"{sender.name!r}; a party sends only in its own name."
+            )
+        receiver = self._parties.get(message.receiver)
+        if receiver is None:
+            raise ProtocolError(
+                f"{message.kind} from {message.sender} to {message.receiver!r}: no such party "
+                f"on this channel (found {', '.join(sorted(self._parties))})."
+            )
+        receiver.receive(self.send(message))
+
 
 class RecordingLayer:
     """Keeps every message that passes, in order (tests, byte accounting, curious observers)."""
@@ -84,20 +170,3 @@ class RecordingLayer:
     def kinds(self) -> list[str]:
         """The kinds of the recorded messages, in order."""
         return [m.kind for m in self.messages]
-
-
-class TrafficMeter:
-    """Counts the payload bytes of every message between parties, by sender and phase.
-
-    Messages to or from the aggregator are left out: the aggregation protocol's wire format
-    (masked ring elements, ciphertexts) is the aggregator's to count (``Aggregator.cost``).
-    """
-
-    def __init__(self) -> None:
-        self.bytes: Counter[tuple[str, str]] = Counter()
-
-    def on_message(self, message: M) -> M:
-        if AGGREGATOR not in (message.sender, message.receiver):
-            phase = getattr(message, "phase", "train")
-            self.bytes[(message.sender, phase)] += message_bytes(message)
-        return message

@@ -1,13 +1,16 @@
 """Typed messages: everything that crosses a party boundary is one of these dataclasses.
 
-Each message carries an explicit schema version and a header (sender, receiver, round, batch id)
-that the receiver checks against what it expects (:func:`check_header`), and its tensor content is
-validated on receipt (:meth:`Message.validate`: dtype, shape, finite values). A message carries
-content or an error, never both: :class:`ErrorMessage` is the only one that carries an error.
+Each message carries an explicit schema version and a header (sender, receiver, session, round,
+batch id) that the receiver checks against what it expects (:func:`check_header`). Every message
+that crosses a boundary is decoded by the wire codec (:mod:`secure_vfl.federation.wire`), which
+refuses malformed bytes and non-finite floating-point values, then calls
+:meth:`Message.validate` for the structure (dtypes, shapes, rows). A message carries content or an
+error, never both: :class:`ErrorMessage` is the only one that carries an error.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -15,6 +18,7 @@ import torch
 from torch import Tensor
 
 from secure_vfl.errors import IntegrityError, ProtocolError
+from secure_vfl.federation.wire import register_message
 
 SCHEMA_VERSION = 1
 PHASES = ("train", "predict")
@@ -44,7 +48,8 @@ class Message:
     kind: ClassVar[str] = "message"
 
     def validate(self) -> None:
-        """Check the message is well formed on its own; raise ProtocolError or IntegrityError."""
+        """Check the message is well formed on its own (ProtocolError); the finiteness of its
+        floating-point content is the wire codec's to check on receipt."""
         if self.schema_version != SCHEMA_VERSION:
             raise ProtocolError(
                 f"{self.kind} from {self.sender}: schema version {SCHEMA_VERSION} expected, "
@@ -55,15 +60,6 @@ class Message:
                 f"{self.kind} from {self.sender}: round and batch id must be >= 0, "
                 f"found round={self.round}, batch_id={self.batch_id}."
             )
-
-
-def message_bytes(message: Message) -> int:
-    """The payload size of ``message`` on the wire: the bytes of its tensors (headers aside)."""
-    return sum(
-        int(value.numel() * value.element_size())
-        for value in vars(message).values()
-        if isinstance(value, Tensor)
-    )
 
 
 def check_header(
@@ -81,6 +77,16 @@ def check_header(
                 f"{message.kind} from {message.sender}: "
                 f"{field} {value!r} expected, found {found!r}."
             )
+
+
+def _increasing(tensor: Tensor) -> bool:
+    """Whether a 1-d tensor is strictly increasing (numpy: cheaper than torch on small rows)."""
+    values = tensor.numpy()
+    return bool((values[1:] > values[:-1]).all())
+
+
+def _nonnegative(tensor: Tensor) -> bool:
+    return tensor.numel() == 0 or int(tensor.numpy().min()) >= 0
 
 
 def _check_tensor(
@@ -101,8 +107,6 @@ def _check_tensor(
             f"{message.kind} from {message.sender}: {name} still carries an autograd graph; "
             "tensors are detached at every party boundary."
         )
-    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-        raise IntegrityError(f"{message.kind} from {message.sender}: {name} has non-finite values.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -129,12 +133,13 @@ class RowsMessage(Message):
                 f"{self.kind} from {self.sender}: {self.positions.shape[0]} rows announced, "
                 f"found {tensor.shape[0]} in {name}."
             )
-        if self.positions.numel() and bool((self.positions[1:] <= self.positions[:-1]).any()):
+        if not _increasing(self.positions):
             raise ProtocolError(
                 f"{self.kind} from {self.sender}: positions must be strictly increasing."
             )
 
 
+@register_message
 @dataclass(frozen=True, kw_only=True)
 class RepresentationMessage(RowsMessage):
     """A data party's representations of its observed rows of the batch (forward pass)."""
@@ -148,6 +153,7 @@ class RepresentationMessage(RowsMessage):
         self._check_rows("representation", self.representation)
 
 
+@register_message
 @dataclass(frozen=True, kw_only=True)
 class GradientMessage(RowsMessage):
     """The gradient of a head's loss with respect to a party's representations (backward pass)."""
@@ -161,6 +167,7 @@ class GradientMessage(RowsMessage):
         self._check_rows("gradient", self.gradient)
 
 
+@register_message
 @dataclass(frozen=True, kw_only=True)
 class SumMessage(Message):
     """Per-task sums of representations, delivered to the head that asked for them.
@@ -171,6 +178,7 @@ class SumMessage(Message):
 
     sums: Tensor
     counts: Tensor
+    tag: str = ""
     kind: ClassVar[str] = "sum"
 
     def validate(self) -> None:
@@ -184,6 +192,7 @@ class SumMessage(Message):
             )
 
 
+@register_message
 @dataclass(frozen=True, kw_only=True)
 class PredictionMessage(RowsMessage):
     """A party's predicted classes for some rows (Ensemble voting)."""
@@ -197,6 +206,7 @@ class PredictionMessage(RowsMessage):
         self._check_rows("predictions", self.predictions)
 
 
+@register_message
 @dataclass(frozen=True, kw_only=True)
 class ErrorMessage(Message):
     """A party's refusal: carries the reason and no content."""
@@ -205,6 +215,7 @@ class ErrorMessage(Message):
     kind: ClassVar[str] = "error"
 
 
+@register_message
 @dataclass(frozen=True, kw_only=True)
 class LatentMessage(RowsMessage):
     """Latent samples ``h`` drawn by the label party for some rows of the batch (FALSE-VFL).
@@ -222,6 +233,7 @@ class LatentMessage(RowsMessage):
         self._check_rows("samples", self.samples)
 
 
+@register_message
 @dataclass(frozen=True, kw_only=True)
 class LikelihoodMessage(RowsMessage):
     """A party's log-likelihood of its rows under each latent sample it received (FALSE-VFL).
@@ -239,6 +251,7 @@ class LikelihoodMessage(RowsMessage):
         self._check_rows("log_likelihood", self.log_likelihood)
 
 
+@register_message
 @dataclass(frozen=True, kw_only=True)
 class LatentGradientMessage(RowsMessage):
     """The gradient of a party's returned log-likelihoods with respect to the latent samples it
@@ -251,3 +264,162 @@ class LatentGradientMessage(RowsMessage):
         super().validate()
         _check_tensor(self, "gradient", self.gradient, dims=3, dtype=torch.float32)
         self._check_rows("gradient", self.gradient)
+
+
+def _check_choice(message: Message, name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ProtocolError(
+            f"{message.kind} from {message.sender}: {name} must be one of {allowed}, "
+            f"found {value!r}."
+        )
+
+
+@register_message
+@dataclass(frozen=True, kw_only=True)
+class RepresentRequest(Message):
+    """The driver asks a data party for representations of some of its rows (no features, no
+    labels): ``rows`` index the party's own table of ``split``, ``positions`` place them in the
+    batch; the party sends a :class:`RepresentationMessage` to ``reply_to`` computed with its
+    model ``model`` (``""``: its bottom model) and, in training, keeps the graph for the
+    gradient that will come back under ``tag``."""
+
+    split: str
+    rows: Tensor
+    positions: Tensor
+    reply_to: PartyId
+    tag: str = ""
+    model: str = ""
+    phase: str = "train"
+    kind: ClassVar[str] = "represent-request"
+
+    def validate(self) -> None:
+        super().validate()
+        _check_choice(self, "phase", self.phase, PHASES)
+        _check_tensor(self, "rows", self.rows, dims=1, dtype=torch.int64)
+        _check_tensor(self, "positions", self.positions, dims=1, dtype=torch.int64)
+        if self.rows.shape != self.positions.shape:
+            raise ProtocolError(
+                f"{self.kind} from {self.sender}: as many rows as positions expected, found "
+                f"{self.rows.numel()} rows and {self.positions.numel()} positions."
+            )
+        if not (_nonnegative(self.rows) and _nonnegative(self.positions)):
+            raise ProtocolError(f"{self.kind} from {self.sender}: rows and positions must be >= 0.")
+        if not _increasing(self.positions):
+            raise ProtocolError(
+                f"{self.kind} from {self.sender}: positions must be strictly increasing."
+            )
+
+
+@register_message
+@dataclass(frozen=True, kw_only=True)
+class SumRequest(Message):
+    """The driver asks the aggregator for per-task sums of the representations it holds for
+    ``(round, batch_id, phase, source_tag)``, delivered to ``deliver_to``: ``selection[t, b, k]``
+    says whether party ``parties[k]``'s row ``b`` enters sum ``t``; ``tag`` names the sum so
+    secure backends never reuse a mask context."""
+
+    selection: Tensor
+    parties: tuple[str, ...]
+    deliver_to: PartyId
+    tag: str
+    source_tag: str = ""
+    phase: str = "train"
+    kind: ClassVar[str] = "sum-request"
+
+    def validate(self) -> None:
+        super().validate()
+        _check_choice(self, "phase", self.phase, PHASES)
+        _check_tensor(self, "selection", self.selection, dims=3, dtype=torch.bool)
+        if self.selection.shape[2] != len(self.parties) or len(set(self.parties)) != len(
+            self.parties
+        ):
+            raise ProtocolError(
+                f"{self.kind} from {self.sender}: one selection column per distinct party "
+                f"expected, found {self.selection.shape[2]} columns for parties {self.parties}."
+            )
+
+
+@register_message
+@dataclass(frozen=True, kw_only=True)
+class UpdateRequest(Message):
+    """The driver closes a training step: the party backpropagates the gradients it received
+    for ``(round, tag)`` (if any), forgets a forward pass whose gradient did not come, and steps
+    the optimiser of the model that served it (and of its heads when ``heads`` is set)."""
+
+    tag: str = ""
+    heads: bool = False
+    kind: ClassVar[str] = "update"
+
+
+@register_message
+@dataclass(frozen=True, kw_only=True)
+class HeadTask(Message):
+    """The driver tells a head-holding party what its head trains on this step: the batch rows
+    (``rows``, indices into the training labels the party holds), each task's loss weight
+    ``weights[t, b]`` and ``selection[t, b, k]`` (who contributed, so the party knows whom it owes
+    gradients); the sums themselves come from the aggregator under ``tag``."""
+
+    rows: Tensor
+    weights: Tensor
+    normaliser: float
+    selection: Tensor
+    present: Tensor
+    parties: tuple[str, ...]
+    tag: str
+    head: str = ""
+    kind: ClassVar[str] = "head-task"
+
+    def validate(self) -> None:
+        super().validate()
+        _check_tensor(self, "rows", self.rows, dims=1, dtype=torch.int64)
+        _check_tensor(self, "weights", self.weights, dims=2, dtype=torch.float32)
+        _check_tensor(self, "selection", self.selection, dims=3, dtype=torch.bool)
+        _check_tensor(self, "present", self.present, dims=2, dtype=torch.bool)
+        tasks, batch = self.weights.shape
+        if (
+            tuple(self.selection.shape) != (tasks, batch, len(self.parties))
+            or self.rows.numel() != batch
+            or tuple(self.present.shape) != (batch, len(self.parties))
+        ):
+            raise ProtocolError(
+                f"{self.kind} from {self.sender}: rows (B,), weights (T, B), selection "
+                f"(T, B, {len(self.parties)}) and present (B, {len(self.parties)}) expected, "
+                f"found {tuple(self.rows.shape)}, {tuple(self.weights.shape)}, "
+                f"{tuple(self.selection.shape)} and {tuple(self.present.shape)}."
+            )
+        if not (self.normaliser > 0 and math.isfinite(self.normaliser)):
+            raise ProtocolError(
+                f"{self.kind} from {self.sender}: a positive normaliser expected, "
+                f"found {self.normaliser}."
+            )
+
+
+@register_message
+@dataclass(frozen=True, kw_only=True)
+class PredictTask(Message):
+    """The driver asks a head-holding party to predict ``positions`` of the batch from the sum
+    the aggregator delivers under ``tag``; it answers with a :class:`PredictionMessage`."""
+
+    positions: Tensor
+    tag: str
+    head: str = ""
+    kind: ClassVar[str] = "predict-task"
+
+    def validate(self) -> None:
+        super().validate()
+        _check_tensor(self, "positions", self.positions, dims=1, dtype=torch.int64)
+
+
+@register_message
+@dataclass(frozen=True, kw_only=True)
+class LossMessage(Message):
+    """A head-holding party's weighted training loss of one step, reported to the driver."""
+
+    loss: float
+    tag: str = ""
+    kind: ClassVar[str] = "loss"
+
+    def validate(self) -> None:
+        super().validate()
+        if not math.isfinite(self.loss):
+            raise IntegrityError(f"{self.kind} from {self.sender}: the loss is not finite.")

@@ -1,124 +1,155 @@
-"""Party roles. Each party owns its data, its model and its optimiser; nothing outside reads them.
+"""Party roles as actors: each organisation is one object that owns only its own state and acts
+only on the messages it receives.
 
-A :class:`DataParty` turns its rows of a batch into representations and, later, starts its
-backward pass from the gradient messages it receives (``representation.backward(grad)``): the
-tensor it sent was detached, so no autograd graph crosses the boundary. A :class:`HeadParty`
-holds labels and a fusion head; it turns fused inputs into a loss and into the gradient messages
-owed to each contributing party.
+A :class:`Party` sends through the :class:`~secure_vfl.federation.channel.Channel` it is attached
+to (the network) and receives what other parties post to it: a message kind with a handler
+(``on_<kind>``) is acted on at once, any other waits in the party's inbox until its own program
+takes it (:meth:`Party.take`). A message a party sends to itself (the label party's own block)
+crosses no boundary and is handed over directly.
+
+- :class:`DataParty`: a feature block per split and the bottom model(s) that read it. It answers
+  a :class:`RepresentRequest` with a detached :class:`RepresentationMessage`, keeps the autograd
+  graph, collects the :class:`GradientMessage` s that come back and, on an
+  :class:`UpdateRequest`, starts its backward pass from their sum (``representation.backward``)
+  and steps its optimiser. It may also hold labels and heads (:class:`Head`): then it trains a
+  head on the sums the aggregator delivers (:class:`HeadTask`) and predicts from them
+  (:class:`PredictTask`).
+- :class:`AggregationServer`: holds the contributions of a batch and answers a
+  :class:`SumRequest` with the sums of its backend (:class:`~secure_vfl.federation.aggregator.
+  Aggregator`); it holds no labels, features or models.
+
+Roles are replaceable by name (:data:`ROLES`): an attacker is a subclass of the role it plays,
+with hooks on what it sends (``outgoing``) and receives (``incoming``) and after training
+(:meth:`Party.after_training`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from secure_vfl.errors import ProtocolError
-from secure_vfl.federation.messages import GradientMessage, RepresentationMessage
+from secure_vfl.federation.messages import (
+    AGGREGATOR,
+    GradientMessage,
+    HeadTask,
+    LossMessage,
+    Message,
+    PredictionMessage,
+    PredictTask,
+    RepresentationMessage,
+    RepresentRequest,
+    SumMessage,
+    SumRequest,
+    UpdateRequest,
+)
+from secure_vfl.registry import Registry
+
+if TYPE_CHECKING:
+    from secure_vfl.federation.aggregator import Aggregator
+    from secure_vfl.federation.channel import Channel, ChannelLayer
+
+Handler = Callable[[Any], None]
 
 
-class DataParty:
-    """A feature block and the bottom (representation) model that reads it."""
+class Party:
+    """One organisation: a name, an inbox and hooks; subclasses add state and handlers."""
 
-    def __init__(
-        self,
-        name: str,
-        blocks: Mapping[str, Tensor],
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-    ) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
-        self._blocks = dict(blocks)
-        self.model = model
-        self.optimizer = optimizer
-        self._pending: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
+        self.outgoing: list[ChannelLayer] = []
+        self.incoming: list[ChannelLayer] = []
+        self._channel: Channel | None = None
+        self._inbox: list[Message] = []
 
-    def represent(
-        self,
-        split: str,
-        rows: Tensor,
-        positions: Tensor,
-        *,
-        receiver: str,
-        round: int,
-        batch_id: int,
-        train: bool,
-        tag: str = "",
-    ) -> RepresentationMessage:
-        """Representations of ``rows`` of this party's ``split`` block, detached for sending."""
-        x = self._blocks[split][rows]
-        if train:
-            self.model.train()
-            output = self.model(x)
-            self._pending[(round, tag)] = (output, positions)
-            sent = output.detach()
+    def connect(self, channel: Channel) -> None:
+        """Attach this party to ``channel`` (the network it sends and receives on)."""
+        channel.attach(self)
+        self._channel = channel
+
+    def send(self, message: Message) -> None:
+        """Send ``message`` in this party's name, through its outgoing hooks."""
+        for layer in self.outgoing:
+            message = layer.on_message(message)
+        if message.receiver == self.name:
+            self.receive(message)
+            return
+        if self._channel is None:
+            raise ProtocolError(f"{self.name} is not connected to a channel; cannot send.")
+        self._channel.post(message, sender=self)
+
+    def receive(self, message: Message) -> None:
+        """Act on a message delivered to this party (its handler, or its inbox)."""
+        if message.receiver != self.name:
+            raise ProtocolError(
+                f"{message.kind} from {message.sender} for {message.receiver!r} was delivered "
+                f"to {self.name!r}."
+            )
+        for layer in self.incoming:
+            message = layer.on_message(message)
+        handler = getattr(self, "on_" + message.kind.replace("-", "_"), None)
+        if handler is None:
+            self._inbox.append(message)
         else:
-            self.model.eval()
-            with torch.no_grad():
-                sent = self.model(x)
-        return RepresentationMessage(
-            sender=self.name,
-            receiver=receiver,
-            round=round,
-            batch_id=batch_id,
-            positions=positions,
-            tag=tag,
-            phase="train" if train else "predict",
-            representation=sent,
+            handler(message)
+
+    def take(
+        self, kind: str, *, sender: str, round: int, batch_id: int, tag: str | None = None
+    ) -> Message:
+        """The waiting message of ``kind`` from ``sender`` for ``(round, batch_id[, tag])``.
+
+        In one process a message is delivered before ``send`` returns, so one that is not here
+        never came: that is a protocol error, not something to wait for.
+        """
+        for i, message in enumerate(self._inbox):
+            if (message.kind, message.sender, message.round, message.batch_id) == (
+                kind,
+                sender,
+                round,
+                batch_id,
+            ) and (tag is None or getattr(message, "tag", "") == tag):
+                return self._inbox.pop(i)
+        raise ProtocolError(
+            f"{self.name}: a {kind} from {sender} for round {round}, batch {batch_id}"
+            f"{'' if tag is None else f', tag {tag!r}'} expected, found none (waiting: "
+            f"{[(m.kind, m.sender, m.round, m.batch_id) for m in self._inbox][:5]})."
         )
 
-    def backward(self, gradients: Sequence[GradientMessage], *, round: int, tag: str = "") -> None:
-        """Sum the gradients received for ``round`` and backpropagate them into the bottom model."""
-        try:
-            output, positions = self._pending.pop((round, tag))
-        except KeyError:
-            raise ProtocolError(
-                f"{self.name}: gradient for round {round} (tag {tag!r}) "
-                "but no pending forward pass."
-            ) from None
-        total = torch.zeros_like(output)
-        for message in gradients:
-            if message.receiver != self.name or message.round != round or message.tag != tag:
-                raise ProtocolError(
-                    f"{self.name}: gradient addressed to {message.receiver} for round "
-                    f"{message.round} (tag {message.tag!r}) refused."
-                )
-            if not torch.equal(message.positions, positions):
-                raise ProtocolError(
-                    f"{self.name}: gradient rows do not match the {positions.numel()} rows sent."
-                )
-            total += message.gradient
-        output.backward(total)
+    def after_training(self) -> None:
+        """Called once training ends (attacks evaluate what the party learnt here)."""
 
-    def discard_pending(self) -> None:
-        """Forget forward passes whose gradients will not come (e.g. a dropped party)."""
-        self._pending.clear()
-
-    def step(self) -> None:
-        """Apply and clear the accumulated gradients."""
-        if self.optimizer is not None:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+    def reply_header(self, request: Message, receiver: str | None = None) -> dict[str, Any]:
+        """The header of this party's answer to ``request``: to its sender (or ``receiver``),
+        in the same session, round and batch."""
+        return {
+            "sender": self.name,
+            "receiver": request.sender if receiver is None else receiver,
+            "round": request.round,
+            "batch_id": request.batch_id,
+            "session": request.session,
+        }
 
 
-class HeadParty:
-    """Labels and a fusion head (LASER's g_k, a split network's top model)."""
+class Head:
+    """Labels of every split and a fusion head (LASER's g_k, a split network's top model)."""
 
     def __init__(
         self,
-        name: str,
         labels: Mapping[str, Tensor],
-        head: nn.Module,
+        module: nn.Module,
         optimizer: torch.optim.Optimizer | None,
     ) -> None:
-        self.name = name
         self._labels = dict(labels)
-        self.head = head
+        self.module = module
         self.optimizer = optimizer
 
     def labels(self, split: str, rows: Tensor) -> Tensor:
-        """This party's labels of ``rows``."""
+        """The labels of ``rows`` of ``split``."""
         return self._labels[split][rows]
 
     def step(self) -> None:
@@ -126,6 +157,275 @@ class HeadParty:
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+
+
+class DataParty(Party):
+    """A feature block per split, its bottom model(s) and, at a label holder, its head(s).
+
+    ``models[""]`` is the bottom model; further models (Combinatorial's per-subset bottoms) are
+    added with :meth:`add_model` and named in the requests. ``heads`` are keyed the same way.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        blocks: Mapping[str, Tensor],
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        heads: Mapping[str, Head] | None = None,
+    ) -> None:
+        super().__init__(name)
+        self._blocks = dict(blocks)
+        self.models: dict[str, nn.Module] = {"": model}
+        self.optimizers: dict[str, torch.optim.Optimizer | None] = {"": optimizer}
+        self.heads: dict[str, Head] = dict(heads or {})
+        self._pending: dict[tuple[int, str], tuple[Tensor, Tensor, str]] = {}
+        self._gradients: dict[tuple[int, str], list[Tensor]] = {}
+        self._tasks: dict[tuple[int, int, str], HeadTask | PredictTask] = {}
+
+    @property
+    def model(self) -> nn.Module:
+        """The bottom model."""
+        return self.models[""]
+
+    @model.setter
+    def model(self, module: nn.Module) -> None:
+        self.models[""] = module
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The bottom model's optimiser."""
+        return self.optimizers[""]
+
+    @optimizer.setter
+    def optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+        self.optimizers[""] = optimizer
+
+    def add_model(self, key: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Hold a further bottom model, used when a request names ``key``."""
+        if key in self.models:
+            raise ProtocolError(f"{self.name} already holds a model named {key!r}.")
+        self.models[key] = model
+        self.optimizers[key] = optimizer
+
+    # -- forward and backward of the bottom models ------------------------------------------
+
+    def on_represent_request(self, request: RepresentRequest) -> None:
+        block = self._blocks.get(request.split)
+        model = self.models.get(request.model)
+        if block is None or model is None:
+            raise ProtocolError(
+                f"{self.name}: split {request.split!r} and model {request.model!r} requested; "
+                f"it holds splits {sorted(self._blocks)} and models {sorted(self.models)}."
+            )
+        if request.rows.numel() and int(request.rows.max()) >= block.shape[0]:
+            raise ProtocolError(
+                f"{self.name}: rows < {block.shape[0]} of split {request.split!r} expected, "
+                f"found {int(request.rows.max())}."
+            )
+        key = (request.round, request.tag)
+        train = request.phase == "train"
+        if train and key in self._pending:
+            raise ProtocolError(
+                f"{self.name}: a second forward pass for round {request.round}, tag "
+                f"{request.tag!r} (a replayed request?)."
+            )
+        x = block[request.rows]
+        if train:
+            model.train()
+            output = model(x)
+            self._pending[key] = (output, request.positions, request.model)
+            sent = output.detach()
+        else:
+            model.eval()
+            with torch.no_grad():
+                sent = model(x)
+        self.send(
+            RepresentationMessage(
+                **self.reply_header(request, request.reply_to),
+                positions=request.positions,
+                tag=request.tag,
+                phase=request.phase,
+                representation=sent,
+            )
+        )
+
+    def on_gradient(self, message: GradientMessage) -> None:
+        key = (message.round, message.tag)
+        pending = self._pending.get(key)
+        if pending is None:
+            raise ProtocolError(
+                f"{self.name}: gradient for round {message.round} (tag {message.tag!r}) "
+                "but no pending forward pass."
+            )
+        output, positions, _ = pending
+        if not torch.equal(message.positions, positions) or (
+            message.gradient.shape != output.shape
+        ):
+            raise ProtocolError(
+                f"{self.name}: a gradient for the {positions.numel()} rows of width "
+                f"{output.shape[1]} sent expected, found {message.positions.numel()} rows of "
+                f"shape {tuple(message.gradient.shape)}."
+            )
+        self._gradients.setdefault(key, []).append(message.gradient)
+
+    def on_update(self, message: UpdateRequest) -> None:
+        model_key = self.backpropagate(message.round, message.tag)
+        optimizer = self.optimizers[model_key]
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if message.heads and message.tag in self.heads:
+            self.heads[message.tag].step()
+
+    def backpropagate(self, round: int, tag: str = "") -> str:
+        """Start the backward pass of ``(round, tag)``'s forward from the sum of the gradients
+        received for it (if any), forget forward passes whose gradients will not come, and
+        return the name of the model that served it (``""``: the bottom model)."""
+        key = (round, tag)
+        pending = self._pending.pop(key, None)
+        gradients = self._gradients.pop(key, [])
+        for stale in [k for k in self._pending if k[0] < round]:
+            del self._pending[stale]
+        if pending is None:
+            return ""
+        output, _, model_key = pending
+        if gradients:
+            total = torch.zeros_like(output)
+            for gradient in gradients:
+                total += gradient
+            output.backward(total)
+        return model_key
+
+    # -- heads: training and prediction on delivered sums ------------------------------------
+
+    def on_head_task(self, task: HeadTask) -> None:
+        self._expect_sum(task, task.head)
+
+    def on_predict_task(self, task: PredictTask) -> None:
+        self._expect_sum(task, task.head)
+
+    def _expect_sum(self, task: HeadTask | PredictTask, head: str) -> None:
+        if head not in self.heads:
+            raise ProtocolError(f"{self.name} holds no head named {head!r}.")
+        key = (task.round, task.batch_id, task.tag)
+        if key in self._tasks:
+            raise ProtocolError(
+                f"{self.name}: a second task for round {task.round}, batch {task.batch_id}, "
+                f"tag {task.tag!r} (a replayed request?)."
+            )
+        self._tasks[key] = task
+
+    def on_sum(self, message: SumMessage) -> None:
+        task = self._tasks.pop((message.round, message.batch_id, message.tag), None)
+        if task is None:
+            self._inbox.append(message)
+            return
+        counts = message.counts.clamp(min=1).unsqueeze(-1).to(message.sums.dtype)
+        means = message.sums / counts
+        if isinstance(task, PredictTask):
+            self._predict(task, means)
+        else:
+            self._train_head(task, means, counts)
+
+    def _predict(self, task: PredictTask, means: Tensor) -> None:
+        head = self.heads[task.head]
+        head.module.eval()
+        with torch.no_grad():
+            predicted = head.module(means[0]).argmax(dim=-1)
+        self.send(
+            PredictionMessage(
+                **self.reply_header(task),
+                positions=task.positions,
+                tag=task.tag,
+                phase="predict",
+                predictions=predicted[task.positions].contiguous(),
+            )
+        )
+
+    def _train_head(self, task: HeadTask, means: Tensor, counts: Tensor) -> None:
+        """The head's weighted task loss ``sum(weights * CE) / normaliser``; backward into the
+        head; the gradient owed to each contributing party for the rows it sent."""
+        head = self.heads[task.head]
+        means.requires_grad_(True)
+        head.module.train()
+        logits = head.module(means)
+        tasks, batch, classes = logits.shape
+        labels = head.labels("train", task.rows)
+        losses = F.cross_entropy(
+            logits.reshape(-1, classes), labels.repeat(tasks), reduction="none"
+        ).view(tasks, batch)
+        loss = (task.weights * losses).sum() / task.normaliser
+        loss.backward()
+        assert means.grad is not None
+        per_contribution = means.grad / counts
+        dense = torch.einsum(
+            "tbk,tbd->kbd", task.selection.to(per_contribution.dtype), per_contribution
+        )
+        used = task.selection.flatten(0, 1).any(dim=0)
+        for message in gradient_messages(
+            self.name,
+            dense,
+            task.present & used.unsqueeze(0),
+            task.parties,
+            round=task.round,
+            batch_id=task.batch_id,
+            tag=task.head,
+        ):
+            self.send(dataclasses.replace(message, session=task.session))
+        self.send(
+            LossMessage(
+                **self.reply_header(task),
+                tag=task.tag,
+                loss=float(loss.item()),
+            )
+        )
+
+
+class AggregationServer(Party):
+    """Holds the contributions of the current batch and sums them for whoever is owed a sum.
+
+    It holds no labels, features, models or secret keys; what it sees is what its backend
+    receives (masked ring elements or ciphertexts under a secure backend).
+    """
+
+    def __init__(self, aggregator: Aggregator, name: str = AGGREGATOR) -> None:
+        super().__init__(name)
+        self.aggregator = aggregator
+        self._batch: tuple[int, int, str] | None = None
+        self._contributions: dict[str, dict[str, RepresentationMessage]] = {}
+
+    def on_representation(self, message: RepresentationMessage) -> None:
+        batch = (message.round, message.batch_id, message.phase)
+        if batch != self._batch:
+            self._batch, self._contributions = batch, {}
+        by_sender = self._contributions.setdefault(message.tag, {})
+        if message.sender in by_sender:
+            raise ProtocolError(
+                f"{self.name}: two representations from {message.sender} for round "
+                f"{message.round}, batch {message.batch_id}, tag {message.tag!r} (a replay?)."
+            )
+        by_sender[message.sender] = message
+
+    def on_sum_request(self, request: SumRequest) -> None:
+        if self._batch != (request.round, request.batch_id, request.phase):
+            raise ProtocolError(
+                f"{self.name}: a sum for round {request.round}, batch {request.batch_id} "
+                f"({request.phase}) requested, but it holds contributions for {self._batch}."
+            )
+        arrived = self._contributions.get(request.source_tag, {})
+        contributions = [arrived[name] for name in request.parties if name in arrived]
+        result = self.aggregator.combine(
+            contributions,
+            request.selection,
+            parties=request.parties,
+            receiver=request.deliver_to,
+            round=request.round,
+            batch_id=request.batch_id,
+            tag=request.tag,
+        )
+        self.send(dataclasses.replace(result, session=request.session, tag=request.tag))
 
 
 def gradient_messages(
@@ -156,3 +456,9 @@ def gradient_messages(
             )
         )
     return messages
+
+
+RoleFactory = Callable[..., Party]
+ROLES: Registry[RoleFactory] = Registry("role")
+ROLES.register("data-party", DataParty)
+ROLES.register("aggregation-server", AggregationServer)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 import numpy as np
 import torch
@@ -20,10 +20,17 @@ from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import (
     AGGREGATOR,
     GradientMessage,
+    HeadTask,
+    LossMessage,
+    PredictionMessage,
+    PredictTask,
     RepresentationMessage,
+    RepresentRequest,
+    SumRequest,
+    UpdateRequest,
     party_name,
 )
-from secure_vfl.federation.parties import DataParty, HeadParty
+from secure_vfl.federation.parties import ROLES, DataParty, Head
 from secure_vfl.models.networks import make_bottom
 from secure_vfl.models.simsiam import pretrain_simsiam
 from secure_vfl.registry import Registry
@@ -159,6 +166,7 @@ class MethodFactory(Protocol):
         seed: int,
         channel: Channel | None = None,
         aggregator: Aggregator | None = None,
+        roles: Mapping[str, str] | None = None,
     ) -> Method: ...
 
 
@@ -167,115 +175,216 @@ METHODS: Registry[MethodFactory] = Registry("method")
 
 @dataclass
 class Federation:
-    """The parties of one run, the channel they talk through and the aggregator they use."""
+    """The label party's view of a run: its own party object, every party's name, the channel it
+    talks through and its own random generators (task sampling, epoch order).
+
+    The label party (``party-0``) drives: everything it asks of another party, and everything
+    it learns from one, is a message (:mod:`secure_vfl.federation.messages`). It holds no
+    reference to another party's object.
+    """
 
     data: VerticalData
-    parties: list[DataParty]
+    names: list[str]
+    own: DataParty
     channel: Channel
-    aggregator: Aggregator
     generator: torch.Generator
     rng: np.random.Generator
+    session: str = ""
+    queries: int = 0
 
-    @property
-    def names(self) -> list[str]:
-        return [p.name for p in self.parties]
+    def next_query(self) -> int:
+        """A fresh round number for one prediction pass (so no sum context is served twice)."""
+        self.queries += 1
+        return self.queries - 1
 
-    def send_representations(
+    def _header(self, receiver: str, round: int, batch_id: int) -> dict[str, Any]:
+        return {
+            "sender": self.own.name,
+            "receiver": receiver,
+            "round": round,
+            "batch_id": batch_id,
+            "session": self.session,
+        }
+
+    def request_representations(
         self,
         split: str,
         rows: Tensor,
         present: Tensor,
         *,
-        receiver: str,
+        reply_to: str,
         round: int,
         batch_id: int,
         train: bool,
-        senders: Sequence[DataParty] | None = None,
+        senders: Sequence[str] | None = None,
         tag: str = "",
-    ) -> list[RepresentationMessage]:
-        """Each sender's representations of its present rows of the batch, as delivered.
-
-        ``present`` is (B, len(senders)); senders default to the federation's data parties.
-        """
-        senders = self.parties if senders is None else senders
-        messages = []
-        for k, party in enumerate(senders):
+        model: str = "",
+    ) -> list[str]:
+        """Ask each sender for its representations of its ``present`` rows of the batch, sent to
+        ``reply_to``; ``present`` is (B, len(senders)), senders default to every party. Returns
+        the names of the parties asked (those with a present row)."""
+        senders = self.names if senders is None else senders
+        asked = []
+        for k, name in enumerate(senders):
             positions = torch.nonzero(present[:, k]).flatten()
             if positions.numel() == 0:
                 continue
-            message = party.represent(
-                split,
-                rows[positions],
-                positions,
-                receiver=receiver,
-                round=round,
-                batch_id=batch_id,
-                train=train,
-                tag=tag,
-            )
-            messages.append(
-                self.channel.receive(
-                    message, sender=party.name, receiver=receiver, round=round, batch_id=batch_id
+            self.own.send(
+                RepresentRequest(
+                    **self._header(name, round, batch_id),
+                    split=split,
+                    rows=rows[positions].contiguous(),
+                    positions=positions,
+                    reply_to=reply_to,
+                    tag=tag,
+                    model=model,
+                    phase="train" if train else "predict",
                 )
             )
-        return messages
+            asked.append(name)
+        return asked
 
-    def means(
+    def take_representations(
+        self, asked: Sequence[str], *, round: int, batch_id: int, tag: str = ""
+    ) -> list[RepresentationMessage]:
+        """The representations the label party asked for itself, in the order asked."""
+        return [
+            cast(
+                RepresentationMessage,
+                self.own.take(
+                    "representation", sender=name, round=round, batch_id=batch_id, tag=tag
+                ),
+            )
+            for name in asked
+        ]
+
+    def request_sum(
         self,
-        representations: Sequence[RepresentationMessage],
         selection: Tensor,
         *,
-        receiver: str,
+        deliver_to: str,
         round: int,
         batch_id: int,
         tag: str,
-    ) -> tuple[Tensor, Tensor]:
-        """Per-task means (T, B, d) of the selected representations, summed by the aggregator
-        and delivered to ``receiver``, with their counts (T, B, 1) (at least 1).
+        train: bool,
+        source_tag: str = "",
+    ) -> None:
+        """Ask the aggregator for the per-task sums ``selection`` (T, B, K) of the
+        representations it holds for this batch, delivered to ``deliver_to``.
 
-        ``tag`` tells this call apart from others with the same round and batch (training vs
+        ``tag`` tells this sum apart from others with the same round and batch (training vs
         prediction, one task chunk vs another) so secure backends never reuse a mask context.
         """
-        message = self.aggregator.combine(
-            representations,
+        self.own.send(
+            SumRequest(
+                **self._header(AGGREGATOR, round, batch_id),
+                selection=selection,
+                parties=tuple(self.names),
+                deliver_to=deliver_to,
+                tag=tag,
+                source_tag=source_tag,
+                phase="train" if train else "predict",
+            )
+        )
+
+    def assign_head_task(
+        self,
+        head_party: str,
+        rows: Tensor,
+        selection: Tensor,
+        weights: Tensor,
+        present: Tensor,
+        *,
+        normaliser: float,
+        round: int,
+        batch_id: int,
+        tag: str,
+        head: str = "",
+    ) -> None:
+        """Tell ``head_party`` what its head ``head`` trains on; then ask for its sums."""
+        self.own.send(
+            HeadTask(
+                **self._header(head_party, round, batch_id),
+                rows=rows,
+                weights=weights.to(torch.float32).contiguous(),
+                normaliser=float(normaliser),
+                selection=selection,
+                present=present,
+                parties=tuple(self.names),
+                tag=tag,
+                head=head,
+            )
+        )
+        self.request_sum(
             selection,
-            parties=self.names,
-            receiver=receiver,
+            deliver_to=head_party,
             round=round,
             batch_id=batch_id,
             tag=tag,
+            train=True,
+            source_tag=head,
         )
-        message = self.channel.receive(
-            message, sender=AGGREGATOR, receiver=receiver, round=round, batch_id=batch_id
-        )
-        counts = message.counts.clamp(min=1).unsqueeze(-1).to(message.sums.dtype)
-        return message.sums / counts, counts
 
-    def deliver_gradients(
-        self, messages: Sequence[GradientMessage], *, round: int, batch_id: int
-    ) -> dict[str, list[GradientMessage]]:
-        """Send gradient messages through the channel; what each receiver got, by name."""
-        received: dict[str, list[GradientMessage]] = defaultdict(list)
-        for message in messages:
-            received[message.receiver].append(
-                self.channel.receive(
-                    message,
-                    sender=message.sender,
-                    receiver=message.receiver,
-                    round=round,
-                    batch_id=batch_id,
-                )
+    def predict_with(
+        self,
+        head_party: str,
+        selection: Tensor,
+        positions: Tensor,
+        *,
+        round: int,
+        batch_id: int,
+        tag: str,
+        source_tag: str,
+        head: str = "",
+    ) -> tuple[Tensor, Tensor]:
+        """The classes ``head_party``'s head ``head`` predicts for ``positions`` from the sum of
+        ``selection`` (B, K) over the representations sent under ``source_tag``: (positions,
+        predictions) as it answered."""
+        self.own.send(
+            PredictTask(
+                **self._header(head_party, round, batch_id),
+                positions=positions,
+                tag=tag,
+                head=head,
             )
-        return received
+        )
+        self.request_sum(
+            selection.unsqueeze(0),
+            deliver_to=head_party,
+            round=round,
+            batch_id=batch_id,
+            tag=tag,
+            train=False,
+            source_tag=source_tag,
+        )
+        answer = cast(
+            PredictionMessage,
+            self.own.take("prediction", sender=head_party, round=round, batch_id=batch_id, tag=tag),
+        )
+        return answer.positions, answer.predictions
 
-    def apply_gradients(self, received: dict[str, list[GradientMessage]], *, round: int) -> None:
-        """Every party backpropagates what it received (or forgets its forward) and steps."""
-        for party in self.parties:
-            if party.name in received:
-                party.backward(received[party.name], round=round)
-            else:
-                party.discard_pending()
-            party.step()
+    def take_loss(self, head_party: str, *, round: int, batch_id: int, tag: str) -> float:
+        """The loss ``head_party`` reported for its task ``tag`` of this step."""
+        message = self.own.take("loss", sender=head_party, round=round, batch_id=batch_id, tag=tag)
+        return cast(LossMessage, message).loss
+
+    def send_gradients(self, messages: Sequence[GradientMessage]) -> None:
+        """Send the label party's gradient messages (its own bottom's is handed over locally)."""
+        for message in messages:
+            self.own.send(dataclasses.replace(message, session=self.session))
+
+    def update(
+        self,
+        *,
+        round: int,
+        tag: str = "",
+        heads: bool = False,
+        parties: Sequence[str] | None = None,
+    ) -> None:
+        """Close a step: every party (or ``parties``) backpropagates what it received for
+        ``(round, tag)`` and steps; with ``heads`` its head ``tag`` steps too."""
+        for name in self.names if parties is None else parties:
+            self.own.send(UpdateRequest(**self._header(name, round, 0), tag=tag, heads=heads))
 
 
 def split_tensors(data: VerticalData) -> dict[str, VerticalSplit]:
@@ -291,9 +400,29 @@ def build_federation(
     channel: Channel | None,
     aggregator: Aggregator | None,
     bottoms: Sequence[nn.Module] | None = None,
+    heads: Mapping[int, Mapping[str, nn.Module]] | None = None,
+    roles: Mapping[str, str] | None = None,
 ) -> Federation:
-    """One data party per block, each with a fresh bottom model and its own SGD optimiser."""
+    """One data party per block, each with a fresh bottom model and its own SGD optimiser, the
+    heads ``heads[k][key]`` at party ``k`` (with the labels), and an aggregation server running
+    ``aggregator``, all attached to ``channel``. Returns the label party's (party 0's) view.
+
+    ``roles`` replaces a party by the role registered under a name in
+    :data:`~secure_vfl.federation.parties.ROLES` (an attacker is a subclass of the role it
+    plays): ``{"party-2": "my-curious-party"}``. The label party (``party-0``) drives the run
+    and keeps its role.
+    """
+    roles = dict(roles or {})
+    names = [party_name(k) for k in range(data.train.parties)] + [AGGREGATOR]
+    unknown = sorted(set(roles) - set(names[1:]))
+    if unknown:
+        raise ConfigError(
+            f"roles can replace {', '.join(names[1:])}; found {', '.join(unknown)} (the label "
+            "party party-0 drives the run and keeps its role)."
+        )
     splits = split_tensors(data)
+    channel = channel if channel is not None else Channel()
+    labels = {n: torch.from_numpy(s.labels) for n, s in splits.items()}
     parties = []
     for k in range(data.train.parties):
         shape = data.train.blocks[k].shape[1:]
@@ -315,21 +444,41 @@ def build_federation(
                         generator=torch.Generator().manual_seed(seed + 500 + k),
                     )
         blocks = {name: torch.from_numpy(split.blocks[k]) for name, split in splits.items()}
-        parties.append(DataParty(party_name(k), blocks, model, sgd(model, config)))
+        own_heads = {
+            key: Head(labels, module, sgd(module, config))
+            for key, module in (heads or {}).get(k, {}).items()
+        }
+        role = ROLES.get(roles.get(party_name(k), "data-party"))
+        party = role(party_name(k), blocks, model, sgd(model, config), heads=own_heads)
+        if not isinstance(party, DataParty):
+            raise ConfigError(
+                f"{party_name(k)} holds a feature block, so its role must be a DataParty; "
+                f"found {type(party).__name__}."
+            )
+        party.connect(channel)
+        parties.append(party)
+    server = ROLES.get(roles.get(AGGREGATOR, "aggregation-server"))
+    server(aggregator if aggregator is not None else PlainAggregator()).connect(channel)
     return Federation(
         data=data,
-        parties=parties,
-        channel=channel if channel is not None else Channel(),
-        aggregator=aggregator if aggregator is not None else PlainAggregator(),
+        names=[p.name for p in parties],
+        own=parties[0],
+        channel=channel,
         generator=torch.Generator().manual_seed(seed),
         rng=np.random.default_rng(seed),
     )
 
 
-def head_party(name: str, data: VerticalData, head: nn.Module, config: MethodConfig) -> HeadParty:
-    """A party holding the labels of every split and ``head``."""
-    labels = {n: torch.from_numpy(s.labels) for n, s in split_tensors(data).items()}
-    return HeadParty(name, labels, head, sgd(head, config))
+def add_models(
+    channel: Channel, models: Mapping[tuple[int, str], nn.Module], config: MethodConfig
+) -> None:
+    """Hand party ``k`` the further bottom model ``models[(k, key)]`` with its own optimiser
+    (composition, before training: Combinatorial's per-subset bottoms)."""
+    parties = channel.parties
+    for (k, key), model in models.items():
+        party = parties[party_name(k)]
+        assert isinstance(party, DataParty)
+        party.add_model(key, model, sgd(model, config))
 
 
 def sgd(module: nn.Module, config: MethodConfig) -> torch.optim.Optimizer:
@@ -391,3 +540,10 @@ def train_epochs(
                 on_step(round, loss)
         losses.append(total / count if count else float("nan"))
     return losses
+
+
+def in_process_parties(channel: Channel) -> list[DataParty]:
+    """The data parties attached to ``channel``, in order: what the composition root of an
+    in-process run (the privacy setup, tests, benchmarks) installs things in. No party's own
+    program reaches another party this way."""
+    return [party for party in channel.parties.values() if isinstance(party, DataParty)]

@@ -15,33 +15,33 @@ Local and Ensemble share LASER's code (:mod:`secure_vfl.methods.laser`).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from functools import partial
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from secure_vfl.data.samplers import BatchSampler, make_sampler
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation.aggregator import Aggregator, dense_representations
 from secure_vfl.federation.channel import Channel
-from secure_vfl.federation.messages import AGGREGATOR, party_name
-from secure_vfl.federation.parties import DataParty, HeadParty, gradient_messages
+from secure_vfl.federation.messages import AGGREGATOR
+from secure_vfl.federation.parties import gradient_messages
 from secure_vfl.methods.base import (
     METHODS,
     MethodConfig,
     StepCallback,
+    add_models,
     batches,
     broadcast_prediction,
     build_federation,
-    head_party,
     isolated_seed,
     labeled_rows,
     random_predictions,
     refuse_secure_sums,
-    sgd,
     split_tensors,
     train_epochs,
 )
@@ -60,6 +60,7 @@ class ConcatFusionMethod:
         name: str,
         channel: Channel | None = None,
         aggregator: Aggregator | None = None,
+        roles: Mapping[str, str] | None = None,
     ) -> None:
         refuse_secure_sums(
             config,
@@ -70,10 +71,18 @@ class ConcatFusionMethod:
         self.name = name
         self.config = config
         self.data = data
-        self.fed = build_federation(data, config, seed=seed, channel=channel, aggregator=aggregator)
         with isolated_seed(seed + 1000):
             head = ConcatHead(data.train.parties, config.representation_dim, data.num_classes)
-        self.label_party: HeadParty = head_party(party_name(0), data, head, config)
+        self.fed = build_federation(
+            data,
+            config,
+            seed=seed,
+            channel=channel,
+            aggregator=aggregator,
+            heads={0: {"": head}},
+            roles=roles,
+        )
+        self.head = self.fed.own.heads[""]  # the label party's own head
         mask = data.train.mask
         self.train_rows = labeled_rows(data, config, seed)
         if name == "standard":  # Vanilla VFL: only the aligned (complete) labelled samples
@@ -86,15 +95,16 @@ class ConcatFusionMethod:
         self, split: str, rows: Tensor, mask: Tensor, *, round: int, batch_id: int, train: bool
     ) -> Tensor:
         """(B, K, d) representations at the label party, zeros where a block is absent."""
-        messages = self.fed.send_representations(
+        asked = self.fed.request_representations(
             split,
             rows,
             mask,
-            receiver=self.label_party.name,
+            reply_to=self.fed.own.name,
             round=round,
             batch_id=batch_id,
             train=train,
         )
+        messages = self.fed.take_representations(asked, round=round, batch_id=batch_id)
         dense, _ = dense_representations(messages, self.fed.names, rows.numel())
         return dense.permute(1, 0, 2)
 
@@ -108,22 +118,23 @@ class ConcatFusionMethod:
             drop = torch.rand(mask.shape, generator=self.fed.generator) < self.config.plug_dropout
             drop[:, 0] = False  # the active (label) party never drops out
             keep = mask & ~drop
-        self.label_party.head.train()
-        logits = self.label_party.head(inputs * keep.unsqueeze(-1).to(inputs.dtype))
-        loss = F.cross_entropy(logits, self.label_party.labels("train", rows))
+        self.head.module.train()
+        logits = self.head.module(inputs * keep.unsqueeze(-1).to(inputs.dtype))
+        loss = F.cross_entropy(logits, self.head.labels("train", rows))
         loss.backward()
         assert inputs.grad is not None
-        messages = gradient_messages(
-            self.label_party.name,
-            inputs.grad.permute(1, 0, 2),
-            mask,
-            self.fed.names,
-            round=round,
-            batch_id=batch_id,
+        self.fed.send_gradients(
+            gradient_messages(
+                self.fed.own.name,
+                inputs.grad.permute(1, 0, 2),
+                mask,
+                self.fed.names,
+                round=round,
+                batch_id=batch_id,
+            )
         )
-        received = self.fed.deliver_gradients(messages, round=round, batch_id=batch_id)
-        self.fed.apply_gradients(received, round=round)
-        self.label_party.step()
+        self.fed.update(round=round)
+        self.head.step()
         return loss.item()
 
     @property
@@ -144,12 +155,15 @@ class ConcatFusionMethod:
     def predict(self, split_name: str) -> np.ndarray:
         split = split_tensors(self.data)[split_name]
         out = np.full(split.mask.shape, -1, dtype=np.int64)
+        query = self.fed.next_query()
         for batch_id, rows in enumerate(batches(split.n, 1024)):
             mask = torch.from_numpy(split.mask[rows.numpy()])
-            inputs = self._inputs(split_name, rows, mask, round=0, batch_id=batch_id, train=False)
-            self.label_party.head.eval()
+            inputs = self._inputs(
+                split_name, rows, mask, round=query, batch_id=batch_id, train=False
+            )
+            self.head.module.eval()
             with torch.no_grad():
-                predicted = self.label_party.head(inputs).argmax(dim=-1).numpy()
+                predicted = self.head.module(inputs).argmax(dim=-1).numpy()
             out[rows.numpy()] = broadcast_prediction(predicted, mask.numpy())
         if self.name == "standard" and self.config.standard_incomplete == "random":
             incomplete = ~split.mask.all(axis=1)
@@ -180,6 +194,7 @@ class Combinatorial:
         seed: int,
         channel: Channel | None = None,
         aggregator: Aggregator | None = None,
+        roles: Mapping[str, str] | None = None,
     ) -> None:
         refuse_secure_sums(
             config,
@@ -205,28 +220,32 @@ class Combinatorial:
         self.name = "combinatorial"
         self.config = config
         self.data = data
-        self.fed = build_federation(data, config, seed=seed, channel=channel, aggregator=aggregator)
-        splits = split_tensors(data)
         self.subsets = [
             subset
             for size in range(1, parties + 1)
             for subset in itertools.combinations(range(parties), size)
         ]
-        self.members: dict[tuple[int, ...], list[DataParty]] = {}
-        self.heads: dict[tuple[int, ...], HeadParty] = {}
+        bottoms: dict[tuple[int, str], nn.Module] = {}
+        heads: dict[int, dict[str, nn.Module]] = {}
         for j, subset in enumerate(self.subsets):
-            members = []
             for k in subset:
                 with isolated_seed(seed + 10_000 + 100 * j + k):
-                    model = make_bottom(
+                    bottoms[(k, subset_tag(subset))] = make_bottom(
                         data.train.blocks[k].shape[1:], out=config.representation_dim
                     )
-                blocks = {n: torch.from_numpy(s.blocks[k]) for n, s in splits.items()}
-                members.append(DataParty(party_name(k), blocks, model, sgd(model, config)))
-            self.members[subset] = members
             with isolated_seed(seed + 20_000 + j):
                 head = LinearHead(config.representation_dim, data.num_classes)
-            self.heads[subset] = head_party(party_name(subset[0]), data, head, config)
+            heads.setdefault(subset[0], {})[subset_tag(subset)] = head
+        self.fed = build_federation(
+            data,
+            config,
+            seed=seed,
+            channel=channel,
+            aggregator=aggregator,
+            heads=heads,
+            roles=roles,
+        )
+        add_models(self.fed.channel, bottoms, config)
         self.sampler = make_sampler(
             config.batching,
             data.train.mask,
@@ -234,7 +253,7 @@ class Combinatorial:
             rows=labeled_rows(data, config, seed),
         )
 
-    def _means(
+    def _ask(
         self,
         subset: tuple[int, ...],
         split: str,
@@ -244,33 +263,30 @@ class Combinatorial:
         round: int,
         batch_id: int,
         train: bool,
-    ) -> Tensor:
-        """Predictor ``subset``'s mean representation of the ``covered`` rows of the batch."""
-        members = self.members[subset]
-        messages = self.fed.send_representations(
+        tag: str,
+    ) -> tuple[Tensor, Tensor]:
+        """Ask predictor ``subset``'s members for their representations of the ``covered``
+        rows (sent to the aggregator under ``tag``); its sum selection (1, B, K) and who
+        contributed (B, K)."""
+        names = [self.fed.names[k] for k in subset]
+        self.fed.request_representations(
             split,
             rows,
-            covered.unsqueeze(1).expand(-1, len(members)),
-            receiver=AGGREGATOR,
+            covered.unsqueeze(1).expand(-1, len(subset)),
+            reply_to=AGGREGATOR,
             round=round,
             batch_id=batch_id,
             train=train,
-            senders=members,
-            tag=subset_tag(subset),
+            senders=names,
+            tag=tag,
+            model=subset_tag(subset),
         )
-        selection = torch.zeros((1, rows.numel(), len(self.fed.names)), dtype=torch.bool)
-        selection[0][:, list(subset)] = covered.unsqueeze(1)
-        means, _ = self.fed.means(
-            messages,
-            selection,
-            receiver=self.heads[subset].name,
-            round=round,
-            batch_id=batch_id,
-            tag=subset_tag(subset) + ("/train" if train else f"/predict/{split}"),
-        )
-        return means[0, covered]
+        present = torch.zeros((rows.numel(), len(self.fed.names)), dtype=torch.bool)
+        present[:, list(subset)] = covered.unsqueeze(1)
+        return present.unsqueeze(0), present
 
     def train_step(self, rows_np: np.ndarray, round: int, batch_id: int) -> float:
+        fed = self.fed
         rows = torch.from_numpy(rows_np)
         mask = torch.from_numpy(self.data.train.mask[rows_np])
         total = 0.0
@@ -278,31 +294,25 @@ class Combinatorial:
             covered = mask[:, list(subset)].all(dim=1)
             if not bool(covered.any()):
                 continue
-            head = self.heads[subset]
-            means = self._means(
-                subset, "train", rows, covered, round=round, batch_id=batch_id, train=True
-            )
-            means.requires_grad_(True)
-            head.head.train()
-            positions = torch.nonzero(covered).flatten()
-            loss = F.cross_entropy(head.head(means), head.labels("train", rows[positions]))
-            loss.backward()
-            assert means.grad is not None
-            dense = torch.zeros(len(self.fed.names), rows.numel(), means.shape[1])
-            present = torch.zeros(rows.numel(), len(self.fed.names), dtype=torch.bool)
-            for k in subset:
-                dense[k, positions] = means.grad / len(subset)
-                present[:, k] = covered
             tag = subset_tag(subset)
-            messages = gradient_messages(
-                head.name, dense, present, self.fed.names, round=round, batch_id=batch_id, tag=tag
+            selection, present = self._ask(
+                subset, "train", rows, covered, round=round, batch_id=batch_id, train=True, tag=tag
             )
-            received = self.fed.deliver_gradients(messages, round=round, batch_id=batch_id)
-            for party in self.members[subset]:
-                party.backward(received[party.name], round=round, tag=tag)
-                party.step()
-            head.step()
-            total += loss.item()
+            head_party = fed.names[subset[0]]
+            fed.assign_head_task(
+                head_party,
+                rows,
+                selection,
+                covered.to(torch.float32).unsqueeze(0),
+                present,
+                normaliser=float(covered.sum()),
+                round=round,
+                batch_id=batch_id,
+                tag=tag + "/train",
+                head=tag,
+            )
+            fed.update(round=round, tag=tag, heads=True, parties=[fed.names[k] for k in subset])
+            total += fed.take_loss(head_party, round=round, batch_id=batch_id, tag=tag + "/train")
         return total
 
     @property
@@ -321,6 +331,7 @@ class Combinatorial:
     def predict(self, split_name: str) -> np.ndarray:
         split = split_tensors(self.data)[split_name]
         out = np.full(split.mask.shape, -1, dtype=np.int64)
+        query = self.fed.next_query()
         for batch_id, rows in enumerate(batches(split.n, 1024)):
             mask = torch.from_numpy(split.mask[rows.numpy()])
             for subset in self.subsets:
@@ -329,15 +340,29 @@ class Combinatorial:
                     exact &= mask[:, k] if k in subset else ~mask[:, k]
                 if not bool(exact.any()):
                     continue
-                means = self._means(
-                    subset, split_name, rows, exact, round=0, batch_id=batch_id, train=False
+                tag = f"{subset_tag(subset)}/predict/{split_name}"
+                selection, _ = self._ask(
+                    subset,
+                    split_name,
+                    rows,
+                    exact,
+                    round=query,
+                    batch_id=batch_id,
+                    train=False,
+                    tag=tag,
                 )
-                head = self.heads[subset]
-                head.head.eval()
-                with torch.no_grad():
-                    predicted = head.head(means).argmax(dim=-1).numpy()
-                idx = rows.numpy()[exact.numpy()]
-                out[idx] = broadcast_prediction(predicted, split.mask[idx])
+                positions, predicted = self.fed.predict_with(
+                    self.fed.names[subset[0]],
+                    selection[0],
+                    torch.nonzero(exact).flatten(),
+                    round=query,
+                    batch_id=batch_id,
+                    tag=tag,
+                    source_tag=tag,
+                    head=subset_tag(subset),
+                )
+                idx = rows.numpy()[positions.numpy()]
+                out[idx] = broadcast_prediction(predicted.numpy(), split.mask[idx])
         return out
 
 

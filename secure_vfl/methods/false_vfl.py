@@ -358,7 +358,13 @@ class FalseVflMethod:
         channel: Channel | None = None,
         aggregator: Aggregator | None = None,
         false_vfl: FalseVflConfig | None = None,
+        roles: Mapping[str, str] | None = None,
     ) -> None:
+        if roles:
+            raise ConfigError(
+                f"{name} does not run its parties as replaceable roles yet. Found roles "
+                f"{dict(roles)}."
+            )
         require_hiding_crowd(config, data.parties, name)
         self.name = name
         self.config = config

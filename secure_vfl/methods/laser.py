@@ -21,26 +21,20 @@ of two terms one of which the receiver holds is the other term in the clear.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from functools import partial
 from typing import Literal
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from secure_vfl.data.samplers import make_sampler
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation.aggregator import Aggregator
 from secure_vfl.federation.channel import Channel
-from secure_vfl.federation.messages import (
-    AGGREGATOR,
-    GradientMessage,
-    RepresentationMessage,
-    party_name,
-)
-from secure_vfl.federation.parties import HeadParty, gradient_messages
+from secure_vfl.federation.messages import AGGREGATOR
 from secure_vfl.methods.base import (
     METHODS,
     MethodConfig,
@@ -48,7 +42,6 @@ from secure_vfl.methods.base import (
     batches,
     broadcast_prediction,
     build_federation,
-    head_party,
     isolated_seed,
     labeled_rows,
     require_hiding_crowd,
@@ -183,7 +176,12 @@ def local_tasks(mask: Tensor, heads: list[int]) -> tuple[Tensor, Tensor]:
 
 
 class MeanFusionMethod:
-    """Bottoms at the data parties, linear heads on the mean of a selected subset of them."""
+    """Bottoms at the data parties, linear heads on the mean of a selected subset of them.
+
+    This object is the label party's (``party-0``'s) program: it plans each step and asks the
+    other parties, through messages, for representations, sums, head updates and predictions.
+    Head ``k`` lives at party ``k`` (``heads="all"``) or only at the label party (``"active"``).
+    """
 
     def __init__(
         self,
@@ -195,6 +193,7 @@ class MeanFusionMethod:
         name: str,
         channel: Channel | None = None,
         aggregator: Aggregator | None = None,
+        roles: Mapping[str, str] | None = None,
     ) -> None:
         if planner == "local" and config.heads != "all":
             raise ConfigError(
@@ -212,15 +211,21 @@ class MeanFusionMethod:
         self.config = config
         self.planner = planner
         self.data = data
-        self.fed = build_federation(data, config, seed=seed, channel=channel, aggregator=aggregator)
         parties = data.train.parties
         self.head_index = list(range(parties)) if config.heads == "all" else [0]
-        heads = []
+        heads: dict[int, dict[str, nn.Module]] = {}
         for h in self.head_index:
             with isolated_seed(seed + 1000 + h):
-                head = LinearHead(config.representation_dim, data.num_classes)
-            heads.append(head_party(party_name(h), data, head, config))
-        self.heads: list[HeadParty] = heads
+                heads[h] = {"": LinearHead(config.representation_dim, data.num_classes)}
+        self.fed = build_federation(
+            data,
+            config,
+            seed=seed,
+            channel=channel,
+            aggregator=aggregator,
+            heads=heads,
+            roles=roles,
+        )
         self.sampler = make_sampler(
             config.batching,
             data.train.mask,
@@ -237,58 +242,18 @@ class MeanFusionMethod:
         heads = self.head_index if self.config.heads == "all" else None
         return sample_tasks(mask, heads, self.fed.generator)
 
-    def head_loss(
-        self,
-        head: HeadParty,
-        representations: list[RepresentationMessage],
-        selection: Tensor,
-        weights: Tensor,
-        rows: Tensor,
-        mask: Tensor,
-        *,
-        round: int,
-        batch_id: int,
-        tag: str,
-    ) -> tuple[float, list[GradientMessage]]:
-        """One head's weighted task loss; backward into the head; gradients owed to each party."""
-        means, counts = self.fed.means(
-            representations,
-            selection,
-            receiver=head.name,
-            round=round,
-            batch_id=batch_id,
-            tag=tag,
-        )
-        means.requires_grad_(True)
-        head.head.train()
-        logits = head.head(means)
-        tasks, batch, classes = logits.shape
-        labels = head.labels("train", rows)
-        losses = F.cross_entropy(
-            logits.reshape(-1, classes), labels.repeat(tasks), reduction="none"
-        ).view(tasks, batch)
-        loss = (weights * losses).sum() / batch
-        loss.backward()
-        assert means.grad is not None
-        per_contribution = means.grad / counts
-        dense = torch.einsum("tbk,tbd->kbd", selection.to(per_contribution.dtype), per_contribution)
-        used = selection.flatten(0, 1).any(dim=0)
-        messages = gradient_messages(
-            head.name, dense, mask, self.fed.names, round=round, batch_id=batch_id
-        )
-        return loss.item(), [m for m in messages if bool(used[self.fed.names.index(m.receiver)])]
-
     def train_step(self, rows_np: np.ndarray, round: int, batch_id: int) -> float:
-        """One step of Algorithm 1 through the seam."""
+        """One step of Algorithm 1, as messages: representations to the aggregator, each head's
+        task and sums to its party, gradients back, then every party updates."""
+        fed = self.fed
         rows = torch.from_numpy(rows_np)
         mask = torch.from_numpy(self.data.train.mask[rows_np])
-        representations = self.fed.send_representations(
-            "train", rows, mask, receiver=AGGREGATOR, round=round, batch_id=batch_id, train=True
+        fed.request_representations(
+            "train", rows, mask, reply_to=AGGREGATOR, round=round, batch_id=batch_id, train=True
         )
         selection, weights = self.plan(mask)
-        outgoing: list[GradientMessage] = []
-        total = 0.0
-        for i, head in enumerate(self.heads):
+        assigned: list[tuple[str, str]] = []
+        for i, h in enumerate(self.head_index):
             if self.config.vectorised:
                 chunks = {"train": slice(None)}
             else:
@@ -296,24 +261,22 @@ class MeanFusionMethod:
             for tag, chunk in chunks.items():
                 if not bool((weights[i, chunk] > 0).any()):
                     continue
-                loss, messages = self.head_loss(
-                    head,
-                    representations,
+                fed.assign_head_task(
+                    fed.names[h],
+                    rows,
                     selection[i, chunk],
                     weights[i, chunk],
-                    rows,
                     mask,
+                    normaliser=float(rows.numel()),
                     round=round,
                     batch_id=batch_id,
                     tag=tag,
                 )
-                total += loss
-                outgoing += messages
-        received = self.fed.deliver_gradients(outgoing, round=round, batch_id=batch_id)
-        self.fed.apply_gradients(received, round=round)
-        for head in self.heads:
-            head.step()
-        return total
+                assigned.append((fed.names[h], tag))
+        fed.update(round=round, heads=True)
+        return sum(
+            fed.take_loss(party, round=round, batch_id=batch_id, tag=tag) for party, tag in assigned
+        )
 
     @property
     def total_steps(self) -> int:
@@ -335,21 +298,24 @@ class MeanFusionMethod:
         prediction; under secure sums it predicts from :func:`secure_prediction_selection`, and
         a sample with nothing releasable gets the head's answer to a zero mean (its prior).
         """
+        fed = self.fed
         split = split_tensors(self.data)[split_name]
         out = np.full(split.mask.shape, -1, dtype=np.int64)
+        source = f"predict/{split_name}"
+        query = fed.next_query()
         for batch_id, rows in enumerate(batches(split.n, 1024)):
             mask = torch.from_numpy(split.mask[rows.numpy()])
-            representations = self.fed.send_representations(
+            fed.request_representations(
                 split_name,
                 rows,
                 mask,
-                receiver=AGGREGATOR,
-                round=0,
+                reply_to=AGGREGATOR,
+                round=query,
                 batch_id=batch_id,
                 train=False,
+                tag=source,
             )
-            for i, head in enumerate(self.heads):
-                h = self.head_index[i]
+            for h in self.head_index:
                 if self.planner == "local":
                     selection = torch.zeros_like(mask)
                     selection[:, h] = mask[:, h]
@@ -359,25 +325,26 @@ class MeanFusionMethod:
                     selection = secure_prediction_selection(mask, h)
                 else:
                     selection = mask
-                answered = selection.any(dim=1)
-                if self.config.heads == "all" and not bool(answered.any()):
-                    continue
-                means, _ = self.fed.means(
-                    representations,
-                    selection.unsqueeze(0),
-                    receiver=head.name,
-                    round=0,
+                if self.config.heads == "all":
+                    positions = torch.nonzero(selection.any(dim=1)).flatten()
+                    if positions.numel() == 0:
+                        continue
+                else:
+                    positions = torch.arange(rows.numel())
+                positions, predicted = fed.predict_with(
+                    fed.names[h],
+                    selection,
+                    positions,
+                    round=query,
                     batch_id=batch_id,
                     tag=f"predict/{split_name}",
+                    source_tag=source,
                 )
-                head.head.eval()
-                with torch.no_grad():
-                    predicted = head.head(means[0]).argmax(dim=-1).numpy()
+                idx = rows.numpy()[positions.numpy()]
                 if self.config.heads == "all":
-                    idx = rows.numpy()[answered.numpy()]
-                    out[idx, h] = predicted[answered.numpy()]
+                    out[idx, h] = predicted.numpy()
                 else:
-                    out[rows.numpy()] = broadcast_prediction(predicted, mask.numpy())
+                    out[idx] = broadcast_prediction(predicted.numpy(), split.mask[idx])
         return out
 
     def predict(self, split_name: str) -> np.ndarray:

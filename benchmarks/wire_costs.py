@@ -1,0 +1,119 @@
+"""What putting every message on the wire costs a LASER-VFL training step.
+
+Every message between parties is encoded to bytes and decoded on receipt by the in-process
+transport (:mod:`secure_vfl.federation.wire`). This measures, within one run, the share of a
+LASER training step spent in that encoding and decoding, on Satellite with 4 parties (the
+reference code's tabular setting: batch 128, the MLP bottoms), for both head settings, and the
+messages and bytes a step puts on the wire. The target: at most 10 % of a step.
+
+    python benchmarks/wire_costs.py            # the committed configuration
+    python benchmarks/wire_costs.py --quick    # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+from _shared import command_line, write_outputs
+
+TARGET = 0.10
+
+
+def measure(heads: str, *, steps: int, repeats: int) -> dict[str, Any]:
+    """Median over ``repeats`` of (codec seconds / step seconds) over ``steps`` steps each."""
+    import torch
+
+    from secure_vfl.experiment import TrainConfig, build_method, prepare_data
+    from secure_vfl.federation.channel import Channel, InProcessTransport, RecordingLayer
+    from secure_vfl.methods import MethodConfig
+
+    torch.set_num_threads(1)
+    config = TrainConfig(
+        method="laser",
+        dataset="satellite",
+        parties=4,
+        train_missing="mcar:0.1",
+        test_missing=("mcar:0",),
+        seed=0,
+        method_config=MethodConfig(heads=cast(Any, heads)),
+    )
+    data = prepare_data(config)
+    transport = InProcessTransport()
+    recorder = RecordingLayer()
+    channel = Channel([recorder], transport=transport)
+    method = build_method(config, data, channel=channel)
+    batches = list(method.sampler.epoch(np.random.default_rng(0)))
+    method.train_step(batches[0], 0, 0)  # warm-up: lazy initialisation
+    ratios, step_ms, codec_ms = [], [], []
+    round = 1
+    for _ in range(repeats):
+        codec_before = transport.codec_seconds
+        start = time.perf_counter()
+        for i in range(steps):
+            method.train_step(batches[(round + i) % len(batches)], round + i, 0)
+        elapsed = time.perf_counter() - start
+        codec = transport.codec_seconds - codec_before
+        round += steps
+        ratios.append(codec / elapsed)
+        step_ms.append(1000 * elapsed / steps)
+        codec_ms.append(1000 * codec / steps)
+    sent = sum(transport.bytes.values())
+    return {
+        "heads": heads,
+        "steps": steps,
+        "repeats": repeats,
+        "codec_share": statistics.median(ratios),
+        "step_ms": statistics.median(step_ms),
+        "codec_ms_per_step": statistics.median(codec_ms),
+        "messages_per_step": len(recorder.messages) / round,
+        "bytes_per_step": sent / round,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=100, help="steps per repeat")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="10 steps x 2 repeats")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args(argv)
+    steps, repeats = (10, 2) if args.quick else (args.steps, args.repeats)
+    rows = [measure(heads, steps=steps, repeats=repeats) for heads in ("all", "active")]
+    lines = [
+        "# Wire codec cost in a LASER step (Satellite, 4 parties, batch 128, 1 thread)",
+        "",
+        f"Command: `{command_line('wire_costs.py', argv)}`",
+        "",
+        "| heads | step (ms) | encode + decode (ms/step) | share of the step | messages/step "
+        "| bytes/step |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['heads']} | {row['step_ms']:.2f} | {row['codec_ms_per_step']:.3f} | "
+            f"{100 * row['codec_share']:.1f} % | {row['messages_per_step']:.1f} | "
+            f"{row['bytes_per_step'] / 1024:.1f} KiB |"
+        )
+    met = all(row["codec_share"] <= TARGET for row in rows)
+    lines += [
+        "",
+        f"Target: encoding + decoding at most {100 * TARGET:.0f} % of a step: "
+        f"{'met' if met else 'MISSED'}. Medians of {repeats} repeats of {steps} steps; the "
+        "share is measured within each repeat (codec seconds / step seconds).",
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if not args.quick:
+        write_outputs(args.out, "wire_costs", text, {"rows": rows, "target": TARGET})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

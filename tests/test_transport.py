@@ -1,0 +1,188 @@
+"""The transport puts every message on the wire: copies, byte counts and captures."""
+
+from __future__ import annotations
+
+import io
+import json
+import struct
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import MakeData
+
+from secure_vfl.cli import main
+from secure_vfl.errors import ConfigError, ProtocolError, RegistryError
+from secure_vfl.experiment import TrainConfig, run_training
+from secure_vfl.federation import wire
+from secure_vfl.federation.channel import (
+    Channel,
+    InProcessTransport,
+    RecordingLayer,
+    read_capture,
+)
+from secure_vfl.federation.parties import ROLES, DataParty
+from secure_vfl.methods import METHODS, MethodConfig
+from secure_vfl.methods.base import in_process_parties
+
+FAST = MethodConfig(epochs=1, batch_size=64, lr=0.05)
+
+
+def _captured_run(make_data: MakeData, heads: str) -> tuple[RecordingLayer, bytes, Channel]:
+    recorder = RecordingLayer()
+    capture = io.BytesIO()
+    channel = Channel([recorder], transport=InProcessTransport(capture=capture))
+    config = MethodConfig(epochs=1, batch_size=64, lr=0.05, heads=heads)  # type: ignore[arg-type]
+    method = METHODS.get("laser")(make_data(), config, seed=0, channel=channel)
+    method.fit()
+    method.predict("mcar:0")
+    return recorder, capture.getvalue(), channel
+
+
+@pytest.mark.parametrize("heads", ["all", "active"])
+def test_the_capture_holds_every_message_that_crossed_in_order(
+    make_data: MakeData, heads: str, tmp_path: Path
+) -> None:
+    recorder, captured, channel = _captured_run(make_data, heads)
+    path = tmp_path / "run.capture"
+    path.write_bytes(captured)
+    messages = list(read_capture(path))
+    assert [m.kind for m in messages] == recorder.kinds()
+    assert [wire.encode(m) for m in messages] == [wire.encode(m) for m in recorder.messages]
+    # The traffic count is exactly the captured bytes less the 4-byte record lengths.
+    assert sum(channel.transport.bytes.values()) == len(captured) - 4 * len(messages)
+    kinds = Counter(m.kind for m in messages)
+    assert kinds["represent-request"] > 0 and kinds["sum"] > 0 and kinds["update"] > 0
+
+
+def test_no_party_shares_a_tensor_with_another(make_data: MakeData) -> None:
+    seen: dict[int, str] = {}
+    kept: list[torch.Tensor] = []  # alive, so no address is reused for another tensor
+
+    class Storages:
+        """Notes the storage of every tensor each party receives."""
+
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def on_message(self, message):  # type: ignore[no-untyped-def]
+            for value in vars(message).values():
+                if isinstance(value, torch.Tensor) and value.numel():
+                    kept.append(value)
+                    owner = seen.setdefault(value.untyped_storage().data_ptr(), self.name)
+                    assert owner == self.name, f"{message.kind}: a tensor {owner} also holds"
+            return message
+
+    method = METHODS.get("laser")(make_data(), FAST, seed=0)
+    for party in method.fed.channel.parties.values():
+        party.incoming.append(Storages(party.name))
+    method.train_step(np.arange(64), 0, 0)
+    assert len(seen) > 10
+
+
+def test_read_capture_refuses_a_truncated_record(tmp_path: Path) -> None:
+    path = tmp_path / "bad.capture"
+    path.write_bytes(struct.pack(">I", 100) + b"\x00" * 10)
+    with pytest.raises(ProtocolError, match="a record of 100 bytes expected, found 10"):
+        list(read_capture(path))
+    path.write_bytes(b"\x00\x00")
+    with pytest.raises(ProtocolError, match="truncated record length"):
+        list(read_capture(path))
+
+
+def test_the_label_party_holds_no_other_party(make_data: MakeData) -> None:
+    method = METHODS.get("laser")(make_data(), FAST, seed=0)
+    own = method.fed.own
+    others = [p for p in in_process_parties(method.fed.channel) if p is not own]
+    reachable = {id(v) for v in _walk(method, exclude={id(method.fed.channel)})}
+    assert not any(id(p) in reachable for p in others)
+    assert not any(id(p.model) in reachable for p in others)
+
+
+def _walk(root: object, *, exclude: set[int]) -> list[object]:
+    """Every object reachable from ``root`` through attributes and containers."""
+    seen: set[int] = set(exclude)
+    found: list[object] = []
+    stack = [root]
+    while stack:
+        value = stack.pop()
+        if id(value) in seen or isinstance(value, (str, bytes, int, float, torch.Tensor)):
+            continue
+        seen.add(id(value))
+        found.append(value)
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple, set)):
+            stack.extend(value)
+        elif hasattr(value, "__dict__") and not isinstance(value, type):
+            stack.extend(vars(value).values())
+    return found
+
+
+def test_cli_captures_train_impute_and_psi(tmp_path: Path) -> None:
+    capture = tmp_path / "train.capture"
+    argv = ["train", "--method", "laser", "--dataset", "digits", "--epochs", "1", "--quiet"]
+    out = tmp_path / "run"
+    assert main([*argv, "--out", str(out), "--capture", str(capture)]) == 0
+    messages = list(read_capture(capture))
+    traffic = json.loads((out / "result.json").read_text())["traffic"]
+    sent = sum(c["train"] + c["predict"] for c in traffic["bytes"].values())
+    assert sent == capture.stat().st_size - 4 * len(messages)
+    (tmp_path / "a.csv").write_text("id\na\nb\nc\n", encoding="utf-8")
+    (tmp_path / "b.csv").write_text("id\nc\nd\na\n", encoding="utf-8")
+    psi = tmp_path / "psi.capture"
+    argv = ["psi", "--mine", str(tmp_path / "a.csv"), "--theirs", str(tmp_path / "b.csv")]
+    assert main([*argv, "--capture", str(psi)]) == 0
+    assert [m.kind for m in read_capture(psi)] == ["psi-request", "psi-response"]
+    assert main([*argv, "--capture", str(psi)]) == 0  # appended: a second run's records follow
+    assert len(list(read_capture(psi))) == 4
+    impute = tmp_path / "impute.capture"
+    argv = ["impute", "--method", "fed-mean", "--dataset", "ozone", "--quiet"]
+    assert main([*argv, "--out", str(tmp_path / "imp"), "--capture", str(impute)]) == 0
+    kinds = Counter(m.kind for m in read_capture(impute))
+    assert kinds["representation"] > 0 and kinds["sum"] > 0
+
+
+class CuriousParty(DataParty):
+    """A passive party that keeps every gradient it receives and notes when training ended."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.seen: list[torch.Tensor] = []
+        self.trained = False
+
+    def on_gradient(self, message):  # type: ignore[no-untyped-def]
+        self.seen.append(message.gradient)
+        super().on_gradient(message)
+
+    def after_training(self) -> None:
+        self.trained = True
+
+
+ROLES.register("test-curious-party", CuriousParty)
+
+
+def test_a_party_is_replaced_by_a_registered_role_without_changing_the_run(
+    make_data: MakeData,
+) -> None:
+    data = make_data(test_missing=("mcar:0",))
+    config = TrainConfig(method="laser", dataset="synthetic", method_config=FAST)
+    honest = run_training(config, data=data)
+    channel = Channel()
+    curious = run_training(
+        config, data=data, channel=channel, roles={"party-2": "test-curious-party"}
+    )
+    assert curious.metrics == honest.metrics and curious.epoch_loss == honest.epoch_loss
+    party = channel.parties["party-2"]
+    assert isinstance(party, CuriousParty) and party.trained
+    assert len(party.seen) > 0 and all(g.shape[1] == FAST.representation_dim for g in party.seen)
+
+
+def test_roles_refuse_unknown_names_and_the_label_party(make_data: MakeData) -> None:
+    data = make_data()
+    with pytest.raises(RegistryError, match="unknown role 'spy'"):
+        METHODS.get("laser")(data, FAST, seed=0, roles={"party-1": "spy"})
+    with pytest.raises(ConfigError, match="party-0 drives the run"):
+        METHODS.get("laser")(data, FAST, seed=0, roles={"party-0": "test-curious-party"})
