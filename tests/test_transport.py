@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import struct
@@ -22,6 +23,13 @@ from secure_vfl.federation.channel import (
     InProcessTransport,
     RecordingLayer,
     read_capture,
+)
+from secure_vfl.federation.messages import (
+    GradientMessage,
+    PredictTask,
+    RepresentationMessage,
+    RepresentRequest,
+    SumRequest,
 )
 from secure_vfl.federation.parties import ROLES, DataParty
 from secure_vfl.methods import METHODS, MethodConfig
@@ -96,9 +104,16 @@ def test_the_label_party_holds_no_other_party(make_data: MakeData) -> None:
     method = METHODS.get("laser")(make_data(), FAST, seed=0)
     own = method.fed.own
     others = [p for p in in_process_parties(method.fed.channel) if p is not own]
-    reachable = {id(v) for v in _walk(method, exclude={id(method.fed.channel)})}
-    assert not any(id(p) in reachable for p in others)
-    assert not any(id(p.model) in reachable for p in others)
+    reachable = _walk(method, exclude={id(method.fed.channel)})
+    ids = {id(v) for v in reachable}
+    assert not any(id(p) in ids for p in others)
+    assert not any(id(p.model) in ids for p in others)
+    # Of the data, it keeps labels, availability masks and its own block only.
+    arrays = [v for v in reachable if isinstance(v, np.ndarray)]
+    blocks = [b for p in others for b in p._blocks.values()]
+    assert not any(np.shares_memory(a, b.numpy()) for a in arrays for b in blocks)
+    assert method.fed.data.train.blocks[0].size > 0
+    assert all(b.size == 0 for b in method.fed.data.train.blocks[1:])
 
 
 def _walk(root: object, *, exclude: set[int]) -> list[object]:
@@ -109,6 +124,10 @@ def _walk(root: object, *, exclude: set[int]) -> list[object]:
     while stack:
         value = stack.pop()
         if id(value) in seen or isinstance(value, (str, bytes, int, float, torch.Tensor)):
+            continue
+        if isinstance(value, np.ndarray):
+            seen.add(id(value))
+            found.append(value)
             continue
         seen.add(id(value))
         found.append(value)
@@ -186,3 +205,115 @@ def test_roles_refuse_unknown_names_and_the_label_party(make_data: MakeData) -> 
         METHODS.get("laser")(data, FAST, seed=0, roles={"party-1": "spy"})
     with pytest.raises(ConfigError, match="party-0 drives the run"):
         METHODS.get("laser")(data, FAST, seed=0, roles={"party-0": "test-curious-party"})
+
+
+def _state(channel: Channel) -> list[object]:
+    """Everything a bad message could change in any party: pending work, inboxes, parameters."""
+    state: list[object] = []
+    for party in channel.parties.values():
+        state.append((party.name, len(party._inbox)))
+        if isinstance(party, DataParty):
+            state.append(sorted(party._pending))
+            state.append(sorted((k, len(v)) for k, v in party._gradients.items()))
+            state.append(sorted(party._tasks))
+            state += [p.detach().clone() for m in party.models.values() for p in m.parameters()]
+        else:
+            state.append(sorted(getattr(party, "_contributions", {})))
+    return state
+
+
+def _same(a: list[object], b: list[object]) -> bool:
+    return len(a) == len(b) and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def _bad_messages() -> dict[str, tuple[str, object]]:
+    header = {"sender": "party-0", "receiver": "party-1", "round": 5, "batch_id": 0}
+    rows = torch.arange(4)
+    request = RepresentRequest(
+        **header, split="train", rows=rows, positions=rows, reply_to="aggregator"
+    )
+    return {
+        "rows the party does not hold": (
+            "rows < ",
+            dataclasses.replace(request, rows=torch.tensor([0, 1, 2, 10_000])),
+        ),
+        "a split the party does not hold": (
+            "split 'nope'",
+            dataclasses.replace(request, split="nope"),
+        ),
+        "a model the party does not hold": ("model 'm'", dataclasses.replace(request, model="m")),
+        "a gradient with no forward pass": (
+            "no pending forward pass",
+            GradientMessage(**header, positions=rows, gradient=torch.ones(4, 8)),
+        ),
+        "a head task for a head it does not hold": (
+            "holds no head named 'x'",
+            PredictTask(**header, positions=rows, tag="t", head="x"),
+        ),
+        "a sum for a batch the server does not hold": (
+            "holds contributions for",
+            SumRequest(
+                **{**header, "receiver": "aggregator"},
+                selection=torch.ones(1, 4, 4, dtype=torch.bool),
+                parties=("party-0", "party-1", "party-2", "party-3"),
+                deliver_to="party-0",
+                tag="t",
+            ),
+        ),
+        "a message in another party's name": (
+            "a party sends only in its own name",
+            dataclasses.replace(request, sender="party-2"),
+        ),
+        "a message to a party that does not exist": (
+            "no such party",
+            dataclasses.replace(request, receiver="party-9"),
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_messages()))
+def test_a_bad_message_is_refused_and_changes_no_party(make_data: MakeData, case: str) -> None:
+    config = MethodConfig(epochs=1, batch_size=64, lr=0.05, representation_dim=8)
+    method = METHODS.get("laser")(make_data(), config, seed=0)
+    method.train_step(np.arange(64), 0, 0)
+    expected, message = _bad_messages()[case]
+    before = _state(method.fed.channel)
+    with pytest.raises(ProtocolError, match=expected):
+        method.fed.own.send(message)  # type: ignore[arg-type]
+    assert _same(before, _state(method.fed.channel))
+
+
+def test_a_replayed_request_or_gradient_is_refused_and_changes_nothing(make_data: MakeData) -> None:
+    config = MethodConfig(epochs=1, batch_size=64, lr=0.05, representation_dim=8)
+    method = METHODS.get("laser")(make_data(), config, seed=0)
+    rows = torch.arange(4)
+    request = RepresentRequest(
+        sender="party-0",
+        receiver="party-1",
+        round=5,
+        batch_id=0,
+        split="train",
+        rows=rows,
+        positions=rows,
+        reply_to="aggregator",
+    )
+    own = method.fed.own
+    own.send(request)
+    before = _state(method.fed.channel)
+    with pytest.raises(ProtocolError, match="replayed request"):
+        own.send(request)
+    with pytest.raises(ProtocolError, match="two representations from party-1"):
+        in_process_parties(method.fed.channel)[1].send(
+            RepresentationMessage(
+                sender="party-1",
+                receiver="aggregator",
+                round=5,
+                batch_id=0,
+                positions=rows,
+                representation=torch.zeros(4, 8),
+            )
+        )
+    assert _same(before, _state(method.fed.channel))

@@ -8,6 +8,7 @@ are zero and must never be read; samples with no observed block are dropped and 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -302,3 +303,20 @@ def labeled_subset(n: int, labeled: int | None, *, rng: np.random.Generator) -> 
             f"`labeled` must be an integer in [1, {n}] (the training samples). Found {labeled!r}."
         )
     return np.sort(rng.choice(n, size=labeled, replace=False)).astype(np.int64)
+
+
+def label_party_view(data: VerticalData, owner: int = 0) -> VerticalData:
+    """What the label party (holding block ``owner``) keeps of ``data``: the labels, the
+    availability masks (which parties hold each sample, as alignment tells it) and its own
+    block; every other party's block is replaced by an empty (N, 0) array."""
+
+    def view(split: VerticalSplit) -> VerticalSplit:
+        blocks = tuple(
+            block if k == owner else np.empty((block.shape[0], 0), dtype=np.float32)
+            for k, block in enumerate(split.blocks)
+        )
+        return VerticalSplit(blocks=blocks, labels=split.labels, mask=split.mask)
+
+    return dataclasses.replace(
+        data, train=view(data.train), tests={name: view(s) for name, s in data.tests.items()}
+    )

@@ -13,7 +13,12 @@ import torch
 from torch import Tensor, nn
 
 from secure_vfl.data.samplers import BatchSampler
-from secure_vfl.data.vertical import VerticalData, VerticalSplit, labeled_subset
+from secure_vfl.data.vertical import (
+    VerticalData,
+    VerticalSplit,
+    label_party_view,
+    labeled_subset,
+)
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
 from secure_vfl.federation.channel import Channel
@@ -175,8 +180,10 @@ METHODS: Registry[MethodFactory] = Registry("method")
 
 @dataclass
 class Federation:
-    """The label party's view of a run: its own party object, every party's name, the channel it
-    talks through and its own random generators (task sampling, epoch order).
+    """The label party's view of a run: what it knows of the data (labels, availability masks,
+    its own block: :func:`~secure_vfl.data.vertical.label_party_view`), its own party object,
+    every party's name, the channel it talks through and its own random generators (task
+    sampling, epoch order).
 
     The label party (``party-0``) drives: everything it asks of another party, and everything
     it learns from one, is a message (:mod:`secure_vfl.federation.messages`). It holds no
@@ -460,7 +467,7 @@ def build_federation(
     server = ROLES.get(roles.get(AGGREGATOR, "aggregation-server"))
     server(aggregator if aggregator is not None else PlainAggregator()).connect(channel)
     return Federation(
-        data=data,
+        data=label_party_view(data),
         names=[p.name for p in parties],
         own=parties[0],
         channel=channel,

@@ -70,7 +70,6 @@ class ConcatFusionMethod:
         )
         self.name = name
         self.config = config
-        self.data = data
         with isolated_seed(seed + 1000):
             head = ConcatHead(data.train.parties, config.representation_dim, data.num_classes)
         self.fed = build_federation(
@@ -82,6 +81,7 @@ class ConcatFusionMethod:
             heads={0: {"": head}},
             roles=roles,
         )
+        self.data = self.fed.data  # labels, masks and its own block only
         self.head = self.fed.own.heads[""]  # the label party's own head
         mask = data.train.mask
         self.train_rows = labeled_rows(data, config, seed)
@@ -219,7 +219,6 @@ class Combinatorial:
             )
         self.name = "combinatorial"
         self.config = config
-        self.data = data
         self.subsets = [
             subset
             for size in range(1, parties + 1)
@@ -245,6 +244,7 @@ class Combinatorial:
             heads=heads,
             roles=roles,
         )
+        self.data = self.fed.data  # labels, masks and its own block only
         add_models(self.fed.channel, bottoms, config)
         self.sampler = make_sampler(
             config.batching,

@@ -210,7 +210,6 @@ class MeanFusionMethod:
         self.name = name
         self.config = config
         self.planner = planner
-        self.data = data
         parties = data.train.parties
         self.head_index = list(range(parties)) if config.heads == "all" else [0]
         heads: dict[int, dict[str, nn.Module]] = {}
@@ -226,6 +225,7 @@ class MeanFusionMethod:
             heads=heads,
             roles=roles,
         )
+        self.data = self.fed.data  # labels, masks and its own block only
         self.sampler = make_sampler(
             config.batching,
             data.train.mask,
