@@ -1,6 +1,9 @@
 """Secure sums under the receiver's CKKS key (Cheon, Kim, Kim and Song, ASIACRYPT 2017), packed.
 
-Three roles are simulated in process with real TenSEAL ciphertexts: the receiver (the head or
+Three roles, with real TenSEAL ciphertexts, run either split at the party boundary
+(:class:`CkksSender`, :class:`CkksAdder`, :class:`CkksReceiver`, each inside its own party, the
+public context announced as a message) or whole in :class:`CkksAggregator`'s ``combine``
+(FALSE-VFL and FedHF-Impute, not yet actors): the receiver (the head or
 label party) makes a CKKS context holding the secret key and publishes it *without* the secret
 key, serialized to bytes (``save_secret_key=False``); every sender loads those bytes, so what it
 holds really cannot decrypt. Each contributing party packs all its values into as few CKKS
@@ -39,7 +42,8 @@ sum silently.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import tenseal as ts
@@ -269,51 +273,22 @@ class CkksAggregator(CiphertextAggregator[bytes]):
         return len(ciphertext)
 
     def _check_range(self, values: np.ndarray, parties: int) -> None:
-        """Refuse non-finite values, |value| > max_magnitude, or more parties than the data
-        prime leaves room for at that magnitude."""
-        if parties * self.max_magnitude > self.sum_limit:
-            raise ProtocolError(
-                f"{parties} parties of |value| <= {self.max_magnitude:.6g} could sum beyond "
-                f"{self.sum_limit:.6g}, the most a {self.scale_bits}-bit scale leaves in the "
-                "data prime; lower max_magnitude or scale_bits."
-            )
-        outside = ~np.isfinite(values) | (np.abs(values) > self.max_magnitude)
-        if bool(outside.any()):
-            largest = float(np.abs(values[outside]).max())
-            raise ProtocolError(
-                f"a value of magnitude {largest:.6g} is outside the CKKS range: every |value| "
-                f"must be finite and <= {self.max_magnitude:.6g} for the stated error bound; "
-                "clip the values or raise max_magnitude."
-            )
+        """Refuse values outside the range (:func:`check_range`)."""
+        check_range(
+            values,
+            parties,
+            max_magnitude=self.max_magnitude,
+            sum_limit=self.sum_limit,
+            scale_bits=self.scale_bits,
+        )
 
     def _load(self, context: ts.Context, data: bytes, who: str) -> ts.CKKSVector:
-        """Deserialize one ciphertext; bytes that do not parse are an :class:`IntegrityError`."""
-        try:
-            return ts.ckks_vector_from(context, data)
-        except (ValueError, RuntimeError, TypeError) as error:
-            raise IntegrityError(
-                f"a CKKS ciphertext {who} does not deserialize ({error}): it was corrupted or "
-                "tampered with in transit."
-            ) from error
+        """Deserialize one ciphertext (:func:`load_vector`)."""
+        return load_vector(context, data, who)
 
     def _add(self, public: ts.Context, arrived: dict[str, list[bytes]], count: int) -> list[bytes]:
         """The aggregator's part, with only the public context: slot-wise homomorphic sums."""
-        for name, sent in arrived.items():
-            if len(sent) != count:
-                raise IntegrityError(
-                    f"{count} ciphertexts expected from {name}, found {len(sent)}."
-                )
-        if not arrived:
-            return []
-        totals: list[bytes] = []
-        for i in range(count):
-            total: ts.CKKSVector | None = None
-            for name, sent in arrived.items():
-                vector = self._load(public, sent[i], f"from {name}")
-                total = vector if total is None else total + vector
-            assert total is not None
-            totals.append(bytes(total.serialize()))
-        return totals
+        return add_ciphertexts(public, arrived, count)
 
     def _decrypt(
         self, receiver: str, counts: np.ndarray, shape: tuple[int, int, int]
@@ -321,28 +296,250 @@ class CkksAggregator(CiphertextAggregator[bytes]):
         """The receiver's part: decrypt with the secret context, check every slot against what
         honest inputs can give (|sum| <= contributors * max_magnitude + bound), reshape, and
         set the sums nobody entered to exactly 0."""
-        tasks, batch, width = shape
         if not self.last_sum:  # nobody contributed to any sum
             return np.zeros(shape, dtype=np.float32)
         secret = self.secret_contexts[receiver]
-        decrypted = np.concatenate(
-            [np.asarray(self._load(secret, c, "of the sum").decrypt()) for c in self.last_sum]
+        return open_sums(
+            secret, self.last_sum, counts, shape, max_magnitude=self.max_magnitude, bound=self.step
         )
-        total = tasks * batch * width
-        sums, padding = decrypted[:total], decrypted[total:]
-        parties = int(counts.max()) if counts.size else 0
-        bound = self.step(max(parties, 1))
-        limit = np.repeat(counts.reshape(-1).astype(np.float64), width) * self.max_magnitude
-        if (
-            not bool(np.isfinite(decrypted).all())
-            or bool((np.abs(sums) > limit + bound).any())
-            or bool((np.abs(padding) > bound).any())
-        ):
-            raise IntegrityError(
-                "a decrypted CKKS sum is outside contributors * max_magnitude + the error bound "
-                "(every honest sum is inside): the ciphertext was tampered with or decrypted "
-                "with the wrong key."
+
+    # -- the same protocol split at the party boundary (SealingScheme) ------------------------
+
+    scheme = "ckks"
+
+    def sender(self) -> CkksSender:
+        return CkksSender(
+            slots=self.slots,
+            max_magnitude=self.max_magnitude,
+            sum_limit=self.sum_limit,
+            scale_bits=self.scale_bits,
+        )
+
+    def adder(self) -> CkksAdder:
+        return CkksAdder(slots=self.slots)
+
+    def receiver(self) -> CkksReceiver:
+        """A fresh receiver half: its own secret context."""
+        return CkksReceiver(
+            poly_modulus_degree=self.poly_modulus_degree,
+            coeff_mod_bit_sizes=self.coeff_mod_bit_sizes,
+            scale_bits=self.scale_bits,
+            max_magnitude=self.max_magnitude,
+            bound=self.step,
+        )
+
+
+def check_range(
+    values: np.ndarray, parties: int, *, max_magnitude: float, sum_limit: float, scale_bits: int
+) -> None:
+    """Refuse non-finite values, |value| > max_magnitude, or more parties than the data prime
+    leaves room for at that magnitude."""
+    if parties * max_magnitude > sum_limit:
+        raise ProtocolError(
+            f"{parties} parties of |value| <= {max_magnitude:.6g} could sum beyond "
+            f"{sum_limit:.6g}, the most a {scale_bits}-bit scale leaves in the data prime; "
+            "lower max_magnitude or scale_bits."
+        )
+    outside = ~np.isfinite(values) | (np.abs(values) > max_magnitude)
+    if bool(outside.any()):
+        largest = float(np.abs(values[outside]).max())
+        raise ProtocolError(
+            f"a value of magnitude {largest:.6g} is outside the CKKS range: every |value| "
+            f"must be finite and <= {max_magnitude:.6g} for the stated error bound; "
+            "clip the values or raise max_magnitude."
+        )
+
+
+def load_vector(context: ts.Context, data: bytes, who: str) -> ts.CKKSVector:
+    """Deserialize one ciphertext; bytes that do not parse are an :class:`IntegrityError`."""
+    try:
+        return ts.ckks_vector_from(context, data)
+    except (ValueError, RuntimeError, TypeError) as error:
+        raise IntegrityError(
+            f"a CKKS ciphertext {who} does not deserialize ({error}): it was corrupted or "
+            "tampered with in transit."
+        ) from error
+
+
+def add_ciphertexts(
+    public: ts.Context, arrived: Mapping[str, Sequence[bytes]], count: int
+) -> list[bytes]:
+    """Slot-wise homomorphic sums of every contributor's ``count`` ciphertexts (public context
+    only)."""
+    for name, sent in arrived.items():
+        if len(sent) != count:
+            raise IntegrityError(f"{count} ciphertexts expected from {name}, found {len(sent)}.")
+    if not arrived:
+        return []
+    totals: list[bytes] = []
+    for i in range(count):
+        total: ts.CKKSVector | None = None
+        for name, sent in arrived.items():
+            vector = load_vector(public, sent[i], f"from {name}")
+            total = vector if total is None else total + vector
+        assert total is not None
+        totals.append(bytes(total.serialize()))
+    return totals
+
+
+def open_sums(
+    secret: ts.Context,
+    summed: Sequence[bytes],
+    counts: np.ndarray,
+    shape: tuple[int, int, int],
+    *,
+    max_magnitude: float,
+    bound: Callable[[int], float],
+) -> np.ndarray:
+    """The receiver's part: decrypt with the secret context, check every slot against what
+    honest inputs can give (|sum| <= contributors * max_magnitude + bound), reshape, and set
+    the sums nobody entered to exactly 0."""
+    tasks, batch, width = shape
+    if not summed:  # nobody contributed to any sum
+        return np.zeros(shape, dtype=np.float32)
+    decrypted = np.concatenate(
+        [np.asarray(load_vector(secret, c, "of the sum").decrypt()) for c in summed]
+    )
+    total = tasks * batch * width
+    if decrypted.size < total:
+        raise IntegrityError(
+            f"a CKKS sum of {total} values expected, found {decrypted.size} slots."
+        )
+    sums, padding = decrypted[:total], decrypted[total:]
+    parties = int(counts.max()) if counts.size else 0
+    step = bound(max(parties, 1))
+    limit = np.repeat(counts.reshape(-1).astype(np.float64), width) * max_magnitude
+    if (
+        not bool(np.isfinite(decrypted).all())
+        or bool((np.abs(sums) > limit + step).any())
+        or bool((np.abs(padding) > step).any())
+    ):
+        raise IntegrityError(
+            "a decrypted CKKS sum is outside contributors * max_magnitude + the error bound "
+            "(every honest sum is inside): the ciphertext was tampered with or decrypted "
+            "with the wrong key."
+        )
+    # A sum nobody entered is exactly 0 (counts are public): drop its encryption noise.
+    opened = np.where(counts[..., None] > 0, sums.reshape(shape), 0.0)
+    return opened.astype(np.float32)
+
+
+class CkksSender:
+    """A contributor's half: encrypts its packed values under each receiver's published public
+    context (which cannot decrypt)."""
+
+    def __init__(
+        self, *, slots: int, max_magnitude: float, sum_limit: float, scale_bits: int
+    ) -> None:
+        self.slots = slots
+        self.max_magnitude, self.sum_limit, self.scale_bits = max_magnitude, sum_limit, scale_bits
+        self._publics: dict[str, ts.Context] = {}
+        self.seconds = 0.0
+
+    def public_key(self) -> None:
+        return None
+
+    def learn(self, peer: str, role: str, key: bytes) -> None:
+        if role == "receiver":
+            self._publics[peer] = load_public_context(key)
+
+    def seal(
+        self,
+        values: np.ndarray,
+        selection: np.ndarray,
+        *,
+        column: int,
+        parties: Sequence[str],
+        receiver: str,
+        context: bytes,
+    ) -> tuple[bytes, ...]:
+        start = time.perf_counter()
+        public = self._publics.get(receiver)
+        if public is None:
+            raise ProtocolError(
+                f"no CKKS public context of {receiver} was announced: the key set-up must come "
+                "before the first secure sum."
             )
-        # A sum nobody entered is exactly 0 (counts are public): drop its encryption noise.
-        sums = np.where(counts[..., None] > 0, sums.reshape(shape), 0.0)
-        return sums.astype(np.float32)
+        dense = np.asarray(values, dtype=np.float64)
+        check_range(
+            dense,
+            len(parties),
+            max_magnitude=self.max_magnitude,
+            sum_limit=self.sum_limit,
+            scale_bits=self.scale_bits,
+        )
+        mine = selection[..., column]
+        slots = np.where(mine[..., None], dense[None], 0.0).reshape(-1)
+        sealed = tuple(
+            bytes(ts.ckks_vector(public, slots[i : i + self.slots].tolist()).serialize())
+            for i in range(0, slots.size, self.slots)
+        )
+        self.seconds += time.perf_counter() - start
+        return sealed
+
+
+class CkksAdder:
+    """The aggregator's half: adds ciphertexts with only each receiver's public context."""
+
+    def __init__(self, *, slots: int) -> None:
+        self.slots = slots
+        self._publics: dict[str, ts.Context] = {}
+        self.seconds = 0.0
+
+    def learn(self, peer: str, role: str, key: bytes) -> None:
+        if role == "receiver":
+            self._publics[peer] = load_public_context(key)
+
+    def add(
+        self,
+        payloads: Mapping[str, tuple[bytes, ...]],
+        *,
+        receiver: str,
+        shape: tuple[int, int, int],
+        parties: int,
+    ) -> tuple[bytes, ...]:
+        start = time.perf_counter()
+        public = self._publics.get(receiver)
+        if public is None:
+            raise ProtocolError(f"no CKKS public context of {receiver} was announced.")
+        count = -(-shape[0] * shape[1] * shape[2] // self.slots)
+        summed = tuple(add_ciphertexts(public, payloads, count))
+        self.seconds += time.perf_counter() - start
+        return summed
+
+
+class CkksReceiver:
+    """The receiver's half: its own secret context; publishes the public one and decrypts."""
+
+    def __init__(
+        self,
+        *,
+        poly_modulus_degree: int,
+        coeff_mod_bit_sizes: Sequence[int],
+        scale_bits: int,
+        max_magnitude: float,
+        bound: Callable[[int], float],
+    ) -> None:
+        self._secret = make_secret_context(poly_modulus_degree, coeff_mod_bit_sizes, scale_bits)
+        self._published = public_context_bytes(self._secret)
+        self.max_magnitude = max_magnitude
+        self._bound = bound
+        self.seconds = 0.0
+
+    def public_key(self) -> bytes:
+        return self._published
+
+    def open(
+        self, payload: tuple[bytes, ...], *, counts: np.ndarray, width: int, parties: int
+    ) -> np.ndarray:
+        start = time.perf_counter()
+        sums = open_sums(
+            self._secret,
+            payload,
+            counts,
+            (*counts.shape, width),
+            max_magnitude=self.max_magnitude,
+            bound=self._bound,
+        )
+        self.seconds += time.perf_counter() - start
+        return sums

@@ -1,7 +1,10 @@
 """Secure sums under the receiver's Paillier key (Paillier, EUROCRYPT 1999), many values per
 ciphertext.
 
-Three roles are simulated in process with real ``phe`` ciphertexts: the receiver (the head or
+Three roles, with real ``phe`` ciphertexts, run either split at the party boundary
+(:class:`PaillierSender`, :class:`PaillierAdder`, :class:`PaillierReceiver`, each inside its own
+party, the public key announced as a message) or whole in :class:`PaillierAggregator`'s
+``combine`` (FALSE-VFL and FedHF-Impute, not yet actors): the receiver (the head or
 label party) owns a key pair and publishes the public key; every contributing party packs its
 fixed-point values into plaintexts and encrypts them under that key; the aggregator multiplies
 ciphertexts (adds plaintexts) without ever holding the private key; the receiver decrypts and
@@ -40,7 +43,8 @@ from __future__ import annotations
 import math
 import random
 import secrets
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import reduce
 
@@ -57,6 +61,7 @@ from secure_vfl.federation.aggregator import (
     AggregationCost,
     ContextLedger,
     check_contribution_headers,
+    check_payload,
     check_selection,
     dense_representations,
     refuse_single_contributors,
@@ -346,20 +351,10 @@ class PaillierAggregator(CiphertextAggregator[paillier.EncryptedNumber]):
         return (ciphertext.public_key.nsquare.bit_length() + 7) // 8
 
     def _encode(self, dense: np.ndarray, parties: int) -> np.ndarray:
-        """round(x * 2^f) as int64 (K, B, d); refuse any outside [-2^(v-1), 2^(v-1))."""
-        scaled = np.rint(np.asarray(dense, dtype=np.float64) * float(1 << self.fraction_bits))
-        half = float(1 << (self.value_bits - 1))
-        outside = ~np.isfinite(scaled) | (scaled < -half) | (scaled >= half)
-        if bool(outside.any()):
-            largest = float(np.abs(dense[outside]).max())
-            raise ProtocolError(
-                f"a value of magnitude {largest:.6g} is outside the Paillier fixed-point range: "
-                f"with {self.value_bits} value bits and {self.fraction_bits} fraction bits every "
-                f"|value| must be finite and <= {self.limit():.6g}; clip the values or lower "
-                "fraction_bits."
-            )
-        encoded = encode_fixed_point(dense, fraction_bits=self.fraction_bits, parties=parties)
-        return encoded.view(np.int64)
+        """round(x * 2^f) as int64 (K, B, d) (:func:`encode_values`)."""
+        return encode_values(
+            dense, value_bits=self.value_bits, fraction_bits=self.fraction_bits, parties=parties
+        )
 
     def _add(
         self, arrived: dict[str, list[paillier.EncryptedNumber]], count: int
@@ -384,18 +379,296 @@ class PaillierAggregator(CiphertextAggregator[paillier.EncryptedNumber]):
         shape: tuple[int, int, int],
     ) -> np.ndarray:
         """The receiver's part: decrypt, unpack, check each slot's range, remove the offsets."""
-        tasks, batch, width = shape
         if not self.last_sum:  # nobody contributed to any sum
             return np.zeros(shape, dtype=np.float32)
         private_key = self.private_keys[receiver]
         plaintexts = [private_key.raw_decrypt(c.ciphertext(be_secure=False)) for c in self.last_sum]
-        slots = layout.unpack(plaintexts, tasks * batch * width, key_bits=self.key_bits)
-        sums = slots.astype(np.int64).reshape(shape)
-        contributors = counts.astype(np.int64)[..., None]
-        if bool(((sums < 0) | (sums > contributors * ((1 << layout.value_bits) - 1))).any()):
-            raise IntegrityError(
-                "a decrypted slot sum is outside [0, contributors * (2^v - 1)] (every honest sum "
-                "is inside): the ciphertext was tampered with or decrypted with the wrong key."
+        return open_slots(plaintexts, layout, counts, shape, key_bits=self.key_bits)
+
+    # -- the same protocol split at the party boundary (SealingScheme) ------------------------
+
+    scheme = "paillier"
+
+    def sender(self) -> PaillierSender:
+        """A fresh contributor half (its own obfuscator pools, drawn from this backend's rng)."""
+        return PaillierSender(
+            key_bits=self.key_bits,
+            value_bits=self.value_bits,
+            fraction_bits=self.fraction_bits,
+            rng=self._rng,
+            pool_size=self.pool_size,
+        )
+
+    def adder(self) -> PaillierAdder:
+        return PaillierAdder(key_bits=self.key_bits, value_bits=self.value_bits)
+
+    def receiver(self) -> PaillierReceiver:
+        """A fresh receiver half: its own key pair, made by this backend's key generator."""
+        return PaillierReceiver(
+            key_bits=self.key_bits,
+            value_bits=self.value_bits,
+            fraction_bits=self.fraction_bits,
+            key_generator=self._key_generator,
+        )
+
+
+def encode_values(
+    dense: np.ndarray, *, value_bits: int, fraction_bits: int, parties: int
+) -> np.ndarray:
+    """round(x * 2^f) as int64; refuse any outside [-2^(v-1), 2^(v-1)) or not finite."""
+    scaled = np.rint(np.asarray(dense, dtype=np.float64) * float(1 << fraction_bits))
+    half = float(1 << (value_bits - 1))
+    outside = ~np.isfinite(scaled) | (scaled < -half) | (scaled >= half)
+    if bool(outside.any()):
+        largest = float(np.abs(np.asarray(dense)[outside]).max())
+        limit = float((1 << (value_bits - 1)) - 1) / float(1 << fraction_bits)
+        raise ProtocolError(
+            f"a value of magnitude {largest:.6g} is outside the Paillier fixed-point range: "
+            f"with {value_bits} value bits and {fraction_bits} fraction bits every "
+            f"|value| must be finite and <= {limit:.6g}; clip the values or lower "
+            "fraction_bits."
+        )
+    encoded = encode_fixed_point(dense, fraction_bits=fraction_bits, parties=parties)
+    return encoded.view(np.int64)
+
+
+def open_slots(
+    plaintexts: Sequence[int],
+    layout: PackingLayout,
+    counts: np.ndarray,
+    shape: tuple[int, int, int],
+    *,
+    key_bits: int,
+) -> np.ndarray:
+    """The receiver's part after decryption: unpack, check each slot's range, remove the
+    offsets, decode to float32 (T, B, d)."""
+    tasks, batch, width = shape
+    slots = layout.unpack(plaintexts, tasks * batch * width, key_bits=key_bits)
+    sums = slots.astype(np.int64).reshape(shape)
+    contributors = counts.astype(np.int64)[..., None]
+    if bool(((sums < 0) | (sums > contributors * ((1 << layout.value_bits) - 1))).any()):
+        raise IntegrityError(
+            "a decrypted slot sum is outside [0, contributors * (2^v - 1)] (every honest sum "
+            "is inside): the ciphertext was tampered with or decrypted with the wrong key."
+        )
+    signed = sums - contributors * layout.offset
+    return decode_fixed_point(signed, fraction_bits=layout.fraction_bits).astype(np.float32)
+
+
+def _modulus_bytes(key_bits: int) -> int:
+    return (key_bits + 7) // 8
+
+
+def _ciphertext_bytes(key_bits: int) -> int:
+    """Bytes of one ciphertext on the wire: an integer below n^2, big-endian, fixed width."""
+    return (2 * key_bits + 7) // 8
+
+
+def read_public_key(key: bytes, *, key_bits: int, who: str) -> paillier.PaillierPublicKey:
+    """A receiver's announced modulus (big-endian, fixed width) as a public key; refuse one of
+    the wrong size or an even one (no product of two odd primes is even)."""
+    if len(key) != _modulus_bytes(key_bits):
+        raise ProtocolError(
+            f"a Paillier modulus of {_modulus_bytes(key_bits)} bytes expected from {who}, "
+            f"found {len(key)}."
+        )
+    n = int.from_bytes(key, "big")
+    if n.bit_length() != key_bits or n % 2 == 0:
+        raise ProtocolError(
+            f"an odd {key_bits}-bit Paillier modulus expected from {who}, found "
+            f"{'an even' if n % 2 == 0 else 'a'} {n.bit_length()}-bit integer."
+        )
+    return paillier.PaillierPublicKey(n)
+
+
+def _read_ciphertexts(
+    payload: tuple[bytes, ...], *, key_bits: int, nsquare: int, count: int, who: str
+) -> list[int]:
+    """Sealed items as integers in [1, n^2); refuse the wrong count, size or range."""
+    check_payload(payload, count=count, size=_ciphertext_bytes(key_bits), who=who)
+    values = [int.from_bytes(item, "big") for item in payload]
+    if any(not 0 < v < nsquare for v in values):
+        raise IntegrityError(f"{who}: a ciphertext outside [1, n^2) (not a Paillier ciphertext).")
+    return values
+
+
+def _write_ciphertexts(values: Sequence[int], key_bits: int) -> tuple[bytes, ...]:
+    width = _ciphertext_bytes(key_bits)
+    return tuple(int(v).to_bytes(width, "big") for v in values)
+
+
+class PaillierSender:
+    """A contributor's half: encrypts its packed values under each receiver's announced public
+    key, with its own obfuscator pools (r from ``rng``)."""
+
+    def __init__(
+        self,
+        *,
+        key_bits: int,
+        value_bits: int,
+        fraction_bits: int,
+        rng: random.Random,
+        pool_size: int,
+    ) -> None:
+        self.key_bits, self.value_bits, self.fraction_bits = key_bits, value_bits, fraction_bits
+        self.pool_size = pool_size
+        self._rng = rng
+        self._pools: dict[str, ObfuscatorPool] = {}
+        self.seconds = 0.0
+
+    def public_key(self) -> None:
+        return None
+
+    def learn(self, peer: str, role: str, key: bytes) -> None:
+        if role == "receiver":
+            public = read_public_key(key, key_bits=self.key_bits, who=peer)
+            self._pools[peer] = ObfuscatorPool(public, self._rng)
+
+    def prepare(self, receiver: str, obfuscators: int | None = None) -> None:
+        """The offline phase: stock the pool for ``receiver`` (``pool_size`` by default)."""
+        self._pool(receiver).fill(self.pool_size if obfuscators is None else obfuscators)
+
+    def _pool(self, receiver: str) -> ObfuscatorPool:
+        pool = self._pools.get(receiver)
+        if pool is None:
+            raise ProtocolError(
+                f"no Paillier public key of {receiver} was announced: the key set-up must come "
+                "before the first secure sum."
             )
-        signed = sums - contributors * layout.offset
-        return decode_fixed_point(signed, fraction_bits=self.fraction_bits).astype(np.float32)
+        return pool
+
+    def seal(
+        self,
+        values: np.ndarray,
+        selection: np.ndarray,
+        *,
+        column: int,
+        parties: Sequence[str],
+        receiver: str,
+        context: bytes,
+    ) -> tuple[bytes, ...]:
+        start = time.perf_counter()
+        pool = self._pool(receiver)
+        layout = PackingLayout.for_sum(
+            key_bits=self.key_bits,
+            value_bits=self.value_bits,
+            fraction_bits=self.fraction_bits,
+            parties=len(parties),
+        )
+        encoded = encode_values(
+            values,
+            value_bits=self.value_bits,
+            fraction_bits=self.fraction_bits,
+            parties=len(parties),
+        )
+        mine = selection[..., column]
+        offset_values = (encoded + layout.offset).astype(np.uint64)
+        slots = np.where(mine[..., None], offset_values[None], np.uint64(0))
+        ciphertexts = pool.encrypt(layout.pack(slots.reshape(-1)))
+        sealed = _write_ciphertexts(
+            [c.ciphertext(be_secure=False) for c in ciphertexts], self.key_bits
+        )
+        self.seconds += time.perf_counter() - start
+        return sealed
+
+
+class PaillierAdder:
+    """The aggregator's half: multiplies ciphertexts modulo n^2 with only the public key."""
+
+    def __init__(self, *, key_bits: int, value_bits: int) -> None:
+        self.key_bits, self.value_bits = key_bits, value_bits
+        self._publics: dict[str, paillier.PaillierPublicKey] = {}
+        self.seconds = 0.0
+
+    def learn(self, peer: str, role: str, key: bytes) -> None:
+        if role == "receiver":
+            self._publics[peer] = read_public_key(key, key_bits=self.key_bits, who=peer)
+
+    def add(
+        self,
+        payloads: Mapping[str, tuple[bytes, ...]],
+        *,
+        receiver: str,
+        shape: tuple[int, int, int],
+        parties: int,
+    ) -> tuple[bytes, ...]:
+        start = time.perf_counter()
+        public = self._publics.get(receiver)
+        if public is None:
+            raise ProtocolError(f"no Paillier public key of {receiver} was announced.")
+        layout = PackingLayout.for_sum(
+            key_bits=self.key_bits,
+            value_bits=self.value_bits,
+            fraction_bits=0,
+            parties=parties,
+        )
+        count = layout.ciphertexts(shape[0] * shape[1] * shape[2])
+        nsquare = gmpy2.mpz(public.nsquare)
+        totals: list[gmpy2.mpz] | None = None
+        for name, payload in payloads.items():
+            values = _read_ciphertexts(
+                payload,
+                key_bits=self.key_bits,
+                nsquare=public.nsquare,
+                count=count,
+                who=f"Paillier share from {name}",
+            )
+            if totals is None:
+                totals = [gmpy2.mpz(v) for v in values]
+            else:
+                totals = [gmpy2.mul(t, v) % nsquare for t, v in zip(totals, values, strict=True)]
+        self.seconds += time.perf_counter() - start
+        return _write_ciphertexts([int(t) for t in totals or []], self.key_bits)
+
+
+class PaillierReceiver:
+    """The receiver's half: its own key pair (from ``key_generator``); announces the modulus
+    and decrypts the summed ciphertexts."""
+
+    def __init__(
+        self,
+        *,
+        key_bits: int,
+        value_bits: int,
+        fraction_bits: int,
+        key_generator: KeyGenerator,
+    ) -> None:
+        self.key_bits, self.value_bits, self.fraction_bits = key_bits, value_bits, fraction_bits
+        public, private = key_generator(key_bits)
+        if public.n.bit_length() != key_bits:
+            raise ConfigError(
+                f"the key generator must give a {key_bits}-bit modulus, found "
+                f"{public.n.bit_length()} bits."
+            )
+        self._public, self._private = public, private
+        self.seconds = 0.0
+
+    def public_key(self) -> bytes:
+        return int(self._public.n).to_bytes(_modulus_bytes(self.key_bits), "big")
+
+    def open(
+        self, payload: tuple[bytes, ...], *, counts: np.ndarray, width: int, parties: int
+    ) -> np.ndarray:
+        start = time.perf_counter()
+        shape = (*counts.shape, width)
+        layout = PackingLayout.for_sum(
+            key_bits=self.key_bits,
+            value_bits=self.value_bits,
+            fraction_bits=self.fraction_bits,
+            parties=parties,
+        )
+        values = shape[0] * shape[1] * shape[2]
+        if not payload:
+            sums = np.zeros(shape, dtype=np.float32)
+        else:
+            ciphertexts = _read_ciphertexts(
+                payload,
+                key_bits=self.key_bits,
+                nsquare=self._public.nsquare,
+                count=layout.ciphertexts(values),
+                who="the Paillier sum",
+            )
+            plaintexts = [self._private.raw_decrypt(c) for c in ciphertexts]
+            sums = open_slots(plaintexts, layout, counts, shape, key_bits=self.key_bits)
+        self.seconds += time.perf_counter() - start
+        return sums

@@ -4,8 +4,13 @@ Each pair of parties agrees on a key by X25519 and HKDF-SHA256; per aggregation 
 it, with ChaCha20 keyed by the call's context (session, receiver, round, batch id, tag, counter),
 into masks that one adds and the other subtracts. Values travel as fixed-point integers in the
 ring Z_2^64, so a masked contribution is uniform and tells the aggregator nothing, while the masks
-cancel exactly in the sum the receiver gets. The whole protocol is simulated in process: every
-party's and the server's part runs here, with real cryptography.
+cancel exactly in the sum the receiver gets.
+
+Two ways to run it, with the same cryptography: split at the party boundary (:class:`MaskSender`
+inside each contributor with its own key pair, :class:`MaskAdder` inside the aggregation server,
+:class:`MaskReceiver` inside the receiver; keys and shares cross as messages), which is how
+LASER and its baselines run; or whole, :class:`MaskingAggregator`'s ``combine`` simulating every
+part in one object (FALSE-VFL and FedHF-Impute, not yet actors, and dropout recovery).
 
 Promises (semi-honest parties, non-colluding aggregator): the receiver learns only sums over at
 least two contributors; the aggregator and the network see uniform ring elements. Masks give
@@ -16,7 +21,8 @@ wrap-around beyond the overflow headroom, as an inconsistent key produces, is de
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Collection, Sequence
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -31,6 +37,7 @@ from secure_vfl.federation.aggregator import (
     AggregationCost,
     ContextLedger,
     check_contribution_headers,
+    check_payload,
     check_selection,
     dense_representations,
     refuse_single_contributors,
@@ -78,6 +85,176 @@ def encode_fixed_point(values: np.ndarray, *, fraction_bits: int, parties: int) 
 def decode_fixed_point(ring: np.ndarray, *, fraction_bits: int) -> np.ndarray:
     """Read ring elements as signed int64 and divide by 2^f (float64)."""
     return ring.view(np.int64).astype(np.float64) / float(2**fraction_bits)
+
+
+def derive_pair_key(
+    private: X25519PrivateKey, peer_public: bytes, owner: str, peer: str, salt: bytes
+) -> bytes:
+    """``owner``'s key with ``peer``: HKDF-SHA256 of their X25519 secret, bound to both names
+    (sorted, so both ends derive the same key) and ``salt``."""
+    try:
+        secret = private.exchange(X25519PublicKey.from_public_bytes(peer_public))
+    except ValueError as error:
+        raise ProtocolError(
+            f"key agreement between {owner} and {peer} failed: a valid X25519 public key "
+            f"was expected, found one giving a degenerate secret ({error})."
+        ) from error
+    first, second = sorted((owner, peer))
+    return HKDF(
+        algorithm=hashes.SHA256(),
+        length=32,
+        salt=salt,
+        info=b"|".join([_PAIR_INFO, first.encode(), second.encode()]),
+    ).derive(secret)
+
+
+def add_pair_mask(
+    target: np.ndarray, pair_key: bytes, sign: int, shared: np.ndarray, info: bytes
+) -> None:
+    """Add ``sign`` times the pair's mask to ``target`` (T, B, d) where both are selected
+    (``shared``, (T, B)). The mask is a ChaCha20 keystream of the pair key and the call's
+    context ``info``, laid over the shared rows in (t, b) order, so both ends draw the same."""
+    rows = int(shared.sum())
+    if rows == 0:
+        return
+    width = target.shape[2]
+    derived = HKDF(algorithm=hashes.SHA256(), length=44, salt=None, info=info).derive(pair_key)
+    nonce = bytes(4) + derived[32:]  # 32-bit block counter starting at 0, then 96-bit nonce
+    stream = Cipher(algorithms.ChaCha20(derived[:32], nonce), mode=None).encryptor()
+    mask = np.frombuffer(stream.update(bytes(8 * rows * width)), dtype="<u8")
+    mask = mask.reshape(rows, width)
+    if sign > 0:
+        target[shared] += mask
+    else:
+        target[shared] -= mask
+
+
+def decode_ring_sum(total: np.ndarray, *, fraction_bits: int) -> np.ndarray:
+    """Float32 sums from a ring sum; refuse one outside the headroom (masks didn't cancel)."""
+    signed = total.view(np.int64)
+    limit = 2**HEADROOM_BITS
+    if signed.size and bool((np.abs(signed.astype(np.float64)) > limit).any()):
+        raise IntegrityError(
+            f"the secure sum left the fixed-point range (|sum| <= 2^{HEADROOM_BITS} expected, "
+            "found larger): the masks did not cancel, so a party's key or masked "
+            "contribution is inconsistent."
+        )
+    return decode_fixed_point(total, fraction_bits=fraction_bits).astype(np.float32)
+
+
+def _ring(payload: tuple[bytes, ...], shape: tuple[int, int, int], who: str) -> np.ndarray:
+    """One sealed item read as (T, B, d) little-endian ring elements."""
+    check_payload(payload, count=1, size=8 * shape[0] * shape[1] * shape[2], who=who)
+    return np.frombuffer(payload[0], dtype="<u8").reshape(shape).astype(np.uint64)
+
+
+class MaskSender:
+    """A contributor's half of pairwise-mask secure sums: its own X25519 key pair (from
+    ``entropy``, the OS's by default) and the public keys its peers announced."""
+
+    def __init__(self, *, fraction_bits: int, entropy: Entropy = os.urandom) -> None:
+        self.fraction_bits = fraction_bits
+        self._private = X25519PrivateKey.from_private_bytes(entropy(32))
+        self._peers: dict[str, bytes] = {}
+        self._pair_keys: dict[str, bytes] = {}
+        self.seconds = 0.0
+
+    def public_key(self) -> bytes:
+        return self._private.public_key().public_bytes_raw()
+
+    def learn(self, peer: str, role: str, key: bytes) -> None:
+        if role != "sender":
+            return
+        if len(key) != 32:
+            raise ProtocolError(
+                f"an X25519 public key of 32 bytes expected from {peer}, found {len(key)}."
+            )
+        self._peers[peer] = bytes(key)
+        self._pair_keys.pop(peer, None)
+
+    def _pair_key(self, owner: str, peer: str) -> bytes:
+        key = self._pair_keys.get(peer)
+        if key is None:
+            public = self._peers.get(peer)
+            if public is None:
+                raise ProtocolError(
+                    f"{owner} holds no public key of {peer}: the key set-up (a key-request to "
+                    "every contributor) must come before the first secure sum."
+                )
+            key = derive_pair_key(self._private, public, owner, peer, b"")
+            self._pair_keys[peer] = key
+        return key
+
+    def seal(
+        self,
+        values: np.ndarray,
+        selection: np.ndarray,
+        *,
+        column: int,
+        parties: Sequence[str],
+        receiver: str,
+        context: bytes,
+    ) -> tuple[bytes, ...]:
+        """Its fixed-point values in every sum it enters, plus a pair mask with every other
+        contributor of that sum (added towards later parties, subtracted towards earlier)."""
+        start = time.perf_counter()
+        encoded = encode_fixed_point(values, fraction_bits=self.fraction_bits, parties=len(parties))
+        mine = selection[..., column]
+        value = np.where(mine[..., None], encoded[None], np.uint64(0))
+        info = _MASK_INFO + context
+        owner = parties[column]
+        for j, peer in enumerate(parties):
+            shared = mine & selection[..., j]
+            if j != column and shared.any():
+                sign = 1 if column < j else -1
+                add_pair_mask(value, self._pair_key(owner, peer), sign, shared, info)
+        self.seconds += time.perf_counter() - start
+        return (value.astype("<u8").tobytes(),)
+
+
+class MaskAdder:
+    """The aggregator's half: adds masked contributions in Z_2^64 (no key)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def learn(self, peer: str, role: str, key: bytes) -> None:
+        """Pairwise masks need no receiver key."""
+
+    def add(
+        self,
+        payloads: Mapping[str, tuple[bytes, ...]],
+        *,
+        receiver: str,
+        shape: tuple[int, int, int],
+        parties: int,
+    ) -> tuple[bytes, ...]:
+        start = time.perf_counter()
+        total = np.zeros(shape, dtype=np.uint64)
+        for name, payload in payloads.items():
+            total += _ring(payload, shape, f"masked share from {name}")
+        self.seconds += time.perf_counter() - start
+        return (total.astype("<u8").tobytes(),)
+
+
+class MaskReceiver:
+    """The receiver's half: the masks cancelled in the sum, so it only decodes (no key)."""
+
+    def __init__(self, *, fraction_bits: int) -> None:
+        self.fraction_bits = fraction_bits
+        self.seconds = 0.0
+
+    def public_key(self) -> None:
+        return None
+
+    def open(
+        self, payload: tuple[bytes, ...], *, counts: np.ndarray, width: int, parties: int
+    ) -> np.ndarray:
+        start = time.perf_counter()
+        total = _ring(payload, (*counts.shape, width), "the masked sum")
+        sums = decode_ring_sum(total, fraction_bits=self.fraction_bits)
+        self.seconds += time.perf_counter() - start
+        return sums
 
 
 class MaskingAggregator:
@@ -304,24 +481,9 @@ class MaskingAggregator:
         shared: np.ndarray,
         info: bytes,
     ) -> None:
-        """Add ``sign`` times ``owner``'s mask for ``peer`` to ``target`` (T, B, d) where both are
-        selected (``shared``, (T, B)). The mask is a ChaCha20 keystream of the pair key and the
-        call's context, laid over the shared rows in (t, b) order, so both ends draw the same."""
-        rows = int(shared.sum())
-        if rows == 0:
-            return
-        width = target.shape[2]
-        derived = HKDF(algorithm=hashes.SHA256(), length=44, salt=None, info=info).derive(
-            self._pair_key(owner, peer)
-        )
-        nonce = bytes(4) + derived[32:]  # 32-bit block counter starting at 0, then 96-bit nonce
-        stream = Cipher(algorithms.ChaCha20(derived[:32], nonce), mode=None).encryptor()
-        mask = np.frombuffer(stream.update(bytes(8 * rows * width)), dtype=np.uint64)
-        mask = mask.reshape(rows, width)
-        if sign > 0:
-            target[shared] += mask
-        else:
-            target[shared] -= mask
+        """Add ``sign`` times ``owner``'s mask for ``peer`` to ``target`` where both are
+        selected (``shared``, (T, B)): :func:`add_pair_mask` with their pair key."""
+        add_pair_mask(target, self._pair_key(owner, peer), sign, shared, info)
 
     def _pair_key(self, owner: str, peer: str) -> bytes:
         """``owner``'s view of its key with ``peer``: HKDF-SHA256 of their X25519 secret."""
@@ -330,31 +492,24 @@ class MaskingAggregator:
         cached = self._pair_keys.get((owner, peer))
         if cached is not None and cached[0] is private and cached[1] == public:
             return cached[2]
-        try:
-            secret = private.exchange(X25519PublicKey.from_public_bytes(public))
-        except ValueError as error:
-            raise ProtocolError(
-                f"key agreement between {owner} and {peer} failed: a valid X25519 public key "
-                f"was expected, found one giving a degenerate secret ({error})."
-            ) from error
-        first, second = sorted((owner, peer))
-        key = HKDF(
-            algorithm=hashes.SHA256(),
-            length=32,
-            salt=self.session_id,
-            info=b"|".join([_PAIR_INFO, first.encode(), second.encode()]),
-        ).derive(secret)
+        key = derive_pair_key(private, public, owner, peer, self.session_id)
         self._pair_keys[(owner, peer)] = (private, public, key)
         return key
 
     def _decode_sum(self, total: np.ndarray) -> np.ndarray:
-        """Signed decode of the ring sum; refuse one outside the headroom (masks didn't cancel)."""
-        signed = total.view(np.int64)
-        limit = 2**HEADROOM_BITS
-        if signed.size and bool((np.abs(signed.astype(np.float64)) > limit).any()):
-            raise IntegrityError(
-                f"the secure sum left the fixed-point range (|sum| <= 2^{HEADROOM_BITS} expected, "
-                "found larger): the masks did not cancel, so a party's key or masked "
-                "contribution is inconsistent."
-            )
-        return decode_fixed_point(total, fraction_bits=self.fraction_bits).astype(np.float32)
+        """Signed decode of the ring sum (:func:`decode_ring_sum`)."""
+        return decode_ring_sum(total, fraction_bits=self.fraction_bits)
+
+    # -- the same protocol split at the party boundary (SealingScheme) ------------------------
+
+    scheme = "masks"
+
+    def sender(self) -> MaskSender:
+        """A fresh contributor half (its own key pair, from this backend's entropy)."""
+        return MaskSender(fraction_bits=self.fraction_bits, entropy=self._entropy)
+
+    def adder(self) -> MaskAdder:
+        return MaskAdder()
+
+    def receiver(self) -> MaskReceiver:
+        return MaskReceiver(fraction_bits=self.fraction_bits)

@@ -401,19 +401,10 @@ def run_psi_command(args: argparse.Namespace) -> int:
 def _train_config(args: argparse.Namespace) -> Any:
     from secure_vfl.experiment import TrainConfig
 
-    if args.target_epsilon is not None and not (
-        args.dp_embeddings or args.dp_gradients or args.dp_sgd
-    ):
-        raise ConfigError(
-            "--target-epsilon calibrates a mechanism: expected --dp-embeddings, --dp-gradients "
-            "or --dp-sgd. Found none."
-        )
     if args.party_file and args.label_file is None:
         raise ConfigError("--party-file needs --label-file PATH. Found no label file.")
     if args.label_file is not None and not args.party_file:
         raise ConfigError("--label-file goes with --party-file. Found a dataset instead.")
-    if args.align == "psi":
-        import protocols.psi  # noqa: F401  (registers the `psi` aligner)
     train_missing = args.missing_train or f"mcar:{args.p_miss_train or 0.0:g}"
     tests = [f"mcar:{p:g}" for p in args.p_miss_test or []] + list(args.missing_test or [])
     method_config = methods.MethodConfig(
@@ -474,115 +465,30 @@ def _summary(result: Any, out: Path) -> str:
     return "\n".join(lines)
 
 
-def _differential_privacy(args: argparse.Namespace, config: Any, data: Any) -> tuple[Any, Any, Any]:
-    """The channel, build hook and report of the DP flags (all None when none is given)."""
-    requested = {
-        kind: spec
-        for kind, spec in (
-            ("embedding", args.dp_embeddings),
-            ("gradient", args.dp_gradients),
-            ("dp-sgd", args.dp_sgd),
-        )
-        if spec is not None
-    }
-    if not requested:
-        return None, None, None
-    if args.dp_sgd is not None and config.method == "combinatorial":
-        raise ConfigError(
-            "--dp-sgd applies to methods with one bottom model per party. "
-            "Found --method combinatorial."
-        )
-    if config.method.startswith("false-vfl"):
-        raise ConfigError(
-            f"differential privacy is not available for {config.method} yet: its latent "
-            "samples, log-likelihoods and latent gradients are not noised or priced by the DP "
-            "layers, and noise on its (mean, precision) would break the precisions. Found "
-            f"{', '.join(DP_FLAGS[kind] for kind in requested)}."
-        )
-    import torch
+def _privacy_engine_for_sums(secure_agg: str) -> Any:
+    """A privacy engine that only chooses the secure-sum backend (``impute``)."""
+    from protocols.privacy import PrivacyEngine, PrivacySpec
 
-    from protocols.dp import (
-        EmbeddingNoise,
-        GradientNoise,
-        PrivacyAccountant,
-        calibrate_noise,
-        make_private_party,
+    return PrivacyEngine(PrivacySpec(secure_agg=secure_agg))
+
+
+def _privacy_engine(args: argparse.Namespace) -> Any:
+    """The privacy engine of ``train``'s flags: alignment, secure sums, DP and its accounting,
+    chosen in one place (:class:`protocols.privacy.PrivacyEngine`)."""
+    from protocols.privacy import PrivacyEngine, PrivacySpec
+
+    return PrivacyEngine(
+        PrivacySpec(
+            align=args.align,
+            secure_agg=args.secure_agg,
+            dp_embeddings=args.dp_embeddings,
+            dp_gradients=args.dp_gradients,
+            dp_sgd=args.dp_sgd,
+            target_epsilon=args.target_epsilon,
+            delta=args.delta,
+            seed=args.seed,
+        )
     )
-    from secure_vfl.federation.channel import Channel
-
-    accountant = PrivacyAccountant()
-    sample_rate = min(1.0, config.method_config.batch_size / data.train.n)
-    channel = Channel()
-    noise: dict[str, tuple[float, float]] = dict(requested)
-
-    def generator(offset: int) -> torch.Generator:
-        return torch.Generator().manual_seed(config.seed * 1000 + offset)
-
-    def on_built(method: Any) -> None:
-        if args.target_epsilon is not None:
-            # Worst case per party and step: one embedding release, a gradient message from a
-            # label holder to each other party (its own bottom's is no release), one DP-SGD
-            # step; one sigma for all mechanisms keeps every party under E.
-            per_step = (
-                ("embedding" in noise)
-                + (data.train.parties - 1) * ("gradient" in noise)
-                + ("dp-sgd" in noise)
-            )
-            steps = method.total_steps * per_step
-            sigma = calibrate_noise(
-                args.target_epsilon, args.delta, sample_rate=sample_rate, steps=steps
-            )
-            for kind, (_, clip) in list(noise.items()):
-                noise[kind] = (sigma, clip)
-        if "embedding" in noise:
-            sigma, clip = noise["embedding"]
-            channel.layers.append(
-                EmbeddingNoise(
-                    sigma,
-                    clip,
-                    sample_rate=sample_rate,
-                    generator=generator(0),
-                    on_event=accountant.on_event,
-                )
-            )
-        if "gradient" in noise:
-            sigma, clip = noise["gradient"]
-            channel.layers.append(
-                GradientNoise(
-                    sigma,
-                    clip,
-                    sample_rate=sample_rate,
-                    generator=generator(1),
-                    on_event=accountant.on_event,
-                )
-            )
-        if "dp-sgd" in noise:
-            sigma, clip = noise["dp-sgd"]
-            for k, party in enumerate(methods.base.in_process_parties(method.fed.channel)):
-                make_private_party(
-                    party,
-                    noise_multiplier=sigma,
-                    max_grad_norm=clip,
-                    sample_rate=sample_rate,
-                    on_event=accountant.on_event,
-                    generator=generator(10 + k),
-                )
-
-    def report() -> dict[str, Any]:
-        releases: dict[str, dict[str, int]] = {}
-        for event in accountant.events:
-            counts = releases.setdefault(event.party, {})
-            counts[event.kind] = counts.get(event.kind, 0) + 1
-        return {
-            "accountant": "rdp",
-            "delta": args.delta,
-            "sample_rate": sample_rate,
-            "noise": {kind: {"sigma": s, "clip": c} for kind, (s, c) in noise.items()},
-            "epsilon": accountant.epsilons(args.delta),
-            "releases": releases,
-        }
-
-    return channel, on_built, report
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -594,7 +500,9 @@ def run_train(args: argparse.Namespace) -> int:
     from secure_vfl.io import atomic_write_json
     from secure_vfl.store import ResultsStore
 
+    engine = _privacy_engine(args)
     config = _train_config(args)
+    engine.refuse(config.method)
     if config.dataset is not None:
         spec = DATASETS.get(config.dataset)
         if not spec.is_installed():
@@ -606,9 +514,14 @@ def run_train(args: argparse.Namespace) -> int:
         )
     store = ResultsStore(args.store or out.parent / "results.sqlite")
     data = prepare_data(config)
-    channel, on_built, privacy_report = _differential_privacy(args, config, data)
-    noisy = channel is not None
-    channel = channel if channel is not None else Channel()
+    sample_rate = min(1.0, config.method_config.batch_size / data.train.n)
+
+    def on_built(method: Any) -> None:
+        if engine.private:  # the composition root hands each party its own mechanisms
+            parties = methods.base.in_process_parties(method.fed.channel)
+            engine.make_private(parties, sample_rate=sample_rate, total_steps=method.total_steps)
+
+    channel = Channel()
     bar: Any = None
 
     def on_start(total: int) -> None:
@@ -628,13 +541,13 @@ def run_train(args: argparse.Namespace) -> int:
                 data=data,
                 channel=channel,
                 on_built=on_built,
-                aggregator=_secure_aggregator(args.secure_agg),
-                privacy_report=privacy_report,
+                aggregator=engine.aggregator(),
+                privacy_report=engine.report,
                 on_start=on_start,
                 on_step=on_step,
             )
     except IntegrityError as error:
-        if not noisy:
+        if not engine.private:
             raise
         raise IntegrityError(
             f"training diverged under the DP noise ({error}); expected a smaller SIGMA, a CLIP "
@@ -647,23 +560,6 @@ def run_train(args: argparse.Namespace) -> int:
     store.add(result.to_json(), kind="train", out_dir=out)
     print(_summary(result, out))
     return 0
-
-
-def _secure_aggregator(name: str) -> Any:
-    """The aggregator backend chosen by ``--secure-agg`` (None: the plain default)."""
-    if name == "none":
-        return None
-    if name == "paillier":
-        from protocols.paillier import PaillierAggregator
-
-        return PaillierAggregator()
-    if name == "ckks":
-        from protocols.ckks import CkksAggregator
-
-        return CkksAggregator()
-    from protocols.secagg import MaskingAggregator
-
-    return MaskingAggregator()
 
 
 def _statistics_privacy(args: argparse.Namespace, task: Any) -> tuple[Any, Any]:
@@ -789,7 +685,7 @@ def run_impute(args: argparse.Namespace) -> int:
             result, imputer = run_imputation(
                 config,
                 task=task,
-                aggregator=_secure_aggregator(args.secure_agg),
+                aggregator=_privacy_engine_for_sums(args.secure_agg).aggregator(),
                 channel=Channel(transport=InProcessTransport(capture=capture)),
                 privacy=privacy,
                 privacy_report=privacy_report,

@@ -183,26 +183,37 @@ def traffic_report(
     aggregator: Aggregator, *, train_steps: int, channel: Channel | None = None
 ) -> dict[str, Any]:
     """Bytes each party (and the aggregator) put on the wire, per phase and per training step
-    (a FedAvg round for imputation), and the seconds spent in protection (a secure
-    aggregator's calls and the channel's layers).
+    (a FedAvg round for imputation), and the seconds spent in protection (secure sums, the
+    parties' hooks such as DP noise, and the channel's layers).
 
-    Bytes are the encoded messages that crossed ``channel``'s transport. Under a secure
-    backend the contributions to the aggregator and its sums are counted as the backend's
-    protocol puts them on the wire (masked ring elements, ciphertexts: ``aggregator.cost``),
-    since its sender and receiver halves do not yet run inside the parties.
+    Bytes are the encoded messages that crossed ``channel``'s transport: under a secure scheme
+    split at the party boundary (LASER and its baselines) they are the sealed shares and sums
+    themselves. A secure backend called whole in one place (FALSE-VFL, FedHF-Impute: their
+    parties are not yet actors) has its contributions and sums counted as its protocol puts
+    them on the wire (``aggregator.cost``) instead of the plain messages that reach it.
     """
     secure = not isinstance(aggregator, PlainAggregator)
+    whole = secure and aggregator.cost.calls > 0
     sent: Counter[tuple[str, str]] = Counter()
+    parties = list(channel.parties.values()) if channel is not None else []
     if channel is not None:
         for (sender, receiver, phase), count in channel.transport.bytes.items():
-            if not (secure and AGGREGATOR in (sender, receiver)):
+            if not (whole and AGGREGATOR in (sender, receiver)):
                 sent[(sender, phase)] += count
-    if secure:
+    if whole:
         sent.update(aggregator.cost.bytes)
     totals: dict[str, dict[str, int]] = {}
     for (endpoint, phase), count in sent.items():
         totals.setdefault(endpoint, {"train": 0, "predict": 0})[phase] += count
     layers = dict(channel.layer_seconds) if channel is not None else {}
+    halves = sum(
+        half.seconds
+        for party in parties
+        for half in (getattr(party, name, None) for name in ("sealer", "opener", "adder"))
+        if half is not None
+    )
+    hooks = sum(party.hook_seconds for party in parties)
+    aggregation = aggregator.cost.seconds + halves
     return {
         "aggregator": type(aggregator).__name__,
         "train_steps": train_steps,
@@ -211,9 +222,10 @@ def traffic_report(
             endpoint: per_phase["train"] / max(train_steps, 1)
             for endpoint, per_phase in sorted(totals.items())
         },
-        "aggregation_s": aggregator.cost.seconds,
+        "aggregation_s": aggregation,
         "channel_layers_s": layers,
-        "protection_s": (aggregator.cost.seconds if secure else 0.0) + sum(layers.values()),
+        "party_hooks_s": hooks,
+        "protection_s": (aggregation if secure else 0.0) + hooks + sum(layers.values()),
     }
 
 

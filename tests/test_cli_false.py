@@ -38,7 +38,7 @@ def test_false_vfl_trains_end_to_end_on_the_cli(
         (["--method", "laser", "--kappa", "5"], "--kappa apply to --method false-vfl-1"),
         (
             ["--method", "false-vfl-1", "--dp-gradients", "1:0.01", "--dp-sgd", "1:0.05"],
-            "layers, and noise on its (mean, precision) would break the precisions. Found "
+            "mechanisms, and noise on its (mean, precision) would break the precisions. Found "
             "--dp-gradients, --dp-sgd.",
         ),
     ],

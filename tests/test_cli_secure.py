@@ -13,6 +13,7 @@ from secure_vfl.cli import main
 from secure_vfl.experiment import TrainConfig, prepare_data, run_training
 from secure_vfl.federation import wire
 from secure_vfl.federation.channel import Channel, RecordingLayer
+from secure_vfl.federation.messages import AGGREGATOR, SealedMessage
 from secure_vfl.methods import MethodConfig
 
 BASE = [
@@ -29,7 +30,7 @@ BASE = [
 ]
 
 
-def test_masked_training_reports_wire_bytes_and_protection_time(tmp_path: Path) -> None:
+def test_masked_training_reports_protection_time(tmp_path: Path) -> None:
     out = tmp_path / "masks"
     argv = [*BASE, "--heads", "active", "--secure-agg", "masks", "--out", str(out)]
     assert main(argv) == 0
@@ -39,12 +40,35 @@ def test_masked_training_reports_wire_bytes_and_protection_time(tmp_path: Path) 
     traffic = result["traffic"]
     assert traffic["aggregator"] == "MaskingAggregator"
     assert traffic["protection_s"] > 0 and traffic["protection_s"] == traffic["aggregation_s"]
-    # One task per sample: each party sends one masked uint64 (B, d) tensor per step.
-    steps = traffic["train_steps"]
-    width = result["config"]["method_config"]["representation_dim"]
-    samples = result["samples"]["train"]
-    assert traffic["bytes"]["party-1"]["train"] == 3 * samples * width * 8
-    assert traffic["bytes_per_step"]["party-1"] == pytest.approx(3 * samples * width * 8 / steps)
+
+
+def test_masked_traffic_is_the_sealed_shares_that_crossed_and_nothing_in_the_clear() -> None:
+    config = TrainConfig(
+        method="laser",
+        dataset="digits",
+        method_config=MethodConfig(heads="active", epochs=2, secure_sums=True),
+    )
+    data = prepare_data(config)
+    recorder = RecordingLayer()
+    result = run_training(
+        config, data=data, channel=Channel([recorder]), aggregator=MaskingAggregator()
+    )
+    # No representation reaches the aggregator in the clear: only public keys and sealed shares.
+    to_aggregator = {m.kind for m in recorder.messages if m.receiver == AGGREGATOR}
+    assert to_aggregator == {"sealed", "sum-request"}
+    assert "representation" not in {m.kind for m in recorder.messages}
+    width = config.method_config.representation_dim
+    steps = result.traffic["train_steps"]
+    for k in range(1, data.train.parties):
+        sent = [m for m in recorder.messages if m.sender == f"party-{k}"]
+        assert {m.kind for m in sent} == {"public-key", "sealed"}
+        sealed = [m for m in sent if isinstance(m, SealedMessage) and m.phase == "train"]
+        # One task per sample: one masked uint64 (B, d) share per step, every row of the batch.
+        assert len(sealed) == steps
+        assert sum(len(m.payload[0]) for m in sealed) == 2 * data.train.n * width * 8
+        # The report counts exactly what crossed: encoded messages, headers and keys included.
+        encoded = sum(len(wire.encode(m)) for m in sent if getattr(m, "phase", "train") == "train")
+        assert result.traffic["bytes"][f"party-{k}"]["train"] == encoded
 
 
 @pytest.mark.parametrize("heads", ["all"])
@@ -102,3 +126,20 @@ def test_secure_and_plain_runs_with_the_secure_planner_train_the_same_model() ->
     for name, values in plain.metrics.items():
         assert np.isclose(values["accuracy"], secure.metrics[name]["accuracy"], atol=0.5)
     assert secure.traffic["aggregator"] == "MaskingAggregator"
+
+
+def test_dp_noise_runs_inside_the_party_so_sealed_shares_are_noised_and_priced(
+    tmp_path: Path,
+) -> None:
+    """Under a split secure sum a representation never crosses in the clear: the embedding
+    noise must still be applied (inside the party, before sealing) and priced the same."""
+    releases = {}
+    for name, extra in {"plain": [], "masks": ["--secure-agg", "masks"]}.items():
+        out = tmp_path / name
+        argv = [*BASE, "--heads", "active", "--epochs", "1", "--out", str(out)]
+        assert main([*argv, "--dp-embeddings", "1.0:1.0", *extra]) == 0
+        result = json.loads((out / "result.json").read_text())
+        releases[name] = result["privacy"]["releases"]
+        assert result["traffic"]["party_hooks_s"] > 0
+    assert releases["masks"] == releases["plain"]
+    assert all(counts["embedding"] > 0 for counts in releases["masks"].values())

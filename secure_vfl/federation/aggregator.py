@@ -13,8 +13,9 @@ from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -84,6 +85,109 @@ class Aggregator(Protocol):
         from it and refuse to serve the same context twice, so callers make it unique.
         """
         ...
+
+
+class SenderHalf(Protocol):
+    """The sending half of a secure sum, inside one contributing party: it holds that party's
+    secret keys (if its scheme has any) and seals the party's values into the sums it enters."""
+
+    seconds: float
+
+    def public_key(self) -> bytes | None:
+        """What this party announces to the other contributors (None: nothing)."""
+        ...
+
+    def learn(self, peer: str, role: str, key: bytes) -> None:
+        """A public key announced by ``peer`` as a contributor (``"sender"``) or a receiver."""
+        ...
+
+    def seal(
+        self,
+        values: np.ndarray,
+        selection: np.ndarray,
+        *,
+        column: int,
+        parties: Sequence[str],
+        receiver: str,
+        context: bytes,
+    ) -> tuple[bytes, ...]:
+        """Seal ``values`` (B, d) float32, zeros where absent, into the sums where
+        ``selection[t, b, column]`` is set, for ``receiver``; ``context`` is unique per sum."""
+        ...
+
+
+class AdderHalf(Protocol):
+    """The adding half, inside the aggregation server: it combines sealed contributions
+    without any secret key."""
+
+    seconds: float
+
+    def learn(self, peer: str, role: str, key: bytes) -> None:
+        """A receiver's public key (Paillier modulus, CKKS public context), if it needs one."""
+        ...
+
+    def add(
+        self,
+        payloads: Mapping[str, tuple[bytes, ...]],
+        *,
+        receiver: str,
+        shape: tuple[int, int, int],
+        parties: int,
+    ) -> tuple[bytes, ...]:
+        """The sealed (T, B, d) sums of the contributors' ``payloads`` for ``receiver``."""
+        ...
+
+
+class ReceiverHalf(Protocol):
+    """The opening half, inside the party the sums are for: it holds the secret key (if its
+    scheme has one) and turns the sealed sums into float sums."""
+
+    seconds: float
+
+    def public_key(self) -> bytes | None:
+        """What this receiver announces to contributors and the aggregator (None: nothing)."""
+        ...
+
+    def open(
+        self, payload: tuple[bytes, ...], *, counts: np.ndarray, width: int, parties: int
+    ) -> np.ndarray:
+        """The float32 (T, B, width) sums; ``counts`` (T, B) contributors entered each."""
+        ...
+
+
+@runtime_checkable
+class SealingScheme(Protocol):
+    """A secure-sum backend that can run split at the party boundary: a factory of its three
+    halves, each with fresh keys of its own (made inside the party that will hold it)."""
+
+    scheme: str
+
+    def sender(self) -> SenderHalf: ...
+
+    def adder(self) -> AdderHalf: ...
+
+    def receiver(self) -> ReceiverHalf: ...
+
+
+def sum_context(session: str, receiver: str, round: int, batch_id: int, tag: str) -> bytes:
+    """The unambiguous bytes naming one secure sum: every sealing binds to them (masks are
+    derived from them), and a party seals each context at most once."""
+    parts = [session.encode(), receiver.encode(), tag.encode()]
+    return b"".join(len(p).to_bytes(4, "big") + p for p in parts) + b"".join(
+        v.to_bytes(8, "big") for v in (round, batch_id)
+    )
+
+
+def check_payload(payload: tuple[bytes, ...], *, count: int, size: int | None, who: str) -> None:
+    """Refuse a sealed payload of the wrong number of items, or of items of the wrong size."""
+    if len(payload) != count:
+        raise ProtocolError(f"{who}: {count} sealed items expected, found {len(payload)}.")
+    if size is not None:
+        for item in payload:
+            if len(item) != size:
+                raise ProtocolError(
+                    f"{who}: sealed items of {size} bytes expected, found {len(item)}."
+                )
 
 
 def dense_representations(

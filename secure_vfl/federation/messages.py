@@ -423,3 +423,120 @@ class LossMessage(Message):
         super().validate()
         if not math.isfinite(self.loss):
             raise IntegrityError(f"{self.kind} from {self.sender}: the loss is not finite.")
+
+
+# -- secure sums split at the party boundary (key set-up, sealed contributions, sealed sums) --
+
+
+@register_message
+@dataclass(frozen=True, kw_only=True)
+class KeyRequest(Message):
+    """The driver opens a secure-sum session: every contributor announces its public key (if
+    its scheme has one) to the other ``contributors``, every ``receivers`` member its public
+    key to the contributors and the aggregator. Nothing secret is asked for or sent."""
+
+    scheme: str
+    contributors: tuple[str, ...]
+    receivers: tuple[str, ...]
+    kind: ClassVar[str] = "key-request"
+
+
+@register_message
+@dataclass(frozen=True, kw_only=True)
+class PublicKeyMessage(Message):
+    """A party's public key for a secure-sum scheme: as a contributor (``role="sender"``,
+    e.g. its X25519 key for pairwise masks) or as a receiver of sums (``role="receiver"``, e.g.
+    its Paillier modulus or its CKKS public context), in the scheme's own serialisation."""
+
+    scheme: str
+    role: str
+    key: bytes
+    kind: ClassVar[str] = "public-key"
+
+    def validate(self) -> None:
+        super().validate()
+        _check_choice(self, "role", self.role, ("sender", "receiver"))
+
+
+@register_message
+@dataclass(frozen=True, kw_only=True)
+class SealRequest(Message):
+    """The driver asks a contributor to seal (mask or encrypt) the representation it kept for
+    ``(round, batch_id, phase, source_tag)`` into the sums ``selection`` (T, B, K) describes,
+    for ``deliver_to``, and send it to the aggregator under ``tag``."""
+
+    selection: Tensor
+    parties: tuple[str, ...]
+    deliver_to: PartyId
+    tag: str
+    source_tag: str = ""
+    phase: str = "train"
+    kind: ClassVar[str] = "seal-request"
+
+    def validate(self) -> None:
+        super().validate()
+        _check_choice(self, "phase", self.phase, PHASES)
+        _check_tensor(self, "selection", self.selection, dims=3, dtype=torch.bool)
+        if self.selection.shape[2] != len(self.parties) or len(set(self.parties)) != len(
+            self.parties
+        ):
+            raise ProtocolError(
+                f"{self.kind} from {self.sender}: one selection column per distinct party "
+                f"expected, found {self.selection.shape[2]} columns for parties {self.parties}."
+            )
+
+
+@register_message
+@dataclass(frozen=True, kw_only=True)
+class SealedMessage(Message):
+    """A contributor's sealed share of the sums ``tag`` for ``deliver_to``: its values in the
+    sums it enters, masked or encrypted by ``scheme`` (``payload`` in the scheme's own
+    serialisation: ring elements, Paillier or CKKS ciphertexts); ``width`` values per row."""
+
+    scheme: str
+    deliver_to: PartyId
+    tag: str
+    width: int
+    payload: tuple[bytes, ...]
+    phase: str = "train"
+    kind: ClassVar[str] = "sealed"
+
+    def validate(self) -> None:
+        super().validate()
+        _check_choice(self, "phase", self.phase, PHASES)
+        if self.width < 1:
+            raise ProtocolError(
+                f"{self.kind} from {self.sender}: a width >= 1 expected, found {self.width}."
+            )
+
+
+@register_message
+@dataclass(frozen=True, kw_only=True)
+class SealedSumMessage(Message):
+    """The aggregator's sealed sums for ``receiver``: the contributors' payloads combined
+    (masks cancelled, ciphertexts added), which only the receiver can open; ``counts[t, b]``
+    contributors entered sum ``(t, b)``, out of ``parties`` (public: the driver chose them)."""
+
+    scheme: str
+    tag: str
+    width: int
+    counts: Tensor
+    parties: tuple[str, ...]
+    payload: tuple[bytes, ...]
+    phase: str = "train"
+    kind: ClassVar[str] = "sealed-sum"
+
+    def validate(self) -> None:
+        super().validate()
+        _check_choice(self, "phase", self.phase, PHASES)
+        _check_tensor(self, "counts", self.counts, dims=2, dtype=torch.int64)
+        if self.width < 1 or not _nonnegative(self.counts):
+            raise ProtocolError(
+                f"{self.kind} from {self.sender}: a width >= 1 and counts >= 0 expected, "
+                f"found width {self.width}."
+            )
+        if self.counts.numel() and int(self.counts.max()) > len(self.parties):
+            raise ProtocolError(
+                f"{self.kind} from {self.sender}: counts <= {len(self.parties)} (the parties) "
+                f"expected, found {int(self.counts.max())}."
+            )

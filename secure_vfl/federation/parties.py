@@ -26,24 +26,36 @@ with hooks on what it sends (``outgoing``) and receives (``incoming``) and after
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from secure_vfl.errors import ProtocolError
+from secure_vfl.federation.aggregator import (
+    ContextLedger,
+    check_selection,
+    refuse_single_contributors,
+    sum_context,
+)
 from secure_vfl.federation.messages import (
     AGGREGATOR,
     GradientMessage,
     HeadTask,
+    KeyRequest,
     LossMessage,
     Message,
     PredictionMessage,
     PredictTask,
+    PublicKeyMessage,
     RepresentationMessage,
     RepresentRequest,
+    SealedMessage,
+    SealedSumMessage,
+    SealRequest,
     SumMessage,
     SumRequest,
     UpdateRequest,
@@ -51,10 +63,16 @@ from secure_vfl.federation.messages import (
 from secure_vfl.registry import Registry
 
 if TYPE_CHECKING:
-    from secure_vfl.federation.aggregator import Aggregator
+    from secure_vfl.federation.aggregator import (
+        AdderHalf,
+        Aggregator,
+        ReceiverHalf,
+        SenderHalf,
+    )
     from secure_vfl.federation.channel import Channel, ChannelLayer
 
 Handler = Callable[[Any], None]
+M = TypeVar("M", bound=Message)
 
 
 class Party:
@@ -64,6 +82,10 @@ class Party:
         self.name = name
         self.outgoing: list[ChannelLayer] = []
         self.incoming: list[ChannelLayer] = []
+        self.hook_seconds = 0.0
+        # The party's own privacy accountant, installed by the privacy layer with its
+        # mechanisms (protocols.privacy): it records only this party's releases.
+        self.accountant: Any = None
         self._channel: Channel | None = None
         self._inbox: list[Message] = []
 
@@ -72,10 +94,19 @@ class Party:
         channel.attach(self)
         self._channel = channel
 
+    def release(self, message: M) -> M:
+        """``message`` as it leaves this party: through its outgoing hooks (DP noise, an
+        attacker's tampering); ``hook_seconds`` counts their time."""
+        if self.outgoing:
+            start = time.perf_counter()
+            for layer in self.outgoing:
+                message = layer.on_message(message)
+            self.hook_seconds += time.perf_counter() - start
+        return message
+
     def send(self, message: Message) -> None:
         """Send ``message`` in this party's name, through its outgoing hooks."""
-        for layer in self.outgoing:
-            message = layer.on_message(message)
+        message = self.release(message)
         if message.receiver == self.name:
             self.receive(message)
             return
@@ -183,6 +214,12 @@ class DataParty(Party):
         self._pending: dict[tuple[int, str], tuple[Tensor, Tensor, str]] = {}
         self._gradients: dict[tuple[int, str], list[Tensor]] = {}
         self._tasks: dict[tuple[int, int, str], HeadTask | PredictTask] = {}
+        # Secure sums: this party's own halves (its secret keys live in them, nowhere else).
+        self.sealer: SenderHalf | None = None
+        self.opener: ReceiverHalf | None = None
+        self.scheme = ""
+        self._held: dict[tuple[int, int, str, str], RepresentationMessage] = {}
+        self._sealed = ContextLedger()
 
     @property
     def model(self) -> nn.Module:
@@ -241,15 +278,23 @@ class DataParty(Party):
             model.eval()
             with torch.no_grad():
                 sent = model(x)
-        self.send(
-            RepresentationMessage(
-                **self.reply_header(request, request.reply_to),
-                positions=request.positions,
-                tag=request.tag,
-                phase=request.phase,
-                representation=sent,
-            )
+        message = RepresentationMessage(
+            **self.reply_header(request, request.reply_to),
+            positions=request.positions,
+            tag=request.tag,
+            phase=request.phase,
+            representation=sent,
         )
+        if self.sealer is not None and request.reply_to == AGGREGATOR:
+            # Under a secure sum nothing leaves in the clear: keep it (after this party's own
+            # hooks, e.g. its DP noise) until the driver says which sums to seal it into.
+            for stale in [k for k in self._held if k[0] < request.round]:
+                del self._held[stale]
+            self._held[(request.round, request.batch_id, request.phase, request.tag)] = (
+                self.release(message)
+            )
+        else:
+            self.send(message)
 
     def on_gradient(self, message: GradientMessage) -> None:
         key = (message.round, message.tag)
@@ -297,6 +342,128 @@ class DataParty(Party):
                 total += gradient
             output.backward(total)
         return model_key
+
+    # -- secure sums: key set-up, sealing what it holds, opening what it is owed -------------
+
+    def install(self, scheme: str, sealer: SenderHalf, opener: ReceiverHalf | None) -> None:
+        """Take this party's halves of a secure-sum scheme (made inside it: their keys are its
+        own): ``sealer`` for what it contributes, ``opener`` for the sums it is owed."""
+        self.scheme, self.sealer, self.opener = scheme, sealer, opener
+
+    def on_key_request(self, request: KeyRequest) -> None:
+        if self.sealer is None or request.scheme != self.scheme:
+            raise ProtocolError(
+                f"{self.name}: a key set-up for scheme {request.scheme!r}, but it runs "
+                f"{self.scheme or 'no secure sum'}."
+            )
+        announced = self.sealer.public_key()
+        if announced is not None:
+            for peer in request.contributors:
+                if peer != self.name:
+                    self._announce(request, peer, "sender", announced)
+        if self.name in request.receivers and self.opener is not None:
+            key = self.opener.public_key()
+            if key is not None:
+                for peer in (*request.contributors, AGGREGATOR):
+                    self._announce(request, peer, "receiver", key)
+
+    def _announce(self, request: KeyRequest, peer: str, role: str, key: bytes) -> None:
+        self.send(
+            PublicKeyMessage(
+                **self.reply_header(request, peer), scheme=self.scheme, role=role, key=key
+            )
+        )
+
+    def on_public_key(self, message: PublicKeyMessage) -> None:
+        if self.sealer is None or message.scheme != self.scheme:
+            raise ProtocolError(
+                f"{self.name}: a {message.scheme!r} public key from {message.sender}, but it "
+                f"runs {self.scheme or 'no secure sum'}."
+            )
+        self.sealer.learn(message.sender, message.role, message.key)
+
+    def on_seal_request(self, request: SealRequest) -> None:
+        """Seal the representation kept for the request's source into the sums it asks for,
+        after checking that no sum it enters would reveal it alone to the receiver."""
+        if self.sealer is None or self.name not in request.parties:
+            raise ProtocolError(
+                f"{self.name}: asked to seal a share, but it runs no secure sum or is not among "
+                f"the contributors {list(request.parties)}."
+            )
+        key = (request.round, request.batch_id, request.phase, request.source_tag)
+        held = self._held.get(key)
+        column = request.parties.index(self.name)
+        selection = request.selection
+        present = torch.zeros(selection.shape[1:], dtype=torch.bool)
+        if held is not None:
+            if held.positions.numel() and int(held.positions.max()) >= selection.shape[1]:
+                raise ProtocolError(
+                    f"{self.name}: a selection over >= {int(held.positions.max()) + 1} batch "
+                    f"rows expected, found {selection.shape[1]}."
+                )
+            present[held.positions, column] = True
+        mine = selection[..., column : column + 1]
+        if not bool(mine.any()):
+            raise ProtocolError(
+                f"{self.name}: asked to seal a share of sums {request.tag!r} that it enters "
+                "nowhere (its selection column is empty)."
+            )
+        check_selection(mine, present[:, column : column + 1])
+        refuse_single_contributors(selection, request.parties, receiver=request.deliver_to)
+        context = self._sealed.check(
+            request.deliver_to, request.round, request.batch_id, request.tag
+        )
+        assert held is not None  # a selected row was checked to be held
+        values = torch.zeros(selection.shape[1], held.representation.shape[1])
+        values[held.positions] = held.representation
+        payload = self.sealer.seal(
+            values.numpy(),
+            selection.numpy(),
+            column=column,
+            parties=request.parties,
+            receiver=request.deliver_to,
+            context=sum_context(
+                request.session, request.deliver_to, request.round, request.batch_id, request.tag
+            ),
+        )
+        self._sealed.spend(context)
+        self.send(
+            SealedMessage(
+                **self.reply_header(request, AGGREGATOR),
+                scheme=self.scheme,
+                deliver_to=request.deliver_to,
+                tag=request.tag,
+                width=int(values.shape[1]),
+                payload=payload,
+                phase=request.phase,
+            )
+        )
+
+    def on_sealed_sum(self, message: SealedSumMessage) -> None:
+        """Open the sums it is owed with its own key and act on them as on plain sums."""
+        if self.opener is None or message.scheme != self.scheme:
+            raise ProtocolError(
+                f"{self.name}: sealed {message.scheme!r} sums from {message.sender}, but it "
+                "holds no key to open them."
+            )
+        sums = self.opener.open(
+            message.payload,
+            counts=message.counts.numpy(),
+            width=message.width,
+            parties=len(message.parties),
+        )
+        self.on_sum(
+            SumMessage(
+                sender=message.sender,
+                receiver=self.name,
+                round=message.round,
+                batch_id=message.batch_id,
+                session=message.session,
+                sums=torch.from_numpy(sums),
+                counts=message.counts,
+                tag=message.tag,
+            )
+        )
 
     # -- heads: training and prediction on delivered sums ------------------------------------
 
@@ -395,11 +562,52 @@ class AggregationServer(Party):
         self.aggregator = aggregator
         self._batch: tuple[int, int, str] | None = None
         self._contributions: dict[str, dict[str, RepresentationMessage]] = {}
+        # Secure sums split at the boundary: the adding half (no secret key) and the sealed
+        # shares of the current batch, by sum tag and sender.
+        self.adder: AdderHalf | None = None
+        self.scheme = ""
+        self._sealed: dict[str, dict[str, SealedMessage]] = {}
+        self._served = ContextLedger()
+
+    def install(self, scheme: str, adder: AdderHalf) -> None:
+        """Take the adding half of a secure-sum scheme."""
+        self.scheme, self.adder = scheme, adder
+
+    def on_public_key(self, message: PublicKeyMessage) -> None:
+        if self.adder is None or message.scheme != self.scheme:
+            raise ProtocolError(
+                f"{self.name}: a {message.scheme!r} public key from {message.sender}, but it "
+                f"runs {self.scheme or 'no secure sum'}."
+            )
+        self.adder.learn(message.sender, message.role, message.key)
+
+    def _enter_batch(self, message: Message, phase: str) -> None:
+        batch = (message.round, message.batch_id, phase)
+        if batch != self._batch:
+            self._batch, self._contributions, self._sealed = batch, {}, {}
+
+    def on_sealed(self, message: SealedMessage) -> None:
+        if self.adder is None or message.scheme != self.scheme:
+            raise ProtocolError(
+                f"{self.name}: a sealed {message.scheme!r} share from {message.sender}, but it "
+                f"runs {self.scheme or 'no secure sum'}."
+            )
+        self._enter_batch(message, message.phase)
+        by_sender = self._sealed.setdefault(message.tag, {})
+        if message.sender in by_sender:
+            raise ProtocolError(
+                f"{self.name}: two sealed shares from {message.sender} for round "
+                f"{message.round}, batch {message.batch_id}, tag {message.tag!r} (a replay?)."
+            )
+        by_sender[message.sender] = message
 
     def on_representation(self, message: RepresentationMessage) -> None:
-        batch = (message.round, message.batch_id, message.phase)
-        if batch != self._batch:
-            self._batch, self._contributions = batch, {}
+        if self.adder is not None:
+            raise ProtocolError(
+                f"{self.name}: a representation in the clear from {message.sender}, but sums "
+                f"are sealed by {self.scheme!r} here; it refuses to see it."
+            )
+        self._enter_batch(message, message.phase)
         by_sender = self._contributions.setdefault(message.tag, {})
         if message.sender in by_sender:
             raise ProtocolError(
@@ -414,6 +622,9 @@ class AggregationServer(Party):
                 f"{self.name}: a sum for round {request.round}, batch {request.batch_id} "
                 f"({request.phase}) requested, but it holds contributions for {self._batch}."
             )
+        if self.adder is not None:
+            self._add_sealed(request)
+            return
         arrived = self._contributions.get(request.source_tag, {})
         contributions = [arrived[name] for name in request.parties if name in arrived]
         result = self.aggregator.combine(
@@ -426,6 +637,50 @@ class AggregationServer(Party):
             tag=request.tag,
         )
         self.send(dataclasses.replace(result, session=request.session, tag=request.tag))
+
+    def _add_sealed(self, request: SumRequest) -> None:
+        """Combine the sealed shares of exactly the selected contributors, once per context."""
+        assert self.adder is not None
+        selection = request.selection
+        counts = refuse_single_contributors(selection, request.parties, receiver=request.deliver_to)
+        expected = [name for k, name in enumerate(request.parties) if bool(selection[..., k].any())]
+        arrived = self._sealed.get(request.tag, {})
+        if sorted(arrived) != sorted(expected):
+            raise ProtocolError(
+                f"{self.name}: sealed shares of sums {request.tag!r} from {expected} expected, "
+                f"found them from {sorted(arrived)}."
+            )
+        widths = {message.width for message in arrived.values()}
+        if len(widths) > 1 or any(m.deliver_to != request.deliver_to for m in arrived.values()):
+            raise ProtocolError(
+                f"{self.name}: sealed shares for {request.deliver_to} of one width expected, "
+                f"found widths {sorted(widths)} for "
+                f"{sorted({m.deliver_to for m in arrived.values()})}."
+            )
+        width = widths.pop() if widths else 1
+        context = self._served.check(
+            request.deliver_to, request.round, request.batch_id, request.tag
+        )
+        payload = self.adder.add(
+            {name: arrived[name].payload for name in expected},
+            receiver=request.deliver_to,
+            shape=(selection.shape[0], selection.shape[1], width),
+            parties=len(request.parties),
+        )
+        self._served.spend(context)
+        del self._sealed[request.tag]
+        self.send(
+            SealedSumMessage(
+                **self.reply_header(request, request.deliver_to),
+                scheme=self.scheme,
+                tag=request.tag,
+                width=width,
+                counts=counts,
+                parties=request.parties,
+                payload=payload,
+                phase=request.phase,
+            )
+        )
 
 
 def gradient_messages(

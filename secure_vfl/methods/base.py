@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import secrets
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,22 +21,24 @@ from secure_vfl.data.vertical import (
     labeled_subset,
 )
 from secure_vfl.errors import ConfigError
-from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
+from secure_vfl.federation.aggregator import Aggregator, PlainAggregator, SealingScheme
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import (
     AGGREGATOR,
     GradientMessage,
     HeadTask,
+    KeyRequest,
     LossMessage,
     PredictionMessage,
     PredictTask,
     RepresentationMessage,
     RepresentRequest,
+    SealRequest,
     SumRequest,
     UpdateRequest,
     party_name,
 )
-from secure_vfl.federation.parties import ROLES, DataParty, Head
+from secure_vfl.federation.parties import ROLES, AggregationServer, DataParty, Head
 from secure_vfl.models.networks import make_bottom
 from secure_vfl.models.simsiam import pretrain_simsiam
 from secure_vfl.registry import Registry
@@ -198,6 +201,7 @@ class Federation:
     rng: np.random.Generator
     session: str = ""
     queries: int = 0
+    scheme: str = ""
 
     def next_query(self) -> int:
         """A fresh round number for one prediction pass (so no sum context is served twice)."""
@@ -281,7 +285,22 @@ class Federation:
 
         ``tag`` tells this sum apart from others with the same round and batch (training vs
         prediction, one task chunk vs another) so secure backends never reuse a mask context.
+        Under a secure scheme each selected contributor is first asked to seal its share.
         """
+        if self.scheme:
+            for k, name in enumerate(self.names):
+                if bool(selection[..., k].any()):
+                    self.own.send(
+                        SealRequest(
+                            **self._header(name, round, batch_id),
+                            selection=selection,
+                            parties=tuple(self.names),
+                            deliver_to=deliver_to,
+                            tag=tag,
+                            source_tag=source_tag,
+                            phase="train" if train else "predict",
+                        )
+                    )
         self.own.send(
             SumRequest(
                 **self._header(AGGREGATOR, round, batch_id),
@@ -380,6 +399,20 @@ class Federation:
         for message in messages:
             self.own.send(dataclasses.replace(message, session=self.session))
 
+    def set_up_keys(self, receivers: Sequence[str]) -> None:
+        """Open the secure-sum session: every party announces its public keys (pairwise-mask
+        keys to the other contributors, receivers' encryption keys to the contributors and the
+        aggregator). Only public keys cross."""
+        for name in self.names:
+            self.own.send(
+                KeyRequest(
+                    **self._header(name, 0, 0),
+                    scheme=self.scheme,
+                    contributors=tuple(self.names),
+                    receivers=tuple(receivers),
+                )
+            )
+
     def update(
         self,
         *,
@@ -464,16 +497,40 @@ def build_federation(
             )
         party.connect(channel)
         parties.append(party)
-    server = ROLES.get(roles.get(AGGREGATOR, "aggregation-server"))
-    server(aggregator if aggregator is not None else PlainAggregator()).connect(channel)
-    return Federation(
+    # Under a scheme split at the boundary the server gets only its adding half (below): it
+    # never holds the backend object that makes every party's halves.
+    split = isinstance(aggregator, SealingScheme)
+    server = ROLES.get(roles.get(AGGREGATOR, "aggregation-server"))(
+        aggregator if aggregator is not None and not split else PlainAggregator()
+    )
+    server.connect(channel)
+    federation = Federation(
         data=label_party_view(data),
         names=[p.name for p in parties],
         own=parties[0],
         channel=channel,
         generator=torch.Generator().manual_seed(seed),
         rng=np.random.default_rng(seed),
+        session=secrets.token_hex(8),
     )
+    if isinstance(aggregator, SealingScheme):  # (split: repeated for the type checker)
+        # Each party makes its own halves (its keys never leave it); keys meet by messages.
+        receivers = [p.name for p in parties if p.heads]
+        for party in parties:
+            party.install(
+                aggregator.scheme,
+                aggregator.sender(),
+                aggregator.receiver() if party.heads else None,
+            )
+        if not isinstance(server, AggregationServer):
+            raise ConfigError(
+                f"the aggregator's role must be an AggregationServer; found "
+                f"{type(server).__name__}."
+            )
+        server.install(aggregator.scheme, aggregator.adder())
+        federation.scheme = aggregator.scheme
+        federation.set_up_keys(receivers)
+    return federation
 
 
 def add_models(

@@ -1,0 +1,102 @@
+"""The privacy entry object: one spec, every mechanism installed inside the party it protects."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import MakeData
+
+from protocols.dp import EmbeddingNoise, GradientNoise
+from protocols.privacy import PrivacyEngine, PrivacySpec
+from protocols.secagg import MaskingAggregator
+from secure_vfl.errors import ConfigError
+from secure_vfl.methods import METHODS, MethodConfig
+from secure_vfl.methods.base import in_process_parties
+
+
+def _private_run(make_data: MakeData, heads: str, spec: PrivacySpec):  # type: ignore[no-untyped-def]
+    config = MethodConfig(
+        heads=heads,  # type: ignore[arg-type]
+        epochs=1,
+        batch_size=32,
+        lr=0.05,
+        representation_dim=8,
+        secure_sums=spec.secure_sums,
+    )
+    engine = PrivacyEngine(spec)
+    method = METHODS.get("laser")(make_data(), config, seed=0, aggregator=engine.aggregator())
+    parties = in_process_parties(method.fed.channel)
+    engine.make_private(parties, sample_rate=0.1, total_steps=method.total_steps)
+    for round in range(2):
+        method.train_step(np.arange(32) + 32 * round, round, 0)
+    return engine, parties
+
+
+@pytest.mark.parametrize("heads", ["all", "active"])
+def test_each_party_holds_its_own_mechanisms_and_accountant(
+    make_data: MakeData, heads: str
+) -> None:
+    spec = PrivacySpec(dp_embeddings=(1.0, 1.0), dp_gradients=(1.0, 0.1), dp_sgd=(1.0, 0.1))
+    engine, parties = _private_run(make_data, heads, spec)
+    accountants = [party.accountant for party in parties]
+    assert len({id(a) for a in accountants}) == len(parties)
+    for party in parties:
+        kinds = {type(hook) for hook in party.outgoing}
+        assert EmbeddingNoise in kinds
+        assert (GradientNoise in kinds) == bool(party.heads)
+        events = party.accountant.events
+        assert events and {e.party for e in events} == {party.name}
+        released = {e.kind for e in events}
+        assert {"embedding", "dp-sgd"} <= released
+        assert ("gradient" in released) == (heads == "all" or party.name == "party-0")
+    report = engine.report()
+    assert report is not None
+    assert set(report["epsilon"]) == {p.name for p in parties}
+    for party in parties:
+        assert report["epsilon"][party.name] == party.accountant.epsilon(party.name, 1e-5) > 0
+    # No two parties share a noise generator: each draws its own noise.
+    generators = [id(h.generator) for p in parties for h in p.outgoing]
+    assert len(set(generators)) == len(generators)
+
+
+def test_secure_sums_and_dp_compose_noise_before_sealing(make_data: MakeData) -> None:
+    spec = PrivacySpec(secure_agg="masks", dp_embeddings=(1.0, 1.0))
+    engine, parties = _private_run(make_data, "active", spec)
+    assert isinstance(engine.aggregator(), MaskingAggregator)
+    assert all(p.sealer is not None for p in parties)
+    report = engine.report()
+    assert report is not None
+    assert all(report["releases"][p.name]["embedding"] == 2 for p in parties)
+
+
+def test_target_epsilon_calibrates_one_sigma_for_every_mechanism(make_data: MakeData) -> None:
+    spec = PrivacySpec(dp_gradients=(9.0, 0.1), dp_sgd=(9.0, 0.1), target_epsilon=4.0)
+    engine, _ = _private_run(make_data, "active", spec)
+    sigmas = {sigma for sigma, _ in engine.noise.values()}
+    assert len(sigmas) == 1 and sigmas != {9.0}
+    assert {clip for _, clip in engine.noise.values()} == {0.1}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"target_epsilon": 1.0}, "calibrates a mechanism"),
+        ({"secure_agg": "rot13"}, "`secure_agg` must be one of"),
+        ({"align": "guess"}, "`align` must be one of"),
+        ({"dp_sgd": (1.0, 0.0)}, "--dp-sgd needs SIGMA >= 0 and CLIP > 0"),
+        ({"dp_gradients": (float("nan"), 1.0)}, "--dp-gradients needs"),
+        ({"delta": 1.0}, "`delta` must be in"),
+    ],
+)
+def test_a_bad_spec_is_refused(kwargs: dict[str, object], expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected):
+        PrivacySpec(**kwargs)  # type: ignore[arg-type]
+
+
+def test_methods_that_cannot_host_a_mechanism_are_refused() -> None:
+    engine = PrivacyEngine(PrivacySpec(dp_sgd=(1.0, 0.1)))
+    with pytest.raises(ConfigError, match="one bottom model per party"):
+        engine.refuse("combinatorial")
+    with pytest.raises(ConfigError, match="not available for false-vfl-1"):
+        engine.refuse("false-vfl-1")
+    PrivacyEngine(PrivacySpec()).refuse("false-vfl-1")  # nothing asked: nothing refused
