@@ -460,30 +460,13 @@ class PublicKeyMessage(Message):
 
 @register_message
 @dataclass(frozen=True, kw_only=True)
-class SealRequest(Message):
+class SealRequest(SumRequest):
     """The driver asks a contributor to seal (mask or encrypt) the representation it kept for
     ``(round, batch_id, phase, source_tag)`` into the sums ``selection`` (T, B, K) describes,
-    for ``deliver_to``, and send it to the aggregator under ``tag``."""
+    for ``deliver_to``, and send it to the aggregator under ``tag`` (the fields of the
+    :class:`SumRequest` for the same sums)."""
 
-    selection: Tensor
-    parties: tuple[str, ...]
-    deliver_to: PartyId
-    tag: str
-    source_tag: str = ""
-    phase: str = "train"
     kind: ClassVar[str] = "seal-request"
-
-    def validate(self) -> None:
-        super().validate()
-        _check_choice(self, "phase", self.phase, PHASES)
-        _check_tensor(self, "selection", self.selection, dims=3, dtype=torch.bool)
-        if self.selection.shape[2] != len(self.parties) or len(set(self.parties)) != len(
-            self.parties
-        ):
-            raise ProtocolError(
-                f"{self.kind} from {self.sender}: one selection column per distinct party "
-                f"expected, found {self.selection.shape[2]} columns for parties {self.parties}."
-            )
 
 
 @register_message

@@ -586,6 +586,21 @@ class AggregationServer(Party):
         if batch != self._batch:
             self._batch, self._contributions, self._sealed = batch, {}, {}
 
+    def _keep(
+        self,
+        store: dict[str, dict[str, Any]],
+        message: SealedMessage | RepresentationMessage,
+        what: str,
+    ) -> None:
+        """Keep ``message`` under its tag and sender; a second one is a replay."""
+        by_sender = store.setdefault(message.tag, {})
+        if message.sender in by_sender:
+            raise ProtocolError(
+                f"{self.name}: two {what} from {message.sender} for round "
+                f"{message.round}, batch {message.batch_id}, tag {message.tag!r} (a replay?)."
+            )
+        by_sender[message.sender] = message
+
     def on_sealed(self, message: SealedMessage) -> None:
         if self.adder is None or message.scheme != self.scheme:
             raise ProtocolError(
@@ -593,13 +608,7 @@ class AggregationServer(Party):
                 f"runs {self.scheme or 'no secure sum'}."
             )
         self._enter_batch(message, message.phase)
-        by_sender = self._sealed.setdefault(message.tag, {})
-        if message.sender in by_sender:
-            raise ProtocolError(
-                f"{self.name}: two sealed shares from {message.sender} for round "
-                f"{message.round}, batch {message.batch_id}, tag {message.tag!r} (a replay?)."
-            )
-        by_sender[message.sender] = message
+        self._keep(self._sealed, message, "sealed shares")
 
     def on_representation(self, message: RepresentationMessage) -> None:
         if self.adder is not None:
@@ -608,13 +617,7 @@ class AggregationServer(Party):
                 f"are sealed by {self.scheme!r} here; it refuses to see it."
             )
         self._enter_batch(message, message.phase)
-        by_sender = self._contributions.setdefault(message.tag, {})
-        if message.sender in by_sender:
-            raise ProtocolError(
-                f"{self.name}: two representations from {message.sender} for round "
-                f"{message.round}, batch {message.batch_id}, tag {message.tag!r} (a replay?)."
-            )
-        by_sender[message.sender] = message
+        self._keep(self._contributions, message, "representations")
 
     def on_sum_request(self, request: SumRequest) -> None:
         if self._batch != (request.round, request.batch_id, request.phase):
