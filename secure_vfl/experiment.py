@@ -187,10 +187,10 @@ def traffic_report(
     parties' hooks such as DP noise, and the channel's layers).
 
     Bytes are the encoded messages that crossed ``channel``'s transport: under a secure scheme
-    split at the party boundary (LASER and its baselines) they are the sealed shares and sums
-    themselves. A secure backend called whole in one place (FALSE-VFL, FedHF-Impute: their
-    parties are not yet actors) has its contributions and sums counted as its protocol puts
-    them on the wire (``aggregator.cost``) instead of the plain messages that reach it.
+    split at the party boundary (LASER, its baselines and FALSE-VFL) they are the sealed shares
+    and sums themselves. A secure backend called whole in one place (FedHF-Impute: its clients
+    are not yet actors) has its contributions and sums counted as its protocol puts them on the
+    wire (``aggregator.cost``) instead of the plain messages that reach it.
     """
     secure = not isinstance(aggregator, PlainAggregator)
     whole = secure and aggregator.cost.calls > 0

@@ -22,10 +22,20 @@ from secure_vfl.federation.messages import (
     LatentMessage,
     LikelihoodMessage,
     RepresentationMessage,
+    RepresentRequest,
     SumMessage,
+    SumRequest,
+    UpdateRequest,
 )
+from secure_vfl.federation.parties import ROLES
 from secure_vfl.methods import METHODS, MethodConfig
-from secure_vfl.methods.false_vfl import FalseVflConfig, FalseVflMethod
+from secure_vfl.methods.base import in_process_parties
+from secure_vfl.methods.false_vfl import (
+    FalseVflConfig,
+    FalseVflMethod,
+    LatentLabelParty,
+    LatentParty,
+)
 from secure_vfl.metrics import accuracy
 from secure_vfl.models.latent import gaussian_log_prob
 
@@ -52,6 +62,13 @@ def _method(
     )
     assert isinstance(method, FalseVflMethod)
     return method
+
+
+def _parties(method: FalseVflMethod) -> list[LatentParty]:
+    """Every party of the run, in order (the composition root's view, not the label party's)."""
+    parties = in_process_parties(method.fed.channel)
+    assert all(isinstance(p, LatentParty) for p in parties)
+    return parties  # type: ignore[return-value]
 
 
 def _with_test_mask(data: VerticalData, masks: dict[str, np.ndarray]) -> VerticalData:
@@ -150,9 +167,9 @@ def test_the_posterior_averages_means_and_tightens_as_parties_are_added(
 
 def _constant_missingness(method: FalseVflMethod, logit: float) -> None:
     """Make every party's p(m^k = 1 | x^k) = sigmoid(logit), whatever x^k."""
-    for party in method.parties:
-        assert party.model.missingness is not None
-        last = party.model.missingness.net[-1]
+    for party in _parties(method):
+        assert party.latent_model.missingness is not None
+        last = party.latent_model.missingness.net[-1]
         assert isinstance(last, torch.nn.Linear)
         with torch.no_grad():
             last.weight.zero_()
@@ -182,7 +199,7 @@ def test_the_mnar_bound_includes_the_mask_term_and_the_mar_bound_does_not(
     for variant in (1, 2):
         method = _method(data, variant)
         before = _reseeded(method).log_weights("train", rows, 4)
-        decoder_output = method.parties[3].model.decoder.net[-1]
+        decoder_output = _parties(method)[3].latent_model.decoder.net[-1]
         assert isinstance(decoder_output, torch.nn.Linear)
         with torch.no_grad():
             decoder_output.bias.add_(3.0)
@@ -195,8 +212,8 @@ def test_the_mnar_bound_includes_the_mask_term_and_the_mar_bound_does_not(
 
 def _reseeded(method: FalseVflMethod) -> FalseVflMethod:
     """Reset every party's random draws, so two evaluations use the same h, z and x~."""
-    method.label_party.generator.manual_seed(5)
-    for k, party in enumerate(method.parties):
+    method.label_party.latent_generator.manual_seed(5)
+    for k, party in enumerate(_parties(method)):
         party.generator.manual_seed(100 + k)
     return method
 
@@ -242,11 +259,11 @@ def _parameters(modules: list[torch.nn.Module]) -> list[torch.Tensor]:
 def test_stage_two_trains_only_the_discriminator(make_data: MakeData) -> None:
     data = make_data()
     method = _method(data, 2)
-    generative = [p.model for p in method.parties] + [
-        method.label_party.model.global_encoder,
-        method.label_party.model.global_decoder,
+    generative = [p.latent_model for p in _parties(method)] + [
+        method.label_party.label_model.global_encoder,
+        method.label_party.label_model.global_decoder,
     ]
-    discriminator = [method.label_party.model.discriminator]
+    discriminator = [method.label_party.label_model.discriminator]
     start_generative = _parameters(generative)
     start_discriminator = _parameters(discriminator)
     method.train_step(np.arange(64), 0, 0)
@@ -270,29 +287,29 @@ def test_stage_two_trains_only_the_discriminator(make_data: MakeData) -> None:
 
 
 def _centralised_loss(
-    method: FalseVflMethod, rows: np.ndarray, state: torch.Tensor
+    method: FalseVflMethod, data: VerticalData, rows: np.ndarray, state: torch.Tensor
 ) -> torch.Tensor:
     """-L_kappa of FALSE-VFL-I computed in one autograd graph, with the same random draws."""
     generator = torch.Generator()
     generator.set_state(state)
-    mask = torch.from_numpy(method.data.train.mask[rows])
+    mask = torch.from_numpy(data.train.mask[rows])
     batch, latent, kappa = len(rows), method.options.latent_dim, method.options.kappa
     mean_sum, precision_sum = torch.zeros(batch, latent), torch.zeros(batch, latent)
-    blocks = [torch.from_numpy(b[rows]) for b in method.data.train.blocks]
-    for k, party in enumerate(method.parties):
+    blocks = [torch.from_numpy(b[rows]) for b in data.train.blocks]
+    for k, party in enumerate(_parties(method)):
         observed = torch.nonzero(mask[:, k]).flatten()
-        m, p = party.model.encoder(blocks[k][observed])
+        m, p = party.latent_model.encoder(blocks[k][observed])
         mean_sum = mean_sum.index_add(0, observed, m)
         precision_sum = precision_sum.index_add(0, observed, p)
     mean = mean_sum / mask.sum(dim=1, keepdim=True)
     scale = precision_sum.rsqrt().unsqueeze(1)
     h = mean.unsqueeze(1) + torch.randn((batch, kappa, latent), generator=generator) * scale
     total = torch.zeros(batch, kappa)
-    for k, party in enumerate(method.parties):
+    for k, party in enumerate(_parties(method)):
         observed = torch.nonzero(mask[:, k]).flatten()
         x = blocks[k][observed].flatten(1).unsqueeze(1)
-        total = total.index_add(0, observed, party.model.decoder.log_prob(x, h[observed]))
-    label = method.label_party.model
+        total = total.index_add(0, observed, party.latent_model.decoder.log_prob(x, h[observed]))
+    label = method.label_party.label_model
     log_weights = (
         total
         + label.latent_log_ratio(h, generator)
@@ -306,21 +323,21 @@ def test_gradients_through_the_seam_equal_those_of_the_centralised_model(
 ) -> None:
     data = make_data(train_missing="mcar:0.4")
     method = _method(data, 1)
-    modules: list[torch.nn.Module] = [p.model for p in method.parties] + [
-        method.label_party.model.global_encoder,
-        method.label_party.model.global_decoder,
+    modules: list[torch.nn.Module] = [p.latent_model for p in _parties(method)] + [
+        method.label_party.label_model.global_encoder,
+        method.label_party.label_model.global_decoder,
     ]
     rows = np.arange(48)
-    state = method.label_party.generator.get_state()
-    _centralised_loss(method, rows, state).backward()
+    state = method.label_party.latent_generator.get_state()
+    _centralised_loss(method, data, rows, state).backward()
     expected = [p.grad.clone() for m in modules for p in m.parameters()]  # type: ignore[union-attr]
     for m in modules:
         m.zero_grad(set_to_none=True)
-    for party in method.parties:
-        monkeypatch.setattr(party, "step", lambda: None)
     label = method.label_party
-    monkeypatch.setattr(label.generative_optimizer, "step", lambda: None)
-    monkeypatch.setattr(label.generative_optimizer, "zero_grad", lambda set_to_none=True: None)
+    optimizers = [p.optimizer for p in _parties(method)] + [label.generative_optimizer]
+    for optimizer in optimizers:  # keep the gradients the step leaves (no step, no zeroing)
+        monkeypatch.setattr(optimizer, "step", lambda: None)
+        monkeypatch.setattr(optimizer, "zero_grad", lambda set_to_none=True: None)
     method.train_step(rows, 0, 0)
     found = [p.grad for m in modules for p in m.parameters()]
     for a, b in zip(expected, found, strict=True):
@@ -351,14 +368,17 @@ def test_messages_follow_the_papers_communication_pattern(make_data: MakeData) -
     mask = data.train.mask[rows]
     method.train_step(rows, 0, 0)
     parties = [f"party-{k}" for k in range(4)]
+    others = parties[1:]  # the label party's messages to itself never cross the wire
     routes = Counter((m.kind, m.sender, m.receiver) for m in recorder.messages)
     expected = Counter(
-        [("representation", p, "aggregator") for p in parties]
-        + [("sum", "aggregator", "party-0")]
-        + [("latent", "party-0", p) for p in parties]
-        + [("likelihood", p, "party-0") for p in parties]
-        + [("gradient", "party-0", p) for p in parties] * 2
-        + [("latent-gradient", p, "party-0") for p in parties]
+        [("represent-request", "party-0", p) for p in others]
+        + [("representation", p, "aggregator") for p in parties]
+        + [("sum-request", "party-0", "aggregator"), ("sum", "aggregator", "party-0")]
+        + [("latent", "party-0", p) for p in others]
+        + [("likelihood", p, "party-0") for p in others]
+        + [("gradient", "party-0", p) for p in others] * 2
+        + [("latent-gradient", p, "party-0") for p in others]
+        + [("update", "party-0", p) for p in others]
     )
     assert routes == expected
     latent, kappa = SMALL.latent_dim, SMALL.kappa
@@ -366,7 +386,12 @@ def test_messages_follow_the_papers_communication_pattern(make_data: MakeData) -
     assert block_width not in (latent, 2 * latent, kappa)  # a block could not hide in a message
     for message in recorder.messages:
         assert message.round == 0 and message.batch_id == 0
-        if isinstance(message, RepresentationMessage):
+        if isinstance(message, RepresentRequest):
+            k = parties.index(message.receiver)
+            assert message.rows.tolist() == rows[mask[:, k]].tolist()  # ids of rows, no values
+        elif isinstance(message, UpdateRequest | SumRequest):
+            assert message.receiver != "party-0"
+        elif isinstance(message, RepresentationMessage):
             k = parties.index(message.sender)
             assert message.positions.tolist() == np.flatnonzero(mask[:, k]).tolist()
             assert message.representation.shape == (int(mask[:, k].sum()), 2 * latent)
@@ -377,6 +402,7 @@ def test_messages_follow_the_papers_communication_pattern(make_data: MakeData) -
         elif isinstance(message, LatentMessage):
             k = parties.index(message.receiver)
             assert message.positions.tolist() == np.flatnonzero(mask[:, k]).tolist()
+            assert message.rows.tolist() == rows[mask[:, k]].tolist()
             assert message.samples.shape[1:] == (kappa, latent)
         elif isinstance(message, LikelihoodMessage):
             assert message.log_likelihood.shape[1:] == (kappa,)
@@ -393,7 +419,14 @@ def test_messages_follow_the_papers_communication_pattern(make_data: MakeData) -
     method.train_step(method.labeled_rows[:32], 1, 0)
     method.predict("mcar:0.5")
     kinds = set(recorder.kinds())
-    assert kinds == {"representation", "sum", "latent", "likelihood"}
+    assert kinds == {
+        "represent-request",
+        "representation",
+        "sum-request",
+        "sum",
+        "latent",
+        "likelihood",
+    }
 
 
 def test_mnar_parties_also_score_the_rows_they_miss(make_data: MakeData) -> None:
@@ -403,7 +436,7 @@ def test_mnar_parties_also_score_the_rows_they_miss(make_data: MakeData) -> None
     method = _method(data, 2, channel=Channel([recorder]))
     method.train_step(np.arange(32), 0, 0)
     latents = [m for m in recorder.messages if isinstance(m, LatentMessage)]
-    assert len(latents) == 4
+    assert len(latents) == 3  # the label party's own is handed over without the wire
     assert all(m.positions.tolist() == list(range(32)) for m in latents)
 
 
@@ -467,7 +500,7 @@ def test_false_vfl_trained_through_masks_matches_false_vfl_trained_in_the_clear(
     ):
         method = _method(data, 1, config, aggregator=aggregator)
         method.fit()
-        modules = [p.model for p in method.parties] + [method.label_party.model]
+        modules = [p.latent_model for p in _parties(method)] + [method.label_party.label_model]
         models.append(_parameters(modules))
     plain, secure = models
     assert all(
@@ -484,7 +517,21 @@ def test_the_new_messages_refuse_malformed_content() -> None:
             **header, positions=positions, log_likelihood=torch.zeros(2, 3, 1)
         ).validate()
     with pytest.raises(ProtocolError, match="2 rows announced, found 3"):
-        LatentMessage(**header, positions=positions, samples=torch.zeros(3, 4, 5)).validate()
+        LatentMessage(
+            **header,
+            positions=positions,
+            samples=torch.zeros(3, 4, 5),
+            split="train",
+            rows=positions,
+        ).validate()
+    with pytest.raises(ProtocolError, match="one row >= 0 per position expected"):
+        LatentMessage(
+            **header,
+            positions=positions,
+            samples=torch.zeros(2, 4, 5),
+            split="train",
+            rows=torch.tensor([0, -1]),
+        ).validate()
     with pytest.raises(IntegrityError, match="finite values expected"):
         Channel().send(
             LatentGradientMessage(
@@ -493,7 +540,11 @@ def test_the_new_messages_refuse_malformed_content() -> None:
         )
     with pytest.raises(ProtocolError, match="autograd graph"):
         LatentMessage(
-            **header, positions=positions, samples=torch.zeros(2, 4, 5, requires_grad=True)
+            **header,
+            positions=positions,
+            samples=torch.zeros(2, 4, 5, requires_grad=True),
+            split="train",
+            rows=positions,
         ).validate()
 
 
@@ -504,3 +555,97 @@ def test_fit_reports_every_step_of_both_stages_in_order(make_data: MakeData) -> 
     assert len(losses) == 1 + 3
     assert rounds == list(range(1, method.total_steps + 1))
     assert method.total_steps == len(method.sampler) + 3 * len(method.labeled_sampler)
+
+
+def _latent_step(make_data: MakeData) -> tuple[FalseVflMethod, RecordingLayer]:
+    """A FALSE-VFL-II run stopped after the latent samples of a stage-1 step went out."""
+    recorder = RecordingLayer()
+    method = _method(make_data(train_missing="mcar:0.3"), 2, channel=Channel([recorder]))
+    rows = torch.arange(32)
+    mask = torch.from_numpy(method.data.train.mask[:32])
+    method._forward("train", rows, mask, 3, round=0, batch_id=0, tag="stage1", train=True)
+    return method, recorder
+
+
+def _pending(party: LatentParty) -> dict[tuple[int, str], tuple[torch.Tensor, ...]]:
+    return dict(party._likelihood_pending)
+
+
+def test_a_party_refuses_bad_or_replayed_latent_messages_and_keeps_its_state(
+    make_data: MakeData,
+) -> None:
+    method, recorder = _latent_step(make_data)
+    party = _parties(method)[2]
+    latent = next(
+        m for m in recorder.messages if isinstance(m, LatentMessage) and m.receiver == party.name
+    )
+    before = _pending(party)
+    assert list(before) == [(0, "stage1")]
+    bad = {
+        "second latent samples": latent,
+        "split 'nope'": dataclasses.replace(latent, split="nope"),
+        "rows < ": dataclasses.replace(latent, rows=latent.rows + 10_000),
+    }
+    for expected, message in bad.items():
+        with pytest.raises(ProtocolError, match=expected):
+            party.receive(message)
+        assert _pending(party) == before, expected
+
+
+def test_a_party_refuses_a_likelihood_gradient_it_is_not_owed(make_data: MakeData) -> None:
+    method, recorder = _latent_step(make_data)
+    party = _parties(method)[1]
+    reply = next(
+        m for m in recorder.messages if isinstance(m, LikelihoodMessage) and m.sender == party.name
+    )
+    gradient = GradientMessage(
+        sender="party-0",
+        receiver=party.name,
+        round=0,
+        batch_id=0,
+        positions=reply.positions,
+        tag="stage1/likelihood",
+        gradient=torch.ones_like(reply.log_likelihood),
+    )
+    before = _pending(party)
+    wrong = {
+        "no pending likelihoods": dataclasses.replace(gradient, round=5),
+        "expected, found": dataclasses.replace(gradient, gradient=torch.ones(1, 3)),
+    }
+    for expected, message in wrong.items():
+        with pytest.raises(ProtocolError, match=expected):
+            party.receive(message)
+        assert _pending(party) == before, expected
+        assert all(p.grad is None for p in party.latent_model.parameters())
+    party.receive(gradient)  # the one it is owed: answered, then forgotten
+    assert _pending(party) == {}
+    answer = [m for m in recorder.messages if isinstance(m, LatentGradientMessage)]
+    assert [m.sender for m in answer] == [party.name]
+    with pytest.raises(ProtocolError, match="no pending likelihoods"):
+        party.receive(gradient)  # a replay
+
+
+class _CuriousLatentParty(LatentParty):
+    """A party that keeps every latent sample it is sent (what an attacker would study)."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.seen: list[LatentMessage] = []
+
+    def on_latent(self, message: LatentMessage) -> None:
+        self.seen.append(message)
+        super().on_latent(message)
+
+
+ROLES.register("test-curious-latent-party", _CuriousLatentParty)
+
+
+def test_false_vfl_parties_are_replaceable_roles(make_data: MakeData) -> None:
+    method = _method(make_data(), 1, roles={"party-3": "test-curious-latent-party"})
+    method.train_step(np.arange(32), 0, 0)
+    curious = _parties(method)[3]
+    assert isinstance(curious, _CuriousLatentParty)
+    assert [m.kind for m in curious.seen] == ["latent"]
+    assert [type(p) for p in _parties(method)[:3]] == [LatentLabelParty, LatentParty, LatentParty]
+    with pytest.raises(ConfigError, match="keeps its role"):
+        _method(make_data(), 1, roles={"party-0": "test-curious-latent-party"})

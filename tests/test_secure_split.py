@@ -33,6 +33,7 @@ from secure_vfl.federation.messages import (
 from secure_vfl.federation.parties import DataParty, Party
 from secure_vfl.methods import METHODS, MethodConfig
 from secure_vfl.methods.base import in_process_parties
+from secure_vfl.methods.false_vfl import FalseVflConfig
 
 CONFIG = MethodConfig(
     heads="active", epochs=1, batch_size=32, lr=0.05, representation_dim=8, secure_sums=True
@@ -52,10 +53,26 @@ BACKENDS: dict[str, Callable[[], Aggregator]] = {
 }
 
 
-def _method(make_data: MakeData, backend: str, channel: Channel | None = None):  # type: ignore[no-untyped-def]
+# LASER and FALSE-VFL (whose posterior factors are summed for the label party) share the split.
+SPLIT_METHODS = ["laser", "false-vfl-2"]
+SMALL_FALSE = FalseVflConfig(
+    latent_dim=4, global_latent_dim=2, hidden=16, kappa=3, inference_samples=8
+)
+
+
+def _method(  # type: ignore[no-untyped-def]
+    make_data: MakeData, backend: str, channel: Channel | None = None, method: str = "laser"
+):
     aggregator = BACKENDS[backend]()
     assert isinstance(aggregator, SealingScheme)
-    return METHODS.get("laser")(make_data(), CONFIG, seed=0, channel=channel, aggregator=aggregator)
+    return _build(method, make_data(), aggregator, channel)
+
+
+def _build(method: str, data, aggregator: Aggregator, channel: Channel | None = None):  # type: ignore[no-untyped-def]
+    options = {"false_vfl": SMALL_FALSE} if method.startswith("false-vfl") else {}
+    return METHODS.get(method)(
+        data, CONFIG, seed=0, channel=channel, aggregator=aggregator, **options
+    )
 
 
 def _reachable(root: object, *, stop: set[int]) -> list[object]:
@@ -94,9 +111,12 @@ def _secret(value: object) -> bool:
     )
 
 
+@pytest.mark.parametrize("method_name", SPLIT_METHODS)
 @pytest.mark.parametrize("backend", list(BACKENDS))
-def test_each_secret_is_reachable_from_its_owner_only(make_data: MakeData, backend: str) -> None:
-    method = _method(make_data, backend)
+def test_each_secret_is_reachable_from_its_owner_only(
+    make_data: MakeData, backend: str, method_name: str
+) -> None:
+    method = _method(make_data, backend, method=method_name)
     method.train_step(ROWS, 0, 0)
     channel = method.fed.channel
     parties = channel.parties
@@ -118,12 +138,13 @@ def test_each_secret_is_reachable_from_its_owner_only(make_data: MakeData, backe
     }
 
 
+@pytest.mark.parametrize("method_name", SPLIT_METHODS)
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_nothing_crosses_in_the_clear_and_keys_meet_by_messages(
-    make_data: MakeData, backend: str
+    make_data: MakeData, backend: str, method_name: str
 ) -> None:
     recorder = RecordingLayer()
-    method = _method(make_data, backend, Channel([recorder]))
+    method = _method(make_data, backend, Channel([recorder]), method=method_name)
     setup = recorder.kinds()
     assert set(setup) == {"key-request", "public-key"}
     announced = {
@@ -142,11 +163,14 @@ def test_nothing_crosses_in_the_clear_and_keys_meet_by_messages(
     assert not kinds & {"representation", "sum"}, "a representation or a sum crossed in the clear"
 
 
+@pytest.mark.parametrize("method_name", SPLIT_METHODS)
 @pytest.mark.parametrize("backend", list(BACKENDS))
-def test_a_split_secure_step_trains_as_the_plain_one(make_data: MakeData, backend: str) -> None:
+def test_a_split_secure_step_trains_as_the_plain_one(
+    make_data: MakeData, backend: str, method_name: str
+) -> None:
     data = make_data()
-    plain = METHODS.get("laser")(data, CONFIG, seed=0, aggregator=PlainAggregator())
-    secure = METHODS.get("laser")(data, CONFIG, seed=0, aggregator=BACKENDS[backend]())
+    plain = _build(method_name, data, PlainAggregator())
+    secure = _build(method_name, data, BACKENDS[backend]())
     for round in range(3):
         expected = plain.train_step(ROWS + 32 * round, round, 0)
         found = secure.train_step(ROWS + 32 * round, round, 0)

@@ -249,7 +249,12 @@ def core_messages() -> list[Message]:
         ),
         ErrorMessage(**header, error="batch 3: no such rows ✗"),
         LatentMessage(
-            **header, positions=positions, samples=torch.randn(4, 5, 8, generator=generator)
+            **header,
+            positions=positions,
+            samples=torch.randn(4, 5, 8, generator=generator),
+            split="train",
+            rows=positions + 7,
+            backward=True,
         ),
         LikelihoodMessage(
             **header, positions=positions, log_likelihood=-torch.rand(4, 5, generator=generator)

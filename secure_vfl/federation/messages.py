@@ -220,17 +220,29 @@ class ErrorMessage(Message):
 class LatentMessage(RowsMessage):
     """Latent samples ``h`` drawn by the label party for some rows of the batch (FALSE-VFL).
 
-    ``samples[i, j]`` is the j-th importance sample of the latent of row ``positions[i]``;
-    the receiving party scores its block (or, in FALSE-VFL-II, its missingness) under them.
+    ``samples[i, j]`` is the j-th importance sample of the latent of row ``positions[i]``, which
+    is row ``rows[i]`` of the receiver's table of ``split``; the receiving party scores its block
+    (or, in FALSE-VFL-II, its missingness) under them and answers with a
+    :class:`LikelihoodMessage`. With ``backward`` it keeps the graph for the gradient that will
+    come back (training stage 1).
     """
 
     samples: Tensor
+    split: str
+    rows: Tensor
+    backward: bool = False
     kind: ClassVar[str] = "latent"
 
     def validate(self) -> None:
         super().validate()
         _check_tensor(self, "samples", self.samples, dims=3, dtype=torch.float32)
         self._check_rows("samples", self.samples)
+        _check_tensor(self, "rows", self.rows, dims=1, dtype=torch.int64)
+        if self.rows.shape != self.positions.shape or not _nonnegative(self.rows):
+            raise ProtocolError(
+                f"{self.kind} from {self.sender}: one row >= 0 per position expected, found "
+                f"{self.rows.numel()} rows for {self.positions.numel()} positions."
+            )
 
 
 @register_message
@@ -280,8 +292,9 @@ class RepresentRequest(Message):
     """The driver asks a data party for representations of some of its rows (no features, no
     labels): ``rows`` index the party's own table of ``split``, ``positions`` place them in the
     batch; the party sends a :class:`RepresentationMessage` to ``reply_to`` computed with its
-    model ``model`` (``""``: its bottom model) and, in training, keeps the graph for the
-    gradient that will come back under ``tag``."""
+    model ``model`` (``""``: its bottom model) and, in training with ``backward``, keeps the
+    graph for the gradient that will come back under ``tag``. (``phase`` prices the release;
+    ``backward=False`` serves training rows to a step that sends no gradient back.)"""
 
     split: str
     rows: Tensor
@@ -290,6 +303,7 @@ class RepresentRequest(Message):
     tag: str = ""
     model: str = ""
     phase: str = "train"
+    backward: bool = True
     kind: ClassVar[str] = "represent-request"
 
     def validate(self) -> None:

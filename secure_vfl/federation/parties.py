@@ -222,6 +222,12 @@ class DataParty(Party):
         self._sealed = ContextLedger()
 
     @property
+    def receives_sums(self) -> bool:
+        """Whether sums are delivered to this party (it holds a head), so a secure-sum scheme
+        gives it a receiver half."""
+        return bool(self.heads)
+
+    @property
     def model(self) -> nn.Module:
         """The bottom model."""
         return self.models[""]
@@ -262,7 +268,7 @@ class DataParty(Party):
                 f"found {int(request.rows.max())}."
             )
         key = (request.round, request.tag)
-        train = request.phase == "train"
+        train = request.phase == "train" and request.backward
         if train and key in self._pending:
             raise ProtocolError(
                 f"{self.name}: a second forward pass for round {request.round}, tag "

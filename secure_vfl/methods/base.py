@@ -38,7 +38,14 @@ from secure_vfl.federation.messages import (
     UpdateRequest,
     party_name,
 )
-from secure_vfl.federation.parties import ROLES, AggregationServer, DataParty, Head
+from secure_vfl.federation.parties import (
+    ROLES,
+    AggregationServer,
+    DataParty,
+    Head,
+    Party,
+    RoleFactory,
+)
 from secure_vfl.models.networks import make_bottom
 from secure_vfl.models.simsiam import pretrain_simsiam
 from secure_vfl.registry import Registry
@@ -46,6 +53,7 @@ from secure_vfl.registry import Registry
 Heads = Literal["all", "active"]
 Batching = Literal["grouped", "mixed"]
 StepCallback = Callable[[int, float], None]
+PartyMaker = Callable[[int, RoleFactory, dict[str, Tensor], nn.Module], Party]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -208,7 +216,8 @@ class Federation:
         self.queries += 1
         return self.queries - 1
 
-    def _header(self, receiver: str, round: int, batch_id: int) -> dict[str, Any]:
+    def header(self, receiver: str, round: int, batch_id: int) -> dict[str, Any]:
+        """The header of a message from the label party to ``receiver`` in this session."""
         return {
             "sender": self.own.name,
             "receiver": receiver,
@@ -230,10 +239,13 @@ class Federation:
         senders: Sequence[str] | None = None,
         tag: str = "",
         model: str = "",
+        backward: bool | None = None,
     ) -> list[str]:
         """Ask each sender for its representations of its ``present`` rows of the batch, sent to
-        ``reply_to``; ``present`` is (B, len(senders)), senders default to every party. Returns
-        the names of the parties asked (those with a present row)."""
+        ``reply_to``; ``present`` is (B, len(senders)), senders default to every party. With
+        ``train`` the rows are priced as training records and, unless ``backward`` is False,
+        each sender keeps its graph for a gradient. Returns the names of the parties asked
+        (those with a present row)."""
         senders = self.names if senders is None else senders
         asked = []
         for k, name in enumerate(senders):
@@ -242,7 +254,7 @@ class Federation:
                 continue
             self.own.send(
                 RepresentRequest(
-                    **self._header(name, round, batch_id),
+                    **self.header(name, round, batch_id),
                     split=split,
                     rows=rows[positions].contiguous(),
                     positions=positions,
@@ -250,6 +262,7 @@ class Federation:
                     tag=tag,
                     model=model,
                     phase="train" if train else "predict",
+                    backward=train if backward is None else backward,
                 )
             )
             asked.append(name)
@@ -292,7 +305,7 @@ class Federation:
                 if bool(selection[..., k].any()):
                     self.own.send(
                         SealRequest(
-                            **self._header(name, round, batch_id),
+                            **self.header(name, round, batch_id),
                             selection=selection,
                             parties=tuple(self.names),
                             deliver_to=deliver_to,
@@ -303,7 +316,7 @@ class Federation:
                     )
         self.own.send(
             SumRequest(
-                **self._header(AGGREGATOR, round, batch_id),
+                **self.header(AGGREGATOR, round, batch_id),
                 selection=selection,
                 parties=tuple(self.names),
                 deliver_to=deliver_to,
@@ -330,7 +343,7 @@ class Federation:
         """Tell ``head_party`` what its head ``head`` trains on; then ask for its sums."""
         self.own.send(
             HeadTask(
-                **self._header(head_party, round, batch_id),
+                **self.header(head_party, round, batch_id),
                 rows=rows,
                 weights=weights.to(torch.float32).contiguous(),
                 normaliser=float(normaliser),
@@ -368,7 +381,7 @@ class Federation:
         predictions) as it answered."""
         self.own.send(
             PredictTask(
-                **self._header(head_party, round, batch_id),
+                **self.header(head_party, round, batch_id),
                 positions=positions,
                 tag=tag,
                 head=head,
@@ -406,7 +419,7 @@ class Federation:
         for name in self.names:
             self.own.send(
                 KeyRequest(
-                    **self._header(name, 0, 0),
+                    **self.header(name, 0, 0),
                     scheme=self.scheme,
                     contributors=tuple(self.names),
                     receivers=tuple(receivers),
@@ -424,7 +437,7 @@ class Federation:
         """Close a step: every party (or ``parties``) backpropagates what it received for
         ``(round, tag)`` and steps; with ``heads`` its head ``tag`` steps too."""
         for name in self.names if parties is None else parties:
-            self.own.send(UpdateRequest(**self._header(name, round, 0), tag=tag, heads=heads))
+            self.own.send(UpdateRequest(**self.header(name, round, 0), tag=tag, heads=heads))
 
 
 def split_tensors(data: VerticalData) -> dict[str, VerticalSplit]:
@@ -442,15 +455,20 @@ def build_federation(
     bottoms: Sequence[nn.Module] | None = None,
     heads: Mapping[int, Mapping[str, nn.Module]] | None = None,
     roles: Mapping[str, str] | None = None,
+    default_role: str = "data-party",
+    label_role: str | None = None,
+    make_party: PartyMaker | None = None,
 ) -> Federation:
     """One data party per block, each with a fresh bottom model and its own SGD optimiser, the
     heads ``heads[k][key]`` at party ``k`` (with the labels), and an aggregation server running
     ``aggregator``, all attached to ``channel``. Returns the label party's (party 0's) view.
 
-    ``roles`` replaces a party by the role registered under a name in
-    :data:`~secure_vfl.federation.parties.ROLES` (an attacker is a subclass of the role it
-    plays): ``{"party-2": "my-curious-party"}``. The label party (``party-0``) drives the run
-    and keeps its role.
+    Party ``k`` plays the role registered under ``default_role`` (``label_role`` for the label
+    party) in :data:`~secure_vfl.federation.parties.ROLES`; ``roles`` replaces a data party's
+    (an attacker is a subclass of the role it plays): ``{"party-2": "my-curious-party"}``. The
+    label party (``party-0``) drives the run and keeps its role. ``make_party(k, role, blocks,
+    model)`` builds party ``k`` with the role's own arguments (by default ``role(name, blocks,
+    model, sgd(model), heads=...)``).
     """
     roles = dict(roles or {})
     names = [party_name(k) for k in range(data.train.parties)] + [AGGREGATOR]
@@ -488,8 +506,12 @@ def build_federation(
             key: Head(labels, module, sgd(module, config))
             for key, module in (heads or {}).get(k, {}).items()
         }
-        role = ROLES.get(roles.get(party_name(k), "data-party"))
-        party = role(party_name(k), blocks, model, sgd(model, config), heads=own_heads)
+        own_role = label_role if k == 0 and label_role is not None else default_role
+        role = ROLES.get(roles.get(party_name(k), own_role))
+        if make_party is None:
+            party = role(party_name(k), blocks, model, sgd(model, config), heads=own_heads)
+        else:
+            party = make_party(k, role, blocks, model)
         if not isinstance(party, DataParty):
             raise ConfigError(
                 f"{party_name(k)} holds a feature block, so its role must be a DataParty; "
@@ -515,12 +537,12 @@ def build_federation(
     )
     if isinstance(aggregator, SealingScheme):  # (split: repeated for the type checker)
         # Each party makes its own halves (its keys never leave it); keys meet by messages.
-        receivers = [p.name for p in parties if p.heads]
+        receivers = [p.name for p in parties if p.receives_sums]
         for party in parties:
             party.install(
                 aggregator.scheme,
                 aggregator.sender(),
-                aggregator.receiver() if party.heads else None,
+                aggregator.receiver() if party.receives_sums else None,
             )
         if not isinstance(server, AggregationServer):
             raise ConfigError(

@@ -19,15 +19,19 @@ log p(m^k = 0 | x^k); a missing block is drawn from the party's decoder, x~^k ~ 
 (reparameterised, from the party's own generator), and adds log p(m^k = 1 | x~^k). The draw's
 density cancels between the model and the proposal, so only the mask term enters the weight.
 
-Communication, in the pattern of section 3.5, every message through the channel:
+Parties are actors (:class:`LatentParty`, :class:`LatentLabelParty`); the label party's program
+(:class:`FalseVflMethod`) drives. Communication, in the pattern of section 3.5, every message
+encoded on the wire:
 
-1. each party with observed rows sends concat[mean, precision] of those rows (a
-   ``RepresentationMessage`` to the aggregator); the aggregator's ``combine`` (one task,
-   selection = the observed set) delivers their sums to the label party as a ``SumMessage``.
-   A secure backend therefore protects the per-party (mean, precision) exactly as it protects
-   LASER's representations.
+1. the label party asks each party with observed rows (a ``RepresentRequest``) for
+   concat[mean, precision] of those rows; each sends it to the aggregator (a
+   ``RepresentationMessage``; under a secure-sum scheme it keeps it and sends only its sealed
+   share on a ``SealRequest``), and the aggregator answers the label party's ``SumRequest``
+   (one task, selection = the observed set) with their sums. A secure backend therefore
+   protects the per-party (mean, precision) exactly as it protects LASER's representations.
 2. the label party draws h_1..h_S from q(h | x_obs) and sends each party a ``LatentMessage`` for
-   its observed rows (FALSE-VFL-II: for every row of the batch, missing ones included);
+   its observed rows (FALSE-VFL-II: for every row of the batch, missing ones included), naming
+   the rows of the party's table they are;
 3. each party returns one scalar per row and sample, log p(x^k | h_j) (+ its mask term in
    FALSE-VFL-II), as a ``LikelihoodMessage`` (the paper says "probabilities"; their logs carry
    the same information without underflow);
@@ -38,15 +42,16 @@ Communication, in the pattern of section 3.5, every message through the channel:
    pull on h never reaches the encoders; the label party adds the returned gradients to its own,
    backpropagates through the reparameterisation and the aggregated sums, and sends each party
    the gradient with respect to its (mean, precision) (``GradientMessage``, tag
-   ``.../posterior``). Stage 2 and prediction exchange no gradients.
+   ``.../posterior``), then an ``UpdateRequest``: the party backpropagates it through its encoder
+   and steps its optimiser. Stage 2 and prediction exchange no gradients.
 
 No party reads another party's tensors; only the label party holds labels, and only of the
 labelled training rows (``MethodConfig.labeled``). What the pattern still reveals, by design of
 the paper: the label party sees each party's per-sample log-likelihoods and, in stage 1, the
 gradient of each party's decoder term with respect to h; each party sees the latent samples.
-Channel layers written for representation and gradient messages (DP noise) see steps 1 and 4's
-``RepresentationMessage`` / ``GradientMessage`` but not the latent, likelihood and
-latent-gradient messages, which carry feature information too.
+A party's outgoing hooks see every message it sends, but the DP mechanisms written for
+representation and gradient messages would noise steps 1 and 4 only, not the likelihood and
+latent-gradient messages, which carry feature information too (so FALSE-VFL refuses DP flags).
 
 Under secure sums (``MethodConfig.secure_sums``) the label party may only receive sums that hide
 every other party, so a row observed by the label party and exactly one other party uses the
@@ -60,7 +65,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 import torch
@@ -70,7 +75,7 @@ from torch import Tensor
 from secure_vfl.data.samplers import BatchSampler, make_sampler
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ConfigError, ProtocolError
-from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
+from secure_vfl.federation.aggregator import Aggregator
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import (
     AGGREGATOR,
@@ -78,15 +83,18 @@ from secure_vfl.federation.messages import (
     LatentGradientMessage,
     LatentMessage,
     LikelihoodMessage,
-    RepresentationMessage,
+    SumMessage,
+    UpdateRequest,
     party_name,
 )
+from secure_vfl.federation.parties import ROLES, DataParty, Party, RoleFactory
 from secure_vfl.methods.base import (
     METHODS,
     MethodConfig,
     StepCallback,
     _positive_int,
     broadcast_prediction,
+    build_federation,
     isolated_seed,
     labeled_rows,
     require_hiding_crowd,
@@ -143,168 +151,172 @@ def _phase(split: str) -> str:
     return "train" if split == "train" else "predict"
 
 
-class LatentParty:
+LIKELIHOOD = "/likelihood"
+"""Suffix of the tag of a gradient on the log-likelihoods a party returned (step 4)."""
+
+
+class LatentParty(DataParty):
     """A data party of FALSE-VFL: its block, which rows it holds, its encoder/decoder/missingness
-    model and optimiser. It answers posterior requests and latent samples with messages only."""
+    model (:class:`~secure_vfl.models.latent.PartyLatentModel`, its "bottom model": it sends
+    concat[mean, precision] like a representation), its optimiser and its own generator (the
+    draws x~ of FALSE-VFL-II). Beyond a data party's messages it answers latent samples with
+    log-likelihoods and a gradient on those with the gradient on the samples.
+    """
 
     def __init__(
         self,
         name: str,
         blocks: Mapping[str, Tensor],
-        observed: Mapping[str, Tensor],
         model: PartyLatentModel,
         optimizer: torch.optim.Optimizer,
+        *,
+        observed: Mapping[str, Tensor],
         generator: torch.Generator,
     ) -> None:
-        self.name = name
-        self._blocks = dict(blocks)
+        super().__init__(name, blocks, model, optimizer)
         self._observed = dict(observed)
-        self.model = model
-        self.optimizer = optimizer
         self.generator = generator
-        self._posterior_pending: dict[tuple[int, str], tuple[Tensor, ...]] = {}
-        self._likelihood_pending: dict[tuple[int, str], tuple[Tensor, ...]] = {}
+        self._likelihood_pending: dict[tuple[int, str], tuple[Tensor, Tensor, Tensor]] = {}
 
-    def posterior(
-        self,
-        split: str,
-        rows: Tensor,
-        positions: Tensor,
-        *,
-        round: int,
-        batch_id: int,
-        train: bool,
-        tag: str,
-    ) -> RepresentationMessage:
-        """concat[mean, precision] of this party's factor of q(h | x^k) for its held ``rows``."""
-        x = self._blocks[split][rows]
-        with torch.set_grad_enabled(train):
-            mean, precision = self.model.encoder(x)
-            output = torch.cat([mean, precision], dim=-1)
-        if train:
-            self._posterior_pending[(round, tag)] = (output, positions)
-        return RepresentationMessage(
-            sender=self.name,
-            receiver=AGGREGATOR,
-            round=round,
-            batch_id=batch_id,
-            positions=positions,
-            tag=tag,
-            phase=_phase(split),
-            representation=output.detach(),
-        )
+    @property
+    def latent_model(self) -> PartyLatentModel:
+        """The party's encoder, decoder and missingness model."""
+        model = self.models[""]
+        assert isinstance(model, PartyLatentModel)
+        return model
 
-    def likelihood(
-        self, message: LatentMessage, split: str, rows: Tensor, *, train: bool
-    ) -> LikelihoodMessage:
+    def on_latent(self, message: LatentMessage) -> None:
         """log p(x^k | h_j) per row and sample; FALSE-VFL-II adds log p(m^k | x^k or x~^k).
 
-        ``rows`` are the batch's sample indices; the message's positions pick the rows asked
-        about. A row this party does not hold is only ever scored through its missingness model.
+        A row this party does not hold is only ever scored through its missingness model.
         """
-        h = message.samples.clone().requires_grad_(True) if train else message.samples
-        held = self._observed[split][rows[message.positions]]
-        missingness = self.model.missingness
+        block = self._blocks.get(message.split)
+        held_rows = self._observed.get(message.split)
+        if block is None or held_rows is None:
+            raise ProtocolError(
+                f"{self.name}: latent samples for split {message.split!r}; it holds splits "
+                f"{sorted(self._blocks)}."
+            )
+        if message.rows.numel() and int(message.rows.max()) >= block.shape[0]:
+            raise ProtocolError(
+                f"{self.name}: rows < {block.shape[0]} of split {message.split!r} expected, "
+                f"found {int(message.rows.max())}."
+            )
+        key = (message.round, message.tag)
+        if message.backward and key in self._likelihood_pending:
+            raise ProtocolError(
+                f"{self.name}: second latent samples for round {message.round}, tag "
+                f"{message.tag!r} (a replayed message?)."
+            )
+        model = self.latent_model
+        missingness = model.missingness
+        held = held_rows[message.rows]
         if missingness is None and not bool(held.all()):
             raise ProtocolError(
                 f"{self.name}: latent samples for rows it does not hold, but it has no "
                 "missingness model (FALSE-VFL-I scores observed rows only)."
             )
+        train = message.backward
+        h = message.samples.clone().requires_grad_(True) if train else message.samples
         with torch.set_grad_enabled(train):
             log_likelihood = torch.zeros(h.shape[:2])
             observed = torch.nonzero(held).flatten()
             if observed.numel():
-                x = self._blocks[split][rows[message.positions[observed]]].flatten(1)
-                value = self.model.decoder.log_prob(x.unsqueeze(1), h[observed])
+                x = block[message.rows[observed]].flatten(1)
+                value = model.decoder.log_prob(x.unsqueeze(1), h[observed])
                 if missingness is not None:
                     value = value + missingness.log_prob(x, missing=False).unsqueeze(1)
                 log_likelihood = log_likelihood.index_put((observed,), value)
             missing = torch.nonzero(~held).flatten()
             if missing.numel() and missingness is not None:
-                drawn = self.model.decoder.sample(h[missing], self.generator)
+                drawn = model.decoder.sample(h[missing], self.generator)
                 value = missingness.log_prob(drawn, missing=True)
                 log_likelihood = log_likelihood.index_put((missing,), value)
         if train:
-            key = (message.round, message.tag)
             self._likelihood_pending[key] = (h, log_likelihood, message.positions)
-        return LikelihoodMessage(
-            sender=self.name,
-            receiver=message.sender,
-            round=message.round,
-            batch_id=message.batch_id,
-            positions=message.positions,
-            tag=message.tag,
-            phase=message.phase,
-            log_likelihood=log_likelihood.detach(),
+        self.send(
+            LikelihoodMessage(
+                **self.reply_header(message),
+                positions=message.positions,
+                tag=message.tag,
+                phase=message.phase,
+                log_likelihood=log_likelihood.detach(),
+            )
         )
 
-    def latent_gradient(self, message: GradientMessage, *, tag: str) -> LatentGradientMessage:
+    def on_gradient(self, message: GradientMessage) -> None:
+        if message.tag.endswith(LIKELIHOOD):
+            self._latent_gradient(message, message.tag.removesuffix(LIKELIHOOD))
+        else:
+            super().on_gradient(message)
+
+    def _latent_gradient(self, message: GradientMessage, tag: str) -> None:
         """Backpropagate the loss gradient on the returned log-likelihoods into the decoder (and
-        missingness model); return the gradient with respect to the latent samples received."""
-        h, log_likelihood, positions = self._pop(self._likelihood_pending, message, tag)
+        missingness model); answer with the gradient with respect to the latent samples."""
+        entry = self._likelihood_pending.get((message.round, tag))
+        if entry is None:
+            raise ProtocolError(
+                f"{self.name}: a likelihood gradient for round {message.round} (tag {tag!r}) "
+                "but no pending likelihoods."
+            )
+        h, log_likelihood, positions = entry
+        if not torch.equal(message.positions, positions) or (
+            message.gradient.shape != log_likelihood.shape
+        ):
+            raise ProtocolError(
+                f"{self.name}: a gradient for the {positions.numel()} rows of "
+                f"{log_likelihood.shape[1]} samples sent expected, found "
+                f"{message.positions.numel()} rows of shape {tuple(message.gradient.shape)}."
+            )
+        del self._likelihood_pending[(message.round, tag)]
         log_likelihood.backward(message.gradient)
         assert h.grad is not None
-        return LatentGradientMessage(
-            sender=self.name,
-            receiver=message.sender,
-            round=message.round,
-            batch_id=message.batch_id,
-            positions=positions,
-            tag=tag,
-            phase=message.phase,
-            gradient=h.grad.detach(),
+        self.send(
+            LatentGradientMessage(
+                **self.reply_header(message),
+                positions=positions,
+                tag=tag,
+                phase=message.phase,
+                gradient=h.grad.detach(),
+            )
         )
 
-    def backward_posterior(self, message: GradientMessage, *, tag: str) -> None:
-        """Backpropagate the gradient on the sent (mean, precision) into the encoder."""
-        output, _ = self._pop(self._posterior_pending, message, tag)
-        output.backward(message.gradient)
-
-    def _pop(
-        self, pending: dict[tuple[int, str], tuple[Tensor, ...]], message: GradientMessage, tag: str
-    ) -> tuple[Tensor, ...]:
-        if message.receiver != self.name:
-            raise ProtocolError(f"{self.name}: gradient addressed to {message.receiver} refused.")
-        try:
-            entry = pending.pop((message.round, tag))
-        except KeyError:
-            raise ProtocolError(
-                f"{self.name}: gradient for round {message.round} (tag {tag!r}) "
-                "but no pending forward pass."
-            ) from None
-        if not torch.equal(message.positions, entry[-1]):
-            raise ProtocolError(
-                f"{self.name}: gradient rows do not match the {entry[-1].numel()} rows sent."
-            )
-        return entry
-
-    def step(self) -> None:
-        """Apply and clear the accumulated gradients; forget unanswered forward passes."""
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self._posterior_pending.clear()
-        self._likelihood_pending.clear()
+    def on_update(self, message: UpdateRequest) -> None:
+        super().on_update(message)
+        for stale in [k for k in self._likelihood_pending if k[0] <= message.round]:
+            del self._likelihood_pending[stale]
 
 
-class LatentLabelParty:
-    """The label party's role: labels of the labelled training rows, q(z|h), p(h|z), p(y|h)."""
+class LatentLabelParty(LatentParty):
+    """The label party of FALSE-VFL: a data party (it holds block 0) that also holds the labels
+    of the labelled training rows, q(z|h), p(h|z), p(y|h), their optimisers and the generator
+    of its draws of h and z. The method object is its program; it is owed the posterior sums."""
 
     def __init__(
         self,
         name: str,
-        labels: Tensor,
-        model: LabelSideModel,
+        blocks: Mapping[str, Tensor],
+        model: PartyLatentModel,
+        optimizer: torch.optim.Optimizer,
         *,
+        observed: Mapping[str, Tensor],
+        generator: torch.Generator,
+        labels: Tensor,
+        label_model: LabelSideModel,
         generative_optimizer: torch.optim.Optimizer,
         discriminator_optimizer: torch.optim.Optimizer,
-        generator: torch.Generator,
+        latent_generator: torch.Generator,
     ) -> None:
-        self.name = name
+        super().__init__(name, blocks, model, optimizer, observed=observed, generator=generator)
         self._labels = labels
-        self.model = model
+        self.label_model = label_model
         self.generative_optimizer = generative_optimizer
         self.discriminator_optimizer = discriminator_optimizer
-        self.generator = generator
+        self.latent_generator = latent_generator
+
+    @property
+    def receives_sums(self) -> bool:
+        return True
 
     def labels(self, rows: Tensor) -> Tensor:
         """Labels of training ``rows``; refuses rows whose label it does not hold."""
@@ -312,6 +324,10 @@ class LatentLabelParty:
         if bool((labels < 0).any()):
             raise ProtocolError(f"{self.name}: asked for the label of an unlabelled row.")
         return labels
+
+
+ROLES.register("latent-party", LatentParty)
+ROLES.register("latent-label-party", LatentLabelParty)
 
 
 @dataclass
@@ -340,11 +356,15 @@ class Inference:
 class FalseVflMethod:
     """FALSE-VFL-I (``variant=1``, MAR) or FALSE-VFL-II (``variant=2``, MNAR) through the seam.
 
-    ``sampler`` covers every training row (stage 1); ``labeled_sampler`` the labelled rows
-    (stage 2). ``fit`` runs both stages; ``train_step`` runs one step of the current stage.
-    ``MethodConfig.heads`` does not apply: the paper's setting has one label party (party 0),
-    as Standard VFL and PlugVFL here. ``representation_dim`` does not apply either: the latent
-    sizes are ``false_vfl.latent_dim`` and ``global_latent_dim``.
+    This object is the label party's (``party-0``'s) program: it plans each step and asks the
+    other parties, through messages only, for posterior factors, likelihoods and updates; its
+    own state is :attr:`label_party`. ``sampler`` covers every training row (stage 1);
+    ``labeled_sampler`` the labelled rows (stage 2). ``fit`` runs both stages; ``train_step``
+    runs one step of the current stage. ``MethodConfig.heads`` does not apply: the paper's
+    setting has one label party (party 0), as Standard VFL and PlugVFL here.
+    ``representation_dim`` does not apply either: the latent sizes are ``false_vfl.latent_dim``
+    and ``global_latent_dim``. ``roles`` replaces data parties by roles registered in
+    :data:`~secure_vfl.federation.parties.ROLES` (subclasses of :class:`LatentParty`).
     """
 
     def __init__(
@@ -360,40 +380,23 @@ class FalseVflMethod:
         false_vfl: FalseVflConfig | None = None,
         roles: Mapping[str, str] | None = None,
     ) -> None:
-        if roles:
-            raise ConfigError(
-                f"{name} does not run its parties as replaceable roles yet. Found roles "
-                f"{dict(roles)}."
-            )
         require_hiding_crowd(config, data.parties, name)
         self.name = name
         self.config = config
         self.options = false_vfl if false_vfl is not None else FalseVflConfig()
         self.variant = variant
-        self.data = data
-        self.channel = channel if channel is not None else Channel()
-        self.aggregator: Aggregator = aggregator if aggregator is not None else PlainAggregator()
         options = self.options
-        splits = split_tensors(data)
-        self.parties: list[LatentParty] = []
+        models = []
         for k in range(data.parties):
             with isolated_seed(seed + k):
-                model = PartyLatentModel(
-                    data.block_shapes[k],
-                    options.latent_dim,
-                    hidden=options.hidden,
-                    missingness=variant == 2,
+                models.append(
+                    PartyLatentModel(
+                        data.block_shapes[k],
+                        options.latent_dim,
+                        hidden=options.hidden,
+                        missingness=variant == 2,
+                    )
                 )
-            self.parties.append(
-                LatentParty(
-                    party_name(k),
-                    {n: torch.from_numpy(s.blocks[k]) for n, s in splits.items()},
-                    {n: torch.from_numpy(s.mask[:, k]) for n, s in splits.items()},
-                    model,
-                    self._adam(model.parameters(), options.pretrain_lr),
-                    torch.Generator().manual_seed(seed + 100 + k),
-                )
-            )
         self.labeled_rows = labeled_rows(data, config, seed)
         labels = torch.full((data.train.n,), -1, dtype=torch.int64)
         labels[self.labeled_rows] = torch.from_numpy(data.train.labels[self.labeled_rows])
@@ -404,34 +407,68 @@ class FalseVflMethod:
                 data.num_classes,
                 hidden=options.hidden,
             )
-        self.label_party = LatentLabelParty(
-            party_name(0),
-            labels,
-            label_model,
-            generative_optimizer=self._adam(
-                label_model.generative_parameters(), options.pretrain_lr
-            ),
-            discriminator_optimizer=self._adam(
-                label_model.discriminator.parameters(), options.train_lr
-            ),
-            generator=torch.Generator().manual_seed(seed),
+        splits = split_tensors(data)
+
+        def make_party(
+            k: int, role: RoleFactory, blocks: dict[str, Tensor], model: torch.nn.Module
+        ) -> Party:
+            own = {
+                "observed": {n: torch.from_numpy(s.mask[:, k]) for n, s in splits.items()},
+                "generator": torch.Generator().manual_seed(seed + 100 + k),
+            }
+            optimizer = self._adam(model.parameters(), options.pretrain_lr)
+            if k > 0:
+                return role(party_name(k), blocks, model, optimizer, **own)
+            return role(
+                party_name(k),
+                blocks,
+                model,
+                optimizer,
+                **own,
+                labels=labels,
+                label_model=label_model,
+                generative_optimizer=self._adam(
+                    label_model.generative_parameters(), options.pretrain_lr
+                ),
+                discriminator_optimizer=self._adam(
+                    label_model.discriminator.parameters(), options.train_lr
+                ),
+                latent_generator=torch.Generator().manual_seed(seed),
+            )
+
+        self.fed = build_federation(
+            data,
+            config,
+            seed=seed,
+            channel=channel,
+            aggregator=aggregator,
+            bottoms=models,
+            roles=roles,
+            default_role="latent-party",
+            label_role="latent-label-party",
+            make_party=make_party,
         )
+        if not isinstance(self.fed.own, LatentLabelParty):
+            raise ConfigError(
+                f"{name}'s label party must be a LatentLabelParty; found "
+                f"{type(self.fed.own).__name__}."
+            )
+        self.label_party: LatentLabelParty = self.fed.own
+        self.data = self.fed.data  # labels, masks and its own block only
         self.sampler: BatchSampler = make_sampler(
             config.batching, data.train.mask, config.batch_size
         )
         self.labeled_sampler: BatchSampler = make_sampler(
             config.batching, data.train.mask, config.batch_size, rows=self.labeled_rows
         )
-        self.rng = np.random.default_rng(seed)
         self.stage: Literal[1, 2] = 1
-        self._queries = 0
 
     def _adam(self, parameters: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
         return torch.optim.Adam(parameters, lr=lr, weight_decay=self.config.weight_decay)
 
     @property
     def names(self) -> list[str]:
-        return [p.name for p in self.parties]
+        return self.fed.names
 
     @property
     def total_steps(self) -> int:
@@ -480,44 +517,38 @@ class FalseVflMethod:
         mean (average of the selected means) and precision (sum of selected precisions), and
         each sending party's positions.
         """
-        contributions = []
-        positions_by_party: dict[str, Tensor] = {}
-        for k, party in enumerate(self.parties):
-            positions = torch.nonzero(selection[:, k]).flatten()
-            if positions.numel() == 0:
-                continue
-            message = party.posterior(
-                split,
-                rows[positions],
-                positions,
-                round=round,
-                batch_id=batch_id,
-                train=train,
-                tag=tag,
-            )
-            contributions.append(
-                self.channel.receive(
-                    message,
-                    sender=party.name,
-                    receiver=AGGREGATOR,
-                    round=round,
-                    batch_id=batch_id,
-                )
-            )
-            positions_by_party[party.name] = positions
-        receiver = self.label_party.name
-        summed = self.aggregator.combine(
-            contributions,
+        fed = self.fed
+        source = f"{tag}/posterior"
+        training_rows = split == "train"
+        asked = fed.request_representations(
+            split,
+            rows,
+            selection,
+            reply_to=AGGREGATOR,
+            round=round,
+            batch_id=batch_id,
+            train=training_rows,
+            tag=source,
+            backward=train,
+        )
+        fed.request_sum(
             selection.unsqueeze(0),
-            parties=self.names,
-            receiver=receiver,
+            deliver_to=self.label_party.name,
             round=round,
             batch_id=batch_id,
             tag=tag,
+            train=training_rows,
+            source_tag=source,
         )
-        summed = self.channel.receive(
-            summed, sender=AGGREGATOR, receiver=receiver, round=round, batch_id=batch_id
+        summed = cast(
+            SumMessage,
+            self.label_party.take(
+                "sum", sender=AGGREGATOR, round=round, batch_id=batch_id, tag=tag
+            ),
         )
+        positions_by_party = {
+            name: torch.nonzero(selection[:, fed.names.index(name)]).flatten() for name in asked
+        }
         sums = summed.sums[0].clone().requires_grad_(train)
         latent = self.options.latent_dim
         counts = summed.counts[0].clamp(min=1).unsqueeze(-1).to(sums.dtype)
@@ -544,6 +575,7 @@ class FalseVflMethod:
         missing a row for their mask term. A block left out of a row's posterior under secure
         sums is left out of its weight too (x^k and m^k marginalised), so the bound stays valid.
         """
+        fed = self.fed
         label = self.label_party
         selection = self.posterior_selection(mask)
         sums, mean, precision, posterior_positions = self._posterior(
@@ -551,39 +583,45 @@ class FalseVflMethod:
         )
         scored = selection | ~mask if self.variant == 2 else selection
         scale = precision.rsqrt().unsqueeze(1)
-        noise = torch.randn((rows.shape[0], samples, mean.shape[1]), generator=label.generator)
+        noise = torch.randn(
+            (rows.shape[0], samples, mean.shape[1]), generator=label.latent_generator
+        )
         samples_graph = mean.unsqueeze(1) + noise * scale
         sent = samples_graph.detach()
-        total = torch.zeros(rows.shape[0], samples)
-        likelihoods: dict[str, tuple[Tensor, Tensor]] = {}
-        for k, party in enumerate(self.parties):
+        asked = []
+        for k, name in enumerate(fed.names):
             positions = torch.nonzero(scored[:, k]).flatten()
             if positions.numel() == 0:
                 continue
-            latent = LatentMessage(
-                sender=label.name,
-                receiver=party.name,
-                round=round,
-                batch_id=batch_id,
-                positions=positions,
-                tag=tag,
-                phase=_phase(split),
-                samples=sent[positions].contiguous(),
+            label.send(
+                LatentMessage(
+                    **fed.header(name, round, batch_id),
+                    positions=positions,
+                    tag=tag,
+                    phase=_phase(split),
+                    samples=sent[positions].contiguous(),
+                    split=split,
+                    rows=rows[positions].contiguous(),
+                    backward=train,
+                )
             )
-            latent = self.channel.receive(
-                latent, sender=label.name, receiver=party.name, round=round, batch_id=batch_id
-            )
-            reply = party.likelihood(latent, split, rows, train=train)
-            reply = self.channel.receive(
-                reply, sender=party.name, receiver=label.name, round=round, batch_id=batch_id
+            asked.append(name)
+        total = torch.zeros(rows.shape[0], samples)
+        likelihoods: dict[str, tuple[Tensor, Tensor]] = {}
+        for name in asked:
+            reply = cast(
+                LikelihoodMessage,
+                label.take("likelihood", sender=name, round=round, batch_id=batch_id, tag=tag),
             )
             value = reply.log_likelihood.clone().requires_grad_(train)
-            likelihoods[party.name] = (reply.positions, value)
+            likelihoods[name] = (reply.positions, value)
             total = total.index_add(0, reply.positions, value)
         with torch.set_grad_enabled(train):
             h = sent.clone().requires_grad_(train)
             log_q = gaussian_log_prob(h, mean.unsqueeze(1), scale)
-            log_weights = total + label.model.latent_log_ratio(h, label.generator) - log_q
+            log_weights = (
+                total + label.label_model.latent_log_ratio(h, label.latent_generator) - log_q
+            )
         return _Forward(
             log_weights=log_weights,
             samples=h,
@@ -621,6 +659,7 @@ class FalseVflMethod:
 
     def _pretrain_update(self, forward: _Forward, *, round: int, batch_id: int, tag: str) -> float:
         """Stage 1: ascend L_kappa(Theta_g) on a batch of any training rows (paper section 3.4)."""
+        fed = self.fed
         label = self.label_party
         kappa = self.options.kappa
         bound = torch.logsumexp(forward.log_weights, dim=1) - math.log(kappa)
@@ -628,53 +667,35 @@ class FalseVflMethod:
         loss.backward(retain_graph=True)  # the reparameterisation is backpropagated again below
         assert forward.samples.grad is not None
         samples_grad = forward.samples.grad.clone()
-        outgoing = []
         for name, (positions, value) in forward.likelihoods.items():
             assert value.grad is not None
-            outgoing.append(
+            label.send(
                 GradientMessage(
-                    sender=label.name,
-                    receiver=name,
-                    round=round,
-                    batch_id=batch_id,
+                    **fed.header(name, round, batch_id),
                     positions=positions,
-                    tag=f"{tag}/likelihood",
+                    tag=tag + LIKELIHOOD,
                     gradient=value.grad.detach(),
                 )
             )
-        by_name = {p.name: p for p in self.parties}
-        for message in outgoing:
-            delivered = self.channel.receive(
-                message,
-                sender=label.name,
-                receiver=message.receiver,
-                round=round,
-                batch_id=batch_id,
-            )
-            party = by_name[message.receiver]
-            reply = party.latent_gradient(delivered, tag=tag)
-            reply = self.channel.receive(
-                reply, sender=party.name, receiver=label.name, round=round, batch_id=batch_id
+        for name in forward.likelihoods:
+            reply = cast(
+                LatentGradientMessage,
+                label.take("latent-gradient", sender=name, round=round, batch_id=batch_id, tag=tag),
             )
             samples_grad.index_add_(0, reply.positions, reply.gradient)
         forward.samples_graph.backward(samples_grad)
         assert forward.sums.grad is not None
+        source = f"{tag}/posterior"
         for name, positions in forward.posterior_positions.items():
-            message = GradientMessage(
-                sender=label.name,
-                receiver=name,
-                round=round,
-                batch_id=batch_id,
-                positions=positions,
-                tag=f"{tag}/posterior",
-                gradient=forward.sums.grad[positions].detach().contiguous(),
+            label.send(
+                GradientMessage(
+                    **fed.header(name, round, batch_id),
+                    positions=positions,
+                    tag=source,
+                    gradient=forward.sums.grad[positions].detach().contiguous(),
+                )
             )
-            delivered = self.channel.receive(
-                message, sender=label.name, receiver=name, round=round, batch_id=batch_id
-            )
-            by_name[name].backward_posterior(delivered, tag=tag)
-        for party in self.parties:
-            party.step()
+        fed.update(round=round, tag=source)
         label.generative_optimizer.step()
         label.generative_optimizer.zero_grad(set_to_none=True)
         return loss.item()
@@ -683,7 +704,7 @@ class FalseVflMethod:
         """Stage 2: ascend L'_kappa(phi) on labelled rows with Theta_g frozen (no gradients out)."""
         label = self.label_party
         kappa = self.options.kappa
-        logits = label.model.discriminator(forward.samples)
+        logits = label.label_model.discriminator(forward.samples)
         labels = label.labels(rows)
         log_py = -F.cross_entropy(
             logits.flatten(0, 1), labels.repeat_interleave(kappa), reduction="none"
@@ -708,7 +729,7 @@ class FalseVflMethod:
             self.train_step,
             self.sampler,
             epochs=self._epochs(1),
-            rng=self.rng,
+            rng=self.fed.rng,
             on_step=on_step,
         )
         offset = len(self.sampler) * self._epochs(1)
@@ -718,17 +739,12 @@ class FalseVflMethod:
             self.train_step,
             self.labeled_sampler,
             epochs=self._epochs(2),
-            rng=self.rng,
+            rng=self.fed.rng,
             on_step=shifted,
         )
         return losses
 
     # ---- evaluation --------------------------------------------------------------------
-
-    def _next_query(self) -> int:
-        """A fresh round number for every evaluation pass, so no aggregation context repeats."""
-        self._queries += 1
-        return self._queries
 
     def posterior(self, split_name: str, rows: np.ndarray) -> tuple[Tensor, Tensor]:
         """The aggregated q(h | x_obs) of ``rows`` as the label party gets it: (mean, precision)."""
@@ -738,7 +754,7 @@ class FalseVflMethod:
                 split_name,
                 torch.from_numpy(rows),
                 self.posterior_selection(mask),
-                round=self._next_query(),
+                round=self.fed.next_query(),
                 batch_id=0,
                 tag=f"posterior/{split_name}",
                 train=False,
@@ -754,7 +770,7 @@ class FalseVflMethod:
                 torch.from_numpy(rows),
                 mask,
                 samples,
-                round=self._next_query(),
+                round=self.fed.next_query(),
                 batch_id=0,
                 tag=f"weights/{split_name}",
                 train=False,
@@ -769,7 +785,7 @@ class FalseVflMethod:
         """SNIS over L samples: p(y | x_obs) ~ sum_l w_l p(y | h_l), with label-free weights w."""
         split = split_tensors(self.data)[split_name]
         samples = self.options.inference_samples
-        round = self._next_query()
+        round = self.fed.next_query()
         probabilities = np.zeros((split.n, self.data.num_classes), dtype=np.float32)
         weights = np.zeros((split.n, samples), dtype=np.float32)
         label = self.label_party
@@ -791,15 +807,17 @@ class FalseVflMethod:
                 )
                 normalised = torch.softmax(forward.log_weights, dim=1)
                 class_probabilities = torch.softmax(
-                    label.model.discriminator(forward.samples), dim=-1
+                    label.label_model.discriminator(forward.samples), dim=-1
                 )
                 mixed = torch.einsum("bl,blc->bc", normalised, class_probabilities)
             probabilities[rows.numpy()] = mixed.numpy()
             weights[rows.numpy()] = normalised.numpy()
         if without.size:  # no releasable posterior: the prior, where all weights are equal
             with torch.no_grad():
-                prior = label.model.prior_samples(without.size, samples, label.generator)
-                class_probabilities = torch.softmax(label.model.discriminator(prior), dim=-1)
+                prior = label.label_model.prior_samples(
+                    without.size, samples, label.latent_generator
+                )
+                class_probabilities = torch.softmax(label.label_model.discriminator(prior), dim=-1)
             probabilities[without] = class_probabilities.mean(dim=1).numpy()
             weights[without] = 1.0 / samples
         return Inference(probabilities=probabilities, weights=weights)

@@ -127,6 +127,10 @@ class PartyLatentModel(nn.Module):
         self.decoder = PartyDecoder(latent, features, hidden=hidden)
         self.missingness = MissingnessModel(features, hidden=hidden) if missingness else None
 
+    def forward(self, x: Tensor) -> Tensor:
+        """What the party sends for the posterior: concat[mean, precision] of its factor."""
+        return torch.cat(self.encoder(x), dim=-1)
+
 
 class GaussianMap(nn.Module):
     """An MLP giving the mean and scale of a diagonal Gaussian over ``out`` given ``inp``."""
