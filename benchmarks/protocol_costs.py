@@ -133,9 +133,8 @@ def psi(sizes: list[int]) -> list[dict[str, Any]]:
 
 
 def dp_training(epochs: int) -> list[dict[str, Any]]:
-    from protocols.dp import GradientNoise, PrivacyAccountant, make_private_party
+    from protocols.privacy import PrivacyEngine, PrivacySpec
     from secure_vfl.experiment import TrainConfig, prepare_data, run_training
-    from secure_vfl.federation.channel import Channel
     from secure_vfl.methods import MethodConfig
 
     config = TrainConfig(
@@ -145,40 +144,20 @@ def dp_training(epochs: int) -> list[dict[str, Any]]:
         method_config=MethodConfig(heads="active", epochs=epochs),
     )
     data = prepare_data(config)
-    rate = config.method_config.batch_size / data.train.n
     run_training(config, data=data)  # warm-up: the first run pays for lazy initialisation
     rows: list[dict[str, Any]] = []
-    for name in ("none", "gradient noise", "dp-sgd"):
-        accountant = PrivacyAccountant()
-        channel = Channel()
-        if name == "gradient noise":
-            channel.layers.append(
-                GradientNoise(
-                    1.0,
-                    0.01,
-                    sample_rate=rate,
-                    generator=torch.Generator().manual_seed(2),
-                    on_event=accountant.on_event,
-                )
-            )
-
-        def private(method: Any, kind: str = name, acc: PrivacyAccountant = accountant) -> None:
-            if kind == "dp-sgd":
-                for party in in_process_parties(method.fed.channel):
-                    make_private_party(
-                        party,
-                        noise_multiplier=1.0,
-                        max_grad_norm=0.05,
-                        sample_rate=rate,
-                        on_event=acc.on_event,
-                    )
-
+    specs = {
+        "none": PrivacySpec(),
+        "gradient noise": PrivacySpec(dp_gradients=(1.0, 0.01)),
+        "dp-sgd": PrivacySpec(dp_sgd=(1.0, 0.05)),
+    }
+    for name, spec in specs.items():
         try:
-            result = run_training(config, data=data, channel=channel, on_built=private)
+            result = run_training(config, data=data, privacy=PrivacyEngine(spec))
         except IntegrityError as error:  # too much noise: report it rather than a number
             rows.append({"protection": name, "diverged": str(error)})
             continue
-        epsilons = accountant.epsilons(1e-5)
+        epsilons = result.privacy["epsilon"] if result.privacy is not None else {}
         rows.append(
             {
                 "protection": name,

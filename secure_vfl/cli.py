@@ -502,7 +502,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     engine = _privacy_engine(args)
     config = _train_config(args)
-    engine.refuse(config.method)
+    engine.refuse(config.method)  # before the data is loaded
     if config.dataset is not None:
         spec = DATASETS.get(config.dataset)
         if not spec.is_installed():
@@ -514,13 +514,6 @@ def run_train(args: argparse.Namespace) -> int:
         )
     store = ResultsStore(args.store or out.parent / "results.sqlite")
     data = prepare_data(config)
-    sample_rate = min(1.0, config.method_config.batch_size / data.train.n)
-
-    def on_built(method: Any) -> None:
-        if engine.private:  # the composition root hands each party its own mechanisms
-            parties = methods.base.in_process_parties(method.fed.channel)
-            engine.make_private(parties, sample_rate=sample_rate, total_steps=method.total_steps)
-
     channel = Channel()
     bar: Any = None
 
@@ -540,9 +533,7 @@ def run_train(args: argparse.Namespace) -> int:
                 config,
                 data=data,
                 channel=channel,
-                on_built=on_built,
-                aggregator=engine.aggregator(),
-                privacy_report=engine.report,
+                privacy=engine,
                 on_start=on_start,
                 on_step=on_step,
             )

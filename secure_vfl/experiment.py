@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -26,7 +26,8 @@ from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
 from secure_vfl.federation.alignment import make_aligner
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import AGGREGATOR
-from secure_vfl.methods.base import StepCallback
+from secure_vfl.federation.parties import DataParty
+from secure_vfl.methods.base import StepCallback, in_process_parties
 from secure_vfl.methods.false_vfl import FalseVflConfig, FalseVflMethod
 from secure_vfl.methods.imputation import IMPUTERS, ImputeConfig, Imputer, StatisticsPrivacy
 from secure_vfl.methods.imputation.evaluation import evaluate as evaluate_imputer
@@ -241,36 +242,66 @@ def evaluate(method: methods.Method, data: VerticalData) -> dict[str, dict[str, 
     return metrics
 
 
+class PrivacyLayer(Protocol):
+    """What a run needs of its privacy entry object (``protocols.privacy.PrivacyEngine``): the
+    core names this interface and never imports the privacy layer."""
+
+    def refuse(self, method: str) -> None:
+        """Raise ConfigError if ``method`` cannot host the chosen mechanisms."""
+        ...
+
+    def aggregator(self) -> Aggregator | None:
+        """The secure-sum backend (None: plain sums)."""
+        ...
+
+    def make_private(
+        self, parties: list[DataParty], *, sample_rate: float, total_steps: int
+    ) -> None:
+        """Install each mechanism inside the party it protects, with that party's accountant."""
+        ...
+
+    def report(self) -> dict[str, Any] | None:
+        """``result.json``'s privacy entry (None when no DP mechanism ran)."""
+        ...
+
+
 def run_training(
     config: TrainConfig,
     *,
     data: VerticalData | None = None,
     channel: Channel | None = None,
     aggregator: Aggregator | None = None,
+    privacy: PrivacyLayer | None = None,
     roles: Mapping[str, str] | None = None,
-    on_built: Callable[[methods.Method], None] | None = None,
-    privacy_report: Callable[[], dict[str, Any]] | None = None,
     on_start: Callable[[int], None] | None = None,
     on_step: StepCallback | None = None,
 ) -> TrainResult:
     """Train ``config.method`` and evaluate it on every test missingness.
 
-    Hooks let the composition root add protection without the core knowing it: ``channel``
-    carries the parties' messages (e.g. with DP layers), ``aggregator`` sums representations
-    (a secure backend; plain by default), ``roles`` replaces parties by registered roles
-    (attackers, defenders), ``on_built(method)`` runs before
-    training (e.g. to make parties private), ``privacy_report()`` fills ``result.privacy``
-    after evaluation; ``on_start(total_steps)`` is called once before training.
+    The composition root adds protection without the core knowing it: ``privacy`` (a
+    :class:`PrivacyLayer`, e.g. ``protocols.privacy.PrivacyEngine``) chooses the secure-sum
+    backend and installs its mechanisms inside each party once the parties exist, and its
+    report fills ``result.privacy``; ``aggregator`` overrides the backend (plain by default);
+    ``channel`` carries the parties' messages; ``roles`` replaces parties by registered roles
+    (attackers, defenders); ``on_start(total_steps)`` is called once before training.
     ``result.traffic`` counts the bytes that crossed ``channel``'s transport.
     """
+    if privacy is not None:
+        privacy.refuse(config.method)
     data = data if data is not None else prepare_data(config)
     channel = channel if channel is not None else Channel()
+    if aggregator is None and privacy is not None:
+        aggregator = privacy.aggregator()
     aggregator = aggregator if aggregator is not None else PlainAggregator()
     start = time.perf_counter()
     method = build_method(config, data, channel=channel, aggregator=aggregator, roles=roles)
-    if on_built is not None:
-        on_built(method)
     steps = method.total_steps
+    if privacy is not None:
+        privacy.make_private(
+            in_process_parties(channel),
+            sample_rate=min(1.0, config.method_config.batch_size / data.train.n),
+            total_steps=steps,
+        )
     if on_start is not None:
         on_start(steps)
     losses = method.fit(on_step=on_step)
@@ -286,7 +317,7 @@ def run_training(
         wall_time_s=time.perf_counter() - start,
         samples={"train": data.train.n, **{name: s.n for name, s in data.tests.items()}},
         dropped=dict(data.dropped),
-        privacy=privacy_report() if privacy_report is not None else None,
+        privacy=privacy.report() if privacy is not None else None,
         traffic=traffic_report(aggregator, train_steps=steps, channel=channel),
     )
 
