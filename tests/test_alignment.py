@@ -1,4 +1,5 @@
-"""Aligner contract (every aligner, e.g. a future PSI one, subclasses it) and the plain join."""
+"""Aligner contract (every aligner subclasses it; the PSI one in test_psi.py) and the plain
+join."""
 
 from __future__ import annotations
 

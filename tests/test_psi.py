@@ -5,23 +5,32 @@ PSI aligner contract."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from reachability import reachable
+from test_alignment import AlignerContract
 
 from protocols.psi import (
     CHUNK,
     POINT_BYTES,
+    ROUND_MATCHES,
+    ROUND_RESPONSE,
     PsiAligner,
+    PsiMatchMessage,
+    PsiNext,
     PsiRequest,
     PsiRequester,
     PsiResponder,
     PsiResponse,
+    RequesterSession,
+    ResponderSession,
     ScalarPool,
-    exchange,
     hash_ids,
     hash_to_point,
     mask_points,
@@ -29,7 +38,12 @@ from protocols.psi import (
 )
 from secure_vfl.errors import IntegrityError, ProtocolError
 from secure_vfl.federation.alignment import JoinAligner
-from secure_vfl.federation.channel import Channel, RecordingLayer
+from secure_vfl.federation.channel import (
+    Channel,
+    InProcessTransport,
+    RecordingLayer,
+    read_capture,
+)
 
 KEY_A = bytes(range(1, 33))
 KEY_B = bytes(range(101, 133))
@@ -39,10 +53,25 @@ def _points(payload: bytes) -> list[bytes]:
     return [payload[i : i + POINT_BYTES] for i in range(0, len(payload), POINT_BYTES)]
 
 
+def _next(requester: RequesterSession, batch_id: int) -> PsiNext:
+    """The requester's ask for response ``batch_id`` (built here to replay or reorder it)."""
+    return PsiNext(**requester._header(ROUND_RESPONSE, batch_id))  # type: ignore[arg-type]
+
+
+def _parties(mine, theirs, channel, *, workers=1, session="s", mode="intersection"):
+    """A requester and a responder party on ``channel``, the responder's session accepted."""
+    requester = PsiRequester(mine, workers=workers)
+    responder = PsiResponder(theirs, workers=workers)
+    requester.connect(channel)
+    responder.connect(channel)
+    responder.accept("requester", session_id=session, mode=mode, key=KEY_B)
+    return requester, responder
+
+
 def _pair(mine, theirs, *, mode="intersection", session="s1", seed=0):
     rng = np.random.default_rng(seed)
-    requester = PsiRequester(mine, session_id=session, mode=mode, key=KEY_A, rng=rng)
-    responder = PsiResponder(theirs, session_id=session, mode=mode, key=KEY_B, rng=rng)
+    requester = RequesterSession(mine, session_id=session, mode=mode, key=KEY_A, rng=rng)
+    responder = ResponderSession(theirs, session_id=session, mode=mode, key=KEY_B, rng=rng)
     return requester, responder
 
 
@@ -116,7 +145,7 @@ def test_cardinality_mode_reveals_only_the_size():
 
     requester, responder = _pair(mine, theirs)  # intersection mode keeps A's order
     [request] = requester.requests()
-    [response] = responder.respond(request)
+    response = responder.respond(request)
     in_request_order = mask_points(KEY_B, np.frombuffer(request.points, dtype="S32"))
     assert response.peer_points == in_request_order.tobytes()
 
@@ -156,7 +185,7 @@ def test_low_order_point_refused_without_state_change(low_order):
     bad = dataclasses.replace(request, points=b"".join(points))
     with pytest.raises(IntegrityError, match="point 4 is of low order"):
         responder.respond(bad)
-    [response] = responder.respond(request)  # state unchanged: the genuine request still works
+    response = responder.respond(request)  # state unchanged: the genuine request still works
 
     own = _points(response.own_points)
     own[2] = low_order
@@ -176,7 +205,7 @@ def test_malformed_points_refused():
     duplicated = request.points[:32] * 2
     with pytest.raises(IntegrityError, match="distinct masked values expected"):
         responder.respond(dataclasses.replace(request, points=duplicated))
-    [response] = responder.respond(request)
+    response = responder.respond(request)
     with pytest.raises(ProtocolError, match="2 doubly masked points expected"):
         requester.receive(dataclasses.replace(response, peer_points=response.peer_points[:32]))
     assert requester.receive(response).size == 1
@@ -185,14 +214,14 @@ def test_malformed_points_refused():
 def test_tampered_masked_value_does_not_match_or_is_refused():
     ids = [f"same-{i}" for i in range(50)]
     requester, responder = _pair(ids, ids)
-    [response] = responder.respond(next(requester.requests()))
+    response = responder.respond(next(requester.requests()))
     own = bytearray(response.own_points)
     own[0] ^= 0x01  # another valid point: its id simply no longer matches
     result = requester.receive(dataclasses.replace(response, own_points=bytes(own)))
     assert result.size == 49 and result.indices is not None and len(result.indices) == 49
 
     requester, responder = _pair(ids, ids)
-    [response] = responder.respond(next(requester.requests()))
+    response = responder.respond(next(requester.requests()))
     own = bytearray(response.own_points)
     own[31] ^= 0x80  # top bit set: never produced by X25519, refused
     with pytest.raises(IntegrityError, match="point 0 is not a canonical u-coordinate"):
@@ -208,7 +237,7 @@ def test_message_from_another_session_or_replayed_refused():
         other_responder.respond(request)
     requester2, responder2 = _pair(["x", "y"], ["y"], session="session-2")
     [request2] = requester2.requests()
-    [response2] = responder2.respond(request2)
+    response2 = responder2.respond(request2)
     with pytest.raises(ProtocolError, match="session id 'session-1' expected"):
         requester.receive(response2)
     with pytest.raises(ProtocolError, match="one request per session"):
@@ -225,7 +254,7 @@ def test_message_without_a_session_refused():
     assert request.session == "s1"
     with pytest.raises(ProtocolError, match="psi-request from requester: a session id expected"):
         responder.respond(dataclasses.replace(request, session=""))
-    [response] = responder.respond(request)  # state unchanged: the genuine request still works
+    response = responder.respond(request)  # state unchanged: the genuine request still works
     assert requester.receive(response).size == 1
 
 
@@ -255,6 +284,11 @@ def test_psi_aligner_equals_join_aligner(kind):
     assert np.array_equal(got.mask, expected.mask)
     assert got.dropped == expected.dropped > 0
     assert 0 < got.mask.sum() < got.mask.size  # partial overlaps
+
+
+class TestPsiAligner(AlignerContract):
+    def make_aligner(self) -> PsiAligner:
+        return PsiAligner(workers=1)
 
 
 def test_psi_aligner_data_parties_never_see_each_others_ids():
@@ -356,9 +390,8 @@ def test_two_workers_give_what_one_gives():
     results = []
     for workers in (1, 2):
         with ScalarPool(workers) as pool:
-            requester = PsiRequester(mine, session_id="s", key=KEY_A, workers=pool)
-            responder = PsiResponder(theirs, session_id="s", key=KEY_B, workers=pool)
-            results.append(exchange(requester, responder))
+            requester, _ = _parties(mine, theirs, Channel(), workers=pool)
+            results.append(requester.intersect("responder", session_id="s", key=KEY_A))
             assert pool.running == (workers == 2)
     one, two = results
     assert one.size == two.size == 1300
@@ -368,13 +401,13 @@ def test_two_workers_give_what_one_gives():
 
 def test_chunks_repeated_replayed_or_beyond_the_total_refused():
     mine, theirs = [f"c{i}" for i in range(10)], [f"c{i}" for i in range(5, 30)]
-    requester = PsiRequester(mine, session_id="s", key=KEY_A, chunk_size=4, workers=1)
-    responder = PsiResponder(theirs, session_id="s", key=KEY_B, chunk_size=4, workers=1)
+    requester = RequesterSession(mine, session_id="s", key=KEY_A, chunk_size=4, workers=1)
+    responder = ResponderSession(theirs, session_id="s", key=KEY_B, chunk_size=4, workers=1)
     first, second, third = requester.requests()
     assert (first.total, len(third.points)) == (10, 2 * POINT_BYTES)
     with pytest.raises(ProtocolError, match="batch_id 0 expected, found 1"):
         responder.respond(second)  # out of order
-    [answer] = responder.respond(first)
+    answer = responder.respond(first)
     with pytest.raises(ProtocolError, match="batch_id 1 expected, found 0"):
         responder.respond(first)  # replayed
     repeat = dataclasses.replace(second, points=second.points[:96] + first.points[:32])
@@ -382,11 +415,18 @@ def test_chunks_repeated_replayed_or_beyond_the_total_refused():
         responder.respond(repeat)  # a point of the first chunk again
     with pytest.raises(ProtocolError, match="10 points announced before, found 11"):
         responder.respond(dataclasses.replace(second, total=11))
-    other = next(PsiRequester(["z1", "z2", "z3", "z4"], session_id="s", workers=1).requests())
+    other = next(RequesterSession(["z1", "z2", "z3", "z4"], session_id="s", workers=1).requests())
     with pytest.raises(ProtocolError, match=r"10 in all, expected; found 8 in this one \(12 so"):
         responder.respond(dataclasses.replace(second, points=second.points + other.points))
-    answers = [answer, *responder.respond(second), *responder.respond(third)]
-    assert len(answers) == 7  # ceil(25 / 4) chunks of the responder's own ids
+    with pytest.raises(ProtocolError, match="response 1 asked for before A's last request"):
+        responder.answer(_next(requester, 1))  # out of turn: a request chunk is due
+    answers = [answer, responder.respond(second), responder.respond(third)]
+    with pytest.raises(ProtocolError, match="batch_id 3 expected, found 2"):
+        responder.answer(_next(requester, 2))  # replayed
+    answers += [responder.answer(_next(requester, i)) for i in range(3, 7)]
+    assert len(answers) == 7  # ceil(25 / 4) chunks of the responder's own ids, one per message
+    with pytest.raises(ProtocolError, match=r"the whole response \(7 chunks\) was sent"):
+        responder.answer(_next(requester, 7))
 
     assert requester.receive(answers[0]) is None
     with pytest.raises(ProtocolError, match="batch_id 1 expected, found 0"):
@@ -402,3 +442,142 @@ def test_chunks_repeated_replayed_or_beyond_the_total_refused():
     results = [requester.receive(a) for a in answers[1:]]
     assert results[:-1] == [None] * 5 and results[-1] is not None
     assert results[-1].size == 5 and list(results[-1].indices) == [5, 6, 7, 8, 9]
+
+
+def test_matches_out_of_turn_replayed_or_repeating_refused():
+    mine, theirs = [f"m{i}" for i in range(10)], [f"m{i}" for i in range(4, 30)]
+    requester = RequesterSession(mine, session_id="s", key=KEY_A, chunk_size=8, workers=1)
+    responder = ResponderSession(theirs, session_id="s", key=KEY_B, chunk_size=8, workers=1)
+    for request in requester.requests():
+        requester.receive(responder.respond(request))
+    one = np.zeros(1, dtype=np.int64)
+    early = PsiMatchMessage(
+        samples=1,
+        sample_positions=one,
+        peer_positions=one,
+        **requester._header(ROUND_MATCHES),  # type: ignore[arg-type]
+    )
+    with pytest.raises(ProtocolError, match="matches only after the whole response was sent"):
+        responder.receive_matches(early)  # B's own ids are still streaming
+    while requester.result is None:
+        requester.receive(responder.answer(requester.next_request()))
+    with pytest.raises(ProtocolError, match="only between the last request chunk and the result"):
+        requester.next_request()
+    matches = requester.matches(np.arange(len(mine), dtype=np.int64), len(mine))
+    repeated = dataclasses.replace(
+        matches, peer_positions=np.full_like(matches.peer_positions, matches.peer_positions[0])
+    )
+    with pytest.raises(ProtocolError, match="distinct peer positions expected"):
+        responder.receive_matches(repeated)
+    with pytest.raises(ProtocolError, match="round 2 expected, found 1"):
+        responder.receive_matches(dataclasses.replace(matches, round=ROUND_RESPONSE))
+    assert responder.rows is None  # nothing refused changed its state
+    rows = responder.receive_matches(matches)
+    held = rows >= 0
+    assert [theirs[r] for r in rows[held]] == [mine[i] for i in np.flatnonzero(held)]
+    with pytest.raises(ProtocolError, match="one matches message per session"):
+        responder.receive_matches(matches)  # replayed
+    assert responder.rows is rows
+
+
+def test_each_secret_scalar_and_generator_is_reachable_from_its_own_party_only():
+    channel = Channel()
+    label = np.array([f"p{i}" for i in range(40)])
+    parties = [np.array([f"p{i}" for i in range(k, 60, k + 2)]) for k in range(3)]
+    PsiAligner(workers=1, channel=channel).align(parties, label)
+    everyone = channel.parties
+    keys = {name: {s._key for s in party._sessions.values()} for name, party in everyone.items()}
+    assert [len(keys[name]) for name in sorted(everyone)] == [3, 1, 1, 1]  # label-party first
+    views = {name: reachable(party, stop={id(channel)}) for name, party in everyone.items()}
+    generators: dict[int, list[str]] = {}
+    for name, view in views.items():
+        held = {v for v in view if isinstance(v, bytes) and len(v) == POINT_BYTES}
+        assert keys[name] <= held  # found where it lives: the test is not vacuous
+        others = set().union(*(keys[other] for other in everyone if other != name))
+        assert held.isdisjoint(others), f"{name} reaches another party's scalar"
+        assert not any(isinstance(v, X25519PrivateKey) for v in view)
+        reached = {id(v) for v in view}
+        assert not any(id(p) in reached for other, p in everyone.items() if other != name)
+        for value in view:
+            if isinstance(value, np.random.Generator):
+                generators.setdefault(id(value), []).append(name)
+    assert len(generators) >= len(everyone)
+    assert all(len(names) == 1 for names in generators.values()), generators
+
+
+@pytest.mark.parametrize("mode", ["intersection", "cardinality"])
+def test_psi_parties_exchange_only_through_the_channel(mode, tmp_path):
+    recorder = RecordingLayer()
+    capture = io.BytesIO()
+    channel = Channel([recorder], transport=InProcessTransport(capture=capture))
+    mine = [f"u{i}" for i in range(40)]
+    theirs = [f"u{i}" for i in range(25, 150)]  # more own chunks than requests: B is asked
+    requester = InboxWatcher(mine, workers=1, chunk_size=16)
+    responder = PsiResponder(theirs, workers=1, chunk_size=16)
+    requester.connect(channel)
+    responder.connect(channel)
+    responder.accept("requester", session_id="s", mode=mode)
+    result = requester.intersect("responder", session_id="s", mode=mode)
+    assert result.size == 15 and result.peer_size == len(theirs)
+    path = tmp_path / "psi.capture"
+    path.write_bytes(capture.getvalue())
+    assert [m.kind for m in read_capture(path)] == recorder.kinds()
+    asked = [m for m in recorder.messages if m.sender == "requester"]
+    answered = [m for m in recorder.messages if m.sender == "responder"]
+    assert {m.receiver for m in asked} == {"responder"} and {m.receiver for m in answered} == {
+        "requester"
+    }
+    assert [m.kind for m in asked] == ["psi-request"] * 3 + ["psi-next"] * (len(asked) - 3)
+    assert len(answered) == len(asked) == 8  # one response per message: ceil(125 / 16)
+    assert requester.most_waiting == 1  # so no more than one response is ever held
+    for party, other in ((requester, responder), (responder, requester)):
+        assert id(other) not in {id(v) for v in reachable(party, stop={id(channel)})}
+
+
+class InboxWatcher(PsiRequester):
+    """A requester that notes the most messages ever waiting in its inbox."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.most_waiting = 0
+
+    def receive(self, message):  # type: ignore[no-untyped-def]
+        super().receive(message)
+        self.most_waiting = max(self.most_waiting, len(self._inbox))
+
+
+class ReplayingResponder(PsiResponder):
+    """A responder that sends every response twice."""
+
+    def send(self, message):  # type: ignore[no-untyped-def]
+        super().send(message)
+        super().send(message)
+
+
+def test_a_party_refuses_a_replayed_or_unasked_message_and_keeps_its_state():
+    channel = Channel()
+    requester, responder = _parties(["a", "b", "c"], ["b", "c", "d"], channel)
+    intruder = PsiRequester(["b"], name="intruder", workers=1)
+    intruder.connect(channel)
+    with pytest.raises(ProtocolError, match="accepted no session with it"):
+        intruder.intersect("responder", session_id="s")
+    assert requester.intersect("responder", session_id="s", key=KEY_A).size == 2
+    requester.send_matches("responder", np.array([-1, 0, 1]), 2)
+    assert responder.aligned_rows("requester").tolist() == [0, 1]
+    with pytest.raises(ProtocolError, match="one matches message per session"):
+        requester.send_matches("responder", np.array([0, 1, -1]), 2)  # a second, other one
+    assert responder.aligned_rows("requester").tolist() == [0, 1]
+    with pytest.raises(ProtocolError, match="one session with responder expected"):
+        requester.intersect("responder", session_id="s")
+    with pytest.raises(ProtocolError, match="ran no session with it"):
+        requester.send_matches("intruder", np.array([0, 1, 2]), 3)
+
+    replaying = Channel()
+    requester = PsiRequester(["a", "b"], workers=1)
+    responder = ReplayingResponder(["b"], workers=1)
+    requester.connect(replaying)
+    responder.connect(replaying)
+    responder.accept("requester", session_id="s")
+    with pytest.raises(ProtocolError, match=r"found 1 more: \[\('psi-response', 1, 0\)\]"):
+        requester.intersect("responder", session_id="s")
+    assert requester._sessions["responder"].responses == 0  # the response was not taken in

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import types
 from collections.abc import Callable
 
 import numpy as np
@@ -15,6 +14,7 @@ import torch
 from conftest import MakeData
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from phe import paillier
+from reachability import reachable
 
 from protocols.ckks import CkksAggregator
 from protocols.paillier import KeyPair, PaillierAggregator, generate_key_pair
@@ -75,36 +75,6 @@ def _build(method: str, data, aggregator: Aggregator, channel: Channel | None = 
     )
 
 
-def _reachable(root: object, *, stop: set[int]) -> list[object]:
-    """Every object reachable from ``root``: attributes, containers, bound methods' owners and
-    closures, without crossing into the objects in ``stop`` (the network)."""
-    seen = set(stop)
-    found: list[object] = []
-    stack = [root]
-    while stack:
-        value = stack.pop()
-        if id(value) in seen or isinstance(value, (str, bytes, int, float, bool, type(None))):
-            continue
-        seen.add(id(value))
-        found.append(value)
-        if isinstance(value, torch.Tensor | np.ndarray | type | types.ModuleType):
-            continue
-        if isinstance(value, dict):
-            stack.extend(value.keys())
-            stack.extend(value.values())
-        elif isinstance(value, (list, tuple, set, frozenset)):
-            stack.extend(value)
-        if isinstance(value, types.MethodType):
-            stack.append(value.__self__)
-        if isinstance(value, types.FunctionType) and value.__closure__:
-            stack.extend(cell.cell_contents for cell in value.__closure__)
-        if isinstance(value, functools.partial):
-            stack.extend([value.func, *value.args, *value.keywords.values()])
-        if hasattr(value, "__dict__") and not isinstance(value, types.FunctionType):
-            stack.extend(vars(value).values())
-    return found
-
-
 def _secret(value: object) -> bool:
     return isinstance(value, X25519PrivateKey | paillier.PaillierPrivateKey) or (
         isinstance(value, ts.Context) and value.has_secret_key()
@@ -122,7 +92,7 @@ def test_each_secret_is_reachable_from_its_owner_only(
     parties = channel.parties
     owners: dict[int, list[str]] = {}
     for name, party in parties.items():
-        for value in _reachable(party, stop={id(channel)}):
+        for value in reachable(party, stop={id(channel)}):
             if _secret(value):
                 owners.setdefault(id(value), []).append(name)
     assert owners, "no secret found: the test would pass vacuously"
@@ -132,8 +102,8 @@ def test_each_secret_is_reachable_from_its_owner_only(
     # Masks: one X25519 key per contributor. Paillier, CKKS: the receiver (party-0) alone.
     assert held == (contributors if backend == "masks" else ["party-0"])
     # The label party's view of the run reaches no secret of anyone else's either.
-    reachable = _reachable(method, stop={id(channel)})
-    assert {id(v) for v in reachable if _secret(v)} <= {
+    seen = reachable(method, stop={id(channel)})
+    assert {id(v) for v in seen if _secret(v)} <= {
         key for key, names in owners.items() if names == ["party-0"]
     }
 

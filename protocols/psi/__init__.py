@@ -25,15 +25,25 @@ learns which of its ids are aligned (step 4, :class:`PsiMatchMessage`), which al
 training needs anyway. Not protected: a malicious party may choose its ids (inputs) freely; every
 party learns the set sizes.
 
+Flow control: B answers each message of A with exactly one response and sends nothing unasked;
+once its request chunks are all sent, A asks for each further response (:class:`PsiNext`). So at
+most one response is in flight, and memory stays bounded on both sides whatever the transport.
+
 Refused from a peer, with no state change: points that are not 32 bytes, non-canonical encodings
 (which an honest party never sends), low-order points (the shared secret is all zero), duplicate
-masked values (across chunks too), chunks that do not fit the announced totals, and messages from
-another session, round, sender, chunk or mode (replays).
+masked values (across chunks too), chunks that do not fit the announced totals, messages from
+another session, round, sender, chunk or mode (replays), responses asked for out of turn or
+twice, and matches out of turn, twice or with repeated positions.
+
+Parties are actors (:class:`~secure_vfl.federation.parties.Party`): :class:`PsiRequester` and
+:class:`PsiResponder` each own their ids, shuffle generator and per-session secret scalar, and
+meet only through a :class:`~secure_vfl.federation.channel.Channel`.
 
 Modules: :mod:`protocols.psi_kernel` (hashing, scalar multiplication over worker processes,
 point checks, digests; torch-free, so it sits outside this package), :mod:`.messages`,
-:mod:`.roles` (the two parties; their memory), :mod:`.session` (both roles in-process) and
-:mod:`.aligner` (:class:`PsiAligner`, registered as the ``psi`` aligner on import).
+:mod:`.roles` (each role's session: its checks and its memory), :mod:`.parties` (the two
+parties), :mod:`.session` (:func:`run_psi`: one run in-process) and :mod:`.aligner`
+(:class:`PsiAligner`, registered as the ``psi`` aligner on import).
 """
 
 from protocols.psi.aligner import PsiAligner
@@ -42,19 +52,21 @@ from protocols.psi.messages import (
     PsiMatchMessage,
     PsiMessage,
     PsiMode,
+    PsiNext,
     PsiRequest,
     PsiResponse,
 )
+from protocols.psi.parties import PsiRequester, PsiResponder
 from protocols.psi.roles import (
     LOOKUP_BLOCK,
     ROUND_MATCHES,
     ROUND_REQUEST,
     ROUND_RESPONSE,
-    PsiRequester,
-    PsiResponder,
     PsiResult,
+    RequesterSession,
+    ResponderSession,
 )
-from protocols.psi.session import exchange, fresh_session_id, run_psi
+from protocols.psi.session import fresh_session_id, run_psi
 from protocols.psi_kernel import (
     CHUNK,
     DIGEST_BYTES,
@@ -87,15 +99,17 @@ __all__ = [
     "PsiMatchMessage",
     "PsiMessage",
     "PsiMode",
+    "PsiNext",
     "PsiRequest",
     "PsiRequester",
     "PsiResponder",
     "PsiResponse",
     "PsiResult",
+    "RequesterSession",
+    "ResponderSession",
     "ScalarPool",
     "decode_points",
     "digests",
-    "exchange",
     "fresh_key",
     "fresh_session_id",
     "hash_ids",

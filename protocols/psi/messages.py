@@ -67,7 +67,8 @@ class PsiRequest(PsiMessage):
 @register_message
 @dataclass(frozen=True, kw_only=True)
 class PsiResponse(PsiMessage):
-    """Step 2, B -> A, one chunk of each of two streams, either possibly empty: ``peer_points``,
+    """Step 2, B -> A, the answer to one message of A (a :class:`PsiRequest` or a
+    :class:`PsiNext`): one chunk of each of two streams, either possibly empty: ``peer_points``,
     ``b·(a·H(x))`` for all the points of A's next unanswered request chunk (in that chunk's order,
     unless cardinality mode, where they are shuffled over all of A's points), and ``own_points``,
     the next of B's ``own_total`` masked ids ``b·H(y)`` in B's secret shuffled order."""
@@ -82,6 +83,16 @@ class PsiResponse(PsiMessage):
         self._check_total("own_total", self.own_total)
         decode_points(self.peer_points, f"{self.kind} from {self.sender} (A's points)")
         decode_points(self.own_points, f"{self.kind} from {self.sender} (its own points)")
+
+
+@register_message
+@dataclass(frozen=True, kw_only=True)
+class PsiNext(PsiMessage):
+    """Step 2, A -> B, once A's request chunks are all sent: "send response chunk
+    ``batch_id``". B answers each of A's messages with exactly one response and sends nothing
+    unasked, so at most one response is in flight, whatever the transport."""
+
+    kind: ClassVar[str] = "psi-next"
 
 
 @register_message

@@ -1,5 +1,13 @@
-"""The two roles of DH-PSI: :class:`PsiRequester` (A, who learns the result) and
-:class:`PsiResponder` (B), each checking every message of its peer before its state changes.
+"""The two roles of DH-PSI as state machines: :class:`RequesterSession` (A, who learns the
+result) and :class:`ResponderSession` (B). Each turns one message of its peer into its answer,
+checking the message before its state changes; the parties that hold them and carry their
+messages are in :mod:`.parties`.
+
+Flow control: B answers each message of A with exactly one response (possibly empty) and sends
+nothing unasked: A sends its request chunks, then, once they are all sent, one :class:`PsiNext`
+per further response it is owed. So at most one response is in flight (waiting in A's inbox),
+over an in-process channel that delivers at once as over a network, and neither side buffers the
+other's stream.
 
 Memory (N_A, N_B: the set sizes; ids themselves are the caller's). Points are streamed: a message
 holds one chunk (32 bytes per point), and what a role keeps between chunks is fixed-size numpy
@@ -12,19 +20,20 @@ first 16 bytes: uniform, so a false match or repeat has probability about N_A·N
   result (8 bytes per intersecting id, twice in intersection mode).
 - responder: its shuffle (4·N_B), a digest and position of each requested point (20·N_A) to
   refuse repeats across chunks, and in ``cardinality`` mode A's doubly masked points until they
-  are shuffled (32·N_A): 20·N_A + 4·N_B bytes, 52·N_A + 4·N_B in cardinality mode.
+  are shuffled and sent back (32·N_A): 20·N_A + 4·N_B bytes, 52·N_A + 4·N_B in cardinality mode.
 - everything else is per chunk: a small multiple of 32·``chunk_size`` bytes.
 
 At 10^6 ids per side that is about 44 MB (requester) and 24 MB (responder); a process holding
 both roles grew by 61 MB (intersection) and 90 MB (cardinality mode) at 10^6 ids per side
-(``benchmarks/psi_costs.py``). A ``transcript`` keeps every message (64·N_A + 32·N_B bytes).
+(``benchmarks/psi_costs.py``). A :class:`~secure_vfl.federation.channel.RecordingLayer` on the
+channel keeps every message (64·N_A + 32·N_B bytes).
 """
 
 from __future__ import annotations
 
 import math
 import secrets
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +43,7 @@ from protocols.psi.messages import (
     PsiMatchMessage,
     PsiMessage,
     PsiMode,
+    PsiNext,
     PsiRequest,
     PsiResponse,
 )
@@ -55,9 +65,14 @@ LOOKUP_BLOCK = 1 << 16
 """Digests looked up at a time when intersecting (bounds the temporaries)."""
 
 ROUND_REQUEST, ROUND_RESPONSE, ROUND_MATCHES = 0, 1, 2
+"""Header rounds: A's request chunks; B's responses (and A's :class:`PsiNext` asking for one,
+under the batch id of the response it asks for); A's matches."""
+
+_NO_POINTS = np.empty(0, dtype=f"S{POINT_BYTES}")
 
 
-def _default_rng() -> np.random.Generator:
+def default_rng() -> np.random.Generator:
+    """A generator seeded from :mod:`secrets`: a party's own secret shuffles."""
     return np.random.default_rng(secrets.randbits(128))
 
 
@@ -90,7 +105,14 @@ def _check_key(key: bytes) -> bytes:
     return key
 
 
-class _PsiRole:
+def check_chunk_size(chunk_size: int) -> int:
+    """``chunk_size`` if it is an integer >= 1, else ConfigError."""
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ConfigError(f"`chunk_size` must be an integer >= 1. Found {chunk_size!r}.")
+    return chunk_size
+
+
+class _Session:
     """What both roles share: ids, key, session, chunking and the scalar-multiplication pool."""
 
     def __init__(
@@ -106,16 +128,14 @@ class _PsiRole:
         workers: int | ScalarPool | None = None,
         chunk_size: int = CHUNK,
     ) -> None:
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise ConfigError(f"`chunk_size` must be an integer >= 1. Found {chunk_size!r}.")
         self.ids = ids
         self.name = name
         self.peer = peer
         self.session_id = session_id
         self.mode = _check_mode(mode)
-        self.chunk_size = chunk_size
+        self.chunk_size = check_chunk_size(chunk_size)
         self._key = _check_key(key if key is not None else fresh_key())
-        self._rng = rng if rng is not None else _default_rng()
+        self._rng = rng if rng is not None else default_rng()
         self._owns_pool = not isinstance(workers, ScalarPool)
         self._pool = workers if isinstance(workers, ScalarPool) else ScalarPool(workers)
 
@@ -167,9 +187,10 @@ class _PsiRole:
         }
 
 
-class PsiRequester(_PsiRole):
-    """Party A: streams its masked ids (:meth:`requests`), takes B's response chunks
-    (:meth:`receive`) and learns the intersection (or its size) from the last one.
+class RequesterSession(_Session):
+    """A's side of one session: streams its masked ids (:meth:`requests`), takes B's response
+    to each of its messages (:meth:`receive`), asks for the rest of B's stream
+    (:meth:`next_request`) and learns the intersection (or its size) from the last response.
 
     ``chunk_size``: points per request message. ``workers``: processes for the scalar
     multiplications (default all cores, 1 for none; stopped when the result is in) or a
@@ -200,7 +221,7 @@ class PsiRequester(_PsiRole):
             workers=workers,
             chunk_size=chunk_size,
         )
-        self.chunks = max(1, math.ceil(len(ids) / chunk_size))
+        self.chunks = max(1, math.ceil(len(ids) / self.chunk_size))
         """Request chunks this party sends (one, empty, for no ids)."""
         self._order: np.ndarray | None = None
         self._sent = 0
@@ -213,6 +234,11 @@ class PsiRequester(_PsiRole):
         self._theirs = DigestIndex(0)
         self.result: PsiResult | None = None
         self._peer_positions: np.ndarray | None = None
+
+    @property
+    def responses(self) -> int:
+        """Responses received so far: the batch id of the next one."""
+        return self._responses
 
     def requests(self) -> Iterator[PsiRequest]:
         """Step 1: ``a·H(x)`` for each own id, in a secret random order remembered for step 3,
@@ -231,6 +257,17 @@ class PsiRequester(_PsiRole):
                 total=len(self.ids),
                 **self._header(ROUND_REQUEST, index),  # type: ignore[arg-type]
             )
+
+    def next_request(self) -> PsiNext:
+        """Step 2, after the last request chunk and before the result: ask B for its next
+        response."""
+        if self._sent < self.chunks or self.result is not None:
+            raise ProtocolError(
+                f"{self.name}: a {PsiNext.kind} only between the last request chunk and the "
+                f"result; {self._sent} of {self.chunks} chunks sent, result "
+                f"{'in' if self.result is not None else 'not in'}."
+            )
+        return PsiNext(**self._header(ROUND_RESPONSE, self._responses))  # type: ignore[arg-type]
 
     def receive(self, response: PsiResponse) -> PsiResult | None:
         """Step 3, one response chunk: check it, keep digests of ``b·(a·H(x))`` and of
@@ -331,12 +368,14 @@ class PsiRequester(_PsiRole):
         )
 
 
-class PsiResponder(_PsiRole):
-    """Party B: answers each of A's request chunks (:meth:`respond`) with its doubly masked
-    points and, interleaved, its own masked ids.
+class ResponderSession(_Session):
+    """B's side of one session: answers each of A's messages with exactly one response, its
+    doubly masked points and, interleaved, its own masked ids (:meth:`respond` to a request
+    chunk, :meth:`answer` to a :class:`PsiNext`); learns its aligned rows from A's matches
+    (:meth:`receive_matches`).
 
-    ``chunk_size``: own points per response message. ``workers``: as for :class:`PsiRequester`
-    (an own pool is stopped after the last response).
+    ``chunk_size``: own points per response message. ``workers``: as for
+    :class:`RequesterSession` (an own pool is stopped after the last response).
     """
 
     def __init__(
@@ -364,19 +403,26 @@ class PsiResponder(_PsiRole):
             chunk_size=chunk_size,
         )
         self._own_order: np.ndarray | None = None
-        self._own_chunks = math.ceil(len(ids) / chunk_size)
+        self._own_chunks = math.ceil(len(ids) / self.chunk_size)
         self._own_sent = 0
         self._peer_total: int | None = None
         self._peer_received = 0
         self._peer_chunks: list[int] = []
         self._requests_done = False
         self._seen = DigestIndex(0)
+        # Cardinality mode: A's doubly masked points, kept until they are all shuffled and sent
+        # back, and how many of A's chunks' worth went back so far.
         self._doubled: np.ndarray | None = None
+        self._doubled_sent = 0
+        self._doubled_offset = 0
         self._responses = 0
+        self.rows: np.ndarray | None = None
+        """What B learns from A's matches: its row of each aligned sample, -1 where absent."""
 
-    def respond(self, request: PsiRequest) -> Iterator[PsiResponse]:
-        """Step 2, one request chunk: ``b·(a·H(x))`` for its points and the next chunk of own
-        ``b·H(y)`` (computed as the iterator reaches them); after A's last chunk, the rest.
+    def respond(self, request: PsiRequest) -> PsiResponse:
+        """Step 2, one request chunk: ``b·(a·H(x))`` for its points (in cardinality mode none
+        until A's last chunk, then the first chunk's worth of all of them, shuffled) and the next
+        chunk of own ``b·H(y)``.
 
         The request is checked (and refused with ProtocolError/IntegrityError, keeping this
         party's state) and masked before this returns.
@@ -413,32 +459,51 @@ class PsiResponder(_PsiRole):
         self._peer_total = total
         self._peer_chunks.append(points.shape[0])
         self._requests_done = last
-        answers: Iterable[np.ndarray] = (doubled,)
+        answer = doubled
         if buffer is not None:  # cardinality mode: answer only after a shuffle over all points
             buffer[self._peer_received : received] = doubled
-            self._doubled = buffer if not last else None
-            answers = self._shuffled(buffer) if last else ()
+            self._doubled = buffer
+            if last:
+                self._rng.shuffle(buffer)
+            answer = self._shuffled_chunk() if last else _NO_POINTS
         self._peer_received = received
-        return self._responses_to(answers, last)
+        return self._response(answer)
 
-    def _shuffled(self, buffer: np.ndarray) -> Iterator[np.ndarray]:
-        self._rng.shuffle(buffer)
-        start = 0
-        for size in self._peer_chunks:
-            yield buffer[start : start + size]
-            start += size
+    def answer(self, message: PsiNext) -> PsiResponse:
+        """Step 2, after A's last request chunk: the next response A asks for (the next chunk's
+        worth of shuffled ``b·(a·H(x))`` in cardinality mode, and the next own chunk).
 
-    def _responses_to(self, answers: Iterable[np.ndarray], last: bool) -> Iterator[PsiResponse]:
-        answered = False
-        for doubled in answers:
-            answered = True
-            yield self._response(doubled)
-        if not answered and self._own_sent < self._own_chunks:
-            yield self._response(np.empty(0, dtype=f"S{POINT_BYTES}"))
-        while last and self._own_sent < self._own_chunks:
-            yield self._response(np.empty(0, dtype=f"S{POINT_BYTES}"))
-        if last:
-            self._done()
+        Refused with ProtocolError, keeping this party's state, unless it is the response due
+        and one is left.
+        """
+        self._check(message, PsiNext, ROUND_RESPONSE, self._responses)
+        where = f"{message.kind} from {message.sender}"
+        if not self._requests_done:
+            raise ProtocolError(
+                f"{where}: response {message.batch_id} asked for before A's last request chunk; "
+                f"request chunk {len(self._peer_chunks)} expected."
+            )
+        if not self._pending():
+            raise ProtocolError(
+                f"{where}: response {message.batch_id} asked for, but the whole response "
+                f"({self._responses} chunks) was sent."
+            )
+        return self._response(self._shuffled_chunk() if self._doubled is not None else _NO_POINTS)
+
+    def _pending(self) -> bool:
+        """Whether responses are left to send once A's requests are all in."""
+        return self._own_sent < self._own_chunks or self._doubled is not None
+
+    def _shuffled_chunk(self) -> np.ndarray:
+        """The next chunk's worth of A's shuffled doubly masked points (cardinality mode)."""
+        assert self._doubled is not None
+        size = self._peer_chunks[self._doubled_sent]
+        chunk = self._doubled[self._doubled_offset : self._doubled_offset + size]
+        self._doubled_sent += 1
+        self._doubled_offset += size
+        if self._doubled_sent == len(self._peer_chunks):
+            self._doubled = None
+        return chunk
 
     def _response(self, doubled: np.ndarray) -> PsiResponse:
         """One response: ``doubled`` and the next chunk of own masked ids, if any is left."""
@@ -454,12 +519,21 @@ class PsiResponder(_PsiRole):
             **self._header(ROUND_RESPONSE, self._responses),  # type: ignore[arg-type]
         )
         self._responses += 1
+        if self._requests_done and not self._pending():
+            self._done()
         return response
 
     def receive_matches(self, message: PsiMatchMessage) -> np.ndarray:
-        """Step 4: (samples,) int64, this party's row of each aligned sample, -1 where absent."""
-        if self._own_order is None:
-            raise ProtocolError(f"{self.name}: respond() must come before receive_matches().")
+        """Step 4: (samples,) int64, this party's row of each aligned sample, -1 where absent
+        (also kept in :attr:`rows`). Refused, keeping its state, before the whole response was
+        sent or after a first matches message."""
+        if self._own_order is None or not self._requests_done or self._pending():
+            raise ProtocolError(
+                f"{self.name}: matches only after the whole response was sent; "
+                f"{self._responses} response chunks sent so far."
+            )
+        if self.rows is not None:
+            raise ProtocolError(f"{self.name}: one matches message per session; already had.")
         self._check(message, PsiMatchMessage, ROUND_MATCHES)
         peer = message.peer_positions
         if peer.size and (peer.min() < 0 or peer.max() >= self._own_order.shape[0]):
@@ -467,6 +541,13 @@ class PsiResponder(_PsiRole):
                 f"{message.kind} from {message.sender}: positions in "
                 f"[0, {self._own_order.shape[0]}) expected, found [{peer.min()}, {peer.max()}]."
             )
+        for name, positions in (("sample", message.sample_positions), ("peer", peer)):
+            if np.unique(positions).size != positions.size:
+                raise ProtocolError(
+                    f"{message.kind} from {message.sender}: distinct {name} positions expected "
+                    "(one aligned sample per matched id), found repeats."
+                )
         rows = np.full(message.samples, -1, dtype=np.int64)
         rows[message.sample_positions] = self._own_order[peer]
+        self.rows = rows
         return rows

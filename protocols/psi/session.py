@@ -1,4 +1,4 @@
-"""One DH-PSI session run in-process: both roles in this process, messages passed directly."""
+"""One DH-PSI run in this process: a requester and a responder party on one channel."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import secrets
 
 import numpy as np
 
-from protocols.psi.roles import PsiRequester, PsiResponder, PsiResult
+from protocols.psi.parties import PsiRequester, PsiResponder
+from protocols.psi.roles import PsiResult, default_rng
 from protocols.psi_kernel import CHUNK, Ids, ScalarPool
-from secure_vfl.errors import ProtocolError
 from secure_vfl.federation.channel import Channel
 
 
@@ -17,19 +17,12 @@ def fresh_session_id() -> str:
     return secrets.token_hex(16)
 
 
-def exchange(
-    requester: PsiRequester, responder: PsiResponder, channel: Channel | None = None
-) -> PsiResult:
-    """Run steps 1-3 between two in-process roles, chunk by chunk; every message crosses
-    ``channel`` (encoded and decoded by its transport; a fresh in-process one by default)."""
-    channel = channel if channel is not None else Channel()
-    result: PsiResult | None = None
-    for request in requester.requests():
-        for response in responder.respond(channel.send(request)):
-            result = requester.receive(channel.send(response))
-    if result is None:
-        raise ProtocolError(f"{requester.name}: the response stream ended before it was complete.")
-    return result
+def party_generators(rng: np.random.Generator | None, parties: int) -> list[np.random.Generator]:
+    """One shuffle generator per party: independent children of ``rng`` (tests), else each
+    seeded from :mod:`secrets`; no two parties share one."""
+    if rng is not None:
+        return rng.spawn(parties)
+    return [default_rng() for _ in range(parties)]
 
 
 def run_psi(
@@ -45,30 +38,20 @@ def run_psi(
     chunk_size: int = CHUNK,
     channel: Channel | None = None,
 ) -> PsiResult:
-    """Run both roles in-process: ``mine`` is the requester (who learns the result).
+    """DH-PSI between a requester party holding ``mine`` (who learns the result) and a responder
+    party holding ``theirs``, connected to ``channel`` (a fresh in-process one by default; its
+    transport encodes and decodes every message). The requester's program drives the run.
 
-    ``rng`` drives both parties' shuffles (tests; by default each has its own secret-seeded
-    generator). ``workers`` processes (default ``os.cpu_count()``) serve both roles. Every
-    message crosses ``channel`` (see :func:`exchange`).
+    ``rng`` seeds each party's own shuffle generator (tests; by default each draws a secret
+    seed). ``workers`` processes (default ``os.cpu_count()``) serve both parties in turn.
     """
     session = session_id if session_id is not None else fresh_session_id()
+    channel = channel if channel is not None else Channel()
+    requester_rng, responder_rng = party_generators(rng, 2)
     with ScalarPool(workers) as pool:
-        requester = PsiRequester(
-            mine,
-            session_id=session,
-            mode=mode,
-            key=key_mine,
-            rng=rng,
-            workers=pool,
-            chunk_size=chunk_size,
-        )
-        responder = PsiResponder(
-            theirs,
-            session_id=session,
-            mode=mode,
-            key=key_theirs,
-            rng=rng,
-            workers=pool,
-            chunk_size=chunk_size,
-        )
-        return exchange(requester, responder, channel)
+        requester = PsiRequester(mine, rng=requester_rng, workers=pool, chunk_size=chunk_size)
+        responder = PsiResponder(theirs, rng=responder_rng, workers=pool, chunk_size=chunk_size)
+        requester.connect(channel)
+        responder.connect(channel)
+        responder.accept(requester.name, session_id=session, mode=mode, key=key_theirs)
+        return requester.intersect(responder.name, session_id=session, mode=mode, key=key_mine)
