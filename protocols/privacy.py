@@ -35,6 +35,8 @@ from protocols.dp import (
 )
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation.aggregator import Aggregator
+from secure_vfl.federation.alignment import Aligner, make_aligner
+from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.parties import DataParty
 
 SecureAgg = Literal["none", "masks", "paillier", "ckks"]
@@ -113,6 +115,15 @@ class PrivacyEngine:
     def private(self) -> bool:
         """Whether any DP mechanism is asked for."""
         return bool(self.noise)
+
+    def aligner(self, channel: Channel | None = None) -> Aligner:
+        """The alignment of the parties' ids: the plain join, or PSI between the label party and
+        each data party whose messages cross ``channel`` (a fresh in-process one by default)."""
+        if self.spec.align == "psi":
+            from protocols.psi import PsiAligner
+
+            return PsiAligner(channel=channel)
+        return make_aligner(self.spec.align)
 
     def aggregator(self) -> Aggregator | None:
         """A fresh secure-sum backend (None: the plain default)."""

@@ -513,7 +513,6 @@ def run_train(args: argparse.Namespace) -> int:
             f"{out / 'result.json'} exists; expected a new --out directory (or --overwrite)."
         )
     store = ResultsStore(args.store or out.parent / "results.sqlite")
-    data = prepare_data(config)
     channel = Channel()
     bar: Any = None
 
@@ -526,9 +525,12 @@ def run_train(args: argparse.Namespace) -> int:
         if step % 10 == 0:
             bar.set_postfix(loss=f"{loss:.3f}")
 
-    try:
-        with _capture(args.capture) as capture:
-            channel.transport = InProcessTransport(capture=capture)
+    with _capture(args.capture) as capture:
+        # PSI's messages go to the capture too, but their bytes are not training traffic.
+        alignment = Channel(transport=InProcessTransport(capture=capture))
+        data = prepare_data(config, aligner=engine.aligner(alignment))
+        channel.transport = InProcessTransport(capture=capture)
+        try:
             result = run_training(
                 config,
                 data=data,
@@ -537,16 +539,17 @@ def run_train(args: argparse.Namespace) -> int:
                 on_start=on_start,
                 on_step=on_step,
             )
-    except IntegrityError as error:
-        if not engine.private:
-            raise
-        raise IntegrityError(
-            f"training diverged under the DP noise ({error}); expected a smaller SIGMA, a CLIP "
-            "on the scale of what is clipped (gradient rows are ~1/batch), or a lower --lr."
-        ) from None
-    finally:
-        if bar is not None:
-            bar.close()
+        except IntegrityError as error:
+            if not engine.private:
+                raise
+            raise IntegrityError(
+                f"training diverged under the DP noise ({error}); expected a smaller SIGMA, a "
+                "CLIP on the scale of what is clipped (gradient rows are ~1/batch), or a lower "
+                "--lr."
+            ) from None
+        finally:
+            if bar is not None:
+                bar.close()
     atomic_write_json(out / "result.json", result.to_json())
     store.add(result.to_json(), kind="train", out_dir=out)
     print(_summary(result, out))

@@ -23,7 +23,7 @@ from secure_vfl.data.missingness import parse_mechanism
 from secure_vfl.data.vertical import VerticalData, make_vertical, vertical_from_party_files
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
-from secure_vfl.federation.alignment import make_aligner
+from secure_vfl.federation.alignment import Aligner, make_aligner
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import AGGREGATOR
 from secure_vfl.federation.parties import DataParty
@@ -121,8 +121,9 @@ class TrainResult:
         return asdict(self)
 
 
-def prepare_data(config: TrainConfig) -> VerticalData:
-    """The vertical data of a run: a registered dataset partitioned, or the user's own files."""
+def prepare_data(config: TrainConfig, *, aligner: Aligner | None = None) -> VerticalData:
+    """The vertical data of a run: a registered dataset partitioned, or the user's own files
+    aligned by ``aligner`` (by default the one registered as ``config.align``)."""
     rng = np.random.default_rng(config.seed)
     train_missing = parse_mechanism(config.train_missing)
     test_missing = [parse_mechanism(text) for text in config.test_missing]
@@ -139,7 +140,7 @@ def prepare_data(config: TrainConfig) -> VerticalData:
     return vertical_from_party_files(
         config.party_files,
         config.label_file,
-        aligner=make_aligner(config.align),
+        aligner=aligner if aligner is not None else make_aligner(config.align),
         train_missing=train_missing,
         test_missing=test_missing,
         rng=rng,

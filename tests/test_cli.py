@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from secure_vfl.cli import main
+from secure_vfl.federation.channel import read_capture
 from secure_vfl.store import ResultsStore
 
 BAD_FLAGS = [
@@ -151,11 +152,18 @@ def test_train_on_the_users_own_party_files(tmp_path: Path) -> None:
     assert result["metrics"]["mcar:0"]["accuracy"] > 70.0
     # PSI alignment reveals less but aligns the same samples: the same seed trains the same model.
     psi_argv = [a if a != str(tmp_path / "own") else str(tmp_path / "psi") for a in argv]
-    assert main([*psi_argv, "--align", "psi"]) == 0
+    capture = tmp_path / "psi.capture"
+    assert main([*psi_argv, "--align", "psi", "--capture", str(capture)]) == 0
     with_psi = json.loads((tmp_path / "psi" / "result.json").read_text())
     assert with_psi["config"]["align"] == "psi"
     assert with_psi["metrics"] == result["metrics"]
     assert with_psi["samples"] == result["samples"]
+    # The capture holds the alignment (PSI with each data party) before training; the traffic
+    # report counts training only, as the plain run's does.
+    kinds = [message.kind for message in read_capture(capture)]
+    assert kinds[0] == "psi-request" and "psi-matches" in kinds
+    assert kinds.index("represent-request") > max(i for i, k in enumerate(kinds) if "psi" in k)
+    assert with_psi["traffic"]["bytes"] == result["traffic"]["bytes"]
 
 
 def test_psi_alignment_is_for_party_files_only(
