@@ -777,3 +777,53 @@ def test_wire_module_never_runs_a_general_deserialiser() -> None:
     source = inspect.getsource(wire)
     for forbidden in ("pickle", "torch.load", "eval(", "exec(", "marshal", "allow_pickle"):
         assert forbidden not in source, forbidden
+
+
+# ---- the compiled codec's own paths ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.tensor([3e38, -3e38, 1.0], dtype=torch.float32),
+        torch.tensor([1e300, -1e300], dtype=torch.float64),
+    ],
+    ids=lambda t: str(t.dtype),
+)
+def test_finite_values_whose_squares_overflow_are_accepted(tensor: Tensor) -> None:
+    # The finiteness scan sums squares; when that overflows the exact elementwise test decides.
+    assert_round_trip(TensorMessage(**HEADER, tensor=tensor))
+    poisoned = torch.cat([tensor, torch.tensor([float("nan")], dtype=tensor.dtype)])
+    with pytest.raises(IntegrityError, match="finite values expected"):
+        decode(encode(TensorMessage(**HEADER, tensor=poisoned)))
+
+
+def test_views_encode_as_their_values() -> None:
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    for view in (base[1:3], base[1:, ::2], base.t()[2:], base.reshape(-1)[5:9]):
+        decoded = decode(encode(TensorMessage(**HEADER, tensor=view)))
+        assert isinstance(decoded, TensorMessage)
+        assert torch.equal(decoded.tensor, view) and decoded.tensor.is_contiguous()
+
+
+def test_a_bool_tensor_holding_other_bytes_is_not_encoded() -> None:
+    forged = torch.tensor([1, 2, 0], dtype=torch.uint8).view(torch.bool)
+    with pytest.raises(ProtocolError, match="bool bytes 0 or 1 expected"):
+        encode(TensorMessage(**HEADER, tensor=forged))
+
+
+def test_another_schema_version_is_encoded_as_it_is_and_refused() -> None:
+    message = TensorMessage(**HEADER, schema_version=2, tensor=torch.ones(1, dtype=torch.uint8))
+    data = encode(message)
+    assert data == header("test-tensor", schema_version=2) + array_block(6, (1,), b"\x01")
+    with pytest.raises(ProtocolError, match="schema version 1 expected, found 2"):
+        decode(data)
+    with pytest.raises(ProtocolError, match=r"schema_version: an int expected, found bool"):
+        encode(TensorMessage(**HEADER, schema_version=True, tensor=torch.ones(1)))
+
+
+def test_registering_a_kind_longer_than_max_kind_bytes_is_refused() -> None:
+    namespace = {"__annotations__": {}, "kind": "k" * (wire.MAX_KIND_BYTES + 1)}
+    cls = dataclass(frozen=True, kw_only=True)(type("LongKind", (Message,), namespace))
+    with pytest.raises(TypeError, match=f"at most {wire.MAX_KIND_BYTES} UTF-8 bytes"):
+        register_message(cls)

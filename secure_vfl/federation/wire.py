@@ -23,6 +23,10 @@ Layout (integers little-endian and fixed-width)::
 Allowed array dtypes (code): float32 (1), float64 (2), int64 (3), int32 (4), uint64 (5),
 uint8 (6), bool (7, each byte 0 or 1). Decoding runs only the parsing below: nothing a peer sends
 is ever run as code or handed to a general-purpose object deserialiser.
+
+Registration compiles each field's declared type into an encoder and a decoder (closures over the
+field's layout), so encoding or decoding a message walks two flat lists of them: no type
+introspection and no per-value dispatch at call time.
 """
 
 from __future__ import annotations
@@ -34,7 +38,6 @@ import operator
 import struct
 import types
 import typing
-from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
@@ -42,7 +45,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from secure_vfl.errors import IntegrityError, ProtocolError
+from secure_vfl.errors import IntegrityError, ProtocolError, RegistryError
 from secure_vfl.registry import Registry
 
 if TYPE_CHECKING:  # messages.py registers its classes here: importing it would be a cycle
@@ -57,117 +60,66 @@ MAX_NDIM = 64  # numpy's limit
 HEADER_FIELDS = ("schema_version", "sender", "receiver", "session", "round", "batch_id")
 
 _PREFIX = struct.Struct("<4sH")
-_U8 = struct.Struct("<B")
 _I64 = struct.Struct("<q")
 _U64 = struct.Struct("<Q")
 _F64 = struct.Struct("<d")
 _ARRAY_HEAD = struct.Struct("<BB")
-# An array's dimensions and byte count, by its number of dimensions.
+# An array's dimensions and byte count, by its number of dimensions (what decode reads after the
+# head), and the whole array header, head included (what encode writes in one pack).
 _ARRAY_SHAPES = tuple(struct.Struct(f"<{ndim}QQ") for ndim in range(MAX_NDIM + 1))
+_ARRAY_HEADERS = tuple(struct.Struct(f"<BB{ndim}QQ") for ndim in range(MAX_NDIM + 1))
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+_BOOL_BYTES = b"\x00\x01"  # what bytes.translate deletes: whatever is left is not a bool byte
 
-# Wire dtype code -> (little-endian numpy dtype, torch dtype). Nothing else crosses the wire.
-_DTYPES: dict[int, tuple[np.dtype[Any], torch.dtype]] = {
-    1: (np.dtype("<f4"), torch.float32),
-    2: (np.dtype("<f8"), torch.float64),
-    3: (np.dtype("<i8"), torch.int64),
-    4: (np.dtype("<i4"), torch.int32),
-    5: (np.dtype("<u8"), torch.uint64),
-    6: (np.dtype("u1"), torch.uint8),
-    7: (np.dtype("?"), torch.bool),
+
+@dataclasses.dataclass(frozen=True)
+class _Dtype:
+    """One dtype allowed on the wire."""
+
+    code: int
+    numpy: np.dtype[Any]  # little-endian
+    torch: torch.dtype
+    finite: bool  # floating point: every value must be finite
+    boolean: bool  # every byte must be 0 or 1
+
+
+# Wire dtype code -> dtype. Nothing else crosses the wire.
+_DTYPES = {
+    dtype.code: dtype
+    for dtype in (
+        _Dtype(1, np.dtype("<f4"), torch.float32, finite=True, boolean=False),
+        _Dtype(2, np.dtype("<f8"), torch.float64, finite=True, boolean=False),
+        _Dtype(3, np.dtype("<i8"), torch.int64, finite=False, boolean=False),
+        _Dtype(4, np.dtype("<i4"), torch.int32, finite=False, boolean=False),
+        _Dtype(5, np.dtype("<u8"), torch.uint64, finite=False, boolean=False),
+        _Dtype(6, np.dtype("u1"), torch.uint8, finite=False, boolean=False),
+        _Dtype(7, np.dtype("?"), torch.bool, finite=False, boolean=True),
+    )
 }
-_FLOAT_CODES = frozenset({1, 2})
-_BOOL_CODE = 7
-_CODE_BY_KIND = {(dtype.kind, dtype.itemsize): code for code, (dtype, _) in _DTYPES.items()}
-_TORCH_DTYPES = {torch_dtype for _, torch_dtype in _DTYPES.values()}
-_DTYPE_NAMES = ", ".join(dtype.name for dtype, _ in _DTYPES.values())
+_DTYPE_BY_TORCH = {dtype.torch: dtype for dtype in _DTYPES.values()}
+# A numpy array's wire dtype by its (kind, itemsize), whatever its byte order.
+_DTYPE_BY_KIND = {(dtype.numpy.kind, dtype.numpy.itemsize): dtype for dtype in _DTYPES.values()}
+_DTYPE_NAMES = ", ".join(dtype.numpy.name for dtype in _DTYPES.values())
 
 MessageT = TypeVar("MessageT", bound="Message")
+# The pieces of a message being encoded, joined once at the end (arrays by their buffers).
 _Parts = list[bytes | memoryview]
+# A field's encoder appends one value to the parts and returns how many bytes it appended; its
+# decoder reads one value at an offset into the message and returns it with the offset after it.
+# Both raise ProtocolError for what has no canonical encoding.
+_Encoder = Callable[[Any, _Parts], int]
+_Decoder = Callable[[memoryview, int], tuple[Any, int]]
+_Codec = tuple[_Encoder, _Decoder]
 
 
-class _Reader:
-    """A cursor over the bytes being decoded that refuses to read past their end."""
-
-    __slots__ = ("offset", "view")
-
-    def __init__(self, view: memoryview) -> None:
-        self.view = view
-        self.offset = 0
-
-    def remaining(self) -> int:
-        return len(self.view) - self.offset
-
-    def take(self, size: int, where: str) -> memoryview:
-        if size > len(self.view) - self.offset:
-            raise ProtocolError(
-                f"{where}: {size} bytes expected, found {self.remaining()}: the message is "
-                "truncated."
-            )
-        start = self.offset
-        self.offset = start + size
-        return self.view[start : self.offset]
-
-    def unpack(self, layout: struct.Struct, where: str) -> tuple[Any, ...]:
-        if layout.size > len(self.view) - self.offset:
-            raise ProtocolError(
-                f"{where}: {layout.size} bytes expected, found {self.remaining()}: the message is "
-                "truncated."
-            )
-        values = layout.unpack_from(self.view, self.offset)
-        self.offset += layout.size
-        return values
+def _truncated(where: str, size: int, view: memoryview, offset: int) -> ProtocolError:
+    return ProtocolError(
+        f"{where}: {size} bytes expected, found {len(view) - offset}: the message is truncated."
+    )
 
 
-class _Codec(ABC):
-    """Encodes and decodes the values of one declared field type; ``where`` names the field."""
-
-    def __init__(self, where: str) -> None:
-        self.where = where
-
-    @abstractmethod
-    def encode(self, value: object, out: _Parts) -> None:
-        """Append the bytes of ``value`` to ``out``; raise ProtocolError if it has none."""
-
-    @abstractmethod
-    def decode(self, reader: _Reader) -> object:
-        """Read one value; raise ProtocolError if the bytes are not its canonical encoding."""
-
-    def refuse(self, expected: str, value: object) -> ProtocolError:
-        return ProtocolError(f"{self.where}: {expected} expected, found {type(value).__name__}.")
-
-
-class _IntCodec(_Codec):
-    def encode(self, value: object, out: _Parts) -> None:
-        if isinstance(value, bool | np.bool_):
-            raise self.refuse("an int", value)
-        try:
-            number = operator.index(value)  # type: ignore[arg-type]
-        except TypeError:
-            raise self.refuse("an int", value) from None
-        if not _I64_MIN <= number <= _I64_MAX:
-            raise ProtocolError(f"{self.where}: a 64-bit signed integer expected, found {number}.")
-        out.append(_I64.pack(number))
-
-    def decode(self, reader: _Reader) -> int:
-        value: int = reader.unpack(_I64, self.where)[0]
-        return value
-
-
-class _FloatCodec(_Codec):
-    def encode(self, value: object, out: _Parts) -> None:
-        if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):
-            raise self.refuse("a float", value)
-        number = float(value)
-        if not math.isfinite(number):
-            raise IntegrityError(f"{self.where}: a finite float expected, found {number}.")
-        out.append(_F64.pack(number))
-
-    def decode(self, reader: _Reader) -> float:
-        value: float = reader.unpack(_F64, self.where)[0]
-        if not math.isfinite(value):
-            raise IntegrityError(f"{self.where}: a finite float expected, found {value}.")
-        return value
+def _refused(where: str, expected: str, value: object) -> ProtocolError:
+    return ProtocolError(f"{where}: {expected} expected, found {type(value).__name__}.")
 
 
 def _shown(value: object) -> str:
@@ -176,214 +128,317 @@ def _shown(value: object) -> str:
     return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
 
 
-def _read_flag(reader: _Reader, where: str, meaning: str) -> bool:
-    flag = reader.unpack(_U8, where)[0]
+def _read_flag(view: memoryview, offset: int, where: str, meaning: str) -> bool:
+    if offset >= len(view):
+        raise _truncated(where, 1, view, offset)
+    flag: int = view[offset]
     if flag > 1:
         raise ProtocolError(f"{where}: {meaning} byte 0 or 1 expected, found {flag}.")
     return flag == 1
 
 
-class _BoolCodec(_Codec):
-    def encode(self, value: object, out: _Parts) -> None:
-        if not isinstance(value, bool):
-            raise self.refuse("a bool", value)
-        out.append(b"\x01" if value else b"\x00")
+def _int_codec(where: str) -> _Codec:
+    def encode_int(value: Any, out: _Parts) -> int:
+        if type(value) is not int:  # exactly int is the common case; bool is not an int here
+            if isinstance(value, bool | np.bool_):
+                raise _refused(where, "an int", value)
+            try:
+                value = operator.index(value)
+            except TypeError:
+                raise _refused(where, "an int", value) from None
+        if not _I64_MIN <= value <= _I64_MAX:
+            raise ProtocolError(f"{where}: a 64-bit signed integer expected, found {value}.")
+        out.append(_I64.pack(value))
+        return 8
 
-    def decode(self, reader: _Reader) -> bool:
-        return _read_flag(reader, self.where, "a bool")
+    def decode_int(view: memoryview, offset: int) -> tuple[int, int]:
+        end = offset + 8
+        if end > len(view):
+            raise _truncated(where, 8, view, offset)
+        value: int = _I64.unpack_from(view, offset)[0]
+        return value, end
+
+    return encode_int, decode_int
 
 
-class _BytesCodec(_Codec):
-    def encode(self, value: object, out: _Parts) -> None:
+def _float_codec(where: str) -> _Codec:
+    def encode_float(value: Any, out: _Parts) -> int:
+        if type(value) is not float:
+            if isinstance(value, bool | np.bool_) or not isinstance(value, numbers.Real):
+                raise _refused(where, "a float", value)
+            value = float(value)
+        if not math.isfinite(value):
+            raise IntegrityError(f"{where}: a finite float expected, found {value}.")
+        out.append(_F64.pack(value))
+        return 8
+
+    def decode_float(view: memoryview, offset: int) -> tuple[float, int]:
+        end = offset + 8
+        if end > len(view):
+            raise _truncated(where, 8, view, offset)
+        value: float = _F64.unpack_from(view, offset)[0]
+        if not math.isfinite(value):
+            raise IntegrityError(f"{where}: a finite float expected, found {value}.")
+        return value, end
+
+    return encode_float, decode_float
+
+
+def _bool_codec(where: str) -> _Codec:
+    def encode_bool(value: Any, out: _Parts) -> int:
+        if value is True:
+            out.append(b"\x01")
+        elif value is False:
+            out.append(b"\x00")
+        else:
+            raise _refused(where, "a bool", value)
+        return 1
+
+    def decode_bool(view: memoryview, offset: int) -> tuple[bool, int]:
+        return _read_flag(view, offset, where, "a bool"), offset + 1
+
+    return encode_bool, decode_bool
+
+
+def _span(where: str, view: memoryview, offset: int) -> tuple[int, int]:
+    """Where the byte string whose u64 length is at ``offset`` starts and ends."""
+    start = offset + 8
+    if start > len(view):
+        raise _truncated(where, 8, view, offset)
+    end: int = start + _U64.unpack_from(view, offset)[0]
+    if end > len(view):
+        raise _truncated(where, end - start, view, start)
+    return start, end
+
+
+def _bytes_codec(where: str) -> _Codec:
+    def encode_bytes(value: Any, out: _Parts) -> int:
         if not isinstance(value, bytes | bytearray):
-            raise self.refuse("bytes", value)
+            raise _refused(where, "bytes", value)
         out.append(_U64.pack(len(value)))
         out.append(bytes(value))
+        return 8 + len(value)
 
-    def decode(self, reader: _Reader) -> bytes:
-        size = reader.unpack(_U64, self.where)[0]
-        return bytes(reader.take(size, self.where))
+    def decode_bytes(view: memoryview, offset: int) -> tuple[bytes, int]:
+        start, end = _span(where, view, offset)
+        return bytes(view[start:end]), end
+
+    return encode_bytes, decode_bytes
 
 
-class _StrCodec(_Codec):
-    def encode(self, value: object, out: _Parts) -> None:
+def _str_codec(where: str) -> _Codec:
+    def encode_str(value: Any, out: _Parts) -> int:
         if not isinstance(value, str):
-            raise self.refuse("a str", value)
+            raise _refused(where, "a str", value)
         try:
             raw = value.encode("utf-8")
         except UnicodeEncodeError as error:
-            raise ProtocolError(f"{self.where}: a str encodable as UTF-8 expected.") from error
+            raise ProtocolError(f"{where}: a str encodable as UTF-8 expected.") from error
         out.append(_U64.pack(len(raw)))
         out.append(raw)
+        return 8 + len(raw)
 
-    def decode(self, reader: _Reader) -> str:
-        size = reader.unpack(_U64, self.where)[0]
-        raw = reader.take(size, self.where)
+    def decode_str(view: memoryview, offset: int) -> tuple[str, int]:
+        start, end = _span(where, view, offset)
         try:
-            return str(raw, "utf-8")
+            return str(view[start:end], "utf-8"), end
         except UnicodeDecodeError as error:
-            raise ProtocolError(
-                f"{self.where}: UTF-8 text expected, found {error.reason}."
-            ) from None
+            raise ProtocolError(f"{where}: UTF-8 text expected, found {error.reason}.") from None
+
+    return encode_str, decode_str
 
 
-class _LiteralCodec(_StrCodec):
-    def __init__(self, where: str, values: tuple[str, ...]) -> None:
-        super().__init__(where)
-        self.values = values
+def _literal_codec(where: str, values: tuple[str, ...]) -> _Codec:
+    encode_str, decode_str = _str_codec(where)
 
-    def encode(self, value: object, out: _Parts) -> None:
-        if value not in self.values:
-            raise ProtocolError(
-                f"{self.where}: one of {self.values} expected, found {_shown(value)}."
-            )
-        super().encode(value, out)
+    def encode_literal(value: Any, out: _Parts) -> int:
+        if value not in values:
+            raise ProtocolError(f"{where}: one of {values} expected, found {_shown(value)}.")
+        return encode_str(value, out)
 
-    def decode(self, reader: _Reader) -> str:
-        value = super().decode(reader)
-        if value not in self.values:
-            raise ProtocolError(
-                f"{self.where}: one of {self.values} expected, found {_shown(value)}."
-            )
-        return value
+    def decode_literal(view: memoryview, offset: int) -> tuple[str, int]:
+        value, offset = decode_str(view, offset)
+        if value not in values:
+            raise ProtocolError(f"{where}: one of {values} expected, found {_shown(value)}.")
+        return value, offset
+
+    return encode_literal, decode_literal
 
 
-class _TupleCodec(_Codec):
-    def __init__(self, where: str, item: _Codec, item_bytes: int) -> None:
-        super().__init__(where)
-        self.item = item
-        self.item_bytes = item_bytes  # the fewest bytes one item takes: bounds the count
+def _tuple_codec(where: str, item: _Codec, item_bytes: int) -> _Codec:
+    """A tuple of one item type; ``item_bytes``, the fewest bytes one item takes, bounds the count
+    a peer may announce before anything is allocated."""
+    encode_item, decode_item = item
 
-    def encode(self, value: object, out: _Parts) -> None:
+    def encode_tuple(value: Any, out: _Parts) -> int:
         if not isinstance(value, tuple):
-            raise self.refuse("a tuple", value)
+            raise _refused(where, "a tuple", value)
         out.append(_U64.pack(len(value)))
-        for item in value:
-            self.item.encode(item, out)
+        size = 8
+        for element in value:
+            size += encode_item(element, out)
+        return size
 
-    def decode(self, reader: _Reader) -> tuple[object, ...]:
-        count = reader.unpack(_U64, self.where)[0]
-        if count * self.item_bytes > reader.remaining():
+    def decode_tuple(view: memoryview, offset: int) -> tuple[tuple[Any, ...], int]:
+        start = offset + 8
+        if start > len(view):
+            raise _truncated(where, 8, view, offset)
+        count: int = _U64.unpack_from(view, offset)[0]
+        if count * item_bytes > len(view) - start:
             raise ProtocolError(
-                f"{self.where}: {count} items of at least {self.item_bytes} bytes expected, found "
-                f"{reader.remaining()} bytes: the message is truncated."
+                f"{where}: {count} items of at least {item_bytes} bytes expected, found "
+                f"{len(view) - start} bytes: the message is truncated."
             )
-        return tuple(self.item.decode(reader) for _ in range(count))
+        items = []
+        for _ in range(count):
+            element, start = decode_item(view, start)
+            items.append(element)
+        return tuple(items), start
+
+    return encode_tuple, decode_tuple
 
 
-class _OptionalCodec(_Codec):
-    def __init__(self, where: str, inner: _Codec) -> None:
-        super().__init__(where)
-        self.inner = inner
+def _optional_codec(where: str, inner: _Codec) -> _Codec:
+    encode_inner, decode_inner = inner
 
-    def encode(self, value: object, out: _Parts) -> None:
+    def encode_optional(value: Any, out: _Parts) -> int:
         if value is None:
             out.append(b"\x00")
-        else:
-            out.append(b"\x01")
-            self.inner.encode(value, out)
+            return 1
+        out.append(b"\x01")
+        return 1 + encode_inner(value, out)
 
-    def decode(self, reader: _Reader) -> object:
-        if _read_flag(reader, self.where, "a presence"):
-            return self.inner.decode(reader)
-        return None
+    def decode_optional(view: memoryview, offset: int) -> tuple[Any, int]:
+        if _read_flag(view, offset, where, "a presence"):
+            return decode_inner(view, offset + 1)
+        return None, offset + 1
+
+    return encode_optional, decode_optional
 
 
 def _all_finite(array: np.ndarray) -> bool:
-    """Whether every value is finite: NaN and inf reach the min or the max (two vectorised
-    passes, no temporary of the array's size)."""
-    return array.size == 0 or bool(np.isfinite(array.min()) and np.isfinite(array.max()))
+    """Whether every value is finite. The sum of squares (one BLAS pass, no temporary) is NaN or
+    inf whenever a value is; when it is not finite it may only have overflowed, and the exact
+    elementwise test decides."""
+    return math.isfinite(np.vdot(array, array)) or bool(np.isfinite(array).all())
 
 
-class _ArrayCodec(_Codec):
-    """A numpy array, or a torch tensor when ``as_tensor``: the declared type decides."""
+def _append_array(where: str, dtype: _Dtype, array: np.ndarray, out: _Parts) -> int:
+    """Append the header and the elements of ``array`` as ``dtype`` (converted to it and to C
+    order first if it is not in them already, e.g. a big-endian or transposed array)."""
+    wire = array.astype(dtype.numpy, order="C", copy=False)
+    if dtype.boolean and wire.tobytes().translate(None, _BOOL_BYTES):
+        raise ProtocolError(f"{where}: bool bytes 0 or 1 expected, found others.")
+    header = _ARRAY_HEADERS[wire.ndim]
+    out.append(header.pack(dtype.code, wire.ndim, *wire.shape, wire.nbytes))
+    out.append(wire.data)
+    return header.size + wire.nbytes
 
-    def __init__(self, where: str, *, as_tensor: bool) -> None:
-        super().__init__(where)
-        self.as_tensor = as_tensor
 
-    def encode(self, value: object, out: _Parts) -> None:
-        if self.as_tensor:
-            if not isinstance(value, Tensor):
-                raise self.refuse("a torch.Tensor", value)
-            array = self._tensor_array(value)
-        else:
-            if not isinstance(value, np.ndarray):
-                raise self.refuse("a numpy.ndarray", value)
-            array = value
-        code = _CODE_BY_KIND.get((array.dtype.kind, array.dtype.itemsize))
-        if code is None:
-            raise ProtocolError(
-                f"{self.where}: dtype in ({_DTYPE_NAMES}) expected, found {array.dtype}."
-            )
-        wire = array.astype(_DTYPES[code][0], order="C", copy=False)
-        raw = wire.reshape(-1).view(np.uint8)
-        if code == _BOOL_CODE and raw.size and int(raw.max()) > 1:
-            raise ProtocolError(f"{self.where}: bool bytes 0 or 1 expected, found others.")
-        out.append(_ARRAY_HEAD.pack(code, wire.ndim))
-        out.append(_ARRAY_SHAPES[wire.ndim].pack(*wire.shape, wire.nbytes))
-        out.append(raw.data)
+def _check_extent(
+    where: str, dtype: np.dtype[Any], shape: tuple[int, ...], nbytes: int, view: memoryview, at: int
+) -> None:
+    """Refuse an array whose shape, byte count and the bytes left disagree, unless it is empty:
+    the decoders' slow path, so that each refusal names the first thing wrong."""
+    capacity = dtype.itemsize * math.prod(dim for dim in shape if dim)
+    if capacity > _I64_MAX:
+        raise ProtocolError(
+            f"{where}: an array shape of at most 2**63 - 1 bytes expected, found "
+            f"{shape} of {dtype.name}."
+        )
+    expected = dtype.itemsize * math.prod(shape)
+    if nbytes != expected:
+        raise ProtocolError(
+            f"{where}: shape {shape} of {dtype.name} takes {expected} bytes, found {nbytes} "
+            "announced."
+        )
+    if nbytes > len(view) - at:
+        raise _truncated(where, nbytes, view, at)
 
-    def _tensor_array(self, tensor: Tensor) -> np.ndarray:
-        if tensor.requires_grad:
-            raise ProtocolError(
-                f"{self.where}: a detached tensor expected, found one that requires grad; "
-                "detach it before it leaves the party."
-            )
-        if tensor.device.type != "cpu" or tensor.layout != torch.strided:
-            raise ProtocolError(
-                f"{self.where}: a dense CPU tensor expected, found {tensor.layout} on "
-                f"{tensor.device}."
-            )
-        if tensor.dtype not in _TORCH_DTYPES:
-            raise ProtocolError(
-                f"{self.where}: dtype in ({_DTYPE_NAMES}) expected, found {tensor.dtype}."
-            )
-        return tensor.contiguous().numpy()
 
-    def decode(self, reader: _Reader) -> object:
-        code, ndim = reader.unpack(_ARRAY_HEAD, self.where)
-        if code not in _DTYPES:
+def _decode_array(where: str, view: memoryview, offset: int) -> tuple[np.ndarray, int]:
+    """Read one array into fresh, aligned memory that it owns: the input may sit at any offset
+    and may change after decoding. Refuses what does not match its header and non-finite
+    floating-point values."""
+    start = offset + _ARRAY_HEAD.size
+    if start > len(view):
+        raise _truncated(where, _ARRAY_HEAD.size, view, offset)
+    code, ndim = _ARRAY_HEAD.unpack_from(view, offset)
+    dtype = _DTYPES.get(code)
+    if dtype is None:
+        raise ProtocolError(f"{where}: a dtype code in {sorted(_DTYPES)} expected, found {code}.")
+    if ndim > MAX_NDIM:
+        raise ProtocolError(f"{where}: at most {MAX_NDIM} dimensions expected, found {ndim}.")
+    layout = _ARRAY_SHAPES[ndim]
+    offset, start = start, start + layout.size
+    if start > len(view):
+        raise _truncated(where, layout.size, view, offset)
+    dims = layout.unpack_from(view, offset)
+    shape, nbytes = dims[:-1], dims[-1]
+    end = start + nbytes
+    if not (nbytes and nbytes == dtype.numpy.itemsize * math.prod(shape) and end <= len(view)):
+        _check_extent(where, dtype.numpy, shape, nbytes, view, start)
+        return np.empty(shape, dtype.numpy), end  # consistent, and empty
+    if dtype.boolean and bytes(view[start:end]).translate(None, _BOOL_BYTES):
+        raise ProtocolError(f"{where}: bool bytes 0 or 1 expected, found others.")
+    array = np.ndarray(shape, dtype.numpy, view, start).copy()
+    if dtype.finite and not _all_finite(array):
+        raise IntegrityError(f"{where}: finite values expected, found non-finite ones.")
+    return array, end
+
+
+def _tensor_codec(where: str) -> _Codec:
+    def encode_tensor(value: Any, out: _Parts) -> int:
+        if not isinstance(value, Tensor):
+            raise _refused(where, "a torch.Tensor", value)
+        if value.requires_grad:
             raise ProtocolError(
-                f"{self.where}: a dtype code in {sorted(_DTYPES)} expected, found {code}."
+                f"{where}: a detached tensor expected, found one that requires grad; detach it "
+                "before it leaves the party."
             )
-        if ndim > MAX_NDIM:
+        if not value.is_cpu or value.layout != torch.strided:
             raise ProtocolError(
-                f"{self.where}: at most {MAX_NDIM} dimensions expected, found {ndim}."
+                f"{where}: a dense CPU tensor expected, found {value.layout} on {value.device}."
             )
-        wire_dtype = _DTYPES[code][0]
-        *shape, nbytes = reader.unpack(_ARRAY_SHAPES[ndim], self.where)
-        capacity = wire_dtype.itemsize * math.prod(dim for dim in shape if dim)
-        if capacity > _I64_MAX:
+        dtype = _DTYPE_BY_TORCH.get(value.dtype)
+        if dtype is None:
             raise ProtocolError(
-                f"{self.where}: an array shape of at most 2**63 - 1 bytes expected, found "
-                f"{tuple(shape)} of {wire_dtype.name}."
+                f"{where}: dtype in ({_DTYPE_NAMES}) expected, found {value.dtype}."
             )
-        expected = wire_dtype.itemsize * math.prod(shape)
-        if nbytes != expected:
+        return _append_array(where, dtype, value.numpy(), out)
+
+    def decode_tensor(view: memoryview, offset: int) -> tuple[Tensor, int]:
+        array, end = _decode_array(where, view, offset)
+        return torch.from_numpy(array), end
+
+    return encode_tensor, decode_tensor
+
+
+def _ndarray_codec(where: str) -> _Codec:
+    def encode_ndarray(value: Any, out: _Parts) -> int:
+        if not isinstance(value, np.ndarray):
+            raise _refused(where, "a numpy.ndarray", value)
+        dtype = _DTYPE_BY_KIND.get((value.dtype.kind, value.dtype.itemsize))
+        if dtype is None:
             raise ProtocolError(
-                f"{self.where}: shape {tuple(shape)} of {wire_dtype.name} takes {expected} bytes, "
-                f"found {nbytes} announced."
+                f"{where}: dtype in ({_DTYPE_NAMES}) expected, found {value.dtype}."
             )
-        raw = reader.take(nbytes, self.where)
-        if code == _BOOL_CODE and nbytes and int(np.frombuffer(raw, dtype=np.uint8).max()) > 1:
-            raise ProtocolError(f"{self.where}: bool bytes 0 or 1 expected, found others.")
-        # A fresh, aligned array that owns its memory: the input may sit at any offset.
-        array = np.empty(shape, dtype=wire_dtype)
-        array.reshape(-1).view(np.uint8)[:] = raw
-        if code in _FLOAT_CODES and not _all_finite(array):
-            raise IntegrityError(f"{self.where}: finite values expected, found non-finite ones.")
-        return torch.from_numpy(array) if self.as_tensor else array
+        return _append_array(where, dtype, value, out)
+
+    def decode_ndarray(view: memoryview, offset: int) -> tuple[np.ndarray, int]:
+        return _decode_array(where, view, offset)
+
+    return encode_ndarray, decode_ndarray
 
 
 _SCALAR_CODECS: dict[object, Callable[[str], _Codec]] = {
-    int: _IntCodec,
-    float: _FloatCodec,
-    bool: _BoolCodec,
-    str: _StrCodec,
-    bytes: _BytesCodec,
-    Tensor: lambda where: _ArrayCodec(where, as_tensor=True),
-    np.ndarray: lambda where: _ArrayCodec(where, as_tensor=False),
+    int: _int_codec,
+    float: _float_codec,
+    bool: _bool_codec,
+    str: _str_codec,
+    bytes: _bytes_codec,
+    Tensor: _tensor_codec,
+    np.ndarray: _ndarray_codec,
 }
 # The fewest bytes one tuple item takes (its length prefix or its fixed width).
 _TUPLE_ITEMS: dict[object, int] = {str: 8, int: 8, bytes: 8}
@@ -398,15 +453,15 @@ def _codec_for(hint: object, where: str) -> _Codec:
     if origin is typing.Union or origin is types.UnionType:
         present = [arg for arg in args if arg is not type(None)]
         if len(args) == 2 and len(present) == 1:
-            return _OptionalCodec(where, _codec_for(present[0], where))
+            return _optional_codec(where, _codec_for(present[0], where))
     elif origin is Literal:
         if args and all(isinstance(arg, str) for arg in args):
-            return _LiteralCodec(where, args)
+            return _literal_codec(where, args)
     elif origin is tuple:
         if len(args) == 2 and args[1] is Ellipsis:
             for item, item_bytes in _TUPLE_ITEMS.items():
                 if args[0] is item:
-                    return _TupleCodec(where, _SCALAR_CODECS[item](where), item_bytes)
+                    return _tuple_codec(where, _SCALAR_CODECS[item](where), item_bytes)
     else:
         for declared, codec in _SCALAR_CODECS.items():
             if hint is declared:
@@ -416,18 +471,27 @@ def _codec_for(hint: object, where: str) -> _Codec:
 
 @dataclasses.dataclass(frozen=True)
 class _Schema:
-    """How one registered message class is laid out on the wire."""
+    """How one registered message class is laid out on the wire, compiled at registration: its
+    constant head, then its other fields (``sender`` to the class's own, in wire order), read
+    off a message together by ``values`` and each encoded and decoded by its own closures."""
 
     cls: type[Message]
-    prefix: bytes  # magic, wire version and kind: the same for every message of the class
+    kind: str
     schema_version: int  # the one this code speaks: the default of the class's field
-    fields: tuple[tuple[str, _Codec], ...]  # in wire order, schema_version (an i64) excluded
+    prefix: bytes  # magic, wire version and kind: the same for every message of the class
+    head: bytes  # the prefix and schema_version: what every message this code accepts starts with
+    values: Callable[[Message], tuple[Any, ...]]
+    encoders: tuple[_Encoder, ...]
+    decoders: tuple[tuple[str, _Decoder], ...]
 
 
-_KIND = _StrCodec("kind")
-_SCHEMA_VERSION = _IntCodec("schema_version")
+_SCHEMA_VERSION_ENCODER, _SCHEMA_VERSION_DECODER = _int_codec("schema_version")
+_KIND_DECODER = _str_codec("kind")[1]
+_KIND_AT = _PREFIX.size  # where the kind's byte count is
+MAX_KIND_BYTES = 256  # bounds the head decode looks up before it parses anything
 _SCHEMAS: Registry[_Schema] = Registry("wire message kind")
 _SCHEMA_BY_CLASS: dict[type[Message], _Schema] = {}
+_SCHEMA_BY_HEAD: dict[bytes, _Schema] = {}
 
 
 def register_message(cls: type[MessageT]) -> type[MessageT]:
@@ -448,6 +512,8 @@ def register_message(cls: type[MessageT]) -> type[MessageT]:
             f"{cls.__name__} must declare its own `kind: ClassVar[str]`, found "
             f"{getattr(cls, 'kind', None)!r} inherited."
         )
+    if len(kind.encode("utf-8")) > MAX_KIND_BYTES:
+        raise TypeError(f"{kind[:60]}...: a kind of at most {MAX_KIND_BYTES} UTF-8 bytes expected.")
     try:
         hints = typing.get_type_hints(cls)
     except Exception as error:
@@ -459,19 +525,25 @@ def register_message(cls: type[MessageT]) -> type[MessageT]:
         if not field.init:
             raise TypeError(f"{kind}.{field.name}: init fields only, found init=False.")
         codecs[field.name] = _codec_for(hints[field.name], f"{kind}.{field.name}")
-    if not isinstance(codecs["schema_version"], _IntCodec) or not isinstance(
-        defaults["schema_version"], int
-    ):
+    schema_version = defaults["schema_version"]
+    if hints["schema_version"] is not int or type(schema_version) is not int:
         raise TypeError(f"{kind}.schema_version: an int with a default expected.")
+    # Five header fields at least: attrgetter of several names returns a tuple.
     order = list(HEADER_FIELDS[1:]) + [name for name in codecs if name not in HEADER_FIELDS]
+    prefix = _PREFIX.pack(MAGIC, WIRE_VERSION) + _encoded_str(kind)
     schema = _Schema(
         cls=cls,
-        prefix=_PREFIX.pack(MAGIC, WIRE_VERSION) + _encoded_str(kind),
-        schema_version=defaults["schema_version"],
-        fields=tuple((name, codecs[name]) for name in order),
+        kind=kind,
+        schema_version=schema_version,
+        prefix=prefix,
+        head=prefix + _I64.pack(schema_version),
+        values=operator.attrgetter(*order),
+        encoders=tuple(codecs[name][0] for name in order),
+        decoders=tuple((name, codecs[name][1]) for name in order),
     )
     _SCHEMAS.register(kind, schema)
     _SCHEMA_BY_CLASS[cls] = schema
+    _SCHEMA_BY_HEAD[schema.head] = schema
     return cls
 
 
@@ -491,11 +563,15 @@ def encode(message: Message) -> bytes:
             f"{type(message).__name__} is not registered with the wire codec; decorate it with "
             "@register_message."
         )
-    out: _Parts = [schema.prefix]
-    _SCHEMA_VERSION.encode(message.schema_version, out)
-    for name, codec in schema.fields:
-        codec.encode(getattr(message, name), out)
-    size = sum(map(len, out))
+    version = message.schema_version
+    if type(version) is int and version == schema.schema_version:
+        out: _Parts = [schema.head]
+    else:  # sent as it is, for the receiver to refuse
+        out = [schema.prefix]
+        _SCHEMA_VERSION_ENCODER(version, out)
+    size = len(schema.head)  # the prefix and an i64 either way
+    for encode_field, value in zip(schema.encoders, schema.values(message), strict=True):
+        size += encode_field(value, out)
     if size > MAX_MESSAGE_BYTES:
         raise ProtocolError(
             f"{message.kind}: message of {size} bytes exceeds the limit of {MAX_MESSAGE_BYTES}."
@@ -519,31 +595,14 @@ def _decode(data: bytes, max_bytes: int) -> Message:
     view = memoryview(data).cast("B")
     if len(view) > max_bytes:
         raise ProtocolError(f"message of {len(view)} bytes exceeds the limit of {max_bytes}.")
-    reader = _Reader(view)
-    magic, version = reader.unpack(_PREFIX, "header")
-    if magic != MAGIC:
+    schema = _schema_of(view)
+    offset = len(schema.head)
+    values: dict[str, Any] = {"schema_version": schema.schema_version}
+    for name, decode_field in schema.decoders:
+        values[name], offset = decode_field(view, offset)
+    if offset != len(view):
         raise ProtocolError(
-            f"magic bytes {MAGIC!r} expected, found {bytes(magic)!r}: not a secure-vfl message."
-        )
-    if version != WIRE_VERSION:
-        raise ProtocolError(f"wire version {WIRE_VERSION} expected, found {version}.")
-    kind = _KIND.decode(reader)
-    if kind not in _SCHEMAS:
-        raise ProtocolError(
-            f"a message kind in ({', '.join(_SCHEMAS.names())}) expected, found {_shown(kind)}."
-        )
-    schema = _SCHEMAS.get(kind)
-    schema_version = _SCHEMA_VERSION.decode(reader)
-    if schema_version != schema.schema_version:
-        raise ProtocolError(
-            f"{kind}: schema version {schema.schema_version} expected, found {schema_version}."
-        )
-    values: dict[str, Any] = {"schema_version": schema_version}
-    for name, codec in schema.fields:
-        values[name] = codec.decode(reader)
-    if reader.remaining():
-        raise ProtocolError(
-            f"{kind}: the message ends after {reader.offset} bytes, found {reader.remaining()} "
+            f"{schema.kind}: the message ends after {offset} bytes, found {len(view) - offset} "
             "more."
         )
     message = schema.cls(**values)
@@ -552,5 +611,38 @@ def _decode(data: bytes, max_bytes: int) -> Message:
     except ProtocolError:
         raise
     except Exception as error:
-        raise ProtocolError(f"{kind} from {message.sender}: invalid: {error}") from error
+        raise ProtocolError(f"{schema.kind} from {message.sender}: invalid: {error}") from error
     return message
+
+
+def _schema_of(view: memoryview) -> _Schema:
+    """The schema of the message in ``view``, whose head it starts with. A registered head is
+    found in one look-up; anything else is parsed field by field, which names what is wrong."""
+    if len(view) >= _KIND_AT + 8:
+        kind_bytes: int = _U64.unpack_from(view, _KIND_AT)[0]
+        if kind_bytes <= MAX_KIND_BYTES:
+            schema = _SCHEMA_BY_HEAD.get(bytes(view[: _KIND_AT + 16 + kind_bytes]))
+            if schema is not None:
+                return schema
+    if len(view) < _PREFIX.size:
+        raise _truncated("header", _PREFIX.size, view, 0)
+    magic, version = _PREFIX.unpack_from(view)
+    if magic != MAGIC:
+        raise ProtocolError(
+            f"magic bytes {MAGIC!r} expected, found {magic!r}: not a secure-vfl message."
+        )
+    if version != WIRE_VERSION:
+        raise ProtocolError(f"wire version {WIRE_VERSION} expected, found {version}.")
+    kind, offset = _KIND_DECODER(view, _KIND_AT)
+    try:
+        schema = _SCHEMAS.get(kind)
+    except RegistryError:
+        raise ProtocolError(
+            f"a message kind in ({', '.join(_SCHEMAS.names())}) expected, found {_shown(kind)}."
+        ) from None
+    schema_version, offset = _SCHEMA_VERSION_DECODER(view, offset)
+    if schema_version != schema.schema_version:
+        raise ProtocolError(
+            f"{kind}: schema version {schema.schema_version} expected, found {schema_version}."
+        )
+    return schema
