@@ -56,7 +56,12 @@ def samples() -> list[Message]:
         ),
         messages.ErrorMessage(**HEADER, error="no such rows"),
         messages.LatentMessage(
-            **HEADER, positions=positions, samples=torch.randn(3, 2, 4, generator=generator)
+            **HEADER,
+            positions=positions,
+            samples=torch.randn(3, 2, 4, generator=generator),
+            split="train",
+            rows=torch.tensor([2, 6, 5]),
+            backward=True,
         ),
         messages.LikelihoodMessage(
             **HEADER, positions=positions, log_likelihood=-torch.rand(3, 2, generator=generator)
