@@ -629,6 +629,8 @@ class AggregationServer(Party):
                 f"{self.name}: a sealed {message.scheme!r} share from {message.sender}, but it "
                 f"runs {self.scheme or 'no secure sum'}."
             )
+        # A share of a sum already served is a replay: refused before it touches the batch.
+        self._served.check(message.deliver_to, message.round, message.batch_id, message.tag)
         self._enter_batch(message, message.phase)
         self._keep(self._sealed, message, "sealed shares")
 
