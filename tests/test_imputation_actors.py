@@ -141,6 +141,24 @@ def test_a_secure_run_gives_the_plain_one_within_the_backends_precision(backend:
     assert torch.allclose(secure.theta, plain.theta, atol=1e-3)
 
 
+def test_traffic_counts_the_encoded_messages_that_crossed_the_transport() -> None:
+    channel = Channel()
+    aggregator = MaskingAggregator()
+    result, _ = run_imputation(
+        ImputeRunConfig(method="fedhf", dataset="synthetic", impute_config=TINY),
+        task=synthetic_task(rows=24, test_rows=6, features=6),
+        aggregator=aggregator,
+        channel=channel,
+    )
+    crossed: dict[str, int] = {}
+    for (sender, _, _), count in channel.transport.bytes.items():
+        crossed[sender] = crossed.get(sender, 0) + count
+    reported = {name: sum(by_phase.values()) for name, by_phase in result.traffic["bytes"].items()}
+    assert reported == crossed
+    assert aggregator.cost.calls == 0  # the backend never ran whole: its halves did
+    assert crossed[SERVER] > 0  # the coordinator's requests and downloads count too
+
+
 def _state(channel: Channel) -> dict[str, Any]:
     """What every party holds that a message could change: models, what each has acted on,
     kept and sealed, the server's batch and the coordinator's inbox (deep copies)."""

@@ -41,8 +41,7 @@ generator; the mechanism lives in ``protocols.dp_statistics``) every exchange be
 clipped, noised release per client (this module only hands it each row's contribution, and the
 mechanism clips and noises; the coordinator knows only the public :class:`ReleaseTerms`):
 values are first clipped to the mechanism's public :class:`FeatureRanges` and mapped to u in
-[-1, 1]
-(exchange 1: counts and sums of u; exchange 2: counts and squared deviations of u, each
+[-1, 1] (exchange 1: counts and sums of u; exchange 2: counts and squared deviations of u, each
 exchange with its own counts because record clipping down-weights a record's counts with its
 sums), or standardised with the released mean and std and clipped to +-``standard_bound``
 (exchange 3). Exchange 3 then releases only N = O'O and C = Z'Z and estimates
