@@ -3,8 +3,8 @@
 Three roles, with real TenSEAL ciphertexts, run either split at the party boundary
 (:class:`CkksSender`, :class:`CkksAdder`, :class:`CkksReceiver`, each inside its own party, the
 public context announced as a message) or whole in :class:`CkksAggregator`'s ``combine``
-(FALSE-VFL and FedHF-Impute, not yet actors): the receiver (the head or
-label party) makes a CKKS context holding the secret key and publishes it *without* the secret
+(FALSE-VFL, not yet actors): the receiver (the head or label party, the imputation
+coordinator) makes a CKKS context holding the secret key and publishes it *without* the secret
 key, serialized to bytes (``save_secret_key=False``); every sender loads those bytes, so what it
 holds really cannot decrypt. Each contributing party packs all its values into as few CKKS
 vectors as possible (``N/2`` slots each, in (task, row, column) order, its value in the slots of

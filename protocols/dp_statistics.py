@@ -23,7 +23,8 @@ Gaussian mechanism (Dwork & Roth 2014, Thm A.1) per client:
   local DP, K times the variance in the sum).
 - Accounting: one :class:`~protocols.dp.GaussianRelease` (``kind="statistics"``, noise
   multiplier sigma, sample rate 1: the statistics cover every training row, no subsampling) per
-  client and exchange, priced per client by :class:`~protocols.dp.PrivacyAccountant`;
+  client and exchange, priced per client by its own :class:`~protocols.dp.PrivacyAccountant`
+  (:class:`ClientStatisticsNoise` makes each client's mechanism, installed inside the client);
   :data:`STATISTICS_RELEASES` per graph. The releases compose adaptively (exchange 2 uses the
   released mean, exchange 3 the released standardisation), which RDP composition covers.
 
@@ -44,7 +45,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from protocols.dp import EventCallback, GaussianRelease, clip_rows
+from protocols.dp import EventCallback, GaussianRelease, PrivacyAccountant, clip_rows
 from secure_vfl.data.imputation import ClientData
 from secure_vfl.errors import ConfigError, DataError
 from secure_vfl.methods.imputation.statistics import FeatureRanges
@@ -126,6 +127,51 @@ class StatisticsNoise:
         noise = torch.randn(total.shape, generator=self.generator, dtype=torch.float64)
         self.on_event(GaussianRelease(client, self.noise_multiplier, 1.0, "statistics"))
         return (total + noise * self.share_std).numpy()
+
+
+class ClientStatisticsNoise:
+    """Makes each client's own :class:`StatisticsNoise` (a
+    :data:`~secure_vfl.methods.imputation.statistics.StatisticsPrivacyFactory`): the same public
+    terms for every client, and per client its own noise generator (seeded ``seed + k`` for the
+    k-th client made) and its own :class:`~protocols.dp.PrivacyAccountant` (``accountants``,
+    by client), which records only that client's releases."""
+
+    def __init__(
+        self,
+        noise_multiplier: float,
+        clip: float,
+        *,
+        ranges: FeatureRanges,
+        shares: int,
+        seed: int,
+        standard_bound: float = DEFAULT_STANDARD_BOUND,
+    ) -> None:
+        self.noise_multiplier = noise_multiplier
+        self.clip = clip
+        self.ranges = ranges
+        self.shares = shares
+        self.seed = seed
+        self.standard_bound = standard_bound
+        self.accountants: dict[str, PrivacyAccountant] = {}
+
+    def __call__(self, client: str) -> StatisticsNoise:
+        """``client``'s mechanism, made once."""
+        if client in self.accountants:
+            raise ConfigError(
+                f"one statistics mechanism per client expected; {client!r} asked for a second."
+            )
+        accountant = PrivacyAccountant()
+        mechanism = StatisticsNoise(
+            self.noise_multiplier,
+            self.clip,
+            ranges=self.ranges,
+            shares=self.shares,
+            generator=torch.Generator().manual_seed(self.seed + len(self.accountants)),
+            on_event=accountant.on_event,
+            standard_bound=self.standard_bound,
+        )
+        self.accountants[client] = accountant
+        return mechanism
 
 
 def read_feature_ranges(path: Path, features: Sequence[str]) -> FeatureRanges:

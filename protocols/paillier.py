@@ -4,8 +4,8 @@ ciphertext.
 Three roles, with real ``phe`` ciphertexts, run either split at the party boundary
 (:class:`PaillierSender`, :class:`PaillierAdder`, :class:`PaillierReceiver`, each inside its own
 party, the public key announced as a message) or whole in :class:`PaillierAggregator`'s
-``combine`` (FALSE-VFL and FedHF-Impute, not yet actors): the receiver (the head or
-label party) owns a key pair and publishes the public key; every contributing party packs its
+``combine`` (FALSE-VFL, not yet actors): the receiver (the head or label party, the imputation
+coordinator) owns a key pair and publishes the public key; every contributing party packs its
 fixed-point values into plaintexts and encrypts them under that key; the aggregator multiplies
 ciphertexts (adds plaintexts) without ever holding the private key; the receiver decrypts and
 unpacks the sums. Ciphertexts are standard ``phe`` ones (g = n + 1, exponent 0): a stock

@@ -14,6 +14,12 @@ secure-sum backend (:meth:`PrivacyEngine.aggregator`) and, once the parties exis
 - one :class:`~protocols.dp.PrivacyAccountant` per party, held by the party
   (``party.accountant``), recording only that party's releases.
 
+For federated imputation the spec also says how the graph statistics are released
+(``dp_statistics``, ``feature_ranges``): :meth:`PrivacyEngine.statistics_mechanisms` gives the
+factory of each client's own :class:`~protocols.dp_statistics.StatisticsNoise` (its own noise
+generator and accountant), which the imputation federation installs inside each client as it
+builds it.
+
 :meth:`PrivacyEngine.report` reads each party's accountant for ``result.json``. The command line,
 the examples (through it) and the benchmarks build runs through this object only.
 """
@@ -22,7 +28,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -39,6 +46,10 @@ from secure_vfl.federation.alignment import Aligner, make_aligner
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.parties import DataParty
 
+if TYPE_CHECKING:
+    from protocols.dp_statistics import ClientStatisticsNoise
+    from secure_vfl.data.imputation import ImputationTask
+
 SecureAgg = Literal["none", "masks", "paillier", "ckks"]
 SECURE_AGGS: tuple[str, ...] = ("none", "masks", "paillier", "ckks")
 ALIGNMENTS: tuple[str, ...] = ("join", "psi")
@@ -51,13 +62,20 @@ Noise = tuple[float, float]
 class PrivacySpec:
     """How one run is protected. Noise is (SIGMA, CLIP); ``target_epsilon`` replaces every
     given SIGMA by the one that keeps each party within it at ``delta``. ``seed`` seeds the noise
-    generators (reproducible noise; see the issue on noise nobody can regenerate)."""
+    generators (reproducible noise; see the issue on noise nobody can regenerate).
+
+    Training (``train``) takes ``dp_embeddings``, ``dp_gradients`` and ``dp_sgd``; federated
+    imputation (``impute``) takes ``dp_statistics``, whose values are clipped to the ranges
+    declared in ``feature_ranges`` (a CSV; default: the observed ranges, which are not private).
+    """
 
     align: str = "join"
     secure_agg: str = "none"
     dp_embeddings: Noise | None = None
     dp_gradients: Noise | None = None
     dp_sgd: Noise | None = None
+    dp_statistics: Noise | None = None
+    feature_ranges: Path | None = None
     target_epsilon: float | None = None
     delta: float = 1e-5
     seed: int = 0
@@ -78,16 +96,34 @@ class PrivacySpec:
                     f"{MECHANISMS[name]} needs SIGMA >= 0 and CLIP > 0, both finite. "
                     f"Found {sigma}:{clip}."
                 )
-        if self.target_epsilon is not None and not self.noise():
+        if self.dp_statistics is not None:
+            sigma, clip = self.dp_statistics
+            if not (sigma > 0 and math.isfinite(sigma)) or not (clip > 0 and math.isfinite(clip)):
+                raise ConfigError(
+                    f"--dp-statistics needs SIGMA > 0 and CLIP > 0, both finite. "
+                    f"Found {sigma}:{clip}."
+                )
+            if self.noise():
+                raise ConfigError(
+                    "--dp-statistics protects imputation statistics, the other mechanisms "
+                    f"training; expected one kind, found both ({', '.join(self.noise())})."
+                )
+        elif self.feature_ranges is not None:
             raise ConfigError(
-                "--target-epsilon calibrates a mechanism: expected --dp-embeddings, --dp-gradients "
-                "or --dp-sgd. Found none."
+                "--feature-ranges bounds the values of --dp-statistics; expected "
+                "--dp-statistics SIGMA:CLIP with it. Found none."
+            )
+        if self.target_epsilon is not None and not self.noise() and self.dp_statistics is None:
+            raise ConfigError(
+                "--target-epsilon calibrates a mechanism: for train, expected --dp-embeddings, "
+                "--dp-gradients or --dp-sgd; for impute, expected --dp-statistics SIGMA:CLIP "
+                "with it. Found none."
             )
         if not 0 < self.delta < 1:
             raise ConfigError(f"`delta` must be in (0, 1). Found {self.delta}.")
 
     def noise(self) -> dict[str, Noise]:
-        """The DP mechanisms asked for, by kind."""
+        """The DP mechanisms of training asked for, by kind."""
         given = {
             "embedding": self.dp_embeddings,
             "gradient": self.dp_gradients,
@@ -108,13 +144,15 @@ class PrivacyEngine:
         self.noise: dict[str, Noise] = spec.noise()
         self.sample_rate: float | None = None
         self._accountants: dict[str, PrivacyAccountant] = {}
+        self._statistics: ClientStatisticsNoise | None = None
+        self._ranges_note = ""
         if spec.align == "psi":
             import protocols.psi  # noqa: F401  (registers the `psi` aligner)
 
     @property
     def private(self) -> bool:
-        """Whether any DP mechanism is asked for."""
-        return bool(self.noise)
+        """Whether any DP mechanism is asked for (of training or of imputation statistics)."""
+        return bool(self.noise) or self.spec.dp_statistics is not None
 
     def aligner(self, channel: Channel | None = None) -> Aligner:
         """The alignment of the parties' ids: the plain join, or PSI between the label party and
@@ -143,7 +181,7 @@ class PrivacyEngine:
 
     def refuse(self, method: str) -> None:
         """Refuse mechanisms a method cannot host, before anything is built."""
-        if not self.private:
+        if not self.noise:
             return
         if self.spec.dp_sgd is not None and method == "combinatorial":
             raise ConfigError(
@@ -163,7 +201,7 @@ class PrivacyEngine:
     ) -> None:
         """Install every mechanism inside the party it protects, each with its own accountant
         and noise generator; calibrate SIGMA first when a target epsilon is given."""
-        if not self.private:
+        if not self.noise:
             return
         if not 0 < sample_rate <= 1:
             raise ConfigError(f"`sample_rate` must be in (0, 1]. Found {sample_rate}.")
@@ -224,10 +262,56 @@ class PrivacyEngine:
     def _generator(self, offset: int) -> torch.Generator:
         return torch.Generator().manual_seed(self.spec.seed * 1000 + offset)
 
+    def statistics_mechanisms(self, task: ImputationTask) -> ClientStatisticsNoise | None:
+        """The factory of each client's own statistics mechanism for ``task`` (None without
+        ``dp_statistics``), which the imputation federation installs inside every client.
+
+        SIGMA is calibrated to the target epsilon over the three releases (sample rate 1: the
+        statistics cover every row); the noise is shared among the clients only under secure
+        sums (the server then sees nothing but the sum), else every client adds all of it;
+        values are clipped to the declared ranges, or to the observed ones (not private).
+        """
+        if self.spec.dp_statistics is None:
+            return None
+        from protocols.dp_statistics import (
+            STATISTICS_RELEASES,
+            ClientStatisticsNoise,
+            observed_ranges,
+            read_feature_ranges,
+        )
+
+        sigma, clip = self.spec.dp_statistics
+        if self.spec.target_epsilon is not None:
+            sigma = calibrate_noise(
+                self.spec.target_epsilon,
+                self.spec.delta,
+                sample_rate=1.0,
+                steps=STATISTICS_RELEASES,
+            )
+        if self.spec.feature_ranges is not None:
+            ranges = read_feature_ranges(self.spec.feature_ranges, task.features)
+            self._ranges_note = f"declared in {self.spec.feature_ranges}"
+        else:
+            ranges = observed_ranges(task.train)
+            self._ranges_note = (
+                "observed training ranges (an experiment's stand-in for declared ranges; not "
+                "private: pass --feature-ranges)"
+            )
+        self._statistics = ClientStatisticsNoise(
+            sigma,
+            clip,
+            ranges=ranges,
+            shares=len(task.train) if self.spec.secure_sums else 1,
+            seed=self.spec.seed * 1000 + 300,
+        )
+        return self._statistics
+
     def report(self) -> dict[str, Any] | None:
         """``result.json``'s privacy entry: each party's epsilon from its own accountant, the
         noise used and the releases made (None when no DP mechanism ran)."""
-        if not self.private:
+        if self._statistics is not None:
+            return self._statistics_report(self._statistics)
+        if not self.noise:
             return None
         releases: dict[str, dict[str, int]] = {}
         epsilon: dict[str, float] = {}
@@ -245,4 +329,22 @@ class PrivacyEngine:
             "noise": {kind: {"sigma": s, "clip": c} for kind, (s, c) in self.noise.items()},
             "epsilon": epsilon,
             "releases": releases,
+        }
+
+    def _statistics_report(self, statistics: ClientStatisticsNoise) -> dict[str, Any]:
+        """The privacy entry of an imputation run: each client's epsilon from its own
+        accountant, the statistics noise and the public terms it was released under."""
+        accountants = {n: a for n, a in statistics.accountants.items() if a.events}
+        return {
+            "accountant": "rdp",
+            "delta": self.spec.delta,
+            "sample_rate": 1.0,
+            "noise": {
+                "statistics": {"sigma": statistics.noise_multiplier, "clip": statistics.clip}
+            },
+            "noise_shares": statistics.shares,
+            "standard_bound": statistics.standard_bound,
+            "ranges": self._ranges_note,
+            "epsilon": {n: a.epsilon(n, self.spec.delta) for n, a in accountants.items()},
+            "releases": {n: {"statistics": len(a.events)} for n, a in accountants.items()},
         }

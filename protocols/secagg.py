@@ -9,8 +9,8 @@ cancel exactly in the sum the receiver gets.
 Two ways to run it, with the same cryptography: split at the party boundary (:class:`MaskSender`
 inside each contributor with its own key pair, :class:`MaskAdder` inside the aggregation server,
 :class:`MaskReceiver` inside the receiver; keys and shares cross as messages), which is how
-LASER and its baselines run; or whole, :class:`MaskingAggregator`'s ``combine`` simulating every
-part in one object (FALSE-VFL and FedHF-Impute, not yet actors, and dropout recovery).
+LASER, FedHF-Impute and their baselines run; or whole, :class:`MaskingAggregator`'s ``combine``
+simulating every part in one object (FALSE-VFL, not yet actors, and dropout recovery).
 
 Promises (semi-honest parties, non-colluding aggregator): the receiver learns only sums over at
 least two contributors; the aggregator and the network see uniform ring elements. Masks give

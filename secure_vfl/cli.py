@@ -465,11 +465,21 @@ def _summary(result: Any, out: Path) -> str:
     return "\n".join(lines)
 
 
-def _privacy_engine_for_sums(secure_agg: str) -> Any:
-    """A privacy engine that only chooses the secure-sum backend (``impute``)."""
+def _impute_privacy_engine(args: argparse.Namespace) -> Any:
+    """The privacy engine of ``impute``'s flags: the secure-sum backend and the statistics'
+    DP with its accounting, chosen in one place (:class:`protocols.privacy.PrivacyEngine`)."""
     from protocols.privacy import PrivacyEngine, PrivacySpec
 
-    return PrivacyEngine(PrivacySpec(secure_agg=secure_agg))
+    return PrivacyEngine(
+        PrivacySpec(
+            secure_agg=args.secure_agg,
+            dp_statistics=args.dp_statistics,
+            feature_ranges=args.feature_ranges,
+            target_epsilon=args.target_epsilon,
+            delta=args.delta,
+            seed=args.seed,
+        )
+    )
 
 
 def _privacy_engine(args: argparse.Namespace) -> Any:
@@ -556,74 +566,6 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _statistics_privacy(args: argparse.Namespace, task: Any) -> tuple[Any, Any]:
-    """The mechanism and report of ``impute --dp-statistics`` (both None when not given)."""
-    if args.dp_statistics is None:
-        if args.feature_ranges is not None:
-            raise ConfigError(
-                "--feature-ranges bounds the values of --dp-statistics; expected "
-                "--dp-statistics SIGMA:CLIP with it. Found none."
-            )
-        if args.target_epsilon is not None:
-            raise ConfigError(
-                "--target-epsilon calibrates the noise of --dp-statistics; expected "
-                "--dp-statistics SIGMA:CLIP with it. Found none."
-            )
-        return None, None
-    import torch
-
-    from protocols.dp import PrivacyAccountant, calibrate_noise
-    from protocols.dp_statistics import (
-        STATISTICS_RELEASES,
-        StatisticsNoise,
-        observed_ranges,
-        read_feature_ranges,
-    )
-
-    sigma, clip = args.dp_statistics
-    if args.target_epsilon is not None:
-        # Every client releases each statistics sum once, over all its rows: sample rate 1.
-        sigma = calibrate_noise(
-            args.target_epsilon, args.delta, sample_rate=1.0, steps=STATISTICS_RELEASES
-        )
-    # Noise shared among the clients suffices only when the server sees nothing but the sum.
-    shares = len(task.train) if args.secure_agg != "none" else 1
-    if args.feature_ranges is not None:
-        ranges = read_feature_ranges(args.feature_ranges, task.features)
-        ranges_note = f"declared in {args.feature_ranges}"
-    else:
-        ranges = observed_ranges(task.train)
-        ranges_note = (
-            "observed training ranges (an experiment's stand-in for declared ranges; not "
-            "private: pass --feature-ranges)"
-        )
-    accountant = PrivacyAccountant()
-    mechanism = StatisticsNoise(
-        sigma,
-        clip,
-        ranges=ranges,
-        shares=shares,
-        generator=torch.Generator().manual_seed(args.seed * 1000 + 7),
-        on_event=accountant.on_event,
-    )
-
-    def report() -> dict[str, Any]:
-        parties = [event.party for event in accountant.events]
-        return {
-            "accountant": "rdp",
-            "delta": args.delta,
-            "sample_rate": 1.0,
-            "noise": {"statistics": {"sigma": sigma, "clip": clip}},
-            "noise_shares": shares,
-            "standard_bound": mechanism.standard_bound,
-            "ranges": ranges_note,
-            "epsilon": accountant.epsilons(args.delta),
-            "releases": {p: {"statistics": parties.count(p)} for p in accountant.parties()},
-        }
-
-    return mechanism, report
-
-
 def run_impute(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -634,6 +576,7 @@ def run_impute(args: argparse.Namespace) -> int:
     from secure_vfl.methods.imputation import ImputeConfig
     from secure_vfl.store import ResultsStore
 
+    engine = _impute_privacy_engine(args)
     config = ImputeRunConfig(
         method=args.method,
         dataset=args.dataset,
@@ -662,7 +605,7 @@ def run_impute(args: argparse.Namespace) -> int:
         )
     store = ResultsStore(args.store or out.parent / "results.sqlite")
     task = prepare_imputation_task(config)
-    privacy, privacy_report = _statistics_privacy(args, task)
+    privacy = engine.statistics_mechanisms(task)
     with tqdm(
         total=config.impute_config.rounds,
         desc=config.method,
@@ -679,10 +622,10 @@ def run_impute(args: argparse.Namespace) -> int:
             result, imputer = run_imputation(
                 config,
                 task=task,
-                aggregator=_privacy_engine_for_sums(args.secure_agg).aggregator(),
+                aggregator=engine.aggregator(),
                 channel=Channel(transport=InProcessTransport(capture=capture)),
                 privacy=privacy,
-                privacy_report=privacy_report,
+                privacy_report=engine.report,
                 on_round=on_round,
             )
     if args.save_imputed:

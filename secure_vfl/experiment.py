@@ -25,13 +25,17 @@ from secure_vfl.errors import ConfigError
 from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
 from secure_vfl.federation.alignment import Aligner, make_aligner
 from secure_vfl.federation.channel import Channel
-from secure_vfl.federation.messages import AGGREGATOR
 from secure_vfl.federation.parties import DataParty
 from secure_vfl.methods.base import StepCallback, in_process_parties
 from secure_vfl.methods.false_vfl import FalseVflConfig, FalseVflMethod
-from secure_vfl.methods.imputation import IMPUTERS, ImputeConfig, Imputer, StatisticsPrivacy
+from secure_vfl.methods.imputation import (
+    IMPUTERS,
+    ImputeConfig,
+    Imputer,
+    StatisticsPrivacyFactory,
+    federated_statistics,
+)
 from secure_vfl.methods.imputation.evaluation import evaluate as evaluate_imputer
-from secure_vfl.methods.imputation.statistics import federated_statistics
 from secure_vfl.metrics import accuracy, f1
 
 
@@ -189,21 +193,15 @@ def traffic_report(
     parties' hooks such as DP noise, and the channel's layers).
 
     Bytes are the encoded messages that crossed ``channel``'s transport: under a secure scheme
-    split at the party boundary (LASER, its baselines and FALSE-VFL) they are the sealed shares
-    and sums themselves. A secure backend called whole in one place (FedHF-Impute: its clients
-    are not yet actors) has its contributions and sums counted as its protocol puts them on the
-    wire (``aggregator.cost``) instead of the plain messages that reach it.
+    split at the party boundary (every method: each half runs inside its own party) they are the
+    sealed shares and sums themselves.
     """
     secure = not isinstance(aggregator, PlainAggregator)
-    whole = secure and aggregator.cost.calls > 0
     sent: Counter[tuple[str, str]] = Counter()
     parties = list(channel.parties.values()) if channel is not None else []
     if channel is not None:
-        for (sender, receiver, phase), count in channel.transport.bytes.items():
-            if not (whole and AGGREGATOR in (sender, receiver)):
-                sent[(sender, phase)] += count
-    if whole:
-        sent.update(aggregator.cost.bytes)
+        for (sender, _, phase), count in channel.transport.bytes.items():
+            sent[(sender, phase)] += count
     totals: dict[str, dict[str, int]] = {}
     for (endpoint, phase), count in sent.items():
         totals.setdefault(endpoint, {"train": 0, "predict": 0})[phase] += count
@@ -420,20 +418,21 @@ def run_imputation(
     task: ImputationTask | None = None,
     aggregator: Aggregator | None = None,
     channel: Channel | None = None,
-    privacy: StatisticsPrivacy | None = None,
+    privacy: StatisticsPrivacyFactory | None = None,
     privacy_report: Callable[[], dict[str, Any]] | None = None,
     on_round: Callable[[int, float], None] | None = None,
 ) -> tuple[ImputeResult, Imputer]:
     """Fit ``config.method`` on the clients' training rows and score it on hidden test entries.
 
     Every sum the clients send (statistics, model updates, validation errors) goes through
-    ``aggregator`` (plain by default; a secure backend from ``protocols`` otherwise); ``privacy``
-    (optional) clips and noises the statistics the method's clients release, and
-    ``privacy_report()`` fills ``result.privacy`` after the fit; ``channel`` carries every
-    message (its transport counts the bytes in ``result.traffic``). The scoring standardisation
-    comes from exact federated statistics, the same for every method and privacy setting, so
-    RMSEs are comparable across both: it is the evaluator's yardstick, not a release of the
-    method.
+    ``aggregator`` (plain by default; a secure backend from ``protocols`` otherwise, split
+    between the clients, the aggregation server and the coordinator); ``privacy`` (optional)
+    makes each client's own mechanism, which clips and noises the statistics that client
+    releases, and ``privacy_report()`` fills ``result.privacy`` after the fit; ``channel``
+    carries every message (its transport counts the bytes in ``result.traffic``). The scoring
+    standardisation comes from exact federated statistics, the same for every method and
+    privacy setting, so RMSEs are comparable across both: it is the evaluator's yardstick, not a
+    release of the method.
     """
     task = task if task is not None else prepare_imputation_task(config)
     start = time.perf_counter()

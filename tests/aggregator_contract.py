@@ -15,9 +15,18 @@ import torch
 from torch import Tensor
 
 from secure_vfl.errors import ProtocolError
-from secure_vfl.federation.aggregator import Aggregator, sum_vectors
+from secure_vfl.federation.aggregator import Aggregator, PlainAggregator, SealingScheme
 from secure_vfl.federation.channel import Channel
-from secure_vfl.federation.messages import AGGREGATOR, RepresentationMessage, party_name
+from secure_vfl.federation.messages import (
+    AGGREGATOR,
+    KeyRequest,
+    RepresentationMessage,
+    SealRequest,
+    SumMessage,
+    SumRequest,
+    party_name,
+)
+from secure_vfl.federation.parties import AggregationServer, SecureSumParty
 
 PARTIES = [party_name(k) for k in range(4)]
 RECEIVER = party_name(0)
@@ -77,6 +86,69 @@ def full_batch(
     present = torch.ones(batch, 4, dtype=torch.bool)
     messages = representations(present, width, generator, round=round, batch_id=batch_id)
     return messages, releasable_selection(present, tasks, generator)
+
+
+def vector_sum(
+    aggregator: Aggregator,
+    vectors: dict[str, Tensor],
+    *,
+    channel: Channel | None = None,
+    receiver: str = "server",
+    round: int = 0,
+) -> Tensor:
+    """The sum of one flat vector per contributor as ``receiver`` gets it: each contributor is a
+    :class:`SecureSumParty` that contributes its vector as one row, an aggregation server adds
+    (``aggregator`` split into its halves, keys meeting by messages, when it is a
+    :class:`SealingScheme`)."""
+    channel = channel if channel is not None else Channel()
+    contributors = [SecureSumParty(name) for name in vectors]
+    owner = SecureSumParty(receiver)
+    split = isinstance(aggregator, SealingScheme)
+    server = AggregationServer(PlainAggregator() if split else aggregator)
+    for party in (*contributors, owner, server):
+        party.connect(channel)
+    names = tuple(vectors)
+    header = {"sender": receiver, "round": round, "batch_id": 0}
+    if isinstance(aggregator, SealingScheme):
+        for party in contributors:
+            party.install(aggregator.scheme, aggregator.sender(), None)
+        owner.install(aggregator.scheme, None, aggregator.receiver())
+        server.install(aggregator.scheme, aggregator.adder())
+        for name in (*names, receiver):
+            owner.send(
+                KeyRequest(
+                    **header,
+                    receiver=name,
+                    scheme=aggregator.scheme,
+                    contributors=names,
+                    receivers=(receiver,),
+                )
+            )
+    for party in contributors:
+        party.contribute(
+            RepresentationMessage(
+                sender=party.name,
+                receiver=AGGREGATOR,
+                round=round,
+                batch_id=0,
+                positions=torch.zeros(1, dtype=torch.int64),
+                tag="vectors",
+                representation=vectors[party.name].reshape(1, -1),
+            )
+        )
+    plan = {
+        "selection": torch.ones(1, 1, len(names), dtype=torch.bool),
+        "parties": names,
+        "deliver_to": receiver,
+        "tag": "vectors",
+        "source_tag": "vectors",
+    }
+    for name in names if split else ():
+        owner.send(SealRequest(**header, receiver=name, **plan))  # type: ignore[arg-type]
+    owner.send(SumRequest(**header, receiver=AGGREGATOR, **plan))  # type: ignore[arg-type]
+    summed = owner.take("sum", sender=AGGREGATOR, round=round, batch_id=0, tag="vectors")
+    assert isinstance(summed, SumMessage)
+    return summed.sums[0, 0]
 
 
 def combine(
@@ -149,10 +221,10 @@ class AggregatorContract:
         nobody = selection.sum(dim=2) == 0
         assert bool((result.sums[nobody] == 0).all())
 
-    def test_sum_vectors_adds_whole_vectors(self) -> None:
+    def test_whole_vectors_are_summed_through_the_parties_and_the_server(self) -> None:
         generator = torch.Generator().manual_seed(13)
         vectors = {name: torch.randn(50, generator=generator) for name in PARTIES[:3]}
-        total = sum_vectors(self.make_aggregator(), Channel(), vectors, receiver="server", round=2)
+        total = vector_sum(self.make_aggregator(), vectors, round=2)
         expected = sum(v.double() for v in vectors.values())
         magnitude = sum(v.double().abs() for v in vectors.values())
         assert isinstance(expected, Tensor) and isinstance(magnitude, Tensor)

@@ -1,11 +1,13 @@
-"""Shared fixtures: small synthetic vertical datasets that train in well under a second."""
+"""Shared fixtures: small synthetic vertical datasets that train in well under a second, and
+torch on one thread for tests that compare trained models bit for bit."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
+import torch
 
 from secure_vfl.data.datasets import DatasetSplit, LabeledArrays
 from secure_vfl.data.missingness import parse_mechanism
@@ -52,3 +54,14 @@ def make_data() -> MakeData:
         )
 
     return make
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Torch on one thread inside the test: training then repeats bit for bit."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

@@ -17,6 +17,7 @@ from aggregator_contract import (
     combine,
     full_batch,
     oracle,
+    vector_sum,
 )
 from conftest import MakeData
 
@@ -27,8 +28,7 @@ from protocols.ckks import (
     public_context_bytes,
 )
 from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
-from secure_vfl.federation.aggregator import Aggregator, PlainAggregator, sum_vectors
-from secure_vfl.federation.channel import Channel
+from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
 from secure_vfl.federation.messages import RepresentationMessage
 from secure_vfl.methods import MethodConfig
 from secure_vfl.methods.base import in_process_parties
@@ -180,11 +180,11 @@ def test_corrupted_ciphertext_bytes_are_refused() -> None:
             combine(CkksAggregator(wire=tap), messages, selection)
 
 
-def test_sum_vectors_works_through_ckks() -> None:
+def test_whole_vector_sums_work_through_split_ckks() -> None:
     generator = torch.Generator().manual_seed(13)
     vectors = {name: torch.randn(5000, generator=generator) for name in PARTIES[:3]}
-    plain = sum_vectors(PlainAggregator(), Channel(), vectors, receiver="server", round=1)
-    secure = sum_vectors(CkksAggregator(), Channel(), vectors, receiver="server", round=1)
+    plain = vector_sum(PlainAggregator(), vectors, round=1)
+    secure = vector_sum(CkksAggregator(), vectors, round=1)
     assert bool(((secure - plain).abs() <= 3 * 2.0**-20 + 1e-5).all())
 
 

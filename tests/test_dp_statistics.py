@@ -15,13 +15,20 @@ from opacus.accountants import RDPAccountant
 from protocols.dp import GaussianRelease, PrivacyAccountant, calibrate_noise
 from protocols.dp_statistics import (
     STATISTICS_RELEASES,
+    ClientStatisticsNoise,
     StatisticsNoise,
     observed_ranges,
 )
 from protocols.secagg import MaskingAggregator
 from secure_vfl.data.imputation import ClientData, ImputationTask
 from secure_vfl.errors import ConfigError, DataError
-from secure_vfl.methods.imputation import IMPUTERS, ImputeConfig, federated_statistics
+from secure_vfl.methods.imputation import (
+    IMPUTERS,
+    ImputeConfig,
+    build_imputation_federation,
+    federated_statistics,
+    in_process_clients,
+)
 from secure_vfl.methods.imputation.statistics import FeatureRanges
 
 DELTA = 1e-5
@@ -70,6 +77,21 @@ def _mechanism(
     )
 
 
+def _mechanisms(
+    sigma: float,
+    clip: float,
+    *,
+    ranges: FeatureRanges,
+    shares: int = 4,
+    seed: int = 0,
+    standard_bound: float = 3.0,
+) -> ClientStatisticsNoise:
+    """Each client's own mechanism (its own generator and accountant), made as it is built."""
+    return ClientStatisticsNoise(
+        sigma, clip, ranges=ranges, shares=shares, seed=seed, standard_bound=standard_bound
+    )
+
+
 RANGES = FeatureRanges(lower=np.full(3, -1.0), upper=np.full(3, 1.0))
 
 
@@ -107,20 +129,36 @@ def test_one_record_moves_a_clients_release_by_at_most_the_clip_norm() -> None:
 
 def test_epsilon_per_client_equals_opacus_accountant_for_the_same_releases() -> None:
     clients = _clients()
-    accountant = PrivacyAccountant()
     sigma = 2.0
-    mechanism = _mechanism(sigma, 1.0, ranges=observed_ranges(clients), accountant=accountant)
-    federated_statistics(clients, aggregator=MaskingAggregator(), privacy=mechanism)
-    assert accountant.parties() == [c.name for c in clients]
-    assert all(e.kind == "statistics" and e.sample_rate == 1.0 for e in accountant.events)
+    mechanisms = _mechanisms(sigma, 1.0, ranges=observed_ranges(clients))
+    federated_statistics(clients, aggregator=MaskingAggregator(), privacy=mechanisms)
+    assert list(mechanisms.accountants) == [c.name for c in clients]
     reference = RDPAccountant()
     for _ in range(STATISTICS_RELEASES):
         reference.step(noise_multiplier=sigma, sample_rate=1.0)
     expected = reference.get_epsilon(delta=DELTA)
-    epsilons = accountant.epsilons(DELTA)
-    assert set(epsilons) == {c.name for c in clients}
-    for epsilon in epsilons.values():
-        assert epsilon == pytest.approx(expected, rel=1e-9)
+    for name, accountant in mechanisms.accountants.items():
+        # each client's own accountant records its own releases only
+        assert accountant.parties() == [name] and len(accountant.events) == STATISTICS_RELEASES
+        assert all(e.kind == "statistics" and e.sample_rate == 1.0 for e in accountant.events)
+        assert accountant.epsilon(name, DELTA) == pytest.approx(expected, rel=1e-9)
+
+
+def test_each_client_holds_its_own_mechanism_and_noise_generator() -> None:
+    clients = _clients()
+    federation = build_imputation_federation(
+        clients, privacy=_mechanisms(1.0, 1.0, ranges=observed_ranges(clients))
+    )
+    held = [client.privacy for client in in_process_clients(federation.channel)]
+    assert all(isinstance(m, StatisticsNoise) for m in held)
+    generators = {id(m.generator) for m in held if isinstance(m, StatisticsNoise)}
+    assert len({id(m) for m in held}) == len(generators) == len(clients)
+    # The coordinator knows only the public terms (a copy), no mechanism or generator.
+    assert federation.release_terms is not None
+    assert federation.release_terms.share_std == pytest.approx(1.0 / 2.0)
+    shared = _mechanism(1.0, 1.0, ranges=observed_ranges(clients))
+    with pytest.raises(ConfigError, match="each client needs its own statistics mechanism"):
+        build_imputation_federation(clients, privacy=lambda name: shared)
 
 
 def test_calibrated_sigma_spends_the_target_over_the_three_releases() -> None:
@@ -153,8 +191,8 @@ def test_almost_noiseless_unclipped_release_gives_the_exact_statistics() -> None
     wide = FeatureRanges(
         lower=observed_ranges(clients).lower - 1, upper=observed_ranges(clients).upper + 1
     )
-    mechanism = _mechanism(1e-13, 1e6, ranges=wide, standard_bound=50.0)
-    private = federated_statistics(clients, privacy=mechanism)
+    mechanisms = _mechanisms(1e-13, 1e6, ranges=wide, standard_bound=50.0)
+    private = federated_statistics(clients, privacy=mechanisms)
     mean, std = private.standardisation.mean, private.standardisation.std
     np.testing.assert_allclose(mean, exact.standardisation.mean, rtol=1e-6)
     np.testing.assert_allclose(std, exact.standardisation.std, rtol=1e-5)
@@ -170,8 +208,8 @@ def test_record_clipping_down_weights_records_without_biasing_the_std() -> None:
     were clipped more, and inflated every std by ~1.5x; each exchange now carries its counts."""
     clients = _clients(rows=400)
     exact = federated_statistics(clients).standardisation
-    mechanism = _mechanism(1e-13, 0.5, ranges=observed_ranges(clients))  # clips every record
-    private = federated_statistics(clients, privacy=mechanism).standardisation
+    mechanisms = _mechanisms(1e-13, 0.5, ranges=observed_ranges(clients))  # clips every record
+    private = federated_statistics(clients, privacy=mechanisms).standardisation
     np.testing.assert_allclose(private.std / exact.std, 1.0, atol=0.1)
     assert np.all(np.abs(private.mean - exact.mean) < 0.05 * exact.std)
 
@@ -179,8 +217,8 @@ def test_record_clipping_down_weights_records_without_biasing_the_std() -> None:
 def test_heavy_noise_still_gives_a_valid_standardisation_and_graph() -> None:
     clients = _clients(rows=40)
     ranges = observed_ranges(clients)
-    mechanism = _mechanism(50.0, 1.0, ranges=ranges, shares=1)
-    statistics = federated_statistics(clients, privacy=mechanism)
+    mechanisms = _mechanisms(50.0, 1.0, ranges=ranges, shares=1)
+    statistics = federated_statistics(clients, privacy=mechanisms)
     mean, std = statistics.standardisation.mean, statistics.standardisation.std
     assert np.all(np.isfinite(mean)) and np.all(np.isfinite(std)) and np.all(std > 0)
     assert np.all((ranges.lower <= mean) & (mean <= ranges.upper))
@@ -197,8 +235,8 @@ def test_moderate_noise_keeps_the_strongest_correlations() -> None:
     """Utility control: at sigma 1 the noisy graph's correlations stay near the exact ones."""
     clients = _clients(rows=2000)
     exact = federated_statistics(clients)
-    mechanism = _mechanism(1.0, 4.0, ranges=observed_ranges(clients))
-    private = federated_statistics(clients, aggregator=MaskingAggregator(), privacy=mechanism)
+    mechanisms = _mechanisms(1.0, 4.0, ranges=observed_ranges(clients))
+    private = federated_statistics(clients, aggregator=MaskingAggregator(), privacy=mechanisms)
     both = np.isfinite(exact.correlation) & np.isfinite(private.correlation)
     np.fill_diagonal(both, False)
     gap = np.abs(private.correlation[both] - exact.correlation[both])
@@ -213,16 +251,13 @@ def test_fedhf_trains_on_private_statistics_and_every_client_spends_three_releas
         train=tuple(clients),
         test=tuple(_clients(rows=40, seed=1)),
     )
-    accountant = PrivacyAccountant()
-    mechanism = _mechanism(3.0, 2.0, ranges=observed_ranges(clients), accountant=accountant)
+    mechanisms = _mechanisms(3.0, 2.0, ranges=observed_ranges(clients))
     config = ImputeConfig(rounds=2, local_epochs=1, hidden=8, layers=1)
-    imputer = IMPUTERS.get("fedhf")(task, config, seed=0, privacy=mechanism)
+    imputer = IMPUTERS.get("fedhf")(task, config, seed=0, privacy=mechanisms)
     curve = imputer.fit()
     assert len(curve) == 2 and all(np.isfinite(curve))
-    releases = {c.name: 0 for c in clients}
-    for event in accountant.events:
-        releases[event.party] += 1
-    assert releases == {c.name: STATISTICS_RELEASES for c in clients}
+    releases = {name: [e.party for e in a.events] for name, a in mechanisms.accountants.items()}
+    assert releases == {c.name: [c.name] * STATISTICS_RELEASES for c in clients}
 
 
 def test_invalid_settings_are_refused() -> None:
@@ -239,7 +274,7 @@ def test_invalid_settings_are_refused() -> None:
     with pytest.raises(DataError, match="lower < upper"):
         FeatureRanges(lower=np.array([0.0, 1.0]), upper=np.array([1.0, 1.0]))
     with pytest.raises(DataError, match="ranges cover 3 features"):
-        federated_statistics(_clients(), privacy=_mechanism(1.0, 1.0, ranges=RANGES))
+        federated_statistics(_clients(), privacy=_mechanisms(1.0, 1.0, ranges=RANGES))
 
 
 def test_the_core_offers_the_hook_without_importing_the_mechanism() -> None:

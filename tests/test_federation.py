@@ -6,10 +6,11 @@ import dataclasses
 
 import pytest
 import torch
+from aggregator_contract import vector_sum
 from torch import nn
 
 from secure_vfl.errors import IntegrityError, ProtocolError
-from secure_vfl.federation.aggregator import PlainAggregator, sum_vectors
+from secure_vfl.federation.aggregator import PlainAggregator
 from secure_vfl.federation.channel import Channel, RecordingLayer
 from secure_vfl.federation.messages import (
     AGGREGATOR,
@@ -230,13 +231,9 @@ def test_gradient_messages_cover_exactly_the_rows_each_party_sent() -> None:
 def test_vector_sums_go_through_the_channel_and_the_aggregator() -> None:
     recorder = RecordingLayer()
     contributions = {"client-0": torch.tensor([1.0, 2.0]), "client-1": torch.tensor([10.0, 20.0])}
-    total = sum_vectors(
-        PlainAggregator(), Channel([recorder]), contributions, receiver="server", round=4
-    )
+    total = vector_sum(PlainAggregator(), contributions, channel=Channel([recorder]), round=4)
     assert total.tolist() == [11.0, 22.0]
-    assert recorder.kinds() == ["representation", "representation", "sum"]
+    assert recorder.kinds() == ["representation", "representation", "sum-request", "sum"]
     assert all(m.round == 4 for m in recorder.messages)
-    with pytest.raises(ProtocolError, match="flat vector"):
-        sum_vectors(
-            PlainAggregator(), Channel(), {"c": torch.ones(2, 2)}, receiver="server", round=0
-        )
+    with pytest.raises(ProtocolError, match="width 2 expected, found 3"):
+        vector_sum(PlainAggregator(), {"a": torch.ones(2), "b": torch.ones(3)})

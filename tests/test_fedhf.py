@@ -1,4 +1,4 @@
-"""FedHF-Impute: the GNN's message passing, block masking, FedAvg through the seam, training."""
+"""FedHF-Impute: the GNN's message passing, block masking, FedAvg by messages, training."""
 
 from __future__ import annotations
 
@@ -7,24 +7,31 @@ import pytest
 import torch
 from torch import Tensor, nn
 
+from protocols.secagg import MaskingAggregator
 from secure_vfl.data.imputation import ClientData, ImputationTask
-from secure_vfl.federation.aggregator import PlainAggregator
+from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
 from secure_vfl.federation.channel import Channel, RecordingLayer
-from secure_vfl.federation.messages import RepresentationMessage, SumMessage
+from secure_vfl.federation.messages import (
+    AGGREGATOR,
+    ComputeRequest,
+    ParametersMessage,
+    RepresentationMessage,
+)
 from secure_vfl.methods.imputation import (
     IMPUTERS,
     ImputeConfig,
     Imputer,
+    ReconstructionImputer,
     block_mask,
     evaluate,
-    federated_average,
     federated_statistics,
+    in_process_clients,
     masked_mse,
 )
-from secure_vfl.methods.imputation.fedhf import (
+from secure_vfl.methods.imputation.clients import (
     ClientShard,
-    ReconstructionClient,
     flat_parameters,
+    train_locally,
 )
 from secure_vfl.models.feature_graph import FeatureGraph, FeatureGraphImputer
 
@@ -199,8 +206,8 @@ def test_local_training_corrupts_exactly_one_block_and_learns_only_on_it() -> No
     )
     model = _RecordingModel(features)
     config = ImputeConfig(batch_size=16)
-    client = ReconstructionClient(shard, model, config, torch.Generator().manual_seed(0))
-    client.train(1)
+    optimiser = torch.optim.Adam(model.parameters(), lr=config.lr)
+    train_locally(model, optimiser, shard, config, torch.Generator().manual_seed(0), epochs=1)
     assert [x.shape[0] for x, _ in model.calls] == [16, 16, 5]  # the short batch is kept
     rows_seen: list[int] = []
     for (x, m), gradient in zip(model.calls, model.gradients, strict=True):
@@ -225,28 +232,58 @@ def test_local_training_corrupts_exactly_one_block_and_learns_only_on_it() -> No
     assert sorted(rows_seen) == list(range(n))
 
 
-def test_federated_average_weights_by_sample_counts_through_the_seam() -> None:
-    recorder = RecordingLayer()
-    channel = Channel([recorder])
-    theta_small = torch.tensor([1.0, -2.0, 8.0])
-    theta_large = torch.tensor([5.0, 2.0, 0.0])
-    averaged = federated_average(
-        PlainAggregator(),
-        channel,
-        {"client-0": (1, theta_small), "client-1": (3, theta_large)},
-        total_rows=4,
-        receiver="server",
-        round=4,
+def _uneven(task: ImputationTask, rows: tuple[int, ...]) -> ImputationTask:
+    """``task`` with client k keeping its first ``rows[k]`` training rows."""
+    train = tuple(
+        ClientData(c.name, c.values[:n].copy(), c.available.copy())
+        for c, n in zip(task.train, rows, strict=True)
     )
-    assert averaged is not None
-    assert torch.equal(averaged, torch.tensor([4.0, 1.0, 2.0]))  # (1*a + 3*b) / 4 exactly
-    sent = [m for m in recorder.messages if isinstance(m, RepresentationMessage)]
-    assert [m.sender for m in sent] == ["client-0", "client-1"]
-    # each client sends its share n_k / N of theta: never larger than theta itself
-    assert torch.equal(sent[0].representation[0], torch.tensor([0.25, -0.5, 2.0, 0.25]))
-    assert torch.equal(sent[1].representation[0], torch.tensor([3.75, 1.5, 0.0, 0.75]))
-    summed = [m for m in recorder.messages if isinstance(m, SumMessage)]
-    assert len(summed) == 1 and summed[0].receiver == "server" and summed[0].round == 4
+    return ImputationTask(task.name, task.features, train, task.test)
+
+
+@pytest.mark.parametrize("aggregator", [PlainAggregator, MaskingAggregator], ids=["plain", "masks"])
+def test_a_fedavg_round_gives_the_row_weighted_average_of_the_clients_models(
+    aggregator: type[Aggregator],
+) -> None:
+    """Eq. 8 by messages: each client sends [n_k / N theta_k, n_k / N] after its local epochs
+    and the coordinator's average is sum_k n_k theta_k / sum_k n_k of the clients' own models."""
+    task = _uneven(synthetic_task(rows=40, test_rows=5, features=6), (8, 16, 24, 40))
+    recorder = RecordingLayer()
+    config = ImputeConfig(rounds=1, local_epochs=1, hidden=8)
+    imputer = IMPUTERS.get("fed-dae")(
+        task, config, seed=0, aggregator=aggregator(), channel=Channel([recorder])
+    )
+    assert isinstance(imputer, ReconstructionImputer) and imputer.theta is not None
+    assert imputer.total_rows == 88
+    sent = len(recorder.messages)
+    total = imputer.federation.sum(
+        "train", np.array([88.0]), width=imputer.theta.numel() + 1, round=0, tag="fedavg"
+    )
+    clients = in_process_clients(imputer.federation.channel)
+    models = {c.name: (c.n, flat_parameters(c.model)) for c in clients if c.model is not None}
+    assert [n for n, _ in models.values()] == [8, 16, 24, 40]
+    oracle = sum(n * theta.double() for n, theta in models.values()) / 88
+    assert isinstance(oracle, torch.Tensor)
+    average = torch.from_numpy(total[:-1] / total[-1]).double()
+    assert torch.allclose(average, oracle, rtol=1e-6, atol=1e-6)
+    assert float(total[-1]) == pytest.approx(1.0, abs=1e-6)
+    # Each client trained before sending, and sent its row share of its own model: never more
+    # than the model itself.
+    assert all(not torch.equal(theta, imputer.theta) for _, theta in models.values())
+    contributions = {
+        m.sender: m.representation[0]
+        for m in recorder.messages[sent:]
+        if isinstance(m, RepresentationMessage) and m.receiver == AGGREGATOR
+    }
+    if aggregator is PlainAggregator:
+        for name, (n, theta) in models.items():
+            share = n / 88
+            expected = torch.cat([share * theta, torch.tensor([share])])
+            assert torch.equal(contributions[name], expected)
+    else:  # sealed: the aggregator saw masked ring elements only
+        assert contributions == {}
+        sealed = [m.sender for m in recorder.messages[sent:] if m.kind == "sealed"]
+        assert sealed == list(models)
 
 
 def test_fedhf_model_updates_travel_only_through_the_seam_with_client_sampling() -> None:
@@ -254,20 +291,43 @@ def test_fedhf_model_updates_travel_only_through_the_seam_with_client_sampling()
     recorder = RecordingLayer()
     config = ImputeConfig(rounds=3, local_epochs=1, hidden=8, layers=1, client_fraction=0.5)
     imputer = IMPUTERS.get("fedhf")(task, config, seed=0, channel=Channel([recorder]))
-    statistics_messages = len(recorder.messages)
-    # three statistics exchanges and the row count N: 4 clients + the sum each
-    assert statistics_messages == 4 * (4 + 1)
+    set_up = len(recorder.messages)
+    # Three statistics exchanges and the row count N: each a request to the 4 clients, their 4
+    # contributions, the sum request and the sum; then the global statistics and the initial
+    # download, one message to each client. Nothing else.
+    expected = {
+        "compute-request": 4 * 4,
+        "representation": 4 * 4,
+        "sum-request": 4,
+        "sum": 4,
+        "global-statistics": 4,
+        "parameters": 4,
+    }
+    kinds = recorder.kinds()
+    assert {kind: kinds.count(kind) for kind in set(kinds)} == expected
     imputer.fit()
     size = flat_parameters(FeatureGraphImputer(_chain_graph(6), hidden=8, layers=1)).numel()
+    later = recorder.messages[set_up:]
     updates = [
         m
-        for m in recorder.messages[statistics_messages:]
+        for m in later
         if isinstance(m, RepresentationMessage) and m.representation.shape[1] == size + 1
     ]
     assert len(updates) == 3 * 2  # client_fraction 0.5: two of the four clients per round
-    rounds = [m.round for m in updates]
-    assert rounds == [0, 0, 1, 1, 2, 2]
+    assert [m.round for m in updates] == [0, 0, 1, 1, 2, 2]
+    assert all(m.receiver == AGGREGATOR for m in updates)
     assert all(float(m.representation[0, -1]) == 0.25 for m in updates)  # n_k / N rides along
+    trained = [m for m in later if isinstance(m, ComputeRequest) and m.computation == "train"]
+    assert [(m.receiver, m.round) for m in trained] == [(m.sender, m.round) for m in updates]
+    # Each round's average goes to every client, and the best one once more at the end.
+    downloads = [m for m in later if isinstance(m, ParametersMessage)]
+    assert [(m.tag, m.round) for m in downloads[::4]] == [
+        ("global", 0),
+        ("global", 1),
+        ("global", 2),
+        ("best", 3),
+    ]
+    assert len(downloads) == 4 * 4 and all(m.parameters.shape == (size,) for m in downloads)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from test_paillier import paillier_aggregator
 from protocols.ckks import CkksAggregator
 from secure_vfl.data.imputation import ClientData
 from secure_vfl.errors import ConfigError, DataError
-from secure_vfl.federation.aggregator import PlainAggregator
 from secure_vfl.federation.channel import Channel, RecordingLayer
 from secure_vfl.federation.messages import RepresentationMessage
 from secure_vfl.methods.imputation import ImputeConfig, federated_statistics
@@ -20,7 +19,8 @@ from secure_vfl.methods.imputation.statistics import (
     WIDE_STEP,
     WIRE_LIMIT,
     client_moments,
-    wide_sum,
+    from_wide_digits,
+    wide_digits,
 )
 from secure_vfl.models.feature_graph import FeatureGraph
 
@@ -212,31 +212,36 @@ def test_statistics_under_paillier_and_ckks_equal_plain_within_the_stated_bound(
 
 
 def test_wide_sums_carry_any_magnitude_within_the_wire_limit_and_the_stated_step() -> None:
+    """What each client sends (its digits, float32 on the wire) and what the coordinator
+    recovers from their float32 sum, as the aggregator forms it."""
     rng = np.random.default_rng(0)
     vectors = {
         f"client-{k}": rng.normal(size=50) * 10.0 ** rng.integers(-3, 14, size=50) for k in range(4)
     }
-    recorder = RecordingLayer()
-    total = wide_sum(
-        vectors,
-        aggregator=PlainAggregator(),
-        channel=Channel([recorder]),
-        receiver="server",
-        round=0,
-        tag="wide",
-    )
-    sent = [m for m in recorder.messages if isinstance(m, RepresentationMessage)]
-    assert max(float(m.representation.abs().max()) for m in sent) <= WIRE_LIMIT
-    digits = sent[0].representation[0, 50:]
-    assert torch.equal(digits, torch.round(digits))  # integer digits above the lowest
+    sent = [torch.from_numpy(wide_digits(v).astype(np.float32)) for v in vectors.values()]
+    assert max(float(digits.abs().max()) for digits in sent) <= WIRE_LIMIT
+    assert torch.equal(sent[0][50:], torch.round(sent[0][50:]))  # integer digits above the lowest
+    total = from_wide_digits(torch.stack(sent).sum(dim=0).numpy())
     exact = np.sum(list(vectors.values()), axis=0)
     np.testing.assert_allclose(total, exact, rtol=1e-15, atol=4 * WIDE_STEP)
     with pytest.raises(DataError, match="exceeds what 7 base-1024 digits carry"):
-        wide_sum(
-            {"a": np.array([1e15]), "b": np.array([0.0])},
-            aggregator=PlainAggregator(),
-            channel=Channel(),
-            receiver="server",
-            round=1,
-            tag="wide",
-        )
+        wide_digits(np.array([1e15]))
+
+
+def test_a_client_holds_its_rows_and_sends_only_its_sums() -> None:
+    """The statistics through client actors: every request comes from the coordinator, every
+    contribution goes to the aggregator, only the aggregator's sums reach the coordinator."""
+    clients = _clients()
+    recorder = RecordingLayer()
+    federated_statistics(clients, channel=Channel([recorder]))
+    names = {c.name for c in clients}
+    for message in recorder.messages:
+        route = (message.kind, message.sender in names, message.receiver)
+        assert route in {
+            ("compute-request", False, message.receiver),
+            ("representation", True, "aggregator"),
+            ("sum-request", False, "aggregator"),
+            ("sum", False, "server"),
+        }, route
+        if message.kind == "compute-request":
+            assert message.sender == "server" and message.receiver in names

@@ -16,6 +16,7 @@ from aggregator_contract import (
     SecureAggregatorContract,
     combine,
     full_batch,
+    vector_sum,
 )
 from conftest import MakeData
 from phe import paillier
@@ -23,8 +24,7 @@ from torch import Tensor
 
 from protocols.paillier import KeyPair, PackingLayout, PaillierAggregator, generate_key_pair
 from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
-from secure_vfl.federation.aggregator import Aggregator, PlainAggregator, sum_vectors
-from secure_vfl.federation.channel import Channel
+from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
 from secure_vfl.federation.messages import RepresentationMessage
 from secure_vfl.methods import MethodConfig
 from secure_vfl.methods.base import in_process_parties
@@ -226,11 +226,11 @@ def test_obfuscators_come_from_the_pool_and_are_never_reused() -> None:
     assert (len(pool), pool.generated) == (0, 23)
 
 
-def test_sum_vectors_works_through_paillier() -> None:
+def test_whole_vector_sums_work_through_split_paillier() -> None:
     generator = torch.Generator().manual_seed(13)
     vectors = {name: torch.randn(300, generator=generator) for name in PARTIES[:3]}
-    plain = sum_vectors(PlainAggregator(), Channel(), vectors, receiver="server", round=1)
-    secure = sum_vectors(paillier_aggregator(), Channel(), vectors, receiver="server", round=1)
+    plain = vector_sum(PlainAggregator(), vectors, round=1)
+    secure = vector_sum(paillier_aggregator(), vectors, round=1)
     assert bool(((secure - plain).abs() <= 3 * 2.0**-17 + 1e-6).all())
 
 

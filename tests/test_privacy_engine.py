@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from conftest import MakeData
@@ -86,6 +88,9 @@ def test_target_epsilon_calibrates_one_sigma_for_every_mechanism(make_data: Make
         ({"dp_sgd": (1.0, 0.0)}, "--dp-sgd needs SIGMA >= 0 and CLIP > 0"),
         ({"dp_gradients": (float("nan"), 1.0)}, "--dp-gradients needs"),
         ({"delta": 1.0}, "`delta` must be in"),
+        ({"dp_statistics": (0.0, 1.0)}, "--dp-statistics needs SIGMA > 0 and CLIP > 0"),
+        ({"dp_statistics": (1.0, 1.0), "dp_sgd": (1.0, 0.1)}, "expected one kind, found both"),
+        ({"feature_ranges": Path("ranges.csv")}, "bounds the values of --dp-statistics"),
     ],
 )
 def test_a_bad_spec_is_refused(kwargs: dict[str, object], expected: str) -> None:

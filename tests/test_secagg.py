@@ -20,6 +20,7 @@ from aggregator_contract import (
 )
 from conftest import MakeData
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from test_fedhf import synthetic_task
 
 from protocols.secagg import (
     MaskingAggregator,
@@ -29,10 +30,9 @@ from protocols.secagg import (
 )
 from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
 from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
-from secure_vfl.federation.channel import Channel
 from secure_vfl.methods import MethodConfig
 from secure_vfl.methods.base import in_process_parties
-from secure_vfl.methods.imputation.fedhf import federated_average
+from secure_vfl.methods.imputation import IMPUTERS, ImputeConfig
 from secure_vfl.methods.laser import MeanFusionMethod
 
 
@@ -194,15 +194,20 @@ def test_fraction_bits_out_of_range_are_refused() -> None:
         MaskingAggregator(fraction_bits=63)
 
 
+@pytest.mark.usefixtures("one_thread")
 def test_federated_averaging_through_masks_matches_the_plain_average() -> None:
-    generator = torch.Generator().manual_seed(12)
-    updates = {
-        name: (10 * (k + 1), torch.randn(200, generator=generator))
-        for k, name in enumerate(PARTIES)
-    }
-    plain = federated_average(PlainAggregator(), Channel(), updates, receiver="server", round=1)
-    secure = federated_average(masking(), Channel(), updates, receiver="server", round=1)
-    assert plain is not None and secure is not None
+    """One FedAvg round of the client actors: masked shares give the plain average within the
+    fixed-point step (the clients' updates are the same: one thread, one seed)."""
+    task = synthetic_task(rows=40, test_rows=5, features=6)
+    config = ImputeConfig(rounds=1, local_epochs=1, hidden=16)
+    averages = []
+    for aggregator in (PlainAggregator(), masking()):
+        imputer = IMPUTERS.get("fed-dae")(task, config, seed=0, aggregator=aggregator)
+        imputer.fit()
+        averages.append(imputer.theta)  # type: ignore[attr-defined]
+    plain, secure = averages
+    assert plain is not None and secure is not None and plain.numel() > 500
+    assert not torch.equal(secure, plain)  # the masked sum went through fixed point
     assert torch.allclose(secure, plain, atol=1e-6, rtol=1e-6)
 
 

@@ -22,12 +22,15 @@ from secure_vfl.errors import IntegrityError, ProtocolError, RegistryError
 from secure_vfl.federation import messages, wire
 from secure_vfl.federation.messages import (
     AGGREGATOR,
+    ComputeRequest,
     ErrorMessage,
+    GlobalStatisticsMessage,
     GradientMessage,
     LatentGradientMessage,
     LatentMessage,
     LikelihoodMessage,
     Message,
+    ParametersMessage,
     PredictionMessage,
     RepresentationMessage,
     SumMessage,
@@ -261,6 +264,26 @@ def core_messages() -> list[Message]:
         ),
         LatentGradientMessage(
             **header, positions=positions, gradient=torch.randn(4, 5, 8, generator=generator)
+        ),
+        ComputeRequest(
+            **header,
+            computation="deviations",
+            arguments=torch.randn(5, generator=generator, dtype=torch.float64),
+            tag="statistics",
+        ),
+        ParametersMessage(**header, parameters=torch.randn(300, generator=generator), tag="best"),
+        GlobalStatisticsMessage(
+            **header,
+            mean=torch.randn(3, generator=generator, dtype=torch.float64),
+            std=torch.rand(3, generator=generator, dtype=torch.float64) + 0.5,
+            neighbours=torch.tensor([[1, 2], [0, 1], [0, 2]]),
+            weights=torch.tensor([[1.0, 0.25], [1.0, 0.0], [0.25, 0.0]]),
+            mask=torch.tensor([[True, True], [True, False], [True, False]]),
+        ),
+        GlobalStatisticsMessage(
+            **header,
+            mean=torch.zeros(3, dtype=torch.float64),
+            std=torch.ones(3, dtype=torch.float64),
         ),
     ]
 

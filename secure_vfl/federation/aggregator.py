@@ -20,7 +20,6 @@ import torch
 from torch import Tensor
 
 from secure_vfl.errors import ProtocolError
-from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import (
     AGGREGATOR,
     RepresentationMessage,
@@ -272,51 +271,6 @@ class PlainAggregator:
                 counts=selection.sum(dim=2),
             )
         return result
-
-
-def sum_vectors(
-    aggregator: Aggregator,
-    channel: Channel,
-    contributions: Mapping[str, Tensor],
-    *,
-    receiver: str,
-    round: int,
-    tag: str = "",
-) -> Tensor:
-    """The sum of one flat float32 vector per party, through the aggregator and the channel.
-
-    Used for whole-vector sums (FedAvg model updates, sufficient statistics): each vector is a
-    one-row contribution and every party enters the single sum, so a secure backend of
-    :meth:`Aggregator.combine` protects these sums too.
-    """
-    if not contributions:
-        raise ProtocolError("a vector sum needs at least one contribution, found none.")
-    names = list(contributions)
-    messages = []
-    for name in names:
-        vector = contributions[name]
-        if vector.dim() != 1:
-            raise ProtocolError(
-                f"contribution of {name} must be a flat vector, found {vector.dim()}-d."
-            )
-        message = RepresentationMessage(
-            sender=name,
-            receiver=AGGREGATOR,
-            round=round,
-            batch_id=0,
-            positions=torch.zeros(1, dtype=torch.int64),
-            tag=tag,
-            representation=vector.detach().to(torch.float32).reshape(1, -1),
-        )
-        messages.append(
-            channel.receive(message, sender=name, receiver=AGGREGATOR, round=round, batch_id=0)
-        )
-    selection = torch.ones(1, 1, len(names), dtype=torch.bool)
-    summed = aggregator.combine(
-        messages, selection, parties=names, receiver=receiver, round=round, batch_id=0, tag=tag
-    )
-    summed = channel.receive(summed, sender=AGGREGATOR, receiver=receiver, round=round, batch_id=0)
-    return summed.sums[0, 0]
 
 
 def check_contribution_headers(

@@ -537,3 +537,106 @@ class SealedSumMessage(Message):
                 f"{self.kind} from {self.sender}: counts <= {len(self.parties)} (the parties) "
                 f"expected, found {int(self.counts.max())}."
             )
+
+
+# -- federated imputation: the coordinator's requests, publications and downloads ------------
+
+COMPUTATIONS: tuple[str, ...] = ("moments", "deviations", "pairs", "rows", "train", "validation")
+"""The local computations an imputation client runs on request: the three statistics exchanges,
+its row count, local training (its FedAvg update) and its validation error."""
+
+
+@register_message
+@dataclass(frozen=True, kw_only=True)
+class ComputeRequest(Message):
+    """The coordinator asks a client to run its local ``computation`` (one of
+    :data:`COMPUTATIONS`) on ``arguments`` (public values only: a released mean, the
+    federation's row count) and to contribute the resulting vector to the sum ``tag`` of this
+    round: a one-row representation sent to the aggregator in the clear under a plain sum, kept
+    until a :class:`SealRequest` under a secure one."""
+
+    computation: str
+    arguments: Tensor
+    tag: str
+    kind: ClassVar[str] = "compute-request"
+
+    def validate(self) -> None:
+        super().validate()
+        _check_choice(self, "computation", self.computation, COMPUTATIONS)
+        _check_tensor(self, "arguments", self.arguments, dims=1, dtype=torch.float64)
+
+
+@register_message
+@dataclass(frozen=True, kw_only=True)
+class ParametersMessage(Message):
+    """The coordinator's FedAvg download to one client: the global model's parameters as one
+    flat float32 vector (theta of eq. 8); ``tag`` says which (``"initial"``, a round's
+    ``"global"`` average, the ``"best"`` by validation)."""
+
+    parameters: Tensor
+    tag: str = ""
+    kind: ClassVar[str] = "parameters"
+
+    def validate(self) -> None:
+        super().validate()
+        _check_tensor(self, "parameters", self.parameters, dims=1, dtype=torch.float32)
+
+
+@register_message
+@dataclass(frozen=True, kw_only=True)
+class GlobalStatisticsMessage(Message):
+    """What the coordinator publishes to each client once the statistics are summed: the
+    global standardisation (per-feature ``mean`` and ``std`` > 0, float64) and, for a model
+    that reads one, the feature graph (``neighbours`` (F, k) int64 in [0, F), ``weights``
+    float32 in [0, 1] and 0 where ``mask`` (bool) is False; all three or none)."""
+
+    mean: Tensor
+    std: Tensor
+    neighbours: Tensor | None = None
+    weights: Tensor | None = None
+    mask: Tensor | None = None
+    kind: ClassVar[str] = "global-statistics"
+
+    def validate(self) -> None:
+        super().validate()
+        _check_tensor(self, "mean", self.mean, dims=1, dtype=torch.float64)
+        _check_tensor(self, "std", self.std, dims=1, dtype=torch.float64)
+        features = self.mean.shape[0]
+        if self.std.shape != self.mean.shape or not bool((self.std > 0).all()):
+            raise ProtocolError(
+                f"{self.kind} from {self.sender}: a std > 0 for each of the {features} "
+                f"features expected, found shape {tuple(self.std.shape)}, minimum "
+                f"{float(self.std.min()) if self.std.numel() else 'none'}."
+            )
+        graph = (self.neighbours, self.weights, self.mask)
+        if all(part is None for part in graph):
+            return
+        if self.neighbours is None or self.weights is None or self.mask is None:
+            raise ProtocolError(
+                f"{self.kind} from {self.sender}: the graph's neighbours, weights and mask "
+                "expected together, found only some of them."
+            )
+        _check_tensor(self, "neighbours", self.neighbours, dims=2, dtype=torch.int64)
+        _check_tensor(self, "weights", self.weights, dims=2, dtype=torch.float32)
+        _check_tensor(self, "mask", self.mask, dims=2, dtype=torch.bool)
+        shape = tuple(self.neighbours.shape)
+        if shape[0] != features or {tuple(self.weights.shape), tuple(self.mask.shape)} != {shape}:
+            raise ProtocolError(
+                f"{self.kind} from {self.sender}: neighbours, weights and mask of shape "
+                f"({features}, k) expected, found {shape}, {tuple(self.weights.shape)} and "
+                f"{tuple(self.mask.shape)}."
+            )
+        if self.neighbours.numel() and not (
+            int(self.neighbours.min()) >= 0 and int(self.neighbours.max()) < features
+        ):
+            raise ProtocolError(
+                f"{self.kind} from {self.sender}: neighbours in [0, {features}) expected, found "
+                f"[{int(self.neighbours.min())}, {int(self.neighbours.max())}]."
+            )
+        if bool(
+            ((self.weights < 0) | (self.weights > 1) | (~self.mask & (self.weights != 0))).any()
+        ):
+            raise ProtocolError(
+                f"{self.kind} from {self.sender}: weights in [0, 1] expected, and 0 where the "
+                "mask is False; found others."
+            )

@@ -7,6 +7,9 @@ to (the network) and receives what other parties post to it: a message kind with
 takes it (:meth:`Party.take`). A message a party sends to itself (the label party's own block)
 crosses no boundary and is handed over directly.
 
+- :class:`SecureSumParty`: what every party that contributes to or receives secure sums shares:
+  its own halves of the scheme, the key set-up, sealing what it keeps and opening what it is
+  owed. :class:`DataParty` and the imputation clients and coordinator build on it.
 - :class:`DataParty`: a feature block per split and the bottom model(s) that read it. It answers
   a :class:`RepresentRequest` with a detached :class:`RepresentationMessage`, keeps the autograd
   graph, collects the :class:`GradientMessage` s that come back and, on an
@@ -190,30 +193,14 @@ class Head:
             self.optimizer.zero_grad(set_to_none=True)
 
 
-class DataParty(Party):
-    """A feature block per split, its bottom model(s) and, at a label holder, its head(s).
+class SecureSumParty(Party):
+    """A party in secure sums split at the party boundary: it holds its own halves of the
+    scheme (its secret keys live in them, nowhere else), announces its public keys on a
+    :class:`KeyRequest`, seals what it contributes on a :class:`SealRequest` and opens the
+    sealed sums it is owed (:meth:`on_sum` then acts on them as on plain sums)."""
 
-    ``models[""]`` is the bottom model; further models (Combinatorial's per-subset bottoms) are
-    added with :meth:`add_model` and named in the requests. ``heads`` are keyed the same way.
-    """
-
-    def __init__(
-        self,
-        name: str,
-        blocks: Mapping[str, Tensor],
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        *,
-        heads: Mapping[str, Head] | None = None,
-    ) -> None:
+    def __init__(self, name: str) -> None:
         super().__init__(name)
-        self._blocks = dict(blocks)
-        self.models: dict[str, nn.Module] = {"": model}
-        self.optimizers: dict[str, torch.optim.Optimizer | None] = {"": optimizer}
-        self.heads: dict[str, Head] = dict(heads or {})
-        self._pending: dict[tuple[int, str], tuple[Tensor, Tensor, str]] = {}
-        self._gradients: dict[tuple[int, str], list[Tensor]] = {}
-        self._tasks: dict[tuple[int, int, str], HeadTask | PredictTask] = {}
         # Secure sums: this party's own halves (its secret keys live in them, nowhere else).
         self.sealer: SenderHalf | None = None
         self.opener: ReceiverHalf | None = None
@@ -221,148 +208,34 @@ class DataParty(Party):
         self._held: dict[tuple[int, int, str, str], RepresentationMessage] = {}
         self._sealed = ContextLedger()
 
-    @property
-    def receives_sums(self) -> bool:
-        """Whether sums are delivered to this party (it holds a head), so a secure-sum scheme
-        gives it a receiver half."""
-        return bool(self.heads)
+    # -- secure sums: key set-up, sealing what it holds, opening what it is owed -------------
 
-    @property
-    def model(self) -> nn.Module:
-        """The bottom model."""
-        return self.models[""]
+    def install(self, scheme: str, sealer: SenderHalf | None, opener: ReceiverHalf | None) -> None:
+        """Take this party's halves of a secure-sum scheme (made inside it: their keys are its
+        own): ``sealer`` for what it contributes, ``opener`` for the sums it is owed (a party
+        that only receives sums takes no sealer)."""
+        self.scheme, self.sealer, self.opener = scheme, sealer, opener
 
-    @model.setter
-    def model(self, module: nn.Module) -> None:
-        self.models[""] = module
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer | None:
-        """The bottom model's optimiser."""
-        return self.optimizers[""]
-
-    @optimizer.setter
-    def optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
-        self.optimizers[""] = optimizer
-
-    def add_model(self, key: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Hold a further bottom model, used when a request names ``key``."""
-        if key in self.models:
-            raise ProtocolError(f"{self.name} already holds a model named {key!r}.")
-        self.models[key] = model
-        self.optimizers[key] = optimizer
-
-    # -- forward and backward of the bottom models ------------------------------------------
-
-    def on_represent_request(self, request: RepresentRequest) -> None:
-        block = self._blocks.get(request.split)
-        model = self.models.get(request.model)
-        if block is None or model is None:
-            raise ProtocolError(
-                f"{self.name}: split {request.split!r} and model {request.model!r} requested; "
-                f"it holds splits {sorted(self._blocks)} and models {sorted(self.models)}."
-            )
-        if request.rows.numel() and int(request.rows.max()) >= block.shape[0]:
-            raise ProtocolError(
-                f"{self.name}: rows < {block.shape[0]} of split {request.split!r} expected, "
-                f"found {int(request.rows.max())}."
-            )
-        key = (request.round, request.tag)
-        train = request.phase == "train" and request.backward
-        if train and key in self._pending:
-            raise ProtocolError(
-                f"{self.name}: a second forward pass for round {request.round}, tag "
-                f"{request.tag!r} (a replayed request?)."
-            )
-        x = block[request.rows]
-        if train:
-            model.train()
-            output = model(x)
-            self._pending[key] = (output, request.positions, request.model)
-            sent = output.detach()
-        else:
-            model.eval()
-            with torch.no_grad():
-                sent = model(x)
-        message = RepresentationMessage(
-            **self.reply_header(request, request.reply_to),
-            positions=request.positions,
-            tag=request.tag,
-            phase=request.phase,
-            representation=sent,
-        )
-        if self.sealer is not None and request.reply_to == AGGREGATOR:
-            # Under a secure sum nothing leaves in the clear: keep it (after this party's own
-            # hooks, e.g. its DP noise) until the driver says which sums to seal it into.
-            for stale in [k for k in self._held if k[0] < request.round]:
+    def contribute(self, message: RepresentationMessage) -> None:
+        """Send ``message`` on its way; under a secure sum, one addressed to the aggregator is
+        kept instead (after this party's own hooks, e.g. its DP noise) until a
+        :class:`SealRequest` says which sums to seal it into: nothing leaves in the clear."""
+        if self.sealer is not None and message.receiver == AGGREGATOR:
+            for stale in [k for k in self._held if k[0] < message.round]:
                 del self._held[stale]
-            self._held[(request.round, request.batch_id, request.phase, request.tag)] = (
+            self._held[(message.round, message.batch_id, message.phase, message.tag)] = (
                 self.release(message)
             )
         else:
             self.send(message)
 
-    def on_gradient(self, message: GradientMessage) -> None:
-        key = (message.round, message.tag)
-        pending = self._pending.get(key)
-        if pending is None:
-            raise ProtocolError(
-                f"{self.name}: gradient for round {message.round} (tag {message.tag!r}) "
-                "but no pending forward pass."
-            )
-        output, positions, _ = pending
-        if not torch.equal(message.positions, positions) or (
-            message.gradient.shape != output.shape
-        ):
-            raise ProtocolError(
-                f"{self.name}: a gradient for the {positions.numel()} rows of width "
-                f"{output.shape[1]} sent expected, found {message.positions.numel()} rows of "
-                f"shape {tuple(message.gradient.shape)}."
-            )
-        self._gradients.setdefault(key, []).append(message.gradient)
-
-    def on_update(self, message: UpdateRequest) -> None:
-        model_key = self.backpropagate(message.round, message.tag)
-        optimizer = self.optimizers[model_key]
-        if optimizer is not None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        if message.heads and message.tag in self.heads:
-            self.heads[message.tag].step()
-
-    def backpropagate(self, round: int, tag: str = "") -> str:
-        """Start the backward pass of ``(round, tag)``'s forward from the sum of the gradients
-        received for it (if any), forget forward passes whose gradients will not come, and
-        return the name of the model that served it (``""``: the bottom model)."""
-        key = (round, tag)
-        pending = self._pending.pop(key, None)
-        gradients = self._gradients.pop(key, [])
-        for stale in [k for k in self._pending if k[0] < round]:
-            del self._pending[stale]
-        if pending is None:
-            return ""
-        output, _, model_key = pending
-        if gradients:
-            total = torch.zeros_like(output)
-            for gradient in gradients:
-                total += gradient
-            output.backward(total)
-        return model_key
-
-    # -- secure sums: key set-up, sealing what it holds, opening what it is owed -------------
-
-    def install(self, scheme: str, sealer: SenderHalf, opener: ReceiverHalf | None) -> None:
-        """Take this party's halves of a secure-sum scheme (made inside it: their keys are its
-        own): ``sealer`` for what it contributes, ``opener`` for the sums it is owed."""
-        self.scheme, self.sealer, self.opener = scheme, sealer, opener
-
     def on_key_request(self, request: KeyRequest) -> None:
-        if self.sealer is None or request.scheme != self.scheme:
+        if (self.sealer is None and self.opener is None) or request.scheme != self.scheme:
             raise ProtocolError(
                 f"{self.name}: a key set-up for scheme {request.scheme!r}, but it runs "
                 f"{self.scheme or 'no secure sum'}."
             )
-        announced = self.sealer.public_key()
+        announced = self.sealer.public_key() if self.sealer is not None else None
         if announced is not None:
             for peer in request.contributors:
                 if peer != self.name:
@@ -470,6 +343,164 @@ class DataParty(Party):
                 tag=message.tag,
             )
         )
+
+    def on_sum(self, message: SumMessage) -> None:
+        """A sum it is owed waits in its inbox until its program takes it."""
+        self._inbox.append(message)
+
+
+class DataParty(SecureSumParty):
+    """A feature block per split, its bottom model(s) and, at a label holder, its head(s).
+
+    ``models[""]`` is the bottom model; further models (Combinatorial's per-subset bottoms) are
+    added with :meth:`add_model` and named in the requests. ``heads`` are keyed the same way.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        blocks: Mapping[str, Tensor],
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        heads: Mapping[str, Head] | None = None,
+    ) -> None:
+        super().__init__(name)
+        self._blocks = dict(blocks)
+        self.models: dict[str, nn.Module] = {"": model}
+        self.optimizers: dict[str, torch.optim.Optimizer | None] = {"": optimizer}
+        self.heads: dict[str, Head] = dict(heads or {})
+        self._pending: dict[tuple[int, str], tuple[Tensor, Tensor, str]] = {}
+        self._gradients: dict[tuple[int, str], list[Tensor]] = {}
+        self._tasks: dict[tuple[int, int, str], HeadTask | PredictTask] = {}
+
+    @property
+    def receives_sums(self) -> bool:
+        """Whether sums are delivered to this party (it holds a head), so a secure-sum scheme
+        gives it a receiver half."""
+        return bool(self.heads)
+
+    @property
+    def model(self) -> nn.Module:
+        """The bottom model."""
+        return self.models[""]
+
+    @model.setter
+    def model(self, module: nn.Module) -> None:
+        self.models[""] = module
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The bottom model's optimiser."""
+        return self.optimizers[""]
+
+    @optimizer.setter
+    def optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+        self.optimizers[""] = optimizer
+
+    def add_model(self, key: str, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Hold a further bottom model, used when a request names ``key``."""
+        if key in self.models:
+            raise ProtocolError(f"{self.name} already holds a model named {key!r}.")
+        self.models[key] = model
+        self.optimizers[key] = optimizer
+
+    def block_rows(self, split: str, rows: Tensor) -> Tensor:
+        """Rows ``rows`` of this party's block of ``split``, refusing a split it does not hold
+        or a row beyond its table (ProtocolError)."""
+        block = self._blocks.get(split)
+        if block is None:
+            raise ProtocolError(
+                f"{self.name}: split {split!r} requested; it holds splits {sorted(self._blocks)}."
+            )
+        if rows.numel() and int(rows.max()) >= block.shape[0]:
+            raise ProtocolError(
+                f"{self.name}: rows < {block.shape[0]} of split {split!r} expected, "
+                f"found {int(rows.max())}."
+            )
+        return block[rows]
+
+    # -- forward and backward of the bottom models ------------------------------------------
+
+    def on_represent_request(self, request: RepresentRequest) -> None:
+        model = self.models.get(request.model)
+        if model is None:
+            raise ProtocolError(
+                f"{self.name}: model {request.model!r} requested; it holds models "
+                f"{sorted(self.models)}."
+            )
+        x = self.block_rows(request.split, request.rows)
+        key = (request.round, request.tag)
+        train = request.phase == "train" and request.backward
+        if train and key in self._pending:
+            raise ProtocolError(
+                f"{self.name}: a second forward pass for round {request.round}, tag "
+                f"{request.tag!r} (a replayed request?)."
+            )
+        if train:
+            model.train()
+            output = model(x)
+            self._pending[key] = (output, request.positions, request.model)
+            sent = output.detach()
+        else:
+            model.eval()
+            with torch.no_grad():
+                sent = model(x)
+        message = RepresentationMessage(
+            **self.reply_header(request, request.reply_to),
+            positions=request.positions,
+            tag=request.tag,
+            phase=request.phase,
+            representation=sent,
+        )
+        self.contribute(message)
+
+    def on_gradient(self, message: GradientMessage) -> None:
+        key = (message.round, message.tag)
+        pending = self._pending.get(key)
+        if pending is None:
+            raise ProtocolError(
+                f"{self.name}: gradient for round {message.round} (tag {message.tag!r}) "
+                "but no pending forward pass."
+            )
+        output, positions, _ = pending
+        if not torch.equal(message.positions, positions) or (
+            message.gradient.shape != output.shape
+        ):
+            raise ProtocolError(
+                f"{self.name}: a gradient for the {positions.numel()} rows of width "
+                f"{output.shape[1]} sent expected, found {message.positions.numel()} rows of "
+                f"shape {tuple(message.gradient.shape)}."
+            )
+        self._gradients.setdefault(key, []).append(message.gradient)
+
+    def on_update(self, message: UpdateRequest) -> None:
+        model_key = self.backpropagate(message.round, message.tag)
+        optimizer = self.optimizers[model_key]
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if message.heads and message.tag in self.heads:
+            self.heads[message.tag].step()
+
+    def backpropagate(self, round: int, tag: str = "") -> str:
+        """Start the backward pass of ``(round, tag)``'s forward from the sum of the gradients
+        received for it (if any), forget forward passes whose gradients will not come, and
+        return the name of the model that served it (``""``: the bottom model)."""
+        key = (round, tag)
+        pending = self._pending.pop(key, None)
+        gradients = self._gradients.pop(key, [])
+        for stale in [k for k in self._pending if k[0] < round]:
+            del self._pending[stale]
+        if pending is None:
+            return ""
+        output, _, model_key = pending
+        if gradients:
+            total = torch.zeros_like(output)
+            for gradient in gradients:
+                total += gradient
+            output.backward(total)
+        return model_key
 
     # -- heads: training and prediction on delivered sums ------------------------------------
 
@@ -613,6 +644,8 @@ class AggregationServer(Party):
                 f"{self.name}: a sealed {message.scheme!r} share from {message.sender}, but it "
                 f"runs {self.scheme or 'no secure sum'}."
             )
+        # A share of a sum already served is a replay: refused before it touches the batch.
+        self._served.check(message.deliver_to, message.round, message.batch_id, message.tag)
         self._enter_batch(message, message.phase)
         self._keep(self._sealed, message, "sealed shares")
 

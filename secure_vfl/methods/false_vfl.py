@@ -190,18 +190,8 @@ class LatentParty(DataParty):
 
         A row this party does not hold is only ever scored through its missingness model.
         """
-        block = self._blocks.get(message.split)
-        held_rows = self._observed.get(message.split)
-        if block is None or held_rows is None:
-            raise ProtocolError(
-                f"{self.name}: latent samples for split {message.split!r}; it holds splits "
-                f"{sorted(self._blocks)}."
-            )
-        if message.rows.numel() and int(message.rows.max()) >= block.shape[0]:
-            raise ProtocolError(
-                f"{self.name}: rows < {block.shape[0]} of split {message.split!r} expected, "
-                f"found {int(message.rows.max())}."
-            )
+        x_rows = self.block_rows(message.split, message.rows)
+        held = self._observed[message.split][message.rows]
         key = (message.round, message.tag)
         if message.backward and key in self._likelihood_pending:
             raise ProtocolError(
@@ -210,7 +200,6 @@ class LatentParty(DataParty):
             )
         model = self.latent_model
         missingness = model.missingness
-        held = held_rows[message.rows]
         if missingness is None and not bool(held.all()):
             raise ProtocolError(
                 f"{self.name}: latent samples for rows it does not hold, but it has no "
@@ -222,7 +211,7 @@ class LatentParty(DataParty):
             log_likelihood = torch.zeros(h.shape[:2])
             observed = torch.nonzero(held).flatten()
             if observed.numel():
-                x = block[message.rows[observed]].flatten(1)
+                x = x_rows[observed].flatten(1)
                 value = model.decoder.log_prob(x.unsqueeze(1), h[observed])
                 if missingness is not None:
                     value = value + missingness.log_prob(x, missing=False).unsqueeze(1)

@@ -12,10 +12,16 @@ from secure_vfl.data.imputation import ClientData, ImputationTask
 from secure_vfl.errors import ConfigError, DataError
 from secure_vfl.federation.aggregator import Aggregator
 from secure_vfl.federation.channel import Channel
-from secure_vfl.methods.imputation.statistics import StatisticsPrivacy
+from secure_vfl.methods.imputation.statistics import StatisticsPrivacyFactory
 from secure_vfl.registry import Registry
 
 RoundCallback = Callable[[int, float], None]
+
+
+def derived_seed(seed: int, *keys: int) -> int:
+    """An independent 63-bit seed for the stream named by ``keys`` under the run's ``seed``."""
+    state = np.random.SeedSequence([seed, *keys]).generate_state(2, dtype=np.uint32)
+    return int((int(state[0]) << 31) ^ int(state[1]))
 
 
 def _positive_int(name: str, value: int) -> None:
@@ -89,9 +95,10 @@ class ImputerFactory(Protocol):
         seed: int,
         aggregator: Aggregator | None = None,
         channel: Channel | None = None,
-        privacy: StatisticsPrivacy | None = None,
+        privacy: StatisticsPrivacyFactory | None = None,
     ) -> Imputer:
-        """``privacy`` (optional) clips and noises the federated statistics each client sends."""
+        """``privacy`` (optional) makes each client's own mechanism, which clips and noises the
+        federated statistics that client sends."""
         ...
 
 

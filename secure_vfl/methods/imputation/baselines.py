@@ -34,14 +34,12 @@ from secure_vfl.methods.imputation.base import (
     ImputeConfig,
     RoundCallback,
     check_client,
+    derived_seed,
     imputation_rule,
 )
-from secure_vfl.methods.imputation.fedhf import ReconstructionImputer, derived_seed
-from secure_vfl.methods.imputation.statistics import (
-    Standardisation,
-    StatisticsPrivacy,
-    federated_statistics,
-)
+from secure_vfl.methods.imputation.federation import federated_statistics
+from secure_vfl.methods.imputation.fedhf import ReconstructionImputer
+from secure_vfl.methods.imputation.statistics import Standardisation, StatisticsPrivacyFactory
 
 KNN_NEIGHBOURS = 5
 MICE_ITERATIONS = 10
@@ -157,7 +155,7 @@ def make_mean(
     seed: int,
     aggregator: Aggregator | None = None,
     channel: Channel | None = None,
-    privacy: StatisticsPrivacy | None = None,
+    privacy: StatisticsPrivacyFactory | None = None,
 ) -> ColumnMeanImputer:
     """Per-client column means of its training rows (federated mean where never observed)."""
     statistics = federated_statistics(
@@ -174,7 +172,7 @@ def make_fed_mean(
     seed: int,
     aggregator: Aggregator | None = None,
     channel: Channel | None = None,
-    privacy: StatisticsPrivacy | None = None,
+    privacy: StatisticsPrivacyFactory | None = None,
 ) -> ColumnMeanImputer:
     """Fed-Mean: every client fills with the global means of the federated statistics."""
     statistics = federated_statistics(
@@ -191,7 +189,7 @@ def make_knn(
     seed: int,
     aggregator: Aggregator | None = None,
     channel: Channel | None = None,
-    privacy: StatisticsPrivacy | None = None,
+    privacy: StatisticsPrivacyFactory | None = None,
 ) -> PerClientSklearnImputer:
     """kNN per client: ``KNNImputer(n_neighbors=5)``, donors = the client's training rows."""
     statistics = federated_statistics(
@@ -212,7 +210,7 @@ def make_mice(
     seed: int,
     aggregator: Aggregator | None = None,
     channel: Channel | None = None,
-    privacy: StatisticsPrivacy | None = None,
+    privacy: StatisticsPrivacyFactory | None = None,
 ) -> PerClientSklearnImputer:
     """MICE per client: ``IterativeImputer`` (BayesianRidge chains), seeded, 10 iterations.
 
@@ -245,24 +243,22 @@ def _make_dae(
     federated: bool,
     aggregator: Aggregator | None = None,
     channel: Channel | None = None,
-    privacy: StatisticsPrivacy | None = None,
+    privacy: StatisticsPrivacyFactory | None = None,
 ) -> ReconstructionImputer:
     """A DAE block-masked like FedHF: one per client trained alone (``dae``), or one trained by
-    FedHF-Impute's FedAvg loop (``fed-dae``)."""
-    statistics = federated_statistics(
-        task.train, aggregator=aggregator, channel=channel, privacy=privacy
-    )
+    FedHF-Impute's FedAvg loop (``fed-dae``). It reads no graph, so none is published."""
     features = len(task.features)
     return ReconstructionImputer(
         name,
         task,
         config,
         seed=seed,
-        make_model=lambda: DenoisingAutoencoder(features, hidden=config.hidden),
+        make_model=lambda graph: DenoisingAutoencoder(features, hidden=config.hidden),
+        uses_graph=False,
         federated=federated,
-        statistics=statistics,
         aggregator=aggregator,
         channel=channel,
+        privacy=privacy,
     )
 
 

@@ -1,9 +1,11 @@
 """Federated sufficient statistics: global standardisation and the feature graph without pooling.
 
-Every client sends sums (counts, sums, squares and cross-products over co-observed pairs) and
-the sums are formed only through :func:`sum_vectors`, so a secure-sum backend can replace the
-plain aggregator, and a client-side privacy mechanism (:class:`StatisticsPrivacy`) can clip and
-noise what each client sends, without changing this code. Three exchanges:
+Every client computes its own sums (counts, sums, squares and cross-products over co-observed
+pairs) on request (:func:`exchange_contribution`, run inside the client) and the coordinator
+learns only their sum (:func:`collect_statistics`, through any :class:`ClientSums`: the
+imputation federation's secure sums), so a secure-sum backend can replace the plain aggregator,
+and each client's own privacy mechanism (:class:`StatisticsPrivacy`) can clip and noise what it
+sends, without changing this code. Three exchanges:
 
 1. per feature: count and sum of the observed values -> global mean;
 2. per feature: sum of squared deviations from that mean -> global std (no cancellation);
@@ -17,7 +19,7 @@ squared deviations ~2e8). So every value a client sends has |value| <= :data:`WI
 (512, within both backends for up to 64 clients), whatever the data:
 
 - exchanges 1 and 2 (raw units) travel as balanced base-2^10 digits of v * 2^20
-  (:func:`wide_sum`, :func:`split_digits`): v * 2^20 = d_0 + 2^10 d_1 + ... + 2^60 d_6 with
+  (:func:`wide_digits`, :func:`split_digits`): v * 2^20 = d_0 + 2^10 d_1 + ... + 2^60 d_6 with
   integer d_1..d_6 in [-512, 512] and a real d_0 in [-512, 512]. Digit sums are linear, so the
   receiver rounds the integer digit sums (exact: every backend's error is far below 1/2) and
   recombines them: a raw sum up to ~5e14 (chorizon's sums of squared deviations reach 2e12)
@@ -34,11 +36,12 @@ squared deviations ~2e8). So every value a client sends has |value| <= :data:`WI
 
 Clients compute in float64; the seam carries float32. Counts are exact up to 2^24 rows.
 
-Privacy. With a :class:`StatisticsPrivacy` mechanism every exchange becomes one clipped,
-noised release per client (the mechanism lives in ``protocols.dp_statistics``; this module
-only hands it each row's contribution, and the mechanism clips and noises): values are first
-clipped to the mechanism's public :class:`FeatureRanges` and mapped to u in [-1, 1]
-(exchange 1: counts and sums of u; exchange 2: counts and squared deviations of u, each
+Privacy. With a :class:`StatisticsPrivacy` mechanism inside each client (its own noise
+generator; the mechanism lives in ``protocols.dp_statistics``) every exchange becomes one
+clipped, noised release per client (this module only hands it each row's contribution, and the
+mechanism clips and noises; the coordinator knows only the public :class:`ReleaseTerms`):
+values are first clipped to the mechanism's public :class:`FeatureRanges` and mapped to u in
+[-1, 1] (exchange 1: counts and sums of u; exchange 2: counts and squared deviations of u, each
 exchange with its own counts because record clipping down-weights a record's counts with its
 sums), or standardised with the released mean and std and clipped to +-``standard_bound``
 (exchange 3). Exchange 3 then releases only N = O'O and C = Z'Z and estimates
@@ -56,22 +59,22 @@ matrix need not be positive semi-definite.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import Protocol
 
 import numpy as np
-import torch
 
 from secure_vfl.data.imputation import ClientData
-from secure_vfl.errors import DataError
-from secure_vfl.federation.aggregator import Aggregator, PlainAggregator, sum_vectors
-from secure_vfl.federation.channel import Channel
+from secure_vfl.errors import DataError, ProtocolError
 from secure_vfl.models.feature_graph import FeatureGraph
 
 SERVER = "server"
-"""The party that receives the federated sums, builds the graph and averages models."""
+"""The coordinator: the party that receives the federated sums, builds the graph and averages
+models."""
+
+EXCHANGES: tuple[str, ...] = ("moments", "deviations", "pairs")
+"""The three statistics exchanges, in order (module docstring)."""
 
 WIRE_LIMIT = 512.0
 """Every value a client sends through the aggregator has magnitude <= this."""
@@ -86,7 +89,7 @@ WIDE_FRACTION_BITS = 20
 """Wide values are sent as digits of v * 2^20: 20 more fraction bits than the lowest digit has."""
 
 WIDE_STEP = 2.0**-35
-"""Each client's contribution to a :func:`wide_sum` arrives within this (raw units)."""
+"""Each client's part of a sum of :func:`wide_digits` arrives within this (raw units)."""
 
 _PAIR_SCALE = 256.0  # exchange 3's values are sent in [-256, 256] (half of WIRE_LIMIT: noise room)
 
@@ -175,7 +178,7 @@ class StatisticsPrivacy(Protocol):
     (``"moments"``, ``"deviations"`` or ``"pairs"``) and returns the (d,) vector the client
     sends (e.g. its rows clipped, summed and noised); it is called once per client and
     exchange, in order. The pair exchange's rows take n x F(F+1) floats per client (40 MB for
-    500 rows of 100 features).
+    500 rows of 100 features). Each client holds its own mechanism (its own noise generator).
     """
 
     ranges: FeatureRanges
@@ -187,6 +190,41 @@ class StatisticsPrivacy(Protocol):
         ...
 
     def privatise(self, client: str, exchange: str, rows: np.ndarray) -> np.ndarray: ...
+
+
+StatisticsPrivacyFactory = Callable[[str], StatisticsPrivacy]
+"""Makes the statistics mechanism of the client it names: called once per client as the
+federation is built, and the mechanism is installed inside that client."""
+
+
+@dataclass(frozen=True, eq=False)
+class ReleaseTerms:
+    """The public terms of the clients' private releases, the same at every client and all the
+    coordinator knows of their mechanisms: the feature ranges values are clipped to, the |z|
+    at which exchange 3 clips, and the std of the noise each client adds."""
+
+    ranges: FeatureRanges
+    standard_bound: float
+    share_std: float
+
+    @classmethod
+    def of(cls, mechanism: StatisticsPrivacy) -> ReleaseTerms:
+        """The public terms of ``mechanism`` (copied: no reference to it is kept)."""
+        return cls(
+            ranges=FeatureRanges(
+                lower=mechanism.ranges.lower.copy(), upper=mechanism.ranges.upper.copy()
+            ),
+            standard_bound=float(mechanism.standard_bound),
+            share_std=float(mechanism.share_std),
+        )
+
+    def matches(self, other: ReleaseTerms) -> bool:
+        """Whether ``other`` states the same terms (every client must release under one)."""
+        return (
+            np.array_equal(self.ranges.lower, other.ranges.lower)
+            and np.array_equal(self.ranges.upper, other.ranges.upper)
+            and (self.standard_bound, self.share_std) == (other.standard_bound, other.share_std)
+        )
 
 
 @dataclass(frozen=True)
@@ -241,18 +279,6 @@ def join_digits(digit_sums: np.ndarray, digits: int = WIDE_DIGITS) -> np.ndarray
     return total
 
 
-def _check_clients(clients: Sequence[ClientData]) -> int:
-    if not clients:
-        raise DataError("federated statistics need at least one client, found none.")
-    widths = {c.values.shape[1] for c in clients}
-    if len(widths) != 1:
-        raise DataError(f"every client must have the same F columns. Found widths {widths}.")
-    names = [c.name for c in clients]
-    if len(set(names)) != len(names):
-        raise DataError(f"client names must be distinct. Found {names}.")
-    return widths.pop()
-
-
 def _observed_values(client: ClientData) -> tuple[np.ndarray, np.ndarray]:
     """Float64 values with 0 where not observed, and the observed indicator as float64."""
     observed = client.observed
@@ -295,39 +321,120 @@ def client_pair_statistics(client: ClientData, standardisation: Standardisation)
     return _pair_layout(*_standardised(client, standardisation))
 
 
-def _federated_sum(
-    vectors: dict[str, np.ndarray],
-    round: int,
-    *,
-    aggregator: Aggregator,
-    channel: Channel,
-    receiver: str,
-    tag: str,
-) -> np.ndarray:
-    contributions = {name: torch.from_numpy(v.astype(np.float32)) for name, v in vectors.items()}
-    total = sum_vectors(aggregator, channel, contributions, receiver=receiver, round=round, tag=tag)
-    return total.numpy().astype(np.float64)
+def _standardised(client: ClientData, standardisation: Standardisation) -> tuple[np.ndarray, ...]:
+    values, observed = _observed_values(client)
+    return (values - standardisation.mean) / standardisation.std * observed, observed
 
 
-def wide_sum(
-    vectors: dict[str, np.ndarray],
-    *,
-    aggregator: Aggregator,
-    channel: Channel,
-    receiver: str,
-    round: int,
-    tag: str,
+def wide_digits(values: np.ndarray) -> np.ndarray:
+    """What a client sends for unbounded float64 ``values``: the digits of values * 2^20, each
+    within :data:`WIRE_LIMIT` (:func:`split_digits`)."""
+    return split_digits(np.asarray(values, dtype=np.float64) * float(2**WIDE_FRACTION_BITS))
+
+
+def from_wide_digits(digit_sums: np.ndarray) -> np.ndarray:
+    """The sum of the clients' values from the sum of their :func:`wide_digits`; each client's
+    part arrives within :data:`WIDE_STEP`."""
+    summed = np.asarray(digit_sums, dtype=np.float64)
+    return join_digits(summed) / float(2**WIDE_FRACTION_BITS)
+
+
+def wide_width(values: int) -> int:
+    """How many digits :func:`wide_digits` sends for ``values`` values."""
+    return WIDE_DIGITS * values
+
+
+def _expect_arguments(client: ClientData, exchange: str, arguments: np.ndarray, count: int) -> None:
+    if arguments.shape != (count,):
+        raise ProtocolError(
+            f"{client.name}: {count} arguments for the {exchange} exchange expected, found "
+            f"shape {arguments.shape}."
+        )
+
+
+def _scaled(client: ClientData, privacy: StatisticsPrivacy) -> tuple[np.ndarray, np.ndarray]:
+    """Values clipped to the public ranges and mapped to u in [-1, 1] (0 where unobserved),
+    and the observed indicator (exchanges 1-2 under privacy)."""
+    u = np.where(client.observed, privacy.ranges.scaled(client.values.astype(np.float64)), 0.0)
+    return u, client.observed.astype(np.float64)
+
+
+def exchange_contribution(
+    client: ClientData,
+    exchange: str,
+    arguments: np.ndarray,
+    privacy: StatisticsPrivacy | None,
 ) -> np.ndarray:
-    """The sum of unbounded float64 vectors, sent as digits within :data:`WIRE_LIMIT`; each
-    client's part arrives within :data:`WIDE_STEP`."""
-    shift = float(2**WIDE_FRACTION_BITS)
-    digits = {
-        name: split_digits(np.asarray(v, dtype=np.float64) * shift) for name, v in vectors.items()
-    }
-    summed = _federated_sum(
-        digits, round, aggregator=aggregator, channel=channel, receiver=receiver, tag=tag
-    )
-    return join_digits(summed) / shift
+    """What ``client`` sends for one statistics exchange (:data:`EXCHANGES`), computed on its
+    own rows with its own ``privacy`` mechanism (if any) and the coordinator's public
+    ``arguments``: none for ``"moments"``; the released mean (of u in [-1, 1] under privacy)
+    for ``"deviations"``; the released mean, std and the scale of the values for ``"pairs"``.
+
+    Exchanges 1-2 go as :func:`wide_digits`, exchange 3 times the scale (module docstring).
+    """
+    features = client.values.shape[1]
+    if exchange == "moments":
+        _expect_arguments(client, exchange, arguments, 0)
+        if privacy is None:
+            return wide_digits(client_moments(client))
+        u, observed = _scaled(client, privacy)
+        rows = np.concatenate([observed, u], axis=1)
+        return wide_digits(privacy.privatise(client.name, "moments", rows))
+    if exchange == "deviations":
+        _expect_arguments(client, exchange, arguments, features)
+        if privacy is None:
+            return wide_digits(client_deviations(client, arguments))
+        # Each exchange carries its own counts: clipping scales a record's counts with its
+        # sums, so the counts of exchange 1 would not match exchange 2's down-weighted records.
+        u, observed = _scaled(client, privacy)
+        rows = np.concatenate([observed, ((u - arguments) * observed) ** 2], axis=1)
+        return wide_digits(privacy.privatise(client.name, "deviations", rows))
+    if exchange == "pairs":
+        _expect_arguments(client, exchange, arguments, 2 * features + 1)
+        std, scale = arguments[features : 2 * features], float(arguments[-1])
+        if not (np.all(std > 0) and scale > 0):
+            raise ProtocolError(
+                f"{client.name}: a std > 0 for every feature and a scale > 0 expected for the "
+                f"pairs exchange, found minimum std {float(std.min())} and scale {scale}."
+            )
+        standardisation = Standardisation(mean=arguments[:features], std=std)
+        if privacy is None:
+            return client_pair_statistics(client, standardisation) * scale
+        bound = float(privacy.standard_bound)
+        z, observed = _standardised(client, standardisation)
+        z = np.clip(z, -bound, bound)
+        upper = np.triu_indices(features)
+        rows = np.concatenate(
+            [
+                np.einsum("ri,rj->rij", observed, observed)[:, upper[0], upper[1]],
+                np.einsum("ri,rj->rij", z, z)[:, upper[0], upper[1]],
+            ],
+            axis=1,
+        )
+        return privacy.privatise(client.name, "pairs", rows) * scale
+    raise ProtocolError(f"{client.name}: an exchange in {EXCHANGES} expected, found {exchange!r}.")
+
+
+# -- the coordinator's side: it asks for the exchanges and derives the statistics from sums ----
+
+
+class ClientSums(Protocol):
+    """The coordinator's side of a federation: it asks every client to run a local computation
+    and receives only the sum of their contributions (``width`` values, refused otherwise).
+    ``features`` is the public schema width, ``release_terms`` the public terms of the clients'
+    private releases (None: exact statistics)."""
+
+    features: int
+    release_terms: ReleaseTerms | None
+
+    @property
+    def clients(self) -> int:
+        """How many clients contribute to every sum."""
+        ...
+
+    def sum(
+        self, computation: str, arguments: np.ndarray, *, width: int, round: int, tag: str
+    ) -> np.ndarray: ...
 
 
 def _symmetric(upper_values: np.ndarray, features: int) -> np.ndarray:
@@ -361,100 +468,67 @@ def pairwise_correlation(
     return np.where(valid, np.clip(correlation, -1.0, 1.0), np.nan)
 
 
-def _exact_standardisation(
-    clients: Sequence[ClientData], send: Callable[..., np.ndarray], features: int
-) -> tuple[Standardisation, np.ndarray]:
-    moments = send({c.name: client_moments(c) for c in clients}, round=0)
+_NO_ARGUMENTS = np.zeros(0)
+
+
+def _exact_standardisation(sums: ClientSums, tag: str) -> tuple[Standardisation, np.ndarray]:
+    features = sums.features
+    moments = from_wide_digits(
+        sums.sum("moments", _NO_ARGUMENTS, width=wide_width(2 * features), round=0, tag=tag)
+    )
     count, total = moments[:features], moments[features:]
     mean = np.where(count > 0, total / np.maximum(count, 1), 0.0)
-    squares = send({c.name: client_deviations(c, mean) for c in clients}, round=1)
+    squares = from_wide_digits(
+        sums.sum("deviations", mean, width=wide_width(features), round=1, tag=tag)
+    )
     # Below the transport's precision, a sum of squared deviations is 0: a constant feature.
-    spread = (count > 0) & (squares > 2 * len(clients) * WIDE_STEP)
+    spread = (count > 0) & (squares > 2 * sums.clients * WIDE_STEP)
     std = np.where(spread, np.sqrt(np.maximum(squares, 0.0) / np.maximum(count, 1)), 1.0)
     return Standardisation(mean=mean, std=std), count
 
 
 def _private_standardisation(
-    clients: Sequence[ClientData],
-    send: Callable[..., np.ndarray],
-    privacy: StatisticsPrivacy,
+    sums: ClientSums, terms: ReleaseTerms, tag: str
 ) -> tuple[Standardisation, np.ndarray]:
     """Exchanges 1-2 on values clipped to the public ranges and mapped to u in [-1, 1]."""
-    ranges = privacy.ranges
-    scaled = {}
-    for c in clients:
-        if c.values.shape[1] != ranges.lower.shape[0]:
-            raise DataError(
-                f"the privacy mechanism's ranges cover {ranges.lower.shape[0]} features; "
-                f"{c.name} has {c.values.shape[1]}."
-            )
-        observed = c.observed.astype(np.float64)
-        scaled[c.name] = (
-            np.where(c.observed, ranges.scaled(c.values.astype(np.float64)), 0.0),
-            observed,
-        )
-    moments = send(
-        {
-            name: privacy.privatise(name, "moments", np.concatenate([o, u], axis=1))
-            for name, (u, o) in scaled.items()
-        },
-        round=0,
+    ranges = terms.ranges
+    features = sums.features
+    moments = from_wide_digits(
+        sums.sum("moments", _NO_ARGUMENTS, width=wide_width(2 * features), round=0, tag=tag)
     )
-    features = ranges.lower.shape[0]
     count = np.maximum(moments[:features], 0.0)
     mean_u = np.clip(np.where(count >= 1, moments[features:] / np.maximum(count, 1), 0.0), -1, 1)
-    # Each exchange carries its own counts: clipping scales a record's counts with its sums,
-    # so the counts of exchange 1 would not match exchange 2's down-weighted records.
-    deviations = send(
-        {
-            name: privacy.privatise(
-                name, "deviations", np.concatenate([o, ((u - mean_u) * o) ** 2], axis=1)
-            )
-            for name, (u, o) in scaled.items()
-        },
-        round=1,
+    deviations = from_wide_digits(
+        sums.sum("deviations", mean_u, width=wide_width(2 * features), round=1, tag=tag)
     )
     spread_count = np.maximum(deviations[:features], 0.0)
     var_u = np.where(spread_count >= 1, deviations[features:] / np.maximum(spread_count, 1), 1.0)
-    noise = privacy.share_std * np.sqrt(len(clients))  # the std of the noise in each sum
+    noise = terms.share_std * np.sqrt(sums.clients)  # the std of the noise in each sum
     floor = np.maximum(_PRIVATE_STD_FLOOR**2, _NOISE_FLOOR * noise / np.maximum(spread_count, 1))
     std_u = np.sqrt(np.clip(var_u, np.minimum(floor, 4.0), 4.0))
     mean = ranges.centre + ranges.half_width * mean_u
     return Standardisation(mean=mean, std=ranges.half_width * std_u), count
 
 
-def federated_statistics(
-    clients: Sequence[ClientData],
-    *,
-    aggregator: Aggregator | None = None,
-    channel: Channel | None = None,
-    receiver: str = SERVER,
-    tag: str = "statistics",
-    privacy: StatisticsPrivacy | None = None,
-) -> FederatedStatistics:
-    """Global standardisation and pairwise correlations from the clients' summed statistics.
+def collect_statistics(sums: ClientSums, *, tag: str = "statistics") -> FederatedStatistics:
+    """The coordinator's program: global standardisation and pairwise correlations from the
+    clients' summed statistics, three exchanges (rounds 0-2) under ``tag``.
 
-    ``privacy`` (optional) turns every exchange into a clipped, noised release per client (see
-    the module docstring); without it the statistics are exact up to the stated precision.
+    With ``sums.release_terms`` every exchange is a clipped, noised release per client (see the
+    module docstring); without, the statistics are exact up to the stated precision.
     """
-    features = _check_clients(clients)
-    aggregator = aggregator if aggregator is not None else PlainAggregator()
-    channel = channel if channel is not None else Channel()
-    route = partial(
-        _federated_sum, aggregator=aggregator, channel=channel, receiver=receiver, tag=tag
-    )
-    send = partial(wide_sum, aggregator=aggregator, channel=channel, receiver=receiver, tag=tag)
-    if privacy is None:
-        standardisation, count = _exact_standardisation(clients, send, features)
+    terms = sums.release_terms
+    if terms is None:
+        standardisation, count = _exact_standardisation(sums, tag)
     else:
-        standardisation, count = _private_standardisation(clients, send, privacy)
+        standardisation, count = _private_standardisation(sums, terms, tag)
 
     # Public after exchange 1: bounds every client's exchange-3 value (module docstring).
     largest_count = max(1.0, float(count.max()) if count.size else 1.0)
-    if privacy is None:
-        n, correlation = _exact_pairs(clients, standardisation, route, largest_count)
+    if terms is None:
+        n, correlation = _exact_pairs(sums, standardisation, largest_count, tag)
     else:
-        n, correlation = _private_pairs(clients, standardisation, route, largest_count, privacy)
+        n, correlation = _private_pairs(sums, standardisation, largest_count, terms, tag)
     return FederatedStatistics(
         counts=np.rint(np.maximum(n, 0.0)).astype(np.int64),
         correlation=correlation,
@@ -462,68 +536,64 @@ def federated_statistics(
     )
 
 
-def _standardised(client: ClientData, standardisation: Standardisation) -> tuple[np.ndarray, ...]:
-    values, observed = _observed_values(client)
-    return (values - standardisation.mean) / standardisation.std * observed, observed
+def _pair_arguments(standardisation: Standardisation, scale: float) -> np.ndarray:
+    return np.concatenate([standardisation.mean, standardisation.std, [scale]])
 
 
 def _exact_pairs(
-    clients: Sequence[ClientData],
-    standardisation: Standardisation,
-    route: Callable[[dict[str, np.ndarray], int], np.ndarray],
-    largest_count: float,
+    sums: ClientSums, standardisation: Standardisation, largest_count: float, tag: str
 ) -> tuple[np.ndarray, np.ndarray]:
     """Exchange 3: pairwise-complete sums, each client's values sent times 256 / M."""
     scale = _PAIR_SCALE / largest_count
-    vectors = {c.name: _pair_layout(*_standardised(c, standardisation)) * scale for c in clients}
-    pairs = route(vectors, 2) / scale
     features = len(standardisation.mean)
     triangle = features * (features + 1) // 2
     square = features * features
+    summed = sums.sum(
+        "pairs",
+        _pair_arguments(standardisation, scale),
+        width=2 * triangle + 2 * square,
+        round=2,
+        tag=tag,
+    )
+    pairs = summed.astype(np.float64) / scale
     n = _symmetric(pairs[:triangle], features)
     cross = _symmetric(pairs[triangle : 2 * triangle], features)
-    sums = pairs[2 * triangle : 2 * triangle + square].reshape(features, features)
+    sums_i = pairs[2 * triangle : 2 * triangle + square].reshape(features, features)
     seconds = pairs[2 * triangle + square :].reshape(features, features)
-    return n, pairwise_correlation(n, cross, sums, seconds)
+    return n, pairwise_correlation(n, cross, sums_i, seconds)
 
 
 def _private_pairs(
-    clients: Sequence[ClientData],
+    sums: ClientSums,
     standardisation: Standardisation,
-    route: Callable[[dict[str, np.ndarray], int], np.ndarray],
     largest_count: float,
-    privacy: StatisticsPrivacy,
+    terms: ReleaseTerms,
+    tag: str,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Exchange 3 under DP: only N = O'O and C = Z'Z of the (released) standardised values,
     clipped to +-b, are released, and corr_ij = (C_ij / N_ij) / sqrt(v_i v_j) with v_i =
     C_ii / N_ii. Pairwise means and variances are taken from the global standardisation
     (exact when availability is random) rather than released: a record's contribution is then
     about half as long (no S and Q terms), so the same noise costs half as much signal."""
-    bound = float(privacy.standard_bound)
+    bound = float(terms.standard_bound)
     scale = _PAIR_SCALE / (largest_count * max(1.0, bound * bound))
     features = len(standardisation.mean)
-    upper = np.triu_indices(features)
-    vectors = {}
-    for c in clients:
-        z, observed = _standardised(c, standardisation)
-        z = np.clip(z, -bound, bound)
-        rows = np.concatenate(
-            [
-                np.einsum("ri,rj->rij", observed, observed)[:, upper[0], upper[1]],
-                np.einsum("ri,rj->rij", z, z)[:, upper[0], upper[1]],
-            ],
-            axis=1,
-        )
-        vectors[c.name] = privacy.privatise(c.name, "pairs", rows) * scale
-    pairs = route(vectors, 2) / scale
-    triangle = len(upper[0])
+    triangle = features * (features + 1) // 2
+    summed = sums.sum(
+        "pairs",
+        _pair_arguments(standardisation, scale),
+        width=2 * triangle,
+        round=2,
+        tag=tag,
+    )
+    pairs = summed.astype(np.float64) / scale
     n = _symmetric(pairs[:triangle], features)
     cross = _symmetric(pairs[triangle:], features)
     with np.errstate(divide="ignore", invalid="ignore"):
         covariance = cross / np.where(n > 0, n, np.nan)
         variance = np.diagonal(covariance)
         positive = variance > _VARIANCE_FLOOR
-        noise = privacy.share_std * np.sqrt(len(clients))
+        noise = terms.share_std * np.sqrt(sums.clients)
         floor = _NOISE_FLOOR * noise / np.diagonal(n)
         variance = np.maximum(variance, floor)
         correlation = covariance / np.sqrt(np.outer(variance, variance))

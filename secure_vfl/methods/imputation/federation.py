@@ -1,0 +1,313 @@
+"""Federated imputation as actors: the clients, the coordinator and the aggregation server.
+
+:func:`build_imputation_federation` makes one :class:`~secure_vfl.methods.imputation.clients.
+ImputationClient` per client (its rows, its own statistics mechanism, its training plan), the
+:class:`Coordinator` (the FedAvg server, :data:`~secure_vfl.methods.imputation.statistics.
+SERVER`) and an :class:`~secure_vfl.federation.parties.AggregationServer`, all attached to one
+channel, and returns the coordinator's view of the run (:class:`ImputationFederation`).
+
+Every client sum is a secure-sum-able vector sum: the coordinator asks each client for a local
+computation (:class:`~secure_vfl.federation.messages.ComputeRequest`), each client sends its
+vector to the aggregator as a one-row representation (plain) or keeps it and seals it on a
+:class:`~secure_vfl.federation.messages.SealRequest` (split secure schemes: masks, Paillier,
+CKKS), the aggregator adds on a :class:`~secure_vfl.federation.messages.SumRequest` and the
+coordinator alone receives (and, under a scheme, opens) the sum.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from secure_vfl.data.imputation import ClientData
+from secure_vfl.errors import ConfigError, DataError, ProtocolError
+from secure_vfl.federation.aggregator import Aggregator, PlainAggregator, SealingScheme
+from secure_vfl.federation.channel import Channel
+from secure_vfl.federation.messages import (
+    AGGREGATOR,
+    ComputeRequest,
+    GlobalStatisticsMessage,
+    KeyRequest,
+    Message,
+    ParametersMessage,
+    SealRequest,
+    SumMessage,
+    SumRequest,
+)
+from secure_vfl.federation.parties import AggregationServer, SecureSumParty
+from secure_vfl.methods.imputation.clients import ImputationClient, TrainingPlan
+from secure_vfl.methods.imputation.statistics import (
+    SERVER,
+    FederatedStatistics,
+    ReleaseTerms,
+    Standardisation,
+    StatisticsPrivacyFactory,
+    collect_statistics,
+)
+from secure_vfl.models.feature_graph import FeatureGraph
+
+
+class Coordinator(SecureSumParty):
+    """The FedAvg server of federated imputation (:data:`SERVER`): it drives the run by
+    messages and is the receiver of every client sum (under Paillier or CKKS it holds the
+    receiver half, the scheme's only secret key). It holds no client's rows, model or
+    generator, and accepts nothing but sums from the aggregator and its own key set-up."""
+
+    def __init__(self) -> None:
+        super().__init__(SERVER)
+
+    def receive(self, message: Message) -> None:
+        from_aggregator = message.kind in ("sum", "sealed-sum") and message.sender == AGGREGATOR
+        own_set_up = message.kind == "key-request" and message.sender == self.name
+        if not (from_aggregator or own_set_up):
+            raise ProtocolError(
+                f"{self.name}: sums from {AGGREGATOR} expected, found a {message.kind} from "
+                f"{message.sender}."
+            )
+        super().receive(message)
+
+
+@dataclass
+class ImputationFederation:
+    """The coordinator's view of an imputation run: its own party, the clients' names, the
+    public width of their schema, the public terms of their private releases (if any), the
+    channel it talks through and the session. Everything it asks of a client, and everything
+    it learns from one, is a message; it holds no reference to a client's object."""
+
+    own: Coordinator
+    names: list[str]
+    features: int
+    channel: Channel
+    session: str
+    release_terms: ReleaseTerms | None = None
+    scheme: str = ""
+
+    @property
+    def clients(self) -> int:
+        """How many clients the federation has."""
+        return len(self.names)
+
+    def _header(self, receiver: str, round: int) -> dict[str, Any]:
+        return {
+            "sender": self.own.name,
+            "receiver": receiver,
+            "round": round,
+            "batch_id": 0,
+            "session": self.session,
+        }
+
+    def sum(
+        self,
+        computation: str,
+        arguments: np.ndarray,
+        *,
+        width: int,
+        round: int,
+        tag: str,
+        cohort: Sequence[str] | None = None,
+    ) -> np.ndarray:
+        """The sum over ``cohort`` (default: every client) of the ``width``-value vectors each
+        computes by ``computation`` on ``arguments``: float32, as the coordinator receives it.
+
+        ``(round, tag)`` names the sum (secure backends never serve one context twice). Under a
+        secure scheme each client is asked to seal what it kept; only the sum reaches the
+        coordinator, and one over other clients or of another width is refused.
+        """
+        parties = tuple(self.names if cohort is None else cohort)
+        values = torch.from_numpy(np.array(arguments, dtype=np.float64).reshape(-1))
+        for name in parties:
+            self.own.send(
+                ComputeRequest(
+                    **self._header(name, round), computation=computation, arguments=values, tag=tag
+                )
+            )
+        selection = torch.ones(1, 1, len(parties), dtype=torch.bool)
+        # Under a secure scheme each client first seals what it kept; then the aggregator adds.
+        sealers = list(parties) if self.scheme else []
+        for name in [*sealers, AGGREGATOR]:
+            kind = SealRequest if name != AGGREGATOR else SumRequest
+            self.own.send(
+                kind(
+                    **self._header(name, round),
+                    selection=selection,
+                    parties=parties,
+                    deliver_to=self.own.name,
+                    tag=tag,
+                    source_tag=tag,
+                )
+            )
+        summed = cast(
+            SumMessage, self.own.take("sum", sender=AGGREGATOR, round=round, batch_id=0, tag=tag)
+        )
+        if tuple(summed.sums.shape) != (1, 1, width) or summed.counts.tolist() != [[len(parties)]]:
+            raise ProtocolError(
+                f"{self.own.name}: the sum {tag!r} of {len(parties)} clients' {width} values "
+                f"expected, found sums of shape {tuple(summed.sums.shape)} over "
+                f"{summed.counts.tolist()} clients."
+            )
+        return summed.sums[0, 0].numpy()
+
+    def publish(self, standardisation: Standardisation, graph: FeatureGraph | None) -> None:
+        """Send every client the global standardisation and (for a graph model) the graph."""
+        neighbours = weights = mask = None
+        if graph is not None:
+            neighbours = torch.from_numpy(graph.neighbours)
+            weights = torch.from_numpy(graph.weights)
+            mask = torch.from_numpy(graph.mask)
+        for name in self.names:
+            self.own.send(
+                GlobalStatisticsMessage(
+                    **self._header(name, 0),
+                    mean=torch.from_numpy(np.asarray(standardisation.mean, dtype=np.float64)),
+                    std=torch.from_numpy(np.asarray(standardisation.std, dtype=np.float64)),
+                    neighbours=neighbours,
+                    weights=weights,
+                    mask=mask,
+                )
+            )
+
+    def download(self, parameters: Tensor, *, round: int, tag: str) -> None:
+        """FedAvg's download: one message with the global ``parameters`` to each client."""
+        for name in self.names:
+            self.own.send(
+                ParametersMessage(**self._header(name, round), parameters=parameters, tag=tag)
+            )
+
+    def set_up_keys(self) -> None:
+        """Open the secure-sum session: every client announces its public key to the others
+        (pairwise masks), the coordinator its encryption key to the clients and the aggregator
+        (Paillier, CKKS). Only public keys cross."""
+        for name in (*self.names, self.own.name):
+            self.own.send(
+                KeyRequest(
+                    **self._header(name, 0),
+                    scheme=self.scheme,
+                    contributors=tuple(self.names),
+                    receivers=(self.own.name,),
+                )
+            )
+
+
+def _check_clients(clients: Sequence[ClientData]) -> int:
+    """The clients' common width; refuse none, mixed widths, or names that are not distinct
+    client names."""
+    if not clients:
+        raise DataError("a federation needs at least one client, found none.")
+    widths = {c.values.shape[1] for c in clients}
+    if len(widths) != 1:
+        raise DataError(f"every client must have the same F columns. Found widths {widths}.")
+    names = [c.name for c in clients]
+    if len(set(names)) != len(names) or {SERVER, AGGREGATOR} & set(names):
+        raise DataError(
+            f"client names must be distinct and other than {SERVER!r} and {AGGREGATOR!r}. "
+            f"Found {names}."
+        )
+    return widths.pop()
+
+
+def _release_terms(clients: Sequence[ImputationClient], features: int) -> ReleaseTerms | None:
+    """The public terms every client's mechanism releases under (refusing mechanisms that
+    are shared, differ in their terms or cover another number of features)."""
+    mechanisms = [client.privacy for client in clients if client.privacy is not None]
+    if not mechanisms:
+        return None
+    if len({id(m) for m in mechanisms}) != len(clients):
+        raise ConfigError(
+            "each client needs its own statistics mechanism (its own noise generator); found "
+            f"{len({id(m) for m in mechanisms})} for {len(clients)} clients."
+        )
+    terms = ReleaseTerms.of(mechanisms[0])
+    if terms.ranges.lower.shape[0] != features:
+        raise DataError(
+            f"the privacy mechanism's ranges cover {terms.ranges.lower.shape[0]} features; "
+            f"the clients have {features}."
+        )
+    for client, mechanism in zip(clients, mechanisms, strict=True):
+        if not ReleaseTerms.of(mechanism).matches(terms):
+            raise ConfigError(
+                f"every client's mechanism must release under the same public terms (ranges, "
+                f"standard bound, noise std); {client.name}'s differ from {clients[0].name}'s."
+            )
+    return terms
+
+
+def build_imputation_federation(
+    clients: Sequence[ClientData],
+    *,
+    seed: int = 0,
+    aggregator: Aggregator | None = None,
+    channel: Channel | None = None,
+    privacy: StatisticsPrivacyFactory | None = None,
+    training: TrainingPlan | None = None,
+) -> ImputationFederation:
+    """One :class:`ImputationClient` per client (with its own mechanism ``privacy(name)`` and,
+    when the run trains, its part of ``training``), the coordinator and an aggregation server
+    running ``aggregator`` (plain by default), all attached to ``channel``. Under a scheme split
+    at the boundary each party makes its own halves and keys meet by messages. Returns the
+    coordinator's view."""
+    features = _check_clients(clients)
+    channel = channel if channel is not None else Channel()
+    parties = []
+    for k, data in enumerate(clients):
+        client = ImputationClient(
+            data,
+            privacy=privacy(data.name) if privacy is not None else None,
+            training=training.for_client(k, seed) if training is not None else None,
+        )
+        client.connect(channel)
+        parties.append(client)
+    terms = _release_terms(parties, features)
+    coordinator = Coordinator()
+    coordinator.connect(channel)
+    split = isinstance(aggregator, SealingScheme)
+    server = AggregationServer(
+        aggregator if aggregator is not None and not split else PlainAggregator()
+    )
+    server.connect(channel)
+    federation = ImputationFederation(
+        own=coordinator,
+        names=[client.name for client in parties],
+        features=features,
+        channel=channel,
+        session=secrets.token_hex(8),
+        release_terms=terms,
+    )
+    if isinstance(aggregator, SealingScheme):  # (split: repeated for the type checker)
+        # Each party makes its own halves (its keys never leave it); keys meet by messages.
+        for client in parties:
+            client.install(aggregator.scheme, aggregator.sender(), None)
+        coordinator.install(aggregator.scheme, None, aggregator.receiver())
+        server.install(aggregator.scheme, aggregator.adder())
+        federation.scheme = aggregator.scheme
+        federation.set_up_keys()
+    return federation
+
+
+def federated_statistics(
+    clients: Sequence[ClientData],
+    *,
+    aggregator: Aggregator | None = None,
+    channel: Channel | None = None,
+    privacy: StatisticsPrivacyFactory | None = None,
+    tag: str = "statistics",
+) -> FederatedStatistics:
+    """Global standardisation and pairwise correlations of ``clients`` from their summed
+    statistics, through a federation of them built for the purpose (see
+    :func:`build_imputation_federation`; ``privacy`` makes each client's own mechanism)."""
+    federation = build_imputation_federation(
+        clients, aggregator=aggregator, channel=channel, privacy=privacy
+    )
+    return collect_statistics(federation, tag=tag)
+
+
+def in_process_clients(channel: Channel) -> list[ImputationClient]:
+    """The imputation clients attached to ``channel``, in order: what the composition root of
+    an in-process run (a local baseline, the evaluation of each client's imputations, tests)
+    reaches them by. No party's own program reaches another party this way."""
+    return [party for party in channel.parties.values() if isinstance(party, ImputationClient)]

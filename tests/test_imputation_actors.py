@@ -1,0 +1,361 @@
+"""FedHF-Impute's parties as actors: the results they gave before they were actors, each secret
+with its owner only, nothing but sealed shares at the aggregator, and bad or replayed messages
+refused without changing any party."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from test_fedhf import synthetic_task
+from test_secure_split import BACKENDS, _reachable, _secret
+
+from protocols.secagg import MaskingAggregator
+from secure_vfl.errors import ProtocolError
+from secure_vfl.experiment import ImputeRunConfig, run_imputation
+from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
+from secure_vfl.federation.channel import Channel, RecordingLayer
+from secure_vfl.federation.messages import (
+    AGGREGATOR,
+    ComputeRequest,
+    GlobalStatisticsMessage,
+    Message,
+    ParametersMessage,
+    RepresentationMessage,
+    SealedMessage,
+    SumMessage,
+)
+from secure_vfl.federation.parties import AggregationServer
+from secure_vfl.methods.imputation import (
+    IMPUTERS,
+    SERVER,
+    ImputationClient,
+    ImputeConfig,
+    ReconstructionImputer,
+    in_process_clients,
+)
+
+TINY = ImputeConfig(rounds=2, local_epochs=1, hidden=8, layers=1)
+
+# Measured on the code before the parties were actors (commit 417e94a), one torch thread:
+# synthetic_task(seed=0), ImputeConfig(rounds=4, local_epochs=2, hidden=16, layers=2), seed 0.
+BEFORE_ACTORS = {
+    ("fedhf", "none"): (
+        0.9800769952387358,
+        [0.9706772465779245, 0.9667529437464399, 0.9657236533361588, 0.9638552287643072],
+    ),
+    ("fedhf", "masks"): (0.9800784272469244, None),
+    ("fed-dae", "none"): (
+        0.9748101656459817,
+        [0.9752171035862275, 0.9725022522647386, 0.9694311467747293, 0.9662069761267483],
+    ),
+    ("dae", "none"): (
+        0.9520489028358601,
+        [0.9781848098846595, 0.9732859448252612, 0.9679172828625251, 0.9623681263275204],
+    ),
+    ("fed-mean", "none"): (0.9830804700018272, []),
+}
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize(("method", "backend"), list(BEFORE_ACTORS))
+def test_the_actors_give_the_results_measured_before_them(method: str, backend: str) -> None:
+    config = ImputeRunConfig(
+        method=method,
+        dataset="synthetic",
+        impute_config=ImputeConfig(rounds=4, local_epochs=2, hidden=16, layers=2),
+    )
+    aggregator = MaskingAggregator() if backend == "masks" else None
+    result, _ = run_imputation(config, task=synthetic_task(seed=0), aggregator=aggregator)
+    rmse, curve = BEFORE_ACTORS[method, backend]
+    assert result.rmse == pytest.approx(rmse, rel=1e-12)
+    if curve is not None:
+        assert result.validation_curve == pytest.approx(curve, rel=1e-12)
+
+
+def _imputer(
+    aggregator: Aggregator, recorder: RecordingLayer | None = None, method: str = "fedhf"
+) -> ReconstructionImputer:
+    task = synthetic_task(rows=24, test_rows=6, features=6)
+    channel = Channel([recorder] if recorder is not None else [])
+    imputer = IMPUTERS.get(method)(task, TINY, seed=0, aggregator=aggregator, channel=channel)
+    assert isinstance(imputer, ReconstructionImputer)
+    return imputer
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_each_secret_is_reachable_from_its_owner_only(backend: str) -> None:
+    imputer = _imputer(BACKENDS[backend]())
+    imputer.fit()
+    channel = imputer.federation.channel
+    owners: dict[int, list[str]] = {}
+    for name, party in channel.parties.items():
+        for value in _reachable(party, stop={id(channel)}):
+            if _secret(value):
+                owners.setdefault(id(value), []).append(name)
+    assert owners, "no secret found: the test would pass vacuously"
+    assert all(len(names) == 1 for names in owners.values()), owners
+    held = sorted(names[0] for names in owners.values())
+    # Masks: one X25519 key per client. Paillier, CKKS: the coordinator (the receiver) alone.
+    clients = sorted(imputer.federation.names)
+    assert held == (clients if backend == "masks" else [SERVER])
+    # The coordinator's program reaches no client's secret (the clients only by the channel).
+    reachable = _reachable(imputer, stop={id(channel)})
+    assert {id(v) for v in reachable if _secret(v)} <= {
+        key for key, names in owners.items() if names == [SERVER]
+    }
+    assert not any(isinstance(v, ImputationClient) for v in reachable)
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_nothing_but_sealed_shares_reach_the_aggregator(backend: str) -> None:
+    recorder = RecordingLayer()
+    imputer = _imputer(BACKENDS[backend](), recorder)
+    imputer.fit()
+    names = set(imputer.federation.names)
+    kinds = set(recorder.kinds())
+    assert {"sealed", "sealed-sum", "seal-request"} <= kinds
+    assert not kinds & {"representation", "sum"}, "a contribution or a sum crossed in the clear"
+    for message in recorder.messages:
+        if message.receiver == AGGREGATOR:
+            allowed = {"sealed"} if message.sender in names else {"sum-request", "public-key"}
+            assert message.kind in allowed, (message.kind, message.sender)
+        if message.receiver == SERVER:
+            assert (message.kind, message.sender) == ("sealed-sum", AGGREGATOR)
+        if message.kind == "public-key" and backend != "masks":
+            assert message.sender == SERVER  # the receiver's public key, nothing else
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_a_secure_run_gives_the_plain_one_within_the_backends_precision(backend: str) -> None:
+    plain = _imputer(PlainAggregator())
+    secure = _imputer(BACKENDS[backend]())
+    np.testing.assert_allclose(secure.fit(), plain.fit(), atol=1e-4)
+    assert plain.theta is not None and secure.theta is not None
+    assert torch.allclose(secure.theta, plain.theta, atol=1e-3)
+
+
+def test_traffic_counts_the_encoded_messages_that_crossed_the_transport() -> None:
+    channel = Channel()
+    aggregator = MaskingAggregator()
+    result, _ = run_imputation(
+        ImputeRunConfig(method="fedhf", dataset="synthetic", impute_config=TINY),
+        task=synthetic_task(rows=24, test_rows=6, features=6),
+        aggregator=aggregator,
+        channel=channel,
+    )
+    crossed: dict[str, int] = {}
+    for (sender, _, _), count in channel.transport.bytes.items():
+        crossed[sender] = crossed.get(sender, 0) + count
+    reported = {name: sum(by_phase.values()) for name, by_phase in result.traffic["bytes"].items()}
+    assert reported == crossed
+    assert aggregator.cost.calls == 0  # the backend never ran whole: its halves did
+    assert crossed[SERVER] > 0  # the coordinator's requests and downloads count too
+
+
+def _state(channel: Channel) -> dict[str, Any]:
+    """What every party holds that a message could change: models, what each has acted on,
+    kept and sealed, the server's batch and the coordinator's inbox (deep copies)."""
+    state: dict[str, Any] = {}
+    for name, party in channel.parties.items():
+        if isinstance(party, ImputationClient):
+            assert party.model is not None
+            state[name] = [
+                [p.detach().clone() for p in party.model.parameters()],
+                copy.deepcopy(party.optimiser.state_dict()) if party.optimiser else None,
+                set(party._acted),
+                sorted(party._held),
+                set(party._sealed._served),
+                torch.get_rng_state(),
+                party.generator.get_state() if party.generator else None,
+            ]
+        elif isinstance(party, AggregationServer):
+            state[name] = [
+                party._batch,
+                {tag: sorted(by) for tag, by in party._contributions.items()},
+                {tag: sorted(by) for tag, by in party._sealed.items()},
+                set(party._served._served),
+            ]
+        else:
+            state[name] = [len(party._inbox), set(party._sealed._served)]
+    return state
+
+
+def _same(before: dict[str, Any], after: dict[str, Any]) -> bool:
+    def equal(a: object, b: object) -> bool:
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            return torch.equal(a, b)
+        if isinstance(a, dict) and isinstance(b, dict):
+            return a.keys() == b.keys() and all(equal(a[k], b[k]) for k in a)
+        if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+            return len(a) == len(b) and all(equal(x, y) for x, y in zip(a, b, strict=True))
+        return a == b
+
+    return equal(before, after)
+
+
+def _last(recorder: RecordingLayer, kind: type[Message], **fields: object) -> Any:
+    return [
+        m
+        for m in recorder.messages
+        if isinstance(m, kind) and all(getattr(m, k) == v for k, v in fields.items())
+    ][-1]
+
+
+def _row(sender: str, receiver: str) -> RepresentationMessage:
+    """A one-row contribution of a fresh round, in the clear."""
+    return RepresentationMessage(
+        sender=sender,
+        receiver=receiver,
+        round=99,
+        batch_id=0,
+        positions=torch.zeros(1, dtype=torch.int64),
+        representation=torch.zeros(1, 14),
+    )
+
+
+@pytest.mark.parametrize("backend", ["plain", "masks"])
+def test_bad_or_replayed_messages_are_refused_and_change_no_party(backend: str) -> None:
+    recorder = RecordingLayer()
+    aggregator = MaskingAggregator() if backend == "masks" else PlainAggregator()
+    imputer = _imputer(aggregator, recorder, method="fed-dae")
+    imputer.fit()
+    channel = imputer.federation.channel
+    coordinator = imputer.federation.own
+    clients = {c.name: c for c in in_process_clients(channel)}
+    first, second = list(clients.values())[:2]
+    server = channel.parties[AGGREGATOR]
+    train = _last(recorder, ComputeRequest, receiver=first.name, computation="train")
+    download = _last(recorder, ParametersMessage, receiver=first.name)
+    published = _last(recorder, GlobalStatisticsMessage, receiver=first.name)
+    fresh = {"round": 99, "tag": "fresh"}
+
+    attempts: list[tuple[str, Any, str]] = [
+        # the coordinator's messages, replayed by the network
+        ("replayed request", lambda: coordinator.send(train), "a second compute-request"),
+        ("replayed download", lambda: coordinator.send(download), "a second parameters"),
+        ("replayed statistics", lambda: coordinator.send(published), "a second global-stat"),
+        # malformed requests: nothing is trained or loaded
+        (
+            "wrong parameter count",
+            lambda: coordinator.send(
+                dataclasses.replace(download, **fresh, parameters=torch.zeros(3))
+            ),
+            "a parameter vector of length",
+        ),
+        (
+            "row count below its own",
+            lambda: coordinator.send(
+                dataclasses.replace(
+                    train, **fresh, arguments=torch.tensor([1.0], dtype=torch.float64)
+                )
+            ),
+            "the federation's row count",
+        ),
+        (
+            "arguments where none are expected",
+            lambda: coordinator.send(
+                dataclasses.replace(
+                    train, **fresh, computation="rows", arguments=torch.ones(2, dtype=torch.float64)
+                )
+            ),
+            "no arguments for 'rows' expected",
+        ),
+        # a client acting as the coordinator, or reaching past the aggregator
+        (
+            "a request from a client",
+            lambda: second.send(dataclasses.replace(train, sender=second.name, **fresh)),
+            f"found a compute-request from {second.name}",
+        ),
+        (
+            "a contribution sent to the coordinator",
+            lambda: second.send(_row(second.name, SERVER)),
+            "sums from aggregator expected, found a representation",
+        ),
+        (
+            "a sum forged by a client",
+            lambda: second.send(
+                SumMessage(
+                    sender=second.name,
+                    receiver=SERVER,
+                    round=99,
+                    batch_id=0,
+                    sums=torch.zeros(1, 1, 14),
+                    counts=torch.ones(1, 1, dtype=torch.int64),
+                    tag="validation",
+                )
+            ),
+            f"found a sum from {second.name}",
+        ),
+    ]
+    if backend == "masks":
+        share = _last(recorder, SealedMessage, sender=second.name)
+        attempts += [
+            ("a replayed sealed share", lambda: second.send(share), "already served"),
+            (
+                "a contribution in the clear",
+                lambda: second.send(_row(second.name, AGGREGATOR)),
+                "refuses to see it",
+            ),
+        ]
+    else:
+        contribution = _last(recorder, RepresentationMessage, sender=second.name)
+        attempts.append(
+            ("a replayed contribution", lambda: second.send(contribution), "two representations")
+        )
+    for what, attempt, error in attempts:
+        before = _state(channel)
+        with pytest.raises(ProtocolError, match=error):
+            attempt()
+        assert _same(before, _state(channel)), what
+    assert isinstance(server, AggregationServer)
+
+
+def _statistics(**changes: object) -> GlobalStatisticsMessage:
+    fields: dict[str, Any] = {
+        "sender": SERVER,
+        "receiver": "client-0",
+        "round": 0,
+        "batch_id": 0,
+        "mean": torch.zeros(3, dtype=torch.float64),
+        "std": torch.ones(3, dtype=torch.float64),
+        "neighbours": torch.tensor([[1], [0], [2]]),
+        "weights": torch.tensor([[1.0], [0.5], [0.0]]),
+        "mask": torch.tensor([[True], [True], [False]]),
+    }
+    fields.update(changes)
+    return GlobalStatisticsMessage(**fields)
+
+
+@pytest.mark.parametrize(
+    ("changes", "error"),
+    [
+        ({"std": torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64)}, "a std > 0"),
+        ({"mask": None}, "expected together"),
+        ({"neighbours": torch.tensor([[1], [0], [3]])}, r"neighbours in \[0, 3\)"),
+        ({"weights": torch.tensor([[1.0], [0.5], [0.2]])}, "and 0 where the mask is False"),
+        ({"weights": torch.ones(3, 2)}, "of shape \\(3, k\\)"),
+    ],
+)
+def test_bad_global_statistics_are_refused(changes: dict[str, object], error: str) -> None:
+    _statistics().validate()
+    _statistics(neighbours=None, weights=None, mask=None).validate()  # a model without a graph
+    with pytest.raises(ProtocolError, match=error):
+        _statistics(**changes).validate()
+
+
+def test_requests_and_downloads_are_checked_on_their_own() -> None:
+    header = {"sender": SERVER, "receiver": "client-0", "round": 0, "batch_id": 0}
+    arguments = torch.zeros(0, dtype=torch.float64)
+    with pytest.raises(ProtocolError, match="computation must be one of"):
+        ComputeRequest(**header, computation="gradients", arguments=arguments, tag="t").validate()
+    with pytest.raises(ProtocolError, match=re.escape("arguments must be a 1-d torch.float64")):
+        ComputeRequest(**header, computation="rows", arguments=torch.zeros(0), tag="t").validate()
+    with pytest.raises(ProtocolError, match=re.escape("parameters must be a 1-d torch.float32")):
+        ParametersMessage(**header, parameters=torch.zeros(2, 2)).validate()
