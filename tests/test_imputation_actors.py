@@ -12,8 +12,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from reachability import reachable
 from test_fedhf import synthetic_task
-from test_secure_split import BACKENDS, _reachable, _secret
+from test_secure_split import BACKENDS, _secret
 
 from protocols.secagg import MaskingAggregator
 from secure_vfl.errors import ProtocolError
@@ -95,7 +96,7 @@ def test_each_secret_is_reachable_from_its_owner_only(backend: str) -> None:
     channel = imputer.federation.channel
     owners: dict[int, list[str]] = {}
     for name, party in channel.parties.items():
-        for value in _reachable(party, stop={id(channel)}):
+        for value in reachable(party, stop={id(channel)}):
             if _secret(value):
                 owners.setdefault(id(value), []).append(name)
     assert owners, "no secret found: the test would pass vacuously"
@@ -105,11 +106,11 @@ def test_each_secret_is_reachable_from_its_owner_only(backend: str) -> None:
     clients = sorted(imputer.federation.names)
     assert held == (clients if backend == "masks" else [SERVER])
     # The coordinator's program reaches no client's secret (the clients only by the channel).
-    reachable = _reachable(imputer, stop={id(channel)})
-    assert {id(v) for v in reachable if _secret(v)} <= {
+    seen = reachable(imputer, stop={id(channel)})
+    assert {id(v) for v in seen if _secret(v)} <= {
         key for key, names in owners.items() if names == [SERVER]
     }
-    assert not any(isinstance(v, ImputationClient) for v in reachable)
+    assert not any(isinstance(v, ImputationClient) for v in seen)
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
