@@ -112,6 +112,23 @@ def samples() -> list[Message]:
             parties=parties,
             payload=(b"xyz",),
         ),
+        messages.ComputeRequest(
+            **HEADER,
+            computation="deviations",
+            arguments=torch.tensor([0.5, -1.25], dtype=torch.float64),
+            tag="t",
+        ),
+        messages.ParametersMessage(
+            **HEADER, parameters=torch.randn(5, generator=generator), tag="global"
+        ),
+        messages.GlobalStatisticsMessage(
+            **HEADER,
+            mean=torch.tensor([0.0, 1.0, -2.0], dtype=torch.float64),
+            std=torch.tensor([1.0, 0.5, 2.0], dtype=torch.float64),
+            neighbours=torch.tensor([[1, 2], [0, 2], [0, 1]]),
+            weights=torch.tensor([[1.0, 0.5], [0.25, 0.0], [0.75, 1.0]]),
+            mask=torch.tensor([[True, True], [True, False], [True, True]]),
+        ),
     ]
 
 
@@ -119,7 +136,10 @@ SAMPLES = samples()
 
 
 def encoded_size(value: object) -> int:
-    """Bytes of ``value`` by the documented layout (no ``X | None`` fields: none here)."""
+    """Bytes of ``value`` by the documented layout (an optional field adds its presence byte:
+    see :func:`presence_bytes`)."""
+    if value is None:
+        return 0
     if isinstance(value, str):
         return 8 + len(value.encode("utf-8"))
     if isinstance(value, bytes):
@@ -142,10 +162,17 @@ def field_offsets(message: Message) -> dict[str, int]:
     offset = 4 + 2 + encoded_size(message.kind)
     offsets = {}
     for name in names:
-        offsets[name] = offset
+        offset += presence_bytes(message, name)
+        offsets[name] = offset  # where the value itself starts
         offset += encoded_size(getattr(message, name))
     assert offset == len(encode(message))
     return offsets
+
+
+def presence_bytes(message: Message, name: str) -> int:
+    """1 for a field declared ``X | None`` (its presence byte), else 0."""
+    declared = {f.name: str(f.type) for f in dataclasses.fields(message)}
+    return 1 if declared.get(name, "").endswith("| None") else 0
 
 
 def tensor_fields(message: Message) -> list[str]:
