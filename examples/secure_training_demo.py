@@ -12,8 +12,10 @@ three times through the ``secure-vfl train`` command:
 - the same plus differential privacy on the gradients sent back to the data parties (label
   privacy), calibrated so that no party spends more than ``--target-epsilon``.
 
-It prints accuracy, epsilon, bytes per training step and time side by side; ten seconds or so
-with masks or CKKS. Paillier (2048-bit) takes about 9 s a training step here, mostly the
+All three train with SGD at learning rate 0.05: at 0.1 the noisy run diverges after about
+seven epochs (its loss climbs from 2 to 50 and it ends near chance), while 0.05 trains all
+three stably. It prints accuracy, epsilon, bytes per training step and time side by side; ten
+seconds or so with masks or CKKS. Paillier (2048-bit) takes about 9 s a training step here, mostly the
 senders' r^n obfuscators: around 20 minutes for the default 10 epochs.
 
     python examples/secure_training_demo.py [--secure-agg masks|paillier|ckks] [--epochs N]
@@ -88,7 +90,7 @@ def main() -> None:
         party_files, label_file = write_party_files(workdir, np.random.default_rng(args.seed))
         common = ["train", "--method", "laser", "--heads", "active", "--quiet", "--overwrite"]
         common += ["--label-file", str(label_file), "--seed", str(args.seed)]
-        common += ["--epochs", str(args.epochs), "--lr", "0.1"]
+        common += ["--epochs", str(args.epochs), "--lr", "0.05"]
         common += ["--p-miss-test", "0", "--p-miss-test", "0.5"]
         for path in party_files:
             common += ["--party-file", str(path)]
