@@ -638,7 +638,9 @@ def _schema_of(view: memoryview) -> _Schema:
         schema = _SCHEMAS.get(kind)
     except RegistryError:
         raise ProtocolError(
-            f"a message kind in ({', '.join(_SCHEMAS.names())}) expected, found {_shown(kind)}."
+            f"a message kind in ({', '.join(_SCHEMAS.names())}) expected, found {_shown(kind)} "
+            "(the privacy layer's kinds are registered by importing their module, e.g. "
+            "protocols.psi for psi-*)."
         ) from None
     schema_version, offset = _SCHEMA_VERSION_DECODER(view, offset)
     if schema_version != schema.schema_version:
