@@ -15,8 +15,8 @@ three times through the ``secure-vfl train`` command:
 All three train with SGD at learning rate 0.05: at 0.1 the noisy run diverges after about
 seven epochs (its loss climbs from 2 to 50 and it ends near chance), while 0.05 trains all
 three stably. It prints accuracy, epsilon, bytes per training step and time side by side; ten
-seconds or so with masks or CKKS. Paillier (2048-bit) takes about 9 s a training step here, mostly the
-senders' r^n obfuscators: around 20 minutes for the default 10 epochs.
+seconds or so with masks or CKKS. Paillier (2048-bit) takes about 9 s a training step here,
+mostly the senders' r^n obfuscators: around 20 minutes for the default 10 epochs.
 
     python examples/secure_training_demo.py [--secure-agg masks|paillier|ckks] [--epochs N]
         [--target-epsilon E] [--seed S] [--workdir DIR]

@@ -638,9 +638,9 @@ def _schema_of(view: memoryview) -> _Schema:
         schema = _SCHEMAS.get(kind)
     except RegistryError:
         raise ProtocolError(
-            f"a message kind in ({', '.join(_SCHEMAS.names())}) expected, found {_shown(kind)} "
-            "(the privacy layer's kinds are registered by importing their module, e.g. "
-            "protocols.psi for psi-*)."
+            f"a message kind in ({', '.join(_SCHEMAS.names())}) expected (the privacy layer's "
+            "kinds register when their module is imported, e.g. protocols.psi for psi-*), found "
+            f"{_shown(kind)}."
         ) from None
     schema_version, offset = _SCHEMA_VERSION_DECODER(view, offset)
     if schema_version != schema.schema_version:
