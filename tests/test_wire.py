@@ -553,7 +553,9 @@ def test_wrong_schema_version_is_refused_before_the_rest_is_parsed() -> None:
 
 
 def test_unknown_kind_is_refused_and_quoted_short() -> None:
-    with pytest.raises(ProtocolError, match="expected, found 'no-such-kind'"):
+    with pytest.raises(
+        ProtocolError, match=r"expected \(.*protocols\.psi.*\), found 'no-such-kind'"
+    ):
         decode(header("no-such-kind"))
     with pytest.raises(ProtocolError, match=r"found 'xxxxx.*\.\.\. \(10002 characters\)\.$"):
         decode(header("x" * 10_000))
