@@ -420,6 +420,7 @@ def run_imputation(
     channel: Channel | None = None,
     privacy: StatisticsPrivacyFactory | None = None,
     privacy_report: Callable[[], dict[str, Any]] | None = None,
+    roles: Mapping[str, str] | None = None,
     on_round: Callable[[int, float], None] | None = None,
 ) -> tuple[ImputeResult, Imputer]:
     """Fit ``config.method`` on the clients' training rows and score it on hidden test entries.
@@ -428,7 +429,8 @@ def run_imputation(
     ``aggregator`` (plain by default; a secure backend from ``protocols`` otherwise, split
     between the clients, the aggregation server and the coordinator); ``privacy`` (optional)
     makes each client's own mechanism, which clips and noises the statistics that client
-    releases, and ``privacy_report()`` fills ``result.privacy`` after the fit; ``channel``
+    releases, and ``privacy_report()`` fills ``result.privacy`` after the fit; ``roles``
+    replaces clients by registered roles (attackers, defenders); ``channel``
     carries every message (its transport counts the bytes in ``result.traffic``). The scoring
     standardisation comes from exact federated statistics, the same for every method and
     privacy setting, so RMSEs are comparable across both: it is the evaluator's yardstick, not a
@@ -447,6 +449,7 @@ def run_imputation(
         aggregator=aggregator,
         channel=channel,
         privacy=privacy,
+        roles=roles,
     )
     curve = imputer.fit(on_round=on_round)
     scores = evaluate_imputer(

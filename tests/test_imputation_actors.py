@@ -17,7 +17,7 @@ from test_fedhf import synthetic_task
 from test_secure_split import BACKENDS, _secret
 
 from protocols.secagg import MaskingAggregator
-from secure_vfl.errors import ProtocolError
+from secure_vfl.errors import ConfigError, ProtocolError
 from secure_vfl.experiment import ImputeRunConfig, run_imputation
 from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
 from secure_vfl.federation.channel import Channel, RecordingLayer
@@ -31,7 +31,7 @@ from secure_vfl.federation.messages import (
     SealedMessage,
     SumMessage,
 )
-from secure_vfl.federation.parties import AggregationServer
+from secure_vfl.federation.parties import ROLES, AggregationServer
 from secure_vfl.methods.imputation import (
     IMPUTERS,
     SERVER,
@@ -360,3 +360,37 @@ def test_requests_and_downloads_are_checked_on_their_own() -> None:
         ComputeRequest(**header, computation="rows", arguments=torch.zeros(0), tag="t").validate()
     with pytest.raises(ProtocolError, match=re.escape("parameters must be a 1-d torch.float32")):
         ParametersMessage(**header, parameters=torch.zeros(2, 2)).validate()
+
+
+class _CuriousClient(ImputationClient):
+    """A client that keeps every global model it is sent (what an attacker would study)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.downloads: list[ParametersMessage] = []
+
+    def on_parameters(self, message: ParametersMessage) -> None:
+        self.downloads.append(message)
+        super().on_parameters(message)
+
+
+ROLES.register("test-curious-client", _CuriousClient)
+
+
+def test_an_imputation_client_is_replaceable_by_a_registered_role() -> None:
+    task = synthetic_task(rows=24, test_rows=6, features=6)
+    name = task.train[1].name
+    channel = Channel()
+    imputer = IMPUTERS.get("fed-dae")(
+        task, TINY, seed=0, channel=channel, roles={name: "test-curious-client"}
+    )
+    imputer.fit()
+    clients = in_process_clients(channel)
+    curious = [c for c in clients if isinstance(c, _CuriousClient)]
+    assert [c.name for c in curious] == [name]
+    # The initial model, one average per round and the best one, as every client gets them.
+    assert [m.tag for m in curious[0].downloads][:1] == ["initial"]
+    assert len(curious[0].downloads) >= TINY.rounds + 1
+    for bad, expected in ((SERVER, "keeps its role"), ("nobody", "roles can replace")):
+        with pytest.raises(ConfigError, match=expected):
+            IMPUTERS.get("fed-dae")(task, TINY, seed=0, roles={bad: "test-curious-client"})

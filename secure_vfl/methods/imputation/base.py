@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -96,9 +96,12 @@ class ImputerFactory(Protocol):
         aggregator: Aggregator | None = None,
         channel: Channel | None = None,
         privacy: StatisticsPrivacyFactory | None = None,
+        roles: Mapping[str, str] | None = None,
     ) -> Imputer:
         """``privacy`` (optional) makes each client's own mechanism, which clips and noises the
-        federated statistics that client sends."""
+        federated statistics that client sends; ``roles`` replaces clients (or the aggregation
+        server) by roles registered by name (see
+        :func:`~secure_vfl.methods.imputation.federation.build_imputation_federation`)."""
         ...
 
 

@@ -14,7 +14,7 @@ and MICE baselines fill it with the federated global mean (0 in standardised spa
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import TypeAlias
 
@@ -156,10 +156,11 @@ def make_mean(
     aggregator: Aggregator | None = None,
     channel: Channel | None = None,
     privacy: StatisticsPrivacyFactory | None = None,
+    roles: Mapping[str, str] | None = None,
 ) -> ColumnMeanImputer:
     """Per-client column means of its training rows (federated mean where never observed)."""
     statistics = federated_statistics(
-        task.train, aggregator=aggregator, channel=channel, privacy=privacy
+        task.train, aggregator=aggregator, channel=channel, privacy=privacy, roles=roles
     )
     fallback = statistics.standardisation.mean
     return ColumnMeanImputer("mean", task, [client_means(c, fallback) for c in task.train])
@@ -173,10 +174,11 @@ def make_fed_mean(
     aggregator: Aggregator | None = None,
     channel: Channel | None = None,
     privacy: StatisticsPrivacyFactory | None = None,
+    roles: Mapping[str, str] | None = None,
 ) -> ColumnMeanImputer:
     """Fed-Mean: every client fills with the global means of the federated statistics."""
     statistics = federated_statistics(
-        task.train, aggregator=aggregator, channel=channel, privacy=privacy
+        task.train, aggregator=aggregator, channel=channel, privacy=privacy, roles=roles
     )
     mean = statistics.standardisation.mean
     return ColumnMeanImputer("fed-mean", task, [mean] * len(task.train))
@@ -190,10 +192,11 @@ def make_knn(
     aggregator: Aggregator | None = None,
     channel: Channel | None = None,
     privacy: StatisticsPrivacyFactory | None = None,
+    roles: Mapping[str, str] | None = None,
 ) -> PerClientSklearnImputer:
     """kNN per client: ``KNNImputer(n_neighbors=5)``, donors = the client's training rows."""
     statistics = federated_statistics(
-        task.train, aggregator=aggregator, channel=channel, privacy=privacy
+        task.train, aggregator=aggregator, channel=channel, privacy=privacy, roles=roles
     )
     return PerClientSklearnImputer(
         "knn",
@@ -211,6 +214,7 @@ def make_mice(
     aggregator: Aggregator | None = None,
     channel: Channel | None = None,
     privacy: StatisticsPrivacyFactory | None = None,
+    roles: Mapping[str, str] | None = None,
 ) -> PerClientSklearnImputer:
     """MICE per client: ``IterativeImputer`` (BayesianRidge chains), seeded, 10 iterations.
 
@@ -218,7 +222,7 @@ def make_mice(
     (chorizon, 104 features) the unclipped chained regressions diverge to infinity.
     """
     statistics = federated_statistics(
-        task.train, aggregator=aggregator, channel=channel, privacy=privacy
+        task.train, aggregator=aggregator, channel=channel, privacy=privacy, roles=roles
     )
     return PerClientSklearnImputer(
         "mice",
@@ -244,6 +248,7 @@ def _make_dae(
     aggregator: Aggregator | None = None,
     channel: Channel | None = None,
     privacy: StatisticsPrivacyFactory | None = None,
+    roles: Mapping[str, str] | None = None,
 ) -> ReconstructionImputer:
     """A DAE block-masked like FedHF: one per client trained alone (``dae``), or one trained by
     FedHF-Impute's FedAvg loop (``fed-dae``). It reads no graph, so none is published."""
@@ -259,6 +264,7 @@ def _make_dae(
         aggregator=aggregator,
         channel=channel,
         privacy=privacy,
+        roles=roles,
     )
 
 

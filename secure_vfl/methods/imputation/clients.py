@@ -31,7 +31,7 @@ from secure_vfl.federation.messages import (
     ParametersMessage,
     RepresentationMessage,
 )
-from secure_vfl.federation.parties import SecureSumParty
+from secure_vfl.federation.parties import ROLES, SecureSumParty
 from secure_vfl.methods.base import isolated_seed
 from secure_vfl.methods.imputation.base import ImputeConfig, derived_seed, imputation_rule
 from secure_vfl.methods.imputation.statistics import (
@@ -430,3 +430,6 @@ class ImputationClient(SecureSumParty):
         available = torch.from_numpy(rows.available.copy())
         z = predict(model, values, observed, available).numpy()
         return imputation_rule(rows, self.standardisation.destandardise(z))
+
+
+ROLES.register("imputation-client", ImputationClient)

@@ -17,7 +17,7 @@ coordinator alone receives (and, under a scheme, opens) the sum.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -40,7 +40,7 @@ from secure_vfl.federation.messages import (
     SumMessage,
     SumRequest,
 )
-from secure_vfl.federation.parties import AggregationServer, SecureSumParty
+from secure_vfl.federation.parties import ROLES, AggregationServer, SecureSumParty
 from secure_vfl.methods.imputation.clients import ImputationClient, TrainingPlan
 from secure_vfl.methods.imputation.statistics import (
     SERVER,
@@ -244,31 +244,54 @@ def build_imputation_federation(
     aggregator: Aggregator | None = None,
     channel: Channel | None = None,
     privacy: StatisticsPrivacyFactory | None = None,
+    roles: Mapping[str, str] | None = None,
     training: TrainingPlan | None = None,
 ) -> ImputationFederation:
     """One :class:`ImputationClient` per client (with its own mechanism ``privacy(name)`` and,
     when the run trains, its part of ``training``), the coordinator and an aggregation server
     running ``aggregator`` (plain by default), all attached to ``channel``. Under a scheme split
     at the boundary each party makes its own halves and keys meet by messages. Returns the
-    coordinator's view."""
+    coordinator's view.
+
+    ``roles`` replaces a client (by its name) or the aggregation server by the role registered
+    under a name in :data:`~secure_vfl.federation.parties.ROLES` (an attacker is a subclass of
+    the role it plays: ``imputation-client``, ``aggregation-server``); the coordinator drives
+    the run and keeps its role."""
     features = _check_clients(clients)
+    roles = dict(roles or {})
+    replaceable = [data.name for data in clients] + [AGGREGATOR]
+    unknown = sorted(set(roles) - set(replaceable))
+    if unknown:
+        raise ConfigError(
+            f"roles can replace {', '.join(replaceable)}; found {', '.join(unknown)} (the "
+            f"coordinator {SERVER!r} drives the run and keeps its role)."
+        )
     channel = channel if channel is not None else Channel()
     parties = []
     for k, data in enumerate(clients):
-        client = ImputationClient(
+        client = ROLES.get(roles.get(data.name, "imputation-client"))(
             data,
             privacy=privacy(data.name) if privacy is not None else None,
             training=training.for_client(k, seed) if training is not None else None,
         )
+        if not isinstance(client, ImputationClient):
+            raise ConfigError(
+                f"client {data.name!r} holds rows, so its role must be an ImputationClient; "
+                f"found {type(client).__name__}."
+            )
         client.connect(channel)
         parties.append(client)
     terms = _release_terms(parties, features)
     coordinator = Coordinator()
     coordinator.connect(channel)
     split = isinstance(aggregator, SealingScheme)
-    server = AggregationServer(
+    server = ROLES.get(roles.get(AGGREGATOR, "aggregation-server"))(
         aggregator if aggregator is not None and not split else PlainAggregator()
     )
+    if not isinstance(server, AggregationServer):
+        raise ConfigError(
+            f"the aggregator's role must be an AggregationServer; found {type(server).__name__}."
+        )
     server.connect(channel)
     federation = ImputationFederation(
         own=coordinator,
@@ -295,13 +318,14 @@ def federated_statistics(
     aggregator: Aggregator | None = None,
     channel: Channel | None = None,
     privacy: StatisticsPrivacyFactory | None = None,
+    roles: Mapping[str, str] | None = None,
     tag: str = "statistics",
 ) -> FederatedStatistics:
     """Global standardisation and pairwise correlations of ``clients`` from their summed
     statistics, through a federation of them built for the purpose (see
     :func:`build_imputation_federation`; ``privacy`` makes each client's own mechanism)."""
     federation = build_imputation_federation(
-        clients, aggregator=aggregator, channel=channel, privacy=privacy
+        clients, aggregator=aggregator, channel=channel, privacy=privacy, roles=roles
     )
     return collect_statistics(federation, tag=tag)
 

@@ -15,6 +15,8 @@ the clients' sizes, which keeps model updates inside the secure backends' fixed-
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 import torch
 from torch import Tensor, nn
@@ -75,6 +77,7 @@ class ReconstructionImputer:
         aggregator: Aggregator | None = None,
         channel: Channel | None = None,
         privacy: StatisticsPrivacyFactory | None = None,
+        roles: Mapping[str, str] | None = None,
     ) -> None:
         self.name = name
         self.task = task
@@ -86,6 +89,7 @@ class ReconstructionImputer:
             aggregator=aggregator,
             channel=channel,
             privacy=privacy,
+            roles=roles,
             training=TrainingPlan(config=config, make_model=make_model, shared_init=federated),
         )
         statistics = collect_statistics(self.federation)
@@ -200,6 +204,7 @@ def make_fedhf(
     aggregator: Aggregator | None = None,
     channel: Channel | None = None,
     privacy: StatisticsPrivacyFactory | None = None,
+    roles: Mapping[str, str] | None = None,
 ) -> ReconstructionImputer:
     """FedHF-Impute: the feature graph from federated statistics, the GNN trained by FedAvg."""
     return ReconstructionImputer(
@@ -213,6 +218,7 @@ def make_fedhf(
         aggregator=aggregator,
         channel=channel,
         privacy=privacy,
+        roles=roles,
     )
 
 
