@@ -197,11 +197,10 @@ def _backends() -> dict[str, Callable[[], Aggregator]]:
     }
 
 
-def _aggregation_bytes(method: Any, aggregator: Aggregator) -> int:
-    """Bytes of the aggregation so far: the backend's protocol messages, or for plain sums the
-    encoded messages to and from the aggregator that crossed the transport."""
-    if not isinstance(aggregator, PlainAggregator):
-        return sum(aggregator.cost.bytes.values())
+def _aggregation_bytes(method: Any) -> int:
+    """Bytes of the aggregation so far: the encoded messages to and from the aggregation server
+    that crossed the transport (representations and sums in the clear, or sealed shares and
+    sealed sums: each backend's halves run inside the parties)."""
     return sum(
         count
         for (sender, receiver, _), count in method.fed.channel.transport.bytes.items()
@@ -236,19 +235,20 @@ def secure_training(steps: int, epochs: int, train: int, test: int) -> list[dict
         batches = list(method.sampler.epoch(np.random.default_rng(0)))[: steps + 1]
         times, offline = [], []
         for step, batch in enumerate(batches):
-            if name == "paillier":
+            if name == "paillier":  # each party's offline phase: stock its own sender's pool
                 start = time.perf_counter()
                 values = len(batch) * config.method_config.representation_dim
                 needed = aggregator.layout(len(PARTIES)).ciphertexts(values)  # type: ignore[attr-defined]
-                aggregator.prepare(PARTIES, RECEIVER, obfuscators=needed)  # type: ignore[attr-defined]
+                for party in in_process_parties(cast(Any, method).fed.channel):
+                    party.sealer.prepare(RECEIVER, obfuscators=needed)  # type: ignore[union-attr]
                 offline.append(time.perf_counter() - start)
             if step == 1:
-                bytes_before = _aggregation_bytes(method, aggregator)
+                bytes_before = _aggregation_bytes(method)
             start = time.perf_counter()
             method.train_step(batch, step, 0)
             if step > 0:  # the first step pays for lazy initialisation
                 times.append(time.perf_counter() - start)
-        step_bytes = (_aggregation_bytes(method, aggregator) - bytes_before) / len(times)
+        step_bytes = (_aggregation_bytes(method) - bytes_before) / len(times)
         parties = in_process_parties(cast(Any, method).fed.channel)
         parameters = [
             t.detach().clone()
