@@ -37,9 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from secure_vfl.errors import ProtocolError
+from secure_vfl.errors import ConfigError, ProtocolError
 from secure_vfl.federation.aggregator import (
     ContextLedger,
+    PlainAggregator,
+    SealingScheme,
     check_selection,
     refuse_single_contributors,
     sum_context,
@@ -753,6 +755,24 @@ def gradient_messages(
             )
         )
     return messages
+
+
+def make_aggregation_server(
+    aggregator: Aggregator | None, role: str = "aggregation-server"
+) -> AggregationServer:
+    """The aggregation server, playing the role registered as ``role``: it sums with
+    ``aggregator`` in the clear (plain by default); under a scheme split at the party boundary
+    it gets only the scheme's adding half (``install``), never the backend object that makes
+    every party's halves. ConfigError if the role is not an :class:`AggregationServer`."""
+    split = isinstance(aggregator, SealingScheme)
+    server = ROLES.get(role)(
+        aggregator if aggregator is not None and not split else PlainAggregator()
+    )
+    if not isinstance(server, AggregationServer):
+        raise ConfigError(
+            f"the aggregator's role must be an AggregationServer; found {type(server).__name__}."
+        )
+    return server
 
 
 RoleFactory = Callable[..., Party]

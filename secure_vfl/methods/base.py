@@ -21,7 +21,7 @@ from secure_vfl.data.vertical import (
     labeled_subset,
 )
 from secure_vfl.errors import ConfigError
-from secure_vfl.federation.aggregator import Aggregator, PlainAggregator, SealingScheme
+from secure_vfl.federation.aggregator import Aggregator, SealingScheme
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import (
     AGGREGATOR,
@@ -40,11 +40,11 @@ from secure_vfl.federation.messages import (
 )
 from secure_vfl.federation.parties import (
     ROLES,
-    AggregationServer,
     DataParty,
     Head,
     Party,
     RoleFactory,
+    make_aggregation_server,
 )
 from secure_vfl.models.networks import make_bottom
 from secure_vfl.models.simsiam import pretrain_simsiam
@@ -519,12 +519,7 @@ def build_federation(
             )
         party.connect(channel)
         parties.append(party)
-    # Under a scheme split at the boundary the server gets only its adding half (below): it
-    # never holds the backend object that makes every party's halves.
-    split = isinstance(aggregator, SealingScheme)
-    server = ROLES.get(roles.get(AGGREGATOR, "aggregation-server"))(
-        aggregator if aggregator is not None and not split else PlainAggregator()
-    )
+    server = make_aggregation_server(aggregator, roles.get(AGGREGATOR, "aggregation-server"))
     server.connect(channel)
     federation = Federation(
         data=label_party_view(data),
@@ -543,11 +538,6 @@ def build_federation(
                 aggregator.scheme,
                 aggregator.sender(),
                 aggregator.receiver() if party.receives_sums else None,
-            )
-        if not isinstance(server, AggregationServer):
-            raise ConfigError(
-                f"the aggregator's role must be an AggregationServer; found "
-                f"{type(server).__name__}."
             )
         server.install(aggregator.scheme, aggregator.adder())
         federation.scheme = aggregator.scheme

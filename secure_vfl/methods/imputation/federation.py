@@ -27,7 +27,7 @@ from torch import Tensor
 
 from secure_vfl.data.imputation import ClientData
 from secure_vfl.errors import ConfigError, DataError, ProtocolError
-from secure_vfl.federation.aggregator import Aggregator, PlainAggregator, SealingScheme
+from secure_vfl.federation.aggregator import Aggregator, SealingScheme
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import (
     AGGREGATOR,
@@ -40,7 +40,7 @@ from secure_vfl.federation.messages import (
     SumMessage,
     SumRequest,
 )
-from secure_vfl.federation.parties import ROLES, AggregationServer, SecureSumParty
+from secure_vfl.federation.parties import ROLES, SecureSumParty, make_aggregation_server
 from secure_vfl.methods.imputation.clients import ImputationClient, TrainingPlan
 from secure_vfl.methods.imputation.statistics import (
     SERVER,
@@ -284,14 +284,7 @@ def build_imputation_federation(
     terms = _release_terms(parties, features)
     coordinator = Coordinator()
     coordinator.connect(channel)
-    split = isinstance(aggregator, SealingScheme)
-    server = ROLES.get(roles.get(AGGREGATOR, "aggregation-server"))(
-        aggregator if aggregator is not None and not split else PlainAggregator()
-    )
-    if not isinstance(server, AggregationServer):
-        raise ConfigError(
-            f"the aggregator's role must be an AggregationServer; found {type(server).__name__}."
-        )
+    server = make_aggregation_server(aggregator, roles.get(AGGREGATOR, "aggregation-server"))
     server.connect(channel)
     federation = ImputationFederation(
         own=coordinator,
