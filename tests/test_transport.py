@@ -218,7 +218,9 @@ def _state(channel: Channel) -> list[object]:
             state.append(sorted(party._tasks))
             state += [p.detach().clone() for m in party.models.values() for p in m.parameters()]
         else:
-            state.append(sorted(getattr(party, "_contributions", {})))
+            state.append(getattr(party, "_batch", None))
+            contributions = getattr(party, "_contributions", {})
+            state += [(tag, sorted(contributions[tag])) for tag in sorted(contributions)]
     return state
 
 
@@ -316,4 +318,38 @@ def test_a_replayed_request_or_gradient_is_refused_and_changes_nothing(make_data
                 representation=torch.zeros(4, 8),
             )
         )
+    assert _same(before, _state(method.fed.channel))
+
+
+def test_a_contribution_replayed_from_a_past_batch_is_refused_and_changes_nothing(
+    make_data: MakeData,
+) -> None:
+    """In the clear, a representation of a batch the aggregation server has moved past is a
+    replay: refused before it can reset the batch it is collecting."""
+    config = MethodConfig(epochs=1, batch_size=64, lr=0.05, representation_dim=8)
+    method = METHODS.get("laser")(make_data(), config, seed=0)
+    recorder = RecordingLayer()
+    method.fed.channel.layers.append(recorder)
+    method.train_step(np.arange(64), 0, 0)
+    old = next(m for m in recorder.messages if isinstance(m, RepresentationMessage))
+    method.train_step(np.arange(64, 128), 1, 0)
+    rows = torch.arange(4)
+    # the next batch has begun at the server: a representation of round 2 has arrived
+    method.fed.own.send(
+        RepresentRequest(
+            sender="party-0",
+            receiver="party-1",
+            round=2,
+            batch_id=0,
+            split="train",
+            rows=rows,
+            positions=rows,
+            reply_to="aggregator",
+        )
+    )
+    before = _state(method.fed.channel)
+    assert ("", ["party-1"]) in before  # what the replay must not reset
+    replayer = method.fed.channel.parties[old.sender]
+    with pytest.raises(ProtocolError, match="moved past"):
+        replayer.send(old)
     assert _same(before, _state(method.fed.channel))

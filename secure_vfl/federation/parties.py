@@ -607,6 +607,9 @@ class AggregationServer(Party):
         self.scheme = ""
         self._sealed: dict[str, dict[str, SealedMessage]] = {}
         self._served = ContextLedger()
+        # (round, batch id, phase, tag) of the contributions of batches it has moved past: one
+        # arriving for them again is a replay, refused before it touches the current batch.
+        self._closed: set[tuple[int, int, str, str]] = set()
 
     def install(self, scheme: str, adder: AdderHalf) -> None:
         """Take the adding half of a secure-sum scheme."""
@@ -620,9 +623,18 @@ class AggregationServer(Party):
             )
         self.adder.learn(message.sender, message.role, message.key)
 
-    def _enter_batch(self, message: Message, phase: str) -> None:
-        batch = (message.round, message.batch_id, phase)
+    def _enter_batch(self, message: SealedMessage | RepresentationMessage) -> None:
+        batch = (message.round, message.batch_id, message.phase)
+        if (*batch, message.tag) in self._closed:
+            raise ProtocolError(
+                f"{self.name}: a contribution from {message.sender} for round {message.round}, "
+                f"batch {message.batch_id} ({message.phase}), tag {message.tag!r}, a batch it "
+                "has moved past (a replay?)."
+            )
         if batch != self._batch:
+            if self._batch is not None:
+                self._closed.update((*self._batch, tag) for tag in self._contributions)
+                self._closed.update((*self._batch, tag) for tag in self._sealed)
             self._batch, self._contributions, self._sealed = batch, {}, {}
 
     def _keep(
@@ -648,7 +660,7 @@ class AggregationServer(Party):
             )
         # A share of a sum already served is a replay: refused before it touches the batch.
         self._served.check(message.deliver_to, message.round, message.batch_id, message.tag)
-        self._enter_batch(message, message.phase)
+        self._enter_batch(message)
         self._keep(self._sealed, message, "sealed shares")
 
     def on_representation(self, message: RepresentationMessage) -> None:
@@ -657,7 +669,7 @@ class AggregationServer(Party):
                 f"{self.name}: a representation in the clear from {message.sender}, but sums "
                 f"are sealed by {self.scheme!r} here; it refuses to see it."
             )
-        self._enter_batch(message, message.phase)
+        self._enter_batch(message)
         self._keep(self._contributions, message, "representations")
 
     def on_sum_request(self, request: SumRequest) -> None:
