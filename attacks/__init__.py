@@ -1,5 +1,12 @@
-"""Attacks from the VFL survey (label inference, gradient-replacement backdoor, reconstruction).
+"""Attacks from the VFL survey, run as auditors: an attacker is one party playing a registered
+role with only its own view; the auditor (:func:`attacks.runner.run_attack`) grants its side
+knowledge and scores it against the ground truth, with the defended model's accuracy.
 
-Attacks are malicious parties or curious channel layers plugged into the core's seam. Nothing is
-implemented here yet: see the project's open issues.
+Importing this package registers every attack (:data:`attacks.base.ATTACKS`) and the roles the
+attackers play (in the core's role registry).
 """
+
+from attacks import label_inference as label_inference
+from attacks.base import ATTACKS as ATTACKS
+from attacks.base import Attack as Attack
+from attacks.base import AttackContext as AttackContext

@@ -97,13 +97,10 @@ def mechanism(text: str) -> str:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="secure-vfl", description=__doc__.splitlines()[0] if __doc__ else None)
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-
-    train = commands.add_parser("train", help="train a VFL method and evaluate it")
-    train.add_argument("--method", required=True, choices=methods.METHODS.names())
-    source = train.add_mutually_exclusive_group(required=True)
+def _training_flags(parser: argparse.ArgumentParser) -> None:
+    """The data, method, privacy and output flags of a training run (``train`` and ``attack``)."""
+    parser.add_argument("--method", required=True, choices=methods.METHODS.names())
+    source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--dataset", help="a registered dataset (see `secure-vfl datasets`)")
     source.add_argument(
         "--party-file",
@@ -112,20 +109,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="one CSV/Parquet file per party: an `id` column and that party's features",
     )
-    train.add_argument(
+    parser.add_argument(
         "--label-file",
         type=existing_file,
         metavar="PATH",
         help="CSV/Parquet with `id` and `label` (with --party-file)",
     )
-    train.add_argument(
+    parser.add_argument(
         "--align",
         choices=["join", "psi"],
         default="join",
         help="how party files are aligned by id: plain join (insecure) or PSI over X25519",
     )
-    train.add_argument("--parties", type=parties_count, default=4, metavar="K")
-    missing_train = train.add_mutually_exclusive_group()
+    parser.add_argument("--parties", type=parties_count, default=4, metavar="K")
+    missing_train = parser.add_mutually_exclusive_group()
     missing_train.add_argument(
         "--p-miss-train",
         type=probability,
@@ -138,26 +135,40 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MECH",
         help="mcar:P | mcar:P1,..,PK | beta | dirichlet:A | mar1 | mar2 | mnar:P",
     )
-    train.add_argument(
+    parser.add_argument(
         "--p-miss-test",
         type=probability,
         action="append",
         metavar="P",
         help="MCAR test probability (repeatable; default 0 and 0.5)",
     )
-    train.add_argument(
+    parser.add_argument(
         "--missing-test",
         type=mechanism,
         action="append",
         metavar="MECH",
         help="a test missingness mechanism (repeatable)",
     )
-    train.add_argument("--heads", choices=["all", "active"], default="all")
-    train.add_argument("--batching", choices=["grouped", "mixed"], default="mixed")
-    train.add_argument("--epochs", type=positive_int, default=20, metavar="N")
-    train.add_argument("--batch-size", type=positive_int, default=128, metavar="B")
-    train.add_argument("--lr", type=positive_float, default=0.03)
-    latent = train.add_argument_group("FALSE-VFL (--method false-vfl-1 / false-vfl-2)")
+    parser.add_argument("--heads", choices=["all", "active"], default="all")
+    parser.add_argument("--batching", choices=["grouped", "mixed"], default="mixed")
+    parser.add_argument("--epochs", type=positive_int, default=20, metavar="N")
+    parser.add_argument("--batch-size", type=positive_int, default=128, metavar="B")
+    parser.add_argument("--lr", type=positive_float, default=0.03)
+    parser.add_argument(
+        "--representation-dim",
+        type=positive_int,
+        default=128,
+        metavar="D",
+        help="width of every bottom model's output (default 128)",
+    )
+    parser.add_argument(
+        "--top-model",
+        choices=["linear", "none"],
+        default="linear",
+        help="mean-fusion methods: a linear head on the fused mean, or none (the fused mean is "
+        "the logits; needs --representation-dim = the number of classes)",
+    )
+    latent = parser.add_argument_group("FALSE-VFL (--method false-vfl-1 / false-vfl-2)")
     latent.add_argument(
         "--kappa",
         type=positive_int,
@@ -170,33 +181,33 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="L",
         help="importance samples per row at prediction (default 50)",
     )
-    train.add_argument(
+    parser.add_argument(
         "--labeled",
         type=positive_int,
         metavar="N",
         help="keep N training labels (a seeded random subset); the other rows are unlabelled",
     )
-    train.add_argument(
+    parser.add_argument(
         "--pretrain-epochs",
         type=non_negative_int,
         default=0,
         metavar="N",
         help="SimSiam pretraining of every party's bottom model on its own rows (0: off)",
     )
-    train.add_argument(
+    parser.add_argument(
         "--standard-incomplete",
         choices=["random", "zero"],
         default="random",
         help="what Standard VFL does on incomplete test samples",
     )
-    train.add_argument(
+    parser.add_argument(
         "--secure-agg",
         choices=SECURE_AGGREGATORS,
         default="none",
         help="secure sums of representations (laser --heads active): pairwise masks, Paillier "
         "or CKKS; the label party learns only sums over >= 2 other parties",
     )
-    privacy = train.add_argument_group("differential privacy (protocols.dp, Opacus accountant)")
+    privacy = parser.add_argument_group("differential privacy (protocols.dp, Opacus accountant)")
     privacy.add_argument(
         "--dp-embeddings",
         type=noise_spec,
@@ -222,22 +233,70 @@ def build_parser() -> argparse.ArgumentParser:
         help="calibrate SIGMA so that no party spends more than E",
     )
     privacy.add_argument("--delta", type=open_probability, default=1e-5, metavar="D")
-    train.add_argument("--seed", type=non_negative_int, default=0, metavar="S")
-    train.add_argument(
+    parser.add_argument("--seed", type=non_negative_int, default=0, metavar="S")
+    parser.add_argument(
         "--out",
         type=Path,
         metavar="DIR",
         help="output directory (default runs/METHOD-DATASET-sSEED)",
     )
-    train.add_argument(
+    parser.add_argument(
         "--store",
         type=Path,
         metavar="PATH",
         help="SQLite results store (default: results.sqlite beside DIR)",
     )
-    train.add_argument("--overwrite", action="store_true", help="replace DIR/result.json")
-    train.add_argument("--quiet", action="store_true", help="no progress bar")
-    _capture_option(train)
+    parser.add_argument("--overwrite", action="store_true", help="replace DIR/result.json")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    _capture_option(parser)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="secure-vfl", description=__doc__.splitlines()[0] if __doc__ else None)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    train = commands.add_parser("train", help="train a VFL method and evaluate it")
+    _training_flags(train)
+
+    attack = commands.add_parser(
+        "attack",
+        help="train with an attacker in place, under defenses, and score attack and model",
+        description="Train a federation in which one party plays an attack's role (with only "
+        "its own view), under the given defenses; write the attack's metrics, the defended "
+        "model's accuracy and VFLAIR's defense capability score (DCS) to DIR/result.json.",
+    )
+    attack.add_argument(
+        "--attack",
+        required=True,
+        metavar="NAME",
+        help="direct-label-inference | norm-scoring | direction-scoring",
+    )
+    attack.add_argument(
+        "--attacker",
+        default="party-1",
+        metavar="PARTY",
+        help="the party that attacks (default party-1, a passive data party)",
+    )
+    attack.add_argument(
+        "--defense",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="dp-gradients:SIGMA:CLIP | dp-embeddings:SIGMA:CLIP | dp-sgd:SIGMA:CLIP | "
+        "secure-agg:BACKEND (repeatable; the same mechanisms as train's flags)",
+    )
+    attack.add_argument(
+        "--control",
+        action="store_true",
+        help="the negative control: the attacker's signal is destroyed (it must sit at chance)",
+    )
+    attack.add_argument(
+        "--cache",
+        type=Path,
+        metavar="DIR",
+        help="where the undefended runs behind the DCS are kept (default: DIR/../.undefended)",
+    )
+    _training_flags(attack)
 
     impute = commands.add_parser(
         "impute", help="federated imputation across clients with different feature schemas"
@@ -413,6 +472,8 @@ def _train_config(args: argparse.Namespace) -> Any:
         epochs=args.epochs,
         batch_size=args.batch_size,
         lr=args.lr,
+        representation_dim=args.representation_dim,
+        top_model=args.top_model,
         standard_incomplete=args.standard_incomplete,
         secure_sums=args.secure_agg != "none",
         labeled=args.labeled,
@@ -482,23 +543,28 @@ def _impute_privacy_engine(args: argparse.Namespace) -> Any:
     )
 
 
+def _privacy_spec(args: argparse.Namespace) -> Any:
+    """The protection asked for by ``train``'s flags: alignment, secure sums, DP."""
+    from protocols.privacy import PrivacySpec
+
+    return PrivacySpec(
+        align=args.align,
+        secure_agg=args.secure_agg,
+        dp_embeddings=args.dp_embeddings,
+        dp_gradients=args.dp_gradients,
+        dp_sgd=args.dp_sgd,
+        target_epsilon=args.target_epsilon,
+        delta=args.delta,
+        seed=args.seed,
+    )
+
+
 def _privacy_engine(args: argparse.Namespace) -> Any:
     """The privacy engine of ``train``'s flags: alignment, secure sums, DP and its accounting,
     chosen in one place (:class:`protocols.privacy.PrivacyEngine`)."""
-    from protocols.privacy import PrivacyEngine, PrivacySpec
+    from protocols.privacy import PrivacyEngine
 
-    return PrivacyEngine(
-        PrivacySpec(
-            align=args.align,
-            secure_agg=args.secure_agg,
-            dp_embeddings=args.dp_embeddings,
-            dp_gradients=args.dp_gradients,
-            dp_sgd=args.dp_sgd,
-            target_epsilon=args.target_epsilon,
-            delta=args.delta,
-            seed=args.seed,
-        )
-    )
+    return PrivacyEngine(_privacy_spec(args))
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -564,6 +630,80 @@ def run_train(args: argparse.Namespace) -> int:
     store.add(result.to_json(), kind="train", out_dir=out)
     print(_summary(result, out))
     return 0
+
+
+def run_attack_command(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from attacks.runner import run_attack
+    from secure_vfl.io import atomic_write_json
+    from secure_vfl.store import ResultsStore
+
+    config = _train_config(args)
+    if args.capture is not None:
+        raise ConfigError("--capture applies to train, impute and psi; found it with attack.")
+    if args.align != "join":
+        raise ConfigError(f"attack runs on a registered dataset; found --align {args.align}.")
+    name = args.attack
+    out: Path = args.out or Path("runs") / f"attack-{name}-{config.method}-{config.data_name}"
+    if (out / "result.json").exists() and not args.overwrite:
+        raise ConfigError(
+            f"{out / 'result.json'} exists; expected a new --out directory (or --overwrite)."
+        )
+    store = ResultsStore(args.store or out.parent / "results.sqlite")
+    bar: Any = None
+
+    def on_start(total: int) -> None:
+        nonlocal bar
+        bar = tqdm(total=total, desc=name, unit="step", disable=args.quiet, leave=False)
+
+    def on_step(step: int, loss: float) -> None:
+        bar.update(1)
+
+    try:
+        result = run_attack(
+            config,
+            name,
+            attacker=args.attacker,
+            defenses=args.defense,
+            privacy=_privacy_spec(args),
+            control=args.control,
+            cache=args.cache or out.parent / ".undefended",
+            on_start=on_start,
+            on_step=on_step,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    payload = result.to_json()
+    atomic_write_json(out / "result.json", payload)
+    training = payload["training"]
+    store.add(
+        {**training, "metrics": {"main": payload["main"], "attack": payload["attack"]}},
+        kind=f"attack:{name}",
+        out_dir=out,
+    )
+    print(_attack_summary(result, out))
+    return 0
+
+
+def _attack_summary(result: Any, out: Path) -> str:
+    defenses = ", ".join(result.defenses) or "none"
+    lines = [
+        f"{result.attack_name} by {result.attacker}"
+        f"{' (negative control)' if result.control else ''}; defenses: {defenses}",
+        f"main accuracy        {100 * result.main['accuracy']:.2f} % "
+        f"(undefended {100 * result.undefended_accuracy:.2f} %)",
+    ]
+    for metric, value in result.attack.items():
+        lines.append(f"attack {metric:<13} {value:.4f}")
+    lines.append(f"chance level         {result.chance:.4f}")
+    lines.append(f"DCS {result.dcs:.4f}   DCS (AP* = chance) {result.dcs_chance:.4f}")
+    if result.privacy is not None:
+        spent = ", ".join(f"{p} {e:.2f}" for p, e in sorted(result.privacy["epsilon"].items()))
+        lines.append(f"epsilon (delta {result.privacy['delta']:g}): {spent}")
+    lines.append(f"result: {out / 'result.json'}")
+    return "\n".join(lines)
 
 
 def run_impute(args: argparse.Namespace) -> int:
@@ -730,6 +870,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_train(args)
         if args.command == "impute":
             return run_impute(args)
+        if args.command == "attack":
+            return run_attack_command(args)
         if args.command == "psi":
             return run_psi_command(args)
         return run_datasets(args)

@@ -272,6 +272,7 @@ def run_training(
     aggregator: Aggregator | None = None,
     privacy: PrivacyLayer | None = None,
     roles: Mapping[str, str] | None = None,
+    on_ready: Callable[[Channel], None] | None = None,
     on_start: Callable[[int], None] | None = None,
     on_step: StepCallback | None = None,
 ) -> TrainResult:
@@ -282,7 +283,9 @@ def run_training(
     backend and installs its mechanisms inside each party once the parties exist, and its
     report fills ``result.privacy``; ``aggregator`` overrides the backend (plain by default);
     ``channel`` carries the parties' messages; ``roles`` replaces parties by registered roles
-    (attackers, defenders); ``on_start(total_steps)`` is called once before training.
+    (attackers, defenders); ``on_ready(channel)`` is called once the parties exist and are
+    protected, before training (an auditor grants an attacker its side knowledge there);
+    ``on_start(total_steps)`` is called once before training.
     ``result.traffic`` counts the bytes that crossed ``channel``'s transport.
     """
     if privacy is not None:
@@ -301,6 +304,8 @@ def run_training(
             sample_rate=min(1.0, config.method_config.batch_size / data.train.n),
             total_steps=steps,
         )
+    if on_ready is not None:
+        on_ready(channel)
     if on_start is not None:
         on_start(steps)
     losses = method.fit(on_step=on_step)

@@ -69,7 +69,10 @@ class MethodConfig:
     0 or >= 2 parties besides the receiver: methods plan only such sums, or refuse to run.
     ``labeled`` keeps that many training labels (a seeded random subset, see
     :func:`~secure_vfl.data.vertical.labeled_subset`) and treats the other rows as unlabelled;
-    ``None`` labels every training row.
+    ``None`` labels every training row. ``top_model="none"`` fuses without a trainable top
+    model: the mean of the representations is the logits (``representation_dim`` must equal
+    the number of classes; the mean-fusion methods only), so every party receives per-sample
+    gradients of the loss itself, the setting of the survey's direct label inference.
     """
 
     heads: Heads = "all"
@@ -86,9 +89,11 @@ class MethodConfig:
     secure_sums: bool = False
     pretrain_epochs: int = 0
     labeled: int | None = None
+    top_model: Literal["linear", "none"] = "linear"
 
     def __post_init__(self) -> None:
         _choice("heads", self.heads, ("all", "active"))
+        _choice("top_model", self.top_model, ("linear", "none"))
         _choice("batching", self.batching, ("grouped", "mixed"))
         _choice("standard_incomplete", self.standard_incomplete, ("random", "zero"))
         _positive_int("epochs", self.epochs)
@@ -124,6 +129,15 @@ def refuse_secure_sums(config: MethodConfig, method: str, reason: str) -> None:
         raise ConfigError(
             f"{method} cannot run under secure aggregation: {reason} Secure sums serve "
             "laser with heads='active'."
+        )
+
+
+def refuse_top_model(config: MethodConfig, method: str, head: str) -> None:
+    """ConfigError unless ``config`` keeps the trainable top model ``method`` is built on."""
+    if config.top_model != "linear":
+        raise ConfigError(
+            f"{method} classifies with {head}, a trainable top model; top_model="
+            f"{config.top_model!r} applies to the mean-fusion methods (laser, local, ensemble)."
         )
 
 
@@ -503,7 +517,7 @@ def build_federation(
                     )
         blocks = {name: torch.from_numpy(split.blocks[k]) for name, split in splits.items()}
         own_heads = {
-            key: Head(labels, module, sgd(module, config))
+            key: Head(labels, module, _optimizer(module, config))
             for key, module in (heads or {}).get(k, {}).items()
         }
         own_role = label_role if k == 0 and label_role is not None else default_role
@@ -565,6 +579,11 @@ def sgd(module: nn.Module, config: MethodConfig) -> torch.optim.Optimizer:
         momentum=config.momentum,
         weight_decay=config.weight_decay,
     )
+
+
+def _optimizer(module: nn.Module, config: MethodConfig) -> torch.optim.Optimizer | None:
+    """A head's optimiser; None for a head with no parameters (``top_model="none"``)."""
+    return sgd(module, config) if next(module.parameters(), None) is not None else None
 
 
 @contextmanager

@@ -42,6 +42,7 @@ from secure_vfl.methods.base import (
     labeled_rows,
     random_predictions,
     refuse_secure_sums,
+    refuse_top_model,
     split_tensors,
     train_epochs,
 )
@@ -68,6 +69,7 @@ class ConcatFusionMethod:
             "the label party concatenates every party's representation, there is no sum to hide "
             "them in.",
         )
+        refuse_top_model(config, name, "a head on the concatenated representations")
         self.name = name
         self.config = config
         with isolated_seed(seed + 1000):
@@ -201,6 +203,7 @@ class Combinatorial:
             "combinatorial",
             "its predictors over two parties hand the head party the other party's term.",
         )
+        refuse_top_model(config, "combinatorial", "a linear head per subset")
         if config.pretrain_epochs:
             raise ConfigError(
                 "combinatorial keeps 2^K - 1 bottom models per run; SimSiam pretraining applies "

@@ -97,6 +97,7 @@ from secure_vfl.methods.base import (
     build_federation,
     isolated_seed,
     labeled_rows,
+    refuse_top_model,
     require_hiding_crowd,
     split_tensors,
     train_epochs,
@@ -370,6 +371,7 @@ class FalseVflMethod:
         roles: Mapping[str, str] | None = None,
     ) -> None:
         require_hiding_crowd(config, data.parties, name)
+        refuse_top_model(config, name, "a discriminator on the latent samples")
         self.name = name
         self.config = config
         self.options = false_vfl if false_vfl is not None else FalseVflConfig()

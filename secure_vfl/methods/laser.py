@@ -175,6 +175,13 @@ def local_tasks(mask: Tensor, heads: list[int]) -> tuple[Tensor, Tensor]:
     return selection, weights
 
 
+def _top_model(config: MethodConfig, num_classes: int) -> nn.Module:
+    """A linear head on the fused mean, or none: the fused mean is the logits."""
+    if config.top_model == "none":
+        return nn.Identity()
+    return LinearHead(config.representation_dim, num_classes)
+
+
 class MeanFusionMethod:
     """Bottoms at the data parties, linear heads on the mean of a selected subset of them.
 
@@ -212,10 +219,16 @@ class MeanFusionMethod:
         self.planner = planner
         parties = data.train.parties
         self.head_index = list(range(parties)) if config.heads == "all" else [0]
+        if config.top_model == "none" and config.representation_dim != data.num_classes:
+            raise ConfigError(
+                f"{name} with top_model='none' reads the fused representations as logits, so "
+                f"representation_dim must equal the {data.num_classes} classes. Found "
+                f"{config.representation_dim}."
+            )
         heads: dict[int, dict[str, nn.Module]] = {}
         for h in self.head_index:
             with isolated_seed(seed + 1000 + h):
-                heads[h] = {"": LinearHead(config.representation_dim, data.num_classes)}
+                heads[h] = {"": _top_model(config, data.num_classes)}
         self.fed = build_federation(
             data,
             config,

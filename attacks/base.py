@@ -1,0 +1,88 @@
+"""What every attack is: a role an attacker plays, the side knowledge an auditor grants it, and
+the metrics the auditor scores it by.
+
+An attack is an *auditor's* experiment. The attacker is one party (or an observer of what one
+party receives) with only its own view: it is the registered role it plays (a subclass of the
+honest role, :data:`~secure_vfl.federation.parties.ROLES`), plugged in by name, never an
+``if attack:`` inside a method. The auditor (:mod:`attacks.runner`) holds the ground truth: it
+grants the attacker its side knowledge before training (:meth:`Attack.prepare`, e.g. a few
+labelled rows) and scores what the attacker infers after training (:meth:`Attack.evaluate`).
+
+Every attack has a positive control (undefended, it succeeds) and a negative control
+(``control=True``: the signal it reads is destroyed, e.g. its observations are shuffled across
+rows, and it must sit at chance); both are tested.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+
+from secure_vfl.data.vertical import VerticalData
+from secure_vfl.errors import ConfigError
+from secure_vfl.experiment import TrainConfig
+from secure_vfl.federation.parties import Party
+from secure_vfl.registry import Registry
+
+
+@dataclass(frozen=True)
+class AttackContext:
+    """What the auditor holds for one attack run: the ground truth (``data``, never handed to the
+    attacker whole), the attacker's name, a seeded generator for the side knowledge it grants
+    and for shuffles, and whether this is the negative control."""
+
+    data: VerticalData
+    attacker: str
+    rng: np.random.Generator
+    control: bool = False
+
+
+class Attack(ABC):
+    """One threat of the survey, as an auditor's experiment.
+
+    ``role`` is the registered role the attacker plays (``None``: it replaces no role and only
+    observes what its party receives, through that party's ``incoming`` hooks). ``metric`` is the
+    headline metric, ``higher_is_better`` says which way success goes for it.
+    """
+
+    name: ClassVar[str]
+    role: ClassVar[str | None]
+    metric: ClassVar[str]
+    passive: ClassVar[bool] = True  # it does not change what the attacker sends
+
+    def check(self, config: TrainConfig, data: VerticalData, attacker: str) -> None:
+        """Raise ConfigError if the attack does not apply to this run."""
+        if attacker not in [f"party-{k}" for k in range(1, data.train.parties)]:
+            raise ConfigError(
+                f"{self.name} is run by a passive data party, one of party-1.."
+                f"party-{data.train.parties - 1}. Found attacker {attacker!r}."
+            )
+
+    def prepare(self, party: Party, context: AttackContext) -> None:  # noqa: B027
+        """Grant ``party`` its side knowledge before training (nothing by default)."""
+
+    @abstractmethod
+    def evaluate(self, party: Party, context: AttackContext) -> dict[str, float]:
+        """Score what ``party`` infers from its own view after training; the headline metric is
+        under ``self.metric``."""
+
+    @abstractmethod
+    def chance(self, context: AttackContext) -> float:
+        """The headline metric of an attacker without signal (the negative control's level)."""
+
+    def performance(self, metrics: dict[str, float]) -> float:
+        """The attack performance AP in [0, 1] that the defense capability score uses."""
+        return float(np.clip(metrics[self.metric], 0.0, 1.0))
+
+
+ATTACKS: Registry[Callable[[], Attack]] = Registry("attack")
+
+
+def register_attack(cls: type[Attack]) -> type[Attack]:
+    """Register the attack class ``cls`` under its ``name``; usable as a class decorator."""
+    ATTACKS.register(cls.name, cls)
+    return cls

@@ -1,0 +1,277 @@
+"""Label inference from the gradients a passive party receives (the survey's gradient-based
+label inference).
+
+The attacker plays :class:`GradientObserver`: an honest data party that also keeps every
+gradient it is sent, with the rows of its own table each gradient row is for. It follows the
+protocol exactly (a passive, honest-but-curious party); what it keeps is what any party in its
+role receives.
+
+- ``direct-label-inference`` (Fu et al., "Label inference attacks against vertical federated
+  learning", USENIX Security 2022, the direct attack): with no trainable top model the gradient
+  a party receives for a row is ``(softmax(z) - onehot(y)) / c``, negative at the label only, so
+  the label is the index of the most negative entry.
+- ``norm-scoring`` (Li et al., "Label leakage and protection in two-party split learning", ICLR
+  2022): on an imbalanced binary task the rows of the rare class get larger gradients; the norm
+  of each row's gradient scores it, ROC-AUC per batch.
+- ``direction-scoring`` (same paper): a row's gradient points the way a known row's of the
+  same class does; the cosine with the gradient of a known positive in the batch scores it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+from sklearn.metrics import roc_auc_score
+from torch import Tensor
+
+from attacks.base import Attack, AttackContext, register_attack
+from secure_vfl.data.vertical import VerticalData
+from secure_vfl.errors import ConfigError, ProtocolError
+from secure_vfl.experiment import TrainConfig
+from secure_vfl.federation.messages import GradientMessage, RepresentRequest
+from secure_vfl.federation.parties import ROLES, DataParty, Party
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One gradient message as its receiver saw it: its own table's ``rows`` and the gradient
+    rows for them."""
+
+    round: int
+    sender: str
+    rows: np.ndarray
+    gradient: np.ndarray
+
+
+class GradientObserver(DataParty):
+    """A data party that keeps every training gradient it receives, mapped to its own rows.
+
+    It learns which rows of its table each batch position holds from the requests it answers
+    (its own view), and the gradients from the messages it is sent.
+    """
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.observations: list[Observation] = []
+        self._requested: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
+
+    def on_represent_request(self, request: RepresentRequest) -> None:
+        super().on_represent_request(request)
+        if request.phase == "train" and request.backward:
+            self._requested = {
+                key: value for key, value in self._requested.items() if key[0] >= request.round
+            }
+            self._requested[(request.round, request.tag)] = (request.positions, request.rows)
+
+    def on_gradient(self, message: GradientMessage) -> None:
+        super().on_gradient(message)  # refuses what is not owed
+        asked = self._requested.get((message.round, message.tag))
+        if asked is None:
+            raise ProtocolError(f"{self.name}: a gradient for rows it was never asked for.")
+        positions, rows = asked
+        index = torch.searchsorted(positions, message.positions)
+        self.observations.append(
+            Observation(
+                round=message.round,
+                sender=message.sender,
+                rows=rows[index].numpy().copy(),
+                gradient=message.gradient.numpy().copy(),
+            )
+        )
+
+
+ROLES.register("gradient-observer", GradientObserver)
+
+
+def _observer(party: Party, attack: str) -> GradientObserver:
+    if not isinstance(party, GradientObserver):
+        raise ConfigError(
+            f"{attack} reads the gradients a party receives; its attacker must play "
+            f"'gradient-observer'. Found {type(party).__name__}."
+        )
+    return party
+
+
+def _shuffled(observation: Observation, context: AttackContext) -> np.ndarray:
+    """The rows of ``observation``, permuted under the negative control (each gradient then
+    belongs to a random row of the batch: the signal is destroyed, the marginals kept)."""
+    if context.control:
+        return context.rng.permutation(observation.rows)
+    return observation.rows
+
+
+def _refuse_top_model(config: TrainConfig, attack: str) -> None:
+    if config.method_config.top_model != "none":
+        raise ConfigError(
+            f"{attack} reads labels from gradients of the loss itself, which a party receives "
+            "only when there is no trainable top model: --top-model none with "
+            "--representation-dim equal to the number of classes. Found top model "
+            f"{config.method_config.top_model!r}."
+        )
+
+
+@register_attack
+class DirectLabelInference(Attack):
+    """The label of a row is the most negative entry of its loss gradient."""
+
+    name: ClassVar[str] = "direct-label-inference"
+    role: ClassVar[str | None] = "gradient-observer"
+    metric: ClassVar[str] = "accuracy"
+
+    def check(self, config: TrainConfig, data: VerticalData, attacker: str) -> None:
+        super().check(config, data, attacker)
+        _refuse_top_model(config, self.name)
+
+    def evaluate(self, party: Party, context: AttackContext) -> dict[str, float]:
+        observer = _observer(party, self.name)
+        labels = context.data.train.labels
+        right = total = 0
+        inferred: dict[int, int] = {}
+        for observation in observer.observations:
+            rows = _shuffled(observation, context)
+            live = np.abs(observation.gradient).sum(axis=1) > 0
+            guess = observation.gradient.argmin(axis=1)
+            right += int((guess[live] == labels[rows[live]]).sum())
+            total += int(live.sum())
+            inferred.update(zip(rows[live].tolist(), guess[live].tolist(), strict=True))
+        if total == 0:
+            raise ConfigError(f"{self.name}: {observer.name} received no gradient to read.")
+        rows = np.fromiter(inferred, dtype=np.int64)
+        guesses = np.fromiter(inferred.values(), dtype=np.int64)
+        return {
+            "accuracy": right / total,  # over every gradient row received
+            "rows_accuracy": float((guesses == labels[rows]).mean()),  # last guess per row
+            "rows": float(len(rows)),
+        }
+
+    def chance(self, context: AttackContext) -> float:
+        """The majority class's share: the best accuracy without any signal."""
+        counts = np.bincount(context.data.train.labels)
+        return float(counts.max() / counts.sum())
+
+
+def _binary_positive(data: VerticalData, attack: str) -> int:
+    """The rare class of a binary task: the one whose gradients the scores single out."""
+    if data.num_classes != 2:
+        raise ConfigError(
+            f"{attack} scores the rows of a binary task; found {data.num_classes} classes."
+        )
+    counts = np.bincount(data.train.labels, minlength=2)
+    return int(counts.argmin())
+
+
+def _batch_auc(scores: np.ndarray, positive: np.ndarray) -> float | None:
+    """ROC-AUC of ``scores`` for ``positive`` rows; None when the batch has one class only."""
+    if positive.all() or not positive.any():
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return float(roc_auc_score(positive, scores))
+
+
+class _ScoringAttack(Attack):
+    """Scores each row of each batch a party receives gradients for; ROC-AUC per batch."""
+
+    role: ClassVar[str | None] = "gradient-observer"
+    metric: ClassVar[str] = "auc"
+
+    def check(self, config: TrainConfig, data: VerticalData, attacker: str) -> None:
+        super().check(config, data, attacker)
+        _binary_positive(data, self.name)
+
+    def scores(
+        self, observation: Observation, known: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Scores of the batch's rows and which rows are scored (None: the batch is skipped)."""
+        raise NotImplementedError
+
+    def known_rows(self, party: Party, context: AttackContext) -> np.ndarray:
+        """The rows whose labels the attacker knows (none by default)."""
+        return np.zeros(0, dtype=np.int64)
+
+    def evaluate(self, party: Party, context: AttackContext) -> dict[str, float]:
+        observer = _observer(party, self.name)
+        labels = context.data.train.labels
+        positive_class = _binary_positive(context.data, self.name)
+        known = self.known_rows(party, context)
+        aucs = []
+        for observation in observer.observations:
+            scored = self.scores(observation, known)
+            if scored is None:
+                continue
+            scores, keep = scored
+            rows = _shuffled(observation, context)[keep]
+            auc = _batch_auc(scores[keep], labels[rows] == positive_class)
+            if auc is not None:
+                aucs.append(auc)
+        if not aucs:
+            raise ConfigError(
+                f"{self.name}: no batch {observer.name} received gradients for held rows of both "
+                "classes."
+            )
+        return {
+            "auc": float(np.mean(aucs)),
+            "auc_median": float(np.median(aucs)),
+            "batches": float(len(aucs)),
+            "positive_class": float(positive_class),
+        }
+
+    def chance(self, context: AttackContext) -> float:
+        return 0.5
+
+
+@register_attack
+class NormScoring(_ScoringAttack):
+    """A row's score is the L2 norm of its gradient."""
+
+    name: ClassVar[str] = "norm-scoring"
+
+    def scores(
+        self, observation: Observation, known: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        norms = np.linalg.norm(observation.gradient, axis=1)
+        return norms, np.ones(len(norms), dtype=bool)
+
+
+@register_attack
+class DirectionScoring(_ScoringAttack):
+    """A row's score is the cosine of its gradient with a known positive's in the same batch.
+
+    The auditor grants the attacker the labels of ``known`` rows of the rare class (default 10,
+    among the rows the attacker holds); a batch without one of them is not scored, and the known
+    rows themselves are never scored.
+    """
+
+    name: ClassVar[str] = "direction-scoring"
+
+    def __init__(self, known: int = 10) -> None:
+        if known < 1:
+            raise ConfigError(f"{self.name} needs at least 1 known positive. Found {known}.")
+        self.known = known
+        self._known: np.ndarray = np.zeros(0, dtype=np.int64)
+
+    def prepare(self, party: Party, context: AttackContext) -> None:
+        data = context.data
+        positive = _binary_positive(data, self.name)
+        k = int(party.name.rsplit("-", 1)[1])
+        held = np.flatnonzero((data.train.labels == positive) & data.train.mask[:, k])
+        count = min(self.known, len(held))
+        self._known = np.sort(context.rng.choice(held, size=count, replace=False))
+
+    def known_rows(self, party: Party, context: AttackContext) -> np.ndarray:
+        return self._known
+
+    def scores(
+        self, observation: Observation, known: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        is_known = np.isin(observation.rows, known)
+        if not is_known.any():
+            return None
+        reference = observation.gradient[is_known].mean(axis=0)
+        norms = np.linalg.norm(observation.gradient, axis=1) * np.linalg.norm(reference)
+        cosine = observation.gradient @ reference / np.maximum(norms, 1e-30)
+        return cosine, ~is_known

@@ -1,0 +1,209 @@
+"""The auditor: train a federation with an attacker in place, under the chosen defenses, and
+score the attack and the defended model together.
+
+A defense is a spec ``NAME[:PARAM...]`` (the CLI's ``--defense``): the privacy layer's
+mechanisms (``dp-gradients:SIGMA:CLIP``, ``dp-embeddings:SIGMA:CLIP``, ``dp-sgd:SIGMA:CLIP``,
+``secure-agg:BACKEND``) installed by :class:`protocols.privacy.PrivacyEngine` exactly as in
+``train``.
+
+The score is VFLAIR's defense capability score (Zou et al., "VFLAIR: a research library and
+benchmark for vertical federated learning", ICLR 2024)::
+
+    DCS = 1 / (1 + sqrt((1 - b) * max(AP - AP*, 0)^2 + b * max(MP* - MP, 0)^2)),  b = 0.5
+
+with AP the attack performance, MP the defended model's main accuracy (both in [0, 1]), MP* the
+main accuracy of the same federation undefended and honest (its own run, cached) and AP* = 0 as
+in VFLAIR (``dcs``) or the attack's chance level (``dcs_chance``: a defense that brings a binary
+attack to chance then scores as well as it should).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from attacks.base import ATTACKS, AttackContext
+from protocols.dp import parse_noise
+from protocols.privacy import SECURE_AGGS, PrivacyEngine, PrivacySpec
+from secure_vfl.errors import ConfigError
+from secure_vfl.experiment import TrainConfig, TrainResult, prepare_data, run_training
+from secure_vfl.federation.channel import Channel
+from secure_vfl.io import atomic_write_json
+from secure_vfl.methods.base import StepCallback
+
+BALANCE = 0.5  # VFLAIR's b
+NOISE_DEFENSES = {
+    "dp-gradients": "dp_gradients",
+    "dp-embeddings": "dp_embeddings",
+    "dp-sgd": "dp_sgd",
+}
+DEFENSES = (*NOISE_DEFENSES, "secure-agg")
+
+
+def apply_defense(spec: PrivacySpec, text: str) -> PrivacySpec:
+    """``spec`` with the defense ``text`` (``NAME[:PARAM...]``) added; ConfigError for an unknown
+    defense, bad parameters, or a mechanism given twice."""
+    name, _, params = text.partition(":")
+    if name in NOISE_DEFENSES:
+        attribute = NOISE_DEFENSES[name]
+        if getattr(spec, attribute) is not None:
+            raise ConfigError(f"defense {name} given twice (found {text!r}).")
+        noise: dict[str, Any] = {attribute: parse_noise(params)}
+        return replace(spec, **noise)
+    if name == "secure-agg":
+        if params not in SECURE_AGGS or params == "none":
+            backends = ", ".join(b for b in SECURE_AGGS if b != "none")
+            raise ConfigError(f"secure-agg:BACKEND with BACKEND in {backends}. Found {text!r}.")
+        if spec.secure_agg != "none":
+            raise ConfigError(f"defense secure-agg given twice (found {text!r}).")
+        return replace(spec, secure_agg=params)
+    raise ConfigError(f"a defense in ({', '.join(DEFENSES)}) expected. Found {text!r}.")
+
+
+def dcs(attack: float, main: float, *, attack_star: float, main_star: float) -> float:
+    """VFLAIR's defense capability score of one (attack performance, main accuracy) pair."""
+    gap = (1 - BALANCE) * max(attack - attack_star, 0.0) ** 2
+    cost = BALANCE * max(main_star - main, 0.0) ** 2
+    return 1.0 / (1.0 + math.sqrt(gap + cost))
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttackResult:
+    """One attack run: the attack's metrics, the defended model's, and their scores."""
+
+    attack_name: str
+    attacker: str
+    defenses: list[str]  # as given to --defense (the privacy spec says the whole protection)
+    control: bool
+    main: dict[str, float]
+    attack: dict[str, float]
+    chance: float
+    dcs: float
+    dcs_chance: float
+    undefended_accuracy: float
+    privacy: dict[str, Any] | None
+    training: dict[str, Any] = field(repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        epsilon = self.privacy["epsilon"] if self.privacy else None
+        return {
+            "attack_name": self.attack_name,
+            "attacker": self.attacker,
+            "defenses": self.defenses,
+            "control": self.control,
+            "main": self.main,
+            "attack": self.attack,
+            "chance": self.chance,
+            "epsilon": epsilon,
+            "dcs": self.dcs,
+            "dcs_chance": self.dcs_chance,
+            "undefended_accuracy": self.undefended_accuracy,
+            "privacy": self.privacy,
+            "training": self.training,
+        }
+
+
+def _main_accuracy(result: TrainResult) -> float:
+    """The test accuracy (in [0, 1]) on the first test missingness (no blocks missing by
+    default)."""
+    return next(iter(result.metrics.values()))["accuracy"] / 100
+
+
+def undefended_accuracy(config: TrainConfig, *, cache: Path | None = None) -> float:
+    """MP*: the main accuracy of the honest, undefended federation of ``config``; cached in
+    ``cache/<hash of the config>.json`` when ``cache`` is given."""
+    key = hashlib.sha256(json.dumps(config.to_json(), sort_keys=True).encode()).hexdigest()[:24]
+    path = cache / f"{key}.json" if cache is not None else None
+    if path is not None and path.exists():
+        try:
+            stored = json.loads(path.read_text())
+            if stored.get("config") == json.loads(json.dumps(config.to_json())):
+                return float(stored["accuracy"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # an unreadable cache entry is recomputed and replaced
+    accuracy = _main_accuracy(run_training(config))
+    if path is not None:
+        atomic_write_json(path, {"config": config.to_json(), "accuracy": accuracy})
+    return accuracy
+
+
+def run_attack(
+    config: TrainConfig,
+    attack: str,
+    *,
+    attacker: str = "party-1",
+    defenses: Sequence[str] = (),
+    privacy: PrivacySpec | None = None,
+    control: bool = False,
+    cache: Path | None = None,
+    channel: Channel | None = None,
+    on_start: Callable[[int], None] | None = None,
+    on_step: StepCallback | None = None,
+) -> AttackResult:
+    """Train ``config`` with ``attacker`` playing ``attack``'s role under ``defenses`` (added to
+    ``privacy``, default none), then score the attack and the defended model. ``control`` runs
+    the negative control (the attacker's signal destroyed). ``cache`` keeps MP* between runs."""
+    made = ATTACKS.get(attack)()
+    spec = privacy if privacy is not None else PrivacySpec(seed=config.seed)
+    for text in defenses:
+        spec = apply_defense(spec, text)
+    if spec.secure_agg != "none" and not config.method_config.secure_sums:
+        config = replace(config, method_config=replace(config.method_config, secure_sums=True))
+    engine = PrivacyEngine(spec)
+    engine.refuse(config.method)
+    data = prepare_data(config)
+    made.check(config, data, attacker)
+    context = AttackContext(
+        data=data,
+        attacker=attacker,
+        rng=np.random.default_rng([config.seed, 1_000_003]),
+        control=control,
+    )
+    channel = channel if channel is not None else Channel()
+
+    def on_ready(ready: Channel) -> None:
+        made.prepare(ready.parties[attacker], context)
+
+    result = run_training(
+        config,
+        data=data,
+        channel=channel,
+        privacy=engine,
+        roles={attacker: made.role} if made.role is not None else None,
+        on_ready=on_ready,
+        on_start=on_start,
+        on_step=on_step,
+    )
+    metrics = made.evaluate(channel.parties[attacker], context)
+    main = _main_accuracy(result)
+    defended = spec.secure_agg != "none" or bool(spec.noise())
+    honest = made.passive and not defended
+    reference = main if honest else undefended_accuracy(_undefended(config), cache=cache)
+    performance = made.performance(metrics)
+    chance = made.chance(context)
+    return AttackResult(
+        attack_name=attack,
+        attacker=attacker,
+        defenses=list(defenses),
+        control=control,
+        main={"accuracy": main},
+        attack=metrics,
+        chance=chance,
+        dcs=dcs(performance, main, attack_star=0.0, main_star=reference),
+        dcs_chance=dcs(performance, main, attack_star=chance, main_star=reference),
+        undefended_accuracy=reference,
+        privacy=result.privacy,
+        training=result.to_json(),
+    )
+
+
+def _undefended(config: TrainConfig) -> TrainConfig:
+    """``config`` without secure sums (the defenses are the privacy layer's, not the method's)."""
+    return replace(config, method_config=replace(config.method_config, secure_sums=False))

@@ -1,0 +1,231 @@
+"""The attack suite's auditors: each attack succeeds undefended where the literature says it
+does (positive control), sits at chance when its signal is destroyed (negative control), is
+lowered by the defense meant to stop it, and is scored with VFLAIR's DCS."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from attacks import ATTACKS
+from attacks.label_inference import GradientObserver
+from attacks.runner import apply_defense, dcs, run_attack
+from protocols.privacy import PrivacySpec
+from secure_vfl.cli import main
+from secure_vfl.errors import ConfigError, RegistryError
+from secure_vfl.experiment import TrainConfig
+from secure_vfl.federation.channel import Channel
+from secure_vfl.federation.parties import DataParty
+from secure_vfl.methods import MethodConfig
+
+
+def _digits_direct(epochs: int = 2) -> TrainConfig:
+    return TrainConfig(
+        method="laser",
+        dataset="digits",
+        parties=4,
+        seed=0,
+        method_config=MethodConfig(
+            heads="active", epochs=epochs, top_model="none", representation_dim=10
+        ),
+    )
+
+
+def _binary(dataset: str, method: str, epochs: int) -> TrainConfig:
+    return TrainConfig(
+        method=method,
+        dataset=dataset,
+        parties=4,
+        seed=0,
+        method_config=MethodConfig(heads="active", epochs=epochs, batch_size=64),
+    )
+
+
+def test_direct_label_inference_reads_every_label_and_sits_at_chance_when_shuffled() -> None:
+    config = _digits_direct()
+    channel = Channel()
+    attacked = run_attack(config, "direct-label-inference", channel=channel)
+    assert attacked.attack["accuracy"] >= 0.99
+    assert attacked.attack["rows"] > 1000  # every training row it holds, not a lucky few
+    # only the attacker changed role; it kept nothing but what it was sent
+    assert isinstance(channel.parties["party-1"], GradientObserver)
+    assert all(
+        type(channel.parties[name]) is DataParty for name in ("party-0", "party-2", "party-3")
+    )
+    control = run_attack(config, "direct-label-inference", control=True)
+    assert abs(control.attack["accuracy"] - control.chance) <= 0.05
+    assert control.main == attacked.main  # the control changes the scoring, not the training
+
+
+def test_gradient_dp_lowers_direct_label_inference_and_the_dcs_prices_both() -> None:
+    config = _digits_direct()
+    undefended = run_attack(config, "direct-label-inference")
+    defended = run_attack(config, "direct-label-inference", defenses=["dp-gradients:3:0.01"])
+    assert defended.attack["accuracy"] <= undefended.attack["accuracy"] - 0.5
+    assert defended.privacy is not None and defended.privacy["epsilon"]["party-0"] > 0
+    assert defended.undefended_accuracy == pytest.approx(undefended.main["accuracy"])
+    assert defended.dcs > undefended.dcs
+    assert undefended.dcs == pytest.approx(
+        dcs(
+            1.0, undefended.main["accuracy"], attack_star=0.0, main_star=undefended.main["accuracy"]
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    ("attack", "dataset", "method", "epochs", "floor"),
+    [
+        # Li et al. (ICLR 2022): the norm of the gradient singles out the rare class in
+        # split learning with a trainable top model on an imbalanced task (30 % bad credit)
+        ("norm-scoring", "german-credit", "standard", 5, 0.8),
+        # the cosine with a known positive's gradient separates the classes almost exactly
+        ("direction-scoring", "breast-cancer", "laser", 3, 0.95),
+    ],
+)
+def test_gradient_scoring_succeeds_and_its_shuffled_control_sits_at_one_half(
+    attack: str, dataset: str, method: str, epochs: int, floor: float
+) -> None:
+    config = _binary(dataset, method, epochs)
+    attacked = run_attack(config, attack)
+    assert attacked.attack["auc"] >= floor
+    assert attacked.attack["batches"] >= 10
+    control = run_attack(config, attack, control=True)
+    assert abs(control.attack["auc"] - 0.5) <= 0.05
+    assert control.chance == 0.5
+
+
+def test_an_attack_that_does_not_apply_is_refused_with_what_it_needs() -> None:
+    with pytest.raises(ConfigError, match="--top-model none"):
+        run_attack(_binary("breast-cancer", "laser", 1), "direct-label-inference")
+    with pytest.raises(ConfigError, match="binary task; found 10 classes"):
+        run_attack(_digits_direct(1), "norm-scoring")
+    with pytest.raises(ConfigError, match="passive data party"):
+        run_attack(_digits_direct(1), "direct-label-inference", attacker="party-0")
+    with pytest.raises(RegistryError, match="unknown attack 'no-such-attack'; expected one of"):
+        run_attack(_digits_direct(1), "no-such-attack")
+
+
+@pytest.mark.parametrize(
+    ("defenses", "expected"),
+    [
+        (["dp-gradients:1"], "SIGMA:CLIP"),
+        (["secure-agg:rot13"], "BACKEND"),
+        (["dp-sgd:1:1", "dp-sgd:2:1"], "given twice"),
+        (["secure-agg:masks", "secure-agg:ckks"], "given twice"),
+        (["marvel:1"], "a defense in"),
+    ],
+)
+def test_a_bad_defense_spec_is_refused(defenses: list[str], expected: str) -> None:
+    spec = PrivacySpec()
+    with pytest.raises(ConfigError, match=expected):
+        for text in defenses:
+            spec = apply_defense(spec, text)
+
+
+def test_defense_specs_map_onto_the_privacy_layer() -> None:
+    spec = PrivacySpec()
+    for text in ("dp-gradients:1.5:0.01", "dp-embeddings:0.5:2", "dp-sgd:1:1", "secure-agg:masks"):
+        spec = apply_defense(spec, text)
+    assert spec.dp_gradients == (1.5, 0.01) and spec.dp_embeddings == (0.5, 2.0)
+    assert spec.dp_sgd == (1.0, 1.0) and spec.secure_agg == "masks"
+
+
+def test_dcs_is_vflair_formula() -> None:
+    # an attack at full strength with no accuracy lost: 1 / (1 + sqrt(0.5))
+    assert dcs(1.0, 0.9, attack_star=0.0, main_star=0.9) == pytest.approx(1 / (1 + math.sqrt(0.5)))
+    # a perfect defense: the attack at its reference, no accuracy lost
+    assert dcs(0.5, 0.9, attack_star=0.5, main_star=0.9) == 1.0
+    # both terms, equally weighted
+    expected = 1 / (1 + math.sqrt(0.5 * 0.2**2 + 0.5 * 0.1**2))
+    assert dcs(0.7, 0.8, attack_star=0.5, main_star=0.9) == pytest.approx(expected)
+    # an accuracy gain or an attack below the reference is not rewarded
+    assert dcs(0.2, 0.95, attack_star=0.5, main_star=0.9) == 1.0
+
+
+def test_every_registered_attack_names_its_metric_and_chance() -> None:
+    for name in ATTACKS.names():
+        attack = ATTACKS.get(name)()
+        assert attack.name == name and attack.metric
+
+
+def test_attack_command_writes_the_scores(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    code = main(
+        [
+            "attack",
+            "--attack",
+            "direct-label-inference",
+            "--method",
+            "laser",
+            "--dataset",
+            "digits",
+            "--heads",
+            "active",
+            "--top-model",
+            "none",
+            "--representation-dim",
+            "10",
+            "--epochs",
+            "1",
+            "--defense",
+            "dp-gradients:1:0.01",
+            "--quiet",
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    result = json.loads((out / "result.json").read_text())
+    assert 0 < result["main"]["accuracy"] <= 1
+    assert 0 <= result["attack"]["accuracy"] <= 1
+    assert result["epsilon"]["party-0"] > 0
+    assert 0 < result["dcs"] <= 1 and 0 < result["dcs_chance"] <= 1
+    assert result["dcs_chance"] >= result["dcs"]
+    assert list((tmp_path / ".undefended").glob("*.json"))  # MP*, cached for the next run
+    assert (
+        main(
+            [
+                "attack",
+                "--attack",
+                "norm-scoring",
+                "--method",
+                "laser",
+                "--dataset",
+                "digits",
+                "--epochs",
+                "1",
+                "--quiet",
+                "--out",
+                str(tmp_path / "x"),
+            ]
+        )
+        == 2
+    )
+
+
+def test_top_model_none_needs_mean_fusion_and_one_width_per_class() -> None:
+    from secure_vfl.experiment import run_training
+
+    with pytest.raises(ConfigError, match="representation_dim must equal the 10 classes"):
+        run_training(
+            TrainConfig(
+                method="laser",
+                dataset="digits",
+                method_config=MethodConfig(epochs=1, top_model="none", representation_dim=8),
+            )
+        )
+    with pytest.raises(ConfigError, match="trainable top model"):
+        run_training(
+            TrainConfig(
+                method="standard",
+                dataset="digits",
+                method_config=MethodConfig(epochs=1, top_model="none", representation_dim=10),
+            )
+        )
+    result = run_training(_digits_direct(1))
+    assert result.metrics["mcar:0"]["accuracy"] > 30  # it learns with no top model at all
+    assert np.isfinite(result.epoch_loss).all()
