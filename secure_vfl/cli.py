@@ -298,6 +298,42 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _training_flags(attack)
 
+    sweep = commands.add_parser(
+        "sweep",
+        help="a privacy-utility sweep: one attack against a grid of defense settings",
+        description="Run one attack against every setting of the defense templates (and "
+        "undefended) at several seeds, as independent runs in parallel; write a table, the "
+        "runs in the results store, and plots of main accuracy against epsilon and of the "
+        "attack against main accuracy.",
+    )
+    sweep.add_argument("--attack", required=True, metavar="NAME", help="see `attack --help`")
+    sweep.add_argument("--attacker", default="party-1", metavar="PARTY")
+    sweep.add_argument(
+        "--defense",
+        action="append",
+        default=[],
+        metavar="TEMPLATE",
+        help="a defense with placeholders, e.g. dp-gradients:SIGMA:0.01 (repeatable)",
+    )
+    sweep.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="NAME=V1,V2,..",
+        help="the values of a placeholder, e.g. SIGMA=0,0.1,0.3,1,3 (repeatable)",
+    )
+    sweep.add_argument("--seeds", type=positive_int, default=3, metavar="N")
+    sweep.add_argument(
+        "--workers", type=positive_int, metavar="W", help="parallel runs (default: CPUs, <= 4)"
+    )
+    sweep.add_argument(
+        "--executor",
+        choices=["process", "ray"],
+        default="process",
+        help="worker processes on this machine, or Ray tasks (optional extra: secure-vfl[ray])",
+    )
+    _training_flags(sweep)
+
     impute = commands.add_parser(
         "impute", help="federated imputation across clients with different feature schemas"
     )
@@ -687,6 +723,64 @@ def run_attack_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_sweep_command(args: argparse.Namespace) -> int:
+    from attacks.sweep import parse_grid, run_sweep, write_sweep
+    from secure_vfl.store import ResultsStore
+
+    config = _train_config(args)
+    if args.capture is not None or args.align != "join":
+        raise ConfigError("sweep runs on a registered dataset, without --capture or --align.")
+    given = [
+        flag
+        for flag, value in (
+            ("--secure-agg", args.secure_agg != "none"),
+            ("--dp-embeddings", args.dp_embeddings is not None),
+            ("--dp-gradients", args.dp_gradients is not None),
+            ("--dp-sgd", args.dp_sgd is not None),
+            ("--target-epsilon", args.target_epsilon is not None),
+        )
+        if value
+    ]
+    if given:
+        raise ConfigError(
+            f"a sweep's defenses are its --defense templates; found {', '.join(given)} "
+            "(e.g. --defense secure-agg:masks, --defense dp-gradients:SIGMA:0.01)."
+        )
+    out: Path = args.out or Path("runs") / f"sweep-{args.attack}-{config.method}-{config.data_name}"
+    if (out / "sweep.json").exists() and not args.overwrite:
+        raise ConfigError(
+            f"{out / 'sweep.json'} exists; expected a new --out directory (or --overwrite)."
+        )
+    store = ResultsStore(args.store or out.parent / "results.sqlite")
+    rows = run_sweep(
+        config,
+        args.attack,
+        templates=args.defense,
+        grid=parse_grid(args.grid),
+        seeds=args.seeds,
+        attacker=args.attacker,
+        workers=args.workers,
+        executor=args.executor,
+        cache=out.parent / ".undefended",
+    )
+    command = "secure-vfl " + " ".join(sys.argv[1:]) if sys.argv[1:] else "secure-vfl sweep"
+    text, plots = write_sweep(rows, out, attack=args.attack, command=command)
+    for row in rows:
+        training = row["training"]
+        store.add(
+            {
+                **training,
+                "config": {**training["config"], "defense": row["defense"]},
+                "metrics": {"main": {"accuracy": row["main_accuracy"]}, "attack": row["attack"]},
+            },
+            kind=f"sweep:{args.attack}",
+            out_dir=out,
+        )
+    print(text)
+    print("plots: " + ", ".join(str(p) for p in plots))
+    return 0
+
+
 def _attack_summary(result: Any, out: Path) -> str:
     defenses = ", ".join(result.defenses) or "none"
     lines = [
@@ -872,6 +966,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_impute(args)
         if args.command == "attack":
             return run_attack_command(args)
+        if args.command == "sweep":
+            return run_sweep_command(args)
         if args.command == "psi":
             return run_psi_command(args)
         return run_datasets(args)

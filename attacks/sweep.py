@@ -1,0 +1,361 @@
+"""Privacy-utility sweeps: one attack against a grid of defense settings, over several seeds.
+
+A defense *template* names its parameters by placeholders, ``dp-gradients:SIGMA:0.01``, and
+``--grid SIGMA=0,0.1,1`` gives their values; every (setting, seed) is an independent run of
+:func:`attacks.runner.run_attack`, so they run in parallel worker processes (or as Ray tasks
+with ``executor="ray"``, an optional extra). The undefended federation is always one of the
+settings: it is the reference every defense is priced against.
+
+Outputs: ``sweep.json`` (every run), ``sweep.md`` (means and standard deviations over seeds per
+setting) and two plots: main accuracy against epsilon, and the attack's headline metric against
+main accuracy, one series per defense template.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import re
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, replace
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from attacks.base import ATTACKS
+from secure_vfl.errors import ConfigError
+from secure_vfl.experiment import TrainConfig
+from secure_vfl.io import atomic_write, atomic_write_json, atomic_write_text
+
+PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*$")
+UNDEFENDED = "none"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One point of the grid: the template it comes from, its parameter values, and the concrete
+    defense spec (``"none"``: undefended)."""
+
+    template: str
+    values: tuple[tuple[str, float], ...]
+    defense: str
+
+    @property
+    def label(self) -> str:
+        return ", ".join(f"{name}={value:g}" for name, value in self.values) or self.defense
+
+
+def parse_grid(items: Sequence[str]) -> dict[str, tuple[float, ...]]:
+    """``["SIGMA=0,0.1,1", ...]`` as ``{"SIGMA": (0.0, 0.1, 1.0)}``; ConfigError otherwise."""
+    grid: dict[str, tuple[float, ...]] = {}
+    for item in items:
+        name, sep, values = item.partition("=")
+        if not sep or not PLACEHOLDER.match(name):
+            raise ConfigError(
+                f"--grid NAME=V1,V2,... with NAME in capitals (a placeholder of a --defense "
+                f"template). Found {item!r}."
+            )
+        if name in grid:
+            raise ConfigError(f"--grid {name} given twice.")
+        try:
+            parsed = tuple(float(v) for v in values.split(","))
+        except ValueError:
+            raise ConfigError(f"--grid {name}: numbers expected. Found {values!r}.") from None
+        if not all(math.isfinite(v) for v in parsed):
+            raise ConfigError(f"--grid {name}: finite numbers expected. Found {values!r}.")
+        grid[name] = parsed
+    return grid
+
+
+def expand(templates: Sequence[str], grid: Mapping[str, Sequence[float]]) -> list[Setting]:
+    """The undefended setting, then every template at every combination of the values of the
+    placeholders it names. ConfigError for a placeholder without values, or values no template
+    uses."""
+    settings = [Setting(UNDEFENDED, (), UNDEFENDED)]
+    used: set[str] = set()
+    for template in templates:
+        parts = template.split(":")
+        names = [part for part in parts[1:] if PLACEHOLDER.match(part)]
+        missing = [name for name in names if name not in grid]
+        if missing:
+            raise ConfigError(
+                f"--defense {template}: no --grid values for {', '.join(missing)}; expected "
+                f"e.g. --grid {missing[0]}=0,0.1,1."
+            )
+        used.update(names)
+        for combination in itertools.product(*(grid[name] for name in names)):
+            values = dict(zip(names, combination, strict=True))
+            concrete = ":".join(f"{values[part]:g}" if part in values else part for part in parts)
+            settings.append(Setting(template, tuple(values.items()), concrete))
+    unused = sorted(set(grid) - used)
+    if unused:
+        raise ConfigError(f"--grid {', '.join(unused)}: no --defense template names it.")
+    return settings
+
+
+def _run_point(job: dict[str, Any]) -> dict[str, Any]:
+    """One run, in a worker: the attack under one setting and seed (a top-level function, so a
+    process pool can call it)."""
+    import torch
+
+    from attacks.runner import run_attack
+
+    torch.set_num_threads(1)
+    setting: Setting = job["setting"]
+    config: TrainConfig = job["config"]
+    result = run_attack(
+        config,
+        job["attack"],
+        attacker=job["attacker"],
+        defenses=[] if setting.defense == UNDEFENDED else [setting.defense],
+        cache=job["cache"],
+    )
+    payload = result.to_json()
+    epsilon = payload["epsilon"]
+    return {
+        "template": setting.template,
+        "setting": setting.label,
+        "defense": setting.defense,
+        "values": dict(setting.values),
+        "seed": config.seed,
+        "main_accuracy": payload["main"]["accuracy"],
+        "attack": payload["attack"],
+        "chance": payload["chance"],
+        "epsilon": max(epsilon.values()) if epsilon else None,
+        "dcs": payload["dcs"],
+        "dcs_chance": payload["dcs_chance"],
+        "training": payload["training"],
+    }
+
+
+def _executor_map(
+    jobs: list[dict[str, Any]], *, workers: int, executor: str
+) -> Callable[[], list[dict[str, Any]]]:
+    if executor == "process":
+
+        def run_processes() -> list[dict[str, Any]]:
+            if workers == 1:
+                return [_run_point(job) for job in jobs]
+            # spawn: a fresh interpreter per worker (forking a process that has run torch's
+            # thread pools can deadlock)
+            with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+                return list(pool.map(_run_point, jobs))
+
+        return run_processes
+    if executor == "ray":
+        try:
+            import ray
+        except ImportError:
+            raise ConfigError(
+                "--executor ray needs Ray: pip install 'secure-vfl[ray]' (an optional extra)."
+            ) from None
+
+        def run_ray() -> list[dict[str, Any]]:
+            started = not ray.is_initialized()
+            if started:
+                ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
+            try:
+                remote = ray.remote(num_cpus=1)(_run_point)
+                return list(ray.get([remote.remote(job) for job in jobs]))
+            finally:
+                if started:
+                    ray.shutdown()
+
+        return run_ray
+    raise ConfigError(f"--executor process or ray expected. Found {executor!r}.")
+
+
+def run_sweep(
+    config: TrainConfig,
+    attack: str,
+    *,
+    templates: Sequence[str],
+    grid: Mapping[str, Sequence[float]],
+    seeds: int = 3,
+    attacker: str = "party-1",
+    workers: int | None = None,
+    executor: str = "process",
+    cache: Path | None = None,
+) -> list[dict[str, Any]]:
+    """Every setting of ``templates`` x ``grid`` (and the undefended one) at ``seeds`` seeds
+    (``config.seed``, ``config.seed + 1``, ...), run independently; one row per run."""
+    ATTACKS.get(attack)  # refuse an unknown attack before anything runs
+    if seeds < 1:
+        raise ConfigError(f"--seeds must be >= 1. Found {seeds}.")
+    settings = expand(templates, grid)
+    workers = workers if workers is not None else max(1, min(os.cpu_count() or 1, 4))
+    if workers < 1:
+        raise ConfigError(f"--workers must be >= 1. Found {workers}.")
+    jobs = [
+        {
+            "setting": setting,
+            "config": replace(config, seed=config.seed + offset),
+            "attack": attack,
+            "attacker": attacker,
+            "cache": cache,
+        }
+        for setting in settings
+        for offset in range(seeds)
+    ]
+    return _executor_map(jobs, workers=workers, executor=executor)()
+
+
+def _mean_sd(values: Sequence[float]) -> tuple[float, float]:
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    if not finite:
+        return math.inf, 0.0
+    return statistics.fmean(finite), statistics.pstdev(finite) if len(finite) > 1 else 0.0
+
+
+def summarise(rows: Sequence[dict[str, Any]], metric: str) -> list[dict[str, Any]]:
+    """Per setting, in the order first seen: means and standard deviations over seeds."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault((row["template"], row["setting"]), []).append(row)
+    table = []
+    for (template, setting), members in groups.items():
+        main, main_sd = _mean_sd([m["main_accuracy"] for m in members])
+        attack, attack_sd = _mean_sd([m["attack"][metric] for m in members])
+        epsilons = [m["epsilon"] for m in members if m["epsilon"] is not None]
+        table.append(
+            {
+                "template": template,
+                "setting": setting,
+                "seeds": len(members),
+                "main_accuracy": main,
+                "main_accuracy_sd": main_sd,
+                "attack": attack,
+                "attack_sd": attack_sd,
+                "epsilon": statistics.fmean(epsilons) if epsilons else None,
+                "dcs": statistics.fmean(m["dcs"] for m in members),
+                "dcs_chance": statistics.fmean(m["dcs_chance"] for m in members),
+                "chance": statistics.fmean(m["chance"] for m in members),
+            }
+        )
+    return table
+
+
+def markdown(table: Sequence[dict[str, Any]], *, attack: str, metric: str, command: str) -> str:
+    lines = [
+        f"# Privacy-utility sweep: {attack}",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"| defense | setting | seeds | main accuracy | attack {metric} | epsilon | DCS "
+        "| DCS (AP* = chance) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in table:
+        epsilon = row["epsilon"]
+        shown = "-" if epsilon is None else ("inf" if math.isinf(epsilon) else f"{epsilon:.2f}")
+        lines.append(
+            f"| {row['template']} | {row['setting']} | {row['seeds']} | "
+            f"{100 * row['main_accuracy']:.2f} ± {100 * row['main_accuracy_sd']:.2f} | "
+            f"{row['attack']:.3f} ± {row['attack_sd']:.3f} | {shown} | {row['dcs']:.3f} | "
+            f"{row['dcs_chance']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot(table: Sequence[dict[str, Any]], out: Path, *, attack: str, metric: str) -> list[Path]:
+    """``utility_epsilon.png`` (main accuracy against epsilon; no noise is drawn at the right
+    edge) and ``attack_utility.png`` (the attack's metric against main accuracy); written
+    atomically. Returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[str, list[dict[str, Any]]] = {}
+    for row in table:
+        series.setdefault(row["template"], []).append(row)
+    paths = []
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    finite = [
+        r["epsilon"] for r in table if r["epsilon"] is not None and math.isfinite(r["epsilon"])
+    ]
+    edge = 10 * max(finite) if finite else 10.0
+    for template, rows in series.items():
+        points = [
+            (edge if math.isinf(r["epsilon"]) else r["epsilon"], 100 * r["main_accuracy"])
+            for r in rows
+            if r["epsilon"] is not None
+        ]
+        if points:
+            points.sort()
+            axes.plot(*zip(*points, strict=True), marker="o", label=template)
+        for r in rows:
+            if r["epsilon"] is not None and math.isinf(r["epsilon"]):
+                axes.annotate(
+                    f"{r['setting']} (epsilon = inf)",
+                    (edge, 100 * r["main_accuracy"]),
+                    fontsize=6,
+                    xytext=(-4, -10),
+                    textcoords="offset points",
+                    ha="right",
+                )
+    undefended = [r for r in table if r["template"] == UNDEFENDED]
+    if undefended:
+        axes.axhline(
+            100 * undefended[0]["main_accuracy"], color="grey", ls="--", label="undefended"
+        )
+    axes.set_xscale("log")
+    axes.set_xlabel("epsilon (largest party's; no noise drawn at the right edge)")
+    axes.set_ylabel("main accuracy (%)")
+    axes.set_title(f"{attack}: utility against privacy")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    paths.append(_save(figure, out / "utility_epsilon.png"))
+    plt.close(figure)
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for template, rows in series.items():
+        xs = [100 * r["main_accuracy"] for r in rows]
+        ys = [r["attack"] for r in rows]
+        axes.plot(xs, ys, marker="o", ls="" if template == UNDEFENDED else "-", label=template)
+        for r, x, y in zip(rows, xs, ys, strict=True):
+            if r["template"] != UNDEFENDED:
+                axes.annotate(
+                    r["setting"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points"
+                )
+    if table:
+        axes.axhline(table[0]["chance"], color="grey", ls=":", label="chance")
+    axes.set_xlabel("main accuracy (%)")
+    axes.set_ylabel(f"attack {metric}")
+    axes.set_title(f"{attack}: attack against utility, per defense")
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    paths.append(_save(figure, out / "attack_utility.png"))
+    plt.close(figure)
+    return paths
+
+
+def _save(figure: Any, path: Path) -> Path:
+    atomic_write(path, lambda tmp: figure.savefig(tmp, format="png", dpi=120))
+    return path
+
+
+def write_sweep(
+    rows: Sequence[dict[str, Any]], out: Path, *, attack: str, command: str
+) -> tuple[str, list[Path]]:
+    """Write ``sweep.json``, ``sweep.md`` and the plots into ``out``; return the Markdown table
+    and the plot paths."""
+    metric = ATTACKS.get(attack)().metric
+    table = summarise(rows, metric)
+    text = markdown(table, attack=attack, metric=metric, command=command)
+    atomic_write_json(
+        out / "sweep.json",
+        {
+            "attack": attack,
+            "metric": metric,
+            "rows": list(rows),
+            "table": table,
+            "command": command,
+        },
+    )
+    atomic_write_text(out / "sweep.md", text)
+    return text, plot(table, out, attack=attack, metric=metric)

@@ -1,0 +1,151 @@
+"""Privacy-utility sweeps: the grid of defense settings, independent runs in parallel worker
+processes, the table, the stored runs and the plots."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from attacks.sweep import expand, parse_grid, run_sweep, summarise, write_sweep
+from secure_vfl.cli import main
+from secure_vfl.errors import ConfigError
+from secure_vfl.experiment import TrainConfig
+from secure_vfl.methods import MethodConfig
+from secure_vfl.store import ResultsStore
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _config() -> TrainConfig:
+    return TrainConfig(
+        method="laser",
+        dataset="digits",
+        parties=4,
+        seed=0,
+        method_config=MethodConfig(
+            heads="active", epochs=1, top_model="none", representation_dim=10
+        ),
+    )
+
+
+def test_templates_expand_over_the_grid_after_the_undefended_setting() -> None:
+    grid = parse_grid(["SIGMA=0,1", "CLIP=0.01,0.1"])
+    settings = expand(["dp-gradients:SIGMA:CLIP", "secure-agg:masks"], grid)
+    assert [s.defense for s in settings] == [
+        "none",
+        "dp-gradients:0:0.01",
+        "dp-gradients:0:0.1",
+        "dp-gradients:1:0.01",
+        "dp-gradients:1:0.1",
+        "secure-agg:masks",
+    ]
+    assert settings[2].label == "SIGMA=0, CLIP=0.1"
+
+
+@pytest.mark.parametrize(
+    ("grid", "templates", "expected"),
+    [
+        (["sigma=1"], ["dp-gradients:sigma:1"], "NAME in capitals"),
+        (["SIGMA"], ["dp-gradients:SIGMA:1"], "NAME=V1,V2"),
+        (["SIGMA=1,x"], ["dp-gradients:SIGMA:1"], "numbers expected"),
+        (["SIGMA=1,inf"], ["dp-gradients:SIGMA:1"], "finite numbers"),
+        (["SIGMA=1", "SIGMA=2"], ["dp-gradients:SIGMA:1"], "given twice"),
+        ([], ["dp-gradients:SIGMA:1"], "no --grid values for SIGMA"),
+        (["SIGMA=1"], ["dp-gradients:1:1"], "no --defense template names it"),
+    ],
+)
+def test_a_bad_grid_is_refused_before_anything_runs(
+    grid: list[str], templates: list[str], expected: str
+) -> None:
+    with pytest.raises(ConfigError, match=expected):
+        expand(templates, parse_grid(grid))
+
+
+def test_a_sweep_in_worker_processes_equals_one_in_this_process(tmp_path: Path) -> None:
+    kwargs = {
+        "templates": ["dp-gradients:SIGMA:0.01"],
+        "grid": {"SIGMA": (3.0,)},
+        "seeds": 1,
+        "cache": tmp_path / "cache",
+    }
+    parallel = run_sweep(_config(), "direct-label-inference", workers=2, **kwargs)
+    serial = run_sweep(_config(), "direct-label-inference", workers=1, **kwargs)
+    assert [r["defense"] for r in parallel] == ["none", "dp-gradients:3:0.01"]
+    # the noise is seeded: the same runs give the same numbers wherever they run
+    assert [r["attack"] for r in parallel] == [r["attack"] for r in serial]
+    assert [r["main_accuracy"] for r in parallel] == [r["main_accuracy"] for r in serial]
+    undefended, defended = parallel
+    assert undefended["attack"]["accuracy"] >= 0.99 and undefended["epsilon"] is None
+    assert defended["attack"]["accuracy"] < 0.5 and 0 < defended["epsilon"] < 10
+    table = summarise(parallel, "accuracy")
+    assert table[1]["attack"] == defended["attack"]["accuracy"]
+    text, plots = write_sweep(
+        parallel, tmp_path / "out", attack="direct-label-inference", command="test"
+    )
+    assert "| dp-gradients:SIGMA:0.01 | SIGMA=3 | 1 |" in text
+    assert all(path.read_bytes().startswith(PNG) for path in plots)
+    stored = json.loads((tmp_path / "out" / "sweep.json").read_text())
+    assert len(stored["rows"]) == 2 and stored["metric"] == "accuracy"
+
+
+def test_sweep_command_writes_table_plots_and_store_rows(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    argv = [
+        "sweep",
+        "--attack",
+        "direct-label-inference",
+        "--method",
+        "laser",
+        "--dataset",
+        "digits",
+        "--heads",
+        "active",
+        "--top-model",
+        "none",
+        "--representation-dim",
+        "10",
+        "--epochs",
+        "1",
+        "--defense",
+        "dp-gradients:SIGMA:0.01",
+        "--grid",
+        "SIGMA=1",
+        "--seeds",
+        "2",
+        "--workers",
+        "1",
+        "--quiet",
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    assert (out / "sweep.md").read_text().count("\n| ") == 3  # header + 2 settings
+    assert (out / "utility_epsilon.png").read_bytes().startswith(PNG)
+    assert (out / "attack_utility.png").read_bytes().startswith(PNG)
+    rows = ResultsStore(tmp_path / "results.sqlite").rows()
+    assert len(rows) == 4 and {r["kind"] for r in rows} == {"sweep:direct-label-inference"}
+    assert {r["config"]["defense"] for r in rows} == {"none", "dp-gradients:1:0.01"}
+    assert main(argv) == 2  # the same --out again: refused, nothing rerun
+    assert main([*argv[:-2], "--dp-sgd", "1:1", "--out", str(tmp_path / "x")]) == 2
+
+
+def test_the_ray_executor_is_an_optional_extra() -> None:
+    if importlib.util.find_spec("ray") is not None:
+        rows = run_sweep(
+            _config(),
+            "direct-label-inference",
+            templates=[],
+            grid={},
+            seeds=1,
+            workers=1,
+            executor="ray",
+        )
+        assert rows[0]["attack"]["accuracy"] >= 0.99
+    else:
+        with pytest.raises(ConfigError, match=r"secure-vfl\[ray\]"):
+            run_sweep(
+                _config(), "direct-label-inference", templates=[], grid={}, seeds=1, executor="ray"
+            )
