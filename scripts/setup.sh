@@ -11,6 +11,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # torch first, pinned: an unpinned torch (or one pulled by another package) resolves to CUDA.
 .venv/bin/pip install --quiet --disable-pip-version-check -c constraints.txt torch==2.13.0
-.venv/bin/pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev,bench]"
+.venv/bin/pip install --quiet --disable-pip-version-check -c constraints.txt -e ".[dev,bench,ray]"
 .venv/bin/pip check
 .venv/bin/secure-vfl datasets install --all
