@@ -53,6 +53,8 @@ class Attack(ABC):
     role: ClassVar[str | None]
     metric: ClassVar[str]
     passive: ClassVar[bool] = True  # it does not change what the attacker sends
+    # The threat it belongs to (the suite's T-DCS averages over the attacks of one kind).
+    kind: ClassVar[str] = "label-inference"
 
     def check(self, config: TrainConfig, data: VerticalData, attacker: str) -> None:
         """Raise ConfigError if the attack does not apply to this run."""

@@ -265,11 +265,17 @@ def build_parser() -> argparse.ArgumentParser:
         "its own view), under the given defenses; write the attack's metrics, the defended "
         "model's accuracy and VFLAIR's defense capability score (DCS) to DIR/result.json.",
     )
-    attack.add_argument(
+    chosen = attack.add_mutually_exclusive_group(required=True)
+    chosen.add_argument(
         "--attack",
-        required=True,
         metavar="NAME",
         help="direct-label-inference | norm-scoring | direction-scoring",
+    )
+    chosen.add_argument(
+        "--suite",
+        choices=["all"],
+        help="every attack that applies to the task, undefended and under each --defense; "
+        "writes DIR/suite.md with VFLAIR's T-DCS per attack kind and C-DCS per defense",
     )
     attack.add_argument(
         "--attacker",
@@ -680,6 +686,8 @@ def run_attack_command(args: argparse.Namespace) -> int:
         raise ConfigError("--capture applies to train, impute and psi; found it with attack.")
     if args.align != "join":
         raise ConfigError(f"attack runs on a registered dataset; found --align {args.align}.")
+    if args.suite is not None:
+        return _run_suite_command(args, config)
     name = args.attack
     out: Path = args.out or Path("runs") / f"attack-{name}-{config.method}-{config.data_name}"
     if (out / "result.json").exists() and not args.overwrite:
@@ -778,6 +786,54 @@ def run_sweep_command(args: argparse.Namespace) -> int:
         )
     print(text)
     print("plots: " + ", ".join(str(p) for p in plots))
+    return 0
+
+
+def _run_suite_command(args: argparse.Namespace, config: Any) -> int:
+    from attacks.suite import markdown, run_suite
+    from secure_vfl.io import atomic_write_json, atomic_write_text
+    from secure_vfl.store import ResultsStore
+
+    out: Path = args.out or Path("runs") / f"suite-{config.method}-{config.data_name}"
+    if (out / "suite.json").exists() and not args.overwrite:
+        raise ConfigError(
+            f"{out / 'suite.json'} exists; expected a new --out directory (or --overwrite)."
+        )
+    if _privacy_spec(args).noise() or args.secure_agg != "none":
+        raise ConfigError(
+            "a suite's defenses are its --defense specs (each run on its own); found the "
+            "privacy flags of train."
+        )
+    store = ResultsStore(args.store or out.parent / "results.sqlite")
+
+    def on_run(attack: str, defense: str, result: Any) -> None:
+        payload = result.to_json()
+        training = payload["training"]
+        store.add(
+            {
+                **training,
+                "config": {**training["config"], "defense": defense},
+                "metrics": {"main": payload["main"], "attack": payload["attack"]},
+            },
+            kind=f"suite:{attack}",
+            out_dir=out,
+        )
+        if not args.quiet:
+            value = ", ".join(f"{k} {v:.3f}" for k, v in payload["attack"].items())
+            print(f"{attack} / {defense}: main {100 * payload['main']['accuracy']:.2f} %, {value}")
+
+    report = run_suite(
+        config,
+        defenses=args.defense,
+        attacker=args.attacker,
+        cache=args.cache or out.parent / ".undefended",
+        on_run=on_run,
+    )
+    command = "secure-vfl " + " ".join(sys.argv[1:]) if sys.argv[1:] else "secure-vfl attack"
+    text = markdown(report, command=command)
+    atomic_write_json(out / "suite.json", report.to_json())
+    atomic_write_text(out / "suite.md", text)
+    print(text)
     return 0
 
 

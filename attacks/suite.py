@@ -1,0 +1,176 @@
+"""The attack suite: every attack that applies to a task, undefended and under each defense,
+scored as VFLAIR does (Zou et al., ICLR 2024): per (attack, defense) the DCS; per attack kind and
+defense the T-DCS, the mean DCS of that kind's attacks; per defense the C-DCS, the mean of its
+T-DCS over the kinds."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from attacks.base import ATTACKS
+from attacks.runner import AttackResult, run_attack
+from secure_vfl.data.vertical import VerticalData
+from secure_vfl.errors import ConfigError, IntegrityError
+from secure_vfl.experiment import TrainConfig, prepare_data
+
+UNDEFENDED = "none"
+
+
+@dataclass(frozen=True)
+class SuiteReport:
+    """Every run of a suite, the attacks skipped (with why) and the scores."""
+
+    runs: list[dict[str, Any]]
+    skipped: dict[str, str]
+    failed: dict[str, str]  # "attack / defense" -> why (e.g. training diverged under DP noise)
+    t_dcs: dict[str, dict[str, float]]  # defense -> kind -> T-DCS
+    c_dcs: dict[str, float]  # defense -> C-DCS
+    t_dcs_chance: dict[str, dict[str, float]]
+    c_dcs_chance: dict[str, float]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "runs": self.runs,
+            "skipped": self.skipped,
+            "failed": self.failed,
+            "t_dcs": self.t_dcs,
+            "c_dcs": self.c_dcs,
+            "t_dcs_chance": self.t_dcs_chance,
+            "c_dcs_chance": self.c_dcs_chance,
+        }
+
+
+def applicable(config: TrainConfig, data: VerticalData, attacker: str) -> dict[str, str | None]:
+    """Every registered attack with None if it applies to this run, or why it does not."""
+    verdicts: dict[str, str | None] = {}
+    for name in ATTACKS.names():
+        try:
+            ATTACKS.get(name)().check(config, data, attacker)
+        except ConfigError as error:
+            verdicts[name] = str(error)
+        else:
+            verdicts[name] = None
+    return verdicts
+
+
+def _scores(
+    runs: Sequence[dict[str, Any]], key: str
+) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    by: dict[str, dict[str, list[float]]] = {}
+    for run in runs:
+        by.setdefault(run["defense"], {}).setdefault(run["kind"], []).append(run[key])
+    t_dcs = {
+        defense: {kind: statistics.fmean(values) for kind, values in kinds.items()}
+        for defense, kinds in by.items()
+    }
+    c_dcs = {defense: statistics.fmean(kinds.values()) for defense, kinds in t_dcs.items()}
+    return t_dcs, c_dcs
+
+
+def run_suite(
+    config: TrainConfig,
+    *,
+    defenses: Sequence[str] = (),
+    attacker: str = "party-1",
+    cache: Path | None = None,
+    on_run: Callable[[str, str, AttackResult], None] | None = None,
+) -> SuiteReport:
+    """Run every attack that applies to ``config`` undefended and under each defense (one
+    spec each, e.g. ``dp-gradients:1:0.01``); ``on_run(attack, defense, result)`` after each."""
+    verdicts = applicable(config, prepare_data(config), attacker)
+    names = [name for name, why in verdicts.items() if why is None]
+    if not names:
+        raise ConfigError(
+            "no attack applies to this run: "
+            + "; ".join(f"{name}: {why}" for name, why in verdicts.items())
+        )
+    runs = []
+    failed: dict[str, str] = {}
+    for name in names:
+        kind = ATTACKS.get(name)().kind
+        for defense in (UNDEFENDED, *defenses):
+            try:
+                result = run_attack(
+                    config,
+                    name,
+                    attacker=attacker,
+                    defenses=[] if defense == UNDEFENDED else [defense],
+                    cache=cache,
+                )
+            except IntegrityError as error:  # non-finite values: training diverged
+                failed[f"{name} / {defense}"] = f"training diverged: {error}"
+                continue
+            if on_run is not None:
+                on_run(name, defense, result)
+            attack = ATTACKS.get(name)()
+            runs.append(
+                {
+                    "attack": name,
+                    "kind": kind,
+                    "defense": defense,
+                    "metric": attack.metric,
+                    "value": result.attack[attack.metric],
+                    "chance": result.chance,
+                    "main_accuracy": result.main["accuracy"],
+                    "epsilon": result.to_json()["epsilon"],
+                    "dcs": result.dcs,
+                    "dcs_chance": result.dcs_chance,
+                }
+            )
+    t_dcs, c_dcs = _scores(runs, "dcs")
+    t_chance, c_chance = _scores(runs, "dcs_chance")
+    skipped = {name: why for name, why in verdicts.items() if why is not None}
+    return SuiteReport(runs, skipped, failed, t_dcs, c_dcs, t_chance, c_chance)
+
+
+def markdown(report: SuiteReport, *, command: str) -> str:
+    """The suite's report: every run, then T-DCS per kind and C-DCS per defense."""
+    lines = [
+        "# Attack suite",
+        "",
+        f"Command: `{command}`",
+        "",
+        "| attack | defense | metric | value | chance | main accuracy | epsilon | DCS | "
+        "DCS (AP* = chance) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for run in report.runs:
+        epsilon = run["epsilon"]
+        shown = (
+            "-" if not epsilon else ", ".join(f"{p} {e:.2f}" for p, e in sorted(epsilon.items()))
+        )
+        lines.append(
+            f"| {run['attack']} | {run['defense']} | {run['metric']} | {run['value']:.3f} | "
+            f"{run['chance']:.3f} | {100 * run['main_accuracy']:.2f} | {shown} | "
+            f"{run['dcs']:.3f} | {run['dcs_chance']:.3f} |"
+        )
+    kinds = sorted({run["kind"] for run in report.runs})
+    lines += [
+        "",
+        "T-DCS per attack kind (mean DCS of its attacks) and C-DCS per defense (mean of its "
+        "T-DCS); in brackets with AP* = the attacks' chance levels.",
+        "",
+        "| defense | " + " | ".join(kinds) + " | C-DCS |",
+        "|---|" + "---|" * (len(kinds) + 1),
+    ]
+    for defense, per_kind in report.t_dcs.items():
+        cells = [
+            f"{per_kind[k]:.3f} ({report.t_dcs_chance[defense][k]:.3f})" if k in per_kind else "-"
+            for k in kinds
+        ]
+        lines.append(
+            f"| {defense} | "
+            + " | ".join(cells)
+            + f" | {report.c_dcs[defense]:.3f} ({report.c_dcs_chance[defense]:.3f}) |"
+        )
+    if report.failed:
+        lines += ["", "Runs that failed (not scored):", ""]
+        lines += [f"- {run}: {why}" for run, why in report.failed.items()]
+    if report.skipped:
+        lines += ["", "Not applicable to this run:", ""]
+        lines += [f"- {name}: {why}" for name, why in report.skipped.items()]
+    return "\n".join(lines) + "\n"

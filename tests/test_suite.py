@@ -1,0 +1,112 @@
+"""The attack suite: every attack that applies, undefended and under each defense, with VFLAIR's
+T-DCS per attack kind and C-DCS per defense."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import attacks.suite as suite
+from secure_vfl.cli import main
+from secure_vfl.errors import ConfigError, IntegrityError
+from secure_vfl.experiment import TrainConfig
+from secure_vfl.methods import MethodConfig
+
+
+def _direct(epochs: int = 1) -> TrainConfig:
+    return TrainConfig(
+        method="laser",
+        dataset="digits",
+        parties=4,
+        seed=0,
+        method_config=MethodConfig(
+            heads="active", epochs=epochs, top_model="none", representation_dim=10
+        ),
+    )
+
+
+def test_the_suite_runs_what_applies_and_scores_each_defense(tmp_path: Path) -> None:
+    report = suite.run_suite(_direct(), defenses=["dp-gradients:3:0.01"], cache=tmp_path / "cache")
+    assert [(r["attack"], r["defense"]) for r in report.runs] == [
+        ("direct-label-inference", "none"),
+        ("direct-label-inference", "dp-gradients:3:0.01"),
+    ]
+    # norm and direction scoring need a binary task: skipped, with the reason
+    assert "binary task" in report.skipped["norm-scoring"]
+    assert "binary task" in report.skipped["direction-scoring"]
+    undefended, defended = report.runs
+    assert undefended["value"] >= 0.99 and defended["value"] < 0.5
+    assert report.t_dcs["none"]["label-inference"] == undefended["dcs"]
+    assert report.c_dcs["dp-gradients:3:0.01"] == defended["dcs"]
+    assert report.c_dcs["dp-gradients:3:0.01"] > report.c_dcs["none"]
+    text = suite.markdown(report, command="test")
+    assert "| none | 0." in text and "norm-scoring: " in text
+
+
+def test_scores_average_over_the_attacks_of_a_kind_then_over_kinds() -> None:
+    runs = [
+        {"defense": "d", "kind": "a", "dcs": 0.2, "dcs_chance": 0.3},
+        {"defense": "d", "kind": "a", "dcs": 0.4, "dcs_chance": 0.5},
+        {"defense": "d", "kind": "b", "dcs": 0.9, "dcs_chance": 1.0},
+    ]
+    t_dcs, c_dcs = suite._scores(runs, "dcs")
+    assert t_dcs == {"d": {"a": pytest.approx(0.3), "b": 0.9}}
+    assert c_dcs["d"] == pytest.approx(statistics.fmean([0.3, 0.9]))
+
+
+def test_a_diverged_run_is_reported_not_scored(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = suite.run_attack
+
+    def diverging(config: TrainConfig, name: str, **kwargs: Any) -> Any:
+        if kwargs["defenses"]:
+            raise IntegrityError("gradient.gradient: finite values expected")
+        return real(config, name, **kwargs)
+
+    monkeypatch.setattr(suite, "run_attack", diverging)
+    report = suite.run_suite(_direct(), defenses=["dp-gradients:9:1"])
+    assert [r["defense"] for r in report.runs] == ["none"]
+    assert "diverged" in report.failed["direct-label-inference / dp-gradients:9:1"]
+    assert "Runs that failed" in suite.markdown(report, command="test")
+
+
+def test_a_run_no_attack_applies_to_is_refused() -> None:
+    config = TrainConfig(
+        method="laser", dataset="digits", method_config=MethodConfig(epochs=1, heads="active")
+    )
+    with pytest.raises(ConfigError, match="no attack applies"):
+        suite.run_suite(config)
+
+
+def test_attack_suite_command_writes_the_report(tmp_path: Path) -> None:
+    out = tmp_path / "suite"
+    argv = [
+        "attack",
+        "--suite",
+        "all",
+        "--method",
+        "laser",
+        "--dataset",
+        "digits",
+        "--heads",
+        "active",
+        "--top-model",
+        "none",
+        "--representation-dim",
+        "10",
+        "--epochs",
+        "1",
+        "--defense",
+        "dp-gradients:1:0.01",
+        "--quiet",
+        "--out",
+        str(out),
+    ]
+    assert main(argv) == 0
+    report = json.loads((out / "suite.json").read_text())
+    assert set(report["c_dcs"]) == {"none", "dp-gradients:1:0.01"}
+    assert "C-DCS" in (out / "suite.md").read_text()
+    assert main([*argv[:-2], "--dp-gradients", "1:0.01", "--out", str(tmp_path / "x")]) == 2
