@@ -4,7 +4,8 @@ score the attack and the defended model together.
 A defense is a spec ``NAME[:PARAM...]`` (the CLI's ``--defense``): the privacy layer's
 mechanisms (``dp-gradients:SIGMA:CLIP``, ``dp-embeddings:SIGMA:CLIP``, ``dp-sgd:SIGMA:CLIP``,
 ``secure-agg:BACKEND``) installed by :class:`protocols.privacy.PrivacyEngine` exactly as in
-``train``.
+``train``, and the hook defenses of :mod:`attacks.defenses` (``gradient-sparsification:FRACTION``,
+``marvell:SCALE``), installed inside the parties they protect before training.
 
 The score is VFLAIR's defense capability score (Zou et al., "VFLAIR: a research library and
 benchmark for vertical federated learning", ICLR 2024)::
@@ -30,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from attacks.base import ATTACKS, AttackContext
+from attacks.defenses import HOOK_DEFENSES, HookDefense, parse_hook_defense
 from protocols.dp import parse_noise
 from protocols.privacy import SECURE_AGGS, PrivacyEngine, PrivacySpec
 from secure_vfl.errors import ConfigError
@@ -47,9 +49,27 @@ NOISE_DEFENSES = {
 DEFENSES = (*NOISE_DEFENSES, "secure-agg")
 
 
+def parse_defenses(
+    texts: Sequence[str], spec: PrivacySpec
+) -> tuple[PrivacySpec, list[HookDefense]]:
+    """The privacy spec with the privacy layer's defenses among ``texts`` added, and the hook
+    defenses (:mod:`attacks.defenses`) among them; ConfigError for an unknown defense, bad
+    parameters, or a defense given twice."""
+    hooks: list[HookDefense] = []
+    for text in texts:
+        name = text.partition(":")[0]
+        if name in HOOK_DEFENSES:
+            if any(hook.spec.partition(":")[0] == name for hook in hooks):
+                raise ConfigError(f"defense {name} given twice (found {text!r}).")
+            hooks.append(parse_hook_defense(text))
+        else:
+            spec = apply_defense(spec, text)
+    return spec, hooks
+
+
 def apply_defense(spec: PrivacySpec, text: str) -> PrivacySpec:
-    """``spec`` with the defense ``text`` (``NAME[:PARAM...]``) added; ConfigError for an unknown
-    defense, bad parameters, or a mechanism given twice."""
+    """``spec`` with the privacy layer's defense ``text`` (``NAME[:PARAM...]``) added;
+    ConfigError for an unknown defense, bad parameters, or a mechanism given twice."""
     name, _, params = text.partition(":")
     if name in NOISE_DEFENSES:
         attribute = NOISE_DEFENSES[name]
@@ -64,7 +84,8 @@ def apply_defense(spec: PrivacySpec, text: str) -> PrivacySpec:
         if spec.secure_agg != "none":
             raise ConfigError(f"defense secure-agg given twice (found {text!r}).")
         return replace(spec, secure_agg=params)
-    raise ConfigError(f"a defense in ({', '.join(DEFENSES)}) expected. Found {text!r}.")
+    known = ", ".join([*DEFENSES, *HOOK_DEFENSES.names()])
+    raise ConfigError(f"a defense in ({known}) expected. Found {text!r}.")
 
 
 def dcs(attack: float, main: float, *, attack_star: float, main_star: float) -> float:
@@ -151,9 +172,9 @@ def run_attack(
     ``privacy``, default none), then score the attack and the defended model. ``control`` runs
     the negative control (the attacker's signal destroyed). ``cache`` keeps MP* between runs."""
     made = ATTACKS.get(attack)()
-    spec = privacy if privacy is not None else PrivacySpec(seed=config.seed)
-    for text in defenses:
-        spec = apply_defense(spec, text)
+    spec, hooks = parse_defenses(
+        defenses, privacy if privacy is not None else PrivacySpec(seed=config.seed)
+    )
     if spec.secure_agg != "none" and not config.method_config.secure_sums:
         config = replace(config, method_config=replace(config.method_config, secure_sums=True))
     engine = PrivacyEngine(spec)
@@ -169,6 +190,8 @@ def run_attack(
     channel = channel if channel is not None else Channel()
 
     def on_ready(ready: Channel) -> None:
+        for hook in hooks:
+            hook.install(ready)
         made.prepare(ready.parties[attacker], context)
 
     result = run_training(
@@ -183,7 +206,7 @@ def run_attack(
     )
     metrics = made.evaluate(channel.parties[attacker], context)
     main = _main_accuracy(result)
-    defended = spec.secure_agg != "none" or bool(spec.noise())
+    defended = spec.secure_agg != "none" or bool(spec.noise()) or bool(hooks)
     honest = made.passive and not defended
     reference = main if honest else undefended_accuracy(_undefended(config), cache=cache)
     performance = made.performance(metrics)

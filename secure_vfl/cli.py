@@ -289,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="SPEC",
         help="dp-gradients:SIGMA:CLIP | dp-embeddings:SIGMA:CLIP | dp-sgd:SIGMA:CLIP | "
-        "secure-agg:BACKEND (repeatable; the same mechanisms as train's flags)",
+        "secure-agg:BACKEND (the same mechanisms as train's flags) | "
+        "gradient-sparsification:FRACTION | marvell:SCALE (repeatable)",
     )
     attack.add_argument(
         "--control",

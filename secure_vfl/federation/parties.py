@@ -188,6 +188,10 @@ class Head:
         """The labels of ``rows`` of ``split``."""
         return self._labels[split][rows]
 
+    def all_labels(self, split: str) -> Tensor:
+        """A copy of every label of ``split`` (for mechanisms the label holder runs itself)."""
+        return self._labels[split].clone()
+
     def step(self) -> None:
         """Apply and clear the accumulated gradients of the head."""
         if self.optimizer is not None:
