@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from attacks.base import ATTACKS
-from secure_vfl.errors import ConfigError
+from secure_vfl.errors import ConfigError, IntegrityError
 from secure_vfl.experiment import TrainConfig
 from secure_vfl.io import atomic_write, atomic_write_json, atomic_write_text
 
@@ -106,21 +106,28 @@ def _run_point(job: dict[str, Any]) -> dict[str, Any]:
     torch.set_num_threads(1)
     setting: Setting = job["setting"]
     config: TrainConfig = job["config"]
-    result = run_attack(
-        config,
-        job["attack"],
-        attacker=job["attacker"],
-        defenses=[] if setting.defense == UNDEFENDED else [setting.defense],
-        cache=job["cache"],
-    )
-    payload = result.to_json()
-    epsilon = payload["epsilon"]
-    return {
+    row: dict[str, Any] = {
         "template": setting.template,
         "setting": setting.label,
         "defense": setting.defense,
         "values": dict(setting.values),
         "seed": config.seed,
+    }
+    try:
+        result = run_attack(
+            config,
+            job["attack"],
+            attacker=job["attacker"],
+            defenses=[] if setting.defense == UNDEFENDED else [setting.defense],
+            cache=job["cache"],
+        )
+    except IntegrityError as error:  # non-finite values: training diverged under the noise
+        return {**row, "failed": f"training diverged: {error}"}
+    payload = result.to_json()
+    epsilon = payload["epsilon"]
+    return {
+        **row,
+        "failed": None,
         "main_accuracy": payload["main"]["accuracy"],
         "attack": payload["attack"],
         "chance": payload["chance"],
@@ -216,7 +223,13 @@ def summarise(rows: Sequence[dict[str, Any]], metric: str) -> list[dict[str, Any
     for row in rows:
         groups.setdefault((row["template"], row["setting"]), []).append(row)
     table = []
-    for (template, setting), members in groups.items():
+    for (template, setting), group in groups.items():
+        members = [m for m in group if m["failed"] is None]
+        if not members:
+            table.append(
+                {"template": template, "setting": setting, "seeds": 0, "failed": len(group)}
+            )
+            continue
         main, main_sd = _mean_sd([m["main_accuracy"] for m in members])
         attack, attack_sd = _mean_sd([m["attack"][metric] for m in members])
         epsilons = [m["epsilon"] for m in members if m["epsilon"] is not None]
@@ -233,6 +246,7 @@ def summarise(rows: Sequence[dict[str, Any]], metric: str) -> list[dict[str, Any
                 "dcs": statistics.fmean(m["dcs"] for m in members),
                 "dcs_chance": statistics.fmean(m["dcs_chance"] for m in members),
                 "chance": statistics.fmean(m["chance"] for m in members),
+                "failed": len(group) - len(members),
             }
         )
     return table
@@ -249,10 +263,17 @@ def markdown(table: Sequence[dict[str, Any]], *, attack: str, metric: str, comma
         "|---|---|---|---|---|---|---|---|",
     ]
     for row in table:
+        if not row["seeds"]:
+            lines.append(
+                f"| {row['template']} | {row['setting']} | 0 (diverged: {row['failed']}) "
+                "| - | - | - | - | - |"
+            )
+            continue
+        diverged = f" (diverged: {row['failed']})" if row["failed"] else ""
         epsilon = row["epsilon"]
         shown = "-" if epsilon is None else ("inf" if math.isinf(epsilon) else f"{epsilon:.2f}")
         lines.append(
-            f"| {row['template']} | {row['setting']} | {row['seeds']} | "
+            f"| {row['template']} | {row['setting']} | {row['seeds']}{diverged} | "
             f"{100 * row['main_accuracy']:.2f} ± {100 * row['main_accuracy_sd']:.2f} | "
             f"{row['attack']:.3f} ± {row['attack_sd']:.3f} | {shown} | {row['dcs']:.3f} | "
             f"{row['dcs_chance']:.3f} |"
@@ -269,6 +290,7 @@ def plot(table: Sequence[dict[str, Any]], out: Path, *, attack: str, metric: str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    table = [row for row in table if row["seeds"]]  # settings whose every run diverged: none
     series: dict[str, list[dict[str, Any]]] = {}
     for row in table:
         series.setdefault(row["template"], []).append(row)

@@ -775,6 +775,9 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     command = "secure-vfl " + " ".join(sys.argv[1:]) if sys.argv[1:] else "secure-vfl sweep"
     text, plots = write_sweep(rows, out, attack=args.attack, command=command)
     for row in rows:
+        if row["failed"] is not None:
+            print(f"{row['defense']} seed {row['seed']}: {row['failed']}", file=sys.stderr)
+            continue
         training = row["training"]
         store.add(
             {

@@ -53,3 +53,45 @@ def test_readme_python_snippets_run(capsys) -> None:  # type: ignore[no-untyped-
     for snippet in snippets:
         exec(compile(snippet, "README.md", "exec"), {})
     assert "'accuracy'" in capsys.readouterr().out
+
+
+def _run_example(name: str, *args: str, tmp_path: Path) -> list[str]:
+    completed = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name), *args, "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
+    return completed.stdout.splitlines()
+
+
+def test_attack_suite_example_prints_the_scores_and_saves_its_plot(tmp_path: Path) -> None:
+    lines = _run_example("attack_suite.py", "--epochs", "1", tmp_path=tmp_path)
+    runs = [line for line in lines if line.startswith("| norm-scoring |")]
+    assert [line.split("|")[2].strip() for line in runs] == [
+        "none",
+        "dp-gradients:1:0.01",
+        "marvell:4",
+        "gradient-sparsification:0.9",
+    ]
+    assert any(line.startswith("| marvell:4 | ") for line in lines)  # its C-DCS row
+    assert (tmp_path / "attack_suite.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_privacy_utility_example_prints_the_sweep_and_saves_its_plots(tmp_path: Path) -> None:
+    lines = _run_example(
+        "privacy_utility_tradeoff.py", "--epochs", "1", "--seeds", "1", tmp_path=tmp_path
+    )
+    settings = [line.split("|")[2].strip() for line in lines if line.startswith("| ")][1:]
+    assert settings == [
+        "none",
+        "SIGMA=0.3",
+        "SIGMA=1",
+        "SIGMA=3",
+        "SCALE=0.5",
+        "SCALE=2",
+        "SCALE=8",
+    ]
+    for plot in ("utility_epsilon.png", "attack_utility.png"):
+        assert (tmp_path / plot).read_bytes().startswith(b"\x89PNG")

@@ -149,3 +149,30 @@ def test_the_ray_executor_is_an_optional_extra() -> None:
             run_sweep(
                 _config(), "direct-label-inference", templates=[], grid={}, seeds=1, executor="ray"
             )
+
+
+def test_a_diverged_run_is_counted_not_averaged(tmp_path: Path) -> None:
+    ok = {
+        "template": "dp-gradients:SIGMA:0.01",
+        "setting": "SIGMA=1",
+        "defense": "d",
+        "seed": 0,
+        "failed": None,
+        "main_accuracy": 0.7,
+        "attack": {"auc": 0.6},
+        "chance": 0.5,
+        "epsilon": 2.0,
+        "dcs": 0.8,
+        "dcs_chance": 0.9,
+    }
+    rows = [
+        ok,
+        {**ok, "seed": 1, "failed": "training diverged: non-finite"},
+        {**ok, "setting": "SIGMA=3", "failed": "training diverged: non-finite"},
+    ]
+    table = summarise(rows, "auc")
+    assert table[0]["seeds"] == 1 and table[0]["failed"] == 1 and table[0]["attack"] == 0.6
+    assert table[1] == {"template": ok["template"], "setting": "SIGMA=3", "seeds": 0, "failed": 1}
+    text, plots = write_sweep(rows, tmp_path, attack="norm-scoring", command="test")
+    assert "| SIGMA=1 | 1 (diverged: 1) |" in text and "| SIGMA=3 | 0 (diverged: 1) |" in text
+    assert all(path.exists() for path in plots)

@@ -1,0 +1,57 @@
+"""Privacy-utility trade-off demo: how much label privacy does each defense buy, at what cost?
+
+A curious data party scores the rows of a binary task (German credit, Standard VFL, 4 parties)
+by the norm of the gradients it receives (Li et al., ICLR 2022). Two defenses are swept at three
+strengths each, with two seeds per setting, as independent runs in parallel worker processes:
+DP on the gradients sent back (noise multiplier SIGMA, clip 0.01; priced in epsilon by Opacus'
+accountant) and Marvell (label-dependent noise of power SCALE). It prints the table and saves
+two plots: main accuracy against epsilon, and the attack's AUC against main accuracy. About two
+minutes on 2 cores.
+
+    python examples/privacy_utility_tradeoff.py [--epochs N] [--seeds N] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from attacks.sweep import run_sweep, write_sweep
+from secure_vfl.experiment import TrainConfig
+from secure_vfl.methods import MethodConfig
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=Path("runs") / "privacy-utility-demo")
+    args = parser.parse_args()
+    config = TrainConfig(
+        method="standard",
+        dataset="german-credit",
+        parties=4,
+        seed=0,
+        method_config=MethodConfig(heads="active", epochs=args.epochs, batch_size=64),
+    )
+    rows = run_sweep(
+        config,
+        "norm-scoring",
+        templates=["dp-gradients:SIGMA:0.01", "marvell:SCALE"],
+        grid={"SIGMA": (0.3, 1.0, 3.0), "SCALE": (0.5, 2.0, 8.0)},
+        seeds=args.seeds,
+        workers=args.workers,
+        cache=args.out / ".undefended",
+    )
+    command = (
+        f"python examples/privacy_utility_tradeoff.py --epochs {args.epochs} --seeds {args.seeds}"
+    )
+    text, plots = write_sweep(rows, args.out, attack="norm-scoring", command=command)
+    print(text)
+    print("plots: " + ", ".join(str(path) for path in plots))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
