@@ -87,6 +87,17 @@ class GradientObserver(DataParty):
 ROLES.register("gradient-observer", GradientObserver)
 
 
+def _refuse_latent_methods(config: TrainConfig, attack: str) -> None:
+    """FALSE-VFL's data parties receive gradients of latent samples' likelihoods, not of
+    representations: the observer role is a split network's data party."""
+    if config.method.startswith("false-vfl"):
+        raise ConfigError(
+            f"{attack} reads the representation gradients a split network's data party "
+            f"receives; {config.method}'s parties exchange latent samples and likelihoods, "
+            "which it does not read."
+        )
+
+
 def _observer(party: Party, attack: str) -> GradientObserver:
     if not isinstance(party, GradientObserver):
         raise ConfigError(
@@ -124,6 +135,7 @@ class DirectLabelInference(Attack):
 
     def check(self, config: TrainConfig, data: VerticalData, attacker: str) -> None:
         super().check(config, data, attacker)
+        _refuse_latent_methods(config, self.name)
         _refuse_top_model(config, self.name)
 
     def evaluate(self, party: Party, context: AttackContext) -> dict[str, float]:
@@ -181,6 +193,7 @@ class _ScoringAttack(Attack):
 
     def check(self, config: TrainConfig, data: VerticalData, attacker: str) -> None:
         super().check(config, data, attacker)
+        _refuse_latent_methods(config, self.name)
         _binary_positive(data, self.name)
 
     def scores(

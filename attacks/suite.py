@@ -104,6 +104,9 @@ def run_suite(
             except IntegrityError as error:  # non-finite values: training diverged
                 failed[f"{name} / {defense}"] = f"training diverged: {error}"
                 continue
+            except ConfigError as error:  # the defense does not apply to this method
+                failed[f"{name} / {defense}"] = f"not applicable: {error}"
+                continue
             if on_run is not None:
                 on_run(name, defense, result)
             attack = ATTACKS.get(name)()
@@ -168,7 +171,7 @@ def markdown(report: SuiteReport, *, command: str) -> str:
             + f" | {report.c_dcs[defense]:.3f} ({report.c_dcs_chance[defense]:.3f}) |"
         )
     if report.failed:
-        lines += ["", "Runs that failed (not scored):", ""]
+        lines += ["", "Runs that failed or do not apply (not scored):", ""]
         lines += [f"- {run}: {why}" for run, why in report.failed.items()]
     if report.skipped:
         lines += ["", "Not applicable to this run:", ""]

@@ -103,6 +103,8 @@ def test_an_attack_that_does_not_apply_is_refused_with_what_it_needs() -> None:
         run_attack(_binary("breast-cancer", "laser", 1), "direct-label-inference")
     with pytest.raises(ConfigError, match="binary task; found 10 classes"):
         run_attack(_digits_direct(1), "norm-scoring")
+    with pytest.raises(ConfigError, match="latent samples and likelihoods"):
+        run_attack(_binary("german-credit", "false-vfl-1", 1), "norm-scoring")
     with pytest.raises(ConfigError, match="passive data party"):
         run_attack(_digits_direct(1), "direct-label-inference", attacker="party-0")
     with pytest.raises(RegistryError, match="unknown attack 'no-such-attack'; expected one of"):

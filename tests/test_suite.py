@@ -73,6 +73,19 @@ def test_a_diverged_run_is_reported_not_scored(monkeypatch: pytest.MonkeyPatch) 
     assert "Runs that failed" in suite.markdown(report, command="test")
 
 
+def test_a_defense_that_does_not_apply_to_the_method_is_reported() -> None:
+    config = TrainConfig(
+        method="standard",
+        dataset="breast-cancer",
+        parties=4,
+        seed=0,
+        method_config=MethodConfig(heads="active", epochs=1, batch_size=64),
+    )
+    report = suite.run_suite(config, defenses=["secure-agg:masks"])
+    assert {r["defense"] for r in report.runs} == {"none"}
+    assert "not applicable" in report.failed["norm-scoring / secure-agg:masks"]
+
+
 def test_a_run_no_attack_applies_to_is_refused() -> None:
     config = TrainConfig(
         method="laser", dataset="digits", method_config=MethodConfig(epochs=1, heads="active")
