@@ -1,0 +1,175 @@
+"""The attack suite on the methods and tasks it applies to, undefended and under each defense,
+over seeds: what each defense buys against each attack and what it costs.
+
+Every (task, seed) runs :func:`attacks.suite.run_suite` in its own worker process; the table
+gives each (task, attack, defense) the mean and standard deviation over seeds of the attack's
+metric, the main accuracy and the DCS, then VFLAIR's T-DCS and C-DCS per task. Attacks or
+defenses that do not apply to a task are listed with the reason.
+
+    python benchmarks/suite_table.py            # the committed configuration (3 seeds)
+    python benchmarks/suite_table.py --quick    # one seed, one epoch: a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from _shared import command_line, run_jobs, write_outputs
+
+DEFENSES = (
+    "dp-gradients:1:0.01",
+    "dp-embeddings:1:1",
+    "dp-sgd:1:1",
+    "secure-agg:masks",
+    "gradient-sparsification:0.9",
+    "marvell:4",
+    "norm-filter",
+)
+# (label, method, dataset, MethodConfig keywords)
+TASKS: tuple[tuple[str, str, str, dict[str, Any]], ...] = (
+    (
+        "LASER, digits, no top model",
+        "laser",
+        "digits",
+        {"heads": "active", "top_model": "none", "representation_dim": 10, "epochs": 5},
+    ),
+    ("LASER, digits", "laser", "digits", {"heads": "active", "epochs": 5}),
+    ("Standard VFL, digits", "standard", "digits", {"heads": "active", "epochs": 5}),
+    (
+        "LASER, German credit",
+        "laser",
+        "german-credit",
+        {"heads": "active", "epochs": 5, "batch_size": 64},
+    ),
+    (
+        "Standard VFL, German credit",
+        "standard",
+        "german-credit",
+        {"heads": "active", "epochs": 5, "batch_size": 64},
+    ),
+    ("FALSE-VFL-I, digits", "false-vfl-1", "digits", {"epochs": 3}),
+)
+
+
+def run_task(index: int, seed: int, quick: bool, cache: str) -> dict[str, Any]:
+    """One task at one seed: the whole suite under every defense that applies."""
+    import torch
+
+    from attacks.defenses import HOOK_DEFENSES
+    from attacks.runner import DEFENSES as PRIVACY_DEFENSES
+    from attacks.suite import run_suite
+    from secure_vfl.errors import ConfigError
+    from secure_vfl.experiment import TrainConfig
+    from secure_vfl.methods import MethodConfig
+
+    torch.set_num_threads(1)
+    label, method, dataset, options = TASKS[index]
+    if quick:
+        options = {**options, "epochs": 1}
+    config = TrainConfig(
+        method=method,
+        dataset=dataset,
+        parties=4,
+        seed=seed,
+        method_config=MethodConfig(**options),
+    )
+    known = set(PRIVACY_DEFENSES) | set(HOOK_DEFENSES.names())
+    defenses = [d for d in DEFENSES if d.partition(":")[0] in known]
+    missing = [d for d in DEFENSES if d not in defenses]
+    try:
+        report = run_suite(config, defenses=defenses, cache=Path(cache))
+    except ConfigError as error:
+        return {"task": label, "seed": seed, "error": str(error), "missing": missing}
+    return {"task": label, "seed": seed, "report": report.to_json(), "missing": missing}
+
+
+def _mean_sd(values: Sequence[float]) -> str:
+    digits = 2 if max(abs(v) for v in values) > 1 else 3  # percentages with 2 decimals
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.fmean(values):.{digits}f} ± {statistics.pstdev(values):.{digits}f}"
+
+
+def render(results: list[dict[str, Any]], command: str) -> str:
+    lines = [
+        "# Attack suite: attacks against defenses, per task (4 parties, attacker party-1)",
+        "",
+        f"Command: `{command}`",
+        "",
+    ]
+    for label, *_ in TASKS:
+        mine = sorted((r for r in results if r["task"] == label), key=lambda r: r["seed"])
+        if not mine:
+            continue
+        lines += [f"## {label}", ""]
+        if all("error" in r for r in mine):
+            lines += [f"Not run: {mine[0]['error']}", ""]
+            continue
+        runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        for result in mine:
+            for run in result["report"]["runs"]:
+                runs.setdefault((run["attack"], run["defense"]), []).append(run)
+        lines += [
+            f"Seeds: {', '.join(str(r['seed']) for r in mine)}.",
+            "",
+            "| attack | defense | metric | value | chance | main accuracy (%) | DCS "
+            "| DCS (AP* = chance) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for (attack, defense), members in runs.items():
+            lines.append(
+                f"| {attack} | {defense} | {members[0]['metric']} | "
+                f"{_mean_sd([m['value'] for m in members])} | {members[0]['chance']:.3f} | "
+                f"{_mean_sd([100 * m['main_accuracy'] for m in members])} | "
+                f"{_mean_sd([m['dcs'] for m in members])} | "
+                f"{_mean_sd([m['dcs_chance'] for m in members])} |"
+            )
+        defenses = list(dict.fromkeys(d for (_, d) in runs))
+        c_dcs = {
+            d: [r["report"]["c_dcs"][d] for r in mine if d in r["report"]["c_dcs"]]
+            for d in defenses
+        }
+        lines += ["", "| defense | C-DCS | C-DCS (AP* = chance) |", "|---|---|---|"]
+        for defense in defenses:
+            chance = [
+                r["report"]["c_dcs_chance"][defense]
+                for r in mine
+                if defense in r["report"]["c_dcs_chance"]
+            ]
+            lines.append(f"| {defense} | {_mean_sd(c_dcs[defense])} | {_mean_sd(chance)} |")
+        notes = {**mine[0]["report"]["skipped"], **mine[0]["report"]["failed"]}
+        if notes:
+            lines += ["", "Not scored (seed {}):".format(mine[0]["seed"]), ""]
+            lines += [f"- {name}: {why}" for name, why in notes.items()]
+        lines.append("")
+    missing = results[0]["missing"] if results else []
+    if missing:
+        lines.append(f"Defenses not built yet: {', '.join(missing)}.")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="one seed, one epoch per task")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args(argv)
+    seeds = 1 if args.quick else args.seeds
+    cache = str(args.out / ".undefended")
+    jobs = [(i, seed, args.quick, cache) for i in range(len(TASKS)) for seed in range(seeds)]
+    results = run_jobs(run_task, jobs, workers=args.workers)
+    text = render(results, command_line("suite_table.py", argv))
+    print(text)
+    if not args.quick:
+        write_outputs(args.out, "attack_suite", text, {"results": results})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
