@@ -10,7 +10,9 @@ Two ways to run it, with the same cryptography: split at the party boundary (:cl
 inside each contributor with its own key pair, :class:`MaskAdder` inside the aggregation server,
 :class:`MaskReceiver` inside the receiver; keys and shares cross as messages), which is how
 LASER, FedHF-Impute and their baselines run; or whole, :class:`MaskingAggregator`'s ``combine``
-simulating every part in one object (FALSE-VFL, not yet actors, and dropout recovery).
+simulating every part in one object. A contributor whose share never comes can be recovered
+from on the halves too: every survivor reveals the pair masks it shared with the dropped party
+(:meth:`MaskSender.reveal`), which the server adds like a share.
 
 Promises (semi-honest parties, non-colluding aggregator): the receiver learns only sums over at
 least two contributors; the aggregator and the network see uniform ring elements. Masks give
@@ -210,6 +212,61 @@ class MaskSender:
                 add_pair_mask(value, self._pair_key(owner, peer), sign, shared, info)
         self.seconds += time.perf_counter() - start
         return (value.astype("<u8").tobytes(),)
+
+    def reveal(
+        self,
+        dropped: Collection[str],
+        selection: np.ndarray,
+        *,
+        column: int,
+        width: int,
+        parties: Sequence[str],
+        receiver: str,
+        context: bytes,
+    ) -> tuple[bytes, ...]:
+        """Dropout recovery for the sums ``context`` that this party sealed with ``selection``,
+        whose ``dropped`` contributors' shares never came: minus the pair masks it added with
+        each of them where both entered, (T, B, ``width``) ring elements. The aggregator adds
+        them like a share (:meth:`MaskAdder.add`), so the survivors' masks with the dropped
+        cancel and the receiver opens the sums over the survivors (counts without the dropped).
+
+        Safe only if the dropped parties' shares of ``context`` are then refused for good: added
+        after the reveals, one would hand the aggregator that party's value. Refused before
+        anything is revealed (ProtocolError): a dropped party that is this one or no
+        contributor; a sum the survivors would release to the receiver over a single other
+        contributor; a sum this party shares with a dropped one and no other survivor (its
+        share there, unmasked by the reveal, would be its value in the aggregator's eyes).
+        """
+        start = time.perf_counter()
+        owner = parties[column]
+        others = [name for name in parties if name != owner]
+        if not set(dropped) <= set(others):
+            raise ProtocolError(
+                f"{owner}: dropped contributors must be among the other parties {others}, "
+                f"found {sorted(dropped)}."
+            )
+        survivors = np.array([name not in dropped for name in parties])
+        released = selection & survivors
+        refuse_single_contributors(torch.from_numpy(released), parties, receiver=receiver)
+        mine = selection[..., column]
+        with_dropped = selection[..., ~survivors].any(axis=-1)
+        alone = mine & with_dropped & (released.sum(axis=-1) == 1)
+        if alone.any():
+            t, b = (int(i) for i in np.argwhere(alone)[0])
+            raise ProtocolError(
+                f"{owner}: revealing its masks with {sorted(dropped)} would leave it the only "
+                f"survivor of {int(alone.sum())} sums it shares with them (first: task {t}, row "
+                f"{b}), where the aggregator would read its value; each needs another survivor."
+            )
+        correction = np.zeros((*mine.shape, width), dtype=np.uint64)
+        info = _MASK_INFO + context
+        for j, peer in enumerate(parties):
+            shared = mine & selection[..., j]
+            if not survivors[j] and shared.any():
+                sign = -1 if column < j else 1  # the opposite of the mask it added
+                add_pair_mask(correction, self._pair_key(owner, peer), sign, shared, info)
+        self.seconds += time.perf_counter() - start
+        return (correction.astype("<u8").tobytes(),)
 
 
 class MaskAdder:

@@ -4,6 +4,7 @@ the wire, refusals that change nothing, dropouts, and LASER / FedAvg trained thr
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,15 +22,19 @@ from aggregator_contract import (
 from conftest import MakeData
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from test_fedhf import synthetic_task
+from torch import Tensor
 
 from protocols.secagg import (
     MaskingAggregator,
+    MaskReceiver,
+    MaskSender,
     decode_fixed_point,
     encode_fixed_point,
     fixed_point_limit,
 )
 from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
-from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
+from secure_vfl.federation.aggregator import Aggregator, PlainAggregator, sum_context
+from secure_vfl.federation.messages import RepresentationMessage
 from secure_vfl.methods import MethodConfig
 from secure_vfl.methods.base import in_process_parties
 from secure_vfl.methods.imputation import IMPUTERS, ImputeConfig
@@ -187,6 +192,145 @@ def test_a_dropout_that_leaves_a_single_survivor_is_refused() -> None:
             dropped=[PARTIES[3]],
         )
     assert aggregator.last_masked == {}
+
+
+def _halves(aggregator: MaskingAggregator) -> tuple[dict[str, MaskSender], MaskReceiver]:
+    """Each party's sender half with its peers' public keys learnt, and the receiver's half."""
+    senders = {name: aggregator.sender() for name in PARTIES}
+    for name, sender in senders.items():
+        for peer, other in senders.items():
+            if peer != name:
+                other.learn(name, "sender", sender.public_key())
+    return senders, aggregator.receiver()
+
+
+def _recover(
+    messages: list[RepresentationMessage], selection: Tensor, dropped: str, width: int
+) -> np.ndarray:
+    """A sum whose ``dropped`` contributor sealed but whose share never came: the survivors'
+    shares and reveals added by the server's half, opened by the receiver's half."""
+    aggregator = masking()
+    senders, receiver = _halves(aggregator)
+    chosen = selection.numpy()
+    context = sum_context("s", RECEIVER, 0, 0, "")
+    batch = chosen.shape[1]
+    sealed: dict[str, tuple[bytes, ...]] = {}
+    reveals: dict[str, tuple[bytes, ...]] = {}
+    for k, name in enumerate(PARTIES):
+        if name == dropped or not chosen[..., k].any():
+            continue
+        values = np.zeros((batch, width), dtype=np.float32)
+        for m in messages:
+            if m.sender == name:
+                values[m.positions.numpy()] = m.representation.numpy()
+        options: dict[str, Any] = {
+            "column": k,
+            "parties": PARTIES,
+            "receiver": RECEIVER,
+            "context": context,
+        }
+        sealed[name] = senders[name].seal(values, chosen, **options)
+        reveals[name] = senders[name].reveal([dropped], chosen, width=width, **options)
+    kept = chosen.copy()
+    kept[..., PARTIES.index(dropped)] = False
+    shape = (chosen.shape[0], batch, width)
+    adder = aggregator.adder()
+    total = adder.add(
+        {**sealed, **{f"{name} (reveal)": r for name, r in reveals.items()}},
+        receiver=RECEIVER,
+        shape=shape,
+        parties=len(PARTIES),
+    )
+    return receiver.open(total, counts=kept.sum(axis=2), width=width, parties=4)
+
+
+def test_the_survivors_reveals_remove_a_dropped_party_and_the_sum_is_exact() -> None:
+    generator = torch.Generator().manual_seed(10)
+    present = torch.ones(32, 4, dtype=torch.bool)
+    messages = representations(present, 8, generator, round=0, batch_id=0)
+    selection = torch.rand(3, 32, 4, generator=generator) < 0.7
+    # Releasable before and after party-3 drops out: 0 or >= 2 contributors besides the
+    # receiver (party-0) in every sum, so parties 1 and 2 enter together or not at all.
+    partial = selection[..., 1:3].sum(dim=2) < 2
+    selection[..., 1:][partial] = False
+    assert bool(selection[..., 3].any())
+    survivors = [m for m in messages if m.sender != PARTIES[3]]  # its share never arrives
+    sums = _recover(messages, selection, PARTIES[3], 8)
+    kept = selection.clone()
+    kept[..., 3] = False
+    expected, magnitude = oracle(survivors, kept)
+    assert bool(
+        ((torch.from_numpy(sums).double() - expected).abs() <= 1e-6 + 2e-7 * magnitude).all()
+    )
+
+
+def test_without_the_reveals_the_survivors_masks_do_not_cancel() -> None:
+    messages, selection = full_batch(10)
+    selection[..., 1:] = selection[..., 1:].any(dim=2, keepdim=True)  # 1, 2, 3 together
+    aggregator = masking()
+    senders, receiver = _halves(aggregator)
+    chosen = selection.numpy()
+    context = sum_context("s", RECEIVER, 0, 0, "")
+    sealed = {
+        name: senders[name].seal(
+            messages[k].representation.numpy(),
+            chosen,
+            column=k,
+            parties=PARTIES,
+            receiver=RECEIVER,
+            context=context,
+        )
+        for k, name in enumerate(PARTIES[:3])
+    }
+    total = aggregator.adder().add(sealed, receiver=RECEIVER, shape=(2, 16, 8), parties=4)
+    kept = chosen.copy()
+    kept[..., 3] = False
+    with pytest.raises(IntegrityError, match="masks did not cancel"):
+        receiver.open(total, counts=kept.sum(axis=2), width=8, parties=4)
+
+
+def test_a_reveal_that_leaves_a_single_survivor_is_refused() -> None:
+    messages, _ = full_batch(11)
+    selection = torch.zeros(1, 16, 4, dtype=torch.bool)
+    selection[0, 0, [0, 1, 2]] = True
+    selection[0, 1, [1, 3]] = True  # party-1 alone (besides the receiver) once party-3 drops
+    with pytest.raises(ProtocolError, match="row 1, party party-1"):
+        _recover(messages, selection, PARTIES[3], 8)
+
+
+def test_a_reveal_that_would_unmask_the_survivors_own_value_is_refused() -> None:
+    # Row 0: party-0 (the receiver) and party-3 only. Once party-3 drops, the receiver's own
+    # term alone is releasable to the receiver, but party-0's share there carries no mask but
+    # the one with party-3: revealing it would hand the server party-0's value.
+    senders, _ = _halves(masking())
+    selection = np.zeros((1, 4, 4), dtype=bool)
+    selection[0, 0, [0, 3]] = True
+    with pytest.raises(ProtocolError, match=r"only survivor of 1 sums .*task 0, row 0"):
+        senders[RECEIVER].reveal(
+            [PARTIES[3]],
+            selection,
+            column=0,
+            width=2,
+            parties=PARTIES,
+            receiver=RECEIVER,
+            context=b"c",
+        )
+
+
+def test_only_another_contributor_can_be_dropped() -> None:
+    senders, _ = _halves(masking())
+    selection = np.ones((1, 4, 4), dtype=bool)
+    for dropped in (["party-1"], ["nobody"]):
+        with pytest.raises(ProtocolError, match="must be among the other parties"):
+            senders["party-1"].reveal(
+                dropped,
+                selection,
+                column=1,
+                width=2,
+                parties=PARTIES,
+                receiver=RECEIVER,
+                context=b"c",
+            )
 
 
 def test_fraction_bits_out_of_range_are_refused() -> None:
