@@ -526,9 +526,10 @@ class PaillierSender:
 
     def prepare(self, receiver: str, obfuscators: int | None = None) -> None:
         """The offline phase: stock the pool for ``receiver`` (``pool_size`` by default)."""
-        self._pool(receiver).fill(self.pool_size if obfuscators is None else obfuscators)
+        self.pool(receiver).fill(self.pool_size if obfuscators is None else obfuscators)
 
-    def _pool(self, receiver: str) -> ObfuscatorPool:
+    def pool(self, receiver: str) -> ObfuscatorPool:
+        """Its obfuscator pool for ``receiver``'s announced public key."""
         pool = self._pools.get(receiver)
         if pool is None:
             raise ProtocolError(
@@ -548,7 +549,7 @@ class PaillierSender:
         context: bytes,
     ) -> tuple[bytes, ...]:
         start = time.perf_counter()
-        pool = self._pool(receiver)
+        pool = self.pool(receiver)
         layout = PackingLayout.for_sum(
             key_bits=self.key_bits,
             value_bits=self.value_bits,

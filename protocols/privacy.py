@@ -41,7 +41,7 @@ from protocols.dp import (
     make_private_party,
 )
 from secure_vfl.errors import ConfigError
-from secure_vfl.federation.aggregator import Aggregator
+from secure_vfl.federation.aggregator import SumBackend
 from secure_vfl.federation.alignment import Aligner, make_aligner
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.parties import DataParty
@@ -163,7 +163,7 @@ class PrivacyEngine:
             return PsiAligner(channel=channel)
         return make_aligner(self.spec.align)
 
-    def aggregator(self) -> Aggregator | None:
+    def aggregator(self) -> SumBackend | None:
         """A fresh secure-sum backend (None: the plain default)."""
         if self.spec.secure_agg == "paillier":
             from protocols.paillier import PaillierAggregator

@@ -22,7 +22,7 @@ from secure_vfl.data.imputation import (
 from secure_vfl.data.missingness import parse_mechanism
 from secure_vfl.data.vertical import VerticalData, make_vertical, vertical_from_party_files
 from secure_vfl.errors import ConfigError
-from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
+from secure_vfl.federation.aggregator import PlainAggregator, SealingScheme, SumBackend
 from secure_vfl.federation.alignment import Aligner, make_aligner
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.parties import DataParty
@@ -156,7 +156,7 @@ def build_method(
     data: VerticalData,
     *,
     channel: Channel | None = None,
-    aggregator: Aggregator | None = None,
+    aggregator: SumBackend | None = None,
     roles: Mapping[str, str] | None = None,
 ) -> methods.Method:
     """The configured method, built on ``data``, its parties talking through ``channel`` and
@@ -186,7 +186,7 @@ def build_method(
 
 
 def traffic_report(
-    aggregator: Aggregator, *, train_steps: int, channel: Channel | None = None
+    aggregator: SumBackend, *, train_steps: int, channel: Channel | None = None
 ) -> dict[str, Any]:
     """Bytes each party (and the aggregator) put on the wire, per phase and per training step
     (a FedAvg round for imputation), and the seconds spent in protection (secure sums, the
@@ -213,7 +213,8 @@ def traffic_report(
         if half is not None
     )
     hooks = sum(party.hook_seconds for party in parties)
-    aggregation = aggregator.cost.seconds + halves
+    whole = 0.0 if isinstance(aggregator, SealingScheme) else aggregator.cost.seconds
+    aggregation = whole + halves
     return {
         "aggregator": type(aggregator).__name__,
         "train_steps": train_steps,
@@ -249,7 +250,7 @@ class PrivacyLayer(Protocol):
         """Raise ConfigError if ``method`` cannot host the chosen mechanisms."""
         ...
 
-    def aggregator(self) -> Aggregator | None:
+    def aggregator(self) -> SumBackend | None:
         """The secure-sum backend (None: plain sums)."""
         ...
 
@@ -269,7 +270,7 @@ def run_training(
     *,
     data: VerticalData | None = None,
     channel: Channel | None = None,
-    aggregator: Aggregator | None = None,
+    aggregator: SumBackend | None = None,
     privacy: PrivacyLayer | None = None,
     roles: Mapping[str, str] | None = None,
     on_start: Callable[[int], None] | None = None,
@@ -416,7 +417,7 @@ def run_imputation(
     config: ImputeRunConfig,
     *,
     task: ImputationTask | None = None,
-    aggregator: Aggregator | None = None,
+    aggregator: SumBackend | None = None,
     channel: Channel | None = None,
     privacy: StatisticsPrivacyFactory | None = None,
     privacy_report: Callable[[], dict[str, Any]] | None = None,

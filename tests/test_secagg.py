@@ -14,13 +14,13 @@ from aggregator_contract import (
     RECEIVER,
     AggregatorContract,
     SecureAggregatorContract,
+    SumParties,
     combine,
     full_batch,
     oracle,
     representations,
 )
 from conftest import MakeData
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from test_fedhf import synthetic_task
 from torch import Tensor
 
@@ -33,8 +33,14 @@ from protocols.secagg import (
     fixed_point_limit,
 )
 from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
-from secure_vfl.federation.aggregator import Aggregator, PlainAggregator, sum_context
-from secure_vfl.federation.messages import RepresentationMessage
+from secure_vfl.federation.aggregator import PlainAggregator, SumBackend, sum_context
+from secure_vfl.federation.messages import (
+    Message,
+    PublicKeyMessage,
+    RepresentationMessage,
+    SealedMessage,
+    SealedSumMessage,
+)
 from secure_vfl.methods import MethodConfig
 from secure_vfl.methods.base import in_process_parties
 from secure_vfl.methods.imputation import IMPUTERS, ImputeConfig
@@ -46,13 +52,19 @@ def masking(seed: int = 0, **kwargs: object) -> MaskingAggregator:
     return MaskingAggregator(entropy=np.random.default_rng(seed).bytes, **kwargs)  # type: ignore[arg-type]
 
 
+def ring(message: Message) -> np.ndarray:
+    """The uint64 ring elements of a sealed share or sum as they crossed."""
+    assert isinstance(message, SealedMessage | SealedSumMessage)
+    return np.frombuffer(message.payload[0], dtype="<u8").astype(np.uint64)
+
+
 class TestPlainAggregatorContract(AggregatorContract):
-    def make_aggregator(self) -> Aggregator:
+    def make_aggregator(self) -> SumBackend:
         return PlainAggregator()
 
 
 class TestMaskingAggregatorContract(SecureAggregatorContract):
-    def make_aggregator(self) -> Aggregator:
+    def make_aggregator(self) -> SumBackend:
         return masking()
 
     def step(self, parties: int) -> float:
@@ -61,10 +73,6 @@ class TestMaskingAggregatorContract(SecureAggregatorContract):
     def magnitude_limit(self) -> float:
         return fixed_point_limit(24, 4)
 
-    def untouched(self, aggregator: Aggregator) -> bool:
-        assert isinstance(aggregator, MaskingAggregator)
-        return aggregator.last_masked == {} and aggregator.party_keys == {}
-
 
 def test_the_secure_sum_is_the_exact_ring_sum_of_the_rounded_values() -> None:
     messages, selection = full_batch(1, batch=64, tasks=4)
@@ -72,8 +80,8 @@ def test_the_secure_sum_is_the_exact_ring_sum_of_the_rounded_values() -> None:
     dense = torch.stack([m.representation for m in messages]).numpy()
     encoded = encode_fixed_point(dense, fraction_bits=aggregator.fraction_bits, parties=4)
     chosen = selection.numpy().astype(np.uint64)
-    ring = np.einsum("tbk,kbd->tbd", chosen, encoded)  # uint64: wraps like the protocol
-    expected = decode_fixed_point(ring, fraction_bits=aggregator.fraction_bits)
+    ring_sum = np.einsum("tbk,kbd->tbd", chosen, encoded)  # uint64: wraps like the protocol
+    expected = decode_fixed_point(ring_sum, fraction_bits=aggregator.fraction_bits)
     assert torch.equal(combine(aggregator, messages, selection), torch.from_numpy(expected).float())
 
 
@@ -89,15 +97,15 @@ def test_masked_contributions_look_uniform_whatever_the_value() -> None:
     generator = torch.Generator().manual_seed(2)
     present = torch.ones(128, 4, dtype=torch.bool)
     selection = torch.ones(2, 128, 4, dtype=torch.bool)
-    aggregator = masking()
+    parties = SumParties(masking())
     observed = []
     for batch_id, scale in enumerate([0.0, 1000.0]):
         messages = representations(present, 16, generator, round=0, batch_id=batch_id)
         messages = [
             dataclasses.replace(m, representation=m.representation * 0 + scale) for m in messages
         ]
-        combine(aggregator, messages, selection, batch_id=batch_id)
-        masked = aggregator.last_masked[PARTIES[1]]
+        parties.combine(messages, selection, batch_id=batch_id)
+        masked = ring(parties.crossed(SealedMessage, PARTIES[1])[-1])  # as the server got it
         encoded = encode_fixed_point(np.full(masked.shape, scale), fraction_bits=24, parties=4)
         assert not np.any(masked == encoded)
         observed.append(masked)
@@ -105,7 +113,7 @@ def test_masked_contributions_look_uniform_whatever_the_value() -> None:
         top_bit = (masked >> np.uint64(63)).astype(np.float64)
         assert abs(top_bit.mean() - 0.5) < 0.03
         assert abs((masked / 2.0**64).mean() - 0.5) < 0.03
-    assert set(aggregator.last_masked) == set(PARTIES)
+    assert {m.sender for m in parties.crossed(SealedMessage)} == set(PARTIES)
 
 
 def test_a_value_that_could_overflow_the_ring_is_refused() -> None:
@@ -114,84 +122,46 @@ def test_a_value_that_could_overflow_the_ring_is_refused() -> None:
     big = messages[1].representation.clone()
     big[0, 0] = 1.01 * limit
     messages[1] = dataclasses.replace(messages[1], representation=big)
-    aggregator = masking()
+    parties = SumParties(masking())
     with pytest.raises(ProtocolError, match=r"overflows the fixed-point ring.*must be <= 6\.87"):
-        combine(aggregator, messages, selection)
-    assert aggregator.last_masked == {} and aggregator.party_keys == {}
+        parties.combine(messages, selection)
+    assert parties.crossed(SealedMessage, PARTIES[1]) == []
 
 
 def test_a_party_with_a_replaced_key_breaks_the_sum_and_is_detected() -> None:
     messages, selection = full_batch(8)
     aggregator = masking()
-    combine(aggregator, messages, selection)
-    aggregator.party_keys[PARTIES[1]] = X25519PrivateKey.generate()  # not republished
+    parties = SumParties(aggregator)
+    parties.combine(messages, selection)
+    # party-1 swaps in a fresh key pair but announces it to nobody: its peers keep the old key.
+    replaced = aggregator.sender()
+    for message in parties.crossed(PublicKeyMessage):
+        if message.receiver == PARTIES[1]:
+            replaced.learn(message.sender, message.role, message.key)
+    parties.parties[PARTIES[1]].install("masks", replaced, None)
     messages, selection = full_batch(8, batch_id=1)
     with pytest.raises(IntegrityError, match="masks did not cancel"):
-        combine(aggregator, messages, selection, batch_id=1)
+        parties.combine(messages, selection, batch_id=1)
 
 
 def test_a_tampered_masked_contribution_shifts_the_sum_undetected() -> None:
     # Masks give privacy, not integrity: the server cannot tell a tampered contribution.
-    def tamper(sender: str, masked: np.ndarray) -> np.ndarray:
-        if sender != PARTIES[1]:
-            return masked
-        changed = masked.copy()
-        changed[0, 3, 2] += np.uint64(2**24)  # +1.0 in fixed point
-        return changed
+    class Tamper:
+        def on_message(self, message):  # type: ignore[no-untyped-def]
+            if not isinstance(message, SealedMessage) or message.sender != PARTIES[1]:
+                return message
+            changed = ring(message).reshape(2, 16, 8)
+            changed[0, 3, 2] += np.uint64(2**24)  # +1.0 in fixed point
+            return dataclasses.replace(message, payload=(changed.astype("<u8").tobytes(),))
 
     messages, selection = full_batch(9)
     selection[0, 3, :] = True
     honest = combine(masking(), messages, selection)
-    tampered = combine(masking(wire=tamper), messages, selection)
+    tampered = SumParties(masking(), layers=[Tamper()]).combine(messages, selection).sums
     shift = (tampered - honest).abs()
     assert float(shift[0, 3, 2]) == pytest.approx(1.0, abs=1e-5)
     shift[0, 3, 2] = 0
     assert float(shift.max()) == 0.0
-
-
-def test_a_dropped_party_is_removed_and_the_survivors_sum_is_exact() -> None:
-    generator = torch.Generator().manual_seed(10)
-    present = torch.ones(32, 4, dtype=torch.bool)
-    messages = representations(present, 8, generator, round=0, batch_id=0)
-    selection = torch.rand(3, 32, 4, generator=generator) < 0.7
-    # 0 or 2 survivors besides the receiver (party-0) in every sum once party-3 drops out.
-    selection[selection[..., 1:3].sum(dim=2) == 1] = False
-    survivors = [m for m in messages if m.sender != PARTIES[3]]  # its message never arrives
-    aggregator = masking()
-    result = aggregator.recover(
-        survivors,
-        selection,
-        parties=PARTIES,
-        receiver=RECEIVER,
-        round=0,
-        batch_id=0,
-        dropped=[PARTIES[3]],
-    )
-    kept = selection.clone()
-    kept[..., 3] = False
-    expected, magnitude = oracle(survivors, kept)
-    assert bool(((result.sums.double() - expected).abs() <= 1e-6 + 2e-7 * magnitude).all())
-    assert torch.equal(result.counts, kept.sum(dim=2))
-    assert set(aggregator.last_masked) == set(PARTIES[:3])
-
-
-def test_a_dropout_that_leaves_a_single_survivor_is_refused() -> None:
-    messages, _ = full_batch(11)
-    selection = torch.zeros(1, 16, 4, dtype=torch.bool)
-    selection[0, 0, [0, 1, 2]] = True
-    selection[0, 1, [1, 3]] = True
-    aggregator = masking()
-    with pytest.raises(ProtocolError, match="row 1, party party-1"):
-        aggregator.recover(
-            messages,
-            selection,
-            parties=PARTIES,
-            receiver=RECEIVER,
-            round=0,
-            batch_id=0,
-            dropped=[PARTIES[3]],
-        )
-    assert aggregator.last_masked == {}
 
 
 def _halves(aggregator: MaskingAggregator) -> tuple[dict[str, MaskSender], MaskReceiver]:
@@ -331,6 +301,51 @@ def test_only_another_contributor_can_be_dropped() -> None:
                 receiver=RECEIVER,
                 context=b"c",
             )
+
+
+def test_a_dropped_party_is_removed_and_the_survivors_sum_is_exact() -> None:
+    generator = torch.Generator().manual_seed(10)
+    present = torch.ones(32, 4, dtype=torch.bool)
+    messages = representations(present, 8, generator, round=0, batch_id=0)
+    selection = torch.rand(3, 32, 4, generator=generator) < 0.7
+    # 0 or 2 survivors besides the receiver (party-0) in every sum once party-3 drops out.
+    selection[selection[..., 1:3].sum(dim=2) == 1] = False
+    survivors = [m for m in messages if m.sender != PARTIES[3]]  # its message never arrives
+    aggregator = masking()
+    result = aggregator.recover(
+        survivors,
+        selection,
+        parties=PARTIES,
+        receiver=RECEIVER,
+        round=0,
+        batch_id=0,
+        dropped=[PARTIES[3]],
+    )
+    kept = selection.clone()
+    kept[..., 3] = False
+    expected, magnitude = oracle(survivors, kept)
+    assert bool(((result.sums.double() - expected).abs() <= 1e-6 + 2e-7 * magnitude).all())
+    assert torch.equal(result.counts, kept.sum(dim=2))
+    assert set(aggregator.last_masked) == set(PARTIES[:3])
+
+
+def test_a_dropout_that_leaves_a_single_survivor_is_refused() -> None:
+    messages, _ = full_batch(11)
+    selection = torch.zeros(1, 16, 4, dtype=torch.bool)
+    selection[0, 0, [0, 1, 2]] = True
+    selection[0, 1, [1, 3]] = True
+    aggregator = masking()
+    with pytest.raises(ProtocolError, match="row 1, party party-1"):
+        aggregator.recover(
+            messages,
+            selection,
+            parties=PARTIES,
+            receiver=RECEIVER,
+            round=0,
+            batch_id=0,
+            dropped=[PARTIES[3]],
+        )
+    assert aggregator.last_masked == {}
 
 
 def test_fraction_bits_out_of_range_are_refused() -> None:

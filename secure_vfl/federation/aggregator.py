@@ -13,7 +13,7 @@ from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
 import torch
@@ -166,6 +166,11 @@ class SealingScheme(Protocol):
     def adder(self) -> AdderHalf: ...
 
     def receiver(self) -> ReceiverHalf: ...
+
+
+SumBackend: TypeAlias = Aggregator | SealingScheme
+"""What a run sums through: an :class:`Aggregator` the aggregation server runs whole (plain
+sums), or a :class:`SealingScheme` whose halves are made inside the parties that hold them."""
 
 
 def sum_context(session: str, receiver: str, round: int, batch_id: int, tag: str) -> bytes:
