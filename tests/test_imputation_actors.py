@@ -156,7 +156,6 @@ def test_traffic_counts_the_encoded_messages_that_crossed_the_transport() -> Non
         crossed[sender] = crossed.get(sender, 0) + count
     reported = {name: sum(by_phase.values()) for name, by_phase in result.traffic["bytes"].items()}
     assert reported == crossed
-    assert aggregator.cost.calls == 0  # the backend never ran whole: its halves did
     assert crossed[SERVER] > 0  # the coordinator's requests and downloads count too
 
 

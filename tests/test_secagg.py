@@ -303,51 +303,6 @@ def test_only_another_contributor_can_be_dropped() -> None:
             )
 
 
-def test_a_dropped_party_is_removed_and_the_survivors_sum_is_exact() -> None:
-    generator = torch.Generator().manual_seed(10)
-    present = torch.ones(32, 4, dtype=torch.bool)
-    messages = representations(present, 8, generator, round=0, batch_id=0)
-    selection = torch.rand(3, 32, 4, generator=generator) < 0.7
-    # 0 or 2 survivors besides the receiver (party-0) in every sum once party-3 drops out.
-    selection[selection[..., 1:3].sum(dim=2) == 1] = False
-    survivors = [m for m in messages if m.sender != PARTIES[3]]  # its message never arrives
-    aggregator = masking()
-    result = aggregator.recover(
-        survivors,
-        selection,
-        parties=PARTIES,
-        receiver=RECEIVER,
-        round=0,
-        batch_id=0,
-        dropped=[PARTIES[3]],
-    )
-    kept = selection.clone()
-    kept[..., 3] = False
-    expected, magnitude = oracle(survivors, kept)
-    assert bool(((result.sums.double() - expected).abs() <= 1e-6 + 2e-7 * magnitude).all())
-    assert torch.equal(result.counts, kept.sum(dim=2))
-    assert set(aggregator.last_masked) == set(PARTIES[:3])
-
-
-def test_a_dropout_that_leaves_a_single_survivor_is_refused() -> None:
-    messages, _ = full_batch(11)
-    selection = torch.zeros(1, 16, 4, dtype=torch.bool)
-    selection[0, 0, [0, 1, 2]] = True
-    selection[0, 1, [1, 3]] = True
-    aggregator = masking()
-    with pytest.raises(ProtocolError, match="row 1, party party-1"):
-        aggregator.recover(
-            messages,
-            selection,
-            parties=PARTIES,
-            receiver=RECEIVER,
-            round=0,
-            batch_id=0,
-            dropped=[PARTIES[3]],
-        )
-    assert aggregator.last_masked == {}
-
-
 def test_fraction_bits_out_of_range_are_refused() -> None:
     with pytest.raises(ConfigError, match=r"`fraction_bits` must be in \[0, 40\]. Found 63"):
         MaskingAggregator(fraction_bits=63)
