@@ -1,8 +1,11 @@
 """What each protection costs, in one run, as ratios to the unprotected baseline.
 
-1. Secure sums: median time of one ``Aggregator.combine`` for plain, pairwise masks, Paillier
-   (2048-bit, each sender's obfuscator pool stocked offline, the offline time reported apart)
-   and CKKS, on the issue's shapes: a 256 x 64 batch from 4 parties, and 4 tasks x 128 rows x 128.
+1. Secure sums: median time of one sum for plain (``PlainAggregator.combine``) and, split as
+   the parties run them, pairwise masks, Paillier (2048-bit, each sender's obfuscator pool
+   stocked offline, the offline time reported apart) and CKKS: every contributor's sealing, the
+   aggregation server's adding and the receiver's opening, one after the other in this process
+   (the messages between them are not encoded: ``benchmarks/wire_costs.py`` prices that); on the
+   issue's shapes: a 256 x 64 batch from 4 parties, and 4 tasks x 128 rows x 128.
 2. PSI: our two-party intersection (X25519, both cores) against openmined-psi on the same ids,
    at 10^4, 10^5 and 10^6 ids per side (``benchmarks/psi_costs.py``).
 3. Differential privacy: LASER (heads="active") training on Satellite, time with Gaussian noise
@@ -34,7 +37,15 @@ from psi_costs import table as psi_table_lines
 from psi_costs import target_line as psi_target_line
 
 from secure_vfl.errors import IntegrityError
-from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
+from secure_vfl.federation.aggregator import (
+    AdderHalf,
+    PlainAggregator,
+    ReceiverHalf,
+    SealingScheme,
+    SenderHalf,
+    SumBackend,
+    sum_context,
+)
 from secure_vfl.federation.messages import AGGREGATOR, RepresentationMessage, party_name
 from secure_vfl.methods.base import in_process_parties
 
@@ -58,18 +69,13 @@ def _batch(tasks: int, rows: int, width: int, round: int) -> tuple[list[Any], to
     return messages, torch.ones(tasks, rows, len(PARTIES), dtype=torch.bool)
 
 
-def time_combine(
-    aggregator: Aggregator,
-    shape: tuple[int, int, int],
-    repeats: int,
-    prepare: Callable[[int], None] | None = None,
-) -> float:
-    """Median seconds of ``combine`` over fresh rounds (``prepare(round)`` runs untimed first)."""
+def time_plain(shape: tuple[int, int, int], repeats: int) -> float:
+    """Median seconds of ``PlainAggregator.combine`` (what the aggregation server runs on the
+    representations it receives in the clear) over fresh rounds."""
+    aggregator = PlainAggregator()
     times = []
     for round in range(repeats):
         messages, selection = _batch(*shape, round=round)
-        if prepare is not None:
-            prepare(round)
         start = time.perf_counter()
         aggregator.combine(
             messages, selection, parties=PARTIES, receiver=RECEIVER, round=round, batch_id=0
@@ -78,31 +84,88 @@ def time_combine(
     return statistics.median(times)
 
 
+def split_halves(
+    scheme: SealingScheme,
+) -> tuple[dict[str, SenderHalf], AdderHalf, ReceiverHalf]:
+    """Each party's own halves of ``scheme`` (a sender in every contributor, the adder in the
+    aggregation server, the receiver in :data:`RECEIVER`), each told the public keys that the
+    key set-up's messages would carry to it."""
+    senders = {name: scheme.sender() for name in PARTIES}
+    adder, receiver = scheme.adder(), scheme.receiver()
+    for name, sender in senders.items():
+        key = sender.public_key()
+        for peer, other in senders.items():
+            if key is not None and peer != name:
+                other.learn(name, "sender", key)
+    key = receiver.public_key()
+    if key is not None:
+        adder.learn(RECEIVER, "receiver", key)
+        for sender in senders.values():
+            sender.learn(RECEIVER, "receiver", key)
+    return senders, adder, receiver
+
+
+def time_split(
+    scheme: SealingScheme,
+    shape: tuple[int, int, int],
+    repeats: int,
+    prepare: Callable[[dict[str, SenderHalf]], None] | None = None,
+) -> float:
+    """Median seconds of one secure sum over fresh rounds, with ``scheme``'s halves as the
+    parties hold them: every contributor seals its values, the server adds the sealed shares,
+    the receiver opens the sum (``prepare(senders)`` runs untimed before each round)."""
+    senders, adder, receiver = split_halves(scheme)
+    times = []
+    for round in range(repeats):
+        messages, selection = _batch(*shape, round=round)
+        chosen = selection.numpy()
+        tasks, rows, width = shape
+        context = sum_context("protocol-costs", RECEIVER, round, 0, "")
+        if prepare is not None:
+            prepare(senders)
+        start = time.perf_counter()
+        shares = {
+            name: senders[name].seal(
+                message.representation.numpy(),
+                chosen,
+                column=k,
+                parties=PARTIES,
+                receiver=RECEIVER,
+                context=context,
+            )
+            for k, (name, message) in enumerate(zip(PARTIES, messages, strict=True))
+        }
+        total = adder.add(
+            shares, receiver=RECEIVER, shape=(tasks, rows, width), parties=len(PARTIES)
+        )
+        receiver.open(total, counts=chosen.sum(axis=2), width=width, parties=len(PARTIES))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def secure_sums(repeats: int) -> list[dict[str, Any]]:
     from protocols.ckks import CkksAggregator
-    from protocols.paillier import PaillierAggregator
+    from protocols.paillier import PaillierAggregator, PaillierSender
     from protocols.secagg import MaskingAggregator
 
     rows = []
     for shape in ((1, 256, 64), (4, 128, 128)):
-        plain = time_combine(PlainAggregator(), shape, repeats)
-        masks = time_combine(MaskingAggregator(), shape, repeats)
-        ckks = time_combine(CkksAggregator(), shape, repeats)
+        plain = time_plain(shape, repeats)
+        masks = time_split(MaskingAggregator(), shape, repeats)
+        ckks = time_split(CkksAggregator(), shape, repeats)
         paillier = PaillierAggregator()
         needed = paillier.layout(len(PARTIES)).ciphertexts(shape[0] * shape[1] * shape[2])
         offline: list[float] = []
 
         def stock(
-            round: int,
-            p: PaillierAggregator = paillier,
-            n: int = needed,
-            spent: list[float] = offline,
+            senders: dict[str, SenderHalf], n: int = needed, spent: list[float] = offline
         ) -> None:
             start = time.perf_counter()
-            p.prepare(PARTIES, RECEIVER, obfuscators=n)
+            for sender in senders.values():
+                cast(PaillierSender, sender).prepare(RECEIVER, obfuscators=n)
             spent.append(time.perf_counter() - start)
 
-        paillier_s = time_combine(paillier, shape, max(2, repeats // 3), prepare=stock)
+        paillier_s = time_split(paillier, shape, max(2, repeats // 3), prepare=stock)
         rows.append(
             {
                 "shape": "x".join(map(str, shape)),
@@ -184,7 +247,7 @@ def _fashion_data(train: int, test: int, seed: int) -> Any:
     return make_vertical(split, parties=4, train_missing=none, test_missing=[none], rng=rng)
 
 
-def _backends() -> dict[str, Callable[[], Aggregator]]:
+def _backends() -> dict[str, Callable[[], SumBackend]]:
     from protocols.ckks import CkksAggregator
     from protocols.paillier import PaillierAggregator
     from protocols.secagg import MaskingAggregator
@@ -238,7 +301,7 @@ def secure_training(steps: int, epochs: int, train: int, test: int) -> list[dict
             if name == "paillier":  # each party's offline phase: stock its own sender's pool
                 start = time.perf_counter()
                 values = len(batch) * config.method_config.representation_dim
-                needed = aggregator.layout(len(PARTIES)).ciphertexts(values)  # type: ignore[attr-defined]
+                needed = aggregator.layout(len(PARTIES)).ciphertexts(values)  # type: ignore[union-attr]
                 for party in in_process_parties(cast(Any, method).fed.channel):
                     party.sealer.prepare(RECEIVER, obfuscators=needed)  # type: ignore[union-attr]
                 offline.append(time.perf_counter() - start)
@@ -296,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Command: `{command.strip()}`  ",
         "One thread; medians over fresh rounds. Ratios are to the plain (unprotected) run.",
         "",
-        "## Secure sums: one `combine` (T x B x d, 4 parties, all selected)",
+        "## Secure sums: one sum (T x B x d, 4 parties, all selected): every party's sealing, the "
+        "adding and the opening",
         "",
         "| shape | plain | masks | Paillier 2048 (pool stocked) | Paillier offline pool | CKKS |",
         "|---|---|---|---|---|---|",

@@ -1,10 +1,10 @@
 """Secure sums under the receiver's CKKS key (Cheon, Kim, Kim and Song, ASIACRYPT 2017), packed.
 
-Three roles, with real TenSEAL ciphertexts, run either split at the party boundary
-(:class:`CkksSender`, :class:`CkksAdder`, :class:`CkksReceiver`, each inside its own party, the
-public context announced as a message) or whole in :class:`CkksAggregator`'s ``combine``
-(FALSE-VFL, not yet actors): the receiver (the head or label party, the imputation
-coordinator) makes a CKKS context holding the secret key and publishes it *without* the secret
+Three roles, with real TenSEAL ciphertexts, split at the party boundary (:class:`CkksSender`,
+:class:`CkksAdder`, :class:`CkksReceiver`, each inside its own party, made by
+:class:`CkksAggregator`, the public context announced as a message): the receiver (the head or
+label party, the imputation coordinator) makes a CKKS context holding the secret key and
+publishes it *without* the secret
 key, serialized to bytes (``save_secret_key=False``); every sender loads those bytes, so what it
 holds really cannot decrypt. Each contributing party packs all its values into as few CKKS
 vectors as possible (``N/2`` slots each, in (task, row, column) order, its value in the slots of
@@ -47,20 +47,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import tenseal as ts
-import torch
-from torch import Tensor
 
-from protocols._ciphertext import CiphertextAggregator
 from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
-from secure_vfl.federation.aggregator import (
-    AggregationCost,
-    ContextLedger,
-    check_contribution_headers,
-    check_selection,
-    dense_representations,
-    refuse_single_contributors,
-)
-from secure_vfl.federation.messages import AGGREGATOR, RepresentationMessage, SumMessage
 
 DEFAULT_POLY_MODULUS_DEGREE = 8192
 DEFAULT_COEFF_MOD_BIT_SIZES = (60, 60)
@@ -68,8 +56,6 @@ DEFAULT_SCALE_BITS = 40
 DEFAULT_MAX_MAGNITUDE = 4096.0
 ERROR_BITS = 20  # stated per-ciphertext, per-slot error: 2^-20
 HE_STANDARD_MAX_BITS = {4096: 109, 8192: 218, 16384: 438, 32768: 881}  # 128-bit security
-
-WireTap = Callable[[str, list[bytes]], list[bytes]]
 
 
 def make_secret_context(
@@ -114,21 +100,16 @@ def load_public_context(published: bytes) -> ts.Context:
     return context
 
 
-class CkksAggregator(CiphertextAggregator[bytes]):
-    """Secure sums by packed CKKS encryption under the receiver's key, behind the
-    :class:`Aggregator` seam.
+class CkksAggregator:
+    """Secure sums by packed CKKS encryption under the receiver's key: a
+    :class:`SealingScheme`, the factory of the halves each party makes for itself.
 
     ``poly_modulus_degree``, ``coeff_mod_bit_sizes`` and ``scale_bits`` fix the CKKS parameters
     (defaults N = 8192, [60, 60], 2^40; see the module docstring for why); ``max_magnitude``
-    bounds every value (4096 by default). ``wire`` sees each party's serialized ciphertexts on
-    their way to the aggregator and returns what arrives (identity by default): a hook for
-    recording or tampering. Every (receiver, round, batch id, tag) context is served at most once.
-
-    Observable state (simulation only): ``secret_contexts`` (each receiver's context with its
-    secret key; deployed, only its owner holds it), ``published`` (each receiver's public context
-    as bytes), ``last_ciphertexts`` (the bytes that reached the aggregator from each party in the
-    last call) and ``last_sum`` (the summed ciphertexts' bytes the receiver got).
+    bounds every value (4096 by default).
     """
+
+    scheme = "ckks"
 
     def __init__(
         self,
@@ -137,7 +118,6 @@ class CkksAggregator(CiphertextAggregator[bytes]):
         coeff_mod_bit_sizes: Sequence[int] = DEFAULT_COEFF_MOD_BIT_SIZES,
         scale_bits: int = DEFAULT_SCALE_BITS,
         max_magnitude: float = DEFAULT_MAX_MAGNITUDE,
-        wire: WireTap | None = None,
     ) -> None:
         if poly_modulus_degree not in HE_STANDARD_MAX_BITS:
             raise ConfigError(
@@ -174,15 +154,6 @@ class CkksAggregator(CiphertextAggregator[bytes]):
         self.max_magnitude = float(max_magnitude)
         # |slot sum| * 2^scale must stay below 2^(data_bits - 2): two bits to spare.
         self.sum_limit = float(2 ** (data_bits - 2 - scale_bits))
-        self._wire = wire
-        # In-process simulation: every secret context lives here; deployed, only its owner has it.
-        self.secret_contexts: dict[str, ts.Context] = {}
-        self.published: dict[str, bytes] = {}
-        self._public_contexts: dict[str, ts.Context] = {}
-        self._contexts = ContextLedger()
-        self.cost = AggregationCost()
-        self.last_ciphertexts: dict[str, list[bytes]] = {}
-        self.last_sum: list[bytes] = []
 
     @property
     def slots(self) -> int:
@@ -192,120 +163,6 @@ class CkksAggregator(CiphertextAggregator[bytes]):
     def step(self, parties: int) -> float:
         """The stated bound on |secure sum - exact sum| of ``parties`` values: K * 2^-20."""
         return parties * 2.0**-ERROR_BITS
-
-    def ciphertexts(self, values: int) -> int:
-        """How many CKKS vectors ``values`` packed values take."""
-        return -(-values // self.slots)
-
-    def setup(self, receiver: str) -> bytes:
-        """Give ``receiver`` a secret context (once) and publish its public context as bytes."""
-        if receiver not in self.secret_contexts:
-            secret = make_secret_context(
-                self.poly_modulus_degree, self.coeff_mod_bit_sizes, self.scale_bits
-            )
-            published = public_context_bytes(secret)
-            public = load_public_context(published)  # the round trip every sender makes
-            self.secret_contexts[receiver] = secret
-            self.published[receiver] = published
-            self._public_contexts[receiver] = public
-        return self.published[receiver]
-
-    def public_context(self, receiver: str) -> ts.Context:
-        """The context senders and the aggregator hold for ``receiver``: loaded from the
-        published bytes, so it has the public key and no secret key."""
-        self.setup(receiver)
-        return self._public_contexts[receiver]
-
-    def _combine(
-        self,
-        contributions: Sequence[RepresentationMessage],
-        selection: Tensor,
-        *,
-        parties: Sequence[str],
-        receiver: str,
-        round: int,
-        batch_id: int,
-        tag: str,
-    ) -> SumMessage:
-        """Secure per-task sums: every contributor encrypts its packed slots, the aggregator adds
-        ciphertexts, the receiver decrypts and checks every slot is one an honest sum gives."""
-        # Everything is checked before any context changes.
-        dense, present = dense_representations(contributions, parties, selection.shape[1])
-        check_contribution_headers(contributions, round=round, batch_id=batch_id)
-        check_selection(selection, present)
-        counts = refuse_single_contributors(selection, parties, receiver=receiver)
-        context = self._contexts.check(receiver, round, batch_id, tag)
-        values = dense.numpy().astype(np.float64)
-        self._check_range(values, len(parties))
-
-        self._contexts.spend(context)
-        public = self.public_context(receiver)
-        chosen = selection.numpy()
-        tasks, batch, width = chosen.shape[0], chosen.shape[1], values.shape[2]
-        total = tasks * batch * width
-        arrived: dict[str, list[bytes]] = {}
-        for k, name in enumerate(parties):
-            mine = chosen[..., k]
-            if not mine.any():
-                continue
-            slots = np.where(mine[..., None], values[k][None], 0.0).reshape(-1)
-            sent = [
-                bytes(
-                    ts.ckks_vector(public, slots[start : start + self.slots].tolist()).serialize()
-                )
-                for start in range(0, total, self.slots)
-            ]
-            arrived[name] = self._wire(name, sent) if self._wire else sent
-        self.last_ciphertexts = arrived
-        self.last_sum = self._add(public, arrived, self.ciphertexts(total))
-        sums = self._decrypt(receiver, counts.numpy(), (tasks, batch, width))
-        return SumMessage(
-            sender=AGGREGATOR,
-            receiver=receiver,
-            round=round,
-            batch_id=batch_id,
-            sums=torch.from_numpy(sums),
-            counts=counts,
-        )
-
-    def _wire_size(self, ciphertext: bytes) -> int:
-        """Bytes of one serialized CKKS vector on the wire."""
-        return len(ciphertext)
-
-    def _check_range(self, values: np.ndarray, parties: int) -> None:
-        """Refuse values outside the range (:func:`check_range`)."""
-        check_range(
-            values,
-            parties,
-            max_magnitude=self.max_magnitude,
-            sum_limit=self.sum_limit,
-            scale_bits=self.scale_bits,
-        )
-
-    def _load(self, context: ts.Context, data: bytes, who: str) -> ts.CKKSVector:
-        """Deserialize one ciphertext (:func:`load_vector`)."""
-        return load_vector(context, data, who)
-
-    def _add(self, public: ts.Context, arrived: dict[str, list[bytes]], count: int) -> list[bytes]:
-        """The aggregator's part, with only the public context: slot-wise homomorphic sums."""
-        return add_ciphertexts(public, arrived, count)
-
-    def _decrypt(
-        self, receiver: str, counts: np.ndarray, shape: tuple[int, int, int]
-    ) -> np.ndarray:
-        """The receiver's part: decrypt with the secret context, check every slot against what
-        honest inputs can give (|sum| <= contributors * max_magnitude + bound), reshape, and
-        set the sums nobody entered to exactly 0."""
-        if not self.last_sum:  # nobody contributed to any sum
-            return np.zeros(shape, dtype=np.float32)
-        secret = self.secret_contexts[receiver]
-        return open_sums(
-            secret, self.last_sum, counts, shape, max_magnitude=self.max_magnitude, bound=self.step
-        )
-
-    # -- the same protocol split at the party boundary (SealingScheme) ------------------------
-
-    scheme = "ckks"
 
     def sender(self) -> CkksSender:
         return CkksSender(

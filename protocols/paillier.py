@@ -1,11 +1,11 @@
 """Secure sums under the receiver's Paillier key (Paillier, EUROCRYPT 1999), many values per
 ciphertext.
 
-Three roles, with real ``phe`` ciphertexts, run either split at the party boundary
-(:class:`PaillierSender`, :class:`PaillierAdder`, :class:`PaillierReceiver`, each inside its own
-party, the public key announced as a message) or whole in :class:`PaillierAggregator`'s
-``combine`` (FALSE-VFL, not yet actors): the receiver (the head or label party, the imputation
-coordinator) owns a key pair and publishes the public key; every contributing party packs its
+Three roles, with real ``phe`` ciphertexts, split at the party boundary (:class:`PaillierSender`,
+:class:`PaillierAdder`, :class:`PaillierReceiver`, each inside its own party, made by
+:class:`PaillierAggregator`, the public key announced as a message): the receiver (the head or
+label party, the imputation coordinator) owns a key pair and publishes the public key; every
+contributing party packs its
 fixed-point values into plaintexts and encrypts them under that key; the aggregator multiplies
 ciphertexts (adds plaintexts) without ever holding the private key; the receiver decrypts and
 unpacks the sums. Ciphertexts are standard ``phe`` ones (g = n + 1, exponent 0): a stock
@@ -46,27 +46,14 @@ import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import reduce
 
 import gmpy2
 import numpy as np
-import torch
 from phe import paillier
-from torch import Tensor
 
-from protocols._ciphertext import CiphertextAggregator
 from protocols.secagg import decode_fixed_point, encode_fixed_point
 from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
-from secure_vfl.federation.aggregator import (
-    AggregationCost,
-    ContextLedger,
-    check_contribution_headers,
-    check_payload,
-    check_selection,
-    dense_representations,
-    refuse_single_contributors,
-)
-from secure_vfl.federation.messages import AGGREGATOR, RepresentationMessage, SumMessage
+from secure_vfl.federation.aggregator import check_payload
 
 DEFAULT_KEY_BITS = 2048
 DEFAULT_VALUE_BITS = 32
@@ -75,7 +62,6 @@ DEFAULT_POOL_SIZE = 64
 
 KeyPair = tuple[paillier.PaillierPublicKey, paillier.PaillierPrivateKey]
 KeyGenerator = Callable[[int], KeyPair]
-WireTap = Callable[[str, list[paillier.EncryptedNumber]], list[paillier.EncryptedNumber]]
 
 
 def generate_key_pair(key_bits: int) -> KeyPair:
@@ -195,24 +181,19 @@ class ObfuscatorPool:
         return out
 
 
-class PaillierAggregator(CiphertextAggregator[paillier.EncryptedNumber]):
-    """Secure sums by packed Paillier encryption under the receiver's key, behind the
-    :class:`Aggregator` seam.
+class PaillierAggregator:
+    """Secure sums by packed Paillier encryption under the receiver's key: a
+    :class:`SealingScheme`, the factory of the halves each party makes for itself.
 
-    ``key_bits`` sizes the receiver's modulus (2048 by default; tests use 1024). ``value_bits``
+    ``key_bits`` sizes each receiver's modulus (2048 by default; tests use 1024). ``value_bits``
     and ``fraction_bits`` fix the encoding: values must lie in
     [-2^(v-1-f), 2^(v-1-f)) (+-32768 by default) and are rounded to a step of 2^-f.
-    ``key_generator`` makes key pairs (default :func:`generate_key_pair`; inject a cached one in
-    tests), ``rng`` draws the obfuscators' r, ``pool_size`` is how many obfuscators
-    :meth:`prepare` stocks per sender by default. ``wire`` sees each party's ciphertexts on their
-    way to the aggregator and returns what arrives (identity by default): a hook for recording
-    or tampering. Every (receiver, round, batch id, tag) context is served at most once.
-
-    Observable state (simulation only): ``public_keys`` (the published directory),
-    ``private_keys`` (each receiver's secret; deployed, only its owner holds it), ``pools``
-    (each (sender, receiver) obfuscator pool), ``last_ciphertexts`` (what reached the aggregator
-    from each party in the last call) and ``last_sum`` (the summed ciphertexts the receiver got).
+    ``key_generator`` makes a receiver's key pair (default :func:`generate_key_pair`; inject a
+    cached one in tests), ``rng`` draws the senders' obfuscators' r, ``pool_size`` is how many
+    obfuscators :meth:`PaillierSender.prepare` stocks by default.
     """
+
+    scheme = "paillier"
 
     def __init__(
         self,
@@ -223,7 +204,6 @@ class PaillierAggregator(CiphertextAggregator[paillier.EncryptedNumber]):
         key_generator: KeyGenerator = generate_key_pair,
         rng: random.Random | None = None,
         pool_size: int = DEFAULT_POOL_SIZE,
-        wire: WireTap | None = None,
     ) -> None:
         for name, value, low, high in [
             ("key_bits", key_bits, 256, 8192),
@@ -241,15 +221,6 @@ class PaillierAggregator(CiphertextAggregator[paillier.EncryptedNumber]):
         self.pool_size = pool_size
         self._key_generator = key_generator
         self._rng = rng if rng is not None else secrets.SystemRandom()
-        self._wire = wire
-        self.public_keys: dict[str, paillier.PaillierPublicKey] = {}
-        # In-process simulation: every private key lives here; deployed, only its owner has it.
-        self.private_keys: dict[str, paillier.PaillierPrivateKey] = {}
-        self.pools: dict[tuple[str, str], ObfuscatorPool] = {}
-        self._contexts = ContextLedger()
-        self.cost = AggregationCost()
-        self.last_ciphertexts: dict[str, list[paillier.EncryptedNumber]] = {}
-        self.last_sum: list[paillier.EncryptedNumber] = []
 
     def limit(self) -> float:
         """Largest magnitude a value may have: 2^(v-1-f) minus one step."""
@@ -267,127 +238,6 @@ class PaillierAggregator(CiphertextAggregator[paillier.EncryptedNumber]):
             fraction_bits=self.fraction_bits,
             parties=parties,
         )
-
-    def setup(self, receiver: str) -> paillier.PaillierPublicKey:
-        """Give ``receiver`` a key pair (once) and publish its public key."""
-        if receiver not in self.public_keys:
-            public_key, private_key = self._key_generator(self.key_bits)
-            if public_key.n.bit_length() != self.key_bits:
-                raise ConfigError(
-                    f"the key generator must give a {self.key_bits}-bit modulus, found "
-                    f"{public_key.n.bit_length()} bits."
-                )
-            self.public_keys[receiver] = public_key
-            self.private_keys[receiver] = private_key
-        return self.public_keys[receiver]
-
-    def pool(self, sender: str, receiver: str) -> ObfuscatorPool:
-        """``sender``'s obfuscator pool for ``receiver``'s current public key."""
-        public_key = self.setup(receiver)
-        pool = self.pools.get((sender, receiver))
-        if pool is None or pool.public_key != public_key:
-            pool = ObfuscatorPool(public_key, self._rng)
-            self.pools[(sender, receiver)] = pool
-        return pool
-
-    def prepare(
-        self, senders: Sequence[str], receiver: str, *, obfuscators: int | None = None
-    ) -> None:
-        """The offline phase: key the receiver and stock each sender's pool with ``obfuscators``
-        r^n values (``pool_size`` by default), so that :meth:`combine` only multiplies."""
-        count = self.pool_size if obfuscators is None else obfuscators
-        for sender in senders:
-            self.pool(sender, receiver).fill(count)
-
-    def _combine(
-        self,
-        contributions: Sequence[RepresentationMessage],
-        selection: Tensor,
-        *,
-        parties: Sequence[str],
-        receiver: str,
-        round: int,
-        batch_id: int,
-        tag: str,
-    ) -> SumMessage:
-        """Secure per-task sums: every contributor encrypts its packed slots, the aggregator
-        multiplies ciphertexts, the receiver decrypts and removes the offsets."""
-        # Everything is checked before any key, pool or context changes.
-        dense, present = dense_representations(contributions, parties, selection.shape[1])
-        check_contribution_headers(contributions, round=round, batch_id=batch_id)
-        check_selection(selection, present)
-        counts = refuse_single_contributors(selection, parties, receiver=receiver)
-        context = self._contexts.check(receiver, round, batch_id, tag)
-        layout = self.layout(len(parties))
-        encoded = self._encode(dense.numpy(), len(parties))
-
-        self._contexts.spend(context)
-        chosen = selection.numpy()
-        tasks, batch, width = chosen.shape[0], chosen.shape[1], encoded.shape[2]
-        values = tasks * batch * width
-        arrived: dict[str, list[paillier.EncryptedNumber]] = {}
-        for k, name in enumerate(parties):
-            mine = chosen[..., k]
-            if not mine.any():
-                continue
-            offset_values = (encoded[k] + layout.offset).astype(np.uint64)
-            slots = np.where(mine[..., None], offset_values[None], np.uint64(0))
-            ciphertexts = self.pool(name, receiver).encrypt(layout.pack(slots.reshape(-1)))
-            arrived[name] = self._wire(name, ciphertexts) if self._wire else ciphertexts
-        self.last_ciphertexts = arrived
-        self.last_sum = self._add(arrived, layout.ciphertexts(values))
-        sums = self._decrypt(receiver, layout, counts.numpy(), (tasks, batch, width))
-        return SumMessage(
-            sender=AGGREGATOR,
-            receiver=receiver,
-            round=round,
-            batch_id=batch_id,
-            sums=torch.from_numpy(sums),
-            counts=counts,
-        )
-
-    def _wire_size(self, ciphertext: paillier.EncryptedNumber) -> int:
-        """Bytes of one ciphertext on the wire: an integer mod n^2."""
-        return (ciphertext.public_key.nsquare.bit_length() + 7) // 8
-
-    def _encode(self, dense: np.ndarray, parties: int) -> np.ndarray:
-        """round(x * 2^f) as int64 (K, B, d) (:func:`encode_values`)."""
-        return encode_values(
-            dense, value_bits=self.value_bits, fraction_bits=self.fraction_bits, parties=parties
-        )
-
-    def _add(
-        self, arrived: dict[str, list[paillier.EncryptedNumber]], count: int
-    ) -> list[paillier.EncryptedNumber]:
-        """The aggregator's part: slot-wise homomorphic sums, ciphertext by ciphertext."""
-        for name, ciphertexts in arrived.items():
-            if len(ciphertexts) != count:
-                raise IntegrityError(
-                    f"{count} ciphertexts expected from {name}, found {len(ciphertexts)}."
-                )
-        if not arrived:
-            return []
-        return [
-            reduce(lambda a, b: a + b, column) for column in zip(*arrived.values(), strict=True)
-        ]
-
-    def _decrypt(
-        self,
-        receiver: str,
-        layout: PackingLayout,
-        counts: np.ndarray,
-        shape: tuple[int, int, int],
-    ) -> np.ndarray:
-        """The receiver's part: decrypt, unpack, check each slot's range, remove the offsets."""
-        if not self.last_sum:  # nobody contributed to any sum
-            return np.zeros(shape, dtype=np.float32)
-        private_key = self.private_keys[receiver]
-        plaintexts = [private_key.raw_decrypt(c.ciphertext(be_secure=False)) for c in self.last_sum]
-        return open_slots(plaintexts, layout, counts, shape, key_bits=self.key_bits)
-
-    # -- the same protocol split at the party boundary (SealingScheme) ------------------------
-
-    scheme = "paillier"
 
     def sender(self) -> PaillierSender:
         """A fresh contributor half (its own obfuscator pools, drawn from this backend's rng)."""
@@ -526,9 +376,10 @@ class PaillierSender:
 
     def prepare(self, receiver: str, obfuscators: int | None = None) -> None:
         """The offline phase: stock the pool for ``receiver`` (``pool_size`` by default)."""
-        self._pool(receiver).fill(self.pool_size if obfuscators is None else obfuscators)
+        self.pool(receiver).fill(self.pool_size if obfuscators is None else obfuscators)
 
-    def _pool(self, receiver: str) -> ObfuscatorPool:
+    def pool(self, receiver: str) -> ObfuscatorPool:
+        """Its obfuscator pool for ``receiver``'s announced public key."""
         pool = self._pools.get(receiver)
         if pool is None:
             raise ProtocolError(
@@ -548,7 +399,7 @@ class PaillierSender:
         context: bytes,
     ) -> tuple[bytes, ...]:
         start = time.perf_counter()
-        pool = self._pool(receiver)
+        pool = self.pool(receiver)
         layout = PackingLayout.for_sum(
             key_bits=self.key_bits,
             value_bits=self.value_bits,

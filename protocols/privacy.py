@@ -20,8 +20,11 @@ factory of each client's own :class:`~protocols.dp_statistics.StatisticsNoise` (
 generator and accountant), which the imputation federation installs inside each client as it
 builds it.
 
-:meth:`PrivacyEngine.report` reads each party's accountant for ``result.json``. The command line,
-the examples (through it) and the benchmarks build runs through this object only.
+:meth:`PrivacyEngine.report` reads each party's accountant for ``result.json``. A run takes the
+engine as one object, ``run_training(config, privacy=engine)`` or ``run_imputation(config,
+privacy=engine)`` (the core's ``PrivacyLayer`` and ``ImputationPrivacyLayer``); each refuses
+the mechanisms of the other kind of run. The command line, the examples (through it) and the
+benchmarks build runs through this object only.
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from protocols.dp import (
     make_private_party,
 )
 from secure_vfl.errors import ConfigError
-from secure_vfl.federation.aggregator import Aggregator
+from secure_vfl.federation.aggregator import SumBackend
 from secure_vfl.federation.alignment import Aligner, make_aligner
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.parties import DataParty
@@ -163,7 +166,7 @@ class PrivacyEngine:
             return PsiAligner(channel=channel)
         return make_aligner(self.spec.align)
 
-    def aggregator(self) -> Aggregator | None:
+    def aggregator(self) -> SumBackend | None:
         """A fresh secure-sum backend (None: the plain default)."""
         if self.spec.secure_agg == "paillier":
             from protocols.paillier import PaillierAggregator
@@ -181,6 +184,12 @@ class PrivacyEngine:
 
     def refuse(self, method: str) -> None:
         """Refuse mechanisms a method cannot host, before anything is built."""
+        if self.spec.dp_statistics is not None:
+            raise ConfigError(
+                "--dp-statistics protects the statistics of an imputation run (run_imputation); "
+                f"training {method} expected --dp-embeddings, --dp-gradients or --dp-sgd. "
+                "Found --dp-statistics."
+            )
         if not self.noise:
             return
         if self.spec.dp_sgd is not None and method == "combinatorial":
@@ -264,13 +273,20 @@ class PrivacyEngine:
 
     def statistics_mechanisms(self, task: ImputationTask) -> ClientStatisticsNoise | None:
         """The factory of each client's own statistics mechanism for ``task`` (None without
-        ``dp_statistics``), which the imputation federation installs inside every client.
+        ``dp_statistics``), which the imputation federation installs inside every client;
+        ConfigError if the spec asks for a mechanism of training, which would protect nothing.
 
         SIGMA is calibrated to the target epsilon over the three releases (sample rate 1: the
         statistics cover every row); the noise is shared among the clients only under secure
         sums (the server then sees nothing but the sum), else every client adds all of it;
         values are clipped to the declared ranges, or to the observed ones (not private).
         """
+        if self.noise:
+            found = ", ".join(MECHANISMS[kind] for kind in self.noise)
+            raise ConfigError(
+                "an imputation run releases statistics, protected by --dp-statistics; "
+                f"expected no mechanism of training. Found {found}."
+            )
         if self.spec.dp_statistics is None:
             return None
         from protocols.dp_statistics import (

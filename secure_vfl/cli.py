@@ -899,29 +899,29 @@ def run_impute(args: argparse.Namespace) -> int:
         )
     store = ResultsStore(args.store or out.parent / "results.sqlite")
     task = prepare_imputation_task(config)
-    privacy = engine.statistics_mechanisms(task)
-    with tqdm(
-        total=config.impute_config.rounds,
-        desc=config.method,
-        unit="round",
-        disable=args.quiet,
-        leave=False,
-    ) as bar:
+    bar: Any = None
 
-        def on_round(round: int, rmse: float) -> None:
-            bar.update(1)
-            bar.set_postfix(val_rmse=f"{rmse:.3f}")
+    def on_start(rounds: int) -> None:
+        nonlocal bar
+        bar = tqdm(total=rounds, desc=config.method, unit="round", disable=args.quiet, leave=False)
 
-        with _capture(args.capture) as capture:
+    def on_round(round: int, rmse: float) -> None:
+        bar.update(1)
+        bar.set_postfix(val_rmse=f"{rmse:.3f}")
+
+    with _capture(args.capture) as capture:
+        try:
             result, imputer = run_imputation(
                 config,
                 task=task,
-                aggregator=engine.aggregator(),
                 channel=Channel(transport=InProcessTransport(capture=capture)),
-                privacy=privacy,
-                privacy_report=engine.report,
+                privacy=engine,
+                on_start=on_start,
                 on_round=on_round,
             )
+        finally:
+            if bar is not None:
+                bar.close()
     if args.save_imputed:
         _save_imputed(out / "imputed", task, imputer)
     atomic_write_json(out / "result.json", result.to_json())

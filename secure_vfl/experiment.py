@@ -22,7 +22,7 @@ from secure_vfl.data.imputation import (
 from secure_vfl.data.missingness import parse_mechanism
 from secure_vfl.data.vertical import VerticalData, make_vertical, vertical_from_party_files
 from secure_vfl.errors import ConfigError
-from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
+from secure_vfl.federation.aggregator import PlainAggregator, SealingScheme, SumBackend
 from secure_vfl.federation.alignment import Aligner, make_aligner
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.parties import DataParty
@@ -156,7 +156,7 @@ def build_method(
     data: VerticalData,
     *,
     channel: Channel | None = None,
-    aggregator: Aggregator | None = None,
+    aggregator: SumBackend | None = None,
     roles: Mapping[str, str] | None = None,
 ) -> methods.Method:
     """The configured method, built on ``data``, its parties talking through ``channel`` and
@@ -186,7 +186,7 @@ def build_method(
 
 
 def traffic_report(
-    aggregator: Aggregator, *, train_steps: int, channel: Channel | None = None
+    aggregator: SumBackend, *, train_steps: int, channel: Channel | None = None
 ) -> dict[str, Any]:
     """Bytes each party (and the aggregator) put on the wire, per phase and per training step
     (a FedAvg round for imputation), and the seconds spent in protection (secure sums, the
@@ -213,7 +213,8 @@ def traffic_report(
         if half is not None
     )
     hooks = sum(party.hook_seconds for party in parties)
-    aggregation = aggregator.cost.seconds + halves
+    whole = 0.0 if isinstance(aggregator, SealingScheme) else aggregator.cost.seconds
+    aggregation = whole + halves
     return {
         "aggregator": type(aggregator).__name__,
         "train_steps": train_steps,
@@ -242,14 +243,15 @@ def evaluate(method: methods.Method, data: VerticalData) -> dict[str, dict[str, 
 
 
 class PrivacyLayer(Protocol):
-    """What a run needs of its privacy entry object (``protocols.privacy.PrivacyEngine``): the
-    core names this interface and never imports the privacy layer."""
+    """What a training run needs of its privacy entry object (``protocols.privacy.
+    PrivacyEngine``; :class:`ImputationPrivacyLayer` for imputation): the core names this
+    interface and never imports the privacy layer."""
 
     def refuse(self, method: str) -> None:
         """Raise ConfigError if ``method`` cannot host the chosen mechanisms."""
         ...
 
-    def aggregator(self) -> Aggregator | None:
+    def aggregator(self) -> SumBackend | None:
         """The secure-sum backend (None: plain sums)."""
         ...
 
@@ -269,7 +271,7 @@ def run_training(
     *,
     data: VerticalData | None = None,
     channel: Channel | None = None,
-    aggregator: Aggregator | None = None,
+    aggregator: SumBackend | None = None,
     privacy: PrivacyLayer | None = None,
     roles: Mapping[str, str] | None = None,
     on_ready: Callable[[Channel], None] | None = None,
@@ -417,31 +419,55 @@ def prepare_imputation_task(config: ImputeRunConfig) -> ImputationTask:
     return make_task_from_client_files(config.client_files, rng=rng)
 
 
+class ImputationPrivacyLayer(Protocol):
+    """What an imputation run needs of its privacy entry object, as :class:`PrivacyLayer` is
+    for training (``protocols.privacy.PrivacyEngine`` is both): the core names this interface
+    and never imports the privacy layer."""
+
+    def aggregator(self) -> SumBackend | None:
+        """The secure-sum backend (None: plain sums)."""
+        ...
+
+    def statistics_mechanisms(self, task: ImputationTask) -> StatisticsPrivacyFactory | None:
+        """The factory of each client's own statistics mechanism for ``task``, which the
+        federation installs inside every client (None: statistics are released exactly).
+        ConfigError if the privacy asked for cannot protect an imputation run."""
+        ...
+
+    def report(self) -> dict[str, Any] | None:
+        """``result.json``'s privacy entry (None when no DP mechanism ran)."""
+        ...
+
+
 def run_imputation(
     config: ImputeRunConfig,
     *,
     task: ImputationTask | None = None,
-    aggregator: Aggregator | None = None,
+    aggregator: SumBackend | None = None,
     channel: Channel | None = None,
-    privacy: StatisticsPrivacyFactory | None = None,
-    privacy_report: Callable[[], dict[str, Any]] | None = None,
+    privacy: ImputationPrivacyLayer | None = None,
     roles: Mapping[str, str] | None = None,
+    on_start: Callable[[int], None] | None = None,
     on_round: Callable[[int, float], None] | None = None,
 ) -> tuple[ImputeResult, Imputer]:
     """Fit ``config.method`` on the clients' training rows and score it on hidden test entries.
 
-    Every sum the clients send (statistics, model updates, validation errors) goes through
-    ``aggregator`` (plain by default; a secure backend from ``protocols`` otherwise, split
-    between the clients, the aggregation server and the coordinator); ``privacy`` (optional)
+    Every sum the clients send (statistics, model updates, validation errors) goes through the
+    secure-sum backend that ``privacy`` (a :class:`ImputationPrivacyLayer`, e.g.
+    ``protocols.privacy.PrivacyEngine``) chooses, split between the clients, the aggregation
+    server and the coordinator; ``aggregator`` overrides it (plain by default). ``privacy`` also
     makes each client's own mechanism, which clips and noises the statistics that client
-    releases, and ``privacy_report()`` fills ``result.privacy`` after the fit; ``roles``
-    replaces clients by registered roles (attackers, defenders); ``channel``
-    carries every message (its transport counts the bytes in ``result.traffic``). The scoring
-    standardisation comes from exact federated statistics, the same for every method and
-    privacy setting, so RMSEs are comparable across both: it is the evaluator's yardstick, not a
-    release of the method.
+    releases, and its report fills ``result.privacy`` after the fit; ``roles`` replaces clients
+    by registered roles (attackers, defenders); ``channel`` carries every message (its transport
+    counts the bytes in ``result.traffic``); ``on_start(rounds)`` is called once before the fit
+    and ``on_round(round, validation_rmse)`` after each round. The scoring standardisation comes
+    from exact federated statistics, the same for every method and privacy setting, so RMSEs are
+    comparable across both: it is the evaluator's yardstick, not a release of the method.
     """
     task = task if task is not None else prepare_imputation_task(config)
+    mechanisms = privacy.statistics_mechanisms(task) if privacy is not None else None
+    if aggregator is None and privacy is not None:
+        aggregator = privacy.aggregator()
     start = time.perf_counter()
     # The evaluator's own exact statistics (its yardstick, not a release of the method).
     statistics = federated_statistics(task.train, tag="statistics/eval")
@@ -453,9 +479,11 @@ def run_imputation(
         seed=config.seed,
         aggregator=aggregator,
         channel=channel,
-        privacy=privacy,
+        privacy=mechanisms,
         roles=roles,
     )
+    if on_start is not None:
+        on_start(config.impute_config.rounds)
     curve = imputer.fit(on_round=on_round)
     scores = evaluate_imputer(
         imputer, task, standardisation=statistics.standardisation, seed=config.seed
@@ -480,7 +508,7 @@ def run_imputation(
             for train, test in zip(task.train, task.test, strict=True)
         },
         aggregator=type(aggregator).__name__,
-        privacy=privacy_report() if privacy_report is not None else None,
+        privacy=privacy.report() if privacy is not None else None,
         traffic=traffic_report(
             aggregator, train_steps=config.impute_config.rounds, channel=channel
         ),

@@ -1,32 +1,45 @@
-"""The contract every :class:`Aggregator` backend inherits: its sums equal the plain oracle's.
+"""The contract every secure-sum backend inherits: its sums equal the plain oracle's.
 
 Subclass :class:`AggregatorContract` as ``Test...`` and implement :meth:`make_aggregator` (and
-:meth:`step` when the backend rounds). The oracle is a float64 einsum of the same float32 inputs;
-the allowed error is the backend's own step plus float32 accumulation error, which bounds even
-the plain backend's float32 einsum.
+:meth:`step` when the backend rounds). Every sum runs through the parties as a run has them
+(:class:`SumParties`): a :class:`PlainAggregator` inside the aggregation server, a
+:class:`SealingScheme` split into each party's own halves with keys met by messages. The oracle
+is a float64 einsum of the same float32 inputs; the allowed error is the backend's own step plus
+float32 accumulation error, which bounds even the plain backend's float32 einsum.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor
 
 from secure_vfl.errors import ProtocolError
-from secure_vfl.federation.aggregator import Aggregator, PlainAggregator, SealingScheme
-from secure_vfl.federation.channel import Channel
+from secure_vfl.federation.aggregator import SealingScheme, SumBackend
+from secure_vfl.federation.channel import Channel, ChannelLayer, RecordingLayer
 from secure_vfl.federation.messages import (
     AGGREGATOR,
     KeyRequest,
+    Message,
     RepresentationMessage,
+    SealedMessage,
     SealRequest,
     SumMessage,
     SumRequest,
     party_name,
 )
-from secure_vfl.federation.parties import AggregationServer, SecureSumParty
+from secure_vfl.federation.parties import (
+    AggregationServer,
+    SecureSumParty,
+    make_aggregation_server,
+)
+
+M = TypeVar("M", bound=Message)
 
 PARTIES = [party_name(k) for k in range(4)]
 RECEIVER = party_name(0)
@@ -89,7 +102,7 @@ def full_batch(
 
 
 def vector_sum(
-    aggregator: Aggregator,
+    aggregator: SumBackend,
     vectors: dict[str, Tensor],
     *,
     channel: Channel | None = None,
@@ -104,11 +117,11 @@ def vector_sum(
     contributors = [SecureSumParty(name) for name in vectors]
     owner = SecureSumParty(receiver)
     split = isinstance(aggregator, SealingScheme)
-    server = AggregationServer(PlainAggregator() if split else aggregator)
+    server = make_aggregation_server(aggregator)
     for party in (*contributors, owner, server):
         party.connect(channel)
     names = tuple(vectors)
-    header = {"sender": receiver, "round": round, "batch_id": 0}
+    header: dict[str, Any] = {"sender": receiver, "round": round, "batch_id": 0}
     if isinstance(aggregator, SealingScheme):
         for party in contributors:
             party.install(aggregator.scheme, aggregator.sender(), None)
@@ -136,7 +149,7 @@ def vector_sum(
                 representation=vectors[party.name].reshape(1, -1),
             )
         )
-    plan = {
+    plan: dict[str, Any] = {
         "selection": torch.ones(1, 1, len(names), dtype=torch.bool),
         "parties": names,
         "deliver_to": receiver,
@@ -144,15 +157,128 @@ def vector_sum(
         "source_tag": "vectors",
     }
     for name in names if split else ():
-        owner.send(SealRequest(**header, receiver=name, **plan))  # type: ignore[arg-type]
-    owner.send(SumRequest(**header, receiver=AGGREGATOR, **plan))  # type: ignore[arg-type]
+        owner.send(SealRequest(**header, receiver=name, **plan))
+    owner.send(SumRequest(**header, receiver=AGGREGATOR, **plan))
     summed = owner.take("sum", sender=AGGREGATOR, round=round, batch_id=0, tag="vectors")
     assert isinstance(summed, SumMessage)
     return summed.sums[0, 0]
 
 
+class SumParties:
+    """The parties of a run's sums: a :class:`SecureSumParty` per name in :data:`PARTIES` (the
+    receiver :data:`RECEIVER` among them, which drives, as the label party does) and an
+    aggregation server, on one channel; ``backend`` split into each party's own halves when it
+    is a :class:`SealingScheme`, keys met by messages. ``layers`` sit on the channel before
+    ``recorder``, which therefore keeps every message as it arrived."""
+
+    def __init__(
+        self, backend: SumBackend, *, layers: Sequence[ChannelLayer] = (), session: str = "s"
+    ) -> None:
+        self.recorder = RecordingLayer()
+        self.channel = Channel([*layers, self.recorder])
+        self.session = session
+        self.parties = {name: SecureSumParty(name) for name in PARTIES}
+        self.driver = self.parties[RECEIVER]
+        self.server: AggregationServer = make_aggregation_server(backend)
+        for party in (*self.parties.values(), self.server):
+            party.connect(self.channel)
+        self.split = isinstance(backend, SealingScheme)
+        if isinstance(backend, SealingScheme):
+            for name, party in self.parties.items():
+                opener = backend.receiver() if name == RECEIVER else None
+                party.install(backend.scheme, backend.sender(), opener)
+            self.server.install(backend.scheme, backend.adder())
+            for name in PARTIES:
+                self.driver.send(
+                    KeyRequest(
+                        **self._header(name, 0, 0),
+                        scheme=backend.scheme,
+                        contributors=tuple(PARTIES),
+                        receivers=(RECEIVER,),
+                    )
+                )
+
+    def _header(self, receiver: str, round: int, batch_id: int) -> dict[str, Any]:
+        return {
+            "sender": RECEIVER,
+            "receiver": receiver,
+            "round": round,
+            "batch_id": batch_id,
+            "session": self.session,
+        }
+
+    def contribute(self, messages: Sequence[RepresentationMessage]) -> None:
+        """Each party's representation on its way to the server: kept by its party under a
+        split scheme (until a seal request), sent in the clear otherwise."""
+        for message in messages:
+            self.parties[message.sender].contribute(message)
+
+    def seal(
+        self,
+        selection: Tensor,
+        *,
+        round: int = 0,
+        batch_id: int = 0,
+        tag: str = "",
+        only: Sequence[str] | None = None,
+    ) -> None:
+        """Under a split scheme, ask each party that enters a sum of ``selection`` (or only
+        those in ``only``) to seal its share, as the driver does, in party order."""
+        for k, name in enumerate(PARTIES):
+            if self.split and bool(selection[..., k].any()) and (only is None or name in only):
+                self.driver.send(
+                    SealRequest(
+                        **self._header(name, round, batch_id),
+                        **self._plan(selection, tag),
+                    )
+                )
+
+    def request_sum(
+        self, selection: Tensor, *, round: int = 0, batch_id: int = 0, tag: str = ""
+    ) -> SumMessage:
+        """Ask the server for the sums ``selection`` and take what the receiver gets."""
+        self.driver.send(
+            SumRequest(
+                **self._header(AGGREGATOR, round, batch_id),
+                **self._plan(selection, tag),
+            )
+        )
+        summed = self.driver.take("sum", sender=AGGREGATOR, round=round, batch_id=batch_id, tag=tag)
+        assert isinstance(summed, SumMessage)
+        return summed
+
+    def combine(
+        self,
+        messages: Sequence[RepresentationMessage],
+        selection: Tensor,
+        *,
+        round: int = 0,
+        batch_id: int = 0,
+        tag: str = "",
+    ) -> SumMessage:
+        """One sum as a run makes it: contributions, seal requests, the sum request."""
+        self.contribute(messages)
+        self.seal(selection, round=round, batch_id=batch_id, tag=tag)
+        return self.request_sum(selection, round=round, batch_id=batch_id, tag=tag)
+
+    def crossed(self, kind: type[M], sender: str | None = None) -> list[M]:
+        """The recorded messages of ``kind`` (from ``sender``), in order."""
+        return [
+            m for m in self.recorder.messages if isinstance(m, kind) and sender in (None, m.sender)
+        ]
+
+    @staticmethod
+    def _plan(selection: Tensor, tag: str) -> dict[str, Any]:
+        return {
+            "selection": selection,
+            "parties": tuple(PARTIES),
+            "deliver_to": RECEIVER,
+            "tag": tag,
+        }
+
+
 def combine(
-    aggregator: Aggregator,
+    backend: SumBackend,
     messages: list[RepresentationMessage],
     selection: Tensor,
     *,
@@ -160,22 +286,18 @@ def combine(
     batch_id: int = 0,
     tag: str = "",
 ) -> Tensor:
-    """The sums ``aggregator`` delivers to :data:`RECEIVER` for ``selection``."""
-    return aggregator.combine(
-        messages,
-        selection,
-        parties=PARTIES,
-        receiver=RECEIVER,
-        round=round,
-        batch_id=batch_id,
-        tag=tag,
-    ).sums
+    """The sums :data:`RECEIVER` gets for ``selection`` from a fresh federation of ``backend``."""
+    return (
+        SumParties(backend)
+        .combine(messages, selection, round=round, batch_id=batch_id, tag=tag)
+        .sums
+    )
 
 
 class AggregatorContract:
     """Behaviour every aggregation backend shares, checked against the plain oracle."""
 
-    def make_aggregator(self) -> Aggregator:
+    def make_aggregator(self) -> SumBackend:
         """A fresh backend under test."""
         raise NotImplementedError
 
@@ -194,14 +316,12 @@ class AggregatorContract:
 
     def test_random_selections_sum_like_the_plain_oracle(self) -> None:
         generator = torch.Generator().manual_seed(11)
-        aggregator = self.make_aggregator()
+        parties = SumParties(self.make_aggregator())
         for batch_id in range(3):
             present = torch.rand(32, 4, generator=generator) < 0.8
             messages = representations(present, 8, generator, round=5, batch_id=batch_id)
             selection = releasable_selection(present, 3, generator)
-            result = aggregator.combine(
-                messages, selection, parties=PARTIES, receiver=RECEIVER, round=5, batch_id=batch_id
-            )
+            result = parties.combine(messages, selection, round=5, batch_id=batch_id)
             self.assert_close_to_oracle(result.sums, messages, selection)
             assert torch.equal(result.counts, selection.sum(dim=2))
             assert (result.receiver, result.round, result.batch_id) == (RECEIVER, 5, batch_id)
@@ -214,9 +334,7 @@ class AggregatorContract:
         messages = representations(present, 6, generator, round=1, batch_id=0)
         assert party_name(2) not in {m.sender for m in messages}
         selection = releasable_selection(present, 4, generator)
-        result = self.make_aggregator().combine(
-            messages, selection, parties=PARTIES, receiver=RECEIVER, round=1, batch_id=0
-        )
+        result = SumParties(self.make_aggregator()).combine(messages, selection, round=1)
         self.assert_close_to_oracle(result.sums, messages, selection)
         nobody = selection.sum(dim=2) == 0
         assert bool((result.sums[nobody] == 0).all())
@@ -237,19 +355,15 @@ class AggregatorContract:
         present[3, 1] = False
         messages = representations(present, 4, generator, round=0, batch_id=0)
         selection = torch.zeros(1, 8, 4, dtype=torch.bool)
-        selection[0, 3, :2] = True
+        selection[0, 3, :3] = True  # party-1 is asked for its row 3
         with pytest.raises(ProtocolError, match="did not send"):
-            self.make_aggregator().combine(
-                messages, selection, parties=PARTIES, receiver=RECEIVER, round=0, batch_id=0
-            )
+            SumParties(self.make_aggregator()).combine(messages, selection)
 
 
 class SecureAggregatorContract(AggregatorContract):
-    """What every *secure* backend adds: refusals that leave no trace, and fresh contexts."""
-
-    def untouched(self, aggregator: Aggregator) -> bool:
-        """Whether ``aggregator`` holds no keys, ciphertexts or masks yet (backend-specific)."""
-        raise NotImplementedError
+    """What every *secure* backend adds: refusals before anything is sealed, and fresh
+    contexts. Each refusal is checked to have let nothing cross (no sealed share reached the
+    server) and to have spent no context: the same sum then succeeds."""
 
     def magnitude_limit(self) -> float:
         """The largest |value| the backend accepts (its fixed-point or encoding range)."""
@@ -257,65 +371,94 @@ class SecureAggregatorContract(AggregatorContract):
 
     def test_values_beyond_the_range_are_refused_and_spend_nothing(self) -> None:
         messages, selection = full_batch(8)
-        aggregator = self.make_aggregator()
+        parties = SumParties(self.make_aggregator())
+        assert bool(selection[..., 1].any())
         for bad in (-1.01 * self.magnitude_limit(), float("nan")):
             values = messages[1].representation.clone()
             values[0, 0] = bad
-            tampered = [*messages]
-            tampered[1] = dataclasses.replace(messages[1], representation=values)
+            parties.contribute([dataclasses.replace(messages[1], representation=values)])
             with pytest.raises(ProtocolError):
-                combine(aggregator, tampered, selection)
-            assert self.untouched(aggregator)
-        result = combine(aggregator, messages, selection)  # nothing was spent by the refusals
-        self.assert_close_to_oracle(result, messages, selection)
+                parties.seal(selection, only=[PARTIES[1]])
+            assert parties.crossed(SealedMessage) == []
+        # Nothing was spent by the refusals: every party seals this very sum.
+        result = parties.combine(messages, selection)
+        self.assert_close_to_oracle(result.sums, messages, selection)
+        assert len(parties.crossed(SealedMessage, PARTIES[1])) == 1
 
     def test_a_sum_over_a_single_contributor_is_refused_and_changes_nothing(self) -> None:
         messages, selection = full_batch(4)
-        aggregator = self.make_aggregator()
+        parties = SumParties(self.make_aggregator())
         lonely = selection.clone()
         lonely[0, 5] = False
         lonely[0, 5, 2] = True
         with pytest.raises(ProtocolError, match=r"single party.*task 0, row 5, party party-2"):
-            combine(aggregator, messages, lonely)
-        assert self.untouched(aggregator)
-        result = combine(aggregator, messages, selection)  # the same context is still fresh
-        self.assert_close_to_oracle(result, messages, selection)
+            parties.combine(messages, lonely)
+        assert parties.crossed(SealedMessage) == []
+        result = parties.combine(messages, selection)  # the same context is still fresh
+        self.assert_close_to_oracle(result.sums, messages, selection)
+
+    def test_the_server_refuses_a_sum_over_a_single_contributor_too(self) -> None:
+        messages, selection = full_batch(4)
+        parties = SumParties(self.make_aggregator())
+        parties.combine(messages, selection, tag="honest")
+        lonely = torch.zeros_like(selection)
+        lonely[0, :, 2] = True  # its shares were never asked for: the server refuses first
+        with pytest.raises(ProtocolError, match=r"single party.*task 0, row 0, party party-2"):
+            parties.request_sum(lonely, tag="lonely")
 
     def test_the_receivers_own_term_does_not_count_as_a_second_contributor(self) -> None:
         messages, selection = full_batch(4)
-        aggregator = self.make_aggregator()
+        parties = SumParties(self.make_aggregator())
         pair = selection.clone()
         pair[0, 3] = False
         pair[0, 3, 0] = True  # the receiver's own block ...
         pair[0, 3, 1] = True  # ... and one other: the receiver would learn party-1's term
         with pytest.raises(ProtocolError, match=r"to party-0.*row 3, party party-1"):
-            combine(aggregator, messages, pair)
-        assert self.untouched(aggregator)
+            parties.combine(messages, pair)
+        assert parties.crossed(SealedMessage) == []
         own = selection.clone()
         own[0, 3] = False
         own[0, 3, 0] = True  # the receiver's own term alone reveals nothing new
-        self.assert_close_to_oracle(combine(aggregator, messages, own), messages, own)
+        self.assert_close_to_oracle(parties.combine(messages, own).sums, messages, own)
 
     def test_a_sum_over_nobody_is_zero(self) -> None:
-        messages, _ = full_batch(5)
-        nobody = torch.zeros(1, 16, 4, dtype=torch.bool)
-        assert bool((combine(self.make_aggregator(), messages, nobody) == 0).all())
+        messages, selection = full_batch(5)
+        selection[0] = False  # task 0: nobody, beside sums with contributors
+        result = SumParties(self.make_aggregator()).combine(messages, selection)
+        assert bool((result.sums[0] == 0).all()) and bool((result.counts[0] == 0).all())
+        self.assert_close_to_oracle(result.sums, messages, selection)
+
+    def test_a_sealed_sum_nobody_entered_opens_to_zeros(self) -> None:
+        backend = self.make_aggregator()
+        assert isinstance(backend, SealingScheme)
+        adder, receiver = backend.adder(), backend.receiver()
+        key = receiver.public_key()
+        if key is not None:
+            adder.learn(RECEIVER, "receiver", key)
+        payload = adder.add({}, receiver=RECEIVER, shape=(2, 16, 8), parties=4)
+        counts = np.zeros((2, 16), dtype=np.int64)
+        opened = receiver.open(payload, counts=counts, width=8, parties=4)
+        assert opened.shape == (2, 16, 8) and not opened.any()
 
     def test_a_replayed_context_is_refused_and_another_tag_is_fresh(self) -> None:
         messages, selection = full_batch(6, round=3, batch_id=7)
-        aggregator = self.make_aggregator()
-        first = combine(aggregator, messages, selection, round=3, batch_id=7, tag="train")
+        parties = SumParties(self.make_aggregator())
+        first = parties.combine(messages, selection, round=3, batch_id=7, tag="train")
         with pytest.raises(ProtocolError, match=r"round 3, batch 7, tag 'train' was already"):
-            combine(aggregator, messages, selection, round=3, batch_id=7, tag="train")
-        again = combine(aggregator, messages, selection, round=3, batch_id=7, tag="predict/x")
-        self.assert_close_to_oracle(first, messages, selection)
-        self.assert_close_to_oracle(again, messages, selection)
+            parties.seal(selection, round=3, batch_id=7, tag="train")
+        with pytest.raises(ProtocolError, match=r"round 3, batch 7, tag 'train' was already"):
+            parties.server.receive(parties.crossed(SealedMessage, PARTIES[1])[-1])
+        again = parties.combine(messages, selection, round=3, batch_id=7, tag="predict/x")
+        self.assert_close_to_oracle(first.sums, messages, selection)
+        self.assert_close_to_oracle(again.sums, messages, selection)
 
-    def test_a_message_replayed_from_another_round_or_batch_is_refused(self) -> None:
+    def test_a_representation_from_another_round_or_batch_is_not_sealed(self) -> None:
         messages, selection = full_batch(7, round=3, batch_id=7)
-        aggregator = self.make_aggregator()
-        with pytest.raises(ProtocolError, match=r"round 4, batch 7 expected, found .* round 3"):
-            combine(aggregator, messages, selection, round=4, batch_id=7)
-        with pytest.raises(ProtocolError, match=r"batch 8 expected, found .* batch 7"):
-            combine(aggregator, messages, selection, round=3, batch_id=8)
-        assert self.untouched(aggregator)
+        parties = SumParties(self.make_aggregator())
+        parties.contribute(messages)
+        for round, batch_id in ((4, 7), (3, 8)):
+            with pytest.raises(ProtocolError, match="did not send"):
+                parties.seal(selection, round=round, batch_id=batch_id)
+        assert parties.crossed(SealedMessage) == []
+        result = parties.combine(messages, selection, round=3, batch_id=7)
+        self.assert_close_to_oracle(result.sums, messages, selection)

@@ -5,6 +5,7 @@ corrupted bytes, packing, and LASER through it."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -12,8 +13,8 @@ import tenseal as ts
 import torch
 from aggregator_contract import (
     PARTIES,
-    RECEIVER,
     SecureAggregatorContract,
+    SumParties,
     combine,
     full_batch,
     oracle,
@@ -28,15 +29,19 @@ from protocols.ckks import (
     public_context_bytes,
 )
 from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
-from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
-from secure_vfl.federation.messages import RepresentationMessage
+from secure_vfl.federation.aggregator import PlainAggregator, SumBackend
+from secure_vfl.federation.messages import (
+    RepresentationMessage,
+    SealedMessage,
+    SealedSumMessage,
+)
 from secure_vfl.methods import MethodConfig
 from secure_vfl.methods.base import in_process_parties
 from secure_vfl.methods.laser import MeanFusionMethod
 
 
 class TestCkksAggregatorContract(SecureAggregatorContract):
-    def make_aggregator(self) -> Aggregator:
+    def make_aggregator(self) -> SumBackend:
         return CkksAggregator()
 
     def step(self, parties: int) -> float:
@@ -44,10 +49,6 @@ class TestCkksAggregatorContract(SecureAggregatorContract):
 
     def magnitude_limit(self) -> float:
         return CkksAggregator().max_magnitude
-
-    def untouched(self, aggregator: Aggregator) -> bool:
-        assert isinstance(aggregator, CkksAggregator)
-        return aggregator.last_ciphertexts == {} and aggregator.secret_contexts == {}
 
 
 def within_bound(
@@ -59,9 +60,22 @@ def within_bound(
     return float(((sums.double() - expected).abs() - bound).max())
 
 
+class Tap:
+    """A channel layer that rewrites ``sender``'s sealed share's ciphertexts in transit."""
+
+    def __init__(self, sender: str, rewrite: Callable[[list[bytes]], list[bytes]]) -> None:
+        self.sender, self.rewrite = sender, rewrite
+
+    def on_message(self, message):  # type: ignore[no-untyped-def]
+        if not isinstance(message, SealedMessage) or message.sender != self.sender:
+            return message
+        return dataclasses.replace(message, payload=tuple(self.rewrite(list(message.payload))))
+
+
 def test_the_secure_sum_is_within_the_stated_bound_of_the_float64_sum() -> None:
     aggregator = CkksAggregator()
     assert aggregator.step(4) == 4 * 2.0**-20
+    parties = SumParties(aggregator)
     generator = torch.Generator().manual_seed(1)
     for batch_id, scale in enumerate([1.0, 100.0, aggregator.max_magnitude]):
         messages, selection = full_batch(1, batch=64, width=16, tasks=3, batch_id=batch_id)
@@ -74,7 +88,7 @@ def test_the_secure_sum_is_within_the_stated_bound_of_the_float64_sum() -> None:
             )
             for m in messages
         ]
-        sums = combine(aggregator, messages, selection, batch_id=batch_id)
+        sums = parties.combine(messages, selection, batch_id=batch_id).sums
         assert sums.dtype == torch.float32
         assert within_bound(sums, messages, selection) <= 0.0
         expected, _ = oracle(messages, selection)
@@ -88,13 +102,14 @@ def test_a_contribution_is_packed_into_n_over_2_slot_vectors() -> None:
     selection = torch.zeros(1, 256, 4, dtype=torch.bool)
     selection[0, :, :3] = True
     aggregator = CkksAggregator()
-    result = combine(aggregator, messages, selection)
+    parties = SumParties(aggregator)
+    result = parties.combine(messages, selection)
     assert aggregator.slots == 4096
-    assert set(aggregator.last_ciphertexts) == set(PARTIES[:3])  # party-3 entered no sum
-    assert all(len(sent) == 4 for sent in aggregator.last_ciphertexts.values())
-    assert all(isinstance(c, bytes) for sent in aggregator.last_ciphertexts.values() for c in sent)
-    assert len(aggregator.last_sum) == 4
-    assert within_bound(result, messages, selection) <= 0.0
+    shares = parties.crossed(SealedMessage)
+    assert {m.sender for m in shares} == set(PARTIES[:3])  # party-3 entered no sum
+    assert all(len(m.payload) == 4 for m in shares)
+    assert len(parties.crossed(SealedSumMessage)[-1].payload) == 4
+    assert within_bound(result.sums, messages, selection) <= 0.0
 
 
 def test_the_public_context_cannot_decrypt_and_carries_no_secret_key() -> None:
@@ -113,10 +128,10 @@ def test_the_public_context_cannot_decrypt_and_carries_no_secret_key() -> None:
     # A context published with its secret key is refused by a sender.
     with pytest.raises(ProtocolError, match="must not hold the secret key"):
         load_public_context(secret.serialize(save_secret_key=True))
-    # The aggregator's own published context has no secret key either.
-    aggregator = CkksAggregator()
-    assert not ts.context_from(aggregator.setup(RECEIVER)).has_secret_key()
-    assert not aggregator.public_context(RECEIVER).has_secret_key()
+    # What a receiver half announces has no secret key either.
+    announced = CkksAggregator().receiver().public_key()
+    assert not ts.context_from(announced).has_secret_key()
+    assert not load_public_context(announced).has_secret_key()
 
 
 def test_the_ckks_range_is_stated_in_the_refusal() -> None:
@@ -135,49 +150,48 @@ def test_the_ckks_range_is_stated_in_the_refusal() -> None:
 
 def test_decrypting_with_another_secret_key_is_detected() -> None:
     messages, selection = full_batch(9)
-    aggregator = CkksAggregator()
-    combine(aggregator, messages, selection)
-    # Garbage far outside the bound: the other key decrypts the sum to ~1e18.
+    parties = SumParties(CkksAggregator())
+    parties.combine(messages, selection)
+    # Garbage far outside the bound: another key decrypts the sum to ~1e18.
     stranger = make_secret_context()
-    garbage = ts.ckks_vector_from(stranger, aggregator.last_sum[0]).decrypt()
+    summed = parties.crossed(SealedSumMessage)[-1].payload[0]
+    garbage = ts.ckks_vector_from(stranger, summed).decrypt()
     assert float(np.abs(garbage).max()) > 1e6
-    aggregator.secret_contexts[RECEIVER] = stranger  # not the published key's
+    # The receiver swaps in another secret context's half without announcing it.
+    receiver = parties.parties[PARTIES[0]]
+    receiver.install("ckks", receiver.sealer, CkksAggregator().receiver())
     messages, selection = full_batch(9, batch_id=1)
     with pytest.raises(IntegrityError, match="wrong key"):
-        combine(aggregator, messages, selection, batch_id=1)
+        parties.combine(messages, selection, batch_id=1)
 
 
 def test_corrupted_ciphertext_bytes_are_refused() -> None:
-    def corrupt_header(sender: str, sent: list[bytes]) -> list[bytes]:
-        if sender != PARTIES[2]:
-            return sent
+    def corrupt_header(sent: list[bytes]) -> list[bytes]:
         broken = bytearray(sent[0])
         broken[10] ^= 0xFF
         return [bytes(broken), *sent[1:]]
 
-    def truncate(sender: str, sent: list[bytes]) -> list[bytes]:
-        return [sent[0][:100], *sent[1:]] if sender == PARTIES[1] else sent
+    def truncate(sent: list[bytes]) -> list[bytes]:
+        return [sent[0][:100], *sent[1:]]
 
-    def corrupt_body(sender: str, sent: list[bytes]) -> list[bytes]:
-        if sender != PARTIES[3]:
-            return sent
+    def corrupt_body(sent: list[bytes]) -> list[bytes]:
         broken = bytearray(sent[0])
         broken[len(broken) // 2] ^= 0xFF  # parses, but the sum decrypts to garbage
         return [bytes(broken), *sent[1:]]
 
-    def drop(sender: str, sent: list[bytes]) -> list[bytes]:
-        return [] if sender == PARTIES[0] else sent
+    def drop(sent: list[bytes]) -> list[bytes]:
+        return []
 
     messages, selection = full_batch(10)
     selection[0, 0, :] = True
     for tap, pattern in [
-        (corrupt_header, "from party-2 does not deserialize"),
-        (truncate, "from party-1 does not deserialize"),
-        (corrupt_body, "tampered with"),
-        (drop, "1 ciphertexts expected from party-0, found 0"),
+        (Tap(PARTIES[2], corrupt_header), "from party-2 does not deserialize"),
+        (Tap(PARTIES[1], truncate), "from party-1 does not deserialize"),
+        (Tap(PARTIES[3], corrupt_body), "tampered with"),
+        (Tap(PARTIES[0], drop), "1 ciphertexts expected from party-0, found 0"),
     ]:
         with pytest.raises(IntegrityError, match=pattern):
-            combine(CkksAggregator(wire=tap), messages, selection)
+            SumParties(CkksAggregator(), layers=[tap]).combine(messages, selection)
 
 
 def test_whole_vector_sums_work_through_split_ckks() -> None:

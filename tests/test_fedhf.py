@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from protocols.secagg import MaskingAggregator
 from secure_vfl.data.imputation import ClientData, ImputationTask
-from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
+from secure_vfl.federation.aggregator import PlainAggregator
 from secure_vfl.federation.channel import Channel, RecordingLayer
 from secure_vfl.federation.messages import (
     AGGREGATOR,
@@ -243,7 +243,7 @@ def _uneven(task: ImputationTask, rows: tuple[int, ...]) -> ImputationTask:
 
 @pytest.mark.parametrize("aggregator", [PlainAggregator, MaskingAggregator], ids=["plain", "masks"])
 def test_a_fedavg_round_gives_the_row_weighted_average_of_the_clients_models(
-    aggregator: type[Aggregator],
+    aggregator: type[PlainAggregator | MaskingAggregator],
 ) -> None:
     """Eq. 8 by messages: each client sends [n_k / N theta_k, n_k / N] after its local epochs
     and the coordinator's average is sum_k n_k theta_k / sum_k n_k of the clients' own models."""

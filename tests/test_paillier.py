@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ from aggregator_contract import (
     PARTIES,
     RECEIVER,
     SecureAggregatorContract,
+    SumParties,
     combine,
     full_batch,
     vector_sum,
@@ -22,16 +24,27 @@ from conftest import MakeData
 from phe import paillier
 from torch import Tensor
 
-from protocols.paillier import KeyPair, PackingLayout, PaillierAggregator, generate_key_pair
+from protocols.paillier import (
+    KeyPair,
+    PackingLayout,
+    PaillierAggregator,
+    PaillierSender,
+    generate_key_pair,
+)
 from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
-from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
-from secure_vfl.federation.messages import RepresentationMessage
+from secure_vfl.federation.aggregator import PlainAggregator, SumBackend
+from secure_vfl.federation.messages import (
+    Message,
+    PublicKeyMessage,
+    RepresentationMessage,
+    SealedMessage,
+    SealedSumMessage,
+)
 from secure_vfl.methods import MethodConfig
 from secure_vfl.methods.base import in_process_parties
 from secure_vfl.methods.laser import MeanFusionMethod
 
 SMALL_KEY = 1024
-Ciphertexts = list[paillier.EncryptedNumber]
 
 
 def cached_key_pair(index: int, bits: int = SMALL_KEY) -> KeyPair:
@@ -56,8 +69,30 @@ def paillier_aggregator(seed: int = 0, **kwargs: object) -> PaillierAggregator:
     return PaillierAggregator(**options)  # type: ignore[arg-type]
 
 
+def ciphertexts(message: Message) -> list[int]:
+    """The Paillier ciphertexts of a sealed share or sum as they crossed."""
+    assert isinstance(message, SealedMessage | SealedSumMessage)
+    return [int.from_bytes(item, "big") for item in message.payload]
+
+
+class Replace:
+    """A channel layer that rewrites the first ciphertext of ``sender``'s sealed share."""
+
+    def __init__(self, sender: str, rewrite: Callable[[int], int]) -> None:
+        self.sender, self.rewrite = sender, rewrite
+
+    def on_message(self, message):  # type: ignore[no-untyped-def]
+        if not isinstance(message, SealedMessage) or message.sender != self.sender:
+            return message
+        first = self.rewrite(int.from_bytes(message.payload[0], "big"))
+        width = len(message.payload[0])
+        return dataclasses.replace(
+            message, payload=(first.to_bytes(width, "big"), *message.payload[1:])
+        )
+
+
 class TestPaillierAggregatorContract(SecureAggregatorContract):
-    def make_aggregator(self) -> Aggregator:
+    def make_aggregator(self) -> SumBackend:
         return paillier_aggregator()
 
     def step(self, parties: int) -> float:
@@ -65,14 +100,6 @@ class TestPaillierAggregatorContract(SecureAggregatorContract):
 
     def magnitude_limit(self) -> float:
         return paillier_aggregator().limit()
-
-    def untouched(self, aggregator: Aggregator) -> bool:
-        assert isinstance(aggregator, PaillierAggregator)
-        return (
-            aggregator.last_ciphertexts == {}
-            and aggregator.public_keys == {}
-            and aggregator.pools == {}
-        )
 
 
 def rounded_sums(
@@ -96,7 +123,8 @@ def test_the_secure_sum_is_the_exact_sum_of_the_rounded_values() -> None:
 def test_a_stock_phe_private_key_decrypts_the_sum_to_the_expected_packed_integer() -> None:
     messages, selection = full_batch(2, batch=8, width=4)
     aggregator = paillier_aggregator()
-    combine(aggregator, messages, selection)
+    parties = SumParties(aggregator)
+    parties.combine(messages, selection)
     layout = aggregator.layout(4)
     assert (layout.slot_bits, layout.slots) == (32 + 2 + 1, 1023 // 35)
     # Independent oracle: sum over contributors of (round(x * 2^16) + 2^31) per slot, in
@@ -113,13 +141,13 @@ def test_a_stock_phe_private_key_decrypts_the_sum_to_the_expected_packed_integer
         sum(v << (35 * i) for i, v in enumerate(slot_values[start : start + layout.slots]))
         for start in range(0, len(slot_values), layout.slots)
     ]
-    _, stock_key = cached_key_pair(0)
+    stock_public, stock_key = cached_key_pair(0)
     assert isinstance(stock_key, paillier.PaillierPrivateKey)
-    assert all(isinstance(c, paillier.EncryptedNumber) for c in aggregator.last_sum)
-    decrypted = [stock_key.raw_decrypt(c.ciphertext(be_secure=False)) for c in aggregator.last_sum]
-    assert decrypted == expected
+    summed = ciphertexts(parties.crossed(SealedSumMessage)[-1])
+    assert all(0 < c < stock_public.nsquare for c in summed)
+    assert [stock_key.raw_decrypt(c) for c in summed] == expected
     # A single party's ciphertext decrypts to its own offset slots (zero where not selected).
-    first = stock_key.raw_decrypt(aggregator.last_ciphertexts[PARTIES[1]][0].ciphertext(False))
+    first = stock_key.raw_decrypt(ciphertexts(parties.crossed(SealedMessage, PARTIES[1])[-1])[0])
     mine = [
         int(encoded[1, b, j]) + 2**31 if chosen[t, b, 1] else 0
         for t in range(chosen.shape[0])
@@ -141,10 +169,7 @@ def test_slots_of_sums_a_party_does_not_enter_carry_no_offset() -> None:
     selection[0, 2, [1, 2, 3]] = True
     selection[0, 3, :] = True
     selection[1, 0, [2, 3]] = True
-    aggregator = paillier_aggregator()
-    result = aggregator.combine(
-        messages, selection, parties=PARTIES, receiver=RECEIVER, round=0, batch_id=0
-    )
+    result = SumParties(paillier_aggregator()).combine(messages, selection)
     integers, _ = rounded_sums(messages, selection, 16)
     assert torch.equal(result.sums, torch.from_numpy(integers / 2.0**16).float())
     assert bool((result.sums[0, 0] == 0).all()) and bool((result.sums[1, 1:] == 0).all())
@@ -174,38 +199,38 @@ def test_the_fixed_point_range_is_stated_in_the_refusal() -> None:
 
 def test_decrypting_with_another_key_pair_is_detected() -> None:
     messages, selection = full_batch(9)
-    aggregator = paillier_aggregator()
-    combine(aggregator, messages, selection)
-    aggregator.private_keys[RECEIVER] = cached_key_pair(1)[1]  # not the published key's
+    parties = SumParties(paillier_aggregator())
+    parties.combine(messages, selection)
+    # The receiver's half now decrypts with another key pair's private key, while everyone
+    # still encrypts under the published public key.
+    published, _ = cached_key_pair(0)
+    mismatched = paillier_aggregator(key_generator=lambda bits: (published, cached_key_pair(1)[1]))
+    receiver = parties.parties[RECEIVER]
+    receiver.install("paillier", receiver.sealer, mismatched.receiver())
     messages, selection = full_batch(9, batch_id=1)
     with pytest.raises(IntegrityError, match="wrong key"):
-        combine(aggregator, messages, selection, batch_id=1)
+        parties.combine(messages, selection, batch_id=1)
 
 
 def test_a_ciphertext_replaced_in_transit_is_detected() -> None:
-    def replace(sender: str, sent: Ciphertexts) -> Ciphertexts:
-        if sender != PARTIES[2]:
-            return sent
-        forged = sent[0].public_key.encrypt(random.Random(1).getrandbits(1000))
-        return [forged, *sent[1:]]
-
+    public, _ = cached_key_pair(0)
+    forged = public.raw_encrypt(random.Random(1).getrandbits(1000), r_value=12345)
     messages, selection = full_batch(10)
+    parties = SumParties(paillier_aggregator(), layers=[Replace(PARTIES[2], lambda _: forged)])
     with pytest.raises(IntegrityError, match="tampered"):
-        combine(paillier_aggregator(wire=replace), messages, selection)
+        parties.combine(messages, selection)
 
 
 def test_a_homomorphic_shift_in_transit_moves_the_sum_undetected() -> None:
     # Paillier is malleable: adding E(2^16 << 35 * 2), a valid +1.0 in slot 2, goes unnoticed.
-    def shift(sender: str, sent: Ciphertexts) -> Ciphertexts:
-        if sender != PARTIES[1]:
-            return sent
-        return [sent[0] + sent[0].public_key.encrypt(2**16 << (35 * 2)), *sent[1:]]
-
+    public, _ = cached_key_pair(0)
+    shift = public.raw_encrypt(2**16 << (35 * 2), r_value=12345)
     messages, selection = full_batch(11)
     selection[0, 0, :] = True
     honest = combine(paillier_aggregator(), messages, selection)
-    tampered = combine(paillier_aggregator(wire=shift), messages, selection)
-    moved = (tampered - honest).abs()
+    layer = Replace(PARTIES[1], lambda c: c * shift % public.nsquare)
+    tampered = SumParties(paillier_aggregator(), layers=[layer]).combine(messages, selection)
+    moved = (tampered.sums - honest).abs()
     assert float(moved[0, 0, 2]) == pytest.approx(1.0, abs=1e-4)
     moved[0, 0, 2] = 0
     assert float(moved.max()) == 0.0
@@ -214,14 +239,18 @@ def test_a_homomorphic_shift_in_transit_moves_the_sum_undetected() -> None:
 def test_obfuscators_come_from_the_pool_and_are_never_reused() -> None:
     messages, selection = full_batch(12)
     aggregator = paillier_aggregator()
-    aggregator.prepare(PARTIES, RECEIVER, obfuscators=20)
-    pool = aggregator.pool(PARTIES[0], RECEIVER)
+    parties = SumParties(aggregator)
+    senders = [party.sealer for party in parties.parties.values()]
+    assert all(isinstance(sender, PaillierSender) for sender in senders)
+    for sender in senders:
+        sender.prepare(RECEIVER, obfuscators=20)  # type: ignore[union-attr]
+    pool = senders[0].pool(RECEIVER)  # type: ignore[union-attr]
     assert (len(pool), pool.generated) == (20, 20)
-    combine(aggregator, messages, selection)
+    parties.combine(messages, selection)
     used = aggregator.layout(4).ciphertexts(2 * 16 * 8)
     assert (len(pool), pool.generated) == (20 - used, 20)
-    seen = [c.ciphertext(False) for cs in aggregator.last_ciphertexts.values() for c in cs]
-    assert len(set(seen)) == len(seen)
+    seen = [c for m in parties.crossed(SealedMessage) for c in ciphertexts(m)]
+    assert len(seen) == 4 * used and len(set(seen)) == len(seen)
     pool.draw(len(pool) + 3)  # a shortfall refills on demand
     assert (len(pool), pool.generated) == (0, 23)
 
@@ -241,9 +270,12 @@ def test_the_default_2048_bit_key_sums_exactly() -> None:
     )
     integers, _ = rounded_sums(messages, selection, 16)
     expected = torch.from_numpy(integers / 2.0**16).float()
-    assert torch.equal(combine(aggregator, messages, selection), expected)
+    parties = SumParties(aggregator)
+    assert torch.equal(parties.combine(messages, selection).sums, expected)
     assert aggregator.layout(4).slots == 2047 // 35
-    assert aggregator.public_keys[RECEIVER].n.bit_length() == 2048
+    announced = parties.crossed(PublicKeyMessage, RECEIVER)
+    assert announced and {m.role for m in announced} == {"receiver"}
+    assert int.from_bytes(announced[0].key, "big").bit_length() == 2048
 
 
 def test_configuration_out_of_range_is_refused() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -11,9 +12,12 @@ from conftest import MakeData
 from protocols.dp import EmbeddingNoise, GradientNoise
 from protocols.privacy import PrivacyEngine, PrivacySpec
 from protocols.secagg import MaskingAggregator
+from secure_vfl.cli import main
 from secure_vfl.errors import ConfigError
+from secure_vfl.experiment import ImputeRunConfig, TrainConfig, run_imputation, run_training
 from secure_vfl.methods import METHODS, MethodConfig
 from secure_vfl.methods.base import in_process_parties
+from secure_vfl.methods.imputation import ImputeConfig
 
 
 def _private_run(make_data: MakeData, heads: str, spec: PrivacySpec):  # type: ignore[no-untyped-def]
@@ -105,3 +109,36 @@ def test_methods_that_cannot_host_a_mechanism_are_refused() -> None:
     with pytest.raises(ConfigError, match="not available for false-vfl-1"):
         engine.refuse("false-vfl-1")
     PrivacyEngine(PrivacySpec()).refuse("false-vfl-1")  # nothing asked: nothing refused
+
+
+@pytest.mark.usefixtures("one_thread")  # bit for bit: one torch thread
+def test_an_imputation_run_takes_the_engine_as_one_object_as_the_cli_does(tmp_path: Path) -> None:
+    argv = ["impute", "--method", "fedhf", "--dataset", "ozone", "--rounds", "1", "--quiet"]
+    argv += ["--secure-agg", "masks", "--dp-statistics", "2:1.5", "--out", str(tmp_path / "r")]
+    assert main(argv) == 0
+    cli = json.loads((tmp_path / "r" / "result.json").read_text())
+    flags = cli["config"]
+    config = ImputeRunConfig(
+        method="fedhf",
+        dataset="ozone",
+        clients=flags["clients"],
+        availability=flags["availability"],
+        seed=flags["seed"],
+        impute_config=ImputeConfig(**flags["impute_config"]),
+    )
+    spec = PrivacySpec(secure_agg="masks", dp_statistics=(2.0, 1.5))
+    result, _ = run_imputation(config, privacy=PrivacyEngine(spec))
+    assert result.aggregator == "MaskingAggregator"  # the engine chose the backend
+    assert result.privacy is not None
+    assert set(result.privacy["epsilon"]) == set(result.rmse_per_client)
+    assert (result.rmse, result.validation_curve) == (cli["rmse"], cli["validation_curve"])
+    assert result.privacy == cli["privacy"]
+
+
+def test_each_kind_of_run_refuses_the_mechanisms_of_the_other() -> None:
+    training_noise = PrivacyEngine(PrivacySpec(dp_gradients=(1.0, 0.1)))
+    with pytest.raises(ConfigError, match=r"expected no mechanism of training\. Found --dp-grad"):
+        run_imputation(ImputeRunConfig(method="fed-mean", dataset="ozone"), privacy=training_noise)
+    statistics_noise = PrivacyEngine(PrivacySpec(dp_statistics=(1.0, 1.0)))
+    with pytest.raises(ConfigError, match="training laser expected --dp-embeddings"):
+        run_training(TrainConfig(method="laser", dataset="iris"), privacy=statistics_noise)

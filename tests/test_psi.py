@@ -1,6 +1,6 @@
 """DH-PSI over X25519 (protocols/psi/ and protocols/psi_kernel.py): correctness against a
-plaintext oracle, what the requester learns, refusal of degenerate or replayed messages, and the
-PSI aligner contract."""
+plaintext oracle, what the requester learns, refusal of degenerate or replayed messages, either
+side replaced by a registered role, and the PSI aligner contract."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from protocols.psi import (
     mask_points,
     run_psi,
 )
-from secure_vfl.errors import IntegrityError, ProtocolError
+from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError, RegistryError
 from secure_vfl.federation.alignment import JoinAligner
 from secure_vfl.federation.channel import (
     Channel,
@@ -44,6 +44,8 @@ from secure_vfl.federation.channel import (
     RecordingLayer,
     read_capture,
 )
+from secure_vfl.federation.messages import Message
+from secure_vfl.federation.parties import ROLES, Party
 
 KEY_A = bytes(range(1, 33))
 KEY_B = bytes(range(101, 133))
@@ -581,3 +583,85 @@ def test_a_party_refuses_a_replayed_or_unasked_message_and_keeps_its_state():
     with pytest.raises(ProtocolError, match=r"found 1 more: \[\('psi-response', 1, 0\)\]"):
         requester.intersect("responder", session_id="s")
     assert requester._sessions["responder"].responses == 0  # the response was not taken in
+
+
+class _KeepsWhatItReceives(Party):
+    """A side that keeps every message delivered to it (what a curious party would study)."""
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        self.received: list[Message] = []
+
+    def receive(self, message: Message) -> None:
+        self.received.append(message)
+        super().receive(message)
+
+
+class _RecordingRequester(_KeepsWhatItReceives, PsiRequester):
+    pass
+
+
+class _RecordingResponder(_KeepsWhatItReceives, PsiResponder):
+    pass
+
+
+ROLES.register("test-recording-psi-requester", _RecordingRequester)
+ROLES.register("test-recording-psi-responder", _RecordingResponder)
+
+
+def test_both_sides_of_psi_are_registered_roles() -> None:
+    assert ROLES.get("psi-requester") is PsiRequester
+    assert ROLES.get("psi-responder") is PsiResponder
+
+
+@pytest.mark.parametrize(
+    ("side", "role", "kinds"),
+    [
+        ("requester", "test-recording-psi-requester", {"psi-response"}),
+        ("responder", "test-recording-psi-responder", {"psi-request", "psi-next"}),
+    ],
+)
+def test_a_registered_role_replaces_a_side_and_sees_only_its_own_messages(
+    side: str, role: str, kinds: set[str]
+) -> None:
+    mine = [f"user-{i}" for i in range(0, 200)]
+    theirs = [f"user-{i}" for i in range(100, 500)]  # a longer stream: the requester asks on
+    options = {"key_mine": KEY_A, "key_theirs": KEY_B, "workers": 1, "chunk_size": 64}
+    honest = run_psi(mine, theirs, rng=np.random.default_rng(5), **options)  # type: ignore[arg-type]
+    recorder = RecordingLayer()
+    channel = Channel([recorder])
+    result = run_psi(
+        mine,
+        theirs,
+        rng=np.random.default_rng(5),
+        channel=channel,
+        roles={side: role},
+        **options,  # type: ignore[arg-type]
+    )
+    assert result.indices is not None and honest.indices is not None
+    assert np.array_equal(result.indices, honest.indices) and result.size == honest.size == 100
+    parties = channel.parties
+    replaced = parties[side]
+    assert type(replaced) is ROLES.get(role)
+    assert {type(p) for name, p in parties.items() if name != side} <= {PsiRequester, PsiResponder}
+    # It got exactly the messages addressed to it, in the order they crossed, and no other.
+    addressed = [m for m in recorder.messages if m.receiver == side]
+    assert replaced.received == addressed  # type: ignore[attr-defined]
+    assert {m.kind for m in addressed} == kinds and len(addressed) > 2
+    assert len(addressed) < len(recorder.messages)
+
+
+def test_psi_roles_refuse_unknown_names_parties_and_sides() -> None:
+    ids = ["a", "b"]
+    with pytest.raises(
+        RegistryError, match=r"unknown role 'spy'; expected one of: .*psi-responder"
+    ):
+        run_psi(ids, ids, workers=1, roles={"responder": "spy"})
+    with pytest.raises(ConfigError, match="can replace the requester and the responder of a PSI"):
+        run_psi(ids, ids, workers=1, roles={"label-party": "psi-requester"})
+    with pytest.raises(ConfigError, match=r"responder of a PSI run plays a PsiResponder .* is Psi"):
+        run_psi(ids, ids, workers=1, roles={"responder": "psi-requester"})
+    with pytest.raises(
+        ConfigError, match=r"requester of a PSI run plays a PsiRequester .* DataParty"
+    ):
+        run_psi(ids, ids, workers=1, roles={"requester": "data-party"})

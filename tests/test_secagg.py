@@ -4,6 +4,7 @@ the wire, refusals that change nothing, dropouts, and LASER / FedAvg trained thr
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
@@ -13,23 +14,33 @@ from aggregator_contract import (
     RECEIVER,
     AggregatorContract,
     SecureAggregatorContract,
+    SumParties,
     combine,
     full_batch,
     oracle,
     representations,
 )
 from conftest import MakeData
-from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from test_fedhf import synthetic_task
+from torch import Tensor
 
 from protocols.secagg import (
     MaskingAggregator,
+    MaskReceiver,
+    MaskSender,
     decode_fixed_point,
     encode_fixed_point,
     fixed_point_limit,
 )
 from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
-from secure_vfl.federation.aggregator import Aggregator, PlainAggregator
+from secure_vfl.federation.aggregator import PlainAggregator, SumBackend, sum_context
+from secure_vfl.federation.messages import (
+    Message,
+    PublicKeyMessage,
+    RepresentationMessage,
+    SealedMessage,
+    SealedSumMessage,
+)
 from secure_vfl.methods import MethodConfig
 from secure_vfl.methods.base import in_process_parties
 from secure_vfl.methods.imputation import IMPUTERS, ImputeConfig
@@ -41,13 +52,19 @@ def masking(seed: int = 0, **kwargs: object) -> MaskingAggregator:
     return MaskingAggregator(entropy=np.random.default_rng(seed).bytes, **kwargs)  # type: ignore[arg-type]
 
 
+def ring(message: Message) -> np.ndarray:
+    """The uint64 ring elements of a sealed share or sum as they crossed."""
+    assert isinstance(message, SealedMessage | SealedSumMessage)
+    return np.frombuffer(message.payload[0], dtype="<u8").astype(np.uint64)
+
+
 class TestPlainAggregatorContract(AggregatorContract):
-    def make_aggregator(self) -> Aggregator:
+    def make_aggregator(self) -> SumBackend:
         return PlainAggregator()
 
 
 class TestMaskingAggregatorContract(SecureAggregatorContract):
-    def make_aggregator(self) -> Aggregator:
+    def make_aggregator(self) -> SumBackend:
         return masking()
 
     def step(self, parties: int) -> float:
@@ -56,10 +73,6 @@ class TestMaskingAggregatorContract(SecureAggregatorContract):
     def magnitude_limit(self) -> float:
         return fixed_point_limit(24, 4)
 
-    def untouched(self, aggregator: Aggregator) -> bool:
-        assert isinstance(aggregator, MaskingAggregator)
-        return aggregator.last_masked == {} and aggregator.party_keys == {}
-
 
 def test_the_secure_sum_is_the_exact_ring_sum_of_the_rounded_values() -> None:
     messages, selection = full_batch(1, batch=64, tasks=4)
@@ -67,8 +80,8 @@ def test_the_secure_sum_is_the_exact_ring_sum_of_the_rounded_values() -> None:
     dense = torch.stack([m.representation for m in messages]).numpy()
     encoded = encode_fixed_point(dense, fraction_bits=aggregator.fraction_bits, parties=4)
     chosen = selection.numpy().astype(np.uint64)
-    ring = np.einsum("tbk,kbd->tbd", chosen, encoded)  # uint64: wraps like the protocol
-    expected = decode_fixed_point(ring, fraction_bits=aggregator.fraction_bits)
+    ring_sum = np.einsum("tbk,kbd->tbd", chosen, encoded)  # uint64: wraps like the protocol
+    expected = decode_fixed_point(ring_sum, fraction_bits=aggregator.fraction_bits)
     assert torch.equal(combine(aggregator, messages, selection), torch.from_numpy(expected).float())
 
 
@@ -84,15 +97,15 @@ def test_masked_contributions_look_uniform_whatever_the_value() -> None:
     generator = torch.Generator().manual_seed(2)
     present = torch.ones(128, 4, dtype=torch.bool)
     selection = torch.ones(2, 128, 4, dtype=torch.bool)
-    aggregator = masking()
+    parties = SumParties(masking())
     observed = []
     for batch_id, scale in enumerate([0.0, 1000.0]):
         messages = representations(present, 16, generator, round=0, batch_id=batch_id)
         messages = [
             dataclasses.replace(m, representation=m.representation * 0 + scale) for m in messages
         ]
-        combine(aggregator, messages, selection, batch_id=batch_id)
-        masked = aggregator.last_masked[PARTIES[1]]
+        parties.combine(messages, selection, batch_id=batch_id)
+        masked = ring(parties.crossed(SealedMessage, PARTIES[1])[-1])  # as the server got it
         encoded = encode_fixed_point(np.full(masked.shape, scale), fraction_bits=24, parties=4)
         assert not np.any(masked == encoded)
         observed.append(masked)
@@ -100,7 +113,7 @@ def test_masked_contributions_look_uniform_whatever_the_value() -> None:
         top_bit = (masked >> np.uint64(63)).astype(np.float64)
         assert abs(top_bit.mean() - 0.5) < 0.03
         assert abs((masked / 2.0**64).mean() - 0.5) < 0.03
-    assert set(aggregator.last_masked) == set(PARTIES)
+    assert {m.sender for m in parties.crossed(SealedMessage)} == set(PARTIES)
 
 
 def test_a_value_that_could_overflow_the_ring_is_refused() -> None:
@@ -109,84 +122,185 @@ def test_a_value_that_could_overflow_the_ring_is_refused() -> None:
     big = messages[1].representation.clone()
     big[0, 0] = 1.01 * limit
     messages[1] = dataclasses.replace(messages[1], representation=big)
-    aggregator = masking()
+    parties = SumParties(masking())
     with pytest.raises(ProtocolError, match=r"overflows the fixed-point ring.*must be <= 6\.87"):
-        combine(aggregator, messages, selection)
-    assert aggregator.last_masked == {} and aggregator.party_keys == {}
+        parties.combine(messages, selection)
+    assert parties.crossed(SealedMessage, PARTIES[1]) == []
 
 
 def test_a_party_with_a_replaced_key_breaks_the_sum_and_is_detected() -> None:
     messages, selection = full_batch(8)
     aggregator = masking()
-    combine(aggregator, messages, selection)
-    aggregator.party_keys[PARTIES[1]] = X25519PrivateKey.generate()  # not republished
+    parties = SumParties(aggregator)
+    parties.combine(messages, selection)
+    # party-1 swaps in a fresh key pair but announces it to nobody: its peers keep the old key.
+    replaced = aggregator.sender()
+    for message in parties.crossed(PublicKeyMessage):
+        if message.receiver == PARTIES[1]:
+            replaced.learn(message.sender, message.role, message.key)
+    parties.parties[PARTIES[1]].install("masks", replaced, None)
     messages, selection = full_batch(8, batch_id=1)
     with pytest.raises(IntegrityError, match="masks did not cancel"):
-        combine(aggregator, messages, selection, batch_id=1)
+        parties.combine(messages, selection, batch_id=1)
 
 
 def test_a_tampered_masked_contribution_shifts_the_sum_undetected() -> None:
     # Masks give privacy, not integrity: the server cannot tell a tampered contribution.
-    def tamper(sender: str, masked: np.ndarray) -> np.ndarray:
-        if sender != PARTIES[1]:
-            return masked
-        changed = masked.copy()
-        changed[0, 3, 2] += np.uint64(2**24)  # +1.0 in fixed point
-        return changed
+    class Tamper:
+        def on_message(self, message):  # type: ignore[no-untyped-def]
+            if not isinstance(message, SealedMessage) or message.sender != PARTIES[1]:
+                return message
+            changed = ring(message).reshape(2, 16, 8)
+            changed[0, 3, 2] += np.uint64(2**24)  # +1.0 in fixed point
+            return dataclasses.replace(message, payload=(changed.astype("<u8").tobytes(),))
 
     messages, selection = full_batch(9)
     selection[0, 3, :] = True
     honest = combine(masking(), messages, selection)
-    tampered = combine(masking(wire=tamper), messages, selection)
+    tampered = SumParties(masking(), layers=[Tamper()]).combine(messages, selection).sums
     shift = (tampered - honest).abs()
     assert float(shift[0, 3, 2]) == pytest.approx(1.0, abs=1e-5)
     shift[0, 3, 2] = 0
     assert float(shift.max()) == 0.0
 
 
-def test_a_dropped_party_is_removed_and_the_survivors_sum_is_exact() -> None:
+def _halves(aggregator: MaskingAggregator) -> tuple[dict[str, MaskSender], MaskReceiver]:
+    """Each party's sender half with its peers' public keys learnt, and the receiver's half."""
+    senders = {name: aggregator.sender() for name in PARTIES}
+    for name, sender in senders.items():
+        for peer, other in senders.items():
+            if peer != name:
+                other.learn(name, "sender", sender.public_key())
+    return senders, aggregator.receiver()
+
+
+def _recover(
+    messages: list[RepresentationMessage], selection: Tensor, dropped: str, width: int
+) -> np.ndarray:
+    """A sum whose ``dropped`` contributor sealed but whose share never came: the survivors'
+    shares and reveals added by the server's half, opened by the receiver's half."""
+    aggregator = masking()
+    senders, receiver = _halves(aggregator)
+    chosen = selection.numpy()
+    context = sum_context("s", RECEIVER, 0, 0, "")
+    batch = chosen.shape[1]
+    sealed: dict[str, tuple[bytes, ...]] = {}
+    reveals: dict[str, tuple[bytes, ...]] = {}
+    for k, name in enumerate(PARTIES):
+        if name == dropped or not chosen[..., k].any():
+            continue
+        values = np.zeros((batch, width), dtype=np.float32)
+        for m in messages:
+            if m.sender == name:
+                values[m.positions.numpy()] = m.representation.numpy()
+        options: dict[str, Any] = {
+            "column": k,
+            "parties": PARTIES,
+            "receiver": RECEIVER,
+            "context": context,
+        }
+        sealed[name] = senders[name].seal(values, chosen, **options)
+        reveals[name] = senders[name].reveal([dropped], chosen, width=width, **options)
+    kept = chosen.copy()
+    kept[..., PARTIES.index(dropped)] = False
+    shape = (chosen.shape[0], batch, width)
+    adder = aggregator.adder()
+    total = adder.add(
+        {**sealed, **{f"{name} (reveal)": r for name, r in reveals.items()}},
+        receiver=RECEIVER,
+        shape=shape,
+        parties=len(PARTIES),
+    )
+    return receiver.open(total, counts=kept.sum(axis=2), width=width, parties=4)
+
+
+def test_the_survivors_reveals_remove_a_dropped_party_and_the_sum_is_exact() -> None:
     generator = torch.Generator().manual_seed(10)
     present = torch.ones(32, 4, dtype=torch.bool)
     messages = representations(present, 8, generator, round=0, batch_id=0)
     selection = torch.rand(3, 32, 4, generator=generator) < 0.7
-    # 0 or 2 survivors besides the receiver (party-0) in every sum once party-3 drops out.
-    selection[selection[..., 1:3].sum(dim=2) == 1] = False
-    survivors = [m for m in messages if m.sender != PARTIES[3]]  # its message never arrives
-    aggregator = masking()
-    result = aggregator.recover(
-        survivors,
-        selection,
-        parties=PARTIES,
-        receiver=RECEIVER,
-        round=0,
-        batch_id=0,
-        dropped=[PARTIES[3]],
-    )
+    # Releasable before and after party-3 drops out: 0 or >= 2 contributors besides the
+    # receiver (party-0) in every sum, so parties 1 and 2 enter together or not at all.
+    partial = selection[..., 1:3].sum(dim=2) < 2
+    selection[..., 1:][partial] = False
+    assert bool(selection[..., 3].any())
+    survivors = [m for m in messages if m.sender != PARTIES[3]]  # its share never arrives
+    sums = _recover(messages, selection, PARTIES[3], 8)
     kept = selection.clone()
     kept[..., 3] = False
     expected, magnitude = oracle(survivors, kept)
-    assert bool(((result.sums.double() - expected).abs() <= 1e-6 + 2e-7 * magnitude).all())
-    assert torch.equal(result.counts, kept.sum(dim=2))
-    assert set(aggregator.last_masked) == set(PARTIES[:3])
+    assert bool(
+        ((torch.from_numpy(sums).double() - expected).abs() <= 1e-6 + 2e-7 * magnitude).all()
+    )
 
 
-def test_a_dropout_that_leaves_a_single_survivor_is_refused() -> None:
+def test_without_the_reveals_the_survivors_masks_do_not_cancel() -> None:
+    messages, selection = full_batch(10)
+    selection[..., 1:] = selection[..., 1:].any(dim=2, keepdim=True)  # 1, 2, 3 together
+    aggregator = masking()
+    senders, receiver = _halves(aggregator)
+    chosen = selection.numpy()
+    context = sum_context("s", RECEIVER, 0, 0, "")
+    sealed = {
+        name: senders[name].seal(
+            messages[k].representation.numpy(),
+            chosen,
+            column=k,
+            parties=PARTIES,
+            receiver=RECEIVER,
+            context=context,
+        )
+        for k, name in enumerate(PARTIES[:3])
+    }
+    total = aggregator.adder().add(sealed, receiver=RECEIVER, shape=(2, 16, 8), parties=4)
+    kept = chosen.copy()
+    kept[..., 3] = False
+    with pytest.raises(IntegrityError, match="masks did not cancel"):
+        receiver.open(total, counts=kept.sum(axis=2), width=8, parties=4)
+
+
+def test_a_reveal_that_leaves_a_single_survivor_is_refused() -> None:
     messages, _ = full_batch(11)
     selection = torch.zeros(1, 16, 4, dtype=torch.bool)
     selection[0, 0, [0, 1, 2]] = True
-    selection[0, 1, [1, 3]] = True
-    aggregator = masking()
+    selection[0, 1, [1, 3]] = True  # party-1 alone (besides the receiver) once party-3 drops
     with pytest.raises(ProtocolError, match="row 1, party party-1"):
-        aggregator.recover(
-            messages,
+        _recover(messages, selection, PARTIES[3], 8)
+
+
+def test_a_reveal_that_would_unmask_the_survivors_own_value_is_refused() -> None:
+    # Row 0: party-0 (the receiver) and party-3 only. Once party-3 drops, the receiver's own
+    # term alone is releasable to the receiver, but party-0's share there carries no mask but
+    # the one with party-3: revealing it would hand the server party-0's value.
+    senders, _ = _halves(masking())
+    selection = np.zeros((1, 4, 4), dtype=bool)
+    selection[0, 0, [0, 3]] = True
+    with pytest.raises(ProtocolError, match=r"only survivor of 1 sums .*task 0, row 0"):
+        senders[RECEIVER].reveal(
+            [PARTIES[3]],
             selection,
+            column=0,
+            width=2,
             parties=PARTIES,
             receiver=RECEIVER,
-            round=0,
-            batch_id=0,
-            dropped=[PARTIES[3]],
+            context=b"c",
         )
-    assert aggregator.last_masked == {}
+
+
+def test_only_another_contributor_can_be_dropped() -> None:
+    senders, _ = _halves(masking())
+    selection = np.ones((1, 4, 4), dtype=bool)
+    for dropped in (["party-1"], ["nobody"]):
+        with pytest.raises(ProtocolError, match="must be among the other parties"):
+            senders["party-1"].reveal(
+                dropped,
+                selection,
+                column=1,
+                width=2,
+                parties=PARTIES,
+                receiver=RECEIVER,
+                context=b"c",
+            )
 
 
 def test_fraction_bits_out_of_range_are_refused() -> None:

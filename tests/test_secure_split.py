@@ -20,7 +20,7 @@ from protocols.ckks import CkksAggregator
 from protocols.paillier import KeyPair, PaillierAggregator, generate_key_pair
 from protocols.secagg import MaskingAggregator
 from secure_vfl.errors import IntegrityError, ProtocolError
-from secure_vfl.federation.aggregator import Aggregator, PlainAggregator, SealingScheme
+from secure_vfl.federation.aggregator import PlainAggregator, SealingScheme, SumBackend
 from secure_vfl.federation.channel import Channel, RecordingLayer
 from secure_vfl.federation.messages import (
     AGGREGATOR,
@@ -46,7 +46,7 @@ def _key_pair(bits: int) -> KeyPair:
     return generate_key_pair(bits)
 
 
-BACKENDS: dict[str, Callable[[], Aggregator]] = {
+BACKENDS: dict[str, Callable[[], SumBackend]] = {
     "masks": MaskingAggregator,
     "paillier": lambda: PaillierAggregator(key_bits=1024, key_generator=_key_pair),
     "ckks": CkksAggregator,
@@ -68,7 +68,7 @@ def _method(  # type: ignore[no-untyped-def]
     return _build(method, make_data(), aggregator, channel)
 
 
-def _build(method: str, data, aggregator: Aggregator, channel: Channel | None = None):  # type: ignore[no-untyped-def]
+def _build(method: str, data, aggregator: SumBackend, channel: Channel | None = None):  # type: ignore[no-untyped-def]
     options = {"false_vfl": SMALL_FALSE} if method.startswith("false-vfl") else {}
     return METHODS.get(method)(
         data, CONFIG, seed=0, channel=channel, aggregator=aggregator, **options
@@ -258,7 +258,7 @@ def test_a_party_of_another_scheme_refuses_the_key_set_up(make_data: MakeData) -
 
 
 def test_plain_backends_are_not_split(make_data: MakeData) -> None:
-    aggregator: Aggregator = PlainAggregator()
+    aggregator: SumBackend = PlainAggregator()
     assert not isinstance(aggregator, SealingScheme)
     method = METHODS.get("laser")(make_data(), CONFIG, seed=0, aggregator=aggregator)
     assert all(p.sealer is None for p in in_process_parties(method.fed.channel))  # type: ignore[attr-defined]

@@ -37,7 +37,8 @@ twice, and matches out of turn, twice or with repeated positions.
 
 Parties are actors (:class:`~secure_vfl.federation.parties.Party`): :class:`PsiRequester` and
 :class:`PsiResponder` each own their ids, shuffle generator and per-session secret scalar, and
-meet only through a :class:`~secure_vfl.federation.channel.Channel`.
+meet only through a :class:`~secure_vfl.federation.channel.Channel`. Both are replaceable roles,
+registered on import as ``psi-requester`` and ``psi-responder`` (``run_psi(..., roles=...)``).
 
 Modules: :mod:`protocols.psi_kernel` (hashing, scalar multiplication over worker processes,
 point checks, digests; torch-free, so it sits outside this package), :mod:`.messages`,

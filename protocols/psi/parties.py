@@ -13,6 +13,10 @@ through the channel it is connected to.
 A party runs one session per peer (:class:`~protocols.psi.roles.RequesterSession`,
 :class:`~protocols.psi.roles.ResponderSession`, which check every message), so the label party
 runs one with each data party, under a fresh key each.
+
+Both are replaceable roles, registered on import in
+:data:`~secure_vfl.federation.parties.ROLES` as ``psi-requester`` and ``psi-responder``: an
+attacker is a subclass of the side it plays (``run_psi(..., roles={"responder": NAME})``).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from protocols.psi.roles import (
 )
 from protocols.psi_kernel import CHUNK, Ids, ScalarPool
 from secure_vfl.errors import ProtocolError
-from secure_vfl.federation.parties import Party
+from secure_vfl.federation.parties import ROLES, Party
 
 
 class _PsiParty(Party):
@@ -206,3 +210,7 @@ class PsiResponder(_PsiParty):
                 f"session with it (sessions with {sorted(self._sessions) or 'none'})."
             )
         return session
+
+
+ROLES.register("psi-requester", PsiRequester)
+ROLES.register("psi-responder", PsiResponder)

@@ -1,19 +1,21 @@
 """The aggregation seam: sums of party contributions, delivered only to the party entitled to them.
 
 A head (the receiver) asks for ``T`` sums per batch row: ``selection[t, b, k]`` says whether party
-``k``'s representation of row ``b`` enters sum ``t``. The plain aggregator adds tensors in the
-clear; the privacy layer replaces it with pairwise-mask secure aggregation, Paillier or CKKS
-behind this same interface, so no learning algorithm changes.
+``k``'s representation of row ``b`` enters sum ``t``. Two kinds of backend serve those sums
+(:data:`SumBackend`): an :class:`Aggregator` that the aggregation server runs whole on the
+representations it receives in the clear (:class:`PlainAggregator`), or a :class:`SealingScheme`
+from the privacy layer (pairwise masks, Paillier, CKKS) split at the party boundary: each
+contributor seals its own share, the server adds sealed shares, the receiver opens the sum. No
+learning algorithm changes either way.
 """
 
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
 import torch
@@ -27,26 +29,13 @@ from secure_vfl.federation.messages import (
 )
 
 
-def phase_of(tag: str) -> str:
-    """The phase an aggregation call serves, from its tag: ``"predict"`` or ``"train"``."""
-    return "predict" if tag.startswith("predict") else "train"
-
-
 @dataclass
 class AggregationCost:
-    """What an aggregator's calls cost: wire bytes by endpoint and phase, and seconds.
+    """What an aggregator's calls cost in seconds; its bytes are the messages it receives and
+    sends, counted by the transport they cross."""
 
-    Bytes are those the backend's protocol puts on the wire (float32 tensors in the clear,
-    masked ring elements, ciphertexts); the contributors' and the aggregator's (the delivered
-    sums) are counted under their own names.
-    """
-
-    bytes: Counter[tuple[str, str]] = field(default_factory=Counter)
     seconds: float = 0.0
     calls: int = 0
-
-    def add_bytes(self, endpoint: str, tag: str, count: int) -> None:
-        self.bytes[(endpoint, phase_of(tag))] += int(count)
 
     @contextmanager
     def timed(self) -> Iterator[None]:
@@ -60,9 +49,10 @@ class AggregationCost:
 
 
 class Aggregator(Protocol):
-    """Turns the representations of a batch into per-task sums for one receiver.
+    """Turns the representations of a batch into per-task sums for one receiver, inside the
+    aggregation server, which therefore sees them (plain sums, or a stand-in in tests).
 
-    ``cost`` accumulates the bytes and seconds of every call (see :class:`AggregationCost`).
+    ``cost`` accumulates the seconds of every call (see :class:`AggregationCost`).
     """
 
     cost: AggregationCost
@@ -78,11 +68,8 @@ class Aggregator(Protocol):
         batch_id: int,
         tag: str = "",
     ) -> SumMessage:
-        """Sum ``contributions`` as ``selection`` (T, B, K) asks; ``parties`` names columns.
-
-        ``(receiver, round, batch_id, tag)`` names the call: secure backends derive fresh masks
-        from it and refuse to serve the same context twice, so callers make it unique.
-        """
+        """Sum ``contributions`` as ``selection`` (T, B, K) asks; ``parties`` names columns;
+        ``(receiver, round, batch_id, tag)`` names the call."""
         ...
 
 
@@ -166,6 +153,11 @@ class SealingScheme(Protocol):
     def adder(self) -> AdderHalf: ...
 
     def receiver(self) -> ReceiverHalf: ...
+
+
+SumBackend: TypeAlias = Aggregator | SealingScheme
+"""What a run sums through: an :class:`Aggregator` the aggregation server runs whole (plain
+sums), or a :class:`SealingScheme` whose halves are made inside the parties that hold them."""
 
 
 def sum_context(session: str, receiver: str, round: int, batch_id: int, tag: str) -> bytes:
@@ -273,19 +265,6 @@ class PlainAggregator:
         return result
 
 
-def check_contribution_headers(
-    contributions: Sequence[RepresentationMessage], *, round: int, batch_id: int
-) -> None:
-    """Refuse a contribution addressed to another receiver, round or batch (a replay)."""
-    for message in contributions:
-        if (message.receiver, message.round, message.batch_id) != (AGGREGATOR, round, batch_id):
-            raise ProtocolError(
-                f"representation from {message.sender}: receiver {AGGREGATOR!r}, round "
-                f"{round}, batch {batch_id} expected, found receiver {message.receiver!r}, "
-                f"round {message.round}, batch {message.batch_id} (a replayed message?)."
-            )
-
-
 def refuse_single_contributors(
     released: Tensor, parties: Sequence[str], *, receiver: str | None = None
 ) -> Tensor:
@@ -313,7 +292,8 @@ def refuse_single_contributors(
 
 
 class ContextLedger:
-    """The (receiver, round, batch id, tag) contexts a secure backend has served: each once."""
+    """The (receiver, round, batch id, tag) contexts a party has sealed, or the aggregation
+    server has added, in a secure sum: each once."""
 
     def __init__(self) -> None:
         self._served: set[tuple[str, int, int, str]] = set()

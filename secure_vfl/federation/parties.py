@@ -73,6 +73,7 @@ if TYPE_CHECKING:
         Aggregator,
         ReceiverHalf,
         SenderHalf,
+        SumBackend,
     )
     from secure_vfl.federation.channel import Channel, ChannelLayer
 
@@ -774,7 +775,7 @@ def gradient_messages(
 
 
 def make_aggregation_server(
-    aggregator: Aggregator | None, role: str = "aggregation-server"
+    aggregator: SumBackend | None, role: str = "aggregation-server"
 ) -> AggregationServer:
     """The aggregation server, playing the role registered as ``role``: it sums with
     ``aggregator`` in the clear (plain by default); under a scheme split at the party boundary

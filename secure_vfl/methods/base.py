@@ -21,7 +21,7 @@ from secure_vfl.data.vertical import (
     labeled_subset,
 )
 from secure_vfl.errors import ConfigError
-from secure_vfl.federation.aggregator import Aggregator, SealingScheme
+from secure_vfl.federation.aggregator import SealingScheme, SumBackend
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import (
     AGGREGATOR,
@@ -195,7 +195,7 @@ class MethodFactory(Protocol):
         *,
         seed: int,
         channel: Channel | None = None,
-        aggregator: Aggregator | None = None,
+        aggregator: SumBackend | None = None,
         roles: Mapping[str, str] | None = None,
     ) -> Method: ...
 
@@ -465,7 +465,7 @@ def build_federation(
     *,
     seed: int,
     channel: Channel | None,
-    aggregator: Aggregator | None,
+    aggregator: SumBackend | None,
     bottoms: Sequence[nn.Module] | None = None,
     heads: Mapping[int, Mapping[str, nn.Module]] | None = None,
     roles: Mapping[str, str] | None = None,

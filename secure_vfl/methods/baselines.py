@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from secure_vfl.data.samplers import BatchSampler, make_sampler
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ConfigError
-from secure_vfl.federation.aggregator import Aggregator, dense_representations
+from secure_vfl.federation.aggregator import SumBackend, dense_representations
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import AGGREGATOR
 from secure_vfl.federation.parties import gradient_messages
@@ -60,7 +60,7 @@ class ConcatFusionMethod:
         seed: int,
         name: str,
         channel: Channel | None = None,
-        aggregator: Aggregator | None = None,
+        aggregator: SumBackend | None = None,
         roles: Mapping[str, str] | None = None,
     ) -> None:
         refuse_secure_sums(
@@ -195,7 +195,7 @@ class Combinatorial:
         *,
         seed: int,
         channel: Channel | None = None,
-        aggregator: Aggregator | None = None,
+        aggregator: SumBackend | None = None,
         roles: Mapping[str, str] | None = None,
     ) -> None:
         refuse_secure_sums(

@@ -75,7 +75,7 @@ from torch import Tensor
 from secure_vfl.data.samplers import BatchSampler, make_sampler
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ConfigError, ProtocolError
-from secure_vfl.federation.aggregator import Aggregator
+from secure_vfl.federation.aggregator import SumBackend
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import (
     AGGREGATOR,
@@ -366,7 +366,7 @@ class FalseVflMethod:
         variant: Variant,
         name: str,
         channel: Channel | None = None,
-        aggregator: Aggregator | None = None,
+        aggregator: SumBackend | None = None,
         false_vfl: FalseVflConfig | None = None,
         roles: Mapping[str, str] | None = None,
     ) -> None:

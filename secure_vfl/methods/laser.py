@@ -32,7 +32,7 @@ from torch import Tensor, nn
 from secure_vfl.data.samplers import make_sampler
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ConfigError
-from secure_vfl.federation.aggregator import Aggregator
+from secure_vfl.federation.aggregator import SumBackend
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import AGGREGATOR
 from secure_vfl.methods.base import (
@@ -199,7 +199,7 @@ class MeanFusionMethod:
         planner: Planner,
         name: str,
         channel: Channel | None = None,
-        aggregator: Aggregator | None = None,
+        aggregator: SumBackend | None = None,
         roles: Mapping[str, str] | None = None,
     ) -> None:
         if planner == "local" and config.heads != "all":

@@ -10,7 +10,7 @@ import numpy as np
 
 from secure_vfl.data.imputation import ClientData, ImputationTask
 from secure_vfl.errors import ConfigError, DataError
-from secure_vfl.federation.aggregator import Aggregator
+from secure_vfl.federation.aggregator import SumBackend
 from secure_vfl.federation.channel import Channel
 from secure_vfl.methods.imputation.statistics import StatisticsPrivacyFactory
 from secure_vfl.registry import Registry
@@ -93,7 +93,7 @@ class ImputerFactory(Protocol):
         config: ImputeConfig,
         *,
         seed: int,
-        aggregator: Aggregator | None = None,
+        aggregator: SumBackend | None = None,
         channel: Channel | None = None,
         privacy: StatisticsPrivacyFactory | None = None,
         roles: Mapping[str, str] | None = None,

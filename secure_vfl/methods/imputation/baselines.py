@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from secure_vfl.data.imputation import ClientData, ImputationTask
 from secure_vfl.errors import DataError
-from secure_vfl.federation.aggregator import Aggregator
+from secure_vfl.federation.aggregator import SumBackend
 from secure_vfl.federation.channel import Channel
 from secure_vfl.methods.imputation.base import (
     IMPUTERS,
@@ -153,7 +153,7 @@ def make_mean(
     config: ImputeConfig,
     *,
     seed: int,
-    aggregator: Aggregator | None = None,
+    aggregator: SumBackend | None = None,
     channel: Channel | None = None,
     privacy: StatisticsPrivacyFactory | None = None,
     roles: Mapping[str, str] | None = None,
@@ -171,7 +171,7 @@ def make_fed_mean(
     config: ImputeConfig,
     *,
     seed: int,
-    aggregator: Aggregator | None = None,
+    aggregator: SumBackend | None = None,
     channel: Channel | None = None,
     privacy: StatisticsPrivacyFactory | None = None,
     roles: Mapping[str, str] | None = None,
@@ -189,7 +189,7 @@ def make_knn(
     config: ImputeConfig,
     *,
     seed: int,
-    aggregator: Aggregator | None = None,
+    aggregator: SumBackend | None = None,
     channel: Channel | None = None,
     privacy: StatisticsPrivacyFactory | None = None,
     roles: Mapping[str, str] | None = None,
@@ -211,7 +211,7 @@ def make_mice(
     config: ImputeConfig,
     *,
     seed: int,
-    aggregator: Aggregator | None = None,
+    aggregator: SumBackend | None = None,
     channel: Channel | None = None,
     privacy: StatisticsPrivacyFactory | None = None,
     roles: Mapping[str, str] | None = None,
@@ -245,7 +245,7 @@ def _make_dae(
     *,
     seed: int,
     federated: bool,
-    aggregator: Aggregator | None = None,
+    aggregator: SumBackend | None = None,
     channel: Channel | None = None,
     privacy: StatisticsPrivacyFactory | None = None,
     roles: Mapping[str, str] | None = None,

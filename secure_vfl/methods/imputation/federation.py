@@ -27,7 +27,7 @@ from torch import Tensor
 
 from secure_vfl.data.imputation import ClientData
 from secure_vfl.errors import ConfigError, DataError, ProtocolError
-from secure_vfl.federation.aggregator import Aggregator, SealingScheme
+from secure_vfl.federation.aggregator import SealingScheme, SumBackend
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import (
     AGGREGATOR,
@@ -241,7 +241,7 @@ def build_imputation_federation(
     clients: Sequence[ClientData],
     *,
     seed: int = 0,
-    aggregator: Aggregator | None = None,
+    aggregator: SumBackend | None = None,
     channel: Channel | None = None,
     privacy: StatisticsPrivacyFactory | None = None,
     roles: Mapping[str, str] | None = None,
@@ -308,7 +308,7 @@ def build_imputation_federation(
 def federated_statistics(
     clients: Sequence[ClientData],
     *,
-    aggregator: Aggregator | None = None,
+    aggregator: SumBackend | None = None,
     channel: Channel | None = None,
     privacy: StatisticsPrivacyFactory | None = None,
     roles: Mapping[str, str] | None = None,

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from secure_vfl.data.imputation import ClientData, ImputationTask
 from secure_vfl.errors import ProtocolError
-from secure_vfl.federation.aggregator import Aggregator
+from secure_vfl.federation.aggregator import SumBackend
 from secure_vfl.federation.channel import Channel
 from secure_vfl.methods.base import isolated_seed
 from secure_vfl.methods.imputation.base import (
@@ -74,7 +74,7 @@ class ReconstructionImputer:
         make_model: ModelFactory,
         uses_graph: bool,
         federated: bool,
-        aggregator: Aggregator | None = None,
+        aggregator: SumBackend | None = None,
         channel: Channel | None = None,
         privacy: StatisticsPrivacyFactory | None = None,
         roles: Mapping[str, str] | None = None,
@@ -201,7 +201,7 @@ def make_fedhf(
     config: ImputeConfig,
     *,
     seed: int,
-    aggregator: Aggregator | None = None,
+    aggregator: SumBackend | None = None,
     channel: Channel | None = None,
     privacy: StatisticsPrivacyFactory | None = None,
     roles: Mapping[str, str] | None = None,
