@@ -199,6 +199,11 @@ class PassiveModelCompletion(Attack):
 
     def check(self, config: TrainConfig, data: VerticalData, attacker: str) -> None:
         super().check(config, data, attacker)
+        if config.method_config.heads == "all":
+            raise ConfigError(
+                f"{self.name} infers labels that the attacker does not hold, but with heads='all' "
+                "every party may hold them; run it with --heads active."
+            )
         if not data.train.mask[:, _index(attacker)].any():
             raise ConfigError(f"{self.name}: {attacker} holds no training row.")
 

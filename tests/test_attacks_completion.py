@@ -131,6 +131,11 @@ def test_model_completion_refuses_what_it_cannot_run() -> None:
         Completion(threshold=1.5)
     with pytest.raises(ConfigError, match="passive data party"):
         run_attack(_digits_split(epochs=1), "passive-model-completion", attacker="party-0")
+    every_head = TrainConfig(
+        method="laser", dataset="digits", parties=2, method_config=MethodConfig(epochs=1)
+    )
+    with pytest.raises(ConfigError, match="--heads active"):
+        run_attack(every_head, "passive-model-completion")
 
 
 def test_attack_command_runs_model_completion(tmp_path: Path) -> None:
