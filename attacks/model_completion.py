@@ -2,10 +2,13 @@
 federated learning", USENIX Security 2022, the passive and active attacks).
 
 A passive party's bottom model is trained by the federation to extract what its block says
-about the labels. After training the attacker copies it, puts a small head on it and fine-tunes
-the pair on a few labelled rows (the auditor grants them: ``known`` per class, among the
-training rows it holds) and its own unlabelled training rows; the completed model then reads
-the label of any row it holds from its own block alone.
+about the labels. After training the attacker copies it, puts a small head on it and fits the
+head on a few labelled rows (the auditor grants them: ``known`` per class, among the training
+rows it holds) and its own unlabelled training rows; the completed model then reads the label
+of any row it holds from its own block alone. The bottom model is kept as trained: Fu et al.
+fine-tune it too, but with 40 labels that measured no better here and erased the gap to an
+untrained bottom model (digits over 4 parties, Standard VFL, 5 epochs: 0.62 against 0.62),
+since fine-tuning then forgets what the federation taught it.
 
 - ``passive-model-completion``: the attacker follows the protocol exactly (an honest data
   party); the attack is all after training.
