@@ -269,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     chosen.add_argument(
         "--attack",
         metavar="NAME",
-        help="direct-label-inference | norm-scoring | direction-scoring",
+        help="direct-label-inference | norm-scoring | direction-scoring | "
+        "passive-model-completion | active-model-completion",
     )
     chosen.add_argument(
         "--suite",

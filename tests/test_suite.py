@@ -31,17 +31,21 @@ def _direct(epochs: int = 1) -> TrainConfig:
 
 def test_the_suite_runs_what_applies_and_scores_each_defense(tmp_path: Path) -> None:
     report = suite.run_suite(_direct(), defenses=["dp-gradients:3:0.01"], cache=tmp_path / "cache")
+    applied = ("active-model-completion", "direct-label-inference", "passive-model-completion")
     assert [(r["attack"], r["defense"]) for r in report.runs] == [
-        ("direct-label-inference", "none"),
-        ("direct-label-inference", "dp-gradients:3:0.01"),
+        (attack, defense) for attack in applied for defense in ("none", "dp-gradients:3:0.01")
     ]
     # norm and direction scoring need a binary task: skipped, with the reason
     assert "binary task" in report.skipped["norm-scoring"]
     assert "binary task" in report.skipped["direction-scoring"]
-    undefended, defended = report.runs
+    undefended, defended = (r for r in report.runs if r["attack"] == "direct-label-inference")
     assert undefended["value"] >= 0.99 and defended["value"] < 0.5
-    assert report.t_dcs["none"]["label-inference"] == undefended["dcs"]
-    assert report.c_dcs["dp-gradients:3:0.01"] == defended["dcs"]
+    assert report.t_dcs["none"]["label-inference"] == pytest.approx(
+        statistics.fmean(r["dcs"] for r in report.runs if r["defense"] == "none")
+    )
+    assert report.c_dcs["dp-gradients:3:0.01"] == pytest.approx(
+        statistics.fmean(r["dcs"] for r in report.runs if r["defense"] != "none")
+    )
     assert report.c_dcs["dp-gradients:3:0.01"] > report.c_dcs["none"]
     text = suite.markdown(report, command="test")
     assert "| none | 0." in text and "norm-scoring: " in text
@@ -68,7 +72,7 @@ def test_a_diverged_run_is_reported_not_scored(monkeypatch: pytest.MonkeyPatch) 
 
     monkeypatch.setattr(suite, "run_attack", diverging)
     report = suite.run_suite(_direct(), defenses=["dp-gradients:9:1"])
-    assert [r["defense"] for r in report.runs] == ["none"]
+    assert {r["defense"] for r in report.runs} == {"none"}
     assert "diverged" in report.failed["direct-label-inference / dp-gradients:9:1"]
     assert "Runs that failed" in suite.markdown(report, command="test")
 
@@ -87,9 +91,8 @@ def test_a_defense_that_does_not_apply_to_the_method_is_reported() -> None:
 
 
 def test_a_run_no_attack_applies_to_is_refused() -> None:
-    config = TrainConfig(
-        method="laser", dataset="digits", method_config=MethodConfig(epochs=1, heads="active")
-    )
+    # a head at every party (model completion infers labels its attacker does not hold)
+    config = TrainConfig(method="laser", dataset="digits", method_config=MethodConfig(epochs=1))
     with pytest.raises(ConfigError, match="no attack applies"):
         suite.run_suite(config)
 
