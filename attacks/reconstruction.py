@@ -37,6 +37,7 @@ representations across rows before the inverse model sees them.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar, TypeVar
 
@@ -81,12 +82,12 @@ class RepresentationLog:
     receives (representations from ``victim``, sums of its head tasks) and the rows and its own
     terms it sends. It passes every message on unchanged.
 
-    ``opener`` opens a sealed sum with the label party's own key (what the party itself does
-    on receipt); ``None`` when the run has no secure sum.
+    ``label_party`` is the party it observes: a sealed sum is opened with that party's own key
+    (what the party itself does on receipt).
     """
 
     victim: str
-    opener: SecureSumParty | None = None
+    label_party: SecureSumParty | None = None
     representations: dict[int, np.ndarray] = field(default_factory=dict)
     sums: dict[int, list[SumObservation]] = field(default_factory=dict)
     _requests: dict[tuple[int, int, str], RepresentRequest] = field(default_factory=dict)
@@ -129,9 +130,10 @@ class RepresentationLog:
             self.representations[row] = value.copy()
 
     def _open(self, message: SealedSumMessage) -> np.ndarray:
-        if self.opener is None or self.opener.opener is None:
+        opener = self.label_party.opener if self.label_party is not None else None
+        if opener is None:
             raise ConfigError(f"{LABEL_PARTY} received sealed sums but holds no key to open them.")
-        return self.opener.opener.open(
+        return opener.open(
             message.payload,
             counts=message.counts.numpy(),
             width=message.width,
@@ -144,15 +146,17 @@ class RepresentationLog:
             return
         own_column = task.parties.index(LABEL_PARTY)
         own = np.zeros((sums.shape[1], sums.shape[2]), dtype=np.float64)
+        own_known = np.zeros(sums.shape[1], dtype=bool)
         mine = self._own.get((message.round, message.batch_id))
         if mine is not None:
             own[mine.positions.numpy()] = mine.representation.numpy()
+            own_known[mine.positions.numpy()] = True
         selection = task.selection.numpy()  # (T, B, K)
         rows = task.rows.tolist()
         for t in range(selection.shape[0]):
             for position, row in enumerate(rows):
                 subset = selection[t, position]
-                if not subset.any():
+                if not subset.any() or (subset[own_column] and not own_known[position]):
                     continue
                 value = sums[t, position].astype(np.float64)
                 if subset[own_column]:
@@ -217,8 +221,8 @@ def _inverse_model(
     ``queries``."""
     z = torch.as_tensor(representations, dtype=torch.float32)
     x = torch.as_tensor(features, dtype=torch.float32)
-    z_mean, z_std = z.mean(dim=0), z.std(dim=0).clamp(min=1e-6)
-    x_mean, x_std = x.mean(dim=0), x.std(dim=0).clamp(min=1e-6)
+    z_mean, z_std = z.mean(dim=0), _scale(z)
+    x_mean, x_std = x.mean(dim=0), _scale(x)
     first = nn.Linear(z.shape[1], hidden)
     last = nn.Linear(hidden, x.shape[1])
     for layer in (first, last):
@@ -238,6 +242,13 @@ def _inverse_model(
         query = (torch.as_tensor(queries, dtype=torch.float32) - z_mean) / z_std
         predicted: Tensor = model(query) * x_std + x_mean
     return predicted.numpy().astype(np.float64)
+
+
+def _scale(values: Tensor) -> Tensor:
+    """The columns' standard deviations, at least 1e-6; 1 for a single row (undefined)."""
+    if len(values) < 2:
+        return torch.ones(values.shape[1])
+    return values.std(dim=0).clamp(min=1e-6)
 
 
 class _ReconstructionAttack(Attack):
@@ -287,14 +298,14 @@ class _ReconstructionAttack(Attack):
         self._auxiliary_rows = np.sort(context.rng.choice(held, size=count, replace=False))
         self.log = RepresentationLog(
             victim=self.victim_name,
-            opener=party if isinstance(party, SecureSumParty) else None,
+            label_party=party if isinstance(party, SecureSumParty) else None,
         )
         party.incoming.append(self.log)
         party.outgoing.append(self.log)
 
+    @abstractmethod
     def observed(self, log: RepresentationLog) -> dict[int, np.ndarray]:
         """The victim's representation of each row the attacker holds one for."""
-        raise NotImplementedError
 
     def evaluate(self, party: Party, context: AttackContext) -> dict[str, float]:
         if self.log is None:

@@ -12,7 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from attacks.reconstruction import RepresentationLog, SubsetDifferencing, fit_inverse
+from attacks.reconstruction import (
+    RepresentationLog,
+    SubsetDifferencing,
+    SumObservation,
+    fit_inverse,
+)
 from attacks.runner import run_attack
 from secure_vfl.cli import main
 from secure_vfl.errors import ConfigError
@@ -62,8 +67,8 @@ def test_subset_differencing_isolates_a_party_from_secure_sums_over_the_last_epo
     metrics = attacked.attack
     assert metrics["samples"] >= 450  # every training sample was summed in some step
     assert metrics["isolated"] >= 0.5 * metrics["samples"]  # window of 5 steps per sample
-    # the drift of the models between a sample's steps does not hide it: measured 0.10, 0.11,
-    # 0.09 of the baseline with seeds 0, 1, 2
+    # the drift of the models between a sample's steps does not hide it: measured 0.10, 0.18,
+    # 0.17 of the baseline with seeds 0, 1, 2 (0.35, 0.45, 0.36 on digits)
     assert metrics["mse"] <= 0.5 * metrics["mse_baseline"]
     control = run_attack(
         config,
@@ -81,8 +86,6 @@ def test_a_victim_term_is_isolated_only_where_the_subsets_determine_it() -> None
     rest = np.array([False, False, True, True])  # {2, 3}
     every = np.array([False, True, True, True])  # {1, 2, 3}
     r1, r2, r3 = np.array([1.0, 2.0]), np.array([0.5, -1.0]), np.array([3.0, 0.0])
-    from attacks.reconstruction import SumObservation
-
     log.sums[7] = [
         SumObservation(round=0, others=every, value=r1 + r2 + r3),
         SumObservation(round=1, others=rest, value=r2 + r3),
@@ -105,6 +108,18 @@ def test_an_inverse_model_without_signal_falls_back_to_the_means() -> None:
     )
     baseline = ((features[:40].mean(axis=0) - features[40:]) ** 2).mean()
     assert ((guessed - features[40:]) ** 2).mean() <= 1.1 * baseline
+
+
+def test_an_inverse_model_learnt_on_two_pairs_stays_finite() -> None:
+    # its cross-validation fits one pair per fold, whose standard deviation is undefined
+    rng = np.random.default_rng(1)
+    guessed = fit_inverse(
+        rng.normal(size=(2, 8)),
+        rng.normal(size=(2, 3)),
+        rng.normal(size=(4, 8)),
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert guessed.shape == (4, 3) and np.isfinite(guessed).all()
 
 
 def test_a_reconstruction_that_does_not_apply_is_refused_with_what_it_needs() -> None:
