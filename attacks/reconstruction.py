@@ -17,13 +17,13 @@ other row it observed.
   one received for it in training (the bottom model at the end of training, within one epoch
   of drift for every row, as for the auxiliary rows).
 - ``subset-differencing``: LASER with a single label party under a secure sum, where it
-  receives only sums over 0 or >= 2 parties besides itself. Per sample it keeps, over the last
-  ``window`` steps that sample was trained in (one step per epoch), the sum and the subset it
-  planned; its own term it knows (it sent it). If the victim's indicator lies in the span of
-  the other parties' subset indicators, least squares over those sums isolates the victim's
-  representation, exactly only if the models did not move between the steps (README, "Secure
-  aggregation": the leak the single-step planner leaves). The inverse model is learnt on the
-  isolated estimates of the auxiliary rows.
+  receives only sums over 0 or >= 2 parties besides itself. Per sample it keeps its last
+  ``window`` sums (under a secure sum one per step the sample is in: one per epoch) and the
+  subsets it planned for them; its own term it knows (it sent it). If the victim's indicator
+  lies in the span of the other parties' subset indicators, least squares over those sums
+  isolates the victim's representation, exactly only if the models did not move between the
+  steps (README, "Secure aggregation": the leak the single-step planner leaves). The inverse
+  model is learnt on the isolated estimates of the auxiliary rows.
 
 An honest-but-curious aggregation server is not an attacker here: it receives representations
 (or masked shares) at positions of a batch but never the row ids (the label party's requests
