@@ -8,6 +8,7 @@ attackers play (in the core's role registry).
 
 from attacks import label_inference as label_inference
 from attacks import model_completion as model_completion
+from attacks import reconstruction as reconstruction
 from attacks.base import ATTACKS as ATTACKS
 from attacks.base import Attack as Attack
 from attacks.base import AttackContext as AttackContext
