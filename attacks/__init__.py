@@ -6,8 +6,10 @@ Importing this package registers every attack (:data:`attacks.base.ATTACKS`) and
 attackers play (in the core's role registry).
 """
 
+from attacks import backdoor as backdoor
 from attacks import label_inference as label_inference
 from attacks import model_completion as model_completion
+from attacks import norm_filter as norm_filter
 from attacks import reconstruction as reconstruction
 from attacks.base import ATTACKS as ATTACKS
 from attacks.base import Attack as Attack

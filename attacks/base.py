@@ -16,13 +16,13 @@ rows, and it must sit at chance); both are tested.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
 
-from secure_vfl.data.vertical import VerticalData
+from secure_vfl.data.vertical import VerticalData, VerticalSplit
 from secure_vfl.errors import ConfigError
 from secure_vfl.experiment import TrainConfig
 from secure_vfl.federation.parties import Party
@@ -33,12 +33,15 @@ from secure_vfl.registry import Registry
 class AttackContext:
     """What the auditor holds for one attack run: the ground truth (``data``, never handed to the
     attacker whole), the attacker's name, a seeded generator for the side knowledge it grants
-    and for shuffles, and whether this is the negative control."""
+    and for shuffles, whether this is the negative control, and after training what the
+    federation scored on the attack's probe splits."""
 
     data: VerticalData
     attacker: str
     rng: np.random.Generator
     control: bool = False
+    # the trained federation's accuracy in [0, 1] on each probe split (filled after training)
+    probed: Mapping[str, float] = field(default_factory=dict)
 
 
 class Attack(ABC):
@@ -67,10 +70,17 @@ class Attack(ABC):
     def prepare(self, party: Party, context: AttackContext) -> None:  # noqa: B027
         """Grant ``party`` its side knowledge before training (nothing by default)."""
 
+    def probes(self, context: AttackContext) -> dict[str, VerticalSplit]:
+        """Test splits, by name, that the auditor also has the trained federation predict (e.g.
+        triggered rows relabelled as a backdoor's target); none by default. The attacker is
+        queried on them as on any test split."""
+        return {}
+
     @abstractmethod
     def evaluate(self, party: Party, context: AttackContext) -> dict[str, float]:
-        """Score what ``party`` infers from its own view after training; the headline metric is
-        under ``self.metric``."""
+        """Score what ``party`` infers from its own view after training (``context.probed``:
+        the federation's accuracy in [0, 1] on each split of :meth:`probes`); the headline
+        metric is under ``self.metric``."""
 
     @abstractmethod
     def chance(self, context: AttackContext) -> float:

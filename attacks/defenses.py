@@ -190,11 +190,18 @@ HOOK_DEFENSES.register("gradient-sparsification", GradientSparsification)
 HOOK_DEFENSES.register("marvell", Marvell)
 
 
+HOOK_DEFAULTS = {"norm-filter": 4.0}  # the defenses whose parameter may be left out
+
+
 def parse_hook_defense(text: str) -> HookDefense:
-    """``NAME:PARAM`` of a registered hook defense; ConfigError for a bad parameter."""
-    name, _, param = text.partition(":")
+    """``NAME:PARAM`` of a registered hook defense (``NAME`` alone where it has a default
+    parameter); ConfigError for a bad parameter."""
+    name, sep, param = text.partition(":")
+    factory = HOOK_DEFENSES.get(name)
+    if not sep and name in HOOK_DEFAULTS:
+        return factory(HOOK_DEFAULTS[name])
     try:
         value = float(param)
     except ValueError:
         raise ConfigError(f"{name}:NUMBER expected. Found {text!r}.") from None
-    return HOOK_DEFENSES.get(name)(value)
+    return factory(value)

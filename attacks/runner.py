@@ -5,7 +5,8 @@ A defense is a spec ``NAME[:PARAM...]`` (the CLI's ``--defense``): the privacy l
 mechanisms (``dp-gradients:SIGMA:CLIP``, ``dp-embeddings:SIGMA:CLIP``, ``dp-sgd:SIGMA:CLIP``,
 ``secure-agg:BACKEND``) installed by :class:`protocols.privacy.PrivacyEngine` exactly as in
 ``train``, and the hook defenses of :mod:`attacks.defenses` (``gradient-sparsification:FRACTION``,
-``marvell:SCALE``), installed inside the parties they protect before training.
+``marvell:SCALE``, and :mod:`attacks.norm_filter`'s ``norm-filter:Z``), installed inside the
+parties they protect before training.
 
 The score is VFLAIR's defense capability score (Zou et al., "VFLAIR: a research library and
 benchmark for vertical federated learning", ICLR 2024)::
@@ -21,16 +22,17 @@ attack to chance then scores as well as it should).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from attacks.base import ATTACKS, AttackContext
+from attacks.base import ATTACKS, Attack, AttackContext
 from attacks.defenses import HOOK_DEFENSES, HookDefense, parse_hook_defense
 from protocols.dp import parse_noise
 from protocols.privacy import SECURE_AGGS, PrivacyEngine, PrivacySpec
@@ -65,6 +67,19 @@ def parse_defenses(
         else:
             spec = apply_defense(spec, text)
     return spec, hooks
+
+
+def make_attack(name: str, options: Mapping[str, float | str]) -> Attack:
+    """The attack registered as ``name``, made with the keyword parameters ``options``;
+    ConfigError for a parameter it does not take."""
+    factory = ATTACKS.get(name)
+    try:
+        return factory(**options)
+    except TypeError:
+        taken = ", ".join(inspect.signature(factory).parameters) or "none"
+        raise ConfigError(
+            f"{name} takes the parameters ({taken}). Found {', '.join(sorted(options))}."
+        ) from None
 
 
 def apply_defense(spec: PrivacySpec, text: str) -> PrivacySpec:
@@ -110,6 +125,8 @@ class AttackResult:
     dcs_chance: float
     undefended_accuracy: float
     privacy: dict[str, Any] | None
+    # what each hook defense with a report did (the norm filter: rows seen and dropped)
+    defense_reports: dict[str, Any]
     training: dict[str, Any] = field(repr=False)
 
     def to_json(self) -> dict[str, Any]:
@@ -127,6 +144,7 @@ class AttackResult:
             "dcs_chance": self.dcs_chance,
             "undefended_accuracy": self.undefended_accuracy,
             "privacy": self.privacy,
+            "defense_reports": self.defense_reports,
             "training": self.training,
         }
 
@@ -159,6 +177,7 @@ def run_attack(
     config: TrainConfig,
     attack: str,
     *,
+    options: Mapping[str, float | str] | None = None,
     attacker: str = "party-1",
     defenses: Sequence[str] = (),
     privacy: PrivacySpec | None = None,
@@ -168,10 +187,12 @@ def run_attack(
     on_start: Callable[[int], None] | None = None,
     on_step: StepCallback | None = None,
 ) -> AttackResult:
-    """Train ``config`` with ``attacker`` playing ``attack``'s role under ``defenses`` (added to
-    ``privacy``, default none), then score the attack and the defended model. ``control`` runs
-    the negative control (the attacker's signal destroyed). ``cache`` keeps MP* between runs."""
-    made = ATTACKS.get(attack)()
+    """Train ``config`` with ``attacker`` playing ``attack``'s role (made with ``options``, its
+    keyword parameters) under ``defenses`` (added to ``privacy``, default none), then score the
+    attack and the defended model. ``control`` runs the negative control (the attacker's signal
+    destroyed). ``cache`` keeps MP* between runs. The federation also predicts the attack's
+    probe splits (:meth:`Attack.probes`), after the test splits, for its scoring."""
+    made = make_attack(attack, options or {})
     spec, hooks = parse_defenses(
         defenses, privacy if privacy is not None else PrivacySpec(seed=config.seed)
     )
@@ -187,6 +208,10 @@ def run_attack(
         rng=np.random.default_rng([config.seed, 1_000_003]),
         control=control,
     )
+    probes = made.probes(context)
+    clash = sorted(set(probes) & set(data.tests))
+    if clash:
+        raise ConfigError(f"{attack}'s probe splits {clash} clash with the test splits.")
     channel = channel if channel is not None else Channel()
 
     def on_ready(ready: Channel) -> None:
@@ -196,7 +221,7 @@ def run_attack(
 
     result = run_training(
         config,
-        data=data,
+        data=replace(data, tests={**data.tests, **probes}),
         channel=channel,
         privacy=engine,
         roles={attacker: made.role} if made.role is not None else None,
@@ -204,6 +229,8 @@ def run_attack(
         on_start=on_start,
         on_step=on_step,
     )
+    probed = {name: result.metrics[name]["accuracy"] / 100 for name in probes}
+    context = replace(context, probed=probed)
     metrics = made.evaluate(channel.parties[attacker], context)
     main = _main_accuracy(result)
     defended = spec.secure_agg != "none" or bool(spec.noise()) or bool(hooks)
@@ -223,6 +250,9 @@ def run_attack(
         dcs_chance=dcs(performance, main, attack_star=chance, main_star=reference),
         undefended_accuracy=reference,
         privacy=result.privacy,
+        defense_reports={
+            hook.spec: report() for hook in hooks if (report := getattr(hook, "report", None))
+        },
         training=result.to_json(),
     )
 

@@ -81,6 +81,20 @@ def _imputer_names() -> list[str]:
     return IMPUTERS.names()
 
 
+def attack_option(text: str) -> tuple[str, float | str]:
+    """``KEY=VALUE`` of ``--attack-option``: a parameter name and its value, a number where it
+    reads as one (an int if written as one), else the text."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier() or not value:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, e.g. gamma=2. Found {text!r}.")
+    if value.lstrip("-").isdigit():
+        return key, int(value)
+    try:
+        return key, float(value)
+    except ValueError:
+        return key, value
+
+
 def existing_file(text: str) -> Path:
     path = Path(text)
     if not path.is_file():
@@ -270,13 +284,22 @@ def build_parser() -> argparse.ArgumentParser:
         "--attack",
         metavar="NAME",
         help="direct-label-inference | norm-scoring | direction-scoring | "
-        "passive-model-completion | active-model-completion",
+        "passive-model-completion | active-model-completion | gradient-replacement-backdoor | "
+        "feature-reconstruction | subset-differencing",
     )
     chosen.add_argument(
         "--suite",
         choices=["all"],
         help="every attack that applies to the task, undefended and under each --defense; "
         "writes DIR/suite.md with VFLAIR's T-DCS per attack kind and C-DCS per defense",
+    )
+    attack.add_argument(
+        "--attack-option",
+        action="append",
+        type=attack_option,
+        default=[],
+        metavar="KEY=VALUE",
+        help="a parameter of the attack, e.g. target=1, gamma=2 or swap=target (repeatable)",
     )
     attack.add_argument(
         "--attacker",
@@ -291,7 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SPEC",
         help="dp-gradients:SIGMA:CLIP | dp-embeddings:SIGMA:CLIP | dp-sgd:SIGMA:CLIP | "
         "secure-agg:BACKEND (the same mechanisms as train's flags) | "
-        "gradient-sparsification:FRACTION | marvell:SCALE (repeatable)",
+        "gradient-sparsification:FRACTION | marvell:SCALE | norm-filter[:Z] (repeatable)",
     )
     attack.add_argument(
         "--control",
@@ -710,6 +733,7 @@ def run_attack_command(args: argparse.Namespace) -> int:
         result = run_attack(
             config,
             name,
+            options=dict(args.attack_option),
             attacker=args.attacker,
             defenses=args.defense,
             privacy=_privacy_spec(args),

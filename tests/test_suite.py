@@ -31,7 +31,12 @@ def _direct(epochs: int = 1) -> TrainConfig:
 
 def test_the_suite_runs_what_applies_and_scores_each_defense(tmp_path: Path) -> None:
     report = suite.run_suite(_direct(), defenses=["dp-gradients:3:0.01"], cache=tmp_path / "cache")
-    applied = ("active-model-completion", "direct-label-inference", "passive-model-completion")
+    applied = (
+        "active-model-completion",
+        "direct-label-inference",
+        "gradient-replacement-backdoor",
+        "passive-model-completion",
+    )
     assert [(r["attack"], r["defense"]) for r in report.runs] == [
         (attack, defense) for attack in applied for defense in ("none", "dp-gradients:3:0.01")
     ]
@@ -40,13 +45,22 @@ def test_the_suite_runs_what_applies_and_scores_each_defense(tmp_path: Path) -> 
     assert "binary task" in report.skipped["direction-scoring"]
     undefended, defended = (r for r in report.runs if r["attack"] == "direct-label-inference")
     assert undefended["value"] >= 0.99 and defended["value"] < 0.5
-    assert report.t_dcs["none"]["label-inference"] == pytest.approx(
-        statistics.fmean(r["dcs"] for r in report.runs if r["defense"] == "none")
+    # T-DCS averages the attacks of a kind (three label inference attacks, the backdoor) and
+    # C-DCS the kinds
+    assert set(report.t_dcs["none"]) == {"label-inference", "backdoor"}
+    for defense, kinds in report.t_dcs.items():
+        assert kinds["label-inference"] == pytest.approx(
+            statistics.fmean(
+                r["dcs"]
+                for r in report.runs
+                if r["defense"] == defense and r["attack"] != "gradient-replacement-backdoor"
+            )
+        )
+        assert report.c_dcs[defense] == pytest.approx(statistics.fmean(kinds.values()))
+    assert (
+        report.t_dcs["dp-gradients:3:0.01"]["label-inference"]
+        > (report.t_dcs["none"]["label-inference"])
     )
-    assert report.c_dcs["dp-gradients:3:0.01"] == pytest.approx(
-        statistics.fmean(r["dcs"] for r in report.runs if r["defense"] != "none")
-    )
-    assert report.c_dcs["dp-gradients:3:0.01"] > report.c_dcs["none"]
     text = suite.markdown(report, command="test")
     assert "| none | 0." in text and "norm-scoring: " in text
 
@@ -91,8 +105,7 @@ def test_a_defense_that_does_not_apply_to_the_method_is_reported() -> None:
 
 
 def test_a_run_no_attack_applies_to_is_refused() -> None:
-    # a head at every party (model completion infers labels its attacker does not hold)
-    config = TrainConfig(method="laser", dataset="digits", method_config=MethodConfig(epochs=1))
+    config = TrainConfig(method="false-vfl-1", dataset="digits")
     with pytest.raises(ConfigError, match="no attack applies"):
         suite.run_suite(config)
 

@@ -1,0 +1,231 @@
+"""The gradient-replacement backdoor as an auditor's experiment: undefended it plants the trigger
+without costing clean accuracy (positive control), without poisoning the same trigger does
+what it does to the honest model (negative control), the norm filter lowers it at a cost it
+reports, and it refuses to run where it cannot see what it filters."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from attacks.backdoor import BackdoorParty, GradientReplacementBackdoor
+from attacks.norm_filter import NormFilter
+from attacks.runner import AttackResult, parse_defenses, run_attack
+from protocols.privacy import PrivacySpec
+from secure_vfl.cli import main
+from secure_vfl.errors import ConfigError
+from secure_vfl.experiment import TrainConfig
+from secure_vfl.federation.channel import Channel, RecordingLayer
+from secure_vfl.federation.messages import AGGREGATOR
+from secure_vfl.federation.parties import DataParty
+from secure_vfl.methods import MethodConfig
+
+ATTACK = "gradient-replacement-backdoor"
+
+
+def _config(method: str = "laser", *, epochs: int = 3, seed: int = 0) -> TrainConfig:
+    return TrainConfig(
+        method=method,
+        dataset="breast-cancer",
+        parties=4,
+        seed=seed,
+        method_config=MethodConfig(heads="active", epochs=epochs, batch_size=64),
+    )
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """MP*, the honest undefended run, trained once for the whole module."""
+    return tmp_path_factory.mktemp("undefended")
+
+
+@pytest.fixture(scope="module")
+def attacked_channel(cache: Path) -> tuple[AttackResult, Channel]:
+    channel = Channel()
+    return run_attack(_config(), ATTACK, cache=cache, channel=channel), channel
+
+
+@pytest.fixture(scope="module")
+def attacked(attacked_channel: tuple[AttackResult, Channel]) -> AttackResult:
+    return attacked_channel[0]
+
+
+@pytest.fixture(scope="module")
+def control(cache: Path) -> AttackResult:
+    return run_attack(_config(), ATTACK, control=True, cache=cache)
+
+
+def test_backdoor_flips_triggered_rows_to_the_target_and_keeps_clean_accuracy(
+    attacked_channel: tuple[AttackResult, Channel],
+) -> None:
+    result, channel = attacked_channel
+    assert result.attack["asr"] >= 0.8
+    assert result.main["accuracy"] >= result.undefended_accuracy - 0.03
+    assert result.attack["untriggered_asr"] <= 0.1  # the trigger does it, not a broken model
+    assert result.attack["replaced_gradients"] > 0
+    assert result.attack["clean_accuracy"] == result.main["accuracy"]
+    # only the attacker changed role
+    assert isinstance(channel.parties["party-1"], BackdoorParty)
+    assert all(
+        type(channel.parties[name]) is DataParty for name in ("party-0", "party-2", "party-3")
+    )
+    assert result.chance == pytest.approx(170 / 456)  # the target class's share (malignant)
+
+
+def test_without_poisoning_the_trigger_does_what_it_does_to_the_honest_model(
+    attacked: AttackResult, control: AttackResult
+) -> None:
+    # the control trains the honest federation: the same accuracy as the undefended run
+    assert control.main["accuracy"] == control.undefended_accuracy
+    assert control.attack["replaced_gradients"] == 0
+    # the honest model predicts the target for few triggered rows; the backdoor for most
+    assert control.attack["asr"] <= 0.1
+    assert attacked.attack["asr"] - control.attack["asr"] >= 0.7
+
+
+def test_norm_filter_lowers_the_backdoor_and_reports_what_it_dropped(
+    attacked: AttackResult, cache: Path
+) -> None:
+    defended = run_attack(_config(), ATTACK, defenses=["norm-filter:4"], cache=cache)
+    assert defended.attack["asr"] <= attacked.attack["asr"] - 0.5
+    assert defended.main["accuracy"] >= defended.undefended_accuracy - 0.05
+    filtered = defended.defense_reports["norm-filter:4"]
+    # at prediction it drops the attacker's triggered rows; honest senders lose few rows
+    assert filtered["party-1"]["predict"]["dropped"] >= 71  # the triggered probe rows
+    for honest in ("party-0", "party-2", "party-3"):
+        counts = filtered[honest]["predict"]
+        assert counts["dropped"] <= 0.2 * counts["seen"]
+    assert defended.dcs > attacked.dcs
+    assert attacked.defense_reports == {}
+
+
+def test_under_secure_aggregation_no_receiver_sees_a_representation_to_filter() -> None:
+    """The survey's point, measured: under secure sums the aggregator holds sealed shares and
+    the label party sums, never another party's representation; so the filter is refused."""
+    from protocols.privacy import PrivacyEngine
+    from secure_vfl.experiment import run_training
+
+    channel = Channel()
+    seen: dict[str, RecordingLayer] = {}
+
+    def on_ready(ready: Channel) -> None:
+        for name in ("party-0", AGGREGATOR):
+            seen[name] = RecordingLayer()
+            ready.parties[name].incoming.append(seen[name])
+
+    config = _config("laser", epochs=1)
+    secure = replace(config, method_config=replace(config.method_config, secure_sums=True))
+    run_training(
+        secure,
+        channel=channel,
+        privacy=PrivacyEngine(PrivacySpec(secure_agg="masks")),
+        on_ready=on_ready,
+    )
+    received = [m for layer in seen.values() for m in layer.messages]
+    assert received  # they did receive: sealed shares and sums
+    assert not [m for m in received if m.kind == "representation" and m.sender != "party-0"]
+    with pytest.raises(ConfigError, match="no receiver sees one"):
+        run_attack(config, ATTACK, defenses=["secure-agg:masks", "norm-filter:4"])
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({"target": 2}, "not one of the 2 classes"),
+        ({"known": 0}, "at least 1 known target row"),
+        ({"poison_fraction": 1.5}, r"`poison_fraction` must be in \(0, 1\)"),
+        ({"gamma": -1.0}, "`gamma` must be a positive number"),
+        ({"trigger_columns": 8}, "a trigger of 8 columns in a block of 7"),
+        ({"trigger_value": float("inf")}, "`trigger_value` must be a finite number"),
+        ({"swap": "sideways"}, "`swap` must be one of own, target, none"),
+        ({"colour": 1}, r"takes the parameters \(target, known"),
+    ],
+)
+def test_bad_backdoor_parameters_are_refused(options: dict[str, float], expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected):
+        run_attack(_config(epochs=1), ATTACK, options=options)
+
+
+@pytest.mark.parametrize(
+    ("defenses", "expected"),
+    [
+        (["norm-filter:"], "norm-filter:NUMBER expected"),
+        (["norm-filter:x"], "norm-filter:NUMBER expected"),
+        (["norm-filter:-1"], "threshold must be a positive number"),
+        (["norm-filter:4", "norm-filter:3"], "norm-filter given twice"),
+    ],
+)
+def test_a_bad_norm_filter_spec_is_refused(defenses: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected):
+        parse_defenses(defenses, PrivacySpec())
+
+
+def test_norm_filter_alone_takes_its_default_threshold() -> None:
+    _, hooks = parse_defenses(["norm-filter"], PrivacySpec())
+    assert [hook.spec for hook in hooks] == ["norm-filter:4"]
+
+
+def test_norm_filter_zeroes_only_rows_far_from_the_senders_recent_norms() -> None:
+    import torch
+
+    from secure_vfl.federation.messages import RepresentationMessage
+
+    def message(representation: torch.Tensor, phase: str) -> RepresentationMessage:
+        n = representation.shape[0]
+        return RepresentationMessage(
+            sender="party-1",
+            receiver=AGGREGATOR,
+            round=0,
+            batch_id=0,
+            positions=torch.arange(n),
+            phase=phase,
+            representation=representation,
+        )
+
+    layer = NormFilter(4.0, warmup=8)
+    generator = torch.Generator().manual_seed(0)
+    normal = torch.randn(64, 4, generator=generator)
+    assert layer.on_message(message(normal, "train")).representation.equal(normal)
+    probe = torch.cat([torch.randn(3, 4, generator=generator), 100 * torch.ones(1, 4)])
+    out = layer.on_message(message(probe, "predict")).representation
+    assert out[:3].equal(probe[:3]) and not out[3].any()
+    assert layer.report() == {
+        "party-1": {"predict": {"seen": 4, "dropped": 1}, "train": {"seen": 64, "dropped": 0}}
+    }
+
+
+def test_attack_command_writes_asr_and_clean_accuracy(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    code = main(
+        [
+            "attack",
+            "--attack",
+            ATTACK,
+            "--attack-option",
+            "swap=target",
+            "--method",
+            "laser",
+            "--dataset",
+            "breast-cancer",
+            "--heads",
+            "active",
+            "--epochs",
+            "1",
+            "--batch-size",
+            "64",
+            "--defense",
+            "norm-filter:4",
+            "--quiet",
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    result = json.loads((out / "result.json").read_text())
+    assert 0 <= result["attack"]["asr"] <= 1
+    assert result["attack"]["clean_accuracy"] == result["main"]["accuracy"]
+    assert result["defense_reports"]["norm-filter:4"]["party-1"]["train"]["seen"] > 0
+    assert GradientReplacementBackdoor().metric == "asr"
