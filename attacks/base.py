@@ -58,6 +58,8 @@ class Attack(ABC):
     passive: ClassVar[bool] = True  # it does not change what the attacker sends
     # The threat it belongs to (the suite's T-DCS averages over the attacks of one kind).
     kind: ClassVar[str] = "label-inference"
+    # the party that plays it unless the user names another
+    default_attacker: ClassVar[str] = "party-1"
 
     def check(self, config: TrainConfig, data: VerticalData, attacker: str) -> None:
         """Raise ConfigError if the attack does not apply to this run."""

@@ -257,6 +257,8 @@ class _ReconstructionAttack(Attack):
 
     role: ClassVar[str | None] = None
     metric: ClassVar[str] = "gain"
+    kind: ClassVar[str] = "reconstruction"
+    default_attacker: ClassVar[str] = LABEL_PARTY
 
     def __init__(self, victim: int = 1, auxiliary: float = 0.1) -> None:
         if not 0 < auxiliary < 1:

@@ -178,7 +178,7 @@ def run_attack(
     attack: str,
     *,
     options: Mapping[str, float | str] | None = None,
-    attacker: str = "party-1",
+    attacker: str | None = None,
     defenses: Sequence[str] = (),
     privacy: PrivacySpec | None = None,
     control: bool = False,
@@ -193,6 +193,7 @@ def run_attack(
     destroyed). ``cache`` keeps MP* between runs. The federation also predicts the attack's
     probe splits (:meth:`Attack.probes`), after the test splits, for its scoring."""
     made = make_attack(attack, options or {})
+    attacker = attacker if attacker is not None else made.default_attacker
     spec, hooks = parse_defenses(
         defenses, privacy if privacy is not None else PrivacySpec(seed=config.seed)
     )

@@ -44,12 +44,16 @@ class SuiteReport:
         }
 
 
-def applicable(config: TrainConfig, data: VerticalData, attacker: str) -> dict[str, str | None]:
-    """Every registered attack with None if it applies to this run, or why it does not."""
+def applicable(
+    config: TrainConfig, data: VerticalData, attacker: str | None = None
+) -> dict[str, str | None]:
+    """Every registered attack with None if it applies to this run played by ``attacker``
+    (default: each attack's own), or why it does not."""
     verdicts: dict[str, str | None] = {}
     for name in ATTACKS.names():
+        attack = ATTACKS.get(name)()
         try:
-            ATTACKS.get(name)().check(config, data, attacker)
+            attack.check(config, data, attacker or attack.default_attacker)
         except ConfigError as error:
             verdicts[name] = str(error)
         else:
@@ -75,7 +79,7 @@ def run_suite(
     config: TrainConfig,
     *,
     defenses: Sequence[str] = (),
-    attacker: str = "party-1",
+    attacker: str | None = None,
     cache: Path | None = None,
     on_run: Callable[[str, str, AttackResult], None] | None = None,
 ) -> SuiteReport:
@@ -113,6 +117,7 @@ def run_suite(
             runs.append(
                 {
                     "attack": name,
+                    "attacker": result.attacker,
                     "kind": kind,
                     "defense": defense,
                     "metric": attack.metric,
@@ -137,9 +142,9 @@ def markdown(report: SuiteReport, *, command: str) -> str:
         "",
         f"Command: `{command}`",
         "",
-        "| attack | defense | metric | value | chance | main accuracy | epsilon | DCS | "
+        "| attack | attacker | defense | metric | value | chance | main accuracy | epsilon | DCS | "
         "DCS (AP* = chance) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in report.runs:
         epsilon = run["epsilon"]
@@ -147,7 +152,8 @@ def markdown(report: SuiteReport, *, command: str) -> str:
             "-" if not epsilon else ", ".join(f"{p} {e:.2f}" for p, e in sorted(epsilon.items()))
         )
         lines.append(
-            f"| {run['attack']} | {run['defense']} | {run['metric']} | {run['value']:.3f} | "
+            f"| {run['attack']} | {run['attacker']} | {run['defense']} | {run['metric']} | "
+            f"{run['value']:.3f} | "
             f"{run['chance']:.3f} | {100 * run['main_accuracy']:.2f} | {shown} | "
             f"{run['dcs']:.3f} | {run['dcs_chance']:.3f} |"
         )

@@ -182,7 +182,7 @@ def run_sweep(
     templates: Sequence[str],
     grid: Mapping[str, Sequence[float]],
     seeds: int = 3,
-    attacker: str = "party-1",
+    attacker: str | None = None,
     workers: int | None = None,
     executor: str = "process",
     cache: Path | None = None,

@@ -8,11 +8,16 @@ defenses that do not apply to a task are listed with the reason.
 
     python benchmarks/suite_table.py            # the committed configuration (3 seeds)
     python benchmarks/suite_table.py --quick    # one seed, one epoch: a smoke run
+
+A (task, seed) takes minutes; each writes its result to ``results/.attack_suite/`` as it
+finishes, and a re-run of the same command skips the finished ones (delete the directory to
+start over), so an interrupted run resumes. The table is written once every job is in.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from collections.abc import Sequence
@@ -56,8 +61,22 @@ TASKS: tuple[tuple[str, str, str, dict[str, Any]], ...] = (
 )
 
 
-def run_task(index: int, seed: int, quick: bool, cache: str) -> dict[str, Any]:
-    """One task at one seed: the whole suite under every defense that applies."""
+def _job_file(done: str, index: int, seed: int) -> Path:
+    return Path(done) / f"task{index}-seed{seed}.json"
+
+
+def run_task(index: int, seed: int, quick: bool, cache: str, done: str) -> dict[str, Any]:
+    """One task at one seed: the whole suite under every defense that applies; the result is
+    also written to ``done`` (atomically) so that a re-run skips it."""
+    result = _run_task(index, seed, quick, cache)
+    from secure_vfl.io import atomic_write_json
+
+    Path(done).mkdir(parents=True, exist_ok=True)
+    atomic_write_json(_job_file(done, index, seed), result)
+    return result
+
+
+def _run_task(index: int, seed: int, quick: bool, cache: str) -> dict[str, Any]:
     import torch
 
     from attacks.defenses import HOOK_DEFENSES
@@ -97,7 +116,8 @@ def _mean_sd(values: Sequence[float]) -> str:
 
 def render(results: list[dict[str, Any]], command: str) -> str:
     lines = [
-        "# Attack suite: attacks against defenses, per task (4 parties, attacker party-1)",
+        "# Attack suite: attacks against defenses, per task (4 parties; the attacker is party-1, "
+        "a passive data party, or the label party party-0 for the reconstruction attacks)",
         "",
         f"Command: `{command}`",
         "",
@@ -162,8 +182,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     seeds = 1 if args.quick else args.seeds
     cache = str(args.out / ".undefended")
-    jobs = [(i, seed, args.quick, cache) for i in range(len(TASKS)) for seed in range(seeds)]
-    results = run_jobs(run_task, jobs, workers=args.workers)
+    done = str(args.out / (".attack_suite_quick" if args.quick else ".attack_suite"))
+    jobs = [(i, seed, args.quick, cache, done) for i in range(len(TASKS)) for seed in range(seeds)]
+    finished = [
+        json.loads(_job_file(done, i, seed).read_text())
+        for i, seed, *_ in jobs
+        if _job_file(done, i, seed).is_file()
+    ]
+    pending = [job for job in jobs if not _job_file(done, job[0], job[1]).is_file()]
+    if finished:
+        print(f"{len(finished)} of {len(jobs)} jobs already done in {done}; running the rest")
+    results = finished + run_jobs(run_task, pending, workers=args.workers)
     text = render(results, command_line("suite_table.py", argv))
     print(text)
     if not args.quick:

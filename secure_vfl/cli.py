@@ -303,9 +303,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     attack.add_argument(
         "--attacker",
-        default="party-1",
         metavar="PARTY",
-        help="the party that attacks (default party-1, a passive data party)",
+        help="the party that attacks (default: the attack's own, party-1, a passive data "
+        "party; party-0, the label party, for feature-reconstruction and subset-differencing)",
     )
     attack.add_argument(
         "--defense",
@@ -338,7 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
         "attack against main accuracy.",
     )
     sweep.add_argument("--attack", required=True, metavar="NAME", help="see `attack --help`")
-    sweep.add_argument("--attacker", default="party-1", metavar="PARTY")
+    sweep.add_argument(
+        "--attacker", metavar="PARTY", help="the party that attacks (default: the attack's own)"
+    )
     sweep.add_argument(
         "--defense",
         action="append",

@@ -13,7 +13,7 @@ import pytest
 import attacks.suite as suite
 from secure_vfl.cli import main
 from secure_vfl.errors import ConfigError, IntegrityError
-from secure_vfl.experiment import TrainConfig
+from secure_vfl.experiment import TrainConfig, prepare_data
 from secure_vfl.methods import MethodConfig
 
 
@@ -36,6 +36,7 @@ def test_the_suite_runs_what_applies_and_scores_each_defense(tmp_path: Path) -> 
         "direct-label-inference",
         "gradient-replacement-backdoor",
         "passive-model-completion",
+        "subset-differencing",  # the label party receives plain sums over subsets
     )
     assert [(r["attack"], r["defense"]) for r in report.runs] == [
         (attack, defense) for attack in applied for defense in ("none", "dp-gradients:3:0.01")
@@ -45,17 +46,15 @@ def test_the_suite_runs_what_applies_and_scores_each_defense(tmp_path: Path) -> 
     assert "binary task" in report.skipped["direction-scoring"]
     undefended, defended = (r for r in report.runs if r["attack"] == "direct-label-inference")
     assert undefended["value"] >= 0.99 and defended["value"] < 0.5
-    # T-DCS averages the attacks of a kind (three label inference attacks, the backdoor) and
-    # C-DCS the kinds
-    assert set(report.t_dcs["none"]) == {"label-inference", "backdoor"}
+    # T-DCS averages the attacks of a kind and C-DCS the kinds
+    assert set(report.t_dcs["none"]) == {"label-inference", "backdoor", "reconstruction"}
     for defense, kinds in report.t_dcs.items():
-        assert kinds["label-inference"] == pytest.approx(
-            statistics.fmean(
-                r["dcs"]
-                for r in report.runs
-                if r["defense"] == defense and r["attack"] != "gradient-replacement-backdoor"
+        for kind, value in kinds.items():
+            assert value == pytest.approx(
+                statistics.fmean(
+                    r["dcs"] for r in report.runs if r["defense"] == defense and r["kind"] == kind
+                )
             )
-        )
         assert report.c_dcs[defense] == pytest.approx(statistics.fmean(kinds.values()))
     assert (
         report.t_dcs["dp-gradients:3:0.01"]["label-inference"]
@@ -139,3 +138,24 @@ def test_attack_suite_command_writes_the_report(tmp_path: Path) -> None:
     assert set(report["c_dcs"]) == {"none", "dp-gradients:1:0.01"}
     assert "C-DCS" in (out / "suite.md").read_text()
     assert main([*argv[:-2], "--dp-gradients", "1:0.01", "--out", str(tmp_path / "x")]) == 2
+
+
+def test_each_attack_is_played_by_its_own_attacker_unless_one_is_named() -> None:
+    config = TrainConfig(
+        method="standard",
+        dataset="breast-cancer",
+        parties=4,
+        seed=0,
+        method_config=MethodConfig(heads="active", epochs=1, batch_size=64),
+    )
+    verdicts = suite.applicable(config, prepare_data(config))
+    # the reconstruction attacks' default attacker is the label party, the others' party-1
+    assert verdicts["feature-reconstruction"] is None
+    assert verdicts["norm-scoring"] is None
+    named = suite.applicable(config, prepare_data(config), "party-1")
+    assert "party-0" in str(named["feature-reconstruction"])
+    report = suite.run_suite(config)
+    attackers = {run["attack"]: run["attacker"] for run in report.runs}
+    assert attackers["feature-reconstruction"] == "party-0"
+    assert attackers["norm-scoring"] == "party-1"
+    assert "| feature-reconstruction | party-0 |" in suite.markdown(report, command="test")
