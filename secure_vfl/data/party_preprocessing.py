@@ -103,8 +103,8 @@ class PartyPreprocessing:
             if extra:
                 parts.append(f"unexpected {extra}")
             raise DataError(
-                f"{where}: the columns the model was trained on expected "
-                f"({', '.join(self.columns)}); found {' and '.join(parts)}."
+                f"{where}: the {len(self.columns)} columns this party's model was trained on "
+                f"expected; found {' and '.join(parts)}."
             )
 
     def apply(self, table: PartyTable, where: str) -> np.ndarray:

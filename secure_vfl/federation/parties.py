@@ -464,7 +464,8 @@ class DataParty(SecureSumParty):
         held = rows >= 0
         block = np.zeros((rows.shape[0], *self.preprocessing.block_shape), dtype=np.float32)
         if table is not None:
-            block[held] = self.preprocessing.apply(table, where=source)[rows[held]]
+            where = f"{source} ({self.name})"
+            block[held] = self.preprocessing.apply(table, where=where)[rows[held]]
         elif bool(held.any()):
             raise ProtocolError(f"{self.name}: rows of a file expected, found no file.")
         self.hold_split(split, torch.from_numpy(block), torch.from_numpy(held))
