@@ -44,40 +44,28 @@ class Files:
     held_out_ids: np.ndarray
 
 
+ROOT = Path(__file__).resolve().parents[1]
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> Files:
+    """The files of ``examples/own_party_files.py`` (run as a script: nothing imports examples)."""
+    import subprocess
+    import sys
+
     root = tmp_path_factory.mktemp("own-files")
-    bunch = load_breast_cancer(as_frame=True)
-    x, y = bunch.data, bunch.target.to_numpy()
-    ids = np.array([f"p{i:04d}" for i in range(len(x))])
-    order = np.random.default_rng(0).permutation(len(x))
-    train, held_out, new = order[:380], order[380:460], order[460:]
-    labels = pd.DataFrame({"id": ids, "label": np.where(y == 1, "benign", "malignant")})
-    (root / "new").mkdir()
-    train_paths, new_paths = [], []
-    for k, (name, columns) in enumerate(
-        zip(PARTIES, np.array_split(np.array(x.columns), 3), strict=True)
-    ):
-        frame = x[list(columns)].copy()
-        frame.insert(0, "id", ids)
-        frame.iloc[np.concatenate([train, held_out])].to_csv(root / f"{name}.csv", index=False)
-        rows = frame.iloc[new]
-        if k == 1:  # the retailer does not hold the first 10 new ids
-            rows = rows.iloc[10:]
-        rows = rows.sample(frac=1.0, random_state=k)  # another row order in every file
-        rows.to_csv(root / "new" / f"{name}.csv", index=False)
-        train_paths.append(root / f"{name}.csv")
-        new_paths.append(root / "new" / f"{name}.csv")
-    labels.iloc[train].to_csv(root / "labels.csv", index=False)
-    labels.iloc[held_out].to_csv(root / "held_out.csv", index=False)
+    script = ROOT / "examples" / "own_party_files.py"
+    subprocess.run([sys.executable, str(script), "--out", str(root)], check=True)
+    new = tuple(root / "new" / f"{name}.csv" for name in PARTIES)
+    held_out = pd.read_csv(root / "held_out.csv", dtype={"id": str})["id"].to_numpy(str)
     return Files(
         root=root,
-        train=tuple(train_paths),
+        train=tuple(root / f"{name}.csv" for name in PARTIES),
         labels=root / "labels.csv",
         held_out=root / "held_out.csv",
-        new=tuple(new_paths),
-        new_ids=np.sort(ids[new]),
-        held_out_ids=np.sort(ids[held_out]),
+        new=new,
+        new_ids=np.sort(pd.read_csv(new[0], dtype={"id": str})["id"].to_numpy(str)),
+        held_out_ids=np.sort(held_out),
     )
 
 
@@ -450,3 +438,34 @@ def test_false_vfl_saves_its_label_model_and_predicts_with_a_party_absent(
     predictions = loaded.predict(tables)
     np.testing.assert_allclose(predictions.probabilities.sum(axis=1), 1.0, atol=1e-5)
     assert predictions.mask[:, 1].sum() == 0
+
+
+def test_readme_commands_for_saved_models_run(tmp_path: Path) -> None:
+    """The README's "Saved models and prediction" commands, as written (2 epochs)."""
+    import shlex
+    import subprocess
+    import sys
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("### Saved models and prediction", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [
+        line
+        for line in block.replace("\\\n", " ").splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    assert len(commands) == 4
+    outputs = []
+    for command in commands:
+        argv = shlex.split(command.replace("--epochs 10", "--epochs 2"))
+        if argv[0] == ".venv/bin/python":
+            argv = [sys.executable, str(ROOT / argv[1]), *argv[2:]]
+        else:
+            assert argv[0] == ".venv/bin/secure-vfl"
+            argv = [sys.executable, "-m", "secure_vfl", *argv[1:]]
+        completed = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True)
+        assert completed.returncode == 0, completed.stderr
+        outputs.append(completed.stdout)
+    frame = pd.read_csv(tmp_path / "runs" / "mine" / "predictions.csv")
+    assert len(frame) == 109 and set(frame["predicted"]) <= {"benign", "malignant"}
+    assert "rows held: bank 109, retailer 99, insurer 0" in outputs[-1]
