@@ -504,8 +504,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=party_file_spec,
         metavar="[PARTY=]PATH",
         help="a party's file of new rows: `id` and the columns it was trained on. PARTY is "
-        "the stem of its training file (or party-K); without it, the file's stem, else the "
-        "one party whose columns the file has (repeatable)",
+        "the stem of its training file (or party-K), by default this file's stem; a party "
+        "without a file is absent for every row (repeatable)",
     )
     predict.add_argument(
         "--out",
