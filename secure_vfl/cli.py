@@ -129,6 +129,21 @@ def _training_flags(parser: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="CSV/Parquet with `id` and `label` (with --party-file)",
     )
+    held_out = parser.add_mutually_exclusive_group()
+    held_out.add_argument(
+        "--test-file",
+        type=existing_file,
+        metavar="PATH",
+        help="a label file (`id`, `label`) of held-out ids to evaluate on; their features come "
+        "from the same party files, and every id of --label-file is trained on",
+    )
+    held_out.add_argument(
+        "--test-fraction",
+        type=open_probability,
+        metavar="F",
+        help="with --party-file: evaluate on a stratified, seeded share F of the label file's "
+        "rows (default 0.2 when neither this nor --test-file is given)",
+    )
     parser.add_argument(
         "--align",
         choices=["join", "psi"],
@@ -468,7 +483,49 @@ def build_parser() -> argparse.ArgumentParser:
     psi.add_argument("--mode", choices=["intersection", "cardinality"], default="intersection")
     psi.add_argument("--out", type=Path, help="write the intersecting ids here (one per line)")
     _capture_option(psi)
+
+    predict = commands.add_parser(
+        "predict",
+        help="score new rows with a model saved by train",
+        description="Load the federation saved by `train` (every party's own part, checked "
+        "against the manifest's hashes), align the new rows of the given party files by id and "
+        "predict from the blocks present: a party without a file, or without an id, is absent "
+        "for that row. Writes id, the predicted label and one probability column per class.",
+    )
+    predict.add_argument(
+        "--model",
+        required=True,
+        type=Path,
+        metavar="RUN_DIR",
+        help="a train run's --out directory (or its model/ directory)",
+    )
+    predict.add_argument(
+        "--party-file",
+        required=True,
+        action="append",
+        type=party_file_spec,
+        metavar="[PARTY=]PATH",
+        help="a party's file of new rows: `id` and the columns it was trained on. PARTY is "
+        "the stem of its training file (or party-K), by default this file's stem; a party "
+        "without a file is absent for every row (repeatable)",
+    )
+    predict.add_argument(
+        "--out",
+        type=Path,
+        metavar="CSV",
+        help="write the predictions here (default: print a summary)",
+    )
+    predict.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     return parser
+
+
+def party_file_spec(text: str) -> tuple[str | None, Path]:
+    """``[PARTY=]PATH`` of ``predict --party-file``: the party's name (None: not given) and
+    an existing file."""
+    name, sep, rest = text.partition("=")
+    if sep and name and not Path(text).is_file():
+        return name, existing_file(rest)
+    return None, existing_file(text)
 
 
 def _capture_option(parser: argparse.ArgumentParser) -> None:
@@ -568,6 +625,8 @@ def _train_config(args: argparse.Namespace) -> Any:
         dataset=args.dataset,
         party_files=tuple(args.party_file or ()),
         label_file=args.label_file,
+        test_file=args.test_file,
+        test_fraction=args.test_fraction,
         parties=args.parties if not args.party_file else len(args.party_file),
         train_missing=train_missing,
         test_missing=tuple(tests) if tests else ("mcar:0", "mcar:0.5"),
@@ -643,6 +702,8 @@ def run_train(args: argparse.Namespace) -> int:
     from secure_vfl.experiment import prepare_data, run_training
     from secure_vfl.federation.channel import Channel, InProcessTransport
     from secure_vfl.io import atomic_write_json
+    from secure_vfl.methods.base import in_process_parties
+    from secure_vfl.saved_model import MANIFEST_FILE, MODEL_DIR, save_model
     from secure_vfl.store import ResultsStore
 
     engine = _privacy_engine(args)
@@ -653,13 +714,13 @@ def run_train(args: argparse.Namespace) -> int:
         if not spec.is_installed():
             raise ConfigError(f"dataset {config.dataset!r} is not installed. {spec.install_hint()}")
     out: Path = args.out or Path("runs") / f"{config.method}-{config.data_name}-s{config.seed}"
-    if (out / "result.json").exists() and not args.overwrite:
-        raise ConfigError(
-            f"{out / 'result.json'} exists; expected a new --out directory (or --overwrite)."
-        )
+    for written in (out / "result.json", out / MODEL_DIR / MANIFEST_FILE):
+        if written.exists() and not args.overwrite:
+            raise ConfigError(f"{written} exists; expected a new --out directory (or --overwrite).")
     store = ResultsStore(args.store or out.parent / "results.sqlite")
     channel = Channel()
     bar: Any = None
+    trained: list[Any] = []  # the run's parties, each of which saves its own part
 
     def on_start(total: int) -> None:
         nonlocal bar
@@ -681,6 +742,7 @@ def run_train(args: argparse.Namespace) -> int:
                 data=data,
                 channel=channel,
                 privacy=engine,
+                on_ready=lambda ready: trained.extend(in_process_parties(ready)),
                 on_start=on_start,
                 on_step=on_step,
             )
@@ -695,9 +757,22 @@ def run_train(args: argparse.Namespace) -> int:
         finally:
             if bar is not None:
                 bar.close()
-    atomic_write_json(out / "result.json", result.to_json())
+    manifest = save_model(
+        out / MODEL_DIR,
+        trained,
+        method=config.method,
+        seed=config.seed,
+        method_config=config.method_config,
+        false_vfl=config.false_vfl,
+        data=data,
+        sources=[path.stem for path in config.party_files] or None,
+    )
+    payload = result.to_json()
+    payload["model"] = {"directory": str(out / MODEL_DIR), "run_id": manifest.run_id}
+    atomic_write_json(out / "result.json", payload)
     store.add(result.to_json(), kind="train", out_dir=out)
     print(_summary(result, out))
+    print(f"model: {out / MODEL_DIR} (secure-vfl predict --model {out} --party-file ...)")
     return 0
 
 
@@ -996,6 +1071,76 @@ def _save_imputed(directory: Path, task: Any, imputer: Any) -> None:
         atomic_write(directory / f"{train.name}.csv", write)
 
 
+def _party_tables(model: Any, specs: Sequence[tuple[str | None, Path]]) -> dict[str, Any]:
+    """Each ``--party-file`` assigned to its party (by the name given, else by the file's
+    stem) and read."""
+    from secure_vfl.data.party_files import read_party_file
+
+    tables: dict[str, Any] = {}
+    for name, path in specs:
+        party = model.manifest.parties[model.party_index(name or _party_of(model, path))]
+        if party.source in tables:
+            raise ConfigError(
+                f"two files for party {party.source}: {tables[party.source][1]} and {path}; "
+                "expected one file per party."
+            )
+        tables[party.source] = (read_party_file(path), str(path))
+    return tables
+
+
+def _party_of(model: Any, path: Path) -> str:
+    """The party a file without ``PARTY=`` belongs to: the one its stem names."""
+    parties = model.manifest.parties
+    if any(path.stem in (entry.source, entry.name) for entry in parties):
+        return path.stem
+    raise ConfigError(
+        f"unknown party file {path}: its stem names no party of this model; expected one of "
+        f"{', '.join(entry.source for entry in parties)} (or --party-file PARTY={path})."
+    )
+
+
+def run_predict(args: argparse.Namespace) -> int:
+    """`secure-vfl predict`: the saved federation scores the new rows of the given files."""
+    from secure_vfl.saved_model import SavedModel
+
+    out: Path | None = args.out
+    if out is not None and out.is_dir():
+        raise ConfigError(f"--out expects a CSV file path. Found the directory {out}.")
+    if out is not None and out.exists() and not args.overwrite:
+        raise ConfigError(f"{out} exists; expected a new --out file (or --overwrite).")
+    model = SavedModel.load(args.model)
+    predictions = model.predict(_party_tables(model, args.party_file))
+    if out is not None:
+        predictions.write_csv(out)
+    print(_prediction_summary(model, predictions, out))
+    return 0
+
+
+def _prediction_summary(model: Any, predictions: Any, out: Path | None) -> str:
+    from collections import Counter
+
+    manifest = model.manifest
+    held = predictions.mask.sum(axis=0)
+    lines = [
+        f"{manifest.method} model {manifest.run_id[:12]} ({len(manifest.parties)} parties): "
+        f"{len(predictions.ids)} rows",
+        "rows held: "
+        + ", ".join(f"{name} {int(n)}" for name, n in zip(predictions.parties, held, strict=True)),
+    ]
+    labels = predictions.labels()
+    counts = Counter(label for label in labels if label is not None)
+    predicted = ", ".join(f"{value} {counts[value]}" for value in predictions.classes)
+    unscored = sum(label is None for label in labels)
+    if unscored:
+        predicted += f"; no prediction for {unscored} rows (a block absent: the method guesses)"
+    lines.append(f"predicted: {predicted}")
+    if out is not None:
+        lines.append(f"predictions: {out}")
+    else:
+        lines.append(predictions.frame().head(5).to_string(index=False))
+    return "\n".join(lines)
+
+
 def run_datasets(args: argparse.Namespace) -> int:
     from secure_vfl.data.datasets import DATASETS, dataset_status, install_dataset
     from secure_vfl.data.imputation import (
@@ -1057,6 +1202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_sweep_command(args)
         if args.command == "psi":
             return run_psi_command(args)
+        if args.command == "predict":
+            return run_predict(args)
         return run_datasets(args)
     except SecureVFLError as error:
         print(f"secure-vfl: error: {error}", file=sys.stderr)

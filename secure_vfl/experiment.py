@@ -41,12 +41,19 @@ from secure_vfl.metrics import accuracy, f1
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """Everything that defines a training run; validated on construction."""
+    """Everything that defines a training run; validated on construction.
+
+    With party files, the test rows are the ids of ``test_file`` (a label file of held-out ids,
+    their features in the same party files), or a stratified ``test_fraction`` of the label
+    file's rows (default 0.2); a registered dataset keeps its own split.
+    """
 
     method: str
     dataset: str | None = None
     party_files: tuple[Path, ...] = ()
     label_file: Path | None = None
+    test_file: Path | None = None
+    test_fraction: float | None = None
     parties: int = 4
     train_missing: str = "mcar:0"
     test_missing: tuple[str, ...] = ("mcar:0",)
@@ -77,6 +84,7 @@ class TrainConfig:
                 "own data needs at least 2 party files and one label file. Found "
                 f"{len(self.party_files)} party files and label file {self.label_file}."
             )
+        self._check_test_rows()
         if self.dataset is not None and not 2 <= self.parties <= 10:
             raise ConfigError(f"`parties` must be in [2, 10]. Found {self.parties}.")
         if not self.test_missing:
@@ -94,6 +102,29 @@ class TrainConfig:
             )
         make_aligner(self.align)  # refuses an unknown name before anything runs
 
+    def _check_test_rows(self) -> None:
+        given = [
+            name
+            for name, value in (
+                ("test_file", self.test_file),
+                ("test_fraction", self.test_fraction),
+            )
+            if value is not None
+        ]
+        if given and self.dataset is not None:
+            raise ConfigError(
+                f"{' and '.join(f'`{g}`' for g in given)} apply to party files (a registered "
+                f"dataset keeps its own split). Found dataset {self.dataset!r}."
+            )
+        if len(given) == 2:
+            raise ConfigError(
+                "give either held-out ids (`test_file`) or a `test_fraction`, not both. Found "
+                f"{self.test_file} and {self.test_fraction}."
+            )
+        fraction = self.test_fraction
+        if fraction is not None and not (isinstance(fraction, float | int) and 0 < fraction < 1):
+            raise ConfigError(f"`test_fraction` must be in (0, 1). Found {fraction!r}.")
+
     @property
     def data_name(self) -> str:
         return self.dataset if self.dataset is not None else "own-files"
@@ -102,6 +133,7 @@ class TrainConfig:
         payload = asdict(self)
         payload["party_files"] = [str(p) for p in self.party_files]
         payload["label_file"] = str(self.label_file) if self.label_file else None
+        payload["test_file"] = str(self.test_file) if self.test_file else None
         payload["test_missing"] = list(self.test_missing)
         return payload
 
@@ -147,6 +179,8 @@ def prepare_data(config: TrainConfig, *, aligner: Aligner | None = None) -> Vert
         aligner=aligner if aligner is not None else make_aligner(config.align),
         train_missing=train_missing,
         test_missing=test_missing,
+        test_fraction=config.test_fraction if config.test_fraction is not None else 0.2,
+        test_file=config.test_file,
         rng=rng,
     )
 
@@ -162,26 +196,45 @@ def build_method(
     """The configured method, built on ``data``, its parties talking through ``channel`` and
     summing through ``aggregator`` (plain by default); ``roles`` replaces parties by registered
     roles (see :func:`~secure_vfl.methods.base.build_federation`)."""
-    if config.false_vfl is not None:
-        return FalseVflMethod(
-            data,
-            config.method_config,
-            seed=config.seed,
-            variant=1 if config.method == "false-vfl-1" else 2,
-            name=config.method,
-            channel=channel,
-            aggregator=aggregator,
-            false_vfl=config.false_vfl,
-            roles=roles,
-        )
-    factory = methods.METHODS.get(config.method)
-    return factory(
+    return make_method(
+        config.method,
         data,
         config.method_config,
         seed=config.seed,
+        false_vfl=config.false_vfl,
         channel=channel,
         aggregator=aggregator,
         roles=roles,
+    )
+
+
+def make_method(
+    name: str,
+    data: VerticalData,
+    method_config: methods.MethodConfig,
+    *,
+    seed: int,
+    false_vfl: FalseVflConfig | None = None,
+    channel: Channel | None = None,
+    aggregator: SumBackend | None = None,
+    roles: Mapping[str, str] | None = None,
+) -> methods.Method:
+    """The method registered as ``name`` (``false_vfl``: FALSE-VFL's options) on ``data``."""
+    if name.startswith("false-vfl"):
+        return FalseVflMethod(
+            data,
+            method_config,
+            seed=seed,
+            variant=1 if name == "false-vfl-1" else 2,
+            name=name,
+            channel=channel,
+            aggregator=aggregator,
+            false_vfl=false_vfl,
+            roles=roles,
+        )
+    factory = methods.METHODS.get(name)
+    return factory(
+        data, method_config, seed=seed, channel=channel, aggregator=aggregator, roles=roles
     )
 
 
