@@ -48,7 +48,9 @@ class _HelpFormatter(argparse.HelpFormatter):
         if (
             "default" in text
             or not action.option_strings
-            or default in (None, False, argparse.SUPPRESS)
+            or default is None
+            or default is False
+            or default is argparse.SUPPRESS
             or default == []
         ):
             return text
@@ -231,7 +233,11 @@ def _training_flags(parser: argparse.ArgumentParser) -> None:
         "--batch-size", type=positive_int, default=128, metavar="B", help="rows per step"
     )
     parser.add_argument(
-        "--lr", type=positive_float, default=0.03, metavar="LR", help="SGD learning rate"
+        "--lr",
+        type=positive_float,
+        default=0.03,
+        metavar="LR",
+        help="learning rate (SGD; Adam for FALSE-VFL)",
     )
     parser.add_argument(
         "--representation-dim",
@@ -385,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=attack_option,
         default=[],
         metavar="KEY=VALUE",
-        help="a parameter of the attack, e.g. target=1, gamma=2 or swap=target (repeatable)",
+        help="a parameter of the attack, e.g. target=1, gamma=2 or swap=target (repeatable; "
+        "default: the attack's own defaults)",
     )
     attack.add_argument(
         "--attacker",
@@ -400,7 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SPEC",
         help="dp-gradients:SIGMA:CLIP | dp-embeddings:SIGMA:CLIP | dp-sgd:SIGMA:CLIP | "
         "secure-agg:BACKEND (the same mechanisms as train's flags) | "
-        "gradient-sparsification:FRACTION | marvell:SCALE | norm-filter[:Z] (repeatable)",
+        "gradient-sparsification:FRACTION | marvell:SCALE | norm-filter[:Z] (repeatable; "
+        "default: none, the undefended run)",
     )
     attack.add_argument(
         "--control",
@@ -432,14 +440,16 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="TEMPLATE",
-        help="a defense with placeholders, e.g. dp-gradients:SIGMA:0.01 (repeatable)",
+        help="a defense with placeholders, e.g. dp-gradients:SIGMA:0.01 (repeatable; default: "
+        "none, only the undefended runs)",
     )
     sweep.add_argument(
         "--grid",
         action="append",
         default=[],
         metavar="NAME=V1,V2,..",
-        help="the values of a placeholder, e.g. SIGMA=0,0.1,0.3,1,3 (repeatable)",
+        help="the values of a placeholder, e.g. SIGMA=0,0.1,0.3,1,3 (repeatable; default: "
+        "none, for templates without placeholders)",
     )
     sweep.add_argument(
         "--seeds",

@@ -80,11 +80,22 @@ class ResultsStore:
 
     def check(self) -> None:
         """Refuse (ConfigError) a path this store cannot use, before any run writes to it: a
-        directory, a file that is not an SQLite database, a ``runs`` table of another shape or
-        a newer schema; migrate the first schema in place."""
+        directory, a path under a file, a file that is not an SQLite database, a ``runs`` table
+        of another shape or a newer schema; migrate the first schema in place. Creates
+        nothing when there is no store yet."""
         if self.path.is_dir():
             raise ConfigError(f"--store {self.path} is a directory; expected an SQLite file path.")
-        if self.path.exists() and self.path.stat().st_size > 0:
+        if not self.path.exists():
+            for parent in self.path.parents:
+                if parent.exists():
+                    if not parent.is_dir():
+                        raise ConfigError(
+                            f"--store {self.path} lies under the file {parent}; expected a "
+                            "directory."
+                        )
+                    return  # created by the first run written
+            return
+        if self.path.stat().st_size > 0:
             with self.path.open("rb") as handle:
                 header = handle.read(len(_SQLITE_HEADER))
             if header != _SQLITE_HEADER:

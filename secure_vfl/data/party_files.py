@@ -231,7 +231,7 @@ def describe_unmatched(table: PartyTable, path: Path, labels: LabelTable, label_
     each side, as ids are compared as text (``0304`` is not ``304``)."""
     return (
         f"no ids matched between party file {path} and label file {label_path} (e.g. "
-        f"{table.ids[0]!r} in the party file, {labels.ids[0]!r} in the label file); ids are "
-        "compared as text, so expected the same format on both sides (leading zeros, "
+        f"{str(table.ids[0])!r} in the party file, {str(labels.ids[0])!r} in the label file); ids "
+        "are compared as text, so expected the same format on both sides (leading zeros, "
         "spaces, decimals)."
     )
