@@ -237,7 +237,7 @@ def _training_flags(parser: argparse.ArgumentParser) -> None:
         type=positive_float,
         default=0.03,
         metavar="LR",
-        help="learning rate (SGD; Adam for FALSE-VFL)",
+        help="SGD learning rate (FALSE-VFL keeps its own Adam rates)",
     )
     parser.add_argument(
         "--representation-dim",
