@@ -147,6 +147,8 @@ class PrivacyEngine:
         self.noise: dict[str, Noise] = spec.noise()
         self.sample_rate: float | None = None
         self._accountants: dict[str, PrivacyAccountant] = {}
+        # each party's number of releases at the end of every epoch (epsilon over epochs)
+        self._epoch_releases: list[dict[str, int]] = []
         self._statistics: ClientStatisticsNoise | None = None
         self._ranges_note = ""
         if spec.align == "psi":
@@ -268,6 +270,27 @@ class PrivacyEngine:
                     generator=self._generator(10 + k),
                 )
 
+    def epoch_end(self) -> None:
+        """Note each party's releases so far: one point of the epsilon-over-epochs curve."""
+        if self.noise:
+            self._epoch_releases.append(
+                {name: len(a.events) for name, a in self._accountants.items()}
+            )
+
+    def _epsilon_per_epoch(self, parties: list[str]) -> dict[str, list[float]]:
+        """Each party's epsilon (at the spec's delta) after every epoch, from its own releases
+        up to that epoch, priced by the same accountant as the final figure."""
+        curves: dict[str, list[float]] = {}
+        for name in parties:
+            accountant = self._accountants[name]
+            curve = []
+            for releases in self._epoch_releases:
+                prefix = PrivacyAccountant(accountant=accountant.accountant)
+                prefix.events = accountant.events[: releases[name]]
+                curve.append(prefix.epsilon(name, self.spec.delta))
+            curves[name] = curve
+        return curves
+
     def _generator(self, offset: int) -> torch.Generator:
         return torch.Generator().manual_seed(self.spec.seed * 1000 + offset)
 
@@ -344,6 +367,7 @@ class PrivacyEngine:
             "sample_rate": self.sample_rate,
             "noise": {kind: {"sigma": s, "clip": c} for kind, (s, c) in self.noise.items()},
             "epsilon": epsilon,
+            "epsilon_per_epoch": self._epsilon_per_epoch(list(epsilon)),
             "releases": releases,
         }
 

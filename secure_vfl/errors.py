@@ -36,3 +36,9 @@ class RegistryError(SecureVFLError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+class RunWarning(UserWarning):
+    """A run goes on, but its result deserves a look: data that cannot be split as asked, a
+    model whose predictions collapsed to one class. The CLI prints each one and lists it in
+    ``result.json``'s ``warnings``."""

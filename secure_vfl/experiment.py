@@ -152,6 +152,7 @@ class TrainResult:
     dropped: dict[str, int]
     privacy: dict[str, Any] | None = None
     traffic: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -285,14 +286,40 @@ def traffic_report(
 
 def evaluate(method: methods.Method, data: VerticalData) -> dict[str, dict[str, float]]:
     """Accuracy and F1 (both x100) on every test split."""
-    metrics = {}
-    for name, split in data.tests.items():
-        predictions = method.predict(name)
-        metrics[name] = {
-            "accuracy": accuracy(predictions, split.labels),
-            "f1": f1(predictions, split.labels, data.num_classes),
+    return score(predict_tests(method, data), data)
+
+
+def predict_tests(method: methods.Method, data: VerticalData) -> dict[str, np.ndarray]:
+    """Every test split's predictions ((N, K), -1 where a party is absent), by split name."""
+    return {name: method.predict(name) for name in data.tests}
+
+
+def score(predictions: Mapping[str, np.ndarray], data: VerticalData) -> dict[str, dict[str, float]]:
+    """Accuracy and F1 (both x100) of ``predictions`` on their test splits."""
+    return {
+        name: {
+            "accuracy": accuracy(predicted, data.tests[name].labels),
+            "f1": f1(predicted, data.tests[name].labels, data.num_classes),
         }
-    return metrics
+        for name, predicted in predictions.items()
+    }
+
+
+def collapse_warnings(predictions: Mapping[str, np.ndarray], data: VerticalData) -> list[str]:
+    """A warning for every test split on which the model predicts one class only while its
+    labels hold several: a model that learned nothing but a constant (too few epochs, too
+    high a learning rate, too much DP noise), whose accuracy is the class's share."""
+    warnings = []
+    for name, predicted in predictions.items():
+        made = np.unique(predicted[predicted >= 0])
+        present = np.unique(data.tests[name].labels)
+        if made.size == 1 and present.size > 1:
+            warnings.append(
+                f"predictions on test split {name!r} collapsed to one class (class index "
+                f"{int(made[0])} for every sample, {present.size} classes in the labels); "
+                "expected more --epochs, another --lr or less DP noise."
+            )
+    return warnings
 
 
 class PrivacyLayer(Protocol):
@@ -316,6 +343,11 @@ class PrivacyLayer(Protocol):
 
     def report(self) -> dict[str, Any] | None:
         """``result.json``'s privacy entry (None when no DP mechanism ran)."""
+        ...
+
+    def epoch_end(self) -> None:
+        """Called after every training epoch: note each party's spend so far, so that the
+        report can give epsilon over epochs."""
         ...
 
 
@@ -363,22 +395,42 @@ def run_training(
         on_ready(channel)
     if on_start is not None:
         on_start(steps)
-    losses = method.fit(on_step=on_step)
+    losses = method.fit(on_step=_with_epoch_end(on_step, privacy, steps, config))
     for party in channel.parties.values():
         party.after_training()
-    metrics = evaluate(method, data)
+    predictions = predict_tests(method, data)
     return TrainResult(
         method=config.method,
         dataset=config.data_name,
         config=config.to_json(),
-        metrics=metrics,
+        metrics=score(predictions, data),
         epoch_loss=losses,
         wall_time_s=time.perf_counter() - start,
         samples={"train": data.train.n, **{name: s.n for name, s in data.tests.items()}},
         dropped=dict(data.dropped),
         privacy=privacy.report() if privacy is not None else None,
         traffic=traffic_report(aggregator, train_steps=steps, channel=channel),
+        warnings=collapse_warnings(predictions, data),
     )
+
+
+def _with_epoch_end(
+    on_step: StepCallback | None, privacy: PrivacyLayer | None, steps: int, config: TrainConfig
+) -> StepCallback | None:
+    """``on_step``, also telling ``privacy`` when an epoch ends (every ``steps / epochs``
+    steps; methods whose epochs are not of equal length are not followed)."""
+    epochs = config.method_config.epochs
+    if privacy is None or steps == 0 or steps % epochs != 0:
+        return on_step
+    epoch_steps = steps // epochs
+
+    def step_done(step: int, loss: float) -> None:
+        if on_step is not None:
+            on_step(step, loss)
+        if step % epoch_steps == 0:
+            privacy.epoch_end()
+
+    return step_done
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -544,7 +596,7 @@ def run_imputation(
     result = ImputeResult(
         method=config.method,
         dataset=config.data_name,
-        config=config.to_json(),
+        config=_imputation_config(config, task),
         rmse=scores["rmse"],
         rmse_client_mean=scores["rmse_client_mean"],
         rmse_client_std=scores["rmse_client_std"],
@@ -567,3 +619,14 @@ def run_imputation(
         ),
     )
     return result, imputer
+
+
+def _imputation_config(config: ImputeRunConfig, task: ImputationTask) -> dict[str, Any]:
+    """``config`` as ``result.json`` keeps it. For client files, the number of clients and the
+    availability are the files' own (how many there are; the mean share of the features each
+    client has), not the defaults that deal a registered dataset to clients."""
+    payload = config.to_json()
+    if config.client_files:
+        payload["clients"] = len(task.train)
+        payload["availability"] = float(np.mean([client.available.mean() for client in task.train]))
+    return payload

@@ -106,6 +106,9 @@ def test_impute_on_the_users_own_client_files(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "own" / "result.json").read_text())
     assert result["dataset"] == "client-files"
     assert set(result["rmse_per_client"]) == {"site0", "site1"}
+    # The files' own facts, not the defaults that deal a dataset to 4 clients at 60 %.
+    assert result["config"]["clients"] == 2
+    assert result["config"]["availability"] == pytest.approx(4 / 6)
 
 
 def test_secure_aggregation_of_client_sums_matches_the_clear(tmp_path: Path) -> None:

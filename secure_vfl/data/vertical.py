@@ -9,6 +9,7 @@ are zero and must never be read; samples with no observed block are dropped and 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,10 +20,16 @@ import numpy as np
 from secure_vfl.data.datasets import DatasetSplit, Kind
 from secure_vfl.data.missingness import Mechanism, drop_unobserved
 from secure_vfl.data.partition import column_ranges, partition
-from secure_vfl.data.party_files import LabelTable, read_label_file, read_party_file
+from secure_vfl.data.party_files import (
+    LabelTable,
+    check_party_tables,
+    describe_unmatched,
+    read_label_file,
+    read_party_file,
+)
 from secure_vfl.data.party_preprocessing import PartyPreprocessing
 from secure_vfl.data.preprocessing import Standardizer, stratified_split
-from secure_vfl.errors import ConfigError, DataError
+from secure_vfl.errors import ConfigError, DataError, RunWarning
 
 if TYPE_CHECKING:  # only a type here; keeps data importable without the federation package
     from secure_vfl.federation.alignment import Aligner
@@ -272,10 +279,19 @@ def vertical_from_party_files(
         label_ids, all_labels, held_out = _with_held_out(
             label_table, read_label_file(Path(test_file)), label_file, test_file
         )
+    paths = [Path(path) for path in party_files]
+    check_party_tables(tables, paths, label_table, Path(label_file))
     alignment = aligner.align([table.ids for table in tables], label_ids)
-    if alignment.sample_ids.size == 0:
-        raise DataError(f"no id of {label_file} appears in any party file; nothing to train on.")
+    for k, table in enumerate(tables):
+        if not alignment.mask[:, k].any():
+            raise DataError(describe_unmatched(table, paths[k], label_table, Path(label_file)))
+    # Each party knows how many of its own rows found no label (under PSI too).
+    unlabelled = sum(
+        table.ids.size - int(alignment.mask[:, k].sum()) for k, table in enumerate(tables)
+    )
     labels = all_labels[alignment.label_rows]
+    if held_out is None:
+        warn_small_classes(labels, test_fraction, label_table.classes)
     blocks = []
     for k, table in enumerate(tables):
         block = np.zeros((alignment.sample_ids.size, table.features.shape[1]), dtype=np.float32)
@@ -323,7 +339,11 @@ def vertical_from_party_files(
         held_train=held_train,
         held_test=held_test,
         feature_names=tuple(table.columns for table in tables),
-        dropped={"alignment": alignment.dropped},
+        dropped={
+            "alignment": alignment.dropped + unlabelled,
+            "alignment_no_party": alignment.dropped,
+            "alignment_no_label": unlabelled,
+        },
         preprocessing=_preprocessing(scalers, tuple(table.columns for table in tables)),
         classes=label_table.classes,
     )
@@ -355,6 +375,23 @@ def _with_held_out(
         np.concatenate([train.labels, test_labels]),
         held_out,
     )
+
+
+def warn_small_classes(labels: np.ndarray, test_fraction: float, classes: Sequence[object]) -> None:
+    """Warn (:class:`RunWarning`) about every class too small for the stratified split to put
+    it in both the training and the test split: it is then trained on but never tested, or
+    tested but never learned."""
+    for index, count in enumerate(np.bincount(labels, minlength=len(classes))):
+        in_test = round(test_fraction * int(count))
+        if count and in_test in (0, count):
+            where = "training" if in_test == 0 else "test"
+            warnings.warn(
+                f"class {classes[index]!r} has {count} aligned sample(s): too few to appear in "
+                f"both the training and the test split (test fraction {test_fraction:g}); it "
+                f"is in the {where} split only.",
+                RunWarning,
+                stacklevel=2,
+            )
 
 
 def labeled_subset(n: int, labeled: int | None, *, rng: np.random.Generator) -> np.ndarray:
