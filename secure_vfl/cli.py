@@ -176,7 +176,8 @@ def _training_flags(parser: argparse.ArgumentParser) -> None:
         type=existing_file,
         metavar="PATH",
         help="a label file (`id`, `label`) of held-out ids to evaluate on; their features come "
-        "from the same party files, and every id of --label-file is trained on",
+        "from the same party files, and every id of --label-file is trained on (default: none, "
+        "see --test-fraction)",
     )
     held_out.add_argument(
         "--test-fraction",
