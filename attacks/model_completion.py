@@ -189,7 +189,7 @@ class PassiveModelCompletion(Attack):
     """
 
     name: ClassVar[str] = "passive-model-completion"
-    role: ClassVar[str | None] = "data-party"
+    role: ClassVar[str | None] = None  # an honest party of any method: it replaces no role
     metric: ClassVar[str] = "accuracy"
 
     def __init__(self, known: int = 4, settings: Completion | None = None) -> None:
@@ -202,7 +202,7 @@ class PassiveModelCompletion(Attack):
 
     def check(self, config: TrainConfig, data: VerticalData, attacker: str) -> None:
         super().check(config, data, attacker)
-        if config.method_config.heads == "all":
+        if config.method_config.heads == "all" and not config.method.startswith("false-vfl"):
             raise ConfigError(
                 f"{self.name} infers labels that the attacker does not hold, but with heads='all' "
                 "every party may hold them; run it with --heads active."
@@ -289,6 +289,15 @@ class ActiveModelCompletion(PassiveModelCompletion):
         if not scale >= 1:
             raise ConfigError(f"{self.name} scales its steps up: scale >= 1. Found {scale}.")
         self.scale = scale
+
+    def check(self, config: TrainConfig, data: VerticalData, attacker: str) -> None:
+        super().check(config, data, attacker)
+        if config.method.startswith("false-vfl"):
+            raise ConfigError(
+                f"{self.name}'s malicious optimiser replaces a split network's data party; "
+                f"{config.method}'s parties are latent-variable parties (passive-model-completion "
+                "applies)."
+            )
 
     def prepare(self, party: Party, context: AttackContext) -> None:
         if not isinstance(party, MaliciousOptimiserParty):

@@ -57,7 +57,7 @@ TASKS: tuple[tuple[str, str, str, dict[str, Any]], ...] = (
         "german-credit",
         {"heads": "active", "epochs": 5, "batch_size": 64},
     ),
-    ("FALSE-VFL-I, digits", "false-vfl-1", "digits", {"epochs": 3}),
+    ("FALSE-VFL-I, digits", "false-vfl-1", "digits", {"epochs": 3}),  # one label party
 )
 
 
@@ -142,8 +142,10 @@ def render(results: list[dict[str, Any]], command: str) -> str:
             "|---|---|---|---|---|---|---|---|",
         ]
         for (attack, defense), members in runs.items():
+            # a run missing at some seed diverged or failed there (listed below for seed 0)
+            short = f" (seeds: {len(members)} of {len(mine)})" if len(members) < len(mine) else ""
             lines.append(
-                f"| {attack} | {defense} | {members[0]['metric']} | "
+                f"| {attack} | {defense}{short} | {members[0]['metric']} | "
                 f"{_mean_sd([m['value'] for m in members])} | {members[0]['chance']:.3f} | "
                 f"{_mean_sd([100 * m['main_accuracy'] for m in members])} | "
                 f"{_mean_sd([m['dcs'] for m in members])} | "

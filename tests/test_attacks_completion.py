@@ -166,3 +166,14 @@ def test_attack_command_runs_model_completion(tmp_path: Path) -> None:
     assert 0 <= result["attack"]["accuracy"] <= 1
     assert 0 <= result["attack"]["untrained_accuracy"] <= 1
     assert 0 < result["dcs"] <= 1
+
+
+def test_passive_completion_applies_to_false_vfl_and_the_malicious_optimiser_does_not() -> None:
+    from attacks.suite import applicable
+    from secure_vfl.experiment import prepare_data
+
+    config = TrainConfig(method="false-vfl-1", dataset="digits", parties=4, seed=0)
+    verdicts = applicable(config, prepare_data(config))
+    # FALSE-VFL has one label party whatever `heads` says, so the passive attack applies
+    assert verdicts["passive-model-completion"] is None
+    assert "latent-variable parties" in str(verdicts["active-model-completion"])
