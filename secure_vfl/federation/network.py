@@ -101,6 +101,7 @@ SERVER_THREADS = 16
 REPLAY_WINDOW = 1024
 """Deliveries remembered per sender stream (for retries); older sequence numbers are replays."""
 
+_NOT_DELIVERED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _STREAM, _SEQUENCE, _SIZE = "svfl-stream", "svfl-sequence", "svfl-size"
 _PARTY_NAME = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
 
@@ -525,10 +526,17 @@ class PartyEndpoint:
             if item.refusal is not None:
                 logger.warning("%s", item.refusal)
 
-    def act_on_next(self, deadline: float | None = None, *, awaiting: str = "a message") -> None:
+    def act_on_next(
+        self,
+        deadline: float | None = None,
+        *,
+        awaiting: str = "a message",
+        refusals: bool = True,
+    ) -> None:
         """Act on the next thing that arrives (hand a message to the handler, or keep it);
         TransportError if nothing arrives within ``deadline`` seconds (default: the
-        endpoint's), ProtocolError for a delivery the server refused."""
+        endpoint's). With ``refusals``, ProtocolError for a delivery the server refused (an
+        impostor, a replay; otherwise they wait for :meth:`receive`)."""
         timeout = self.deadline if deadline is None else deadline
         try:
             item = self._queue.get(timeout=timeout)
@@ -538,7 +546,7 @@ class PartyEndpoint:
                 "and can it reach this party?"
             ) from None
         self._act_on(item)
-        if self._refusals:
+        if refusals and self._refusals:
             raise ProtocolError(self._refusals.popleft())
 
     def receive(
@@ -607,8 +615,10 @@ class PartyEndpoint:
             future = self._call(channel, data, metadata, max(remaining, 0.001))
             self._wait_for(future)
             error = future.exception()
-            if error is None:
+            if error is None or error.code() not in _NOT_DELIVERED:
+                # It crossed (answered, or refused by the peer): count it, as in one process.
                 self.bytes[(message.sender, message.receiver, _phase(message))] += len(data)
+            if error is None:
                 return len(data)
             backoff = next(backoffs, None)
             late = time.monotonic() + (backoff or 0.0) >= start + timeout
