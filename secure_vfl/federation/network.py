@@ -357,8 +357,18 @@ class PartyEndpoint:
         return f"127.0.0.1:{self.port}"
 
     def close(self, grace: float = 0.5) -> None:
-        """Stop serving and close every client channel."""
-        self._server.stop(grace).wait(grace + 1.0)
+        """Stop serving and close every client channel; deliveries not yet acted on are
+        answered as refused (their senders learn that this party stopped)."""
+        stopped = self._server.stop(grace)
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Arrival):
+                item.refusal = f"{self.name} stopped before acting on {item.message.kind}."
+                item.done.set()
+        stopped.wait(grace + 1.0)
         for channel in self._channels.values():
             channel.close()
         self._channels.clear()
