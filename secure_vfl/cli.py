@@ -693,6 +693,36 @@ def build_parser() -> argparse.ArgumentParser:
     runs_compare.add_argument(
         "dirs", nargs="+", type=Path, metavar="DIR", help="run directories (train or attack)"
     )
+    certs = commands.add_parser(
+        "certs", help="certificates for mutual TLS between parties: make a set, or check one"
+    )
+    certs_actions = certs.add_subparsers(dest="certs_action", required=True, parser_class=_Parser)
+    init = certs_actions.add_parser(
+        "init", help="a federation CA and a key and certificate per party (keys mode 0600)"
+    )
+    init.add_argument(
+        "--out", required=True, type=Path, metavar="DIR", help="where the CA and parties' files go"
+    )
+    init.add_argument(
+        "--party", required=True, action="append", metavar="NAME", help="a party (repeat)"
+    )
+    init.add_argument(
+        "--san",
+        action="append",
+        metavar="HOST",
+        help="a host name or IP the parties are reached at (repeat; default localhost and "
+        "127.0.0.1)",
+    )
+    init.add_argument(
+        "--days", type=int, default=365, help="validity of the party certificates (default 365)"
+    )
+    check = certs_actions.add_parser("check", help="say what is wrong with a set of certificates")
+    check.add_argument(
+        "--dir", required=True, type=Path, metavar="DIR", help="a directory made by certs init"
+    )
+    check.add_argument(
+        "--party", action="append", metavar="NAME", help="check this party (default: every one)"
+    )
     return parser
 
 
@@ -703,6 +733,29 @@ def party_file_spec(text: str) -> tuple[str | None, Path]:
     if sep and name and not Path(text).is_file():
         return name, existing_file(rest)
     return None, existing_file(text)
+
+
+def run_certs_command(args: argparse.Namespace) -> int:
+    """`secure-vfl certs init|check`: make a federation's certificates, or check a set (exit 1
+    and one line per problem if anything is wrong)."""
+    from protocols import tls
+
+    if args.certs_action == "init":
+        hosts = tuple(args.san) if args.san else tls.DEFAULT_HOSTS
+        written = tls.make_federation(args.out, args.party, hosts=hosts, days=args.days)
+        print(f"wrote {len(written)} files to {args.out}: {', '.join(p.name for p in written)}")
+        print(f"hosts in every certificate: {', '.join(hosts)}; keys are mode 0600")
+        return 0
+    problems = tls.check_federation(args.dir, args.party)
+    for problem in problems:
+        print(problem)
+    if problems:
+        return 1
+    parties = args.party or tls.federation_parties(args.dir)
+    for name in parties:
+        expiry = tls.certificate_expiry(args.dir / f"{name}.pem")
+        print(f"{name}: ok (valid until {expiry:%Y-%m-%d} UTC)")
+    return 0
 
 
 def _capture_option(parser: argparse.ArgumentParser) -> None:
@@ -1563,6 +1616,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_predict(args)
         if args.command == "runs":
             return run_runs(args)
+        if args.command == "certs":
+            return run_certs_command(args)
         return run_datasets(args)
     except SecureVFLError as error:
         print(f"secure-vfl: error: {error}", file=sys.stderr)
