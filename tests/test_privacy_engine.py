@@ -13,7 +13,7 @@ from protocols.noise import SecureNoise
 from protocols.privacy import PrivacyEngine, PrivacySpec
 from protocols.secagg import MaskingAggregator
 from secure_vfl.cli import main
-from secure_vfl.data.samplers import PoissonSampler
+from secure_vfl.data.samplers import MixedSampler, PoissonSampler
 from secure_vfl.errors import ConfigError
 from secure_vfl.experiment import ImputeRunConfig, TrainConfig, run_imputation, run_training
 from secure_vfl.methods import METHODS, MethodConfig
@@ -163,3 +163,11 @@ def test_each_kind_of_run_refuses_the_mechanisms_of_the_other() -> None:
     statistics_noise = PrivacyEngine(PrivacySpec(dp_statistics=(1.0, 1.0)))
     with pytest.raises(ConfigError, match="training laser expected --dp-embeddings"):
         run_training(TrainConfig(method="laser", dataset="iris"), privacy=statistics_noise)
+
+
+def test_runs_without_training_dp_keep_the_methods_sampler() -> None:
+    mixed = MixedSampler(100, 10)
+    for spec in (PrivacySpec(), PrivacySpec(secure_agg="masks")):
+        assert PrivacyEngine(spec).sampler(mixed, n=100, epochs=3) is mixed
+    private = PrivacyEngine(PrivacySpec(dp_gradients=(1.0, 0.1))).sampler(mixed, n=100, epochs=3)
+    assert isinstance(private, PoissonSampler) and private.rate == pytest.approx(0.1)
