@@ -147,6 +147,15 @@ def mechanism(text: str) -> str:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _insecure_noise_flag(group: Any) -> None:
+    group.add_argument(
+        "--insecure-reproducible-noise",
+        action="store_true",
+        help="INSECURE, for tests only: draw DP noise and the Poisson sample from --seed, so "
+        "anyone who knows the seed can remove the noise (default: secure, OS-keyed ChaCha20)",
+    )
+
+
 def _training_flags(parser: argparse.ArgumentParser) -> None:
     """The data, method, privacy and output flags of a training run (``train`` and ``attack``)."""
     parser.add_argument(
@@ -346,8 +355,18 @@ def _training_flags(parser: argparse.ArgumentParser) -> None:
         type=non_negative_int,
         default=0,
         metavar="S",
-        help="seeds the split, the missingness, the models and the noise",
+        help="seeds the split, the missingness and the models (DP noise comes from a secure "
+        "source unless --insecure-reproducible-noise)",
     )
+    privacy.add_argument(
+        "--dp-adjacency",
+        choices=["replace-one", "add-remove"],
+        default="replace-one",
+        help="neighbouring datasets of the guarantees against the receivers of messages: "
+        "replace one record (its features and, at the label party, its label; the default) "
+        "or add/remove one record",
+    )
+    _insecure_noise_flag(privacy)
     parser.add_argument(
         "--out",
         type=Path,
@@ -578,12 +597,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="D",
         help="the delta of every (epsilon, delta) reported",
     )
+    _insecure_noise_flag(impute_privacy)
     impute.add_argument(
         "--seed",
         type=non_negative_int,
         default=0,
         metavar="S",
-        help="seeds the client split, the hidden entries, the models and the noise",
+        help="seeds the client split, the hidden entries and the models (DP noise comes from a "
+        "secure source unless --insecure-reproducible-noise)",
     )
     impute.add_argument(
         "--out",
@@ -957,10 +978,27 @@ def _summary(result: Any, out: Path) -> str:
     for name, values in result.metrics.items():
         lines.append(f"{name:<20}{values['accuracy']:>12.2f}{values['f1']:>10.2f}")
     if result.privacy is not None:
-        spent = ", ".join(f"{p} {e:.2f}" for p, e in sorted(result.privacy["epsilon"].items()))
-        lines.append(f"epsilon (delta {result.privacy['delta']:g}): {spent}")
+        lines.extend(_privacy_lines(result.privacy))
     lines.append(f"result: {out / 'result.json'}")
     return "\n".join(lines)
+
+
+def _privacy_lines(privacy: dict[str, Any]) -> list[str]:
+    """The summary's privacy lines: each party's epsilon, its adjacency and sampling, and a
+    warning when the noise was reproducible from the seed."""
+    spent = ", ".join(f"{p} {e:.2f}" for p, e in sorted(privacy["epsilon"].items()))
+    sampling = privacy["sampling"]
+    drawn = f", Poisson rate {sampling['rate']:.4g}" if sampling["kind"] == "poisson" else ""
+    lines = [
+        f"epsilon (delta {privacy['delta']:g}, {privacy['adjacency']}{drawn}; largest "
+        f"guarantee per party, see result.json): {spent}"
+    ]
+    if privacy["insecure_reproducible_noise"]:
+        lines.append(
+            "WARNING: --insecure-reproducible-noise: the noise is reproducible from the seed; "
+            "these epsilons do not hold against anyone who knows it."
+        )
+    return lines
 
 
 def _impute_privacy_engine(args: argparse.Namespace) -> Any:
@@ -975,6 +1013,7 @@ def _impute_privacy_engine(args: argparse.Namespace) -> Any:
             feature_ranges=args.feature_ranges,
             target_epsilon=args.target_epsilon,
             delta=args.delta,
+            insecure_reproducible_noise=args.insecure_reproducible_noise,
             seed=args.seed,
         )
     )
@@ -992,6 +1031,8 @@ def _privacy_spec(args: argparse.Namespace) -> Any:
         dp_sgd=args.dp_sgd,
         target_epsilon=args.target_epsilon,
         delta=args.delta,
+        adjacency=args.dp_adjacency,
+        insecure_reproducible_noise=args.insecure_reproducible_noise,
         seed=args.seed,
     )
 
@@ -1018,7 +1059,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     engine = _privacy_engine(args)
     config = _train_config(args)
-    engine.refuse(config.method)  # before the data is loaded
+    engine.refuse(config.method, batching=config.method_config.batching)  # before any data
     if config.dataset is not None:
         spec = DATASETS.get(config.dataset)
         if not spec.is_installed():
@@ -1307,8 +1348,7 @@ def _attack_summary(result: Any, out: Path) -> str:
     lines.append(f"chance level         {result.chance:.4f}")
     lines.append(f"DCS {result.dcs:.4f}   DCS (AP* = chance) {result.dcs_chance:.4f}")
     if result.privacy is not None:
-        spent = ", ".join(f"{p} {e:.2f}" for p, e in sorted(result.privacy["epsilon"].items()))
-        lines.append(f"epsilon (delta {result.privacy['delta']:g}): {spent}")
+        lines.extend(_privacy_lines(result.privacy))
     lines.append(f"result: {out / 'result.json'}")
     return "\n".join(lines)
 
@@ -1396,8 +1436,7 @@ def run_impute(args: argparse.Namespace) -> int:
         f"{'all clients':<20}{result.rmse:>18.4f}{sum(result.hidden_per_client.values()):>16}"
     )
     if result.privacy is not None:
-        spent = ", ".join(f"{p} {e:.2f}" for p, e in sorted(result.privacy["epsilon"].items()))
-        lines.append(f"epsilon (delta {result.privacy['delta']:g}): {spent}")
+        lines.extend(_privacy_lines(result.privacy))
     lines.append(f"result: {out / 'result.json'}")
     print("\n".join(lines))
     return 0

@@ -20,6 +20,7 @@ from secure_vfl.data.imputation import (
     make_task_from_client_files,
 )
 from secure_vfl.data.missingness import parse_mechanism
+from secure_vfl.data.samplers import BatchSampler
 from secure_vfl.data.vertical import VerticalData, make_vertical, vertical_from_party_files
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation.aggregator import PlainAggregator, SealingScheme, SumBackend
@@ -327,16 +328,22 @@ class PrivacyLayer(Protocol):
     PrivacyEngine``; :class:`ImputationPrivacyLayer` for imputation): the core names this
     interface and never imports the privacy layer."""
 
-    def refuse(self, method: str) -> None:
-        """Raise ConfigError if ``method`` cannot host the chosen mechanisms."""
+    def refuse(self, method: str, *, batching: str = "mixed") -> None:
+        """Raise ConfigError if ``method`` (training with ``batching``) cannot host the chosen
+        mechanisms."""
         ...
 
     def aggregator(self) -> SumBackend | None:
         """The secure-sum backend (None: plain sums)."""
         ...
 
+    def sampler(self, sampler: BatchSampler, *, n: int, epochs: int) -> BatchSampler:
+        """The sampler the run trains with, given the method's own over a training set of ``n``
+        rows (a DP run's Poisson sampler; ``sampler`` itself without DP)."""
+        ...
+
     def make_private(
-        self, parties: list[DataParty], *, sample_rate: float, total_steps: int
+        self, parties: list[DataParty], *, method: str, method_config: methods.MethodConfig
     ) -> None:
         """Install each mechanism inside the party it protects, with that party's accountant."""
         ...
@@ -376,7 +383,7 @@ def run_training(
     ``result.traffic`` counts the bytes that crossed ``channel``'s transport.
     """
     if privacy is not None:
-        privacy.refuse(config.method)
+        privacy.refuse(config.method, batching=config.method_config.batching)
     data = data if data is not None else prepare_data(config)
     channel = channel if channel is not None else Channel()
     if aggregator is None and privacy is not None:
@@ -384,13 +391,14 @@ def run_training(
     aggregator = aggregator if aggregator is not None else PlainAggregator()
     start = time.perf_counter()
     method = build_method(config, data, channel=channel, aggregator=aggregator, roles=roles)
-    steps = method.total_steps
     if privacy is not None:
-        privacy.make_private(
-            in_process_parties(channel),
-            sample_rate=min(1.0, config.method_config.batch_size / data.train.n),
-            total_steps=steps,
+        method.sampler = privacy.sampler(
+            method.sampler, n=data.train.n, epochs=config.method_config.epochs
         )
+        privacy.make_private(
+            in_process_parties(channel), method=config.method, method_config=config.method_config
+        )
+    steps = method.total_steps
     if on_ready is not None:
         on_ready(channel)
     if on_start is not None:

@@ -10,6 +10,7 @@ import torch
 
 from attacks.defenses import Marvell, _Marvell, _Sparsifier, marvell_variances, parse_hook_defense
 from attacks.runner import parse_defenses, run_attack
+from protocols.noise import SeededNoise
 from protocols.privacy import PrivacySpec
 from secure_vfl.errors import ConfigError
 from secure_vfl.experiment import TrainConfig
@@ -52,7 +53,7 @@ def test_marvell_variances_spend_the_budget_at_the_minimum() -> None:
 
 def test_marvell_noises_along_the_class_difference_with_label_dependent_power() -> None:
     labels = torch.tensor([0, 1] * 50)
-    hook = _Marvell(labels, 4.0, torch.Generator().manual_seed(0))
+    hook = _Marvell(labels, 4.0, SeededNoise(0))
     rows = torch.arange(100)
     hook.on_message(
         RepresentRequest(
