@@ -21,6 +21,7 @@ program predicts from the blocks present, as the method does at test time.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -195,8 +196,6 @@ def find_manifest(path: Path) -> Path:
 
 def read_manifest(path: Path) -> tuple[Manifest, Path]:
     """The manifest of the model at ``path`` and the model directory it lies in."""
-    import json
-
     manifest_path = find_manifest(path)
     try:
         payload = json.loads(manifest_path.read_text(encoding="utf-8"))
