@@ -212,7 +212,9 @@ def measure(heads: str, *, steps: int, repeats: int, directory: Path) -> dict[st
     }
 
 
-def _table(rows: list[dict[str, Any]], argv: Sequence[str] | None) -> str:
+def _table(
+    rows: list[dict[str, Any]], argv: Sequence[str] | None, load: tuple[float, float]
+) -> str:
     lines = [
         "# Carrying a LASER step's messages: in-process vs loopback gRPC vs gRPC + mutual TLS",
         "",
@@ -255,11 +257,12 @@ def _table(rows: list[dict[str, Any]], argv: Sequence[str] | None) -> str:
     lines += [
         "",
         f"Medians of {repeats} repeats (per kind: 20 sends each; per step: {steps} recorded "
-        "steps each). The machine was shared with other work (other test suites ran on its 2 "
-        "cores at the same time), so absolute times are noisy; the ratios within a row were "
-        "measured minutes apart on the same machine. This measures the transport alone: the "
-        "label party's step time in a federation adds the parties' compute on top (see "
-        "`wire_costs.md` for a step's in-process time).",
+        f"steps each). The machine ({os.cpu_count()} cores) was shared with other work "
+        f"(1-minute load average {load[0]:.1f} at the start, {load[1]:.1f} at the end), so "
+        "absolute times are noisy and small differences (mTLS against plaintext) are within "
+        "the noise. This measures the transport alone: the label party's step time in a "
+        "federation adds the parties' compute on top (see `wire_costs.md` for a step's "
+        "in-process time).",
     ]
     return "\n".join(lines) + "\n"
 
@@ -275,12 +278,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.serve:
         return serve(args.serve)
     steps, repeats = (2, 2) if args.quick else (args.steps, args.repeats)
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as scratch:
         rows = [
             measure(heads, steps=steps, repeats=repeats, directory=Path(scratch))
             for heads in ("all", "active")
         ]
-    text = _table(rows, argv)
+    text = _table(rows, argv, (load_before, os.getloadavg()[0]))
     print(text)
     if not args.quick:
         write_outputs(args.out, "grpc_costs", text, {"rows": rows})

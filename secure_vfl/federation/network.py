@@ -52,8 +52,10 @@ How the label party's driving maps onto this (what :class:`NetworkChannel` does 
 nested chain of deliveries it causes). Only ``UNAVAILABLE`` (could not connect, connection lost)
 is retried, a bounded number of times with exponential backoff; every delivery carries a
 per-sender stream token and sequence number, so a retry of a message that did arrive is not
-acted on twice (the receiver answers it with the first attempt's outcome), and an old sequence
-number is refused as a replay.
+acted on twice (the receiver answers it with the first attempt's outcome), and a reused or old
+sequence number is refused as a replay. That makes retries safe; it is not what stops replays:
+TLS keeps a network attacker from replaying anything, and a party that replays its own messages
+on a new stream meets the protocols' own checks (sessions, rounds, batches), as in one process.
 """
 
 from __future__ import annotations
@@ -100,6 +102,8 @@ DEFAULT_DEADLINE = 60.0
 SERVER_THREADS = 16
 REPLAY_WINDOW = 1024
 """Deliveries remembered per sender stream (for retries); older sequence numbers are replays."""
+STREAMS_KEPT = 4
+"""Sender streams (endpoint lifetimes) remembered per peer."""
 
 _NOT_DELIVERED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _STREAM, _SEQUENCE, _SIZE = "svfl-stream", "svfl-sequence", "svfl-size"
@@ -494,6 +498,11 @@ class PartyEndpoint:
             )
         number, digest = int(sequence), hashlib.blake2b(data, digest_size=16).digest()
         with self._lock:
+            if (sender, stream) not in self._deliveries:
+                # A sender's new stream (a restarted process): forget its oldest beyond a few.
+                streams = [key for key in self._deliveries if key[0] == sender]
+                for forgotten in streams[: max(len(streams) - STREAMS_KEPT + 1, 0)]:
+                    del self._deliveries[forgotten]
             recent = self._deliveries.setdefault((sender, stream), {})
             known = recent.get(number)
             if known is not None and known.digest == digest:
