@@ -4,7 +4,7 @@ defense buys against what it costs.
 Four organisations train Standard VFL (a top model on the concatenated representations, the
 split-learning setting of the label-leakage literature) on German credit (1000 applicants, 30 %
 bad credit): the bank (party-0) holds the labels, party-1 is curious. Norm and direction scoring
-runs undefended and under each defense; the suite scores each pair with VFLAIR's defense
+run undefended and under each defense; the suite scores each pair with VFLAIR's defense
 capability score (DCS) and prints T-DCS per attack kind and C-DCS per defense, then saves a bar
 plot of every run's attack metric and main accuracy. About two minutes on 2 cores.
 

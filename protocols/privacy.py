@@ -337,32 +337,48 @@ class PrivacyEngine:
         delta) after every epoch, from its own releases up to that epoch, priced as the final
         figure is (DP-SGD composed over the draws made so far)."""
         curves: dict[str, list[float]] = {}
-        delta = self.spec.delta
         for name, accountant in self._accountants.items():
             curve = []
             for releases in self._epoch_releases:
                 prefix = PrivacyAccountant(accountant=accountant.accountant)
                 prefix.events = accountant.events[: releases[name]]
                 draws = sum(1 for e in prefix.events if e.party == name and e.kind == "dp-sgd")
-                found = [
-                    prefix.message_guarantee(
-                        name,
-                        schedule=sampler.schedule,
-                        records=sampler.n,
-                        adjacency=adjacency,
-                        delta=delta,
-                        sampling=sampling,
-                    ),
-                    prefix.model_guarantee(
-                        name, sample_rate=sampler.rate, draws=draws, delta=delta, sampling=sampling
-                    ),
-                ]
-                held = [g.epsilon for g in found if g is not None]
+                held = self._training_guarantees(
+                    prefix, name, sampler, adjacency, sampling, draws=draws
+                )
                 if held:
-                    curve.append(max(held))
+                    curve.append(max(g.epsilon for g in held))
             if curve:
                 curves[name] = curve
         return curves
+
+    def _training_guarantees(
+        self,
+        accountant: PrivacyAccountant,
+        name: str,
+        sampler: PoissonSampler,
+        adjacency: Adjacency,
+        sampling: str,
+        *,
+        draws: int,
+    ) -> list[Guarantee]:
+        """``name``'s guarantees from ``accountant``'s training releases: against the receivers
+        of its messages, and (DP-SGD over ``draws`` draws) against an observer of its model."""
+        delta = self.spec.delta
+        found = [
+            accountant.message_guarantee(
+                name,
+                schedule=sampler.schedule,
+                records=sampler.n,
+                adjacency=adjacency,
+                delta=delta,
+                sampling=sampling,
+            ),
+            accountant.model_guarantee(
+                name, sample_rate=sampler.rate, draws=draws, delta=delta, sampling=sampling
+            ),
+        ]
+        return [g for g in found if g is not None]
 
     def _calibrated_sigma(self, sampler: PoissonSampler, plan: list[dict[str, int]]) -> float:
         """One SIGMA for every mechanism that keeps each party's every guarantee within the
@@ -465,25 +481,10 @@ class PrivacyEngine:
         )
         guarantees: dict[str, list[Guarantee]] = {}
         for name, accountant in self._accountants.items():
-            found = [
-                accountant.message_guarantee(
-                    name,
-                    schedule=sampler.schedule,
-                    records=sampler.n,
-                    adjacency=adjacency,
-                    delta=delta,
-                    sampling=sampling,
-                ),
-                accountant.model_guarantee(
-                    name,
-                    sample_rate=sampler.rate,
-                    draws=sampler.draws,
-                    delta=delta,
-                    sampling=sampling,
-                ),
-                accountant.prediction_guarantee(name, adjacency=adjacency, delta=delta),
-            ]
-            held = [g for g in found if g is not None]
+            predicted = accountant.prediction_guarantee(name, adjacency=adjacency, delta=delta)
+            held = self._training_guarantees(
+                accountant, name, sampler, adjacency, sampling, draws=sampler.draws
+            ) + ([predicted] if predicted is not None else [])
             if held:
                 guarantees[name] = held
         epsilon = {name: max(g.epsilon for g in held) for name, held in guarantees.items()}
