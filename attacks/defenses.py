@@ -16,20 +16,21 @@ of every head holder (the parties whose gradients carry labels):
   ``u_y`` along ``g1 - g0`` and a common ``v`` orthogonal to it, the form of the paper's optimum,
   so that the KL sum is ``(u1/u0 + u0/u1 + |g1 - g0|^2 (1/u0 + 1/u1)) / 2 - 1`` and the budget
   ``p u1 + (1 - p) u0 + (d - 1) v <= P``; a common ``v`` adds nothing to the KL, so the
-  budget goes to ``u0, u1``, found by a one-dimensional search on the budget line. Its noise is
-  drawn from the operating system's entropy.
+  budget goes to ``u0, u1``, found by a one-dimensional search on the budget line. Its noise
+  comes from :class:`protocols.noise.SecureNoise` (ChaCha20 keyed from the operating system),
+  as the privacy layer's does.
 """
 
 from __future__ import annotations
 
 import math
-import secrets
 from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
+from protocols.noise import NoiseSource, SecureNoise
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import GradientMessage, RepresentRequest
@@ -126,10 +127,10 @@ class _Marvell:
     """An outgoing hook of the label party: remembers which rows each request asked for, and
     noises each gradient row with the label-dependent covariance of its batch."""
 
-    def __init__(self, labels: Tensor, scale: float, generator: torch.Generator) -> None:
+    def __init__(self, labels: Tensor, scale: float, noise: NoiseSource) -> None:
         self.labels = labels
         self.scale = scale
-        self.generator = generator
+        self.noise = noise
         self._rows: dict[tuple[int, str, str], tuple[Tensor, Tensor]] = {}
 
     def on_message(self, message: Any) -> Any:
@@ -159,7 +160,7 @@ class _Marvell:
         u0, u1 = marvell_variances(gap, float(positive.float().mean()), self.scale * gap)
         direction = difference / math.sqrt(gap)
         std = torch.where(positive, math.sqrt(u1), math.sqrt(u0)).to(gradient.dtype)
-        draws = torch.randn(len(labels), generator=self.generator, dtype=gradient.dtype)
+        draws = self.noise.gaussian((len(labels),), dtype=gradient.dtype)
         noise = (draws * std).unsqueeze(1)
         return gradient + noise * direction
 
@@ -181,8 +182,7 @@ class Marvell:
                 raise ConfigError(
                     f"marvell protects binary tasks; found {int(labels.max()) + 1} classes."
                 )
-            generator = torch.Generator().manual_seed(secrets.randbits(63))
-            party.outgoing.append(_Marvell(labels, self.scale, generator))
+            party.outgoing.append(_Marvell(labels, self.scale, SecureNoise()))
 
 
 HOOK_DEFENSES: Registry[Callable[[float], HookDefense]] = Registry("defense")

@@ -200,7 +200,7 @@ def run_attack(
     if spec.secure_agg != "none" and not config.method_config.secure_sums:
         config = replace(config, method_config=replace(config.method_config, secure_sums=True))
     engine = PrivacyEngine(spec)
-    engine.refuse(config.method)
+    engine.refuse(config.method, batching=config.method_config.batching)
     data = prepare_data(config)
     made.check(config, data, attacker)
     context = AttackContext(

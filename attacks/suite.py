@@ -80,12 +80,20 @@ def run_suite(
     *,
     defenses: Sequence[str] = (),
     attacker: str | None = None,
+    attacks: Sequence[str] | None = None,
     cache: Path | None = None,
     on_run: Callable[[str, str, AttackResult], None] | None = None,
 ) -> SuiteReport:
-    """Run every attack that applies to ``config`` undefended and under each defense (one
-    spec each, e.g. ``dp-gradients:1:0.01``); ``on_run(attack, defense, result)`` after each."""
-    verdicts = applicable(config, prepare_data(config), attacker)
+    """Run every attack that applies to ``config`` (only those named in ``attacks``, if given)
+    undefended and under each defense (one spec each, e.g. ``dp-gradients:1:0.01``);
+    ``on_run(attack, defense, result)`` after each."""
+    for name in attacks or ():
+        ATTACKS.get(name)  # an unknown name is refused before anything runs
+    verdicts = {
+        name: why
+        for name, why in applicable(config, prepare_data(config), attacker).items()
+        if attacks is None or name in attacks
+    }
     names = [name for name, why in verdicts.items() if why is None]
     if not names:
         raise ConfigError(

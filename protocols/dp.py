@@ -1,9 +1,11 @@
-"""Differential privacy: clipped Gaussian releases as channel layers, DP-SGD, and their accountant.
+"""Differential privacy: clipped Gaussian releases as channel layers, DP-SGD, and their accounting.
 
 Mechanisms and accounting are kept apart (as Opacus keeps its math in ``accountants/``): each
 mechanism emits one small immutable :class:`GaussianRelease` event per noisy release, and a
-:class:`PrivacyAccountant` groups the events per party and prices each party's sequence with
-Opacus' RDP (Mironov, 2017; Mironov et al., 2019) or PRV (Gopi et al., 2021) accountant.
+:class:`PrivacyAccountant` prices a party's events as the *guarantees* they give, each against a
+named observer, under a stated adjacency and sampling, with Opacus' RDP (Mironov 2017; Mironov
+et al. 2019) or PRV (Gopi et al. 2021) accountant. Noise comes from :mod:`protocols.noise`
+(ChaCha20 keyed from the operating system, never from the run's seed).
 
 Mechanisms (the Gaussian mechanism, Dwork & Roth 2014, Thm A.1, on rows clipped to L2 norm C):
 
@@ -18,17 +20,38 @@ Mechanisms (the Gaussian mechanism, Dwork & Roth 2014, Thm A.1, on rows clipped 
   with Opacus in the split pattern: ``representation.backward(grad)`` yields per-sample gradients,
   which are clipped and noised at each optimiser step.
 
-Caveats stated, not hidden:
+**Joint events.** All releases one party makes about the same records in one step are one
+Gaussian mechanism. Release i of a step clips each row to C_i and adds N(0, (sigma_i C_i)^2);
+under an adjacency that moves one record's clipped row by at most ``shift * C_i`` (``shift`` = 2
+for *replace one record*, i.e. its features and, at the label party, its label; 1 for
+*add/remove*), the concatenation of the step's releases, each divided by its noise std, is a
+spherical unit Gaussian whose mean moves by at most ``shift * sqrt(sum_i sigma_i^-2)``. Its
+effective noise multiplier is therefore ``z = 1 / (shift * sqrt(sum_i sigma_i^-2))``
+(:func:`joint_noise_multiplier`). Examples: the label party's gradient messages to K-1 data
+parties about one batch (each clipped to C, noise sigma C) have z = sigma / (2 sqrt(K-1)) under
+replace-one and sigma / sqrt(K-1) under add/remove; a data party's embedding (sigma_e) and DP-SGD
+step (sigma_s) of one batch have z = 1 / (shift sqrt(sigma_e^-2 + sigma_s^-2)). A DP-SGD step's
+sum of clipped per-sample gradients moves by shift * C like one row.
 
-- Opacus' accountants assume Poisson sampling with rate ``sample_rate``; our samplers shuffle the
-  training rows into fixed-size batches, so the amplification-by-subsampling bound is the usual
-  approximation (as in most DP-SGD practice), not a proof for this sampler.
-- Adjacency is add/remove of one record (Opacus' convention): a record changes one clipped row
-  by at most C. For label-only adjacency (one label replaced), a gradient row can move by 2C, so
-  the effective noise multiplier of a :class:`GradientNoise` release is sigma / 2.
-- Every release that crosses the channel is noised, but only releases of training records
-  (messages with ``phase == "train"``) are recorded: representations sent at prediction time
-  concern the rows being predicted, not the training records the accountant protects.
+**Guarantees, by observer** (:class:`Guarantee`). The parties that *receive* a party's messages
+know which rows every step used (the label party plans the batches and asks each data party for
+its rows; the data parties see the rows of every gradient), so subsampling hides nothing from
+them and gives no amplification. Against them a record r is protected by the composition of the
+joint events of the steps that used it: Gaussian mechanisms compose exactly (Dong, Roth & Su
+2019, GDP), so the record's privacy is one Gaussian mechanism with ``z_r = 1 / sqrt(S_r)``, where
+``S_r = sum over the steps t that used r of sum_i (shift / sigma_i)^2``; the guarantee is that of
+the worst record (:meth:`PrivacyAccountant.message_guarantee`). Whoever sees only a party's
+trained bottom model, not the batches or messages, is the observer DP-SGD's usual proof is
+about: a Poisson-subsampled Gaussian per step under add/remove, with amplification, which holds
+because the Poisson sample is drawn from the secure generator (:meth:`model_guarantee`).
+Representations sent at prediction time concern the test records they are computed for, priced
+per test record as the training messages (:meth:`prediction_guarantee`).
+
+Assumptions stated, not hidden: each release is priced given the state that shaped it (its
+sender's models, and what other parties sent); state that is updated without noise (a head, or
+a bottom model without DP-SGD) is outside these guarantees. Add/remove prices a record's own row
+only: the receivers see which ids each step used, and the rows of a batch-mean gradient rescale
+with the batch size, so replace-one (the default) is the adjacency that holds against them.
 """
 
 from __future__ import annotations
@@ -36,42 +59,67 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
+import numpy as np
 import torch
 from opacus import GradSampleModule
 from opacus.accountants import IAccountant, PRVAccountant, RDPAccountant
 from opacus.accountants.utils import get_noise_multiplier
 from opacus.optimizers import DPOptimizer
+from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 from torch import Tensor
 
+from protocols.noise import NoiseSource
 from secure_vfl.errors import ConfigError
-from secure_vfl.federation.messages import GradientMessage, Message, RepresentationMessage
+from secure_vfl.federation.messages import (
+    GradientMessage,
+    Message,
+    RepresentationMessage,
+    RepresentRequest,
+    UpdateRequest,
+)
 from secure_vfl.federation.parties import DataParty
 
 ReleaseKind = Literal["embedding", "gradient", "dp-sgd", "statistics"]
 AccountantName = Literal["rdp", "prv"]
+Adjacency = Literal["replace-one", "add-remove"]
 
 _KINDS: tuple[str, ...] = ("embedding", "gradient", "dp-sgd", "statistics")
 _ACCOUNTANTS: Mapping[str, type[IAccountant]] = {"rdp": RDPAccountant, "prv": PRVAccountant}
+ADJACENCIES: tuple[str, ...] = ("replace-one", "add-remove")
+ROW_SHIFT: Mapping[str, float] = {"replace-one": 2.0, "add-remove": 1.0}
+"""How far one record moves its clipped row, in clip norms, under each adjacency."""
+ADJACENCY_TEXT: Mapping[str, str] = {
+    "replace-one": "replace one record (its features and, at a label holder, its label)",
+    "add-remove": "add or remove one record",
+}
+MESSAGE_KINDS: tuple[str, ...] = ("embedding", "gradient", "dp-sgd")
+"""The releases composed into a party's guarantee against the receivers of its messages."""
 
 M = TypeVar("M", bound=Message)
 
 
 @dataclass(frozen=True)
 class GaussianRelease:
-    """One noisy release: a subsampled Gaussian mechanism whose privacy ``party`` spends.
+    """One noisy release: a Gaussian mechanism whose privacy ``party`` spends.
 
-    ``noise_multiplier`` is the noise std over the L2 sensitivity (the clip norm);
-    ``sample_rate`` the fraction of the party's records the release touches.
+    ``noise_multiplier`` is the noise std over the clip norm; ``sample_rate`` the rate at which
+    the release's records were Poisson-sampled (1: not subsampled); ``round`` the training step
+    (or statistics exchange) it belongs to; ``phase`` ``"train"`` (training records) or
+    ``"predict"`` (test records, of ``split``, whose rows are ``rows``).
     """
 
     party: str
     noise_multiplier: float
     sample_rate: float
     kind: ReleaseKind
+    round: int = 0
+    phase: str = "train"
+    split: str = "train"
+    rows: tuple[int, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if not self.party:
@@ -84,64 +132,94 @@ class GaussianRelease:
             raise ConfigError(f"`sample_rate` must be in (0, 1]. Found {self.sample_rate}.")
         if self.kind not in _KINDS:
             raise ConfigError(f"`kind` must be one of {', '.join(_KINDS)}. Found {self.kind!r}.")
+        if self.phase not in ("train", "predict"):
+            raise ConfigError(f"`phase` must be 'train' or 'predict'. Found {self.phase!r}.")
 
 
 EventCallback = Callable[[GaussianRelease], None]
 
 
-class PrivacyAccountant:
-    """Records releases (pass :meth:`on_event` to the mechanisms) and prices them per party.
+@dataclass(frozen=True)
+class Guarantee:
+    """One (epsilon, delta) a party's releases give: what it protects, against whom, under which
+    adjacency and sampling, and how it was priced. ``noise_multiplier`` is that of the single
+    Gaussian event priced (per record: ``1 / sqrt(S)``; per step: the DP-SGD sigma) and
+    ``releases`` the steps (or releases) composed."""
 
-    Each party's releases compose on their own: a party's epsilon covers its own records only.
-    ``accountant`` names Opacus' accountant used for pricing: ``"rdp"`` (default) or ``"prv"``.
-    """
+    protects: str
+    observer: str
+    mechanisms: tuple[str, ...]
+    adjacency: str
+    sampling: str
+    amplification: bool
+    accountant: str
+    epsilon: float
+    delta: float
+    noise_multiplier: float
+    releases: int
 
-    def __init__(self, *, accountant: AccountantName = "rdp") -> None:
-        if accountant not in _ACCOUNTANTS:
-            raise ConfigError(
-                f"`accountant` must be one of {', '.join(_ACCOUNTANTS)}. Found {accountant!r}."
-            )
-        self.accountant = accountant
-        self.events: list[GaussianRelease] = []
+    def to_json(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "mechanisms": list(self.mechanisms)}
 
-    def on_event(self, event: GaussianRelease) -> None:
-        """Record one release."""
-        self.events.append(event)
 
-    def parties(self) -> list[str]:
-        """The parties that have spent privacy, in order of their first release."""
-        return list(dict.fromkeys(e.party for e in self.events))
+def _check_delta(delta: float) -> None:
+    if not 0 < delta < 1:
+        raise ConfigError(f"`delta` must be in (0, 1). Found {delta}.")
 
-    def history(self, party: str) -> list[tuple[float, float, int]]:
-        """``party``'s releases as Opacus' history: (noise multiplier, sample rate, steps) runs."""
-        runs: list[tuple[float, float, int]] = []
-        for event in self.events:
-            if event.party != party:
-                continue
-            if runs and runs[-1][:2] == (event.noise_multiplier, event.sample_rate):
-                sigma, rate, steps = runs[-1]
-                runs[-1] = (sigma, rate, steps + 1)
-            else:
-                runs.append((event.noise_multiplier, event.sample_rate, 1))
-        return runs
 
-    def epsilon(self, party: str, delta: float) -> float:
-        """The epsilon ``party`` has spent at ``delta``: 0 with no release, inf if one was
-        noiseless."""
-        if not 0 < delta < 1:
-            raise ConfigError(f"`delta` must be in (0, 1). Found {delta}.")
-        history = self.history(party)
-        if not history:
-            return 0.0
-        if any(sigma == 0 for sigma, _, _ in history):
-            return math.inf
-        pricer = _ACCOUNTANTS[self.accountant]()
-        pricer.history = history
-        return float(pricer.get_epsilon(delta=delta))
+def _check_accountant(accountant: str) -> None:
+    if accountant not in _ACCOUNTANTS:
+        raise ConfigError(
+            f"`accountant` must be one of {', '.join(_ACCOUNTANTS)}. Found {accountant!r}."
+        )
 
-    def epsilons(self, delta: float) -> dict[str, float]:
-        """The epsilon of every party that has released something, at ``delta``."""
-        return {party: self.epsilon(party, delta) for party in self.parties()}
+
+def _check_adjacency(adjacency: str) -> None:
+    if adjacency not in ADJACENCIES:
+        raise ConfigError(
+            f"`adjacency` must be one of {', '.join(ADJACENCIES)}. Found {adjacency!r}."
+        )
+
+
+def price(
+    history: Sequence[tuple[float, float, int]], delta: float, *, accountant: AccountantName
+) -> float:
+    """The epsilon at ``delta`` of (noise multiplier, Poisson rate, steps) runs of subsampled
+    Gaussian mechanisms (Opacus' history), composed: 0 with none, inf if one is noiseless."""
+    _check_delta(delta)
+    _check_accountant(accountant)
+    if not history:
+        return 0.0
+    if any(sigma == 0 for sigma, _, _ in history):
+        return math.inf
+    pricer = _ACCOUNTANTS[accountant]()
+    pricer.history = list(history)
+    return float(pricer.get_epsilon(delta=delta))
+
+
+def release_strength(noise_multiplier: float, *, shift: float) -> float:
+    """``(shift / sigma)^2``: one release's share of its record's squared Gaussian privacy
+    parameter mu^2 (inf for a noiseless release)."""
+    return math.inf if noise_multiplier == 0 else (shift / noise_multiplier) ** 2
+
+
+def joint_noise_multiplier(multipliers: Iterable[float], *, shift: float) -> float:
+    """The noise multiplier of releases about the same records taken as one Gaussian
+    mechanism: ``1 / (shift * sqrt(sum sigma_i^-2))`` (0 if one is noiseless)."""
+    strength = sum(release_strength(sigma, shift=shift) for sigma in multipliers)
+    if strength == 0:
+        raise ConfigError("a joint event needs at least one release; found none.")
+    return 0.0 if math.isinf(strength) else 1 / math.sqrt(strength)
+
+
+def per_record_epsilon(strength: float, delta: float, *, accountant: AccountantName) -> float:
+    """The epsilon of a record whose releases (seen with their sampling known) sum to
+    ``strength`` = sum (shift / sigma_i)^2: one Gaussian mechanism with z = 1 / sqrt(strength)."""
+    if strength == 0:
+        return 0.0
+    if math.isinf(strength):
+        return math.inf
+    return price([(1 / math.sqrt(strength), 1.0, 1)], delta, accountant=accountant)
 
 
 def calibrate_noise(
@@ -157,26 +235,234 @@ def calibrate_noise(
     ``get_noise_multiplier``)."""
     if not (target_epsilon > 0 and math.isfinite(target_epsilon)):
         raise ConfigError(f"`target_epsilon` must be a positive number. Found {target_epsilon}.")
-    if not 0 < delta < 1:
-        raise ConfigError(f"`delta` must be in (0, 1). Found {delta}.")
+    _check_delta(delta)
     if not 0 < sample_rate <= 1:
         raise ConfigError(f"`sample_rate` must be in (0, 1]. Found {sample_rate}.")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"`steps` must be a positive integer. Found {steps!r}.")
-    if accountant not in _ACCOUNTANTS:
-        raise ConfigError(
-            f"`accountant` must be one of {', '.join(_ACCOUNTANTS)}. Found {accountant!r}."
+    _check_accountant(accountant)
+    with warnings.catch_warnings():
+        # The search probes large multipliers whose best RDP order is the grid's last; the
+        # bound it then gives is looser, never lower, so the calibration stays within target.
+        warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
+        return float(
+            get_noise_multiplier(
+                target_epsilon=target_epsilon,
+                target_delta=delta,
+                sample_rate=sample_rate,
+                steps=steps,
+                accountant=accountant,
+                epsilon_tolerance=0.005 * target_epsilon,
+            )
         )
-    return float(
-        get_noise_multiplier(
-            target_epsilon=target_epsilon,
-            target_delta=delta,
-            sample_rate=sample_rate,
-            steps=steps,
-            accountant=accountant,
-            epsilon_tolerance=0.005 * target_epsilon,
+
+
+def calibrate_per_record(
+    target_epsilon: float,
+    delta: float,
+    *,
+    releases: float,
+    shift: float,
+    accountant: AccountantName = "rdp",
+) -> float:
+    """The noise multiplier sigma, common to ``releases`` releases about one record (seen with
+    their sampling known), that keeps the record within ``target_epsilon``: the composed
+    Gaussian has z = sigma / (shift sqrt(releases)), so sigma = z* shift sqrt(releases) with z*
+    the single Gaussian's calibrated multiplier."""
+    if not releases > 0:
+        raise ConfigError(f"`releases` must be positive. Found {releases}.")
+    single = calibrate_noise(target_epsilon, delta, sample_rate=1.0, steps=1, accountant=accountant)
+    return single * shift * math.sqrt(releases)
+
+
+class PrivacyAccountant:
+    """Records releases (pass :meth:`on_event` to the mechanisms) and prices them per party as
+    :class:`Guarantee` s. A party's guarantees cover its own records only.
+    ``accountant`` names Opacus' accountant used for pricing: ``"rdp"`` (default) or ``"prv"``.
+    """
+
+    def __init__(self, *, accountant: AccountantName = "rdp") -> None:
+        _check_accountant(accountant)
+        self.accountant: AccountantName = accountant
+        self.events: list[GaussianRelease] = []
+
+    def on_event(self, event: GaussianRelease) -> None:
+        """Record one release."""
+        self.events.append(event)
+
+    def parties(self) -> list[str]:
+        """The parties that have spent privacy, in order of their first release."""
+        return list(dict.fromkeys(e.party for e in self.events))
+
+    def releases(self, party: str, *, phase: str = "train") -> dict[str, int]:
+        """How many releases of each kind ``party`` made in ``phase``."""
+        counts: dict[str, int] = {}
+        for event in self._events(party, phase=phase):
+            counts[event.kind] = counts.get(event.kind, 0) + 1
+        return counts
+
+    def _events(
+        self, party: str, *, phase: str, kinds: Sequence[str] = _KINDS
+    ) -> list[GaussianRelease]:
+        return [e for e in self.events if e.party == party and e.phase == phase and e.kind in kinds]
+
+    def step_strengths(self, party: str, *, shift: float) -> dict[int, float]:
+        """Per training step, the strength sum (shift / sigma_i)^2 of ``party``'s releases of
+        the kinds :data:`MESSAGE_KINDS` in it: its joint event's 1 / z^2."""
+        strengths: dict[int, float] = {}
+        for event in self._events(party, phase="train", kinds=MESSAGE_KINDS):
+            strength = release_strength(event.noise_multiplier, shift=shift)
+            strengths[event.round] = strengths.get(event.round, 0.0) + strength
+        return strengths
+
+    def message_guarantee(
+        self,
+        party: str,
+        *,
+        schedule: Sequence[np.ndarray],
+        records: int,
+        adjacency: Adjacency,
+        delta: float,
+        sampling: str,
+    ) -> Guarantee | None:
+        """``party``'s guarantee against the receivers of its messages (None if it released
+        no embedding or gradient): its joint event of every step, composed per record over the
+        steps whose batch (``schedule[step]``, rows among ``records``) held it, without
+        amplification (the receivers know the batches); the worst record's epsilon.
+
+        The steps' events are charged to every row of their batch, which bounds a record's
+        releases even when a message covers only the rows its receiver observes.
+        """
+        _check_adjacency(adjacency)
+        kinds = self.releases(party)
+        if not ({"embedding", "gradient"} & set(kinds)):
+            return None
+        strengths = self.step_strengths(party, shift=ROW_SHIFT[adjacency])
+        outside = sorted(step for step in strengths if not 0 <= step < len(schedule))
+        if outside:
+            raise ConfigError(
+                f"{party} released in training step(s) {outside[:3]} outside the "
+                f"{len(schedule)} steps of the schedule."
+            )
+        per_record = np.zeros(records, dtype=np.float64)
+        for step, strength in strengths.items():
+            per_record[schedule[step]] += strength
+        worst = float(per_record.max()) if records else 0.0
+        uses = np.zeros(records, dtype=np.int64)
+        for step in strengths:
+            uses[schedule[step]] += 1
+        return Guarantee(
+            protects="its training records",
+            observer="the parties receiving its messages, who know which rows each step used",
+            mechanisms=tuple(k for k in MESSAGE_KINDS if k in kinds),
+            adjacency=ADJACENCY_TEXT[adjacency],
+            sampling=f"{sampling}; the observer knows each sample, so no amplification",
+            amplification=False,
+            accountant=self._name(),
+            epsilon=per_record_epsilon(worst, delta, accountant=self.accountant),
+            delta=delta,
+            noise_multiplier=_multiplier(worst),
+            releases=int(uses.max()) if records else 0,
         )
-    )
+
+    def model_guarantee(
+        self, party: str, *, sample_rate: float, draws: int, delta: float, sampling: str
+    ) -> Guarantee | None:
+        """``party``'s DP-SGD guarantee to whoever sees only its trained bottom model (None
+        without DP-SGD): ``draws`` Poisson-subsampled Gaussian steps at ``sample_rate``, under
+        add/remove, with amplification: valid only if the sample (``sampling`` says how it was
+        drawn) is secret from that observer, as the secure generator keeps it."""
+        steps = self._events(party, phase="train", kinds=("dp-sgd",))
+        if not steps:
+            return None
+        multipliers = {e.noise_multiplier for e in steps}
+        if len(multipliers) != 1:
+            raise ConfigError(
+                f"{party}: one DP-SGD noise multiplier expected; found {multipliers}."
+            )
+        (sigma,) = multipliers
+        composed = max(draws, len(steps))
+        return Guarantee(
+            protects="its training records",
+            observer="whoever sees only its trained bottom model, not the batches or messages",
+            mechanisms=("dp-sgd",),
+            adjacency=ADJACENCY_TEXT["add-remove"],
+            sampling=f"{sampling}; the observer does not know the sample",
+            amplification=True,
+            accountant=self._name(),
+            epsilon=price([(sigma, sample_rate, composed)], delta, accountant=self.accountant),
+            delta=delta,
+            noise_multiplier=sigma,
+            releases=composed,
+        )
+
+    def prediction_guarantee(
+        self, party: str, *, adjacency: Adjacency, delta: float
+    ) -> Guarantee | None:
+        """``party``'s guarantee for the test records its noisy representations were computed
+        for at prediction time (None if none were), per record as :meth:`message_guarantee`;
+        a record's releases in different test splits (the same rows under other masks) add up:
+        the sum of the splits' worst records bounds any record."""
+        _check_adjacency(adjacency)
+        events = self._events(party, phase="predict", kinds=("embedding",))
+        if not events:
+            return None
+        shift = ROW_SHIFT[adjacency]
+        by_split: dict[str, dict[int, float]] = {}
+        uses: dict[str, dict[int, int]] = {}
+        for event in events:
+            strengths = by_split.setdefault(event.split, {})
+            counts = uses.setdefault(event.split, {})
+            for row in event.rows:
+                strengths[row] = strengths.get(row, 0.0) + release_strength(
+                    event.noise_multiplier, shift=shift
+                )
+                counts[row] = counts.get(row, 0) + 1
+        worst = sum(max(s.values(), default=0.0) for s in by_split.values())
+        return Guarantee(
+            protects="the test records it computed representations for",
+            observer="the parties receiving its prediction-time representations",
+            mechanisms=("embedding",),
+            adjacency=ADJACENCY_TEXT[adjacency],
+            sampling="every test row, in each test split (no subsampling)",
+            amplification=False,
+            accountant=self._name(),
+            epsilon=per_record_epsilon(worst, delta, accountant=self.accountant),
+            delta=delta,
+            noise_multiplier=_multiplier(worst),
+            releases=sum(max(c.values(), default=0) for c in uses.values()),
+        )
+
+    def statistics_guarantee(self, party: str, *, delta: float) -> Guarantee | None:
+        """A FedHF client's guarantee for the rows behind its statistics (None if it released
+        none): every release covers every row once (no subsampling), so a record's strength is
+        the sum over the releases, under add/remove (a row's contribution is clipped to C)."""
+        events = self._events(party, phase="train", kinds=("statistics",))
+        if not events:
+            return None
+        strength = sum(release_strength(e.noise_multiplier, shift=1.0) for e in events)
+        return Guarantee(
+            protects="the rows behind its statistics",
+            observer="the server and every other client (they see the released sums)",
+            mechanisms=("statistics",),
+            adjacency=ADJACENCY_TEXT["add-remove"],
+            sampling="every row in every release (no subsampling)",
+            amplification=False,
+            accountant=self._name(),
+            epsilon=per_record_epsilon(strength, delta, accountant=self.accountant),
+            delta=delta,
+            noise_multiplier=_multiplier(strength),
+            releases=len(events),
+        )
+
+    def _name(self) -> str:
+        return f"{self.accountant} (Opacus)"
+
+
+def _multiplier(strength: float) -> float:
+    if strength == 0:
+        return math.inf
+    return 0.0 if math.isinf(strength) else 1 / math.sqrt(strength)
 
 
 def parse_noise(text: str) -> tuple[float, float]:
@@ -211,7 +497,8 @@ def clip_rows(rows: Tensor, clip: float) -> Tensor:
 
 
 class _RowNoise:
-    """Clip each row to ``clip`` and add N(0, (noise_multiplier * clip)^2) per coordinate."""
+    """Clip each row to ``clip`` and add N(0, (noise_multiplier * clip)^2) per coordinate,
+    drawn from ``noise``."""
 
     def __init__(
         self,
@@ -219,7 +506,7 @@ class _RowNoise:
         clip: float,
         *,
         sample_rate: float,
-        generator: torch.Generator,
+        noise: NoiseSource,
         on_event: EventCallback,
     ) -> None:
         _check_noise(noise_multiplier, clip)
@@ -228,36 +515,74 @@ class _RowNoise:
         self.noise_multiplier = float(noise_multiplier)
         self.clip = float(clip)
         self.sample_rate = float(sample_rate)
-        self.generator = generator
+        self.noise = noise
         self.on_event = on_event
 
     def privatise(self, rows: Tensor) -> Tensor:
         """Clipped rows plus Gaussian noise, as a new tensor."""
         clipped = clip_rows(rows, self.clip)
-        noise = torch.randn(
-            clipped.shape, generator=self.generator, dtype=clipped.dtype, device=clipped.device
-        )
-        return clipped + noise * (self.noise_multiplier * self.clip)
+        draws = self.noise.gaussian(tuple(clipped.shape), dtype=clipped.dtype)
+        return clipped + draws * (self.noise_multiplier * self.clip)
 
-    def release(self, party: str, kind: ReleaseKind) -> None:
-        self.on_event(GaussianRelease(party, self.noise_multiplier, self.sample_rate, kind))
+    def release(self, party: str, kind: ReleaseKind, round: int, **where: Any) -> None:
+        self.on_event(
+            GaussianRelease(party, self.noise_multiplier, self.sample_rate, kind, round, **where)
+        )
 
 
 class EmbeddingNoise(_RowNoise):
     """Channel layer: Gaussian mechanism on every representation message (protects features).
 
-    One :class:`GaussianRelease` of kind ``"embedding"`` per training message, spent by its
-    sender. Other messages, and a party's message to itself (a label party's own block in a
-    concatenation model), pass unchanged; the message passed in is never mutated.
+    One :class:`GaussianRelease` of kind ``"embedding"`` per message, spent by its sender: of
+    phase ``"train"`` for training rows, ``"predict"`` (with the split and rows) at prediction,
+    whose rows :attr:`requests` (the party's incoming hook) noted from the request. Other
+    messages, and a party's message to itself (a label party's own block in a concatenation
+    model), pass unchanged; the message passed in is never mutated.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._asked: dict[tuple[str, str, int, str], tuple[str, Tensor]] = {}
+        self.requests = _RequestNotes(self._asked)
+        """The incoming hook that notes which rows each prediction request asks for."""
 
     def on_message(self, message: M) -> M:
         if not isinstance(message, RepresentationMessage) or message.sender == message.receiver:
             return message
         noisy = dataclasses.replace(message, representation=self.privatise(message.representation))
+        asked = self._asked.pop((message.sender, message.phase, message.round, message.tag), None)
         if message.phase == "train":
-            self.release(message.sender, "embedding")
+            self.release(message.sender, "embedding", message.round)
+        elif asked is None:
+            raise ConfigError(
+                f"{message.sender}: a prediction-time representation (round {message.round}) "
+                "whose request this layer never saw; install its `requests` as an incoming hook."
+            )
+        else:
+            split, rows = asked
+            self.release(
+                message.sender,
+                "embedding",
+                message.round,
+                phase="predict",
+                split=split,
+                rows=tuple(int(r) for r in rows.tolist()),
+            )
         return noisy
+
+
+class _RequestNotes:
+    """An incoming hook: notes the split and rows of each prediction-time
+    :class:`RepresentRequest` the party receives (training rows are priced from the schedule)."""
+
+    def __init__(self, asked: dict[tuple[str, str, int, str], tuple[str, Tensor]]) -> None:
+        self._asked = asked
+
+    def on_message(self, message: M) -> M:
+        if isinstance(message, RepresentRequest) and message.phase == "predict":
+            key = (message.receiver, message.phase, message.round, message.tag)
+            self._asked[key] = (message.split, message.rows)
+        return message
 
 
 class GradientNoise(_RowNoise):
@@ -273,12 +598,27 @@ class GradientNoise(_RowNoise):
             return message
         noisy = dataclasses.replace(message, gradient=self.privatise(message.gradient))
         if message.phase == "train":
-            self.release(message.sender, "gradient")
+            self.release(message.sender, "gradient", message.round)
         return noisy
 
 
+class StepTracker:
+    """An incoming hook of a DP-SGD party: remembers the training step its last
+    :class:`UpdateRequest` closes, so the optimiser's release is charged to that step."""
+
+    def __init__(self) -> None:
+        self.round = 0
+
+    def on_message(self, message: M) -> M:
+        if isinstance(message, UpdateRequest):
+            self.round = message.round
+        return message
+
+
 class _PartyDPOptimizer(DPOptimizer):
-    """Opacus' DP optimiser that reports each noisy step as an event and skips empty steps.
+    """Opacus' DP optimiser that draws its noise from a :class:`~protocols.noise.NoiseSource`,
+    reports each noisy step as an event of the step ``tracker`` saw closed, and skips empty
+    steps.
 
     A step without per-sample gradients (the party sent nothing this round, or its gradient
     never came) releases nothing. The hooks' state of forward passes that never got a gradient
@@ -293,6 +633,8 @@ class _PartyDPOptimizer(DPOptimizer):
         module: GradSampleModule,
         party: str,
         sample_rate: float,
+        noise: NoiseSource,
+        tracker: StepTracker,
         on_event: EventCallback,
         **kwargs: Any,
     ) -> None:
@@ -300,14 +642,33 @@ class _PartyDPOptimizer(DPOptimizer):
         self._module = module
         self._party = party
         self._sample_rate = sample_rate
+        self._noise = noise
+        self._tracker = tracker
         self._on_event = on_event
+
+    def add_noise(self) -> None:
+        """Opacus' ``add_noise`` with the noise drawn from the party's noise source: the sum of
+        clipped per-sample gradients plus N(0, (sigma C)^2) per coordinate."""
+        std = self.noise_multiplier * self.max_grad_norm
+        for p in self.params:
+            summed = p.summed_grad
+            _check_processed_flag(summed)
+            draws = self._noise.gaussian(tuple(summed.shape), dtype=summed.dtype)
+            p.grad = (summed + draws.to(summed.device) * std).view_as(p)
+            _mark_as_processed(summed)
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         if all(getattr(p, "grad_sample", None) is None for p in self.params):
             return None
         result = super().step(closure)
         self._on_event(
-            GaussianRelease(self._party, self.noise_multiplier, self._sample_rate, "dp-sgd")
+            GaussianRelease(
+                self._party,
+                self.noise_multiplier,
+                self._sample_rate,
+                "dp-sgd",
+                self._tracker.round,
+            )
         )
         return result
 
@@ -333,8 +694,8 @@ def make_private_party(
     noise_multiplier: float,
     max_grad_norm: float,
     sample_rate: float,
+    noise: NoiseSource,
     on_event: EventCallback,
-    generator: torch.Generator | None = None,
 ) -> DataParty:
     """Make ``party``'s bottom model train by DP-SGD (Opacus), in place; returns ``party``.
 
@@ -346,7 +707,9 @@ def make_private_party(
     Reductions are ``"sum"``: the received gradients are already those of the head's batch mean,
     so each row's gradient is that sample's contribution as is (no rescaling by the number of
     rows the party happened to observe, which varies per batch); ``max_grad_norm`` is therefore
-    on the scale of the head's mean loss. One ``"dp-sgd"`` event per optimiser step.
+    on the scale of the head's mean loss. One ``"dp-sgd"`` event per optimiser step, charged to
+    the step its :class:`UpdateRequest` closes (a :class:`StepTracker` in the party's incoming
+    hooks). The noise comes from ``noise`` (Opacus' own generator is not used).
     """
     # The bottom model's input needs no gradient, so torch notes that its full backward hook
     # fires on outputs only; that is what the split pattern wants, not a problem to show users.
@@ -364,17 +727,20 @@ def make_private_party(
         raise ConfigError(f"{party.name}: the bottom model is already private.")
     module = GradSampleModule(party.model, loss_reduction="sum")
     base = party.optimizer
+    tracker = StepTracker()
+    party.incoming.append(tracker)
     party.model = module
     party.optimizer = _PartyDPOptimizer(
         base,
         module=module,
         party=party.name,
         sample_rate=sample_rate,
+        noise=noise,
+        tracker=tracker,
         on_event=on_event,
         noise_multiplier=noise_multiplier,
         max_grad_norm=max_grad_norm,
         expected_batch_size=None,
         loss_reduction="sum",
-        generator=generator,
     )
     return party

@@ -25,8 +25,13 @@ Gaussian mechanism (Dwork & Roth 2014, Thm A.1) per client:
   multiplier sigma, sample rate 1: the statistics cover every training row, no subsampling) per
   client and exchange, priced per client by its own :class:`~protocols.dp.PrivacyAccountant`
   (:class:`ClientStatisticsNoise` makes each client's mechanism, installed inside the client);
-  :data:`STATISTICS_RELEASES` per graph. The releases compose adaptively (exchange 2 uses the
-  released mean, exchange 3 the released standardisation), which RDP composition covers.
+  :data:`STATISTICS_RELEASES` per graph. Every release covers every row, so one record's
+  privacy is the composition of the three Gaussian mechanisms, exactly one Gaussian with
+  z = sigma / sqrt(3) under add/remove (:meth:`~protocols.dp.PrivacyAccountant.
+  statistics_guarantee`). The releases compose adaptively (exchange 2 uses the released mean,
+  exchange 3 the released standardisation), which that composition covers.
+- Noise: each client's from its own :mod:`protocols.noise` source (ChaCha20 keyed from the
+  operating system), never from the run's seed.
 
 Trust, stated: the distributed guarantee assumes semi-honest clients that add their share and a
 server that sees only the secure sum (DESIGN section 4). A server colluding with c clients can
@@ -39,13 +44,14 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from protocols.dp import EventCallback, GaussianRelease, PrivacyAccountant, clip_rows
+from protocols.noise import NoiseSource
 from secure_vfl.data.imputation import ClientData
 from secure_vfl.errors import ConfigError, DataError
 from secure_vfl.methods.imputation.statistics import FeatureRanges
@@ -64,7 +70,7 @@ class StatisticsNoise:
 
     ``ranges`` are the public feature ranges, ``standard_bound`` the |z| clip of the pair
     exchange, ``shares`` the number of clients whose noise shares add up in the released sum
-    (K under secure aggregation, 1 without), ``generator`` draws the noise, ``on_event``
+    (K under secure aggregation, 1 without), ``noise`` draws the noise, ``on_event``
     receives one :class:`GaussianRelease` per call.
     """
 
@@ -75,7 +81,7 @@ class StatisticsNoise:
         *,
         ranges: FeatureRanges,
         shares: int,
-        generator: torch.Generator,
+        noise: NoiseSource,
         on_event: EventCallback,
         standard_bound: float = DEFAULT_STANDARD_BOUND,
     ) -> None:
@@ -97,7 +103,7 @@ class StatisticsNoise:
         self.ranges = ranges
         self.shares = shares
         self.standard_bound = float(standard_bound)
-        self.generator = generator
+        self.noise = noise
         self.on_event = on_event
 
     @property
@@ -124,17 +130,18 @@ class StatisticsNoise:
                 f"Found shape {tuple(contributions.shape)}."
             )
         total = clip_rows(contributions, self.clip).sum(dim=0)
-        noise = torch.randn(total.shape, generator=self.generator, dtype=torch.float64)
-        self.on_event(GaussianRelease(client, self.noise_multiplier, 1.0, "statistics"))
-        return (total + noise * self.share_std).numpy()
+        draws = self.noise.gaussian(tuple(total.shape), dtype=torch.float64)
+        step = EXCHANGES.index(exchange)
+        self.on_event(GaussianRelease(client, self.noise_multiplier, 1.0, "statistics", step))
+        return (total + draws * self.share_std).numpy()
 
 
 class ClientStatisticsNoise:
     """Makes each client's own :class:`StatisticsNoise` (a
     :data:`~secure_vfl.methods.imputation.statistics.StatisticsPrivacyFactory`): the same public
-    terms for every client, and per client its own noise generator (seeded ``seed + k`` for the
-    k-th client made) and its own :class:`~protocols.dp.PrivacyAccountant` (``accountants``,
-    by client), which records only that client's releases."""
+    terms for every client, and per client its own noise source (``noise(k)`` for the k-th
+    client made) and its own :class:`~protocols.dp.PrivacyAccountant` (``accountants``, by
+    client), which records only that client's releases."""
 
     def __init__(
         self,
@@ -143,14 +150,14 @@ class ClientStatisticsNoise:
         *,
         ranges: FeatureRanges,
         shares: int,
-        seed: int,
+        noise: Callable[[int], NoiseSource],
         standard_bound: float = DEFAULT_STANDARD_BOUND,
     ) -> None:
         self.noise_multiplier = noise_multiplier
         self.clip = clip
         self.ranges = ranges
         self.shares = shares
-        self.seed = seed
+        self.noise = noise
         self.standard_bound = standard_bound
         self.accountants: dict[str, PrivacyAccountant] = {}
 
@@ -166,7 +173,7 @@ class ClientStatisticsNoise:
             self.clip,
             ranges=self.ranges,
             shares=self.shares,
-            generator=torch.Generator().manual_seed(self.seed + len(self.accountants)),
+            noise=self.noise(len(self.accountants)),
             on_event=accountant.on_event,
             standard_bound=self.standard_bound,
         )

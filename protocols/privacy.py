@@ -12,7 +12,16 @@ secure-sum backend (:meth:`PrivacyEngine.aggregator`) and, once the parties exis
 - gradient noise as an outgoing hook of every head holder (the gradients carry its labels);
 - DP-SGD by wrapping that party's own bottom model and optimiser (Opacus);
 - one :class:`~protocols.dp.PrivacyAccountant` per party, held by the party
-  (``party.accountant``), recording only that party's releases.
+  (``party.accountant``), recording only that party's releases;
+- every mechanism with its own noise source (:mod:`protocols.noise`): ChaCha20 keyed from the
+  operating system's entropy, never from the run's seed, unless the spec says
+  ``insecure_reproducible_noise``.
+
+A private training run is Poisson-sampled (:meth:`PrivacyEngine.sampler` replaces the method's
+sampler by a :class:`~secure_vfl.data.samplers.PoissonSampler` drawn from the secure generator),
+and each party's releases are priced as the guarantees of :mod:`protocols.dp`: against the
+receivers of its messages (per record, joint events per step, no amplification: they know the
+batches) and, with DP-SGD, against whoever sees only its bottom model (Poisson amplification).
 
 For federated imputation the spec also says how the graph statistics are released
 (``dp_statistics``, ``feature_ranges``): :meth:`PrivacyEngine.statistics_mechanisms` gives the
@@ -29,20 +38,27 @@ benchmarks build runs through this object only.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
-
 from protocols.dp import (
+    ADJACENCIES,
+    ADJACENCY_TEXT,
+    ROW_SHIFT,
+    Adjacency,
     EmbeddingNoise,
     GradientNoise,
+    Guarantee,
     PrivacyAccountant,
     calibrate_noise,
+    calibrate_per_record,
     make_private_party,
 )
+from protocols.noise import NoiseSource, noise_source
+from secure_vfl.data.samplers import BatchSampler, PoissonSampler, poisson_like
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation.aggregator import SumBackend
 from secure_vfl.federation.alignment import Aligner, make_aligner
@@ -52,6 +68,7 @@ from secure_vfl.federation.parties import DataParty
 if TYPE_CHECKING:
     from protocols.dp_statistics import ClientStatisticsNoise
     from secure_vfl.data.imputation import ImputationTask
+    from secure_vfl.methods.base import MethodConfig
 
 SecureAgg = Literal["none", "masks", "paillier", "ckks"]
 SECURE_AGGS: tuple[str, ...] = ("none", "masks", "paillier", "ckks")
@@ -64,8 +81,11 @@ Noise = tuple[float, float]
 @dataclass(frozen=True, kw_only=True)
 class PrivacySpec:
     """How one run is protected. Noise is (SIGMA, CLIP); ``target_epsilon`` replaces every
-    given SIGMA by the one that keeps each party within it at ``delta``. ``seed`` seeds the noise
-    generators (reproducible noise; see the issue on noise nobody can regenerate).
+    given SIGMA by the one that keeps each party's every guarantee within it at ``delta``.
+    ``adjacency`` is that of the guarantees against the receivers of messages (``replace-one``
+    record, the default, or ``add-remove``). Noise and the Poisson sample come from a secure
+    generator; only ``insecure_reproducible_noise`` derives them from ``seed`` (for tests: no
+    guarantee holds against anyone who knows the seed).
 
     Training (``train``) takes ``dp_embeddings``, ``dp_gradients`` and ``dp_sgd``; federated
     imputation (``impute``) takes ``dp_statistics``, whose values are clipped to the ranges
@@ -81,6 +101,8 @@ class PrivacySpec:
     feature_ranges: Path | None = None
     target_epsilon: float | None = None
     delta: float = 1e-5
+    adjacency: str = "replace-one"
+    insecure_reproducible_noise: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -124,6 +146,15 @@ class PrivacySpec:
             )
         if not 0 < self.delta < 1:
             raise ConfigError(f"`delta` must be in (0, 1). Found {self.delta}.")
+        if self.adjacency not in ADJACENCIES:
+            raise ConfigError(
+                f"`adjacency` must be one of {', '.join(ADJACENCIES)}. Found {self.adjacency!r}."
+            )
+        if self.insecure_reproducible_noise and not self.noise() and self.dp_statistics is None:
+            raise ConfigError(
+                "--insecure-reproducible-noise makes DP noise reproducible from the seed; "
+                "expected a DP mechanism with it. Found none."
+            )
 
     def noise(self) -> dict[str, Noise]:
         """The DP mechanisms of training asked for, by kind."""
@@ -146,11 +177,25 @@ class PrivacyEngine:
         self.spec = spec
         self.noise: dict[str, Noise] = spec.noise()
         self.sample_rate: float | None = None
+        self._sampler: PoissonSampler | None = None
+        self._plan: list[dict[str, int]] = []
         self._accountants: dict[str, PrivacyAccountant] = {}
+        # each party's number of releases at the end of every epoch (epsilon over epochs)
+        self._epoch_releases: list[dict[str, int]] = []
         self._statistics: ClientStatisticsNoise | None = None
         self._ranges_note = ""
         if spec.align == "psi":
             import protocols.psi  # noqa: F401  (registers the `psi` aligner)
+
+    @property
+    def accountants(self) -> dict[str, PrivacyAccountant]:
+        """Each party's accountant, by party (read-only use: the parties hold them)."""
+        return dict(self._accountants)
+
+    @property
+    def poisson(self) -> PoissonSampler | None:
+        """The Poisson sampler of a private training run (None before :meth:`sampler`)."""
+        return self._sampler
 
     @property
     def private(self) -> bool:
@@ -182,8 +227,9 @@ class PrivacyEngine:
             return MaskingAggregator()
         return None
 
-    def refuse(self, method: str) -> None:
-        """Refuse mechanisms a method cannot host, before anything is built."""
+    def refuse(self, method: str, *, batching: str = "mixed") -> None:
+        """Refuse mechanisms a method (training with ``batching``) cannot host, before
+        anything is built."""
         if self.spec.dp_statistics is not None:
             raise ConfigError(
                 "--dp-statistics protects the statistics of an imputation run (run_imputation); "
@@ -192,6 +238,12 @@ class PrivacyEngine:
             )
         if not self.noise:
             return
+        if batching != "mixed":
+            raise ConfigError(
+                "differentially private training samples its batches by Poisson sampling, "
+                "which grouped batches (one observed set each) cannot follow; expected "
+                f"--batching mixed. Found --batching {batching}."
+            )
         if self.spec.dp_sgd is not None and method == "combinatorial":
             raise ConfigError(
                 "--dp-sgd applies to methods with one bottom model per party. "
@@ -205,31 +257,34 @@ class PrivacyEngine:
                 f"Found {', '.join(MECHANISMS[kind] for kind in self.noise)}."
             )
 
+    def sampler(self, sampler: BatchSampler, *, n: int, epochs: int) -> BatchSampler:
+        """With a DP mechanism of training, the Poisson sampler that replaces the method's
+        ``sampler`` (same rows, rate batch_size / rows, same steps per epoch; the whole schedule
+        drawn now from the engine's sampling generator); else ``sampler`` unchanged."""
+        if not self.noise:
+            return sampler
+        rng = self._noise_source(1).numpy_generator()
+        self._sampler = poisson_like(sampler, n=n, epochs=epochs, rng=rng)
+        self.sample_rate = self._sampler.rate
+        return self._sampler
+
     def make_private(
-        self, parties: list[DataParty], *, sample_rate: float, total_steps: int
+        self, parties: list[DataParty], *, method: str, method_config: MethodConfig
     ) -> None:
         """Install every mechanism inside the party it protects, each with its own accountant
-        and noise generator; calibrate SIGMA first when a target epsilon is given."""
+        and noise source; calibrate SIGMA first when a target epsilon is given (after
+        :meth:`sampler`, whose schedule the calibration reads)."""
         if not self.noise:
             return
-        if not 0 < sample_rate <= 1:
-            raise ConfigError(f"`sample_rate` must be in (0, 1]. Found {sample_rate}.")
-        self.sample_rate = sample_rate
+        sampler = self._sampler
+        if sampler is None:
+            raise ConfigError(
+                "a private run trains on the engine's Poisson sampler; expected "
+                "PrivacyEngine.sampler(...) before make_private. Found none."
+            )
+        self._plan = release_plan(method, method_config, len(parties))
         if self.spec.target_epsilon is not None:
-            # Worst case per party and step: one embedding release, a gradient message from a
-            # head holder to each other party (its own bottom's is no release), one DP-SGD step;
-            # one SIGMA for all mechanisms keeps every party under E.
-            per_step = (
-                ("embedding" in self.noise)
-                + (len(parties) - 1) * ("gradient" in self.noise)
-                + ("dp-sgd" in self.noise)
-            )
-            sigma = calibrate_noise(
-                self.spec.target_epsilon,
-                self.spec.delta,
-                sample_rate=sample_rate,
-                steps=total_steps * per_step,
-            )
+            sigma = self._calibrated_sigma(sampler, self._plan)
             self.noise = {kind: (sigma, clip) for kind, (_, clip) in self.noise.items()}
         for k, party in enumerate(parties):
             accountant = PrivacyAccountant()
@@ -237,23 +292,23 @@ class PrivacyEngine:
             self._accountants[party.name] = accountant
             if "embedding" in self.noise:
                 sigma, clip = self.noise["embedding"]
-                party.outgoing.append(
-                    EmbeddingNoise(
-                        sigma,
-                        clip,
-                        sample_rate=sample_rate,
-                        generator=self._generator(100 + k),
-                        on_event=accountant.on_event,
-                    )
+                layer = EmbeddingNoise(
+                    sigma,
+                    clip,
+                    sample_rate=sampler.rate,
+                    noise=self._noise_source(100 + k),
+                    on_event=accountant.on_event,
                 )
+                party.incoming.append(layer.requests)  # notes the rows each request asks for
+                party.outgoing.append(layer)
             if "gradient" in self.noise and party.heads:
                 sigma, clip = self.noise["gradient"]
                 party.outgoing.append(
                     GradientNoise(
                         sigma,
                         clip,
-                        sample_rate=sample_rate,
-                        generator=self._generator(200 + k),
+                        sample_rate=sampler.rate,
+                        noise=self._noise_source(200 + k),
                         on_event=accountant.on_event,
                     )
                 )
@@ -263,13 +318,98 @@ class PrivacyEngine:
                     party,
                     noise_multiplier=sigma,
                     max_grad_norm=clip,
-                    sample_rate=sample_rate,
+                    sample_rate=sampler.rate,
+                    noise=self._noise_source(10 + k),
                     on_event=accountant.on_event,
-                    generator=self._generator(10 + k),
                 )
 
-    def _generator(self, offset: int) -> torch.Generator:
-        return torch.Generator().manual_seed(self.spec.seed * 1000 + offset)
+    def epoch_end(self) -> None:
+        """Note each party's releases so far: one point of the epsilon-over-epochs curve."""
+        if self.noise:
+            self._epoch_releases.append(
+                {name: len(a.events) for name, a in self._accountants.items()}
+            )
+
+    def _epsilon_per_epoch(
+        self, sampler: PoissonSampler, adjacency: Adjacency, sampling: str
+    ) -> dict[str, list[float]]:
+        """Each party's headline epsilon (the largest of its training guarantees, at the spec's
+        delta) after every epoch, from its own releases up to that epoch, priced as the final
+        figure is (DP-SGD composed over the draws made so far)."""
+        curves: dict[str, list[float]] = {}
+        for name, accountant in self._accountants.items():
+            curve = []
+            for releases in self._epoch_releases:
+                prefix = PrivacyAccountant(accountant=accountant.accountant)
+                prefix.events = accountant.events[: releases[name]]
+                draws = sum(1 for e in prefix.events if e.party == name and e.kind == "dp-sgd")
+                held = self._training_guarantees(
+                    prefix, name, sampler, adjacency, sampling, draws=draws
+                )
+                if held:
+                    curve.append(max(g.epsilon for g in held))
+            if curve:
+                curves[name] = curve
+        return curves
+
+    def _training_guarantees(
+        self,
+        accountant: PrivacyAccountant,
+        name: str,
+        sampler: PoissonSampler,
+        adjacency: Adjacency,
+        sampling: str,
+        *,
+        draws: int,
+    ) -> list[Guarantee]:
+        """``name``'s guarantees from ``accountant``'s training releases: against the receivers
+        of its messages, and (DP-SGD over ``draws`` draws) against an observer of its model."""
+        delta = self.spec.delta
+        found = [
+            accountant.message_guarantee(
+                name,
+                schedule=sampler.schedule,
+                records=sampler.n,
+                adjacency=adjacency,
+                delta=delta,
+                sampling=sampling,
+            ),
+            accountant.model_guarantee(
+                name, sample_rate=sampler.rate, draws=draws, delta=delta, sampling=sampling
+            ),
+        ]
+        return [g for g in found if g is not None]
+
+    def _calibrated_sigma(self, sampler: PoissonSampler, plan: list[dict[str, int]]) -> float:
+        """One SIGMA for every mechanism that keeps each party's every guarantee within the
+        target: against the receivers, its planned releases per step times the most steps any
+        record is used in (the schedule is drawn already), composed per record; with DP-SGD,
+        also the Poisson-amplified steps against the model's observer."""
+        target, delta = self.spec.target_epsilon, self.spec.delta
+        assert target is not None
+        shift = ROW_SHIFT[self.spec.adjacency]
+        uses = int(sampler.uses().max())
+        sigma = 0.0
+        for releases in plan:
+            per_step = sum(releases[kind] for kind in self.noise)
+            sends = sum(releases[kind] for kind in ("embedding", "gradient") if kind in self.noise)
+            if sends and uses:
+                sigma = max(
+                    sigma,
+                    calibrate_per_record(target, delta, releases=uses * per_step, shift=shift),
+                )
+        if "dp-sgd" in self.noise:
+            sigma = max(
+                sigma,
+                calibrate_noise(target, delta, sample_rate=sampler.rate, steps=sampler.draws),
+            )
+        return sigma
+
+    def _noise_source(self, stream: int) -> NoiseSource:
+        """A fresh secure noise source; only under ``insecure_reproducible_noise``, one
+        regenerated from (seed, ``stream``)."""
+        insecure = self.spec.insecure_reproducible_noise
+        return noise_source([self.spec.seed, stream] if insecure else None)
 
     def statistics_mechanisms(self, task: ImputationTask) -> ClientStatisticsNoise | None:
         """The factory of each client's own statistics mechanism for ``task`` (None without
@@ -318,42 +458,118 @@ class PrivacyEngine:
             clip,
             ranges=ranges,
             shares=len(task.train) if self.spec.secure_sums else 1,
-            seed=self.spec.seed * 1000 + 300,
+            noise=lambda k: self._noise_source(300 + k),
         )
         return self._statistics
 
     def report(self) -> dict[str, Any] | None:
-        """``result.json``'s privacy entry: each party's epsilon from its own accountant, the
-        noise used and the releases made (None when no DP mechanism ran)."""
+        """``result.json``'s privacy entry (None when no DP mechanism ran): each party's
+        guarantees from its own accountant (what each protects, against whom, under which
+        adjacency, sampling and accountant, and its epsilon), its headline ``epsilon`` (the
+        largest of them), the noise, the sampling and the releases made."""
         if self._statistics is not None:
             return self._statistics_report(self._statistics)
         if not self.noise:
             return None
-        releases: dict[str, dict[str, int]] = {}
-        epsilon: dict[str, float] = {}
+        sampler = self._sampler
+        assert sampler is not None
+        adjacency: Adjacency = self.spec.adjacency  # type: ignore[assignment]
+        delta = self.spec.delta
+        sampling = (
+            f"Poisson, rate {sampler.rate:.6g}, {sampler.draws} draws "
+            f"({sampler.steps_per_epoch} per epoch), drawn from {self._source_text()}"
+        )
+        guarantees: dict[str, list[Guarantee]] = {}
         for name, accountant in self._accountants.items():
-            if not accountant.events:
-                continue
-            counts = releases.setdefault(name, {})
-            for event in accountant.events:
-                counts[event.kind] = counts.get(event.kind, 0) + 1
-            epsilon[name] = accountant.epsilon(name, self.spec.delta)
+            predicted = accountant.prediction_guarantee(name, adjacency=adjacency, delta=delta)
+            held = self._training_guarantees(
+                accountant, name, sampler, adjacency, sampling, draws=sampler.draws
+            ) + ([predicted] if predicted is not None else [])
+            if held:
+                guarantees[name] = held
+        epsilon = {name: max(g.epsilon for g in held) for name, held in guarantees.items()}
+        target = self.spec.target_epsilon
         return {
+            **self._source_entry(),
             "accountant": "rdp",
-            "delta": self.spec.delta,
-            "sample_rate": self.sample_rate,
+            "delta": delta,
+            "adjacency": ADJACENCY_TEXT[adjacency],
+            "sampling": {
+                "kind": "poisson",
+                "rate": sampler.rate,
+                "draws": sampler.draws,
+                "steps": len(sampler.schedule),
+                "most_steps_per_record": int(sampler.uses().max()),
+                "drawn_from": self._source_text(),
+            },
+            "sample_rate": sampler.rate,
             "noise": {kind: {"sigma": s, "clip": c} for kind, (s, c) in self.noise.items()},
             "epsilon": epsilon,
-            "releases": releases,
+            "epsilon_per_epoch": self._epsilon_per_epoch(sampler, adjacency, sampling),
+            "guarantees": {n: [g.to_json() for g in held] for n, held in guarantees.items()},
+            "releases": {
+                name: {
+                    **accountant.releases(name),
+                    **{
+                        f"predict-{kind}": count
+                        for kind, count in accountant.releases(name, phase="predict").items()
+                    },
+                }
+                for name, accountant in self._accountants.items()
+                if accountant.events
+            },
+            "releases_per_step_planned": {
+                name: {kind: plan[kind] for kind in self.noise}
+                for name, plan in zip(self._accountants, self._plan, strict=True)
+            },
+            "not_noised": self._not_noised(),
+            "target_epsilon": target,
+            "within_target": None
+            if target is None
+            else all(e <= target * (1 + 1e-9) for e in epsilon.values()),
+        }
+
+    def _not_noised(self) -> list[str]:
+        """What crosses a party boundary in the clear, so that no guarantee covers it."""
+        found = []
+        if "embedding" not in self.noise:
+            found.append(
+                "representations: sent without noise, so no guarantee covers a party's "
+                "features against their receiver (the aggregator or the label party)"
+            )
+        if "gradient" not in self.noise:
+            found.append(
+                "gradients: sent without noise, so no guarantee covers the labels against the "
+                "data parties receiving them"
+            )
+        return found
+
+    def _source_text(self) -> str:
+        if self.spec.insecure_reproducible_noise:
+            return f"numpy PCG64 seeded from the run's seed {self.spec.seed} (INSECURE)"
+        return "ChaCha20 keyed with 256 bits of operating-system entropy"
+
+    def _source_entry(self) -> dict[str, Any]:
+        return {
+            "noise_source": self._source_text(),
+            "insecure_reproducible_noise": self.spec.insecure_reproducible_noise,
         }
 
     def _statistics_report(self, statistics: ClientStatisticsNoise) -> dict[str, Any]:
-        """The privacy entry of an imputation run: each client's epsilon from its own
+        """The privacy entry of an imputation run: each client's guarantee from its own
         accountant, the statistics noise and the public terms it was released under."""
-        accountants = {n: a for n, a in statistics.accountants.items() if a.events}
+        delta = self.spec.delta
+        guarantees = {
+            name: guarantee
+            for name, accountant in statistics.accountants.items()
+            if (guarantee := accountant.statistics_guarantee(name, delta=delta)) is not None
+        }
         return {
+            **self._source_entry(),
             "accountant": "rdp",
-            "delta": self.spec.delta,
+            "delta": delta,
+            "adjacency": ADJACENCY_TEXT["add-remove"],
+            "sampling": {"kind": "none", "rate": 1.0},
             "sample_rate": 1.0,
             "noise": {
                 "statistics": {"sigma": statistics.noise_multiplier, "clip": statistics.clip}
@@ -361,6 +577,47 @@ class PrivacyEngine:
             "noise_shares": statistics.shares,
             "standard_bound": statistics.standard_bound,
             "ranges": self._ranges_note,
-            "epsilon": {n: a.epsilon(n, self.spec.delta) for n, a in accountants.items()},
-            "releases": {n: {"statistics": len(a.events)} for n, a in accountants.items()},
+            "epsilon": {name: g.epsilon for name, g in guarantees.items()},
+            "guarantees": {name: [g.to_json()] for name, g in guarantees.items()},
+            "releases": {
+                name: {"statistics": len(statistics.accountants[name].events)}
+                for name in guarantees
+            },
+            "target_epsilon": self.spec.target_epsilon,
         }
+
+
+def release_plan(method: str, config: MethodConfig, parties: int) -> list[dict[str, int]]:
+    """Per party, the most releases of each kind it makes in one training step of ``method``:
+    what the target epsilon is calibrated for (the report's guarantees count the releases
+    actually made). A representation to the aggregator or another party is one embedding
+    release per request; a head sends one gradient message per other party and task chunk
+    (``vectorised=False`` chunks a step's tasks by size); DP-SGD steps once per step.
+    ConfigError for a method whose messages are not planned here.
+    """
+    chunks = 1 if config.vectorised else parties
+    subsets = [
+        subset
+        for size in range(1, parties + 1)
+        for subset in itertools.combinations(range(parties), size)
+    ]
+    plan = []
+    for k in range(parties):
+        if method == "combinatorial":
+            embedding = sum(1 for subset in subsets if k in subset)
+            gradient = sum(len(subset) - 1 for subset in subsets if subset[0] == k)
+        elif method == "laser":
+            embedding = 1
+            holds_head = config.heads == "all" or k == 0
+            gradient = (parties - 1) * chunks if holds_head else 0
+        elif method in ("local", "ensemble"):
+            embedding, gradient = 1, 0
+        elif method in ("standard", "plugvfl"):
+            embedding, gradient = 1, (parties - 1 if k == 0 else 0)
+        else:
+            raise ConfigError(
+                f"differential privacy plans the releases of laser, local, ensemble, standard, "
+                f"plugvfl and combinatorial; found --method {method}."
+            )
+        plan.append({"embedding": embedding, "gradient": gradient, "dp-sgd": 1})
+    return plan

@@ -2,6 +2,9 @@
 
 Every flag is validated before anything is written: a bad value prints one line saying what was
 expected and what was found, and the command exits with status 2.
+
+Building the parser imports nothing heavy (no torch, pandas or privacy layer), so ``--help`` and
+``--version`` answer at once; each command imports what it needs when it runs.
 """
 
 from __future__ import annotations
@@ -14,14 +17,53 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
 
-from secure_vfl import methods
 from secure_vfl.errors import ConfigError, IntegrityError, SecureVFLError
 
 EXIT_USAGE = 2
 
+METHOD_NAMES = (
+    "combinatorial",
+    "ensemble",
+    "false-vfl-1",
+    "false-vfl-2",
+    "laser",
+    "local",
+    "plugvfl",
+    "standard",
+)
+"""The names in ``secure_vfl.methods.METHODS``, spelled out so that building the parser does not
+import torch (a test keeps the two equal)."""
+
+IMPUTER_NAMES = ("dae", "fed-dae", "fed-mean", "fedhf", "knn", "mean", "mice")
+"""The names in ``secure_vfl.methods.imputation.IMPUTERS`` (a test keeps the two equal)."""
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows an option's default after its help, unless the help already says it or there is
+    none to show (an off switch, a flag whose default depends on other flags)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or not action.option_strings
+            or default is None
+            or default is False
+            or default is argparse.SUPPRESS
+            or default == []
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
+
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad flag in one line and exits with status 2."""
+    """argparse that reports a bad flag in one line and exits with status 2, and shows every
+    option's default in its help."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
@@ -75,12 +117,6 @@ def statistics_noise_spec(text: str) -> tuple[float, float]:
     return sigma, clip
 
 
-def _imputer_names() -> list[str]:
-    from secure_vfl.methods.imputation import IMPUTERS
-
-    return IMPUTERS.names()
-
-
 def attack_option(text: str) -> tuple[str, float | str]:
     """``KEY=VALUE`` of ``--attack-option``: a parameter name and its value, a number where it
     reads as one (an int if written as one), else the text."""
@@ -111,9 +147,23 @@ def mechanism(text: str) -> str:
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
+def _insecure_noise_flag(group: Any) -> None:
+    group.add_argument(
+        "--insecure-reproducible-noise",
+        action="store_true",
+        help="INSECURE, for tests only: draw DP noise and the Poisson sample from --seed, so "
+        "anyone who knows the seed can remove the noise (default: secure, OS-keyed ChaCha20)",
+    )
+
+
 def _training_flags(parser: argparse.ArgumentParser) -> None:
     """The data, method, privacy and output flags of a training run (``train`` and ``attack``)."""
-    parser.add_argument("--method", required=True, choices=methods.METHODS.names())
+    parser.add_argument(
+        "--method",
+        required=True,
+        choices=METHOD_NAMES,
+        help="the VFL method: %(choices)s",
+    )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--dataset", help="a registered dataset (see `secure-vfl datasets`)")
     source.add_argument(
@@ -127,7 +177,23 @@ def _training_flags(parser: argparse.ArgumentParser) -> None:
         "--label-file",
         type=existing_file,
         metavar="PATH",
-        help="CSV/Parquet with `id` and `label` (with --party-file)",
+        help="CSV/Parquet with `id` and `label` (required with --party-file)",
+    )
+    held_out = parser.add_mutually_exclusive_group()
+    held_out.add_argument(
+        "--test-file",
+        type=existing_file,
+        metavar="PATH",
+        help="a label file (`id`, `label`) of held-out ids to evaluate on; their features come "
+        "from the same party files, and every id of --label-file is trained on (default: none, "
+        "see --test-fraction)",
+    )
+    held_out.add_argument(
+        "--test-fraction",
+        type=open_probability,
+        metavar="F",
+        help="with --party-file: evaluate on a stratified, seeded share F of the label file's "
+        "rows (default 0.2 when neither this nor --test-file is given)",
     )
     parser.add_argument(
         "--align",
@@ -135,19 +201,26 @@ def _training_flags(parser: argparse.ArgumentParser) -> None:
         default="join",
         help="how party files are aligned by id: plain join (insecure) or PSI over X25519",
     )
-    parser.add_argument("--parties", type=parties_count, default=4, metavar="K")
+    parser.add_argument(
+        "--parties",
+        type=parties_count,
+        metavar="K",
+        help="how many parties a --dataset is split among (default: 4); with --party-file it "
+        "is the number of files, and a different K is refused",
+    )
     missing_train = parser.add_mutually_exclusive_group()
     missing_train.add_argument(
         "--p-miss-train",
         type=probability,
         metavar="P",
-        help="MCAR probability that a block is missing in training",
+        help="MCAR probability that a block is missing in training (default: 0)",
     )
     missing_train.add_argument(
         "--missing-train",
         type=mechanism,
         metavar="MECH",
-        help="mcar:P | mcar:P1,..,PK | beta | dirichlet:A | mar1 | mar2 | mnar:P",
+        help="training missingness mechanism: mcar:P | mcar:P1,..,PK | beta | dirichlet:A | "
+        "mar1 | mar2 | mnar:P (default: mcar:0, or --p-miss-train)",
     )
     parser.add_argument(
         "--p-miss-test",
@@ -161,19 +234,42 @@ def _training_flags(parser: argparse.ArgumentParser) -> None:
         type=mechanism,
         action="append",
         metavar="MECH",
-        help="a test missingness mechanism (repeatable)",
+        help="a test missingness mechanism, as --missing-train (repeatable; default: the "
+        "--p-miss-test ones)",
     )
-    parser.add_argument("--heads", choices=["all", "active"], default="all")
-    parser.add_argument("--batching", choices=["grouped", "mixed"], default="mixed")
-    parser.add_argument("--epochs", type=positive_int, default=20, metavar="N")
-    parser.add_argument("--batch-size", type=positive_int, default=128, metavar="B")
-    parser.add_argument("--lr", type=positive_float, default=0.03)
+    parser.add_argument(
+        "--heads",
+        choices=["all", "active"],
+        default="all",
+        help="LASER-VFL: a head at every party (the paper's setting), or only at the label "
+        "party (the single-label-party threat model)",
+    )
+    parser.add_argument(
+        "--batching",
+        choices=["grouped", "mixed"],
+        default="mixed",
+        help="LASER-VFL: batches of one observed set (the paper's), or mixed batches with "
+        "per-sample subset sampling",
+    )
+    parser.add_argument(
+        "--epochs", type=positive_int, default=20, metavar="N", help="training epochs"
+    )
+    parser.add_argument(
+        "--batch-size", type=positive_int, default=128, metavar="B", help="rows per step"
+    )
+    parser.add_argument(
+        "--lr",
+        type=positive_float,
+        default=0.03,
+        metavar="LR",
+        help="SGD learning rate (FALSE-VFL keeps its own Adam rates)",
+    )
     parser.add_argument(
         "--representation-dim",
         type=positive_int,
         default=128,
         metavar="D",
-        help="width of every bottom model's output (default 128)",
+        help="width of every bottom model's output",
     )
     parser.add_argument(
         "--top-model",
@@ -199,7 +295,8 @@ def _training_flags(parser: argparse.ArgumentParser) -> None:
         "--labeled",
         type=positive_int,
         metavar="N",
-        help="keep N training labels (a seeded random subset); the other rows are unlabelled",
+        help="keep N training labels (a seeded random subset); the other rows are "
+        "unlabelled (default: every label)",
     )
     parser.add_argument(
         "--pretrain-epochs",
@@ -226,28 +323,50 @@ def _training_flags(parser: argparse.ArgumentParser) -> None:
         "--dp-embeddings",
         type=noise_spec,
         metavar="SIGMA:CLIP",
-        help="clip + Gaussian noise on every representation (protects features)",
+        help="clip + Gaussian noise on every representation (protects features; default: off)",
     )
     privacy.add_argument(
         "--dp-gradients",
         type=noise_spec,
         metavar="SIGMA:CLIP",
-        help="clip + Gaussian noise on every gradient sent back (protects labels)",
+        help="clip + Gaussian noise on every gradient sent back (protects labels; default: off)",
     )
     privacy.add_argument(
         "--dp-sgd",
         type=noise_spec,
         metavar="SIGMA:CLIP",
-        help="DP-SGD (Opacus) of every data party's bottom model",
+        help="DP-SGD (Opacus) of every data party's bottom model (default: off)",
     )
     privacy.add_argument(
         "--target-epsilon",
         type=positive_float,
         metavar="E",
-        help="calibrate SIGMA so that no party spends more than E",
+        help="calibrate SIGMA so that no party spends more than E (default: SIGMA as given)",
     )
-    privacy.add_argument("--delta", type=open_probability, default=1e-5, metavar="D")
-    parser.add_argument("--seed", type=non_negative_int, default=0, metavar="S")
+    privacy.add_argument(
+        "--delta",
+        type=open_probability,
+        default=1e-5,
+        metavar="D",
+        help="the delta of every (epsilon, delta) reported",
+    )
+    parser.add_argument(
+        "--seed",
+        type=non_negative_int,
+        default=0,
+        metavar="S",
+        help="seeds the split, the missingness and the models (DP noise comes from a secure "
+        "source unless --insecure-reproducible-noise)",
+    )
+    privacy.add_argument(
+        "--dp-adjacency",
+        choices=["replace-one", "add-remove"],
+        default="replace-one",
+        help="neighbouring datasets of the guarantees against the receivers of messages: "
+        "replace one record (its features and, at the label party, its label; the default) "
+        "or add/remove one record",
+    )
+    _insecure_noise_flag(privacy)
     parser.add_argument(
         "--out",
         type=Path,
@@ -266,7 +385,15 @@ def _training_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from secure_vfl.runs import package_version
+
     parser = _Parser(prog="secure-vfl", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument(
+        "--version",
+        action="version",
+        version=f"%(prog)s {package_version()}",
+        help="print the installed version and exit",
+    )
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     train = commands.add_parser("train", help="train a VFL method and evaluate it")
@@ -299,7 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=attack_option,
         default=[],
         metavar="KEY=VALUE",
-        help="a parameter of the attack, e.g. target=1, gamma=2 or swap=target (repeatable)",
+        help="a parameter of the attack, e.g. target=1, gamma=2 or swap=target (repeatable; "
+        "default: the attack's own defaults)",
     )
     attack.add_argument(
         "--attacker",
@@ -314,7 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SPEC",
         help="dp-gradients:SIGMA:CLIP | dp-embeddings:SIGMA:CLIP | dp-sgd:SIGMA:CLIP | "
         "secure-agg:BACKEND (the same mechanisms as train's flags) | "
-        "gradient-sparsification:FRACTION | marvell:SCALE | norm-filter[:Z] (repeatable)",
+        "gradient-sparsification:FRACTION | marvell:SCALE | norm-filter[:Z] (repeatable; "
+        "default: none, the undefended run)",
     )
     attack.add_argument(
         "--control",
@@ -346,16 +475,24 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="TEMPLATE",
-        help="a defense with placeholders, e.g. dp-gradients:SIGMA:0.01 (repeatable)",
+        help="a defense with placeholders, e.g. dp-gradients:SIGMA:0.01 (repeatable; default: "
+        "none, only the undefended runs)",
     )
     sweep.add_argument(
         "--grid",
         action="append",
         default=[],
         metavar="NAME=V1,V2,..",
-        help="the values of a placeholder, e.g. SIGMA=0,0.1,0.3,1,3 (repeatable)",
+        help="the values of a placeholder, e.g. SIGMA=0,0.1,0.3,1,3 (repeatable; default: "
+        "none, for templates without placeholders)",
     )
-    sweep.add_argument("--seeds", type=positive_int, default=3, metavar="N")
+    sweep.add_argument(
+        "--seeds",
+        type=positive_int,
+        default=3,
+        metavar="N",
+        help="runs per defense setting, seeds S..S+N-1",
+    )
     sweep.add_argument(
         "--workers", type=positive_int, metavar="W", help="parallel runs (default: CPUs, <= 4)"
     )
@@ -370,7 +507,9 @@ def build_parser() -> argparse.ArgumentParser:
     impute = commands.add_parser(
         "impute", help="federated imputation across clients with different feature schemas"
     )
-    impute.add_argument("--method", required=True, choices=_imputer_names())
+    impute.add_argument(
+        "--method", required=True, choices=IMPUTER_NAMES, help="the imputer: %(choices)s"
+    )
     impute_source = impute.add_mutually_exclusive_group(required=True)
     impute_source.add_argument(
         "--dataset", help="an imputation dataset (see `secure-vfl datasets`)"
@@ -382,15 +521,23 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="one CSV/Parquet file per client: NaN = missing, absent column = unavailable",
     )
-    impute.add_argument("--clients", type=clients_count, default=4, metavar="K")
+    impute.add_argument(
+        "--clients",
+        type=clients_count,
+        metavar="K",
+        help="how many clients a --dataset is dealt to (default: 4); with --client-file it "
+        "is the number of files, and a different K is refused",
+    )
     impute.add_argument(
         "--availability",
         type=share,
-        default=0.6,
         metavar="A",
-        help="share of the features each client keeps (with --dataset)",
+        help="share of the features each client keeps, with --dataset (default: 0.6); "
+        "client files have their own columns, so it is refused with --client-file",
     )
-    impute.add_argument("--rounds", type=positive_int, default=30, metavar="R")
+    impute.add_argument(
+        "--rounds", type=positive_int, default=30, metavar="R", help="FedAvg rounds"
+    )
     impute.add_argument(
         "--client-fraction",
         type=share,
@@ -398,9 +545,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="C",
         help="share of the clients sampled for each FedAvg round",
     )
-    impute.add_argument("--local-epochs", type=positive_int, default=2, metavar="E")
-    impute.add_argument("--batch-size", type=positive_int, default=16, metavar="B")
-    impute.add_argument("--lr", type=positive_float, default=1e-3)
+    impute.add_argument(
+        "--local-epochs",
+        type=positive_int,
+        default=2,
+        metavar="E",
+        help="epochs each client trains per round",
+    )
+    impute.add_argument(
+        "--batch-size", type=positive_int, default=16, metavar="B", help="rows per local step"
+    )
+    impute.add_argument(
+        "--lr", type=positive_float, default=1e-3, metavar="LR", help="Adam learning rate"
+    )
     impute.add_argument(
         "--secure-agg",
         choices=SECURE_AGGREGATORS,
@@ -416,13 +573,15 @@ def build_parser() -> argparse.ArgumentParser:
         type=statistics_noise_spec,
         metavar="SIGMA:CLIP",
         help="clip each row's contribution to L2 norm CLIP and add Gaussian noise of std "
-        "SIGMA*CLIP to every statistics sum (shared among the clients under --secure-agg)",
+        "SIGMA*CLIP to every statistics sum (shared among the clients under --secure-agg; "
+        "default: off)",
     )
     impute_privacy.add_argument(
         "--target-epsilon",
         type=positive_float,
         metavar="E",
-        help="calibrate SIGMA so that no client spends more than E on the statistics",
+        help="calibrate SIGMA so that no client spends more than E on the statistics "
+        "(default: SIGMA as given)",
     )
     impute_privacy.add_argument(
         "--feature-ranges",
@@ -431,8 +590,22 @@ def build_parser() -> argparse.ArgumentParser:
         help="declared per-feature ranges (columns feature, lower, upper) that values are "
         "clipped to; default: the observed training ranges, which are not private",
     )
-    impute_privacy.add_argument("--delta", type=open_probability, default=1e-5, metavar="D")
-    impute.add_argument("--seed", type=non_negative_int, default=0, metavar="S")
+    impute_privacy.add_argument(
+        "--delta",
+        type=open_probability,
+        default=1e-5,
+        metavar="D",
+        help="the delta of every (epsilon, delta) reported",
+    )
+    _insecure_noise_flag(impute_privacy)
+    impute.add_argument(
+        "--seed",
+        type=non_negative_int,
+        default=0,
+        metavar="S",
+        help="seeds the client split, the hidden entries and the models (DP noise comes from a "
+        "secure source unless --insecure-reproducible-noise)",
+    )
     impute.add_argument(
         "--out",
         type=Path,
@@ -455,8 +628,16 @@ def build_parser() -> argparse.ArgumentParser:
     _capture_option(impute)
 
     datasets = commands.add_parser("datasets", help="list datasets, or install them")
-    datasets.add_argument("action", nargs="?", choices=["list", "install"], default="list")
-    datasets.add_argument("names", nargs="*", metavar="NAME")
+    datasets.add_argument(
+        "action",
+        nargs="?",
+        choices=["list", "install"],
+        default="list",
+        help="list the datasets and whether each is installed, or install some",
+    )
+    datasets.add_argument(
+        "names", nargs="*", metavar="NAME", help="with install: the datasets to install"
+    )
     datasets.add_argument("--all", action="store_true", help="with install: every dataset")
 
     psi = commands.add_parser(
@@ -464,11 +645,138 @@ def build_parser() -> argparse.ArgumentParser:
     )
     psi.add_argument("--mine", required=True, type=existing_file, help="CSV: this side's ids")
     psi.add_argument("--theirs", required=True, type=existing_file, help="CSV: the peer's ids")
-    psi.add_argument("--id-column", default="id", help="column holding the ids (default: id)")
-    psi.add_argument("--mode", choices=["intersection", "cardinality"], default="intersection")
-    psi.add_argument("--out", type=Path, help="write the intersecting ids here (one per line)")
+    psi.add_argument("--id-column", default="id", help="column holding the ids")
+    psi.add_argument(
+        "--mode",
+        choices=["intersection", "cardinality"],
+        default="intersection",
+        help="learn the common ids, or only how many there are",
+    )
+    psi.add_argument(
+        "--out",
+        type=Path,
+        metavar="FILE",
+        help="write the intersecting ids here, one per line (default: only print the size)",
+    )
+    psi.add_argument("--overwrite", action="store_true", help="replace an existing --out FILE")
     _capture_option(psi)
+
+    predict = commands.add_parser(
+        "predict",
+        help="score new rows with a model saved by train",
+        description="Load the federation saved by `train` (every party's own part, checked "
+        "against the manifest's hashes), align the new rows of the given party files by id and "
+        "predict from the blocks present: a party without a file, or without an id, is absent "
+        "for that row. Writes id, the predicted label and one probability column per class.",
+    )
+    predict.add_argument(
+        "--model",
+        required=True,
+        type=Path,
+        metavar="RUN_DIR",
+        help="a train run's --out directory (or its model/ directory)",
+    )
+    predict.add_argument(
+        "--party-file",
+        required=True,
+        action="append",
+        type=party_file_spec,
+        metavar="[PARTY=]PATH",
+        help="a party's file of new rows: `id` and the columns it was trained on. PARTY is "
+        "the stem of its training file (or party-K), by default this file's stem; a party "
+        "without a file is absent for every row (repeatable)",
+    )
+    predict.add_argument(
+        "--out",
+        type=Path,
+        metavar="CSV",
+        help="write the predictions here (default: print a summary)",
+    )
+    predict.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    runs = commands.add_parser(
+        "runs",
+        help="list the runs of a results store, or compare run directories",
+        description="Print a table of runs: method, secure-sum backend, DP mechanisms with "
+        "their noise, the largest epsilon a party spent, accuracy per test missingness, time.",
+    )
+    runs_commands = runs.add_subparsers(dest="runs_command", required=True, parser_class=_Parser)
+    runs_list = runs_commands.add_parser("list", help="every run in a results store")
+    runs_list.add_argument(
+        "--store",
+        type=Path,
+        default=Path("runs") / "results.sqlite",
+        metavar="PATH",
+        help="the SQLite results store (train's default for runs under runs/)",
+    )
+    runs_compare = runs_commands.add_parser(
+        "compare", help="runs side by side, from their directories' result.json"
+    )
+    runs_compare.add_argument(
+        "dirs", nargs="+", type=Path, metavar="DIR", help="run directories (train or attack)"
+    )
+    certs = commands.add_parser(
+        "certs", help="certificates for mutual TLS between parties: make a set, or check one"
+    )
+    certs_actions = certs.add_subparsers(dest="certs_action", required=True, parser_class=_Parser)
+    init = certs_actions.add_parser(
+        "init", help="a federation CA and a key and certificate per party (keys mode 0600)"
+    )
+    init.add_argument(
+        "--out", required=True, type=Path, metavar="DIR", help="where the CA and parties' files go"
+    )
+    init.add_argument(
+        "--party", required=True, action="append", metavar="NAME", help="a party (repeat)"
+    )
+    init.add_argument(
+        "--san",
+        action="append",
+        metavar="HOST",
+        help="a host name or IP the parties are reached at (repeat; default localhost and "
+        "127.0.0.1)",
+    )
+    init.add_argument(
+        "--days", type=int, default=365, help="validity of the party certificates (default 365)"
+    )
+    check = certs_actions.add_parser("check", help="say what is wrong with a set of certificates")
+    check.add_argument(
+        "--dir", required=True, type=Path, metavar="DIR", help="a directory made by certs init"
+    )
+    check.add_argument(
+        "--party", action="append", metavar="NAME", help="check this party (default: every one)"
+    )
     return parser
+
+
+def party_file_spec(text: str) -> tuple[str | None, Path]:
+    """``[PARTY=]PATH`` of ``predict --party-file``: the party's name (None: not given) and
+    an existing file."""
+    name, sep, rest = text.partition("=")
+    if sep and name and not Path(text).is_file():
+        return name, existing_file(rest)
+    return None, existing_file(text)
+
+
+def run_certs_command(args: argparse.Namespace) -> int:
+    """`secure-vfl certs init|check`: make a federation's certificates, or check a set (exit 1
+    and one line per problem if anything is wrong)."""
+    from protocols import tls
+
+    if args.certs_action == "init":
+        hosts = tuple(args.san) if args.san else tls.DEFAULT_HOSTS
+        written = tls.make_federation(args.out, args.party, hosts=hosts, days=args.days)
+        print(f"wrote {len(written)} files to {args.out}: {', '.join(p.name for p in written)}")
+        print(f"hosts in every certificate: {', '.join(hosts)}; keys are mode 0600")
+        return 0
+    problems = tls.check_federation(args.dir, args.party)
+    for problem in problems:
+        print(problem)
+    if problems:
+        return 1
+    parties = args.party or tls.federation_parties(args.dir)
+    for name in parties:
+        expiry = tls.certificate_expiry(args.dir / f"{name}.pem")
+        print(f"{name}: ok (valid until {expiry:%Y-%m-%d} UTC)")
+    return 0
 
 
 def _capture_option(parser: argparse.ArgumentParser) -> None:
@@ -477,7 +785,8 @@ def _capture_option(parser: argparse.ArgumentParser) -> None:
         type=Path,
         metavar="FILE",
         help="append every message that crosses the transport to FILE, one record each: a "
-        "4-byte big-endian length, then the encoded message (what the network sees)",
+        "4-byte big-endian length, then the encoded message (what the network sees; "
+        "default: off)",
     )
 
 
@@ -495,7 +804,10 @@ def _capture(path: Path | None) -> Iterator[BinaryIO | None]:
 
 
 def _read_ids(path: Path, column: str) -> list[str]:
+    """The ids of a PSI side: column ``column`` of the CSV file ``path``, as text; an empty
+    or a repeated id is refused with the file, the id and its rows (PSI matches sets)."""
     import csv
+    from collections import Counter
 
     with path.open(newline="", encoding="utf-8") as handle:
         reader = csv.DictReader(handle)
@@ -503,7 +815,20 @@ def _read_ids(path: Path, column: str) -> list[str]:
             raise ConfigError(
                 f"expected a column {column!r} in {path}. Found columns {reader.fieldnames}."
             )
-        return [row[column] for row in reader]
+        ids = [row[column] or "" for row in reader]
+    if "" in ids:
+        raise ConfigError(
+            f"{path}: every row must have an id in column {column!r}. Found an empty one at "
+            f"data row {ids.index('') + 1}."
+        )
+    repeated = [value for value, count in Counter(ids).items() if count > 1]
+    if repeated:
+        rows = [i + 1 for i, value in enumerate(ids) if value == repeated[0]]
+        raise ConfigError(
+            f"{path}: ids in column {column!r} must be unique for PSI. Found {len(repeated)} "
+            f"repeated, e.g. {repeated[0]!r} at data rows {rows[:5]}."
+        )
+    return ids
 
 
 def run_psi_command(args: argparse.Namespace) -> int:
@@ -514,6 +839,8 @@ def run_psi_command(args: argparse.Namespace) -> int:
 
     if args.mode == "cardinality" and args.out is not None:
         raise ConfigError("--out needs --mode intersection; cardinality mode reveals only a size.")
+    if args.out is not None:
+        _check_output_file(args.out, overwrite=args.overwrite)
     mine = _read_ids(args.mine, args.id_column)
     theirs = _read_ids(args.theirs, args.id_column)
     with _capture(args.capture) as capture:
@@ -535,7 +862,9 @@ def _train_config(args: argparse.Namespace) -> Any:
         raise ConfigError("--label-file goes with --party-file. Found a dataset instead.")
     train_missing = args.missing_train or f"mcar:{args.p_miss_train or 0.0:g}"
     tests = [f"mcar:{p:g}" for p in args.p_miss_test or []] + list(args.missing_test or [])
-    method_config = methods.MethodConfig(
+    from secure_vfl.methods import MethodConfig
+
+    method_config = MethodConfig(
         heads=args.heads,
         batching=args.batching,
         epochs=args.epochs,
@@ -568,13 +897,73 @@ def _train_config(args: argparse.Namespace) -> Any:
         dataset=args.dataset,
         party_files=tuple(args.party_file or ()),
         label_file=args.label_file,
-        parties=args.parties if not args.party_file else len(args.party_file),
+        test_file=args.test_file,
+        test_fraction=args.test_fraction,
+        parties=_party_count(args),
         train_missing=train_missing,
         test_missing=tuple(tests) if tests else ("mcar:0", "mcar:0.5"),
         align=args.align,
         seed=args.seed,
         method_config=method_config,
     )
+
+
+def _party_count(args: argparse.Namespace) -> int:
+    """K: ``--parties`` for a dataset (4 unless given); the number of files for own data, where
+    a ``--parties`` that says otherwise is refused (a file forgotten or one too many)."""
+    if not args.party_file:
+        return int(args.parties) if args.parties is not None else 4
+    given = len(args.party_file)
+    if args.parties is not None and args.parties != given:
+        raise ConfigError(
+            f"--parties {args.parties} contradicts the {given} --party-file given (one party "
+            f"per file); expected --parties {given} or no --parties."
+        )
+    return given
+
+
+def _check_output_dir(out: Path, marker: str, *, overwrite: bool) -> None:
+    """Refuse, before any work, an output directory that cannot take ``out/marker``: a path
+    that is a file (or lies under one), or a finished run without ``--overwrite``."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; expected a directory (new or a run's own).")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(
+                    f"--out {out} lies under the file {parent}; expected a directory."
+                )
+            break
+    if (out / marker).exists() and not overwrite:
+        raise ConfigError(
+            f"{out / marker} exists; expected a new --out directory (or --overwrite)."
+        )
+
+
+def _check_output_file(path: Path, *, overwrite: bool) -> None:
+    """Refuse, before any work, an output file that exists (without ``--overwrite``), is a
+    directory, or lies under a file."""
+    if path.is_dir():
+        raise ConfigError(f"--out {path} is a directory; expected a file path.")
+    if path.exists() and not overwrite:
+        raise ConfigError(f"{path} exists; expected a new --out file (or --overwrite).")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(
+                    f"--out {path} lies under the file {parent}; expected a directory."
+                )
+            break
+
+
+def _results_store(args: argparse.Namespace, out: Path) -> Any:
+    """The results store of ``--store`` (default: results.sqlite beside ``out``), checked
+    before any work: an existing file must be a results store this version can write."""
+    from secure_vfl.store import ResultsStore
+
+    store = ResultsStore(args.store or out.parent / "results.sqlite")
+    store.check()
+    return store
 
 
 def _summary(result: Any, out: Path) -> str:
@@ -589,10 +978,27 @@ def _summary(result: Any, out: Path) -> str:
     for name, values in result.metrics.items():
         lines.append(f"{name:<20}{values['accuracy']:>12.2f}{values['f1']:>10.2f}")
     if result.privacy is not None:
-        spent = ", ".join(f"{p} {e:.2f}" for p, e in sorted(result.privacy["epsilon"].items()))
-        lines.append(f"epsilon (delta {result.privacy['delta']:g}): {spent}")
+        lines.extend(_privacy_lines(result.privacy))
     lines.append(f"result: {out / 'result.json'}")
     return "\n".join(lines)
+
+
+def _privacy_lines(privacy: dict[str, Any]) -> list[str]:
+    """The summary's privacy lines: each party's epsilon, its adjacency and sampling, and a
+    warning when the noise was reproducible from the seed."""
+    spent = ", ".join(f"{p} {e:.2f}" for p, e in sorted(privacy["epsilon"].items()))
+    sampling = privacy["sampling"]
+    drawn = f", Poisson rate {sampling['rate']:.4g}" if sampling["kind"] == "poisson" else ""
+    lines = [
+        f"epsilon (delta {privacy['delta']:g}, {privacy['adjacency']}{drawn}; largest "
+        f"guarantee per party, see result.json): {spent}"
+    ]
+    if privacy["insecure_reproducible_noise"]:
+        lines.append(
+            "WARNING: --insecure-reproducible-noise: the noise is reproducible from the seed; "
+            "these epsilons do not hold against anyone who knows it."
+        )
+    return lines
 
 
 def _impute_privacy_engine(args: argparse.Namespace) -> Any:
@@ -607,6 +1013,7 @@ def _impute_privacy_engine(args: argparse.Namespace) -> Any:
             feature_ranges=args.feature_ranges,
             target_epsilon=args.target_epsilon,
             delta=args.delta,
+            insecure_reproducible_noise=args.insecure_reproducible_noise,
             seed=args.seed,
         )
     )
@@ -624,6 +1031,8 @@ def _privacy_spec(args: argparse.Namespace) -> Any:
         dp_sgd=args.dp_sgd,
         target_epsilon=args.target_epsilon,
         delta=args.delta,
+        adjacency=args.dp_adjacency,
+        insecure_reproducible_noise=args.insecure_reproducible_noise,
         seed=args.seed,
     )
 
@@ -643,23 +1052,25 @@ def run_train(args: argparse.Namespace) -> int:
     from secure_vfl.experiment import prepare_data, run_training
     from secure_vfl.federation.channel import Channel, InProcessTransport
     from secure_vfl.io import atomic_write_json
-    from secure_vfl.store import ResultsStore
+    from secure_vfl.methods.base import in_process_parties
+    from secure_vfl.plots import write_run_plots
+    from secure_vfl.runs import provenance
+    from secure_vfl.saved_model import MANIFEST_FILE, MODEL_DIR, save_model
 
     engine = _privacy_engine(args)
     config = _train_config(args)
-    engine.refuse(config.method)  # before the data is loaded
+    engine.refuse(config.method, batching=config.method_config.batching)  # before any data
     if config.dataset is not None:
         spec = DATASETS.get(config.dataset)
         if not spec.is_installed():
             raise ConfigError(f"dataset {config.dataset!r} is not installed. {spec.install_hint()}")
     out: Path = args.out or Path("runs") / f"{config.method}-{config.data_name}-s{config.seed}"
-    if (out / "result.json").exists() and not args.overwrite:
-        raise ConfigError(
-            f"{out / 'result.json'} exists; expected a new --out directory (or --overwrite)."
-        )
-    store = ResultsStore(args.store or out.parent / "results.sqlite")
+    _check_output_dir(out, "result.json", overwrite=args.overwrite)
+    _check_output_dir(out / MODEL_DIR, MANIFEST_FILE, overwrite=args.overwrite)
+    store = _results_store(args, out)
     channel = Channel()
     bar: Any = None
+    trained: list[Any] = []  # the run's parties, each of which saves its own part
 
     def on_start(total: int) -> None:
         nonlocal bar
@@ -670,7 +1081,7 @@ def run_train(args: argparse.Namespace) -> int:
         if step % 10 == 0:
             bar.set_postfix(loss=f"{loss:.3f}")
 
-    with _capture(args.capture) as capture:
+    with _capture(args.capture) as capture, _run_warnings() as noted:
         # PSI's messages go to the capture too, but their bytes are not training traffic.
         alignment = Channel(transport=InProcessTransport(capture=capture))
         data = prepare_data(config, aligner=engine.aligner(alignment))
@@ -681,6 +1092,7 @@ def run_train(args: argparse.Namespace) -> int:
                 data=data,
                 channel=channel,
                 privacy=engine,
+                on_ready=lambda ready: trained.extend(in_process_parties(ready)),
                 on_start=on_start,
                 on_step=on_step,
             )
@@ -695,10 +1107,61 @@ def run_train(args: argparse.Namespace) -> int:
         finally:
             if bar is not None:
                 bar.close()
-    atomic_write_json(out / "result.json", result.to_json())
-    store.add(result.to_json(), kind="train", out_dir=out)
+    manifest = save_model(
+        out / MODEL_DIR,
+        trained,
+        method=config.method,
+        seed=config.seed,
+        method_config=config.method_config,
+        false_vfl=config.false_vfl,
+        data=data,
+        sources=[path.stem for path in config.party_files] or None,
+    )
+    payload = result.to_json()
+    payload["config"]["privacy"] = _privacy_settings(args)
+    payload["provenance"] = provenance()
+    payload["warnings"] = list(dict.fromkeys([*noted, *result.warnings]))
+    payload["model"] = {"directory": str(out / MODEL_DIR), "run_id": manifest.run_id}
+    atomic_write_json(out / "result.json", payload)
+    plots = write_run_plots(payload, out)
+    store.add(payload, kind="train", out_dir=out)
     print(_summary(result, out))
+    print(f"model: {out / MODEL_DIR} (secure-vfl predict --model {out} --party-file ...)")
+    print("plots: " + ", ".join(str(path) for path in plots))
+    for warning in payload["warnings"]:
+        print(f"secure-vfl: warning: {warning}", file=sys.stderr)
     return 0
+
+
+@contextmanager
+def _run_warnings() -> Iterator[list[str]]:
+    """Collect the :class:`~secure_vfl.errors.RunWarning` messages raised inside (into the
+    list yielded); other warnings pass through as usual."""
+    import warnings
+
+    from secure_vfl.errors import RunWarning
+
+    noted: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RunWarning)
+        yield noted
+    for warning in caught:
+        if issubclass(warning.category, RunWarning):
+            noted.append(str(warning.message))
+        else:
+            warnings.showwarning(
+                warning.message, warning.category, warning.filename, warning.lineno
+            )
+
+
+def _privacy_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The privacy flags of a training run as given (backend, alignment, every DP flag,
+    target epsilon, delta, noise seed), for ``result.json``'s ``config.privacy``."""
+    import dataclasses
+    import json
+
+    settings = dataclasses.asdict(_privacy_spec(args))
+    return dict(json.loads(json.dumps(settings, default=str)))
 
 
 def run_attack_command(args: argparse.Namespace) -> int:
@@ -706,7 +1169,7 @@ def run_attack_command(args: argparse.Namespace) -> int:
 
     from attacks.runner import run_attack
     from secure_vfl.io import atomic_write_json
-    from secure_vfl.store import ResultsStore
+    from secure_vfl.runs import provenance
 
     config = _train_config(args)
     if args.capture is not None:
@@ -717,11 +1180,8 @@ def run_attack_command(args: argparse.Namespace) -> int:
         return _run_suite_command(args, config)
     name = args.attack
     out: Path = args.out or Path("runs") / f"attack-{name}-{config.method}-{config.data_name}"
-    if (out / "result.json").exists() and not args.overwrite:
-        raise ConfigError(
-            f"{out / 'result.json'} exists; expected a new --out directory (or --overwrite)."
-        )
-    store = ResultsStore(args.store or out.parent / "results.sqlite")
+    _check_output_dir(out, "result.json", overwrite=args.overwrite)
+    store = _results_store(args, out)
     bar: Any = None
 
     def on_start(total: int) -> None:
@@ -748,10 +1208,21 @@ def run_attack_command(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     payload = result.to_json()
+    payload["provenance"] = provenance()
     atomic_write_json(out / "result.json", payload)
     training = payload["training"]
+    config = {
+        **training["config"],
+        "privacy": _privacy_settings(args),
+        "defense": ", ".join(args.defense),
+    }
     store.add(
-        {**training, "metrics": {"main": payload["main"], "attack": payload["attack"]}},
+        {
+            **training,
+            "config": config,
+            "metrics": {"main": payload["main"], "attack": payload["attack"]},
+            "provenance": payload["provenance"],
+        },
         kind=f"attack:{name}",
         out_dir=out,
     )
@@ -761,7 +1232,6 @@ def run_attack_command(args: argparse.Namespace) -> int:
 
 def run_sweep_command(args: argparse.Namespace) -> int:
     from attacks.sweep import parse_grid, run_sweep, write_sweep
-    from secure_vfl.store import ResultsStore
 
     config = _train_config(args)
     if args.capture is not None or args.align != "join":
@@ -783,11 +1253,8 @@ def run_sweep_command(args: argparse.Namespace) -> int:
             "(e.g. --defense secure-agg:masks, --defense dp-gradients:SIGMA:0.01)."
         )
     out: Path = args.out or Path("runs") / f"sweep-{args.attack}-{config.method}-{config.data_name}"
-    if (out / "sweep.json").exists() and not args.overwrite:
-        raise ConfigError(
-            f"{out / 'sweep.json'} exists; expected a new --out directory (or --overwrite)."
-        )
-    store = ResultsStore(args.store or out.parent / "results.sqlite")
+    _check_output_dir(out, "sweep.json", overwrite=args.overwrite)
+    store = _results_store(args, out)
     rows = run_sweep(
         config,
         args.attack,
@@ -801,6 +1268,7 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     )
     command = "secure-vfl " + " ".join(sys.argv[1:]) if sys.argv[1:] else "secure-vfl sweep"
     text, plots = write_sweep(rows, out, attack=args.attack, command=command)
+    store.forget(out)  # a sweep written again replaces all its runs
     for row in rows:
         if row["failed"] is not None:
             print(f"{row['defense']} seed {row['seed']}: {row['failed']}", file=sys.stderr)
@@ -814,6 +1282,7 @@ def run_sweep_command(args: argparse.Namespace) -> int:
             },
             kind=f"sweep:{args.attack}",
             out_dir=out,
+            entry=f"{row['defense']} seed {row['seed']}",
         )
     print(text)
     print("plots: " + ", ".join(str(p) for p in plots))
@@ -823,19 +1292,16 @@ def run_sweep_command(args: argparse.Namespace) -> int:
 def _run_suite_command(args: argparse.Namespace, config: Any) -> int:
     from attacks.suite import markdown, run_suite
     from secure_vfl.io import atomic_write_json, atomic_write_text
-    from secure_vfl.store import ResultsStore
 
     out: Path = args.out or Path("runs") / f"suite-{config.method}-{config.data_name}"
-    if (out / "suite.json").exists() and not args.overwrite:
-        raise ConfigError(
-            f"{out / 'suite.json'} exists; expected a new --out directory (or --overwrite)."
-        )
+    _check_output_dir(out, "suite.json", overwrite=args.overwrite)
     if _privacy_spec(args).noise() or args.secure_agg != "none":
         raise ConfigError(
             "a suite's defenses are its --defense specs (each run on its own); found the "
             "privacy flags of train."
         )
-    store = ResultsStore(args.store or out.parent / "results.sqlite")
+    store = _results_store(args, out)
+    store.forget(out)  # a suite written again replaces all its runs
 
     def on_run(attack: str, defense: str, result: Any) -> None:
         payload = result.to_json()
@@ -848,6 +1314,7 @@ def _run_suite_command(args: argparse.Namespace, config: Any) -> int:
             },
             kind=f"suite:{attack}",
             out_dir=out,
+            entry=f"{attack} / {defense}",
         )
         if not args.quiet:
             value = ", ".join(f"{k} {v:.3f}" for k, v in payload["attack"].items())
@@ -881,8 +1348,7 @@ def _attack_summary(result: Any, out: Path) -> str:
     lines.append(f"chance level         {result.chance:.4f}")
     lines.append(f"DCS {result.dcs:.4f}   DCS (AP* = chance) {result.dcs_chance:.4f}")
     if result.privacy is not None:
-        spent = ", ".join(f"{p} {e:.2f}" for p, e in sorted(result.privacy["epsilon"].items()))
-        lines.append(f"epsilon (delta {result.privacy['delta']:g}): {spent}")
+        lines.extend(_privacy_lines(result.privacy))
     lines.append(f"result: {out / 'result.json'}")
     return "\n".join(lines)
 
@@ -895,15 +1361,15 @@ def run_impute(args: argparse.Namespace) -> int:
     from secure_vfl.federation.channel import Channel, InProcessTransport
     from secure_vfl.io import atomic_write_json
     from secure_vfl.methods.imputation import ImputeConfig
-    from secure_vfl.store import ResultsStore
+    from secure_vfl.runs import provenance
 
     engine = _impute_privacy_engine(args)
     config = ImputeRunConfig(
         method=args.method,
         dataset=args.dataset,
         client_files=tuple(args.client_file or ()),
-        clients=args.clients,
-        availability=args.availability,
+        clients=_client_count(args),
+        availability=args.availability if args.availability is not None else 0.6,
         seed=args.seed,
         impute_config=ImputeConfig(
             rounds=args.rounds,
@@ -920,11 +1386,8 @@ def run_impute(args: argparse.Namespace) -> int:
     out: Path = args.out or Path("runs") / (
         f"impute-{config.method}-{config.data_name}-s{config.seed}"
     )
-    if (out / "result.json").exists() and not args.overwrite:
-        raise ConfigError(
-            f"{out / 'result.json'} exists; expected a new --out directory (or --overwrite)."
-        )
-    store = ResultsStore(args.store or out.parent / "results.sqlite")
+    _check_output_dir(out, "result.json", overwrite=args.overwrite)
+    store = _results_store(args, out)
     task = prepare_imputation_task(config)
     bar: Any = None
 
@@ -951,8 +1414,17 @@ def run_impute(args: argparse.Namespace) -> int:
                 bar.close()
     if args.save_imputed:
         _save_imputed(out / "imputed", task, imputer)
-    atomic_write_json(out / "result.json", result.to_json())
-    store.add(result.to_json(), kind="impute", out_dir=out)
+    payload = result.to_json()
+    payload["config"]["privacy"] = {
+        "secure_agg": args.secure_agg,
+        "dp_statistics": args.dp_statistics,
+        "target_epsilon": args.target_epsilon,
+        "delta": args.delta,
+        "feature_ranges": str(args.feature_ranges) if args.feature_ranges else None,
+    }
+    payload["provenance"] = provenance()
+    atomic_write_json(out / "result.json", payload)
+    store.add(payload, kind="impute", out_dir=out)
     lines = [
         f"{result.method} on {result.dataset} ({len(result.clients)} clients) "
         f"in {result.wall_time_s:.1f} s",
@@ -964,11 +1436,30 @@ def run_impute(args: argparse.Namespace) -> int:
         f"{'all clients':<20}{result.rmse:>18.4f}{sum(result.hidden_per_client.values()):>16}"
     )
     if result.privacy is not None:
-        spent = ", ".join(f"{p} {e:.2f}" for p, e in sorted(result.privacy["epsilon"].items()))
-        lines.append(f"epsilon (delta {result.privacy['delta']:g}): {spent}")
+        lines.extend(_privacy_lines(result.privacy))
     lines.append(f"result: {out / 'result.json'}")
     print("\n".join(lines))
     return 0
+
+
+def _client_count(args: argparse.Namespace) -> int:
+    """K: ``--clients`` for a dataset (4 unless given); the number of files for client files,
+    where ``--clients`` that says otherwise, or any ``--availability`` (the files' own columns
+    say which features each client has), is refused."""
+    if not args.client_file:
+        return int(args.clients) if args.clients is not None else 4
+    given = len(args.client_file)
+    if args.clients is not None and args.clients != given:
+        raise ConfigError(
+            f"--clients {args.clients} contradicts the {given} --client-file given (one client "
+            f"per file); expected --clients {given} or no --clients."
+        )
+    if args.availability is not None:
+        raise ConfigError(
+            "--availability deals a --dataset's features to clients; client files have their "
+            f"own columns. Found --availability {args.availability:g} with --client-file."
+        )
+    return given
 
 
 def _save_imputed(directory: Path, task: Any, imputer: Any) -> None:
@@ -994,6 +1485,109 @@ def _save_imputed(directory: Path, task: Any, imputer: Any) -> None:
             frame.to_csv(tmp, index=False)
 
         atomic_write(directory / f"{train.name}.csv", write)
+
+
+def _party_tables(model: Any, specs: Sequence[tuple[str | None, Path]]) -> dict[str, Any]:
+    """Each ``--party-file`` assigned to its party (by the name given, else by the file's
+    stem) and read."""
+    from secure_vfl.data.party_files import read_party_file
+
+    tables: dict[str, Any] = {}
+    for name, path in specs:
+        party = model.manifest.parties[model.party_index(name or _party_of(model, path))]
+        if party.source in tables:
+            raise ConfigError(
+                f"two files for party {party.source}: {tables[party.source][1]} and {path}; "
+                "expected one file per party."
+            )
+        tables[party.source] = (read_party_file(path), str(path))
+    return tables
+
+
+def _party_of(model: Any, path: Path) -> str:
+    """The party a file without ``PARTY=`` belongs to: the one its stem names."""
+    parties = model.manifest.parties
+    if any(path.stem in (entry.source, entry.name) for entry in parties):
+        return path.stem
+    raise ConfigError(
+        f"unknown party file {path}: its stem names no party of this model; expected one of "
+        f"{', '.join(entry.source for entry in parties)} (or --party-file PARTY={path})."
+    )
+
+
+def run_predict(args: argparse.Namespace) -> int:
+    """`secure-vfl predict`: the saved federation scores the new rows of the given files."""
+    from secure_vfl.saved_model import SavedModel
+
+    out: Path | None = args.out
+    if out is not None:
+        _check_output_file(out, overwrite=args.overwrite)
+    model = SavedModel.load(args.model)
+    predictions = model.predict(_party_tables(model, args.party_file))
+    if out is not None:
+        predictions.write_csv(out)
+    print(_prediction_summary(model, predictions, out))
+    return 0
+
+
+def _prediction_summary(model: Any, predictions: Any, out: Path | None) -> str:
+    from collections import Counter
+
+    manifest = model.manifest
+    held = predictions.mask.sum(axis=0)
+    lines = [
+        f"{manifest.method} model {manifest.run_id[:12]} ({len(manifest.parties)} parties): "
+        f"{len(predictions.ids)} rows",
+        "rows held: "
+        + ", ".join(f"{name} {int(n)}" for name, n in zip(predictions.parties, held, strict=True)),
+    ]
+    labels = predictions.labels()
+    counts = Counter(label for label in labels if label is not None)
+    predicted = ", ".join(f"{value} {counts[value]}" for value in predictions.classes)
+    unscored = sum(label is None for label in labels)
+    if unscored:
+        predicted += f"; no prediction for {unscored} rows (a block absent: the method guesses)"
+    lines.append(f"predicted: {predicted}")
+    if out is not None:
+        lines.append(f"predictions: {out}")
+    else:
+        lines.append(predictions.frame().head(5).to_string(index=False))
+    return "\n".join(lines)
+
+
+def run_runs(args: argparse.Namespace) -> int:
+    """`secure-vfl runs list|compare`: a table of stored runs, or of the given run directories."""
+    import dataclasses
+
+    from secure_vfl.runs import read_run, summarise, table
+
+    if args.runs_command == "compare":
+        payloads = [read_run(directory) for directory in args.dirs]
+        print(table([str(d) for d in args.dirs], [summarise(p) for p in payloads]))
+        return 0
+    from secure_vfl.store import ResultsStore
+
+    if not args.store.is_file():
+        raise ConfigError(f"no results store at {args.store}; expected --store PATH of one.")
+    store = ResultsStore(args.store)
+    store.check()
+    rows = store.rows()
+    if not rows:
+        print(f"{args.store}: no runs.")
+        return 0
+    names = [f"{row['id']} {row['kind']} {Path(row['out_dir'] or '-').name}" for row in rows]
+    summaries = [
+        # the row's columns were summarised from the whole result (noise after calibration)
+        dataclasses.replace(
+            summarise(row, kind=row["kind"]),
+            backend=row["backend"],
+            dp=row["dp"],
+            epsilon=row["epsilon_max"],
+        )
+        for row in rows
+    ]
+    print(table(names, summaries))
+    return 0
 
 
 def run_datasets(args: argparse.Namespace) -> int:
@@ -1057,6 +1651,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_sweep_command(args)
         if args.command == "psi":
             return run_psi_command(args)
+        if args.command == "predict":
+            return run_predict(args)
+        if args.command == "runs":
+            return run_runs(args)
+        if args.command == "certs":
+            return run_certs_command(args)
         return run_datasets(args)
     except SecureVFLError as error:
         print(f"secure-vfl: error: {error}", file=sys.stderr)

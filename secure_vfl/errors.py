@@ -27,6 +27,12 @@ class ProtocolError(SecureVFLError):
     """A message breaks the protocol: wrong schema, sender, batch, shape or dtype."""
 
 
+class TransportError(ProtocolError):
+    """A message did not get through in time: its receiver could not be reached (after bounded
+    retries) or did not act on it before the deadline, or nothing arrived that a party waited
+    for. Unlike a refusal, the peer may simply be gone (a crashed or partitioned party)."""
+
+
 class IntegrityError(ProtocolError):
     """A message's content is corrupt: non-finite values, a tampered or replayed payload."""
 
@@ -36,3 +42,9 @@ class RegistryError(SecureVFLError, KeyError):
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+class RunWarning(UserWarning):
+    """A run goes on, but its result deserves a look: data that cannot be split as asked, a
+    model whose predictions collapsed to one class. The CLI prints each one and lists it in
+    ``result.json``'s ``warnings``."""

@@ -20,6 +20,7 @@ from secure_vfl.data.imputation import (
     make_task_from_client_files,
 )
 from secure_vfl.data.missingness import parse_mechanism
+from secure_vfl.data.samplers import BatchSampler
 from secure_vfl.data.vertical import VerticalData, make_vertical, vertical_from_party_files
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation.aggregator import PlainAggregator, SealingScheme, SumBackend
@@ -41,12 +42,19 @@ from secure_vfl.metrics import accuracy, f1
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """Everything that defines a training run; validated on construction."""
+    """Everything that defines a training run; validated on construction.
+
+    With party files, the test rows are the ids of ``test_file`` (a label file of held-out ids,
+    their features in the same party files), or a stratified ``test_fraction`` of the label
+    file's rows (default 0.2); a registered dataset keeps its own split.
+    """
 
     method: str
     dataset: str | None = None
     party_files: tuple[Path, ...] = ()
     label_file: Path | None = None
+    test_file: Path | None = None
+    test_fraction: float | None = None
     parties: int = 4
     train_missing: str = "mcar:0"
     test_missing: tuple[str, ...] = ("mcar:0",)
@@ -77,6 +85,7 @@ class TrainConfig:
                 "own data needs at least 2 party files and one label file. Found "
                 f"{len(self.party_files)} party files and label file {self.label_file}."
             )
+        self._check_test_rows()
         if self.dataset is not None and not 2 <= self.parties <= 10:
             raise ConfigError(f"`parties` must be in [2, 10]. Found {self.parties}.")
         if not self.test_missing:
@@ -94,6 +103,29 @@ class TrainConfig:
             )
         make_aligner(self.align)  # refuses an unknown name before anything runs
 
+    def _check_test_rows(self) -> None:
+        given = [
+            name
+            for name, value in (
+                ("test_file", self.test_file),
+                ("test_fraction", self.test_fraction),
+            )
+            if value is not None
+        ]
+        if given and self.dataset is not None:
+            raise ConfigError(
+                f"{' and '.join(f'`{g}`' for g in given)} apply to party files (a registered "
+                f"dataset keeps its own split). Found dataset {self.dataset!r}."
+            )
+        if len(given) == 2:
+            raise ConfigError(
+                "give either held-out ids (`test_file`) or a `test_fraction`, not both. Found "
+                f"{self.test_file} and {self.test_fraction}."
+            )
+        fraction = self.test_fraction
+        if fraction is not None and not (isinstance(fraction, float | int) and 0 < fraction < 1):
+            raise ConfigError(f"`test_fraction` must be in (0, 1). Found {fraction!r}.")
+
     @property
     def data_name(self) -> str:
         return self.dataset if self.dataset is not None else "own-files"
@@ -102,6 +134,7 @@ class TrainConfig:
         payload = asdict(self)
         payload["party_files"] = [str(p) for p in self.party_files]
         payload["label_file"] = str(self.label_file) if self.label_file else None
+        payload["test_file"] = str(self.test_file) if self.test_file else None
         payload["test_missing"] = list(self.test_missing)
         return payload
 
@@ -120,6 +153,7 @@ class TrainResult:
     dropped: dict[str, int]
     privacy: dict[str, Any] | None = None
     traffic: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -147,6 +181,8 @@ def prepare_data(config: TrainConfig, *, aligner: Aligner | None = None) -> Vert
         aligner=aligner if aligner is not None else make_aligner(config.align),
         train_missing=train_missing,
         test_missing=test_missing,
+        test_fraction=config.test_fraction if config.test_fraction is not None else 0.2,
+        test_file=config.test_file,
         rng=rng,
     )
 
@@ -162,26 +198,45 @@ def build_method(
     """The configured method, built on ``data``, its parties talking through ``channel`` and
     summing through ``aggregator`` (plain by default); ``roles`` replaces parties by registered
     roles (see :func:`~secure_vfl.methods.base.build_federation`)."""
-    if config.false_vfl is not None:
-        return FalseVflMethod(
-            data,
-            config.method_config,
-            seed=config.seed,
-            variant=1 if config.method == "false-vfl-1" else 2,
-            name=config.method,
-            channel=channel,
-            aggregator=aggregator,
-            false_vfl=config.false_vfl,
-            roles=roles,
-        )
-    factory = methods.METHODS.get(config.method)
-    return factory(
+    return make_method(
+        config.method,
         data,
         config.method_config,
         seed=config.seed,
+        false_vfl=config.false_vfl,
         channel=channel,
         aggregator=aggregator,
         roles=roles,
+    )
+
+
+def make_method(
+    name: str,
+    data: VerticalData,
+    method_config: methods.MethodConfig,
+    *,
+    seed: int,
+    false_vfl: FalseVflConfig | None = None,
+    channel: Channel | None = None,
+    aggregator: SumBackend | None = None,
+    roles: Mapping[str, str] | None = None,
+) -> methods.Method:
+    """The method registered as ``name`` (``false_vfl``: FALSE-VFL's options) on ``data``."""
+    if name.startswith("false-vfl"):
+        return FalseVflMethod(
+            data,
+            method_config,
+            seed=seed,
+            variant=1 if name == "false-vfl-1" else 2,
+            name=name,
+            channel=channel,
+            aggregator=aggregator,
+            false_vfl=false_vfl,
+            roles=roles,
+        )
+    factory = methods.METHODS.get(name)
+    return factory(
+        data, method_config, seed=seed, channel=channel, aggregator=aggregator, roles=roles
     )
 
 
@@ -232,14 +287,40 @@ def traffic_report(
 
 def evaluate(method: methods.Method, data: VerticalData) -> dict[str, dict[str, float]]:
     """Accuracy and F1 (both x100) on every test split."""
-    metrics = {}
-    for name, split in data.tests.items():
-        predictions = method.predict(name)
-        metrics[name] = {
-            "accuracy": accuracy(predictions, split.labels),
-            "f1": f1(predictions, split.labels, data.num_classes),
+    return score(predict_tests(method, data), data)
+
+
+def predict_tests(method: methods.Method, data: VerticalData) -> dict[str, np.ndarray]:
+    """Every test split's predictions ((N, K), -1 where a party is absent), by split name."""
+    return {name: method.predict(name) for name in data.tests}
+
+
+def score(predictions: Mapping[str, np.ndarray], data: VerticalData) -> dict[str, dict[str, float]]:
+    """Accuracy and F1 (both x100) of ``predictions`` on their test splits."""
+    return {
+        name: {
+            "accuracy": accuracy(predicted, data.tests[name].labels),
+            "f1": f1(predicted, data.tests[name].labels, data.num_classes),
         }
-    return metrics
+        for name, predicted in predictions.items()
+    }
+
+
+def collapse_warnings(predictions: Mapping[str, np.ndarray], data: VerticalData) -> list[str]:
+    """A warning for every test split on which the model predicts one class only while its
+    labels hold several: a model that learned nothing but a constant (too few epochs, too
+    high a learning rate, too much DP noise), whose accuracy is the class's share."""
+    warnings = []
+    for name, predicted in predictions.items():
+        made = np.unique(predicted[predicted >= 0])
+        present = np.unique(data.tests[name].labels)
+        if made.size == 1 and present.size > 1:
+            warnings.append(
+                f"predictions on test split {name!r} collapsed to one class (class index "
+                f"{int(made[0])} for every sample, {present.size} classes in the labels); "
+                "expected more --epochs, another --lr or less DP noise."
+            )
+    return warnings
 
 
 class PrivacyLayer(Protocol):
@@ -247,22 +328,33 @@ class PrivacyLayer(Protocol):
     PrivacyEngine``; :class:`ImputationPrivacyLayer` for imputation): the core names this
     interface and never imports the privacy layer."""
 
-    def refuse(self, method: str) -> None:
-        """Raise ConfigError if ``method`` cannot host the chosen mechanisms."""
+    def refuse(self, method: str, *, batching: str = "mixed") -> None:
+        """Raise ConfigError if ``method`` (training with ``batching``) cannot host the chosen
+        mechanisms."""
         ...
 
     def aggregator(self) -> SumBackend | None:
         """The secure-sum backend (None: plain sums)."""
         ...
 
+    def sampler(self, sampler: BatchSampler, *, n: int, epochs: int) -> BatchSampler:
+        """The sampler the run trains with, given the method's own over a training set of ``n``
+        rows (a DP run's Poisson sampler; ``sampler`` itself without DP)."""
+        ...
+
     def make_private(
-        self, parties: list[DataParty], *, sample_rate: float, total_steps: int
+        self, parties: list[DataParty], *, method: str, method_config: methods.MethodConfig
     ) -> None:
         """Install each mechanism inside the party it protects, with that party's accountant."""
         ...
 
     def report(self) -> dict[str, Any] | None:
         """``result.json``'s privacy entry (None when no DP mechanism ran)."""
+        ...
+
+    def epoch_end(self) -> None:
+        """Called after every training epoch: note each party's spend so far, so that the
+        report can give epsilon over epochs."""
         ...
 
 
@@ -291,7 +383,7 @@ def run_training(
     ``result.traffic`` counts the bytes that crossed ``channel``'s transport.
     """
     if privacy is not None:
-        privacy.refuse(config.method)
+        privacy.refuse(config.method, batching=config.method_config.batching)
     data = data if data is not None else prepare_data(config)
     channel = channel if channel is not None else Channel()
     if aggregator is None and privacy is not None:
@@ -299,33 +391,54 @@ def run_training(
     aggregator = aggregator if aggregator is not None else PlainAggregator()
     start = time.perf_counter()
     method = build_method(config, data, channel=channel, aggregator=aggregator, roles=roles)
-    steps = method.total_steps
     if privacy is not None:
-        privacy.make_private(
-            in_process_parties(channel),
-            sample_rate=min(1.0, config.method_config.batch_size / data.train.n),
-            total_steps=steps,
+        method.sampler = privacy.sampler(
+            method.sampler, n=data.train.n, epochs=config.method_config.epochs
         )
+        privacy.make_private(
+            in_process_parties(channel), method=config.method, method_config=config.method_config
+        )
+    steps = method.total_steps
     if on_ready is not None:
         on_ready(channel)
     if on_start is not None:
         on_start(steps)
-    losses = method.fit(on_step=on_step)
+    losses = method.fit(on_step=_with_epoch_end(on_step, privacy, steps, config))
     for party in channel.parties.values():
         party.after_training()
-    metrics = evaluate(method, data)
+    predictions = predict_tests(method, data)
     return TrainResult(
         method=config.method,
         dataset=config.data_name,
         config=config.to_json(),
-        metrics=metrics,
+        metrics=score(predictions, data),
         epoch_loss=losses,
         wall_time_s=time.perf_counter() - start,
         samples={"train": data.train.n, **{name: s.n for name, s in data.tests.items()}},
         dropped=dict(data.dropped),
         privacy=privacy.report() if privacy is not None else None,
         traffic=traffic_report(aggregator, train_steps=steps, channel=channel),
+        warnings=collapse_warnings(predictions, data),
     )
+
+
+def _with_epoch_end(
+    on_step: StepCallback | None, privacy: PrivacyLayer | None, steps: int, config: TrainConfig
+) -> StepCallback | None:
+    """``on_step``, also telling ``privacy`` when an epoch ends (every ``steps / epochs``
+    steps; methods whose epochs are not of equal length are not followed)."""
+    epochs = config.method_config.epochs
+    if privacy is None or steps == 0 or steps % epochs != 0:
+        return on_step
+    epoch_steps = steps // epochs
+
+    def step_done(step: int, loss: float) -> None:
+        if on_step is not None:
+            on_step(step, loss)
+        if step % epoch_steps == 0:
+            privacy.epoch_end()
+
+    return step_done
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -491,7 +604,7 @@ def run_imputation(
     result = ImputeResult(
         method=config.method,
         dataset=config.data_name,
-        config=config.to_json(),
+        config=_imputation_config(config, task),
         rmse=scores["rmse"],
         rmse_client_mean=scores["rmse_client_mean"],
         rmse_client_std=scores["rmse_client_std"],
@@ -514,3 +627,14 @@ def run_imputation(
         ),
     )
     return result, imputer
+
+
+def _imputation_config(config: ImputeRunConfig, task: ImputationTask) -> dict[str, Any]:
+    """``config`` as ``result.json`` keeps it. For client files, the number of clients and the
+    availability are the files' own (how many there are; the mean share of the features each
+    client has), not the defaults that deal a registered dataset to clients."""
+    payload = config.to_json()
+    if config.client_files:
+        payload["clients"] = len(task.train)
+        payload["availability"] = float(np.mean([client.available.mean() for client in task.train]))
+    return payload

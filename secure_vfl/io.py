@@ -10,17 +10,22 @@ from pathlib import Path
 from typing import Any
 
 
-def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp)`` on a temporary file beside ``path`` and rename it into place."""
+def atomic_write(path: Path, write: Callable[[Path], None], *, mode: int | None = None) -> None:
+    """Call ``write(tmp)`` on a temporary file beside ``path`` and rename it into place.
+
+    The file gets ``mode`` (a private key: 0o600, which it has from its creation on, so it is
+    never readable by others), or by default that of an ordinary file under the umask."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     try:
         write(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o666 & ~umask)  # mkstemp creates 0600; results are ordinary files
+        if mode is None:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask  # mkstemp creates 0600; results are ordinary files
+        tmp.chmod(mode)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

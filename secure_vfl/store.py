@@ -1,21 +1,44 @@
-"""The results store: one SQLite row per run, so sweeps can be queried and compared later."""
+"""The results store: one SQLite row per run, so runs can be listed, queried and compared later.
+
+A row keeps the run's whole configuration (method, data, seeds, the privacy settings as given:
+secure-sum backend, alignment and every DP flag), the epsilon each party spent, the package
+version and the git commit it ran from. A run is keyed by its output directory (and, for
+sweeps and suites that write many runs into one directory, an entry name), so writing a run
+again (``--overwrite``) replaces its row instead of adding a second one.
+
+Schema versions (``PRAGMA user_version``): 0/1, the first store (no privacy columns, one row per
+write), is migrated in place on first use; a newer version than this code knows is refused.
+"""
 
 from __future__ import annotations
 
 import json
 import sqlite3
+import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from secure_vfl.errors import ConfigError
+from secure_vfl.runs import provenance, summarise
+
+SCHEMA_VERSION = 2
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_key TEXT NOT NULL UNIQUE,
     created_at TEXT NOT NULL,
     kind TEXT NOT NULL,
     method TEXT NOT NULL,
     dataset TEXT NOT NULL,
     seed INTEGER,
+    backend TEXT NOT NULL,
+    dp TEXT NOT NULL,
+    epsilon TEXT,
+    epsilon_max REAL,
+    version TEXT,
+    git_commit TEXT,
     config TEXT NOT NULL,
     metrics TEXT NOT NULL,
     wall_time_s REAL NOT NULL,
@@ -23,45 +46,221 @@ CREATE TABLE IF NOT EXISTS runs (
 )
 """
 
+_FIRST_COLUMNS = {
+    "id",
+    "created_at",
+    "kind",
+    "method",
+    "dataset",
+    "seed",
+    "config",
+    "metrics",
+    "wall_time_s",
+    "out_dir",
+}
+"""The columns of the first store (schema 0), which :meth:`ResultsStore.check` migrates."""
+
+_SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def run_key(out_dir: Path | None, entry: str = "") -> str:
+    """The key of one run: its output directory, resolved (plus ``entry`` when a directory
+    holds many runs); a run without a directory gets a fresh key of its own."""
+    if out_dir is None:
+        return f"no-dir:{uuid.uuid4()}"
+    resolved = str(Path(out_dir).resolve())
+    return f"{resolved}#{entry}" if entry else resolved
+
 
 class ResultsStore:
-    """Append-only store of run results in an SQLite file."""
+    """The runs of one results store (an SQLite file), one row per run."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
+        self.path = Path(path)
+
+    def check(self) -> None:
+        """Refuse (ConfigError) a path this store cannot use, before any run writes to it: a
+        directory, a path under a file, a file that is not an SQLite database, a ``runs`` table
+        of another shape or a newer schema; migrate the first schema in place. Creates
+        nothing when there is no store yet."""
+        if self.path.is_dir():
+            raise ConfigError(f"--store {self.path} is a directory; expected an SQLite file path.")
+        if not self.path.exists():
+            for parent in self.path.parents:
+                if parent.exists():
+                    if not parent.is_dir():
+                        raise ConfigError(
+                            f"--store {self.path} lies under the file {parent}; expected a "
+                            "directory."
+                        )
+                    return  # created by the first run written
+            return
+        if self.path.stat().st_size > 0:
+            with self.path.open("rb") as handle:
+                header = handle.read(len(_SQLITE_HEADER))
+            if header != _SQLITE_HEADER:
+                raise ConfigError(
+                    f"--store {self.path} is not an SQLite database (it starts with "
+                    f"{header[:8]!r}); expected a results store written by secure-vfl or a new "
+                    "path."
+                )
+        self._connect().close()
 
     def _connect(self) -> sqlite3.Connection:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         connection = sqlite3.connect(self.path)
-        connection.execute(SCHEMA)
+        try:
+            self._prepare(connection)
+        except sqlite3.DatabaseError as error:
+            connection.close()
+            raise ConfigError(
+                f"--store {self.path} could not be used as a results store ({error}); expected "
+                "a results store written by secure-vfl or a new path."
+            ) from None
+        except BaseException:
+            connection.close()
+            raise
         return connection
 
-    def add(self, result: dict[str, Any], *, kind: str, out_dir: Path | None) -> int:
-        """Insert one run in a single transaction; return its row id."""
+    def _prepare(self, connection: sqlite3.Connection) -> None:
+        """Create the table, or migrate the first schema; refuse what this code cannot read."""
+        version = int(connection.execute("PRAGMA user_version").fetchone()[0])
+        if version > SCHEMA_VERSION:
+            raise ConfigError(
+                f"--store {self.path} has schema {version}, newer than this secure-vfl "
+                f"({SCHEMA_VERSION}); expected a store written by this version or older."
+            )
+        columns = {row[1] for row in connection.execute("PRAGMA table_info(runs)")}
+        if not columns:
+            with connection:
+                connection.execute(SCHEMA)
+                connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+            return
+        if "run_key" in columns:
+            return
+        if not columns >= _FIRST_COLUMNS:
+            raise ConfigError(
+                f"--store {self.path} has a `runs` table that secure-vfl did not write (columns "
+                f"{sorted(columns)}); expected a results store or a new path."
+            )
+        self._migrate_first_schema(connection)
+
+    def _migrate_first_schema(self, connection: sqlite3.Connection) -> None:
+        """Rewrite a schema-0 store in one transaction: every row gets the new columns (as far
+        as its stored config tells them), and repeated rows of one run directory (what
+        ``--overwrite`` used to leave) collapse to the latest."""
+        connection.row_factory = sqlite3.Row
+        old = [dict(row) for row in connection.execute("SELECT * FROM runs ORDER BY id")]
+        connection.row_factory = None
+        latest: dict[str, dict[str, Any]] = {}
+        for row in old:
+            many = row["kind"].startswith(("sweep:", "suite:"))
+            key = (
+                f"legacy:{row['id']}"
+                if row["out_dir"] is None or many
+                else run_key(Path(row["out_dir"]))
+            )
+            latest[key] = row
+        with connection:
+            connection.execute("ALTER TABLE runs RENAME TO runs_schema0")
+            connection.execute(SCHEMA)
+            for key, row in latest.items():
+                config = json.loads(row["config"])
+                metrics = json.loads(row["metrics"])
+                payload = {"config": config, "metrics": metrics}
+                summary = summarise(payload, kind=row["kind"])
+                connection.execute(
+                    "INSERT INTO runs (id, run_key, created_at, kind, method, dataset, seed, "
+                    "backend, dp, epsilon, epsilon_max, version, git_commit, config, metrics, "
+                    "wall_time_s, out_dir) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
+                    "?, ?)",
+                    (
+                        row["id"],
+                        key,
+                        row["created_at"],
+                        row["kind"],
+                        row["method"],
+                        row["dataset"],
+                        row["seed"],
+                        summary.backend,
+                        summary.dp,
+                        None,
+                        None,
+                        None,
+                        None,
+                        row["config"],
+                        row["metrics"],
+                        row["wall_time_s"],
+                        row["out_dir"],
+                    ),
+                )
+            connection.execute("DROP TABLE runs_schema0")
+            connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    def add(
+        self,
+        result: dict[str, Any],
+        *,
+        kind: str,
+        out_dir: Path | None,
+        entry: str = "",
+    ) -> int:
+        """Write one run in a single transaction, replacing the row of the same run (its
+        ``out_dir`` and ``entry``) if there is one; return its row id.
+
+        ``result`` is the run's ``result.json`` payload (``method``, ``dataset``, ``config``,
+        ``metrics``, ``wall_time_s``; ``privacy`` and ``provenance`` when present; the
+        provenance of this process otherwise)."""
+        summary = summarise(result, kind=kind)
+        origin = result.get("provenance") or provenance()
+        epsilon = (result.get("privacy") or {}).get("epsilon")
+        row = (
+            run_key(out_dir, entry),
+            datetime.now(UTC).isoformat(timespec="seconds"),
+            kind,
+            result["method"],
+            result["dataset"],
+            result["config"].get("seed"),
+            summary.backend,
+            summary.dp,
+            json.dumps(epsilon, sort_keys=True) if epsilon is not None else None,
+            summary.epsilon,
+            origin.get("version"),
+            origin.get("git_commit"),
+            json.dumps(result["config"], sort_keys=True),
+            json.dumps(result["metrics"], sort_keys=True),
+            result["wall_time_s"],
+            str(Path(out_dir).resolve()) if out_dir is not None else None,
+        )
         connection = self._connect()
         try:
             with connection:
+                connection.execute("DELETE FROM runs WHERE run_key = ?", (row[0],))
                 cursor = connection.execute(
-                    "INSERT INTO runs (created_at, kind, method, dataset, seed, config, metrics, "
-                    "wall_time_s, out_dir) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (
-                        datetime.now(UTC).isoformat(timespec="seconds"),
-                        kind,
-                        result["method"],
-                        result["dataset"],
-                        result["config"].get("seed"),
-                        json.dumps(result["config"], sort_keys=True),
-                        json.dumps(result["metrics"], sort_keys=True),
-                        result["wall_time_s"],
-                        str(out_dir) if out_dir is not None else None,
-                    ),
+                    "INSERT INTO runs (run_key, created_at, kind, method, dataset, seed, backend, "
+                    "dp, epsilon, epsilon_max, version, git_commit, config, metrics, wall_time_s, "
+                    "out_dir) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    row,
                 )
                 return int(cursor.lastrowid or 0)
         finally:
             connection.close()
 
+    def forget(self, out_dir: Path) -> int:
+        """Delete every row of the runs written into ``out_dir`` (a sweep or suite written
+        again from scratch); return how many."""
+        connection = self._connect()
+        try:
+            with connection:
+                cursor = connection.execute(
+                    "DELETE FROM runs WHERE out_dir = ?", (str(Path(out_dir).resolve()),)
+                )
+                return int(cursor.rowcount)
+        finally:
+            connection.close()
+
     def rows(self) -> list[dict[str, Any]]:
-        """Every stored run, oldest first, with config and metrics decoded."""
+        """Every stored run, oldest first, with config, metrics and epsilon decoded."""
         connection = self._connect()
         try:
             connection.row_factory = sqlite3.Row
@@ -73,5 +272,6 @@ class ResultsStore:
             entry = dict(row)
             entry["config"] = json.loads(entry["config"])
             entry["metrics"] = json.loads(entry["metrics"])
+            entry["epsilon"] = json.loads(entry["epsilon"]) if entry["epsilon"] else None
             out.append(entry)
         return out

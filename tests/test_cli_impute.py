@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from opacus.accountants import RDPAccountant
 from test_paillier import paillier_aggregator
 
-from protocols.dp import GaussianRelease, PrivacyAccountant
 from secure_vfl.cli import main
 from secure_vfl.experiment import ImputeRunConfig, prepare_imputation_task, run_imputation
 from secure_vfl.methods.imputation import ImputeConfig
@@ -106,6 +106,9 @@ def test_impute_on_the_users_own_client_files(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "own" / "result.json").read_text())
     assert result["dataset"] == "client-files"
     assert set(result["rmse_per_client"]) == {"site0", "site1"}
+    # The files' own facts, not the defaults that deal a dataset to 4 clients at 60 %.
+    assert result["config"]["clients"] == 2
+    assert result["config"]["availability"] == pytest.approx(4 / 6)
 
 
 def test_secure_aggregation_of_client_sums_matches_the_clear(tmp_path: Path) -> None:
@@ -188,11 +191,15 @@ def test_dp_statistics_write_epsilon_per_client_to_the_result(tmp_path: Path) ->
     assert privacy["releases"] == {name: {"statistics": 3} for name in clients}
     assert privacy["noise"] == {"statistics": {"sigma": 2.0, "clip": 1.5}}
     assert privacy["noise_shares"] == 4 and privacy["delta"] == 1e-5
-    reference = PrivacyAccountant()
+    reference = RDPAccountant()  # three Gaussian releases of every row, add/remove
     for _ in range(3):
-        reference.on_event(GaussianRelease("client-0", 2.0, 1.0, "statistics"))
-    for epsilon in privacy["epsilon"].values():
-        assert epsilon == pytest.approx(reference.epsilon("client-0", 1e-5), rel=1e-9)
+        reference.step(noise_multiplier=2.0, sample_rate=1.0)
+    for name, epsilon in privacy["epsilon"].items():
+        assert epsilon == pytest.approx(reference.get_epsilon(delta=1e-5), rel=1e-9)
+        (guarantee,) = privacy["guarantees"][name]
+        assert guarantee["adjacency"] == "add or remove one record"
+        assert guarantee["amplification"] is False and guarantee["releases"] == 3
+    assert privacy["insecure_reproducible_noise"] is False
     # without secure aggregation every client adds the whole noise (nothing is shared)
     local = _impute(tmp_path, "local", "--rounds", "1", "--dp-statistics", "2:1.5")
     assert local["privacy"]["noise_shares"] == 1

@@ -1,4 +1,4 @@
-"""Batch samplers: grouped (one observed set per batch) and mixed."""
+"""Batch samplers: grouped (one observed set per batch), mixed, and Poisson for DP runs."""
 
 from __future__ import annotations
 
@@ -6,7 +6,13 @@ import numpy as np
 import pytest
 
 from secure_vfl.data.missingness import mcar
-from secure_vfl.data.samplers import GroupedSampler, MixedSampler, make_sampler
+from secure_vfl.data.samplers import (
+    GroupedSampler,
+    MixedSampler,
+    PoissonSampler,
+    make_sampler,
+    poisson_like,
+)
 from secure_vfl.errors import ConfigError
 
 
@@ -67,3 +73,54 @@ def test_make_sampler_by_name(mask):
         make_sampler("random", mask, 8)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"`batch_size` must be >= 1. Found 0"):
         make_sampler("grouped", mask, 0)
+
+
+def test_poisson_sampling_takes_each_row_independently_at_the_rate() -> None:
+    rows = np.arange(0, 2000, 2)  # a subset of a training set of 2000 rows
+    sampler = PoissonSampler(
+        rows, rate=0.05, steps_per_epoch=20, epochs=10, rng=np.random.default_rng(0), n=2000
+    )
+    schedule = sampler.schedule
+    assert sampler.draws == 200 and len(schedule) <= 200 and len(sampler) == 20
+    sizes = np.array([batch.size for batch in schedule])
+    assert sizes.std() > 2  # variable batch sizes, mean rate * rows = 50
+    assert sizes.mean() == pytest.approx(50, rel=0.05)
+    uses = sampler.uses()
+    assert uses[1::2].sum() == 0  # only the sampler's rows are drawn
+    # each row is used Binomial(200, 0.05) times: mean 10, variance 9.5
+    assert uses[rows].mean() == pytest.approx(10, rel=0.03)
+    assert uses[rows].var() == pytest.approx(9.5, rel=0.15)
+    assert all(np.unique(batch).size == batch.size for batch in schedule)
+    again = PoissonSampler(
+        rows, rate=0.05, steps_per_epoch=20, epochs=10, rng=np.random.default_rng(0), n=2000
+    )
+    assert all(np.array_equal(a, b) for a, b in zip(schedule, again.schedule, strict=True))
+
+
+def test_poisson_epochs_replay_the_drawn_schedule_whatever_generator_is_passed() -> None:
+    sampler = PoissonSampler(
+        np.arange(100), rate=0.1, steps_per_epoch=10, epochs=2, rng=np.random.default_rng(1)
+    )
+    used = [b for _ in range(2) for b in sampler.epoch(np.random.default_rng(99))]
+    assert all(np.array_equal(a, b) for a, b in zip(used, sampler.schedule, strict=True))
+    with pytest.raises(ConfigError, match="all used"):
+        next(sampler.epoch(np.random.default_rng(0)))
+
+
+def test_poisson_like_keeps_the_rows_rate_and_steps_and_refuses_grouped_batches(mask):
+    labelled = np.arange(0, 1003, 3)
+    poisson = poisson_like(
+        make_sampler("mixed", mask, 32, rows=labelled),
+        n=1003,
+        epochs=2,
+        rng=np.random.default_rng(0),
+    )
+    assert poisson.rate == pytest.approx(32 / labelled.size)
+    assert len(poisson) == -(-labelled.size // 32) and poisson.n == 1003
+    assert set(np.concatenate(poisson.schedule)) <= set(labelled)
+    with pytest.raises(ConfigError, match="expected --batching mixed"):
+        poisson_like(GroupedSampler(mask, 16), n=1003, epochs=1, rng=np.random.default_rng(0))
+    with pytest.raises(ConfigError, match="rate"):
+        PoissonSampler(
+            np.arange(4), rate=0.0, steps_per_epoch=1, epochs=1, rng=np.random.default_rng(0)
+        )

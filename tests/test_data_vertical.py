@@ -183,7 +183,8 @@ def test_vertical_split_validates_its_arrays():
 
 
 def write_party_files(root: Path) -> tuple[list[Path], Path]:
-    """Three parties holding overlapping ids; the feature encodes the label (10 * label + k)."""
+    """Three parties holding overlapping ids; feature a separates the labels (10 * label + k
+    + noise in [0, 1): not the label itself, which a party file may not hold)."""
     generator = rng(12)
     ids = np.array([f"u{i:04d}" for i in range(600)])
     labels = generator.integers(0, 2, ids.size)
@@ -196,7 +197,10 @@ def write_party_files(root: Path) -> tuple[list[Path], Path]:
         held = generator.random(ids.size) < 0.7
         order = generator.permutation(np.flatnonzero(held))
         path = root / f"party{k}.csv"
-        lines = ["id,a,b"] + [f"{ids[i]},{10 * labels[i] + k},{generator.normal()}" for i in order]
+        lines = ["id,a,b"] + [
+            f"{ids[i]},{10 * labels[i] + k + generator.random()},{generator.normal()}"
+            for i in order
+        ]
         path.write_text("\n".join(lines) + "\n")
         paths.append(path)
     return paths, label_path
@@ -215,10 +219,11 @@ def test_party_files_are_aligned_split_and_masked(tmp_path):
     assert data.num_classes == 2 and data.block_shapes == ((2,),) * 3
     held_anywhere = set().union(*(pd.read_csv(p, dtype={"id": str})["id"] for p in paths))
     label_ids = pd.read_csv(label_path, dtype={"id": str})["id"]
-    assert data.dropped["alignment"] == (~label_ids.isin(held_anywhere)).sum() > 1
+    no_party = (~label_ids.isin(held_anywhere)).sum()
+    assert data.dropped["alignment_no_party"] == no_party > 1
     assert data.feature_names == (("a", "b"),) * 3
     total = data.train.n + data.tests["mcar:0"].n + data.dropped["train"] + data.dropped["mcar:0"]
-    assert total + data.dropped["alignment"] == 601  # every labelled id accounted for
+    assert total + data.dropped["alignment_no_party"] == 601  # every labelled id accounted for
     # With mcar:0 the mask is the alignment mask: about 70 % held per party.
     np.testing.assert_allclose(data.train.mask.mean(axis=0), 0.7, atol=0.06)
     for split in (data.train, *data.tests.values()):

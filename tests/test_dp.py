@@ -1,10 +1,12 @@
-"""Differential privacy: the accountant against Opacus' own, noise scale, clipping, the channel
-layers, an integration run of LASER, and DP-SGD of a data party in the split pattern."""
+"""Differential privacy: the pricing against Opacus' own accountant and closed forms (joint
+events, per-record composition), noise scale, clipping, the channel layers, an integration run
+of LASER, and DP-SGD of a data party in the split pattern."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import replace as dataclass_replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,10 +21,16 @@ from protocols.dp import (
     GradientNoise,
     PrivacyAccountant,
     calibrate_noise,
+    calibrate_per_record,
     clip_rows,
+    joint_noise_multiplier,
     make_private_party,
     parse_noise,
+    per_record_epsilon,
+    price,
 )
+from protocols.noise import SecureNoise, SeededNoise
+from protocols.privacy import PrivacyEngine, PrivacySpec
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import (
@@ -67,54 +75,145 @@ def gradient(rows: torch.Tensor, receiver: str = "party-1") -> GradientMessage:
     )
 
 
-def record(accountant: PrivacyAccountant, party: str, sequence: list[tuple[float, float]]) -> None:
-    for sigma, rate in sequence:
-        accountant.on_event(GaussianRelease(party, sigma, rate, "embedding"))
-
-
 @pytest.mark.parametrize("name,oracle", [("rdp", RDPAccountant), ("prv", PRVAccountant)])
-def test_epsilon_equals_opacus_accountant_stepped_with_the_same_releases(
+def test_price_equals_opacus_accountant_stepped_with_the_same_releases(
     name: str, oracle: type[RDPAccountant] | type[PRVAccountant]
 ) -> None:
-    accountant = PrivacyAccountant(accountant=name)  # type: ignore[arg-type]
-    record(accountant, "party-1", SEQUENCE)
+    history = [(1.1, 0.01, 30), (0.8, 0.02, 10), (1.1, 0.01, 5)]
     reference = oracle()
-    for sigma, rate in SEQUENCE:
-        reference.step(noise_multiplier=sigma, sample_rate=rate)
+    for sigma, rate, steps in history:
+        for _ in range(steps):
+            reference.step(noise_multiplier=sigma, sample_rate=rate)
     expected = reference.get_epsilon(delta=DELTA)
-    assert accountant.epsilon("party-1", DELTA) == pytest.approx(expected, rel=1e-9)
+    assert price(history, DELTA, accountant=name) == pytest.approx(expected, rel=1e-9)  # type: ignore[arg-type]
     assert 0 < expected < math.inf
+    assert price([], DELTA, accountant="rdp") == 0.0
+    assert price([(0.0, 0.1, 1)], DELTA, accountant="rdp") == math.inf
 
 
-def test_parties_are_priced_separately_and_more_releases_cost_more() -> None:
+def test_releases_about_the_same_records_form_one_gaussian_with_the_joint_multiplier() -> None:
+    # K - 1 = 3 gradient messages, each clipped to C with noise sigma C: the record moves each
+    # by 2C (replace one label) or C (add/remove), so the joint multiplier is sigma/(2 sqrt 3)
+    # or sigma/sqrt 3
+    assert joint_noise_multiplier([1.0] * 3, shift=2.0) == pytest.approx(1 / (2 * math.sqrt(3)))
+    assert joint_noise_multiplier([1.0] * 3, shift=1.0) == pytest.approx(1 / math.sqrt(3))
+    # an embedding at sigma 2 and a DP-SGD step at sigma 1: 1 / sqrt(1/4 + 1)
+    assert joint_noise_multiplier([2.0, 1.0], shift=1.0) == pytest.approx(1 / math.sqrt(1.25))
+    assert joint_noise_multiplier([1.0, 0.0], shift=2.0) == 0.0
+    # pricing the joint Gaussian once equals composing its parts (Gaussians compose exactly)
+    joint = price([(joint_noise_multiplier([1.0] * 3, shift=2.0), 1.0, 1)], DELTA, accountant="rdp")
+    parts = price([(0.5, 1.0, 3)], DELTA, accountant="rdp")
+    assert joint == pytest.approx(parts, rel=1e-9)
+
+
+def _schedule_run(accountant: PrivacyAccountant, sigma: float, rounds: int) -> None:
+    """Three gradient messages and one DP-SGD step of party-0 in every round."""
+    for step in range(rounds):
+        for _ in range(3):
+            accountant.on_event(GaussianRelease("party-0", sigma, 0.5, "gradient", step))
+        accountant.on_event(GaussianRelease("party-0", sigma, 0.5, "dp-sgd", step))
+
+
+def test_message_guarantee_composes_each_records_steps_and_takes_the_worst_record() -> None:
     accountant = PrivacyAccountant()
-    record(accountant, "party-1", SEQUENCE)
-    record(accountant, "party-2", SEQUENCE[:10])
-    alone = PrivacyAccountant()
-    record(alone, "party-2", SEQUENCE[:10])
-    epsilons = accountant.epsilons(DELTA)
-    assert set(epsilons) == {"party-1", "party-2"}
-    assert epsilons["party-2"] == pytest.approx(alone.epsilon("party-2", DELTA), rel=1e-12)
-    assert epsilons["party-1"] > epsilons["party-2"]
-    assert accountant.epsilon("party-3", DELTA) == 0.0
-    accountant.on_event(GaussianRelease("party-3", 0.0, 0.1, "gradient"))
-    assert accountant.epsilon("party-3", DELTA) == math.inf
+    _schedule_run(accountant, 2.0, rounds=3)
+    # record 0 is in all three steps, record 1 in one, record 2 in none
+    schedule = [np.array([0, 1]), np.array([0]), np.array([0, 3])]
+    guarantee = accountant.message_guarantee(
+        "party-0",
+        schedule=schedule,
+        records=4,
+        adjacency="replace-one",
+        delta=DELTA,
+        sampling="test",
+    )
+    assert guarantee is not None
+    per_step = 4 * (2.0 / 2.0) ** 2  # four releases, shift 2 over sigma 2
+    assert guarantee.noise_multiplier == pytest.approx(1 / math.sqrt(3 * per_step))
+    assert guarantee.releases == 3 and not guarantee.amplification
+    assert guarantee.epsilon == pytest.approx(
+        price([(2.0 / 2.0, 1.0, 12)], DELTA, accountant="rdp"), rel=1e-9
+    )
+    assert guarantee.mechanisms == ("gradient", "dp-sgd")
+    add_remove = accountant.message_guarantee(
+        "party-0", schedule=schedule, records=4, adjacency="add-remove", delta=DELTA, sampling=""
+    )
+    assert add_remove is not None and add_remove.epsilon < guarantee.epsilon
+    # a party that released no message has no guarantee against receivers
+    other = PrivacyAccountant()
+    other.on_event(GaussianRelease("party-1", 1.0, 0.5, "dp-sgd", 0))
+    assert (
+        other.message_guarantee(
+            "party-1",
+            schedule=schedule,
+            records=4,
+            adjacency="replace-one",
+            delta=DELTA,
+            sampling="",
+        )
+        is None
+    )
+    with pytest.raises(ConfigError, match="outside"):
+        accountant.message_guarantee(
+            "party-0",
+            schedule=schedule[:2],
+            records=4,
+            adjacency="replace-one",
+            delta=DELTA,
+            sampling="",
+        )
+
+
+def test_model_guarantee_is_opacus_dp_sgd_over_every_poisson_draw() -> None:
+    accountant = PrivacyAccountant()
+    for step in range(7):
+        accountant.on_event(GaussianRelease("party-1", 1.3, 0.1, "dp-sgd", step))
+    guarantee = accountant.model_guarantee(
+        "party-1", sample_rate=0.1, draws=10, delta=DELTA, sampling="Poisson"
+    )
+    assert guarantee is not None and guarantee.amplification and guarantee.releases == 10
+    reference = RDPAccountant()
+    for _ in range(10):  # every draw, the empty (skipped) ones too
+        reference.step(noise_multiplier=1.3, sample_rate=0.1)
+    assert guarantee.epsilon == pytest.approx(reference.get_epsilon(delta=DELTA), rel=1e-9)
+
+
+def test_prediction_releases_are_priced_per_test_record_adding_up_over_splits() -> None:
+    accountant = PrivacyAccountant()
+    for split in ("mcar:0", "mcar:0.5"):
+        accountant.on_event(
+            GaussianRelease("party-1", 2.0, 1.0, "embedding", 0, "predict", split, (0, 1, 2))
+        )
+    accountant.on_event(
+        GaussianRelease("party-1", 2.0, 1.0, "embedding", 1, "predict", "mcar:0", (2,))
+    )
+    guarantee = accountant.prediction_guarantee("party-1", adjacency="replace-one", delta=DELTA)
+    assert guarantee is not None
+    # row 2 of mcar:0 twice, then any row of mcar:0.5 once: three releases of shift 2, sigma 2
+    assert guarantee.releases == 3
+    assert guarantee.epsilon == pytest.approx(per_record_epsilon(3.0, DELTA, accountant="rdp"))
+    assert (
+        accountant.message_guarantee(  # no training release
+            "party-1", schedule=[], records=0, adjacency="replace-one", delta=DELTA, sampling=""
+        )
+        is None
+    )
 
 
 def test_calibrated_noise_reaches_the_target_epsilon() -> None:
     target, rate, steps = 2.0, 0.05, 200
     sigma = calibrate_noise(target, DELTA, sample_rate=rate, steps=steps)
-    accountant = PrivacyAccountant()
-    record(accountant, "party-1", [(sigma, rate)] * steps)
-    epsilon = accountant.epsilon("party-1", DELTA)
+    epsilon = price([(sigma, rate, steps)], DELTA, accountant="rdp")
     assert 0.99 * target <= epsilon <= target
+    # per record: 13 steps of 4 releases each, replace-one
+    sigma = calibrate_per_record(target, DELTA, releases=13 * 4, shift=2.0)
+    strength = 13 * 4 * (2.0 / sigma) ** 2
+    assert 0.99 * target <= per_record_epsilon(strength, DELTA, accountant="rdp") <= target
 
 
 def test_noise_std_and_norm_match_sigma_times_clip() -> None:
     sigma, clip, n, d = 1.5, 2.0, 20_000, 16
-    layer = EmbeddingNoise(
-        sigma, clip, sample_rate=0.1, generator=torch.Generator().manual_seed(0), on_event=discard
-    )
+    layer = EmbeddingNoise(sigma, clip, sample_rate=0.1, noise=SeededNoise(0), on_event=discard)
     noisy = layer.on_message(representation(torch.zeros(n, d))).representation
     assert float(noisy.std()) == pytest.approx(sigma * clip, rel=0.02)
     assert float(noisy.mean()) == pytest.approx(0.0, abs=5 * sigma * clip / math.sqrt(n * d))
@@ -128,9 +227,7 @@ def test_clipping_caps_long_rows_at_the_clip_norm_and_leaves_short_rows() -> Non
     rows = torch.randn(50, 8, generator=torch.Generator().manual_seed(1)) * 3
     rows[:5] *= 0.01
     clip = 2.0
-    layer = GradientNoise(
-        0.0, clip, sample_rate=0.1, generator=torch.Generator().manual_seed(0), on_event=discard
-    )
+    layer = GradientNoise(0.0, clip, sample_rate=0.1, noise=SeededNoise(0), on_event=discard)
     out = layer.on_message(gradient(rows)).gradient
     norms = rows.norm(dim=1)
     long = norms > clip
@@ -142,12 +239,11 @@ def test_clipping_caps_long_rows_at_the_clip_norm_and_leaves_short_rows() -> Non
 
 def test_layers_pass_other_messages_and_never_mutate_the_input() -> None:
     events: list[GaussianRelease] = []
-    generator = torch.Generator().manual_seed(0)
     embedding = EmbeddingNoise(
-        1.0, 1.0, sample_rate=0.2, generator=generator, on_event=events.append
+        1.0, 1.0, sample_rate=0.2, noise=SeededNoise(0), on_event=events.append
     )
-    grads = GradientNoise(0.5, 1.0, sample_rate=0.2, generator=generator, on_event=events.append)
-    rows = torch.randn(4, 3, generator=generator)
+    grads = GradientNoise(0.5, 1.0, sample_rate=0.2, noise=SeededNoise(1), on_event=events.append)
+    rows = torch.randn(4, 3, generator=torch.Generator().manual_seed(0))
     rep, grad = representation(rows.clone(), sender="party-2"), gradient(rows.clone())
     summed = SumMessage(
         sender="aggregator",
@@ -171,27 +267,22 @@ def test_layers_pass_other_messages_and_never_mutate_the_input() -> None:
     assert not torch.equal(noisy_grad.gradient, rows)
     assert noisy_rep.positions is rep.positions and noisy_rep.sender == "party-2"
     assert events == [
-        GaussianRelease("party-2", 1.0, 0.2, "embedding"),
-        GaussianRelease("party-0", 0.5, 0.2, "gradient"),
+        GaussianRelease("party-2", 1.0, 0.2, "embedding", 0),
+        GaussianRelease("party-0", 0.5, 0.2, "gradient", 0),
     ]
     own = gradient(rows, receiver="party-0")  # the label party's own bottom: no boundary
     assert grads.on_message(own) is own
     assert len(events) == 2
 
 
-def test_noise_is_reproducible_from_the_injected_generator() -> None:
-    def noisy(seed: int) -> torch.Tensor:
-        layer = EmbeddingNoise(
-            1.0,
-            1.0,
-            sample_rate=0.1,
-            generator=torch.Generator().manual_seed(seed),
-            on_event=discard,
-        )
+def test_noise_is_reproducible_only_from_an_injected_insecure_source() -> None:
+    def noisy(noise: SeededNoise | SecureNoise) -> torch.Tensor:
+        layer = EmbeddingNoise(1.0, 1.0, sample_rate=0.1, noise=noise, on_event=discard)
         return layer.on_message(representation(torch.zeros(3, 2))).representation
 
-    torch.testing.assert_close(noisy(3), noisy(3))
-    assert not torch.equal(noisy(3), noisy(4))
+    torch.testing.assert_close(noisy(SeededNoise(3)), noisy(SeededNoise(3)))
+    assert not torch.equal(noisy(SeededNoise(3)), noisy(SeededNoise(4)))
+    assert not torch.equal(noisy(SecureNoise()), noisy(SecureNoise()))
 
 
 def test_parse_noise_reads_sigma_and_clip_and_refuses_malformed_input() -> None:
@@ -203,67 +294,61 @@ def test_parse_noise_reads_sigma_and_clip_and_refuses_malformed_input() -> None:
 
 
 def test_invalid_settings_are_refused() -> None:
-    generator = torch.Generator()
     with pytest.raises(ConfigError, match="sample_rate"):
-        EmbeddingNoise(1.0, 1.0, sample_rate=0.0, generator=generator, on_event=discard)
+        EmbeddingNoise(1.0, 1.0, sample_rate=0.0, noise=SeededNoise(0), on_event=discard)
     with pytest.raises(ConfigError, match="kind"):
         GaussianRelease("party-1", 1.0, 0.1, "weights")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="accountant"):
         PrivacyAccountant(accountant="gdp")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="delta"):
-        PrivacyAccountant().epsilon("party-1", 0.0)
+        price([(1.0, 0.1, 1)], 0.0, accountant="rdp")
+    with pytest.raises(ConfigError, match="adjacency"):
+        PrivacyAccountant().prediction_guarantee("party-1", adjacency="swap", delta=DELTA)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="phase"):
+        GaussianRelease("party-1", 1.0, 0.1, "embedding", 0, "serve")
 
 
-def laser_accuracy(data: object, channel: Channel | None) -> float:
-    method = METHODS.get("laser")(
-        data,  # type: ignore[arg-type]
-        MethodConfig(epochs=1, heads="active", batch_size=32, lr=0.05),
-        seed=0,
-        channel=channel,
-    )
+def laser_run(data: object, sigma: float | None) -> tuple[float, dict[str, Any] | None]:
+    """LASER (label party active) for one epoch, with embedding and gradient noise of ``sigma``
+    installed by the privacy engine (reproducible noise, for the test); accuracy and report."""
+    config = MethodConfig(epochs=1, heads="active", batch_size=32, lr=0.05)
+    method = METHODS.get("laser")(data, config, seed=0)  # type: ignore[arg-type]
+    engine = None
+    if sigma is not None:
+        spec = PrivacySpec(
+            dp_embeddings=(sigma, 1.0),
+            dp_gradients=(sigma, 0.05),
+            insecure_reproducible_noise=True,
+        )
+        engine = PrivacyEngine(spec)
+        method.sampler = engine.sampler(method.sampler, n=data.train.n, epochs=1)  # type: ignore[attr-defined]
+        parties = in_process_parties(method.fed.channel)  # type: ignore[attr-defined]
+        engine.make_private(parties, method="laser", method_config=config)
     method.fit()
-    return accuracy(method.predict("mcar:0"), data.tests["mcar:0"].labels)  # type: ignore[attr-defined]
-
-
-def noisy_channel(sigma: float, rate: float, accountant: PrivacyAccountant) -> Channel:
-    return Channel(
-        [
-            EmbeddingNoise(
-                sigma,
-                1.0,
-                sample_rate=rate,
-                generator=torch.Generator().manual_seed(1),
-                on_event=accountant.on_event,
-            ),
-            GradientNoise(
-                sigma,
-                0.05,
-                sample_rate=rate,
-                generator=torch.Generator().manual_seed(2),
-                on_event=accountant.on_event,
-            ),
-        ]
-    )
+    score = accuracy(method.predict("mcar:0"), data.tests["mcar:0"].labels)  # type: ignore[attr-defined]
+    return score, engine.report() if engine is not None else None
 
 
 def test_laser_trains_through_noise_layers_and_every_party_gets_an_epsilon(
     make_data: MakeData,
 ) -> None:
     data = make_data()
-    rate = 32 / data.train.n
-    plain = laser_accuracy(data, None)
-    mild = PrivacyAccountant()
-    laser_accuracy(data, noisy_channel(1.0, rate, mild))
-    epsilons = mild.epsilons(DELTA)
+    plain, _ = laser_run(data, None)
+    _, mild = laser_run(data, 1.0)
+    assert mild is not None
+    epsilons = mild["epsilon"]
     assert set(epsilons) == {f"party-{k}" for k in range(4)}
     assert all(0 < e < math.inf for e in epsilons.values())
-    kinds = {(e.party, e.kind) for e in mild.events}
-    assert ("party-0", "gradient") in kinds and ("party-2", "embedding") in kinds
-    loud = PrivacyAccountant()
-    drowned = laser_accuracy(data, noisy_channel(3.0, rate, loud))
+    assert mild["releases"]["party-0"]["gradient"] > 0
+    assert mild["releases"]["party-2"]["embedding"] > 0
+    assert mild["releases"]["party-2"]["predict-embedding"] > 0  # test rows are priced too
+    observers = {g["observer"] for g in mild["guarantees"]["party-0"]}
+    assert len(observers) == 2  # receivers of training messages; of prediction messages
+    drowned, loud = laser_run(data, 3.0)
+    assert loud is not None
     assert plain > 90.0  # chance is 33 %
     assert drowned < plain - 30.0
-    assert all(loud.epsilons(DELTA)[p] < epsilons[p] for p in epsilons)
+    assert all(loud["epsilon"][p] < epsilons[p] for p in epsilons)
 
 
 def test_dp_sgd_clips_each_sample_gradient() -> None:
@@ -273,7 +358,12 @@ def test_dp_sgd_clips_each_sample_gradient() -> None:
     events: list[GaussianRelease] = []
     max_norm = 0.01
     make_private_party(
-        party, noise_multiplier=0.0, max_grad_norm=max_norm, sample_rate=0.1, on_event=events.append
+        party,
+        noise_multiplier=0.0,
+        max_grad_norm=max_norm,
+        sample_rate=0.1,
+        noise=SeededNoise(0),
+        on_event=events.append,
     )
     channel, label = Channel(), Party("party-0")
     party.connect(channel)
@@ -323,15 +413,16 @@ def test_dp_sgd_party_trains_in_laser_and_reports_one_event_per_step(make_data: 
         noise_multiplier=1.0,
         max_grad_norm=0.05,
         sample_rate=rate,
-        generator=torch.Generator().manual_seed(0),
+        noise=SeededNoise(0),
         on_event=accountant.on_event,
     )
     losses = method.fit()
     assert math.isfinite(losses[0])
     steps = len(list(method.sampler.epoch(np.random.default_rng(0))))
-    # party-2 observes 70 % of rows, so it has rows (and releases) in every batch of 32
-    assert [e.kind for e in accountant.events] == ["dp-sgd"] * steps
-    assert set(accountant.epsilons(DELTA)) == {"party-2"}
+    # party-2 observes 70 % of rows, so it has rows (and releases) in every batch of 32, each
+    # charged to its step
+    assert [(e.kind, e.round) for e in accountant.events] == [("dp-sgd", t) for t in range(steps)]
+    assert accountant.parties() == ["party-2"]
     after = list(party.model.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
     assert accuracy(method.predict("mcar:0"), data.tests["mcar:0"].labels) > 80.0
@@ -343,7 +434,12 @@ def test_dp_sgd_step_without_gradients_releases_nothing() -> None:
     party = DataParty("party-1", {"train": x}, model, torch.optim.SGD(model.parameters(), lr=0.1))
     events: list[GaussianRelease] = []
     make_private_party(
-        party, noise_multiplier=1.0, max_grad_norm=1.0, sample_rate=0.1, on_event=events.append
+        party,
+        noise_multiplier=1.0,
+        max_grad_norm=1.0,
+        sample_rate=0.1,
+        noise=SeededNoise(0),
+        on_event=events.append,
     )
     before = [p.detach().clone() for p in party.model.parameters()]
     channel, label = Channel(), Party("party-0")
@@ -374,21 +470,30 @@ def test_dp_sgd_step_without_gradients_releases_nothing() -> None:
     request(torch.arange(6), 1)
     label.send(dataclass_replace(gradient(torch.ones(6, 2)), round=1))
     update(1)
-    assert events == [GaussianRelease("party-1", 1.0, 0.1, "dp-sgd")]
+    assert events == [GaussianRelease("party-1", 1.0, 0.1, "dp-sgd", 1)]
     assert any(not torch.equal(a, b) for a, b in zip(before, party.model.parameters(), strict=True))
 
 
-def test_prediction_releases_are_noised_but_not_priced_against_training_records() -> None:
+def test_prediction_releases_are_noised_and_priced_for_the_rows_requested() -> None:
     accountant = PrivacyAccountant()
     layer = EmbeddingNoise(
-        1.0,
-        1.0,
-        sample_rate=0.1,
-        generator=torch.Generator().manual_seed(0),
-        on_event=accountant.on_event,
+        1.0, 1.0, sample_rate=0.1, noise=SeededNoise(0), on_event=accountant.on_event
     )
     rows = torch.zeros(4, 3)
     for phase in ("train", "predict"):
+        request = RepresentRequest(
+            sender="party-0",
+            receiver="party-1",
+            round=0,
+            batch_id=0,
+            split="train" if phase == "train" else "mcar:0",
+            rows=torch.tensor([3, 5, 8, 9]),
+            positions=torch.arange(4),
+            reply_to="aggregator",
+            phase=phase,
+        )
+        assert layer.requests.on_message(request) is request
+        assert layer.on_message(request) is request  # the outgoing side ignores requests
         message = RepresentationMessage(
             sender="party-1",
             receiver="aggregator",
@@ -399,4 +504,20 @@ def test_prediction_releases_are_noised_but_not_priced_against_training_records(
             representation=rows,
         )
         assert not torch.equal(layer.on_message(message).representation, rows)
-    assert [event.kind for event in accountant.events] == ["embedding"]
+    train, predict = accountant.events
+    assert (train.phase, train.rows) == ("train", ())  # training rows: from the schedule
+    assert (predict.phase, predict.split, predict.rows) == ("predict", "mcar:0", (3, 5, 8, 9))
+    unseen = RepresentationMessage(
+        sender="party-1",
+        receiver="aggregator",
+        round=7,
+        batch_id=0,
+        positions=torch.arange(4),
+        phase="predict",
+        representation=rows,
+    )
+    with pytest.raises(ConfigError, match="never saw"):
+        layer.on_message(unseen)
+    # a representation the party receives passes its incoming hook unchanged
+    incoming = dataclass_replace(unseen, phase="train")
+    assert layer.requests.on_message(incoming) is incoming

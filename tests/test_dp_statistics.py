@@ -9,7 +9,6 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 from opacus.accountants import RDPAccountant
 
 from protocols.dp import GaussianRelease, PrivacyAccountant, calibrate_noise
@@ -19,6 +18,7 @@ from protocols.dp_statistics import (
     StatisticsNoise,
     observed_ranges,
 )
+from protocols.noise import SeededNoise
 from protocols.secagg import MaskingAggregator
 from secure_vfl.data.imputation import ClientData, ImputationTask
 from secure_vfl.errors import ConfigError, DataError
@@ -71,7 +71,7 @@ def _mechanism(
         clip,
         ranges=ranges,
         shares=shares,
-        generator=torch.Generator().manual_seed(seed),
+        noise=SeededNoise(seed),
         on_event=accountant.on_event if accountant is not None else discard,
         standard_bound=standard_bound,
     )
@@ -86,9 +86,15 @@ def _mechanisms(
     seed: int = 0,
     standard_bound: float = 3.0,
 ) -> ClientStatisticsNoise:
-    """Each client's own mechanism (its own generator and accountant), made as it is built."""
+    """Each client's own mechanism (its own noise and accountant), made as it is built; the
+    k-th client's noise reproducible from ``[seed, k]`` (for the tests)."""
     return ClientStatisticsNoise(
-        sigma, clip, ranges=ranges, shares=shares, seed=seed, standard_bound=standard_bound
+        sigma,
+        clip,
+        ranges=ranges,
+        shares=shares,
+        noise=lambda k: SeededNoise([seed, k]),
+        standard_bound=standard_bound,
     )
 
 
@@ -128,6 +134,7 @@ def test_one_record_moves_a_clients_release_by_at_most_the_clip_norm() -> None:
 
 
 def test_epsilon_per_client_equals_opacus_accountant_for_the_same_releases() -> None:
+    # every release covers every row: three Gaussian releases at sample rate 1, add/remove
     clients = _clients()
     sigma = 2.0
     mechanisms = _mechanisms(sigma, 1.0, ranges=observed_ranges(clients))
@@ -141,18 +148,22 @@ def test_epsilon_per_client_equals_opacus_accountant_for_the_same_releases() -> 
         # each client's own accountant records its own releases only
         assert accountant.parties() == [name] and len(accountant.events) == STATISTICS_RELEASES
         assert all(e.kind == "statistics" and e.sample_rate == 1.0 for e in accountant.events)
-        assert accountant.epsilon(name, DELTA) == pytest.approx(expected, rel=1e-9)
+        assert [e.round for e in accountant.events] == [0, 1, 2]  # one per exchange
+        guarantee = accountant.statistics_guarantee(name, delta=DELTA)
+        assert guarantee is not None and guarantee.releases == STATISTICS_RELEASES
+        assert guarantee.epsilon == pytest.approx(expected, rel=1e-9)
+        assert guarantee.noise_multiplier == pytest.approx(sigma / math.sqrt(3))
 
 
-def test_each_client_holds_its_own_mechanism_and_noise_generator() -> None:
+def test_each_client_holds_its_own_mechanism_and_noise_source() -> None:
     clients = _clients()
     federation = build_imputation_federation(
         clients, privacy=_mechanisms(1.0, 1.0, ranges=observed_ranges(clients))
     )
     held = [client.privacy for client in in_process_clients(federation.channel)]
     assert all(isinstance(m, StatisticsNoise) for m in held)
-    generators = {id(m.generator) for m in held if isinstance(m, StatisticsNoise)}
-    assert len({id(m) for m in held}) == len(generators) == len(clients)
+    sources = {id(m.noise) for m in held if isinstance(m, StatisticsNoise)}
+    assert len({id(m) for m in held}) == len(sources) == len(clients)
     # The coordinator knows only the public terms (a copy), no mechanism or generator.
     assert federation.release_terms is not None
     assert federation.release_terms.share_std == pytest.approx(1.0 / 2.0)
@@ -165,9 +176,10 @@ def test_calibrated_sigma_spends_the_target_over_the_three_releases() -> None:
     for target in (1.0, 4.0, 10.0):
         sigma = calibrate_noise(target, DELTA, sample_rate=1.0, steps=STATISTICS_RELEASES)
         accountant = PrivacyAccountant()
-        for _ in range(STATISTICS_RELEASES):
-            accountant.on_event(GaussianRelease("client-0", sigma, 1.0, "statistics"))
-        assert 0.99 * target <= accountant.epsilon("client-0", DELTA) <= target
+        for step in range(STATISTICS_RELEASES):
+            accountant.on_event(GaussianRelease("client-0", sigma, 1.0, "statistics", step))
+        guarantee = accountant.statistics_guarantee("client-0", delta=DELTA)
+        assert guarantee is not None and 0.99 * target <= guarantee.epsilon <= target
 
 
 def _pooled_global_moment_correlation(

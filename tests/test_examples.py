@@ -69,7 +69,7 @@ def _run_example(name: str, *args: str, tmp_path: Path) -> list[str]:
 def test_attack_suite_example_prints_the_scores_and_saves_its_plot(tmp_path: Path) -> None:
     lines = _run_example("attack_suite.py", "--epochs", "1", tmp_path=tmp_path)
     runs = [line for line in lines if line.startswith("| norm-scoring |")]
-    assert [line.split("|")[2].strip() for line in runs] == [
+    assert [line.split("|")[3].strip() for line in runs] == [
         "none",
         "dp-gradients:1:0.01",
         "marvell:4",

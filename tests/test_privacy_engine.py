@@ -5,14 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 from conftest import MakeData
 
 from protocols.dp import EmbeddingNoise, GradientNoise
+from protocols.noise import SecureNoise
 from protocols.privacy import PrivacyEngine, PrivacySpec
 from protocols.secagg import MaskingAggregator
 from secure_vfl.cli import main
+from secure_vfl.data.samplers import MixedSampler, PoissonSampler
 from secure_vfl.errors import ConfigError
 from secure_vfl.experiment import ImputeRunConfig, TrainConfig, run_imputation, run_training
 from secure_vfl.methods import METHODS, MethodConfig
@@ -30,11 +31,14 @@ def _private_run(make_data: MakeData, heads: str, spec: PrivacySpec):  # type: i
         secure_sums=spec.secure_sums,
     )
     engine = PrivacyEngine(spec)
-    method = METHODS.get("laser")(make_data(), config, seed=0, aggregator=engine.aggregator())
+    data = make_data()
+    method = METHODS.get("laser")(data, config, seed=0, aggregator=engine.aggregator())
+    sampler = engine.sampler(method.sampler, n=data.train.n, epochs=1)
+    assert isinstance(sampler, PoissonSampler)
     parties = in_process_parties(method.fed.channel)
-    engine.make_private(parties, sample_rate=0.1, total_steps=method.total_steps)
+    engine.make_private(parties, method="laser", method_config=config)
     for round in range(2):
-        method.train_step(np.arange(32) + 32 * round, round, 0)
+        method.train_step(sampler.schedule[round], round, 0)
     return engine, parties
 
 
@@ -59,10 +63,16 @@ def test_each_party_holds_its_own_mechanisms_and_accountant(
     assert report is not None
     assert set(report["epsilon"]) == {p.name for p in parties}
     for party in parties:
-        assert report["epsilon"][party.name] == party.accountant.epsilon(party.name, 1e-5) > 0
-    # No two parties share a noise generator: each draws its own noise.
-    generators = [id(h.generator) for p in parties for h in p.outgoing]
-    assert len(set(generators)) == len(generators)
+        guarantees = report["guarantees"][party.name]
+        assert report["epsilon"][party.name] == max(g["epsilon"] for g in guarantees) > 0
+        # against the receivers (no amplification) and, with DP-SGD, the model's observer
+        assert [g["amplification"] for g in guarantees] == [False, True]
+        assert all(g["adjacency"] and g["sampling"] and g["accountant"] for g in guarantees)
+    # No two parties share a noise source: each draws its own, secure, noise.
+    sources = [h.noise for p in parties for h in p.outgoing if hasattr(h, "noise")]
+    sources += [p.optimizer._noise for p in parties]  # type: ignore[union-attr]
+    assert len({id(s) for s in sources}) == len(sources)
+    assert all(isinstance(s, SecureNoise) for s in sources)
 
 
 def test_secure_sums_and_dp_compose_noise_before_sealing(make_data: MakeData) -> None:
@@ -81,6 +91,9 @@ def test_target_epsilon_calibrates_one_sigma_for_every_mechanism(make_data: Make
     sigmas = {sigma for sigma, _ in engine.noise.values()}
     assert len(sigmas) == 1 and sigmas != {9.0}
     assert {clip for _, clip in engine.noise.values()} == {0.1}
+    report = engine.report()
+    assert report is not None and report["within_target"]
+    assert max(report["epsilon"].values()) <= 4.0
 
 
 @pytest.mark.parametrize(
@@ -95,6 +108,8 @@ def test_target_epsilon_calibrates_one_sigma_for_every_mechanism(make_data: Make
         ({"dp_statistics": (0.0, 1.0)}, "--dp-statistics needs SIGMA > 0 and CLIP > 0"),
         ({"dp_statistics": (1.0, 1.0), "dp_sgd": (1.0, 0.1)}, "expected one kind, found both"),
         ({"feature_ranges": Path("ranges.csv")}, "bounds the values of --dp-statistics"),
+        ({"dp_sgd": (1.0, 0.1), "adjacency": "swap"}, "`adjacency` must be one of"),
+        ({"insecure_reproducible_noise": True}, "expected a DP mechanism with it"),
     ],
 )
 def test_a_bad_spec_is_refused(kwargs: dict[str, object], expected: str) -> None:
@@ -115,6 +130,7 @@ def test_methods_that_cannot_host_a_mechanism_are_refused() -> None:
 def test_an_imputation_run_takes_the_engine_as_one_object_as_the_cli_does(tmp_path: Path) -> None:
     argv = ["impute", "--method", "fedhf", "--dataset", "ozone", "--rounds", "1", "--quiet"]
     argv += ["--secure-agg", "masks", "--dp-statistics", "2:1.5", "--out", str(tmp_path / "r")]
+    argv += ["--insecure-reproducible-noise"]  # the same noise on both sides, to compare
     assert main(argv) == 0
     cli = json.loads((tmp_path / "r" / "result.json").read_text())
     flags = cli["config"]
@@ -126,7 +142,12 @@ def test_an_imputation_run_takes_the_engine_as_one_object_as_the_cli_does(tmp_pa
         seed=flags["seed"],
         impute_config=ImputeConfig(**flags["impute_config"]),
     )
-    spec = PrivacySpec(secure_agg="masks", dp_statistics=(2.0, 1.5))
+    spec = PrivacySpec(
+        secure_agg="masks",
+        dp_statistics=(2.0, 1.5),
+        insecure_reproducible_noise=True,
+        seed=flags["seed"],
+    )
     result, _ = run_imputation(config, privacy=PrivacyEngine(spec))
     assert result.aggregator == "MaskingAggregator"  # the engine chose the backend
     assert result.privacy is not None
@@ -142,3 +163,11 @@ def test_each_kind_of_run_refuses_the_mechanisms_of_the_other() -> None:
     statistics_noise = PrivacyEngine(PrivacySpec(dp_statistics=(1.0, 1.0)))
     with pytest.raises(ConfigError, match="training laser expected --dp-embeddings"):
         run_training(TrainConfig(method="laser", dataset="iris"), privacy=statistics_noise)
+
+
+def test_runs_without_training_dp_keep_the_methods_sampler() -> None:
+    mixed = MixedSampler(100, 10)
+    for spec in (PrivacySpec(), PrivacySpec(secure_agg="masks")):
+        assert PrivacyEngine(spec).sampler(mixed, n=100, epochs=3) is mixed
+    private = PrivacyEngine(PrivacySpec(dp_gradients=(1.0, 0.1))).sampler(mixed, n=100, epochs=3)
+    assert isinstance(private, PoissonSampler) and private.rate == pytest.approx(0.1)

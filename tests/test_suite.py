@@ -12,7 +12,7 @@ import pytest
 
 import attacks.suite as suite
 from secure_vfl.cli import main
-from secure_vfl.errors import ConfigError, IntegrityError
+from secure_vfl.errors import ConfigError, IntegrityError, RegistryError
 from secure_vfl.experiment import TrainConfig, prepare_data
 from secure_vfl.methods import MethodConfig
 
@@ -104,9 +104,12 @@ def test_a_defense_that_does_not_apply_to_the_method_is_reported() -> None:
 
 
 def test_a_run_no_attack_applies_to_is_refused() -> None:
+    # FALSE-VFL exchanges no representation gradients: only model completion could apply
     config = TrainConfig(method="false-vfl-1", dataset="digits")
     with pytest.raises(ConfigError, match="no attack applies"):
-        suite.run_suite(config)
+        suite.run_suite(config, attacks=["norm-scoring", "gradient-replacement-backdoor"])
+    with pytest.raises(RegistryError, match="unknown attack"):
+        suite.run_suite(config, attacks=["no-such-attack"])
 
 
 def test_attack_suite_command_writes_the_report(tmp_path: Path) -> None:

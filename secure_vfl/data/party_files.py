@@ -160,3 +160,78 @@ def read_label_file(path: Path) -> LabelTable:
     index = {value: position for position, value in enumerate(classes)}
     labels = np.fromiter((index[v] for v in values), dtype=np.int64, count=len(values))
     return LabelTable(ids=ids, labels=labels, classes=classes)
+
+
+def check_party_tables(
+    tables: list[PartyTable], paths: list[Path], labels: LabelTable, label_path: Path
+) -> None:
+    """Refuse the mistakes that would train silently on wrong data: two party files holding
+    the same table (one file given twice, or a copy), and a party file holding the label (a
+    ``label`` column, or a column equal to the label up to a renaming of its classes on the
+    ids it shares with the label file: the label file given as a party file, say)."""
+    for k, table in enumerate(tables):
+        for j in range(k):
+            if _same_table(tables[j], table):
+                raise DataError(
+                    f"party files {paths[j]} and {paths[k]} hold the same table (same ids, "
+                    "columns and values); expected one file per party, each with its own "
+                    "features."
+                )
+    for table, path in zip(tables, paths, strict=True):
+        if LABEL_COLUMN in table.columns:
+            raise DataError(
+                f"party file {path} has a `{LABEL_COLUMN}` column, which would become a "
+                f"feature; expected features only (is it the label file {label_path}?)."
+            )
+        leaked = _label_columns(table, labels)
+        if leaked:
+            raise DataError(
+                f"party file {path}: column {leaked[0]!r} equals the label of {label_path} on "
+                "every shared id, so it would hand the model the answer; expected features "
+                "only (drop that column)."
+            )
+
+
+def _same_table(first: PartyTable, second: PartyTable) -> bool:
+    if first.columns != second.columns or first.features.shape != second.features.shape:
+        return False
+    order_first, order_second = np.argsort(first.ids), np.argsort(second.ids)
+    return bool(
+        np.array_equal(first.ids[order_first], second.ids[order_second])
+        and np.array_equal(first.features[order_first], second.features[order_second])
+    )
+
+
+MIN_SHARED_FOR_LEAK = 10
+"""Ids a party must share with the label file before a column equal to the label is refused
+(on a handful of rows a binary feature can match the label by chance)."""
+
+
+def _label_columns(table: PartyTable, labels: LabelTable) -> list[str]:
+    """The columns of ``table`` that equal the label up to a renaming of the classes (one
+    value per class, a different value for each class) on the ids both hold."""
+    shared, rows, label_rows = np.intersect1d(table.ids, labels.ids, return_indices=True)
+    if shared.size < MIN_SHARED_FOR_LEAK:
+        return []
+    label = labels.labels[label_rows]
+    classes = np.unique(label).size
+    if classes < 2:
+        return []
+    leaked = []
+    for c, column in enumerate(table.columns):
+        values = table.features[rows, c]
+        pairs = np.unique(np.stack([values, label.astype(values.dtype)]), axis=1).shape[1]
+        if np.unique(values).size == classes and pairs == classes:
+            leaked.append(column)
+    return leaked
+
+
+def describe_unmatched(table: PartyTable, path: Path, labels: LabelTable, label_path: Path) -> str:
+    """The message for a party file none of whose ids is in the label file: an example id of
+    each side, as ids are compared as text (``0304`` is not ``304``)."""
+    return (
+        f"no ids matched between party file {path} and label file {label_path} (e.g. "
+        f"{str(table.ids[0])!r} in the party file, {str(labels.ids[0])!r} in the label file); ids "
+        "are compared as text, so expected the same format on both sides (leading zeros, "
+        "spaces, decimals)."
+    )

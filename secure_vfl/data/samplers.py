@@ -2,6 +2,8 @@
 
 ``grouped`` is LASER-VFL's batching, where every batch shares one observed set of parties;
 ``mixed`` is plain shuffling, leaving per-sample subsets of parties to the method (DESIGN §5).
+Differentially private training replaces either by a :class:`PoissonSampler`
+(:func:`poisson_like`), the sampling that DP-SGD's subsampling bound is a proof for.
 """
 
 from __future__ import annotations
@@ -94,14 +96,14 @@ class SubsetSampler:
     """A sampler over some training rows (``rows``), yielding indices into the full set."""
 
     def __init__(self, inner: BatchSampler, rows: np.ndarray) -> None:
-        self._inner = inner
+        self.inner = inner
         self.rows = rows
 
     def __len__(self) -> int:
-        return len(self._inner)
+        return len(self.inner)
 
     def epoch(self, rng: np.random.Generator) -> Iterator[np.ndarray]:
-        for batch in self._inner.epoch(rng):
+        for batch in self.inner.epoch(rng):
             yield self.rows[batch]
 
 
@@ -120,3 +122,113 @@ def make_sampler(
     if kind == "mixed":
         return MixedSampler(int(mask.shape[0]), batch_size)
     raise ConfigError(f"`batching` must be 'grouped' or 'mixed'. Found {kind!r}.")
+
+
+class PoissonSampler:
+    """Poisson sampling (as Opacus' ``DPDataLoader``): at every step each candidate row joins
+    the batch independently with probability ``rate``, so batch sizes vary (mean
+    ``rate * len(rows)``); ``steps_per_epoch`` steps make an epoch.
+
+    The whole schedule of ``epochs`` epochs is drawn up front from ``rng`` (a step's size from
+    Binomial(n, rate), then that many distinct rows uniformly, which is the same distribution),
+    so the number of steps each row is used in (:meth:`uses`) is known before training; an
+    empty draw is dropped (it releases nothing). :meth:`epoch` ignores the generator it is
+    handed: the sample must come from the one given here (for DP, a secure one).
+    """
+
+    def __init__(
+        self,
+        rows: np.ndarray,
+        *,
+        rate: float,
+        steps_per_epoch: int,
+        epochs: int,
+        rng: np.random.Generator,
+        n: int | None = None,
+    ) -> None:
+        if not 0 < rate <= 1:
+            raise ConfigError(f"`rate` must be in (0, 1]. Found {rate}.")
+        if steps_per_epoch < 1 or epochs < 1:
+            raise ConfigError(
+                f"`steps_per_epoch` and `epochs` must be >= 1. Found {steps_per_epoch}, {epochs}."
+            )
+        self.rows = np.asarray(rows, dtype=np.int64)
+        self.n = int(n) if n is not None else int(self.rows.max(initial=-1)) + 1
+        """The size of the index space the rows live in (the training set)."""
+        self.rate = float(rate)
+        self.steps_per_epoch = steps_per_epoch
+        self.draws = steps_per_epoch * epochs
+        """Poisson draws in all (empty ones included): the steps an accountant composes."""
+        self.epochs: list[list[np.ndarray]] = []
+        for _ in range(epochs):
+            batches = []
+            for _ in range(steps_per_epoch):
+                size = int(rng.binomial(self.rows.size, self.rate))
+                if size:
+                    picked = np.sort(rng.choice(self.rows.size, size=size, replace=False))
+                    batches.append(self.rows[picked])
+            self.epochs.append(batches)
+        self._next = 0
+
+    @property
+    def schedule(self) -> list[np.ndarray]:
+        """Every batch in the order training uses them: step t is ``schedule[t]``."""
+        return [batch for epoch in self.epochs for batch in epoch]
+
+    def uses(self) -> np.ndarray:
+        """(n,) how many steps of the schedule use each row."""
+        counts = np.zeros(self.n, dtype=np.int64)
+        for batch in self.schedule:
+            counts[batch] += 1
+        return counts
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch
+
+    def epoch(self, rng: np.random.Generator) -> Iterator[np.ndarray]:
+        """Yield the next epoch's drawn batches (``rng`` is not used; see the class)."""
+        if self._next >= len(self.epochs):
+            raise ConfigError(f"the Poisson schedule holds {len(self.epochs)} epochs; all used.")
+        self._next += 1
+        yield from self.epochs[self._next - 1]
+
+
+def poisson_like(
+    sampler: BatchSampler, *, n: int, epochs: int, rng: np.random.Generator
+) -> PoissonSampler:
+    """The :class:`PoissonSampler` over the rows ``sampler`` draws from (of a training set of
+    ``n`` rows), at rate ``batch_size / rows`` (capped at 1), with as many steps per epoch.
+
+    ConfigError for grouped batching: its batches must share one observed set, which a
+    Poisson sample does not; differentially private runs use ``batching="mixed"``.
+    """
+    inner, rows = (
+        (sampler.inner, sampler.rows)
+        if isinstance(sampler, SubsetSampler)
+        else (
+            sampler,
+            None,
+        )
+    )
+    if isinstance(inner, GroupedSampler):
+        raise ConfigError(
+            "differentially private training samples its batches by Poisson sampling, which "
+            "grouped batches (one observed set each) cannot follow; expected --batching mixed. "
+            "Found --batching grouped."
+        )
+    if not isinstance(inner, MixedSampler):
+        raise ConfigError(
+            "a Poisson sampler replaces the grouped or mixed samplers; "
+            f"found {type(inner).__name__}."
+        )
+    candidates = np.arange(inner.n, dtype=np.int64) if rows is None else np.asarray(rows)
+    if candidates.size == 0:
+        raise ConfigError("Poisson sampling needs at least one training row; found none.")
+    return PoissonSampler(
+        candidates,
+        rate=min(1.0, inner.batch_size / candidates.size),
+        steps_per_epoch=len(inner),
+        epochs=epochs,
+        rng=rng,
+        n=n,
+    )

@@ -9,6 +9,7 @@ are zero and must never be read; samples with no observed block are dropped and 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +20,16 @@ import numpy as np
 from secure_vfl.data.datasets import DatasetSplit, Kind
 from secure_vfl.data.missingness import Mechanism, drop_unobserved
 from secure_vfl.data.partition import column_ranges, partition
-from secure_vfl.data.party_files import read_label_file, read_party_file
+from secure_vfl.data.party_files import (
+    LabelTable,
+    check_party_tables,
+    describe_unmatched,
+    read_label_file,
+    read_party_file,
+)
+from secure_vfl.data.party_preprocessing import PartyPreprocessing
 from secure_vfl.data.preprocessing import Standardizer, stratified_split
-from secure_vfl.errors import ConfigError, DataError
+from secure_vfl.errors import ConfigError, DataError, RunWarning
 
 if TYPE_CHECKING:  # only a type here; keeps data importable without the federation package
     from secure_vfl.federation.alignment import Aligner
@@ -84,6 +92,9 @@ class VerticalData:
     ``dropped`` counts samples removed for having no observed block, keyed ``"train"`` and by
     test label; data from party files also has ``"alignment"`` (labels no party holds).
     ``feature_names`` gives each block's column names where known (tabular data).
+    ``preprocessing[k]`` is party k's own column schema and training standardisation (what its
+    saved model keeps; None where a view holds only its own), and ``classes`` the original label
+    value of each class index (the label file's own values; 0..C-1 for a registered dataset).
     """
 
     name: str
@@ -93,6 +104,8 @@ class VerticalData:
     tests: dict[str, VerticalSplit]
     dropped: dict[str, int]
     feature_names: tuple[tuple[str, ...], ...] | None = None
+    preprocessing: tuple[PartyPreprocessing | None, ...] | None = None
+    classes: tuple[object, ...] | None = None
 
     @property
     def parties(self) -> int:
@@ -131,14 +144,25 @@ def _standardise(
     train_blocks: Sequence[np.ndarray],
     test_blocks: Sequence[np.ndarray],
     train_rows: Sequence[np.ndarray | None],
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Standardise each party's train and test block with its own observed training rows."""
-    scaled_train, scaled_test = [], []
+) -> tuple[list[np.ndarray], list[np.ndarray], list[Standardizer]]:
+    """Standardise each party's train and test block with its own observed training rows;
+    also return each party's fitted scaler (kept in its saved model)."""
+    scaled_train, scaled_test, scalers = [], [], []
     for train, test, rows in zip(train_blocks, test_blocks, train_rows, strict=True):
         scaler = Standardizer().fit(train, rows)
         scaled_train.append(scaler.transform(train))
         scaled_test.append(scaler.transform(test))
-    return scaled_train, scaled_test
+        scalers.append(scaler)
+    return scaled_train, scaled_test, scalers
+
+
+def _preprocessing(
+    scalers: Sequence[Standardizer], names: tuple[tuple[str, ...], ...] | None
+) -> tuple[PartyPreprocessing, ...]:
+    return tuple(
+        PartyPreprocessing.from_standardizer(scaler, columns=None if names is None else names[k])
+        for k, scaler in enumerate(scalers)
+    )
 
 
 def _assemble(
@@ -157,6 +181,8 @@ def _assemble(
     held_test: np.ndarray | None = None,
     feature_names: tuple[tuple[str, ...], ...] | None = None,
     dropped: dict[str, int] | None = None,
+    preprocessing: tuple[PartyPreprocessing, ...] | None = None,
+    classes: tuple[object, ...] | None = None,
 ) -> VerticalData:
     """Draw the masks (AND-ed with which rows parties hold, if given) and build the splits."""
     dropped = dict(dropped or {})
@@ -180,6 +206,8 @@ def _assemble(
         tests=tests,
         dropped=dropped,
         feature_names=feature_names,
+        preprocessing=preprocessing,
+        classes=classes if classes is not None else tuple(range(num_classes)),
     )
 
 
@@ -199,7 +227,7 @@ def make_vertical(
     _check_test_labels(test_missing)
     train_raw = partition(split.train.x, split.kind, parties)
     test_raw = partition(split.test.x, split.kind, parties)
-    train_blocks, test_blocks = _standardise(train_raw, test_raw, [None] * parties)
+    train_blocks, test_blocks, scalers = _standardise(train_raw, test_raw, [None] * parties)
     names = None
     if split.feature_names is not None:
         names = tuple(
@@ -218,6 +246,7 @@ def make_vertical(
         test_missing=test_missing,
         rng=rng,
         feature_names=names,
+        preprocessing=_preprocessing(scalers, names),
     )
 
 
@@ -229,30 +258,56 @@ def vertical_from_party_files(
     train_missing: Mechanism,
     test_missing: Sequence[Mechanism],
     test_fraction: float = 0.2,
+    test_file: Path | None = None,
     rng: np.random.Generator,
 ) -> VerticalData:
     """Build vertical data from one file per party and a label file.
 
     Samples are aligned on ids by ``aligner``; a party's block is zero where it does not hold a
-    sample. The train/test split is stratified and seeded; each block is standardised with the
-    training rows its party holds; the mask is the alignment mask AND the mechanism's mask.
+    sample. The test rows are the ids of ``test_file`` (a label file of held-out ids whose
+    features come from the same party files), or else a stratified, seeded ``test_fraction``
+    of the label file's rows; each block is standardised with the training rows its party
+    holds; the mask is the alignment mask AND the mechanism's mask.
     """
     _check_test_labels(test_missing)
     if len(party_files) == 0:
         raise ConfigError("expected at least one party file. Found none.")
     tables = [read_party_file(Path(path)) for path in party_files]
     label_table = read_label_file(Path(label_file))
-    alignment = aligner.align([table.ids for table in tables], label_table.ids)
-    if alignment.sample_ids.size == 0:
-        raise DataError(f"no id of {label_file} appears in any party file; nothing to train on.")
-    labels = label_table.labels[alignment.label_rows]
+    label_ids, all_labels, held_out = label_table.ids, label_table.labels, None
+    if test_file is not None:
+        label_ids, all_labels, held_out = _with_held_out(
+            label_table, read_label_file(Path(test_file)), label_file, test_file
+        )
+    paths = [Path(path) for path in party_files]
+    check_party_tables(tables, paths, label_table, Path(label_file))
+    alignment = aligner.align([table.ids for table in tables], label_ids)
+    for k, table in enumerate(tables):
+        if not alignment.mask[:, k].any():
+            raise DataError(describe_unmatched(table, paths[k], label_table, Path(label_file)))
+    # Each party knows how many of its own rows found no label (under PSI too).
+    unlabelled = sum(
+        table.ids.size - int(alignment.mask[:, k].sum()) for k, table in enumerate(tables)
+    )
+    labels = all_labels[alignment.label_rows]
+    if held_out is None:
+        warn_small_classes(labels, test_fraction, label_table.classes)
     blocks = []
     for k, table in enumerate(tables):
         block = np.zeros((alignment.sample_ids.size, table.features.shape[1]), dtype=np.float32)
         held = alignment.mask[:, k]
         block[held] = table.features[alignment.rows[held, k]]
         blocks.append(block)
-    train_index, test_index = stratified_split(labels, test_fraction, rng=rng)
+    if held_out is None:
+        train_index, test_index = stratified_split(labels, test_fraction, rng=rng)
+    else:
+        in_test = held_out[alignment.label_rows]
+        train_index, test_index = np.flatnonzero(~in_test), np.flatnonzero(in_test)
+        if test_index.size == 0 or train_index.size == 0:
+            raise DataError(
+                f"{test_file}: held-out and training ids that some party file holds expected; "
+                f"found {test_index.size} held-out and {train_index.size} training samples."
+            )
     held_train = alignment.mask[train_index]
     held_test = alignment.mask[test_index]
     for k, table in enumerate(tables):
@@ -260,7 +315,7 @@ def vertical_from_party_files(
             raise DataError(
                 f"party {table.name!r} holds no training sample; cannot standardise it."
             )
-    train_blocks, test_blocks = _standardise(
+    train_blocks, test_blocks, scalers = _standardise(
         [b[train_index] for b in blocks],
         [b[test_index] for b in blocks],
         [held_train[:, k] for k in range(len(tables))],
@@ -284,8 +339,59 @@ def vertical_from_party_files(
         held_train=held_train,
         held_test=held_test,
         feature_names=tuple(table.columns for table in tables),
-        dropped={"alignment": alignment.dropped},
+        dropped={
+            "alignment": alignment.dropped + unlabelled,
+            "alignment_no_party": alignment.dropped,
+            "alignment_no_label": unlabelled,
+        },
+        preprocessing=_preprocessing(scalers, tuple(table.columns for table in tables)),
+        classes=label_table.classes,
     )
+
+
+def _with_held_out(
+    train: LabelTable, test: LabelTable, label_file: Path, test_file: Path
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The label file's and the test file's ids and labels (the test labels mapped to the
+    training classes) one after the other, and which of them are held out. Refuses an id in
+    both files and a test class the training labels never show."""
+    shared = np.intersect1d(train.ids, test.ids)
+    if shared.size:
+        raise DataError(
+            f"{test_file}: held-out ids must not be training ids of {label_file}. Found "
+            f"{shared.size} in both, e.g. {', '.join(map(repr, shared[:3].tolist()))}."
+        )
+    index = {value: position for position, value in enumerate(train.classes)}
+    unknown = [value for value in test.classes if value not in index]
+    if unknown:
+        raise DataError(
+            f"{test_file}: held-out labels must be among the training classes "
+            f"{list(train.classes)} of {label_file}. Found {unknown}."
+        )
+    test_labels = np.array([index[test.classes[i]] for i in test.labels], dtype=np.int64)
+    held_out = np.concatenate([np.zeros(train.ids.size, bool), np.ones(test.ids.size, bool)])
+    return (
+        np.concatenate([train.ids, test.ids]),
+        np.concatenate([train.labels, test_labels]),
+        held_out,
+    )
+
+
+def warn_small_classes(labels: np.ndarray, test_fraction: float, classes: Sequence[object]) -> None:
+    """Warn (:class:`RunWarning`) about every class too small for the stratified split to put
+    it in both the training and the test split: it is then trained on but never tested, or
+    tested but never learned."""
+    for index, count in enumerate(np.bincount(labels, minlength=len(classes))):
+        in_test = round(test_fraction * int(count))
+        if count and in_test in (0, count):
+            where = "training" if in_test == 0 else "test"
+            warnings.warn(
+                f"class {classes[index]!r} has {count} aligned sample(s): too few to appear in "
+                f"both the training and the test split (test fraction {test_fraction:g}); it "
+                f"is in the {where} split only.",
+                RunWarning,
+                stacklevel=2,
+            )
 
 
 def labeled_subset(n: int, labeled: int | None, *, rng: np.random.Generator) -> np.ndarray:
@@ -317,6 +423,12 @@ def label_party_view(data: VerticalData, owner: int = 0) -> VerticalData:
         )
         return VerticalSplit(blocks=blocks, labels=split.labels, mask=split.mask)
 
+    own = None
+    if data.preprocessing is not None:
+        own = tuple(p if k == owner else None for k, p in enumerate(data.preprocessing))
     return dataclasses.replace(
-        data, train=view(data.train), tests={name: view(s) for name, s in data.tests.items()}
+        data,
+        train=view(data.train),
+        tests={name: view(s) for name, s in data.tests.items()},
+        preprocessing=own,
     )

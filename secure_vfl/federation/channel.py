@@ -7,8 +7,10 @@ party; they only see what crosses the boundary.
 The transport moves bytes: the in-process one encodes every message with the wire codec
 (:mod:`secure_vfl.federation.wire`) and decodes it on the other side, so even in one process no
 tensor or object is shared between parties, and it counts (and optionally captures) the bytes
-that crossed. A network transport that puts each party in its own process is a drop-in: it
-implements the same :class:`Transport` protocol.
+that crossed. Over the network (:mod:`secure_vfl.federation.network`) each process has one
+party and a :class:`~secure_vfl.federation.network.NetworkChannel`, whose ``post`` sends through
+the same layers and then over gRPC, returning once the receiver has acted on the message, as
+:meth:`Channel.post` does in one process.
 """
 
 from __future__ import annotations
@@ -118,16 +120,18 @@ class Channel:
         """The attached parties by name (the network's address book)."""
         return dict(self._parties)
 
-    def send(self, message: M) -> M:
-        """Pass ``message`` through every layer and deliver it; return what the receiver gets.
-
-        ``layer_seconds`` accumulates the time each layer class spends (e.g. DP noise).
-        """
+    def through_layers(self, message: M) -> M:
+        """``message`` after every layer, in order; ``layer_seconds`` accumulates the time each
+        layer class spends (e.g. DP noise)."""
         for layer in self.layers:
             start = time.perf_counter()
             message = layer.on_message(message)
             self.layer_seconds[type(layer).__name__] += time.perf_counter() - start
-        return self.transport.deliver(message)
+        return message
+
+    def send(self, message: M) -> M:
+        """Pass ``message`` through every layer and deliver it; return what the receiver gets."""
+        return self.transport.deliver(self.through_layers(message))
 
     def receive(
         self, message: M, *, sender: str | None = None, receiver: str, round: int, batch_id: int
@@ -143,11 +147,7 @@ class Channel:
         The channel vouches for the sender (a network transport does so by its certificate): a
         message whose header names another sender is refused before anything is sent.
         """
-        if message.sender != sender.name or self._parties.get(sender.name) is not sender:
-            raise ProtocolError(
-                f"{message.kind} claims sender {message.sender!r} but was posted by "
-                f"{sender.name!r}; a party sends only in its own name."
-            )
+        self.check_sender(message, sender)
         receiver = self._parties.get(message.receiver)
         if receiver is None:
             raise ProtocolError(
@@ -155,6 +155,14 @@ class Channel:
                 f"on this channel (found {', '.join(sorted(self._parties))})."
             )
         receiver.receive(self.send(message))
+
+    def check_sender(self, message: Message, sender: Party) -> None:
+        """ProtocolError unless ``sender`` is the attached party ``message`` names as sender."""
+        if message.sender != sender.name or self._parties.get(sender.name) is not sender:
+            raise ProtocolError(
+                f"{message.kind} claims sender {message.sender!r} but was posted by "
+                f"{sender.name!r}; a party sends only in its own name."
+            )
 
 
 class RecordingLayer:

@@ -195,15 +195,20 @@ class SumMessage(Message):
 @register_message
 @dataclass(frozen=True, kw_only=True)
 class PredictionMessage(RowsMessage):
-    """A party's predicted classes for some rows (Ensemble voting)."""
+    """A party's predicted classes for some rows (Ensemble voting) and, when the task asked
+    for them, its class probabilities (rows, classes)."""
 
     predictions: Tensor
+    probabilities: Tensor | None = None
     kind: ClassVar[str] = "prediction"
 
     def validate(self) -> None:
         super().validate()
         _check_tensor(self, "predictions", self.predictions, dims=1, dtype=torch.int64)
         self._check_rows("predictions", self.predictions)
+        if self.probabilities is not None:
+            _check_tensor(self, "probabilities", self.probabilities, dims=2, dtype=torch.float32)
+            self._check_rows("probabilities", self.probabilities)
 
 
 @register_message
@@ -412,11 +417,13 @@ class HeadTask(Message):
 @dataclass(frozen=True, kw_only=True)
 class PredictTask(Message):
     """The driver asks a head-holding party to predict ``positions`` of the batch from the sum
-    the aggregator delivers under ``tag``; it answers with a :class:`PredictionMessage`."""
+    the aggregator delivers under ``tag``; it answers with a :class:`PredictionMessage`, with
+    the class probabilities too when ``probabilities`` is set."""
 
     positions: Tensor
     tag: str
     head: str = ""
+    probabilities: bool = False
     kind: ClassVar[str] = "predict-task"
 
     def validate(self) -> None:

@@ -31,13 +31,18 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from secure_vfl.data.party_files import PartyTable
+from secure_vfl.data.party_preprocessing import PartyPreprocessing
 from secure_vfl.errors import ConfigError, ProtocolError
+from secure_vfl.federation import parts
 from secure_vfl.federation.aggregator import (
     ContextLedger,
     PlainAggregator,
@@ -65,6 +70,7 @@ from secure_vfl.federation.messages import (
     SumRequest,
     UpdateRequest,
 )
+from secure_vfl.federation.parts import ClassValue
 from secure_vfl.registry import Registry
 
 if TYPE_CHECKING:
@@ -380,6 +386,10 @@ class DataParty(SecureSumParty):
         self._pending: dict[tuple[int, str], tuple[Tensor, Tensor, str]] = {}
         self._gradients: dict[tuple[int, str], list[Tensor]] = {}
         self._tasks: dict[tuple[int, int, str], HeadTask | PredictTask] = {}
+        # What turns its raw rows into model inputs, and (at the label party) the original
+        # label value of each class: its own, kept in its saved part.
+        self.preprocessing: PartyPreprocessing | None = None
+        self.classes: tuple[ClassValue, ...] | None = None
 
     @property
     def receives_sums(self) -> bool:
@@ -411,6 +421,60 @@ class DataParty(SecureSumParty):
             raise ProtocolError(f"{self.name} already holds a model named {key!r}.")
         self.models[key] = model
         self.optimizers[key] = optimizer
+
+    # -- its saved part: kept and loaded by this party alone --------------------------------
+
+    def own_modules(self) -> dict[str, nn.Module]:
+        """Every trained module this party holds, by part name: its bottom model(s) and
+        head(s); a role with more (FALSE-VFL's label party) adds its own."""
+        modules = {("bottom" if not key else f"bottom/{key}"): m for key, m in self.models.items()}
+        modules.update(
+            {("head" if not key else f"head/{key}"): h.module for key, h in self.heads.items()}
+        )
+        return modules
+
+    def save_part(self, directory: Path) -> dict[str, str]:
+        """Write this party's own part (modules, preprocessing, class values) into
+        ``directory``; return each file's SHA-256 for the federation's manifest."""
+        return parts.save_part(
+            directory,
+            party=self.name,
+            role=type(self).__name__,
+            modules=self.own_modules(),
+            preprocessing=self.preprocessing,
+            classes=self.classes,
+        )
+
+    def load_part(self, directory: Path, files: Mapping[str, str]) -> None:
+        """Load this party's own part from ``directory``, every file checked against
+        ``files`` (its manifest entry: name -> SHA-256) before it is read."""
+        part = parts.load_part(directory, files, party=self.name)
+        parts.load_states(self.own_modules(), part.states, party=self.name)
+        self.preprocessing, self.classes = part.preprocessing, part.classes
+
+    def hold_rows(
+        self, split: str, table: PartyTable | None, rows: np.ndarray, *, source: str
+    ) -> None:
+        """Take new rows of its own as split ``split``: sample ``i`` is row ``rows[i]`` of
+        ``table`` (its file, read from ``source``), -1 where it does not hold sample ``i``
+        (``table`` None: it holds none). Its own preprocessing checks the columns against its
+        schema and standardises them."""
+        if self.preprocessing is None:
+            raise ProtocolError(f"{self.name} keeps no preprocessing; cannot read new rows.")
+        held = rows >= 0
+        block = np.zeros((rows.shape[0], *self.preprocessing.block_shape), dtype=np.float32)
+        if table is not None:
+            where = f"{source} ({self.name})"
+            block[held] = self.preprocessing.apply(table, where=where)[rows[held]]
+        elif bool(held.any()):
+            raise ProtocolError(f"{self.name}: rows of a file expected, found no file.")
+        self.hold_split(split, torch.from_numpy(block), torch.from_numpy(held))
+
+    def hold_split(self, split: str, block: Tensor, held: Tensor) -> None:
+        """Hold ``block`` (zero where ``held`` is False) as its block of a new split."""
+        if split == "train":
+            raise ProtocolError(f"{self.name}: its training rows cannot be replaced.")
+        self._blocks[split] = block
 
     def block_rows(self, split: str, rows: Tensor) -> Tensor:
         """Rows ``rows`` of this party's block of ``split``, refusing a split it does not hold
@@ -544,7 +608,11 @@ class DataParty(SecureSumParty):
         head = self.heads[task.head]
         head.module.eval()
         with torch.no_grad():
-            predicted = head.module(means[0]).argmax(dim=-1)
+            logits = head.module(means[0])
+        predicted = logits.argmax(dim=-1)
+        probabilities = None
+        if task.probabilities:
+            probabilities = torch.softmax(logits[task.positions], dim=-1).contiguous()
         self.send(
             PredictionMessage(
                 **self.reply_header(task),
@@ -552,6 +620,7 @@ class DataParty(SecureSumParty):
                 tag=task.tag,
                 phase="predict",
                 predictions=predicted[task.positions].contiguous(),
+                probabilities=probabilities,
             )
         )
 

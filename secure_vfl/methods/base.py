@@ -20,7 +20,7 @@ from secure_vfl.data.vertical import (
     label_party_view,
     labeled_subset,
 )
-from secure_vfl.errors import ConfigError
+from secure_vfl.errors import ConfigError, ProtocolError
 from secure_vfl.federation.aggregator import SealingScheme, SumBackend
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import (
@@ -46,6 +46,7 @@ from secure_vfl.federation.parties import (
     RoleFactory,
     make_aggregation_server,
 )
+from secure_vfl.federation.parts import ClassValue
 from secure_vfl.models.networks import make_bottom
 from secure_vfl.models.simsiam import pretrain_simsiam
 from secure_vfl.registry import Registry
@@ -166,6 +167,7 @@ class Method(Protocol):
 
     name: str
     sampler: BatchSampler
+    fed: Federation
 
     def train_step(self, rows: np.ndarray, round: int, batch_id: int) -> float:
         """One training step on the training rows ``rows``; returns its loss."""
@@ -182,6 +184,11 @@ class Method(Protocol):
 
     def predict(self, split_name: str) -> np.ndarray:
         """Predicted class of every (sample, party): (N, K) int64, -1 where the party is absent."""
+        ...
+
+    def predict_proba(self, split_name: str) -> np.ndarray:
+        """Class probabilities of every sample as the method combines its heads: (N, C)
+        float32, NaN on a sample it makes no prediction for."""
         ...
 
 
@@ -224,6 +231,21 @@ class Federation:
     session: str = ""
     queries: int = 0
     scheme: str = ""
+
+    def learn_split(self, name: str, mask: np.ndarray) -> None:
+        """Learn which parties hold each sample of a new split ``name`` (its availability
+        mask (N, K), from aligning ids), so this program can predict on it once every party
+        holds its rows of it (:meth:`~secure_vfl.federation.parties.DataParty.hold_split`)."""
+        if name == "train" or mask.dtype != np.bool_ or mask.shape[1:] != (len(self.names),):
+            raise ConfigError(
+                f"a new split's name other than 'train' and a bool mask (N, {len(self.names)}) "
+                f"expected; found {name!r} and {mask.dtype} {mask.shape}."
+            )
+        n = mask.shape[0]
+        empty = tuple(np.empty((n, 0), dtype=np.float32) for _ in self.names)
+        self.data.tests[name] = VerticalSplit(
+            blocks=empty, labels=np.zeros(n, dtype=np.int64), mask=mask
+        )
 
     def next_query(self) -> int:
         """A fresh round number for one prediction pass (so no sum context is served twice)."""
@@ -389,16 +411,19 @@ class Federation:
         tag: str,
         source_tag: str,
         head: str = "",
+        probabilities: bool = False,
     ) -> tuple[Tensor, Tensor]:
         """The classes ``head_party``'s head ``head`` predicts for ``positions`` from the sum of
         ``selection`` (B, K) over the representations sent under ``source_tag``: (positions,
-        predictions) as it answered."""
+        predictions) as it answered; with ``probabilities``, its class probabilities
+        (positions, classes) instead of the classes."""
         self.own.send(
             PredictTask(
                 **self.header(head_party, round, batch_id),
                 positions=positions,
                 tag=tag,
                 head=head,
+                probabilities=probabilities,
             )
         )
         self.request_sum(
@@ -414,7 +439,13 @@ class Federation:
             PredictionMessage,
             self.own.take("prediction", sender=head_party, round=round, batch_id=batch_id, tag=tag),
         )
-        return answer.positions, answer.predictions
+        if not probabilities:
+            return answer.positions, answer.predictions
+        if answer.probabilities is None:
+            raise ProtocolError(
+                f"{head_party}: class probabilities were asked for; its answer holds none."
+            )
+        return answer.positions, answer.probabilities
 
     def take_loss(self, head_party: str, *, round: int, batch_id: int, tag: str) -> float:
         """The loss ``head_party`` reported for its task ``tag`` of this step."""
@@ -531,6 +562,11 @@ def build_federation(
                 f"{party_name(k)} holds a feature block, so its role must be a DataParty; "
                 f"found {type(party).__name__}."
             )
+        # Its own preprocessing, and the label values at the label party (its saved part).
+        if data.preprocessing is not None:
+            party.preprocessing = data.preprocessing[k]
+        if k == 0 and data.classes is not None:
+            party.classes = cast(tuple[ClassValue, ...], data.classes)
         party.connect(channel)
         parties.append(party)
     server = make_aggregation_server(aggregator, roles.get(AGGREGATOR, "aggregation-server"))

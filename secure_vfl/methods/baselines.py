@@ -15,7 +15,7 @@ Local and Ensemble share LASER's code (:mod:`secure_vfl.methods.laser`).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from functools import partial
 
 import numpy as np
@@ -154,9 +154,10 @@ class ConcatFusionMethod:
             on_step=on_step,
         )
 
-    def predict(self, split_name: str) -> np.ndarray:
+    def _logits(self, split_name: str) -> np.ndarray:
+        """The top model's logits (N, C) on the concatenation, zeros for absent blocks."""
         split = split_tensors(self.data)[split_name]
-        out = np.full(split.mask.shape, -1, dtype=np.int64)
+        out = np.zeros((split.n, self.data.num_classes), dtype=np.float32)
         query = self.fed.next_query()
         for batch_id, rows in enumerate(batches(split.n, 1024)):
             mask = torch.from_numpy(split.mask[rows.numpy()])
@@ -165,13 +166,44 @@ class ConcatFusionMethod:
             )
             self.head.module.eval()
             with torch.no_grad():
-                predicted = self.head.module(inputs).argmax(dim=-1).numpy()
-            out[rows.numpy()] = broadcast_prediction(predicted, mask.numpy())
-        if self.name == "standard" and self.config.standard_incomplete == "random":
+                out[rows.numpy()] = self.head.module(inputs).numpy()
+        return out
+
+    @property
+    def absent_block_refusal(self) -> str | None:
+        """Why this method cannot predict with a party's block absent (None: it can)."""
+        if self.name != "standard":
+            return None
+        instead = "guesses at random" if self.guesses_incomplete else "reads zeros"
+        return (
+            "its top model was trained only on samples that every party holds; where a block "
+            f"is absent it {instead} (standard_incomplete={self.config.standard_incomplete!r})"
+        )
+
+    @property
+    def guesses_incomplete(self) -> bool:
+        """Whether this method guesses at random on incomplete samples (Standard VFL with
+        ``standard_incomplete="random"``) rather than predicting from zeros."""
+        return self.name == "standard" and self.config.standard_incomplete == "random"
+
+    def predict(self, split_name: str) -> np.ndarray:
+        split = split_tensors(self.data)[split_name]
+        predicted = self._logits(split_name).argmax(axis=1)
+        out = broadcast_prediction(predicted, split.mask)
+        if self.guesses_incomplete:
             incomplete = ~split.mask.all(axis=1)
             guesses = random_predictions(split.mask, self.data.num_classes, self.fed.rng)
             out[incomplete] = guesses[incomplete]
         return out
+
+    def predict_proba(self, split_name: str) -> np.ndarray:
+        """Class probabilities (N, C) of the top model; NaN on the incomplete samples on which
+        :meth:`predict` guesses at random (it makes no prediction there)."""
+        split = split_tensors(self.data)[split_name]
+        probabilities = torch.softmax(torch.from_numpy(self._logits(split_name)), dim=1).numpy()
+        if self.guesses_incomplete:
+            probabilities[~split.mask.all(axis=1)] = np.nan
+        return probabilities
 
 
 def subset_tag(subset: tuple[int, ...]) -> str:
@@ -334,6 +366,24 @@ class Combinatorial:
     def predict(self, split_name: str) -> np.ndarray:
         split = split_tensors(self.data)[split_name]
         out = np.full(split.mask.shape, -1, dtype=np.int64)
+        for idx, predicted in self._answers(split_name, probabilities=False):
+            out[idx] = broadcast_prediction(predicted.numpy(), split.mask[idx])
+        return out
+
+    def predict_proba(self, split_name: str) -> np.ndarray:
+        """Class probabilities (N, C) of the predictor of exactly each sample's observed set."""
+        split = split_tensors(self.data)[split_name]
+        out = np.full((split.n, self.data.num_classes), np.nan, dtype=np.float32)
+        for idx, probabilities in self._answers(split_name, probabilities=True):
+            out[idx] = probabilities.numpy()
+        return out
+
+    def _answers(
+        self, split_name: str, *, probabilities: bool
+    ) -> Iterator[tuple[np.ndarray, Tensor]]:
+        """Each predictor's answers for the samples whose observed set is exactly its subset:
+        (the split's rows, their classes or, with ``probabilities``, class probabilities)."""
+        split = split_tensors(self.data)[split_name]
         query = self.fed.next_query()
         for batch_id, rows in enumerate(batches(split.n, 1024)):
             mask = torch.from_numpy(split.mask[rows.numpy()])
@@ -363,10 +413,9 @@ class Combinatorial:
                     tag=tag,
                     source_tag=tag,
                     head=subset_tag(subset),
+                    probabilities=probabilities,
                 )
-                idx = rows.numpy()[positions.numpy()]
-                out[idx] = broadcast_prediction(predicted.numpy(), split.mask[idx])
-        return out
+                yield rows.numpy()[positions.numpy()], predicted
 
 
 METHODS.register("standard", partial(ConcatFusionMethod, name="standard"))

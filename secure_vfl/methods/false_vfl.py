@@ -271,6 +271,11 @@ class LatentParty(DataParty):
             )
         )
 
+    def hold_split(self, split: str, block: Tensor, held: Tensor) -> None:
+        """Hold a new split's block and which of its rows it holds (scored by its decoder)."""
+        super().hold_split(split, block, held)
+        self._observed[split] = held
+
     def on_update(self, message: UpdateRequest) -> None:
         super().on_update(message)
         for stale in [k for k in self._likelihood_pending if k[0] <= message.round]:
@@ -307,6 +312,10 @@ class LatentLabelParty(LatentParty):
     @property
     def receives_sums(self) -> bool:
         return True
+
+    def own_modules(self) -> dict[str, torch.nn.Module]:
+        """Its encoder/decoder and its label-side model q(z|h), p(h|z), p(y|h)."""
+        return {**super().own_modules(), "label-model": self.label_model}
 
     def labels(self, rows: Tensor) -> Tensor:
         """Labels of training ``rows``; refuses rows whose label it does not hold."""
@@ -812,6 +821,10 @@ class FalseVflMethod:
             probabilities[without] = class_probabilities.mean(dim=1).numpy()
             weights[without] = 1.0 / samples
         return Inference(probabilities=probabilities, weights=weights)
+
+    def predict_proba(self, split_name: str) -> np.ndarray:
+        """The SNIS class probabilities (N, C) of :meth:`infer` (random: L latent draws)."""
+        return self.infer(split_name).probabilities
 
     def predict(self, split_name: str) -> np.ndarray:
         """The label party's SNIS prediction, reported by every observed party: (N, K)."""

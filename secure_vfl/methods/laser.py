@@ -21,7 +21,7 @@ of two terms one of which the receiver holds is the other term in the clear.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from functools import partial
 from typing import Literal
 
@@ -311,9 +311,38 @@ class MeanFusionMethod:
         prediction; under secure sums it predicts from :func:`secure_prediction_selection`, and
         a sample with nothing releasable gets the head's answer to a zero mean (its prior).
         """
-        fed = self.fed
         split = split_tensors(self.data)[split_name]
         out = np.full(split.mask.shape, -1, dtype=np.int64)
+        for h, idx, predicted in self._head_answers(split_name, probabilities=False):
+            if self.config.heads == "all":
+                out[idx, h] = predicted.numpy()
+            else:
+                out[idx] = broadcast_prediction(predicted.numpy(), split.mask[idx])
+        return out
+
+    def head_probabilities(self, split_name: str) -> np.ndarray:
+        """Each head's class probabilities from the same observed sets as
+        :meth:`head_predictions`: (N, H, C) over the heads of ``head_index``, NaN where a head
+        makes no prediction."""
+        split = split_tensors(self.data)[split_name]
+        out = np.full((split.n, len(self.head_index), self.data.num_classes), np.nan, np.float32)
+        for h, idx, probabilities in self._head_answers(split_name, probabilities=True):
+            out[idx, self.head_index.index(h)] = probabilities.numpy()
+        return out
+
+    def predict_proba(self, split_name: str) -> np.ndarray:
+        """Class probabilities (N, C): the mean of the predicting heads' probabilities (one head
+        with ``heads="active"``; with ``"all"`` every observed party's head, each from the
+        observed set, as LASER-VFL's Algorithm 2; Local and Ensemble: each from its own block)."""
+        return np.nanmean(self.head_probabilities(split_name), axis=1)
+
+    def _head_answers(
+        self, split_name: str, *, probabilities: bool
+    ) -> Iterator[tuple[int, np.ndarray, Tensor]]:
+        """Every head's answers, batch by batch: (head index, the split's rows it answered for,
+        its classes or, with ``probabilities``, its class probabilities)."""
+        fed = self.fed
+        split = split_tensors(self.data)[split_name]
         source = f"predict/{split_name}"
         query = fed.next_query()
         for batch_id, rows in enumerate(batches(split.n, 1024)):
@@ -352,13 +381,9 @@ class MeanFusionMethod:
                     batch_id=batch_id,
                     tag=f"predict/{split_name}",
                     source_tag=source,
+                    probabilities=probabilities,
                 )
-                idx = rows.numpy()[positions.numpy()]
-                if self.config.heads == "all":
-                    out[idx, h] = predicted.numpy()
-                else:
-                    out[idx] = broadcast_prediction(predicted.numpy(), split.mask[idx])
-        return out
+                yield h, rows.numpy()[positions.numpy()], predicted
 
     def predict(self, split_name: str) -> np.ndarray:
         if self.name != "ensemble":

@@ -1,0 +1,731 @@
+"""The network transport: each party in its own process, messages over gRPC with mutual TLS.
+
+A :class:`PartyEndpoint` is one party's presence on the network: a gRPC server bound to its
+address that receives encoded messages, and a client channel to each peer. The message format
+is the wire codec's (:func:`~secure_vfl.federation.wire.encode`, ``decode``): gRPC carries raw
+bytes (no generated code, no protobuf schema, never pickle). Two methods, service
+``securevfl.Transport``: ``Deliver`` (unary, one encoded message) and ``DeliverStream`` (client
+streaming, a message larger than :data:`STREAM_THRESHOLD` in chunks of :data:`CHUNK_BYTES`,
+reassembled up to the codec's size limit).
+
+**Identity.** Mutual TLS by default, with the federation's certificates
+(:mod:`protocols.tls`, ``secure-vfl certs init``): a party's name is its certificate's common
+name, also its first DNS name. The server takes the caller's name from the caller's certificate
+(``context.auth_context()``) and refuses, with ``PERMISSION_DENIED``, any message whose header
+names another sender; the client checks that the server's certificate holds the DNS name of the
+party it means to reach (``grpc.ssl_target_name_override``). A certificate from another CA fails
+the TLS handshake. Plaintext only with ``insecure=True``, which logs a warning on every endpoint.
+
+**Delivery is synchronous, as in one process.** ``send`` returns once the receiving party has
+*acted on* the message: its handler returned (``on_<kind>``), or the message waits in its inbox.
+The receiving server thread hands the decoded message to the receiving party's own thread and
+waits for it; meanwhile the sending party, blocked in ``send``, acts on whatever arrives for it
+(the replies its message caused), on its own thread. So a chain of deliveries
+(label party -> data party -> aggregator -> label party) runs as the in-process call stack does
+(:meth:`~secure_vfl.federation.channel.Channel.post` calls the receiver before returning): one
+handler at a time in the whole federation, in the same order, every party's code on its own
+thread (gRPC's threads only decode, check and hand over). A receiver that refuses a message
+(its handler raises) makes the sender's ``send`` raise :class:`~secure_vfl.errors.ProtocolError`
+quoting the reason, as the exception would propagate in one process.
+
+How the label party's driving maps onto this (what :class:`NetworkChannel` does and what the
+``party serve`` and federation-file layer still has to do):
+
+- The label party's program is unchanged: it ``send`` s a plan, and when ``send`` returns every
+  consequence has been handled, so :meth:`Party.take` finds the answer in its inbox or knows it
+  never came, exactly as in process. Handlers, drivers and message order are unchanged, so a
+  seed gives the same model over the network as in process.
+- In each process a :class:`NetworkChannel` replaces the in-process
+  :class:`~secure_vfl.federation.channel.Channel`: its one local party is attached (the endpoint
+  hands it every arriving message, ``party.receive``), and posting to any other name goes
+  through the channel's layers and then :meth:`PartyEndpoint.send`. Other parties are addresses,
+  not objects: what a composition root reads today from ``channel.parties`` (accountants, hook
+  seconds, ``after_training``) has to become messages or stay local to each party.
+- A data party or aggregator process runs ``endpoint.act_on_next(deadline)`` in a loop until
+  the label party ends the run (a message to add) or the label party is silent for longer than
+  the deadline (it died: exit non-zero).
+- A dead or unreachable peer surfaces as :class:`~secure_vfl.errors.TransportError` from ``send``
+  (after bounded retries on ``UNAVAILABLE``) or when a deadline passes: the place where the
+  fault handling of LASER and FALSE-VFL (a dropped party becomes a missing block) hooks in.
+
+**Deadlines and retries.** Every call carries a deadline (``deadline`` seconds, which covers the
+nested chain of deliveries it causes). Only ``UNAVAILABLE`` (could not connect, connection lost)
+is retried, a bounded number of times with exponential backoff; every delivery carries a
+per-sender stream token and sequence number, so a retry of a message that did arrive is not
+acted on twice (the receiver answers it with the first attempt's outcome), and a reused or old
+sequence number is refused as a replay. That makes retries safe; it is not what stops replays:
+TLS keeps a network attacker from replaying anything, and a party that replays its own messages
+on a new stream meets the protocols' own checks (sessions, rounds, batches), as in one process.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import logging
+import queue
+import re
+import secrets
+import stat
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent import futures
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import grpc
+from cryptography import x509
+from cryptography.x509.oid import NameOID
+
+from secure_vfl.errors import ConfigError, ProtocolError, TransportError
+from secure_vfl.federation import wire
+from secure_vfl.federation.channel import Channel, ChannelLayer
+from secure_vfl.federation.messages import Message
+
+if TYPE_CHECKING:
+    from secure_vfl.federation.parties import Party
+
+logger = logging.getLogger(__name__)
+
+SERVICE = "securevfl.Transport"
+DELIVER = f"/{SERVICE}/Deliver"
+DELIVER_STREAM = f"/{SERVICE}/DeliverStream"
+STREAM_THRESHOLD = 4 * 1024 * 1024
+"""A message larger than this (gRPC's default message limit) is streamed in chunks."""
+CHUNK_BYTES = 1024 * 1024
+FRAME_LIMIT = STREAM_THRESHOLD + 64 * 1024
+"""The largest gRPC message either end accepts: one unstreamed message, with room to spare."""
+DEFAULT_DEADLINE = 60.0
+SERVER_THREADS = 16
+REPLAY_WINDOW = 1024
+"""Deliveries remembered per sender stream (for retries); older sequence numbers are replays."""
+STREAMS_KEPT = 4
+"""Sender streams (endpoint lifetimes) remembered per peer."""
+
+_NOT_DELIVERED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+_STREAM, _SEQUENCE, _SIZE = "svfl-stream", "svfl-sequence", "svfl-size"
+_PARTY_NAME = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
+
+
+def check_party_name(name: str) -> str:
+    """``name`` if it can name a party on the network (a lower-case DNS label: letters, digits,
+    inner hyphens, at most 63 characters; it goes into certificates as a DNS name), else
+    ConfigError."""
+    if not isinstance(name, str) or not _PARTY_NAME.fullmatch(name):
+        raise ConfigError(
+            "a party name of lower-case letters, digits and inner hyphens (at most 63 "
+            f"characters) expected. Found {name!r}."
+        )
+    return name
+
+
+def certificate_name(pem: bytes) -> str:
+    """The party a PEM certificate names: its subject's common name. ConfigError if it has
+    none, or more than one."""
+    try:
+        certificate = x509.load_pem_x509_certificate(pem)
+    except ValueError as error:
+        raise ConfigError(f"a PEM certificate expected: {error}") from error
+    names = [a.value for a in certificate.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    if len(names) != 1 or not isinstance(names[0], str):
+        raise ConfigError(f"a certificate with one common name expected. Found {names}.")
+    return names[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class TlsIdentity:
+    """A party's TLS material, PEM: the federation CA's certificate (which every peer's must be
+    signed by), the party's certificate and its private key."""
+
+    ca: bytes
+    certificate: bytes
+    key: bytes = dataclasses.field(repr=False)
+
+    @classmethod
+    def from_files(cls, ca: Path, certificate: Path, key: Path) -> TlsIdentity:
+        """Read the three files; ConfigError if one is missing, or the key file lets anyone but
+        its owner read it."""
+        for path in (ca, certificate, key):
+            if not path.is_file():
+                raise ConfigError(f"a PEM file expected at {path}. Found none.")
+        mode = stat.S_IMODE(key.stat().st_mode)
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ConfigError(
+                f"{key} has mode {mode:04o}: others may read the private key. Expected 0600 "
+                f"(chmod 600 {key})."
+            )
+        return cls(ca.read_bytes(), certificate.read_bytes(), key.read_bytes())
+
+    @property
+    def name(self) -> str:
+        """The party this identity's certificate names."""
+        return certificate_name(self.certificate)
+
+
+@dataclasses.dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how patiently a delivery is retried on ``UNAVAILABLE`` (only): at most
+    ``attempts`` tries, waiting ``first_backoff`` seconds after the first failure, doubling up to
+    ``max_backoff``, and never past the delivery's deadline."""
+
+    attempts: int = 5
+    first_backoff: float = 0.1
+    max_backoff: float = 2.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or self.first_backoff < 0 or self.max_backoff < self.first_backoff:
+            raise ConfigError(
+                "attempts >= 1 and 0 <= first_backoff <= max_backoff expected. Found "
+                f"{self.attempts}, {self.first_backoff}, {self.max_backoff}."
+            )
+
+    def backoffs(self) -> Iterator[float]:
+        """The wait after each failed attempt but the last."""
+        wait = self.first_backoff
+        for _ in range(self.attempts - 1):
+            yield wait
+            wait = min(2 * wait, self.max_backoff)
+
+
+@dataclasses.dataclass
+class _Arrival:
+    """A decoded message handed from a server thread to the party's thread, which acts on it
+    and sets ``done`` (with ``refusal``: why it refused it)."""
+
+    message: Message
+    size: int
+    digest: bytes
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    refusal: str | None = None
+    failed: bool = False  # the handler raised something other than a ProtocolError
+
+
+@dataclasses.dataclass(frozen=True)
+class _Refused:
+    """A message the server refused before the party saw it (the party learns why)."""
+
+    reason: str
+
+
+_WAKE = object()  # an outgoing call finished: the waiting party thread looks again
+_Item = _Arrival | _Refused | object
+
+
+class _Refusal(Exception):
+    """Raised inside a server thread to refuse a delivery with a status code."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str) -> None:
+        super().__init__(reason)
+        self.code = code
+        self.reason = reason
+
+
+def _metadata(context: grpc.ServicerContext) -> dict[str, str]:
+    return {key: str(value) for key, value in context.invocation_metadata()}
+
+
+def _elapsed(start: float) -> str:
+    return f"{time.monotonic() - start:.1f} s"
+
+
+class PartyEndpoint:
+    """One party's endpoint: a gRPC server at ``listen`` and clients to its ``peers``
+    (name -> ``host:port``), under mutual TLS with ``identity`` (or plaintext with
+    ``insecure=True`` and no identity).
+
+    Messages that arrive are handed to ``handler`` (``party.receive`` under a
+    :class:`NetworkChannel`) or, without one, kept for :meth:`receive`, always on the party's
+    own thread: inside :meth:`send` (while it waits), :meth:`receive` or :meth:`act_on_next`.
+    ``bytes`` counts the encoded bytes sent, by (sender, receiver, phase), as the in-process
+    transport does; ``received`` those that arrived.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        listen: str = "127.0.0.1:0",
+        peers: Mapping[str, str] | None = None,
+        identity: TlsIdentity | None = None,
+        insecure: bool = False,
+        deadline: float = DEFAULT_DEADLINE,
+        retry: RetryPolicy | None = None,
+        max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
+    ) -> None:
+        self.name = check_party_name(name)
+        if insecure == (identity is not None):
+            raise ConfigError(
+                f"{name}: a TLS identity (certificate, key and the federation CA) or "
+                "insecure=True expected, not both and not neither."
+            )
+        if identity is not None and identity.name != name:
+            raise ConfigError(
+                f"{name}: its certificate names {identity.name!r}; a party's certificate must "
+                "name the party."
+            )
+        if deadline <= 0:
+            raise ConfigError(f"a deadline > 0 seconds expected. Found {deadline}.")
+        self.identity = identity
+        self.insecure = insecure
+        self.deadline = deadline
+        self.retry = retry if retry is not None else RetryPolicy()
+        self.max_message_bytes = max_message_bytes
+        self.handler: Callable[[Message], None] | None = None
+        self.bytes: Counter[tuple[str, str, str]] = Counter()
+        self.received: Counter[tuple[str, str, str]] = Counter()
+        self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
+        self._kept: collections.deque[Message] = collections.deque()
+        self._refusals: collections.deque[str] = collections.deque()
+        self._peers: dict[str, str] = {}
+        self._channels: dict[str, grpc.Channel] = {}
+        self._sequence: Counter[str] = Counter()
+        self._token = secrets.token_hex(16)  # this endpoint's sender stream
+        self._lock = threading.Lock()
+        self._deliveries: dict[tuple[str, str], dict[int, _Arrival]] = {}
+        if insecure:
+            logger.warning(
+                "%s: gRPC WITHOUT TLS (insecure=True): messages cross the network in the clear "
+                "and no peer's identity is checked; use certificates (secure-vfl certs init).",
+                name,
+            )
+        self._server, self.port = self._start_server(listen)
+        for peer, address in (peers or {}).items():
+            self.add_peer(peer, address)
+
+    # -- life cycle --------------------------------------------------------------------------
+
+    def _start_server(self, listen: str) -> tuple[grpc.Server, int]:
+        handlers = grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "Deliver": grpc.unary_unary_rpc_method_handler(self._serve_message),
+                "DeliverStream": grpc.stream_unary_rpc_method_handler(self._serve_stream),
+            },
+        )
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=SERVER_THREADS),
+            handlers=(handlers,),
+            options=[
+                ("grpc.max_receive_message_length", FRAME_LIMIT),
+                ("grpc.max_send_message_length", FRAME_LIMIT),
+            ],
+            maximum_concurrent_rpcs=SERVER_THREADS,
+        )
+        try:
+            if self.identity is None:
+                port = server.add_insecure_port(listen)
+            else:
+                credentials = grpc.ssl_server_credentials(
+                    [(self.identity.key, self.identity.certificate)],
+                    root_certificates=self.identity.ca,
+                    require_client_auth=True,
+                )
+                port = server.add_secure_port(listen, credentials)
+        except RuntimeError as error:
+            raise TransportError(f"{self.name}: cannot listen on {listen}: {error}") from error
+        if port == 0:
+            raise TransportError(f"{self.name}: cannot listen on {listen} (address in use?).")
+        server.start()
+        return server, port
+
+    def add_peer(self, name: str, address: str) -> None:
+        """Make party ``name`` reachable at ``address`` (``host:port``)."""
+        check_party_name(name)
+        if name in self._peers:
+            raise ConfigError(f"{self.name}: peer {name!r} is already at {self._peers[name]}.")
+        options: list[tuple[str, int | str]] = [
+            ("grpc.max_receive_message_length", FRAME_LIMIT),
+            ("grpc.max_send_message_length", FRAME_LIMIT),
+        ]
+        if self.identity is None:
+            channel = grpc.insecure_channel(address, options=options)
+        else:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=self.identity.ca,
+                private_key=self.identity.key,
+                certificate_chain=self.identity.certificate,
+            )
+            # The server must prove it is the party called: its certificate must hold the
+            # party's name (as a DNS name), whatever host it is reached at.
+            options += [("grpc.ssl_target_name_override", name), ("grpc.default_authority", name)]
+            channel = grpc.secure_channel(address, credentials, options=options)
+        self._peers[name] = address
+        self._channels[name] = channel
+
+    @property
+    def address(self) -> str:
+        """Where peers on this machine reach this endpoint."""
+        return f"127.0.0.1:{self.port}"
+
+    def close(self, grace: float = 0.5) -> None:
+        """Stop serving and close every client channel; deliveries not yet acted on are
+        answered as refused (their senders learn that this party stopped)."""
+        stopped = self._server.stop(grace)
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Arrival):
+                item.refusal = f"{self.name} stopped before acting on {item.message.kind}."
+                item.done.set()
+        stopped.wait(grace + 1.0)
+        for channel in self._channels.values():
+            channel.close()
+        self._channels.clear()
+
+    def __enter__(self) -> PartyEndpoint:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.close()
+
+    # -- the server side: gRPC threads decode, check identity and hand over ------------------
+
+    def _serve_message(self, data: bytes, context: grpc.ServicerContext) -> bytes:
+        return self._accept(data, context)
+
+    def _serve_stream(self, chunks: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        try:
+            declared = self._declared_size(_metadata(context))
+            buffer = bytearray()
+            for chunk in chunks:
+                if len(buffer) + len(chunk) > declared:
+                    raise _Refusal(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"{self.name}: a streamed message longer than the {declared} bytes "
+                        "announced.",
+                    )
+                buffer += chunk
+            if len(buffer) != declared:
+                raise _Refusal(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{self.name}: a streamed message of {declared} bytes announced, "
+                    f"{len(buffer)} arrived.",
+                )
+        except _Refusal as refusal:
+            self._refuse(context, refusal)
+        return self._accept(bytes(buffer), context)
+
+    def _declared_size(self, metadata: Mapping[str, str]) -> int:
+        text = metadata.get(_SIZE, "")
+        if not text.isdigit() or int(text) > self.max_message_bytes:
+            raise _Refusal(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.name}: a streamed message of at most {self.max_message_bytes} bytes "
+                f"expected, {text or 'no size'} announced.",
+            )
+        return int(text)
+
+    def _refuse(self, context: grpc.ServicerContext, refusal: _Refusal) -> NoReturn:
+        """Refuse a delivery: the sender gets the status, this party the reason (its next
+        :meth:`receive` raises ProtocolError)."""
+        logger.warning("%s", refusal.reason)
+        self._queue.put(_Refused(refusal.reason))
+        context.abort(refusal.code, refusal.reason)
+        raise AssertionError("context.abort returns only by raising")  # pragma: no cover
+
+    def _caller(self, context: grpc.ServicerContext) -> str | None:
+        """The caller's party name, from its certificate (None without TLS)."""
+        if self.identity is None:
+            return None
+        names = context.auth_context().get("x509_common_name", [])
+        if len(names) != 1:
+            raise _Refusal(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{self.name}: a caller certificate with one common name expected, found "
+                f"{len(names)}.",
+            )
+        return bytes(names[0]).decode("utf-8", errors="replace")
+
+    def _accept(self, data: bytes, context: grpc.ServicerContext) -> bytes:
+        """Decode and check a delivery, hand it to the party's thread, wait until it has acted
+        on it and answer with the outcome."""
+        try:
+            caller = self._caller(context)
+            try:
+                message = wire.decode(data, max_bytes=self.max_message_bytes)
+            except ProtocolError as error:
+                raise _Refusal(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{self.name}: a message from {caller or 'a plaintext peer'} that the codec "
+                    f"refuses: {error}",
+                ) from error
+            if caller is not None and message.sender != caller:
+                raise _Refusal(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"{self.name}: a {message.kind} claiming to come from {message.sender!r} over "
+                    f"a connection whose certificate is {caller!r}'s; a party sends only in its "
+                    "own name.",
+                )
+            if message.receiver != self.name:
+                raise _Refusal(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{self.name}: a {message.kind} from {message.sender} addressed to "
+                    f"{message.receiver!r}.",
+                )
+            arrival, new = self._register(caller or message.sender, context, message, data)
+        except _Refusal as refusal:
+            self._refuse(context, refusal)
+        if new:
+            self._queue.put(arrival)
+        remaining = context.time_remaining()
+        if not arrival.done.wait(timeout=remaining if remaining is not None else self.deadline):
+            context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"{self.name} did not act on {message.kind} from {message.sender} in time.",
+            )
+        if arrival.refusal is not None:
+            code = grpc.StatusCode.INTERNAL if arrival.failed else grpc.StatusCode.ABORTED
+            context.abort(code, arrival.refusal)
+        return b""
+
+    def _register(
+        self, sender: str, context: grpc.ServicerContext, message: Message, data: bytes
+    ) -> tuple[_Arrival, bool]:
+        """The arrival of this delivery, and whether it is new: a retry (same stream and
+        sequence number, same bytes) gets the first attempt's; an old sequence number, or a
+        reused one with other bytes, is refused as a replay."""
+        metadata = _metadata(context)
+        stream, sequence = metadata.get(_STREAM, ""), metadata.get(_SEQUENCE, "")
+        if not stream or not sequence.isdigit():
+            raise _Refusal(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{self.name}: a delivery from {sender} without its stream and sequence number.",
+            )
+        number, digest = int(sequence), hashlib.blake2b(data, digest_size=16).digest()
+        with self._lock:
+            if (sender, stream) not in self._deliveries:
+                # A sender's new stream (a restarted process): forget its oldest beyond a few.
+                streams = [key for key in self._deliveries if key[0] == sender]
+                for forgotten in streams[: max(len(streams) - STREAMS_KEPT + 1, 0)]:
+                    del self._deliveries[forgotten]
+            recent = self._deliveries.setdefault((sender, stream), {})
+            known = recent.get(number)
+            if known is not None and known.digest == digest:
+                return known, False
+            if known is not None or (recent and number <= max(recent) - REPLAY_WINDOW):
+                raise _Refusal(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"{self.name}: {message.kind} from {sender} replays delivery {number} of its "
+                    "stream; refused.",
+                )
+            arrival = _Arrival(message, len(data), digest)
+            recent[number] = arrival
+            for old in [n for n in recent if n <= number - REPLAY_WINDOW]:
+                del recent[old]
+            return arrival, True
+
+    # -- the party's thread: acting on what arrived ------------------------------------------
+
+    def _act_on(self, item: _Item) -> None:
+        if isinstance(item, _Refused):
+            self._refusals.append(item.reason)
+        elif isinstance(item, _Arrival):
+            message = item.message
+            try:
+                if self.handler is None:
+                    self._kept.append(message)
+                else:
+                    self.handler(message)
+            except ProtocolError as error:
+                item.refusal = f"{self.name} refused {message.kind} from {message.sender}: {error}"
+            except Exception as error:  # the sender learns it failed; this party goes on
+                item.refusal = (
+                    f"{self.name} failed acting on {message.kind} from {message.sender}: "
+                    f"{type(error).__name__}: {error}"
+                )
+                item.failed = True
+            finally:
+                self.received[(message.sender, message.receiver, _phase(message))] += item.size
+                item.done.set()
+            if item.refusal is not None:
+                logger.warning("%s", item.refusal)
+
+    def act_on_next(
+        self,
+        deadline: float | None = None,
+        *,
+        awaiting: str = "a message",
+        refusals: bool = True,
+    ) -> None:
+        """Act on the next thing that arrives (hand a message to the handler, or keep it);
+        TransportError if nothing arrives within ``deadline`` seconds (default: the
+        endpoint's). With ``refusals``, ProtocolError for a delivery the server refused (an
+        impostor, a replay; otherwise they wait for :meth:`receive`)."""
+        timeout = self.deadline if deadline is None else deadline
+        try:
+            item = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            raise TransportError(
+                f"{self.name}: no {awaiting} arrived within {timeout:g} s; is the peer running "
+                "and can it reach this party?"
+            ) from None
+        self._act_on(item)
+        if refusals and self._refusals:
+            raise ProtocolError(self._refusals.popleft())
+
+    def receive(
+        self,
+        deadline: float | None = None,
+        *,
+        sender: str | None = None,
+        kind: str | None = None,
+    ) -> Message:
+        """The next kept message (from ``sender``, of ``kind``, if given), waiting for it up to
+        ``deadline`` seconds (default: the endpoint's). TransportError naming what was awaited
+        if it does not come; ProtocolError if a delivery was refused meanwhile (an impostor, a
+        message the codec refuses)."""
+        timeout = self.deadline if deadline is None else deadline
+        end = time.monotonic() + timeout
+        while True:
+            if self._refusals:
+                raise ProtocolError(self._refusals.popleft())
+            for message in self._kept:
+                if sender in (None, message.sender) and kind in (None, message.kind):
+                    self._kept.remove(message)
+                    return message
+            try:
+                item = self._queue.get(timeout=max(end - time.monotonic(), 0.0))
+            except queue.Empty:
+                where = f" at {self._peers[sender]}" if sender in self._peers else ""
+                raise TransportError(
+                    f"{self.name}: no {kind or 'message'} from {sender or 'any peer'} arrived "
+                    f"within {timeout:g} s; is {sender or 'the peer'}{where} running, and can it "
+                    "reach this party?"
+                ) from None
+            self._act_on(item)
+
+    # -- the client side ---------------------------------------------------------------------
+
+    def send(self, message: Message, *, deadline: float | None = None) -> int:
+        """Deliver ``message`` to the peer it names and return its encoded size once that peer
+        has acted on it; meanwhile act on what arrives for this party. ProtocolError if the peer
+        refuses it (the peer's reason is quoted) or it does not come from this party;
+        TransportError if the peer is not reached (after retries on UNAVAILABLE) or does not
+        answer within ``deadline`` seconds (default: the endpoint's)."""
+        if message.sender != self.name:
+            raise ProtocolError(
+                f"{self.name}: a {message.kind} naming sender {message.sender!r}; a party sends "
+                "only in its own name."
+            )
+        channel = self._channels.get(message.receiver)
+        if channel is None:
+            raise ProtocolError(
+                f"{self.name}: no address for {message.receiver!r} (peers: "
+                f"{', '.join(sorted(self._peers)) or 'none'})."
+            )
+        data = wire.encode(message)
+        self._sequence[message.receiver] += 1
+        metadata: tuple[tuple[str, str], ...] = (
+            (_STREAM, self._token),
+            (_SEQUENCE, str(self._sequence[message.receiver])),
+        )
+        timeout = self.deadline if deadline is None else deadline
+        start = time.monotonic()
+        backoffs = self.retry.backoffs()
+        attempt = 0
+        while True:
+            attempt += 1
+            remaining = start + timeout - time.monotonic()
+            future = self._call(channel, data, metadata, max(remaining, 0.001))
+            self._wait_for(future)
+            error = future.exception()
+            if error is None or error.code() not in _NOT_DELIVERED:
+                # It crossed (answered, or refused by the peer): count it, as in one process.
+                self.bytes[(message.sender, message.receiver, _phase(message))] += len(data)
+            if error is None:
+                return len(data)
+            backoff = next(backoffs, None)
+            late = time.monotonic() + (backoff or 0.0) >= start + timeout
+            if error.code() != grpc.StatusCode.UNAVAILABLE or backoff is None or late:
+                raise self._failure(message, error, attempt, start)
+            self._pause(backoff)
+
+    def _call(
+        self,
+        channel: grpc.Channel,
+        data: bytes,
+        metadata: tuple[tuple[str, str], ...],
+        timeout: float,
+    ) -> grpc.Future:
+        if len(data) <= STREAM_THRESHOLD:
+            return channel.unary_unary(DELIVER).future(data, timeout=timeout, metadata=metadata)
+        chunks = (data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES))
+        return channel.stream_unary(DELIVER_STREAM).future(
+            chunks, timeout=timeout, metadata=(*metadata, (_SIZE, str(len(data))))
+        )
+
+    def _wait_for(self, future: grpc.Future) -> None:
+        """Act on what arrives until ``future`` is done (it ends at its deadline at the latest)."""
+        future.add_done_callback(lambda _: self._queue.put(_WAKE))
+        while not future.done():
+            try:
+                item = self._queue.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            self._act_on(item)
+
+    def _pause(self, seconds: float) -> None:
+        """Wait ``seconds``, acting on what arrives meanwhile."""
+        end = time.monotonic() + seconds
+        while (remaining := end - time.monotonic()) > 0:
+            try:
+                self._act_on(self._queue.get(timeout=remaining))
+            except queue.Empty:
+                return
+
+    def _failure(
+        self, message: Message, error: grpc.RpcError, attempts: int, start: float
+    ) -> ProtocolError:
+        code, details = error.code(), error.details() or ""
+        what = f"{message.kind} from {self.name} to {message.receiver}"
+        if code == grpc.StatusCode.UNAVAILABLE:
+            return TransportError(
+                f"{what}: {message.receiver} at {self._peers[message.receiver]} could not be "
+                f"reached ({attempts} attempts over {_elapsed(start)}): {details}. Is it running, "
+                "and do both certificates come from this federation's CA?"
+            )
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return TransportError(
+                f"{what}: no answer within the deadline ({_elapsed(start)}): {details or code.name}"
+            )
+        return ProtocolError(f"{what} refused ({code.name}): {details}")
+
+
+def _phase(message: Message) -> str:
+    return str(getattr(message, "phase", "train"))
+
+
+class NetworkChannel(Channel):
+    """The channel of one party's process: the party attached here is reached directly (a
+    message to itself), every other party through ``endpoint``; every message passes the
+    channel's ``layers`` first, in the sending process, as in one process.
+
+    The endpoint hands the attached party every message that arrives (``party.receive``), on
+    the party's own thread; ``transport`` is the endpoint (``transport.bytes``: what this party
+    sent).
+    """
+
+    def __init__(self, endpoint: PartyEndpoint, layers: Sequence[ChannelLayer] = ()) -> None:
+        super().__init__(layers)
+        self.endpoint = endpoint
+        self.transport: Any = endpoint
+
+    def attach(self, party: Party) -> None:
+        """Attach this process's party: the one the endpoint's certificate names."""
+        if party.name != self.endpoint.name or self.endpoint.handler is not None:
+            raise ProtocolError(
+                f"a channel over {self.endpoint.name!r}'s endpoint carries that party only; "
+                f"found {party.name!r}."
+            )
+        super().attach(party)
+        self.endpoint.handler = party.receive
+
+    def post(self, message: Message, *, sender: Party) -> None:
+        """Send ``message`` from the attached party to the peer it names, over the network."""
+        self.check_sender(message, sender)
+        self.endpoint.send(self.through_layers(message))

@@ -1,0 +1,196 @@
+"""Runs side by side: where a run came from, and the one-line summary that tells runs apart.
+
+A run's ``result.json`` (and its row in the results store) carries its whole configuration;
+:func:`summarise` reduces it to what distinguishes runs in a table: method, secure-sum backend,
+the DP mechanisms with their noise, the largest epsilon a party spent, accuracy per test
+missingness and wall time. ``secure-vfl runs list`` and ``runs compare`` print these tables.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from secure_vfl.errors import ConfigError
+
+_BACKENDS = {
+    "PlainAggregator": "none",
+    "MaskingAggregator": "masks",
+    "PaillierAggregator": "paillier",
+    "CkksAggregator": "ckks",
+}
+"""Secure-sum backends by the aggregator class a result's ``traffic`` names (for results
+written before the privacy settings were kept in ``config.privacy``)."""
+
+_DP_FLAGS = (
+    ("dp_embeddings", "embedding", "embeddings"),
+    ("dp_gradients", "gradient", "gradients"),
+    ("dp_sgd", "dp-sgd", "dp-sgd"),
+    ("dp_statistics", "statistics", "statistics"),
+)
+"""(privacy setting, privacy report's noise kind, name shown) of every DP mechanism."""
+
+
+def package_version() -> str:
+    """The installed package's version (its metadata), or the source tree's when it runs
+    uninstalled."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("secure-vfl")
+    except metadata.PackageNotFoundError:
+        from secure_vfl import __version__
+
+        return __version__
+
+
+def provenance() -> dict[str, Any]:
+    """The package version and, when the code runs from a git checkout of this project, the
+    commit it runs from (None otherwise: an installed package, or no git)."""
+    return {"version": package_version(), "git_commit": _git_commit()}
+
+
+def _git_commit() -> str | None:
+    """``git rev-parse HEAD`` of the checkout holding this package, if it is one whose top
+    level holds ``secure_vfl/`` (not, say, a project whose virtualenv holds the package)."""
+    source = Path(__file__).resolve().parent.parent
+    try:
+        answer = subprocess.run(
+            ["git", "-C", str(source), "rev-parse", "--show-toplevel", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = answer.stdout.split()
+    if len(lines) != 2 or Path(lines[0]).resolve() != source:
+        return None
+    return lines[1]
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """What tells one run from another: ``backend`` (none, masks, paillier, ckks), ``dp``
+    (the DP mechanisms as ``name SIGMA:CLIP``, or none), ``epsilon`` (the largest spent by a
+    party, None without DP), ``accuracy`` (%, per test missingness)."""
+
+    kind: str
+    method: str
+    dataset: str
+    backend: str
+    dp: str
+    epsilon: float | None
+    accuracy: dict[str, float] = field(default_factory=dict)
+    wall_time_s: float | None = None
+    seed: int | None = None
+
+
+def summarise(payload: dict[str, Any], *, kind: str = "train") -> RunSummary:
+    """The summary of a ``result.json`` payload of ``train`` (or of ``attack``, whose training
+    run is summarised, with its defenses), or of a results-store entry of either."""
+    if "training" in payload:  # an attack's result.json
+        training = dict(payload["training"])
+        training["metrics"] = {"main": payload.get("main", {})}
+        defenses = list(payload.get("defenses") or [])
+        training["config"] = {**training.get("config", {}), "defense": ", ".join(defenses)}
+        return summarise(training, kind=kind)
+    config = payload.get("config", {})
+    settings = config.get("privacy") or {}
+    report = payload.get("privacy") or {}
+    epsilon = report.get("epsilon") or {}
+    return RunSummary(
+        kind=kind,
+        method=str(payload.get("method", config.get("method", "?"))),
+        dataset=str(payload.get("dataset", "?")),
+        backend=_backend(config, settings, payload.get("traffic") or {}),
+        dp=_dp(config, settings, report),
+        epsilon=max(epsilon.values()) if epsilon else None,
+        accuracy=_accuracy(payload.get("metrics") or {}),
+        wall_time_s=payload.get("wall_time_s"),
+        seed=config.get("seed"),
+    )
+
+
+def _backend(config: dict[str, Any], settings: dict[str, Any], traffic: dict[str, Any]) -> str:
+    if settings.get("secure_agg"):
+        return str(settings["secure_agg"])
+    for defense in str(config.get("defense") or "").split(", "):
+        if defense.startswith("secure-agg:"):
+            return defense.partition(":")[2]
+    return _BACKENDS.get(str(traffic.get("aggregator")), "none")
+
+
+def _dp(config: dict[str, Any], settings: dict[str, Any], report: dict[str, Any]) -> str:
+    """The DP mechanisms that ran, with the noise actually used (after a target epsilon's
+    calibration), from the privacy report; else as given in the settings or defenses."""
+    noise = report.get("noise") or {}
+    parts = []
+    for setting, reported, shown in _DP_FLAGS:
+        used = noise.get(reported)
+        if used is not None:
+            parts.append(f"{shown} {used['sigma']:.3g}:{used['clip']:g}")
+        elif settings.get(setting) is not None:
+            sigma, clip = settings[setting]
+            parts.append(f"{shown} {sigma:.3g}:{clip:g}")
+    for defense in str(config.get("defense") or "").split(", "):
+        if defense.startswith("dp-") and not parts:
+            parts.append(defense)
+    if settings.get("target_epsilon") is not None:
+        parts.append(f"target {settings['target_epsilon']:g}")
+    return ", ".join(parts) or "none"
+
+
+def _accuracy(metrics: dict[str, Any]) -> dict[str, float]:
+    """Accuracy (%) per test missingness of a training run's metrics; an attack's main
+    accuracy (a share) under ``main``."""
+    accuracy = {}
+    for name, values in metrics.items():
+        if isinstance(values, dict) and isinstance(values.get("accuracy"), int | float):
+            share = name == "main"
+            accuracy[name] = float(values["accuracy"]) * (100 if share else 1)
+    return accuracy
+
+
+def read_run(directory: Path) -> dict[str, Any]:
+    """The ``result.json`` of a run directory; ConfigError if there is none or it is not a
+    result of ``train`` or ``attack``."""
+    path = Path(directory) / "result.json"
+    if not path.is_file():
+        raise ConfigError(f"{directory} holds no result.json; expected a run directory.")
+    try:
+        payload = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path} is not valid JSON ({error}).") from None
+    if not isinstance(payload, dict) or not ("training" in payload or "epoch_loss" in payload):
+        raise ConfigError(
+            f"{path} is not the result of a training run (train or attack); expected one."
+        )
+    return payload
+
+
+def table(names: list[str], summaries: list[RunSummary]) -> str:
+    """A plain-text table, one line per run: name, method, backend, DP, epsilon, accuracy per
+    test missingness (a column each, over all runs), time."""
+    tests = list(dict.fromkeys(name for s in summaries for name in s.accuracy))
+    header = ["run", "method", "backend", "dp", "epsilon", *[f"acc {t}" for t in tests], "time s"]
+    rows = [header]
+    for name, summary in zip(names, summaries, strict=True):
+        epsilon = "-" if summary.epsilon is None else _number(summary.epsilon)
+        accuracy = [f"{summary.accuracy[t]:.2f}" if t in summary.accuracy else "-" for t in tests]
+        time = "-" if summary.wall_time_s is None else f"{summary.wall_time_s:.1f}"
+        rows.append([name, summary.method, summary.backend, summary.dp, epsilon, *accuracy, time])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    return "\n".join(
+        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    )
+
+
+def _number(value: float) -> str:
+    return "inf" if math.isinf(value) else f"{value:.2f}"

@@ -1,0 +1,387 @@
+"""A trained federation kept on disk and used again: each party's own part plus a manifest.
+
+``train`` saves into ``DIR/model/``: every party writes its own part into its own directory
+(``DIR/model/party-0/`` ...; :meth:`~secure_vfl.federation.parties.DataParty.save_part`), and the
+run writes ``manifest.json`` last, which ties the parts of one federation together: the run id,
+the method and its configuration (enough to rebuild every architecture), the parties (name, the
+file they came from, role, directory) and the SHA-256 of every part file. A directory without a
+valid manifest is not a model.
+
+Loading rebuilds the federation from the manifest and asks every party to load its own part,
+which it checks against the manifest's hashes before reading (a missing, altered or extra file
+is refused; model files are read with ``torch.load(weights_only=True)``, never unpickled).
+Once parties run as separate processes, each keeps its own directory and receives its manifest
+entry; nothing here needs another party's files.
+
+Prediction on new rows (:meth:`SavedModel.predict`): each party is handed its own new file (or
+none), rows are aligned by id (the union of the ids given; a party that does not hold an id is
+absent for that row), each party applies its own saved preprocessing, and the label party's
+program predicts from the blocks present, as the method does at test time.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any, cast
+
+import numpy as np
+import pandas as pd
+
+from secure_vfl import methods
+from secure_vfl.data.party_files import PartyTable
+from secure_vfl.data.vertical import VerticalData, VerticalSplit
+from secure_vfl.errors import ConfigError, DataError
+from secure_vfl.federation.channel import Channel
+from secure_vfl.federation.parties import DataParty
+from secure_vfl.federation.parts import ClassValue
+from secure_vfl.io import atomic_write, atomic_write_json
+from secure_vfl.methods.base import in_process_parties
+from secure_vfl.methods.false_vfl import FalseVflConfig
+
+MANIFEST_SCHEMA = "secure-vfl/model-manifest"
+MANIFEST_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+MODEL_DIR = "model"
+PREDICT_SPLIT = "predict"
+LABEL_PARTY_ROLE = "label party"
+DATA_PARTY_ROLE = "data party"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartEntry:
+    """One party in the manifest: its name, the file its data came from (its ``source``: the
+    file's stem, or its name for a registered dataset), its role, its directory (relative to
+    the manifest) and the SHA-256 of each file of its part."""
+
+    name: str
+    source: str
+    role: str
+    directory: str
+    files: dict[str, str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """What ties the saved parts of one trained federation together."""
+
+    run_id: str
+    created: str
+    secure_vfl_version: str
+    method: str
+    seed: int
+    method_config: dict[str, Any]
+    false_vfl: dict[str, Any] | None
+    data: str
+    kind: str
+    num_classes: int
+    block_shapes: tuple[tuple[int, ...], ...]
+    parties: tuple[PartEntry, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        payload = asdict(self)
+        payload["block_shapes"] = [list(shape) for shape in self.block_shapes]
+        return {"schema": MANIFEST_SCHEMA, "version": MANIFEST_VERSION, **payload}
+
+    @classmethod
+    def from_json(cls, payload: Any, where: str) -> Manifest:
+        """Read a manifest, refusing another schema, another version or a malformed entry."""
+        if not isinstance(payload, dict) or payload.get("schema") != MANIFEST_SCHEMA:
+            raise DataError(f"{where}: a {MANIFEST_SCHEMA!r} document expected.")
+        if payload.get("version") != MANIFEST_VERSION:
+            raise DataError(
+                f"{where}: manifest version {MANIFEST_VERSION} expected (this secure-vfl reads "
+                f"only it), found {payload.get('version')!r}."
+            )
+        body = {k: v for k, v in payload.items() if k not in ("schema", "version")}
+        try:
+            body["parties"] = tuple(_entry(p, where) for p in body["parties"])
+            body["block_shapes"] = tuple(tuple(int(n) for n in s) for s in body["block_shapes"])
+            manifest = cls(**body)
+        except (KeyError, TypeError, ValueError) as error:
+            raise DataError(f"{where}: malformed manifest ({error!r}).") from None
+        if len(manifest.parties) != len(manifest.block_shapes) or len(manifest.parties) < 2:
+            raise DataError(
+                f"{where}: one block shape per party and >= 2 parties expected; found "
+                f"{len(manifest.parties)} parties and {len(manifest.block_shapes)} shapes."
+            )
+        return manifest
+
+
+def _entry(payload: Any, where: str) -> PartEntry:
+    entry = PartEntry(**payload)
+    files = entry.files
+    if (
+        Path(entry.directory).name != entry.directory
+        or entry.directory in ("", ".", "..")
+        or not isinstance(files, dict)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())
+    ):
+        raise DataError(
+            f"{where}: a plain directory name and file hashes expected for {entry.name}."
+        )
+    return entry
+
+
+def _version() -> str:
+    try:
+        return metadata.version("secure-vfl")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def save_model(
+    directory: Path,
+    parties: Sequence[DataParty],
+    *,
+    method: str,
+    seed: int,
+    method_config: methods.MethodConfig,
+    false_vfl: FalseVflConfig | None,
+    data: VerticalData,
+    sources: Sequence[str] | None = None,
+) -> Manifest:
+    """Save a trained federation into ``directory``: each of ``parties`` (in block order, the
+    label party first) writes its own part into its own directory, then the manifest is
+    written; ``sources`` names the file each party's data came from (default: its name)."""
+    manifest_path = directory / MANIFEST_FILE
+    manifest_path.unlink(missing_ok=True)  # a half-saved directory must not look whole
+    sources = list(sources) if sources is not None else [p.name for p in parties]
+    entries = []
+    for k, party in enumerate(parties):
+        files = party.save_part(directory / party.name)
+        entries.append(
+            PartEntry(
+                name=party.name,
+                source=sources[k],
+                role=LABEL_PARTY_ROLE if k == 0 else DATA_PARTY_ROLE,
+                directory=party.name,
+                files=files,
+            )
+        )
+    manifest = Manifest(
+        run_id=uuid.uuid4().hex,
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
+        secure_vfl_version=_version(),
+        method=method,
+        seed=seed,
+        method_config=asdict(method_config),
+        false_vfl=asdict(false_vfl) if false_vfl is not None else None,
+        data=data.name,
+        kind=data.kind,
+        num_classes=data.num_classes,
+        block_shapes=data.block_shapes,
+        parties=tuple(entries),
+    )
+    atomic_write_json(manifest_path, manifest.to_json())
+    return manifest
+
+
+def find_manifest(path: Path) -> Path:
+    """The manifest of the model at ``path``: a run directory (``path/model/manifest.json``) or
+    the model directory itself; DataError if there is none."""
+    for candidate in (path / MODEL_DIR / MANIFEST_FILE, path / MANIFEST_FILE):
+        if candidate.is_file():
+            return candidate
+    raise DataError(
+        f"no saved model at {path}: expected {path / MODEL_DIR / MANIFEST_FILE} (written by "
+        "`secure-vfl train`) or a model directory holding manifest.json."
+    )
+
+
+def read_manifest(path: Path) -> tuple[Manifest, Path]:
+    """The manifest of the model at ``path`` and the model directory it lies in."""
+    manifest_path = find_manifest(path)
+    try:
+        payload = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise DataError(f"{manifest_path}: JSON expected ({error}).") from None
+    return Manifest.from_json(payload, str(manifest_path)), manifest_path.parent
+
+
+@dataclass(frozen=True)
+class Predictions:
+    """Class probabilities of new rows keyed by id: ``probabilities`` (N, C), NaN on a row the
+    method makes no prediction for; ``mask`` (N, K) which parties held each row."""
+
+    ids: np.ndarray
+    probabilities: np.ndarray
+    mask: np.ndarray
+    classes: tuple[ClassValue, ...]
+    parties: tuple[str, ...]
+    id_column: str = "id"
+
+    def labels(self) -> list[ClassValue | None]:
+        """The predicted label of every row in the label file's own values (None: none)."""
+        predicted = np.nan_to_num(self.probabilities, nan=-1.0).argmax(axis=1)
+        made = ~np.isnan(self.probabilities).any(axis=1)
+        return [self.classes[c] if ok else None for c, ok in zip(predicted, made, strict=True)]
+
+    def frame(self) -> pd.DataFrame:
+        """One row per id: the id, the predicted label and one probability column per class,
+        ``p_<class value>``."""
+        frame = pd.DataFrame({self.id_column: self.ids, "predicted": self.labels()})
+        for c, value in enumerate(self.classes):
+            frame[f"p_{value}"] = self.probabilities[:, c]
+        return frame
+
+    def write_csv(self, path: Path) -> None:
+        """Write :meth:`frame` to ``path`` atomically."""
+
+        def write(tmp: Path) -> None:
+            self.frame().to_csv(tmp, index=False)
+
+        atomic_write(path, write)
+
+
+def union_alignment(party_ids: Sequence[np.ndarray | None]) -> tuple[np.ndarray, np.ndarray]:
+    """The sorted ids held by any party and ``rows`` (N, K): the row of party k's table that
+    holds each id, -1 where party k does not (or gave no file)."""
+    given = [ids for ids in party_ids if ids is not None]
+    if not given:
+        raise ConfigError("expected at least one party file to predict from. Found none.")
+    sample_ids = np.unique(np.concatenate([ids.astype(str) for ids in given]))
+    rows = np.full((sample_ids.size, len(party_ids)), -1, dtype=np.int64)
+    for k, ids in enumerate(party_ids):
+        if ids is None:
+            continue
+        position = np.searchsorted(sample_ids, ids.astype(str))
+        rows[position, k] = np.arange(ids.size)
+    return sample_ids, rows
+
+
+def predict_tables(
+    method: methods.Method,
+    channel: Channel,
+    tables: Sequence[tuple[PartyTable, str] | None],
+    *,
+    split: str = PREDICT_SPLIT,
+    names: Sequence[str] | None = None,
+) -> Predictions:
+    """Predict new rows with a trained federation (in memory or loaded): party k is handed its
+    own table ``tables[k]`` (with the path it came from) or None, and holds its rows of the
+    aligned ids after its own preprocessing; the label party's program then predicts from
+    the blocks present. Refuses an absent party where the method cannot do without it."""
+    parties = in_process_parties(channel)
+    if len(tables) != len(parties):
+        raise ConfigError(f"one entry per party expected ({len(parties)}); found {len(tables)}.")
+    names = list(names) if names is not None else [p.name for p in parties]
+    absent = [names[k] for k, table in enumerate(tables) if table is None]
+    reason = getattr(method, "absent_block_refusal", None)
+    if absent and reason is not None:
+        raise ConfigError(
+            f"{method.name} cannot predict with the block of {', '.join(absent)} absent: "
+            f"{reason}. Give every party's file, or use a method that predicts from the blocks "
+            "present (laser)."
+        )
+    sample_ids, rows = union_alignment([None if t is None else t[0].ids for t in tables])
+    for k, party in enumerate(parties):
+        entry = tables[k]
+        table, source = entry if entry is not None else (None, "")
+        party.hold_rows(split, table, rows[:, k], source=source)
+    mask = rows >= 0
+    method.fed.learn_split(split, mask)
+    label_party = method.fed.own
+    if label_party.classes is None:
+        raise DataError(f"{label_party.name} keeps no class values; cannot name the labels.")
+    preprocessing = label_party.preprocessing
+    return Predictions(
+        ids=sample_ids,
+        probabilities=method.predict_proba(split),
+        mask=mask,
+        classes=label_party.classes,
+        parties=tuple(names),
+        id_column=preprocessing.id_column if preprocessing is not None else "id",
+    )
+
+
+class SavedModel:
+    """A federation rebuilt from its manifest, every party holding the part it loaded itself.
+
+    ``SavedModel.load(path)`` reads ``path/model/manifest.json`` (or ``path/manifest.json``);
+    :meth:`predict` scores new rows. Prediction runs in plain sums in this process (the parties
+    of a saved model are all here); a model trained under secure sums still predicts from the
+    subsets it was trained to release.
+    """
+
+    def __init__(self, manifest: Manifest, directory: Path) -> None:
+        self.manifest = manifest
+        self.directory = directory
+        self.channel = Channel()
+        self.method = _rebuild(manifest, self.channel)
+        parties = in_process_parties(self.channel)
+        for party, entry in zip(parties, manifest.parties, strict=True):
+            if party.name != entry.name:
+                raise DataError(f"party {entry.name} expected in block order, found {party.name}.")
+            party.load_part(directory / entry.directory, entry.files)
+
+    @classmethod
+    def load(cls, path: Path) -> SavedModel:
+        """Load the model saved at ``path`` (a run directory or its ``model/``)."""
+        manifest, directory = read_manifest(Path(path))
+        return cls(manifest, directory)
+
+    @property
+    def party_names(self) -> tuple[str, ...]:
+        """Each party's name as the user knows it (its source file's stem)."""
+        return tuple(entry.source for entry in self.manifest.parties)
+
+    def party_index(self, name: str) -> int:
+        """The block index of the party called ``name`` (its source or its party-k name)."""
+        for k, entry in enumerate(self.manifest.parties):
+            if name in (entry.source, entry.name):
+                return k
+        raise ConfigError(
+            f"unknown party {name!r}; this model's parties are "
+            f"{', '.join(f'{e.source} ({e.name})' for e in self.manifest.parties)}."
+        )
+
+    def predict(self, tables: Mapping[str, tuple[PartyTable, str]]) -> Predictions:
+        """Class probabilities of the rows of ``tables`` (party name -> its table and the path
+        it came from); a party not named is absent for every row."""
+        by_index: list[tuple[PartyTable, str] | None] = [None] * len(self.manifest.parties)
+        for name, table in tables.items():
+            by_index[self.party_index(name)] = table
+        return predict_tables(self.method, self.channel, by_index, names=self.party_names)
+
+
+def _rebuild(manifest: Manifest, channel: Channel) -> methods.Method:
+    """The method's federation with fresh modules of the saved architectures, built on one
+    placeholder row per party (nothing is trained: the parties load their parts next)."""
+    from secure_vfl.experiment import make_method
+
+    try:
+        config = methods.MethodConfig(**manifest.method_config)
+        false_vfl = FalseVflConfig(**manifest.false_vfl) if manifest.false_vfl else None
+    except TypeError as error:
+        raise DataError(
+            f"the manifest's configuration does not fit this version: {error}"
+        ) from None
+    config = replace(config, labeled=None, pretrain_epochs=0)
+    blocks = tuple(np.zeros((1, *shape), dtype=np.float32) for shape in manifest.block_shapes)
+    placeholder = VerticalSplit(
+        blocks=blocks,
+        labels=np.zeros(1, dtype=np.int64),
+        mask=np.ones((1, len(blocks)), dtype=bool),
+    )
+    data = VerticalData(
+        name=manifest.data,
+        kind=cast(Any, manifest.kind),
+        num_classes=manifest.num_classes,
+        train=placeholder,
+        tests={},
+        dropped={},
+    )
+    return make_method(
+        manifest.method,
+        data,
+        config,
+        seed=manifest.seed,
+        false_vfl=false_vfl,
+        channel=channel,
+    )

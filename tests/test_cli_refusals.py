@@ -1,0 +1,260 @@
+"""Mistakes a new user makes with their own files are refused in one line with exit 2 before
+any training (issue 12, item 3), or reported as documented (warnings, dropped counts)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+import secure_vfl.experiment
+from secure_vfl.cli import main
+
+
+def write_own_files(root: Path, *, n: int = 120, parties: int = 3, seed: int = 0) -> list[Path]:
+    """``parties`` party files (two features each, ids ``id0000``..) and ``labels.csv``;
+    returns the party files then the label file."""
+    rng = np.random.default_rng(seed)
+    ids = np.array([f"id{i:04d}" for i in range(n)])
+    y = rng.integers(0, 2, size=n)
+    x = rng.normal(size=(n, 2 * parties)) + y[:, None]
+    paths = []
+    for k in range(parties):
+        frame = pd.DataFrame({"id": ids, f"a{k}": x[:, 2 * k], f"b{k}": x[:, 2 * k + 1]})
+        path = root / f"party{k}.csv"
+        frame.to_csv(path, index=False)
+        paths.append(path)
+    labels = root / "labels.csv"
+    pd.DataFrame({"id": ids, "label": np.where(y == 1, "yes", "no")}).to_csv(labels, index=False)
+    return [*paths, labels]
+
+
+def own_argv(parties: list[Path], labels: Path, out: Path, *extra: str) -> list[str]:
+    argv = ["train", "--method", "laser", "--epochs", "1", "--label-file", str(labels)]
+    for path in parties:
+        argv += ["--party-file", str(path)]
+    return [*argv, "--out", str(out), "--quiet", *extra]
+
+
+@pytest.fixture
+def no_training(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if training starts: every refusal here must come before it."""
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("training started")
+
+    monkeypatch.setattr(secure_vfl.experiment, "run_training", refuse)
+
+
+def refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Run ``argv``; assert exit 2 and a one-line message; return it."""
+    try:
+        code = main(argv)
+    except SystemExit as exit_info:
+        code = exit_info.code  # type: ignore[assignment]
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.usefixtures("no_training")
+def test_the_same_party_file_twice_or_a_copy_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    *parties, labels = write_own_files(tmp_path)
+    twice = refused(own_argv([parties[0], parties[0]], labels, tmp_path / "r"), capsys)
+    assert "hold the same table" in twice and "party0.csv" in twice
+    copy = tmp_path / "copy.csv"
+    shutil.copy(parties[1], copy)
+    err = refused(own_argv([parties[0], parties[1], copy], labels, tmp_path / "r"), capsys)
+    assert "party1.csv and " in err and "copy.csv hold the same table" in err
+    assert not (tmp_path / "r").exists() and not (tmp_path / "results.sqlite").exists()
+
+
+@pytest.mark.usefixtures("no_training")
+def test_the_label_file_given_as_a_party_file_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    *parties, labels = write_own_files(tmp_path)
+    numeric = tmp_path / "numeric_labels.csv"
+    frame = pd.read_csv(labels)
+    frame.assign(label=(frame["label"] == "yes").astype(int)).to_csv(numeric, index=False)
+    err = refused(own_argv([parties[0], numeric], numeric, tmp_path / "r"), capsys)
+    assert "has a `label` column" in err and "numeric_labels.csv" in err
+
+
+@pytest.mark.usefixtures("no_training")
+def test_a_party_column_equal_to_the_label_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    *parties, labels = write_own_files(tmp_path)
+    # The label recoded (yes -> 7, no -> 3) under another name, rows in another order.
+    leaky = pd.read_csv(parties[1])
+    label = pd.read_csv(labels).set_index("id")["label"]
+    leaky["outcome"] = np.where(label.loc[leaky["id"]].to_numpy() == "yes", 7.0, 3.0)
+    leaky.sample(frac=1.0, random_state=1).to_csv(parties[1], index=False)
+    err = refused(own_argv(parties, labels, tmp_path / "r"), capsys)
+    assert "party1.csv: column 'outcome' equals the label" in err
+
+
+def test_a_feature_that_merely_separates_the_classes_is_kept(tmp_path: Path) -> None:
+    *parties, labels = write_own_files(tmp_path)
+    frame = pd.read_csv(parties[0])
+    y = (pd.read_csv(labels)["label"] == "yes").to_numpy()
+    frame["strong"] = 10.0 * y + np.random.default_rng(3).random(len(frame))  # not one value
+    frame.to_csv(parties[0], index=False)
+    assert main(own_argv(parties, labels, tmp_path / "r")) == 0
+
+
+@pytest.mark.usefixtures("no_training")
+def test_parties_that_contradict_the_files_given_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    *parties, labels = write_own_files(tmp_path)
+    err = refused(own_argv(parties, labels, tmp_path / "r", "--parties", "5"), capsys)
+    assert "--parties 5 contradicts the 3 --party-file given" in err
+
+
+def test_parties_equal_to_the_files_given_are_accepted(tmp_path: Path) -> None:
+    *parties, labels = write_own_files(tmp_path)
+    assert main(own_argv(parties, labels, tmp_path / "r", "--parties", "3")) == 0
+    assert json.loads((tmp_path / "r" / "result.json").read_text())["config"]["parties"] == 3
+
+
+@pytest.mark.usefixtures("no_training")
+def test_out_pointing_at_a_file_is_refused_before_training(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    *parties, labels = write_own_files(tmp_path)
+    target = tmp_path / "taken.txt"
+    target.write_text("mine\n")
+    err = refused(own_argv(parties, labels, target), capsys)
+    assert f"--out {target} is a file; expected a directory" in err
+    under = refused(own_argv(parties, labels, target / "run"), capsys)
+    assert f"lies under the file {target}" in under
+    assert target.read_text() == "mine\n" and not (tmp_path / "results.sqlite").exists()
+
+
+@pytest.mark.usefixtures("no_training")
+def test_a_store_that_is_not_a_database_is_refused_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    *parties, labels = write_own_files(tmp_path)
+    store = tmp_path / "notes.txt"
+    store.write_text("not a database\n")
+    err = refused(own_argv(parties, labels, tmp_path / "r", "--store", str(store)), capsys)
+    assert f"--store {store} is not an SQLite database" in err
+    assert not (tmp_path / "r").exists() and store.read_text() == "not a database\n"
+    err = refused(own_argv(parties, labels, tmp_path / "r", "--store", str(tmp_path)), capsys)
+    assert "is a directory; expected an SQLite file path" in err
+
+
+@pytest.mark.usefixtures("no_training")
+def test_a_database_with_a_foreign_runs_table_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    *parties, labels = write_own_files(tmp_path)
+    store = tmp_path / "other.sqlite"
+    with sqlite3.connect(store) as connection:
+        connection.execute("CREATE TABLE runs (lap INTEGER, seconds REAL)")
+    connection.close()
+    err = refused(own_argv(parties, labels, tmp_path / "r", "--store", str(store)), capsys)
+    assert "has a `runs` table that secure-vfl did not write" in err
+
+
+def test_psi_out_is_refused_when_it_exists_unless_overwrite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    mine, theirs = tmp_path / "mine.csv", tmp_path / "theirs.csv"
+    mine.write_text("id\n1\n2\n3\n")
+    theirs.write_text("id\n2\n3\n4\n")
+    out = tmp_path / "common.txt"
+    out.write_text("old\n")
+    argv = ["psi", "--mine", str(mine), "--theirs", str(theirs), "--out", str(out)]
+    err = refused(argv, capsys)
+    assert f"{out} exists; expected a new --out file (or --overwrite)" in err
+    assert out.read_text() == "old\n"
+    assert main([*argv, "--overwrite"]) == 0
+    assert out.read_text().split() == ["2", "3"]
+    assert "is a directory" in refused([*argv[:-1], str(tmp_path)], capsys)
+
+
+def test_psi_with_a_repeated_id_names_the_file_and_the_id(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    mine, theirs = tmp_path / "mine.csv", tmp_path / "theirs.csv"
+    mine.write_text("id\n1\n2\n3\n")
+    theirs.write_text("id\n7\n2\n9\n7\n")
+    err = refused(["psi", "--mine", str(mine), "--theirs", str(theirs)], capsys)
+    assert str(theirs) in err and "must be unique" in err and "'7' at data rows [1, 4]" in err
+
+
+@pytest.mark.usefixtures("no_training")
+def test_ids_in_another_format_say_no_id_matched_with_an_example_of_each(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    *parties, labels = write_own_files(tmp_path)
+    for path in [*parties, labels]:  # ids 0000..0119 everywhere, party-2's as 0..119
+        frame = pd.read_csv(path, dtype={"id": str})
+        frame["id"] = frame["id"].str.removeprefix("id")
+        if path == parties[2]:
+            frame["id"] = frame["id"].astype(int).astype(str)
+        frame.to_csv(path, index=False)
+    err = refused(own_argv(parties, labels, tmp_path / "r"), capsys)
+    assert "no ids matched between party file" in err and "party2.csv" in err
+    assert "e.g. '0' in the party file, '0000' in the label file" in err
+
+
+def test_ids_at_one_party_only_without_a_label_are_counted_as_dropped(tmp_path: Path) -> None:
+    *parties, labels = write_own_files(tmp_path)
+    extra = pd.DataFrame({"id": ["stray1", "stray2"], "a0": [0.5, 0.1], "b0": [1.0, 2.0]})
+    frame = pd.read_csv(parties[0], dtype={"id": str})
+    pd.concat([frame, extra]).to_csv(parties[0], index=False)
+    label_frame = pd.read_csv(labels, dtype={"id": str})
+    pd.concat([label_frame, pd.DataFrame({"id": ["orphan"], "label": ["no"]})]).to_csv(
+        labels, index=False
+    )
+    assert main(own_argv(parties, labels, tmp_path / "r")) == 0
+    dropped = json.loads((tmp_path / "r" / "result.json").read_text())["dropped"]
+    assert dropped["alignment_no_label"] == 2  # party-0's two ids without a label
+    assert dropped["alignment_no_party"] == 1  # the label no party holds
+    assert dropped["alignment"] == 3
+
+
+def test_a_class_too_small_for_both_splits_warns(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    *parties, labels = write_own_files(tmp_path)
+    frame = pd.read_csv(labels, dtype={"id": str})
+    frame.loc[:1, "label"] = "rare"  # 2 samples: round(0.2 * 2) = 0 in the test split
+    frame.to_csv(labels, index=False)
+    assert main(own_argv(parties, labels, tmp_path / "r")) == 0
+    err = capsys.readouterr().err
+    assert "secure-vfl: warning: class 'rare' has 2 aligned sample(s)" in err
+    assert "in the training split only" in err
+    result = json.loads((tmp_path / "r" / "result.json").read_text())
+    assert any("class 'rare'" in warning for warning in result["warnings"])
+
+
+@pytest.mark.usefixtures("no_training")
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--clients", "4"], "--clients 4 contradicts the 3 --client-file given"),
+        (["--availability", "0.6"], "--availability deals a --dataset's features to clients"),
+    ],
+)
+def test_impute_flags_that_contradict_client_files_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    *parties, _ = write_own_files(tmp_path)
+    argv = ["impute", "--method", "mean", "--out", str(tmp_path / "r")]
+    for path in parties:
+        argv += ["--client-file", str(path)]
+    assert message in refused([*argv, *extra], capsys)

@@ -1,0 +1,192 @@
+"""Runs you can compare (issue 12, item 4): the results store keeps the whole configuration,
+one row per run directory; `runs list` and `runs compare` tell runs apart; every run writes its
+plots; a run whose predictions collapse to one class warns."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import secure_vfl.experiment
+from secure_vfl.cli import main
+from secure_vfl.errors import ConfigError
+from secure_vfl.experiment import collapse_warnings
+from secure_vfl.runs import provenance
+from secure_vfl.store import SCHEMA_VERSION, ResultsStore
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def train(out: Path, *extra: str) -> list[str]:
+    """A one-epoch LASER run on wine with a single label party (secure sums possible)."""
+    argv = ["train", "--method", "laser", "--dataset", "wine", "--heads", "active"]
+    argv += ["--epochs", "2", "--batch-size", "32", "--out", str(out), "--quiet", *extra]
+    assert main(argv) == 0
+    return argv
+
+
+def test_compare_tells_a_masks_run_from_a_ckks_run_from_a_dp_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    train(tmp_path / "masks", "--secure-agg", "masks")
+    train(tmp_path / "ckks", "--secure-agg", "ckks")
+    train(tmp_path / "dp", "--dp-gradients", "1.0:0.05")
+    capsys.readouterr()
+    dirs = [tmp_path / name for name in ("masks", "ckks", "dp")]
+    assert main(["runs", "compare", *map(str, dirs)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = lines[0].split()
+    assert header[:5] == ["run", "method", "backend", "dp", "epsilon"]
+    assert "mcar:0" in lines[0] and "mcar:0.5" in lines[0] and "time" in lines[0]
+    rows = {line.split()[0]: line.split() for line in lines[1:]}
+    masks, ckks, dp = (rows[str(d)] for d in dirs)
+    assert masks[2:5] == ["masks", "none", "-"]
+    assert ckks[2:5] == ["ckks", "none", "-"]
+    assert dp[2] == "none" and dp[3:5] == ["gradients", "1:0.05"]
+    epsilon = json.loads((tmp_path / "dp" / "result.json").read_text())["privacy"]["epsilon"]
+    assert float(dp[5]) == pytest.approx(max(epsilon.values()), abs=0.006)
+    # The store holds the same distinctions, one row per run, with the whole configuration.
+    rows_stored = {
+        Path(r["out_dir"]).name: r for r in ResultsStore(tmp_path / "results.sqlite").rows()
+    }
+    assert {name: r["backend"] for name, r in rows_stored.items()} == {
+        "masks": "masks",
+        "ckks": "ckks",
+        "dp": "none",
+    }
+    assert rows_stored["dp"]["dp"] == "gradients 1:0.05"
+    assert rows_stored["dp"]["epsilon"] == epsilon
+    assert rows_stored["masks"]["epsilon"] is None
+    assert rows_stored["dp"]["config"]["privacy"]["dp_gradients"] == [1.0, 0.05]
+    assert rows_stored["ckks"]["config"]["privacy"]["secure_agg"] == "ckks"
+    assert main(["runs", "list", "--store", str(tmp_path / "results.sqlite")]) == 0
+    listed = capsys.readouterr().out
+    assert "1 train masks" in listed and "ckks" in listed and "gradients 1:0.05" in listed
+
+
+def test_the_store_keeps_one_row_per_run_directory_and_its_provenance(tmp_path: Path) -> None:
+    argv = train(tmp_path / "run", "--seed", "3")
+    assert main([*argv, "--overwrite", "--lr", "0.1"]) == 0
+    rows = ResultsStore(tmp_path / "results.sqlite").rows()
+    assert len(rows) == 1  # replaced, not added
+    row = rows[0]
+    assert row["config"]["method_config"]["lr"] == 0.1 and row["seed"] == 3
+    assert row["config"]["privacy"]["seed"] == 3 and row["config"]["privacy"]["delta"] == 1e-5
+    assert row["version"] == provenance()["version"] and row["version"]
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["provenance"]["version"] == row["version"]
+    root = Path(__file__).resolve().parent.parent
+    git = shutil.which("git")
+    if git is not None and (root / ".git").exists():
+        head = subprocess.run(
+            [git, "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True
+        ).stdout.strip()
+        assert row["git_commit"] == head == result["provenance"]["git_commit"]
+    else:
+        assert row["git_commit"] is None
+
+
+def test_a_first_schema_store_is_migrated_in_place(tmp_path: Path) -> None:
+    path = tmp_path / "results.sqlite"
+    with sqlite3.connect(path) as connection:
+        connection.execute(
+            "CREATE TABLE runs (id INTEGER PRIMARY KEY AUTOINCREMENT, created_at TEXT NOT NULL, "
+            "kind TEXT NOT NULL, method TEXT NOT NULL, dataset TEXT NOT NULL, seed INTEGER, "
+            "config TEXT NOT NULL, metrics TEXT NOT NULL, wall_time_s REAL NOT NULL, out_dir TEXT)"
+        )
+        for lr in (0.03, 0.1):  # the old --overwrite's second row of one run directory
+            connection.execute(
+                "INSERT INTO runs (created_at, kind, method, dataset, seed, config, metrics, "
+                "wall_time_s, out_dir) VALUES ('t', 'train', 'laser', 'wine', 0, ?, ?, 1.0, ?)",
+                (
+                    json.dumps({"seed": 0, "lr": lr}),
+                    json.dumps({"mcar:0": {"accuracy": 90.0, "f1": 88.0}}),
+                    str(tmp_path / "run"),
+                ),
+            )
+    connection.close()
+    store = ResultsStore(path)
+    store.check()
+    rows = store.rows()
+    assert len(rows) == 1 and rows[0]["config"]["lr"] == 0.1  # the latest kept
+    assert rows[0]["backend"] == "none" and rows[0]["dp"] == "none"
+    with sqlite3.connect(path) as connection:
+        assert connection.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+    connection.close()
+    # A migrated store takes new runs, keyed like the old ones.
+    store.add(
+        {
+            "method": "laser",
+            "dataset": "wine",
+            "config": {"seed": 0, "privacy": {"secure_agg": "masks"}},
+            "metrics": {"mcar:0": {"accuracy": 91.0, "f1": 90.0}},
+            "wall_time_s": 2.0,
+        },
+        kind="train",
+        out_dir=tmp_path / "run",
+    )
+    assert [r["backend"] for r in store.rows()] == ["masks"]
+
+
+def test_a_store_of_a_newer_schema_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "results.sqlite"
+    with sqlite3.connect(path) as connection:
+        connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    connection.close()
+    with pytest.raises(ConfigError, match="newer than this secure-vfl"):
+        ResultsStore(path).check()
+
+
+def test_every_run_writes_its_plots_and_epsilon_over_epochs_under_dp(tmp_path: Path) -> None:
+    train(tmp_path / "plain")
+    train(tmp_path / "dp", "--dp-gradients", "1.0:0.05", "--epochs", "3")
+    for name in ("loss.png", "accuracy.png"):
+        assert (tmp_path / "plain" / name).read_bytes()[:8] == PNG
+        assert (tmp_path / "dp" / name).read_bytes()[:8] == PNG
+    assert not (tmp_path / "plain" / "epsilon.png").exists()
+    assert (tmp_path / "dp" / "epsilon.png").read_bytes()[:8] == PNG
+    privacy = json.loads((tmp_path / "dp" / "result.json").read_text())["privacy"]
+    for party, curve in privacy["epsilon_per_epoch"].items():
+        assert len(curve) == 3 and curve == sorted(curve) and curve[0] > 0
+        assert curve[-1] == pytest.approx(privacy["epsilon"][party])
+    assert not list(tmp_path.glob("**/*.tmp"))  # written atomically
+
+
+def test_collapsed_predictions_are_detected_per_test_split(make_data) -> None:  # type: ignore[no-untyped-def]
+    data = make_data(parties=2, test_missing=("mcar:0", "mcar:0.5"))
+    constant = {name: np.where(s.mask, 2, -1) for name, s in data.tests.items()}
+    warnings = collapse_warnings(constant, data)
+    assert len(warnings) == 2 and "'mcar:0' collapsed to one class (class index 2" in warnings[0]
+    varied = {name: np.where(s.mask, s.labels[:, None], -1) for name, s in data.tests.items()}
+    assert collapse_warnings(varied, data) == []
+
+
+def test_a_run_that_collapses_to_one_class_warns_and_says_so_in_result_json(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    predict = secure_vfl.experiment.predict_tests
+
+    def constant(method, data):  # type: ignore[no-untyped-def]
+        return {name: np.where(p >= 0, 0, -1) for name, p in predict(method, data).items()}
+
+    monkeypatch.setattr(secure_vfl.experiment, "predict_tests", constant)
+    train(tmp_path / "run")
+    err = capsys.readouterr().err
+    assert "secure-vfl: warning: predictions on test split 'mcar:0' collapsed" in err
+    warnings = json.loads((tmp_path / "run" / "result.json").read_text())["warnings"]
+    assert len(warnings) == 2 and all("collapsed to one class" in w for w in warnings)
+
+
+def test_compare_refuses_a_directory_without_a_training_result(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["runs", "compare", str(tmp_path)]) == 2
+    assert "holds no result.json; expected a run directory" in capsys.readouterr().err
+    assert main(["runs", "list", "--store", str(tmp_path / "none.sqlite")]) == 2
+    assert "no results store at" in capsys.readouterr().err

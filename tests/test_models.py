@@ -1,0 +1,477 @@
+"""Saved models and prediction on new rows, end to end on the user's own files.
+
+Breast-cancer columns split across three organisations' CSVs (bank, retailer, insurer) with an
+id column and text labels; a federation trains, every party saves its own part, and the loaded
+federation predicts new rows by id, with every party's file or with one absent.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from sklearn.datasets import load_breast_cancer
+
+from secure_vfl.cli import main
+from secure_vfl.data.party_files import PartyTable, read_party_file
+from secure_vfl.errors import ConfigError, DataError, IntegrityError
+from secure_vfl.experiment import TrainConfig, build_method, prepare_data
+from secure_vfl.federation.channel import Channel
+from secure_vfl.methods import MethodConfig
+from secure_vfl.methods.base import Method, in_process_parties
+from secure_vfl.saved_model import SavedModel, predict_tables, save_model
+
+PARTIES = ("bank", "retailer", "insurer")
+
+
+@dataclass(frozen=True)
+class Files:
+    """Training files, held-out labels and new rows (shuffled, some ids at some parties)."""
+
+    root: Path
+    train: tuple[Path, ...]
+    labels: Path
+    held_out: Path
+    new: tuple[Path, ...]
+    new_ids: np.ndarray
+    held_out_ids: np.ndarray
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> Files:
+    """The files of ``examples/own_party_files.py`` (run as a script: nothing imports examples)."""
+    import subprocess
+    import sys
+
+    root = tmp_path_factory.mktemp("own-files")
+    script = ROOT / "examples" / "own_party_files.py"
+    subprocess.run([sys.executable, str(script), "--out", str(root)], check=True)
+    new = tuple(root / "new" / f"{name}.csv" for name in PARTIES)
+    held_out = pd.read_csv(root / "held_out.csv", dtype={"id": str})["id"].to_numpy(str)
+    return Files(
+        root=root,
+        train=tuple(root / f"{name}.csv" for name in PARTIES),
+        labels=root / "labels.csv",
+        held_out=root / "held_out.csv",
+        new=new,
+        new_ids=np.sort(pd.read_csv(new[0], dtype={"id": str})["id"].to_numpy(str)),
+        held_out_ids=np.sort(held_out),
+    )
+
+
+def _config(files: Files, method: str, **options: object) -> TrainConfig:
+    return TrainConfig(
+        method=method,
+        party_files=files.train,
+        label_file=files.labels,
+        test_file=files.held_out,
+        seed=0,
+        method_config=MethodConfig(**{"epochs": 3, "lr": 0.1, "batch_size": 64, **options}),  # type: ignore[arg-type]
+    )
+
+
+def _train(files: Files, directory: Path, method: str, **options: object) -> tuple[Method, Channel]:
+    """Train in memory, then let every party save its own part into ``directory``."""
+    config = _config(files, method, **options)
+    data = prepare_data(config)
+    channel = Channel()
+    trained = build_method(config, data, channel=channel)
+    trained.fit()
+    save_model(
+        directory,
+        in_process_parties(channel),
+        method=config.method,
+        seed=config.seed,
+        method_config=config.method_config,
+        false_vfl=config.false_vfl,
+        data=data,
+        sources=PARTIES,
+    )
+    return trained, channel
+
+
+def _tables(
+    paths: tuple[Path, ...], absent: str | None = None
+) -> list[tuple[PartyTable, str] | None]:
+    return [
+        None if name == absent else (read_party_file(path), str(path))
+        for name, path in zip(PARTIES, paths, strict=True)
+    ]
+
+
+@pytest.fixture(scope="module")
+def laser(files: Files, tmp_path_factory: pytest.TempPathFactory) -> tuple[Method, Channel, Path]:
+    directory = tmp_path_factory.mktemp("laser") / "model"
+    method, channel = _train(files, directory, "laser")
+    return method, channel, directory
+
+
+@pytest.mark.parametrize("absent", [None, "insurer"])
+def test_loaded_laser_predicts_new_rows_as_the_trained_federation(
+    files: Files, laser: tuple[Method, Channel, Path], absent: str | None
+) -> None:
+    method, channel, directory = laser
+    in_memory = predict_tables(method, channel, _tables(files.new, absent))
+    loaded = SavedModel.load(directory)
+    tables = {n: t for n, t in zip(PARTIES, _tables(files.new, absent), strict=True) if t}
+    saved = loaded.predict(tables)
+    np.testing.assert_array_equal(saved.ids, files.new_ids)
+    np.testing.assert_array_equal(saved.ids, in_memory.ids)
+    np.testing.assert_allclose(saved.probabilities, in_memory.probabilities, atol=1e-6)
+    np.testing.assert_allclose(saved.probabilities.sum(axis=1), 1.0, atol=1e-5)
+    # The availability is per row: the retailer lacks 10 ids; an absent file, every id.
+    held = saved.mask.sum(axis=0)
+    assert held.tolist() == [109, 99, 0 if absent else 109]
+    assert set(saved.labels()) == {"benign", "malignant"}
+
+
+def test_a_party_absent_changes_the_prediction_of_its_rows(
+    files: Files, laser: tuple[Method, Channel, Path]
+) -> None:
+    loaded = SavedModel.load(laser[2])
+    every = loaded.predict({n: t for n, t in zip(PARTIES, _tables(files.new), strict=True) if t})
+    tables = _tables(files.new, "insurer")
+    fewer = loaded.predict({n: t for n, t in zip(PARTIES, tables, strict=True) if t})
+    assert np.abs(every.probabilities - fewer.probabilities).max() > 1e-3
+
+
+def test_loaded_model_repeats_the_evaluation_on_the_held_out_ids(
+    files: Files, laser: tuple[Method, Channel, Path]
+) -> None:
+    """Independent of the new-rows path: the held-out ids of --test-file as raw rows give the
+    probabilities and classes that the trained federation evaluated them with."""
+    method, _, directory = laser
+    expected = method.predict_proba("mcar:0")
+    expected_classes = method.predict("mcar:0")
+    tables = {}
+    for name, path in zip(PARTIES, files.train, strict=True):
+        table = read_party_file(path)
+        keep = np.isin(table.ids, files.held_out_ids)
+        tables[name] = (
+            PartyTable(name, table.ids[keep], table.features[keep], table.columns),
+            str(path),
+        )
+    saved = SavedModel.load(directory).predict(tables)
+    np.testing.assert_array_equal(saved.ids, files.held_out_ids)
+    np.testing.assert_allclose(saved.probabilities, expected, atol=1e-6)
+    # heads='all': every head predicts from the same observed set; the mean agrees with them.
+    agree = (expected_classes == expected_classes[:, :1]).all(axis=1)
+    assert agree.mean() > 0.9
+    assert (saved.probabilities.argmax(axis=1)[agree] == expected_classes[agree, 0]).all()
+
+
+def test_predictions_are_keyed_by_id_whatever_the_row_order(
+    files: Files, laser: tuple[Method, Channel, Path], tmp_path: Path
+) -> None:
+    loaded = SavedModel.load(laser[2])
+    shuffled = loaded.predict({n: t for n, t in zip(PARTIES, _tables(files.new), strict=True) if t})
+    # One id alone in each file: its probabilities must be its row of the shuffled prediction.
+    target = files.new_ids[42]
+    alone = {}
+    for name, path in zip(PARTIES, files.new, strict=True):
+        frame = pd.read_csv(path, dtype={"id": str})
+        frame[frame["id"] == target].to_csv(tmp_path / f"{name}.csv", index=False)
+        alone[name] = (read_party_file(tmp_path / f"{name}.csv"), name)
+    single = loaded.predict(alone)
+    assert single.ids.tolist() == [target]
+    row = int(np.flatnonzero(shuffled.ids == target)[0])
+    np.testing.assert_allclose(single.probabilities[0], shuffled.probabilities[row], atol=1e-6)
+    other = int(np.flatnonzero(shuffled.ids != target)[0])
+    assert not np.allclose(shuffled.probabilities[other], shuffled.probabilities[row])
+
+
+def test_cli_train_saves_and_predict_writes_labels_in_the_files_own_values(
+    files: Files, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = tmp_path / "run"
+    argv = ["train", "--method", "laser", "--label-file", str(files.labels)]
+    for path in files.train:
+        argv += ["--party-file", str(path)]
+    argv += ["--test-file", str(files.held_out), "--epochs", "2", "--lr", "0.1", "--quiet"]
+    assert main([*argv, "--out", str(run)]) == 0
+    result = json.loads((run / "result.json").read_text())
+    assert result["samples"]["mcar:0"] == len(files.held_out_ids)
+    manifest = json.loads((run / "model" / "manifest.json").read_text())
+    assert result["model"]["run_id"] == manifest["run_id"]
+    assert [p["source"] for p in manifest["parties"]] == list(PARTIES)
+    classes = json.loads((run / "model" / "party-0" / "classes.json").read_text())
+    assert classes["classes"] == ["benign", "malignant"]
+    out = tmp_path / "predictions.csv"
+    predict = ["predict", "--model", str(run), "--out", str(out)]
+    for path in files.new:
+        predict += ["--party-file", str(path)]
+    capsys.readouterr()
+    assert main(predict) == 0
+    assert "rows held: bank 109, retailer 99, insurer 109" in capsys.readouterr().out
+    frame = pd.read_csv(out, dtype={"id": str})
+    assert list(frame.columns) == ["id", "predicted", "p_benign", "p_malignant"]
+    assert frame["id"].tolist() == files.new_ids.tolist()
+    assert set(frame["predicted"]) <= {"benign", "malignant"}
+    probabilities = frame[["p_benign", "p_malignant"]].to_numpy()
+    np.testing.assert_allclose(probabilities.sum(axis=1), 1.0, atol=1e-5)
+    winner = np.where(probabilities[:, 0] >= probabilities[:, 1], "benign", "malignant")
+    assert (frame["predicted"].to_numpy() == winner).all()
+    # The same model from Python, with the insurer's file absent, names parties by file.
+    assert main([*predict[:5], "--overwrite", "--party-file", f"bank={files.new[0]}"]) == 0
+    assert pd.read_csv(out)["id"].size == 109
+
+
+def test_numeric_labels_stay_numbers(files: Files, tmp_path: Path) -> None:
+    labels = pd.read_csv(files.labels, dtype={"id": str})
+    labels["label"] = np.where(labels["label"] == "benign", 2, 4)
+    labels.to_csv(tmp_path / "labels.csv", index=False)
+    held = pd.read_csv(files.held_out, dtype={"id": str})
+    held["label"] = np.where(held["label"] == "benign", 2, 4)
+    held.to_csv(tmp_path / "held.csv", index=False)
+    argv = ["train", "--method", "local", "--label-file", str(tmp_path / "labels.csv")]
+    for path in files.train:
+        argv += ["--party-file", str(path)]
+    argv += ["--test-file", str(tmp_path / "held.csv"), "--epochs", "1", "--quiet"]
+    assert main([*argv, "--out", str(tmp_path / "run")]) == 0
+    out = tmp_path / "p.csv"
+    argv = ["predict", "--model", str(tmp_path / "run"), "--out", str(out)]
+    assert main([*argv, "--party-file", str(files.new[0])]) == 0
+    frame = pd.read_csv(out)
+    assert list(frame.columns) == ["id", "predicted", "p_2", "p_4"]
+    assert set(frame["predicted"]) <= {2, 4}
+
+
+def test_standard_vfl_refuses_an_absent_party_file_with_the_reason(
+    files: Files, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _train(files, tmp_path / "model", "standard")
+    loaded = SavedModel.load(tmp_path / "model")
+    tables = {n: t for n, t in zip(PARTIES, _tables(files.new, "insurer"), strict=True) if t}
+    with pytest.raises(ConfigError, match="trained only on samples that every party holds"):
+        loaded.predict(tables)
+    argv = ["predict", "--model", str(tmp_path), "--party-file", str(files.new[0])]
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "retailer, insurer absent" in err
+    # With every file, the ids some party lacks get no prediction (standard guesses there).
+    every = loaded.predict({n: t for n, t in zip(PARTIES, _tables(files.new), strict=True) if t})
+    assert sum(label is None for label in every.labels()) == 10
+
+
+def _corrupt(directory: Path) -> Path:
+    return next((directory / "party-1").glob("*bottom.pt"))
+
+
+def test_a_tampered_or_missing_part_is_refused(
+    files: Files, laser: tuple[Method, Channel, Path], tmp_path: Path
+) -> None:
+    import shutil
+
+    copy = tmp_path / "model"
+    shutil.copytree(laser[2], copy)
+    target = _corrupt(copy)
+    data = bytearray(target.read_bytes())
+    data[-30] ^= 0x01
+    target.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="does not match the SHA-256"):
+        SavedModel.load(copy)
+    target.unlink()
+    with pytest.raises(IntegrityError, match="is missing"):
+        SavedModel.load(copy)
+    (copy / "manifest.json").write_text('{"schema": "secure-vfl/model-manifest"')
+    with pytest.raises(DataError, match="JSON expected"):
+        SavedModel.load(copy)
+    (copy / "manifest.json").write_text('{"schema": "secure-vfl/model-manifest", "version": 9}')
+    with pytest.raises(DataError, match="manifest version 1 expected"):
+        SavedModel.load(copy)
+    (copy / "manifest.json").unlink()
+    with pytest.raises(DataError, match="no saved model"):
+        SavedModel.load(copy)
+
+
+class _Payload:
+    """Pickles to a call that would create a file when unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (Path.touch, (str(self.marker),))  # type: ignore[return-value]
+
+
+def test_a_part_with_a_pickle_payload_is_refused_without_running_it(
+    files: Files, laser: tuple[Method, Channel, Path], tmp_path: Path
+) -> None:
+    """Even with the manifest's hash rewritten to match (whoever can write the directory can
+    do both), the part is read weights-only: the payload never runs."""
+    import hashlib
+    import shutil
+
+    copy = tmp_path / "model"
+    shutil.copytree(laser[2], copy)
+    marker = tmp_path / "payload-ran"
+    buffer = io.BytesIO()
+    torch.save({"net.0.weight": _Payload(marker)}, buffer)
+    target = _corrupt(copy)
+    target.write_bytes(buffer.getvalue())
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["parties"][1]["files"][target.name] = hashlib.sha256(buffer.getvalue()).hexdigest()
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(IntegrityError, match="weights-only"):
+        SavedModel.load(copy)
+    assert not marker.exists()
+    # The control: the same bytes unpickled without the restriction do run the payload.
+    torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+    assert marker.exists()
+    assert pickle.HIGHEST_PROTOCOL >= 2
+
+
+def test_wrong_columns_and_unknown_files_are_refused_in_one_line(
+    files: Files,
+    laser: tuple[Method, Channel, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    run = laser[2]
+    frame = pd.read_csv(files.new[0], dtype={"id": str})
+    renamed = frame.rename(columns={"mean radius": "radius"})
+    renamed.to_csv(tmp_path / "bank.csv", index=False)
+    cases = {
+        "missing ['mean radius'] and unexpected ['radius']": [
+            "--party-file",
+            str(tmp_path / "bank.csv"),
+        ],
+        "unknown party file": ["--party-file", str(files.root / "labels.csv")],
+        "unknown party 'shop'": ["--party-file", f"shop={files.new[0]}"],
+        "two files for party bank": [
+            "--party-file",
+            str(files.new[0]),
+            "--party-file",
+            f"party-0={files.new[0]}",
+        ],
+    }
+    for message, flags in cases.items():
+        capsys.readouterr()
+        assert main(["predict", "--model", str(run), *flags]) == 2, message
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+    capsys.readouterr()
+    assert main(["predict", "--model", str(tmp_path), "--party-file", str(files.new[0])]) == 2
+    assert "no saved model" in capsys.readouterr().err
+    existing = tmp_path / "exists.csv"
+    existing.write_text("x\n")
+    argv = ["predict", "--model", str(run), "--party-file", str(files.new[0])]
+    assert main([*argv, "--out", str(existing)]) == 2
+    assert existing.read_text() == "x\n"
+
+
+def test_held_out_rows_by_fraction_or_file_and_their_refusals(
+    files: Files, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["train", "--method", "local", "--label-file", str(files.labels), "--epochs", "1"]
+    for path in files.train:
+        base += ["--party-file", str(path)]
+    base += ["--quiet", "--p-miss-test", "0"]
+    assert main([*base, "--test-fraction", "0.5", "--out", str(tmp_path / "half")]) == 0
+    samples = json.loads((tmp_path / "half" / "result.json").read_text())["samples"]
+    assert samples == {"train": 190, "mcar:0": 190}
+    assert main([*base, "--out", str(tmp_path / "default")]) == 0
+    samples = json.loads((tmp_path / "default" / "result.json").read_text())["samples"]
+    assert samples == {"train": 304, "mcar:0": 76}
+    refused = {
+        "not allowed with argument": [
+            *base,
+            "--test-fraction",
+            "0.5",
+            "--test-file",
+            str(files.held_out),
+        ],
+        "a probability in (0, 1)": [*base, "--test-fraction", "1.5"],
+        "must not be training ids": [*base, "--test-file", str(files.labels)],
+    }
+    for message, argv in refused.items():
+        capsys.readouterr()
+        assert _exit_code([*argv, "--out", str(tmp_path / "refused")]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err
+        assert not (tmp_path / "refused").exists()
+    argv = ["train", "--method", "laser", "--dataset", "breast-cancer", "--test-fraction", "0.3"]
+    assert _exit_code([*argv, "--out", str(tmp_path / "dataset")]) == 2
+    assert "apply to party files" in capsys.readouterr().err
+
+
+def _exit_code(argv: list[str]) -> int:
+    """``main``'s exit status, whether it returns it or argparse exits with it."""
+    try:
+        return main(argv)
+    except SystemExit as exit:
+        return int(exit.code or 0)
+
+
+def test_a_registered_dataset_run_saves_a_model_that_predicts_from_named_columns(
+    tmp_path: Path,
+) -> None:
+    argv = ["train", "--method", "laser", "--dataset", "breast-cancer", "--parties", "3"]
+    assert main([*argv, "--epochs", "1", "--quiet", "--out", str(tmp_path / "run")]) == 0
+    bunch = load_breast_cancer(as_frame=True)
+    loaded = SavedModel.load(tmp_path / "run")
+    assert loaded.party_names == ("party-0", "party-1", "party-2")
+    tables = {}
+    for k, columns in enumerate(np.array_split(np.array(bunch.data.columns), 3)):
+        frame = bunch.data[list(columns)].iloc[:20].copy()
+        frame.insert(0, "id", [f"r{i}" for i in range(20)])
+        frame.to_csv(tmp_path / f"party-{k}.csv", index=False)
+        tables[f"party-{k}"] = (read_party_file(tmp_path / f"party-{k}.csv"), f"party-{k}")
+    predictions = loaded.predict(tables)
+    assert predictions.classes == (0, 1)
+    np.testing.assert_allclose(predictions.probabilities.sum(axis=1), 1.0, atol=1e-5)
+
+
+def test_false_vfl_saves_its_label_model_and_predicts_with_a_party_absent(
+    files: Files, tmp_path: Path
+) -> None:
+    _train(files, tmp_path / "model", "false-vfl-1", epochs=1)
+    part = json.loads((tmp_path / "model" / "party-0" / "part.json").read_text())
+    assert sorted(part["modules"]) == ["bottom", "label-model"]
+    loaded = SavedModel.load(tmp_path / "model")
+    tables = {n: t for n, t in zip(PARTIES, _tables(files.new, "retailer"), strict=True) if t}
+    predictions = loaded.predict(tables)
+    np.testing.assert_allclose(predictions.probabilities.sum(axis=1), 1.0, atol=1e-5)
+    assert predictions.mask[:, 1].sum() == 0
+
+
+def test_readme_commands_for_saved_models_run(tmp_path: Path) -> None:
+    """The README's "Saved models and prediction" commands, as written (2 epochs)."""
+    import shlex
+    import subprocess
+    import sys
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("### Saved models and prediction", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [
+        line
+        for line in block.replace("\\\n", " ").splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    assert len(commands) == 4
+    outputs = []
+    for command in commands:
+        argv = shlex.split(command.replace("--epochs 10", "--epochs 2"))
+        if argv[0] == ".venv/bin/python":
+            argv = [sys.executable, str(ROOT / argv[1]), *argv[2:]]
+        else:
+            assert argv[0] == ".venv/bin/secure-vfl"
+            argv = [sys.executable, "-m", "secure_vfl", *argv[1:]]
+        completed = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True)
+        assert completed.returncode == 0, completed.stderr
+        outputs.append(completed.stdout)
+    frame = pd.read_csv(tmp_path / "runs" / "mine" / "predictions.csv")
+    assert len(frame) == 109 and set(frame["predicted"]) <= {"benign", "malignant"}
+    assert "rows held: bank 109, retailer 99, insurer 0" in outputs[-1]

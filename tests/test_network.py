@@ -1,0 +1,527 @@
+"""The gRPC transport between real processes on loopback: mutual TLS, identity, chunking,
+deadlines. No mock of gRPC: each party is a process (tests/network_peer.py) with its own server on
+a port the OS chose, and the test process plays the odd client (an impostor, a plaintext one).
+Every process started here is stopped by its pid when the test ends, passed or failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from protocols import tls
+from secure_vfl.errors import ConfigError, ProtocolError, TransportError
+from secure_vfl.federation import wire
+from secure_vfl.federation.channel import CAPTURE_LENGTH, read_capture
+from secure_vfl.federation.messages import (
+    GradientMessage,
+    Message,
+    RepresentationMessage,
+    RepresentRequest,
+)
+from secure_vfl.federation.network import (
+    DELIVER,
+    STREAM_THRESHOLD,
+    PartyEndpoint,
+    RetryPolicy,
+    TlsIdentity,
+)
+
+PEER = Path(__file__).with_name("network_peer.py")
+ROOT = Path(__file__).resolve().parents[1]
+START_SECONDS = 60.0  # a cold process imports torch: generous on a busy machine
+FAST_RETRY = RetryPolicy(attempts=3, first_backoff=0.05, max_backoff=0.2)
+
+
+@dataclasses.dataclass
+class Peer:
+    """A party process: its pid, port and the files it writes."""
+
+    name: str
+    process: subprocess.Popen[str]
+    port: int
+    result: Path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def connect(self, peers: dict[str, str]) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(peers) + "\n")
+        self.process.stdin.flush()
+
+    def outcome(self, timeout: float) -> dict[str, Any]:
+        """The result the process wrote, waiting up to ``timeout`` seconds for it."""
+        end = time.monotonic() + timeout
+        while not self.result.exists():
+            if self.process.poll() is not None:
+                raise AssertionError(f"{self.name} exited early: {self._stderr()}")
+            if time.monotonic() > end:
+                raise AssertionError(f"{self.name} wrote no result in {timeout} s")
+            time.sleep(0.05)
+        return dict(json.loads(self.result.read_text()))
+
+    def stop(self) -> int:
+        """Tell the process to stop serving and wait for its exit status."""
+        assert self.process.stdin is not None
+        self.process.stdin.write("stop\n")
+        self.process.stdin.flush()
+        return self.process.wait(timeout=30)
+
+    def _stderr(self) -> str:
+        assert self.process.stderr is not None
+        return self.process.stderr.read()[-2000:]
+
+
+class Launcher:
+    """Starts party processes and remembers their pids, to stop them whatever happens."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.processes: list[subprocess.Popen[str]] = []
+
+    def start(self, name: str, program: str, **settings: Any) -> Peer:
+        result = self.directory / f"{name}.result.json"
+        spec = {"name": name, "program": program, "result": str(result), **settings}
+        spec_path = self.directory / f"{name}.spec.json"
+        spec_path.write_text(json.dumps(spec))
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "GRPC_VERBOSITY": "NONE"}
+        process = subprocess.Popen(
+            [sys.executable, str(PEER), str(spec_path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.processes.append(process)
+        assert process.stdout is not None
+        ready, _, _ = select.select([process.stdout], [], [], START_SECONDS)
+        line = process.stdout.readline() if ready else ""
+        if not line.startswith("PORT "):
+            raise AssertionError(f"{name} did not start: {line!r}")
+        return Peer(name, process, int(line.split()[1]), result)
+
+    def stop_all(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                os.kill(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+            for stream in (process.stdin, process.stdout, process.stderr):
+                if stream is not None:
+                    stream.close()
+
+
+@pytest.fixture
+def launcher(tmp_path: Path) -> Iterator[Launcher]:
+    launcher = Launcher(tmp_path)
+    try:
+        yield launcher
+    finally:
+        launcher.stop_all()
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("certs")
+    tls.make_federation(directory, ["bank", "shop", "aggregator", "requester", "responder"])
+    return directory
+
+
+@pytest.fixture(scope="module")
+def other_ca(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Certificates for the same names, from another federation's CA."""
+    directory = tmp_path_factory.mktemp("other-certs")
+    tls.make_federation(directory, ["bank"])
+    return directory
+
+
+def _identity(certs: Path, name: str) -> TlsIdentity:
+    return TlsIdentity.from_files(certs / "ca.pem", certs / f"{name}.pem", certs / f"{name}.key")
+
+
+def _capture(path: Path, messages: list[Message]) -> bytes:
+    data = b"".join(
+        CAPTURE_LENGTH.pack(len(encoded)) + encoded for encoded in map(wire.encode, messages)
+    )
+    path.write_bytes(data)
+    return data
+
+
+def _messages(sender: str, receiver: str, seed: int, big_rows: int = 0) -> list[Message]:
+    """A few real secure-vfl messages (tensors of seeded random values)."""
+    generator = torch.Generator().manual_seed(seed)
+    header = {"sender": sender, "receiver": receiver, "session": "s1"}
+    messages: list[Message] = [
+        RepresentRequest(
+            **header,
+            round=3,
+            batch_id=0,
+            split="train",
+            rows=torch.randperm(50, generator=generator)[:16],
+            positions=torch.arange(16),
+            reply_to=receiver,
+        ),
+        RepresentationMessage(
+            **header,
+            round=3,
+            batch_id=0,
+            positions=torch.arange(16),
+            representation=torch.randn(16, 32, generator=generator),
+        ),
+        GradientMessage(
+            **header,
+            round=3,
+            batch_id=1,
+            positions=torch.arange(8),
+            gradient=torch.randn(8, 32, generator=generator),
+        ),
+    ]
+    if big_rows:
+        messages.append(
+            RepresentationMessage(
+                **header,
+                round=4,
+                batch_id=0,
+                positions=torch.arange(big_rows),
+                representation=torch.randn(big_rows, 32, generator=generator),
+            )
+        )
+    return messages
+
+
+def _read(path: Path) -> bytes:
+    return path.read_bytes() if path.exists() else b""
+
+
+@pytest.fixture(scope="module")
+def exchange(
+    tmp_path_factory: pytest.TempPathFactory, certs: Path
+) -> Iterator[dict[str, dict[str, Any]]]:
+    """bank and shop, each in its own process, send each other a few messages over mutual TLS
+    (bank also one of about 8 MB, streamed in chunks) and keep what they receive."""
+    directory = tmp_path_factory.mktemp("exchange")
+    launcher = Launcher(directory)
+    sent = {
+        "bank": _capture(directory / "bank.send", _messages("bank", "shop", 1, big_rows=65_000)),
+        "shop": _capture(directory / "shop.send", _messages("shop", "bank", 2)),
+    }
+    try:
+        peers = {
+            name: launcher.start(
+                name,
+                "exchange",
+                certs=str(certs),
+                send=str(directory / f"{name}.send"),
+                received=str(directory / f"{name}.received"),
+                expect=4 if name == "shop" else 3,
+            )
+            for name in ("bank", "shop")
+        }
+        peers["bank"].connect({"shop": peers["shop"].address})
+        peers["shop"].connect({"bank": peers["bank"].address})
+        outcomes = {name: peer.outcome(timeout=120) for name, peer in peers.items()}
+        statuses = {name: peer.stop() for name, peer in peers.items()}
+        yield {
+            name: {
+                "outcome": outcomes[name],
+                "status": statuses[name],
+                "sent": sent[name],
+                "received": _read(directory / f"{name}.received"),
+                "received_path": directory / f"{name}.received",
+            }
+            for name in peers
+        }
+    finally:
+        launcher.stop_all()
+
+
+def test_two_processes_receive_exactly_the_bytes_sent_over_mutual_tls(
+    exchange: dict[str, dict[str, Any]],
+) -> None:
+    for name in ("bank", "shop"):
+        assert exchange[name]["outcome"] == {
+            "ok": True,
+            "sent_sizes": exchange[name]["outcome"]["sent_sizes"],
+        }
+        assert exchange[name]["status"] == 0
+    # Byte-identical: what each received, re-encoded, is what the other encoded and sent.
+    assert exchange["shop"]["received"] == exchange["bank"]["sent"]
+    assert exchange["bank"]["received"] == exchange["shop"]["sent"]
+    received = list(read_capture(exchange["bank"]["received_path"]))
+    assert [m.kind for m in received] == ["represent-request", "representation", "gradient"]
+    assert all(m.sender == "shop" and m.receiver == "bank" for m in received)
+    assert torch.equal(
+        received[2].gradient,  # type: ignore[attr-defined]
+        _messages("shop", "bank", 2)[2].gradient,  # type: ignore[attr-defined]
+    )
+
+
+def test_a_message_above_4_mb_arrives_intact_through_chunks(
+    exchange: dict[str, dict[str, Any]],
+) -> None:
+    sizes = exchange["bank"]["outcome"]["sent_sizes"]
+    assert sizes[-1] > STREAM_THRESHOLD  # streamed in chunks, not one gRPC message
+    (big,) = [m for m in read_capture(exchange["shop"]["received_path"]) if m.round == 4]
+    assert len(wire.encode(big)) == sizes[-1]
+    expected = _messages("bank", "shop", 1, big_rows=65_000)[-1]
+    assert torch.equal(big.representation, expected.representation)  # type: ignore[attr-defined]
+
+
+def _listener(launcher: Launcher, certs: Path, directory: Path, name: str = "shop") -> Peer:
+    peer = launcher.start(
+        name,
+        "listen",
+        certs=str(certs),
+        received=str(directory / f"{name}.received"),
+        deadline=2.0,
+        total=90.0,
+    )
+    peer.connect({})
+    return peer
+
+
+def _greeting(sender: str = "bank", receiver: str = "shop") -> RepresentationMessage:
+    return RepresentationMessage(
+        sender=sender,
+        receiver=receiver,
+        round=1,
+        batch_id=0,
+        positions=torch.arange(2),
+        representation=torch.ones(2, 3),
+    )
+
+
+def _legitimate_delivery(certs: Path, listener: Peer, tmp_path: Path) -> dict[str, Any]:
+    """bank, with its own certificate, reaches the listener: what it noted on the way."""
+    with PartyEndpoint("bank", identity=_identity(certs, "bank"), deadline=20.0) as bank:
+        bank.add_peer("shop", listener.address)
+        bank.send(_greeting())
+    outcome = listener.outcome(timeout=60)
+    (arrived,) = read_capture(tmp_path / "shop.received")
+    assert wire.encode(arrived) == wire.encode(_greeting())
+    return outcome
+
+
+def test_an_impostor_with_a_certificate_from_another_ca_is_refused(
+    launcher: Launcher, certs: Path, other_ca: Path, tmp_path: Path
+) -> None:
+    listener = _listener(launcher, certs, tmp_path)
+    # The impostor trusts the real CA (it can read ca.pem) but holds another CA's certificate.
+    stolen_name = dataclasses.replace(
+        _identity(other_ca, "bank"), ca=(certs / "ca.pem").read_bytes()
+    )
+    with PartyEndpoint("bank", identity=stolen_name, deadline=10.0, retry=FAST_RETRY) as impostor:
+        impostor.add_peer("shop", listener.address)
+        with pytest.raises(
+            TransportError, match=r"could not be reached \(3 attempts.*federation's CA"
+        ):
+            impostor.send(_greeting())
+    outcome = _legitimate_delivery(certs, listener, tmp_path)
+    # The handshake failed: nothing the impostor sent ever reached the listening party.
+    assert outcome == {"ok": True, "refusals": []}
+
+
+def test_a_party_claiming_another_partys_name_is_refused(
+    launcher: Launcher, certs: Path, tmp_path: Path
+) -> None:
+    listener = _listener(launcher, certs, tmp_path)
+    aggregator = _identity(certs, "aggregator")
+    credentials = grpc.ssl_channel_credentials(
+        aggregator.ca, aggregator.key, aggregator.certificate
+    )
+    options = [("grpc.ssl_target_name_override", "shop")]
+    with (
+        grpc.secure_channel(listener.address, credentials, options=options) as channel,
+        pytest.raises(grpc.RpcError) as refused,
+    ):
+        channel.unary_unary(DELIVER)(
+            wire.encode(_greeting(sender="bank")),
+            timeout=20,
+            metadata=(("svfl-stream", "x"), ("svfl-sequence", "1")),
+        )
+    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    reason = (
+        "shop: a representation claiming to come from 'bank' over a connection whose "
+        "certificate is 'aggregator''s; a party sends only in its own name."
+    )
+    assert refused.value.details() == reason
+    outcome = _legitimate_delivery(certs, listener, tmp_path)
+    # The receiving party learnt of the refusal as a ProtocolError, then got the real message.
+    assert outcome == {"ok": True, "refusals": [f"ProtocolError: {reason}"]}
+
+
+def test_a_plaintext_client_cannot_talk_to_a_tls_server(
+    launcher: Launcher, certs: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    listener = _listener(launcher, certs, tmp_path)
+    with PartyEndpoint("bank", insecure=True, deadline=10.0, retry=FAST_RETRY) as plaintext:
+        assert "WITHOUT TLS (insecure=True)" in caplog.text  # opting out is loud
+        plaintext.add_peer("shop", listener.address)
+        with pytest.raises(TransportError, match=r"shop at 127\.0\.0\.1:\d+ could not be reached"):
+            plaintext.send(_greeting())
+    assert _legitimate_delivery(certs, listener, tmp_path) == {"ok": True, "refusals": []}
+
+
+def test_a_receive_with_no_message_times_out_naming_what_it_awaited(certs: Path) -> None:
+    with PartyEndpoint("shop", identity=_identity(certs, "shop")) as shop:
+        shop.add_peer("bank", "127.0.0.1:9")
+        start = time.monotonic()
+        with pytest.raises(TransportError) as timeout:
+            shop.receive(0.3, sender="bank", kind="gradient")
+        assert 0.3 <= time.monotonic() - start < 10
+    assert str(timeout.value) == (
+        "shop: no gradient from bank arrived within 0.3 s; is bank at 127.0.0.1:9 running, and "
+        "can it reach this party?"
+    )
+
+
+def test_an_endpoint_needs_a_certificate_naming_it_or_an_explicit_opt_out(certs: Path) -> None:
+    with pytest.raises(ConfigError, match="or insecure=True expected"):
+        PartyEndpoint("shop")
+    with pytest.raises(ConfigError, match="its certificate names 'bank'"):
+        PartyEndpoint("shop", identity=_identity(certs, "bank"))
+    with PartyEndpoint("shop", identity=_identity(certs, "shop")) as shop:
+        with pytest.raises(ProtocolError, match="sends only in its own name"):
+            shop.send(_greeting())
+        with pytest.raises(ProtocolError, match="no address for 'shop'"):
+            shop.send(_greeting(sender="shop"))
+
+
+def test_dh_psi_between_two_processes_finds_the_in_process_intersection(
+    launcher: Launcher, certs: Path
+) -> None:
+    from protocols.psi import run_psi
+
+    rng = np.random.default_rng(5)
+    mine = [f"id{i}" for i in rng.permutation(3000)]
+    theirs = [f"id{i}" for i in rng.permutation(np.arange(2000, 5000))][:2500]
+    keys = {"requester": "11" * 32, "responder": "22" * 32}
+    common = {"certs": str(certs), "seed": 9, "chunk_size": 256, "session": "psi-1"}
+    requester = launcher.start(
+        "requester", "psi-requester", ids=mine, peer="responder", key=keys["requester"], **common
+    )
+    responder = launcher.start(
+        "responder", "psi-responder", ids=theirs, peer="requester", key=keys["responder"], **common
+    )
+    responder.connect({"requester": requester.address})
+    requester.connect({"responder": responder.address})
+    over_network = requester.outcome(timeout=180)
+    rows = responder.outcome(timeout=60)
+    expected = run_psi(
+        mine,
+        theirs,
+        key_mine=bytes.fromhex(keys["requester"]),
+        key_theirs=bytes.fromhex(keys["responder"]),
+        rng=np.random.default_rng(9),
+        session_id="psi-1",
+        workers=1,
+        chunk_size=256,
+    )
+    assert expected.indices is not None
+    assert over_network["ok"] and rows["ok"], (over_network, rows)
+    assert (over_network["size"], over_network["peer_size"]) == (expected.size, 2500)
+    assert over_network["indices"] == expected.indices.tolist()
+    assert expected.size == len(set(mine) & set(theirs)) > 0
+    # The responder learnt its row of each aligned sample, in the requester's order.
+    assert [theirs[r] for r in rows["rows"]] == [mine[i] for i in expected.indices]
+    assert requester.stop() == 0 and responder.stop() == 0
+
+
+class _Serving:
+    """An endpoint whose party thread (a thread of the test process) acts on what arrives."""
+
+    def __init__(self, endpoint: PartyEndpoint) -> None:
+        self.endpoint = endpoint
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stopped.is_set():
+            with contextlib.suppress(TransportError):
+                self.endpoint.act_on_next(0.1, refusals=False)
+
+    def __enter__(self) -> PartyEndpoint:
+        self.thread.start()
+        return self.endpoint
+
+    def __exit__(self, *_: object) -> None:
+        self.stopped.set()
+        self.thread.join(timeout=10)
+        self.endpoint.close()
+
+
+def test_send_returns_once_the_receiver_acted_and_its_replies_were_handled(certs: Path) -> None:
+    """The in-process call stack, across endpoints: shop's handler answers bank inside bank's
+    send; a handler's ProtocolError comes back to the sender as its refusal."""
+    bank = PartyEndpoint("bank", identity=_identity(certs, "bank"), deadline=20.0)
+    shop = PartyEndpoint("shop", identity=_identity(certs, "shop"), deadline=20.0)
+    bank.add_peer("shop", shop.address)
+    shop.add_peer("bank", bank.address)
+    acted: list[int] = []
+
+    def handle(message: Message) -> None:
+        if message.round == 13:
+            raise ProtocolError("round 13 is not the round expected")
+        acted.append(message.round)
+        shop.send(_greeting(sender="shop", receiver="bank"))  # a reply, nested in bank's send
+
+    shop.handler = handle
+    with bank, _Serving(shop):
+        bank.send(_greeting())
+        assert acted == [1]
+        # The reply is already here when send returns: nothing to wait for.
+        assert bank.receive(0.0, sender="shop").sender == "shop"
+        with pytest.raises(ProtocolError) as refused:
+            bank.send(dataclasses.replace(_greeting(), round=13))
+        assert str(refused.value) == (
+            "representation from bank to shop refused (ABORTED): shop refused representation "
+            "from bank: round 13 is not the round expected"
+        )
+        bank.send(dataclasses.replace(_greeting(), round=2))  # shop goes on after refusing
+        assert acted == [1, 2]
+    assert bank.bytes[("bank", "shop", "train")] == 3 * len(wire.encode(_greeting()))
+
+
+def test_a_retried_delivery_is_acted_on_once_and_a_replay_is_refused(certs: Path) -> None:
+    shop = PartyEndpoint("shop", identity=_identity(certs, "shop"), deadline=20.0)
+    bank = _identity(certs, "bank")
+    credentials = grpc.ssl_channel_credentials(bank.ca, bank.key, bank.certificate)
+    options = [("grpc.ssl_target_name_override", "shop")]
+    data = wire.encode(_greeting())
+    other = wire.encode(dataclasses.replace(_greeting(), round=7))
+    with (
+        _Serving(shop),
+        grpc.secure_channel(shop.address, credentials, options=options) as channel,
+    ):
+        deliver = channel.unary_unary(DELIVER)
+        stream = (("svfl-stream", "retry-test"), ("svfl-sequence", "1"))
+        deliver(data, timeout=20, metadata=stream)
+        deliver(data, timeout=20, metadata=stream)  # a retry: answered, not acted on again
+        with pytest.raises(grpc.RpcError) as replay:
+            deliver(other, timeout=20, metadata=stream)  # same number, other bytes
+        assert replay.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "replays delivery 1 of its stream" in str(replay.value.details())
+    # The party learns of the refused replay, and holds the message once.
+    with pytest.raises(ProtocolError, match="replays delivery 1 of its stream"):
+        shop.receive(0.0)
+    assert wire.encode(shop.receive(0.0)) == data
+    with pytest.raises(TransportError, match="no message from any peer"):
+        shop.receive(0.0)

@@ -1,0 +1,248 @@
+"""Federation certificates: `certs init` makes a usable set, `certs check` names what is wrong."""
+
+from __future__ import annotations
+
+import datetime
+import shutil
+import stat
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from protocols import tls
+from secure_vfl.cli import main
+from secure_vfl.errors import ConfigError
+from secure_vfl.federation.network import TlsIdentity, certificate_name
+
+PARTIES = ("bank", "shop")
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("certs")
+    tls.make_federation(directory, PARTIES)
+    return directory
+
+
+@pytest.fixture
+def certs(federation: Path, tmp_path: Path) -> Path:
+    """A private copy of the federation's files that a test may break."""
+    directory = tmp_path / "certs"
+    shutil.copytree(federation, directory)
+    return directory
+
+
+def _ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    ca = x509.load_pem_x509_certificate((directory / "ca.pem").read_bytes())
+    key = serialization.load_pem_private_key((directory / "ca.key").read_bytes(), None)
+    assert isinstance(key, ec.EllipticCurvePrivateKey)
+    return ca, key
+
+
+def _reissue(directory: Path, name: str, **kwargs: object) -> None:
+    """Replace ``name``'s certificate by one the CA issues with ``kwargs`` (same key)."""
+    ca, ca_key = _ca(directory)
+    key = serialization.load_pem_private_key((directory / f"{name}.key").read_bytes(), None)
+    assert isinstance(key, ec.EllipticCurvePrivateKey)
+    certificate = tls.party_certificate(name, key, ca, ca_key, **kwargs)  # type: ignore[arg-type]
+    (directory / f"{name}.pem").write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+
+
+def _problems(directory: Path, party: str | None = None) -> list[str]:
+    return [str(p) for p in tls.check_federation(directory, None if party is None else [party])]
+
+
+def test_init_writes_a_ca_and_a_key_and_certificate_per_party_that_check_clean(
+    federation: Path,
+) -> None:
+    assert sorted(p.name for p in federation.iterdir()) == sorted(
+        ["ca.pem", "ca.key", "bank.pem", "bank.key", "shop.pem", "shop.key"]
+    )
+    assert tls.check_federation(federation) == []
+    for name in PARTIES:
+        certificate = x509.load_pem_x509_certificate((federation / f"{name}.pem").read_bytes())
+        assert certificate_name(certificate.public_bytes(serialization.Encoding.PEM)) == name
+        sans = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        assert sans.get_values_for_type(x509.DNSName) == [name, "localhost"]
+        assert [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+        usages = certificate.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        assert set(usages) == {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
+        key = serialization.load_pem_private_key((federation / f"{name}.key").read_bytes(), None)
+        assert isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name == "secp256r1"
+        lifetime = certificate.not_valid_after_utc - certificate.not_valid_before_utc
+        assert lifetime == datetime.timedelta(days=tls.PARTY_DAYS)
+    ca = x509.load_pem_x509_certificate((federation / "ca.pem").read_bytes())
+    assert ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+
+
+def test_keys_are_written_mode_0600_and_certificates_readable(federation: Path) -> None:
+    for path in federation.iterdir():
+        mode = stat.S_IMODE(path.stat().st_mode)
+        if path.suffix == ".key":
+            assert mode == 0o600, path
+        else:
+            assert mode & stat.S_IRUSR and not mode & stat.S_IWOTH, path
+    assert not list(federation.glob(".*.tmp"))  # nothing half-written left behind
+
+
+def test_hosts_become_dns_and_ip_names(tmp_path: Path) -> None:
+    tls.make_federation(tmp_path, ["bank"], hosts=("bank.example.org", "10.1.2.3", "::1"))
+    certificate = x509.load_pem_x509_certificate((tmp_path / "bank.pem").read_bytes())
+    sans = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert sans.get_values_for_type(x509.DNSName) == ["bank", "bank.example.org"]
+    assert [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] == ["10.1.2.3", "::1"]
+
+
+def test_init_issues_new_parties_with_the_existing_ca_and_never_overwrites(certs: Path) -> None:
+    ca_before = (certs / "ca.pem").read_bytes()
+    tls.make_federation(certs, ["aggregator"])
+    assert (certs / "ca.pem").read_bytes() == ca_before
+    assert tls.check_federation(certs) == []
+    bank_before = (certs / "bank.key").read_bytes()
+    with pytest.raises(ConfigError, match=r"bank\.pem, .*bank\.key already exist"):
+        tls.make_federation(certs, ["bank"])
+    assert (certs / "bank.key").read_bytes() == bank_before
+
+
+@pytest.mark.parametrize(
+    ("parties", "hosts", "match"),
+    [
+        ([], ("localhost",), "at least one --party"),
+        (["Bank"], ("localhost",), "lower-case letters"),
+        (["bank_1"], ("localhost",), "lower-case letters"),
+        (["-bank"], ("localhost",), "lower-case letters"),
+        (["bank", "bank"], ("localhost",), "bank repeated"),
+        (["bank", "shop"], ("localhost", "shop"), r"may not be a party's name .*Found shop"),
+    ],
+)
+def test_init_refuses_bad_requests_before_writing(
+    tmp_path: Path, parties: list[str], hosts: tuple[str, ...], match: str
+) -> None:
+    with pytest.raises(ConfigError, match=match):
+        tls.make_federation(tmp_path / "out", parties, hosts=hosts)
+    assert not (tmp_path / "out").exists()
+
+
+def test_check_reports_an_expired_certificate(certs: Path) -> None:
+    start = datetime.datetime.now(datetime.UTC) - datetime.timedelta(days=10)
+    _reissue(certs, "bank", not_before=start, days=2)
+    assert _problems(certs) == [
+        f"{certs / 'bank.pem'}: expired on {start + datetime.timedelta(days=2):%Y-%m-%d %H:%M} UTC."
+    ]
+
+
+def test_check_reports_a_certificate_not_yet_valid(certs: Path) -> None:
+    start = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=3)
+    _reissue(certs, "shop", not_before=start)
+    (problem,) = _problems(certs)
+    assert problem == f"{certs / 'shop.pem'}: not valid yet: valid from {start:%Y-%m-%d %H:%M} UTC."
+
+
+def test_check_reports_a_certificate_from_another_ca(certs: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    tls.make_federation(other, ["bank"])
+    for suffix in (".pem", ".key"):
+        shutil.copy(other / f"bank{suffix}", certs / f"bank{suffix}")
+    # Both CAs carry the same subject: only the signature tells them apart.
+    assert _problems(certs) == [
+        f"{certs / 'bank.pem'}: not signed by this federation's CA (the signature does not verify)."
+    ]
+
+
+def test_check_reports_a_certificate_that_does_not_name_its_party(certs: Path) -> None:
+    for suffix in (".pem", ".key"):
+        shutil.copy(certs / f"shop{suffix}", certs / f"bank{suffix}")
+    problems = _problems(certs, "bank")
+    path = certs / "bank.pem"
+    assert problems == [
+        f"{path}: common name 'bank' expected, found ['shop'].",
+        f"{path}: 'bank' is not among its DNS names ['shop', 'localhost'].",
+        f"{path}: it also names the parties ['shop']: it would pass for them.",
+    ]
+
+
+def test_check_reports_a_certificate_that_would_pass_for_another_party(certs: Path) -> None:
+    _reissue(certs, "bank", hosts=("localhost", "shop"))
+    assert _problems(certs) == [
+        f"{certs / 'bank.pem'}: it also names the parties ['shop']: it would pass for them."
+    ]
+
+
+def test_check_reports_a_key_that_does_not_match_its_certificate(certs: Path) -> None:
+    bank, shop = (certs / "bank.key").read_bytes(), (certs / "shop.key").read_bytes()
+    (certs / "bank.key").write_bytes(shop)
+    (certs / "shop.key").write_bytes(bank)
+    assert _problems(certs) == [
+        f"{certs / 'bank.key'}: not the key of bank.pem.",
+        f"{certs / 'shop.key'}: not the key of shop.pem.",
+    ]
+
+
+def test_check_reports_key_files_others_can_read(certs: Path) -> None:
+    (certs / "shop.key").chmod(0o640)
+    (certs / "ca.key").chmod(0o604)
+    assert _problems(certs) == [
+        f"{certs / 'ca.key'}: mode 0604 lets others read the key; 0600 expected (chmod 600).",
+        f"{certs / 'shop.key'}: mode 0640 lets others read the key; 0600 expected (chmod 600).",
+    ]
+
+
+def test_check_reports_an_ed25519_key_grpc_cannot_use(certs: Path) -> None:
+    ca, ca_key = _ca(certs)
+    key = ed25519.Ed25519PrivateKey.generate()
+    now = datetime.datetime.now(datetime.UTC)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bank")]))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("bank")]), critical=False)
+        .sign(ca_key, tls.hashes.SHA256())
+    )
+    (certs / "bank.pem").write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    (certs / "bank.key").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    (problem,) = _problems(certs)
+    assert problem.startswith(f"{certs / 'bank.key'}: an EC P-256 key expected")
+
+
+def test_check_reports_missing_files_and_needs_no_ca_key(certs: Path) -> None:
+    (certs / "ca.key").unlink()  # the CA key may live elsewhere: not a problem
+    (certs / "shop.key").unlink()
+    assert _problems(certs) == [f"{certs / 'shop.key'}: missing (private key expected)."]
+    with pytest.raises(ConfigError, match="no directory"):
+        tls.check_federation(certs / "nowhere")
+
+
+def test_a_tls_identity_refuses_a_key_others_can_read(certs: Path) -> None:
+    paths = (certs / "ca.pem", certs / "bank.pem", certs / "bank.key")
+    assert TlsIdentity.from_files(*paths).name == "bank"
+    (certs / "bank.key").chmod(0o644)
+    with pytest.raises(ConfigError, match="mode 0644: others may read the private key"):
+        TlsIdentity.from_files(*paths)
+
+
+def test_certs_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "certs"
+    assert main(["certs", "init", "--out", str(out), "--party", "bank", "--party", "shop"]) == 0
+    assert main(["certs", "check", "--dir", str(out)]) == 0
+    assert "bank: ok (valid until" in capsys.readouterr().out
+    (out / "bank.key").chmod(0o644)
+    assert main(["certs", "check", "--dir", str(out), "--party", "bank"]) == 1
+    assert "bank.key: mode 0644 lets others read the key" in capsys.readouterr().out
+    assert main(["certs", "check", "--dir", str(out), "--party", "shop"]) == 0
+    assert main(["certs", "init", "--out", str(tmp_path / "x"), "--party", "Bank"]) == 2
+    assert "lower-case letters" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
