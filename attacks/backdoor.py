@@ -53,7 +53,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attacks.base import Attack, AttackContext, register_attack
+from attacks.base import Attack, AttackContext, party_index, refuse_latent_methods, register_attack
 from secure_vfl.data.vertical import VerticalData, VerticalSplit
 from secure_vfl.errors import ConfigError
 from secure_vfl.experiment import TrainConfig
@@ -207,10 +207,6 @@ def _backdoor_party(party: Party, attack: str) -> BackdoorParty:
     return party
 
 
-def _index(party: Party) -> int:
-    return int(party.name.rsplit("-", 1)[1])
-
-
 @register_attack
 class GradientReplacementBackdoor(Attack):
     """A passive party's backdoor by gradient replacement; ASR on triggered non-target rows.
@@ -271,18 +267,17 @@ class GradientReplacementBackdoor(Attack):
 
     def check(self, config: TrainConfig, data: VerticalData, attacker: str) -> None:
         super().check(config, data, attacker)
-        if config.method.startswith("false-vfl"):
-            raise ConfigError(
-                f"{self.name} replaces the representation gradients a split network's data "
-                f"party receives; {config.method}'s parties exchange latent samples and "
-                "likelihoods instead."
-            )
+        refuse_latent_methods(
+            config,
+            self.name,
+            "replaces the representation gradients a split network's data party receives",
+        )
         if self.target >= data.num_classes:
             raise ConfigError(
                 f"{self.name}: target class {self.target} is not one of the "
                 f"{data.num_classes} classes."
             )
-        k = int(attacker.rsplit("-", 1)[1])
+        k = party_index(attacker)
         held = data.train.mask[:, k] & (data.train.labels == self.target)
         if not held.any():
             raise ConfigError(
@@ -300,7 +295,7 @@ class GradientReplacementBackdoor(Attack):
         target: accuracy on them is the share predicted as the target. Probed with the trigger
         (:data:`TRIGGERED`) and without (:data:`UNTRIGGERED`); and the untouched main test
         split (:data:`CLEAN`: its accuracy is the main accuracy)."""
-        k = int(context.attacker.rsplit("-", 1)[1])
+        k = party_index(context.attacker)
         test = next(iter(context.data.tests.values()))
         rows = np.flatnonzero(test.mask[:, k] & (test.labels != self.target))
         probe = test.subset(rows)
@@ -310,7 +305,7 @@ class GradientReplacementBackdoor(Attack):
     def prepare(self, party: Party, context: AttackContext) -> None:
         attacker = _backdoor_party(party, self.name)
         data = context.data
-        k = _index(party)
+        k = party_index(party.name)
         held = np.flatnonzero(data.train.mask[:, k])
         of_target = held[data.train.labels[held] == self.target]
         target_rows = np.sort(

@@ -29,6 +29,21 @@ from secure_vfl.federation.parties import Party
 from secure_vfl.registry import Registry
 
 
+def party_index(name: str) -> int:
+    """The block index ``k`` of party ``party-k``."""
+    return int(name.rsplit("-", 1)[1])
+
+
+def refuse_latent_methods(config: TrainConfig, attack: str, needs: str) -> None:
+    """ConfigError for FALSE-VFL, whose parties exchange latent samples and likelihoods, not a
+    split network's representations and their gradients; ``needs`` says what ``attack`` uses."""
+    if config.method.startswith("false-vfl"):
+        raise ConfigError(
+            f"{attack} {needs}; {config.method}'s parties exchange latent samples and "
+            "likelihoods instead."
+        )
+
+
 @dataclass(frozen=True)
 class AttackContext:
     """What the auditor holds for one attack run: the ground truth (``data``, never handed to the

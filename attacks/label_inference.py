@@ -28,7 +28,7 @@ import torch
 from sklearn.metrics import roc_auc_score
 from torch import Tensor
 
-from attacks.base import Attack, AttackContext, register_attack
+from attacks.base import Attack, AttackContext, party_index, refuse_latent_methods, register_attack
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ConfigError, ProtocolError
 from secure_vfl.experiment import TrainConfig
@@ -87,17 +87,6 @@ class GradientObserver(DataParty):
 ROLES.register("gradient-observer", GradientObserver)
 
 
-def _refuse_latent_methods(config: TrainConfig, attack: str) -> None:
-    """FALSE-VFL's data parties receive gradients of latent samples' likelihoods, not of
-    representations: the observer role is a split network's data party."""
-    if config.method.startswith("false-vfl"):
-        raise ConfigError(
-            f"{attack} reads the representation gradients a split network's data party "
-            f"receives; {config.method}'s parties exchange latent samples and likelihoods, "
-            "which it does not read."
-        )
-
-
 def _observer(party: Party, attack: str) -> GradientObserver:
     if not isinstance(party, GradientObserver):
         raise ConfigError(
@@ -135,7 +124,11 @@ class DirectLabelInference(Attack):
 
     def check(self, config: TrainConfig, data: VerticalData, attacker: str) -> None:
         super().check(config, data, attacker)
-        _refuse_latent_methods(config, self.name)
+        refuse_latent_methods(
+            config,
+            self.name,
+            "reads the representation gradients a split network's data party receives",
+        )
         _refuse_top_model(config, self.name)
 
     def evaluate(self, party: Party, context: AttackContext) -> dict[str, float]:
@@ -193,7 +186,11 @@ class _ScoringAttack(Attack):
 
     def check(self, config: TrainConfig, data: VerticalData, attacker: str) -> None:
         super().check(config, data, attacker)
-        _refuse_latent_methods(config, self.name)
+        refuse_latent_methods(
+            config,
+            self.name,
+            "reads the representation gradients a split network's data party receives",
+        )
         _binary_positive(data, self.name)
 
     def scores(
@@ -270,7 +267,7 @@ class DirectionScoring(_ScoringAttack):
     def prepare(self, party: Party, context: AttackContext) -> None:
         data = context.data
         positive = _binary_positive(data, self.name)
-        k = int(party.name.rsplit("-", 1)[1])
+        k = party_index(party.name)
         held = np.flatnonzero((data.train.labels == positive) & data.train.mask[:, k])
         count = min(self.known, len(held))
         self._known = np.sort(context.rng.choice(held, size=count, replace=False))

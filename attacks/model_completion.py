@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attacks.base import Attack, AttackContext, register_attack
+from attacks.base import Attack, AttackContext, party_index, refuse_latent_methods, register_attack
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ConfigError
 from secure_vfl.experiment import TrainConfig
@@ -172,11 +172,6 @@ def _data_party(party: Party, attack: str) -> DataParty:
     return party
 
 
-def _index(name: str) -> int:
-    """The block index ``k`` of data party ``party-k``."""
-    return int(name.rsplit("-", 1)[1])
-
-
 @register_attack
 class PassiveModelCompletion(Attack):
     """The attacker's trained bottom model, completed with a head on ``known`` labelled rows
@@ -207,14 +202,14 @@ class PassiveModelCompletion(Attack):
                 f"{self.name} infers labels that the attacker does not hold, but with heads='all' "
                 "every party may hold them; run it with --heads active."
             )
-        if not data.train.mask[:, _index(attacker)].any():
+        if not data.train.mask[:, party_index(attacker)].any():
             raise ConfigError(f"{self.name}: {attacker} holds no training row.")
 
     def prepare(self, party: Party, context: AttackContext) -> None:
         """Grant ``known`` labelled rows per class among the training rows the attacker holds;
         under the negative control their labels are shuffled among them."""
         train = context.data.train
-        held = train.mask[:, _index(party.name)]
+        held = train.mask[:, party_index(party.name)]
         chosen = []
         for label in range(context.data.num_classes):
             rows = np.flatnonzero(held & (train.labels == label))
@@ -226,7 +221,7 @@ class PassiveModelCompletion(Attack):
     def evaluate(self, party: Party, context: AttackContext) -> dict[str, float]:
         attacker = _data_party(party, self.name)
         data = context.data
-        k = _index(party.name)
+        k = party_index(party.name)
         if len(self._known_rows) == 0:
             raise ConfigError(f"{self.name}: no rows were granted (prepare was not called).")
         held_train = np.flatnonzero(data.train.mask[:, k])
@@ -292,12 +287,11 @@ class ActiveModelCompletion(PassiveModelCompletion):
 
     def check(self, config: TrainConfig, data: VerticalData, attacker: str) -> None:
         super().check(config, data, attacker)
-        if config.method.startswith("false-vfl"):
-            raise ConfigError(
-                f"{self.name}'s malicious optimiser replaces a split network's data party; "
-                f"{config.method}'s parties are latent-variable parties (passive-model-completion "
-                "applies)."
-            )
+        refuse_latent_methods(
+            config,
+            self.name,
+            "trains as a malicious split-network data party (passive-model-completion applies)",
+        )
 
     def prepare(self, party: Party, context: AttackContext) -> None:
         if not isinstance(party, MaliciousOptimiserParty):

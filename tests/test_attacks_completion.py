@@ -176,4 +176,4 @@ def test_passive_completion_applies_to_false_vfl_and_the_malicious_optimiser_doe
     verdicts = applicable(config, prepare_data(config))
     # FALSE-VFL has one label party whatever `heads` says, so the passive attack applies
     assert verdicts["passive-model-completion"] is None
-    assert "latent-variable parties" in str(verdicts["active-model-completion"])
+    assert "exchange latent samples and likelihoods" in str(verdicts["active-model-completion"])
