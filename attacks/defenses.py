@@ -17,7 +17,7 @@ of every head holder (the parties whose gradients carry labels):
   so that the KL sum is ``(u1/u0 + u0/u1 + |g1 - g0|^2 (1/u0 + 1/u1)) / 2 - 1`` and the budget
   ``p u1 + (1 - p) u0 + (d - 1) v <= P``; a common ``v`` adds nothing to the KL, so the
   budget goes to ``u0, u1``, found by a one-dimensional search on the budget line. Its noise
-  comes from :class:`protocols.noise.SecureNoise` (ChaCha20 keyed from the operating system),
+  comes from :class:`protocols.noise.SecureNoise` (AES-128-CTR keyed from the operating system),
   as the privacy layer's does.
 """
 

@@ -5,7 +5,7 @@ mechanism emits one small immutable :class:`GaussianRelease` event per noisy rel
 :class:`PrivacyAccountant` prices a party's events as the *guarantees* they give, each against a
 named observer, under a stated adjacency and sampling, with Opacus' RDP (Mironov 2017; Mironov
 et al. 2019) or PRV (Gopi et al. 2021) accountant. Noise comes from :mod:`protocols.noise`
-(ChaCha20 keyed from the operating system, never from the run's seed).
+(AES-128-CTR keyed from the operating system, never from the run's seed).
 
 Mechanisms (the Gaussian mechanism, Dwork & Roth 2014, Thm A.1, on rows clipped to L2 norm C):
 

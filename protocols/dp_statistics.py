@@ -30,7 +30,7 @@ Gaussian mechanism (Dwork & Roth 2014, Thm A.1) per client:
   z = sigma / sqrt(3) under add/remove (:meth:`~protocols.dp.PrivacyAccountant.
   statistics_guarantee`). The releases compose adaptively (exchange 2 uses the released mean,
   exchange 3 the released standardisation), which that composition covers.
-- Noise: each client's from its own :mod:`protocols.noise` source (ChaCha20 keyed from the
+- Noise: each client's from its own :mod:`protocols.noise` source (AES-128-CTR keyed from the
   operating system), never from the run's seed.
 
 Trust, stated: the distributed guarantee assumes semi-honest clients that add their share and a

@@ -3,11 +3,16 @@
 A DP guarantee holds only if the party receiving a noisy release cannot reproduce the noise and
 subtract it. Every mechanism of the privacy layer (embedding and gradient noise, DP-SGD, the
 FedHF statistics noise, the Poisson sample of DP training) therefore draws from a
-:class:`SecureNoise`: ChaCha20 (20 rounds; Bernstein 2008) as a numpy ``BitGenerator``
-(``randomgen.ChaCha``), keyed directly with 256 bits from the operating system's entropy
-(``secrets``), one fresh key per mechanism and party. Nothing about it depends on the run's seed,
-so two runs with the same seed draw different noise, while data splits and initialisation (which
-come from the seed) stay the same.
+:class:`SecureNoise`: AES-128 in counter mode as a numpy ``BitGenerator``
+(``randomgen.AESCounter``, the construction of NIST SP 800-90A's CTR_DRBG, on the CPU's AES
+instructions where it has them), keyed directly with 128 bits from the operating system's
+entropy (``secrets``), one fresh key per mechanism and party. 128 bits is the security level of
+the rest of the privacy layer (X25519, CKKS at the HE standard's 128-bit table; 2048-bit
+Paillier is below it). It replaced ChaCha20 (``randomgen.ChaCha``, 20 rounds, 256-bit key),
+which is as secure for this use but took 0.17 s per million noise coordinates against 0.05 s
+(``docs/security-review.md``; the four normals per coordinate dominate what is left). Nothing
+about it depends on the run's seed, so two runs with the same seed draw different noise, while
+data splits and initialisation (which come from the seed) stay the same.
 
 Each noise coordinate is the sum of four standard normals, halved, as Opacus' ``secure_mode``
 does against floating-point attacks on the Gaussian sampler (Holohan & Braghin 2021, sec. 5.1;
@@ -26,7 +31,7 @@ from typing import Protocol
 
 import numpy as np
 import torch
-from randomgen import ChaCha
+from randomgen import AESCounter
 from torch import Tensor
 
 _FLOATING_POINT_TERMS = 4
@@ -49,13 +54,17 @@ class NoiseSource(Protocol):
         ...
 
 
+KEY_BITS = 128
+"""AES-128's key, drawn from :mod:`secrets` for every generator."""
+
+
 def secure_generator() -> np.random.Generator:
-    """A numpy generator on ChaCha20 keyed with 256 bits of operating-system entropy."""
-    return np.random.Generator(ChaCha(key=secrets.randbits(256), counter=0, rounds=20))
+    """A numpy generator on AES-128-CTR keyed with 128 bits of operating-system entropy."""
+    return np.random.Generator(AESCounter(key=secrets.randbits(KEY_BITS), counter=0))
 
 
 class SecureNoise:
-    """Gaussian noise from a ChaCha20 stream keyed from ``secrets`` (see the module docstring)."""
+    """Gaussian noise from an AES-CTR stream keyed from ``secrets`` (see the module docstring)."""
 
     secure = True
 

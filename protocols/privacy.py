@@ -13,7 +13,7 @@ secure-sum backend (:meth:`PrivacyEngine.aggregator`) and, once the parties exis
 - DP-SGD by wrapping that party's own bottom model and optimiser (Opacus);
 - one :class:`~protocols.dp.PrivacyAccountant` per party, held by the party
   (``party.accountant``), recording only that party's releases;
-- every mechanism with its own noise source (:mod:`protocols.noise`): ChaCha20 keyed from the
+- every mechanism with its own noise source (:mod:`protocols.noise`): AES-128-CTR keyed from the
   operating system's entropy, never from the run's seed, unless the spec says
   ``insecure_reproducible_noise``.
 
@@ -547,7 +547,7 @@ class PrivacyEngine:
     def _source_text(self) -> str:
         if self.spec.insecure_reproducible_noise:
             return f"numpy PCG64 seeded from the run's seed {self.spec.seed} (INSECURE)"
-        return "ChaCha20 keyed with 256 bits of operating-system entropy"
+        return "AES-128-CTR keyed with 128 bits of operating-system entropy"
 
     def _source_entry(self) -> dict[str, Any]:
         return {

@@ -152,7 +152,7 @@ def _insecure_noise_flag(group: Any) -> None:
         "--insecure-reproducible-noise",
         action="store_true",
         help="INSECURE, for tests only: draw DP noise and the Poisson sample from --seed, so "
-        "anyone who knows the seed can remove the noise (default: secure, OS-keyed ChaCha20)",
+        "anyone who knows the seed can remove the noise (default: secure, OS-keyed AES-128-CTR)",
     )
 
 

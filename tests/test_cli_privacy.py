@@ -66,7 +66,7 @@ def test_the_issues_example_prices_joint_events_per_record_under_replace_one(
     assert privacy["adjacency"].startswith("replace one record")
     assert privacy["sampling"]["kind"] == "poisson" and privacy["sampling"]["draws"] == 60
     assert privacy["insecure_reproducible_noise"] is False
-    assert "ChaCha20" in privacy["noise_source"]
+    assert "AES-128-CTR" in privacy["noise_source"]
     # every epsilon says what it protects, against whom, adjacency, sampling and accountant
     for guarantees in privacy["guarantees"].values():
         for g in guarantees:

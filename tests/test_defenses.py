@@ -116,7 +116,7 @@ def test_marvell_brings_gradient_scoring_near_chance_at_little_accuracy(
     attack: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     undefended = run_attack(_credit(), attack)
-    # Marvell's noise seeded for this test only (runs draw it from OS-keyed ChaCha20): one
+    # Marvell's noise seeded for this test only (runs draw it from OS-keyed AES-128-CTR): one
     # unseeded draw in a full test run lost 8.5 points of accuracy, so the bound below was luck
     monkeypatch.setattr(defenses, "SecureNoise", lambda: SeededNoise([0, 1]))
     defended = run_attack(_credit(), attack, defenses=["marvell:4"])

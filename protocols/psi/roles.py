@@ -32,12 +32,12 @@ channel keeps every message (64·N_A + 32·N_B bytes).
 from __future__ import annotations
 
 import math
-import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
+from protocols.noise import secure_generator
 from protocols.psi.messages import (
     MODES,
     PsiMatchMessage,
@@ -72,8 +72,11 @@ _NO_POINTS = np.empty(0, dtype=f"S{POINT_BYTES}")
 
 
 def default_rng() -> np.random.Generator:
-    """A generator seeded from :mod:`secrets`: a party's own secret shuffles."""
-    return np.random.default_rng(secrets.randbits(128))
+    """A party's own secret shuffles: AES-128-CTR keyed from :mod:`secrets`
+    (:func:`protocols.noise.secure_generator`). Not numpy's PCG64, even seeded from ``secrets``:
+    its state can be recovered from its outputs (Bouillaguet et al., CRYPTO 2020), and a peer
+    sees outputs of the shuffles (the order of the points it receives)."""
+    return secure_generator()
 
 
 @dataclass(frozen=True)
