@@ -238,25 +238,48 @@ def test_a_party_given_the_wrong_name_is_refused(site: Path, tmp_path: Path) -> 
 
 
 def test_a_certificate_from_another_ca_or_naming_another_party_is_refused(
-    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    site: Path, processes: Processes, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     other = tmp_path / "other"
     tls.make_federation(other, ["shop"])
     ports = free_ports(5)
+    impostor_dir, honest_dir = tmp_path / "impostor", tmp_path / "honest"
+    impostor_dir.mkdir()
+    honest_dir.mkdir()
     impostor = write_federation(
-        tmp_path,
+        impostor_dir,
         site / "certs",
         ports,
-        **{f'cert = "{site}/certs/shop.pem"': f'cert = "{other}/shop.pem"'},
+        **{
+            f'cert = "{site}/certs/shop.pem"': f'cert = "{other}/shop.pem"',
+            f'key = "{site}/certs/shop.key"': f'key = "{other}/shop.key"',
+            'data = "shop.csv"': f'data = "{site}/shop.csv"',
+        },
     )
-    federation = read_federation(impostor)
-    with pytest.raises(ConfigError, match="shop"):
-        federation.identity("shop").name  # noqa: B018  (a key that does not match is caught)
+    honest = write_federation(
+        honest_dir,
+        site / "certs",
+        ports,
+        **{f'"{name}.csv"': f'"{site}/{name}.csv"' for name in PARTIES},
+        **{'"labels.csv"': f'"{site}/labels.csv"'},
+    )
+    shop = processes.serve(impostor, "shop", "--wait", "60")
+    label = processes.start(
+        "train", "--federation", str(honest), "--name", "bank", "--method", "laser",
+        "--deadline", "5", "--quiet", "--out", str(tmp_path / "out"), log="bank",
+    )  # fmt: skip
+    assert label.wait(timeout=PROCESS_SECONDS) != 0
+    assert shop.poll() is None  # the impostor learnt nothing and is still waiting
+    log = processes.log("bank")
+    assert "to shop" in log and "this federation's CA" in log, log
     swapped = write_federation(
         tmp_path,
         site / "certs",
         ports,
-        **{f'cert = "{site}/certs/shop.pem"': f'cert = "{site}/certs/insurer.pem"'},
+        **{
+            f'cert = "{site}/certs/shop.pem"': f'cert = "{site}/certs/insurer.pem"',
+            'data = "shop.csv"': f'data = "{site}/shop.csv"',
+        },
     )
     code = main(["party", "serve", "--federation", str(swapped), "--name", "shop", "--wait", "1"])
     assert code == 2
