@@ -1656,7 +1656,11 @@ def _deployment_flags(parser: argparse.ArgumentParser, source: Any) -> None:
         "serving in its own process (`secure-vfl party serve`); its data come from the file",
     )
     group = parser.add_argument_group("deployment (--federation)")
-    group.add_argument("--name", metavar="NAME", help="this party's name in the federation file")
+    group.add_argument(
+        "--name",
+        metavar="NAME",
+        help="this party's name in the federation file (required with --federation; default: none)",
+    )
     _network_flags(group)
 
 
