@@ -156,8 +156,9 @@ def _insecure_noise_flag(group: Any) -> None:
     )
 
 
-def _training_flags(parser: argparse.ArgumentParser) -> None:
-    """The data, method, privacy and output flags of a training run (``train`` and ``attack``)."""
+def _training_flags(parser: argparse.ArgumentParser) -> Any:
+    """The data, method, privacy and output flags of a training run (``train`` and ``attack``);
+    returns the group of data sources (one of them is required)."""
     parser.add_argument(
         "--method",
         required=True,
@@ -382,6 +383,7 @@ def _training_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true", help="replace DIR/result.json")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     _capture_option(parser)
+    return source
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -397,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     train = commands.add_parser("train", help="train a VFL method and evaluate it")
-    _training_flags(train)
+    _deployment_flags(train, _training_flags(train))
+    _party_command(commands)
 
     attack = commands.add_parser(
         "attack",
@@ -1046,6 +1049,8 @@ def _privacy_engine(args: argparse.Namespace) -> Any:
 
 
 def run_train(args: argparse.Namespace) -> int:
+    if args.federation is not None:
+        return run_train_deployed(args)
     from tqdm import tqdm
 
     from secure_vfl.data.datasets import DATASETS
@@ -1637,6 +1642,181 @@ def run_datasets(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- deployment: every party its own process (secure_vfl.deployment) --------------------------
+
+
+def _deployment_flags(parser: argparse.ArgumentParser, source: Any) -> None:
+    """``train --federation FED --name LABELPARTY``: run the label party of a deployment
+    (``--federation`` is one more data ``source``)."""
+    source.add_argument(
+        "--federation",
+        type=existing_file,
+        metavar="FED",
+        help="a federation file (TOML): run the label party of a deployment, every other party "
+        "serving in its own process (`secure-vfl party serve`); its data come from the file",
+    )
+    group = parser.add_argument_group("deployment (--federation)")
+    group.add_argument(
+        "--name",
+        metavar="NAME",
+        help="this party's name in the federation file (required with --federation; default: none)",
+    )
+    _network_flags(group)
+
+
+def _network_flags(group: Any) -> None:
+    group.add_argument(
+        "--deadline",
+        type=positive_float,
+        default=60.0,
+        metavar="S",
+        help="seconds a party waits for a peer's answer, or a serving party for the label "
+        "party's next message, before it gives up",
+    )
+    group.add_argument(
+        "--insecure",
+        action="store_true",
+        help="INSECURE: plaintext gRPC, no certificate checked (every party warns); the "
+        "default is mutual TLS with the federation's certificates",
+    )
+
+
+def _party_command(commands: Any) -> None:
+    party = commands.add_parser(
+        "party", help="run one party of a deployment (every party its own process)"
+    )
+    actions = party.add_subparsers(dest="party_action", required=True, parser_class=_Parser)
+    serve = actions.add_parser(
+        "serve", help="serve as a data party (or the aggregator) until the label party ends the run"
+    )
+    serve.add_argument(
+        "--federation", required=True, type=existing_file, metavar="FED", help="the federation file"
+    )
+    serve.add_argument("--name", required=True, metavar="NAME", help="this party's name in it")
+    serve.add_argument(
+        "--wait",
+        type=positive_float,
+        default=600.0,
+        metavar="S",
+        help="seconds to wait for the label party's first message",
+    )
+    _network_flags(serve)
+
+
+def _secure_sums(name: str) -> Any:
+    """The secure-sum backend of ``--secure-agg NAME`` (None for none), from the privacy
+    layer: what the deployment's core is handed (it never imports protocols itself)."""
+    from protocols.privacy import PrivacyEngine, PrivacySpec
+
+    return PrivacyEngine(PrivacySpec(secure_agg=name)).aggregator()
+
+
+def run_party_command(args: argparse.Namespace) -> int:
+    """`secure-vfl party serve`: act as one party until the label party ends the run; exit
+    non-zero if it fails or the label party falls silent for longer than --deadline."""
+    from secure_vfl.deployment import serve
+    from secure_vfl.federation.federation_file import read_federation
+
+    federation = read_federation(args.federation)
+    federation.member(args.name)
+    print(f"{args.name}: serving at {federation.member(args.name).address}", flush=True)
+    outcome = serve(
+        federation,
+        args.name,
+        secure_sums=_secure_sums,
+        deadline=args.deadline,
+        wait=args.wait,
+        insecure=args.insecure,
+        on_event=lambda line: print(line, flush=True),
+    )
+    if outcome != "finished":
+        print(f"secure-vfl: error: the label party ended the run: {outcome}", file=sys.stderr)
+        return 1
+    print(f"{args.name}: the run finished")
+    return 0
+
+
+def _refuse_deployed_flags(args: argparse.Namespace) -> None:
+    """ConfigError, before any work, for ``train`` flags a deployment does not take."""
+    if args.name is None:
+        raise ConfigError("--federation needs --name NAME (the label party's). Found none.")
+    if args.insecure_reproducible_noise:
+        raise ConfigError(
+            "--insecure-reproducible-noise is refused with --federation: noise anyone with the "
+            "seed can remove has no place on a network."
+        )
+    given = [
+        flag
+        for flag, value in [
+            ("--dp-embeddings", args.dp_embeddings),
+            ("--dp-gradients", args.dp_gradients),
+            ("--dp-sgd", args.dp_sgd),
+            ("--target-epsilon", args.target_epsilon),
+            ("--label-file", args.label_file),
+            ("--test-file", args.test_file),
+            ("--capture", args.capture),
+        ]
+        if value is not None
+    ]
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)} not offered with --federation yet (DP accountants and "
+            "captures live in each party's process; labels come from the federation file)."
+        )
+
+
+def run_train_deployed(args: argparse.Namespace) -> int:
+    """`secure-vfl train --federation FED --name LABEL`: the label party of a deployment."""
+    from tqdm import tqdm
+
+    from secure_vfl.deployment import refuse_undeployable, train_deployed
+    from secure_vfl.federation.federation_file import read_federation
+    from secure_vfl.io import atomic_write_json
+    from secure_vfl.plots import write_run_plots
+    from secure_vfl.runs import provenance
+
+    _refuse_deployed_flags(args)
+    federation = read_federation(args.federation)
+    label = federation.member(federation.label_party)
+    args.party_file = [member.data for member in federation.parties]
+    args.label_file = label.labels
+    config = _train_config(args)
+    refuse_undeployable(config)
+    _privacy_engine(args).refuse(config.method, batching=config.method_config.batching)
+    out: Path = args.out or Path("runs") / f"{config.method}-deployed-s{config.seed}"
+    _check_output_dir(out, "result.json", overwrite=args.overwrite)
+    store = _results_store(args, out)
+    bar = tqdm(total=0, desc=config.method, unit="step", disable=args.quiet, leave=False)
+    with _run_warnings() as noted:
+        try:
+            result = train_deployed(
+                config,
+                federation,
+                args.name,
+                secure_agg=args.secure_agg,
+                secure_sums=_secure_sums,
+                deadline=args.deadline,
+                insecure=args.insecure,
+                on_start=lambda total: bar.reset(total=total),
+                on_step=lambda step, loss: bar.update(1),
+            )
+        finally:
+            bar.close()
+    payload = result.to_json()
+    payload["config"]["privacy"] = _privacy_settings(args)
+    payload["config"]["federation"] = str(args.federation)
+    payload["provenance"] = provenance()
+    payload["warnings"] = list(dict.fromkeys([*noted, *result.warnings]))
+    atomic_write_json(out / "result.json", payload)
+    plots = write_run_plots(payload, out)
+    store.add(payload, kind="train", out_dir=out)
+    print(_summary(result, out))
+    print("plots: " + ", ".join(str(path) for path in plots))
+    for warning in payload["warnings"]:
+        print(f"secure-vfl: warning: {warning}", file=sys.stderr)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -1657,6 +1837,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_runs(args)
         if args.command == "certs":
             return run_certs_command(args)
+        if args.command == "party":
+            return run_party_command(args)
         return run_datasets(args)
     except SecureVFLError as error:
         print(f"secure-vfl: error: {error}", file=sys.stderr)

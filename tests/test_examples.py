@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +97,20 @@ def test_privacy_utility_example_prints_the_sweep_and_saves_its_plots(tmp_path: 
     ]
     for plot in ("utility_epsilon.png", "attack_utility.png"):
         assert (tmp_path / plot).read_bytes().startswith(b"\x89PNG")
+
+
+def test_deploy_localhost_example_trains_four_processes_and_stops_them(tmp_path: Path) -> None:
+    completed = subprocess.run(
+        ["bash", str(ROOT / "examples" / "deploy_localhost.sh"), str(tmp_path), "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT)},
+        cwd=ROOT,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert "every party finished" in completed.stdout
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert set(result["traffic"]["bytes"]) == {"bank", "shop", "insurer", "telco", "aggregator"}
+    for name in ("shop", "insurer", "telco", "aggregator"):
+        assert "the run finished" in (tmp_path / f"{name}.log").read_text()

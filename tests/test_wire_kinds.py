@@ -55,6 +55,7 @@ def samples() -> list[Message]:
             **HEADER, positions=positions, predictions=torch.tensor([2, 0, 1])
         ),
         messages.ErrorMessage(**HEADER, error="no such rows"),
+        messages.DeploymentMessage(**HEADER, topic="ids", body='{"ids": ["a", "b"]}'),
         messages.LatentMessage(
             **HEADER,
             positions=positions,

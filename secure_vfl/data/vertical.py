@@ -22,6 +22,7 @@ from secure_vfl.data.missingness import Mechanism, drop_unobserved
 from secure_vfl.data.partition import column_ranges, partition
 from secure_vfl.data.party_files import (
     LabelTable,
+    PartyTable,
     check_party_tables,
     describe_unmatched,
     read_label_file,
@@ -432,3 +433,120 @@ def label_party_view(data: VerticalData, owner: int = 0) -> VerticalData:
         tests={name: view(s) for name, s in data.tests.items()},
         preprocessing=own,
     )
+
+
+SHAPE_ONLY_MECHANISMS = ("mcar", "beta", "dirichlet")
+"""Missingness mechanisms that draw from the blocks' shapes only: the label party can draw them
+without any party's features (a deployment); MAR and MNAR read every party's values."""
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """Where each party's own table rows go in a run on party files, computed by the label
+    party from ids alone (a deployment: :mod:`secure_vfl.deployment`).
+
+    ``rows[split]`` (N_split, K) int64: the row of party k's table holding sample i, -1 where
+    it does not hold it or the missingness hides it; ``fit_rows[k]``: the rows party k's
+    standardiser fits on (the training rows it holds), in the order the in-process pipeline
+    (:func:`vertical_from_party_files`) fits on them, so both give the same blocks.
+    ``labels[split]`` and ``dropped`` are as in :class:`VerticalData`.
+    """
+
+    rows: dict[str, np.ndarray]
+    fit_rows: tuple[np.ndarray, ...]
+    labels: dict[str, np.ndarray]
+    dropped: dict[str, int]
+    classes: tuple[object, ...]
+
+    def mask(self, split: str) -> np.ndarray:
+        """The availability mask (N_split, K) of ``split``."""
+        return self.rows[split] >= 0
+
+
+def plan_rows(
+    party_ids: Sequence[np.ndarray],
+    widths: Sequence[int],
+    label_file: Path,
+    *,
+    aligner: Aligner,
+    train_missing: Mechanism,
+    test_missing: Sequence[Mechanism],
+    test_fraction: float = 0.2,
+    test_file: Path | None = None,
+    rng: np.random.Generator,
+) -> RowPlan:
+    """The rows plan of a run on party files from each party's ids and block width only: the
+    same alignment, split and masks as :func:`vertical_from_party_files` draws with the same
+    ``rng``, for missingness mechanisms that read only shapes
+    (:data:`SHAPE_ONLY_MECHANISMS`; ConfigError for another)."""
+    _check_test_labels(test_missing)
+    for mechanism in (train_missing, *test_missing):
+        if mechanism.name not in SHAPE_ONLY_MECHANISMS:
+            allowed = ", ".join(SHAPE_ONLY_MECHANISMS)
+            raise ConfigError(
+                f"a missingness mechanism drawn from shapes only ({allowed}) expected when no "
+                f"party sees another's features. Found {mechanism.label}."
+            )
+    label_table = read_label_file(Path(label_file))
+    label_ids, all_labels, held_out = label_table.ids, label_table.labels, None
+    if test_file is not None:
+        label_ids, all_labels, held_out = _with_held_out(
+            label_table, read_label_file(Path(test_file)), label_file, test_file
+        )
+    alignment = aligner.align(list(party_ids), label_ids)
+    for k in range(len(party_ids)):
+        if not alignment.mask[:, k].any():
+            raise DataError(
+                f"no ids of party {k} matched the label file {label_file} (ids are compared as "
+                "text: expected the same format on both sides)."
+            )
+    unlabelled = sum(ids.size - int(alignment.mask[:, k].sum()) for k, ids in enumerate(party_ids))
+    labels = all_labels[alignment.label_rows]
+    if held_out is None:
+        warn_small_classes(labels, test_fraction, label_table.classes)
+        train_index, test_index = stratified_split(labels, test_fraction, rng=rng)
+    else:
+        in_test = held_out[alignment.label_rows]
+        train_index, test_index = np.flatnonzero(~in_test), np.flatnonzero(in_test)
+        if test_index.size == 0 or train_index.size == 0:
+            raise DataError(
+                f"{test_file}: held-out and training ids that some party file holds expected; "
+                f"found {test_index.size} held-out and {train_index.size} training samples."
+            )
+    train_rows, test_rows = alignment.rows[train_index], alignment.rows[test_index]
+    if not (train_rows >= 0).any(axis=0).all():
+        raise DataError("every party must hold a training sample to standardise its block.")
+    fit_rows = tuple(train_rows[train_rows[:, k] >= 0, k] for k in range(len(party_ids)))
+    dropped = {
+        "alignment": alignment.dropped + unlabelled,
+        "alignment_no_party": alignment.dropped,
+        "alignment_no_label": unlabelled,
+    }
+    rows, split_labels = {}, {}
+    for name, mechanism, held, split_index in [
+        ("train", train_missing, train_rows, train_index),
+        *[(m.label, m, test_rows, test_index) for m in test_missing],
+    ]:
+        shapes = [np.broadcast_to(np.float32(0), (held.shape[0], w)) for w in widths]
+        mask = mechanism.sample(shapes, rng=rng) & (held >= 0)
+        keep, dropped[name] = drop_unobserved(mask)
+        rows[name] = np.where(mask, held, -1)[keep]
+        split_labels[name] = labels[split_index][keep]
+    return RowPlan(rows, fit_rows, split_labels, dropped, label_table.classes)
+
+
+def party_blocks(
+    table: PartyTable, fit_rows: np.ndarray, rows: dict[str, np.ndarray]
+) -> tuple[dict[str, np.ndarray], PartyPreprocessing]:
+    """One party's standardised block of every split from its own table: fitted on its
+    ``fit_rows``, sample i of a split is row ``rows[split][i]`` (zero where -1); and its
+    preprocessing (what its saved part keeps)."""
+    scaler = Standardizer().fit(table.features[fit_rows])
+    blocks = {}
+    for name, split_rows in rows.items():
+        block = np.zeros((split_rows.size, table.features.shape[1]), dtype=np.float32)
+        held = split_rows >= 0
+        if held.any():
+            block[held] = scaler.transform(table.features[split_rows[held]])
+        blocks[name] = block
+    return blocks, PartyPreprocessing.from_standardizer(scaler, columns=table.columns)

@@ -107,7 +107,14 @@ class Channel:
         self.layers = list(layers)
         self.transport: Transport = transport if transport is not None else InProcessTransport()
         self.layer_seconds: defaultdict[str, float] = defaultdict(float)
+        self.party_names: list[str] | None = None
+        """The data parties' names in block order (None: ``party-0``, ``party-1``, ...)."""
         self._parties: dict[str, Party] = {}
+
+    def hosts(self, name: str) -> bool:
+        """Whether the party ``name`` lives on this channel's side (in one process: every
+        party; over the network: the one party of this process)."""
+        return True
 
     def attach(self, party: Party) -> None:
         """Make ``party`` reachable by its name; a name is attached once."""

@@ -647,3 +647,26 @@ class GlobalStatisticsMessage(Message):
                 f"{self.kind} from {self.sender}: weights in [0, 1] expected, and 0 where the "
                 "mask is False; found others."
             )
+
+
+# -- deployment: how a run is set up and ended between processes (secure_vfl.deployment) -----
+
+DEPLOYMENT_TOPICS = ("ids-request", "ids", "setup", "end", "report")
+
+
+@register_message
+@dataclass(frozen=True, kw_only=True)
+class DeploymentMessage(Message):
+    """A control message of a deployed run (every party its own process): the label party
+    asks a data party for its ids (``ids-request``) and hears them (``ids``), sets the run up
+    (``setup``: the method, seed, the party's rows per split, the secure-sum scheme) and ends
+    it (``end``, answered by a ``report``). ``body`` is a JSON object whose schema the receiver
+    checks per topic (:mod:`secure_vfl.deployment`); never pickle."""
+
+    topic: str
+    body: str
+    kind: ClassVar[str] = "deployment"
+
+    def validate(self) -> None:
+        super().validate()
+        _check_choice(self, "topic", self.topic, DEPLOYMENT_TOPICS)

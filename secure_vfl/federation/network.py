@@ -715,6 +715,10 @@ class NetworkChannel(Channel):
         self.endpoint = endpoint
         self.transport: Any = endpoint
 
+    def hosts(self, name: str) -> bool:
+        """Only this process's party lives here; every other is reached over the network."""
+        return name == self.endpoint.name
+
     def attach(self, party: Party) -> None:
         """Attach this process's party: the one the endpoint's certificate names."""
         if party.name != self.endpoint.name or self.endpoint.handler is not None:

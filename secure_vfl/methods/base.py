@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from secure_vfl.data.party_preprocessing import PartyPreprocessing
 from secure_vfl.data.samplers import BatchSampler
 from secure_vfl.data.vertical import (
     VerticalData,
@@ -208,6 +209,23 @@ class MethodFactory(Protocol):
 
 
 METHODS: Registry[MethodFactory] = Registry("method")
+
+
+@dataclass(frozen=True)
+class PartyModels:
+    """What a method hands the parties at composition besides their bottom models: the heads
+    ``heads[k][key]`` of party ``k`` and its further bottoms ``bottoms[(k, key)]``."""
+
+    heads: dict[int, dict[str, nn.Module]]
+    bottoms: dict[tuple[int, str], nn.Module] = dataclasses.field(default_factory=dict)
+
+
+PartyModelsMaker = Callable[[MethodConfig, Sequence[tuple[int, ...]], int, int], PartyModels]
+PARTY_MODELS: Registry[PartyModelsMaker] = Registry("party models")
+"""Each method's seed rule for the heads and further bottoms of every party, by method name:
+``maker(config, block_shapes, num_classes, seed)``. The method builds them from it, and so
+does a party that builds itself in its own process (:mod:`secure_vfl.deployment`): the same
+seed gives the same models."""
 
 
 @dataclass
@@ -499,14 +517,22 @@ def build_federation(
     aggregator: SumBackend | None,
     bottoms: Sequence[nn.Module] | None = None,
     heads: Mapping[int, Mapping[str, nn.Module]] | None = None,
+    models: Mapping[tuple[int, str], nn.Module] | None = None,
     roles: Mapping[str, str] | None = None,
     default_role: str = "data-party",
     label_role: str | None = None,
     make_party: PartyMaker | None = None,
 ) -> Federation:
     """One data party per block, each with a fresh bottom model and its own SGD optimiser, the
-    heads ``heads[k][key]`` at party ``k`` (with the labels), and an aggregation server running
-    ``aggregator``, all attached to ``channel``. Returns the label party's (party 0's) view.
+    heads ``heads[k][key]`` and further bottoms ``models[(k, key)]`` at party ``k`` (with the
+    labels), and an aggregation server running ``aggregator``, all attached to ``channel``.
+    Returns the label party's (party 0's) view.
+
+    Each party is made by :func:`build_party`. A channel that does not host a party
+    (:meth:`~secure_vfl.federation.channel.Channel.hosts`: over the network, another process)
+    leaves it out: that process builds it with the same function and seeds
+    (:mod:`secure_vfl.deployment`). Parties are named by ``channel.party_names`` (default
+    ``party-0``, ``party-1``, ...).
 
     Party ``k`` plays the role registered under ``default_role`` (``label_role`` for the label
     party) in :data:`~secure_vfl.federation.parties.ROLES`; ``roles`` replaces a data party's
@@ -516,95 +542,143 @@ def build_federation(
     model, sgd(model), heads=...)``).
     """
     roles = dict(roles or {})
-    names = [party_name(k) for k in range(data.train.parties)] + [AGGREGATOR]
+    channel = channel if channel is not None else Channel()
+    party_names = channel.party_names or [party_name(k) for k in range(data.train.parties)]
+    if len(party_names) != data.train.parties:
+        raise ConfigError(
+            f"{data.train.parties} party names expected (one per block). Found {party_names}."
+        )
+    names = [*party_names, AGGREGATOR]
     unknown = sorted(set(roles) - set(names[1:]))
     if unknown:
         raise ConfigError(
             f"roles can replace {', '.join(names[1:])}; found {', '.join(unknown)} (the label "
-            "party party-0 drives the run and keeps its role)."
+            f"party {names[0]} drives the run and keeps its role)."
         )
     splits = split_tensors(data)
-    channel = channel if channel is not None else Channel()
     labels = {n: torch.from_numpy(s.labels) for n, s in splits.items()}
     parties = []
     for k in range(data.train.parties):
-        shape = data.train.blocks[k].shape[1:]
-        if bottoms is not None:
-            model = bottoms[k]
-        else:
-            with isolated_seed(seed + k):
-                model = make_bottom(shape, out=config.representation_dim)
-            if config.pretrain_epochs > 0:
-                own_rows = data.train.blocks[k][data.train.mask[:, k]]
-                with isolated_seed(seed + 500 + k):
-                    pretrain_simsiam(
-                        model,
-                        torch.from_numpy(own_rows),
-                        width=config.representation_dim,
-                        epochs=config.pretrain_epochs,
-                        batch_size=config.batch_size,
-                        lr=config.lr,
-                        generator=torch.Generator().manual_seed(seed + 500 + k),
-                    )
-        blocks = {name: torch.from_numpy(split.blocks[k]) for name, split in splits.items()}
-        own_heads = {
-            key: Head(labels, module, _optimizer(module, config))
-            for key, module in (heads or {}).get(k, {}).items()
-        }
+        if not channel.hosts(party_names[k]):
+            continue
         own_role = label_role if k == 0 and label_role is not None else default_role
-        role = ROLES.get(roles.get(party_name(k), own_role))
-        if make_party is None:
-            party = role(party_name(k), blocks, model, sgd(model, config), heads=own_heads)
-        else:
-            party = make_party(k, role, blocks, model)
-        if not isinstance(party, DataParty):
-            raise ConfigError(
-                f"{party_name(k)} holds a feature block, so its role must be a DataParty; "
-                f"found {type(party).__name__}."
-            )
-        # Its own preprocessing, and the label values at the label party (its saved part).
-        if data.preprocessing is not None:
-            party.preprocessing = data.preprocessing[k]
-        if k == 0 and data.classes is not None:
-            party.classes = cast(tuple[ClassValue, ...], data.classes)
+        party = build_party(
+            k,
+            party_names[k],
+            blocks={name: torch.from_numpy(split.blocks[k]) for name, split in splits.items()},
+            observed=data.train.mask[:, k],
+            labels=labels,
+            config=config,
+            seed=seed,
+            role=ROLES.get(roles.get(party_names[k], own_role)),
+            bottom=bottoms[k] if bottoms is not None else None,
+            heads=(heads or {}).get(k, {}),
+            models={key: m for (j, key), m in (models or {}).items() if j == k},
+            make_party=make_party,
+            preprocessing=data.preprocessing[k] if data.preprocessing is not None else None,
+            classes=data.classes if k == 0 else None,
+        )
         party.connect(channel)
         parties.append(party)
-    server = make_aggregation_server(aggregator, roles.get(AGGREGATOR, "aggregation-server"))
-    server.connect(channel)
+    if not parties or parties[0].name != party_names[0]:
+        raise ConfigError(
+            f"the label party {party_names[0]} drives the run, so its channel must host it."
+        )
     federation = Federation(
         data=label_party_view(data),
-        names=[p.name for p in parties],
+        names=list(party_names),
         own=parties[0],
         channel=channel,
         generator=torch.Generator().manual_seed(seed),
         rng=np.random.default_rng(seed),
         session=secrets.token_hex(8),
     )
+    server = None
+    if channel.hosts(AGGREGATOR):
+        server = make_aggregation_server(aggregator, roles.get(AGGREGATOR, "aggregation-server"))
+        server.connect(channel)
     if isinstance(aggregator, SealingScheme):  # (split: repeated for the type checker)
         # Each party makes its own halves (its keys never leave it); keys meet by messages.
-        receivers = [p.name for p in parties if p.receives_sums]
         for party in parties:
-            party.install(
-                aggregator.scheme,
-                aggregator.sender(),
-                aggregator.receiver() if party.receives_sums else None,
-            )
-        server.install(aggregator.scheme, aggregator.adder())
+            install_halves(party, aggregator)
+        if server is not None:
+            server.install(aggregator.scheme, aggregator.adder())
         federation.scheme = aggregator.scheme
+        local = {party.name: party.receives_sums for party in parties}
+        receivers = [
+            name for k, name in enumerate(party_names) if local.get(name, k in (heads or {}))
+        ]
         federation.set_up_keys(receivers)
     return federation
 
 
-def add_models(
-    channel: Channel, models: Mapping[tuple[int, str], nn.Module], config: MethodConfig
-) -> None:
-    """Hand party ``k`` the further bottom model ``models[(k, key)]`` with its own optimiser
-    (composition, before training: Combinatorial's per-subset bottoms)."""
-    parties = channel.parties
-    for (k, key), model in models.items():
-        party = parties[party_name(k)]
-        assert isinstance(party, DataParty)
+def build_party(
+    k: int,
+    name: str,
+    *,
+    blocks: Mapping[str, Tensor],
+    observed: np.ndarray,
+    labels: Mapping[str, Tensor],
+    config: MethodConfig,
+    seed: int,
+    role: RoleFactory,
+    bottom: nn.Module | None = None,
+    heads: Mapping[str, nn.Module] | None = None,
+    models: Mapping[str, nn.Module] | None = None,
+    make_party: PartyMaker | None = None,
+    preprocessing: PartyPreprocessing | None = None,
+    classes: tuple[object, ...] | None = None,
+) -> DataParty:
+    """Data party ``k`` named ``name``, as every run makes it, in one process or in its own
+    (:mod:`secure_vfl.deployment`): its ``blocks`` per split, its bottom model (``bottom``, or
+    a fresh one seeded ``seed + k``, pretrained with SimSiam on its ``observed`` training rows
+    with seed ``seed + 500 + k`` if ``config.pretrain_epochs``), its own SGD optimiser, its
+    ``heads`` (with ``labels``) and further bottoms ``models``, playing ``role`` (built by
+    ``make_party`` if given), with its own preprocessing and, at the label party, the
+    original label values ``classes``."""
+    if bottom is None:
+        with isolated_seed(seed + k):
+            bottom = make_bottom(tuple(blocks["train"].shape[1:]), out=config.representation_dim)
+        if config.pretrain_epochs > 0:
+            own_rows = blocks["train"][torch.from_numpy(np.asarray(observed, dtype=bool))]
+            with isolated_seed(seed + 500 + k):
+                pretrain_simsiam(
+                    bottom,
+                    own_rows,
+                    width=config.representation_dim,
+                    epochs=config.pretrain_epochs,
+                    batch_size=config.batch_size,
+                    lr=config.lr,
+                    generator=torch.Generator().manual_seed(seed + 500 + k),
+                )
+    own_heads = {
+        key: Head(labels, module, _optimizer(module, config))
+        for key, module in (heads or {}).items()
+    }
+    if make_party is None:
+        party = role(name, dict(blocks), bottom, sgd(bottom, config), heads=own_heads)
+    else:
+        party = make_party(k, role, dict(blocks), bottom)
+    if not isinstance(party, DataParty):
+        raise ConfigError(
+            f"{name} holds a feature block, so its role must be a DataParty; found "
+            f"{type(party).__name__}."
+        )
+    for key, model in (models or {}).items():
         party.add_model(key, model, sgd(model, config))
+    # Its own preprocessing, and the label values at the label party (its saved part).
+    party.preprocessing = preprocessing
+    if classes is not None:
+        party.classes = cast(tuple[ClassValue, ...], classes)
+    return party
+
+
+def install_halves(party: DataParty, scheme: SealingScheme) -> None:
+    """Give ``party`` its own halves of ``scheme``, made here (its keys never leave it): a
+    sender half, and a receiver half if sums are delivered to it (it holds a head)."""
+    party.install(
+        scheme.scheme, scheme.sender(), scheme.receiver() if party.receives_sums else None
+    )
 
 
 def sgd(module: nn.Module, config: MethodConfig) -> torch.optim.Optimizer:

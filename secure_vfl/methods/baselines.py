@@ -15,7 +15,7 @@ Local and Ensemble share LASER's code (:mod:`secure_vfl.methods.laser`).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
 
 import numpy as np
@@ -32,9 +32,10 @@ from secure_vfl.federation.messages import AGGREGATOR
 from secure_vfl.federation.parties import gradient_messages
 from secure_vfl.methods.base import (
     METHODS,
+    PARTY_MODELS,
     MethodConfig,
+    PartyModels,
     StepCallback,
-    add_models,
     batches,
     broadcast_prediction,
     build_federation,
@@ -47,6 +48,43 @@ from secure_vfl.methods.base import (
     train_epochs,
 )
 from secure_vfl.models.networks import ConcatHead, LinearHead, make_bottom
+
+
+def concat_models(
+    config: MethodConfig, shapes: Sequence[tuple[int, ...]], num_classes: int, seed: int
+) -> PartyModels:
+    """The concatenating methods' one head, at the label party, seeded ``seed + 1000``."""
+    with isolated_seed(seed + 1000):
+        head = ConcatHead(len(shapes), config.representation_dim, num_classes)
+    return PartyModels({0: {"": head}})
+
+
+def combinatorial_models(
+    config: MethodConfig, shapes: Sequence[tuple[int, ...]], num_classes: int, seed: int
+) -> PartyModels:
+    """Combinatorial's bottom per (subset, member) and head per subset (at the subset's first
+    party), seeded per subset ``j``: ``seed + 10000 + 100 j + k`` and ``seed + 20000 + j``."""
+    bottoms: dict[tuple[int, str], nn.Module] = {}
+    heads: dict[int, dict[str, nn.Module]] = {}
+    for j, subset in enumerate(all_subsets(len(shapes))):
+        for k in subset:
+            with isolated_seed(seed + 10_000 + 100 * j + k):
+                bottoms[(k, subset_tag(subset))] = make_bottom(
+                    shapes[k], out=config.representation_dim
+                )
+        with isolated_seed(seed + 20_000 + j):
+            head = LinearHead(config.representation_dim, num_classes)
+        heads.setdefault(subset[0], {})[subset_tag(subset)] = head
+    return PartyModels(heads, bottoms)
+
+
+def all_subsets(parties: int) -> list[tuple[int, ...]]:
+    """Every non-empty subset of the parties, by size then in lexicographic order."""
+    return [
+        subset
+        for size in range(1, parties + 1)
+        for subset in itertools.combinations(range(parties), size)
+    ]
 
 
 class ConcatFusionMethod:
@@ -72,15 +110,13 @@ class ConcatFusionMethod:
         refuse_top_model(config, name, "a head on the concatenated representations")
         self.name = name
         self.config = config
-        with isolated_seed(seed + 1000):
-            head = ConcatHead(data.train.parties, config.representation_dim, data.num_classes)
         self.fed = build_federation(
             data,
             config,
             seed=seed,
             channel=channel,
             aggregator=aggregator,
-            heads={0: {"": head}},
+            heads=concat_models(config, data.block_shapes, data.num_classes, seed).heads,
             roles=roles,
         )
         self.data = self.fed.data  # labels, masks and its own block only
@@ -254,33 +290,19 @@ class Combinatorial:
             )
         self.name = "combinatorial"
         self.config = config
-        self.subsets = [
-            subset
-            for size in range(1, parties + 1)
-            for subset in itertools.combinations(range(parties), size)
-        ]
-        bottoms: dict[tuple[int, str], nn.Module] = {}
-        heads: dict[int, dict[str, nn.Module]] = {}
-        for j, subset in enumerate(self.subsets):
-            for k in subset:
-                with isolated_seed(seed + 10_000 + 100 * j + k):
-                    bottoms[(k, subset_tag(subset))] = make_bottom(
-                        data.train.blocks[k].shape[1:], out=config.representation_dim
-                    )
-            with isolated_seed(seed + 20_000 + j):
-                head = LinearHead(config.representation_dim, data.num_classes)
-            heads.setdefault(subset[0], {})[subset_tag(subset)] = head
+        self.subsets = all_subsets(parties)
+        models = combinatorial_models(config, data.block_shapes, data.num_classes, seed)
         self.fed = build_federation(
             data,
             config,
             seed=seed,
             channel=channel,
             aggregator=aggregator,
-            heads=heads,
+            heads=models.heads,
+            models=models.bottoms,
             roles=roles,
         )
         self.data = self.fed.data  # labels, masks and its own block only
-        add_models(self.fed.channel, bottoms, config)
         self.sampler = make_sampler(
             config.batching,
             data.train.mask,
@@ -421,3 +443,6 @@ class Combinatorial:
 METHODS.register("standard", partial(ConcatFusionMethod, name="standard"))
 METHODS.register("plugvfl", partial(ConcatFusionMethod, name="plugvfl"))
 METHODS.register("combinatorial", Combinatorial)
+PARTY_MODELS.register("standard", concat_models)
+PARTY_MODELS.register("plugvfl", concat_models)
+PARTY_MODELS.register("combinatorial", combinatorial_models)

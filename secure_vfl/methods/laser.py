@@ -21,7 +21,7 @@ of two terms one of which the receiver holds is the other term in the clear.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
 from typing import Literal
 
@@ -37,7 +37,9 @@ from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import AGGREGATOR
 from secure_vfl.methods.base import (
     METHODS,
+    PARTY_MODELS,
     MethodConfig,
+    PartyModels,
     StepCallback,
     batches,
     broadcast_prediction,
@@ -182,6 +184,18 @@ def _top_model(config: MethodConfig, num_classes: int) -> nn.Module:
     return LinearHead(config.representation_dim, num_classes)
 
 
+def mean_fusion_models(
+    config: MethodConfig, shapes: Sequence[tuple[int, ...]], num_classes: int, seed: int
+) -> PartyModels:
+    """The heads of the mean-fusion methods: head ``h`` at party ``h`` (``heads="all"``) or
+    one at the label party (``"active"``), seeded ``seed + 1000 + h``."""
+    heads: dict[int, dict[str, nn.Module]] = {}
+    for h in range(len(shapes)) if config.heads == "all" else [0]:
+        with isolated_seed(seed + 1000 + h):
+            heads[h] = {"": _top_model(config, num_classes)}
+    return PartyModels(heads)
+
+
 class MeanFusionMethod:
     """Bottoms at the data parties, linear heads on the mean of a selected subset of them.
 
@@ -225,17 +239,13 @@ class MeanFusionMethod:
                 f"representation_dim must equal the {data.num_classes} classes. Found "
                 f"{config.representation_dim}."
             )
-        heads: dict[int, dict[str, nn.Module]] = {}
-        for h in self.head_index:
-            with isolated_seed(seed + 1000 + h):
-                heads[h] = {"": _top_model(config, data.num_classes)}
         self.fed = build_federation(
             data,
             config,
             seed=seed,
             channel=channel,
             aggregator=aggregator,
-            heads=heads,
+            heads=mean_fusion_models(config, data.block_shapes, data.num_classes, seed).heads,
             roles=roles,
         )
         self.data = self.fed.data  # labels, masks and its own block only
@@ -406,5 +416,7 @@ def majority_vote(
 
 
 METHODS.register("laser", partial(MeanFusionMethod, planner="laser", name="laser"))
+for _name in ("laser", "local", "ensemble"):
+    PARTY_MODELS.register(_name, mean_fusion_models)
 METHODS.register("local", partial(MeanFusionMethod, planner="local", name="local"))
 METHODS.register("ensemble", partial(MeanFusionMethod, planner="local", name="ensemble"))

@@ -1,0 +1,555 @@
+"""A deployed run: every party its own process, on its own machine, over gRPC with mutual TLS.
+
+The label party (``secure-vfl train --federation FED --name LABEL``) drives, as in one process;
+each data party (``secure-vfl party serve --federation FED --name NAME``) and the aggregation
+server (``--name aggregator``) act on what arrives until the label party ends the run. What
+crosses, besides the training messages of the in-process run, is :class:`~secure_vfl.
+federation.messages.DeploymentMessage` s, each a JSON object checked on arrival:
+
+1. ``ids-request`` -> ``ids``: each data party sends its ids and block width to the label
+   party (the plain join: the label party learns every party's ids; PSI is not offered here).
+2. The label party aligns, splits and draws the masks from ids and shapes alone
+   (:func:`~secure_vfl.data.vertical.plan_rows`), then ``setup`` tells each data party the
+   method, its configuration, the seed, the party's index and names, its rows per split as
+   positions into its own table, the secure-sum scheme and, where it holds heads
+   (``heads="all"``, Combinatorial), the training labels of the rows it holds. The party fits
+   its standardiser on its own rows and builds itself with
+   :func:`~secure_vfl.methods.base.build_party` and the method's seed rule
+   (:data:`~secure_vfl.methods.base.PARTY_MODELS`): the same models as in one process. Its
+   secure-sum halves are made inside it; keys meet by messages as in one process.
+3. Training and evaluation run as in one process (:func:`~secure_vfl.experiment.run_training`).
+4. ``end`` (with the outcome) is answered by a ``report``: the bytes the party sent. A party
+   that hears nothing from the label party for longer than its deadline exits non-zero.
+
+A dead peer surfaces as :class:`~secure_vfl.errors.TransportError`, where fault handling can
+hook in. The core never imports the privacy layer: the command line passes the secure-sum
+backend in (``secure_sums``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections import Counter
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from secure_vfl.data.missingness import parse_mechanism
+from secure_vfl.data.party_files import PartyTable, read_party_file
+from secure_vfl.data.vertical import (
+    RowPlan,
+    VerticalData,
+    VerticalSplit,
+    party_blocks,
+    plan_rows,
+)
+from secure_vfl.errors import ConfigError, ProtocolError, SecureVFLError, TransportError
+from secure_vfl.federation.aggregator import PlainAggregator, SealingScheme, SumBackend
+from secure_vfl.federation.alignment import JoinAligner
+from secure_vfl.federation.federation_file import Federation
+from secure_vfl.federation.messages import AGGREGATOR, DeploymentMessage, Message
+from secure_vfl.federation.network import NetworkChannel, PartyEndpoint
+from secure_vfl.federation.parties import ROLES, DataParty, Party, make_aggregation_server
+
+logger = logging.getLogger(__name__)
+
+SecureSums = Callable[[str], SumBackend | None]
+"""The secure-sum backend of a scheme name (``"none"``: None), made by the composition root."""
+
+DEPLOYED_METHODS = ("laser", "local", "ensemble", "standard", "plugvfl", "combinatorial")
+SETUP_DEADLINE = 600.0
+"""How long the label party waits for a party to build itself (SimSiam pretraining included)."""
+
+
+def _body(message: Message, topic: str, expected: Mapping[str, type | tuple[type, ...]]) -> Any:
+    """The JSON body of a deployment message of ``topic`` with exactly the keys ``expected``
+    (each of its type); ProtocolError naming what was expected and found otherwise."""
+    if not isinstance(message, DeploymentMessage) or message.topic != topic:
+        found = getattr(message, "topic", message.kind)
+        raise ProtocolError(f"a deployment {topic!r} message expected; found {found!r}.")
+    try:
+        body = json.loads(message.body)
+    except json.JSONDecodeError as error:
+        raise ProtocolError(f"{topic} from {message.sender}: JSON expected ({error}).") from None
+    if not isinstance(body, dict) or set(body) != set(expected):
+        keys = sorted(body) if isinstance(body, dict) else type(body).__name__
+        raise ProtocolError(
+            f"{topic} from {message.sender}: keys {sorted(expected)} expected, found {keys}."
+        )
+    for key, kind in expected.items():
+        if not isinstance(body[key], kind) or (isinstance(body[key], bool) and kind is int):
+            raise ProtocolError(
+                f"{topic} from {message.sender}: `{key}` of type {kind} expected, found "
+                f"{type(body[key]).__name__}."
+            )
+    return body
+
+
+def _rows(value: Any, what: str, *, low: int, high: int) -> np.ndarray:
+    """A list of ints in [low, high) as int64; ProtocolError otherwise."""
+    if not isinstance(value, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        raise ProtocolError(f"setup: `{what}` must be a list of integers.")
+    rows = np.asarray(value, dtype=np.int64).reshape(-1)
+    if rows.size and (rows.min() < low or rows.max() >= high):
+        raise ProtocolError(f"setup: `{what}` must lie in [{low}, {high}); found out of range.")
+    return rows
+
+
+def _deployment(sender: str, receiver: str, topic: str, body: Mapping[str, Any]) -> Message:
+    return DeploymentMessage(
+        sender=sender, receiver=receiver, round=0, batch_id=0, topic=topic, body=json.dumps(body)
+    )
+
+
+# -- a data party or the aggregation server: serving until the label party ends the run -------
+
+
+class _Server:
+    """What a serving process does with what arrives: deployment messages from the label party
+    (ids, set-up, end) itself; every other message goes to the party it built at set-up."""
+
+    def __init__(
+        self,
+        federation: Federation,
+        name: str,
+        endpoint: PartyEndpoint,
+        secure_sums: SecureSums,
+        table: PartyTable | None,
+        on_event: Callable[[str], None],
+    ) -> None:
+        self.on_event = on_event
+        self.federation = federation
+        self.name = name
+        self.endpoint = endpoint
+        self.secure_sums = secure_sums
+        self.table = table
+        self.party: Party | None = None
+        self.outcome: str | None = None
+
+    def receive(self, message: Message) -> None:
+        if isinstance(message, DeploymentMessage):
+            if message.sender != self.federation.label_party:
+                raise ProtocolError(
+                    f"{self.name}: a {message.topic} from {message.sender}; only the label "
+                    f"party {self.federation.label_party} sets a run up or ends it."
+                )
+            handlers = {"ids-request": self._on_ids_request, "setup": self._on_setup}
+            handler = handlers.get(message.topic, self._on_end)
+            if message.topic not in (*handlers, "end"):
+                raise ProtocolError(f"{self.name}: a {message.topic} is not for a data party.")
+            handler(message)
+            return
+        if self.party is None:
+            raise ProtocolError(
+                f"{self.name}: a {message.kind} from {message.sender} before the run was set up."
+            )
+        self.party.receive(message)
+
+    def _reply(self, topic: str, body: Mapping[str, Any]) -> None:
+        self.endpoint.send(_deployment(self.name, self.federation.label_party, topic, body))
+
+    def _on_ids_request(self, message: Message) -> None:
+        _body(message, "ids-request", {})
+        if self.table is None:
+            raise ProtocolError(f"{self.name} holds no table; it has no ids to send.")
+        self._reply(
+            "ids", {"ids": self.table.ids.tolist(), "width": int(self.table.features.shape[1])}
+        )
+
+    def _on_setup(self, message: Message) -> None:
+        if self.party is not None:
+            raise ProtocolError(f"{self.name}: a second set-up of the run (a replay?).")
+        if self.name == AGGREGATOR:
+            body = _body(message, "setup", {"secure_agg": str})
+            self.party = _aggregation_server(self.secure_sums(body["secure_agg"]))
+        else:
+            assert self.table is not None
+            self.party = build_served_party(self.name, message, self.table, self.secure_sums)
+        channel = NetworkChannel(self.endpoint)
+        self.endpoint.handler = None  # the channel attaches the party to the endpoint
+        self.party.connect(channel)
+        self.endpoint.handler = self.receive  # deployment messages stay this server's
+        self.on_event(f"{self.name}: set up by {message.sender}; training")
+
+    def _on_end(self, message: Message) -> None:
+        body = _body(message, "end", {"outcome": str})
+        self.outcome = body["outcome"]
+        sent = [[s, r, p, n] for (s, r, p), n in sorted(self.endpoint.bytes.items())]
+        self._reply("report", {"bytes": sent})
+
+
+def _aggregation_server(backend: SumBackend | None) -> Party:
+    server = make_aggregation_server(backend)
+    if isinstance(backend, SealingScheme):
+        server.install(backend.scheme, backend.adder())
+    return server
+
+
+SETUP_KEYS: dict[str, type | tuple[type, ...]] = {
+    "method": str,
+    "method_config": dict,
+    "seed": int,
+    "index": int,
+    "names": list,
+    "secure_agg": str,
+    "num_classes": int,
+    "block_shapes": list,
+    "fit_rows": list,
+    "rows": dict,
+    "labels": (list, type(None)),
+}
+
+
+def build_served_party(
+    name: str, message: Message, table: PartyTable, secure_sums: SecureSums
+) -> DataParty:
+    """Data party ``name`` as the set-up ``message`` describes it, from its own ``table``:
+    its standardised blocks, its bottom and the method's heads and further bottoms for it (the
+    seed rule of the in-process run), its own secure-sum halves. ProtocolError on a set-up
+    that does not fit its table or names an unknown method."""
+    from secure_vfl.methods import PARTY_MODELS, MethodConfig
+    from secure_vfl.methods.base import build_party, install_halves
+
+    body = _body(message, "setup", SETUP_KEYS)
+    names, index = body["names"], body["index"]
+    if not 1 <= index < len(names) or names[index] != name:
+        raise ProtocolError(f"setup: {name} expected at index {index} of {names}.")
+    if body["method"] not in DEPLOYED_METHODS:
+        raise ProtocolError(f"setup: a method of {DEPLOYED_METHODS} expected.")
+    try:
+        config = MethodConfig(**body["method_config"])
+    except (TypeError, ConfigError) as error:
+        raise ProtocolError(f"setup: a valid method configuration expected: {error}") from None
+    n = table.ids.size
+    rows = {
+        split: _rows(value, f"rows.{split}", low=-1, high=n)
+        for split, value in body["rows"].items()
+    }
+    if "train" not in rows:
+        raise ProtocolError("setup: the rows of the training split expected.")
+    fit_rows = _rows(body["fit_rows"], "fit_rows", low=0, high=n)
+    if fit_rows.size == 0:
+        raise ProtocolError(f"setup: {name} must hold a training row; found none.")
+    blocks, preprocessing = party_blocks(table, fit_rows, rows)
+    shapes = [tuple(int(d) for d in shape) for shape in body["block_shapes"]]
+    if shapes[index] != tuple(blocks["train"].shape[1:]):
+        raise ProtocolError(f"setup: block shape {shapes[index]} announced for {name}.")
+    models = PARTY_MODELS.get(body["method"])(config, shapes, body["num_classes"], body["seed"])
+    labels = {}
+    if body["labels"] is not None:
+        labels["train"] = torch.from_numpy(
+            _rows(body["labels"], "labels", low=0, high=body["num_classes"])
+        )
+    if (
+        models.heads.get(index)
+        and labels.get("train", torch.empty(0)).numel() != rows["train"].size
+    ):
+        raise ProtocolError(f"setup: {name} holds heads, so the training labels are needed.")
+    party = build_party(
+        index,
+        name,
+        blocks={split: torch.from_numpy(block) for split, block in blocks.items()},
+        observed=rows["train"] >= 0,
+        labels=labels,
+        config=config,
+        seed=body["seed"],
+        role=ROLES.get("data-party"),
+        heads=models.heads.get(index, {}),
+        models={key: m for (k, key), m in models.bottoms.items() if k == index},
+        preprocessing=preprocessing,
+    )
+    backend = secure_sums(body["secure_agg"])
+    if isinstance(backend, SealingScheme):
+        install_halves(party, backend)
+    return party
+
+
+def serve(
+    federation: Federation,
+    name: str,
+    *,
+    secure_sums: SecureSums,
+    deadline: float,
+    wait: float,
+    insecure: bool = False,
+    on_event: Callable[[str], None] = logger.info,
+) -> str:
+    """Serve as ``name`` (a data party or ``aggregator``) until the label party ends the run;
+    return the outcome it announced (``on_event`` hears of the set-up). TransportError if the
+    label party is silent for longer than ``deadline`` seconds (``wait`` before its first
+    message)."""
+    if name == federation.label_party:
+        raise ConfigError(
+            f"{name} is the label party of {federation.path}; it runs `secure-vfl train "
+            f"--federation {federation.path} --name {name}`, not `party serve`."
+        )
+    member = federation.member(name)
+    identity = None if insecure else federation.identity(name)
+    table = read_party_file(member.data) if member.data is not None else None
+    endpoint = PartyEndpoint(
+        name,
+        listen=member.address,
+        peers=federation.addresses(but=name),
+        identity=identity,
+        insecure=insecure,
+        deadline=deadline,
+    )
+    server = _Server(federation, name, endpoint, secure_sums, table, on_event)
+    endpoint.handler = server.receive
+    label = federation.label_party
+    try:
+        endpoint.act_on_next(wait, awaiting=f"first message from the label party {label}")
+        while server.outcome is None:
+            try:
+                endpoint.act_on_next(deadline, awaiting=f"message from the label party {label}")
+            except TransportError as error:
+                raise TransportError(
+                    f"{name}: the label party {label} was silent for {deadline:g} s (did it "
+                    f"die?): {error}"
+                ) from None
+    finally:
+        endpoint.close()
+    return server.outcome
+
+
+# -- the label party: driving the run --------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LabelSide:
+    """What the label party knows before training: its data view and the plan of rows."""
+
+    data: VerticalData
+    plan: RowPlan
+    widths: list[int]
+
+
+def collect_ids(endpoint: PartyEndpoint, federation: Federation) -> tuple[list[Any], list[int]]:
+    """Every data party's ids and block width, asked for by message (the plain join)."""
+    ids, widths = [], []
+    for name in federation.names[1:]:
+        endpoint.send(_deployment(endpoint.name, name, "ids-request", {}))
+        message = endpoint.receive(sender=name, kind="deployment")
+        body = _body(message, "ids", {"ids": list, "width": int})
+        if not all(isinstance(i, str) for i in body["ids"]) or body["width"] < 1:
+            raise ProtocolError(f"ids from {name}: text ids and a width >= 1 expected.")
+        ids.append(np.asarray(body["ids"], dtype=str))
+        widths.append(body["width"])
+    return ids, widths
+
+
+def label_side(
+    config: Any, federation: Federation, own: PartyTable, ids: list[Any], widths: list[int]
+) -> LabelSide:
+    """The label party's plan of rows and its view of the data: the labels, the masks, its
+    own standardised block and, for the other parties, blocks of their shape that hold nothing
+    (zero-strided: the method reads their shapes only)."""
+    member = federation.member(federation.label_party)
+    assert member.labels is not None
+    plan = plan_rows(
+        [own.ids, *ids],
+        [own.features.shape[1], *widths],
+        member.labels,
+        aligner=JoinAligner(),
+        train_missing=parse_mechanism(config.train_missing),
+        test_missing=[parse_mechanism(text) for text in config.test_missing],
+        test_fraction=config.test_fraction if config.test_fraction is not None else 0.2,
+        test_file=config.test_file,
+        rng=np.random.default_rng(config.seed),
+    )
+    blocks, preprocessing = party_blocks(
+        own, plan.fit_rows[0], {split: rows[:, 0] for split, rows in plan.rows.items()}
+    )
+    all_widths = [own.features.shape[1], *widths]
+
+    def split(name: str) -> VerticalSplit:
+        n = plan.rows[name].shape[0]
+        others = [np.broadcast_to(np.float32(0), (n, w)) for w in all_widths[1:]]
+        return VerticalSplit(
+            blocks=(blocks[name], *others), labels=plan.labels[name], mask=plan.mask(name)
+        )
+
+    data = VerticalData(
+        name=member.labels.stem,
+        kind="tabular",
+        num_classes=len(plan.classes),
+        train=split("train"),
+        tests={name: split(name) for name in plan.rows if name != "train"},
+        dropped=dict(plan.dropped),
+        preprocessing=(preprocessing, *[None] * len(widths)),
+        classes=plan.classes,
+    )
+    return LabelSide(data, plan, all_widths)
+
+
+def setup_bodies(
+    config: Any, side: LabelSide, federation: Federation, secure_agg: str
+) -> dict[str, dict[str, Any]]:
+    """The ``setup`` body of every data party and of the aggregator."""
+    from secure_vfl.methods import PARTY_MODELS
+
+    method_config = dataclasses.asdict(config.method_config)
+    data = side.data
+    models = PARTY_MODELS.get(config.method)(
+        config.method_config, data.block_shapes, data.num_classes, config.seed
+    )
+    bodies: dict[str, dict[str, Any]] = {AGGREGATOR: {"secure_agg": secure_agg}}
+    for k, name in enumerate(federation.names):
+        if k == 0:
+            continue
+        labels = None
+        if models.heads.get(k):
+            held = side.plan.rows["train"][:, k] >= 0
+            labels = np.where(held, side.plan.labels["train"], 0).tolist()
+        bodies[name] = {
+            "method": config.method,
+            "method_config": method_config,
+            "seed": config.seed,
+            "index": k,
+            "names": federation.names,
+            "secure_agg": secure_agg,
+            "num_classes": data.num_classes,
+            "block_shapes": [list(shape) for shape in data.block_shapes],
+            "fit_rows": side.plan.fit_rows[k].tolist(),
+            "rows": {split: rows[:, k].tolist() for split, rows in side.plan.rows.items()},
+            "labels": labels,
+        }
+    return bodies
+
+
+def refuse_undeployable(config: Any) -> None:
+    """ConfigError, before any work, for what a deployed run does not offer."""
+    if config.method not in DEPLOYED_METHODS:
+        raise ConfigError(
+            f"--federation runs {', '.join(DEPLOYED_METHODS)}. Found --method {config.method} "
+            "(FALSE-VFL's parties are not built by the deployment yet)."
+        )
+    if config.dataset is not None:
+        raise ConfigError(
+            "--federation reads each party's data from the federation file; drop --dataset."
+        )
+    if config.align != "join":
+        raise ConfigError(
+            f"--federation aligns by the plain join (the label party learns every party's "
+            f"ids). Found --align {config.align}."
+        )
+    for text in (config.train_missing, *config.test_missing):
+        mechanism = parse_mechanism(text)
+        if mechanism.name not in ("mcar", "beta", "dirichlet"):
+            raise ConfigError(
+                f"--federation draws missingness from shapes only (mcar, beta, dirichlet): "
+                f"MAR and MNAR read every party's features. Found {mechanism.label}."
+            )
+
+
+def train_deployed(
+    config: Any,
+    federation: Federation,
+    name: str,
+    *,
+    secure_agg: str,
+    secure_sums: SecureSums,
+    deadline: float,
+    insecure: bool = False,
+    on_start: Callable[[int], None] | None = None,
+    on_step: Callable[[int, float], None] | None = None,
+) -> Any:
+    """Run ``config`` (a :class:`~secure_vfl.experiment.TrainConfig` without data files) as
+    the label party ``name`` of ``federation``: collect ids, plan the rows, set every party
+    up, train, evaluate and end the run. Returns the :class:`~secure_vfl.experiment.
+    TrainResult`, its traffic counting every party's bytes (each reports its own)."""
+    from secure_vfl.experiment import run_training
+
+    refuse_undeployable(config)
+    if name != federation.label_party:
+        raise ConfigError(
+            f"{name} is not the label party of {federation.path} ({federation.label_party} "
+            f"is); a data party runs `secure-vfl party serve --federation {federation.path} "
+            f"--name {name}`."
+        )
+    member = federation.member(name)
+    assert member.data is not None
+    own = read_party_file(member.data)
+    identity = None if insecure else federation.identity(name)
+    endpoint = PartyEndpoint(
+        name,
+        listen=member.address,
+        peers=federation.addresses(but=name),
+        identity=identity,
+        insecure=insecure,
+        deadline=deadline,
+    )
+    outcome = "failed"
+    reports: dict[str, Counter[tuple[str, str, str]]] = {}
+    try:
+        ids, widths = collect_ids(endpoint, federation)
+        side = label_side(config, federation, own, ids, widths)
+        for receiver, body in setup_bodies(config, side, federation, secure_agg).items():
+            endpoint.send(
+                _deployment(name, receiver, "setup", body), deadline=max(deadline, SETUP_DEADLINE)
+            )
+        channel = NetworkChannel(endpoint)
+        channel.party_names = federation.names
+        result = run_training(
+            config,
+            data=side.data,
+            channel=channel,
+            aggregator=secure_sums(secure_agg) or PlainAggregator(),
+            on_start=on_start,
+            on_step=on_step,
+        )
+        outcome = "finished"
+    finally:
+        reports = _end(endpoint, federation, outcome)
+        endpoint.close()
+    return dataclasses.replace(result, traffic=_with_reports(result.traffic, reports))
+
+
+def _end(
+    endpoint: PartyEndpoint, federation: Federation, outcome: str
+) -> dict[str, Counter[tuple[str, str, str]]]:
+    """Tell every party the run is over and take its report (best effort after a failure)."""
+    reports = {}
+    endpoint.handler = None
+    for member in federation.members[1:]:
+        try:
+            endpoint.send(_deployment(endpoint.name, member.name, "end", {"outcome": outcome}))
+            message = endpoint.receive(sender=member.name, kind="deployment")
+            body = _body(message, "report", {"bytes": list})
+        except SecureVFLError as error:
+            if outcome == "finished":
+                raise
+            logger.warning("%s: could not end the run at %s: %s", endpoint.name, member.name, error)
+            continue
+        counts: Counter[tuple[str, str, str]] = Counter()
+        for entry in body["bytes"]:
+            sender, receiver, phase, count = entry
+            if sender != member.name:
+                raise ProtocolError(f"report from {member.name}: bytes sent by {sender!r}.")
+            counts[(str(sender), str(receiver), str(phase))] += int(count)
+        reports[member.name] = counts
+    return reports
+
+
+def _with_reports(
+    traffic: dict[str, Any], reports: Mapping[str, Counter[tuple[str, str, str]]]
+) -> dict[str, Any]:
+    """``traffic`` (the label party's own bytes) with every other party's reported bytes."""
+    totals = {party: dict(phases) for party, phases in traffic.get("bytes", {}).items()}
+    for counts in reports.values():
+        for (sender, _, phase), count in counts.items():
+            entry = totals.setdefault(sender, {"train": 0, "predict": 0})
+            entry[phase] = entry.get(phase, 0) + count
+    steps = max(int(traffic.get("train_steps", 1)), 1)
+    return {
+        **traffic,
+        "bytes": dict(sorted(totals.items())),
+        "bytes_per_step": {p: v.get("train", 0) / steps for p, v in sorted(totals.items())},
+        "transport": "grpc",
+    }

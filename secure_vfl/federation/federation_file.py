@@ -1,0 +1,232 @@
+"""The federation file: one TOML file every party of a deployment shares.
+
+::
+
+    ca = "certs/ca.pem"
+    label_party = "bank"
+
+    [aggregator]                 # the aggregation server: its own process and certificate
+    address = "127.0.0.1:50050"
+    cert = "certs/aggregator.pem"
+    key = "certs/aggregator.key"
+
+    [party.bank]                 # the label party: its features and the labels
+    address = "127.0.0.1:50051"
+    cert = "certs/bank.pem"
+    key = "certs/bank.key"
+    data = "bank.csv"
+    labels = "labels.csv"
+
+    [party.shop]                 # a data party
+    address = "127.0.0.1:50052"
+    cert = "certs/shop.pem"
+    key = "certs/shop.key"
+    data = "shop.csv"
+
+The label party is party 0 (block 0, as the first ``--party-file`` of an in-process run), the
+other parties follow in the file's order. Relative paths are relative to the file. Parsing reads
+and checks the file only: a party opens its own certificate, key and data (:meth:`Federation.
+identity`), never another party's. Every mistake is a ConfigError naming the file, the key and
+what was expected and found.
+
+The aggregation server is its own ``[aggregator]`` entry (its own process, address and
+certificate) because the threat model (DESIGN section 4) assumes an aggregator that does not
+collude with the label party: under Paillier or CKKS the sums are encrypted under the label
+party's key, so an aggregator inside the label party's process could decrypt each party's
+contribution.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from secure_vfl.errors import ConfigError
+from secure_vfl.federation.messages import AGGREGATOR
+from secure_vfl.federation.network import TlsIdentity, check_party_name
+
+_TOP_KEYS = {"ca", "label_party", "aggregator", "party"}
+_PARTY_KEYS = {"address", "cert", "key", "data", "labels"}
+_SERVER_KEYS = {"address", "cert", "key"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Member:
+    """One process of the federation: its name, address (``host:port``), certificate and key
+    files; a party's ``data`` file and, at the label party, its ``labels`` file."""
+
+    name: str
+    address: str
+    cert: Path
+    key: Path
+    data: Path | None = None
+    labels: Path | None = None
+
+    @property
+    def port(self) -> int:
+        """The port of its address."""
+        return int(self.address.rsplit(":", 1)[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class Federation:
+    """A parsed federation file: the CA, the label party's name, the aggregation server and
+    the parties in order (the label party first)."""
+
+    path: Path
+    ca: Path
+    label_party: str
+    aggregator: Member
+    parties: tuple[Member, ...]
+
+    @property
+    def names(self) -> list[str]:
+        """The parties' names in block order (the label party first)."""
+        return [party.name for party in self.parties]
+
+    @property
+    def members(self) -> tuple[Member, ...]:
+        """Every process: the parties, then the aggregation server."""
+        return (*self.parties, self.aggregator)
+
+    def member(self, name: str) -> Member:
+        """The entry of ``name``; ConfigError naming the file and its members otherwise."""
+        for member in self.members:
+            if member.name == name:
+                return member
+        raise ConfigError(
+            f"{self.path}: no party named {name!r}; expected one of "
+            f"{', '.join(m.name for m in self.members)}."
+        )
+
+    def addresses(self, *, but: str) -> dict[str, str]:
+        """Every member's address but ``but``'s (the peers of ``but``)."""
+        return {m.name: m.address for m in self.members if m.name != but}
+
+    def identity(self, name: str) -> TlsIdentity:
+        """``name``'s TLS identity: the CA, its own certificate and its own key (no other
+        party's key is opened)."""
+        member = self.member(name)
+        return TlsIdentity.from_files(self.ca, member.cert, member.key)
+
+
+def read_federation(path: Path) -> Federation:
+    """Parse and check the federation file at ``path`` (ConfigError on any mistake)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"a federation file (TOML) expected at {path}. Found none.")
+    try:
+        document = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path}: TOML expected: {error}") from None
+    _known(path, "", document, _TOP_KEYS)
+    for key in ("ca", "label_party", "aggregator", "party"):
+        if key not in document:
+            raise ConfigError(f"{path}: key `{key}` expected at the top level. Found none.")
+    ca = _path(path, "ca", document["ca"])
+    label_party = _name(path, "label_party", document["label_party"])
+    aggregator = _member(path, "aggregator", AGGREGATOR, document["aggregator"], _SERVER_KEYS)
+    tables = document["party"]
+    if not isinstance(tables, dict) or not tables:
+        raise ConfigError(f"{path}: at least one [party.NAME] table expected. Found {tables!r}.")
+    parties = [
+        _member(path, f"party.{name}", _name(path, f"party.{name}", name), table, _PARTY_KEYS)
+        for name, table in tables.items()
+    ]
+    _check_roles(path, label_party, parties)
+    _check_distinct(path, [*parties, aggregator])
+    label = next(p for p in parties if p.name == label_party)
+    ordered = (label, *(p for p in parties if p.name != label_party))
+    return Federation(path, ca, label_party, aggregator, ordered)
+
+
+def _known(path: Path, where: str, table: dict[str, Any], allowed: set[str]) -> None:
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        prefix = f"[{where}] " if where else ""
+        raise ConfigError(
+            f"{path}: {prefix}unknown key(s) {', '.join(unknown)}; expected only "
+            f"{', '.join(sorted(allowed))}."
+        )
+
+
+def _name(path: Path, key: str, value: Any) -> str:
+    try:
+        return check_party_name(value)
+    except ConfigError as error:
+        raise ConfigError(f"{path}: `{key}`: {error}") from None
+
+
+def _path(path: Path, key: str, value: Any) -> Path:
+    if not isinstance(value, str) or not value:
+        raise ConfigError(f"{path}: `{key}` must be a file path (a string). Found {value!r}.")
+    given = Path(value)
+    return given if given.is_absolute() else path.parent / given
+
+
+def _address(path: Path, key: str, value: Any) -> str:
+    host, sep, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(
+            f"{path}: `{key}` must be HOST:PORT with a port in 1..65535. Found {value!r}."
+        )
+    return str(value)
+
+
+def _member(path: Path, where: str, name: str, table: Any, allowed: set[str]) -> Member:
+    if not isinstance(table, dict):
+        raise ConfigError(f"{path}: [{where}] must be a table. Found {table!r}.")
+    _known(path, where, table, allowed)
+    for key in sorted(allowed - {"labels"}):
+        if key not in table:
+            raise ConfigError(f"{path}: [{where}] key `{key}` expected. Found none.")
+    return Member(
+        name=name,
+        address=_address(path, f"{where}.address", table["address"]),
+        cert=_path(path, f"{where}.cert", table["cert"]),
+        key=_path(path, f"{where}.key", table["key"]),
+        data=_path(path, f"{where}.data", table["data"]) if "data" in table else None,
+        labels=_path(path, f"{where}.labels", table["labels"]) if "labels" in table else None,
+    )
+
+
+def _check_roles(path: Path, label_party: str, parties: list[Member]) -> None:
+    names = [p.name for p in parties]
+    if label_party not in names:
+        raise ConfigError(
+            f"{path}: `label_party` must name a [party.NAME] table. Found {label_party!r}, "
+            f"parties {', '.join(names)}."
+        )
+    if AGGREGATOR in names:
+        raise ConfigError(
+            f"{path}: [party.{AGGREGATOR}]: the name {AGGREGATOR!r} is the aggregation "
+            "server's ([aggregator]); expected another party name."
+        )
+    if len(parties) < 2:
+        raise ConfigError(
+            f"{path}: the label party and at least one data party expected. Found {names}."
+        )
+    for party in parties:
+        if party.name == label_party and party.labels is None:
+            raise ConfigError(
+                f"{path}: [party.{party.name}] key `labels` expected at the label party. "
+                "Found none."
+            )
+        if party.name != label_party and party.labels is not None:
+            raise ConfigError(
+                f"{path}: [party.{party.name}].labels: labels belong to the label party "
+                f"{label_party!r} only. Found {party.labels}."
+            )
+
+
+def _check_distinct(path: Path, members: list[Member]) -> None:
+    seen: dict[str, str] = {}
+    for member in members:
+        other = seen.setdefault(member.address, member.name)
+        if other != member.name:
+            raise ConfigError(
+                f"{path}: every party needs its own address; {other} and {member.name} both "
+                f"have {member.address}."
+            )

@@ -1,0 +1,336 @@
+"""A deployment on loopback: every party its own process from the command line, over gRPC with
+mutual TLS, against the in-process run on the same files and seed. No mock of gRPC; every
+process started here is stopped by its pid when the test ends, passed or failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+from sklearn.datasets import load_breast_cancer
+
+from protocols import tls
+from secure_vfl.cli import main
+from secure_vfl.errors import ConfigError
+from secure_vfl.federation.federation_file import read_federation
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTIES = ("bank", "shop", "insurer", "telco")  # the label party first
+PROCESS_SECONDS = 120.0
+FLAGS = ["--epochs", "2", "--batch-size", "64", "--representation-dim", "8", "--quiet"]
+
+
+def free_ports(count: int) -> list[int]:
+    """Ports the OS has just handed out (closed again at once, for a party to bind)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def write_party_files(directory: Path, *, rows: int = 240) -> None:
+    """Four parties' files of breast-cancer columns (the label party's with the labels), each
+    missing a few ids, in its own row order."""
+    bunch = load_breast_cancer(as_frame=True)
+    features, target = bunch.data.iloc[:rows], bunch.target.to_numpy()[:rows]
+    ids = np.array([f"p{i:04d}" for i in range(rows)])
+    rng = np.random.default_rng(0)
+    for k, (name, columns) in enumerate(
+        zip(PARTIES, np.array_split(np.array(features.columns), 4), strict=True)
+    ):
+        frame = features[list(columns)].copy()
+        frame.insert(0, "id", ids)
+        kept = np.sort(rng.choice(rows, size=rows - 5 * k, replace=False))
+        frame.iloc[rng.permutation(kept)].to_csv(directory / f"{name}.csv", index=False)
+    pd.DataFrame({"id": ids, "label": target}).to_csv(directory / "labels.csv", index=False)
+
+
+def write_federation(directory: Path, certs: Path, ports: list[int], **changes: str) -> Path:
+    """A federation file for the parties and the aggregator on loopback; ``changes`` replace
+    whole lines (by their key) for the refusal tests."""
+    lines = [f'ca = "{certs}/ca.pem"', 'label_party = "bank"', "[aggregator]"]
+    lines += [f'address = "127.0.0.1:{ports[-1]}"', f'cert = "{certs}/aggregator.pem"']
+    lines += [f'key = "{certs}/aggregator.key"']
+    for name, port in zip(PARTIES, ports, strict=False):
+        lines += [f"[party.{name}]", f'address = "127.0.0.1:{port}"']
+        lines += [f'cert = "{certs}/{name}.pem"', f'key = "{certs}/{name}.key"']
+        lines += [f'data = "{name}.csv"']
+        if name == "bank":
+            lines += ['labels = "labels.csv"']
+    text = "\n".join(lines) + "\n"
+    for old, new in changes.items():
+        text = text.replace(old, new)
+    path = directory / "federation.toml"
+    path.write_text(text)
+    return path
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("deploy")
+    write_party_files(directory)
+    tls.make_federation(directory / "certs", [*PARTIES, "aggregator"])
+    return directory
+
+
+class Processes:
+    """Party processes of one test, each stopped by its pid at the end."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.started: list[subprocess.Popen[str]] = []
+
+    def start(self, *args: str, log: str) -> subprocess.Popen[str]:
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        with (self.directory / log).open("w") as output:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "secure_vfl", *args],
+                stdout=output,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+                cwd=self.directory,
+            )
+        self.started.append(process)
+        return process
+
+    def serve(self, federation: Path, name: str, *extra: str) -> subprocess.Popen[str]:
+        return self.start(
+            "party", "serve", "--federation", str(federation), "--name", name, *extra, log=name
+        )
+
+    def log(self, name: str) -> str:
+        return (self.directory / name).read_text()
+
+    def stop_all(self) -> None:
+        for process in self.started:
+            if process.poll() is None:
+                os.kill(process.pid, signal.SIGKILL)
+                process.wait(timeout=30)
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[Processes]:
+    started = Processes(tmp_path)
+    try:
+        yield started
+    finally:
+        started.stop_all()
+
+
+def in_process(site: Path, out: Path, *flags: str) -> dict[str, Any]:
+    files = [arg for name in PARTIES for arg in ("--party-file", str(site / f"{name}.csv"))]
+    labels = ["--label-file", str(site / "labels.csv")]
+    code = main(["train", *files, *labels, *FLAGS, *flags, "--out", str(out)])
+    assert code == 0
+    return dict(json.loads((out / "result.json").read_text()))
+
+
+def deployed(
+    site: Path, processes: Processes, out: Path, *flags: str
+) -> tuple[dict[str, Any], list[int]]:
+    federation = write_federation(site, site / "certs", free_ports(5))
+    servers = [processes.serve(federation, name) for name in (*PARTIES[1:], "aggregator")]
+    label = processes.start(
+        "train",
+        "--federation",
+        str(federation),
+        "--name",
+        "bank",
+        *FLAGS,
+        *flags,
+        "--out",
+        str(out),
+        log="bank",
+    )
+    assert label.wait(timeout=PROCESS_SECONDS) == 0, processes.log("bank")
+    codes = [server.wait(timeout=PROCESS_SECONDS) for server in servers]
+    return dict(json.loads((out / "result.json").read_text())), codes
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--method", "laser", "--heads", "all"),
+        ("--method", "laser", "--heads", "active", "--secure-agg", "masks"),
+    ],
+    ids=["plaintext-heads-all", "masks-heads-active"],
+)
+def test_four_processes_train_to_exactly_the_in_process_metrics(
+    site: Path, processes: Processes, tmp_path: Path, flags: tuple[str, ...]
+) -> None:
+    alone = in_process(site, tmp_path / "alone", *flags)
+    result, codes = deployed(site, processes, tmp_path / "deployed", *flags)
+    assert codes == [0, 0, 0, 0], [processes.log(n) for n in (*PARTIES[1:], "aggregator")]
+    assert result["metrics"] == alone["metrics"]
+    assert result["epoch_loss"] == alone["epoch_loss"]
+    assert result["samples"] == alone["samples"]
+    # Every party's bytes are counted; the data parties' reports reach the label party.
+    assert set(result["traffic"]["bytes"]) == {*PARTIES, "aggregator"}
+
+
+def test_a_data_party_exits_non_zero_when_the_label_party_dies(
+    site: Path, processes: Processes, tmp_path: Path
+) -> None:
+    federation = write_federation(site, site / "certs", free_ports(5))
+    deadline = 4.0
+    servers = [
+        processes.serve(federation, name, "--deadline", str(deadline))
+        for name in (*PARTIES[1:], "aggregator")
+    ]
+    label = processes.start(
+        "train",
+        "--federation",
+        str(federation),
+        "--name",
+        "bank",
+        "--method",
+        "laser",
+        "--epochs",
+        "200",
+        "--quiet",
+        "--deadline",
+        str(deadline),
+        "--out",
+        str(tmp_path / "out"),
+        log="bank",
+    )
+    # Kill the label party once training has started (a data party has heard from it).
+    end = time.monotonic() + PROCESS_SECONDS
+    while "training" not in processes.log("shop") and time.monotonic() < end:
+        assert label.poll() is None, processes.log("bank")
+        time.sleep(0.1)
+    os.kill(label.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    code = servers[0].wait(timeout=PROCESS_SECONDS)
+    assert code != 0
+    assert time.monotonic() - killed < 2 * deadline + 2.0  # + process exit
+    assert "label party bank was silent" in processes.log("shop")
+
+
+def test_a_party_given_the_wrong_name_is_refused(site: Path, tmp_path: Path) -> None:
+    federation = write_federation(site, site / "certs", free_ports(5))
+    with pytest.raises(SystemExit):
+        main(["party", "serve", "--federation", str(federation)])
+    assert main(["party", "serve", "--federation", str(federation), "--name", "nobody"]) == 2
+    assert main(["party", "serve", "--federation", str(federation), "--name", "bank"]) == 2
+    args = ["train", "--federation", str(federation), "--method", "laser", "--quiet"]
+    assert main([*args, "--name", "shop", "--out", str(tmp_path / "o")]) == 2
+    assert main([*args, "--name", "bank", "--insecure-reproducible-noise"]) == 2
+    assert main([*args, "--name", "bank", "--align", "psi"]) == 2
+
+
+def test_a_certificate_from_another_ca_or_naming_another_party_is_refused(
+    site: Path, processes: Processes, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    other = tmp_path / "other"
+    tls.make_federation(other, ["shop"])
+    ports = free_ports(5)
+    impostor_dir, honest_dir = tmp_path / "impostor", tmp_path / "honest"
+    impostor_dir.mkdir()
+    honest_dir.mkdir()
+    impostor = write_federation(
+        impostor_dir,
+        site / "certs",
+        ports,
+        **{
+            f'cert = "{site}/certs/shop.pem"': f'cert = "{other}/shop.pem"',
+            f'key = "{site}/certs/shop.key"': f'key = "{other}/shop.key"',
+            'data = "shop.csv"': f'data = "{site}/shop.csv"',
+        },
+    )
+    honest = write_federation(
+        honest_dir,
+        site / "certs",
+        ports,
+        **{f'"{name}.csv"': f'"{site}/{name}.csv"' for name in PARTIES},
+        **{'"labels.csv"': f'"{site}/labels.csv"'},
+    )
+    shop = processes.serve(impostor, "shop", "--wait", "60")
+    label = processes.start(
+        "train", "--federation", str(honest), "--name", "bank", "--method", "laser",
+        "--deadline", "5", "--quiet", "--out", str(tmp_path / "out"), log="bank",
+    )  # fmt: skip
+    assert label.wait(timeout=PROCESS_SECONDS) != 0
+    assert shop.poll() is None  # the impostor learnt nothing and is still waiting
+    log = processes.log("bank")
+    assert "to shop" in log and "this federation's CA" in log, log
+    swapped = write_federation(
+        tmp_path,
+        site / "certs",
+        ports,
+        **{
+            f'cert = "{site}/certs/shop.pem"': f'cert = "{site}/certs/insurer.pem"',
+            'data = "shop.csv"': f'data = "{site}/shop.csv"',
+        },
+    )
+    code = main(["party", "serve", "--federation", str(swapped), "--name", "shop", "--wait", "1"])
+    assert code == 2
+    assert "certificate names 'insurer'" in capsys.readouterr().err
+
+
+def test_a_party_reads_only_its_own_key(site: Path, tmp_path: Path) -> None:
+    ports = free_ports(5)
+    federation = read_federation(
+        write_federation(
+            tmp_path, site / "certs", ports, **{f"{site}/certs/insurer.key": "/nonexistent.key"}
+        )
+    )
+    assert federation.identity("shop").name == "shop"
+    with pytest.raises(ConfigError, match="nonexistent"):
+        federation.identity("insurer")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({'label_party = "bank"': 'label_party = "bank"\ncolour = "red"'}, "unknown key"),
+        ({'label_party = "bank"\n': ""}, "`label_party` expected"),
+        ({'labels = "labels.csv"': ""}, "`labels` expected at the label party"),
+        ({'data = "shop.csv"': 'data = "shop.csv"\nlabels = "x.csv"'}, "label party 'bank' only"),
+        ({"[party.telco]": "[party.Telco]"}, "party.Telco"),
+        ({'address = "127.0.0.1:': 'address = "127.0.0.1:99999'}, "HOST:PORT"),
+        ({"[party.telco]\naddress": "[party.telco]\nport = 1\naddress"}, "[party.telco]"),
+    ],
+)
+def test_the_federation_file_refuses_mistakes_naming_the_key(
+    tmp_path: Path, change: dict[str, str], message: str
+) -> None:
+    path = write_federation(tmp_path, tmp_path, free_ports(5), **change)
+    with pytest.raises(ConfigError) as caught:
+        read_federation(path)
+    assert message in str(caught.value)
+    assert str(path) in str(caught.value)
+
+
+def test_the_federation_file_refuses_a_shared_address(tmp_path: Path) -> None:
+    port = free_ports(1)[0]
+    path = write_federation(tmp_path, tmp_path, [port] * 5)
+    with pytest.raises(ConfigError, match="both have"):
+        read_federation(path)
+
+
+def test_relative_paths_are_relative_to_the_file(tmp_path: Path) -> None:
+    path = write_federation(tmp_path, Path("certs"), free_ports(5))
+    with contextlib.chdir(ROOT):
+        federation = read_federation(path)
+    assert federation.ca == tmp_path / "certs" / "ca.pem"
+    assert federation.member("shop").data == tmp_path / "shop.csv"
+    assert federation.names == list(PARTIES)
