@@ -245,8 +245,8 @@ def calibrate_noise(
         # The search probes large multipliers whose best RDP order is the grid's last; the
         # bound it then gives is looser, never lower, so the calibration stays within target.
         warnings.filterwarnings("ignore", message="Optimal order is the largest alpha")
-        return float(
-            get_noise_multiplier(
+        try:
+            sigma = get_noise_multiplier(
                 target_epsilon=target_epsilon,
                 target_delta=delta,
                 sample_rate=sample_rate,
@@ -254,7 +254,13 @@ def calibrate_noise(
                 accountant=accountant,
                 epsilon_tolerance=0.005 * target_epsilon,
             )
-        )
+        except ValueError as error:  # Opacus: no multiplier it searches reaches the target
+            raise ConfigError(
+                f"no noise multiplier reaches --target-epsilon {target_epsilon:g} at delta "
+                f"{delta:g} over {steps} release(s) with the {accountant} accountant "
+                f"(Opacus: {error}); expected a larger --target-epsilon or --delta."
+            ) from None
+    return float(sigma)
 
 
 def calibrate_per_record(
