@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from protocols.dp import (
     ADJACENCIES,
     ADJACENCY_TEXT,
+    GRAD_SAMPLE_MODES,
     ROW_SHIFT,
     Adjacency,
     EmbeddingNoise,
@@ -98,6 +99,8 @@ class PrivacySpec:
     Training (``train``) takes ``dp_embeddings``, ``dp_gradients`` and ``dp_sgd``; federated
     imputation (``impute``) takes ``dp_statistics``, whose values are clipped to the ranges
     declared in ``feature_ranges`` (a CSV; default: the observed ranges, which are not private).
+    ``grad_sample_mode`` says how DP-SGD gets its per-sample gradients
+    (:func:`~protocols.dp.make_private_party`: ``auto``, ``linear`` or Opacus' ``hooks``).
     """
 
     align: str = "join"
@@ -112,6 +115,7 @@ class PrivacySpec:
     adjacency: str = "replace-one"
     insecure_reproducible_noise: bool = False
     seed: int = 0
+    grad_sample_mode: str = "auto"
 
     def __post_init__(self) -> None:
         if self.align not in ALIGNMENTS:
@@ -154,6 +158,11 @@ class PrivacySpec:
             )
         if not 0 < self.delta < 1:
             raise ConfigError(f"`delta` must be in (0, 1). Found {self.delta}.")
+        if self.grad_sample_mode not in GRAD_SAMPLE_MODES:
+            raise ConfigError(
+                f"`grad_sample_mode` must be one of {', '.join(GRAD_SAMPLE_MODES)}. "
+                f"Found {self.grad_sample_mode!r}."
+            )
         if self.adjacency not in ADJACENCIES:
             raise ConfigError(
                 f"`adjacency` must be one of {', '.join(ADJACENCIES)}. Found {self.adjacency!r}."
@@ -330,6 +339,7 @@ class PrivacyEngine:
                     sample_rate=sampler.rate,
                     noise=self._noise_source(10 + k),
                     on_event=accountant.on_event,
+                    grad_sample_mode=self.spec.grad_sample_mode,  # type: ignore[arg-type]
                 )
         self._guard(parties)
 

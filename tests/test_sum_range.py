@@ -107,7 +107,7 @@ def test_clipped_rows_with_large_noise_sum_once_the_halves_are_sized(
     with pytest.raises(ProtocolError, match=r"overflows|outside"):
         vector_sum(scheme(name), vectors)
     summed = vector_sum(Ranged(scheme(name), value_range), vectors)
-    exact = sum(v.double() for v in vectors.values())
+    exact = torch.stack([v.double() for v in vectors.values()]).sum(0)
     assert torch.allclose(summed.double(), exact, rtol=1e-6, atol=0.05)
 
 
