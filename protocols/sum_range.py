@@ -16,9 +16,12 @@ in every party's own halves (:class:`RangedHalf`), so that an honest run never o
   any other failure of a run, and truncating the noise instead would change the mechanism the
   accountant prices.
 - Without it, a representation is not bounded by construction. The run declares
-  :data:`REPRESENTATION_BOUND` (4096: a bottom model of standardised inputs gives values of a
-  few units; ``benchmarks`` and the tests' runs stay below 100) and a value beyond it is
-  divergence, not an overflow.
+  :data:`REPRESENTATION_BOUND` (2^16 = 65536: a bottom model of standardised inputs gives values
+  of a few units; under gradient noise alone they drift, and a Satellite run of
+  ``benchmarks/protocol_costs.py`` that still reached 81 % accuracy had passed 4096) and a value
+  beyond it is divergence, not an overflow. Every backend holds it at its default precision
+  for up to 4 contributors (CKKS: 4 x 2^16 x 2^40 is the 60-bit prime less two bits; Paillier:
+  15 fraction bits instead of 16).
 
 The range holds ``max(REPRESENTATION_BOUND, CLIP (1 + k SIGMA))`` per value and ``contributors``
 values per sum; each backend derives its encoding from it (masks and Paillier: fewer fraction
@@ -50,7 +53,7 @@ TAIL_SIGMAS = -NormalDist().inv_cdf(2.0 ** -(TAIL_BITS + 1))
 """k with P(|N(0, 1)| > k) = 2^-80 (10.28): the noise a range allows for, in standard deviations."""
 RUN_DRAWS_BITS = 40
 """A party making fewer than 2^40 draws in a run leaves its range with probability < 2^-40."""
-REPRESENTATION_BOUND = 4096.0
+REPRESENTATION_BOUND = 65536.0
 """The largest |value| of a representation that is not clipped; beyond it, training diverged."""
 
 ADVICE = (

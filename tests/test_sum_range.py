@@ -41,7 +41,7 @@ BACKENDS = ("none", "masks", "ckks", "paillier")
 DIVERGED = (
     r"training diverged under the DP noise at step \d+: party-\d's representation for "
     r"aggregator has \|value\| [0-9.e+]+, outside the range its sums were sized for, "
-    r"\|value\| <= 4096 \(the bound of an unclipped representation\); try a smaller SIGMA"
+    r"\|value\| <= 65536 \(the bound of an unclipped representation\); try a smaller SIGMA"
 )
 
 
@@ -80,11 +80,11 @@ def test_the_tail_allowed_per_draw_is_2_to_the_minus_80() -> None:
 
 
 def test_the_range_is_the_representation_bound_unless_clipped_noise_needs_more() -> None:
-    assert sum_range({"gradient": (50.0, 0.01)}, contributors=4) == SumRange(4096.0, 4)
+    assert sum_range({"gradient": (50.0, 0.01)}, contributors=4) == SumRange(65536.0, 4)
     small = sum_range({"embedding": (2.0, 1.0)}, contributors=3)
     assert small == SumRange(REPRESENTATION_BOUND, 3, clipped=True)
-    large = sum_range({"embedding": (1e4, 2.0)}, contributors=4)
-    assert large.value_bound == pytest.approx(2.0 * (1 + 1e4 * TAIL_SIGMAS))
+    large = sum_range({"embedding": (1e5, 2.0)}, contributors=4)
+    assert large.value_bound == pytest.approx(2.0 * (1 + 1e5 * TAIL_SIGMAS))
     assert large.clipped and large.sum_bound == pytest.approx(4 * large.value_bound)
     with pytest.raises(ConfigError, match="at least one contributor"):
         SumRange(1.0, 0)
