@@ -121,27 +121,28 @@ def test_a_range_no_encoding_can_hold_is_refused_when_halves_are_sized() -> None
         paillier_aggregator().sender().use_range(huge)
 
 
-def diverging_run(data: Any, backend: str, **noise: Any) -> None:
-    """LASER (label party active) under ``noise`` so large the bottoms diverge in a step or
-    two, through ``backend``; reproducible noise, so every backend meets the same draws."""
-    secure = backend != "none"
+def private_run(data: Any, backend: str, *, lr: float, **noise: Any) -> tuple[Any, PrivacyEngine]:
+    """One epoch of LASER (label party active) under ``noise`` through ``backend``;
+    reproducible noise, so every backend meets the same draws."""
     config = TrainConfig(
         method="laser",
         dataset="iris",  # names the run; the data is the synthetic split given
         method_config=MethodConfig(
-            heads="active", epochs=1, batch_size=32, lr=0.5, secure_sums=secure
+            heads="active", epochs=1, batch_size=32, lr=lr, secure_sums=backend != "none"
         ),
     )
-    spec = PrivacySpec(secure_agg=backend, insecure_reproducible_noise=True, **noise)
+    engine = PrivacyEngine(
+        PrivacySpec(secure_agg=backend, insecure_reproducible_noise=True, **noise)
+    )
     aggregator = paillier_aggregator() if backend == "paillier" else None
-    run_training(config, data=data, privacy=PrivacyEngine(spec), aggregator=aggregator)
+    return run_training(config, data=data, privacy=engine, aggregator=aggregator), engine
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_divergence_is_reported_alike_by_every_backend(backend: str, make_data: MakeData) -> None:
     data = make_data(n=200, test_missing=("mcar:0",))
     with pytest.raises(DivergenceError, match=DIVERGED) as raised:
-        diverging_run(data, backend, dp_gradients=(1000.0, 1.0))
+        private_run(data, backend, lr=0.5, dp_gradients=(1000.0, 1.0))  # diverges at once
     assert "at step 1: party-1's representation" in str(raised.value)  # the same point
 
 
@@ -152,24 +153,11 @@ def test_large_embedding_noise_trains_through_every_backend(
     """A noise bound of 1e5, beyond the CKKS and Paillier defaults, trains without overflow
     (before the range was chosen from the noise, CKKS refused a value of 4e4 here)."""
     data = make_data(n=120, test_missing=("mcar:0",))
-    secure = backend != "none"
-    config = TrainConfig(
-        method="laser",
-        dataset="iris",
-        method_config=MethodConfig(
-            heads="active", epochs=1, batch_size=32, lr=0.001, secure_sums=secure
-        ),
-    )
-    spec = PrivacySpec(
-        secure_agg=backend, dp_embeddings=(1e4, 1.0), insecure_reproducible_noise=True
-    )
-    engine = PrivacyEngine(spec)
-    aggregator = paillier_aggregator() if backend == "paillier" else None
     with pytest.warns(UserWarning, match="Optimal order"):  # Opacus, on a tiny epsilon
-        result = run_training(config, data=data, privacy=engine, aggregator=aggregator)
+        result, engine = private_run(data, backend, lr=0.001, dp_embeddings=(1e4, 1.0))
     assert result.privacy is not None
     assert engine.value_range is not None and engine.value_range.value_bound > 1e5
-    if secure:
+    if backend != "none":
         assert result.privacy["sum_range"]["value_bound"] == engine.value_range.value_bound
     else:
         assert result.privacy["sum_range"] is None
