@@ -23,6 +23,9 @@
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
+import os
 import statistics
 import sys
 import time
@@ -195,7 +198,39 @@ def psi(sizes: list[int]) -> list[dict[str, Any]]:
     return rows
 
 
-def dp_training(epochs: int) -> list[dict[str, Any]]:
+DP_PROTECTIONS: dict[str, dict[str, Any]] = {
+    "none": {},
+    "gradient noise": {"dp_gradients": (1.0, 0.01)},
+    "dp-sgd, Opacus hooks": {"dp_sgd": (1.0, 0.05), "grad_sample_mode": "hooks"},
+    "dp-sgd": {"dp_sgd": (1.0, 0.05)},
+}
+"""The DP section's protections: ``dp-sgd`` is the default (exact per-sample gradients of the
+MLP bottoms' Linear layers), ``dp-sgd, Opacus hooks`` the same mechanism on Opacus' hooks."""
+
+
+class StepMarks:
+    """The time at which a run starts training and at which each of its steps ends."""
+
+    def __init__(self) -> None:
+        self.marks: list[float] = []
+
+    def start(self, total: int) -> None:
+        self.marks.append(time.perf_counter())
+
+    def step(self, step: int, loss: float) -> None:
+        self.marks.append(time.perf_counter())
+
+    def durations(self) -> list[float]:
+        """Each step's duration, in order."""
+        return [b - a for a, b in itertools.pairwise(self.marks)]
+
+
+def dp_training(epochs: int, repeats: int) -> dict[str, Any]:
+    """LASER (heads=active) on Satellite under each of :data:`DP_PROTECTIONS`, ``repeats``
+    rounds of one run each, interleaved so that a change in the machine's load meets every
+    protection alike: per protection the median run time (training, prediction and the privacy
+    report), the median step time over every step but each run's first, the median accuracy
+    and the largest per-party epsilon (the same every run: the accountant's, not the noise's)."""
     from protocols.privacy import PrivacyEngine, PrivacySpec
     from secure_vfl.experiment import TrainConfig, prepare_data, run_training
     from secure_vfl.methods import MethodConfig
@@ -208,28 +243,90 @@ def dp_training(epochs: int) -> list[dict[str, Any]]:
     )
     data = prepare_data(config)
     run_training(config, data=data)  # warm-up: the first run pays for lazy initialisation
-    rows: list[dict[str, Any]] = []
-    specs = {
-        "none": PrivacySpec(),
-        "gradient noise": PrivacySpec(dp_gradients=(1.0, 0.01)),
-        "dp-sgd": PrivacySpec(dp_sgd=(1.0, 0.05)),
-    }
-    for name, spec in specs.items():
-        try:
-            result = run_training(config, data=data, privacy=PrivacyEngine(spec))
-        except IntegrityError as error:  # too much noise: report it rather than a number
-            rows.append({"protection": name, "diverged": str(error)})
-            continue
-        epsilons = result.privacy["epsilon"] if result.privacy is not None else {}
-        rows.append(
+    runs: dict[str, list[float]] = {name: [] for name in DP_PROTECTIONS}
+    steps: dict[str, list[float]] = {name: [] for name in DP_PROTECTIONS}
+    accuracy: dict[str, list[float]] = {name: [] for name in DP_PROTECTIONS}
+    epsilon: dict[str, float | None] = {}
+    diverged: dict[str, list[str]] = {name: [] for name in DP_PROTECTIONS}
+    load_before = os.getloadavg()
+    for _ in range(repeats):
+        for name, options in DP_PROTECTIONS.items():
+            marks = StepMarks()
+            try:
+                result = run_training(
+                    config,
+                    data=data,
+                    privacy=PrivacyEngine(PrivacySpec(**options)),
+                    on_start=marks.start,
+                    on_step=marks.step,
+                )
+            except IntegrityError as error:  # too much noise: counted, not timed
+                diverged[name].append(str(error))
+                continue
+            runs[name].append(result.wall_time_s)
+            steps[name] += marks.durations()[1:]  # the first step pays for lazy initialisation
+            accuracy[name].append(result.metrics["mcar:0"]["accuracy"])
+            epsilons = result.privacy["epsilon"] if result.privacy is not None else {}
+            epsilon[name] = max(epsilons.values()) if epsilons else None
+    return {
+        "repeats": repeats,
+        "epochs": epochs,
+        "load_average_before": list(load_before),
+        "load_average_after": list(os.getloadavg()),
+        "rows": [
             {
                 "protection": name,
-                "seconds": result.wall_time_s,
-                "accuracy": result.metrics["mcar:0"]["accuracy"],
-                "max_epsilon": max(epsilons.values()) if epsilons else None,
+                "options": {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()},
+                "seconds": statistics.median(runs[name]),
+                "runs_s": runs[name],
+                "step_s": statistics.median(steps[name]),
+                "steps_timed": len(steps[name]),
+                "accuracy": statistics.median(accuracy[name]),
+                "max_epsilon": epsilon[name],
+                "diverged": diverged[name],
             }
+            for name, options in DP_PROTECTIONS.items()
+            if runs[name]  # a protection whose every run diverged is listed below the table
+        ],
+        "all_diverged": {name: errors for name, errors in diverged.items() if not runs[name]},
+    }
+
+
+def dp_lines(dp: dict[str, Any], command: str) -> list[str]:
+    """The DP section of the report (both ratios from the same interleaved runs)."""
+    lines = [
+        f"## Differential privacy: LASER (heads=active) on Satellite, {dp['epochs']} epochs",
+        "",
+    ]
+    before = ", ".join(f"{x:.2f}" for x in dp["load_average_before"])
+    after = ", ".join(f"{x:.2f}" for x in dp["load_average_after"])
+    lines += [
+        f"Command: `{command}`. One thread; {dp['repeats']} rounds of one run per protection, "
+        "interleaved. Run: median wall time of a whole run (training, prediction, the privacy "
+        "report); step: median time of a training step (every step but each run's first). "
+        f"Load average (1, 5, 15 min) before: {before}; after: {after} (2 cores, shared).",
+        "",
+        "| protection | run | ratio | step | ratio | accuracy % | max epsilon (delta 1e-5) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    base = dp["rows"][0]
+    for r in dp["rows"]:
+        eps = f"{r['max_epsilon']:.2f}" if r["max_epsilon"] is not None else "–"
+        lines.append(
+            f"| {r['protection']} | {r['seconds']:.2f} s | {r['seconds'] / base['seconds']:.2f}x "
+            f"| {1000 * r['step_s']:.1f} ms | {r['step_s'] / base['step_s']:.2f}x "
+            f"| {r['accuracy']:.1f} | {eps} |"
         )
-    return rows
+    lines += [
+        f"{r['protection']}: {len(r['diverged'])} of {dp['repeats']} runs diverged (not timed; "
+        f"first: {r['diverged'][0]})"
+        for r in dp["rows"]
+        if r["diverged"]
+    ]
+    lines += [
+        f"{name}: every run diverged ({errors[0]})" for name, errors in dp["all_diverged"].items()
+    ]
+    return lines
 
 
 def _fashion_data(train: int, test: int, seed: int) -> Any:
@@ -341,22 +438,46 @@ def secure_training(steps: int, epochs: int, train: int, test: int) -> list[dict
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--only",
+        choices=["dp"],
+        help="re-run one section and keep the others from the committed results (the .json)",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     repeats, epochs = (3, 1) if args.quick else (7, 5)
-    steps, train_epochs, subset = (3, 1, (1000, 200)) if args.quick else (10, 3, (10_000, 2000))
-    psi_sizes = [10_000] if args.quick else [10_000, 100_000, 1_000_000]
-
-    sums = secure_sums(repeats)
-    training = secure_training(steps, train_epochs, *subset)
-    dp_rows = dp_training(epochs)
-    psi_table = psi(psi_sizes)
+    stem = "protocol_costs_quick" if args.quick else "protocol_costs"
     command = command_line("protocol_costs.py", argv)
+    steps, train_epochs, subset = (3, 1, (1000, 200)) if args.quick else (10, 3, (10_000, 2000))
+    if args.only == "dp":
+        payload = json.loads((args.out / f"{stem}.json").read_text())
+    else:
+        psi_sizes = [10_000] if args.quick else [10_000, 100_000, 1_000_000]
+        payload = {
+            "command": command,
+            "secure_sums": secure_sums(repeats),
+            "secure_training": secure_training(steps, train_epochs, *subset),
+            "psi": psi(psi_sizes),
+        }
+    payload["dp"] = dp_training(epochs, repeats)
+    payload["dp_command"] = command
+    text = report(payload, steps=steps, train_epochs=train_epochs, subset=subset)
+    write_outputs(args.out, stem, text, payload)
+    print(text)
+    return 0
+
+
+def report(
+    payload: dict[str, Any], *, steps: int, train_epochs: int, subset: tuple[int, int]
+) -> str:
+    """The Markdown report of every section in ``payload`` (the secure-training section was
+    run with ``steps``, ``train_epochs`` and ``subset``)."""
+    sums, training, psi_table = payload["secure_sums"], payload["secure_training"], payload["psi"]
     lines = [
         "# Protocol costs",
         "",
-        f"Command: `{command.strip()}`  ",
+        f"Command: `{payload['command'].strip()}`  ",
         "One thread; medians over fresh rounds. Ratios are to the plain (unprotected) run.",
         "",
         "## Secure sums: one sum (T x B x d, 4 parties, all selected): every party's sealing, the "
@@ -412,39 +533,9 @@ def main(argv: list[str] | None = None) -> int:
         "",
         psi_target_line(psi_table),
     ]
-    base = dp_rows[0]["seconds"]
-    lines += [
-        "",
-        f"## Differential privacy: LASER (heads=active) on Satellite, {epochs} epochs",
-        "",
-        "| protection | time | ratio | accuracy % | max epsilon (delta 1e-5) |",
-        "|---|---|---|---|---|",
-    ]
-    for r in dp_rows:
-        if "diverged" in r:
-            lines.append(f"| {r['protection']} | diverged | – | – | – |")
-            continue
-        eps = f"{r['max_epsilon']:.2f}" if r["max_epsilon"] is not None else "–"
-        lines.append(
-            f"| {r['protection']} | {r['seconds']:.2f} s | {r['seconds'] / base:.2f}x | "
-            f"{r['accuracy']:.1f} | {eps} |"
-        )
-    text = "\n".join(lines) + "\n"
-    stem = "protocol_costs_quick" if args.quick else "protocol_costs"
-    write_outputs(
-        args.out,
-        stem,
-        text,
-        {
-            "command": command,
-            "secure_sums": sums,
-            "secure_training": training,
-            "psi": psi_table,
-            "dp": dp_rows,
-        },
-    )
-    print(text)
-    return 0
+    dp_command = payload.get("dp_command", payload["command"]).strip()
+    lines += ["", *dp_lines(payload["dp"], dp_command)]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

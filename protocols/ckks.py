@@ -42,19 +42,25 @@ sum silently.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import tenseal as ts
 
 from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
 
+if TYPE_CHECKING:
+    from protocols.sum_range import SumRange
+
 DEFAULT_POLY_MODULUS_DEGREE = 8192
 DEFAULT_COEFF_MOD_BIT_SIZES = (60, 60)
 DEFAULT_SCALE_BITS = 40
 DEFAULT_MAX_MAGNITUDE = 4096.0
 ERROR_BITS = 20  # stated per-ciphertext, per-slot error: 2^-20
+MIN_SCALE_BITS = 30
 HE_STANDARD_MAX_BITS = {4096: 109, 8192: 218, 16384: 438, 32768: 881}  # 128-bit security
 
 
@@ -186,6 +192,21 @@ class CkksAggregator:
         )
 
 
+def scale_bits_for(value_range: SumRange, *, headroom_bits: int, most: int) -> int:
+    """The largest scale, up to 2^``most``, at which a slot sum of ``value_range`` stays below
+    2^``headroom_bits`` (the data prime less two spare bits): ``K * bound * 2^scale <=
+    2^headroom``. A smaller scale trades precision for range: the encryption noise is absolute,
+    so the error bound grows by 2^(most - scale). ConfigError below 2^30."""
+    room = math.floor(headroom_bits - math.log2(value_range.sum_bound))
+    if room < MIN_SCALE_BITS:
+        raise ConfigError(
+            f"CKKS sums of {value_range.contributors} values of {value_range.describe()} "
+            f"need a scale below 2^{MIN_SCALE_BITS} with {headroom_bits + 2} data-prime bits; "
+            "expected a smaller clip or noise."
+        )
+    return min(most, room)
+
+
 def check_range(
     values: np.ndarray, parties: int, *, max_magnitude: float, sum_limit: float, scale_bits: int
 ) -> None:
@@ -290,11 +311,23 @@ class CkksSender:
     ) -> None:
         self.slots = slots
         self.max_magnitude, self.sum_limit, self.scale_bits = max_magnitude, sum_limit, scale_bits
+        self._headroom_bits = scale_bits + round(math.log2(sum_limit))
+        self._most_scale_bits = scale_bits
         self._publics: dict[str, ts.Context] = {}
         self.seconds = 0.0
 
     def public_key(self) -> None:
         return None
+
+    def use_range(self, value_range: SumRange) -> None:
+        """Accept values up to ``value_range``'s bound, encoded at the largest scale (up to the
+        configured one) whose slot sums stay below the data prime; the receiver derives the
+        same."""
+        self.scale_bits = scale_bits_for(
+            value_range, headroom_bits=self._headroom_bits, most=self._most_scale_bits
+        )
+        self.sum_limit = float(2 ** (self._headroom_bits - self.scale_bits))
+        self.max_magnitude = value_range.value_bound
 
     def learn(self, peer: str, role: str, key: bytes) -> None:
         if role == "receiver":
@@ -328,7 +361,11 @@ class CkksSender:
         mine = selection[..., column]
         slots = np.where(mine[..., None], dense[None], 0.0).reshape(-1)
         sealed = tuple(
-            bytes(ts.ckks_vector(public, slots[i : i + self.slots].tolist()).serialize())
+            bytes(
+                ts.ckks_vector(
+                    public, slots[i : i + self.slots].tolist(), scale=float(2**self.scale_bits)
+                ).serialize()
+            )
             for i in range(0, slots.size, self.slots)
         )
         self.seconds += time.perf_counter() - start
@@ -380,11 +417,26 @@ class CkksReceiver:
         self._secret = make_secret_context(poly_modulus_degree, coeff_mod_bit_sizes, scale_bits)
         self._published = public_context_bytes(self._secret)
         self.max_magnitude = max_magnitude
+        self.scale_bits = scale_bits
+        self._headroom_bits = sum(coeff_mod_bit_sizes[:-1]) - 2
+        self._most_scale_bits = scale_bits
+        self._stated_bound = bound
         self._bound = bound
         self.seconds = 0.0
 
     def public_key(self) -> bytes:
         return self._published
+
+    def use_range(self, value_range: SumRange) -> None:
+        """Check sums against ``value_range``'s bound, at the scale the senders derive from it,
+        with the error bound grown by 2^(configured scale - scale)."""
+        self.scale_bits = scale_bits_for(
+            value_range, headroom_bits=self._headroom_bits, most=self._most_scale_bits
+        )
+        self.max_magnitude = value_range.value_bound
+        growth = 2.0 ** (self._most_scale_bits - self.scale_bits)
+        stated = self._stated_bound
+        self._bound = lambda parties: stated(parties) * growth
 
     def open(
         self, payload: tuple[bytes, ...], *, counts: np.ndarray, width: int, parties: int

@@ -46,6 +46,7 @@ import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import gmpy2
 import numpy as np
@@ -54,6 +55,9 @@ from phe import paillier
 from protocols.secagg import decode_fixed_point, encode_fixed_point
 from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
 from secure_vfl.federation.aggregator import check_payload
+
+if TYPE_CHECKING:
+    from protocols.sum_range import SumRange
 
 DEFAULT_KEY_BITS = 2048
 DEFAULT_VALUE_BITS = 32
@@ -262,6 +266,19 @@ class PaillierAggregator:
         )
 
 
+def fraction_bits_for(value_range: SumRange, *, value_bits: int, most: int) -> int:
+    """The most fraction bits, up to ``most``, at which every ``|value| <=
+    value_range.value_bound`` fits ``value_bits`` (``bound * 2^f <= 2^(v-1) - 1``); the
+    packing's slots already leave room for the contributors. ConfigError if none fit."""
+    room = math.floor(math.log2(((1 << (value_bits - 1)) - 1) / value_range.value_bound))
+    if room < 0:
+        raise ConfigError(
+            f"Paillier slots of {value_bits} value bits cannot hold values of "
+            f"{value_range.describe()}; expected a smaller clip or noise."
+        )
+    return min(most, room)
+
+
 def encode_values(
     dense: np.ndarray, *, value_bits: int, fraction_bits: int, parties: int
 ) -> np.ndarray:
@@ -361,6 +378,7 @@ class PaillierSender:
         pool_size: int,
     ) -> None:
         self.key_bits, self.value_bits, self.fraction_bits = key_bits, value_bits, fraction_bits
+        self._most_fraction_bits = fraction_bits
         self.pool_size = pool_size
         self._rng = rng
         self._pools: dict[str, ObfuscatorPool] = {}
@@ -368,6 +386,13 @@ class PaillierSender:
 
     def public_key(self) -> None:
         return None
+
+    def use_range(self, value_range: SumRange) -> None:
+        """Encode with as many fraction bits (up to the configured ones) as values of
+        ``value_range`` leave room for; the receiver derives the same."""
+        self.fraction_bits = fraction_bits_for(
+            value_range, value_bits=self.value_bits, most=self._most_fraction_bits
+        )
 
     def learn(self, peer: str, role: str, key: bytes) -> None:
         if role == "receiver":
@@ -485,6 +510,7 @@ class PaillierReceiver:
         key_generator: KeyGenerator,
     ) -> None:
         self.key_bits, self.value_bits, self.fraction_bits = key_bits, value_bits, fraction_bits
+        self._most_fraction_bits = fraction_bits
         public, private = key_generator(key_bits)
         if public.n.bit_length() != key_bits:
             raise ConfigError(
@@ -496,6 +522,12 @@ class PaillierReceiver:
 
     def public_key(self) -> bytes:
         return int(self._public.n).to_bytes(_modulus_bytes(self.key_bits), "big")
+
+    def use_range(self, value_range: SumRange) -> None:
+        """Decode with the fraction bits the senders derive from ``value_range``."""
+        self.fraction_bits = fraction_bits_for(
+            value_range, value_bits=self.value_bits, most=self._most_fraction_bits
+        )
 
     def open(
         self, payload: tuple[bytes, ...], *, counts: np.ndarray, width: int, parties: int

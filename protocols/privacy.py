@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from protocols.dp import (
     ADJACENCIES,
     ADJACENCY_TEXT,
+    GRAD_SAMPLE_MODES,
     ROW_SHIFT,
     Adjacency,
     EmbeddingNoise,
@@ -58,6 +59,14 @@ from protocols.dp import (
     make_private_party,
 )
 from protocols.noise import NoiseSource, noise_source
+from protocols.sum_range import (
+    RUN_DRAWS_BITS,
+    TAIL_SIGMAS,
+    DivergenceGuard,
+    RangedHalf,
+    SumRange,
+    sum_range,
+)
 from secure_vfl.data.samplers import BatchSampler, PoissonSampler, poisson_like
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation.aggregator import SumBackend
@@ -90,6 +99,8 @@ class PrivacySpec:
     Training (``train``) takes ``dp_embeddings``, ``dp_gradients`` and ``dp_sgd``; federated
     imputation (``impute``) takes ``dp_statistics``, whose values are clipped to the ranges
     declared in ``feature_ranges`` (a CSV; default: the observed ranges, which are not private).
+    ``grad_sample_mode`` says how DP-SGD gets its per-sample gradients
+    (:func:`~protocols.dp.make_private_party`: ``auto``, ``linear`` or Opacus' ``hooks``).
     """
 
     align: str = "join"
@@ -104,6 +115,7 @@ class PrivacySpec:
     adjacency: str = "replace-one"
     insecure_reproducible_noise: bool = False
     seed: int = 0
+    grad_sample_mode: str = "auto"
 
     def __post_init__(self) -> None:
         if self.align not in ALIGNMENTS:
@@ -146,6 +158,11 @@ class PrivacySpec:
             )
         if not 0 < self.delta < 1:
             raise ConfigError(f"`delta` must be in (0, 1). Found {self.delta}.")
+        if self.grad_sample_mode not in GRAD_SAMPLE_MODES:
+            raise ConfigError(
+                f"`grad_sample_mode` must be one of {', '.join(GRAD_SAMPLE_MODES)}. "
+                f"Found {self.grad_sample_mode!r}."
+            )
         if self.adjacency not in ADJACENCIES:
             raise ConfigError(
                 f"`adjacency` must be one of {', '.join(ADJACENCIES)}. Found {self.adjacency!r}."
@@ -183,6 +200,7 @@ class PrivacyEngine:
         # each party's number of releases at the end of every epoch (epsilon over epochs)
         self._epoch_releases: list[dict[str, int]] = []
         self._statistics: ClientStatisticsNoise | None = None
+        self.value_range: SumRange | None = None
         self._ranges_note = ""
         if spec.align == "psi":
             import protocols.psi  # noqa: F401  (registers the `psi` aligner)
@@ -321,7 +339,20 @@ class PrivacyEngine:
                     sample_rate=sampler.rate,
                     noise=self._noise_source(10 + k),
                     on_event=accountant.on_event,
+                    grad_sample_mode=self.spec.grad_sample_mode,  # type: ignore[arg-type]
                 )
+        self._guard(parties)
+
+    def _guard(self, parties: list[DataParty]) -> None:
+        """Size every party's secure-sum halves for the run's range (the calibrated noise is
+        known now, before the first sum) and make a :class:`DivergenceGuard` each party's last
+        outgoing hook, so divergence is reported alike under every backend."""
+        self.value_range = sum_range(self.noise, contributors=len(parties))
+        for party in parties:
+            for half in (party.sealer, party.opener):
+                if isinstance(half, RangedHalf):
+                    half.use_range(self.value_range)
+            party.outgoing.append(DivergenceGuard(self.value_range, noised=True))
 
     def epoch_end(self) -> None:
         """Note each party's releases so far: one point of the epsilon-over-epochs curve."""
@@ -523,10 +554,25 @@ class PrivacyEngine:
                 for name, plan in zip(self._accountants, self._plan, strict=True)
             },
             "not_noised": self._not_noised(),
+            "sum_range": self._range_entry(),
             "target_epsilon": target,
             "within_target": None
             if target is None
             else all(e <= target * (1 + 1e-9) for e in epsilon.values()),
+        }
+
+    def _range_entry(self) -> dict[str, Any] | None:
+        """What the run's sums were sized for (None without secure sums)."""
+        if self.value_range is None or not self.spec.secure_sums:
+            return None
+        return {
+            "value_bound": self.value_range.value_bound,
+            "contributors": self.value_range.contributors,
+            "clipped": self.value_range.clipped,
+            "tail": (
+                f"a noise draw beyond {TAIL_SIGMAS:.2f} sigma (probability 2^-80 each; below "
+                f"2^-40 for a run of < 2^{RUN_DRAWS_BITS} draws per party) would overflow"
+            ),
         }
 
     def _not_noised(self) -> list[str]:

@@ -21,9 +21,11 @@ wrap-around beyond the overflow headroom, as an inconsistent key produces, is de
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -34,6 +36,9 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
 from secure_vfl.federation.aggregator import check_payload, refuse_single_contributors
+
+if TYPE_CHECKING:
+    from protocols.sum_range import SumRange
 
 DEFAULT_FRACTION_BITS = 24
 RING_BITS = 64
@@ -48,6 +53,20 @@ _MASK_INFO = b"secure-vfl/secagg/mask/v1"
 def fixed_point_limit(fraction_bits: int, parties: int) -> float:
     """Largest magnitude a value may have so that a sum of ``parties`` of them cannot wrap."""
     return float(2**HEADROOM_BITS) / parties / float(2**fraction_bits)
+
+
+def fraction_bits_for(value_range: SumRange, *, most: int) -> int:
+    """The most fraction bits, up to ``most``, at which ``value_range.contributors`` values of
+    ``|value| <= value_range.value_bound`` sum within the headroom (``bound * 2^f <= 2^62 /
+    K``); ConfigError if not even whole numbers fit."""
+    room = math.floor(HEADROOM_BITS - math.log2(value_range.sum_bound))
+    if room < 0:
+        raise ConfigError(
+            f"pairwise masks cannot hold sums of {value_range.contributors} values of "
+            f"{value_range.describe()} in Z_2^64 (at most 2^{HEADROOM_BITS} in all); "
+            "expected a smaller clip or noise."
+        )
+    return min(most, room)
 
 
 def encode_fixed_point(values: np.ndarray, *, fraction_bits: int, parties: int) -> np.ndarray:
@@ -143,6 +162,7 @@ class MaskSender:
 
     def __init__(self, *, fraction_bits: int, entropy: Entropy = os.urandom) -> None:
         self.fraction_bits = fraction_bits
+        self._most_fraction_bits = fraction_bits
         self._private = X25519PrivateKey.from_private_bytes(entropy(32))
         self._peers: dict[str, bytes] = {}
         self._pair_keys: dict[str, bytes] = {}
@@ -150,6 +170,11 @@ class MaskSender:
 
     def public_key(self) -> bytes:
         return self._private.public_key().public_bytes_raw()
+
+    def use_range(self, value_range: SumRange) -> None:
+        """Encode with as many fraction bits (up to the configured ones) as sums of
+        ``value_range`` leave room for; the receiver derives the same."""
+        self.fraction_bits = fraction_bits_for(value_range, most=self._most_fraction_bits)
 
     def learn(self, peer: str, role: str, key: bytes) -> None:
         if role != "sender":
@@ -286,10 +311,15 @@ class MaskReceiver:
 
     def __init__(self, *, fraction_bits: int) -> None:
         self.fraction_bits = fraction_bits
+        self._most_fraction_bits = fraction_bits
         self.seconds = 0.0
 
     def public_key(self) -> None:
         return None
+
+    def use_range(self, value_range: SumRange) -> None:
+        """Decode with the fraction bits the senders derive from ``value_range``."""
+        self.fraction_bits = fraction_bits_for(value_range, most=self._most_fraction_bits)
 
     def open(
         self, payload: tuple[bytes, ...], *, counts: np.ndarray, width: int, parties: int

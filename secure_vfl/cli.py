@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
 
-from secure_vfl.errors import ConfigError, IntegrityError, SecureVFLError
+from secure_vfl.errors import ConfigError, DivergenceError, IntegrityError, SecureVFLError
 
 EXIT_USAGE = 2
 
@@ -1102,7 +1102,7 @@ def run_train(args: argparse.Namespace) -> int:
                 on_step=on_step,
             )
         except IntegrityError as error:
-            if not engine.private:
+            if not engine.private or isinstance(error, DivergenceError):
                 raise
             raise IntegrityError(
                 f"training diverged under the DP noise ({error}); expected a smaller SIGMA, a "

@@ -37,6 +37,12 @@ class IntegrityError(ProtocolError):
     """A message's content is corrupt: non-finite values, a tampered or replayed payload."""
 
 
+class DivergenceError(IntegrityError):
+    """Training diverged: a value a party was about to send or seal (a representation, a
+    gradient) is non-finite, or beyond the range the run's secure sums were sized for. The
+    message says at which step, which party, and what to try."""
+
+
 class RegistryError(SecureVFLError, KeyError):
     """A name is registered twice, or looked up and not found."""
 

@@ -364,6 +364,7 @@ def test_dp_sgd_clips_each_sample_gradient() -> None:
         sample_rate=0.1,
         noise=SeededNoise(0),
         on_event=events.append,
+        grad_sample_mode="hooks",  # Opacus' per-sample gradient tensors, read below
     )
     channel, label = Channel(), Party("party-0")
     party.connect(channel)

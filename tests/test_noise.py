@@ -34,6 +34,9 @@ def test_secure_noise_is_standard_normal_and_never_repeats() -> None:
         SecureNoise().gaussian((8,), dtype=torch.float32),
     )
     assert SecureNoise().gaussian((2, 3), dtype=torch.float32).dtype == torch.float32
+    single = SecureNoise().gaussian((200_000,), dtype=torch.float32).double().numpy()
+    assert single.std() == pytest.approx(1.0, rel=0.01)  # float32 draws: the same law
+    assert stats.kstest(single, "norm").pvalue > 1e-3
     first, second = secure_generator().random(4), secure_generator().random(4)
     assert not np.array_equal(first, second)
 
