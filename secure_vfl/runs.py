@@ -36,16 +36,11 @@ _DP_FLAGS = (
 
 
 def package_version() -> str:
-    """The installed package's version (its metadata), or the source tree's when it runs
-    uninstalled."""
-    from importlib import metadata
+    """The installed package's version, or the source tree's when it runs uninstalled
+    (``secure_vfl.__version__``)."""
+    from secure_vfl import __version__
 
-    try:
-        return metadata.version("secure-vfl")
-    except metadata.PackageNotFoundError:
-        from secure_vfl import __version__
-
-        return __version__
+    return __version__
 
 
 def provenance() -> dict[str, Any]:
