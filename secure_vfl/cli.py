@@ -1816,7 +1816,10 @@ def run_datasets(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
-        return _main(argv)
+        try:
+            return _main(argv)
+        finally:  # what is still buffered must meet a closed pipe here, not at exit
+            sys.stdout.flush()
     except BrokenPipeError:
         return _closed_pipe()
 

@@ -157,10 +157,7 @@ def test_loaded_model_repeats_the_evaluation_on_the_held_out_ids(
     for name, path in zip(PARTIES, files.train, strict=True):
         table = read_party_file(path)
         keep = np.isin(table.ids, files.held_out_ids)
-        tables[name] = (
-            PartyTable(name, table.ids[keep], table.features[keep], table.columns),
-            str(path),
-        )
+        tables[name] = (table.subset(keep), str(path))
     saved = SavedModel.load(directory).predict(tables)
     np.testing.assert_array_equal(saved.ids, files.held_out_ids)
     np.testing.assert_allclose(saved.probabilities, expected, atol=1e-6)

@@ -92,13 +92,15 @@ class ClientFile:
     """Where one client's rows came from, so that its imputed table can be written back in
     the file's own form: its ``path``, its ``columns`` in file order, its ``id_column`` (None if
     it has none) with the ``ids`` as text, the columns that are not features (``passthrough``,
-    e.g. a label, kept unchanged) and which of its rows went to the test split (``in_test``)."""
+    e.g. a label, kept unchanged), its ``features`` as read and which of its rows went to the
+    test split (``in_test``)."""
 
     path: Path
     columns: tuple[str, ...]
     id_column: str | None
     ids: np.ndarray | None
     passthrough: pd.DataFrame
+    features: pd.DataFrame
     in_test: np.ndarray
 
     def imputed_frame(
@@ -106,7 +108,8 @@ class ClientFile:
     ) -> pd.DataFrame:
         """The file's table with its features replaced by the imputed ``train`` and ``test``
         rows ((n, F) in the global ``features``): rows in the file's order, the id column
-        first, every other column in the file's order."""
+        first, every other column in the file's order; a cell the file has keeps its value
+        exactly (only empty cells take the imputed float32 value)."""
         values = np.empty((self.in_test.size, train.shape[1]), dtype=train.dtype)
         values[~self.in_test], values[self.in_test] = train, test
         index = {feature: position for position, feature in enumerate(features)}
@@ -119,7 +122,9 @@ class ClientFile:
             if column in self.passthrough.columns:
                 frame[column] = self.passthrough[column].to_numpy()
             else:
-                frame[column] = values[:, index[column]]
+                given = self.features[column].to_numpy(dtype=np.float64, na_value=np.nan)
+                imputed = values[:, index[column]].astype(np.float64)
+                frame[column] = np.where(np.isnan(given), imputed, given)
         return frame
 
 
@@ -239,6 +244,7 @@ def _split_clients(
                 id_column=source.id_column,
                 ids=source.ids,
                 passthrough=source.passthrough,
+                features=source.features.reset_index(drop=True),
                 in_test=in_test,
             )
             for source, (_, _, in_test) in zip(sources, splits, strict=True)

@@ -269,10 +269,12 @@ class PartyPreprocessing:
     def transform_frame(self, frame: pd.DataFrame, where: str) -> np.ndarray:
         """The model input of raw rows ``frame`` (the saved columns, any order), exactly as in
         training: encoded, missing cells handled by the saved policy, standardised; float32."""
+        if self.missing_cells == "refuse":
+            own = frame[list(self.columns or ())]
+            if own.isna().to_numpy().any():
+                raise _missing_refusal(own, own.isna().to_numpy(), where)
         encoded, missing = self.encode(frame, where)
         if self.missing_cells == "refuse":
-            if missing.any():
-                raise _missing_refusal(frame[list(self.columns or ())], missing, where)
             inputs = encoded
         else:
             assert self.columns is not None
