@@ -1074,7 +1074,7 @@ def _alignment_lines(report: dict[str, Any]) -> list[str]:
         + " (per party: PSI hides which are the same id)"
     )
     return [
-        f"alignment: {label['ids']} labelled ids; {held}",
+        f"alignment: {label['ids']} labelled ids (label and test files); {held}",
         f"  {report['samples']} samples ({report['held_by_every_party']} held by every party); "
         f"dropped: {dropped['label_file_only']} labelled ids no party holds, {unlabelled}",
     ]
@@ -1088,10 +1088,12 @@ def _column_lines(columns: dict[str, dict[str, Any]]) -> list[str]:
         if entry["encoded"]:
             encoded = ", ".join(f"{c} ({n} categories)" for c, n in entry["encoded"].items())
             parts.append(f"one-hot: {encoded}")
-        if entry["indicators"]:
+        indicators = entry["indicators"]
+        if indicators:
+            shown = ", ".join(indicators[:3])
+            more = f" and {len(indicators) - 3} more" if len(indicators) > 3 else ""
             parts.append(
-                f"missing cells filled with the training mean, indicators for "
-                f"{', '.join(entry['indicators'])}"
+                f"missing cells filled with the training mean, indicators for {shown}{more}"
             )
         lines.append(f"  {name}: " + "; ".join(parts))
     return lines

@@ -115,7 +115,10 @@ def test_named_columns_categories_and_missing_cells_train_report_and_predict(
     assert report["dropped"]["without_label"] == 3
     assert report["dropped"]["one_party_only_without_label"] == 2
     assert result["dropped"]["alignment_no_label"] == 4  # per party, as PSI would count
-    assert "alignment: 61 labelled ids; bank-a 62 (60 aligned), shop 47 (45 aligned)" in summary
+    assert (
+        "61 labelled ids (label and test files); bank-a 62 (60 aligned), shop 47 (45 aligned)"
+        in summary
+    )
     assert "60 samples (45 held by every party)" in summary
     assert "3 party ids without a label, 2 of them at one party only" in summary
     # Names and the column report.
@@ -280,3 +283,39 @@ def test_a_closed_pipe_ends_the_command_quietly() -> None:
         # argparse swallows the error of its own help; a command stops as if by SIGPIPE.
         assert completed.returncode == (0 if argv == ["--help"] else 141)
     os.close(write_end)
+
+
+def test_readme_commands_for_data_as_users_have_it_run(tmp_path: Path) -> None:
+    """The README's "Your own data for training" commands, as written (2 epochs)."""
+    import shlex
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    section = readme.split("### Your own data for training", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    commands = [
+        line
+        for line in block.replace("\\\n", " ").splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    assert len(commands) == 3
+    outputs = []
+    for command in commands:
+        argv = shlex.split(command.replace("--epochs 10", "--epochs 2"))
+        if argv[0] == ".venv/bin/python":
+            argv = [sys.executable, str(root / argv[1]), *argv[2:]]
+        else:
+            assert argv[0] == ".venv/bin/secure-vfl"
+            argv = [sys.executable, "-m", "secure_vfl", *argv[1:]]
+        env = {**os.environ, "PYTHONPATH": str(root)}
+        completed = subprocess.run(argv, cwd=tmp_path, capture_output=True, text=True, env=env)
+        assert completed.returncode == 0, completed.stderr
+        outputs.append(completed)
+    assert (
+        "bank: 10 columns -> 12 model inputs; one-hot: segment (3 categories)" in outputs[1].stdout
+    )
+    assert "retailer: 10 columns -> 20 model inputs" in outputs[1].stdout
+    assert "column 'segment'" in outputs[2].stderr and "'vip'" in outputs[2].stderr
+    frame = pd.read_csv(tmp_path / "runs" / "messy" / "predictions.csv", dtype={"customer": str})
+    assert len(frame) == 109 and list(frame.columns[:2]) == ["customer", "predicted"]
+    assert set(frame["predicted"]) <= {"benign", "malignant"}
