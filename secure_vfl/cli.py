@@ -193,10 +193,9 @@ def _own_file_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--missing-cells",
         choices=["mean-indicator", "refuse"],
-        default="mean-indicator",
         help="empty cells in party files: each party fills a cell with its training mean of the "
         "column and adds a 0/1 indicator column per column with an empty training cell "
-        "(mean-indicator), or an empty cell is an error (refuse)",
+        "(mean-indicator, the default), or an empty cell is an error (refuse)",
     )
 
 
@@ -924,8 +923,18 @@ def _train_config(args: argparse.Namespace) -> Any:
         raise ConfigError("--party-file needs --label-file PATH. Found no label file.")
     if args.label_file is not None and not args.party_file:
         raise ConfigError("--label-file goes with --party-file. Found a dataset instead.")
-    if args.party_name and not args.party_file:
-        raise ConfigError("--party-name goes with --party-file. Found a dataset instead.")
+    own_file_flags = {
+        "--party-name": bool(args.party_name),
+        "--missing-cells": args.missing_cells is not None,
+        "--id-column": args.id_column != ID_COLUMN,
+        "--label-column": args.label_column != LABEL_COLUMN,
+    }
+    given = [flag for flag, used in own_file_flags.items() if used]
+    if given and not args.party_file:
+        raise ConfigError(
+            f"{', '.join(given)} apply to --party-file (a registered dataset has its own "
+            "columns). Found a dataset instead."
+        )
     train_missing = args.missing_train or f"mcar:{args.p_miss_train or 0.0:g}"
     tests = [f"mcar:{p:g}" for p in args.p_miss_test or []] + list(args.missing_test or [])
     from secure_vfl.methods import MethodConfig
@@ -973,7 +982,7 @@ def _train_config(args: argparse.Namespace) -> Any:
         method_config=method_config,
         id_column=args.id_column,
         label_column=args.label_column,
-        missing_cells=args.missing_cells,
+        missing_cells=args.missing_cells or "mean-indicator",
         party_names=tuple(args.party_name or ()),
     )
 

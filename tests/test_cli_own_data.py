@@ -212,6 +212,9 @@ def test_party_names_given_are_shown_in_result_json_the_summary_and_runs_compare
     assert table[0].rstrip().endswith("parties") and table[1].endswith("north-bank, south")
     err = refused(train_argv(bank, shop, labels, tmp_path / "r", "--party-name", "one"), capsys)
     assert "one --party-name per --party-file expected (2); found 1" in err
+    dataset = ["train", "--method", "laser", "--dataset", "digits", "--out", str(tmp_path / "d")]
+    err = refused([*dataset, "--party-name", "a", "--id-column", "key"], capsys)
+    assert "--party-name, --id-column apply to --party-file" in err
 
 
 def test_impute_save_imputed_keeps_ids_and_order_and_feeds_train(
@@ -319,3 +322,22 @@ def test_readme_commands_for_data_as_users_have_it_run(tmp_path: Path) -> None:
     frame = pd.read_csv(tmp_path / "runs" / "messy" / "predictions.csv", dtype={"customer": str})
     assert len(frame) == 109 and list(frame.columns[:2]) == ["customer", "predicted"]
     assert set(frame["predicted"]) <= {"benign", "malignant"}
+
+
+def test_version_comes_from_the_package_metadata_or_the_source_tree(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import tomllib
+    from importlib import metadata
+
+    import secure_vfl
+
+    root = Path(__file__).resolve().parents[1]
+    declared = tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
+    assert secure_vfl.__version__ == metadata.version("secure-vfl")
+
+    def not_installed(name: str) -> str:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(metadata, "version", not_installed)
+    assert secure_vfl._version() == declared
