@@ -341,3 +341,20 @@ def test_version_comes_from_the_package_metadata_or_the_source_tree(
 
     monkeypatch.setattr(metadata, "version", not_installed)
     assert secure_vfl._version() == declared
+
+
+def test_under_psi_the_report_counts_ids_without_a_label_per_party_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bank, shop, labels = write_case(tmp_path)
+    out = tmp_path / "psi"
+    assert main(train_argv(bank, shop, labels, out, "--align", "psi")) == 0
+    summary = capsys.readouterr().out
+    report = json.loads((out / "result.json").read_text())["alignment"]
+    assert report["samples"] == 60 and report["held_by_every_party"] == 45
+    assert report["dropped"]["label_file_only"] == 1
+    # PSI tells no party which of another's ids are the same: no distinct counts.
+    assert report["dropped"]["without_label"] is None
+    assert report["dropped"]["one_party_only_without_label"] is None
+    assert report["dropped"]["without_label_per_party"] == {"bank-a": 2, "shop": 2}
+    assert "party ids without a label: bank-a 2, shop 2 (per party" in summary
