@@ -6,7 +6,12 @@ scikit-learn's bundled breast-cancer columns each), `labels.csv` (`id`, `label` 
 `new/` with the other 109 ids as new rows to score: each file in its own row order, and the
 retailer's without 10 of them. Offline; takes a second.
 
-    python examples/own_party_files.py --out DIR [--seed S]
+With `--messy` the files are as users often have them: the ids in a column `customer` and the
+labels in `outcome`, the bank's first column a text category (`segment`: low, mid, high; three
+new rows show `vip`, never seen in training) and about 5 % of the retailer's cells empty
+(train with `--id-column customer --label-column outcome`).
+
+    python examples/own_party_files.py --out DIR [--seed S] [--messy]
 """
 
 from __future__ import annotations
@@ -21,18 +26,22 @@ from sklearn.datasets import load_breast_cancer
 PARTIES = ("bank", "retailer", "insurer")
 
 
-def write_party_files(out: Path, *, seed: int = 0) -> None:
-    """Write the training, held-out and new rows of the three parties into ``out``."""
+def write_party_files(out: Path, *, seed: int = 0, messy: bool = False) -> None:
+    """Write the training, held-out and new rows of the three parties into ``out`` (with
+    ``messy``: named id and label columns, a categorical column, empty cells)."""
     bunch = load_breast_cancer(as_frame=True)
     features, target = bunch.data, bunch.target.to_numpy()
     ids = np.array([f"p{i:04d}" for i in range(len(features))])
     order = np.random.default_rng(seed).permutation(len(features))
     train, held_out, new = order[:380], order[380:460], order[460:]
+    id_column, label_column = ("customer", "outcome") if messy else ("id", "label")
     (out / "new").mkdir(parents=True, exist_ok=True)
     columns = np.array_split(np.array(features.columns), len(PARTIES))
     for k, (name, own) in enumerate(zip(PARTIES, columns, strict=True)):
         frame = features[list(own)].copy()
-        frame.insert(0, "id", ids)
+        if messy:
+            frame = _as_users_have_it(frame, name, new, np.random.default_rng(seed + 100 + k))
+        frame.insert(0, id_column, ids)
         frame.iloc[np.concatenate([train, held_out])].to_csv(out / f"{name}.csv", index=False)
         rows = frame.iloc[new]
         if name == "retailer":
@@ -40,17 +49,41 @@ def write_party_files(out: Path, *, seed: int = 0) -> None:
         rows.sample(frac=1.0, random_state=seed + k).to_csv(
             out / "new" / f"{name}.csv", index=False
         )
-    labels = pd.DataFrame({"id": ids, "label": np.where(target == 1, "benign", "malignant")})
+    labels = pd.DataFrame(
+        {id_column: ids, label_column: np.where(target == 1, "benign", "malignant")}
+    )
     labels.iloc[train].to_csv(out / "labels.csv", index=False)
     labels.iloc[held_out].to_csv(out / "held_out.csv", index=False)
+
+
+def _as_users_have_it(
+    frame: pd.DataFrame, name: str, new: np.ndarray, rng: np.random.Generator
+) -> pd.DataFrame:
+    """The bank's first column as a text category (three new rows in one training never saw);
+    about 5 % of the retailer's cells empty."""
+    frame = frame.copy()
+    if name == "bank":
+        first = frame.columns[0]
+        segment = pd.qcut(frame[first], 3, labels=["low", "mid", "high"]).astype(str)
+        segment.iloc[new[:3]] = "vip"
+        frame = frame.drop(columns=first)
+        frame.insert(0, "segment", segment)
+    if name == "retailer":
+        frame = frame.mask(rng.random(frame.shape) < 0.05)
+    return frame
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--messy",
+        action="store_true",
+        help="named id and label columns, a categorical column and empty cells",
+    )
     args = parser.parse_args()
-    write_party_files(args.out, seed=args.seed)
+    write_party_files(args.out, seed=args.seed, messy=args.messy)
     print(f"party files, labels and new rows written to {args.out}")
 
 

@@ -20,6 +20,10 @@ from typing import Any, BinaryIO, NoReturn
 from secure_vfl.errors import ConfigError, DivergenceError, IntegrityError, SecureVFLError
 
 EXIT_USAGE = 2
+ID_COLUMN = "id"
+LABEL_COLUMN = "label"
+"""The default id and label columns (``secure_vfl.data.party_files``'s, spelled out so that
+building the parser does not import pandas)."""
 
 METHOD_NAMES = (
     "combinatorial",
@@ -156,6 +160,45 @@ def _insecure_noise_flag(group: Any) -> None:
     )
 
 
+def _column_flags(
+    parser: argparse.ArgumentParser,
+    *,
+    label_help: str,
+    id_default: str | None,
+    label_default: str = LABEL_COLUMN,
+) -> None:
+    """``--id-column`` and ``--label-column``: where the ids and the labels are."""
+    parser.add_argument(
+        "--id-column",
+        default=id_default,
+        metavar="NAME",
+        help="the column holding the ids in every file; ids are compared as the text in the "
+        "files (`0304` is not `304`)" + ("" if id_default else " (default: the model's own)"),
+    )
+    parser.add_argument("--label-column", default=label_default, metavar="NAME", help=label_help)
+
+
+def _own_file_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags of the user's own files: columns, party names, the missing-cell policy."""
+    _column_flags(
+        parser, label_help="the label file's column holding the labels", id_default=ID_COLUMN
+    )
+    parser.add_argument(
+        "--party-name",
+        action="append",
+        metavar="NAME",
+        help="a party's name, one per --party-file in the same order (default: each file's "
+        "stem in lower-case letters, digits and hyphens)",
+    )
+    parser.add_argument(
+        "--missing-cells",
+        choices=["mean-indicator", "refuse"],
+        help="empty cells in party files: each party fills a cell with its training mean of the "
+        "column and adds a 0/1 indicator column per column with an empty training cell "
+        "(mean-indicator, the default), or an empty cell is an error (refuse)",
+    )
+
+
 def _training_flags(parser: argparse.ArgumentParser) -> Any:
     """The data, method, privacy and output flags of a training run (``train`` and ``attack``);
     returns the group of data sources (one of them is required)."""
@@ -178,8 +221,9 @@ def _training_flags(parser: argparse.ArgumentParser) -> Any:
         "--label-file",
         type=existing_file,
         metavar="PATH",
-        help="CSV/Parquet with `id` and `label` (required with --party-file)",
+        help="CSV/Parquet with the id and label columns (required with --party-file)",
     )
+    _own_file_flags(parser)
     held_out = parser.add_mutually_exclusive_group()
     held_out.add_argument(
         "--test-file",
@@ -524,6 +568,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="one CSV/Parquet file per client: NaN = missing, absent column = unavailable",
     )
+    _column_flags(
+        impute,
+        label_help="a column of the client files that is not a feature: kept out of the "
+        "imputation and written back unchanged by --save-imputed",
+        id_default=ID_COLUMN,
+    )
     impute.add_argument(
         "--clients",
         type=clients_count,
@@ -624,7 +674,9 @@ def build_parser() -> argparse.ArgumentParser:
     impute.add_argument(
         "--save-imputed",
         action="store_true",
-        help="also write each client's imputed table to DIR/imputed/",
+        help="also write each client's imputed table to DIR/imputed/: its ids first (under "
+        "the input's id column), its rows in the input's order, the label column unchanged, "
+        "so it can feed `train`",
     )
     impute.add_argument("--overwrite", action="store_true", help="replace DIR/result.json")
     impute.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -648,7 +700,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     psi.add_argument("--mine", required=True, type=existing_file, help="CSV: this side's ids")
     psi.add_argument("--theirs", required=True, type=existing_file, help="CSV: the peer's ids")
-    psi.add_argument("--id-column", default="id", help="column holding the ids")
+    psi.add_argument(
+        "--id-column",
+        default=ID_COLUMN,
+        metavar="NAME",
+        help="the column holding the ids in both files, compared as text (`0304` is not `304`)",
+    )
     psi.add_argument(
         "--mode",
         choices=["intersection", "cardinality"],
@@ -694,6 +751,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         metavar="CSV",
         help="write the predictions here (default: print a summary)",
+    )
+    _column_flags(
+        predict,
+        label_help="the output's column of the predicted label",
+        id_default=None,
+        label_default="predicted",
     )
     predict.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     runs = commands.add_parser(
@@ -863,6 +926,18 @@ def _train_config(args: argparse.Namespace) -> Any:
         raise ConfigError("--party-file needs --label-file PATH. Found no label file.")
     if args.label_file is not None and not args.party_file:
         raise ConfigError("--label-file goes with --party-file. Found a dataset instead.")
+    own_file_flags = {
+        "--party-name": bool(args.party_name),
+        "--missing-cells": args.missing_cells is not None,
+        "--id-column": args.id_column != ID_COLUMN,
+        "--label-column": args.label_column != LABEL_COLUMN,
+    }
+    given = [flag for flag, used in own_file_flags.items() if used]
+    if given and not args.party_file:
+        raise ConfigError(
+            f"{', '.join(given)} apply to --party-file (a registered dataset has its own "
+            "columns). Found a dataset instead."
+        )
     train_missing = args.missing_train or f"mcar:{args.p_miss_train or 0.0:g}"
     tests = [f"mcar:{p:g}" for p in args.p_miss_test or []] + list(args.missing_test or [])
     from secure_vfl.methods import MethodConfig
@@ -908,6 +983,10 @@ def _train_config(args: argparse.Namespace) -> Any:
         align=args.align,
         seed=args.seed,
         method_config=method_config,
+        id_column=args.id_column,
+        label_column=args.label_column,
+        missing_cells=args.missing_cells or "mean-indicator",
+        party_names=tuple(args.party_name or ()),
     )
 
 
@@ -969,7 +1048,7 @@ def _results_store(args: argparse.Namespace, out: Path) -> Any:
     return store
 
 
-def _summary(result: Any, out: Path) -> str:
+def _summary(result: Any, out: Path, payload: dict[str, Any]) -> str:
     labeled = result.config["method_config"]["labeled"]
     labeled_text = f", {labeled} labelled" if labeled is not None else ""
     lines = [
@@ -980,10 +1059,56 @@ def _summary(result: Any, out: Path) -> str:
     ]
     for name, values in result.metrics.items():
         lines.append(f"{name:<20}{values['accuracy']:>12.2f}{values['f1']:>10.2f}")
-    if result.privacy is not None:
-        lines.extend(_privacy_lines(result.privacy))
+    if payload.get("alignment") is not None:
+        lines.extend(_alignment_lines(payload["alignment"]))
+    if payload.get("columns"):
+        lines.extend(_column_lines(payload["columns"]))
+    if payload.get("privacy") is not None:
+        lines.extend(_privacy_lines(payload["privacy"]))
     lines.append(f"result: {out / 'result.json'}")
     return "\n".join(lines)
+
+
+def _alignment_lines(report: dict[str, Any]) -> list[str]:
+    """The summary's alignment report: ids per file, the samples, the ids dropped and why."""
+    label = report["label_file"]
+    held = ", ".join(
+        f"{name} {entry['ids']} ({entry['aligned']} aligned)"
+        for name, entry in report["parties"].items()
+    )
+    dropped = report["dropped"]
+    unlabelled = (
+        f"{dropped['without_label']} party ids without a label, "
+        f"{dropped['one_party_only_without_label']} of them at one party only"
+        if dropped["without_label"] is not None
+        else "party ids without a label: "
+        + ", ".join(f"{n} {c}" for n, c in dropped["without_label_per_party"].items())
+        + " (per party: PSI hides which are the same id)"
+    )
+    return [
+        f"alignment: {label['ids']} labelled ids (label and test files); {held}",
+        f"  {report['samples']} samples ({report['held_by_every_party']} held by every party); "
+        f"dropped: {dropped['label_file_only']} labelled ids no party holds, {unlabelled}",
+    ]
+
+
+def _column_lines(columns: dict[str, dict[str, Any]]) -> list[str]:
+    """The summary's column report: per party, what its preprocessing did to its columns."""
+    lines = ["columns:"]
+    for name, entry in columns.items():
+        parts = [f"{entry['columns']} columns -> {entry['inputs']} model inputs"]
+        if entry["encoded"]:
+            encoded = ", ".join(f"{c} ({n} categories)" for c, n in entry["encoded"].items())
+            parts.append(f"one-hot: {encoded}")
+        indicators = entry["indicators"]
+        if indicators:
+            shown = ", ".join(indicators[:3])
+            more = f" and {len(indicators) - 3} more" if len(indicators) > 3 else ""
+            parts.append(
+                f"missing cells filled with the training mean, indicators for {shown}{more}"
+            )
+        lines.append(f"  {name}: " + "; ".join(parts))
+    return lines
 
 
 def _privacy_lines(privacy: dict[str, Any]) -> list[str]:
@@ -1120,22 +1245,59 @@ def run_train(args: argparse.Namespace) -> int:
         method_config=config.method_config,
         false_vfl=config.false_vfl,
         data=data,
-        sources=[path.stem for path in config.party_files] or None,
+        sources=data.party_names,
     )
-    payload = result.to_json()
+    payload = _with_party_names(result.to_json(), data)
     payload["config"]["privacy"] = _privacy_settings(args)
     payload["provenance"] = provenance()
-    payload["warnings"] = list(dict.fromkeys([*noted, *result.warnings]))
+    named = [_named_text(text, payload["parties"]) for text in [*noted, *result.warnings]]
+    payload["warnings"] = list(dict.fromkeys(named))
     payload["model"] = {"directory": str(out / MODEL_DIR), "run_id": manifest.run_id}
     atomic_write_json(out / "result.json", payload)
     plots = write_run_plots(payload, out)
     store.add(payload, kind="train", out_dir=out)
-    print(_summary(result, out))
+    print(_summary(result, out, payload))
     print(f"model: {out / MODEL_DIR} (secure-vfl predict --model {out} --party-file ...)")
     print("plots: " + ", ".join(str(path) for path in plots))
     for warning in payload["warnings"]:
         print(f"secure-vfl: warning: {warning}", file=sys.stderr)
     return 0
+
+
+def _with_party_names(payload: dict[str, Any], data: Any) -> dict[str, Any]:
+    """``result.json`` in the users' party names: ``parties`` maps each internal actor name
+    (``party-k``, which the federation keeps) to the user's name, and the per-party figures
+    (privacy spend, traffic) are keyed by the user's name; with the alignment and column
+    reports of party files."""
+    from secure_vfl.data.vertical import column_report
+
+    internal = [f"party-{k}" for k in range(data.parties)]
+    names = list(data.party_names or internal)
+    mapping = dict(zip(internal, names, strict=True))
+    payload["parties"] = mapping
+    for key in ("privacy", "traffic"):
+        if payload.get(key) is not None:
+            payload[key] = _relabel(payload[key], mapping)
+    payload["alignment"] = data.alignment
+    if data.party_names is not None and data.preprocessing is not None:
+        payload["columns"] = column_report(names, data.preprocessing)
+    return payload
+
+
+def _named_text(text: str, mapping: dict[str, str]) -> str:
+    """``text`` with every internal party name (``party-k``) replaced by the user's name."""
+    import re
+
+    return re.sub(r"\bparty-\d+\b", lambda m: mapping.get(m.group(0), m.group(0)), text)
+
+
+def _relabel(value: Any, mapping: dict[str, str]) -> Any:
+    """``value`` with every dictionary key found in ``mapping`` renamed, at any depth."""
+    if isinstance(value, dict):
+        return {mapping.get(k, k): _relabel(v, mapping) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_relabel(v, mapping) for v in value]
+    return value
 
 
 @contextmanager
@@ -1376,6 +1538,8 @@ def run_impute(args: argparse.Namespace) -> int:
         clients=_client_count(args),
         availability=args.availability if args.availability is not None else 0.6,
         seed=args.seed,
+        id_column=args.id_column,
+        label_column=args.label_column,
         impute_config=ImputeConfig(
             rounds=args.rounds,
             client_fraction=args.client_fraction,
@@ -1468,7 +1632,10 @@ def _client_count(args: argparse.Namespace) -> int:
 
 
 def _save_imputed(directory: Path, task: Any, imputer: Any) -> None:
-    """Each client's rows (training, then test) with missing-but-available entries filled."""
+    """Each client's rows with missing-but-available entries filled. A client file's table
+    comes back in its own form (ids first under its id column, its rows in its order, its
+    label column unchanged), so it can feed ``train``; a registered dataset's clients are
+    written training rows, then test rows, with a ``split`` column."""
     import numpy as np
     import pandas as pd
 
@@ -1482,9 +1649,14 @@ def _save_imputed(directory: Path, task: Any, imputer: Any) -> None:
             available=train.available,
         )
         imputed = imputer.impute(k, rows)
-        columns = [f for f, keep in zip(task.features, train.available, strict=True) if keep]
-        frame = pd.DataFrame(imputed[:, train.available], columns=columns)
-        frame.insert(0, "split", ["train"] * train.n + ["test"] * test.n)
+        if task.files is not None:
+            frame = task.files[k].imputed_frame(
+                imputed[: train.n], imputed[train.n :], task.features
+            )
+        else:
+            columns = [f for f, keep in zip(task.features, train.available, strict=True) if keep]
+            frame = pd.DataFrame(imputed[:, train.available], columns=columns)
+            frame.insert(0, "split", ["train"] * train.n + ["test"] * test.n)
 
         def write(tmp: Path, frame: pd.DataFrame = frame) -> None:
             frame.to_csv(tmp, index=False)
@@ -1492,9 +1664,11 @@ def _save_imputed(directory: Path, task: Any, imputer: Any) -> None:
         atomic_write(directory / f"{train.name}.csv", write)
 
 
-def _party_tables(model: Any, specs: Sequence[tuple[str | None, Path]]) -> dict[str, Any]:
+def _party_tables(
+    model: Any, specs: Sequence[tuple[str | None, Path]], id_column: str
+) -> dict[str, Any]:
     """Each ``--party-file`` assigned to its party (by the name given, else by the file's
-    stem) and read."""
+    stem) and read with ids from ``id_column``."""
     from secure_vfl.data.party_files import read_party_file
 
     tables: dict[str, Any] = {}
@@ -1505,15 +1679,20 @@ def _party_tables(model: Any, specs: Sequence[tuple[str | None, Path]]) -> dict[
                 f"two files for party {party.source}: {tables[party.source][1]} and {path}; "
                 "expected one file per party."
             )
-        tables[party.source] = (read_party_file(path), str(path))
+        table = read_party_file(path, id_column=id_column, name=party.source)
+        tables[party.source] = (table, str(path))
     return tables
 
 
 def _party_of(model: Any, path: Path) -> str:
-    """The party a file without ``PARTY=`` belongs to: the one its stem names."""
+    """The party a file without ``PARTY=`` belongs to: the one its stem names (as is, or made
+    safe as training made it)."""
+    from secure_vfl.data.party_files import party_name
+
     parties = model.manifest.parties
-    if any(path.stem in (entry.source, entry.name) for entry in parties):
-        return path.stem
+    for stem in (path.stem, party_name(path.stem)):
+        if any(stem in (entry.source, entry.name) for entry in parties):
+            return stem
     raise ConfigError(
         f"unknown party file {path}: its stem names no party of this model; expected one of "
         f"{', '.join(entry.source for entry in parties)} (or --party-file PARTY={path})."
@@ -1522,16 +1701,25 @@ def _party_of(model: Any, path: Path) -> str:
 
 def run_predict(args: argparse.Namespace) -> int:
     """`secure-vfl predict`: the saved federation scores the new rows of the given files."""
+    import dataclasses
+
     from secure_vfl.saved_model import SavedModel
 
     out: Path | None = args.out
     if out is not None:
         _check_output_file(out, overwrite=args.overwrite)
     model = SavedModel.load(args.model)
-    predictions = model.predict(_party_tables(model, args.party_file))
+    id_column = args.id_column or model.id_column
+    with _run_warnings() as noted:
+        predictions = model.predict(_party_tables(model, args.party_file, id_column))
+    predictions = dataclasses.replace(
+        predictions, id_column=id_column, label_column=args.label_column
+    )
     if out is not None:
         predictions.write_csv(out)
     print(_prediction_summary(model, predictions, out))
+    for warning in noted:
+        print(f"secure-vfl: warning: {warning}", file=sys.stderr)
     return 0
 
 
@@ -1810,7 +1998,7 @@ def run_train_deployed(args: argparse.Namespace) -> int:
     atomic_write_json(out / "result.json", payload)
     plots = write_run_plots(payload, out)
     store.add(payload, kind="train", out_dir=out)
-    print(_summary(result, out))
+    print(_summary(result, out, payload))
     print("plots: " + ", ".join(str(path) for path in plots))
     for warning in payload["warnings"]:
         print(f"secure-vfl: warning: {warning}", file=sys.stderr)
@@ -1818,6 +2006,16 @@ def run_train_deployed(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        try:
+            return _main(argv)
+        finally:  # what is still buffered must meet a closed pipe here, not at exit
+            sys.stdout.flush()
+    except BrokenPipeError:
+        return _closed_pipe()
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -1846,6 +2044,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("secure-vfl: interrupted; nothing was written.", file=sys.stderr)
         return 130
+
+
+def _closed_pipe() -> int:
+    """The reader of stdout went away (``secure-vfl ... | head``): stop quietly, as Unix tools
+    do. Python would otherwise report the error again when it flushes stdout at exit, so
+    stdout is pointed at devnull first."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real stdout (a test's capture): nothing to redirect
+        pass
+    return 141  # 128 + SIGPIPE, what a shell reports for a tool stopped by a closed pipe
 
 
 if __name__ == "__main__":

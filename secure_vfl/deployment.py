@@ -158,9 +158,7 @@ class _Server:
         _body(message, "ids-request", {})
         if self.table is None:
             raise ProtocolError(f"{self.name} holds no table; it has no ids to send.")
-        self._reply(
-            "ids", {"ids": self.table.ids.tolist(), "width": int(self.table.features.shape[1])}
-        )
+        self._reply("ids", {"ids": self.table.ids.tolist(), "width": len(self.table.columns)})
 
     def _on_setup(self, message: Message) -> None:
         if self.party is not None:
@@ -236,10 +234,15 @@ def build_served_party(
     fit_rows = _rows(body["fit_rows"], "fit_rows", low=0, high=n)
     if fit_rows.size == 0:
         raise ProtocolError(f"setup: {name} must hold a training row; found none.")
-    blocks, preprocessing = party_blocks(table, fit_rows, rows)
+    blocks, preprocessing = party_blocks(table, fit_rows, rows, where=f"{name} ({table.name})")
     shapes = [tuple(int(d) for d in shape) for shape in body["block_shapes"]]
     if shapes[index] != tuple(blocks["train"].shape[1:]):
-        raise ProtocolError(f"setup: block shape {shapes[index]} announced for {name}.")
+        raise ProtocolError(
+            f"setup: block shape {shapes[index]} announced for {name}, which encodes its "
+            f"table to {tuple(blocks['train'].shape[1:])}: a deployed run takes numeric columns "
+            "without empty cells (categorical columns and missing-cell indicators are not "
+            "offered with --federation yet)."
+        )
     models = PARTY_MODELS.get(body["method"])(config, shapes, body["num_classes"], body["seed"])
     labels = {}
     if body["labels"] is not None:
@@ -354,7 +357,7 @@ def label_side(
     assert member.labels is not None
     plan = plan_rows(
         [own.ids, *ids],
-        [own.features.shape[1], *widths],
+        [len(own.columns), *widths],
         member.labels,
         aligner=JoinAligner(),
         train_missing=parse_mechanism(config.train_missing),
@@ -364,9 +367,12 @@ def label_side(
         rng=np.random.default_rng(config.seed),
     )
     blocks, preprocessing = party_blocks(
-        own, plan.fit_rows[0], {split: rows[:, 0] for split, rows in plan.rows.items()}
+        own,
+        plan.fit_rows[0],
+        {split: rows[:, 0] for split, rows in plan.rows.items()},
+        where=f"{member.data} ({federation.label_party})",
     )
-    all_widths = [own.features.shape[1], *widths]
+    all_widths = [blocks["train"].shape[1], *widths]
 
     def split(name: str) -> VerticalSplit:
         n = plan.rows[name].shape[0]
@@ -438,6 +444,17 @@ def refuse_undeployable(config: Any) -> None:
         raise ConfigError(
             f"--federation aligns by the plain join (the label party learns every party's "
             f"ids). Found --align {config.align}."
+        )
+    own_file_options = {
+        "--id-column": config.id_column != "id",
+        "--label-column": config.label_column != "label",
+        "--party-name": bool(config.party_names),
+    }
+    chosen = [flag for flag, given in own_file_options.items() if given]
+    if chosen:
+        raise ConfigError(
+            f"--federation takes the parties' names from the federation file and the columns "
+            f"`id` and `label`; found {', '.join(chosen)} (not offered with --federation yet)."
         )
     for text in (config.train_missing, *config.test_missing):
         mechanism = parse_mechanism(text)

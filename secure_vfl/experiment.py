@@ -20,6 +20,8 @@ from secure_vfl.data.imputation import (
     make_task_from_client_files,
 )
 from secure_vfl.data.missingness import parse_mechanism
+from secure_vfl.data.party_files import ID_COLUMN, LABEL_COLUMN, party_names
+from secure_vfl.data.party_preprocessing import DEFAULT_MISSING_POLICY, MISSING_POLICIES
 from secure_vfl.data.samplers import BatchSampler
 from secure_vfl.data.vertical import VerticalData, make_vertical, vertical_from_party_files
 from secure_vfl.errors import ConfigError
@@ -62,8 +64,13 @@ class TrainConfig:
     seed: int = 0
     method_config: methods.MethodConfig = field(default_factory=methods.MethodConfig)
     false_vfl: FalseVflConfig | None = None
+    id_column: str = ID_COLUMN
+    label_column: str = LABEL_COLUMN
+    missing_cells: str = DEFAULT_MISSING_POLICY
+    party_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        self._check_own_file_options()
         if self.false_vfl is not None and not self.method.startswith("false-vfl"):
             raise ConfigError(
                 f"`false_vfl` options apply to false-vfl-1 and false-vfl-2. "
@@ -103,6 +110,24 @@ class TrainConfig:
             )
         make_aligner(self.align)  # refuses an unknown name before anything runs
 
+    def _check_own_file_options(self) -> None:
+        """Column names, the missing-cell policy and party names: valid, and only with party
+        files where they differ from the defaults."""
+        if self.missing_cells not in MISSING_POLICIES:
+            raise ConfigError(
+                f"`missing_cells` must be one of {', '.join(MISSING_POLICIES)}. Found "
+                f"{self.missing_cells!r}."
+            )
+        for name, value in (("id_column", self.id_column), ("label_column", self.label_column)):
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"`{name}` must be a column name. Found {value!r}.")
+        if self.id_column == self.label_column:
+            raise ConfigError(
+                f"the id and label columns must differ. Found both {self.id_column!r}."
+            )
+        if self.party_names:
+            party_names(self.party_files, self.party_names)
+
     def _check_test_rows(self) -> None:
         given = [
             name
@@ -136,6 +161,7 @@ class TrainConfig:
         payload["label_file"] = str(self.label_file) if self.label_file else None
         payload["test_file"] = str(self.test_file) if self.test_file else None
         payload["test_missing"] = list(self.test_missing)
+        payload["party_names"] = list(self.party_names)
         return payload
 
 
@@ -184,6 +210,11 @@ def prepare_data(config: TrainConfig, *, aligner: Aligner | None = None) -> Vert
         test_fraction=config.test_fraction if config.test_fraction is not None else 0.2,
         test_file=config.test_file,
         rng=rng,
+        id_column=config.id_column,
+        label_column=config.label_column,
+        missing_cells=config.missing_cells,
+        party_names=config.party_names or None,
+        cross_party_counts=config.align == "join",
     )
 
 
@@ -311,14 +342,15 @@ def collapse_warnings(predictions: Mapping[str, np.ndarray], data: VerticalData)
     labels hold several: a model that learned nothing but a constant (too few epochs, too
     high a learning rate, too much DP noise), whose accuracy is the class's share."""
     warnings = []
+    classes = data.classes if data.classes is not None else tuple(range(data.num_classes))
     for name, predicted in predictions.items():
         made = np.unique(predicted[predicted >= 0])
         present = np.unique(data.tests[name].labels)
         if made.size == 1 and present.size > 1:
             warnings.append(
-                f"predictions on test split {name!r} collapsed to one class (class index "
-                f"{int(made[0])} for every sample, {present.size} classes in the labels); "
-                "expected more --epochs, another --lr or less DP noise."
+                f"predictions on test split {name!r} collapsed to one class (label "
+                f"{classes[int(made[0])]!r} for every sample, {present.size} classes in the "
+                "labels); expected more --epochs, another --lr or less DP noise."
             )
     return warnings
 
@@ -452,6 +484,8 @@ class ImputeRunConfig:
     availability: float = 0.6
     seed: int = 0
     impute_config: ImputeConfig = field(default_factory=ImputeConfig)
+    id_column: str = ID_COLUMN
+    label_column: str = LABEL_COLUMN
 
     def __post_init__(self) -> None:
         if self.method not in IMPUTERS:
@@ -529,7 +563,12 @@ def prepare_imputation_task(config: ImputeRunConfig) -> ImputationTask:
             availability=config.availability,
             rng=rng,
         )
-    return make_task_from_client_files(config.client_files, rng=rng)
+    return make_task_from_client_files(
+        config.client_files,
+        rng=rng,
+        id_column=config.id_column,
+        label_column=config.label_column,
+    )
 
 
 class ImputationPrivacyLayer(Protocol):

@@ -36,16 +36,11 @@ _DP_FLAGS = (
 
 
 def package_version() -> str:
-    """The installed package's version (its metadata), or the source tree's when it runs
-    uninstalled."""
-    from importlib import metadata
+    """The installed package's version, or the source tree's when it runs uninstalled
+    (``secure_vfl.__version__``)."""
+    from secure_vfl import __version__
 
-    try:
-        return metadata.version("secure-vfl")
-    except metadata.PackageNotFoundError:
-        from secure_vfl import __version__
-
-        return __version__
+    return __version__
 
 
 def provenance() -> dict[str, Any]:
@@ -89,6 +84,7 @@ class RunSummary:
     accuracy: dict[str, float] = field(default_factory=dict)
     wall_time_s: float | None = None
     seed: int | None = None
+    parties: tuple[str, ...] = ()
 
 
 def summarise(payload: dict[str, Any], *, kind: str = "train") -> RunSummary:
@@ -114,7 +110,16 @@ def summarise(payload: dict[str, Any], *, kind: str = "train") -> RunSummary:
         accuracy=_accuracy(payload.get("metrics") or {}),
         wall_time_s=payload.get("wall_time_s"),
         seed=config.get("seed"),
+        parties=_user_party_names(payload.get("parties")),
     )
+
+
+def _user_party_names(mapping: Any) -> tuple[str, ...]:
+    """The users' names of a run's parties (``result.json``'s ``parties``: internal name ->
+    user's name), or none where they are the internal names (a registered dataset)."""
+    if not isinstance(mapping, dict) or all(k == v for k, v in mapping.items()):
+        return ()
+    return tuple(str(name) for name in mapping.values())
 
 
 def _backend(config: dict[str, Any], settings: dict[str, Any], traffic: dict[str, Any]) -> str:
@@ -176,16 +181,21 @@ def read_run(directory: Path) -> dict[str, Any]:
 
 def table(names: list[str], summaries: list[RunSummary]) -> str:
     """A plain-text table, one line per run: name, method, backend, DP, epsilon, accuracy per
-    test missingness (a column each, over all runs), time."""
+    test missingness (a column each, over all runs), time, and the parties' names where a run
+    names them (runs on the users' own files)."""
     tests = list(dict.fromkeys(name for s in summaries for name in s.accuracy))
+    named = any(s.parties for s in summaries)
     header = ["run", "method", "backend", "dp", "epsilon", *[f"acc {t}" for t in tests], "time s"]
-    rows = [header]
+    rows = [header + (["parties"] if named else [])]
     for name, summary in zip(names, summaries, strict=True):
         epsilon = "-" if summary.epsilon is None else _number(summary.epsilon)
         accuracy = [f"{summary.accuracy[t]:.2f}" if t in summary.accuracy else "-" for t in tests]
         time = "-" if summary.wall_time_s is None else f"{summary.wall_time_s:.1f}"
-        rows.append([name, summary.method, summary.backend, summary.dp, epsilon, *accuracy, time])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        row = [name, summary.method, summary.backend, summary.dp, epsilon, *accuracy, time]
+        if named:
+            row.append(", ".join(summary.parties) or "-")
+        rows.append(row)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join(
         "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
         for row in rows

@@ -26,14 +26,13 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
-from importlib import metadata
 from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 import pandas as pd
 
-from secure_vfl import methods
+from secure_vfl import __version__, methods
 from secure_vfl.data.party_files import PartyTable
 from secure_vfl.data.vertical import VerticalData, VerticalSplit
 from secure_vfl.errors import ConfigError, DataError
@@ -55,9 +54,10 @@ DATA_PARTY_ROLE = "data party"
 
 @dataclass(frozen=True, kw_only=True)
 class PartEntry:
-    """One party in the manifest: its name, the file its data came from (its ``source``: the
-    file's stem, or its name for a registered dataset), its role, its directory (relative to
-    the manifest) and the SHA-256 of each file of its part."""
+    """One party in the manifest: its internal name, the user's name of it (its ``source``:
+    the file's stem made safe or ``--party-name``; its internal name for a registered
+    dataset), its role, its directory (relative to the manifest) and the SHA-256 of each file
+    of its part."""
 
     name: str
     source: str
@@ -128,13 +128,6 @@ def _entry(payload: Any, where: str) -> PartEntry:
     return entry
 
 
-def _version() -> str:
-    try:
-        return metadata.version("secure-vfl")
-    except metadata.PackageNotFoundError:
-        return "unknown"
-
-
 def save_model(
     directory: Path,
     parties: Sequence[DataParty],
@@ -167,7 +160,7 @@ def save_model(
     manifest = Manifest(
         run_id=uuid.uuid4().hex,
         created=datetime.now(UTC).isoformat(timespec="seconds"),
-        secure_vfl_version=_version(),
+        secure_vfl_version=__version__,
         method=method,
         seed=seed,
         method_config=asdict(method_config),
@@ -215,6 +208,7 @@ class Predictions:
     classes: tuple[ClassValue, ...]
     parties: tuple[str, ...]
     id_column: str = "id"
+    label_column: str = "predicted"
 
     def labels(self) -> list[ClassValue | None]:
         """The predicted label of every row in the label file's own values (None: none)."""
@@ -223,9 +217,9 @@ class Predictions:
         return [self.classes[c] if ok else None for c, ok in zip(predicted, made, strict=True)]
 
     def frame(self) -> pd.DataFrame:
-        """One row per id: the id, the predicted label and one probability column per class,
-        ``p_<class value>``."""
-        frame = pd.DataFrame({self.id_column: self.ids, "predicted": self.labels()})
+        """One row per id: the id (under ``id_column``), the predicted label (under
+        ``label_column``) and one probability column per class, ``p_<class value>``."""
+        frame = pd.DataFrame({self.id_column: self.ids, self.label_column: self.labels()})
         for c, value in enumerate(self.classes):
             frame[f"p_{value}"] = self.probabilities[:, c]
         return frame
@@ -328,8 +322,15 @@ class SavedModel:
 
     @property
     def party_names(self) -> tuple[str, ...]:
-        """Each party's name as the user knows it (its source file's stem)."""
+        """Each party's name as the user knows it (its file's stem made safe, or the
+        ``--party-name`` given in training)."""
         return tuple(entry.source for entry in self.manifest.parties)
+
+    @property
+    def id_column(self) -> str:
+        """The id column the model was trained with (the label party's preprocessing)."""
+        preprocessing = in_process_parties(self.channel)[0].preprocessing
+        return preprocessing.id_column if preprocessing is not None else "id"
 
     def party_index(self, name: str) -> int:
         """The block index of the party called ``name`` (its source or its party-k name)."""

@@ -69,7 +69,7 @@ def test_the_same_party_file_twice_or_a_copy_is_refused(
 ) -> None:
     *parties, labels = write_own_files(tmp_path)
     twice = refused(own_argv([parties[0], parties[0]], labels, tmp_path / "r"), capsys)
-    assert "hold the same table" in twice and "party0.csv" in twice
+    assert "party0.csv is given twice; expected one file per party" in twice
     copy = tmp_path / "copy.csv"
     shutil.copy(parties[1], copy)
     err = refused(own_argv([parties[0], parties[1], copy], labels, tmp_path / "r"), capsys)

@@ -4,6 +4,7 @@ plots; a run whose predictions collapse to one class warns."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sqlite3
@@ -162,7 +163,10 @@ def test_collapsed_predictions_are_detected_per_test_split(make_data) -> None:  
     data = make_data(parties=2, test_missing=("mcar:0", "mcar:0.5"))
     constant = {name: np.where(s.mask, 2, -1) for name, s in data.tests.items()}
     warnings = collapse_warnings(constant, data)
-    assert len(warnings) == 2 and "'mcar:0' collapsed to one class (class index 2" in warnings[0]
+    assert len(warnings) == 2 and "'mcar:0' collapsed to one class (label 2 for" in warnings[0]
+    # The label file's own value, not the class index.
+    named = dataclasses.replace(data, classes=tuple(f"kind-{c}" for c in range(data.num_classes)))
+    assert "collapsed to one class (label 'kind-2' for" in collapse_warnings(constant, named)[0]
     varied = {name: np.where(s.mask, s.labels[:, None], -1) for name, s in data.tests.items()}
     assert collapse_warnings(varied, data) == []
 

@@ -8,8 +8,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from secure_vfl.data.party_files import read_label_file, read_party_file
-from secure_vfl.errors import DataError
+from secure_vfl.data.party_files import party_name, party_names, read_label_file, read_party_file
+from secure_vfl.errors import ConfigError, DataError
 
 
 def write(path: Path, text: str) -> Path:
@@ -22,8 +22,7 @@ def test_reads_csv_party_file_keeping_ids_as_text(tmp_path):
     assert table.name == "bank"
     assert table.ids.tolist() == ["007", "8"]
     assert table.columns == ("income", "age")
-    assert table.features.dtype == np.float32
-    np.testing.assert_array_equal(table.features, [[1.5, 30], [2.5, 41]])
+    np.testing.assert_array_equal(table.frame.to_numpy(np.float64), [[1.5, 30], [2.5, 41]])
 
 
 def test_reads_parquet_party_file(tmp_path):
@@ -31,20 +30,63 @@ def test_reads_parquet_party_file(tmp_path):
     pd.DataFrame({"id": [3, 1], "spend": [10.0, 20.0], "visits": [1, 2]}).to_parquet(path)
     table = read_party_file(path)
     assert table.ids.tolist() == ["3", "1"]
-    assert table.features.shape == (2, 2)
+    assert table.frame.shape == (2, 2)
+
+
+def test_ids_and_labels_in_named_columns_keep_leading_zeros(tmp_path):
+    table = read_party_file(
+        write(tmp_path / "lab.csv", "x,patient\n1.5,0304\n2.5,304\n"), id_column="patient"
+    )
+    assert table.ids.tolist() == ["0304", "304"] and table.columns == ("x",)
+    labels = read_label_file(
+        write(tmp_path / "y.csv", "patient,outcome,note\n0304,sick,a\n304,well,b\n"),
+        id_column="patient",
+        label_column="outcome",
+    )
+    assert labels.ids.tolist() == ["0304", "304"] and labels.classes == ("sick", "well")
+    with pytest.raises(DataError, match=r"id column `key` \(--id-column\)"):
+        read_party_file(tmp_path / "lab.csv", id_column="key")
+    with pytest.raises(DataError, match=r"label column `label` \(--label-column\)"):
+        read_label_file(tmp_path / "y.csv", id_column="patient")
+
+
+def test_text_columns_and_empty_cells_are_kept_for_the_party_to_encode(tmp_path):
+    table = read_party_file(write(tmp_path / "shop.csv", "id,city,spend\n1,paris,\n2,,3.5\n"))
+    assert table.frame["city"].tolist()[0] == "paris" and pd.isna(table.frame["city"][1])
+    assert np.isnan(table.frame["spend"][0]) and table.frame["spend"][1] == 3.5
+
+
+@pytest.mark.parametrize(
+    ("stem", "name"),
+    [("bank", "bank"), ("Bank_A 2024", "bank-a-2024"), ("--x..y--", "x-y"), ("PARTY-0", "party-0")],
+)
+def test_party_names_are_file_stems_made_safe(stem, name):
+    assert party_name(stem) == name
+
+
+def test_party_names_must_differ_and_match_the_files(tmp_path):
+    paths = [tmp_path / "Bank.csv", tmp_path / "bank.parquet"]
+    with pytest.raises(ConfigError, match="two parties are called 'bank'"):
+        party_names(paths)
+    assert party_names(paths, ["north", "South Shop"]) == ("north", "south-shop")
+    with pytest.raises(ConfigError, match=r"one --party-name per --party-file expected \(2\)"):
+        party_names(paths, ["north"])
+    with pytest.raises(ConfigError, match="internal name of another party"):
+        party_names(paths, ["party-1", "party-0"])
+    with pytest.raises(ConfigError, match="needs a letter or a digit"):
+        party_name("__")
 
 
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("key,x\n1,2\n", r"must have an `id` column. Found columns: \['key', 'x'\]"),
-        ("id,x\n1,2\n1,3\n", r"ids must be unique. Found 1 repeated, e.g. '1'"),
         (
-            "id,x,colour\n1,2,red\n2,3,blue\n",
-            r"must be numeric. Found non-numeric columns: \['colour'\]",
+            "key,x\n1,2\n",
+            r"must have an id column `id` \(--id-column\). Found columns: \['key', 'x'\]",
         ),
+        ("id,x\n1,2\n1,3\n", r"ids must be unique. Found 1 repeated, e.g. '1'"),
         ("id\n1\n2\n", "at least one feature column"),
-        ("id,x,y\n1,2,\n2,,\n3,1,1\n", r"Found 3 missing values in 2 rows, columns \['x', 'y'\]"),
+        ("id,x\n1,inf\n2,1\n", r"column 'x' must hold finite float32 values. Found 1 infinite"),
         ("id,x\n", "at least one row"),
         ("id,x\n,2\n", "every row must have an id"),
     ],
@@ -73,8 +115,8 @@ def test_label_file_maps_sorted_classes_to_indices(tmp_path):
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("id,target\na,1\n", r"must have a `label` column. Found columns: \['id', 'target'\]"),
-        ("label\n1\n", "must have an `id` column"),
+        ("id,target\na,1\n", r"`label` \(--label-column\). Found columns: \['id', 'target'\]"),
+        ("label\n1\n", "must have an id column `id`"),
         ("id,label\na,1\nb,\n", "every row must have a label. Found 1 empty"),
         ("id,label\na,1\nb,1\n", "at least 2 classes. Found"),
         ("id,label\na,1\na,0\n", "ids must be unique"),

@@ -246,7 +246,7 @@ def test_party_files_are_aligned_split_and_masked(tmp_path):
 def test_party_files_with_bad_file_are_refused(tmp_path):
     paths, label_path = write_party_files(tmp_path)
     paths[1].write_text("key,a\n1,2\n")
-    with pytest.raises(DataError, match=r"party1\.csv must have an `id` column"):
+    with pytest.raises(DataError, match=r"party1\.csv must have an id column `id`"):
         vertical_from_party_files(
             paths,
             label_path,

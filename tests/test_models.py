@@ -21,7 +21,7 @@ from sklearn.datasets import load_breast_cancer
 
 from secure_vfl.cli import main
 from secure_vfl.data.party_files import PartyTable, read_party_file
-from secure_vfl.errors import ConfigError, DataError, IntegrityError
+from secure_vfl.errors import ConfigError, DataError, IntegrityError, RunWarning
 from secure_vfl.experiment import TrainConfig, build_method, prepare_data
 from secure_vfl.federation.channel import Channel
 from secure_vfl.methods import MethodConfig
@@ -157,10 +157,7 @@ def test_loaded_model_repeats_the_evaluation_on_the_held_out_ids(
     for name, path in zip(PARTIES, files.train, strict=True):
         table = read_party_file(path)
         keep = np.isin(table.ids, files.held_out_ids)
-        tables[name] = (
-            PartyTable(name, table.ids[keep], table.features[keep], table.columns),
-            str(path),
-        )
+        tables[name] = (table.subset(keep), str(path))
     saved = SavedModel.load(directory).predict(tables)
     np.testing.assert_array_equal(saved.ids, files.held_out_ids)
     np.testing.assert_allclose(saved.probabilities, expected, atol=1e-6)
@@ -475,3 +472,69 @@ def test_readme_commands_for_saved_models_run(tmp_path: Path) -> None:
     frame = pd.read_csv(tmp_path / "runs" / "mine" / "predictions.csv")
     assert len(frame) == 109 and set(frame["predicted"]) <= {"benign", "malignant"}
     assert "rows held: bank 109, retailer 99, insurer 0" in outputs[-1]
+
+
+@pytest.fixture(scope="module")
+def messy(files: Files, tmp_path_factory: pytest.TempPathFactory) -> Files:
+    """The same files as users have them: the bank's first column binned into a categorical
+    `segment` (text), about 10 % of the retailer's cells empty, in training and new rows; the
+    new bank rows also show a segment training never saw."""
+    root = tmp_path_factory.mktemp("messy")
+    (root / "new").mkdir()
+    rng = np.random.default_rng(5)
+    for source, target in [
+        *zip(files.train, (root / f"{name}.csv" for name in PARTIES), strict=True),
+        *zip(files.new, (root / "new" / f"{name}.csv" for name in PARTIES), strict=True),
+    ]:
+        frame = pd.read_csv(source, dtype={"id": str})
+        if source.stem == "bank":
+            first = frame.columns[1]
+            cut = pd.qcut(frame[first], 3, labels=["low", "mid", "high"]).astype(str)
+            frame[first] = cut
+            frame = frame.rename(columns={first: "segment"})
+            if source.parent.name == "new":
+                frame.loc[:4, "segment"] = "vip"
+        if source.stem == "retailer":
+            features = frame.columns[1:]
+            frame[features] = frame[features].mask(rng.random((len(frame), len(features))) < 0.1)
+        frame.to_csv(target, index=False)
+    for name in ("labels.csv", "held_out.csv"):
+        (root / name).write_bytes((files.root / name).read_bytes())
+    return Files(
+        root=root,
+        train=tuple(root / f"{name}.csv" for name in PARTIES),
+        labels=root / "labels.csv",
+        held_out=root / "held_out.csv",
+        new=tuple(root / "new" / f"{name}.csv" for name in PARTIES),
+        new_ids=files.new_ids,
+        held_out_ids=files.held_out_ids,
+    )
+
+
+@pytest.mark.parametrize("absent", [None, "insurer"])
+def test_categorical_columns_and_missing_cells_predict_as_the_trained_federation(
+    messy: Files, tmp_path: Path, absent: str | None
+) -> None:
+    directory = tmp_path / "model"
+    method, channel = _train(messy, directory, "laser")
+    bank = json.loads((directory / "party-0" / "preprocessing.json").read_text())
+    retailer = json.loads((directory / "party-1" / "preprocessing.json").read_text())
+    assert bank["columns"][0]["categories"] == ["high", "low", "mid"]
+    assert retailer["steps"][0]["policy"] == "mean-indicator"
+    assert len(retailer["steps"][0]["indicators"]) == 10  # every retailer column had a gap
+    with pytest.warns(RunWarning, match="column 'segment' has 1 value"):
+        in_memory = predict_tables(method, channel, _tables(messy.new, absent))
+    tables = {n: t for n, t in zip(PARTIES, _tables(messy.new, absent), strict=True) if t}
+    with pytest.warns(RunWarning, match="'vip'"):
+        saved = SavedModel.load(directory).predict(tables)
+    np.testing.assert_array_equal(saved.ids, messy.new_ids)
+    np.testing.assert_allclose(saved.probabilities, in_memory.probabilities, atol=1e-6)
+    assert not np.isnan(saved.probabilities).any()
+    # The held-out ids as raw rows give what training evaluated them with: the same one-hot
+    # encoding, the same filled cells and indicators, the same standardisation.
+    held_out = {}
+    for name, path in zip(PARTIES, messy.train, strict=True):
+        table = read_party_file(path)
+        held_out[name] = (table.subset(np.isin(table.ids, messy.held_out_ids)), str(path))
+    repeated = SavedModel.load(directory).predict(held_out)
+    np.testing.assert_allclose(repeated.probabilities, method.predict_proba("mcar:0"), atol=1e-6)

@@ -18,7 +18,7 @@ import lzma
 import warnings
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from numbers import Integral
 from pathlib import Path
 from typing import Any
@@ -32,7 +32,7 @@ from secure_vfl.data.datasets import (
     read_rda,
     require_installed,
 )
-from secure_vfl.data.party_files import ID_COLUMN, read_table
+from secure_vfl.data.party_files import ID_COLUMN, LABEL_COLUMN, read_table
 from secure_vfl.errors import ConfigError, DataError
 from secure_vfl.registry import Registry
 
@@ -87,17 +87,60 @@ class ClientData:
         return int(self.values.shape[0])
 
 
+@dataclass(frozen=True, eq=False)
+class ClientFile:
+    """Where one client's rows came from, so that its imputed table can be written back in
+    the file's own form: its ``path``, its ``columns`` in file order, its ``id_column`` (None if
+    it has none) with the ``ids`` as text, the columns that are not features (``passthrough``,
+    e.g. a label, kept unchanged), its ``features`` as read and which of its rows went to the
+    test split (``in_test``)."""
+
+    path: Path
+    columns: tuple[str, ...]
+    id_column: str | None
+    ids: np.ndarray | None
+    passthrough: pd.DataFrame
+    features: pd.DataFrame
+    in_test: np.ndarray
+
+    def imputed_frame(
+        self, train: np.ndarray, test: np.ndarray, features: Sequence[str]
+    ) -> pd.DataFrame:
+        """The file's table with its features replaced by the imputed ``train`` and ``test``
+        rows ((n, F) in the global ``features``): rows in the file's order, the id column
+        first, every other column in the file's order; a cell the file has keeps its value
+        exactly (only empty cells take the imputed float32 value)."""
+        values = np.empty((self.in_test.size, train.shape[1]), dtype=train.dtype)
+        values[~self.in_test], values[self.in_test] = train, test
+        index = {feature: position for position, feature in enumerate(features)}
+        frame = pd.DataFrame(index=range(self.in_test.size))
+        if self.id_column is not None and self.ids is not None:
+            frame[self.id_column] = self.ids
+        for column in self.columns:
+            if column == self.id_column:
+                continue
+            if column in self.passthrough.columns:
+                frame[column] = self.passthrough[column].to_numpy()
+            else:
+                given = self.features[column].to_numpy(dtype=np.float64, na_value=np.nan)
+                imputed = values[:, index[column]].astype(np.float64)
+                frame[column] = np.where(np.isnan(given), imputed, given)
+        return frame
+
+
 @dataclass(frozen=True)
 class ImputationTask:
     """``K`` clients' training and test rows over the global ``features``.
 
     ``test[k]`` belongs to the same client as ``train[k]`` and has the same availability mask.
+    ``files[k]`` says where client k's rows came from (None for a registered dataset).
     """
 
     name: str
     features: tuple[str, ...]
     train: tuple[ClientData, ...]
     test: tuple[ClientData, ...]
+    files: tuple[ClientFile, ...] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if len(self.train) != len(self.test) or not self.train:
@@ -158,7 +201,7 @@ def _as_float32(frame: pd.DataFrame, where: str) -> np.ndarray:
 
 def _split_client(
     client: ClientData, test_fraction: float, rng: np.random.Generator
-) -> tuple[ClientData, ClientData]:
+) -> tuple[ClientData, ClientData, np.ndarray]:
     """A seeded random (unstratified) train/test split of one client's rows, order kept."""
     n_test = round(test_fraction * client.n)
     if client.n - n_test < 2:
@@ -172,6 +215,7 @@ def _split_client(
     return (
         ClientData(client.name, client.values[~in_test], client.available.copy()),
         ClientData(client.name, client.values[in_test], client.available.copy()),
+        in_test,
     )
 
 
@@ -186,14 +230,31 @@ def _split_clients(
     clients: Sequence[ClientData],
     test_fraction: float,
     rng: np.random.Generator,
+    sources: Sequence[_ClientSource] | None = None,
 ) -> ImputationTask:
-    """Split each client's rows into train and test and assemble the task."""
+    """Split each client's rows into train and test and assemble the task (with where each
+    client's rows came from, if ``sources``)."""
     splits = [_split_client(client, test_fraction, rng) for client in clients]
+    files = None
+    if sources is not None:
+        files = tuple(
+            ClientFile(
+                path=source.path,
+                columns=source.columns,
+                id_column=source.id_column,
+                ids=source.ids,
+                passthrough=source.passthrough,
+                features=source.features.reset_index(drop=True),
+                in_test=in_test,
+            )
+            for source, (_, _, in_test) in zip(sources, splits, strict=True)
+        )
     return ImputationTask(
         name=name,
         features=features,
-        train=tuple(train for train, _ in splits),
-        test=tuple(test for _, test in splits),
+        train=tuple(train for train, _, _ in splits),
+        test=tuple(test for _, test, _ in splits),
+        files=files,
     )
 
 
@@ -281,49 +342,87 @@ def client_from_frame(name: str, frame: pd.DataFrame, features: Sequence[str]) -
     return ClientData(name, values, available)
 
 
-def _read_client_frame(path: Path) -> pd.DataFrame:
-    """Read one client's CSV or Parquet file; refuse unreadable, empty or non-numeric files."""
-    frame = read_table(path, what="client file")
-    features = frame.drop(columns=[c for c in frame.columns if c == ID_COLUMN])
+@dataclass(frozen=True, eq=False)
+class _ClientSource:
+    """One client file as read: its features and what is written back around them."""
+
+    path: Path
+    columns: tuple[str, ...]
+    id_column: str | None
+    ids: np.ndarray | None
+    passthrough: pd.DataFrame
+    features: pd.DataFrame
+
+
+def _read_client_frame(path: Path, id_column: str, label_column: str) -> _ClientSource:
+    """Read one client's CSV or Parquet file; refuse unreadable, empty or non-numeric files.
+    The id column (read as text) and the label column are not features."""
+    frame = read_table(path, what="client file", id_column=id_column)
+    kept = [c for c in frame.columns if c in (id_column, label_column)]
+    features = frame.drop(columns=kept)
     if features.shape[1] == 0:
         raise DataError(f"{path} must have at least one feature column. Found none.")
     _check_numeric(features, str(path))
-    return features
+    has_ids = id_column in frame.columns
+    return _ClientSource(
+        path=path,
+        columns=tuple(str(c) for c in frame.columns),
+        id_column=id_column if has_ids else None,
+        ids=frame[id_column].astype(str).to_numpy(str) if has_ids else None,
+        passthrough=frame[[c for c in kept if c != id_column]].reset_index(drop=True),
+        features=features,
+    )
 
 
-def read_client_files(paths: Sequence[Path]) -> tuple[tuple[str, ...], list[ClientData]]:
+def read_client_files(
+    paths: Sequence[Path], *, id_column: str = ID_COLUMN, label_column: str = LABEL_COLUMN
+) -> tuple[tuple[str, ...], list[ClientData]]:
     """Read one CSV or Parquet file per client into the global feature space.
 
     The global features are the union of the files' columns in first-seen order; a column absent
-    from a file is unavailable at that client, an empty cell is missing, an ``id`` column is
-    ignored. Clients are named by file stem, which must be distinct.
+    from a file is unavailable at that client, an empty cell is missing, the id column and the
+    label column are not features. Clients are named by file stem, which must be distinct.
     """
+    features, clients, _ = _read_client_sources(paths, id_column, label_column)
+    return features, clients
+
+
+def _read_client_sources(
+    paths: Sequence[Path], id_column: str, label_column: str
+) -> tuple[tuple[str, ...], list[ClientData], list[_ClientSource]]:
     if not paths:
         raise ConfigError("at least one client file is needed. Found none.")
-    frames: dict[str, pd.DataFrame] = {}
+    sources: dict[str, _ClientSource] = {}
     for path in map(Path, paths):
-        if path.stem in frames:
+        if path.stem in sources:
             raise DataError(
                 f"client files must have distinct names (file stems). Found {path.stem!r} twice, "
                 f"the second at {path}; rename one of them."
             )
-        frames[path.stem] = _read_client_frame(path)
+        sources[path.stem] = _read_client_frame(path, id_column, label_column)
     features: dict[str, None] = {}
-    for frame in frames.values():
-        features.update(dict.fromkeys(frame.columns))
+    for source in sources.values():
+        features.update(dict.fromkeys(source.features.columns))
     names = tuple(features)
     _check_feature_count(len(names), f"the client files together ({', '.join(map(str, paths))})")
-    return names, [client_from_frame(stem, frame, names) for stem, frame in frames.items()]
+    clients = [client_from_frame(stem, source.features, names) for stem, source in sources.items()]
+    return names, clients, list(sources.values())
 
 
 def make_task_from_client_files(
-    paths: Sequence[Path], *, test_fraction: float = 0.2, rng: np.random.Generator
+    paths: Sequence[Path],
+    *,
+    test_fraction: float = 0.2,
+    rng: np.random.Generator,
+    id_column: str = ID_COLUMN,
+    label_column: str = LABEL_COLUMN,
 ) -> ImputationTask:
     """Read the user's client files (:func:`read_client_files`) and split each client's rows
-    into train and test by ``test_fraction``."""
+    into train and test by ``test_fraction``; the task keeps where each client's rows came
+    from (:class:`ClientFile`)."""
     _check_test_fraction(test_fraction)
-    features, clients = read_client_files(paths)
-    return _split_clients("client-files", features, clients, test_fraction, rng)
+    features, clients, sources = _read_client_sources(paths, id_column, label_column)
+    return _split_clients("client-files", features, clients, test_fraction, rng, sources)
 
 
 # --- R lazy-load databases (``Rdata.rdb`` / ``Rdata.rdx``), read without R ---------------------

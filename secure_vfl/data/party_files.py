@@ -1,20 +1,25 @@
 """The user's own vertical data: one CSV or Parquet file per party plus a label file.
 
-A party file has an ``id`` column and that party's numeric feature columns; the label file has
-``id`` and ``label``. Ids are compared as text, so ``007`` in a CSV stays ``007``. Files are
-validated on read, so a bad file fails here with a message naming the problem, not deep inside
-training.
+A party file has an id column (``id`` unless named otherwise) and that party's feature columns,
+numeric or categorical (text), possibly with empty cells; the label file has the id column and a
+label column (``label`` unless named otherwise). Ids are compared as the text in the file, so
+``007`` in a CSV stays ``007`` and is not ``7``. Files are validated on read, so a bad file fails
+here with a message naming the problem, not deep inside training. What a party does to its raw
+columns (one-hot encoding, missing cells, standardisation) is
+:mod:`secure_vfl.data.party_preprocessing`'s.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
-from secure_vfl.errors import DataError
+from secure_vfl.errors import ConfigError, DataError
 
 ID_COLUMN = "id"
 LABEL_COLUMN = "label"
@@ -23,12 +28,25 @@ _SUFFIXES = (".csv", ".parquet", ".pq")
 
 @dataclass(frozen=True)
 class PartyTable:
-    """One party's rows: ``ids`` (str, unique), ``features`` (float32, (N, D)), column names."""
+    """One party's rows: ``ids`` (str, unique) and ``frame``, its raw feature columns (numbers
+    or text, NaN where a cell is empty) in file order, one row per id."""
 
     name: str
     ids: np.ndarray
-    features: np.ndarray
-    columns: tuple[str, ...]
+    frame: pd.DataFrame
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """The feature columns' names, in file order."""
+        return tuple(str(c) for c in self.frame.columns)
+
+    def subset(self, rows: np.ndarray) -> PartyTable:
+        """The rows at ``rows`` (integer indices or a bool mask), in that order."""
+        return PartyTable(
+            name=self.name,
+            ids=self.ids[rows],
+            frame=self.frame.iloc[np.asarray(rows)].reset_index(drop=True),
+        )
 
 
 @dataclass(frozen=True)
@@ -41,8 +59,8 @@ class LabelTable:
     classes: tuple[object, ...]
 
 
-def read_table(path: Path, *, what: str = "data file") -> pd.DataFrame:
-    """Read a non-empty CSV or Parquet file; an ``id`` column, if any, is read as text."""
+def read_table(path: Path, *, what: str = "data file", id_column: str = ID_COLUMN) -> pd.DataFrame:
+    """Read a non-empty CSV or Parquet file; the ``id_column``, if any, is read as text."""
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in _SUFFIXES:
@@ -51,7 +69,7 @@ def read_table(path: Path, *, what: str = "data file") -> pd.DataFrame:
         raise DataError(f"expected a {what} at {path}. Found no such file.")
     try:
         if suffix == ".csv":
-            frame = pd.read_csv(path, dtype={ID_COLUMN: str})
+            frame = pd.read_csv(path, dtype={id_column: str})
         else:
             frame = pd.read_parquet(path)
     except (ValueError, OSError, pd.errors.ParserError) as error:
@@ -62,19 +80,20 @@ def read_table(path: Path, *, what: str = "data file") -> pd.DataFrame:
     return frame
 
 
-def _read_frame(path: Path) -> pd.DataFrame:
-    """Read a party or label file, which must have the ``id`` column."""
-    frame = read_table(path)
-    if ID_COLUMN not in frame.columns:
+def _read_frame(path: Path, id_column: str) -> pd.DataFrame:
+    """Read a party or label file, which must have the id column."""
+    frame = read_table(path, id_column=id_column)
+    if id_column not in frame.columns:
         raise DataError(
-            f"{path} must have an `{ID_COLUMN}` column. Found columns: {list(frame.columns)}."
+            f"{path} must have an id column `{id_column}` (--id-column). Found columns: "
+            f"{list(frame.columns)}."
         )
     return frame
 
 
-def _read_ids(frame: pd.DataFrame, path: Path) -> np.ndarray:
-    """The ``id`` column as unique strings; empty and duplicate ids are refused."""
-    column = frame[ID_COLUMN]
+def _read_ids(frame: pd.DataFrame, path: Path, id_column: str) -> np.ndarray:
+    """The id column as unique strings; empty and duplicate ids are refused."""
+    column = frame[id_column]
     empty = int(column.isna().sum())
     if empty:
         first = int(np.flatnonzero(column.isna().to_numpy())[0])
@@ -92,57 +111,62 @@ def _read_ids(frame: pd.DataFrame, path: Path) -> np.ndarray:
     return ids
 
 
-def read_party_file(path: Path) -> PartyTable:
-    """Read and validate one party's file: unique ids, at least one finite numeric feature."""
+def read_party_file(
+    path: Path, *, id_column: str = ID_COLUMN, name: str | None = None
+) -> PartyTable:
+    """Read and validate one party's file: unique ids and at least one feature column.
+
+    Numeric columns may have empty cells (NaN) but no infinities; any other column is
+    categorical and kept as text (the party one-hot encodes it). ``name`` is the party's
+    name (default: :func:`party_name` of the file's stem)."""
     path = Path(path)
-    frame = _read_frame(path)
-    ids = _read_ids(frame, path)
-    feature_frame = frame.drop(columns=ID_COLUMN)
-    if feature_frame.shape[1] == 0:
-        raise DataError(f"{path} must have at least one feature column besides `id`. Found none.")
-    non_numeric = [
-        str(c) for c in feature_frame.columns if not pd.api.types.is_numeric_dtype(feature_frame[c])
-    ]
-    if non_numeric:
+    frame = _read_frame(path, id_column)
+    ids = _read_ids(frame, path, id_column)
+    features = frame.drop(columns=id_column).reset_index(drop=True)
+    if features.shape[1] == 0:
         raise DataError(
-            f"{path}: feature columns must be numeric. Found non-numeric columns: {non_numeric}."
+            f"{path} must have at least one feature column besides `{id_column}`. Found none."
         )
-    values = feature_frame.to_numpy(dtype=np.float64, na_value=np.nan)
-    missing = np.isnan(values)
-    if missing.any():
-        bad_columns = missing.any(axis=0)
-        columns = [str(c) for c, bad in zip(feature_frame.columns, bad_columns, strict=True) if bad]
-        raise DataError(
-            f"{path}: features must not be missing. Found {int(missing.sum())} missing values in "
-            f"{int(missing.any(axis=1).sum())} rows, columns {columns}; impute or drop them first."
-        )
-    features = values.astype(np.float32)
-    if not np.isfinite(features).all():
-        raise DataError(
-            f"{path}: features must be finite float32 values. "
-            f"Found {int((~np.isfinite(features)).sum())} infinite or too large."
-        )
+    for column in features.columns:
+        if pd.api.types.is_bool_dtype(features[column]):
+            features[column] = features[column].astype(np.float64)
+        if pd.api.types.is_numeric_dtype(features[column]):
+            values = features[column].to_numpy(dtype=np.float64, na_value=np.nan)
+            too_large = np.isinf(values) | (
+                np.abs(np.nan_to_num(values)) > np.finfo(np.float32).max
+            )
+            if too_large.any():
+                raise DataError(
+                    f"{path}: column {column!r} must hold finite float32 values. Found "
+                    f"{int(too_large.sum())} infinite or too large."
+                )
+            features[column] = values
+        else:
+            text = features[column].astype(object)
+            features[column] = text.where(text.isna(), text.astype(str))
     return PartyTable(
-        name=path.stem,
+        name=name if name is not None else party_name(path.stem),
         ids=ids,
-        features=features,
-        columns=tuple(str(c) for c in feature_frame.columns),
+        frame=features,
     )
 
 
-def read_label_file(path: Path) -> LabelTable:
-    """Read the label file: ``id`` and ``label`` columns; labels map to 0..C-1 in sorted order.
+def read_label_file(
+    path: Path, *, id_column: str = ID_COLUMN, label_column: str = LABEL_COLUMN
+) -> LabelTable:
+    """Read the label file: the id and label columns; labels map to 0..C-1 in sorted order.
 
     Other columns are ignored.
     """
     path = Path(path)
-    frame = _read_frame(path)
-    if LABEL_COLUMN not in frame.columns:
+    frame = _read_frame(path, id_column)
+    if label_column not in frame.columns:
         raise DataError(
-            f"{path} must have a `{LABEL_COLUMN}` column. Found columns: {list(frame.columns)}."
+            f"{path} must have a label column `{label_column}` (--label-column). Found "
+            f"columns: {list(frame.columns)}."
         )
-    ids = _read_ids(frame, path)
-    column = frame[LABEL_COLUMN]
+    ids = _read_ids(frame, path, id_column)
+    column = frame[label_column]
     if column.isna().any():
         raise DataError(
             f"{path}: every row must have a label. Found {int(column.isna().sum())} empty."
@@ -162,13 +186,67 @@ def read_label_file(path: Path) -> LabelTable:
     return LabelTable(ids=ids, labels=labels, classes=classes)
 
 
+_UNSAFE = re.compile(r"[^a-z0-9-]+")
+
+
+def party_name(text: str) -> str:
+    """A party's name made safe from a file stem or a user's name: lower-case letters, digits
+    and hyphens (``Bank_A 2024`` -> ``bank-a-2024``); ConfigError if nothing is left."""
+    safe = _UNSAFE.sub("-", text.lower()).strip("-")
+    safe = re.sub("-{2,}", "-", safe)
+    if not safe:
+        raise ConfigError(
+            f"a party name needs a letter or a digit; {text!r} has none (use --party-name)."
+        )
+    return safe
+
+
+def party_names(paths: Sequence[Path], given: Sequence[str] | None = None) -> tuple[str, ...]:
+    """Each party's name: ``given`` (one per file, from ``--party-name``) or the files' stems,
+    made safe (:func:`party_name`). Refuses a count that differs from the files, two parties of
+    one name, and a name of the form ``party-K`` for another party than the K-th (the internal
+    names the federation uses; the K-th party may keep its own)."""
+    if given:
+        if len(given) != len(paths):
+            raise ConfigError(
+                f"one --party-name per --party-file expected ({len(paths)}); found {len(given)}."
+            )
+        names = [party_name(text) for text in given]
+    else:
+        names = [party_name(Path(path).stem) for path in paths]
+    for k, name in enumerate(names):
+        if names.index(name) != k:
+            first = names.index(name)
+            if Path(paths[first]).resolve() == Path(paths[k]).resolve():
+                raise ConfigError(
+                    f"party file {paths[k]} is given twice; expected one file per party, each "
+                    "with its own features."
+                )
+            raise ConfigError(
+                f"two parties are called {name!r} ({paths[first]} and {paths[k]}); party names "
+                "must differ: rename a file or give --party-name NAME once per --party-file."
+            )
+        internal = re.fullmatch(r"party-(\d+)", name)
+        if internal and int(internal.group(1)) != k:
+            raise ConfigError(
+                f"party name {name!r} (for {paths[k]}) is the internal name of another party; "
+                f"expected another name, or party-{k} for this file."
+            )
+    return tuple(names)
+
+
 def check_party_tables(
-    tables: list[PartyTable], paths: list[Path], labels: LabelTable, label_path: Path
+    tables: list[PartyTable],
+    paths: list[Path],
+    labels: LabelTable,
+    label_path: Path,
+    *,
+    label_column: str = LABEL_COLUMN,
 ) -> None:
     """Refuse the mistakes that would train silently on wrong data: two party files holding
-    the same table (one file given twice, or a copy), and a party file holding the label (a
-    ``label`` column, or a column equal to the label up to a renaming of its classes on the
-    ids it shares with the label file: the label file given as a party file, say)."""
+    the same table (one file given twice, or a copy), and a party file holding the label (the
+    label column, or a column equal to the label up to a renaming of its classes on the ids it
+    shares with the label file: the label file given as a party file, say)."""
     for k, table in enumerate(tables):
         for j in range(k):
             if _same_table(tables[j], table):
@@ -178,9 +256,9 @@ def check_party_tables(
                     "features."
                 )
     for table, path in zip(tables, paths, strict=True):
-        if LABEL_COLUMN in table.columns:
+        if label_column in table.columns:
             raise DataError(
-                f"party file {path} has a `{LABEL_COLUMN}` column, which would become a "
+                f"party file {path} has a `{label_column}` column, which would become a "
                 f"feature; expected features only (is it the label file {label_path}?)."
             )
         leaked = _label_columns(table, labels)
@@ -193,13 +271,12 @@ def check_party_tables(
 
 
 def _same_table(first: PartyTable, second: PartyTable) -> bool:
-    if first.columns != second.columns or first.features.shape != second.features.shape:
+    if first.columns != second.columns or first.frame.shape != second.frame.shape:
         return False
     order_first, order_second = np.argsort(first.ids), np.argsort(second.ids)
-    return bool(
-        np.array_equal(first.ids[order_first], second.ids[order_second])
-        and np.array_equal(first.features[order_first], second.features[order_second])
-    )
+    if not np.array_equal(first.ids[order_first], second.ids[order_second]):
+        return False
+    return bool(first.subset(order_first).frame.equals(second.subset(order_second).frame))
 
 
 MIN_SHARED_FOR_LEAK = 10
@@ -218,10 +295,10 @@ def _label_columns(table: PartyTable, labels: LabelTable) -> list[str]:
     if classes < 2:
         return []
     leaked = []
-    for c, column in enumerate(table.columns):
-        values = table.features[rows, c]
-        pairs = np.unique(np.stack([values, label.astype(values.dtype)]), axis=1).shape[1]
-        if np.unique(values).size == classes and pairs == classes:
+    for column in table.columns:
+        values = table.frame[column].iloc[rows].reset_index(drop=True)
+        pairs = pd.DataFrame({"value": values, "label": label}).drop_duplicates()
+        if values.nunique(dropna=False) == classes and len(pairs) == classes:
             leaked.append(column)
     return leaked
 
@@ -232,6 +309,6 @@ def describe_unmatched(table: PartyTable, path: Path, labels: LabelTable, label_
     return (
         f"no ids matched between party file {path} and label file {label_path} (e.g. "
         f"{str(table.ids[0])!r} in the party file, {str(labels.ids[0])!r} in the label file); ids "
-        "are compared as text, so expected the same format on both sides (leading zeros, "
-        "spaces, decimals)."
+        "are compared as the text in the files, so expected the same format on both sides "
+        "(leading zeros, spaces, decimals)."
     )

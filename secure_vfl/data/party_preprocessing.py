@@ -1,45 +1,69 @@
 """What one party does to its own raw rows before its bottom model reads them, kept as JSON.
 
 A party's preprocessing is part of its saved model (:mod:`secure_vfl.saved_model`): the column
-schema it was trained on (names, order, kind) and the steps that turn a raw row into a model input
-(today: standardisation with its own training statistics). The JSON is versioned and built to
-grow: a column's ``kind`` can later be ``"categorical"`` with its categories (a one-hot step), and
-a step list can later hold an imputation policy, without changing what version 1 means.
+schema it was trained on (names, order, kind) and the steps that turn a raw row into a model
+input, every one fitted on the party's own training rows only:
 
-Version 1::
+1. **one-hot encoding** of each categorical (non-numeric) column over the categories seen in
+   training; a category never seen in training encodes as all zeros, with a warning naming the
+   column and the value;
+2. **missing cells**, by a named policy: ``refuse`` (a missing cell is an error) or
+   ``mean-indicator`` (a missing cell takes its column's training mean, a one-hot column its
+   training frequency, and every column that had a missing cell in training gets one 0/1
+   indicator column, appended after the encoded columns in column order);
+3. **standardisation** with the training mean and standard deviation of every model input.
 
-    {"schema": "secure-vfl/party-preprocessing", "version": 1, "id_column": "id",
-     "block_shape": [3], "columns": [{"name": "age", "kind": "numeric"}, ...],
-     "steps": [{"step": "standardize", "mean": [...], "std": [...]}]}
+Version 2 (version 1, written before categorical columns and missing cells, is still read: its
+columns are numeric and its policy ``refuse``)::
 
-``columns`` is null for an image block (no column names; ``block_shape`` is (C, H, W)).
+    {"schema": "secure-vfl/party-preprocessing", "version": 2, "id_column": "id",
+     "block_shape": [6],
+     "columns": [{"name": "age", "kind": "numeric"},
+                 {"name": "city", "kind": "categorical", "categories": ["lyon", "paris"]}],
+     "steps": [{"step": "missing-cells", "policy": "mean-indicator",
+                "fill": [41.5, 0.4, 0.6], "indicators": ["age"]},
+               {"step": "standardize", "mean": [...], "std": [...]}]}
+
+``fill`` has one value per encoded column (before the indicators). ``columns`` is null for an
+image block (no column names; ``block_shape`` is (C, H, W); only the standardize step).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pandas as pd
 
 from secure_vfl.data.party_files import ID_COLUMN, PartyTable
 from secure_vfl.data.preprocessing import Standardizer
-from secure_vfl.errors import DataError
+from secure_vfl.errors import DataError, RunWarning
 
 PREPROCESSING_SCHEMA = "secure-vfl/party-preprocessing"
-PREPROCESSING_VERSION = 1
-COLUMN_KINDS = ("numeric",)
-STEP_KINDS = ("standardize",)
+PREPROCESSING_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+COLUMN_KINDS = ("numeric", "categorical")
+MISSING_POLICIES = ("mean-indicator", "refuse")
+DEFAULT_MISSING_POLICY = "mean-indicator"
+MAX_CATEGORIES = 100
+"""Most categories a categorical column may have: more is almost always an identifier or free
+text (a name, an address), whose one-hot block would be as wide as the table."""
+INDICATOR_SUFFIX = ":missing"
 
 
 @dataclass(frozen=True, kw_only=True)
 class PartyPreprocessing:
-    """One party's column schema and the standardisation fitted on its own training rows.
+    """One party's column schema and the steps fitted on its own training rows.
 
-    ``columns`` are the feature columns in model order (None for an image block), ``mean`` and
-    ``std`` have ``block_shape``; ``std`` is already floored (see
-    :data:`~secure_vfl.data.preprocessing.STD_FLOOR`).
+    ``columns`` are the raw feature columns in model order (None for an image block);
+    ``categories`` maps each categorical column to its training categories (one one-hot column
+    each, in that order); ``missing_cells`` is the policy, ``fill`` (mean-indicator only) the
+    value of every encoded column that replaces a missing cell, and ``indicators`` the columns
+    that get a 0/1 missing-cell indicator; ``mean`` and ``std`` (already floored, see
+    :data:`~secure_vfl.data.preprocessing.STD_FLOOR`) have ``block_shape``.
     """
 
     columns: tuple[str, ...] | None
@@ -47,6 +71,10 @@ class PartyPreprocessing:
     mean: np.ndarray
     std: np.ndarray
     id_column: str = ID_COLUMN
+    categories: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    missing_cells: str = "refuse"
+    fill: np.ndarray | None = None
+    indicators: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         shape = tuple(self.block_shape)
@@ -59,17 +87,62 @@ class PartyPreprocessing:
             raise DataError("standardisation statistics must be finite. Found NaN or inf.")
         if bool((self.std <= 0).any()):
             raise DataError("standard deviations must be > 0. Found a value <= 0.")
-        if self.columns is not None and (len(shape) != 1 or len(self.columns) != shape[0]):
+        if self.missing_cells not in MISSING_POLICIES:
             raise DataError(
-                f"a tabular block of {len(self.columns)} columns expected shape "
-                f"({len(self.columns)},), found {shape}."
+                f"missing-cell policy one of {list(MISSING_POLICIES)} expected, found "
+                f"{self.missing_cells!r}."
             )
+        if self.columns is None:
+            if self.categories or self.indicators or self.fill is not None:
+                raise DataError("an image block has no categories or missing-cell steps.")
+            return
+        unknown = [c for c in [*self.categories, *self.indicators] if c not in self.columns]
+        if unknown:
+            raise DataError(
+                f"categories and indicators of known columns expected; found {unknown}."
+            )
+        width = len(self.encoded_columns)
+        if shape != (width + len(self.indicators),):
+            raise DataError(
+                f"a tabular block of {width} encoded columns and {len(self.indicators)} "
+                f"indicators expected shape ({width + len(self.indicators)},), found {shape}."
+            )
+        if self.missing_cells == "mean-indicator":
+            if self.fill is None or self.fill.shape != (width,) or not np.isfinite(self.fill).all():
+                raise DataError(f"{width} finite fill values expected for mean-indicator.")
+        elif self.fill is not None or self.indicators:
+            raise DataError("the refuse policy has no fill values or indicators.")
+
+    # -- what the model reads ------------------------------------------------------------
+
+    @property
+    def encoded_columns(self) -> tuple[str, ...]:
+        """The names of the encoded columns (before the indicators): a numeric column's own
+        name, ``column=category`` for each one-hot column."""
+        if self.columns is None:
+            return ()
+        names: list[str] = []
+        for column in self.columns:
+            if column in self.categories:
+                names.extend(f"{column}={value}" for value in self.categories[column])
+            else:
+                names.append(column)
+        return tuple(names)
+
+    @property
+    def input_columns(self) -> tuple[str, ...]:
+        """The model input's column names: the encoded columns, then ``column:missing`` for
+        every indicator."""
+        return (*self.encoded_columns, *(f"{c}{INDICATOR_SUFFIX}" for c in self.indicators))
+
+    # -- fitting on the party's own training rows ------------------------------------------
 
     @classmethod
     def from_standardizer(
         cls, scaler: Standardizer, *, columns: Sequence[str] | None, id_column: str = ID_COLUMN
     ) -> PartyPreprocessing:
-        """The preprocessing of a block standardised by the fitted ``scaler``."""
+        """The preprocessing of a numeric block standardised by the fitted ``scaler`` (no
+        categorical columns, no missing cells)."""
         return cls(
             columns=None if columns is None else tuple(columns),
             block_shape=tuple(int(n) for n in scaler.mean.shape),
@@ -78,8 +151,139 @@ class PartyPreprocessing:
             id_column=id_column,
         )
 
+    @classmethod
+    def fit(
+        cls,
+        frame: pd.DataFrame,
+        *,
+        missing_cells: str = DEFAULT_MISSING_POLICY,
+        id_column: str = ID_COLUMN,
+        where: str,
+    ) -> PartyPreprocessing:
+        """Fit every step on ``frame``, the party's raw training rows (its feature columns as
+        :func:`~secure_vfl.data.party_files.read_party_file` reads them). Refuses a column empty
+        in every training row, a categorical column of more than :data:`MAX_CATEGORIES`
+        categories, and (policy ``refuse``) any missing cell, naming ``where``."""
+        if missing_cells not in MISSING_POLICIES:
+            raise DataError(
+                f"--missing-cells must be one of {list(MISSING_POLICIES)}. Found {missing_cells!r}."
+            )
+        columns = tuple(str(c) for c in frame.columns)
+        empty = [c for c in columns if frame[c].isna().all()]
+        if empty:
+            raise DataError(
+                f"{where}: column {empty[0]!r} is empty in every training row, so there is "
+                "nothing to learn from it or to fill it with; expected values in some training "
+                f"rows (drop the column). Empty: {empty}."
+            )
+        categories = {
+            c: _categories(frame[c], c, where)
+            for c in columns
+            if not pd.api.types.is_numeric_dtype(frame[c])
+        }
+        missing = frame.isna().to_numpy()
+        if missing_cells == "refuse" and missing.any():
+            raise _missing_refusal(frame, missing, where)
+        had_missing: list[bool] = list(np.asarray(missing.any(axis=0), dtype=bool))
+        indicators = tuple(c for c, had in zip(columns, had_missing, strict=True) if had)
+        width = sum(len(categories[c]) if c in categories else 1 for c in columns)
+        encoding = cls(
+            columns=columns,
+            block_shape=(width,),
+            mean=np.zeros(width),
+            std=np.ones(width),
+            categories=categories,
+        )
+        encoded, _ = encoding.encode(frame, where)
+        fill = None
+        if missing_cells == "mean-indicator":
+            fill = np.nanmean(encoded, axis=0) if encoded.shape[0] else np.zeros(encoded.shape[1])
+        staged = _fill(encoded, fill)
+        inputs = np.concatenate([staged, missing[:, [columns.index(c) for c in indicators]]], 1)
+        scaler = Standardizer().fit(inputs)
+        return cls(
+            columns=columns,
+            block_shape=(inputs.shape[1],),
+            mean=np.asarray(scaler.mean, dtype=np.float64),
+            std=np.asarray(scaler.std, dtype=np.float64),
+            id_column=id_column,
+            categories=categories,
+            missing_cells=missing_cells,
+            fill=fill,
+            indicators=indicators if missing_cells == "mean-indicator" else (),
+        )
+
+    # -- applying it to rows ---------------------------------------------------------------
+
+    def encode(self, frame: pd.DataFrame, where: str) -> tuple[np.ndarray, np.ndarray]:
+        """The encoded columns of ``frame`` (its columns in the saved order) as float64 with NaN
+        in every encoded column of a missing cell, and the (N, columns) missing-cell mask. A
+        category unseen in training encodes as zeros and warns (:class:`RunWarning`)."""
+        assert self.columns is not None
+        parts = []
+        for column in self.columns:
+            values = frame[column]
+            if column in self.categories:
+                parts.append(self._one_hot(values, column, where))
+                continue
+            if not pd.api.types.is_numeric_dtype(values):
+                numbers = pd.to_numeric(values, errors="coerce")
+                bad = values[numbers.isna() & values.notna()]
+                if len(bad):
+                    raise DataError(
+                        f"{where}: column {column!r} was numeric in training; found text such "
+                        f"as {str(bad.iloc[0])!r}."
+                    )
+                values = numbers
+            parts.append(values.to_numpy(dtype=np.float64, na_value=np.nan)[:, None])
+        width = len(self.encoded_columns)
+        encoded = np.concatenate(parts, axis=1) if parts else np.zeros((len(frame), width))
+        return encoded, frame[list(self.columns)].isna().to_numpy()
+
+    def _one_hot(self, values: pd.Series, column: str, where: str) -> np.ndarray:
+        categories = self.categories[column]
+        index = {value: position for position, value in enumerate(categories)}
+        block = np.zeros((len(values), len(categories)), dtype=np.float64)
+        missing = values.isna().to_numpy()
+        block[missing] = np.nan
+        unseen: dict[str, int] = {}
+        for row, value in enumerate(values.tolist()):
+            if missing[row]:
+                continue
+            text = _category_text(value)
+            if text in index:
+                block[row, index[text]] = 1.0
+            else:
+                unseen[text] = unseen.get(text, 0) + 1
+        if unseen:
+            examples = ", ".join(repr(v) for v in list(unseen)[:3])
+            warnings.warn(
+                f"{where}: column {column!r} has {len(unseen)} value(s) never seen in training "
+                f"({examples}; {sum(unseen.values())} row(s)); they are encoded as no category "
+                "(all-zero one-hot).",
+                RunWarning,
+                stacklevel=3,
+            )
+        return block
+
+    def transform_frame(self, frame: pd.DataFrame, where: str) -> np.ndarray:
+        """The model input of raw rows ``frame`` (the saved columns, any order), exactly as in
+        training: encoded, missing cells handled by the saved policy, standardised; float32."""
+        if self.missing_cells == "refuse":
+            own = frame[list(self.columns or ())]
+            if own.isna().to_numpy().any():
+                raise _missing_refusal(own, own.isna().to_numpy(), where)
+        encoded, missing = self.encode(frame, where)
+        if self.missing_cells == "refuse":
+            inputs = encoded
+        else:
+            assert self.columns is not None
+            indicator = missing[:, [self.columns.index(c) for c in self.indicators]]
+            inputs = np.concatenate([_fill(encoded, self.fill), indicator], axis=1)
+        return self.transform(inputs)
+
     def transform(self, x: np.ndarray) -> np.ndarray:
-        """Standardise raw rows ``x`` (N, *block_shape) exactly as in training: float32."""
+        """Standardise model inputs ``x`` (N, *block_shape) exactly as in training: float32."""
         if tuple(x.shape[1:]) != self.block_shape:
             raise DataError(
                 f"rows of shape {self.block_shape} expected, found {tuple(x.shape[1:])}."
@@ -109,14 +313,43 @@ class PartyPreprocessing:
 
     def apply(self, table: PartyTable, where: str) -> np.ndarray:
         """The model input of a party file's rows: its columns checked against the schema,
-        put in the saved order and standardised."""
+        then :meth:`transform_frame`."""
         self.check_columns(table.columns, where)
-        assert self.columns is not None
-        order = [table.columns.index(c) for c in self.columns]
-        return self.transform(table.features[:, order])
+        return self.transform_frame(table.frame, where)
+
+    def describe(self) -> dict[str, Any]:
+        """What was done to the party's columns, for the run's column report: the columns
+        one-hot encoded (with their number of categories), the missing-cell policy and the
+        columns that got an indicator, and the model input's width."""
+        return {
+            "columns": len(self.columns or ()),
+            "encoded": {c: len(values) for c, values in self.categories.items()},
+            "missing_cells": self.missing_cells,
+            "indicators": list(self.indicators),
+            "inputs": int(np.prod(self.block_shape)),
+        }
+
+    # -- JSON ------------------------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:
         """The versioned JSON form (floats round-trip exactly)."""
+        steps: list[dict[str, Any]] = []
+        if self.columns is not None:
+            steps.append(
+                {
+                    "step": "missing-cells",
+                    "policy": self.missing_cells,
+                    "fill": None if self.fill is None else self.fill.tolist(),
+                    "indicators": list(self.indicators),
+                }
+            )
+        steps.append(
+            {
+                "step": "standardize",
+                "mean": self.mean.reshape(-1).tolist(),
+                "std": self.std.reshape(-1).tolist(),
+            }
+        )
         return {
             "schema": PREPROCESSING_SCHEMA,
             "version": PREPROCESSING_VERSION,
@@ -124,20 +357,14 @@ class PartyPreprocessing:
             "block_shape": list(self.block_shape),
             "columns": None
             if self.columns is None
-            else [{"name": c, "kind": "numeric"} for c in self.columns],
-            "steps": [
-                {
-                    "step": "standardize",
-                    "mean": self.mean.reshape(-1).tolist(),
-                    "std": self.std.reshape(-1).tolist(),
-                }
-            ],
+            else [_column_json(c, self.categories.get(c)) for c in self.columns],
+            "steps": steps,
         }
 
     @classmethod
     def from_json(cls, payload: Any, where: str) -> PartyPreprocessing:
-        """Read the JSON form, refusing another schema, a newer version, an unknown column kind
-        or step, or malformed values (DataError naming ``where``)."""
+        """Read the JSON form (version 1 or 2), refusing another schema, a newer version, an
+        unknown column kind, step or policy, or malformed values (DataError naming ``where``)."""
         if not isinstance(payload, Mapping):
             raise DataError(f"{where}: a JSON object expected, found {type(payload).__name__}.")
         if payload.get("schema") != PREPROCESSING_SCHEMA:
@@ -145,37 +372,96 @@ class PartyPreprocessing:
                 f"{where}: schema {PREPROCESSING_SCHEMA!r} expected, found "
                 f"{payload.get('schema')!r}."
             )
-        if payload.get("version") != PREPROCESSING_VERSION:
+        version = payload.get("version")
+        if version not in READABLE_VERSIONS:
             raise DataError(
-                f"{where}: preprocessing version {PREPROCESSING_VERSION} expected (this "
-                f"secure-vfl reads only it), found {payload.get('version')!r}."
+                f"{where}: preprocessing version {' or '.join(map(str, READABLE_VERSIONS))} "
+                f"expected (this secure-vfl reads only those), found {version!r}."
             )
         try:
-            shape = tuple(int(n) for n in payload["block_shape"])
-            columns = payload["columns"]
-            names = None
-            if columns is not None:
-                kinds = {str(c["kind"]) for c in columns}
-                unknown = sorted(kinds - set(COLUMN_KINDS))
-                if unknown:
-                    raise DataError(
-                        f"{where}: column kinds {list(COLUMN_KINDS)} expected, found {unknown}."
-                    )
-                names = tuple(str(c["name"]) for c in columns)
-            steps = payload["steps"]
-            step_kinds = [str(step["step"]) for step in steps]
-            if step_kinds != list(STEP_KINDS):
-                raise DataError(f"{where}: steps {list(STEP_KINDS)} expected, found {step_kinds}.")
-            mean = np.asarray(steps[0]["mean"], dtype=np.float64).reshape(shape)
-            std = np.asarray(steps[0]["std"], dtype=np.float64).reshape(shape)
-            return cls(
-                columns=names,
-                block_shape=shape,
-                mean=mean,
-                std=std,
-                id_column=str(payload["id_column"]),
-            )
-        except (KeyError, TypeError, ValueError) as error:
+            return cls._from_body(payload, where)
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
             if isinstance(error, DataError):
                 raise
             raise DataError(f"{where}: malformed preprocessing ({error!r}).") from None
+
+    @classmethod
+    def _from_body(cls, payload: Mapping[str, Any], where: str) -> PartyPreprocessing:
+        shape = tuple(int(n) for n in payload["block_shape"])
+        columns = payload["columns"]
+        names, categories = None, {}
+        if columns is not None:
+            kinds = {str(c["kind"]) for c in columns}
+            allowed = COLUMN_KINDS if payload["version"] >= 2 else ("numeric",)
+            unknown = sorted(kinds - set(allowed))
+            if unknown:
+                raise DataError(f"{where}: column kinds {list(allowed)} expected, found {unknown}.")
+            names = tuple(str(c["name"]) for c in columns)
+            categories = {
+                str(c["name"]): tuple(str(v) for v in c["categories"])
+                for c in columns
+                if c["kind"] == "categorical"
+            }
+        steps = {str(step["step"]): step for step in payload["steps"]}
+        expected = ["standardize"]
+        if payload["version"] >= 2 and columns is not None:
+            expected = ["missing-cells", "standardize"]
+        found = [str(step["step"]) for step in payload["steps"]]
+        if found != expected:
+            raise DataError(f"{where}: steps {expected} expected, found {found}.")
+        missing = steps.get("missing-cells", {"policy": "refuse", "fill": None, "indicators": []})
+        fill = missing["fill"]
+        return cls(
+            columns=names,
+            block_shape=shape,
+            mean=np.asarray(steps["standardize"]["mean"], dtype=np.float64).reshape(shape),
+            std=np.asarray(steps["standardize"]["std"], dtype=np.float64).reshape(shape),
+            id_column=str(payload["id_column"]),
+            categories=categories,
+            missing_cells=str(missing["policy"]),
+            fill=None if fill is None else np.asarray(fill, dtype=np.float64),
+            indicators=tuple(str(c) for c in missing["indicators"]),
+        )
+
+
+def _category_text(value: object) -> str:
+    """A category as text; an integral float from a numeric-looking file reads as ``3``."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _categories(values: pd.Series, column: str, where: str) -> tuple[str, ...]:
+    """The sorted categories a categorical column shows in training; more than
+    :data:`MAX_CATEGORIES` is refused."""
+    found = sorted({_category_text(v) for v in values.dropna().tolist()})
+    if len(found) > MAX_CATEGORIES:
+        raise DataError(
+            f"{where}: categorical column {column!r} has {len(found)} distinct values in "
+            f"training; at most {MAX_CATEGORIES} expected for one-hot encoding (is it an "
+            "identifier or free text? drop it, or make it numeric)."
+        )
+    return tuple(found)
+
+
+def _fill(encoded: np.ndarray, fill: np.ndarray | None) -> np.ndarray:
+    """``encoded`` with every NaN replaced by its column's ``fill`` value (None: unchanged)."""
+    if fill is None:
+        return encoded
+    return np.where(np.isnan(encoded), fill[None, :], encoded)
+
+
+def _missing_refusal(frame: pd.DataFrame, missing: np.ndarray, where: str) -> DataError:
+    bad_columns: list[bool] = list(np.asarray(missing.any(axis=0), dtype=bool))
+    columns = [str(c) for c, bad in zip(frame.columns, bad_columns, strict=True) if bad]
+    return DataError(
+        f"{where}: features must not be missing under --missing-cells refuse. Found "
+        f"{int(missing.sum())} missing values in {int(missing.any(axis=1).sum())} rows, columns "
+        f"{columns}; impute or drop them first, or use --missing-cells mean-indicator."
+    )
+
+
+def _column_json(name: str, categories: Sequence[str] | None) -> dict[str, Any]:
+    if categories is None:
+        return {"name": name, "kind": "numeric"}
+    return {"name": name, "kind": "categorical", "categories": list(categories)}

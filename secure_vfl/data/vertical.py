@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -21,6 +21,8 @@ from secure_vfl.data.datasets import DatasetSplit, Kind
 from secure_vfl.data.missingness import Mechanism, drop_unobserved
 from secure_vfl.data.partition import column_ranges, partition
 from secure_vfl.data.party_files import (
+    ID_COLUMN,
+    LABEL_COLUMN,
     LabelTable,
     PartyTable,
     check_party_tables,
@@ -28,7 +30,8 @@ from secure_vfl.data.party_files import (
     read_label_file,
     read_party_file,
 )
-from secure_vfl.data.party_preprocessing import PartyPreprocessing
+from secure_vfl.data.party_files import party_names as party_names_of
+from secure_vfl.data.party_preprocessing import DEFAULT_MISSING_POLICY, PartyPreprocessing
 from secure_vfl.data.preprocessing import Standardizer, stratified_split
 from secure_vfl.errors import ConfigError, DataError, RunWarning
 
@@ -96,6 +99,9 @@ class VerticalData:
     ``preprocessing[k]`` is party k's own column schema and training standardisation (what its
     saved model keeps; None where a view holds only its own), and ``classes`` the original label
     value of each class index (the label file's own values; 0..C-1 for a registered dataset).
+    ``party_names`` are the users' names of the parties (the files' stems or ``--party-name``;
+    None for a registered dataset, whose parties are ``party-0``...) and ``alignment`` the
+    alignment report of party files (:func:`alignment_report`).
     """
 
     name: str
@@ -107,6 +113,8 @@ class VerticalData:
     feature_names: tuple[tuple[str, ...], ...] | None = None
     preprocessing: tuple[PartyPreprocessing | None, ...] | None = None
     classes: tuple[object, ...] | None = None
+    party_names: tuple[str, ...] | None = None
+    alignment: dict[str, Any] | None = None
 
     @property
     def parties(self) -> int:
@@ -184,6 +192,8 @@ def _assemble(
     dropped: dict[str, int] | None = None,
     preprocessing: tuple[PartyPreprocessing, ...] | None = None,
     classes: tuple[object, ...] | None = None,
+    party_names: tuple[str, ...] | None = None,
+    alignment: dict[str, Any] | None = None,
 ) -> VerticalData:
     """Draw the masks (AND-ed with which rows parties hold, if given) and build the splits."""
     dropped = dict(dropped or {})
@@ -209,6 +219,8 @@ def _assemble(
         feature_names=feature_names,
         preprocessing=preprocessing,
         classes=classes if classes is not None else tuple(range(num_classes)),
+        party_names=party_names,
+        alignment=alignment,
     )
 
 
@@ -261,27 +273,43 @@ def vertical_from_party_files(
     test_fraction: float = 0.2,
     test_file: Path | None = None,
     rng: np.random.Generator,
+    id_column: str = ID_COLUMN,
+    label_column: str = LABEL_COLUMN,
+    missing_cells: str = DEFAULT_MISSING_POLICY,
+    party_names: Sequence[str] | None = None,
+    cross_party_counts: bool = True,
 ) -> VerticalData:
     """Build vertical data from one file per party and a label file.
 
-    Samples are aligned on ids by ``aligner``; a party's block is zero where it does not hold a
-    sample. The test rows are the ids of ``test_file`` (a label file of held-out ids whose
-    features come from the same party files), or else a stratified, seeded ``test_fraction``
-    of the label file's rows; each block is standardised with the training rows its party
-    holds; the mask is the alignment mask AND the mechanism's mask.
+    Samples are aligned on the ids of ``id_column`` by ``aligner``; a party's block is zero
+    where it does not hold a sample. The test rows are the ids of ``test_file`` (a label file of
+    held-out ids whose features come from the same party files), or else a stratified, seeded
+    ``test_fraction`` of the label file's rows. Each party fits its own preprocessing
+    (:class:`PartyPreprocessing`: one-hot encoding, the ``missing_cells`` policy,
+    standardisation) on the training rows it holds; the mask is the alignment mask AND the
+    mechanism's mask. ``party_names`` name the parties (default: the files' stems, made safe);
+    the alignment report counts ids across parties only if ``cross_party_counts`` (a plain
+    join, which sees every id; PSI does not).
     """
     _check_test_labels(test_missing)
     if len(party_files) == 0:
         raise ConfigError("expected at least one party file. Found none.")
-    tables = [read_party_file(Path(path)) for path in party_files]
-    label_table = read_label_file(Path(label_file))
+    paths = [Path(path) for path in party_files]
+    names = party_names_of(paths, party_names)
+    tables = [
+        read_party_file(path, id_column=id_column, name=name)
+        for path, name in zip(paths, names, strict=True)
+    ]
+    label_table = read_label_file(Path(label_file), id_column=id_column, label_column=label_column)
     label_ids, all_labels, held_out = label_table.ids, label_table.labels, None
     if test_file is not None:
-        label_ids, all_labels, held_out = _with_held_out(
-            label_table, read_label_file(Path(test_file)), label_file, test_file
+        test_table = read_label_file(
+            Path(test_file), id_column=id_column, label_column=label_column
         )
-    paths = [Path(path) for path in party_files]
-    check_party_tables(tables, paths, label_table, Path(label_file))
+        label_ids, all_labels, held_out = _with_held_out(
+            label_table, test_table, label_file, test_file
+        )
+    check_party_tables(tables, paths, label_table, Path(label_file), label_column=label_column)
     alignment = aligner.align([table.ids for table in tables], label_ids)
     for k, table in enumerate(tables):
         if not alignment.mask[:, k].any():
@@ -293,13 +321,6 @@ def vertical_from_party_files(
     labels = all_labels[alignment.label_rows]
     if held_out is None:
         warn_small_classes(labels, test_fraction, label_table.classes)
-    blocks = []
-    for k, table in enumerate(tables):
-        block = np.zeros((alignment.sample_ids.size, table.features.shape[1]), dtype=np.float32)
-        held = alignment.mask[:, k]
-        block[held] = table.features[alignment.rows[held, k]]
-        blocks.append(block)
-    if held_out is None:
         train_index, test_index = stratified_split(labels, test_fraction, rng=rng)
     else:
         in_test = held_out[alignment.label_rows]
@@ -311,21 +332,36 @@ def vertical_from_party_files(
             )
     held_train = alignment.mask[train_index]
     held_test = alignment.mask[test_index]
+    train_blocks: list[np.ndarray] = []
+    test_blocks: list[np.ndarray] = []
+    preprocessing: list[PartyPreprocessing] = []
     for k, table in enumerate(tables):
         if not held_train[:, k].any():
             raise DataError(
-                f"party {table.name!r} holds no training sample; cannot standardise it."
+                f"party {table.name!r} ({paths[k]}) holds no training sample; cannot fit its "
+                "preprocessing."
             )
-    train_blocks, test_blocks, scalers = _standardise(
-        [b[train_index] for b in blocks],
-        [b[test_index] for b in blocks],
-        [held_train[:, k] for k in range(len(tables))],
+        train_rows = alignment.rows[train_index, k]
+        blocks, fitted = party_blocks(
+            table,
+            train_rows[held_train[:, k]],
+            {"train": train_rows, "test": alignment.rows[test_index, k]},
+            missing_cells=missing_cells,
+            id_column=id_column,
+            where=f"{paths[k]} ({table.name})",
+        )
+        preprocessing.append(fitted)
+        train_blocks.append(blocks["train"])
+        test_blocks.append(blocks["test"])
+    report = alignment_report(
+        tables,
+        paths,
+        alignment.mask,
+        label_ids=label_ids,
+        label_file=Path(label_file),
+        held_by_no_party=alignment.dropped,
+        cross_party_counts=cross_party_counts,
     )
-    for k in range(len(tables)):
-        # Rows a party does not hold are mean-imputed (zero after scaling) before the MAR/MNAR
-        # rules look at them; the alignment mask removes them from the final mask anyway.
-        train_blocks[k][~held_train[:, k]] = 0.0
-        test_blocks[k][~held_test[:, k]] = 0.0
     return _assemble(
         name=Path(label_file).stem,
         kind="tabular",
@@ -339,15 +375,77 @@ def vertical_from_party_files(
         rng=rng,
         held_train=held_train,
         held_test=held_test,
-        feature_names=tuple(table.columns for table in tables),
+        feature_names=tuple(p.input_columns for p in preprocessing),
         dropped={
             "alignment": alignment.dropped + unlabelled,
             "alignment_no_party": alignment.dropped,
             "alignment_no_label": unlabelled,
         },
-        preprocessing=_preprocessing(scalers, tuple(table.columns for table in tables)),
+        preprocessing=tuple(preprocessing),
         classes=label_table.classes,
+        party_names=tuple(names),
+        alignment=report,
     )
+
+
+def alignment_report(
+    tables: Sequence[PartyTable],
+    paths: Sequence[Path],
+    mask: np.ndarray,
+    *,
+    label_ids: np.ndarray,
+    label_file: Path,
+    held_by_no_party: int,
+    cross_party_counts: bool,
+) -> dict[str, Any]:
+    """Ids per party file and in the label file(s), the aligned samples, and the ids dropped
+    and why: labelled ids that no party holds (the label file's only), and party ids without a
+    label (per party; across parties, distinct and held by one party only, when
+    ``cross_party_counts``: a plain join sees every id, PSI does not, so they are None then).
+    Each party's columns as its preprocessing encoded them come from :func:`column_report`."""
+    parties = {}
+    for k, (table, path) in enumerate(zip(tables, paths, strict=True)):
+        aligned = int(mask[:, k].sum())
+        parties[table.name] = {
+            "file": str(path),
+            "ids": int(table.ids.size),
+            "aligned": aligned,
+            "without_label": int(table.ids.size) - aligned,
+        }
+    without_label: int | None = None
+    one_party_without_label: int | None = None
+    if cross_party_counts:
+        unlabelled = [np.setdiff1d(table.ids, label_ids) for table in tables]
+        values, holders = np.unique(np.concatenate(unlabelled), return_counts=True)
+        without_label = int(values.size)
+        one_party_without_label = int((holders == 1).sum())
+    return {
+        "label_file": {"file": str(label_file), "ids": int(label_ids.size)},
+        "parties": parties,
+        "samples": int(mask.shape[0]),
+        "held_by_every_party": int(mask.all(axis=1).sum()),
+        "dropped": {
+            "label_file_only": int(held_by_no_party),
+            "without_label": without_label,
+            "one_party_only_without_label": one_party_without_label,
+            "without_label_per_party": {
+                name: entry["without_label"] for name, entry in parties.items()
+            },
+        },
+        "duplicate_ids": "refused",
+    }
+
+
+def column_report(
+    names: Sequence[str], preprocessing: Sequence[PartyPreprocessing | None]
+) -> dict[str, dict[str, Any]]:
+    """Each party's columns as its preprocessing turned them into model inputs (see
+    :meth:`PartyPreprocessing.describe`), by party name."""
+    return {
+        name: fitted.describe()
+        for name, fitted in zip(names, preprocessing, strict=True)
+        if fitted is not None
+    }
 
 
 def _with_held_out(
@@ -536,17 +634,27 @@ def plan_rows(
 
 
 def party_blocks(
-    table: PartyTable, fit_rows: np.ndarray, rows: dict[str, np.ndarray]
+    table: PartyTable,
+    fit_rows: np.ndarray,
+    rows: dict[str, np.ndarray],
+    *,
+    missing_cells: str = DEFAULT_MISSING_POLICY,
+    id_column: str = ID_COLUMN,
+    where: str,
 ) -> tuple[dict[str, np.ndarray], PartyPreprocessing]:
-    """One party's standardised block of every split from its own table: fitted on its
-    ``fit_rows``, sample i of a split is row ``rows[split][i]`` (zero where -1); and its
-    preprocessing (what its saved part keeps)."""
-    scaler = Standardizer().fit(table.features[fit_rows])
+    """One party's model input of every split from its own ``table``: its preprocessing
+    (encoding, the ``missing_cells`` policy, standardisation) fitted on its ``fit_rows`` (the
+    training rows it holds), and sample i of a split is row ``rows[split][i]``, zero where -1
+    (its training mean after scaling, before the MAR/MNAR rules look at it; the alignment mask
+    removes it). The same function in one process and in a deployed party's own process."""
+    fitted = PartyPreprocessing.fit(
+        table.frame.iloc[fit_rows], missing_cells=missing_cells, id_column=id_column, where=where
+    )
     blocks = {}
     for name, split_rows in rows.items():
-        block = np.zeros((split_rows.size, table.features.shape[1]), dtype=np.float32)
+        block = np.zeros((split_rows.size, *fitted.block_shape), dtype=np.float32)
         held = split_rows >= 0
         if held.any():
-            block[held] = scaler.transform(table.features[split_rows[held]])
+            block[held] = fitted.transform_frame(table.frame.iloc[split_rows[held]], where)
         blocks[name] = block
-    return blocks, PartyPreprocessing.from_standardizer(scaler, columns=table.columns)
+    return blocks, fitted

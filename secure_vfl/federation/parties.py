@@ -464,7 +464,7 @@ class DataParty(SecureSumParty):
         held = rows >= 0
         block = np.zeros((rows.shape[0], *self.preprocessing.block_shape), dtype=np.float32)
         if table is not None:
-            where = f"{source} ({self.name})"
+            where = f"{source} ({table.name})"
             block[held] = self.preprocessing.apply(table, where=where)[rows[held]]
         elif bool(held.any()):
             raise ProtocolError(f"{self.name}: rows of a file expected, found no file.")

@@ -1,0 +1,128 @@
+"""A party's own preprocessing: one-hot encoding, the missing-cell policy, standardisation,
+fitted on its training rows only and kept as versioned JSON (issue 12, item 2)."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from secure_vfl.data.party_preprocessing import PartyPreprocessing
+from secure_vfl.errors import DataError, RunWarning
+
+
+def training_rows() -> pd.DataFrame:
+    return pd.DataFrame(
+        {
+            "age": [30.0, np.nan, 50.0, 40.0],
+            "city": ["paris", "lyon", None, "paris"],
+            "income": [1.0, 2.0, 3.0, 4.0],
+        }
+    )
+
+
+def test_mean_indicator_fills_with_training_means_and_adds_one_indicator_per_column() -> None:
+    fitted = PartyPreprocessing.fit(training_rows(), missing_cells="mean-indicator", where="t")
+    assert fitted.categories == {"city": ("lyon", "paris")}
+    assert fitted.indicators == ("age", "city")  # income had no missing cell
+    assert fitted.input_columns == (
+        "age",
+        "city=lyon",
+        "city=paris",
+        "income",
+        "age:missing",
+        "city:missing",
+    )
+    # age's mean of 30, 50, 40; city's one-hot columns: their frequencies among 3 known cities.
+    np.testing.assert_allclose(fitted.fill, [40.0, 1 / 3, 2 / 3, 2.5])
+    new = pd.DataFrame({"income": [2.0], "city": [None], "age": [np.nan]})  # another order
+    inputs = fitted.transform_frame(new, "new")
+    raw = inputs.astype(np.float64) * fitted.std + fitted.mean
+    np.testing.assert_allclose(raw, [[40.0, 1 / 3, 2 / 3, 2.0, 1.0, 1.0]], atol=1e-6)
+    # The training rows themselves come out standardised.
+    train = fitted.transform_frame(training_rows(), "train")
+    np.testing.assert_allclose(train.mean(axis=0), 0.0, atol=1e-6)
+
+
+def test_an_unseen_category_is_all_zero_and_warns_naming_column_and_value() -> None:
+    fitted = PartyPreprocessing.fit(training_rows(), where="t")
+    new = pd.DataFrame({"age": [35.0], "city": ["nice"], "income": [1.0]})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        inputs = fitted.transform_frame(new, "new.csv (shop)")
+    messages = [str(w.message) for w in caught if issubclass(w.category, RunWarning)]
+    assert len(messages) == 1
+    assert "new.csv (shop): column 'city'" in messages[0] and "'nice'" in messages[0]
+    raw = inputs.astype(np.float64) * fitted.std + fitted.mean
+    np.testing.assert_allclose(raw[0, 1:3], [0.0, 0.0], atol=1e-6)
+
+
+def test_refuse_policy_refuses_missing_cells_in_training_and_at_prediction() -> None:
+    with pytest.raises(
+        DataError, match=r"Found 2 missing values in 2 rows, columns \['age', 'city'\]"
+    ):
+        PartyPreprocessing.fit(training_rows(), missing_cells="refuse", where="t")
+    complete = training_rows().dropna()
+    fitted = PartyPreprocessing.fit(complete, missing_cells="refuse", where="t")
+    assert fitted.indicators == () and fitted.fill is None
+    with pytest.raises(DataError, match="new: features must not be missing"):
+        fitted.transform_frame(training_rows(), "new")
+
+
+def test_a_column_empty_in_every_training_row_is_refused() -> None:
+    rows = training_rows().assign(notes=[np.nan] * 4)
+    with pytest.raises(DataError, match="column 'notes' is empty in every training row"):
+        PartyPreprocessing.fit(rows, where="t")
+
+
+def test_a_categorical_column_with_too_many_values_is_refused() -> None:
+    rows = pd.DataFrame({"name": [f"person {i}" for i in range(150)], "x": np.arange(150.0)})
+    with pytest.raises(DataError, match="'name' has 150 distinct values in training"):
+        PartyPreprocessing.fit(rows, where="t")
+
+
+def test_text_in_a_column_that_was_numeric_in_training_is_refused() -> None:
+    fitted = PartyPreprocessing.fit(training_rows(), where="t")
+    new = pd.DataFrame({"age": ["old"], "city": ["paris"], "income": [1.0]})
+    with pytest.raises(DataError, match="column 'age' was numeric in training; found text"):
+        fitted.transform_frame(new, "new")
+
+
+def test_json_round_trip_keeps_every_step_exactly() -> None:
+    fitted = PartyPreprocessing.fit(training_rows(), where="t", id_column="patient")
+    payload = json.loads(json.dumps(fitted.to_json()))
+    assert payload["version"] == 2
+    assert payload["columns"][1] == {
+        "name": "city",
+        "kind": "categorical",
+        "categories": ["lyon", "paris"],
+    }
+    loaded = PartyPreprocessing.from_json(payload, "p.json")
+    new = pd.DataFrame({"age": [np.nan, 31.0], "city": ["lyon", None], "income": [9.0, 0.0]})
+    np.testing.assert_array_equal(
+        loaded.transform_frame(new, "n"), fitted.transform_frame(new, "n")
+    )
+    assert loaded.id_column == "patient" and loaded.indicators == fitted.indicators
+
+
+def test_version_1_json_is_still_read_as_numeric_columns_that_refuse_missing_cells() -> None:
+    version_1 = {
+        "schema": "secure-vfl/party-preprocessing",
+        "version": 1,
+        "id_column": "id",
+        "block_shape": [2],
+        "columns": [{"name": "a", "kind": "numeric"}, {"name": "b", "kind": "numeric"}],
+        "steps": [{"step": "standardize", "mean": [1.0, 2.0], "std": [2.0, 4.0]}],
+    }
+    loaded = PartyPreprocessing.from_json(version_1, "old.json")
+    assert loaded.missing_cells == "refuse" and loaded.categories == {}
+    out = loaded.transform_frame(pd.DataFrame({"b": [6.0], "a": [3.0]}), "n")
+    np.testing.assert_allclose(out, [[1.0, 1.0]])
+    version_1["columns"][0]["kind"] = "categorical"  # type: ignore[index]
+    with pytest.raises(DataError, match=r"column kinds \['numeric'\] expected"):
+        PartyPreprocessing.from_json(version_1, "old.json")
+    with pytest.raises(DataError, match="preprocessing version 1 or 2 expected"):
+        PartyPreprocessing.from_json({**version_1, "version": 3}, "new.json")
