@@ -352,7 +352,7 @@ class PrivacyEngine:
             for half in (party.sealer, party.opener):
                 if isinstance(half, RangedHalf):
                     half.use_range(self.value_range)
-            party.outgoing.append(DivergenceGuard(self.value_range, noised=True))
+            party.outgoing.append(DivergenceGuard(self.value_range))
 
     def epoch_end(self) -> None:
         """Note each party's releases so far: one point of the epsilon-over-epochs curve."""

@@ -131,9 +131,8 @@ class DivergenceGuard:
     representation that is non-finite or outside ``value_range`` and a non-finite gradient,
     before it is sent or kept for sealing, as a :class:`~secure_vfl.errors.DivergenceError`."""
 
-    def __init__(self, value_range: SumRange, *, noised: bool) -> None:
+    def __init__(self, value_range: SumRange) -> None:
         self.value_range = value_range
-        self.noised = noised
 
     def on_message(self, message: M) -> M:
         if isinstance(message, RepresentationMessage):
@@ -157,9 +156,8 @@ class DivergenceGuard:
         )
         phase = getattr(message, "phase", "train")
         where = f"at step {message.round}" if phase == "train" else "at prediction"
-        under = " under the DP noise" if self.noised else ""
         raise DivergenceError(
-            f"training diverged{under} {where}: {message.sender}'s {what} for "
+            f"training diverged under the DP noise {where}: {message.sender}'s {what} for "
             f"{message.receiver} has {found}; {ADVICE}"
             f"{'' if self.value_range.clipped else CLIP_ADVICE}."
         )

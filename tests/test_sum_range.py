@@ -164,7 +164,7 @@ def test_large_embedding_noise_trains_through_every_backend(
 
 
 def test_the_guard_refuses_non_finite_gradients_and_passes_what_fits() -> None:
-    guard = DivergenceGuard(SumRange(10.0, 4), noised=True)
+    guard = DivergenceGuard(SumRange(10.0, 4))
     header: dict[str, Any] = {"sender": "party-0", "receiver": "party-1", "batch_id": 0}
     fine = RepresentationMessage(
         **header, round=3, positions=torch.arange(2), representation=torch.full((2, 3), 10.0)
