@@ -1849,6 +1849,14 @@ def _deployment_flags(parser: argparse.ArgumentParser, source: Any) -> None:
         metavar="NAME",
         help="this party's name in the federation file (required with --federation; default: none)",
     )
+    group.add_argument(
+        "--wait",
+        type=positive_float,
+        default=60.0,
+        metavar="S",
+        help="seconds the label party waits for every other party to accept a connection "
+        "before it starts",
+    )
     _network_flags(group)
 
 
@@ -1984,6 +1992,7 @@ def run_train_deployed(args: argparse.Namespace) -> int:
                 secure_agg=args.secure_agg,
                 secure_sums=_secure_sums,
                 deadline=args.deadline,
+                wait=args.wait,
                 insecure=args.insecure,
                 on_start=lambda total: bar.reset(total=total),
                 on_step=lambda step, loss: bar.update(1),

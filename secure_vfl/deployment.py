@@ -473,13 +473,15 @@ def train_deployed(
     secure_agg: str,
     secure_sums: SecureSums,
     deadline: float,
+    wait: float = 60.0,
     insecure: bool = False,
     on_start: Callable[[int], None] | None = None,
     on_step: Callable[[int, float], None] | None = None,
 ) -> Any:
     """Run ``config`` (a :class:`~secure_vfl.experiment.TrainConfig` without data files) as
-    the label party ``name`` of ``federation``: collect ids, plan the rows, set every party
-    up, train, evaluate and end the run. Returns the :class:`~secure_vfl.experiment.
+    the label party ``name`` of ``federation``: wait up to ``wait`` seconds for every other
+    party to accept a connection (they may start after it), collect ids, plan the rows, set
+    every party up, train, evaluate and end the run. Returns the :class:`~secure_vfl.experiment.
     TrainResult`, its traffic counting every party's bytes (each reports its own)."""
     from secure_vfl.experiment import run_training
 
@@ -505,6 +507,9 @@ def train_deployed(
     outcome = "failed"
     reports: dict[str, Counter[tuple[str, str, str]]] = {}
     try:
+        late = endpoint.await_peers(list(federation.addresses(but=name)), wait)
+        if late:
+            logger.warning("%s: not reachable after %.0f s: %s", name, wait, ", ".join(late))
         ids, widths = collect_ids(endpoint, federation)
         side = label_side(config, federation, own, ids, widths)
         for receiver, body in setup_bodies(config, side, federation, secure_agg).items():

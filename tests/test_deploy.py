@@ -265,9 +265,22 @@ def test_a_certificate_from_another_ca_or_naming_another_party_is_refused(
     )
     shop = processes.serve(impostor, "shop", "--wait", "60")
     label = processes.start(
-        "train", "--federation", str(honest), "--name", "bank", "--method", "laser",
-        "--deadline", "5", "--quiet", "--out", str(tmp_path / "out"), log="bank",
-    )  # fmt: skip
+        "train",
+        "--federation",
+        str(honest),
+        "--name",
+        "bank",
+        "--method",
+        "laser",
+        "--deadline",
+        "5",
+        "--wait",
+        "3",
+        "--quiet",
+        "--out",
+        str(tmp_path / "out"),
+        log="bank",
+    )  # fmt: skip  (--wait: the handshake with the impostor never succeeds)
     assert label.wait(timeout=PROCESS_SECONDS) != 0
     assert shop.poll() is None  # the impostor learnt nothing and is still waiting
     log = processes.log("bank")

@@ -222,7 +222,7 @@ def test_a_private_secure_run_that_collapses_warns(
     monkeypatch.setattr(secure_vfl.experiment, "predict_tests", constant)
     noise = ["--dp-embeddings", "1.0:1.0", "--target-epsilon", "4"]
     assert cli_train(tmp_path / "run", "--secure-agg", "masks", *noise) == 0
-    assert "collapsed to one class (class index 1" in capsys.readouterr().err
+    assert "collapsed to one class (label 1" in capsys.readouterr().err
     result = json.loads((tmp_path / "run" / "result.json").read_text())
     assert result["privacy"]["sum_range"]["contributors"] == 3
     assert any("collapsed to one class" in w for w in result["warnings"])

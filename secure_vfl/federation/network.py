@@ -601,6 +601,22 @@ class PartyEndpoint:
 
     # -- the client side ---------------------------------------------------------------------
 
+    def await_peers(self, names: Sequence[str], seconds: float) -> list[str]:
+        """Wait, at most ``seconds`` in all, until each of ``names`` accepts a connection (with
+        mutual TLS: the handshake succeeds), so that a party started a little later is not
+        taken for a dead one. Returns those still not reachable; the first message to one of
+        them then fails with the reason (refused certificate, nothing listening)."""
+        end = time.monotonic() + seconds
+        missing = []
+        for name in names:
+            ready = grpc.channel_ready_future(self._channels[name])
+            try:
+                ready.result(timeout=max(end - time.monotonic(), 0.001))
+            except grpc.FutureTimeoutError:
+                ready.cancel()
+                missing.append(name)
+        return missing
+
     def send(self, message: Message, *, deadline: float | None = None) -> int:
         """Deliver ``message`` to the peer it names and return its encoded size once that peer
         has acted on it; meanwhile act on what arrives for this party. ProtocolError if the peer
