@@ -1059,6 +1059,9 @@ def _summary(result: Any, out: Path, payload: dict[str, Any]) -> str:
     ]
     for name, values in result.metrics.items():
         lines.append(f"{name:<20}{values['accuracy']:>12.2f}{values['f1']:>10.2f}")
+    if payload.get("classes"):
+        mapping = ", ".join(f"{index} = {value}" for index, value in payload["classes"].items())
+        lines.append(f"classes (index = label value): {mapping}")
     if payload.get("alignment") is not None:
         lines.extend(_alignment_lines(payload["alignment"]))
     if payload.get("columns"):
@@ -1248,6 +1251,11 @@ def run_train(args: argparse.Namespace) -> int:
         sources=data.party_names,
     )
     payload = _with_party_names(result.to_json(), data)
+    if data.classes is not None:  # the label file's values (a registered dataset has indices)
+        payload["classes"] = {
+            str(index): value.item() if hasattr(value, "item") else value
+            for index, value in enumerate(data.classes)
+        }
     payload["config"]["privacy"] = _privacy_settings(args)
     payload["provenance"] = provenance()
     named = [_named_text(text, payload["parties"]) for text in [*noted, *result.warnings]]

@@ -121,6 +121,9 @@ def test_named_columns_categories_and_missing_cells_train_report_and_predict(
     )
     assert "60 samples (45 held by every party)" in summary
     assert "3 party ids without a label, 2 of them at one party only" in summary
+    # The class mapping (sorted label values), shown and kept.
+    assert result["classes"] == {"0": "ill", "1": "well"}
+    assert "classes (index = label value): 0 = ill, 1 = well" in summary
     # Names and the column report.
     assert result["parties"] == {"party-0": "bank-a", "party-1": "shop"}
     assert result["columns"]["shop"]["encoded"] == {"city": 3}
