@@ -273,6 +273,21 @@ def build_served_party(
     return party
 
 
+def _endpoint(
+    federation: Federation, name: str, *, insecure: bool, deadline: float
+) -> PartyEndpoint:
+    """Party ``name``'s endpoint at its address, with its own TLS identity (none with
+    ``insecure``) and every other member as a peer."""
+    return PartyEndpoint(
+        name,
+        listen=federation.member(name).address,
+        peers=federation.addresses(but=name),
+        identity=None if insecure else federation.identity(name),
+        insecure=insecure,
+        deadline=deadline,
+    )
+
+
 def serve(
     federation: Federation,
     name: str,
@@ -293,16 +308,8 @@ def serve(
             f"--federation {federation.path} --name {name}`, not `party serve`."
         )
     member = federation.member(name)
-    identity = None if insecure else federation.identity(name)
     table = read_party_file(member.data) if member.data is not None else None
-    endpoint = PartyEndpoint(
-        name,
-        listen=member.address,
-        peers=federation.addresses(but=name),
-        identity=identity,
-        insecure=insecure,
-        deadline=deadline,
-    )
+    endpoint = _endpoint(federation, name, insecure=insecure, deadline=deadline)
     server = _Server(federation, name, endpoint, secure_sums, table, on_event)
     endpoint.handler = server.receive
     label = federation.label_party
@@ -495,15 +502,7 @@ def train_deployed(
     member = federation.member(name)
     assert member.data is not None
     own = read_party_file(member.data)
-    identity = None if insecure else federation.identity(name)
-    endpoint = PartyEndpoint(
-        name,
-        listen=member.address,
-        peers=federation.addresses(but=name),
-        identity=identity,
-        insecure=insecure,
-        deadline=deadline,
-    )
+    endpoint = _endpoint(federation, name, insecure=insecure, deadline=deadline)
     outcome = "failed"
     reports: dict[str, Counter[tuple[str, str, str]]] = {}
     try:

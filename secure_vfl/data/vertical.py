@@ -36,7 +36,7 @@ from secure_vfl.data.preprocessing import Standardizer, stratified_split
 from secure_vfl.errors import ConfigError, DataError, RunWarning
 
 if TYPE_CHECKING:  # only a type here; keeps data importable without the federation package
-    from secure_vfl.federation.alignment import Aligner
+    from secure_vfl.federation.alignment import Aligner, Alignment
 
 
 @dataclass(frozen=True)
@@ -319,17 +319,9 @@ def vertical_from_party_files(
         table.ids.size - int(alignment.mask[:, k].sum()) for k, table in enumerate(tables)
     )
     labels = all_labels[alignment.label_rows]
-    if held_out is None:
-        warn_small_classes(labels, test_fraction, label_table.classes)
-        train_index, test_index = stratified_split(labels, test_fraction, rng=rng)
-    else:
-        in_test = held_out[alignment.label_rows]
-        train_index, test_index = np.flatnonzero(~in_test), np.flatnonzero(in_test)
-        if test_index.size == 0 or train_index.size == 0:
-            raise DataError(
-                f"{test_file}: held-out and training ids that some party file holds expected; "
-                f"found {test_index.size} held-out and {train_index.size} training samples."
-            )
+    train_index, test_index = _train_test_indices(
+        labels, alignment, label_table, held_out, test_fraction, test_file, rng
+    )
     held_train = alignment.mask[train_index]
     held_test = alignment.mask[test_index]
     train_blocks: list[np.ndarray] = []
@@ -561,6 +553,30 @@ class RowPlan:
         return self.rows[split] >= 0
 
 
+def _train_test_indices(
+    labels: np.ndarray,
+    alignment: Alignment,
+    label_table: LabelTable,
+    held_out: np.ndarray | None,
+    test_fraction: float,
+    test_file: Path | None,
+    rng: np.random.Generator,
+) -> tuple[np.ndarray, np.ndarray]:
+    """The aligned samples' training and test indices: the held-out ids of ``test_file`` (the
+    ``held_out`` flags of the label rows), or else a stratified, seeded ``test_fraction``."""
+    if held_out is None:
+        warn_small_classes(labels, test_fraction, label_table.classes)
+        return stratified_split(labels, test_fraction, rng=rng)
+    in_test = held_out[alignment.label_rows]
+    train_index, test_index = np.flatnonzero(~in_test), np.flatnonzero(in_test)
+    if test_index.size == 0 or train_index.size == 0:
+        raise DataError(
+            f"{test_file}: held-out and training ids that some party file holds expected; "
+            f"found {test_index.size} held-out and {train_index.size} training samples."
+        )
+    return train_index, test_index
+
+
 def plan_rows(
     party_ids: Sequence[np.ndarray],
     widths: Sequence[int],
@@ -600,17 +616,9 @@ def plan_rows(
             )
     unlabelled = sum(ids.size - int(alignment.mask[:, k].sum()) for k, ids in enumerate(party_ids))
     labels = all_labels[alignment.label_rows]
-    if held_out is None:
-        warn_small_classes(labels, test_fraction, label_table.classes)
-        train_index, test_index = stratified_split(labels, test_fraction, rng=rng)
-    else:
-        in_test = held_out[alignment.label_rows]
-        train_index, test_index = np.flatnonzero(~in_test), np.flatnonzero(in_test)
-        if test_index.size == 0 or train_index.size == 0:
-            raise DataError(
-                f"{test_file}: held-out and training ids that some party file holds expected; "
-                f"found {test_index.size} held-out and {train_index.size} training samples."
-            )
+    train_index, test_index = _train_test_indices(
+        labels, alignment, label_table, held_out, test_fraction, test_file, rng
+    )
     train_rows, test_rows = alignment.rows[train_index], alignment.rows[test_index]
     if not (train_rows >= 0).any(axis=0).all():
         raise DataError("every party must hold a training sample to standardise its block.")
