@@ -39,6 +39,7 @@ from secure_vfl.federation.aggregator import check_payload, refuse_single_contri
 
 if TYPE_CHECKING:
     from protocols.sum_range import SumRange
+    from secure_vfl.federation.aggregator import SumMembers
 
 DEFAULT_FRACTION_BITS = 24
 RING_BITS = 64
@@ -48,6 +49,8 @@ Entropy = Callable[[int], bytes]
 
 _PAIR_INFO = b"secure-vfl/secagg/pair-key/v1"
 _MASK_INFO = b"secure-vfl/secagg/mask/v1"
+_SELF_KEY_INFO = b"secure-vfl/secagg/self-key/v1"
+_SELF_MASK_INFO = b"secure-vfl/secagg/self-mask/v1"
 
 
 def fixed_point_limit(fraction_bits: int, parties: int) -> float:
@@ -96,24 +99,43 @@ def decode_fixed_point(ring: np.ndarray, *, fraction_bits: int) -> np.ndarray:
     return ring.view(np.int64).astype(np.float64) / float(2**fraction_bits)
 
 
-def derive_pair_key(private: X25519PrivateKey, peer_public: bytes, owner: str, peer: str) -> bytes:
-    """``owner``'s key with ``peer``: HKDF-SHA256 of their X25519 secret, bound to both names
-    (sorted, so both ends derive the same key); each sum's masks are bound to its context
-    (session included) when they are expanded (:func:`add_pair_mask`)."""
+def _agree(private: X25519PrivateKey, peer_public: bytes, owner: str, peer: str) -> bytes:
+    """The X25519 secret of ``owner``'s key and ``peer``'s announced public key."""
     try:
-        secret = private.exchange(X25519PublicKey.from_public_bytes(peer_public))
+        return private.exchange(X25519PublicKey.from_public_bytes(peer_public))
     except ValueError as error:
         raise ProtocolError(
             f"key agreement between {owner} and {peer} failed: a valid X25519 public key "
             f"was expected, found one giving a degenerate secret ({error})."
         ) from error
+
+
+def derive_pair_key(private: X25519PrivateKey, peer_public: bytes, owner: str, peer: str) -> bytes:
+    """``owner``'s key with ``peer``: HKDF-SHA256 of their X25519 secret, bound to both names
+    (sorted, so both ends derive the same key); each sum's masks are bound to its context
+    (session included) when they are expanded (:func:`add_pair_mask`)."""
     first, second = sorted((owner, peer))
     return HKDF(
         algorithm=hashes.SHA256(),
         length=32,
         salt=b"",
         info=b"|".join([_PAIR_INFO, first.encode(), second.encode()]),
-    ).derive(secret)
+    ).derive(_agree(private, peer_public, owner, peer))
+
+
+def derive_self_key(
+    private: X25519PrivateKey, peer_public: bytes, contributor: str, receiver: str
+) -> bytes:
+    """The self-mask key of ``contributor`` towards ``receiver``: HKDF-SHA256 of the X25519
+    secret of the contributor's sender key and the receiver's receiver key (``private`` is
+    either end's), bound to both names in role order and to its own info string, so it never
+    equals a pair key."""
+    return HKDF(
+        algorithm=hashes.SHA256(),
+        length=32,
+        salt=b"",
+        info=b"|".join([_SELF_KEY_INFO, contributor.encode(), receiver.encode()]),
+    ).derive(_agree(private, peer_public, contributor, receiver))
 
 
 def add_pair_mask(
@@ -135,6 +157,23 @@ def add_pair_mask(
         target[shared] += mask
     else:
         target[shared] -= mask
+
+
+def add_self_mask(
+    target: np.ndarray, self_key: bytes, sign: int, rows: np.ndarray, context: bytes
+) -> None:
+    """Add ``sign`` times a contributor's self-mask for the sum ``context`` to ``target`` where
+    it enters (``rows``, (T, B)): the keystream of its self-mask key, expanded like a pair mask
+    but under its own info string, so it never equals a pair mask of the same context."""
+    add_pair_mask(target, self_key, sign, rows, _SELF_MASK_INFO + context)
+
+
+def _read_key(peer: str, role: str, key: bytes) -> bytes:
+    if len(key) != 32:
+        raise ProtocolError(
+            f"an X25519 public key of 32 bytes expected from {peer} as {role}, found {len(key)}."
+        )
+    return bytes(key)
 
 
 def decode_ring_sum(total: np.ndarray, *, fraction_bits: int) -> np.ndarray:
@@ -166,6 +205,8 @@ class MaskSender:
         self._private = X25519PrivateKey.from_private_bytes(entropy(32))
         self._peers: dict[str, bytes] = {}
         self._pair_keys: dict[str, bytes] = {}
+        self._receivers: dict[str, bytes] = {}
+        self._self_keys: dict[str, bytes] = {}
         self.seconds = 0.0
 
     def public_key(self) -> bytes:
@@ -177,14 +218,13 @@ class MaskSender:
         self.fraction_bits = fraction_bits_for(value_range, most=self._most_fraction_bits)
 
     def learn(self, peer: str, role: str, key: bytes) -> None:
-        if role != "sender":
-            return
-        if len(key) != 32:
-            raise ProtocolError(
-                f"an X25519 public key of 32 bytes expected from {peer}, found {len(key)}."
-            )
-        self._peers[peer] = bytes(key)
-        self._pair_keys.pop(peer, None)
+        """A peer contributor's key (pair masks) or a receiver's key (self-masks)."""
+        if role == "sender":
+            self._peers[peer] = _read_key(peer, role, key)
+            self._pair_keys.pop(peer, None)
+        elif role == "receiver":
+            self._receivers[peer] = _read_key(peer, role, key)
+            self._self_keys.pop(peer, None)
 
     def _pair_key(self, owner: str, peer: str) -> bytes:
         key = self._pair_keys.get(peer)
@@ -199,6 +239,19 @@ class MaskSender:
             self._pair_keys[peer] = key
         return key
 
+    def _self_key(self, owner: str, receiver: str) -> bytes:
+        key = self._self_keys.get(receiver)
+        if key is None:
+            public = self._receivers.get(receiver)
+            if public is None:
+                raise ProtocolError(
+                    f"{owner} holds no receiver key of {receiver}: its self-masks need the "
+                    "receiver's key from the key set-up before the first secure sum for it."
+                )
+            key = derive_self_key(self._private, public, owner, receiver)
+            self._self_keys[receiver] = key
+        return key
+
     def seal(
         self,
         values: np.ndarray,
@@ -209,14 +262,16 @@ class MaskSender:
         receiver: str,
         context: bytes,
     ) -> tuple[bytes, ...]:
-        """Its fixed-point values in every sum it enters, plus a pair mask with every other
-        contributor of that sum (added towards later parties, subtracted towards earlier)."""
+        """Its fixed-point values in every sum it enters, plus its self-mask for ``receiver``
+        and a pair mask with every other contributor of that sum (added towards later parties,
+        subtracted towards earlier)."""
         start = time.perf_counter()
         encoded = encode_fixed_point(values, fraction_bits=self.fraction_bits, parties=len(parties))
         mine = selection[..., column]
         value = np.where(mine[..., None], encoded[None], np.uint64(0))
         info = _MASK_INFO + context
         owner = parties[column]
+        add_self_mask(value, self._self_key(owner, receiver), 1, mine, context)
         for j, peer in enumerate(parties):
             shared = mine & selection[..., j]
             if j != column and shared.any():
@@ -307,25 +362,56 @@ class MaskAdder:
 
 
 class MaskReceiver:
-    """The receiver's half: the masks cancelled in the sum, so it only decodes (no key)."""
+    """The receiver's half: its own X25519 key pair, with which it derives every contributor's
+    self-mask key (from the contributors' announced keys) and removes the self-masks of exactly
+    the contributors a sum counts; the pair masks cancelled in the sum."""
 
-    def __init__(self, *, fraction_bits: int) -> None:
+    def __init__(self, *, fraction_bits: int, entropy: Entropy = os.urandom) -> None:
         self.fraction_bits = fraction_bits
         self._most_fraction_bits = fraction_bits
+        self._private = X25519PrivateKey.from_private_bytes(entropy(32))
+        self._senders: dict[str, bytes] = {}
+        self._self_keys: dict[tuple[str, str], bytes] = {}
         self.seconds = 0.0
 
-    def public_key(self) -> None:
-        return None
+    def public_key(self) -> bytes:
+        return self._private.public_key().public_bytes_raw()
+
+    def learn(self, peer: str, role: str, key: bytes) -> None:
+        """A contributor's announced key, from which its self-mask key is derived."""
+        if role == "sender":
+            self._senders[peer] = _read_key(peer, role, key)
+            self._self_keys = {k: v for k, v in self._self_keys.items() if k[0] != peer}
 
     def use_range(self, value_range: SumRange) -> None:
         """Decode with the fraction bits the senders derive from ``value_range``."""
         self.fraction_bits = fraction_bits_for(value_range, most=self._most_fraction_bits)
 
-    def open(
-        self, payload: tuple[bytes, ...], *, counts: np.ndarray, width: int, parties: int
-    ) -> np.ndarray:
+    def _self_key(self, contributor: str, receiver: str) -> bytes:
+        key = self._self_keys.get((contributor, receiver))
+        if key is None:
+            public = self._senders.get(contributor)
+            if public is None:
+                raise ProtocolError(
+                    f"{receiver} holds no key of contributor {contributor}, so it cannot remove "
+                    f"{contributor}'s self-mask: the key set-up must announce every "
+                    "contributor's key to the receiver before the first secure sum."
+                )
+            key = derive_self_key(self._private, public, contributor, receiver)
+            self._self_keys[(contributor, receiver)] = key
+        return key
+
+    def open(self, payload: tuple[bytes, ...], *, members: SumMembers, width: int) -> np.ndarray:
+        """The sums over ``members``: the ring sum less the self-mask of every counted
+        contributor where it is counted, decoded (IntegrityError if outside the headroom)."""
         start = time.perf_counter()
-        total = _ring(payload, (*counts.shape, width), "the masked sum")
+        selection = members.selection
+        total = _ring(payload, (*selection.shape[:2], width), "the masked sum")
+        for k, contributor in enumerate(members.parties):
+            counted = selection[..., k]
+            if counted.any():
+                key = self._self_key(contributor, members.receiver)
+                add_self_mask(total, key, -1, counted, members.context)
         sums = decode_ring_sum(total, fraction_bits=self.fraction_bits)
         self.seconds += time.perf_counter() - start
         return sums
@@ -335,8 +421,8 @@ class MaskingAggregator:
     """Secure sums by pairwise additive masks in Z_2^64: a :class:`SealingScheme`, the factory
     of the halves each party makes for itself.
 
-    ``entropy`` (default ``os.urandom``) supplies each sender's key pair; inject a seeded
-    source only in tests.
+    ``entropy`` (default ``os.urandom``) supplies each sender's and receiver's key pair; inject
+    a seeded source only in tests.
     """
 
     scheme = "masks"
@@ -363,4 +449,5 @@ class MaskingAggregator:
         return MaskAdder()
 
     def receiver(self) -> MaskReceiver:
-        return MaskReceiver(fraction_bits=self.fraction_bits)
+        """A fresh receiver half (its own key pair, from this backend's entropy)."""
+        return MaskReceiver(fraction_bits=self.fraction_bits, entropy=self._entropy)

@@ -33,7 +33,12 @@ from protocols.secagg import (
     fixed_point_limit,
 )
 from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
-from secure_vfl.federation.aggregator import PlainAggregator, SumBackend, sum_context
+from secure_vfl.federation.aggregator import (
+    PlainAggregator,
+    SumBackend,
+    SumMembers,
+    sum_context,
+)
 from secure_vfl.federation.messages import (
     Message,
     PublicKeyMessage,
@@ -165,13 +170,24 @@ def test_a_tampered_masked_contribution_shifts_the_sum_undetected() -> None:
 
 
 def _halves(aggregator: MaskingAggregator) -> tuple[dict[str, MaskSender], MaskReceiver]:
-    """Each party's sender half with its peers' public keys learnt, and the receiver's half."""
+    """Each party's sender half and the receiver's half (:data:`RECEIVER`'s), with the keys
+    the key set-up would have announced to them learnt."""
     senders = {name: aggregator.sender() for name in PARTIES}
+    receiver = aggregator.receiver()
     for name, sender in senders.items():
+        sender.learn(RECEIVER, "receiver", receiver.public_key())
+        receiver.learn(name, "sender", sender.public_key())
         for peer, other in senders.items():
             if peer != name:
                 other.learn(name, "sender", sender.public_key())
-    return senders, aggregator.receiver()
+    return senders, receiver
+
+
+def _members(selection: np.ndarray, context: bytes) -> SumMembers:
+    """The sums of ``selection`` over :data:`PARTIES` for :data:`RECEIVER` under ``context``."""
+    return SumMembers(
+        selection=selection, parties=tuple(PARTIES), receiver=RECEIVER, context=context
+    )
 
 
 def _recover(
@@ -211,7 +227,7 @@ def _recover(
         shape=shape,
         parties=len(PARTIES),
     )
-    return receiver.open(total, counts=kept.sum(axis=2), width=width, parties=4)
+    return receiver.open(total, members=_members(kept, context), width=width)
 
 
 def test_the_survivors_reveals_remove_a_dropped_party_and_the_sum_is_exact() -> None:
@@ -256,7 +272,7 @@ def test_without_the_reveals_the_survivors_masks_do_not_cancel() -> None:
     kept = chosen.copy()
     kept[..., 3] = False
     with pytest.raises(IntegrityError, match="masks did not cancel"):
-        receiver.open(total, counts=kept.sum(axis=2), width=8, parties=4)
+        receiver.open(total, members=_members(kept, context), width=8)
 
 
 def test_a_reveal_that_leaves_a_single_survivor_is_refused() -> None:
