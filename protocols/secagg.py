@@ -1,4 +1,4 @@
-"""Pairwise-mask secure aggregation (Bonawitz et al., CCS 2017, without the secret sharing).
+"""Pairwise-mask secure aggregation with double masking (after Bonawitz et al., CCS 2017).
 
 Each pair of parties agrees on a key by X25519 and HKDF-SHA256; per aggregation call they expand
 it, with ChaCha20 keyed by the call's context (session, receiver, round, batch id, tag, counter),
@@ -6,17 +6,39 @@ into masks that one adds and the other subtracts. Values travel as fixed-point i
 ring Z_2^64, so a masked contribution is uniform and tells the aggregator nothing, while the masks
 cancel exactly in the sum the receiver gets.
 
+Double masking: on top of the pair masks every contribution carries a *self-mask*, expanded the
+same way from a key the contributor shares with the sum's receiver (X25519 of its own key and
+the receiver's, announced at key set-up; HKDF and ChaCha20 under their own info strings, so a
+self-mask never equals a pair mask). The receiver removes the self-masks of exactly the
+contributors the sealed sum counts (:class:`~secure_vfl.federation.aggregator.SumMembers`); the
+aggregator, which holds no self-mask key, never can.
+
+This is an equivalent of Bonawitz's double masking with no extra round. There, each user's
+self-mask seed is Shamir-shared among the users and, at unmasking, the survivors send the server
+shares of the survivors' seeds (never a dropped one's): one more message round per sum and a
+threshold to choose, with only K = 3-4 parties here. Here the receiver plays the part of the
+threshold of honest users: it is the only party that can strip a self-mask, and it already
+learns which contributors a sum counts. What each party learns: the aggregator, ring elements
+that are uniform even for a share that arrives after its sender was declared dropped (the late
+share less the survivors' reveals is the sender's value plus its self-mask); the receiver, the
+sums over the members it is told of, as before; the network, nothing. Collusion: the aggregator
+with the receiver reads every share (the receiver removes the self-mask, the aggregator holds
+the pair masks' reveals, or both pair keys when it is a contributor itself): the same as
+Bonawitz's server colluding with a threshold of users, and outside the model, where the
+aggregator does not collude with the label party.
+
 It runs split at the party boundary (:class:`MaskingAggregator` is the factory of the halves):
 :class:`MaskSender` inside each contributor with its own key pair, :class:`MaskAdder` inside the
-aggregation server, :class:`MaskReceiver` inside the receiver; keys and shares cross as
-messages. A contributor whose share never comes can be recovered from: every survivor reveals
-the pair masks it shared with the dropped party (:meth:`MaskSender.reveal`), which the server
-adds like a share, so the receiver gets the sum over the survivors.
+aggregation server, :class:`MaskReceiver` inside the receiver with its own key pair; keys and
+shares cross as messages. A contributor whose share never comes can be recovered from: every
+survivor reveals the pair masks it shared with the dropped party (:meth:`MaskSender.reveal`),
+which the server adds like a share, so the receiver gets the sum over the survivors.
 
 Promises (semi-honest parties, non-colluding aggregator): the receiver learns only sums over at
-least two contributors; the aggregator and the network see uniform ring elements. Masks give
-privacy, not integrity: a tampered masked contribution silently shifts the sum (only a
-wrap-around beyond the overflow headroom, as an inconsistent key produces, is detected).
+least two contributors; the aggregator and the network see uniform ring elements, including a
+dropped party's share that arrives after the reveals. Masks give privacy, not integrity: a
+tampered masked contribution silently shifts the sum (only a wrap-around beyond the overflow
+headroom, as an inconsistent key produces, is detected).
 """
 
 from __future__ import annotations
@@ -297,12 +319,15 @@ class MaskSender:
         them like a share (:meth:`MaskAdder.add`), so the survivors' masks with the dropped
         cancel and the receiver opens the sums over the survivors (counts without the dropped).
 
-        Safe only if the dropped parties' shares of ``context`` are then refused for good: added
-        after the reveals, one would hand the aggregator that party's value. Refused before
-        anything is revealed (ProtocolError): a dropped party that is this one or no
-        contributor; a sum the survivors would release to the receiver over a single other
-        contributor; a sum this party shares with a dropped one and no other survivor (its
-        share there, unmasked by the reveal, would be its value in the aggregator's eyes).
+        A dropped party's share of ``context`` that arrives after the reveals tells the
+        aggregator nothing: less the reveals it is that party's value under its self-mask,
+        which only the receiver can remove (and the receiver removes only the self-masks of
+        the members it is told a sum counts). Refused before anything is revealed
+        (ProtocolError): a dropped party that is this one or no contributor; a sum the
+        survivors would release to the receiver over a single other contributor; a sum this
+        party shares with a dropped one and no other survivor (its share there, stripped of
+        every pair mask by the reveal, would be its value under its self-mask alone: kept as
+        defence in depth, should a self-mask key ever leak).
         """
         start = time.perf_counter()
         owner = parties[column]

@@ -22,8 +22,8 @@ from aggregator_contract import (
     representations,
 )
 from conftest import MakeData
-from test_fedhf import synthetic_task
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
+from test_fedhf import synthetic_task
 from torch import Tensor
 
 from protocols import secagg
@@ -476,7 +476,7 @@ def test_a_receiver_without_a_contributors_key_refuses_to_open() -> None:
         receiver.learn(name, "sender", senders[name].public_key())
     selection = np.ones((1, 2, 4), dtype=bool)
     payload = aggregator.adder().add({}, receiver=RECEIVER, shape=(1, 2, 3), parties=4)
-    with pytest.raises(ProtocolError, match="holds no key of contributor party-3.*self-mask"):
+    with pytest.raises(ProtocolError, match=r"holds no key of contributor party-3.*self-mask"):
         receiver.open(payload, members=_members(selection, b"c"), width=3)
 
 

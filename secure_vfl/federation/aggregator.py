@@ -25,6 +25,7 @@ from secure_vfl.errors import ProtocolError
 from secure_vfl.federation.messages import (
     AGGREGATOR,
     RepresentationMessage,
+    SealedSumMessage,
     SumMessage,
 )
 
@@ -194,6 +195,18 @@ def sum_context(session: str, receiver: str, round: int, batch_id: int, tag: str
     parts = [session.encode(), receiver.encode(), tag.encode()]
     return b"".join(len(p).to_bytes(4, "big") + p for p in parts) + b"".join(
         v.to_bytes(8, "big") for v in (round, batch_id)
+    )
+
+
+def sum_members(message: SealedSumMessage) -> SumMembers:
+    """The members of the sealed sums ``message`` carries, for its receiver and context."""
+    return SumMembers(
+        selection=message.selection.numpy(),
+        parties=message.parties,
+        receiver=message.receiver,
+        context=sum_context(
+            message.session, message.receiver, message.round, message.batch_id, message.tag
+        ),
     )
 
 

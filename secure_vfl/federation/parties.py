@@ -47,10 +47,10 @@ from secure_vfl.federation.aggregator import (
     ContextLedger,
     PlainAggregator,
     SealingScheme,
-    SumMembers,
     check_selection,
     refuse_single_contributors,
     sum_context,
+    sum_members,
 )
 from secure_vfl.federation.messages import (
     AGGREGATOR,
@@ -348,15 +348,7 @@ class SecureSumParty(Party):
                 f"{self.name}: sealed {message.scheme!r} sums from {message.sender}, but it "
                 "holds no key to open them."
             )
-        members = SumMembers(
-            selection=message.selection.numpy(),
-            parties=message.parties,
-            receiver=self.name,
-            context=sum_context(
-                message.session, self.name, message.round, message.batch_id, message.tag
-            ),
-        )
-        sums = self.opener.open(message.payload, members=members, width=message.width)
+        sums = self.opener.open(message.payload, members=sum_members(message), width=message.width)
         self.on_sum(
             SumMessage(
                 sender=message.sender,
