@@ -49,6 +49,7 @@ from attacks.base import Attack, AttackContext, register_attack
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ConfigError
 from secure_vfl.experiment import TrainConfig
+from secure_vfl.federation.aggregator import sum_members
 from secure_vfl.federation.messages import (
     HeadTask,
     Message,
@@ -133,12 +134,7 @@ class RepresentationLog:
         opener = self.label_party.opener if self.label_party is not None else None
         if opener is None:
             raise ConfigError(f"{LABEL_PARTY} received sealed sums but holds no key to open them.")
-        return opener.open(
-            message.payload,
-            counts=message.counts.numpy(),
-            width=message.width,
-            parties=len(message.parties),
-        )
+        return opener.open(message.payload, members=sum_members(message), width=message.width)
 
     def _keep_sums(self, message: SumMessage | SealedSumMessage, sums: np.ndarray) -> None:
         task = self._tasks.get((message.round, message.batch_id, message.tag))

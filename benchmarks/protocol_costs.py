@@ -47,6 +47,7 @@ from secure_vfl.federation.aggregator import (
     SealingScheme,
     SenderHalf,
     SumBackend,
+    SumMembers,
     sum_context,
 )
 from secure_vfl.federation.messages import AGGREGATOR, RepresentationMessage, party_name
@@ -100,6 +101,8 @@ def split_halves(
         for peer, other in senders.items():
             if key is not None and peer != name:
                 other.learn(name, "sender", key)
+        if key is not None:
+            receiver.learn(name, "sender", key)
     key = receiver.public_key()
     if key is not None:
         adder.learn(RECEIVER, "receiver", key)
@@ -141,7 +144,10 @@ def time_split(
         total = adder.add(
             shares, receiver=RECEIVER, shape=(tasks, rows, width), parties=len(PARTIES)
         )
-        receiver.open(total, counts=chosen.sum(axis=2), width=width, parties=len(PARTIES))
+        members = SumMembers(
+            selection=chosen, parties=tuple(PARTIES), receiver=RECEIVER, context=context
+        )
+        receiver.open(total, members=members, width=width)
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 

@@ -54,6 +54,7 @@ from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
 
 if TYPE_CHECKING:
     from protocols.sum_range import SumRange
+    from secure_vfl.federation.aggregator import SumMembers
 
 DEFAULT_POLY_MODULUS_DEGREE = 8192
 DEFAULT_COEFF_MOD_BIT_SIZES = (60, 60)
@@ -438,10 +439,12 @@ class CkksReceiver:
         stated = self._stated_bound
         self._bound = lambda parties: stated(parties) * growth
 
-    def open(
-        self, payload: tuple[bytes, ...], *, counts: np.ndarray, width: int, parties: int
-    ) -> np.ndarray:
+    def learn(self, peer: str, role: str, key: bytes) -> None:
+        """CKKS needs no contributor key."""
+
+    def open(self, payload: tuple[bytes, ...], *, members: SumMembers, width: int) -> np.ndarray:
         start = time.perf_counter()
+        counts = members.counts
         sums = open_sums(
             self._secret,
             payload,

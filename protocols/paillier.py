@@ -58,6 +58,7 @@ from secure_vfl.federation.aggregator import check_payload
 
 if TYPE_CHECKING:
     from protocols.sum_range import SumRange
+    from secure_vfl.federation.aggregator import SumMembers
 
 DEFAULT_KEY_BITS = 2048
 DEFAULT_VALUE_BITS = 32
@@ -529,16 +530,18 @@ class PaillierReceiver:
             value_range, value_bits=self.value_bits, most=self._most_fraction_bits
         )
 
-    def open(
-        self, payload: tuple[bytes, ...], *, counts: np.ndarray, width: int, parties: int
-    ) -> np.ndarray:
+    def learn(self, peer: str, role: str, key: bytes) -> None:
+        """Paillier needs no contributor key."""
+
+    def open(self, payload: tuple[bytes, ...], *, members: SumMembers, width: int) -> np.ndarray:
         start = time.perf_counter()
+        counts = members.counts
         shape = (*counts.shape, width)
         layout = PackingLayout.for_sum(
             key_bits=self.key_bits,
             value_bits=self.value_bits,
             fraction_bits=self.fraction_bits,
-            parties=parties,
+            parties=len(members.parties),
         )
         values = shape[0] * shape[1] * shape[2]
         if not payload:

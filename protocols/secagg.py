@@ -1,4 +1,4 @@
-"""Pairwise-mask secure aggregation (Bonawitz et al., CCS 2017, without the secret sharing).
+"""Pairwise-mask secure aggregation with double masking (after Bonawitz et al., CCS 2017).
 
 Each pair of parties agrees on a key by X25519 and HKDF-SHA256; per aggregation call they expand
 it, with ChaCha20 keyed by the call's context (session, receiver, round, batch id, tag, counter),
@@ -6,17 +6,39 @@ into masks that one adds and the other subtracts. Values travel as fixed-point i
 ring Z_2^64, so a masked contribution is uniform and tells the aggregator nothing, while the masks
 cancel exactly in the sum the receiver gets.
 
+Double masking: on top of the pair masks every contribution carries a *self-mask*, expanded the
+same way from a key the contributor shares with the sum's receiver (X25519 of its own key and
+the receiver's, announced at key set-up; HKDF and ChaCha20 under their own info strings, so a
+self-mask never equals a pair mask). The receiver removes the self-masks of exactly the
+contributors the sealed sum counts (:class:`~secure_vfl.federation.aggregator.SumMembers`); the
+aggregator, which holds no self-mask key, never can.
+
+This is an equivalent of Bonawitz's double masking with no extra round. There, each user's
+self-mask seed is Shamir-shared among the users and, at unmasking, the survivors send the server
+shares of the survivors' seeds (never a dropped one's): one more message round per sum and a
+threshold to choose, with only K = 3-4 parties here. Here the receiver plays the part of the
+threshold of honest users: it is the only party that can strip a self-mask, and it already
+learns which contributors a sum counts. What each party learns: the aggregator, ring elements
+that are uniform even for a share that arrives after its sender was declared dropped (the late
+share less the survivors' reveals is the sender's value plus its self-mask); the receiver, the
+sums over the members it is told of, as before; the network, nothing. Collusion: the aggregator
+with the receiver reads every share (the receiver removes the self-mask, the aggregator holds
+the pair masks' reveals, or both pair keys when it is a contributor itself): the same as
+Bonawitz's server colluding with a threshold of users, and outside the model, where the
+aggregator does not collude with the label party.
+
 It runs split at the party boundary (:class:`MaskingAggregator` is the factory of the halves):
 :class:`MaskSender` inside each contributor with its own key pair, :class:`MaskAdder` inside the
-aggregation server, :class:`MaskReceiver` inside the receiver; keys and shares cross as
-messages. A contributor whose share never comes can be recovered from: every survivor reveals
-the pair masks it shared with the dropped party (:meth:`MaskSender.reveal`), which the server
-adds like a share, so the receiver gets the sum over the survivors.
+aggregation server, :class:`MaskReceiver` inside the receiver with its own key pair; keys and
+shares cross as messages. A contributor whose share never comes can be recovered from: every
+survivor reveals the pair masks it shared with the dropped party (:meth:`MaskSender.reveal`),
+which the server adds like a share, so the receiver gets the sum over the survivors.
 
 Promises (semi-honest parties, non-colluding aggregator): the receiver learns only sums over at
-least two contributors; the aggregator and the network see uniform ring elements. Masks give
-privacy, not integrity: a tampered masked contribution silently shifts the sum (only a
-wrap-around beyond the overflow headroom, as an inconsistent key produces, is detected).
+least two contributors; the aggregator and the network see uniform ring elements, including a
+dropped party's share that arrives after the reveals. Masks give privacy, not integrity: a
+tampered masked contribution silently shifts the sum (only a wrap-around beyond the overflow
+headroom, as an inconsistent key produces, is detected).
 """
 
 from __future__ import annotations
@@ -39,6 +61,7 @@ from secure_vfl.federation.aggregator import check_payload, refuse_single_contri
 
 if TYPE_CHECKING:
     from protocols.sum_range import SumRange
+    from secure_vfl.federation.aggregator import SumMembers
 
 DEFAULT_FRACTION_BITS = 24
 RING_BITS = 64
@@ -48,6 +71,8 @@ Entropy = Callable[[int], bytes]
 
 _PAIR_INFO = b"secure-vfl/secagg/pair-key/v1"
 _MASK_INFO = b"secure-vfl/secagg/mask/v1"
+_SELF_KEY_INFO = b"secure-vfl/secagg/self-key/v1"
+_SELF_MASK_INFO = b"secure-vfl/secagg/self-mask/v1"
 
 
 def fixed_point_limit(fraction_bits: int, parties: int) -> float:
@@ -96,24 +121,43 @@ def decode_fixed_point(ring: np.ndarray, *, fraction_bits: int) -> np.ndarray:
     return ring.view(np.int64).astype(np.float64) / float(2**fraction_bits)
 
 
-def derive_pair_key(private: X25519PrivateKey, peer_public: bytes, owner: str, peer: str) -> bytes:
-    """``owner``'s key with ``peer``: HKDF-SHA256 of their X25519 secret, bound to both names
-    (sorted, so both ends derive the same key); each sum's masks are bound to its context
-    (session included) when they are expanded (:func:`add_pair_mask`)."""
+def _agree(private: X25519PrivateKey, peer_public: bytes, owner: str, peer: str) -> bytes:
+    """The X25519 secret of ``owner``'s key and ``peer``'s announced public key."""
     try:
-        secret = private.exchange(X25519PublicKey.from_public_bytes(peer_public))
+        return private.exchange(X25519PublicKey.from_public_bytes(peer_public))
     except ValueError as error:
         raise ProtocolError(
             f"key agreement between {owner} and {peer} failed: a valid X25519 public key "
             f"was expected, found one giving a degenerate secret ({error})."
         ) from error
+
+
+def derive_pair_key(private: X25519PrivateKey, peer_public: bytes, owner: str, peer: str) -> bytes:
+    """``owner``'s key with ``peer``: HKDF-SHA256 of their X25519 secret, bound to both names
+    (sorted, so both ends derive the same key); each sum's masks are bound to its context
+    (session included) when they are expanded (:func:`add_pair_mask`)."""
     first, second = sorted((owner, peer))
     return HKDF(
         algorithm=hashes.SHA256(),
         length=32,
         salt=b"",
         info=b"|".join([_PAIR_INFO, first.encode(), second.encode()]),
-    ).derive(secret)
+    ).derive(_agree(private, peer_public, owner, peer))
+
+
+def derive_self_key(
+    private: X25519PrivateKey, peer_public: bytes, contributor: str, receiver: str
+) -> bytes:
+    """The self-mask key of ``contributor`` towards ``receiver``: HKDF-SHA256 of the X25519
+    secret of the contributor's sender key and the receiver's receiver key (``private`` is
+    either end's), bound to both names in role order and to its own info string, so it never
+    equals a pair key."""
+    return HKDF(
+        algorithm=hashes.SHA256(),
+        length=32,
+        salt=b"",
+        info=b"|".join([_SELF_KEY_INFO, contributor.encode(), receiver.encode()]),
+    ).derive(_agree(private, peer_public, contributor, receiver))
 
 
 def add_pair_mask(
@@ -135,6 +179,23 @@ def add_pair_mask(
         target[shared] += mask
     else:
         target[shared] -= mask
+
+
+def add_self_mask(
+    target: np.ndarray, self_key: bytes, sign: int, rows: np.ndarray, context: bytes
+) -> None:
+    """Add ``sign`` times a contributor's self-mask for the sum ``context`` to ``target`` where
+    it enters (``rows``, (T, B)): the keystream of its self-mask key, expanded like a pair mask
+    but under its own info string, so it never equals a pair mask of the same context."""
+    add_pair_mask(target, self_key, sign, rows, _SELF_MASK_INFO + context)
+
+
+def _read_key(peer: str, role: str, key: bytes) -> bytes:
+    if len(key) != 32:
+        raise ProtocolError(
+            f"an X25519 public key of 32 bytes expected from {peer} as {role}, found {len(key)}."
+        )
+    return bytes(key)
 
 
 def decode_ring_sum(total: np.ndarray, *, fraction_bits: int) -> np.ndarray:
@@ -166,6 +227,8 @@ class MaskSender:
         self._private = X25519PrivateKey.from_private_bytes(entropy(32))
         self._peers: dict[str, bytes] = {}
         self._pair_keys: dict[str, bytes] = {}
+        self._receivers: dict[str, bytes] = {}
+        self._self_keys: dict[str, bytes] = {}
         self.seconds = 0.0
 
     def public_key(self) -> bytes:
@@ -177,14 +240,13 @@ class MaskSender:
         self.fraction_bits = fraction_bits_for(value_range, most=self._most_fraction_bits)
 
     def learn(self, peer: str, role: str, key: bytes) -> None:
-        if role != "sender":
-            return
-        if len(key) != 32:
-            raise ProtocolError(
-                f"an X25519 public key of 32 bytes expected from {peer}, found {len(key)}."
-            )
-        self._peers[peer] = bytes(key)
-        self._pair_keys.pop(peer, None)
+        """A peer contributor's key (pair masks) or a receiver's key (self-masks)."""
+        if role == "sender":
+            self._peers[peer] = _read_key(peer, role, key)
+            self._pair_keys.pop(peer, None)
+        elif role == "receiver":
+            self._receivers[peer] = _read_key(peer, role, key)
+            self._self_keys.pop(peer, None)
 
     def _pair_key(self, owner: str, peer: str) -> bytes:
         key = self._pair_keys.get(peer)
@@ -199,6 +261,19 @@ class MaskSender:
             self._pair_keys[peer] = key
         return key
 
+    def _self_key(self, owner: str, receiver: str) -> bytes:
+        key = self._self_keys.get(receiver)
+        if key is None:
+            public = self._receivers.get(receiver)
+            if public is None:
+                raise ProtocolError(
+                    f"{owner} holds no receiver key of {receiver}: its self-masks need the "
+                    "receiver's key from the key set-up before the first secure sum for it."
+                )
+            key = derive_self_key(self._private, public, owner, receiver)
+            self._self_keys[receiver] = key
+        return key
+
     def seal(
         self,
         values: np.ndarray,
@@ -209,14 +284,16 @@ class MaskSender:
         receiver: str,
         context: bytes,
     ) -> tuple[bytes, ...]:
-        """Its fixed-point values in every sum it enters, plus a pair mask with every other
-        contributor of that sum (added towards later parties, subtracted towards earlier)."""
+        """Its fixed-point values in every sum it enters, plus its self-mask for ``receiver``
+        and a pair mask with every other contributor of that sum (added towards later parties,
+        subtracted towards earlier)."""
         start = time.perf_counter()
         encoded = encode_fixed_point(values, fraction_bits=self.fraction_bits, parties=len(parties))
         mine = selection[..., column]
         value = np.where(mine[..., None], encoded[None], np.uint64(0))
         info = _MASK_INFO + context
         owner = parties[column]
+        add_self_mask(value, self._self_key(owner, receiver), 1, mine, context)
         for j, peer in enumerate(parties):
             shared = mine & selection[..., j]
             if j != column and shared.any():
@@ -242,12 +319,15 @@ class MaskSender:
         them like a share (:meth:`MaskAdder.add`), so the survivors' masks with the dropped
         cancel and the receiver opens the sums over the survivors (counts without the dropped).
 
-        Safe only if the dropped parties' shares of ``context`` are then refused for good: added
-        after the reveals, one would hand the aggregator that party's value. Refused before
-        anything is revealed (ProtocolError): a dropped party that is this one or no
-        contributor; a sum the survivors would release to the receiver over a single other
-        contributor; a sum this party shares with a dropped one and no other survivor (its
-        share there, unmasked by the reveal, would be its value in the aggregator's eyes).
+        A dropped party's share of ``context`` that arrives after the reveals tells the
+        aggregator nothing: less the reveals it is that party's value under its self-mask,
+        which only the receiver can remove (and the receiver removes only the self-masks of
+        the members it is told a sum counts). Refused before anything is revealed
+        (ProtocolError): a dropped party that is this one or no contributor; a sum the
+        survivors would release to the receiver over a single other contributor; a sum this
+        party shares with a dropped one and no other survivor (its share there, stripped of
+        every pair mask by the reveal, would be its value under its self-mask alone: kept as
+        defence in depth, should a self-mask key ever leak).
         """
         start = time.perf_counter()
         owner = parties[column]
@@ -307,25 +387,56 @@ class MaskAdder:
 
 
 class MaskReceiver:
-    """The receiver's half: the masks cancelled in the sum, so it only decodes (no key)."""
+    """The receiver's half: its own X25519 key pair, with which it derives every contributor's
+    self-mask key (from the contributors' announced keys) and removes the self-masks of exactly
+    the contributors a sum counts; the pair masks cancelled in the sum."""
 
-    def __init__(self, *, fraction_bits: int) -> None:
+    def __init__(self, *, fraction_bits: int, entropy: Entropy = os.urandom) -> None:
         self.fraction_bits = fraction_bits
         self._most_fraction_bits = fraction_bits
+        self._private = X25519PrivateKey.from_private_bytes(entropy(32))
+        self._senders: dict[str, bytes] = {}
+        self._self_keys: dict[tuple[str, str], bytes] = {}
         self.seconds = 0.0
 
-    def public_key(self) -> None:
-        return None
+    def public_key(self) -> bytes:
+        return self._private.public_key().public_bytes_raw()
+
+    def learn(self, peer: str, role: str, key: bytes) -> None:
+        """A contributor's announced key, from which its self-mask key is derived."""
+        if role == "sender":
+            self._senders[peer] = _read_key(peer, role, key)
+            self._self_keys = {k: v for k, v in self._self_keys.items() if k[0] != peer}
 
     def use_range(self, value_range: SumRange) -> None:
         """Decode with the fraction bits the senders derive from ``value_range``."""
         self.fraction_bits = fraction_bits_for(value_range, most=self._most_fraction_bits)
 
-    def open(
-        self, payload: tuple[bytes, ...], *, counts: np.ndarray, width: int, parties: int
-    ) -> np.ndarray:
+    def _self_key(self, contributor: str, receiver: str) -> bytes:
+        key = self._self_keys.get((contributor, receiver))
+        if key is None:
+            public = self._senders.get(contributor)
+            if public is None:
+                raise ProtocolError(
+                    f"{receiver} holds no key of contributor {contributor}, so it cannot remove "
+                    f"{contributor}'s self-mask: the key set-up must announce every "
+                    "contributor's key to the receiver before the first secure sum."
+                )
+            key = derive_self_key(self._private, public, contributor, receiver)
+            self._self_keys[(contributor, receiver)] = key
+        return key
+
+    def open(self, payload: tuple[bytes, ...], *, members: SumMembers, width: int) -> np.ndarray:
+        """The sums over ``members``: the ring sum less the self-mask of every counted
+        contributor where it is counted, decoded (IntegrityError if outside the headroom)."""
         start = time.perf_counter()
-        total = _ring(payload, (*counts.shape, width), "the masked sum")
+        selection = members.selection
+        total = _ring(payload, (*selection.shape[:2], width), "the masked sum")
+        for k, contributor in enumerate(members.parties):
+            counted = selection[..., k]
+            if counted.any():
+                key = self._self_key(contributor, members.receiver)
+                add_self_mask(total, key, -1, counted, members.context)
         sums = decode_ring_sum(total, fraction_bits=self.fraction_bits)
         self.seconds += time.perf_counter() - start
         return sums
@@ -335,8 +446,8 @@ class MaskingAggregator:
     """Secure sums by pairwise additive masks in Z_2^64: a :class:`SealingScheme`, the factory
     of the halves each party makes for itself.
 
-    ``entropy`` (default ``os.urandom``) supplies each sender's key pair; inject a seeded
-    source only in tests.
+    ``entropy`` (default ``os.urandom``) supplies each sender's and receiver's key pair; inject
+    a seeded source only in tests.
     """
 
     scheme = "masks"
@@ -363,4 +474,5 @@ class MaskingAggregator:
         return MaskAdder()
 
     def receiver(self) -> MaskReceiver:
-        return MaskReceiver(fraction_bits=self.fraction_bits)
+        """A fresh receiver half (its own key pair, from this backend's entropy)."""
+        return MaskReceiver(fraction_bits=self.fraction_bits, entropy=self._entropy)

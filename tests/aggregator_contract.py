@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from secure_vfl.errors import ProtocolError
-from secure_vfl.federation.aggregator import SealingScheme, SumBackend
+from secure_vfl.federation.aggregator import SealingScheme, SumBackend, SumMembers, sum_context
 from secure_vfl.federation.channel import Channel, ChannelLayer, RecordingLayer
 from secure_vfl.federation.messages import (
     AGGREGATOR,
@@ -436,8 +436,13 @@ class SecureAggregatorContract(AggregatorContract):
         if key is not None:
             adder.learn(RECEIVER, "receiver", key)
         payload = adder.add({}, receiver=RECEIVER, shape=(2, 16, 8), parties=4)
-        counts = np.zeros((2, 16), dtype=np.int64)
-        opened = receiver.open(payload, counts=counts, width=8, parties=4)
+        members = SumMembers(
+            selection=np.zeros((2, 16, 4), dtype=bool),
+            parties=tuple(PARTIES),
+            receiver=RECEIVER,
+            context=sum_context("s", RECEIVER, 0, 0, ""),
+        )
+        opened = receiver.open(payload, members=members, width=8)
         assert opened.shape == (2, 16, 8) and not opened.any()
 
     def test_a_replayed_context_is_refused_and_another_tag_is_fresh(self) -> None:

@@ -54,8 +54,10 @@ def test_masked_traffic_is_the_sealed_shares_that_crossed_and_nothing_in_the_cle
         config, data=data, channel=Channel([recorder]), aggregator=MaskingAggregator()
     )
     # No representation reaches the aggregator in the clear: only public keys and sealed shares.
-    to_aggregator = {m.kind for m in recorder.messages if m.receiver == AGGREGATOR}
-    assert to_aggregator == {"sealed", "sum-request"}
+    to_aggregator = {(m.kind, m.sender) for m in recorder.messages if m.receiver == AGGREGATOR}
+    assert {kind for kind, _ in to_aggregator} == {"public-key", "sealed", "sum-request"}
+    # The only key it is told is the receiver's (party-0's), announced with the self-masks'.
+    assert {sender for kind, sender in to_aggregator if kind == "public-key"} == {"party-0"}
     assert "representation" not in {m.kind for m in recorder.messages}
     width = config.method_config.representation_dim
     steps = result.traffic["train_steps"]

@@ -4,6 +4,7 @@ the wire, refusals that change nothing, dropouts, and LASER / FedAvg trained thr
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -21,19 +22,30 @@ from aggregator_contract import (
     representations,
 )
 from conftest import MakeData
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from test_fedhf import synthetic_task
 from torch import Tensor
 
+from protocols import secagg
 from protocols.secagg import (
     MaskingAggregator,
     MaskReceiver,
     MaskSender,
+    add_pair_mask,
+    add_self_mask,
     decode_fixed_point,
+    derive_pair_key,
+    derive_self_key,
     encode_fixed_point,
     fixed_point_limit,
 )
 from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
-from secure_vfl.federation.aggregator import PlainAggregator, SumBackend, sum_context
+from secure_vfl.federation.aggregator import (
+    PlainAggregator,
+    SumBackend,
+    SumMembers,
+    sum_context,
+)
 from secure_vfl.federation.messages import (
     Message,
     PublicKeyMessage,
@@ -165,13 +177,24 @@ def test_a_tampered_masked_contribution_shifts_the_sum_undetected() -> None:
 
 
 def _halves(aggregator: MaskingAggregator) -> tuple[dict[str, MaskSender], MaskReceiver]:
-    """Each party's sender half with its peers' public keys learnt, and the receiver's half."""
+    """Each party's sender half and the receiver's half (:data:`RECEIVER`'s), with the keys
+    the key set-up would have announced to them learnt."""
     senders = {name: aggregator.sender() for name in PARTIES}
+    receiver = aggregator.receiver()
     for name, sender in senders.items():
+        sender.learn(RECEIVER, "receiver", receiver.public_key())
+        receiver.learn(name, "sender", sender.public_key())
         for peer, other in senders.items():
             if peer != name:
                 other.learn(name, "sender", sender.public_key())
-    return senders, aggregator.receiver()
+    return senders, receiver
+
+
+def _members(selection: np.ndarray, context: bytes) -> SumMembers:
+    """The sums of ``selection`` over :data:`PARTIES` for :data:`RECEIVER` under ``context``."""
+    return SumMembers(
+        selection=selection, parties=tuple(PARTIES), receiver=RECEIVER, context=context
+    )
 
 
 def _recover(
@@ -211,7 +234,7 @@ def _recover(
         shape=shape,
         parties=len(PARTIES),
     )
-    return receiver.open(total, counts=kept.sum(axis=2), width=width, parties=4)
+    return receiver.open(total, members=_members(kept, context), width=width)
 
 
 def test_the_survivors_reveals_remove_a_dropped_party_and_the_sum_is_exact() -> None:
@@ -256,7 +279,7 @@ def test_without_the_reveals_the_survivors_masks_do_not_cancel() -> None:
     kept = chosen.copy()
     kept[..., 3] = False
     with pytest.raises(IntegrityError, match="masks did not cancel"):
-        receiver.open(total, counts=kept.sum(axis=2), width=8, parties=4)
+        receiver.open(total, members=_members(kept, context), width=8)
 
 
 def test_a_reveal_that_leaves_a_single_survivor_is_refused() -> None:
@@ -347,3 +370,146 @@ def test_laser_trained_through_masks_matches_laser_trained_in_the_clear(
         torch.allclose(a, b, atol=1e-5, rtol=1e-4) for a, b in zip(plain, secure, strict=True)
     )
     assert (predictions[0] == predictions[1]).mean() > 0.99
+
+
+# -- double masking: a late share stays sealed to the aggregator ----------------------------
+
+LATE = PARTIES[3]
+
+
+def _late_arrival(value: float, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, Any]:
+    """A sum of all four parties over 4 rows of width 3 for :data:`RECEIVER`, where
+    :data:`LATE` (whose values are all ``value``) is declared dropped: the survivors seal and
+    reveal, the server adds, the receiver opens. Then the late share arrives anyway. Returns the
+    receiver's sums, the survivors' values summed in float64, the aggregator's best
+    reconstruction of the late party's term (its share less every reveal, in the ring: exactly
+    its fixed-point value under masks without a self-mask) and the receiver's half."""
+    aggregator = masking(seed)
+    senders, receiver = _halves(aggregator)
+    selection = np.ones((1, 4, 4), dtype=bool)
+    context = sum_context("s", RECEIVER, 0, 0, "late")
+    options: dict[str, Any] = {"parties": PARTIES, "receiver": RECEIVER, "context": context}
+    rng = np.random.default_rng(seed)
+    values = {name: rng.normal(0.0, 2.0, size=(4, 3)).astype(np.float32) for name in PARTIES}
+    values[LATE][:] = value
+    survivors = PARTIES[:3]
+    sealed = {
+        name: senders[name].seal(values[name], selection, column=k, **options)
+        for k, name in enumerate(survivors)
+    }
+    reveals = {
+        name: senders[name].reveal([LATE], selection, column=k, width=3, **options)
+        for k, name in enumerate(survivors)
+    }
+    adder = aggregator.adder()
+    total = adder.add(
+        {**sealed, **{f"{n} (reveal)": r for n, r in reveals.items()}},
+        receiver=RECEIVER,
+        shape=(1, 4, 3),
+        parties=4,
+    )
+    kept = selection.copy()
+    kept[..., 3] = False
+    sums = receiver.open(total, members=_members(kept, context), width=3)
+    late = senders[LATE].seal(values[LATE], selection, column=3, **options)
+    reconstruction = np.frombuffer(late[0], dtype="<u8").reshape(1, 4, 3).astype(np.uint64)
+    for reveal in reveals.values():
+        reconstruction -= np.frombuffer(reveal[0], dtype="<u8").reshape(1, 4, 3)
+    expected = sum(values[name].astype(np.float64) for name in survivors)
+    return sums, np.asarray(expected), reconstruction, receiver
+
+
+def test_a_share_arriving_after_its_sender_was_dropped_stays_sealed_to_the_aggregator() -> None:
+    sums, expected, reconstruction, receiver = _late_arrival(1.5, seed=20)
+    # The survivors' sum opens exactly (within the fixed-point step) without the late party.
+    assert np.abs(sums - expected).max() <= 3 * 2.0**-25 + 1e-5
+    # Everything the aggregator holds (the late share, the reveals, the survivors' shares and
+    # their sum) leaves the late party's term under its self-mask: not its value anywhere.
+    # (Without a self-mask the share less the reveals is exactly the value 1.5 everywhere.)
+    read = decode_fixed_point(reconstruction, fraction_bits=24)
+    assert not np.any(np.abs(read - 1.5) < 1.0)
+    # What stands between the aggregator and the value is the self-mask only the receiver can
+    # remove: opened as the late party's own sum, the reconstruction is its value. (So an
+    # aggregator colluding with the receiver would read it: documented, not prevented.)
+    alone = np.zeros((1, 4, 4), dtype=bool)
+    alone[..., 3] = True
+    context = sum_context("s", RECEIVER, 0, 0, "late")
+    opened = receiver.open(
+        (reconstruction.astype("<u8").tobytes(),), members=_members(alone, context), width=3
+    )
+    assert np.array_equal(opened, np.full((1, 4, 3), 1.5, dtype=np.float32))
+
+
+def test_the_aggregators_view_of_a_late_share_has_the_same_distribution_for_any_value() -> None:
+    # Over fresh keys, the aggregator's reconstruction of the late party's term is uniform in
+    # Z_2^64 whatever that party's value: its top bit (the sign of a fixed-point value, which
+    # without a self-mask would be 0 for +1.5 and 1 for -1.5 every time) is a fair coin for both.
+    for value in (1.5, -1.5):
+        bits = np.concatenate(
+            [(_late_arrival(value, seed)[2] >> np.uint64(63)).ravel() for seed in range(40)]
+        )
+        assert abs(bits.astype(np.float64).mean() - 0.5) < 0.1, value
+
+
+def test_self_masks_never_equal_pair_masks_of_the_same_context() -> None:
+    rng = np.random.default_rng(21)
+    ours, theirs = (X25519PrivateKey.from_private_bytes(rng.bytes(32)) for _ in range(2))
+    peer_public = theirs.public_key().public_bytes_raw()
+    pair_key = derive_pair_key(ours, peer_public, PARTIES[1], PARTIES[2])
+    self_key = derive_self_key(ours, peer_public, PARTIES[1], PARTIES[2])
+    assert pair_key != self_key  # the same X25519 secret, separated by the HKDF info
+    rows = np.ones((2, 8), dtype=bool)
+    context = sum_context("s", RECEIVER, 0, 0, "t")
+    for key in (pair_key, self_key):  # and even under one key, by the expansion's info
+        pair = np.zeros((2, 8, 4), dtype=np.uint64)
+        own = np.zeros((2, 8, 4), dtype=np.uint64)
+        add_pair_mask(pair, key, 1, rows, secagg._MASK_INFO + context)
+        add_self_mask(own, key, 1, rows, context)
+        assert pair.any() and own.any() and not np.any(pair == own)
+
+
+def test_a_receiver_without_a_contributors_key_refuses_to_open() -> None:
+    aggregator = masking(22)
+    senders, _ = _halves(aggregator)
+    receiver = aggregator.receiver()
+    for name in PARTIES[:3]:  # party-3's announcement never reached it
+        receiver.learn(name, "sender", senders[name].public_key())
+    selection = np.ones((1, 2, 4), dtype=bool)
+    payload = aggregator.adder().add({}, receiver=RECEIVER, shape=(1, 2, 3), parties=4)
+    with pytest.raises(ProtocolError, match=r"holds no key of contributor party-3.*self-mask"):
+        receiver.open(payload, members=_members(selection, b"c"), width=3)
+
+
+def test_a_contributor_without_the_receivers_key_refuses_to_seal() -> None:
+    sender = masking(23).sender()
+    with pytest.raises(ProtocolError, match="holds no receiver key of party-0"):
+        sender.seal(
+            np.zeros((2, 3), dtype=np.float32),
+            np.ones((1, 2, 4), dtype=bool),
+            column=1,
+            parties=PARTIES,
+            receiver=RECEIVER,
+            context=b"c",
+        )
+
+
+def test_a_masked_step_sends_the_same_messages_and_share_bytes_as_without_self_masks() -> None:
+    # Double masking adds no message to a step: a seal request to each other contributor (the
+    # driver's own is handed over, not sent), a sealed share per contributor, one sum request
+    # and one sealed sum; each share is the T * B * d ring elements it was, the self-mask riding
+    # in them.
+    messages, selection = full_batch(24, batch=16, width=8, tasks=2)
+    parties = SumParties(masking())
+    setup = len(parties.recorder.messages)
+    parties.combine(messages, selection)
+    step = parties.recorder.messages[setup:]
+    assert Counter(m.kind for m in step) == {
+        "seal-request": 3,
+        "sealed": 4,
+        "sum-request": 1,
+        "sealed-sum": 1,
+    }
+    shares = [m for m in step if isinstance(m, SealedMessage)]
+    assert [len(m.payload[0]) for m in shares] == [8 * 2 * 16 * 8] * 4
+    (summed,) = [m for m in step if isinstance(m, SealedSumMessage)]
+    assert torch.equal(summed.selection, selection)

@@ -109,7 +109,7 @@ def samples() -> list[Message]:
             scheme="masks",
             tag="t",
             width=1,
-            counts=counts,
+            selection=selection,
             parties=parties,
             payload=(b"xyz",),
         ),

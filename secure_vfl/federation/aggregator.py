@@ -25,6 +25,7 @@ from secure_vfl.errors import ProtocolError
 from secure_vfl.federation.messages import (
     AGGREGATOR,
     RepresentationMessage,
+    SealedSumMessage,
     SumMessage,
 )
 
@@ -124,6 +125,32 @@ class AdderHalf(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class SumMembers:
+    """Which sealed sums a receiver opens and who is counted in them: ``selection[t, b, k]``
+    says that ``parties[k]``'s share entered sum ``(t, b)`` (the aggregator added it), for
+    ``receiver`` under ``context`` (:func:`sum_context`). A scheme whose shares carry a
+    per-contributor secret the receiver removes (pairwise masks' self-masks) needs all of it;
+    the others read only :attr:`counts`."""
+
+    selection: np.ndarray
+    parties: tuple[str, ...]
+    receiver: str
+    context: bytes
+
+    def __post_init__(self) -> None:
+        if self.selection.ndim != 3 or self.selection.shape[2] != len(self.parties):
+            raise ProtocolError(
+                f"a (T, B, {len(self.parties)}) selection of the sums' members expected, "
+                f"found shape {tuple(self.selection.shape)}."
+            )
+
+    @property
+    def counts(self) -> np.ndarray:
+        """(T, B) int64: how many contributors entered each sum."""
+        return self.selection.sum(axis=-1, dtype=np.int64)
+
+
 class ReceiverHalf(Protocol):
     """The opening half, inside the party the sums are for: it holds the secret key (if its
     scheme has one) and turns the sealed sums into float sums."""
@@ -134,10 +161,12 @@ class ReceiverHalf(Protocol):
         """What this receiver announces to contributors and the aggregator (None: nothing)."""
         ...
 
-    def open(
-        self, payload: tuple[bytes, ...], *, counts: np.ndarray, width: int, parties: int
-    ) -> np.ndarray:
-        """The float32 (T, B, width) sums; ``counts`` (T, B) contributors entered each."""
+    def learn(self, peer: str, role: str, key: bytes) -> None:
+        """A public key announced by contributor ``peer`` (``"sender"``), if it needs one."""
+        ...
+
+    def open(self, payload: tuple[bytes, ...], *, members: SumMembers, width: int) -> np.ndarray:
+        """The float32 (T, B, width) sums over ``members``."""
         ...
 
 
@@ -166,6 +195,18 @@ def sum_context(session: str, receiver: str, round: int, batch_id: int, tag: str
     parts = [session.encode(), receiver.encode(), tag.encode()]
     return b"".join(len(p).to_bytes(4, "big") + p for p in parts) + b"".join(
         v.to_bytes(8, "big") for v in (round, batch_id)
+    )
+
+
+def sum_members(message: SealedSumMessage) -> SumMembers:
+    """The members of the sealed sums ``message`` carries, for its receiver and context."""
+    return SumMembers(
+        selection=message.selection.numpy(),
+        parties=message.parties,
+        receiver=message.receiver,
+        context=sum_context(
+            message.session, message.receiver, message.round, message.batch_id, message.tag
+        ),
     )
 
 

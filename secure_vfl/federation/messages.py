@@ -518,31 +518,33 @@ class SealedMessage(Message):
 @dataclass(frozen=True, kw_only=True)
 class SealedSumMessage(Message):
     """The aggregator's sealed sums for ``receiver``: the contributors' payloads combined
-    (masks cancelled, ciphertexts added), which only the receiver can open; ``counts[t, b]``
-    contributors entered sum ``(t, b)``, out of ``parties`` (public: the driver chose them)."""
+    (pair masks cancelled, ciphertexts added), which only the receiver can open;
+    ``selection[t, b, k]`` says that ``parties[k]``'s share entered sum ``(t, b)`` (the
+    receiver removes the self-masks of exactly those; :attr:`counts` per sum)."""
 
     scheme: str
     tag: str
     width: int
-    counts: Tensor
+    selection: Tensor
     parties: tuple[str, ...]
     payload: tuple[bytes, ...]
     phase: str = "train"
     kind: ClassVar[str] = "sealed-sum"
 
+    @property
+    def counts(self) -> Tensor:
+        """(T, B) int64: how many contributors entered each sum."""
+        return self.selection.sum(dim=-1)
+
     def validate(self) -> None:
         super().validate()
         _check_choice(self, "phase", self.phase, PHASES)
-        _check_tensor(self, "counts", self.counts, dims=2, dtype=torch.int64)
-        if self.width < 1 or not _nonnegative(self.counts):
+        _check_tensor(self, "selection", self.selection, dims=3, dtype=torch.bool)
+        if self.width < 1 or self.selection.shape[2] != len(self.parties):
             raise ProtocolError(
-                f"{self.kind} from {self.sender}: a width >= 1 and counts >= 0 expected, "
-                f"found width {self.width}."
-            )
-        if self.counts.numel() and int(self.counts.max()) > len(self.parties):
-            raise ProtocolError(
-                f"{self.kind} from {self.sender}: counts <= {len(self.parties)} (the parties) "
-                f"expected, found {int(self.counts.max())}."
+                f"{self.kind} from {self.sender}: a width >= 1 and a (T, B, "
+                f"{len(self.parties)}) selection of the parties expected, found width "
+                f"{self.width} and shape {tuple(self.selection.shape)}."
             )
 
 

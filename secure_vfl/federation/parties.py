@@ -50,6 +50,7 @@ from secure_vfl.federation.aggregator import (
     check_selection,
     refuse_single_contributors,
     sum_context,
+    sum_members,
 )
 from secure_vfl.federation.messages import (
     AGGREGATOR,
@@ -250,9 +251,12 @@ class SecureSumParty(Party):
             )
         announced = self.sealer.public_key() if self.sealer is not None else None
         if announced is not None:
-            for peer in request.contributors:
+            # To the other contributors (pair masks) and to the receivers (self-masks).
+            for peer in dict.fromkeys((*request.contributors, *request.receivers)):
                 if peer != self.name:
                     self._announce(request, peer, "sender", announced)
+                elif self.opener is not None and self.name in request.receivers:
+                    self.opener.learn(self.name, "sender", announced)
         if self.name in request.receivers and self.opener is not None:
             key = self.opener.public_key()
             if key is not None:
@@ -267,12 +271,18 @@ class SecureSumParty(Party):
         )
 
     def on_public_key(self, message: PublicKeyMessage) -> None:
-        if self.sealer is None or message.scheme != self.scheme:
+        """A contributor's key goes to both its halves (its sealer's pair masks, its opener's
+        self-masks), a receiver's key to its sealer."""
+        halves = [self.sealer] if message.role == "receiver" else [self.sealer, self.opener]
+        learners = [half for half in halves if half is not None]
+        if not learners or message.scheme != self.scheme:
             raise ProtocolError(
-                f"{self.name}: a {message.scheme!r} public key from {message.sender}, but it "
-                f"runs {self.scheme or 'no secure sum'}."
+                f"{self.name}: a {message.scheme!r} {message.role} public key from "
+                f"{message.sender}, but it runs {self.scheme or 'no secure sum'} with no half "
+                f"that takes a {message.role} key."
             )
-        self.sealer.learn(message.sender, message.role, message.key)
+        for half in learners:
+            half.learn(message.sender, message.role, message.key)
 
     def on_seal_request(self, request: SealRequest) -> None:
         """Seal the representation kept for the request's source into the sums it asks for,
@@ -338,12 +348,7 @@ class SecureSumParty(Party):
                 f"{self.name}: sealed {message.scheme!r} sums from {message.sender}, but it "
                 "holds no key to open them."
             )
-        sums = self.opener.open(
-            message.payload,
-            counts=message.counts.numpy(),
-            width=message.width,
-            parties=len(message.parties),
-        )
+        sums = self.opener.open(message.payload, members=sum_members(message), width=message.width)
         self.on_sum(
             SumMessage(
                 sender=message.sender,
@@ -772,7 +777,7 @@ class AggregationServer(Party):
         """Combine the sealed shares of exactly the selected contributors, once per context."""
         assert self.adder is not None
         selection = request.selection
-        counts = refuse_single_contributors(selection, request.parties, receiver=request.deliver_to)
+        refuse_single_contributors(selection, request.parties, receiver=request.deliver_to)
         expected = [name for k, name in enumerate(request.parties) if bool(selection[..., k].any())]
         arrived = self._sealed.get(request.tag, {})
         if sorted(arrived) != sorted(expected):
@@ -805,7 +810,7 @@ class AggregationServer(Party):
                 scheme=self.scheme,
                 tag=request.tag,
                 width=width,
-                counts=counts,
+                selection=selection,
                 parties=request.parties,
                 payload=payload,
                 phase=request.phase,

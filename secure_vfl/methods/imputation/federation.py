@@ -56,8 +56,9 @@ from secure_vfl.models.feature_graph import FeatureGraph
 class Coordinator(SecureSumParty):
     """The FedAvg server of federated imputation (:data:`SERVER`): it drives the run by
     messages and is the receiver of every client sum (under Paillier or CKKS it holds the
-    receiver half, the scheme's only secret key). It holds no client's rows, model or
-    generator, and accepts nothing but sums from the aggregator and its own key set-up."""
+    receiver half, the scheme's only secret key; under pairwise masks the key that removes
+    the clients' self-masks). It holds no client's rows, model or generator, and accepts
+    nothing but sums from the aggregator, its own key set-up and the clients' public keys."""
 
     def __init__(self) -> None:
         super().__init__(SERVER)
@@ -65,7 +66,8 @@ class Coordinator(SecureSumParty):
     def receive(self, message: Message) -> None:
         from_aggregator = message.kind in ("sum", "sealed-sum") and message.sender == AGGREGATOR
         own_set_up = message.kind == "key-request" and message.sender == self.name
-        if not (from_aggregator or own_set_up):
+        announced = message.kind == "public-key" and message.sender != AGGREGATOR
+        if not (from_aggregator or own_set_up or announced):
             raise ProtocolError(
                 f"{self.name}: sums from {AGGREGATOR} expected, found a {message.kind} from "
                 f"{message.sender}."
