@@ -62,11 +62,11 @@ def write_site(directory: Path) -> None:
     features = np.concatenate([split.train.x, split.test.x])
     labels = np.concatenate([split.train.y, split.test.y])
     ids = [f"s{i:05d}" for i in range(len(labels))]
+    names = split.feature_names
+    assert names is not None, "the packaged Satellite names its columns"
     blocks = np.array_split(np.arange(features.shape[1]), len(PARTIES))
     for name, columns in zip(PARTIES, blocks, strict=True):
-        frame = pd.DataFrame(
-            features[:, columns], columns=[split.feature_names[c] for c in columns]
-        )
+        frame = pd.DataFrame(features[:, columns], columns=[names[c] for c in columns])
         frame.insert(0, "id", ids)
         frame.to_csv(directory / f"{name}.csv", index=False)
     pd.DataFrame({"id": ids, "label": labels}).to_csv(directory / "labels.csv", index=False)
