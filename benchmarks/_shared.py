@@ -1,7 +1,12 @@
-"""What the benchmark scripts share: a process pool of single-threaded jobs and atomic outputs."""
+"""What the benchmark scripts share: a process pool of single-threaded jobs, atomic outputs,
+free loopback ports and child processes stopped by their pids."""
 
 from __future__ import annotations
 
+import os
+import signal
+import socket
+import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -40,3 +45,52 @@ def write_outputs(out: Path, stem: str, text: str, payload: dict[str, Any]) -> N
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / f"{stem}.md", text)
     atomic_write_json(out / f"{stem}.json", payload)
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` ports on 127.0.0.1 the OS has just handed out (closed again, for a server)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+class Processes:
+    """Child processes started by a benchmark, each recorded by its pid and stopped by it.
+
+    Use as a context manager: whatever is still running when the block ends, passed or failed,
+    is killed (SIGKILL) by its pid and reaped.
+    """
+
+    def __init__(self, *, cwd: Path, env: dict[str, str] | None = None) -> None:
+        self.cwd = cwd
+        self.env = env
+        self.pids: list[int] = []
+        self._started: list[subprocess.Popen[bytes]] = []
+
+    def start(self, args: Sequence[str], *, log: Path) -> subprocess.Popen[bytes]:
+        """Start ``args`` with stdout and stderr into ``log``; its pid is recorded at once."""
+        with log.open("wb") as output:
+            process = subprocess.Popen(
+                list(args), stdout=output, stderr=subprocess.STDOUT, cwd=self.cwd, env=self.env
+            )
+        self._started.append(process)
+        self.pids.append(process.pid)
+        return process
+
+    def stop_all(self) -> None:
+        """Kill every recorded process that is still running, by its pid, and reap it."""
+        for process in self._started:
+            if process.poll() is None:
+                os.kill(process.pid, signal.SIGKILL)
+                process.wait(timeout=30)
+
+    def __enter__(self) -> Processes:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()

@@ -1,0 +1,372 @@
+"""What a deployed LASER run costs against the same run in one process (issue "Deployment").
+
+Satellite (the packaged dataset, train and test rows together, 6435 rows) is written as four
+party files, as a user would have them: the label party ``bank`` (9 columns and the labels) and
+the data parties ``shop``, ``insurer`` and ``telco`` (9 columns each). The same LASER run
+(``--heads active``, seed 0) is then run from the command line three ways, each with plaintext
+sums and with ``--secure-agg masks``:
+
+- ``in-process``: ``secure-vfl train --party-file ... --label-file ...``, one process;
+- ``grpc+mtls``: a deployment on 127.0.0.1, every party its own process (``party serve`` for the
+  three data parties and the aggregation server, ``train --federation`` for the label party),
+  over gRPC with mutual TLS;
+- ``grpc``: the same deployment with ``--insecure`` (plaintext gRPC).
+
+Reported, medians over the repeats (the configurations take turns within each repeat, so a
+burst of load on the shared machine hits all of them alike): epoch time, ``wall_time_s`` from
+``result.json`` divided by the epochs; bytes on the wire, ``result.json``'s traffic (every
+party's training bytes, the data parties' reported to the label party); and the ratios
+deployed / in-process and mTLS / plaintext gRPC. Every process is started with its pid recorded
+and killed by it in a ``finally``; ports are free ones picked at run time, on 127.0.0.1 only.
+
+    python benchmarks/deploy_costs.py            # the committed configuration
+    python benchmarks/deploy_costs.py --quick    # a smoke run: 1 epoch, 1 repeat, no output
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from _shared import Processes, command_line, free_ports, write_outputs
+
+ROOT = Path(__file__).resolve().parents[1]
+PARTIES = ("bank", "shop", "insurer", "telco")  # the label party first
+MODES = ("in-process", "grpc+mtls", "grpc")
+SUMS = ("plain", "masks")
+METHOD_FLAGS = ("--method", "laser", "--heads", "active", "--seed", "0", "--quiet")
+TARGET_DEPLOYED = 1.5  # deployed (mTLS) epoch time at most this times the in-process one
+TARGET_MTLS = 1.25  # mTLS epoch time at most this times plaintext gRPC's
+RUN_SECONDS = 900.0
+GRPC_COSTS = Path(__file__).parent / "results" / "grpc_costs.json"
+
+
+def write_site(directory: Path) -> None:
+    """The four parties' files of Satellite, the labels, and every party's certificate."""
+    import numpy as np
+    import pandas as pd
+
+    from protocols.tls import make_federation
+    from secure_vfl.data.datasets import load_dataset
+
+    split = load_dataset("satellite", rng=np.random.default_rng(0))
+    features = np.concatenate([split.train.x, split.test.x])
+    labels = np.concatenate([split.train.y, split.test.y])
+    ids = [f"s{i:05d}" for i in range(len(labels))]
+    names = split.feature_names
+    assert names is not None, "the packaged Satellite names its columns"
+    blocks = np.array_split(np.arange(features.shape[1]), len(PARTIES))
+    for name, columns in zip(PARTIES, blocks, strict=True):
+        frame = pd.DataFrame(features[:, columns], columns=[names[c] for c in columns])
+        frame.insert(0, "id", ids)
+        frame.to_csv(directory / f"{name}.csv", index=False)
+    pd.DataFrame({"id": ids, "label": labels}).to_csv(directory / "labels.csv", index=False)
+    make_federation(directory / "certs", [*PARTIES, "aggregator"])
+
+
+def write_federation(directory: Path) -> Path:
+    """A federation file for the four parties and the aggregator on free loopback ports."""
+    ports = free_ports(len(PARTIES) + 1)
+    lines = ['ca = "certs/ca.pem"', f'label_party = "{PARTIES[0]}"', "", "[aggregator]"]
+    lines += [f'address = "127.0.0.1:{ports[-1]}"']
+    lines += ['cert = "certs/aggregator.pem"', 'key = "certs/aggregator.key"']
+    for name, port in zip(PARTIES, ports, strict=False):
+        lines += ["", f"[party.{name}]", f'address = "127.0.0.1:{port}"']
+        lines += [f'cert = "certs/{name}.pem"', f'key = "certs/{name}.key"']
+        lines += [f'data = "{name}.csv"']
+        if name == PARTIES[0]:
+            lines += ['labels = "labels.csv"']
+    path = directory / "federation.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _svfl(*args: str) -> list[str]:
+    """The `secure-vfl` command line, run by this interpreter on this checkout."""
+    return [sys.executable, "-m", "secure_vfl", *args]
+
+
+def _run_flags(sums: str, epochs: int) -> list[str]:
+    secure = ["--secure-agg", "masks"] if sums == "masks" else []
+    return [*METHOD_FLAGS, "--epochs", str(epochs), *secure]
+
+
+def _finished(process: subprocess.Popen[bytes], log: Path, what: str) -> None:
+    """Wait for ``process``; a failure is an error quoting the end of its log."""
+    try:
+        code = process.wait(timeout=RUN_SECONDS)
+    except subprocess.TimeoutExpired:
+        code = None
+    if code != 0:
+        tail = log.read_text(errors="replace")[-2000:]
+        raise RuntimeError(f"{what} ended with {code} (expected 0); its log ends:\n{tail}")
+
+
+def run_once(site: Path, mode: str, sums: str, epochs: int, out: Path) -> dict[str, Any]:
+    """One run of ``mode`` with ``sums``: its result.json and the label party's command time."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GRPC_VERBOSITY": "NONE"}
+    flags = [*_run_flags(sums, epochs), "--out", str(out)]
+    with Processes(cwd=site, env=env) as processes:
+        if mode == "in-process":
+            files = [arg for name in PARTIES for arg in ("--party-file", f"{name}.csv")]
+            command = _svfl("train", *files, "--label-file", "labels.csv", *flags)
+            servers = []
+        else:
+            federation = write_federation(site)
+            insecure = ["--insecure"] if mode == "grpc" else []
+            servers = [
+                (
+                    name,
+                    processes.start(
+                        _svfl("party", "serve", "--federation", str(federation), "--name", name)
+                        + insecure,
+                        log=out.parent / f"{out.name}-{name}.log",
+                    ),
+                )
+                for name in (*PARTIES[1:], "aggregator")
+            ]
+            label = ["--federation", str(federation), "--name", PARTIES[0], *insecure]
+            command = _svfl("train", *label, *flags)
+        log = out.parent / f"{out.name}-{PARTIES[0]}.log"
+        start = time.perf_counter()
+        _finished(processes.start(command, log=log), log, f"{mode} {sums}: the label party")
+        command_seconds = time.perf_counter() - start
+        for name, server in servers:
+            _finished(server, out.parent / f"{out.name}-{name}.log", f"{mode} {sums}: {name}")
+    result = json.loads((out / "result.json").read_text())
+    traffic = result["traffic"]
+    steps = int(traffic["train_steps"])
+    train_bytes = sum(int(phases.get("train", 0)) for phases in traffic["bytes"].values())
+    return {
+        "mode": mode,
+        "sums": sums,
+        "epochs": epochs,
+        "epoch_seconds": result["wall_time_s"] / epochs,
+        "command_seconds": command_seconds,
+        "train_steps": steps,
+        "train_bytes": train_bytes,
+        "bytes_per_step": train_bytes / max(steps, 1),
+        "bytes_by_party": {party: phases for party, phases in traffic["bytes"].items()},
+        "metrics": result["metrics"],
+    }
+
+
+def summarise(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Medians per (sums, mode), with the ratios against in-process and against plaintext gRPC,
+    and whether every repeat gave exactly the in-process metrics."""
+    rows = []
+    for sums in SUMS:
+        medians: dict[str, dict[str, Any]] = {}
+        for mode in MODES:
+            mine = [r for r in runs if r["sums"] == sums and r["mode"] == mode]
+            if not mine:
+                continue
+            medians[mode] = {
+                "sums": sums,
+                "mode": mode,
+                "repeats": len(mine),
+                "epoch_seconds": statistics.median(r["epoch_seconds"] for r in mine),
+                "command_seconds": statistics.median(r["command_seconds"] for r in mine),
+                "steps_per_epoch": mine[0]["train_steps"] / mine[0]["epochs"],
+                "train_bytes_per_epoch": statistics.median(r["train_bytes"] for r in mine)
+                / mine[0]["epochs"],
+                "bytes_per_step": statistics.median(r["bytes_per_step"] for r in mine),
+                "epoch_seconds_all": [r["epoch_seconds"] for r in mine],
+            }
+        alone = [r for r in runs if r["sums"] == sums and r["mode"] == "in-process"]
+        for mode, row in medians.items():
+            row["vs_in_process"] = row["epoch_seconds"] / medians["in-process"]["epoch_seconds"]
+            if "grpc" in medians:
+                row["vs_grpc"] = row["epoch_seconds"] / medians["grpc"]["epoch_seconds"]
+            mine = [r for r in runs if r["sums"] == sums and r["mode"] == mode]
+            row["same_metrics"] = all(r["metrics"] == alone[0]["metrics"] for r in mine)
+            rows.append(row)
+    return rows
+
+
+def transport_figures() -> dict[str, float] | None:
+    """The committed ``grpc_costs.json`` figures for ``--heads active``: messages per step and
+    the time per message (one round trip) over plaintext gRPC and over mTLS."""
+    if not GRPC_COSTS.exists():
+        return None
+    rows = json.loads(GRPC_COSTS.read_text())["rows"]
+    (active,) = [row for row in rows if row["heads"] == "active"]
+    messages = float(active["messages_per_step"])
+    step = active["step_seconds"]
+    return {
+        "messages_per_step": messages,
+        "grpc_round_trip_s": step["grpc"] / messages,
+        "mtls_round_trip_s": step["grpc+mtls"] / messages,
+        "in_process_message_s": step["in-process"] / messages,
+    }
+
+
+def verdicts(rows: list[dict[str, Any]]) -> list[tuple[str, str, float, float]]:
+    """(target, sums, measured ratio, limit) for both targets and both sums."""
+    found = []
+    for row in rows:
+        if row["mode"] == "grpc+mtls":
+            found.append(
+                ("deployed (mTLS) / in-process", row["sums"], row["vs_in_process"], TARGET_DEPLOYED)
+            )
+            if "vs_grpc" in row:
+                found.append(("mTLS / plaintext gRPC", row["sums"], row["vs_grpc"], TARGET_MTLS))
+    return found
+
+
+def _analysis(rows: list[dict[str, Any]], figures: dict[str, float] | None) -> list[str]:
+    """Where a deployed epoch's time goes: the round trips per step against the extra time."""
+    if figures is None:
+        return ["(`results/grpc_costs.json` is missing: no per-round-trip figures to compare.)"]
+    messages = figures["messages_per_step"]
+    lines = [
+        "## Why: round trips per step",
+        "",
+        f"Over the network every message is one gRPC call that returns once the receiver has "
+        f"acted on it, and the label party drives a step's messages one after the other: "
+        f"a LASER `--heads active` step on Satellite is {messages:.0f} messages "
+        f"(`grpc_costs.md`, plaintext sums), so {messages:.0f} sequential round trips per step. "
+        f"`grpc_costs.md` measured a round trip at "
+        f"{1000 * figures['grpc_round_trip_s']:.2f} ms (plaintext gRPC) and "
+        f"{1000 * figures['mtls_round_trip_s']:.2f} ms (mTLS) on loopback against "
+        f"{1000 * figures['in_process_message_s']:.3f} ms in one process.",
+        "",
+        "| sums | steps/epoch | in-process step (ms) | mTLS step (ms) | extra per step (ms) "
+        "| transport alone, predicted (ms) | extra per round trip (ms) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for sums in SUMS:
+        by_mode = {r["mode"]: r for r in rows if r["sums"] == sums}
+        if "grpc+mtls" not in by_mode:
+            continue
+        steps = by_mode["in-process"]["steps_per_epoch"]
+        alone = by_mode["in-process"]["epoch_seconds"] / steps
+        deployed = by_mode["grpc+mtls"]["epoch_seconds"] / steps
+        predicted = messages * (figures["mtls_round_trip_s"] - figures["in_process_message_s"])
+        lines.append(
+            f"| {sums} | {steps:.0f} | {1000 * alone:.1f} | {1000 * deployed:.1f} | "
+            f"{1000 * (deployed - alone):.1f} | {1000 * predicted:.1f} | "
+            f"{1000 * (deployed - alone) / messages:.2f} |"
+        )
+    lines += [
+        "",
+        "The predicted column is the transport alone: a round trip per message as "
+        "`grpc_costs.py` measured it, with nothing else running in the two processes. The rest "
+        "of the extra time is what a deployment adds around it: five processes instead of one "
+        "share the machine's two cores (each with its own torch threads and gRPC polling "
+        "threads, and here with the other work on the machine), and each message waits for the "
+        "receiving process's gRPC thread to be scheduled before its handler runs, once per "
+        "round trip. What would close the gap, without changing the protocol's content: fewer, "
+        "larger "
+        "messages per party per step (one message carrying a party's whole part of a step, e.g. "
+        "its representation request and its sum request batched, or a step's gradients for all "
+        "parties sent at once), so that the round trips per step fall from one per message to "
+        "one or two per party; and asynchronous sends (a `send` that returns once the bytes are "
+        "queued, with the reply awaited only where the next computation needs it), so that the "
+        "label party's requests to the three data parties overlap instead of queueing behind "
+        "each other's round trips.",
+    ]
+    return lines
+
+
+def _table(
+    rows: list[dict[str, Any]],
+    argv: Sequence[str] | None,
+    load: tuple[tuple[float, float, float], tuple[float, float, float]],
+    epochs: int,
+) -> str:
+    names = {"in-process": "in-process", "grpc+mtls": "gRPC + mTLS", "grpc": "gRPC (insecure)"}
+    lines = [
+        "# A deployed LASER run against the same run in one process",
+        "",
+        f"Command: `{command_line('deploy_costs.py', argv)}`",
+        "",
+        "Satellite (6435 rows; the label party `bank` with 9 columns and the labels, three data "
+        "parties with 9 columns each; 20 % of the rows held out for testing), LASER "
+        f"`--heads active`, batch 128, seed 0, {epochs} epochs, every run from the command line. "
+        "The deployments are on 127.0.0.1: three `party serve` processes, the aggregation "
+        "server and the label party's `train --federation`.",
+        "",
+        "Epoch time is `wall_time_s` from `result.json` divided by the epochs: it counts building "
+        "the label party's side of the method, every training step and the evaluation on both "
+        "test sets (p_miss 0 and 0.5), but not the process start, the alignment or the "
+        "deployment's set-up messages (the whole label-party command, all of that included, is "
+        "the `command (s)` column). Bytes are `result.json`'s traffic: the training bytes every "
+        "party (and the aggregation server) put on the wire.",
+        "",
+        "| sums | run | epoch (s) | command (s) | MiB/epoch | KiB/step | vs in-process "
+        "| vs gRPC (insecure) | same metrics as in-process |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['sums']} | {names[row['mode']]} | {row['epoch_seconds']:.2f} | "
+            f"{row['command_seconds']:.1f} | {row['train_bytes_per_epoch'] / 2**20:.1f} | "
+            f"{row['bytes_per_step'] / 1024:.1f} | {row['vs_in_process']:.2f}x | "
+            + (f"{row['vs_grpc']:.2f}x" if "vs_grpc" in row else "-")
+            + f" | {'yes' if row['same_metrics'] else 'NO'} |"
+        )
+    found = verdicts(rows)
+    lines += ["", "## Targets", "", "| target | sums | measured | limit | verdict |"]
+    lines += ["|---|---|---|---|---|"]
+    for target, sums, ratio, limit in found:
+        verdict = "MET" if ratio <= limit else "MISSED"
+        lines.append(f"| {target} | {sums} | {ratio:.2f}x | {limit:.2f}x | {verdict} |")
+    repeats = min(row["repeats"] for row in rows)
+    lines += [
+        "",
+        f"Medians of {repeats} repeats; within each repeat the six configurations ran one after "
+        f"the other. The machine ({os.cpu_count()} cores) was shared with other work: load "
+        f"average (1, 5, 15 minutes) {load[0][0]:.1f}, {load[0][1]:.1f}, {load[0][2]:.1f} at "
+        f"the start and {load[1][0]:.1f}, {load[1][1]:.1f}, {load[1][2]:.1f} at the end, so "
+        "absolute times are noisy; the ratios are taken within this one run of the script.",
+        "",
+    ]
+    if any(ratio > limit for _, _, ratio, limit in found):
+        lines += _analysis(rows, transport_figures())
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--epochs", type=int, default=3, help="training epochs per run")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="1 epoch x 1 repeat, no output")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args(argv)
+    epochs, repeats = (1, 1) if args.quick else (args.epochs, args.repeats)
+    load_before = os.getloadavg()
+    runs = []
+    with tempfile.TemporaryDirectory() as scratch:
+        site = Path(scratch)
+        write_site(site)
+        for repeat in range(repeats):
+            for sums in SUMS:
+                for mode in MODES:
+                    out = site / f"{mode}-{sums}-{repeat}"
+                    run = run_once(site, mode, sums, epochs, out)
+                    print(
+                        f"repeat {repeat} {sums:5s} {mode:10s} epoch {run['epoch_seconds']:.2f} s"
+                        f", {run['bytes_per_step'] / 1024:.1f} KiB/step",
+                        flush=True,
+                    )
+                    runs.append({**run, "repeat": repeat})
+    rows = summarise(runs)
+    text = _table(rows, argv, (load_before, os.getloadavg()), epochs)
+    print(text)
+    if not args.quick:
+        write_outputs(args.out, "deploy_costs", text, {"rows": rows, "runs": runs})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
