@@ -323,15 +323,17 @@ def dp_lines(dp: dict[str, Any], command: str) -> list[str]:
             f"| {1000 * r['step_s']:.1f} ms | {r['step_s'] / base['step_s']:.2f}x "
             f"| {r['accuracy']:.1f} | {eps} |"
         )
-    lines += [
+    notes = [
         f"{r['protection']}: {len(r['diverged'])} of {dp['repeats']} runs diverged (not timed; "
         f"first: {r['diverged'][0]})"
         for r in dp["rows"]
         if r["diverged"]
     ]
-    lines += [
+    notes += [
         f"{name}: every run diverged ({errors[0]})" for name, errors in dp["all_diverged"].items()
     ]
+    for note in notes:  # each its own paragraph, after the table
+        lines += ["", note]
     return lines
 
 
