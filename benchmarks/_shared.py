@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -45,18 +44,6 @@ def write_outputs(out: Path, stem: str, text: str, payload: dict[str, Any]) -> N
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / f"{stem}.md", text)
     atomic_write_json(out / f"{stem}.json", payload)
-
-
-def free_ports(count: int) -> list[int]:
-    """``count`` ports on 127.0.0.1 the OS has just handed out (closed again, for a server)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 class Processes:

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _shared import Processes, command_line, free_ports, write_outputs
+from _shared import Processes, command_line, write_outputs
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTIES = ("bank", "shop", "insurer", "telco")  # the label party first
@@ -75,7 +75,9 @@ def write_site(directory: Path) -> None:
 
 def write_federation(directory: Path) -> Path:
     """A federation file for the four parties and the aggregator on free loopback ports."""
-    ports = free_ports(len(PARTIES) + 1)
+    from secure_vfl.federation.network import free_loopback_ports
+
+    ports = free_loopback_ports(len(PARTIES) + 1)
     lines = ['ca = "certs/ca.pem"', f'label_party = "{PARTIES[0]}"', "", "[aggregator]"]
     lines += [f'address = "127.0.0.1:{ports[-1]}"']
     lines += ['cert = "certs/aggregator.pem"', 'key = "certs/aggregator.key"']

@@ -18,14 +18,8 @@ PIDS=()
 trap 'for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done' EXIT
 
 # Free ports for the four parties and the aggregator, chosen by the OS.
-read -r P0 P1 P2 P3 PA < <("$PYTHON" - <<'PY'
-import socket
-sockets = [socket.socket() for _ in range(5)]
-for s in sockets:
-    s.bind(("127.0.0.1", 0))
-print(*(s.getsockname()[1] for s in sockets))
-PY
-)
+read -r P0 P1 P2 P3 PA < <("$PYTHON" -c \
+    "from secure_vfl.federation.network import free_loopback_ports; print(*free_loopback_ports(5))")
 
 "$PYTHON" - "$DIR" <<'PY'
 import sys

@@ -9,7 +9,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,23 +25,12 @@ from protocols import tls
 from secure_vfl.cli import main
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation.federation_file import read_federation
+from secure_vfl.federation.network import free_loopback_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTIES = ("bank", "shop", "insurer", "telco")  # the label party first
 PROCESS_SECONDS = 120.0
 FLAGS = ["--epochs", "2", "--batch-size", "64", "--representation-dim", "8", "--quiet"]
-
-
-def free_ports(count: int) -> list[int]:
-    """Ports the OS has just handed out (closed again at once, for a party to bind)."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def write_party_files(directory: Path, *, rows: int = 240) -> None:
@@ -146,7 +134,7 @@ def in_process(site: Path, out: Path, *flags: str) -> dict[str, Any]:
 def deployed(
     site: Path, processes: Processes, out: Path, *flags: str
 ) -> tuple[dict[str, Any], list[int]]:
-    federation = write_federation(site, site / "certs", free_ports(5))
+    federation = write_federation(site, site / "certs", free_loopback_ports(5))
     servers = [processes.serve(federation, name) for name in (*PARTIES[1:], "aggregator")]
     label = processes.start(
         "train",
@@ -189,7 +177,7 @@ def test_four_processes_train_to_exactly_the_in_process_metrics(
 def test_a_data_party_exits_non_zero_when_the_label_party_dies(
     site: Path, processes: Processes, tmp_path: Path
 ) -> None:
-    federation = write_federation(site, site / "certs", free_ports(5))
+    federation = write_federation(site, site / "certs", free_loopback_ports(5))
     deadline = 4.0
     servers = [
         processes.serve(federation, name, "--deadline", str(deadline))
@@ -226,7 +214,7 @@ def test_a_data_party_exits_non_zero_when_the_label_party_dies(
 
 
 def test_a_party_given_the_wrong_name_is_refused(site: Path, tmp_path: Path) -> None:
-    federation = write_federation(site, site / "certs", free_ports(5))
+    federation = write_federation(site, site / "certs", free_loopback_ports(5))
     with pytest.raises(SystemExit):
         main(["party", "serve", "--federation", str(federation)])
     assert main(["party", "serve", "--federation", str(federation), "--name", "nobody"]) == 2
@@ -242,7 +230,7 @@ def test_a_certificate_from_another_ca_or_naming_another_party_is_refused(
 ) -> None:
     other = tmp_path / "other"
     tls.make_federation(other, ["shop"])
-    ports = free_ports(5)
+    ports = free_loopback_ports(5)
     impostor_dir, honest_dir = tmp_path / "impostor", tmp_path / "honest"
     impostor_dir.mkdir()
     honest_dir.mkdir()
@@ -300,7 +288,7 @@ def test_a_certificate_from_another_ca_or_naming_another_party_is_refused(
 
 
 def test_a_party_reads_only_its_own_key(site: Path, tmp_path: Path) -> None:
-    ports = free_ports(5)
+    ports = free_loopback_ports(5)
     federation = read_federation(
         write_federation(
             tmp_path, site / "certs", ports, **{f"{site}/certs/insurer.key": "/nonexistent.key"}
@@ -326,7 +314,7 @@ def test_a_party_reads_only_its_own_key(site: Path, tmp_path: Path) -> None:
 def test_the_federation_file_refuses_mistakes_naming_the_key(
     tmp_path: Path, change: dict[str, str], message: str
 ) -> None:
-    path = write_federation(tmp_path, tmp_path, free_ports(5), **change)
+    path = write_federation(tmp_path, tmp_path, free_loopback_ports(5), **change)
     with pytest.raises(ConfigError) as caught:
         read_federation(path)
     assert message in str(caught.value)
@@ -334,14 +322,14 @@ def test_the_federation_file_refuses_mistakes_naming_the_key(
 
 
 def test_the_federation_file_refuses_a_shared_address(tmp_path: Path) -> None:
-    port = free_ports(1)[0]
+    port = free_loopback_ports(1)[0]
     path = write_federation(tmp_path, tmp_path, [port] * 5)
     with pytest.raises(ConfigError, match="both have"):
         read_federation(path)
 
 
 def test_relative_paths_are_relative_to_the_file(tmp_path: Path) -> None:
-    path = write_federation(tmp_path, Path("certs"), free_ports(5))
+    path = write_federation(tmp_path, Path("certs"), free_loopback_ports(5))
     with contextlib.chdir(ROOT):
         federation = read_federation(path)
     assert federation.ca == tmp_path / "certs" / "ca.pem"

@@ -67,6 +67,7 @@ import logging
 import queue
 import re
 import secrets
+import socket
 import stat
 import threading
 import time
@@ -108,6 +109,19 @@ STREAMS_KEPT = 4
 _NOT_DELIVERED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _STREAM, _SEQUENCE, _SIZE = "svfl-stream", "svfl-sequence", "svfl-size"
 _PARTY_NAME = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
+
+
+def free_loopback_ports(count: int) -> list[int]:
+    """``count`` distinct ports on 127.0.0.1 that the OS has just handed out (and that are
+    closed again, for parties to bind): for a federation on one machine, tests and examples."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
 
 
 def check_party_name(name: str) -> str:
