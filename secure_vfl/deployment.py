@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from secure_vfl.data.missingness import parse_mechanism
-from secure_vfl.data.party_files import PartyTable, read_party_file
+from secure_vfl.data.party_files import ID_COLUMN, LABEL_COLUMN, PartyTable, read_party_file
 from secure_vfl.data.vertical import (
     RowPlan,
     VerticalData,
@@ -453,15 +453,16 @@ def refuse_undeployable(config: Any) -> None:
             f"ids). Found --align {config.align}."
         )
     own_file_options = {
-        "--id-column": config.id_column != "id",
-        "--label-column": config.label_column != "label",
+        "--id-column": config.id_column != ID_COLUMN,
+        "--label-column": config.label_column != LABEL_COLUMN,
         "--party-name": bool(config.party_names),
     }
     chosen = [flag for flag, given in own_file_options.items() if given]
     if chosen:
         raise ConfigError(
             f"--federation takes the parties' names from the federation file and the columns "
-            f"`id` and `label`; found {', '.join(chosen)} (not offered with --federation yet)."
+            f"`{ID_COLUMN}` and `{LABEL_COLUMN}`; found {', '.join(chosen)} (not offered with "
+            "--federation yet)."
         )
     for text in (config.train_missing, *config.test_missing):
         mechanism = parse_mechanism(text)

@@ -335,3 +335,17 @@ def test_relative_paths_are_relative_to_the_file(tmp_path: Path) -> None:
     assert federation.ca == tmp_path / "certs" / "ca.pem"
     assert federation.member("shop").data == tmp_path / "shop.csv"
     assert federation.names == list(PARTIES)
+
+
+def test_own_file_options_are_refused_with_federation_before_any_contact(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    federation = write_federation(site, site / "certs", free_loopback_ports(5))
+    args = ["train", "--federation", str(federation), "--name", "bank", "--method", "laser"]
+    args += ["--quiet", "--wait", "1", "--out", str(tmp_path / "o")]
+    for extra in (["--id-column", "patient"], ["--label-column", "outcome"]):
+        capsys.readouterr()
+        assert main([*args, *extra]) == 2
+        err = capsys.readouterr().err
+        assert f"found {extra[0]} (not offered with --federation yet)" in err, err
+    assert not (tmp_path / "o").exists()
