@@ -1,14 +1,17 @@
-"""Shared fixtures: small synthetic vertical datasets that train in well under a second, and
-torch on one thread for tests that compare trained models bit for bit."""
+"""Shared fixtures: small synthetic vertical datasets that train in well under a second, torch
+on one thread for tests that compare trained models bit for bit, and DP noise keyed per test."""
 
 from __future__ import annotations
 
+import hashlib
+import random
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
 import torch
 
+import protocols.noise
 from secure_vfl.data.datasets import DatasetSplit, LabeledArrays
 from secure_vfl.data.missingness import parse_mechanism
 from secure_vfl.data.vertical import VerticalData, make_vertical
@@ -65,3 +68,25 @@ def one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+class _KeyStream:
+    """Stands in for :mod:`secrets` in :mod:`protocols.noise`: keys from a stream seeded by the
+    test's name, so a test's DP noise and Poisson samples are the same on every run (a run that
+    diverges under one draw of the noise diverges every time, here and in CI) while two
+    generators made in one test still get different keys."""
+
+    def __init__(self, name: str) -> None:
+        self._random = random.Random(hashlib.sha256(name.encode()).digest())
+
+    def randbits(self, bits: int) -> int:
+        return self._random.getrandbits(bits)
+
+
+@pytest.fixture(autouse=True)
+def noise_keyed_per_test(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In-process DP noise keyed from the test's name instead of operating-system entropy
+    (processes a test starts still draw from the OS); ``@pytest.mark.os_entropy`` opts out, for
+    the tests of the secure source itself."""
+    if request.node.get_closest_marker("os_entropy") is None:
+        monkeypatch.setattr(protocols.noise, "secrets", _KeyStream(request.node.nodeid))

@@ -21,6 +21,8 @@ from secure_vfl.federation.parties import DataParty
 from secure_vfl.methods import METHODS, MethodConfig
 from secure_vfl.methods.base import in_process_parties
 
+pytestmark = pytest.mark.os_entropy  # these test the secure source itself
+
 CONFIG = MethodConfig(heads="active", epochs=1, batch_size=32, representation_dim=8)
 
 
