@@ -22,7 +22,7 @@ from typing import Any
 from secure_vfl.errors import ConfigError
 from secure_vfl.runs import provenance, summarise
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -42,7 +42,8 @@ CREATE TABLE IF NOT EXISTS runs (
     config TEXT NOT NULL,
     metrics TEXT NOT NULL,
     wall_time_s REAL NOT NULL,
-    out_dir TEXT
+    out_dir TEXT,
+    parties TEXT
 )
 """
 
@@ -123,7 +124,8 @@ class ResultsStore:
         return connection
 
     def _prepare(self, connection: sqlite3.Connection) -> None:
-        """Create the table, or migrate the first schema; refuse what this code cannot read."""
+        """Create the table, or migrate an older schema (the first: rewritten; the second: a
+        ``parties`` column added, empty for its rows); refuse what this code cannot read."""
         version = int(connection.execute("PRAGMA user_version").fetchone()[0])
         if version > SCHEMA_VERSION:
             raise ConfigError(
@@ -137,6 +139,10 @@ class ResultsStore:
                 connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             return
         if "run_key" in columns:
+            if "parties" not in columns:  # schema 2: the parties' names were not kept
+                with connection:
+                    connection.execute("ALTER TABLE runs ADD COLUMN parties TEXT")
+                    connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             return
         if not columns >= _FIRST_COLUMNS:
             raise ConfigError(
@@ -231,6 +237,7 @@ class ResultsStore:
             json.dumps(result["metrics"], sort_keys=True),
             result["wall_time_s"],
             str(Path(out_dir).resolve()) if out_dir is not None else None,
+            json.dumps(result["parties"], sort_keys=True) if result.get("parties") else None,
         )
         connection = self._connect()
         try:
@@ -239,7 +246,7 @@ class ResultsStore:
                 cursor = connection.execute(
                     "INSERT INTO runs (run_key, created_at, kind, method, dataset, seed, backend, "
                     "dp, epsilon, epsilon_max, version, git_commit, config, metrics, wall_time_s, "
-                    "out_dir) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "out_dir, parties) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     row,
                 )
                 return int(cursor.lastrowid or 0)
@@ -273,5 +280,6 @@ class ResultsStore:
             entry["config"] = json.loads(entry["config"])
             entry["metrics"] = json.loads(entry["metrics"])
             entry["epsilon"] = json.loads(entry["epsilon"]) if entry["epsilon"] else None
+            entry["parties"] = json.loads(entry["parties"]) if entry["parties"] else None
             out.append(entry)
         return out

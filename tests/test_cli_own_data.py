@@ -196,7 +196,7 @@ def test_missing_cells_refused_on_request_and_an_empty_column_always(
     assert not (tmp_path / "r").exists()
 
 
-def test_party_names_given_are_shown_in_result_json_the_summary_and_runs_compare(
+def test_party_names_given_are_shown_in_result_json_the_summary_runs_compare_and_list(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     bank, shop, labels = write_case(tmp_path)
@@ -213,6 +213,9 @@ def test_party_names_given_are_shown_in_result_json_the_summary_and_runs_compare
     assert main(["runs", "compare", str(out)]) == 0
     table = capsys.readouterr().out.splitlines()
     assert table[0].rstrip().endswith("parties") and table[1].endswith("north-bank, south")
+    assert main(["runs", "list", "--store", str(tmp_path / "results.sqlite")]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert listed[0].rstrip().endswith("parties") and listed[1].endswith("north-bank, south")
     err = refused(train_argv(bank, shop, labels, tmp_path / "r", "--party-name", "one"), capsys)
     assert "one --party-name per --party-file expected (2); found 1" in err
     dataset = ["train", "--method", "laser", "--dataset", "digits", "--out", str(tmp_path / "d")]

@@ -135,6 +135,30 @@ def test_a_first_schema_store_is_migrated_in_place(tmp_path: Path) -> None:
     assert [r["backend"] for r in store.rows()] == ["masks"]
 
 
+def test_a_second_schema_store_gains_the_parties_column_in_place(tmp_path: Path) -> None:
+    path = tmp_path / "results.sqlite"
+    store = ResultsStore(path)
+    result = {
+        "method": "laser",
+        "dataset": "own files",
+        "config": {"seed": 0},
+        "metrics": {"mcar:0": {"accuracy": 91.0, "f1": 90.0}},
+        "wall_time_s": 2.0,
+        "parties": {"party-0": "bank", "party-1": "shop"},
+    }
+    store.add(result, kind="train", out_dir=tmp_path / "old")
+    with sqlite3.connect(path) as connection:  # what schema 2 wrote: no parties column
+        connection.execute("ALTER TABLE runs DROP COLUMN parties")
+        connection.execute("PRAGMA user_version = 2")
+    connection.close()
+    store.check()
+    store.add(result, kind="train", out_dir=tmp_path / "new")
+    assert [r["parties"] for r in store.rows()] == [None, result["parties"]]
+    with sqlite3.connect(path) as connection:
+        assert connection.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+    connection.close()
+
+
 def test_a_store_of_a_newer_schema_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "results.sqlite"
     with sqlite3.connect(path) as connection:
