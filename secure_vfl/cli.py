@@ -1300,11 +1300,14 @@ def _named_text(text: str, mapping: dict[str, str]) -> str:
 
 
 def _relabel(value: Any, mapping: dict[str, str]) -> Any:
-    """``value`` with every dictionary key found in ``mapping`` renamed, at any depth."""
+    """``value`` in the users' party names at any depth: dictionary keys found in ``mapping``
+    renamed, and every internal name in a text (a guarantee's "against party-1") replaced."""
     if isinstance(value, dict):
         return {mapping.get(k, k): _relabel(v, mapping) for k, v in value.items()}
     if isinstance(value, list):
         return [_relabel(v, mapping) for v in value]
+    if isinstance(value, str):
+        return _named_text(value, mapping)
     return value
 
 
