@@ -500,6 +500,46 @@ def test_send_returns_once_the_receiver_acted_and_its_replies_were_handled(certs
     assert bank.bytes[("bank", "shop", "train")] == 3 * len(wire.encode(_greeting()))
 
 
+def test_send_all_lets_its_receivers_act_at_once_and_raises_a_refusal_after_all_acted(
+    certs: Path,
+) -> None:
+    """shop's handler waits for aggregator's to have acted: one send after the other would
+    leave it waiting in vain (it records False); send_all has both deliveries in flight."""
+    bank = PartyEndpoint("bank", identity=_identity(certs, "bank"), deadline=20.0)
+    peers = {
+        name: PartyEndpoint(name, identity=_identity(certs, name), deadline=20.0)
+        for name in ("shop", "aggregator")
+    }
+    for name, peer in peers.items():
+        bank.add_peer(name, peer.address)
+    aggregator_acted = threading.Event()
+    seen: list[tuple[str, int, bool]] = []
+
+    def shop_handler(message: Message) -> None:
+        seen.append(("shop", message.round, aggregator_acted.wait(timeout=10.0)))
+        if message.round == 13:
+            raise ProtocolError("round 13 is not the round expected")
+
+    def aggregator_handler(message: Message) -> None:
+        seen.append(("aggregator", message.round, True))
+        aggregator_acted.set()
+
+    peers["shop"].handler = shop_handler
+    peers["aggregator"].handler = aggregator_handler
+    to_shop, to_aggregator = _greeting(), _greeting(receiver="aggregator")
+    with bank, _Serving(peers["shop"]), _Serving(peers["aggregator"]):
+        sizes = bank.send_all([to_shop, to_aggregator])
+        assert sorted(seen) == [("aggregator", 1, True), ("shop", 1, True)]
+        assert sizes == [len(wire.encode(to_shop)), len(wire.encode(to_aggregator))]
+        seen.clear()
+        aggregator_acted.clear()
+        with pytest.raises(ProtocolError, match="round 13 is not the round expected"):
+            bank.send_all([dataclasses.replace(m, round=13) for m in (to_shop, to_aggregator)])
+        assert sorted(seen) == [("aggregator", 13, True), ("shop", 13, True)]
+    assert bank.bytes[("bank", "shop", "train")] == 2 * len(wire.encode(to_shop))
+    assert bank.bytes[("bank", "aggregator", "train")] == 2 * len(wire.encode(to_aggregator))
+
+
 def test_a_retried_delivery_is_acted_on_once_and_a_replay_is_refused(certs: Path) -> None:
     shop = PartyEndpoint("shop", identity=_identity(certs, "shop"), deadline=20.0)
     bank = _identity(certs, "bank")

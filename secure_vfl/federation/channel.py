@@ -163,6 +163,13 @@ class Channel:
             )
         receiver.receive(self.send(message))
 
+    def post_all(self, messages: Sequence[Message], *, sender: Party) -> None:
+        """Send ``messages`` from ``sender``, each to the party it names, with no message
+        depending on another's answer: a transport may deliver them at once (the network does);
+        in one process they go one after another, in order."""
+        for message in messages:
+            self.post(message, sender=sender)
+
     def check_sender(self, message: Message, sender: Party) -> None:
         """ProtocolError unless ``sender`` is the attached party ``message`` names as sender."""
         if message.sender != sender.name or self._parties.get(sender.name) is not sender:

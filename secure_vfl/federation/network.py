@@ -228,6 +228,20 @@ _WAKE = object()  # an outgoing call finished: the waiting party thread looks ag
 _Item = _Arrival | _Refused | object
 
 
+@dataclasses.dataclass
+class _Delivery:
+    """One message on its way to a peer: its bytes, its numbered metadata and its attempt."""
+
+    message: Message
+    data: bytes
+    channel: grpc.Channel
+    metadata: tuple[tuple[str, str], ...]
+    start: float
+    timeout: float
+    future: Any = None
+    attempts: int = 1
+
+
 class _Refusal(Exception):
     """Raised inside a server thread to refuse a delivery with a status code."""
 
@@ -637,6 +651,31 @@ class PartyEndpoint:
         refuses it (the peer's reason is quoted) or it does not come from this party;
         TransportError if the peer is not reached (after retries on UNAVAILABLE) or does not
         answer within ``deadline`` seconds (default: the endpoint's)."""
+        return self.send_all([message], deadline=deadline)[0]
+
+    def send_all(self, messages: Sequence[Message], *, deadline: float | None = None) -> list[int]:
+        """Deliver ``messages`` as :meth:`send` does, but to their peers at once: every peer
+        acts on its own while the others do, and this returns (their encoded sizes) once each
+        has acted. Messages to one peer keep their order (they go one after another). After a
+        failure the others are still waited for, then the first failure is raised."""
+        if len({message.receiver for message in messages}) < len(messages):
+            return [
+                size for message in messages for size in self.send_all([message], deadline=deadline)
+            ]
+        deliveries = [self._start(message, deadline) for message in messages]
+        sizes, failures = [], []
+        for delivery in deliveries:
+            try:
+                sizes.append(self._complete(delivery))
+            except ProtocolError as error:  # TransportError included
+                failures.append(error)
+        if failures:
+            raise failures[0]
+        return sizes
+
+    def _start(self, message: Message, deadline: float | None) -> _Delivery:
+        """Encode ``message``, number it on its peer's stream and put its first attempt on the
+        wire."""
         if message.sender != self.name:
             raise ProtocolError(
                 f"{self.name}: a {message.kind} naming sender {message.sender!r}; a party sends "
@@ -655,13 +694,17 @@ class PartyEndpoint:
             (_SEQUENCE, str(self._sequence[message.receiver])),
         )
         timeout = self.deadline if deadline is None else deadline
-        start = time.monotonic()
+        delivery = _Delivery(message, data, channel, metadata, time.monotonic(), timeout)
+        delivery.future = self._call(channel, data, metadata, timeout)
+        return delivery
+
+    def _complete(self, delivery: _Delivery) -> int:
+        """Wait for ``delivery`` (acting on what arrives), retrying it on UNAVAILABLE within its
+        deadline; its encoded size once the peer has acted, else the failure."""
+        message, data = delivery.message, delivery.data
         backoffs = self.retry.backoffs()
-        attempt = 0
         while True:
-            attempt += 1
-            remaining = start + timeout - time.monotonic()
-            future = self._call(channel, data, metadata, max(remaining, 0.001))
+            future = delivery.future
             self._wait_for(future)
             error = future.exception()
             if error is None or error.code() not in _NOT_DELIVERED:
@@ -670,10 +713,16 @@ class PartyEndpoint:
             if error is None:
                 return len(data)
             backoff = next(backoffs, None)
-            late = time.monotonic() + (backoff or 0.0) >= start + timeout
+            end = delivery.start + delivery.timeout
+            late = time.monotonic() + (backoff or 0.0) >= end
             if error.code() != grpc.StatusCode.UNAVAILABLE or backoff is None or late:
-                raise self._failure(message, error, attempt, start)
+                raise self._failure(message, error, delivery.attempts, delivery.start)
             self._pause(backoff)
+            delivery.attempts += 1
+            remaining = end - time.monotonic()
+            delivery.future = self._call(
+                delivery.channel, data, delivery.metadata, max(remaining, 0.001)
+            )
 
     def _call(
         self,
@@ -763,3 +812,10 @@ class NetworkChannel(Channel):
         """Send ``message`` from the attached party to the peer it names, over the network."""
         self.check_sender(message, sender)
         self.endpoint.send(self.through_layers(message))
+
+    def post_all(self, messages: Sequence[Message], *, sender: Party) -> None:
+        """Send ``messages`` from the attached party to their peers at once
+        (:meth:`PartyEndpoint.send_all`): the peers act concurrently."""
+        for message in messages:
+            self.check_sender(message, sender)
+        self.endpoint.send_all([self.through_layers(message) for message in messages])

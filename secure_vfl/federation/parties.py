@@ -127,6 +127,28 @@ class Party:
             raise ProtocolError(f"{self.name} is not connected to a channel; cannot send.")
         self._channel.post(message, sender=self)
 
+    def send_all(self, messages: Sequence[Message]) -> None:
+        """Send ``messages``, none of which depends on another's answer, in this party's name
+        and order: each through the outgoing hooks, then each run of consecutive messages to
+        other parties at once (:meth:`Channel.post_all`: over the network their receivers act
+        concurrently), those to itself where they stand."""
+        pending: list[Message] = []
+        for message in [self.release(message) for message in messages]:
+            if message.receiver != self.name:
+                pending.append(message)
+                continue
+            self._post_all(pending)
+            pending = []
+            self.receive(message)
+        self._post_all(pending)
+
+    def _post_all(self, messages: list[Message]) -> None:
+        if not messages:
+            return
+        if self._channel is None:
+            raise ProtocolError(f"{self.name} is not connected to a channel; cannot send.")
+        self._channel.post_all(messages, sender=self)
+
     def receive(self, message: Message) -> None:
         """Act on a message delivered to this party (its handler, or its inbox)."""
         if message.receiver != self.name:

@@ -301,12 +301,12 @@ class Federation:
         each sender keeps its graph for a gradient. Returns the names of the parties asked
         (those with a present row)."""
         senders = self.names if senders is None else senders
-        asked = []
+        asked, requests = [], []
         for k, name in enumerate(senders):
             positions = torch.nonzero(present[:, k]).flatten()
             if positions.numel() == 0:
                 continue
-            self.own.send(
+            requests.append(
                 RepresentRequest(
                     **self.header(name, round, batch_id),
                     split=split,
@@ -320,6 +320,7 @@ class Federation:
                 )
             )
             asked.append(name)
+        self.own.send_all(requests)
         return asked
 
     def take_representations(
@@ -355,19 +356,21 @@ class Federation:
         Under a secure scheme each selected contributor is first asked to seal its share.
         """
         if self.scheme:
-            for k, name in enumerate(self.names):
-                if bool(selection[..., k].any()):
-                    self.own.send(
-                        SealRequest(
-                            **self.header(name, round, batch_id),
-                            selection=selection,
-                            parties=tuple(self.names),
-                            deliver_to=deliver_to,
-                            tag=tag,
-                            source_tag=source_tag,
-                            phase="train" if train else "predict",
-                        )
+            self.own.send_all(
+                [
+                    SealRequest(
+                        **self.header(name, round, batch_id),
+                        selection=selection,
+                        parties=tuple(self.names),
+                        deliver_to=deliver_to,
+                        tag=tag,
+                        source_tag=source_tag,
+                        phase="train" if train else "predict",
                     )
+                    for k, name in enumerate(self.names)
+                    if bool(selection[..., k].any())
+                ]
+            )
         self.own.send(
             SumRequest(
                 **self.header(AGGREGATOR, round, batch_id),
@@ -472,22 +475,23 @@ class Federation:
 
     def send_gradients(self, messages: Sequence[GradientMessage]) -> None:
         """Send the label party's gradient messages (its own bottom's is handed over locally)."""
-        for message in messages:
-            self.own.send(dataclasses.replace(message, session=self.session))
+        self.own.send_all([dataclasses.replace(m, session=self.session) for m in messages])
 
     def set_up_keys(self, receivers: Sequence[str]) -> None:
         """Open the secure-sum session: every party announces its public keys (pairwise-mask
         keys to the other contributors, receivers' encryption keys to the contributors and the
         aggregator). Only public keys cross."""
-        for name in self.names:
-            self.own.send(
+        self.own.send_all(
+            [
                 KeyRequest(
                     **self.header(name, 0, 0),
                     scheme=self.scheme,
                     contributors=tuple(self.names),
                     receivers=tuple(receivers),
                 )
-            )
+                for name in self.names
+            ]
+        )
 
     def update(
         self,
@@ -499,8 +503,12 @@ class Federation:
     ) -> None:
         """Close a step: every party (or ``parties``) backpropagates what it received for
         ``(round, tag)`` and steps; with ``heads`` its head ``tag`` steps too."""
-        for name in self.names if parties is None else parties:
-            self.own.send(UpdateRequest(**self.header(name, round, 0), tag=tag, heads=heads))
+        self.own.send_all(
+            [
+                UpdateRequest(**self.header(name, round, 0), tag=tag, heads=heads)
+                for name in (self.names if parties is None else parties)
+            ]
+        )
 
 
 def split_tensors(data: VerticalData) -> dict[str, VerticalSplit]:
