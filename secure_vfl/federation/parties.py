@@ -572,9 +572,10 @@ class DataParty(SecureSumParty):
         the gradients and head tasks received for it, and what its heads accumulated, so that
         nothing of the step is applied when the retry's update comes."""
         super().on_abort(request)
-        for store in (self._pending, self._gradients, self._tasks):
-            for key in [key for key in store if key[0] == request.round]:
-                del store[key]
+        round = request.round
+        self._pending = {key: v for key, v in self._pending.items() if key[0] != round}
+        self._gradients = {key: v for key, v in self._gradients.items() if key[0] != round}
+        self._tasks = {key: v for key, v in self._tasks.items() if key[0] != round}
         for head in self.heads.values():
             head.module.zero_grad(set_to_none=True)
 
