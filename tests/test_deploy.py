@@ -199,9 +199,10 @@ def test_training_goes_on_without_a_data_party_killed_mid_training(
     site: Path, processes: Processes, tmp_path: Path, flags: tuple[str, ...]
 ) -> None:
     federation = write_federation(site, site / "certs", free_loopback_ports(5))
-    # The label party gives up on a peer after 5 s; the others wait longer for it (their
-    # set-up, one after the other, takes seconds on a busy machine).
-    deadline = "5"
+    # The label party gives up on a peer after 10 s (a step's chain of deliveries takes
+    # seconds on a busy machine); the others wait longer for it (their set-up, one after the
+    # other, takes seconds too). A dead peer is noticed in about 1.5 s + a 5 s probe anyway.
+    deadline = "10"
     servers = {
         name: processes.serve(federation, name, "--deadline", "60")
         for name in (*PARTIES[1:], "aggregator")
