@@ -1068,6 +1068,11 @@ def _summary(result: Any, out: Path, payload: dict[str, Any]) -> str:
         lines.extend(_column_lines(payload["columns"]))
     if payload.get("privacy") is not None:
         lines.extend(_privacy_lines(payload["privacy"]))
+    for fault in payload.get("faults", []):
+        lines.append(
+            f"lost: {fault['party']} at step {fault['step']} (epoch {fault['epoch']}); its block "
+            "was missing from then on, in training and evaluation"
+        )
     lines.append(f"result: {out / 'result.json'}")
     return "\n".join(lines)
 

@@ -21,9 +21,12 @@ federation.messages.DeploymentMessage` s, each a JSON object checked on arrival:
 4. ``end`` (with the outcome) is answered by a ``report``: the bytes the party sent. A party
    that hears nothing from the label party for longer than its deadline exits non-zero.
 
-A dead peer surfaces as :class:`~secure_vfl.errors.TransportError`, where fault handling can
-hook in. The core never imports the privacy layer: the command line passes the secure-sum
-backend in (``secure_sums``).
+A data party lost mid-training (its process died: a step fails and the party accepts no
+connection) is dropped by LASER's driver (:meth:`~secure_vfl.methods.base.Federation.recover`):
+its block is missing from then on, it is sent nothing more (not even ``end``), and the result's
+``faults`` names it. A lost aggregator, or a lost party under another method, fails the run.
+The core never imports the privacy layer: the command line passes the secure-sum backend in
+(``secure_sums``).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import dataclasses
 import json
 import logging
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -131,6 +134,7 @@ class _Server:
         self.table = table
         self.party: Party | None = None
         self.outcome: str | None = None
+        self.stepped = False
 
     def receive(self, message: Message) -> None:
         if isinstance(message, DeploymentMessage):
@@ -150,6 +154,9 @@ class _Server:
                 f"{self.name}: a {message.kind} from {message.sender} before the run was set up."
             )
         self.party.receive(message)
+        if message.kind == "update" and not self.stepped:
+            self.stepped = True
+            self.on_event(f"{self.name}: its first training step is done")
 
     def _reply(self, topic: str, body: Mapping[str, Any]) -> None:
         self.endpoint.send(_deployment(self.name, self.federation.label_party, topic, body))
@@ -506,6 +513,7 @@ def train_deployed(
     endpoint = _endpoint(federation, name, insecure=insecure, deadline=deadline)
     outcome = "failed"
     reports: dict[str, Counter[tuple[str, str, str]]] = {}
+    lost: list[str] = []
     try:
         late = endpoint.await_peers(list(federation.addresses(but=name)), wait)
         if late:
@@ -526,20 +534,24 @@ def train_deployed(
             on_start=on_start,
             on_step=on_step,
         )
+        lost = [fault["party"] for fault in result.faults]
         outcome = "finished"
     finally:
-        reports = _end(endpoint, federation, outcome)
+        reports = _end(endpoint, federation, outcome, lost=lost)
         endpoint.close()
     return dataclasses.replace(result, traffic=_with_reports(result.traffic, reports))
 
 
 def _end(
-    endpoint: PartyEndpoint, federation: Federation, outcome: str
+    endpoint: PartyEndpoint, federation: Federation, outcome: str, *, lost: Sequence[str] = ()
 ) -> dict[str, Counter[tuple[str, str, str]]]:
-    """Tell every party the run is over and take its report (best effort after a failure)."""
+    """Tell every party but the ``lost`` ones the run is over and take its report (best effort
+    after a failure)."""
     reports = {}
     endpoint.handler = None
     for member in federation.members[1:]:
+        if member.name in lost:
+            continue
         try:
             endpoint.send(_deployment(endpoint.name, member.name, "end", {"outcome": outcome}))
             message = endpoint.receive(sender=member.name, kind="deployment")

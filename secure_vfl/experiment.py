@@ -180,6 +180,9 @@ class TrainResult:
     privacy: dict[str, Any] | None = None
     traffic: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    """Every data party lost during training (a deployment): its name, the step and epoch
+    (from 1) from which its block was missing, and the error that revealed it."""
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -451,6 +454,7 @@ def run_training(
         privacy=privacy.report() if privacy is not None else None,
         traffic=traffic_report(aggregator, train_steps=steps, channel=channel),
         warnings=collapse_warnings(predictions, data),
+        faults=list(method.fed.faults),
     )
 
 

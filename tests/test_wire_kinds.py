@@ -83,6 +83,7 @@ def samples() -> list[Message]:
             **HEADER, selection=selection, parties=parties, deliver_to="party-0", tag="t"
         ),
         messages.UpdateRequest(**HEADER, tag="t", heads=True),
+        messages.AbortRequest(**HEADER),
         messages.HeadTask(
             **HEADER,
             rows=torch.tensor([9, 8, 7]),

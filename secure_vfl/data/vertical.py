@@ -504,15 +504,16 @@ def labeled_subset(n: int, labeled: int | None, *, rng: np.random.Generator) -> 
 
 def label_party_view(data: VerticalData, owner: int = 0) -> VerticalData:
     """What the label party (holding block ``owner``) keeps of ``data``: the labels, the
-    availability masks (which parties hold each sample, as alignment tells it) and its own
-    block; every other party's block is replaced by an empty (N, 0) array."""
+    availability masks (which parties hold each sample, as alignment tells it; its own copies,
+    which change when a party is lost) and its own block; every other party's block is
+    replaced by an empty (N, 0) array."""
 
     def view(split: VerticalSplit) -> VerticalSplit:
         blocks = tuple(
             block if k == owner else np.empty((block.shape[0], 0), dtype=np.float32)
             for k, block in enumerate(split.blocks)
         )
-        return VerticalSplit(blocks=blocks, labels=split.labels, mask=split.mask)
+        return VerticalSplit(blocks=blocks, labels=split.labels, mask=split.mask.copy())
 
     own = None
     if data.preprocessing is not None:

@@ -116,6 +116,12 @@ class Channel:
         party; over the network: the one party of this process)."""
         return True
 
+    def unreachable(self, names: Sequence[str]) -> list[str]:
+        """Those of ``names`` that can no longer be reached (a process that died); in one
+        process every party is reachable. The driver asks after a failed step, to tell a lost
+        party from an error in the protocol."""
+        return []
+
     def attach(self, party: Party) -> None:
         """Make ``party`` reachable by its name; a name is attached once."""
         if party.name in self._parties:

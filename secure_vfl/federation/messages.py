@@ -372,6 +372,17 @@ class UpdateRequest(Message):
 
 @register_message
 @dataclass(frozen=True, kw_only=True)
+class AbortRequest(Message):
+    """The driver abandons training step ``round`` (a party it needed was lost mid-step): the
+    receiver discards what it holds for that step (forward passes, gradients and head tasks
+    received, head gradients accumulated, shares kept or added), so that the step's retry
+    without the lost party counts once."""
+
+    kind: ClassVar[str] = "abort"
+
+
+@register_message
+@dataclass(frozen=True, kw_only=True)
 class HeadTask(Message):
     """The driver tells a head-holding party what its head trains on this step: the batch rows
     (``rows``, indices into the training labels the party holds), each task's loss weight

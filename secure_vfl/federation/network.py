@@ -100,6 +100,8 @@ CHUNK_BYTES = 1024 * 1024
 FRAME_LIMIT = STREAM_THRESHOLD + 64 * 1024
 """The largest gRPC message either end accepts: one unstreamed message, with room to spare."""
 DEFAULT_DEADLINE = 60.0
+PROBE_SECONDS = 5.0
+"""How long a driver waits for a peer to accept a connection before it takes the peer for lost."""
 SERVER_THREADS = 16
 REPLAY_WINDOW = 1024
 """Deliveries remembered per sender stream (for retries); older sequence numbers are replays."""
@@ -635,9 +637,11 @@ class PartyEndpoint:
         taken for a dead one. Returns those still not reachable; the first message to one of
         them then fails with the reason (refused certificate, nothing listening)."""
         end = time.monotonic() + seconds
+        # Every connection is tried at once, so one peer that never answers does not use up
+        # the time of those after it.
+        futures = {name: grpc.channel_ready_future(self._channels[name]) for name in names}
         missing = []
-        for name in names:
-            ready = grpc.channel_ready_future(self._channels[name])
+        for name, ready in futures.items():
             try:
                 ready.result(timeout=max(end - time.monotonic(), 0.001))
             except grpc.FutureTimeoutError:
@@ -797,6 +801,12 @@ class NetworkChannel(Channel):
     def hosts(self, name: str) -> bool:
         """Only this process's party lives here; every other is reached over the network."""
         return name == self.endpoint.name
+
+    def unreachable(self, names: Sequence[str]) -> list[str]:
+        """Those of ``names`` whose process accepts no connection within the probe time
+        (:data:`PROBE_SECONDS`, at most the endpoint's deadline): a live peer's connection is
+        up, or comes up within milliseconds; a killed one's never does."""
+        return self.endpoint.await_peers(names, min(PROBE_SECONDS, self.endpoint.deadline))
 
     def attach(self, party: Party) -> None:
         """Attach this process's party: the one the endpoint's certificate names."""

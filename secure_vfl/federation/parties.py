@@ -54,6 +54,7 @@ from secure_vfl.federation.aggregator import (
 )
 from secure_vfl.federation.messages import (
     AGGREGATOR,
+    AbortRequest,
     GradientMessage,
     HeadTask,
     KeyRequest,
@@ -363,6 +364,13 @@ class SecureSumParty(Party):
             )
         )
 
+    def on_abort(self, request: AbortRequest) -> None:
+        """Forget what it keeps of the abandoned step ``request.round``: representations held
+        for sealing and answers waiting in its inbox (its retry uses fresh contexts)."""
+        for key in [key for key in self._held if key[0] == request.round]:
+            del self._held[key]
+        self._inbox = [m for m in self._inbox if m.round != request.round]
+
     def on_sealed_sum(self, message: SealedSumMessage) -> None:
         """Open the sums it is owed with its own key and act on them as on plain sums."""
         if self.opener is None or message.scheme != self.scheme:
@@ -581,6 +589,18 @@ class DataParty(SecureSumParty):
         if message.heads and message.tag in self.heads:
             self.heads[message.tag].step()
 
+    def on_abort(self, request: AbortRequest) -> None:
+        """Discard the abandoned step ``request.round``: its forward passes (their graphs),
+        the gradients and head tasks received for it, and what its heads accumulated, so that
+        nothing of the step is applied when the retry's update comes."""
+        super().on_abort(request)
+        round = request.round
+        self._pending = {key: v for key, v in self._pending.items() if key[0] != round}
+        self._gradients = {key: v for key, v in self._gradients.items() if key[0] != round}
+        self._tasks = {key: v for key, v in self._tasks.items() if key[0] != round}
+        for head in self.heads.values():
+            head.module.zero_grad(set_to_none=True)
+
     def backpropagate(self, round: int, tag: str = "") -> str:
         """Start the backward pass of ``(round, tag)``'s forward from the sum of the gradients
         received for it (if any), forget forward passes whose gradients will not come, and
@@ -711,6 +731,8 @@ class AggregationServer(Party):
         # (round, batch id, phase, tag) of the contributions of batches it has moved past: one
         # arriving for them again is a replay, refused before it touches the current batch.
         self._closed: set[tuple[int, int, str, str]] = set()
+        # (round, batch id, phase) of the batches of abandoned steps: nothing more is kept.
+        self._abandoned: set[tuple[int, int, str]] = set()
 
     def install(self, scheme: str, adder: AdderHalf) -> None:
         """Take the adding half of a secure-sum scheme."""
@@ -726,6 +748,11 @@ class AggregationServer(Party):
 
     def _enter_batch(self, message: SealedMessage | RepresentationMessage) -> None:
         batch = (message.round, message.batch_id, message.phase)
+        if batch in self._abandoned:
+            raise ProtocolError(
+                f"{self.name}: a contribution from {message.sender} for round {message.round}, "
+                f"batch {message.batch_id}, of a step the driver abandoned; it is not kept."
+            )
         if (*batch, message.tag) in self._closed:
             raise ProtocolError(
                 f"{self.name}: a contribution from {message.sender} for round {message.round}, "
@@ -752,6 +779,14 @@ class AggregationServer(Party):
                 f"{message.round}, batch {message.batch_id}, tag {message.tag!r} (a replay?)."
             )
         by_sender[message.sender] = message
+
+    def on_abort(self, request: AbortRequest) -> None:
+        """Close the batch of the abandoned step ``request.round`` unserved: its contributions
+        are discarded, and one arriving for it later (a lost party's late share) is refused as
+        a replay, never added."""
+        if self._batch is not None and self._batch[0] == request.round:
+            self._abandoned.add(self._batch)
+            self._batch, self._contributions, self._sealed = None, {}, {}
 
     def on_sealed(self, message: SealedMessage) -> None:
         if self.adder is None or message.scheme != self.scheme:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import secrets
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -26,10 +27,12 @@ from secure_vfl.federation.aggregator import SealingScheme, SumBackend
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import (
     AGGREGATOR,
+    AbortRequest,
     GradientMessage,
     HeadTask,
     KeyRequest,
     LossMessage,
+    Message,
     PredictionMessage,
     PredictTask,
     RepresentationMessage,
@@ -51,6 +54,8 @@ from secure_vfl.federation.parts import ClassValue
 from secure_vfl.models.networks import make_bottom
 from secure_vfl.models.simsiam import pretrain_simsiam
 from secure_vfl.registry import Registry
+
+logger = logging.getLogger(__name__)
 
 Heads = Literal["all", "active"]
 Batching = Literal["grouped", "mixed"]
@@ -238,6 +243,12 @@ class Federation:
     The label party (``party-0``) drives: everything it asks of another party, and everything
     it learns from one, is a message (:mod:`secure_vfl.federation.messages`). It holds no
     reference to another party's object.
+
+    Faults (a deployment): a method whose parties may go missing (``tolerates_dropouts``,
+    LASER's) lets :meth:`recover` and :meth:`update` drop a data party that can no longer be
+    reached: its block becomes missing for every row of every split from then on, nothing is
+    sent to it again, and ``faults`` records it (party, step and epoch counted from 1, the
+    error). ``epoch_steps`` (the steps of an epoch) dates a fault's epoch.
     """
 
     data: VerticalData
@@ -249,6 +260,73 @@ class Federation:
     session: str = ""
     queries: int = 0
     scheme: str = ""
+    tolerates_dropouts: bool = False
+    epoch_steps: int = 0
+    dropped: list[str] = dataclasses.field(default_factory=list)
+    faults: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def live(self, names: Sequence[str] | None = None) -> list[str]:
+        """``names`` (default: every data party) less those dropped."""
+        return [
+            name for name in (self.names if names is None else names) if name not in self.dropped
+        ]
+
+    def drop(self, name: str, *, round: int, what: str) -> None:
+        """Declare data party ``name`` lost at training step ``round``: its block is missing
+        for every row of every split from now on (the availability masks say so, so no plan
+        asks it for anything), and ``faults`` records it."""
+        if name == self.own.name or name not in self.names:
+            raise ProtocolError(
+                f"{self.own.name} can drop one of the data parties {self.names[1:]}; found "
+                f"{name!r}."
+            )
+        column = self.names.index(name)
+        for split in split_tensors(self.data).values():
+            split.mask[:, column] = False
+        self.dropped.append(name)
+        epoch = round // self.epoch_steps + 1 if self.epoch_steps else None
+        self.faults.append({"party": name, "step": round + 1, "epoch": epoch, "what": what})
+        logger.warning(
+            "%s: %s is lost at step %d (epoch %s); training goes on without its block: %s",
+            self.own.name,
+            name,
+            round + 1,
+            epoch,
+            what,
+        )
+
+    def recover(self, error: ProtocolError, *, round: int) -> None:
+        """After ``error`` cut training step ``round`` short: drop every data party that can no
+        longer be reached and abandon the step at every other party (:class:`AbortRequest`),
+        so the caller can retry it without them. Re-raises ``error`` if the method does not
+        tolerate dropouts, if no party was lost (a protocol error, not a fault) or if the
+        aggregation server was (no sum can be served without it)."""
+        if not self.tolerates_dropouts:
+            raise error
+        peers = [name for name in self.live() if name != self.own.name]
+        lost = self.channel.unreachable([*peers, AGGREGATOR])
+        if not lost or AGGREGATOR in lost:
+            raise error
+        for name in lost:
+            self.drop(name, round=round, what=str(error))
+        self.send_or_drop(
+            [AbortRequest(**self.header(name, round, 0)) for name in [*self.live(), AGGREGATOR]],
+            round=round,
+        )
+
+    def send_or_drop(self, messages: Sequence[Message], *, round: int) -> None:
+        """Send the label party's ``messages`` at once (:meth:`~secure_vfl.federation.parties.
+        Party.send_all`); should receivers among the data parties turn out to be unreachable
+        (dropouts tolerated), drop them instead of failing the step: the others have acted."""
+        try:
+            self.own.send_all(messages)
+        except ProtocolError as error:
+            others = [m.receiver for m in messages if m.receiver not in (self.own.name, AGGREGATOR)]
+            lost = self.channel.unreachable(others) if self.tolerates_dropouts and others else []
+            if not lost:
+                raise
+            for name in lost:
+                self.drop(name, round=round, what=str(error))
 
     def learn_split(self, name: str, mask: np.ndarray) -> None:
         """Learn which parties hold each sample of a new split ``name`` (its availability
@@ -502,12 +580,14 @@ class Federation:
         parties: Sequence[str] | None = None,
     ) -> None:
         """Close a step: every party (or ``parties``) backpropagates what it received for
-        ``(round, tag)`` and steps; with ``heads`` its head ``tag`` steps too."""
-        self.own.send_all(
+        ``(round, tag)`` and steps; with ``heads`` its head ``tag`` steps too. A party lost
+        here is dropped (:meth:`send_or_drop`); the others' updates complete the step."""
+        self.send_or_drop(
             [
                 UpdateRequest(**self.header(name, round, 0), tag=tag, heads=heads)
-                for name in (self.names if parties is None else parties)
-            ]
+                for name in self.live(parties)
+            ],
+            round=round,
         )
 
 

@@ -20,6 +20,7 @@ of two terms one of which the receiver holds is the other term in the clear.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
@@ -31,7 +32,7 @@ from torch import Tensor, nn
 
 from secure_vfl.data.samplers import make_sampler
 from secure_vfl.data.vertical import VerticalData
-from secure_vfl.errors import ConfigError
+from secure_vfl.errors import ConfigError, ProtocolError
 from secure_vfl.federation.aggregator import SumBackend
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import AGGREGATOR
@@ -249,12 +250,14 @@ class MeanFusionMethod:
             roles=roles,
         )
         self.data = self.fed.data  # labels, masks and its own block only
+        self.fed.tolerates_dropouts = True  # a lost party is a missing block
         self.sampler = make_sampler(
             config.batching,
             data.train.mask,
             config.batch_size,
             rows=labeled_rows(data, config, seed),
         )
+        self.fed.epoch_steps = len(self.sampler)
 
     def plan(self, mask: Tensor) -> tuple[Tensor, Tensor]:
         """Selection (H, T, B, K) and weights (H, T, B) of this batch's tasks."""
@@ -267,7 +270,29 @@ class MeanFusionMethod:
 
     def train_step(self, rows_np: np.ndarray, round: int, batch_id: int) -> float:
         """One step of Algorithm 1, as messages: representations to the aggregator, each head's
-        task and sums to its party, gradients back, then every party updates."""
+        task and sums to its party, gradients back, then every party updates.
+
+        A data party lost before the update (a deployment: its process died) is dropped and
+        the step is retried without it: every other party first discards what the attempt
+        left (:meth:`~secure_vfl.methods.base.Federation.recover`), so nothing of it is
+        applied, and the retry plans on the masks without the lost block, under a fresh batch
+        id (every sum context of the abandoned attempt stays spent). Its loss is therefore
+        LASER's unbiased estimate for the batch as it now is, as in every later step; a
+        skipped step would instead leave its rows out of the epoch. A party lost at the update
+        is dropped there and the others complete the step.
+        """
+        fed = self.fed
+        for attempt in itertools.count():
+            try:
+                loss = self._attempt(rows_np, round, batch_id + attempt * len(self.sampler))
+                break
+            except ProtocolError as error:
+                fed.recover(error, round=round)
+        fed.update(round=round, heads=True)
+        return loss
+
+    def _attempt(self, rows_np: np.ndarray, round: int, batch_id: int) -> float:
+        """One attempt at a step, up to its losses (the update closes it)."""
         fed = self.fed
         rows = torch.from_numpy(rows_np)
         mask = torch.from_numpy(self.data.train.mask[rows_np])
@@ -296,7 +321,6 @@ class MeanFusionMethod:
                     tag=tag,
                 )
                 assigned.append((fed.names[h], tag))
-        fed.update(round=round, heads=True)
         return sum(
             fed.take_loss(party, round=round, batch_id=batch_id, tag=tag) for party, tag in assigned
         )
@@ -328,6 +352,8 @@ class MeanFusionMethod:
                 out[idx, h] = predicted.numpy()
             else:
                 out[idx] = broadcast_prediction(predicted.numpy(), split.mask[idx])
+                lost = ~split.mask[idx].any(axis=1)  # every block it had was lost
+                out[idx[lost], h] = predicted.numpy()[lost]
         return out
 
     def head_probabilities(self, split_name: str) -> np.ndarray:
@@ -357,6 +383,9 @@ class MeanFusionMethod:
         query = fed.next_query()
         for batch_id, rows in enumerate(batches(split.n, 1024)):
             mask = torch.from_numpy(split.mask[rows.numpy()])
+            # Samples whose every block was lost (a dropped party): the label party's head
+            # answers for them from the empty set (a zero mean: its prior).
+            orphans = ~mask.any(dim=1)
             fed.request_representations(
                 split_name,
                 rows,
@@ -378,7 +407,10 @@ class MeanFusionMethod:
                 else:
                     selection = mask
                 if self.config.heads == "all":
-                    positions = torch.nonzero(selection.any(dim=1)).flatten()
+                    answered = selection.any(dim=1)
+                    if h == 0:
+                        answered = answered | orphans
+                    positions = torch.nonzero(answered).flatten()
                     if positions.numel() == 0:
                         continue
                 else:

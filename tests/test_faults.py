@@ -1,0 +1,134 @@
+"""A data party lost mid-step, in one process: a channel that loses a party when a chosen
+message is posted to it (the process tests in test_deploy.py kill a real process, which is
+always noticed at the start of a step; these reach the other places a step can break)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from conftest import MakeData
+
+from protocols.secagg import MaskingAggregator
+from secure_vfl.data.vertical import VerticalData
+from secure_vfl.errors import ProtocolError, TransportError
+from secure_vfl.federation.channel import Channel
+from secure_vfl.federation.messages import Message, SealRequest
+from secure_vfl.federation.parties import Party
+from secure_vfl.methods import METHODS, MethodConfig
+from secure_vfl.methods.base import in_process_parties
+from secure_vfl.methods.laser import MeanFusionMethod
+
+FAST = MethodConfig(epochs=3, batch_size=64, lr=0.05)
+LOST = "party-2"
+STEP = 4  # the round (0-based) in which it is lost
+
+
+class LosingChannel(Channel):
+    """Loses ``LOST`` when the first ``kind`` of round ``STEP`` is posted to it: that post and
+    every later one to it raise TransportError, and :meth:`unreachable` names it from then
+    on. ``after_loss`` counts the posts to it once it is lost."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.lost = False
+        self.after_loss = 0
+        self.posted: list[Message] = []
+
+    def post(self, message: Message, *, sender: Party) -> None:
+        self.posted.append(message)
+        if message.receiver == LOST:
+            if message.kind == self.kind and message.round == STEP and not self.lost:
+                self.lost = True
+            elif self.lost:
+                self.after_loss += 1
+            if self.lost:
+                raise TransportError(f"{message.kind} to {LOST}: its process is gone")
+        super().post(message, sender=sender)
+
+    def unreachable(self, names: list[str]) -> list[str]:  # type: ignore[override]
+        return [name for name in names if self.lost and name == LOST]
+
+
+def _train(
+    data: VerticalData, config: MethodConfig, channel: Channel, **kwargs: object
+) -> MeanFusionMethod:
+    method = METHODS.get("laser")(data, config, seed=3, channel=channel, **kwargs)  # type: ignore[arg-type]
+    assert isinstance(method, MeanFusionMethod)
+    method.fit()
+    return method
+
+
+@pytest.mark.parametrize(
+    ("heads", "kind"),
+    [
+        ("all", "represent-request"),  # noticed by the driver itself
+        ("all", "gradient"),  # inside party-0's head, inside the aggregator's delivery
+        ("all", "head-task"),  # after two heads trained and sent their gradients
+        ("all", "update"),  # the other parties complete the step
+        ("active", "represent-request"),
+        ("active", "gradient"),
+    ],
+)
+def test_a_party_lost_mid_step_is_dropped_and_training_goes_on(
+    make_data: MakeData, heads: str, kind: str
+) -> None:
+    data = make_data(train_missing="mcar:0.2")
+    channel = LosingChannel(kind)
+    method = _train(data, dataclasses.replace(FAST, heads=heads), channel)
+    assert channel.lost
+    assert method.fed.faults == [
+        {
+            "party": LOST,
+            "step": STEP + 1,
+            "epoch": STEP // len(method.sampler) + 1,
+            "what": f"{kind} to {LOST}: its process is gone",
+        }
+    ]
+    assert channel.after_loss == 0  # nothing was sent to it again
+    for name in data.tests:
+        predicted = method.predict(name)
+        assert (predicted[:, 2] == -1).all()  # its block is missing in evaluation
+        assert (predicted >= 0).any(axis=1).all()  # and every sample is still predicted
+
+
+def _state(method: MeanFusionMethod) -> list[torch.Tensor]:
+    parties = [p for p in in_process_parties(method.fed.channel) if p.name != LOST]
+    modules = [p.model for p in parties] + [h.module for p in parties for h in p.heads.values()]
+    return [t.detach().clone() for m in modules for t in m.parameters()]
+
+
+def test_an_abandoned_step_leaves_nothing_behind(make_data: MakeData, one_thread: None) -> None:
+    # Lost at its first gradient (head 0 has trained, nothing else) or at its head task (heads
+    # 0 and 1 have trained and sent gradients to every party): both abandon the step after
+    # its plan was drawn and retry it, so if the survivors discard all the attempt left, the
+    # two runs are the same run.
+    data = make_data(train_missing="mcar:0.2")
+    config = dataclasses.replace(FAST, heads="all")
+    early = _train(data, config, LosingChannel("gradient"))
+    late = _train(data, config, LosingChannel("head-task"))
+    for a, b in zip(_state(early), _state(late), strict=True):
+        assert torch.equal(a, b)
+    for name in data.tests:
+        assert np.array_equal(early.predict(name), late.predict(name))
+
+
+def test_under_masks_the_lost_partys_late_share_is_refused(make_data: MakeData) -> None:
+    data = make_data(train_missing="mcar:0.2")
+    channel = LosingChannel("seal-request")
+    config = dataclasses.replace(FAST, heads="active", secure_sums=True)
+    method = _train(data, config, channel, aggregator=MaskingAggregator())
+    assert [fault["party"] for fault in method.fed.faults] == [LOST]
+    # The seal request it never acted on: it does so now, late, and its share reaches the
+    # aggregator after the step was abandoned (and retried under fresh sum contexts).
+    [request] = [
+        m
+        for m in channel.posted
+        if isinstance(m, SealRequest) and m.receiver == LOST and m.round == STEP
+    ]
+    lost = channel.parties[LOST]
+    with pytest.raises(ProtocolError, match="abandoned"):
+        lost.receive(request)
