@@ -900,3 +900,10 @@ def test_the_text_caches_stay_bounded_and_correct_when_peers_send_new_names() ->
     for cache in (wire._ENCODED_NAMES, wire._DECODED_NAMES, wire._ENCODED_TEXT):
         assert 0 < len(cache) <= wire._CACHE_ENTRIES
     assert_round_trip(ErrorMessage(**{**HEADER, "sender": "peer-0"}, error="reason 0"))
+
+
+def test_a_tensor_numpy_cannot_read_is_refused_as_a_protocol_error() -> None:
+    negated = torch._neg_view(torch.ones(2))  # a lazily negated view: numpy() refuses it
+    with pytest.raises(ProtocolError, match=r"test-tensor\.tensor: a tensor numpy can read"):
+        encode(TensorMessage(**HEADER, tensor=negated))
+    assert_round_trip(TensorMessage(**HEADER, tensor=negated.resolve_neg()))

@@ -26,7 +26,10 @@ is ever run as code or handed to a general-purpose object deserialiser.
 
 Registration compiles each field's declared type into an encoder and a decoder (closures over the
 field's layout), so encoding or decoding a message walks two flat lists of them: no type
-introspection and no per-value dispatch at call time.
+introspection and no per-value dispatch at call time. The header's names, round and batch id
+are one encoder and one decoder, and the names and other text a run repeats on every message
+are converted once, into bounded caches keyed by their exact text or bytes; what misses a cache
+takes the full path, so a cache changes how fast a message is read, never what is accepted.
 """
 
 from __future__ import annotations
@@ -115,6 +118,10 @@ _DTYPES = {
     )
 }
 _DTYPE_BY_TORCH = {dtype.torch: dtype for dtype in _DTYPES.values()}
+# A tensor's wire dtype by the numpy type number of its Tensor.numpy() view.
+_DTYPE_BY_TENSOR_VIEW = {
+    torch.empty(0, dtype=dtype.torch).numpy().dtype.num: dtype for dtype in _DTYPES.values()
+}
 # A numpy array's wire dtype by its (kind, itemsize), whatever its byte order.
 _DTYPE_BY_KIND = {(dtype.numpy.kind, dtype.numpy.itemsize): dtype for dtype in _DTYPES.values()}
 _DTYPE_NAMES = ", ".join(dtype.numpy.name for dtype in _DTYPES.values())
@@ -492,14 +499,16 @@ def _decode_array(where: str, view: memoryview, offset: int) -> tuple[np.ndarray
 
 def _tensor_codec(where: str) -> _Codec:
     def encode_tensor(value: Any, out: _Parts) -> int:
-        if (
-            isinstance(value, Tensor)
-            and not value.requires_grad
-            and value.layout is torch.strided
-            and value.is_cpu
-            and (dtype := _DTYPE_BY_TORCH.get(value.dtype)) is not None
-        ):
-            return _append_array(where, dtype, value.numpy(), out)
+        if isinstance(value, Tensor):
+            # One call into torch per tensor: numpy() itself refuses a tensor that requires grad,
+            # is not on the CPU or is not dense; the view's dtype names the wire dtype.
+            try:
+                array = value.numpy()
+            except (RuntimeError, TypeError) as error:
+                raise _tensor_refusal(where, value, error) from None
+            dtype = _DTYPE_BY_TENSOR_VIEW.get(array.dtype.num)
+            if dtype is not None:
+                return _append_array(where, dtype, array, out)
         raise _tensor_refusal(where, value)
 
     def decode_tensor(view: memoryview, offset: int) -> tuple[Tensor, int]:
@@ -509,8 +518,8 @@ def _tensor_codec(where: str) -> _Codec:
     return encode_tensor, decode_tensor
 
 
-def _tensor_refusal(where: str, value: object) -> ProtocolError:
-    """Why ``value`` cannot be sent as a tensor field."""
+def _tensor_refusal(where: str, value: object, error: Exception | None = None) -> ProtocolError:
+    """Why ``value`` cannot be sent as a tensor field (``error``: what ``numpy()`` raised)."""
     if not isinstance(value, Tensor):
         return _refused(where, "a torch.Tensor", value)
     if value.requires_grad:
@@ -522,7 +531,9 @@ def _tensor_refusal(where: str, value: object) -> ProtocolError:
         return ProtocolError(
             f"{where}: a dense CPU tensor expected, found {value.layout} on {value.device}."
         )
-    return ProtocolError(f"{where}: dtype in ({_DTYPE_NAMES}) expected, found {value.dtype}.")
+    if value.dtype not in _DTYPE_BY_TORCH:
+        return ProtocolError(f"{where}: dtype in ({_DTYPE_NAMES}) expected, found {value.dtype}.")
+    return ProtocolError(f"{where}: a tensor numpy can read expected: {error}")
 
 
 def _ndarray_codec(where: str) -> _Codec:
