@@ -88,6 +88,7 @@ _Value = TypeVar("_Value")
 
 
 def _remember(cache: dict[_Key, _Value], key: _Key, value: _Value) -> None:
+    """Keep ``value`` under ``key``, emptying ``cache`` first when it is full."""
     if len(cache) >= _CACHE_ENTRIES:
         cache.clear()
     cache[key] = value
@@ -663,7 +664,7 @@ def register_message(cls: type[MessageT]) -> type[MessageT]:
     # Five header fields at least: attrgetter of several names returns a tuple.
     own = [name for name in codecs if name not in HEADER_FIELDS]
     encode_header, decode_header = _header_codec(kind)
-    prefix = _PREFIX.pack(MAGIC, WIRE_VERSION) + _encoded_str(kind)
+    prefix = _PREFIX.pack(MAGIC, WIRE_VERSION) + _encoded_text(kind, kind)
     schema = _Schema(
         cls=cls,
         kind=kind,
@@ -680,11 +681,6 @@ def register_message(cls: type[MessageT]) -> type[MessageT]:
     _SCHEMA_BY_CLASS[cls] = schema
     _SCHEMA_BY_HEAD[schema.head] = schema
     return cls
-
-
-def _encoded_str(text: str) -> bytes:
-    raw = text.encode("utf-8")
-    return _U64.pack(len(raw)) + raw
 
 
 def encode(message: Message) -> bytes:
