@@ -13,6 +13,7 @@ messages and bytes a step puts on the wire. The target: at most 10 % of a step.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -98,7 +99,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
     steps, repeats = (10, 2) if args.quick else (args.steps, args.repeats)
+    load_before = os.getloadavg()[0]
     rows = [measure(heads, steps=steps, repeats=repeats) for heads in ("all", "active")]
+    load = (load_before, os.getloadavg()[0])
     lines = [
         "# Wire codec cost in a LASER step (Satellite, 4 parties, batch 128, 1 thread)",
         "",
@@ -119,12 +122,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "",
         f"Target: encoding + decoding at most {100 * TARGET:.0f} % of a step: "
         f"{'met' if met else 'MISSED'}. Medians of {repeats} repeats of {steps} steps; the "
-        "share is measured within each repeat (codec seconds / step seconds).",
+        "share is measured within each repeat (codec seconds / step seconds). Load average "
+        f"(1 min) {load[0]:.1f} before and {load[1]:.1f} after, on {os.cpu_count()} CPUs: other "
+        "work on the machine slows the step and the codec alike, not always in proportion.",
     ]
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.quick:
-        write_outputs(args.out, "wire_costs", text, {"rows": rows, "target": TARGET})
+        write_outputs(
+            args.out, "wire_costs", text, {"rows": rows, "target": TARGET, "load_average": load}
+        )
     return 0
 
 

@@ -852,3 +852,58 @@ def test_registering_a_kind_longer_than_max_kind_bytes_is_refused() -> None:
     cls = dataclass(frozen=True, kw_only=True)(type("LongKind", (Message,), namespace))
     with pytest.raises(TypeError, match=f"at most {wire.MAX_KIND_BYTES} UTF-8 bytes"):
         register_message(cls)
+
+
+def test_registering_a_class_that_retypes_a_header_field_is_refused() -> None:
+    namespace = {"__annotations__": {"round": str}, "kind": "test-retyped-header"}
+    cls = dataclass(frozen=True, kw_only=True)(type("RetypedHeader", (Message,), namespace))
+    with pytest.raises(TypeError, match=r"test-retyped-header: header fields .* expected"):
+        register_message(cls)
+
+
+def test_header_names_seen_before_decode_to_the_same_message() -> None:
+    # The names of a header are converted once and then looked up: the second decode of the
+    # same names takes the cached path and must agree with the first, field for field.
+    message = TensorMessage(**{**HEADER, "session": "run-ß"}, tensor=torch.ones(1))
+    data = encode(message)
+    first, second = decode(data), decode(data)
+    assert_same(first, message)
+    assert_same(second, message)
+    other = dataclasses.replace(message, sender="party-9", round=3, batch_id=4)
+    assert_same(decode(encode(other)), other)
+
+
+def test_a_cached_header_name_changed_on_the_wire_is_parsed_again() -> None:
+    data = encode(TensorMessage(**HEADER, tensor=torch.ones(1)))
+    decode(data)  # the names are now cached
+    name_at = data.index(b"party-0")
+    with pytest.raises(ProtocolError, match="sender: UTF-8 text expected"):
+        decode(data[:name_at] + b"\xff" + data[name_at + 1 :])
+    renamed = decode(data[:name_at] + b"P" + data[name_at + 1 :])
+    assert renamed.sender == "Party-0"
+
+
+def test_header_names_of_other_types_are_refused_after_the_same_names_were_cached() -> None:
+    encode(TensorMessage(**HEADER, tensor=torch.ones(1)))  # "party-0", "aggregator", "" cached
+    with pytest.raises(ProtocolError, match=r"test-tensor\.receiver: a str expected, found bytes"):
+        encode(TensorMessage(**{**HEADER, "receiver": b"aggregator"}, tensor=torch.ones(1)))
+    with pytest.raises(ProtocolError, match=r"test-tensor\.round: an int expected, found bool"):
+        encode(TensorMessage(**{**HEADER, "round": True}, tensor=torch.ones(1)))
+    with pytest.raises(ProtocolError, match=r"batch_id: a 64-bit signed integer expected"):
+        encode(TensorMessage(**{**HEADER, "batch_id": 2**63}, tensor=torch.ones(1)))
+
+
+def test_the_text_caches_stay_bounded_and_correct_when_peers_send_new_names() -> None:
+    for index in range(wire._CACHE_ENTRIES + 10):
+        message = ErrorMessage(**{**HEADER, "sender": f"peer-{index}"}, error=f"reason {index}")
+        assert_round_trip(message)
+    for cache in (wire._ENCODED_NAMES, wire._DECODED_NAMES, wire._ENCODED_TEXT):
+        assert 0 < len(cache) <= wire._CACHE_ENTRIES
+    assert_round_trip(ErrorMessage(**{**HEADER, "sender": "peer-0"}, error="reason 0"))
+
+
+def test_a_tensor_numpy_cannot_read_is_refused_as_a_protocol_error() -> None:
+    negated = torch._neg_view(torch.ones(2))  # a lazily negated view: numpy() refuses it
+    with pytest.raises(ProtocolError, match=r"test-tensor\.tensor: a tensor numpy can read"):
+        encode(TensorMessage(**HEADER, tensor=negated))
+    assert_round_trip(TensorMessage(**HEADER, tensor=negated.resolve_neg()))

@@ -26,7 +26,10 @@ is ever run as code or handed to a general-purpose object deserialiser.
 
 Registration compiles each field's declared type into an encoder and a decoder (closures over the
 field's layout), so encoding or decoding a message walks two flat lists of them: no type
-introspection and no per-value dispatch at call time.
+introspection and no per-value dispatch at call time. The header's names, round and batch id
+are one encoder and one decoder, and the names and other text a run repeats on every message
+are converted once, into bounded caches keyed by their exact text or bytes; what misses a cache
+takes the full path, so a cache changes how fast a message is read, never what is accepted.
 """
 
 from __future__ import annotations
@@ -68,8 +71,27 @@ _ARRAY_HEAD = struct.Struct("<BB")
 # head), and the whole array header, head included (what encode writes in one pack).
 _ARRAY_SHAPES = tuple(struct.Struct(f"<{ndim}QQ") for ndim in range(MAX_NDIM + 1))
 _ARRAY_HEADERS = tuple(struct.Struct(f"<BB{ndim}QQ") for ndim in range(MAX_NDIM + 1))
+_HEADER_NUMBERS = struct.Struct("<qq")  # round, batch_id
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 _BOOL_BYTES = b"\x00\x01"  # what bytes.translate deletes: whatever is left is not a bool byte
+
+# Encoded text by its str, and a header's three names by their encoded bytes: the same party
+# names, sessions, tags and phases are on every message, so each is converted once. Bounded (a
+# peer chooses what it sends): a cache that is full is emptied and fills again.
+_CACHE_ENTRIES = 4096
+_CACHED_TEXT_BYTES = 256
+_ENCODED_TEXT: dict[str, bytes] = {}
+_ENCODED_NAMES: dict[tuple[str, str, str], bytes] = {}
+_DECODED_NAMES: dict[bytes, tuple[str, str, str]] = {}
+_Key = TypeVar("_Key")
+_Value = TypeVar("_Value")
+
+
+def _remember(cache: dict[_Key, _Value], key: _Key, value: _Value) -> None:
+    """Keep ``value`` under ``key``, emptying ``cache`` first when it is full."""
+    if len(cache) >= _CACHE_ENTRIES:
+        cache.clear()
+    cache[key] = value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +119,10 @@ _DTYPES = {
     )
 }
 _DTYPE_BY_TORCH = {dtype.torch: dtype for dtype in _DTYPES.values()}
+# A tensor's wire dtype by the numpy type number of its Tensor.numpy() view.
+_DTYPE_BY_TENSOR_VIEW = {
+    torch.empty(0, dtype=dtype.torch).numpy().dtype.num: dtype for dtype in _DTYPES.values()
+}
 # A numpy array's wire dtype by its (kind, itemsize), whatever its byte order.
 _DTYPE_BY_KIND = {(dtype.numpy.kind, dtype.numpy.itemsize): dtype for dtype in _DTYPES.values()}
 _DTYPE_NAMES = ", ".join(dtype.numpy.name for dtype in _DTYPES.values())
@@ -228,24 +254,35 @@ def _bytes_codec(where: str) -> _Codec:
 
 def _str_codec(where: str) -> _Codec:
     def encode_str(value: Any, out: _Parts) -> int:
-        if not isinstance(value, str):
-            raise _refused(where, "a str", value)
-        try:
-            raw = value.encode("utf-8")
-        except UnicodeEncodeError as error:
-            raise ProtocolError(f"{where}: a str encodable as UTF-8 expected.") from error
-        out.append(_U64.pack(len(raw)))
+        raw = _ENCODED_TEXT.get(value) if type(value) is str else None
+        if raw is None:
+            if not isinstance(value, str):
+                raise _refused(where, "a str", value)
+            raw = _encoded_text(where, value)
+            if type(value) is str and len(raw) <= _CACHED_TEXT_BYTES:
+                _remember(_ENCODED_TEXT, value, raw)
         out.append(raw)
-        return 8 + len(raw)
+        return len(raw)
 
     def decode_str(view: memoryview, offset: int) -> tuple[str, int]:
-        start, end = _span(where, view, offset)
+        start = offset + 8
+        if start > len(view) or (end := start + _U64.unpack_from(view, offset)[0]) > len(view):
+            start, end = _span(where, view, offset)  # raises: the message is truncated
         try:
             return str(view[start:end], "utf-8"), end
         except UnicodeDecodeError as error:
             raise ProtocolError(f"{where}: UTF-8 text expected, found {error.reason}.") from None
 
     return encode_str, decode_str
+
+
+def _encoded_text(where: str, value: str) -> bytes:
+    """``value`` as the wire writes a str: its UTF-8 byte count, then the bytes."""
+    try:
+        raw = value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ProtocolError(f"{where}: a str encodable as UTF-8 expected.") from error
+    return _U64.pack(len(raw)) + raw
 
 
 def _literal_codec(where: str, values: tuple[str, ...]) -> _Codec:
@@ -316,6 +353,79 @@ def _optional_codec(where: str, inner: _Codec) -> _Codec:
     return encode_optional, decode_optional
 
 
+_Names = tuple[str, str, str]  # sender, receiver, session
+# The header after schema_version: encoded from the message's (sender, receiver, session, round,
+# batch_id, ...) values; decoded as the names, round, batch_id and the offset after them.
+_HeaderEncoder = Callable[[tuple[Any, ...], _Parts], int]
+_HeaderDecoder = Callable[[memoryview, int], tuple[_Names, int, int, int]]
+
+
+def _names_end(view: memoryview, offset: int) -> int:
+    """Where the header's three names that start at ``offset`` end, as their byte counts say
+    (past the end of ``view`` when they do not fit)."""
+    try:
+        at = offset + 8 + _U64.unpack_from(view, offset)[0]
+        at += 8 + _U64.unpack_from(view, at)[0]
+        return at + 8 + int(_U64.unpack_from(view, at)[0])
+    except (struct.error, OverflowError):
+        return len(view) + 1
+
+
+def _header_codec(kind: str) -> tuple[_HeaderEncoder, _HeaderDecoder]:
+    """The header fields after schema_version (sender, receiver, session: str; round, batch_id:
+    i64) as one encoder and one decoder: every message has them, and their names repeat, so a
+    header whose names were seen before is one cache look-up and one pack or unpack. Anything
+    else goes through the fields' own codecs, which refuse what has no canonical encoding."""
+    name_codecs = [_str_codec(f"{kind}.{name}") for name in HEADER_FIELDS[1:4]]
+    number_codecs = [_int_codec(f"{kind}.{name}") for name in HEADER_FIELDS[4:]]
+
+    def encode_header(values: tuple[Any, ...], out: _Parts) -> int:
+        names, round, batch_id = values[:3], values[3], values[4]
+        raw = None
+        if type(names[0]) is str and type(names[1]) is str and type(names[2]) is str:
+            raw = _ENCODED_NAMES.get(names)
+        if raw is None:
+            parts: _Parts = []
+            for (encode_name, _), name in zip(name_codecs, names, strict=True):
+                encode_name(name, parts)
+            raw = b"".join(parts)
+            if all(type(name) is str for name in names) and len(raw) <= _CACHED_TEXT_BYTES:
+                _remember(_ENCODED_NAMES, names, raw)
+        out.append(raw)
+        if (
+            type(round) is int
+            and type(batch_id) is int
+            and _I64_MIN <= round <= _I64_MAX
+            and _I64_MIN <= batch_id <= _I64_MAX
+        ):
+            out.append(_HEADER_NUMBERS.pack(round, batch_id))
+        else:
+            for (encode_number, _), number in zip(number_codecs, (round, batch_id), strict=True):
+                encode_number(number, out)  # refuses it
+        return len(raw) + _HEADER_NUMBERS.size
+
+    def decode_header(view: memoryview, offset: int) -> tuple[_Names, int, int, int]:
+        end = _names_end(view, offset)
+        if end + _HEADER_NUMBERS.size <= len(view):
+            names = _DECODED_NAMES.get(bytes(view[offset:end]))
+            if names is not None:
+                round, batch_id = _HEADER_NUMBERS.unpack_from(view, end)
+                return names, round, batch_id, end + _HEADER_NUMBERS.size
+        at = offset
+        decoded = []
+        for _, decode_name in name_codecs:
+            name, at = decode_name(view, at)
+            decoded.append(name)
+        names = (decoded[0], decoded[1], decoded[2])
+        if at - offset <= _CACHED_TEXT_BYTES:
+            _remember(_DECODED_NAMES, bytes(view[offset:at]), names)
+        round, at = number_codecs[0][1](view, at)
+        batch_id, at = number_codecs[1][1](view, at)
+        return names, round, batch_id, at
+
+    return encode_header, decode_header
+
+
 def _all_finite(array: np.ndarray) -> bool:
     """Whether every value is finite. The sum of squares (one BLAS pass, no temporary) is NaN or
     inf whenever a value is; when it is not finite it may only have overflowed, and the exact
@@ -360,8 +470,9 @@ def _decode_array(where: str, view: memoryview, offset: int) -> tuple[np.ndarray
     """Read one array into fresh, aligned memory that it owns: the input may sit at any offset
     and may change after decoding. Refuses what does not match its header and non-finite
     floating-point values."""
+    size = len(view)
     start = offset + _ARRAY_HEAD.size
-    if start > len(view):
+    if start > size:
         raise _truncated(where, _ARRAY_HEAD.size, view, offset)
     code, ndim = _ARRAY_HEAD.unpack_from(view, offset)
     dtype = _DTYPES.get(code)
@@ -371,17 +482,17 @@ def _decode_array(where: str, view: memoryview, offset: int) -> tuple[np.ndarray
         raise ProtocolError(f"{where}: at most {MAX_NDIM} dimensions expected, found {ndim}.")
     layout = _ARRAY_SHAPES[ndim]
     offset, start = start, start + layout.size
-    if start > len(view):
+    if start > size:
         raise _truncated(where, layout.size, view, offset)
-    dims = layout.unpack_from(view, offset)
-    shape, nbytes = dims[:-1], dims[-1]
+    *shape, nbytes = layout.unpack_from(view, offset)
     end = start + nbytes
-    if not (nbytes and nbytes == dtype.numpy.itemsize * math.prod(shape) and end <= len(view)):
-        _check_extent(where, dtype.numpy, shape, nbytes, view, start)
-        return np.empty(shape, dtype.numpy), end  # consistent, and empty
+    numpy_dtype = dtype.numpy
+    if not (nbytes and end <= size and nbytes == numpy_dtype.itemsize * math.prod(shape)):
+        _check_extent(where, numpy_dtype, tuple(shape), nbytes, view, start)
+        return np.empty(shape, numpy_dtype), end  # consistent, and empty
     if dtype.boolean and bytes(view[start:end]).translate(None, _BOOL_BYTES):
         raise ProtocolError(f"{where}: bool bytes 0 or 1 expected, found others.")
-    array = np.ndarray(shape, dtype.numpy, view, start).copy()
+    array = np.ndarray(shape, numpy_dtype, view, start).copy()
     if dtype.finite and not _all_finite(array):
         raise IntegrityError(f"{where}: finite values expected, found non-finite ones.")
     return array, end
@@ -389,29 +500,41 @@ def _decode_array(where: str, view: memoryview, offset: int) -> tuple[np.ndarray
 
 def _tensor_codec(where: str) -> _Codec:
     def encode_tensor(value: Any, out: _Parts) -> int:
-        if not isinstance(value, Tensor):
-            raise _refused(where, "a torch.Tensor", value)
-        if value.requires_grad:
-            raise ProtocolError(
-                f"{where}: a detached tensor expected, found one that requires grad; detach it "
-                "before it leaves the party."
-            )
-        if not value.is_cpu or value.layout != torch.strided:
-            raise ProtocolError(
-                f"{where}: a dense CPU tensor expected, found {value.layout} on {value.device}."
-            )
-        dtype = _DTYPE_BY_TORCH.get(value.dtype)
-        if dtype is None:
-            raise ProtocolError(
-                f"{where}: dtype in ({_DTYPE_NAMES}) expected, found {value.dtype}."
-            )
-        return _append_array(where, dtype, value.numpy(), out)
+        if isinstance(value, Tensor):
+            # One call into torch per tensor: numpy() itself refuses a tensor that requires grad,
+            # is not on the CPU or is not dense; the view's dtype names the wire dtype.
+            try:
+                array = value.numpy()
+            except (RuntimeError, TypeError) as error:
+                raise _tensor_refusal(where, value, error) from None
+            dtype = _DTYPE_BY_TENSOR_VIEW.get(array.dtype.num)
+            if dtype is not None:
+                return _append_array(where, dtype, array, out)
+        raise _tensor_refusal(where, value)
 
     def decode_tensor(view: memoryview, offset: int) -> tuple[Tensor, int]:
         array, end = _decode_array(where, view, offset)
         return torch.from_numpy(array), end
 
     return encode_tensor, decode_tensor
+
+
+def _tensor_refusal(where: str, value: object, error: Exception | None = None) -> ProtocolError:
+    """Why ``value`` cannot be sent as a tensor field (``error``: what ``numpy()`` raised)."""
+    if not isinstance(value, Tensor):
+        return _refused(where, "a torch.Tensor", value)
+    if value.requires_grad:
+        return ProtocolError(
+            f"{where}: a detached tensor expected, found one that requires grad; detach it "
+            "before it leaves the party."
+        )
+    if not value.is_cpu or value.layout != torch.strided:
+        return ProtocolError(
+            f"{where}: a dense CPU tensor expected, found {value.layout} on {value.device}."
+        )
+    if value.dtype not in _DTYPE_BY_TORCH:
+        return ProtocolError(f"{where}: dtype in ({_DTYPE_NAMES}) expected, found {value.dtype}.")
+    return ProtocolError(f"{where}: a tensor numpy can read expected: {error}")
 
 
 def _ndarray_codec(where: str) -> _Codec:
@@ -473,7 +596,8 @@ def _codec_for(hint: object, where: str) -> _Codec:
 class _Schema:
     """How one registered message class is laid out on the wire, compiled at registration: its
     constant head, then its other fields (``sender`` to the class's own, in wire order), read
-    off a message together by ``values`` and each encoded and decoded by its own closures."""
+    off a message together by ``values``; the header's by one encoder and decoder, the class's
+    own each by its own closures."""
 
     cls: type[Message]
     kind: str
@@ -481,6 +605,8 @@ class _Schema:
     prefix: bytes  # magic, wire version and kind: the same for every message of the class
     head: bytes  # the prefix and schema_version: what every message this code accepts starts with
     values: Callable[[Message], tuple[Any, ...]]
+    encode_header: _HeaderEncoder
+    decode_header: _HeaderDecoder
     encoders: tuple[_Encoder, ...]
     decoders: tuple[tuple[str, _Decoder], ...]
 
@@ -489,6 +615,7 @@ _SCHEMA_VERSION_ENCODER, _SCHEMA_VERSION_DECODER = _int_codec("schema_version")
 _KIND_DECODER = _str_codec("kind")[1]
 _KIND_AT = _PREFIX.size  # where the kind's byte count is
 MAX_KIND_BYTES = 256  # bounds the head decode looks up before it parses anything
+_HEADER_TYPES = (str, str, str, int, int)  # sender, receiver, session, round, batch_id
 _SCHEMAS: Registry[_Schema] = Registry("wire message kind")
 _SCHEMA_BY_CLASS: dict[type[Message], _Schema] = {}
 _SCHEMA_BY_HEAD: dict[bytes, _Schema] = {}
@@ -528,28 +655,32 @@ def register_message(cls: type[MessageT]) -> type[MessageT]:
     schema_version = defaults["schema_version"]
     if hints["schema_version"] is not int or type(schema_version) is not int:
         raise TypeError(f"{kind}.schema_version: an int with a default expected.")
+    declared = tuple(hints[name] for name in HEADER_FIELDS[1:])
+    if declared != _HEADER_TYPES:
+        raise TypeError(
+            f"{kind}: header fields {HEADER_FIELDS[1:]} of types (str, str, str, int, int) "
+            f"expected, found {declared}."
+        )
     # Five header fields at least: attrgetter of several names returns a tuple.
-    order = list(HEADER_FIELDS[1:]) + [name for name in codecs if name not in HEADER_FIELDS]
-    prefix = _PREFIX.pack(MAGIC, WIRE_VERSION) + _encoded_str(kind)
+    own = [name for name in codecs if name not in HEADER_FIELDS]
+    encode_header, decode_header = _header_codec(kind)
+    prefix = _PREFIX.pack(MAGIC, WIRE_VERSION) + _encoded_text(kind, kind)
     schema = _Schema(
         cls=cls,
         kind=kind,
         schema_version=schema_version,
         prefix=prefix,
         head=prefix + _I64.pack(schema_version),
-        values=operator.attrgetter(*order),
-        encoders=tuple(codecs[name][0] for name in order),
-        decoders=tuple((name, codecs[name][1]) for name in order),
+        values=operator.attrgetter(*HEADER_FIELDS[1:], *own),
+        encode_header=encode_header,
+        decode_header=decode_header,
+        encoders=tuple(codecs[name][0] for name in own),
+        decoders=tuple((name, codecs[name][1]) for name in own),
     )
     _SCHEMAS.register(kind, schema)
     _SCHEMA_BY_CLASS[cls] = schema
     _SCHEMA_BY_HEAD[schema.head] = schema
     return cls
-
-
-def _encoded_str(text: str) -> bytes:
-    raw = text.encode("utf-8")
-    return _U64.pack(len(raw)) + raw
 
 
 def encode(message: Message) -> bytes:
@@ -569,8 +700,9 @@ def encode(message: Message) -> bytes:
     else:  # sent as it is, for the receiver to refuse
         out = [schema.prefix]
         _SCHEMA_VERSION_ENCODER(version, out)
-    size = len(schema.head)  # the prefix and an i64 either way
-    for encode_field, value in zip(schema.encoders, schema.values(message), strict=True):
+    values = schema.values(message)
+    size = len(schema.head) + schema.encode_header(values, out)  # the prefix and an i64 either way
+    for encode_field, value in zip(schema.encoders, values[5:], strict=True):
         size += encode_field(value, out)
     if size > MAX_MESSAGE_BYTES:
         raise ProtocolError(
@@ -596,8 +728,15 @@ def _decode(data: bytes, max_bytes: int) -> Message:
     if len(view) > max_bytes:
         raise ProtocolError(f"message of {len(view)} bytes exceeds the limit of {max_bytes}.")
     schema = _schema_of(view)
-    offset = len(schema.head)
-    values: dict[str, Any] = {"schema_version": schema.schema_version}
+    names, round, batch_id, offset = schema.decode_header(view, len(schema.head))
+    values: dict[str, Any] = {
+        "schema_version": schema.schema_version,
+        "sender": names[0],
+        "receiver": names[1],
+        "session": names[2],
+        "round": round,
+        "batch_id": batch_id,
+    }
     for name, decode_field in schema.decoders:
         values[name], offset = decode_field(view, offset)
     if offset != len(view):
