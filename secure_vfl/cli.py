@@ -1235,7 +1235,7 @@ def run_train(args: argparse.Namespace) -> int:
         bar = tqdm(total=total, desc=config.method, unit="step", disable=args.quiet, leave=False)
 
     def on_step(step: int, loss: float) -> None:
-        bar.update(1)
+        bar.update(step - bar.n)  # a resumed run starts past step 0
         if step % 10 == 0:
             bar.set_postfix(loss=f"{loss:.3f}")
 

@@ -3,6 +3,7 @@ model and metrics of an uninterrupted run; a bad checkpoint is refused before an
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -45,9 +46,11 @@ def _kill_at(step_to_die: int) -> Any:
     return on_step
 
 
-def _config(*, secure: bool = False, epochs: int = 3, lr: float = 0.03) -> TrainConfig:
+def _config(
+    *, secure: bool = False, epochs: int = 3, lr: float = 0.03, method: str = "laser"
+) -> TrainConfig:
     return TrainConfig(
-        method="laser",
+        method=method,
         dataset="synthetic",
         method_config=MethodConfig(
             heads="active" if secure else "all",
@@ -112,11 +115,29 @@ def _killed_then_resumed(
     return _train(config, data, plan=resume, **kwargs)
 
 
-@pytest.mark.parametrize("secure", [False, True], ids=["plaintext", "masks"])
+@pytest.mark.parametrize(
+    ("method", "secure", "batching"),
+    [
+        ("laser", False, "mixed"),
+        ("laser", True, "mixed"),
+        ("laser", False, "grouped"),
+        ("plugvfl", False, "mixed"),
+        ("combinatorial", False, "mixed"),
+    ],
+    ids=["laser-plaintext", "laser-masks", "laser-grouped", "plugvfl", "combinatorial"],
+)
 def test_a_killed_run_resumed_from_its_checkpoint_equals_an_uninterrupted_run(
-    tmp_path: Path, make_data: MakeData, one_thread: None, secure: bool
+    tmp_path: Path,
+    make_data: MakeData,
+    one_thread: None,
+    method: str,
+    secure: bool,
+    batching: str,
 ) -> None:
-    config = _config(secure=secure)
+    config = _config(secure=secure, method=method)
+    config = dataclasses.replace(
+        config, method_config=dataclasses.replace(config.method_config, batching=batching)
+    )
     data = make_data(train_missing="mcar:0.3")
     whole, whole_channel = _train(config, data, secure=secure)
     resumed, resumed_channel = _killed_then_resumed(tmp_path, config, data, secure=secure)
