@@ -449,7 +449,8 @@ def _checkpoint_flags(parser: argparse.ArgumentParser) -> None:
         type=Path,
         metavar="DIR",
         help="continue a killed run from its latest complete checkpoint in DIR (its --out or "
-        "its checkpoint directory); the other flags must be the killed run's own",
+        "its checkpoint directory); the other flags must be the killed run's own (default: none, "
+        "a fresh run)",
     )
 
 
