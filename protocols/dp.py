@@ -326,6 +326,26 @@ class PrivacyAccountant:
         """Record one release."""
         self.events.append(event)
 
+    def to_json(self) -> list[dict[str, Any]]:
+        """Every release recorded, as JSON: what a party's checkpoint keeps, so that a resumed
+        run prices exactly the releases the killed one made."""
+        return [{**dataclasses.asdict(event), "rows": list(event.rows)} for event in self.events]
+
+    def restore(self, events: Sequence[Mapping[str, Any]]) -> None:
+        """Replace the releases recorded by ``events`` (from :meth:`to_json`, read back from a
+        checkpoint); ConfigError, naming the entry, for one that is not a release."""
+        fields = {f.name for f in dataclasses.fields(GaussianRelease)}
+        restored = []
+        for i, event in enumerate(events):
+            if not isinstance(event, Mapping) or not set(event) <= fields:
+                found = sorted(event) if isinstance(event, Mapping) else type(event).__name__
+                raise ConfigError(
+                    f"release {i} of a checkpoint: the fields {sorted(fields)} expected, "
+                    f"found {found}."
+                )
+            restored.append(GaussianRelease(**{**event, "rows": tuple(event.get("rows", ()))}))
+        self.events = restored
+
     def parties(self) -> list[str]:
         """The parties that have spent privacy, in order of their first release."""
         return list(dict.fromkeys(e.party for e in self.events))

@@ -361,6 +361,21 @@ class PrivacyEngine:
                 {name: len(a.events) for name, a in self._accountants.items()}
             )
 
+    def resume(self, *, steps_done: int, epoch_steps: int | None) -> None:
+        """A run resumed after ``steps_done`` steps, its parties' accountants holding the
+        releases they had made: note each party's releases at the end of every epoch finished
+        before, as :meth:`epoch_end` did in the killed run (a training release of step t
+        carries round t, and releases are recorded in step order)."""
+        if not self.noise or epoch_steps is None:
+            return
+        self._epoch_releases = [
+            {
+                name: sum(1 for e in a.events if e.phase == "train" and e.round < end)
+                for name, a in self._accountants.items()
+            }
+            for end in range(epoch_steps, steps_done + 1, epoch_steps)
+        ]
+
     def _epsilon_per_epoch(
         self, sampler: PoissonSampler, adjacency: Adjacency, sampling: str
     ) -> dict[str, list[float]]:

@@ -430,6 +430,30 @@ def _training_flags(parser: argparse.ArgumentParser) -> Any:
     return source
 
 
+def _checkpoint_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("checkpoints and resume")
+    group.add_argument(
+        "--checkpoint-every",
+        type=positive_int,
+        metavar="N",
+        help="every party writes its own checkpoint every N training steps (default: none)",
+    )
+    group.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        metavar="DIR",
+        help="where the checkpoints go, one directory per party (default: --out's checkpoints/)",
+    )
+    group.add_argument(
+        "--resume",
+        type=Path,
+        metavar="DIR",
+        help="continue a killed run from its latest complete checkpoint in DIR (its --out or "
+        "its checkpoint directory); the other flags must be the killed run's own (default: none, "
+        "a fresh run)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     from secure_vfl.runs import package_version
 
@@ -444,6 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = commands.add_parser("train", help="train a VFL method and evaluate it")
     _deployment_flags(train, _training_flags(train))
+    _checkpoint_flags(train)
     _party_command(commands)
 
     attack = commands.add_parser(
@@ -1206,6 +1231,7 @@ def run_train(args: argparse.Namespace) -> int:
     _check_output_dir(out, "result.json", overwrite=args.overwrite)
     _check_output_dir(out / MODEL_DIR, MANIFEST_FILE, overwrite=args.overwrite)
     store = _results_store(args, out)
+    checkpoints = _checkpoint_plan(args, config, out)  # a bad checkpoint: refused here
     channel = Channel()
     bar: Any = None
     trained: list[Any] = []  # the run's parties, each of which saves its own part
@@ -1215,7 +1241,7 @@ def run_train(args: argparse.Namespace) -> int:
         bar = tqdm(total=total, desc=config.method, unit="step", disable=args.quiet, leave=False)
 
     def on_step(step: int, loss: float) -> None:
-        bar.update(1)
+        bar.update(step - bar.n)  # a resumed run starts past step 0
         if step % 10 == 0:
             bar.set_postfix(loss=f"{loss:.3f}")
 
@@ -1233,6 +1259,7 @@ def run_train(args: argparse.Namespace) -> int:
                 on_ready=lambda ready: trained.extend(in_process_parties(ready)),
                 on_start=on_start,
                 on_step=on_step,
+                checkpoints=checkpoints,
             )
         except IntegrityError as error:
             if not engine.private or isinstance(error, DivergenceError):
@@ -1266,6 +1293,12 @@ def run_train(args: argparse.Namespace) -> int:
     named = [_named_text(text, payload["parties"]) for text in [*noted, *result.warnings]]
     payload["warnings"] = list(dict.fromkeys(named))
     payload["model"] = {"directory": str(out / MODEL_DIR), "run_id": manifest.run_id}
+    if checkpoints is not None:
+        payload["checkpoints"] = {
+            "directory": str(checkpoints.directory),
+            "every": checkpoints.every,
+            "resumed_from_step": checkpoints.resume.step if checkpoints.resume else None,
+        }
     atomic_write_json(out / "result.json", payload)
     plots = write_run_plots(payload, out)
     store.add(payload, kind="train", out_dir=out)
@@ -1275,6 +1308,38 @@ def run_train(args: argparse.Namespace) -> int:
     for warning in payload["warnings"]:
         print(f"secure-vfl: warning: {warning}", file=sys.stderr)
     return 0
+
+
+def _checkpoint_plan(args: argparse.Namespace, config: Any, out: Path) -> Any:
+    """The checkpoints ``train``'s flags ask for (None: none), and with ``--resume`` the
+    checkpoint to go on from, found and checked (every party's files, the configuration)
+    before any data is read."""
+    from secure_vfl.checkpoints import CHECKPOINTS_DIR, CheckpointPlan, find_resume_point
+
+    if args.checkpoint_every is None and args.resume is None:
+        if args.checkpoint_dir is not None:
+            raise ConfigError(
+                "--checkpoint-dir goes with --checkpoint-every N. Found no --checkpoint-every."
+            )
+        return None
+    if config.method.startswith("false-vfl"):
+        raise ConfigError(
+            f"checkpoints follow methods trained in one stage; {config.method} trains in two. "
+            "Found --checkpoint-every or --resume with it."
+        )
+    settings = {**config.to_json(), "privacy": _privacy_settings(args)}
+    resume = None
+    if args.resume is not None:
+        resume = find_resume_point(args.resume, label_party="party-0", settings=settings)
+    directory = args.checkpoint_dir or (
+        resume.root if resume is not None else out / CHECKPOINTS_DIR
+    )
+    return CheckpointPlan(
+        directory=directory,
+        every=args.checkpoint_every or 0,
+        resume=resume,
+        settings=settings,
+    )
 
 
 def _with_party_names(payload: dict[str, Any], data: Any) -> dict[str, Any]:
@@ -1956,6 +2021,20 @@ def _refuse_deployed_flags(args: argparse.Namespace) -> None:
         raise ConfigError(
             "--insecure-reproducible-noise is refused with --federation: noise anyone with the "
             "seed can remove has no place on a network."
+        )
+    resumable = [
+        flag
+        for flag, value in [
+            ("--checkpoint-every", args.checkpoint_every),
+            ("--checkpoint-dir", args.checkpoint_dir),
+            ("--resume", args.resume),
+        ]
+        if value is not None
+    ]
+    if resumable:
+        raise ConfigError(
+            f"{', '.join(resumable)} not offered with --federation yet (each party would "
+            "write and restore its own checkpoint in its own process). Found them."
         )
     given = [
         flag

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from secure_vfl import methods
+from secure_vfl.checkpoints import CheckpointPlan, RunCheckpoints
 from secure_vfl.data.datasets import load_dataset
 from secure_vfl.data.imputation import (
     ImputationTask,
@@ -392,6 +393,11 @@ class PrivacyLayer(Protocol):
         report can give epsilon over epochs."""
         ...
 
+    def resume(self, *, steps_done: int, epoch_steps: int | None) -> None:
+        """Called when a run resumes after ``steps_done`` steps, once each party's accountant
+        holds its restored releases: note the spend at the end of every epoch before."""
+        ...
+
 
 def run_training(
     config: TrainConfig,
@@ -404,6 +410,7 @@ def run_training(
     on_ready: Callable[[Channel], None] | None = None,
     on_start: Callable[[int], None] | None = None,
     on_step: StepCallback | None = None,
+    checkpoints: CheckpointPlan | None = None,
 ) -> TrainResult:
     """Train ``config.method`` and evaluate it on every test missingness.
 
@@ -416,6 +423,10 @@ def run_training(
     protected, before training (an auditor grants an attacker its side knowledge there);
     ``on_start(total_steps)`` is called once before training.
     ``result.traffic`` counts the bytes that crossed ``channel``'s transport.
+    ``checkpoints`` (:class:`~secure_vfl.checkpoints.CheckpointPlan`) has every party write its
+    own checkpoint at step boundaries, and/or resumes a killed run: the label party's run
+    position and sampler are restored before the privacy layer calibrates to the schedule, each
+    party's own state once its mechanisms are installed.
     """
     if privacy is not None:
         privacy.refuse(config.method, batching=config.method_config.batching)
@@ -430,15 +441,26 @@ def run_training(
         method.sampler = privacy.sampler(
             method.sampler, n=data.train.n, epochs=config.method_config.epochs
         )
+    run_checkpoints = RunCheckpoints(checkpoints) if checkpoints is not None else None
+    progress = run_checkpoints.restore_run(method) if run_checkpoints is not None else None
+    if privacy is not None:
         privacy.make_private(
             in_process_parties(channel), method=config.method, method_config=config.method_config
         )
     steps = method.total_steps
+    step_done = _with_epoch_end(on_step, privacy, steps, config)
+    if run_checkpoints is not None and progress is not None:
+        run_checkpoints.restore_parties(in_process_parties(channel))
+        if privacy is not None and progress.step:
+            privacy.resume(steps_done=progress.step, epoch_steps=_epoch_steps(steps, config))
+        step_done = run_checkpoints.hook(
+            step_done, method=method, parties=in_process_parties(channel), progress=progress
+        )
     if on_ready is not None:
         on_ready(channel)
     if on_start is not None:
         on_start(steps)
-    losses = method.fit(on_step=_with_epoch_end(on_step, privacy, steps, config))
+    losses = method.fit(on_step=step_done, progress=progress)
     for party in channel.parties.values():
         party.after_training()
     predictions = predict_tests(method, data)
@@ -463,10 +485,9 @@ def _with_epoch_end(
 ) -> StepCallback | None:
     """``on_step``, also telling ``privacy`` when an epoch ends (every ``steps / epochs``
     steps; methods whose epochs are not of equal length are not followed)."""
-    epochs = config.method_config.epochs
-    if privacy is None or steps == 0 or steps % epochs != 0:
+    epoch_steps = _epoch_steps(steps, config)
+    if privacy is None or epoch_steps is None:
         return on_step
-    epoch_steps = steps // epochs
 
     def step_done(step: int, loss: float) -> None:
         if on_step is not None:
@@ -475,6 +496,12 @@ def _with_epoch_end(
             privacy.epoch_end()
 
     return step_done
+
+
+def _epoch_steps(steps: int, config: TrainConfig) -> int | None:
+    """Steps per epoch (None where epochs are not of equal length)."""
+    epochs = config.method_config.epochs
+    return None if steps == 0 or steps % epochs != 0 else steps // epochs
 
 
 @dataclass(frozen=True, kw_only=True)

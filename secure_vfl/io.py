@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -44,3 +45,29 @@ def atomic_write_text(path: Path, text: str) -> None:
 def atomic_write_json(path: Path, payload: Any) -> None:
     """Write ``payload`` as indented JSON to ``path`` atomically."""
     atomic_write_text(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
+
+
+def atomic_directory(path: Path, write: Callable[[Path], None]) -> None:
+    """Call ``write(tmp)`` on a fresh directory beside ``path``, fsync every file in it and the
+    directory, and rename it to ``path`` (which must not exist): a checkpoint is either whole
+    under its name or absent, even if the machine loses power in between."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    try:
+        write(tmp)
+        for child in tmp.iterdir():
+            _fsync(child, os.O_RDONLY)
+        _fsync(tmp, os.O_RDONLY | os.O_DIRECTORY)
+        os.rename(tmp, path)
+        _fsync(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _fsync(path: Path, flags: int) -> None:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

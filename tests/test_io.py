@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from secure_vfl.io import atomic_write, atomic_write_json
+from secure_vfl.io import atomic_directory, atomic_write, atomic_write_json
 
 
 def test_atomic_write_json_writes_readable_ordinary_files(tmp_path: Path) -> None:
@@ -33,3 +33,23 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path: Pat
         atomic_write(target, failing)
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["result.json"]
+
+
+def test_atomic_directory_is_whole_under_its_name_or_absent(tmp_path: Path) -> None:
+    target = tmp_path / "checkpoints" / "step-00000010"
+
+    def failing(directory: Path) -> None:
+        (directory / "state.json").write_text("{}")
+        raise RuntimeError("killed mid-write")
+
+    with pytest.raises(RuntimeError):
+        atomic_directory(target, failing)
+    assert not target.exists() and list(target.parent.iterdir()) == []
+
+    def whole(directory: Path) -> None:
+        (directory / "state.json").write_text("{}")
+        (directory / "tensors.pt").write_bytes(b"\0" * 10)
+
+    atomic_directory(target, whole)
+    assert sorted(p.name for p in target.iterdir()) == ["state.json", "tensors.pt"]
+    assert [p.name for p in target.parent.iterdir()] == ["step-00000010"]

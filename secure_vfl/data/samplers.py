@@ -182,6 +182,22 @@ class PoissonSampler:
             counts[batch] += 1
         return counts
 
+    @property
+    def next_epoch(self) -> int:
+        """How many epochs of the schedule :meth:`epoch` has handed out."""
+        return self._next
+
+    def restore(self, epochs: list[list[np.ndarray]], *, next_epoch: int) -> None:
+        """Take back a schedule drawn before (a resumed run's, from its checkpoint), of as many
+        epochs as this one, ``next_epoch`` of them handed out already."""
+        if len(epochs) != len(self.epochs) or not 0 <= next_epoch <= len(epochs):
+            raise DataError(
+                f"a schedule of {len(self.epochs)} epochs, at most that many handed out, "
+                f"expected; found {len(epochs)} epochs, {next_epoch} handed out."
+            )
+        self.epochs = [[np.asarray(batch, dtype=np.int64) for batch in e] for e in epochs]
+        self._next = next_epoch
+
     def __len__(self) -> int:
         return self.steps_per_epoch
 

@@ -184,8 +184,11 @@ class Method(Protocol):
         """How many training steps :meth:`fit` runs (for progress reporting)."""
         ...
 
-    def fit(self, *, on_step: StepCallback | None = None) -> list[float]:
-        """Train; return the mean training loss of every epoch."""
+    def fit(
+        self, *, on_step: StepCallback | None = None, progress: TrainingProgress | None = None
+    ) -> list[float]:
+        """Train (from ``progress``, where a resumed run stands); return the mean training loss
+        of every epoch."""
         ...
 
     def predict(self, split_name: str) -> np.ndarray:
@@ -811,6 +814,23 @@ def batches(n: int, size: int) -> list[Tensor]:
     return [torch.arange(i, min(i + size, n)) for i in range(0, n, size)]
 
 
+@dataclass
+class TrainingProgress:
+    """Where a training run stands, as the label party drives it: the epoch, the training steps
+    done (``step``, the next step's round), the next batch of the epoch, the epoch's batch
+    order (None until it is drawn), the loss summed so far in the epoch over ``count`` rows and
+    the mean loss of every finished epoch. :func:`train_epochs` starts from it and keeps it up
+    to date, so a checkpoint taken between two steps resumes exactly there."""
+
+    epoch: int = 0
+    step: int = 0
+    batch: int = 0
+    order: list[np.ndarray] | None = None
+    total: float = 0.0
+    count: int = 0
+    losses: list[float] = dataclasses.field(default_factory=list)
+
+
 def train_epochs(
     step: Callable[[np.ndarray, int, int], float],
     sampler: BatchSampler,
@@ -818,21 +838,31 @@ def train_epochs(
     epochs: int,
     rng: np.random.Generator,
     on_step: StepCallback | None,
+    progress: TrainingProgress | None = None,
 ) -> list[float]:
-    """Run ``step(rows, round, batch_id)`` over every batch of every epoch; mean loss per epoch."""
-    losses = []
-    round = 0
-    for _ in range(epochs):
-        total, count = 0.0, 0
-        for batch_id, rows in enumerate(sampler.epoch(rng)):
-            loss = step(rows, round, batch_id)
-            total += loss * len(rows)
-            count += len(rows)
-            round += 1
+    """Run ``step(rows, round, batch_id)`` over every batch of every epoch; mean loss per epoch.
+
+    Each epoch's batch order is drawn whole from ``rng`` before its first step (every sampler
+    draws its order before its first batch, so this is the order it would yield lazily), and
+    ``progress`` (a fresh one by default) says where to start and follows every step.
+    """
+    progress = progress if progress is not None else TrainingProgress()
+    while progress.epoch < epochs:
+        if progress.order is None:
+            progress.order = list(sampler.epoch(rng))
+        while progress.batch < len(progress.order):
+            rows = progress.order[progress.batch]
+            loss = step(rows, progress.step, progress.batch)
+            progress.total += loss * len(rows)
+            progress.count += len(rows)
+            progress.step += 1
+            progress.batch += 1
             if on_step is not None:
-                on_step(round, loss)
-        losses.append(total / count if count else float("nan"))
-    return losses
+                on_step(progress.step, loss)
+        progress.losses.append(progress.total / progress.count if progress.count else float("nan"))
+        progress.epoch += 1
+        progress.order, progress.batch, progress.total, progress.count = None, 0, 0.0, 0
+    return list(progress.losses)
 
 
 def in_process_parties(channel: Channel) -> list[DataParty]:

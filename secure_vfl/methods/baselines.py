@@ -36,6 +36,7 @@ from secure_vfl.methods.base import (
     MethodConfig,
     PartyModels,
     StepCallback,
+    TrainingProgress,
     batches,
     broadcast_prediction,
     build_federation,
@@ -179,7 +180,9 @@ class ConcatFusionMethod:
     def total_steps(self) -> int:
         return len(self.sampler) * self.config.epochs
 
-    def fit(self, *, on_step: StepCallback | None = None) -> list[float]:
+    def fit(
+        self, *, on_step: StepCallback | None = None, progress: TrainingProgress | None = None
+    ) -> list[float]:
         if self.train_rows.size == 0:
             return [float("nan")] * self.config.epochs
         return train_epochs(
@@ -188,6 +191,7 @@ class ConcatFusionMethod:
             epochs=self.config.epochs,
             rng=self.fed.rng,
             on_step=on_step,
+            progress=progress,
         )
 
     def _logits(self, split_name: str) -> np.ndarray:
@@ -376,13 +380,16 @@ class Combinatorial:
     def total_steps(self) -> int:
         return len(self.sampler) * self.config.epochs
 
-    def fit(self, *, on_step: StepCallback | None = None) -> list[float]:
+    def fit(
+        self, *, on_step: StepCallback | None = None, progress: TrainingProgress | None = None
+    ) -> list[float]:
         return train_epochs(
             self.train_step,
             self.sampler,
             epochs=self.config.epochs,
             rng=self.fed.rng,
             on_step=on_step,
+            progress=progress,
         )
 
     def predict(self, split_name: str) -> np.ndarray:

@@ -92,6 +92,7 @@ from secure_vfl.methods.base import (
     METHODS,
     MethodConfig,
     StepCallback,
+    TrainingProgress,
     _positive_int,
     broadcast_prediction,
     build_federation,
@@ -717,13 +718,20 @@ class FalseVflMethod:
         label.discriminator_optimizer.zero_grad(set_to_none=True)
         return loss.item()
 
-    def fit(self, *, on_step: StepCallback | None = None) -> list[float]:
+    def fit(
+        self, *, on_step: StepCallback | None = None, progress: TrainingProgress | None = None
+    ) -> list[float]:
         """Stage 1 on every training row, then stage 2 on the labelled rows.
 
         Returns the mean loss of every epoch: first the stage-1 epochs (-L_kappa per sample),
         then the stage-2 epochs (-L'_kappa per sample). ``on_step`` sees rounds counted across
-        both stages.
+        both stages. Its two stages are not resumable yet: a ``progress`` is refused.
         """
+        if progress is not None:
+            raise ConfigError(
+                f"{self.name} trains in two stages, which checkpoints do not follow yet; "
+                "expected no --checkpoint-every or --resume with it."
+            )
         self.stage = 1
         losses = train_epochs(
             self.train_step,

@@ -42,6 +42,7 @@ from secure_vfl.methods.base import (
     MethodConfig,
     PartyModels,
     StepCallback,
+    TrainingProgress,
     batches,
     broadcast_prediction,
     build_federation,
@@ -329,13 +330,16 @@ class MeanFusionMethod:
     def total_steps(self) -> int:
         return len(self.sampler) * self.config.epochs
 
-    def fit(self, *, on_step: StepCallback | None = None) -> list[float]:
+    def fit(
+        self, *, on_step: StepCallback | None = None, progress: TrainingProgress | None = None
+    ) -> list[float]:
         return train_epochs(
             self.train_step,
             self.sampler,
             epochs=self.config.epochs,
             rng=self.fed.rng,
             on_step=on_step,
+            progress=progress,
         )
 
     def head_predictions(self, split_name: str) -> np.ndarray:

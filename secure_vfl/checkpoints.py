@@ -1,0 +1,664 @@
+"""Checkpoints of a training run: every party writes its own state, and a killed run resumes.
+
+Every ``every`` steps each party writes what it alone holds into its own directory
+``<checkpoints>/<party>/step-NNNNNNNN/``:
+
+- ``tensors.pt``: its modules' parameters, its optimisers' tensor state and its torch
+  generators' states, written with ``torch.save`` and read back with ``weights_only=True``
+  (tensors and plain containers only: no code runs from a checkpoint);
+- ``state.json``: the rest: its optimisers' parameter groups, its numpy generators' states, its
+  accountant's releases (DP) and, at the label party, where the run stands
+  (:class:`~secure_vfl.methods.base.TrainingProgress`: epoch, step, the epoch's batch order,
+  the loss so far), its plan and epoch-order generators, its sampler's schedule (DP's Poisson
+  sample) and the run's configuration;
+- ``manifest.json``: the run id, the party, the step and the SHA-256 of both files. The label
+  party's also lists the SHA-256 of every other party's manifest of that step: this ties the
+  parties' checkpoints of one step together.
+
+Each checkpoint is written whole under a temporary name, fsynced and renamed
+(:func:`~secure_vfl.io.atomic_directory`). The label party writes last, which commits the
+step; then every party drops its older checkpoints. A resumed run starts from the label
+party's latest checkpoint, and every file of every party is checked against the manifests
+before anything trains. A DP party's noise is not kept: a resumed run draws fresh noise from
+the operating system, and its accountant goes on from the releases it had made.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import re
+import secrets
+import shutil
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from secure_vfl.data.samplers import PoissonSampler
+from secure_vfl.errors import ConfigError, DataError, IntegrityError
+from secure_vfl.federation.parts import sha256, unwrapped
+from secure_vfl.io import atomic_directory
+from secure_vfl.methods.base import StepCallback, TrainingProgress
+
+if TYPE_CHECKING:
+    from secure_vfl.federation.parties import DataParty
+    from secure_vfl.methods.base import Method
+
+SCHEMA = "secure-vfl/checkpoint"
+VERSION = 1
+STATE_FILE = "state.json"
+TENSORS_FILE = "tensors.pt"
+MANIFEST_FILE = "manifest.json"
+CHECKPOINTS_DIR = "checkpoints"
+"""The checkpoints' directory inside a run's ``--out`` (unless ``--checkpoint-dir``)."""
+_STEP = re.compile(r"step-(\d{8})")
+
+
+def step_directory(root: Path, party: str, step: int) -> Path:
+    """Where ``party`` keeps its checkpoint of ``step`` under ``root``."""
+    return root / party / f"step-{step:08d}"
+
+
+def written_steps(root: Path, party: str) -> list[int]:
+    """The steps ``party`` holds a whole checkpoint of under ``root`` (renamed into place;
+    temporaries of an interrupted write are not among them), in order."""
+    directory = root / party
+    if not directory.is_dir():
+        return []
+    found = (_STEP.fullmatch(child.name) for child in directory.iterdir() if child.is_dir())
+    return sorted(int(match.group(1)) for match in found if match is not None)
+
+
+def checkpoint_root(directory: Path) -> Path:
+    """The checkpoints' directory of ``directory``: a run's ``--out`` (its ``checkpoints/``)
+    or the checkpoints' directory itself."""
+    inner = directory / CHECKPOINTS_DIR
+    return inner if inner.is_dir() else directory
+
+
+# -- one party's own state --------------------------------------------------------------------
+
+
+def _optimizers(party: DataParty) -> dict[str, torch.optim.Optimizer]:
+    """The party's optimisers by the name of the module they train."""
+    found = {
+        ("bottom" if not key else f"bottom/{key}"): opt
+        for key, opt in party.optimizers.items()
+        if opt is not None
+    }
+    found.update(
+        {
+            ("head" if not key else f"head/{key}"): head.optimizer
+            for key, head in party.heads.items()
+            if head.optimizer is not None
+        }
+    )
+    return found
+
+
+def _generators(party: DataParty) -> dict[str, torch.Generator | np.random.Generator]:
+    """The random generators the party holds as attributes (a role's own sampling)."""
+    return {
+        name: value
+        for name, value in sorted(vars(party).items())
+        if isinstance(value, torch.Generator | np.random.Generator)
+    }
+
+
+def party_state(party: DataParty) -> tuple[dict[str, Any], dict[str, Any]]:
+    """What ``party`` alone holds, as (tensors, JSON): its modules, its optimisers, its random
+    generators and its accountant's releases."""
+    tensors: dict[str, Any] = {
+        "modules": {
+            name: {k: v.detach().clone() for k, v in unwrapped(module).state_dict().items()}
+            for name, module in party.own_modules().items()
+        },
+        "optimizers": {},
+        "generators": {},
+    }
+    meta: dict[str, Any] = {"optimizers": {}, "generators": {}}
+    for name, optimizer in _optimizers(party).items():
+        tensors["optimizers"][name], meta["optimizers"][name] = _split_optimizer(
+            optimizer.state_dict(), f"{party.name}'s optimiser {name!r}"
+        )
+    for name, generator in _generators(party).items():
+        if isinstance(generator, torch.Generator):
+            tensors["generators"][name] = generator.get_state()
+        else:
+            meta["generators"][name] = generator.bit_generator.state
+    accountant = party.accountant
+    meta["accountant"] = accountant.to_json() if accountant is not None else None
+    return tensors, meta
+
+
+def _split_optimizer(state: Mapping[str, Any], what: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An optimiser's state dict as (its tensors, the rest as JSON)."""
+    tensors: dict[str, dict[str, Tensor]] = {}
+    rest: dict[str, dict[str, Any]] = {}
+    for index, values in state["state"].items():
+        for key, value in values.items():
+            target = tensors if isinstance(value, Tensor) else rest
+            target.setdefault(str(index), {})[key] = value
+    groups = state["param_groups"]
+    if any(isinstance(v, Tensor) for group in groups for v in group.values()):
+        raise ConfigError(f"{what}: plain-number parameter groups expected, found a tensor.")
+    return tensors, {"state": rest, "param_groups": groups}
+
+
+def _join_optimizer(tensors: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {}
+    for part in (meta["state"], tensors):
+        for index, values in part.items():
+            state.setdefault(int(index), {}).update(values)
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def restore_party_state(
+    party: DataParty, tensors: Mapping[str, Any], meta: Mapping[str, Any], *, where: str
+) -> None:
+    """Put a checkpoint's state back into ``party`` (the same modules, optimisers, generators
+    and accountant as it was written from), or refuse with what differs (IntegrityError)."""
+    modules = party.own_modules()
+    saved = tensors.get("modules", {})
+    _same_names(where, "modules", modules, saved)
+    optimizers = _optimizers(party)
+    _same_names(where, "optimisers", optimizers, meta.get("optimizers", {}))
+    generators = _generators(party)
+    saved_generators = {**tensors.get("generators", {}), **meta.get("generators", {})}
+    _same_names(where, "random generators", generators, saved_generators)
+    try:
+        for name, module in modules.items():
+            unwrapped(module).load_state_dict(dict(saved[name]), strict=True)
+        for name, optimizer in optimizers.items():
+            state = _join_optimizer(tensors["optimizers"].get(name, {}), meta["optimizers"][name])
+            optimizer.load_state_dict(state)
+        for name, generator in generators.items():
+            if isinstance(generator, torch.Generator):
+                generator.set_state(saved_generators[name])
+            else:
+                generator.bit_generator.state = saved_generators[name]
+    except (RuntimeError, ValueError, KeyError, TypeError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise IntegrityError(f"{where}: the state does not fit {party.name} ({first}).") from None
+    releases = meta.get("accountant")
+    if (releases is None) != (party.accountant is None):
+        raise IntegrityError(
+            f"{where}: {'an accountant' if party.accountant is not None else 'no accountant'} "
+            f"expected (this run's privacy), found {'none' if releases is None else 'one'}."
+        )
+    if party.accountant is not None:
+        party.accountant.restore(releases)
+
+
+def _same_names(where: str, what: str, expected: Mapping[str, Any], found: Any) -> None:
+    if not isinstance(found, Mapping) or sorted(expected) != sorted(found):
+        names = sorted(found) if isinstance(found, Mapping) else type(found).__name__
+        raise IntegrityError(f"{where}: {what} {sorted(expected)} expected, found {names}.")
+
+
+# -- the label party's view of the run ----------------------------------------------------
+
+
+def run_state(method: Method, progress: TrainingProgress) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Where the label party's run stands, as (tensors, JSON): ``progress``, its plan and
+    epoch-order generators and its sampler's drawn schedule (a Poisson sampler's)."""
+    fed = method.fed
+    order = None if progress.order is None else [torch.from_numpy(b) for b in progress.order]
+    tensors: dict[str, Any] = {"order": order, "plan_generator": fed.generator.get_state()}
+    meta: dict[str, Any] = {
+        "progress": {
+            "epoch": progress.epoch,
+            "step": progress.step,
+            "batch": progress.batch,
+            "total": progress.total,
+            "count": progress.count,
+            "losses": list(progress.losses),
+        },
+        "epoch_generator": fed.rng.bit_generator.state,
+        "queries": fed.queries,
+        "sampler": None,
+    }
+    if isinstance(method.sampler, PoissonSampler):
+        sampler = method.sampler
+        tensors["schedule"] = [[torch.from_numpy(b) for b in epoch] for epoch in sampler.epochs]
+        meta["sampler"] = {"kind": "poisson", "next_epoch": sampler.next_epoch}
+    return tensors, meta
+
+
+def restore_run(
+    method: Method, tensors: Mapping[str, Any], meta: Mapping[str, Any], *, where: str
+) -> TrainingProgress:
+    """Put the label party's run back where ``run_state`` found it; the progress to go on
+    from. IntegrityError when the checkpoint's sampler is not this run's."""
+    fed = method.fed
+    try:
+        position = meta["progress"]
+        order = tensors["order"]
+        progress = TrainingProgress(
+            epoch=int(position["epoch"]),
+            step=int(position["step"]),
+            batch=int(position["batch"]),
+            order=None if order is None else [t.numpy().astype(np.int64) for t in order],
+            total=float(position["total"]),
+            count=int(position["count"]),
+            losses=[float(x) for x in position["losses"]],
+        )
+        fed.generator.set_state(tensors["plan_generator"])
+        fed.rng.bit_generator.state = meta["epoch_generator"]
+        fed.queries = int(meta["queries"])
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as error:
+        raise IntegrityError(
+            f"{where}: a run position expected, found otherwise ({error})."
+        ) from None
+    saved = meta.get("sampler")
+    poisson = isinstance(method.sampler, PoissonSampler)
+    if (saved is not None) != poisson:
+        raise IntegrityError(
+            f"{where}: {'a Poisson' if poisson else 'no'} sampler schedule expected (this run's "
+            f"privacy), found {'none' if saved is None else 'one'}."
+        )
+    if isinstance(method.sampler, PoissonSampler):
+        schedule = tensors.get("schedule")
+        next_epoch = saved.get("next_epoch") if isinstance(saved, dict) else None
+        if not isinstance(schedule, list) or not isinstance(next_epoch, int):
+            raise IntegrityError(
+                f"{where}: a Poisson schedule and its next epoch expected; found "
+                f"{type(schedule).__name__} and {next_epoch!r}."
+            )
+        try:
+            method.sampler.restore(
+                [[t.numpy() for t in epoch] for epoch in schedule], next_epoch=next_epoch
+            )
+        except (DataError, AttributeError, TypeError) as error:
+            raise IntegrityError(f"{where}: {error}") from None
+    return progress
+
+
+# -- files --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SavedState:
+    """One party's checkpoint of one step as read back and checked."""
+
+    party: str
+    step: int
+    run_id: str
+    tensors: dict[str, Any]
+    meta: dict[str, Any]
+    parties: dict[str, str]
+    """At the label party: the SHA-256 of every other party's manifest of this step."""
+    manifest_sha: str
+
+
+def write_checkpoint(
+    root: Path,
+    party: str,
+    *,
+    run_id: str,
+    step: int,
+    tensors: Mapping[str, Any],
+    meta: Mapping[str, Any],
+    parties: Mapping[str, str] | None = None,
+) -> str:
+    """Write ``party``'s checkpoint of ``step`` atomically; return its manifest's SHA-256.
+
+    A directory of that step left by a killed run (never committed: a resumed run starts from
+    the latest committed step and writes only later ones) is replaced."""
+    buffer = io.BytesIO()
+    torch.save(dict(tensors), buffer)
+    files = {
+        TENSORS_FILE: buffer.getvalue(),
+        STATE_FILE: (json.dumps(meta, sort_keys=True) + "\n").encode("utf-8"),
+    }
+    manifest = {
+        "schema": SCHEMA,
+        "version": VERSION,
+        "run_id": run_id,
+        "party": party,
+        "step": step,
+        "files": {name: sha256(data) for name, data in sorted(files.items())},
+        "parties": dict(sorted((parties or {}).items())),
+    }
+    files[MANIFEST_FILE] = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+    def write(directory: Path) -> None:
+        for name, data in files.items():
+            (directory / name).write_bytes(data)
+
+    target = step_directory(root, party, step)
+    if target.exists():
+        shutil.rmtree(target)
+    atomic_directory(target, write)
+    return sha256(files[MANIFEST_FILE])
+
+
+def drop_older(root: Path, party: str, *, keep: int) -> None:
+    """Remove ``party``'s checkpoints other than that of step ``keep`` (the one just committed)
+    and what interrupted writes left."""
+    directory = root / party
+    if not directory.is_dir():
+        return
+    for child in directory.iterdir():
+        if child.is_dir() and child.name != f"step-{keep:08d}":
+            shutil.rmtree(child, ignore_errors=True)
+
+
+def read_checkpoint(
+    root: Path,
+    party: str,
+    step: int,
+    *,
+    run_id: str | None = None,
+    manifest_sha: str | None = None,
+) -> SavedState:
+    """``party``'s checkpoint of ``step``, every file checked against its manifest, the
+    manifest against ``manifest_sha`` (what the label party recorded) and its run, party and
+    step against those expected; IntegrityError or DataError saying what was expected and
+    what was found."""
+    directory = step_directory(root, party, step)
+    where = str(directory)
+    if not directory.is_dir():
+        raise IntegrityError(f"{where}: {party}'s checkpoint of step {step} expected; found none.")
+    manifest_bytes = _file(directory, MANIFEST_FILE)
+    found_sha = sha256(manifest_bytes)
+    if manifest_sha is not None and found_sha != manifest_sha:
+        raise IntegrityError(
+            f"{where}: the manifest the label party recorded for step {step} expected (SHA-256 "
+            f"{manifest_sha[:16]}...), found another ({found_sha[:16]}...): altered, or from "
+            "another run."
+        )
+    manifest = _json(manifest_bytes, f"{where}/{MANIFEST_FILE}")
+    if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
+        raise DataError(f"{where}/{MANIFEST_FILE}: a {SCHEMA!r} manifest expected.")
+    if manifest.get("version") != VERSION:
+        raise DataError(
+            f"{where}: checkpoint version {VERSION} expected, found {manifest.get('version')!r}."
+        )
+    expected = {"party": party, "step": step} | ({"run_id": run_id} if run_id is not None else {})
+    for key, value in expected.items():
+        if manifest.get(key) != value:
+            raise IntegrityError(
+                f"{where}: a checkpoint of {key} {value!r} expected, found {manifest.get(key)!r}."
+            )
+    listed = manifest.get("files")
+    if not isinstance(listed, dict) or sorted(listed) != sorted((STATE_FILE, TENSORS_FILE)):
+        raise IntegrityError(
+            f"{where}: a manifest listing {STATE_FILE} and {TENSORS_FILE} expected, found "
+            f"{sorted(listed) if isinstance(listed, dict) else listed!r}."
+        )
+    contents = {}
+    for name, digest in listed.items():
+        data = _file(directory, name)
+        if sha256(data) != digest:
+            raise IntegrityError(
+                f"{where}/{name}: the SHA-256 in the manifest ({str(digest)[:16]}...) expected, "
+                f"found {sha256(data)[:16]}... (corrupt or truncated)."
+            )
+        contents[name] = data
+    meta = _json(contents[STATE_FILE], f"{where}/{STATE_FILE}")
+    tensors = _tensors(contents[TENSORS_FILE], f"{where}/{TENSORS_FILE}")
+    parties = manifest.get("parties", {})
+    if not isinstance(meta, dict) or not isinstance(parties, dict):
+        raise DataError(f"{where}: a JSON object of state and of parties expected.")
+    return SavedState(
+        party=party,
+        step=step,
+        run_id=str(manifest.get("run_id")),
+        tensors=tensors,
+        meta=meta,
+        parties={str(k): str(v) for k, v in parties.items()},
+        manifest_sha=found_sha,
+    )
+
+
+def _file(directory: Path, name: str) -> bytes:
+    path = directory / name
+    if not path.is_file():
+        raise IntegrityError(f"{path}: a checkpoint file expected; found none (truncated?).")
+    return path.read_bytes()
+
+
+def _json(data: bytes, where: str) -> Any:
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise DataError(f"{where}: JSON expected ({error}).") from None
+
+
+def _tensors(data: bytes, where: str) -> dict[str, Any]:
+    """Tensors and plain containers, read with torch's weights-only unpickler (no code runs)."""
+    try:
+        loaded = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise IntegrityError(
+            f"{where}: weights-only tensors expected; refused ({first})."
+        ) from None
+    if not isinstance(loaded, dict):
+        raise IntegrityError(f"{where}: a mapping of tensors expected, found {type(loaded)}.")
+    return loaded
+
+
+# -- a run's checkpoints ---------------------------------------------------------------------
+
+
+def first_difference(saved: Any, current: Any, path: str = "") -> str | None:
+    """The first field (dotted path, in sorted key order) where two JSON values differ."""
+    if isinstance(saved, dict) and isinstance(current, dict):
+        for key in sorted(set(saved) | set(current)):
+            if key not in saved or key not in current:
+                return f"{path}{key}"
+            found = first_difference(saved[key], current[key], f"{path}{key}.")
+            if found is not None:
+                return found
+        return None
+    return None if saved == current else path.rstrip(".") or "(the whole configuration)"
+
+
+def _field(value: Any, path: str) -> Any:
+    for key in path.split("."):
+        value = value.get(key, "(absent)") if isinstance(value, dict) else value
+    return value
+
+
+def as_json(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """``settings`` as JSON reads them back (tuples as lists, paths as text)."""
+    return dict(json.loads(json.dumps(settings, default=str)))
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """The latest complete checkpoint of a run: the label party's state at ``step``, and the
+    SHA-256 of every other party's manifest of that step."""
+
+    root: Path
+    label: SavedState
+
+    @property
+    def step(self) -> int:
+        return self.label.step
+
+    @property
+    def run_id(self) -> str:
+        return self.label.run_id
+
+    @property
+    def parties(self) -> list[str]:
+        """Every party with a checkpoint of this step, the label party first."""
+        return [self.label.party, *self.label.parties]
+
+
+def find_resume_point(
+    directory: Path,
+    *,
+    label_party: str,
+    settings: Mapping[str, Any],
+    check_parties: bool = True,
+) -> ResumePoint:
+    """The latest complete checkpoint under ``directory`` (a run's ``--out`` or its
+    checkpoints' directory): the label party's latest, which commits its step. Refused
+    (ConfigError) when there is none or its run's configuration differs from ``settings``
+    (naming the first differing field); with ``check_parties``, every other party's checkpoint
+    of that step is read and checked too (IntegrityError or DataError otherwise)."""
+    root = checkpoint_root(directory)
+    steps = written_steps(root, label_party)
+    if not steps:
+        raise ConfigError(
+            f"--resume {directory}: a checkpoint of the label party {label_party} expected under "
+            f"{root / label_party}; found none."
+        )
+    label = read_checkpoint(root, label_party, steps[-1])
+    saved = label.meta.get("settings")
+    current = as_json(settings)
+    differing = first_difference(saved, current)
+    if differing is not None:
+        raise ConfigError(
+            f"--resume {directory}: the same configuration as the checkpoint's run expected; "
+            f"`{differing}` differs (checkpoint: {_field(saved, differing)!r}, this run: "
+            f"{_field(current, differing)!r})."
+        )
+    point = ResumePoint(root=root, label=label)
+    if check_parties:
+        for party, digest in label.parties.items():
+            read_checkpoint(root, party, label.step, run_id=label.run_id, manifest_sha=digest)
+    return point
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointPlan:
+    """What a run asks of checkpoints: write one into ``directory`` every ``every`` steps (0:
+    never), and/or resume from ``resume`` (found by :func:`find_resume_point`). ``settings``
+    is the run's configuration, kept in the label party's checkpoint and required equal on
+    resume; ``label_party`` names the party that drives the run."""
+
+    directory: Path
+    every: int = 0
+    resume: ResumePoint | None = None
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    label_party: str = "party-0"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 0:
+            raise ConfigError(
+                f"`checkpoint_every` must be an integer >= 0 (0: never). Found {self.every!r}."
+            )
+
+
+class RunCheckpoints:
+    """The composition root's side of checkpoints for one in-process run: it asks every party
+    to write its own state at step boundaries (the label party last, committing the step) and,
+    on resume, each party to restore its own."""
+
+    def __init__(self, plan: CheckpointPlan) -> None:
+        self.plan = plan
+        self.run_id = plan.resume.run_id if plan.resume is not None else secrets.token_hex(8)
+        self.settings = as_json(plan.settings)
+
+    @property
+    def resumed_step(self) -> int | None:
+        return self.plan.resume.step if self.plan.resume is not None else None
+
+    def restore_run(self, method: Method) -> TrainingProgress:
+        """Where training starts: fresh, or the label party's run as checkpointed (its sampler
+        too, before a privacy layer calibrates noise to its schedule)."""
+        point = self.plan.resume
+        if point is None:
+            return TrainingProgress()
+        if method.fed.own.name != point.label.party:
+            raise IntegrityError(
+                f"{point.root}: a run driven by {method.fed.own.name} expected, found the "
+                f"checkpoints of {point.label.party}."
+            )
+        where = str(step_directory(point.root, point.label.party, point.step))
+        run = point.label.meta.get("run")
+        if not isinstance(run, dict):
+            raise IntegrityError(f"{where}: the label party's run position expected; found none.")
+        return restore_run(method, point.label.tensors.get("run", {}), run, where=where)
+
+    def restore_parties(self, parties: Sequence[DataParty]) -> None:
+        """Every party restores its own state from its checkpoint of the resumed step."""
+        point = self.plan.resume
+        if point is None:
+            return
+        names = [party.name for party in parties]
+        if sorted(names) != sorted(point.parties):
+            raise IntegrityError(
+                f"{point.root}: checkpoints of this run's parties {sorted(names)} expected, "
+                f"found {sorted(point.parties)}."
+            )
+        for party in parties:
+            saved = (
+                point.label
+                if party.name == point.label.party
+                else read_checkpoint(
+                    point.root,
+                    party.name,
+                    point.step,
+                    run_id=point.run_id,
+                    manifest_sha=point.label.parties[party.name],
+                )
+            )
+            where = str(step_directory(point.root, party.name, point.step))
+            restore_party_state(party, saved.tensors, saved.meta, where=where)
+
+    def hook(
+        self,
+        on_step: StepCallback | None,
+        *,
+        method: Method,
+        parties: Sequence[DataParty],
+        progress: TrainingProgress,
+    ) -> StepCallback | None:
+        """``on_step``, after writing every party's checkpoint every ``plan.every`` steps."""
+        every = self.plan.every
+        if every == 0:
+            return on_step
+
+        def step_done(step: int, loss: float) -> None:
+            if step % every == 0:
+                self.write(step, method=method, parties=parties, progress=progress)
+            if on_step is not None:
+                on_step(step, loss)
+
+        return step_done
+
+    def write(
+        self,
+        step: int,
+        *,
+        method: Method,
+        parties: Sequence[DataParty],
+        progress: TrainingProgress,
+    ) -> None:
+        """Every party writes its checkpoint of ``step``, the label party last with the other
+        manifests' SHA-256 (the commit); then each drops its older ones."""
+        root = self.plan.directory
+        label = method.fed.own
+        manifests = {}
+        for party in parties:
+            if party.name != label.name:
+                tensors, meta = party_state(party)
+                manifests[party.name] = write_checkpoint(
+                    root, party.name, run_id=self.run_id, step=step, tensors=tensors, meta=meta
+                )
+        tensors, meta = party_state(label)
+        tensors["run"], meta["run"] = run_state(method, progress)
+        meta["settings"] = self.settings
+        write_checkpoint(
+            root,
+            label.name,
+            run_id=self.run_id,
+            step=step,
+            tensors=tensors,
+            meta=meta,
+            parties=manifests,
+        )
+        for party in parties:
+            drop_older(root, party.name, keep=step)

@@ -1,0 +1,356 @@
+"""Checkpoints and resume: a run killed after a checkpoint and resumed ends with exactly the
+model and metrics of an uninterrupted run; a bad checkpoint is refused before anything trains."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import MakeData
+
+from protocols.privacy import PrivacyEngine, PrivacySpec
+from protocols.secagg import MaskingAggregator
+from secure_vfl.checkpoints import (
+    MANIFEST_FILE,
+    STATE_FILE,
+    TENSORS_FILE,
+    CheckpointPlan,
+    find_resume_point,
+    step_directory,
+    written_steps,
+)
+from secure_vfl.data.vertical import VerticalData
+from secure_vfl.errors import ConfigError, DataError, IntegrityError
+from secure_vfl.experiment import TrainConfig, TrainResult, run_training
+from secure_vfl.federation.channel import Channel
+from secure_vfl.methods import MethodConfig
+from secure_vfl.methods.base import in_process_parties
+
+EVERY = 5
+STOP = 13  # killed 3 steps after the checkpoint of step 10
+
+
+class Killed(Exception):
+    """Stands in for the process dying at a step."""
+
+
+def _kill_at(step_to_die: int) -> Any:
+    def on_step(step: int, loss: float) -> None:
+        if step == step_to_die:
+            raise Killed(step)
+
+    return on_step
+
+
+def _config(
+    *, secure: bool = False, epochs: int = 3, lr: float = 0.03, method: str = "laser"
+) -> TrainConfig:
+    return TrainConfig(
+        method=method,
+        dataset="synthetic",
+        method_config=MethodConfig(
+            heads="active" if secure else "all",
+            epochs=epochs,
+            batch_size=64,
+            lr=lr,
+            representation_dim=16,
+            secure_sums=secure,
+        ),
+    )
+
+
+def _states(channel: Channel) -> dict[str, dict[str, torch.Tensor]]:
+    """Every party's trained modules, by party and module."""
+    return {
+        party.name: {
+            f"{module}.{key}": value.detach().clone()
+            for module, m in party.own_modules().items()
+            for key, value in m.state_dict().items()
+        }
+        for party in in_process_parties(channel)
+    }
+
+
+def _train(
+    config: TrainConfig,
+    data: VerticalData,
+    *,
+    plan: CheckpointPlan | None = None,
+    on_step: Any = None,
+    secure: bool = False,
+    privacy: PrivacyEngine | None = None,
+) -> tuple[TrainResult, Channel]:
+    channel = Channel()
+    result = run_training(
+        config,
+        data=data,
+        channel=channel,
+        aggregator=MaskingAggregator() if secure else None,
+        privacy=privacy,
+        on_step=on_step,
+        checkpoints=plan,
+    )
+    return result, channel
+
+
+def _settings(config: TrainConfig) -> dict[str, Any]:
+    return config.to_json()
+
+
+def _killed_then_resumed(
+    tmp_path: Path, config: TrainConfig, data: VerticalData, **kwargs: Any
+) -> tuple[TrainResult, Channel]:
+    plan = CheckpointPlan(directory=tmp_path, every=EVERY, settings=_settings(config))
+    with pytest.raises(Killed):
+        _train(config, data, plan=plan, on_step=_kill_at(STOP), **kwargs)
+    assert written_steps(tmp_path, "party-0") == [10]  # the older checkpoint was dropped
+    point = find_resume_point(tmp_path, label_party="party-0", settings=_settings(config))
+    resume = CheckpointPlan(
+        directory=tmp_path, every=EVERY, resume=point, settings=_settings(config)
+    )
+    return _train(config, data, plan=resume, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("method", "secure", "batching"),
+    [
+        ("laser", False, "mixed"),
+        ("laser", True, "mixed"),
+        ("laser", False, "grouped"),
+        ("plugvfl", False, "mixed"),
+        ("combinatorial", False, "mixed"),
+    ],
+    ids=["laser-plaintext", "laser-masks", "laser-grouped", "plugvfl", "combinatorial"],
+)
+def test_a_killed_run_resumed_from_its_checkpoint_equals_an_uninterrupted_run(
+    tmp_path: Path,
+    make_data: MakeData,
+    one_thread: None,
+    method: str,
+    secure: bool,
+    batching: str,
+) -> None:
+    config = _config(secure=secure, method=method)
+    config = dataclasses.replace(
+        config, method_config=dataclasses.replace(config.method_config, batching=batching)
+    )
+    data = make_data(train_missing="mcar:0.3")
+    whole, whole_channel = _train(config, data, secure=secure)
+    resumed, resumed_channel = _killed_then_resumed(tmp_path, config, data, secure=secure)
+    assert resumed.epoch_loss == whole.epoch_loss
+    assert resumed.metrics == whole.metrics
+    expected, found = _states(whole_channel), _states(resumed_channel)
+    assert expected.keys() == found.keys()
+    for party, modules in expected.items():
+        assert modules.keys() == found[party].keys()
+        for name, value in modules.items():
+            assert torch.equal(value, found[party][name]), (party, name)
+
+
+def test_a_resume_that_loses_the_optimiser_state_would_differ(
+    tmp_path: Path, make_data: MakeData, one_thread: None
+) -> None:
+    """The control of the test above: momentum lost at the resume changes the model, so the
+    equality there is the checkpoint's doing."""
+    config = _config()
+    data = make_data(train_missing="mcar:0.3")
+    whole, _ = _train(config, data)
+    plan = CheckpointPlan(directory=tmp_path, every=EVERY, settings=_settings(config))
+    with pytest.raises(Killed):
+        _train(config, data, plan=plan, on_step=_kill_at(STOP))
+    point = find_resume_point(tmp_path, label_party="party-0", settings=_settings(config))
+    for optimiser in point.label.tensors["optimizers"].values():
+        for state in optimiser.values():
+            state["momentum_buffer"].zero_()
+    lossy, _ = _train(
+        config,
+        data,
+        plan=CheckpointPlan(directory=tmp_path, resume=point, settings=_settings(config)),
+    )
+    assert lossy.epoch_loss != whole.epoch_loss
+
+
+def test_checkpoints_leave_an_uninterrupted_run_unchanged_and_write_each_party_apart(
+    tmp_path: Path, make_data: MakeData, one_thread: None
+) -> None:
+    config = _config(epochs=2)
+    data = make_data()
+    plain, _ = _train(config, data)
+    plan = CheckpointPlan(directory=tmp_path, every=EVERY, settings=_settings(config))
+    checked, _ = _train(config, data, plan=plan)
+    assert checked.epoch_loss == plain.epoch_loss and checked.metrics == plain.metrics
+    steps = checked.traffic["train_steps"]
+    last = steps - steps % EVERY
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"party-{k}" for k in range(4)]
+    label = json.loads((step_directory(tmp_path, "party-0", last) / MANIFEST_FILE).read_text())
+    assert label["step"] == last and sorted(label["parties"]) == ["party-1", "party-2", "party-3"]
+    for k in range(1, 4):
+        manifest = json.loads(
+            (step_directory(tmp_path, f"party-{k}", last) / MANIFEST_FILE).read_text()
+        )
+        assert manifest["party"] == f"party-{k}" and manifest["run_id"] == label["run_id"]
+        assert sorted(manifest["files"]) == [STATE_FILE, TENSORS_FILE]
+        state = json.loads((step_directory(tmp_path, f"party-{k}", last) / STATE_FILE).read_text())
+        assert "run" not in state and "settings" not in state  # only the label party's
+        assert written_steps(tmp_path, f"party-{k}") == [last]
+
+
+def test_resume_refuses_another_configuration_naming_the_first_differing_field(
+    tmp_path: Path, make_data: MakeData, one_thread: None
+) -> None:
+    config = _config(epochs=1)
+    plan = CheckpointPlan(directory=tmp_path, every=EVERY, settings=_settings(config))
+    _train(config, make_data(), plan=plan)
+    other = _config(epochs=1, lr=0.1)
+    with pytest.raises(ConfigError, match=r"`method_config\.lr` differs.*0\.03.*0\.1"):
+        find_resume_point(tmp_path, label_party="party-0", settings=_settings(other))
+
+
+def _checkpointed(tmp_path: Path, make_data: MakeData) -> tuple[TrainConfig, Path]:
+    config = _config(epochs=1)
+    plan = CheckpointPlan(directory=tmp_path, every=EVERY, settings=_settings(config))
+    _train(config, make_data(), plan=plan)
+    step = written_steps(tmp_path, "party-0")[-1]
+    return config, step_directory(tmp_path, "party-2", step)
+
+
+def _resume(tmp_path: Path, config: TrainConfig) -> None:
+    find_resume_point(tmp_path, label_party="party-0", settings=_settings(config))
+
+
+def test_a_truncated_tensor_file_is_refused_with_its_hash(
+    tmp_path: Path, make_data: MakeData, one_thread: None
+) -> None:
+    config, directory = _checkpointed(tmp_path, make_data)
+    data = (directory / TENSORS_FILE).read_bytes()
+    (directory / TENSORS_FILE).write_bytes(data[: len(data) // 2])
+    with pytest.raises(IntegrityError, match=r"party-2.*tensors\.pt.*expected.*found.*truncated"):
+        _resume(tmp_path, config)
+
+
+def test_a_checkpoint_whose_manifest_was_altered_is_refused(
+    tmp_path: Path, make_data: MakeData, one_thread: None
+) -> None:
+    config, directory = _checkpointed(tmp_path, make_data)
+    manifest = json.loads((directory / MANIFEST_FILE).read_text())
+    manifest["run_id"] = "another-run"
+    (directory / MANIFEST_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(IntegrityError, match=r"the label party recorded.*expected.*found another"):
+        _resume(tmp_path, config)
+
+
+def test_another_partys_checkpoint_in_its_place_is_refused(
+    tmp_path: Path, make_data: MakeData, one_thread: None
+) -> None:
+    config, directory = _checkpointed(tmp_path, make_data)
+    other = directory.parent.parent / "party-3" / directory.name
+    for name in (MANIFEST_FILE, STATE_FILE, TENSORS_FILE):
+        (directory / name).write_bytes((other / name).read_bytes())
+    # Its manifest is not the one recorded for party-2, nor does it name party-2.
+    with pytest.raises(IntegrityError, match="party-2"):
+        _resume(tmp_path, config)
+
+
+def test_a_label_checkpoint_that_is_not_json_is_refused(
+    tmp_path: Path, make_data: MakeData, one_thread: None
+) -> None:
+    config, directory = _checkpointed(tmp_path, make_data)
+    label = directory.parent.parent / "party-0" / directory.name
+    (label / MANIFEST_FILE).write_text('{"schema": "secure-vfl/checkpoint", "ver')
+    with pytest.raises(DataError, match="JSON expected"):
+        _resume(tmp_path, config)
+
+
+def test_a_checkpoint_of_another_run_is_refused(
+    tmp_path: Path, make_data: MakeData, one_thread: None
+) -> None:
+    config, directory = _checkpointed(tmp_path, make_data)
+    # A second run (another run id) checkpoints into another directory; its party-2 is moved in.
+    second = tmp_path.parent / f"{tmp_path.name}-second"
+    _train(
+        config,
+        make_data(),
+        plan=CheckpointPlan(directory=second, every=EVERY, settings=_settings(config)),
+    )
+    foreign = step_directory(second, "party-2", int(directory.name.split("-")[1]))
+    for name in (MANIFEST_FILE, STATE_FILE, TENSORS_FILE):
+        (directory / name).write_bytes((foreign / name).read_bytes())
+    with pytest.raises(IntegrityError, match="expected"):
+        _resume(tmp_path, config)
+
+
+def test_resume_without_a_checkpoint_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"label party party-0 expected.*found none"):
+        find_resume_point(tmp_path, label_party="party-0", settings={})
+
+
+def _dp_engine(**kwargs: Any) -> PrivacyEngine:
+    return PrivacyEngine(PrivacySpec(dp_gradients=(1.0, 0.1), dp_sgd=(1.0, 0.1), **kwargs))
+
+
+def test_a_resumed_dp_run_prices_the_releases_of_the_whole_run(
+    tmp_path: Path, make_data: MakeData, one_thread: None
+) -> None:
+    """DP noise differs after a resume (fresh noise), so the model may differ; what must not is
+    the privacy spent: the accountants go on from the releases they had recorded."""
+    config = _config()
+    data = make_data(train_missing="mcar:0")
+    whole, _ = _train(config, data, privacy=_dp_engine(insecure_reproducible_noise=True))
+    resumed, _ = _killed_then_resumed(
+        tmp_path, config, data, privacy=_dp_engine(insecure_reproducible_noise=True)
+    )
+    assert whole.privacy is not None and resumed.privacy is not None
+    for key in ("epsilon", "epsilon_per_epoch", "releases", "sampling", "noise"):
+        assert resumed.privacy[key] == whole.privacy[key], key
+
+
+def test_a_resumed_dp_run_keeps_its_secure_poisson_schedule(
+    tmp_path: Path, make_data: MakeData, one_thread: None
+) -> None:
+    """With the secure source the schedule is drawn once, from the OS, by the killed run: the
+    resumed run trains on that schedule, not on a fresh draw."""
+    config = _config()
+    data = make_data(train_missing="mcar:0")
+    killed = _dp_engine()
+    plan = CheckpointPlan(directory=tmp_path, every=EVERY, settings=_settings(config))
+    with pytest.raises(Killed):
+        _train(config, data, plan=plan, on_step=_kill_at(STOP), privacy=killed)
+    point = find_resume_point(tmp_path, label_party="party-0", settings=_settings(config))
+    again = _dp_engine()
+    result, _ = _train(
+        config,
+        data,
+        plan=CheckpointPlan(directory=tmp_path, resume=point, settings=_settings(config)),
+        privacy=again,
+    )
+    assert killed.poisson is not None and again.poisson is not None
+    assert [b.tolist() for b in again.poisson.schedule] == [
+        b.tolist() for b in killed.poisson.schedule
+    ]
+    assert result.privacy is not None
+    releases = result.privacy["releases"]["party-0"]
+    assert releases["dp-sgd"] == sum(1 for b in killed.poisson.schedule if b.size)
+
+
+def test_a_party_restores_only_a_state_that_fits_it(
+    tmp_path: Path, make_data: MakeData, one_thread: None
+) -> None:
+    config = _config(epochs=1)
+    plan = CheckpointPlan(directory=tmp_path, every=EVERY, settings=_settings(config))
+    _train(config, make_data(), plan=plan)
+    point = find_resume_point(tmp_path, label_party="party-0", settings=_settings(config))
+    wider = TrainConfig(
+        method="laser",
+        dataset="synthetic",
+        method_config=MethodConfig(epochs=1, batch_size=64, representation_dim=32),
+    )
+    with pytest.raises(IntegrityError, match="does not fit party-"):
+        _train(
+            wider,
+            make_data(),
+            plan=CheckpointPlan(directory=tmp_path, resume=point, settings=_settings(config)),
+        )

@@ -1,0 +1,141 @@
+"""`train --checkpoint-every N` and `train --resume DIR`: a `secure-vfl train` process killed
+with SIGKILL after a checkpoint resumes to exactly the result of an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from secure_vfl.checkpoints import written_steps
+from secure_vfl.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = [
+    "train",
+    "--method",
+    "laser",
+    "--dataset",
+    "breast-cancer",
+    "--epochs",
+    "10",
+    "--batch-size",
+    "32",
+    "--quiet",
+]
+
+
+def _result(out: Path) -> dict[str, Any]:
+    return dict(json.loads((out / "result.json").read_text()))
+
+
+def _models(out: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the saved model, by party, file and name."""
+    found = {}
+    for path in sorted((out / "model").glob("*/*.pt")):
+        state = torch.load(path, weights_only=True)
+        for name, value in state.items():
+            found[f"{path.parent.name}/{path.name}/{name}"] = value
+    return found
+
+
+def _kill_after_a_checkpoint(out: Path) -> None:
+    """Start `secure-vfl train` with checkpoints and SIGKILL it once one is committed."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    argv = [*RUN, "--checkpoint-every", "20", "--out", str(out)]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "secure_vfl", *argv],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not written_steps(out / "checkpoints", "party-0"):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"no checkpoint before the run ended: {process.stderr}")
+            time.sleep(0.02)
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == -signal.SIGKILL
+    assert not (out / "result.json").exists()
+
+
+def test_a_train_process_killed_after_a_checkpoint_resumes_to_the_uninterrupted_result(
+    tmp_path: Path, one_thread: None
+) -> None:
+    killed = tmp_path / "killed"
+    _kill_after_a_checkpoint(killed)
+    resumed_from = written_steps(killed / "checkpoints", "party-0")[-1]
+    assert main([*RUN, "--out", str(killed), "--resume", str(killed)]) == 0
+    whole = tmp_path / "whole"
+    assert main([*RUN, "--out", str(whole)]) == 0
+    resumed, expected = _result(killed), _result(whole)
+    assert resumed["checkpoints"]["resumed_from_step"] == resumed_from > 0
+    assert resumed["epoch_loss"] == expected["epoch_loss"]
+    assert resumed["metrics"] == expected["metrics"]
+    found, wanted = _models(killed), _models(whole)
+    assert found.keys() == wanted.keys() and found
+    assert all(torch.equal(found[name], wanted[name]) for name in wanted)
+
+
+def _checkpointed_run(tmp_path: Path) -> tuple[Path, Path]:
+    """A one-epoch run that checkpoints into its own directory; the --out to resume into."""
+    checkpoints = tmp_path / "checkpoints"
+    argv = [*RUN, "--epochs", "1", "--checkpoint-every", "5", "--checkpoint-dir", str(checkpoints)]
+    assert main([*argv, "--out", str(tmp_path / "first")]) == 0
+    return tmp_path / "resumed", checkpoints
+
+
+def test_resume_with_another_flag_is_refused_in_one_line_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, checkpoints = _checkpointed_run(tmp_path)
+    capsys.readouterr()
+    argv = [*RUN, "--epochs", "1", "--lr", "0.1", "--out", str(out), "--resume", str(checkpoints)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "`method_config.lr` differs (checkpoint: 0.03, this run: 0.1)" in err
+    assert not (out / "result.json").exists()
+
+
+def test_a_tampered_checkpoint_is_refused_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, checkpoints = _checkpointed_run(tmp_path)
+    step = written_steps(checkpoints, "party-1")[-1]
+    tensors = checkpoints / "party-1" / f"step-{step:08d}" / "tensors.pt"
+    tensors.write_bytes(tensors.read_bytes()[:-100])
+    capsys.readouterr()
+    assert main([*RUN, "--epochs", "1", "--out", str(out), "--resume", str(checkpoints)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "party-1" in err and "truncated" in err
+
+
+def test_checkpoint_flags_that_cannot_apply_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "run"
+    assert main([*RUN, "--checkpoint-dir", str(tmp_path / "c"), "--out", str(out)]) == 2
+    assert "--checkpoint-dir goes with --checkpoint-every" in capsys.readouterr().err
+    false_vfl = [*RUN, "--checkpoint-every", "5", "--out", str(out)]
+    false_vfl[2] = "false-vfl-1"
+    assert main(false_vfl) == 2
+    assert "trains in two" in capsys.readouterr().err
+    assert main([*RUN, "--out", str(out), "--resume", str(tmp_path / "none")]) == 2
+    assert "found none" in capsys.readouterr().err
+    assert not out.exists() or not (out / "result.json").exists()
