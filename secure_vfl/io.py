@@ -12,7 +12,9 @@ from typing import Any
 
 
 def atomic_write(path: Path, write: Callable[[Path], None], *, mode: int | None = None) -> None:
-    """Call ``write(tmp)`` on a temporary file beside ``path`` and rename it into place.
+    """Call ``write(tmp)`` on a temporary file beside ``path``, fsync it and rename it into
+    place (then fsync the directory): ``path`` holds the old content or the whole new one, even
+    if the machine loses power in between.
 
     The file gets ``mode`` (a private key: 0o600, which it has from its creation on, so it is
     never readable by others), or by default that of an ordinary file under the umask."""
@@ -27,7 +29,9 @@ def atomic_write(path: Path, write: Callable[[Path], None], *, mode: int | None 
             os.umask(umask)
             mode = 0o666 & ~umask  # mkstemp creates 0600; results are ordinary files
         tmp.chmod(mode)
+        _fsync(tmp, os.O_RDONLY)
         os.replace(tmp, path)
+        _fsync(path.parent, os.O_RDONLY | os.O_DIRECTORY)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -53,3 +53,27 @@ def test_atomic_directory_is_whole_under_its_name_or_absent(tmp_path: Path) -> N
     atomic_directory(target, whole)
     assert sorted(p.name for p in target.iterdir()) == ["state.json", "tensors.pt"]
     assert [p.name for p in target.parent.iterdir()] == ["step-00000010"]
+
+
+def test_atomic_write_syncs_the_file_before_the_rename_and_the_directory_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import secure_vfl.io
+
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        kind = "directory" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file"
+        events.append(f"fsync {kind}")
+        real_fsync(fd)
+
+    def replace(source: str | Path, target: str | Path) -> None:
+        events.append("rename")
+        real_replace(source, target)
+
+    monkeypatch.setattr(secure_vfl.io.os, "fsync", fsync)
+    monkeypatch.setattr(secure_vfl.io.os, "replace", replace)
+    atomic_write_json(tmp_path / "result.json", {"a": 1})
+    assert events == ["fsync file", "rename", "fsync directory"]
+    assert json.loads((tmp_path / "result.json").read_text()) == {"a": 1}
