@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import time
 from pathlib import Path
@@ -48,7 +49,7 @@ class Plan:
 
 PLANS = {
     "digits": Plan("digits", epochs=5, lr=0.1),
-    "satellite": Plan("satellite", epochs=2, lr=0.1),
+    "satellite": Plan("satellite", epochs=2, lr=0.05),
 }
 
 
@@ -64,6 +65,7 @@ def run_job(
     import torch
 
     from protocols.privacy import PrivacyEngine, PrivacySpec
+    from secure_vfl.errors import DivergenceError
     from secure_vfl.experiment import TrainConfig, run_training
     from secure_vfl.methods import MethodConfig
 
@@ -94,15 +96,22 @@ def run_job(
             release=release,  # type: ignore[arg-type]
         ),
     )
-    result = run_training(config, privacy=PrivacyEngine(spec))
-    privacy = result.privacy or {}
-    return {
+    run = {
         "dataset": plan.dataset,
         "setting": "unaligned" if plan.train_missing == UNALIGNED else "aligned",
         "train_missing": plan.train_missing,
         "policy": policy,
         "target_epsilon": epsilon,
         "seed": seed,
+    }
+    try:
+        result = run_training(config, privacy=PrivacyEngine(spec))
+    except DivergenceError as error:  # reported as the run's outcome, not a crash of the sweep
+        return {**run, "diverged": str(error), "accuracy": {}, "epsilon": {}, "noise": None}
+    privacy = result.privacy or {}
+    return {
+        **run,
+        "diverged": None,
         "accuracy": {k: v["accuracy"] for k, v in result.metrics.items()},
         "epsilon": privacy.get("epsilon", {}),
         "noise": privacy.get("noise", {}).get("exposure"),
@@ -125,7 +134,7 @@ def table(results: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
     groups = list(dict.fromkeys((r["dataset"], r["setting"]) for r in results))
     for dataset, setting in groups:
         runs = [r for r in results if (r["dataset"], r["setting"]) == (dataset, setting)]
-        tests = list(runs[0]["accuracy"])
+        tests = list(next(r for r in runs if r["accuracy"])["accuracy"])
         lines += [
             f"### {dataset}, {setting}",
             "",
@@ -138,7 +147,7 @@ def table(results: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
             noise = r["noise"]
             lines.append(
                 f"| {label(r)} | "
-                + " | ".join(f"{r['accuracy'][t]:.2f}" for t in tests)
+                + " | ".join(f"{r['accuracy'].get(t, math.nan):.2f}" for t in tests)
                 + f" | {'' if spent is None else f'{spent:.2f}'} | "
                 + ("" if noise is None else f"{noise['sigma']:.3g} ({noise['clip']:g})")
                 + " |"
@@ -146,7 +155,8 @@ def table(results: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
         plain = next(r for r in runs if r["policy"] == "plaintext")
         for t in tests:
             best = max(
-                (r["accuracy"][t] for r in runs if r["policy"] == "dp"), default=float("nan")
+                (r["accuracy"][t] for r in runs if r["policy"] == "dp" and r["accuracy"]),
+                default=math.nan,
             )
             gap = plain["accuracy"][t] - best
             checks[f"{dataset}/{setting}/{t}"] = {
@@ -154,7 +164,11 @@ def table(results: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
                 "best_dp_at_most_eps8": best,
                 "gap": gap,
                 "within_3_points": bool(gap <= 3.0),
+                "diverged": [r["target_epsilon"] for r in runs if r["diverged"]],
             }
+        for r in runs:
+            if r["diverged"]:
+                lines.append(f"\n{label(r)} diverged: {r['diverged']}")
         lines.append("")
     return "\n".join(lines), checks
 
@@ -171,13 +185,16 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(1, len(groups), figsize=(4.6 * len(groups), 3.6), squeeze=False)
     for ax, (dataset, setting) in zip(axes[0], groups, strict=True):
         runs = [r for r in results if (r["dataset"], r["setting"]) == (dataset, setting)]
-        dp = sorted((r for r in runs if r["policy"] == "dp"), key=lambda r: r["target_epsilon"])
+        dp = sorted(
+            (r for r in runs if r["policy"] == "dp" and r["accuracy"]),
+            key=lambda r: r["target_epsilon"],
+        )
         epsilons = [r["target_epsilon"] for r in dp]
-        for i, test in enumerate(runs[0]["accuracy"]):
+        for i, test in enumerate(next(r for r in runs if r["accuracy"])["accuracy"]):
             colour = f"C{i}"
             ax.plot(epsilons, [r["accuracy"][test] for r in dp], "o-", color=colour, label=test)
             for r in runs:
-                if r["policy"] in ("plaintext", "drop"):
+                if r["policy"] in ("plaintext", "drop") and r["accuracy"]:
                     style = "--" if r["policy"] == "plaintext" else ":"
                     ax.axhline(r["accuracy"][test], linestyle=style, color=colour, alpha=0.7)
         ax.set_xscale("log", base=2)

@@ -639,17 +639,29 @@ class ExposureNoise(_RowNoise):
     and records one :class:`GaussianRelease` of kind ``"exposure"`` naming the records concerned
     (training rows, or test rows with their split), spent by the party: one event per step (a
     step's training contribution is sealed once) for all its exposed rows of the batch.
+
+    The party backpropagates through its own clipping: the gradient that comes back for a
+    training row it clipped (norm |h| > C) is multiplied by the clipping's Jacobian,
+    ``(C / |h|) (I - u u^T)`` with ``u = h / |h|``. Without it the bottom model is pushed to grow
+    the rows whose growth the clip cancels, and their norm drifts until the run diverges.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         # The last representation request of each (phase, tag): its round, batch, split, rows.
         self._requests: dict[tuple[str, str], RepresentRequest] = {}
+        # The rows it clipped in the last training step: (round, tag) -> positions, u, C/|h|.
+        self._clipped: dict[tuple[int, str], tuple[Tensor, Tensor, Tensor]] = {}
 
     def on_message(self, message: M) -> M:
-        """Incoming hook: note the rows each representation request asks for."""
+        """Incoming hook: note the rows each representation request asks for; pass the
+        gradient of the rows it clipped through the clipping's Jacobian."""
         if isinstance(message, RepresentRequest):
             self._requests[(message.phase, message.tag)] = message
+        elif isinstance(message, GradientMessage) and message.sender != message.receiver:
+            clipped = self._clipped.get((message.round, message.tag))
+            if clipped is not None:
+                return dataclasses.replace(message, gradient=_through_clip(message, *clipped))
         return message
 
     def release_exposed(
@@ -671,12 +683,42 @@ class ExposureNoise(_RowNoise):
                 f"expected; found {exposed.dtype} of shape {tuple(exposed.shape)}."
             )
         values = contribution.representation.clone()
+        if contribution.phase == "train":
+            self._note_clipping(contribution, exposed)
         values[exposed] = self.privatise(values[exposed])
         where: dict[str, Any] = {"rows": tuple(int(r) for r in request.rows[exposed].tolist())}
         if contribution.phase == "predict":
             where.update(phase="predict", split=request.split)
         self.release(contribution.sender, "exposure", contribution.round, **where)
         return dataclasses.replace(contribution, representation=values)
+
+    def _note_clipping(self, contribution: RepresentationMessage, exposed: Tensor) -> None:
+        """Keep, for the gradient of this step, the exposed rows that clipping shrinks."""
+        rows = contribution.representation[exposed]
+        norms = rows.norm(dim=1)
+        shrunk = norms > self.clip
+        self._clipped = {
+            (contribution.round, contribution.tag): (
+                contribution.positions[exposed][shrunk],
+                rows[shrunk] / norms[shrunk].unsqueeze(1),
+                self.clip / norms[shrunk],
+            )
+        }
+
+
+def _through_clip(
+    message: GradientMessage, positions: Tensor, directions: Tensor, scales: Tensor
+) -> Tensor:
+    """``message``'s gradient with the rows at ``positions`` multiplied by the Jacobian of
+    clipping them, ``scale (I - u u^T)`` (u their unit direction)."""
+    gradient = message.gradient.clone()
+    index = {int(p): i for i, p in enumerate(message.positions.tolist())}
+    for position, direction, scale in zip(positions.tolist(), directions, scales, strict=True):
+        i = index.get(int(position))
+        if i is not None:
+            row = gradient[i]
+            gradient[i] = scale * (row - direction * torch.dot(direction, row))
+    return gradient
 
 
 class _RequestNotes:

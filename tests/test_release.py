@@ -213,7 +213,7 @@ def test_exposed_planning_uses_every_subset_with_unbiased_weights() -> None:
         for key in subsets:  # uniform: each weighted estimate of 1/n, within 5 sigma
             share = counts[key] / draws
             expected = 1 / (2**n - 1)
-            assert abs(share - expected) < 5 * math.sqrt(expected * (1 - expected) / draws)
+            assert abs(share - expected) <= 5 * math.sqrt(expected * (1 - expected) / draws)
     # Under drop the second sample (one other party, no label-party block) is unusable, and
     # prediction falls back to the label party's block where dp uses the whole observed set.
     selection, weights = secure_tasks(mask, 0, generator)
@@ -317,7 +317,17 @@ def test_release_dp_needs_secure_sums_and_the_single_label_party() -> None:
 def test_the_command_line_refuses_release_dp_where_it_cannot_hold(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], message: str
 ) -> None:
-    args = ["train", "--dataset", "digits", "--epochs", "1", "--out", str(tmp_path / "run")]
+    args = [
+        "train",
+        "--method",
+        "laser",
+        "--dataset",
+        "digits",
+        "--epochs",
+        "1",
+        "--out",
+        str(tmp_path / "run"),
+    ]
     assert (
         main([*args, "--heads", "active", *flags] if "--heads" not in flags else [*args, *flags])
         == 2
@@ -325,3 +335,41 @@ def test_the_command_line_refuses_release_dp_where_it_cannot_hold(
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()
+
+
+def test_a_clipped_exposed_row_backpropagates_through_its_clipping() -> None:
+    """The gradient of a row the mechanism clipped comes back multiplied by the clip's Jacobian
+    (no radial push that the clip would cancel); other rows' gradients pass unchanged."""
+    from protocols.dp import ExposureNoise
+    from protocols.noise import noise_source
+    from secure_vfl.federation.messages import GradientMessage, RepresentRequest
+
+    events: list[Any] = []
+    layer = ExposureNoise(
+        0.0, 1.0, sample_rate=0.5, noise=noise_source([0, 1]), on_event=events.append
+    )
+    header = {"sender": "party-0", "receiver": "party-1", "round": 3, "batch_id": 0}
+    positions = torch.tensor([0, 2])
+    layer.on_message(
+        RepresentRequest(
+            **header,
+            split="train",
+            rows=torch.tensor([7, 9]),
+            positions=positions,
+            reply_to="aggregator",
+        )
+    )
+    held = torch.tensor([[2.0, 0.0], [0.3, 0.4]])
+    contribution = RepresentationMessage(
+        **{**header, "sender": "party-1", "receiver": "aggregator"},
+        positions=positions,
+        representation=held,
+    )
+    sent = layer.release_exposed(contribution, torch.tensor([True, True]))
+    assert torch.allclose(sent.representation, torch.tensor([[1.0, 0.0], [0.3, 0.4]]))
+    assert [e.rows for e in events] == [(7, 9)] and events[0].kind == "exposure"
+    gradient = GradientMessage(
+        **header, positions=positions, gradient=torch.tensor([[1.0, 1.0], [1.0, 1.0]])
+    )
+    back = layer.on_message(gradient).gradient
+    assert torch.allclose(back, torch.tensor([[0.0, 0.5], [1.0, 1.0]]))
