@@ -11,6 +11,8 @@ secure-sum backend (:meth:`PrivacyEngine.aggregator`) and, once the parties exis
   keeps to seal into a secure sum);
 - gradient noise as an outgoing hook of every head holder (the gradients carry its labels);
 - DP-SGD by wrapping that party's own bottom model and optimiser (Opacus);
+- under ``release="dp"``, the noise on the rows of its contribution that a secure sum cannot
+  hide, inside every data party (``party.exposure``, :class:`~protocols.dp.ExposureNoise`);
 - one :class:`~protocols.dp.PrivacyAccountant` per party, held by the party
   (``party.accountant``), recording only that party's releases;
 - every mechanism with its own noise source (:mod:`protocols.noise`): AES-128-CTR keyed from the

@@ -3,8 +3,9 @@ same releases, composed its own way, and our epsilon must never be below it.
 
 For each pattern (DP-SGD only, gradient noise to K-1 receivers, embedding noise, all three
 together, combinatorial's several releases per step, FedHF's statistics, --release dp's exposed
-rows, prediction-time representations) a small run records its releases; the test rebuilds, from the raw events and
-the Poisson schedule alone, every release that touched the worst record as its own
+rows, prediction-time representations) a small run records its releases; the test rebuilds,
+from the raw events and the Poisson schedule alone, every release that touched the worst record
+as its own
 ``GaussianDpEvent`` (multiplier sigma / shift: dp_accounting's sensitivity is 1), composes them
 with dp_accounting, and compares. Tolerances: PLD (pessimistic, discretisation 1e-4) is an
 upper bound of the exact epsilon, so ours must be >= it; RDP differs from Opacus' only by the
