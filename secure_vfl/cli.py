@@ -396,7 +396,7 @@ def _training_flags(parser: argparse.ArgumentParser) -> Any:
         type=noise_spec,
         metavar="SIGMA:CLIP",
         help="the noise of --release dp: rows clipped to CLIP, Gaussian noise SIGMA x CLIP "
-        "(with --target-epsilon alone: CLIP 1, SIGMA calibrated)",
+        "(default: none; with --target-epsilon alone, CLIP 1 and SIGMA calibrated)",
     )
     privacy.add_argument(
         "--target-epsilon",
