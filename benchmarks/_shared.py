@@ -1,5 +1,5 @@
-"""What the benchmark scripts share: a process pool of single-threaded jobs, atomic outputs,
-free loopback ports and child processes stopped by their pids."""
+"""What the benchmark scripts share: a process pool of single-threaded jobs, atomic outputs
+(text, JSON and figures), free loopback ports and child processes stopped by their pids."""
 
 from __future__ import annotations
 
@@ -44,6 +44,13 @@ def write_outputs(out: Path, stem: str, text: str, payload: dict[str, Any]) -> N
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / f"{stem}.md", text)
     atomic_write_json(out / f"{stem}.json", payload)
+
+
+def save_figure(figure: Any, path: Path, *, dpi: int = 110) -> None:
+    """Save a matplotlib ``figure`` to ``path`` atomically (a temporary file, then a rename)."""
+    tmp = path.with_suffix(".tmp" + path.suffix)
+    figure.savefig(tmp, dpi=dpi)
+    os.replace(tmp, path)
 
 
 class Processes:

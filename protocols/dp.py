@@ -85,12 +85,12 @@ from secure_vfl.federation.messages import (
 )
 from secure_vfl.federation.parties import DataParty
 
-ReleaseKind = Literal["embedding", "gradient", "dp-sgd", "statistics"]
+ReleaseKind = Literal["embedding", "gradient", "dp-sgd", "statistics", "exposure"]
 GradSampleMode = Literal["auto", "linear", "hooks"]
 AccountantName = Literal["rdp", "prv"]
 Adjacency = Literal["replace-one", "add-remove"]
 
-_KINDS: tuple[str, ...] = ("embedding", "gradient", "dp-sgd", "statistics")
+_KINDS: tuple[str, ...] = ("embedding", "gradient", "dp-sgd", "statistics", "exposure")
 GRAD_SAMPLE_MODES: tuple[str, ...] = ("auto", "linear", "hooks")
 _ACCOUNTANTS: Mapping[str, type[IAccountant]] = {"rdp": RDPAccountant, "prv": PRVAccountant}
 ADJACENCIES: tuple[str, ...] = ("replace-one", "add-remove")
@@ -101,7 +101,11 @@ ADJACENCY_TEXT: Mapping[str, str] = {
     "add-remove": "add or remove one record",
 }
 MESSAGE_KINDS: tuple[str, ...] = ("embedding", "gradient", "dp-sgd")
-"""The releases composed into a party's guarantee against the receivers of its messages."""
+"""The releases composed per step into a party's guarantee against the receivers of its
+messages (charged to every row of the step's batch)."""
+ROW_KINDS: tuple[str, ...] = ("exposure",)
+"""Releases composed into the same guarantee but charged only to the rows they name (a secure
+sum's exposed rows: the other rows of the batch went into sums that hide them)."""
 
 M = TypeVar("M", bound=Message)
 
@@ -113,7 +117,8 @@ class GaussianRelease:
     ``noise_multiplier`` is the noise std over the clip norm; ``sample_rate`` the rate at which
     the release's records were Poisson-sampled (1: not subsampled); ``round`` the training step
     (or statistics exchange) it belongs to; ``phase`` ``"train"`` (training records) or
-    ``"predict"`` (test records, of ``split``, whose rows are ``rows``).
+    ``"predict"`` (test records, of ``split``, whose rows are ``rows``). A release of a
+    secure sum's exposed rows (``"exposure"``) names its rows in either phase.
     """
 
     party: str
@@ -382,35 +387,49 @@ class PrivacyAccountant:
         sampling: str,
     ) -> Guarantee | None:
         """``party``'s guarantee against the receivers of its messages (None if it released
-        no embedding or gradient): its joint event of every step, composed per record over the
-        steps whose batch (``schedule[step]``, rows among ``records``) held it, without
-        amplification (the receivers know the batches); the worst record's epsilon.
+        no embedding, gradient or exposed row): its joint event of every step, composed per
+        record over the steps whose batch (``schedule[step]``, rows among ``records``) held it,
+        without amplification (the receivers know the batches); the worst record's epsilon.
 
         The steps' events are charged to every row of their batch, which bounds a record's
-        releases even when a message covers only the rows its receiver observes.
+        releases even when a message covers only the rows its receiver observes; a release of
+        exposed rows (:data:`ROW_KINDS`) is charged to the rows it names, the records it is
+        about (the batch's other rows entered sums that hide them).
         """
         _check_adjacency(adjacency)
         kinds = self.releases(party)
-        if not ({"embedding", "gradient"} & set(kinds)):
+        if not ({"embedding", "gradient", *ROW_KINDS} & set(kinds)):
             return None
-        strengths = self.step_strengths(party, shift=ROW_SHIFT[adjacency])
-        outside = sorted(step for step in strengths if not 0 <= step < len(schedule))
+        shift = ROW_SHIFT[adjacency]
+        strengths = self.step_strengths(party, shift=shift)
+        by_rows = self._events(party, phase="train", kinds=ROW_KINDS)
+        outside = sorted(
+            step
+            for step in {*strengths, *(e.round for e in by_rows)}
+            if not 0 <= step < len(schedule)
+        )
         if outside:
             raise ConfigError(
                 f"{party} released in training step(s) {outside[:3]} outside the "
                 f"{len(schedule)} steps of the schedule."
             )
         per_record = np.zeros(records, dtype=np.float64)
+        touched: dict[int, np.ndarray] = {}
         for step, strength in strengths.items():
             per_record[schedule[step]] += strength
+            touched.setdefault(step, np.zeros(records, dtype=bool))[schedule[step]] = True
+        for event in by_rows:
+            rows = np.asarray(event.rows, dtype=np.int64)
+            per_record[rows] += release_strength(event.noise_multiplier, shift=shift)
+            touched.setdefault(event.round, np.zeros(records, dtype=bool))[rows] = True
         worst = float(per_record.max()) if records else 0.0
         uses = np.zeros(records, dtype=np.int64)
-        for step in strengths:
-            uses[schedule[step]] += 1
+        for rows_of_step in touched.values():
+            uses += rows_of_step
         return Guarantee(
             protects="its training records",
             observer="the parties receiving its messages, who know which rows each step used",
-            mechanisms=tuple(k for k in MESSAGE_KINDS if k in kinds),
+            mechanisms=tuple(k for k in (*MESSAGE_KINDS, *ROW_KINDS) if k in kinds),
             adjacency=ADJACENCY_TEXT[adjacency],
             sampling=f"{sampling}; the observer knows each sample, so no amplification",
             amplification=False,
@@ -455,12 +474,12 @@ class PrivacyAccountant:
     def prediction_guarantee(
         self, party: str, *, adjacency: Adjacency, delta: float
     ) -> Guarantee | None:
-        """``party``'s guarantee for the test records its noisy representations were computed
-        for at prediction time (None if none were), per record as :meth:`message_guarantee`;
-        a record's releases in different test splits (the same rows under other masks) add up:
-        the sum of the splits' worst records bounds any record."""
+        """``party``'s guarantee for the test records its noisy representations (or exposed
+        rows) were computed for at prediction time (None if none were), per record as
+        :meth:`message_guarantee`; a record's releases in different test splits (the same rows
+        under other masks) add up: the sum of the splits' worst records bounds any record."""
         _check_adjacency(adjacency)
-        events = self._events(party, phase="predict", kinds=("embedding",))
+        events = self._events(party, phase="predict", kinds=("embedding", *ROW_KINDS))
         if not events:
             return None
         shift = ROW_SHIFT[adjacency]
@@ -478,7 +497,9 @@ class PrivacyAccountant:
         return Guarantee(
             protects="the test records it computed representations for",
             observer="the parties receiving its prediction-time representations",
-            mechanisms=("embedding",),
+            mechanisms=tuple(
+                k for k in ("embedding", *ROW_KINDS) if any(e.kind == k for e in events)
+            ),
             adjacency=ADJACENCY_TEXT[adjacency],
             sampling="every test row, in each test split (no subsampling)",
             amplification=False,
@@ -625,6 +646,99 @@ class EmbeddingNoise(_RowNoise):
                 rows=tuple(int(r) for r in rows.tolist()),
             )
         return noisy
+
+
+class ExposureNoise(_RowNoise):
+    """The Gaussian mechanism on the rows of a party's contribution that a secure sum cannot
+    hide (``release="dp"``): a sum whose only contributor besides the receiver is this party.
+
+    Installed inside the party (``party.exposure``, and as an incoming hook that notes which
+    rows each representation request asked for); when a seal request flags rows of its
+    contribution as exposed, it clips exactly those rows to ``clip`` and adds
+    N(0, (sigma clip)^2) per coordinate (the same clipping and noise as :class:`EmbeddingNoise`)
+    and records one :class:`GaussianRelease` of kind ``"exposure"`` naming the records concerned
+    (training rows, or test rows with their split), spent by the party: one event per step (a
+    step's training contribution is sealed once) for all its exposed rows of the batch.
+
+    The party backpropagates through its own clipping: the gradient that comes back for a
+    training row it clipped (norm |h| > C) is multiplied by the clipping's Jacobian,
+    ``(C / |h|) (I - u u^T)`` with ``u = h / |h|``. Without it the bottom model is pushed to grow
+    the rows whose growth the clip cancels, and their norm drifts until the run diverges.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # The last representation request of each (phase, tag): its round, batch, split, rows.
+        self._requests: dict[tuple[str, str], RepresentRequest] = {}
+        # The rows it clipped in the last training step: (round, tag) -> positions, u, C/|h|.
+        self._clipped: dict[tuple[int, str], tuple[Tensor, Tensor, Tensor]] = {}
+
+    def on_message(self, message: M) -> M:
+        """Incoming hook: note the rows each representation request asks for; pass the
+        gradient of the rows it clipped through the clipping's Jacobian."""
+        if isinstance(message, RepresentRequest):
+            self._requests[(message.phase, message.tag)] = message
+        elif isinstance(message, GradientMessage) and message.sender != message.receiver:
+            clipped = self._clipped.get((message.round, message.tag))
+            if clipped is not None:
+                return dataclasses.replace(message, gradient=_through_clip(message, *clipped))
+        return message
+
+    def release_exposed(
+        self, contribution: RepresentationMessage, exposed: Tensor
+    ) -> RepresentationMessage:
+        request = self._requests.get((contribution.phase, contribution.tag))
+        if request is None or (request.round, request.batch_id) != (
+            contribution.round,
+            contribution.batch_id,
+        ):
+            raise ConfigError(
+                f"{contribution.sender}: exposed rows of a contribution (round "
+                f"{contribution.round}, batch {contribution.batch_id}) whose request this "
+                "mechanism never saw; install it as an incoming hook too."
+            )
+        if exposed.shape != (contribution.positions.numel(),) or exposed.dtype != torch.bool:
+            raise ConfigError(
+                f"one bool flag per row of the contribution ({contribution.positions.numel()}) "
+                f"expected; found {exposed.dtype} of shape {tuple(exposed.shape)}."
+            )
+        values = contribution.representation.clone()
+        if contribution.phase == "train":
+            self._note_clipping(contribution, exposed)
+        values[exposed] = self.privatise(values[exposed])
+        where: dict[str, Any] = {"rows": tuple(int(r) for r in request.rows[exposed].tolist())}
+        if contribution.phase == "predict":
+            where.update(phase="predict", split=request.split)
+        self.release(contribution.sender, "exposure", contribution.round, **where)
+        return dataclasses.replace(contribution, representation=values)
+
+    def _note_clipping(self, contribution: RepresentationMessage, exposed: Tensor) -> None:
+        """Keep, for the gradient of this step, the exposed rows that clipping shrinks."""
+        rows = contribution.representation[exposed]
+        norms = rows.norm(dim=1)
+        shrunk = norms > self.clip
+        self._clipped = {
+            (contribution.round, contribution.tag): (
+                contribution.positions[exposed][shrunk],
+                rows[shrunk] / norms[shrunk].unsqueeze(1),
+                self.clip / norms[shrunk],
+            )
+        }
+
+
+def _through_clip(
+    message: GradientMessage, positions: Tensor, directions: Tensor, scales: Tensor
+) -> Tensor:
+    """``message``'s gradient with the rows at ``positions`` multiplied by the Jacobian of
+    clipping them, ``scale (I - u u^T)`` (u their unit direction)."""
+    gradient = message.gradient.clone()
+    index = {int(p): i for i, p in enumerate(message.positions.tolist())}
+    for position, direction, scale in zip(positions.tolist(), directions, scales, strict=True):
+        i = index.get(int(position))
+        if i is not None:
+            row = gradient[i]
+            gradient[i] = scale * (row - direction * torch.dot(direction, row))
+    return gradient
 
 
 class _RequestNotes:

@@ -11,6 +11,8 @@ secure-sum backend (:meth:`PrivacyEngine.aggregator`) and, once the parties exis
   keeps to seal into a secure sum);
 - gradient noise as an outgoing hook of every head holder (the gradients carry its labels);
 - DP-SGD by wrapping that party's own bottom model and optimiser (Opacus);
+- under ``release="dp"``, the noise on the rows of its contribution that a secure sum cannot
+  hide, inside every data party (``party.exposure``, :class:`~protocols.dp.ExposureNoise`);
 - one :class:`~protocols.dp.PrivacyAccountant` per party, held by the party
   (``party.accountant``), recording only that party's releases;
 - every mechanism with its own noise source (:mod:`protocols.noise`): AES-128-CTR keyed from the
@@ -51,6 +53,7 @@ from protocols.dp import (
     ROW_SHIFT,
     Adjacency,
     EmbeddingNoise,
+    ExposureNoise,
     GradientNoise,
     Guarantee,
     PrivacyAccountant,
@@ -82,7 +85,15 @@ if TYPE_CHECKING:
 SecureAgg = Literal["none", "masks", "paillier", "ckks"]
 SECURE_AGGS: tuple[str, ...] = ("none", "masks", "paillier", "ckks")
 ALIGNMENTS: tuple[str, ...] = ("join", "psi")
-MECHANISMS = {"embedding": "--dp-embeddings", "gradient": "--dp-gradients", "dp-sgd": "--dp-sgd"}
+MECHANISMS = {
+    "embedding": "--dp-embeddings",
+    "gradient": "--dp-gradients",
+    "dp-sgd": "--dp-sgd",
+    "exposure": "--release dp",
+}
+RELEASES: tuple[str, ...] = ("drop", "dp")
+RELEASE_CLIP = 1.0
+"""The CLIP of ``--release dp`` when only ``--target-epsilon`` is given (no --release-noise)."""
 
 Noise = tuple[float, float]
 
@@ -101,6 +112,13 @@ class PrivacySpec:
     declared in ``feature_ranges`` (a CSV; default: the observed ranges, which are not private).
     ``grad_sample_mode`` says how DP-SGD gets its per-sample gradients
     (:func:`~protocols.dp.make_private_party`: ``auto``, ``linear`` or Opacus' ``hooks``).
+
+    ``release`` is the policy for what a secure sum cannot hide (a sample's subset whose only
+    contributor besides the label party is one party): ``drop`` (never plan it) or ``dp`` (that
+    party sends those rows clipped and noised, :class:`~protocols.dp.ExposureNoise`, with
+    ``release_noise`` (SIGMA, CLIP), or SIGMA calibrated to ``target_epsilon`` with CLIP
+    :data:`RELEASE_CLIP` unless given). The method must plan it too:
+    ``MethodConfig(release="dp")``.
     """
 
     align: str = "join"
@@ -116,8 +134,11 @@ class PrivacySpec:
     insecure_reproducible_noise: bool = False
     seed: int = 0
     grad_sample_mode: str = "auto"
+    release: str = "drop"
+    release_noise: Noise | None = None
 
     def __post_init__(self) -> None:
+        self._check_release()
         if self.align not in ALIGNMENTS:
             raise ConfigError(
                 f"`align` must be one of {', '.join(ALIGNMENTS)}. Found {self.align!r}."
@@ -173,12 +194,39 @@ class PrivacySpec:
                 "expected a DP mechanism with it. Found none."
             )
 
+    def _check_release(self) -> None:
+        if self.release not in RELEASES:
+            raise ConfigError(
+                f"`release` must be one of {', '.join(RELEASES)}. Found {self.release!r}."
+            )
+        if self.release == "drop":
+            if self.release_noise is not None:
+                raise ConfigError(
+                    "--release-noise is the noise of --release dp; found it with --release drop."
+                )
+            return
+        if self.secure_agg == "none":
+            raise ConfigError(
+                "--release dp sends with DP noise what a secure sum cannot hide; expected "
+                "--secure-agg masks, paillier or ckks with it. Found --secure-agg none."
+            )
+        if self.release_noise is None and self.target_epsilon is None:
+            raise ConfigError(
+                "--release dp needs its noise: expected --release-noise SIGMA:CLIP or "
+                "--target-epsilon E. Found neither."
+            )
+
     def noise(self) -> dict[str, Noise]:
-        """The DP mechanisms of training asked for, by kind."""
+        """The DP mechanisms of training asked for, by kind (``exposure``: ``release="dp"``,
+        whose SIGMA a target epsilon replaces)."""
+        exposure = None
+        if self.release == "dp":
+            exposure = self.release_noise or (1.0, RELEASE_CLIP)
         given = {
             "embedding": self.dp_embeddings,
             "gradient": self.dp_gradients,
             "dp-sgd": self.dp_sgd,
+            "exposure": exposure,
         }
         return {kind: noise for kind, noise in given.items() if noise is not None}
 
@@ -267,6 +315,11 @@ class PrivacyEngine:
                 "--dp-sgd applies to methods with one bottom model per party. "
                 "Found --method combinatorial."
             )
+        if "exposure" in self.noise and method != "laser":
+            raise ConfigError(
+                "--release dp releases the rows of LASER's subsets that a secure sum cannot "
+                f"hide; expected --method laser --heads active. Found --method {method}."
+            )
         if method.startswith("false-vfl"):
             raise ConfigError(
                 f"differential privacy is not available for {method} yet: its latent samples, "
@@ -300,6 +353,12 @@ class PrivacyEngine:
                 "a private run trains on the engine's Poisson sampler; expected "
                 "PrivacyEngine.sampler(...) before make_private. Found none."
             )
+        if ("exposure" in self.noise) != (method_config.release == "dp"):
+            raise ConfigError(
+                f"the privacy spec's release={self.spec.release!r} and the method's "
+                f"release={method_config.release!r} must agree (the method plans the exposed "
+                "rows, the parties noise them)."
+            )
         self._plan = release_plan(method, method_config, len(parties))
         if self.spec.target_epsilon is not None:
             sigma = self._calibrated_sigma(sampler, self._plan)
@@ -330,6 +389,17 @@ class PrivacyEngine:
                         on_event=accountant.on_event,
                     )
                 )
+            if "exposure" in self.noise:
+                sigma, clip = self.noise["exposure"]
+                exposure = ExposureNoise(
+                    sigma,
+                    clip,
+                    sample_rate=sampler.rate,
+                    noise=self._noise_source(400 + k),
+                    on_event=accountant.on_event,
+                )
+                party.incoming.append(exposure)  # notes the rows each request asks for
+                party.exposure = exposure
             if "dp-sgd" in self.noise:
                 sigma, clip = self.noise["dp-sgd"]
                 make_private_party(
@@ -438,7 +508,11 @@ class PrivacyEngine:
         sigma = 0.0
         for releases in plan:
             per_step = sum(releases[kind] for kind in self.noise)
-            sends = sum(releases[kind] for kind in ("embedding", "gradient") if kind in self.noise)
+            sends = sum(
+                releases[kind]
+                for kind in ("embedding", "gradient", "exposure")
+                if kind in self.noise
+            )
             if sends and uses:
                 sigma = max(
                     sigma,
@@ -569,6 +643,7 @@ class PrivacyEngine:
                 for name, plan in zip(self._accountants, self._plan, strict=True)
             },
             "not_noised": self._not_noised(),
+            "release": self.release_entry(),
             "sum_range": self._range_entry(),
             "target_epsilon": target,
             "within_target": None
@@ -588,6 +663,36 @@ class PrivacyEngine:
                 f"a noise draw beyond {TAIL_SIGMAS:.2f} sigma (probability 2^-80 each; below "
                 f"2^-40 for a run of < 2^{RUN_DRAWS_BITS} draws per party) would overflow"
             ),
+        }
+
+    def release_entry(self) -> dict[str, Any]:
+        """What the run did with what a secure sum cannot hide, for ``result.json``."""
+        if self.spec.release == "drop":
+            return {
+                "policy": "drop",
+                "what": "a sample's subset whose only contributor besides the label party is "
+                "one party is never planned (trained on or predicted from)",
+            }
+        sigma, clip = self.noise["exposure"]
+        return {
+            "policy": "dp",
+            "what": "a sample's subset whose only contributor besides the label party is one "
+            "party is planned; that party sends the row clipped to CLIP with N(0, (SIGMA "
+            "CLIP)^2) noise per coordinate, priced by its accountant per record",
+            "sigma": sigma,
+            "clip": clip,
+            "exposed_releases": {
+                name: {
+                    "train": accountant.releases(name).get("exposure", 0),
+                    "predict": accountant.releases(name, phase="predict").get("exposure", 0),
+                    "train_rows": sum(
+                        len(e.rows)
+                        for e in accountant.events
+                        if e.kind == "exposure" and e.phase == "train"
+                    ),
+                }
+                for name, accountant in self._accountants.items()
+            },
         }
 
     def _not_noised(self) -> list[str]:
@@ -653,8 +758,10 @@ def release_plan(method: str, config: MethodConfig, parties: int) -> list[dict[s
     what the target epsilon is calibrated for (the report's guarantees count the releases
     actually made). A representation to the aggregator or another party is one embedding
     release per request; a head sends one gradient message per other party and task chunk
-    (``vectorised=False`` chunks a step's tasks by size); DP-SGD steps once per step.
-    ConfigError for a method whose messages are not planned here.
+    (``vectorised=False`` chunks a step's tasks by size); DP-SGD steps once per step; under
+    ``release="dp"`` a LASER data party other than the label party makes one exposed-row
+    release per step (its contribution is sealed once). ConfigError for a method whose
+    messages are not planned here.
     """
     chunks = 1 if config.vectorised else parties
     subsets = [
@@ -664,6 +771,7 @@ def release_plan(method: str, config: MethodConfig, parties: int) -> list[dict[s
     ]
     plan = []
     for k in range(parties):
+        exposure = 0
         if method == "combinatorial":
             embedding = sum(1 for subset in subsets if k in subset)
             gradient = sum(len(subset) - 1 for subset in subsets if subset[0] == k)
@@ -671,6 +779,8 @@ def release_plan(method: str, config: MethodConfig, parties: int) -> list[dict[s
             embedding = 1
             holds_head = config.heads == "all" or k == 0
             gradient = (parties - 1) * chunks if holds_head else 0
+            # its exposed rows of a step are sealed once (the label party's never are)
+            exposure = int(config.release == "dp" and k != 0)
         elif method in ("local", "ensemble"):
             embedding, gradient = 1, 0
         elif method in ("standard", "plugvfl"):
@@ -680,5 +790,7 @@ def release_plan(method: str, config: MethodConfig, parties: int) -> list[dict[s
                 f"differential privacy plans the releases of laser, local, ensemble, standard, "
                 f"plugvfl and combinatorial; found --method {method}."
             )
-        plan.append({"embedding": embedding, "gradient": gradient, "dp-sgd": 1})
+        plan.append(
+            {"embedding": embedding, "gradient": gradient, "dp-sgd": 1, "exposure": exposure}
+        )
     return plan

@@ -107,13 +107,15 @@ def noised_bound(noise_multiplier: float, clip: float) -> float:
 def sum_range(noise: Mapping[str, tuple[float, float]], *, contributors: int) -> SumRange:
     """The range of a run with DP ``noise`` (kind -> (SIGMA, CLIP), SIGMA calibrated) whose
     sums have at most ``contributors`` terms: the representation bound, raised to the noised
-    clip bound when representations are clipped and noised."""
-    if "embedding" not in noise:
-        return SumRange(REPRESENTATION_BOUND, contributors)
-    sigma, clip = noise["embedding"]
-    return SumRange(
-        max(REPRESENTATION_BOUND, noised_bound(sigma, clip)), contributors, clipped=True
-    )
+    clip bound of every mechanism that clips and noises what enters a sum (``embedding``:
+    every representation; ``exposure``: the rows a sum cannot hide, under ``--release dp``,
+    noised after the guard checked them, so bounded by construction). ``clipped`` says
+    whether every value is clipped (embedding noise)."""
+    bound = REPRESENTATION_BOUND
+    for kind in ("embedding", "exposure"):
+        if kind in noise:
+            bound = max(bound, noised_bound(*noise[kind]))
+    return SumRange(bound, contributors, clipped="embedding" in noise)
 
 
 @runtime_checkable

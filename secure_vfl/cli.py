@@ -363,6 +363,15 @@ def _training_flags(parser: argparse.ArgumentParser) -> Any:
         help="secure sums of representations (laser --heads active): pairwise masks, Paillier "
         "or CKKS; the label party learns only sums over >= 2 other parties",
     )
+    parser.add_argument(
+        "--release",
+        choices=["drop", "dp"],
+        default="drop",
+        help="under --secure-agg, what to do with a sample's subset whose only party besides "
+        "the label party is one other, which no sum hides: drop it (default) or have that party "
+        "send the row clipped and noised, a DP release it prices (--release-noise or "
+        "--target-epsilon)",
+    )
     privacy = parser.add_argument_group("differential privacy (protocols.dp, Opacus accountant)")
     privacy.add_argument(
         "--dp-embeddings",
@@ -381,6 +390,13 @@ def _training_flags(parser: argparse.ArgumentParser) -> Any:
         type=noise_spec,
         metavar="SIGMA:CLIP",
         help="DP-SGD (Opacus) of every data party's bottom model (default: off)",
+    )
+    privacy.add_argument(
+        "--release-noise",
+        type=noise_spec,
+        metavar="SIGMA:CLIP",
+        help="the noise of --release dp: rows clipped to CLIP, Gaussian noise SIGMA x CLIP "
+        "(default: none; with --target-epsilon alone, CLIP 1 and SIGMA calibrated)",
     )
     privacy.add_argument(
         "--target-epsilon",
@@ -977,6 +993,7 @@ def _train_config(args: argparse.Namespace) -> Any:
         top_model=args.top_model,
         standard_incomplete=args.standard_incomplete,
         secure_sums=args.secure_agg != "none",
+        release=args.release,
         labeled=args.labeled,
         pretrain_epochs=args.pretrain_epochs,
     )
@@ -1098,8 +1115,30 @@ def _summary(result: Any, out: Path, payload: dict[str, Any]) -> str:
             f"lost: {fault['party']} at step {fault['step']} (epoch {fault['epoch']}); its block "
             "was missing from then on, in training and evaluation"
         )
+    settings = payload["config"].get("privacy") or {}
+    if settings.get("secure_agg", "none") != "none":
+        lines.append(_release_line(settings, payload.get("privacy")))
     lines.append(f"result: {out / 'result.json'}")
     return "\n".join(lines)
+
+
+def _release_line(settings: dict[str, Any], privacy: dict[str, Any] | None) -> str:
+    """The summary's line on what a secure sum could not hide: dropped, or DP-released."""
+    if settings.get("release", "drop") == "drop" or privacy is None:
+        return (
+            "release drop: a sample's subset with one party besides the label party is never "
+            "planned (such samples predict from the label party's block alone)"
+        )
+    entry = privacy["release"]
+    rows = ", ".join(
+        f"{name} {counts['train_rows']}"
+        for name, counts in entry["exposed_releases"].items()
+        if counts["train"]
+    )
+    return (
+        f"release dp: rows no sum could hide sent clipped to {entry['clip']:g} with noise sigma "
+        f"{entry['sigma']:.4g}, priced above (training rows released: {rows or 'none'})"
+    )
 
 
 def _alignment_lines(report: dict[str, Any]) -> list[str]:
@@ -1195,6 +1234,8 @@ def _privacy_spec(args: argparse.Namespace) -> Any:
         adjacency=args.dp_adjacency,
         insecure_reproducible_noise=args.insecure_reproducible_noise,
         seed=args.seed,
+        release=args.release,
+        release_noise=args.release_noise,
     )
 
 
@@ -1492,6 +1533,7 @@ def run_sweep_command(args: argparse.Namespace) -> int:
             ("--dp-gradients", args.dp_gradients is not None),
             ("--dp-sgd", args.dp_sgd is not None),
             ("--target-epsilon", args.target_epsilon is not None),
+            ("--release dp", args.release == "dp"),
         )
         if value
     ]
@@ -2043,6 +2085,8 @@ def _refuse_deployed_flags(args: argparse.Namespace) -> None:
             ("--dp-gradients", args.dp_gradients),
             ("--dp-sgd", args.dp_sgd),
             ("--target-epsilon", args.target_epsilon),
+            ("--release dp", "dp" if args.release == "dp" else None),
+            ("--release-noise", args.release_noise),
             ("--label-file", args.label_file),
             ("--test-file", args.test_file),
             ("--capture", args.capture),

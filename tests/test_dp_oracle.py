@@ -2,9 +2,10 @@
 same releases, composed its own way, and our epsilon must never be below it.
 
 For each pattern (DP-SGD only, gradient noise to K-1 receivers, embedding noise, all three
-together, combinatorial's several releases per step, FedHF's statistics, prediction-time
-representations) a small run records its releases; the test rebuilds, from the raw events and
-the Poisson schedule alone, every release that touched the worst record as its own
+together, combinatorial's several releases per step, FedHF's statistics, --release dp's exposed
+rows, prediction-time representations) a small run records its releases; the test rebuilds,
+from the raw events and the Poisson schedule alone, every release that touched the worst record
+as its own
 ``GaussianDpEvent`` (multiplier sigma / shift: dp_accounting's sensitivity is 1), composes them
 with dp_accounting, and compares. Tolerances: PLD (pessimistic, discretisation 1e-4) is an
 upper bound of the exact epsilon, so ours must be >= it; RDP differs from Opacus' only by the
@@ -233,3 +234,43 @@ def test_the_release_plan_bounds_what_every_method_releases_per_step(
         )
         for (_, kind), count in per_step.items():
             assert count <= plan[k][kind], (name, kind, count, plan[k])
+
+
+def test_exposed_row_releases_are_at_least_their_composition_per_record(
+    make_data: MakeData,
+) -> None:
+    """--release dp: each release names the records it exposed; the worst record's releases,
+    each its own Gaussian (the receiver knows which rows were exposed), composed."""
+    engine = PrivacyEngine(PrivacySpec(secure_agg="masks", release="dp", release_noise=(2.0, 0.5)))
+    config = TrainConfig(
+        method="laser",
+        dataset="synthetic",
+        test_missing=("mcar:0.5",),
+        seed=0,
+        method_config=MethodConfig(
+            heads="active",
+            epochs=2,
+            batch_size=32,
+            lr=0.05,
+            representation_dim=8,
+            secure_sums=True,
+            release="dp",
+        ),
+    )
+    run_training(config, data=make_data(train_missing="mcar:0.3", n=400), privacy=engine)
+    shift = ROW_SHIFT["replace-one"]
+    for party in ("party-1", "party-2", "party-3"):
+        events = [
+            e
+            for e in engine.accountants[party].events
+            if e.kind == "exposure" and e.phase == "train"
+        ]
+        counts = Counter(row for e in events for row in e.rows)
+        worst, _ = counts.most_common(1)[0]
+        held = [e for e in events if worst in e.rows]
+        ours = guarantees(engine, party)["training"]["epsilon"]
+        assert isinstance(ours, float)
+        at_least_independent(ours, composed(held, shift))
+        # and the per-record pricing is exact: no looser than the worst record's composition
+        rdp, _ = independent(composed(held, shift))
+        assert ours <= 1.01 * rdp, (ours, rdp)

@@ -14,6 +14,7 @@ from secure_vfl.federation.aggregator import PlainAggregator
 from secure_vfl.federation.channel import Channel, RecordingLayer
 from secure_vfl.federation.messages import (
     AGGREGATOR,
+    SCHEMA_VERSION,
     GradientMessage,
     RepresentationMessage,
     RepresentRequest,
@@ -57,7 +58,7 @@ def test_message_from_another_schema_version_is_refused() -> None:
     message = dataclasses.replace(
         representation("party-0", [0], torch.ones(1, 2)), schema_version=99
     )
-    with pytest.raises(ProtocolError, match="schema version 1 expected, found 99"):
+    with pytest.raises(ProtocolError, match=f"schema version {SCHEMA_VERSION} expected, found 99"):
         message.validate()
 
 

@@ -22,6 +22,7 @@ from secure_vfl.errors import IntegrityError, ProtocolError, RegistryError
 from secure_vfl.federation import messages, wire
 from secure_vfl.federation.messages import (
     AGGREGATOR,
+    SCHEMA_VERSION,
     ComputeRequest,
     ErrorMessage,
     GlobalStatisticsMessage,
@@ -132,7 +133,7 @@ def header(
     *,
     magic: bytes = b"SVFL",
     version: int = WIRE_VERSION,
-    schema_version: int = 1,
+    schema_version: int = SCHEMA_VERSION,
     sender: str | bytes = "party-0",
     receiver: str = AGGREGATOR,
     session: str = "",
@@ -545,11 +546,13 @@ def test_wrong_wire_version_is_refused() -> None:
 
 
 def test_wrong_schema_version_is_refused_before_the_rest_is_parsed() -> None:
-    data = header("test-tensor", schema_version=2) + array_block(6, (0,), b"")
-    with pytest.raises(ProtocolError, match="schema version 1 expected, found 2"):
+    old = SCHEMA_VERSION - 1
+    data = header("test-tensor", schema_version=old) + array_block(6, (0,), b"")
+    refusal = f"schema version {SCHEMA_VERSION} expected, found {old}"
+    with pytest.raises(ProtocolError, match=refusal):
         decode(data)
-    with pytest.raises(ProtocolError, match="schema version 1 expected, found 2"):
-        decode(header("test-tensor", schema_version=2) + b"a layout of another version")
+    with pytest.raises(ProtocolError, match=refusal):
+        decode(header("test-tensor", schema_version=old) + b"a layout of another version")
 
 
 def test_unknown_kind_is_refused_and_quoted_short() -> None:
@@ -838,10 +841,13 @@ def test_a_bool_tensor_holding_other_bytes_is_not_encoded() -> None:
 
 
 def test_another_schema_version_is_encoded_as_it_is_and_refused() -> None:
-    message = TensorMessage(**HEADER, schema_version=2, tensor=torch.ones(1, dtype=torch.uint8))
+    newer = SCHEMA_VERSION + 1
+    message = TensorMessage(**HEADER, schema_version=newer, tensor=torch.ones(1, dtype=torch.uint8))
     data = encode(message)
-    assert data == header("test-tensor", schema_version=2) + array_block(6, (1,), b"\x01")
-    with pytest.raises(ProtocolError, match="schema version 1 expected, found 2"):
+    assert data == header("test-tensor", schema_version=newer) + array_block(6, (1,), b"\x01")
+    with pytest.raises(
+        ProtocolError, match=f"schema version {SCHEMA_VERSION} expected, found {newer}"
+    ):
         decode(data)
     with pytest.raises(ProtocolError, match=r"schema_version: an int expected, found bool"):
         encode(TensorMessage(**HEADER, schema_version=True, tensor=torch.ones(1)))

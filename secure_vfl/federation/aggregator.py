@@ -306,28 +306,53 @@ class PlainAggregator:
         return result
 
 
+def lone_contributors(selection: Tensor, receiver: int | None) -> Tensor:
+    """(T, B, K) bool: the contributor of each sum ``(t, b)`` that is its only one besides the
+    receiver (column ``receiver``, or none): the term that sum would hand the receiver."""
+    others = selection
+    if receiver is not None:
+        others = selection.clone()
+        others[..., receiver] = False
+    single = others.sum(dim=2, keepdim=True) == 1
+    return others & single
+
+
+def exposed_rows(selection: Tensor, receiver: int | None) -> Tensor:
+    """(B, K) bool: the rows ``b`` of party ``k`` that enter some sum of ``selection`` (T, B, K)
+    as its only contributor besides the receiver, i.e. that a secure sum cannot hide (what a
+    ``release="dp"`` policy sends as a DP release instead of dropping)."""
+    return lone_contributors(selection, receiver).any(dim=0)
+
+
 def refuse_single_contributors(
-    released: Tensor, parties: Sequence[str], *, receiver: str | None = None
+    released: Tensor,
+    parties: Sequence[str],
+    *,
+    receiver: str | None = None,
+    dp_rows: Tensor | None = None,
 ) -> Tensor:
     """The contributor count of every released sum; refuse any sum that reveals one party.
 
     A secure backend promises the receiver learns only sums over >= 2 contributors *besides
     itself*: a receiver that is also a contributor (LASER's label party holds a feature block)
     knows its own term, so the sum of its own and one other party's representation would hand
-    it the other one. Sums with no other contributor (the receiver's own term alone) are fine.
+    it the other one. Sums with no other contributor (the receiver's own term alone) are fine,
+    and so is one whose lone other contributor sends that row as a DP release (``dp_rows``
+    (B, K): clipped and noised inside that party, priced by its accountant).
     """
-    others = released
-    if receiver is not None and receiver in parties:
-        others = released.clone()
-        others[..., list(parties).index(receiver)] = False
-    single = others.sum(dim=2) == 1
+    column = list(parties).index(receiver) if receiver is not None and receiver in parties else None
+    lone = lone_contributors(released, column)
+    if dp_rows is not None:
+        lone = lone & ~dp_rows.unsqueeze(0)
+    single = lone.any(dim=2)
     if bool(single.any()):
         t, b = (int(i) for i in torch.nonzero(single)[0])
         raise ProtocolError(
             f"a sum reveals a single party's representation to {receiver or 'the receiver'}: "
-            f"every released sum needs 0 or >= 2 contributors besides the receiver, found "
-            f"{int(single.sum())} sums with one (first: task {t}, row {b}, party "
-            f"{parties[int(torch.nonzero(others[t, b])[0])]})."
+            f"every released sum needs 0 or >= 2 contributors besides the receiver (or its lone "
+            f"other contributor's row sent as a DP release), found {int(single.sum())} sums "
+            f"with one (first: task {t}, row {b}, party "
+            f"{parties[int(torch.nonzero(lone[t, b])[0])]})."
         )
     return released.sum(dim=2)
 

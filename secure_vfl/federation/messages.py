@@ -21,7 +21,10 @@ from torch import Tensor
 from secure_vfl.errors import IntegrityError, ProtocolError
 from secure_vfl.federation.wire import register_message
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""The messages' layouts: 2 since sealed sums carry their members' selection, sum and seal
+requests their DP-released rows, and the abort message exists; a party of another version is
+refused on its first message, naming both."""
 PHASES = ("train", "predict")
 
 PartyId = str
@@ -337,7 +340,9 @@ class SumRequest(Message):
     """The driver asks the aggregator for per-task sums of the representations it holds for
     ``(round, batch_id, phase, source_tag)``, delivered to ``deliver_to``: ``selection[t, b, k]``
     says whether party ``parties[k]``'s row ``b`` enters sum ``t``; ``tag`` names the sum so
-    secure backends never reuse a mask context."""
+    secure backends never reuse a mask context. ``dp_rows[b, k]`` (a ``release="dp"`` policy;
+    None: no such row) flags the rows that enter a sum as its only contributor besides the
+    receiver: ``parties[k]`` sends row ``b`` clipped and noised, as a DP release it prices."""
 
     selection: Tensor
     parties: tuple[str, ...]
@@ -345,6 +350,7 @@ class SumRequest(Message):
     tag: str
     source_tag: str = ""
     phase: str = "train"
+    dp_rows: Tensor | None = None
     kind: ClassVar[str] = "sum-request"
 
     def validate(self) -> None:
@@ -358,6 +364,14 @@ class SumRequest(Message):
                 f"{self.kind} from {self.sender}: one selection column per distinct party "
                 f"expected, found {self.selection.shape[2]} columns for parties {self.parties}."
             )
+        if self.dp_rows is not None:
+            _check_tensor(self, "dp_rows", self.dp_rows, dims=2, dtype=torch.bool)
+            if self.dp_rows.shape != self.selection.shape[1:]:
+                raise ProtocolError(
+                    f"{self.kind} from {self.sender}: dp_rows of shape "
+                    f"{tuple(self.selection.shape[1:])} (rows, parties) expected, found "
+                    f"{tuple(self.dp_rows.shape)}."
+                )
 
 
 @register_message

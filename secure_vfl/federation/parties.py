@@ -32,7 +32,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -87,6 +87,19 @@ if TYPE_CHECKING:
 
 Handler = Callable[[Any], None]
 M = TypeVar("M", bound=Message)
+
+
+class ExposedRowRelease(Protocol):
+    """What a party sends in place of the rows of its contribution that a secure sum cannot
+    hide (a ``release="dp"`` policy, installed by the privacy layer inside the party): those
+    rows clipped and noised, the release recorded by the party's own accountant."""
+
+    def release_exposed(
+        self, contribution: RepresentationMessage, exposed: Tensor
+    ) -> RepresentationMessage:
+        """``contribution`` with its rows where ``exposed`` (bool, one per row) is set
+        replaced by their DP release; the message passed in is not mutated."""
+        ...
 
 
 class Party:
@@ -244,6 +257,8 @@ class SecureSumParty(Party):
         self.scheme = ""
         self._held: dict[tuple[int, int, str, str], RepresentationMessage] = {}
         self._sealed = ContextLedger()
+        # What it sends for rows a sum cannot hide (release="dp"; None: it refuses to).
+        self.exposure: ExposedRowRelease | None = None
 
     # -- secure sums: key set-up, sealing what it holds, opening what it is owed -------------
 
@@ -334,11 +349,15 @@ class SecureSumParty(Party):
                 "nowhere (its selection column is empty)."
             )
         check_selection(mine, present[:, column : column + 1])
-        refuse_single_contributors(selection, request.parties, receiver=request.deliver_to)
+        refuse_single_contributors(
+            selection, request.parties, receiver=request.deliver_to, dp_rows=request.dp_rows
+        )
         context = self._sealed.check(
             request.deliver_to, request.round, request.batch_id, request.tag
         )
         assert held is not None  # a selected row was checked to be held
+        if request.dp_rows is not None and bool(request.dp_rows[held.positions, column].any()):
+            held = self._release_exposed(held, request.dp_rows[held.positions, column])
         values = torch.zeros(selection.shape[1], held.representation.shape[1])
         values[held.positions] = held.representation
         payload = self.sealer.seal(
@@ -370,6 +389,20 @@ class SecureSumParty(Party):
         for key in [key for key in self._held if key[0] == request.round]:
             del self._held[key]
         self._inbox = [m for m in self._inbox if m.round != request.round]
+
+    def _release_exposed(
+        self, held: RepresentationMessage, exposed: Tensor
+    ) -> RepresentationMessage:
+        """``held`` with its ``exposed`` rows (which a sum would hand the receiver alone)
+        replaced by this party's DP release of them; ProtocolError if it has no such
+        mechanism: it never lets them out in the clear."""
+        if self.exposure is None:
+            raise ProtocolError(
+                f"{self.name}: asked to send {int(exposed.sum())} rows as a DP release (a sum "
+                "where it is the only contributor besides the receiver), but it holds no "
+                "release mechanism (the privacy layer installs one under release='dp')."
+            )
+        return self.exposure.release_exposed(held, exposed)
 
     def on_sealed_sum(self, message: SealedSumMessage) -> None:
         """Open the sums it is owed with its own key and act on them as on plain sums."""
@@ -834,7 +867,9 @@ class AggregationServer(Party):
         """Combine the sealed shares of exactly the selected contributors, once per context."""
         assert self.adder is not None
         selection = request.selection
-        refuse_single_contributors(selection, request.parties, receiver=request.deliver_to)
+        refuse_single_contributors(
+            selection, request.parties, receiver=request.deliver_to, dp_rows=request.dp_rows
+        )
         expected = [name for k, name in enumerate(request.parties) if bool(selection[..., k].any())]
         arrived = self._sealed.get(request.tag, {})
         if sorted(arrived) != sorted(expected):

@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 Heads = Literal["all", "active"]
 Batching = Literal["grouped", "mixed"]
+Release = Literal["drop", "dp"]
 StepCallback = Callable[[int, float], None]
 PartyMaker = Callable[[int, RoleFactory, dict[str, Tensor], nn.Module], Party]
 
@@ -80,6 +81,11 @@ class MethodConfig:
     model: the mean of the representations is the logits (``representation_dim`` must equal
     the number of classes; the mean-fusion methods only), so every party receives per-sample
     gradients of the loss itself, the setting of the survey's direct label inference.
+    ``release`` is what a secure-sum run does with a sample's subset whose only contributor
+    besides the label party is one party, which no sum can hide: ``"drop"`` never plans it;
+    ``"dp"`` (LASER, ``heads="active"``, secure sums) plans it and has that party send the row
+    as a DP release (clipped and noised inside it, priced by its accountant: the privacy
+    layer installs the mechanism).
     """
 
     heads: Heads = "all"
@@ -97,12 +103,21 @@ class MethodConfig:
     pretrain_epochs: int = 0
     labeled: int | None = None
     top_model: Literal["linear", "none"] = "linear"
+    release: Release = "drop"
 
     def __post_init__(self) -> None:
         _choice("heads", self.heads, ("all", "active"))
         _choice("top_model", self.top_model, ("linear", "none"))
         _choice("batching", self.batching, ("grouped", "mixed"))
         _choice("standard_incomplete", self.standard_incomplete, ("random", "zero"))
+        _choice("release", self.release, ("drop", "dp"))
+        if self.release == "dp" and not (self.secure_sums and self.heads == "active"):
+            raise ConfigError(
+                "release='dp' releases, with DP noise, what a secure sum cannot hide, so it "
+                "needs secure sums and the single label party: expected --secure-agg masks, "
+                f"paillier or ckks and --heads active. Found secure_sums={self.secure_sums}, "
+                f"heads={self.heads!r}."
+            )
         _positive_int("epochs", self.epochs)
         _positive_int("batch_size", self.batch_size)
         _positive_int("representation_dim", self.representation_dim)
@@ -428,13 +443,16 @@ class Federation:
         tag: str,
         train: bool,
         source_tag: str = "",
+        dp_rows: Tensor | None = None,
     ) -> None:
         """Ask the aggregator for the per-task sums ``selection`` (T, B, K) of the
         representations it holds for this batch, delivered to ``deliver_to``.
 
         ``tag`` tells this sum apart from others with the same round and batch (training vs
         prediction, one task chunk vs another) so secure backends never reuse a mask context.
-        Under a secure scheme each selected contributor is first asked to seal its share.
+        Under a secure scheme each selected contributor is first asked to seal its share;
+        ``dp_rows`` (B, K) tells each which of its rows to send as a DP release (a sum where
+        it is the only contributor besides the receiver; ``release="dp"``).
         """
         if self.scheme:
             self.own.send_all(
@@ -447,6 +465,7 @@ class Federation:
                         tag=tag,
                         source_tag=source_tag,
                         phase="train" if train else "predict",
+                        dp_rows=dp_rows,
                     )
                     for k, name in enumerate(self.names)
                     if bool(selection[..., k].any())
@@ -461,6 +480,7 @@ class Federation:
                 tag=tag,
                 source_tag=source_tag,
                 phase="train" if train else "predict",
+                dp_rows=dp_rows,
             )
         )
 
@@ -477,8 +497,10 @@ class Federation:
         batch_id: int,
         tag: str,
         head: str = "",
+        dp_rows: Tensor | None = None,
     ) -> None:
-        """Tell ``head_party`` what its head ``head`` trains on; then ask for its sums."""
+        """Tell ``head_party`` what its head ``head`` trains on; then ask for its sums (with
+        ``dp_rows``, see :meth:`request_sum`)."""
         self.own.send(
             HeadTask(
                 **self.header(head_party, round, batch_id),
@@ -500,6 +522,7 @@ class Federation:
             tag=tag,
             train=True,
             source_tag=head,
+            dp_rows=dp_rows,
         )
 
     def predict_with(
@@ -514,11 +537,12 @@ class Federation:
         source_tag: str,
         head: str = "",
         probabilities: bool = False,
+        dp_rows: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """The classes ``head_party``'s head ``head`` predicts for ``positions`` from the sum of
         ``selection`` (B, K) over the representations sent under ``source_tag``: (positions,
         predictions) as it answered; with ``probabilities``, its class probabilities
-        (positions, classes) instead of the classes."""
+        (positions, classes) instead of the classes. ``dp_rows``: see :meth:`request_sum`."""
         self.own.send(
             PredictTask(
                 **self.header(head_party, round, batch_id),
@@ -536,6 +560,7 @@ class Federation:
             tag=tag,
             train=False,
             source_tag=source_tag,
+            dp_rows=dp_rows,
         )
         answer = cast(
             PredictionMessage,

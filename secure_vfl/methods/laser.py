@@ -16,6 +16,14 @@ task per sample from the subsets with 0 or >= 2 parties besides the label party,
 stay unbiased for LASER's objective restricted to those subsets. ``heads="all"`` cannot be made
 secure this way: LASER's head k must be trained on, and predict from, the pair {k, j}, and a sum
 of two terms one of which the receiver holds is the other term in the clear.
+
+With ``MethodConfig.release="dp"`` the subsets with exactly one party besides the label party
+are releasable too, as DP releases: the label party flags those rows
+(:func:`~secure_vfl.federation.aggregator.exposed_rows`) in its seal requests and that party
+sends them clipped and noised. Training then draws one task per sample from every non-empty
+subset of its observed set (weight ``(2^n - 1) / n``, unbiased for LASER's whole single-head
+objective over the released values) and prediction uses the whole observed set, as in
+plaintext.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from torch import Tensor, nn
 from secure_vfl.data.samplers import make_sampler
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ConfigError, ProtocolError
-from secure_vfl.federation.aggregator import SumBackend
+from secure_vfl.federation.aggregator import SumBackend, exposed_rows
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import AGGREGATOR
 from secure_vfl.methods.base import (
@@ -115,7 +123,9 @@ def sample_tasks(
     return selection, weights
 
 
-def secure_tasks(mask: Tensor, receiver: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+def secure_tasks(
+    mask: Tensor, receiver: int, generator: torch.Generator, *, expose: bool = False
+) -> tuple[Tensor, Tensor]:
     """One task per sample whose sum reveals no single party to ``receiver`` (the label party).
 
     With a single head every non-empty subset S of a sample's observed set O weighs ``1 / n``
@@ -123,7 +133,10 @@ def secure_tasks(mask: Tensor, receiver: int, generator: torch.Generator) -> tup
     those with 0 or >= 2 parties besides the receiver; S is drawn uniformly from A(O) and
     weighted ``|A(O)| / n``, an unbiased estimate of ``(1 / n) sum_{S in A(O)} CE(S)``. Samples
     with no releasable subset (the receiver's block absent and one other party observed) get
-    weight 0. Returns selection (1, 1, B, K) and weights (1, 1, B).
+    weight 0. With ``expose`` (``release="dp"``) the subsets with one other party are
+    releasable too (that party's row goes as a DP release): A(O) is every non-empty subset,
+    |A(O)| = 2^n - 1, and no sample with an observed block is left out. The same draws are made
+    from ``generator`` either way. Returns selection (1, 1, B, K) and weights (1, 1, B).
     """
     batch, parties = mask.shape
     own = mask[:, receiver]
@@ -135,7 +148,8 @@ def secure_tasks(mask: Tensor, receiver: int, generator: torch.Generator) -> tup
     j = torch.arange(parties)
     counts = table[others.unsqueeze(1), j.unsqueeze(0)] * torch.where(own, 2.0, 1.0).unsqueeze(1)
     counts[:, 0] = own.float()
-    counts[:, 1] = 0.0
+    if not expose:
+        counts[:, 1] = 0.0
     releasable = counts.sum(dim=1)
     usable = releasable > 0
     drawn = torch.multinomial(
@@ -155,13 +169,17 @@ def secure_tasks(mask: Tensor, receiver: int, generator: torch.Generator) -> tup
     return chosen.view(1, 1, batch, parties), weights.view(1, 1, batch)
 
 
-def secure_prediction_selection(mask: Tensor, receiver: int) -> Tensor:
+def secure_prediction_selection(mask: Tensor, receiver: int, *, expose: bool = False) -> Tensor:
     """The largest releasable subset of every sample's observed set for prediction (B, K).
 
     With >= 2 other parties observed, all of them; with one, the receiver's block alone (the
-    lone other party cannot be hidden); with none, the receiver's block (possibly nothing).
+    lone other party cannot be hidden) or, with ``expose`` (``release="dp"``: that party sends
+    its row as a DP release), the whole observed set; with none, the receiver's block
+    (possibly nothing).
     """
     selection = mask.clone()
+    if expose:
+        return selection
     others = mask.sum(dim=1) - mask[:, receiver].long()
     lone = others < 2
     selection[lone] = False
@@ -265,7 +283,9 @@ class MeanFusionMethod:
         if self.planner == "local":
             return local_tasks(mask, self.head_index)
         if self.config.secure_sums:
-            return secure_tasks(mask, self.head_index[0], self.fed.generator)
+            return secure_tasks(
+                mask, self.head_index[0], self.fed.generator, expose=self.config.release == "dp"
+            )
         heads = self.head_index if self.config.heads == "all" else None
         return sample_tasks(mask, heads, self.fed.generator)
 
@@ -320,11 +340,20 @@ class MeanFusionMethod:
                     round=round,
                     batch_id=batch_id,
                     tag=tag,
+                    dp_rows=self.dp_rows(selection[i, chunk], h),
                 )
                 assigned.append((fed.names[h], tag))
         return sum(
             fed.take_loss(party, round=round, batch_id=batch_id, tag=tag) for party, tag in assigned
         )
+
+    def dp_rows(self, selection: Tensor, receiver: int) -> Tensor | None:
+        """Under ``release="dp"``, the rows (B, K) of ``selection`` (T, B, K) that its sums
+        would hand ``receiver`` alone, which their parties send as DP releases; else None
+        (any such row is refused by every party and the aggregator)."""
+        if self.config.release != "dp":
+            return None
+        return exposed_rows(selection, receiver)
 
     @property
     def total_steps(self) -> int:
@@ -407,7 +436,9 @@ class MeanFusionMethod:
                 elif self.config.heads == "all":
                     selection = mask & mask[:, h : h + 1]
                 elif self.config.secure_sums:
-                    selection = secure_prediction_selection(mask, h)
+                    selection = secure_prediction_selection(
+                        mask, h, expose=self.config.release == "dp"
+                    )
                 else:
                     selection = mask
                 if self.config.heads == "all":
@@ -428,6 +459,7 @@ class MeanFusionMethod:
                     tag=f"predict/{split_name}",
                     source_tag=source,
                     probabilities=probabilities,
+                    dp_rows=self.dp_rows(selection.unsqueeze(0), h),
                 )
                 yield h, rows.numpy()[positions.numpy()], predicted
 
