@@ -115,7 +115,9 @@ def _finished(process: subprocess.Popen[bytes], log: Path, what: str) -> None:
 
 def run_once(site: Path, mode: str, sums: str, epochs: int, out: Path) -> dict[str, Any]:
     """One run of ``mode`` with ``sums``: its result.json and the label party's command time."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "GRPC_VERBOSITY": "NONE"}
+    # One torch thread per process, in every mode (the in-process run too): five processes with
+    # a torch thread per core each oversubscribe a small machine.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GRPC_VERBOSITY": "NONE", "OMP_NUM_THREADS": "1"}
     flags = [*_run_flags(sums, epochs), "--out", str(out)]
     with Processes(cwd=site, env=env) as processes:
         if mode == "in-process":
@@ -296,7 +298,8 @@ def _table(
         "parties with 9 columns each; 20 % of the rows held out for testing), LASER "
         f"`--heads active`, batch 128, seed 0, {epochs} epochs, every run from the command line. "
         "The deployments are on 127.0.0.1: three `party serve` processes, the aggregation "
-        "server and the label party's `train --federation`.",
+        "server and the label party's `train --federation`. Every process, the in-process run's "
+        "too, runs one torch thread (`OMP_NUM_THREADS=1`).",
         "",
         "Epoch time is `wall_time_s` from `result.json` divided by the epochs: it counts building "
         "the label party's side of the method, every training step and the evaluation on both "
