@@ -115,7 +115,9 @@ def _finished(process: subprocess.Popen[bytes], log: Path, what: str) -> None:
 
 def run_once(site: Path, mode: str, sums: str, epochs: int, out: Path) -> dict[str, Any]:
     """One run of ``mode`` with ``sums``: its result.json and the label party's command time."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "GRPC_VERBOSITY": "NONE"}
+    # One torch thread per process, in every mode (the in-process run too): five processes with
+    # a torch thread per core each oversubscribe a small machine.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "GRPC_VERBOSITY": "NONE", "OMP_NUM_THREADS": "1"}
     flags = [*_run_flags(sums, epochs), "--out", str(out)]
     with Processes(cwd=site, env=env) as processes:
         if mode == "in-process":
@@ -234,16 +236,17 @@ def _analysis(rows: list[dict[str, Any]], figures: dict[str, float] | None) -> l
         "## Why: round trips per step",
         "",
         f"Over the network every message is one gRPC call that returns once the receiver has "
-        f"acted on it, and the label party drives a step's messages one after the other: "
-        f"a LASER `--heads active` step on Satellite is {messages:.0f} messages "
-        f"(`grpc_costs.md`, plaintext sums), so {messages:.0f} sequential round trips per step. "
-        f"`grpc_costs.md` measured a round trip at "
+        f"acted on it. A LASER `--heads active` step on Satellite is {messages:.0f} messages "
+        f"(`grpc_costs.md`, plaintext sums); the label party sends a step's requests to the "
+        f"data parties at once (`Party.send_all`), so it waits about five times a step "
+        f"(representations, the sum, gradients, updates; seals too under masks), not "
+        f"{messages:.0f}. `grpc_costs.md` measured a round trip at "
         f"{1000 * figures['grpc_round_trip_s']:.2f} ms (plaintext gRPC) and "
         f"{1000 * figures['mtls_round_trip_s']:.2f} ms (mTLS) on loopback against "
         f"{1000 * figures['in_process_message_s']:.3f} ms in one process.",
         "",
         "| sums | steps/epoch | in-process step (ms) | mTLS step (ms) | extra per step (ms) "
-        "| transport alone, predicted (ms) | extra per round trip (ms) |",
+        "| every message a round trip in turn, predicted (ms) | extra per message (ms) |",
         "|---|---|---|---|---|---|---|",
     ]
     for sums in SUMS:
@@ -261,21 +264,17 @@ def _analysis(rows: list[dict[str, Any]], figures: dict[str, float] | None) -> l
         )
     lines += [
         "",
-        "The predicted column is the transport alone: a round trip per message as "
-        "`grpc_costs.py` measured it, with nothing else running in the two processes. The rest "
-        "of the extra time is what a deployment adds around it: five processes instead of one "
-        "share the machine's two cores (each with its own torch threads and gRPC polling "
-        "threads, and here with the other work on the machine), and each message waits for the "
-        "receiving process's gRPC thread to be scheduled before its handler runs, once per "
-        "round trip. What would close the gap, without changing the protocol's content: fewer, "
-        "larger "
-        "messages per party per step (one message carrying a party's whole part of a step, e.g. "
-        "its representation request and its sum request batched, or a step's gradients for all "
-        "parties sent at once), so that the round trips per step fall from one per message to "
-        "one or two per party; and asynchronous sends (a `send` that returns once the bytes are "
-        "queued, with the reply awaited only where the next computation needs it), so that the "
-        "label party's requests to the three data parties overlap instead of queueing behind "
-        "each other's round trips.",
+        "The predicted column is the transport alone as if every message waited for the one "
+        "before (`grpc_costs.py`'s round trip, nothing else running); with a step's requests "
+        "in flight together the transport's own share is smaller than that, so most of the "
+        "extra time is what five processes on this machine's two cores add: each message "
+        "waits for the receiving process to be scheduled and its handler to run while the "
+        "others compete for the same cores (on their own machines, as in a real deployment, "
+        "the parties would not). What would close the rest without changing the protocol's "
+        "content: asynchronous sends (return once the bytes are queued; await a reply only "
+        "where the next computation needs it), so that the label party overlaps its own work "
+        "with the data parties' instead of waiting for each group to be acted on; and fewer, "
+        "larger messages per party per step.",
     ]
     return lines
 
@@ -296,7 +295,8 @@ def _table(
         "parties with 9 columns each; 20 % of the rows held out for testing), LASER "
         f"`--heads active`, batch 128, seed 0, {epochs} epochs, every run from the command line. "
         "The deployments are on 127.0.0.1: three `party serve` processes, the aggregation "
-        "server and the label party's `train --federation`.",
+        "server and the label party's `train --federation`. Every process, the in-process run's "
+        "too, runs one torch thread (`OMP_NUM_THREADS=1`).",
         "",
         "Epoch time is `wall_time_s` from `result.json` divided by the epochs: it counts building "
         "the label party's side of the method, every training step and the evaluation on both "
