@@ -1923,6 +1923,25 @@ def _secure_sums(name: str) -> Any:
     return PrivacyEngine(PrivacySpec(secure_agg=name)).aggregator()
 
 
+def _psi_roles() -> Any:
+    """The two sides of DH-PSI for a deployment (:class:`secure_vfl.deployment.PsiRoles`), the
+    privacy layer's roles registered as ``psi-requester`` and ``psi-responder``; imported when
+    a party first plays one."""
+    from secure_vfl.deployment import PsiRoles
+
+    def requester(ids: Any, name: str) -> Any:
+        from protocols.psi.session import psi_roles
+
+        return psi_roles(None)[0](ids, name=name)
+
+    def responder(ids: Any, name: str) -> Any:
+        from protocols.psi.session import psi_roles
+
+        return psi_roles(None)[1](ids, name=name)
+
+    return PsiRoles(requester=requester, responder=responder)
+
+
 def run_party_command(args: argparse.Namespace) -> int:
     """`secure-vfl party serve`: act as one party until the label party ends the run; exit
     non-zero if it fails or the label party falls silent for longer than --deadline."""
@@ -1940,6 +1959,7 @@ def run_party_command(args: argparse.Namespace) -> int:
         wait=args.wait,
         insecure=args.insecure,
         on_event=lambda line: print(line, flush=True),
+        psi=_psi_roles(),
     )
     if outcome != "finished":
         print(f"secure-vfl: error: the label party ended the run: {outcome}", file=sys.stderr)
@@ -2012,6 +2032,7 @@ def run_train_deployed(args: argparse.Namespace) -> int:
                 insecure=args.insecure,
                 on_start=lambda total: bar.reset(total=total),
                 on_step=lambda step, loss: bar.update(1),
+                psi=_psi_roles(),
             )
         finally:
             bar.close()
