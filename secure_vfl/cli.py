@@ -2012,9 +2012,10 @@ def run_train_deployed(args: argparse.Namespace) -> int:
     label = federation.member(federation.label_party)
     args.party_file = [member.data for member in federation.parties]
     args.label_file = label.labels
+    engine = _privacy_engine(args)  # registers the `psi` aligner that the config names
     config = _train_config(args)
     refuse_undeployable(config)
-    _privacy_engine(args).refuse(config.method, batching=config.method_config.batching)
+    engine.refuse(config.method, batching=config.method_config.batching)
     out: Path = args.out or Path("runs") / f"{config.method}-deployed-s{config.seed}"
     _check_output_dir(out, "result.json", overwrite=args.overwrite)
     store = _results_store(args, out)

@@ -543,3 +543,19 @@ def test_a_setup_in_psi_positions_maps_to_the_party_rows_and_refuses_what_it_doe
         1,
         -1,
     ]
+
+
+def test_a_label_party_process_goes_past_the_refusals_to_psi_with_each_party(
+    site: Path, processes: Processes, tmp_path: Path
+) -> None:
+    # A fresh process (nothing imported PSI before): `--align psi` is taken with --federation,
+    # and the label party's first message is the PSI request to the first data party.
+    federation = write_federation(site, site / "certs", free_loopback_ports(5))
+    args = ["--name", "bank", "--method", "laser", "--align", "psi", "--quiet"]
+    args += ["--wait", "1", "--deadline", "2", "--out", str(tmp_path / "out")]
+    label = processes.start("train", "--federation", str(federation), *args, log="bank")
+    # Nobody serves: it fails reaching shop.
+    assert label.wait(timeout=PROCESS_SECONDS) != 0
+    log = processes.log("bank")
+    assert "deployment from bank to shop" in log and "could not be reached" in log, log
+    assert not (tmp_path / "out" / "result.json").exists()
