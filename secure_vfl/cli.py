@@ -1912,6 +1912,14 @@ def _party_command(commands: Any) -> None:
         metavar="S",
         help="seconds to wait for the label party's first message",
     )
+    serve.add_argument(
+        "--align",
+        choices=["any", "psi"],
+        default="any",
+        help="the alignments this party takes part in: `any` (the label party's choice: it "
+        "sends its ids for the plain join, or runs PSI) or `psi` (it refuses to send its ids in "
+        "the clear; the label party must run `train --align psi`)",
+    )
     _network_flags(serve)
 
 
@@ -1960,6 +1968,7 @@ def run_party_command(args: argparse.Namespace) -> int:
         insecure=args.insecure,
         on_event=lambda line: print(line, flush=True),
         psi=_psi_roles(),
+        psi_only=args.align == "psi",
     )
     if outcome != "finished":
         print(f"secure-vfl: error: the label party ended the run: {outcome}", file=sys.stderr)

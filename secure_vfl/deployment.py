@@ -6,13 +6,24 @@ server (``--name aggregator``) act on what arrives until the label party ends th
 crosses, besides the training messages of the in-process run, is :class:`~secure_vfl.
 federation.messages.DeploymentMessage` s, each a JSON object checked on arrival:
 
-1. ``ids-request`` -> ``ids``: each data party sends its ids and block width to the label
-   party (the plain join: the label party learns every party's ids; PSI is not offered here).
-2. The label party aligns, splits and draws the masks from ids and shapes alone
-   (:func:`~secure_vfl.data.vertical.plan_rows`), then ``setup`` tells each data party the
-   method, its configuration, the seed, the party's index and names, its rows per split as
-   positions into its own table, the secure-sum scheme and, where it holds heads
-   (``heads="all"``, Combinatorial), the training labels of the rows it holds. The party fits
+1. Alignment, by the plain join (``--align join``, the default) or by PSI (``--align psi``):
+
+   - ``ids-request`` -> ``ids``: each data party sends its ids and block width to the label
+     party, which joins them (it learns every party's ids).
+   - ``psi`` (a fresh session id, the mode) -> ``psi-ready`` (the block width): each data party
+     takes the responder's side of a DH-PSI session with the label party (the roles come from
+     the composition root, ``PsiRoles``); then the label party runs each session over the
+     network, one party after the other, and sends each party its matches. The label party
+     learns which of its ids each party holds (the availability mask) and how many ids it has;
+     a data party learns which of its ids are aligned and at which sample positions (as
+     :class:`protocols.psi.PsiAligner` in one process). No ids cross in the clear.
+2. The label party splits and draws the masks from the alignment and shapes alone
+   (:func:`~secure_vfl.data.vertical.plan_rows_by`), then ``setup`` tells each data party the
+   method, its configuration, the seed, the party's index and names, its rows per split (rows
+   of its own table under the join; under PSI, sample positions, which the party maps to its
+   rows by what PSI told it, so the label party never holds its rows or ids), the secure-sum
+   scheme and, where it holds heads (``heads="all"``, Combinatorial), the training labels of
+   the rows it holds. The party fits
    its standardiser on its own rows and builds itself with
    :func:`~secure_vfl.methods.base.build_party` and the method's seed rule
    (:data:`~secure_vfl.methods.base.PARTY_MODELS`): the same models as in one process. Its
@@ -25,8 +36,8 @@ A data party lost mid-training (its process died: a step fails and the party acc
 connection) is dropped by LASER's driver (:meth:`~secure_vfl.methods.base.Federation.recover`):
 its block is missing from then on, it is sent nothing more (not even ``end``), and the result's
 ``faults`` names it. A lost aggregator, or a lost party under another method, fails the run.
-The core never imports the privacy layer: the command line passes the secure-sum backend in
-(``secure_sums``).
+The core never imports the privacy layer: the command line passes the secure-sum backend
+(``secure_sums``) and the PSI roles (``psi``) in.
 """
 
 from __future__ import annotations
@@ -179,9 +190,11 @@ class _Server:
         table: PartyTable | None,
         on_event: Callable[[str], None],
         psi: PsiRoles | None = None,
+        psi_only: bool = False,
     ) -> None:
         self.on_event = on_event
         self.psi = psi
+        self.psi_only = psi_only
         self.responder: PsiResponding | None = None
         self.federation = federation
         self.name = name
@@ -228,6 +241,11 @@ class _Server:
         _body(message, "ids-request", {})
         if self.table is None:
             raise ProtocolError(f"{self.name} holds no table; it has no ids to send.")
+        if self.psi_only or self.responder is not None:
+            raise ProtocolError(
+                f"{self.name} aligns by PSI only (`party serve --align psi`, or PSI already "
+                "ran): it sends no ids in the clear; run `train --align psi`."
+            )
         self._reply("ids", {"ids": self.table.ids.tolist(), "width": len(self.table.columns)})
 
     def _on_psi(self, message: Message) -> None:
@@ -441,12 +459,14 @@ def serve(
     insecure: bool = False,
     on_event: Callable[[str], None] = logger.info,
     psi: PsiRoles | None = None,
+    psi_only: bool = False,
 ) -> str:
     """Serve as ``name`` (a data party or ``aggregator``) until the label party ends the run;
     return the outcome it announced (``on_event`` hears of the set-up). A data party answers
     the label party's ``ids-request`` (the plain join) or, with ``psi``, takes the responder's
-    side of its PSI session. TransportError if the label party is silent for longer than
-    ``deadline`` seconds (``wait`` before its first message)."""
+    side of its PSI session; ``psi_only`` refuses the ``ids-request`` (its ids never leave it in
+    the clear). TransportError if the label party is silent for longer than ``deadline``
+    seconds (``wait`` before its first message)."""
     if name == federation.label_party:
         raise ConfigError(
             f"{name} is the label party of {federation.path}; it runs `secure-vfl train "
@@ -455,7 +475,7 @@ def serve(
     member = federation.member(name)
     table = read_party_file(member.data) if member.data is not None else None
     endpoint = _endpoint(federation, name, insecure=insecure, deadline=deadline)
-    server = _Server(federation, name, endpoint, secure_sums, table, on_event, psi)
+    server = _Server(federation, name, endpoint, secure_sums, table, on_event, psi, psi_only)
     endpoint.handler = server.receive
     label = federation.label_party
     try:

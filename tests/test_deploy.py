@@ -559,3 +559,18 @@ def test_a_label_party_process_goes_past_the_refusals_to_psi_with_each_party(
     log = processes.log("bank")
     assert "deployment from bank to shop" in log and "could not be reached" in log, log
     assert not (tmp_path / "out" / "result.json").exists()
+
+
+def test_a_data_party_serving_psi_only_refuses_to_send_its_ids(
+    site: Path, processes: Processes, tmp_path: Path
+) -> None:
+    federation = write_federation(site, site / "certs", free_loopback_ports(5))
+    shop = processes.serve(federation, "shop", "--align", "psi")
+    others = [processes.serve(federation, name) for name in ("insurer", "telco", "aggregator")]
+    args = ["--name", "bank", "--method", "laser", "--quiet", "--out", str(tmp_path / "out")]
+    label = processes.start("train", "--federation", str(federation), *args, log="bank")
+    assert label.wait(timeout=PROCESS_SECONDS) != 0
+    assert "shop aligns by PSI only" in processes.log("bank"), processes.log("bank")
+    # The label party ended the run as failed at every party, which exit non-zero.
+    assert [p.wait(timeout=PROCESS_SECONDS) for p in (shop, *others)] == [1, 1, 1, 1]
+    assert not (tmp_path / "out" / "result.json").exists()
