@@ -558,42 +558,47 @@ def psi_alignment(
         own_rows = np.full(label_ids.size, -1, dtype=np.int64)
         local = JoinAligner().align([own.ids], label_ids)
         own_rows[local.label_rows] = local.rows[:, 0]
-        held = np.zeros((label_ids.size, 1 + len(sessions)), dtype=bool)
-        held[:, 0] = own_rows >= 0
         requester = roles.requester(label_ids, endpoint.name)
         endpoint.handler = None  # the channel attaches the requester to the endpoint
         requester.connect(NetworkChannel(endpoint))
         try:
-            sizes = [own.ids.size]
-            for k, (peer, session_id) in enumerate(sessions.items(), start=1):
-                result = requester.intersect(peer, session_id=session_id, mode=PSI_MODE)
-                if result.indices is None:
-                    raise ProtocolError(
-                        f"PSI with {peer}: the intersection expected, not its size."
-                    )
-                held[result.indices, k] = True
-                sizes.append(int(result.peer_size))
+            held, sizes = _intersect_each(requester, sessions, label_ids.size)
             label_order = np.argsort(label_ids, kind="stable")
-            kept = held[label_order].any(axis=1)
+            kept = (held[label_order].any(axis=1)) | (own_rows[label_order] >= 0)
             label_rows = label_order[kept].astype(np.int64)
-            samples = np.arange(label_rows.size, dtype=np.int64)
-            rows = np.where(held[label_rows], samples[:, None], -1)
-            rows[:, 0] = own_rows[label_rows]
             sample_of = np.full(label_ids.size, -1, dtype=np.int64)
-            sample_of[label_rows] = samples
+            sample_of[label_rows] = np.arange(label_rows.size, dtype=np.int64)
             for peer in sessions:
                 requester.send_matches(peer, sample_of, int(label_rows.size))
         finally:
             endpoint.handler = None  # the training channel attaches the label party next
+        # A data party's "rows" are sample positions; the label party's own are its rows.
+        rows = np.where(held[label_rows], sample_of[label_rows][:, None], -1)
         alignment = Alignment(
             sample_ids=label_ids[label_rows],
-            rows=rows.astype(np.int64),
+            rows=np.column_stack([own_rows[label_rows], rows]).astype(np.int64),
             label_rows=label_rows,
             dropped=int((~kept).sum()),
         )
-        return alignment, sizes
+        return alignment, [own.ids.size, *sizes]
 
     return align
+
+
+def _intersect_each(
+    requester: PsiRequesting, sessions: Mapping[str, str], label_ids: int
+) -> tuple[np.ndarray, list[int]]:
+    """PSI with each party of ``sessions`` in turn: (label_ids, parties) bool, whether party k
+    holds each of the label party's ids, and each party's number of ids."""
+    held = np.zeros((label_ids, len(sessions)), dtype=bool)
+    sizes = []
+    for k, (peer, session_id) in enumerate(sessions.items()):
+        result = requester.intersect(peer, session_id=session_id, mode=PSI_MODE)
+        if result.indices is None:
+            raise ProtocolError(f"PSI with {peer}: the intersection expected, not its size.")
+        held[result.indices, k] = True
+        sizes.append(int(result.peer_size))
+    return held, sizes
 
 
 def label_side(
