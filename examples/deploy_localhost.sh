@@ -4,13 +4,16 @@
 # Makes a federation CA and certificates, writes four parties' files (breast-cancer columns,
 # scikit-learn's bundled copy) and a federation file, starts the three data parties and the
 # aggregation server in the background, trains LASER from the label party and stops everything
-# (a trap on EXIT kills the pids it started).
+# (a trap on EXIT kills the pids it started). ALIGN is `join` (default: the label party learns
+# every party's ids) or `psi` (DH-PSI with each data party: it learns only which of its ids
+# each party holds).
 #
-#     bash examples/deploy_localhost.sh [DIR] [EPOCHS]
+#     bash examples/deploy_localhost.sh [DIR] [EPOCHS] [ALIGN]
 set -euo pipefail
 
 DIR=${1:-$(mktemp -d)}
 EPOCHS=${2:-5}
+ALIGN=${3:-join}
 PYTHON=${PYTHON:-python}
 svfl() { "$PYTHON" -m secure_vfl "$@"; }  # the `secure-vfl` command
 mkdir -p "$DIR"
@@ -85,7 +88,7 @@ for name in shop insurer telco aggregator; do
 done
 
 svfl train --federation "$DIR/federation.toml" --name bank \
-    --method laser --heads active --secure-agg masks --epochs "$EPOCHS" \
+    --method laser --heads active --secure-agg masks --epochs "$EPOCHS" --align "$ALIGN" \
     --out "$DIR/run" --quiet
 
 for pid in "${PIDS[@]}"; do wait "$pid"; done  # each data party exits 0 once the run ends

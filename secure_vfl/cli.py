@@ -2019,6 +2019,14 @@ def _party_command(commands: Any) -> None:
         metavar="S",
         help="seconds to wait for the label party's first message",
     )
+    serve.add_argument(
+        "--align",
+        choices=["any", "psi"],
+        default="any",
+        help="the alignments this party takes part in: `any` (the label party's choice: it "
+        "sends its ids for the plain join, or runs PSI) or `psi` (it refuses to send its ids in "
+        "the clear; the label party must run `train --align psi`)",
+    )
     _network_flags(serve)
 
 
@@ -2028,6 +2036,25 @@ def _secure_sums(name: str) -> Any:
     from protocols.privacy import PrivacyEngine, PrivacySpec
 
     return PrivacyEngine(PrivacySpec(secure_agg=name)).aggregator()
+
+
+def _psi_roles() -> Any:
+    """The two sides of DH-PSI for a deployment (:class:`secure_vfl.deployment.PsiRoles`), the
+    privacy layer's roles registered as ``psi-requester`` and ``psi-responder``; imported when
+    a party first plays one."""
+    from secure_vfl.deployment import PsiRoles
+
+    def requester(ids: Any, name: str) -> Any:
+        from protocols.psi.session import psi_roles
+
+        return psi_roles(None)[0](ids, name=name)
+
+    def responder(ids: Any, name: str) -> Any:
+        from protocols.psi.session import psi_roles
+
+        return psi_roles(None)[1](ids, name=name)
+
+    return PsiRoles(requester=requester, responder=responder)
 
 
 def run_party_command(args: argparse.Namespace) -> int:
@@ -2047,6 +2074,8 @@ def run_party_command(args: argparse.Namespace) -> int:
         wait=args.wait,
         insecure=args.insecure,
         on_event=lambda line: print(line, flush=True),
+        psi=_psi_roles(),
+        psi_only=args.align == "psi",
     )
     if outcome != "finished":
         print(f"secure-vfl: error: the label party ended the run: {outcome}", file=sys.stderr)
@@ -2115,9 +2144,10 @@ def run_train_deployed(args: argparse.Namespace) -> int:
     label = federation.member(federation.label_party)
     args.party_file = [member.data for member in federation.parties]
     args.label_file = label.labels
+    engine = _privacy_engine(args)  # registers the `psi` aligner that the config names
     config = _train_config(args)
     refuse_undeployable(config)
-    _privacy_engine(args).refuse(config.method, batching=config.method_config.batching)
+    engine.refuse(config.method, batching=config.method_config.batching)
     out: Path = args.out or Path("runs") / f"{config.method}-deployed-s{config.seed}"
     _check_output_dir(out, "result.json", overwrite=args.overwrite)
     store = _results_store(args, out)
@@ -2135,6 +2165,7 @@ def run_train_deployed(args: argparse.Namespace) -> int:
                 insecure=args.insecure,
                 on_start=lambda total: bar.reset(total=total),
                 on_step=lambda step, loss: bar.update(1),
+                psi=_psi_roles(),
             )
         finally:
             bar.close()

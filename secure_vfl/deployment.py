@@ -6,13 +6,24 @@ server (``--name aggregator``) act on what arrives until the label party ends th
 crosses, besides the training messages of the in-process run, is :class:`~secure_vfl.
 federation.messages.DeploymentMessage` s, each a JSON object checked on arrival:
 
-1. ``ids-request`` -> ``ids``: each data party sends its ids and block width to the label
-   party (the plain join: the label party learns every party's ids; PSI is not offered here).
-2. The label party aligns, splits and draws the masks from ids and shapes alone
-   (:func:`~secure_vfl.data.vertical.plan_rows`), then ``setup`` tells each data party the
-   method, its configuration, the seed, the party's index and names, its rows per split as
-   positions into its own table, the secure-sum scheme and, where it holds heads
-   (``heads="all"``, Combinatorial), the training labels of the rows it holds. The party fits
+1. Alignment, by the plain join (``--align join``, the default) or by PSI (``--align psi``):
+
+   - ``ids-request`` -> ``ids``: each data party sends its ids and block width to the label
+     party, which joins them (it learns every party's ids).
+   - ``psi`` (a fresh session id, the mode) -> ``psi-ready`` (the block width): each data party
+     takes the responder's side of a DH-PSI session with the label party (the roles come from
+     the composition root, ``PsiRoles``); then the label party runs each session over the
+     network, one party after the other, and sends each party its matches. The label party
+     learns which of its ids each party holds (the availability mask) and how many ids it has;
+     a data party learns which of its ids are aligned and at which sample positions (as
+     :class:`protocols.psi.PsiAligner` in one process). No ids cross in the clear.
+2. The label party splits and draws the masks from the alignment and shapes alone
+   (:func:`~secure_vfl.data.vertical.plan_rows_by`), then ``setup`` tells each data party the
+   method, its configuration, the seed, the party's index and names, its rows per split (rows
+   of its own table under the join; under PSI, sample positions, which the party maps to its
+   rows by what PSI told it, so the label party never holds its rows or ids), the secure-sum
+   scheme and, where it holds heads (``heads="all"``, Combinatorial), the training labels of
+   the rows it holds. The party fits
    its standardiser on its own rows and builds itself with
    :func:`~secure_vfl.methods.base.build_party` and the method's seed rule
    (:data:`~secure_vfl.methods.base.PARTY_MODELS`): the same models as in one process. Its
@@ -25,8 +36,8 @@ A data party lost mid-training (its process died: a step fails and the party acc
 connection) is dropped by LASER's driver (:meth:`~secure_vfl.methods.base.Federation.recover`):
 its block is missing from then on, it is sent nothing more (not even ``end``), and the result's
 ``faults`` names it. A lost aggregator, or a lost party under another method, fails the run.
-The core never imports the privacy layer: the command line passes the secure-sum backend in
-(``secure_sums``).
+The core never imports the privacy layer: the command line passes the secure-sum backend
+(``secure_sums``) and the PSI roles (``psi``) in.
 """
 
 from __future__ import annotations
@@ -34,9 +45,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
+import secrets
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -44,15 +57,17 @@ import torch
 from secure_vfl.data.missingness import parse_mechanism
 from secure_vfl.data.party_files import ID_COLUMN, LABEL_COLUMN, PartyTable, read_party_file
 from secure_vfl.data.vertical import (
+    AlignLabelIds,
     RowPlan,
     VerticalData,
     VerticalSplit,
     party_blocks,
-    plan_rows,
+    plan_rows_by,
 )
 from secure_vfl.errors import ConfigError, ProtocolError, SecureVFLError, TransportError
 from secure_vfl.federation.aggregator import PlainAggregator, SealingScheme, SumBackend
-from secure_vfl.federation.alignment import JoinAligner
+from secure_vfl.federation.alignment import Alignment, JoinAligner, check_unique_ids
+from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.federation_file import Federation
 from secure_vfl.federation.messages import AGGREGATOR, DeploymentMessage, Message
 from secure_vfl.federation.network import NetworkChannel, PartyEndpoint
@@ -62,6 +77,54 @@ logger = logging.getLogger(__name__)
 
 SecureSums = Callable[[str], SumBackend | None]
 """The secure-sum backend of a scheme name (``"none"``: None), made by the composition root."""
+
+
+class PsiParty(Protocol):
+    """A PSI side as an actor (:class:`~secure_vfl.federation.parties.Party`)."""
+
+    def connect(self, channel: Channel) -> None: ...
+
+    def receive(self, message: Message) -> None: ...
+
+
+class PsiIntersection(Protocol):
+    """What the label party learns from one PSI session (intersection mode)."""
+
+    @property
+    def indices(self) -> np.ndarray | None: ...
+
+    @property
+    def peer_size(self) -> int: ...
+
+
+class PsiRequesting(PsiParty, Protocol):
+    """The label party's PSI side (:class:`protocols.psi.PsiRequester`)."""
+
+    def intersect(self, peer: str, *, session_id: str, mode: str = ...) -> PsiIntersection: ...
+
+    def send_matches(self, peer: str, sample_of: np.ndarray, samples: int) -> None: ...
+
+
+class PsiResponding(PsiParty, Protocol):
+    """A data party's PSI side (:class:`protocols.psi.PsiResponder`)."""
+
+    def accept(self, peer: str, *, session_id: str, mode: str = ...) -> None: ...
+
+    def aligned_rows(self, peer: str) -> np.ndarray: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class PsiRoles:
+    """The two sides of DH-PSI, each made from a party's ids and name: handed in by the
+    composition root (the core never imports the privacy layer)."""
+
+    requester: Callable[[np.ndarray, str], PsiRequesting]
+    responder: Callable[[np.ndarray, str], PsiResponding]
+
+
+PSI_MODE = "intersection"
+"""The mode of alignment's PSI: the label party learns which of its ids each party holds."""
+_SESSION_ID = re.compile(r"[0-9a-f]{32}")
 
 DEPLOYED_METHODS = ("laser", "local", "ensemble", "standard", "plugvfl", "combinatorial")
 SETUP_DEADLINE = 600.0
@@ -115,7 +178,8 @@ def _deployment(sender: str, receiver: str, topic: str, body: Mapping[str, Any])
 
 class _Server:
     """What a serving process does with what arrives: deployment messages from the label party
-    (ids, set-up, end) itself; every other message goes to the party it built at set-up."""
+    (ids or PSI, set-up, end) itself; PSI messages go to its PSI side (made when the label party
+    asks for ``psi``), every other message to the party it built at set-up."""
 
     def __init__(
         self,
@@ -125,8 +189,13 @@ class _Server:
         secure_sums: SecureSums,
         table: PartyTable | None,
         on_event: Callable[[str], None],
+        psi: PsiRoles | None = None,
+        psi_only: bool = False,
     ) -> None:
         self.on_event = on_event
+        self.psi = psi
+        self.psi_only = psi_only
+        self.responder: PsiResponding | None = None
         self.federation = federation
         self.name = name
         self.endpoint = endpoint
@@ -143,11 +212,18 @@ class _Server:
                     f"{self.name}: a {message.topic} from {message.sender}; only the label "
                     f"party {self.federation.label_party} sets a run up or ends it."
                 )
-            handlers = {"ids-request": self._on_ids_request, "setup": self._on_setup}
+            handlers = {
+                "ids-request": self._on_ids_request,
+                "psi": self._on_psi,
+                "setup": self._on_setup,
+            }
             handler = handlers.get(message.topic, self._on_end)
             if message.topic not in (*handlers, "end"):
                 raise ProtocolError(f"{self.name}: a {message.topic} is not for a data party.")
             handler(message)
+            return
+        if self.party is None and self.responder is not None:
+            self.responder.receive(message)  # PSI messages; the responder refuses any other
             return
         if self.party is None:
             raise ProtocolError(
@@ -165,7 +241,42 @@ class _Server:
         _body(message, "ids-request", {})
         if self.table is None:
             raise ProtocolError(f"{self.name} holds no table; it has no ids to send.")
+        if self.psi_only or self.responder is not None:
+            raise ProtocolError(
+                f"{self.name} aligns by PSI only (`party serve --align psi`, or PSI already "
+                "ran): it sends no ids in the clear; run `train --align psi`."
+            )
         self._reply("ids", {"ids": self.table.ids.tolist(), "width": len(self.table.columns)})
+
+    def _on_psi(self, message: Message) -> None:
+        """Take the PSI responder's side of the label party's session (its id and mode), then
+        answer with this party's block width: its ids never leave it."""
+        body = _body(message, "psi", {"session": str, "mode": str})
+        if self.table is None:
+            raise ProtocolError(f"{self.name} holds no table; it has no ids to align.")
+        if self.psi is None:
+            raise ProtocolError(f"{self.name}: PSI is not offered by this process.")
+        if self.responder is not None or self.party is not None:
+            raise ProtocolError(f"{self.name}: a second PSI of the run (a replay?).")
+        if body["mode"] != PSI_MODE or not _SESSION_ID.fullmatch(body["session"]):
+            raise ProtocolError(
+                f"psi: mode {PSI_MODE!r} and a session id of 32 hex digits expected; found "
+                f"mode {body['mode']!r}, session {body['session'][:40]!r}."
+            )
+        responder = self.psi.responder(self.table.ids, self.name)
+        self._attach(responder)
+        responder.accept(message.sender, session_id=body["session"], mode=body["mode"])
+        self.responder = responder
+        self.on_event(f"{self.name}: aligning by PSI with {message.sender}")
+        self._reply("psi-ready", {"width": len(self.table.columns)})
+
+    def _attach(self, party: PsiParty | Party) -> None:
+        """Connect ``party`` to the network as this process's party; deployment messages stay
+        this server's (it hands the party the rest)."""
+        channel = NetworkChannel(self.endpoint)
+        self.endpoint.handler = None  # the channel attaches the party to the endpoint
+        party.connect(channel)
+        self.endpoint.handler = self.receive
 
     def _on_setup(self, message: Message) -> None:
         if self.party is not None:
@@ -175,11 +286,13 @@ class _Server:
             self.party = _aggregation_server(self.secure_sums(body["secure_agg"]))
         else:
             assert self.table is not None
-            self.party = build_served_party(self.name, message, self.table, self.secure_sums)
-        channel = NetworkChannel(self.endpoint)
-        self.endpoint.handler = None  # the channel attaches the party to the endpoint
-        self.party.connect(channel)
-        self.endpoint.handler = self.receive  # deployment messages stay this server's
+            aligned = None
+            if self.responder is not None:
+                aligned = self.responder.aligned_rows(message.sender)
+            self.party = build_served_party(
+                self.name, message, self.table, self.secure_sums, aligned=aligned
+            )
+        self._attach(self.party)
         self.on_event(f"{self.name}: set up by {message.sender}; training")
 
     def _on_end(self, message: Message) -> None:
@@ -208,16 +321,25 @@ SETUP_KEYS: dict[str, type | tuple[type, ...]] = {
     "fit_rows": list,
     "rows": dict,
     "labels": (list, type(None)),
+    "align": str,
 }
 
 
 def build_served_party(
-    name: str, message: Message, table: PartyTable, secure_sums: SecureSums
+    name: str,
+    message: Message,
+    table: PartyTable,
+    secure_sums: SecureSums,
+    *,
+    aligned: np.ndarray | None = None,
 ) -> DataParty:
     """Data party ``name`` as the set-up ``message`` describes it, from its own ``table``:
     its standardised blocks, its bottom and the method's heads and further bottoms for it (the
-    seed rule of the in-process run), its own secure-sum halves. ProtocolError on a set-up
-    that does not fit its table or names an unknown method."""
+    seed rule of the in-process run), its own secure-sum halves. Under the plain join the
+    set-up's rows are rows of its table; under PSI (``align: "psi"``) they are positions of
+    the aligned samples, which the party maps to its rows by ``aligned`` (its row of each
+    aligned sample, -1 where it holds none: what PSI told it). ProtocolError on a set-up that
+    does not fit its table or its alignment, or names an unknown method."""
     from secure_vfl.methods import PARTY_MODELS, MethodConfig
     from secure_vfl.methods.base import build_party, install_halves
 
@@ -231,14 +353,15 @@ def build_served_party(
         config = MethodConfig(**body["method_config"])
     except (TypeError, ConfigError) as error:
         raise ProtocolError(f"setup: a valid method configuration expected: {error}") from None
-    n = table.ids.size
+    to_rows = _row_mapping(body["align"], aligned, name, table.ids.size)
+    n = table.ids.size if aligned is None else aligned.size
     rows = {
-        split: _rows(value, f"rows.{split}", low=-1, high=n)
+        split: to_rows(_rows(value, f"rows.{split}", low=-1, high=n), f"rows.{split}")
         for split, value in body["rows"].items()
     }
     if "train" not in rows:
         raise ProtocolError("setup: the rows of the training split expected.")
-    fit_rows = _rows(body["fit_rows"], "fit_rows", low=0, high=n)
+    fit_rows = to_rows(_rows(body["fit_rows"], "fit_rows", low=0, high=n), "fit_rows")
     if fit_rows.size == 0:
         raise ProtocolError(f"setup: {name} must hold a training row; found none.")
     blocks, preprocessing = party_blocks(table, fit_rows, rows, where=f"{name} ({table.name})")
@@ -280,6 +403,37 @@ def build_served_party(
     return party
 
 
+def _row_mapping(
+    align: str, aligned: np.ndarray | None, name: str, table_rows: int
+) -> Callable[[np.ndarray, str], np.ndarray]:
+    """How a set-up's row values become rows of the party's table: as they are (``join``), or
+    through ``aligned`` (``psi``: a sample position -> the party's row of that sample).
+    ProtocolError if the set-up's alignment is not the one the party took part in, or (on use)
+    if a position names a sample the party does not hold."""
+    if align not in ("join", "psi") or (align == "psi") != (aligned is not None):
+        ran = "PSI" if aligned is not None else "no PSI"
+        raise ProtocolError(
+            f"setup: {name} ran {ran}; an `align` of 'join' (rows of its table, without PSI) or "
+            f"'psi' (sample positions, after PSI) to match expected, found {align!r}."
+        )
+    if aligned is None:
+        return lambda rows, what: rows
+    if aligned.size and (aligned.min() < -1 or aligned.max() >= table_rows):
+        raise ProtocolError(f"{name}: PSI gave rows outside its table of {table_rows} rows.")
+    mapped: np.ndarray = aligned
+
+    def to_rows(positions: np.ndarray, what: str) -> np.ndarray:
+        rows = np.where(positions >= 0, mapped[np.maximum(positions, 0)], -1)
+        if ((positions >= 0) & (rows < 0)).any():
+            raise ProtocolError(
+                f"setup: `{what}` places {name} at aligned samples it does not hold (PSI "
+                "matched none of its ids there)."
+            )
+        return rows.astype(np.int64)
+
+    return to_rows
+
+
 def _endpoint(
     federation: Federation, name: str, *, insecure: bool, deadline: float
 ) -> PartyEndpoint:
@@ -304,11 +458,15 @@ def serve(
     wait: float,
     insecure: bool = False,
     on_event: Callable[[str], None] = logger.info,
+    psi: PsiRoles | None = None,
+    psi_only: bool = False,
 ) -> str:
     """Serve as ``name`` (a data party or ``aggregator``) until the label party ends the run;
-    return the outcome it announced (``on_event`` hears of the set-up). TransportError if the
-    label party is silent for longer than ``deadline`` seconds (``wait`` before its first
-    message)."""
+    return the outcome it announced (``on_event`` hears of the set-up). A data party answers
+    the label party's ``ids-request`` (the plain join) or, with ``psi``, takes the responder's
+    side of its PSI session; ``psi_only`` refuses the ``ids-request`` (its ids never leave it in
+    the clear). TransportError if the label party is silent for longer than ``deadline``
+    seconds (``wait`` before its first message)."""
     if name == federation.label_party:
         raise ConfigError(
             f"{name} is the label party of {federation.path}; it runs `secure-vfl train "
@@ -317,7 +475,7 @@ def serve(
     member = federation.member(name)
     table = read_party_file(member.data) if member.data is not None else None
     endpoint = _endpoint(federation, name, insecure=insecure, deadline=deadline)
-    server = _Server(federation, name, endpoint, secure_sums, table, on_event)
+    server = _Server(federation, name, endpoint, secure_sums, table, on_event, psi, psi_only)
     endpoint.handler = server.receive
     label = federation.label_party
     try:
@@ -361,19 +519,101 @@ def collect_ids(endpoint: PartyEndpoint, federation: Federation) -> tuple[list[A
     return ids, widths
 
 
+def join_alignment(own: PartyTable, ids: Sequence[np.ndarray]) -> AlignLabelIds:
+    """The plain join of the label party's ids with its own table's and every party's ids
+    (collected in the clear by :func:`collect_ids`)."""
+    sizes = [own.ids.size, *[party.size for party in ids]]
+    return lambda label_ids: (JoinAligner().align([own.ids, *ids], label_ids), sizes)
+
+
+def start_psi(endpoint: PartyEndpoint, federation: Federation) -> tuple[dict[str, str], list[int]]:
+    """Ask every data party to take the responder's side of a PSI session (a fresh session id
+    each, the mode :data:`PSI_MODE`); returns the sessions by party and the parties' block
+    widths, which is all they answer."""
+    sessions, widths = {}, []
+    for name in federation.names[1:]:
+        sessions[name] = secrets.token_hex(16)
+        body = {"session": sessions[name], "mode": PSI_MODE}
+        endpoint.send(_deployment(endpoint.name, name, "psi", body))
+        reply = _body(endpoint.receive(sender=name, kind="deployment"), "psi-ready", {"width": int})
+        if reply["width"] < 1:
+            raise ProtocolError(f"psi-ready from {name}: a width >= 1 expected.")
+        widths.append(reply["width"])
+    return sessions, widths
+
+
+def psi_alignment(
+    endpoint: PartyEndpoint, own: PartyTable, sessions: Mapping[str, str], roles: PsiRoles
+) -> AlignLabelIds:
+    """The label party's alignment by PSI over the network: its own table joined locally,
+    every data party through its PSI session (:func:`start_psi`), one after the other, then
+    each party told where its matched ids sit among the aligned samples. The alignment's rows
+    of a data party are those sample positions (the label party never learns the party's rows);
+    the party maps them to its rows (:func:`build_served_party`). The same samples, in the same
+    order, as the plain join and the in-process PSI."""
+
+    def align(label_ids: np.ndarray) -> tuple[Alignment, list[int]]:
+        label_ids = np.asarray(label_ids)
+        check_unique_ids(label_ids, "label party")
+        own_rows = np.full(label_ids.size, -1, dtype=np.int64)
+        local = JoinAligner().align([own.ids], label_ids)
+        own_rows[local.label_rows] = local.rows[:, 0]
+        requester = roles.requester(label_ids, endpoint.name)
+        endpoint.handler = None  # the channel attaches the requester to the endpoint
+        requester.connect(NetworkChannel(endpoint))
+        try:
+            held, sizes = _intersect_each(requester, sessions, label_ids.size)
+            label_order = np.argsort(label_ids, kind="stable")
+            kept = (held[label_order].any(axis=1)) | (own_rows[label_order] >= 0)
+            label_rows = label_order[kept].astype(np.int64)
+            sample_of = np.full(label_ids.size, -1, dtype=np.int64)
+            sample_of[label_rows] = np.arange(label_rows.size, dtype=np.int64)
+            for peer in sessions:
+                requester.send_matches(peer, sample_of, int(label_rows.size))
+        finally:
+            endpoint.handler = None  # the training channel attaches the label party next
+        # A data party's "rows" are sample positions; the label party's own are its rows.
+        rows = np.where(held[label_rows], sample_of[label_rows][:, None], -1)
+        alignment = Alignment(
+            sample_ids=label_ids[label_rows],
+            rows=np.column_stack([own_rows[label_rows], rows]).astype(np.int64),
+            label_rows=label_rows,
+            dropped=int((~kept).sum()),
+        )
+        return alignment, [own.ids.size, *sizes]
+
+    return align
+
+
+def _intersect_each(
+    requester: PsiRequesting, sessions: Mapping[str, str], label_ids: int
+) -> tuple[np.ndarray, list[int]]:
+    """PSI with each party of ``sessions`` in turn: (label_ids, parties) bool, whether party k
+    holds each of the label party's ids, and each party's number of ids."""
+    held = np.zeros((label_ids, len(sessions)), dtype=bool)
+    sizes = []
+    for k, (peer, session_id) in enumerate(sessions.items()):
+        result = requester.intersect(peer, session_id=session_id, mode=PSI_MODE)
+        if result.indices is None:
+            raise ProtocolError(f"PSI with {peer}: the intersection expected, not its size.")
+        held[result.indices, k] = True
+        sizes.append(int(result.peer_size))
+    return held, sizes
+
+
 def label_side(
-    config: Any, federation: Federation, own: PartyTable, ids: list[Any], widths: list[int]
+    config: Any, federation: Federation, own: PartyTable, align: AlignLabelIds, widths: list[int]
 ) -> LabelSide:
-    """The label party's plan of rows and its view of the data: the labels, the masks, its
-    own standardised block and, for the other parties, blocks of their shape that hold nothing
+    """The label party's plan of rows (``align``: :func:`join_alignment` or
+    :func:`psi_alignment`) and its view of the data: the labels, the masks, its own
+    standardised block and, for the other parties, blocks of their shape that hold nothing
     (zero-strided: the method reads their shapes only)."""
     member = federation.member(federation.label_party)
     assert member.labels is not None
-    plan = plan_rows(
-        [own.ids, *ids],
+    plan = plan_rows_by(
+        align,
         [len(own.columns), *widths],
         member.labels,
-        aligner=JoinAligner(),
         train_missing=parse_mechanism(config.train_missing),
         test_missing=[parse_mechanism(text) for text in config.test_missing],
         test_fraction=config.test_fraction if config.test_fraction is not None else 0.2,
@@ -439,6 +679,7 @@ def setup_bodies(
             "fit_rows": side.plan.fit_rows[k].tolist(),
             "rows": {split: rows[:, k].tolist() for split, rows in side.plan.rows.items()},
             "labels": labels,
+            "align": config.align,
         }
     return bodies
 
@@ -454,10 +695,11 @@ def refuse_undeployable(config: Any) -> None:
         raise ConfigError(
             "--federation reads each party's data from the federation file; drop --dataset."
         )
-    if config.align != "join":
+    if config.align not in ("join", "psi"):
         raise ConfigError(
-            f"--federation aligns by the plain join (the label party learns every party's "
-            f"ids). Found --align {config.align}."
+            f"--federation aligns by the plain join (the label party learns every party's ids) "
+            f"or by PSI (--align psi: it learns only which of its ids each party holds). Found "
+            f"--align {config.align}."
         )
     own_file_options = {
         "--id-column": config.id_column != ID_COLUMN,
@@ -492,15 +734,20 @@ def train_deployed(
     insecure: bool = False,
     on_start: Callable[[int], None] | None = None,
     on_step: Callable[[int, float], None] | None = None,
+    psi: PsiRoles | None = None,
 ) -> Any:
     """Run ``config`` (a :class:`~secure_vfl.experiment.TrainConfig` without data files) as
     the label party ``name`` of ``federation``: wait up to ``wait`` seconds for every other
-    party to accept a connection (they may start after it), collect ids, plan the rows, set
-    every party up, train, evaluate and end the run. Returns the :class:`~secure_vfl.experiment.
-    TrainResult`, its traffic counting every party's bytes (each reports its own)."""
+    party to accept a connection (they may start after it), align (collect ids for the plain
+    join, or under ``config.align == "psi"`` run PSI with each party by ``psi``'s roles), plan
+    the rows, set every party up, train, evaluate and end the run. Returns the
+    :class:`~secure_vfl.experiment.TrainResult`, its traffic counting every party's bytes
+    (each reports its own)."""
     from secure_vfl.experiment import run_training
 
     refuse_undeployable(config)
+    if config.align == "psi" and psi is None:
+        raise ConfigError("--align psi with --federation needs the PSI roles (protocols.psi).")
     if name != federation.label_party:
         raise ConfigError(
             f"{name} is not the label party of {federation.path} ({federation.label_party} "
@@ -518,8 +765,14 @@ def train_deployed(
         late = endpoint.await_peers(list(federation.addresses(but=name)), wait)
         if late:
             logger.warning("%s: not reachable after %.0f s: %s", name, wait, ", ".join(late))
-        ids, widths = collect_ids(endpoint, federation)
-        side = label_side(config, federation, own, ids, widths)
+        if config.align == "psi":
+            assert psi is not None
+            sessions, widths = start_psi(endpoint, federation)
+            align = psi_alignment(endpoint, own, sessions, psi)
+        else:
+            ids, widths = collect_ids(endpoint, federation)
+            align = join_alignment(own, ids)
+        side = label_side(config, federation, own, align, widths)
         for receiver, body in setup_bodies(config, side, federation, secure_agg).items():
             endpoint.send(
                 _deployment(name, receiver, "setup", body), deadline=max(deadline, SETUP_DEADLINE)

@@ -23,8 +23,11 @@ from sklearn.datasets import load_breast_cancer
 
 from protocols import tls
 from secure_vfl.cli import main
-from secure_vfl.errors import ConfigError
+from secure_vfl.deployment import _row_mapping
+from secure_vfl.errors import ConfigError, ProtocolError
+from secure_vfl.federation import wire
 from secure_vfl.federation.federation_file import read_federation
+from secure_vfl.federation.messages import DeploymentMessage, Message
 from secure_vfl.federation.network import free_loopback_ports
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -284,7 +287,6 @@ def test_a_party_given_the_wrong_name_is_refused(site: Path, tmp_path: Path) -> 
     args = ["train", "--federation", str(federation), "--method", "laser", "--quiet"]
     assert main([*args, "--name", "shop", "--out", str(tmp_path / "o")]) == 2
     assert main([*args, "--name", "bank", "--insecure-reproducible-noise"]) == 2
-    assert main([*args, "--name", "bank", "--align", "psi"]) == 2
 
 
 def test_a_certificate_from_another_ca_or_naming_another_party_is_refused(
@@ -411,3 +413,164 @@ def test_own_file_options_are_refused_with_federation_before_any_contact(
         err = capsys.readouterr().err
         assert f"found {extra[0]} (not offered with --federation yet)" in err, err
     assert not (tmp_path / "o").exists()
+
+
+# -- --align psi: PSI between the label party and each data party, over the network ----------
+
+
+def write_sparse_party_files(directory: Path, *, rows: int = 260) -> dict[str, list[str]]:
+    """Party files where the intersection matters: every party (the label party's own table
+    too) lacks some ids, a few labelled ids are held by no party, and the last ids are in the
+    parties' files but not in the label file. Returns each party's ids."""
+    bunch = load_breast_cancer(as_frame=True)
+    features, target = bunch.data.iloc[:rows], bunch.target.to_numpy()[:rows]
+    ids = np.array([f"id-{i:05d}" for i in range(rows)])
+    rng = np.random.default_rng(3)
+    held: dict[str, list[str]] = {}
+    for k, (name, columns) in enumerate(
+        zip(PARTIES, np.array_split(np.array(features.columns), 4), strict=True)
+    ):
+        frame = features[list(columns)].copy()
+        frame.insert(0, "id", ids)
+        kept = np.sort(rng.choice(np.arange(3, rows), size=rows - 3 - (6 + 4 * k), replace=False))
+        frame.iloc[rng.permutation(kept)].to_csv(directory / f"{name}.csv", index=False)
+        held[name] = ids[kept].tolist()
+    labelled = slice(0, rows - 10)  # ids 0-2: no party's; the last 10: no label
+    labels = pd.DataFrame({"id": ids[labelled], "label": target[labelled]})
+    labels.to_csv(directory / "labels.csv", index=False)
+    return held
+
+
+@pytest.fixture(scope="module")
+def sparse_site(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, list[str]]]:
+    directory = tmp_path_factory.mktemp("deploy-psi")
+    held = write_sparse_party_files(directory)
+    tls.make_federation(directory / "certs", [*PARTIES, "aggregator"])
+    return directory, held
+
+
+def deployed_here(
+    site: Path,
+    processes: Processes,
+    out: Path,
+    arrived: list[tuple[bytes, Message]],
+    monkeypatch: pytest.MonkeyPatch,
+    *flags: str,
+) -> tuple[dict[str, Any], list[int]]:
+    """A deployment whose label party runs in this process (the others in their own), every
+    delivery that reaches it recorded in ``arrived`` as its bytes and its message."""
+    federation = write_federation(site, site / "certs", free_loopback_ports(5))
+    servers = [processes.serve(federation, name) for name in (*PARTIES[1:], "aggregator")]
+    decode = wire.decode
+
+    def recorded(data: bytes, **options: Any) -> Message:
+        message = decode(data, **options)
+        arrived.append((bytes(data), message))
+        return message
+
+    monkeypatch.setattr(wire, "decode", recorded)
+    args = ["train", "--federation", str(federation), "--name", "bank", *FLAGS, *flags]
+    try:
+        assert main([*args, "--out", str(out)]) == 0
+    finally:
+        monkeypatch.setattr(wire, "decode", decode)
+    codes = [server.wait(timeout=PROCESS_SECONDS) for server in servers]
+    return dict(json.loads((out / "result.json").read_text())), codes
+
+
+def from_data_parties(arrived: list[tuple[bytes, Message]]) -> list[tuple[bytes, Message]]:
+    return [(data, m) for data, m in arrived if m.sender in PARTIES[1:]]
+
+
+def test_deployed_psi_trains_to_the_in_process_psi_metrics_and_no_party_sends_its_ids(
+    sparse_site: tuple[Path, dict[str, list[str]]],
+    processes: Processes,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    site, held = sparse_site
+    flags = ("--method", "laser", "--heads", "all")
+    alone = in_process(site, tmp_path / "alone", *flags, "--align", "psi")
+    psi: list[tuple[bytes, Message]] = []
+    result, codes = deployed_here(
+        site, processes, tmp_path / "psi", psi, monkeypatch, *flags, "--align", "psi"
+    )
+    assert codes == [0, 0, 0, 0], [processes.log(n) for n in (*PARTIES[1:], "aggregator")]
+    assert result["metrics"] == alone["metrics"]
+    assert result["epoch_loss"] == alone["epoch_loss"]
+    assert result["samples"] == alone["samples"]
+    # The intersection mattered: ids held by no party, and party ids without a label, dropped.
+    assert alone["dropped"]["alignment_no_party"] == 3, alone["dropped"]
+    assert alone["dropped"]["alignment_no_label"] > 0, alone["dropped"]
+    assert result["dropped"] == alone["dropped"]
+    # The plain join aligns the same samples: the same run, to the same metrics.
+    join: list[tuple[bytes, Message]] = []
+    joined, codes = deployed_here(site, processes, tmp_path / "join", join, monkeypatch, *flags)
+    assert codes == [0, 0, 0, 0]
+    assert (joined["metrics"], joined["samples"]) == (result["metrics"], result["samples"])
+    # Under PSI a data party answers the label party's deployment messages with its width and,
+    # at the end, its bytes: never its ids, which appear in none of the bytes that arrived.
+    topics = [
+        (m.sender, m.topic) for _, m in from_data_parties(psi) if isinstance(m, DeploymentMessage)
+    ]
+    assert sorted(topics) == sorted(
+        (name, topic) for name in PARTIES[1:] for topic in ("psi-ready", "report")
+    )
+    kinds = {m.kind for _, m in from_data_parties(psi)}
+    assert {"psi-response", "deployment"} <= kinds, kinds
+    for party in PARTIES[1:]:
+        ids = [i.encode() for i in held[party]]
+        leaked = [i for i in ids for data, _ in from_data_parties(psi) if i in data]
+        assert leaked == [], (party, leaked[:5])
+        # The check can fail: under the plain join every party sends its ids in the clear.
+        sent = b"".join(data for data, m in from_data_parties(join) if m.sender == party)
+        assert all(i in sent for i in ids)
+
+
+def test_a_setup_in_psi_positions_maps_to_the_party_rows_and_refuses_what_it_does_not_hold() -> (
+    None
+):
+    aligned = np.array([4, -1, 0, 2], dtype=np.int64)  # the party's row of each aligned sample
+    to_rows = _row_mapping("psi", aligned, "shop", table_rows=5)
+    assert to_rows(np.array([3, -1, 0, 2]), "rows.train").tolist() == [2, -1, 4, 0]
+    with pytest.raises(ProtocolError, match="does not hold"):
+        to_rows(np.array([1]), "rows.train")
+    with pytest.raises(ProtocolError, match="ran PSI"):
+        _row_mapping("join", aligned, "shop", table_rows=5)
+    with pytest.raises(ProtocolError, match="ran no PSI"):
+        _row_mapping("psi", None, "shop", table_rows=5)
+    assert _row_mapping("join", None, "shop", table_rows=5)(np.array([1, -1]), "x").tolist() == [
+        1,
+        -1,
+    ]
+
+
+def test_a_label_party_process_goes_past_the_refusals_to_psi_with_each_party(
+    site: Path, processes: Processes, tmp_path: Path
+) -> None:
+    # A fresh process (nothing imported PSI before): `--align psi` is taken with --federation,
+    # and the label party's first message is the PSI request to the first data party.
+    federation = write_federation(site, site / "certs", free_loopback_ports(5))
+    args = ["--name", "bank", "--method", "laser", "--align", "psi", "--quiet"]
+    args += ["--wait", "1", "--deadline", "2", "--out", str(tmp_path / "out")]
+    label = processes.start("train", "--federation", str(federation), *args, log="bank")
+    # Nobody serves: it fails reaching shop.
+    assert label.wait(timeout=PROCESS_SECONDS) != 0
+    log = processes.log("bank")
+    assert "deployment from bank to shop" in log and "could not be reached" in log, log
+    assert not (tmp_path / "out" / "result.json").exists()
+
+
+def test_a_data_party_serving_psi_only_refuses_to_send_its_ids(
+    site: Path, processes: Processes, tmp_path: Path
+) -> None:
+    federation = write_federation(site, site / "certs", free_loopback_ports(5))
+    shop = processes.serve(federation, "shop", "--align", "psi")
+    others = [processes.serve(federation, name) for name in ("insurer", "telco", "aggregator")]
+    args = ["--name", "bank", "--method", "laser", "--quiet", "--out", str(tmp_path / "out")]
+    label = processes.start("train", "--federation", str(federation), *args, log="bank")
+    assert label.wait(timeout=PROCESS_SECONDS) != 0
+    assert "shop aligns by PSI only" in processes.log("bank"), processes.log("bank")
+    # The label party ended the run as failed at every party, which exit non-zero.
+    assert [p.wait(timeout=PROCESS_SECONDS) for p in (shop, *others)] == [1, 1, 1, 1]
+    assert not (tmp_path / "out" / "result.json").exists()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -578,6 +578,11 @@ def _train_test_indices(
     return train_index, test_index
 
 
+AlignLabelIds = Callable[[np.ndarray], "tuple[Alignment, Sequence[int]]"]
+"""The label party's alignment of its ids (label and held-out ids): the :class:`Alignment` and
+each party's number of ids (to count those without a label)."""
+
+
 def plan_rows(
     party_ids: Sequence[np.ndarray],
     widths: Sequence[int],
@@ -594,6 +599,34 @@ def plan_rows(
     same alignment, split and masks as :func:`vertical_from_party_files` draws with the same
     ``rng``, for missingness mechanisms that read only shapes
     (:data:`SHAPE_ONLY_MECHANISMS`; ConfigError for another)."""
+    sizes = [int(np.asarray(ids).size) for ids in party_ids]
+    return plan_rows_by(
+        lambda label_ids: (aligner.align(list(party_ids), label_ids), sizes),
+        widths,
+        label_file,
+        train_missing=train_missing,
+        test_missing=test_missing,
+        test_fraction=test_fraction,
+        test_file=test_file,
+        rng=rng,
+    )
+
+
+def plan_rows_by(
+    align: AlignLabelIds,
+    widths: Sequence[int],
+    label_file: Path,
+    *,
+    train_missing: Mechanism,
+    test_missing: Sequence[Mechanism],
+    test_fraction: float = 0.2,
+    test_file: Path | None = None,
+    rng: np.random.Generator,
+) -> RowPlan:
+    """:func:`plan_rows` where ``align`` aligns the label party's ids without it holding the
+    other parties' ids (PSI over the network, :mod:`secure_vfl.deployment`): the plan's rows of
+    a party are then what ``align`` put in the alignment's rows (for PSI, sample positions that
+    the party maps to its own rows)."""
     _check_test_labels(test_missing)
     for mechanism in (train_missing, *test_missing):
         if mechanism.name not in SHAPE_ONLY_MECHANISMS:
@@ -608,14 +641,14 @@ def plan_rows(
         label_ids, all_labels, held_out = _with_held_out(
             label_table, read_label_file(Path(test_file)), label_file, test_file
         )
-    alignment = aligner.align(list(party_ids), label_ids)
-    for k in range(len(party_ids)):
+    alignment, sizes = align(label_ids)
+    for k in range(alignment.parties):
         if not alignment.mask[:, k].any():
             raise DataError(
                 f"no ids of party {k} matched the label file {label_file} (ids are compared as "
                 "text: expected the same format on both sides)."
             )
-    unlabelled = sum(ids.size - int(alignment.mask[:, k].sum()) for k, ids in enumerate(party_ids))
+    unlabelled = sum(size - int(alignment.mask[:, k].sum()) for k, size in enumerate(sizes))
     labels = all_labels[alignment.label_rows]
     train_index, test_index = _train_test_indices(
         labels, alignment, label_table, held_out, test_fraction, test_file, rng
@@ -623,7 +656,7 @@ def plan_rows(
     train_rows, test_rows = alignment.rows[train_index], alignment.rows[test_index]
     if not (train_rows >= 0).any(axis=0).all():
         raise DataError("every party must hold a training sample to standardise its block.")
-    fit_rows = tuple(train_rows[train_rows[:, k] >= 0, k] for k in range(len(party_ids)))
+    fit_rows = tuple(train_rows[train_rows[:, k] >= 0, k] for k in range(alignment.parties))
     dropped = {
         "alignment": alignment.dropped + unlabelled,
         "alignment_no_party": alignment.dropped,

@@ -680,14 +680,16 @@ class GlobalStatisticsMessage(Message):
 
 # -- deployment: how a run is set up and ended between processes (secure_vfl.deployment) -----
 
-DEPLOYMENT_TOPICS = ("ids-request", "ids", "setup", "end", "report")
+DEPLOYMENT_TOPICS = ("ids-request", "ids", "psi", "psi-ready", "setup", "end", "report")
 
 
 @register_message
 @dataclass(frozen=True, kw_only=True)
 class DeploymentMessage(Message):
     """A control message of a deployed run (every party its own process): the label party
-    asks a data party for its ids (``ids-request``) and hears them (``ids``), sets the run up
+    asks a data party for its ids (``ids-request``) and hears them (``ids``), or, under
+    ``--align psi``, asks it to take the responder's side of a PSI session (``psi``: the session
+    id and mode) and hears its block width (``psi-ready``); it sets the run up
     (``setup``: the method, seed, the party's rows per split, the secure-sum scheme) and ends
     it (``end``, answered by a ``report``). ``body`` is a JSON object whose schema the receiver
     checks per topic (:mod:`secure_vfl.deployment`); never pickle."""
