@@ -15,6 +15,9 @@ DIR=${1:-$(mktemp -d)}
 EPOCHS=${2:-5}
 ALIGN=${3:-join}
 PYTHON=${PYTHON:-python}
+# Five processes on one machine: one torch thread each, or they oversubscribe a small machine's
+# cores (benchmarks/README.md, "How to read the deploy costs").
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 svfl() { "$PYTHON" -m secure_vfl "$@"; }  # the `secure-vfl` command
 mkdir -p "$DIR"
 PIDS=()
