@@ -2060,8 +2060,6 @@ def run_party_command(args: argparse.Namespace) -> int:
     from secure_vfl.federation.federation_file import read_federation
 
     federation = read_federation(args.federation)
-    federation.member(args.name)
-    print(f"{args.name}: serving at {federation.member(args.name).address}", flush=True)
     outcome = serve(
         federation,
         args.name,
