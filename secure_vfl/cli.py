@@ -310,6 +310,15 @@ def _training_flags(parser: argparse.ArgumentParser) -> Any:
         help="SGD learning rate (FALSE-VFL keeps its own Adam rates)",
     )
     parser.add_argument(
+        "--max-update-norm",
+        type=positive_float,
+        default=None,
+        metavar="NORM",
+        help="every party clips the norm of its model's update to NORM before stepping (no "
+        "privacy cost: it post-processes what it received); keeps noisy gradients "
+        "(--dp-gradients) from blowing up a bottom model (default: no clipping)",
+    )
+    parser.add_argument(
         "--representation-dim",
         type=positive_int,
         default=128,
@@ -996,6 +1005,7 @@ def _train_config(args: argparse.Namespace) -> Any:
         release=args.release,
         labeled=args.labeled,
         pretrain_epochs=args.pretrain_epochs,
+        max_update_norm=args.max_update_norm,
     )
     false_vfl = None
     latent_flags = {"--kappa": args.kappa, "--inference-samples": args.inference_samples}
