@@ -225,7 +225,9 @@ def test_training_goes_on_without_a_data_party_killed_mid_training(
     result = json.loads((out / "result.json").read_text())
     [fault] = result["faults"]
     steps = len(result["epoch_loss"]) * -(-result["samples"]["train"] // 64)
-    assert fault["party"] == "shop" and 2 <= fault["step"] <= steps, fault
+    # Killed once it has acted on step 1's update, shop may die before its answer reaches
+    # the label party (the updates of a step go out at once): lost at step 1's update, or later.
+    assert fault["party"] == "shop" and 1 <= fault["step"] <= steps, fault
     assert fault["epoch"] == (fault["step"] - 1) // (steps // 6) + 1
     assert "shop" in fault["what"]
     # Evaluation ran with shop's block missing, on every test split.
