@@ -8,13 +8,18 @@ three times through the ``secure-vfl train`` command:
 - in plaintext: ids joined in the clear, representations summed in the clear, no noise;
 - with PSI over X25519 for the alignment and secure sums (pairwise masks by default, or
   Paillier / CKKS): the label party learns only sums over >= 2 other parties, so LASER trains
-  on one releasable subset per sample and predicts from the largest releasable one;
+  on one releasable subset per sample and predicts from the largest releasable one (the
+  ``--release drop`` policy, the default: what a sum cannot hide is dropped; ``--release dp``
+  sends it as a DP release instead, which measured worse at epsilon <= 8,
+  ``benchmarks/results/release_frontier.md``);
 - the same plus differential privacy on the gradients sent back to the data parties (label
   privacy), calibrated so that no party spends more than ``--target-epsilon``.
 
-All three train with SGD at learning rate 0.05: at 0.1 the noisy run diverges after about
-seven epochs (its loss climbs from 2 to 50 and it ends near chance), while 0.05 trains all
-three stably. It prints accuracy, epsilon, bytes per training step and time side by side; ten
+All three train with SGD at learning rate 0.05. The DP run's parties also clip the norm of
+each update they step with (``--max-update-norm 1``, post-processing of what they received, so
+no privacy cost): without it the noise that ``--target-epsilon 8`` calls for (a gradient
+multiplier about 10 for ten epochs, priced per record under replace-one adjacency) blows the
+bottom models up within three epochs, and the run stops as diverged. It prints accuracy, epsilon, bytes per training step and time side by side; ten
 seconds or so with masks or CKKS. Paillier (2048-bit) takes about 9 s a training step here,
 mostly the senders' r^n obfuscators: around 20 minutes for the default 10 epochs.
 
@@ -100,6 +105,7 @@ def main() -> None:
         )
         secure = ["--align", "psi", "--secure-agg", args.secure_agg]
         noise = ["--dp-gradients", "1.0:0.002", "--target-epsilon", str(args.target_epsilon)]
+        noise += ["--max-update-norm", "1.0"]  # else the noisy gradients blow the bottoms up
         runs = {
             "plaintext": ["--align", "join"],
             "PSI + secure sums": secure,
@@ -121,6 +127,9 @@ def report(results: dict[str, tuple[dict[str, Any], float]], agg: str) -> str:
         cells = [
             "PSI" if result["config"]["align"] == "psi" else "join (clear)",
             agg if result["config"]["method_config"]["secure_sums"] else "plain",
+            result["config"]["privacy"].get("release", "drop")
+            if result["config"]["method_config"]["secure_sums"]
+            else "-",
             f"sigma {privacy['noise']['gradient']['sigma']:.2f}" if privacy else "none",
             str(result["samples"]["train"]),
         ]
@@ -135,7 +144,8 @@ def report(results: dict[str, tuple[dict[str, Any], float]], agg: str) -> str:
 
     first = next(iter(results.values()))[0]
     deltas = [r["privacy"]["delta"] for r, _ in results.values() if r["privacy"]]
-    names = ["alignment", "sums of representations", "noise on gradients", "training samples"]
+    names = ["alignment", "sums of representations", "what a sum cannot hide"]
+    names += ["noise on gradients", "training samples"]
     names += [f"accuracy, test {name}" for name in first["metrics"]]
     names += [
         f"epsilon, worst party (delta {deltas[0]:g})" if deltas else "epsilon, worst party",

@@ -310,6 +310,15 @@ def _training_flags(parser: argparse.ArgumentParser) -> Any:
         help="SGD learning rate (FALSE-VFL keeps its own Adam rates)",
     )
     parser.add_argument(
+        "--max-update-norm",
+        type=positive_float,
+        default=None,
+        metavar="NORM",
+        help="every party clips the norm of its model's update to NORM before stepping (no "
+        "privacy cost: it post-processes what it received); keeps noisy gradients "
+        "(--dp-gradients) from blowing up a bottom model (default: no clipping)",
+    )
+    parser.add_argument(
         "--representation-dim",
         type=positive_int,
         default=128,
@@ -996,6 +1005,7 @@ def _train_config(args: argparse.Namespace) -> Any:
         release=args.release,
         labeled=args.labeled,
         pretrain_epochs=args.pretrain_epochs,
+        max_update_norm=args.max_update_norm,
     )
     false_vfl = None
     latent_flags = {"--kappa": args.kappa, "--inference-samples": args.inference_samples}
@@ -1525,18 +1535,14 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     config = _train_config(args)
     if args.capture is not None or args.align != "join":
         raise ConfigError("sweep runs on a registered dataset, without --capture or --align.")
-    given = [
-        flag
-        for flag, value in (
-            ("--secure-agg", args.secure_agg != "none"),
-            ("--dp-embeddings", args.dp_embeddings is not None),
-            ("--dp-gradients", args.dp_gradients is not None),
-            ("--dp-sgd", args.dp_sgd is not None),
-            ("--target-epsilon", args.target_epsilon is not None),
-            ("--release dp", args.release == "dp"),
-        )
-        if value
-    ]
+    given = _given(
+        ("--secure-agg", args.secure_agg if args.secure_agg != "none" else None),
+        ("--dp-embeddings", args.dp_embeddings),
+        ("--dp-gradients", args.dp_gradients),
+        ("--dp-sgd", args.dp_sgd),
+        ("--target-epsilon", args.target_epsilon),
+        ("--release dp", "dp" if args.release == "dp" else None),
+    )
     if given:
         raise ConfigError(
             f"a sweep's defenses are its --defense templates; found {', '.join(given)} "
@@ -2064,8 +2070,6 @@ def run_party_command(args: argparse.Namespace) -> int:
     from secure_vfl.federation.federation_file import read_federation
 
     federation = read_federation(args.federation)
-    federation.member(args.name)
-    print(f"{args.name}: serving at {federation.member(args.name).address}", flush=True)
     outcome = serve(
         federation,
         args.name,
@@ -2084,6 +2088,11 @@ def run_party_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _given(*flags: tuple[str, object]) -> list[str]:
+    """The names of the ``(flag, value)`` pairs whose value was given (is not None)."""
+    return [flag for flag, value in flags if value is not None]
+
+
 def _refuse_deployed_flags(args: argparse.Namespace) -> None:
     """ConfigError, before any work, for ``train`` flags a deployment does not take."""
     if args.name is None:
@@ -2093,35 +2102,27 @@ def _refuse_deployed_flags(args: argparse.Namespace) -> None:
             "--insecure-reproducible-noise is refused with --federation: noise anyone with the "
             "seed can remove has no place on a network."
         )
-    resumable = [
-        flag
-        for flag, value in [
-            ("--checkpoint-every", args.checkpoint_every),
-            ("--checkpoint-dir", args.checkpoint_dir),
-            ("--resume", args.resume),
-        ]
-        if value is not None
-    ]
+    resumable = _given(
+        ("--checkpoint-every", args.checkpoint_every),
+        ("--checkpoint-dir", args.checkpoint_dir),
+        ("--resume", args.resume),
+    )
     if resumable:
         raise ConfigError(
             f"{', '.join(resumable)} not offered with --federation yet (each party would "
             "write and restore its own checkpoint in its own process). Found them."
         )
-    given = [
-        flag
-        for flag, value in [
-            ("--dp-embeddings", args.dp_embeddings),
-            ("--dp-gradients", args.dp_gradients),
-            ("--dp-sgd", args.dp_sgd),
-            ("--target-epsilon", args.target_epsilon),
-            ("--release dp", "dp" if args.release == "dp" else None),
-            ("--release-noise", args.release_noise),
-            ("--label-file", args.label_file),
-            ("--test-file", args.test_file),
-            ("--capture", args.capture),
-        ]
-        if value is not None
-    ]
+    given = _given(
+        ("--dp-embeddings", args.dp_embeddings),
+        ("--dp-gradients", args.dp_gradients),
+        ("--dp-sgd", args.dp_sgd),
+        ("--target-epsilon", args.target_epsilon),
+        ("--release dp", "dp" if args.release == "dp" else None),
+        ("--release-noise", args.release_noise),
+        ("--label-file", args.label_file),
+        ("--test-file", args.test_file),
+        ("--capture", args.capture),
+    )
     if given:
         raise ConfigError(
             f"{', '.join(given)} not offered with --federation yet (DP accountants and "

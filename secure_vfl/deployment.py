@@ -477,6 +477,7 @@ def serve(
     endpoint = _endpoint(federation, name, insecure=insecure, deadline=deadline)
     server = _Server(federation, name, endpoint, secure_sums, table, on_event, psi, psi_only)
     endpoint.handler = server.receive
+    on_event(f"{name}: serving at {member.address}")
     label = federation.label_party
     try:
         endpoint.act_on_next(wait, awaiting=f"first message from the label party {label}")

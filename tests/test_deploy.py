@@ -225,7 +225,9 @@ def test_training_goes_on_without_a_data_party_killed_mid_training(
     result = json.loads((out / "result.json").read_text())
     [fault] = result["faults"]
     steps = len(result["epoch_loss"]) * -(-result["samples"]["train"] // 64)
-    assert fault["party"] == "shop" and 2 <= fault["step"] <= steps, fault
+    # Killed once it has acted on step 1's update, shop may die before its answer reaches
+    # the label party (the updates of a step go out at once): lost at step 1's update, or later.
+    assert fault["party"] == "shop" and 1 <= fault["step"] <= steps, fault
     assert fault["epoch"] == (fault["step"] - 1) // (steps // 6) + 1
     assert "shop" in fault["what"]
     # Evaluation ran with shop's block missing, on every test split.
@@ -278,15 +280,27 @@ def test_a_data_party_exits_non_zero_when_the_label_party_dies(
         assert "label party bank was silent" in processes.log(name), processes.log(name)
 
 
-def test_a_party_given_the_wrong_name_is_refused(site: Path, tmp_path: Path) -> None:
+def test_a_party_given_the_wrong_name_is_refused(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     federation = write_federation(site, site / "certs", free_loopback_ports(5))
     with pytest.raises(SystemExit):
         main(["party", "serve", "--federation", str(federation)])
-    assert main(["party", "serve", "--federation", str(federation), "--name", "nobody"]) == 2
-    assert main(["party", "serve", "--federation", str(federation), "--name", "bank"]) == 2
-    args = ["train", "--federation", str(federation), "--method", "laser", "--quiet"]
-    assert main([*args, "--name", "shop", "--out", str(tmp_path / "o")]) == 2
-    assert main([*args, "--name", "bank", "--insecure-reproducible-noise"]) == 2
+    serve = ["party", "serve", "--federation", str(federation), "--name"]
+    train = ["train", "--federation", str(federation), "--method", "laser", "--quiet", "--name"]
+    refusals = {
+        (*serve, "nobody"): "no party named 'nobody'; expected one of bank, shop, insurer, telco",
+        (*serve, "bank"): "bank is the label party of",
+        (*train, "shop", "--out", str(tmp_path / "o")): "shop is not the label party of",
+        (*train, "bank", "--insecure-reproducible-noise"): "--insecure-reproducible-noise is "
+        "refused with --federation",
+    }
+    for argv, reason in refusals.items():
+        capsys.readouterr()
+        assert main(list(argv)) == 2
+        out, err = capsys.readouterr()
+        assert reason in err and "serving at" not in out, (argv, out, err)
+    assert not (tmp_path / "o").exists()
 
 
 def test_a_certificate_from_another_ca_or_naming_another_party_is_refused(

@@ -43,6 +43,7 @@ def test_secure_training_demo_compares_plaintext_secure_sums_and_dp() -> None:
     rows = {line[:36].strip(): line[36:].split() for line in lines[2:]}
     assert rows["alignment"] == ["join", "(clear)", "PSI", "PSI"]
     assert rows["sums of representations"] == ["plain", "masks", "masks"]
+    assert rows["what a sum cannot hide"] == ["-", "drop", "drop"]
     epsilon = rows["epsilon, worst party (delta 1e-05)"]
     assert epsilon[:2] == ["inf", "inf"] and 0 < float(epsilon[2]) <= 8.0
     assert all(0 <= float(v) <= 100 for v in rows["accuracy, test mcar:0"][::2])

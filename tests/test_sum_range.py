@@ -121,14 +121,21 @@ def test_a_range_no_encoding_can_hold_is_refused_when_halves_are_sized() -> None
         paillier_aggregator().sender().use_range(huge)
 
 
-def private_run(data: Any, backend: str, *, lr: float, **noise: Any) -> tuple[Any, PrivacyEngine]:
+def private_run(
+    data: Any, backend: str, *, lr: float, max_update_norm: float | None = None, **noise: Any
+) -> tuple[Any, PrivacyEngine]:
     """One epoch of LASER (label party active) under ``noise`` through ``backend``;
     reproducible noise, so every backend meets the same draws."""
     config = TrainConfig(
         method="laser",
         dataset="iris",  # names the run; the data is the synthetic split given
         method_config=MethodConfig(
-            heads="active", epochs=1, batch_size=32, lr=lr, secure_sums=backend != "none"
+            heads="active",
+            epochs=1,
+            batch_size=32,
+            lr=lr,
+            secure_sums=backend != "none",
+            max_update_norm=max_update_norm,
         ),
     )
     engine = PrivacyEngine(
@@ -144,6 +151,24 @@ def test_divergence_is_reported_alike_by_every_backend(backend: str, make_data: 
     with pytest.raises(DivergenceError, match=DIVERGED) as raised:
         private_run(data, backend, lr=0.5, dp_gradients=(1000.0, 1.0))  # diverges at once
     assert "at step 1: party-1's representation" in str(raised.value)  # the same point
+
+
+@pytest.mark.parametrize("backend", ["none", "masks"])
+def test_clipped_updates_keep_the_same_noise_from_diverging(
+    backend: str, make_data: MakeData
+) -> None:
+    """The run above, whose noisy gradients blow the bottom models up at once, trains when
+    every party clips its update's norm (what it steps with, post-processing its gradients)."""
+    data = make_data(n=200, test_missing=("mcar:0",))
+    result, _ = private_run(data, backend, lr=0.5, max_update_norm=1.0, dp_gradients=(1000.0, 1.0))
+    assert result.privacy is not None and math.isfinite(result.epoch_loss[0])
+    assert 0 <= result.metrics["mcar:0"]["accuracy"] <= 100
+
+
+def test_max_update_norm_must_be_a_finite_positive_number() -> None:
+    for bad in (0.0, -1.0, float("inf"), float("nan"), True):
+        with pytest.raises(ConfigError, match="`max_update_norm` must be a finite number > 0"):
+            MethodConfig(max_update_norm=bad)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -451,6 +451,10 @@ class DataParty(SecureSumParty):
         self.models: dict[str, nn.Module] = {"": model}
         self.optimizers: dict[str, torch.optim.Optimizer | None] = {"": optimizer}
         self.heads: dict[str, Head] = dict(heads or {})
+        # The largest norm of a model update (its gradient) this party steps with, or None: it
+        # clips what it backpropagated from the gradients it received, post-processing that
+        # costs no privacy and keeps noisy gradients (--dp-gradients) from blowing up its model.
+        self.max_update_norm: float | None = None
         self._pending: dict[tuple[int, str], tuple[Tensor, Tensor, str]] = {}
         self._gradients: dict[tuple[int, str], list[Tensor]] = {}
         self._tasks: dict[tuple[int, int, str], HeadTask | PredictTask] = {}
@@ -617,6 +621,9 @@ class DataParty(SecureSumParty):
         model_key = self.backpropagate(message.round, message.tag)
         optimizer = self.optimizers[model_key]
         if optimizer is not None:
+            if self.max_update_norm is not None:
+                parameters = [p for group in optimizer.param_groups for p in group["params"]]
+                nn.utils.clip_grad_norm_(parameters, self.max_update_norm)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
         if message.heads and message.tag in self.heads:

@@ -104,6 +104,7 @@ class MethodConfig:
     labeled: int | None = None
     top_model: Literal["linear", "none"] = "linear"
     release: Release = "drop"
+    max_update_norm: float | None = None
 
     def __post_init__(self) -> None:
         _choice("heads", self.heads, ("all", "active"))
@@ -117,6 +118,15 @@ class MethodConfig:
                 "needs secure sums and the single label party: expected --secure-agg masks, "
                 f"paillier or ckks and --heads active. Found secure_sums={self.secure_sums}, "
                 f"heads={self.heads!r}."
+            )
+        if self.max_update_norm is not None and not (
+            isinstance(self.max_update_norm, (int, float))
+            and not isinstance(self.max_update_norm, bool)
+            and 0 < self.max_update_norm < float("inf")
+        ):
+            raise ConfigError(
+                f"`max_update_norm` must be a finite number > 0 or None. Found "
+                f"{self.max_update_norm!r}."
             )
         _positive_int("epochs", self.epochs)
         _positive_int("batch_size", self.batch_size)
@@ -780,6 +790,7 @@ def build_party(
             f"{name} holds a feature block, so its role must be a DataParty; found "
             f"{type(party).__name__}."
         )
+    party.max_update_norm = config.max_update_norm
     for key, model in (models or {}).items():
         party.add_model(key, model, sgd(model, config))
     # Its own preprocessing, and the label values at the label party (its saved part).
