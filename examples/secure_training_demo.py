@@ -19,9 +19,10 @@ All three train with SGD at learning rate 0.05. The DP run's parties also clip t
 each update they step with (``--max-update-norm 1``, post-processing of what they received, so
 no privacy cost): without it the noise that ``--target-epsilon 8`` calls for (a gradient
 multiplier about 10 for ten epochs, priced per record under replace-one adjacency) blows the
-bottom models up within three epochs, and the run stops as diverged. It prints accuracy, epsilon, bytes per training step and time side by side; ten
-seconds or so with masks or CKKS. Paillier (2048-bit) takes about 9 s a training step here,
-mostly the senders' r^n obfuscators: around 20 minutes for the default 10 epochs.
+bottom models up within three epochs, and the run stops as diverged. It prints accuracy,
+epsilon, bytes per training step and time side by side; ten seconds or so with masks or CKKS.
+Paillier (2048-bit) takes about 9 s a training step here, mostly the senders' r^n
+obfuscators: around 20 minutes for the default 10 epochs.
 
     python examples/secure_training_demo.py [--secure-agg masks|paillier|ckks] [--epochs N]
         [--target-epsilon E] [--seed S] [--workdir DIR]
