@@ -44,7 +44,7 @@ import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from protocols.dp import (
     ADJACENCIES,
@@ -85,6 +85,8 @@ if TYPE_CHECKING:
 SecureAgg = Literal["none", "masks", "paillier", "ckks"]
 SECURE_AGGS: tuple[str, ...] = ("none", "masks", "paillier", "ckks")
 ALIGNMENTS: tuple[str, ...] = ("join", "psi")
+_RowLayer = TypeVar("_RowLayer", EmbeddingNoise, GradientNoise, ExposureNoise)
+
 MECHANISMS = {
     "embedding": "--dp-embeddings",
     "gradient": "--dp-gradients",
@@ -368,36 +370,15 @@ class PrivacyEngine:
             party.accountant = accountant
             self._accountants[party.name] = accountant
             if "embedding" in self.noise:
-                sigma, clip = self.noise["embedding"]
-                layer = EmbeddingNoise(
-                    sigma,
-                    clip,
-                    sample_rate=sampler.rate,
-                    noise=self._noise_source(100 + k),
-                    on_event=accountant.on_event,
-                )
+                layer = self._row_noise("embedding", EmbeddingNoise, 100 + k, accountant)
                 party.incoming.append(layer.requests)  # notes the rows each request asks for
                 party.outgoing.append(layer)
             if "gradient" in self.noise and party.heads:
-                sigma, clip = self.noise["gradient"]
                 party.outgoing.append(
-                    GradientNoise(
-                        sigma,
-                        clip,
-                        sample_rate=sampler.rate,
-                        noise=self._noise_source(200 + k),
-                        on_event=accountant.on_event,
-                    )
+                    self._row_noise("gradient", GradientNoise, 200 + k, accountant)
                 )
             if "exposure" in self.noise:
-                sigma, clip = self.noise["exposure"]
-                exposure = ExposureNoise(
-                    sigma,
-                    clip,
-                    sample_rate=sampler.rate,
-                    noise=self._noise_source(400 + k),
-                    on_event=accountant.on_event,
-                )
+                exposure = self._row_noise("exposure", ExposureNoise, 400 + k, accountant)
                 party.incoming.append(exposure)  # notes the rows each request asks for
                 party.exposure = exposure
             if "dp-sgd" in self.noise:
@@ -412,6 +393,22 @@ class PrivacyEngine:
                     grad_sample_mode=self.spec.grad_sample_mode,  # type: ignore[arg-type]
                 )
         self._guard(parties)
+
+    def _row_noise(
+        self, kind: str, layer: type[_RowLayer], stream: int, accountant: PrivacyAccountant
+    ) -> _RowLayer:
+        """The ``kind`` mechanism as ``layer``, at the engine's Poisson rate, spending
+        ``accountant`` and drawing from noise source ``stream`` (which only the insecure
+        reproducible option derives from the seed)."""
+        assert self._sampler is not None
+        sigma, clip = self.noise[kind]
+        return layer(
+            sigma,
+            clip,
+            sample_rate=self._sampler.rate,
+            noise=self._noise_source(stream),
+            on_event=accountant.on_event,
+        )
 
     def _guard(self, parties: list[DataParty]) -> None:
         """Size every party's secure-sum halves for the run's range (the calibrated noise is
