@@ -23,10 +23,11 @@ from conftest import MakeData
 from protocols.privacy import PrivacyEngine, PrivacySpec
 from secure_vfl.data.vertical import VerticalData, VerticalSplit
 from secure_vfl.experiment import TrainConfig, run_training
+from secure_vfl.federation.aggregator import PlainAggregator
 from secure_vfl.federation.channel import Channel, RecordingLayer
 from secure_vfl.federation.messages import RepresentRequest, SumRequest
-from secure_vfl.federation.releases import isolated_terms
-from secure_vfl.methods import MethodConfig
+from secure_vfl.federation.releases import BlockPlan, ReleaseBlocks, isolated_terms
+from secure_vfl.methods import METHODS, MethodConfig
 
 RECEIVER = 0
 Sample = tuple[str, int]
@@ -124,6 +125,12 @@ def _config(parties: int, release: str, epochs: int = 3) -> TrainConfig:
     )
 
 
+def _audit_data(make_data: MakeData, parties: int, rates: tuple[float, ...]) -> VerticalData:
+    return shared_test_rows(
+        make_data(parties=parties, train_missing="mcar:0.3", n=300), rates, seed=1
+    )
+
+
 def _audited_run(
     make_data: MakeData,
     parties: int,
@@ -132,9 +139,7 @@ def _audited_run(
     spec: PrivacySpec | None = None,
     on_ready: Callable[[Channel], Any] | None = None,
 ) -> ReleaseLedger:
-    data = shared_test_rows(
-        make_data(parties=parties, train_missing="mcar:0.3", n=300), (0.0, 0.2, 0.5), seed=1
-    )
+    data = _audit_data(make_data, parties, (0.0, 0.2, 0.5))
     ledger = ReleaseLedger()
 
     def ready(channel: Channel) -> None:
@@ -153,7 +158,6 @@ def _audited_run(
     return ledger
 
 
-@pytest.mark.xfail(strict=True, reason="main's secure_tasks draws a fresh subset every step")
 @pytest.mark.parametrize("parties", [4, 7])
 @pytest.mark.parametrize("release", ["drop", "dp"])
 def test_no_combination_of_a_whole_runs_sums_isolates_a_party(
@@ -162,6 +166,91 @@ def test_no_combination_of_a_whole_runs_sums_isolates_a_party(
     ledger = _audited_run(make_data, parties, release)
     isolated = ledger.isolated()
     assert not isolated, f"{len(isolated)} party terms isolated, e.g. {isolated[:5]}"
+    releases = ledger.releases()
+    # Not vacuous: other parties' terms were released, in training and at test, and under
+    # dp some rows went as DP releases.
+    for group in ("train", "test"):
+        assert any(
+            any(any(v) for v in clean) for (g, _), (clean, _) in releases.items() if g == group
+        )
+    assert any(exposed for _, exposed in releases.values()) == (release == "dp")
+
+
+def test_a_party_dropped_mid_run_leaves_no_term_isolated(make_data: MakeData) -> None:
+    """A drop makes its blocks unusable for the rest of the run (training and prediction);
+    the blocks the others had before it must not be re-cut around the hole."""
+    data = _audit_data(make_data, 7, (0.0, 0.5))
+    channel, ledger = Channel(), ReleaseLedger()
+    ledger.attach(channel)
+    config = _config(7, "drop").method_config
+    method = METHODS.get("laser")(
+        data, config, seed=0, channel=channel, aggregator=PlainAggregator()
+    )
+
+    def drop_midway(step: int, loss: float) -> None:
+        if step == 12:
+            method.fed.drop("party-2", round=step, what="a test drop")
+
+    method.fit(on_step=drop_midway)
+    for name in data.tests:
+        method.predict(name)
+    assert "party-2" in method.fed.dropped
+    assert not ledger.isolated()
+
+
+def _fresh_subsets(
+    self: ReleaseBlocks, split: str, rows: torch.Tensor, mask: torch.Tensor
+) -> BlockPlan:
+    """Main's rule before the blocks (a deliberately unsafe planner for the positive control):
+    a fresh random subset of >= 2 observed other parties every step and prediction, a lone
+    observed other party exposed under dp."""
+    others = mask.clone()
+    others[:, self.receiver] = False
+    count = others.sum(dim=1)
+    size = (torch.rand(count.shape, generator=_UNSAFE) * (count - 1) + 2).floor().clamp(max=count)
+    priority = torch.where(others, torch.rand(mask.shape, generator=_UNSAFE), 2.0)
+    rank = priority.argsort(dim=1).argsort(dim=1)
+    chosen = others & (rank < size.unsqueeze(1)) & (count >= 2).unsqueeze(1)
+    exposed = others & (count == 1).unsqueeze(1) & self.expose
+    own = torch.zeros_like(mask)
+    own[:, self.receiver] = mask[:, self.receiver]
+    slots = torch.stack([own, chosen | exposed], dim=1)
+    return BlockPlan(slots, exposed, mask.sum(dim=1))
+
+
+_UNSAFE = torch.Generator().manual_seed(0)
+
+
+@pytest.mark.parametrize("release", ["drop", "dp"])
+def test_the_audit_catches_the_rule_that_drew_a_fresh_subset_every_step(
+    make_data: MakeData, monkeypatch: pytest.MonkeyPatch, release: str
+) -> None:
+    monkeypatch.setattr(ReleaseBlocks, "plan", _fresh_subsets)
+    isolated = _audited_run(make_data, 4, release).isolated()
+    assert {group for (group, _), _ in isolated} == {"train", "test"}
+
+
+def test_a_run_whose_sums_are_only_each_samples_full_union_passes(
+    make_data: MakeData, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Negative control: one test split and the whole observed set (>= 2 others) every time."""
+
+    def full_union(
+        self: ReleaseBlocks, split: str, rows: torch.Tensor, mask: torch.Tensor
+    ) -> BlockPlan:
+        others = mask.clone()
+        others[:, self.receiver] = False
+        others &= (others.sum(dim=1) >= 2).unsqueeze(1)
+        own = torch.zeros_like(mask)
+        own[:, self.receiver] = mask[:, self.receiver]
+        return BlockPlan(torch.stack([own, others], dim=1), torch.zeros_like(mask), mask.sum(dim=1))
+
+    monkeypatch.setattr(ReleaseBlocks, "plan", full_union)
+    data = _audit_data(make_data, 4, (0.2,))
+    ledger = ReleaseLedger()
+    spec = PrivacySpec(secure_agg="masks")
+    run_training(_config(4, "drop"), data=data, privacy=PrivacyEngine(spec), on_ready=ledger.attach)
+    assert ledger.releases() and not ledger.isolated()
 
 
 def _vectors(*subsets: str, parties: str = "RABC") -> np.ndarray:
