@@ -171,7 +171,15 @@ def test_blocks_are_one_fixed_partition_outside_training_and_the_starting_one_in
 
 
 @pytest.mark.parametrize(
-    ("method", "heads"), [("laser", "all"), ("local", "all"), ("standard", "active")]
+    ("method", "heads"),
+    [
+        ("laser", "all"),
+        ("local", "all"),
+        ("ensemble", "all"),
+        ("standard", "active"),
+        ("plugvfl", "active"),
+        ("combinatorial", "all"),
+    ],
 )
 def test_methods_that_would_reveal_a_party_refuse_secure_sums(
     make_data: MakeData, method: str, heads: str

@@ -28,6 +28,7 @@ from secure_vfl.federation.channel import Channel, RecordingLayer
 from secure_vfl.federation.messages import RepresentRequest, SumRequest
 from secure_vfl.federation.releases import BlockPlan, ReleaseBlocks, isolated_terms
 from secure_vfl.methods import METHODS, MethodConfig
+from secure_vfl.methods.false_vfl import FalseVflConfig
 
 RECEIVER = 0
 Sample = tuple[str, int]
@@ -198,34 +199,11 @@ def test_a_party_dropped_mid_run_leaves_no_term_isolated(make_data: MakeData) ->
     assert not ledger.isolated()
 
 
-def _fresh_subsets(
-    self: ReleaseBlocks, split: str, rows: torch.Tensor, mask: torch.Tensor
-) -> BlockPlan:
-    """Main's rule before the blocks (a deliberately unsafe planner for the positive control):
-    a fresh random subset of >= 2 observed other parties every step and prediction, a lone
-    observed other party exposed under dp."""
-    others = mask.clone()
-    others[:, self.receiver] = False
-    count = others.sum(dim=1)
-    size = (torch.rand(count.shape, generator=_UNSAFE) * (count - 1) + 2).floor().clamp(max=count)
-    priority = torch.where(others, torch.rand(mask.shape, generator=_UNSAFE), 2.0)
-    rank = priority.argsort(dim=1).argsort(dim=1)
-    chosen = others & (rank < size.unsqueeze(1)) & (count >= 2).unsqueeze(1)
-    exposed = others & (count == 1).unsqueeze(1) & self.expose
-    own = torch.zeros_like(mask)
-    own[:, self.receiver] = mask[:, self.receiver]
-    slots = torch.stack([own, chosen | exposed], dim=1)
-    return BlockPlan(slots, exposed, mask.sum(dim=1))
-
-
-_UNSAFE = torch.Generator().manual_seed(0)
-
-
 @pytest.mark.parametrize("release", ["drop", "dp"])
+@pytest.mark.usefixtures("fresh_subsets_rule")
 def test_the_audit_catches_the_rule_that_drew_a_fresh_subset_every_step(
-    make_data: MakeData, monkeypatch: pytest.MonkeyPatch, release: str
+    make_data: MakeData, release: str
 ) -> None:
-    monkeypatch.setattr(ReleaseBlocks, "plan", _fresh_subsets)
     isolated = _audited_run(make_data, 4, release).isolated()
     assert {group for (group, _), _ in isolated} == {"train", "test"}
 
@@ -285,3 +263,27 @@ def test_an_exposure_is_known_to_the_audit_of_everyone_but_its_own_party() -> No
     # Two exposures next to A+B+C give the third party's term.
     both = np.array([[False, True, True, False]])
     assert isolated_terms(_vectors("ABC")[None], both).tolist() == [[False, False, False, True]]
+
+
+@pytest.mark.parametrize("method", ["false-vfl-1", "false-vfl-2"])
+def test_false_vfl_posteriors_over_a_whole_run_isolate_no_party(
+    make_data: MakeData, method: str
+) -> None:
+    """FALSE-VFL sums each row's (mean, precision) for the label party in both stages and at
+    every prediction: the same block rule holds there."""
+    data = _audit_data(make_data, 7, (0.0, 0.2, 0.5))
+    channel, ledger = Channel(), ReleaseLedger()
+    ledger.attach(channel)
+    config = MethodConfig(heads="active", epochs=2, batch_size=64, labeled=100, secure_sums=True)
+    options = FalseVflConfig(
+        latent_dim=4, global_latent_dim=2, hidden=16, kappa=2, inference_samples=4
+    )
+    model = METHODS.get(method)(
+        data, config, seed=0, channel=channel, aggregator=PlainAggregator(), false_vfl=options
+    )
+    model.fit()
+    for name in data.tests:
+        model.predict(name)
+    releases = ledger.releases()
+    assert {group for group, _ in releases} == {"train", "test"}
+    assert not ledger.isolated()
