@@ -16,10 +16,13 @@ sums of the same sample that overlap differently in different steps, epochs or t
 sample's fixed *blocks* of >= 2 other parties that are wholly observed there, with or without
 its own term (:class:`~secure_vfl.federation.releases.ReleaseBlocks`, where the rule and why it
 is safe are stated; ``tests/test_release_audit.py`` audits whole runs). Training evaluates the
-head on every such union of a sample's usable blocks, each weighted ``1 / n`` (n = |observed
-set|): LASER's single-head objective restricted to the releasable subsets, exactly, in one sum
-request per step. Prediction uses the union of all usable blocks (plus its own). A sample whose
-other parties are in no usable block gets its own block alone (its prior, without one).
+head on every such union of a sample's usable blocks, in one sum request per step, each
+weighted ``(2^n - 1) / (n |A|)`` (n = |observed set|, A its releasable subsets): LASER's
+single-head objective with its subset distribution conditioned on being releasable, exactly,
+so a row keeps its plaintext loss mass (:meth:`~secure_vfl.federation.releases.BlockPlan.tasks`
+says why not the objective merely restricted to A). Prediction uses the union of all usable
+blocks (plus its own). A sample whose other parties are in no usable block gets its own block
+alone (its prior, without one).
 ``heads="all"`` cannot be made secure this way: LASER's head k must be trained on, and predict
 from, the pair {k, j}, and a sum of two terms one of which the receiver holds is the other term
 in the clear.
@@ -231,8 +234,8 @@ class MeanFusionMethod:
         ``release="dp"`` the rows (B, K) their parties send as DP releases (else None).
 
         Under secure sums the tasks are every union of the rows' usable blocks
-        (:class:`~secure_vfl.federation.releases.ReleaseBlocks`), weighted 1 / n: LASER's
-        single-head objective restricted to what may be released, exactly.
+        (:class:`~secure_vfl.federation.releases.ReleaseBlocks`), weighted as
+        :meth:`~secure_vfl.federation.releases.BlockPlan.tasks` says.
         """
         if self.planner == "local":
             return (*local_tasks(mask, self.head_index), None)
