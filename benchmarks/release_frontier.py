@@ -2,9 +2,11 @@
 
 For each dataset (4 parties, ``--heads active``, training missingness MCAR 0.2) one model is
 trained per policy with the same epochs and seed, and evaluated on test missingness MCAR 0, 0.2
-and 0.5: plaintext LASER, pairwise masks with ``--release drop`` (a sample's subset with one
-party besides the label party is never planned) and masks with ``--release dp`` at each target
-epsilon (delta 1e-5; that party sends such rows clipped and noised, priced by its accountant).
+and 0.5: plaintext LASER, pairwise masks with ``--release drop`` (every sum about a sample is a
+union of its fixed blocks of >= 2 other parties, usable where wholly observed:
+``secure_vfl.federation.releases.ReleaseBlocks``) and masks with ``--release dp`` at each target
+epsilon (delta 1e-5; a lone party, or a triple's fixed member, of a block that is not usable
+sends its row clipped and noised, priced by its accountant).
 The unaligned setting (``--unaligned``) stands for party files that each lack 30 % of the ids:
 every block, the label party's included, is missing for a random 30 % of the samples, in
 training and at test. Writes a Markdown table, the raw results as JSON and a plot (accuracy

@@ -7,8 +7,9 @@ three times through the ``secure-vfl train`` command:
 
 - in plaintext: ids joined in the clear, representations summed in the clear, no noise;
 - with PSI over X25519 for the alignment and secure sums (pairwise masks by default, or
-  Paillier / CKKS): the label party learns only sums over >= 2 other parties, so LASER trains
-  on one releasable subset per sample and predicts from the largest releasable one (the
+  Paillier / CKKS): the label party learns only sums of fixed blocks of >= 2 other parties
+  per sample, so that no combination over the run gives one party's term; LASER trains on the
+  unions of each sample's usable blocks and predicts from all of them (the
   ``--release drop`` policy, the default: what a sum cannot hide is dropped; ``--release dp``
   sends it as a DP release instead, which measured worse at epsilon <= 8,
   ``benchmarks/results/release_frontier.md``);

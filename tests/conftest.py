@@ -15,6 +15,7 @@ import protocols.noise
 from secure_vfl.data.datasets import DatasetSplit, LabeledArrays
 from secure_vfl.data.missingness import parse_mechanism
 from secure_vfl.data.vertical import VerticalData, make_vertical
+from secure_vfl.federation.releases import BlockPlan, ReleaseBlocks
 
 
 def synthetic_split(
@@ -90,3 +91,30 @@ def noise_keyed_per_test(request: pytest.FixtureRequest, monkeypatch: pytest.Mon
     the tests of the secure source itself."""
     if request.node.get_closest_marker("os_entropy") is None:
         monkeypatch.setattr(protocols.noise, "secrets", _KeyStream(request.node.nodeid))
+
+
+@pytest.fixture
+def fresh_subsets_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Secure planning as it was before the blocks (a deliberately unsafe planner, for positive
+    controls): every step and prediction a fresh random subset of >= 2 observed other parties,
+    and under dp a lone observed other party exposed. Over a run its sums isolate parties."""
+    generator = torch.Generator().manual_seed(0)
+
+    def fresh_subsets(
+        self: ReleaseBlocks, split: str, rows: torch.Tensor, mask: torch.Tensor
+    ) -> BlockPlan:
+        others = mask.clone()
+        others[:, self.receiver] = False
+        count = others.sum(dim=1)
+        draw = torch.rand(count.shape, generator=generator)
+        size = (draw * (count - 1) + 2).floor().clamp(max=count)
+        priority = torch.where(others, torch.rand(mask.shape, generator=generator), 2.0)
+        rank = priority.argsort(dim=1).argsort(dim=1)
+        chosen = others & (rank < size.unsqueeze(1)) & (count >= 2).unsqueeze(1)
+        exposed = others & (count == 1).unsqueeze(1) & self.expose
+        own = torch.zeros_like(mask)
+        own[:, self.receiver] = mask[:, self.receiver]
+        fresh = (own | chosen | exposed).unsqueeze(1)  # one sum per sample and step
+        return BlockPlan(fresh, exposed, mask.sum(dim=1))
+
+    monkeypatch.setattr(ReleaseBlocks, "plan", fresh_subsets)

@@ -59,7 +59,9 @@ def test_label_party_reconstructs_a_victims_features_and_its_shuffled_control_do
     assert control.main == attacked.main  # the control changes the scoring, not the training
 
 
-def test_subset_differencing_isolates_a_party_from_secure_sums_over_the_last_epochs() -> None:
+@pytest.mark.usefixtures("fresh_subsets_rule")
+def test_subset_differencing_isolates_a_party_from_fresh_subsets_over_the_last_epochs() -> None:
+    """Positive control: the planner that drew a fresh subset every step (before the blocks)."""
     config = _config("laser", 10)
     attacked = run_attack(
         config, "subset-differencing", attacker="party-0", defenses=["secure-agg:masks"]
@@ -78,6 +80,18 @@ def test_subset_differencing_isolates_a_party_from_secure_sums_over_the_last_epo
         control=True,
     )
     assert control.attack["mse"] >= 0.9 * control.attack["mse_baseline"]
+
+
+def test_subset_differencing_isolates_nothing_from_sums_of_fixed_blocks() -> None:
+    """The defense: every sum of a sample is a union of its fixed blocks, so no sample's
+    victim term is determined by its sums and the attack has no row to learn from."""
+    with pytest.raises(ConfigError, match="0 auxiliary rows and 0 others observed"):
+        run_attack(
+            _config("laser", 10),
+            "subset-differencing",
+            attacker="party-0",
+            defenses=["secure-agg:masks"],
+        )
 
 
 def test_a_victim_term_is_isolated_only_where_the_subsets_determine_it() -> None:

@@ -17,15 +17,10 @@ from secure_vfl.errors import ConfigError
 from secure_vfl.federation.aggregator import PlainAggregator
 from secure_vfl.federation.channel import Channel, RecordingLayer
 from secure_vfl.federation.messages import GradientMessage, SumMessage
+from secure_vfl.federation.releases import ReleaseBlocks, partition
 from secure_vfl.methods import METHODS, MethodConfig
 from secure_vfl.methods.base import in_process_parties
-from secure_vfl.methods.laser import (
-    MeanFusionMethod,
-    laser_weights,
-    sample_tasks,
-    secure_prediction_selection,
-    secure_tasks,
-)
+from secure_vfl.methods.laser import MeanFusionMethod, laser_weights, sample_tasks
 from secure_vfl.metrics import accuracy
 
 FAST = MethodConfig(epochs=3, batch_size=64, lr=0.05)
@@ -89,57 +84,102 @@ def test_single_head_tasks_cover_every_subset_with_weight_one_over_n() -> None:
         assert total / draws == pytest.approx(1 / 3, rel=0.05), subset
 
 
-def _releasable(subset: tuple[int, ...], receiver: int = 0) -> bool:
-    return len([k for k in subset if k != receiver]) != 1
+def test_partition_cuts_pairs_and_one_triple_and_exposes_at_most_size_minus_two() -> None:
+    rng = np.random.default_rng(0)
+    others = rng.random((3000, 9)) < 0.6
+    block, exposable = partition(others, rng.random((3000, 9)))
+    assert (block[~others] == -1).all() and not exposable[~others].any()
+    for row in range(3000):
+        members = Counter(block[row][others[row]].tolist())
+        count = int(others[row].sum())
+        assert sorted(members) == list(range(len(members)))
+        if count == 1:  # a lone party: its own block, never usable, exposable
+            assert members == {0: 1} and exposable[row].sum() == 1
+            continue
+        sizes = sorted(members.values())
+        assert set(sizes) <= {2, 3} and sizes.count(3) == count % 2
+        for number, size in members.items():
+            assert exposable[row][block[row] == number].sum() == size - 2
 
 
-def test_secure_tasks_release_only_sums_that_hide_every_other_party() -> None:
-    generator = torch.Generator().manual_seed(4)
-    mask = torch.rand(5000, 5, generator=generator) < 0.6
-    selection, weights = secure_tasks(mask, 0, generator)
-    assert selection.shape == (1, 1, 5000, 5) and weights.shape == (1, 1, 5000)
-    chosen = selection[0, 0]
-    assert not bool((chosen & ~mask).any())
-    others = chosen[:, 1:].sum(dim=1)
-    assert not bool((others == 1).any())
-    # Exactly the samples with some releasable subset are trained, each on one non-empty task.
-    trainable = mask[:, 0] | (mask[:, 1:].sum(dim=1) >= 2)
-    assert torch.equal(weights[0, 0] > 0, trainable)
-    assert torch.equal(chosen.any(dim=1), trainable)
-
-
-def test_secure_tasks_are_uniform_and_unbiased_for_the_restricted_objective() -> None:
-    """E[w 1{S = I}] must be LASER's single-head weight 1/n for every releasable I, 0 else."""
-    draws = 30000
-    mask = torch.ones(draws, 4, dtype=torch.bool)
-    mask[:, 3] = False  # observed set {0, 1, 2}: n = 3
-    selection, weights = secure_tasks(mask, 0, torch.Generator().manual_seed(5))
-    totals: Counter[tuple[int, ...]] = Counter()
-    for row, weight in zip(selection[0, 0].tolist(), weights[0, 0].tolist(), strict=True):
-        totals[tuple(k for k in range(4) if row[k])] += weight
-    releasable = [
-        subset
-        for size in range(1, 4)
-        for subset in itertools.combinations(range(3), size)
-        if _releasable(subset)
+def _releasable_subsets(block: list[int], observed: list[bool]) -> set[tuple[int, ...]]:
+    """Brute force: every non-empty S of the observed set whose other parties are a union of
+    wholly observed blocks of >= 2 (party 0 is the receiver)."""
+    usable = [
+        number
+        for number in set(block) - {-1}
+        if block.count(number) >= 2
+        and all(observed[k] for k in range(len(block)) if block[k] == number)
     ]
-    assert sorted(totals) == sorted(releasable)  # {0}, {1, 2}, {0, 1, 2}
-    for subset in releasable:
-        assert totals[subset] / draws == pytest.approx(1 / 3, rel=0.05), subset
+    subsets = set()
+    for size in range(len(usable) + 1):
+        for chosen in itertools.combinations(usable, size):
+            rest = tuple(k for k in range(len(block)) if block[k] in chosen)
+            for own in ((0,), ()) if observed[0] else ((),):
+                if own or rest:
+                    subsets.add(own + rest)
+    return subsets
 
 
-def test_secure_prediction_uses_the_largest_releasable_subset() -> None:
-    mask = torch.tensor(
-        [[1, 1, 1, 0], [1, 1, 0, 0], [0, 1, 0, 0], [0, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.bool
-    )
-    expected = torch.tensor(
-        [[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [0, 1, 1, 1], [0, 0, 0, 0]], dtype=torch.bool
-    )
-    assert torch.equal(secure_prediction_selection(mask, 0), expected)
+def test_secure_tasks_are_every_union_of_usable_blocks_with_laser_mass() -> None:
+    """LASER's single-head objective with its subsets conditioned on being releasable: each
+    releasable subset once, the row's plaintext mass (2^n - 1) / n shared equally among them,
+    nothing else; prediction uses their union."""
+    generator = torch.Generator().manual_seed(4)
+    start = torch.rand(400, 8, generator=generator) < 0.7
+    blocks = ReleaseBlocks(start.numpy(), receiver=0, seed=2)
+    now = start.clone()
+    now[:, 3] = False  # party 3 dropped since: its blocks are unusable, not re-cut
+    rows = torch.arange(400)
+    for split, mask in (
+        ("train", now),
+        ("mcar:0.5", torch.rand(400, 8, generator=generator) < 0.6),
+    ):
+        plan = blocks.plan(split, rows, mask)
+        selection, weights = plan.tasks()
+        block, _ = blocks.blocks_of(split, rows)
+        for b in range(400):
+            got = {
+                tuple(int(k) for k in torch.nonzero(selection[0, t, b]).flatten()): float(w)
+                for t, w in enumerate(weights[0, :, b])
+                if w > 0
+            }
+            expected = _releasable_subsets(block[b].tolist(), mask[b].tolist())
+            assert set(got) == expected, (split, b)
+            n = int(mask[b].sum())
+            for weight in got.values():  # (got and expected are the same subsets)
+                assert weight == pytest.approx((2**n - 1) / (n * len(expected)))
+            union = tuple(int(k) for k in torch.nonzero(plan.union()[b]).flatten())
+            assert union == tuple(sorted(set().union(*expected)))
+        assert not bool(plan.exposed.any())  # drop: no DP release
+
+
+def test_blocks_are_one_fixed_partition_outside_training_and_the_starting_one_inside() -> None:
+    start = np.random.default_rng(1).random((50, 6)) < 0.7
+    blocks = ReleaseBlocks(start, receiver=0, seed=5)
+    rows = torch.arange(50)
+    test_block, _ = blocks.blocks_of("mcar:0", rows)
+    assert (test_block == test_block[0]).all()
+    assert torch.equal(blocks.blocks_of("mcar:0.5", rows[:7])[0], test_block[:7])
+    assert Counter(test_block[0, 1:].tolist()) == Counter({0: 2, 1: 3})  # 5 others: 2 + 3
+    train_block, _ = blocks.blocks_of("train", rows)
+    others = start.copy()
+    others[:, 0] = False
+    assert torch.equal(train_block >= 0, torch.from_numpy(others))
+    same = ReleaseBlocks(start, receiver=0, seed=5).blocks_of("train", rows)[0]
+    assert torch.equal(same, train_block)  # from the seed and the data alone (resume, deploy)
 
 
 @pytest.mark.parametrize(
-    ("method", "heads"), [("laser", "all"), ("local", "all"), ("standard", "active")]
+    ("method", "heads"),
+    [
+        ("laser", "all"),
+        ("local", "all"),
+        ("ensemble", "all"),
+        ("standard", "active"),
+        ("plugvfl", "active"),
+        ("combinatorial", "all"),
+    ],
 )
 def test_methods_that_would_reveal_a_party_refuse_secure_sums(
     make_data: MakeData, method: str, heads: str

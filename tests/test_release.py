@@ -25,12 +25,12 @@ from protocols.sum_range import REPRESENTATION_BOUND, noised_bound, sum_range
 from secure_vfl.cli import main
 from secure_vfl.errors import ConfigError, ProtocolError
 from secure_vfl.experiment import TrainConfig, TrainResult, run_training
-from secure_vfl.federation.aggregator import exposed_rows, refuse_single_contributors
+from secure_vfl.federation.aggregator import lone_contributors, refuse_single_contributors
 from secure_vfl.federation.channel import Channel, RecordingLayer
 from secure_vfl.federation.messages import RepresentationMessage, SumMessage, SumRequest
+from secure_vfl.federation.releases import ReleaseBlocks
 from secure_vfl.methods import MethodConfig
 from secure_vfl.methods.base import in_process_parties
-from secure_vfl.methods.laser import secure_prediction_selection, secure_tasks
 
 SIGMA, CLIP = 0.5, 0.3
 RECEIVER = "party-0"
@@ -126,35 +126,38 @@ def test_under_release_dp_exactly_the_rows_no_sum_hides_are_noised_and_priced(
     for opened in observer.opened:
         request = requests[(opened.round, opened.batch_id, opened.tag)]
         names = request.parties
+        flagged = request.dp_rows
         for t, b in np.ndindex(*request.selection.shape[:2]):
             members = [names[k] for k in torch.nonzero(request.selection[t, b]).flatten()]
             others = [name for name in members if name != RECEIVER]
             found = {name: observer.row(name, request, b) for name in members}
             terms = {name: term for name, term in found.items() if term is not None}
             assert len(terms) == len(members)
-            if len(others) == 1:
-                (lone,) = others
-                assert request.dp_rows is not None and bool(request.dp_rows[b, names.index(lone)])
+            noised = [
+                n for n in members if flagged is not None and bool(flagged[b, names.index(n)])
+            ]
+            if len(others) == 1:  # a sum no crowd hides: its lone party's row is a DP release
+                assert noised == others
+            if noised:
                 expected = torch.stack(
                     [
-                        clip_rows(term.unsqueeze(0), CLIP)[0] if name == lone else term
+                        clip_rows(term.unsqueeze(0), CLIP)[0] if name in noised else term
                         for name, term in terms.items()
                     ]
                 ).sum(dim=0)
                 residual = opened.sums[t, b] - expected
                 assert float(residual.abs().max()) > 1e-3  # it carries noise, not the clear row
-                residuals.append(residual)
-                lone_rows[(lone, request.phase, request.round)] += 1
+                if len(others) == 1:
+                    residuals.append(residual)
             else:
                 clear = torch.zeros(opened.sums.shape[-1])
                 for term in terms.values():
                     clear = clear + term
                 assert torch.allclose(opened.sums[t, b], clear, atol=1e-4)
-                flagged = request.dp_rows
-                assert flagged is None or not any(
-                    bool(flagged[b, names.index(name)]) for name in members
-                )
                 hidden += 1
+        if flagged is not None:  # each flagged row is released once per request
+            for k in torch.nonzero(flagged.any(dim=0)).flatten().tolist():
+                lone_rows[(names[k], request.phase, request.round)] += int(flagged[:, k].sum())
     phases = {phase for _, phase, _ in lone_rows}
     assert phases == {"train", "predict"} and hidden > 0
     noise = torch.stack(residuals)
@@ -188,38 +191,40 @@ def test_release_drop_is_the_default_and_plans_no_exposed_row(make_data: MakeDat
     assert default.metrics == explicit.metrics and default.epoch_loss == explicit.epoch_loss
     for request in observer.sum_requests().values():
         assert request.dp_rows is None
-        assert not bool(exposed_rows(request.selection, 0).any())
+        assert not bool(lone_contributors(request.selection, 0).any())
     assert all(party.exposure is None for party in observer.parties)
     assert engine.report() is None  # no DP mechanism: nothing installed, nothing priced
 
 
-def test_exposed_planning_uses_every_subset_with_unbiased_weights() -> None:
-    generator = torch.Generator().manual_seed(0)
-    mask = torch.tensor(
-        [[True, True, True, True], [False, True, False, False], [True, True, False, False]]
+def test_dp_exposes_only_a_lone_party_or_a_triples_fixed_member_of_an_unusable_block() -> None:
+    start = torch.tensor(
+        [[True, True, True, True], [False, True, False, False], [True, True, True, False]]
     )
-    counts: dict[tuple[int, tuple[bool, ...]], int] = defaultdict(int)
-    draws = 6000
-    for _ in range(draws):
-        selection, weights = secure_tasks(mask, 0, generator, expose=True)
-        for b in range(mask.shape[0]):
-            counts[(b, tuple(selection[0, 0, b].tolist()))] += 1
-            n = int(mask[b].sum())
-            assert math.isclose(float(weights[0, 0, b]), (2**n - 1) / n, rel_tol=1e-6)
-    for b in range(mask.shape[0]):
-        n = int(mask[b].sum())
-        subsets = [key for key in counts if key[0] == b]
-        assert len(subsets) == 2**n - 1  # every non-empty subset of the observed set
-        for key in subsets:  # uniform: each weighted estimate of 1/n, within 5 sigma
-            share = counts[key] / draws
-            expected = 1 / (2**n - 1)
-            assert abs(share - expected) <= 5 * math.sqrt(expected * (1 - expected) / draws)
-    # Under drop the second sample (one other party, no label-party block) is unusable, and
-    # prediction falls back to the label party's block where dp uses the whole observed set.
-    selection, weights = secure_tasks(mask, 0, generator)
-    assert float(weights[0, 0, 1]) == 0 and not bool(exposed_rows(selection[0], 0).any())
-    assert torch.equal(secure_prediction_selection(mask, 0, expose=True), mask)
-    assert not bool(secure_prediction_selection(mask, 0)[2, 1])
+    blocks = ReleaseBlocks(start.numpy(), receiver=0, seed=0, expose=True)
+    rows = torch.arange(3)
+    plan = blocks.plan("train", rows, start)
+    # A usable triple and a usable pair are clean; the lone party of row 1 is a DP release.
+    assert plan.exposed.tolist() == [[False] * 4, [False, True, False, False], [False] * 4]
+    assert torch.equal(plan.union(), start)
+    # Party 3 dropped: row 0's triple is unusable and only its exposable member may go, noised.
+    dropped = start.clone()
+    dropped[:, 3] = False
+    _, exposable = blocks.blocks_of("train", rows)
+    assert exposable[0].sum() == 1 and exposable[1].tolist() == [False, True, False, False]
+    plan = blocks.plan("train", rows, dropped)
+    member = int(torch.nonzero(exposable[0]).flatten()[0])
+    assert plan.exposed[0].tolist() == [k == member and k != 3 for k in range(4)]
+    assert torch.equal(plan.union()[0], plan.exposed[0] | (torch.arange(4) == 0))
+    # Outside training the one fixed triple {1, 2, 3} exposes its fixed member only.
+    test = torch.tensor([[True, True, True, False], [False, True, True, True]])
+    fixed, fixed_exposable = blocks.blocks_of("mcar:0.5", torch.arange(2))
+    assert fixed[0].tolist()[1:] == [0, 0, 0] and fixed_exposable[0].sum() == 1
+    plan = blocks.plan("mcar:0.5", torch.arange(2), test)
+    assert torch.equal(plan.exposed[0], fixed_exposable[0] & test[0])
+    assert not bool(plan.exposed[1].any()) and torch.equal(plan.union()[1], test[1])
+    # Under drop nothing is exposed and the lone party's row has nothing releasable.
+    safe = ReleaseBlocks(start.numpy(), receiver=0, seed=0).plan("train", rows, start)
+    assert not bool(safe.exposed.any()) and not bool(safe.union()[1].any())
 
 
 def test_a_lone_contributor_is_refused_unless_its_row_is_a_dp_release() -> None:
@@ -227,7 +232,7 @@ def test_a_lone_contributor_is_refused_unless_its_row_is_a_dp_release() -> None:
     selection = torch.tensor([[[True, True, False], [False, True, True]]])
     with pytest.raises(ProtocolError, match="reveals a single party"):
         refuse_single_contributors(selection, parties, receiver="party-0")
-    flagged = exposed_rows(selection, 0)
+    flagged = lone_contributors(selection, 0).any(dim=0)
     assert flagged.tolist() == [[False, True, False], [False, False, False]]
     counts = refuse_single_contributors(selection, parties, receiver="party-0", dp_rows=flagged)
     assert counts.tolist() == [[2, 2]]

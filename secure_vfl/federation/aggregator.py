@@ -317,13 +317,6 @@ def lone_contributors(selection: Tensor, receiver: int | None) -> Tensor:
     return others & single
 
 
-def exposed_rows(selection: Tensor, receiver: int | None) -> Tensor:
-    """(B, K) bool: the rows ``b`` of party ``k`` that enter some sum of ``selection`` (T, B, K)
-    as its only contributor besides the receiver, i.e. that a secure sum cannot hide (what a
-    ``release="dp"`` policy sends as a DP release instead of dropping)."""
-    return lone_contributors(selection, receiver).any(dim=0)
-
-
 def refuse_single_contributors(
     released: Tensor,
     parties: Sequence[str],

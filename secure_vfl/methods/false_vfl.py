@@ -53,10 +53,13 @@ A party's outgoing hooks see every message it sends, but the DP mechanisms writt
 representation and gradient messages would noise steps 1 and 4 only, not the likelihood and
 latent-gradient messages, which carry feature information too (so FALSE-VFL refuses DP flags).
 
-Under secure sums (``MethodConfig.secure_sums``) the label party may only receive sums that hide
-every other party, so a row observed by the label party and exactly one other party uses the
-label party's block alone, and a row observed by one passive party only has no posterior: it is
-skipped in training and predicted from the prior p(h) (:meth:`FalseVflMethod.posterior_selection`).
+Under secure sums (``MethodConfig.secure_sums``) the label party may only receive sums from which
+no combination over the whole run isolates another party's term: a row's posterior sums its own
+block and the row's usable blocks of >= 2 other parties (fixed for the run,
+:class:`~secure_vfl.federation.releases.ReleaseBlocks`), so a row observed by the label party and
+exactly one other party uses the label party's block alone, and a row with neither has no
+posterior: it is skipped in training and predicted from the prior p(h)
+(:meth:`FalseVflMethod.posterior_selection`).
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ from secure_vfl.federation.messages import (
     party_name,
 )
 from secure_vfl.federation.parties import ROLES, DataParty, Party, RoleFactory
+from secure_vfl.federation.releases import ReleaseBlocks
 from secure_vfl.methods.base import (
     METHODS,
     MethodConfig,
@@ -103,7 +107,6 @@ from secure_vfl.methods.base import (
     split_tensors,
     train_epochs,
 )
-from secure_vfl.methods.laser import secure_prediction_selection
 from secure_vfl.models.latent import (
     MIN_PRECISION,
     LabelSideModel,
@@ -463,6 +466,9 @@ class FalseVflMethod:
             config.batching, data.train.mask, config.batch_size, rows=self.labeled_rows
         )
         self.stage: Literal[1, 2] = 1
+        self.blocks: ReleaseBlocks | None = None
+        if config.secure_sums:
+            self.blocks = ReleaseBlocks(data.train.mask, receiver=0, seed=seed)
 
     def _adam(self, parameters: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
         return torch.optim.Adam(parameters, lr=lr, weight_decay=self.config.weight_decay)
@@ -482,23 +488,26 @@ class FalseVflMethod:
 
     # ---- the seam ----------------------------------------------------------------------
 
-    def posterior_selection(self, mask: Tensor) -> Tensor:
-        """(B, K): the parties whose (mean, precision) enter each row's posterior.
+    def posterior_selection(self, split: str, rows: Tensor, mask: Tensor) -> Tensor:
+        """(B, K): the parties whose (mean, precision) enter the posterior of ``rows`` of
+        ``split``, observed as ``mask``.
 
         The observed set, except under secure sums (``MethodConfig.secure_sums``), where the
-        label party may only receive sums hiding every other party: a row observed by the label
-        party and one other party uses the label party's block alone, and a row observed by one
-        other party only gets no posterior (an empty row: skipped in training, predicted from the
-        prior p(h) at test time).
+        label party may only receive sums from which nothing over the whole run isolates one
+        other party: its own block and every usable block of the row
+        (:class:`~secure_vfl.federation.releases.ReleaseBlocks`; FALSE-VFL plans no DP
+        release). A row with neither gets no posterior (skipped in training, predicted from
+        the prior p(h) at test time).
         """
-        if not self.config.secure_sums:
+        if self.blocks is None:
             return mask
-        return secure_prediction_selection(mask, 0)
+        return self.blocks.plan(split, rows, mask).union()
 
     def _with_posterior(self, split: str, rows: np.ndarray) -> np.ndarray:
         """The rows of ``rows`` that have a posterior (all of them without secure sums)."""
         mask = torch.from_numpy(split_tensors(self.data)[split].mask[rows])
-        return rows[self.posterior_selection(mask).any(dim=1).numpy()]
+        selection = self.posterior_selection(split, torch.from_numpy(rows), mask)
+        return rows[selection.any(dim=1).numpy()]
 
     def _posterior(
         self,
@@ -578,7 +587,7 @@ class FalseVflMethod:
         """
         fed = self.fed
         label = self.label_party
-        selection = self.posterior_selection(mask)
+        selection = self.posterior_selection(split, rows, mask)
         sums, mean, precision, posterior_positions = self._posterior(
             split, rows, selection, round=round, batch_id=batch_id, tag=tag, train=train
         )
@@ -761,7 +770,7 @@ class FalseVflMethod:
             _, mean, precision, _ = self._posterior(
                 split_name,
                 torch.from_numpy(rows),
-                self.posterior_selection(mask),
+                self.posterior_selection(split_name, torch.from_numpy(rows), mask),
                 round=self.fed.next_query(),
                 batch_id=0,
                 tag=f"posterior/{split_name}",

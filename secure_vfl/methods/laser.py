@@ -9,21 +9,30 @@ call and one head evaluation per head and batch, whatever the batch's observed s
 The same machinery gives the Local and Ensemble baselines (tasks restricted to ``{k}``).
 
 Under secure aggregation (``MethodConfig.secure_sums``) the single label party (``heads="active"``)
-may only receive sums that hide every other party's term: a sum over its own block and one
-other party's would hand it that party's representation, and two overlapping sums of the same
-sample in one step would give one by difference. :func:`secure_tasks` therefore draws *one*
-task per sample from the subsets with 0 or >= 2 parties besides the label party, re-weighted to
-stay unbiased for LASER's objective restricted to those subsets. ``heads="all"`` cannot be made
-secure this way: LASER's head k must be trained on, and predict from, the pair {k, j}, and a sum
-of two terms one of which the receiver holds is the other term in the clear.
+may only receive sums from which *no combination over the whole run* gives one other party's
+term: a sum over its own block and one other party's would hand it that term, and so would
+sums of the same sample that overlap differently in different steps, epochs or test splits
+(A+B, A+C and B+C give A). Every sum it asks for about a sample is therefore a union of that
+sample's fixed *blocks* of >= 2 other parties that are wholly observed there, with or without
+its own term (:class:`~secure_vfl.federation.releases.ReleaseBlocks`, where the rule and why it
+is safe are stated; ``tests/test_release_audit.py`` audits whole runs). Training evaluates the
+head on every such union of a sample's usable blocks, in one sum request per step, each
+weighted ``(2^n - 1) / (n |A|)`` (n = |observed set|, A its releasable subsets): LASER's
+single-head objective with its subset distribution conditioned on being releasable, exactly,
+so a row keeps its plaintext loss mass (:meth:`~secure_vfl.federation.releases.BlockPlan.tasks`
+says why not the objective merely restricted to A). Prediction uses the union of all usable
+blocks (plus its own). A sample whose other parties are in no usable block gets its own block
+alone (its prior, without one).
+``heads="all"`` cannot be made secure this way: LASER's head k must be trained on, and predict
+from, the pair {k, j}, and a sum of two terms one of which the receiver holds is the other term
+in the clear.
 
-With ``MethodConfig.release="dp"`` the subsets with exactly one party besides the label party
-are releasable too, as DP releases: the label party flags those rows
-(:func:`~secure_vfl.federation.aggregator.exposed_rows`) in its seal requests and that party
-sends them clipped and noised. Training then draws one task per sample from every non-empty
-subset of its observed set (weight ``(2^n - 1) / n``, unbiased for LASER's whole single-head
-objective over the released values) and prediction uses the whole observed set, as in
-plaintext.
+With ``MethodConfig.release="dp"`` a block that is not usable may add its *exposable* members
+that are observed (a lone other party of a training row, or one fixed member of a triple) as DP
+releases: the label party flags their rows in its seal requests and each such party sends them
+clipped and noised in every sum of that request, priced by its accountant. A block never has
+more than ``|block| - 2`` exposable members, so no exposure, with the clean sums, gives another
+party's term.
 """
 
 from __future__ import annotations
@@ -41,9 +50,10 @@ from torch import Tensor, nn
 from secure_vfl.data.samplers import make_sampler
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ConfigError, ProtocolError
-from secure_vfl.federation.aggregator import SumBackend, exposed_rows
+from secure_vfl.federation.aggregator import SumBackend
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import AGGREGATOR
+from secure_vfl.federation.releases import ReleaseBlocks
 from secure_vfl.methods.base import (
     METHODS,
     PARTY_MODELS,
@@ -121,70 +131,6 @@ def sample_tasks(
     selection = (rank < sizes.unsqueeze(-1)) & mask.view(1, 1, batch, parties)
     selection &= (weights > 0).unsqueeze(-1)
     return selection, weights
-
-
-def secure_tasks(
-    mask: Tensor, receiver: int, generator: torch.Generator, *, expose: bool = False
-) -> tuple[Tensor, Tensor]:
-    """One task per sample whose sum reveals no single party to ``receiver`` (the label party).
-
-    With a single head every non-empty subset S of a sample's observed set O weighs ``1 / n``
-    in LASER's objective (``a_s / C(n, s) = 1 / n``, n = |O|). The releasable subsets A(O) are
-    those with 0 or >= 2 parties besides the receiver; S is drawn uniformly from A(O) and
-    weighted ``|A(O)| / n``, an unbiased estimate of ``(1 / n) sum_{S in A(O)} CE(S)``. Samples
-    with no releasable subset (the receiver's block absent and one other party observed) get
-    weight 0. With ``expose`` (``release="dp"``) the subsets with one other party are
-    releasable too (that party's row goes as a DP release): A(O) is every non-empty subset,
-    |A(O)| = 2^n - 1, and no sample with an observed block is left out. The same draws are made
-    from ``generator`` either way. Returns selection (1, 1, B, K) and weights (1, 1, B).
-    """
-    batch, parties = mask.shape
-    own = mask[:, receiver]
-    others_mask = mask.clone()
-    others_mask[:, receiver] = False
-    others = others_mask.sum(dim=1)
-    # counts[b, j]: releasable subsets of sample b with exactly j parties besides the receiver.
-    table = _binomials(parties)
-    j = torch.arange(parties)
-    counts = table[others.unsqueeze(1), j.unsqueeze(0)] * torch.where(own, 2.0, 1.0).unsqueeze(1)
-    counts[:, 0] = own.float()
-    if not expose:
-        counts[:, 1] = 0.0
-    releasable = counts.sum(dim=1)
-    usable = releasable > 0
-    drawn = torch.multinomial(
-        torch.where(usable.unsqueeze(1), counts, torch.ones_like(counts)), 1, generator=generator
-    ).squeeze(1)
-    # The drawn number of other parties, uniformly among the observed others.
-    priority = torch.rand((batch, parties), generator=generator)
-    priority = torch.where(others_mask, priority, torch.full_like(priority, 2.0))
-    rank = priority.argsort(dim=1).argsort(dim=1)
-    chosen = (rank < drawn.unsqueeze(1)) & others_mask
-    # The receiver's own block: alone when no other is drawn, else in half the subsets.
-    coin = torch.rand(batch, generator=generator) < 0.5
-    chosen[:, receiver] = own & ((drawn == 0) | coin)
-    n = mask.sum(dim=1).clamp(min=1).float()
-    weights = torch.where(usable, releasable / n, torch.zeros_like(n))
-    chosen &= usable.unsqueeze(1)
-    return chosen.view(1, 1, batch, parties), weights.view(1, 1, batch)
-
-
-def secure_prediction_selection(mask: Tensor, receiver: int, *, expose: bool = False) -> Tensor:
-    """The largest releasable subset of every sample's observed set for prediction (B, K).
-
-    With >= 2 other parties observed, all of them; with one, the receiver's block alone (the
-    lone other party cannot be hidden) or, with ``expose`` (``release="dp"``: that party sends
-    its row as a DP release), the whole observed set; with none, the receiver's block
-    (possibly nothing).
-    """
-    selection = mask.clone()
-    if expose:
-        return selection
-    others = mask.sum(dim=1) - mask[:, receiver].long()
-    lone = others < 2
-    selection[lone] = False
-    selection[lone, receiver] = mask[lone, receiver]
-    return selection
 
 
 def local_tasks(mask: Tensor, heads: list[int]) -> tuple[Tensor, Tensor]:
@@ -277,17 +223,34 @@ class MeanFusionMethod:
             rows=labeled_rows(data, config, seed),
         )
         self.fed.epoch_steps = len(self.sampler)
-
-    def plan(self, mask: Tensor) -> tuple[Tensor, Tensor]:
-        """Selection (H, T, B, K) and weights (H, T, B) of this batch's tasks."""
-        if self.planner == "local":
-            return local_tasks(mask, self.head_index)
-        if self.config.secure_sums:
-            return secure_tasks(
-                mask, self.head_index[0], self.fed.generator, expose=self.config.release == "dp"
+        self.blocks: ReleaseBlocks | None = None
+        if config.secure_sums:
+            self.blocks = ReleaseBlocks(
+                data.train.mask, receiver=0, seed=seed, expose=config.release == "dp"
             )
+
+    def plan(self, rows: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Selection (H, T, B, K) and weights (H, T, B) of this batch's tasks, and under
+        ``release="dp"`` the rows (B, K) their parties send as DP releases (else None).
+
+        Under secure sums the tasks are every union of the rows' usable blocks
+        (:class:`~secure_vfl.federation.releases.ReleaseBlocks`), weighted as
+        :meth:`~secure_vfl.federation.releases.BlockPlan.tasks` says.
+        """
+        if self.planner == "local":
+            return (*local_tasks(mask, self.head_index), None)
+        if self.blocks is not None:
+            plan = self.blocks.plan("train", rows, mask)
+            selection, weights = plan.tasks()
+            return selection, weights, self._dp_rows(plan.exposed)
         heads = self.head_index if self.config.heads == "all" else None
-        return sample_tasks(mask, heads, self.fed.generator)
+        return (*sample_tasks(mask, heads, self.fed.generator), None)
+
+    def _dp_rows(self, exposed: Tensor) -> Tensor | None:
+        """Under ``release="dp"`` the rows its plan exposes (which their parties send as DP
+        releases, in every sum of the request); else None (any sum that would hand the
+        receiver one party's row alone is refused by every party and the aggregator)."""
+        return exposed if self.config.release == "dp" else None
 
     def train_step(self, rows_np: np.ndarray, round: int, batch_id: int) -> float:
         """One step of Algorithm 1, as messages: representations to the aggregator, each head's
@@ -320,10 +283,11 @@ class MeanFusionMethod:
         fed.request_representations(
             "train", rows, mask, reply_to=AGGREGATOR, round=round, batch_id=batch_id, train=True
         )
-        selection, weights = self.plan(mask)
+        selection, weights, dp_rows = self.plan(rows, mask)
         assigned: list[tuple[str, str]] = []
         for i, h in enumerate(self.head_index):
-            if self.config.vectorised:
+            # Under secure sums a step's sums are one request (each exposure sealed once).
+            if self.config.vectorised or self.blocks is not None:
                 chunks = {"train": slice(None)}
             else:
                 chunks = {f"train/size-{t + 1}": slice(t, t + 1) for t in range(selection.shape[1])}
@@ -340,20 +304,12 @@ class MeanFusionMethod:
                     round=round,
                     batch_id=batch_id,
                     tag=tag,
-                    dp_rows=self.dp_rows(selection[i, chunk], h),
+                    dp_rows=dp_rows,
                 )
                 assigned.append((fed.names[h], tag))
         return sum(
             fed.take_loss(party, round=round, batch_id=batch_id, tag=tag) for party, tag in assigned
         )
-
-    def dp_rows(self, selection: Tensor, receiver: int) -> Tensor | None:
-        """Under ``release="dp"``, the rows (B, K) of ``selection`` (T, B, K) that its sums
-        would hand ``receiver`` alone, which their parties send as DP releases; else None
-        (any such row is refused by every party and the aggregator)."""
-        if self.config.release != "dp":
-            return None
-        return exposed_rows(selection, receiver)
 
     @property
     def total_steps(self) -> int:
@@ -375,7 +331,7 @@ class MeanFusionMethod:
         """Each head's prediction from exactly the observed set (Algorithm 2): (N, K), -1 absent.
 
         With a single head (``heads="active"``) every observed party reports the label party's
-        prediction; under secure sums it predicts from :func:`secure_prediction_selection`, and
+        prediction; under secure sums it predicts from the union of the usable blocks, and
         a sample with nothing releasable gets the head's answer to a zero mean (its prior).
         """
         split = split_tensors(self.data)[split_name]
@@ -429,16 +385,16 @@ class MeanFusionMethod:
                 train=False,
                 tag=source,
             )
+            dp_rows = None
             for h in self.head_index:
                 if self.planner == "local":
                     selection = torch.zeros_like(mask)
                     selection[:, h] = mask[:, h]
                 elif self.config.heads == "all":
                     selection = mask & mask[:, h : h + 1]
-                elif self.config.secure_sums:
-                    selection = secure_prediction_selection(
-                        mask, h, expose=self.config.release == "dp"
-                    )
+                elif self.blocks is not None:
+                    plan = self.blocks.plan(split_name, rows, mask)
+                    selection, dp_rows = plan.union(), self._dp_rows(plan.exposed)
                 else:
                     selection = mask
                 if self.config.heads == "all":
@@ -459,7 +415,7 @@ class MeanFusionMethod:
                     tag=f"predict/{split_name}",
                     source_tag=source,
                     probabilities=probabilities,
-                    dp_rows=self.dp_rows(selection.unsqueeze(0), h),
+                    dp_rows=dp_rows,
                 )
                 yield h, rows.numpy()[positions.numpy()], predicted
 
