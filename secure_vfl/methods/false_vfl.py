@@ -66,7 +66,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
@@ -215,6 +215,8 @@ class LatentParty(DataParty):
                 f"{self.name}: latent samples for rows it does not hold, but it has no "
                 "missingness model (FALSE-VFL-I scores observed rows only)."
             )
+        if message.backward:
+            self._forget_unfinished(message.round)
         train = message.backward
         h = message.samples.clone().requires_grad_(True) if train else message.samples
         with torch.set_grad_enabled(train):
@@ -242,6 +244,18 @@ class LatentParty(DataParty):
                 log_likelihood=log_likelihood.detach(),
             )
         )
+
+    def _forget_unfinished(self, round: int) -> None:
+        """Before step ``round``'s likelihoods: what an earlier step whose update never reached
+        this party (the driver closed it without it: a party lost at the update) left here --
+        its likelihoods, the gradients received for it and the decoder gradients, which that
+        update would have applied -- is discarded, not carried into this step."""
+        unfinished = [
+            _drop_before(store, round)
+            for store in (self._likelihood_pending, self._pending, self._gradients)
+        ]
+        if any(unfinished):
+            self.latent_model.zero_grad(set_to_none=True)
 
     def on_gradient(self, message: GradientMessage) -> None:
         if message.tag.endswith(LIKELIHOOD):
@@ -349,6 +363,15 @@ class LatentLabelParty(LatentParty):
         if bool((labels < 0).any()):
             raise ProtocolError(f"{self.name}: asked for the label of an unlabelled row.")
         return labels
+
+
+def _drop_before(store: dict[tuple[int, str], Any], round: int) -> bool:
+    """Delete the entries of ``store`` (keyed by round and tag) of rounds before ``round``;
+    whether there were any."""
+    stale = [key for key in store if key[0] < round]
+    for key in stale:
+        del store[key]
+    return bool(stale)
 
 
 ROLES.register("latent-party", LatentParty)
@@ -1007,10 +1030,15 @@ class FalseVflMethod:
         return self.infer(split_name).probabilities
 
     def predict(self, split_name: str) -> np.ndarray:
-        """The label party's SNIS prediction, reported by every observed party: (N, K)."""
+        """The label party's SNIS prediction, reported by every observed party: (N, K). A
+        sample whose every block was lost (a dropped party) is predicted from the prior and
+        reported by the label party."""
         split = split_tensors(self.data)[split_name]
         predicted = self.infer(split_name).probabilities.argmax(axis=1)
-        return broadcast_prediction(predicted, split.mask)
+        out = broadcast_prediction(predicted, split.mask)
+        lost = ~split.mask.any(axis=1)
+        out[lost, 0] = predicted[lost]
+        return out
 
 
 def _shift_round(on_step: StepCallback, offset: int, round: int, loss: float) -> None:
