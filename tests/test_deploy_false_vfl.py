@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -62,17 +63,18 @@ def test_a_false_vfl_party_builds_itself_as_in_one_process_and_is_given_no_label
     for k, name in enumerate(PARTIES[1:], start=1):
         setup = _deployment("bank", name, "setup", bodies[name])
         served = build_served_party(name, setup, tables[name], lambda scheme: None)
-        assert isinstance(served, LatentParty) and isinstance(alone[k], LatentParty)
+        party = alone[k]
+        assert isinstance(served, LatentParty) and isinstance(party, LatentParty)
         assert served.latent_model.missingness is not None  # FALSE-VFL-II's
-        expected = alone[k].latent_model.state_dict()
+        expected = party.latent_model.state_dict()
         for key, value in served.latent_model.state_dict().items():
             assert torch.equal(value, expected[key]), (name, key)
-        for split, block in alone[k]._blocks.items():
+        for split, block in party._blocks.items():
             assert torch.equal(served._blocks[split], block), (name, split)
-            assert torch.equal(served._observed[split], alone[k]._observed[split])
-        assert torch.equal(served.generator.get_state(), alone[k].generator.get_state())
+            assert torch.equal(served._observed[split], party._observed[split])
+        assert torch.equal(served.generator.get_state(), party.generator.get_state())
     # A set-up that hands a FALSE-VFL party labels, or bad options, is refused.
-    wrong = {
+    wrong: dict[str, dict[str, Any]] = {
         "holds no label": {"labels": [0] * len(bodies["shop"]["rows"]["train"])},
         "valid `false_vfl` options": {"false_vfl": {"kappa": 0}},
     }
