@@ -26,16 +26,21 @@ federation.messages.DeploymentMessage` s, each a JSON object checked on arrival:
    the rows it holds. The party fits
    its standardiser on its own rows and builds itself with
    :func:`~secure_vfl.methods.base.build_party` and the method's seed rule
-   (:data:`~secure_vfl.methods.base.PARTY_MODELS`): the same models as in one process. Its
+   (:data:`~secure_vfl.methods.base.PARTY_MODELS`): the same models as in one process. A
+   FALSE-VFL party (:data:`LATENT_METHODS`; the set-up also carries FALSE-VFL's options) builds
+   its encoder, decoder and missingness model, optimiser and generator by FALSE-VFL's own seed
+   rule (:func:`~secure_vfl.methods.false_vfl.build_latent_party`) and is handed no label:
+   only the label party knows which training rows are labelled. Its
    secure-sum halves are made inside it; keys meet by messages as in one process.
 3. Training and evaluation run as in one process (:func:`~secure_vfl.experiment.run_training`).
 4. ``end`` (with the outcome) is answered by a ``report``: the bytes the party sent. A party
    that hears nothing from the label party for longer than its deadline exits non-zero.
 
 A data party lost mid-training (its process died: a step fails and the party accepts no
-connection) is dropped by LASER's driver (:meth:`~secure_vfl.methods.base.Federation.recover`):
-its block is missing from then on, it is sent nothing more (not even ``end``), and the result's
-``faults`` names it. A lost aggregator, or a lost party under another method, fails the run.
+connection) is dropped by LASER's or FALSE-VFL's driver
+(:meth:`~secure_vfl.methods.base.Federation.recover`): its block is missing from then on, it
+is sent nothing more (not even ``end``), and the result's ``faults`` names it. A lost
+aggregator, or a lost party under another method, fails the run.
 The core never imports the privacy layer: the command line passes the secure-sum backend
 (``secure_sums``) and the PSI roles (``psi``) in.
 """

@@ -53,6 +53,14 @@ A party's outgoing hooks see every message it sends, but the DP mechanisms writt
 representation and gradient messages would noise steps 1 and 4 only, not the likelihood and
 latent-gradient messages, which carry feature information too (so FALSE-VFL refuses DP flags).
 
+A data party lost mid-training (a deployment: its process died) is a missing block, as in
+LASER: the driver drops it (:meth:`~secure_vfl.methods.base.Federation.recover`), every other
+party discards what the broken step left (kept likelihoods, gradients already in its decoder
+or the label-side model) and the step is retried under a fresh batch id, each row's posterior
+over the parties still observed (eq. 1 over the rest; FALSE-VFL-II leaves the lost block out of
+the weight rather than ask for its mask term). A row whose every block was lost is predicted
+from the prior. Stage 2's rounds run on after stage 1's, so a fault names the run's step.
+
 Under secure sums (``MethodConfig.secure_sums``) the label party may only receive sums that hide
 every other party, so a row observed by the label party and exactly one other party uses the
 label party's block alone, and a row observed by one passive party only has no posterior: it is
