@@ -26,16 +26,21 @@ federation.messages.DeploymentMessage` s, each a JSON object checked on arrival:
    the rows it holds. The party fits
    its standardiser on its own rows and builds itself with
    :func:`~secure_vfl.methods.base.build_party` and the method's seed rule
-   (:data:`~secure_vfl.methods.base.PARTY_MODELS`): the same models as in one process. Its
+   (:data:`~secure_vfl.methods.base.PARTY_MODELS`): the same models as in one process. A
+   FALSE-VFL party (:data:`LATENT_METHODS`; the set-up also carries FALSE-VFL's options) builds
+   its encoder, decoder and missingness model, optimiser and generator by FALSE-VFL's own seed
+   rule (:func:`~secure_vfl.methods.false_vfl.build_latent_party`) and is handed no label:
+   only the label party knows which training rows are labelled. Its
    secure-sum halves are made inside it; keys meet by messages as in one process.
 3. Training and evaluation run as in one process (:func:`~secure_vfl.experiment.run_training`).
 4. ``end`` (with the outcome) is answered by a ``report``: the bytes the party sent. A party
    that hears nothing from the label party for longer than its deadline exits non-zero.
 
 A data party lost mid-training (its process died: a step fails and the party accepts no
-connection) is dropped by LASER's driver (:meth:`~secure_vfl.methods.base.Federation.recover`):
-its block is missing from then on, it is sent nothing more (not even ``end``), and the result's
-``faults`` names it. A lost aggregator, or a lost party under another method, fails the run.
+connection) is dropped by LASER's or FALSE-VFL's driver
+(:meth:`~secure_vfl.methods.base.Federation.recover`): its block is missing from then on, it
+is sent nothing more (not even ``end``), and the result's ``faults`` names it. A lost
+aggregator, or a lost party under another method, fails the run.
 The core never imports the privacy layer: the command line passes the secure-sum backend
 (``secure_sums``) and the PSI roles (``psi``) in.
 """
@@ -56,6 +61,7 @@ import torch
 
 from secure_vfl.data.missingness import parse_mechanism
 from secure_vfl.data.party_files import ID_COLUMN, LABEL_COLUMN, PartyTable, read_party_file
+from secure_vfl.data.party_preprocessing import PartyPreprocessing
 from secure_vfl.data.vertical import (
     AlignLabelIds,
     RowPlan,
@@ -126,7 +132,18 @@ PSI_MODE = "intersection"
 """The mode of alignment's PSI: the label party learns which of its ids each party holds."""
 _SESSION_ID = re.compile(r"[0-9a-f]{32}")
 
-DEPLOYED_METHODS = ("laser", "local", "ensemble", "standard", "plugvfl", "combinatorial")
+DEPLOYED_METHODS = (
+    "laser",
+    "local",
+    "ensemble",
+    "standard",
+    "plugvfl",
+    "combinatorial",
+    "false-vfl-1",
+    "false-vfl-2",
+)
+LATENT_METHODS = ("false-vfl-1", "false-vfl-2")
+"""FALSE-VFL: its data parties are built by its own seed rule (:func:`_latent_party`)."""
 SETUP_DEADLINE = 600.0
 """How long the label party waits for a party to build itself (SimSiam pretraining included)."""
 
@@ -322,6 +339,7 @@ SETUP_KEYS: dict[str, type | tuple[type, ...]] = {
     "rows": dict,
     "labels": (list, type(None)),
     "align": str,
+    "false_vfl": (dict, type(None)),
 }
 
 
@@ -341,7 +359,7 @@ def build_served_party(
     aligned sample, -1 where it holds none: what PSI told it). ProtocolError on a set-up that
     does not fit its table or its alignment, or names an unknown method."""
     from secure_vfl.methods import PARTY_MODELS, MethodConfig
-    from secure_vfl.methods.base import build_party, install_halves
+    from secure_vfl.methods.base import build_party
 
     body = _body(message, "setup", SETUP_KEYS)
     names, index = body["names"], body["index"]
@@ -373,6 +391,14 @@ def build_served_party(
             "without empty cells (categorical columns and missing-cell indicators are not "
             "offered with --federation yet)."
         )
+    if body["method"] in LATENT_METHODS:
+        party = _latent_party(name, body, config, blocks, rows, shapes, preprocessing)
+        return _with_secure_sums(party, secure_sums(body["secure_agg"]))
+    if body["false_vfl"] is not None:
+        raise ProtocolError(
+            f"setup: `false_vfl` options go with {', '.join(LATENT_METHODS)}; found them with "
+            f"{body['method']}."
+        )
     models = PARTY_MODELS.get(body["method"])(config, shapes, body["num_classes"], body["seed"])
     labels = {}
     if body["labels"] is not None:
@@ -397,10 +423,50 @@ def build_served_party(
         models={key: m for (k, key), m in models.bottoms.items() if k == index},
         preprocessing=preprocessing,
     )
-    backend = secure_sums(body["secure_agg"])
+    return _with_secure_sums(party, secure_sums(body["secure_agg"]))
+
+
+def _with_secure_sums(party: DataParty, backend: SumBackend | None) -> DataParty:
+    """``party`` with its own halves of ``backend`` made inside it, if it seals sums."""
+    from secure_vfl.methods.base import install_halves
+
     if isinstance(backend, SealingScheme):
         install_halves(party, backend)
     return party
+
+
+def _latent_party(
+    name: str,
+    body: Mapping[str, Any],
+    config: Any,
+    blocks: Mapping[str, np.ndarray],
+    rows: Mapping[str, np.ndarray],
+    shapes: Sequence[tuple[int, ...]],
+    preprocessing: PartyPreprocessing,
+) -> DataParty:
+    """A FALSE-VFL data party from its set-up ``body``: FALSE-VFL's options, its blocks and
+    which of their rows it holds (``rows`` >= 0), built by FALSE-VFL's seed rule. It is handed
+    no label (only the label party holds labels, and unlabelled rows are only its to know)."""
+    from secure_vfl.methods.false_vfl import FalseVflConfig, build_latent_party
+
+    if body["labels"] is not None:
+        raise ProtocolError(f"setup: {name} holds no label under {body['method']}; found some.")
+    try:
+        options = FalseVflConfig(**(body["false_vfl"] or {}))
+    except (TypeError, ConfigError) as error:
+        raise ProtocolError(f"setup: valid `false_vfl` options expected: {error}") from None
+    return build_latent_party(
+        body["index"],
+        name,
+        method=body["method"],
+        blocks={split: torch.from_numpy(block) for split, block in blocks.items()},
+        observed={split: torch.from_numpy(held >= 0) for split, held in rows.items()},
+        shapes=shapes,
+        config=config,
+        options=options,
+        seed=body["seed"],
+        preprocessing=preprocessing,
+    )
 
 
 def _row_mapping(
@@ -681,16 +747,25 @@ def setup_bodies(
             "rows": {split: rows[:, k].tolist() for split, rows in side.plan.rows.items()},
             "labels": labels,
             "align": config.align,
+            "false_vfl": _false_vfl_options(config),
         }
     return bodies
+
+
+def _false_vfl_options(config: Any) -> dict[str, Any] | None:
+    """FALSE-VFL's options as a set-up carries them (null: its defaults); None for another
+    method."""
+    if config.method not in LATENT_METHODS:
+        return None
+    options = getattr(config, "false_vfl", None)
+    return dataclasses.asdict(options) if options is not None else None
 
 
 def refuse_undeployable(config: Any) -> None:
     """ConfigError, before any work, for what a deployed run does not offer."""
     if config.method not in DEPLOYED_METHODS:
         raise ConfigError(
-            f"--federation runs {', '.join(DEPLOYED_METHODS)}. Found --method {config.method} "
-            "(FALSE-VFL's parties are not built by the deployment yet)."
+            f"--federation runs {', '.join(DEPLOYED_METHODS)}. Found --method {config.method}."
         )
     if config.dataset is not None:
         raise ConfigError(

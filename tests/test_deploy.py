@@ -161,8 +161,11 @@ def deployed(
     [
         ("--method", "laser", "--heads", "all"),
         ("--method", "laser", "--heads", "active", "--secure-agg", "masks"),
+        # FALSE-VFL-II: its data parties' encoders, decoders and missingness models built in
+        # their own processes; stage 1 on every training row, 100 of them labelled.
+        ("--method", "false-vfl-2", "--labeled", "100", "--kappa", "3"),
     ],
-    ids=["plaintext-heads-all", "masks-heads-active"],
+    ids=["plaintext-heads-all", "masks-heads-active", "false-vfl-2-plaintext"],
 )
 def test_four_processes_train_to_exactly_the_in_process_metrics(
     site: Path, processes: Processes, tmp_path: Path, flags: tuple[str, ...]
@@ -236,6 +239,62 @@ def test_training_goes_on_without_a_data_party_killed_mid_training(
     assert all(0 <= m["accuracy"] <= 100 for m in result["metrics"].values())
     assert all(np.isfinite(loss) for loss in result["epoch_loss"])
     # shop was not asked to end the run (it sent no report of its bytes); the summary names it.
+    assert "shop" not in result["traffic"]["bytes"]
+    assert f"lost: shop at step {fault['step']}" in processes.log("bank")
+
+
+def test_false_vfl_goes_on_without_a_data_party_killed_in_stage_one(
+    site: Path, processes: Processes, tmp_path: Path
+) -> None:
+    federation = write_federation(site, site / "certs", free_loopback_ports(5))
+    servers = {
+        name: processes.serve(federation, name, "--deadline", "60")
+        for name in (*PARTIES[1:], "aggregator")
+    }
+    out = tmp_path / "out"
+    epochs = 6  # per stage: stage 1 (every training row) runs 6 epochs before stage 2
+    label = processes.start(
+        "train",
+        "--federation",
+        str(federation),
+        "--name",
+        "bank",
+        "--method",
+        "false-vfl-1",
+        "--epochs",
+        str(epochs),
+        "--batch-size",
+        "64",
+        "--kappa",
+        "3",
+        "--inference-samples",
+        "10",
+        "--quiet",
+        "--deadline",
+        "10",
+        "--out",
+        str(out),
+        log="bank",
+    )  # fmt: skip  (deadlines: see the LASER test above)
+    wait_for_line(processes, "shop", "first training step is done", label)
+    # Past step 1's update (where a kill right away is noticed: the others complete the
+    # step), into a later step of stage 1's 18, which the label party abandons and retries.
+    time.sleep(0.5)
+    os.kill(servers["shop"].pid, signal.SIGKILL)
+    assert label.wait(timeout=PROCESS_SECONDS) == 0, processes.log("bank")
+    for name in ("insurer", "telco", "aggregator"):
+        assert servers[name].wait(timeout=PROCESS_SECONDS) == 0, processes.log(name)
+    result = json.loads((out / "result.json").read_text())
+    [fault] = result["faults"]
+    epoch_steps = -(-result["samples"]["train"] // 64)  # every training row (stage 1)
+    assert fault["party"] == "shop" and "shop" in fault["what"], fault
+    assert 1 <= fault["step"] <= epochs * epoch_steps, fault  # lost in stage 1
+    assert fault["epoch"] == (fault["step"] - 1) // epoch_steps + 1
+    assert len(result["epoch_loss"]) == 2 * epochs  # both stages ran to the end
+    assert all(np.isfinite(loss) for loss in result["epoch_loss"])
+    tests = set(result["samples"]) - {"train"}
+    assert tests and set(result["metrics"]) == tests
+    assert all(0 <= m["accuracy"] <= 100 for m in result["metrics"].values())
     assert "shop" not in result["traffic"]["bytes"]
     assert f"lost: shop at step {fault['step']}" in processes.log("bank")
 

@@ -27,13 +27,14 @@ STEP = 4  # the round (0-based) in which it is lost
 
 
 class LosingChannel(Channel):
-    """Loses ``LOST`` when the first ``kind`` of round ``STEP`` is posted to it: that post and
-    every later one to it raise TransportError, and :meth:`unreachable` names it from then
-    on. ``after_loss`` counts the posts to it once it is lost."""
+    """Loses ``LOST`` when the first ``kind`` of round ``step`` (default ``STEP``) is posted to
+    it: that post and every later one to it raise TransportError, and :meth:`unreachable` names
+    it from then on. ``after_loss`` counts the posts to it once it is lost."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, *, step: int = STEP) -> None:
         super().__init__()
         self.kind = kind
+        self.step = step
         self.lost = False
         self.after_loss = 0
         self.posted: list[Message] = []
@@ -41,7 +42,7 @@ class LosingChannel(Channel):
     def post(self, message: Message, *, sender: Party) -> None:
         self.posted.append(message)
         if message.receiver == LOST:
-            if message.kind == self.kind and message.round == STEP and not self.lost:
+            if message.kind == self.kind and message.round == self.step and not self.lost:
                 self.lost = True
             elif self.lost:
                 self.after_loss += 1

@@ -53,6 +53,14 @@ A party's outgoing hooks see every message it sends, but the DP mechanisms writt
 representation and gradient messages would noise steps 1 and 4 only, not the likelihood and
 latent-gradient messages, which carry feature information too (so FALSE-VFL refuses DP flags).
 
+A data party lost mid-training (a deployment: its process died) is a missing block, as in
+LASER: the driver drops it (:meth:`~secure_vfl.methods.base.Federation.recover`), every other
+party discards what the broken step left (kept likelihoods, gradients already in its decoder
+or the label-side model) and the step is retried under a fresh batch id, each row's posterior
+over the parties still observed (eq. 1 over the rest; FALSE-VFL-II leaves the lost block out of
+the weight rather than ask for its mask term). A row whose every block was lost is predicted
+from the prior. Stage 2's rounds run on after stage 1's, so a fault names the run's step.
+
 Under secure sums (``MethodConfig.secure_sums``) the label party may only receive sums from which
 no combination over the whole run isolates another party's term: a row's posterior sums its own
 block and the row's usable blocks of >= 2 other parties (fixed for the run,
@@ -64,17 +72,19 @@ posterior: it is skipped in training and predicted from the prior p(h)
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from secure_vfl.data.party_preprocessing import PartyPreprocessing
 from secure_vfl.data.samplers import BatchSampler, make_sampler
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ConfigError, ProtocolError
@@ -82,6 +92,7 @@ from secure_vfl.federation.aggregator import SumBackend
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import (
     AGGREGATOR,
+    AbortRequest,
     GradientMessage,
     LatentGradientMessage,
     LatentMessage,
@@ -94,12 +105,15 @@ from secure_vfl.federation.parties import ROLES, DataParty, Party, RoleFactory
 from secure_vfl.federation.releases import ReleaseBlocks
 from secure_vfl.methods.base import (
     METHODS,
+    PARTY_MODELS,
     MethodConfig,
+    PartyModels,
     StepCallback,
     TrainingProgress,
     _positive_int,
     broadcast_prediction,
     build_federation,
+    build_party,
     isolated_seed,
     labeled_rows,
     refuse_top_model,
@@ -158,6 +172,8 @@ def _phase(split: str) -> str:
 
 LIKELIHOOD = "/likelihood"
 """Suffix of the tag of a gradient on the log-likelihoods a party returned (step 4)."""
+_POSTERIOR = "/posterior"
+"""Suffix of the tag of the posterior factors (step 1) and of their gradients (step 4)."""
 
 
 class LatentParty(DataParty):
@@ -210,6 +226,8 @@ class LatentParty(DataParty):
                 f"{self.name}: latent samples for rows it does not hold, but it has no "
                 "missingness model (FALSE-VFL-I scores observed rows only)."
             )
+        if message.backward:
+            self._forget_unfinished(message.round)
         train = message.backward
         h = message.samples.clone().requires_grad_(True) if train else message.samples
         with torch.set_grad_enabled(train):
@@ -237,6 +255,18 @@ class LatentParty(DataParty):
                 log_likelihood=log_likelihood.detach(),
             )
         )
+
+    def _forget_unfinished(self, round: int) -> None:
+        """Before step ``round``'s likelihoods: what an earlier step whose update never reached
+        this party (the driver closed it without it: a party lost at the update) left here --
+        its likelihoods, the gradients received for it and the decoder gradients, which that
+        update would have applied -- is discarded, not carried into this step."""
+        unfinished = [
+            _drop_before(store, round)
+            for store in (self._likelihood_pending, self._pending, self._gradients)
+        ]
+        if any(unfinished):
+            self.latent_model.zero_grad(set_to_none=True)
 
     def on_gradient(self, message: GradientMessage) -> None:
         if message.tag.endswith(LIKELIHOOD):
@@ -285,6 +315,17 @@ class LatentParty(DataParty):
         for stale in [k for k in self._likelihood_pending if k[0] <= message.round]:
             del self._likelihood_pending[stale]
 
+    def on_abort(self, request: AbortRequest) -> None:
+        """Discard the abandoned step ``request.round`` (a party was lost): besides a data
+        party's forward passes and gradients, the likelihoods kept for their gradient and what
+        a likelihood gradient already put into its decoder (and missingness model), so that
+        nothing of the step is applied when the retry's update comes. Between two updates its
+        model's gradients are the current step's only (every update clears them)."""
+        super().on_abort(request)
+        for key in [key for key in self._likelihood_pending if key[0] == request.round]:
+            del self._likelihood_pending[key]
+        self.latent_model.zero_grad(set_to_none=True)
+
 
 class LatentLabelParty(LatentParty):
     """The label party of FALSE-VFL: a data party (it holds block 0) that also holds the labels
@@ -321,6 +362,12 @@ class LatentLabelParty(LatentParty):
         """Its encoder/decoder and its label-side model q(z|h), p(h|z), p(y|h)."""
         return {**super().own_modules(), "label-model": self.label_model}
 
+    def on_abort(self, request: AbortRequest) -> None:
+        """Discard the abandoned step as a data party does, and what its own backward pass put
+        into the label-side model (the retry computes it again)."""
+        super().on_abort(request)
+        self.label_model.zero_grad(set_to_none=True)
+
     def labels(self, rows: Tensor) -> Tensor:
         """Labels of training ``rows``; refuses rows whose label it does not hold."""
         labels = self._labels[rows]
@@ -329,8 +376,128 @@ class LatentLabelParty(LatentParty):
         return labels
 
 
+def _drop_before(store: dict[tuple[int, str], Any], round: int) -> bool:
+    """Delete the entries of ``store`` (keyed by round and tag) of rounds before ``round``;
+    whether there were any."""
+    stale = [key for key in store if key[0] < round]
+    for key in stale:
+        del store[key]
+    return bool(stale)
+
+
 ROLES.register("latent-party", LatentParty)
 ROLES.register("latent-label-party", LatentLabelParty)
+
+VARIANTS: dict[str, Variant] = {"false-vfl-1": 1, "false-vfl-2": 2}
+"""FALSE-VFL's variant by its registered method name."""
+
+
+def latent_model(
+    k: int,
+    shapes: Sequence[tuple[int, ...]],
+    options: FalseVflConfig,
+    variant: Variant,
+    seed: int,
+) -> PartyLatentModel:
+    """Party ``k``'s encoder and decoder (and FALSE-VFL-II's missingness model) for its block of
+    shape ``shapes[k]``, initialised under seed ``seed + k``: the seed rule of every run, in one
+    process or in the party's own (:mod:`secure_vfl.deployment`)."""
+    with isolated_seed(seed + k):
+        return PartyLatentModel(
+            shapes[k], options.latent_dim, hidden=options.hidden, missingness=variant == 2
+        )
+
+
+def _adam(
+    parameters: Iterable[torch.nn.Parameter], lr: float, config: MethodConfig
+) -> torch.optim.Optimizer:
+    """Adam, as the paper trains both stages, with the run's weight decay."""
+    return torch.optim.Adam(parameters, lr=lr, weight_decay=config.weight_decay)
+
+
+def make_latent_party(
+    k: int,
+    name: str,
+    role: RoleFactory,
+    blocks: dict[str, Tensor],
+    model: torch.nn.Module,
+    *,
+    observed: Mapping[str, Tensor],
+    config: MethodConfig,
+    options: FalseVflConfig,
+    seed: int,
+    **label_side: object,
+) -> Party:
+    """Party ``k`` of FALSE-VFL playing ``role``: its ``blocks`` and which of their rows it holds
+    (``observed``, per split), its ``model``, its own Adam optimiser (stage 1's learning rate)
+    and its own generator, seeded ``seed + 100 + k`` (FALSE-VFL-II's draws x~). The label party
+    takes its ``label_side`` too (labels, label-side model, their optimisers and generator)."""
+    optimizer = _adam(model.parameters(), options.pretrain_lr, config)
+    generator = torch.Generator().manual_seed(seed + 100 + k)
+    return role(
+        name, blocks, model, optimizer, observed=observed, generator=generator, **label_side
+    )
+
+
+def build_latent_party(
+    k: int,
+    name: str,
+    *,
+    method: str,
+    blocks: Mapping[str, Tensor],
+    observed: Mapping[str, Tensor],
+    shapes: Sequence[tuple[int, ...]],
+    config: MethodConfig,
+    options: FalseVflConfig,
+    seed: int,
+    preprocessing: PartyPreprocessing | None = None,
+) -> DataParty:
+    """Data party ``k`` (not the label party) of the FALSE-VFL ``method``, built in its own
+    process (:mod:`secure_vfl.deployment`) from its ``blocks`` and which of their rows it holds
+    (``observed``, per split), by the seed rule of :class:`FalseVflMethod`: the same model,
+    optimiser and generator as in one process. It holds no label."""
+    if method not in VARIANTS or not 1 <= k < len(shapes):
+        raise ConfigError(
+            f"a FALSE-VFL method ({', '.join(VARIANTS)}) and a data party's index in "
+            f"[1, {len(shapes)}) expected; found {method!r} and {k}."
+        )
+
+    def make_party(
+        k: int, role: RoleFactory, blocks: dict[str, Tensor], model: torch.nn.Module
+    ) -> Party:
+        return make_latent_party(
+            k,
+            name,
+            role,
+            blocks,
+            model,
+            observed=observed,
+            config=config,
+            options=options,
+            seed=seed,
+        )
+
+    return build_party(
+        k,
+        name,
+        blocks=blocks,
+        observed=observed["train"].numpy(),
+        labels={},
+        config=config,
+        seed=seed,
+        role=ROLES.get("latent-party"),
+        bottom=latent_model(k, shapes, options, VARIANTS[method], seed),
+        make_party=make_party,
+        preprocessing=preprocessing,
+    )
+
+
+def no_party_models(
+    config: MethodConfig, shapes: Sequence[tuple[int, ...]], num_classes: int, seed: int
+) -> PartyModels:
+    """FALSE-VFL hands no party a head or a further bottom: the discriminator and the global
+    latent model stay with the label party, and no data party is given a label."""
+    return PartyModels({})
 
 
 @dataclass
@@ -390,17 +557,9 @@ class FalseVflMethod:
         self.options = false_vfl if false_vfl is not None else FalseVflConfig()
         self.variant = variant
         options = self.options
-        models = []
-        for k in range(data.parties):
-            with isolated_seed(seed + k):
-                models.append(
-                    PartyLatentModel(
-                        data.block_shapes[k],
-                        options.latent_dim,
-                        hidden=options.hidden,
-                        missingness=variant == 2,
-                    )
-                )
+        models = [
+            latent_model(k, data.block_shapes, options, variant, seed) for k in range(data.parties)
+        ]
         self.labeled_rows = labeled_rows(data, config, seed)
         labels = torch.full((data.train.n,), -1, dtype=torch.int64)
         labels[self.labeled_rows] = torch.from_numpy(data.train.labels[self.labeled_rows])
@@ -412,32 +571,38 @@ class FalseVflMethod:
                 hidden=options.hidden,
             )
         splits = split_tensors(data)
+        names = (channel.party_names if channel is not None else None) or [
+            party_name(k) for k in range(data.parties)
+        ]
 
         def make_party(
             k: int, role: RoleFactory, blocks: dict[str, Tensor], model: torch.nn.Module
         ) -> Party:
-            own = {
-                "observed": {n: torch.from_numpy(s.mask[:, k]) for n, s in splits.items()},
-                "generator": torch.Generator().manual_seed(seed + 100 + k),
-            }
-            optimizer = self._adam(model.parameters(), options.pretrain_lr)
-            if k > 0:
-                return role(party_name(k), blocks, model, optimizer, **own)
-            return role(
-                party_name(k),
+            observed = {n: torch.from_numpy(s.mask[:, k]) for n, s in splits.items()}
+            label_side = {}
+            if k == 0:
+                label_side = {
+                    "labels": labels,
+                    "label_model": label_model,
+                    "generative_optimizer": _adam(
+                        label_model.generative_parameters(), options.pretrain_lr, config
+                    ),
+                    "discriminator_optimizer": _adam(
+                        label_model.discriminator.parameters(), options.train_lr, config
+                    ),
+                    "latent_generator": torch.Generator().manual_seed(seed),
+                }
+            return make_latent_party(
+                k,
+                names[k],
+                role,
                 blocks,
                 model,
-                optimizer,
-                **own,
-                labels=labels,
-                label_model=label_model,
-                generative_optimizer=self._adam(
-                    label_model.generative_parameters(), options.pretrain_lr
-                ),
-                discriminator_optimizer=self._adam(
-                    label_model.discriminator.parameters(), options.train_lr
-                ),
-                latent_generator=torch.Generator().manual_seed(seed),
+                observed=observed,
+                config=config,
+                options=options,
+                seed=seed,
+                **label_side,
             )
 
         self.fed = build_federation(
@@ -466,12 +631,11 @@ class FalseVflMethod:
             config.batching, data.train.mask, config.batch_size, rows=self.labeled_rows
         )
         self.stage: Literal[1, 2] = 1
+        self.fed.tolerates_dropouts = True  # a lost party is a missing block
+        self.fed.epoch_steps = len(self.sampler)  # stage 1's; train_step dates stage 2's faults
         self.blocks: ReleaseBlocks | None = None
         if config.secure_sums:
             self.blocks = ReleaseBlocks(data.train.mask, receiver=0, seed=seed)
-
-    def _adam(self, parameters: Iterable[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
-        return torch.optim.Adam(parameters, lr=lr, weight_decay=self.config.weight_decay)
 
     @property
     def names(self) -> list[str]:
@@ -528,7 +692,7 @@ class FalseVflMethod:
         each sending party's positions.
         """
         fed = self.fed
-        source = f"{tag}/posterior"
+        source = tag + _POSTERIOR
         training_rows = split == "train"
         asked = fed.request_representations(
             split,
@@ -591,7 +755,10 @@ class FalseVflMethod:
         sums, mean, precision, posterior_positions = self._posterior(
             split, rows, selection, round=round, batch_id=batch_id, tag=tag, train=train
         )
-        scored = selection | ~mask if self.variant == 2 else selection
+        scored = selection
+        if self.variant == 2:  # a missing block is scored by its party's missingness model
+            live = torch.tensor([name not in fed.dropped for name in fed.names])
+            scored = selection | (~mask & live)  # a lost party's block: left out (marginalised)
         scale = precision.rsqrt().unsqueeze(1)
         noise = torch.randn(
             (rows.shape[0], samples, mean.shape[1]), generator=label.latent_generator
@@ -645,10 +812,38 @@ class FalseVflMethod:
 
     def train_step(self, rows_np: np.ndarray, round: int, batch_id: int) -> float:
         """One step of the current stage on the training ``rows_np`` that have a posterior;
-        returns the negative bound per sample (-L_kappa in stage 1, -L'_kappa in stage 2)."""
+        returns the negative bound per sample (-L_kappa in stage 1, -L'_kappa in stage 2).
+
+        A data party lost during the step (a deployment: its process died) is dropped and the
+        step retried without it, as LASER's: every other party first discards what the attempt
+        left (:meth:`~secure_vfl.methods.base.Federation.recover`), and the retry, under a fresh
+        batch id, aggregates the posterior of each row over the parties still observed (a lost
+        block is a missing block: paper eq. 1 over the rest). A party lost at stage 1's update
+        is dropped there and the others complete the step.
+        """
+        fed = self.fed
+        faults = len(fed.faults)
+        sampler = self.sampler if self.stage == 1 else self.labeled_sampler
+        for attempt in itertools.count():
+            try:
+                loss, update = self._attempt(rows_np, round, batch_id + attempt * len(sampler))
+                break
+            except ProtocolError as error:
+                fed.recover(error, round=round)
+        if update:
+            fed.update(round=round, tag=f"stage1{_POSTERIOR}")
+            self.label_party.generative_optimizer.step()
+            self.label_party.generative_optimizer.zero_grad(set_to_none=True)
+        for fault in fed.faults[faults:]:
+            fault["epoch"] = self._epoch(round)
+        return loss
+
+    def _attempt(self, rows_np: np.ndarray, round: int, batch_id: int) -> tuple[float, bool]:
+        """One attempt at a step, up to its update: its loss, and whether the parties update
+        (stage 1 on rows that have a posterior)."""
         rows_np = self._with_posterior("train", rows_np)
         if rows_np.size == 0:
-            return 0.0
+            return 0.0, False
         rows = torch.from_numpy(rows_np)
         mask = torch.from_numpy(self.data.train.mask[rows_np])
         pretraining = self.stage == 1
@@ -664,11 +859,23 @@ class FalseVflMethod:
             train=pretraining,
         )
         if pretraining:
-            return self._pretrain_update(forward, round=round, batch_id=batch_id, tag=tag)
-        return self._discriminator_update(forward, rows)
+            return self._pretrain_backward(forward, round=round, batch_id=batch_id, tag=tag), True
+        return self._discriminator_update(forward, rows), False
 
-    def _pretrain_update(self, forward: _Forward, *, round: int, batch_id: int, tag: str) -> float:
-        """Stage 1: ascend L_kappa(Theta_g) on a batch of any training rows (paper section 3.4)."""
+    def _epoch(self, round: int) -> int:
+        """The epoch (from 1, counted across both stages as :meth:`fit`'s losses are) of the
+        training step ``round`` (rounds run on across both stages)."""
+        stage_one = len(self.sampler) * self._epochs(1)
+        if round < stage_one:
+            return round // len(self.sampler) + 1
+        return self._epochs(1) + (round - stage_one) // len(self.labeled_sampler) + 1
+
+    def _pretrain_backward(
+        self, forward: _Forward, *, round: int, batch_id: int, tag: str
+    ) -> float:
+        """Stage 1 up to the update: the gradient of -L_kappa(Theta_g) on a batch of any
+        training rows (paper section 3.4), sent back through the seam (step 4); the update
+        (:meth:`train_step`) applies it."""
         fed = self.fed
         label = self.label_party
         kappa = self.options.kappa
@@ -695,19 +902,15 @@ class FalseVflMethod:
             samples_grad.index_add_(0, reply.positions, reply.gradient)
         forward.samples_graph.backward(samples_grad)
         assert forward.sums.grad is not None
-        source = f"{tag}/posterior"
         for name, positions in forward.posterior_positions.items():
             label.send(
                 GradientMessage(
                     **fed.header(name, round, batch_id),
                     positions=positions,
-                    tag=source,
+                    tag=tag + _POSTERIOR,
                     gradient=forward.sums.grad[positions].detach().contiguous(),
                 )
             )
-        fed.update(round=round, tag=source)
-        label.generative_optimizer.step()
-        label.generative_optimizer.zero_grad(set_to_none=True)
         return loss.item()
 
     def _discriminator_update(self, forward: _Forward, rows: Tensor) -> float:
@@ -753,7 +956,7 @@ class FalseVflMethod:
         self.stage = 2
         shifted = None if on_step is None else partial(_shift_round, on_step, offset)
         losses += train_epochs(
-            self.train_step,
+            partial(_shifted_step, self.train_step, offset),
             self.labeled_sampler,
             epochs=self._epochs(2),
             rng=self.fed.rng,
@@ -844,15 +1047,33 @@ class FalseVflMethod:
         return self.infer(split_name).probabilities
 
     def predict(self, split_name: str) -> np.ndarray:
-        """The label party's SNIS prediction, reported by every observed party: (N, K)."""
+        """The label party's SNIS prediction, reported by every observed party: (N, K). A
+        sample whose every block was lost (a dropped party) is predicted from the prior and
+        reported by the label party."""
         split = split_tensors(self.data)[split_name]
         predicted = self.infer(split_name).probabilities.argmax(axis=1)
-        return broadcast_prediction(predicted, split.mask)
+        out = broadcast_prediction(predicted, split.mask)
+        lost = ~split.mask.any(axis=1)
+        out[lost, 0] = predicted[lost]
+        return out
 
 
 def _shift_round(on_step: StepCallback, offset: int, round: int, loss: float) -> None:
     on_step(offset + round, loss)
 
 
-METHODS.register("false-vfl-1", partial(FalseVflMethod, variant=1, name="false-vfl-1"))
-METHODS.register("false-vfl-2", partial(FalseVflMethod, variant=2, name="false-vfl-2"))
+def _shifted_step(
+    step: Callable[[np.ndarray, int, int], float],
+    offset: int,
+    rows: np.ndarray,
+    round: int,
+    batch_id: int,
+) -> float:
+    """Stage 2's step ``round`` as the run's step ``offset + round``: rounds run on across both
+    stages, so no two steps of a run share one (a fault names the run's step)."""
+    return step(rows, offset + round, batch_id)
+
+
+for _name, _variant in VARIANTS.items():
+    METHODS.register(_name, partial(FalseVflMethod, variant=_variant, name=_name))
+    PARTY_MODELS.register(_name, no_party_models)

@@ -1,0 +1,84 @@
+"""FALSE-VFL's set-up in a deployment, without processes: what the label party tells each data
+party, and the party that builds itself from it (the process tests are in test_deploy.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_deploy import PARTIES, write_federation, write_party_files
+
+from secure_vfl.data.party_files import read_party_file
+from secure_vfl.deployment import (
+    _deployment,
+    build_served_party,
+    join_alignment,
+    label_side,
+    setup_bodies,
+)
+from secure_vfl.errors import ProtocolError
+from secure_vfl.experiment import TrainConfig, build_method, prepare_data
+from secure_vfl.federation.federation_file import read_federation
+from secure_vfl.federation.network import free_loopback_ports
+from secure_vfl.methods import MethodConfig
+from secure_vfl.methods.base import in_process_parties
+from secure_vfl.methods.false_vfl import FalseVflConfig, LatentParty
+
+OPTIONS = FalseVflConfig(latent_dim=6, global_latent_dim=3, hidden=32, kappa=3)
+
+
+def test_a_false_vfl_party_builds_itself_as_in_one_process_and_is_given_no_label(
+    tmp_path: Path,
+) -> None:
+    write_party_files(tmp_path)
+    federation = read_federation(
+        write_federation(tmp_path, tmp_path / "certs", free_loopback_ports(5))
+    )
+    tables = {name: read_party_file(tmp_path / f"{name}.csv") for name in PARTIES}
+    config = TrainConfig(
+        method="false-vfl-2",
+        party_files=tuple(tmp_path / f"{name}.csv" for name in PARTIES),
+        label_file=tmp_path / "labels.csv",
+        method_config=MethodConfig(epochs=1, batch_size=64, labeled=100),
+        false_vfl=OPTIONS,
+        seed=5,
+    )
+    others = [tables[name] for name in PARTIES[1:]]
+    side = label_side(
+        config,
+        federation,
+        tables["bank"],
+        join_alignment(tables["bank"], [t.ids for t in others]),
+        [len(t.columns) for t in others],
+    )
+    bodies = setup_bodies(config, side, federation, "none")
+    assert side.data.train.n > 100  # some training rows are unlabelled
+    for name in PARTIES[1:]:
+        assert bodies[name]["labels"] is None  # only the label party holds labels
+        assert bodies[name]["false_vfl"] == dataclasses.asdict(OPTIONS)
+    alone = in_process_parties(build_method(config, prepare_data(config)).fed.channel)
+    for k, name in enumerate(PARTIES[1:], start=1):
+        setup = _deployment("bank", name, "setup", bodies[name])
+        served = build_served_party(name, setup, tables[name], lambda scheme: None)
+        party = alone[k]
+        assert isinstance(served, LatentParty) and isinstance(party, LatentParty)
+        assert served.latent_model.missingness is not None  # FALSE-VFL-II's
+        expected = party.latent_model.state_dict()
+        for key, value in served.latent_model.state_dict().items():
+            assert torch.equal(value, expected[key]), (name, key)
+        for split, block in party._blocks.items():
+            assert torch.equal(served._blocks[split], block), (name, split)
+            assert torch.equal(served._observed[split], party._observed[split])
+        assert torch.equal(served.generator.get_state(), party.generator.get_state())
+    # A set-up that hands a FALSE-VFL party labels, or bad options, is refused.
+    wrong: dict[str, dict[str, Any]] = {
+        "holds no label": {"labels": [0] * len(bodies["shop"]["rows"]["train"])},
+        "valid `false_vfl` options": {"false_vfl": {"kappa": 0}},
+    }
+    for expected_error, change in wrong.items():
+        setup = _deployment("bank", "shop", "setup", {**bodies["shop"], **change})
+        with pytest.raises(ProtocolError, match=expected_error):
+            build_served_party("shop", setup, tables["shop"], lambda scheme: None)

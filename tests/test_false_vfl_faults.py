@@ -1,0 +1,140 @@
+"""FALSE-VFL with a data party lost mid-step, in one process (the losing channel of
+test_faults.py): at each message kind of a stage-1 or stage-2 step, training goes on with its
+block missing, ``faults`` records it, and the surviving parties keep nothing of the abandoned
+attempt. The process test in test_deploy.py kills a real party."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from conftest import MakeData
+from test_faults import LOST, STEP, LosingChannel
+
+from protocols.secagg import MaskingAggregator
+from secure_vfl.data.vertical import VerticalData
+from secure_vfl.federation.aggregator import SumBackend
+from secure_vfl.federation.channel import Channel
+from secure_vfl.federation.messages import AGGREGATOR, AbortRequest
+from secure_vfl.methods import MethodConfig
+from secure_vfl.methods.base import in_process_parties
+from secure_vfl.methods.false_vfl import FalseVflConfig, FalseVflMethod, LatentParty
+
+OPTIONS = FalseVflConfig(latent_dim=6, global_latent_dim=3, hidden=32, kappa=3, inference_samples=8)
+CONFIG = MethodConfig(epochs=1, batch_size=64, labeled=100)
+
+
+def _method(
+    data: VerticalData,
+    channel: Channel,
+    *,
+    variant: int = 1,
+    config: MethodConfig = CONFIG,
+    aggregator: SumBackend | None = None,
+) -> FalseVflMethod:
+    return FalseVflMethod(
+        data,
+        config,
+        seed=3,
+        variant=1 if variant == 1 else 2,
+        name=f"false-vfl-{variant}",
+        channel=channel,
+        aggregator=aggregator,
+        false_vfl=OPTIONS,
+    )
+
+
+def _survivors(method: FalseVflMethod) -> list[LatentParty]:
+    parties = in_process_parties(method.fed.channel)
+    return [p for p in parties if isinstance(p, LatentParty) and p.name != LOST]
+
+
+def _left_over(party: LatentParty) -> list[str]:
+    """What ``party`` still keeps of a step: kept forward passes, gradients, likelihoods,
+    messages or gradients in its models."""
+    kept = {
+        "forward passes": party._pending,
+        "gradients": party._gradients,
+        "likelihoods": party._likelihood_pending,
+        "inbox": party._inbox,
+    }
+    left = [what for what, store in kept.items() if store]
+    modules: list[torch.nn.Module] = [party.latent_model]
+    label_model = getattr(party, "label_model", None)
+    if label_model is not None:
+        modules.append(label_model)
+    if any(p.grad is not None for m in modules for p in m.parameters()):
+        left.append("model gradients")
+    return left
+
+
+@pytest.mark.parametrize(
+    ("variant", "stage", "kind", "masks"),
+    [
+        (1, 1, "represent-request", False),  # noticed by the driver at the step's start
+        (1, 1, "latent", False),  # the parties before it hold likelihoods for a gradient
+        (1, 1, "gradient", False),  # the parties before it backpropagated their likelihoods
+        (1, 1, "update", False),  # the others complete the step
+        (2, 1, "latent", False),
+        (1, 1, "seal-request", True),
+        (1, 2, "represent-request", False),
+        (2, 2, "latent", False),
+    ],
+)
+def test_a_party_lost_mid_step_is_dropped_and_false_vfl_goes_on(
+    make_data: MakeData, variant: int, stage: int, kind: str, masks: bool
+) -> None:
+    data = make_data(train_missing="mcar:0.2")
+    stage_one = -(-data.train.n // CONFIG.batch_size)  # steps of stage 1's one epoch
+    step = STEP if stage == 1 else stage_one  # stage 2's first step: rounds run on
+    channel = LosingChannel(kind, step=step)
+    config = dataclasses.replace(CONFIG, secure_sums=masks)
+    aggregator = MaskingAggregator() if masks else None
+    method = _method(data, channel, variant=variant, config=config, aggregator=aggregator)
+    assert len(method.sampler) == stage_one > STEP
+    losses = method.fit()
+    assert channel.lost
+    assert method.fed.faults == [
+        {
+            "party": LOST,
+            "step": step + 1,
+            "epoch": stage,  # one epoch per stage, counted across both
+            "what": f"{kind} to {LOST}: its process is gone",
+        }
+    ]
+    assert channel.after_loss == 0  # nothing was sent to it again
+    assert len(losses) == 2 and all(np.isfinite(losses))
+    for party in _survivors(method):
+        assert _left_over(party) == [], party.name
+    for name in data.tests:
+        predicted = method.predict(name)
+        assert (predicted[:, 2] == -1).all()  # its block is missing in evaluation
+        assert (predicted >= 0).any(axis=1).all()  # and every sample is still predicted
+
+
+def test_an_abandoned_stage_one_step_leaves_nothing_to_apply(make_data: MakeData) -> None:
+    # A step carried up to its update, the furthest a retried attempt gets: every party has
+    # backpropagated its likelihood gradient into its decoder and holds its posterior
+    # gradient, and the label party its own backward pass. Abandoning it must leave nothing
+    # for an update to apply.
+    data = make_data(train_missing="mcar:0.2")
+    method = _method(data, Channel())
+    fed = method.fed
+    _, update = method._attempt(np.arange(CONFIG.batch_size), 0, 0)
+    assert update
+    parties = _survivors(method)
+    assert all("model gradients" in _left_over(party) for party in parties)  # it can fail
+    assert all("gradients" in _left_over(party) for party in parties)
+    modules = [*(p.latent_model for p in parties), method.label_party.label_model]
+    before = [t.detach().clone() for m in modules for t in m.parameters()]
+    fed.send_or_drop(
+        [AbortRequest(**fed.header(name, 0, 0)) for name in [*fed.live(), AGGREGATOR]], round=0
+    )
+    for party in parties:
+        assert _left_over(party) == [], party.name
+    fed.update(round=0, tag="stage1/posterior")
+    method.label_party.generative_optimizer.step()
+    after = [t.detach() for m in modules for t in m.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
