@@ -67,7 +67,7 @@ from secure_vfl.data.vertical import (
 from secure_vfl.errors import ConfigError, ProtocolError, SecureVFLError, TransportError
 from secure_vfl.federation.aggregator import PlainAggregator, SealingScheme, SumBackend
 from secure_vfl.federation.alignment import Alignment, JoinAligner, check_unique_ids
-from secure_vfl.federation.channel import Channel
+from secure_vfl.federation.channel import Channel, Readmission
 from secure_vfl.federation.federation_file import Federation
 from secure_vfl.federation.messages import AGGREGATOR, DeploymentMessage, Message
 from secure_vfl.federation.network import NetworkChannel, PartyEndpoint
@@ -745,6 +745,7 @@ def train_deployed(
     :class:`~secure_vfl.experiment.TrainResult`, its traffic counting every party's bytes
     (each reports its own)."""
     from secure_vfl.experiment import run_training
+    from secure_vfl.methods.base import lost_parties
 
     refuse_undeployable(config)
     if config.align == "psi" and psi is None:
@@ -774,12 +775,15 @@ def train_deployed(
             ids, widths = collect_ids(endpoint, federation)
             align = join_alignment(own, ids)
         side = label_side(config, federation, own, align, widths)
-        for receiver, body in setup_bodies(config, side, federation, secure_agg).items():
+        bodies = setup_bodies(config, side, federation, secure_agg)
+        for receiver, body in bodies.items():
             endpoint.send(
                 _deployment(name, receiver, "setup", body), deadline=max(deadline, SETUP_DEADLINE)
             )
         channel = NetworkChannel(endpoint)
         channel.party_names = federation.names
+        if config.align == "join":  # under PSI a rejoin would need a new PSI session: not yet
+            channel.readmit = readmission(endpoint, bodies, deadline=deadline)
         result = run_training(
             config,
             data=side.data,
@@ -788,12 +792,38 @@ def train_deployed(
             on_start=on_start,
             on_step=on_step,
         )
-        lost = [fault["party"] for fault in result.faults]
+        lost = lost_parties(result.faults)
         outcome = "finished"
     finally:
         reports = _end(endpoint, federation, outcome, lost=lost)
         endpoint.close()
     return dataclasses.replace(result, traffic=_with_reports(result.traffic, reports))
+
+
+def readmission(
+    endpoint: PartyEndpoint, bodies: Mapping[str, Mapping[str, Any]], *, deadline: float
+) -> Readmission:
+    """How the label party sets a lost data party up again when it answers at an epoch
+    boundary (a new ``party serve`` process of the same name, certificate and address, started
+    by its operator): the ``setup`` it had at the start of the run (:func:`rejoin_setup`), after
+    which it builds itself as it did then. ProtocolError if the party refuses it."""
+
+    def readmit(name: str) -> None:
+        body = rejoin_setup(bodies[name])
+        endpoint.send(
+            _deployment(endpoint.name, name, "setup", body),
+            deadline=max(deadline, SETUP_DEADLINE),
+        )
+
+    return readmit
+
+
+def rejoin_setup(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The set-up a rejoining data party is sent: the one it had at the start of the run, so it
+    rebuilds its initial models by the seed rule (the models it trained died with its process).
+    This is the seam for deployed checkpoints: a party that keeps its own could be told here to
+    load its latest one instead."""
+    return dict(body)
 
 
 def _end(
