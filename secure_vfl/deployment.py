@@ -34,8 +34,22 @@ federation.messages.DeploymentMessage` s, each a JSON object checked on arrival:
 
 A data party lost mid-training (its process died: a step fails and the party accepts no
 connection) is dropped by LASER's driver (:meth:`~secure_vfl.methods.base.Federation.recover`):
-its block is missing from then on, it is sent nothing more (not even ``end``), and the result's
-``faults`` names it. A lost aggregator, or a lost party under another method, fails the run.
+its block is missing from then on, it is sent nothing more (not even ``end``) unless it
+rejoins, and the result's ``faults`` names it. A lost aggregator, or a lost party under another method, fails the run.
+
+A lost data party may **rejoin at an epoch boundary** (:meth:`~secure_vfl.methods.base.
+Federation.rejoin`): at the start of every epoch after the first the label party probes each
+lost party with a fresh connection (mutual TLS, so only a process holding that party's
+certificate from the federation's CA answers; at most
+:data:`~secure_vfl.federation.network.REJOIN_PROBE_SECONDS` for all of them). One that answers,
+a new ``party serve`` process its operator started at the same address, is sent the ``setup``
+it had at the start of the run (:func:`readmission`, :func:`rejoin_setup`: it rebuilds its
+initial models by the seed rule), gets its availability column back from the label party's
+record of it, and a new session opens, in which every live party announces its secure-sum keys
+again (the rejoined party's are new; a key of the old session is refused). From that step on it
+trains and is evaluated, and is sent ``end`` at the close; ``faults`` has a second entry,
+``{"party", "step", "epoch", "what": "rejoined"}``. Lost again, it is dropped again. Under
+``--align psi`` a lost party does not rejoin (it would need a new PSI session; not built).
 The core never imports the privacy layer: the command line passes the secure-sum backend
 (``secure_sums``) and the PSI roles (``psi``) in.
 """
