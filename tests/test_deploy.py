@@ -194,6 +194,29 @@ def wait_for_line(processes: Processes, log: str, line: str, *watched: Any) -> N
         time.sleep(0.05)
 
 
+def kill_shop_mid_training(
+    processes: Processes, federation: Path, out: Path, *flags: str, epochs: int
+) -> tuple[dict[str, subprocess.Popen[str]], subprocess.Popen[str]]:
+    """Start every data party, the aggregator and a LASER run of ``epochs`` at the label party
+    (``flags`` added), then kill shop with SIGKILL once it has done its first training step.
+    Returns the servers by name and the label party's process."""
+    # The label party gives up on a peer after 10 s (a step's chain of deliveries takes
+    # seconds on a busy machine); the others wait longer for it (their set-up, one after the
+    # other, takes seconds too). A dead peer is noticed in about 1.5 s + a 5 s probe anyway.
+    servers = {
+        name: processes.serve(federation, name, "--deadline", "60")
+        for name in (*PARTIES[1:], "aggregator")
+    }
+    label = processes.start(
+        "train", "--federation", str(federation), "--name", "bank", "--method", "laser",
+        *flags, "--epochs", str(epochs), "--batch-size", "64", "--representation-dim", "8",
+        "--quiet", "--deadline", "10", "--out", str(out), log="bank",
+    )  # fmt: skip
+    wait_for_line(processes, "shop", "first training step is done", label)
+    os.kill(servers["shop"].pid, signal.SIGKILL)
+    return servers, label
+
+
 @pytest.mark.parametrize(
     "flags",
     [
@@ -207,22 +230,8 @@ def test_training_goes_on_without_a_data_party_killed_mid_training(
     site: Path, processes: Processes, tmp_path: Path, flags: tuple[str, ...]
 ) -> None:
     federation = write_federation(site, site / "certs", free_loopback_ports(5))
-    # The label party gives up on a peer after 10 s (a step's chain of deliveries takes
-    # seconds on a busy machine); the others wait longer for it (their set-up, one after the
-    # other, takes seconds too). A dead peer is noticed in about 1.5 s + a 5 s probe anyway.
-    deadline = "10"
-    servers = {
-        name: processes.serve(federation, name, "--deadline", "60")
-        for name in (*PARTIES[1:], "aggregator")
-    }
     out = tmp_path / "out"
-    label = processes.start(
-        "train", "--federation", str(federation), "--name", "bank", "--method", "laser",
-        *flags, "--epochs", "6", "--batch-size", "64", "--representation-dim", "8",
-        "--quiet", "--deadline", deadline, "--out", str(out), log="bank",
-    )  # fmt: skip
-    wait_for_line(processes, "shop", "first training step is done", label)
-    os.kill(servers["shop"].pid, signal.SIGKILL)
+    servers, label = kill_shop_mid_training(processes, federation, out, *flags, epochs=6)
     assert label.wait(timeout=PROCESS_SECONDS) == 0, processes.log("bank")
     others = [servers[name].wait(timeout=PROCESS_SECONDS) for name in ("insurer", "telco")]
     assert others == [0, 0], [processes.log(name) for name in ("insurer", "telco")]
@@ -254,20 +263,10 @@ def test_a_data_party_killed_mid_training_rejoins_when_its_operator_restarts_it(
     site: Path, processes: Processes, tmp_path: Path, flags: tuple[str, ...]
 ) -> None:
     federation = write_federation(site, site / "certs", free_loopback_ports(5))
-    servers = {
-        name: processes.serve(federation, name, "--deadline", "60")
-        for name in (*PARTIES[1:], "aggregator")
-    }
     out = tmp_path / "out"
     # Enough epochs that the restarted process (seconds to start) is probed before the end:
     # while shop is dead each epoch costs a probe (2 s); once it is back, a fraction of that.
-    label = processes.start(
-        "train", "--federation", str(federation), "--name", "bank", "--method", "laser",
-        *flags, "--epochs", "24", "--batch-size", "64", "--representation-dim", "8",
-        "--quiet", "--deadline", "10", "--out", str(out), log="bank",
-    )  # fmt: skip
-    wait_for_line(processes, "shop", "first training step is done", label)
-    os.kill(servers["shop"].pid, signal.SIGKILL)
+    servers, label = kill_shop_mid_training(processes, federation, out, *flags, epochs=24)
     servers["shop"].wait(timeout=PROCESS_SECONDS)
     # The operator restarts shop (same certificate, same address) once the label party has
     # dropped it: a new `party serve` process, which the label party sets up again.
