@@ -35,7 +35,8 @@ federation.messages.DeploymentMessage` s, each a JSON object checked on arrival:
 A data party lost mid-training (its process died: a step fails and the party accepts no
 connection) is dropped by LASER's driver (:meth:`~secure_vfl.methods.base.Federation.recover`):
 its block is missing from then on, it is sent nothing more (not even ``end``) unless it
-rejoins, and the result's ``faults`` names it. A lost aggregator, or a lost party under another method, fails the run.
+rejoins, and the result's ``faults`` names it. A lost aggregator, or a lost party under
+another method, fails the run.
 
 A lost data party may **rejoin at an epoch boundary** (:meth:`~secure_vfl.methods.base.
 Federation.rejoin`): at the start of every epoch after the first the label party probes each
