@@ -1120,16 +1120,29 @@ def _summary(result: Any, out: Path, payload: dict[str, Any]) -> str:
         lines.extend(_column_lines(payload["columns"]))
     if payload.get("privacy") is not None:
         lines.extend(_privacy_lines(payload["privacy"]))
-    for fault in payload.get("faults", []):
-        lines.append(
-            f"lost: {fault['party']} at step {fault['step']} (epoch {fault['epoch']}); its block "
-            "was missing from then on, in training and evaluation"
-        )
+    lines.extend(_fault_lines(payload.get("faults", [])))
     settings = payload["config"].get("privacy") or {}
     if settings.get("secure_agg", "none") != "none":
         lines.append(_release_line(settings, payload.get("privacy")))
     lines.append(f"result: {out / 'result.json'}")
     return "\n".join(lines)
+
+
+def _fault_lines(faults: list[dict[str, Any]]) -> list[str]:
+    """The summary's line on every fault of a deployed run: a party lost, or back."""
+    lines = []
+    for k, fault in enumerate(faults):
+        when = f"at step {fault['step']} (epoch {fault['epoch']})"
+        if fault["what"] == "rejoined":
+            lines.append(
+                f"rejoined: {fault['party']} {when}, set up anew (initial models); its block "
+                "took part again from then on"
+            )
+            continue
+        back = any(later["party"] == fault["party"] for later in faults[k + 1 :])
+        until = "until it rejoined" if back else "from then on, in training and evaluation"
+        lines.append(f"lost: {fault['party']} {when}; its block was missing {until}")
+    return lines
 
 
 def _release_line(settings: dict[str, Any], privacy: dict[str, Any] | None) -> str:

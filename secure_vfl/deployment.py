@@ -39,8 +39,23 @@ federation.messages.DeploymentMessage` s, each a JSON object checked on arrival:
 A data party lost mid-training (its process died: a step fails and the party accepts no
 connection) is dropped by LASER's or FALSE-VFL's driver
 (:meth:`~secure_vfl.methods.base.Federation.recover`): its block is missing from then on, it
-is sent nothing more (not even ``end``), and the result's ``faults`` names it. A lost
-aggregator, or a lost party under another method, fails the run.
+is sent nothing more (not even ``end``) unless it rejoins, and the result's ``faults`` names it.
+A lost aggregator, or a lost party under another method, fails the run.
+
+Under LASER a lost data party may **rejoin at an epoch boundary** (:meth:`~secure_vfl.methods.base.
+Federation.rejoin`; FALSE-VFL's driver does not probe yet): at the start of every epoch after the
+first the label party probes each
+lost party with a fresh connection (mutual TLS, so only a process holding that party's
+certificate from the federation's CA answers; at most
+:data:`~secure_vfl.federation.network.REJOIN_PROBE_SECONDS` for all of them). One that answers,
+a new ``party serve`` process its operator started at the same address, is sent the ``setup``
+it had at the start of the run (:func:`readmission`, :func:`rejoin_setup`: it rebuilds its
+initial models by the seed rule), gets its availability column back from the label party's
+record of it, and a new session opens, in which every live party announces its secure-sum keys
+again (the rejoined party's are new; a key of the old session is refused). From that step on it
+trains and is evaluated, and is sent ``end`` at the close; ``faults`` has a second entry,
+``{"party", "step", "epoch", "what": "rejoined"}``. Lost again, it is dropped again. Under
+``--align psi`` a lost party does not rejoin (it would need a new PSI session; not built).
 The core never imports the privacy layer: the command line passes the secure-sum backend
 (``secure_sums``) and the PSI roles (``psi``) in.
 """
@@ -73,7 +88,7 @@ from secure_vfl.data.vertical import (
 from secure_vfl.errors import ConfigError, ProtocolError, SecureVFLError, TransportError
 from secure_vfl.federation.aggregator import PlainAggregator, SealingScheme, SumBackend
 from secure_vfl.federation.alignment import Alignment, JoinAligner, check_unique_ids
-from secure_vfl.federation.channel import Channel
+from secure_vfl.federation.channel import Channel, Readmission
 from secure_vfl.federation.federation_file import Federation
 from secure_vfl.federation.messages import AGGREGATOR, DeploymentMessage, Message
 from secure_vfl.federation.network import NetworkChannel, PartyEndpoint
@@ -820,6 +835,7 @@ def train_deployed(
     :class:`~secure_vfl.experiment.TrainResult`, its traffic counting every party's bytes
     (each reports its own)."""
     from secure_vfl.experiment import run_training
+    from secure_vfl.methods.base import lost_parties
 
     refuse_undeployable(config)
     if config.align == "psi" and psi is None:
@@ -849,12 +865,15 @@ def train_deployed(
             ids, widths = collect_ids(endpoint, federation)
             align = join_alignment(own, ids)
         side = label_side(config, federation, own, align, widths)
-        for receiver, body in setup_bodies(config, side, federation, secure_agg).items():
+        bodies = setup_bodies(config, side, federation, secure_agg)
+        for receiver, body in bodies.items():
             endpoint.send(
                 _deployment(name, receiver, "setup", body), deadline=max(deadline, SETUP_DEADLINE)
             )
         channel = NetworkChannel(endpoint)
         channel.party_names = federation.names
+        if config.align == "join":  # under PSI a rejoin would need a new PSI session: not yet
+            channel.readmit = readmission(endpoint, bodies, deadline=deadline)
         result = run_training(
             config,
             data=side.data,
@@ -863,12 +882,38 @@ def train_deployed(
             on_start=on_start,
             on_step=on_step,
         )
-        lost = [fault["party"] for fault in result.faults]
+        lost = lost_parties(result.faults)
         outcome = "finished"
     finally:
         reports = _end(endpoint, federation, outcome, lost=lost)
         endpoint.close()
     return dataclasses.replace(result, traffic=_with_reports(result.traffic, reports))
+
+
+def readmission(
+    endpoint: PartyEndpoint, bodies: Mapping[str, Mapping[str, Any]], *, deadline: float
+) -> Readmission:
+    """How the label party sets a lost data party up again when it answers at an epoch
+    boundary (a new ``party serve`` process of the same name, certificate and address, started
+    by its operator): the ``setup`` it had at the start of the run (:func:`rejoin_setup`), after
+    which it builds itself as it did then. ProtocolError if the party refuses it."""
+
+    def readmit(name: str) -> None:
+        body = rejoin_setup(bodies[name])
+        endpoint.send(
+            _deployment(endpoint.name, name, "setup", body),
+            deadline=max(deadline, SETUP_DEADLINE),
+        )
+
+    return readmit
+
+
+def rejoin_setup(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The set-up a rejoining data party is sent: the one it had at the start of the run, so it
+    rebuilds its initial models by the seed rule (the models it trained died with its process).
+    This is the seam for deployed checkpoints: a party that keeps its own could be told here to
+    load its latest one instead."""
+    return dict(body)
 
 
 def _end(

@@ -28,7 +28,12 @@ from secure_vfl.errors import ConfigError, ProtocolError
 from secure_vfl.federation import wire
 from secure_vfl.federation.federation_file import read_federation
 from secure_vfl.federation.messages import DeploymentMessage, Message
-from secure_vfl.federation.network import free_loopback_ports
+from secure_vfl.federation.network import (
+    NetworkChannel,
+    PartyEndpoint,
+    TlsIdentity,
+    free_loopback_ports,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTIES = ("bank", "shop", "insurer", "telco")  # the label party first
@@ -192,6 +197,29 @@ def wait_for_line(processes: Processes, log: str, line: str, *watched: Any) -> N
         time.sleep(0.05)
 
 
+def kill_shop_mid_training(
+    processes: Processes, federation: Path, out: Path, *flags: str, epochs: int
+) -> tuple[dict[str, subprocess.Popen[str]], subprocess.Popen[str]]:
+    """Start every data party, the aggregator and a LASER run of ``epochs`` at the label party
+    (``flags`` added), then kill shop with SIGKILL once it has done its first training step.
+    Returns the servers by name and the label party's process."""
+    # The label party gives up on a peer after 10 s (a step's chain of deliveries takes
+    # seconds on a busy machine); the others wait longer for it (their set-up, one after the
+    # other, takes seconds too). A dead peer is noticed in about 1.5 s + a 5 s probe anyway.
+    servers = {
+        name: processes.serve(federation, name, "--deadline", "60")
+        for name in (*PARTIES[1:], "aggregator")
+    }
+    label = processes.start(
+        "train", "--federation", str(federation), "--name", "bank", "--method", "laser",
+        *flags, "--epochs", str(epochs), "--batch-size", "64", "--representation-dim", "8",
+        "--quiet", "--deadline", "10", "--out", str(out), log="bank",
+    )  # fmt: skip
+    wait_for_line(processes, "shop", "first training step is done", label)
+    os.kill(servers["shop"].pid, signal.SIGKILL)
+    return servers, label
+
+
 @pytest.mark.parametrize(
     "flags",
     [
@@ -205,22 +233,8 @@ def test_training_goes_on_without_a_data_party_killed_mid_training(
     site: Path, processes: Processes, tmp_path: Path, flags: tuple[str, ...]
 ) -> None:
     federation = write_federation(site, site / "certs", free_loopback_ports(5))
-    # The label party gives up on a peer after 10 s (a step's chain of deliveries takes
-    # seconds on a busy machine); the others wait longer for it (their set-up, one after the
-    # other, takes seconds too). A dead peer is noticed in about 1.5 s + a 5 s probe anyway.
-    deadline = "10"
-    servers = {
-        name: processes.serve(federation, name, "--deadline", "60")
-        for name in (*PARTIES[1:], "aggregator")
-    }
     out = tmp_path / "out"
-    label = processes.start(
-        "train", "--federation", str(federation), "--name", "bank", "--method", "laser",
-        *flags, "--epochs", "6", "--batch-size", "64", "--representation-dim", "8",
-        "--quiet", "--deadline", deadline, "--out", str(out), log="bank",
-    )  # fmt: skip
-    wait_for_line(processes, "shop", "first training step is done", label)
-    os.kill(servers["shop"].pid, signal.SIGKILL)
+    servers, label = kill_shop_mid_training(processes, federation, out, *flags, epochs=6)
     assert label.wait(timeout=PROCESS_SECONDS) == 0, processes.log("bank")
     others = [servers[name].wait(timeout=PROCESS_SECONDS) for name in ("insurer", "telco")]
     assert others == [0, 0], [processes.log(name) for name in ("insurer", "telco")]
@@ -297,6 +311,75 @@ def test_false_vfl_goes_on_without_a_data_party_killed_in_stage_one(
     assert all(0 <= m["accuracy"] <= 100 for m in result["metrics"].values())
     assert "shop" not in result["traffic"]["bytes"]
     assert f"lost: shop at step {fault['step']}" in processes.log("bank")
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [("--heads", "all"), ("--heads", "active", "--secure-agg", "masks")],
+    ids=["plaintext-heads-all", "masks-heads-active"],
+)
+def test_a_data_party_killed_mid_training_rejoins_when_its_operator_restarts_it(
+    site: Path, processes: Processes, tmp_path: Path, flags: tuple[str, ...]
+) -> None:
+    federation = write_federation(site, site / "certs", free_loopback_ports(5))
+    out = tmp_path / "out"
+    # Enough epochs that the restarted process (seconds to start) is probed before the end:
+    # while shop is dead each epoch costs a probe (2 s); once it is back, a fraction of that.
+    servers, label = kill_shop_mid_training(processes, federation, out, *flags, epochs=24)
+    servers["shop"].wait(timeout=PROCESS_SECONDS)
+    # The operator restarts shop (same certificate, same address) once the label party has
+    # dropped it: a new `party serve` process, which the label party sets up again.
+    wait_for_line(processes, "bank", "shop is lost at step", label)
+    restarted = processes.start(
+        "party", "serve", "--federation", str(federation), "--name", "shop", "--deadline", "60",
+        log="shop-restarted",
+    )  # fmt: skip
+    assert label.wait(timeout=PROCESS_SECONDS) == 0, processes.log("bank")
+    codes = [servers[name].wait(timeout=PROCESS_SECONDS) for name in ("insurer", "telco")]
+    codes += [servers["aggregator"].wait(timeout=PROCESS_SECONDS)]
+    assert codes == [0, 0, 0], [processes.log(n) for n in ("insurer", "telco", "aggregator")]
+    # The restarted shop was set up, trained, was asked to end the run and reported its bytes.
+    assert restarted.wait(timeout=PROCESS_SECONDS) == 0, processes.log("shop-restarted")
+    assert "shop: the run finished" in processes.log("shop-restarted")
+    result = json.loads((out / "result.json").read_text())
+    lost, back = result["faults"]
+    steps = -(-result["samples"]["train"] // 64)  # per epoch
+    assert lost["party"] == back["party"] == "shop" and back["what"] == "rejoined", result["faults"]
+    # Back at an epoch boundary after its loss, dated by its first step again.
+    assert back["step"] > lost["step"] and (back["step"] - 1) % steps == 0, result["faults"]
+    assert back["epoch"] == (back["step"] - 1) // steps + 1 > lost["epoch"]
+    assert result["traffic"]["bytes"]["shop"]["train"] > 0
+    assert all(np.isfinite(loss) for loss in result["epoch_loss"])
+    log = processes.log("bank")
+    assert f"lost: shop at step {lost['step']}" in log and "until it rejoined" in log, log
+    assert f"rejoined: shop at step {back['step']}" in log, log
+
+
+def test_a_lost_party_is_found_back_only_under_its_own_certificate(
+    site: Path, tmp_path: Path
+) -> None:
+    federation = read_federation(write_federation(site, site / "certs", free_loopback_ports(5)))
+    address = federation.member("shop").address
+    other = tmp_path / "other"
+    tls.make_federation(other, ["shop"])
+    impostors = {
+        "insurer's certificate": ("insurer", federation.identity("insurer")),
+        "another CA's": ("shop", TlsIdentity.from_files(other / "ca.pem", *_pair(other, "shop"))),
+    }
+    with PartyEndpoint(
+        "bank", peers=federation.addresses(but="bank"), identity=federation.identity("bank")
+    ) as bank:
+        probe = NetworkChannel(bank)
+        assert probe.returned(["shop"]) == []  # nothing listens at its address
+        for what, (name, identity) in impostors.items():
+            with PartyEndpoint(name, listen=address, identity=identity):
+                assert probe.returned(["shop"]) == [], what  # the handshake fails: still lost
+        with PartyEndpoint("shop", listen=address, identity=federation.identity("shop")):
+            assert probe.returned(["shop"]) == ["shop"]
+
+
+def _pair(directory: Path, name: str) -> tuple[Path, Path]:
+    return directory / f"{name}.pem", directory / f"{name}.key"
 
 
 def test_a_data_party_exits_non_zero_when_the_label_party_dies(

@@ -372,3 +372,24 @@ class ContextLedger:
     def spend(self, context: tuple[str, int, int, str]) -> None:
         """Mark ``context`` as served (call once every check has passed)."""
         self._served.add(context)
+
+
+class KeySessions:
+    """The key set-up sessions a party has taken part in, newest last: it takes public keys of
+    the newest only. The label party opens a new session when a lost party rejoins (its new
+    keys, every sum context new); a key of an earlier session is then a replay (e.g. the
+    rejoined party's key from before it was lost), refused before it replaces a newer one."""
+
+    def __init__(self) -> None:
+        self._seen: list[str] = []
+
+    def enter(self, session: str, what: str) -> None:
+        """Note ``session`` (a key request or a public key of it, ``what``); ProtocolError if
+        a newer session has been seen since."""
+        if session in self._seen[:-1]:
+            raise ProtocolError(
+                f"{what} of key session {session!r}, which a newer session replaced; a key of "
+                "the newest session only is taken (a replay?)."
+            )
+        if not self._seen or self._seen[-1] != session:
+            self._seen.append(session)

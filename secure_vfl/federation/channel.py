@@ -18,7 +18,7 @@ from __future__ import annotations
 import struct
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeVar, cast
 
@@ -32,6 +32,11 @@ if TYPE_CHECKING:
 M = TypeVar("M", bound=Message)
 
 CAPTURE_LENGTH = struct.Struct(">I")
+
+Readmission = Callable[[str], None]
+"""Sets a lost data party that answers again up anew, as at the start of the run (its own
+process builds its initial models by the seed rule); ProtocolError if it cannot. Made by the
+composition root: over the network, the party's ``setup`` message (:mod:`secure_vfl.deployment`)."""
 
 
 class ChannelLayer(Protocol):
@@ -109,6 +114,9 @@ class Channel:
         self.layer_seconds: defaultdict[str, float] = defaultdict(float)
         self.party_names: list[str] | None = None
         """The data parties' names in block order (None: ``party-0``, ``party-1``, ...)."""
+        self.readmit: Readmission | None = None
+        """How a lost data party that answers again rejoins (None: a lost party never does;
+        probing it then costs nothing). See :meth:`~secure_vfl.methods.base.Federation.rejoin`."""
         self._parties: dict[str, Party] = {}
 
     def hosts(self, name: str) -> bool:
@@ -122,11 +130,23 @@ class Channel:
         party from an error in the protocol."""
         return []
 
+    def returned(self, names: Sequence[str]) -> list[str]:
+        """Those of the lost parties ``names`` that can be reached again (probed once, all at
+        once, with a short bounded wait): the label party asks at an epoch boundary."""
+        lost = set(self.unreachable(names))
+        return [name for name in names if name not in lost]
+
     def attach(self, party: Party) -> None:
         """Make ``party`` reachable by its name; a name is attached once."""
         if party.name in self._parties:
             raise ProtocolError(f"a party named {party.name!r} is already on this channel.")
         self._parties[party.name] = party
+
+    def detach(self, name: str) -> None:
+        """Make the party ``name`` unreachable by its name (a lost party whose place a party
+        set up anew takes, in one process); ProtocolError if none is attached under it."""
+        if self._parties.pop(name, None) is None:
+            raise ProtocolError(f"no party named {name!r} is on this channel.")
 
     @property
     def parties(self) -> dict[str, Party]:

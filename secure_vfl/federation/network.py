@@ -102,6 +102,10 @@ FRAME_LIMIT = STREAM_THRESHOLD + 64 * 1024
 DEFAULT_DEADLINE = 60.0
 PROBE_SECONDS = 5.0
 """How long a driver waits for a peer to accept a connection before it takes the peer for lost."""
+REJOIN_PROBE_SECONDS = 2.0
+"""How long the label party waits, at an epoch boundary, for a lost peer to accept a connection
+again: all that a peer that stays dead costs per epoch (a restarted one accepts in
+milliseconds)."""
 SERVER_THREADS = 16
 REPLAY_WINDOW = 1024
 """Deliveries remembered per sender stream (for retries); older sequence numbers are replays."""
@@ -366,24 +370,32 @@ class PartyEndpoint:
         check_party_name(name)
         if name in self._peers:
             raise ConfigError(f"{self.name}: peer {name!r} is already at {self._peers[name]}.")
+        self._channels[name] = self._client(name, address)
+        self._peers[name] = address
+
+    def reconnect(self, name: str) -> None:
+        """A new client connection to peer ``name`` at its address (a restarted process): the
+        old one may be waiting out gRPC's reconnection backoff after the peer died."""
+        old = self._channels[name]
+        self._channels[name] = self._client(name, self._peers[name])
+        old.close()
+
+    def _client(self, name: str, address: str) -> grpc.Channel:
         options: list[tuple[str, int | str]] = [
             ("grpc.max_receive_message_length", FRAME_LIMIT),
             ("grpc.max_send_message_length", FRAME_LIMIT),
         ]
         if self.identity is None:
-            channel = grpc.insecure_channel(address, options=options)
-        else:
-            credentials = grpc.ssl_channel_credentials(
-                root_certificates=self.identity.ca,
-                private_key=self.identity.key,
-                certificate_chain=self.identity.certificate,
-            )
-            # The server must prove it is the party called: its certificate must hold the
-            # party's name (as a DNS name), whatever host it is reached at.
-            options += [("grpc.ssl_target_name_override", name), ("grpc.default_authority", name)]
-            channel = grpc.secure_channel(address, credentials, options=options)
-        self._peers[name] = address
-        self._channels[name] = channel
+            return grpc.insecure_channel(address, options=options)
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=self.identity.ca,
+            private_key=self.identity.key,
+            certificate_chain=self.identity.certificate,
+        )
+        # The server must prove it is the party called: its certificate must hold the
+        # party's name (as a DNS name), whatever host it is reached at.
+        options += [("grpc.ssl_target_name_override", name), ("grpc.default_authority", name)]
+        return grpc.secure_channel(address, credentials, options=options)
 
     @property
     def address(self) -> str:
@@ -807,6 +819,16 @@ class NetworkChannel(Channel):
         (:data:`PROBE_SECONDS`, at most the endpoint's deadline): a live peer's connection is
         up, or comes up within milliseconds; a killed one's never does."""
         return self.endpoint.await_peers(names, min(PROBE_SECONDS, self.endpoint.deadline))
+
+    def returned(self, names: Sequence[str]) -> list[str]:
+        """Those of the lost ``names`` whose process accepts a connection again (a fresh one,
+        with mutual TLS: a process at the address whose certificate does not name the party,
+        or comes from another CA, fails the handshake and stays lost) within
+        :data:`REJOIN_PROBE_SECONDS` (at most the endpoint's deadline), all probed at once."""
+        for name in names:
+            self.endpoint.reconnect(name)
+        late = self.endpoint.await_peers(names, min(REJOIN_PROBE_SECONDS, self.endpoint.deadline))
+        return [name for name in names if name not in late]
 
     def attach(self, party: Party) -> None:
         """Attach this process's party: the one the endpoint's certificate names."""

@@ -45,6 +45,7 @@ from secure_vfl.errors import ConfigError, ProtocolError
 from secure_vfl.federation import parts
 from secure_vfl.federation.aggregator import (
     ContextLedger,
+    KeySessions,
     PlainAggregator,
     SealingScheme,
     check_selection,
@@ -257,6 +258,7 @@ class SecureSumParty(Party):
         self.scheme = ""
         self._held: dict[tuple[int, int, str, str], RepresentationMessage] = {}
         self._sealed = ContextLedger()
+        self._key_sessions = KeySessions()
         # What it sends for rows a sum cannot hide (release="dp"; None: it refuses to).
         self.exposure: ExposedRowRelease | None = None
 
@@ -287,6 +289,7 @@ class SecureSumParty(Party):
                 f"{self.name}: a key set-up for scheme {request.scheme!r}, but it runs "
                 f"{self.scheme or 'no secure sum'}."
             )
+        self._key_sessions.enter(request.session, f"{self.name}: a key request")
         announced = self.sealer.public_key() if self.sealer is not None else None
         if announced is not None:
             # To the other contributors (pair masks) and to the receivers (self-masks).
@@ -319,6 +322,7 @@ class SecureSumParty(Party):
                 f"{message.sender}, but it runs {self.scheme or 'no secure sum'} with no half "
                 f"that takes a {message.role} key."
             )
+        self._key_sessions.enter(message.session, f"{self.name}: a key from {message.sender}")
         for half in learners:
             half.learn(message.sender, message.role, message.key)
 
@@ -768,6 +772,7 @@ class AggregationServer(Party):
         self.scheme = ""
         self._sealed: dict[str, dict[str, SealedMessage]] = {}
         self._served = ContextLedger()
+        self._key_sessions = KeySessions()
         # (round, batch id, phase, tag) of the contributions of batches it has moved past: one
         # arriving for them again is a replay, refused before it touches the current batch.
         self._closed: set[tuple[int, int, str, str]] = set()
@@ -784,6 +789,7 @@ class AggregationServer(Party):
                 f"{self.name}: a {message.scheme!r} public key from {message.sender}, but it "
                 f"runs {self.scheme or 'no secure sum'}."
             )
+        self._key_sessions.enter(message.session, f"{self.name}: a key from {message.sender}")
         self.adder.learn(message.sender, message.role, message.key)
 
     def _enter_batch(self, message: SealedMessage | RepresentationMessage) -> None:

@@ -276,7 +276,10 @@ class Federation:
     LASER's) lets :meth:`recover` and :meth:`update` drop a data party that can no longer be
     reached: its block becomes missing for every row of every split from then on, nothing is
     sent to it again, and ``faults`` records it (party, step and epoch counted from 1, the
-    error). ``epoch_steps`` (the steps of an epoch) dates a fault's epoch.
+    error). ``epoch_steps`` (the steps of an epoch) dates a fault's epoch. At every epoch
+    boundary :meth:`rejoin` probes the dropped parties; one that answers (a restarted process)
+    is set up anew and takes part again, and ``faults`` records that too (``"what":
+    "rejoined"``, :data:`REJOINED`).
     """
 
     data: VerticalData
@@ -292,6 +295,13 @@ class Federation:
     epoch_steps: int = 0
     dropped: list[str] = dataclasses.field(default_factory=list)
     faults: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    receivers: list[str] = dataclasses.field(default_factory=list)
+    """The parties secure sums are delivered to (their keys are set up with every session)."""
+    lost_columns: dict[str, dict[str, np.ndarray]] = dataclasses.field(
+        default_factory=dict, repr=False
+    )
+    """Each dropped party's availability column per split as the label party knew it when the
+    party was lost: what it gets back if it rejoins (never more than was known)."""
 
     def live(self, names: Sequence[str] | None = None) -> list[str]:
         """``names`` (default: every data party) less those dropped."""
@@ -309,7 +319,11 @@ class Federation:
                 f"{name!r}."
             )
         column = self.names.index(name)
-        for split in split_tensors(self.data).values():
+        splits = split_tensors(self.data)
+        self.lost_columns[name] = {
+            key: split.mask[:, column].copy() for key, split in splits.items()
+        }
+        for split in splits.values():
             split.mask[:, column] = False
         self.dropped.append(name)
         epoch = round // self.epoch_steps + 1 if self.epoch_steps else None
@@ -322,6 +336,73 @@ class Federation:
             epoch,
             what,
         )
+
+    def rejoin(self, *, round: int) -> list[str]:
+        """At an epoch boundary (training step ``round`` is next): probe every dropped data
+        party (:meth:`~secure_vfl.federation.channel.Channel.returned`, a short bounded wait
+        for all at once) and readmit each that answers again. A readmitted party is set up
+        anew by the channel's readmission (a fresh process builds its initial models by the
+        seed rule), its availability column is restored from :attr:`lost_columns`, and
+        ``faults`` records it (``"what": "rejoined"``, dated by the first step it takes part
+        in); then a new session opens (:meth:`open_key_session`). Returns the parties that
+        rejoined. Nothing is probed if no party is lost or the channel has no readmission; a
+        party that answers but cannot be set up stays lost (logged) and is probed again at
+        the next epoch boundary."""
+        readmit = self.channel.readmit
+        if not self.dropped or readmit is None:
+            return []
+        rejoined = []
+        for name in self.channel.returned(list(self.dropped)):
+            try:
+                readmit(name)
+            except ProtocolError as error:
+                logger.warning(
+                    "%s: %s answers again but could not be set up (%s); it stays lost",
+                    self.own.name,
+                    name,
+                    error,
+                )
+                continue
+            self.readmitted(name, round=round)
+            rejoined.append(name)
+        if rejoined:
+            self.open_key_session(round=round)
+        return rejoined
+
+    def readmitted(self, name: str, *, round: int) -> None:
+        """Take the lost data party ``name``, set up anew, back from training step ``round``
+        on: its availability column as it was when it was lost, and a ``faults`` entry."""
+        column = self.names.index(name)
+        splits = split_tensors(self.data)
+        for key, held in self.lost_columns.pop(name).items():
+            splits[key].mask[:, column] = held
+        self.dropped.remove(name)
+        epoch = round // self.epoch_steps + 1 if self.epoch_steps else None
+        self.faults.append({"party": name, "step": round + 1, "epoch": epoch, "what": REJOINED})
+        logger.warning(
+            "%s: %s rejoined, set up anew; its block takes part again from step %d (epoch %s)",
+            self.own.name,
+            name,
+            round + 1,
+            epoch,
+        )
+
+    def open_key_session(self, *, round: int) -> None:
+        """A new session for every message and secure sum from now on: every sum context is
+        bound to the session (:func:`~secure_vfl.federation.aggregator.sum_context`), so no mask
+        of the old session can recur, and under a secure-sum scheme every live party announces
+        its keys again (a rejoined party's are new; a key of the old session is refused from
+        now on: :class:`~secure_vfl.federation.aggregator.KeySessions`). A party lost during the
+        key set-up is dropped (:meth:`recover`) and the set-up runs again without it."""
+        while True:
+            self.session = secrets.token_hex(8)
+            if not self.scheme:
+                return
+            try:
+                self.set_up_keys(self.receivers)
+                return
+            except ProtocolError as error:
+                self.recover(error, round=round)
 
     def recover(self, error: ProtocolError, *, round: int) -> None:
         """After ``error`` cut training step ``round`` short: drop every data party that can no
@@ -594,18 +675,20 @@ class Federation:
         self.own.send_all([dataclasses.replace(m, session=self.session) for m in messages])
 
     def set_up_keys(self, receivers: Sequence[str]) -> None:
-        """Open the secure-sum session: every party announces its public keys (pairwise-mask
-        keys to the other contributors, receivers' encryption keys to the contributors and the
-        aggregator). Only public keys cross."""
+        """Open the secure-sum session: every live party announces its public keys
+        (pairwise-mask keys to the other contributors, receivers' encryption keys to the
+        contributors and the aggregator). Only public keys cross."""
+        self.receivers = list(receivers)
+        live = self.live()
         self.own.send_all(
             [
                 KeyRequest(
                     **self.header(name, 0, 0),
                     scheme=self.scheme,
-                    contributors=tuple(self.names),
-                    receivers=tuple(receivers),
+                    contributors=tuple(live),
+                    receivers=tuple(self.live(self.receivers)),
                 )
-                for name in self.names
+                for name in live
             ]
         )
 
@@ -627,6 +710,18 @@ class Federation:
             ],
             round=round,
         )
+
+
+REJOINED = "rejoined"
+"""The ``what`` of a ``faults`` entry that records a lost party's return (:meth:`Federation.
+rejoin`); every other entry records a loss, with the error."""
+
+
+def lost_parties(faults: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The parties that ``faults`` (in order) leaves lost at the end: lost, and not rejoined
+    since."""
+    last = {fault["party"]: fault["what"] for fault in faults}
+    return [party for party, what in last.items() if what != REJOINED]
 
 
 def split_tensors(data: VerticalData) -> dict[str, VerticalSplit]:
@@ -875,16 +970,21 @@ def train_epochs(
     rng: np.random.Generator,
     on_step: StepCallback | None,
     progress: TrainingProgress | None = None,
+    on_epoch: Callable[[int], object] | None = None,
 ) -> list[float]:
     """Run ``step(rows, round, batch_id)`` over every batch of every epoch; mean loss per epoch.
 
     Each epoch's batch order is drawn whole from ``rng`` before its first step (every sampler
     draws its order before its first batch, so this is the order it would yield lazily), and
     ``progress`` (a fresh one by default) says where to start and follows every step.
+    ``on_epoch(round)`` is called at the start of every epoch but the first, before its order
+    is drawn (``round``: the step that comes next; a lost party may rejoin there).
     """
     progress = progress if progress is not None else TrainingProgress()
     while progress.epoch < epochs:
         if progress.order is None:
+            if on_epoch is not None and progress.epoch > 0:
+                on_epoch(progress.step)
             progress.order = list(sampler.epoch(rng))
         while progress.batch < len(progress.order):
             rows = progress.order[progress.batch]

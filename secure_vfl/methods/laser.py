@@ -325,6 +325,7 @@ class MeanFusionMethod:
             rng=self.fed.rng,
             on_step=on_step,
             progress=progress,
+            on_epoch=lambda round: self.fed.rejoin(round=round),
         )
 
     def head_predictions(self, split_name: str) -> np.ndarray:

@@ -1,0 +1,273 @@
+"""A lost data party rejoins at an epoch boundary, in one process: a channel that loses a party
+(its posts fail, it is unreachable) and, once probed enough times, has it answer again, when
+the channel's readmission builds it anew as a restarted process would (the process tests in
+test_deploy.py restart a real one)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from conftest import MakeData
+
+from protocols.secagg import MaskingAggregator
+from secure_vfl.data.vertical import VerticalData
+from secure_vfl.errors import ProtocolError, TransportError
+from secure_vfl.federation.aggregator import SealingScheme
+from secure_vfl.federation.channel import Channel
+from secure_vfl.federation.messages import Message, PublicKeyMessage, RepresentRequest
+from secure_vfl.federation.parties import ROLES, Party
+from secure_vfl.methods import METHODS, PARTY_MODELS, MethodConfig
+from secure_vfl.methods.base import (
+    REJOINED,
+    build_party,
+    in_process_parties,
+    install_halves,
+    lost_parties,
+    split_tensors,
+)
+from secure_vfl.methods.laser import MeanFusionMethod
+
+FAST = MethodConfig(epochs=3, batch_size=64, lr=0.05)
+SEED = 3
+LOST = "party-2"
+COLUMN = 2
+
+
+class FlakyChannel(Channel):
+    """Loses ``LOST`` when the first ``kind`` of each round in ``losses`` is posted to it:
+    that post and every later one to it fail, and :meth:`unreachable` names it. The probes
+    (:meth:`returned`, counted from 1) numbered in ``back_at`` find it back: its operator
+    restarted it. ``after_loss`` counts posts to it while it is lost, ``probes`` the probes,
+    ``posted`` every message posted."""
+
+    def __init__(self, kind: str, losses: tuple[int, ...], back_at: tuple[int, ...]) -> None:
+        super().__init__()
+        self.kind = kind
+        self.losses = set(losses)
+        self.back_at = back_at
+        self.alive = True
+        self.after_loss = 0
+        self.probes = 0
+        self.posted: list[Message] = []
+
+    def post(self, message: Message, *, sender: Party) -> None:
+        self.posted.append(message)
+        if message.receiver == LOST:
+            if self.alive and message.kind == self.kind and message.round in self.losses:
+                self.losses.discard(message.round)
+                self.alive = False
+                raise TransportError(f"{message.kind} to {LOST}: its process is gone")
+            if not self.alive:
+                self.after_loss += 1
+                raise TransportError(f"{message.kind} to {LOST}: nothing listens")
+        super().post(message, sender=sender)
+
+    def unreachable(self, names: list[str]) -> list[str]:  # type: ignore[override]
+        return [name for name in names if name == LOST and not self.alive]
+
+    def returned(self, names: list[str]) -> list[str]:  # type: ignore[override]
+        assert names == [LOST]  # only the lost party is probed
+        self.probes += 1
+        if self.probes in self.back_at:
+            self.alive = True
+        return [name for name in names if self.alive]
+
+
+def readmission(
+    channel: Channel,
+    data: VerticalData,
+    config: MethodConfig,
+    scheme: SealingScheme | None = None,
+) -> list[str]:
+    """Give ``channel`` the readmission of a restarted process: the party built anew with the
+    seed rule of the run's start (initial models, fresh secure-sum halves), in place of the
+    lost one. Returns the list the readmitted names are appended to."""
+    readmitted: list[str] = []
+    splits = split_tensors(data)
+    heads = PARTY_MODELS.get("laser")(config, data.block_shapes, data.num_classes, SEED).heads
+
+    def readmit(name: str) -> None:
+        k = int(name.removeprefix("party-"))
+        party = build_party(
+            k,
+            name,
+            blocks={key: torch.from_numpy(split.blocks[k]) for key, split in splits.items()},
+            observed=data.train.mask[:, k],
+            labels={key: torch.from_numpy(split.labels) for key, split in splits.items()},
+            config=config,
+            seed=SEED,
+            role=ROLES.get("data-party"),
+            heads=heads.get(k, {}),
+        )
+        if scheme is not None:
+            install_halves(party, scheme)
+        channel.detach(name)
+        party.connect(channel)
+        readmitted.append(name)
+
+    channel.readmit = readmit
+    return readmitted
+
+
+def _train(
+    data: VerticalData, config: MethodConfig, channel: Channel, **kwargs: object
+) -> MeanFusionMethod:
+    method = METHODS.get("laser")(data, config, seed=SEED, channel=channel, **kwargs)  # type: ignore[arg-type]
+    assert isinstance(method, MeanFusionMethod)
+    method.fit()
+    return method
+
+
+def _train_rounds_asked(channel: FlakyChannel) -> set[int]:
+    """The training rounds in which ``LOST`` was asked for representations."""
+    return {
+        m.round
+        for m in channel.posted
+        if isinstance(m, RepresentRequest) and m.receiver == LOST and m.phase == "train"
+    }
+
+
+def test_a_party_lost_in_epoch_1_rejoins_at_epoch_2_and_is_observed_again(
+    make_data: MakeData,
+) -> None:
+    data = make_data(train_missing="mcar:0.2")
+    channel = FlakyChannel("represent-request", losses=(1,), back_at=(1,))
+    readmitted = readmission(channel, data, FAST)
+    method = _train(data, FAST, channel)
+    steps = len(method.sampler)
+    assert readmitted == [LOST]
+    assert channel.after_loss == 0  # nothing was posted to it while it was lost
+    assert channel.probes == 1  # probed once, at epoch 2's start, and back
+    lost, back = method.fed.faults
+    assert lost == {
+        "party": LOST,
+        "step": 2,
+        "epoch": 1,
+        "what": f"represent-request to {LOST}: its process is gone",
+    }
+    assert back == {"party": LOST, "step": steps + 1, "epoch": 2, "what": REJOINED}
+    assert lost_parties(method.fed.faults) == []
+    # Asked for its block in steps 1 and 2 (lost in the second), in none until epoch 2, then
+    # in every step (each batch of 64 holds rows of it).
+    asked = _train_rounds_asked(channel)
+    assert asked == {0, 1, *range(steps, 3 * steps)}
+    # Its availability column is back exactly as the label party knew it.
+    for key, split in split_tensors(method.data).items():
+        assert np.array_equal(split.mask, split_tensors(data)[key].mask), key
+    # At evaluation its head predicts every sample it holds (heads="all").
+    for name in data.tests:
+        predicted = method.predict(name)
+        assert np.array_equal(predicted[:, COLUMN] >= 0, data.tests[name].mask[:, COLUMN])
+    evaluated = [
+        m for m in channel.posted if isinstance(m, RepresentRequest) and m.receiver == LOST
+    ]
+    assert any(m.phase == "predict" for m in evaluated)
+
+
+def _state(method: MeanFusionMethod) -> list[torch.Tensor]:
+    parties = [p for p in in_process_parties(method.fed.channel) if p.name != LOST]
+    modules = [p.model for p in parties] + [h.module for p in parties for h in p.heads.values()]
+    return [t.detach().clone() for m in modules for t in m.parameters()]
+
+
+def test_a_party_that_never_comes_back_costs_the_run_only_the_probes(
+    make_data: MakeData, one_thread: None
+) -> None:
+    data = make_data(train_missing="mcar:0.2")
+    config = dataclasses.replace(FAST, epochs=4)
+    probed = FlakyChannel("gradient", losses=(2,), back_at=())
+    readmitted = readmission(probed, data, config)
+    method = _train(data, config, probed)
+    assert probed.probes == 3  # one probe at each of epochs 2, 3 and 4, all unanswered
+    assert readmitted == [] and probed.after_loss == 0
+    assert [fault["what"] for fault in method.fed.faults] == [
+        f"gradient to {LOST}: its process is gone"
+    ]
+    assert lost_parties(method.fed.faults) == [LOST]
+    # Without a readmission nothing is probed; the two runs are the same run.
+    unprobed = FlakyChannel("gradient", losses=(2,), back_at=())
+    alone = _train(data, config, unprobed)
+    assert unprobed.probes == 0
+    assert method.fed.faults == alone.fed.faults
+    for a, b in zip(_state(method), _state(alone), strict=True):
+        assert torch.equal(a, b)
+    for name in data.tests:
+        assert np.array_equal(method.predict(name), alone.predict(name))
+
+
+def test_under_masks_a_party_rejoins_with_new_keys_in_a_new_session_and_is_lost_again(
+    make_data: MakeData,
+) -> None:
+    data = make_data(train_missing="mcar:0.2")
+    config = dataclasses.replace(FAST, epochs=4, heads="active", secure_sums=True)
+    channel = FlakyChannel("seal-request", losses=(1,), back_at=(1,))
+    scheme = MaskingAggregator()
+    readmitted = readmission(channel, data, config, scheme)
+    first = METHODS.get("laser")(data, config, seed=SEED, channel=channel, aggregator=scheme)
+    steps = len(first.sampler)
+    channel.losses.add(2 * steps + 1)  # lost again in epoch 3, for good
+    assert isinstance(first, MeanFusionMethod)
+    old_session = first.fed.session
+    first.fit()
+    fed = first.fed
+    assert readmitted == [LOST]
+    assert [(f["party"], f["step"], f["what"] == REJOINED) for f in fed.faults] == [
+        (LOST, 2, False),
+        (LOST, steps + 1, True),
+        (LOST, 2 * steps + 2, False),
+    ]
+    assert lost_parties(fed.faults) == [LOST]
+    assert channel.probes == 2  # at epoch 2 (back) and epoch 4 (still lost)
+    # It sealed shares between its return and its second loss: the sums counted it again.
+    sealed = {m.round for m in channel.posted if m.kind == "sealed" and m.sender == LOST}
+    assert sealed & set(range(steps, 2 * steps + 1))
+    assert not sealed & set(range(2, steps))
+    # The rejoin opened a new session: every key set-up message of it carries the new session,
+    # and the rebuilt party announced a new key.
+    assert fed.session != old_session
+    keys = [m for m in channel.posted if isinstance(m, PublicKeyMessage) and m.sender == LOST]
+    old_keys = {m.key for m in keys if m.session == old_session}
+    new_keys = {m.key for m in keys if m.session != old_session}
+    assert old_keys and new_keys and not old_keys & new_keys
+    # Its evaluation ran without it (lost again), every sample still predicted.
+    for name in data.tests:
+        assert (first.predict(name) >= 0).any(axis=1).all()
+
+
+def test_a_key_from_before_the_rejoin_is_refused_as_a_replay(make_data: MakeData) -> None:
+    data = make_data(train_missing="mcar:0.2")
+    config = dataclasses.replace(FAST, epochs=2, heads="active", secure_sums=True)
+    channel = FlakyChannel("represent-request", losses=(1,), back_at=(1,))
+    scheme = MaskingAggregator()
+    readmission(channel, data, config, scheme)
+    method = _train(data, config, channel, aggregator=scheme)
+    assert [f["what"] == REJOINED for f in method.fed.faults] == [False, True]
+    old_session = channel.posted[0].session
+    [old_key, *_] = [
+        m
+        for m in channel.posted
+        if isinstance(m, PublicKeyMessage)
+        and m.sender == LOST
+        and m.receiver == "party-1"
+        and m.session == old_session
+    ]
+    # The lost party's key from its old session, replayed to a peer after the rejoin: refused,
+    # whatever it would replace; the aggregator refuses an old-session key too.
+    with pytest.raises(ProtocolError, match="a newer session replaced"):
+        channel.parties["party-1"].receive(old_key)
+    # The label party's receiver key of the old session, replayed to the aggregator: refused.
+    [old_to_server, *_] = [
+        m
+        for m in channel.posted
+        if isinstance(m, PublicKeyMessage)
+        and m.receiver == "aggregator"
+        and m.session == old_session
+    ]
+    with pytest.raises(ProtocolError, match="a newer session replaced"):
+        channel.parties["aggregator"].receive(old_to_server)
+    # Training after the rejoin still opens every sum: the peers kept the new key.
+    for name in data.tests:
+        assert (method.predict(name) >= 0).any(axis=1).all()
