@@ -59,12 +59,14 @@ import secrets
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
 
 from secure_vfl.checkpoints import (
+    CheckpointPlan,
+    ResumePoint,
     drop_older,
     party_state,
     read_checkpoint,
@@ -98,9 +100,6 @@ from secure_vfl.federation.federation_file import Federation
 from secure_vfl.federation.messages import AGGREGATOR, DeploymentMessage, Message
 from secure_vfl.federation.network import NetworkChannel, PartyEndpoint
 from secure_vfl.federation.parties import ROLES, DataParty, Party, make_aggregation_server
-
-if TYPE_CHECKING:
-    from secure_vfl.checkpoints import CheckpointPlan, ResumePoint
 
 logger = logging.getLogger(__name__)
 
@@ -412,13 +411,13 @@ class ServedCheckpoints:
         run, step, manifest = body["run"], body["step"], body["manifest"]
         if self.run is not None:
             raise ProtocolError(f"{self.name}: a second `checkpoints` of the run (a replay?).")
-        if not _RUN_ID.fullmatch(run) or isinstance(body["every"], bool) or body["every"] < 0:
+        if not _RUN_ID.fullmatch(run) or body["every"] < 0:
             raise ProtocolError(
                 f"checkpoints: a run id of 16 hex digits and steps between checkpoints >= 0 "
                 f"expected; found {run[:40]!r} and {body['every']!r}."
             )
         resuming = step != 0 or manifest is not None
-        if resuming and (isinstance(step, bool) or step < 1 or not _DIGEST.fullmatch(manifest)):
+        if resuming and (step < 1 or not _DIGEST.fullmatch(str(manifest))):
             raise ProtocolError(
                 f"checkpoints: a step >= 1 and a manifest SHA-256 (64 hex digits) to resume "
                 f"from expected; found step {step!r}, manifest {str(manifest)[:70]!r}."
@@ -467,7 +466,7 @@ class ServedCheckpoints:
                 f"{run[:40]!r}."
             )
         last = self.step or 0
-        if isinstance(step, bool) or step <= last or committed != self.step:
+        if step <= last or isinstance(committed, bool) or committed != self.step:
             raise ProtocolError(
                 f"checkpoint: a step after {last} with the last commit {self.step} expected; "
                 f"found step {step!r}, commit {committed!r} (a replay, or out of order?)."
