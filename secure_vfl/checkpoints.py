@@ -21,6 +21,10 @@ step; then every party drops its older checkpoints. A resumed run starts from th
 party's latest checkpoint, and every file of every party is checked against the manifests
 before anything trains. A DP party's noise is not kept: a resumed run draws fresh noise from
 the operating system, and its accountant goes on from the releases it had made.
+
+In a deployment the data parties live in other processes (:class:`PartiesElsewhere`): the label
+party asks each by message to write or restore its own checkpoint in its own directory, and
+only the manifests' SHA-256 come back (:mod:`secure_vfl.deployment`).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -339,14 +343,16 @@ def write_checkpoint(
     return sha256(files[MANIFEST_FILE])
 
 
-def drop_older(root: Path, party: str, *, keep: int) -> None:
+def drop_older(root: Path, party: str, *, keep: int, also: int | None = None) -> None:
     """Remove ``party``'s checkpoints other than that of step ``keep`` (the one just committed)
-    and what interrupted writes left."""
+    and of step ``also`` (a deployed party keeps the last committed one until its newer one is
+    committed too), and what interrupted writes left."""
     directory = root / party
     if not directory.is_dir():
         return
+    kept = {f"step-{step:08d}" for step in (keep, also) if step is not None}
     for child in directory.iterdir():
-        if child.is_dir() and child.name != f"step-{keep:08d}":
+        if child.is_dir() and child.name not in kept:
             shutil.rmtree(child, ignore_errors=True)
 
 
@@ -531,24 +537,56 @@ def find_resume_point(
     return point
 
 
+class PartiesElsewhere(Protocol):
+    """The parties of a run that live in other processes (a deployment): each writes and
+    restores its own checkpoint in its own directory when the label party asks by message;
+    only its manifest's SHA-256 comes back. The label party's side of those messages."""
+
+    @property
+    def names(self) -> list[str]:
+        """The parties elsewhere that hold state worth keeping."""
+        ...
+
+    def start(self, run_id: str, *, every: int, resume: ResumePoint | None) -> None:
+        """Before anything trains: tell each party the run's checkpoints, and on ``resume``
+        have it restore its own checkpoint of that step, checked against the manifest SHA-256
+        the label party recorded for it."""
+        ...
+
+    def write(
+        self, step: int, run_id: str, *, committed: int | None, parties: Sequence[str]
+    ) -> dict[str, str]:
+        """Each of ``parties`` writes its checkpoint of ``step`` and drops its older ones but
+        that of step ``committed`` (the label party's last); their manifests' SHA-256."""
+        ...
+
+
 @dataclass(frozen=True, kw_only=True)
 class CheckpointPlan:
     """What a run asks of checkpoints: write one into ``directory`` every ``every`` steps (0:
     never), and/or resume from ``resume`` (found by :func:`find_resume_point`). ``settings``
     is the run's configuration, kept in the label party's checkpoint and required equal on
-    resume; ``label_party`` names the party that drives the run."""
+    resume; ``label_party`` names the party that drives the run; ``elsewhere``, the parties in
+    other processes (a deployment), which write and restore their own when asked."""
 
     directory: Path
     every: int = 0
     resume: ResumePoint | None = None
     settings: Mapping[str, Any] = field(default_factory=dict)
     label_party: str = "party-0"
+    elsewhere: PartiesElsewhere | None = None
+    fresh_run_id: str = field(default_factory=lambda: secrets.token_hex(8))
 
     def __post_init__(self) -> None:
         if isinstance(self.every, bool) or not isinstance(self.every, int) or self.every < 0:
             raise ConfigError(
                 f"`checkpoint_every` must be an integer >= 0 (0: never). Found {self.every!r}."
             )
+
+    @property
+    def run_id(self) -> str:
+        """The run's id in every manifest: the resumed run's, or a fresh one."""
+        return self.resume.run_id if self.resume is not None else self.fresh_run_id
 
 
 class RunCheckpoints:
@@ -558,8 +596,10 @@ class RunCheckpoints:
 
     def __init__(self, plan: CheckpointPlan) -> None:
         self.plan = plan
-        self.run_id = plan.resume.run_id if plan.resume is not None else secrets.token_hex(8)
+        self.run_id = plan.run_id
         self.settings = as_json(plan.settings)
+        self.committed = self.resumed_step
+        """The label party's latest committed step (its checkpoint's), None before the first."""
 
     @property
     def resumed_step(self) -> int | None:
@@ -583,11 +623,14 @@ class RunCheckpoints:
         return restore_run(method, point.label.tensors.get("run", {}), run, where=where)
 
     def restore_parties(self, parties: Sequence[DataParty]) -> None:
-        """Every party restores its own state from its checkpoint of the resumed step."""
+        """Every party of this process restores its own state from its checkpoint of the
+        resumed step (the parties elsewhere have restored theirs when they were started)."""
         point = self.plan.resume
         if point is None:
             return
         names = [party.name for party in parties]
+        if self.plan.elsewhere is not None:
+            names += self.plan.elsewhere.names
         if sorted(names) != sorted(point.parties):
             raise IntegrityError(
                 f"{point.root}: checkpoints of this run's parties {sorted(names)} expected, "
@@ -638,7 +681,8 @@ class RunCheckpoints:
         progress: TrainingProgress,
     ) -> None:
         """Every party writes its checkpoint of ``step``, the label party last with the other
-        manifests' SHA-256 (the commit); then each drops its older ones."""
+        manifests' SHA-256 (the commit); then each drops its older ones (a party elsewhere when
+        it writes its next one: its last committed one is kept until then)."""
         root = self.plan.directory
         label = method.fed.own
         manifests = {}
@@ -648,6 +692,10 @@ class RunCheckpoints:
                 manifests[party.name] = write_checkpoint(
                     root, party.name, run_id=self.run_id, step=step, tensors=tensors, meta=meta
                 )
+        elsewhere = self.plan.elsewhere
+        if elsewhere is not None:
+            live = [name for name in method.fed.live() if name in elsewhere.names]
+            manifests |= elsewhere.write(step, self.run_id, committed=self.committed, parties=live)
         tensors, meta = party_state(label)
         tensors["run"], meta["run"] = run_state(method, progress)
         meta["settings"] = self.settings
@@ -660,5 +708,6 @@ class RunCheckpoints:
             meta=meta,
             parties=manifests,
         )
+        self.committed = step
         for party in parties:
             drop_older(root, party.name, keep=step)

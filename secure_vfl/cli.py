@@ -1358,11 +1358,7 @@ def run_train(args: argparse.Namespace) -> int:
     payload["warnings"] = list(dict.fromkeys(named))
     payload["model"] = {"directory": str(out / MODEL_DIR), "run_id": manifest.run_id}
     if checkpoints is not None:
-        payload["checkpoints"] = {
-            "directory": str(checkpoints.directory),
-            "every": checkpoints.every,
-            "resumed_from_step": checkpoints.resume.step if checkpoints.resume else None,
-        }
+        payload["checkpoints"] = _checkpoints_payload(checkpoints)
     atomic_write_json(out / "result.json", payload)
     plots = write_run_plots(payload, out)
     store.add(payload, kind="train", out_dir=out)
@@ -1374,10 +1370,18 @@ def run_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _checkpoint_plan(args: argparse.Namespace, config: Any, out: Path) -> Any:
+def _checkpoint_plan(
+    args: argparse.Namespace,
+    config: Any,
+    out: Path,
+    *,
+    label_party: str = "party-0",
+    check_parties: bool = True,
+) -> Any:
     """The checkpoints ``train``'s flags ask for (None: none), and with ``--resume`` the
-    checkpoint to go on from, found and checked (every party's files, the configuration)
-    before any data is read."""
+    checkpoint to go on from, found and checked (the configuration, and with
+    ``check_parties`` every party's files: in a deployment each party checks its own) before
+    any data is read."""
     from secure_vfl.checkpoints import CHECKPOINTS_DIR, CheckpointPlan, find_resume_point
 
     if args.checkpoint_every is None and args.resume is None:
@@ -1394,7 +1398,9 @@ def _checkpoint_plan(args: argparse.Namespace, config: Any, out: Path) -> Any:
     settings = {**config.to_json(), "privacy": _privacy_settings(args)}
     resume = None
     if args.resume is not None:
-        resume = find_resume_point(args.resume, label_party="party-0", settings=settings)
+        resume = find_resume_point(
+            args.resume, label_party=label_party, settings=settings, check_parties=check_parties
+        )
     directory = args.checkpoint_dir or (
         resume.root if resume is not None else out / CHECKPOINTS_DIR
     )
@@ -1403,7 +1409,18 @@ def _checkpoint_plan(args: argparse.Namespace, config: Any, out: Path) -> Any:
         every=args.checkpoint_every or 0,
         resume=resume,
         settings=settings,
+        label_party=label_party,
     )
+
+
+def _checkpoints_payload(checkpoints: Any) -> dict[str, Any]:
+    """``result.json``'s ``checkpoints`` entry: where the label party's went, how often, and
+    the step the run resumed from (None: a fresh run)."""
+    return {
+        "directory": str(checkpoints.directory),
+        "every": checkpoints.every,
+        "resumed_from_step": checkpoints.resume.step if checkpoints.resume else None,
+    }
 
 
 def _with_party_names(payload: dict[str, Any], data: Any) -> dict[str, Any]:
@@ -2046,6 +2063,20 @@ def _party_command(commands: Any) -> None:
         "sends its ids for the plain join, or runs PSI) or `psi` (it refuses to send its ids in "
         "the clear; the label party must run `train --align psi`)",
     )
+    serve.add_argument(
+        "--checkpoint-dir",
+        type=Path,
+        metavar="DIR",
+        help="where this data party writes its own checkpoints (DIR/NAME/step-N/) when the label "
+        "party runs `train --checkpoint-every N`; a party without one refuses such a run "
+        "(default: none)",
+    )
+    serve.add_argument(
+        "--resume",
+        action="store_true",
+        help="restore this party's own checkpoint from --checkpoint-dir when the label party "
+        "runs `train --resume DIR`, and refuse a fresh run",
+    )
     _network_flags(serve)
 
 
@@ -2093,6 +2124,8 @@ def run_party_command(args: argparse.Namespace) -> int:
         on_event=lambda line: print(line, flush=True),
         psi=_psi_roles(),
         psi_only=args.align == "psi",
+        checkpoint_dir=args.checkpoint_dir,
+        resume=args.resume,
     )
     if outcome != "finished":
         print(f"secure-vfl: error: the label party ended the run: {outcome}", file=sys.stderr)
@@ -2114,16 +2147,6 @@ def _refuse_deployed_flags(args: argparse.Namespace) -> None:
         raise ConfigError(
             "--insecure-reproducible-noise is refused with --federation: noise anyone with the "
             "seed can remove has no place on a network."
-        )
-    resumable = _given(
-        ("--checkpoint-every", args.checkpoint_every),
-        ("--checkpoint-dir", args.checkpoint_dir),
-        ("--resume", args.resume),
-    )
-    if resumable:
-        raise ConfigError(
-            f"{', '.join(resumable)} not offered with --federation yet (each party would "
-            "write and restore its own checkpoint in its own process). Found them."
         )
     given = _given(
         ("--dp-embeddings", args.dp_embeddings),
@@ -2165,6 +2188,9 @@ def run_train_deployed(args: argparse.Namespace) -> int:
     out: Path = args.out or Path("runs") / f"{config.method}-deployed-s{config.seed}"
     _check_output_dir(out, "result.json", overwrite=args.overwrite)
     store = _results_store(args, out)
+    checkpoints = _checkpoint_plan(  # the label party's checkpoint; each party checks its own
+        args, config, out, label_party=federation.label_party, check_parties=False
+    )
     bar = tqdm(total=0, desc=config.method, unit="step", disable=args.quiet, leave=False)
     with _run_warnings() as noted:
         try:
@@ -2178,8 +2204,9 @@ def run_train_deployed(args: argparse.Namespace) -> int:
                 wait=args.wait,
                 insecure=args.insecure,
                 on_start=lambda total: bar.reset(total=total),
-                on_step=lambda step, loss: bar.update(1),
+                on_step=lambda step, loss: bar.update(step - bar.n),  # resumed: past step 0
                 psi=_psi_roles(),
+                checkpoints=checkpoints,
             )
         finally:
             bar.close()
@@ -2188,6 +2215,8 @@ def run_train_deployed(args: argparse.Namespace) -> int:
     payload["config"]["federation"] = str(args.federation)
     payload["provenance"] = provenance()
     payload["warnings"] = list(dict.fromkeys([*noted, *result.warnings]))
+    if checkpoints is not None:
+        payload["checkpoints"] = _checkpoints_payload(checkpoints)
     atomic_write_json(out / "result.json", payload)
     plots = write_run_plots(payload, out)
     store.add(payload, kind="train", out_dir=out)

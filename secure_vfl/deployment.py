@@ -36,6 +36,15 @@ federation.messages.DeploymentMessage` s, each a JSON object checked on arrival:
 4. ``end`` (with the outcome) is answered by a ``report``: the bytes the party sent. A party
    that hears nothing from the label party for longer than its deadline exits non-zero.
 
+Checkpoints (``train --checkpoint-every N``, ``--resume DIR``): right after ``setup`` the
+label party sends each data party ``checkpoints`` (the run id and, on resume, the step and the
+SHA-256 of the party's manifest it recorded), and the party restores its own checkpoint of that
+step from its own directory (``party serve --checkpoint-dir DIR --resume``) or refuses; every N
+steps a ``checkpoint`` has each data party write its own and answer with its manifest's
+SHA-256, and the label party writes its own last with those hashes (the commit,
+:class:`~secure_vfl.checkpoints.RunCheckpoints`). Nothing but hashes crosses; the aggregation
+server keeps nothing between steps and is not asked.
+
 A data party lost mid-training (its process died: a step fails and the party accepts no
 connection) is dropped by LASER's or FALSE-VFL's driver
 (:meth:`~secure_vfl.methods.base.Federation.recover`): its block is missing from then on, it
@@ -69,11 +78,23 @@ import re
 import secrets
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from secure_vfl.checkpoints import (
+    CheckpointPlan,
+    ResumePoint,
+    drop_older,
+    party_state,
+    read_checkpoint,
+    restore_party_state,
+    step_directory,
+    write_checkpoint,
+    written_steps,
+)
 from secure_vfl.data.missingness import parse_mechanism
 from secure_vfl.data.party_files import ID_COLUMN, LABEL_COLUMN, PartyTable, read_party_file
 from secure_vfl.data.party_preprocessing import PartyPreprocessing
@@ -85,7 +106,14 @@ from secure_vfl.data.vertical import (
     party_blocks,
     plan_rows_by,
 )
-from secure_vfl.errors import ConfigError, ProtocolError, SecureVFLError, TransportError
+from secure_vfl.errors import (
+    ConfigError,
+    DataError,
+    IntegrityError,
+    ProtocolError,
+    SecureVFLError,
+    TransportError,
+)
 from secure_vfl.federation.aggregator import PlainAggregator, SealingScheme, SumBackend
 from secure_vfl.federation.alignment import Alignment, JoinAligner, check_unique_ids
 from secure_vfl.federation.channel import Channel, Readmission
@@ -223,7 +251,9 @@ class _Server:
         on_event: Callable[[str], None],
         psi: PsiRoles | None = None,
         psi_only: bool = False,
+        checkpoints: ServedCheckpoints | None = None,
     ) -> None:
+        self.checkpoints = checkpoints or ServedCheckpoints(name, None, resume=False)
         self.on_event = on_event
         self.psi = psi
         self.psi_only = psi_only
@@ -248,6 +278,8 @@ class _Server:
                 "ids-request": self._on_ids_request,
                 "psi": self._on_psi,
                 "setup": self._on_setup,
+                "checkpoints": self._on_checkpoints,
+                "checkpoint": self._on_checkpoint,
             }
             handler = handlers.get(message.topic, self._on_end)
             if message.topic not in (*handlers, "end"):
@@ -261,6 +293,7 @@ class _Server:
             raise ProtocolError(
                 f"{self.name}: a {message.kind} from {message.sender} before the run was set up."
             )
+        self.checkpoints.check_ready(message.kind)
         self.party.receive(message)
         if message.kind == "update" and not self.stepped:
             self.stepped = True
@@ -327,11 +360,232 @@ class _Server:
         self._attach(self.party)
         self.on_event(f"{self.name}: set up by {message.sender}; training")
 
+    def _on_checkpoints(self, message: Message) -> None:
+        """Take the run's checkpoints before training (on resume: restore this party's own)."""
+        body = _body(message, "checkpoints", CHECKPOINTS_KEYS)
+        self._reply("checkpoints-ready", self.checkpoints.start(self._data_party(body), body))
+        if body["step"]:
+            self.on_event(f"{self.name}: restored its checkpoint of step {body['step']}")
+
+    def _on_checkpoint(self, message: Message) -> None:
+        """Write this party's own checkpoint of the step the label party names."""
+        body = _body(message, "checkpoint", CHECKPOINT_KEYS)
+        self._reply("checkpointed", self.checkpoints.write(self._data_party(body), body))
+        self.on_event(f"{self.name}: wrote its checkpoint of step {body['step']}")
+
+    def _data_party(self, body: Mapping[str, Any]) -> DataParty:
+        """The data party built at set-up (ProtocolError before it, or at the aggregator)."""
+        if not isinstance(self.party, DataParty):
+            where = "before the run was set up" if self.party is None else "at the aggregator"
+            raise ProtocolError(
+                f"{self.name}: a checkpoint request (step {body.get('step')!r}) {where}; only a "
+                "set-up data party keeps checkpoints."
+            )
+        return self.party
+
     def _on_end(self, message: Message) -> None:
         body = _body(message, "end", {"outcome": str})
         self.outcome = body["outcome"]
         sent = [[s, r, p, n] for (s, r, p), n in sorted(self.endpoint.bytes.items())]
         self._reply("report", {"bytes": sent})
+
+
+CHECKPOINTS_KEYS: dict[str, type | tuple[type, ...]] = {
+    "run": str,
+    "every": int,
+    "step": int,
+    "manifest": (str, type(None)),
+}
+"""``checkpoints``: the run id, the steps between checkpoints and, on resume, the step to
+restore and the SHA-256 of the party's manifest of it (a fresh run: step 0, no manifest)."""
+CHECKPOINT_KEYS: dict[str, type | tuple[type, ...]] = {
+    "run": str,
+    "step": int,
+    "committed": (int, type(None)),
+}
+"""``checkpoint``: the run id, the step to write and the label party's last committed step."""
+CHECKPOINTED_KEYS: dict[str, type | tuple[type, ...]] = {"run": str, "step": int, "manifest": str}
+"""``checkpointed``: the run id, the step written and the SHA-256 of the party's manifest."""
+_RUN_ID = re.compile(r"[0-9a-f]{16}")
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+class ServedCheckpoints:
+    """A serving data party's own checkpoints (``party serve --checkpoint-dir DIR``): written
+    into ``DIR/<name>/step-NNNNNNNN/`` when the label party asks (``checkpoint``), restored
+    from there when it resumes a run (``checkpoints`` naming a step; the party serves with
+    ``--resume``). Every request is checked (the run id, a step after the last, the label
+    party's last commit) and a checkpoint is read back against the manifest SHA-256 the label
+    party recorded, so a missing, corrupt, other-run or other-party checkpoint is refused before
+    anything trains. Only that SHA-256 leaves the party; nothing is written outside ``DIR``."""
+
+    def __init__(self, name: str, directory: Path | None, *, resume: bool) -> None:
+        self.name = name
+        self.directory = directory
+        self.resume = resume
+        self.run: str | None = None
+        self.step: int | None = None
+        """This party's latest checkpoint of the run (written, or restored), None before."""
+
+    def check_ready(self, kind: str) -> None:
+        """ProtocolError for a training message before a party serving with ``--resume`` has
+        restored its checkpoint (the label party must resume, not start afresh)."""
+        if self.resume and self.run is None:
+            raise ProtocolError(
+                f"{self.name} serves with --resume: the label party's `checkpoints` naming the "
+                f"step to restore expected before training; found a {kind} (run `train "
+                "--resume DIR` at the label party, or serve without --resume)."
+            )
+
+    def start(self, party: DataParty, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Take the run's checkpoints (``body``: :data:`CHECKPOINTS_KEYS`); on resume,
+        restore ``party`` from its own checkpoint of the step. The answer: the run and step."""
+        run, step, manifest = body["run"], body["step"], body["manifest"]
+        if self.run is not None:
+            raise ProtocolError(f"{self.name}: a second `checkpoints` of the run (a replay?).")
+        if not _RUN_ID.fullmatch(run) or body["every"] < 0:
+            raise ProtocolError(
+                f"checkpoints: a run id of 16 hex digits and steps between checkpoints >= 0 "
+                f"expected; found {run[:40]!r} and {body['every']!r}."
+            )
+        resuming = step != 0 or manifest is not None
+        if resuming and (step < 1 or not _DIGEST.fullmatch(str(manifest))):
+            raise ProtocolError(
+                f"checkpoints: a step >= 1 and a manifest SHA-256 (64 hex digits) to resume "
+                f"from expected; found step {step!r}, manifest {str(manifest)[:70]!r}."
+            )
+        if self.directory is None:
+            asked = (
+                f"resumes from step {step}" if resuming else f"checkpoints every {body['every']}"
+            )
+            raise ProtocolError(
+                f"{self.name}: the label party's run {asked} steps; this party keeps its own "
+                "checkpoints, and serves without a directory for them: serve it with "
+                "`--checkpoint-dir DIR`."
+            )
+        if resuming != self.resume:
+            raise ProtocolError(
+                f"{self.name} serves {'with' if self.resume else 'without'} --resume; the label "
+                f"party {'resumes from step ' + str(step) if resuming else 'starts a fresh run'}."
+            )
+        if resuming:
+            self._restore(party, run, step, manifest)
+            self.step = step
+        self.run = run
+        return {"run": run, "step": step}
+
+    def _restore(self, party: DataParty, run: str, step: int, manifest: str) -> None:
+        assert self.directory is not None
+        try:
+            saved = read_checkpoint(
+                self.directory, self.name, step, run_id=run, manifest_sha=manifest
+            )
+            where = str(step_directory(self.directory, self.name, step))
+            restore_party_state(party, saved.tensors, saved.meta, where=where)
+        except (IntegrityError, DataError) as error:
+            raise ProtocolError(
+                f"{self.name} refuses its checkpoint of step {step} of run {run}: {error}"
+            ) from None
+
+    def write(self, party: DataParty, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Write ``party``'s checkpoint of the step in ``body`` (:data:`CHECKPOINT_KEYS`),
+        keeping the label party's last committed one; the answer carries its manifest's
+        SHA-256."""
+        run, step, committed = body["run"], body["step"], body["committed"]
+        if self.run is None or self.directory is None or run != self.run:
+            raise ProtocolError(
+                f"checkpoint: the run {self.run} announced by `checkpoints` expected; found run "
+                f"{run[:40]!r}."
+            )
+        last = self.step or 0
+        if step <= last or isinstance(committed, bool) or committed != self.step:
+            raise ProtocolError(
+                f"checkpoint: a step after {last} with the last commit {self.step} expected; "
+                f"found step {step!r}, commit {committed!r} (a replay, or out of order?)."
+            )
+        tensors, meta = party_state(party)
+        digest = write_checkpoint(
+            self.directory, self.name, run_id=run, step=step, tensors=tensors, meta=meta
+        )
+        drop_older(self.directory, self.name, keep=step, also=committed)
+        self.step = step
+        return {"run": run, "step": step, "manifest": digest}
+
+
+class DeployedCheckpoints:
+    """The label party's side of a deployed run's checkpoints
+    (:class:`~secure_vfl.checkpoints.PartiesElsewhere`): each data party writes and restores
+    its own, asked by message, and answers with its manifest's SHA-256. The aggregation server
+    keeps nothing between steps (its ledgers belong to the session, and a resumed run's
+    session and mask keys are fresh), so it is not asked."""
+
+    def __init__(self, endpoint: PartyEndpoint, federation: Federation) -> None:
+        self.endpoint = endpoint
+        self.names = list(federation.names[1:])
+
+    def start(self, run_id: str, *, every: int, resume: ResumePoint | None) -> None:
+        """Every data party takes the run's checkpoints; on ``resume`` each restores its own
+        checkpoint of the step, checked against the manifest SHA-256 recorded for it."""
+        if resume is not None and sorted(resume.label.parties) != sorted(self.names):
+            raise IntegrityError(
+                f"{resume.root}: checkpoints of the data parties {sorted(self.names)} expected "
+                f"in the label party's manifest of step {resume.step}, found "
+                f"{sorted(resume.label.parties)} (a run that lost a party does not resume yet)."
+            )
+        bodies = {
+            name: {
+                "run": run_id,
+                "every": every,
+                "step": resume.step if resume is not None else 0,
+                "manifest": resume.label.parties[name] if resume is not None else None,
+            }
+            for name in self.names
+        }
+        ready = self._ask("checkpoints", bodies, "checkpoints-ready", {"run": str, "step": int})
+        for name, reply in ready.items():
+            expected = {"run": run_id, "step": bodies[name]["step"]}
+            if reply != expected:
+                raise ProtocolError(
+                    f"checkpoints-ready from {name}: {expected} expected, found {reply}."
+                )
+
+    def write(
+        self, step: int, run_id: str, *, committed: int | None, parties: Sequence[str]
+    ) -> dict[str, str]:
+        """Each of ``parties`` writes its checkpoint of ``step``; their manifests' SHA-256."""
+        bodies = {name: {"run": run_id, "step": step, "committed": committed} for name in parties}
+        manifests = {}
+        written = self._ask("checkpoint", bodies, "checkpointed", CHECKPOINTED_KEYS)
+        for name, reply in written.items():
+            digest = reply.pop("manifest", None)
+            if reply != {"run": run_id, "step": step} or not _DIGEST.fullmatch(str(digest)):
+                raise ProtocolError(
+                    f"checkpointed from {name}: run {run_id}, step {step} and a manifest SHA-256 "
+                    f"expected; found {reply}, manifest {str(digest)[:70]!r}."
+                )
+            manifests[name] = str(digest)
+        return manifests
+
+    def _ask(
+        self,
+        topic: str,
+        bodies: Mapping[str, Mapping[str, Any]],
+        answer: str,
+        keys: Mapping[str, type | tuple[type, ...]],
+    ) -> dict[str, dict[str, Any]]:
+        """Send each party its body of ``topic`` and take its answer of topic ``answer`` (with
+        exactly ``keys``), one party after the other: a refusal leaves no answer behind."""
+        endpoint = self.endpoint
+        handler, endpoint.handler = endpoint.handler, None  # answers wait here, not at the party
+        try:
+            answers = {}
+            for name, body in bodies.items():
+                endpoint.send(_deployment(endpoint.name, name, topic, body))
+                message = endpoint.receive(sender=name, kind="deployment")
+                answers[name] = dict(_body(message, answer, keys))
+            return answers
+        finally:
+            endpoint.handler = handler
 
 
 def _aggregation_server(backend: SumBackend | None) -> Party:
@@ -541,22 +795,29 @@ def serve(
     on_event: Callable[[str], None] = logger.info,
     psi: PsiRoles | None = None,
     psi_only: bool = False,
+    checkpoint_dir: Path | None = None,
+    resume: bool = False,
 ) -> str:
     """Serve as ``name`` (a data party or ``aggregator``) until the label party ends the run;
     return the outcome it announced (``on_event`` hears of the set-up). A data party answers
     the label party's ``ids-request`` (the plain join) or, with ``psi``, takes the responder's
     side of its PSI session; ``psi_only`` refuses the ``ids-request`` (its ids never leave it in
-    the clear). TransportError if the label party is silent for longer than ``deadline``
-    seconds (``wait`` before its first message)."""
+    the clear). With ``checkpoint_dir`` it writes its own checkpoints there when the label party
+    asks; with ``resume`` it restores one before training (:class:`ServedCheckpoints`).
+    TransportError if the label party is silent for longer than ``deadline`` seconds (``wait``
+    before its first message)."""
     if name == federation.label_party:
         raise ConfigError(
             f"{name} is the label party of {federation.path}; it runs `secure-vfl train "
             f"--federation {federation.path} --name {name}`, not `party serve`."
         )
     member = federation.member(name)
+    checkpoints = served_checkpoints(name, checkpoint_dir, resume=resume)
     table = read_party_file(member.data) if member.data is not None else None
     endpoint = _endpoint(federation, name, insecure=insecure, deadline=deadline)
-    server = _Server(federation, name, endpoint, secure_sums, table, on_event, psi, psi_only)
+    server = _Server(
+        federation, name, endpoint, secure_sums, table, on_event, psi, psi_only, checkpoints
+    )
     endpoint.handler = server.receive
     on_event(f"{name}: serving at {member.address}")
     label = federation.label_party
@@ -573,6 +834,24 @@ def serve(
     finally:
         endpoint.close()
     return server.outcome
+
+
+def served_checkpoints(name: str, directory: Path | None, *, resume: bool) -> ServedCheckpoints:
+    """The checkpoints of serving party ``name``; ConfigError, before it serves, for the
+    aggregation server (it keeps nothing between steps) or a ``resume`` without a checkpoint of
+    ``name`` in ``directory``."""
+    if name == AGGREGATOR and (directory is not None or resume):
+        raise ConfigError(
+            "the aggregation server keeps nothing between steps (a resumed run sets up fresh "
+            "sessions and keys): serve it without --checkpoint-dir and --resume."
+        )
+    if resume and directory is None:
+        raise ConfigError(f"--resume needs --checkpoint-dir DIR (where {name}'s are). Found none.")
+    if resume and directory is not None and not written_steps(directory, name):
+        raise ConfigError(
+            f"--resume: a checkpoint of {name} expected under {directory / name}; found none."
+        )
+    return ServedCheckpoints(name, directory, resume=resume)
 
 
 # -- the label party: driving the run --------------------------------------------------------
@@ -826,6 +1105,7 @@ def train_deployed(
     on_start: Callable[[int], None] | None = None,
     on_step: Callable[[int, float], None] | None = None,
     psi: PsiRoles | None = None,
+    checkpoints: CheckpointPlan | None = None,
 ) -> Any:
     """Run ``config`` (a :class:`~secure_vfl.experiment.TrainConfig` without data files) as
     the label party ``name`` of ``federation``: wait up to ``wait`` seconds for every other
@@ -833,7 +1113,9 @@ def train_deployed(
     join, or under ``config.align == "psi"`` run PSI with each party by ``psi``'s roles), plan
     the rows, set every party up, train, evaluate and end the run. Returns the
     :class:`~secure_vfl.experiment.TrainResult`, its traffic counting every party's bytes
-    (each reports its own)."""
+    (each reports its own). ``checkpoints`` (its ``resume`` found by the label party's own
+    checkpoint) has every data party write its own every ``every`` steps, and on resume restore
+    its own before anything trains (:class:`DeployedCheckpoints`)."""
     from secure_vfl.experiment import run_training
     from secure_vfl.methods.base import lost_parties
 
@@ -870,6 +1152,8 @@ def train_deployed(
             endpoint.send(
                 _deployment(name, receiver, "setup", body), deadline=max(deadline, SETUP_DEADLINE)
             )
+        if checkpoints is not None:
+            checkpoints = checkpoints_elsewhere(checkpoints, endpoint, federation)
         channel = NetworkChannel(endpoint)
         channel.party_names = federation.names
         if config.align == "join":  # under PSI a rejoin would need a new PSI session: not yet
@@ -881,6 +1165,7 @@ def train_deployed(
             aggregator=secure_sums(secure_agg) or PlainAggregator(),
             on_start=on_start,
             on_step=on_step,
+            checkpoints=checkpoints,
         )
         lost = lost_parties(result.faults)
         outcome = "finished"
@@ -914,6 +1199,16 @@ def rejoin_setup(body: Mapping[str, Any]) -> dict[str, Any]:
     This is the seam for deployed checkpoints: a party that keeps its own could be told here to
     load its latest one instead."""
     return dict(body)
+
+
+def checkpoints_elsewhere(
+    plan: CheckpointPlan, endpoint: PartyEndpoint, federation: Federation
+) -> CheckpointPlan:
+    """``plan`` with the data parties as parties elsewhere, each told the run's checkpoints
+    (and on resume restored from its own) before anything trains."""
+    elsewhere = DeployedCheckpoints(endpoint, federation)
+    elsewhere.start(plan.run_id, every=plan.every, resume=plan.resume)
+    return dataclasses.replace(plan, elsewhere=elsewhere)
 
 
 def _end(

@@ -680,7 +680,19 @@ class GlobalStatisticsMessage(Message):
 
 # -- deployment: how a run is set up and ended between processes (secure_vfl.deployment) -----
 
-DEPLOYMENT_TOPICS = ("ids-request", "ids", "psi", "psi-ready", "setup", "end", "report")
+DEPLOYMENT_TOPICS = (
+    "ids-request",
+    "ids",
+    "psi",
+    "psi-ready",
+    "setup",
+    "checkpoints",
+    "checkpoints-ready",
+    "checkpoint",
+    "checkpointed",
+    "end",
+    "report",
+)
 
 
 @register_message
@@ -690,9 +702,13 @@ class DeploymentMessage(Message):
     asks a data party for its ids (``ids-request``) and hears them (``ids``), or, under
     ``--align psi``, asks it to take the responder's side of a PSI session (``psi``: the session
     id and mode) and hears its block width (``psi-ready``); it sets the run up
-    (``setup``: the method, seed, the party's rows per split, the secure-sum scheme) and ends
-    it (``end``, answered by a ``report``). ``body`` is a JSON object whose schema the receiver
-    checks per topic (:mod:`secure_vfl.deployment`); never pickle."""
+    (``setup``: the method, seed, the party's rows per split, the secure-sum scheme), tells it
+    the run's checkpoints before training (``checkpoints``: the run id and, on resume, the step
+    and the manifest SHA-256 to restore from; answered by ``checkpoints-ready``), has it write
+    its own checkpoint of a step (``checkpoint``, answered by ``checkpointed`` with its
+    manifest's SHA-256) and ends the run (``end``, answered by a ``report``). ``body`` is a JSON
+    object whose schema the receiver checks per topic (:mod:`secure_vfl.deployment`); never
+    pickle."""
 
     topic: str
     body: str

@@ -1,0 +1,369 @@
+"""Deployed checkpoints and resume: every party its own process on loopback (gRPC with mutual
+TLS, no mock), each writing its own checkpoint into its own directory; the federation killed
+with SIGKILL after a committed checkpoint and restarted with ``--resume`` ends with exactly the
+metrics of an uninterrupted run, and a tampered party checkpoint is refused by that party.
+Every process started here is stopped by its pid when the test ends, passed or failed. The
+message checks of both sides are unit-tested without processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import MakeData
+from test_deploy import (
+    FLAGS,
+    PARTIES,
+    PROCESS_SECONDS,
+    Processes,
+    in_process,
+    write_federation,
+    write_party_files,
+)
+
+from protocols import tls
+from secure_vfl.checkpoints import MANIFEST_FILE, TENSORS_FILE, step_directory, written_steps
+from secure_vfl.cli import main
+from secure_vfl.deployment import DeployedCheckpoints, ServedCheckpoints
+from secure_vfl.errors import ProtocolError
+from secure_vfl.experiment import TrainConfig, build_method
+from secure_vfl.federation.channel import Channel
+from secure_vfl.federation.federation_file import read_federation
+from secure_vfl.federation.messages import DeploymentMessage
+from secure_vfl.federation.network import free_loopback_ports
+from secure_vfl.federation.parties import DataParty
+from secure_vfl.federation.parts import sha256
+from secure_vfl.methods import MethodConfig
+from secure_vfl.methods.base import in_process_parties
+
+EVERY = "3"
+EPOCHS = ["--epochs", "6"]  # 18 steps: still training when killed after the commit of step 3
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("deploy-resume")
+    write_party_files(directory)
+    tls.make_federation(directory / "certs", [*PARTIES, "aggregator"])
+    return directory
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[Processes]:
+    started = Processes(tmp_path)
+    try:
+        yield started
+    finally:
+        started.stop_all()
+
+
+def start_federation(
+    site: Path, processes: Processes, tmp_path: Path, phase: str, *flags: str, resume: bool
+) -> tuple[subprocess.Popen[str], list[subprocess.Popen[str]]]:
+    """The three data parties (each with its own checkpoint directory), the aggregator and
+    the label party (checkpoints every 3 steps into its --out), logs named by ``phase``."""
+    federation = write_federation(site, site / "certs", free_loopback_ports(5))
+    command = ["party", "serve", "--federation", str(federation), "--name"]
+    servers = []
+    for name in PARTIES[1:]:
+        own = ["--checkpoint-dir", str(tmp_path / f"{name}-checkpoints")]
+        own += ["--resume"] if resume else []
+        servers.append(processes.start(*command, name, *own, log=f"{name}-{phase}"))
+    servers.append(processes.start(*command, "aggregator", log=f"aggregator-{phase}"))
+    out = tmp_path / "out"
+    label = processes.start(
+        "train", "--federation", str(federation), "--name", "bank", *FLAGS, *EPOCHS, *flags,
+        "--checkpoint-every", EVERY, "--out", str(out),
+        *(["--resume", str(out)] if resume else []), log=f"bank-{phase}",
+    )  # fmt: skip
+    return label, servers
+
+
+def kill_after_a_commit(
+    processes: Processes,
+    label: subprocess.Popen[str],
+    servers: list[subprocess.Popen[str]],
+    out: Path,
+) -> int:
+    """SIGKILL every process once the label party has committed a checkpoint (the label
+    party first, so that no party is declared lost); the step it committed last."""
+    end = time.monotonic() + PROCESS_SECONDS
+    while not written_steps(out / "checkpoints", "bank"):
+        assert time.monotonic() < end and label.poll() is None, processes.log("bank-killed")
+        time.sleep(0.02)
+    for process in (label, *servers):
+        os.kill(process.pid, signal.SIGKILL)
+    for process in (label, *servers):
+        assert process.wait(timeout=30) == -signal.SIGKILL, "the run ended before its kill"
+    assert not (out / "result.json").exists()
+    return written_steps(out / "checkpoints", "bank")[-1]
+
+
+def finish(
+    label: subprocess.Popen[str], servers: list[subprocess.Popen[str]]
+) -> tuple[int, list[int]]:
+    """The exit codes of the label party and of every serving party."""
+    code = label.wait(timeout=PROCESS_SECONDS)
+    return code, [server.wait(timeout=PROCESS_SECONDS) for server in servers]
+
+
+def resume_and_compare(
+    site: Path, processes: Processes, tmp_path: Path, step: int, *flags: str
+) -> None:
+    """Restart every party with --resume: the run goes on from ``step`` (each data party
+    restores its own checkpoint) and ends with the uninterrupted run's losses and metrics."""
+    label, servers = start_federation(site, processes, tmp_path, "resumed", *flags, resume=True)
+    code, codes = finish(label, servers)
+    assert code == 0, processes.log("bank-resumed")
+    assert codes == [0, 0, 0, 0], [processes.log(f"{n}-resumed") for n in PARTIES[1:]]
+    for name in PARTIES[1:]:
+        assert f"{name}: restored its checkpoint of step {step}" in processes.log(f"{name}-resumed")
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert result["checkpoints"]["resumed_from_step"] == step
+    whole = in_process(site, tmp_path / "whole", *flags, *EPOCHS)
+    assert result["epoch_loss"] == whole["epoch_loss"]
+    assert result["metrics"] == whole["metrics"]
+
+
+def test_a_killed_federation_refuses_a_tampered_party_checkpoint_and_resumes_from_intact_ones(
+    site: Path, processes: Processes, tmp_path: Path
+) -> None:
+    flags = ("--method", "laser", "--heads", "all")
+    label, servers = start_federation(site, processes, tmp_path, "killed", *flags, resume=False)
+    step = kill_after_a_commit(processes, label, servers, tmp_path / "out")
+    for name in PARTIES[1:]:  # each party's own checkpoint of the committed step, in its own
+        assert step in written_steps(tmp_path / f"{name}-checkpoints", name)  # directory
+    tensors = step_directory(tmp_path / "insurer-checkpoints", "insurer", step) / TENSORS_FILE
+    intact = tensors.read_bytes()
+    tensors.write_bytes(intact[:-64] + bytes(64))
+    label, servers = start_federation(site, processes, tmp_path, "tampered", *flags, resume=True)
+    code, codes = finish(label, servers)
+    log = processes.log("bank-tampered")
+    assert code == 2, log
+    [error] = [line for line in log.splitlines() if line.startswith("secure-vfl: error:")]
+    assert f"insurer refuses its checkpoint of step {step}" in error, error
+    assert "corrupt or truncated" in error, error
+    assert "could not end the run" not in log, log  # every party told, none left waiting
+    assert codes == [1, 1, 1, 1]  # the run failed at every party, before anything trained
+    assert "first training step" not in processes.log("shop-tampered")
+    assert not (tmp_path / "out" / "result.json").exists()
+    tensors.write_bytes(intact)
+    resume_and_compare(site, processes, tmp_path, step, *flags)
+
+
+def test_a_killed_federation_resumes_under_masks_with_fresh_keys_to_the_uninterrupted_metrics(
+    site: Path, processes: Processes, tmp_path: Path
+) -> None:
+    flags = ("--method", "laser", "--heads", "active", "--secure-agg", "masks")
+    label, servers = start_federation(site, processes, tmp_path, "killed", *flags, resume=False)
+    step = kill_after_a_commit(processes, label, servers, tmp_path / "out")
+    resume_and_compare(site, processes, tmp_path, step, *flags)
+
+
+# -- the message checks, without processes -------------------------------------------------
+
+RUN = "0123456789abcdef"
+
+
+@pytest.fixture
+def party(make_data: MakeData) -> DataParty:
+    """A data party with a bottom model, a head and their optimisers (LASER, heads="all")."""
+    config = TrainConfig(
+        method="laser",
+        dataset="synthetic",
+        method_config=MethodConfig(epochs=1, batch_size=64, representation_dim=8),
+    )
+    channel = Channel()
+    build_method(config, make_data(), channel=channel)
+    return in_process_parties(channel)[1]
+
+
+def _params(party: DataParty) -> dict[str, torch.Tensor]:
+    return {
+        f"{module}.{key}": value.detach().clone()
+        for module, m in party.own_modules().items()
+        for key, value in m.state_dict().items()
+    }
+
+
+def _fresh(every: int = 3) -> dict[str, Any]:
+    return {"run": RUN, "every": every, "step": 0, "manifest": None}
+
+
+def _step(step: int, committed: int | None, run: str = RUN) -> dict[str, Any]:
+    return {"run": run, "step": step, "committed": committed}
+
+
+def test_a_served_party_writes_its_checkpoint_only_on_a_request_that_checks_out(
+    tmp_path: Path, party: DataParty
+) -> None:
+    served = ServedCheckpoints("shop", tmp_path, resume=False)
+    with pytest.raises(ProtocolError, match="announced by `checkpoints` expected"):
+        served.write(party, _step(3, None))  # before the run's `checkpoints`
+    with pytest.raises(ProtocolError, match="16 hex digits"):
+        served.start(party, {**_fresh(), "run": "../../elsewhere"})
+    assert served.start(party, _fresh()) == {"run": RUN, "step": 0}
+    with pytest.raises(ProtocolError, match="a second `checkpoints`"):
+        served.start(party, _fresh())
+    answer = served.write(party, _step(3, None))
+    manifest = step_directory(tmp_path, "shop", 3) / MANIFEST_FILE
+    assert answer == {"run": RUN, "step": 3, "manifest": sha256(manifest.read_bytes())}
+    refusals = {
+        "a replay, or out of order": _step(3, None),  # the same step again
+        "last commit 3 expected": _step(6, None),  # not the label party's last commit
+        "found run 'fedcba9876543210'": _step(6, 3, run="fedcba9876543210"),
+    }
+    for reason, body in refusals.items():
+        with pytest.raises(ProtocolError, match=reason):
+            served.write(party, body)
+    served.write(party, _step(6, 3))
+    assert written_steps(tmp_path, "shop") == [3, 6]  # 3 is kept until 6 is committed
+    served.write(party, _step(9, 6))
+    assert written_steps(tmp_path, "shop") == [6, 9]
+    assert [p.name for p in tmp_path.iterdir()] == ["shop"]  # nothing outside its directory
+
+
+def test_a_resuming_party_restores_its_own_checkpoint_and_refuses_any_other(
+    tmp_path: Path, party: DataParty
+) -> None:
+    writer = ServedCheckpoints("shop", tmp_path, resume=False)
+    writer.start(party, _fresh())
+    digest = writer.write(party, _step(3, None))["manifest"]
+    saved = _params(party)
+    with torch.no_grad():
+        for module in party.own_modules().values():
+            for value in module.parameters():
+                value.add_(1.0)  # the party moved on after its checkpoint
+    shutil.copytree(tmp_path / "shop", tmp_path / "insurer")  # another party's checkpoint
+    resume = {"run": RUN, "every": 3, "step": 3, "manifest": digest}
+    refusals = {
+        "manifest the label party recorded for step 3 expected": {**resume, "manifest": "0" * 64},
+        "run_id 'fedcba9876543210' expected": {**resume, "run": "fedcba9876543210"},
+        "shop's checkpoint of step 6 expected; found none": {**resume, "step": 6},
+        "serves with --resume; the label party starts a fresh run": _fresh(),
+    }
+    for reason, body in refusals.items():
+        served = ServedCheckpoints("shop", tmp_path, resume=True)
+        with pytest.raises(ProtocolError, match=reason) as refused:
+            served.start(party, body)
+        assert str(refused.value).startswith("shop ")  # the party is named
+        with pytest.raises(ProtocolError, match="serves with --resume"):
+            served.check_ready("forward-request")  # nothing trains after a refusal
+    other = ServedCheckpoints("insurer", tmp_path, resume=True)
+    with pytest.raises(ProtocolError, match="checkpoint of party 'insurer' expected, found 'shop'"):
+        other.start(party, resume)
+    tensors = step_directory(tmp_path, "shop", 3) / TENSORS_FILE
+    intact = tensors.read_bytes()
+    tensors.write_bytes(intact[:-64] + bytes(64))
+    with pytest.raises(ProtocolError, match=r"shop refuses its checkpoint of step 3.*corrupt"):
+        ServedCheckpoints("shop", tmp_path, resume=True).start(party, resume)
+    tensors.write_bytes(intact)
+    not_resuming = ServedCheckpoints("shop", tmp_path, resume=False)
+    with pytest.raises(ProtocolError, match="serves without --resume"):
+        not_resuming.start(party, resume)
+    nowhere = ServedCheckpoints("shop", None, resume=False)
+    with pytest.raises(ProtocolError, match="--checkpoint-dir DIR"):
+        nowhere.start(party, _fresh())
+    served = ServedCheckpoints("shop", tmp_path, resume=True)
+    assert served.start(party, resume) == {"run": RUN, "step": 3}
+    served.check_ready("forward-request")
+    restored = _params(party)
+    assert restored.keys() == saved.keys()
+    assert all(torch.equal(restored[name], saved[name]) for name in saved)
+    # The next checkpoint follows the restored one (the label party's commit is step 3).
+    assert served.write(party, _step(6, 3))["step"] == 6
+
+
+class LoopbackEndpoint:
+    """The label party's endpoint for the message checks: a request is answered at once by
+    ``answer`` (the serving side), each answer kept until received."""
+
+    name = "bank"
+
+    def __init__(self, answer: Callable[[DeploymentMessage], tuple[str, dict[str, Any]]]):
+        self.answer = answer
+        self.handler: Any = "the label party"
+        self.kept: list[DeploymentMessage] = []
+
+    def send(self, message: DeploymentMessage) -> None:
+        assert self.handler is None  # the answers must not reach the label party's handler
+        topic, body = self.answer(message)
+        header = {"sender": message.receiver, "receiver": self.name, "round": 0}
+        self.kept.append(
+            DeploymentMessage(**header, batch_id=0, topic=topic, body=json.dumps(body))
+        )
+
+    def receive(self, *, sender: str, kind: str) -> DeploymentMessage:
+        [message] = [m for m in self.kept if m.sender == sender and m.kind == kind]
+        self.kept.remove(message)
+        return message
+
+
+def test_the_label_party_takes_every_party_checkpoint_and_checks_every_answer(
+    tmp_path: Path, party: DataParty
+) -> None:
+    federation = read_federation(write_federation(tmp_path, tmp_path, free_loopback_ports(5)))
+    served = {name: ServedCheckpoints(name, tmp_path / name, resume=False) for name in PARTIES}
+    lie: dict[str, Any] = {}
+
+    def answer(message: DeploymentMessage) -> tuple[str, dict[str, Any]]:
+        side, body = served[message.receiver], json.loads(message.body)
+        if message.topic == "checkpoints":
+            return "checkpoints-ready", side.start(party, body)
+        return "checkpointed", {**side.write(party, body), **lie}
+
+    endpoint = LoopbackEndpoint(answer)
+    label = DeployedCheckpoints(endpoint, federation)  # type: ignore[arg-type]
+    assert label.names == list(PARTIES[1:])  # the aggregator keeps nothing between steps
+    label.start(RUN, every=3, resume=None)
+    manifests = label.write(3, RUN, committed=None, parties=["shop", "telco"])  # insurer lost
+    assert sorted(manifests) == ["shop", "telco"]
+    for name, digest in manifests.items():
+        manifest = step_directory(tmp_path / name, name, 3) / MANIFEST_FILE
+        assert digest == sha256(manifest.read_bytes())
+    assert endpoint.handler == "the label party"  # handed back after the answers
+    # A party that answers for another step, or without a manifest's SHA-256, is refused.
+    lie.update(step=5)
+    with pytest.raises(ProtocolError, match="run 0123456789abcdef, step 6 and a manifest"):
+        label.write(6, RUN, committed=3, parties=["shop"])
+    lie.clear()
+    lie.update(manifest="not a digest")
+    with pytest.raises(
+        ProtocolError, match=re.escape("found {'run': '0123456789abcdef', 'step': 9}, ")
+    ):
+        label.write(9, RUN, committed=6, parties=["shop"])
+    assert endpoint.kept == []
+
+
+def test_serving_checkpoint_flags_that_cannot_apply_are_refused_before_serving(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    federation = write_federation(site, site / "certs", free_loopback_ports(5))
+    serve = ["party", "serve", "--federation", str(federation), "--wait", "1", "--name"]
+    empty = tmp_path / "empty"
+    refusals = {
+        (*serve, "aggregator", "--checkpoint-dir", str(empty)): "aggregation server keeps nothing",
+        (*serve, "shop", "--resume"): "--resume needs --checkpoint-dir DIR",
+        (*serve, "shop", "--resume", "--checkpoint-dir", str(empty)): "a checkpoint of shop "
+        f"expected under {empty / 'shop'}; found none",
+        ("train", "--federation", str(federation), "--name", "bank", "--method", "laser",
+         "--quiet", "--wait", "1", "--out", str(tmp_path / "o"), "--resume", str(empty)):
+        "a checkpoint of the label party bank expected",
+    }  # fmt: skip
+    for argv, reason in refusals.items():
+        capsys.readouterr()
+        assert main(list(argv)) == 2
+        out, err = capsys.readouterr()
+        assert reason in err and "serving at" not in out, (argv, err)
+        assert len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
