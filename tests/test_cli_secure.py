@@ -13,7 +13,7 @@ from secure_vfl.cli import main
 from secure_vfl.experiment import TrainConfig, prepare_data, run_training
 from secure_vfl.federation import wire
 from secure_vfl.federation.channel import Channel, RecordingLayer
-from secure_vfl.federation.messages import AGGREGATOR, SealedMessage
+from secure_vfl.federation.messages import AGGREGATOR, SealedMessage, SealRequest
 from secure_vfl.methods import MethodConfig
 
 BASE = [
@@ -65,9 +65,18 @@ def test_masked_traffic_is_the_sealed_shares_that_crossed_and_nothing_in_the_cle
         sent = [m for m in recorder.messages if m.sender == f"party-{k}"]
         assert {m.kind for m in sent} == {"public-key", "sealed"}
         sealed = [m for m in sent if isinstance(m, SealedMessage) and m.phase == "train"]
-        # One task per sample: one masked uint64 (B, d) share per step, every row of the batch.
+        # Every union of a sample's blocks in one request per step: one masked uint64
+        # (T, B, d) share per step, T sums over every row of the batch.
         assert len(sealed) == steps
-        assert sum(len(m.payload[0]) for m in sealed) == 2 * data.train.n * width * 8
+        asked = {
+            (m.round, m.batch_id): tuple(m.selection.shape[:2])
+            for m in recorder.messages
+            if isinstance(m, SealRequest) and m.receiver == f"party-{k}" and m.phase == "train"
+        }
+        assert sum(asked[(m.round, m.batch_id)][1] for m in sealed) == 2 * data.train.n
+        for m in sealed:
+            tasks, batch = asked[(m.round, m.batch_id)]
+            assert tasks >= 1 and len(m.payload[0]) == tasks * batch * width * 8
         # The report counts exactly what crossed: encoded messages, headers and keys included.
         encoded = sum(len(wire.encode(m)) for m in sent if getattr(m, "phase", "train") == "train")
         assert result.traffic["bytes"][f"party-{k}"]["train"] == encoded

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
-from collections.abc import Callable
-from typing import Any
 
 import numpy as np
 import pytest
@@ -132,29 +130,16 @@ def _audit_data(make_data: MakeData, parties: int, rates: tuple[float, ...]) -> 
     )
 
 
-def _audited_run(
-    make_data: MakeData,
-    parties: int,
-    release: str,
-    *,
-    spec: PrivacySpec | None = None,
-    on_ready: Callable[[Channel], Any] | None = None,
-) -> ReleaseLedger:
+def _audited_run(make_data: MakeData, parties: int, release: str) -> ReleaseLedger:
     data = _audit_data(make_data, parties, (0.0, 0.2, 0.5))
     ledger = ReleaseLedger()
-
-    def ready(channel: Channel) -> None:
-        ledger.attach(channel)
-        if on_ready is not None:
-            on_ready(channel)
-
-    if spec is None:
-        spec = PrivacySpec(
-            secure_agg="masks",
-            release=release,
-            release_noise=(0.5, 0.3) if release == "dp" else None,
-        )
-    run_training(_config(parties, release), data=data, privacy=PrivacyEngine(spec), on_ready=ready)
+    spec = PrivacySpec(
+        secure_agg="masks",
+        release=release,
+        release_noise=(0.5, 0.3) if release == "dp" else None,
+    )
+    privacy = PrivacyEngine(spec)
+    run_training(_config(parties, release), data=data, privacy=privacy, on_ready=ledger.attach)
     assert ledger.releases(), "the run released nothing: the audit would pass vacuously"
     return ledger
 
