@@ -1133,6 +1133,8 @@ def _fault_lines(faults: list[dict[str, Any]]) -> list[str]:
     lines = []
     for k, fault in enumerate(faults):
         when = f"at step {fault['step']} (epoch {fault['epoch']})"
+        if fault.get("phase") == "evaluation":
+            when = f"in the evaluation after step {fault['step']} (epoch {fault['epoch']})"
         if fault["what"] == "rejoined":
             lines.append(
                 f"rejoined: {fault['party']} {when}, set up anew (initial models); its block "
@@ -1141,6 +1143,8 @@ def _fault_lines(faults: list[dict[str, Any]]) -> list[str]:
             continue
         back = any(later["party"] == fault["party"] for later in faults[k + 1 :])
         until = "until it rejoined" if back else "from then on, in training and evaluation"
+        if fault.get("phase") == "evaluation":
+            until = "from then on"
         lines.append(f"lost: {fault['party']} {when}; its block was missing {until}")
     return lines
 

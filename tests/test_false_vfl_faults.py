@@ -101,6 +101,7 @@ def test_a_party_lost_mid_step_is_dropped_and_false_vfl_goes_on(
             "party": LOST,
             "step": step + 1,
             "epoch": stage,  # one epoch per stage, counted across both
+            "phase": "training",
             "what": f"{kind} to {LOST}: its process is gone",
         }
     ]

@@ -86,6 +86,7 @@ def test_a_party_lost_mid_step_is_dropped_and_training_goes_on(
             "party": LOST,
             "step": STEP + 1,
             "epoch": STEP // len(method.sampler) + 1,
+            "phase": "training",
             "what": f"{kind} to {LOST}: its process is gone",
         }
     ]
@@ -133,3 +134,94 @@ def test_under_masks_the_lost_partys_late_share_is_refused(make_data: MakeData) 
     lost = channel.parties[LOST]
     with pytest.raises(ProtocolError, match="abandoned"):
         lost.receive(request)
+
+
+class LosingInEvaluation(Channel):
+    """Loses ``LOST`` when the first message of the prediction pass over ``split`` is posted to
+    it (its representations for that pass: the process died after training)."""
+
+    def __init__(self, split: str) -> None:
+        super().__init__()
+        self.split = split
+        self.lost = False
+        self.posted: list[Message] = []
+
+    def post(self, message: Message, *, sender: Party) -> None:
+        self.posted.append(message)
+        if message.receiver == LOST:
+            if getattr(message, "tag", "") == f"predict/{self.split}":
+                self.lost = True
+            if self.lost:
+                raise TransportError(f"{message.kind} to {LOST}: its process is gone")
+        super().post(message, sender=sender)
+
+    def unreachable(self, names: list[str]) -> list[str]:  # type: ignore[override]
+        return [name for name in names if self.lost and name == LOST]
+
+
+@pytest.mark.parametrize(("heads", "secure"), [("all", False), ("active", False), ("active", True)])
+def test_a_party_lost_in_evaluation_is_dropped_and_the_split_is_predicted_without_it(
+    make_data: MakeData, one_thread: None, heads: str, secure: bool
+) -> None:
+    data = make_data(train_missing="mcar:0.2")
+    first, second = data.tests  # lost while the second split is predicted
+    config = dataclasses.replace(FAST, heads=heads, secure_sums=secure)
+
+    def train(channel: Channel) -> MeanFusionMethod:
+        aggregator = MaskingAggregator() if secure else None
+        return _train(data, config, channel, aggregator=aggregator)
+
+    losing = LosingInEvaluation(second)
+    method = train(losing)
+    before = method.predict(first)
+    assert not losing.lost and (before[:, 2] >= 0).any()  # the first split still has it
+    after = method.predict(second)
+    assert losing.lost
+    steps = method.total_steps
+    assert method.fed.faults == [
+        {
+            "party": LOST,
+            "step": steps,
+            "epoch": FAST.epochs,
+            "phase": "evaluation",
+            "what": f"represent-request to {LOST}: its process is gone",
+        }
+    ]
+    assert (after[:, 2] == -1).all() and (after >= 0).any(axis=1).all()
+    # The failed pass was abandoned at the aggregator: the lost party's representations for
+    # it, should they arrive late, are refused, never added (under masks it only holds them
+    # for a seal request that never comes).
+    [request] = [
+        m
+        for m in losing.posted
+        if m.receiver == LOST and getattr(m, "tag", "") == f"predict/{second}"
+    ]
+    if secure:
+        posted = len(losing.posted)
+        losing.parties[LOST].receive(request)
+        assert len(losing.posted) == posted
+    else:
+        with pytest.raises(ProtocolError, match="abandoned"):
+            losing.parties[LOST].receive(request)
+    # The same trained federation, told of the loss before it predicts: the same predictions
+    # (the failed pass left nothing behind at the parties that carried on).
+    reference = train(Channel())
+    reference.fed.drop(LOST, round=steps - 1, what="gone")
+    assert np.array_equal(after, reference.predict(second))
+    assert np.array_equal(method.predict(first), reference.predict(first))
+
+
+def test_the_summary_says_when_a_party_was_lost_in_evaluation() -> None:
+    from secure_vfl.cli import _fault_lines
+
+    faults = [
+        {"party": "shop", "step": 3, "epoch": 1, "phase": "training", "what": "gone"},
+        {"party": "shop", "step": 9, "epoch": 2, "phase": "training", "what": "rejoined"},
+        {"party": "telco", "step": 12, "epoch": 2, "phase": "evaluation", "what": "gone"},
+    ]
+    assert _fault_lines(faults) == [
+        "lost: shop at step 3 (epoch 1); its block was missing until it rejoined",
+        "rejoined: shop at step 9 (epoch 2), set up anew (initial models); its block took part "
+        "again from then on",
+        "lost: telco in the evaluation after step 12 (epoch 2); its block was missing from then on",
+    ]

@@ -146,9 +146,16 @@ def test_a_party_lost_in_epoch_1_rejoins_at_epoch_2_and_is_observed_again(
         "party": LOST,
         "step": 2,
         "epoch": 1,
+        "phase": "training",
         "what": f"represent-request to {LOST}: its process is gone",
     }
-    assert back == {"party": LOST, "step": steps + 1, "epoch": 2, "what": REJOINED}
+    assert back == {
+        "party": LOST,
+        "step": steps + 1,
+        "epoch": 2,
+        "phase": "training",
+        "what": REJOINED,
+    }
     assert lost_parties(method.fed.faults) == []
     # Asked for its block in steps 1 and 2 (lost in the second), in none until epoch 2, then
     # in every step (each batch of 64 holds rows of it).

@@ -8,7 +8,7 @@ import secrets
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Literal, Protocol, TypeVar, cast
 
 import numpy as np
 import torch
@@ -61,6 +61,10 @@ Heads = Literal["all", "active"]
 Batching = Literal["grouped", "mixed"]
 Release = Literal["drop", "dp"]
 StepCallback = Callable[[int, float], None]
+PassResult = TypeVar("PassResult")
+TRAINING, EVALUATION = "training", "evaluation"
+"""The ``phase`` of a ``faults`` entry: a party lost in a training step, or in the evaluation
+after the step it names (a rejoin is always training)."""
 PartyMaker = Callable[[int, RoleFactory, dict[str, Tensor], nn.Module], Party]
 
 
@@ -309,10 +313,11 @@ class Federation:
             name for name in (self.names if names is None else names) if name not in self.dropped
         ]
 
-    def drop(self, name: str, *, round: int, what: str) -> None:
-        """Declare data party ``name`` lost at training step ``round``: its block is missing
-        for every row of every split from now on (the availability masks say so, so no plan
-        asks it for anything), and ``faults`` records it."""
+    def drop(self, name: str, *, round: int, what: str, phase: str = TRAINING) -> None:
+        """Declare data party ``name`` lost at training step ``round`` (``phase``: in that
+        step's training, or in the evaluation after it): its block is missing for every row of
+        every split from now on (the availability masks say so, so no plan asks it for
+        anything), and ``faults`` records it."""
         if name == self.own.name or name not in self.names:
             raise ProtocolError(
                 f"{self.own.name} can drop one of the data parties {self.names[1:]}; found "
@@ -327,13 +332,16 @@ class Federation:
             split.mask[:, column] = False
         self.dropped.append(name)
         epoch = round // self.epoch_steps + 1 if self.epoch_steps else None
-        self.faults.append({"party": name, "step": round + 1, "epoch": epoch, "what": what})
+        self.faults.append(
+            {"party": name, "step": round + 1, "epoch": epoch, "phase": phase, "what": what}
+        )
         logger.warning(
-            "%s: %s is lost at step %d (epoch %s); training goes on without its block: %s",
+            "%s: %s is lost at step %d (epoch %s, %s); the run goes on without its block: %s",
             self.own.name,
             name,
             round + 1,
             epoch,
+            phase,
             what,
         )
 
@@ -378,7 +386,9 @@ class Federation:
             splits[key].mask[:, column] = held
         self.dropped.remove(name)
         epoch = round // self.epoch_steps + 1 if self.epoch_steps else None
-        self.faults.append({"party": name, "step": round + 1, "epoch": epoch, "what": REJOINED})
+        self.faults.append(
+            {"party": name, "step": round + 1, "epoch": epoch, "phase": TRAINING, "what": REJOINED}
+        )
         logger.warning(
             "%s: %s rejoined, set up anew; its block takes part again from step %d (epoch %s)",
             self.own.name,
@@ -404,12 +414,20 @@ class Federation:
             except ProtocolError as error:
                 self.recover(error, round=round)
 
-    def recover(self, error: ProtocolError, *, round: int) -> None:
-        """After ``error`` cut training step ``round`` short: drop every data party that can no
-        longer be reached and abandon the step at every other party (:class:`AbortRequest`),
-        so the caller can retry it without them. Re-raises ``error`` if the method does not
-        tolerate dropouts, if no party was lost (a protocol error, not a fault) or if the
-        aggregation server was (no sum can be served without it)."""
+    def recover(
+        self,
+        error: ProtocolError,
+        *,
+        round: int,
+        abandoned: Sequence[int] | None = None,
+        phase: str = TRAINING,
+    ) -> None:
+        """After ``error`` cut training step ``round`` short (or, with ``phase`` evaluation, a
+        prediction pass after it): drop every data party that can no longer be reached and
+        abandon the ``abandoned`` rounds (default: ``round``) at every other party
+        (:class:`AbortRequest`), so the caller can retry without them. Re-raises ``error`` if
+        the method does not tolerate dropouts, if no party was lost (a protocol error, not a
+        fault) or if the aggregation server was (no sum can be served without it)."""
         if not self.tolerates_dropouts:
             raise error
         peers = [name for name in self.live() if name != self.own.name]
@@ -417,11 +435,35 @@ class Federation:
         if not lost or AGGREGATOR in lost:
             raise error
         for name in lost:
-            self.drop(name, round=round, what=str(error))
-        self.send_or_drop(
-            [AbortRequest(**self.header(name, round, 0)) for name in [*self.live(), AGGREGATOR]],
-            round=round,
-        )
+            self.drop(name, round=round, what=str(error), phase=phase)
+        for abandoned_round in [round] if abandoned is None else abandoned:
+            self.send_or_drop(
+                [
+                    AbortRequest(**self.header(name, abandoned_round, 0))
+                    for name in [*self.live(), AGGREGATOR]
+                ],
+                round=round,
+            )
+
+    def evaluation_pass(self, attempt: Callable[[], PassResult], *, round: int) -> PassResult:
+        """Run the prediction pass ``attempt`` (it draws its query rounds from
+        :meth:`next_query`). Should a data party be lost during it (a deployment: its process
+        died), drop it (``faults`` dates it by the last training step ``round`` and says
+        ``"phase": "evaluation"``), abandon the pass's queries at every other party and run the
+        whole pass again without it, so that every prediction of the split comes from the
+        blocks still held; what earlier passes predicted (other splits) stands. Each retry
+        drops a party or re-raises (:meth:`recover`), so there are fewer retries than parties."""
+        while True:
+            first = self.queries
+            try:
+                return attempt()
+            except ProtocolError as error:
+                self.recover(
+                    error,
+                    round=round,
+                    abandoned=range(first, self.queries),
+                    phase=EVALUATION,
+                )
 
     def send_or_drop(self, messages: Sequence[Message], *, round: int) -> None:
         """Send the label party's ``messages`` at once (:meth:`~secure_vfl.federation.parties.

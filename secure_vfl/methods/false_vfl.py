@@ -1002,7 +1002,18 @@ class FalseVflMethod:
         return torch.logsumexp(log_weights, dim=1) - math.log(samples)
 
     def infer(self, split_name: str) -> Inference:
-        """SNIS over L samples: p(y | x_obs) ~ sum_l w_l p(y | h_l), with label-free weights w."""
+        """SNIS over L samples: p(y | x_obs) ~ sum_l w_l p(y | h_l), with label-free weights w.
+        A data party lost during the pass is dropped and the pass runs again without it
+        (:meth:`~secure_vfl.methods.base.Federation.evaluation_pass`)."""
+        fed = self.fed
+        faults = len(fed.faults)
+        last = self.total_steps - 1
+        inference = fed.evaluation_pass(lambda: self._infer(split_name), round=last)
+        for fault in fed.faults[faults:]:
+            fault["epoch"] = self._epoch(last)
+        return inference
+
+    def _infer(self, split_name: str) -> Inference:
         split = split_tensors(self.data)[split_name]
         samples = self.options.inference_samples
         round = self.fed.next_query()

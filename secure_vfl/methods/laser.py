@@ -335,9 +335,10 @@ class MeanFusionMethod:
         prediction; under secure sums it predicts from the union of the usable blocks, and
         a sample with nothing releasable gets the head's answer to a zero mean (its prior).
         """
-        split = split_tensors(self.data)[split_name]
+        answers = self._answers(split_name, probabilities=False)
+        split = split_tensors(self.data)[split_name]  # its mask as the answers saw it
         out = np.full(split.mask.shape, -1, dtype=np.int64)
-        for h, idx, predicted in self._head_answers(split_name, probabilities=False):
+        for h, idx, predicted in answers:
             if self.config.heads == "all":
                 out[idx, h] = predicted.numpy()
             else:
@@ -350,9 +351,10 @@ class MeanFusionMethod:
         """Each head's class probabilities from the same observed sets as
         :meth:`head_predictions`: (N, H, C) over the heads of ``head_index``, NaN where a head
         makes no prediction."""
+        answers = self._answers(split_name, probabilities=True)
         split = split_tensors(self.data)[split_name]
         out = np.full((split.n, len(self.head_index), self.data.num_classes), np.nan, np.float32)
-        for h, idx, probabilities in self._head_answers(split_name, probabilities=True):
+        for h, idx, probabilities in answers:
             out[idx, self.head_index.index(h)] = probabilities.numpy()
         return out
 
@@ -361,6 +363,17 @@ class MeanFusionMethod:
         with ``heads="active"``; with ``"all"`` every observed party's head, each from the
         observed set, as LASER-VFL's Algorithm 2; Local and Ensemble: each from its own block)."""
         return np.nanmean(self.head_probabilities(split_name), axis=1)
+
+    def _answers(
+        self, split_name: str, *, probabilities: bool
+    ) -> list[tuple[int, np.ndarray, Tensor]]:
+        """Every head's answers on the split (:meth:`_head_answers`), from the blocks still
+        held: a data party lost during the pass is dropped and the pass runs again without
+        it (:meth:`~secure_vfl.methods.base.Federation.evaluation_pass`)."""
+        return self.fed.evaluation_pass(
+            lambda: list(self._head_answers(split_name, probabilities=probabilities)),
+            round=self.total_steps - 1,
+        )
 
     def _head_answers(
         self, split_name: str, *, probabilities: bool
