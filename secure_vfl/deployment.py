@@ -63,7 +63,9 @@ initial models by the seed rule), gets its availability column back from the lab
 record of it, and a new session opens, in which every live party announces its secure-sum keys
 again (the rejoined party's are new; a key of the old session is refused). From that step on it
 trains and is evaluated, and is sent ``end`` at the close; ``faults`` has a second entry,
-``{"party", "step", "epoch", "what": "rejoined"}``. Lost again, it is dropped again. Under
+``{"party", "step", "epoch", "what": "rejoined"}``. With deployed checkpoints it also takes the
+run's checkpoints from the label party's last commit on (:meth:`DeployedCheckpoints.rejoined`).
+Lost again, it is dropped again. Under
 ``--align psi`` a lost party does not rejoin (it would need a new PSI session; not built).
 The core never imports the privacy layer: the command line passes the secure-sum backend
 (``secure_sums``) and the PSI roles (``psi``) in.
@@ -395,9 +397,12 @@ CHECKPOINTS_KEYS: dict[str, type | tuple[type, ...]] = {
     "every": int,
     "step": int,
     "manifest": (str, type(None)),
+    "committed": (int, type(None)),
 }
 """``checkpoints``: the run id, the steps between checkpoints and, on resume, the step to
-restore and the SHA-256 of the party's manifest of it (a fresh run: step 0, no manifest)."""
+restore and the SHA-256 of the party's manifest of it (a fresh run or a rejoin: step 0, no
+manifest), and the label party's last commit (none at a fresh start; the step on resume; the
+latest at a rejoin: the party's first checkpoint names it as the last commit)."""
 CHECKPOINT_KEYS: dict[str, type | tuple[type, ...]] = {
     "run": str,
     "step": int,
@@ -426,6 +431,9 @@ class ServedCheckpoints:
         self.run: str | None = None
         self.step: int | None = None
         """This party's latest checkpoint of the run (written, or restored), None before."""
+        self.joined_after: int | None = None
+        """The label party's last commit when this party took the run's checkpoints: None at
+        the start of a fresh run, the step on resume, the latest commit when it rejoined."""
 
     def check_ready(self, kind: str) -> None:
         """ProtocolError for a training message before a party serving with ``--resume`` has
@@ -441,6 +449,7 @@ class ServedCheckpoints:
         """Take the run's checkpoints (``body``: :data:`CHECKPOINTS_KEYS`); on resume,
         restore ``party`` from its own checkpoint of the step. The answer: the run and step."""
         run, step, manifest = body["run"], body["step"], body["manifest"]
+        committed = body["committed"]
         if self.run is not None:
             raise ProtocolError(f"{self.name}: a second `checkpoints` of the run (a replay?).")
         if not _RUN_ID.fullmatch(run) or body["every"] < 0:
@@ -453,6 +462,14 @@ class ServedCheckpoints:
             raise ProtocolError(
                 f"checkpoints: a step >= 1 and a manifest SHA-256 (64 hex digits) to resume "
                 f"from expected; found step {step!r}, manifest {str(manifest)[:70]!r}."
+            )
+        if isinstance(committed, bool) or (
+            committed != step if resuming else committed is not None and committed < 1
+        ):
+            raise ProtocolError(
+                f"{self.name} refuses `checkpoints`: the label party's last commit (the step "
+                f"resumed from; none or a step >= 1 otherwise) expected; found {committed!r} "
+                f"with step {step!r}."
             )
         if self.directory is None:
             asked = (
@@ -472,6 +489,7 @@ class ServedCheckpoints:
             self._restore(party, run, step, manifest)
             self.step = step
         self.run = run
+        self.joined_after = committed
         return {"run": run, "step": step}
 
     def _restore(self, party: DataParty, run: str, step: int, manifest: str) -> None:
@@ -497,10 +515,11 @@ class ServedCheckpoints:
                 f"checkpoint: the run {self.run} announced by `checkpoints` expected; found run "
                 f"{run[:40]!r}."
             )
-        last = self.step or 0
-        if step <= last or isinstance(committed, bool) or committed != self.step:
+        expected = self.step if self.step is not None else self.joined_after
+        last = expected or 0
+        if step <= last or isinstance(committed, bool) or committed != expected:
             raise ProtocolError(
-                f"checkpoint: a step after {last} with the last commit {self.step} expected; "
+                f"checkpoint: a step after {last} with the last commit {expected} expected; "
                 f"found step {step!r}, commit {committed!r} (a replay, or out of order?)."
             )
         tensors, meta = party_state(party)
@@ -522,10 +541,17 @@ class DeployedCheckpoints:
     def __init__(self, endpoint: PartyEndpoint, federation: Federation) -> None:
         self.endpoint = endpoint
         self.names = list(federation.names[1:])
+        self.run_id = ""
+        self.every = 0
+        self.committed: int | None = None
+        """The label party's last commit: the resumed step, then each step written (the label
+        party writes its own checkpoint right after, or the run fails)."""
 
     def start(self, run_id: str, *, every: int, resume: ResumePoint | None) -> None:
         """Every data party takes the run's checkpoints; on ``resume`` each restores its own
         checkpoint of the step, checked against the manifest SHA-256 recorded for it."""
+        self.run_id, self.every = run_id, every
+        self.committed = resume.step if resume is not None else None
         if resume is not None and sorted(resume.label.parties) != sorted(self.names):
             raise IntegrityError(
                 f"{resume.root}: checkpoints of the data parties {sorted(self.names)} expected "
@@ -538,12 +564,30 @@ class DeployedCheckpoints:
                 "every": every,
                 "step": resume.step if resume is not None else 0,
                 "manifest": resume.label.parties[name] if resume is not None else None,
+                "committed": self.committed,
             }
             for name in self.names
         }
+        self._start(bodies)
+
+    def rejoined(self, name: str) -> None:
+        """The data party ``name``, set up anew after it was lost, takes the run's checkpoints
+        from the label party's last commit on (its first is the next step written); a party
+        serving without a checkpoint directory, or with ``--resume``, refuses (ProtocolError):
+        it stays lost."""
+        body = {
+            "run": self.run_id,
+            "every": self.every,
+            "step": 0,
+            "manifest": None,
+            "committed": self.committed,
+        }
+        self._start({name: body})
+
+    def _start(self, bodies: Mapping[str, Mapping[str, Any]]) -> None:
         ready = self._ask("checkpoints", bodies, "checkpoints-ready", {"run": str, "step": int})
         for name, reply in ready.items():
-            expected = {"run": run_id, "step": bodies[name]["step"]}
+            expected = {"run": bodies[name]["run"], "step": bodies[name]["step"]}
             if reply != expected:
                 raise ProtocolError(
                     f"checkpoints-ready from {name}: {expected} expected, found {reply}."
@@ -564,6 +608,7 @@ class DeployedCheckpoints:
                     f"expected; found {reply}, manifest {str(digest)[:70]!r}."
                 )
             manifests[name] = str(digest)
+        self.committed = step
         return manifests
 
     def _ask(
@@ -1152,12 +1197,16 @@ def train_deployed(
             endpoint.send(
                 _deployment(name, receiver, "setup", body), deadline=max(deadline, SETUP_DEADLINE)
             )
+        elsewhere = None
         if checkpoints is not None:
-            checkpoints = checkpoints_elsewhere(checkpoints, endpoint, federation)
+            elsewhere = checkpoints_elsewhere(checkpoints, endpoint, federation)
+            checkpoints = dataclasses.replace(checkpoints, elsewhere=elsewhere)
         channel = NetworkChannel(endpoint)
         channel.party_names = federation.names
         if config.align == "join":  # under PSI a rejoin would need a new PSI session: not yet
-            channel.readmit = readmission(endpoint, bodies, deadline=deadline)
+            channel.readmit = readmission(
+                endpoint, bodies, deadline=deadline, checkpoints=elsewhere
+            )
         result = run_training(
             config,
             data=side.data,
@@ -1176,12 +1225,18 @@ def train_deployed(
 
 
 def readmission(
-    endpoint: PartyEndpoint, bodies: Mapping[str, Mapping[str, Any]], *, deadline: float
+    endpoint: PartyEndpoint,
+    bodies: Mapping[str, Mapping[str, Any]],
+    *,
+    deadline: float,
+    checkpoints: DeployedCheckpoints | None = None,
 ) -> Readmission:
     """How the label party sets a lost data party up again when it answers at an epoch
     boundary (a new ``party serve`` process of the same name, certificate and address, started
     by its operator): the ``setup`` it had at the start of the run (:func:`rejoin_setup`), after
-    which it builds itself as it did then. ProtocolError if the party refuses it."""
+    which it builds itself as it did then, and, in a run with ``checkpoints``, the run's
+    checkpoints from the last commit on (:meth:`DeployedCheckpoints.rejoined`). ProtocolError
+    if the party refuses either."""
 
     def readmit(name: str) -> None:
         body = rejoin_setup(bodies[name])
@@ -1189,6 +1244,8 @@ def readmission(
             _deployment(endpoint.name, name, "setup", body),
             deadline=max(deadline, SETUP_DEADLINE),
         )
+        if checkpoints is not None:
+            checkpoints.rejoined(name)
 
     return readmit
 
@@ -1203,12 +1260,12 @@ def rejoin_setup(body: Mapping[str, Any]) -> dict[str, Any]:
 
 def checkpoints_elsewhere(
     plan: CheckpointPlan, endpoint: PartyEndpoint, federation: Federation
-) -> CheckpointPlan:
-    """``plan`` with the data parties as parties elsewhere, each told the run's checkpoints
-    (and on resume restored from its own) before anything trains."""
+) -> DeployedCheckpoints:
+    """The data parties as ``plan``'s parties elsewhere, each told the run's checkpoints (and
+    on resume restored from its own) before anything trains."""
     elsewhere = DeployedCheckpoints(endpoint, federation)
     elsewhere.start(plan.run_id, every=plan.every, resume=plan.resume)
-    return dataclasses.replace(plan, elsewhere=elsewhere)
+    return elsewhere
 
 
 def _end(

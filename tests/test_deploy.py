@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ import pytest
 from sklearn.datasets import load_breast_cancer
 
 from protocols import tls
+from secure_vfl.checkpoints import read_checkpoint, written_steps
 from secure_vfl.cli import main
 from secure_vfl.deployment import _row_mapping
 from secure_vfl.errors import ConfigError, ProtocolError
@@ -198,18 +199,24 @@ def wait_for_line(processes: Processes, log: str, line: str, *watched: Any) -> N
 
 
 def kill_shop_mid_training(
-    processes: Processes, federation: Path, out: Path, *flags: str, epochs: int
+    processes: Processes,
+    federation: Path,
+    out: Path,
+    *flags: str,
+    epochs: int,
+    serve_flags: Sequence[str] = (),
 ) -> tuple[dict[str, subprocess.Popen[str]], subprocess.Popen[str]]:
-    """Start every data party, the aggregator and a LASER run of ``epochs`` at the label party
-    (``flags`` added), then kill shop with SIGKILL once it has done its first training step.
-    Returns the servers by name and the label party's process."""
+    """Start every data party (``serve_flags`` added), the aggregator and a LASER run of
+    ``epochs`` at the label party (``flags`` added), then kill shop with SIGKILL once it has
+    done its first training step. Returns the servers by name and the label party's process."""
     # The label party gives up on a peer after 10 s (a step's chain of deliveries takes
     # seconds on a busy machine); the others wait longer for it (their set-up, one after the
     # other, takes seconds too). A dead peer is noticed in about 1.5 s + a 5 s probe anyway.
     servers = {
-        name: processes.serve(federation, name, "--deadline", "60")
-        for name in (*PARTIES[1:], "aggregator")
+        name: processes.serve(federation, name, "--deadline", "60", *serve_flags)
+        for name in PARTIES[1:]
     }
+    servers["aggregator"] = processes.serve(federation, "aggregator", "--deadline", "60")
     label = processes.start(
         "train", "--federation", str(federation), "--name", "bank", "--method", "laser",
         *flags, "--epochs", str(epochs), "--batch-size", "64", "--representation-dim", "8",
@@ -314,25 +321,30 @@ def test_false_vfl_goes_on_without_a_data_party_killed_in_stage_one(
 
 
 @pytest.mark.parametrize(
-    "flags",
-    [("--heads", "all"), ("--heads", "active", "--secure-agg", "masks")],
-    ids=["plaintext-heads-all", "masks-heads-active"],
+    ("flags", "checkpoints"),
+    [(("--heads", "all"), True), (("--heads", "active", "--secure-agg", "masks"), False)],
+    ids=["plaintext-heads-all-checkpoints", "masks-heads-active"],
 )
 def test_a_data_party_killed_mid_training_rejoins_when_its_operator_restarts_it(
-    site: Path, processes: Processes, tmp_path: Path, flags: tuple[str, ...]
+    site: Path, processes: Processes, tmp_path: Path, flags: tuple[str, ...], checkpoints: bool
 ) -> None:
     federation = write_federation(site, site / "certs", free_loopback_ports(5))
     out = tmp_path / "out"
+    # Each data party keeps its checkpoints under its own name in this directory (one machine).
+    serve_flags = ("--checkpoint-dir", str(tmp_path / "kept")) if checkpoints else ()
+    flags += ("--checkpoint-every", "7") if checkpoints else ()
     # Enough epochs that the restarted process (seconds to start) is probed before the end:
     # while shop is dead each epoch costs a probe (2 s); once it is back, a fraction of that.
-    servers, label = kill_shop_mid_training(processes, federation, out, *flags, epochs=24)
+    servers, label = kill_shop_mid_training(
+        processes, federation, out, *flags, epochs=24, serve_flags=serve_flags
+    )
     servers["shop"].wait(timeout=PROCESS_SECONDS)
     # The operator restarts shop (same certificate, same address) once the label party has
     # dropped it: a new `party serve` process, which the label party sets up again.
     wait_for_line(processes, "bank", "shop is lost at step", label)
     restarted = processes.start(
         "party", "serve", "--federation", str(federation), "--name", "shop", "--deadline", "60",
-        log="shop-restarted",
+        *serve_flags, log="shop-restarted",
     )  # fmt: skip
     assert label.wait(timeout=PROCESS_SECONDS) == 0, processes.log("bank")
     codes = [servers[name].wait(timeout=PROCESS_SECONDS) for name in ("insurer", "telco")]
@@ -353,6 +365,11 @@ def test_a_data_party_killed_mid_training_rejoins_when_its_operator_restarts_it(
     log = processes.log("bank")
     assert f"lost: shop at step {lost['step']}" in log and "until it rejoined" in log, log
     assert f"rejoined: shop at step {back['step']}" in log, log
+    if checkpoints:  # back, shop keeps checkpoints again, and the label party's commits say so
+        last = written_steps(out / "checkpoints", "bank")[-1]
+        assert written_steps(tmp_path / "kept", "shop")[-1] == last >= back["step"]
+        committed = read_checkpoint(out / "checkpoints", "bank", last)
+        assert sorted(committed.parties) == ["insurer", "shop", "telco"]
 
 
 def test_a_lost_party_is_found_back_only_under_its_own_certificate(

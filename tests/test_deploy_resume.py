@@ -197,7 +197,7 @@ def _params(party: DataParty) -> dict[str, torch.Tensor]:
 
 
 def _fresh(every: int = 3) -> dict[str, Any]:
-    return {"run": RUN, "every": every, "step": 0, "manifest": None}
+    return {"run": RUN, "every": every, "step": 0, "manifest": None, "committed": None}
 
 
 def _step(step: int, committed: int | None, run: str = RUN) -> dict[str, Any]:
@@ -245,11 +245,12 @@ def test_a_resuming_party_restores_its_own_checkpoint_and_refuses_any_other(
             for value in module.parameters():
                 value.add_(1.0)  # the party moved on after its checkpoint
     shutil.copytree(tmp_path / "shop", tmp_path / "insurer")  # another party's checkpoint
-    resume = {"run": RUN, "every": 3, "step": 3, "manifest": digest}
+    resume = {"run": RUN, "every": 3, "step": 3, "manifest": digest, "committed": 3}
     refusals = {
         "manifest the label party recorded for step 3 expected": {**resume, "manifest": "0" * 64},
         "run_id 'fedcba9876543210' expected": {**resume, "run": "fedcba9876543210"},
-        "shop's checkpoint of step 6 expected; found none": {**resume, "step": 6},
+        "shop's checkpoint of step 6 expected; found none": {**resume, "step": 6, "committed": 6},
+        "the label party's last commit": {**resume, "committed": 2},
         "serves with --resume; the label party starts a fresh run": _fresh(),
     }
     for reason, body in refusals.items():
@@ -343,6 +344,41 @@ def test_the_label_party_takes_every_party_checkpoint_and_checks_every_answer(
     ):
         label.write(9, RUN, committed=6, parties=["shop"])
     assert endpoint.kept == []
+
+
+def test_a_rejoined_party_takes_the_checkpoints_from_the_last_commit_on(
+    tmp_path: Path, party: DataParty
+) -> None:
+    federation = read_federation(write_federation(tmp_path, tmp_path, free_loopback_ports(5)))
+    served = {name: ServedCheckpoints(name, tmp_path / name, resume=False) for name in PARTIES}
+
+    def answer(message: DeploymentMessage) -> tuple[str, dict[str, Any]]:
+        side, body = served[message.receiver], json.loads(message.body)
+        if message.topic == "checkpoints":
+            return "checkpoints-ready", side.start(party, body)
+        return "checkpointed", side.write(party, body)
+
+    label = DeployedCheckpoints(LoopbackEndpoint(answer), federation)  # type: ignore[arg-type]
+    label.start(RUN, every=3, resume=None)
+    label.write(3, RUN, committed=None, parties=["shop", "insurer", "telco"])
+    label.write(6, RUN, committed=3, parties=["insurer", "telco"])  # shop lost after step 3
+    # shop's operator restarts it: a new process, whose checkpoints know nothing of the run.
+    served["shop"] = ServedCheckpoints("shop", tmp_path / "shop", resume=False)
+    with pytest.raises(ProtocolError, match="announced by `checkpoints` expected"):
+        label.write(9, RUN, committed=6, parties=["shop"])  # what a rejoin without it hit
+    served["shop"] = ServedCheckpoints("shop", tmp_path / "shop", resume=False)
+    label.rejoined("shop")
+    manifests = label.write(9, RUN, committed=6, parties=["shop", "insurer", "telco"])
+    assert sorted(manifests) == ["insurer", "shop", "telco"]
+    assert written_steps(tmp_path / "shop", "shop") == [9]  # the old incarnation's 3 dropped
+    # A restarted party that cannot keep checkpoints refuses the rejoin (it stays lost).
+    for refusing, reason in [
+        (ServedCheckpoints("shop", None, resume=False), "--checkpoint-dir DIR"),
+        (ServedCheckpoints("shop", tmp_path / "shop", resume=True), "serves with --resume"),
+    ]:
+        served["shop"] = refusing
+        with pytest.raises(ProtocolError, match=reason):
+            label.rejoined("shop")
 
 
 def test_serving_checkpoint_flags_that_cannot_apply_are_refused_before_serving(

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import MakeData
-from test_faults import LOST, STEP, LosingChannel
+from test_faults import LOST, STEP, LosingChannel, LosingInEvaluation
 
 from protocols.secagg import MaskingAggregator
 from secure_vfl.data.vertical import VerticalData
@@ -139,3 +139,29 @@ def test_an_abandoned_stage_one_step_leaves_nothing_to_apply(make_data: MakeData
     method.label_party.generative_optimizer.step()
     after = [t.detach() for m in modules for t in m.parameters()]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+@pytest.mark.parametrize("variant", [1, 2])
+def test_a_party_lost_in_evaluation_is_dropped_and_false_vfl_predicts_without_it(
+    make_data: MakeData, variant: int
+) -> None:
+    data = make_data(train_missing="mcar:0.2")
+    first, second = data.tests
+    channel = LosingInEvaluation(second)
+    method = _method(data, channel, variant=variant)
+    method.fit()
+    assert (method.predict(first)[:, 2] >= 0).any() and not channel.lost
+    predicted = method.predict(second)
+    assert channel.lost
+    assert method.fed.faults == [
+        {
+            "party": LOST,
+            "step": method.total_steps,
+            "epoch": 2,  # stage 2's one epoch, counted across both stages
+            "phase": "evaluation",
+            "what": f"latent to {LOST}: its process is gone",  # FALSE-VFL's request kind
+        }
+    ]
+    assert (predicted[:, 2] == -1).all() and (predicted >= 0).any(axis=1).all()
+    for party in _survivors(method):
+        assert _left_over(party) == [], party.name
