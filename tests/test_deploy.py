@@ -432,11 +432,20 @@ def test_a_data_party_exits_non_zero_when_the_label_party_dies(
         time.sleep(0.1)
     os.kill(label.pid, signal.SIGKILL)
     killed = time.monotonic()
+    # Each party says so once it has given up and closed its endpoint (at most 2 s of grace);
+    # timed by when the line appears, not by the exit: the interpreter's own teardown after it
+    # takes seconds more on a loaded 2-core machine (10.9 s in all once, at load 6.5).
+    names = (*PARTIES[1:], "aggregator")  # the aggregation server too
+    said: dict[str, float] = {}
+    while len(said) < len(names) and time.monotonic() - killed < PROCESS_SECONDS:
+        for name in names:
+            if name not in said and "label party bank was silent" in processes.log(name):
+                said[name] = time.monotonic() - killed
+        time.sleep(0.05)
+    assert sorted(said) == sorted(names), [processes.log(name) for name in names]
+    assert max(said.values()) < 2 * deadline + 2.0, said
     codes = [server.wait(timeout=PROCESS_SECONDS) for server in servers]
     assert all(code != 0 for code in codes), codes
-    assert time.monotonic() - killed < 2 * deadline + 2.0  # + process exit
-    for name in (*PARTIES[1:], "aggregator"):  # the aggregation server too
-        assert "label party bank was silent" in processes.log(name), processes.log(name)
 
 
 def test_a_party_given_the_wrong_name_is_refused(
