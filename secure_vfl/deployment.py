@@ -52,8 +52,8 @@ is sent nothing more (not even ``end``) unless it rejoins, and the result's ``fa
 A lost aggregator, or a lost party under another method, fails the run.
 
 Under LASER a lost data party may **rejoin at an epoch boundary** (:meth:`~secure_vfl.methods.base.
-Federation.rejoin`; FALSE-VFL's driver does not probe yet): at the start of every epoch after the
-first the label party probes each
+Federation.rejoin`; under FALSE-VFL in stage 1 only, whose epochs train the data parties'
+encoders): at the start of every epoch after the first the label party probes each
 lost party with a fresh connection (mutual TLS, so only a process holding that party's
 certificate from the federation's CA answers; at most
 :data:`~secure_vfl.federation.network.REJOIN_PROBE_SECONDS` for all of them). One that answers,

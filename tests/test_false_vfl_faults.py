@@ -12,15 +12,21 @@ import pytest
 import torch
 from conftest import MakeData
 from test_faults import LOST, STEP, LosingChannel, LosingInEvaluation
+from test_rejoin import FlakyChannel
 
 from protocols.secagg import MaskingAggregator
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.federation.aggregator import SumBackend
 from secure_vfl.federation.channel import Channel
-from secure_vfl.federation.messages import AGGREGATOR, AbortRequest
+from secure_vfl.federation.messages import AGGREGATOR, AbortRequest, RepresentRequest
 from secure_vfl.methods import MethodConfig
-from secure_vfl.methods.base import in_process_parties
-from secure_vfl.methods.false_vfl import FalseVflConfig, FalseVflMethod, LatentParty
+from secure_vfl.methods.base import REJOINED, in_process_parties, lost_parties, split_tensors
+from secure_vfl.methods.false_vfl import (
+    FalseVflConfig,
+    FalseVflMethod,
+    LatentParty,
+    build_latent_party,
+)
 
 OPTIONS = FalseVflConfig(latent_dim=6, global_latent_dim=3, hidden=32, kappa=3, inference_samples=8)
 CONFIG = MethodConfig(epochs=1, batch_size=64, labeled=100)
@@ -165,3 +171,73 @@ def test_a_party_lost_in_evaluation_is_dropped_and_false_vfl_predicts_without_it
     assert (predicted[:, 2] == -1).all() and (predicted >= 0).any(axis=1).all()
     for party in _survivors(method):
         assert _left_over(party) == [], party.name
+
+
+def _latent_readmission(
+    channel: Channel, data: VerticalData, config: MethodConfig, variant: int
+) -> list[str]:
+    """The readmission of a restarted FALSE-VFL data party: built anew by the seed rule of
+    a deployed one (its initial models), in place of the lost one."""
+    readmitted: list[str] = []
+    splits = split_tensors(data)
+
+    def readmit(name: str) -> None:
+        k = int(name.removeprefix("party-"))
+        party = build_latent_party(
+            k,
+            name,
+            method=f"false-vfl-{variant}",
+            blocks={key: torch.from_numpy(split.blocks[k]) for key, split in splits.items()},
+            observed={key: torch.from_numpy(split.mask[:, k]) for key, split in splits.items()},
+            shapes=data.block_shapes,
+            config=config,
+            options=OPTIONS,
+            seed=3,
+        )
+        channel.detach(name)
+        party.connect(channel)
+        readmitted.append(name)
+
+    channel.readmit = readmit
+    return readmitted
+
+
+@pytest.mark.parametrize("variant", [1, 2])
+def test_a_party_lost_in_stage_one_rejoins_at_its_next_epoch_and_not_in_stage_two(
+    make_data: MakeData, variant: int
+) -> None:
+    data = make_data(train_missing="mcar:0.2")
+    config = dataclasses.replace(CONFIG, epochs=2)  # two epochs per stage
+    stage_one = -(-data.train.n // config.batch_size)  # steps of one stage-1 epoch
+    # Lost at step 2 of stage 1, back at the first probe (the start of stage 1's epoch 2).
+    channel = FlakyChannel("represent-request", losses=(1,), back_at=(1,))
+    readmitted = _latent_readmission(channel, data, config, variant)
+    method = _method(data, channel, variant=variant, config=config)
+    losses = method.fit()
+    assert readmitted == [LOST] and channel.probes == 1
+    assert [(f["party"], f["step"], f["epoch"], f["what"]) for f in method.fed.faults] == [
+        (LOST, 2, 1, f"represent-request to {LOST}: its process is gone"),
+        (LOST, stage_one + 1, 2, REJOINED),
+    ]
+    assert lost_parties(method.fed.faults) == [] and all(np.isfinite(losses))
+    asked = {
+        m.round
+        for m in channel.posted
+        if isinstance(m, RepresentRequest) and m.receiver == LOST and m.phase == "train"
+    }
+    assert {0, 1, stage_one} <= asked and not asked & set(range(2, stage_one))
+    for name in data.tests:  # observed again at evaluation
+        predicted = method.predict(name)
+        assert np.array_equal(predicted[:, 2] >= 0, data.tests[name].mask[:, 2])
+
+
+def test_a_party_lost_in_stage_two_is_not_probed(make_data: MakeData) -> None:
+    data = make_data(train_missing="mcar:0.2")
+    config = dataclasses.replace(CONFIG, epochs=2)
+    stage_one = 2 * -(-data.train.n // config.batch_size)  # both stage-1 epochs
+    channel = FlakyChannel("represent-request", losses=(stage_one,), back_at=(1,))
+    readmitted = _latent_readmission(channel, data, config, 1)
+    method = _method(data, channel, config=config)
+    method.fit()
+    assert readmitted == [] and channel.probes == 0
+    assert lost_parties(method.fed.faults) == [LOST]

@@ -938,6 +938,12 @@ class FalseVflMethod:
         Returns the mean loss of every epoch: first the stage-1 epochs (-L_kappa per sample),
         then the stage-2 epochs (-L'_kappa per sample). ``on_step`` sees rounds counted across
         both stages. Its two stages are not resumable yet: a ``progress`` is refused.
+
+        A data party lost in stage 1 may rejoin at a stage-1 epoch boundary
+        (:meth:`~secure_vfl.methods.base.Federation.rejoin`: set up anew, its initial models)
+        and trains along for the rest of stage 1. Stage 2 trains only the label party's
+        discriminator on the posteriors: a party that came back then would bring an encoder
+        that never trained, so nobody is probed from stage 2 on.
         """
         if progress is not None:
             raise ConfigError(
@@ -951,6 +957,7 @@ class FalseVflMethod:
             epochs=self._epochs(1),
             rng=self.fed.rng,
             on_step=on_step,
+            on_epoch=lambda round: self.fed.rejoin(round=round),
         )
         offset = len(self.sampler) * self._epochs(1)
         self.stage = 2
