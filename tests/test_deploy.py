@@ -698,17 +698,9 @@ def test_deployed_psi_trains_to_the_in_process_psi_metrics_and_no_party_sends_it
         site, processes, tmp_path / "psi", psi, monkeypatch, *flags, "--align", "psi"
     )
     assert codes == [0, 0, 0, 0], [processes.log(n) for n in (*PARTIES[1:], "aggregator")]
+    assert result["metrics"] == alone["metrics"]
+    assert result["epoch_loss"] == alone["epoch_loss"]
     assert result["samples"] == alone["samples"]
-    if "ckks" in flags:
-        assert result["epoch_loss"] == pytest.approx(alone["epoch_loss"], rel=1e-5)
-        one = 100 / min(n for split, n in alone["samples"].items() if split != "train")
-        for split, metrics in alone["metrics"].items():  # at most one prediction apart
-            assert result["metrics"][split]["accuracy"] == pytest.approx(
-                metrics["accuracy"], abs=one + 1e-9
-            )
-    else:
-        assert result["metrics"] == alone["metrics"]
-        assert result["epoch_loss"] == alone["epoch_loss"]
     # The intersection mattered: ids held by no party, and party ids without a label, dropped.
     assert alone["dropped"]["alignment_no_party"] == 3, alone["dropped"]
     assert alone["dropped"]["alignment_no_label"] > 0, alone["dropped"]
