@@ -33,7 +33,7 @@ from test_deploy_resume import LoopbackEndpoint
 from protocols import tls
 from secure_vfl.cli import main
 from secure_vfl.data.party_files import read_party_file
-from secure_vfl.deployment import ServedModel, model_directory, save_deployed
+from secure_vfl.deployment import ServedModel, _deployment, _Server, model_directory, save_deployed
 from secure_vfl.errors import ConfigError, DataError, IntegrityError, ProtocolError
 from secure_vfl.experiment import TrainConfig, build_method, prepare_data
 from secure_vfl.federation.channel import Channel
@@ -344,3 +344,20 @@ def test_a_model_directory_defaults_beside_the_data_and_the_aggregator_keeps_non
     out, err = capsys.readouterr()
     assert "keeps no part of a model" in err and "serving at" not in out
     assert len(err.strip().splitlines()) == 1
+
+
+def test_a_serving_process_takes_a_save_only_from_the_label_party_once_set_up(
+    tmp_path: Path,
+) -> None:
+    federation = read_federation(write_federation(tmp_path, tmp_path, free_loopback_ports(5)))
+    server = _Server(federation, "shop", None, lambda name: None, None, print)  # type: ignore[arg-type]
+    refusals = {
+        ("bank", "save"): "a save (run '0123456789abcdef0123456789abcdef') before the run was "
+        "set up; only a set-up data party saves a part",
+        ("insurer", "save"): "a save from insurer; only the label party bank",
+        ("bank", "saved"): "shop: a saved is not for a data party",
+    }
+    for (sender, topic), reason in refusals.items():
+        message = _deployment(sender, "shop", topic, {"run": RUN})
+        with pytest.raises(ProtocolError, match=re.escape(reason)):
+            server.receive(message)
