@@ -4,7 +4,9 @@
 # Makes a federation CA and certificates, writes four parties' files (breast-cancer columns,
 # scikit-learn's bundled copy) and a federation file, starts the three data parties and the
 # aggregation server in the background, trains LASER from the label party and stops everything
-# (a trap on EXIT kills the pids it started). ALIGN is `join` (default: the label party learns
+# (a trap on EXIT kills the pids it started). Each data party keeps its own part of the trained
+# model in its own directory (DIR/models-NAME/NAME/RUN_ID/); the script then copies the parts
+# beside the label party's manifest and predicts in one process (DIR/predictions.csv). ALIGN is `join` (default: the label party learns
 # every party's ids) or `psi` (DH-PSI with each data party: it learns only which of its ids
 # each party holds).
 #
@@ -85,7 +87,9 @@ data = "telco.csv"
 TOML
 
 for name in shop insurer telco aggregator; do
-    svfl party serve --federation "$DIR/federation.toml" --name "$name" \
+    model_dir=()
+    [ "$name" = aggregator ] || model_dir=(--model-dir "$DIR/models-$name")
+    svfl party serve --federation "$DIR/federation.toml" --name "$name" "${model_dir[@]}" \
         > "$DIR/$name.log" 2>&1 &
     PIDS+=($!)
 done
@@ -97,3 +101,15 @@ svfl train --federation "$DIR/federation.toml" --name bank \
 for pid in "${PIDS[@]}"; do wait "$pid"; done  # each data party exits 0 once the run ends
 PIDS=()
 echo "every party finished; result: $DIR/run/result.json"
+
+# The model: the label party's part and manifest in run/model/, every data party's part at that
+# party. To predict in one process, copy the parts beside the manifest (checked against the
+# SHA-256 each party reported) and predict; here on the training files themselves.
+RUN_ID=$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["model"]["run_id"])' \
+    "$DIR/run/result.json")
+cp -r "$DIR/run/model" "$DIR/model-copy"
+for name in shop insurer telco; do
+    cp -r "$DIR/models-$name/$name/$RUN_ID" "$DIR/model-copy/$name"
+done
+svfl predict --model "$DIR/model-copy" --party-file "$DIR/bank.csv" --party-file "$DIR/shop.csv" \
+    --party-file "$DIR/insurer.csv" --party-file "$DIR/telco.csv" --out "$DIR/predictions.csv"

@@ -2081,6 +2081,13 @@ def _party_command(commands: Any) -> None:
         help="restore this party's own checkpoint from --checkpoint-dir when the label party "
         "runs `train --resume DIR`, and refuse a fresh run",
     )
+    serve.add_argument(
+        "--model-dir",
+        type=Path,
+        metavar="DIR",
+        help="where this data party keeps its own part of each model the label party saves "
+        "(DIR/NAME/RUN_ID/) (default: models/ beside its data file)",
+    )
     _network_flags(serve)
 
 
@@ -2130,6 +2137,7 @@ def run_party_command(args: argparse.Namespace) -> int:
         psi_only=args.align == "psi",
         checkpoint_dir=args.checkpoint_dir,
         resume=args.resume,
+        model_dir=args.model_dir,
     )
     if outcome != "finished":
         print(f"secure-vfl: error: the label party ended the run: {outcome}", file=sys.stderr)
@@ -2179,6 +2187,7 @@ def run_train_deployed(args: argparse.Namespace) -> int:
     from secure_vfl.io import atomic_write_json
     from secure_vfl.plots import write_run_plots
     from secure_vfl.runs import provenance
+    from secure_vfl.saved_model import MANIFEST_FILE, MODEL_DIR, read_manifest
 
     _refuse_deployed_flags(args)
     federation = read_federation(args.federation)
@@ -2191,6 +2200,7 @@ def run_train_deployed(args: argparse.Namespace) -> int:
     engine.refuse(config.method, batching=config.method_config.batching)
     out: Path = args.out or Path("runs") / f"{config.method}-deployed-s{config.seed}"
     _check_output_dir(out, "result.json", overwrite=args.overwrite)
+    _check_output_dir(out / MODEL_DIR, MANIFEST_FILE, overwrite=args.overwrite)
     store = _results_store(args, out)
     checkpoints = _checkpoint_plan(  # the label party's checkpoint; each party checks its own
         args, config, out, label_party=federation.label_party, check_parties=False
@@ -2211,24 +2221,43 @@ def run_train_deployed(args: argparse.Namespace) -> int:
                 on_step=lambda step, loss: bar.update(step - bar.n),  # resumed: past step 0
                 psi=_psi_roles(),
                 checkpoints=checkpoints,
+                model_dir=out / MODEL_DIR,
             )
         finally:
             bar.close()
+    manifest, _ = read_manifest(out / MODEL_DIR)
     payload = result.to_json()
     payload["config"]["privacy"] = _privacy_settings(args)
     payload["config"]["federation"] = str(args.federation)
     payload["provenance"] = provenance()
     payload["warnings"] = list(dict.fromkeys([*noted, *result.warnings]))
+    payload["model"] = {"directory": str(out / MODEL_DIR), "run_id": manifest.run_id}
     if checkpoints is not None:
         payload["checkpoints"] = _checkpoints_payload(checkpoints)
     atomic_write_json(out / "result.json", payload)
     plots = write_run_plots(payload, out)
     store.add(payload, kind="train", out_dir=out)
     print(_summary(result, out, payload))
+    print(_deployed_model_line(manifest, out / MODEL_DIR))
     print("plots: " + ", ".join(str(path) for path in plots))
     for warning in payload["warnings"]:
         print(f"secure-vfl: warning: {warning}", file=sys.stderr)
     return 0
+
+
+def _deployed_model_line(manifest: Any, directory: Path) -> str:
+    """Where a deployed run's model lies: the label party's part and the manifest here, every
+    data party's part at that party, none for a party lost in training."""
+    from secure_vfl.saved_model import KEPT_BY_PARTY, LOST
+
+    kept = [e.name for e in manifest.parties if e.location == KEPT_BY_PARTY]
+    lost = [e.name for e in manifest.parties if e.location == LOST]
+    line = f"model: {directory} (manifest and {manifest.parties[0].name}'s part)"
+    if kept:
+        line += f"; kept by {', '.join(kept)} (each in its --model-dir, NAME/{manifest.run_id}/)"
+    if lost:
+        line += f"; no part of {', '.join(lost)} (lost in training)"
+    return line
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -33,7 +33,12 @@ federation.messages.DeploymentMessage` s, each a JSON object checked on arrival:
    only the label party knows which training rows are labelled. Its
    secure-sum halves are made inside it; keys meet by messages as in one process.
 3. Training and evaluation run as in one process (:func:`~secure_vfl.experiment.run_training`).
-4. ``end`` (with the outcome) is answered by a ``report``: the bytes the party sent. A party
+4. ``save`` (``train --federation`` saves the model, :func:`save_deployed`): the label party
+   sends each live data party the model's run id; the party writes its own part into its own
+   model directory (``party serve --model-dir DIR``: ``DIR/NAME/RUN_ID/``, :class:`ServedModel`)
+   and answers ``saved`` with the SHA-256 of each file. The label party writes its own part
+   into ``OUT/model/`` and the manifest last, with every party's hashes and where its part lies.
+5. ``end`` (with the outcome) is answered by a ``report``: the bytes the party sent. A party
    that hears nothing from the label party for longer than its deadline exits non-zero.
 
 Checkpoints (``train --checkpoint-every N``, ``--resume DIR``): right after ``setup`` the
@@ -123,6 +128,18 @@ from secure_vfl.federation.federation_file import Federation
 from secure_vfl.federation.messages import AGGREGATOR, DeploymentMessage, Message
 from secure_vfl.federation.network import NetworkChannel, PartyEndpoint
 from secure_vfl.federation.parties import ROLES, DataParty, Party, make_aggregation_server
+from secure_vfl.io import atomic_directory
+from secure_vfl.saved_model import (
+    DATA_PARTY_ROLE,
+    KEPT_BY_PARTY,
+    LOST,
+    Manifest,
+    PartEntry,
+    clear_manifest,
+    new_run_id,
+    saved_here,
+    write_manifest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -254,8 +271,10 @@ class _Server:
         psi: PsiRoles | None = None,
         psi_only: bool = False,
         checkpoints: ServedCheckpoints | None = None,
+        model: ServedModel | None = None,
     ) -> None:
         self.checkpoints = checkpoints or ServedCheckpoints(name, None, resume=False)
+        self.model = model or ServedModel(name, None)
         self.on_event = on_event
         self.psi = psi
         self.psi_only = psi_only
@@ -282,6 +301,7 @@ class _Server:
                 "setup": self._on_setup,
                 "checkpoints": self._on_checkpoints,
                 "checkpoint": self._on_checkpoint,
+                "save": self._on_save,
             }
             handler = handlers.get(message.topic, self._on_end)
             if message.topic not in (*handlers, "end"):
@@ -374,6 +394,18 @@ class _Server:
         body = _body(message, "checkpoint", CHECKPOINT_KEYS)
         self._reply("checkpointed", self.checkpoints.write(self._data_party(body), body))
         self.on_event(f"{self.name}: wrote its checkpoint of step {body['step']}")
+
+    def _on_save(self, message: Message) -> None:
+        """Write this party's own part of the trained model into its own model directory."""
+        body = _body(message, "save", SAVE_KEYS)
+        if not isinstance(self.party, DataParty):
+            where = "before the run was set up" if self.party is None else "at the aggregator"
+            raise ProtocolError(
+                f"{self.name}: a save (run {str(body['run'])[:40]!r}) {where}; only a set-up "
+                "data party saves a part."
+            )
+        self._reply("saved", self.model.save(self.party, body))
+        self.on_event(f"{self.name}: saved its part of model {body['run']}")
 
     def _data_party(self, body: Mapping[str, Any]) -> DataParty:
         """The data party built at set-up (ProtocolError before it, or at the aggregator)."""
@@ -633,6 +665,143 @@ class DeployedCheckpoints:
             endpoint.handler = handler
 
 
+# -- saved models: every party keeps its own part -------------------------------------------
+
+SAVE_KEYS: dict[str, type | tuple[type, ...]] = {"run": str}
+"""``save``: the model's run id (32 hex digits), which names the party's part directory."""
+SAVED_KEYS: dict[str, type | tuple[type, ...]] = {"run": str, "files": dict}
+"""``saved``: the run id and the SHA-256 of each file of the party's part, by file name."""
+_MODEL_ID = re.compile(r"[0-9a-f]{32}")
+_PART_FILE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,99}")
+MODELS_DIR = "models"
+"""A serving data party's default model directory, beside its data file."""
+
+
+def model_directory(federation: Federation, name: str, given: Path | None) -> Path | None:
+    """Where serving party ``name`` keeps its parts of saved models: ``given`` (``party serve
+    --model-dir``), else ``models/`` beside its data file; None at the aggregation server, which
+    keeps no part (ConfigError if one is given to it)."""
+    if name == AGGREGATOR:
+        if given is not None:
+            raise ConfigError(
+                "the aggregation server keeps no part of a model: serve it without --model-dir."
+            )
+        return None
+    data = federation.member(name).data
+    return given if given is not None or data is None else data.parent / MODELS_DIR
+
+
+class ServedModel:
+    """A serving data party's own parts of saved models: when the label party asks (``save``,
+    naming the model's run id) it writes its part with
+    :meth:`~secure_vfl.federation.parties.DataParty.save_part` into ``DIR/NAME/RUN_ID/``, the
+    whole directory atomically (a fresh one renamed into place), and answers with the SHA-256
+    of each file: nothing else leaves it, and it writes nothing outside ``DIR``. One save per
+    run; a run id already saved there is refused (a replay)."""
+
+    def __init__(self, name: str, directory: Path | None) -> None:
+        self.name = name
+        self.directory = directory
+        self.saved: str | None = None
+
+    def part_directory(self, run: str) -> Path:
+        """Where this party's part of model ``run`` lies."""
+        assert self.directory is not None
+        return self.directory / self.name / run
+
+    def save(self, party: DataParty, body: Mapping[str, Any]) -> dict[str, Any]:
+        """Write ``party``'s part of the model ``body`` names (:data:`SAVE_KEYS`); the answer
+        (:data:`SAVED_KEYS`) carries each file's SHA-256."""
+        run = body["run"]
+        if not _MODEL_ID.fullmatch(run):
+            raise ProtocolError(f"save: a run id of 32 hex digits expected; found {run[:40]!r}.")
+        if self.saved is not None:
+            raise ProtocolError(
+                f"{self.name}: a second save of the run (model {run}; it saved model "
+                f"{self.saved}): a replay?"
+            )
+        if self.directory is None:
+            raise ProtocolError(f"{self.name} keeps no model directory; it cannot save a part.")
+        target = self.part_directory(run)
+        if target.exists():
+            raise ProtocolError(
+                f"{self.name}: its part of model {run} already exists at {target} (a replay?)."
+            )
+        files: dict[str, str] = {}
+        atomic_directory(target, lambda tmp: files.update(party.save_part(tmp)))
+        self.saved = run
+        return {"run": run, "files": files}
+
+
+def save_deployed(
+    directory: Path,
+    endpoint: PartyEndpoint,
+    federation: Federation,
+    own: DataParty,
+    config: Any,
+    data: VerticalData,
+    lost: Sequence[str],
+) -> Manifest:
+    """Save a deployed run's model: every live data party writes its own part in its own
+    process (``save`` -> ``saved``, its files' SHA-256), the label party ``own`` writes its part
+    into ``directory/<name>/`` and the manifest last, listing every party's hashes and where its
+    part lies (:data:`~secure_vfl.saved_model.KEPT_BY_PARTY`, or
+    :data:`~secure_vfl.saved_model.LOST` for the ``lost`` parties, which saved nothing)."""
+    clear_manifest(directory)
+    run = new_run_id()
+    names = federation.names
+    entries = [saved_here(directory, own, names[0], 0)]
+    handler, endpoint.handler = endpoint.handler, None  # answers wait here, not at the party
+    try:
+        for name in names[1:]:
+            files: dict[str, str] = {}
+            if name not in lost:
+                files = _ask_save(endpoint, name, run)
+            entries.append(
+                PartEntry(
+                    name=name,
+                    source=name,
+                    role=DATA_PARTY_ROLE,
+                    directory=name,
+                    files=files,
+                    location=LOST if name in lost else KEPT_BY_PARTY,
+                )
+            )
+    finally:
+        endpoint.handler = handler
+    return write_manifest(
+        directory,
+        entries,
+        run_id=run,
+        method=config.method,
+        seed=config.seed,
+        method_config=config.method_config,
+        false_vfl=getattr(config, "false_vfl", None),
+        data=data,
+    )
+
+
+def _ask_save(endpoint: PartyEndpoint, name: str, run: str) -> dict[str, str]:
+    """Party ``name`` saves its part of model ``run``; its files' SHA-256 by file name,
+    checked (ProtocolError naming the party otherwise)."""
+    endpoint.send(_deployment(endpoint.name, name, "save", {"run": run}))
+    reply = _body(endpoint.receive(sender=name, kind="deployment"), "saved", SAVED_KEYS)
+    files = reply["files"]
+    if (
+        reply["run"] != run
+        or not files
+        or not all(
+            isinstance(k, str) and _PART_FILE.fullmatch(k) and _DIGEST.fullmatch(str(v))
+            for k, v in files.items()
+        )
+    ):
+        raise ProtocolError(
+            f"saved from {name}: run {run} and a SHA-256 (64 hex digits) per plain file name "
+            f"expected; found run {str(reply['run'])[:40]!r}, files {sorted(files)[:5]}."
+        )
+    return {str(k): str(v) for k, v in files.items()}
+
+
 def _aggregation_server(backend: SumBackend | None) -> Party:
     server = make_aggregation_server(backend)
     if isinstance(backend, SealingScheme):
@@ -842,13 +1011,16 @@ def serve(
     psi_only: bool = False,
     checkpoint_dir: Path | None = None,
     resume: bool = False,
+    model_dir: Path | None = None,
 ) -> str:
     """Serve as ``name`` (a data party or ``aggregator``) until the label party ends the run;
     return the outcome it announced (``on_event`` hears of the set-up). A data party answers
     the label party's ``ids-request`` (the plain join) or, with ``psi``, takes the responder's
     side of its PSI session; ``psi_only`` refuses the ``ids-request`` (its ids never leave it in
     the clear). With ``checkpoint_dir`` it writes its own checkpoints there when the label party
-    asks; with ``resume`` it restores one before training (:class:`ServedCheckpoints`).
+    asks; with ``resume`` it restores one before training (:class:`ServedCheckpoints`). It
+    saves its own part of the trained model under ``model_dir`` (default: :func:`model_directory`)
+    when the label party asks (:class:`ServedModel`).
     TransportError if the label party is silent for longer than ``deadline`` seconds (``wait``
     before its first message)."""
     if name == federation.label_party:
@@ -858,10 +1030,11 @@ def serve(
         )
     member = federation.member(name)
     checkpoints = served_checkpoints(name, checkpoint_dir, resume=resume)
+    model = ServedModel(name, model_directory(federation, name, model_dir))
     table = read_party_file(member.data) if member.data is not None else None
     endpoint = _endpoint(federation, name, insecure=insecure, deadline=deadline)
     server = _Server(
-        federation, name, endpoint, secure_sums, table, on_event, psi, psi_only, checkpoints
+        federation, name, endpoint, secure_sums, table, on_event, psi, psi_only, checkpoints, model
     )
     endpoint.handler = server.receive
     on_event(f"{name}: serving at {member.address}")
@@ -1151,6 +1324,7 @@ def train_deployed(
     on_step: Callable[[int, float], None] | None = None,
     psi: PsiRoles | None = None,
     checkpoints: CheckpointPlan | None = None,
+    model_dir: Path | None = None,
 ) -> Any:
     """Run ``config`` (a :class:`~secure_vfl.experiment.TrainConfig` without data files) as
     the label party ``name`` of ``federation``: wait up to ``wait`` seconds for every other
@@ -1160,9 +1334,11 @@ def train_deployed(
     :class:`~secure_vfl.experiment.TrainResult`, its traffic counting every party's bytes
     (each reports its own). ``checkpoints`` (its ``resume`` found by the label party's own
     checkpoint) has every data party write its own every ``every`` steps, and on resume restore
-    its own before anything trains (:class:`DeployedCheckpoints`)."""
+    its own before anything trains (:class:`DeployedCheckpoints`). With ``model_dir`` the
+    trained model is saved at the end, every live data party keeping its own part
+    (:func:`save_deployed`)."""
     from secure_vfl.experiment import run_training
-    from secure_vfl.methods.base import lost_parties
+    from secure_vfl.methods.base import in_process_parties, lost_parties
 
     refuse_undeployable(config)
     if config.align == "psi" and psi is None:
@@ -1217,6 +1393,9 @@ def train_deployed(
             checkpoints=checkpoints,
         )
         lost = lost_parties(result.faults)
+        if model_dir is not None:
+            own_party = in_process_parties(channel)[0]
+            save_deployed(model_dir, endpoint, federation, own_party, config, side.data, lost)
         outcome = "finished"
     finally:
         reports = _end(endpoint, federation, outcome, lost=lost)

@@ -10,8 +10,13 @@ valid manifest is not a model.
 Loading rebuilds the federation from the manifest and asks every party to load its own part,
 which it checks against the manifest's hashes before reading (a missing, altered or extra file
 is refused; model files are read with ``torch.load(weights_only=True)``, never unpickled).
-Once parties run as separate processes, each keeps its own directory and receives its manifest
-entry; nothing here needs another party's files.
+
+A deployed run (``train --federation``, :func:`secure_vfl.deployment.save_deployed`) writes the
+same manifest, but only the label party's part lies beside it: every data party keeps its own in
+its own process's model directory (``location`` :data:`KEPT_BY_PARTY`), and a party lost in
+training has none (:data:`LOST`; prediction treats it as absent). Such a model loads here once
+the data parties' parts are copied beside the manifest, each checked against the hashes its
+party reported.
 
 Prediction on new rows (:meth:`SavedModel.predict`): each party is handed its own new file (or
 none), rows are aligned by id (the union of the ids given; a party that does not hold an id is
@@ -44,26 +49,40 @@ from secure_vfl.methods.base import in_process_parties
 from secure_vfl.methods.false_vfl import FalseVflConfig
 
 MANIFEST_SCHEMA = "secure-vfl/model-manifest"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+"""Version 2 adds each party's ``location`` (version 1, every part beside the manifest, is
+still read)."""
+READ_VERSIONS = (1, 2)
 MANIFEST_FILE = "manifest.json"
 MODEL_DIR = "model"
 PREDICT_SPLIT = "predict"
 LABEL_PARTY_ROLE = "label party"
 DATA_PARTY_ROLE = "data party"
+HERE = "here"
+"""A part in the model directory, under its entry's ``directory``."""
+KEPT_BY_PARTY = "party"
+"""A deployed data party's part, kept in that party's own model directory (``party serve
+--model-dir DIR``: ``DIR/NAME/RUN_ID/``); copied beside the manifest under its entry's
+``directory``, it loads here."""
+LOST = "lost"
+"""A party lost in a deployed run's training (and not rejoined): it saved no part."""
+LOCATIONS = (HERE, KEPT_BY_PARTY, LOST)
 
 
 @dataclass(frozen=True, kw_only=True)
 class PartEntry:
     """One party in the manifest: its internal name, the user's name of it (its ``source``:
     the file's stem made safe or ``--party-name``; its internal name for a registered
-    dataset), its role, its directory (relative to the manifest) and the SHA-256 of each file
-    of its part."""
+    dataset), its role, its directory (relative to the manifest), the SHA-256 of each file of
+    its part and where the part lies (:data:`LOCATIONS`: beside the manifest, kept by a
+    deployed party, or nowhere: the party was lost in training)."""
 
     name: str
     source: str
     role: str
     directory: str
     files: dict[str, str]
+    location: str = HERE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,16 +112,18 @@ class Manifest:
         """Read a manifest, refusing another schema, another version or a malformed entry."""
         if not isinstance(payload, dict) or payload.get("schema") != MANIFEST_SCHEMA:
             raise DataError(f"{where}: a {MANIFEST_SCHEMA!r} document expected.")
-        if payload.get("version") != MANIFEST_VERSION:
+        if payload.get("version") not in READ_VERSIONS:
             raise DataError(
-                f"{where}: manifest version {MANIFEST_VERSION} expected (this secure-vfl reads "
-                f"only it), found {payload.get('version')!r}."
+                f"{where}: manifest version {' or '.join(map(str, READ_VERSIONS))} expected "
+                f"(this secure-vfl reads only those), found {payload.get('version')!r}."
             )
         body = {k: v for k, v in payload.items() if k not in ("schema", "version")}
         try:
             body["parties"] = tuple(_entry(p, where) for p in body["parties"])
             body["block_shapes"] = tuple(tuple(int(n) for n in s) for s in body["block_shapes"])
             manifest = cls(**body)
+        except DataError:
+            raise
         except (KeyError, TypeError, ValueError) as error:
             raise DataError(f"{where}: malformed manifest ({error!r}).") from None
         if len(manifest.parties) != len(manifest.block_shapes) or len(manifest.parties) < 2:
@@ -125,6 +146,11 @@ def _entry(payload: Any, where: str) -> PartEntry:
         raise DataError(
             f"{where}: a plain directory name and file hashes expected for {entry.name}."
         )
+    if entry.location not in LOCATIONS or (entry.location == LOST) != (not files):
+        raise DataError(
+            f"{where}: {entry.name}: a location of {', '.join(LOCATIONS)} expected, with file "
+            f"hashes unless {LOST!r}; found location {entry.location!r} and {len(files)} files."
+        )
     return entry
 
 
@@ -142,23 +168,57 @@ def save_model(
     """Save a trained federation into ``directory``: each of ``parties`` (in block order, the
     label party first) writes its own part into its own directory, then the manifest is
     written; ``sources`` names the file each party's data came from (default: its name)."""
-    manifest_path = directory / MANIFEST_FILE
-    manifest_path.unlink(missing_ok=True)  # a half-saved directory must not look whole
+    clear_manifest(directory)
     sources = list(sources) if sources is not None else [p.name for p in parties]
-    entries = []
-    for k, party in enumerate(parties):
-        files = party.save_part(directory / party.name)
-        entries.append(
-            PartEntry(
-                name=party.name,
-                source=sources[k],
-                role=LABEL_PARTY_ROLE if k == 0 else DATA_PARTY_ROLE,
-                directory=party.name,
-                files=files,
-            )
-        )
+    entries = [saved_here(directory, party, sources[k], k) for k, party in enumerate(parties)]
+    return write_manifest(
+        directory,
+        entries,
+        run_id=new_run_id(),
+        method=method,
+        seed=seed,
+        method_config=method_config,
+        false_vfl=false_vfl,
+        data=data,
+    )
+
+
+def new_run_id() -> str:
+    """A fresh model run id (32 hex digits)."""
+    return uuid.uuid4().hex
+
+
+def clear_manifest(directory: Path) -> None:
+    """Remove the manifest of ``directory`` before its parts are (re)written: a half-saved
+    directory must not look whole."""
+    (directory / MANIFEST_FILE).unlink(missing_ok=True)
+
+
+def saved_here(directory: Path, party: DataParty, source: str, index: int) -> PartEntry:
+    """Party ``index`` writes its own part into ``directory/<its name>/``; its manifest entry."""
+    return PartEntry(
+        name=party.name,
+        source=source,
+        role=LABEL_PARTY_ROLE if index == 0 else DATA_PARTY_ROLE,
+        directory=party.name,
+        files=party.save_part(directory / party.name),
+    )
+
+
+def write_manifest(
+    directory: Path,
+    entries: Sequence[PartEntry],
+    *,
+    run_id: str,
+    method: str,
+    seed: int,
+    method_config: methods.MethodConfig,
+    false_vfl: FalseVflConfig | None,
+    data: VerticalData,
+) -> Manifest:
+    """Write the manifest tying ``entries`` (in block order) together, last, atomically."""
     manifest = Manifest(
-        run_id=uuid.uuid4().hex,
+        run_id=run_id,
         created=datetime.now(UTC).isoformat(timespec="seconds"),
         secure_vfl_version=__version__,
         method=method,
@@ -171,7 +231,7 @@ def save_model(
         block_shapes=data.block_shapes,
         parties=tuple(entries),
     )
-    atomic_write_json(manifest_path, manifest.to_json())
+    atomic_write_json(directory / MANIFEST_FILE, manifest.to_json())
     return manifest
 
 
@@ -307,12 +367,32 @@ class SavedModel:
         self.manifest = manifest
         self.directory = directory
         self.channel = Channel()
+        self.channel.party_names = [entry.name for entry in manifest.parties]
         self.method = _rebuild(manifest, self.channel)
         parties = in_process_parties(self.channel)
         for party, entry in zip(parties, manifest.parties, strict=True):
             if party.name != entry.name:
                 raise DataError(f"party {entry.name} expected in block order, found {party.name}.")
-            party.load_part(directory / entry.directory, entry.files)
+            if entry.location != LOST:
+                party.load_part(self._part_directory(entry), entry.files)
+
+    def _part_directory(self, entry: PartEntry) -> Path:
+        """Where ``entry``'s part lies here; DataError for a deployed party's part that was not
+        copied beside the manifest."""
+        path = self.directory / entry.directory
+        if entry.location == KEPT_BY_PARTY and not path.is_dir():
+            raise DataError(
+                f"the part of {entry.source} is kept by that party (its `party serve "
+                f"--model-dir DIR`, under DIR/{entry.name}/{self.manifest.run_id}/); expected a "
+                f"copy of it at {path} to predict in this process. Found none."
+            )
+        return path
+
+    @property
+    def lost(self) -> tuple[str, ...]:
+        """The parties lost in training (a deployed run): they saved no part and are absent
+        from every prediction."""
+        return tuple(entry.source for entry in self.manifest.parties if entry.location == LOST)
 
     @classmethod
     def load(cls, path: Path) -> SavedModel:
@@ -347,7 +427,13 @@ class SavedModel:
         it came from); a party not named is absent for every row."""
         by_index: list[tuple[PartyTable, str] | None] = [None] * len(self.manifest.parties)
         for name, table in tables.items():
-            by_index[self.party_index(name)] = table
+            k = self.party_index(name)
+            if self.manifest.parties[k].location == LOST:
+                raise ConfigError(
+                    f"{self.manifest.parties[k].source} was lost in training and saved no part; "
+                    "this model predicts without its block: leave its file out."
+                )
+            by_index[k] = table
         return predict_tables(self.method, self.channel, by_index, names=self.party_names)
 
 

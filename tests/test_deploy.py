@@ -711,12 +711,13 @@ def test_deployed_psi_trains_to_the_in_process_psi_metrics_and_no_party_sends_it
     assert codes == [0, 0, 0, 0]
     assert (joined["metrics"], joined["samples"]) == (result["metrics"], result["samples"])
     # Under PSI a data party answers the label party's deployment messages with its width and,
-    # at the end, its bytes: never its ids, which appear in none of the bytes that arrived.
+    # at the end, its saved part's hashes and its bytes: never its ids, which appear in none of
+    # the bytes that arrived.
     topics = [
         (m.sender, m.topic) for _, m in from_data_parties(psi) if isinstance(m, DeploymentMessage)
     ]
     assert sorted(topics) == sorted(
-        (name, topic) for name in PARTIES[1:] for topic in ("psi-ready", "report")
+        (name, topic) for name in PARTIES[1:] for topic in ("psi-ready", "saved", "report")
     )
     kinds = {m.kind for _, m in from_data_parties(psi)}
     assert {"psi-response", "deployment"} <= kinds, kinds

@@ -115,3 +115,9 @@ def test_deploy_localhost_example_trains_four_processes_and_stops_them(tmp_path:
     assert set(result["traffic"]["bytes"]) == {"bank", "shop", "insurer", "telco", "aggregator"}
     for name in ("shop", "insurer", "telco", "aggregator"):
         assert "the run finished" in (tmp_path / f"{name}.log").read_text()
+    # Each data party kept its own part; copied beside the manifest, the parts predicted.
+    run_id = result["model"]["run_id"]
+    for name in ("shop", "insurer", "telco"):
+        assert [p.name for p in (tmp_path / f"models-{name}" / name).iterdir()] == [run_id]
+    predictions = (tmp_path / "predictions.csv").read_text().splitlines()
+    assert predictions[0] == "id,predicted,p_0,p_1" and len(predictions) == 1 + 569

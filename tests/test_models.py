@@ -285,7 +285,7 @@ def test_a_tampered_or_missing_part_is_refused(
     with pytest.raises(DataError, match="JSON expected"):
         SavedModel.load(copy)
     (copy / "manifest.json").write_text('{"schema": "secure-vfl/model-manifest", "version": 9}')
-    with pytest.raises(DataError, match="manifest version 1 expected"):
+    with pytest.raises(DataError, match="manifest version 1 or 2 expected"):
         SavedModel.load(copy)
     (copy / "manifest.json").unlink()
     with pytest.raises(DataError, match="no saved model"):

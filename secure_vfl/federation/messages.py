@@ -690,6 +690,8 @@ DEPLOYMENT_TOPICS = (
     "checkpoints-ready",
     "checkpoint",
     "checkpointed",
+    "save",
+    "saved",
     "end",
     "report",
 )
@@ -706,7 +708,9 @@ class DeploymentMessage(Message):
     the run's checkpoints before training (``checkpoints``: the run id and, on resume, the step
     and the manifest SHA-256 to restore from; answered by ``checkpoints-ready``), has it write
     its own checkpoint of a step (``checkpoint``, answered by ``checkpointed`` with its
-    manifest's SHA-256) and ends the run (``end``, answered by a ``report``). ``body`` is a JSON
+    manifest's SHA-256), has it save its own part of the trained model (``save``: the model's
+    run id; answered by ``saved`` with its files' SHA-256) and ends the run (``end``, answered
+    by a ``report``). ``body`` is a JSON
     object whose schema the receiver checks per topic (:mod:`secure_vfl.deployment`); never
     pickle."""
 

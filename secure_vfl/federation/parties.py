@@ -534,16 +534,19 @@ class DataParty(SecureSumParty):
         """Take new rows of its own as split ``split``: sample ``i`` is row ``rows[i]`` of
         ``table`` (its file, read from ``source``), -1 where it does not hold sample ``i``
         (``table`` None: it holds none). Its own preprocessing checks the columns against its
-        schema and standardises them."""
+        schema and standardises them. A party without a file needs no preprocessing (one lost
+        in a deployed run's training saved none): it holds zeros of its training block's shape."""
+        held = rows >= 0
+        if table is None:
+            if bool(held.any()):
+                raise ProtocolError(f"{self.name}: rows of a file expected, found no file.")
+            shape = self._blocks["train"].shape[1:]
+            self.hold_split(split, torch.zeros((rows.shape[0], *shape)), torch.from_numpy(held))
+            return
         if self.preprocessing is None:
             raise ProtocolError(f"{self.name} keeps no preprocessing; cannot read new rows.")
-        held = rows >= 0
         block = np.zeros((rows.shape[0], *self.preprocessing.block_shape), dtype=np.float32)
-        if table is not None:
-            where = f"{source} ({table.name})"
-            block[held] = self.preprocessing.apply(table, where=where)[rows[held]]
-        elif bool(held.any()):
-            raise ProtocolError(f"{self.name}: rows of a file expected, found no file.")
+        block[held] = self.preprocessing.apply(table, where=f"{source} ({table.name})")[rows[held]]
         self.hold_split(split, torch.from_numpy(block), torch.from_numpy(held))
 
     def hold_split(self, split: str, block: Tensor, held: Tensor) -> None:

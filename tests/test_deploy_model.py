@@ -1,0 +1,363 @@
+"""Saved models under ``--federation``: every party its own process on loopback (gRPC with
+mutual TLS, no mock); at the end of the run each live data party writes its own part into its
+own model directory and answers with its files' SHA-256, the label party writes its part and
+the manifest. Copied into one place, the parts predict exactly as the in-process run's saved
+model; a tampered part is refused naming its party. Every process started here is stopped by
+its pid when the test ends, passed or failed. The message checks of both sides and the
+manifest's new fields are unit-tested without processes."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+from sklearn.datasets import load_breast_cancer
+from test_deploy import (
+    FLAGS,
+    PARTIES,
+    PROCESS_SECONDS,
+    Processes,
+    in_process,
+    write_federation,
+    write_party_files,
+)
+from test_deploy_resume import LoopbackEndpoint
+
+from protocols import tls
+from secure_vfl.cli import main
+from secure_vfl.data.party_files import read_party_file
+from secure_vfl.deployment import ServedModel, _deployment, _Server, model_directory, save_deployed
+from secure_vfl.errors import ConfigError, DataError, IntegrityError, ProtocolError
+from secure_vfl.experiment import TrainConfig, build_method, prepare_data
+from secure_vfl.federation.channel import Channel
+from secure_vfl.federation.federation_file import read_federation
+from secure_vfl.federation.messages import DeploymentMessage
+from secure_vfl.federation.network import free_loopback_ports
+from secure_vfl.federation.parties import DataParty
+from secure_vfl.federation.parts import PART_INDEX, sha256
+from secure_vfl.methods import MethodConfig
+from secure_vfl.methods.base import in_process_parties
+from secure_vfl.saved_model import (
+    KEPT_BY_PARTY,
+    LOST,
+    MANIFEST_FILE,
+    Manifest,
+    SavedModel,
+    read_manifest,
+)
+
+NEW_ROWS = range(240, 300)  # breast-cancer rows the federation never saw
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("deploy-model")
+    write_party_files(directory)
+    write_new_rows(directory / "new")
+    tls.make_federation(directory / "certs", [*PARTIES, "aggregator"])
+    return directory
+
+
+def write_new_rows(directory: Path) -> None:
+    """Each party's file of new rows (its own columns of the training files), a few ids
+    missing at every party but the first, in its own row order."""
+    directory.mkdir()
+    features = load_breast_cancer(as_frame=True).data
+    rng = np.random.default_rng(1)
+    for k, (name, columns) in enumerate(
+        zip(PARTIES, np.array_split(np.array(features.columns), 4), strict=True)
+    ):
+        frame = features[list(columns)].iloc[list(NEW_ROWS)].copy()
+        frame.insert(0, "id", [f"new{i:04d}" for i in NEW_ROWS])
+        kept = np.sort(rng.choice(len(frame), size=len(frame) - 3 * k, replace=False))
+        frame.iloc[rng.permutation(kept)].to_csv(directory / f"{name}.csv", index=False)
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[Processes]:
+    started = Processes(tmp_path)
+    try:
+        yield started
+    finally:
+        started.stop_all()
+
+
+def new_tables(site: Path, absent: str | None = None) -> dict[str, Any]:
+    paths = {name: site / "new" / f"{name}.csv" for name in PARTIES if name != absent}
+    return {name: (read_party_file(path), str(path)) for name, path in paths.items()}
+
+
+def part_directories(root: Path) -> set[Path]:
+    """Every directory under ``root`` that holds a saved part."""
+    return {index.parent for index in root.rglob(PART_INDEX)}
+
+
+def test_a_deployed_run_saves_each_part_at_its_party_and_predicts_as_the_in_process_model(
+    site: Path, processes: Processes, tmp_path: Path
+) -> None:
+    flags = ("--method", "laser", "--heads", "all")
+    alone = in_process(site, tmp_path / "alone", *flags)
+    federation = write_federation(site, site / "certs", free_loopback_ports(5))
+    models = {name: tmp_path / f"{name}-models" for name in PARTIES[1:]}
+    servers = [processes.serve(federation, n, "--model-dir", str(models[n])) for n in PARTIES[1:]]
+    servers.append(processes.serve(federation, "aggregator"))
+    out = tmp_path / "deployed"
+    label = processes.start(
+        "train", "--federation", str(federation), "--name", "bank", *FLAGS, *flags,
+        "--out", str(out), log="bank",
+    )  # fmt: skip
+    assert label.wait(timeout=PROCESS_SECONDS) == 0, processes.log("bank")
+    codes = [server.wait(timeout=PROCESS_SECONDS) for server in servers]
+    assert codes == [0, 0, 0, 0], [processes.log(n) for n in (*PARTIES[1:], "aggregator")]
+    result = json.loads((out / "result.json").read_text())
+    assert result["metrics"] == alone["metrics"]  # the same model as in one process
+
+    # The label party holds the manifest and its own part; each data party its own, nowhere else.
+    manifest, _ = read_manifest(out)
+    run = manifest.run_id
+    assert result["model"]["run_id"] == run
+    assert json.loads((out / "model" / MANIFEST_FILE).read_text())["version"] == 2
+    assert [(e.name, e.location) for e in manifest.parties] == [
+        ("bank", "here"),
+        *[(name, KEPT_BY_PARTY) for name in PARTIES[1:]],
+    ]
+    assert sorted(p.name for p in (out / "model").iterdir()) == ["bank", MANIFEST_FILE]
+    for entry in manifest.parties[1:]:
+        part = models[entry.name] / entry.name / run
+        held = sorted(p.relative_to(models[entry.name]) for p in models[entry.name].rglob("*"))
+        assert held == sorted(
+            [
+                Path(entry.name),
+                Path(entry.name, run),
+                *(Path(entry.name, run, f) for f in entry.files),
+            ]
+        )
+        assert {f: sha256((part / f).read_bytes()) for f in entry.files} == entry.files
+        assert f"{entry.name}: saved its part of model {run}" in processes.log(entry.name)
+    saved = part_directories(tmp_path) - part_directories(tmp_path / "alone")
+    assert saved == {out / "model" / "bank", *[models[n] / n / run for n in PARTIES[1:]]}
+    assert part_directories(site) == set()  # the default directory beside the data: unused
+    assert f"kept by shop, insurer, telco (each in its --model-dir, NAME/{run}/)" in (
+        processes.log("bank")
+    )
+
+    # Not loadable here until the data parties' parts are copied beside the manifest.
+    with pytest.raises(DataError, match="the part of shop is kept by that party"):
+        SavedModel.load(out)
+    copy = tmp_path / "copied"
+    shutil.copytree(out / "model", copy)
+    for name in PARTIES[1:]:
+        shutil.copytree(models[name] / name / run, copy / name)
+    deployed, in_memory = SavedModel.load(copy), SavedModel.load(tmp_path / "alone")
+    for absent in (None, "insurer"):
+        ours, theirs = (
+            deployed.predict(new_tables(site, absent)),
+            in_memory.predict(new_tables(site, absent)),
+        )
+        assert ours.ids.tolist() == theirs.ids.tolist() and len(ours.ids) == len(NEW_ROWS)
+        assert np.isfinite(ours.probabilities).all()
+        np.testing.assert_allclose(ours.probabilities, theirs.probabilities, rtol=0, atol=1e-6)
+        assert ours.labels() == theirs.labels()
+    # The command line predicts from the copy as from any saved model.
+    predictions = tmp_path / "p.csv"
+    files = [a for n in PARTIES for a in ("--party-file", str(site / "new" / f"{n}.csv"))]
+    assert main(["predict", "--model", str(copy), *files, "--out", str(predictions)]) == 0
+    written = pd.read_csv(predictions, dtype={"id": str})
+    probabilities = deployed.predict(new_tables(site)).probabilities
+    np.testing.assert_allclose(written[["p_0", "p_1"]].to_numpy(), probabilities, atol=1e-6)
+
+    # A part altered after the party reported its hashes is refused, naming the party.
+    [weights, *_] = sorted((copy / "insurer").glob("*.pt"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match=r"^insurer: .* does not match the SHA-256"):
+        SavedModel.load(copy)
+
+
+# -- the message checks and the manifest's fields, without processes ----------------------
+
+RUN = "0123456789abcdef0123456789abcdef"
+
+
+@pytest.fixture(scope="module")
+def federation_parties(site: Path) -> tuple[TrainConfig, Any, list[DataParty]]:
+    """An untrained LASER federation of the site's files, its parties named as in the
+    federation file (the label party bank first)."""
+    config = TrainConfig(
+        method="laser",
+        party_files=tuple(site / f"{name}.csv" for name in PARTIES),
+        label_file=site / "labels.csv",
+        method_config=MethodConfig(epochs=1, batch_size=64, representation_dim=8),
+    )
+    data = prepare_data(config)
+    channel = Channel()
+    channel.party_names = list(PARTIES)
+    build_method(config, data, channel=channel)
+    return config, data, in_process_parties(channel)
+
+
+def test_a_served_party_saves_its_part_only_on_a_request_that_checks_out(
+    tmp_path: Path, federation_parties: tuple[TrainConfig, Any, list[DataParty]]
+) -> None:
+    shop = federation_parties[2][1]
+    served = ServedModel("shop", tmp_path)
+    with pytest.raises(ProtocolError, match="a run id of 32 hex digits expected"):
+        served.save(shop, {"run": "../../elsewhere"})
+    answer = served.save(shop, {"run": RUN})
+    part = tmp_path / "shop" / RUN
+    assert answer["run"] == RUN and answer["files"] == {
+        p.name: sha256(p.read_bytes()) for p in part.iterdir()
+    }
+    assert PART_INDEX in answer["files"] and any(f.endswith(".pt") for f in answer["files"])
+    with pytest.raises(ProtocolError, match="a second save of the run"):
+        served.save(shop, {"run": "f" * 32})  # one save per run, whatever the id
+    with pytest.raises(ProtocolError, match="already exists"):
+        ServedModel("shop", tmp_path).save(shop, {"run": RUN})  # a replay in a later run
+    with pytest.raises(ProtocolError, match="keeps no model directory"):
+        ServedModel("shop", None).save(shop, {"run": RUN})
+    assert [p.relative_to(tmp_path) for p in tmp_path.iterdir()] == [Path("shop")]
+    assert [p.name for p in (tmp_path / "shop").iterdir()] == [RUN]  # no temporary left
+
+
+def test_the_label_party_saves_every_live_party_checks_every_answer_and_marks_the_lost(
+    site: Path, tmp_path: Path, federation_parties: tuple[TrainConfig, Any, list[DataParty]]
+) -> None:
+    config, data, parties = federation_parties
+    federation = read_federation(write_federation(tmp_path, tmp_path, free_loopback_ports(5)))
+    served = {p.name: ServedModel(p.name, tmp_path / "at" / p.name) for p in parties[1:]}
+    lie: dict[str, Any] = {}
+
+    def answer(message: DeploymentMessage) -> tuple[str, dict[str, Any]]:
+        assert message.topic == "save"
+        side = served[message.receiver]
+        side.saved = None  # each save below is a new run for the serving side
+        party = parties[PARTIES.index(message.receiver)]
+        return "saved", {**side.save(party, json.loads(message.body)), **lie}
+
+    endpoint: Any = LoopbackEndpoint(answer)  # the label party's side
+    model = tmp_path / "model"
+    manifest = save_deployed(model, endpoint, federation, parties[0], config, data, ["insurer"])
+    assert endpoint.handler == "the label party" and endpoint.kept == []  # handed back
+    assert [(e.name, e.location) for e in manifest.parties] == [
+        ("bank", "here"),
+        ("shop", KEPT_BY_PARTY),
+        ("insurer", LOST),
+        ("telco", KEPT_BY_PARTY),
+    ]
+    assert not (tmp_path / "at" / "insurer").exists()  # the lost party was asked nothing
+    for entry in (manifest.parties[1], manifest.parties[3]):
+        part = tmp_path / "at" / entry.name / entry.name / manifest.run_id
+        assert entry.files == {p.name: sha256(p.read_bytes()) for p in part.iterdir()}
+    assert sorted(p.name for p in model.iterdir()) == ["bank", MANIFEST_FILE]
+    # A party that answers for another run, with a bad digest or a path for a name: refused.
+    lies: dict[str, dict[str, Any]] = {
+        "found run 'ffff": {"run": "f" * 32},
+        "SHA-256 (64 hex digits) per plain file name": {"files": {"part.json": "0" * 63}},
+        "files ['../../bank/part.json']": {"files": {"../../bank/part.json": "0" * 64}},
+    }
+    for reason, told in lies.items():
+        lie.clear()
+        lie.update(told)
+        with pytest.raises(ProtocolError, match=re.escape(reason)) as refused:
+            save_deployed(model, endpoint, federation, parties[0], config, data, [])
+        assert str(refused.value).startswith("saved from shop: ")
+        assert not (model / MANIFEST_FILE).exists()  # nothing that looks whole is left
+        endpoint.kept.clear()
+
+    # Copied beside the manifest, the parts load; the lost party is absent from every row.
+    lie.clear()
+    manifest = save_deployed(model, endpoint, federation, parties[0], config, data, ["insurer"])
+    for name in ("shop", "telco"):
+        shutil.copytree(tmp_path / "at" / name / name / manifest.run_id, model / name)
+    loaded = SavedModel.load(model)
+    assert loaded.lost == ("insurer",)
+    predictions = loaded.predict(new_tables(site, absent="insurer"))
+    assert not predictions.mask[:, 2].any() and predictions.mask[:, [0, 1, 3]].any(axis=0).all()
+    assert np.isfinite(predictions.probabilities).all()
+    with pytest.raises(ConfigError, match="insurer was lost in training and saved no part"):
+        loaded.predict(new_tables(site))
+
+
+def test_manifest_locations_are_checked_and_version_1_still_reads(
+    tmp_path: Path, federation_parties: tuple[TrainConfig, Any, list[DataParty]]
+) -> None:
+    config, data, parties = federation_parties
+    federation = read_federation(write_federation(tmp_path, tmp_path, free_loopback_ports(5)))
+    served = {p.name: ServedModel(p.name, tmp_path / "at") for p in parties[1:]}
+
+    def answer(message: DeploymentMessage) -> tuple[str, dict[str, Any]]:
+        party = parties[PARTIES.index(message.receiver)]
+        return "saved", served[message.receiver].save(party, json.loads(message.body))
+
+    endpoint: Any = LoopbackEndpoint(answer)  # the label party's side
+    manifest = save_deployed(
+        tmp_path / "m", endpoint, federation, parties[0], config, data, ["telco"]
+    )
+    payload = manifest.to_json()
+    assert payload["version"] == 2
+    assert Manifest.from_json(json.loads(json.dumps(payload)), "m") == manifest
+    # A version-1 manifest (every part beside it; no `location`) reads as before.
+    old = {**payload, "version": 1, "parties": [dict(p) for p in payload["parties"][:3]]}
+    old["block_shapes"] = payload["block_shapes"][:3]
+    for entry in old["parties"]:
+        entry.pop("location")
+    assert [e.location for e in Manifest.from_json(old, "v1").parties] == ["here"] * 3
+    broken = {
+        "manifest version 1 or 2 expected": {**payload, "version": 3},
+        "a location of here, party, lost expected": _entry_changed(payload, 1, location="there"),
+        "with file hashes unless 'lost'; found location 'lost' and 4 files": _entry_changed(
+            payload, 1, location=LOST
+        ),
+        "found location 'party' and 0 files": _entry_changed(payload, 3, location=KEPT_BY_PARTY),
+    }
+    for reason, document in broken.items():
+        with pytest.raises(DataError, match=re.escape(reason)):
+            Manifest.from_json(document, "m")
+
+
+def _entry_changed(payload: dict[str, Any], k: int, **changes: Any) -> dict[str, Any]:
+    parties = [dict(p) for p in payload["parties"]]
+    parties[k].update(changes)
+    return {**payload, "parties": parties}
+
+
+def test_a_model_directory_defaults_beside_the_data_and_the_aggregator_keeps_none(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_federation(site, site / "certs", free_loopback_ports(5))
+    federation = read_federation(path)
+    assert model_directory(federation, "shop", None) == site / "models"
+    assert model_directory(federation, "shop", tmp_path) == tmp_path
+    assert model_directory(federation, "aggregator", None) is None
+    with pytest.raises(ConfigError, match="keeps no part of a model"):
+        model_directory(federation, "aggregator", tmp_path)
+    serve = ["party", "serve", "--federation", str(path), "--wait", "1", "--name", "aggregator"]
+    assert main([*serve, "--model-dir", str(tmp_path)]) == 2
+    out, err = capsys.readouterr()
+    assert "keeps no part of a model" in err and "serving at" not in out
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_serving_process_takes_a_save_only_from_the_label_party_once_set_up(
+    tmp_path: Path,
+) -> None:
+    federation = read_federation(write_federation(tmp_path, tmp_path, free_loopback_ports(5)))
+    server = _Server(federation, "shop", None, lambda name: None, None, print)  # type: ignore[arg-type]
+    refusals = {
+        ("bank", "save"): "a save (run '0123456789abcdef0123456789abcdef') before the run was "
+        "set up; only a set-up data party saves a part",
+        ("insurer", "save"): "a save from insurer; only the label party bank",
+        ("bank", "saved"): "shop: a saved is not for a data party",
+    }
+    for (sender, topic), reason in refusals.items():
+        message = _deployment(sender, "shop", topic, {"run": RUN})
+        with pytest.raises(ProtocolError, match=re.escape(reason)):
+            server.receive(message)
