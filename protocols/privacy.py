@@ -24,6 +24,12 @@ sampler by a :class:`~secure_vfl.data.samplers.PoissonSampler` drawn from the se
 and each party's releases are priced as the guarantees of :mod:`protocols.dp`: against the
 receivers of its messages (per record, joint events per step, no amplification: they know the
 batches) and, with DP-SGD, against whoever sees only its bottom model (Poisson amplification).
+Each party's mechanisms, accountant and pricing are one
+:class:`~protocols.party_privacy.PartyPrivacy`, built from its share of the plan
+(:class:`~protocols.party_privacy.PartyPlan`). In a deployment the label party's engine draws
+the plan before any party is set up (:meth:`PrivacyEngine.plan_parties`), each data party
+builds its own half in its own process from its share, and the figures it reports at the end
+are added (:meth:`PrivacyEngine.take_reports`): the same code prices every party either way.
 
 For federated imputation the spec also says how the graph statistics are released
 (``dp_statistics``, ``feature_ranges``): :meth:`PrivacyEngine.statistics_mechanisms` gives the
@@ -235,6 +241,7 @@ class PrivacyEngine:
         self.noise: dict[str, Noise] = spec.noise()
         self.sample_rate: float | None = None
         self._sampler: PoissonSampler | None = None
+        self._ahead = False  # the sample was drawn by plan_parties, before the run
         self._names: list[str] = []
         self._plan: dict[str, dict[str, int]] = {}  # each party's releases per step, planned
         self._parties: dict[str, PartyPlan] = {}  # each party's share of the plan
@@ -328,8 +335,9 @@ class PrivacyEngine:
         else ``sampler`` unchanged."""
         if not self.noise:
             return sampler
-        if self._sampler is not None:  # drawn before the parties were set up (a deployment)
+        if self._ahead:  # drawn before the parties were set up (a deployment)
             self._check_drawn(sampler, n=n, epochs=epochs)
+            assert self._sampler is not None
             return self._sampler
         rng = self._noise_source(1).numpy_generator()
         self._sampler = poisson_like(sampler, n=n, epochs=epochs, rng=rng)
@@ -370,6 +378,7 @@ class PrivacyEngine:
         if not self.noise:
             return {name: None for name in names[1:]}
         self.sampler(sampler, n=n, epochs=epochs)
+        self._ahead = True
         self._decide(method, method_config, names)
         return {name: self._parties[name].to_json() for name in names[1:]}
 
@@ -388,7 +397,7 @@ class PrivacyEngine:
                 "a private run trains on the engine's Poisson sampler; expected "
                 "PrivacyEngine.sampler(...) before make_private. Found none."
             )
-        if not self._parties:
+        if not self._ahead:
             self._decide(method, method_config, [party.name for party in parties])
         for party in parties:
             if party.name not in self._parties:
