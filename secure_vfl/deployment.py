@@ -31,10 +31,15 @@ federation.messages.DeploymentMessage` s, each a JSON object checked on arrival:
    its encoder, decoder and missingness model, optimiser and generator by FALSE-VFL's own seed
    rule (:func:`~secure_vfl.methods.false_vfl.build_latent_party`) and is handed no label:
    only the label party knows which training rows are labelled. Its
-   secure-sum halves are made inside it; keys meet by messages as in one process.
+   secure-sum halves are made inside it; keys meet by messages as in one process. Under DP
+   the set-up's ``privacy`` part is the party's share of the label party's privacy plan
+   (:func:`privacy_plans`), from which it installs its own mechanisms with its own noise and
+   accountant (:func:`served_privacy`, by the composition root's factory).
 3. Training and evaluation run as in one process (:func:`~secure_vfl.experiment.run_training`).
-4. ``end`` (with the outcome) is answered by a ``report``: the bytes the party sent. A party
-   that hears nothing from the label party for longer than its deadline exits non-zero.
+4. ``end`` (with the outcome) is answered by a ``report``: the bytes the party sent and, under
+   DP, what its own accountant priced (its guarantees), which the label party adds to the
+   result's privacy report. A party that hears nothing from the label party for longer than
+   its deadline exits non-zero.
 
 Checkpoints (``train --checkpoint-every N``, ``--resume DIR``): right after ``setup`` the
 label party sends each data party ``checkpoints`` (the run id and, on resume, the step and the
