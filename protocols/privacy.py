@@ -24,6 +24,12 @@ sampler by a :class:`~secure_vfl.data.samplers.PoissonSampler` drawn from the se
 and each party's releases are priced as the guarantees of :mod:`protocols.dp`: against the
 receivers of its messages (per record, joint events per step, no amplification: they know the
 batches) and, with DP-SGD, against whoever sees only its bottom model (Poisson amplification).
+Each party's mechanisms, accountant and pricing are one
+:class:`~protocols.party_privacy.PartyPrivacy`, built from its share of the plan
+(:class:`~protocols.party_privacy.PartyPlan`). In a deployment the label party's engine draws
+the plan before any party is set up (:meth:`PrivacyEngine.plan_parties`), each data party
+builds its own half in its own process from its share, and the figures it reports at the end
+are added (:meth:`PrivacyEngine.take_reports`): the same code prices every party either way.
 
 For federated imputation the spec also says how the graph statistics are released
 (``dp_statistics``, ``feature_ranges``): :meth:`PrivacyEngine.statistics_mechanisms` gives the
@@ -42,36 +48,27 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
 
 from protocols.dp import (
     ADJACENCIES,
     ADJACENCY_TEXT,
     GRAD_SAMPLE_MODES,
     ROW_SHIFT,
-    Adjacency,
-    EmbeddingNoise,
-    ExposureNoise,
-    GradientNoise,
-    Guarantee,
     PrivacyAccountant,
     calibrate_noise,
     calibrate_per_record,
-    make_private_party,
 )
 from protocols.noise import NoiseSource, noise_source
-from protocols.sum_range import (
-    RUN_DRAWS_BITS,
-    TAIL_SIGMAS,
-    DivergenceGuard,
-    RangedHalf,
-    SumRange,
-    sum_range,
-)
-from secure_vfl.data.samplers import BatchSampler, PoissonSampler, poisson_like
-from secure_vfl.errors import ConfigError
+from protocols.party_privacy import PartyPlan, PartyPrivacy, read_entry, sampling_text
+from protocols.sum_range import RUN_DRAWS_BITS, TAIL_SIGMAS, SumRange, sum_range
+from secure_vfl.data.samplers import BatchSampler, PoissonSampler, poisson_like, poisson_terms
+from secure_vfl.errors import ConfigError, ProtocolError
 from secure_vfl.federation.aggregator import SumBackend
 from secure_vfl.federation.alignment import Aligner, make_aligner
 from secure_vfl.federation.channel import Channel
@@ -85,7 +82,6 @@ if TYPE_CHECKING:
 SecureAgg = Literal["none", "masks", "paillier", "ckks"]
 SECURE_AGGS: tuple[str, ...] = ("none", "masks", "paillier", "ckks")
 ALIGNMENTS: tuple[str, ...] = ("join", "psi")
-_RowLayer = TypeVar("_RowLayer", EmbeddingNoise, GradientNoise, ExposureNoise)
 
 MECHANISMS = {
     "embedding": "--dp-embeddings",
@@ -245,10 +241,12 @@ class PrivacyEngine:
         self.noise: dict[str, Noise] = spec.noise()
         self.sample_rate: float | None = None
         self._sampler: PoissonSampler | None = None
-        self._plan: list[dict[str, int]] = []
-        self._accountants: dict[str, PrivacyAccountant] = {}
-        # each party's number of releases at the end of every epoch (epsilon over epochs)
-        self._epoch_releases: list[dict[str, int]] = []
+        self._ahead = False  # the sample was drawn by plan_parties, before the run
+        self._names: list[str] = []
+        self._plan: dict[str, dict[str, int]] = {}  # each party's releases per step, planned
+        self._parties: dict[str, PartyPlan] = {}  # each party's share of the plan
+        self._halves: dict[str, PartyPrivacy] = {}  # the parties hosted here, installed
+        self._reported: dict[str, dict[str, Any]] = {}  # what the others reported (deployed)
         self._statistics: ClientStatisticsNoise | None = None
         self.value_range: SumRange | None = None
         self._ranges_note = ""
@@ -257,8 +255,8 @@ class PrivacyEngine:
 
     @property
     def accountants(self) -> dict[str, PrivacyAccountant]:
-        """Each party's accountant, by party (read-only use: the parties hold them)."""
-        return dict(self._accountants)
+        """Each hosted party's accountant, by party (read-only use: the parties hold them)."""
+        return {name: half.accountant for name, half in self._halves.items()}
 
     @property
     def poisson(self) -> PoissonSampler | None:
@@ -333,20 +331,64 @@ class PrivacyEngine:
     def sampler(self, sampler: BatchSampler, *, n: int, epochs: int) -> BatchSampler:
         """With a DP mechanism of training, the Poisson sampler that replaces the method's
         ``sampler`` (same rows, rate batch_size / rows, same steps per epoch; the whole schedule
-        drawn now from the engine's sampling generator); else ``sampler`` unchanged."""
+        drawn now from the engine's sampling generator, or before, by :meth:`plan_parties`);
+        else ``sampler`` unchanged."""
         if not self.noise:
             return sampler
+        if self._ahead:  # drawn before the parties were set up (a deployment)
+            self._check_drawn(sampler, n=n, epochs=epochs)
+            assert self._sampler is not None
+            return self._sampler
         rng = self._noise_source(1).numpy_generator()
         self._sampler = poisson_like(sampler, n=n, epochs=epochs, rng=rng)
         self.sample_rate = self._sampler.rate
         return self._sampler
 
+    def _check_drawn(self, sampler: BatchSampler, *, n: int, epochs: int) -> None:
+        """ConfigError unless the sample drawn before stands for ``sampler``'s batches."""
+        drawn = self._sampler
+        assert drawn is not None
+        rows, rate, steps = poisson_terms(sampler)
+        if not (
+            np.array_equal(rows, drawn.rows)
+            and (rate, steps, n, epochs)
+            == (drawn.rate, drawn.steps_per_epoch, drawn.n, len(drawn.epochs))
+        ):
+            raise ConfigError(
+                "the privacy plan's Poisson sample was drawn for other batches than the method "
+                f"trains on: rate {drawn.rate:g}, {drawn.steps_per_epoch} steps per epoch "
+                f"planned; found rate {rate:g}, {steps} steps per epoch."
+            )
+
+    def plan_parties(
+        self,
+        sampler: BatchSampler,
+        *,
+        n: int,
+        epochs: int,
+        method: str,
+        method_config: MethodConfig,
+        names: Sequence[str],
+    ) -> dict[str, dict[str, Any] | None]:
+        """A deployed label party's plan, before it sets the other parties up: the Poisson
+        sample drawn for the method's ``sampler`` (its training set of ``n`` rows), SIGMA
+        calibrated, and each party of ``names`` but the first (the label party, hosted here)
+        given its :class:`~protocols.party_privacy.PartyPlan` as JSON for its ``setup`` (None
+        each without DP). The run then trains on that sample (:meth:`sampler`)."""
+        if not self.noise:
+            return {name: None for name in names[1:]}
+        self.sampler(sampler, n=n, epochs=epochs)
+        self._ahead = True
+        self._decide(method, method_config, names)
+        return {name: self._parties[name].to_json() for name in names[1:]}
+
     def make_private(
         self, parties: list[DataParty], *, method: str, method_config: MethodConfig
     ) -> None:
         """Install every mechanism inside the party it protects, each with its own accountant
-        and noise source; calibrate SIGMA first when a target epsilon is given (after
-        :meth:`sampler`, whose schedule the calibration reads)."""
+        and noise source (:class:`~protocols.party_privacy.PartyPrivacy`); calibrate SIGMA
+        first when a target epsilon is given (after :meth:`sampler`, whose schedule the
+        calibration reads), unless :meth:`plan_parties` did."""
         if not self.noise:
             return
         sampler = self._sampler
@@ -355,143 +397,82 @@ class PrivacyEngine:
                 "a private run trains on the engine's Poisson sampler; expected "
                 "PrivacyEngine.sampler(...) before make_private. Found none."
             )
+        if not self._ahead:
+            self._decide(method, method_config, [party.name for party in parties])
+        for party in parties:
+            if party.name not in self._parties:
+                raise ConfigError(
+                    f"{party.name} is not a party of the privacy plan ({', '.join(self._names)})."
+                )
+            half = PartyPrivacy(
+                party.name,
+                self._parties[party.name],
+                noise=self._party_noise(self._names.index(party.name)),
+                schedule=lambda: sampler.schedule,
+                sampling=sampling_text(
+                    sampler.rate, sampler.draws, sampler.steps_per_epoch, self._source_text()
+                ),
+                source=self._source_text(),
+            )
+            half.install(party)
+            self._halves[party.name] = half
+
+    def _decide(self, method: str, method_config: MethodConfig, names: Sequence[str]) -> None:
+        """The plan of the parties ``names`` (the label party first): their releases per step,
+        SIGMA (calibrated to a target epsilon), the sums' range, and each party's share."""
+        sampler = self._sampler
+        assert sampler is not None
         if ("exposure" in self.noise) != (method_config.release == "dp"):
             raise ConfigError(
                 f"the privacy spec's release={self.spec.release!r} and the method's "
                 f"release={method_config.release!r} must agree (the method plans the exposed "
                 "rows, the parties noise them)."
             )
-        self._plan = release_plan(method, method_config, len(parties))
+        plan = release_plan(method, method_config, len(names))
         if self.spec.target_epsilon is not None:
-            sigma = self._calibrated_sigma(sampler, self._plan)
+            sigma = self._calibrated_sigma(sampler, plan)
             self.noise = {kind: (sigma, clip) for kind, (_, clip) in self.noise.items()}
-        for k, party in enumerate(parties):
-            accountant = PrivacyAccountant()
-            party.accountant = accountant
-            self._accountants[party.name] = accountant
-            if "embedding" in self.noise:
-                layer = self._row_noise("embedding", EmbeddingNoise, 100 + k, accountant)
-                party.incoming.append(layer.requests)  # notes the rows each request asks for
-                party.outgoing.append(layer)
-            if "gradient" in self.noise and party.heads:
-                party.outgoing.append(
-                    self._row_noise("gradient", GradientNoise, 200 + k, accountant)
-                )
-            if "exposure" in self.noise:
-                exposure = self._row_noise("exposure", ExposureNoise, 400 + k, accountant)
-                party.incoming.append(exposure)  # notes the rows each request asks for
-                party.exposure = exposure
-            if "dp-sgd" in self.noise:
-                sigma, clip = self.noise["dp-sgd"]
-                make_private_party(
-                    party,
-                    noise_multiplier=sigma,
-                    max_grad_norm=clip,
-                    sample_rate=sampler.rate,
-                    noise=self._noise_source(10 + k),
-                    on_event=accountant.on_event,
-                    grad_sample_mode=self.spec.grad_sample_mode,  # type: ignore[arg-type]
-                )
-        self._guard(parties)
-
-    def _row_noise(
-        self, kind: str, layer: type[_RowLayer], stream: int, accountant: PrivacyAccountant
-    ) -> _RowLayer:
-        """The ``kind`` mechanism as ``layer``, at the engine's Poisson rate, spending
-        ``accountant`` and drawing from noise source ``stream`` (which only the insecure
-        reproducible option derives from the seed)."""
-        assert self._sampler is not None
-        sigma, clip = self.noise[kind]
-        return layer(
-            sigma,
-            clip,
-            sample_rate=self._sampler.rate,
-            noise=self._noise_source(stream),
-            on_event=accountant.on_event,
-        )
-
-    def _guard(self, parties: list[DataParty]) -> None:
-        """Size every party's secure-sum halves for the run's range (the calibrated noise is
-        known now, before the first sum) and make a :class:`DivergenceGuard` each party's last
-        outgoing hook, so divergence is reported alike under every backend."""
-        self.value_range = sum_range(self.noise, contributors=len(parties))
-        for party in parties:
-            for half in (party.sealer, party.opener):
-                if isinstance(half, RangedHalf):
-                    half.use_range(self.value_range)
-            party.outgoing.append(DivergenceGuard(self.value_range))
-
-    def epoch_end(self) -> None:
-        """Note each party's releases so far: one point of the epsilon-over-epochs curve."""
-        if self.noise:
-            self._epoch_releases.append(
-                {name: len(a.events) for name, a in self._accountants.items()}
-            )
-
-    def resume(self, *, steps_done: int, epoch_steps: int | None) -> None:
-        """A run resumed after ``steps_done`` steps, its parties' accountants holding the
-        releases they had made: note each party's releases at the end of every epoch finished
-        before, as :meth:`epoch_end` did in the killed run (a training release of step t
-        carries round t, and releases are recorded in step order)."""
-        if not self.noise or epoch_steps is None:
-            return
-        self._epoch_releases = [
-            {
-                name: sum(1 for e in a.events if e.phase == "train" and e.round < end)
-                for name, a in self._accountants.items()
-            }
-            for end in range(epoch_steps, steps_done + 1, epoch_steps)
-        ]
-
-    def _epsilon_per_epoch(
-        self, sampler: PoissonSampler, adjacency: Adjacency, sampling: str
-    ) -> dict[str, list[float]]:
-        """Each party's headline epsilon (the largest of its training guarantees, at the spec's
-        delta) after every epoch, from its own releases up to that epoch, priced as the final
-        figure is (DP-SGD composed over the draws made so far)."""
-        curves: dict[str, list[float]] = {}
-        for name, accountant in self._accountants.items():
-            curve = []
-            for releases in self._epoch_releases:
-                prefix = PrivacyAccountant(accountant=accountant.accountant)
-                prefix.events = accountant.events[: releases[name]]
-                draws = sum(1 for e in prefix.events if e.party == name and e.kind == "dp-sgd")
-                held = self._training_guarantees(
-                    prefix, name, sampler, adjacency, sampling, draws=draws
-                )
-                if held:
-                    curve.append(max(g.epsilon for g in held))
-            if curve:
-                curves[name] = curve
-        return curves
-
-    def _training_guarantees(
-        self,
-        accountant: PrivacyAccountant,
-        name: str,
-        sampler: PoissonSampler,
-        adjacency: Adjacency,
-        sampling: str,
-        *,
-        draws: int,
-    ) -> list[Guarantee]:
-        """``name``'s guarantees from ``accountant``'s training releases: against the receivers
-        of its messages, and (DP-SGD over ``draws`` draws) against an observer of its model."""
-        delta = self.spec.delta
-        found = [
-            accountant.message_guarantee(
-                name,
-                schedule=sampler.schedule,
+        self.value_range = sum_range(self.noise, contributors=len(names))
+        self._names = list(names)
+        self._plan = dict(zip(names, plan, strict=True))
+        ends = tuple(int(end) for end in np.cumsum([len(epoch) for epoch in sampler.epochs]))
+        self._parties = {
+            name: PartyPlan(
+                noise={
+                    kind: noise
+                    for kind, noise in self.noise.items()
+                    if kind != "gradient" or releases["gradient"] > 0
+                },
+                sample_rate=sampler.rate,
+                draws=sampler.draws,
+                epoch_ends=ends,
                 records=sampler.n,
-                adjacency=adjacency,
-                delta=delta,
-                sampling=sampling,
-            ),
-            accountant.model_guarantee(
-                name, sample_rate=sampler.rate, draws=draws, delta=delta, sampling=sampling
-            ),
-        ]
-        return [g for g in found if g is not None]
+                delta=self.spec.delta,
+                adjacency=self.spec.adjacency,
+                grad_sample_mode=self.spec.grad_sample_mode,
+                value_range=self.value_range,
+            )
+            for name, releases in self._plan.items()
+        }
+
+    def take_reports(self, reports: Mapping[str, Any]) -> None:
+        """What each deployed data party reported about its own releases at the end of the run
+        (:meth:`~protocols.party_privacy.PartyPrivacy.entry`, by party), checked
+        (ProtocolError), for :meth:`report`. A planned party that reports nothing (lost mid-run)
+        is listed as unreported."""
+        for name, entry in reports.items():
+            if name not in self._parties or name in self._halves:
+                if entry is None:
+                    continue
+                raise ProtocolError(
+                    f"report from {name}: a privacy entry from a party the plan did not send one."
+                )
+            if entry is None:
+                raise ProtocolError(
+                    f"report from {name}: its privacy entry expected (it was sent a privacy plan); "
+                    "found none."
+                )
+            self._reported[name] = read_entry(name, entry, delta=self.spec.delta)
 
     def _calibrated_sigma(self, sampler: PoissonSampler, plan: list[dict[str, int]]) -> float:
         """One SIGMA for every mechanism that keeps each party's every guarantee within the
@@ -521,6 +502,10 @@ class PrivacyEngine:
                 calibrate_noise(target, delta, sample_rate=sampler.rate, steps=sampler.draws),
             )
         return sigma
+
+    def _party_noise(self, k: int) -> Callable[[int], NoiseSource]:
+        """Party ``k``'s noise sources by mechanism stream (:func:`_noise_source`)."""
+        return lambda stream: self._noise_source(stream + k)
 
     def _noise_source(self, stream: int) -> NoiseSource:
         """A fresh secure noise source; only under ``insecure_reproducible_noise``, one
@@ -583,34 +568,24 @@ class PrivacyEngine:
         """``result.json``'s privacy entry (None when no DP mechanism ran): each party's
         guarantees from its own accountant (what each protects, against whom, under which
         adjacency, sampling and accountant, and its epsilon), its headline ``epsilon`` (the
-        largest of them), the noise, the sampling and the releases made."""
+        largest of them), the noise, the sampling and the releases made. ``accounted_by`` says
+        whose accountant each party's figures come from: in a deployment every data party's
+        are what it reported about itself (:meth:`take_reports`)."""
         if self._statistics is not None:
             return self._statistics_report(self._statistics)
         if not self.noise:
             return None
         sampler = self._sampler
         assert sampler is not None
-        adjacency: Adjacency = self.spec.adjacency  # type: ignore[assignment]
-        delta = self.spec.delta
-        sampling = (
-            f"Poisson, rate {sampler.rate:.6g}, {sampler.draws} draws "
-            f"({sampler.steps_per_epoch} per epoch), drawn from {self._source_text()}"
-        )
-        guarantees: dict[str, list[Guarantee]] = {}
-        for name, accountant in self._accountants.items():
-            predicted = accountant.prediction_guarantee(name, adjacency=adjacency, delta=delta)
-            held = self._training_guarantees(
-                accountant, name, sampler, adjacency, sampling, draws=sampler.draws
-            ) + ([predicted] if predicted is not None else [])
-            if held:
-                guarantees[name] = held
-        epsilon = {name: max(g.epsilon for g in held) for name, held in guarantees.items()}
+        entries = self._entries()
+        guarantees = {n: e["guarantees"] for n, e in entries.items() if e["guarantees"]}
+        epsilon = {n: max(g["epsilon"] for g in held) for n, held in guarantees.items()}
         target = self.spec.target_epsilon
         return {
             **self._source_entry(),
             "accountant": "rdp",
-            "delta": delta,
-            "adjacency": ADJACENCY_TEXT[adjacency],
+            "delta": self.spec.delta,
+            "adjacency": ADJACENCY_TEXT[self.spec.adjacency],
             "sampling": {
                 "kind": "poisson",
                 "rate": sampler.rate,
@@ -622,23 +597,15 @@ class PrivacyEngine:
             "sample_rate": sampler.rate,
             "noise": {kind: {"sigma": s, "clip": c} for kind, (s, c) in self.noise.items()},
             "epsilon": epsilon,
-            "epsilon_per_epoch": self._epsilon_per_epoch(sampler, adjacency, sampling),
-            "guarantees": {n: [g.to_json() for g in held] for n, held in guarantees.items()},
-            "releases": {
-                name: {
-                    **accountant.releases(name),
-                    **{
-                        f"predict-{kind}": count
-                        for kind, count in accountant.releases(name, phase="predict").items()
-                    },
-                }
-                for name, accountant in self._accountants.items()
-                if accountant.events
+            "epsilon_per_epoch": {
+                n: e["epsilon_per_epoch"] for n, e in entries.items() if e["epsilon_per_epoch"]
             },
+            "guarantees": guarantees,
+            "releases": {n: e["releases"] for n, e in entries.items() if e["releases"]},
             "releases_per_step_planned": {
-                name: {kind: plan[kind] for kind in self.noise}
-                for name, plan in zip(self._accountants, self._plan, strict=True)
+                name: {kind: plan[kind] for kind in self.noise} for name, plan in self._plan.items()
             },
+            "accounted_by": self._accounted_by(),
             "not_noised": self._not_noised(),
             "release": self.release_entry(),
             "sum_range": self._range_entry(),
@@ -647,6 +614,31 @@ class PrivacyEngine:
             if target is None
             else all(e <= target * (1 + 1e-9) for e in epsilon.values()),
         }
+
+    def _entries(self) -> dict[str, dict[str, Any]]:
+        """Each party's priced releases (its own half here, or what it reported), in the
+        plan's order of parties."""
+        priced = {name: half.entry() for name, half in self._halves.items()}
+        priced.update(self._reported)
+        return {name: priced[name] for name in self._names if name in priced}
+
+    def _accounted_by(self) -> dict[str, str]:
+        """Whose accountant each planned party's figures come from."""
+        found = {}
+        for name in self._names:
+            if name in self._halves:
+                found[name] = "its own accountant, in this process"
+            elif name in self._reported:
+                found[name] = (
+                    "its own accountant in its own process: the figures it reported about "
+                    "itself at the end of the run"
+                )
+            else:
+                found[name] = (
+                    "none: it reported nothing (lost mid-run; see faults), so no figure of it "
+                    "is listed"
+                )
+        return found
 
     def _range_entry(self) -> dict[str, Any] | None:
         """What the run's sums were sized for (None without secure sums)."""
@@ -678,18 +670,7 @@ class PrivacyEngine:
             "CLIP)^2) noise per coordinate, priced by its accountant per record",
             "sigma": sigma,
             "clip": clip,
-            "exposed_releases": {
-                name: {
-                    "train": accountant.releases(name).get("exposure", 0),
-                    "predict": accountant.releases(name, phase="predict").get("exposure", 0),
-                    "train_rows": sum(
-                        len(e.rows)
-                        for e in accountant.events
-                        if e.kind == "exposure" and e.phase == "train"
-                    ),
-                }
-                for name, accountant in self._accountants.items()
-            },
+            "exposed_releases": {name: e["exposed"] for name, e in self._entries().items()},
         }
 
     def _not_noised(self) -> list[str]:

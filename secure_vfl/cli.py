@@ -2118,6 +2118,15 @@ def _psi_roles() -> Any:
     return PsiRoles(requester=requester, responder=responder)
 
 
+def _served_privacy(name: str, part: Any, party: Any) -> Any:
+    """A served data party's own DP mechanisms and accountant, from the privacy plan in its
+    set-up (:func:`protocols.party_privacy.served_privacy`): what the deployment's core is
+    handed (it never imports protocols itself)."""
+    from protocols.party_privacy import served_privacy
+
+    return served_privacy(name, part, party)
+
+
 def run_party_command(args: argparse.Namespace) -> int:
     """`secure-vfl party serve`: act as one party until the label party ends the run; exit
     non-zero if it fails or the label party falls silent for longer than --deadline."""
@@ -2138,6 +2147,7 @@ def run_party_command(args: argparse.Namespace) -> int:
         checkpoint_dir=args.checkpoint_dir,
         resume=args.resume,
         model_dir=args.model_dir,
+        party_privacy=_served_privacy,
     )
     if outcome != "finished":
         print(f"secure-vfl: error: the label party ended the run: {outcome}", file=sys.stderr)
@@ -2160,21 +2170,31 @@ def _refuse_deployed_flags(args: argparse.Namespace) -> None:
             "--insecure-reproducible-noise is refused with --federation: noise anyone with the "
             "seed can remove has no place on a network."
         )
-    given = _given(
+    files = _given(("--label-file", args.label_file), ("--test-file", args.test_file))
+    if files:
+        raise ConfigError(
+            f"{', '.join(files)} not offered with --federation: the labels and every party's "
+            "rows come from the federation file (each party reads only its own table)."
+        )
+    if args.capture is not None:
+        raise ConfigError(
+            "--capture not offered with --federation: a capture records every message of a run "
+            "in one process; across machines each party's messages stay in its own (record "
+            "them on the wire)."
+        )
+    dp = _given(
         ("--dp-embeddings", args.dp_embeddings),
         ("--dp-gradients", args.dp_gradients),
         ("--dp-sgd", args.dp_sgd),
-        ("--target-epsilon", args.target_epsilon),
         ("--release dp", "dp" if args.release == "dp" else None),
-        ("--release-noise", args.release_noise),
-        ("--label-file", args.label_file),
-        ("--test-file", args.test_file),
-        ("--capture", args.capture),
     )
-    if given:
+    resumable = _given(("--checkpoint-every", args.checkpoint_every), ("--resume", args.resume))
+    if dp and resumable:
         raise ConfigError(
-            f"{', '.join(given)} not offered with --federation yet (DP accountants and "
-            "captures live in each party's process; labels come from the federation file)."
+            f"{', '.join(resumable)} with {', '.join(dp)} not offered with --federation yet: "
+            "each data party's accountant and its view of the batches would have to be "
+            "checkpointed in its own process, and the privacy plan drawn before the run is set "
+            "up would not be the resumed one."
         )
 
 
@@ -2222,6 +2242,7 @@ def run_train_deployed(args: argparse.Namespace) -> int:
                 psi=_psi_roles(),
                 checkpoints=checkpoints,
                 model_dir=out / MODEL_DIR,
+                privacy=engine,
             )
         finally:
             bar.close()

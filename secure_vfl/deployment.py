@@ -31,15 +31,20 @@ federation.messages.DeploymentMessage` s, each a JSON object checked on arrival:
    its encoder, decoder and missingness model, optimiser and generator by FALSE-VFL's own seed
    rule (:func:`~secure_vfl.methods.false_vfl.build_latent_party`) and is handed no label:
    only the label party knows which training rows are labelled. Its
-   secure-sum halves are made inside it; keys meet by messages as in one process.
+   secure-sum halves are made inside it; keys meet by messages as in one process. Under DP
+   the set-up's ``privacy`` part is the party's share of the label party's privacy plan
+   (:func:`privacy_plans`), from which it installs its own mechanisms with its own noise and
+   accountant (:func:`served_privacy`, by the composition root's factory).
 3. Training and evaluation run as in one process (:func:`~secure_vfl.experiment.run_training`).
 4. ``save`` (``train --federation`` saves the model, :func:`save_deployed`): the label party
    sends each live data party the model's run id; the party writes its own part into its own
    model directory (``party serve --model-dir DIR``: ``DIR/NAME/RUN_ID/``, :class:`ServedModel`)
    and answers ``saved`` with the SHA-256 of each file. The label party writes its own part
    into ``OUT/model/`` and the manifest last, with every party's hashes and where its part lies.
-5. ``end`` (with the outcome) is answered by a ``report``: the bytes the party sent. A party
-   that hears nothing from the label party for longer than its deadline exits non-zero.
+5. ``end`` (with the outcome) is answered by a ``report``: the bytes the party sent and, under
+   DP, what its own accountant priced (its guarantees), which the label party adds to the
+   result's privacy report. A party that hears nothing from the label party for longer than
+   its deadline exits non-zero.
 
 Checkpoints (``train --checkpoint-every N``, ``--resume DIR``): right after ``setup`` the
 label party sends each data party ``checkpoints`` (the run id and, on resume, the step and the
@@ -86,7 +91,7 @@ import secrets
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -141,6 +146,11 @@ from secure_vfl.saved_model import (
     write_manifest,
 )
 
+if TYPE_CHECKING:
+    from secure_vfl.data.samplers import BatchSampler
+    from secure_vfl.experiment import PrivacyLayer
+    from secure_vfl.methods.base import MethodConfig
+
 logger = logging.getLogger(__name__)
 
 SecureSums = Callable[[str], SumBackend | None]
@@ -188,6 +198,42 @@ class PsiRoles:
 
     requester: Callable[[np.ndarray, str], PsiRequesting]
     responder: Callable[[np.ndarray, str], PsiResponding]
+
+
+class ServedPrivacy(Protocol):
+    """A deployed data party's own half of the privacy layer
+    (:class:`protocols.party_privacy.PartyPrivacy`): its mechanisms, installed inside it, and
+    its accountant, whose priced releases it reports at the end of the run."""
+
+    def entry(self) -> dict[str, Any]:
+        """What its accountant priced, as JSON (the ``privacy`` of its end-of-run report)."""
+        ...
+
+
+PartyPrivacyFactory = Callable[[str, Any, DataParty], ServedPrivacy]
+"""A data party's half from (its name, the ``privacy`` part of its set-up, the party built),
+installed in the party (:func:`protocols.party_privacy.served_privacy`); ProtocolError for a
+malformed part. Handed in by the composition root."""
+
+if TYPE_CHECKING:
+
+    class DeployedPrivacy(PrivacyLayer, Protocol):
+        """What the label party of a deployment needs of the privacy layer
+        (:class:`protocols.privacy.PrivacyEngine`) besides what a run needs: the other parties'
+        plans before it sets them up, and their reports at the end."""
+
+        def plan_parties(
+            self,
+            sampler: BatchSampler,
+            *,
+            n: int,
+            epochs: int,
+            method: str,
+            method_config: MethodConfig,
+            names: Sequence[str],
+        ) -> dict[str, dict[str, Any] | None]: ...
+
+        def take_reports(self, reports: Mapping[str, Any]) -> None: ...
 
 
 PSI_MODE = "intersection"
@@ -272,9 +318,12 @@ class _Server:
         psi_only: bool = False,
         checkpoints: ServedCheckpoints | None = None,
         model: ServedModel | None = None,
+        party_privacy: PartyPrivacyFactory | None = None,
     ) -> None:
         self.checkpoints = checkpoints or ServedCheckpoints(name, None, resume=False)
         self.model = model or ServedModel(name, None)
+        self.party_privacy = party_privacy
+        self.privacy: ServedPrivacy | None = None
         self.on_event = on_event
         self.psi = psi
         self.psi_only = psi_only
@@ -376,9 +425,11 @@ class _Server:
             aligned = None
             if self.responder is not None:
                 aligned = self.responder.aligned_rows(message.sender)
-            self.party = build_served_party(
+            party = build_served_party(
                 self.name, message, self.table, self.secure_sums, aligned=aligned
             )
+            self.privacy = served_privacy(self.name, message, party, self.party_privacy)
+            self.party = party
         self._attach(self.party)
         self.on_event(f"{self.name}: set up by {message.sender}; training")
 
@@ -421,7 +472,8 @@ class _Server:
         body = _body(message, "end", {"outcome": str})
         self.outcome = body["outcome"]
         sent = [[s, r, p, n] for (s, r, p), n in sorted(self.endpoint.bytes.items())]
-        self._reply("report", {"bytes": sent})
+        privacy = self.privacy.entry() if self.privacy is not None else None
+        self._reply("report", {"bytes": sent, "privacy": privacy})
 
 
 CHECKPOINTS_KEYS: dict[str, type | tuple[type, ...]] = {
@@ -823,7 +875,24 @@ SETUP_KEYS: dict[str, type | tuple[type, ...]] = {
     "labels": (list, type(None)),
     "align": str,
     "false_vfl": (dict, type(None)),
+    "privacy": (dict, type(None)),
 }
+
+
+def served_privacy(
+    name: str, message: Message, party: DataParty, factory: PartyPrivacyFactory | None
+) -> ServedPrivacy | None:
+    """Data party ``name``'s own half of the privacy layer, built by ``factory`` in its own
+    process from the ``privacy`` part of its set-up ``message`` and installed in ``party``
+    (None when the run has no DP). ProtocolError for a part this process cannot take."""
+    part = _body(message, "setup", SETUP_KEYS)["privacy"]
+    if part is None:
+        return None
+    if factory is None:
+        raise ProtocolError(
+            f"setup: {name} was sent a privacy plan, but this process offers no DP mechanisms."
+        )
+    return factory(name, part, party)
 
 
 def build_served_party(
@@ -1012,6 +1081,7 @@ def serve(
     checkpoint_dir: Path | None = None,
     resume: bool = False,
     model_dir: Path | None = None,
+    party_privacy: PartyPrivacyFactory | None = None,
 ) -> str:
     """Serve as ``name`` (a data party or ``aggregator``) until the label party ends the run;
     return the outcome it announced (``on_event`` hears of the set-up). A data party answers
@@ -1021,6 +1091,7 @@ def serve(
     asks; with ``resume`` it restores one before training (:class:`ServedCheckpoints`). It
     saves its own part of the trained model under ``model_dir`` (default: :func:`model_directory`)
     when the label party asks (:class:`ServedModel`).
+    With ``party_privacy`` it installs its own DP mechanisms when its set-up carries a plan.
     TransportError if the label party is silent for longer than ``deadline`` seconds (``wait``
     before its first message)."""
     if name == federation.label_party:
@@ -1034,7 +1105,17 @@ def serve(
     table = read_party_file(member.data) if member.data is not None else None
     endpoint = _endpoint(federation, name, insecure=insecure, deadline=deadline)
     server = _Server(
-        federation, name, endpoint, secure_sums, table, on_event, psi, psi_only, checkpoints, model
+        federation,
+        name,
+        endpoint,
+        secure_sums,
+        table,
+        on_event,
+        psi,
+        psi_only,
+        checkpoints,
+        model,
+        party_privacy=party_privacy,
     )
     endpoint.handler = server.receive
     on_event(f"{name}: serving at {member.address}")
@@ -1228,9 +1309,14 @@ def label_side(
 
 
 def setup_bodies(
-    config: Any, side: LabelSide, federation: Federation, secure_agg: str
+    config: Any,
+    side: LabelSide,
+    federation: Federation,
+    secure_agg: str,
+    privacy: Mapping[str, dict[str, Any] | None] | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """The ``setup`` body of every data party and of the aggregator."""
+    """The ``setup`` body of every data party and of the aggregator; ``privacy`` gives each
+    data party's plan for its own DP mechanisms (:func:`privacy_plans`; none by default)."""
     from secure_vfl.methods import PARTY_MODELS
 
     method_config = dataclasses.asdict(config.method_config)
@@ -1260,8 +1346,30 @@ def setup_bodies(
             "labels": labels,
             "align": config.align,
             "false_vfl": _false_vfl_options(config),
+            "privacy": (privacy or {}).get(name),
         }
     return bodies
+
+
+def privacy_plans(
+    config: Any, side: LabelSide, federation: Federation, privacy: DeployedPrivacy | None
+) -> dict[str, dict[str, Any] | None]:
+    """Each data party's plan for its own DP mechanisms (None without DP), decided by the label
+    party's ``privacy`` before any party is set up: the Poisson sample drawn for the method's
+    training batches, SIGMA calibrated, as in one process."""
+    from secure_vfl.methods.base import training_sampler
+
+    if privacy is None:
+        return {name: None for name in federation.names[1:]}
+    data = side.data
+    return privacy.plan_parties(
+        training_sampler(config.method, data, config.method_config, config.seed),
+        n=data.train.n,
+        epochs=config.method_config.epochs,
+        method=config.method,
+        method_config=config.method_config,
+        names=federation.names,
+    )
 
 
 def _false_vfl_options(config: Any) -> dict[str, Any] | None:
@@ -1325,6 +1433,7 @@ def train_deployed(
     psi: PsiRoles | None = None,
     checkpoints: CheckpointPlan | None = None,
     model_dir: Path | None = None,
+    privacy: DeployedPrivacy | None = None,
 ) -> Any:
     """Run ``config`` (a :class:`~secure_vfl.experiment.TrainConfig` without data files) as
     the label party ``name`` of ``federation``: wait up to ``wait`` seconds for every other
@@ -1336,7 +1445,11 @@ def train_deployed(
     checkpoint) has every data party write its own every ``every`` steps, and on resume restore
     its own before anything trains (:class:`DeployedCheckpoints`). With ``model_dir`` the
     trained model is saved at the end, every live data party keeping its own part
-    (:func:`save_deployed`)."""
+    (:func:`save_deployed`). ``privacy`` (the label
+    party's privacy engine) plans every party's DP mechanisms before it sets them up
+    (:func:`privacy_plans`): each data party installs its own in its own process and reports
+    what its accountant priced at the end, which ``privacy`` adds to the result's report. Under
+    DP a lost party is not readmitted (its accountant died with its process)."""
     from secure_vfl.experiment import run_training
     from secure_vfl.methods.base import in_process_parties, lost_parties
 
@@ -1355,6 +1468,7 @@ def train_deployed(
     endpoint = _endpoint(federation, name, insecure=insecure, deadline=deadline)
     outcome = "failed"
     reports: dict[str, Counter[tuple[str, str, str]]] = {}
+    entries: dict[str, Any] = {}
     lost: list[str] = []
     try:
         late = endpoint.await_peers(list(federation.addresses(but=name)), wait)
@@ -1368,7 +1482,8 @@ def train_deployed(
             ids, widths = collect_ids(endpoint, federation)
             align = join_alignment(own, ids)
         side = label_side(config, federation, own, align, widths)
-        bodies = setup_bodies(config, side, federation, secure_agg)
+        plans = privacy_plans(config, side, federation, privacy)
+        bodies = setup_bodies(config, side, federation, secure_agg, plans)
         for receiver, body in bodies.items():
             endpoint.send(
                 _deployment(name, receiver, "setup", body), deadline=max(deadline, SETUP_DEADLINE)
@@ -1379,7 +1494,9 @@ def train_deployed(
             checkpoints = dataclasses.replace(checkpoints, elsewhere=elsewhere)
         channel = NetworkChannel(endpoint)
         channel.party_names = federation.names
-        if config.align == "join":  # under PSI a rejoin would need a new PSI session: not yet
+        # A rejoin would need a new PSI session under PSI, and under DP the accountant that
+        # died with the party's process: neither is built yet.
+        if config.align == "join" and not any(plans.values()):
             channel.readmit = readmission(
                 endpoint, bodies, deadline=deadline, checkpoints=elsewhere
             )
@@ -1388,6 +1505,7 @@ def train_deployed(
             data=side.data,
             channel=channel,
             aggregator=secure_sums(secure_agg) or PlainAggregator(),
+            privacy=privacy,
             on_start=on_start,
             on_step=on_step,
             checkpoints=checkpoints,
@@ -1398,8 +1516,11 @@ def train_deployed(
             save_deployed(model_dir, endpoint, federation, own_party, config, side.data, lost)
         outcome = "finished"
     finally:
-        reports = _end(endpoint, federation, outcome, lost=lost)
+        reports, entries = _end(endpoint, federation, outcome, lost=lost)
         endpoint.close()
+    if privacy is not None:
+        privacy.take_reports(entries)
+        result = dataclasses.replace(result, privacy=privacy.report())
     return dataclasses.replace(result, traffic=_with_reports(result.traffic, reports))
 
 
@@ -1447,12 +1568,17 @@ def checkpoints_elsewhere(
     return elsewhere
 
 
+REPORT_KEYS: dict[str, type | tuple[type, ...]] = {"bytes": list, "privacy": (dict, type(None))}
+"""``report``: the bytes the party sent and what its own accountant priced (null: no DP)."""
+
+
 def _end(
     endpoint: PartyEndpoint, federation: Federation, outcome: str, *, lost: Sequence[str] = ()
-) -> dict[str, Counter[tuple[str, str, str]]]:
+) -> tuple[dict[str, Counter[tuple[str, str, str]]], dict[str, Any]]:
     """Tell every party but the ``lost`` ones the run is over and take its report (best effort
-    after a failure)."""
+    after a failure): the bytes each sent, and each data party's privacy entry (None: no DP)."""
     reports = {}
+    entries = {}
     endpoint.handler = None
     for member in federation.members[1:]:
         if member.name in lost:
@@ -1460,7 +1586,7 @@ def _end(
         try:
             endpoint.send(_deployment(endpoint.name, member.name, "end", {"outcome": outcome}))
             message = endpoint.receive(sender=member.name, kind="deployment")
-            body = _body(message, "report", {"bytes": list})
+            body = _body(message, "report", REPORT_KEYS)
         except SecureVFLError as error:
             if outcome == "finished":
                 raise
@@ -1473,7 +1599,9 @@ def _end(
                 raise ProtocolError(f"report from {member.name}: bytes sent by {sender!r}.")
             counts[(str(sender), str(receiver), str(phase))] += int(count)
         reports[member.name] = counts
-    return reports
+        if member.name != AGGREGATOR:
+            entries[member.name] = body["privacy"]
+    return reports, entries
 
 
 def _with_reports(

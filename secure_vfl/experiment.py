@@ -388,16 +388,6 @@ class PrivacyLayer(Protocol):
         """``result.json``'s privacy entry (None when no DP mechanism ran)."""
         ...
 
-    def epoch_end(self) -> None:
-        """Called after every training epoch: note each party's spend so far, so that the
-        report can give epsilon over epochs."""
-        ...
-
-    def resume(self, *, steps_done: int, epoch_steps: int | None) -> None:
-        """Called when a run resumes after ``steps_done`` steps, once each party's accountant
-        holds its restored releases: note the spend at the end of every epoch before."""
-        ...
-
 
 def run_training(
     config: TrainConfig,
@@ -448,11 +438,9 @@ def run_training(
             in_process_parties(channel), method=config.method, method_config=config.method_config
         )
     steps = method.total_steps
-    step_done = _with_epoch_end(on_step, privacy, steps, config)
+    step_done = on_step
     if run_checkpoints is not None and progress is not None:
         run_checkpoints.restore_parties(in_process_parties(channel))
-        if privacy is not None and progress.step:
-            privacy.resume(steps_done=progress.step, epoch_steps=_epoch_steps(steps, config))
         step_done = run_checkpoints.hook(
             step_done, method=method, parties=in_process_parties(channel), progress=progress
         )
@@ -478,30 +466,6 @@ def run_training(
         warnings=collapse_warnings(predictions, data),
         faults=list(method.fed.faults),
     )
-
-
-def _with_epoch_end(
-    on_step: StepCallback | None, privacy: PrivacyLayer | None, steps: int, config: TrainConfig
-) -> StepCallback | None:
-    """``on_step``, also telling ``privacy`` when an epoch ends (every ``steps / epochs``
-    steps; methods whose epochs are not of equal length are not followed)."""
-    epoch_steps = _epoch_steps(steps, config)
-    if privacy is None or epoch_steps is None:
-        return on_step
-
-    def step_done(step: int, loss: float) -> None:
-        if on_step is not None:
-            on_step(step, loss)
-        if step % epoch_steps == 0:
-            privacy.epoch_end()
-
-    return step_done
-
-
-def _epoch_steps(steps: int, config: TrainConfig) -> int | None:
-    """Steps per epoch (None where epochs are not of equal length)."""
-    epochs = config.method_config.epochs
-    return None if steps == 0 or steps % epochs != 0 else steps // epochs
 
 
 @dataclass(frozen=True, kw_only=True)

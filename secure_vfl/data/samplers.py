@@ -213,7 +213,17 @@ def poisson_like(
     sampler: BatchSampler, *, n: int, epochs: int, rng: np.random.Generator
 ) -> PoissonSampler:
     """The :class:`PoissonSampler` over the rows ``sampler`` draws from (of a training set of
-    ``n`` rows), at rate ``batch_size / rows`` (capped at 1), with as many steps per epoch.
+    ``n`` rows), at rate ``batch_size / rows`` (capped at 1), with as many steps per epoch
+    (:func:`poisson_terms`)."""
+    candidates, rate, steps_per_epoch = poisson_terms(sampler)
+    return PoissonSampler(
+        candidates, rate=rate, steps_per_epoch=steps_per_epoch, epochs=epochs, rng=rng, n=n
+    )
+
+
+def poisson_terms(sampler: BatchSampler) -> tuple[np.ndarray, float, int]:
+    """The candidate rows, rate and steps per epoch of the Poisson sampler that replaces
+    ``sampler`` (the rows it draws from; ``batch_size / rows``, capped at 1; its steps).
 
     ConfigError for grouped batching: its batches must share one observed set, which a
     Poisson sample does not; differentially private runs use ``batching="mixed"``.
@@ -240,11 +250,4 @@ def poisson_like(
     candidates = np.arange(inner.n, dtype=np.int64) if rows is None else np.asarray(rows)
     if candidates.size == 0:
         raise ConfigError("Poisson sampling needs at least one training row; found none.")
-    return PoissonSampler(
-        candidates,
-        rate=min(1.0, inner.batch_size / candidates.size),
-        steps_per_epoch=len(inner),
-        epochs=epochs,
-        rng=rng,
-        n=n,
-    )
+    return candidates, min(1.0, inner.batch_size / candidates.size), len(inner)

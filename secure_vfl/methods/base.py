@@ -15,7 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from secure_vfl.data.party_preprocessing import PartyPreprocessing
-from secure_vfl.data.samplers import BatchSampler
+from secure_vfl.data.samplers import BatchSampler, make_sampler
 from secure_vfl.data.vertical import (
     VerticalData,
     VerticalSplit,
@@ -157,6 +157,25 @@ def labeled_rows(data: VerticalData, config: MethodConfig, seed: int) -> np.ndar
     """The training rows whose labels a method may use: all, or ``config.labeled`` of them
     drawn with the run's seed (the same rows for every method of a run)."""
     return labeled_subset(data.train.n, config.labeled, rng=np.random.default_rng(seed))
+
+
+def training_rows(method: str, data: VerticalData, config: MethodConfig, seed: int) -> np.ndarray:
+    """The training rows ``method`` draws its batches from: the labelled ones
+    (:func:`labeled_rows`), and for Standard VFL only those every party holds."""
+    rows = labeled_rows(data, config, seed)
+    if method == "standard":  # Vanilla VFL: only the aligned (complete) labelled samples
+        rows = rows[data.train.mask[rows].all(axis=1)]
+    return rows
+
+
+def training_sampler(
+    method: str, data: VerticalData, config: MethodConfig, seed: int
+) -> BatchSampler:
+    """The sampler of ``method``'s training batches (one-stage methods), as the method makes it,
+    known before the method is built: a deployed label party plans a private run's Poisson
+    sample from it before it sets the other parties up."""
+    rows = training_rows(method, data, config, seed)
+    return make_sampler(config.batching, data.train.mask, config.batch_size, rows=rows)
 
 
 def refuse_secure_sums(config: MethodConfig, method: str, reason: str) -> None:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from secure_vfl.data.samplers import BatchSampler, make_sampler
+from secure_vfl.data.samplers import BatchSampler
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation.aggregator import SumBackend, dense_representations
@@ -41,12 +41,13 @@ from secure_vfl.methods.base import (
     broadcast_prediction,
     build_federation,
     isolated_seed,
-    labeled_rows,
     random_predictions,
     refuse_secure_sums,
     refuse_top_model,
     split_tensors,
     train_epochs,
+    training_rows,
+    training_sampler,
 )
 from secure_vfl.models.networks import ConcatHead, LinearHead, make_bottom
 
@@ -122,13 +123,8 @@ class ConcatFusionMethod:
         )
         self.data = self.fed.data  # labels, masks and its own block only
         self.head = self.fed.own.heads[""]  # the label party's own head
-        mask = data.train.mask
-        self.train_rows = labeled_rows(data, config, seed)
-        if name == "standard":  # Vanilla VFL: only the aligned (complete) labelled samples
-            self.train_rows = self.train_rows[mask[self.train_rows].all(axis=1)]
-        self.sampler: BatchSampler = make_sampler(
-            config.batching, mask, config.batch_size, rows=self.train_rows
-        )
+        self.train_rows = training_rows(name, data, config, seed)
+        self.sampler: BatchSampler = training_sampler(name, data, config, seed)
 
     def _inputs(
         self, split: str, rows: Tensor, mask: Tensor, *, round: int, batch_id: int, train: bool
@@ -307,12 +303,7 @@ class Combinatorial:
             roles=roles,
         )
         self.data = self.fed.data  # labels, masks and its own block only
-        self.sampler = make_sampler(
-            config.batching,
-            data.train.mask,
-            config.batch_size,
-            rows=labeled_rows(data, config, seed),
-        )
+        self.sampler = training_sampler("combinatorial", data, config, seed)
 
     def _ask(
         self,

@@ -47,7 +47,6 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from secure_vfl.data.samplers import make_sampler
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ConfigError, ProtocolError
 from secure_vfl.federation.aggregator import SumBackend
@@ -65,10 +64,10 @@ from secure_vfl.methods.base import (
     broadcast_prediction,
     build_federation,
     isolated_seed,
-    labeled_rows,
     require_hiding_crowd,
     split_tensors,
     train_epochs,
+    training_sampler,
 )
 from secure_vfl.models.networks import LinearHead
 
@@ -216,12 +215,7 @@ class MeanFusionMethod:
         )
         self.data = self.fed.data  # labels, masks and its own block only
         self.fed.tolerates_dropouts = True  # a lost party is a missing block
-        self.sampler = make_sampler(
-            config.batching,
-            data.train.mask,
-            config.batch_size,
-            rows=labeled_rows(data, config, seed),
-        )
+        self.sampler = training_sampler("laser", data, config, seed)
         self.fed.epoch_steps = len(self.sampler)
         self.blocks: ReleaseBlocks | None = None
         if config.secure_sums:
