@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import random
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -16,6 +18,9 @@ from secure_vfl.data.datasets import DatasetSplit, LabeledArrays
 from secure_vfl.data.missingness import parse_mechanism
 from secure_vfl.data.vertical import VerticalData, make_vertical
 from secure_vfl.federation.releases import BlockPlan, ReleaseBlocks
+
+if TYPE_CHECKING:
+    from test_deploy import Processes
 
 
 def synthetic_split(
@@ -118,3 +123,16 @@ def fresh_subsets_rule(monkeypatch: pytest.MonkeyPatch) -> None:
         return BlockPlan(fresh, exposed, mask.sum(dim=1))
 
     monkeypatch.setattr(ReleaseBlocks, "plan", fresh_subsets)
+
+
+@pytest.fixture
+def processes(tmp_path: Path) -> Iterator[Processes]:
+    """The processes a deployment test starts (logs under ``tmp_path``), every one stopped by
+    its pid when the test ends, passed or failed."""
+    from test_deploy import Processes
+
+    started = Processes(tmp_path)
+    try:
+        yield started
+    finally:
+        started.stop_all()

@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -121,15 +121,6 @@ class Processes:
             if process.poll() is None:
                 os.kill(process.pid, signal.SIGKILL)
                 process.wait(timeout=30)
-
-
-@pytest.fixture
-def processes(tmp_path: Path) -> Iterator[Processes]:
-    started = Processes(tmp_path)
-    try:
-        yield started
-    finally:
-        started.stop_all()
 
 
 def in_process(site: Path, out: Path, *flags: str) -> dict[str, Any]:

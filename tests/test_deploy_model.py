@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,15 +77,6 @@ def write_new_rows(directory: Path) -> None:
         frame.insert(0, "id", [f"new{i:04d}" for i in NEW_ROWS])
         kept = np.sort(rng.choice(len(frame), size=len(frame) - 3 * k, replace=False))
         frame.iloc[rng.permutation(kept)].to_csv(directory / f"{name}.csv", index=False)
-
-
-@pytest.fixture
-def processes(tmp_path: Path) -> Iterator[Processes]:
-    started = Processes(tmp_path)
-    try:
-        yield started
-    finally:
-        started.stop_all()
 
 
 def new_tables(site: Path, absent: str | None = None) -> dict[str, Any]:

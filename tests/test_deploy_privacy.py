@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -262,15 +261,6 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_party_files(directory)
     tls.make_federation(directory / "certs", [*PARTIES, "aggregator"])
     return directory
-
-
-@pytest.fixture
-def processes(tmp_path: Path) -> Iterator[Processes]:
-    started = Processes(tmp_path)
-    try:
-        yield started
-    finally:
-        started.stop_all()
 
 
 DP = ["--method", "laser", "--heads", "active", "--dp-sgd", "1.0:0.05"]

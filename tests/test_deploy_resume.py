@@ -14,7 +14,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,15 +56,6 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_party_files(directory)
     tls.make_federation(directory / "certs", [*PARTIES, "aggregator"])
     return directory
-
-
-@pytest.fixture
-def processes(tmp_path: Path) -> Iterator[Processes]:
-    started = Processes(tmp_path)
-    try:
-        yield started
-    finally:
-        started.stop_all()
 
 
 def start_federation(
