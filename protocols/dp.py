@@ -774,13 +774,16 @@ class GradientNoise(_RowNoise):
 
 class StepTracker:
     """An incoming hook of a DP-SGD party: remembers the training step its last
-    :class:`UpdateRequest` closes, so the optimiser's release is charged to that step."""
+    :class:`UpdateRequest` (or a gradient that closes the step, ``GradientMessage.step``)
+    closes, so the optimiser's release is charged to that step."""
 
     def __init__(self) -> None:
         self.round = 0
 
     def on_message(self, message: M) -> M:
-        if isinstance(message, UpdateRequest):
+        if isinstance(message, UpdateRequest) or (
+            isinstance(message, GradientMessage) and message.step
+        ):
             self.round = message.round
         return message
 

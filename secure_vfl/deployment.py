@@ -366,7 +366,8 @@ class _Server:
             )
         self.checkpoints.check_ready(message.kind)
         self.party.receive(message)
-        if message.kind == "update" and not self.stepped:
+        closes = message.kind == "update" or getattr(message, "step", False) is True
+        if closes and not self.stepped:
             self.stepped = True
             self.on_event(f"{self.name}: its first training step is done")
 

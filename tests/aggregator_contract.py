@@ -24,6 +24,7 @@ from secure_vfl.federation.aggregator import SealingScheme, SumBackend, SumMembe
 from secure_vfl.federation.channel import Channel, ChannelLayer, RecordingLayer
 from secure_vfl.federation.messages import (
     AGGREGATOR,
+    AbortRequest,
     KeyRequest,
     Message,
     RepresentationMessage,
@@ -348,6 +349,36 @@ class AggregatorContract:
         assert isinstance(expected, Tensor) and isinstance(magnitude, Tensor)
         bound = self.step(3) + 2.0**-23 * 3 * magnitude
         assert bool(((total.double() - expected).abs() <= bound).all())
+
+    def test_a_sum_requested_before_its_contributions_is_served_when_the_last_comes(
+        self, caplog: pytest.LogCaptureFixture
+    ) -> None:
+        # The driver sends a step's sum request together with the requests for what it sums.
+        messages, selection = full_batch(5)
+        parties = SumParties(self.make_aggregator())
+        request = SumRequest(**parties._header(AGGREGATOR, 0, 0), **parties._plan(selection, ""))
+        parties.driver.send(request)
+        with pytest.raises(ProtocolError, match="expected, found none"):
+            parties.driver.take("sum", sender=AGGREGATOR, round=0, batch_id=0, tag="")
+        parties.contribute(messages)
+        parties.seal(selection)
+        summed = parties.driver.take("sum", sender=AGGREGATOR, round=0, batch_id=0, tag="")
+        assert isinstance(summed, SumMessage)
+        self.assert_close_to_oracle(summed.sums, messages, selection)
+        # One that waits for a batch the server moves past is dropped, with a warning ...
+        later, _ = full_batch(6, round=1)
+        parties.driver.send(dataclasses.replace(request, round=2))
+        parties.contribute(later)
+        parties.seal(selection, round=1)
+        assert "never served" in caplog.text
+        assert not parties.server._waiting
+        # Round 0's sum again: its contributions are closed (its context spent, if sealed).
+        with pytest.raises(ProtocolError, match="moved past|already served"):
+            parties.driver.send(request)
+        # ... and an abandoned step takes its waiting requests with it.
+        parties.driver.send(dataclasses.replace(request, round=3))
+        parties.driver.send(AbortRequest(**parties._header(AGGREGATOR, 3, 0)))
+        assert not parties.server._waiting
 
     def test_a_selection_of_a_representation_never_sent_is_refused(self) -> None:
         generator = torch.Generator().manual_seed(14)

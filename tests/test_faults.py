@@ -71,7 +71,7 @@ def _train(
         ("all", "head-task"),  # after two heads trained and sent their gradients
         ("all", "update"),  # the other parties complete the step
         ("active", "represent-request"),
-        ("active", "gradient"),
+        ("active", "gradient"),  # the step's last message to it: the others complete the step
     ],
 )
 def test_a_party_lost_mid_step_is_dropped_and_training_goes_on(
@@ -95,6 +95,24 @@ def test_a_party_lost_mid_step_is_dropped_and_training_goes_on(
         predicted = method.predict(name)
         assert (predicted[:, 2] == -1).all()  # its block is missing in evaluation
         assert (predicted >= 0).any(axis=1).all()  # and every sample is still predicted
+
+
+def test_a_party_lost_at_its_closing_gradient_leaves_the_step_to_the_others(
+    make_data: MakeData,
+) -> None:
+    # With the label party's head alone, a gradient is the last message of a party's step and
+    # goes only once the step's loss is in: losing a party there is not a reason to retry the
+    # step (the others have applied it), and nothing is abandoned.
+    data = make_data(train_missing="mcar:0")
+    channel = LosingChannel("gradient")
+    method = _train(data, dataclasses.replace(FAST, heads="active"), channel)
+    assert [fault["party"] for fault in method.fed.faults] == [LOST]
+    in_step = [m for m in channel.posted if m.round == STEP]
+    assert sum(m.kind == "represent-request" for m in in_step) == 3  # asked once: no retry
+    assert not any(m.kind == "abort" for m in channel.posted)
+    closing = [m.receiver for m in in_step if m.kind == "gradient"]
+    assert sorted(closing) == ["party-1", "party-2", "party-3"]
+    assert all(m.step for m in in_step if m.kind == "gradient")
 
 
 def _state(method: MeanFusionMethod) -> list[torch.Tensor]:

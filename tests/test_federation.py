@@ -16,12 +16,13 @@ from secure_vfl.federation.messages import (
     AGGREGATOR,
     SCHEMA_VERSION,
     GradientMessage,
+    HeadTask,
     RepresentationMessage,
     RepresentRequest,
     UpdateRequest,
     check_header,
 )
-from secure_vfl.federation.parties import DataParty, Party, gradient_messages
+from secure_vfl.federation.parties import DataParty, Head, Party, gradient_messages
 
 PARTIES = ["party-0", "party-1", "party-2"]
 
@@ -182,6 +183,64 @@ def test_data_party_sends_detached_output_and_backward_starts_from_the_message()
     x = party._blocks["train"][torch.tensor([3, 4])]
     expected = (2 * gradient).T @ x  # d(sum g * (xW^T + b))/dW for two identical messages
     assert torch.allclose(before - party.model.weight.detach(), expected)
+
+
+def test_a_gradient_that_closes_the_step_is_the_gradient_and_the_update() -> None:
+    gradient = torch.tensor([[1.0, -1.0], [0.5, 2.0]])
+    weights = []
+    for closing in (False, True):
+        party, driver, _ = _federation()
+        party.optimizer = torch.optim.SGD(party.model.parameters(), lr=0.5, momentum=0.8)
+        for round in (7, 8):  # two steps, so momentum carries from the first into the second
+            driver.send(_request([3, 4], [0, 1], round=round))
+            driver.send(dataclasses.replace(_gradient([0, 1], gradient, round), step=closing))
+            if not closing:
+                driver.send(
+                    UpdateRequest(sender="party-0", receiver="party-1", round=round, batch_id=0)
+                )
+        assert not party._pending and not party._gradients  # nothing of either step is left
+        weights.append(party.model.weight.detach().clone())
+    assert torch.equal(weights[0], weights[1])
+    assert not torch.equal(weights[0], _federation()[0].model.weight)  # and the steps moved it
+    # A replay of a closing gradient finds no forward pass to close and is refused.
+    party, driver, _ = _federation()
+    driver.send(_request([3, 4], [0, 1]))
+    driver.send(dataclasses.replace(_gradient([0, 1], gradient), step=True))
+    with pytest.raises(ProtocolError, match="no pending forward pass"):
+        driver.send(dataclasses.replace(_gradient([0, 1], gradient), step=True))
+
+
+def test_a_head_holds_its_gradients_only_for_its_own_driver() -> None:
+    torch.manual_seed(0)
+    channel = Channel()
+    head = Head({"train": torch.tensor([0, 1])}, nn.Linear(2, 2), None)
+    party = DataParty(
+        "party-1", {"train": torch.randn(5, 3)}, nn.Linear(3, 2), None, heads={"": head}
+    )
+    driver = _Inbox("party-0")
+    party.connect(channel)
+    driver.connect(channel)
+    task = HeadTask(
+        sender="party-0",
+        receiver="party-1",
+        round=3,
+        batch_id=0,
+        rows=torch.tensor([0, 1]),
+        weights=torch.ones(1, 2),
+        normaliser=2.0,
+        selection=torch.ones(1, 2, 2, dtype=torch.bool),
+        present=torch.ones(2, 2, dtype=torch.bool),
+        parties=("party-0", "party-1"),
+        tag="train",
+        hold=True,
+    )
+    with pytest.raises(ProtocolError, match="holds them only for its own driver"):
+        driver.send(task)
+    assert not party._tasks  # refused before it changed anything
+    party.send(dataclasses.replace(task, sender="party-1"))  # its own driver's: kept
+    assert list(party._tasks) == [(3, 0, "train")]
+    with pytest.raises(ProtocolError, match="no held gradients"):
+        party.held_gradients(3, 0)
 
 
 def test_data_party_refuses_gradients_it_did_not_ask_for() -> None:

@@ -302,6 +302,32 @@ def test_a_training_step_sends_every_message_through_the_channel(make_data: Make
             assert message.sums.shape == (4, 32, FAST.representation_dim)
 
 
+def test_with_the_label_partys_head_alone_a_step_is_twelve_messages(make_data: MakeData) -> None:
+    data = make_data(train_missing="mcar:0")
+    recorder = RecordingLayer()
+    config = dataclasses.replace(FAST, heads="active")
+    method = METHODS.get("laser")(data, config, seed=0, channel=Channel([recorder]))
+    assert isinstance(method, MeanFusionMethod)
+    method.train_step(np.arange(32), 0, 0)
+    parties = [f"party-{k}" for k in range(4)]
+    others = parties[1:]
+    # In the order they crossed: the sum request goes with the representation requests (the
+    # aggregator serves it once the last representation is in), and each data party's gradient
+    # closes its step (no update follows).
+    assert [(m.kind, m.sender, m.receiver) for m in recorder.messages] == [
+        ("representation", "party-0", "aggregator"),
+        *[
+            route
+            for p in others
+            for route in [("represent-request", "party-0", p), ("representation", p, "aggregator")]
+        ],
+        ("sum-request", "party-0", "aggregator"),
+        ("sum", "aggregator", "party-0"),
+        *[("gradient", "party-0", p) for p in others],
+    ]
+    assert all(m.step for m in recorder.messages if isinstance(m, GradientMessage))
+
+
 class _ZeroGradients:
     """A channel layer that replaces every gradient message's content with zeros."""
 

@@ -62,7 +62,14 @@ def test_the_capture_holds_every_message_that_crossed_in_order(
     # The traffic count is exactly the captured bytes less the 4-byte record lengths.
     assert sum(channel.transport.bytes.values()) == len(captured) - 4 * len(messages)
     kinds = Counter(m.kind for m in messages)
-    assert kinds["represent-request"] > 0 and kinds["sum"] > 0 and kinds["update"] > 0
+    assert kinds["represent-request"] > 0 and kinds["sum"] > 0 and kinds["gradient"] > 0
+    # With every head at its party each party's step is closed by an update; with the label
+    # party's head alone its gradients close the others' steps (no update crosses).
+    closing = [m for m in messages if m.kind == "gradient" and m.step]
+    if heads == "all":
+        assert kinds["update"] > 0 and not closing
+    else:
+        assert kinds["update"] == 0 and len(closing) == kinds["gradient"]
 
 
 def test_no_party_shares_a_tensor_with_another(make_data: MakeData) -> None:
@@ -255,10 +262,10 @@ def _bad_messages() -> dict[str, tuple[str, object]]:
             "holds no head named 'x'",
             PredictTask(**header, positions=rows, tag="t", head="x"),
         ),
-        "a sum for a batch the server does not hold": (
-            "holds contributions for",
+        "a sum for a batch the server has moved past": (
+            "a batch it has moved past",
             SumRequest(
-                **{**header, "receiver": "aggregator"},
+                **{**header, "receiver": "aggregator", "round": 0},
                 selection=torch.ones(1, 4, 4, dtype=torch.bool),
                 parties=("party-0", "party-1", "party-2", "party-3"),
                 deliver_to="party-0",
@@ -281,6 +288,7 @@ def test_a_bad_message_is_refused_and_changes_no_party(make_data: MakeData, case
     config = MethodConfig(epochs=1, batch_size=64, lr=0.05, representation_dim=8)
     method = METHODS.get("laser")(make_data(), config, seed=0)
     method.train_step(np.arange(64), 0, 0)
+    method.train_step(np.arange(64), 1, 0)
     expected, message = _bad_messages()[case]
     before = _state(method.fed.channel)
     with pytest.raises(ProtocolError, match=expected):

@@ -192,9 +192,16 @@ class Channel:
     def post_all(self, messages: Sequence[Message], *, sender: Party) -> None:
         """Send ``messages`` from ``sender``, each to the party it names, with no message
         depending on another's answer: a transport may deliver them at once (the network does);
-        in one process they go one after another, in order."""
+        in one process they go one after another, in order. As over the network, a failure does
+        not stop the others: each is delivered, then the first failure is raised."""
+        failures: list[ProtocolError] = []
         for message in messages:
-            self.post(message, sender=sender)
+            try:
+                self.post(message, sender=sender)
+            except ProtocolError as error:
+                failures.append(error)
+        if failures:
+            raise failures[0]
 
     def check_sender(self, message: Message, sender: Party) -> None:
         """ProtocolError unless ``sender`` is the attached party ``message`` names as sender."""

@@ -21,10 +21,11 @@ from torch import Tensor
 from secure_vfl.errors import IntegrityError, ProtocolError
 from secure_vfl.federation.wire import register_message
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 """The messages' layouts: 2 since sealed sums carry their members' selection, sum and seal
-requests their DP-released rows, and the abort message exists; a party of another version is
-refused on its first message, naming both."""
+requests their DP-released rows, and the abort message exists; 3 since a gradient may close its
+receiver's step (``GradientMessage.step``) and a head task may hold its gradients for the driver
+(``HeadTask.hold``). A party of another version is refused on its first message, naming both."""
 PHASES = ("train", "predict")
 
 PartyId = str
@@ -161,9 +162,15 @@ class RepresentationMessage(RowsMessage):
 @register_message
 @dataclass(frozen=True, kw_only=True)
 class GradientMessage(RowsMessage):
-    """The gradient of a head's loss with respect to a party's representations (backward pass)."""
+    """The gradient of a head's loss with respect to a party's representations (backward pass).
+
+    With ``step`` it is the last gradient the receiver's forward pass ``(round, tag)`` gets: the
+    receiver acts on it as on the gradient and then the :class:`UpdateRequest` of that step (the
+    driver sends no separate one), saving a message and a round trip per party and step.
+    """
 
     gradient: Tensor
+    step: bool = False
     kind: ClassVar[str] = "gradient"
 
     def validate(self) -> None:
@@ -403,7 +410,12 @@ class HeadTask(Message):
     """The driver tells a head-holding party what its head trains on this step: the batch rows
     (``rows``, indices into the training labels the party holds), each task's loss weight
     ``weights[t, b]`` and ``selection[t, b, k]`` (who contributed, so the party knows whom it owes
-    gradients); the sums themselves come from the aggregator under ``tag``."""
+    gradients); the sums themselves come from the aggregator under ``tag``.
+
+    With ``hold`` (only from the party itself: the label party's own head, when its task is the
+    step's only one) the head sends no gradient to another party but keeps them for the driver,
+    which sends them as the step's last (``GradientMessage.step``) once the step's loss is in.
+    """
 
     rows: Tensor
     weights: Tensor
@@ -413,6 +425,7 @@ class HeadTask(Message):
     parties: tuple[str, ...]
     tag: str
     head: str = ""
+    hold: bool = False
     kind: ClassVar[str] = "head-task"
 
     def validate(self) -> None:

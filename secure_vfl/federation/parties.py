@@ -29,6 +29,7 @@ with hooks on what it sends (``outgoing``) and receives (``incoming``) and after
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -87,6 +88,8 @@ if TYPE_CHECKING:
     from secure_vfl.federation.channel import Channel, ChannelLayer
 
 Handler = Callable[[Any], None]
+logger = logging.getLogger(__name__)
+
 M = TypeVar("M", bound=Message)
 
 
@@ -462,6 +465,8 @@ class DataParty(SecureSumParty):
         self._pending: dict[tuple[int, str], tuple[Tensor, Tensor, str]] = {}
         self._gradients: dict[tuple[int, str], list[Tensor]] = {}
         self._tasks: dict[tuple[int, int, str], HeadTask | PredictTask] = {}
+        # A held task's gradients for other parties, by (round, batch): HeadTask.hold.
+        self._held: dict[tuple[int, int], list[GradientMessage]] = {}
         # What turns its raw rows into model inputs, and (at the label party) the original
         # label value of each class: its own, kept in its saved part.
         self.preprocessing: PartyPreprocessing | None = None
@@ -623,6 +628,17 @@ class DataParty(SecureSumParty):
                 f"shape {tuple(message.gradient.shape)}."
             )
         self._gradients.setdefault(key, []).append(message.gradient)
+        if message.step:
+            self.on_update(
+                UpdateRequest(
+                    sender=message.sender,
+                    receiver=self.name,
+                    round=message.round,
+                    batch_id=0,
+                    session=message.session,
+                    tag=message.tag,
+                )
+            )
 
     def on_update(self, message: UpdateRequest) -> None:
         model_key = self.backpropagate(message.round, message.tag)
@@ -645,6 +661,7 @@ class DataParty(SecureSumParty):
         self._pending = {key: v for key, v in self._pending.items() if key[0] != round}
         self._gradients = {key: v for key, v in self._gradients.items() if key[0] != round}
         self._tasks = {key: v for key, v in self._tasks.items() if key[0] != round}
+        self._held = {key: v for key, v in self._held.items() if key[0] != round}
         for head in self.heads.values():
             head.module.zero_grad(set_to_none=True)
 
@@ -669,6 +686,16 @@ class DataParty(SecureSumParty):
 
     # -- heads: training and prediction on delivered sums ------------------------------------
 
+    def held_gradients(self, round: int, batch_id: int) -> list[GradientMessage]:
+        """The gradients for other parties its own held task of ``(round, batch_id)`` computed
+        (:attr:`HeadTask.hold`), handed over once; ProtocolError if there are none."""
+        held = self._held.pop((round, batch_id), None)
+        if held is None:
+            raise ProtocolError(
+                f"{self.name}: no held gradients for round {round}, batch {batch_id}."
+            )
+        return held
+
     def on_head_task(self, task: HeadTask) -> None:
         self._expect_sum(task, task.head)
 
@@ -678,6 +705,11 @@ class DataParty(SecureSumParty):
     def _expect_sum(self, task: HeadTask | PredictTask, head: str) -> None:
         if head not in self.heads:
             raise ProtocolError(f"{self.name} holds no head named {head!r}.")
+        if isinstance(task, HeadTask) and task.hold and task.sender != self.name:
+            raise ProtocolError(
+                f"{self.name}: a head task from {task.sender} that holds its gradients; a head "
+                "holds them only for its own driver."
+            )
         key = (task.round, task.batch_id, task.tag)
         if key in self._tasks:
             raise ProtocolError(
@@ -738,16 +770,23 @@ class DataParty(SecureSumParty):
             "tbk,tbd->kbd", task.selection.to(per_contribution.dtype), per_contribution
         )
         used = task.selection.flatten(0, 1).any(dim=0)
-        for message in gradient_messages(
-            self.name,
-            dense,
-            task.present & used.unsqueeze(0),
-            task.parties,
-            round=task.round,
-            batch_id=task.batch_id,
-            tag=task.head,
-        ):
-            self.send(dataclasses.replace(message, session=task.session))
+        messages = [
+            dataclasses.replace(message, session=task.session)
+            for message in gradient_messages(
+                self.name,
+                dense,
+                task.present & used.unsqueeze(0),
+                task.parties,
+                round=task.round,
+                batch_id=task.batch_id,
+                tag=task.head,
+            )
+        ]
+        if task.hold:
+            others = [m for m in messages if m.receiver != self.name]
+            self._held[(task.round, task.batch_id)] = others
+            messages = [m for m in messages if m.receiver == self.name]
+        self.send_all(messages)
         self.send(
             LossMessage(
                 **self.reply_header(task),
@@ -781,6 +820,9 @@ class AggregationServer(Party):
         self._closed: set[tuple[int, int, str, str]] = set()
         # (round, batch id, phase) of the batches of abandoned steps: nothing more is kept.
         self._abandoned: set[tuple[int, int, str]] = set()
+        # Sum requests that came before every contribution they sum (the driver sends a step's
+        # requests together), by (round, batch id, phase, tag): served when the last one comes.
+        self._waiting: dict[tuple[int, int, str, str], SumRequest] = {}
 
     def install(self, scheme: str, adder: AdderHalf) -> None:
         """Take the adding half of a secure-sum scheme."""
@@ -812,7 +854,22 @@ class AggregationServer(Party):
             if self._batch is not None:
                 self._closed.update((*self._batch, tag) for tag in self._contributions)
                 self._closed.update((*self._batch, tag) for tag in self._sealed)
+            self._forget_waiting(batch)
             self._batch, self._contributions, self._sealed = batch, {}, {}
+
+    def _forget_waiting(self, batch: tuple[int, int, str]) -> None:
+        """Drop the requests waiting for contributions to a batch other than ``batch``, the one
+        it moves to: one they sum never came."""
+        for key in [key for key in self._waiting if key[:3] != batch]:
+            request = self._waiting.pop(key)
+            logger.warning(
+                "%s: the sum %r for round %d, batch %d was never served: not every contribution "
+                "it sums arrived before the batch closed.",
+                self.name,
+                request.tag,
+                request.round,
+                request.batch_id,
+            )
 
     def _keep(
         self,
@@ -833,6 +890,7 @@ class AggregationServer(Party):
         """Close the batch of the abandoned step ``request.round`` unserved: its contributions
         are discarded, and one arriving for it later (a lost party's late share) is refused as
         a replay, never added."""
+        self._waiting = {k: v for k, v in self._waiting.items() if k[0] != request.round}
         if self._batch is not None and self._batch[0] == request.round:
             self._abandoned.add(self._batch)
             self._batch, self._contributions, self._sealed = None, {}, {}
@@ -847,6 +905,7 @@ class AggregationServer(Party):
         self._served.check(message.deliver_to, message.round, message.batch_id, message.tag)
         self._enter_batch(message)
         self._keep(self._sealed, message, "sealed shares")
+        self._serve_waiting(message.tag)
 
     def on_representation(self, message: RepresentationMessage) -> None:
         if self.adder is not None:
@@ -856,13 +915,64 @@ class AggregationServer(Party):
             )
         self._enter_batch(message)
         self._keep(self._contributions, message, "representations")
+        self._serve_waiting(message.tag)
 
     def on_sum_request(self, request: SumRequest) -> None:
-        if self._batch != (request.round, request.batch_id, request.phase):
+        """Serve the sum at once if every contribution it sums is here; else keep the request
+        until the last one comes (:meth:`_serve_waiting`). One for a batch the server has moved
+        past or that was abandoned is refused."""
+        batch = (request.round, request.batch_id, request.phase)
+        if batch in self._abandoned or (*batch, self._source(request)) in self._closed:
             raise ProtocolError(
                 f"{self.name}: a sum for round {request.round}, batch {request.batch_id} "
-                f"({request.phase}) requested, but it holds contributions for {self._batch}."
+                f"({request.phase}) requested, a batch it has moved past or that was abandoned."
             )
+        if self.adder is not None:  # refused before anything is waited for or added
+            self._served.check(request.deliver_to, request.round, request.batch_id, request.tag)
+            refuse_single_contributors(
+                request.selection,
+                request.parties,
+                receiver=request.deliver_to,
+                dp_rows=request.dp_rows,
+            )
+        key = (*batch, request.tag)
+        if key in self._waiting:
+            raise ProtocolError(
+                f"{self.name}: a second request for the sum {request.tag!r} of round "
+                f"{request.round}, batch {request.batch_id} (a replay?)."
+            )
+        if batch != self._batch or self._missing(request):
+            self._waiting[key] = request
+            return
+        self._serve(request)
+
+    def _source(self, request: SumRequest) -> str:
+        """The tag its contributions are kept under: sealed shares under the sum's own tag,
+        representations under the tag they were sent with."""
+        return request.tag if self.adder is not None else request.source_tag
+
+    def _missing(self, request: SumRequest) -> bool:
+        """Whether a contributor the request selects has not sent its contribution yet."""
+        store = self._sealed if self.adder is not None else self._contributions
+        arrived = store.get(self._source(request), {})
+        return any(
+            name not in arrived
+            for k, name in enumerate(request.parties)
+            if bool(request.selection[..., k].any())
+        )
+
+    def _serve_waiting(self, tag: str) -> None:
+        """Serve the waiting requests of the current batch that sum contributions kept under
+        ``tag`` and now have every one of them."""
+        if self._batch is None:
+            return
+        for key, request in list(self._waiting.items()):
+            ready = key[:3] == self._batch and self._source(request) == tag
+            if ready and not self._missing(request):
+                del self._waiting[key]
+                self._serve(request)
+
+    def _serve(self, request: SumRequest) -> None:
         if self.adder is not None:
             self._add_sealed(request)
             return
@@ -880,12 +990,10 @@ class AggregationServer(Party):
         self.send(dataclasses.replace(result, session=request.session, tag=request.tag))
 
     def _add_sealed(self, request: SumRequest) -> None:
-        """Combine the sealed shares of exactly the selected contributors, once per context."""
+        """Combine the sealed shares of exactly the selected contributors, once per context
+        (a sum over a single contributor was refused on arrival, :meth:`on_sum_request`)."""
         assert self.adder is not None
         selection = request.selection
-        refuse_single_contributors(
-            selection, request.parties, receiver=request.deliver_to, dp_rows=request.dp_rows
-        )
         expected = [name for k, name in enumerate(request.parties) if bool(selection[..., k].any())]
         arrived = self._sealed.get(request.tag, {})
         if sorted(arrived) != sorted(expected):

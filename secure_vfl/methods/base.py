@@ -542,12 +542,15 @@ class Federation:
         tag: str = "",
         model: str = "",
         backward: bool | None = None,
+        sums: Sequence[Message] = (),
     ) -> list[str]:
         """Ask each sender for its representations of its ``present`` rows of the batch, sent to
         ``reply_to``; ``present`` is (B, len(senders)), senders default to every party. With
         ``train`` the rows are priced as training records and, unless ``backward`` is False,
-        each sender keeps its graph for a gradient. Returns the names of the parties asked
-        (those with a present row)."""
+        each sender keeps its graph for a gradient. ``sums`` (plaintext sum requests,
+        :meth:`sum_requests`) go out together with the requests: the aggregator serves each
+        once the representations it sums are in, so a step waits once for both. Returns the
+        names of the parties asked (those with a present row)."""
         senders = self.names if senders is None else senders
         asked, requests = [], []
         for k, name in enumerate(senders):
@@ -568,7 +571,7 @@ class Federation:
                 )
             )
             asked.append(name)
-        self.own.send_all(requests)
+        self.own.send_all([*requests, *sums])
         return asked
 
     def take_representations(
@@ -598,32 +601,60 @@ class Federation:
         dp_rows: Tensor | None = None,
     ) -> None:
         """Ask the aggregator for the per-task sums ``selection`` (T, B, K) of the
-        representations it holds for this batch, delivered to ``deliver_to``.
+        representations it holds for this batch, delivered to ``deliver_to``
+        (:meth:`sum_requests`, sent at once)."""
+        self.own.send_all(
+            self.sum_requests(
+                selection,
+                deliver_to=deliver_to,
+                round=round,
+                batch_id=batch_id,
+                tag=tag,
+                train=train,
+                source_tag=source_tag,
+                dp_rows=dp_rows,
+            )
+        )
+
+    def sum_requests(
+        self,
+        selection: Tensor,
+        *,
+        deliver_to: str,
+        round: int,
+        batch_id: int,
+        tag: str,
+        train: bool,
+        source_tag: str = "",
+        dp_rows: Tensor | None = None,
+    ) -> list[Message]:
+        """The messages that ask for the per-task sums ``selection`` (T, B, K): under a secure
+        scheme a seal request to each selected contributor, then the sum request to the
+        aggregator (which serves it once every share it sums is in).
 
         ``tag`` tells this sum apart from others with the same round and batch (training vs
         prediction, one task chunk vs another) so secure backends never reuse a mask context.
-        Under a secure scheme each selected contributor is first asked to seal its share;
-        ``dp_rows`` (B, K) tells each which of its rows to send as a DP release (a sum where
-        it is the only contributor besides the receiver; ``release="dp"``).
+        ``dp_rows`` (B, K) tells each contributor which of its rows to send as a DP release (a
+        sum where it is the only contributor besides the receiver; ``release="dp"``).
         """
+        seals: list[Message] = []
         if self.scheme:
-            self.own.send_all(
-                [
-                    SealRequest(
-                        **self.header(name, round, batch_id),
-                        selection=selection,
-                        parties=tuple(self.names),
-                        deliver_to=deliver_to,
-                        tag=tag,
-                        source_tag=source_tag,
-                        phase="train" if train else "predict",
-                        dp_rows=dp_rows,
-                    )
-                    for k, name in enumerate(self.names)
-                    if bool(selection[..., k].any())
-                ]
-            )
-        self.own.send(
+            seals = [
+                SealRequest(
+                    **self.header(name, round, batch_id),
+                    selection=selection,
+                    parties=tuple(self.names),
+                    deliver_to=deliver_to,
+                    tag=tag,
+                    source_tag=source_tag,
+                    phase="train" if train else "predict",
+                    dp_rows=dp_rows,
+                )
+                for k, name in enumerate(self.names)
+                if bool(selection[..., k].any())
+            ]
+        return [
+            *seals,
             SumRequest(
                 **self.header(AGGREGATOR, round, batch_id),
                 selection=selection,
@@ -633,8 +664,8 @@ class Federation:
                 source_tag=source_tag,
                 phase="train" if train else "predict",
                 dp_rows=dp_rows,
-            )
-        )
+            ),
+        ]
 
     def assign_head_task(
         self,
@@ -650,9 +681,14 @@ class Federation:
         tag: str,
         head: str = "",
         dp_rows: Tensor | None = None,
-    ) -> None:
+        hold: bool = False,
+        send_sums: bool = True,
+    ) -> list[Message]:
         """Tell ``head_party`` what its head ``head`` trains on; then ask for its sums (with
-        ``dp_rows``, see :meth:`request_sum`)."""
+        ``dp_rows``, see :meth:`sum_requests`), or with ``send_sums`` False return those
+        requests unsent (for :meth:`request_representations`). With ``hold`` (``head_party`` is
+        the label party itself) the head keeps the gradients it owes the others for
+        :meth:`update`."""
         self.own.send(
             HeadTask(
                 **self.header(head_party, round, batch_id),
@@ -664,9 +700,10 @@ class Federation:
                 parties=tuple(self.names),
                 tag=tag,
                 head=head,
+                hold=hold,
             )
         )
-        self.request_sum(
+        sums = self.sum_requests(
             selection,
             deliver_to=head_party,
             round=round,
@@ -676,6 +713,10 @@ class Federation:
             source_tag=head,
             dp_rows=dp_rows,
         )
+        if not send_sums:
+            return sums
+        self.own.send_all(sums)
+        return []
 
     def predict_with(
         self,
@@ -760,14 +801,24 @@ class Federation:
         tag: str = "",
         heads: bool = False,
         parties: Sequence[str] | None = None,
+        closing: Sequence[GradientMessage] = (),
     ) -> None:
         """Close a step: every party (or ``parties``) backpropagates what it received for
-        ``(round, tag)`` and steps; with ``heads`` its head ``tag`` steps too. A party lost
-        here is dropped (:meth:`send_or_drop`); the others' updates complete the step."""
+        ``(round, tag)`` and steps; with ``heads`` its head ``tag`` steps too. The label party's
+        ``closing`` gradients (its head's held ones, :meth:`assign_head_task`) go as the last of
+        the step (``step=True``): their receivers get no separate update. A party lost here is
+        dropped (:meth:`send_or_drop`); the others' updates complete the step."""
+        live = self.live(parties)
+        last = [dataclasses.replace(m, step=True) for m in closing if m.receiver in live]
+        closed = {m.receiver for m in last}
         self.send_or_drop(
             [
-                UpdateRequest(**self.header(name, round, 0), tag=tag, heads=heads)
-                for name in self.live(parties)
+                *last,
+                *(
+                    UpdateRequest(**self.header(name, round, 0), tag=tag, heads=heads)
+                    for name in live
+                    if name not in closed
+                ),
             ],
             round=round,
         )

@@ -51,7 +51,7 @@ from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ConfigError, ProtocolError
 from secure_vfl.federation.aggregator import SumBackend
 from secure_vfl.federation.channel import Channel
-from secure_vfl.federation.messages import AGGREGATOR
+from secure_vfl.federation.messages import AGGREGATOR, Message
 from secure_vfl.federation.releases import ReleaseBlocks
 from secure_vfl.methods.base import (
     METHODS,
@@ -258,52 +258,86 @@ class MeanFusionMethod:
         LASER's unbiased estimate for the batch as it now is, as in every later step; a
         skipped step would instead leave its rows out of the epoch. A party lost at the update
         is dropped there and the others complete the step.
+
+        When the step has one task and the label party's own head trains it (``heads="active"``
+        with the vectorised plan), the head holds the gradients it owes the other parties
+        (:attr:`~secure_vfl.federation.messages.HeadTask.hold`) and they close those parties'
+        steps (:meth:`~secure_vfl.methods.base.Federation.update`): one message per party
+        instead of a gradient and an update, sent only once the attempt has succeeded.
         """
         fed = self.fed
         for attempt in itertools.count():
+            attempt_batch = batch_id + attempt * len(self.sampler)
             try:
-                loss = self._attempt(rows_np, round, batch_id + attempt * len(self.sampler))
+                loss, held = self._attempt(rows_np, round, attempt_batch)
                 break
             except ProtocolError as error:
                 fed.recover(error, round=round)
-        fed.update(round=round, heads=True)
+        closing = fed.own.held_gradients(round, attempt_batch) if held else []
+        fed.update(round=round, heads=True, closing=closing)
         return loss
 
-    def _attempt(self, rows_np: np.ndarray, round: int, batch_id: int) -> float:
-        """One attempt at a step, up to its losses (the update closes it)."""
+    def _attempt(self, rows_np: np.ndarray, round: int, batch_id: int) -> tuple[float, bool]:
+        """One attempt at a step, up to its losses (the update closes it); and whether the
+        label party's head holds the gradients of its one task."""
         fed = self.fed
         rows = torch.from_numpy(rows_np)
         mask = torch.from_numpy(self.data.train.mask[rows_np])
-        fed.request_representations(
-            "train", rows, mask, reply_to=AGGREGATOR, round=round, batch_id=batch_id, train=True
-        )
         selection, weights, dp_rows = self.plan(rows, mask)
-        assigned: list[tuple[str, str]] = []
-        for i, h in enumerate(self.head_index):
+        tasks: list[tuple[int, str, slice]] = []
+        for i in range(len(self.head_index)):
             # Under secure sums a step's sums are one request (each exposure sealed once).
             if self.config.vectorised or self.blocks is not None:
                 chunks = {"train": slice(None)}
             else:
                 chunks = {f"train/size-{t + 1}": slice(t, t + 1) for t in range(selection.shape[1])}
-            for tag, chunk in chunks.items():
-                if not bool((weights[i, chunk] > 0).any()):
-                    continue
-                fed.assign_head_task(
-                    fed.names[h],
-                    rows,
-                    selection[i, chunk],
-                    weights[i, chunk],
-                    mask,
-                    normaliser=float(rows.numel()),
-                    round=round,
-                    batch_id=batch_id,
-                    tag=tag,
-                    dp_rows=dp_rows,
-                )
-                assigned.append((fed.names[h], tag))
-        return sum(
-            fed.take_loss(party, round=round, batch_id=batch_id, tag=tag) for party, tag in assigned
+            tasks += [
+                (i, tag, chunk)
+                for tag, chunk in chunks.items()
+                if bool((weights[i, chunk] > 0).any())
+            ]
+        hold = len(tasks) == 1 and fed.names[self.head_index[tasks[0][0]]] == fed.own.name
+        # One task summed in the clear: its sum request goes out with the representation
+        # requests (the aggregator serves it once they are in), so the step waits once for
+        # both. Under a secure scheme a party seals what it has computed: its seal request
+        # follows its representation request.
+        together = len(tasks) == 1 and not fed.scheme
+
+        def assign(i: int, tag: str, chunk: slice) -> list[Message]:
+            return fed.assign_head_task(
+                fed.names[self.head_index[i]],
+                rows,
+                selection[i, chunk],
+                weights[i, chunk],
+                mask,
+                normaliser=float(rows.numel()),
+                round=round,
+                batch_id=batch_id,
+                tag=tag,
+                dp_rows=dp_rows,
+                hold=hold,
+                send_sums=not together,
+            )
+
+        sums = assign(*tasks[0]) if together else []
+        fed.request_representations(
+            "train",
+            rows,
+            mask,
+            reply_to=AGGREGATOR,
+            round=round,
+            batch_id=batch_id,
+            train=True,
+            sums=sums,
         )
+        if not together:
+            for task in tasks:
+                assign(*task)
+        loss = sum(
+            fed.take_loss(fed.names[self.head_index[i]], round=round, batch_id=batch_id, tag=tag)
+            for i, tag, _ in tasks
+        )
+        return loss, hold
 
     @property
     def total_steps(self) -> int:
