@@ -373,7 +373,7 @@ class AggregatorContract:
         assert "never served" in caplog.text
         assert not parties.server._waiting
         # Round 0's sum again: its contributions are closed (its context spent, if sealed).
-        with pytest.raises(ProtocolError, match="moved past|already served"):
+        with pytest.raises(ProtocolError, match=r"moved past|already served"):
             parties.driver.send(request)
         # ... and an abandoned step takes its waiting requests with it.
         parties.driver.send(dataclasses.replace(request, round=3))

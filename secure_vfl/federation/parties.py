@@ -466,7 +466,7 @@ class DataParty(SecureSumParty):
         self._gradients: dict[tuple[int, str], list[Tensor]] = {}
         self._tasks: dict[tuple[int, int, str], HeadTask | PredictTask] = {}
         # A held task's gradients for other parties, by (round, batch): HeadTask.hold.
-        self._held: dict[tuple[int, int], list[GradientMessage]] = {}
+        self._held_gradients: dict[tuple[int, int], list[GradientMessage]] = {}
         # What turns its raw rows into model inputs, and (at the label party) the original
         # label value of each class: its own, kept in its saved part.
         self.preprocessing: PartyPreprocessing | None = None
@@ -661,7 +661,9 @@ class DataParty(SecureSumParty):
         self._pending = {key: v for key, v in self._pending.items() if key[0] != round}
         self._gradients = {key: v for key, v in self._gradients.items() if key[0] != round}
         self._tasks = {key: v for key, v in self._tasks.items() if key[0] != round}
-        self._held = {key: v for key, v in self._held.items() if key[0] != round}
+        self._held_gradients = {
+            key: v for key, v in self._held_gradients.items() if key[0] != round
+        }
         for head in self.heads.values():
             head.module.zero_grad(set_to_none=True)
 
@@ -689,7 +691,7 @@ class DataParty(SecureSumParty):
     def held_gradients(self, round: int, batch_id: int) -> list[GradientMessage]:
         """The gradients for other parties its own held task of ``(round, batch_id)`` computed
         (:attr:`HeadTask.hold`), handed over once; ProtocolError if there are none."""
-        held = self._held.pop((round, batch_id), None)
+        held = self._held_gradients.pop((round, batch_id), None)
         if held is None:
             raise ProtocolError(
                 f"{self.name}: no held gradients for round {round}, batch {batch_id}."
@@ -784,7 +786,7 @@ class DataParty(SecureSumParty):
         ]
         if task.hold:
             others = [m for m in messages if m.receiver != self.name]
-            self._held[(task.round, task.batch_id)] = others
+            self._held_gradients[(task.round, task.batch_id)] = others
             messages = [m for m in messages if m.receiver == self.name]
         self.send_all(messages)
         self.send(
