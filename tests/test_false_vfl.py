@@ -378,9 +378,12 @@ def test_messages_follow_the_papers_communication_pattern(make_data: MakeData) -
         + [("likelihood", p, "party-0") for p in others]
         + [("gradient", "party-0", p) for p in others] * 2
         + [("latent-gradient", p, "party-0") for p in others]
-        + [("update", "party-0", p) for p in others]
     )
     assert routes == expected
+    # The gradient w.r.t. each party's posterior factor closes its step (no update follows).
+    closing = [m for m in recorder.messages if isinstance(m, GradientMessage) and m.step]
+    assert sorted(m.receiver for m in closing) == others
+    assert all(m.tag == "stage1/posterior" for m in closing)
     latent, kappa = SMALL.latent_dim, SMALL.kappa
     block_width = data.train.blocks[0].shape[1]
     assert block_width not in (latent, 2 * latent, kappa)  # a block could not hide in a message

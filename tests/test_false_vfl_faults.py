@@ -82,7 +82,7 @@ def _left_over(party: LatentParty) -> list[str]:
         (1, 1, "represent-request", False),  # noticed by the driver at the step's start
         (1, 1, "latent", False),  # the parties before it hold likelihoods for a gradient
         (1, 1, "gradient", False),  # the parties before it backpropagated their likelihoods
-        (1, 1, "update", False),  # the others complete the step
+        (1, 1, "closing", False),  # its step's last message: the others complete the step
         (2, 1, "latent", False),
         (1, 1, "seal-request", True),
         (1, 2, "represent-request", False),
@@ -95,7 +95,9 @@ def test_a_party_lost_mid_step_is_dropped_and_false_vfl_goes_on(
     data = make_data(train_missing="mcar:0.2")
     stage_one = -(-data.train.n // CONFIG.batch_size)  # steps of stage 1's one epoch
     step = STEP if stage == 1 else stage_one  # stage 2's first step: rounds run on
-    channel = LosingChannel(kind, step=step)
+    closing = kind == "closing"
+    kind = "gradient" if closing else kind
+    channel = LosingChannel(kind, step=step, closing=closing)
     config = dataclasses.replace(CONFIG, secure_sums=masks)
     aggregator = MaskingAggregator() if masks else None
     method = _method(data, channel, variant=variant, config=config, aggregator=aggregator)
@@ -123,17 +125,19 @@ def test_a_party_lost_mid_step_is_dropped_and_false_vfl_goes_on(
 
 def test_an_abandoned_stage_one_step_leaves_nothing_to_apply(make_data: MakeData) -> None:
     # A step carried up to its update, the furthest a retried attempt gets: every party has
-    # backpropagated its likelihood gradient into its decoder and holds its posterior
-    # gradient, and the label party its own backward pass. Abandoning it must leave nothing
-    # for an update to apply.
+    # backpropagated its likelihood gradient into its decoder, the label party holds its own
+    # posterior gradient and its own backward pass (the others' posterior gradients, which
+    # would close their steps, are still the driver's, unsent). Abandoning it must leave
+    # nothing for an update to apply.
     data = make_data(train_missing="mcar:0.2")
     method = _method(data, Channel())
     fed = method.fed
-    _, update = method._attempt(np.arange(CONFIG.batch_size), 0, 0)
-    assert update
+    _, closing = method._attempt(np.arange(CONFIG.batch_size), 0, 0)
+    label = method.label_party.name
+    assert closing and sorted(m.receiver for m in closing) == [n for n in fed.names if n != label]
     parties = _survivors(method)
     assert all("model gradients" in _left_over(party) for party in parties)  # it can fail
-    assert all("gradients" in _left_over(party) for party in parties)
+    assert [p.name for p in parties if "gradients" in _left_over(p)] == [label]
     modules = [*(p.latent_model for p in parties), method.label_party.label_model]
     before = [t.detach().clone() for m in modules for t in m.parameters()]
     fed.send_or_drop(

@@ -27,14 +27,16 @@ STEP = 4  # the round (0-based) in which it is lost
 
 
 class LosingChannel(Channel):
-    """Loses ``LOST`` when the first ``kind`` of round ``step`` (default ``STEP``) is posted to
-    it: that post and every later one to it raise TransportError, and :meth:`unreachable` names
-    it from then on. ``after_loss`` counts the posts to it once it is lost."""
+    """Loses ``LOST`` when the first ``kind`` of round ``step`` (default ``STEP``; with
+    ``closing``, the first gradient that closes its step) is posted to it: that post and every
+    later one to it raise TransportError, and :meth:`unreachable` names it from then on.
+    ``after_loss`` counts the posts to it once it is lost."""
 
-    def __init__(self, kind: str, *, step: int = STEP) -> None:
+    def __init__(self, kind: str, *, step: int = STEP, closing: bool = False) -> None:
         super().__init__()
         self.kind = kind
         self.step = step
+        self.closing = closing  # only a gradient that closes its receiver's step loses it
         self.lost = False
         self.after_loss = 0
         self.posted: list[Message] = []
@@ -42,7 +44,8 @@ class LosingChannel(Channel):
     def post(self, message: Message, *, sender: Party) -> None:
         self.posted.append(message)
         if message.receiver == LOST:
-            if message.kind == self.kind and message.round == self.step and not self.lost:
+            chosen = message.kind == self.kind and message.round == self.step
+            if chosen and getattr(message, "step", False) >= self.closing and not self.lost:
                 self.lost = True
             elif self.lost:
                 self.after_loss += 1

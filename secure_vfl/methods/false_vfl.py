@@ -97,6 +97,7 @@ from secure_vfl.federation.messages import (
     LatentGradientMessage,
     LatentMessage,
     LikelihoodMessage,
+    Message,
     SumMessage,
     UpdateRequest,
     party_name,
@@ -694,6 +695,19 @@ class FalseVflMethod:
         fed = self.fed
         source = tag + _POSTERIOR
         training_rows = split == "train"
+        sum_requests = fed.sum_requests(
+            selection.unsqueeze(0),
+            deliver_to=self.label_party.name,
+            round=round,
+            batch_id=batch_id,
+            tag=tag,
+            train=training_rows,
+            source_tag=source,
+        )
+        # In the clear the sum request goes with the representation requests (the aggregator
+        # serves it once they are in); a sealing party seals what it has computed, so under a
+        # secure scheme the seal and sum requests follow.
+        together = not fed.scheme
         asked = fed.request_representations(
             split,
             rows,
@@ -704,16 +718,10 @@ class FalseVflMethod:
             train=training_rows,
             tag=source,
             backward=train,
+            sums=sum_requests if together else (),
         )
-        fed.request_sum(
-            selection.unsqueeze(0),
-            deliver_to=self.label_party.name,
-            round=round,
-            batch_id=batch_id,
-            tag=tag,
-            train=training_rows,
-            source_tag=source,
-        )
+        if not together:
+            self.label_party.send_all(sum_requests)
         summed = cast(
             SumMessage,
             self.label_party.take(
@@ -826,24 +834,27 @@ class FalseVflMethod:
         sampler = self.sampler if self.stage == 1 else self.labeled_sampler
         for attempt in itertools.count():
             try:
-                loss, update = self._attempt(rows_np, round, batch_id + attempt * len(sampler))
+                loss, closing = self._attempt(rows_np, round, batch_id + attempt * len(sampler))
                 break
             except ProtocolError as error:
                 fed.recover(error, round=round)
-        if update:
-            fed.update(round=round, tag=f"stage1{_POSTERIOR}")
+        if closing is not None:
+            fed.update(round=round, tag=f"stage1{_POSTERIOR}", closing=closing)
             self.label_party.generative_optimizer.step()
             self.label_party.generative_optimizer.zero_grad(set_to_none=True)
         for fault in fed.faults[faults:]:
             fault["epoch"] = self._epoch(round)
         return loss
 
-    def _attempt(self, rows_np: np.ndarray, round: int, batch_id: int) -> tuple[float, bool]:
-        """One attempt at a step, up to its update: its loss, and whether the parties update
-        (stage 1 on rows that have a posterior)."""
+    def _attempt(
+        self, rows_np: np.ndarray, round: int, batch_id: int
+    ) -> tuple[float, list[GradientMessage] | None]:
+        """One attempt at a step, up to its update: its loss, and the gradients that close the
+        other parties' steps (stage 1 on rows that have a posterior), or None if nobody
+        updates."""
         rows_np = self._with_posterior("train", rows_np)
         if rows_np.size == 0:
-            return 0.0, False
+            return 0.0, None
         rows = torch.from_numpy(rows_np)
         mask = torch.from_numpy(self.data.train.mask[rows_np])
         pretraining = self.stage == 1
@@ -859,8 +870,8 @@ class FalseVflMethod:
             train=pretraining,
         )
         if pretraining:
-            return self._pretrain_backward(forward, round=round, batch_id=batch_id, tag=tag), True
-        return self._discriminator_update(forward, rows), False
+            return self._pretrain_backward(forward, round=round, batch_id=batch_id, tag=tag)
+        return self._discriminator_update(forward, rows), None
 
     def _epoch(self, round: int) -> int:
         """The epoch (from 1, counted across both stages as :meth:`fit`'s losses are) of the
@@ -872,10 +883,12 @@ class FalseVflMethod:
 
     def _pretrain_backward(
         self, forward: _Forward, *, round: int, batch_id: int, tag: str
-    ) -> float:
+    ) -> tuple[float, list[GradientMessage]]:
         """Stage 1 up to the update: the gradient of -L_kappa(Theta_g) on a batch of any
         training rows (paper section 3.4), sent back through the seam (step 4); the update
-        (:meth:`train_step`) applies it."""
+        (:meth:`train_step`) applies it. Returns the loss and the gradients w.r.t. the other
+        parties' posterior factors, which close their steps (sent by the update, once the
+        attempt has succeeded); the label party's own goes at once."""
         fed = self.fed
         label = self.label_party
         kappa = self.options.kappa
@@ -884,9 +897,10 @@ class FalseVflMethod:
         loss.backward(retain_graph=True)  # the reparameterisation is backpropagated again below
         assert forward.samples.grad is not None
         samples_grad = forward.samples.grad.clone()
+        likelihood_gradients: list[Message] = []
         for name, (positions, value) in forward.likelihoods.items():
             assert value.grad is not None
-            label.send(
+            likelihood_gradients.append(
                 GradientMessage(
                     **fed.header(name, round, batch_id),
                     positions=positions,
@@ -894,6 +908,7 @@ class FalseVflMethod:
                     gradient=value.grad.detach(),
                 )
             )
+        label.send_all(likelihood_gradients)
         for name in forward.likelihoods:
             reply = cast(
                 LatentGradientMessage,
@@ -902,16 +917,19 @@ class FalseVflMethod:
             samples_grad.index_add_(0, reply.positions, reply.gradient)
         forward.samples_graph.backward(samples_grad)
         assert forward.sums.grad is not None
+        closing = []
         for name, positions in forward.posterior_positions.items():
-            label.send(
-                GradientMessage(
-                    **fed.header(name, round, batch_id),
-                    positions=positions,
-                    tag=tag + _POSTERIOR,
-                    gradient=forward.sums.grad[positions].detach().contiguous(),
-                )
+            gradient = GradientMessage(
+                **fed.header(name, round, batch_id),
+                positions=positions,
+                tag=tag + _POSTERIOR,
+                gradient=forward.sums.grad[positions].detach().contiguous(),
             )
-        return loss.item()
+            if name == label.name:
+                label.send(gradient)
+            else:
+                closing.append(gradient)
+        return loss.item(), closing
 
     def _discriminator_update(self, forward: _Forward, rows: Tensor) -> float:
         """Stage 2: ascend L'_kappa(phi) on labelled rows with Theta_g frozen (no gradients out)."""
