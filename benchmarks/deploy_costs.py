@@ -237,10 +237,13 @@ def _analysis(rows: list[dict[str, Any]], figures: dict[str, float] | None) -> l
         "",
         f"Over the network every message is one gRPC call that returns once the receiver has "
         f"acted on it. A LASER `--heads active` step on Satellite is {messages:.0f} messages "
-        f"(`grpc_costs.md`, plaintext sums); the label party sends a step's requests to the "
-        f"data parties at once (`Party.send_all`), so it waits about five times a step "
-        f"(representations, the sum, gradients, updates; seals too under masks), not "
-        f"{messages:.0f}. `grpc_costs.md` measured a round trip at "
+        f"(`grpc_costs.md`, plaintext sums). The label party sends the representation "
+        f"requests and the sum request at once (`Party.send_all`; the aggregator serves the "
+        f"sum once the last representation is in, and the label party's head trains on it "
+        f"inside that chain of calls), then one gradient per data party that also closes its "
+        f"step: a plain step waits twice, not {messages:.0f} times (three times under masks, "
+        f"where the seal and sum requests follow the representations). `grpc_costs.md` "
+        f"measured a round trip at "
         f"{1000 * figures['grpc_round_trip_s']:.2f} ms (plaintext gRPC) and "
         f"{1000 * figures['mtls_round_trip_s']:.2f} ms (mTLS) on loopback against "
         f"{1000 * figures['in_process_message_s']:.3f} ms in one process.",
@@ -270,11 +273,11 @@ def _analysis(rows: list[dict[str, Any]], figures: dict[str, float] | None) -> l
         "extra time is what five processes on this machine's two cores add: each message "
         "waits for the receiving process to be scheduled and its handler to run while the "
         "others compete for the same cores (on their own machines, as in a real deployment, "
-        "the parties would not). What would close the rest without changing the protocol's "
-        "content: asynchronous sends (return once the bytes are queued; await a reply only "
-        "where the next computation needs it), so that the label party overlaps its own work "
-        "with the data parties' instead of waiting for each group to be acted on; and fewer, "
-        "larger messages per party per step.",
+        "the parties would not). What would close more of it without changing the protocol's "
+        "content: asynchronous sends (return once the bytes are queued, with each receiver "
+        "acting on a sender's messages in their order; await a reply only where the next "
+        "computation needs it), so that the label party's own update and next forward pass "
+        "overlap the data parties' backward passes instead of waiting for them.",
     ]
     return lines
 
