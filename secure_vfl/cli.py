@@ -1135,6 +1135,12 @@ def _fault_lines(faults: list[dict[str, Any]]) -> list[str]:
         when = f"at step {fault['step']} (epoch {fault['epoch']})"
         if fault.get("phase") == "evaluation":
             when = f"in the evaluation after step {fault['step']} (epoch {fault['epoch']})"
+        if fault.get("phase") == "saving":
+            lines.append(
+                f"lost: {fault['party']} while the model was saved after step {fault['step']}; "
+                "its part was not saved (the manifest lists it as lost)"
+            )
+            continue
         if fault["what"] == "rejoined":
             lines.append(
                 f"rejoined: {fault['party']} {when}, set up anew (initial models); its block "

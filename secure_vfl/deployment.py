@@ -794,22 +794,40 @@ def save_deployed(
     config: Any,
     data: VerticalData,
     lost: Sequence[str],
-) -> Manifest:
+    unreachable: Callable[[Sequence[str]], list[str]] | None = None,
+) -> tuple[Manifest, dict[str, str]]:
     """Save a deployed run's model: every live data party writes its own part in its own
     process (``save`` -> ``saved``, its files' SHA-256), the label party ``own`` writes its part
     into ``directory/<name>/`` and the manifest last, listing every party's hashes and where its
     part lies (:data:`~secure_vfl.saved_model.KEPT_BY_PARTY`, or
-    :data:`~secure_vfl.saved_model.LOST` for the ``lost`` parties, which saved nothing)."""
+    :data:`~secure_vfl.saved_model.LOST` for the ``lost`` parties, which saved nothing).
+
+    A party that cannot be reached when asked to save (``unreachable`` says so: its process
+    died after the evaluation) is lost here: its part is listed as lost and the others are
+    saved. Returns the manifest and, by name, why each party was lost while saving."""
     clear_manifest(directory)
     run = new_run_id()
     names = federation.names
     entries = [saved_here(directory, own, names[0], 0)]
+    lost_here: dict[str, str] = {}
     handler, endpoint.handler = endpoint.handler, None  # answers wait here, not at the party
     try:
         for name in names[1:]:
             files: dict[str, str] = {}
             if name not in lost:
-                files = _ask_save(endpoint, name, run)
+                try:
+                    files = _ask_save(endpoint, name, run)
+                except ProtocolError as error:
+                    if unreachable is None or not unreachable([name]):
+                        raise
+                    lost_here[name] = str(error)
+                    logger.warning(
+                        "%s: %s is lost while saving the model; its part is not saved: %s",
+                        endpoint.name,
+                        name,
+                        error,
+                    )
+            gone = name in lost or name in lost_here
             entries.append(
                 PartEntry(
                     name=name,
@@ -817,12 +835,12 @@ def save_deployed(
                     role=DATA_PARTY_ROLE,
                     directory=name,
                     files=files,
-                    location=LOST if name in lost else KEPT_BY_PARTY,
+                    location=LOST if gone else KEPT_BY_PARTY,
                 )
             )
     finally:
         endpoint.handler = handler
-    return write_manifest(
+    manifest = write_manifest(
         directory,
         entries,
         run_id=run,
@@ -832,6 +850,7 @@ def save_deployed(
         false_vfl=getattr(config, "false_vfl", None),
         data=data,
     )
+    return manifest, lost_here
 
 
 def _ask_save(endpoint: PartyEndpoint, name: str, run: str) -> dict[str, str]:
@@ -1452,7 +1471,7 @@ def train_deployed(
     what its accountant priced at the end, which ``privacy`` adds to the result's report. Under
     DP a lost party is not readmitted (its accountant died with its process)."""
     from secure_vfl.experiment import run_training
-    from secure_vfl.methods.base import in_process_parties, lost_parties
+    from secure_vfl.methods.base import SAVING, in_process_parties, lost_parties
 
     refuse_undeployable(config)
     if config.align == "psi" and psi is None:
@@ -1501,6 +1520,13 @@ def train_deployed(
             channel.readmit = readmission(
                 endpoint, bodies, deadline=deadline, checkpoints=elsewhere
             )
+        steps = [0]  # the training steps done, which date a party lost while saving
+
+        def counted(step: int, loss: float) -> None:
+            steps[0] = step
+            if on_step is not None:
+                on_step(step, loss)
+
         result = run_training(
             config,
             data=side.data,
@@ -1508,13 +1534,29 @@ def train_deployed(
             aggregator=secure_sums(secure_agg) or PlainAggregator(),
             privacy=privacy,
             on_start=on_start,
-            on_step=on_step,
+            on_step=counted,
             checkpoints=checkpoints,
         )
         lost = lost_parties(result.faults)
         if model_dir is not None:
             own_party = in_process_parties(channel)[0]
-            save_deployed(model_dir, endpoint, federation, own_party, config, side.data, lost)
+            _, lost_saving = save_deployed(
+                model_dir,
+                endpoint,
+                federation,
+                own_party,
+                config,
+                side.data,
+                lost,
+                unreachable=channel.unreachable,
+            )
+            epoch = len(result.epoch_loss)  # the last, counted as the faults count them
+            saving = [
+                {"party": party, "step": steps[0], "epoch": epoch, "phase": SAVING, "what": what}
+                for party, what in lost_saving.items()
+            ]
+            result = dataclasses.replace(result, faults=[*result.faults, *saving])
+            lost = [*lost, *lost_saving]
         outcome = "finished"
     finally:
         reports, entries = _end(endpoint, federation, outcome, lost=lost)

@@ -198,6 +198,38 @@ def test_four_processes_train_to_exactly_the_in_process_metrics(
     assert set(result["traffic"]["bytes"]) == {*PARTIES, "aggregator"}
 
 
+@pytest.fixture(scope="module")
+def messy_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site's files, but shop's as users have them: a text column of categories and
+    empty cells in a numeric one."""
+    directory = tmp_path_factory.mktemp("deploy-messy")
+    write_party_files(directory)
+    shop = pd.read_csv(directory / "shop.csv", dtype={"id": str})
+    rng = np.random.default_rng(1)
+    shop.insert(1, "segment", rng.choice(["retail", "premium", "vip"], size=len(shop)))
+    shop.loc[rng.random(len(shop)) < 0.15, shop.columns[2]] = np.nan
+    shop.to_csv(directory / "shop.csv", index=False)
+    tls.make_federation(directory / "certs", [*PARTIES, "aggregator"])
+    return directory
+
+
+def test_a_deployed_party_encodes_its_own_categories_and_empty_cells_as_in_one_process(
+    messy_site: Path, processes: Processes, tmp_path: Path
+) -> None:
+    # shop one-hot encodes its categories and fills its empty cells (with indicator columns)
+    # in its own process, from its own file: the label party sees only its block's width.
+    flags = ("--method", "laser", "--heads", "active")
+    alone = in_process(messy_site, tmp_path / "alone", *flags)
+    result, codes = deployed(messy_site, processes, tmp_path / "deployed", *flags)
+    assert codes == [0, 0, 0, 0], [processes.log(n) for n in (*PARTIES[1:], "aggregator")]
+    assert result["samples"] == alone["samples"]
+    assert result["metrics"] == alone["metrics"]
+    assert result["epoch_loss"] == alone["epoch_loss"]
+    columns = pd.read_csv(messy_site / "shop.csv", nrows=0).columns
+    widths = json.loads((tmp_path / "deployed" / "result.json").read_text())["config"]
+    assert "segment" in columns and widths  # the file had them; the run's config is written
+
+
 def wait_for_line(processes: Processes, log: str, line: str, *watched: Any) -> None:
     """Wait (bounded) until ``line`` appears in ``log``, failing if a ``watched`` process
     exits first."""

@@ -33,7 +33,7 @@ from protocols import tls
 from secure_vfl.cli import main
 from secure_vfl.data.party_files import read_party_file
 from secure_vfl.deployment import ServedModel, _deployment, _Server, model_directory, save_deployed
-from secure_vfl.errors import ConfigError, DataError, IntegrityError, ProtocolError
+from secure_vfl.errors import ConfigError, DataError, IntegrityError, ProtocolError, TransportError
 from secure_vfl.experiment import TrainConfig, build_method, prepare_data
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.federation_file import read_federation
@@ -234,7 +234,7 @@ def test_the_label_party_saves_every_live_party_checks_every_answer_and_marks_th
 
     endpoint: Any = LoopbackEndpoint(answer)  # the label party's side
     model = tmp_path / "model"
-    manifest = save_deployed(model, endpoint, federation, parties[0], config, data, ["insurer"])
+    manifest, _ = save_deployed(model, endpoint, federation, parties[0], config, data, ["insurer"])
     assert endpoint.handler == "the label party" and endpoint.kept == []  # handed back
     assert [(e.name, e.location) for e in manifest.parties] == [
         ("bank", "here"),
@@ -264,7 +264,7 @@ def test_the_label_party_saves_every_live_party_checks_every_answer_and_marks_th
 
     # Copied beside the manifest, the parts load; the lost party is absent from every row.
     lie.clear()
-    manifest = save_deployed(model, endpoint, federation, parties[0], config, data, ["insurer"])
+    manifest, _ = save_deployed(model, endpoint, federation, parties[0], config, data, ["insurer"])
     for name in ("shop", "telco"):
         shutil.copytree(tmp_path / "at" / name / name / manifest.run_id, model / name)
     loaded = SavedModel.load(model)
@@ -274,6 +274,42 @@ def test_the_label_party_saves_every_live_party_checks_every_answer_and_marks_th
     assert np.isfinite(predictions.probabilities).all()
     with pytest.raises(ConfigError, match="insurer was lost in training and saved no part"):
         loaded.predict(new_tables(site))
+
+
+def test_a_party_lost_while_the_model_is_saved_is_listed_lost_and_the_others_are_saved(
+    tmp_path: Path, federation_parties: tuple[TrainConfig, Any, list[DataParty]]
+) -> None:
+    config, data, parties = federation_parties
+    federation = read_federation(write_federation(tmp_path, tmp_path, free_loopback_ports(5)))
+    served = {p.name: ServedModel(p.name, tmp_path / "at" / p.name) for p in parties[1:]}
+    gone = "telco 127.0.0.1: could not be reached: its process is gone"
+
+    def answer(message: DeploymentMessage) -> tuple[str, dict[str, Any]]:
+        if message.receiver == "telco":  # died after the evaluation, before the save
+            raise TransportError(gone)
+        party = parties[PARTIES.index(message.receiver)]
+        return "saved", served[message.receiver].save(party, json.loads(message.body))
+
+    endpoint: Any = LoopbackEndpoint(answer)
+    model = tmp_path / "model"
+    # Only a party that can no longer be reached is lost there: any other failure fails the run.
+    with pytest.raises(TransportError, match="its process is gone"):
+        save_deployed(model, endpoint, federation, parties[0], config, data, [], lambda _: [])
+    assert not (model / MANIFEST_FILE).exists()
+    endpoint.handler = "the label party"
+    for side in served.values():
+        side.saved = None
+    manifest, lost = save_deployed(
+        model, endpoint, federation, parties[0], config, data, [], lambda names: list(names)
+    )
+    assert lost == {"telco": gone}
+    assert [(e.name, e.location) for e in manifest.parties] == [
+        ("bank", "here"),
+        ("shop", KEPT_BY_PARTY),
+        ("insurer", KEPT_BY_PARTY),
+        ("telco", LOST),
+    ]
+    assert SavedModel.load(model).lost == ("telco",)
 
 
 def test_manifest_locations_are_checked_and_version_1_still_reads(
@@ -288,7 +324,7 @@ def test_manifest_locations_are_checked_and_version_1_still_reads(
         return "saved", served[message.receiver].save(party, json.loads(message.body))
 
     endpoint: Any = LoopbackEndpoint(answer)  # the label party's side
-    manifest = save_deployed(
+    manifest, _ = save_deployed(
         tmp_path / "m", endpoint, federation, parties[0], config, data, ["telco"]
     )
     payload = manifest.to_json()

@@ -62,9 +62,10 @@ Batching = Literal["grouped", "mixed"]
 Release = Literal["drop", "dp"]
 StepCallback = Callable[[int, float], None]
 PassResult = TypeVar("PassResult")
-TRAINING, EVALUATION = "training", "evaluation"
-"""The ``phase`` of a ``faults`` entry: a party lost in a training step, or in the evaluation
-after the step it names (a rejoin is always training)."""
+TRAINING, EVALUATION, SAVING = "training", "evaluation", "saving"
+"""The ``phase`` of a ``faults`` entry: a party lost in a training step, in the evaluation
+after the step it names, or (a deployment) while the model was saved after it, so its part was
+not saved (a rejoin is always training)."""
 PartyMaker = Callable[[int, RoleFactory, dict[str, Tensor], nn.Module], Party]
 
 
