@@ -18,7 +18,10 @@ federation.messages.DeploymentMessage` s, each a JSON object checked on arrival:
      a data party learns which of its ids are aligned and at which sample positions (as
      :class:`protocols.psi.PsiAligner` in one process). No ids cross in the clear.
 2. The label party splits and draws the masks from the alignment and shapes alone
-   (:func:`~secure_vfl.data.vertical.plan_rows_by`), then ``setup`` tells each data party the
+   (:func:`~secure_vfl.data.vertical.plan_rows_by`); ``fit`` gives each data party its
+   training rows, on which it fits its own preprocessing (categories one-hot encoded, empty
+   cells filled, with indicators) and answers ``fitted`` with its model input's shape
+   (:func:`fitted_widths`); then ``setup`` tells each data party the
    method, its configuration, the seed, the party's index and names, its rows per split (rows
    of its own table under the join; under PSI, sample positions, which the party maps to its
    rows by what PSI told it, so the label party never holds its rows or ids), the secure-sum
@@ -152,6 +155,10 @@ if TYPE_CHECKING:
     from secure_vfl.methods.base import MethodConfig
 
 logger = logging.getLogger(__name__)
+
+MAX_WIDTH = 2**20
+"""The widest model input a data party may announce (a bound on what a peer may say; no party
+file comes near it)."""
 
 SecureSums = Callable[[str], SumBackend | None]
 """The secure-sum backend of a scheme name (``"none"``: None), made by the composition root."""
@@ -347,6 +354,7 @@ class _Server:
             handlers = {
                 "ids-request": self._on_ids_request,
                 "psi": self._on_psi,
+                "fit": self._on_fit,
                 "setup": self._on_setup,
                 "checkpoints": self._on_checkpoints,
                 "checkpoint": self._on_checkpoint,
@@ -414,6 +422,21 @@ class _Server:
         self.endpoint.handler = None  # the channel attaches the party to the endpoint
         party.connect(channel)
         self.endpoint.handler = self.receive
+
+    def _on_fit(self, message: Message) -> None:
+        """Fit this party's preprocessing on the training rows the label party planned for it
+        and answer with the shape of its model input (what its categories and empty cells make
+        of its columns), so that every party builds its models on the shapes of the run."""
+        if self.party is not None or self.table is None:
+            raise ProtocolError(f"{self.name}: a fit after the set-up, or at the aggregator.")
+        body = _body(message, "fit", {"fit_rows": list, "align": str})
+        aligned = None
+        if self.responder is not None:
+            aligned = self.responder.aligned_rows(message.sender)
+        fitted = fit_served_preprocessing(
+            self.name, self.table, body["fit_rows"], body["align"], aligned
+        )
+        self._reply("fitted", {"shape": list(fitted.block_shape)})
 
     def _on_setup(self, message: Message) -> None:
         if self.party is not None:
@@ -959,9 +982,8 @@ def build_served_party(
     if shapes[index] != tuple(blocks["train"].shape[1:]):
         raise ProtocolError(
             f"setup: block shape {shapes[index]} announced for {name}, which encodes its "
-            f"table to {tuple(blocks['train'].shape[1:])}: a deployed run takes numeric columns "
-            "without empty cells (categorical columns and missing-cell indicators are not "
-            "offered with --federation yet)."
+            f"table to {tuple(blocks['train'].shape[1:])} (the shape it answered the `fit` "
+            "with, for the same rows)."
         )
     if body["method"] in LATENT_METHODS:
         party = _latent_party(name, body, config, blocks, rows, shapes, preprocessing)
@@ -1038,6 +1060,23 @@ def _latent_party(
         options=options,
         seed=body["seed"],
         preprocessing=preprocessing,
+    )
+
+
+def fit_served_preprocessing(
+    name: str, table: PartyTable, fit_rows: Any, align: str, aligned: np.ndarray | None
+) -> PartyPreprocessing:
+    """Data party ``name``'s preprocessing fitted on the ``fit_rows`` (a message's value: rows
+    of its table under the plain join, sample positions under PSI, mapped by ``aligned``) of
+    its own ``table``, as :func:`party_blocks` fits it at the set-up; ProtocolError for rows it
+    does not hold."""
+    to_rows = _row_mapping(align, aligned, name, table.ids.size)
+    n = table.ids.size if aligned is None else aligned.size
+    rows = to_rows(_rows(fit_rows, "fit_rows", low=0, high=n), "fit_rows")
+    if rows.size == 0:
+        raise ProtocolError(f"fit: {name} must hold a training row; found none.")
+    return PartyPreprocessing.fit(
+        table.frame.iloc[rows], id_column=ID_COLUMN, where=f"{name} ({table.name})"
     )
 
 
@@ -1199,6 +1238,27 @@ def collect_ids(endpoint: PartyEndpoint, federation: Federation) -> tuple[list[A
     return ids, widths
 
 
+def fitted_widths(
+    endpoint: PartyEndpoint, federation: Federation, plan: RowPlan, align: str
+) -> list[int]:
+    """Every data party's model-input width, asked for by message once the plan is drawn:
+    each fits its own preprocessing on its planned training rows (:data:`fit`) and answers
+    with its block's shape, which is all it tells of its columns."""
+    widths = []
+    for k, name in enumerate(federation.names[1:], start=1):
+        body = {"fit_rows": plan.fit_rows[k].tolist(), "align": align}
+        endpoint.send(_deployment(endpoint.name, name, "fit", body))
+        reply = _body(endpoint.receive(sender=name, kind="deployment"), "fitted", {"shape": list})
+        shape = reply["shape"]
+        if len(shape) != 1 or not isinstance(shape[0], int) or not 1 <= shape[0] <= MAX_WIDTH:
+            raise ProtocolError(
+                f"fitted from {name}: the shape of a tabular block, [width] with 1 <= width <= "
+                f"{MAX_WIDTH}, expected; found {str(shape)[:60]}."
+            )
+        widths.append(shape[0])
+    return widths
+
+
 def join_alignment(own: PartyTable, ids: Sequence[np.ndarray]) -> AlignLabelIds:
     """The plain join of the label party's ids with its own table's and every party's ids
     (collected in the clear by :func:`collect_ids`)."""
@@ -1282,12 +1342,20 @@ def _intersect_each(
 
 
 def label_side(
-    config: Any, federation: Federation, own: PartyTable, align: AlignLabelIds, widths: list[int]
+    config: Any,
+    federation: Federation,
+    own: PartyTable,
+    align: AlignLabelIds,
+    widths: list[int],
+    encoded: Callable[[RowPlan], list[int]] | None = None,
 ) -> LabelSide:
     """The label party's plan of rows (``align``: :func:`join_alignment` or
     :func:`psi_alignment`) and its view of the data: the labels, the masks, its own
     standardised block and, for the other parties, blocks of their shape that hold nothing
-    (zero-strided: the method reads their shapes only)."""
+    (zero-strided: the method reads their shapes only). The plan reads the parties' column
+    counts ``widths`` (for its shapes only); the blocks take the widths ``encoded`` gives for
+    the plan (each party's model input once its own preprocessing is fitted on its planned
+    training rows, :func:`fitted_widths`), or ``widths`` without it."""
     member = federation.member(federation.label_party)
     assert member.labels is not None
     plan = plan_rows_by(
@@ -1306,6 +1374,8 @@ def label_side(
         {split: rows[:, 0] for split, rows in plan.rows.items()},
         where=f"{member.data} ({federation.label_party})",
     )
+    if encoded is not None:
+        widths = encoded(plan)
     all_widths = [blocks["train"].shape[1], *widths]
 
     def split(name: str) -> VerticalSplit:
@@ -1501,7 +1571,14 @@ def train_deployed(
         else:
             ids, widths = collect_ids(endpoint, federation)
             align = join_alignment(own, ids)
-        side = label_side(config, federation, own, align, widths)
+        side = label_side(
+            config,
+            federation,
+            own,
+            align,
+            widths,
+            encoded=lambda plan: fitted_widths(endpoint, federation, plan, config.align),
+        )
         plans = privacy_plans(config, side, federation, privacy)
         bodies = setup_bodies(config, side, federation, secure_agg, plans)
         for receiver, body in bodies.items():

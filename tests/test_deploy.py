@@ -24,7 +24,8 @@ from sklearn.datasets import load_breast_cancer
 from protocols import tls
 from secure_vfl.checkpoints import read_checkpoint, written_steps
 from secure_vfl.cli import main
-from secure_vfl.deployment import _row_mapping
+from secure_vfl.data.party_files import read_party_file
+from secure_vfl.deployment import _row_mapping, fit_served_preprocessing
 from secure_vfl.errors import ConfigError, ProtocolError
 from secure_vfl.federation import wire
 from secure_vfl.federation.federation_file import read_federation
@@ -225,9 +226,12 @@ def test_a_deployed_party_encodes_its_own_categories_and_empty_cells_as_in_one_p
     assert result["samples"] == alone["samples"]
     assert result["metrics"] == alone["metrics"]
     assert result["epoch_loss"] == alone["epoch_loss"]
-    columns = pd.read_csv(messy_site / "shop.csv", nrows=0).columns
-    widths = json.loads((tmp_path / "deployed" / "result.json").read_text())["config"]
-    assert "segment" in columns and widths  # the file had them; the run's config is written
+    # In one process shop's 9 columns became 3 one-hot inputs and an indicator more; deployed,
+    # the label party learnt only that width (its `fit` answer), which the saved model keeps.
+    shop = alone["columns"]["shop"]
+    assert shop["encoded"] == {"segment": 3} and shop["indicators"]
+    manifest = json.loads((tmp_path / "deployed" / "model" / "manifest.json").read_text())
+    assert manifest["block_shapes"][1] == [shop["inputs"]] and shop["inputs"] > shop["columns"]
 
 
 def wait_for_line(processes: Processes, log: str, line: str, *watched: Any) -> None:
@@ -733,15 +737,14 @@ def test_deployed_psi_trains_to_the_in_process_psi_metrics_and_no_party_sends_it
     joined, codes = deployed_here(site, processes, tmp_path / "join", join, monkeypatch, *flags)
     assert codes == [0, 0, 0, 0]
     assert (joined["metrics"], joined["samples"]) == (result["metrics"], result["samples"])
-    # Under PSI a data party answers the label party's deployment messages with its width and,
-    # at the end, its saved part's hashes and its bytes: never its ids, which appear in none of
-    # the bytes that arrived.
+    # Under PSI a data party answers the label party's deployment messages with its width, its
+    # model input's shape and, at the end, its saved part's hashes and its bytes: never its
+    # ids, which appear in none of the bytes that arrived.
     topics = [
         (m.sender, m.topic) for _, m in from_data_parties(psi) if isinstance(m, DeploymentMessage)
     ]
-    assert sorted(topics) == sorted(
-        (name, topic) for name in PARTIES[1:] for topic in ("psi-ready", "saved", "report")
-    )
+    answers = ("psi-ready", "fitted", "saved", "report")
+    assert sorted(topics) == sorted((name, topic) for name in PARTIES[1:] for topic in answers)
     kinds = {m.kind for _, m in from_data_parties(psi)}
     assert {"psi-response", "deployment"} <= kinds, kinds
     for party in PARTIES[1:]:
@@ -769,6 +772,27 @@ def test_a_setup_in_psi_positions_maps_to_the_party_rows_and_refuses_what_it_doe
         1,
         -1,
     ]
+
+
+def test_a_party_fits_its_preprocessing_only_on_rows_it_holds_and_tells_only_the_shape(
+    messy_site: Path,
+) -> None:
+    shop = read_party_file(messy_site / "shop.csv")
+    fitted = fit_served_preprocessing("shop", shop, list(range(0, 200, 2)), "join", None)
+    # Its numeric columns, "segment" as 3 one-hot inputs, and one missing-cell indicator.
+    assert fitted.block_shape == (len(shop.columns) - 1 + 3 + 1,)
+    aligned = np.array([3, -1, 0], dtype=np.int64)  # under PSI: positions of aligned samples
+    assert fit_served_preprocessing("shop", shop, [0, 2], "psi", aligned).block_shape
+    refusals = {
+        "must be a list of integers": (["0"], "join", None),
+        "must lie in": ([shop.ids.size], "join", None),  # a row its table does not have
+        "does not hold": ([1], "psi", aligned),
+        "must hold a training row": ([], "join", None),
+        "ran no PSI": ([0], "psi", None),
+    }
+    for reason, (rows, align, held) in refusals.items():
+        with pytest.raises(ProtocolError, match=reason):
+            fit_served_preprocessing("shop", shop, rows, align, held)
 
 
 def test_a_label_party_process_goes_past_the_refusals_to_psi_with_each_party(

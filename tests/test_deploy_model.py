@@ -32,7 +32,14 @@ from test_deploy_resume import LoopbackEndpoint
 from protocols import tls
 from secure_vfl.cli import main
 from secure_vfl.data.party_files import read_party_file
-from secure_vfl.deployment import ServedModel, _deployment, _Server, model_directory, save_deployed
+from secure_vfl.deployment import (
+    ServedModel,
+    _deployment,
+    _Server,
+    fitted_widths,
+    model_directory,
+    save_deployed,
+)
 from secure_vfl.errors import ConfigError, DataError, IntegrityError, ProtocolError, TransportError
 from secure_vfl.experiment import TrainConfig, build_method, prepare_data
 from secure_vfl.federation.channel import Channel
@@ -309,7 +316,32 @@ def test_a_party_lost_while_the_model_is_saved_is_listed_lost_and_the_others_are
         ("insurer", KEPT_BY_PARTY),
         ("telco", LOST),
     ]
-    assert SavedModel.load(model).lost == ("telco",)
+    written = json.loads((model / MANIFEST_FILE).read_text())  # what predict will read
+    assert [entry["location"] for entry in written["parties"]] == ["here", "party", "party", "lost"]
+
+
+def test_the_label_party_takes_each_partys_model_input_shape_and_refuses_a_bad_one(
+    tmp_path: Path,
+) -> None:
+    federation = read_federation(write_federation(tmp_path, tmp_path, free_loopback_ports(5)))
+    told: dict[str, list[Any]] = {"shop": [12], "insurer": [7], "telco": [7]}
+    asked: list[dict[str, Any]] = []
+
+    def answer(message: DeploymentMessage) -> tuple[str, dict[str, Any]]:
+        assert message.topic == "fit"
+        asked.append(json.loads(message.body))
+        return "fitted", {"shape": told[message.receiver]}
+
+    endpoint: Any = LoopbackEndpoint(answer)
+    endpoint.handler = None  # before the set-up no party is attached
+    plan: Any = type("Plan", (), {"fit_rows": [np.arange(k, k + 3) for k in range(4)]})
+    assert fitted_widths(endpoint, federation, plan, "join") == [12, 7, 7]
+    assert asked == [{"fit_rows": [k, k + 1, k + 2], "align": "join"} for k in (1, 2, 3)]
+    for bad in ([0], [3, 4], ["12"], [2**21], []):
+        told["telco"] = bad
+        endpoint.kept.clear()
+        with pytest.raises(ProtocolError, match="the shape of a tabular block"):
+            fitted_widths(endpoint, federation, plan, "join")
 
 
 def test_manifest_locations_are_checked_and_version_1_still_reads(

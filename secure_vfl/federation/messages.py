@@ -698,6 +698,8 @@ DEPLOYMENT_TOPICS = (
     "ids",
     "psi",
     "psi-ready",
+    "fit",
+    "fitted",
     "setup",
     "checkpoints",
     "checkpoints-ready",
