@@ -589,34 +589,6 @@ class Federation:
             for name in asked
         ]
 
-    def request_sum(
-        self,
-        selection: Tensor,
-        *,
-        deliver_to: str,
-        round: int,
-        batch_id: int,
-        tag: str,
-        train: bool,
-        source_tag: str = "",
-        dp_rows: Tensor | None = None,
-    ) -> None:
-        """Ask the aggregator for the per-task sums ``selection`` (T, B, K) of the
-        representations it holds for this batch, delivered to ``deliver_to``
-        (:meth:`sum_requests`, sent at once)."""
-        self.own.send_all(
-            self.sum_requests(
-                selection,
-                deliver_to=deliver_to,
-                round=round,
-                batch_id=batch_id,
-                tag=tag,
-                train=train,
-                source_tag=source_tag,
-                dp_rows=dp_rows,
-            )
-        )
-
     def sum_requests(
         self,
         selection: Tensor,
@@ -736,7 +708,7 @@ class Federation:
         """The classes ``head_party``'s head ``head`` predicts for ``positions`` from the sum of
         ``selection`` (B, K) over the representations sent under ``source_tag``: (positions,
         predictions) as it answered; with ``probabilities``, its class probabilities
-        (positions, classes) instead of the classes. ``dp_rows``: see :meth:`request_sum`."""
+        (positions, classes) instead of the classes. ``dp_rows``: see :meth:`sum_requests`."""
         self.own.send(
             PredictTask(
                 **self.header(head_party, round, batch_id),
@@ -746,15 +718,17 @@ class Federation:
                 probabilities=probabilities,
             )
         )
-        self.request_sum(
-            selection.unsqueeze(0),
-            deliver_to=head_party,
-            round=round,
-            batch_id=batch_id,
-            tag=tag,
-            train=False,
-            source_tag=source_tag,
-            dp_rows=dp_rows,
+        self.own.send_all(
+            self.sum_requests(
+                selection.unsqueeze(0),
+                deliver_to=head_party,
+                round=round,
+                batch_id=batch_id,
+                tag=tag,
+                train=False,
+                source_tag=source_tag,
+                dp_rows=dp_rows,
+            )
         )
         answer = cast(
             PredictionMessage,
