@@ -610,35 +610,20 @@ class Federation:
         ``dp_rows`` (B, K) tells each contributor which of its rows to send as a DP release (a
         sum where it is the only contributor besides the receiver; ``release="dp"``).
         """
-        seals: list[Message] = []
+        plan: dict[str, Any] = {
+            "selection": selection,
+            "parties": tuple(self.names),
+            "deliver_to": deliver_to,
+            "tag": tag,
+            "source_tag": source_tag,
+            "phase": "train" if train else "predict",
+            "dp_rows": dp_rows,
+        }
+        sealers = []  # under a secure scheme, every contributor the selection names
         if self.scheme:
-            seals = [
-                SealRequest(
-                    **self.header(name, round, batch_id),
-                    selection=selection,
-                    parties=tuple(self.names),
-                    deliver_to=deliver_to,
-                    tag=tag,
-                    source_tag=source_tag,
-                    phase="train" if train else "predict",
-                    dp_rows=dp_rows,
-                )
-                for k, name in enumerate(self.names)
-                if bool(selection[..., k].any())
-            ]
-        return [
-            *seals,
-            SumRequest(
-                **self.header(AGGREGATOR, round, batch_id),
-                selection=selection,
-                parties=tuple(self.names),
-                deliver_to=deliver_to,
-                tag=tag,
-                source_tag=source_tag,
-                phase="train" if train else "predict",
-                dp_rows=dp_rows,
-            ),
-        ]
+            sealers = [n for k, n in enumerate(self.names) if bool(selection[..., k].any())]
+        seals = [SealRequest(**self.header(name, round, batch_id), **plan) for name in sealers]
+        return [*seals, SumRequest(**self.header(AGGREGATOR, round, batch_id), **plan)]
 
     def assign_head_task(
         self,
