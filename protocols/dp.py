@@ -316,6 +316,25 @@ def calibrate_per_record(
     return single * shift * math.sqrt(releases)
 
 
+def _release_json(event: GaussianRelease) -> dict[str, Any]:
+    return {**dataclasses.asdict(event), "rows": list(event.rows)}
+
+
+def _releases(events: Sequence[Mapping[str, Any]], source: str) -> list[GaussianRelease]:
+    """The releases ``events`` (as :meth:`PrivacyAccountant.to_json` writes them) describe;
+    ConfigError, naming the entry, for one that is not a release."""
+    fields = {f.name for f in dataclasses.fields(GaussianRelease)}
+    found = []
+    for i, event in enumerate(events):
+        if not isinstance(event, Mapping) or not set(event) <= fields:
+            keys = sorted(event) if isinstance(event, Mapping) else type(event).__name__
+            raise ConfigError(
+                f"release {i} of {source}: the fields {sorted(fields)} expected, found {keys}."
+            )
+        found.append(GaussianRelease(**{**event, "rows": tuple(event.get("rows", ()))}))
+    return found
+
+
 class PrivacyAccountant:
     """Records releases (pass :meth:`on_event` to the mechanisms) and prices them per party as
     :class:`Guarantee` s. A party's guarantees cover its own records only.
@@ -326,30 +345,38 @@ class PrivacyAccountant:
         _check_accountant(accountant)
         self.accountant: AccountantName = accountant
         self.events: list[GaussianRelease] = []
+        self.journal: Callable[[Mapping[str, Any]], None] | None = None
+        """Called with each release as JSON once it is recorded, before the message carrying
+        it leaves the party: a checkpointed party's release journal
+        (:class:`~secure_vfl.checkpoints.ReleaseJournal`), so that a resumed run can price the
+        releases a killed run made after its last checkpoint."""
 
     def on_event(self, event: GaussianRelease) -> None:
-        """Record one release."""
+        """Record one release (and journal it, when a journal is attached)."""
         self.events.append(event)
+        if self.journal is not None:
+            self.journal(_release_json(event))
 
     def to_json(self) -> list[dict[str, Any]]:
         """Every release recorded, as JSON: what a party's checkpoint keeps, so that a resumed
         run prices exactly the releases the killed one made."""
-        return [{**dataclasses.asdict(event), "rows": list(event.rows)} for event in self.events]
+        return [_release_json(event) for event in self.events]
 
-    def restore(self, events: Sequence[Mapping[str, Any]]) -> None:
+    def restore(
+        self, events: Sequence[Mapping[str, Any]], *, lost: Sequence[Mapping[str, Any]] = ()
+    ) -> int:
         """Replace the releases recorded by ``events`` (from :meth:`to_json`, read back from a
-        checkpoint); ConfigError, naming the entry, for one that is not a release."""
-        fields = {f.name for f in dataclasses.fields(GaussianRelease)}
-        restored = []
-        for i, event in enumerate(events):
-            if not isinstance(event, Mapping) or not set(event) <= fields:
-                found = sorted(event) if isinstance(event, Mapping) else type(event).__name__
-                raise ConfigError(
-                    f"release {i} of a checkpoint: the fields {sorted(fields)} expected, "
-                    f"found {found}."
-                )
-            restored.append(GaussianRelease(**{**event, "rows": tuple(event.get("rows", ()))}))
-        self.events = restored
+        checkpoint), then add those of ``lost`` (the killed run's releases after that
+        checkpoint, from its journal) that left the party: every release but a DP-SGD step's,
+        which changed only the model the resumed run discards (its step is taken again, with
+        fresh noise, and counted then). A lost release was seen by its receivers before the
+        kill, and the resumed run releases about the same rows again: both are priced. Returns
+        how many lost releases were added; ConfigError, naming the entry, for one that is not
+        a release."""
+        restored = _releases(events, "a checkpoint")
+        seen = [event for event in _releases(lost, "the journal") if event.kind != "dp-sgd"]
+        self.events = restored + seen
+        return len(seen)
 
     def parties(self) -> list[str]:
         """The parties that have spent privacy, in order of their first release."""

@@ -240,6 +240,36 @@ class RequestedRows:
             self._rows.setdefault(message.round, []).append(rows.astype(np.int64))
         return message
 
+    checkpoint_key = "requested-rows"
+    """Its view of the batches so far is part of the party's checkpoint: a resumed party prices
+    the steps before the checkpoint over the rows they used."""
+
+    def checkpoint_state(self) -> dict[str, list[int]]:
+        return {
+            str(step): np.unique(np.concatenate(rows)).tolist()
+            for step, rows in sorted(self._rows.items())
+        }
+
+    def restore_checkpoint(self, state: Any) -> None:
+        """The rows of the steps before the checkpoint (ValueError, naming the step, for rows
+        or a step outside the plan)."""
+        if not isinstance(state, dict):
+            raise ValueError(f"requested rows by step expected, found {type(state).__name__}")
+        restored = {}
+        for step, rows in state.items():
+            if not (
+                step.isdigit()
+                and int(step) < self.steps
+                and isinstance(rows, list)
+                and all(type(row) is int and 0 <= row < self.records for row in rows)
+            ):
+                raise ValueError(
+                    f"requested rows of step {step[:20]!r}: a step below {self.steps} and rows "
+                    f"below {self.records} expected"
+                )
+            restored[int(step)] = [np.array(rows, dtype=np.int64)]
+        self._rows = restored
+
     def schedule(self) -> list[np.ndarray]:
         """Per step, the rows it was asked for (empty where it was asked for none)."""
         return [

@@ -20,7 +20,9 @@ Each checkpoint is written whole under a temporary name, fsynced and renamed
 step; then every party drops its older checkpoints. A resumed run starts from the label
 party's latest checkpoint, and every file of every party is checked against the manifests
 before anything trains. A DP party's noise is not kept: a resumed run draws fresh noise from
-the operating system, and its accountant goes on from the releases it had made.
+the operating system, and its accountant goes on from the releases it had made, those of its
+checkpoint and those its release journal ``<checkpoints>/<party>/releases.jsonl`` recorded
+after it, up to the kill (:class:`ReleaseJournal`): their receivers saw them.
 
 In a deployment the data parties live in other processes (:class:`PartiesElsewhere`): the label
 party asks each by message to write or restore its own checkpoint in its own directory, and
@@ -31,6 +33,8 @@ from __future__ import annotations
 
 import io
 import json
+import logging
+import os
 import pickle
 import re
 import secrets
@@ -38,7 +42,7 @@ import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -47,12 +51,14 @@ from torch import Tensor
 from secure_vfl.data.samplers import PoissonSampler
 from secure_vfl.errors import ConfigError, DataError, IntegrityError
 from secure_vfl.federation.parts import sha256, unwrapped
-from secure_vfl.io import atomic_directory
+from secure_vfl.io import atomic_directory, atomic_write_text
 from secure_vfl.methods.base import StepCallback, TrainingProgress
 
 if TYPE_CHECKING:
     from secure_vfl.federation.parties import DataParty
     from secure_vfl.methods.base import Method
+
+logger = logging.getLogger(__name__)
 
 SCHEMA = "secure-vfl/checkpoint"
 VERSION = 1
@@ -138,7 +144,32 @@ def party_state(party: DataParty) -> tuple[dict[str, Any], dict[str, Any]]:
             meta["generators"][name] = generator.bit_generator.state
     accountant = party.accountant
     meta["accountant"] = accountant.to_json() if accountant is not None else None
+    meta["hooks"] = {key: hook.checkpoint_state() for key, hook in _kept_hooks(party).items()}
     return tensors, meta
+
+
+class KeptHook(Protocol):
+    """A message hook with state of its own that a party's checkpoint keeps (e.g. a deployed
+    DP party's view of the batches it was asked for), under ``checkpoint_key``."""
+
+    checkpoint_key: str
+
+    def checkpoint_state(self) -> Any:
+        """Its state, as JSON."""
+        ...
+
+    def restore_checkpoint(self, state: Any) -> None:
+        """Take back the state :meth:`checkpoint_state` gave (ValueError if it does not fit)."""
+        ...
+
+
+def _kept_hooks(party: DataParty) -> dict[str, KeptHook]:
+    kept = {}
+    for hook in (*party.incoming, *party.outgoing):
+        key = getattr(hook, "checkpoint_key", None)
+        if isinstance(key, str):
+            kept[key] = cast(KeptHook, hook)
+    return kept
 
 
 def _split_optimizer(state: Mapping[str, Any], what: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -164,10 +195,19 @@ def _join_optimizer(tensors: Mapping[str, Any], meta: Mapping[str, Any]) -> dict
 
 
 def restore_party_state(
-    party: DataParty, tensors: Mapping[str, Any], meta: Mapping[str, Any], *, where: str
-) -> None:
+    party: DataParty,
+    tensors: Mapping[str, Any],
+    meta: Mapping[str, Any],
+    *,
+    where: str,
+    journal: Path | None = None,
+    run_id: str = "",
+) -> int:
     """Put a checkpoint's state back into ``party`` (the same modules, optimisers, generators
-    and accountant as it was written from), or refuse with what differs (IntegrityError)."""
+    and accountant as it was written from), or refuse with what differs (IntegrityError). A
+    party with an accountant also takes the releases its journal under ``journal`` (the
+    checkpoints' root) recorded after the checkpoint (:func:`lost_releases`) and restarts the
+    journal; returns how many of those its accountant prices."""
     modules = party.own_modules()
     saved = tensors.get("modules", {})
     _same_names(where, "modules", modules, saved)
@@ -176,6 +216,8 @@ def restore_party_state(
     generators = _generators(party)
     saved_generators = {**tensors.get("generators", {}), **meta.get("generators", {})}
     _same_names(where, "random generators", generators, saved_generators)
+    hooks = _kept_hooks(party)
+    _same_names(where, "message hooks' states", hooks, meta.get("hooks", {}))
     try:
         for name, module in modules.items():
             unwrapped(module).load_state_dict(dict(saved[name]), strict=True)
@@ -187,6 +229,8 @@ def restore_party_state(
                 generator.set_state(saved_generators[name])
             else:
                 generator.bit_generator.state = saved_generators[name]
+        for key, hook in hooks.items():
+            hook.restore_checkpoint(meta["hooks"][key])
     except (RuntimeError, ValueError, KeyError, TypeError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise IntegrityError(f"{where}: the state does not fit {party.name} ({first}).") from None
@@ -196,8 +240,121 @@ def restore_party_state(
             f"{where}: {'an accountant' if party.accountant is not None else 'no accountant'} "
             f"expected (this run's privacy), found {'none' if releases is None else 'one'}."
         )
-    if party.accountant is not None:
-        party.accountant.restore(releases)
+    if party.accountant is None or releases is None:
+        return 0
+    lost = (
+        [] if journal is None else lost_releases(journal, party.name, run_id, releases, where=where)
+    )
+    try:
+        added: int = party.accountant.restore(releases, lost=lost)
+    except (ConfigError, TypeError, ValueError) as error:
+        raise IntegrityError(f"{where}: the releases do not fit {party.name} ({error}).") from None
+    if journal is not None:
+        start_journal(journal, party, run_id)
+    if added:
+        logger.warning(
+            "%s: %d release(s) of the killed run after %s are priced too (their receivers saw "
+            "them, and the resumed steps release about the same rows again)",
+            party.name,
+            added,
+            where,
+        )
+    return added
+
+
+# -- a DP party's release journal --------------------------------------------------------------
+
+RELEASES_FILE = "releases.jsonl"
+"""A checkpointed DP party's journal of its releases, beside its checkpoints."""
+
+
+def journal_path(root: Path, party: str) -> Path:
+    return root / party / RELEASES_FILE
+
+
+class ReleaseJournal:
+    """A checkpointed party's releases (its accountant's, as JSON), one line each, appended and
+    fsynced as each is recorded, before the message carrying it leaves the party. A checkpoint
+    keeps the releases made before it; the journal also those made after it, up to the kill,
+    which their receivers saw: the resumed run prices them (:func:`lost_releases`)."""
+
+    def __init__(self, root: Path, party: str, run_id: str) -> None:
+        self.path = journal_path(root, party)
+        self.run_id = run_id
+
+    def start(self, releases: Sequence[Mapping[str, Any]]) -> None:
+        """Write the journal anew, atomically, holding ``releases`` (the accountant's)."""
+        atomic_write_text(self.path, "".join(self._line(release) for release in releases))
+
+    def append(self, release: Mapping[str, Any]) -> None:
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        try:
+            os.write(fd, self._line(release).encode("utf-8"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _line(self, release: Mapping[str, Any]) -> str:
+        return json.dumps({"run": self.run_id, "release": release}, sort_keys=True) + "\n"
+
+
+def lost_releases(
+    root: Path, party: str, run_id: str, checkpointed: Sequence[Any], *, where: str
+) -> list[dict[str, Any]]:
+    """The releases ``party``'s journal recorded after its ``checkpointed`` ones (those its
+    checkpoint keeps, which the journal must begin with): the killed run's releases after its
+    checkpoint. A last line cut short by the kill is left out (its release had not left the
+    party: a release leaves only once its line is whole); anything else that is not this run's
+    journal is refused (IntegrityError)."""
+    path = journal_path(root, party)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise IntegrityError(
+            f"{where}: {party}'s release journal {path} expected (a DP party keeps one beside "
+            "its checkpoints, for the releases after the last one); found none."
+        ) from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise IntegrityError(f"{path}: a readable release journal expected ({error}).") from None
+    lines = text.split("\n")[:-1]  # what follows the last newline was cut short by the kill
+    releases = []
+    for number, line in enumerate(lines, start=1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if not (
+            isinstance(record, dict)
+            and record.keys() == {"run", "release"}
+            and isinstance(record["release"], dict)
+        ):
+            raise IntegrityError(
+                f'{path}, line {number}: a release as {{"run": ..., "release": {{...}}}} '
+                f"expected; found {line[:60]!r}."
+            )
+        if record["run"] != run_id:
+            raise IntegrityError(
+                f"{path}, line {number}: a release of run {run_id} expected; found one of run "
+                f"{str(record['run'])[:40]!r}."
+            )
+        releases.append(record["release"])
+    if list(checkpointed) != releases[: len(checkpointed)]:
+        raise IntegrityError(
+            f"{path}: a journal that begins with the {len(checkpointed)} release(s) of {where} "
+            f"expected; found {len(releases)} line(s) that do not."
+        )
+    return releases[len(checkpointed) :]
+
+
+def start_journal(root: Path, party: DataParty, run_id: str) -> None:
+    """Attach a release journal to ``party``'s accountant (none: nothing to journal), written
+    anew with the releases it holds (restored from a checkpoint, lost ones included)."""
+    accountant = party.accountant
+    if accountant is None:
+        return
+    journal = ReleaseJournal(root, party.name, run_id)
+    journal.start(accountant.to_json())
+    accountant.journal = journal.append
 
 
 def _same_names(where: str, what: str, expected: Mapping[str, Any], found: Any) -> None:
@@ -622,11 +779,15 @@ class RunCheckpoints:
             raise IntegrityError(f"{where}: the label party's run position expected; found none.")
         return restore_run(method, point.label.tensors.get("run", {}), run, where=where)
 
-    def restore_parties(self, parties: Sequence[DataParty]) -> None:
+    def start_parties(self, parties: Sequence[DataParty]) -> None:
         """Every party of this process restores its own state from its checkpoint of the
-        resumed step (the parties elsewhere have restored theirs when they were started)."""
+        resumed step (the parties elsewhere have restored theirs when they were started), and
+        each DP party journals its releases from now on (:class:`ReleaseJournal`)."""
         point = self.plan.resume
+        root = self.plan.directory
         if point is None:
+            for party in parties:
+                start_journal(root, party, self.run_id)
             return
         names = [party.name for party in parties]
         if self.plan.elsewhere is not None:
@@ -649,7 +810,9 @@ class RunCheckpoints:
                 )
             )
             where = str(step_directory(point.root, party.name, point.step))
-            restore_party_state(party, saved.tensors, saved.meta, where=where)
+            restore_party_state(
+                party, saved.tensors, saved.meta, where=where, journal=root, run_id=self.run_id
+            )
 
     def hook(
         self,

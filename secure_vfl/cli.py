@@ -2188,20 +2188,6 @@ def _refuse_deployed_flags(args: argparse.Namespace) -> None:
             "in one process; across machines each party's messages stay in its own (record "
             "them on the wire)."
         )
-    dp = _given(
-        ("--dp-embeddings", args.dp_embeddings),
-        ("--dp-gradients", args.dp_gradients),
-        ("--dp-sgd", args.dp_sgd),
-        ("--release dp", "dp" if args.release == "dp" else None),
-    )
-    resumable = _given(("--checkpoint-every", args.checkpoint_every), ("--resume", args.resume))
-    if dp and resumable:
-        raise ConfigError(
-            f"{', '.join(resumable)} with {', '.join(dp)} not offered with --federation yet: "
-            "each data party's accountant and its view of the batches would have to be "
-            "checkpointed in its own process, and the privacy plan drawn before the run is set "
-            "up would not be the resumed one."
-        )
 
 
 def run_train_deployed(args: argparse.Namespace) -> int:

@@ -106,6 +106,7 @@ from secure_vfl.checkpoints import (
     party_state,
     read_checkpoint,
     restore_party_state,
+    start_journal,
     step_directory,
     write_checkpoint,
     written_steps,
@@ -596,6 +597,8 @@ class ServedCheckpoints:
         if resuming:
             self._restore(party, run, step, manifest)
             self.step = step
+        else:
+            start_journal(self.directory, party, run)
         self.run = run
         self.joined_after = committed
         return {"run": run, "step": step}
@@ -607,7 +610,9 @@ class ServedCheckpoints:
                 self.directory, self.name, step, run_id=run, manifest_sha=manifest
             )
             where = str(step_directory(self.directory, self.name, step))
-            restore_party_state(party, saved.tensors, saved.meta, where=where)
+            restore_party_state(
+                party, saved.tensors, saved.meta, where=where, journal=self.directory, run_id=run
+            )
         except (IntegrityError, DataError) as error:
             raise ProtocolError(
                 f"{self.name} refuses its checkpoint of step {step} of run {run}: {error}"

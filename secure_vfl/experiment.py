@@ -440,7 +440,7 @@ def run_training(
     steps = method.total_steps
     step_done = on_step
     if run_checkpoints is not None and progress is not None:
-        run_checkpoints.restore_parties(in_process_parties(channel))
+        run_checkpoints.start_parties(in_process_parties(channel))
         step_done = run_checkpoints.hook(
             step_done, method=method, parties=in_process_parties(channel), progress=progress
         )

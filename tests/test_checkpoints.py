@@ -20,6 +20,7 @@ from secure_vfl.checkpoints import (
     TENSORS_FILE,
     CheckpointPlan,
     find_resume_point,
+    journal_path,
     step_directory,
     written_steps,
 )
@@ -292,20 +293,86 @@ def _dp_engine(**kwargs: Any) -> PrivacyEngine:
     return PrivacyEngine(PrivacySpec(dp_gradients=(1.0, 0.1), dp_sgd=(1.0, 0.1), **kwargs))
 
 
-def test_a_resumed_dp_run_prices_the_releases_of_the_whole_run(
+def _events(channel: Channel) -> dict[str, list[tuple[Any, ...]]]:
+    """Every party's releases, as sortable tuples (the order of a step's releases may differ)."""
+    return {
+        party.name: sorted(
+            tuple(json.dumps(v) for v in dataclasses.asdict(e).values())
+            for e in party.accountant.events
+        )
+        for party in in_process_parties(channel)
+    }
+
+
+def test_a_resumed_dp_run_prices_the_whole_run_and_the_killed_runs_lost_releases(
     tmp_path: Path, make_data: MakeData, one_thread: None
 ) -> None:
     """DP noise differs after a resume (fresh noise), so the model may differ; what must not is
-    the privacy spent: the accountants go on from the releases they had recorded."""
+    the privacy spent: the accountants go on from the releases they had checkpointed, and each
+    adds those its journal recorded after the checkpoint (steps 10-12, seen by their receivers
+    before the kill, released again by the resumed run); not the DP-SGD steps of the killed
+    run, whose model is discarded."""
     config = _config()
     data = make_data(train_missing="mcar:0")
-    whole, _ = _train(config, data, privacy=_dp_engine(insecure_reproducible_noise=True))
-    resumed, _ = _killed_then_resumed(
+    whole, uninterrupted = _train(
+        config, data, privacy=_dp_engine(insecure_reproducible_noise=True)
+    )
+    resumed, channel = _killed_then_resumed(
         tmp_path, config, data, privacy=_dp_engine(insecure_reproducible_noise=True)
     )
     assert whole.privacy is not None and resumed.privacy is not None
-    for key in ("epsilon", "epsilon_per_epoch", "releases", "sampling", "noise"):
+    for key in ("sampling", "noise"):
         assert resumed.privacy[key] == whole.privacy[key], key
+    for name, releases in whole.privacy["releases"].items():
+        again = resumed.privacy["releases"][name]
+        assert again["dp-sgd"] == releases["dp-sgd"]
+        assert again["gradient"] > releases["gradient"]
+        assert resumed.privacy["epsilon"][name] > whole.privacy["epsilon"][name]
+        (model,) = [g for g in resumed.privacy["guarantees"][name] if g["amplification"]]
+        assert model in whole.privacy["guarantees"][name]  # the final model's: unchanged
+    # Exactly the uninterrupted run's releases, and those of the lost steps once more.
+    expected = {}
+    for party in in_process_parties(uninterrupted):
+        events = party.accountant.events
+        twice = [e for e in events if 10 <= e.round < STOP and e.kind != "dp-sgd"]
+        expected[party.name] = [*events, *twice]
+    assert _events(channel) == {
+        name: sorted(tuple(json.dumps(v) for v in dataclasses.asdict(e).values()) for e in events)
+        for name, events in expected.items()
+    }
+
+
+def test_a_release_journal_that_does_not_fit_its_checkpoint_is_refused(
+    tmp_path: Path, make_data: MakeData, one_thread: None
+) -> None:
+    config = _config()
+    data = make_data(train_missing="mcar:0")
+    plan = CheckpointPlan(directory=tmp_path, every=EVERY, settings=_settings(config))
+    with pytest.raises(Killed):
+        _train(config, data, plan=plan, on_step=_kill_at(STOP), privacy=_dp_engine())
+    journal = journal_path(tmp_path, "party-2")
+    lines = journal.read_text().splitlines(keepends=True)
+    point = find_resume_point(tmp_path, label_party="party-0", settings=_settings(config))
+    resume = CheckpointPlan(directory=tmp_path, resume=point, settings=_settings(config))
+    cases = {
+        "found none": None,
+        "line 2: a release as": [lines[0], "{not json\n", *lines[2:]],
+        "a release of run": [lines[0].replace(point.run_id, "0" * 16), *lines[1:]],
+        "that do not": lines[1:],
+    }
+    for message, changed in cases.items():
+        journal.unlink(missing_ok=True)
+        if changed is not None:
+            journal.write_text("".join(changed))
+        with pytest.raises(IntegrityError, match=message):
+            _train(config, data, plan=resume, privacy=_dp_engine())
+    # A last line cut short by the kill: its release never left the party.
+    journal.write_text("".join(lines) + lines[-1][:20])
+    result, channel = _train(config, data, plan=resume, privacy=_dp_engine())
+    (party,) = [p for p in in_process_parties(channel) if p.name == "party-2"]
+    kept = [json.loads(line)["release"] for line in journal.read_text().splitlines()]
+    assert kept == party.accountant.to_json()  # the journal, rewritten, holds every release
+    assert result.privacy is not None
 
 
 def test_a_resumed_dp_run_keeps_its_secure_poisson_schedule(

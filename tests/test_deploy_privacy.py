@@ -194,6 +194,21 @@ def test_a_served_party_prices_the_rows_it_was_asked_for_as_the_schedule_would()
         requested.on_message(_request(3, torch.tensor([0])))
 
 
+def test_a_served_partys_view_of_the_batches_survives_its_checkpoint_and_refuses_another() -> None:
+    requested = RequestedRows(3, PLAN.records)
+    requested.on_message(_request(0, torch.tensor([0, 3, 5])))
+    requested.on_message(_request(0, torch.tensor([3, 9])))  # another request of the step
+    requested.on_message(_request(2, torch.tensor([7])))
+    state = json.loads(json.dumps(requested.checkpoint_state()))  # as the checkpoint keeps it
+    assert state == {"0": [0, 3, 5, 9], "2": [7]}
+    again = RequestedRows(3, PLAN.records)
+    again.restore_checkpoint(state)
+    assert [rows.tolist() for rows in again.schedule()] == [[0, 3, 5, 9], [], [7]]
+    for bad in ({"3": [1]}, {"0": [PLAN.records]}, {"0": [-1]}, {"x": [1]}, {"0": [1.0]}, [1]):
+        with pytest.raises(ValueError, match="expected"):
+            RequestedRows(3, PLAN.records).restore_checkpoint(bad)
+
+
 def _request(step: int, rows: torch.Tensor) -> RepresentRequest:
     return RepresentRequest(
         sender="bank",
@@ -328,7 +343,6 @@ def test_what_a_deployment_cannot_do_with_dp_is_refused_before_any_contact(
     base += ["--out", str(tmp_path / "r"), "--wait", "1", "--deadline", "1"]
     cases = [
         (["--dp-sgd", "1:0.05", "--insecure-reproducible-noise"], "noise anyone with the seed"),
-        (["--dp-sgd", "1:0.05", "--checkpoint-every", "5"], "--checkpoint-every with --dp-sgd"),
         (["--capture", str(tmp_path / "c")], "--capture not offered with --federation"),
         (["--test-file", str(site / "labels.csv")], "--test-file not offered"),
         (["--method", "false-vfl-2", "--dp-sgd", "1:0.05"], "not available for false-vfl-2"),

@@ -161,6 +161,60 @@ def test_a_killed_federation_resumes_under_masks_with_fresh_keys_to_the_uninterr
     resume_and_compare(site, processes, tmp_path, step, *flags)
 
 
+MESSAGES = "the parties receiving its messages, who know which rows each step used"
+
+
+def _lost(log: str, name: str) -> int:
+    """How many releases of the killed run ``name`` priced again after its resume (its log)."""
+    found = re.findall(rf"{name}: (\d+) release\(s\) of the killed run after", log)
+    return int(found[0]) if found else 0
+
+
+def test_a_killed_dp_federation_resumes_each_accountant_and_view_of_the_batches_in_its_process(
+    site: Path, processes: Processes, tmp_path: Path
+) -> None:
+    # A batch as large as the training set (rate 1: every record in every step), so that the
+    # epsilons do not depend on the Poisson sample, and 12 steps (one an epoch).
+    flags = ("--method", "laser", "--heads", "active", "--batch-size", "256")
+    flags += ("--dp-sgd", "1.0:0.05", "--dp-embeddings", "1.0:1.0", "--dp-gradients", "1.0:0.01")
+    epochs = ("--epochs", "12")
+    label, servers = start_federation(
+        site, processes, tmp_path, "killed", *flags, *epochs, resume=False
+    )
+    step = kill_after_a_commit(processes, label, servers, tmp_path / "out")
+    label, servers = start_federation(
+        site, processes, tmp_path, "resumed", *flags, *epochs, resume=True
+    )
+    code, codes = finish(label, servers)
+    assert code == 0, processes.log("bank-resumed")
+    assert codes == [0, 0, 0, 0], [processes.log(f"{n}-resumed") for n in PARTIES[1:]]
+    privacy = json.loads((tmp_path / "out" / "result.json").read_text())["privacy"]
+    alone = in_process(site, tmp_path / "alone", *flags, *epochs)["privacy"]
+    for name in PARTIES:
+        log = processes.log(f"{name}-resumed")
+        if name != "bank":
+            assert f"{name}: restored its checkpoint of step {step}" in log
+        lost = _lost(log, name)  # releases after the checkpoint, before the kill
+        releases, whole = privacy["releases"][name], alone["releases"][name]
+        assert releases["dp-sgd"] == whole["dp-sgd"] == 12  # the accountant went on
+        seen = {kind for kind in (*releases, *whole) if kind != "dp-sgd"}
+        assert sum(map(releases.get, seen)) == sum(map(whole.get, seen)) + lost
+        # The model's guarantee is the uninterrupted run's; the messages' counts every
+        # release the receivers saw, over the rows of every step (the checkpointed view of
+        # the batches included: without it the first steps' rows would go uncharged).
+        [model] = [g for g in privacy["guarantees"][name] if g["amplification"]]
+        [whole_model] = [g for g in alone["guarantees"][name] if g["amplification"]]
+        assert model["epsilon"] == pytest.approx(whole_model["epsilon"], rel=1e-9)
+        [messages, whole_messages] = [
+            next(g for g in found["guarantees"][name] if g["observer"] == MESSAGES)
+            for found in (privacy, alone)
+        ]
+        if lost:
+            assert messages["epsilon"] > whole_messages["epsilon"]
+        else:
+            assert messages["epsilon"] == pytest.approx(whole_messages["epsilon"], rel=1e-9)
+
+
 # -- the message checks, without processes -------------------------------------------------
 
 RUN = "0123456789abcdef"
