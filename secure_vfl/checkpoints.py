@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from secure_vfl.data.samplers import PoissonSampler
-from secure_vfl.errors import ConfigError, DataError, IntegrityError
+from secure_vfl.errors import ConfigError, DataError, IntegrityError, ProtocolError
 from secure_vfl.federation.parts import sha256, unwrapped
 from secure_vfl.io import atomic_directory, atomic_write_text
 from secure_vfl.methods.base import StepCallback, TrainingProgress
@@ -384,12 +384,23 @@ def run_state(method: Method, progress: TrainingProgress) -> tuple[dict[str, Any
         "epoch_generator": fed.rng.bit_generator.state,
         "queries": fed.queries,
         "sampler": None,
+        "dropped": list(fed.dropped),
+        "faults": [dict(fault) for fault in fed.faults],
     }
     if isinstance(method.sampler, PoissonSampler):
         sampler = method.sampler
         tensors["schedule"] = [[torch.from_numpy(b) for b in epoch] for epoch in sampler.epochs]
         meta["sampler"] = {"kind": "poisson", "next_epoch": sampler.next_epoch}
     return tensors, meta
+
+
+def dropped_parties(run: Mapping[str, Any]) -> list[str]:
+    """The data parties lost before the label party's checkpoint ``run`` (its run position)
+    was written: they hold no checkpoint of it, and stay lost in the resumed run."""
+    dropped = run.get("dropped", [])
+    if not (isinstance(dropped, list) and all(isinstance(name, str) for name in dropped)):
+        raise TypeError(f"the dropped parties' names expected, found {dropped!r:.60}")
+    return list(dropped)
 
 
 def restore_run(
@@ -413,7 +424,11 @@ def restore_run(
         fed.generator.set_state(tensors["plan_generator"])
         fed.rng.bit_generator.state = meta["epoch_generator"]
         fed.queries = int(meta["queries"])
-    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as error:
+        dropped, faults = dropped_parties(meta), meta.get("faults", [])
+        if not (isinstance(faults, list) and all(isinstance(f, dict) for f in faults)):
+            raise TypeError(f"faults as a list of entries expected, found {faults!r:.60}")
+        fed.restore_losses(dropped, faults)
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, ProtocolError) as error:
         raise IntegrityError(
             f"{where}: a run position expected, found otherwise ({error})."
         ) from None
@@ -657,6 +672,15 @@ class ResumePoint:
         """Every party with a checkpoint of this step, the label party first."""
         return [self.label.party, *self.label.parties]
 
+    @property
+    def dropped(self) -> list[str]:
+        """The data parties lost before this step (none hold a checkpoint of it)."""
+        run = self.label.meta.get("run")
+        try:
+            return dropped_parties(run if isinstance(run, Mapping) else {})
+        except TypeError as error:
+            raise IntegrityError(f"{self.root}: {error}.") from None
+
 
 def find_resume_point(
     directory: Path,
@@ -789,15 +813,19 @@ class RunCheckpoints:
             for party in parties:
                 start_journal(root, party, self.run_id)
             return
+        lost = point.dropped
         names = [party.name for party in parties]
         if self.plan.elsewhere is not None:
             names += self.plan.elsewhere.names
-        if sorted(names) != sorted(point.parties):
+        if sorted(set(names) - set(lost)) != sorted(point.parties):
             raise IntegrityError(
-                f"{point.root}: checkpoints of this run's parties {sorted(names)} expected, "
-                f"found {sorted(point.parties)}."
+                f"{point.root}: checkpoints of this run's parties {sorted(names)} expected "
+                f"(less those lost before it: {sorted(lost) or 'none'}), found "
+                f"{sorted(point.parties)}."
             )
         for party in parties:
+            if party.name in lost:
+                continue  # lost before the checkpoint: it stays lost, and holds none
             saved = (
                 point.label
                 if party.name == point.label.party
@@ -850,7 +878,7 @@ class RunCheckpoints:
         label = method.fed.own
         manifests = {}
         for party in parties:
-            if party.name != label.name:
+            if party.name != label.name and party.name not in method.fed.dropped:
                 tensors, meta = party_state(party)
                 manifests[party.name] = write_checkpoint(
                     root, party.name, run_id=self.run_id, step=step, tensors=tensors, meta=meta

@@ -665,11 +665,13 @@ class DeployedCheckpoints:
         checkpoint of the step, checked against the manifest SHA-256 recorded for it."""
         self.run_id, self.every = run_id, every
         self.committed = resume.step if resume is not None else None
-        if resume is not None and sorted(resume.label.parties) != sorted(self.names):
+        lost = resume.dropped if resume is not None else []
+        live = [name for name in self.names if name not in lost]
+        if resume is not None and sorted(resume.label.parties) != sorted(live):
             raise IntegrityError(
-                f"{resume.root}: checkpoints of the data parties {sorted(self.names)} expected "
-                f"in the label party's manifest of step {resume.step}, found "
-                f"{sorted(resume.label.parties)} (a run that lost a party does not resume yet)."
+                f"{resume.root}: checkpoints of the data parties {sorted(live)} expected in "
+                f"the label party's manifest of step {resume.step} (those lost before it: "
+                f"{sorted(lost) or 'none'}), found {sorted(resume.label.parties)}."
             )
         bodies = {
             name: {
@@ -679,7 +681,7 @@ class DeployedCheckpoints:
                 "manifest": resume.label.parties[name] if resume is not None else None,
                 "committed": self.committed,
             }
-            for name in self.names
+            for name in live
         }
         self._start(bodies)
 
@@ -1586,7 +1588,11 @@ def train_deployed(
         )
         plans = privacy_plans(config, side, federation, privacy)
         bodies = setup_bodies(config, side, federation, secure_agg, plans)
+        # A party lost before the resumed checkpoint stays lost: set up only if it rejoins.
+        lost_before = checkpoints.resume.dropped if checkpoints and checkpoints.resume else []
         for receiver, body in bodies.items():
+            if receiver in lost_before:
+                continue
             endpoint.send(
                 _deployment(name, receiver, "setup", body), deadline=max(deadline, SETUP_DEADLINE)
             )

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import MakeData
+from test_faults import LosingChannel
 
 from protocols.privacy import PrivacyEngine, PrivacySpec
 from protocols.secagg import MaskingAggregator
@@ -84,8 +85,9 @@ def _train(
     on_step: Any = None,
     secure: bool = False,
     privacy: PrivacyEngine | None = None,
+    channel: Channel | None = None,
 ) -> tuple[TrainResult, Channel]:
-    channel = Channel()
+    channel = channel if channel is not None else Channel()
     result = run_training(
         config,
         data=data,
@@ -150,6 +152,39 @@ def test_a_killed_run_resumed_from_its_checkpoint_equals_an_uninterrupted_run(
         assert modules.keys() == found[party].keys()
         for name, value in modules.items():
             assert torch.equal(value, found[party][name]), (party, name)
+
+
+def test_a_run_that_lost_a_party_resumes_with_it_lost_to_the_uninterrupted_result(
+    tmp_path: Path, make_data: MakeData, one_thread: None
+) -> None:
+    """party-2 is lost at step 8, between the checkpoints of steps 5 and 10: the checkpoint of
+    step 10 holds none of it, and the resumed run goes on with its block missing, its fault
+    on record, to the result of the run that never stopped."""
+    config = _config()
+    lost_at = 7  # the round (0-based) in which party-2 goes
+
+    def data() -> VerticalData:  # a loss marks the run's own data: each run gets its own
+        return make_data(train_missing="mcar:0.3")
+
+    whole, _ = _train(config, data(), channel=LosingChannel("represent-request", step=lost_at))
+    plan = CheckpointPlan(directory=tmp_path, every=EVERY, settings=_settings(config))
+    with pytest.raises(Killed):
+        _train(
+            config,
+            data(),
+            plan=plan,
+            on_step=_kill_at(STOP),
+            channel=LosingChannel("represent-request", step=lost_at),
+        )
+    assert not (tmp_path / "party-2" / "step-00000010").exists()
+    point = find_resume_point(tmp_path, label_party="party-0", settings=_settings(config))
+    assert point.dropped == ["party-2"] and "party-2" not in point.parties
+    resume = CheckpointPlan(directory=tmp_path, resume=point, settings=_settings(config))
+    resumed, _ = _train(config, data(), plan=resume)  # nothing is lost in this one
+    assert resumed.faults == whole.faults
+    assert [(f["party"], f["step"]) for f in resumed.faults] == [("party-2", lost_at + 1)]
+    assert resumed.epoch_loss == whole.epoch_loss
+    assert resumed.metrics == whole.metrics
 
 
 def test_a_resume_that_loses_the_optimiser_state_would_differ(

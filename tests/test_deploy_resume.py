@@ -59,16 +59,23 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def start_federation(
-    site: Path, processes: Processes, tmp_path: Path, phase: str, *flags: str, resume: bool
+    site: Path,
+    processes: Processes,
+    tmp_path: Path,
+    phase: str,
+    *flags: str,
+    resume: bool,
+    fresh: tuple[str, ...] = (),
 ) -> tuple[subprocess.Popen[str], list[subprocess.Popen[str]]]:
     """The three data parties (each with its own checkpoint directory), the aggregator and
-    the label party (checkpoints every 3 steps into its --out), logs named by ``phase``."""
+    the label party (checkpoints every 3 steps into its --out), logs named by ``phase``; on
+    ``resume`` every data party serves with --resume but those ``fresh``."""
     federation = write_federation(site, site / "certs", free_loopback_ports(5))
     command = ["party", "serve", "--federation", str(federation), "--name"]
     servers = []
     for name in PARTIES[1:]:
         own = ["--checkpoint-dir", str(tmp_path / f"{name}-checkpoints")]
-        own += ["--resume"] if resume else []
+        own += ["--resume"] if resume and name not in fresh else []
         servers.append(processes.start(*command, name, *own, log=f"{name}-{phase}"))
     servers.append(processes.start(*command, "aggregator", log=f"aggregator-{phase}"))
     out = tmp_path / "out"
@@ -159,6 +166,61 @@ def test_a_killed_federation_resumes_under_masks_with_fresh_keys_to_the_uninterr
     label, servers = start_federation(site, processes, tmp_path, "killed", *flags, resume=False)
     step = kill_after_a_commit(processes, label, servers, tmp_path / "out")
     resume_and_compare(site, processes, tmp_path, step, *flags)
+
+
+def test_a_federation_killed_after_losing_a_party_resumes_without_it_until_it_rejoins(
+    site: Path, processes: Processes, tmp_path: Path
+) -> None:
+    # telco is killed once step 3 is committed; the run goes on without it and commits a
+    # later step without its checkpoint; then every process is killed. The resumed run keeps
+    # telco lost (its fault on record) until the restarted telco is readmitted at an epoch
+    # boundary.
+    flags = ("--method", "laser", "--heads", "active")
+    out = tmp_path / "out"
+    label, servers = start_federation(site, processes, tmp_path, "killed", *flags, resume=False)
+    telco = servers[PARTIES.index("telco") - 1]
+    end = time.monotonic() + PROCESS_SECONDS
+    while not written_steps(out / "checkpoints", "bank"):
+        assert time.monotonic() < end and label.poll() is None, processes.log("bank-killed")
+        time.sleep(0.02)
+    os.kill(telco.pid, signal.SIGKILL)
+    telco.wait(timeout=30)
+
+    def committed_without_telco() -> int | None:
+        for step in reversed(written_steps(out / "checkpoints", "bank")):
+            manifest = step_directory(out / "checkpoints", "bank", step) / MANIFEST_FILE
+            try:
+                if "telco" not in json.loads(manifest.read_text())["parties"]:
+                    return step
+            except (OSError, ValueError):
+                pass  # dropped meanwhile
+        return None
+
+    while committed_without_telco() is None:
+        assert time.monotonic() < end and label.poll() is None, processes.log("bank-killed")
+        time.sleep(0.02)
+    for process in (label, *servers):
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait(timeout=30)
+    assert not (out / "result.json").exists(), "the run ended before its kill"
+    step = written_steps(out / "checkpoints", "bank")[-1]
+    assert committed_without_telco() == step
+    label, servers = start_federation(
+        site, processes, tmp_path, "resumed", *flags, resume=True, fresh=("telco",)
+    )
+    code, codes = finish(label, servers)
+    assert code == 0, processes.log("bank-resumed")
+    assert codes == [0, 0, 0, 0], [processes.log(f"{n}-resumed") for n in PARTIES[1:]]
+    result = json.loads((out / "result.json").read_text())
+    assert result["checkpoints"]["resumed_from_step"] == step
+    lost, rejoined = result["faults"]
+    assert lost["party"] == "telco" and lost["step"] <= step and lost["phase"] == "training"
+    assert rejoined["party"] == "telco" and rejoined["what"] == "rejoined"
+    assert rejoined["step"] > step and (rejoined["step"] - 1) % 3 == 0  # an epoch boundary
+    for name in ("shop", "insurer"):
+        assert f"{name}: restored its checkpoint of step {step}" in processes.log(f"{name}-resumed")
+    assert "restored its checkpoint" not in processes.log("telco-resumed")
 
 
 MESSAGES = "the parties receiving its messages, who know which rows each step used"

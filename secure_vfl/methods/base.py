@@ -338,19 +338,7 @@ class Federation:
         step's training, or in the evaluation after it): its block is missing for every row of
         every split from now on (the availability masks say so, so no plan asks it for
         anything), and ``faults`` records it."""
-        if name == self.own.name or name not in self.names:
-            raise ProtocolError(
-                f"{self.own.name} can drop one of the data parties {self.names[1:]}; found "
-                f"{name!r}."
-            )
-        column = self.names.index(name)
-        splits = split_tensors(self.data)
-        self.lost_columns[name] = {
-            key: split.mask[:, column].copy() for key, split in splits.items()
-        }
-        for split in splits.values():
-            split.mask[:, column] = False
-        self.dropped.append(name)
+        self._lose(name)
         epoch = round // self.epoch_steps + 1 if self.epoch_steps else None
         self.faults.append(
             {"party": name, "step": round + 1, "epoch": epoch, "phase": phase, "what": what}
@@ -364,6 +352,30 @@ class Federation:
             phase,
             what,
         )
+
+    def _lose(self, name: str) -> None:
+        """Data party ``name``'s block is missing for every row of every split from now on."""
+        if name == self.own.name or name not in self.names or name in self.dropped:
+            raise ProtocolError(
+                f"{self.own.name} can drop one of the data parties {self.live(self.names[1:])}; "
+                f"found {name!r}."
+            )
+        column = self.names.index(name)
+        splits = split_tensors(self.data)
+        self.lost_columns[name] = {
+            key: split.mask[:, column].copy() for key, split in splits.items()
+        }
+        for split in splits.values():
+            split.mask[:, column] = False
+        self.dropped.append(name)
+
+    def restore_losses(self, dropped: Sequence[str], faults: Sequence[Mapping[str, Any]]) -> None:
+        """A resumed run: the parties ``dropped`` when its checkpoint was written stay lost
+        (their blocks missing, as after :meth:`drop`), and ``faults`` is the run's record so
+        far. ProtocolError for a name that is not a data party of this run."""
+        for name in dropped:
+            self._lose(name)
+        self.faults = [dict(fault) for fault in faults]
 
     def rejoin(self, *, round: int) -> list[str]:
         """At an epoch boundary (training step ``round`` is next): probe every dropped data
