@@ -79,7 +79,9 @@ trains and is evaluated, and is sent ``end`` at the close; ``faults`` has a seco
 ``{"party", "step", "epoch", "what": "rejoined"}``. With deployed checkpoints it also takes the
 run's checkpoints from the label party's last commit on (:meth:`DeployedCheckpoints.rejoined`).
 Lost again, it is dropped again. Under
-``--align psi`` a lost party does not rejoin (it would need a new PSI session; not built).
+``--align psi`` the restarted party first runs PSI with the label party again, in a new session
+(its PSI state died with its first process; :meth:`PsiAlignment.realign`), and must find the
+run's intersection. Under DP a lost party does not rejoin (its accountant died with it).
 The core never imports the privacy layer: the command line passes the secure-sum backend
 (``secure_sums``) and the PSI roles (``psi``) in.
 """
@@ -1289,36 +1291,55 @@ def start_psi(endpoint: PartyEndpoint, federation: Federation) -> tuple[dict[str
     return sessions, widths
 
 
-def psi_alignment(
-    endpoint: PartyEndpoint, own: PartyTable, sessions: Mapping[str, str], roles: PsiRoles
-) -> AlignLabelIds:
-    """The label party's alignment by PSI over the network: its own table joined locally,
-    every data party through its PSI session (:func:`start_psi`), one after the other, then
-    each party told where its matched ids sit among the aligned samples. The alignment's rows
-    of a data party are those sample positions (the label party never learns the party's rows);
-    the party maps them to its rows (:func:`build_served_party`). The same samples, in the same
-    order, as the plain join and the in-process PSI."""
+class PsiAlignment:
+    """The label party's alignment by PSI over the network (an
+    :data:`~secure_vfl.data.vertical.AlignLabelIds`): its own table joined locally, every data
+    party through its PSI session (:func:`start_psi`), one after the other, then each party
+    told where its matched ids sit among the aligned samples. The alignment's rows of a data
+    party are those sample positions (the label party never learns the party's rows); the party
+    maps them to its rows (:func:`build_served_party`). The same samples, in the same order, as
+    the plain join and the in-process PSI. A party restarted after it was lost aligns again
+    with :meth:`realign`."""
 
-    def align(label_ids: np.ndarray) -> tuple[Alignment, list[int]]:
+    def __init__(
+        self,
+        endpoint: PartyEndpoint,
+        own: PartyTable,
+        sessions: Mapping[str, str],
+        roles: PsiRoles,
+    ) -> None:
+        self.endpoint = endpoint
+        self.own = own
+        self.sessions = dict(sessions)
+        self.roles = roles
+        self._label_ids = np.zeros(0)
+        self._sample_of = np.zeros(0, dtype=np.int64)
+        self._held = np.zeros((0, len(sessions)), dtype=bool)
+        self._samples = 0
+
+    def __call__(self, label_ids: np.ndarray) -> tuple[Alignment, list[int]]:
+        endpoint, own = self.endpoint, self.own
         label_ids = np.asarray(label_ids)
         check_unique_ids(label_ids, "label party")
         own_rows = np.full(label_ids.size, -1, dtype=np.int64)
         local = JoinAligner().align([own.ids], label_ids)
         own_rows[local.label_rows] = local.rows[:, 0]
-        requester = roles.requester(label_ids, endpoint.name)
+        requester = self.roles.requester(label_ids, endpoint.name)
         endpoint.handler = None  # the channel attaches the requester to the endpoint
         requester.connect(NetworkChannel(endpoint))
         try:
-            held, sizes = _intersect_each(requester, sessions, label_ids.size)
+            held, sizes = _intersect_each(requester, self.sessions, label_ids.size)
             label_order = np.argsort(label_ids, kind="stable")
             kept = (held[label_order].any(axis=1)) | (own_rows[label_order] >= 0)
             label_rows = label_order[kept].astype(np.int64)
             sample_of = np.full(label_ids.size, -1, dtype=np.int64)
             sample_of[label_rows] = np.arange(label_rows.size, dtype=np.int64)
-            for peer in sessions:
+            for peer in self.sessions:
                 requester.send_matches(peer, sample_of, int(label_rows.size))
         finally:
             endpoint.handler = None  # the training channel attaches the label party next
+        self._label_ids, self._sample_of, self._held = label_ids, sample_of, held
+        self._samples = int(label_rows.size)
         # A data party's "rows" are sample positions; the label party's own are its rows.
         rows = np.where(held[label_rows], sample_of[label_rows][:, None], -1)
         alignment = Alignment(
@@ -1329,7 +1350,35 @@ def psi_alignment(
         )
         return alignment, [own.ids.size, *sizes]
 
-    return align
+    def realign(self, name: str) -> None:
+        """PSI again with data party ``name``, a new process after it was lost (its PSI state
+        died with the old one), in a fresh session: the run's intersection expected (the same
+        ids: ProtocolError otherwise), then the party told where its matched ids sit, as at the
+        start. Its set-up follows."""
+        endpoint = self.endpoint
+        k = list(self.sessions).index(name)
+        session = secrets.token_hex(16)
+        handler, endpoint.handler = endpoint.handler, None  # the answers wait here
+        try:
+            body = {"session": session, "mode": PSI_MODE}
+            endpoint.send(_deployment(endpoint.name, name, "psi", body))
+            _body(endpoint.receive(sender=name, kind="deployment"), "psi-ready", {"width": int})
+            requester = self.roles.requester(self._label_ids, endpoint.name)
+            endpoint.handler = None
+            requester.connect(NetworkChannel(endpoint))
+            result = requester.intersect(name, session_id=session, mode=PSI_MODE)
+            found = None if result.indices is None else np.sort(result.indices)
+            expected = np.flatnonzero(self._held[:, k])
+            if found is None or not np.array_equal(found, expected):
+                raise ProtocolError(
+                    f"PSI with {name} again: the run's intersection of {expected.size} ids "
+                    f"expected; found {'its size only' if found is None else found.size} (its "
+                    "ids changed since the alignment?)."
+                )
+            requester.send_matches(name, self._sample_of, self._samples)
+        finally:
+            endpoint.handler = handler
+        self.sessions[name] = session
 
 
 def _intersect_each(
@@ -1357,7 +1406,7 @@ def label_side(
     encoded: Callable[[RowPlan], list[int]] | None = None,
 ) -> LabelSide:
     """The label party's plan of rows (``align``: :func:`join_alignment` or
-    :func:`psi_alignment`) and its view of the data: the labels, the masks, its own
+    :class:`PsiAlignment`) and its view of the data: the labels, the masks, its own
     standardised block and, for the other parties, blocks of their shape that hold nothing
     (zero-strided: the method reads their shapes only). The plan reads the parties' column
     counts ``widths`` (for its shapes only); the blocks take the widths ``encoded`` gives for
@@ -1571,10 +1620,11 @@ def train_deployed(
         late = endpoint.await_peers(list(federation.addresses(but=name)), wait)
         if late:
             logger.warning("%s: not reachable after %.0f s: %s", name, wait, ", ".join(late))
+        align: AlignLabelIds
         if config.align == "psi":
             assert psi is not None
             sessions, widths = start_psi(endpoint, federation)
-            align = psi_alignment(endpoint, own, sessions, psi)
+            align = PsiAlignment(endpoint, own, sessions, psi)
         else:
             ids, widths = collect_ids(endpoint, federation)
             align = join_alignment(own, ids)
@@ -1602,11 +1652,16 @@ def train_deployed(
             checkpoints = dataclasses.replace(checkpoints, elsewhere=elsewhere)
         channel = NetworkChannel(endpoint)
         channel.party_names = federation.names
-        # A rejoin would need a new PSI session under PSI, and under DP the accountant that
-        # died with the party's process: neither is built yet.
-        if config.align == "join" and not any(plans.values()):
+        # Under DP a rejoin would need the accountant that died with the party's process.
+        if not any(plans.values()):
             channel.readmit = readmission(
-                endpoint, bodies, deadline=deadline, checkpoints=elsewhere
+                endpoint,
+                bodies,
+                deadline=deadline,
+                checkpoints=elsewhere,
+                realign=_realignment(align, lost_before)
+                if isinstance(align, PsiAlignment)
+                else None,
             )
         steps = [0]  # the training steps done, which date a party lost while saving
 
@@ -1661,15 +1716,19 @@ def readmission(
     *,
     deadline: float,
     checkpoints: DeployedCheckpoints | None = None,
+    realign: Callable[[str], None] | None = None,
 ) -> Readmission:
     """How the label party sets a lost data party up again when it answers at an epoch
     boundary (a new ``party serve`` process of the same name, certificate and address, started
     by its operator): the ``setup`` it had at the start of the run (:func:`rejoin_setup`), after
     which it builds itself as it did then, and, in a run with ``checkpoints``, the run's
-    checkpoints from the last commit on (:meth:`DeployedCheckpoints.rejoined`). ProtocolError
-    if the party refuses either."""
+    checkpoints from the last commit on (:meth:`DeployedCheckpoints.rejoined`); under PSI,
+    ``realign`` aligns it again first (:func:`_realignment`). ProtocolError if the party
+    refuses any of them."""
 
     def readmit(name: str) -> None:
+        if realign is not None:
+            realign(name)
         body = rejoin_setup(bodies[name])
         endpoint.send(
             _deployment(endpoint.name, name, "setup", body),
@@ -1679,6 +1738,22 @@ def readmission(
             checkpoints.rejoined(name)
 
     return readmit
+
+
+def _realignment(align: PsiAlignment, aligned: Sequence[str]) -> Callable[[str], None]:
+    """How a lost party is aligned again before it rejoins under PSI: by a new PSI session
+    (:meth:`PsiAlignment.realign`), but for the parties ``aligned`` in this process's
+    alignment and never set up (lost before a resumed checkpoint): they hold this alignment
+    already, the first time they are readmitted."""
+    pending = set(aligned)
+
+    def realign(name: str) -> None:
+        if name in pending:
+            pending.discard(name)
+        else:
+            align.realign(name)
+
+    return realign
 
 
 def rejoin_setup(body: Mapping[str, Any]) -> dict[str, Any]:

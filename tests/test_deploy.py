@@ -369,8 +369,12 @@ def test_false_vfl_goes_on_without_a_data_party_killed_in_stage_one(
 
 @pytest.mark.parametrize(
     ("flags", "checkpoints"),
-    [(("--heads", "all"), True), (("--heads", "active", "--secure-agg", "masks"), False)],
-    ids=["plaintext-heads-all-checkpoints", "masks-heads-active"],
+    [
+        (("--heads", "all"), True),
+        (("--heads", "active", "--secure-agg", "masks"), False),
+        (("--heads", "active", "--align", "psi"), False),  # aligned again by a new PSI
+    ],
+    ids=["plaintext-heads-all-checkpoints", "masks-heads-active", "psi-heads-active"],
 )
 def test_a_data_party_killed_mid_training_rejoins_when_its_operator_restarts_it(
     site: Path, processes: Processes, tmp_path: Path, flags: tuple[str, ...], checkpoints: bool
@@ -400,6 +404,8 @@ def test_a_data_party_killed_mid_training_rejoins_when_its_operator_restarts_it(
     # The restarted shop was set up, trained, was asked to end the run and reported its bytes.
     assert restarted.wait(timeout=PROCESS_SECONDS) == 0, processes.log("shop-restarted")
     assert "shop: the run finished" in processes.log("shop-restarted")
+    if "psi" in flags:  # its PSI state died with its first process: it aligned again
+        assert "shop: aligning by PSI with bank" in processes.log("shop-restarted")
     result = json.loads((out / "result.json").read_text())
     lost, back = result["faults"]
     steps = -(-result["samples"]["train"] // 64)  # per epoch
