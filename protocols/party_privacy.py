@@ -227,6 +227,9 @@ class RequestedRows:
         self.steps = steps
         self.records = records
         self._rows: dict[int, list[np.ndarray]] = {}
+        self.journal: Callable[[Any], None] | None = None
+        """Called with each training request's step and rows (a DP party's release journal
+        keeps them: :meth:`replay` takes them back when the party rejoins)."""
 
     def on_message(self, message: M) -> M:
         if isinstance(message, RepresentRequest) and message.phase == "train":
@@ -238,6 +241,8 @@ class RequestedRows:
                     f"{self.records} records."
                 )
             self._rows.setdefault(message.round, []).append(rows.astype(np.int64))
+            if self.journal is not None:
+                self.journal({"step": message.round, "rows": rows.tolist()})
         return message
 
     checkpoint_key = "requested-rows"
@@ -257,18 +262,32 @@ class RequestedRows:
             raise ValueError(f"requested rows by step expected, found {type(state).__name__}")
         restored = {}
         for step, rows in state.items():
-            if not (
-                step.isdigit()
-                and int(step) < self.steps
-                and isinstance(rows, list)
-                and all(type(row) is int and 0 <= row < self.records for row in rows)
-            ):
-                raise ValueError(
-                    f"requested rows of step {step[:20]!r}: a step below {self.steps} and rows "
-                    f"below {self.records} expected"
-                )
+            self._check(step, rows)
             restored[int(step)] = [np.array(rows, dtype=np.int64)]
         self._rows = restored
+
+    def _check(self, step: str, rows: Any) -> None:
+        if not (
+            step.isdigit()
+            and int(step) < self.steps
+            and isinstance(rows, list)
+            and all(type(row) is int and 0 <= row < self.records for row in rows)
+        ):
+            raise ValueError(
+                f"requested rows of step {step[:20]!r}: a step below {self.steps} and rows "
+                f"below {self.records} expected"
+            )
+
+    def replay(self, notes: Sequence[Any]) -> None:
+        """The rows of the training requests its journal kept (``{"step", "rows"}`` each),
+        added to those it holds: a party rejoining the run after its process died prices the
+        releases of its first process over them (ValueError for one outside the plan)."""
+        for note in notes:
+            step = note.get("step") if isinstance(note, dict) else None
+            if not isinstance(step, int) or isinstance(step, bool):
+                raise ValueError(f"a journal note of a step's rows expected, found {note!r:.60}")
+            self._check(str(step), note.get("rows"))
+            self._rows.setdefault(step, []).append(np.array(note["rows"], dtype=np.int64))
 
     def schedule(self) -> list[np.ndarray]:
         """Per step, the rows it was asked for (empty where it was asked for none)."""

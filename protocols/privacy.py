@@ -369,15 +369,21 @@ class PrivacyEngine:
         method: str,
         method_config: MethodConfig,
         names: Sequence[str],
+        resumed: Callable[[PoissonSampler], None] | None = None,
     ) -> dict[str, dict[str, Any] | None]:
         """A deployed label party's plan, before it sets the other parties up: the Poisson
         sample drawn for the method's ``sampler`` (its training set of ``n`` rows), SIGMA
         calibrated, and each party of ``names`` but the first (the label party, hosted here)
         given its :class:`~protocols.party_privacy.PartyPlan` as JSON for its ``setup`` (None
-        each without DP). The run then trains on that sample (:meth:`sampler`)."""
+        each without DP). The run then trains on that sample (:meth:`sampler`). A resumed run
+        passes ``resumed``, which puts the killed run's sample into the one drawn, so that SIGMA
+        is calibrated to the schedule the run trains on, as the killed run's was."""
         if not self.noise:
             return {name: None for name in names[1:]}
         self.sampler(sampler, n=n, epochs=epochs)
+        if resumed is not None:
+            assert self._sampler is not None
+            resumed(self._sampler)
         self._ahead = True
         self._decide(method, method_config, names)
         return {name: self._parties[name].to_json() for name in names[1:]}

@@ -31,6 +31,7 @@ only the manifests' SHA-256 come back (:mod:`secure_vfl.deployment`).
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import logging
@@ -39,7 +40,7 @@ import pickle
 import re
 import secrets
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, cast
@@ -162,6 +163,12 @@ class KeptHook(Protocol):
         """Take back the state :meth:`checkpoint_state` gave (ValueError if it does not fit)."""
         ...
 
+    def replay(self, notes: Sequence[Any]) -> None:
+        """Take back the notes it gave its ``journal`` (an attribute, called with each change
+        of its state as JSON: a DP party's release journal keeps them), in order: a party
+        rejoining the run after its process died (ValueError if one does not fit)."""
+        ...
+
 
 def _kept_hooks(party: DataParty) -> dict[str, KeptHook]:
     kept = {}
@@ -242,15 +249,17 @@ def restore_party_state(
         )
     if party.accountant is None or releases is None:
         return 0
-    lost = (
-        [] if journal is None else lost_releases(journal, party.name, run_id, releases, where=where)
+    lost, notes = (
+        ([], [])
+        if journal is None
+        else lost_releases(journal, party.name, run_id, releases, where=where)
     )
     try:
         added: int = party.accountant.restore(releases, lost=lost)
     except (ConfigError, TypeError, ValueError) as error:
         raise IntegrityError(f"{where}: the releases do not fit {party.name} ({error}).") from None
     if journal is not None:
-        start_journal(journal, party, run_id)
+        start_journal(journal, party, run_id, notes=notes)
     if added:
         logger.warning(
             "%s: %d release(s) of the killed run after %s are priced too (their receivers saw "
@@ -282,79 +291,143 @@ class ReleaseJournal:
         self.path = journal_path(root, party)
         self.run_id = run_id
 
-    def start(self, releases: Sequence[Mapping[str, Any]]) -> None:
-        """Write the journal anew, atomically, holding ``releases`` (the accountant's)."""
-        atomic_write_text(self.path, "".join(self._line(release) for release in releases))
+    def start(
+        self, releases: Sequence[Mapping[str, Any]], notes: Sequence[tuple[str, Any]] = ()
+    ) -> None:
+        """Write the journal anew, atomically, holding ``releases`` (the accountant's) and the
+        message hooks' ``notes`` (key, note) kept from before."""
+        lines = [self._line({"release": release}) for release in releases]
+        lines += [self._line({"hook": key, "note": note}) for key, note in notes]
+        atomic_write_text(self.path, "".join(lines))
 
     def append(self, release: Mapping[str, Any]) -> None:
+        """Journal a release, fsynced: it leaves the party once this returns."""
+        self._write(self._line({"release": release}), sync=True)
+
+    def note(self, key: str, note: Any) -> None:
+        """Journal a change of a message hook's state (the rows a step asked for). Not
+        fsynced on its own: the step's releases, which come after it, sync it too."""
+        self._write(self._line({"hook": key, "note": note}), sync=False)
+
+    def _write(self, line: str, *, sync: bool) -> None:
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         try:
-            os.write(fd, self._line(release).encode("utf-8"))
-            os.fsync(fd)
+            os.write(fd, line.encode("utf-8"))
+            if sync:
+                os.fsync(fd)
         finally:
             os.close(fd)
 
-    def _line(self, release: Mapping[str, Any]) -> str:
-        return json.dumps({"run": self.run_id, "release": release}, sort_keys=True) + "\n"
+    def _line(self, record: Mapping[str, Any]) -> str:
+        return json.dumps({"run": self.run_id, **record}, sort_keys=True) + "\n"
 
 
 def lost_releases(
     root: Path, party: str, run_id: str, checkpointed: Sequence[Any], *, where: str
-) -> list[dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], list[tuple[str, Any]]]:
     """The releases ``party``'s journal recorded after its ``checkpointed`` ones (those its
     checkpoint keeps, which the journal must begin with): the killed run's releases after its
-    checkpoint. A last line cut short by the kill is left out (its release had not left the
-    party: a release leaves only once its line is whole); anything else that is not this run's
-    journal is refused (IntegrityError)."""
+    checkpoint; and the journal's notes, which the journal keeps on (:func:`_read_journal`)."""
+    path = journal_path(root, party)
+    releases, notes = _read_journal(root, party, run_id, where=where)
+    if list(checkpointed) != releases[: len(checkpointed)]:
+        raise IntegrityError(
+            f"{path}: a journal that begins with the {len(checkpointed)} release(s) of {where} "
+            f"expected; found {len(releases)} line(s) that do not."
+        )
+    return releases[len(checkpointed) :], notes
+
+
+def _read_journal(
+    root: Path, party: str, run_id: str, *, where: str
+) -> tuple[list[dict[str, Any]], list[tuple[str, Any]]]:
+    """The releases and the message hooks' notes (key, note) of ``party``'s journal of run
+    ``run_id``, in order. A last line cut short by the kill is left out (its release had not
+    left the party: a release leaves only once its line is whole); anything else that is not
+    this run's journal is refused (IntegrityError)."""
     path = journal_path(root, party)
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise IntegrityError(
             f"{where}: {party}'s release journal {path} expected (a DP party keeps one beside "
-            "its checkpoints, for the releases after the last one); found none."
+            "its checkpoints, for the releases its checkpoints do not hold); found none."
         ) from None
     except (OSError, UnicodeDecodeError) as error:
         raise IntegrityError(f"{path}: a readable release journal expected ({error}).") from None
-    lines = text.split("\n")[:-1]  # what follows the last newline was cut short by the kill
-    releases = []
-    for number, line in enumerate(lines, start=1):
+    releases, notes = [], []
+    for number, line in enumerate(text.split("\n")[:-1], start=1):  # the rest: cut short
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             record = None
+        keys = set(record) if isinstance(record, dict) else set()
         if not (
-            isinstance(record, dict)
-            and record.keys() == {"run", "release"}
-            and isinstance(record["release"], dict)
+            (keys == {"run", "release"} and isinstance(record["release"], dict))
+            or (keys == {"run", "hook", "note"} and isinstance(record["hook"], str))
         ):
             raise IntegrityError(
-                f'{path}, line {number}: a release as {{"run": ..., "release": {{...}}}} '
-                f"expected; found {line[:60]!r}."
+                f'{path}, line {number}: a release as {{"run": ..., "release": {{...}}}} or a '
+                f'note as {{"run": ..., "hook": ..., "note": ...}} expected; found {line[:60]!r}.'
             )
+        assert isinstance(record, dict)
         if record["run"] != run_id:
             raise IntegrityError(
                 f"{path}, line {number}: a release of run {run_id} expected; found one of run "
                 f"{str(record['run'])[:40]!r}."
             )
-        releases.append(record["release"])
-    if list(checkpointed) != releases[: len(checkpointed)]:
-        raise IntegrityError(
-            f"{path}: a journal that begins with the {len(checkpointed)} release(s) of {where} "
-            f"expected; found {len(releases)} line(s) that do not."
-        )
-    return releases[len(checkpointed) :]
+        if "release" in record:
+            releases.append(record["release"])
+        else:
+            notes.append((record["hook"], record["note"]))
+    return releases, notes
 
 
-def start_journal(root: Path, party: DataParty, run_id: str) -> None:
-    """Attach a release journal to ``party``'s accountant (none: nothing to journal), written
-    anew with the releases it holds (restored from a checkpoint, lost ones included)."""
+def journal_of_run(root: Path, party: str, run_id: str) -> bool:
+    """Whether ``party`` keeps a journal of run ``run_id`` under ``root`` (it took part in the
+    run before: a process of it that died)."""
+    try:
+        with journal_path(root, party).open(encoding="utf-8") as handle:
+            first = json.loads(handle.readline())
+    except (OSError, ValueError):
+        return False
+    return isinstance(first, dict) and first.get("run") == run_id
+
+
+def rejoin_from_journal(root: Path, party: DataParty, run_id: str) -> int:
+    """A DP party set up anew after its process died, rejoining run ``run_id``: its accountant
+    takes every release its journal recorded in the run but the DP-SGD steps (their model died
+    with the process; it trains a fresh one), its message hooks their notes (the rows each step
+    asked for, over which those releases are priced), and the journal goes on. IntegrityError
+    without a journal of the run: its releases would go unpriced. Returns the releases taken."""
+    where = f"{party.name} rejoining run {run_id}"
+    releases, notes = _read_journal(root, party.name, run_id, where=where)
+    hooks = _kept_hooks(party)
+    try:
+        added: int = party.accountant.restore([], lost=releases)
+        for key, hook in hooks.items():
+            hook.replay([note for name, note in notes if name == key])
+    except (ConfigError, TypeError, ValueError, KeyError) as error:
+        raise IntegrityError(f"{where}: its journal does not fit it ({error}).") from None
+    start_journal(root, party, run_id, notes=notes)
+    return added
+
+
+def start_journal(
+    root: Path, party: DataParty, run_id: str, *, notes: Sequence[tuple[str, Any]] = ()
+) -> None:
+    """Attach a release journal to ``party``'s accountant (none: nothing to journal) and to
+    its message hooks that keep one, written anew with the releases it holds (restored from a
+    checkpoint, lost ones included) and ``notes`` kept from a process before."""
     accountant = party.accountant
     if accountant is None:
         return
     journal = ReleaseJournal(root, party.name, run_id)
-    journal.start(accountant.to_json())
+    journal.start(accountant.to_json(), notes)
     accountant.journal = journal.append
+    for key, hook in _kept_hooks(party).items():
+        if hasattr(hook, "journal"):
+            hook.journal = functools.partial(journal.note, key)
 
 
 def _same_names(where: str, what: str, expected: Mapping[str, Any], found: Any) -> None:
@@ -432,14 +505,24 @@ def restore_run(
         raise IntegrityError(
             f"{where}: a run position expected, found otherwise ({error})."
         ) from None
+    restore_schedule(method.sampler, tensors, meta, where=where)
+    return progress
+
+
+def restore_schedule(
+    sampler: Any, tensors: Mapping[str, Any], meta: Mapping[str, Any], *, where: str
+) -> None:
+    """Put the label party's checkpointed Poisson schedule (its run state ``tensors`` and
+    ``meta``) back into ``sampler`` (a private run's :class:`PoissonSampler`; another sampler
+    takes none); IntegrityError when the checkpoint's sampler is not this run's."""
     saved = meta.get("sampler")
-    poisson = isinstance(method.sampler, PoissonSampler)
+    poisson = isinstance(sampler, PoissonSampler)
     if (saved is not None) != poisson:
         raise IntegrityError(
             f"{where}: {'a Poisson' if poisson else 'no'} sampler schedule expected (this run's "
             f"privacy), found {'none' if saved is None else 'one'}."
         )
-    if isinstance(method.sampler, PoissonSampler):
+    if isinstance(sampler, PoissonSampler):
         schedule = tensors.get("schedule")
         next_epoch = saved.get("next_epoch") if isinstance(saved, dict) else None
         if not isinstance(schedule, list) or not isinstance(next_epoch, int):
@@ -448,12 +531,27 @@ def restore_run(
                 f"{type(schedule).__name__} and {next_epoch!r}."
             )
         try:
-            method.sampler.restore(
+            sampler.restore(
                 [[t.numpy() for t in epoch] for epoch in schedule], next_epoch=next_epoch
             )
         except (DataError, AttributeError, TypeError) as error:
             raise IntegrityError(f"{where}: {error}") from None
-    return progress
+
+
+def resumed_schedule(point: ResumePoint) -> Callable[[Any], None]:
+    """What puts the killed run's Poisson schedule, from the label party's checkpoint at
+    ``point``, into a sampler: for a deployed label party, which plans every party's privacy
+    (SIGMA calibrated to the schedule) before the run, and so before :func:`restore_run`."""
+    where = str(step_directory(point.root, point.label.party, point.step))
+    run = point.label.meta.get("run")
+    tensors = point.label.tensors.get("run", {})
+
+    def restore(sampler: Any) -> None:
+        if not isinstance(run, dict):
+            raise IntegrityError(f"{where}: the label party's run position expected; found none.")
+        restore_schedule(sampler, tensors, run, where=where)
+
+    return restore
 
 
 # -- files --------------------------------------------------------------------------------------

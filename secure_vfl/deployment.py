@@ -81,7 +81,9 @@ run's checkpoints from the label party's last commit on (:meth:`DeployedCheckpoi
 Lost again, it is dropped again. Under
 ``--align psi`` the restarted party first runs PSI with the label party again, in a new session
 (its PSI state died with its first process; :meth:`PsiAlignment.realign`), and must find the
-run's intersection. Under DP a lost party does not rejoin (its accountant died with it).
+run's intersection. Under DP a lost party rejoins only with checkpoints: it takes back the
+releases of its first process from its release journal beside them
+(:func:`~secure_vfl.checkpoints.rejoin_from_journal`); without, it stays lost.
 The core never imports the privacy layer: the command line passes the secure-sum backend
 (``secure_sums``) and the PSI roles (``psi``) in.
 """
@@ -107,7 +109,9 @@ from secure_vfl.checkpoints import (
     drop_older,
     party_state,
     read_checkpoint,
+    rejoin_from_journal,
     restore_party_state,
+    resumed_schedule,
     start_journal,
     step_directory,
     write_checkpoint,
@@ -241,6 +245,7 @@ if TYPE_CHECKING:
             method: str,
             method_config: MethodConfig,
             names: Sequence[str],
+            resumed: Callable[[Any], None] | None = None,
         ) -> dict[str, dict[str, Any] | None]: ...
 
         def take_reports(self, reports: Mapping[str, Any]) -> None: ...
@@ -509,11 +514,13 @@ CHECKPOINTS_KEYS: dict[str, type | tuple[type, ...]] = {
     "step": int,
     "manifest": (str, type(None)),
     "committed": (int, type(None)),
+    "rejoin": bool,
 }
 """``checkpoints``: the run id, the steps between checkpoints and, on resume, the step to
 restore and the SHA-256 of the party's manifest of it (a fresh run or a rejoin: step 0, no
-manifest), and the label party's last commit (none at a fresh start; the step on resume; the
-latest at a rejoin: the party's first checkpoint names it as the last commit)."""
+manifest), the label party's last commit (none at a fresh start; the step on resume; the
+latest at a rejoin: the party's first checkpoint names it as the last commit), and whether the
+party rejoins (a DP party then takes back its releases from its journal of the run)."""
 CHECKPOINT_KEYS: dict[str, type | tuple[type, ...]] = {
     "run": str,
     "step": int,
@@ -569,6 +576,10 @@ class ServedCheckpoints:
                 f"expected; found {run[:40]!r} and {body['every']!r}."
             )
         resuming = step != 0 or manifest is not None
+        if resuming and body["rejoin"]:
+            raise ProtocolError(
+                f"checkpoints: a rejoin starts from no checkpoint; found step {step!r}."
+            )
         if resuming and (step < 1 or not _DIGEST.fullmatch(str(manifest))):
             raise ProtocolError(
                 f"checkpoints: a step >= 1 and a manifest SHA-256 (64 hex digits) to resume "
@@ -599,6 +610,19 @@ class ServedCheckpoints:
         if resuming:
             self._restore(party, run, step, manifest)
             self.step = step
+        elif body["rejoin"] and party.accountant is not None:
+            try:
+                taken = rejoin_from_journal(self.directory, party, run)
+            except IntegrityError as error:
+                raise ProtocolError(
+                    f"{self.name} cannot rejoin under DP without its releases of the run: {error}"
+                ) from None
+            logger.warning(
+                "%s: rejoining under DP, it took back %d release(s) of the run from its journal "
+                "(its first process's: its report prices them)",
+                self.name,
+                taken,
+            )
         else:
             start_journal(self.directory, party, run)
         self.run = run
@@ -682,6 +706,7 @@ class DeployedCheckpoints:
                 "step": resume.step if resume is not None else 0,
                 "manifest": resume.label.parties[name] if resume is not None else None,
                 "committed": self.committed,
+                "rejoin": False,
             }
             for name in live
         }
@@ -698,6 +723,7 @@ class DeployedCheckpoints:
             "step": 0,
             "manifest": None,
             "committed": self.committed,
+            "rejoin": True,
         }
         self._start({name: body})
 
@@ -1498,11 +1524,16 @@ def setup_bodies(
 
 
 def privacy_plans(
-    config: Any, side: LabelSide, federation: Federation, privacy: DeployedPrivacy | None
+    config: Any,
+    side: LabelSide,
+    federation: Federation,
+    privacy: DeployedPrivacy | None,
+    resume: ResumePoint | None = None,
 ) -> dict[str, dict[str, Any] | None]:
     """Each data party's plan for its own DP mechanisms (None without DP), decided by the label
     party's ``privacy`` before any party is set up: the Poisson sample drawn for the method's
-    training batches, SIGMA calibrated, as in one process."""
+    training batches (on ``resume``, the killed run's, from the label party's checkpoint),
+    SIGMA calibrated to it, as in one process."""
     from secure_vfl.methods.base import training_sampler
 
     if privacy is None:
@@ -1515,6 +1546,7 @@ def privacy_plans(
         method=config.method,
         method_config=config.method_config,
         names=federation.names,
+        resumed=resumed_schedule(resume) if resume is not None else None,
     )
 
 
@@ -1595,7 +1627,8 @@ def train_deployed(
     party's privacy engine) plans every party's DP mechanisms before it sets them up
     (:func:`privacy_plans`): each data party installs its own in its own process and reports
     what its accountant priced at the end, which ``privacy`` adds to the result's report. Under
-    DP a lost party is not readmitted (its accountant died with its process)."""
+    DP a lost party is readmitted only in a run with ``checkpoints`` (it takes its releases back
+    from its journal; without checkpoints they died with its process)."""
     from secure_vfl.experiment import run_training
     from secure_vfl.methods.base import SAVING, in_process_parties, lost_parties
 
@@ -1636,10 +1669,11 @@ def train_deployed(
             widths,
             encoded=lambda plan: fitted_widths(endpoint, federation, plan, config.align),
         )
-        plans = privacy_plans(config, side, federation, privacy)
+        resume = checkpoints.resume if checkpoints is not None else None
+        plans = privacy_plans(config, side, federation, privacy, resume)
         bodies = setup_bodies(config, side, federation, secure_agg, plans)
         # A party lost before the resumed checkpoint stays lost: set up only if it rejoins.
-        lost_before = checkpoints.resume.dropped if checkpoints and checkpoints.resume else []
+        lost_before = resume.dropped if resume is not None else []
         for receiver, body in bodies.items():
             if receiver in lost_before:
                 continue
@@ -1652,8 +1686,9 @@ def train_deployed(
             checkpoints = dataclasses.replace(checkpoints, elsewhere=elsewhere)
         channel = NetworkChannel(endpoint)
         channel.party_names = federation.names
-        # Under DP a rejoin would need the accountant that died with the party's process.
-        if not any(plans.values()):
+        # Under DP a rejoining party takes back its releases from its journal, which it keeps
+        # beside its checkpoints: without checkpoints its accountant died with its process.
+        if not any(plans.values()) or elsewhere is not None:
             channel.readmit = readmission(
                 endpoint,
                 bodies,

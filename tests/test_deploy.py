@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -373,8 +374,9 @@ def test_false_vfl_goes_on_without_a_data_party_killed_in_stage_one(
         (("--heads", "all"), True),
         (("--heads", "active", "--secure-agg", "masks"), False),
         (("--heads", "active", "--align", "psi"), False),  # aligned again by a new PSI
+        (("--heads", "active", "--dp-embeddings", "1.0:1.0"), True),  # releases from its journal
     ],
-    ids=["plaintext-heads-all-checkpoints", "masks-heads-active", "psi-heads-active"],
+    ids=["plaintext-heads-all-checkpoints", "masks-heads-active", "psi-heads-active", "dp"],
 )
 def test_a_data_party_killed_mid_training_rejoins_when_its_operator_restarts_it(
     site: Path, processes: Processes, tmp_path: Path, flags: tuple[str, ...], checkpoints: bool
@@ -418,6 +420,13 @@ def test_a_data_party_killed_mid_training_rejoins_when_its_operator_restarts_it(
     log = processes.log("bank")
     assert f"lost: shop at step {lost['step']}" in log and "until it rejoined" in log, log
     assert f"rejoined: shop at step {back['step']}" in log, log
+    if "--dp-embeddings" in flags:  # its first process's releases are priced in its report
+        [taken] = re.findall(r"took back (\d+) release\(s\)", processes.log("shop-restarted"))
+        after = steps * 24 - back["step"] + 1  # the steps since it rejoined, one release each
+        releases = result["privacy"]["releases"]["shop"]["embedding"]
+        # Its first process's training releases (``taken`` counts its evaluations' too).
+        assert 1 <= releases - after <= int(taken), (taken, releases, after)
+        assert "reported about itself" in result["privacy"]["accounted_by"]["shop"]
     if checkpoints:  # back, shop keeps checkpoints again, and the label party's commits say so
         last = written_steps(out / "checkpoints", "bank")[-1]
         assert written_steps(tmp_path / "kept", "shop")[-1] == last >= back["step"]

@@ -30,9 +30,10 @@ from protocols.noise import noise_source
 from protocols.party_privacy import PartyPlan, PartyPrivacy, RequestedRows, read_entry
 from protocols.party_privacy import served_privacy as served_half
 from protocols.sum_range import SumRange
+from secure_vfl.checkpoints import rejoin_from_journal, start_journal
 from secure_vfl.cli import main
 from secure_vfl.deployment import SETUP_KEYS, served_privacy
-from secure_vfl.errors import ProtocolError
+from secure_vfl.errors import IntegrityError, ProtocolError
 from secure_vfl.federation.messages import (
     DeploymentMessage,
     RepresentationMessage,
@@ -207,6 +208,46 @@ def test_a_served_partys_view_of_the_batches_survives_its_checkpoint_and_refuses
     for bad in ({"3": [1]}, {"0": [PLAN.records]}, {"0": [-1]}, {"x": [1]}, {"0": [1.0]}, [1]):
         with pytest.raises(ValueError, match="expected"):
             RequestedRows(3, PLAN.records).restore_checkpoint(bad)
+
+
+def test_a_party_rejoining_under_dp_takes_back_its_releases_and_rows_from_its_journal(
+    tmp_path: Path,
+) -> None:
+    first = _party()
+    served_half("shop", PLAN.to_json(), first)
+    start_journal(tmp_path, first, RUN)
+    [requested] = [hook for hook in first.incoming if isinstance(hook, RequestedRows)]
+    for step, rows in enumerate([torch.tensor([0, 3]), torch.tensor([3, 7])]):
+        requested.on_message(_request(step, rows))
+        first.accountant.on_event(GaussianRelease("shop", 1.5, 0.25, "embedding", step))
+        first.accountant.on_event(GaussianRelease("shop", 0.8, 0.25, "dp-sgd", step))
+    # Its process dies; a new one, set up anew, rejoins the run.
+    again = _party()
+    served_half("shop", PLAN.to_json(), again)
+    assert rejoin_from_journal(tmp_path, again, RUN) == 2  # not the DP-SGD steps
+    assert again.accountant.releases("shop") == {"embedding": 2}
+    [view] = [hook for hook in again.incoming if isinstance(hook, RequestedRows)]
+    assert [rows.tolist() for rows in view.schedule()[:3]] == [[0, 3], [3, 7], []]
+    view.on_message(_request(2, torch.tensor([1])))  # the journal goes on
+    again.accountant.on_event(GaussianRelease("shop", 1.5, 0.25, "embedding", 2))
+    third = _party()
+    served_half("shop", PLAN.to_json(), third)
+    assert rejoin_from_journal(tmp_path, third, RUN) == 3
+    [view] = [hook for hook in third.incoming if isinstance(hook, RequestedRows)]
+    assert [rows.tolist() for rows in view.schedule()[:3]] == [[0, 3], [3, 7], [1]]
+    with pytest.raises(IntegrityError, match=r"release journal .* expected"):
+        rejoin_from_journal(tmp_path / "elsewhere", _served(), RUN)
+    with pytest.raises(IntegrityError, match="a release of run"):
+        rejoin_from_journal(tmp_path, _served(), "fedcba9876543210")
+
+
+def _served() -> DataParty:
+    party = _party()
+    served_half("shop", PLAN.to_json(), party)
+    return party
+
+
+RUN = "0123456789abcdef"
 
 
 def _request(step: int, rows: torch.Tensor) -> RepresentRequest:

@@ -304,7 +304,14 @@ def _params(party: DataParty) -> dict[str, torch.Tensor]:
 
 
 def _fresh(every: int = 3) -> dict[str, Any]:
-    return {"run": RUN, "every": every, "step": 0, "manifest": None, "committed": None}
+    return {
+        "run": RUN,
+        "every": every,
+        "step": 0,
+        "manifest": None,
+        "committed": None,
+        "rejoin": False,
+    }
 
 
 def _step(step: int, committed: int | None, run: str = RUN) -> dict[str, Any]:
@@ -353,6 +360,7 @@ def test_a_resuming_party_restores_its_own_checkpoint_and_refuses_any_other(
                 value.add_(1.0)  # the party moved on after its checkpoint
     shutil.copytree(tmp_path / "shop", tmp_path / "insurer")  # another party's checkpoint
     resume = {"run": RUN, "every": 3, "step": 3, "manifest": digest, "committed": 3}
+    resume["rejoin"] = False
     refusals = {
         "manifest the label party recorded for step 3 expected": {**resume, "manifest": "0" * 64},
         "run_id 'fedcba9876543210' expected": {**resume, "run": "fedcba9876543210"},

@@ -171,3 +171,30 @@ def test_runs_without_training_dp_keep_the_methods_sampler() -> None:
         assert PrivacyEngine(spec).sampler(mixed, n=100, epochs=3) is mixed
     private = PrivacyEngine(PrivacySpec(dp_gradients=(1.0, 0.1))).sampler(mixed, n=100, epochs=3)
     assert isinstance(private, PoissonSampler) and private.rate == pytest.approx(0.1)
+
+
+def test_a_resumed_deployed_plan_is_calibrated_to_the_killed_runs_sample() -> None:
+    """A deployed label party plans every party's privacy before the run, so before its
+    checkpoint's schedule is restored: on resume it puts the killed run's Poisson sample into
+    the one it draws first, and SIGMA (calibrated to the most steps any record is in) is the
+    killed run's. A fresh draw would calibrate to another sample (the control)."""
+    spec = PrivacySpec(dp_embeddings=(1.0, 1.0), target_epsilon=8.0)
+    names = ["party-0", "party-1", "party-2"]
+    terms = {"n": 100, "epochs": 3, "method": "laser", "method_config": MethodConfig()}
+
+    def plan(**more: object) -> tuple[PrivacyEngine, dict[str, object]]:
+        engine = PrivacyEngine(spec)
+        plans = engine.plan_parties(MixedSampler(100, 10), names=names, **terms, **more)  # type: ignore[arg-type]
+        return engine, plans
+
+    killed, plans = plan()
+    assert killed.poisson is not None
+    drawn = [[batch.copy() for batch in epoch] for epoch in killed.poisson.epochs]
+    resumed, again = plan(resumed=lambda sampler: sampler.restore(drawn, next_epoch=1))
+    assert resumed.poisson is not None
+    assert [[b.tolist() for b in e] for e in resumed.poisson.epochs] == [
+        [b.tolist() for b in e] for e in drawn
+    ]
+    assert again == plans
+    others = [plan()[1] for _ in range(10)]  # fresh samples: another calibration, mostly
+    assert any(other != plans for other in others)
