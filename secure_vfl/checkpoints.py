@@ -383,17 +383,6 @@ def _read_journal(
     return releases, notes
 
 
-def journal_of_run(root: Path, party: str, run_id: str) -> bool:
-    """Whether ``party`` keeps a journal of run ``run_id`` under ``root`` (it took part in the
-    run before: a process of it that died)."""
-    try:
-        with journal_path(root, party).open(encoding="utf-8") as handle:
-            first = json.loads(handle.readline())
-    except (OSError, ValueError):
-        return False
-    return isinstance(first, dict) and first.get("run") == run_id
-
-
 def rejoin_from_journal(root: Path, party: DataParty, run_id: str) -> int:
     """A DP party set up anew after its process died, rejoining run ``run_id``: its accountant
     takes every release its journal recorded in the run but the DP-SGD steps (their model died
