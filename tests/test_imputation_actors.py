@@ -45,6 +45,10 @@ TINY = ImputeConfig(rounds=2, local_epochs=1, hidden=8, layers=1)
 
 # Measured on the code before the parties were actors (commit 417e94a), one torch thread:
 # synthetic_task(seed=0), ImputeConfig(rounds=4, local_epochs=2, hidden=16, layers=2), seed 0.
+# On that machine they matched to 1e-12. Another CPU's vector kernels round the float32 sums
+# differently: on an AVX-512 (fp16) Xeon the same code lands up to 4e-9 (relative) away, so the
+# tolerance is 1e-6, still far below what a change of the protocol (another batch, sample or
+# order of updates) moves these figures by.
 BEFORE_ACTORS = {
     ("fedhf", "none"): (
         0.9800769952387358,
@@ -74,9 +78,9 @@ def test_the_actors_give_the_results_measured_before_them(method: str, backend: 
     aggregator = MaskingAggregator() if backend == "masks" else None
     result, _ = run_imputation(config, task=synthetic_task(seed=0), aggregator=aggregator)
     rmse, curve = BEFORE_ACTORS[method, backend]
-    assert result.rmse == pytest.approx(rmse, rel=1e-12)
+    assert result.rmse == pytest.approx(rmse, rel=1e-6)
     if curve is not None:
-        assert result.validation_curve == pytest.approx(curve, rel=1e-12)
+        assert result.validation_curve == pytest.approx(curve, rel=1e-6)
 
 
 def _imputer(
