@@ -33,6 +33,7 @@ from secure_vfl.methods.imputation.clients import (
     flat_parameters,
     train_locally,
 )
+from secure_vfl.methods.imputation.statistics import STATISTICS_ROUNDS
 from secure_vfl.models.feature_graph import FeatureGraph, FeatureGraphImputer
 
 # Small and quick: enough rounds for the GNN to leave its initial plateau on synthetic data.
@@ -257,7 +258,11 @@ def test_a_fedavg_round_gives_the_row_weighted_average_of_the_clients_models(
     assert imputer.total_rows == 88
     sent = len(recorder.messages)
     total = imputer.federation.sum(
-        "train", np.array([88.0]), width=imputer.theta.numel() + 1, round=0, tag="fedavg"
+        "train",
+        np.array([88.0]),
+        width=imputer.theta.numel() + 1,
+        round=STATISTICS_ROUNDS + 1,  # FedAvg's first round, after the set-up's
+        tag="fedavg",
     )
     clients = in_process_clients(imputer.federation.channel)
     models = {c.name: (c.n, flat_parameters(c.model)) for c in clients if c.model is not None}
@@ -314,7 +319,10 @@ def test_fedhf_model_updates_travel_only_through_the_seam_with_client_sampling()
         if isinstance(m, RepresentationMessage) and m.representation.shape[1] == size + 1
     ]
     assert len(updates) == 3 * 2  # client_fraction 0.5: two of the four clients per round
-    assert [m.round for m in updates] == [0, 0, 1, 1, 2, 2]
+    # FedAvg round r is message round STATISTICS_ROUNDS + 1 + r: after the statistics'
+    # exchanges and the set-up's, so that no aggregation server goes back to a round.
+    first = STATISTICS_ROUNDS + 1
+    assert [m.round for m in updates] == [first, first, first + 1, first + 1, first + 2, first + 2]
     assert all(m.receiver == AGGREGATOR for m in updates)
     assert all(float(m.representation[0, -1]) == 0.25 for m in updates)  # n_k / N rides along
     trained = [m for m in later if isinstance(m, ComputeRequest) and m.computation == "train"]
@@ -322,10 +330,10 @@ def test_fedhf_model_updates_travel_only_through_the_seam_with_client_sampling()
     # Each round's average goes to every client, and the best one once more at the end.
     downloads = [m for m in later if isinstance(m, ParametersMessage)]
     assert [(m.tag, m.round) for m in downloads[::4]] == [
-        ("global", 0),
-        ("global", 1),
-        ("global", 2),
-        ("best", 3),
+        ("global", first),
+        ("global", first + 1),
+        ("global", first + 2),
+        ("best", first + 3),
     ]
     assert len(downloads) == 4 * 4 and all(m.parameters.shape == (size,) for m in downloads)
 

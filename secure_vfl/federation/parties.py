@@ -817,9 +817,10 @@ class AggregationServer(Party):
         self._sealed: dict[str, dict[str, SealedMessage]] = {}
         self._served = ContextLedger()
         self._key_sessions = KeySessions()
-        # (round, batch id, phase, tag) of the contributions of batches it has moved past: one
-        # arriving for them again is a replay, refused before it touches the current batch.
-        self._closed: set[tuple[int, int, str, str]] = set()
+        # (round, batch id, phase) of the batches it has moved past: a contribution or a sum
+        # request for one, under any tag, is a replay or for the wrong round, refused before it
+        # touches the current batch (a driver never goes back to a batch).
+        self._past: set[tuple[int, int, str]] = set()
         # (round, batch id, phase) of the batches of abandoned steps: nothing more is kept.
         self._abandoned: set[tuple[int, int, str]] = set()
         # Sum requests that came before every contribution they sum (the driver sends a step's
@@ -846,16 +847,15 @@ class AggregationServer(Party):
                 f"{self.name}: a contribution from {message.sender} for round {message.round}, "
                 f"batch {message.batch_id}, of a step the driver abandoned; it is not kept."
             )
-        if (*batch, message.tag) in self._closed:
+        if batch in self._past:
             raise ProtocolError(
                 f"{self.name}: a contribution from {message.sender} for round {message.round}, "
                 f"batch {message.batch_id} ({message.phase}), tag {message.tag!r}, a batch it "
-                "has moved past (a replay?)."
+                "has moved past (a replay, or for the wrong round?)."
             )
         if batch != self._batch:
             if self._batch is not None:
-                self._closed.update((*self._batch, tag) for tag in self._contributions)
-                self._closed.update((*self._batch, tag) for tag in self._sealed)
+                self._past.add(self._batch)
             self._forget_waiting(batch)
             self._batch, self._contributions, self._sealed = batch, {}, {}
 
@@ -924,7 +924,7 @@ class AggregationServer(Party):
         until the last one comes (:meth:`_serve_waiting`). One for a batch the server has moved
         past or that was abandoned is refused."""
         batch = (request.round, request.batch_id, request.phase)
-        if batch in self._abandoned or (*batch, self._source(request)) in self._closed:
+        if batch in self._abandoned or batch in self._past:
             raise ProtocolError(
                 f"{self.name}: a sum for round {request.round}, batch {request.batch_id} "
                 f"({request.phase}) requested, a batch it has moved past or that was abandoned."

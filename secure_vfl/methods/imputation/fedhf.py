@@ -44,6 +44,7 @@ from secure_vfl.methods.imputation.federation import (
     in_process_clients,
 )
 from secure_vfl.methods.imputation.statistics import (
+    STATISTICS_ROUNDS,
     StatisticsPrivacyFactory,
     collect_statistics,
     from_wide_digits,
@@ -52,6 +53,12 @@ from secure_vfl.methods.imputation.statistics import (
 from secure_vfl.models.feature_graph import FeatureGraph, FeatureGraphImputer
 
 _NO_ARGUMENTS = np.zeros(0)
+
+
+def _message_round(round: int) -> int:
+    """The message round of FedAvg round ``round`` (0-based; -1: the set-up's row count and
+    initial download; ``rounds``: the best model's download): after the statistics' rounds."""
+    return STATISTICS_ROUNDS + 1 + round
 
 
 class ReconstructionImputer:
@@ -106,12 +113,12 @@ class ReconstructionImputer:
             with isolated_seed(derived_seed(seed, 0)):
                 self.theta = flat_parameters(make_model(graph))
             self.total_rows = self._count_rows()
-            self.federation.download(self.theta, round=0, tag="initial")
+            self.federation.download(self.theta, round=_message_round(-1), tag="initial")
 
     def _count_rows(self) -> int:
         """N = sum_k n_k by one secure sum (public from here on: it scales the FedAvg shares)."""
         summed = self.federation.sum(
-            "rows", _NO_ARGUMENTS, width=wide_width(1), round=0, tag="rows"
+            "rows", _NO_ARGUMENTS, width=wide_width(1), round=_message_round(-1), tag="rows"
         )
         return int(np.rint(from_wide_digits(summed)[0]))
 
@@ -135,7 +142,7 @@ class ReconstructionImputer:
                 "train",
                 np.array([float(max(self.total_rows, 1))]),
                 width=self.theta.numel() + 1,
-                round=round,
+                round=_message_round(round),
                 tag="fedavg",
                 cohort=self._sample_clients(),
             )
@@ -143,9 +150,13 @@ class ReconstructionImputer:
         weight = float(total[-1])
         if weight > 0:  # else the cohort holds no training rows: nothing to average
             self.theta = total[:-1] / weight
-        self.federation.download(self.theta, round=round, tag="global")
+        self.federation.download(self.theta, round=_message_round(round), tag="global")
         summed = self.federation.sum(
-            "validation", _NO_ARGUMENTS, width=wide_width(2), round=round, tag="validation"
+            "validation",
+            _NO_ARGUMENTS,
+            width=wide_width(2),
+            round=_message_round(round),
+            tag="validation",
         )
         sse, count = (float(v) for v in from_wide_digits(summed))
         return float(np.sqrt(sse / count)) if count else float("nan")
@@ -180,7 +191,9 @@ class ReconstructionImputer:
             for client in self._clients():
                 client.restore_best()
         elif self.best is not None:
-            self.federation.download(self.best, round=self.config.rounds, tag="best")
+            self.federation.download(
+                self.best, round=_message_round(self.config.rounds), tag="best"
+            )
         return curve
 
     def impute(self, client_index: int, client: ClientData) -> np.ndarray:

@@ -510,9 +510,15 @@ def _private_standardisation(
     return Standardisation(mean=mean, std=ranges.half_width * std_u), count
 
 
+STATISTICS_ROUNDS = 3
+"""The message rounds :func:`collect_statistics` takes (0-2): a driver's later exchanges on the
+same federation are numbered from here (an aggregation server never goes back to a round)."""
+
+
 def collect_statistics(sums: ClientSums, *, tag: str = "statistics") -> FederatedStatistics:
     """The coordinator's program: global standardisation and pairwise correlations from the
-    clients' summed statistics, three exchanges (rounds 0-2) under ``tag``.
+    clients' summed statistics, three exchanges (rounds 0-2, :data:`STATISTICS_ROUNDS`) under
+    ``tag``.
 
     With ``sums.release_terms`` every exchange is a clipped, noised release per client (see the
     module docstring); without, the statistics are exact up to the stated precision.
