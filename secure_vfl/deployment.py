@@ -141,7 +141,7 @@ from secure_vfl.federation.alignment import Alignment, JoinAligner, check_unique
 from secure_vfl.federation.channel import Channel, Readmission
 from secure_vfl.federation.federation_file import Federation
 from secure_vfl.federation.messages import AGGREGATOR, DeploymentMessage, Message
-from secure_vfl.federation.network import NetworkChannel, PartyEndpoint
+from secure_vfl.federation.network import PROBE_SECONDS, NetworkChannel, PartyEndpoint
 from secure_vfl.federation.parties import ROLES, DataParty, Party, make_aggregation_server
 from secure_vfl.io import atomic_directory
 from secure_vfl.saved_model import (
@@ -1187,7 +1187,10 @@ def serve(
     when the label party asks (:class:`ServedModel`).
     With ``party_privacy`` it installs its own DP mechanisms when its set-up carries a plan.
     TransportError if the label party is silent for longer than ``deadline`` seconds (``wait``
-    before its first message)."""
+    before its first message) and then accepts no connection within as long (at most
+    :data:`~secure_vfl.federation.network.PROBE_SECONDS`): its process is gone. A silent label
+    party that still accepts one is busy (training without this party, a lost one waiting
+    for readmission at the next epoch boundary; a long evaluation), and is waited for again."""
     if name == federation.label_party:
         raise ConfigError(
             f"{name} is the label party of {federation.path}; it runs `secure-vfl train "
@@ -1214,16 +1217,23 @@ def serve(
     endpoint.handler = server.receive
     on_event(f"{name}: serving at {member.address}")
     label = federation.label_party
+    silence, awaiting = wait, f"first message from the label party {label}"
     try:
-        endpoint.act_on_next(wait, awaiting=f"first message from the label party {label}")
         while server.outcome is None:
             try:
-                endpoint.act_on_next(deadline, awaiting=f"message from the label party {label}")
+                endpoint.act_on_next(silence, awaiting=awaiting)
             except TransportError as error:
+                if not endpoint.await_peers([label], min(PROBE_SECONDS, silence)):
+                    on_event(
+                        f"{name}: the label party {label} was silent for {silence:g} s but "
+                        "accepts connections: waiting on"
+                    )
+                    continue
                 raise TransportError(
-                    f"{name}: the label party {label} was silent for {deadline:g} s (did it "
-                    f"die?): {error}"
+                    f"{name}: the label party {label} was silent for {silence:g} s and accepts "
+                    f"no connection (did it die?): {error}"
                 ) from None
+            silence, awaiting = deadline, f"message from the label party {label}"
     finally:
         endpoint.close()
     return server.outcome

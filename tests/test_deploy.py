@@ -510,6 +510,41 @@ def test_a_data_party_exits_non_zero_when_the_label_party_dies(
     assert all(code != 0 for code in codes), codes
 
 
+def test_a_data_party_waits_on_a_silent_label_party_that_is_up_and_not_on_a_dead_one(
+    site: Path, processes: Processes
+) -> None:
+    """Silence alone is not death: a party whose label party says nothing for longer than its
+    deadline (here the label party's endpoint is up but sends nothing, as while a lost party
+    waits for readmission at a distant epoch boundary) checks that it still accepts a
+    connection and waits on; once that endpoint is closed, the party exits non-zero saying so
+    within twice its deadline."""
+    path = write_federation(site, site / "certs", free_loopback_ports(5))
+    federation = read_federation(path)
+    wait = 1.0
+    bank = PartyEndpoint(
+        "bank",
+        listen=federation.member("bank").address,
+        peers=federation.addresses(but="bank"),
+        identity=federation.identity("bank"),
+    )
+    try:
+        shop = processes.serve(path, "shop", "--wait", str(wait), "--deadline", str(wait))
+        end = time.monotonic() + PROCESS_SECONDS
+        while processes.log("shop").count("accepts connections: waiting on") < 3:
+            assert shop.poll() is None, processes.log("shop")  # 3 waits past its deadline
+            assert time.monotonic() < end, processes.log("shop")
+            time.sleep(0.05)
+    finally:
+        bank.close()
+    closed = time.monotonic()
+    while "accepts no connection" not in processes.log("shop"):
+        assert time.monotonic() - closed < PROCESS_SECONDS, processes.log("shop")
+        time.sleep(0.05)
+    assert time.monotonic() - closed < 2 * wait + 2.0, processes.log("shop")
+    assert shop.wait(timeout=PROCESS_SECONDS) != 0
+    assert "label party bank was silent" in processes.log("shop")
+
+
 def test_a_party_given_the_wrong_name_is_refused(
     site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
