@@ -434,6 +434,47 @@ def test_a_data_party_killed_mid_training_rejoins_when_its_operator_restarts_it(
         assert sorted(committed.parties) == ["insurer", "shop", "telco"]
 
 
+def test_a_party_restarted_with_other_ids_is_not_readmitted_under_psi(
+    site: Path, processes: Processes, tmp_path: Path
+) -> None:
+    """A lost party's restarted process must find the run's intersection again: one whose
+    table has lost some of its ids is refused at every epoch boundary and stays lost, and the
+    run ends without it."""
+    ports = free_loopback_ports(5)
+    federation = write_federation(site, site / "certs", ports)
+    out = tmp_path / "out"
+    flags = ("--heads", "active", "--align", "psi")
+    servers, label = kill_shop_mid_training(processes, federation, out, *flags, epochs=12)
+    servers["shop"].wait(timeout=PROCESS_SECONDS)
+    wait_for_line(processes, "bank", "shop is lost at step", label)
+    table = pd.read_csv(site / "shop.csv")
+    table.iloc[10:].to_csv(tmp_path / "shop.csv", index=False)  # 10 of its ids gone
+    changed = write_federation(
+        tmp_path,
+        site / "certs",
+        ports,
+        **{f'"{name}.csv"': f'"{site}/{name}.csv"' for name in PARTIES[1:] if name != "shop"},
+        **{'"bank.csv"': f'"{site}/bank.csv"', '"labels.csv"': f'"{site}/labels.csv"'},
+    )
+    restarted = processes.start(
+        "party", "serve", "--federation", str(changed), "--name", "shop", "--deadline", "5",
+        log="shop-restarted",
+    )  # fmt: skip
+    assert label.wait(timeout=PROCESS_SECONDS) == 0, processes.log("bank")
+    codes = [servers[name].wait(timeout=PROCESS_SECONDS) for name in ("insurer", "telco")]
+    assert codes == [0, 0], [processes.log(n) for n in ("insurer", "telco")]
+    result = json.loads((out / "result.json").read_text())
+    [lost] = result["faults"]  # lost, never rejoined
+    assert lost["party"] == "shop", result["faults"]
+    log = processes.log("bank")
+    assert "its ids changed since the alignment?" in log and "it stays lost" in log, log
+    assert "shop: aligning by PSI with bank" in processes.log("shop-restarted")
+    assert "set up by" not in processes.log("shop-restarted")
+    # Never set up, it is not told the run ended: it gives up once the label party is gone.
+    assert restarted.wait(timeout=PROCESS_SECONDS) != 0
+    assert "accepts no connection" in processes.log("shop-restarted")
+
+
 def test_a_lost_party_is_found_back_only_under_its_own_certificate(
     site: Path, tmp_path: Path
 ) -> None:
