@@ -9,8 +9,12 @@ manifest's new fields are unit-tested without processes."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +26,7 @@ from test_deploy import (
     FLAGS,
     PARTIES,
     PROCESS_SECONDS,
+    ROOT,
     Processes,
     in_process,
     write_federation,
@@ -177,6 +182,83 @@ def test_a_deployed_run_saves_each_part_at_its_party_and_predicts_as_the_in_proc
     weights.write_bytes(bytes(data))
     with pytest.raises(IntegrityError, match=r"^insurer: .* does not match the SHA-256"):
         SavedModel.load(copy)
+
+
+# Loaded by the interpreter of one party process only (its PYTHONPATH): the process kills
+# itself with SIGKILL at the rename that would publish a directory written atomically (its
+# saved part, written and fsynced under a hidden temporary name), as a crash would.
+DIE_AT_PUBLISH = """
+import os
+import signal
+
+_rename = os.rename
+
+
+def _rename_or_die(source, target, *args, **kwargs):
+    if str(source).endswith(".tmp"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _rename(source, target, *args, **kwargs)
+
+
+os.rename = _rename_or_die
+"""
+
+
+def test_a_party_killed_while_it_saves_its_part_is_lost_there_and_the_run_ends(
+    site: Path, processes: Processes, tmp_path: Path
+) -> None:
+    """telco's process dies (SIGKILL) in the middle of writing its part, once its files are
+    written and before they are published under the model's run id: the label party finds it
+    gone, lists its part as lost with a ``saving`` fault, saves the others and ends 0; telco
+    leaves no part under the run id (its temporary directory only)."""
+    flags = ("--method", "laser", "--heads", "all")
+    federation = write_federation(site, site / "certs", free_loopback_ports(5))
+    models = {name: tmp_path / f"{name}-models" for name in PARTIES[1:]}
+    servers = [processes.serve(federation, n, "--model-dir", str(models[n])) for n in PARTIES[1:3]]
+    servers.append(processes.serve(federation, "aggregator"))
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(DIE_AT_PUBLISH)
+    with (tmp_path / "telco").open("w") as output:
+        telco = subprocess.Popen(
+            [sys.executable, "-m", "secure_vfl", "party", "serve", "--federation",
+             str(federation), "--name", "telco", "--model-dir", str(models["telco"])],
+            stdout=output, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": f"{hooks}{os.pathsep}{ROOT}"},
+        )  # fmt: skip
+    processes.started.append(telco)
+    out = tmp_path / "deployed"
+    label = processes.start(
+        "train", "--federation", str(federation), "--name", "bank", *FLAGS, *flags,
+        "--out", str(out), log="bank",
+    )  # fmt: skip
+    assert label.wait(timeout=PROCESS_SECONDS) == 0, processes.log("bank")
+    assert telco.wait(timeout=PROCESS_SECONDS) == -signal.SIGKILL
+    codes = [server.wait(timeout=PROCESS_SECONDS) for server in servers]
+    assert codes == [0, 0, 0], [processes.log(n) for n in ("shop", "insurer", "aggregator")]
+    result = json.loads((out / "result.json").read_text())
+    [fault] = result["faults"]
+    assert fault["party"] == "telco" and fault["phase"] == "saving", fault
+    assert set(result["metrics"]) == set(result["samples"]) - {"train"}  # evaluated with it
+    manifest, _ = read_manifest(out)
+    assert [(e.name, e.location) for e in manifest.parties] == [
+        ("bank", "here"),
+        ("shop", KEPT_BY_PARTY),
+        ("insurer", KEPT_BY_PARTY),
+        ("telco", LOST),
+    ]
+    for name in ("shop", "insurer"):
+        assert (models[name] / name / manifest.run_id).is_dir()
+    [left] = (models["telco"] / "telco").iterdir()  # written, never published
+    assert left.name.startswith(f".{manifest.run_id}.") and left.name.endswith(".tmp")
+    assert "telco is lost while saving the model" in processes.log("bank")
+    # Loaded, the model predicts without telco's block (its part lost, its rows absent).
+    copy = tmp_path / "copied"
+    shutil.copytree(out / "model", copy)
+    for name in ("shop", "insurer"):
+        shutil.copytree(models[name] / name / manifest.run_id, copy / name)
+    predicted = SavedModel.load(copy).predict(new_tables(site, "telco"))
+    assert len(predicted.ids) == len(NEW_ROWS) and np.isfinite(predicted.probabilities).all()
 
 
 # -- the message checks and the manifest's fields, without processes ----------------------
