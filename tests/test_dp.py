@@ -275,6 +275,26 @@ def test_layers_pass_other_messages_and_never_mutate_the_input() -> None:
     assert len(events) == 2
 
 
+def test_a_clipped_representation_row_backpropagates_through_its_clipping() -> None:
+    """The gradient that comes back for a training row the embedding mechanism clipped is
+    multiplied by the clip's Jacobian (its own head's gradient too: the label party's block);
+    other rows, and gradients of another step, pass unchanged."""
+    layer = EmbeddingNoise(0.0, 1.0, sample_rate=0.5, noise=SeededNoise(0), on_event=discard)
+    held = torch.tensor([[2.0, 0.0], [0.3, 0.4]])
+    sent = layer.on_message(
+        dataclass_replace(representation(held), round=3, positions=torch.tensor([0, 2]))
+    )
+    torch.testing.assert_close(sent.representation, torch.tensor([[1.0, 0.0], [0.3, 0.4]]))
+    for receiver in ("party-1", "party-0"):
+        back = gradient(torch.ones(2, 2), receiver=receiver)
+        back = dataclass_replace(back, round=3, positions=torch.tensor([0, 2]))
+        torch.testing.assert_close(
+            layer.requests.on_message(back).gradient, torch.tensor([[0.0, 0.5], [1.0, 1.0]])
+        )
+    other = gradient(torch.ones(2, 2))  # round 0: nothing of it was clipped
+    assert layer.requests.on_message(other) is other
+
+
 def test_noise_is_reproducible_only_from_an_injected_insecure_source() -> None:
     def noisy(noise: SeededNoise | SecureNoise) -> torch.Tensor:
         layer = EmbeddingNoise(1.0, 1.0, sample_rate=0.1, noise=noise, on_event=discard)
