@@ -96,8 +96,10 @@ class Processes:
         self.directory = directory
         self.started: list[subprocess.Popen[str]] = []
 
-    def start(self, *args: str, log: str) -> subprocess.Popen[str]:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    def start(self, *args: str, log: str, before: Sequence[Path] = ()) -> subprocess.Popen[str]:
+        """``secure-vfl ARGS`` logged to ``log``; ``before``: directories its interpreter looks
+        in first (a test's fault injection, as a ``sitecustomize``)."""
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, [*before, ROOT]))}
         with (self.directory / log).open("w") as output:
             process = subprocess.Popen(
                 [sys.executable, "-m", "secure_vfl", *args],

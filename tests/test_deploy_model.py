@@ -9,12 +9,9 @@ manifest's new fields are unit-tested without processes."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +23,6 @@ from test_deploy import (
     FLAGS,
     PARTIES,
     PROCESS_SECONDS,
-    ROOT,
     Processes,
     in_process,
     write_federation,
@@ -219,14 +215,10 @@ def test_a_party_killed_while_it_saves_its_part_is_lost_there_and_the_run_ends(
     hooks = tmp_path / "hooks"
     hooks.mkdir()
     (hooks / "sitecustomize.py").write_text(DIE_AT_PUBLISH)
-    with (tmp_path / "telco").open("w") as output:
-        telco = subprocess.Popen(
-            [sys.executable, "-m", "secure_vfl", "party", "serve", "--federation",
-             str(federation), "--name", "telco", "--model-dir", str(models["telco"])],
-            stdout=output, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
-            env={**os.environ, "PYTHONPATH": f"{hooks}{os.pathsep}{ROOT}"},
-        )  # fmt: skip
-    processes.started.append(telco)
+    telco = processes.start(
+        "party", "serve", "--federation", str(federation), "--name", "telco", "--model-dir",
+        str(models["telco"]), log="telco", before=[hooks],
+    )  # fmt: skip
     out = tmp_path / "deployed"
     label = processes.start(
         "train", "--federation", str(federation), "--name", "bank", *FLAGS, *flags,

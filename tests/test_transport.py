@@ -329,11 +329,14 @@ def test_a_replayed_request_or_gradient_is_refused_and_changes_nothing(make_data
     assert _same(before, _state(method.fed.channel))
 
 
-def test_a_contribution_replayed_from_a_past_batch_is_refused_and_changes_nothing(
-    make_data: MakeData,
+@pytest.mark.parametrize("tag", [None, "never-used"], ids=["replayed", "under-a-new-tag"])
+def test_a_contribution_for_a_past_batch_is_refused_and_changes_nothing(
+    make_data: MakeData, tag: str | None
 ) -> None:
-    """In the clear, a representation of a batch the aggregation server has moved past is a
-    replay: refused before it can reset the batch it is collecting."""
+    """In the clear, a representation of a batch the aggregation server has moved past is
+    refused before it can reset the batch it is collecting: replayed as it was, or under a tag
+    that batch never had (no replay of bytes, but a message for the wrong round that must not
+    take the server back there)."""
     config = MethodConfig(epochs=1, batch_size=64, lr=0.05, representation_dim=8)
     method = METHODS.get("laser")(make_data(), config, seed=0)
     recorder = RecordingLayer()
@@ -356,43 +359,8 @@ def test_a_contribution_replayed_from_a_past_batch_is_refused_and_changes_nothin
         )
     )
     before = _state(method.fed.channel)
-    assert ("", ["party-1"]) in before  # what the replay must not reset
-    replayer = method.fed.channel.parties[old.sender]
-    with pytest.raises(ProtocolError, match="moved past"):
-        replayer.send(old)
-    assert _same(before, _state(method.fed.channel))
-
-
-def test_a_contribution_for_a_past_batch_under_a_new_tag_is_refused_and_changes_nothing(
-    make_data: MakeData,
-) -> None:
-    """A party's contribution for a batch the aggregation server has moved past is refused
-    whatever its tag: under a tag the batch never had it is no replay of bytes, but a message
-    for the wrong round that must not take the server back there and drop the batch it is
-    collecting."""
-    config = MethodConfig(epochs=1, batch_size=64, lr=0.05, representation_dim=8)
-    method = METHODS.get("laser")(make_data(), config, seed=0)
-    recorder = RecordingLayer()
-    method.fed.channel.layers.append(recorder)
-    method.train_step(np.arange(64), 0, 0)
-    old = next(m for m in recorder.messages if isinstance(m, RepresentationMessage))
-    method.train_step(np.arange(64, 128), 1, 0)
-    rows = torch.arange(4)
-    method.fed.own.send(
-        RepresentRequest(
-            sender="party-0",
-            receiver="party-1",
-            round=2,
-            batch_id=0,
-            split="train",
-            rows=rows,
-            positions=rows,
-            reply_to="aggregator",
-        )
-    )
-    before = _state(method.fed.channel)
-    assert ("", ["party-1"]) in before
-    stale = dataclasses.replace(old, tag="never-used")
+    assert ("", ["party-1"]) in before  # what the stale contribution must not reset
+    stale = old if tag is None else dataclasses.replace(old, tag=tag)
     with pytest.raises(ProtocolError, match="moved past"):
         method.fed.channel.parties[old.sender].send(stale)
     assert _same(before, _state(method.fed.channel))
