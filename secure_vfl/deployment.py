@@ -1406,15 +1406,26 @@ class PsiAlignment:
             found = None if result.indices is None else np.sort(result.indices)
             expected = np.flatnonzero(self._held[:, k])
             if found is None or not np.array_equal(found, expected):
-                raise ProtocolError(
+                reason = (
                     f"PSI with {name} again: the run's intersection of {expected.size} ids "
                     f"expected; found {'its size only' if found is None else found.size} (its "
                     "ids changed since the alignment?)."
                 )
+                endpoint.handler = None
+                self._turn_away(name, reason)
+                raise ProtocolError(reason)
             requester.send_matches(name, self._sample_of, self._samples)
         finally:
             endpoint.handler = handler
         self.sessions[name] = session
+
+    def _turn_away(self, name: str, reason: str) -> None:
+        """End the run for the restarted party ``name``, saying why it is not readmitted: it
+        exits (non-zero) at once, instead of waiting for the next epoch's probe, which would
+        only find it aligned already (a process runs PSI once)."""
+        outcome = f"not readmitted: {reason}"
+        self.endpoint.send(_deployment(self.endpoint.name, name, "end", {"outcome": outcome}))
+        _body(self.endpoint.receive(sender=name, kind="deployment"), "report", REPORT_KEYS)
 
 
 def _intersect_each(

@@ -440,8 +440,8 @@ def test_a_party_restarted_with_other_ids_is_not_readmitted_under_psi(
     site: Path, processes: Processes, tmp_path: Path
 ) -> None:
     """A lost party's restarted process must find the run's intersection again: one whose
-    table has lost some of its ids is refused at every epoch boundary and stays lost, and the
-    run ends without it."""
+    table has lost some of its ids is refused, told why (it exits), and stays lost; the run
+    ends without it."""
     ports = free_loopback_ports(5)
     federation = write_federation(site, site / "certs", ports)
     out = tmp_path / "out"
@@ -472,9 +472,10 @@ def test_a_party_restarted_with_other_ids_is_not_readmitted_under_psi(
     assert "its ids changed since the alignment?" in log and "it stays lost" in log, log
     assert "shop: aligning by PSI with bank" in processes.log("shop-restarted")
     assert "set up by" not in processes.log("shop-restarted")
-    # Never set up, it is not told the run ended: it gives up once the label party is gone.
+    # Told why, it ends at once (exit non-zero) instead of waiting for probes.
     assert restarted.wait(timeout=PROCESS_SECONDS) != 0
-    assert "accepts no connection" in processes.log("shop-restarted")
+    said = "the label party ended the run: not readmitted: PSI with shop again"
+    assert said in processes.log("shop-restarted")
 
 
 def test_a_lost_party_is_found_back_only_under_its_own_certificate(
