@@ -107,6 +107,11 @@ REJOIN_PROBE_SECONDS = 2.0
 again: all that a peer that stays dead costs per epoch (a restarted one accepts in
 milliseconds)."""
 SERVER_THREADS = 16
+SENDER_THREADS = 64
+"""At most this many outgoing calls of a party at once (one per peer a ``send_all`` reaches;
+started as needed, then kept for the endpoint's life). Each call blocks in one of them: a gRPC
+future would start a thread of its own whenever no call of its channel is in flight, which is
+every call of a party that sends one message at a time (it doubled a deployed step's CPU)."""
 REPLAY_WINDOW = 1024
 """Deliveries remembered per sender stream (for retries); older sequence numbers are replays."""
 STREAMS_KEPT = 4
@@ -244,7 +249,7 @@ class _Delivery:
     metadata: tuple[tuple[str, str], ...]
     start: float
     timeout: float
-    future: Any = None
+    future: futures.Future[Any] | None = None
     attempts: int = 1
 
 
@@ -325,6 +330,7 @@ class PartyEndpoint:
                 "and no peer's identity is checked; use certificates (secure-vfl certs init).",
                 name,
             )
+        self._senders = futures.ThreadPoolExecutor(SENDER_THREADS, f"{self.name}-send")
         self._server, self.port = self._start_server(listen)
         for peer, address in (peers or {}).items():
             self.add_peer(peer, address)
@@ -418,6 +424,7 @@ class PartyEndpoint:
         for channel in self._channels.values():
             channel.close()
         self._channels.clear()
+        self._senders.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> PartyEndpoint:
         return self
@@ -721,8 +728,11 @@ class PartyEndpoint:
         backoffs = self.retry.backoffs()
         while True:
             future = delivery.future
+            assert future is not None
             self._wait_for(future)
             error = future.exception()
+            if error is not None and not isinstance(error, grpc.RpcError):
+                raise error  # not the transport's (a channel closed under it): as it is
             if error is None or error.code() not in _NOT_DELIVERED:
                 # It crossed (answered, or refused by the peer): count it, as in one process.
                 self.bytes[(message.sender, message.receiver, _phase(message))] += len(data)
@@ -746,15 +756,19 @@ class PartyEndpoint:
         data: bytes,
         metadata: tuple[tuple[str, str], ...],
         timeout: float,
-    ) -> grpc.Future:
+    ) -> futures.Future[Any]:
+        """The call, blocking in one of the endpoint's sender threads (:data:`SENDER_THREADS`);
+        its future fails with the call's ``grpc.RpcError``."""
         if len(data) <= STREAM_THRESHOLD:
-            return channel.unary_unary(DELIVER).future(data, timeout=timeout, metadata=metadata)
+            call = channel.unary_unary(DELIVER)
+            return self._senders.submit(call, data, timeout=timeout, metadata=metadata)
         chunks = (data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES))
-        return channel.stream_unary(DELIVER_STREAM).future(
-            chunks, timeout=timeout, metadata=(*metadata, (_SIZE, str(len(data))))
+        streamed = channel.stream_unary(DELIVER_STREAM)
+        return self._senders.submit(
+            streamed, chunks, timeout=timeout, metadata=(*metadata, (_SIZE, str(len(data))))
         )
 
-    def _wait_for(self, future: grpc.Future) -> None:
+    def _wait_for(self, future: futures.Future[Any]) -> None:
         """Act on what arrives until ``future`` is done (it ends at its deadline at the latest)."""
         future.add_done_callback(lambda _: self._queue.put(_WAKE))
         while not future.done():
