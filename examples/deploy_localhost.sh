@@ -11,12 +11,21 @@
 # each party holds).
 #
 #     bash examples/deploy_localhost.sh [DIR] [EPOCHS] [ALIGN]
+#
+# It runs with the project's .venv when there is one (no need to activate it); PYTHON=... names
+# another interpreter.
 set -euo pipefail
 
 DIR=${1:-$(mktemp -d)}
 EPOCHS=${2:-5}
 ALIGN=${3:-join}
-PYTHON=${PYTHON:-python}
+# The interpreter: $PYTHON if set, else the project's own (.venv, made by scripts/setup.sh), else
+# the python on PATH (one that has secure-vfl installed).
+if [ -z "${PYTHON:-}" ]; then
+  PYTHON=python
+  VENV_PYTHON="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/.venv/bin/python"
+  if [ -x "$VENV_PYTHON" ]; then PYTHON=$VENV_PYTHON; fi
+fi
 # Five processes on one machine: one torch thread each, or they oversubscribe a small machine's
 # cores (benchmarks/README.md, "How to read the deploy costs").
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

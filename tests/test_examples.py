@@ -101,23 +101,38 @@ def test_privacy_utility_example_prints_the_sweep_and_saves_its_plots(tmp_path: 
 
 
 def test_deploy_localhost_example_trains_four_processes_and_stops_them(tmp_path: Path) -> None:
+    """Run as the README says, with no virtual environment activated: where the project has
+    its .venv (scripts/setup.sh), the script must use it and never the python on PATH, which
+    here fails if called; elsewhere it is given this test's interpreter."""
+    demo = tmp_path / "demo"
+    env = {key: value for key, value in os.environ.items() if key != "PYTHON"}
+    if (ROOT / ".venv" / "bin" / "python").exists():
+        decoy = tmp_path / "path"
+        decoy.mkdir()
+        (decoy / "python").write_text(
+            "#!/bin/sh\necho 'the python on PATH was used' >&2\nexit 97\n"
+        )
+        (decoy / "python").chmod(0o755)
+        env["PATH"] = os.pathsep.join([str(decoy), env.get("PATH", "")])
+    else:
+        env.update(PYTHON=sys.executable, PYTHONPATH=str(ROOT))
     completed = subprocess.run(
-        ["bash", str(ROOT / "examples" / "deploy_localhost.sh"), str(tmp_path), "1"],
+        ["bash", str(ROOT / "examples" / "deploy_localhost.sh"), str(demo), "1"],
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT)},
+        env=env,
         cwd=ROOT,
     )
     assert completed.returncode == 0, completed.stderr
     assert "every party finished" in completed.stdout
-    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    result = json.loads((demo / "run" / "result.json").read_text())
     assert set(result["traffic"]["bytes"]) == {"bank", "shop", "insurer", "telco", "aggregator"}
     for name in ("shop", "insurer", "telco", "aggregator"):
-        assert "the run finished" in (tmp_path / f"{name}.log").read_text()
+        assert "the run finished" in (demo / f"{name}.log").read_text()
     # Each data party kept its own part; copied beside the manifest, the parts predicted.
     run_id = result["model"]["run_id"]
     for name in ("shop", "insurer", "telco"):
-        assert [p.name for p in (tmp_path / f"models-{name}" / name).iterdir()] == [run_id]
-    predictions = (tmp_path / "predictions.csv").read_text().splitlines()
+        assert [p.name for p in (demo / f"models-{name}" / name).iterdir()] == [run_id]
+    predictions = (demo / "predictions.csv").read_text().splitlines()
     assert predictions[0] == "id,predicted,p_0,p_1" and len(predictions) == 1 + 569
