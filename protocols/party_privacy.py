@@ -41,7 +41,6 @@ from protocols.dp import (
     GradientNoise,
     Guarantee,
     PrivacyAccountant,
-    make_private_party,
 )
 from protocols.noise import NoiseSource, noise_source
 from protocols.sum_range import DivergenceGuard, RangedHalf, SumRange
@@ -346,6 +345,8 @@ class PartyPrivacy:
             party.incoming.append(exposure)  # notes the rows each request asks for
             party.exposure = exposure
         if "dp-sgd" in noise:
+            from protocols.dp_sgd import make_private_party  # Opacus: only where DP-SGD runs
+
             sigma, clip = noise["dp-sgd"]
             make_private_party(
                 party,

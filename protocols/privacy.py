@@ -109,7 +109,7 @@ class PrivacySpec:
     imputation (``impute``) takes ``dp_statistics``, whose values are clipped to the ranges
     declared in ``feature_ranges`` (a CSV; default: the observed ranges, which are not private).
     ``grad_sample_mode`` says how DP-SGD gets its per-sample gradients
-    (:func:`~protocols.dp.make_private_party`: ``auto``, ``linear`` or Opacus' ``hooks``).
+    (:func:`~protocols.dp_sgd.make_private_party`: ``auto``, ``linear`` or Opacus' ``hooks``).
 
     ``release`` is the policy for what a secure sum cannot hide (a sample's subset whose only
     contributor besides the label party is one party): ``drop`` (never plan it) or ``dp`` (that

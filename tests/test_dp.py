@@ -24,11 +24,11 @@ from protocols.dp import (
     calibrate_per_record,
     clip_rows,
     joint_noise_multiplier,
-    make_private_party,
     parse_noise,
     per_record_epsilon,
     price,
 )
+from protocols.dp_sgd import make_private_party
 from protocols.noise import SecureNoise, SeededNoise
 from protocols.privacy import PrivacyEngine, PrivacySpec
 from secure_vfl.errors import ConfigError

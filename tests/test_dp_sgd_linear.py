@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from protocols.dp import (
+from protocols.dp_sgd import (
     LinearCaptures,
     _LinearDPOptimizer,
     _PartyDPOptimizer,

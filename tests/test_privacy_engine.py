@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -198,3 +201,39 @@ def test_a_resumed_deployed_plan_is_calibrated_to_the_killed_runs_sample() -> No
     assert again == plans
     others = [plan()[1] for _ in range(10)]  # fresh samples: another calibration, mostly
     assert any(other != plans for other in others)
+
+
+@pytest.mark.parametrize(
+    ("flags", "imported"),
+    [
+        (["--secure-agg", "masks"], False),  # no DP at all
+        (["--dp-sgd", "1.0:1.0"], True),  # the positive control: DP-SGD runs on Opacus
+    ],
+)
+def test_opacus_is_imported_only_by_a_run_that_uses_it(
+    tmp_path: Path, flags: list[str], imported: bool
+) -> None:
+    """Importing Opacus takes seconds of every process that does (each party of a deployment):
+    a run without DP never imports it."""
+    argv = [
+        "train",
+        "--method",
+        "laser",
+        "--heads",
+        "active",
+        "--dataset",
+        "digits",
+        "--epochs",
+        "1",
+    ]
+    argv += ["--quiet", *flags]
+    argv += ["--out", str(tmp_path / "r")]
+    code = "import sys; from secure_vfl.cli import main; code = main(sys.argv[1:]); "
+    code += "print(sorted(sys.modules)); sys.exit(code)"
+    completed = subprocess.run(
+        [sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300
+    )
+    assert completed.returncode == 0, completed.stderr
+    modules = set(ast.literal_eval(completed.stdout.strip().splitlines()[-1]))
+    assert ("opacus" in modules) is imported
+    assert (tmp_path / "r" / "result.json").exists()
