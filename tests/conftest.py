@@ -125,6 +125,14 @@ def fresh_subsets_rule(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ReleaseBlocks, "plan", fresh_subsets)
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that starts deployment processes (the ``processes`` fixture) is marked
+    ``processes``: scripts/check.sh runs those one at a time, after the others."""
+    for item in items:
+        if "processes" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.processes)
+
+
 @pytest.fixture
 def processes(tmp_path: Path) -> Iterator[Processes]:
     """The processes a deployment test starts (logs under ``tmp_path``), every one stopped by

@@ -19,6 +19,7 @@ from secure_vfl.checkpoints import written_steps
 from secure_vfl.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.processes  # kills a process after its checkpoint: one at a time
 RUN = [
     "train",
     "--method",

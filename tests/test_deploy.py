@@ -38,6 +38,8 @@ from secure_vfl.federation.network import (
     free_loopback_ports,
 )
 
+pytestmark = pytest.mark.processes  # party processes, loopback endpoints, deadlines
+
 ROOT = Path(__file__).resolve().parents[1]
 PARTIES = ("bank", "shop", "insurer", "telco")  # the label party first
 PROCESS_SECONDS = 120.0

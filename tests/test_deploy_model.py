@@ -60,6 +60,8 @@ from secure_vfl.saved_model import (
     read_manifest,
 )
 
+pytestmark = pytest.mark.processes  # party processes, loopback endpoints, deadlines
+
 NEW_ROWS = range(240, 300)  # breast-cancer rows the federation never saw
 
 

@@ -41,6 +41,8 @@ from secure_vfl.federation.messages import (
 )
 from secure_vfl.federation.parties import DataParty
 
+pytestmark = pytest.mark.processes  # party processes, loopback endpoints, deadlines
+
 PLAN = PartyPlan(
     noise={"embedding": (1.5, 1.0), "dp-sgd": (0.8, 0.05)},
     sample_rate=0.25,

@@ -46,6 +46,8 @@ from secure_vfl.federation.parts import sha256
 from secure_vfl.methods import MethodConfig
 from secure_vfl.methods.base import in_process_parties
 
+pytestmark = pytest.mark.processes  # party processes, loopback endpoints, deadlines
+
 EVERY = "3"
 EPOCHS = ["--epochs", "6"]  # 18 steps: still training when killed after the commit of step 3
 

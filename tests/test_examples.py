@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -100,6 +102,7 @@ def test_privacy_utility_example_prints_the_sweep_and_saves_its_plots(tmp_path: 
         assert (tmp_path / plot).read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.processes
 def test_deploy_localhost_example_trains_four_processes_and_stops_them(tmp_path: Path) -> None:
     """Run as the README says, with no virtual environment activated: where the project has
     its .venv (scripts/setup.sh), the script must use it and never the python on PATH, which

@@ -43,6 +43,8 @@ from secure_vfl.federation.network import (
     TlsIdentity,
 )
 
+pytestmark = pytest.mark.processes  # peer processes with deadlines: run one at a time
+
 PEER = Path(__file__).with_name("network_peer.py")
 ROOT = Path(__file__).resolve().parents[1]
 START_SECONDS = 60.0  # a cold process imports torch: generous on a busy machine
