@@ -16,9 +16,11 @@ Mechanisms (the Gaussian mechanism, Dwork & Roth 2014, Thm A.1, on rows clipped 
   so it protects them from the data party receiving them, and the privacy is spent by the head
   (label) party. A gradient the label party sends to its own bottom model crosses no boundary
   and is left alone.
-- :func:`make_private_party` runs DP-SGD (Abadi et al., CCS 2016) on a data party's bottom model
-  with Opacus in the split pattern: ``representation.backward(grad)`` yields per-sample gradients,
-  which are clipped and noised at each optimiser step.
+- :func:`protocols.dp_sgd.make_private_party` runs DP-SGD (Abadi et al., CCS 2016) on a data
+  party's bottom model with Opacus in the split pattern: ``representation.backward(grad)`` yields
+  per-sample gradients, which are clipped and noised at each optimiser step. It lives in its own
+  module, as does every import of Opacus here (inside the functions that price): a run without
+  DP never pays the seconds that importing Opacus takes.
 
 **Joint events.** All releases one party makes about the same records in one step are one
 Gaussian mechanism. Release i of a step clips each row to C_i and adds N(0, (sigma_i C_i)^2);
