@@ -618,6 +618,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="one CSV/Parquet file per client: NaN = missing, absent column = unavailable",
     )
+    _deployment_flags(impute, impute_source)
     _column_flags(
         impute,
         label_help="a column of the client files that is not a feature: kept out of the "
@@ -1690,6 +1691,8 @@ def _attack_summary(result: Any, out: Path) -> str:
 
 
 def run_impute(args: argparse.Namespace) -> int:
+    if args.federation is not None:
+        return run_impute_deployed(args)
     from tqdm import tqdm
 
     from secure_vfl.data.imputation import IMPUTATION_DATASETS
@@ -1763,6 +1766,12 @@ def run_impute(args: argparse.Namespace) -> int:
     payload["provenance"] = provenance()
     atomic_write_json(out / "result.json", payload)
     store.add(payload, kind="impute", out_dir=out)
+    print(_impute_summary(result, out))
+    return 0
+
+
+def _impute_summary(result: Any, out: Path) -> str:
+    """What ``impute`` prints: the RMSE per client and overall, the privacy, the result."""
     lines = [
         f"{result.method} on {result.dataset} ({len(result.clients)} clients) "
         f"in {result.wall_time_s:.1f} s",
@@ -1776,8 +1785,93 @@ def run_impute(args: argparse.Namespace) -> int:
     if result.privacy is not None:
         lines.extend(_privacy_lines(result.privacy))
     lines.append(f"result: {out / 'result.json'}")
-    print("\n".join(lines))
+    return "\n".join(lines)
+
+
+def run_impute_deployed(args: argparse.Namespace) -> int:
+    """`secure-vfl impute --federation FED --name LABEL`: the coordinator of a deployed
+    imputation, every other party a client serving in its own process."""
+    from tqdm import tqdm
+
+    from secure_vfl.deployed_imputation import impute_deployed
+    from secure_vfl.experiment import ImputeRunConfig
+    from secure_vfl.federation.federation_file import read_federation
+    from secure_vfl.io import atomic_write_json
+    from secure_vfl.methods.imputation import ImputeConfig
+    from secure_vfl.runs import provenance
+
+    _refuse_deployed_impute_flags(args)
+    federation = read_federation(args.federation)
+    clients = [m for m in federation.parties if m.name != args.name]
+    config = ImputeRunConfig(
+        method=args.method,
+        client_files=tuple(m.data for m in clients if m.data is not None),
+        clients=len(clients),
+        seed=args.seed,
+        id_column=args.id_column,
+        label_column=args.label_column,
+        impute_config=ImputeConfig(
+            rounds=args.rounds,
+            client_fraction=args.client_fraction,
+            local_epochs=args.local_epochs,
+            batch_size=args.batch_size,
+            lr=args.lr,
+        ),
+    )
+    out: Path = args.out or Path("runs") / f"impute-{config.method}-deployed-s{config.seed}"
+    _check_output_dir(out, "result.json", overwrite=args.overwrite)
+    store = _results_store(args, out)
+    bar = tqdm(total=0, desc=config.method, unit="round", disable=args.quiet, leave=False)
+
+    def on_round(round: int, rmse: float) -> None:
+        bar.update(1)
+        bar.set_postfix(val_rmse=f"{rmse:.3f}")
+
+    try:
+        result = impute_deployed(
+            config,
+            federation,
+            args.name,
+            secure_agg=args.secure_agg,
+            secure_sums=_secure_sums,
+            deadline=args.deadline,
+            wait=args.wait,
+            insecure=args.insecure,
+            on_start=lambda rounds: bar.reset(total=rounds),
+            on_round=on_round,
+        )
+    finally:
+        bar.close()
+    payload = result.to_json()
+    payload["config"]["privacy"] = {"secure_agg": args.secure_agg}
+    payload["config"]["federation"] = str(args.federation)
+    payload["provenance"] = provenance()
+    atomic_write_json(out / "result.json", payload)
+    store.add(payload, kind="impute", out_dir=out)
+    print(_impute_summary(result, out))
     return 0
+
+
+def _refuse_deployed_impute_flags(args: argparse.Namespace) -> None:
+    """ConfigError, before any contact, for ``impute`` flags a deployment does not take."""
+    if args.name is None:
+        raise ConfigError("--federation needs --name NAME (the label party's). Found none.")
+    refused = _given(
+        ("--clients", args.clients),
+        ("--availability", args.availability),
+        ("--dp-statistics", args.dp_statistics),
+        ("--target-epsilon", args.target_epsilon),
+        ("--feature-ranges", args.feature_ranges),
+        ("--capture", args.capture),
+    )
+    refused += ["--save-imputed"] if args.save_imputed else []
+    refused += ["--insecure-reproducible-noise"] if args.insecure_reproducible_noise else []
+    if refused:
+        raise ConfigError(
+            f"{', '.join(refused)} not offered with impute --federation: the clients are the "
+            "federation file's parties, each reading its own file; differential privacy, "
+            "imputed tables and captures stay with in-process runs for now."
+        )
 
 
 def _client_count(args: argparse.Namespace) -> int:

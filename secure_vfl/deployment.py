@@ -367,6 +367,8 @@ class _Server:
                 "checkpoints": self._on_checkpoints,
                 "checkpoint": self._on_checkpoint,
                 "save": self._on_save,
+                "columns-request": self._on_columns_request,
+                "impute-setup": self._on_impute_setup,
             }
             handler = handlers.get(message.topic, self._on_end)
             if message.topic not in (*handlers, "end"):
@@ -464,6 +466,30 @@ class _Server:
             self.party = party
         self._attach(self.party)
         self.on_event(f"{self.name}: set up by {message.sender}; training")
+
+    def _on_columns_request(self, message: Message) -> None:
+        """An imputation run: answer with this client's feature columns and row count."""
+        from secure_vfl.deployed_imputation import served_columns
+
+        if self.name == AGGREGATOR or self.party is not None:
+            raise ProtocolError(
+                f"{self.name}: a columns-request at the aggregator or after the set-up."
+            )
+        self._reply("columns", served_columns(self.federation.member(self.name), message))
+
+    def _on_impute_setup(self, message: Message) -> None:
+        """An imputation run: build this client's part (its rows, split, model and halves)."""
+        from secure_vfl.deployed_imputation import build_served_client
+
+        if self.name == AGGREGATOR or self.party is not None:
+            raise ProtocolError(
+                f"{self.name}: an impute-setup at the aggregator or a second one (a replay?)."
+            )
+        self.party = build_served_client(
+            self.federation.member(self.name), message, self.secure_sums
+        )
+        self._attach(self.party)
+        self.on_event(f"{self.name}: set up by {message.sender} as an imputation client")
 
     def _on_checkpoints(self, message: Message) -> None:
         """Take the run's checkpoints before training (on resume: restore this party's own)."""

@@ -548,7 +548,6 @@ class ImputeResult:
 
 def prepare_imputation_task(config: ImputeRunConfig) -> ImputationTask:
     """The clients of a run: a registered dataset dealt to clients, or the user's own files."""
-    rng = np.random.default_rng(config.seed)
     if config.dataset is not None:
         frame = load_imputation_dataset(config.dataset)
         return make_imputation_task(
@@ -556,11 +555,11 @@ def prepare_imputation_task(config: ImputeRunConfig) -> ImputationTask:
             name=config.dataset,
             clients=config.clients,
             availability=config.availability,
-            rng=rng,
+            rng=np.random.default_rng(config.seed),
         )
     return make_task_from_client_files(
         config.client_files,
-        rng=rng,
+        seed=config.seed,
         id_column=config.id_column,
         label_column=config.label_column,
     )

@@ -287,3 +287,39 @@ def test_imputation_results_report_the_wire_bytes_of_every_client(tmp_path: Path
         / plain["traffic"]["bytes"]["client-0"]["train"]
     )
     assert 1.99 < ratio < 2.0
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--name", "bank", "--method", "mean"], "--method mean is not offered with --federation"),
+        (["--name", "bank", "--method", "dae"], "--method dae is not offered with --federation"),
+        (["--method", "fedhf"], "--federation needs --name NAME"),
+        (["--name", "shop", "--method", "fedhf"], "shop is not the label party"),
+        (
+            ["--name", "bank", "--method", "fedhf", "--save-imputed"],
+            "--save-imputed not offered with impute --federation",
+        ),
+        (
+            ["--name", "bank", "--method", "fedhf", "--dp-statistics", "1:1"],
+            "--dp-statistics not offered with impute --federation",
+        ),
+        (
+            ["--name", "bank", "--method", "fedhf", "--clients", "3"],
+            "--clients not offered with impute --federation",
+        ),
+    ],
+)
+def test_a_deployed_impute_refuses_what_it_does_not_offer_before_any_contact(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    from test_deploy import write_federation
+
+    from secure_vfl.federation.network import free_loopback_ports
+
+    federation = write_federation(tmp_path, tmp_path / "certs", free_loopback_ports(5))
+    out = tmp_path / "out"
+    code = main(["impute", "--federation", str(federation), *extra, "--out", str(out)])
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()

@@ -17,6 +17,7 @@ from test_fedhf import synthetic_task
 from test_secure_split import BACKENDS, _secret
 
 from protocols.secagg import MaskingAggregator
+from secure_vfl.data.imputation import hide_entries
 from secure_vfl.errors import ConfigError, ProtocolError
 from secure_vfl.experiment import ImputeRunConfig, run_imputation
 from secure_vfl.federation.aggregator import PlainAggregator, SumBackend
@@ -28,6 +29,8 @@ from secure_vfl.federation.messages import (
     Message,
     ParametersMessage,
     RepresentationMessage,
+    ScoreMessage,
+    ScoreRequest,
     SealedMessage,
     SumMessage,
 )
@@ -38,13 +41,20 @@ from secure_vfl.methods.imputation import (
     ImputationClient,
     ImputeConfig,
     ReconstructionImputer,
+    build_imputation_federation,
+    federated_statistics,
+    hidden_test_entries,
     in_process_clients,
 )
+from secure_vfl.methods.imputation.evaluation import TEST_FRACTION, scores_of, squared_errors
 
 TINY = ImputeConfig(rounds=2, local_epochs=1, hidden=8, layers=1)
 
 # Measured on the code before the parties were actors (commit 417e94a), one torch thread:
 # synthetic_task(seed=0), ImputeConfig(rounds=4, local_epochs=2, hidden=16, layers=2), seed 0.
+# The RMSEs were scored with one generator, seeded 0, drawing every client's hidden test entries
+# in client order; each client now draws its own (so that it can score itself), and the test
+# scores the trained imputer under the old draws (_scored_as_before_actors) to compare.
 # On that machine they matched to 1e-12. Another CPU's vector kernels round the float32 sums
 # differently: on an AVX-512 (fp16) Xeon the same code lands up to 4e-9 (relative) away, so the
 # tolerance is 1e-6, still far below what a change of the protocol (another batch, sample or
@@ -76,11 +86,62 @@ def test_the_actors_give_the_results_measured_before_them(method: str, backend: 
         impute_config=ImputeConfig(rounds=4, local_epochs=2, hidden=16, layers=2),
     )
     aggregator = MaskingAggregator() if backend == "masks" else None
-    result, _ = run_imputation(config, task=synthetic_task(seed=0), aggregator=aggregator)
+    task = synthetic_task(seed=0)
+    result, imputer = run_imputation(config, task=task, aggregator=aggregator)
     rmse, curve = BEFORE_ACTORS[method, backend]
-    assert result.rmse == pytest.approx(rmse, rel=1e-6)
+    assert _scored_as_before_actors(imputer, task, method) == pytest.approx(rmse, rel=1e-6)
     if curve is not None:
         assert result.validation_curve == pytest.approx(curve, rel=1e-6)
+
+
+def _scored_as_before_actors(imputer: Any, task: Any, method: str) -> float:
+    """The RMSE of ``imputer`` with every client's hidden test entries drawn by one generator
+    seeded 0, in client order (how BEFORE_ACTORS was scored)."""
+    std = federated_statistics(task.train).standardisation.std
+    rng = np.random.default_rng(0)
+    errors = {}
+    for k, truth in enumerate(task.test):
+        corrupted, hidden = hide_entries(truth, TEST_FRACTION, rng=rng)
+        errors[truth.name] = squared_errors(
+            imputer.impute(k, corrupted), truth, hidden, std, by=method
+        )
+    return scores_of(errors)["rmse"]
+
+
+@pytest.mark.parametrize("method", ["fedhf", "dae"])
+def test_each_client_scores_itself_as_the_evaluator_would_and_sends_two_numbers(
+    method: str,
+) -> None:
+    recorder = RecordingLayer()
+    imputer = _imputer(PlainAggregator(), recorder, method=method)
+    imputer.fit()
+    task = imputer.task
+    standardisation = federated_statistics(task.train).standardisation
+    recorder.messages.clear()
+    scored = imputer.score(standardisation, seed=3, fraction=0.2)
+    # The evaluator's computation, from the test rows it holds in one process.
+    expected = {
+        truth.name: squared_errors(
+            imputer.impute(k, corrupted), truth, hidden, standardisation.std, by=method
+        )
+        for k, (truth, (corrupted, hidden)) in enumerate(
+            zip(task.test, hidden_test_entries(task, seed=3), strict=True)
+        )
+    }
+    assert scored == expected
+    assert all(count > 0 for _, count in scored.values())
+    # What crossed: a request to each client and, back to the coordinator, its two numbers.
+    assert [m.kind for m in recorder.messages] == ["score-request", "score"] * len(task.test)
+    assert {m.sender for m in recorder.messages if m.kind == "score"} == {c.name for c in task.test}
+    # Another seed draws other entries.
+    assert imputer.score(standardisation, seed=4, fraction=0.2) != scored
+
+
+def test_a_client_without_test_rows_refuses_to_score() -> None:
+    task = synthetic_task(rows=24, test_rows=6, features=6)
+    federation = build_imputation_federation(task.train)
+    with pytest.raises(ProtocolError, match="test rows to score on expected, found none"):
+        federation.score(np.ones(6), [1] * len(task.train), fraction=0.2, round=1)
 
 
 def _imputer(
@@ -233,12 +294,14 @@ def test_bad_or_replayed_messages_are_refused_and_change_no_party(backend: str) 
     aggregator = MaskingAggregator() if backend == "masks" else PlainAggregator()
     imputer = _imputer(aggregator, recorder, method="fed-dae")
     imputer.fit()
+    imputer.score(federated_statistics(imputer.task.train).standardisation, seed=0, fraction=0.2)
     channel = imputer.federation.channel
     coordinator = imputer.federation.own
     clients = {c.name: c for c in in_process_clients(channel)}
     first, second = list(clients.values())[:2]
     server = channel.parties[AGGREGATOR]
     train = _last(recorder, ComputeRequest, receiver=first.name, computation="train")
+    scoring = _last(recorder, ScoreRequest, receiver=first.name)
     download = _last(recorder, ParametersMessage, receiver=first.name)
     published = _last(recorder, GlobalStatisticsMessage, receiver=first.name)
     fresh = {"round": 99, "tag": "fresh"}
@@ -248,6 +311,14 @@ def test_bad_or_replayed_messages_are_refused_and_change_no_party(backend: str) 
         ("replayed request", lambda: coordinator.send(train), "a second compute-request"),
         ("replayed download", lambda: coordinator.send(download), "a second parameters"),
         ("replayed statistics", lambda: coordinator.send(published), "a second global-stat"),
+        ("replayed score request", lambda: coordinator.send(scoring), "a second score-request"),
+        (
+            "a yardstick of another width",
+            lambda: coordinator.send(
+                dataclasses.replace(scoring, round=99, std=torch.ones(2, dtype=torch.float64))
+            ),
+            "a std for each of its 6 features expected, found 2",
+        ),
         # malformed requests: nothing is trained or loaded
         (
             "wrong parameter count",
@@ -284,6 +355,15 @@ def test_bad_or_replayed_messages_are_refused_and_change_no_party(backend: str) 
             "a contribution sent to the coordinator",
             lambda: second.send(_row(second.name, SERVER)),
             "sums from aggregator expected, found a representation",
+        ),
+        (
+            "a score nobody asked for",
+            lambda: second.send(
+                ScoreMessage(
+                    sender=second.name, receiver=SERVER, round=99, batch_id=0, sse=0.0, count=0
+                )
+            ),
+            f"found a score from {second.name}",
         ),
         (
             "a sum forged by a client",

@@ -212,7 +212,7 @@ def test_task_from_client_files_splits_each_client(tmp_path):
     paths = write_client_files(tmp_path)
     paths.append(tmp_path / "hospital-c.csv")
     pd.DataFrame({"age": np.arange(20.0), "chol": np.arange(20.0)}).to_csv(paths[2], index=False)
-    task = make_task_from_client_files(paths, test_fraction=0.25, rng=np.random.default_rng(0))
+    task = make_task_from_client_files(paths, test_fraction=0.25, seed=0)
     assert [c.n for c in task.train] == [2, 2, 15] and [c.n for c in task.test] == [1, 0, 5]
     ages = np.concatenate([task.train[2].values[:, 0], task.test[2].values[:, 0]])
     assert sorted(ages.tolist()) == list(range(20))
@@ -223,7 +223,7 @@ def test_client_split_is_seeded_and_random(tmp_path):
     pd.DataFrame({"age": np.arange(50.0), "bp": np.arange(50.0)}).to_csv(path, index=False)
 
     def test_ages(seed: int) -> list[float]:
-        task = make_task_from_client_files([path], rng=np.random.default_rng(seed))
+        task = make_task_from_client_files([path], seed=seed)
         return task.test[0].values[:, 0].tolist()
 
     assert test_ages(0) == test_ages(0)

@@ -83,6 +83,10 @@ def samples() -> list[Message]:
             **HEADER, selection=selection, parties=parties, deliver_to="party-0", tag="t"
         ),
         messages.UpdateRequest(**HEADER, tag="t", heads=True),
+        messages.ScoreRequest(
+            **HEADER, std=torch.tensor([1.0, 0.5], dtype=torch.float64), seed=3, fraction=0.2
+        ),
+        messages.ScoreMessage(**HEADER, sse=1.5, count=4),
         messages.AbortRequest(**HEADER),
         messages.HeadTask(
             **HEADER,

@@ -199,6 +199,26 @@ def _as_float32(frame: pd.DataFrame, where: str) -> np.ndarray:
     return values
 
 
+SPLIT_STREAM = 6
+"""The key of a client file's train/test split under the run's seed (:func:`split_rng`)."""
+
+
+def split_rng(seed: int, index: int) -> np.random.Generator:
+    """The generator that splits the rows of client file ``index`` into train and test in a
+    run seeded ``seed``: each client its own, so a client in its own process (a deployment)
+    splits its rows as the in-process run does."""
+    return np.random.default_rng([seed, SPLIT_STREAM, index])
+
+
+def split_client(
+    client: ClientData, test_fraction: float, rng: np.random.Generator
+) -> tuple[ClientData, ClientData]:
+    """A seeded random (unstratified) train/test split of one client's rows, order kept."""
+    _check_test_fraction(test_fraction)
+    train, test, _ = _split_client(client, test_fraction, rng)
+    return train, test
+
+
 def _split_client(
     client: ClientData, test_fraction: float, rng: np.random.Generator
 ) -> tuple[ClientData, ClientData, np.ndarray]:
@@ -229,12 +249,14 @@ def _split_clients(
     features: tuple[str, ...],
     clients: Sequence[ClientData],
     test_fraction: float,
-    rng: np.random.Generator,
+    rngs: Sequence[np.random.Generator],
     sources: Sequence[_ClientSource] | None = None,
 ) -> ImputationTask:
-    """Split each client's rows into train and test and assemble the task (with where each
-    client's rows came from, if ``sources``)."""
-    splits = [_split_client(client, test_fraction, rng) for client in clients]
+    """Split each client's rows into train and test (client ``k``'s by ``rngs[k]``) and
+    assemble the task (with where each client's rows came from, if ``sources``)."""
+    splits = [
+        _split_client(client, test_fraction, rng) for client, rng in zip(clients, rngs, strict=True)
+    ]
     files = None
     if sources is not None:
         files = tuple(
@@ -294,7 +316,7 @@ def make_imputation_task(
         client_values = values[np.sort(rows)]
         client_values[:, ~available] = np.nan
         full_clients.append(ClientData(f"client-{k}", client_values, available))
-    return _split_clients(name, features, full_clients, test_fraction, rng)
+    return _split_clients(name, features, full_clients, test_fraction, [rng] * clients)
 
 
 def hide_entries(
@@ -413,16 +435,42 @@ def make_task_from_client_files(
     paths: Sequence[Path],
     *,
     test_fraction: float = 0.2,
-    rng: np.random.Generator,
+    seed: int,
     id_column: str = ID_COLUMN,
     label_column: str = LABEL_COLUMN,
 ) -> ImputationTask:
     """Read the user's client files (:func:`read_client_files`) and split each client's rows
-    into train and test by ``test_fraction``; the task keeps where each client's rows came
-    from (:class:`ClientFile`)."""
+    into train and test by ``test_fraction``, file ``k``'s by :func:`split_rng` ``(seed, k)``;
+    the task keeps where each client's rows came from (:class:`ClientFile`)."""
     _check_test_fraction(test_fraction)
     features, clients, sources = _read_client_sources(paths, id_column, label_column)
-    return _split_clients("client-files", features, clients, test_fraction, rng, sources)
+    rngs = [split_rng(seed, k) for k in range(len(clients))]
+    return _split_clients("client-files", features, clients, test_fraction, rngs, sources)
+
+
+def client_file_columns(
+    path: Path, *, id_column: str = ID_COLUMN, label_column: str = LABEL_COLUMN
+) -> tuple[tuple[str, ...], int]:
+    """One client file's feature columns (its schema, in its order) and its row count: what
+    a client in its own process tells the coordinator, which unites the schemas in client
+    order as :func:`read_client_files` does."""
+    source = _read_client_frame(Path(path), id_column, label_column)
+    return tuple(str(c) for c in source.features.columns), int(source.features.shape[0])
+
+
+def read_client_file(
+    path: Path,
+    *,
+    name: str,
+    features: Sequence[str],
+    id_column: str = ID_COLUMN,
+    label_column: str = LABEL_COLUMN,
+) -> ClientData:
+    """One client file placed into the federation's global ``features`` (the union of every
+    client's schema), as client ``name``."""
+    _check_feature_count(len(features), "the federation's features")
+    source = _read_client_frame(Path(path), id_column, label_column)
+    return client_from_frame(name, source.features, tuple(features))
 
 
 # --- R lazy-load databases (``Rdata.rdb`` / ``Rdata.rdx``), read without R ---------------------

@@ -691,6 +691,53 @@ class GlobalStatisticsMessage(Message):
             )
 
 
+@register_message
+@dataclass(frozen=True, kw_only=True)
+class ScoreRequest(Message):
+    """The evaluator asks an imputation client to score its model on its own test rows: the
+    client hides ``fraction`` of their observed-and-available entries (drawn by a generator
+    seeded ``seed``), imputes them and answers with a :class:`ScoreMessage`. ``std`` (F,
+    float64 > 0) is the evaluator's yardstick: errors are measured in its units."""
+
+    std: Tensor
+    seed: int
+    fraction: float
+    kind: ClassVar[str] = "score-request"
+
+    def validate(self) -> None:
+        super().validate()
+        _check_tensor(self, "std", self.std, dims=1, dtype=torch.float64)
+        if not bool((self.std > 0).all()):
+            raise ProtocolError(
+                f"{self.kind} from {self.sender}: a std > 0 for every feature expected, found "
+                f"a minimum of {float(self.std.min())}."
+            )
+        if self.seed < 0 or not 0.0 < self.fraction < 1.0:
+            raise ProtocolError(
+                f"{self.kind} from {self.sender}: a seed >= 0 and a fraction in (0, 1) "
+                f"expected, found seed {self.seed} and fraction {self.fraction}."
+            )
+
+
+@register_message
+@dataclass(frozen=True, kw_only=True)
+class ScoreMessage(Message):
+    """An imputation client's score: the sum of its squared errors (in the yardstick's units)
+    over the ``count`` test entries it hid. Nothing of its rows crosses but these two numbers."""
+
+    sse: float
+    count: int
+    kind: ClassVar[str] = "score"
+
+    def validate(self) -> None:
+        super().validate()
+        if self.sse < 0 or self.count < 0 or (self.count == 0 and self.sse != 0):
+            raise ProtocolError(
+                f"{self.kind} from {self.sender}: a squared error >= 0 over a count >= 0 (0 "
+                f"over none) expected, found {self.sse} over {self.count}."
+            )
+
+
 # -- deployment: how a run is set up and ended between processes (secure_vfl.deployment) -----
 
 DEPLOYMENT_TOPICS = (
@@ -709,6 +756,9 @@ DEPLOYMENT_TOPICS = (
     "saved",
     "end",
     "report",
+    "columns-request",
+    "columns",
+    "impute-setup",
 )
 
 
@@ -725,7 +775,9 @@ class DeploymentMessage(Message):
     its own checkpoint of a step (``checkpoint``, answered by ``checkpointed`` with its
     manifest's SHA-256), has it save its own part of the trained model (``save``: the model's
     run id; answered by ``saved`` with its files' SHA-256) and ends the run (``end``, answered
-    by a ``report``). ``body`` is a JSON
+    by a ``report``). An imputation run asks each client for its feature columns
+    (``columns-request``, answered by ``columns``) and sets it up (``impute-setup``;
+    :mod:`secure_vfl.deployed_imputation`). ``body`` is a JSON
     object whose schema the receiver checks per topic (:mod:`secure_vfl.deployment`); never
     pickle."""
 

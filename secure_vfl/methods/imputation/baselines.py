@@ -37,8 +37,14 @@ from secure_vfl.methods.imputation.base import (
     derived_seed,
     imputation_rule,
 )
+from secure_vfl.methods.imputation.clients import ModelFactory
 from secure_vfl.methods.imputation.federation import federated_statistics
-from secure_vfl.methods.imputation.fedhf import ReconstructionImputer
+from secure_vfl.methods.imputation.fedhf import (
+    RECONSTRUCTIONS,
+    Reconstruction,
+    ReconstructionImputer,
+    reconstruction_imputer,
+)
 from secure_vfl.methods.imputation.statistics import Standardisation, StatisticsPrivacyFactory
 
 KNN_NEIGHBOURS = 5
@@ -244,7 +250,6 @@ def _make_dae(
     config: ImputeConfig,
     *,
     seed: int,
-    federated: bool,
     aggregator: SumBackend | None = None,
     channel: Channel | None = None,
     privacy: StatisticsPrivacyFactory | None = None,
@@ -252,15 +257,11 @@ def _make_dae(
 ) -> ReconstructionImputer:
     """A DAE block-masked like FedHF: one per client trained alone (``dae``), or one trained by
     FedHF-Impute's FedAvg loop (``fed-dae``). It reads no graph, so none is published."""
-    features = len(task.features)
-    return ReconstructionImputer(
+    return reconstruction_imputer(
         name,
         task,
         config,
         seed=seed,
-        make_model=lambda graph: DenoisingAutoencoder(features, hidden=config.hidden),
-        uses_graph=False,
-        federated=federated,
         aggregator=aggregator,
         channel=channel,
         privacy=privacy,
@@ -268,9 +269,19 @@ def _make_dae(
     )
 
 
+def _dae_models(config: ImputeConfig, features: int) -> ModelFactory:
+    return lambda graph: DenoisingAutoencoder(features, hidden=config.hidden)
+
+
 IMPUTERS.register("mean", make_mean)
 IMPUTERS.register("knn", make_knn)
 IMPUTERS.register("mice", make_mice)
-IMPUTERS.register("dae", partial(_make_dae, "dae", federated=False))
+RECONSTRUCTIONS.register(
+    "dae", Reconstruction(models=_dae_models, uses_graph=False, federated=False)
+)
+RECONSTRUCTIONS.register(
+    "fed-dae", Reconstruction(models=_dae_models, uses_graph=False, federated=True)
+)
+IMPUTERS.register("dae", partial(_make_dae, "dae"))
 IMPUTERS.register("fed-mean", make_fed_mean)
-IMPUTERS.register("fed-dae", partial(_make_dae, "fed-dae", federated=True))
+IMPUTERS.register("fed-dae", partial(_make_dae, "fed-dae"))

@@ -8,7 +8,9 @@ generator. It acts only on the coordinator's messages: a
 exchange, its row count, ``local_epochs`` of block-masked training, its validation error) whose
 vector is its contribution to a secure sum; a
 :class:`~secure_vfl.federation.messages.ParametersMessage` loads the global model (FedAvg's
-download). Block masking and the masked loss (eqs. 5-6) are the client's side of Algorithm 2.
+download); a :class:`~secure_vfl.federation.messages.ScoreRequest` has it score its model on
+its own test rows (it answers with its squared error and count, never the rows). Block masking
+and the masked loss (eqs. 5-6) are the client's side of Algorithm 2.
 """
 
 from __future__ import annotations
@@ -30,10 +32,13 @@ from secure_vfl.federation.messages import (
     Message,
     ParametersMessage,
     RepresentationMessage,
+    ScoreMessage,
+    ScoreRequest,
 )
 from secure_vfl.federation.parties import ROLES, SecureSumParty
 from secure_vfl.methods.base import isolated_seed
 from secure_vfl.methods.imputation.base import ImputeConfig, derived_seed, imputation_rule
+from secure_vfl.methods.imputation.evaluation import hide_test_entries, squared_errors
 from secure_vfl.methods.imputation.statistics import (
     EXCHANGES,
     SERVER,
@@ -218,30 +223,44 @@ class TrainingPlan:
 
 
 class ImputationClient(SecureSumParty):
-    """One client of federated imputation: its training rows, its own statistics mechanism
-    (if any) and, once the global statistics are published, its shard, model copy, Adam
-    optimiser and batch generator.
+    """One client of federated imputation: its training rows (and, to be scored, its test
+    rows), its own statistics mechanism (if any) and, once the global statistics are published,
+    its shard, model copy, Adam optimiser and batch generator.
 
     It acts only on the coordinator's messages (anything else is refused, as is a message it
     has acted on before) and on its peers' public keys; what it computes for a sum is its
     contribution, sent to the aggregator in the clear under a plain sum or kept and sealed on
     request under a secure one. Its local steps (:meth:`train`, :meth:`validation_error`,
-    :meth:`impute`) are its own program's: a local baseline and the evaluation call them.
+    :meth:`impute`) are its own program's: a local baseline calls them, and `impute` writes its
+    imputed table with the last (`--save-imputed`); its score it computes on request.
     """
 
     REQUESTS = frozenset(
-        {"compute-request", "parameters", "global-statistics", "key-request", "seal-request"}
+        {
+            "compute-request",
+            "parameters",
+            "global-statistics",
+            "key-request",
+            "seal-request",
+            "score-request",
+        }
     )
 
     def __init__(
         self,
         data: ClientData,
         *,
+        test: ClientData | None = None,
         privacy: StatisticsPrivacy | None = None,
         training: ClientTraining | None = None,
+        coordinator: str = SERVER,
     ) -> None:
         super().__init__(data.name)
         self._data = data
+        self._test = test
+        self.coordinator = coordinator
+        """The party whose requests it acts on (:data:`SERVER` in one process; deployed, the
+        label party that coordinates)."""
         self.privacy = privacy
         self.training = training
         self.standardisation: Standardisation | None = None
@@ -264,7 +283,7 @@ class ImputationClient(SecureSumParty):
         """Refuse what its role never receives: requests from anyone but the coordinator, and
         any kind it has no use for; public keys come from its peers."""
         if message.kind != "public-key" and (
-            message.kind not in self.REQUESTS or message.sender != SERVER
+            message.kind not in self.REQUESTS or message.sender != self.coordinator
         ):
             raise ProtocolError(
                 f"{self.name}: the coordinator's requests ({', '.join(sorted(self.REQUESTS))}) "
@@ -355,6 +374,26 @@ class ImputationClient(SecureSumParty):
                 representation=torch.from_numpy(vector.astype(np.float32)).reshape(1, -1),
             )
         )
+
+    def on_score_request(self, request: ScoreRequest) -> None:
+        """Score its model on its own test rows: hide the entries the request's seed draws,
+        impute them, and answer with the squared errors in the request's units and their
+        count (nothing else of the rows leaves it)."""
+        key = self._check_fresh(request, "")
+        if self._test is None:
+            raise ProtocolError(f"{self.name}: test rows to score on expected, found none.")
+        features = self._test.values.shape[1]
+        if request.std.shape[0] != features:
+            raise ProtocolError(
+                f"{self.name}: a std for each of its {features} features expected, found "
+                f"{request.std.shape[0]}."
+            )
+        corrupted, hidden = hide_test_entries(self._test, request.seed, request.fraction)
+        sse, count = squared_errors(
+            self.impute(corrupted), self._test, hidden, request.std.numpy(), by=self.name
+        )
+        self._acted.add(key)
+        self.send(ScoreMessage(**self.reply_header(request), sse=sse, count=count))
 
     def _compute(self, computation: str, arguments: np.ndarray) -> np.ndarray:
         if computation in EXCHANGES:

@@ -36,6 +36,8 @@ from secure_vfl.federation.messages import (
     KeyRequest,
     Message,
     ParametersMessage,
+    ScoreMessage,
+    ScoreRequest,
     SealRequest,
     SumMessage,
     SumRequest,
@@ -58,20 +60,27 @@ class Coordinator(SecureSumParty):
     messages and is the receiver of every client sum (under Paillier or CKKS it holds the
     receiver half, the scheme's only secret key; under pairwise masks the key that removes
     the clients' self-masks). It holds no client's rows, model or generator, and accepts
-    nothing but sums from the aggregator, its own key set-up and the clients' public keys."""
+    nothing but sums from the aggregator, its own key set-up, the clients' public keys and the
+    scores it asked a client for (one each)."""
 
-    def __init__(self) -> None:
-        super().__init__(SERVER)
+    def __init__(self, name: str = SERVER) -> None:
+        super().__init__(name)
+        self.scoring: set[str] = set()
+        """The clients asked for a score that has not come: it accepts one from each."""
 
     def receive(self, message: Message) -> None:
         from_aggregator = message.kind in ("sum", "sealed-sum") and message.sender == AGGREGATOR
         own_set_up = message.kind == "key-request" and message.sender == self.name
         announced = message.kind == "public-key" and message.sender != AGGREGATOR
-        if not (from_aggregator or own_set_up or announced):
+        scored = message.kind == "score" and message.sender in self.scoring
+        if not (from_aggregator or own_set_up or announced or scored):
             raise ProtocolError(
                 f"{self.name}: sums from {AGGREGATOR} expected, found a {message.kind} from "
-                f"{message.sender}."
+                f"{message.sender} (besides sums it accepts only its own key set-up, public "
+                "keys and the scores it asked a client for)."
             )
+        if scored:
+            self.scoring.discard(message.sender)
         super().receive(message)
 
 
@@ -181,6 +190,28 @@ class ImputationFederation:
                 ParametersMessage(**self._header(name, round), parameters=parameters, tag=tag)
             )
 
+    def score(
+        self, std: np.ndarray, seeds: Sequence[int], *, fraction: float, round: int
+    ) -> dict[str, tuple[float, int]]:
+        """Each client's (sum of squared errors, count) on its own test rows, ``fraction`` of
+        their entries hidden by a generator seeded ``seeds[k]``, errors in units of ``std``
+        (:class:`~secure_vfl.federation.messages.ScoreRequest`): two numbers per client cross,
+        never a row."""
+        scores: dict[str, tuple[float, int]] = {}
+        yardstick = torch.from_numpy(np.asarray(std, dtype=np.float64))
+        for name, seed in zip(self.names, seeds, strict=True):
+            self.own.scoring.add(name)
+            self.own.send(
+                ScoreRequest(
+                    **self._header(name, round), std=yardstick, seed=seed, fraction=fraction
+                )
+            )
+            answer = cast(
+                ScoreMessage, self.own.take("score", sender=name, round=round, batch_id=0)
+            )
+            scores[name] = (answer.sse, answer.count)
+        return scores
+
     def set_up_keys(self) -> None:
         """Open the secure-sum session: every client announces its public key to the others
         (pairwise masks), the coordinator its encryption key to the clients and the aggregator
@@ -248,9 +279,11 @@ def build_imputation_federation(
     privacy: StatisticsPrivacyFactory | None = None,
     roles: Mapping[str, str] | None = None,
     training: TrainingPlan | None = None,
+    tests: Sequence[ClientData] | None = None,
 ) -> ImputationFederation:
-    """One :class:`ImputationClient` per client (with its own mechanism ``privacy(name)`` and,
-    when the run trains, its part of ``training``), the coordinator and an aggregation server
+    """One :class:`ImputationClient` per client (with its own mechanism ``privacy(name)``,
+    when the run trains its part of ``training``, and its test rows ``tests[k]`` when the run
+    scores its clients' models by messages), the coordinator and an aggregation server
     running ``aggregator`` (plain by default), all attached to ``channel``. Under a scheme split
     at the boundary each party makes its own halves and keys meet by messages. Returns the
     coordinator's view.
@@ -260,6 +293,12 @@ def build_imputation_federation(
     the role it plays: ``imputation-client``, ``aggregation-server``); the coordinator drives
     the run and keeps its role."""
     features = _check_clients(clients)
+    if tests is not None and [t.name for t in tests] != [c.name for c in clients]:
+        names = ", ".join(c.name for c in clients)
+        raise ConfigError(
+            f"test rows for each client, in order, expected ({names}); found them for "
+            f"{', '.join(t.name for t in tests) or 'none'}."
+        )
     roles = dict(roles or {})
     replaceable = [data.name for data in clients] + [AGGREGATOR]
     unknown = sorted(set(roles) - set(replaceable))
@@ -273,6 +312,7 @@ def build_imputation_federation(
     for k, data in enumerate(clients):
         client = ROLES.get(roles.get(data.name, "imputation-client"))(
             data,
+            test=tests[k] if tests is not None else None,
             privacy=privacy(data.name) if privacy is not None else None,
             training=training.for_client(k, seed) if training is not None else None,
         )
@@ -327,6 +367,7 @@ def federated_statistics(
 
 def in_process_clients(channel: Channel) -> list[ImputationClient]:
     """The imputation clients attached to ``channel``, in order: what the composition root of
-    an in-process run (a local baseline, the evaluation of each client's imputations, tests)
-    reaches them by. No party's own program reaches another party this way."""
+    an in-process run (a local baseline, ``--save-imputed``'s tables, tests) reaches them by.
+    No party's own program reaches another party this way, and the clients score themselves
+    by messages."""
     return [party for party in channel.parties.values() if isinstance(party, ImputationClient)]

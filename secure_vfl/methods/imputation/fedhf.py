@@ -15,14 +15,16 @@ the clients' sizes, which keeps model updates inside the secure backends' fixed-
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from secure_vfl.data.imputation import ClientData, ImputationTask
-from secure_vfl.errors import ProtocolError
+from secure_vfl.errors import ConfigError, ProtocolError
 from secure_vfl.federation.aggregator import SumBackend
 from secure_vfl.federation.channel import Channel
 from secure_vfl.methods.base import isolated_seed
@@ -39,18 +41,22 @@ from secure_vfl.methods.imputation.clients import (
     TrainingPlan,
     flat_parameters,
 )
+from secure_vfl.methods.imputation.evaluation import score_seed
 from secure_vfl.methods.imputation.federation import (
+    ImputationFederation,
     build_imputation_federation,
     in_process_clients,
 )
 from secure_vfl.methods.imputation.statistics import (
     STATISTICS_ROUNDS,
+    Standardisation,
     StatisticsPrivacyFactory,
     collect_statistics,
     from_wide_digits,
     wide_width,
 )
 from secure_vfl.models.feature_graph import FeatureGraph, FeatureGraphImputer
+from secure_vfl.registry import Registry
 
 _NO_ARGUMENTS = np.zeros(0)
 
@@ -61,11 +67,29 @@ def _message_round(round: int) -> int:
     return STATISTICS_ROUNDS + 1 + round
 
 
+@dataclass(frozen=True)
+class Reconstruction:
+    """How a reconstruction method is built: its model's factory for a configuration and a
+    number of features, whether the model reads the feature graph, and whether its clients
+    train one model by FedAvg (else each trains its own alone)."""
+
+    models: Callable[[ImputeConfig, int], ModelFactory]
+    uses_graph: bool
+    federated: bool
+
+
+RECONSTRUCTIONS: Registry[Reconstruction] = Registry("reconstruction method")
+"""The reconstruction methods by name (``fedhf`` here, ``dae`` and ``fed-dae`` in
+:mod:`~secure_vfl.methods.imputation.baselines`): what the in-process factories build, and what
+a deployed client builds its own part from."""
+
+
 class ReconstructionImputer:
     """A block-masked reconstruction model per client (``federated=False``) or one shared by
     FedAvg (``federated=True``, Algorithm 1), on a federation of client actors.
 
-    It builds the federation, runs the statistics and publishes them; then, federated, it is the
+    It builds the federation (or, given ``federation``, drives one built elsewhere: clients in
+    their own processes), runs the statistics and publishes them; then, federated, it is the
     coordinator's program (every step a message); per client, each client trains and selects
     its model alone (local steps, no message). ``impute`` uses the best-validation model (paper
     section IV e: model selection on validation RMSE only), which each client holds at the end.
@@ -74,7 +98,7 @@ class ReconstructionImputer:
     def __init__(
         self,
         name: str,
-        task: ImputationTask,
+        task: ImputationTask | None,
         config: ImputeConfig,
         *,
         seed: int,
@@ -85,23 +109,35 @@ class ReconstructionImputer:
         channel: Channel | None = None,
         privacy: StatisticsPrivacyFactory | None = None,
         roles: Mapping[str, str] | None = None,
+        federation: ImputationFederation | None = None,
     ) -> None:
         self.name = name
         self.task = task
         self.config = config
         self.federated = federated
-        self.federation = build_imputation_federation(
-            task.train,
-            seed=seed,
-            aggregator=aggregator,
-            channel=channel,
-            privacy=privacy,
-            roles=roles,
-            training=TrainingPlan(config=config, make_model=make_model, shared_init=federated),
-        )
+        if federation is None:
+            federation = build_imputation_federation(
+                _task(task).train,
+                seed=seed,
+                aggregator=aggregator,
+                channel=channel,
+                privacy=privacy,
+                roles=roles,
+                training=TrainingPlan(config=config, make_model=make_model, shared_init=federated),
+                tests=_task(task).test,
+            )
+        elif not federated:
+            raise ConfigError(
+                f"{name}: clients that train alone are driven in one process; a federation "
+                "built elsewhere runs FedAvg methods only."
+            )
+        self.federation = federation
+        self._scorings = 0
         statistics = collect_statistics(self.federation)
         graph = statistics.graph(top_k=config.top_k) if uses_graph else None
         self.federation.publish(statistics.standardisation, graph)
+        self.standardisation = statistics.standardisation
+        """The global standardisation it published (exact without DP)."""
         self.rng = np.random.default_rng(derived_seed(seed, 1))
         self.best: Tensor | None = None
         self.best_round = 0
@@ -196,8 +232,27 @@ class ReconstructionImputer:
             )
         return curve
 
+    def score(
+        self, standardisation: Standardisation, *, seed: int, fraction: float
+    ) -> dict[str, tuple[float, int]]:
+        """Each client scores its (best-validation) model on its own test rows, its hidden
+        entries drawn by its own generator (:func:`~secure_vfl.methods.imputation.evaluation.
+        score_seed`): its squared error and count, by messages (see :class:`~secure_vfl.
+        methods.imputation.evaluation.SelfScoring`)."""
+        self._scorings += 1
+        return self.federation.score(
+            standardisation.std,
+            [score_seed(seed, k) for k in range(self.federation.clients)],
+            fraction=fraction,
+            round=_message_round(self.config.rounds + self._scorings),
+        )
+
     def impute(self, client_index: int, client: ClientData) -> np.ndarray:
         """Eq. 7 with the client's (best-validation) model: the client imputes its own rows."""
+        if self.task is None:
+            raise ConfigError(
+                f"{self.name}: its clients are elsewhere; each imputes its own rows there."
+            )
         check_client(self.task, client_index, client)
         return self._clients()[client_index].impute(client)
 
@@ -220,14 +275,11 @@ def make_fedhf(
     roles: Mapping[str, str] | None = None,
 ) -> ReconstructionImputer:
     """FedHF-Impute: the feature graph from federated statistics, the GNN trained by FedAvg."""
-    return ReconstructionImputer(
+    return reconstruction_imputer(
         "fedhf",
         task,
         config,
         seed=seed,
-        make_model=lambda graph: _graph_model(config, graph),
-        uses_graph=True,
-        federated=True,
         aggregator=aggregator,
         channel=channel,
         privacy=privacy,
@@ -235,4 +287,44 @@ def make_fedhf(
     )
 
 
+def reconstruction_imputer(
+    name: str,
+    task: ImputationTask | None,
+    config: ImputeConfig,
+    *,
+    seed: int,
+    federation: ImputationFederation | None = None,
+    **options: Any,
+) -> ReconstructionImputer:
+    """The :class:`ReconstructionImputer` of the reconstruction method ``name``
+    (:data:`RECONSTRUCTIONS`) on ``task``, or driving ``federation`` (of ``federation.features``
+    features); ``options`` are its aggregator, channel, privacy and roles."""
+    recipe = RECONSTRUCTIONS.get(name)
+    features = federation.features if federation is not None else len(_task(task).features)
+    return ReconstructionImputer(
+        name,
+        task,
+        config,
+        seed=seed,
+        make_model=recipe.models(config, features),
+        uses_graph=recipe.uses_graph,
+        federated=recipe.federated,
+        federation=federation,
+        **options,
+    )
+
+
+def _task(task: ImputationTask | None) -> ImputationTask:
+    if task is None:
+        raise ConfigError("a task or a federation to drive expected, found neither.")
+    return task
+
+
+def _graph_models(config: ImputeConfig, features: int) -> ModelFactory:
+    return lambda graph: _graph_model(config, graph)
+
+
+RECONSTRUCTIONS.register(
+    "fedhf", Reconstruction(models=_graph_models, uses_graph=True, federated=True)
+)
 IMPUTERS.register("fedhf", make_fedhf)

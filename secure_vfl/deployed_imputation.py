@@ -1,0 +1,305 @@
+"""A deployed imputation run: each client its own process, the label party coordinating.
+
+``secure-vfl impute --federation FED --name LABEL --method fedhf`` runs the coordinator (the
+FedAvg server) in the label party's process; every other party of the federation file serves
+as one client (``secure-vfl party serve``, its ``data`` file its client file), and the
+aggregation server adds their sums. The label party holds no client rows: its own ``data`` file,
+if it has one, is not read. What crosses besides the in-process run's messages
+(:mod:`secure_vfl.methods.imputation.federation`) is two
+:class:`~secure_vfl.federation.messages.DeploymentMessage` s per client, each a JSON object
+checked on arrival:
+
+1. ``columns-request`` (the id and label column names, which are not features) -> ``columns``:
+   the client's feature columns, in its file's order, and its row count. The label party unites
+   the schemas in the federation file's order, as ``impute --client-file`` does in the order of
+   its files.
+2. ``impute-setup``: the method, its configuration, the seed, the client's index, the
+   federation's features, the test fraction and the secure-sum scheme. The client places its
+   file in the features, splits its rows into train and test with its own generator
+   (:func:`~secure_vfl.data.imputation.split_rng`), builds its model by the method's seed rule
+   and makes its secure-sum halves itself (:func:`build_served_client`).
+
+The run is then the in-process one, message for message: the statistics, FedAvg, and the
+score, which each client computes on its own test rows (:class:`~secure_vfl.federation.
+messages.ScoreRequest`). The yardstick of the scores (the global per-feature std of the
+training rows, which the in-process evaluator computes with exact sums of its own) is the
+standardisation the method collected, exact without DP. So the same seed and files give the
+in-process run's RMSEs and curve (plain sums exactly; masked sums up to their fixed-point
+precision in the yardstick). ``end`` is answered by each party's ``report``
+as in training. Only the FedAvg methods are offered (a per-client method has nothing to
+federate), without differential privacy and without ``--save-imputed`` (refused before any
+contact).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import secrets
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from secure_vfl.data.imputation import (
+    client_file_columns,
+    read_client_file,
+    split_client,
+    split_rng,
+)
+from secure_vfl.deployment import (
+    SETUP_DEADLINE,
+    SecureSums,
+    _body,
+    _deployment,
+    _end,
+    _endpoint,
+    _with_reports,
+)
+from secure_vfl.errors import ConfigError, ProtocolError
+from secure_vfl.experiment import ImputeResult, ImputeRunConfig, traffic_report
+from secure_vfl.federation.aggregator import PlainAggregator, SealingScheme
+from secure_vfl.federation.federation_file import Federation, Member
+from secure_vfl.federation.messages import AGGREGATOR, Message
+from secure_vfl.federation.network import NetworkChannel
+from secure_vfl.methods.imputation import ImputeConfig
+from secure_vfl.methods.imputation.clients import ImputationClient, TrainingPlan
+from secure_vfl.methods.imputation.evaluation import TEST_FRACTION, scores_of
+from secure_vfl.methods.imputation.federation import Coordinator, ImputationFederation
+from secure_vfl.methods.imputation.fedhf import RECONSTRUCTIONS, reconstruction_imputer
+
+logger = logging.getLogger(__name__)
+
+COLUMNS_REQUEST_KEYS: dict[str, type | tuple[type, ...]] = {"id_column": str, "label_column": str}
+"""``columns-request``: the columns of the client files that are not features."""
+COLUMNS_KEYS: dict[str, type | tuple[type, ...]] = {"columns": list, "rows": int}
+"""``columns``: the client's feature columns in its file's order, and its row count."""
+IMPUTE_SETUP_KEYS: dict[str, type | tuple[type, ...]] = {
+    "method": str,
+    "config": dict,
+    "seed": int,
+    "index": int,
+    "features": list,
+    "test_fraction": float,
+    "secure_agg": str,
+    "id_column": str,
+    "label_column": str,
+}
+"""``impute-setup``: what a client builds its part of the run from."""
+
+
+def deployable_methods() -> list[str]:
+    """The imputation methods ``impute --federation`` runs: the FedAvg reconstructions."""
+    import secure_vfl.methods.imputation.baselines  # noqa: F401  (registers fed-dae)
+
+    return [name for name in RECONSTRUCTIONS.names() if RECONSTRUCTIONS.get(name).federated]
+
+
+# -- a client: its own process ------------------------------------------------------------------
+
+
+def served_columns(member: Member, message: Message) -> dict[str, Any]:
+    """The ``columns`` answer of the client ``member`` to a ``columns-request``."""
+    body = _body(message, "columns-request", COLUMNS_REQUEST_KEYS)
+    path = _client_file(member)
+    columns, rows = client_file_columns(
+        path, id_column=body["id_column"], label_column=body["label_column"]
+    )
+    return {"columns": list(columns), "rows": rows}
+
+
+def build_served_client(
+    member: Member, message: Message, secure_sums: SecureSums
+) -> ImputationClient:
+    """Client ``member``'s part of the run its ``impute-setup`` describes: its file placed in
+    the federation's features, its own train/test split, its training plan by the method's
+    seed rule and its own secure-sum halves."""
+    body = _body(message, "impute-setup", IMPUTE_SETUP_KEYS)
+    method = body["method"]
+    if method not in deployable_methods():
+        raise ProtocolError(
+            f"impute-setup: a method in {deployable_methods()} expected, found {method!r}."
+        )
+    features = body["features"]
+    if not all(isinstance(f, str) for f in features):
+        raise ProtocolError("impute-setup: `features` must be a list of column names.")
+    index, seed = body["index"], body["seed"]
+    if index < 0 or seed < 0:
+        raise ProtocolError(
+            f"impute-setup: an index and a seed >= 0 expected, found {index} and {seed}."
+        )
+    try:
+        config = ImputeConfig(**body["config"])
+    except TypeError as error:
+        raise ProtocolError(f"impute-setup: `config` of ImputeConfig's fields: {error}") from None
+    data = read_client_file(
+        _client_file(member),
+        name=member.name,
+        features=features,
+        id_column=body["id_column"],
+        label_column=body["label_column"],
+    )
+    train, test = split_client(data, body["test_fraction"], split_rng(seed, index))
+    recipe = RECONSTRUCTIONS.get(method)
+    plan = TrainingPlan(
+        config=config, make_model=recipe.models(config, len(features)), shared_init=True
+    )
+    client = ImputationClient(
+        train, test=test, training=plan.for_client(index, seed), coordinator=message.sender
+    )
+    backend = secure_sums(body["secure_agg"])
+    if isinstance(backend, SealingScheme):
+        client.install(backend.scheme, backend.sender(), None)
+    return client
+
+
+def _client_file(member: Member) -> Any:
+    if member.data is None:
+        raise ProtocolError(f"{member.name} holds no data file; it has no rows to impute.")
+    return member.data
+
+
+# -- the label party: the coordinator ----------------------------------------------------------
+
+
+def impute_deployed(
+    config: ImputeRunConfig,
+    federation: Federation,
+    name: str,
+    *,
+    secure_agg: str,
+    secure_sums: SecureSums,
+    deadline: float,
+    wait: float = 60.0,
+    insecure: bool = False,
+    on_start: Callable[[int], None] | None = None,
+    on_round: Callable[[int, float], None] | None = None,
+) -> ImputeResult:
+    """Run ``config`` (a FedAvg reconstruction method over the federation's client files) as
+    the coordinator in the label party ``name``'s process: every other party is a client in its
+    own process. Returns the :class:`~secure_vfl.experiment.ImputeResult`, its traffic
+    counting every party's bytes (each reports its own)."""
+    if config.method not in deployable_methods():
+        raise ConfigError(
+            f"--method {config.method} is not offered with --federation; expected one of "
+            f"{', '.join(deployable_methods())} (a per-client method has nothing to federate: "
+            "each client runs it alone with `impute --client-file`)."
+        )
+    if name != federation.label_party:
+        raise ConfigError(
+            f"{name} is not the label party of {federation.path} ({federation.label_party} "
+            f"is); a client runs `secure-vfl party serve --federation {federation.path} --name "
+            f"{name}`."
+        )
+    clients = [m for m in federation.parties if m.name != name]
+    endpoint = _endpoint(federation, name, insecure=insecure, deadline=deadline)
+    outcome = "failed"
+    reports: dict[str, Counter[tuple[str, str, str]]] = {}
+    try:
+        late = endpoint.await_peers(list(federation.addresses(but=name)), wait)
+        if late:
+            logger.warning("%s: not reachable after %.0f s: %s", name, wait, ", ".join(late))
+        schemas = _columns(endpoint, clients, config)
+        features = list(dict.fromkeys(f for columns, _ in schemas.values() for f in columns))
+        if len(features) < 2:
+            raise ConfigError(
+                f"the clients' files together must have at least 2 feature columns. Found "
+                f"{features}."
+            )
+        for index, member in enumerate(clients):
+            body = {
+                "method": config.method,
+                "config": dataclasses.asdict(config.impute_config),
+                "seed": config.seed,
+                "index": index,
+                "features": features,
+                "test_fraction": TEST_FRACTION,
+                "secure_agg": secure_agg,
+                "id_column": config.id_column,
+                "label_column": config.label_column,
+            }
+            endpoint.send(
+                _deployment(name, member.name, "impute-setup", body),
+                deadline=max(deadline, SETUP_DEADLINE),
+            )
+        endpoint.send(_deployment(name, AGGREGATOR, "setup", {"secure_agg": secure_agg}))
+        aggregator = secure_sums(secure_agg) or PlainAggregator()
+        channel = NetworkChannel(endpoint)
+        coordinator = Coordinator(name)
+        coordinator.connect(channel)
+        view = ImputationFederation(
+            own=coordinator,
+            names=[member.name for member in clients],
+            features=len(features),
+            channel=channel,
+            session=secrets.token_hex(8),
+        )
+        if isinstance(aggregator, SealingScheme):
+            coordinator.install(aggregator.scheme, None, aggregator.receiver())
+            view.scheme = aggregator.scheme
+            view.set_up_keys()
+        start = time.perf_counter()
+        imputer = reconstruction_imputer(
+            config.method, None, config.impute_config, seed=config.seed, federation=view
+        )
+        # The yardstick: exact statistics of the training rows, as the in-process evaluator
+        # computes them. Without DP they are the ones the method itself collected.
+        yardstick = imputer.standardisation
+        if on_start is not None:
+            on_start(config.impute_config.rounds)
+        curve = imputer.fit(on_round=on_round)
+        scores = scores_of(imputer.score(yardstick, seed=config.seed, fraction=TEST_FRACTION))
+        rows = {member.name: schemas[member.name][1] for member in clients}
+        result = ImputeResult(
+            method=config.method,
+            dataset=config.data_name,
+            config={
+                **config.to_json(),
+                "clients": len(clients),
+                "availability": sum(len(c) for c, _ in schemas.values())
+                / (len(features) * len(clients)),
+            },
+            rmse=scores["rmse"],
+            rmse_client_mean=scores["rmse_client_mean"],
+            rmse_client_std=scores["rmse_client_std"],
+            rmse_per_client=scores["rmse_per_client"],
+            hidden_per_client=scores["hidden_per_client"],
+            validation_curve=list(curve),
+            wall_time_s=time.perf_counter() - start,
+            clients={
+                member.name: {
+                    "train_rows": rows[member.name] - round(TEST_FRACTION * rows[member.name]),
+                    "test_rows": round(TEST_FRACTION * rows[member.name]),
+                    "available_features": len(schemas[member.name][0]),
+                }
+                for member in clients
+            },
+            aggregator=type(aggregator).__name__,
+            traffic=traffic_report(
+                aggregator, train_steps=config.impute_config.rounds, channel=channel
+            ),
+        )
+        outcome = "finished"
+    finally:
+        reports, _ = _end(endpoint, federation, outcome)
+        endpoint.close()
+    return dataclasses.replace(result, traffic=_with_reports(result.traffic, reports))
+
+
+def _columns(
+    endpoint: Any, clients: Sequence[Member], config: ImputeRunConfig
+) -> Mapping[str, tuple[list[str], int]]:
+    """Each client's feature columns and row count (its ``columns`` answer), in order."""
+    request = {"id_column": config.id_column, "label_column": config.label_column}
+    schemas: dict[str, tuple[list[str], int]] = {}
+    for member in clients:
+        endpoint.send(_deployment(endpoint.name, member.name, "columns-request", request))
+        body = _body(
+            endpoint.receive(sender=member.name, kind="deployment"), "columns", COLUMNS_KEYS
+        )
+        if not all(isinstance(c, str) for c in body["columns"]) or body["rows"] < 1:
+            raise ProtocolError(
+                f"columns from {member.name}: column names and a row count >= 1 expected."
+            )
+        schemas[member.name] = (body["columns"], body["rows"])
+    return schemas
