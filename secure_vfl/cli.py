@@ -2297,9 +2297,8 @@ def run_train_deployed(args: argparse.Namespace) -> int:
 
     _refuse_deployed_flags(args)
     federation = read_federation(args.federation)
-    label = federation.member(federation.label_party)
     args.party_file = [member.data for member in federation.parties]
-    args.label_file = label.labels
+    args.label_file = federation.labels()
     engine = _privacy_engine(args)  # registers the `psi` aligner that the config names
     config = _train_config(args)
     refuse_undeployable(config)

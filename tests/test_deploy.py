@@ -693,7 +693,6 @@ def test_a_party_reads_only_its_own_key(site: Path, tmp_path: Path) -> None:
     [
         ({'label_party = "bank"': 'label_party = "bank"\ncolour = "red"'}, "unknown key"),
         ({'label_party = "bank"\n': ""}, "`label_party` expected"),
-        ({'labels = "labels.csv"': ""}, "`labels` expected at the label party"),
         ({'data = "shop.csv"': 'data = "shop.csv"\nlabels = "x.csv"'}, "label party 'bank' only"),
         ({"[party.telco]": "[party.Telco]"}, "party.Telco"),
         ({'address = "127.0.0.1:': 'address = "127.0.0.1:99999'}, "HOST:PORT"),
@@ -708,6 +707,25 @@ def test_the_federation_file_refuses_mistakes_naming_the_key(
         read_federation(path)
     assert message in str(caught.value)
     assert str(path) in str(caught.value)
+
+
+def test_training_needs_the_label_partys_labels_and_an_imputation_does_not(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write_federation(
+        tmp_path, tmp_path, free_loopback_ports(5), **{'labels = "labels.csv"': ""}
+    )
+    federation = read_federation(path)  # the file itself is fine: an imputation reads no labels
+    with pytest.raises(ConfigError, match="`labels` expected at the label party to train"):
+        federation.labels()
+    out = tmp_path / "out"
+    code = main(
+        ["train", "--federation", str(path), "--name", "bank", "--method", "laser", *FLAGS]
+        + ["--out", str(out)]
+    )
+    assert code == 2
+    assert "`labels` expected at the label party to train" in capsys.readouterr().err
+    assert not out.exists()
 
 
 def test_the_federation_file_refuses_a_shared_address(tmp_path: Path) -> None:

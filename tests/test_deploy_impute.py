@@ -37,9 +37,8 @@ def write_client_files(directory: Path, *, rows: int = 48) -> None:
         frame = pd.DataFrame(values, columns=features).drop(columns=features[k + 1])
         frame.insert(0, "id", [f"{name}-{i}" for i in range(rows)])
         frame.to_csv(directory / f"{name}.csv", index=False)
-    # The label party's own files: in a federation file, but not read by an imputation.
-    (directory / "bank.csv").write_text("id,x\n1,2\n")
-    (directory / "labels.csv").write_text("id,label\n1,0\n")
+    # The label party's `data` and `labels` files are named in the federation file but not
+    # written: an imputation does not read them.
 
 
 @pytest.fixture(scope="module")

@@ -105,6 +105,17 @@ class Federation:
         """Every member's address but ``but``'s (the peers of ``but``)."""
         return {m.name: m.address for m in self.members if m.name != but}
 
+    def labels(self) -> Path:
+        """The label party's labels file (training needs it; an imputation does not);
+        ConfigError naming the file's key if it has none."""
+        label = self.member(self.label_party)
+        if label.labels is None:
+            raise ConfigError(
+                f"{self.path}: [party.{label.name}] key `labels` expected at the label party to "
+                "train. Found none."
+            )
+        return label.labels
+
     def identity(self, name: str) -> TlsIdentity:
         """``name``'s TLS identity: the CA, its own certificate and its own key (no other
         party's key is opened)."""
@@ -209,11 +220,6 @@ def _check_roles(path: Path, label_party: str, parties: list[Member]) -> None:
             f"{path}: the label party and at least one data party expected. Found {names}."
         )
     for party in parties:
-        if party.name == label_party and party.labels is None:
-            raise ConfigError(
-                f"{path}: [party.{party.name}] key `labels` expected at the label party. "
-                "Found none."
-            )
         if party.name != label_party and party.labels is not None:
             raise ConfigError(
                 f"{path}: [party.{party.name}].labels: labels belong to the label party "
