@@ -1828,7 +1828,7 @@ def run_impute_deployed(args: argparse.Namespace) -> int:
         bar.set_postfix(val_rmse=f"{rmse:.3f}")
 
     try:
-        result = impute_deployed(
+        result, saved = impute_deployed(
             config,
             federation,
             args.name,
@@ -1839,6 +1839,7 @@ def run_impute_deployed(args: argparse.Namespace) -> int:
             insecure=args.insecure,
             on_start=lambda rounds: bar.reset(total=rounds),
             on_round=on_round,
+            save_imputed=args.save_imputed,
         )
     finally:
         bar.close()
@@ -1846,9 +1847,16 @@ def run_impute_deployed(args: argparse.Namespace) -> int:
     payload["config"]["privacy"] = {"secure_agg": args.secure_agg}
     payload["config"]["federation"] = str(args.federation)
     payload["provenance"] = provenance()
+    if saved is not None:
+        payload["imputed"] = saved
     atomic_write_json(out / "result.json", payload)
     store.add(payload, kind="impute", out_dir=out)
     print(_impute_summary(result, out))
+    if saved is not None:
+        print(
+            f"imputed tables: each client's in its own --imputed-dir, {saved['run']}/NAME.csv "
+            f"({', '.join(saved['tables'])})"
+        )
     return 0
 
 
@@ -1864,13 +1872,12 @@ def _refuse_deployed_impute_flags(args: argparse.Namespace) -> None:
         ("--feature-ranges", args.feature_ranges),
         ("--capture", args.capture),
     )
-    refused += ["--save-imputed"] if args.save_imputed else []
     refused += ["--insecure-reproducible-noise"] if args.insecure_reproducible_noise else []
     if refused:
         raise ConfigError(
             f"{', '.join(refused)} not offered with impute --federation: the clients are the "
-            "federation file's parties, each reading its own file; differential privacy, "
-            "imputed tables and captures stay with in-process runs for now."
+            "federation file's parties, each reading its own file; differential privacy and "
+            "captures stay with in-process runs for now."
         )
 
 
@@ -2188,6 +2195,14 @@ def _party_command(commands: Any) -> None:
         help="where this data party keeps its own part of each model the label party saves "
         "(DIR/NAME/RUN_ID/) (default: models/ beside its data file)",
     )
+    serve.add_argument(
+        "--imputed-dir",
+        type=Path,
+        metavar="DIR",
+        help="where this imputation client writes its imputed table when the label party runs "
+        "`impute --federation --save-imputed` (DIR/RUN_ID/NAME.csv) (default: imputed/ beside "
+        "its data file)",
+    )
     _network_flags(serve)
 
 
@@ -2248,6 +2263,7 @@ def run_party_command(args: argparse.Namespace) -> int:
         resume=args.resume,
         model_dir=args.model_dir,
         party_privacy=_served_privacy,
+        imputed_dir=args.imputed_dir,
     )
     if outcome != "finished":
         print(f"secure-vfl: error: the label party ended the run: {outcome}", file=sys.stderr)

@@ -34,17 +34,23 @@ contact).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
+import re
 import secrets
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from secure_vfl.data.imputation import (
+    ClientData,
+    ClientFile,
     client_file_columns,
-    read_client_file,
-    split_client,
+    split_client_file,
     split_rng,
 )
 from secure_vfl.deployment import (
@@ -62,6 +68,7 @@ from secure_vfl.federation.aggregator import PlainAggregator, SealingScheme
 from secure_vfl.federation.federation_file import Federation, Member
 from secure_vfl.federation.messages import AGGREGATOR, Message
 from secure_vfl.federation.network import NetworkChannel
+from secure_vfl.io import atomic_write
 from secure_vfl.methods.imputation import ImputeConfig
 from secure_vfl.methods.imputation.clients import ImputationClient, TrainingPlan
 from secure_vfl.methods.imputation.evaluation import TEST_FRACTION, scores_of
@@ -86,6 +93,11 @@ IMPUTE_SETUP_KEYS: dict[str, type | tuple[type, ...]] = {
     "label_column": str,
 }
 """``impute-setup``: what a client builds its part of the run from."""
+IMPUTE_SAVE_KEYS: dict[str, type | tuple[type, ...]] = {"run": str}
+"""``impute-save``: the run id under which each client writes its imputed table."""
+IMPUTE_SAVED_KEYS: dict[str, type | tuple[type, ...]] = {"run": str, "rows": int, "sha256": str}
+"""``impute-saved``: the run, the rows written and the table's SHA-256."""
+_RUN_ID = re.compile(r"[0-9a-f]{16}")
 
 
 def deployable_methods() -> list[str]:
@@ -108,9 +120,47 @@ def served_columns(member: Member, message: Message) -> dict[str, Any]:
     return {"columns": list(columns), "rows": rows}
 
 
-def build_served_client(
-    member: Member, message: Message, secure_sums: SecureSums
-) -> ImputationClient:
+@dataclasses.dataclass
+class ServedClient:
+    """A client's part of a deployed imputation, in its own process: its actor, its rows and
+    its file's own form (to write its imputed table back)."""
+
+    party: ImputationClient
+    train: ClientData
+    test: ClientData
+    file: ClientFile
+    features: tuple[str, ...]
+
+    def save(self, directory: Path, message: Message) -> tuple[dict[str, Any], Path]:
+        """Write its imputed table (its file's rows in its order, the ids first, every cell
+        it had unchanged, its empty cells imputed by its model) to ``directory/RUN/NAME.csv``,
+        atomically. Returns the ``impute-saved`` answer (the run, the rows and the file's
+        SHA-256; its place on this machine stays here) and the file's path."""
+        body = _body(message, "impute-save", IMPUTE_SAVE_KEYS)
+        if not _RUN_ID.fullmatch(body["run"]):
+            raise ProtocolError(
+                f"impute-save: a run id of 16 hex digits expected, found {body['run'][:40]!r}."
+            )
+        rows = ClientData(
+            self.train.name,
+            np.concatenate([self.train.values, self.test.values]),
+            self.train.available,
+        )
+        imputed = self.party.impute(rows)
+        frame = self.file.imputed_frame(
+            imputed[: self.train.n], imputed[self.train.n :], self.features
+        )
+        path = directory / body["run"] / f"{self.party.name}.csv"
+
+        def write(tmp: Path) -> None:
+            frame.to_csv(tmp, index=False)
+
+        atomic_write(path, write)
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        return {"run": body["run"], "rows": len(frame), "sha256": digest}, path
+
+
+def build_served_client(member: Member, message: Message, secure_sums: SecureSums) -> ServedClient:
     """Client ``member``'s part of the run its ``impute-setup`` describes: its file placed in
     the federation's features, its own train/test split, its training plan by the method's
     seed rule and its own secure-sum halves."""
@@ -132,14 +182,15 @@ def build_served_client(
         config = ImputeConfig(**body["config"])
     except TypeError as error:
         raise ProtocolError(f"impute-setup: `config` of ImputeConfig's fields: {error}") from None
-    data = read_client_file(
+    train, test, file = split_client_file(
         _client_file(member),
         name=member.name,
         features=features,
+        test_fraction=body["test_fraction"],
+        rng=split_rng(seed, index),
         id_column=body["id_column"],
         label_column=body["label_column"],
     )
-    train, test = split_client(data, body["test_fraction"], split_rng(seed, index))
     recipe = RECONSTRUCTIONS.get(method)
     plan = TrainingPlan(
         config=config, make_model=recipe.models(config, len(features)), shared_init=True
@@ -150,7 +201,7 @@ def build_served_client(
     backend = secure_sums(body["secure_agg"])
     if isinstance(backend, SealingScheme):
         client.install(backend.scheme, backend.sender(), None)
-    return client
+    return ServedClient(client, train, test, file, tuple(features))
 
 
 def _client_file(member: Member) -> Any:
@@ -174,11 +225,14 @@ def impute_deployed(
     insecure: bool = False,
     on_start: Callable[[int], None] | None = None,
     on_round: Callable[[int, float], None] | None = None,
-) -> ImputeResult:
+    save_imputed: bool = False,
+) -> tuple[ImputeResult, dict[str, Any] | None]:
     """Run ``config`` (a FedAvg reconstruction method over the federation's client files) as
     the coordinator in the label party ``name``'s process: every other party is a client in its
     own process. Returns the :class:`~secure_vfl.experiment.ImputeResult`, its traffic
-    counting every party's bytes (each reports its own)."""
+    counting every party's bytes (each reports its own), and with ``save_imputed`` what each
+    client answered once it wrote its imputed table in its own process (``impute-save``: the
+    run id, and per client its rows and the table's SHA-256), else None."""
     if config.method not in deployable_methods():
         raise ConfigError(
             f"--method {config.method} is not offered with --federation; expected one of "
@@ -195,6 +249,7 @@ def impute_deployed(
     endpoint = _endpoint(federation, name, insecure=insecure, deadline=deadline)
     outcome = "failed"
     reports: dict[str, Counter[tuple[str, str, str]]] = {}
+    saved: dict[str, Any] | None = None
     try:
         late = endpoint.await_peers(list(federation.addresses(but=name)), wait)
         if late:
@@ -279,11 +334,33 @@ def impute_deployed(
                 aggregator, train_steps=config.impute_config.rounds, channel=channel
             ),
         )
+        if save_imputed:
+            saved = _save_each(endpoint, clients)
         outcome = "finished"
     finally:
         reports, _ = _end(endpoint, federation, outcome)
         endpoint.close()
-    return dataclasses.replace(result, traffic=_with_reports(result.traffic, reports))
+    return dataclasses.replace(result, traffic=_with_reports(result.traffic, reports)), saved
+
+
+def _save_each(endpoint: Any, clients: Sequence[Member]) -> dict[str, Any]:
+    """Have every client write its imputed table in its own process, under one run id."""
+    run = secrets.token_hex(8)
+    tables = {}
+    endpoint.handler = None  # the answers are the label party's, no longer the coordinator's
+    for member in clients:
+        endpoint.send(_deployment(endpoint.name, member.name, "impute-save", {"run": run}))
+        body = _body(
+            endpoint.receive(sender=member.name, kind="deployment"),
+            "impute-saved",
+            IMPUTE_SAVED_KEYS,
+        )
+        if body["run"] != run:
+            raise ProtocolError(
+                f"impute-saved from {member.name}: run {run} expected, found {body['run'][:40]!r}."
+            )
+        tables[member.name] = {"rows": body["rows"], "sha256": body["sha256"]}
+    return {"run": run, "tables": tables}
 
 
 def _columns(

@@ -158,6 +158,7 @@ from secure_vfl.saved_model import (
 
 if TYPE_CHECKING:
     from secure_vfl.data.samplers import BatchSampler
+    from secure_vfl.deployed_imputation import ServedClient
     from secure_vfl.experiment import PrivacyLayer
     from secure_vfl.methods.base import MethodConfig
 
@@ -334,7 +335,10 @@ class _Server:
         checkpoints: ServedCheckpoints | None = None,
         model: ServedModel | None = None,
         party_privacy: PartyPrivacyFactory | None = None,
+        imputed_dir: Path | None = None,
     ) -> None:
+        self.imputed_dir = imputed_dir
+        self.imputation: ServedClient | None = None
         self.checkpoints = checkpoints or ServedCheckpoints(name, None, resume=False)
         self.model = model or ServedModel(name, None)
         self.party_privacy = party_privacy
@@ -369,6 +373,7 @@ class _Server:
                 "save": self._on_save,
                 "columns-request": self._on_columns_request,
                 "impute-setup": self._on_impute_setup,
+                "impute-save": self._on_impute_save,
             }
             handler = handlers.get(message.topic, self._on_end)
             if message.topic not in (*handlers, "end"):
@@ -485,11 +490,20 @@ class _Server:
             raise ProtocolError(
                 f"{self.name}: an impute-setup at the aggregator or a second one (a replay?)."
             )
-        self.party = build_served_client(
+        self.imputation = build_served_client(
             self.federation.member(self.name), message, self.secure_sums
         )
+        self.party = self.imputation.party
         self._attach(self.party)
         self.on_event(f"{self.name}: set up by {message.sender} as an imputation client")
+
+    def _on_impute_save(self, message: Message) -> None:
+        """An imputation run: write this client's imputed table into its own directory."""
+        if self.imputation is None or self.imputed_dir is None:
+            raise ProtocolError(f"{self.name}: an impute-save before an imputation set-up.")
+        answer, path = self.imputation.save(self.imputed_dir, message)
+        self._reply("impute-saved", answer)
+        self.on_event(f"{self.name}: wrote its imputed table to {path}")
 
     def _on_checkpoints(self, message: Message) -> None:
         """Take the run's checkpoints before training (on resume: restore this party's own)."""
@@ -1202,6 +1216,7 @@ def serve(
     resume: bool = False,
     model_dir: Path | None = None,
     party_privacy: PartyPrivacyFactory | None = None,
+    imputed_dir: Path | None = None,
 ) -> str:
     """Serve as ``name`` (a data party or ``aggregator``) until the label party ends the run;
     return the outcome it announced (``on_event`` hears of the set-up). A data party answers
@@ -1212,6 +1227,8 @@ def serve(
     saves its own part of the trained model under ``model_dir`` (default: :func:`model_directory`)
     when the label party asks (:class:`ServedModel`).
     With ``party_privacy`` it installs its own DP mechanisms when its set-up carries a plan.
+    As an imputation client it writes its imputed table under ``imputed_dir`` (default:
+    ``imputed/`` beside its data file) when the label party asks.
     TransportError if the label party is silent for longer than ``deadline`` seconds (``wait``
     before its first message) and then accepts no connection within as long (at most
     :data:`~secure_vfl.federation.network.PROBE_SECONDS`): its process is gone. A silent label
@@ -1239,6 +1256,7 @@ def serve(
         checkpoints,
         model,
         party_privacy=party_privacy,
+        imputed_dir=_beside_data(federation, name, imputed_dir, IMPUTED_DIR),
     )
     endpoint.handler = server.receive
     on_event(f"{name}: serving at {member.address}")
@@ -1263,6 +1281,18 @@ def serve(
     finally:
         endpoint.close()
     return server.outcome
+
+
+IMPUTED_DIR = "imputed"
+"""Where a served imputation client writes its imputed tables by default, beside its data."""
+
+
+def _beside_data(
+    federation: Federation, name: str, given: Path | None, default: str
+) -> Path | None:
+    """``given``, else ``default`` beside party ``name``'s data file (None without one)."""
+    data = federation.member(name).data
+    return given if given is not None or data is None else data.parent / default
 
 
 def served_checkpoints(name: str, directory: Path | None, *, resume: bool) -> ServedCheckpoints:

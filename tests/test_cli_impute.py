@@ -297,10 +297,6 @@ def test_imputation_results_report_the_wire_bytes_of_every_client(tmp_path: Path
         (["--method", "fedhf"], "--federation needs --name NAME"),
         (["--name", "shop", "--method", "fedhf"], "shop is not the label party"),
         (
-            ["--name", "bank", "--method", "fedhf", "--save-imputed"],
-            "--save-imputed not offered with impute --federation",
-        ),
-        (
             ["--name", "bank", "--method", "fedhf", "--dp-statistics", "1:1"],
             "--dp-statistics not offered with impute --federation",
         ),

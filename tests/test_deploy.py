@@ -719,10 +719,8 @@ def test_training_needs_the_label_partys_labels_and_an_imputation_does_not(
     with pytest.raises(ConfigError, match="`labels` expected at the label party to train"):
         federation.labels()
     out = tmp_path / "out"
-    code = main(
-        ["train", "--federation", str(path), "--name", "bank", "--method", "laser", *FLAGS]
-        + ["--out", str(out)]
-    )
+    flags = ["--name", "bank", "--method", "laser", *FLAGS, "--out", str(out)]
+    code = main(["train", "--federation", str(path), *flags])
     assert code == 2
     assert "`labels` expected at the label party to train" in capsys.readouterr().err
     assert not out.exists()

@@ -6,6 +6,8 @@ the test ends, passed or failed.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -13,11 +15,18 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 from test_deploy import PARTIES, PROCESS_SECONDS, Processes, write_federation
 
 from protocols import tls
 from secure_vfl.cli import main
+from secure_vfl.deployed_imputation import build_served_client
+from secure_vfl.deployment import _deployment
+from secure_vfl.errors import ProtocolError
+from secure_vfl.federation.federation_file import read_federation
+from secure_vfl.federation.messages import ScoreRequest
 from secure_vfl.federation.network import free_loopback_ports
+from secure_vfl.methods.imputation import ImputeConfig
 
 pytestmark = pytest.mark.processes  # party processes, loopback endpoints, deadlines
 
@@ -64,12 +73,16 @@ def test_three_clients_in_their_own_processes_impute_as_in_one(
 ) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # every party process: torch on one thread
     flags = [*FLAGS, "--method", "fedhf", "--secure-agg", secure_agg]
+    if secure_agg == "none":
+        flags.append("--save-imputed")  # each client writes its table in its own process
     files = [arg for name in CLIENTS for arg in ("--client-file", str(site / f"{name}.csv"))]
     assert main(["impute", *files, *flags, "--out", str(tmp_path / "alone")]) == 0
     alone = _result(tmp_path / "alone")
 
     federation = write_federation(site, site / "certs", free_loopback_ports(5))
-    servers = [processes.serve(federation, name) for name in (*CLIENTS, "aggregator")]
+    tables = tmp_path / "tables"
+    servers = [processes.serve(federation, name, "--imputed-dir", str(tables)) for name in CLIENTS]
+    servers.append(processes.serve(federation, "aggregator"))
     label = processes.start(
         "impute",
         "--federation",
@@ -94,6 +107,15 @@ def test_three_clients_in_their_own_processes_impute_as_in_one(
     assert result["validation_curve"] == alone["validation_curve"]
     if secure_agg == "none":
         assert result["metrics"] == alone["metrics"]
+        # Each client's imputed table, written by itself, is the in-process run's to the byte.
+        run = result["imputed"]["run"]
+        for name in CLIENTS:
+            written = (tables / run / f"{name}.csv").read_bytes()
+            assert written == (tmp_path / "alone" / "imputed" / f"{name}.csv").read_bytes()
+            entry = result["imputed"]["tables"][name]
+            assert entry["sha256"] == hashlib.sha256(written).hexdigest()
+            assert entry["rows"] == len(pd.read_csv(site / f"{name}.csv"))
+            assert f"wrote its imputed table to {tables / run / name}.csv" in processes.log(name)
     else:
         # In one process the yardstick's statistics are summed in the clear; deployed, through
         # the run's masks (fixed point): the same scores up to that precision.
@@ -102,3 +124,51 @@ def test_three_clients_in_their_own_processes_impute_as_in_one(
     # Every party reported its bytes: the traffic counts the clients and the aggregator too.
     assert set(result["traffic"]["bytes"]) == {"bank", *CLIENTS, "aggregator"}
     assert result["config"]["federation"] == str(federation)
+
+
+def test_a_client_sets_itself_up_from_its_own_file_and_refuses_a_path_for_a_run_id(
+    site: Path, tmp_path: Path
+) -> None:
+    """No processes: the served client's set-up and save, fed the label party's messages."""
+    federation = read_federation(write_federation(site, site / "certs", free_loopback_ports(5)))
+    features = ["a", "b", "c", "d", "e"]
+    body = {
+        "method": "fedhf",
+        "config": dataclasses.asdict(ImputeConfig(rounds=1, hidden=4, layers=1)),
+        "seed": 4,
+        "index": 0,
+        "features": features,
+        "test_fraction": 0.2,
+        "secure_agg": "none",
+        "id_column": "id",
+        "label_column": "label",
+    }
+    served = build_served_client(
+        federation.member("shop"), _deployment("bank", "shop", "impute-setup", body), lambda _: None
+    )
+    # Its rows, its file's split (as `impute --client-file` splits its first file), its schema.
+    assert served.train.n + served.test.n == 48 and served.test.n == 10
+    assert served.features == tuple(features)
+    assert not served.train.available[1]  # shop's file lacks column b
+    with pytest.raises(ProtocolError, match="some-other-party"):
+        served.party.receive(
+            ScoreRequest(
+                sender="some-other-party",
+                receiver="shop",
+                round=1,
+                batch_id=0,
+                std=torch.ones(5, dtype=torch.float64),
+                seed=1,
+                fraction=0.2,
+            )
+        )
+    for run in ("../../escape", "0123456789abcdeg", ""):
+        with pytest.raises(ProtocolError, match="a run id of 16 hex digits expected"):
+            served.save(tmp_path, _deployment("bank", "shop", "impute-save", {"run": run}))
+    assert not any(tmp_path.iterdir())
+    with pytest.raises(ProtocolError, match="a method in"):
+        build_served_client(
+            federation.member("shop"),
+            _deployment("bank", "shop", "impute-setup", {**body, "method": "mean"}),
+            lambda _: None,
+        )

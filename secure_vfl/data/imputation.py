@@ -210,15 +210,6 @@ def split_rng(seed: int, index: int) -> np.random.Generator:
     return np.random.default_rng([seed, SPLIT_STREAM, index])
 
 
-def split_client(
-    client: ClientData, test_fraction: float, rng: np.random.Generator
-) -> tuple[ClientData, ClientData]:
-    """A seeded random (unstratified) train/test split of one client's rows, order kept."""
-    _check_test_fraction(test_fraction)
-    train, test, _ = _split_client(client, test_fraction, rng)
-    return train, test
-
-
 def _split_client(
     client: ClientData, test_fraction: float, rng: np.random.Generator
 ) -> tuple[ClientData, ClientData, np.ndarray]:
@@ -260,15 +251,7 @@ def _split_clients(
     files = None
     if sources is not None:
         files = tuple(
-            ClientFile(
-                path=source.path,
-                columns=source.columns,
-                id_column=source.id_column,
-                ids=source.ids,
-                passthrough=source.passthrough,
-                features=source.features.reset_index(drop=True),
-                in_test=in_test,
-            )
+            _client_file(source, in_test)
             for source, (_, _, in_test) in zip(sources, splits, strict=True)
         )
     return ImputationTask(
@@ -277,6 +260,18 @@ def _split_clients(
         train=tuple(train for train, _, _ in splits),
         test=tuple(test for _, test, _ in splits),
         files=files,
+    )
+
+
+def _client_file(source: _ClientSource, in_test: np.ndarray) -> ClientFile:
+    return ClientFile(
+        path=source.path,
+        columns=source.columns,
+        id_column=source.id_column,
+        ids=source.ids,
+        passthrough=source.passthrough,
+        features=source.features.reset_index(drop=True),
+        in_test=in_test,
     )
 
 
@@ -458,19 +453,26 @@ def client_file_columns(
     return tuple(str(c) for c in source.features.columns), int(source.features.shape[0])
 
 
-def read_client_file(
+def split_client_file(
     path: Path,
     *,
     name: str,
     features: Sequence[str],
+    test_fraction: float,
+    rng: np.random.Generator,
     id_column: str = ID_COLUMN,
     label_column: str = LABEL_COLUMN,
-) -> ClientData:
+) -> tuple[ClientData, ClientData, ClientFile]:
     """One client file placed into the federation's global ``features`` (the union of every
-    client's schema), as client ``name``."""
+    client's schema) as client ``name`` and split into train and test by ``rng``, as
+    :func:`make_task_from_client_files` does each of its files; with the file's own form, to
+    write its imputed table back (:meth:`ClientFile.imputed_frame`)."""
+    _check_test_fraction(test_fraction)
     _check_feature_count(len(features), "the federation's features")
     source = _read_client_frame(Path(path), id_column, label_column)
-    return client_from_frame(name, source.features, tuple(features))
+    client = client_from_frame(name, source.features, tuple(features))
+    train, test, in_test = _split_client(client, test_fraction, rng)
+    return train, test, _client_file(source, in_test)
 
 
 # --- R lazy-load databases (``Rdata.rdb`` / ``Rdata.rdx``), read without R ---------------------

@@ -759,6 +759,8 @@ DEPLOYMENT_TOPICS = (
     "columns-request",
     "columns",
     "impute-setup",
+    "impute-save",
+    "impute-saved",
 )
 
 
@@ -776,7 +778,8 @@ class DeploymentMessage(Message):
     manifest's SHA-256), has it save its own part of the trained model (``save``: the model's
     run id; answered by ``saved`` with its files' SHA-256) and ends the run (``end``, answered
     by a ``report``). An imputation run asks each client for its feature columns
-    (``columns-request``, answered by ``columns``) and sets it up (``impute-setup``;
+    (``columns-request``, answered by ``columns``), sets it up (``impute-setup``) and may
+    have it write its imputed table (``impute-save``, answered by ``impute-saved``;
     :mod:`secure_vfl.deployed_imputation`). ``body`` is a JSON
     object whose schema the receiver checks per topic (:mod:`secure_vfl.deployment`); never
     pickle."""
