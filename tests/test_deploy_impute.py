@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-from test_deploy import PARTIES, PROCESS_SECONDS, Processes, write_federation
+from test_deploy import PARTIES, PROCESS_SECONDS, Processes, wait_for_line, write_federation
 
 from protocols import tls
 from secure_vfl.cli import main
@@ -177,3 +179,23 @@ def test_a_client_sets_itself_up_from_its_own_file_and_refuses_a_path_for_a_run_
             _deployment("bank", "shop", "impute-setup", {**body, "method": "mean"}),
             lambda _: None,
         )
+
+
+def test_a_client_killed_mid_run_fails_the_run_naming_it_and_every_party_exits_non_zero(
+    site: Path, processes: Processes, tmp_path: Path
+) -> None:
+    federation = write_federation(site, site / "certs", free_loopback_ports(5))
+    servers = {name: processes.serve(federation, name) for name in (*CLIENTS, "aggregator")}
+    label = processes.start(
+        "impute", "--federation", str(federation), "--name", "bank", "--method", "fed-dae",
+        "--rounds", "500", "--quiet", "--deadline", "10", "--out", str(tmp_path / "out"),
+        log="bank",
+    )  # fmt: skip
+    wait_for_line(processes, "telco", "set up by bank as an imputation client", label)
+    os.kill(servers["telco"].pid, signal.SIGKILL)
+    assert label.wait(timeout=PROCESS_SECONDS) != 0
+    assert "telco" in processes.log("bank").splitlines()[-1], processes.log("bank")
+    assert not (tmp_path / "out" / "result.json").exists()
+    for name in ("shop", "insurer", "aggregator"):
+        assert servers[name].wait(timeout=PROCESS_SECONDS) != 0, processes.log(name)
+        assert "the label party ended the run: failed" in processes.log(name)
