@@ -1699,7 +1699,6 @@ def run_impute(args: argparse.Namespace) -> int:
     from secure_vfl.experiment import ImputeRunConfig, prepare_imputation_task, run_imputation
     from secure_vfl.federation.channel import Channel, InProcessTransport
     from secure_vfl.io import atomic_write_json
-    from secure_vfl.methods.imputation import ImputeConfig
     from secure_vfl.runs import provenance
 
     engine = _impute_privacy_engine(args)
@@ -1712,13 +1711,7 @@ def run_impute(args: argparse.Namespace) -> int:
         seed=args.seed,
         id_column=args.id_column,
         label_column=args.label_column,
-        impute_config=ImputeConfig(
-            rounds=args.rounds,
-            client_fraction=args.client_fraction,
-            local_epochs=args.local_epochs,
-            batch_size=args.batch_size,
-            lr=args.lr,
-        ),
+        impute_config=_impute_config(args),
     )
     if config.dataset is not None:
         spec = IMPUTATION_DATASETS.get(config.dataset)
@@ -1788,6 +1781,19 @@ def _impute_summary(result: Any, out: Path) -> str:
     return "\n".join(lines)
 
 
+def _impute_config(args: argparse.Namespace) -> Any:
+    """The FedAvg and training options of ``impute``'s flags."""
+    from secure_vfl.methods.imputation import ImputeConfig
+
+    return ImputeConfig(
+        rounds=args.rounds,
+        client_fraction=args.client_fraction,
+        local_epochs=args.local_epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+    )
+
+
 def run_impute_deployed(args: argparse.Namespace) -> int:
     """`secure-vfl impute --federation FED --name LABEL`: the coordinator of a deployed
     imputation, every other party a client serving in its own process."""
@@ -1797,7 +1803,6 @@ def run_impute_deployed(args: argparse.Namespace) -> int:
     from secure_vfl.experiment import ImputeRunConfig
     from secure_vfl.federation.federation_file import read_federation
     from secure_vfl.io import atomic_write_json
-    from secure_vfl.methods.imputation import ImputeConfig
     from secure_vfl.runs import provenance
 
     _refuse_deployed_impute_flags(args)
@@ -1810,13 +1815,7 @@ def run_impute_deployed(args: argparse.Namespace) -> int:
         seed=args.seed,
         id_column=args.id_column,
         label_column=args.label_column,
-        impute_config=ImputeConfig(
-            rounds=args.rounds,
-            client_fraction=args.client_fraction,
-            local_epochs=args.local_epochs,
-            batch_size=args.batch_size,
-            lr=args.lr,
-        ),
+        impute_config=_impute_config(args),
     )
     out: Path = args.out or Path("runs") / f"impute-{config.method}-deployed-s{config.seed}"
     _check_output_dir(out, "result.json", overwrite=args.overwrite)

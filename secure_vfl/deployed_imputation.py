@@ -314,11 +314,7 @@ def impute_deployed(
                 "availability": sum(len(c) for c, _ in schemas.values())
                 / (len(features) * len(clients)),
             },
-            rmse=scores["rmse"],
-            rmse_client_mean=scores["rmse_client_mean"],
-            rmse_client_std=scores["rmse_client_std"],
-            rmse_per_client=scores["rmse_per_client"],
-            hidden_per_client=scores["hidden_per_client"],
+            **scores,
             validation_curve=list(curve),
             wall_time_s=time.perf_counter() - start,
             clients={

@@ -638,11 +638,7 @@ def run_imputation(
         method=config.method,
         dataset=config.data_name,
         config=_imputation_config(config, task),
-        rmse=scores["rmse"],
-        rmse_client_mean=scores["rmse_client_mean"],
-        rmse_client_std=scores["rmse_client_std"],
-        rmse_per_client=scores["rmse_per_client"],
-        hidden_per_client=scores["hidden_per_client"],
+        **scores,
         validation_curve=list(curve),
         wall_time_s=time.perf_counter() - start,
         clients={
