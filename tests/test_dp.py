@@ -5,6 +5,7 @@ of LASER, and DP-SGD of a data party in the split pattern."""
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import replace as dataclass_replace
 from typing import Any
 
@@ -16,6 +17,7 @@ from opacus.accountants import PRVAccountant, RDPAccountant
 from torch import nn
 
 from protocols.dp import (
+    OPTIMAL_ORDER_WARNING,
     EmbeddingNoise,
     GaussianRelease,
     GradientNoise,
@@ -89,6 +91,20 @@ def test_price_equals_opacus_accountant_stepped_with_the_same_releases(
     assert 0 < expected < math.inf
     assert price([], DELTA, accountant="rdp") == 0.0
     assert price([(0.0, 0.1, 1)], DELTA, accountant="rdp") == math.inf
+
+
+def test_pricing_a_large_multiplier_gives_opacus_bound_without_its_warning() -> None:
+    # At sigma 20 the RDP bound is best at the grid's largest order: Opacus warns (the control),
+    # pricing gives the same, valid epsilon and keeps the warning from the user.
+    reference = RDPAccountant()
+    reference.step(noise_multiplier=20.0, sample_rate=1.0)
+    with pytest.warns(UserWarning, match=OPTIMAL_ORDER_WARNING):
+        expected = reference.get_epsilon(delta=DELTA)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert price([(20.0, 1.0, 1)], DELTA, accountant="rdp") == pytest.approx(
+            expected, rel=1e-12
+        )
 
 
 def test_releases_about_the_same_records_form_one_gaussian_with_the_joint_multiplier() -> None:
