@@ -204,7 +204,7 @@ def build_served_client(member: Member, message: Message, secure_sums: SecureSum
     return ServedClient(client, train, test, file, tuple(features))
 
 
-def _client_file(member: Member) -> Any:
+def _client_file(member: Member) -> Path:
     if member.data is None:
         raise ProtocolError(f"{member.name} holds no data file; it has no rows to impute.")
     return member.data
