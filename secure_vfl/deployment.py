@@ -1231,7 +1231,8 @@ def serve(
     ``imputed/`` beside its data file) when the label party asks.
     TransportError if the label party is silent for longer than ``deadline`` seconds (``wait``
     before its first message) and then accepts no connection within as long (at most
-    :data:`~secure_vfl.federation.network.PROBE_SECONDS`): its process is gone. A silent label
+    :data:`~secure_vfl.federation.network.PROBE_SECONDS`; at once if its address refuses the
+    connection): its process is gone. A silent label
     party that still accepts one is busy (training without this party, a lost one waiting
     for readmission at the next epoch boundary; a long evaluation), and is waited for again."""
     if name == federation.label_party:
@@ -1267,7 +1268,8 @@ def serve(
             try:
                 endpoint.act_on_next(silence, awaiting=awaiting)
             except TransportError as error:
-                if not endpoint.await_peers([label], min(PROBE_SECONDS, silence)):
+                probe = min(PROBE_SECONDS, silence)
+                if not endpoint.await_peers([label], probe, refused_is_lost=True):
                     on_event(
                         f"{name}: the label party {label} was silent for {silence:g} s but "
                         "accepts connections: waiting on"

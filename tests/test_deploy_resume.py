@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +24,7 @@ from test_deploy import (
     FLAGS,
     PARTIES,
     PROCESS_SECONDS,
+    PartyProcess,
     Processes,
     in_process,
     write_federation,
@@ -68,7 +68,7 @@ def start_federation(
     *flags: str,
     resume: bool,
     fresh: tuple[str, ...] = (),
-) -> tuple[subprocess.Popen[str], list[subprocess.Popen[str]]]:
+) -> tuple[PartyProcess, list[PartyProcess]]:
     """The three data parties (each with its own checkpoint directory), the aggregator and
     the label party (checkpoints every 3 steps into its --out), logs named by ``phase``; on
     ``resume`` every data party serves with --resume but those ``fresh``."""
@@ -91,8 +91,8 @@ def start_federation(
 
 def kill_after_a_commit(
     processes: Processes,
-    label: subprocess.Popen[str],
-    servers: list[subprocess.Popen[str]],
+    label: PartyProcess,
+    servers: list[PartyProcess],
     out: Path,
 ) -> int:
     """SIGKILL every process once the label party has committed a checkpoint (the label
@@ -109,9 +109,7 @@ def kill_after_a_commit(
     return written_steps(out / "checkpoints", "bank")[-1]
 
 
-def finish(
-    label: subprocess.Popen[str], servers: list[subprocess.Popen[str]]
-) -> tuple[int, list[int]]:
+def finish(label: PartyProcess, servers: list[PartyProcess]) -> tuple[int, list[int]]:
     """The exit codes of the label party and of every serving party."""
     code = label.wait(timeout=PROCESS_SECONDS)
     return code, [server.wait(timeout=PROCESS_SECONDS) for server in servers]

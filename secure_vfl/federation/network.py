@@ -101,7 +101,8 @@ FRAME_LIMIT = STREAM_THRESHOLD + 64 * 1024
 """The largest gRPC message either end accepts: one unstreamed message, with room to spare."""
 DEFAULT_DEADLINE = 60.0
 PROBE_SECONDS = 5.0
-"""How long a driver waits for a peer to accept a connection before it takes the peer for lost."""
+"""How long a driver waits for a peer to accept a connection before it takes the peer for lost
+(sooner if the peer's address refuses the connection: nothing listens there)."""
 REJOIN_PROBE_SECONDS = 2.0
 """How long the label party waits, at an epoch boundary, for a lost peer to accept a connection
 again: all that a peer that stays dead costs per epoch (a restarted one accepts in
@@ -650,23 +651,28 @@ class PartyEndpoint:
 
     # -- the client side ---------------------------------------------------------------------
 
-    def await_peers(self, names: Sequence[str], seconds: float) -> list[str]:
+    def await_peers(
+        self, names: Sequence[str], seconds: float, *, refused_is_lost: bool = False
+    ) -> list[str]:
         """Wait, at most ``seconds`` in all, until each of ``names`` accepts a connection (with
         mutual TLS: the handshake succeeds), so that a party started a little later is not
         taken for a dead one. Returns those still not reachable; the first message to one of
-        them then fails with the reason (refused certificate, nothing listening)."""
+        them then fails with the reason (refused certificate, nothing listening). With
+        ``refused_is_lost`` (a probe of a peer that was up: is its process gone?) a peer is not
+        reachable as soon as a connection to it fails (gRPC's TRANSIENT_FAILURE: refused, or the
+        handshake failed): a live process's server accepts within milliseconds, however busy
+        the party is, and a dead one's address refuses at once."""
         end = time.monotonic() + seconds
         # Every connection is tried at once, so one peer that never answers does not use up
         # the time of those after it.
-        futures = {name: grpc.channel_ready_future(self._channels[name]) for name in names}
-        missing = []
-        for name, ready in futures.items():
-            try:
-                ready.result(timeout=max(end - time.monotonic(), 0.001))
-            except grpc.FutureTimeoutError:
-                ready.cancel()
-                missing.append(name)
-        return missing
+        probes = [_Probe(name, self._channels[name], refused_is_lost) for name in names]
+        try:
+            for probe in probes:
+                probe.done.wait(max(end - time.monotonic(), 0.001))
+        finally:
+            for probe in probes:
+                probe.close()
+        return [probe.name for probe in probes if not probe.ready]
 
     def send(self, message: Message, *, deadline: float | None = None) -> int:
         """Deliver ``message`` to the peer it names and return its encoded size once that peer
@@ -809,6 +815,32 @@ def _phase(message: Message) -> str:
     return str(getattr(message, "phase", "train"))
 
 
+class _Probe:
+    """Watches one peer's connection for :meth:`PartyEndpoint.await_peers`: ``done`` is set
+    once it is up (``ready``), once the channel is closed, and with ``refused_is_lost`` once a
+    connection attempt fails."""
+
+    def __init__(self, name: str, channel: grpc.Channel, refused_is_lost: bool) -> None:
+        self.name = name
+        self.ready = False
+        self.done = threading.Event()
+        self._channel = channel
+        self._ends = {grpc.ChannelConnectivity.SHUTDOWN}
+        if refused_is_lost:
+            self._ends.add(grpc.ChannelConnectivity.TRANSIENT_FAILURE)
+        channel.subscribe(self._changed, try_to_connect=True)
+
+    def _changed(self, state: grpc.ChannelConnectivity) -> None:
+        if state is grpc.ChannelConnectivity.READY:
+            self.ready = True
+            self.done.set()
+        elif state in self._ends:
+            self.done.set()
+
+    def close(self) -> None:
+        self._channel.unsubscribe(self._changed)
+
+
 class NetworkChannel(Channel):
     """The channel of one party's process: the party attached here is reached directly (a
     message to itself), every other party through ``endpoint``; every message passes the
@@ -831,8 +863,11 @@ class NetworkChannel(Channel):
     def unreachable(self, names: Sequence[str]) -> list[str]:
         """Those of ``names`` whose process accepts no connection within the probe time
         (:data:`PROBE_SECONDS`, at most the endpoint's deadline): a live peer's connection is
-        up, or comes up within milliseconds; a killed one's never does."""
-        return self.endpoint.await_peers(names, min(PROBE_SECONDS, self.endpoint.deadline))
+        up, or comes up within milliseconds; a killed one's never does, and its address
+        refuses at once."""
+        return self.endpoint.await_peers(
+            names, min(PROBE_SECONDS, self.endpoint.deadline), refused_is_lost=True
+        )
 
     def returned(self, names: Sequence[str]) -> list[str]:
         """Those of the lost ``names`` whose process accepts a connection again (a fresh one,
