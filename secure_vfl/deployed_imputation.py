@@ -250,6 +250,7 @@ def impute_deployed(
     outcome = "failed"
     reports: dict[str, Counter[tuple[str, str, str]]] = {}
     saved: dict[str, Any] | None = None
+    view: ImputationFederation | None = None
     try:
         late = endpoint.await_peers(list(federation.addresses(but=name)), wait)
         if late:
@@ -329,12 +330,14 @@ def impute_deployed(
             traffic=traffic_report(
                 aggregator, train_steps=config.impute_config.rounds, channel=channel
             ),
+            faults=list(view.faults),
         )
         if save_imputed:
-            saved = _save_each(endpoint, clients)
+            saved = _save_each(endpoint, [m for m in clients if m.name in view.names])
         outcome = "finished"
     finally:
-        reports, _ = _end(endpoint, federation, outcome)
+        lost = [fault["party"] for fault in view.faults] if view is not None else []
+        reports, _ = _end(endpoint, federation, outcome, lost=lost)
         endpoint.close()
     return dataclasses.replace(result, traffic=_with_reports(result.traffic, reports)), saved
 

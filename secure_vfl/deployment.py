@@ -389,7 +389,10 @@ class _Server:
             )
         self.checkpoints.check_ready(message.kind)
         self.party.receive(message)
+        # A training step ends at its update (or a gradient that closes it); an imputation
+        # client's at its local training for FedAvg.
         closes = message.kind == "update" or getattr(message, "step", False) is True
+        closes |= getattr(message, "computation", None) == "train"
         if closes and not self.stepped:
             self.stepped = True
             self.on_event(f"{self.name}: its first training step is done")

@@ -532,6 +532,9 @@ class ImputeResult:
     aggregator: str = "PlainAggregator"
     privacy: dict[str, Any] | None = None
     traffic: dict[str, Any] = field(default_factory=dict)
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    """Every client lost during the run (a deployment): its name, the FedAvg round (from 1)
+    from which it took no part, and the error that revealed it. A lost client has no score."""
 
     @property
     def metrics(self) -> dict[str, Any]:

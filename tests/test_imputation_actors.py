@@ -141,7 +141,7 @@ def test_a_client_without_test_rows_refuses_to_score() -> None:
     task = synthetic_task(rows=24, test_rows=6, features=6)
     federation = build_imputation_federation(task.train)
     with pytest.raises(ProtocolError, match="test rows to score on expected, found none"):
-        federation.score(np.ones(6), [1] * len(task.train), fraction=0.2, round=1)
+        federation.score(np.ones(6), lambda k: 1, fraction=0.2, round=1, fedavg_round=0)
 
 
 def _imputer(

@@ -243,6 +243,7 @@ class ImputationClient(SecureSumParty):
             "key-request",
             "seal-request",
             "score-request",
+            "abort",
         }
     )
 
@@ -270,7 +271,7 @@ class ImputationClient(SecureSumParty):
         self.generator = (
             torch.Generator().manual_seed(training.generator_seed) if training else None
         )
-        self._acted: set[tuple[str, int, str]] = set()
+        self._acted: set[tuple[str, int, int, str]] = set()
         self._best: Tensor | None = None
         self._best_error = math.inf
 
@@ -291,14 +292,15 @@ class ImputationClient(SecureSumParty):
             )
         super().receive(message)
 
-    def _check_fresh(self, message: Message, tag: str) -> tuple[str, int, str]:
+    def _check_fresh(self, message: Message, tag: str) -> tuple[str, int, int, str]:
         """Refuse a message it has acted on before (a replay); return its key for
-        :meth:`_acted_on`, called once it has been acted on."""
-        key = (message.kind, message.round, tag)
+        :meth:`_acted_on`, called once it has been acted on. A round retried after a lost
+        client is a fresh batch id: its messages are new ones."""
+        key = (message.kind, message.round, message.batch_id, tag)
         if key in self._acted:
             raise ProtocolError(
-                f"{self.name}: a second {message.kind} for round {message.round}, tag {tag!r} "
-                "(a replayed message?)."
+                f"{self.name}: a second {message.kind} for round {message.round}, batch "
+                f"{message.batch_id}, tag {tag!r} (a replayed message?)."
             )
         return key
 

@@ -16,9 +16,10 @@ coordinator alone receives (and, under a scheme, opens) the sum.
 
 from __future__ import annotations
 
+import logging
 import secrets
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import numpy as np
@@ -31,6 +32,7 @@ from secure_vfl.federation.aggregator import SealingScheme, SumBackend
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import (
     AGGREGATOR,
+    AbortRequest,
     ComputeRequest,
     GlobalStatisticsMessage,
     KeyRequest,
@@ -53,6 +55,8 @@ from secure_vfl.methods.imputation.statistics import (
     collect_statistics,
 )
 from secure_vfl.models.feature_graph import FeatureGraph
+
+logger = logging.getLogger(__name__)
 
 
 class Coordinator(SecureSumParty):
@@ -98,6 +102,17 @@ class ImputationFederation:
     session: str
     release_terms: ReleaseTerms | None = None
     scheme: str = ""
+    faults: list[dict[str, Any]] = field(default_factory=list)
+    """Every client lost (a deployment: its process died): its name, the FedAvg round (from 1)
+    from which it took no part, and the error that revealed it."""
+    attempt: int = 0
+    """The batch id of every message from now on: a round retried after a loss is a fresh
+    batch, so no client or aggregator takes its messages for replays of the abandoned one."""
+    roster: tuple[str, ...] = ()
+    """Every client the run started with, in order (a client's index is its place here)."""
+
+    def __post_init__(self) -> None:
+        self.roster = self.roster or tuple(self.names)
 
     @property
     def clients(self) -> int:
@@ -109,9 +124,37 @@ class ImputationFederation:
             "sender": self.own.name,
             "receiver": receiver,
             "round": round,
-            "batch_id": 0,
+            "batch_id": self.attempt,
             "session": self.session,
         }
+
+    def recover(self, error: ProtocolError, *, round: int, fedavg_round: int) -> None:
+        """After ``error`` cut message round ``round`` short (FedAvg round ``fedavg_round``,
+        from 1): drop every client that can no longer be reached (FedAvg goes on over the
+        others: eq. 8's weights are normalised over whoever contributes), abandon the round at
+        every other client and the aggregator (:class:`AbortRequest`: what they kept of it is
+        discarded, and a lost client's late share is refused, never added) and make the next
+        messages a fresh batch, so the caller can retry the round. Re-raises ``error`` if no
+        client was lost (a protocol error, not a fault), if the aggregation server was, or if
+        no client is left."""
+        lost = self.channel.unreachable([*self.names, AGGREGATOR])
+        if not lost or AGGREGATOR in lost or set(lost) >= set(self.names):
+            raise error
+        for name in lost:
+            self.names.remove(name)
+            self.own.scoring.discard(name)
+            self.faults.append({"party": name, "round": fedavg_round, "what": str(error)})
+            logger.warning(
+                "%s: client %s is lost in round %d; FedAvg goes on over the other %d: %s",
+                self.own.name,
+                name,
+                fedavg_round,
+                len(self.names),
+                error,
+            )
+        for name in [*self.names, AGGREGATOR]:
+            self.own.send(AbortRequest(**self._header(name, round)))
+        self.attempt += 1
 
     def sum(
         self,
@@ -154,7 +197,8 @@ class ImputationFederation:
                 )
             )
         summed = cast(
-            SumMessage, self.own.take("sum", sender=AGGREGATOR, round=round, batch_id=0, tag=tag)
+            SumMessage,
+            self.own.take("sum", sender=AGGREGATOR, round=round, batch_id=self.attempt, tag=tag),
         )
         if tuple(summed.sums.shape) != (1, 1, width) or summed.counts.tolist() != [[len(parties)]]:
             raise ProtocolError(
@@ -191,24 +235,39 @@ class ImputationFederation:
             )
 
     def score(
-        self, std: np.ndarray, seeds: Sequence[int], *, fraction: float, round: int
+        self,
+        std: np.ndarray,
+        seed_of: Callable[[int], int],
+        *,
+        fraction: float,
+        round: int,
+        fedavg_round: int,
     ) -> dict[str, tuple[float, int]]:
         """Each client's (sum of squared errors, count) on its own test rows, ``fraction`` of
-        their entries hidden by a generator seeded ``seeds[k]``, errors in units of ``std``
-        (:class:`~secure_vfl.federation.messages.ScoreRequest`): two numbers per client cross,
-        never a row."""
+        their entries hidden by a generator seeded ``seed_of(k)`` (k: the client's index in
+        the roster), errors in units of ``std`` (:class:`~secure_vfl.federation.messages.
+        ScoreRequest`): two numbers per client cross, never a row. A client lost on the way
+        is dropped (:meth:`recover`, dated ``fedavg_round``) and has no score."""
         scores: dict[str, tuple[float, int]] = {}
         yardstick = torch.from_numpy(np.asarray(std, dtype=np.float64))
-        for name, seed in zip(self.names, seeds, strict=True):
+        while unscored := [name for name in self.names if name not in scores]:
+            name = unscored[0]
             self.own.scoring.add(name)
-            self.own.send(
-                ScoreRequest(
-                    **self._header(name, round), std=yardstick, seed=seed, fraction=fraction
+            request = ScoreRequest(
+                **self._header(name, round),
+                std=yardstick,
+                seed=seed_of(self.roster.index(name)),
+                fraction=fraction,
+            )
+            try:
+                self.own.send(request)
+                answer = cast(
+                    ScoreMessage,
+                    self.own.take("score", sender=name, round=round, batch_id=self.attempt),
                 )
-            )
-            answer = cast(
-                ScoreMessage, self.own.take("score", sender=name, round=round, batch_id=0)
-            )
+            except ProtocolError as error:
+                self.recover(error, round=round, fedavg_round=fedavg_round)
+                continue
             scores[name] = (answer.sse, answer.count)
         return scores
 

@@ -169,6 +169,25 @@ class ReconstructionImputer:
         chosen = self.rng.choice(len(names), size=count, replace=False)
         return [names[k] for k in sorted(int(k) for k in chosen)]
 
+    def _recovering_round(self, round: int) -> float:
+        """:meth:`_federated_round`; should a client be lost in it (a deployment: its process
+        died), drop it, abandon the round and run it again over the others from the round's
+        global model, downloaded to them anew (their local steps of the abandoned attempt are
+        undone; their optimisers' moments are not). Each retry drops a client or re-raises
+        (:meth:`~secure_vfl.methods.imputation.federation.ImputationFederation.recover`)."""
+        start = self.theta
+        retry = False
+        while True:
+            try:
+                if retry:
+                    assert start is not None
+                    self.federation.download(start, round=_message_round(round), tag="restart")
+                return self._federated_round(round)
+            except ProtocolError as error:
+                self.theta = start
+                self.federation.recover(error, round=_message_round(round), fedavg_round=round + 1)
+                retry = True
+
     def _federated_round(self, round: int) -> float:
         """Eq. 8 over the round's cohort, the download of the average to every client, and the
         round's validation RMSE from the clients' summed errors."""
@@ -216,7 +235,7 @@ class ReconstructionImputer:
         curve: list[float] = []
         best_rmse = float("inf")
         for round in range(self.config.rounds):
-            rmse = self._federated_round(round) if self.federated else self._local_round()
+            rmse = self._recovering_round(round) if self.federated else self._local_round()
             curve.append(rmse)
             if rmse < best_rmse:
                 best_rmse, self.best_round = rmse, round + 1
@@ -227,10 +246,18 @@ class ReconstructionImputer:
             for client in self._clients():
                 client.restore_best()
         elif self.best is not None:
-            self.federation.download(
-                self.best, round=_message_round(self.config.rounds), tag="best"
-            )
+            self._download_best(self.best)
         return curve
+
+    def _download_best(self, best: Tensor) -> None:
+        """The best-validation model's download to every client; one lost meanwhile is dropped
+        and the others are sent it again, as a fresh batch."""
+        round = _message_round(self.config.rounds)
+        while True:
+            try:
+                return self.federation.download(best, round=round, tag="best")
+            except ProtocolError as error:
+                self.federation.recover(error, round=round, fedavg_round=self.config.rounds)
 
     def score(
         self, standardisation: Standardisation, *, seed: int, fraction: float
@@ -242,9 +269,10 @@ class ReconstructionImputer:
         self._scorings += 1
         return self.federation.score(
             standardisation.std,
-            [score_seed(seed, k) for k in range(self.federation.clients)],
+            lambda k: score_seed(seed, k),
             fraction=fraction,
             round=_message_round(self.config.rounds + self._scorings),
+            fedavg_round=self.config.rounds,
         )
 
     def impute(self, client_index: int, client: ClientData) -> np.ndarray:

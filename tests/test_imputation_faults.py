@@ -1,0 +1,130 @@
+"""An imputation client lost mid-run, in one process: a channel that loses a client when a
+chosen message is posted to it (test_deploy_impute.py kills a real client process; these reach
+each place a FedAvg round can break)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from test_fedhf import synthetic_task
+
+from protocols.secagg import MaskingAggregator
+from secure_vfl.errors import ProtocolError, TransportError
+from secure_vfl.federation.aggregator import PlainAggregator, SumBackend
+from secure_vfl.federation.channel import Channel
+from secure_vfl.federation.messages import Message
+from secure_vfl.federation.parties import Party
+from secure_vfl.methods.imputation import IMPUTERS, ImputeConfig
+from secure_vfl.methods.imputation.evaluation import score_seed
+from secure_vfl.methods.imputation.fedhf import ReconstructionImputer, _message_round
+
+CONFIG = ImputeConfig(rounds=4, local_epochs=1, hidden=8, layers=1)
+ROUND = 1  # the FedAvg round (0-based) in which the client is lost
+
+
+class LosingClient(Channel):
+    """Loses client ``lost`` when the first ``kind`` of message round ``round`` is posted to
+    it: that post and every later one to it raise TransportError, and :meth:`unreachable`
+    names it from then on. ``posted``: every message posted, ``after_loss``: how many were
+    posted to it once it was lost."""
+
+    def __init__(self, lost: str, kind: str, round: int) -> None:
+        super().__init__()
+        self.lost, self.kind, self.round = lost, kind, round
+        self.gone = False
+        self.after_loss = 0
+        self.posted: list[Message] = []
+
+    def post(self, message: Message, *, sender: Party) -> None:
+        self.posted.append(message)
+        if message.receiver == self.lost:
+            if self.gone:
+                self.after_loss += 1
+            elif message.kind == self.kind and message.round == self.round:
+                self.gone = True
+            if self.gone:
+                raise TransportError(f"{message.kind} to {self.lost}: its process is gone")
+        super().post(message, sender=sender)
+
+    def unreachable(self, names: list[str]) -> list[str]:  # type: ignore[override]
+        return [name for name in names if self.gone and name == self.lost]
+
+
+def _fit(
+    channel: Channel, aggregator: SumBackend, method: str = "fedhf"
+) -> tuple[ReconstructionImputer, list[float], dict[str, tuple[float, int]]]:
+    task = synthetic_task(rows=40, test_rows=12, features=6)
+    imputer = IMPUTERS.get(method)(task, CONFIG, seed=0, aggregator=aggregator, channel=channel)
+    assert isinstance(imputer, ReconstructionImputer)
+    curve = imputer.fit()
+    scores = imputer.score(imputer.standardisation, seed=0, fraction=0.2)
+    return imputer, curve, scores
+
+
+@pytest.mark.parametrize(
+    ("kind", "round", "fedavg_round"),
+    [
+        ("compute-request", _message_round(ROUND), ROUND + 1),  # asked for its local update
+        ("parameters", _message_round(ROUND), ROUND + 1),  # the round's download
+        ("parameters", _message_round(CONFIG.rounds), CONFIG.rounds),  # the best model's
+        ("score-request", _message_round(CONFIG.rounds + 1), CONFIG.rounds),  # being scored
+    ],
+    ids=["local-update", "download", "best-download", "score"],
+)
+@pytest.mark.parametrize("backend", ["plain", "masks"])
+def test_a_lost_client_is_dropped_and_fedavg_goes_on_over_the_others(
+    kind: str, round: int, fedavg_round: int, backend: str
+) -> None:
+    aggregator = PlainAggregator() if backend == "plain" else MaskingAggregator()
+    channel = LosingClient("client-2", kind, round)
+    imputer, curve, scores = _fit(channel, aggregator)
+    federation = imputer.federation
+    assert channel.gone and channel.after_loss == 0  # nothing more was sent to it
+    [fault] = federation.faults
+    assert fault["party"] == "client-2" and fault["round"] == fedavg_round
+    assert "its process is gone" in fault["what"]
+    assert federation.names == ["client-0", "client-1", "client-3"]
+    assert federation.roster == ("client-0", "client-1", "client-2", "client-3")
+    assert len(curve) == CONFIG.rounds and np.all(np.isfinite(curve))
+    # Every other client scored itself, with its own draws (its index in the roster): the
+    # same numbers as a run in which nobody was lost would give it, when the loss came after
+    # training (the best model, the scoring).
+    assert sorted(scores) == federation.names
+    if kind == "score-request":
+        whole, _, whole_scores = _fit(Channel(), type(aggregator)())
+        assert whole.federation.faults == []
+        for name in federation.names:
+            assert scores[name] == pytest.approx(whole_scores[name], rel=1e-6)
+
+
+def test_a_retried_round_trains_the_others_from_the_rounds_global_model() -> None:
+    """Lost at its local update: the others' updates of the abandoned attempt are undone by
+    the round's model downloaded anew, so the round's average is theirs from that model, and
+    its validation is summed over them alone (three clients, as the check on counts says)."""
+    channel = LosingClient("client-1", "compute-request", _message_round(ROUND))
+    imputer, _, _ = _fit(channel, PlainAggregator())
+    restarts = [
+        m for m in channel.posted if m.kind == "parameters" and getattr(m, "tag", "") == "restart"
+    ]
+    assert {m.receiver for m in restarts} == {"client-0", "client-2", "client-3"}
+    assert {m.batch_id for m in restarts} == {1}  # the retry is a fresh batch
+    assert imputer.federation.attempt == 1
+
+
+def test_a_protocol_error_with_every_client_reachable_is_not_a_fault() -> None:
+    task = synthetic_task(rows=40, test_rows=12, features=6)
+    imputer = IMPUTERS.get("fedhf")(task, CONFIG, seed=0, channel=Channel())
+    assert isinstance(imputer, ReconstructionImputer)
+    error = ProtocolError("a malformed sum")
+    with pytest.raises(ProtocolError, match="a malformed sum"):
+        imputer.federation.recover(error, round=_message_round(0), fedavg_round=1)
+    assert imputer.federation.faults == [] and imputer.federation.clients == 4
+
+
+def test_scores_keep_each_clients_own_draws_after_a_loss() -> None:
+    # The lost client's index is not reused: client-3 still draws with score_seed(seed, 3).
+    channel = LosingClient("client-0", "compute-request", _message_round(ROUND))
+    imputer, _, _ = _fit(channel, PlainAggregator())
+    seeds = [m.seed for m in channel.posted if m.kind == "score-request"]
+    assert seeds == [score_seed(0, k) for k in (1, 2, 3)]
+    assert imputer.federation.faults[0]["party"] == "client-0"
