@@ -1686,11 +1686,6 @@ def _attack_summary(result: Any, out: Path) -> str:
     lines.append(f"DCS {result.dcs:.4f}   DCS (AP* = chance) {result.dcs_chance:.4f}")
     if result.privacy is not None:
         lines.extend(_privacy_lines(result.privacy))
-    for fault in result.faults:
-        lines.append(
-            f"lost: {fault['party']} in round {fault['round']}; FedAvg went on over the other "
-            "clients, and it has no score"
-        )
     lines.append(f"result: {out / 'result.json'}")
     return "\n".join(lines)
 
