@@ -54,6 +54,8 @@ from secure_vfl.data.imputation import (
     split_rng,
 )
 from secure_vfl.deployment import (
+    MAX_LAYER_WIDTH,
+    MAX_LAYERS,
     SETUP_DEADLINE,
     SecureSums,
     _body,
@@ -61,6 +63,7 @@ from secure_vfl.deployment import (
     _end,
     _endpoint,
     _with_reports,
+    check_requested,
 )
 from secure_vfl.errors import ConfigError, ProtocolError
 from secure_vfl.experiment import ImputeResult, ImputeRunConfig, traffic_report
@@ -178,9 +181,11 @@ def build_served_client(member: Member, message: Message, secure_sums: SecureSum
         raise ProtocolError(
             f"impute-setup: an index and a seed >= 0 expected, found {index} and {seed}."
         )
+    limits = {"hidden": MAX_LAYER_WIDTH, "top_k": MAX_LAYER_WIDTH, "layers": MAX_LAYERS}
+    check_requested("impute-setup", body["config"], limits)
     try:
         config = ImputeConfig(**body["config"])
-    except TypeError as error:
+    except (TypeError, ConfigError) as error:
         raise ProtocolError(f"impute-setup: `config` of ImputeConfig's fields: {error}") from None
     train, test, file = split_client_file(
         _client_file(member),

@@ -167,6 +167,28 @@ logger = logging.getLogger(__name__)
 MAX_WIDTH = 2**20
 """The widest model input a data party may announce (a bound on what a peer may say; no party
 file comes near it)."""
+MAX_LAYER_WIDTH = 4096
+"""The widest layer a label party may ask a served party to build (a representation, a hidden or
+latent layer, an imputation model's width or neighbours): a bound on what a peer may say, so
+that one set-up cannot make a party allocate without limit. The papers' settings use 512 at
+most."""
+MAX_CLASSES = 4096
+"""The most classes a label party may announce (a head's output width; CIFAR-100 has 100)."""
+MAX_LAYERS = 64
+"""The deepest model a label party may ask a served imputation client to build."""
+
+
+def check_requested(where: str, values: Mapping[str, Any], limits: Mapping[str, int]) -> None:
+    """ProtocolError if a set-up asks for more than ``limits`` allow (a field of ``values``
+    above its limit): what a label party may ask a served party to build is bounded."""
+    for field, limit in limits.items():
+        value = values.get(field)
+        if isinstance(value, int) and value > limit:
+            raise ProtocolError(
+                f"{where}: `{field}` of at most {limit} expected, found {value} (a bound on "
+                "what a label party may ask this party to build)."
+            )
+
 
 SecureSums = Callable[[str], SumBackend | None]
 """The secure-sum backend of a scheme name (``"none"``: None), made by the composition root."""
@@ -1040,6 +1062,8 @@ def build_served_party(
         raise ProtocolError(f"setup: {name} expected at index {index} of {names}.")
     if body["method"] not in DEPLOYED_METHODS:
         raise ProtocolError(f"setup: a method of {DEPLOYED_METHODS} expected.")
+    check_requested("setup", body["method_config"], {"representation_dim": MAX_LAYER_WIDTH})
+    check_requested("setup", body, {"num_classes": MAX_CLASSES})
     try:
         config = MethodConfig(**body["method_config"])
     except (TypeError, ConfigError) as error:
@@ -1123,6 +1147,8 @@ def _latent_party(
 
     if body["labels"] is not None:
         raise ProtocolError(f"setup: {name} holds no label under {body['method']}; found some.")
+    widths = dict.fromkeys(("latent_dim", "global_latent_dim", "hidden"), MAX_LAYER_WIDTH)
+    check_requested("setup", body["false_vfl"] or {}, widths)
     try:
         options = FalseVflConfig(**(body["false_vfl"] or {}))
     except (TypeError, ConfigError) as error:

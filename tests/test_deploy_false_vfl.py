@@ -77,6 +77,12 @@ def test_a_false_vfl_party_builds_itself_as_in_one_process_and_is_given_no_label
     wrong: dict[str, dict[str, Any]] = {
         "holds no label": {"labels": [0] * len(bodies["shop"]["rows"]["train"])},
         "valid `false_vfl` options": {"false_vfl": {"kappa": 0}},
+        # What a label party may ask a data party to build is bounded.
+        "`hidden` of at most 4096 expected": {"false_vfl": {"hidden": 10**6}},
+        "`representation_dim` of at most 4096 expected": {
+            "method_config": {**bodies["shop"]["method_config"], "representation_dim": 10**6}
+        },
+        "`num_classes` of at most 4096 expected": {"num_classes": 10**9},
     }
     for expected_error, change in wrong.items():
         setup = _deployment("bank", "shop", "setup", {**bodies["shop"], **change})

@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -173,6 +174,20 @@ def test_a_client_sets_itself_up_from_its_own_file_and_refuses_a_path_for_a_run_
         with pytest.raises(ProtocolError, match="a run id of 16 hex digits expected"):
             served.save(tmp_path, _deployment("bank", "shop", "impute-save", {"run": run}))
     assert not any(tmp_path.iterdir())
+    # What the label party may ask a client to build is bounded; a bad value is the peer's.
+    for change, expected in [
+        ({"hidden": 2**20}, "`hidden` of at most 4096 expected, found 1048576"),
+        ({"layers": 1000}, "`layers` of at most 64 expected"),
+        ({"top_k": 10**6}, "`top_k` of at most 4096 expected"),
+        ({"lr": -1.0}, "ImputeConfig's fields"),
+    ]:
+        setup = {**body, "config": {**body["config"], **change}}
+        with pytest.raises(ProtocolError, match=re.escape(expected)):
+            build_served_client(
+                federation.member("shop"),
+                _deployment("bank", "shop", "impute-setup", setup),
+                lambda _: None,
+            )
     with pytest.raises(ProtocolError, match="a method in"):
         build_served_client(
             federation.member("shop"),
