@@ -44,17 +44,23 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from protocols.dp import EventCallback, GaussianRelease, PrivacyAccountant, clip_rows
-from protocols.noise import NoiseSource
+from protocols.noise import NoiseSource, noise_source
+from protocols.party_privacy import SECURE_SOURCE, check_guarantees
 from secure_vfl.data.imputation import ClientData
-from secure_vfl.errors import ConfigError, DataError
-from secure_vfl.methods.imputation.statistics import FeatureRanges
+from secure_vfl.errors import ConfigError, DataError, ProtocolError
+from secure_vfl.methods.imputation.statistics import FeatureRanges, ReleaseTerms
+
+if TYPE_CHECKING:
+    from secure_vfl.methods.imputation.clients import ImputationClient
 
 STATISTICS_RELEASES = 3
 """Releases per client for one graph: moments, deviations, pairs."""
@@ -232,3 +238,176 @@ def observed_ranges(clients: Sequence[ClientData]) -> FeatureRanges:
     return FeatureRanges(
         lower=np.where(flat, lower - 0.5, lower), upper=np.where(flat, upper + 0.5, upper)
     )
+
+
+# -- a deployed imputation: each client makes its own mechanism from the label party's plan ----
+
+PLAN_KEYS: Mapping[str, type | tuple[type, ...]] = {
+    "noise_multiplier": (int, float),
+    "clip": (int, float),
+    "shares": int,
+    "standard_bound": (int, float),
+    "lower": list,
+    "upper": list,
+    "delta": (int, float),
+}
+"""The ``privacy`` part of a client's ``impute-setup`` (:meth:`StatisticsPlan.to_json`)."""
+ENTRY_KEYS: Mapping[str, type | tuple[type, ...]] = {
+    "guarantees": list,
+    "releases": dict,
+    "noise_source": str,
+}
+"""A deployed client's report about its own releases (:meth:`ServedStatistics.entry`)."""
+
+
+@dataclass(frozen=True)
+class StatisticsPlan:
+    """What every client of a deployed imputation makes its own :class:`StatisticsNoise` from:
+    the public terms, the same for every client (SIGMA as calibrated, CLIP, the number of
+    clients whose noise shares add up in a released sum, the |z| bound of exchange 3, the
+    declared feature ranges), and the delta of the guarantees. The label party sends it in each
+    client's ``impute-setup`` (:meth:`to_json`); the client checks it as another party's bytes
+    (:meth:`from_json`)."""
+
+    noise_multiplier: float
+    clip: float
+    shares: int
+    ranges: FeatureRanges
+    delta: float
+    standard_bound: float = DEFAULT_STANDARD_BOUND
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "noise_multiplier": self.noise_multiplier,
+            "clip": self.clip,
+            "shares": self.shares,
+            "standard_bound": self.standard_bound,
+            "lower": [float(v) for v in self.ranges.lower],
+            "upper": [float(v) for v in self.ranges.upper],
+            "delta": self.delta,
+        }
+
+    @classmethod
+    def from_json(cls, body: Any, *, features: int) -> StatisticsPlan:
+        """The plan in ``body``, for a run of ``features`` features; ProtocolError naming what
+        is wrong (keys, types, a SIGMA, CLIP or bound that is not a finite number > 0, a count
+        of shares < 1, ranges of another width or not lower < upper, a delta outside (0, 1))."""
+
+        def refuse(what: str) -> ProtocolError:
+            return ProtocolError(f"impute-setup: the `privacy` part: {what}.")
+
+        if not isinstance(body, dict) or set(body) != set(PLAN_KEYS):
+            found = sorted(body) if isinstance(body, dict) else type(body).__name__
+            raise refuse(f"keys {sorted(PLAN_KEYS)} expected, found {found}")
+        for key, kind in PLAN_KEYS.items():
+            if not isinstance(body[key], kind) or isinstance(body[key], bool):
+                raise refuse(f"`{key}` of type {kind} expected, found {type(body[key]).__name__}")
+        for key in ("noise_multiplier", "clip", "standard_bound"):
+            if not (math.isfinite(body[key]) and body[key] > 0):
+                raise refuse(f"`{key}` a finite number > 0 expected, found {body[key]!r}")
+        if body["shares"] < 1:
+            raise refuse(f"`shares` >= 1 expected, found {body['shares']}")
+        if not 0 < body["delta"] < 1:
+            raise refuse(f"`delta` in (0, 1) expected, found {body['delta']!r}")
+        bounds = [body["lower"], body["upper"]]
+        if any(len(b) != features for b in bounds) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for b in bounds for v in b
+        ):
+            raise refuse(
+                f"`lower` and `upper` as {features} numbers each expected (one per feature)"
+            )
+        try:
+            ranges = FeatureRanges(
+                lower=np.array(body["lower"], dtype=np.float64),
+                upper=np.array(body["upper"], dtype=np.float64),
+            )
+        except DataError as error:
+            raise refuse(str(error)) from None
+        return cls(
+            noise_multiplier=float(body["noise_multiplier"]),
+            clip=float(body["clip"]),
+            shares=body["shares"],
+            ranges=ranges,
+            delta=float(body["delta"]),
+            standard_bound=float(body["standard_bound"]),
+        )
+
+    def terms(self) -> ReleaseTerms:
+        """What the coordinator knows of the clients' mechanisms: the same terms
+        :meth:`ReleaseTerms.of` reads off each client's :class:`StatisticsNoise`."""
+        return ReleaseTerms(
+            ranges=FeatureRanges(lower=self.ranges.lower.copy(), upper=self.ranges.upper.copy()),
+            standard_bound=self.standard_bound,
+            share_std=self.noise_multiplier * self.clip / math.sqrt(self.shares),
+        )
+
+
+class ServedStatistics:
+    """A deployed client's own statistics mechanism and accountant, in its own process: its
+    noise from fresh operating-system entropy (never from the seed), its releases priced by its
+    own :class:`~protocols.dp.PrivacyAccountant`, which it reports at the end of the run
+    (:meth:`entry`)."""
+
+    def __init__(self, name: str, plan: StatisticsPlan) -> None:
+        self.name = name
+        self.plan = plan
+        self.accountant = PrivacyAccountant()
+        self.mechanism = StatisticsNoise(
+            plan.noise_multiplier,
+            plan.clip,
+            ranges=plan.ranges,
+            shares=plan.shares,
+            noise=noise_source(None),
+            on_event=self.accountant.on_event,
+            standard_bound=plan.standard_bound,
+        )
+
+    def entry(self) -> dict[str, Any]:
+        """What its accountant priced, as JSON (the ``privacy`` of its end-of-run report;
+        :func:`read_statistics_entry` checks it)."""
+        guarantee = self.accountant.statistics_guarantee(self.name, delta=self.plan.delta)
+        return {
+            "guarantees": [guarantee.to_json()] if guarantee is not None else [],
+            "releases": {"statistics": len(self.accountant.events)},
+            "noise_source": SECURE_SOURCE,
+        }
+
+
+def served_statistics(
+    name: str, part: Any, client: ImputationClient, *, features: int
+) -> ServedStatistics:
+    """Client ``name``'s own mechanism, made from the ``privacy`` part of its ``impute-setup``
+    for a run of ``features`` features (checked: ProtocolError) and installed in ``client``."""
+    plan = StatisticsPlan.from_json(part, features=features)
+    served = ServedStatistics(name, plan)
+    client.privacy = served.mechanism
+    return served
+
+
+def read_statistics_entry(name: str, entry: Any, *, delta: float) -> dict[str, Any]:
+    """Client ``name``'s report about its own releases (:meth:`ServedStatistics.entry`), checked
+    as another party's bytes: ProtocolError for a malformed one, a guarantee of another
+    mechanism or delta, or an epsilon that is not a number >= 0."""
+
+    def refuse(what: str) -> ProtocolError:
+        return ProtocolError(f"report from {name}: its privacy entry: {what}.")
+
+    if not isinstance(entry, dict) or set(entry) != set(ENTRY_KEYS):
+        found = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
+        raise refuse(f"keys {sorted(ENTRY_KEYS)} expected, found {found}")
+    for key, kind in ENTRY_KEYS.items():
+        if not isinstance(entry[key], kind):
+            raise refuse(f"`{key}` of type {kind} expected, found {type(entry[key]).__name__}")
+    check_guarantees(entry["guarantees"], delta=delta, refuse=refuse)
+    if len(entry["guarantees"]) > 1 or any(
+        g["mechanisms"] != ["statistics"] for g in entry["guarantees"]
+    ):
+        raise refuse("at most one guarantee, of the statistics mechanism, expected")
+    count = entry["releases"].get("statistics")
+    if set(entry["releases"]) != {"statistics"} or not (
+        isinstance(count, int) and not isinstance(count, bool) and count >= 0
+    ):
+        raise refuse("`releases` as {'statistics': a count >= 0} expected")
+    if bool(entry["guarantees"]) != (count > 0):
+        raise refuse(f"a guarantee exactly when it made releases expected, found {count} releases")
+    return entry

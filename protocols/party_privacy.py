@@ -507,6 +507,28 @@ ENTRY_KEYS: Mapping[str, type | tuple[type, ...]] = {
 }
 
 
+def check_guarantees(
+    guarantees: list[Any], *, delta: float, refuse: Callable[[str], ProtocolError]
+) -> None:
+    """Check a party's reported guarantees (:meth:`~protocols.dp.Guarantee.to_json` each) as
+    another party's bytes: raise ``refuse(what is wrong)`` for one with other fields or types,
+    an epsilon that is not a number >= 0, or another delta than the run's."""
+    for guarantee in guarantees:
+        if not isinstance(guarantee, dict) or set(guarantee) != set(GUARANTEE_FIELDS):
+            raise refuse(f"a guarantee with the fields {sorted(GUARANTEE_FIELDS)} expected")
+        for key, kind in GUARANTEE_FIELDS.items():
+            if not isinstance(guarantee[key], kind) or (
+                isinstance(guarantee[key], bool) and kind is not bool
+            ):
+                raise refuse(f"a guarantee's `{key}` of type {kind} expected")
+        if not guarantee["epsilon"] >= 0:  # NaN fails too
+            raise refuse(f"an epsilon >= 0 expected, found {guarantee['epsilon']!r}")
+        if guarantee["delta"] != delta:
+            raise refuse(
+                f"guarantees at the run's delta {delta:g} expected, found {guarantee['delta']!r}"
+            )
+
+
 def read_entry(name: str, entry: Any, *, delta: float) -> dict[str, Any]:
     """Party ``name``'s report about itself (:meth:`PartyPrivacy.entry`), checked as another
     party's bytes: ProtocolError for a malformed one, an epsilon that is not a number >= 0, or
@@ -521,20 +543,7 @@ def read_entry(name: str, entry: Any, *, delta: float) -> dict[str, Any]:
     for key, kind in ENTRY_KEYS.items():
         if not isinstance(entry[key], kind):
             raise refuse(f"`{key}` of type {kind} expected, found {type(entry[key]).__name__}")
-    for guarantee in entry["guarantees"]:
-        if not isinstance(guarantee, dict) or set(guarantee) != set(GUARANTEE_FIELDS):
-            raise refuse(f"a guarantee with the fields {sorted(GUARANTEE_FIELDS)} expected")
-        for key, kind in GUARANTEE_FIELDS.items():
-            if not isinstance(guarantee[key], kind) or (
-                isinstance(guarantee[key], bool) and kind is not bool
-            ):
-                raise refuse(f"a guarantee's `{key}` of type {kind} expected")
-        if not guarantee["epsilon"] >= 0:  # NaN fails too
-            raise refuse(f"an epsilon >= 0 expected, found {guarantee['epsilon']!r}")
-        if guarantee["delta"] != delta:
-            raise refuse(
-                f"guarantees at the run's delta {delta:g} expected, found {guarantee['delta']!r}"
-            )
+    check_guarantees(entry["guarantees"], delta=delta, refuse=refuse)
     if not all(isinstance(e, (int, float)) and e >= 0 for e in entry["epsilon_per_epoch"]):
         raise refuse("`epsilon_per_epoch` as numbers >= 0 expected")
     counts = [*entry["releases"].values(), *entry["exposed"].values()]

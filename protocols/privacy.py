@@ -75,7 +75,7 @@ from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.parties import DataParty
 
 if TYPE_CHECKING:
-    from protocols.dp_statistics import ClientStatisticsNoise
+    from protocols.dp_statistics import ClientStatisticsNoise, StatisticsPlan
     from secure_vfl.data.imputation import ImputationTask
     from secure_vfl.methods.base import MethodConfig
 
@@ -247,7 +247,10 @@ class PrivacyEngine:
         self._parties: dict[str, PartyPlan] = {}  # each party's share of the plan
         self._halves: dict[str, PartyPrivacy] = {}  # the parties hosted here, installed
         self._reported: dict[str, dict[str, Any]] = {}  # what the others reported (deployed)
-        self._statistics: ClientStatisticsNoise | None = None
+        self._statistics: ClientStatisticsNoise | None = None  # in one process
+        self._deployed_statistics: StatisticsPlan | None = None  # a deployment's plan
+        self._statistics_reported: dict[str, dict[str, Any]] = {}  # its clients' reports
+        self._statistics_clients: list[str] = []  # the clients it was planned for
         self.value_range: SumRange | None = None
         self._ranges_note = ""
         if spec.align == "psi":
@@ -529,29 +532,15 @@ class PrivacyEngine:
         sums (the server then sees nothing but the sum), else every client adds all of it;
         values are clipped to the declared ranges, or to the observed ones (not private).
         """
-        if self.noise:
-            found = ", ".join(MECHANISMS[kind] for kind in self.noise)
-            raise ConfigError(
-                "an imputation run releases statistics, protected by --dp-statistics; "
-                f"expected no mechanism of training. Found {found}."
-            )
-        if self.spec.dp_statistics is None:
+        if not self._statistics_asked():
             return None
         from protocols.dp_statistics import (
-            STATISTICS_RELEASES,
             ClientStatisticsNoise,
             observed_ranges,
             read_feature_ranges,
         )
 
-        sigma, clip = self.spec.dp_statistics
-        if self.spec.target_epsilon is not None:
-            sigma = calibrate_noise(
-                self.spec.target_epsilon,
-                self.spec.delta,
-                sample_rate=1.0,
-                steps=STATISTICS_RELEASES,
-            )
+        sigma, clip = self._statistics_noise()
         if self.spec.feature_ranges is not None:
             ranges = read_feature_ranges(self.spec.feature_ranges, task.features)
             self._ranges_note = f"declared in {self.spec.feature_ranges}"
@@ -570,6 +559,87 @@ class PrivacyEngine:
         )
         return self._statistics
 
+    def statistics_plan(
+        self, features: Sequence[str], clients: Sequence[str]
+    ) -> StatisticsPlan | None:
+        """The plan from which every client of a deployed imputation makes its own statistics
+        mechanism in its own process (None without ``dp_statistics``): the SIGMA and CLIP of
+        :meth:`statistics_mechanisms`, the noise shared among the ``clients`` (their names)
+        under secure sums, and the ranges declared in ``feature_ranges`` for ``features``.
+        ConfigError without declared ranges (observed ones would take every client's extreme
+        values, which are not private) or with reproducible noise (noise anyone with the seed
+        can remove)."""
+        if not self._statistics_asked():
+            return None
+        from protocols.dp_statistics import StatisticsPlan, read_feature_ranges
+
+        if self.spec.feature_ranges is None:
+            raise ConfigError(
+                "a deployed imputation clips the clients' values to declared ranges: expected "
+                "--feature-ranges CSV with --dp-statistics (observed ranges would take every "
+                "client's extreme values, which are not private). Found none."
+            )
+        if self.spec.insecure_reproducible_noise:
+            raise ConfigError(
+                "--insecure-reproducible-noise is refused in a deployment: each client draws "
+                "its noise from its own operating-system entropy."
+            )
+        sigma, clip = self._statistics_noise()
+        self._ranges_note = f"declared in {self.spec.feature_ranges}"
+        self._statistics_clients = list(clients)
+        self._deployed_statistics = StatisticsPlan(
+            noise_multiplier=sigma,
+            clip=clip,
+            shares=len(clients) if self.spec.secure_sums else 1,
+            ranges=read_feature_ranges(self.spec.feature_ranges, features),
+            delta=self.spec.delta,
+        )
+        return self._deployed_statistics
+
+    def take_statistics_reports(self, reports: Mapping[str, Any]) -> None:
+        """What each client of a deployed imputation reported about its own releases at the
+        end of the run (:meth:`~protocols.dp_statistics.ServedStatistics.entry`, by client),
+        checked (ProtocolError), for :meth:`report`. A client lost mid-run reports nothing and
+        is listed as unreported."""
+        from protocols.dp_statistics import read_statistics_entry
+
+        for name, entry in reports.items():
+            if entry is None:
+                raise ProtocolError(
+                    f"report from {name}: its privacy entry expected (it was sent a statistics "
+                    "plan); found none."
+                )
+            self._statistics_reported[name] = read_statistics_entry(
+                name, entry, delta=self.spec.delta
+            )
+
+    def _statistics_asked(self) -> bool:
+        """Whether the statistics are protected (ConfigError if the spec also asks for a
+        mechanism of training, which an imputation run would not apply)."""
+        if self.noise:
+            found = ", ".join(MECHANISMS[kind] for kind in self.noise)
+            raise ConfigError(
+                "an imputation run releases statistics, protected by --dp-statistics; "
+                f"expected no mechanism of training. Found {found}."
+            )
+        return self.spec.dp_statistics is not None
+
+    def _statistics_noise(self) -> Noise:
+        """(SIGMA, CLIP) of the statistics: SIGMA as given, or calibrated to the target epsilon
+        over the three releases (sample rate 1: the statistics cover every row)."""
+        from protocols.dp_statistics import STATISTICS_RELEASES
+
+        assert self.spec.dp_statistics is not None
+        sigma, clip = self.spec.dp_statistics
+        if self.spec.target_epsilon is not None:
+            sigma = calibrate_noise(
+                self.spec.target_epsilon,
+                self.spec.delta,
+                sample_rate=1.0,
+                steps=STATISTICS_RELEASES,
+            )
+        return sigma, clip
+
     def report(self) -> dict[str, Any] | None:
         """``result.json``'s privacy entry (None when no DP mechanism ran): each party's
         guarantees from its own accountant (what each protects, against whom, under which
@@ -577,8 +647,8 @@ class PrivacyEngine:
         largest of them), the noise, the sampling and the releases made. ``accounted_by`` says
         whose accountant each party's figures come from: in a deployment every data party's
         are what it reported about itself (:meth:`take_reports`)."""
-        if self._statistics is not None:
-            return self._statistics_report(self._statistics)
+        if self._statistics is not None or self._deployed_statistics is not None:
+            return self._statistics_report()
         if not self.noise:
             return None
         sampler = self._sampler
@@ -705,36 +775,56 @@ class PrivacyEngine:
             "insecure_reproducible_noise": self.spec.insecure_reproducible_noise,
         }
 
-    def _statistics_report(self, statistics: ClientStatisticsNoise) -> dict[str, Any]:
+    def _statistics_report(self) -> dict[str, Any]:
         """The privacy entry of an imputation run: each client's guarantee from its own
-        accountant, the statistics noise and the public terms it was released under."""
+        accountant (in this process, or as a deployed client reported it from its own), the
+        statistics noise and the public terms it was released under."""
         delta = self.spec.delta
-        guarantees = {
-            name: guarantee
-            for name, accountant in statistics.accountants.items()
-            if (guarantee := accountant.statistics_guarantee(name, delta=delta)) is not None
-        }
-        return {
+        terms: ClientStatisticsNoise | StatisticsPlan
+        if self._statistics is not None:
+            terms = self._statistics
+            guarantees = {
+                name: guarantee.to_json()
+                for name, accountant in terms.accountants.items()
+                if (guarantee := accountant.statistics_guarantee(name, delta=delta)) is not None
+            }
+            releases = {name: len(a.events) for name, a in terms.accountants.items()}
+        else:
+            assert self._deployed_statistics is not None
+            terms = self._deployed_statistics
+            reported = self._statistics_reported
+            guarantees = {
+                name: e["guarantees"][0] for name, e in reported.items() if e["guarantees"]
+            }
+            releases = {name: e["releases"]["statistics"] for name, e in reported.items()}
+        entry = {
             **self._source_entry(),
             "accountant": "rdp",
             "delta": delta,
             "adjacency": ADJACENCY_TEXT["add-remove"],
             "sampling": {"kind": "none", "rate": 1.0},
             "sample_rate": 1.0,
-            "noise": {
-                "statistics": {"sigma": statistics.noise_multiplier, "clip": statistics.clip}
-            },
-            "noise_shares": statistics.shares,
-            "standard_bound": statistics.standard_bound,
+            "noise": {"statistics": {"sigma": terms.noise_multiplier, "clip": terms.clip}},
+            "noise_shares": terms.shares,
+            "standard_bound": terms.standard_bound,
             "ranges": self._ranges_note,
-            "epsilon": {name: g.epsilon for name, g in guarantees.items()},
-            "guarantees": {name: [g.to_json()] for name, g in guarantees.items()},
-            "releases": {
-                name: {"statistics": len(statistics.accountants[name].events)}
-                for name in guarantees
-            },
+            "epsilon": {name: g["epsilon"] for name, g in guarantees.items()},
+            "guarantees": {name: [g] for name, g in guarantees.items()},
+            "releases": {name: {"statistics": releases[name]} for name in guarantees},
             "target_epsilon": self.spec.target_epsilon,
         }
+        if self._statistics is None:
+            entry["accounted_by"] = {
+                name: (
+                    "its own accountant in its own process: the figures it reported about "
+                    "itself at the end of the run"
+                    if name in self._statistics_reported
+                    else "none: it reported nothing (lost mid-run; see faults), so no figure of "
+                    "it is listed"
+                )
+                for name in self._statistics_clients
+            }
+        return entry
 
 
 def release_plan(method: str, config: MethodConfig, parties: int) -> list[dict[str, int]]:

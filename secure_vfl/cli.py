@@ -1749,18 +1749,23 @@ def run_impute(args: argparse.Namespace) -> int:
     if args.save_imputed:
         _save_imputed(out / "imputed", task, imputer)
     payload = result.to_json()
-    payload["config"]["privacy"] = {
+    payload["config"]["privacy"] = _impute_privacy_config(args)
+    payload["provenance"] = provenance()
+    atomic_write_json(out / "result.json", payload)
+    store.add(payload, kind="impute", out_dir=out)
+    print(_impute_summary(result, out))
+    return 0
+
+
+def _impute_privacy_config(args: argparse.Namespace) -> dict[str, Any]:
+    """``result.json``'s ``config.privacy`` of an ``impute`` run: the protection asked for."""
+    return {
         "secure_agg": args.secure_agg,
         "dp_statistics": args.dp_statistics,
         "target_epsilon": args.target_epsilon,
         "delta": args.delta,
         "feature_ranges": str(args.feature_ranges) if args.feature_ranges else None,
     }
-    payload["provenance"] = provenance()
-    atomic_write_json(out / "result.json", payload)
-    store.add(payload, kind="impute", out_dir=out)
-    print(_impute_summary(result, out))
-    return 0
 
 
 def _impute_summary(result: Any, out: Path) -> str:
@@ -1811,6 +1816,7 @@ def run_impute_deployed(args: argparse.Namespace) -> int:
     from secure_vfl.runs import provenance
 
     _refuse_deployed_impute_flags(args)
+    engine = _impute_privacy_engine(args)
     federation = read_federation(args.federation)
     clients = [m for m in federation.parties if m.name != args.name]
     config = ImputeRunConfig(
@@ -1844,11 +1850,12 @@ def run_impute_deployed(args: argparse.Namespace) -> int:
             on_start=lambda rounds: bar.reset(total=rounds),
             on_round=on_round,
             save_imputed=args.save_imputed,
+            privacy=engine if engine.private else None,
         )
     finally:
         bar.close()
     payload = result.to_json()
-    payload["config"]["privacy"] = {"secure_agg": args.secure_agg}
+    payload["config"]["privacy"] = _impute_privacy_config(args)
     payload["config"]["federation"] = str(args.federation)
     payload["provenance"] = provenance()
     if saved is not None:
@@ -1871,17 +1878,24 @@ def _refuse_deployed_impute_flags(args: argparse.Namespace) -> None:
     refused = _given(
         ("--clients", args.clients),
         ("--availability", args.availability),
-        ("--dp-statistics", args.dp_statistics),
-        ("--target-epsilon", args.target_epsilon),
-        ("--feature-ranges", args.feature_ranges),
         ("--capture", args.capture),
     )
-    refused += ["--insecure-reproducible-noise"] if args.insecure_reproducible_noise else []
     if refused:
         raise ConfigError(
             f"{', '.join(refused)} not offered with impute --federation: the clients are the "
-            "federation file's parties, each reading its own file; differential privacy and "
-            "captures stay with in-process runs for now."
+            "federation file's parties, each reading its own file; captures stay with "
+            "in-process runs for now."
+        )
+    if args.insecure_reproducible_noise:
+        raise ConfigError(
+            "--insecure-reproducible-noise is refused with --federation: noise anyone with the "
+            "seed can remove has no place on a network."
+        )
+    if args.dp_statistics is not None and args.feature_ranges is None:
+        raise ConfigError(
+            "--dp-statistics with --federation clips the clients' values to declared ranges: "
+            "expected --feature-ranges CSV (observed ranges would take every client's extreme "
+            "values, which are not private). Found none."
         )
 
 
@@ -2246,6 +2260,14 @@ def _served_privacy(name: str, part: Any, party: Any) -> Any:
     return served_privacy(name, part, party)
 
 
+def _served_statistics(name: str, part: Any, client: Any, features: int) -> Any:
+    """A served imputation client's own statistics mechanism and accountant, from the plan in
+    its set-up (:func:`protocols.dp_statistics.served_statistics`)."""
+    from protocols.dp_statistics import served_statistics
+
+    return served_statistics(name, part, client, features=features)
+
+
 def run_party_command(args: argparse.Namespace) -> int:
     """`secure-vfl party serve`: act as one party until the label party ends the run; exit
     non-zero if it fails or the label party falls silent for longer than --deadline."""
@@ -2268,6 +2290,7 @@ def run_party_command(args: argparse.Namespace) -> int:
         model_dir=args.model_dir,
         party_privacy=_served_privacy,
         imputed_dir=args.imputed_dir,
+        statistics_privacy=_served_statistics,
     )
     if outcome != "finished":
         print(f"secure-vfl: error: the label party ended the run: {outcome}", file=sys.stderr)

@@ -27,8 +27,14 @@ standardisation the method collected, exact without DP. So the same seed and fil
 in-process run's RMSEs and curve (plain sums exactly; masked sums up to their fixed-point
 precision in the yardstick). ``end`` is answered by each party's ``report``
 as in training. Only the FedAvg methods are offered (a per-client method has nothing to
-federate), without differential privacy and without ``--save-imputed`` (refused before any
-contact).
+federate). With ``--save-imputed`` each client writes its imputed table in its own process
+(``impute-save``).
+
+Under DP statistics the ``impute-setup`` carries the plan of the clients' mechanisms (a
+``privacy`` part, :class:`protocols.dp_statistics.StatisticsPlan`): each client makes its own
+mechanism and accountant from it (the composition root's factory, :data:`StatisticsPrivacyFactory`)
+and reports what it priced in its ``report``; the coordinator knows the public terms from the
+plan. The yardstick is then the released standardisation.
 """
 
 from __future__ import annotations
@@ -42,7 +48,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -58,6 +64,7 @@ from secure_vfl.deployment import (
     MAX_LAYERS,
     SETUP_DEADLINE,
     SecureSums,
+    ServedPrivacy,
     _body,
     _deployment,
     _end,
@@ -77,6 +84,7 @@ from secure_vfl.methods.imputation.clients import ImputationClient, TrainingPlan
 from secure_vfl.methods.imputation.evaluation import TEST_FRACTION, scores_of
 from secure_vfl.methods.imputation.federation import Coordinator, ImputationFederation
 from secure_vfl.methods.imputation.fedhf import RECONSTRUCTIONS, reconstruction_imputer
+from secure_vfl.methods.imputation.statistics import ReleaseTerms
 
 logger = logging.getLogger(__name__)
 
@@ -94,13 +102,46 @@ IMPUTE_SETUP_KEYS: dict[str, type | tuple[type, ...]] = {
     "secure_agg": str,
     "id_column": str,
     "label_column": str,
+    "privacy": (dict, type(None)),
 }
-"""``impute-setup``: what a client builds its part of the run from."""
+"""``impute-setup``: what a client builds its part of the run from (``privacy``: the plan of
+its statistics mechanism, :class:`protocols.dp_statistics.StatisticsPlan`; None: no DP)."""
 IMPUTE_SAVE_KEYS: dict[str, type | tuple[type, ...]] = {"run": str}
 """``impute-save``: the run id under which each client writes its imputed table."""
 IMPUTE_SAVED_KEYS: dict[str, type | tuple[type, ...]] = {"run": str, "rows": int, "sha256": str}
 """``impute-saved``: the run, the rows written and the table's SHA-256."""
 _RUN_ID = re.compile(r"[0-9a-f]{16}")
+
+StatisticsPrivacyFactory = Callable[[str, Any, ImputationClient, int], ServedPrivacy]
+"""A client's own statistics mechanism from (its name, the ``privacy`` part of its
+``impute-setup``, the client built, the run's feature count), installed in the client
+(:func:`protocols.dp_statistics.served_statistics`); ProtocolError for a malformed part. Handed
+in by the composition root: the core never imports the privacy layer."""
+
+
+class StatisticsPlan(Protocol):
+    """A deployed imputation's statistics plan (:class:`protocols.dp_statistics.StatisticsPlan`):
+    what goes to every client, and what the coordinator knows of their mechanisms."""
+
+    def to_json(self) -> dict[str, Any]: ...
+
+    def terms(self) -> ReleaseTerms: ...
+
+
+if TYPE_CHECKING:
+
+    class DeployedStatisticsPrivacy(Protocol):
+        """What the label party of a deployed imputation needs of the privacy layer
+        (:class:`protocols.privacy.PrivacyEngine`): the clients' plan before they are set up,
+        their reports at the end, and the run's privacy entry."""
+
+        def statistics_plan(
+            self, features: Sequence[str], clients: Sequence[str]
+        ) -> StatisticsPlan | None: ...
+
+        def take_statistics_reports(self, reports: Mapping[str, Any]) -> None: ...
+
+        def report(self) -> dict[str, Any] | None: ...
 
 
 def deployable_methods() -> list[str]:
@@ -133,6 +174,8 @@ class ServedClient:
     test: ClientData
     file: ClientFile
     features: tuple[str, ...]
+    privacy: ServedPrivacy | None = None
+    """Its own statistics mechanism and accountant (None: no DP), reported at the end."""
 
     def save(self, directory: Path, message: Message) -> tuple[dict[str, Any], Path]:
         """Write its imputed table (its file's rows in its order, the ids first, every cell
@@ -163,10 +206,16 @@ class ServedClient:
         return {"run": body["run"], "rows": len(frame), "sha256": digest}, path
 
 
-def build_served_client(member: Member, message: Message, secure_sums: SecureSums) -> ServedClient:
+def build_served_client(
+    member: Member,
+    message: Message,
+    secure_sums: SecureSums,
+    statistics_privacy: StatisticsPrivacyFactory | None = None,
+) -> ServedClient:
     """Client ``member``'s part of the run its ``impute-setup`` describes: its file placed in
     the federation's features, its own train/test split, its training plan by the method's
-    seed rule and its own secure-sum halves."""
+    seed rule, its own secure-sum halves and, when the set-up carries a privacy plan, its own
+    statistics mechanism made by ``statistics_privacy`` (ProtocolError without one)."""
     body = _body(message, "impute-setup", IMPUTE_SETUP_KEYS)
     method = body["method"]
     if method not in deployable_methods():
@@ -206,7 +255,15 @@ def build_served_client(member: Member, message: Message, secure_sums: SecureSum
     backend = secure_sums(body["secure_agg"])
     if isinstance(backend, SealingScheme):
         client.install(backend.scheme, backend.sender(), None)
-    return ServedClient(client, train, test, file, tuple(features))
+    privacy = None
+    if body["privacy"] is not None:
+        if statistics_privacy is None:
+            raise ProtocolError(
+                f"impute-setup: {member.name} was sent a statistics plan, but this process "
+                "offers no DP mechanisms."
+            )
+        privacy = statistics_privacy(member.name, body["privacy"], client, len(features))
+    return ServedClient(client, train, test, file, tuple(features), privacy)
 
 
 def _client_file(member: Member) -> Path:
@@ -231,13 +288,17 @@ def impute_deployed(
     on_start: Callable[[int], None] | None = None,
     on_round: Callable[[int, float], None] | None = None,
     save_imputed: bool = False,
+    privacy: DeployedStatisticsPrivacy | None = None,
 ) -> tuple[ImputeResult, dict[str, Any] | None]:
     """Run ``config`` (a FedAvg reconstruction method over the federation's client files) as
     the coordinator in the label party ``name``'s process: every other party is a client in its
     own process. Returns the :class:`~secure_vfl.experiment.ImputeResult`, its traffic
     counting every party's bytes (each reports its own), and with ``save_imputed`` what each
     client answered once it wrote its imputed table in its own process (``impute-save``: the
-    run id, and per client its rows and the table's SHA-256), else None."""
+    run id, and per client its rows and the table's SHA-256), else None. With ``privacy`` (the
+    label party's privacy engine) the statistics are released under DP: each client makes its
+    own mechanism from the engine's plan in its own process and reports what its accountant
+    priced at the end, which the result's privacy entry lists."""
     if config.method not in deployable_methods():
         raise ConfigError(
             f"--method {config.method} is not offered with --federation; expected one of "
@@ -254,6 +315,8 @@ def impute_deployed(
     endpoint = _endpoint(federation, name, insecure=insecure, deadline=deadline)
     outcome = "failed"
     reports: dict[str, Counter[tuple[str, str, str]]] = {}
+    entries: dict[str, Any] = {}
+    plan: StatisticsPlan | None = None
     saved: dict[str, Any] | None = None
     view: ImputationFederation | None = None
     try:
@@ -267,6 +330,8 @@ def impute_deployed(
                 f"the clients' files together must have at least 2 feature columns. Found "
                 f"{features}."
             )
+        if privacy is not None:
+            plan = privacy.statistics_plan(features, [member.name for member in clients])
         for index, member in enumerate(clients):
             body = {
                 "method": config.method,
@@ -278,6 +343,7 @@ def impute_deployed(
                 "secure_agg": secure_agg,
                 "id_column": config.id_column,
                 "label_column": config.label_column,
+                "privacy": plan.to_json() if plan is not None else None,
             }
             endpoint.send(
                 _deployment(name, member.name, "impute-setup", body),
@@ -294,6 +360,7 @@ def impute_deployed(
             features=len(features),
             channel=channel,
             session=secrets.token_hex(8),
+            release_terms=plan.terms() if plan is not None else None,
         )
         if isinstance(aggregator, SealingScheme):
             coordinator.install(aggregator.scheme, None, aggregator.receiver())
@@ -303,8 +370,9 @@ def impute_deployed(
         imputer = reconstruction_imputer(
             config.method, None, config.impute_config, seed=config.seed, federation=view
         )
-        # The yardstick: exact statistics of the training rows, as the in-process evaluator
-        # computes them. Without DP they are the ones the method itself collected.
+        # The yardstick: the statistics of the training rows the method collected. Without DP
+        # they are exact, as the in-process evaluator computes them; under DP they are the
+        # released ones (nothing exact about the clients' rows leaves them).
         yardstick = imputer.standardisation
         if on_start is not None:
             on_start(config.impute_config.rounds)
@@ -342,9 +410,14 @@ def impute_deployed(
         outcome = "finished"
     finally:
         lost = [fault["party"] for fault in view.faults] if view is not None else []
-        reports, _ = _end(endpoint, federation, outcome, lost=lost)
+        reports, entries = _end(endpoint, federation, outcome, lost=lost)
         endpoint.close()
-    return dataclasses.replace(result, traffic=_with_reports(result.traffic, reports)), saved
+    result = dataclasses.replace(result, traffic=_with_reports(result.traffic, reports))
+    if plan is not None:
+        assert privacy is not None
+        privacy.take_statistics_reports(entries)
+        result = dataclasses.replace(result, privacy=privacy.report())
+    return result, saved
 
 
 def _save_each(endpoint: Any, clients: Sequence[Member]) -> dict[str, Any]:

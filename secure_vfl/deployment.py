@@ -158,7 +158,7 @@ from secure_vfl.saved_model import (
 
 if TYPE_CHECKING:
     from secure_vfl.data.samplers import BatchSampler
-    from secure_vfl.deployed_imputation import ServedClient
+    from secure_vfl.deployed_imputation import ServedClient, StatisticsPrivacyFactory
     from secure_vfl.experiment import PrivacyLayer
     from secure_vfl.methods.base import MethodConfig
 
@@ -358,8 +358,10 @@ class _Server:
         model: ServedModel | None = None,
         party_privacy: PartyPrivacyFactory | None = None,
         imputed_dir: Path | None = None,
+        statistics_privacy: StatisticsPrivacyFactory | None = None,
     ) -> None:
         self.imputed_dir = imputed_dir
+        self.statistics_privacy = statistics_privacy
         self.imputation: ServedClient | None = None
         self.checkpoints = checkpoints or ServedCheckpoints(name, None, resume=False)
         self.model = model or ServedModel(name, None)
@@ -516,11 +518,16 @@ class _Server:
                 f"{self.name}: an impute-setup at the aggregator or a second one (a replay?)."
             )
         self.imputation = build_served_client(
-            self.federation.member(self.name), message, self.secure_sums
+            self.federation.member(self.name), message, self.secure_sums, self.statistics_privacy
         )
+        self.privacy = self.imputation.privacy
         self.party = self.imputation.party
         self._attach(self.party)
         self.on_event(f"{self.name}: set up by {message.sender} as an imputation client")
+        if self.privacy is not None:
+            self.on_event(
+                f"{self.name}: clips and noises its own statistics, priced by its own accountant"
+            )
 
     def _on_impute_save(self, message: Message) -> None:
         """An imputation run: write this client's imputed table into its own directory."""
@@ -1246,6 +1253,7 @@ def serve(
     model_dir: Path | None = None,
     party_privacy: PartyPrivacyFactory | None = None,
     imputed_dir: Path | None = None,
+    statistics_privacy: StatisticsPrivacyFactory | None = None,
 ) -> str:
     """Serve as ``name`` (a data party or ``aggregator``) until the label party ends the run;
     return the outcome it announced (``on_event`` hears of the set-up). A data party answers
@@ -1255,7 +1263,8 @@ def serve(
     asks; with ``resume`` it restores one before training (:class:`ServedCheckpoints`). It
     saves its own part of the trained model under ``model_dir`` (default: :func:`model_directory`)
     when the label party asks (:class:`ServedModel`).
-    With ``party_privacy`` it installs its own DP mechanisms when its set-up carries a plan.
+    With ``party_privacy`` it installs its own DP mechanisms when its set-up carries a plan (as
+    an imputation client, its statistics mechanism with ``statistics_privacy``).
     As an imputation client it writes its imputed table under ``imputed_dir`` (default:
     ``imputed/`` beside its data file) when the label party asks.
     TransportError if the label party is silent for longer than ``deadline`` seconds (``wait``
@@ -1287,6 +1296,7 @@ def serve(
         model,
         party_privacy=party_privacy,
         imputed_dir=_beside_data(federation, name, imputed_dir, IMPUTED_DIR),
+        statistics_privacy=statistics_privacy,
     )
     endpoint.handler = server.receive
     on_event(f"{name}: serving at {member.address}")

@@ -298,7 +298,16 @@ def test_imputation_results_report_the_wire_bytes_of_every_client(tmp_path: Path
         (["--name", "shop", "--method", "fedhf"], "shop is not the label party"),
         (
             ["--name", "bank", "--method", "fedhf", "--dp-statistics", "1:1"],
-            "--dp-statistics not offered with impute --federation",
+            "--dp-statistics with --federation clips the clients' values to declared ranges: "
+            "expected --feature-ranges CSV",
+        ),
+        (
+            ["--name", "bank", "--method", "fedhf", "--insecure-reproducible-noise"],
+            "--insecure-reproducible-noise is refused with --federation",
+        ),
+        (
+            ["--name", "bank", "--method", "fedhf", "--capture", "c.bin"],
+            "--capture not offered with impute --federation",
         ),
         (
             ["--name", "bank", "--method", "fedhf", "--clients", "3"],

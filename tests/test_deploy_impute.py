@@ -22,7 +22,8 @@ import torch
 from test_deploy import PARTIES, PROCESS_SECONDS, Processes, wait_for_line, write_federation
 
 from protocols import tls
-from secure_vfl.cli import main
+from protocols.dp_statistics import StatisticsPlan
+from secure_vfl.cli import _served_statistics, main
 from secure_vfl.deployed_imputation import build_served_client
 from secure_vfl.deployment import _deployment
 from secure_vfl.errors import ProtocolError
@@ -30,6 +31,7 @@ from secure_vfl.federation.federation_file import read_federation
 from secure_vfl.federation.messages import ScoreRequest
 from secure_vfl.federation.network import free_loopback_ports
 from secure_vfl.methods.imputation import ImputeConfig
+from secure_vfl.methods.imputation.statistics import FeatureRanges, ReleaseTerms
 
 pytestmark = pytest.mark.processes  # party processes, loopback endpoints, deadlines
 
@@ -150,6 +152,7 @@ def test_a_client_sets_itself_up_from_its_own_file_and_refuses_a_path_for_a_run_
         "secure_agg": "none",
         "id_column": "id",
         "label_column": "label",
+        "privacy": None,
     }
     served = build_served_client(
         federation.member("shop"), _deployment("bank", "shop", "impute-setup", body), lambda _: None
@@ -194,6 +197,25 @@ def test_a_client_sets_itself_up_from_its_own_file_and_refuses_a_path_for_a_run_
             _deployment("bank", "shop", "impute-setup", {**body, "method": "mean"}),
             lambda _: None,
         )
+    # A statistics plan: the client makes its own mechanism, if its process offers DP.
+    ranges = FeatureRanges(lower=np.full(5, -4.0), upper=np.full(5, 4.0))
+    plan = StatisticsPlan(noise_multiplier=2.0, clip=1.0, shares=3, ranges=ranges, delta=1e-5)
+    private = _deployment("bank", "shop", "impute-setup", {**body, "privacy": plan.to_json()})
+    with pytest.raises(ProtocolError, match="offers no DP mechanisms"):
+        build_served_client(federation.member("shop"), private, lambda _: None)
+    served = build_served_client(
+        federation.member("shop"), private, lambda _: None, _served_statistics
+    )
+    assert served.privacy is not None and served.party.privacy is not None
+    assert plan.terms().matches(ReleaseTerms.of(served.party.privacy))
+    narrow = {**plan.to_json(), "lower": [-4.0] * 4}  # not one bound per feature of the run
+    with pytest.raises(ProtocolError, match="as 5 numbers each expected"):
+        build_served_client(
+            federation.member("shop"),
+            _deployment("bank", "shop", "impute-setup", {**body, "privacy": narrow}),
+            lambda _: None,
+            _served_statistics,
+        )
 
 
 def test_fedavg_goes_on_without_a_client_killed_mid_run(
@@ -220,3 +242,46 @@ def test_fedavg_goes_on_without_a_client_killed_mid_run(
     assert sorted(result["rmse_per_client"]) == ["insurer", "shop"]
     assert set(result["traffic"]["bytes"]) == {"bank", "shop", "insurer", "aggregator"}
     assert f"lost: telco in round {fault['round']}" in processes.log("bank")
+
+
+def test_each_client_noises_its_own_statistics_and_reports_its_own_epsilon(
+    site: Path, processes: Processes, tmp_path: Path
+) -> None:
+    """DP statistics over the network: every client makes its mechanism from the label party's
+    plan in its own process, draws its own noise and prices its own releases; the result lists
+    what each reported, the figures of the same run in one process."""
+    ranges = tmp_path / "ranges.csv"
+    ranges.write_text("feature,lower,upper\n" + "".join(f"{f},-4,4\n" for f in "abcde"))
+    flags = [
+        *FLAGS, "--method", "fedhf", "--secure-agg", "masks", "--dp-statistics", "1.0:1.0",
+        "--target-epsilon", "3", "--feature-ranges", str(ranges),
+    ]  # fmt: skip
+    files = [arg for name in CLIENTS for arg in ("--client-file", str(site / f"{name}.csv"))]
+    assert main(["impute", *files, *flags, "--out", str(tmp_path / "alone")]) == 0
+    alone = _result(tmp_path / "alone")["privacy"]
+
+    federation = write_federation(site, site / "certs", free_loopback_ports(5))
+    servers = [processes.serve(federation, name) for name in (*CLIENTS, "aggregator")]
+    label = processes.start(
+        "impute", "--federation", str(federation), "--name", "bank", *flags,
+        "--out", str(tmp_path / "deployed"), log="bank",
+    )  # fmt: skip
+    assert label.wait(timeout=PROCESS_SECONDS) == 0, processes.log("bank")
+    codes = [server.wait(timeout=PROCESS_SECONDS) for server in servers]
+    assert codes == [0, 0, 0, 0], [processes.log(name) for name in (*CLIENTS, "aggregator")]
+    result = _result(tmp_path / "deployed")
+    privacy = result["privacy"]
+    # The same SIGMA, shares and ranges as in one process; each client's own three releases
+    # and its own epsilon, as its own accountant priced them in its own process.
+    for key in ("noise", "noise_shares", "standard_bound", "ranges", "epsilon", "releases"):
+        assert privacy[key] == alone[key], key
+    assert set(privacy["epsilon"]) == set(CLIENTS)
+    assert max(privacy["epsilon"].values()) <= 3.0 + 1e-6
+    assert privacy["noise_shares"] == 3
+    assert all(text.startswith("its own accountant in its own process") for text in
+               privacy["accounted_by"].values())  # fmt: skip
+    assert result["config"]["privacy"]["dp_statistics"] == [1.0, 1.0]
+    assert all(np.isfinite(result["validation_curve"])) and np.isfinite(result["rmse"])
+    assert "epsilon" in processes.log("bank")  # the summary prints the guarantees
+    for name in CLIENTS:
+        assert "clips and noises its own statistics" in processes.log(name)

@@ -4,8 +4,10 @@ against Opacus, and a graph and standardisation that stay valid under heavy nois
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -299,3 +301,163 @@ def test_the_core_offers_the_hook_without_importing_the_mechanism() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.strip()
     assert found == "[]"
+
+
+# -- a deployed imputation: the plan each client makes its own mechanism from ------------------
+
+
+def _plan_body(**change: object) -> dict[str, object]:
+    from protocols.dp_statistics import StatisticsPlan
+
+    plan = StatisticsPlan(
+        noise_multiplier=1.5, clip=2.0, shares=3, ranges=RANGES, delta=DELTA, standard_bound=3.0
+    )
+    return {**plan.to_json(), **change}
+
+
+def test_a_served_client_makes_its_own_mechanism_from_the_plan_under_the_coordinators_terms() -> (
+    None
+):
+    from protocols.dp_statistics import StatisticsPlan, read_statistics_entry, served_statistics
+    from secure_vfl.methods.imputation.clients import ImputationClient
+    from secure_vfl.methods.imputation.statistics import ReleaseTerms
+
+    body = _plan_body()
+    plan = StatisticsPlan.from_json(body, features=3)
+    assert plan.to_json() == body  # what the label party sent, exactly
+    client = ImputationClient(_clients(features=3)[0])
+    served = served_statistics("client-0", body, client, features=3)
+    assert client.privacy is served.mechanism
+    # The coordinator's view of the clients' mechanisms is what each client made.
+    assert plan.terms().matches(ReleaseTerms.of(served.mechanism))
+    assert served.mechanism.share_std == pytest.approx(1.5 * 2.0 / math.sqrt(3))
+    # Its noise is fresh OS entropy: two clients of one plan draw different noise.
+    other = served_statistics(
+        "client-1", body, ImputationClient(_clients(features=3)[1]), features=3
+    )
+    no_rows = np.zeros((0, 20_000))
+    mine = served.mechanism.privatise("client-0", "pairs", no_rows)
+    theirs = other.mechanism.privatise("client-1", "pairs", no_rows)
+    assert np.std(mine) == pytest.approx(served.mechanism.share_std, rel=0.03)
+    assert not np.allclose(mine, theirs)
+    # It reports what its own accountant priced: one release so far, and its guarantee.
+    entry = served.entry()
+    assert entry["releases"] == {"statistics": 1}
+    [guarantee] = entry["guarantees"]
+    expected = PrivacyAccountant()
+    expected.on_event(GaussianRelease("client-0", 1.5, 1.0, "statistics", 2))
+    held = expected.statistics_guarantee("client-0", delta=DELTA)
+    assert held is not None and guarantee["epsilon"] == pytest.approx(held.epsilon)
+    assert read_statistics_entry("client-0", entry, delta=DELTA) == entry
+    # Before any release: no guarantee, and the label party accepts that too.
+    assert other.entry()["guarantees"] != [] and served_statistics(
+        "client-2", body, ImputationClient(_clients(features=3)[2]), features=3
+    ).entry() == {
+        "guarantees": [],
+        "releases": {"statistics": 0},
+        "noise_source": entry["noise_source"],
+    }
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"noise_multiplier": 0.0}, "`noise_multiplier` a finite number > 0 expected"),
+        ({"clip": float("inf")}, "`clip` a finite number > 0 expected"),
+        ({"shares": 0}, "`shares` >= 1 expected"),
+        ({"shares": True}, "`shares` of type"),
+        ({"delta": 1.0}, "`delta` in (0, 1) expected"),
+        ({"lower": [0.0, 0.0]}, "as 3 numbers each expected"),
+        ({"upper": ["1", 1.0, 1.0]}, "as 3 numbers each expected"),
+        ({"lower": [2.0, -1.0, -1.0]}, "lower < upper"),
+        ({"extra": 1}, "keys ["),
+    ],
+)
+def test_a_malformed_plan_is_refused_as_another_partys_bytes(
+    change: dict[str, object], expected: str
+) -> None:
+    from protocols.dp_statistics import StatisticsPlan
+    from secure_vfl.errors import ProtocolError
+
+    with pytest.raises(ProtocolError, match=re.escape(expected)):
+        StatisticsPlan.from_json(_plan_body(**change), features=3)
+
+
+def test_a_clients_report_is_checked_before_the_label_party_lists_it() -> None:
+    from protocols.dp_statistics import ServedStatistics, StatisticsPlan, read_statistics_entry
+    from secure_vfl.errors import ProtocolError
+
+    served = ServedStatistics("shop", StatisticsPlan.from_json(_plan_body(), features=3))
+    for exchange in ("moments", "deviations", "pairs"):
+        served.mechanism.privatise("shop", exchange, np.zeros((4, 3)))
+    good = served.entry()
+    assert good["releases"] == {"statistics": STATISTICS_RELEASES}
+    [guarantee] = good["guarantees"]
+    for entry, expected in [
+        ({**good, "extra": 1}, "keys ["),
+        ({**good, "guarantees": [{**guarantee, "epsilon": -1.0}]}, "an epsilon >= 0 expected"),
+        ({**good, "guarantees": [{**guarantee, "epsilon": math.nan}]}, "an epsilon >= 0"),
+        ({**good, "guarantees": [{**guarantee, "delta": 1e-3}]}, "the run's delta"),
+        (
+            {**good, "guarantees": [{**guarantee, "mechanisms": ["embedding"]}]},
+            "of the statistics mechanism",
+        ),
+        ({**good, "releases": {"statistics": -1}}, "a count >= 0"),
+        ({**good, "releases": {"statistics": 0}}, "exactly when it made releases"),
+        ({**good, "guarantees": []}, "exactly when it made releases"),
+    ]:
+        with pytest.raises(ProtocolError, match=re.escape(expected)):
+            read_statistics_entry("shop", entry, delta=DELTA)
+
+
+def test_the_label_partys_engine_plans_declared_ranges_and_lists_what_clients_reported(
+    tmp_path: Path,
+) -> None:
+    from protocols.dp_statistics import ServedStatistics, StatisticsPlan
+    from protocols.privacy import PrivacyEngine, PrivacySpec
+    from secure_vfl.errors import ProtocolError
+
+    ranges = tmp_path / "ranges.csv"
+    ranges.write_text("feature,lower,upper\nb,0,10\na,-5,5\n")
+    # Observed ranges would take every client's extremes: a deployment declares them.
+    undeclared = PrivacyEngine(PrivacySpec(secure_agg="masks", dp_statistics=(1.0, 1.0)))
+    with pytest.raises(ConfigError, match="--feature-ranges"):
+        undeclared.statistics_plan(["a", "b"], ["shop", "insurer"])
+    spec = PrivacySpec(
+        secure_agg="masks", dp_statistics=(1.0, 2.0), feature_ranges=ranges, target_epsilon=4.0
+    )
+    engine = PrivacyEngine(spec)
+    plan = engine.statistics_plan(["a", "b"], ["shop", "insurer", "telco"])
+    assert isinstance(plan, StatisticsPlan)
+    # SIGMA calibrated over the three releases, as in one process; the noise shared by the
+    # three clients under secure sums; the ranges in the run's feature order.
+    assert plan.noise_multiplier == pytest.approx(
+        calibrate_noise(4.0, DELTA, sample_rate=1.0, steps=STATISTICS_RELEASES)
+    )
+    assert (plan.clip, plan.shares) == (2.0, 3)
+    assert plan.ranges.lower.tolist() == [-5.0, 0.0] and plan.ranges.upper.tolist() == [5.0, 10.0]
+    assert (
+        PrivacyEngine(PrivacySpec(dp_statistics=(1.0, 2.0), feature_ranges=ranges))
+        .statistics_plan(["a", "b"], ["shop", "insurer", "telco"])
+        .shares
+        == 1
+    )  # type: ignore[union-attr]
+    assert PrivacyEngine(PrivacySpec(secure_agg="masks")).statistics_plan(["a"], ["shop"]) is None
+
+    entries = {}
+    for name in ("shop", "insurer"):  # telco was lost mid-run: it reports nothing
+        served = ServedStatistics(name, StatisticsPlan.from_json(plan.to_json(), features=2))
+        for exchange in ("moments", "deviations", "pairs"):
+            served.mechanism.privatise(name, exchange, np.zeros((3, 2)))
+        entries[name] = served.entry()
+    with pytest.raises(ProtocolError, match="its privacy entry expected"):
+        engine.take_statistics_reports({"shop": None})
+    engine.take_statistics_reports(entries)
+    report = engine.report()
+    assert report is not None
+    assert set(report["epsilon"]) == {"shop", "insurer"}
+    assert max(report["epsilon"].values()) <= 4.0 + 1e-6
+    assert report["releases"] == {n: {"statistics": 3} for n in ("shop", "insurer")}
+    assert report["noise_shares"] == 3 and report["ranges"] == f"declared in {ranges}"
+    assert report["accounted_by"]["telco"].startswith("none: it reported nothing")
+    assert report["accounted_by"]["shop"].startswith("its own accountant in its own process")
