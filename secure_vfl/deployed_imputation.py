@@ -62,6 +62,7 @@ from secure_vfl.data.imputation import (
 from secure_vfl.deployment import (
     MAX_LAYER_WIDTH,
     MAX_LAYERS,
+    MAX_LOCAL_EPOCHS,
     SETUP_DEADLINE,
     SecureSums,
     ServedPrivacy,
@@ -230,7 +231,12 @@ def build_served_client(
         raise ProtocolError(
             f"impute-setup: an index and a seed >= 0 expected, found {index} and {seed}."
         )
-    limits = {"hidden": MAX_LAYER_WIDTH, "top_k": MAX_LAYER_WIDTH, "layers": MAX_LAYERS}
+    limits = {
+        "hidden": MAX_LAYER_WIDTH,
+        "top_k": MAX_LAYER_WIDTH,
+        "layers": MAX_LAYERS,
+        "local_epochs": MAX_LOCAL_EPOCHS,
+    }
     check_requested("impute-setup", body["config"], limits)
     try:
         config = ImputeConfig(**body["config"])

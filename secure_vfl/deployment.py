@@ -176,6 +176,9 @@ MAX_CLASSES = 4096
 """The most classes a label party may announce (a head's output width; CIFAR-100 has 100)."""
 MAX_LAYERS = 64
 """The deepest model a label party may ask a served imputation client to build."""
+MAX_LOCAL_EPOCHS = 1000
+"""The most local epochs a label party may ask of a served imputation client per FedAvg round
+(the papers use 1-5): one request cannot make a client train without end."""
 
 
 def check_requested(where: str, values: Mapping[str, Any], limits: Mapping[str, int]) -> None:

@@ -182,6 +182,7 @@ def test_a_client_sets_itself_up_from_its_own_file_and_refuses_a_path_for_a_run_
         ({"hidden": 2**20}, "`hidden` of at most 4096 expected, found 1048576"),
         ({"layers": 1000}, "`layers` of at most 64 expected"),
         ({"top_k": 10**6}, "`top_k` of at most 4096 expected"),
+        ({"local_epochs": 10**9}, "`local_epochs` of at most 1000 expected"),
         ({"lr": -1.0}, "ImputeConfig's fields"),
     ]:
         setup = {**body, "config": {**body["config"], **change}}
