@@ -902,8 +902,8 @@ def _capture_option(parser: argparse.ArgumentParser) -> None:
         type=Path,
         metavar="FILE",
         help="append every message that crosses the transport to FILE, one record each: a "
-        "4-byte big-endian length, then the encoded message (what the network sees; "
-        "default: off)",
+        "4-byte big-endian length, then the encoded message (what the network sees; in a "
+        "deployment, what this party sends and receives; default: off)",
     )
 
 
@@ -1838,20 +1838,22 @@ def run_impute_deployed(args: argparse.Namespace) -> int:
         bar.set_postfix(val_rmse=f"{rmse:.3f}")
 
     try:
-        result, saved = impute_deployed(
-            config,
-            federation,
-            args.name,
-            secure_agg=args.secure_agg,
-            secure_sums=_secure_sums,
-            deadline=args.deadline,
-            wait=args.wait,
-            insecure=args.insecure,
-            on_start=lambda rounds: bar.reset(total=rounds),
-            on_round=on_round,
-            save_imputed=args.save_imputed,
-            privacy=engine if engine.private else None,
-        )
+        with _capture(args.capture) as capture:
+            result, saved = impute_deployed(
+                config,
+                federation,
+                args.name,
+                secure_agg=args.secure_agg,
+                secure_sums=_secure_sums,
+                deadline=args.deadline,
+                wait=args.wait,
+                insecure=args.insecure,
+                on_start=lambda rounds: bar.reset(total=rounds),
+                on_round=on_round,
+                save_imputed=args.save_imputed,
+                privacy=engine if engine.private else None,
+                capture=capture,
+            )
     finally:
         bar.close()
     payload = result.to_json()
@@ -1875,16 +1877,11 @@ def _refuse_deployed_impute_flags(args: argparse.Namespace) -> None:
     """ConfigError, before any contact, for ``impute`` flags a deployment does not take."""
     if args.name is None:
         raise ConfigError("--federation needs --name NAME (the label party's). Found none.")
-    refused = _given(
-        ("--clients", args.clients),
-        ("--availability", args.availability),
-        ("--capture", args.capture),
-    )
+    refused = _given(("--clients", args.clients), ("--availability", args.availability))
     if refused:
         raise ConfigError(
             f"{', '.join(refused)} not offered with impute --federation: the clients are the "
-            "federation file's parties, each reading its own file; captures stay with "
-            "in-process runs for now."
+            "federation file's parties, each reading its own file."
         )
     if args.insecure_reproducible_noise:
         raise ConfigError(
@@ -2221,6 +2218,7 @@ def _party_command(commands: Any) -> None:
         "`impute --federation --save-imputed` (DIR/RUN_ID/NAME.csv) (default: imputed/ beside "
         "its data file)",
     )
+    _capture_option(serve)
     _network_flags(serve)
 
 
@@ -2275,23 +2273,25 @@ def run_party_command(args: argparse.Namespace) -> int:
     from secure_vfl.federation.federation_file import read_federation
 
     federation = read_federation(args.federation)
-    outcome = serve(
-        federation,
-        args.name,
-        secure_sums=_secure_sums,
-        deadline=args.deadline,
-        wait=args.wait,
-        insecure=args.insecure,
-        on_event=lambda line: print(line, flush=True),
-        psi=_psi_roles(),
-        psi_only=args.align == "psi",
-        checkpoint_dir=args.checkpoint_dir,
-        resume=args.resume,
-        model_dir=args.model_dir,
-        party_privacy=_served_privacy,
-        imputed_dir=args.imputed_dir,
-        statistics_privacy=_served_statistics,
-    )
+    with _capture(args.capture) as capture:
+        outcome = serve(
+            federation,
+            args.name,
+            secure_sums=_secure_sums,
+            deadline=args.deadline,
+            wait=args.wait,
+            insecure=args.insecure,
+            on_event=lambda line: print(line, flush=True),
+            psi=_psi_roles(),
+            psi_only=args.align == "psi",
+            checkpoint_dir=args.checkpoint_dir,
+            resume=args.resume,
+            model_dir=args.model_dir,
+            party_privacy=_served_privacy,
+            imputed_dir=args.imputed_dir,
+            statistics_privacy=_served_statistics,
+            capture=capture,
+        )
     if outcome != "finished":
         print(f"secure-vfl: error: the label party ended the run: {outcome}", file=sys.stderr)
         return 1
@@ -2318,12 +2318,6 @@ def _refuse_deployed_flags(args: argparse.Namespace) -> None:
         raise ConfigError(
             f"{', '.join(files)} not offered with --federation: the labels and every party's "
             "rows come from the federation file (each party reads only its own table)."
-        )
-    if args.capture is not None:
-        raise ConfigError(
-            "--capture not offered with --federation: a capture records every message of a run "
-            "in one process; across machines each party's messages stay in its own (record "
-            "them on the wire)."
         )
 
 
@@ -2354,7 +2348,7 @@ def run_train_deployed(args: argparse.Namespace) -> int:
         args, config, out, label_party=federation.label_party, check_parties=False
     )
     bar = tqdm(total=0, desc=config.method, unit="step", disable=args.quiet, leave=False)
-    with _run_warnings() as noted:
+    with _run_warnings() as noted, _capture(args.capture) as capture:
         try:
             result = train_deployed(
                 config,
@@ -2371,6 +2365,7 @@ def run_train_deployed(args: argparse.Namespace) -> int:
                 checkpoints=checkpoints,
                 model_dir=out / MODEL_DIR,
                 privacy=engine,
+                capture=capture,
             )
         finally:
             bar.close()

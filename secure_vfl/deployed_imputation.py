@@ -48,7 +48,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 import numpy as np
 
@@ -295,6 +295,7 @@ def impute_deployed(
     on_round: Callable[[int, float], None] | None = None,
     save_imputed: bool = False,
     privacy: DeployedStatisticsPrivacy | None = None,
+    capture: BinaryIO | None = None,
 ) -> tuple[ImputeResult, dict[str, Any] | None]:
     """Run ``config`` (a FedAvg reconstruction method over the federation's client files) as
     the coordinator in the label party ``name``'s process: every other party is a client in its
@@ -304,7 +305,8 @@ def impute_deployed(
     run id, and per client its rows and the table's SHA-256), else None. With ``privacy`` (the
     label party's privacy engine) the statistics are released under DP: each client makes its
     own mechanism from the engine's plan in its own process and reports what its accountant
-    priced at the end, which the result's privacy entry lists."""
+    priced at the end, which the result's privacy entry lists. ``capture`` records every message
+    that crosses the label party's endpoint."""
     if config.method not in deployable_methods():
         raise ConfigError(
             f"--method {config.method} is not offered with --federation; expected one of "
@@ -318,7 +320,7 @@ def impute_deployed(
             f"{name}`."
         )
     clients = [m for m in federation.parties if m.name != name]
-    endpoint = _endpoint(federation, name, insecure=insecure, deadline=deadline)
+    endpoint = _endpoint(federation, name, insecure=insecure, deadline=deadline, capture=capture)
     outcome = "failed"
     reports: dict[str, Counter[tuple[str, str, str]]] = {}
     entries: dict[str, Any] = {}

@@ -98,7 +98,7 @@ import secrets
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 import numpy as np
 import torch
@@ -1226,10 +1226,15 @@ def _row_mapping(
 
 
 def _endpoint(
-    federation: Federation, name: str, *, insecure: bool, deadline: float
+    federation: Federation,
+    name: str,
+    *,
+    insecure: bool,
+    deadline: float,
+    capture: BinaryIO | None = None,
 ) -> PartyEndpoint:
     """Party ``name``'s endpoint at its address, with its own TLS identity (none with
-    ``insecure``) and every other member as a peer."""
+    ``insecure``) and every other member as a peer; ``capture`` records what crosses it."""
     return PartyEndpoint(
         name,
         listen=federation.member(name).address,
@@ -1237,6 +1242,7 @@ def _endpoint(
         identity=None if insecure else federation.identity(name),
         insecure=insecure,
         deadline=deadline,
+        capture=capture,
     )
 
 
@@ -1257,6 +1263,7 @@ def serve(
     party_privacy: PartyPrivacyFactory | None = None,
     imputed_dir: Path | None = None,
     statistics_privacy: StatisticsPrivacyFactory | None = None,
+    capture: BinaryIO | None = None,
 ) -> str:
     """Serve as ``name`` (a data party or ``aggregator``) until the label party ends the run;
     return the outcome it announced (``on_event`` hears of the set-up). A data party answers
@@ -1268,6 +1275,7 @@ def serve(
     when the label party asks (:class:`ServedModel`).
     With ``party_privacy`` it installs its own DP mechanisms when its set-up carries a plan (as
     an imputation client, its statistics mechanism with ``statistics_privacy``).
+    With ``capture`` it records every message that crosses its endpoint (its own view).
     As an imputation client it writes its imputed table under ``imputed_dir`` (default:
     ``imputed/`` beside its data file) when the label party asks.
     TransportError if the label party is silent for longer than ``deadline`` seconds (``wait``
@@ -1285,7 +1293,7 @@ def serve(
     checkpoints = served_checkpoints(name, checkpoint_dir, resume=resume)
     model = ServedModel(name, model_directory(federation, name, model_dir))
     table = read_party_file(member.data) if member.data is not None else None
-    endpoint = _endpoint(federation, name, insecure=insecure, deadline=deadline)
+    endpoint = _endpoint(federation, name, insecure=insecure, deadline=deadline, capture=capture)
     server = _Server(
         federation,
         name,
@@ -1733,6 +1741,7 @@ def train_deployed(
     checkpoints: CheckpointPlan | None = None,
     model_dir: Path | None = None,
     privacy: DeployedPrivacy | None = None,
+    capture: BinaryIO | None = None,
 ) -> Any:
     """Run ``config`` (a :class:`~secure_vfl.experiment.TrainConfig` without data files) as
     the label party ``name`` of ``federation``: wait up to ``wait`` seconds for every other
@@ -1749,7 +1758,8 @@ def train_deployed(
     (:func:`privacy_plans`): each data party installs its own in its own process and reports
     what its accountant priced at the end, which ``privacy`` adds to the result's report. Under
     DP a lost party is readmitted only in a run with ``checkpoints`` (it takes its releases back
-    from its journal; without checkpoints they died with its process)."""
+    from its journal; without checkpoints they died with its process). ``capture`` records
+    every message that crosses the label party's endpoint."""
     from secure_vfl.experiment import run_training
     from secure_vfl.methods.base import SAVING, in_process_parties, lost_parties
 
@@ -1765,7 +1775,7 @@ def train_deployed(
     member = federation.member(name)
     assert member.data is not None
     own = read_party_file(member.data)
-    endpoint = _endpoint(federation, name, insecure=insecure, deadline=deadline)
+    endpoint = _endpoint(federation, name, insecure=insecure, deadline=deadline, capture=capture)
     outcome = "failed"
     reports: dict[str, Counter[tuple[str, str, str]]] = {}
     entries: dict[str, Any] = {}

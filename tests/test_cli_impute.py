@@ -306,10 +306,6 @@ def test_imputation_results_report_the_wire_bytes_of_every_client(tmp_path: Path
             "--insecure-reproducible-noise is refused with --federation",
         ),
         (
-            ["--name", "bank", "--method", "fedhf", "--capture", "c.bin"],
-            "--capture not offered with impute --federation",
-        ),
-        (
             ["--name", "bank", "--method", "fedhf", "--clients", "3"],
             "--clients not offered with impute --federation",
         ),

@@ -32,6 +32,7 @@ from secure_vfl.data.party_files import read_party_file
 from secure_vfl.deployment import _row_mapping, fit_served_preprocessing
 from secure_vfl.errors import ConfigError, ProtocolError
 from secure_vfl.federation import wire
+from secure_vfl.federation.channel import read_capture
 from secure_vfl.federation.federation_file import read_federation
 from secure_vfl.federation.messages import DeploymentMessage, Message
 from secure_vfl.federation.network import (
@@ -213,6 +214,51 @@ def test_four_processes_train_to_exactly_the_in_process_metrics(
     assert result["faults"] == alone["faults"] == []  # one schema, with or without faults
     # Every party's bytes are counted; the data parties' reports reach the label party.
     assert set(result["traffic"]["bytes"]) == {*PARTIES, "aggregator"}
+
+
+def test_each_party_captures_what_crossed_its_own_endpoint(
+    site: Path, processes: Processes, tmp_path: Path
+) -> None:
+    """`--capture` in a deployment: each party records the messages it sent and received, the
+    in-process capture's records, nothing of what passed between the others."""
+    federation = write_federation(site, site / "certs", free_loopback_ports(5))
+    captures = {name: tmp_path / f"{name}.capture" for name in ("bank", "shop", "aggregator")}
+    servers = []
+    for name in (*PARTIES[1:], "aggregator"):
+        capture = ["--capture", str(captures[name])] if name in captures else []
+        servers.append(processes.serve(federation, name, *capture))
+    out = tmp_path / "deployed"
+    label = processes.start(
+        "train", "--federation", str(federation), "--name", "bank", *FLAGS,
+        "--method", "laser", "--heads", "active", "--secure-agg", "masks",
+        "--capture", str(captures["bank"]), "--out", str(out), log="bank",
+    )  # fmt: skip
+    assert label.wait(timeout=PROCESS_SECONDS) == 0, processes.log("bank")
+    assert [server.wait(timeout=PROCESS_SECONDS) for server in servers] == [0, 0, 0, 0]
+    result = json.loads((out / "result.json").read_text())
+    seen = {name: list(read_capture(path)) for name, path in captures.items()}
+    for name, messages in seen.items():  # nothing that passed between two others
+        assert messages and all(name in (m.sender, m.receiver) for m in messages), name
+    peers = {m.receiver for m in seen["bank"] if m.sender == "bank"}
+    assert peers == {*PARTIES[1:], "aggregator"}  # the label party sets up and ends each
+    shop = seen["shop"]
+    requests = [m for m in shop if m.kind == "seal-request"]
+    sealed = [m for m in shop if m.kind == "sealed"]
+    assert requests and all(m.sender == "bank" for m in requests)
+    assert len(sealed) == len(requests) and all(m.receiver == "aggregator" for m in sealed)
+    # What shop reported sending (its last message, the report itself, follows the count) is
+    # exactly what its capture holds.
+    sizes = [len(wire.encode(m)) for m in shop if m.sender == "shop"]
+    reported = result["traffic"]["bytes"]["shop"]
+    assert shop[-1].kind == "deployment" and shop[-1].sender == "shop"
+    assert sum(sizes[:-1]) == reported["train"] + reported["predict"]
+    # Under masks the aggregator takes every party's sealed contributions, never one in the
+    # clear, and sends the label party only sealed sums.
+    kinds = {(m.sender, m.kind) for m in seen["aggregator"]}
+    assert {(name, "sealed") for name in PARTIES} <= kinds
+    assert {kind for _, kind in kinds} == {"sealed", "sum-request", "sealed-sum", "public-key"} | {
+        "deployment"
+    }
 
 
 @pytest.fixture(scope="module")

@@ -386,7 +386,6 @@ def test_what_a_deployment_cannot_do_with_dp_is_refused_before_any_contact(
     base += ["--out", str(tmp_path / "r"), "--wait", "1", "--deadline", "1"]
     cases = [
         (["--dp-sgd", "1:0.05", "--insecure-reproducible-noise"], "noise anyone with the seed"),
-        (["--capture", str(tmp_path / "c")], "--capture not offered with --federation"),
         (["--test-file", str(site / "labels.csv")], "--test-file not offered"),
         (["--method", "false-vfl-2", "--dp-sgd", "1:0.05"], "not available for false-vfl-2"),
     ]

@@ -75,7 +75,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, BinaryIO, NoReturn
 
 import grpc
 from cryptography import x509
@@ -83,7 +83,7 @@ from cryptography.x509.oid import NameOID
 
 from secure_vfl.errors import ConfigError, ProtocolError, TransportError
 from secure_vfl.federation import wire
-from secure_vfl.federation.channel import Channel, ChannelLayer
+from secure_vfl.federation.channel import CAPTURE_LENGTH, Channel, ChannelLayer
 from secure_vfl.federation.messages import Message
 
 if TYPE_CHECKING:
@@ -280,7 +280,11 @@ class PartyEndpoint:
     :class:`NetworkChannel`) or, without one, kept for :meth:`receive`, always on the party's
     own thread: inside :meth:`send` (while it waits), :meth:`receive` or :meth:`act_on_next`.
     ``bytes`` counts the encoded bytes sent, by (sender, receiver, phase), as the in-process
-    transport does; ``received`` those that arrived.
+    transport does; ``received`` those that arrived. With ``capture`` every message this party
+    sends (when it is counted: it crossed) and every new delivery it accepts (a retry's second
+    arrival is not) is appended to that file as the in-process transport records one
+    (``[4-byte big-endian length][encoded message]``, :func:`~secure_vfl.federation.channel.
+    read_capture`): this party's own view of the run.
     """
 
     def __init__(
@@ -294,6 +298,7 @@ class PartyEndpoint:
         deadline: float = DEFAULT_DEADLINE,
         retry: RetryPolicy | None = None,
         max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
+        capture: BinaryIO | None = None,
     ) -> None:
         self.name = check_party_name(name)
         if insecure == (identity is not None):
@@ -313,6 +318,8 @@ class PartyEndpoint:
         self.deadline = deadline
         self.retry = retry if retry is not None else RetryPolicy()
         self.max_message_bytes = max_message_bytes
+        self.capture = capture
+        self._capture_lock = threading.Lock()  # the party's thread sends, gRPC's receive
         self.handler: Callable[[Message], None] | None = None
         self.bytes: Counter[tuple[str, str, str]] = Counter()
         self.received: Counter[tuple[str, str, str]] = Counter()
@@ -521,6 +528,7 @@ class PartyEndpoint:
         except _Refusal as refusal:
             self._refuse(context, refusal)
         if new:
+            self._record(data)
             self._queue.put(arrival)
         remaining = context.time_remaining()
         if not arrival.done.wait(timeout=remaining if remaining is not None else self.deadline):
@@ -742,6 +750,7 @@ class PartyEndpoint:
             if error is None or error.code() not in _NOT_DELIVERED:
                 # It crossed (answered, or refused by the peer): count it, as in one process.
                 self.bytes[(message.sender, message.receiver, _phase(message))] += len(data)
+                self._record(data)
             if error is None:
                 return len(data)
             backoff = next(backoffs, None)
@@ -755,6 +764,13 @@ class PartyEndpoint:
             delivery.future = self._call(
                 delivery.channel, data, delivery.metadata, max(remaining, 0.001)
             )
+
+    def _record(self, data: bytes) -> None:
+        """Append ``data`` to the capture file (if any) as one record."""
+        if self.capture is not None:
+            with self._capture_lock:
+                self.capture.write(CAPTURE_LENGTH.pack(len(data)))
+                self.capture.write(data)
 
     def _call(
         self,
