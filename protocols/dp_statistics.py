@@ -54,7 +54,7 @@ import torch
 
 from protocols.dp import EventCallback, GaussianRelease, PrivacyAccountant, clip_rows
 from protocols.noise import NoiseSource, noise_source
-from protocols.party_privacy import SECURE_SOURCE, check_guarantees
+from protocols.party_privacy import SECURE_SOURCE, check_guarantees, check_keys
 from secure_vfl.data.imputation import ClientData
 from secure_vfl.errors import ConfigError, DataError, ProtocolError
 from secure_vfl.methods.imputation.statistics import FeatureRanges, ReleaseTerms
@@ -296,12 +296,7 @@ class StatisticsPlan:
         def refuse(what: str) -> ProtocolError:
             return ProtocolError(f"impute-setup: the `privacy` part: {what}.")
 
-        if not isinstance(body, dict) or set(body) != set(PLAN_KEYS):
-            found = sorted(body) if isinstance(body, dict) else type(body).__name__
-            raise refuse(f"keys {sorted(PLAN_KEYS)} expected, found {found}")
-        for key, kind in PLAN_KEYS.items():
-            if not isinstance(body[key], kind) or isinstance(body[key], bool):
-                raise refuse(f"`{key}` of type {kind} expected, found {type(body[key]).__name__}")
+        check_keys(body, PLAN_KEYS, refuse=refuse)
         for key in ("noise_multiplier", "clip", "standard_bound"):
             if not (math.isfinite(body[key]) and body[key] > 0):
                 raise refuse(f"`{key}` a finite number > 0 expected, found {body[key]!r}")
@@ -392,12 +387,7 @@ def read_statistics_entry(name: str, entry: Any, *, delta: float) -> dict[str, A
     def refuse(what: str) -> ProtocolError:
         return ProtocolError(f"report from {name}: its privacy entry: {what}.")
 
-    if not isinstance(entry, dict) or set(entry) != set(ENTRY_KEYS):
-        found = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
-        raise refuse(f"keys {sorted(ENTRY_KEYS)} expected, found {found}")
-    for key, kind in ENTRY_KEYS.items():
-        if not isinstance(entry[key], kind):
-            raise refuse(f"`{key}` of type {kind} expected, found {type(entry[key]).__name__}")
+    check_keys(entry, ENTRY_KEYS, refuse=refuse)
     check_guarantees(entry["guarantees"], delta=delta, refuse=refuse)
     if len(entry["guarantees"]) > 1 or any(
         g["mechanisms"] != ["statistics"] for g in entry["guarantees"]

@@ -507,6 +507,24 @@ ENTRY_KEYS: Mapping[str, type | tuple[type, ...]] = {
 }
 
 
+def check_keys(
+    body: Any,
+    expected: Mapping[str, type | tuple[type, ...]],
+    *,
+    refuse: Callable[[str], ProtocolError],
+) -> dict[str, Any]:
+    """``body``, checked as another party's JSON: a dict with exactly the keys ``expected``,
+    each of its type (a bool is not a number); else raise ``refuse(what is wrong)``."""
+    if not isinstance(body, dict) or set(body) != set(expected):
+        found = sorted(body) if isinstance(body, dict) else type(body).__name__
+        raise refuse(f"keys {sorted(expected)} expected, found {found}")
+    for key, kind in expected.items():
+        value = body[key]
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            raise refuse(f"`{key}` of type {kind} expected, found {type(value).__name__}")
+    return body
+
+
 def check_guarantees(
     guarantees: list[Any], *, delta: float, refuse: Callable[[str], ProtocolError]
 ) -> None:
@@ -537,12 +555,7 @@ def read_entry(name: str, entry: Any, *, delta: float) -> dict[str, Any]:
     def refuse(what: str) -> ProtocolError:
         return ProtocolError(f"report from {name}: its privacy entry: {what}.")
 
-    if not isinstance(entry, dict) or set(entry) != set(ENTRY_KEYS):
-        found = sorted(entry) if isinstance(entry, dict) else type(entry).__name__
-        raise refuse(f"keys {sorted(ENTRY_KEYS)} expected, found {found}")
-    for key, kind in ENTRY_KEYS.items():
-        if not isinstance(entry[key], kind):
-            raise refuse(f"`{key}` of type {kind} expected, found {type(entry[key]).__name__}")
+    check_keys(entry, ENTRY_KEYS, refuse=refuse)
     check_guarantees(entry["guarantees"], delta=delta, refuse=refuse)
     if not all(isinstance(e, (int, float)) and e >= 0 for e in entry["epsilon_per_epoch"]):
         raise refuse("`epsilon_per_epoch` as numbers >= 0 expected")

@@ -1843,11 +1843,7 @@ def run_impute_deployed(args: argparse.Namespace) -> int:
                 config,
                 federation,
                 args.name,
-                secure_agg=args.secure_agg,
-                secure_sums=_secure_sums,
-                deadline=args.deadline,
-                wait=args.wait,
-                insecure=args.insecure,
+                **_label_party_options(args),
                 on_start=lambda rounds: bar.reset(total=rounds),
                 on_round=on_round,
                 save_imputed=args.save_imputed,
@@ -2354,11 +2350,7 @@ def run_train_deployed(args: argparse.Namespace) -> int:
                 config,
                 federation,
                 args.name,
-                secure_agg=args.secure_agg,
-                secure_sums=_secure_sums,
-                deadline=args.deadline,
-                wait=args.wait,
-                insecure=args.insecure,
+                **_label_party_options(args),
                 on_start=lambda total: bar.reset(total=total),
                 on_step=lambda step, loss: bar.update(step - bar.n),  # resumed: past step 0
                 psi=_psi_roles(),
@@ -2387,6 +2379,17 @@ def run_train_deployed(args: argparse.Namespace) -> int:
     for warning in payload["warnings"]:
         print(f"secure-vfl: warning: {warning}", file=sys.stderr)
     return 0
+
+
+def _label_party_options(args: argparse.Namespace) -> dict[str, Any]:
+    """What the label party of a deployment takes from the network and secure-sum flags."""
+    return {
+        "secure_agg": args.secure_agg,
+        "secure_sums": _secure_sums,
+        "deadline": args.deadline,
+        "wait": args.wait,
+        "insecure": args.insecure,
+    }
 
 
 def _deployed_model_line(manifest: Any, directory: Path) -> str:
