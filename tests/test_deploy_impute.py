@@ -68,16 +68,28 @@ def _result(out: Path) -> dict[str, Any]:
 
 
 @pytest.mark.usefixtures("one_thread")  # float sums in the order of one thread, as the clients'
-@pytest.mark.parametrize("secure_agg", ["none", "masks", "ckks"])
+@pytest.mark.parametrize(
+    ("secure_agg", "method"),
+    [
+        ("none", ("fedhf",)),
+        ("masks", ("fedhf",)),
+        ("ckks", ("fedhf",)),
+        # Paillier encrypts every FedAvg update: one round of FedHF's model takes minutes, one
+        # of Fed-DAE's about 25 s.
+        ("paillier", ("fed-dae", "--rounds", "1")),
+    ],
+    ids=["none", "masks", "ckks", "paillier"],
+)
 def test_three_clients_in_their_own_processes_impute_as_in_one(
     site: Path,
     processes: Processes,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     secure_agg: str,
+    method: tuple[str, ...],
 ) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # every party process: torch on one thread
-    flags = [*FLAGS, "--method", "fedhf", "--secure-agg", secure_agg]
+    flags = [*FLAGS, "--method", *method, "--secure-agg", secure_agg]
     if secure_agg == "none":
         flags.append("--save-imputed")  # each client writes its table in its own process
     files = [arg for name in CLIENTS for arg in ("--client-file", str(site / f"{name}.csv"))]
