@@ -6,7 +6,9 @@
 # aggregation server in the background, trains LASER from the label party and stops everything
 # (a trap on EXIT kills the pids it started). Each data party keeps its own part of the trained
 # model in its own directory (DIR/models-NAME/NAME/RUN_ID/); the script then copies the parts
-# beside the label party's manifest and predicts in one process (DIR/predictions.csv). ALIGN is `join` (default: the label party learns
+# beside the label party's manifest and predicts in one process (DIR/predictions.csv), and
+# under `join` predicts again with every part where it lives, each data party in its own
+# process (DIR/predictions-deployed.csv). ALIGN is `join` (default: the label party learns
 # every party's ids) or `psi` (DH-PSI with each data party: it learns only which of its ids
 # each party holds).
 #
@@ -122,3 +124,19 @@ for name in shop insurer telco; do
 done
 svfl predict --model "$DIR/model-copy" --party-file "$DIR/bank.csv" --party-file "$DIR/shop.csv" \
     --party-file "$DIR/insurer.csv" --party-file "$DIR/telco.csv" --out "$DIR/predictions.csv"
+
+# Or where the parts live: each data party loads its own part in its own process and serves its
+# rows (`--data NEW.csv` for new ones; here its training file). The prediction joins the
+# parties' ids in the clear, so the PSI demo stops before it.
+[ "$ALIGN" = join ] || exit 0
+for name in shop insurer telco aggregator; do
+    model_dir=()
+    [ "$name" = aggregator ] || model_dir=(--model-dir "$DIR/models-$name")
+    svfl party serve --federation "$DIR/federation.toml" --name "$name" "${model_dir[@]}" \
+        > "$DIR/$name-predict.log" 2>&1 &
+    PIDS+=($!)
+done
+svfl predict --federation "$DIR/federation.toml" --name bank --model "$DIR/run" \
+    --out "$DIR/predictions-deployed.csv"
+for pid in "${PIDS[@]}"; do wait "$pid"; done
+PIDS=()

@@ -789,13 +789,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     predict.add_argument(
         "--party-file",
-        required=True,
         action="append",
         type=party_file_spec,
         metavar="[PARTY=]PATH",
         help="a party's file of new rows: `id` and the columns it was trained on. PARTY is "
         "the stem of its training file (or party-K), by default this file's stem; a party "
-        "without a file is absent for every row (repeatable)",
+        "without a file is absent for every row (repeatable; required without --federation; "
+        "with it, at most one: the label party's own, default its `data` file)",
     )
     predict.add_argument(
         "--out",
@@ -810,6 +810,8 @@ def build_parser() -> argparse.ArgumentParser:
         label_default="predicted",
     )
     predict.add_argument("--overwrite", action="store_true", help="replace an existing --out")
+    _deployment_flags(predict, predict)
+    _capture_option(predict)
     runs = commands.add_parser(
         "runs",
         help="list the runs of a results store, or compare run directories",
@@ -1986,6 +1988,16 @@ def run_predict(args: argparse.Namespace) -> int:
 
     from secure_vfl.saved_model import SavedModel
 
+    if args.federation is not None:
+        return run_predict_deployed(args)
+    if not args.party_file:
+        raise ConfigError(
+            "predict needs --party-file [PARTY=]PATH (one per party present), or --federation "
+            "FED --name LABEL for a deployed model. Found neither."
+        )
+    refused = _given(("--name", args.name), ("--capture", args.capture))
+    if refused:
+        raise ConfigError(f"{', '.join(refused)} go with --federation; found no --federation.")
     out: Path | None = args.out
     if out is not None:
         _check_output_file(out, overwrite=args.overwrite)
@@ -1999,6 +2011,50 @@ def run_predict(args: argparse.Namespace) -> int:
     if out is not None:
         predictions.write_csv(out)
     print(_prediction_summary(model, predictions, out))
+    for warning in noted:
+        print(f"secure-vfl: warning: {warning}", file=sys.stderr)
+    return 0
+
+
+def run_predict_deployed(args: argparse.Namespace) -> int:
+    """`secure-vfl predict --federation FED --name LABEL --model RUN_DIR`: the label party of a
+    prediction in which every data party predicts with its own part in its own process."""
+    import dataclasses
+
+    from secure_vfl.deployed_prediction import predict_deployed
+    from secure_vfl.federation.federation_file import read_federation
+
+    if args.name is None:
+        raise ConfigError("--federation needs --name NAME (the label party's). Found none.")
+    files = args.party_file or []
+    if len(files) > 1:
+        raise ConfigError(
+            "with --federation at most one --party-file, the label party's own new rows (each "
+            f"data party serves its own: `party serve --data FILE`); found {len(files)}."
+        )
+    out: Path | None = args.out
+    if out is not None:
+        _check_output_file(out, overwrite=args.overwrite)
+    federation = read_federation(args.federation)
+    own = files[0][1] if files else federation.member(args.name).data
+    with _run_warnings() as noted, _capture(args.capture) as capture:
+        done = predict_deployed(
+            args.model,
+            federation,
+            args.name,
+            own=own,
+            id_column=args.id_column,
+            deadline=args.deadline,
+            wait=args.wait,
+            insecure=args.insecure,
+            capture=capture,
+        )
+    predictions = dataclasses.replace(done.predictions, label_column=args.label_column)
+    if out is not None:
+        predictions.write_csv(out)
+    print(_prediction_summary(done, predictions, out))
+    for party, why in done.absent.items():
+        print(f"absent: {party} ({why}); predicted without its block")
     for warning in noted:
         print(f"secure-vfl: warning: {warning}", file=sys.stderr)
     return 0
@@ -2214,6 +2270,13 @@ def _party_command(commands: Any) -> None:
         "`impute --federation --save-imputed` (DIR/RUN_ID/NAME.csv) (default: imputed/ beside "
         "its data file)",
     )
+    serve.add_argument(
+        "--data",
+        type=existing_file,
+        metavar="CSV",
+        help="the table this data party serves in this run instead of its `data` in the "
+        "federation file: new rows for `predict --federation` (default: its `data`)",
+    )
     _capture_option(serve)
     _network_flags(serve)
 
@@ -2287,6 +2350,7 @@ def run_party_command(args: argparse.Namespace) -> int:
             imputed_dir=args.imputed_dir,
             statistics_privacy=_served_statistics,
             capture=capture,
+            data=args.data,
         )
     if outcome != "finished":
         print(f"secure-vfl: error: the label party ended the run: {outcome}", file=sys.stderr)

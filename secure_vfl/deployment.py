@@ -102,6 +102,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, Protocol
 
 import numpy as np
 import torch
+from torch import Tensor
 
 from secure_vfl.checkpoints import (
     CheckpointPlan,
@@ -401,6 +402,7 @@ class _Server:
                 "columns-request": self._on_columns_request,
                 "impute-setup": self._on_impute_setup,
                 "impute-save": self._on_impute_save,
+                "predict-setup": self._on_predict_setup,
             }
             handler = handlers.get(message.topic, self._on_end)
             if message.topic not in (*handlers, "end"):
@@ -531,6 +533,20 @@ class _Server:
             self.on_event(
                 f"{self.name}: clips and noises its own statistics, priced by its own accountant"
             )
+
+    def _on_predict_setup(self, message: Message) -> None:
+        """A prediction: load this party's own part of the saved model and hold its new rows."""
+        from secure_vfl.deployed_prediction import build_predicting_party
+
+        if self.party is not None or self.table is None:
+            where = "at the aggregator" if self.table is None else "after a set-up (a replay?)"
+            raise ProtocolError(f"{self.name}: a predict-setup {where}.")
+        party = build_predicting_party(self.name, message, self.table, self.model)
+        self.party = party
+        self._attach(party)
+        self.on_event(
+            f"{self.name}: predicting with its own part of the model, set up by {message.sender}"
+        )
 
     def _on_impute_save(self, message: Message) -> None:
         """An imputation run: write this client's imputed table into its own directory."""
@@ -1063,21 +1079,9 @@ def build_served_party(
     the aligned samples, which the party maps to its rows by ``aligned`` (its row of each
     aligned sample, -1 where it holds none: what PSI told it). ProtocolError on a set-up that
     does not fit its table or its alignment, or names an unknown method."""
-    from secure_vfl.methods import PARTY_MODELS, MethodConfig
-    from secure_vfl.methods.base import build_party
-
     body = _body(message, "setup", SETUP_KEYS)
-    names, index = body["names"], body["index"]
-    if not 1 <= index < len(names) or names[index] != name:
-        raise ProtocolError(f"setup: {name} expected at index {index} of {names}.")
-    if body["method"] not in DEPLOYED_METHODS:
-        raise ProtocolError(f"setup: a method of {DEPLOYED_METHODS} expected.")
-    check_requested("setup", body["method_config"], {"representation_dim": MAX_LAYER_WIDTH})
-    check_requested("setup", body, {"num_classes": MAX_CLASSES})
-    try:
-        config = MethodConfig(**body["method_config"])
-    except (TypeError, ConfigError) as error:
-        raise ProtocolError(f"setup: a valid method configuration expected: {error}") from None
+    config = served_config("setup", name, body)
+    index = body["index"]
     to_rows = _row_mapping(body["align"], aligned, name, table.ids.size)
     n = table.ids.size if aligned is None else aligned.size
     rows = {
@@ -1090,38 +1094,90 @@ def build_served_party(
     if fit_rows.size == 0:
         raise ProtocolError(f"setup: {name} must hold a training row; found none.")
     blocks, preprocessing = party_blocks(table, fit_rows, rows, where=f"{name} ({table.name})")
-    shapes = [tuple(int(d) for d in shape) for shape in body["block_shapes"]]
+    shapes = served_shapes(body)
     if shapes[index] != tuple(blocks["train"].shape[1:]):
         raise ProtocolError(
             f"setup: block shape {shapes[index]} announced for {name}, which encodes its "
             f"table to {tuple(blocks['train'].shape[1:])} (the shape it answered the `fit` "
             "with, for the same rows)."
         )
-    if body["method"] in LATENT_METHODS:
-        party = _latent_party(name, body, config, blocks, rows, shapes, preprocessing)
-        return _with_secure_sums(party, secure_sums(body["secure_agg"]))
-    if body["false_vfl"] is not None:
-        raise ProtocolError(
-            f"setup: `false_vfl` options go with {', '.join(LATENT_METHODS)}; found them with "
-            f"{body['method']}."
-        )
-    models = PARTY_MODELS.get(body["method"])(config, shapes, body["num_classes"], body["seed"])
+    if body["method"] in LATENT_METHODS and body["labels"] is not None:
+        raise ProtocolError(f"setup: {name} holds no label under {body['method']}; found some.")
     labels = {}
     if body["labels"] is not None:
         labels["train"] = torch.from_numpy(
             _rows(body["labels"], "labels", low=0, high=body["num_classes"])
         )
+    party = served_models(
+        "setup", name, body, config, blocks, rows, shapes, preprocessing, labels=labels
+    )
+    return _with_secure_sums(party, secure_sums(body["secure_agg"]))
+
+
+def served_config(where: str, name: str, body: Mapping[str, Any]) -> Any:
+    """The method configuration of a set-up ``body`` (``where``: its topic) for party
+    ``name``: its place among the names, a deployable method, the bounds on what it may ask
+    (:func:`check_requested`). ProtocolError naming what does not fit."""
+    from secure_vfl.methods import MethodConfig
+
+    names, index = body["names"], body["index"]
+    if not 1 <= index < len(names) or names[index] != name:
+        raise ProtocolError(f"{where}: {name} expected at index {index} of {names}.")
+    if body["method"] not in DEPLOYED_METHODS:
+        raise ProtocolError(f"{where}: a method of {DEPLOYED_METHODS} expected.")
+    check_requested(where, body["method_config"], {"representation_dim": MAX_LAYER_WIDTH})
+    check_requested(where, body, {"num_classes": MAX_CLASSES})
+    try:
+        return MethodConfig(**body["method_config"])
+    except (TypeError, ConfigError) as error:
+        raise ProtocolError(f"{where}: a valid method configuration expected: {error}") from None
+
+
+def served_shapes(body: Mapping[str, Any]) -> list[tuple[int, ...]]:
+    """The block shapes of a set-up ``body``."""
+    return [tuple(int(d) for d in shape) for shape in body["block_shapes"]]
+
+
+def served_models(
+    where: str,
+    name: str,
+    body: Mapping[str, Any],
+    config: Any,
+    blocks: Mapping[str, np.ndarray],
+    rows: Mapping[str, np.ndarray],
+    shapes: Sequence[tuple[int, ...]],
+    preprocessing: PartyPreprocessing | None,
+    *,
+    labels: Mapping[str, Tensor] | None,
+) -> DataParty:
+    """Data party ``name`` (at ``body["index"]``) with the models of the method ``body`` names,
+    built by the method's seed rule on its ``blocks`` (which of whose rows it holds: ``rows``
+    >= 0, per split) as in one process; ``labels``: the training labels of the rows it holds
+    where it holds heads (None: a party that only predicts, which needs none)."""
+    from secure_vfl.methods import PARTY_MODELS
+    from secure_vfl.methods.base import build_party
+
+    index = body["index"]
+    if body["method"] in LATENT_METHODS:
+        return _latent_party(where, name, body, config, blocks, rows, shapes, preprocessing)
+    if body["false_vfl"] is not None:
+        raise ProtocolError(
+            f"{where}: `false_vfl` options go with {', '.join(LATENT_METHODS)}; found them with "
+            f"{body['method']}."
+        )
+    models = PARTY_MODELS.get(body["method"])(config, shapes, body["num_classes"], body["seed"])
     if (
-        models.heads.get(index)
+        labels is not None
+        and models.heads.get(index)
         and labels.get("train", torch.empty(0)).numel() != rows["train"].size
     ):
-        raise ProtocolError(f"setup: {name} holds heads, so the training labels are needed.")
-    party = build_party(
+        raise ProtocolError(f"{where}: {name} holds heads, so the training labels are needed.")
+    return build_party(
         index,
         name,
         blocks={split: torch.from_numpy(block) for split, block in blocks.items()},
         observed=rows["train"] >= 0,
-        labels=labels,
+        labels=labels or {},
         config=config,
         seed=body["seed"],
         role=ROLES.get("data-party"),
@@ -1129,7 +1185,6 @@ def build_served_party(
         models={key: m for (k, key), m in models.bottoms.items() if k == index},
         preprocessing=preprocessing,
     )
-    return _with_secure_sums(party, secure_sums(body["secure_agg"]))
 
 
 def _with_secure_sums(party: DataParty, backend: SumBackend | None) -> DataParty:
@@ -1142,27 +1197,26 @@ def _with_secure_sums(party: DataParty, backend: SumBackend | None) -> DataParty
 
 
 def _latent_party(
+    where: str,
     name: str,
     body: Mapping[str, Any],
     config: Any,
     blocks: Mapping[str, np.ndarray],
     rows: Mapping[str, np.ndarray],
     shapes: Sequence[tuple[int, ...]],
-    preprocessing: PartyPreprocessing,
+    preprocessing: PartyPreprocessing | None,
 ) -> DataParty:
     """A FALSE-VFL data party from its set-up ``body``: FALSE-VFL's options, its blocks and
     which of their rows it holds (``rows`` >= 0), built by FALSE-VFL's seed rule. It is handed
     no label (only the label party holds labels, and unlabelled rows are only its to know)."""
     from secure_vfl.methods.false_vfl import FalseVflConfig, build_latent_party
 
-    if body["labels"] is not None:
-        raise ProtocolError(f"setup: {name} holds no label under {body['method']}; found some.")
     widths = dict.fromkeys(("latent_dim", "global_latent_dim", "hidden"), MAX_LAYER_WIDTH)
-    check_requested("setup", body["false_vfl"] or {}, widths)
+    check_requested(where, body["false_vfl"] or {}, widths)
     try:
         options = FalseVflConfig(**(body["false_vfl"] or {}))
     except (TypeError, ConfigError) as error:
-        raise ProtocolError(f"setup: valid `false_vfl` options expected: {error}") from None
+        raise ProtocolError(f"{where}: valid `false_vfl` options expected: {error}") from None
     return build_latent_party(
         body["index"],
         name,
@@ -1264,6 +1318,7 @@ def serve(
     imputed_dir: Path | None = None,
     statistics_privacy: StatisticsPrivacyFactory | None = None,
     capture: BinaryIO | None = None,
+    data: Path | None = None,
 ) -> str:
     """Serve as ``name`` (a data party or ``aggregator``) until the label party ends the run;
     return the outcome it announced (``on_event`` hears of the set-up). A data party answers
@@ -1275,7 +1330,8 @@ def serve(
     when the label party asks (:class:`ServedModel`).
     With ``party_privacy`` it installs its own DP mechanisms when its set-up carries a plan (as
     an imputation client, its statistics mechanism with ``statistics_privacy``).
-    With ``capture`` it records every message that crosses its endpoint (its own view).
+    With ``capture`` it records every message that crosses its endpoint (its own view). It
+    serves the table ``data`` (new rows to predict on, say) instead of its federation file's.
     As an imputation client it writes its imputed table under ``imputed_dir`` (default:
     ``imputed/`` beside its data file) when the label party asks.
     TransportError if the label party is silent for longer than ``deadline`` seconds (``wait``
@@ -1292,7 +1348,10 @@ def serve(
     member = federation.member(name)
     checkpoints = served_checkpoints(name, checkpoint_dir, resume=resume)
     model = ServedModel(name, model_directory(federation, name, model_dir))
-    table = read_party_file(member.data) if member.data is not None else None
+    path = data if data is not None else member.data
+    if path is not None and name == AGGREGATOR:
+        raise ConfigError("the aggregation server holds no table: serve it without --data.")
+    table = read_party_file(path) if path is not None else None
     endpoint = _endpoint(federation, name, insecure=insecure, deadline=deadline, capture=capture)
     server = _Server(
         federation,
@@ -1377,10 +1436,13 @@ class LabelSide:
     widths: list[int]
 
 
-def collect_ids(endpoint: PartyEndpoint, federation: Federation) -> tuple[list[Any], list[int]]:
-    """Every data party's ids and block width, asked for by message (the plain join)."""
+def collect_ids(
+    endpoint: PartyEndpoint, federation: Federation, names: Sequence[str] | None = None
+) -> tuple[list[Any], list[int]]:
+    """Every data party's (or those ``names``) ids and block width, asked for by message (the
+    plain join)."""
     ids, widths = [], []
-    for name in federation.names[1:]:
+    for name in federation.names[1:] if names is None else names:
         endpoint.send(_deployment(endpoint.name, name, "ids-request", {}))
         message = endpoint.receive(sender=name, kind="deployment")
         body = _body(message, "ids", {"ids": list, "width": int})

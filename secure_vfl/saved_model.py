@@ -325,7 +325,17 @@ def predict_tables(
     if len(tables) != len(parties):
         raise ConfigError(f"one entry per party expected ({len(parties)}); found {len(tables)}.")
     names = list(names) if names is not None else [p.name for p in parties]
-    absent = [names[k] for k, table in enumerate(tables) if table is None]
+    refuse_absent(method, [names[k] for k, table in enumerate(tables) if table is None])
+    sample_ids, rows = union_alignment([None if t is None else t[0].ids for t in tables])
+    for k, party in enumerate(parties):
+        entry = tables[k]
+        table, source = entry if entry is not None else (None, "")
+        party.hold_rows(split, table, rows[:, k], source=source)
+    return predict_rows(method, sample_ids, rows, names, split=split)
+
+
+def refuse_absent(method: methods.Method, absent: Sequence[str]) -> None:
+    """ConfigError if parties ``absent`` are, and ``method`` cannot predict without them."""
     reason = getattr(method, "absent_block_refusal", None)
     if absent and reason is not None:
         raise ConfigError(
@@ -333,11 +343,18 @@ def predict_tables(
             f"{reason}. Give every party's file, or use a method that predicts from the blocks "
             "present (laser)."
         )
-    sample_ids, rows = union_alignment([None if t is None else t[0].ids for t in tables])
-    for k, party in enumerate(parties):
-        entry = tables[k]
-        table, source = entry if entry is not None else (None, "")
-        party.hold_rows(split, table, rows[:, k], source=source)
+
+
+def predict_rows(
+    method: methods.Method,
+    sample_ids: np.ndarray,
+    rows: np.ndarray,
+    names: Sequence[str],
+    *,
+    split: str = PREDICT_SPLIT,
+) -> Predictions:
+    """The label party's prediction of ``split`` once every party holds its rows of it
+    (``rows`` (N, K): party k's row of each sample, -1 where it holds none)."""
     mask = rows >= 0
     method.fed.learn_split(split, mask)
     label_party = method.fed.own
@@ -368,7 +385,7 @@ class SavedModel:
         self.directory = directory
         self.channel = Channel()
         self.channel.party_names = [entry.name for entry in manifest.parties]
-        self.method = _rebuild(manifest, self.channel)
+        self.method = rebuild_method(manifest, self.channel)
         parties = in_process_parties(self.channel)
         for party, entry in zip(parties, manifest.parties, strict=True):
             if party.name != entry.name:
@@ -437,9 +454,10 @@ class SavedModel:
         return predict_tables(self.method, self.channel, by_index, names=self.party_names)
 
 
-def _rebuild(manifest: Manifest, channel: Channel) -> methods.Method:
+def rebuild_method(manifest: Manifest, channel: Channel) -> methods.Method:
     """The method's federation with fresh modules of the saved architectures, built on one
-    placeholder row per party (nothing is trained: the parties load their parts next)."""
+    placeholder row per party that ``channel`` hosts (in one process every party; deployed,
+    the label party alone): nothing is trained, the parties load their parts next."""
     from secure_vfl.experiment import make_method
 
     try:

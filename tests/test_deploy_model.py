@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 from sklearn.datasets import load_breast_cancer
 from test_deploy import (
     FLAGS,
@@ -180,6 +181,50 @@ def test_a_deployed_run_saves_each_part_at_its_party_and_predicts_as_the_in_proc
     weights.write_bytes(bytes(data))
     with pytest.raises(IntegrityError, match=r"^insurer: .* does not match the SHA-256"):
         SavedModel.load(copy)
+
+    # Where the parts live: each data party loads its own part in its own process and serves
+    # its own new rows; the same predictions as the in-process model, with every party and
+    # with one that is not running (absent for every row).
+    def predict_where_they_live(tag: str, absent: str | None = None) -> tuple[int, Path]:
+        federation = write_federation(site, site / "certs", free_loopback_ports(5))
+        served = []
+        for n in PARTIES[1:]:
+            if n != absent:
+                rows = ["--data", str(site / "new" / f"{n}.csv"), "--model-dir", str(models[n])]
+                served.append(processes.serve(federation, n, *rows))
+        served.append(processes.serve(federation, "aggregator"))
+        written = tmp_path / f"{tag}.csv"
+        label = processes.start(
+            "predict", "--federation", str(federation), "--name", "bank", "--model", str(out),
+            "--party-file", str(site / "new" / "bank.csv"), "--wait", "3", "--out", str(written),
+            log="bank",
+        )  # fmt: skip
+        code = label.wait(timeout=PROCESS_SECONDS)
+        codes = [server.wait(timeout=PROCESS_SECONDS) for server in served]
+        assert codes == [0] * len(served) or code != 0, [processes.log(n) for n in PARTIES[1:]]
+        return code, written
+
+    for absent in (None, "insurer"):
+        code, written = predict_where_they_live(f"live-{absent}", absent)
+        assert code == 0, processes.log("bank")
+        frame = pd.read_csv(written, dtype={"id": str})
+        theirs = in_memory.predict(new_tables(site, absent))
+        assert frame["id"].tolist() == theirs.ids.tolist()
+        np.testing.assert_allclose(
+            frame[["p_0", "p_1"]].to_numpy(), theirs.probabilities, rtol=0, atol=1e-6
+        )
+        assert frame["predicted"].tolist() == theirs.labels()
+        if absent is not None:
+            assert f"absent: {absent} (not reachable within 3 s)" in processes.log("bank")
+        else:
+            assert "predicting with its own part of the model" in processes.log("shop")
+    # A part altered at its party after it reported its hashes: that party refuses to load it,
+    # and the prediction fails naming it.
+    [weights, *_] = sorted((models["telco"] / "telco" / run).glob("*.pt"))
+    weights.write_bytes(weights.read_bytes()[:-1] + bytes([weights.read_bytes()[-1] ^ 1]))
+    code, written = predict_where_they_live("tampered")
+    assert code != 0 and not written.exists()
+    assert re.search(r"telco cannot load its part of model .*SHA-256", processes.log("bank"))
 
 
 # Loaded by the interpreter of one party process only (its PYTHONPATH): the process kills
@@ -495,3 +540,85 @@ def test_a_serving_process_takes_a_save_only_from_the_label_party_once_set_up(
         message = _deployment(sender, "shop", topic, {"run": RUN})
         with pytest.raises(ProtocolError, match=re.escape(reason)):
             server.receive(message)
+
+
+def test_a_data_party_predicts_only_with_its_own_unaltered_part_on_rows_it_holds(
+    site: Path, tmp_path: Path
+) -> None:
+    """No processes: a served data party's `predict-setup`, fed the label party's message, with
+    a part laid out as a deployed party keeps it (DIR/NAME/RUN_ID/)."""
+    from secure_vfl.deployed_prediction import _predict_setup, build_predicting_party
+
+    in_process(site, tmp_path / "alone", "--method", "laser", "--heads", "all")
+    manifest, directory = read_manifest(tmp_path / "alone")
+    entry = manifest.parties[1]
+    models = tmp_path / "models"
+    shutil.copytree(directory / entry.directory, models / entry.name / manifest.run_id)
+    names = [e.name for e in manifest.parties]
+    table = read_party_file(site / "new" / "shop.csv")
+    rows = np.array([2, -1, 0, 5])  # its rows of four predicted ids; it holds no second one
+    body = _predict_setup(manifest, 1, names, rows)
+
+    def build(change: dict[str, Any], model: Path | None = models) -> DataParty:
+        message = _deployment("bank", entry.name, "predict-setup", {**body, **change})
+        return build_predicting_party(entry.name, message, table, ServedModel(entry.name, model))
+
+    party = build({})
+    block = party.block_rows("predict", torch.arange(4))
+    assert block.shape == (4, *manifest.block_shapes[1]) and not block[1].any()
+    in_memory = SavedModel.load(tmp_path / "alone")
+    expected = in_process_parties(in_memory.channel)[1]
+    expected.hold_rows("predict", table, rows, source="shop.csv")
+    assert torch.equal(block, expected.block_rows("predict", torch.arange(4)))
+    ours, theirs = party.own_modules(), expected.own_modules()
+    assert ours.keys() == theirs.keys() and ours
+    for key, module in ours.items():  # its loaded part: the trained weights, not the seed's
+        loaded = theirs[key].state_dict()
+        assert all(torch.equal(t, loaded[k]) for k, t in module.state_dict().items())
+    for change, expected_error in [
+        ({"run": "../../escape"}, "a run id of 32 hex digits expected"),
+        ({"files": {"../weights.pt": "0" * 64}}, "per plain file name expected"),
+        ({"files": {"00-bottom.pt": "xyz"}}, "per plain file name expected"),
+        ({"rows": [table.ids.size]}, "must lie in [-1,"),
+        ({"index": 2}, "expected at index 2"),
+        ({"method": "mean"}, "a method of"),
+        ({"block_shapes": body["block_shapes"][:2]}, "one block shape per party expected"),
+        ({"method_config": {**body["method_config"], "representation_dim": 10**6}}, "at most"),
+    ]:
+        with pytest.raises(ProtocolError, match=re.escape(expected_error)):
+            build(change)
+    with pytest.raises(ProtocolError, match="keeps no model directory"):
+        build({}, model=None)
+    with pytest.raises(ProtocolError, match="cannot load its part of model"):
+        build({"run": "0" * 32})  # a model it keeps no part of
+    [weights, *_] = sorted((models / entry.name / manifest.run_id).glob("*.pt"))
+    weights.write_bytes(weights.read_bytes() + b"\0")
+    with pytest.raises(ProtocolError, match="does not match the SHA-256"):
+        build({})
+
+
+def test_a_deployed_prediction_refuses_what_does_not_fit_before_any_contact(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    in_process(site, tmp_path / "alone", "--method", "laser")
+    federation = write_federation(site, site / "certs", [1, 2, 3, 4, 5])
+    base = ["predict", "--model", str(tmp_path / "alone"), "--out", str(tmp_path / "p.csv")]
+    deployed = [*base, "--federation", str(federation), "--wait", "1"]
+    new = [str(site / "new" / f"{n}.csv") for n in PARTIES]
+    cases = [
+        (deployed, "--federation needs --name NAME"),
+        ([*deployed, "--name", "shop"], "shop is not the label party"),
+        (
+            [*deployed, "--name", "bank", "--party-file", new[0], "--party-file", new[1]],
+            "with --federation at most one --party-file",
+        ),
+        # Trained in one process, under other names: the federation's parties hold no part.
+        ([*deployed, "--name", "bank"], "was trained by party-0, party-1"),
+        (base, "predict needs --party-file"),
+        ([*base, "--party-file", new[0], "--name", "bank"], "--name go with --federation"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "p.csv").exists()

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,3 +141,11 @@ def test_deploy_localhost_example_trains_four_processes_and_stops_them(tmp_path:
         assert [p.name for p in (demo / f"models-{name}" / name).iterdir()] == [run_id]
     predictions = (demo / "predictions.csv").read_text().splitlines()
     assert predictions[0] == "id,predicted,p_0,p_1" and len(predictions) == 1 + 569
+    # Predicted again where the parts live: the same predictions.
+    here = pd.read_csv(demo / "predictions.csv", dtype={"id": str})
+    there = pd.read_csv(demo / "predictions-deployed.csv", dtype={"id": str})
+    assert there["id"].tolist() == here["id"].tolist()
+    assert there["predicted"].tolist() == here["predicted"].tolist()
+    np.testing.assert_allclose(there[["p_0", "p_1"]], here[["p_0", "p_1"]], rtol=0, atol=1e-6)
+    for name in ("shop", "insurer", "telco"):
+        assert "predicting with its own part" in (demo / f"{name}-predict.log").read_text()

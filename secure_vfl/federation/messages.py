@@ -761,6 +761,7 @@ DEPLOYMENT_TOPICS = (
     "impute-setup",
     "impute-save",
     "impute-saved",
+    "predict-setup",
 )
 
 

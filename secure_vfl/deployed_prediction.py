@@ -1,0 +1,268 @@
+"""Prediction where the parts live: each data party loads its own part of a deployed model in
+its own process and sends representations of its own new rows.
+
+``secure-vfl predict --federation FED --name LABEL --model RUN_DIR`` runs the label party: it
+reads the manifest that ``train --federation`` wrote (every party's part and its files'
+SHA-256), loads its own part and reads its own new rows (``--party-file``, default its ``data``
+file). Each data party serves its new rows (``party serve --data FILE``; default its ``data``
+file) with its ``--model-dir``, where it kept its part; the aggregation server serves too. What
+crosses, besides the prediction's messages of the in-process run (``represent-request`` in
+phase ``predict``, representations, sums), is :class:`~secure_vfl.federation.messages.
+DeploymentMessage` s, each a JSON object checked on arrival:
+
+1. ``ids-request`` -> ``ids``: each reachable data party's ids (the plain join, as in training:
+   the label party learns which ids each party holds). The rows predicted are every id any
+   party holds; a party holds its own rows of them.
+2. ``predict-setup``: the model's run id, the method and its configuration, the seed, the
+   party's index and the names, the block shapes, FALSE-VFL's options, the SHA-256 of each file
+   of the party's part (from the manifest) and the party's row of every predicted id (-1: it
+   holds none). The party builds its models by the method's seed rule, loads its own part from
+   ``DIR/NAME/RUN_ID/``, every file checked against the manifest's hash (a part altered since
+   the party reported its hashes is refused), and applies its own saved preprocessing to its new
+   rows. The aggregation server is set up for plain sums.
+3. The label party predicts from the blocks present (LASER; a method that cannot do without a
+   block refuses before any set-up). A party lost in training (no part) or not reachable
+   within ``--wait`` is absent for every row.
+4. ``end`` -> ``report``, as in training.
+
+Prediction runs in plain sums: the aggregation server sees each party's representations of the
+new rows (as :class:`~secure_vfl.saved_model.SavedModel` does in one process).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from secure_vfl.data.party_files import ID_COLUMN, PartyTable, read_party_file
+from secure_vfl.deployment import (
+    _DIGEST,
+    _MODEL_ID,
+    _PART_FILE,
+    LATENT_METHODS,
+    ServedModel,
+    _body,
+    _deployment,
+    _end,
+    _endpoint,
+    _rows,
+    collect_ids,
+    served_config,
+    served_models,
+    served_shapes,
+)
+from secure_vfl.errors import ConfigError, DataError, IntegrityError, ProtocolError
+from secure_vfl.federation.federation_file import Federation
+from secure_vfl.federation.messages import AGGREGATOR, Message
+from secure_vfl.federation.network import NetworkChannel
+from secure_vfl.federation.parties import DataParty
+from secure_vfl.methods.base import in_process_parties
+from secure_vfl.saved_model import (
+    KEPT_BY_PARTY,
+    LOST,
+    PREDICT_SPLIT,
+    Predictions,
+    predict_rows,
+    read_manifest,
+    rebuild_method,
+    refuse_absent,
+    union_alignment,
+)
+
+logger = logging.getLogger(__name__)
+
+PREDICT_SETUP_KEYS: dict[str, type | tuple[type, ...]] = {
+    "run": str,
+    "method": str,
+    "method_config": dict,
+    "seed": int,
+    "index": int,
+    "names": list,
+    "num_classes": int,
+    "block_shapes": list,
+    "false_vfl": (dict, type(None)),
+    "files": dict,
+    "rows": list,
+}
+"""``predict-setup``: what a data party rebuilds and loads its part from, and its rows."""
+
+
+# -- a data party: its own process ---------------------------------------------------------------
+
+
+def build_predicting_party(
+    name: str, message: Message, table: PartyTable, model: ServedModel
+) -> DataParty:
+    """Data party ``name`` as the ``predict-setup`` ``message`` describes it: its models by the
+    method's seed rule, its own part of the model loaded from its model directory (each file
+    checked against the manifest's SHA-256 the message carries), holding its rows of the
+    predicted ids from its ``table`` after its own saved preprocessing. ProtocolError for a
+    set-up that does not fit (a run id or file name that is not one, rows beyond its table, a
+    part it does not keep or that differs from the manifest's)."""
+    body = _body(message, "predict-setup", PREDICT_SETUP_KEYS)
+    run, files = body["run"], body["files"]
+    if not _MODEL_ID.fullmatch(run):
+        raise ProtocolError(
+            f"predict-setup: a run id of 32 hex digits expected; found {run[:40]!r}."
+        )
+    if not files or not all(
+        isinstance(v, str) and _PART_FILE.fullmatch(k) and _DIGEST.fullmatch(v)
+        for k, v in files.items()
+    ):
+        raise ProtocolError(
+            "predict-setup: a SHA-256 (64 hex digits) per plain file name expected; found "
+            f"{sorted(files)[:5]}."
+        )
+    config = served_config("predict-setup", name, body)
+    # Nothing trains: no labelled subset, no pretraining (as a model loaded in one process).
+    config = dataclasses.replace(config, labeled=None, pretrain_epochs=0)
+    shapes = served_shapes(body)
+    if len(shapes) != len(body["names"]):
+        raise ProtocolError(
+            f"predict-setup: one block shape per party expected ({len(body['names'])}); found "
+            f"{len(shapes)}."
+        )
+    rows = _rows(body["rows"], "rows", low=-1, high=table.ids.size)
+    placeholder = {"train": np.zeros((1, *shapes[body["index"]]), dtype=np.float32)}
+    held = {"train": np.zeros(1, dtype=np.int64)}
+    party = served_models(
+        "predict-setup", name, body, config, placeholder, held, shapes, None, labels=None
+    )
+    if model.directory is None:
+        raise ProtocolError(f"{name} keeps no model directory; it has no part to predict with.")
+    directory = model.part_directory(run)
+    try:
+        party.load_part(directory, files)
+    except (DataError, IntegrityError) as error:
+        raise ProtocolError(
+            f"predict-setup: {name} cannot load its part of model {run} from {directory}: {error}"
+        ) from None
+    party.hold_rows(PREDICT_SPLIT, table, rows, source=table.name)
+    return party
+
+
+# -- the label party ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DeployedPredictions:
+    """What a deployed prediction gives: the predictions, the model's manifest, and the data
+    parties absent from it (lost in training, or not reachable), each with why."""
+
+    predictions: Predictions
+    manifest: Any
+    absent: dict[str, str]
+    traffic: dict[str, Counter[tuple[str, str, str]]]
+
+
+def predict_deployed(
+    model: Path,
+    federation: Federation,
+    name: str,
+    *,
+    own: Path | None,
+    id_column: str | None = None,
+    deadline: float,
+    wait: float = 60.0,
+    insecure: bool = False,
+    capture: BinaryIO | None = None,
+) -> DeployedPredictions:
+    """Predict the new rows the parties of ``federation`` serve with the model a deployed run
+    saved at ``model`` (its run directory or ``model/``), as the label party ``name`` holding
+    the new rows of the file ``own`` (ids in ``id_column``, default the one it was trained with;
+    None: its block is absent): every data party loads its own part in its own process (module
+    docstring). A data party lost in
+    training, or not accepting a connection within ``wait`` seconds, is absent for every row
+    (ConfigError first if the method cannot predict without it)."""
+    manifest, directory = read_manifest(Path(model))
+    if name != federation.label_party:
+        raise ConfigError(
+            f"{name} is not the label party of {federation.path} ({federation.label_party} "
+            f"is); a data party runs `secure-vfl party serve --federation {federation.path} "
+            f"--name {name} --data NEW_ROWS.csv`."
+        )
+    trained = [entry.name for entry in manifest.parties]
+    if trained != federation.names:
+        raise ConfigError(
+            f"model {manifest.run_id[:12]} was trained by {', '.join(trained)} (in block "
+            f"order); {federation.path} names {', '.join(federation.names)}."
+        )
+    here = [e.name for e in manifest.parties[1:] if e.location not in (KEPT_BY_PARTY, LOST)]
+    if here:
+        raise ConfigError(
+            f"the parts of {', '.join(here)} lie beside the manifest, not at their parties: "
+            "a model trained in one process predicts in one process (`predict --model "
+            f"{model} --party-file ...`)."
+        )
+    absent = {e.name: "lost in training" for e in manifest.parties[1:] if e.location == LOST}
+    endpoint = _endpoint(federation, name, insecure=insecure, deadline=deadline, capture=capture)
+    outcome, predictions = "failed", None
+    reports: dict[str, Counter[tuple[str, str, str]]] = {}
+    try:
+        expected = [n for n in federation.names[1:] if n not in absent]
+        for late in endpoint.await_peers([*expected, AGGREGATOR], wait):
+            if late == AGGREGATOR:
+                raise ConfigError(
+                    f"the aggregation server at {federation.member(AGGREGATOR).address} accepted "
+                    f"no connection within {wait:g} s; it adds the representations: serve it."
+                )
+            absent[late] = f"not reachable within {wait:g} s"
+            logger.warning("%s: %s is not reachable; it is absent from the prediction", name, late)
+        channel = NetworkChannel(endpoint)
+        channel.party_names = federation.names
+        method = rebuild_method(manifest, channel)  # the label party's side only
+        refuse_absent(method, [*absent, *([] if own is not None else [federation.names[0]])])
+        label = in_process_parties(channel)[0]
+        entry = manifest.parties[0]
+        label.load_part(directory / entry.directory, entry.files)
+        if id_column is None:
+            id_column = label.preprocessing.id_column if label.preprocessing else ID_COLUMN
+        table = None
+        if own is not None:
+            table = read_party_file(own, id_column=id_column, name=federation.names[0])
+        # The set-up's answers wait here, not at the label party's actor.
+        handler, endpoint.handler = endpoint.handler, None
+        live = [n for n in federation.names[1:] if n not in absent]
+        ids = dict(zip(live, collect_ids(endpoint, federation, live)[0], strict=True))
+        sample_ids, rows = union_alignment(
+            [table.ids if table is not None else None, *[ids.get(n) for n in federation.names[1:]]]
+        )
+        for k, party in enumerate(federation.names[1:], start=1):
+            if party in live:
+                body = _predict_setup(manifest, k, federation.names, rows[:, k])
+                endpoint.send(_deployment(name, party, "predict-setup", body))
+        endpoint.send(_deployment(name, AGGREGATOR, "setup", {"secure_agg": "none"}))
+        endpoint.handler = handler
+        label.hold_rows(PREDICT_SPLIT, table, rows[:, 0], source=str(own))
+        names = [e.source for e in manifest.parties]
+        predictions = dataclasses.replace(
+            predict_rows(method, sample_ids, rows, names), id_column=id_column
+        )
+        outcome = "finished"
+    finally:
+        reports, _ = _end(endpoint, federation, outcome, lost=list(absent))
+        endpoint.close()
+    return DeployedPredictions(predictions, manifest, absent, reports)
+
+
+def _predict_setup(manifest: Any, k: int, names: list[str], rows: np.ndarray) -> dict[str, Any]:
+    """Party ``k``'s ``predict-setup`` body: the model's terms and its rows."""
+    entry = manifest.parties[k]
+    return {
+        "run": manifest.run_id,
+        "method": manifest.method,
+        "method_config": manifest.method_config,
+        "seed": manifest.seed,
+        "index": k,
+        "names": names,
+        "num_classes": manifest.num_classes,
+        "block_shapes": [list(shape) for shape in manifest.block_shapes],
+        "false_vfl": manifest.false_vfl if manifest.method in LATENT_METHODS else None,
+        "files": dict(entry.files),
+        "rows": rows.tolist(),
+    }
