@@ -227,6 +227,50 @@ def test_a_deployed_run_saves_each_part_at_its_party_and_predicts_as_the_in_proc
     assert re.search(r"telco cannot load its part of model .*SHA-256", processes.log("bank"))
 
 
+def test_a_false_vfl_model_predicts_where_its_parts_live_as_from_its_copied_parts(
+    site: Path, processes: Processes, tmp_path: Path
+) -> None:
+    """FALSE-VFL-II trained deployed: each data party predicts with its own encoder in its own
+    process, as the same parts copied into one place predict."""
+    flags = ("--method", "false-vfl-2", "--labeled", "100", "--kappa", "3")
+    federation = write_federation(site, site / "certs", free_loopback_ports(5))
+    models = {name: tmp_path / f"{name}-models" for name in PARTIES[1:]}
+    servers = [processes.serve(federation, n, "--model-dir", str(models[n])) for n in PARTIES[1:]]
+    servers.append(processes.serve(federation, "aggregator"))
+    out = tmp_path / "deployed"
+    label = processes.start(
+        "train", "--federation", str(federation), "--name", "bank", *FLAGS, *flags,
+        "--out", str(out), log="bank",
+    )  # fmt: skip
+    assert label.wait(timeout=PROCESS_SECONDS) == 0, processes.log("bank")
+    assert [server.wait(timeout=PROCESS_SECONDS) for server in servers] == [0, 0, 0, 0]
+    run = read_manifest(out)[0].run_id
+    copy = tmp_path / "copied"
+    shutil.copytree(out / "model", copy)
+    for name in PARTIES[1:]:
+        shutil.copytree(models[name] / name / run, copy / name)
+    expected = SavedModel.load(copy).predict(new_tables(site))
+
+    federation = write_federation(site, site / "certs", free_loopback_ports(5))
+    served = []
+    for n in PARTIES[1:]:
+        rows = ["--data", str(site / "new" / f"{n}.csv"), "--model-dir", str(models[n])]
+        served.append(processes.serve(federation, n, *rows))
+    served.append(processes.serve(federation, "aggregator"))
+    written = tmp_path / "p.csv"
+    label = processes.start(
+        "predict", "--federation", str(federation), "--name", "bank", "--model", str(out),
+        "--party-file", str(site / "new" / "bank.csv"), "--out", str(written), log="bank",
+    )  # fmt: skip
+    assert label.wait(timeout=PROCESS_SECONDS) == 0, processes.log("bank")
+    assert [server.wait(timeout=PROCESS_SECONDS) for server in served] == [0, 0, 0, 0]
+    frame = pd.read_csv(written, dtype={"id": str})
+    assert frame["id"].tolist() == expected.ids.tolist()
+    np.testing.assert_allclose(
+        frame[["p_0", "p_1"]].to_numpy(), expected.probabilities, rtol=0, atol=1e-6
+    )
+
+
 # Loaded by the interpreter of one party process only (its PYTHONPATH): the process kills
 # itself with SIGKILL at the rename that would publish a directory written atomically (its
 # saved part, written and fsynced under a hidden temporary name), as a crash would.
@@ -542,14 +586,23 @@ def test_a_serving_process_takes_a_save_only_from_the_label_party_once_set_up(
             server.receive(message)
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--method", "laser", "--heads", "all"),
+        ("--method", "false-vfl-2", "--labeled", "100", "--kappa", "3"),
+    ],
+    ids=["laser", "false-vfl-2"],
+)
 def test_a_data_party_predicts_only_with_its_own_unaltered_part_on_rows_it_holds(
-    site: Path, tmp_path: Path
+    site: Path, tmp_path: Path, flags: tuple[str, ...]
 ) -> None:
     """No processes: a served data party's `predict-setup`, fed the label party's message, with
-    a part laid out as a deployed party keeps it (DIR/NAME/RUN_ID/)."""
+    a part laid out as a deployed party keeps it (DIR/NAME/RUN_ID/): the models of its method
+    (LASER's bottom and heads; FALSE-VFL's encoder, decoder and missingness model), loaded."""
     from secure_vfl.deployed_prediction import _predict_setup, build_predicting_party
 
-    in_process(site, tmp_path / "alone", "--method", "laser", "--heads", "all")
+    in_process(site, tmp_path / "alone", *flags)
     manifest, directory = read_manifest(tmp_path / "alone")
     entry = manifest.parties[1]
     models = tmp_path / "models"
