@@ -811,6 +811,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     predict.add_argument("--overwrite", action="store_true", help="replace an existing --out")
     _deployment_flags(predict, predict)
+    predict.add_argument(
+        "--align",
+        choices=["join", "psi"],
+        default="join",
+        help="with --federation: `join` (each data party sends its ids; every id any party "
+        "holds is predicted) or `psi` (DH-PSI with each data party, no id in the clear; the "
+        "label party's own rows are predicted)",
+    )
     _capture_option(predict)
     runs = commands.add_parser(
         "runs",
@@ -1996,6 +2004,7 @@ def run_predict(args: argparse.Namespace) -> int:
             "FED --name LABEL for a deployed model. Found neither."
         )
     refused = _given(("--name", args.name), ("--capture", args.capture))
+    refused += ["--align psi"] if args.align == "psi" else []
     if refused:
         raise ConfigError(f"{', '.join(refused)} go with --federation; found no --federation.")
     out: Path | None = args.out
@@ -2048,6 +2057,7 @@ def run_predict_deployed(args: argparse.Namespace) -> int:
             wait=args.wait,
             insecure=args.insecure,
             capture=capture,
+            psi=_psi_roles() if args.align == "psi" else None,
         )
     predictions = dataclasses.replace(done.predictions, label_column=args.label_column)
     if out is not None:

@@ -12,7 +12,9 @@ DeploymentMessage` s, each a JSON object checked on arrival:
 
 1. ``ids-request`` -> ``ids``: each reachable data party's ids (the plain join, as in training:
    the label party learns which ids each party holds). The rows predicted are every id any
-   party holds; a party holds its own rows of them.
+   party holds; a party holds its own rows of them. With ``--align psi`` instead, ``psi`` ->
+   ``psi-ready`` and a DH-PSI session with each data party (as in training): the label party's
+   own rows are predicted, a party's rows are the sample positions its PSI matched.
 2. ``predict-setup``: the model's run id, the method and its configuration, the seed, the
    party's index and the names, the block shapes, FALSE-VFL's options, the SHA-256 of each file
    of the party's part (from the manifest) and the party's row of every predicted id (-1: it
@@ -45,16 +47,20 @@ from secure_vfl.deployment import (
     _MODEL_ID,
     _PART_FILE,
     LATENT_METHODS,
+    PsiAlignment,
+    PsiRoles,
     ServedModel,
     _body,
     _deployment,
     _end,
     _endpoint,
+    _row_mapping,
     _rows,
     collect_ids,
     served_config,
     served_models,
     served_shapes,
+    start_psi,
 )
 from secure_vfl.errors import ConfigError, DataError, IntegrityError, ProtocolError
 from secure_vfl.federation.federation_file import Federation
@@ -88,6 +94,7 @@ PREDICT_SETUP_KEYS: dict[str, type | tuple[type, ...]] = {
     "false_vfl": (dict, type(None)),
     "files": dict,
     "rows": list,
+    "align": str,
 }
 """``predict-setup``: what a data party rebuilds and loads its part from, and its rows."""
 
@@ -96,14 +103,21 @@ PREDICT_SETUP_KEYS: dict[str, type | tuple[type, ...]] = {
 
 
 def build_predicting_party(
-    name: str, message: Message, table: PartyTable, model: ServedModel
+    name: str,
+    message: Message,
+    table: PartyTable,
+    model: ServedModel,
+    *,
+    aligned: np.ndarray | None = None,
 ) -> DataParty:
     """Data party ``name`` as the ``predict-setup`` ``message`` describes it: its models by the
     method's seed rule, its own part of the model loaded from its model directory (each file
     checked against the manifest's SHA-256 the message carries), holding its rows of the
-    predicted ids from its ``table`` after its own saved preprocessing. ProtocolError for a
-    set-up that does not fit (a run id or file name that is not one, rows beyond its table, a
-    part it does not keep or that differs from the manifest's)."""
+    predicted ids from its ``table`` after its own saved preprocessing. Under ``align: "psi"``
+    the rows are sample positions, which it maps to its rows by ``aligned`` (what its PSI with
+    the label party told it), as a training set-up's. ProtocolError for a set-up that does not
+    fit (a run id or file name that is not one, rows beyond its table or alignment, a part it
+    does not keep or that differs from the manifest's)."""
     body = _body(message, "predict-setup", PREDICT_SETUP_KEYS)
     run, files = body["run"], body["files"]
     if not _MODEL_ID.fullmatch(run):
@@ -127,7 +141,9 @@ def build_predicting_party(
             f"predict-setup: one block shape per party expected ({len(body['names'])}); found "
             f"{len(shapes)}."
         )
-    rows = _rows(body["rows"], "rows", low=-1, high=table.ids.size)
+    to_rows = _row_mapping(body["align"], aligned, name, table.ids.size)
+    n = table.ids.size if aligned is None else aligned.size
+    rows = to_rows(_rows(body["rows"], "rows", low=-1, high=n), "rows")
     placeholder = {"train": np.zeros((1, *shapes[body["index"]]), dtype=np.float32)}
     held = {"train": np.zeros(1, dtype=np.int64)}
     party = served_models(
@@ -171,14 +187,17 @@ def predict_deployed(
     wait: float = 60.0,
     insecure: bool = False,
     capture: BinaryIO | None = None,
+    psi: PsiRoles | None = None,
 ) -> DeployedPredictions:
     """Predict the new rows the parties of ``federation`` serve with the model a deployed run
     saved at ``model`` (its run directory or ``model/``), as the label party ``name`` holding
     the new rows of the file ``own`` (ids in ``id_column``, default the one it was trained with;
     None: its block is absent): every data party loads its own part in its own process (module
-    docstring). A data party lost in
-    training, or not accepting a connection within ``wait`` seconds, is absent for every row
-    (ConfigError first if the method cannot predict without it)."""
+    docstring). A data party lost in training, or not accepting a connection within ``wait``
+    seconds, is absent for every row (ConfigError first if the method cannot predict without
+    it). With ``psi`` (the roles of DH-PSI) no id crosses in the clear: the label party runs PSI
+    with each data party, as ``train --align psi`` does, and predicts its own rows (it learns
+    only which of its ids each party holds; a party learns which of its ids are predicted)."""
     manifest, directory = read_manifest(Path(model))
     if name != federation.label_party:
         raise ConfigError(
@@ -228,13 +247,20 @@ def predict_deployed(
         # The set-up's answers wait here, not at the label party's actor.
         handler, endpoint.handler = endpoint.handler, None
         live = [n for n in federation.names[1:] if n not in absent]
-        ids = dict(zip(live, collect_ids(endpoint, federation, live)[0], strict=True))
-        sample_ids, rows = union_alignment(
-            [table.ids if table is not None else None, *[ids.get(n) for n in federation.names[1:]]]
-        )
+        if psi is not None:
+            if table is None:
+                raise ConfigError(
+                    "a prediction aligned by PSI predicts the label party's own rows: expected "
+                    "its --party-file (or `data` file). Found none."
+                )
+            sample_ids, rows = _psi_rows(endpoint, federation, table, live, psi)
+        else:
+            ids = dict(zip(live, collect_ids(endpoint, federation, live)[0], strict=True))
+            held = [ids.get(n) for n in federation.names[1:]]
+            sample_ids, rows = union_alignment([table.ids if table else None, *held])
         for k, party in enumerate(federation.names[1:], start=1):
             if party in live:
-                body = _predict_setup(manifest, k, federation.names, rows[:, k])
+                body = _predict_setup(manifest, k, federation.names, rows[:, k], psi is not None)
                 endpoint.send(_deployment(name, party, "predict-setup", body))
         endpoint.send(_deployment(name, AGGREGATOR, "setup", {"secure_agg": "none"}))
         endpoint.handler = handler
@@ -250,8 +276,26 @@ def predict_deployed(
     return DeployedPredictions(predictions, manifest, absent, reports)
 
 
-def _predict_setup(manifest: Any, k: int, names: list[str], rows: np.ndarray) -> dict[str, Any]:
-    """Party ``k``'s ``predict-setup`` body: the model's terms and its rows."""
+def _psi_rows(
+    endpoint: Any, federation: Federation, own: PartyTable, live: list[str], psi: PsiRoles
+) -> tuple[np.ndarray, np.ndarray]:
+    """The label party's rows, sorted by id, and (N, K) each party's place in them: the label
+    party's rows of its table, and for every ``live`` data party the sample positions its PSI
+    matched (-1 elsewhere, and for every other party), which the party maps to its own rows."""
+    sessions, _ = start_psi(endpoint, federation, live)
+    alignment, _ = PsiAlignment(endpoint, own, sessions, psi)(own.ids)
+    rows = np.full((alignment.sample_ids.size, len(federation.names)), -1, dtype=np.int64)
+    rows[:, 0] = alignment.rows[:, 0]
+    for column, name in enumerate(live, start=1):
+        rows[:, federation.names.index(name)] = alignment.rows[:, column]
+    return alignment.sample_ids, rows
+
+
+def _predict_setup(
+    manifest: Any, k: int, names: list[str], rows: np.ndarray, psi: bool = False
+) -> dict[str, Any]:
+    """Party ``k``'s ``predict-setup`` body: the model's terms and its rows (sample positions
+    after PSI)."""
     entry = manifest.parties[k]
     return {
         "run": manifest.run_id,
@@ -265,4 +309,5 @@ def _predict_setup(manifest: Any, k: int, names: list[str], rows: np.ndarray) ->
         "false_vfl": manifest.false_vfl if manifest.method in LATENT_METHODS else None,
         "files": dict(entry.files),
         "rows": rows.tolist(),
+        "align": "psi" if psi else "join",
     }

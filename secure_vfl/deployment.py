@@ -541,7 +541,10 @@ class _Server:
         if self.party is not None or self.table is None:
             where = "at the aggregator" if self.table is None else "after a set-up (a replay?)"
             raise ProtocolError(f"{self.name}: a predict-setup {where}.")
-        party = build_predicting_party(self.name, message, self.table, self.model)
+        aligned = None
+        if self.responder is not None:
+            aligned = self.responder.aligned_rows(message.sender)
+        party = build_predicting_party(self.name, message, self.table, self.model, aligned=aligned)
         self.party = party
         self._attach(party)
         self.on_event(
@@ -1481,12 +1484,14 @@ def join_alignment(own: PartyTable, ids: Sequence[np.ndarray]) -> AlignLabelIds:
     return lambda label_ids: (JoinAligner().align([own.ids, *ids], label_ids), sizes)
 
 
-def start_psi(endpoint: PartyEndpoint, federation: Federation) -> tuple[dict[str, str], list[int]]:
-    """Ask every data party to take the responder's side of a PSI session (a fresh session id
-    each, the mode :data:`PSI_MODE`); returns the sessions by party and the parties' block
-    widths, which is all they answer."""
+def start_psi(
+    endpoint: PartyEndpoint, federation: Federation, names: Sequence[str] | None = None
+) -> tuple[dict[str, str], list[int]]:
+    """Ask every data party (or those ``names``) to take the responder's side of a PSI session
+    (a fresh session id each, the mode :data:`PSI_MODE`); returns the sessions by party and the
+    parties' block widths, which is all they answer."""
     sessions, widths = {}, []
-    for name in federation.names[1:]:
+    for name in federation.names[1:] if names is None else names:
         sessions[name] = secrets.token_hex(16)
         body = {"session": sessions[name], "mode": PSI_MODE}
         endpoint.send(_deployment(endpoint.name, name, "psi", body))

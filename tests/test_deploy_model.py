@@ -185,27 +185,32 @@ def test_a_deployed_run_saves_each_part_at_its_party_and_predicts_as_the_in_proc
     # Where the parts live: each data party loads its own part in its own process and serves
     # its own new rows; the same predictions as the in-process model, with every party and
     # with one that is not running (absent for every row).
-    def predict_where_they_live(tag: str, absent: str | None = None) -> tuple[int, Path]:
+    def predict_where_they_live(
+        tag: str, absent: str | None = None, align: str = "join"
+    ) -> tuple[int, Path]:
         federation = write_federation(site, site / "certs", free_loopback_ports(5))
         served = []
         for n in PARTIES[1:]:
             if n != absent:
                 rows = ["--data", str(site / "new" / f"{n}.csv"), "--model-dir", str(models[n])]
-                served.append(processes.serve(federation, n, *rows))
+                psi_only = ["--align", "psi"] if align == "psi" else []  # refuses the join
+                served.append(processes.serve(federation, n, *rows, *psi_only))
         served.append(processes.serve(federation, "aggregator"))
         written = tmp_path / f"{tag}.csv"
         label = processes.start(
             "predict", "--federation", str(federation), "--name", "bank", "--model", str(out),
             "--party-file", str(site / "new" / "bank.csv"), "--wait", "3", "--out", str(written),
-            log="bank",
+            "--align", align, log="bank",
         )  # fmt: skip
         code = label.wait(timeout=PROCESS_SECONDS)
         codes = [server.wait(timeout=PROCESS_SECONDS) for server in served]
         assert codes == [0] * len(served) or code != 0, [processes.log(n) for n in PARTIES[1:]]
         return code, written
 
-    for absent in (None, "insurer"):
-        code, written = predict_where_they_live(f"live-{absent}", absent)
+    # Under PSI no id crosses in the clear, and the label party's own rows are predicted: here
+    # it holds every new id, so the same rows as the join.
+    for absent, align in ((None, "join"), ("insurer", "join"), (None, "psi")):
+        code, written = predict_where_they_live(f"live-{absent}-{align}", absent, align)
         assert code == 0, processes.log("bank")
         frame = pd.read_csv(written, dtype={"id": str})
         theirs = in_memory.predict(new_tables(site, absent))
@@ -218,6 +223,8 @@ def test_a_deployed_run_saves_each_part_at_its_party_and_predicts_as_the_in_proc
             assert f"absent: {absent} (not reachable within 3 s)" in processes.log("bank")
         else:
             assert "predicting with its own part of the model" in processes.log("shop")
+        if align == "psi":
+            assert "aligning by PSI with bank" in processes.log("shop")
     # A part altered at its party after it reported its hashes: that party refuses to load it,
     # and the prediction fails naming it.
     [weights, *_] = sorted((models["telco"] / "telco" / run).glob("*.pt"))
@@ -669,6 +676,7 @@ def test_a_deployed_prediction_refuses_what_does_not_fit_before_any_contact(
         ([*deployed, "--name", "bank"], "was trained by party-0, party-1"),
         (base, "predict needs --party-file"),
         ([*base, "--party-file", new[0], "--name", "bank"], "--name go with --federation"),
+        ([*base, "--party-file", new[0], "--align", "psi"], "--align psi go with --federation"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv
