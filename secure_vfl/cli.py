@@ -819,6 +819,14 @@ def build_parser() -> argparse.ArgumentParser:
         "holds is predicted) or `psi` (DH-PSI with each data party, no id in the clear; the "
         "label party's own rows are predicted)",
     )
+    predict.add_argument(
+        "--secure-agg",
+        choices=SECURE_AGGREGATORS,
+        default="none",
+        help="with --federation: how the representations of the new rows are summed: in the "
+        "clear at the aggregation server, or sealed (pairwise masks, Paillier, CKKS) as in "
+        "training",
+    )
     _capture_option(predict)
     runs = commands.add_parser(
         "runs",
@@ -2005,6 +2013,7 @@ def run_predict(args: argparse.Namespace) -> int:
         )
     refused = _given(("--name", args.name), ("--capture", args.capture))
     refused += ["--align psi"] if args.align == "psi" else []
+    refused += [f"--secure-agg {args.secure_agg}"] if args.secure_agg != "none" else []
     if refused:
         raise ConfigError(f"{', '.join(refused)} go with --federation; found no --federation.")
     out: Path | None = args.out
@@ -2058,6 +2067,8 @@ def run_predict_deployed(args: argparse.Namespace) -> int:
             insecure=args.insecure,
             capture=capture,
             psi=_psi_roles() if args.align == "psi" else None,
+            secure_agg=args.secure_agg,
+            secure_sums=_secure_sums,
         )
     predictions = dataclasses.replace(done.predictions, label_column=args.label_column)
     if out is not None:

@@ -27,8 +27,10 @@ DeploymentMessage` s, each a JSON object checked on arrival:
    within ``--wait`` is absent for every row.
 4. ``end`` -> ``report``, as in training.
 
-Prediction runs in plain sums: the aggregation server sees each party's representations of the
-new rows (as :class:`~secure_vfl.saved_model.SavedModel` does in one process).
+Prediction runs in plain sums by default: the aggregation server then sees each party's
+representations of the new rows. With ``--secure-agg masks`` (or ``paillier``, ``ckks``) each
+data party makes its halves and the keys meet by messages, as in training: the server sees only
+sealed shares, the label party only the sums it is owed.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from secure_vfl.deployment import (
     LATENT_METHODS,
     PsiAlignment,
     PsiRoles,
+    SecureSums,
     ServedModel,
     _body,
     _deployment,
@@ -56,6 +59,7 @@ from secure_vfl.deployment import (
     _endpoint,
     _row_mapping,
     _rows,
+    _with_secure_sums,
     collect_ids,
     served_config,
     served_models,
@@ -95,6 +99,7 @@ PREDICT_SETUP_KEYS: dict[str, type | tuple[type, ...]] = {
     "files": dict,
     "rows": list,
     "align": str,
+    "secure_agg": str,
 }
 """``predict-setup``: what a data party rebuilds and loads its part from, and its rows."""
 
@@ -107,6 +112,7 @@ def build_predicting_party(
     message: Message,
     table: PartyTable,
     model: ServedModel,
+    secure_sums: SecureSums,
     *,
     aligned: np.ndarray | None = None,
 ) -> DataParty:
@@ -159,7 +165,7 @@ def build_predicting_party(
             f"predict-setup: {name} cannot load its part of model {run} from {directory}: {error}"
         ) from None
     party.hold_rows(PREDICT_SPLIT, table, rows, source=table.name)
-    return party
+    return _with_secure_sums(party, secure_sums(body["secure_agg"]))
 
 
 # -- the label party ---------------------------------------------------------------------------
@@ -188,6 +194,8 @@ def predict_deployed(
     insecure: bool = False,
     capture: BinaryIO | None = None,
     psi: PsiRoles | None = None,
+    secure_agg: str = "none",
+    secure_sums: SecureSums | None = None,
 ) -> DeployedPredictions:
     """Predict the new rows the parties of ``federation`` serve with the model a deployed run
     saved at ``model`` (its run directory or ``model/``), as the label party ``name`` holding
@@ -197,7 +205,9 @@ def predict_deployed(
     seconds, is absent for every row (ConfigError first if the method cannot predict without
     it). With ``psi`` (the roles of DH-PSI) no id crosses in the clear: the label party runs PSI
     with each data party, as ``train --align psi`` does, and predicts its own rows (it learns
-    only which of its ids each party holds; a party learns which of its ids are predicted)."""
+    only which of its ids each party holds; a party learns which of its ids are predicted).
+    Under ``secure_agg`` (a scheme ``secure_sums`` makes) the representations are sealed, as in
+    training: the aggregation server sees only sealed shares and the label party only sums."""
     manifest, directory = read_manifest(Path(model))
     if name != federation.label_party:
         raise ConfigError(
@@ -220,8 +230,11 @@ def predict_deployed(
         )
     absent = {e.name: "lost in training" for e in manifest.parties[1:] if e.location == LOST}
     endpoint = _endpoint(federation, name, insecure=insecure, deadline=deadline, capture=capture)
-    outcome, predictions = "failed", None
+    outcome = "failed"
     reports: dict[str, Counter[tuple[str, str, str]]] = {}
+    backend = secure_sums(secure_agg) if secure_sums is not None else None
+    if secure_agg != "none" and backend is None:
+        raise ConfigError(f"--secure-agg {secure_agg} needs the secure-sum backends; found none.")
     try:
         expected = [n for n in federation.names[1:] if n not in absent]
         for late in endpoint.await_peers([*expected, AGGREGATOR], wait):
@@ -234,11 +247,10 @@ def predict_deployed(
             logger.warning("%s: %s is not reachable; it is absent from the prediction", name, late)
         channel = NetworkChannel(endpoint)
         channel.party_names = federation.names
-        method = rebuild_method(manifest, channel)  # the label party's side only
+        # The label party's side only; under sealed sums only the sums they may release.
+        method = rebuild_method(manifest, channel, secure_sums=backend is not None)
         refuse_absent(method, [*absent, *([] if own is not None else [federation.names[0]])])
-        label = in_process_parties(channel)[0]
-        entry = manifest.parties[0]
-        label.load_part(directory / entry.directory, entry.files)
+        label = _own_part(channel, manifest, directory)
         if id_column is None:
             id_column = label.preprocessing.id_column if label.preprocessing else ID_COLUMN
         table = None
@@ -260,10 +272,16 @@ def predict_deployed(
             sample_ids, rows = union_alignment([table.ids if table else None, *held])
         for k, party in enumerate(federation.names[1:], start=1):
             if party in live:
-                body = _predict_setup(manifest, k, federation.names, rows[:, k], psi is not None)
+                body = _predict_setup(manifest, k, federation.names, rows[:, k], psi, secure_agg)
                 endpoint.send(_deployment(name, party, "predict-setup", body))
-        endpoint.send(_deployment(name, AGGREGATOR, "setup", {"secure_agg": "none"}))
-        endpoint.handler = handler
+        endpoint.send(_deployment(name, AGGREGATOR, "setup", {"secure_agg": secure_agg}))
+        if backend is None:
+            endpoint.handler = handler
+        else:  # again, now that every party has its halves: their keys meet by messages
+            channel = NetworkChannel(endpoint)
+            channel.party_names = federation.names
+            method = rebuild_method(manifest, channel, aggregator=backend, secure_sums=True)
+            label = _own_part(channel, manifest, directory)
         label.hold_rows(PREDICT_SPLIT, table, rows[:, 0], source=str(own))
         names = [e.source for e in manifest.parties]
         predictions = dataclasses.replace(
@@ -274,6 +292,14 @@ def predict_deployed(
         reports, _ = _end(endpoint, federation, outcome, lost=list(absent))
         endpoint.close()
     return DeployedPredictions(predictions, manifest, absent, reports)
+
+
+def _own_part(channel: NetworkChannel, manifest: Any, directory: Path) -> DataParty:
+    """The label party of ``channel``, its own part of the model loaded."""
+    label = in_process_parties(channel)[0]
+    entry = manifest.parties[0]
+    label.load_part(directory / entry.directory, entry.files)
+    return label
 
 
 def _psi_rows(
@@ -292,15 +318,21 @@ def _psi_rows(
 
 
 def _predict_setup(
-    manifest: Any, k: int, names: list[str], rows: np.ndarray, psi: bool = False
+    manifest: Any,
+    k: int,
+    names: list[str],
+    rows: np.ndarray,
+    psi: object = None,
+    secure_agg: str = "none",
 ) -> dict[str, Any]:
-    """Party ``k``'s ``predict-setup`` body: the model's terms and its rows (sample positions
-    after PSI)."""
+    """Party ``k``'s ``predict-setup`` body: the model's terms, its rows (sample positions
+    after ``psi``) and the secure-sum scheme."""
     entry = manifest.parties[k]
+    secure = manifest.method_config.get("secure_sums") or secure_agg != "none"
     return {
         "run": manifest.run_id,
         "method": manifest.method,
-        "method_config": manifest.method_config,
+        "method_config": {**manifest.method_config, "secure_sums": bool(secure)},
         "seed": manifest.seed,
         "index": k,
         "names": names,
@@ -309,5 +341,6 @@ def _predict_setup(
         "false_vfl": manifest.false_vfl if manifest.method in LATENT_METHODS else None,
         "files": dict(entry.files),
         "rows": rows.tolist(),
-        "align": "psi" if psi else "join",
+        "align": "join" if psi is None else "psi",
+        "secure_agg": secure_agg,
     }

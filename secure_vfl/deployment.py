@@ -544,7 +544,9 @@ class _Server:
         aligned = None
         if self.responder is not None:
             aligned = self.responder.aligned_rows(message.sender)
-        party = build_predicting_party(self.name, message, self.table, self.model, aligned=aligned)
+        party = build_predicting_party(
+            self.name, message, self.table, self.model, self.secure_sums, aligned=aligned
+        )
         self.party = party
         self._attach(party)
         self.on_event(

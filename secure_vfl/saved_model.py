@@ -41,6 +41,7 @@ from secure_vfl import __version__, methods
 from secure_vfl.data.party_files import PartyTable
 from secure_vfl.data.vertical import VerticalData, VerticalSplit
 from secure_vfl.errors import ConfigError, DataError
+from secure_vfl.federation.aggregator import SumBackend
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.parties import DataParty
 from secure_vfl.federation.parts import ClassValue
@@ -454,10 +455,19 @@ class SavedModel:
         return predict_tables(self.method, self.channel, by_index, names=self.party_names)
 
 
-def rebuild_method(manifest: Manifest, channel: Channel) -> methods.Method:
+def rebuild_method(
+    manifest: Manifest,
+    channel: Channel,
+    *,
+    aggregator: SumBackend | None = None,
+    secure_sums: bool = False,
+) -> methods.Method:
     """The method's federation with fresh modules of the saved architectures, built on one
     placeholder row per party that ``channel`` hosts (in one process every party; deployed,
-    the label party alone): nothing is trained, the parties load their parts next."""
+    the label party alone): nothing is trained, the parties load their parts next. With a
+    sealing ``aggregator`` its keys are set up by messages, as in training; ``secure_sums``
+    plans only the sums such a backend may release (:class:`~secure_vfl.methods.MethodConfig`),
+    whatever the model was trained under (ConfigError for a method that cannot)."""
     from secure_vfl.experiment import make_method
 
     try:
@@ -467,7 +477,9 @@ def rebuild_method(manifest: Manifest, channel: Channel) -> methods.Method:
         raise DataError(
             f"the manifest's configuration does not fit this version: {error}"
         ) from None
-    config = replace(config, labeled=None, pretrain_epochs=0)
+    config = replace(
+        config, labeled=None, pretrain_epochs=0, secure_sums=config.secure_sums or secure_sums
+    )
     blocks = tuple(np.zeros((1, *shape), dtype=np.float32) for shape in manifest.block_shapes)
     placeholder = VerticalSplit(
         blocks=blocks,
@@ -489,4 +501,5 @@ def rebuild_method(manifest: Manifest, channel: Channel) -> methods.Method:
         seed=manifest.seed,
         false_vfl=false_vfl,
         channel=channel,
+        aggregator=aggregator,
     )

@@ -44,7 +44,7 @@ from secure_vfl.deployment import (
 )
 from secure_vfl.errors import ConfigError, DataError, IntegrityError, ProtocolError, TransportError
 from secure_vfl.experiment import TrainConfig, build_method, prepare_data
-from secure_vfl.federation.channel import Channel
+from secure_vfl.federation.channel import Channel, read_capture
 from secure_vfl.federation.federation_file import read_federation
 from secure_vfl.federation.messages import DeploymentMessage
 from secure_vfl.federation.network import free_loopback_ports
@@ -186,7 +186,7 @@ def test_a_deployed_run_saves_each_part_at_its_party_and_predicts_as_the_in_proc
     # its own new rows; the same predictions as the in-process model, with every party and
     # with one that is not running (absent for every row).
     def predict_where_they_live(
-        tag: str, absent: str | None = None, align: str = "join"
+        tag: str, absent: str | None = None, align: str = "join", sums: str = "none"
     ) -> tuple[int, Path]:
         federation = write_federation(site, site / "certs", free_loopback_ports(5))
         served = []
@@ -195,12 +195,13 @@ def test_a_deployed_run_saves_each_part_at_its_party_and_predicts_as_the_in_proc
                 rows = ["--data", str(site / "new" / f"{n}.csv"), "--model-dir", str(models[n])]
                 psi_only = ["--align", "psi"] if align == "psi" else []  # refuses the join
                 served.append(processes.serve(federation, n, *rows, *psi_only))
-        served.append(processes.serve(federation, "aggregator"))
+        capture = ["--capture", str(tmp_path / f"{tag}-aggregator.capture")]
+        served.append(processes.serve(federation, "aggregator", *capture))
         written = tmp_path / f"{tag}.csv"
         label = processes.start(
             "predict", "--federation", str(federation), "--name", "bank", "--model", str(out),
             "--party-file", str(site / "new" / "bank.csv"), "--wait", "3", "--out", str(written),
-            "--align", align, log="bank",
+            "--align", align, "--secure-agg", sums, log="bank",
         )  # fmt: skip
         code = label.wait(timeout=PROCESS_SECONDS)
         codes = [server.wait(timeout=PROCESS_SECONDS) for server in served]
@@ -209,8 +210,10 @@ def test_a_deployed_run_saves_each_part_at_its_party_and_predicts_as_the_in_proc
 
     # Under PSI no id crosses in the clear, and the label party's own rows are predicted: here
     # it holds every new id, so the same rows as the join.
-    for absent, align in ((None, "join"), ("insurer", "join"), (None, "psi")):
-        code, written = predict_where_they_live(f"live-{absent}-{align}", absent, align)
+    cases = [(None, "join", "none"), ("insurer", "join", "none"), (None, "psi", "none")]
+    for absent, align, sums in cases:
+        tag = f"live-{absent}-{align}-{sums}"
+        code, written = predict_where_they_live(tag, absent, align, sums)
         assert code == 0, processes.log("bank")
         frame = pd.read_csv(written, dtype={"id": str})
         theirs = in_memory.predict(new_tables(site, absent))
@@ -225,6 +228,9 @@ def test_a_deployed_run_saves_each_part_at_its_party_and_predicts_as_the_in_proc
             assert "predicting with its own part of the model" in processes.log("shop")
         if align == "psi":
             assert "aligning by PSI with bank" in processes.log("shop")
+    # Sealed sums need a model whose heads take them (heads active): refused before any set-up.
+    code, written = predict_where_they_live("heads-all-masks", sums="masks")
+    assert code == 2 and "cannot run under secure aggregation" in processes.log("bank")
     # A part altered at its party after it reported its hashes: that party refuses to load it,
     # and the prediction fails naming it.
     [weights, *_] = sorted((models["telco"] / "telco" / run).glob("*.pt"))
@@ -232,6 +238,55 @@ def test_a_deployed_run_saves_each_part_at_its_party_and_predicts_as_the_in_proc
     code, written = predict_where_they_live("tampered")
     assert code != 0 and not written.exists()
     assert re.search(r"telco cannot load its part of model .*SHA-256", processes.log("bank"))
+
+
+def test_a_model_trained_under_masks_predicts_under_masks_where_its_parts_live(
+    site: Path, processes: Processes, tmp_path: Path
+) -> None:
+    """LASER (heads active) trained under masks predicts with every part where it lives and the
+    representations sealed: the aggregation server takes only sealed shares, and the
+    predictions are those of its parts copied into one place (which plan the same sums)."""
+    flags = ("--method", "laser", "--heads", "active", "--secure-agg", "masks")
+    federation = write_federation(site, site / "certs", free_loopback_ports(5))
+    models = {name: tmp_path / f"{name}-models" for name in PARTIES[1:]}
+    servers = [processes.serve(federation, n, "--model-dir", str(models[n])) for n in PARTIES[1:]]
+    servers.append(processes.serve(federation, "aggregator"))
+    out = tmp_path / "deployed"
+    label = processes.start(
+        "train", "--federation", str(federation), "--name", "bank", *FLAGS, *flags,
+        "--out", str(out), log="bank",
+    )  # fmt: skip
+    assert label.wait(timeout=PROCESS_SECONDS) == 0, processes.log("bank")
+    assert [server.wait(timeout=PROCESS_SECONDS) for server in servers] == [0, 0, 0, 0]
+    run = read_manifest(out)[0].run_id
+    copy = tmp_path / "copied"
+    shutil.copytree(out / "model", copy)
+    for name in PARTIES[1:]:
+        shutil.copytree(models[name] / name / run, copy / name)
+    expected = SavedModel.load(copy).predict(new_tables(site))
+
+    federation = write_federation(site, site / "certs", free_loopback_ports(5))
+    served = []
+    for n in PARTIES[1:]:
+        rows = ["--data", str(site / "new" / f"{n}.csv"), "--model-dir", str(models[n])]
+        served.append(processes.serve(federation, n, *rows))
+    capture = tmp_path / "aggregator.capture"
+    served.append(processes.serve(federation, "aggregator", "--capture", str(capture)))
+    written = tmp_path / "p.csv"
+    label = processes.start(
+        "predict", "--federation", str(federation), "--name", "bank", "--model", str(out),
+        "--party-file", str(site / "new" / "bank.csv"), "--secure-agg", "masks",
+        "--out", str(written), log="bank",
+    )  # fmt: skip
+    assert label.wait(timeout=PROCESS_SECONDS) == 0, processes.log("bank")
+    assert [server.wait(timeout=PROCESS_SECONDS) for server in served] == [0, 0, 0, 0]
+    frame = pd.read_csv(written, dtype={"id": str})
+    assert frame["id"].tolist() == expected.ids.tolist()
+    np.testing.assert_allclose(
+        frame[["p_0", "p_1"]].to_numpy(), expected.probabilities, rtol=0, atol=1e-5
+    )
+    kinds = {message.kind for message in read_capture(capture)}
+    assert "sealed" in kinds and "representation" not in kinds, kinds
 
 
 def test_a_false_vfl_model_predicts_where_its_parts_live_as_from_its_copied_parts(
@@ -621,7 +676,8 @@ def test_a_data_party_predicts_only_with_its_own_unaltered_part_on_rows_it_holds
 
     def build(change: dict[str, Any], model: Path | None = models) -> DataParty:
         message = _deployment("bank", entry.name, "predict-setup", {**body, **change})
-        return build_predicting_party(entry.name, message, table, ServedModel(entry.name, model))
+        served = ServedModel(entry.name, model)
+        return build_predicting_party(entry.name, message, table, served, lambda _: None)
 
     party = build({})
     block = party.block_rows("predict", torch.arange(4))
