@@ -7,10 +7,10 @@
 # (a trap on EXIT kills the pids it started). Each data party keeps its own part of the trained
 # model in its own directory (DIR/models-NAME/NAME/RUN_ID/); the script then copies the parts
 # beside the label party's manifest and predicts in one process (DIR/predictions.csv), and
-# under `join` predicts again with every part where it lives, each data party in its own
-# process (DIR/predictions-deployed.csv). ALIGN is `join` (default: the label party learns
-# every party's ids) or `psi` (DH-PSI with each data party: it learns only which of its ids
-# each party holds).
+# predicts again with every part where it lives, each data party in its own process and the
+# representations sealed (DIR/predictions-deployed.csv). ALIGN is `join` (default: the label
+# party learns every party's ids) or `psi` (DH-PSI with each data party: it learns only which
+# of its ids each party holds), in training and in prediction.
 #
 #     bash examples/deploy_localhost.sh [DIR] [EPOCHS] [ALIGN]
 #
@@ -97,13 +97,19 @@ key = "certs/telco.key"
 data = "telco.csv"
 TOML
 
-for name in shop insurer telco aggregator; do
-    model_dir=()
-    [ "$name" = aggregator ] || model_dir=(--model-dir "$DIR/models-$name")
-    svfl party serve --federation "$DIR/federation.toml" --name "$name" "${model_dir[@]}" \
-        > "$DIR/$name.log" 2>&1 &
-    PIDS+=($!)
-done
+# The data parties, each keeping its part of the model in its own directory, and the
+# aggregation server, in the background; each logs to DIR/NAME$1.log.
+serve_all() {
+    local name model_dir
+    for name in shop insurer telco aggregator; do
+        model_dir=()
+        [ "$name" = aggregator ] || model_dir=(--model-dir "$DIR/models-$name")
+        svfl party serve --federation "$DIR/federation.toml" --name "$name" "${model_dir[@]}" \
+            > "$DIR/$name$1.log" 2>&1 &
+        PIDS+=($!)
+    done
+}
+serve_all ""
 
 svfl train --federation "$DIR/federation.toml" --name bank \
     --method laser --heads active --secure-agg masks --epochs "$EPOCHS" --align "$ALIGN" \
@@ -126,17 +132,9 @@ svfl predict --model "$DIR/model-copy" --party-file "$DIR/bank.csv" --party-file
     --party-file "$DIR/insurer.csv" --party-file "$DIR/telco.csv" --out "$DIR/predictions.csv"
 
 # Or where the parts live: each data party loads its own part in its own process and serves its
-# rows (`--data NEW.csv` for new ones; here its training file). The prediction joins the
-# parties' ids in the clear, so the PSI demo stops before it.
-[ "$ALIGN" = join ] || exit 0
-for name in shop insurer telco aggregator; do
-    model_dir=()
-    [ "$name" = aggregator ] || model_dir=(--model-dir "$DIR/models-$name")
-    svfl party serve --federation "$DIR/federation.toml" --name "$name" "${model_dir[@]}" \
-        > "$DIR/$name-predict.log" 2>&1 &
-    PIDS+=($!)
-done
+# rows (`--data NEW.csv` for new ones; here its training file), aligned as in training.
+serve_all -predict
 svfl predict --federation "$DIR/federation.toml" --name bank --model "$DIR/run" \
-    --out "$DIR/predictions-deployed.csv"
+    --align "$ALIGN" --secure-agg masks --out "$DIR/predictions-deployed.csv"
 for pid in "${PIDS[@]}"; do wait "$pid"; done
 PIDS=()

@@ -12,6 +12,7 @@ import json
 import re
 import shutil
 import signal
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -100,11 +101,11 @@ def part_directories(root: Path) -> set[Path]:
     return {index.parent for index in root.rglob(PART_INDEX)}
 
 
-def test_a_deployed_run_saves_each_part_at_its_party_and_predicts_as_the_in_process_model(
-    site: Path, processes: Processes, tmp_path: Path
-) -> None:
-    flags = ("--method", "laser", "--heads", "all")
-    alone = in_process(site, tmp_path / "alone", *flags)
+def train_keeping_parts(
+    site: Path, processes: Processes, tmp_path: Path, *flags: str
+) -> tuple[Path, dict[str, Path]]:
+    """A deployed run that saves its model, each data party keeping its part in its own
+    ``--model-dir``: the run directory and those directories, by party."""
     federation = write_federation(site, site / "certs", free_loopback_ports(5))
     models = {name: tmp_path / f"{name}-models" for name in PARTIES[1:]}
     servers = [processes.serve(federation, n, "--model-dir", str(models[n])) for n in PARTIES[1:]]
@@ -117,6 +118,56 @@ def test_a_deployed_run_saves_each_part_at_its_party_and_predicts_as_the_in_proc
     assert label.wait(timeout=PROCESS_SECONDS) == 0, processes.log("bank")
     codes = [server.wait(timeout=PROCESS_SECONDS) for server in servers]
     assert codes == [0, 0, 0, 0], [processes.log(n) for n in (*PARTIES[1:], "aggregator")]
+    return out, models
+
+
+def copy_parts(out: Path, models: dict[str, Path], copy: Path) -> Path:
+    """The deployed model at ``out`` with every data party's part copied beside the manifest."""
+    run = read_manifest(out)[0].run_id
+    shutil.copytree(out / "model", copy)
+    for name in PARTIES[1:]:
+        shutil.copytree(models[name] / name / run, copy / name)
+    return copy
+
+
+def predict_where_parts_live(
+    site: Path,
+    processes: Processes,
+    out: Path,
+    models: dict[str, Path],
+    written: Path,
+    *flags: str,
+    absent: str | None = None,
+    serve: Sequence[str] = (),
+    aggregator: Sequence[str] = (),
+) -> int:
+    """`predict --federation` of the model at ``out`` into ``written``, every data party but
+    ``absent`` serving its new rows with its part (``serve``: its further flags); the label
+    party's exit code (every serving process exits 0 when it does)."""
+    federation = write_federation(site, site / "certs", free_loopback_ports(5))
+    served = []
+    for n in PARTIES[1:]:
+        if n != absent:
+            rows = ["--data", str(site / "new" / f"{n}.csv"), "--model-dir", str(models[n])]
+            served.append(processes.serve(federation, n, *rows, *serve))
+    served.append(processes.serve(federation, "aggregator", *aggregator))
+    label = processes.start(
+        "predict", "--federation", str(federation), "--name", "bank", "--model", str(out),
+        "--party-file", str(site / "new" / "bank.csv"), "--out", str(written), *flags,
+        log="bank",
+    )  # fmt: skip
+    code = label.wait(timeout=PROCESS_SECONDS)
+    codes = [server.wait(timeout=PROCESS_SECONDS) for server in served]
+    assert codes == [0] * len(served) or code != 0, [processes.log(n) for n in PARTIES[1:]]
+    return code
+
+
+def test_a_deployed_run_saves_each_part_at_its_party_and_predicts_as_the_in_process_model(
+    site: Path, processes: Processes, tmp_path: Path
+) -> None:
+    flags = ("--method", "laser", "--heads", "all")
+    alone = in_process(site, tmp_path / "alone", *flags)
+    out, models = train_keeping_parts(site, processes, tmp_path, *flags)
     result = json.loads((out / "result.json").read_text())
     assert result["metrics"] == alone["metrics"]  # the same model as in one process
 
@@ -152,10 +203,7 @@ def test_a_deployed_run_saves_each_part_at_its_party_and_predicts_as_the_in_proc
     # Not loadable here until the data parties' parts are copied beside the manifest.
     with pytest.raises(DataError, match="the part of shop is kept by that party"):
         SavedModel.load(out)
-    copy = tmp_path / "copied"
-    shutil.copytree(out / "model", copy)
-    for name in PARTIES[1:]:
-        shutil.copytree(models[name] / name / run, copy / name)
+    copy = copy_parts(out, models, tmp_path / "copied")
     deployed, in_memory = SavedModel.load(copy), SavedModel.load(tmp_path / "alone")
     for absent in (None, "insurer"):
         ours, theirs = (
@@ -183,37 +231,16 @@ def test_a_deployed_run_saves_each_part_at_its_party_and_predicts_as_the_in_proc
         SavedModel.load(copy)
 
     # Where the parts live: each data party loads its own part in its own process and serves
-    # its own new rows; the same predictions as the in-process model, with every party and
-    # with one that is not running (absent for every row).
-    def predict_where_they_live(
-        tag: str, absent: str | None = None, align: str = "join", sums: str = "none"
-    ) -> tuple[int, Path]:
-        federation = write_federation(site, site / "certs", free_loopback_ports(5))
-        served = []
-        for n in PARTIES[1:]:
-            if n != absent:
-                rows = ["--data", str(site / "new" / f"{n}.csv"), "--model-dir", str(models[n])]
-                psi_only = ["--align", "psi"] if align == "psi" else []  # refuses the join
-                served.append(processes.serve(federation, n, *rows, *psi_only))
-        capture = ["--capture", str(tmp_path / f"{tag}-aggregator.capture")]
-        served.append(processes.serve(federation, "aggregator", *capture))
-        written = tmp_path / f"{tag}.csv"
-        label = processes.start(
-            "predict", "--federation", str(federation), "--name", "bank", "--model", str(out),
-            "--party-file", str(site / "new" / "bank.csv"), "--wait", "3", "--out", str(written),
-            "--align", align, "--secure-agg", sums, log="bank",
+    # its own new rows; the same predictions as the in-process model, with every party, with
+    # one that is not running (absent for every row), and aligned by PSI (no id crosses in the
+    # clear; the label party's own rows are predicted: here it holds every new id).
+    for absent, align in ((None, "join"), ("insurer", "join"), (None, "psi")):
+        written = tmp_path / f"live-{absent}-{align}.csv"
+        psi_only = ["--align", "psi"] if align == "psi" else []  # refuses the join
+        code = predict_where_parts_live(
+            site, processes, out, models, written, "--wait", "3", "--align", align,
+            absent=absent, serve=psi_only,
         )  # fmt: skip
-        code = label.wait(timeout=PROCESS_SECONDS)
-        codes = [server.wait(timeout=PROCESS_SECONDS) for server in served]
-        assert codes == [0] * len(served) or code != 0, [processes.log(n) for n in PARTIES[1:]]
-        return code, written
-
-    # Under PSI no id crosses in the clear, and the label party's own rows are predicted: here
-    # it holds every new id, so the same rows as the join.
-    cases = [(None, "join", "none"), ("insurer", "join", "none"), (None, "psi", "none")]
-    for absent, align, sums in cases:
-        tag = f"live-{absent}-{align}-{sums}"
-        code, written = predict_where_they_live(tag, absent, align, sums)
         assert code == 0, processes.log("bank")
         frame = pd.read_csv(written, dtype={"id": str})
         theirs = in_memory.predict(new_tables(site, absent))
@@ -229,14 +256,16 @@ def test_a_deployed_run_saves_each_part_at_its_party_and_predicts_as_the_in_proc
         if align == "psi":
             assert "aligning by PSI with bank" in processes.log("shop")
     # Sealed sums need a model whose heads take them (heads active): refused before any set-up.
-    code, written = predict_where_they_live("heads-all-masks", sums="masks")
+    written = tmp_path / "heads-all-masks.csv"
+    code = predict_where_parts_live(site, processes, out, models, written, "--secure-agg", "masks")
     assert code == 2 and "cannot run under secure aggregation" in processes.log("bank")
     # A part altered at its party after it reported its hashes: that party refuses to load it,
     # and the prediction fails naming it.
     [weights, *_] = sorted((models["telco"] / "telco" / run).glob("*.pt"))
     weights.write_bytes(weights.read_bytes()[:-1] + bytes([weights.read_bytes()[-1] ^ 1]))
-    code, written = predict_where_they_live("tampered")
-    assert code != 0 and not written.exists()
+    written = tmp_path / "tampered.csv"
+    assert predict_where_parts_live(site, processes, out, models, written) != 0
+    assert not written.exists()
     assert re.search(r"telco cannot load its part of model .*SHA-256", processes.log("bank"))
 
 
@@ -247,44 +276,15 @@ def test_a_model_trained_under_masks_predicts_under_masks_where_its_parts_live(
     representations sealed: the aggregation server takes only sealed shares, and the
     predictions are those of its parts copied into one place (which plan the same sums)."""
     flags = ("--method", "laser", "--heads", "active", "--secure-agg", "masks")
-    federation = write_federation(site, site / "certs", free_loopback_ports(5))
-    models = {name: tmp_path / f"{name}-models" for name in PARTIES[1:]}
-    servers = [processes.serve(federation, n, "--model-dir", str(models[n])) for n in PARTIES[1:]]
-    servers.append(processes.serve(federation, "aggregator"))
-    out = tmp_path / "deployed"
-    label = processes.start(
-        "train", "--federation", str(federation), "--name", "bank", *FLAGS, *flags,
-        "--out", str(out), log="bank",
+    out, models = train_keeping_parts(site, processes, tmp_path, *flags)
+    expected = SavedModel.load(copy_parts(out, models, tmp_path / "copied"))
+    capture, written = tmp_path / "aggregator.capture", tmp_path / "p.csv"
+    code = predict_where_parts_live(
+        site, processes, out, models, written, "--secure-agg", "masks",
+        aggregator=["--capture", str(capture)],
     )  # fmt: skip
-    assert label.wait(timeout=PROCESS_SECONDS) == 0, processes.log("bank")
-    assert [server.wait(timeout=PROCESS_SECONDS) for server in servers] == [0, 0, 0, 0]
-    run = read_manifest(out)[0].run_id
-    copy = tmp_path / "copied"
-    shutil.copytree(out / "model", copy)
-    for name in PARTIES[1:]:
-        shutil.copytree(models[name] / name / run, copy / name)
-    expected = SavedModel.load(copy).predict(new_tables(site))
-
-    federation = write_federation(site, site / "certs", free_loopback_ports(5))
-    served = []
-    for n in PARTIES[1:]:
-        rows = ["--data", str(site / "new" / f"{n}.csv"), "--model-dir", str(models[n])]
-        served.append(processes.serve(federation, n, *rows))
-    capture = tmp_path / "aggregator.capture"
-    served.append(processes.serve(federation, "aggregator", "--capture", str(capture)))
-    written = tmp_path / "p.csv"
-    label = processes.start(
-        "predict", "--federation", str(federation), "--name", "bank", "--model", str(out),
-        "--party-file", str(site / "new" / "bank.csv"), "--secure-agg", "masks",
-        "--out", str(written), log="bank",
-    )  # fmt: skip
-    assert label.wait(timeout=PROCESS_SECONDS) == 0, processes.log("bank")
-    assert [server.wait(timeout=PROCESS_SECONDS) for server in served] == [0, 0, 0, 0]
-    frame = pd.read_csv(written, dtype={"id": str})
-    assert frame["id"].tolist() == expected.ids.tolist()
-    np.testing.assert_allclose(
-        frame[["p_0", "p_1"]].to_numpy(), expected.probabilities, rtol=0, atol=1e-5
-    )
+    assert code == 0, processes.log("bank")
+    assert_predicted(written, expected.predict(new_tables(site)), atol=1e-5)
     kinds = {message.kind for message in read_capture(capture)}
     assert "sealed" in kinds and "representation" not in kinds, kinds
 
@@ -295,41 +295,19 @@ def test_a_false_vfl_model_predicts_where_its_parts_live_as_from_its_copied_part
     """FALSE-VFL-II trained deployed: each data party predicts with its own encoder in its own
     process, as the same parts copied into one place predict."""
     flags = ("--method", "false-vfl-2", "--labeled", "100", "--kappa", "3")
-    federation = write_federation(site, site / "certs", free_loopback_ports(5))
-    models = {name: tmp_path / f"{name}-models" for name in PARTIES[1:]}
-    servers = [processes.serve(federation, n, "--model-dir", str(models[n])) for n in PARTIES[1:]]
-    servers.append(processes.serve(federation, "aggregator"))
-    out = tmp_path / "deployed"
-    label = processes.start(
-        "train", "--federation", str(federation), "--name", "bank", *FLAGS, *flags,
-        "--out", str(out), log="bank",
-    )  # fmt: skip
-    assert label.wait(timeout=PROCESS_SECONDS) == 0, processes.log("bank")
-    assert [server.wait(timeout=PROCESS_SECONDS) for server in servers] == [0, 0, 0, 0]
-    run = read_manifest(out)[0].run_id
-    copy = tmp_path / "copied"
-    shutil.copytree(out / "model", copy)
-    for name in PARTIES[1:]:
-        shutil.copytree(models[name] / name / run, copy / name)
-    expected = SavedModel.load(copy).predict(new_tables(site))
-
-    federation = write_federation(site, site / "certs", free_loopback_ports(5))
-    served = []
-    for n in PARTIES[1:]:
-        rows = ["--data", str(site / "new" / f"{n}.csv"), "--model-dir", str(models[n])]
-        served.append(processes.serve(federation, n, *rows))
-    served.append(processes.serve(federation, "aggregator"))
+    out, models = train_keeping_parts(site, processes, tmp_path, *flags)
+    expected = SavedModel.load(copy_parts(out, models, tmp_path / "copied"))
     written = tmp_path / "p.csv"
-    label = processes.start(
-        "predict", "--federation", str(federation), "--name", "bank", "--model", str(out),
-        "--party-file", str(site / "new" / "bank.csv"), "--out", str(written), log="bank",
-    )  # fmt: skip
-    assert label.wait(timeout=PROCESS_SECONDS) == 0, processes.log("bank")
-    assert [server.wait(timeout=PROCESS_SECONDS) for server in served] == [0, 0, 0, 0]
+    assert predict_where_parts_live(site, processes, out, models, written) == 0
+    assert_predicted(written, expected.predict(new_tables(site)), atol=1e-6)
+
+
+def assert_predicted(written: Path, expected: Any, *, atol: float) -> None:
+    """The predictions file ``written`` holds ``expected``'s ids and probabilities."""
     frame = pd.read_csv(written, dtype={"id": str})
     assert frame["id"].tolist() == expected.ids.tolist()
     np.testing.assert_allclose(
-        frame[["p_0", "p_1"]].to_numpy(), expected.probabilities, rtol=0, atol=1e-6
+        frame[["p_0", "p_1"]].to_numpy(), expected.probabilities, rtol=0, atol=atol
     )
 
 
