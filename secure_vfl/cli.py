@@ -2045,10 +2045,11 @@ def run_predict_deployed(args: argparse.Namespace) -> int:
     if args.name is None:
         raise ConfigError("--federation needs --name NAME (the label party's). Found none.")
     files = args.party_file or []
-    if len(files) > 1:
+    if len(files) > 1 or any(party not in (None, args.name) for party, _ in files):
+        found = ", ".join(f"{party or '(its stem)'}={path}" for party, path in files)
         raise ConfigError(
             "with --federation at most one --party-file, the label party's own new rows (each "
-            f"data party serves its own: `party serve --data FILE`); found {len(files)}."
+            f"data party serves its own: `party serve --data FILE`); found {found}."
         )
     out: Path | None = args.out
     if out is not None:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import Counter
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -179,7 +178,6 @@ class DeployedPredictions:
     predictions: Predictions
     manifest: Any
     absent: dict[str, str]
-    traffic: dict[str, Counter[tuple[str, str, str]]]
 
 
 def predict_deployed(
@@ -229,12 +227,11 @@ def predict_deployed(
             f"{model} --party-file ...`)."
         )
     absent = {e.name: "lost in training" for e in manifest.parties[1:] if e.location == LOST}
-    endpoint = _endpoint(federation, name, insecure=insecure, deadline=deadline, capture=capture)
-    outcome = "failed"
-    reports: dict[str, Counter[tuple[str, str, str]]] = {}
     backend = secure_sums(secure_agg) if secure_sums is not None else None
     if secure_agg != "none" and backend is None:
         raise ConfigError(f"--secure-agg {secure_agg} needs the secure-sum backends; found none.")
+    endpoint = _endpoint(federation, name, insecure=insecure, deadline=deadline, capture=capture)
+    outcome = "failed"
     try:
         expected = [n for n in federation.names[1:] if n not in absent]
         for late in endpoint.await_peers([*expected, AGGREGATOR], wait):
@@ -282,16 +279,16 @@ def predict_deployed(
             channel.party_names = federation.names
             method = rebuild_method(manifest, channel, aggregator=backend, secure_sums=True)
             label = _own_part(channel, manifest, directory)
-        label.hold_rows(PREDICT_SPLIT, table, rows[:, 0], source=str(own))
+        label.hold_rows(PREDICT_SPLIT, table, rows[:, 0], source=str(own or ""))
         names = [e.source for e in manifest.parties]
         predictions = dataclasses.replace(
             predict_rows(method, sample_ids, rows, names), id_column=id_column
         )
         outcome = "finished"
     finally:
-        reports, _ = _end(endpoint, federation, outcome, lost=list(absent))
+        _end(endpoint, federation, outcome, lost=list(absent))
         endpoint.close()
-    return DeployedPredictions(predictions, manifest, absent, reports)
+    return DeployedPredictions(predictions, manifest, absent)
 
 
 def _own_part(channel: NetworkChannel, manifest: Any, directory: Path) -> DataParty:

@@ -706,6 +706,10 @@ def test_a_deployed_prediction_refuses_what_does_not_fit_before_any_contact(
             [*deployed, "--name", "bank", "--party-file", new[0], "--party-file", new[1]],
             "with --federation at most one --party-file",
         ),
+        (
+            [*deployed, "--name", "bank", "--party-file", f"shop={new[1]}"],
+            "the label party's own new rows",
+        ),
         # Trained in one process, under other names: the federation's parties hold no part.
         ([*deployed, "--name", "bank"], "was trained by party-0, party-1"),
         (base, "predict needs --party-file"),
