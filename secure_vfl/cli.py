@@ -810,7 +810,13 @@ def build_parser() -> argparse.ArgumentParser:
         label_default="predicted",
     )
     predict.add_argument("--overwrite", action="store_true", help="replace an existing --out")
-    _deployment_flags(predict, predict)
+    _deployment_flags(
+        predict,
+        predict,
+        "a federation file (TOML): predict as its label party, every data party predicting "
+        "with its own part of the model in its own process (`secure-vfl party serve --data "
+        "NEW.csv`) (default: none, predict in this process from --party-file)",
+    )
     predict.add_argument(
         "--align",
         choices=["join", "psi"],
@@ -2192,16 +2198,16 @@ def run_datasets(args: argparse.Namespace) -> int:
 # -- deployment: every party its own process (secure_vfl.deployment) --------------------------
 
 
-def _deployment_flags(parser: argparse.ArgumentParser, source: Any) -> None:
+def _deployment_flags(
+    parser: argparse.ArgumentParser,
+    source: Any,
+    federation_help: str = "a federation file (TOML): run the label party of a deployment, "
+    "every other party serving in its own process (`secure-vfl party serve`); its data come "
+    "from the file",
+) -> None:
     """``train --federation FED --name LABELPARTY``: run the label party of a deployment
     (``--federation`` is one more data ``source``)."""
-    source.add_argument(
-        "--federation",
-        type=existing_file,
-        metavar="FED",
-        help="a federation file (TOML): run the label party of a deployment, every other party "
-        "serving in its own process (`secure-vfl party serve`); its data come from the file",
-    )
+    source.add_argument("--federation", type=existing_file, metavar="FED", help=federation_help)
     group = parser.add_argument_group("deployment (--federation)")
     group.add_argument(
         "--name",
