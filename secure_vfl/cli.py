@@ -2069,13 +2069,9 @@ def run_predict_deployed(args: argparse.Namespace) -> int:
             args.name,
             own=own,
             id_column=args.id_column,
-            deadline=args.deadline,
-            wait=args.wait,
-            insecure=args.insecure,
             capture=capture,
             psi=_psi_roles() if args.align == "psi" else None,
-            secure_agg=args.secure_agg,
-            secure_sums=_secure_sums,
+            **_label_party_options(args),
         )
     predictions = dataclasses.replace(done.predictions, label_column=args.label_column)
     if out is not None:

@@ -293,7 +293,7 @@ DEPLOYED_METHODS = (
     "false-vfl-2",
 )
 LATENT_METHODS = ("false-vfl-1", "false-vfl-2")
-"""FALSE-VFL: its data parties are built by its own seed rule (:func:`_latent_party`)."""
+"""FALSE-VFL: its data parties are built by its own seed rule (:func:`served_models`)."""
 SETUP_DEADLINE = 600.0
 """How long the label party waits for a party to build itself (SimSiam pretraining included)."""
 
@@ -1158,13 +1158,35 @@ def served_models(
     """Data party ``name`` (at ``body["index"]``) with the models of the method ``body`` names,
     built by the method's seed rule on its ``blocks`` (which of whose rows it holds: ``rows``
     >= 0, per split) as in one process; ``labels``: the training labels of the rows it holds
-    where it holds heads (None: a party that only predicts, which needs none)."""
+    where it holds heads (None: a party that only predicts, which needs none). A FALSE-VFL
+    party is built by FALSE-VFL's seed rule from the set-up's ``false_vfl`` options and is
+    handed no label (only the label party holds labels, and which rows are unlabelled is only
+    its to know)."""
     from secure_vfl.methods import PARTY_MODELS
     from secure_vfl.methods.base import build_party
+    from secure_vfl.methods.false_vfl import FalseVflConfig, build_latent_party
 
     index = body["index"]
+    tensors = {split: torch.from_numpy(block) for split, block in blocks.items()}
     if body["method"] in LATENT_METHODS:
-        return _latent_party(where, name, body, config, blocks, rows, shapes, preprocessing)
+        widths = dict.fromkeys(("latent_dim", "global_latent_dim", "hidden"), MAX_LAYER_WIDTH)
+        check_requested(where, body["false_vfl"] or {}, widths)
+        try:
+            options = FalseVflConfig(**(body["false_vfl"] or {}))
+        except (TypeError, ConfigError) as error:
+            raise ProtocolError(f"{where}: valid `false_vfl` options expected: {error}") from None
+        return build_latent_party(
+            index,
+            name,
+            method=body["method"],
+            blocks=tensors,
+            observed={split: torch.from_numpy(held >= 0) for split, held in rows.items()},
+            shapes=shapes,
+            config=config,
+            options=options,
+            seed=body["seed"],
+            preprocessing=preprocessing,
+        )
     if body["false_vfl"] is not None:
         raise ProtocolError(
             f"{where}: `false_vfl` options go with {', '.join(LATENT_METHODS)}; found them with "
@@ -1180,7 +1202,7 @@ def served_models(
     return build_party(
         index,
         name,
-        blocks={split: torch.from_numpy(block) for split, block in blocks.items()},
+        blocks=tensors,
         observed=rows["train"] >= 0,
         labels=labels or {},
         config=config,
@@ -1199,41 +1221,6 @@ def _with_secure_sums(party: DataParty, backend: SumBackend | None) -> DataParty
     if isinstance(backend, SealingScheme):
         install_halves(party, backend)
     return party
-
-
-def _latent_party(
-    where: str,
-    name: str,
-    body: Mapping[str, Any],
-    config: Any,
-    blocks: Mapping[str, np.ndarray],
-    rows: Mapping[str, np.ndarray],
-    shapes: Sequence[tuple[int, ...]],
-    preprocessing: PartyPreprocessing | None,
-) -> DataParty:
-    """A FALSE-VFL data party from its set-up ``body``: FALSE-VFL's options, its blocks and
-    which of their rows it holds (``rows`` >= 0), built by FALSE-VFL's seed rule. It is handed
-    no label (only the label party holds labels, and unlabelled rows are only its to know)."""
-    from secure_vfl.methods.false_vfl import FalseVflConfig, build_latent_party
-
-    widths = dict.fromkeys(("latent_dim", "global_latent_dim", "hidden"), MAX_LAYER_WIDTH)
-    check_requested(where, body["false_vfl"] or {}, widths)
-    try:
-        options = FalseVflConfig(**(body["false_vfl"] or {}))
-    except (TypeError, ConfigError) as error:
-        raise ProtocolError(f"{where}: valid `false_vfl` options expected: {error}") from None
-    return build_latent_party(
-        body["index"],
-        name,
-        method=body["method"],
-        blocks={split: torch.from_numpy(block) for split, block in blocks.items()},
-        observed={split: torch.from_numpy(held >= 0) for split, held in rows.items()},
-        shapes=shapes,
-        config=config,
-        options=options,
-        seed=body["seed"],
-        preprocessing=preprocessing,
-    )
 
 
 def fit_served_preprocessing(
