@@ -133,6 +133,7 @@ from secure_vfl.errors import (
     ConfigError,
     DataError,
     IntegrityError,
+    NotSetUpError,
     ProtocolError,
     SecureVFLError,
     TransportError,
@@ -413,8 +414,10 @@ class _Server:
             self.responder.receive(message)  # PSI messages; the responder refuses any other
             return
         if self.party is None:
-            raise ProtocolError(
-                f"{self.name}: a {message.kind} from {message.sender} before the run was set up."
+            raise NotSetUpError(
+                self.name,
+                f"{self.name}: a {message.kind} from {message.sender} before the run was set up "
+                "(this process was started after the run set up the one before it?).",
             )
         self.checkpoints.check_ready(message.kind)
         self.party.receive(message)
@@ -579,10 +582,13 @@ class _Server:
         body = _body(message, "save", SAVE_KEYS)
         if not isinstance(self.party, DataParty):
             where = "before the run was set up" if self.party is None else "at the aggregator"
-            raise ProtocolError(
+            refusal = (
                 f"{self.name}: a save (run {str(body['run'])[:40]!r}) {where}; only a set-up "
                 "data party saves a part."
             )
+            if self.party is None:
+                raise NotSetUpError(self.name, refusal)
+            raise ProtocolError(refusal)
         self._reply("saved", self.model.save(self.party, body))
         self.on_event(f"{self.name}: saved its part of model {body['run']}")
 
@@ -590,10 +596,13 @@ class _Server:
         """The data party built at set-up (ProtocolError before it, or at the aggregator)."""
         if not isinstance(self.party, DataParty):
             where = "before the run was set up" if self.party is None else "at the aggregator"
-            raise ProtocolError(
+            refusal = (
                 f"{self.name}: a checkpoint request (step {body.get('step')!r}) {where}; only a "
                 "set-up data party keeps checkpoints."
             )
+            if self.party is None:
+                raise NotSetUpError(self.name, refusal)
+            raise ProtocolError(refusal)
         return self.party
 
     def _on_end(self, message: Message) -> None:

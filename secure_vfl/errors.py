@@ -33,6 +33,18 @@ class TransportError(ProtocolError):
     for. Unlike a refusal, the peer may simply be gone (a crashed or partitioned party)."""
 
 
+class NotSetUpError(ProtocolError):
+    """A party was sent a message of a run that never set it up: in a deployment, its process
+    was restarted (by its operator or a supervisor) before the label party noticed the crash,
+    and what the run had given the party died with the process it replaced. ``party`` names
+    that party. Its sender takes it for a lost party (which may rejoin, as a restarted one
+    does), not the message for a broken protocol."""
+
+    def __init__(self, party: str, message: str) -> None:
+        super().__init__(message)
+        self.party = party
+
+
 class IntegrityError(ProtocolError):
     """A message's content is corrupt: non-finite values, a tampered or replayed payload."""
 

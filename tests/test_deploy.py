@@ -496,6 +496,48 @@ def test_a_data_party_killed_mid_training_rejoins_when_its_operator_restarts_it(
         assert sorted(committed.parties) == ["insurer", "shop", "telco"]
 
 
+def test_a_data_party_restarted_before_the_label_party_noticed_is_lost_then_rejoins(
+    site: Path, processes: Processes, tmp_path: Path
+) -> None:
+    """A supervisor restarts a killed party at once: the label party's next message reaches a
+    process the run never set up. That process refuses it as not set up, the label party takes
+    the party for lost (not the refusal for a broken protocol: the run goes on) and readmits
+    the restarted process at the next epoch boundary."""
+    federation = write_federation(site, site / "certs", free_loopback_ports(5))
+    out = tmp_path / "out"
+    servers = {name: processes.serve(federation, name, "--deadline", "60") for name in PARTIES[1:]}
+    servers["aggregator"] = processes.serve(federation, "aggregator", "--deadline", "60")
+    label = processes.start(
+        "train", "--federation", str(federation), "--name", "bank", "--method", "laser",
+        "--heads", "active", "--epochs", "4", "--batch-size", "64", "--representation-dim",
+        "8", "--quiet", "--deadline", "30", "--out", str(out), log="bank",
+    )  # fmt: skip
+    wait_for_line(processes, "shop", "first training step is done", label)
+    # The label party is held still while shop is killed and its replacement starts, so the
+    # replacement is what its next message meets: the label party never sees shop down.
+    os.kill(label.pid, signal.SIGSTOP)
+    try:
+        os.kill(servers["shop"].pid, signal.SIGKILL)
+        servers["shop"].wait(timeout=PROCESS_SECONDS)
+        restarted = processes.start(
+            "party", "serve", "--federation", str(federation), "--name", "shop", "--deadline",
+            "60", log="shop-restarted",
+        )  # fmt: skip
+        wait_for_line(processes, "shop-restarted", "shop: serving at", restarted)
+    finally:
+        os.kill(label.pid, signal.SIGCONT)
+    assert label.wait(timeout=PROCESS_SECONDS) == 0, processes.log("bank")
+    assert restarted.wait(timeout=PROCESS_SECONDS) == 0, processes.log("shop-restarted")
+    log = processes.log("shop-restarted")
+    assert "before the run was set up" in log and "shop: the run finished" in log, log
+    result = json.loads((out / "result.json").read_text())
+    lost, back = result["faults"]
+    assert lost["party"] == back["party"] == "shop" and back["what"] == "rejoined", result["faults"]
+    assert "was never set up for this run" in lost["what"], lost
+    assert back["epoch"] > lost["epoch"], result["faults"]
+    assert result["traffic"]["bytes"]["shop"]["train"] > 0
+
+
 def test_a_party_restarted_with_other_ids_is_not_readmitted_under_psi(
     site: Path, processes: Processes, tmp_path: Path
 ) -> None:

@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from protocols import tls
-from secure_vfl.errors import ConfigError, ProtocolError, TransportError
-from secure_vfl.federation import wire
+from secure_vfl.errors import ConfigError, NotSetUpError, ProtocolError, TransportError
+from secure_vfl.federation import network, wire
 from secure_vfl.federation.channel import CAPTURE_LENGTH, read_capture
 from secure_vfl.federation.messages import (
     GradientMessage,
@@ -38,6 +38,7 @@ from secure_vfl.federation.messages import (
 from secure_vfl.federation.network import (
     DELIVER,
     STREAM_THRESHOLD,
+    NetworkChannel,
     PartyEndpoint,
     RetryPolicy,
     TlsIdentity,
@@ -502,6 +503,35 @@ def test_send_returns_once_the_receiver_acted_and_its_replies_were_handled(certs
     assert bank.bytes[("bank", "shop", "train")] == 3 * len(wire.encode(_greeting()))
 
 
+def test_a_party_never_set_up_for_the_run_is_reported_lost_by_its_sender(certs: Path) -> None:
+    """A receiver that refuses a message as never set up for its run (a restarted process) is
+    lost to its sender's channel, without a probe (its process is up); a NotSetUpError it met
+    further down a chain (naming another party) is an ordinary refusal."""
+    bank = PartyEndpoint("bank", identity=_identity(certs, "bank"), deadline=20.0)
+    shop = PartyEndpoint("shop", identity=_identity(certs, "shop"), deadline=20.0)
+    bank.add_peer("shop", shop.address)
+
+    def handle(message: Message) -> None:
+        raise NotSetUpError("shop" if message.round == 1 else "telco", "not set up")
+
+    shop.handler = handle
+    with bank, _Serving(shop):
+        channel = NetworkChannel(bank)
+        with pytest.raises(ProtocolError) as further:
+            bank.send(dataclasses.replace(_greeting(), round=2))
+        assert not isinstance(further.value, NotSetUpError), further.value
+        assert "(ABORTED)" in str(further.value)
+        assert bank.restarted == set() and channel.unreachable(["shop"]) == []
+        with pytest.raises(NotSetUpError) as own:
+            bank.send(_greeting())
+        assert own.value.party == "shop"
+        assert "shop was never set up for this run" in str(own.value)
+        assert bank.restarted == {"shop"}
+        assert channel.unreachable(["shop"]) == ["shop"]
+        assert bank.restarted == set()  # reported once; its process is up: not lost again
+        assert channel.unreachable(["shop"]) == []
+
+
 def test_send_all_lets_its_receivers_act_at_once_and_raises_a_refusal_after_all_acted(
     certs: Path,
 ) -> None:
@@ -565,5 +595,41 @@ def test_a_retried_delivery_is_acted_on_once_and_a_replay_is_refused(certs: Path
     with pytest.raises(ProtocolError, match="replays delivery 1 of its stream"):
         shop.receive(0.0)
     assert wire.encode(shop.receive(0.0)) == data
+    with pytest.raises(TransportError, match="no message from any peer"):
+        shop.receive(0.0)
+
+
+def test_a_number_older_than_the_replay_window_is_refused_and_the_window_stays_bounded(
+    certs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(network, "REPLAY_WINDOW", 3)
+    shop = PartyEndpoint("shop", identity=_identity(certs, "shop"), deadline=20.0)
+    bank = _identity(certs, "bank")
+    credentials = grpc.ssl_channel_credentials(bank.ca, bank.key, bank.certificate)
+    options = [("grpc.ssl_target_name_override", "shop")]
+    sent = [wire.encode(dataclasses.replace(_greeting(), round=n)) for n in range(1, 7)]
+    with (
+        _Serving(shop),
+        grpc.secure_channel(shop.address, credentials, options=options) as channel,
+    ):
+        deliver = channel.unary_unary(DELIVER)
+
+        def numbered(number: int) -> tuple[tuple[str, str], ...]:
+            return (("svfl-stream", "window-test"), ("svfl-sequence", str(number)))
+
+        for number, data in enumerate(sent, start=1):
+            deliver(data, timeout=20, metadata=numbered(number))
+        deliver(sent[4], timeout=20, metadata=numbered(5))  # within the window: a retry
+        # 2 is forgotten (6 - 3 = 3 is the oldest still remembered): its retry is a replay.
+        with pytest.raises(grpc.RpcError) as replay:
+            deliver(sent[1], timeout=20, metadata=numbered(2))
+        assert replay.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "replays delivery 2 of its stream" in str(replay.value.details())
+    (recent,) = shop._deliveries.values()
+    assert sorted(recent.arrivals) == [4, 5, 6]
+    # The party learns of the refused replay, and holds each message once.
+    with pytest.raises(ProtocolError, match="replays delivery 2 of its stream"):
+        shop.receive(0.0)
+    assert [shop.receive(0.0).round for _ in sent] == [1, 2, 3, 4, 5, 6]
     with pytest.raises(TransportError, match="no message from any peer"):
         shop.receive(0.0)

@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import logging
 import queue
 import re
@@ -71,6 +70,7 @@ import socket
 import stat
 import threading
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
@@ -81,7 +81,7 @@ import grpc
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
-from secure_vfl.errors import ConfigError, ProtocolError, TransportError
+from secure_vfl.errors import ConfigError, NotSetUpError, ProtocolError, TransportError
 from secure_vfl.federation import wire
 from secure_vfl.federation.channel import CAPTURE_LENGTH, Channel, ChannelLayer
 from secure_vfl.federation.messages import Message
@@ -223,10 +223,30 @@ class _Arrival:
 
     message: Message
     size: int
-    digest: bytes
+    checksum: int  # CRC-32 of the bytes: tells a retry (the same bytes) from a reuse
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     refusal: str | None = None
     failed: bool = False  # the handler raised something other than a ProtocolError
+    not_set_up: bool = False  # the party was never set up for the message's run
+
+
+class _Recent:
+    """The deliveries remembered of one sender stream, by sequence number, down to
+    :data:`REPLAY_WINDOW` below the highest seen. A sender numbers its messages in order, so
+    they are kept in arrival order and forgetting the old ones looks at the front only."""
+
+    def __init__(self) -> None:
+        self.arrivals: dict[int, _Arrival] = {}
+        self.highest = -1
+        self._order: collections.deque[int] = collections.deque()
+
+    def keep(self, number: int, arrival: _Arrival) -> None:
+        self.arrivals[number] = arrival
+        self._order.append(number)
+        self.highest = max(self.highest, number)
+        oldest = self.highest - REPLAY_WINDOW
+        while self._order and self._order[0] <= oldest:
+            del self.arrivals[self._order.popleft()]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -328,10 +348,17 @@ class PartyEndpoint:
         self._refusals: collections.deque[str] = collections.deque()
         self._peers: dict[str, str] = {}
         self._channels: dict[str, grpc.Channel] = {}
+        # Each channel's two calls, made once: making one costs about as much as encoding a
+        # small message.
+        self._calls: dict[grpc.Channel, tuple[Any, Any]] = {}
         self._sequence: Counter[str] = Counter()
+        self.restarted: set[str] = set()
+        """Peers that refused a message as never set up for its run (:class:`~secure_vfl.errors.
+        NotSetUpError`): a new process at their address, whatever the run gave the old one is
+        gone. :meth:`NetworkChannel.unreachable` reports them lost."""
         self._token = secrets.token_hex(16)  # this endpoint's sender stream
         self._lock = threading.Lock()
-        self._deliveries: dict[tuple[str, str], dict[int, _Arrival]] = {}
+        self._deliveries: dict[tuple[str, str], _Recent] = {}
         if insecure:
             logger.warning(
                 "%s: gRPC WITHOUT TLS (insecure=True): messages cross the network in the clear "
@@ -392,6 +419,7 @@ class PartyEndpoint:
         old one may be waiting out gRPC's reconnection backoff after the peer died."""
         old = self._channels[name]
         self._channels[name] = self._client(name, self._peers[name])
+        self._calls.pop(old, None)
         old.close()
 
     def _client(self, name: str, address: str) -> grpc.Channel:
@@ -432,6 +460,7 @@ class PartyEndpoint:
         for channel in self._channels.values():
             channel.close()
         self._channels.clear()
+        self._calls.clear()
         self._senders.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> PartyEndpoint:
@@ -537,7 +566,11 @@ class PartyEndpoint:
                 f"{self.name} did not act on {message.kind} from {message.sender} in time.",
             )
         if arrival.refusal is not None:
-            code = grpc.StatusCode.INTERNAL if arrival.failed else grpc.StatusCode.ABORTED
+            code = grpc.StatusCode.ABORTED
+            if arrival.failed:
+                code = grpc.StatusCode.INTERNAL
+            elif arrival.not_set_up:
+                code = grpc.StatusCode.FAILED_PRECONDITION
             context.abort(code, arrival.refusal)
         return b""
 
@@ -554,27 +587,30 @@ class PartyEndpoint:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{self.name}: a delivery from {sender} without its stream and sequence number.",
             )
-        number, digest = int(sequence), hashlib.blake2b(data, digest_size=16).digest()
+        # A checksum, not a cryptographic digest, is enough: the stream and its numbers are the
+        # authenticated sender's own, so bytes made to collide could only make the sender's own
+        # second message count as a retry of its first (not acted on), which it could as well
+        # not have sent.
+        number, checksum = int(sequence), zlib.crc32(data)
         with self._lock:
-            if (sender, stream) not in self._deliveries:
+            recent = self._deliveries.get((sender, stream))
+            if recent is None:
                 # A sender's new stream (a restarted process): forget its oldest beyond a few.
                 streams = [key for key in self._deliveries if key[0] == sender]
                 for forgotten in streams[: max(len(streams) - STREAMS_KEPT + 1, 0)]:
                     del self._deliveries[forgotten]
-            recent = self._deliveries.setdefault((sender, stream), {})
-            known = recent.get(number)
-            if known is not None and known.digest == digest:
+                recent = self._deliveries[(sender, stream)] = _Recent()
+            known = recent.arrivals.get(number)
+            if known is not None and known.checksum == checksum and known.size == len(data):
                 return known, False
-            if known is not None or (recent and number <= max(recent) - REPLAY_WINDOW):
+            if known is not None or number <= recent.highest - REPLAY_WINDOW:
                 raise _Refusal(
                     grpc.StatusCode.PERMISSION_DENIED,
                     f"{self.name}: {message.kind} from {sender} replays delivery {number} of its "
                     "stream; refused.",
                 )
-            arrival = _Arrival(message, len(data), digest)
-            recent[number] = arrival
-            for old in [n for n in recent if n <= number - REPLAY_WINDOW]:
-                del recent[old]
+            arrival = _Arrival(message, len(data), checksum)
+            recent.keep(number, arrival)
             return arrival, True
 
     # -- the party's thread: acting on what arrived ------------------------------------------
@@ -591,6 +627,8 @@ class PartyEndpoint:
                     self.handler(message)
             except ProtocolError as error:
                 item.refusal = f"{self.name} refused {message.kind} from {message.sender}: {error}"
+                # Only its own: one it met further down a chain of deliveries is the sender's.
+                item.not_set_up = isinstance(error, NotSetUpError) and error.party == self.name
             except Exception as error:  # the sender learns it failed; this party goes on
                 item.refusal = (
                     f"{self.name} failed acting on {message.kind} from {message.sender}: "
@@ -781,11 +819,15 @@ class PartyEndpoint:
     ) -> futures.Future[Any]:
         """The call, blocking in one of the endpoint's sender threads (:data:`SENDER_THREADS`);
         its future fails with the call's ``grpc.RpcError``."""
+        calls = self._calls.get(channel)
+        if calls is None:  # a new channel (or one reconnect replaced, retried on as it was)
+            calls = (channel.unary_unary(DELIVER), channel.stream_unary(DELIVER_STREAM))
+            if channel in self._channels.values():
+                self._calls[channel] = calls
+        call, streamed = calls
         if len(data) <= STREAM_THRESHOLD:
-            call = channel.unary_unary(DELIVER)
             return self._senders.submit(call, data, timeout=timeout, metadata=metadata)
         chunks = (data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES))
-        streamed = channel.stream_unary(DELIVER_STREAM)
         return self._senders.submit(
             streamed, chunks, timeout=timeout, metadata=(*metadata, (_SIZE, str(len(data))))
         )
@@ -823,6 +865,13 @@ class PartyEndpoint:
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return TransportError(
                 f"{what}: no answer within the deadline ({_elapsed(start)}): {details or code.name}"
+            )
+        if code == grpc.StatusCode.FAILED_PRECONDITION:
+            self.restarted.add(message.receiver)
+            return NotSetUpError(
+                message.receiver,
+                f"{what}: {message.receiver} was never set up for this run (its process was "
+                f"restarted?): {details}",
             )
         return ProtocolError(f"{what} refused ({code.name}): {details}")
 
@@ -877,13 +926,19 @@ class NetworkChannel(Channel):
         return name == self.endpoint.name
 
     def unreachable(self, names: Sequence[str]) -> list[str]:
-        """Those of ``names`` whose process accepts no connection within the probe time
-        (:data:`PROBE_SECONDS`, at most the endpoint's deadline): a live peer's connection is
-        up, or comes up within milliseconds; a killed one's never does, and its address
-        refuses at once."""
-        return self.endpoint.await_peers(
-            names, min(PROBE_SECONDS, self.endpoint.deadline), refused_is_lost=True
+        """Those of ``names`` that are lost: each that refused a message since as never set up
+        for the run (a process restarted in place of the one the run set up, whatever that
+        one held died with it), and each whose process accepts no connection within the probe
+        time (:data:`PROBE_SECONDS`, at most the endpoint's deadline): a live peer's
+        connection is up, or comes up within milliseconds; a killed one's never does, and its
+        address refuses at once."""
+        restarted = self.endpoint.restarted.intersection(names)
+        self.endpoint.restarted.difference_update(restarted)
+        probed = [name for name in names if name not in restarted]
+        late = self.endpoint.await_peers(
+            probed, min(PROBE_SECONDS, self.endpoint.deadline), refused_is_lost=True
         )
+        return [name for name in names if name in restarted or name in late]
 
     def returned(self, names: Sequence[str]) -> list[str]:
         """Those of the lost ``names`` whose process accepts a connection again (a fresh one,
@@ -892,6 +947,7 @@ class NetworkChannel(Channel):
         :data:`REJOIN_PROBE_SECONDS` (at most the endpoint's deadline), all probed at once."""
         for name in names:
             self.endpoint.reconnect(name)
+        self.endpoint.restarted.difference_update(names)
         late = self.endpoint.await_peers(names, min(REJOIN_PROBE_SECONDS, self.endpoint.deadline))
         return [name for name in names if name not in late]
 
