@@ -4,8 +4,12 @@ each place a FedAvg round can break)."""
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import numpy as np
 import pytest
+import torch
 from test_fedhf import synthetic_task
 
 from protocols.secagg import MaskingAggregator
@@ -15,6 +19,7 @@ from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import Message
 from secure_vfl.federation.parties import Party
 from secure_vfl.methods.imputation import IMPUTERS, ImputeConfig
+from secure_vfl.methods.imputation.clients import ImputationClient
 from secure_vfl.methods.imputation.evaluation import score_seed
 from secure_vfl.methods.imputation.fedhf import ReconstructionImputer, _message_round
 
@@ -109,6 +114,48 @@ def test_a_retried_round_trains_the_others_from_the_rounds_global_model() -> Non
     assert {m.receiver for m in restarts} == {"client-0", "client-2", "client-3"}
     assert {m.batch_id for m in restarts} == {1}  # the retry is a fresh batch
     assert imputer.federation.attempt == 1
+
+
+class WatchingClient(LosingClient):
+    """Also records ``watched``'s optimiser state and generator state when the round's local
+    update is asked of it (before it trains) and once the round's restart has reached it."""
+
+    def __init__(self, watched: str, lost: str, kind: str, round: int) -> None:
+        super().__init__(lost, kind, round)
+        self.watched = watched
+        self.states: dict[str, tuple[dict[str, Any], torch.Tensor]] = {}
+
+    def post(self, message: Message, *, sender: Party) -> None:
+        watched = message.receiver == self.watched and message.round == self.round
+        if watched and message.kind == "compute-request" and message.batch_id == 0:
+            self.states.setdefault("before", self._state())
+        super().post(message, sender=sender)
+        if watched and getattr(message, "tag", "") == "restart":
+            self.states["restarted"] = self._state()
+
+    def _state(self) -> tuple[dict[str, Any], torch.Tensor]:
+        client = self.parties[self.watched]
+        assert isinstance(client, ImputationClient) and client.optimiser is not None
+        assert client.generator is not None
+        state = copy.deepcopy(client.optimiser.state_dict()["state"])
+        return state, client.generator.get_state()
+
+
+def test_a_retried_round_puts_back_the_survivors_optimiser_moments_and_generator() -> None:
+    """client-0 trains in the abandoned attempt (client-3, asked last, is lost): the restart
+    gives it back the Adam moments and the batch generator it had before, as well as the
+    round's model, so the retry trains it as if the attempt had not been."""
+    channel = WatchingClient("client-0", "client-3", "compute-request", _message_round(ROUND))
+    _fit(channel, PlainAggregator())
+    (before, generator_before), (after, generator_after) = (
+        channel.states["before"],
+        channel.states["restarted"],
+    )
+    assert before and before.keys() == after.keys()  # Adam moments of every parameter
+    for index, moments in before.items():
+        for name, value in moments.items():
+            assert torch.equal(value, after[index][name]), (index, name)
+    assert torch.equal(generator_before, generator_after)
 
 
 def test_a_protocol_error_with_every_client_reachable_is_not_a_fault() -> None:

@@ -15,9 +15,11 @@ and the masked loss (eqs. 5-6) are the client's side of Algorithm 2.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -222,6 +224,10 @@ class TrainingPlan:
         )
 
 
+RESTART_TAG = "restart"
+"""The tag of the download that starts a FedAvg round again after a client was lost in it."""
+
+
 class ImputationClient(SecureSumParty):
     """One client of federated imputation: its training rows (and, to be scored, its test
     rows), its own statistics mechanism (if any) and, once the global statistics are published,
@@ -272,6 +278,9 @@ class ImputationClient(SecureSumParty):
             torch.Generator().manual_seed(training.generator_seed) if training else None
         )
         self._acted: set[tuple[str, int, int, str]] = set()
+        # Its optimiser's state and its generator's before its last round of local training
+        # (that round's message round): a retried round starts from them again.
+        self._round_start: tuple[int, dict[str, Any], Tensor | None] | None = None
         self._best: Tensor | None = None
         self._best_error = math.inf
 
@@ -357,15 +366,30 @@ class ImputationClient(SecureSumParty):
         self._acted.add(key)
 
     def on_parameters(self, message: ParametersMessage) -> None:
-        """FedAvg's download: load the global parameters into its model."""
+        """FedAvg's download: load the global parameters into its model. A ``restart`` (the
+        round is run again after a client was lost in it) also puts back its optimiser's
+        moments and its batch generator as they were before it trained in the abandoned
+        attempt, so that attempt leaves nothing behind."""
         key = self._check_fresh(message, message.tag)
-        _, _, model, _ = self._ready()
+        _, _, model, optimiser = self._ready()
         load_parameters(model, message.parameters)
+        start = self._round_start
+        if message.tag == RESTART_TAG and start is not None and start[0] == message.round:
+            _, state, generator = start
+            optimiser.load_state_dict(copy.deepcopy(state))
+            if self.generator is not None and generator is not None:
+                self.generator.set_state(generator)
         self._acted.add(key)
 
     def on_compute_request(self, request: ComputeRequest) -> None:
         """Run the named local computation and contribute its vector to the sum ``tag``."""
         key = self._check_fresh(request, request.tag)
+        if request.computation == "train" and self.optimiser is not None:
+            self._round_start = (
+                request.round,
+                copy.deepcopy(self.optimiser.state_dict()),
+                self.generator.get_state() if self.generator is not None else None,
+            )
         vector = self._compute(request.computation, request.arguments.numpy())
         self._acted.add(key)
         self.contribute(

@@ -36,6 +36,7 @@ from secure_vfl.methods.imputation.base import (
     derived_seed,
 )
 from secure_vfl.methods.imputation.clients import (
+    RESTART_TAG,
     ImputationClient,
     ModelFactory,
     TrainingPlan,
@@ -173,7 +174,8 @@ class ReconstructionImputer:
         """:meth:`_federated_round`; should a client be lost in it (a deployment: its process
         died), drop it, abandon the round and run it again over the others from the round's
         global model, downloaded to them anew (their local steps of the abandoned attempt are
-        undone; their optimisers' moments are not). Each retry drops a client or re-raises
+        undone, their optimisers' moments and batch generators put back). Each retry drops a
+        client or re-raises
         (:meth:`~secure_vfl.methods.imputation.federation.ImputationFederation.recover`)."""
         start = self.theta
         retry = False
@@ -181,7 +183,7 @@ class ReconstructionImputer:
             try:
                 if retry:
                     assert start is not None
-                    self.federation.download(start, round=_message_round(round), tag="restart")
+                    self.federation.download(start, round=_message_round(round), tag=RESTART_TAG)
                 return self._federated_round(round)
             except ProtocolError as error:
                 self.theta = start
