@@ -1370,6 +1370,15 @@ def serve(
         statistics_privacy=statistics_privacy,
     )
     endpoint.handler = server.receive
+    endpoint.redact = private_paths(
+        {
+            "its data directory": path.parent if path is not None else None,
+            "its federation file's directory": federation.path.parent,
+            "its model directory": model.directory,
+            "its checkpoint directory": checkpoint_dir,
+            "its imputed directory": server.imputed_dir,
+        }
+    )
     on_event(f"{name}: serving at {member.address}")
     label = federation.label_party
     silence, awaiting = wait, f"first message from the label party {label}"
@@ -1393,6 +1402,29 @@ def serve(
     finally:
         endpoint.close()
     return server.outcome
+
+
+def private_paths(directories: Mapping[str, Path | None]) -> Callable[[str], str]:
+    """What a serving party's refusals say to the label party: each of its own ``directories``
+    (by what they are: "its model directory", ...) replaced by that name in angle brackets, so
+    that its file system's layout stays on its machine (its own log keeps the paths). Each is
+    matched as given and resolved; the deepest first, so a directory inside another is named as
+    itself."""
+    forms: dict[str, str] = {}
+    for what, directory in directories.items():
+        if directory is None:
+            continue
+        for form in (str(directory), str(directory.resolve())):
+            if Path(form).is_absolute() and form != Path(form).anchor:  # never "/" or "."
+                forms.setdefault(form, f"<{what}>")
+    ordered = sorted(forms.items(), key=lambda item: -len(item[0]))
+
+    def redact(text: str) -> str:
+        for form, named in ordered:
+            text = text.replace(form, named)
+        return text
+
+    return redact
 
 
 IMPUTED_DIR = "imputed"

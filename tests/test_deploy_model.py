@@ -267,6 +267,10 @@ def test_a_deployed_run_saves_each_part_at_its_party_and_predicts_as_the_in_proc
     assert predict_where_parts_live(site, processes, out, models, written) != 0
     assert not written.exists()
     assert re.search(r"telco cannot load its part of model .*SHA-256", processes.log("bank"))
+    # telco names its part's file to the label party without its own directories' paths.
+    assert "<its model directory>" in processes.log("bank"), processes.log("bank")
+    assert str(models["telco"]) not in processes.log("bank")
+    assert str(models["telco"]) in processes.log("telco")
 
 
 def test_a_model_trained_under_masks_predicts_under_masks_where_its_parts_live(

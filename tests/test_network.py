@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from protocols import tls
+from secure_vfl.deployment import private_paths
 from secure_vfl.errors import ConfigError, NotSetUpError, ProtocolError, TransportError
 from secure_vfl.federation import network, wire
 from secure_vfl.federation.channel import CAPTURE_LENGTH, read_capture
@@ -530,6 +531,36 @@ def test_a_party_never_set_up_for_the_run_is_reported_lost_by_its_sender(certs: 
         assert channel.unreachable(["shop"]) == ["shop"]
         assert bank.restarted == set()  # reported once; its process is up: not lost again
         assert channel.unreachable(["shop"]) == []
+
+
+def test_a_refusal_tells_the_sender_what_redact_leaves_and_the_own_log_everything(
+    certs: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A serving party's refusals name its own directories to the sender only by what they
+    are (:func:`~secure_vfl.deployment.private_paths`); its own log keeps the paths."""
+    models = tmp_path / "org" / "models"
+    data = tmp_path / "org"
+    redact = private_paths({"its data directory": data, "its model directory": models, "x": None})
+    assert redact(f"{models}/a.pt and {data}/shop.csv, {data.resolve()}") == (
+        "<its model directory>/a.pt and <its data directory>/shop.csv, <its data directory>"
+    )
+    # Never "/" or "." as such: a relative directory is matched resolved only.
+    around = private_paths({"the root": Path("/"), "here": Path(".")})
+    assert around(f"/a ./b {Path.cwd()}/c") == "/a ./b <here>/c"
+    bank = PartyEndpoint("bank", identity=_identity(certs, "bank"), deadline=20.0)
+    shop = PartyEndpoint("shop", identity=_identity(certs, "shop"), deadline=20.0)
+    bank.add_peer("shop", shop.address)
+
+    def handle(message: Message) -> None:
+        raise ProtocolError(f"{models}/part.pt does not match its SHA-256")
+
+    shop.handler = handle
+    shop.redact = redact
+    with bank, _Serving(shop), pytest.raises(ProtocolError) as refused:
+        bank.send(_greeting())
+    assert "<its model directory>/part.pt does not match" in str(refused.value)
+    assert str(tmp_path) not in str(refused.value)
+    assert f"{models}/part.pt does not match" in caplog.text
 
 
 def test_send_all_lets_its_receivers_act_at_once_and_raises_a_refusal_after_all_acted(

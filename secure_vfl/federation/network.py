@@ -341,6 +341,9 @@ class PartyEndpoint:
         self.capture = capture
         self._capture_lock = threading.Lock()  # the party's thread sends, gRPC's receive
         self.handler: Callable[[Message], None] | None = None
+        self.redact: Callable[[str], str] = _as_it_is
+        """What a refusal of this party's handler says to the sender, from what it says in this
+        party's own log (e.g. the party's own directories left out)."""
         self.bytes: Counter[tuple[str, str, str]] = Counter()
         self.received: Counter[tuple[str, str, str]] = Counter()
         self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
@@ -620,26 +623,29 @@ class PartyEndpoint:
             self._refusals.append(item.reason)
         elif isinstance(item, _Arrival):
             message = item.message
+            refusal: str | None = None  # what this party says of it in its own log
             try:
                 if self.handler is None:
                     self._kept.append(message)
                 else:
                     self.handler(message)
             except ProtocolError as error:
-                item.refusal = f"{self.name} refused {message.kind} from {message.sender}: {error}"
+                refusal = f"{self.name} refused {message.kind} from {message.sender}: {error}"
                 # Only its own: one it met further down a chain of deliveries is the sender's.
                 item.not_set_up = isinstance(error, NotSetUpError) and error.party == self.name
             except Exception as error:  # the sender learns it failed; this party goes on
-                item.refusal = (
+                refusal = (
                     f"{self.name} failed acting on {message.kind} from {message.sender}: "
                     f"{type(error).__name__}: {error}"
                 )
                 item.failed = True
             finally:
                 self.received[(message.sender, message.receiver, _phase(message))] += item.size
+                if refusal is not None:
+                    item.refusal = self.redact(refusal)
                 item.done.set()
-            if item.refusal is not None:
-                logger.warning("%s", item.refusal)
+            if refusal is not None:
+                logger.warning("%s", refusal)
 
     def act_on_next(
         self,
@@ -874,6 +880,10 @@ class PartyEndpoint:
                 f"restarted?): {details}",
             )
         return ProtocolError(f"{what} refused ({code.name}): {details}")
+
+
+def _as_it_is(text: str) -> str:
+    return text
 
 
 def _phase(message: Message) -> str:
