@@ -96,23 +96,6 @@ def checkpoint_root(directory: Path) -> Path:
 # -- one party's own state --------------------------------------------------------------------
 
 
-def _optimizers(party: DataParty) -> dict[str, torch.optim.Optimizer]:
-    """The party's optimisers by the name of the module they train."""
-    found = {
-        ("bottom" if not key else f"bottom/{key}"): opt
-        for key, opt in party.optimizers.items()
-        if opt is not None
-    }
-    found.update(
-        {
-            ("head" if not key else f"head/{key}"): head.optimizer
-            for key, head in party.heads.items()
-            if head.optimizer is not None
-        }
-    )
-    return found
-
-
 def _generators(party: DataParty) -> dict[str, torch.Generator | np.random.Generator]:
     """The random generators the party holds as attributes (a role's own sampling)."""
     return {
@@ -134,7 +117,7 @@ def party_state(party: DataParty) -> tuple[dict[str, Any], dict[str, Any]]:
         "generators": {},
     }
     meta: dict[str, Any] = {"optimizers": {}, "generators": {}}
-    for name, optimizer in _optimizers(party).items():
+    for name, optimizer in party.own_optimizers().items():
         tensors["optimizers"][name], meta["optimizers"][name] = _split_optimizer(
             optimizer.state_dict(), f"{party.name}'s optimiser {name!r}"
         )
@@ -218,7 +201,7 @@ def restore_party_state(
     modules = party.own_modules()
     saved = tensors.get("modules", {})
     _same_names(where, "modules", modules, saved)
-    optimizers = _optimizers(party)
+    optimizers = party.own_optimizers()
     _same_names(where, "optimisers", optimizers, meta.get("optimizers", {}))
     generators = _generators(party)
     saved_generators = {**tensors.get("generators", {}), **meta.get("generators", {})}

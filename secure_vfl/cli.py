@@ -1425,11 +1425,6 @@ def _checkpoint_plan(
                 "--checkpoint-dir goes with --checkpoint-every N. Found no --checkpoint-every."
             )
         return None
-    if config.method.startswith("false-vfl"):
-        raise ConfigError(
-            f"checkpoints follow methods trained in one stage; {config.method} trains in two. "
-            "Found --checkpoint-every or --resume with it."
-        )
     settings = {**config.to_json(), "privacy": _privacy_settings(args)}
     resume = None
     if args.resume is not None:

@@ -105,12 +105,13 @@ def _settings(config: TrainConfig) -> dict[str, Any]:
 
 
 def _killed_then_resumed(
-    tmp_path: Path, config: TrainConfig, data: VerticalData, **kwargs: Any
+    tmp_path: Path, config: TrainConfig, data: VerticalData, *, stop: int = STOP, **kwargs: Any
 ) -> tuple[TrainResult, Channel]:
     plan = CheckpointPlan(directory=tmp_path, every=EVERY, settings=_settings(config))
     with pytest.raises(Killed):
-        _train(config, data, plan=plan, on_step=_kill_at(STOP), **kwargs)
-    assert written_steps(tmp_path, "party-0") == [10]  # the older checkpoint was dropped
+        _train(config, data, plan=plan, on_step=_kill_at(stop), **kwargs)
+    # The older checkpoints were dropped.
+    assert written_steps(tmp_path, "party-0") == [stop - stop % EVERY]
     point = find_resume_point(tmp_path, label_party="party-0", settings=_settings(config))
     resume = CheckpointPlan(
         directory=tmp_path, every=EVERY, resume=point, settings=_settings(config)
@@ -144,6 +145,36 @@ def test_a_killed_run_resumed_from_its_checkpoint_equals_an_uninterrupted_run(
     data = make_data(train_missing="mcar:0.3")
     whole, whole_channel = _train(config, data, secure=secure)
     resumed, resumed_channel = _killed_then_resumed(tmp_path, config, data, secure=secure)
+    assert resumed.epoch_loss == whole.epoch_loss
+    assert resumed.metrics == whole.metrics
+    expected, found = _states(whole_channel), _states(resumed_channel)
+    assert expected.keys() == found.keys()
+    for party, modules in expected.items():
+        assert modules.keys() == found[party].keys()
+        for name, value in modules.items():
+            assert torch.equal(value, found[party][name]), (party, name)
+
+
+@pytest.mark.parametrize("secure", [False, True], ids=["plaintext", "masks"])
+@pytest.mark.parametrize(
+    ("method", "stop"),
+    [("false-vfl-1", 13), ("false-vfl-2", 13), ("false-vfl-1", 33)],
+    ids=["variant-1-stage-1", "variant-2-stage-1", "variant-1-stage-2"],
+)
+def test_a_killed_false_vfl_run_resumes_in_either_stage_to_the_uninterrupted_run(
+    tmp_path: Path, make_data: MakeData, one_thread: None, method: str, stop: int, secure: bool
+) -> None:
+    """FALSE-VFL's two stages (here 21 steps each: 3 epochs of 7 batches) count epochs and
+    steps on across both, so a run killed in stage 1 (step 13, after the checkpoint of step 10)
+    or in stage 2 (step 33, after that of step 30) resumes there: every party's encoder and
+    decoder, the label side's model and the optimisers of both stages come back."""
+    config = _config(secure=secure, method=method)
+    data = make_data(train_missing="mcar:0.3")
+    whole, whole_channel = _train(config, data, secure=secure)
+    assert len(whole.epoch_loss) == 6  # both stages' epochs
+    resumed, resumed_channel = _killed_then_resumed(
+        tmp_path, config, data, stop=stop, secure=secure
+    )
     assert resumed.epoch_loss == whole.epoch_loss
     assert resumed.metrics == whole.metrics
     expected, found = _states(whole_channel), _states(resumed_channel)

@@ -168,6 +168,18 @@ def test_a_killed_federation_resumes_under_masks_with_fresh_keys_to_the_uninterr
     resume_and_compare(site, processes, tmp_path, step, *flags)
 
 
+def test_a_killed_false_vfl_federation_resumes_to_the_uninterrupted_metrics(
+    site: Path, processes: Processes, tmp_path: Path
+) -> None:
+    """FALSE-VFL's two stages resume too: each data party its encoder and decoder and their
+    optimiser in its own process, the label party its label-side model and both stages'
+    optimisers."""
+    flags = ("--method", "false-vfl-1")
+    label, servers = start_federation(site, processes, tmp_path, "killed", *flags, resume=False)
+    step = kill_after_a_commit(processes, label, servers, tmp_path / "out")
+    resume_and_compare(site, processes, tmp_path, step, *flags)
+
+
 def test_a_federation_killed_after_losing_a_party_resumes_without_it_until_it_rejoins(
     site: Path, processes: Processes, tmp_path: Path
 ) -> None:

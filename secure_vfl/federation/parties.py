@@ -514,6 +514,23 @@ class DataParty(SecureSumParty):
         )
         return modules
 
+    def own_optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        """Every optimiser this party holds, by the part name of what it trains (as
+        :meth:`own_modules`); a role with more adds its own."""
+        found = {
+            ("bottom" if not key else f"bottom/{key}"): optimizer
+            for key, optimizer in self.optimizers.items()
+            if optimizer is not None
+        }
+        found.update(
+            {
+                ("head" if not key else f"head/{key}"): head.optimizer
+                for key, head in self.heads.items()
+                if head.optimizer is not None
+            }
+        )
+        return found
+
     def save_part(self, directory: Path) -> dict[str, str]:
         """Write this party's own part (modules, preprocessing, class values) into
         ``directory``; return each file's SHA-256 for the federation's manifest."""

@@ -74,7 +74,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal, cast
@@ -362,6 +362,14 @@ class LatentLabelParty(LatentParty):
     def own_modules(self) -> dict[str, torch.nn.Module]:
         """Its encoder/decoder and its label-side model q(z|h), p(h|z), p(y|h)."""
         return {**super().own_modules(), "label-model": self.label_model}
+
+    def own_optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        """Its encoder/decoder's, and the label-side model's of each stage."""
+        return {
+            **super().own_optimizers(),
+            "label-model/generative": self.generative_optimizer,
+            "label-model/discriminator": self.discriminator_optimizer,
+        }
 
     def on_abort(self, request: AbortRequest) -> None:
         """Discard the abandoned step as a data party does, and what its own backward pass put
@@ -955,7 +963,9 @@ class FalseVflMethod:
 
         Returns the mean loss of every epoch: first the stage-1 epochs (-L_kappa per sample),
         then the stage-2 epochs (-L'_kappa per sample). ``on_step`` sees rounds counted across
-        both stages. Its two stages are not resumable yet: a ``progress`` is refused.
+        both stages. ``progress`` counts epochs and steps across both stages too, so a
+        checkpoint taken in either resumes there (stage 2 once ``progress.epoch`` has passed
+        stage 1's epochs).
 
         A data party lost in stage 1 may rejoin at a stage-1 epoch boundary
         (:meth:`~secure_vfl.methods.base.Federation.rejoin`: set up anew, its initial models)
@@ -963,31 +973,29 @@ class FalseVflMethod:
         discriminator on the posteriors: a party that came back then would bring an encoder
         that never trained, so nobody is probed from stage 2 on.
         """
-        if progress is not None:
-            raise ConfigError(
-                f"{self.name} trains in two stages, which checkpoints do not follow yet; "
-                "expected no --checkpoint-every or --resume with it."
-            )
+        progress = progress if progress is not None else TrainingProgress()
+        first = self._epochs(1)
         self.stage = 1
-        losses = train_epochs(
+        train_epochs(
             self.train_step,
             self.sampler,
-            epochs=self._epochs(1),
+            epochs=first,
             rng=self.fed.rng,
             on_step=on_step,
+            progress=progress,
             on_epoch=lambda round: self.fed.rejoin(round=round),
         )
-        offset = len(self.sampler) * self._epochs(1)
+        # Stage 2 goes on with the same progress: its epochs after stage 1's, its steps' rounds
+        # after stage 1's (no two steps of a run share one: a fault names the run's step).
         self.stage = 2
-        shifted = None if on_step is None else partial(_shift_round, on_step, offset)
-        losses += train_epochs(
-            partial(_shifted_step, self.train_step, offset),
+        return train_epochs(
+            self.train_step,
             self.labeled_sampler,
-            epochs=self._epochs(2),
+            epochs=first + self._epochs(2),
             rng=self.fed.rng,
-            on_step=shifted,
+            on_step=on_step,
+            progress=progress,
         )
-        return losses
 
     # ---- evaluation --------------------------------------------------------------------
 
@@ -1092,22 +1100,6 @@ class FalseVflMethod:
         lost = ~split.mask.any(axis=1)
         out[lost, 0] = predicted[lost]
         return out
-
-
-def _shift_round(on_step: StepCallback, offset: int, round: int, loss: float) -> None:
-    on_step(offset + round, loss)
-
-
-def _shifted_step(
-    step: Callable[[np.ndarray, int, int], float],
-    offset: int,
-    rows: np.ndarray,
-    round: int,
-    batch_id: int,
-) -> float:
-    """Stage 2's step ``round`` as the run's step ``offset + round``: rounds run on across both
-    stages, so no two steps of a run share one (a fault names the run's step)."""
-    return step(rows, offset + round, batch_id)
 
 
 for _name, _variant in VARIANTS.items():
