@@ -119,6 +119,20 @@ def _killed_then_resumed(
     return _train(config, data, plan=resume, **kwargs)
 
 
+def _assert_same_run(
+    whole: TrainResult, whole_channel: Channel, resumed: TrainResult, resumed_channel: Channel
+) -> None:
+    """The resumed run ended as the uninterrupted one: its losses, metrics and every module."""
+    assert resumed.epoch_loss == whole.epoch_loss
+    assert resumed.metrics == whole.metrics
+    expected, found = _states(whole_channel), _states(resumed_channel)
+    assert expected.keys() == found.keys()
+    for party, modules in expected.items():
+        assert modules.keys() == found[party].keys()
+        for name, value in modules.items():
+            assert torch.equal(value, found[party][name]), (party, name)
+
+
 @pytest.mark.parametrize(
     ("method", "secure", "batching"),
     [
@@ -145,14 +159,7 @@ def test_a_killed_run_resumed_from_its_checkpoint_equals_an_uninterrupted_run(
     data = make_data(train_missing="mcar:0.3")
     whole, whole_channel = _train(config, data, secure=secure)
     resumed, resumed_channel = _killed_then_resumed(tmp_path, config, data, secure=secure)
-    assert resumed.epoch_loss == whole.epoch_loss
-    assert resumed.metrics == whole.metrics
-    expected, found = _states(whole_channel), _states(resumed_channel)
-    assert expected.keys() == found.keys()
-    for party, modules in expected.items():
-        assert modules.keys() == found[party].keys()
-        for name, value in modules.items():
-            assert torch.equal(value, found[party][name]), (party, name)
+    _assert_same_run(whole, whole_channel, resumed, resumed_channel)
 
 
 @pytest.mark.parametrize("secure", [False, True], ids=["plaintext", "masks"])
@@ -175,14 +182,7 @@ def test_a_killed_false_vfl_run_resumes_in_either_stage_to_the_uninterrupted_run
     resumed, resumed_channel = _killed_then_resumed(
         tmp_path, config, data, stop=stop, secure=secure
     )
-    assert resumed.epoch_loss == whole.epoch_loss
-    assert resumed.metrics == whole.metrics
-    expected, found = _states(whole_channel), _states(resumed_channel)
-    assert expected.keys() == found.keys()
-    for party, modules in expected.items():
-        assert modules.keys() == found[party].keys()
-        for name, value in modules.items():
-            assert torch.equal(value, found[party][name]), (party, name)
+    _assert_same_run(whole, whole_channel, resumed, resumed_channel)
 
 
 def test_a_run_that_lost_a_party_resumes_with_it_lost_to_the_uninterrupted_result(
