@@ -567,43 +567,39 @@ class _Server:
     def _on_checkpoints(self, message: Message) -> None:
         """Take the run's checkpoints before training (on resume: restore this party's own)."""
         body = _body(message, "checkpoints", CHECKPOINTS_KEYS)
-        self._reply("checkpoints-ready", self.checkpoints.start(self._data_party(body), body))
+        self._reply("checkpoints-ready", self.checkpoints.start(self._checkpointing(body), body))
         if body["step"]:
             self.on_event(f"{self.name}: restored its checkpoint of step {body['step']}")
 
     def _on_checkpoint(self, message: Message) -> None:
         """Write this party's own checkpoint of the step the label party names."""
         body = _body(message, "checkpoint", CHECKPOINT_KEYS)
-        self._reply("checkpointed", self.checkpoints.write(self._data_party(body), body))
+        self._reply("checkpointed", self.checkpoints.write(self._checkpointing(body), body))
         self.on_event(f"{self.name}: wrote its checkpoint of step {body['step']}")
 
     def _on_save(self, message: Message) -> None:
         """Write this party's own part of the trained model into its own model directory."""
         body = _body(message, "save", SAVE_KEYS)
-        if not isinstance(self.party, DataParty):
-            where = "before the run was set up" if self.party is None else "at the aggregator"
-            refusal = (
-                f"{self.name}: a save (run {str(body['run'])[:40]!r}) {where}; only a set-up "
-                "data party saves a part."
-            )
-            if self.party is None:
-                raise NotSetUpError(self.name, refusal)
-            raise ProtocolError(refusal)
-        self._reply("saved", self.model.save(self.party, body))
+        party = self._data_party(f"a save (run {str(body['run'])[:40]!r})", "saves a part")
+        self._reply("saved", self.model.save(party, body))
         self.on_event(f"{self.name}: saved its part of model {body['run']}")
 
-    def _data_party(self, body: Mapping[str, Any]) -> DataParty:
-        """The data party built at set-up (ProtocolError before it, or at the aggregator)."""
-        if not isinstance(self.party, DataParty):
-            where = "before the run was set up" if self.party is None else "at the aggregator"
-            refusal = (
-                f"{self.name}: a checkpoint request (step {body.get('step')!r}) {where}; only a "
-                "set-up data party keeps checkpoints."
-            )
-            if self.party is None:
-                raise NotSetUpError(self.name, refusal)
-            raise ProtocolError(refusal)
-        return self.party
+    def _checkpointing(self, body: Mapping[str, Any]) -> DataParty:
+        return self._data_party(
+            f"a checkpoint request (step {body.get('step')!r})", "keeps checkpoints"
+        )
+
+    def _data_party(self, request: str, does: str) -> DataParty:
+        """The data party built at set-up, for ``request`` that only such a party ``does``:
+        NotSetUpError before the set-up (a process that replaced the one the run set up),
+        ProtocolError at the aggregator."""
+        if isinstance(self.party, DataParty):
+            return self.party
+        where = "before the run was set up" if self.party is None else "at the aggregator"
+        refusal = f"{self.name}: {request} {where}; only a set-up data party {does}."
+        if self.party is None:
+            raise NotSetUpError(self.name, refusal)
+        raise ProtocolError(refusal)
 
     def _on_end(self, message: Message) -> None:
         body = _body(message, "end", {"outcome": str})

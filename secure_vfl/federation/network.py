@@ -351,9 +351,7 @@ class PartyEndpoint:
         self._refusals: collections.deque[str] = collections.deque()
         self._peers: dict[str, str] = {}
         self._channels: dict[str, grpc.Channel] = {}
-        # Each channel's two calls, made once: making one costs about as much as encoding a
-        # small message.
-        self._calls: dict[grpc.Channel, tuple[Any, Any]] = {}
+        self._calls: dict[grpc.Channel, tuple[Any, Any]] = {}  # Deliver, DeliverStream
         self._sequence: Counter[str] = Counter()
         self.restarted: set[str] = set()
         """Peers that refused a message as never set up for its run (:class:`~secure_vfl.errors.
@@ -414,16 +412,22 @@ class PartyEndpoint:
         check_party_name(name)
         if name in self._peers:
             raise ConfigError(f"{self.name}: peer {name!r} is already at {self._peers[name]}.")
-        self._channels[name] = self._client(name, address)
+        self._connect(name, address)
         self._peers[name] = address
 
     def reconnect(self, name: str) -> None:
         """A new client connection to peer ``name`` at its address (a restarted process): the
         old one may be waiting out gRPC's reconnection backoff after the peer died."""
         old = self._channels[name]
-        self._channels[name] = self._client(name, self._peers[name])
+        self._connect(name, self._peers[name])
         self._calls.pop(old, None)
         old.close()
+
+    def _connect(self, name: str, address: str) -> None:
+        """A client channel to peer ``name`` and its two calls, made once for every message
+        (making one costs about as much as encoding a small message)."""
+        channel = self._channels[name] = self._client(name, address)
+        self._calls[channel] = (channel.unary_unary(DELIVER), channel.stream_unary(DELIVER_STREAM))
 
     def _client(self, name: str, address: str) -> grpc.Channel:
         options: list[tuple[str, int | str]] = [
@@ -826,10 +830,8 @@ class PartyEndpoint:
         """The call, blocking in one of the endpoint's sender threads (:data:`SENDER_THREADS`);
         its future fails with the call's ``grpc.RpcError``."""
         calls = self._calls.get(channel)
-        if calls is None:  # a new channel (or one reconnect replaced, retried on as it was)
+        if calls is None:  # a retry on a channel that reconnect has replaced (and closed)
             calls = (channel.unary_unary(DELIVER), channel.stream_unary(DELIVER_STREAM))
-            if channel in self._channels.values():
-                self._calls[channel] = calls
         call, streamed = calls
         if len(data) <= STREAM_THRESHOLD:
             return self._senders.submit(call, data, timeout=timeout, metadata=metadata)
