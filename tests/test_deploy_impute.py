@@ -231,18 +231,35 @@ def test_a_client_sets_itself_up_from_its_own_file_and_refuses_a_path_for_a_run_
         )
 
 
+@pytest.mark.parametrize("restarted", [False, True], ids=["killed", "restarted-at-once"])
 def test_fedavg_goes_on_without_a_client_killed_mid_run(
-    site: Path, processes: Processes, tmp_path: Path
+    site: Path, processes: Processes, tmp_path: Path, restarted: bool
 ) -> None:
+    """telco is killed after its first local update; ``restarted``: a new process takes its
+    address before the label party notices (the label party held still meanwhile), refuses the
+    next request as never set up, and telco is lost all the same."""
     federation = write_federation(site, site / "certs", free_loopback_ports(5))
     servers = {name: processes.serve(federation, name) for name in (*CLIENTS, "aggregator")}
     label = processes.start(
         "impute", "--federation", str(federation), "--name", "bank", "--method", "fed-dae",
-        "--rounds", "60", "--secure-agg", "masks", "--deadline", "10", "--quiet",
-        "--out", str(tmp_path / "out"), log="bank",
+        "--rounds", "60", "--secure-agg", "masks", "--deadline", "30" if restarted else "10",
+        "--quiet", "--out", str(tmp_path / "out"), log="bank",
     )  # fmt: skip
     wait_for_line(processes, "telco", "its first training step is done", label)
-    os.kill(servers["telco"].pid, signal.SIGKILL)
+    if restarted:
+        os.kill(label.pid, signal.SIGSTOP)
+    try:
+        os.kill(servers["telco"].pid, signal.SIGKILL)
+        if restarted:
+            servers["telco"].wait(timeout=PROCESS_SECONDS)
+            replacement = processes.start(
+                "party", "serve", "--federation", str(federation), "--name", "telco",
+                log="telco-restarted",
+            )  # fmt: skip
+            wait_for_line(processes, "telco-restarted", "telco: serving at", replacement)
+    finally:
+        if restarted:
+            os.kill(label.pid, signal.SIGCONT)
     assert label.wait(timeout=PROCESS_SECONDS) == 0, processes.log("bank")
     for name in ("shop", "insurer", "aggregator"):
         assert servers[name].wait(timeout=PROCESS_SECONDS) == 0, processes.log(name)
@@ -255,6 +272,9 @@ def test_fedavg_goes_on_without_a_client_killed_mid_run(
     assert sorted(result["rmse_per_client"]) == ["insurer", "shop"]
     assert set(result["traffic"]["bytes"]) == {"bank", "shop", "insurer", "aggregator"}
     assert f"lost: telco in round {fault['round']}" in processes.log("bank")
+    if restarted:
+        assert "was never set up for this run" in fault["what"], fault
+        assert "before the run was set up" in processes.log("telco-restarted")
 
 
 def test_each_client_noises_its_own_statistics_and_reports_its_own_epsilon(
