@@ -53,7 +53,7 @@ from secure_vfl.data.samplers import PoissonSampler
 from secure_vfl.errors import ConfigError, DataError, IntegrityError, ProtocolError
 from secure_vfl.federation.parts import sha256, unwrapped
 from secure_vfl.io import atomic_directory, atomic_write_text
-from secure_vfl.methods.base import StepCallback, TrainingProgress
+from secure_vfl.methods.base import CHECKPOINT, StepCallback, TrainingProgress
 
 if TYPE_CHECKING:
     from secure_vfl.federation.parties import DataParty
@@ -912,6 +912,27 @@ class RunCheckpoints:
                 party, saved.tensors, saved.meta, where=where, journal=root, run_id=self.run_id
             )
 
+    def _write_elsewhere(
+        self, elsewhere: PartiesElsewhere, step: int, method: Method
+    ) -> dict[str, str]:
+        """Each live party elsewhere writes its checkpoint of ``step``, asked one after the
+        other; their manifests' SHA-256. A party whose process died since the step (the request
+        fails and it no longer answers) is dropped as in a step
+        (:meth:`~secure_vfl.methods.base.Federation.recover`, ``"phase": "checkpoint"``) and
+        the step is committed without it; any other failure fails the run."""
+        fed = method.fed
+        manifests: dict[str, str] = {}
+        for name in [name for name in fed.live() if name in elsewhere.names]:
+            if name in fed.dropped:
+                continue  # found lost while another party was asked
+            try:
+                manifests |= elsewhere.write(
+                    step, self.run_id, committed=self.committed, parties=[name]
+                )
+            except ProtocolError as error:
+                fed.recover(error, round=step - 1, abandoned=(), phase=CHECKPOINT)
+        return {name: digest for name, digest in manifests.items() if name not in fed.dropped}
+
     def hook(
         self,
         on_step: StepCallback | None,
@@ -947,16 +968,16 @@ class RunCheckpoints:
         root = self.plan.directory
         label = method.fed.own
         manifests = {}
+        elsewhere = self.plan.elsewhere
+        away = elsewhere.names if elsewhere is not None else []
         for party in parties:
-            if party.name != label.name and party.name not in method.fed.dropped:
+            if party.name not in (label.name, *away) and party.name not in method.fed.dropped:
                 tensors, meta = party_state(party)
                 manifests[party.name] = write_checkpoint(
                     root, party.name, run_id=self.run_id, step=step, tensors=tensors, meta=meta
                 )
-        elsewhere = self.plan.elsewhere
         if elsewhere is not None:
-            live = [name for name in method.fed.live() if name in elsewhere.names]
-            manifests |= elsewhere.write(step, self.run_id, committed=self.committed, parties=live)
+            manifests |= self._write_elsewhere(elsewhere, step, method)
         tensors, meta = party_state(label)
         tensors["run"], meta["run"] = run_state(method, progress)
         meta["settings"] = self.settings

@@ -1160,6 +1160,8 @@ def _fault_lines(faults: list[dict[str, Any]]) -> list[str]:
         when = f"at step {fault['step']} (epoch {fault['epoch']})"
         if fault.get("phase") == "evaluation":
             when = f"in the evaluation after step {fault['step']} (epoch {fault['epoch']})"
+        if fault.get("phase") == "checkpoint":
+            when = f"when asked for its checkpoint of step {fault['step']} (epoch {fault['epoch']})"
         if fault.get("phase") == "saving":
             lines.append(
                 f"lost: {fault['party']} while the model was saved after step {fault['step']}; "

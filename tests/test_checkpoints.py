@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +23,22 @@ from secure_vfl.checkpoints import (
     CheckpointPlan,
     find_resume_point,
     journal_path,
+    party_state,
     step_directory,
+    write_checkpoint,
     written_steps,
 )
 from secure_vfl.data.vertical import VerticalData
-from secure_vfl.errors import ConfigError, DataError, IntegrityError
+from secure_vfl.errors import (
+    ConfigError,
+    DataError,
+    IntegrityError,
+    ProtocolError,
+    TransportError,
+)
 from secure_vfl.experiment import TrainConfig, TrainResult, run_training
 from secure_vfl.federation.channel import Channel
+from secure_vfl.federation.parties import DataParty
 from secure_vfl.methods import MethodConfig
 from secure_vfl.methods.base import in_process_parties
 
@@ -216,6 +226,90 @@ def test_a_run_that_lost_a_party_resumes_with_it_lost_to_the_uninterrupted_resul
     assert [(f["party"], f["step"]) for f in resumed.faults] == [("party-2", lost_at + 1)]
     assert resumed.epoch_loss == whole.epoch_loss
     assert resumed.metrics == whole.metrics
+
+
+class DyingElsewhere:
+    """party-2 as a party elsewhere (a deployment's process) that writes its own checkpoint
+    when asked, until its process dies after training step ``dies_after``: from its
+    checkpoint request of that step on, asking fails and ``channel`` reports it unreachable.
+    With ``refuses``, it stays reachable and refuses instead (a protocol error, not a loss)."""
+
+    def __init__(
+        self, channel: LosingChannel, root: Path, dies_after: int, *, refuses: bool = False
+    ) -> None:
+        self.names = ["party-2"]
+        self.channel, self.root, self.dies_after, self.refuses = channel, root, dies_after, refuses
+        self.asked: list[tuple[int, list[str]]] = []
+
+    def start(self, run_id: str, *, every: int, resume: object) -> None:
+        pass
+
+    def write(
+        self, step: int, run_id: str, *, committed: int | None, parties: list[str]
+    ) -> dict[str, str]:
+        self.asked.append((step, list(parties)))
+        if step >= self.dies_after:
+            if self.refuses:
+                raise ProtocolError("party-2 refused checkpoint: not the step it expected")
+            self.channel.lost = True
+            raise TransportError("checkpoint to party-2: its process is gone")
+        party = self.channel.parties["party-2"]
+        assert isinstance(party, DataParty)
+        tensors, meta = party_state(party)
+        return {
+            "party-2": write_checkpoint(
+                self.root, "party-2", run_id=run_id, step=step, tensors=tensors, meta=meta
+            )
+        }
+
+
+def test_a_party_elsewhere_that_died_before_its_checkpoint_is_dropped_and_the_step_committed(
+    tmp_path: Path, make_data: MakeData, one_thread: None
+) -> None:
+    """party-2's process dies between step 10 and its checkpoint request: it is dropped there
+    (``"phase": "checkpoint"``), step 10 is committed without it, nothing is sent to it again
+    and the run finishes; killed at step 13, the run resumes from that commit, with party-2
+    lost, to the same result. A party that refuses but still answers fails the run."""
+    config = _config()
+
+    def run(on_step: Any = None, **plan: Any) -> tuple[TrainResult, LosingChannel]:
+        channel = LosingChannel("none: lost by its checkpoint request")
+        elsewhere = DyingElsewhere(channel, tmp_path / "ckpt", 2 * EVERY, **plan)
+        checkpoints = CheckpointPlan(
+            directory=tmp_path / "ckpt",
+            every=EVERY,
+            settings=_settings(config),
+            elsewhere=elsewhere,
+        )
+        result, _ = _train(config, make_data(), plan=checkpoints, on_step=on_step, channel=channel)
+        assert elsewhere.asked[:2] == [(EVERY, ["party-2"]), (2 * EVERY, ["party-2"])]
+        return result, channel
+
+    whole, channel = run()
+    [fault] = [dict(fault) for fault in whole.faults]
+    assert fault.pop("epoch") >= 1
+    assert fault == {
+        "party": "party-2",
+        "step": 2 * EVERY,
+        "phase": "checkpoint",
+        "what": "checkpoint to party-2: its process is gone",
+    }
+    assert channel.after_loss == 0  # never asked for anything again, checkpoints included
+    shutil.rmtree(tmp_path / "ckpt")
+    with pytest.raises(Killed):
+        run(on_step=_kill_at(STOP))
+    point = find_resume_point(tmp_path / "ckpt", label_party="party-0", settings=_settings(config))
+    assert point.step == 2 * EVERY
+    assert point.dropped == ["party-2"] and sorted(point.label.parties) == ["party-1", "party-3"]
+    resume = CheckpointPlan(directory=tmp_path / "ckpt", resume=point, settings=_settings(config))
+    resumed, _ = _train(config, make_data(), plan=resume)
+    assert resumed.faults == whole.faults
+    assert resumed.epoch_loss == whole.epoch_loss
+    assert resumed.metrics == whole.metrics
+    # Refused by a party that still answers: a protocol error, and the run fails on it.
+    shutil.rmtree(tmp_path / "ckpt")
+    with pytest.raises(ProtocolError, match="not the step it expected"):
+        run(refuses=True)
 
 
 def test_a_resume_that_loses_the_optimiser_state_would_differ(

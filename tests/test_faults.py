@@ -232,17 +232,20 @@ def test_a_party_lost_in_evaluation_is_dropped_and_the_split_is_predicted_withou
     assert np.array_equal(method.predict(first), reference.predict(first))
 
 
-def test_the_summary_says_when_a_party_was_lost_in_evaluation() -> None:
+def test_the_summary_says_when_a_party_was_lost_in_evaluation_or_at_a_checkpoint() -> None:
     from secure_vfl.cli import _fault_lines
 
     faults = [
         {"party": "shop", "step": 3, "epoch": 1, "phase": "training", "what": "gone"},
         {"party": "shop", "step": 9, "epoch": 2, "phase": "training", "what": "rejoined"},
         {"party": "telco", "step": 12, "epoch": 2, "phase": "evaluation", "what": "gone"},
+        {"party": "insurer", "step": 10, "epoch": 2, "phase": "checkpoint", "what": "gone"},
     ]
     assert _fault_lines(faults) == [
         "lost: shop at step 3 (epoch 1); its block was missing until it rejoined",
         "rejoined: shop at step 9 (epoch 2), set up anew (initial models); its block took part "
         "again from then on",
         "lost: telco in the evaluation after step 12 (epoch 2); its block was missing from then on",
+        "lost: insurer when asked for its checkpoint of step 10 (epoch 2); its block was missing "
+        "from then on, in training and evaluation",
     ]

@@ -63,9 +63,11 @@ Release = Literal["drop", "dp"]
 StepCallback = Callable[[int, float], None]
 PassResult = TypeVar("PassResult")
 TRAINING, EVALUATION, SAVING = "training", "evaluation", "saving"
+CHECKPOINT = "checkpoint"
 """The ``phase`` of a ``faults`` entry: a party lost in a training step, in the evaluation
 after the step it names, or (a deployment) while the model was saved after it, so its part was
-not saved (a rejoin is always training)."""
+not saved, or when asked for its checkpoint of that step, so the commit of the step leaves it
+out (a rejoin is always training)."""
 PartyMaker = Callable[[int, RoleFactory, dict[str, Tensor], nn.Module], Party]
 
 
