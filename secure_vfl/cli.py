@@ -1169,8 +1169,10 @@ def _fault_lines(faults: list[dict[str, Any]]) -> list[str]:
             )
             continue
         if fault["what"] == "rejoined":
+            restored = fault.get("restored")
+            start = f"from its checkpoint of step {restored}" if restored else "initial models"
             lines.append(
-                f"rejoined: {fault['party']} {when}, set up anew (initial models); its block "
+                f"rejoined: {fault['party']} {when}, set up anew ({start}); its block "
                 "took part again from then on"
             )
             continue

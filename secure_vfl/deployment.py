@@ -72,13 +72,15 @@ certificate from the federation's CA answers; at most
 :data:`~secure_vfl.federation.network.REJOIN_PROBE_SECONDS` for all of them). One that answers,
 a new ``party serve`` process its operator started at the same address, is sent the ``setup``
 it had at the start of the run (:func:`readmission`, :func:`rejoin_setup`: it rebuilds its
-initial models by the seed rule), gets its availability column back from the label party's
-record of it, and a new session opens, in which every live party announces its secure-sum keys
-again (the rejoined party's are new; a key of the old session is refused). From that step on it
-trains and is evaluated, and is sent ``end`` at the close; ``faults`` has a second entry,
-``{"party", "step", "epoch", "what": "rejoined"}``. With deployed checkpoints it also takes the
-run's checkpoints from the label party's last commit on (:meth:`DeployedCheckpoints.rejoined`).
-Lost again, it is dropped again. Under
+initial models by the seed rule; with deployed checkpoints it then restores its checkpoint in
+the last commit that held it, if its directory still has it), gets its availability column back
+from the label party's record of it, and a new session opens, in which every live party
+announces its secure-sum keys again (the rejoined party's are new; a key of the old session is
+refused). From that step on it trains and is evaluated, and is sent ``end`` at the close;
+``faults`` has a second entry, ``{"party", "step", "epoch", "what": "rejoined"}`` (with
+``"restored"``, the step of the checkpoint it restored, if it did). With deployed checkpoints it
+also takes the run's checkpoints from the label party's last commit on
+(:meth:`DeployedCheckpoints.rejoined`). Lost again, it is dropped again. Under
 ``--align psi`` the restarted party first runs PSI with the label party again, in a new session
 (its PSI state died with its first process; :meth:`PsiAlignment.realign`), and must find the
 run's intersection. Under DP a lost party rejoins only with checkpoints: it takes back the
@@ -565,11 +567,13 @@ class _Server:
         self.on_event(f"{self.name}: wrote its imputed table to {path}")
 
     def _on_checkpoints(self, message: Message) -> None:
-        """Take the run's checkpoints before training (on resume: restore this party's own)."""
+        """Take the run's checkpoints before training or at a rejoin (on resume, or at a
+        rejoin after a commit that held it: restore this party's own)."""
         body = _body(message, "checkpoints", CHECKPOINTS_KEYS)
-        self._reply("checkpoints-ready", self.checkpoints.start(self._checkpointing(body), body))
-        if body["step"]:
-            self.on_event(f"{self.name}: restored its checkpoint of step {body['step']}")
+        answer = self.checkpoints.start(self._checkpointing(body), body)
+        self._reply("checkpoints-ready", answer)
+        if answer["step"]:
+            self.on_event(f"{self.name}: restored its checkpoint of step {answer['step']}")
 
     def _on_checkpoint(self, message: Message) -> None:
         """Write this party's own checkpoint of the step the label party names."""
@@ -618,8 +622,9 @@ CHECKPOINTS_KEYS: dict[str, type | tuple[type, ...]] = {
     "rejoin": bool,
 }
 """``checkpoints``: the run id, the steps between checkpoints and, on resume, the step to
-restore and the SHA-256 of the party's manifest of it (a fresh run or a rejoin: step 0, no
-manifest), the label party's last commit (none at a fresh start; the step on resume; the
+restore and the SHA-256 of the party's manifest of it (a fresh run: step 0, no manifest; a
+rejoin: the party's checkpoint in the last commit that held it, or step 0 and no manifest if
+none did), the label party's last commit (none at a fresh start; the step on resume; the
 latest at a rejoin: the party's first checkpoint names it as the last commit), and whether the
 party rejoins (a DP party then takes back its releases from its journal of the run)."""
 CHECKPOINT_KEYS: dict[str, type | tuple[type, ...]] = {
@@ -632,6 +637,19 @@ CHECKPOINTED_KEYS: dict[str, type | tuple[type, ...]] = {"run": str, "step": int
 """``checkpointed``: the run id, the step written and the SHA-256 of the party's manifest."""
 _RUN_ID = re.compile(r"[0-9a-f]{16}")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
+
+
+def _fits_commit(committed: object, step: int, *, resuming: bool, rejoin: bool) -> bool:
+    """Whether ``committed``, the label party's last commit in a ``checkpoints``, fits the
+    request: the step itself on resume, at or after the step to restore at a rejoin naming one,
+    none or a step >= 1 otherwise."""
+    if committed is None:
+        return not resuming and not (rejoin and step)
+    if not isinstance(committed, int) or isinstance(committed, bool):
+        return False
+    if resuming:
+        return committed == step
+    return committed >= max(step, 1)
 
 
 class ServedCheckpoints:
@@ -666,9 +684,13 @@ class ServedCheckpoints:
 
     def start(self, party: DataParty, body: Mapping[str, Any]) -> dict[str, Any]:
         """Take the run's checkpoints (``body``: :data:`CHECKPOINTS_KEYS`); on resume,
-        restore ``party`` from its own checkpoint of the step. The answer: the run and step."""
+        restore ``party`` from its own checkpoint of the step. At a rejoin naming a step, the
+        party (set up anew) restores its checkpoint of that step, the last commit that held it,
+        if its directory still has it (a DP party's accountant also takes its journal's
+        releases after it), and otherwise keeps its initial models. The answer: the run and
+        the step restored (0: none)."""
         run, step, manifest = body["run"], body["step"], body["manifest"]
-        committed = body["committed"]
+        committed, rejoin = body["committed"], body["rejoin"]
         if self.run is not None:
             raise ProtocolError(f"{self.name}: a second `checkpoints` of the run (a replay?).")
         if not _RUN_ID.fullmatch(run) or body["every"] < 0:
@@ -676,23 +698,18 @@ class ServedCheckpoints:
                 f"checkpoints: a run id of 16 hex digits and steps between checkpoints >= 0 "
                 f"expected; found {run[:40]!r} and {body['every']!r}."
             )
-        resuming = step != 0 or manifest is not None
-        if resuming and body["rejoin"]:
+        restoring = step != 0 or manifest is not None
+        resuming = restoring and not rejoin
+        if restoring and (step < 1 or not _DIGEST.fullmatch(str(manifest))):
             raise ProtocolError(
-                f"checkpoints: a rejoin starts from no checkpoint; found step {step!r}."
+                f"checkpoints: a step >= 1 and a manifest SHA-256 (64 hex digits) to restore "
+                f"expected; found step {step!r}, manifest {str(manifest)[:70]!r}."
             )
-        if resuming and (step < 1 or not _DIGEST.fullmatch(str(manifest))):
-            raise ProtocolError(
-                f"checkpoints: a step >= 1 and a manifest SHA-256 (64 hex digits) to resume "
-                f"from expected; found step {step!r}, manifest {str(manifest)[:70]!r}."
-            )
-        if isinstance(committed, bool) or (
-            committed != step if resuming else committed is not None and committed < 1
-        ):
+        if not _fits_commit(committed, step, resuming=resuming, rejoin=rejoin):
             raise ProtocolError(
                 f"{self.name} refuses `checkpoints`: the label party's last commit (the step "
-                f"resumed from; none or a step >= 1 otherwise) expected; found {committed!r} "
-                f"with step {step!r}."
+                "resumed from; at a rejoin, one at or after the step to restore; none or a step "
+                f">= 1 otherwise) expected; found {committed!r} with step {step!r}."
             )
         if self.directory is None:
             asked = (
@@ -704,14 +721,39 @@ class ServedCheckpoints:
                 "`--checkpoint-dir DIR`."
             )
         if resuming != self.resume:
+            asked = (
+                f"resumes from step {step}"
+                if resuming
+                else "readmits it to its run in progress"
+                if rejoin
+                else "starts a fresh run"
+            )
             raise ProtocolError(
                 f"{self.name} serves {'with' if self.resume else 'without'} --resume; the label "
-                f"party {'resumes from step ' + str(step) if resuming else 'starts a fresh run'}."
+                f"party {asked}."
+            )
+        restored = 0
+        kept = restoring and step_directory(self.directory, self.name, step).is_dir()
+        if rejoin and restoring and not kept:
+            logger.warning(
+                "%s: rejoining, it finds no checkpoint of step %d in its checkpoint directory: "
+                "it goes on from its initial models",
+                self.name,
+                step,
             )
         if resuming:
             self._restore(party, run, step, manifest)
-            self.step = step
-        elif body["rejoin"] and party.accountant is not None:
+            self.step = restored = step
+        elif kept:
+            self._restore(party, run, step, manifest)
+            restored = step
+            logger.warning(
+                "%s: rejoining, it restored its checkpoint of step %d (the last commit that held "
+                "it) in place of its initial models",
+                self.name,
+                step,
+            )
+        elif rejoin and party.accountant is not None:
             try:
                 taken = rejoin_from_journal(self.directory, party, run)
             except IntegrityError as error:
@@ -728,7 +770,7 @@ class ServedCheckpoints:
             start_journal(self.directory, party, run)
         self.run = run
         self.joined_after = committed
-        return {"run": run, "step": step}
+        return {"run": run, "step": restored}
 
     def _restore(self, party: DataParty, run: str, step: int, manifest: str) -> None:
         assert self.directory is not None
@@ -786,6 +828,9 @@ class DeployedCheckpoints:
         self.committed: int | None = None
         """The label party's last commit: the resumed step, then each step written (the label
         party writes its own checkpoint right after, or the run fails)."""
+        self.held: dict[str, tuple[int, str]] = {}
+        """Each party's checkpoint in the last commit that held it: (step, manifest SHA-256);
+        a party lost and restarted restores it when it rejoins."""
 
     def start(self, run_id: str, *, every: int, resume: ResumePoint | None) -> None:
         """Every data party takes the run's checkpoints; on ``resume`` each restores its own
@@ -812,30 +857,42 @@ class DeployedCheckpoints:
             for name in live
         }
         self._start(bodies)
+        if resume is not None:
+            self.held = {name: (resume.step, resume.label.parties[name]) for name in live}
 
-    def rejoined(self, name: str) -> None:
+    def rejoined(self, name: str) -> int:
         """The data party ``name``, set up anew after it was lost, takes the run's checkpoints
-        from the label party's last commit on (its first is the next step written); a party
-        serving without a checkpoint directory, or with ``--resume``, refuses (ProtocolError):
-        it stays lost."""
+        from the label party's last commit on (its first is the next step written), and
+        restores its checkpoint in the last commit that held it, if any (and if its directory
+        still has it); a party serving without a checkpoint directory, or with ``--resume``,
+        refuses (ProtocolError): it stays lost. Returns the step it restored (0: none, it goes
+        on from its initial models)."""
+        step, manifest = self.held.get(name, (0, None))
         body = {
             "run": self.run_id,
             "every": self.every,
-            "step": 0,
-            "manifest": None,
+            "step": step,
+            "manifest": manifest,
             "committed": self.committed,
             "rejoin": True,
         }
-        self._start({name: body})
+        return self._start({name: body})[name]
 
-    def _start(self, bodies: Mapping[str, Mapping[str, Any]]) -> None:
+    def _start(self, bodies: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
+        """Send each party its ``checkpoints``; the step each restored (a rejoining party may
+        have restored none: 0)."""
         ready = self._ask("checkpoints", bodies, "checkpoints-ready", {"run": str, "step": int})
+        restored = {}
         for name, reply in ready.items():
-            expected = {"run": bodies[name]["run"], "step": bodies[name]["step"]}
-            if reply != expected:
+            body = bodies[name]
+            steps = (body["step"], 0) if body["rejoin"] else (body["step"],)
+            if reply["run"] != body["run"] or reply["step"] not in steps:
+                expected = {"run": body["run"], "step": " or ".join(map(str, steps))}
                 raise ProtocolError(
                     f"checkpoints-ready from {name}: {expected} expected, found {reply}."
                 )
+            restored[name] = reply["step"]
+        return restored
 
     def write(
         self, step: int, run_id: str, *, committed: int | None, parties: Sequence[str]
@@ -852,6 +909,7 @@ class DeployedCheckpoints:
                     f"expected; found {reply}, manifest {str(digest)[:70]!r}."
                 )
             manifests[name] = str(digest)
+            self.held[name] = (step, str(digest))
         self.committed = step
         return manifests
 
@@ -1985,7 +2043,7 @@ def readmission(
     ``realign`` aligns it again first (:func:`_realignment`). ProtocolError if the party
     refuses any of them."""
 
-    def readmit(name: str) -> None:
+    def readmit(name: str) -> int:
         if realign is not None:
             realign(name)
         body = rejoin_setup(bodies[name])
@@ -1993,8 +2051,7 @@ def readmission(
             _deployment(endpoint.name, name, "setup", body),
             deadline=max(deadline, SETUP_DEADLINE),
         )
-        if checkpoints is not None:
-            checkpoints.rejoined(name)
+        return checkpoints.rejoined(name) if checkpoints is not None else 0
 
     return readmit
 
@@ -2017,9 +2074,9 @@ def _realignment(align: PsiAlignment, aligned: Sequence[str]) -> Callable[[str],
 
 def rejoin_setup(body: Mapping[str, Any]) -> dict[str, Any]:
     """The set-up a rejoining data party is sent: the one it had at the start of the run, so it
-    rebuilds its initial models by the seed rule (the models it trained died with its process).
-    This is the seam for deployed checkpoints: a party that keeps its own could be told here to
-    load its latest one instead."""
+    rebuilds its initial models by the seed rule (the models it trained died with its process;
+    in a run with deployed checkpoints it then restores its own checkpoint in the last commit
+    that held it: :meth:`DeployedCheckpoints.rejoined`)."""
     return dict(body)
 
 

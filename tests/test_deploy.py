@@ -314,10 +314,12 @@ def kill_shop_mid_training(
     *flags: str,
     epochs: int,
     serve_flags: Sequence[str] = (),
+    after_commit: bool = False,
 ) -> tuple[dict[str, PartyProcess], PartyProcess]:
     """Start every data party (``serve_flags`` added), the aggregator and a LASER run of
     ``epochs`` at the label party (``flags`` added), then kill shop with SIGKILL once it has
-    done its first training step. Returns the servers by name and the label party's process."""
+    done its first training step (``after_commit``: once its checkpoint is in a commit of the
+    label party's). Returns the servers by name and the label party's process."""
     # The label party gives up on a peer after 10 s (a step's chain of deliveries takes
     # seconds on a busy machine); the others wait longer for it (their set-up, one after the
     # other, takes seconds too). A dead peer is noticed in about 1.5 s (its address refuses
@@ -333,6 +335,10 @@ def kill_shop_mid_training(
         "--quiet", "--deadline", "10", "--out", str(out), log="bank",
     )  # fmt: skip
     wait_for_line(processes, "shop", "first training step is done", label)
+    end = time.monotonic() + PROCESS_SECONDS
+    while after_commit and not written_steps(out / "checkpoints", "bank"):
+        assert time.monotonic() < end and label.poll() is None, processes.log("bank")
+        time.sleep(0.02)
     os.kill(servers["shop"].pid, signal.SIGKILL)
     return servers, label
 
@@ -450,9 +456,13 @@ def test_a_data_party_killed_mid_training_rejoins_when_its_operator_restarts_it(
     flags += ("--checkpoint-every", "7") if checkpoints else ()
     # Enough epochs that the restarted process (seconds to start) is probed before the end:
     # while shop is dead each epoch costs a probe (2 s); once it is back, a fraction of that.
+    # With checkpoints in plaintext, shop dies after a commit that held it: it comes back from
+    # that checkpoint. Under DP it dies before any: initial models, its releases from its journal.
+    restores = checkpoints and "--dp-embeddings" not in flags
     servers, label = kill_shop_mid_training(
-        processes, federation, out, *flags, epochs=24, serve_flags=serve_flags
-    )
+        processes, federation, out, *flags, epochs=24, serve_flags=serve_flags,
+        after_commit=restores,
+    )  # fmt: skip
     servers["shop"].wait(timeout=PROCESS_SECONDS)
     # The operator restarts shop (same certificate, same address) once the label party has
     # dropped it: a new `party serve` process, which the label party sets up again.
@@ -489,6 +499,18 @@ def test_a_data_party_killed_mid_training_rejoins_when_its_operator_restarts_it(
         # Its first process's training releases (``taken`` counts its evaluations' too).
         assert 1 <= releases - after <= int(taken), (taken, releases, after)
         assert "reported about itself" in result["privacy"]["accounted_by"]["shop"]
+    if restores:  # it restored its checkpoint in the last commit that held it
+        assert back["restored"] >= 7 and back["restored"] % 7 == 0, result["faults"]
+        assert back["restored"] <= lost["step"], result["faults"]
+        log = processes.log("shop-restarted")
+        assert f"shop: restored its checkpoint of step {back['restored']}" in log, log
+        assert f"set up anew (from its checkpoint of step {back['restored']})" in processes.log(
+            "bank"
+        )
+    else:
+        assert "restored" not in back and "restored its checkpoint" not in processes.log(
+            "shop-restarted"
+        )
     if checkpoints:  # back, shop keeps checkpoints again, and the label party's commits say so
         last = written_steps(out / "checkpoints", "bank")[-1]
         assert written_steps(tmp_path / "kept", "shop")[-1] == last >= back["step"]

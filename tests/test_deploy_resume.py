@@ -473,7 +473,7 @@ def test_the_label_party_takes_every_party_checkpoint_and_checks_every_answer(
     assert endpoint.kept == []
 
 
-def test_a_rejoined_party_takes_the_checkpoints_from_the_last_commit_on(
+def test_a_rejoined_party_restores_its_last_committed_checkpoint_and_takes_the_next_ones(
     tmp_path: Path, party: DataParty
 ) -> None:
     federation = read_federation(write_federation(tmp_path, tmp_path, free_loopback_ports(5)))
@@ -488,13 +488,35 @@ def test_a_rejoined_party_takes_the_checkpoints_from_the_last_commit_on(
     label = DeployedCheckpoints(LoopbackEndpoint(answer), federation)  # type: ignore[arg-type]
     label.start(RUN, every=3, resume=None)
     label.write(3, RUN, committed=None, parties=["shop", "insurer", "telco"])
+    trained = _params(party)  # what shop's checkpoint of step 3 holds
     label.write(6, RUN, committed=3, parties=["insurer", "telco"])  # shop lost after step 3
-    # shop's operator restarts it: a new process, whose checkpoints know nothing of the run.
+    assert label.held["shop"][0] == 3 and label.held["insurer"][0] == 6
+    # shop's operator restarts it: a new process, whose checkpoints know nothing of the run,
+    # and whose models are its initial ones.
+    with torch.no_grad():
+        for module in party.own_modules().values():
+            for parameter in module.parameters():
+                parameter.add_(1.0)
+    initial = _params(party)
     served["shop"] = ServedCheckpoints("shop", tmp_path / "shop", resume=False)
     with pytest.raises(ProtocolError, match="announced by `checkpoints` expected"):
         label.write(9, RUN, committed=6, parties=["shop"])  # what a rejoin without it hit
+    # Restarted where its checkpoints are not (another machine): it rejoins from its initial
+    # models.
+    served["shop"] = ServedCheckpoints("shop", tmp_path / "elsewhere", resume=False)
+    assert label.rejoined("shop") == 0
+    assert all(torch.equal(value, initial[key]) for key, value in _params(party).items())
+    # A checkpoint that is not the one committed is refused (it stays lost).
+    held = label.held["shop"]
+    label.held["shop"] = (3, "0" * 64)
     served["shop"] = ServedCheckpoints("shop", tmp_path / "shop", resume=False)
-    label.rejoined("shop")
+    with pytest.raises(ProtocolError, match="refuses its checkpoint of step 3"):
+        label.rejoined("shop")
+    # With its directory, it restores its checkpoint in the last commit that held it.
+    label.held["shop"] = held
+    served["shop"] = ServedCheckpoints("shop", tmp_path / "shop", resume=False)
+    assert label.rejoined("shop") == 3
+    assert all(torch.equal(value, trained[key]) for key, value in _params(party).items())
     manifests = label.write(9, RUN, committed=6, parties=["shop", "insurer", "telco"])
     assert sorted(manifests) == ["insurer", "shop", "telco"]
     assert written_steps(tmp_path / "shop", "shop") == [9]  # the old incarnation's 3 dropped

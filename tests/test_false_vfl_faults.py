@@ -185,7 +185,7 @@ def _latent_readmission(
     readmitted: list[str] = []
     splits = split_tensors(data)
 
-    def readmit(name: str) -> None:
+    def readmit(name: str) -> int:
         k = int(name.removeprefix("party-"))
         party = build_latent_party(
             k,
@@ -201,6 +201,7 @@ def _latent_readmission(
         channel.detach(name)
         party.connect(channel)
         readmitted.append(name)
+        return 0  # initial models: no checkpoint restored
 
     channel.readmit = readmit
     return readmitted

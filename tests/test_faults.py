@@ -240,6 +240,7 @@ def test_the_summary_says_when_a_party_was_lost_in_evaluation_or_at_a_checkpoint
         {"party": "shop", "step": 9, "epoch": 2, "phase": "training", "what": "rejoined"},
         {"party": "telco", "step": 12, "epoch": 2, "phase": "evaluation", "what": "gone"},
         {"party": "insurer", "step": 10, "epoch": 2, "phase": "checkpoint", "what": "gone"},
+        {"party": "insurer", "step": 13, "epoch": 3, "what": "rejoined", "restored": 5},
     ]
     assert _fault_lines(faults) == [
         "lost: shop at step 3 (epoch 1); its block was missing until it rejoined",
@@ -247,5 +248,7 @@ def test_the_summary_says_when_a_party_was_lost_in_evaluation_or_at_a_checkpoint
         "again from then on",
         "lost: telco in the evaluation after step 12 (epoch 2); its block was missing from then on",
         "lost: insurer when asked for its checkpoint of step 10 (epoch 2); its block was missing "
-        "from then on, in training and evaluation",
+        "until it rejoined",
+        "rejoined: insurer at step 13 (epoch 3), set up anew (from its checkpoint of step 5); its "
+        "block took part again from then on",
     ]

@@ -89,7 +89,7 @@ def readmission(
     splits = split_tensors(data)
     heads = PARTY_MODELS.get("laser")(config, data.block_shapes, data.num_classes, SEED).heads
 
-    def readmit(name: str) -> None:
+    def readmit(name: str) -> int:
         k = int(name.removeprefix("party-"))
         party = build_party(
             k,
@@ -107,6 +107,7 @@ def readmission(
         channel.detach(name)
         party.connect(channel)
         readmitted.append(name)
+        return 0  # initial models: no checkpoint restored
 
     channel.readmit = readmit
     return readmitted

@@ -33,9 +33,11 @@ M = TypeVar("M", bound=Message)
 
 CAPTURE_LENGTH = struct.Struct(">I")
 
-Readmission = Callable[[str], None]
+Readmission = Callable[[str], int]
 """Sets a lost data party that answers again up anew, as at the start of the run (its own
-process builds its initial models by the seed rule); ProtocolError if it cannot. Made by the
+process builds its initial models by the seed rule, then, in a run with deployed checkpoints,
+restores its checkpoint in the last commit that held it, if it still has it); returns the
+training step of the checkpoint it restored (0: none). ProtocolError if it cannot. Made by the
 composition root: over the network, the party's ``setup`` message (:mod:`secure_vfl.deployment`)."""
 
 

@@ -396,7 +396,7 @@ class Federation:
         rejoined = []
         for name in self.channel.returned(list(self.dropped)):
             try:
-                readmit(name)
+                restored = readmit(name)
             except ProtocolError as error:
                 logger.warning(
                     "%s: %s answers again but could not be set up (%s); it stays lost",
@@ -405,28 +405,31 @@ class Federation:
                     error,
                 )
                 continue
-            self.readmitted(name, round=round)
+            self.readmitted(name, round=round, restored=restored)
             rejoined.append(name)
         if rejoined:
             self.open_key_session(round=round)
         return rejoined
 
-    def readmitted(self, name: str, *, round: int) -> None:
+    def readmitted(self, name: str, *, round: int, restored: int = 0) -> None:
         """Take the lost data party ``name``, set up anew, back from training step ``round``
-        on: its availability column as it was when it was lost, and a ``faults`` entry."""
+        on: its availability column as it was when it was lost, and a ``faults`` entry (with
+        ``"restored"``, the step of the checkpoint it restored, if it did)."""
         column = self.names.index(name)
         splits = split_tensors(self.data)
         for key, held in self.lost_columns.pop(name).items():
             splits[key].mask[:, column] = held
         self.dropped.remove(name)
         epoch = round // self.epoch_steps + 1 if self.epoch_steps else None
+        fault = {"party": name, "step": round + 1, "epoch": epoch, "phase": TRAINING}
         self.faults.append(
-            {"party": name, "step": round + 1, "epoch": epoch, "phase": TRAINING, "what": REJOINED}
+            {**fault, "what": REJOINED, **({"restored": restored} if restored else {})}
         )
         logger.warning(
-            "%s: %s rejoined, set up anew; its block takes part again from step %d (epoch %s)",
+            "%s: %s rejoined, set up anew%s; its block takes part again from step %d (epoch %s)",
             self.own.name,
             name,
+            f" from its checkpoint of step {restored}" if restored else "",
             round + 1,
             epoch,
         )
