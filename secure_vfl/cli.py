@@ -1805,10 +1805,17 @@ def _impute_summary(result: Any, out: Path) -> str:
     )
     if result.privacy is not None:
         lines.extend(_privacy_lines(result.privacy))
-    for fault in result.faults:
+    for k, fault in enumerate(result.faults):
+        if fault["what"] == "rejoined":
+            lines.append(
+                f"rejoined: {fault['party']} before round {fault['round']}, set up anew and sent "
+                "the global model; it took part again from then on"
+            )
+            continue
+        back = any(later["party"] == fault["party"] for later in result.faults[k + 1 :])
         lines.append(
             f"lost: {fault['party']} in round {fault['round']}; FedAvg went on over the other "
-            "clients, and it has no score"
+            + ("clients until it rejoined" if back else "clients, and it has no score")
         )
     lines.append(f"result: {out / 'result.json'}")
     return "\n".join(lines)

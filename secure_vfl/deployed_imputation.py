@@ -30,6 +30,12 @@ as in training. Only the FedAvg methods are offered (a per-client method has not
 federate). With ``--save-imputed`` each client writes its imputed table in its own process
 (``impute-save``).
 
+A client lost in the rounds is dropped and FedAvg goes on over the others; one whose operator
+restarts it is readmitted before a later round: it is sent its ``impute-setup`` again
+(:func:`_readmission`), then the statistics and the global model
+(:meth:`~secure_vfl.methods.imputation.federation.ImputationFederation.rejoin`). Not under DP
+statistics: its first process's releases died with it, unreported.
+
 Under DP statistics the ``impute-setup`` carries the plan of the clients' mechanisms (a
 ``privacy`` part, :class:`protocols.dp_statistics.StatisticsPlan`): each client makes its own
 mechanism and accountant from it (the composition root's factory, :data:`StatisticsPrivacyFactory`)
@@ -340,8 +346,9 @@ def impute_deployed(
             )
         if privacy is not None:
             plan = privacy.statistics_plan(features, [member.name for member in clients])
+        bodies = {}
         for index, member in enumerate(clients):
-            body = {
+            bodies[member.name] = body = {
                 "method": config.method,
                 "config": dataclasses.asdict(config.impute_config),
                 "seed": config.seed,
@@ -362,6 +369,8 @@ def impute_deployed(
         channel = NetworkChannel(endpoint)
         coordinator = Coordinator(name)
         coordinator.connect(channel)
+        if plan is None:  # under DP a lost client's releases died with it, unreported
+            channel.readmit = _readmission(endpoint, bodies, deadline=deadline)
         view = ImputationFederation(
             own=coordinator,
             names=[member.name for member in clients],
@@ -417,7 +426,7 @@ def impute_deployed(
             saved = _save_each(endpoint, [m for m in clients if m.name in view.names])
         outcome = "finished"
     finally:
-        lost = [fault["party"] for fault in view.faults] if view is not None else []
+        lost = [n for n in view.roster if n not in view.names] if view is not None else []
         reports, entries = _end(endpoint, federation, outcome, lost=lost)
         endpoint.close()
     result = dataclasses.replace(result, traffic=_with_reports(result.traffic, reports))
@@ -426,6 +435,22 @@ def impute_deployed(
         privacy.take_statistics_reports(entries)
         result = dataclasses.replace(result, privacy=privacy.report())
     return result, saved
+
+
+def _readmission(
+    endpoint: Any, bodies: Mapping[str, Mapping[str, Any]], *, deadline: float
+) -> Callable[[str], int]:
+    """How the coordinator sets a lost client that answers again up anew (a new ``party
+    serve`` process of the same name, certificate and address, started by its operator): the
+    ``impute-setup`` it had at the start of the run, from which it builds itself as it did then
+    (its rows, split, initial model and secure-sum halves). ProtocolError if it refuses."""
+
+    def readmit(client: str) -> int:
+        message = _deployment(endpoint.name, client, "impute-setup", dict(bodies[client]))
+        endpoint.send(message, deadline=max(deadline, SETUP_DEADLINE))
+        return 0  # no checkpoint: it starts from the global model it is sent
+
+    return readmit
 
 
 def _save_each(endpoint: Any, clients: Sequence[Member]) -> dict[str, Any]:

@@ -534,7 +534,9 @@ class ImputeResult:
     traffic: dict[str, Any] = field(default_factory=dict)
     faults: list[dict[str, Any]] = field(default_factory=list)
     """Every client lost during the run (a deployment): its name, the FedAvg round (from 1)
-    from which it took no part, and the error that revealed it. A lost client has no score."""
+    from which it took no part, and the error that revealed it; and every one readmitted after
+    a restart (``"what": "rejoined"``, the round from which it took part again). A client lost
+    and not back has no score."""
 
     @property
     def metrics(self) -> dict[str, Any]:

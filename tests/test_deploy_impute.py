@@ -237,7 +237,9 @@ def test_fedavg_goes_on_without_a_client_killed_mid_run(
 ) -> None:
     """telco is killed after its first local update; ``restarted``: a new process takes its
     address before the label party notices (the label party held still meanwhile), refuses the
-    next request as never set up, and telco is lost all the same."""
+    next request as never set up, and telco is lost all the same; the new process is then
+    readmitted before the next round (set up anew, sent the global model) and finishes the
+    run."""
     federation = write_federation(site, site / "certs", free_loopback_ports(5))
     servers = {name: processes.serve(federation, name) for name in (*CLIENTS, "aggregator")}
     label = processes.start(
@@ -264,17 +266,30 @@ def test_fedavg_goes_on_without_a_client_killed_mid_run(
     for name in ("shop", "insurer", "aggregator"):
         assert servers[name].wait(timeout=PROCESS_SECONDS) == 0, processes.log(name)
     result = _result(tmp_path / "out")
-    [fault] = result["faults"]
+    fault, *back = result["faults"]
     assert fault["party"] == "telco" and 1 <= fault["round"] <= 60, fault
-    # Every round went on over the other two: a full curve, a score from each of them alone.
+    # Every round went on: a full curve.
     assert len(result["validation_curve"]) == 60
     assert all(np.isfinite(result["validation_curve"]))
-    assert sorted(result["rmse_per_client"]) == ["insurer", "shop"]
-    assert set(result["traffic"]["bytes"]) == {"bank", "shop", "insurer", "aggregator"}
-    assert f"lost: telco in round {fault['round']}" in processes.log("bank")
-    if restarted:
-        assert "was never set up for this run" in fault["what"], fault
-        assert "before the run was set up" in processes.log("telco-restarted")
+    log = processes.log("bank")
+    if not restarted:  # over the other two to the end: a score from each of them alone
+        assert back == []
+        assert sorted(result["rmse_per_client"]) == ["insurer", "shop"]
+        assert set(result["traffic"]["bytes"]) == {"bank", "shop", "insurer", "aggregator"}
+        assert f"lost: telco in round {fault['round']}; FedAvg went on over the other clients, " \
+            "and it has no score" in log  # fmt: skip
+        return
+    assert "was never set up for this run" in fault["what"], fault
+    assert "before the run was set up" in processes.log("telco-restarted")
+    # Readmitted before the next round, it took part to the end, scored itself and reported.
+    assert back == [{"party": "telco", "round": fault["round"] + 1, "what": "rejoined"}]
+    assert replacement.wait(timeout=PROCESS_SECONDS) == 0, processes.log("telco-restarted")
+    assert "telco: the run finished" in processes.log("telco-restarted")
+    assert sorted(result["rmse_per_client"]) == ["insurer", "shop", "telco"]
+    assert "telco" in result["traffic"]["bytes"]
+    assert f"lost: telco in round {fault['round']}; FedAvg went on over the other clients until " \
+        "it rejoined" in log  # fmt: skip
+    assert f"rejoined: telco before round {fault['round'] + 1}" in log
 
 
 def test_each_client_noises_its_own_statistics_and_reports_its_own_epsilon(

@@ -14,12 +14,12 @@ from test_fedhf import synthetic_task
 
 from protocols.secagg import MaskingAggregator
 from secure_vfl.errors import ProtocolError, TransportError
-from secure_vfl.federation.aggregator import PlainAggregator, SumBackend
+from secure_vfl.federation.aggregator import PlainAggregator, SealingScheme, SumBackend
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import Message
 from secure_vfl.federation.parties import Party
 from secure_vfl.methods.imputation import IMPUTERS, ImputeConfig
-from secure_vfl.methods.imputation.clients import ImputationClient
+from secure_vfl.methods.imputation.clients import ImputationClient, flat_parameters
 from secure_vfl.methods.imputation.evaluation import score_seed
 from secure_vfl.methods.imputation.fedhf import ReconstructionImputer, _message_round
 
@@ -100,6 +100,65 @@ def test_a_lost_client_is_dropped_and_fedavg_goes_on_over_the_others(
         assert whole.federation.faults == []
         for name in federation.names:
             assert scores[name] == pytest.approx(whole_scores[name], rel=1e-6)
+
+
+class RestartingClient(LosingClient):
+    """A :class:`LosingClient` whose lost client its operator restarts at once: the first probe
+    after the loss finds it back, and the readmission attaches a new client built as at the
+    start (its rows, test rows and training plan; under a scheme, its own new halves)."""
+
+    def __init__(self, lost: str, kind: str, round: int, aggregator: SumBackend) -> None:
+        super().__init__(lost, kind, round)
+        self.aggregator = aggregator
+        self.readmit = self._readmit
+        self.restarted: ImputationClient | None = None
+
+    def returned(self, names: list[str], *, quick: bool = False) -> list[str]:  # type: ignore[override]
+        return [name for name in names if self.gone and name == self.lost]
+
+    def _readmit(self, name: str) -> int:
+        old = self.parties[name]
+        assert isinstance(old, ImputationClient)
+        client = ImputationClient(
+            old._data, test=old._test, training=old.training, coordinator=old.coordinator
+        )
+        if isinstance(self.aggregator, SealingScheme):
+            client.install(self.aggregator.scheme, self.aggregator.sender(), None)
+        self.detach(name)
+        client.connect(self)
+        self.gone, self.restarted = False, client
+        return 0
+
+
+@pytest.mark.parametrize("backend", ["plain", "masks"])
+def test_a_lost_client_restarted_by_its_operator_rejoins_before_the_next_round(
+    backend: str,
+) -> None:
+    aggregator = PlainAggregator() if backend == "plain" else MaskingAggregator()
+    channel = RestartingClient("client-2", "compute-request", _message_round(ROUND), aggregator)
+    imputer, curve, scores = _fit(channel, aggregator)
+    federation = imputer.federation
+    lost, back = federation.faults
+    assert lost["party"] == "client-2" and lost["round"] == ROUND + 1
+    assert back == {"party": "client-2", "round": ROUND + 2, "what": "rejoined"}
+    assert channel.after_loss == 0  # nothing was sent to it while it was lost
+    assert federation.names == list(federation.roster)  # back in its place
+    client = channel.restarted
+    assert client is not None and channel.parties["client-2"] is client
+    # Sent the statistics and the round's global model, it trained in the later rounds, took
+    # the best model at the end and scored itself.
+    [rejoin] = [m for m in channel.posted if m.receiver == "client-2" and m.kind == "parameters"
+                and getattr(m, "tag", "") == "rejoin"]  # fmt: skip
+    assert rejoin.round == _message_round(ROUND + 1)
+    assert client.optimiser is not None and client.optimiser.state_dict()["state"]
+    assert client.model is not None and imputer.best is not None
+    assert torch.equal(flat_parameters(client.model), imputer.best)
+    assert sorted(scores) == list(federation.roster)
+    assert len(curve) == CONFIG.rounds and np.all(np.isfinite(curve))
+    # A new session: under masks every client announced its keys again, the new one's new.
+    requests = [m for m in channel.posted if m.kind == "key-request"]
+    assert len(requests) == (2 * 4 if backend == "masks" else 0)  # the clients, twice
+    assert len({m.session for m in requests}) == (2 if backend == "masks" else 0)
 
 
 def test_a_retried_round_trains_the_others_from_the_rounds_global_model() -> None:

@@ -132,9 +132,11 @@ class Channel:
         party from an error in the protocol."""
         return []
 
-    def returned(self, names: Sequence[str]) -> list[str]:
+    def returned(self, names: Sequence[str], *, quick: bool = False) -> list[str]:
         """Those of the lost parties ``names`` that can be reached again (probed once, all at
-        once, with a short bounded wait): the label party asks at an epoch boundary."""
+        once, with a short bounded wait; ``quick``: a party whose address refuses is not back,
+        without waiting): the label party asks at an epoch boundary, an imputation's
+        coordinator before every round."""
         lost = set(self.unreachable(names))
         return [name for name in names if name not in lost]
 

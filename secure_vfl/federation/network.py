@@ -952,15 +952,19 @@ class NetworkChannel(Channel):
         )
         return [name for name in names if name in restarted or name in late]
 
-    def returned(self, names: Sequence[str]) -> list[str]:
+    def returned(self, names: Sequence[str], *, quick: bool = False) -> list[str]:
         """Those of the lost ``names`` whose process accepts a connection again (a fresh one,
         with mutual TLS: a process at the address whose certificate does not name the party,
         or comes from another CA, fails the handshake and stays lost) within
-        :data:`REJOIN_PROBE_SECONDS` (at most the endpoint's deadline), all probed at once."""
+        :data:`REJOIN_PROBE_SECONDS` (at most the endpoint's deadline), all probed at once;
+        ``quick``: one whose first connection attempt fails (its address refuses: no process
+        there yet) is not back, at once."""
         for name in names:
             self.endpoint.reconnect(name)
         self.endpoint.restarted.difference_update(names)
-        late = self.endpoint.await_peers(names, min(REJOIN_PROBE_SECONDS, self.endpoint.deadline))
+        late = self.endpoint.await_peers(
+            names, min(REJOIN_PROBE_SECONDS, self.endpoint.deadline), refused_is_lost=quick
+        )
         return [name for name in names if name not in late]
 
     def attach(self, party: Party) -> None:

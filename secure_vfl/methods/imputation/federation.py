@@ -45,6 +45,7 @@ from secure_vfl.federation.messages import (
     SumRequest,
 )
 from secure_vfl.federation.parties import ROLES, SecureSumParty, make_aggregation_server
+from secure_vfl.methods.base import REJOINED
 from secure_vfl.methods.imputation.clients import ImputationClient, TrainingPlan
 from secure_vfl.methods.imputation.statistics import (
     SERVER,
@@ -57,6 +58,9 @@ from secure_vfl.methods.imputation.statistics import (
 from secure_vfl.models.feature_graph import FeatureGraph
 
 logger = logging.getLogger(__name__)
+
+REJOIN_TAG = "rejoin"
+"""The tag of the download of the global model to a client readmitted before a round."""
 
 
 class Coordinator(SecureSumParty):
@@ -104,7 +108,8 @@ class ImputationFederation:
     scheme: str = ""
     faults: list[dict[str, Any]] = field(default_factory=list)
     """Every client lost (a deployment: its process died): its name, the FedAvg round (from 1)
-    from which it took no part, and the error that revealed it."""
+    from which it took no part, and the error that revealed it; and every client readmitted
+    (:meth:`rejoin`): its name, the round from which it took part again, ``"rejoined"``."""
     attempt: int = 0
     """The batch id of every message from now on: a round retried after a loss is a fresh
     batch, so no client or aggregator takes its messages for replays of the abandoned one."""
@@ -155,6 +160,71 @@ class ImputationFederation:
         for name in [*self.names, AGGREGATOR]:
             self.own.send(AbortRequest(**self._header(name, round)))
         self.attempt += 1
+
+    def rejoin(
+        self,
+        *,
+        round: int,
+        fedavg_round: int,
+        statistics: tuple[Standardisation, FeatureGraph | None],
+        parameters: Tensor,
+    ) -> list[str]:
+        """Before FedAvg round ``fedavg_round`` (from 1; message round ``round``): probe every
+        lost client at once (:meth:`~secure_vfl.federation.channel.Channel.returned`, quick: an
+        address that refuses is not back) and readmit each that answers (the channel's
+        readmission: a new process set up as at the start). A readmitted client is sent the
+        published ``statistics`` and the global ``parameters`` (its local training goes on from
+        them, its optimiser fresh), takes its place in the roster's order again and ``faults``
+        records it (``"what": "rejoined"``); then a new session opens (under a secure-sum
+        scheme every client announces its keys again: the readmitted one's are new). A client
+        that answers but cannot be set up stays lost (logged), and is probed again next round.
+        Returns the clients readmitted. Nothing is probed without lost clients or a
+        readmission."""
+        readmit = self.channel.readmit
+        lost = [name for name in self.roster if name not in self.names]
+        if not lost or readmit is None:
+            return []
+        back = []
+        for name in self.channel.returned(lost, quick=True):
+            try:
+                readmit(name)
+                self.publish(*statistics, names=[name])
+                self.download(parameters, round=round, tag=REJOIN_TAG, names=[name])
+            except ProtocolError as error:
+                logger.warning(
+                    "%s: client %s answers again but could not be set up (%s); it stays lost",
+                    self.own.name,
+                    name,
+                    error,
+                )
+                continue
+            back.append(name)
+            self.names = [member for member in self.roster if member in (*self.names, name)]
+            self.faults.append({"party": name, "round": fedavg_round, "what": REJOINED})
+            logger.warning(
+                "%s: client %s rejoined, set up anew; it takes part again from round %d",
+                self.own.name,
+                name,
+                fedavg_round,
+            )
+        if back:
+            self.open_session(round=round, fedavg_round=fedavg_round)
+        return back
+
+    def open_session(self, *, round: int, fedavg_round: int) -> None:
+        """A new session for every message and sum from now on (no sum context of the old one
+        can recur); under a secure-sum scheme every client announces its keys again. A client
+        lost during the key set-up is dropped (:meth:`recover`) and the set-up runs again
+        without it."""
+        while True:
+            self.session = secrets.token_hex(8)
+            if not self.scheme:
+                return
+            try:
+                self.set_up_keys()
+                return
+            except ProtocolError as error:
+                self.recover(error, round=round, fedavg_round=fedavg_round)
 
     def sum(
         self,
@@ -208,14 +278,21 @@ class ImputationFederation:
             )
         return summed.sums[0, 0].numpy()
 
-    def publish(self, standardisation: Standardisation, graph: FeatureGraph | None) -> None:
-        """Send every client the global standardisation and (for a graph model) the graph."""
+    def publish(
+        self,
+        standardisation: Standardisation,
+        graph: FeatureGraph | None,
+        *,
+        names: Sequence[str] | None = None,
+    ) -> None:
+        """Send every client (or ``names``) the global standardisation and (for a graph model)
+        the graph."""
         neighbours = weights = mask = None
         if graph is not None:
             neighbours = torch.from_numpy(graph.neighbours)
             weights = torch.from_numpy(graph.weights)
             mask = torch.from_numpy(graph.mask)
-        for name in self.names:
+        for name in self.names if names is None else names:
             self.own.send(
                 GlobalStatisticsMessage(
                     **self._header(name, 0),
@@ -227,9 +304,12 @@ class ImputationFederation:
                 )
             )
 
-    def download(self, parameters: Tensor, *, round: int, tag: str) -> None:
-        """FedAvg's download: one message with the global ``parameters`` to each client."""
-        for name in self.names:
+    def download(
+        self, parameters: Tensor, *, round: int, tag: str, names: Sequence[str] | None = None
+    ) -> None:
+        """FedAvg's download: one message with the global ``parameters`` to each client (or
+        ``names``)."""
+        for name in self.names if names is None else names:
             self.own.send(
                 ParametersMessage(**self._header(name, round), parameters=parameters, tag=tag)
             )

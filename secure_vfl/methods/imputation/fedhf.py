@@ -139,6 +139,8 @@ class ReconstructionImputer:
         self.federation.publish(statistics.standardisation, graph)
         self.standardisation = statistics.standardisation
         """The global standardisation it published (exact without DP)."""
+        self.graph = graph
+        """The feature graph it published (None: not a graph model)."""
         self.rng = np.random.default_rng(derived_seed(seed, 1))
         self.best: Tensor | None = None
         self.best_round = 0
@@ -190,6 +192,18 @@ class ReconstructionImputer:
                 self.federation.recover(error, round=_message_round(round), fedavg_round=round + 1)
                 retry = True
 
+    def _rejoin(self, round: int) -> None:
+        """Before a round: readmit the lost clients that answer again (a deployment: their
+        operators restarted them), each sent the statistics and the global model
+        (:meth:`~secure_vfl.methods.imputation.federation.ImputationFederation.rejoin`)."""
+        assert self.theta is not None
+        self.federation.rejoin(
+            round=_message_round(round),
+            fedavg_round=round + 1,
+            statistics=(self.standardisation, self.graph),
+            parameters=self.theta,
+        )
+
     def _federated_round(self, round: int) -> float:
         """Eq. 8 over the round's cohort, the download of the average to every client, and the
         round's validation RMSE from the clients' summed errors."""
@@ -237,6 +251,8 @@ class ReconstructionImputer:
         curve: list[float] = []
         best_rmse = float("inf")
         for round in range(self.config.rounds):
+            if self.federated and round > 0:
+                self._rejoin(round)
             rmse = self._recovering_round(round) if self.federated else self._local_round()
             curve.append(rmse)
             if rmse < best_rmse:
