@@ -88,3 +88,42 @@ class Processes:
 
     def __exit__(self, *exc: object) -> None:
         self.stop_all()
+
+
+class PortServer:
+    """A server process started here that prints ``PORT n`` once it listens on 127.0.0.1:n and
+    stops when a line arrives on its stdin (killed by its pid if it does not within 10 s)."""
+
+    def __init__(self, args: Sequence[str], *, what: str = "server") -> None:
+        import select
+
+        self.process = subprocess.Popen(
+            list(args),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "GRPC_VERBOSITY": "NONE"},
+        )
+        assert self.process.stdout is not None
+        ready, _, _ = select.select([self.process.stdout], [], [], 120)
+        line = self.process.stdout.readline() if ready else ""
+        if not line.startswith("PORT "):
+            self.stop()
+            raise RuntimeError(f"the {what} process did not start: {line!r}")
+        self.address = f"127.0.0.1:{int(line.split()[1])}"
+
+    def cpu_seconds(self) -> float:
+        """The process's CPU time so far (every thread, as the kernel counts it)."""
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            try:
+                assert self.process.stdin is not None
+                self.process.stdin.write("stop\n")
+                self.process.stdin.flush()
+                self.process.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.process.kill()
+                self.process.wait(timeout=10)

@@ -27,7 +27,6 @@ import json
 import os
 import select
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,7 +34,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
-from _shared import command_line, write_outputs
+from _shared import PortServer, command_line, write_outputs
 
 TRANSPORTS = ("in-process", "grpc", "grpc+mtls")
 
@@ -88,48 +87,27 @@ def serve(spec_path: str) -> int:
             certs / "ca.pem", certs / "server.pem", certs / "server.key"
         )
     with PartyEndpoint("server", identity=identity, insecure=identity is None) as endpoint:
-        endpoint.handler = lambda message: None
-        print(f"PORT {endpoint.port}", flush=True)
-        while not select.select([sys.stdin], [], [], 0)[0]:
-            try:
-                endpoint.act_on_next(0.2)
-            except Exception:  # nothing arrived: look at stdin again
-                continue
+        return serve_dropping(endpoint)
+
+
+def serve_dropping(endpoint: Any) -> int:
+    """Print the endpoint's port, then act on each message by dropping it until a line
+    arrives on stdin."""
+    endpoint.handler = lambda message: None
+    print(f"PORT {endpoint.port}", flush=True)
+    while not select.select([sys.stdin], [], [], 0)[0]:
+        try:
+            endpoint.act_on_next(0.2)
+        except Exception:  # nothing arrived: look at stdin again
+            continue
     return 0
 
 
-class _Server:
+def _server(certs: Path | None, directory: Path) -> PortServer:
     """A server process (started here, stopped by its pid)."""
-
-    def __init__(self, certs: Path | None, directory: Path) -> None:
-        spec = directory / "server.json"
-        spec.write_text(json.dumps({"certs": str(certs) if certs else ""}))
-        env = {**os.environ, "GRPC_VERBOSITY": "NONE"}
-        self.process = subprocess.Popen(
-            [sys.executable, __file__, "--serve", str(spec)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        assert self.process.stdout is not None
-        ready, _, _ = select.select([self.process.stdout], [], [], 120)
-        line = self.process.stdout.readline() if ready else ""
-        if not line.startswith("PORT "):
-            self.stop()
-            raise RuntimeError(f"the server process did not start: {line!r}")
-        self.address = f"127.0.0.1:{int(line.split()[1])}"
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            assert self.process.stdin is not None
-            self.process.stdin.write("stop\n")
-            self.process.stdin.flush()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
+    spec = directory / "server.json"
+    spec.write_text(json.dumps({"certs": str(certs) if certs else ""}))
+    return PortServer([sys.executable, __file__, "--serve", str(spec)])
 
 
 def _median_seconds(run: Callable[[], object], count: int, repeats: int) -> float:
@@ -152,7 +130,7 @@ def _senders(directory: Path, certs: Path) -> dict[str, tuple[Callable[[Any], ob
     local = InProcessTransport()
     senders["in-process"] = (local.deliver, None)
     for name, tls in (("grpc", False), ("grpc+mtls", True)):
-        server = _Server(certs if tls else None, directory)
+        server = _server(certs if tls else None, directory)
         identity = (
             TlsIdentity.from_files(certs / "ca.pem", certs / "client.pem", certs / "client.key")
             if tls

@@ -31,9 +31,7 @@ import argparse
 import os
 import queue
 import resource
-import select
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,8 +40,8 @@ from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-from _shared import command_line, write_outputs
-from grpc_costs import _readdressed, record_step_messages
+from _shared import PortServer, command_line, write_outputs
+from grpc_costs import _readdressed, record_step_messages, serve_dropping
 
 TRANSPORTS = ("endpoint", "grpc unary", "grpc stream")
 SERVICE = "secure_vfl_floor.Floor"
@@ -68,14 +66,7 @@ def serve(transport: str, certs: Path) -> int:
             certs / "ca.pem", certs / "server.pem", certs / "server.key"
         )
         with PartyEndpoint("server", identity=identity) as endpoint:
-            endpoint.handler = lambda message: None
-            print(f"PORT {endpoint.port}", flush=True)
-            while not select.select([sys.stdin], [], [], 0)[0]:
-                try:
-                    endpoint.act_on_next(0.2)
-                except Exception:  # nothing arrived: look at stdin again
-                    continue
-        return 0
+            return serve_dropping(endpoint)
 
     def unary(data: bytes, context: Any) -> bytes:
         return b""
@@ -102,41 +93,6 @@ def serve(transport: str, certs: Path) -> int:
     sys.stdin.readline()
     server.stop(0.5)
     return 0
-
-
-class _Server:
-    """A server process, started here and stopped by its pid."""
-
-    def __init__(self, transport: str, certs: Path) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, __file__, "--serve", transport, "--certs", str(certs)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env={**os.environ, "GRPC_VERBOSITY": "NONE"},
-        )
-        assert self.process.stdout is not None
-        ready, _, _ = select.select([self.process.stdout], [], [], 120)
-        line = self.process.stdout.readline() if ready else ""
-        if not line.startswith("PORT "):
-            self.stop()
-            raise RuntimeError(f"the {transport} server process did not start: {line!r}")
-        self.address = f"127.0.0.1:{int(line.split()[1])}"
-
-    def cpu_seconds(self) -> float:
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            try:
-                assert self.process.stdin is not None
-                self.process.stdin.write("stop\n")
-                self.process.stdin.flush()
-                self.process.wait(timeout=10)
-            except (OSError, subprocess.TimeoutExpired):
-                self.process.kill()
-                self.process.wait(timeout=10)
 
 
 def _own_cpu_seconds() -> float:
@@ -202,7 +158,13 @@ def carry(certs: Path, steps: list[list[Any]], repeats: int) -> list[dict[str, A
     """Wall and CPU (both processes) per step of carrying ``steps``' messages by each
     transport, medians over ``repeats``; within a repeat the transports take turns, each
     repeat in another order, so that a slow spell of the machine falls on all of them."""
-    servers = {transport: _Server(transport, certs) for transport in TRANSPORTS}
+    servers = {
+        transport: PortServer(
+            [sys.executable, __file__, "--serve", transport, "--certs", str(certs)],
+            what=f"{transport} server",
+        )
+        for transport in TRANSPORTS
+    }
     senders: dict[str, Callable[[Any], None]] = {}
     closing = []
     try:
