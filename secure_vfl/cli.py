@@ -2276,8 +2276,9 @@ def _party_command(commands: Any) -> None:
         type=Path,
         metavar="DIR",
         help="where this data party writes its own checkpoints (DIR/NAME/step-N/) when the label "
-        "party runs `train --checkpoint-every N`; a party without one refuses such a run "
-        "(default: none)",
+        "party runs `train --checkpoint-every N`, and, restarted after a crash with the same DIR, "
+        "restores the last one committed when it rejoins; a party without one refuses such a "
+        "run (default: none)",
     )
     serve.add_argument(
         "--resume",
