@@ -68,8 +68,8 @@ Under LASER a lost data party may **rejoin at an epoch boundary** (:meth:`~secur
 Federation.rejoin`; under FALSE-VFL in stage 1 only, whose epochs train the data parties'
 encoders): at the start of every epoch after the first the label party probes each
 lost party with a fresh connection (mutual TLS, so only a process holding that party's
-certificate from the federation's CA answers; at most
-:data:`~secure_vfl.federation.network.REJOIN_PROBE_SECONDS` for all of them). One that answers,
+certificate from the federation's CA answers; all at once, quick: an address that refuses is
+not back, see :data:`~secure_vfl.federation.network.REJOIN_PROBE_SECONDS`). One that answers,
 a new ``party serve`` process its operator started at the same address, is sent the ``setup``
 it had at the start of the run (:func:`readmission`, :func:`rejoin_setup`: it rebuilds its
 initial models by the seed rule; with deployed checkpoints it then restores its checkpoint in

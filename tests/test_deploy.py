@@ -436,6 +436,20 @@ def test_false_vfl_goes_on_without_a_data_party_killed_in_stage_one(
     assert f"lost: shop at step {fault['step']}" in processes.log("bank")
 
 
+def restart_shop_while_held(processes: Processes, label: PartyProcess, *flags: str) -> PartyProcess:
+    """Hold the label party still (SIGSTOP), start a new `party serve` for shop (``flags``
+    added), let the label party go on once it serves; the new process."""
+    os.kill(label.pid, signal.SIGSTOP)
+    try:
+        restarted = processes.start(
+            "party", "serve", "--name", "shop", *flags, log="shop-restarted"
+        )  # fmt: skip
+        wait_for_line(processes, "shop-restarted", "shop: serving at", restarted)
+    finally:
+        os.kill(label.pid, signal.SIGCONT)
+    return restarted
+
+
 @pytest.mark.parametrize(
     ("flags", "checkpoints"),
     [
@@ -454,8 +468,6 @@ def test_a_data_party_killed_mid_training_rejoins_when_its_operator_restarts_it(
     # Each data party keeps its checkpoints under its own name in this directory (one machine).
     serve_flags = ("--checkpoint-dir", str(tmp_path / "kept")) if checkpoints else ()
     flags += ("--checkpoint-every", "7") if checkpoints else ()
-    # Enough epochs that the restarted process (seconds to start) is probed before the end:
-    # while shop is dead each epoch costs a probe (2 s); once it is back, a fraction of that.
     # With checkpoints in plaintext, shop dies after a commit that held it: it comes back from
     # that checkpoint. Under DP it dies before any: initial models, its releases from its journal.
     restores = checkpoints and "--dp-embeddings" not in flags
@@ -465,12 +477,13 @@ def test_a_data_party_killed_mid_training_rejoins_when_its_operator_restarts_it(
     )  # fmt: skip
     servers["shop"].wait(timeout=PROCESS_SECONDS)
     # The operator restarts shop (same certificate, same address) once the label party has
-    # dropped it: a new `party serve` process, which the label party sets up again.
+    # dropped it: a new `party serve` process, which the label party sets up again. (The label
+    # party is held still until the new process serves: a dead party's probe is quick, and the
+    # run could otherwise end before a process that takes seconds to start is up.)
     wait_for_line(processes, "bank", "shop is lost at step", label)
-    restarted = processes.start(
-        "party", "serve", "--federation", str(federation), "--name", "shop", "--deadline", "60",
-        *serve_flags, log="shop-restarted",
-    )  # fmt: skip
+    restarted = restart_shop_while_held(
+        processes, label, "--federation", str(federation), "--deadline", "60", *serve_flags
+    )
     assert label.wait(timeout=PROCESS_SECONDS) == 0, processes.log("bank")
     codes = [servers[name].wait(timeout=PROCESS_SECONDS) for name in ("insurer", "telco")]
     codes += [servers["aggregator"].wait(timeout=PROCESS_SECONDS)]
@@ -582,10 +595,9 @@ def test_a_party_restarted_with_other_ids_is_not_readmitted_under_psi(
         **{f'"{name}.csv"': f'"{site}/{name}.csv"' for name in PARTIES[1:] if name != "shop"},
         **{'"bank.csv"': f'"{site}/bank.csv"', '"labels.csv"': f'"{site}/labels.csv"'},
     )
-    restarted = processes.start(
-        "party", "serve", "--federation", str(changed), "--name", "shop", "--deadline", "5",
-        log="shop-restarted",
-    )  # fmt: skip
+    restarted = restart_shop_while_held(
+        processes, label, "--federation", str(changed), "--deadline", "5"
+    )
     assert label.wait(timeout=PROCESS_SECONDS) == 0, processes.log("bank")
     codes = [servers[name].wait(timeout=PROCESS_SECONDS) for name in ("insurer", "telco")]
     assert codes == [0, 0], [processes.log(n) for n in ("insurer", "telco")]

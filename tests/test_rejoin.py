@@ -68,7 +68,7 @@ class FlakyChannel(Channel):
     def unreachable(self, names: list[str]) -> list[str]:  # type: ignore[override]
         return [name for name in names if name == LOST and not self.alive]
 
-    def returned(self, names: list[str]) -> list[str]:  # type: ignore[override]
+    def returned(self, names: list[str], *, quick: bool = False) -> list[str]:  # type: ignore[override]
         assert names == [LOST]  # only the lost party is probed
         self.probes += 1
         if self.probes in self.back_at:

@@ -104,9 +104,10 @@ PROBE_SECONDS = 5.0
 """How long a driver waits for a peer to accept a connection before it takes the peer for lost
 (sooner if the peer's address refuses the connection: nothing listens there)."""
 REJOIN_PROBE_SECONDS = 2.0
-"""How long the label party waits, at an epoch boundary, for a lost peer to accept a connection
-again: all that a peer that stays dead costs per epoch (a restarted one accepts in
-milliseconds)."""
+"""How long a probe of lost peers (:meth:`NetworkChannel.returned`) waits at most for one to
+accept a connection again (a restarted one accepts in milliseconds). A quick probe (the label
+party's at an epoch boundary, an imputation coordinator's before a round) does not wait for an
+address that refuses: a peer that stays dead costs it milliseconds."""
 SERVER_THREADS = 16
 SENDER_THREADS = 64
 """At most this many outgoing calls of a party at once (one per peer a ``send_all`` reaches;
@@ -421,7 +422,9 @@ class PartyEndpoint:
         old = self._channels[name]
         self._connect(name, self._peers[name])
         self._calls.pop(old, None)
-        old.close()
+        # Closing a channel a probe watched waits for gRPC's connectivity poll (about 0.2 s):
+        # not on the probing party's time.
+        threading.Thread(target=old.close, name=f"{self.name}-close", daemon=True).start()
 
     def _connect(self, name: str, address: str) -> None:
         """A client channel to peer ``name`` and its two calls, made once for every message

@@ -381,8 +381,9 @@ class Federation:
 
     def rejoin(self, *, round: int) -> list[str]:
         """At an epoch boundary (training step ``round`` is next): probe every dropped data
-        party (:meth:`~secure_vfl.federation.channel.Channel.returned`, a short bounded wait
-        for all at once) and readmit each that answers again. A readmitted party is set up
+        party (:meth:`~secure_vfl.federation.channel.Channel.returned`, all at once and quick:
+        an address that refuses is not back, without waiting) and readmit each that answers
+        again. A readmitted party is set up
         anew by the channel's readmission (a fresh process builds its initial models by the
         seed rule), its availability column is restored from :attr:`lost_columns`, and
         ``faults`` records it (``"what": "rejoined"``, dated by the first step it takes part
@@ -394,7 +395,7 @@ class Federation:
         if not self.dropped or readmit is None:
             return []
         rejoined = []
-        for name in self.channel.returned(list(self.dropped)):
+        for name in self.channel.returned(list(self.dropped), quick=True):
             try:
                 restored = readmit(name)
             except ProtocolError as error:
