@@ -374,15 +374,34 @@ def rejoin_from_journal(root: Path, party: DataParty, run_id: str) -> int:
     without a journal of the run: its releases would go unpriced. Returns the releases taken."""
     where = f"{party.name} rejoining run {run_id}"
     releases, notes = _read_journal(root, party.name, run_id, where=where)
-    hooks = _kept_hooks(party)
     try:
         added: int = party.accountant.restore([], lost=releases)
-        for key, hook in hooks.items():
-            hook.replay([note for name, note in notes if name == key])
+        _replay(party, notes)
     except (ConfigError, TypeError, ValueError, KeyError) as error:
         raise IntegrityError(f"{where}: its journal does not fit it ({error}).") from None
     start_journal(root, party, run_id, notes=notes)
     return added
+
+
+def rejoin_after_checkpoint(root: Path, party: DataParty, run_id: str) -> None:
+    """A DP party restored from its checkpoint (:func:`restore_party_state`, which prices the
+    releases its journal recorded after it) to rejoin run ``run_id``, which went on past that
+    checkpoint: unlike a resumed run, the run will not ask it again for the rows of the steps
+    since, so its message hooks take back every row its journal noted, over which those
+    releases are priced. IntegrityError for a journal that does not fit it."""
+    where = f"{party.name} rejoining run {run_id}"
+    _, notes = _read_journal(root, party.name, run_id, where=where)
+    try:
+        _replay(party, notes)
+    except (TypeError, ValueError, KeyError) as error:
+        raise IntegrityError(f"{where}: its journal does not fit it ({error}).") from None
+
+
+def _replay(party: DataParty, notes: Sequence[tuple[str, Any]]) -> None:
+    """Each of ``party``'s kept message hooks takes back its notes (a hook holds the union of
+    what it noted, so a note it holds already changes nothing)."""
+    for key, hook in _kept_hooks(party).items():
+        hook.replay([note for name, note in notes if name == key])
 
 
 def start_journal(

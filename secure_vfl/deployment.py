@@ -112,6 +112,7 @@ from secure_vfl.checkpoints import (
     drop_older,
     party_state,
     read_checkpoint,
+    rejoin_after_checkpoint,
     rejoin_from_journal,
     restore_party_state,
     resumed_schedule,
@@ -746,6 +747,11 @@ class ServedCheckpoints:
             self.step = restored = step
         elif kept:
             self._restore(party, run, step, manifest)
+            if party.accountant is not None:
+                try:
+                    rejoin_after_checkpoint(self.directory, party, run)
+                except IntegrityError as error:
+                    raise ProtocolError(f"{self.name} cannot rejoin under DP: {error}") from None
             restored = step
             logger.warning(
                 "%s: rejoining, it restored its checkpoint of step %d (the last commit that held "

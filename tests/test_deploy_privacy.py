@@ -32,7 +32,7 @@ from protocols.party_privacy import served_privacy as served_half
 from protocols.sum_range import SumRange
 from secure_vfl.checkpoints import rejoin_from_journal, start_journal
 from secure_vfl.cli import main
-from secure_vfl.deployment import SETUP_KEYS, served_privacy
+from secure_vfl.deployment import SETUP_KEYS, ServedCheckpoints, served_privacy
 from secure_vfl.errors import IntegrityError, ProtocolError
 from secure_vfl.federation.messages import (
     DeploymentMessage,
@@ -394,3 +394,34 @@ def test_what_a_deployment_cannot_do_with_dp_is_refused_before_any_contact(
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
     assert not (tmp_path / "r").exists()
+
+
+def test_a_dp_party_rejoining_from_its_checkpoint_prices_its_releases_up_to_its_death(
+    tmp_path: Path,
+) -> None:
+    # Its checkpoint of step 1 holds the releases and rows of step 0; the journal those of step
+    # 1, after it, up to its death. Restarted and readmitted from that checkpoint, it prices
+    # both (their receivers saw them) but the DP-SGD step after the checkpoint (it changed only
+    # the model that died; as on resume), and knows every row it was asked for.
+    first = _served()
+    own = ServedCheckpoints("shop", tmp_path, resume=False)
+    own.start(first, {**CHECKPOINTS, "step": 0, "manifest": None, "committed": None})
+    [requested] = [hook for hook in first.incoming if isinstance(hook, RequestedRows)]
+    for step, rows in enumerate([torch.tensor([0, 3]), torch.tensor([3, 7])]):
+        requested.on_message(_request(step, rows))
+        first.accountant.on_event(GaussianRelease("shop", 1.5, 0.25, "embedding", step))
+        first.accountant.on_event(GaussianRelease("shop", 0.8, 0.25, "dp-sgd", step))
+        if step == 0:
+            written = own.write(first, {"run": RUN, "step": 1, "committed": None})
+    again = _served()
+    rejoin = {**CHECKPOINTS, "step": 1, "manifest": written["manifest"], "committed": 1}
+    answer = ServedCheckpoints("shop", tmp_path, resume=False).start(
+        again, {**rejoin, "rejoin": True}
+    )
+    assert answer == {"run": RUN, "step": 1}
+    assert again.accountant.releases("shop") == {"embedding": 2, "dp-sgd": 1}
+    [view] = [hook for hook in again.incoming if isinstance(hook, RequestedRows)]
+    assert [rows.tolist() for rows in view.schedule()[:3]] == [[0, 3], [3, 7], []]
+
+
+CHECKPOINTS = {"run": RUN, "every": 1, "rejoin": False}
