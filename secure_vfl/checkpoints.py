@@ -986,6 +986,7 @@ class RunCheckpoints:
         it writes its next one: its last committed one is kept until then)."""
         root = self.plan.directory
         label = method.fed.own
+        method.fed.flush(round=step - 1)  # the step's closing gradients, before its state is kept
         manifests = {}
         elsewhere = self.plan.elsewhere
         away = elsewhere.names if elsewhere is not None else []

@@ -267,6 +267,7 @@ def test_stage_two_trains_only_the_discriminator(make_data: MakeData) -> None:
     start_generative = _parameters(generative)
     start_discriminator = _parameters(discriminator)
     method.train_step(np.arange(64), 0, 0)
+    method.fed.flush(round=0)  # the step's closing gradients, held back for the next message
     after_stage_one = _parameters(generative)
     assert all(
         torch.equal(a, b)
@@ -339,6 +340,7 @@ def test_gradients_through_the_seam_equal_those_of_the_centralised_model(
         monkeypatch.setattr(optimizer, "step", lambda: None)
         monkeypatch.setattr(optimizer, "zero_grad", lambda set_to_none=True: None)
     method.train_step(rows, 0, 0)
+    method.fed.flush(round=0)  # the step's closing gradients, held back for the next message
     found = [p.grad for m in modules for p in m.parameters()]
     for a, b in zip(expected, found, strict=True):
         assert b is not None
@@ -367,6 +369,7 @@ def test_messages_follow_the_papers_communication_pattern(make_data: MakeData) -
     rows = np.arange(32)
     mask = data.train.mask[rows]
     method.train_step(rows, 0, 0)
+    method.fed.flush(round=0)  # the closing gradients, held back for the next message
     parties = [f"party-{k}" for k in range(4)]
     others = parties[1:]  # the label party's messages to itself never cross the wire
     routes = Counter((m.kind, m.sender, m.receiver) for m in recorder.messages)

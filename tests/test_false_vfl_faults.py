@@ -107,7 +107,8 @@ def test_a_party_lost_mid_step_is_dropped_and_false_vfl_goes_on(
     assert method.fed.faults == [
         {
             "party": LOST,
-            "step": step + 1,
+            # A closing gradient goes with the next step's first messages: lost there.
+            "step": step + 1 + closing,
             "epoch": stage,  # one epoch per stage, counted across both
             "phase": "training",
             "what": f"{kind} to {LOST}: its process is gone",

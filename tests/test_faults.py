@@ -74,7 +74,8 @@ def _train(
         ("all", "head-task"),  # after two heads trained and sent their gradients
         ("all", "update"),  # the other parties complete the step
         ("active", "represent-request"),
-        ("active", "gradient"),  # the step's last message to it: the others complete the step
+        # The step's last message to it, held back for the next step's first: lost there.
+        ("active", "gradient"),
     ],
 )
 def test_a_party_lost_mid_step_is_dropped_and_training_goes_on(
@@ -84,11 +85,12 @@ def test_a_party_lost_mid_step_is_dropped_and_training_goes_on(
     channel = LosingChannel(kind)
     method = _train(data, dataclasses.replace(FAST, heads=heads), channel)
     assert channel.lost
+    noticed = STEP + 1 if heads == "active" and kind == "gradient" else STEP
     assert method.fed.faults == [
         {
             "party": LOST,
-            "step": STEP + 1,
-            "epoch": STEP // len(method.sampler) + 1,
+            "step": noticed + 1,
+            "epoch": noticed // len(method.sampler) + 1,
             "phase": "training",
             "what": f"{kind} to {LOST}: its process is gone",
         }
@@ -103,19 +105,26 @@ def test_a_party_lost_mid_step_is_dropped_and_training_goes_on(
 def test_a_party_lost_at_its_closing_gradient_leaves_the_step_to_the_others(
     make_data: MakeData,
 ) -> None:
-    # With the label party's head alone, a gradient is the last message of a party's step and
-    # goes only once the step's loss is in: losing a party there is not a reason to retry the
-    # step (the others have applied it), and nothing is abandoned.
+    # With the label party's head alone, a gradient is the last message of a party's step: it
+    # goes once the step's loss is in, ahead of the party's next request (one delivery). Lost
+    # there, the step it closes stands (the others have applied it: it is not retried, and
+    # each of their closing gradients went once); the next one is abandoned and retried
+    # without the lost party, as when a party is found lost at a step's start.
     data = make_data(train_missing="mcar:0")
     channel = LosingChannel("gradient")
     method = _train(data, dataclasses.replace(FAST, heads="active"), channel)
-    assert [fault["party"] for fault in method.fed.faults] == [LOST]
+    assert [(fault["party"], fault["step"]) for fault in method.fed.faults] == [(LOST, STEP + 2)]
     in_step = [m for m in channel.posted if m.round == STEP]
     assert sum(m.kind == "represent-request" for m in in_step) == 3  # asked once: no retry
-    assert not any(m.kind == "abort" for m in channel.posted)
+    assert not any(m.kind == "abort" for m in in_step)
     closing = [m.receiver for m in in_step if m.kind == "gradient"]
     assert sorted(closing) == ["party-1", "party-2", "party-3"]
     assert all(m.step for m in in_step if m.kind == "gradient")
+    after = [m for m in channel.posted if m.round == STEP + 1]
+    aborted = sorted(m.receiver for m in after if m.kind == "abort")
+    assert aborted == ["aggregator", "party-1", "party-3"]  # the label party's own: in place
+    asked = [m.receiver for m in after if m.kind == "represent-request"]
+    assert sorted(asked) == ["party-1", "party-1", "party-3", "party-3"]  # retried
 
 
 def _state(method: MeanFusionMethod) -> list[torch.Tensor]:

@@ -308,13 +308,10 @@ def test_with_the_label_partys_head_alone_a_step_is_twelve_messages(make_data: M
     config = dataclasses.replace(FAST, heads="active")
     method = METHODS.get("laser")(data, config, seed=0, channel=Channel([recorder]))
     assert isinstance(method, MeanFusionMethod)
-    method.train_step(np.arange(32), 0, 0)
     parties = [f"party-{k}" for k in range(4)]
     others = parties[1:]
-    # In the order they crossed: the sum request goes with the representation requests (the
-    # aggregator serves it once the last representation is in), and each data party's gradient
-    # closes its step (no update follows).
-    assert [(m.kind, m.sender, m.receiver) for m in recorder.messages] == [
+    closing = [("gradient", "party-0", p) for p in others]
+    routes = [
         ("representation", "party-0", "aggregator"),
         *[
             route
@@ -323,8 +320,26 @@ def test_with_the_label_partys_head_alone_a_step_is_twelve_messages(make_data: M
         ],
         ("sum-request", "party-0", "aggregator"),
         ("sum", "aggregator", "party-0"),
-        *[("gradient", "party-0", p) for p in others],
     ]
+
+    def crossed() -> list[tuple[str, str, str]]:
+        found = [(m.kind, m.sender, m.receiver) for m in recorder.messages]
+        recorder.messages.clear()
+        return found
+
+    # In the order they crossed: the sum request goes with the representation requests (the
+    # aggregator serves it once the last representation is in). Each data party's gradient
+    # closes its step (no update follows) and is held back to go ahead of its next request
+    # (over the network: in the same delivery), or until the label party flushes.
+    method.train_step(np.arange(32), 0, 0)
+    assert crossed() == routes
+    assert [(m.kind, m.sender, m.receiver) for m in method.fed.own.deferred] == closing
+    method.train_step(np.arange(32, 64), 1, 1)
+    first = recorder.messages[:3]
+    assert crossed() == [*closing, *routes]
+    assert all(isinstance(m, GradientMessage) and m.step and m.round == 0 for m in first)
+    method.fed.flush(round=1)
+    assert crossed() == closing and not method.fed.own.deferred
     assert all(m.step for m in recorder.messages if isinstance(m, GradientMessage))
 
 

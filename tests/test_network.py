@@ -664,3 +664,105 @@ def test_a_number_older_than_the_replay_window_is_refused_and_the_window_stays_b
     assert [shop.receive(0.0).round for _ in sent] == [1, 2, 3, 4, 5, 6]
     with pytest.raises(TransportError, match="no message from any peer"):
         shop.receive(0.0)
+
+
+def test_messages_to_one_peer_travel_in_one_delivery_acted_on_in_order_up_to_a_refusal(
+    certs: Path, tmp_path: Path
+) -> None:
+    """send_all puts each peer's messages in one call (a step's closing gradient rides with the
+    next request): the peer acts on them in their order, stops at the first it refuses, and
+    every one is counted and captured as if sent alone."""
+    capture = (tmp_path / "shop.capture").open("wb")
+    bank = PartyEndpoint("bank", identity=_identity(certs, "bank"), deadline=20.0)
+    peers = {
+        "shop": PartyEndpoint(
+            "shop", identity=_identity(certs, "shop"), deadline=20.0, capture=capture
+        ),
+        "aggregator": PartyEndpoint("aggregator", identity=_identity(certs, "aggregator")),
+    }
+    for name, peer in peers.items():
+        bank.add_peer(name, peer.address)
+    seen: list[tuple[str, int]] = []
+
+    def handler(name: str) -> Any:
+        def handle(message: Message) -> None:
+            seen.append((name, message.round))
+            if message.round == 13:
+                raise ProtocolError("round 13 is not the round expected")
+
+        return handle
+
+    for name, peer in peers.items():
+        peer.handler = handler(name)
+    shop = [dataclasses.replace(_greeting(), round=r) for r in (1, 2, 3)]
+    to_aggregator = _greeting(receiver="aggregator")
+    with bank, _Serving(peers["shop"]), _Serving(peers["aggregator"]):
+        sizes = bank.send_all([shop[0], to_aggregator, shop[1], shop[2]])
+        assert sizes == [len(wire.encode(m)) for m in (shop[0], to_aggregator, *shop[1:])]
+        assert sorted(seen) == [("aggregator", 1), ("shop", 1), ("shop", 2), ("shop", 3)]
+        assert [r for name, r in seen if name == "shop"] == [1, 2, 3]
+        (recent,) = peers["shop"]._deliveries.values()
+        assert recent.highest == 1  # one delivery for the three
+        seen.clear()
+        refused = [dataclasses.replace(m, round=r) for m, r in zip(shop, (4, 13, 5), strict=True)]
+        with pytest.raises(ProtocolError, match="round 13 is not the round expected"):
+            bank.send_all(refused)
+        assert seen == [("shop", 4), ("shop", 13)]  # not 5: it follows the refused one
+    capture.close()
+    delivered = [*shop, *refused]
+    assert bank.bytes[("bank", "shop", "train")] == sum(len(wire.encode(m)) for m in delivered)
+    assert (
+        peers["shop"].received[("bank", "shop", "train")] == bank.bytes[("bank", "shop", "train")]
+    )
+    assert [wire.encode(m) for m in read_capture(tmp_path / "shop.capture")] == [
+        wire.encode(m) for m in delivered
+    ]
+
+
+def test_a_malformed_delivery_of_several_messages_is_refused_whole(certs: Path) -> None:
+    """A count out of range, a record cut short, bytes after the last record, or one record in
+    another party's name: the delivery is refused saying what was expected, and the party acts
+    on none of its messages."""
+    shop = PartyEndpoint("shop", identity=_identity(certs, "shop"), deadline=20.0)
+    bank = _identity(certs, "bank")
+    credentials = grpc.ssl_channel_credentials(bank.ca, bank.key, bank.certificate)
+    options = [("grpc.ssl_target_name_override", "shop")]
+    good = wire.encode(_greeting())
+    foreign = wire.encode(_greeting(sender="telco"))
+
+    def records(*parts: bytes) -> bytes:
+        return b"".join(CAPTURE_LENGTH.pack(len(part)) + part for part in parts)
+
+    cases = [
+        ("1", records(good), grpc.StatusCode.INVALID_ARGUMENT, "a delivery of 2 to 64 messages"),
+        ("x", records(good, good), grpc.StatusCode.INVALID_ARGUMENT, "found 'x' announced"),
+        ("3", records(good, good), grpc.StatusCode.INVALID_ARGUMENT, "message 3 is cut short"),
+        ("2", records(good, good)[:-1], grpc.StatusCode.INVALID_ARGUMENT, "message 2 is cut"),
+        ("2", records(good, good) + b"\0", grpc.StatusCode.INVALID_ARGUMENT, "found 1 more"),
+        ("2", records(good, foreign), grpc.StatusCode.PERMISSION_DENIED, "from 'telco'"),
+    ]
+    with (
+        _Serving(shop),
+        grpc.secure_channel(shop.address, credentials, options=options) as channel,
+    ):
+        deliver = channel.unary_unary(DELIVER)
+        for number, (count, data, code, reason) in enumerate(cases, start=1):
+            metadata = (
+                ("svfl-stream", "bundle-test"),
+                ("svfl-sequence", str(number)),
+                ("svfl-count", count),
+            )
+            with pytest.raises(grpc.RpcError) as refused:
+                deliver(data, timeout=20, metadata=metadata)
+            assert refused.value.code() == code, count
+            assert reason in str(refused.value.details()), refused.value.details()
+        # A well-formed one on the same stream goes through: both messages, in order.
+        second = dataclasses.replace(_greeting(), round=2)
+        metadata = (("svfl-stream", "bundle-test"), ("svfl-sequence", "99"), ("svfl-count", "2"))
+        deliver(records(good, wire.encode(second)), timeout=20, metadata=metadata)
+    for _ in cases:
+        with pytest.raises(ProtocolError):
+            shop.receive(0.0)
+    assert [shop.receive(0.0).round for _ in range(2)] == [1, 2]
+    with pytest.raises(TransportError, match="no message from any peer"):
+        shop.receive(0.0)

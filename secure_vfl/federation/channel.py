@@ -195,15 +195,20 @@ class Channel:
 
     def post_all(self, messages: Sequence[Message], *, sender: Party) -> None:
         """Send ``messages`` from ``sender``, each to the party it names, with no message
-        depending on another's answer: a transport may deliver them at once (the network does);
-        in one process they go one after another, in order. As over the network, a failure does
-        not stop the others: each is delivered, then the first failure is raised."""
+        depending on another's answer: a transport may deliver them at once (the network does,
+        each receiver's messages in one delivery); in one process they go one after another, in
+        order. As over the network, a failure stops only the messages to the same receiver that
+        follow it: the others are delivered, then the first failure is raised."""
         failures: list[ProtocolError] = []
+        failed: set[str] = set()
         for message in messages:
+            if message.receiver in failed:
+                continue
             try:
                 self.post(message, sender=sender)
             except ProtocolError as error:
                 failures.append(error)
+                failed.add(message.receiver)
         if failures:
             raise failures[0]
 

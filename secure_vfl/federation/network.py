@@ -6,7 +6,11 @@ is the wire codec's (:func:`~secure_vfl.federation.wire.encode`, ``decode``): gR
 bytes (no generated code, no protobuf schema, never pickle). Two methods, service
 ``securevfl.Transport``: ``Deliver`` (unary, one encoded message) and ``DeliverStream`` (client
 streaming, a message larger than :data:`STREAM_THRESHOLD` in chunks of :data:`CHUNK_BYTES`,
-reassembled up to the codec's size limit).
+reassembled up to the codec's size limit). A delivery may carry several messages of one sender
+to one receiver, acted on in their order (``send_all``: a step's closing gradient and the next
+request to the same party): the metadata ``svfl-count`` announces them, and the bytes are their
+encodings, each after its 4-byte big-endian length (the capture file's records), within the
+same size limit.
 
 **Identity.** Mutual TLS by default, with the federation's certificates
 (:mod:`protocols.tls`, ``secure-vfl certs init``): a party's name is its certificate's common
@@ -120,7 +124,9 @@ STREAMS_KEPT = 4
 """Sender streams (endpoint lifetimes) remembered per peer."""
 
 _NOT_DELIVERED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-_STREAM, _SEQUENCE, _SIZE = "svfl-stream", "svfl-sequence", "svfl-size"
+_STREAM, _SEQUENCE, _SIZE, _COUNT = "svfl-stream", "svfl-sequence", "svfl-size", "svfl-count"
+MAX_BUNDLE = 64
+"""The most messages one delivery carries."""
 _PARTY_NAME = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
 
 
@@ -219,11 +225,13 @@ class RetryPolicy:
 
 @dataclasses.dataclass
 class _Arrival:
-    """A decoded message handed from a server thread to the party's thread, which acts on it
+    """A delivery's decoded messages (``sizes``: their encoded sizes) handed from a server
+    thread to the party's thread, which acts on them in order, up to the first it refuses,
     and sets ``done`` (with ``refusal``: why it refused it)."""
 
-    message: Message
-    size: int
+    messages: tuple[Message, ...]
+    sizes: tuple[int, ...]
+    size: int  # of the delivery's bytes
     checksum: int  # CRC-32 of the bytes: tells a retry (the same bytes) from a reuse
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     refusal: str | None = None
@@ -263,9 +271,11 @@ _Item = _Arrival | _Refused | object
 
 @dataclasses.dataclass
 class _Delivery:
-    """One message on its way to a peer: its bytes, its numbered metadata and its attempt."""
+    """Messages on their way to one peer, in one call: each one's encoding, the call's bytes,
+    its numbered metadata and its attempt."""
 
-    message: Message
+    messages: tuple[Message, ...]
+    encoded: tuple[bytes, ...]
     data: bytes
     channel: grpc.Channel
     metadata: tuple[tuple[str, str], ...]
@@ -464,7 +474,7 @@ class PartyEndpoint:
             except queue.Empty:
                 break
             if isinstance(item, _Arrival):
-                item.refusal = f"{self.name} stopped before acting on {item.message.kind}."
+                item.refusal = f"{self.name} stopped before acting on {item.messages[0].kind}."
                 item.done.set()
         stopped.wait(grace + 1.0)
         for channel in self._channels.values():
@@ -542,32 +552,24 @@ class PartyEndpoint:
         on it and answer with the outcome."""
         try:
             caller = self._caller(context)
-            try:
-                message = wire.decode(data, max_bytes=self.max_message_bytes)
-            except ProtocolError as error:
+            metadata = _metadata(context)
+            parts = _split_delivery(self.name, data, metadata.get(_COUNT))
+            messages = tuple(self._check(part, caller) for part in parts)
+            sender = caller or messages[0].sender
+            if any(message.sender != sender for message in messages):
                 raise _Refusal(
                     grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{self.name}: a message from {caller or 'a plaintext peer'} that the codec "
-                    f"refuses: {error}",
-                ) from error
-            if caller is not None and message.sender != caller:
-                raise _Refusal(
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    f"{self.name}: a {message.kind} claiming to come from {message.sender!r} over "
-                    f"a connection whose certificate is {caller!r}'s; a party sends only in its "
-                    "own name.",
+                    f"{self.name}: one delivery with messages of several senders "
+                    f"{sorted({message.sender for message in messages})}; a delivery is one "
+                    "sender's.",
                 )
-            if message.receiver != self.name:
-                raise _Refusal(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{self.name}: a {message.kind} from {message.sender} addressed to "
-                    f"{message.receiver!r}.",
-                )
-            arrival, new = self._register(caller or message.sender, context, message, data)
+            arrival, new = self._register(sender, metadata, messages, parts, data)
         except _Refusal as refusal:
             self._refuse(context, refusal)
+        message = messages[0]
         if new:
-            self._record(data)
+            for part in parts:
+                self._record(part)
             self._queue.put(arrival)
         remaining = context.time_remaining()
         if not arrival.done.wait(timeout=remaining if remaining is not None else self.deadline):
@@ -584,13 +586,44 @@ class PartyEndpoint:
             context.abort(code, arrival.refusal)
         return b""
 
+    def _check(self, data: bytes, caller: str | None) -> Message:
+        """The message ``data`` encodes, refused unless the codec accepts it, it comes in the
+        caller's name (its certificate's) and it is addressed to this party."""
+        try:
+            message = wire.decode(data, max_bytes=self.max_message_bytes)
+        except ProtocolError as error:
+            raise _Refusal(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{self.name}: a message from {caller or 'a plaintext peer'} that the codec "
+                f"refuses: {error}",
+            ) from error
+        if caller is not None and message.sender != caller:
+            raise _Refusal(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{self.name}: a {message.kind} claiming to come from {message.sender!r} over "
+                f"a connection whose certificate is {caller!r}'s; a party sends only in its "
+                "own name.",
+            )
+        if message.receiver != self.name:
+            raise _Refusal(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{self.name}: a {message.kind} from {message.sender} addressed to "
+                f"{message.receiver!r}.",
+            )
+        return message
+
     def _register(
-        self, sender: str, context: grpc.ServicerContext, message: Message, data: bytes
+        self,
+        sender: str,
+        metadata: Mapping[str, str],
+        messages: tuple[Message, ...],
+        parts: Sequence[bytes],
+        data: bytes,
     ) -> tuple[_Arrival, bool]:
         """The arrival of this delivery, and whether it is new: a retry (same stream and
         sequence number, same bytes) gets the first attempt's; an old sequence number, or a
         reused one with other bytes, is refused as a replay."""
-        metadata = _metadata(context)
+        message = messages[0]
         stream, sequence = metadata.get(_STREAM, ""), metadata.get(_SEQUENCE, "")
         if not stream or not sequence.isdigit():
             raise _Refusal(
@@ -619,7 +652,7 @@ class PartyEndpoint:
                     f"{self.name}: {message.kind} from {sender} replays delivery {number} of its "
                     "stream; refused.",
                 )
-            arrival = _Arrival(message, len(data), checksum)
+            arrival = _Arrival(messages, tuple(len(part) for part in parts), len(data), checksum)
             recent.keep(number, arrival)
             return arrival, True
 
@@ -629,30 +662,39 @@ class PartyEndpoint:
         if isinstance(item, _Refused):
             self._refusals.append(item.reason)
         elif isinstance(item, _Arrival):
-            message = item.message
-            refusal: str | None = None  # what this party says of it in its own log
             try:
-                if self.handler is None:
-                    self._kept.append(message)
-                else:
-                    self.handler(message)
-            except ProtocolError as error:
-                refusal = f"{self.name} refused {message.kind} from {message.sender}: {error}"
-                # Only its own: one it met further down a chain of deliveries is the sender's.
-                item.not_set_up = isinstance(error, NotSetUpError) and error.party == self.name
-            except Exception as error:  # the sender learns it failed; this party goes on
-                refusal = (
-                    f"{self.name} failed acting on {message.kind} from {message.sender}: "
-                    f"{type(error).__name__}: {error}"
-                )
-                item.failed = True
+                for message in item.messages:
+                    if not self._act_on_message(item, message):
+                        break
             finally:
-                self.received[(message.sender, message.receiver, _phase(message))] += item.size
-                if refusal is not None:
-                    item.refusal = self.redact(refusal)
+                for message, size in zip(item.messages, item.sizes, strict=True):
+                    self.received[(message.sender, message.receiver, _phase(message))] += size
                 item.done.set()
-            if refusal is not None:
-                logger.warning("%s", refusal)
+
+    def _act_on_message(self, item: _Arrival, message: Message) -> bool:
+        """Hand one message of ``item`` to the handler (or keep it); whether it was accepted
+        (else ``item`` says why not)."""
+        refusal: str | None = None  # what this party says of it in its own log
+        try:
+            if self.handler is None:
+                self._kept.append(message)
+            else:
+                self.handler(message)
+        except ProtocolError as error:
+            refusal = f"{self.name} refused {message.kind} from {message.sender}: {error}"
+            # Only its own: one it met further down a chain of deliveries is the sender's.
+            item.not_set_up = isinstance(error, NotSetUpError) and error.party == self.name
+        except Exception as error:  # the sender learns it failed; this party goes on
+            refusal = (
+                f"{self.name} failed acting on {message.kind} from {message.sender}: "
+                f"{type(error).__name__}: {error}"
+            )
+            item.failed = True
+        if refusal is None:
+            return True
+        item.refusal = self.redact(refusal)
+        logger.warning("%s", refusal)
+        return False
 
     def act_on_next(
         self,
@@ -744,52 +786,84 @@ class PartyEndpoint:
     def send_all(self, messages: Sequence[Message], *, deadline: float | None = None) -> list[int]:
         """Deliver ``messages`` as :meth:`send` does, but to their peers at once: every peer
         acts on its own while the others do, and this returns (their encoded sizes) once each
-        has acted. Messages to one peer keep their order (they go one after another). After a
-        failure the others are still waited for, then the first failure is raised."""
-        if len({message.receiver for message in messages}) < len(messages):
-            return [
-                size for message in messages for size in self.send_all([message], deadline=deadline)
-            ]
-        deliveries = [self._start(message, deadline) for message in messages]
-        sizes, failures = [], []
+        has acted. The messages to one peer keep their order, in one delivery (acted on up to
+        the first the peer refuses), or one after another where together they would pass the
+        size limit. After a failure the others are still waited for, then the first failure
+        is raised."""
+        encoded = [self._encode(message) for message in messages]
+        groups: dict[str, list[int]] = {}
+        for i, message in enumerate(messages):
+            groups.setdefault(message.receiver, []).append(i)
+        together: list[list[int]] = []
+        apart: list[list[int]] = []
+        for indices in groups.values():
+            size = sum(len(encoded[i]) + CAPTURE_LENGTH.size for i in indices)
+            fits = len(indices) == 1 or (
+                len(indices) <= MAX_BUNDLE and size <= self.max_message_bytes
+            )
+            (together if fits else apart).append(indices)
+        deliveries = [
+            self._start([messages[i] for i in indices], [encoded[i] for i in indices], deadline)
+            for indices in together
+        ]
+        failures = []
         for delivery in deliveries:
             try:
-                sizes.append(self._complete(delivery))
+                self._complete(delivery)
             except ProtocolError as error:  # TransportError included
+                failures.append(error)
+        for indices in apart:
+            try:
+                for i in indices:
+                    self._complete(self._start([messages[i]], [encoded[i]], deadline))
+            except ProtocolError as error:
                 failures.append(error)
         if failures:
             raise failures[0]
-        return sizes
+        return [len(data) for data in encoded]
 
-    def _start(self, message: Message, deadline: float | None) -> _Delivery:
-        """Encode ``message``, number it on its peer's stream and put its first attempt on the
-        wire."""
+    def _encode(self, message: Message) -> bytes:
+        """``message``'s bytes, if it is this party's to send to a known peer."""
         if message.sender != self.name:
             raise ProtocolError(
                 f"{self.name}: a {message.kind} naming sender {message.sender!r}; a party sends "
                 "only in its own name."
             )
-        channel = self._channels.get(message.receiver)
-        if channel is None:
+        if message.receiver not in self._channels:
             raise ProtocolError(
                 f"{self.name}: no address for {message.receiver!r} (peers: "
                 f"{', '.join(sorted(self._peers)) or 'none'})."
             )
-        data = wire.encode(message)
-        self._sequence[message.receiver] += 1
+        return wire.encode(message)
+
+    def _start(
+        self, messages: Sequence[Message], encoded: Sequence[bytes], deadline: float | None
+    ) -> _Delivery:
+        """Number one peer's ``messages`` (``encoded``) on its stream, as one delivery, and
+        put its first attempt on the wire."""
+        receiver = messages[0].receiver
+        channel = self._channels[receiver]
+        self._sequence[receiver] += 1
         metadata: tuple[tuple[str, str], ...] = (
             (_STREAM, self._token),
-            (_SEQUENCE, str(self._sequence[message.receiver])),
+            (_SEQUENCE, str(self._sequence[receiver])),
         )
+        if len(messages) == 1:
+            data = encoded[0]
+        else:
+            data = b"".join(CAPTURE_LENGTH.pack(len(part)) + part for part in encoded)
+            metadata += ((_COUNT, str(len(messages))),)
         timeout = self.deadline if deadline is None else deadline
-        delivery = _Delivery(message, data, channel, metadata, time.monotonic(), timeout)
+        delivery = _Delivery(
+            tuple(messages), tuple(encoded), data, channel, metadata, time.monotonic(), timeout
+        )
         delivery.future = self._call(channel, data, metadata, timeout)
         return delivery
 
-    def _complete(self, delivery: _Delivery) -> int:
+    def _complete(self, delivery: _Delivery) -> None:
         """Wait for ``delivery`` (acting on what arrives), retrying it on UNAVAILABLE within its
-        deadline; its encoded size once the peer has acted, else the failure."""
-        message, data = delivery.message, delivery.data
+        deadline, until the peer has acted on it; else raise the failure."""
+        message, data = delivery.messages[0], delivery.data
         backoffs = self.retry.backoffs()
         while True:
             future = delivery.future
@@ -800,10 +874,11 @@ class PartyEndpoint:
                 raise error  # not the transport's (a channel closed under it): as it is
             if error is None or error.code() not in _NOT_DELIVERED:
                 # It crossed (answered, or refused by the peer): count it, as in one process.
-                self.bytes[(message.sender, message.receiver, _phase(message))] += len(data)
-                self._record(data)
+                for sent, part in zip(delivery.messages, delivery.encoded, strict=True):
+                    self.bytes[(sent.sender, sent.receiver, _phase(sent))] += len(part)
+                    self._record(part)
             if error is None:
-                return len(data)
+                return
             backoff = next(backoffs, None)
             end = delivery.start + delivery.timeout
             late = time.monotonic() + (backoff or 0.0) >= end
@@ -885,6 +960,39 @@ class PartyEndpoint:
                 f"restarted?): {details}",
             )
         return ProtocolError(f"{what} refused ({code.name}): {details}")
+
+
+def _split_delivery(name: str, data: bytes, count: str | None) -> list[bytes]:
+    """The encoded messages of one delivery: ``data`` itself, or with ``count`` (the metadata
+    ``svfl-count``) that many records ``[4-byte big-endian length][message]`` and nothing
+    after them. A malformed delivery is refused (INVALID_ARGUMENT) saying what was expected."""
+    if count is None:
+        return [data]
+    if not count.isdigit() or not 2 <= int(count) <= MAX_BUNDLE:
+        raise _Refusal(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{name}: a delivery of 2 to {MAX_BUNDLE} messages expected, found {count!r} "
+            "announced.",
+        )
+    parts, offset, size = [], 0, len(data)
+    for index in range(int(count)):
+        head = offset + CAPTURE_LENGTH.size
+        length = CAPTURE_LENGTH.unpack_from(data, offset)[0] if head <= size else None
+        if length is None or head + length > size:
+            raise _Refusal(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{name}: a delivery of {count} messages whose message {index + 1} is cut short "
+                f"at byte {size}.",
+            )
+        parts.append(data[head : head + length])
+        offset = head + length
+    if offset != size:
+        raise _Refusal(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{name}: a delivery of {count} messages that ends after {offset} bytes, found "
+            f"{size - offset} more.",
+        )
+    return parts
 
 
 def _as_it_is(text: str) -> str:

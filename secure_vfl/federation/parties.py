@@ -119,6 +119,8 @@ class Party:
         self.accountant: Any = None
         self._channel: Channel | None = None
         self._inbox: list[Message] = []
+        self._deferred: list[Message] = []
+        self._outbox: list[Message] | None = None
 
     def connect(self, channel: Channel) -> None:
         """Attach this party to ``channel`` (the network it sends and receives on)."""
@@ -136,29 +138,66 @@ class Party:
         return message
 
     def send(self, message: Message) -> None:
-        """Send ``message`` in this party's name, through its outgoing hooks."""
-        message = self.release(message)
-        if message.receiver == self.name:
-            self.receive(message)
-            return
-        if self._channel is None:
-            raise ProtocolError(f"{self.name} is not connected to a channel; cannot send.")
-        self._channel.post(message, sender=self)
+        """Send ``message`` in this party's name, through its outgoing hooks
+        (:meth:`send_all` of one message)."""
+        self.send_all([message])
 
     def send_all(self, messages: Sequence[Message]) -> None:
         """Send ``messages``, none of which depends on another's answer, in this party's name
-        and order: each through the outgoing hooks, then each run of consecutive messages to
-        other parties at once (:meth:`Channel.post_all`: over the network their receivers act
-        concurrently), those to itself where they stand."""
-        pending: list[Message] = []
-        for message in [self.release(message) for message in messages]:
-            if message.receiver != self.name:
-                pending.append(message)
-                continue
-            self._post_all(pending)
-            pending = []
-            self.receive(message)
-        self._post_all(pending)
+        and order, each through the outgoing hooks. Those to itself are acted on where they
+        stand; what it sends meanwhile (acting on them) and the messages to other parties go
+        out together after them, behind the messages :meth:`defer` held back, at once
+        (:meth:`Channel.post_all`: over the network each receiver's messages are one
+        delivery, and the receivers act concurrently); if none is for another party, the
+        held-back ones wait on. Called while acting on its own message inside another
+        ``send_all``, the messages join that one's."""
+        released = [self.release(message) for message in messages]
+        if self._outbox is not None:
+            self._queue(released)
+            return
+        deferred, self._deferred = self._deferred, []
+        self._outbox = []
+        try:
+            self._queue(released)
+            outgoing = self._outbox
+        except BaseException:
+            self._deferred = deferred + self._deferred  # they go with the next send
+            raise
+        finally:
+            self._outbox = None
+        if not outgoing:  # nothing for another party: the held-back messages wait for one
+            self._deferred = deferred + self._deferred
+            return
+        self._post_all(deferred + outgoing)
+
+    def _queue(self, messages: list[Message]) -> None:
+        assert self._outbox is not None
+        for message in messages:
+            if message.receiver == self.name:
+                self.receive(message)
+            else:
+                self._outbox.append(message)
+
+    def defer(self, messages: Sequence[Message]) -> None:
+        """Hold ``messages`` back (through the outgoing hooks now, in their order) to go first
+        with this party's next :meth:`send_all`: messages whose effect nothing waits for (a
+        step's closing gradients) then share a delivery with the next message to each of their
+        receivers instead of taking a round trip of their own."""
+        self._deferred += [self.release(message) for message in messages]
+
+    def flush(self) -> None:
+        """Send the messages :meth:`defer` holds back now, at once."""
+        deferred, self._deferred = self._deferred, []
+        self._post_all(deferred)
+
+    @property
+    def deferred(self) -> tuple[Message, ...]:
+        """The messages :meth:`defer` holds back, in order."""
+        return tuple(self._deferred)
+
+    def withdraw(self, receiver: str) -> None:
+        """Forget the held-back messages to ``receiver`` (a party lost: nothing goes to it)."""
+        self._deferred = [m for m in self._deferred if m.receiver != receiver]
 
     def _post_all(self, messages: list[Message]) -> None:
         if not messages:

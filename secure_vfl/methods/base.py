@@ -370,6 +370,7 @@ class Federation:
         for split in splits.values():
             split.mask[:, column] = False
         self.dropped.append(name)
+        self.own.withdraw(name)
 
     def restore_losses(self, dropped: Sequence[str], faults: Sequence[Mapping[str, Any]]) -> None:
         """A resumed run: the parties ``dropped`` when its checkpoint was written stay lost
@@ -505,12 +506,17 @@ class Federation:
 
     def send_or_drop(self, messages: Sequence[Message], *, round: int) -> None:
         """Send the label party's ``messages`` at once (:meth:`~secure_vfl.federation.parties.
-        Party.send_all`); should receivers among the data parties turn out to be unreachable
-        (dropouts tolerated), drop them instead of failing the step: the others have acted."""
+        Party.send_all`, behind the closing gradients :meth:`update` held back); should
+        receivers among the data parties turn out to be unreachable (dropouts tolerated), drop
+        them instead of failing the step: the others have acted."""
+        receivers = [m.receiver for m in [*self.own.deferred, *messages]]
         try:
-            self.own.send_all(messages)
+            if messages:
+                self.own.send_all(messages)
+            else:
+                self.own.flush()
         except ProtocolError as error:
-            others = [m.receiver for m in messages if m.receiver not in (self.own.name, AGGREGATOR)]
+            others = [name for name in receivers if name not in (self.own.name, AGGREGATOR)]
             lost = self.channel.unreachable(others) if self.tolerates_dropouts and others else []
             if not lost:
                 raise
@@ -783,23 +789,31 @@ class Federation:
     ) -> None:
         """Close a step: every party (or ``parties``) backpropagates what it received for
         ``(round, tag)`` and steps; with ``heads`` its head ``tag`` steps too. The label party's
-        ``closing`` gradients (its head's held ones, :meth:`assign_head_task`) go as the last of
-        the step (``step=True``): their receivers get no separate update. A party lost here is
-        dropped (:meth:`send_or_drop`); the others' updates complete the step."""
+        ``closing`` gradients (its head's held ones, :meth:`assign_head_task`) are the last of
+        the step (``step=True``): their receivers get no separate update. They are held back
+        (:meth:`~secure_vfl.federation.parties.Party.defer`) to go with the label party's next
+        messages (the next step's requests: one delivery per party and a step that waits once
+        less), or with :meth:`flush`. A party lost here is dropped (:meth:`send_or_drop`); the
+        others' updates complete the step."""
         live = self.live(parties)
         last = [dataclasses.replace(m, step=True) for m in closing if m.receiver in live]
         closed = {m.receiver for m in last}
         self.send_or_drop(
             [
-                *last,
-                *(
-                    UpdateRequest(**self.header(name, round, 0), tag=tag, heads=heads)
-                    for name in live
-                    if name not in closed
-                ),
+                UpdateRequest(**self.header(name, round, 0), tag=tag, heads=heads)
+                for name in live
+                if name not in closed
             ],
             round=round,
         )
+        self.own.defer(last)
+
+    def flush(self, *, round: int) -> None:
+        """Deliver the closing gradients :meth:`update` held back now (before the parties'
+        state is read or kept: at the end of training, before a checkpoint); a party lost on
+        the way is dropped at step ``round``, as in :meth:`update`."""
+        if self.own.deferred:
+            self.send_or_drop([], round=round)
 
 
 REJOINED = "rejoined"

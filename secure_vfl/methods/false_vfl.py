@@ -988,7 +988,7 @@ class FalseVflMethod:
         # Stage 2 goes on with the same progress: its epochs after stage 1's, its steps' rounds
         # after stage 1's (no two steps of a run share one: a fault names the run's step).
         self.stage = 2
-        return train_epochs(
+        losses = train_epochs(
             self.train_step,
             self.labeled_sampler,
             epochs=first + self._epochs(2),
@@ -996,6 +996,8 @@ class FalseVflMethod:
             on_step=on_step,
             progress=progress,
         )
+        self.fed.flush(round=progress.step - 1)  # stage 1's last closing gradients, if held
+        return losses
 
     # ---- evaluation --------------------------------------------------------------------
 

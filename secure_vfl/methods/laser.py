@@ -263,7 +263,10 @@ class MeanFusionMethod:
         with the vectorised plan), the head holds the gradients it owes the other parties
         (:attr:`~secure_vfl.federation.messages.HeadTask.hold`) and they close those parties'
         steps (:meth:`~secure_vfl.methods.base.Federation.update`): one message per party
-        instead of a gradient and an update, sent only once the attempt has succeeded.
+        instead of a gradient and an update, released only once the attempt has succeeded and
+        sent ahead of the party's next request (over the network, in the same delivery), so a
+        step waits for its receivers once less. A party found lost there is dropped in the next
+        step, which is retried without it; the step it closed stands for the others.
         """
         fed = self.fed
         for attempt in itertools.count():
@@ -346,7 +349,8 @@ class MeanFusionMethod:
     def fit(
         self, *, on_step: StepCallback | None = None, progress: TrainingProgress | None = None
     ) -> list[float]:
-        return train_epochs(
+        progress = progress if progress is not None else TrainingProgress()
+        losses = train_epochs(
             self.train_step,
             self.sampler,
             epochs=self.config.epochs,
@@ -355,6 +359,8 @@ class MeanFusionMethod:
             progress=progress,
             on_epoch=lambda round: self.fed.rejoin(round=round),
         )
+        self.fed.flush(round=progress.step - 1)  # the last step's closing gradients
+        return losses
 
     def head_predictions(self, split_name: str) -> np.ndarray:
         """Each head's prediction from exactly the observed set (Algorithm 2): (N, K), -1 absent.
