@@ -235,15 +235,16 @@ def _analysis(rows: list[dict[str, Any]], figures: dict[str, float] | None) -> l
     lines = [
         "## Why: round trips per step",
         "",
-        f"Over the network every message is one gRPC call that returns once the receiver has "
-        f"acted on it. A LASER `--heads active` step on Satellite is {messages:.0f} messages "
-        f"(`grpc_costs.md`, plaintext sums). The label party sends the representation "
-        f"requests and the sum request at once (`Party.send_all`; the aggregator serves the "
-        f"sum once the last representation is in, and the label party's head trains on it "
-        f"inside that chain of calls), then one gradient per data party that also closes its "
-        f"step: a plain step waits twice, not {messages:.0f} times (three times under masks, "
-        f"where the seal and sum requests follow the representations). `grpc_costs.md` "
-        f"measured a round trip at "
+        f"Over the network every delivery is one gRPC call that returns once the receiver "
+        f"has acted on it. A LASER `--heads active` step on Satellite is {messages:.0f} "
+        f"messages (`grpc_costs.md`, plaintext sums). The label party sends them at once "
+        f"(`Party.send_all`), each party's in one delivery: to each data party the previous "
+        f"step's closing gradient, held back until then, with its representation request "
+        f"(and under masks its seal request), to the aggregator its own representation with "
+        f"the sum request. The aggregator serves the sum once the last representation is in, "
+        f"and the label party's head trains on it inside that chain of calls: a step waits "
+        f"once, plain or masks, in 8 calls (12 and twice, three times under masks, before "
+        f"deliveries carried several messages). `grpc_costs.md` measured a round trip at "
         f"{1000 * figures['grpc_round_trip_s']:.2f} ms (plaintext gRPC) and "
         f"{1000 * figures['mtls_round_trip_s']:.2f} ms (mTLS) on loopback against "
         f"{1000 * figures['in_process_message_s']:.3f} ms in one process.",
@@ -276,8 +277,8 @@ def _analysis(rows: list[dict[str, Any]], figures: dict[str, float] | None) -> l
         "the parties would not). What would close more of it without changing the protocol's "
         "content: asynchronous sends (return once the bytes are queued, with each receiver "
         "acting on a sender's messages in their order; await a reply only where the next "
-        "computation needs it), so that the label party's own update and next forward pass "
-        "overlap the data parties' backward passes instead of waiting for them.",
+        "computation needs it), so that the data parties' representations reach the "
+        "aggregator without each waiting for it to act.",
     ]
     return lines
 

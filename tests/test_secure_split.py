@@ -150,6 +150,42 @@ def test_a_split_secure_step_trains_as_the_plain_one(
     assert np.array_equal(plain.predict("mcar:0"), secure.predict("mcar:0"))
 
 
+@pytest.mark.parametrize("method_name", SPLIT_METHODS)
+def test_a_secure_step_sends_each_party_its_messages_at_once_in_their_order(
+    make_data: MakeData, method_name: str
+) -> None:
+    """Every message the label party sends a data party in a step leaves in one send (over the
+    network, one delivery): the previous step's closing gradient, then the representation
+    request, then the seal request for what that request computes."""
+    recorder = RecordingLayer()
+    method = _method(make_data, "masks", Channel([recorder]), method=method_name)
+    method.train_step(ROWS, 0, 0)
+    label = method.fed.own
+    sends: list[list[tuple[str, str]]] = []
+    post_all = method.fed.channel.post_all
+
+    def noted(messages, *, sender):  # type: ignore[no-untyped-def]
+        if sender is label:
+            sends.append([(m.kind, m.receiver) for m in messages])
+        post_all(messages, sender=sender)
+
+    method.fed.channel.post_all = noted  # type: ignore[method-assign]
+    recorder.messages.clear()
+    method.train_step(ROWS + 32, 1, 0)
+    first = sends[0]
+    for party in ("party-1", "party-2", "party-3"):
+        to_party = [kind for kind, receiver in first if receiver == party]
+        kinds = ["gradient", "represent-request", "seal-request"]
+        assert to_party == kinds, (party, first)
+        asked = ("represent-request", "seal-request")  # once, in the first send
+        assert all(
+            receiver != party for send in sends[1:] for kind, receiver in send if kind in asked
+        )
+    assert ("sum-request", AGGREGATOR) in first
+    delivered = [m for m in recorder.messages if m.receiver == "party-1"]
+    assert [m.kind for m in delivered][: len(kinds)] == kinds
+
+
 def _stepped(make_data: MakeData, backend: str = "masks"):  # type: ignore[no-untyped-def]
     recorder = RecordingLayer()
     method = _method(make_data, backend, Channel([recorder]))

@@ -712,10 +712,10 @@ class FalseVflMethod:
             train=training_rows,
             source_tag=source,
         )
-        # In the clear the sum request goes with the representation requests (the aggregator
-        # serves it once they are in); a sealing party seals what it has computed, so under a
-        # secure scheme the seal and sum requests follow.
-        together = not fed.scheme
+        # The sum request (and under a secure scheme each party's seal request) goes with the
+        # representation requests: the aggregator serves the sum once the representations
+        # (shares) it sums are in, and a party acts on its messages in their order (over the
+        # network, one delivery), so it seals what it has just computed.
         asked = fed.request_representations(
             split,
             rows,
@@ -726,10 +726,8 @@ class FalseVflMethod:
             train=training_rows,
             tag=source,
             backward=train,
-            sums=sum_requests if together else (),
+            sums=sum_requests,
         )
-        if not together:
-            self.label_party.send_all(sum_requests)
         summed = cast(
             SumMessage,
             self.label_party.take(

@@ -300,11 +300,12 @@ class MeanFusionMethod:
                 if bool((weights[i, chunk] > 0).any())
             ]
         hold = len(tasks) == 1 and fed.names[self.head_index[tasks[0][0]]] == fed.own.name
-        # One task summed in the clear: its sum request goes out with the representation
-        # requests (the aggregator serves it once they are in), so the step waits once for
-        # both. Under a secure scheme a party seals what it has computed: its seal request
-        # follows its representation request.
-        together = len(tasks) == 1 and not fed.scheme
+        # One task: its sum request (and under a secure scheme each party's seal request) goes
+        # out with the representation requests, so the step waits once for all of them: the
+        # aggregator serves the sum once the representations (shares) it sums are in, and a
+        # party acts on its messages in their order (over the network, one delivery), so it
+        # seals what it has just computed.
+        together = len(tasks) == 1
 
         def assign(i: int, tag: str, chunk: slice) -> list[Message]:
             return fed.assign_head_task(
