@@ -44,6 +44,7 @@ from secure_vfl.federation.network import (
     RetryPolicy,
     TlsIdentity,
 )
+from secure_vfl.federation.parties import Party
 
 pytestmark = pytest.mark.processes  # peer processes with deadlines: run one at a time
 
@@ -502,6 +503,85 @@ def test_send_returns_once_the_receiver_acted_and_its_replies_were_handled(certs
         bank.send(dataclasses.replace(_greeting(), round=2))  # shop goes on after refusing
         assert acted == [1, 2]
     assert bank.bytes[("bank", "shop", "train")] == 3 * len(wire.encode(_greeting()))
+
+
+class _Relay(Party):
+    """Answers a representation from shop with one to bank, sent after its answer to shop."""
+
+    def on_representation(self, message: RepresentationMessage) -> None:
+        self.send_after(_greeting(sender=self.name, receiver="bank"))
+
+
+class _Driver(Party):
+    """bank's party: keeps what arrives (for take) and runs ``check`` on it first."""
+
+    def __init__(self, check: Any) -> None:
+        super().__init__("bank")
+        self.check = check
+
+    def on_representation(self, message: RepresentationMessage) -> None:
+        self.check(message)
+        self._inbox.append(message)
+
+
+def _relaying(certs: Path, check: Any) -> tuple[_Driver, PartyEndpoint, PartyEndpoint, Any]:
+    """bank (a driving party on this thread) -> shop -> aggregator (a relay), which answers shop
+    and then sends bank a reply; shop's handler sets the event it returns once its send to the
+    aggregator has returned."""
+    endpoints = {
+        name: PartyEndpoint(name, identity=_identity(certs, name), deadline=20.0)
+        for name in ("bank", "shop", "aggregator")
+    }
+    for name, endpoint in endpoints.items():
+        for peer, other in endpoints.items():
+            if peer != name:
+                endpoint.add_peer(peer, other.address)
+    driver, relay = _Driver(check), _Relay("aggregator")
+    driver.connect(NetworkChannel(endpoints["bank"]))
+    relay.connect(NetworkChannel(endpoints["aggregator"]))
+    returned = threading.Event()
+
+    def shop_acts(message: Message) -> None:
+        endpoints["shop"].send(_greeting(sender="shop", receiver="aggregator"))
+        returned.set()
+
+    endpoints["shop"].handler = shop_acts
+    return driver, endpoints["shop"], endpoints["aggregator"], returned
+
+
+def test_a_reply_sent_after_the_answer_does_not_hold_up_whoever_caused_it(certs: Path) -> None:
+    """Party.send_after over the network: the aggregator answers shop's delivery, then sends
+    bank its reply, so shop's send has returned by the time bank acts on the reply (nested,
+    shop would still be waiting for bank: the wait below would time out), and bank's send
+    returns once shop has acted, the reply handled on the way or waited for with take."""
+    returned_first: list[bool] = []
+    driver, shop, aggregator, returned = _relaying(
+        certs, lambda message: returned_first.append(returned.wait(10.0))
+    )
+    with driver._channel.endpoint, _Serving(shop), _Serving(aggregator):  # type: ignore[union-attr]
+        driver.send(_greeting())
+        reply = driver.take("representation", sender="aggregator", round=1, batch_id=0)
+        assert reply.sender == "aggregator" and returned_first == [True]
+
+
+def test_a_reply_sent_after_the_answer_is_refused_in_its_receivers_own_wait(
+    certs: Path,
+) -> None:
+    """Nobody relays bank's refusal of a reply the aggregator sent after answering (the
+    aggregator only logs it): bank's own take raises it, naming it, at once rather than
+    waiting out the deadline for a reply that will not come."""
+
+    def refuse(message: Message) -> None:
+        raise ProtocolError("a reply of round 1 is not wanted")
+
+    driver, shop, aggregator, _ = _relaying(certs, refuse)
+    with driver._channel.endpoint, _Serving(shop), _Serving(aggregator):  # type: ignore[union-attr]
+        driver.send(_greeting())  # shop acted: no refusal of its own to relay
+        start = time.monotonic()
+        with pytest.raises(ProtocolError, match="a reply of round 1 is not wanted") as refused:
+            driver.take("representation", sender="aggregator", round=1, batch_id=0)
+        assert not isinstance(refused.value, TransportError)
+        assert time.monotonic() - start < 10.0
 
 
 def test_a_party_never_set_up_for_the_run_is_reported_lost_by_its_sender(certs: Path) -> None:

@@ -164,10 +164,10 @@ def test_a_secure_step_sends_each_party_its_messages_at_once_in_their_order(
     sends: list[list[tuple[str, str]]] = []
     post_all = method.fed.channel.post_all
 
-    def noted(messages, *, sender):  # type: ignore[no-untyped-def]
+    def noted(messages, *, sender, **options):  # type: ignore[no-untyped-def]
         if sender is label:
             sends.append([(m.kind, m.receiver) for m in messages])
-        post_all(messages, sender=sender)
+        post_all(messages, sender=sender, **options)
 
     method.fed.channel.post_all = noted  # type: ignore[method-assign]
     recorder.messages.clear()

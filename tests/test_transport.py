@@ -31,7 +31,7 @@ from secure_vfl.federation.messages import (
     RepresentRequest,
     SumRequest,
 )
-from secure_vfl.federation.parties import ROLES, DataParty
+from secure_vfl.federation.parties import ROLES, DataParty, Party
 from secure_vfl.methods import METHODS, MethodConfig
 from secure_vfl.methods.base import in_process_parties
 
@@ -95,6 +95,62 @@ def test_no_party_shares_a_tensor_with_another(make_data: MakeData) -> None:
         party.incoming.append(Storages(party.name))
     method.train_step(np.arange(64), 0, 0)
     assert len(seen) > 10
+
+
+def _rows_message(sender: str, receiver: str, round: int = 1) -> RepresentationMessage:
+    return RepresentationMessage(
+        sender=sender,
+        receiver=receiver,
+        round=round,
+        batch_id=0,
+        positions=torch.arange(2),
+        representation=torch.ones(2, 3),
+    )
+
+
+class _Forward(Party):
+    """Passes a representation on to ``to``: at once, or (``after``) once it has acted."""
+
+    def __init__(self, name: str, to: str, *, after: bool) -> None:
+        super().__init__(name)
+        self.to, self.after = to, after
+
+    def on_representation(self, message: RepresentationMessage) -> None:
+        forwarded = _rows_message(self.name, self.to, message.round)
+        if self.after:
+            self.send_after(forwarded)
+        else:
+            self.send(forwarded)
+
+
+class _Refusing(Party):
+    def on_representation(self, message: RepresentationMessage) -> None:
+        if message.round == 13:
+            raise ProtocolError("round 13 is not the round expected")
+        self._inbox.append(message)
+
+
+def test_in_one_process_a_reply_sent_after_acting_goes_before_the_send_returns() -> None:
+    """Party.send_after in one process: the reply is delivered right after its sender has
+    acted, before the send that caused it returns, in the order send gives, so take finds it;
+    its refusal reaches that send's caller, as a nested send's would."""
+    recorder = RecordingLayer()
+    channel = Channel([recorder])
+    bank = _Refusing("bank")
+    for party in (bank, _Forward("shop", "aggregator", after=False)):
+        party.connect(channel)
+    _Forward("aggregator", "bank", after=True).connect(channel)
+    bank.send(_rows_message("bank", "shop"))
+    assert [(m.sender, m.receiver) for m in recorder.messages] == [
+        ("bank", "shop"),
+        ("shop", "aggregator"),
+        ("aggregator", "bank"),
+    ]
+    assert bank.take("representation", sender="aggregator", round=1, batch_id=0).round == 1
+    with pytest.raises(ProtocolError, match="round 13 is not the round expected"):
+        bank.send(_rows_message("bank", "shop", round=13))
+    with pytest.raises(ProtocolError, match="expected, found none"):
+        bank.take("representation", sender="aggregator", round=2, batch_id=0)  # none waits
 
 
 def test_read_capture_refuses_a_truncated_record(tmp_path: Path) -> None:

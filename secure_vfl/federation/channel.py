@@ -192,13 +192,18 @@ class Channel:
                 f"on this channel (found {', '.join(sorted(self._parties))})."
             )
         receiver.receive(self.send(message))
+        receiver.flush_after()
 
-    def post_all(self, messages: Sequence[Message], *, sender: Party) -> None:
+    def post_all(
+        self, messages: Sequence[Message], *, sender: Party, detached: bool = False
+    ) -> None:
         """Send ``messages`` from ``sender``, each to the party it names, with no message
         depending on another's answer: a transport may deliver them at once (the network does,
         each receiver's messages in one delivery); in one process they go one after another, in
         order. As over the network, a failure stops only the messages to the same receiver that
-        follow it: the others are delivered, then the first failure is raised."""
+        follow it: the others are delivered, then the first failure is raised. (``detached``,
+        messages sent after the sender answered what it acted on, :meth:`Party.send_after`,
+        changes nothing here: the failure still reaches whoever posted that.)"""
         failures: list[ProtocolError] = []
         failed: set[str] = set()
         for message in messages:
@@ -211,6 +216,12 @@ class Channel:
                 failed.add(message.receiver)
         if failures:
             raise failures[0]
+
+    def wait(self, awaiting: str) -> bool:
+        """Act on the next message that arrives for a party waiting for ``awaiting``; whether
+        one can arrive at all. In one process none can: every message is delivered, and acted
+        on, before the send that caused it returns."""
+        return False
 
     def check_sender(self, message: Message, sender: Party) -> None:
         """ProtocolError unless ``sender`` is the attached party ``message`` names as sender."""

@@ -32,13 +32,24 @@ thread (gRPC's threads only decode, check and hand over). A receiver that refuse
 (its handler raises) makes the sender's ``send`` raise :class:`~secure_vfl.errors.ProtocolError`
 quoting the reason, as the exception would propagate in one process.
 
+One exception to the nesting: a message a party sends with :meth:`Party.send_after
+<secure_vfl.federation.parties.Party.send_after>` (the aggregator's sum to the party that asked
+for it) goes once that party has answered the delivery it is acting on (:attr:`PartyEndpoint.
+after`), so the contributor whose representation completed the sum goes on while the label
+party trains on it, and a step does not end with a chain of answers unwinding through three
+processes. Its receiver waits for it where it needs it (:meth:`Party.take
+<secure_vfl.federation.parties.Party.take>` acts on arrivals until it is there); it travels
+marked ``svfl-detached``, and a refusal of it is raised in its receiver's own wait, since no
+sender relays it.
+
 How the label party's driving maps onto this (what :class:`NetworkChannel` does and what the
 ``party serve`` and federation-file layer still has to do):
 
 - The label party's program is unchanged: it ``send`` s a plan, and when ``send`` returns every
-  consequence has been handled, so :meth:`Party.take` finds the answer in its inbox or knows it
-  never came, exactly as in process. Handlers, drivers and message order are unchanged, so a
-  seed gives the same model over the network as in process.
+  consequence has been handled but a reply sent after an answer, which :meth:`Party.take` waits
+  for; it finds the answer in its inbox or knows it never came, as in process. Handlers,
+  drivers and each party's message order are unchanged, so a seed gives the same model over
+  the network as in process.
 - In each process a :class:`NetworkChannel` replaces the in-process
   :class:`~secure_vfl.federation.channel.Channel`: its one local party is attached (the endpoint
   hands it every arriving message, ``party.receive``), and posting to any other name goes
@@ -125,6 +136,10 @@ STREAMS_KEPT = 4
 
 _NOT_DELIVERED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _STREAM, _SEQUENCE, _SIZE, _COUNT = "svfl-stream", "svfl-sequence", "svfl-size", "svfl-count"
+_DETACHED = "svfl-detached"
+"""Metadata of a delivery whose sender relays no refusal of it (sent after the sender answered
+what it acted on): the receiver's own wait for it raises its refusal
+(:meth:`PartyEndpoint.await_reply`)."""
 MAX_BUNDLE = 64
 """The most messages one delivery carries."""
 _PARTY_NAME = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
@@ -237,6 +252,7 @@ class _Arrival:
     refusal: str | None = None
     failed: bool = False  # the handler raised something other than a ProtocolError
     not_set_up: bool = False  # the party was never set up for the message's run
+    detached: bool = False  # its sender relays no refusal (:data:`_DETACHED`)
 
 
 class _Recent:
@@ -352,6 +368,10 @@ class PartyEndpoint:
         self.capture = capture
         self._capture_lock = threading.Lock()  # the party's thread sends, gRPC's receive
         self.handler: Callable[[Message], None] | None = None
+        self.after: Callable[[], None] | None = None
+        """Called on the party's thread once it has acted on a delivery and answered it
+        (``party.flush_after`` under a :class:`NetworkChannel`): sends what the party held
+        back to go once its answer is on its way (:meth:`Party.send_after`)."""
         self.redact: Callable[[str], str] = _as_it_is
         """What a refusal of this party's handler says to the sender, from what it says in this
         party's own log (e.g. the party's own directories left out)."""
@@ -360,6 +380,7 @@ class PartyEndpoint:
         self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self._kept: collections.deque[Message] = collections.deque()
         self._refusals: collections.deque[str] = collections.deque()
+        self._detached_refusals: collections.deque[str] = collections.deque()
         self._peers: dict[str, str] = {}
         self._channels: dict[str, grpc.Channel] = {}
         self._calls: dict[grpc.Channel, tuple[Any, Any]] = {}  # Deliver, DeliverStream
@@ -652,7 +673,13 @@ class PartyEndpoint:
                     f"{self.name}: {message.kind} from {sender} replays delivery {number} of its "
                     "stream; refused.",
                 )
-            arrival = _Arrival(messages, tuple(len(part) for part in parts), len(data), checksum)
+            arrival = _Arrival(
+                messages,
+                tuple(len(part) for part in parts),
+                len(data),
+                checksum,
+                detached=metadata.get(_DETACHED) == "1",
+            )
             recent.keep(number, arrival)
             return arrival, True
 
@@ -670,6 +697,13 @@ class PartyEndpoint:
                 for message, size in zip(item.messages, item.sizes, strict=True):
                     self.received[(message.sender, message.receiver, _phase(message))] += size
                 item.done.set()
+            if item.refusal is not None and item.detached:
+                self._detached_refusals.append(item.refusal)
+            if self.after is not None:
+                try:
+                    self.after()
+                except ProtocolError as error:  # the receiver refused it: its own wait says so
+                    logger.warning("%s: %s", self.name, error)
 
     def _act_on_message(self, item: _Arrival, message: Message) -> bool:
         """Hand one message of ``item`` to the handler (or keep it); whether it was accepted
@@ -718,6 +752,16 @@ class PartyEndpoint:
         self._act_on(item)
         if refusals and self._refusals:
             raise ProtocolError(self._refusals.popleft())
+
+    def await_reply(self, awaiting: str) -> None:
+        """Act on the next thing that arrives, for a party waiting for ``awaiting`` (a reply
+        sent after its sender answered, :data:`_DETACHED`): ProtocolError for such a reply this
+        party refused, now or since its last wait (nobody else tells it);
+        TransportError if nothing arrives within the endpoint's deadline."""
+        if not self._detached_refusals:
+            self.act_on_next(awaiting=awaiting, refusals=False)
+        if self._detached_refusals:
+            raise ProtocolError(self._detached_refusals.popleft())
 
     def receive(
         self,
@@ -783,13 +827,17 @@ class PartyEndpoint:
         answer within ``deadline`` seconds (default: the endpoint's)."""
         return self.send_all([message], deadline=deadline)[0]
 
-    def send_all(self, messages: Sequence[Message], *, deadline: float | None = None) -> list[int]:
+    def send_all(
+        self, messages: Sequence[Message], *, deadline: float | None = None, detached: bool = False
+    ) -> list[int]:
         """Deliver ``messages`` as :meth:`send` does, but to their peers at once: every peer
         acts on its own while the others do, and this returns (their encoded sizes) once each
         has acted. The messages to one peer keep their order, in one delivery (acted on up to
         the first the peer refuses), or one after another where together they would pass the
         size limit. After a failure the others are still waited for, then the first failure
-        is raised."""
+        is raised. ``detached``: nobody waits on this party for their outcome (it answered
+        the delivery that caused them), so a peer that refuses one also raises the refusal in
+        its own next wait."""
         encoded = [self._encode(message) for message in messages]
         groups: dict[str, list[int]] = {}
         for i, message in enumerate(messages):
@@ -803,7 +851,9 @@ class PartyEndpoint:
             )
             (together if fits else apart).append(indices)
         deliveries = [
-            self._start([messages[i] for i in indices], [encoded[i] for i in indices], deadline)
+            self._start(
+                [messages[i] for i in indices], [encoded[i] for i in indices], deadline, detached
+            )
             for indices in together
         ]
         failures = []
@@ -815,7 +865,7 @@ class PartyEndpoint:
         for indices in apart:
             try:
                 for i in indices:
-                    self._complete(self._start([messages[i]], [encoded[i]], deadline))
+                    self._complete(self._start([messages[i]], [encoded[i]], deadline, detached))
             except ProtocolError as error:
                 failures.append(error)
         if failures:
@@ -837,7 +887,11 @@ class PartyEndpoint:
         return wire.encode(message)
 
     def _start(
-        self, messages: Sequence[Message], encoded: Sequence[bytes], deadline: float | None
+        self,
+        messages: Sequence[Message],
+        encoded: Sequence[bytes],
+        deadline: float | None,
+        detached: bool = False,
     ) -> _Delivery:
         """Number one peer's ``messages`` (``encoded``) on its stream, as one delivery, and
         put its first attempt on the wire."""
@@ -853,6 +907,8 @@ class PartyEndpoint:
         else:
             data = b"".join(CAPTURE_LENGTH.pack(len(part)) + part for part in encoded)
             metadata += ((_COUNT, str(len(messages))),)
+        if detached:
+            metadata += ((_DETACHED, "1"),)
         timeout = self.deadline if deadline is None else deadline
         delivery = _Delivery(
             tuple(messages), tuple(encoded), data, channel, metadata, time.monotonic(), timeout
@@ -1087,15 +1143,26 @@ class NetworkChannel(Channel):
             )
         super().attach(party)
         self.endpoint.handler = party.receive
+        self.endpoint.after = party.flush_after
 
     def post(self, message: Message, *, sender: Party) -> None:
         """Send ``message`` from the attached party to the peer it names, over the network."""
         self.check_sender(message, sender)
         self.endpoint.send(self.through_layers(message))
 
-    def post_all(self, messages: Sequence[Message], *, sender: Party) -> None:
+    def post_all(
+        self, messages: Sequence[Message], *, sender: Party, detached: bool = False
+    ) -> None:
         """Send ``messages`` from the attached party to their peers at once
         (:meth:`PartyEndpoint.send_all`): the peers act concurrently."""
         for message in messages:
             self.check_sender(message, sender)
-        self.endpoint.send_all([self.through_layers(message) for message in messages])
+        layered = [self.through_layers(message) for message in messages]
+        self.endpoint.send_all(layered, detached=detached)
+
+    def wait(self, awaiting: str) -> bool:
+        """Act on the next message that arrives for the attached party
+        (:meth:`PartyEndpoint.await_reply`): what a party that drives waits with for a reply
+        that comes after the sends it made returned (:meth:`Party.send_after`)."""
+        self.endpoint.await_reply(awaiting)
+        return True

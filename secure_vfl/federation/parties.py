@@ -121,6 +121,7 @@ class Party:
         self._inbox: list[Message] = []
         self._deferred: list[Message] = []
         self._outbox: list[Message] | None = None
+        self._after: list[Message] = []
 
     def connect(self, channel: Channel) -> None:
         """Attach this party to ``channel`` (the network it sends and receives on)."""
@@ -185,6 +186,25 @@ class Party:
         receivers instead of taking a round trip of their own."""
         self._deferred += [self.release(message) for message in messages]
 
+    def send_after(self, message: Message) -> None:
+        """Send ``message`` (through the outgoing hooks now) once this party has acted on the
+        message it is acting on, rather than before its sender's send returns: over the
+        network that sender goes on while this one goes out (the aggregator's answer to the
+        last contribution of a sum does not wait for the label party to train on the sum); in
+        one process the channel posts it right after, in the same order as :meth:`send`, and
+        its failure reaches the same sender. For a reply its receiver waits for with
+        :meth:`take`."""
+        self._after.append(self.release(message))
+
+    def flush_after(self) -> None:
+        """Send what :meth:`send_after` held (the channel calls this once this party has acted
+        on a delivery)."""
+        if self._after:
+            after, self._after = self._after, []
+            if self._channel is None:
+                raise ProtocolError(f"{self.name} is not connected to a channel; cannot send.")
+            self._channel.post_all(after, sender=self, detached=True)
+
     def flush(self) -> None:
         """Send the messages :meth:`defer` holds back now, at once."""
         deferred, self._deferred = self._deferred, []
@@ -227,16 +247,22 @@ class Party:
         """The waiting message of ``kind`` from ``sender`` for ``(round, batch_id[, tag])``.
 
         In one process a message is delivered before ``send`` returns, so one that is not here
-        never came: that is a protocol error, not something to wait for.
+        never came: that is a protocol error, not something to wait for. Over the network a
+        reply sent after its sender answered (:meth:`send_after`) may still be on its way: the
+        party acts on what arrives until it is here (:meth:`Channel.wait`).
         """
-        for i, message in enumerate(self._inbox):
-            if (message.kind, message.sender, message.round, message.batch_id) == (
-                kind,
-                sender,
-                round,
-                batch_id,
-            ) and (tag is None or getattr(message, "tag", "") == tag):
-                return self._inbox.pop(i)
+        while True:
+            for i, message in enumerate(self._inbox):
+                if (message.kind, message.sender, message.round, message.batch_id) == (
+                    kind,
+                    sender,
+                    round,
+                    batch_id,
+                ) and (tag is None or getattr(message, "tag", "") == tag):
+                    return self._inbox.pop(i)
+            awaiting = f"{kind} from {sender} for round {round}, batch {batch_id}"
+            if self._channel is None or not self._channel.wait(awaiting):
+                break
         raise ProtocolError(
             f"{self.name}: a {kind} from {sender} for round {round}, batch {batch_id}"
             f"{'' if tag is None else f', tag {tag!r}'} expected, found none (waiting: "
@@ -1045,7 +1071,21 @@ class AggregationServer(Party):
             batch_id=request.batch_id,
             tag=request.tag,
         )
-        self.send(dataclasses.replace(result, session=request.session, tag=request.tag))
+        self._deliver(
+            request, dataclasses.replace(result, session=request.session, tag=request.tag)
+        )
+
+    def _deliver(self, request: SumRequest, result: Message) -> None:
+        """Send the sum ``request`` asked for. To the party that asked (the label party, which
+        waits for it with :meth:`Party.take`) it goes once this server has answered the message
+        that completed it (:meth:`Party.send_after`): over the network the contributor whose
+        representation that was goes on while the label party trains on the sum, instead of
+        waiting for it. To another party (a data party's head) it goes at once, so the asker's
+        send returns once that head has acted on it, as before."""
+        if result.receiver == request.sender:
+            self.send_after(result)
+        else:
+            self.send(result)
 
     def _add_sealed(self, request: SumRequest) -> None:
         """Combine the sealed shares of exactly the selected contributors, once per context
@@ -1078,7 +1118,8 @@ class AggregationServer(Party):
         )
         self._served.spend(context)
         del self._sealed[request.tag]
-        self.send(
+        self._deliver(
+            request,
             SealedSumMessage(
                 **self.reply_header(request, request.deliver_to),
                 scheme=self.scheme,
@@ -1088,7 +1129,7 @@ class AggregationServer(Party):
                 parties=request.parties,
                 payload=payload,
                 phase=request.phase,
-            )
+            ),
         )
 
 
