@@ -242,9 +242,11 @@ def _analysis(rows: list[dict[str, Any]], figures: dict[str, float] | None) -> l
         f"step's closing gradient, held back until then, with its representation request "
         f"(and under masks its seal request), to the aggregator its own representation with "
         f"the sum request. The aggregator serves the sum once the last representation is in, "
-        f"and the label party's head trains on it inside that chain of calls: a step waits "
-        f"once, plain or masks, in 8 calls (12 and twice, three times under masks, before "
-        f"deliveries carried several messages). `grpc_costs.md` measured a round trip at "
+        f"after answering it (`Party.send_after`), so the data parties' calls return while "
+        f"the label party's head trains on the sum: a step waits once, plain or masks, in 8 "
+        f"calls (12 and twice, three times under masks, before deliveries carried several "
+        f"messages; the answers waited for the head until the sum went after them). "
+        f"`grpc_costs.md` measured a round trip at "
         f"{1000 * figures['grpc_round_trip_s']:.2f} ms (plaintext gRPC) and "
         f"{1000 * figures['mtls_round_trip_s']:.2f} ms (mTLS) on loopback against "
         f"{1000 * figures['in_process_message_s']:.3f} ms in one process.",
@@ -274,11 +276,10 @@ def _analysis(rows: list[dict[str, Any]], figures: dict[str, float] | None) -> l
         "extra time is what five processes on this machine's two cores add: each message "
         "waits for the receiving process to be scheduled and its handler to run while the "
         "others compete for the same cores (on their own machines, as in a real deployment, "
-        "the parties would not). What would close more of it without changing the protocol's "
-        "content: asynchronous sends (return once the bytes are queued, with each receiver "
-        "acting on a sender's messages in their order; await a reply only where the next "
-        "computation needs it), so that the data parties' representations reach the "
-        "aggregator without each waiting for it to act.",
+        "the parties would not). Here the five processes' CPU is most of what the two cores "
+        "can give (`deploy_cpu.md`), so what would close more of it is mostly less CPU per "
+        "message (a long-lived stream per peer instead of a call per delivery: "
+        "`grpc_floor.md`) rather than more overlap.",
     ]
     return lines
 
