@@ -524,7 +524,7 @@ class _Driver(Party):
         self._inbox.append(message)
 
 
-def _relaying(certs: Path, check: Any) -> tuple[_Driver, PartyEndpoint, PartyEndpoint, Any]:
+def _relaying(certs: Path, check: Any) -> tuple[_Driver, dict[str, PartyEndpoint], threading.Event]:
     """bank (a driving party on this thread) -> shop -> aggregator (a relay), which answers shop
     and then sends bank a reply; shop's handler sets the event it returns once its send to the
     aggregator has returned."""
@@ -546,7 +546,7 @@ def _relaying(certs: Path, check: Any) -> tuple[_Driver, PartyEndpoint, PartyEnd
         returned.set()
 
     endpoints["shop"].handler = shop_acts
-    return driver, endpoints["shop"], endpoints["aggregator"], returned
+    return driver, endpoints, returned
 
 
 def test_a_reply_sent_after_the_answer_does_not_hold_up_whoever_caused_it(certs: Path) -> None:
@@ -555,10 +555,10 @@ def test_a_reply_sent_after_the_answer_does_not_hold_up_whoever_caused_it(certs:
     shop would still be waiting for bank: the wait below would time out), and bank's send
     returns once shop has acted, the reply handled on the way or waited for with take."""
     returned_first: list[bool] = []
-    driver, shop, aggregator, returned = _relaying(
+    driver, endpoints, returned = _relaying(
         certs, lambda message: returned_first.append(returned.wait(10.0))
     )
-    with driver._channel.endpoint, _Serving(shop), _Serving(aggregator):  # type: ignore[union-attr]
+    with endpoints["bank"], _Serving(endpoints["shop"]), _Serving(endpoints["aggregator"]):
         driver.send(_greeting())
         reply = driver.take("representation", sender="aggregator", round=1, batch_id=0)
         assert reply.sender == "aggregator" and returned_first == [True]
@@ -574,8 +574,8 @@ def test_a_reply_sent_after_the_answer_is_refused_in_its_receivers_own_wait(
     def refuse(message: Message) -> None:
         raise ProtocolError("a reply of round 1 is not wanted")
 
-    driver, shop, aggregator, _ = _relaying(certs, refuse)
-    with driver._channel.endpoint, _Serving(shop), _Serving(aggregator):  # type: ignore[union-attr]
+    driver, endpoints, _ = _relaying(certs, refuse)
+    with endpoints["bank"], _Serving(endpoints["shop"]), _Serving(endpoints["aggregator"]):
         driver.send(_greeting())  # shop acted: no refusal of its own to relay
         start = time.monotonic()
         with pytest.raises(ProtocolError, match="a reply of round 1 is not wanted") as refused:
