@@ -102,6 +102,45 @@ def test_a_party_lost_mid_step_is_dropped_and_training_goes_on(
         assert (predicted >= 0).any(axis=1).all()  # and every sample is still predicted
 
 
+class RefusingOnLoss(LosingChannel):
+    """Over the network, a reply that came while the label party waited on the send that
+    found ``LOST`` gone (the aggregator's sum for its own head) may have been refused, its
+    gradient to ``LOST`` failing; nobody waits for that reply, so the label party's next wait
+    raises the refusal. Here the retry's first request does, unless :meth:`forget_refusals`
+    forgot it."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.refusals: list[str] = []
+        self.forgotten: list[str] = []
+
+    def post(self, message: Message, *, sender: Party) -> None:
+        if self.refusals and message.kind == "represent-request":  # the retry's first
+            raise ProtocolError(self.refusals.pop())
+        try:
+            super().post(message, sender=sender)
+        except TransportError:
+            if not self.forgotten:
+                self.refusals.append(f"party-0 refused sum from aggregator: gradient to {LOST}")
+            raise
+
+    def forget_refusals(self) -> list[str]:
+        self.forgotten += self.refusals
+        forgotten, self.refusals = self.refusals, []
+        return forgotten
+
+
+def test_a_refused_reply_to_the_attempt_a_party_was_lost_in_does_not_fail_the_retry(
+    make_data: MakeData,
+) -> None:
+    channel = RefusingOnLoss("head-task")
+    method = _train(
+        make_data(train_missing="mcar:0.2"), dataclasses.replace(FAST, heads="all"), channel
+    )
+    assert channel.forgotten == [f"party-0 refused sum from aggregator: gradient to {LOST}"]
+    assert [fault["party"] for fault in method.fed.faults] == [LOST]
+
+
 def test_a_party_lost_at_its_closing_gradient_leaves_the_step_to_the_others(
     make_data: MakeData,
 ) -> None:

@@ -584,6 +584,34 @@ def test_a_reply_sent_after_the_answer_is_refused_in_its_receivers_own_wait(
         assert time.monotonic() - start < 10.0
 
 
+def test_a_refused_reply_to_an_abandoned_attempt_is_forgotten_and_the_retry_waits_afresh(
+    certs: Path,
+) -> None:
+    """A driver that abandons an attempt (a party lost) forgets its refusals of replies to it
+    (what NetworkChannel.forget_refusals asks its endpoint): the retry's take gets the retry's
+    reply instead of raising the old refusal (which it does without forgetting: the test
+    above)."""
+    refused: list[int] = []
+
+    def refuse_the_first(message: Message) -> None:
+        if not refused:
+            refused.append(message.round)
+            raise ProtocolError("a reply to the abandoned attempt")
+
+    driver, endpoints, _ = _relaying(certs, refuse_the_first)
+    with endpoints["bank"], _Serving(endpoints["shop"]), _Serving(endpoints["aggregator"]):
+        driver.send(_greeting())
+        while not refused:  # the reply came after the send returned: act on it
+            endpoints["bank"].act_on_next(10.0, refusals=False)
+        assert endpoints["bank"].forget_detached_refusals() == [
+            "bank refused representation from aggregator: a reply to the abandoned attempt"
+        ]
+        assert endpoints["bank"].forget_detached_refusals() == []
+        driver.send(_greeting())
+        reply = driver.take("representation", sender="aggregator", round=1, batch_id=0)
+        assert reply.sender == "aggregator" and refused == [1]
+
+
 def test_a_party_never_set_up_for_the_run_is_reported_lost_by_its_sender(certs: Path) -> None:
     """A receiver that refuses a message as never set up for its run (a restarted process) is
     lost to its sender's channel, without a probe (its process is up); a NotSetUpError it met

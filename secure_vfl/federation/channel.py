@@ -223,6 +223,14 @@ class Channel:
         on, before the send that caused it returns."""
         return False
 
+    def forget_refusals(self) -> list[str]:
+        """Forget, and return, why the attached party refused replies that no send waited for
+        (their senders had moved on), which its next :meth:`wait` would raise: the driver
+        abandoned the attempt they belonged to (a lost party: one of its replies may have
+        failed on the way to it). In one process there are none: a refusal reaches the sender
+        that caused it."""
+        return []
+
     def check_sender(self, message: Message, sender: Party) -> None:
         """ProtocolError unless ``sender`` is the attached party ``message`` names as sender."""
         if message.sender != sender.name or self._parties.get(sender.name) is not sender:

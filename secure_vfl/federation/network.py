@@ -763,6 +763,13 @@ class PartyEndpoint:
         if self._detached_refusals:
             raise ProtocolError(self._detached_refusals.popleft())
 
+    def forget_detached_refusals(self) -> list[str]:
+        """Why this party refused replies sent after their answers, until now, each forgotten
+        (:meth:`await_reply` would raise them): the attempt they belonged to was abandoned."""
+        forgotten = list(self._detached_refusals)
+        self._detached_refusals.clear()
+        return forgotten
+
     def receive(
         self,
         deadline: float | None = None,
@@ -1159,6 +1166,10 @@ class NetworkChannel(Channel):
             self.check_sender(message, sender)
         layered = [self.through_layers(message) for message in messages]
         self.endpoint.send_all(layered, detached=detached)
+
+    def forget_refusals(self) -> list[str]:
+        """:meth:`PartyEndpoint.forget_detached_refusals`: the driver abandoned an attempt."""
+        return self.endpoint.forget_detached_refusals()
 
     def wait(self, awaiting: str) -> bool:
         """Act on the next message that arrives for the attached party

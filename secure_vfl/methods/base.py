@@ -464,7 +464,9 @@ class Federation:
         """After ``error`` cut training step ``round`` short (or, with ``phase`` evaluation, a
         prediction pass after it): drop every data party that can no longer be reached and
         abandon the ``abandoned`` rounds (default: ``round``) at every other party
-        (:class:`AbortRequest`), so the caller can retry without them. Re-raises ``error`` if
+        (:class:`AbortRequest`) and forget this party's refusals of replies to them
+        (:meth:`~secure_vfl.federation.channel.Channel.forget_refusals`), so the caller can
+        retry without them. Re-raises ``error`` if
         the method does not tolerate dropouts, if no party was lost (a protocol error, not a
         fault) or if the aggregation server was (no sum can be served without it)."""
         if not self.tolerates_dropouts:
@@ -483,6 +485,11 @@ class Federation:
                 ],
                 round=round,
             )
+        # A reply to the abandoned attempt that this party refused meanwhile (over the network:
+        # one that came while it waited, whose handling sent to the lost party) is not the
+        # retry's: its next wait must not raise it.
+        for refusal in self.channel.forget_refusals():
+            logger.info("%s: forgotten with the abandoned attempt: %s", self.own.name, refusal)
 
     def evaluation_pass(self, attempt: Callable[[], PassResult], *, round: int) -> PassResult:
         """Run the prediction pass ``attempt`` (it draws its query rounds from
