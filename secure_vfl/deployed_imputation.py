@@ -80,7 +80,12 @@ from secure_vfl.deployment import (
     check_requested,
 )
 from secure_vfl.errors import ConfigError, ProtocolError
-from secure_vfl.experiment import ImputeResult, ImputeRunConfig, traffic_report
+from secure_vfl.experiment import (
+    ImputeResult,
+    ImputeRunConfig,
+    load_optimiser_machinery,
+    traffic_report,
+)
 from secure_vfl.federation.aggregator import PlainAggregator, SealingScheme
 from secure_vfl.federation.federation_file import Federation, Member
 from secure_vfl.federation.messages import AGGREGATOR, Message
@@ -383,6 +388,7 @@ def impute_deployed(
             coordinator.install(aggregator.scheme, None, aggregator.receiver())
             view.scheme = aggregator.scheme
             view.set_up_keys()
+        load_optimiser_machinery()
         start = time.perf_counter()
         imputer = reconstruction_imputer(
             config.method, None, config.impute_config, seed=config.seed, federation=view

@@ -204,3 +204,24 @@ def test_module_entry_point_and_dataset_listing_run() -> None:
     )
     for name in ("digits", "fashion-mnist", "satellite", "german-credit", "ozone", "chorizon"):
         assert name in completed.stdout
+
+
+def test_a_runs_clock_starts_after_torch_has_imported_what_its_optimisers_need() -> None:
+    """``wall_time_s`` times the run, not an import: the first optimiser a process makes
+    imports torch's compiler stack (hundreds of modules, about a second here), which
+    load_optimiser_machinery, called before a run's clock starts, has done already. A fresh
+    interpreter, so that nothing else imported them first."""
+    code = (
+        "import sys, torch\n"
+        "from secure_vfl.experiment import load_optimiser_machinery\n"
+        "load_optimiser_machinery()\n"
+        "before = set(sys.modules)\n"
+        "params = [torch.zeros(2, requires_grad=True)]\n"
+        "torch.optim.SGD(params, lr=0.1, momentum=0.9)\n"
+        "torch.optim.Adam(params, lr=0.1)\n"
+        "print(sorted(set(sys.modules) - before))\n"
+    )
+    completed = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert completed.stdout.strip() == "[]", completed.stdout[:500]
