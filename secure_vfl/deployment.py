@@ -1442,16 +1442,10 @@ def serve(
     on_event(f"{name}: serving at {member.address}")
     label = federation.label_party
     silence, awaiting = wait, f"first message from the label party {label}"
-    first = True
     try:
         while server.outcome is None:
             try:
-                if first:
-                    endpoint.act_on_next(silence, awaiting=awaiting)
-                else:  # the serving thread sleeps through the run
-                    endpoint.act_until(
-                        lambda: server.outcome is not None, silence, awaiting=awaiting
-                    )
+                endpoint.act_on_next(silence, awaiting=awaiting)
             except TransportError as error:
                 probe = min(PROBE_SECONDS, silence)
                 if not endpoint.await_peers([label], probe, refused_is_lost=True):
@@ -1464,7 +1458,6 @@ def serve(
                     f"{name}: the label party {label} was silent for {silence:g} s and accepts "
                     f"no connection (did it die?): {error}"
                 ) from None
-            first = False
             silence, awaiting = deadline, f"message from the label party {label}"
     finally:
         endpoint.close()

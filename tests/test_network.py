@@ -505,41 +505,6 @@ def test_send_returns_once_the_receiver_acted_and_its_replies_were_handled(certs
     assert bank.bytes[("bank", "shop", "train")] == 3 * len(wire.encode(_greeting()))
 
 
-def test_act_until_returns_once_done_holds_after_a_delivery_and_raises_on_silence(
-    certs: Path,
-) -> None:
-    """A serving party's thread sleeps through the deliveries (the server threads act on them
-    in its turn) and wakes once done() holds, then times out after its silence."""
-    bank = PartyEndpoint("bank", identity=_identity(certs, "bank"), deadline=20.0)
-    shop = PartyEndpoint("shop", identity=_identity(certs, "shop"), deadline=20.0)
-    bank.add_peer("shop", shop.address)
-    seen: list[int] = []
-    shop.handler = lambda message: seen.append(message.round)
-    returned = threading.Event()
-    silent: list[tuple[float, TransportError]] = []
-
-    def serve() -> None:
-        shop.act_until(lambda: len(seen) == 2, 10.0, awaiting="greeting")
-        returned.set()
-        start = time.monotonic()
-        try:
-            shop.act_until(lambda: False, 0.3, awaiting="third greeting")
-        except TransportError as error:
-            silent.append((time.monotonic() - start, error))
-
-    with bank, shop:
-        thread = threading.Thread(target=serve, daemon=True)
-        thread.start()
-        bank.send(_greeting())
-        assert seen == [1] and not returned.wait(0.3)  # acted on; its thread waits on
-        bank.send(dataclasses.replace(_greeting(), round=2))
-        assert returned.wait(10.0) and seen == [1, 2]
-        thread.join(10.0)
-    [(elapsed, error)] = silent
-    assert 0.25 < elapsed < 5.0
-    assert "no third greeting arrived within 0.3 s" in str(error)
-
-
 class _Relay(Party):
     """Answers a representation from shop with one to bank, sent after its answer to shop."""
 

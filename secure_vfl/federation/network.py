@@ -22,32 +22,25 @@ the TLS handshake. Plaintext only with ``insecure=True``, which logs a warning o
 
 **Delivery is synchronous, as in one process.** ``send`` returns once the receiving party has
 *acted on* the message: its handler returned (``on_<kind>``), or the message waits in its inbox.
-Meanwhile the sending party, blocked in ``send``, acts on whatever arrives for it (the replies
-its message caused). So a chain of deliveries (label party -> data party -> aggregator -> label
-party) runs as the in-process call stack does (:meth:`~secure_vfl.federation.channel.Channel.
-post` calls the receiver before returning): one handler at a time in the whole federation, in
-the same order. A receiver that refuses a message (its handler raises) makes the sender's
-``send`` raise :class:`~secure_vfl.errors.ProtocolError` quoting the reason, as the exception
-would propagate in one process.
-
-Which thread runs a party's code is the party's *turn* (``_Turn``): one thread at a time. The
-party's own thread runs it but while it waits (in a send, or for an arrival); meanwhile the gRPC
-server thread that received a delivery takes the turn, acts on the delivery and answers from
-where it is, and a send to one peer is made by the thread that sends it. So a message costs no
-hand-over between threads beyond gRPC's own (before, each crossed four: to a sender thread and
-back, and from the server thread to the party's and back; the kernel's task switching was about
-a third of a serving party's CPU). Waits end in the order of a call stack (the last to begin
-ends first), so handlers run in the order and nesting the party's one thread gave them.
+The receiving server thread hands the decoded message to the receiving party's own thread and
+waits for it; meanwhile the sending party, blocked in ``send``, acts on whatever arrives for it
+(the replies its message caused), on its own thread. So a chain of deliveries
+(label party -> data party -> aggregator -> label party) runs as the in-process call stack does
+(:meth:`~secure_vfl.federation.channel.Channel.post` calls the receiver before returning): one
+handler at a time in the whole federation, in the same order, every party's code on its own
+thread (gRPC's threads only decode, check and hand over). A receiver that refuses a message
+(its handler raises) makes the sender's ``send`` raise :class:`~secure_vfl.errors.ProtocolError`
+quoting the reason, as the exception would propagate in one process.
 
 One exception to the nesting: a message a party sends with :meth:`Party.send_after
 <secure_vfl.federation.parties.Party.send_after>` (the aggregator's sum to the party that asked
-for it) goes on a sender thread as the party answers the delivery it is acting on
-(:attr:`PartyEndpoint.after`), and nothing waits for it there, so the contributor whose
-representation completed the sum goes on while the label party trains on it, and a step does
-not end with a chain of answers unwinding through three processes. Its receiver waits for it
-where it needs it (:meth:`Party.take <secure_vfl.federation.parties.Party.take>` acts on
-arrivals until it is there); it travels marked ``svfl-detached``, and a refusal of it is
-raised in its receiver's own wait, since no sender relays it.
+for it) goes once that party has answered the delivery it is acting on (:attr:`PartyEndpoint.
+after`), so the contributor whose representation completed the sum goes on while the label
+party trains on it, and a step does not end with a chain of answers unwinding through three
+processes. Its receiver waits for it where it needs it (:meth:`Party.take
+<secure_vfl.federation.parties.Party.take>` acts on arrivals until it is there); it travels
+marked ``svfl-detached``, and a refusal of it is raised in its receiver's own wait, since no
+sender relays it.
 
 How the label party's driving maps onto this (what :class:`NetworkChannel` does and what the
 ``party serve`` and federation-file layer still has to do):
@@ -83,9 +76,9 @@ on a new stream meets the protocols' own checks (sessions, rounds, batches), as 
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import logging
+import queue
 import re
 import secrets
 import socket
@@ -247,10 +240,9 @@ class RetryPolicy:
 
 @dataclasses.dataclass
 class _Arrival:
-    """A delivery's decoded messages (``sizes``: their encoded sizes), which the server thread
-    that received them acts on in the party's turn, in order, up to the first it refuses; then
-    it sets ``done`` (with ``refusal``: why it refused it), which a retry of the delivery
-    waits for."""
+    """A delivery's decoded messages (``sizes``: their encoded sizes) handed from a server
+    thread to the party's thread, which acts on them in order, up to the first it refuses,
+    and sets ``done`` (with ``refusal``: why it refused it)."""
 
     messages: tuple[Message, ...]
     sizes: tuple[int, ...]
@@ -282,197 +274,15 @@ class _Recent:
             del self.arrivals[self._order.popleft()]
 
 
-class _Parked:
-    """A wait of a thread that ran the party's code: it may run it again once ``ready()``
-    holds, or its ``end`` (monotonic) has passed, or the call it makes on its own thread has
-    ``returned``."""
+@dataclasses.dataclass(frozen=True)
+class _Refused:
+    """A message the server refused before the party saw it (the party learns why)."""
 
-    __slots__ = ("end", "ready", "returned", "wake")
-
-    def __init__(self, ready: Callable[[], bool], end: float | None, lock: threading.Lock) -> None:
-        self.ready = ready
-        self.end = end
-        self.returned = False
-        self.wake = threading.Condition(lock)
-
-    def due(self) -> bool:
-        return (
-            self.returned or self.ready() or (self.end is not None and time.monotonic() >= self.end)
-        )
+    reason: str
 
 
-class _Turn:
-    """Which thread runs the party's code: one at a time, in the order that one thread would
-    run it.
-
-    The party's own thread (``home``: the first to call a method of the endpoint that waits)
-    holds the turn but while it waits: in a send, for an arrival or for a retry's backoff.
-    While it waits, the gRPC server thread that received a delivery takes the turn, acts on
-    it and gives it back before it answers, with no hand-over to another thread and back.
-    Waits end as calls return on one thread would: the last wait to begin is the only one that
-    may end (a thread takes the turn back only once every wait begun after its own has ended),
-    so handlers run in the order in which the party's one thread ran them before, nested in
-    the same waits. A due wait goes before a delivery; deliveries take the turn in the order
-    they arrived, and none before the home thread first waits (its set-up runs alone). Any
-    other thread that calls the endpoint (a test's) takes the turn as a delivery does and gives
-    it back when its call ends; so it does once the home thread has ended.
-
-    Each waiting thread has its own condition on the turn's one lock, and whoever frees the
-    turn wakes the one thread that goes next: nothing else wakes. What waits look at (the
-    ``ready`` of a wait) is read under the lock only while no thread holds the turn, so never
-    while the party's code changes it."""
-
-    def __init__(self, guest_seconds: float) -> None:
-        self.guest_seconds = guest_seconds
-        """How long another thread waits in line for the turn before it gives up."""
-        self._lock = threading.Lock()
-        self.home: int | None = None
-        self._home_thread: threading.Thread | None = None
-        self._holder: int | None = None
-        self._parked: list[_Parked] = []
-        self._line: collections.deque[threading.Condition] = collections.deque()
-        self.news = 0
-        """Deliveries acted on and refusals noted: what :meth:`PartyEndpoint.act_on_next`
-        waits to change."""
-        self.last_news = time.monotonic()
-        self.closed = False
-
-    def _wake_next(self) -> None:
-        """Wake whoever goes next if the turn is free: a due last wait, else the first in
-        line."""
-        if self._holder is not None:
-            return
-        if self._parked and self._parked[-1].due():
-            self._parked[-1].wake.notify()
-        elif self._line and self.home is not None:
-            self._line[0].notify()
-
-    def _free_for(self, place: threading.Condition) -> bool:
-        # A turn the home thread holds when it has ended is free (a test reading what an
-        # endpoint kept once its serving thread stopped).
-        ended = self._home_thread is not None and not self._home_thread.is_alive()
-        return (
-            (self._holder is None or (ended and self._holder == self.home))
-            and self.home is not None
-            and self._line[0] is place
-            and not (self._parked and self._parked[-1].due())
-        )
-
-    @contextlib.contextmanager
-    def entered(self) -> Iterator[None]:
-        """Run the body with the turn: the home thread holds it (it claims it at its first
-        call), a thread acting on a delivery holds it already; any other thread waits in line
-        for it and gives it back after."""
-        me = threading.get_ident()
-        with self._lock:
-            if self._holder == me:
-                took = False
-            elif self.home is None:
-                self.home = self._holder = me
-                self._home_thread = threading.current_thread()
-                took = False
-            elif self._take_in_line(me, time.monotonic() + self.guest_seconds):
-                took = True
-            else:
-                raise TransportError(
-                    "this party's endpoint is closed."
-                    if self.closed
-                    else f"the party's turn did not come within {self.guest_seconds:g} s: "
-                    "another thread may use a party's endpoint only while the party's own "
-                    "thread waits in it."
-                )
-        try:
-            yield
-        finally:
-            if took:
-                with self._lock:
-                    self._holder = None
-                    self._wake_next()
-
-    def _take_in_line(self, me: int, end: float | None) -> bool:
-        """(Lock held.) Wait in line until the turn is this thread's (True) or ``end`` has
-        passed or the endpoint closed (False)."""
-        place = threading.Condition(self._lock)
-        self._line.append(place)
-        try:
-            while not self._free_for(place):
-                remaining = None if end is None else end - time.monotonic()
-                if self.closed or (remaining is not None and remaining <= 0):
-                    return False
-                place.wait(remaining)
-            self._holder = me
-            return True
-        finally:
-            self._line.remove(place)
-            self._wake_next()
-
-    def act(self, action: Callable[[], None], seconds: float) -> bool:
-        """On a server thread: take the turn in line (within ``seconds``), run ``action`` and
-        give the turn back; False, without running it, if the turn did not come in time or
-        the endpoint closed."""
-        me = threading.get_ident()
-        with self._lock:
-            if not self._take_in_line(me, time.monotonic() + seconds):
-                return False
-        try:
-            action()
-        finally:
-            with self._lock:
-                self._holder = None
-                self.news += 1
-                self.last_news = time.monotonic()
-                self._wake_next()
-        return True
-
-    def park(self, ready: Callable[[], bool], seconds: float | None = None) -> _Parked:
-        """The holder begins to wait (until ``ready()`` holds, ``seconds`` pass or, for a
-        call it makes itself, :meth:`resume` says it returned): the turn is free meanwhile."""
-        with self._lock:
-            assert self._holder == threading.get_ident(), "only the holder waits in the turn"
-            end = None if seconds is None else time.monotonic() + seconds
-            parked = _Parked(ready, end, self._lock)
-            self._parked.append(parked)
-            self._holder = None
-            self._wake_next()
-        return parked
-
-    def resume(self, parked: _Parked, *, returned: bool = False) -> bool:
-        """Take the turn back once ``parked`` is the last wait and due (``returned``: the
-        call it made has returned); whether its ``ready()`` held."""
-        me = threading.get_ident()
-        with self._lock:
-            parked.returned = returned
-            while not (self._holder is None and self._parked[-1] is parked and parked.due()):
-                remaining = None if parked.end is None else parked.end - time.monotonic()
-                parked.wake.wait(None if remaining is None else max(remaining, 0.001))
-            self._parked.pop()
-            self._holder = me
-            return parked.returned or parked.ready()
-
-    def wait(self, ready: Callable[[], bool], seconds: float | None = None) -> bool:
-        """The holder waits until ``ready()`` holds (True) or ``seconds`` pass (False), the
-        turn free meanwhile."""
-        return self.resume(self.park(ready, seconds))
-
-    def poke(self) -> None:
-        """Something a wait looks at has changed outside the turn (a call's future is done)."""
-        with self._lock:
-            self._wake_next()
-
-    def note(self, change: Callable[[], None]) -> None:
-        """Make ``change`` (a refusal the server noted) as news, outside the turn."""
-        with self._lock:
-            change()
-            self.news += 1
-            self.last_news = time.monotonic()
-            self._wake_next()
-
-    def close(self) -> None:
-        """No delivery takes the turn from now on; those in line give up."""
-        with self._lock:
-            self.closed = True
-            for place in self._line:
-                place.notify()
+_WAKE = object()  # an outgoing call finished: the waiting party thread looks again
+_Item = _Arrival | _Refused | object
 
 
 @dataclasses.dataclass
@@ -514,9 +324,8 @@ class PartyEndpoint:
     ``insecure=True`` and no identity).
 
     Messages that arrive are handed to ``handler`` (``party.receive`` under a
-    :class:`NetworkChannel`) or, without one, kept for :meth:`receive`, while the party's own
-    thread waits: inside :meth:`send`, :meth:`receive`, :meth:`act_on_next` or
-    :meth:`act_until` (by the server thread that received them, in the party's turn).
+    :class:`NetworkChannel`) or, without one, kept for :meth:`receive`, always on the party's
+    own thread: inside :meth:`send` (while it waits), :meth:`receive` or :meth:`act_on_next`.
     ``bytes`` counts the encoded bytes sent, by (sender, receiver, phase), as the in-process
     transport does; ``received`` those that arrived. With ``capture`` every message this party
     sends (when it is counted: it crossed) and every new delivery it accepts (a retry's second
@@ -557,18 +366,18 @@ class PartyEndpoint:
         self.retry = retry if retry is not None else RetryPolicy()
         self.max_message_bytes = max_message_bytes
         self.capture = capture
-        self._capture_lock = threading.Lock()  # sender threads send, gRPC's receive
+        self._capture_lock = threading.Lock()  # the party's thread sends, gRPC's receive
         self.handler: Callable[[Message], None] | None = None
         self.after: Callable[[], None] | None = None
-        """Called in the party's turn once it has acted on a delivery (``party.flush_after``
-        under a :class:`NetworkChannel`): sends what the party held back to go with its answer
-        (:meth:`Party.send_after`), detached (:meth:`send_all`)."""
+        """Called on the party's thread once it has acted on a delivery and answered it
+        (``party.flush_after`` under a :class:`NetworkChannel`): sends what the party held
+        back to go once its answer is on its way (:meth:`Party.send_after`)."""
         self.redact: Callable[[str], str] = _as_it_is
         """What a refusal of this party's handler says to the sender, from what it says in this
         party's own log (e.g. the party's own directories left out)."""
         self.bytes: Counter[tuple[str, str, str]] = Counter()
         self.received: Counter[tuple[str, str, str]] = Counter()
-        self._turn = _Turn(deadline)
+        self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self._kept: collections.deque[Message] = collections.deque()
         self._refusals: collections.deque[str] = collections.deque()
         self._detached_refusals: collections.deque[str] = collections.deque()
@@ -582,7 +391,6 @@ class PartyEndpoint:
         gone. :meth:`NetworkChannel.unreachable` reports them lost."""
         self._token = secrets.token_hex(16)  # this endpoint's sender stream
         self._lock = threading.Lock()
-        self._counting = threading.Lock()  # deliveries cross in the turn and on sender threads
         self._deliveries: dict[tuple[str, str], _Recent] = {}
         if insecure:
             logger.warning(
@@ -680,8 +488,15 @@ class PartyEndpoint:
     def close(self, grace: float = 0.5) -> None:
         """Stop serving and close every client channel; deliveries not yet acted on are
         answered as refused (their senders learn that this party stopped)."""
-        self._turn.close()
         stopped = self._server.stop(grace)
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Arrival):
+                item.refusal = f"{self.name} stopped before acting on {item.messages[0].kind}."
+                item.done.set()
         stopped.wait(grace + 1.0)
         for channel in self._channels.values():
             channel.close()
@@ -736,7 +551,7 @@ class PartyEndpoint:
         """Refuse a delivery: the sender gets the status, this party the reason (its next
         :meth:`receive` raises ProtocolError)."""
         logger.warning("%s", refusal.reason)
-        self._turn.note(lambda: self._refusals.append(refusal.reason))
+        self._queue.put(_Refused(refusal.reason))
         context.abort(refusal.code, refusal.reason)
         raise AssertionError("context.abort returns only by raising")  # pragma: no cover
 
@@ -754,8 +569,8 @@ class PartyEndpoint:
         return bytes(names[0]).decode("utf-8", errors="replace")
 
     def _accept(self, data: bytes, context: grpc.ServicerContext) -> bytes:
-        """Decode and check a delivery, act on it in the party's turn (a retry's: wait for the
-        first attempt's outcome) and answer with the outcome."""
+        """Decode and check a delivery, hand it to the party's thread, wait until it has acted
+        on it and answer with the outcome."""
         try:
             caller = self._caller(context)
             metadata = _metadata(context)
@@ -773,23 +588,12 @@ class PartyEndpoint:
         except _Refusal as refusal:
             self._refuse(context, refusal)
         message = messages[0]
-        remaining = context.time_remaining()
-        seconds = remaining if remaining is not None else self.deadline
         if new:
             for part in parts:
                 self._record(part)
-            if not self._turn.act(lambda: self._act_on(arrival), seconds):
-                what = f"{message.kind} from {message.sender}"
-                closed = self._turn.closed
-                arrival.refusal = (  # what a retry of it is answered
-                    f"{self.name} stopped before acting on {what}."
-                    if closed
-                    else f"{self.name} did not act on {what} in time."
-                )
-                arrival.done.set()
-                if not closed:
-                    context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, arrival.refusal)
-        if not arrival.done.wait(timeout=seconds):  # a retry's: the first attempt's outcome
+            self._queue.put(arrival)
+        remaining = context.time_remaining()
+        if not arrival.done.wait(timeout=remaining if remaining is not None else self.deadline):
             context.abort(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"{self.name} did not act on {message.kind} from {message.sender} in time.",
@@ -879,26 +683,27 @@ class PartyEndpoint:
             recent.keep(number, arrival)
             return arrival, True
 
-    # -- the party's turn: acting on what arrived --------------------------------------------
+    # -- the party's thread: acting on what arrived ------------------------------------------
 
-    def _act_on(self, item: _Arrival) -> None:
-        """Act on a delivery, in the turn; then send what the party held back to go once its
-        answer is on its way (detached: nothing waits for it)."""
-        try:
-            for message in item.messages:
-                if not self._act_on_message(item, message):
-                    break
-        finally:
-            for message, size in zip(item.messages, item.sizes, strict=True):
-                self.received[(message.sender, message.receiver, _phase(message))] += size
-            item.done.set()
-        if item.refusal is not None and item.detached:
-            self._detached_refusals.append(item.refusal)
-        if self.after is not None:
+    def _act_on(self, item: _Item) -> None:
+        if isinstance(item, _Refused):
+            self._refusals.append(item.reason)
+        elif isinstance(item, _Arrival):
             try:
-                self.after()
-            except ProtocolError as error:
-                logger.warning("%s: %s", self.name, error)
+                for message in item.messages:
+                    if not self._act_on_message(item, message):
+                        break
+            finally:
+                for message, size in zip(item.messages, item.sizes, strict=True):
+                    self.received[(message.sender, message.receiver, _phase(message))] += size
+                item.done.set()
+            if item.refusal is not None and item.detached:
+                self._detached_refusals.append(item.refusal)
+            if self.after is not None:
+                try:
+                    self.after()
+                except ProtocolError as error:  # the receiver refused it: its own wait says so
+                    logger.warning("%s: %s", self.name, error)
 
     def _act_on_message(self, item: _Arrival, message: Message) -> bool:
         """Hand one message of ``item`` to the handler (or keep it); whether it was accepted
@@ -929,7 +734,7 @@ class PartyEndpoint:
         self,
         deadline: float | None = None,
         *,
-        awaiting: str = "message",
+        awaiting: str = "a message",
         refusals: bool = True,
     ) -> None:
         """Act on the next thing that arrives (hand a message to the handler, or keep it);
@@ -937,50 +742,26 @@ class PartyEndpoint:
         endpoint's). With ``refusals``, ProtocolError for a delivery the server refused (an
         impostor, a replay; otherwise they wait for :meth:`receive`)."""
         timeout = self.deadline if deadline is None else deadline
-        turn = self._turn
-        with turn.entered():
-            seen = turn.news
-            if not turn.wait(lambda: turn.news != seen, timeout):
-                raise TransportError(
-                    f"{self.name}: no {awaiting} arrived within {timeout:g} s; is the peer "
-                    "running and can it reach this party?"
-                )
-            if refusals and self._refusals:
-                raise ProtocolError(self._refusals.popleft())
-
-    def act_until(
-        self, done: Callable[[], bool], deadline: float | None = None, *, awaiting: str
-    ) -> None:
-        """Let the deliveries that arrive be acted on until ``done()`` holds after one (its
-        thread sleeps meanwhile: a serving party's between its first message and the end of
-        the run); ProtocolError for a delivery the server refused; TransportError if nothing
-        arrives for ``deadline`` seconds (default: the endpoint's), counted from the last (or
-        from the call)."""
-        timeout = self.deadline if deadline is None else deadline
-        turn = self._turn
-        called = time.monotonic()
-        with turn.entered():
-            while not done():
-                silent = time.monotonic() - max(called, turn.last_news)
-                if silent >= timeout:
-                    raise TransportError(
-                        f"{self.name}: no {awaiting} arrived within {timeout:g} s; is the peer "
-                        "running and can it reach this party?"
-                    )
-                turn.wait(lambda: done() or bool(self._refusals), timeout - silent)
-                if self._refusals:
-                    raise ProtocolError(self._refusals.popleft())
+        try:
+            item = self._queue.get(timeout=timeout)
+        except queue.Empty:
+            raise TransportError(
+                f"{self.name}: no {awaiting} arrived within {timeout:g} s; is the peer running "
+                "and can it reach this party?"
+            ) from None
+        self._act_on(item)
+        if refusals and self._refusals:
+            raise ProtocolError(self._refusals.popleft())
 
     def await_reply(self, awaiting: str) -> None:
         """Act on the next thing that arrives, for a party waiting for ``awaiting`` (a reply
         sent after its sender answered, :data:`_DETACHED`): ProtocolError for such a reply this
         party refused, now or since its last wait (nobody else tells it);
         TransportError if nothing arrives within the endpoint's deadline."""
-        with self._turn.entered():
-            if not self._detached_refusals:
-                self.act_on_next(awaiting=awaiting, refusals=False)
-            if self._detached_refusals:
-                raise ProtocolError(self._detached_refusals.popleft())
+        if not self._detached_refusals:
+            self.act_on_next(awaiting=awaiting, refusals=False)
+        if self._detached_refusals:
+            raise ProtocolError(self._detached_refusals.popleft())
 
     def forget_detached_refusals(self) -> list[str]:
         """Why this party refused replies sent after their answers, until now, each forgotten
@@ -1002,30 +783,23 @@ class PartyEndpoint:
         message the codec refuses)."""
         timeout = self.deadline if deadline is None else deadline
         end = time.monotonic() + timeout
-
-        def kept() -> Message | None:
+        while True:
+            if self._refusals:
+                raise ProtocolError(self._refusals.popleft())
             for message in self._kept:
                 if sender in (None, message.sender) and kind in (None, message.kind):
-                    return message
-            return None
-
-        with self._turn.entered():
-            while True:
-                if self._refusals:
-                    raise ProtocolError(self._refusals.popleft())
-                message = kept()
-                if message is not None:
                     self._kept.remove(message)
                     return message
-                remaining = end - time.monotonic()
-                if remaining <= 0:
-                    where = f" at {self._peers[sender]}" if sender in self._peers else ""
-                    raise TransportError(
-                        f"{self.name}: no {kind or 'message'} from {sender or 'any peer'} "
-                        f"arrived within {timeout:g} s; is {sender or 'the peer'}{where} "
-                        "running, and can it reach this party?"
-                    )
-                self._turn.wait(lambda: bool(self._refusals) or kept() is not None, remaining)
+            try:
+                item = self._queue.get(timeout=max(end - time.monotonic(), 0.0))
+            except queue.Empty:
+                where = f" at {self._peers[sender]}" if sender in self._peers else ""
+                raise TransportError(
+                    f"{self.name}: no {kind or 'message'} from {sender or 'any peer'} arrived "
+                    f"within {timeout:g} s; is {sender or 'the peer'}{where} running, and can it "
+                    "reach this party?"
+                ) from None
+            self._act_on(item)
 
     # -- the client side ---------------------------------------------------------------------
 
@@ -1067,56 +841,43 @@ class PartyEndpoint:
         acts on its own while the others do, and this returns (their encoded sizes) once each
         has acted. The messages to one peer keep their order, in one delivery (acted on up to
         the first the peer refuses), or one after another where together they would pass the
-        size limit. The first delivery is made by the calling thread, the others by sender
-        threads. After a failure the others are still waited for, then the first failure is
-        raised. ``detached``: nobody waits for their outcome (this party answered the delivery
-        that caused them): they go on sender threads and this returns at once; a failure is
-        logged, and a peer that refuses one raises the refusal in its own next wait."""
-        with self._turn.entered():
-            encoded = [self._encode(message) for message in messages]
-            groups: dict[str, list[int]] = {}
-            for i, message in enumerate(messages):
-                groups.setdefault(message.receiver, []).append(i)
-            together: list[list[int]] = []
-            apart: list[list[int]] = []
-            for indices in groups.values():
-                size = sum(len(encoded[i]) + CAPTURE_LENGTH.size for i in indices)
-                fits = len(indices) == 1 or (
-                    len(indices) <= MAX_BUNDLE and size <= self.max_message_bytes
-                )
-                (together if fits else apart).append(indices)
-            if detached:
-                singles = [[i] for group in apart for i in group]
-                for group in [*together, *singles]:
-                    delivery = self._start(
-                        [messages[i] for i in group],
-                        [encoded[i] for i in group],
-                        deadline,
-                        detached=True,
-                    )
-                    self._senders.submit(self._deliver_detached, delivery)
-                return [len(data) for data in encoded]
-            deliveries = [
-                self._start([messages[i] for i in indices], [encoded[i] for i in indices], deadline)
-                for indices in together
-            ]
-            for delivery in deliveries[1:]:
-                delivery.future = self._call(delivery, delivery.timeout)
-            failures = []
-            for delivery in deliveries:
-                try:
-                    self._complete(delivery)
-                except ProtocolError as error:  # TransportError included
-                    failures.append(error)
-            for indices in apart:
-                try:
-                    for i in indices:
-                        self._complete(self._start([messages[i]], [encoded[i]], deadline))
-                except ProtocolError as error:
-                    failures.append(error)
-            if failures:
-                raise failures[0]
-            return [len(data) for data in encoded]
+        size limit. After a failure the others are still waited for, then the first failure
+        is raised. ``detached``: nobody waits on this party for their outcome (it answered
+        the delivery that caused them), so a peer that refuses one also raises the refusal in
+        its own next wait."""
+        encoded = [self._encode(message) for message in messages]
+        groups: dict[str, list[int]] = {}
+        for i, message in enumerate(messages):
+            groups.setdefault(message.receiver, []).append(i)
+        together: list[list[int]] = []
+        apart: list[list[int]] = []
+        for indices in groups.values():
+            size = sum(len(encoded[i]) + CAPTURE_LENGTH.size for i in indices)
+            fits = len(indices) == 1 or (
+                len(indices) <= MAX_BUNDLE and size <= self.max_message_bytes
+            )
+            (together if fits else apart).append(indices)
+        deliveries = [
+            self._start(
+                [messages[i] for i in indices], [encoded[i] for i in indices], deadline, detached
+            )
+            for indices in together
+        ]
+        failures = []
+        for delivery in deliveries:
+            try:
+                self._complete(delivery)
+            except ProtocolError as error:  # TransportError included
+                failures.append(error)
+        for indices in apart:
+            try:
+                for i in indices:
+                    self._complete(self._start([messages[i]], [encoded[i]], deadline, detached))
+            except ProtocolError as error:
+                failures.append(error)
+        if failures:
+            raise failures[0]
+        return [len(data) for data in encoded]
 
     def _encode(self, message: Message) -> bytes:
         """``message``'s bytes, if it is this party's to send to a known peer."""
@@ -1137,12 +898,12 @@ class PartyEndpoint:
         messages: Sequence[Message],
         encoded: Sequence[bytes],
         deadline: float | None,
-        *,
         detached: bool = False,
     ) -> _Delivery:
-        """Number one peer's ``messages`` (``encoded``) on its stream, as one delivery (not yet
-        on the wire; ``detached``: marked :data:`_DETACHED`)."""
+        """Number one peer's ``messages`` (``encoded``) on its stream, as one delivery, and
+        put its first attempt on the wire."""
         receiver = messages[0].receiver
+        channel = self._channels[receiver]
         self._sequence[receiver] += 1
         metadata: tuple[tuple[str, str], ...] = (
             (_STREAM, self._token),
@@ -1156,95 +917,42 @@ class PartyEndpoint:
         if detached:
             metadata += ((_DETACHED, "1"),)
         timeout = self.deadline if deadline is None else deadline
-        return _Delivery(
-            tuple(messages),
-            tuple(encoded),
-            data,
-            self._channels[receiver],
-            metadata,
-            time.monotonic(),
-            timeout,
+        delivery = _Delivery(
+            tuple(messages), tuple(encoded), data, channel, metadata, time.monotonic(), timeout
         )
+        delivery.future = self._call(channel, data, metadata, timeout)
+        return delivery
 
     def _complete(self, delivery: _Delivery) -> None:
-        """Make ``delivery``'s call (or wait for the sender thread that makes it), the turn
-        free meanwhile, retrying it on UNAVAILABLE within its deadline, until the peer has
-        acted on it; else raise the failure."""
-        message = delivery.messages[0]
+        """Wait for ``delivery`` (acting on what arrives), retrying it on UNAVAILABLE within its
+        deadline, until the peer has acted on it; else raise the failure."""
+        message, data = delivery.messages[0], delivery.data
         backoffs = self.retry.backoffs()
-        end = delivery.start + delivery.timeout
-        remaining = delivery.timeout
         while True:
-            error = self._outcome(delivery, remaining)
+            future = delivery.future
+            assert future is not None
+            self._wait_for(future)
+            error = future.exception()
             if error is not None and not isinstance(error, grpc.RpcError):
                 raise error  # not the transport's (a channel closed under it): as it is
             if error is None or error.code() not in _NOT_DELIVERED:
-                self._crossed(delivery)
+                # It crossed (answered, or refused by the peer): count it, as in one process.
+                for sent, part in zip(delivery.messages, delivery.encoded, strict=True):
+                    self.bytes[(sent.sender, sent.receiver, _phase(sent))] += len(part)
+                    self._record(part)
             if error is None:
                 return
             backoff = next(backoffs, None)
+            end = delivery.start + delivery.timeout
             late = time.monotonic() + (backoff or 0.0) >= end
             if error.code() != grpc.StatusCode.UNAVAILABLE or backoff is None or late:
                 raise self._failure(message, error, delivery.attempts, delivery.start)
             self._pause(backoff)
             delivery.attempts += 1
-            remaining = max(end - time.monotonic(), 0.001)
-            if delivery.future is not None:
-                delivery.future = self._call(delivery, remaining)
-
-    def _outcome(self, delivery: _Delivery, timeout: float) -> BaseException | None:
-        """The error of ``delivery``'s attempt (None: the peer acted on it): made by this
-        thread, or awaited from its sender thread (``future``), the turn free meanwhile."""
-        future = delivery.future
-        if future is not None:
-            future.add_done_callback(lambda _: self._turn.poke())
-            self._turn.wait(future.done)
-            return future.exception()
-        parked = self._turn.park(_never)
-        try:
-            self._invoke(delivery, timeout)
-        except BaseException as error:  # the waiting thread raises it
-            return error
-        finally:
-            self._turn.resume(parked, returned=True)
-        return None
-
-    def _deliver_detached(self, delivery: _Delivery) -> None:
-        """On a sender thread, outside the turn: make ``delivery``'s call, retrying it on
-        UNAVAILABLE within its deadline; log a failure (nobody waits for it)."""
-        backoffs = self.retry.backoffs()
-        end = delivery.start + delivery.timeout
-        while True:
-            try:
-                self._invoke(delivery, max(end - time.monotonic(), 0.001))
-                error = None
-            except grpc.RpcError as caught:
-                error = caught
-            except Exception as caught:  # a channel closed under it (the endpoint closing)
-                logger.warning("%s: a detached delivery was not made: %s", self.name, caught)
-                return
-            if error is None or error.code() not in _NOT_DELIVERED:
-                self._crossed(delivery)
-            if error is None:
-                return
-            backoff = next(backoffs, None)
-            late = time.monotonic() + (backoff or 0.0) >= end
-            if error.code() != grpc.StatusCode.UNAVAILABLE or backoff is None or late:
-                failure = self._failure(
-                    delivery.messages[0], error, delivery.attempts, delivery.start
-                )
-                logger.warning("%s: %s", self.name, failure)
-                return
-            time.sleep(backoff)
-            delivery.attempts += 1
-
-    def _crossed(self, delivery: _Delivery) -> None:
-        """``delivery`` crossed (answered, or refused by the peer): count and record each of
-        its messages, as in one process."""
-        with self._counting:
-            for sent, part in zip(delivery.messages, delivery.encoded, strict=True):
-                self.bytes[(sent.sender, sent.receiver, _phase(sent))] += len(part)
-                self._record(part)
+            remaining = end - time.monotonic()
+            delivery.future = self._call(
+                delivery.channel, data, delivery.metadata, max(remaining, 0.001)
+            )
 
     def _record(self, data: bytes) -> None:
         """Append ``data`` to the capture file (if any) as one record."""
@@ -1253,28 +961,44 @@ class PartyEndpoint:
                 self.capture.write(CAPTURE_LENGTH.pack(len(data)))
                 self.capture.write(data)
 
-    def _call(self, delivery: _Delivery, timeout: float) -> futures.Future[Any]:
-        """``delivery``'s call, blocking in one of the endpoint's sender threads
-        (:data:`SENDER_THREADS`); its future fails with the call's ``grpc.RpcError``."""
-        return self._senders.submit(self._invoke, delivery, timeout)
-
-    def _invoke(self, delivery: _Delivery, timeout: float) -> None:
-        """Make ``delivery``'s call in this thread, streamed in chunks above
-        :data:`STREAM_THRESHOLD`; raises the call's ``grpc.RpcError``."""
-        channel, data, metadata = delivery.channel, delivery.data, delivery.metadata
+    def _call(
+        self,
+        channel: grpc.Channel,
+        data: bytes,
+        metadata: tuple[tuple[str, str], ...],
+        timeout: float,
+    ) -> futures.Future[Any]:
+        """The call, blocking in one of the endpoint's sender threads (:data:`SENDER_THREADS`);
+        its future fails with the call's ``grpc.RpcError``."""
         calls = self._calls.get(channel)
         if calls is None:  # a retry on a channel that reconnect has replaced (and closed)
             calls = (channel.unary_unary(DELIVER), channel.stream_unary(DELIVER_STREAM))
         call, streamed = calls
         if len(data) <= STREAM_THRESHOLD:
-            call(data, timeout=timeout, metadata=metadata)
-            return
+            return self._senders.submit(call, data, timeout=timeout, metadata=metadata)
         chunks = (data[i : i + CHUNK_BYTES] for i in range(0, len(data), CHUNK_BYTES))
-        streamed(chunks, timeout=timeout, metadata=(*metadata, (_SIZE, str(len(data)))))
+        return self._senders.submit(
+            streamed, chunks, timeout=timeout, metadata=(*metadata, (_SIZE, str(len(data))))
+        )
+
+    def _wait_for(self, future: futures.Future[Any]) -> None:
+        """Act on what arrives until ``future`` is done (it ends at its deadline at the latest)."""
+        future.add_done_callback(lambda _: self._queue.put(_WAKE))
+        while not future.done():
+            try:
+                item = self._queue.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            self._act_on(item)
 
     def _pause(self, seconds: float) -> None:
-        """Wait ``seconds``, the turn free meanwhile (deliveries are acted on)."""
-        self._turn.wait(_never, seconds)
+        """Wait ``seconds``, acting on what arrives meanwhile."""
+        end = time.monotonic() + seconds
+        while (remaining := end - time.monotonic()) > 0:
+            try:
+                self._act_on(self._queue.get(timeout=remaining))
+            except queue.Empty:
+                return
 
     def _failure(
         self, message: Message, error: grpc.RpcError, attempts: int, start: float
@@ -1338,10 +1062,6 @@ def _as_it_is(text: str) -> str:
     return text
 
 
-def _never() -> bool:
-    return False
-
-
 def _phase(message: Message) -> str:
     return str(getattr(message, "phase", "train"))
 
@@ -1377,8 +1097,8 @@ class NetworkChannel(Channel):
     message to itself), every other party through ``endpoint``; every message passes the
     channel's ``layers`` first, in the sending process, as in one process.
 
-    The endpoint hands the attached party every message that arrives (``party.receive``), in
-    the party's turn; ``transport`` is the endpoint (``transport.bytes``: what this party
+    The endpoint hands the attached party every message that arrives (``party.receive``), on
+    the party's own thread; ``transport`` is the endpoint (``transport.bytes``: what this party
     sent).
     """
 
