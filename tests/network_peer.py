@@ -102,7 +102,7 @@ def psi(endpoint: PartyEndpoint, spec: dict[str, Any], result: dict[str, Any]) -
     responder.connect(channel)
     responder.accept(spec["peer"], session_id=spec["session"], key=bytes.fromhex(spec["key"]))
     while True:  # serve until the requester's matches have arrived
-        endpoint.act_on_next(awaiting=f"a message of {spec['peer']}'s PSI session")
+        endpoint.act_on_next(awaiting=f"message of {spec['peer']}'s PSI session")
         try:
             rows = responder.aligned_rows(spec["peer"])
         except SecureVFLError:

@@ -734,7 +734,7 @@ class PartyEndpoint:
         self,
         deadline: float | None = None,
         *,
-        awaiting: str = "a message",
+        awaiting: str = "message",
         refusals: bool = True,
     ) -> None:
         """Act on the next thing that arrives (hand a message to the handler, or keep it);
