@@ -305,10 +305,12 @@ def _table(
         "",
         "Epoch time is `wall_time_s` from `result.json` divided by the epochs: it counts building "
         "the label party's side of the method, every training step and the evaluation on both "
-        "test sets (p_miss 0 and 0.5), but not the process start, the alignment or the "
-        "deployment's set-up messages (the whole label-party command, all of that included, is "
-        "the `command (s)` column). Bytes are `result.json`'s traffic: the training bytes every "
-        "party (and the aggregation server) put on the wire.",
+        "test sets (p_miss 0 and 0.5), but not the process start, the alignment, the "
+        "deployment's set-up messages or torch's one-off import of what its optimisers need, "
+        "about a second, made before the clock starts (counted until 2026-11-28, it made every "
+        "epoch of both runs about 0.3 s longer). The whole label-party command, all of that "
+        "included, is the `command (s)` column. Bytes are `result.json`'s traffic: the "
+        "training bytes every party (and the aggregation server) put on the wire.",
         "",
         "| sums | run | epoch (s) | command (s) | MiB/epoch | KiB/step | vs in-process "
         "| vs gRPC (insecure) | same metrics as in-process |",
