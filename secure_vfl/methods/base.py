@@ -466,9 +466,9 @@ class Federation:
         abandon the ``abandoned`` rounds (default: ``round``) at every other party
         (:class:`AbortRequest`) and forget this party's refusals of replies to them
         (:meth:`~secure_vfl.federation.channel.Channel.forget_refusals`), so the caller can
-        retry without them. Re-raises ``error`` if
-        the method does not tolerate dropouts, if no party was lost (a protocol error, not a
-        fault) or if the aggregation server was (no sum can be served without it)."""
+        retry without them. Re-raises ``error`` if the method does not tolerate dropouts, if
+        no party was lost (a protocol error, not a fault) or if the aggregation server was (no
+        sum can be served without it)."""
         if not self.tolerates_dropouts:
             raise error
         peers = [name for name in self.live() if name != self.own.name]
