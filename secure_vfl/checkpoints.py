@@ -3,9 +3,9 @@
 Every ``every`` steps each party writes what it alone holds into its own directory
 ``<checkpoints>/<party>/step-NNNNNNNN/``:
 
-- ``tensors.pt``: its modules' parameters, its optimisers' tensor state and its torch
-  generators' states, written with ``torch.save`` and read back with ``weights_only=True``
-  (tensors and plain containers only: no code runs from a checkpoint);
+- ``tensors.safetensors``: its modules' parameters, its optimisers' tensor state and its torch
+  generators' states, as a tensor file (:mod:`secure_vfl.tensor_file`: raw buffers and their
+  layout under a JSON header; no pickle, so no code runs from a checkpoint);
 - ``state.json``: the rest: its optimisers' parameter groups, its numpy generators' states, its
   accountant's releases (DP) and, at the label party, where the run stands
   (:class:`~secure_vfl.methods.base.TrainingProgress`: epoch, step, the epoch's batch order,
@@ -32,11 +32,9 @@ only the manifests' SHA-256 come back (:mod:`secure_vfl.deployment`).
 from __future__ import annotations
 
 import functools
-import io
 import json
 import logging
 import os
-import pickle
 import re
 import secrets
 import shutil
@@ -49,6 +47,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from secure_vfl import tensor_file
 from secure_vfl.data.samplers import PoissonSampler
 from secure_vfl.errors import ConfigError, DataError, IntegrityError, ProtocolError
 from secure_vfl.federation.parts import sha256, unwrapped
@@ -62,9 +61,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SCHEMA = "secure-vfl/checkpoint"
-VERSION = 1
+VERSION = 2  # 2: tensors.safetensors (1: tensors.pt, by torch.save)
 STATE_FILE = "state.json"
-TENSORS_FILE = "tensors.pt"
+TENSORS_FILE = "tensors.safetensors"
 MANIFEST_FILE = "manifest.json"
 CHECKPOINTS_DIR = "checkpoints"
 """The checkpoints' directory inside a run's ``--out`` (unless ``--checkpoint-dir``)."""
@@ -576,10 +575,8 @@ def write_checkpoint(
 
     A directory of that step left by a killed run (never committed: a resumed run starts from
     the latest committed step and writes only later ones) is replaced."""
-    buffer = io.BytesIO()
-    torch.save(dict(tensors), buffer)
     files = {
-        TENSORS_FILE: buffer.getvalue(),
+        TENSORS_FILE: tensor_file.dumps(dict(tensors)),
         STATE_FILE: (json.dumps(meta, sort_keys=True) + "\n").encode("utf-8"),
     }
     manifest = {
@@ -646,7 +643,8 @@ def read_checkpoint(
         raise DataError(f"{where}/{MANIFEST_FILE}: a {SCHEMA!r} manifest expected.")
     if manifest.get("version") != VERSION:
         raise DataError(
-            f"{where}: checkpoint version {VERSION} expected, found {manifest.get('version')!r}."
+            f"{where}: checkpoint version {VERSION} expected, found {manifest.get('version')!r} "
+            "(written by another secure-vfl: train afresh)."
         )
     expected = {"party": party, "step": step} | ({"run_id": run_id} if run_id is not None else {})
     for key, value in expected.items():
@@ -700,14 +698,8 @@ def _json(data: bytes, where: str) -> Any:
 
 
 def _tensors(data: bytes, where: str) -> dict[str, Any]:
-    """Tensors and plain containers, read with torch's weights-only unpickler (no code runs)."""
-    try:
-        loaded = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise IntegrityError(
-            f"{where}: weights-only tensors expected; refused ({first})."
-        ) from None
+    """The tensors (by name, in dicts and lists) of a tensor file: raw buffers, no code runs."""
+    loaded = tensor_file.loads(data, where)
     if not isinstance(loaded, dict):
         raise IntegrityError(f"{where}: a mapping of tensors expected, found {type(loaded)}.")
     return loaded

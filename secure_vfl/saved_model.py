@@ -9,7 +9,8 @@ valid manifest is not a model.
 
 Loading rebuilds the federation from the manifest and asks every party to load its own part,
 which it checks against the manifest's hashes before reading (a missing, altered or extra file
-is refused; model files are read with ``torch.load(weights_only=True)``, never unpickled).
+is refused; model files are safetensors files, read without unpickling:
+:mod:`secure_vfl.tensor_file`).
 
 A deployed run (``train --federation``, :func:`secure_vfl.deployment.save_deployed`) writes the
 same manifest, but only the label party's part lies beside it: every data party keeps its own in

@@ -389,7 +389,9 @@ def test_a_truncated_tensor_file_is_refused_with_its_hash(
     config, directory = _checkpointed(tmp_path, make_data)
     data = (directory / TENSORS_FILE).read_bytes()
     (directory / TENSORS_FILE).write_bytes(data[: len(data) // 2])
-    with pytest.raises(IntegrityError, match=r"party-2.*tensors\.pt.*expected.*found.*truncated"):
+    with pytest.raises(
+        IntegrityError, match=r"party-2.*tensors\.safetensors.*expected.*found.*truncated"
+    ):
         _resume(tmp_path, config)
 
 

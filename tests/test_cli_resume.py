@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from secure_vfl import tensor_file
 from secure_vfl.checkpoints import written_steps
 from secure_vfl.cli import main
 
@@ -41,8 +42,8 @@ def _result(out: Path) -> dict[str, Any]:
 def _models(out: Path) -> dict[str, torch.Tensor]:
     """Every tensor of the saved model, by party, file and name."""
     found = {}
-    for path in sorted((out / "model").glob("*/*.pt")):
-        state = torch.load(path, weights_only=True)
+    for path in sorted((out / "model").glob("*/*.safetensors")):
+        state = tensor_file.loads(path.read_bytes(), str(path))
         for name, value in state.items():
             found[f"{path.parent.name}/{path.name}/{name}"] = value
     return found
@@ -119,7 +120,7 @@ def test_a_tampered_checkpoint_is_refused_in_one_line(
 ) -> None:
     out, checkpoints = _checkpointed_run(tmp_path)
     step = written_steps(checkpoints, "party-1")[-1]
-    tensors = checkpoints / "party-1" / f"step-{step:08d}" / "tensors.pt"
+    tensors = checkpoints / "party-1" / f"step-{step:08d}" / "tensors.safetensors"
     tensors.write_bytes(tensors.read_bytes()[:-100])
     capsys.readouterr()
     assert main([*RUN, "--epochs", "1", "--out", str(out), "--resume", str(checkpoints)]) == 2

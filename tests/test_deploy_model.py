@@ -223,7 +223,7 @@ def test_a_deployed_run_saves_each_part_at_its_party_and_predicts_as_the_in_proc
     np.testing.assert_allclose(written[["p_0", "p_1"]].to_numpy(), probabilities, atol=1e-6)
 
     # A part altered after the party reported its hashes is refused, naming the party.
-    [weights, *_] = sorted((copy / "insurer").glob("*.pt"))
+    [weights, *_] = sorted((copy / "insurer").glob("*.safetensors"))
     data = bytearray(weights.read_bytes())
     data[-1] ^= 1
     weights.write_bytes(bytes(data))
@@ -261,7 +261,7 @@ def test_a_deployed_run_saves_each_part_at_its_party_and_predicts_as_the_in_proc
     assert code == 2 and "cannot run under secure aggregation" in processes.log("bank")
     # A part altered at its party after it reported its hashes: that party refuses to load it,
     # and the prediction fails naming it.
-    [weights, *_] = sorted((models["telco"] / "telco" / run).glob("*.pt"))
+    [weights, *_] = sorted((models["telco"] / "telco" / run).glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:-1] + bytes([weights.read_bytes()[-1] ^ 1]))
     written = tmp_path / "tampered.csv"
     assert predict_where_parts_live(site, processes, out, models, written) != 0
@@ -422,7 +422,9 @@ def test_a_served_party_saves_its_part_only_on_a_request_that_checks_out(
     assert answer["run"] == RUN and answer["files"] == {
         p.name: sha256(p.read_bytes()) for p in part.iterdir()
     }
-    assert PART_INDEX in answer["files"] and any(f.endswith(".pt") for f in answer["files"])
+    assert PART_INDEX in answer["files"] and any(
+        f.endswith(".safetensors") for f in answer["files"]
+    )
     with pytest.raises(ProtocolError, match="a second save of the run"):
         served.save(shop, {"run": "f" * 32})  # one save per run, whatever the id
     with pytest.raises(ProtocolError, match="already exists"):
@@ -675,8 +677,8 @@ def test_a_data_party_predicts_only_with_its_own_unaltered_part_on_rows_it_holds
         assert all(torch.equal(t, loaded[k]) for k, t in module.state_dict().items())
     for change, expected_error in [
         ({"run": "../../escape"}, "a run id of 32 hex digits expected"),
-        ({"files": {"../weights.pt": "0" * 64}}, "per plain file name expected"),
-        ({"files": {"00-bottom.pt": "xyz"}}, "per plain file name expected"),
+        ({"files": {"../weights.safetensors": "0" * 64}}, "per plain file name expected"),
+        ({"files": {"00-bottom.safetensors": "xyz"}}, "per plain file name expected"),
         ({"rows": [table.ids.size]}, "must lie in [-1,"),
         ({"index": 2}, "expected at index 2"),
         ({"method": "mean"}, "a method of"),
@@ -689,7 +691,7 @@ def test_a_data_party_predicts_only_with_its_own_unaltered_part_on_rows_it_holds
         build({}, model=None)
     with pytest.raises(ProtocolError, match="cannot load its part of model"):
         build({"run": "0" * 32})  # a model it keeps no part of
-    [weights, *_] = sorted((models / entry.name / manifest.run_id).glob("*.pt"))
+    [weights, *_] = sorted((models / entry.name / manifest.run_id).glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes() + b"\0")
     with pytest.raises(ProtocolError, match="does not match the SHA-256"):
         build({})

@@ -48,10 +48,10 @@ def test_atomic_directory_is_whole_under_its_name_or_absent(tmp_path: Path) -> N
 
     def whole(directory: Path) -> None:
         (directory / "state.json").write_text("{}")
-        (directory / "tensors.pt").write_bytes(b"\0" * 10)
+        (directory / "tensors.safetensors").write_bytes(b"\0" * 10)
 
     atomic_directory(target, whole)
-    assert sorted(p.name for p in target.iterdir()) == ["state.json", "tensors.pt"]
+    assert sorted(p.name for p in target.iterdir()) == ["state.json", "tensors.safetensors"]
     assert [p.name for p in target.parent.iterdir()] == ["step-00000010"]
 
 

@@ -24,6 +24,7 @@ from secure_vfl.data.party_files import PartyTable, read_party_file
 from secure_vfl.errors import ConfigError, DataError, IntegrityError, RunWarning
 from secure_vfl.experiment import TrainConfig, build_method, prepare_data
 from secure_vfl.federation.channel import Channel
+from secure_vfl.federation.parts import PART_INDEX
 from secure_vfl.methods import MethodConfig
 from secure_vfl.methods.base import Method, in_process_parties
 from secure_vfl.saved_model import SavedModel, predict_tables, save_model
@@ -262,7 +263,7 @@ def test_standard_vfl_refuses_an_absent_party_file_with_the_reason(
 
 
 def _corrupt(directory: Path) -> Path:
-    return next((directory / "party-1").glob("*bottom.pt"))
+    return next((directory / "party-1").glob("*bottom.safetensors"))
 
 
 def test_a_tampered_or_missing_part_is_refused(
@@ -306,7 +307,7 @@ def test_a_part_with_a_pickle_payload_is_refused_without_running_it(
     files: Files, laser: tuple[Method, Channel, Path], tmp_path: Path
 ) -> None:
     """Even with the manifest's hash rewritten to match (whoever can write the directory can
-    do both), the part is read weights-only: the payload never runs."""
+    do both), the part is read as a tensor file, never unpickled: the payload never runs."""
     import hashlib
     import shutil
 
@@ -320,13 +321,34 @@ def test_a_part_with_a_pickle_payload_is_refused_without_running_it(
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["parties"][1]["files"][target.name] = hashlib.sha256(buffer.getvalue()).hexdigest()
     (copy / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(IntegrityError, match="weights-only"):
+    with pytest.raises(IntegrityError, match=r"a secure-vfl tensor file .* expected; refused"):
         SavedModel.load(copy)
     assert not marker.exists()
     # The control: the same bytes unpickled without the restriction do run the payload.
     torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
     assert marker.exists()
     assert pickle.HIGHEST_PROTOCOL >= 2
+
+
+def test_a_part_saved_before_tensor_files_is_refused_with_its_version(
+    files: Files, laser: tuple[Method, Channel, Path], tmp_path: Path
+) -> None:
+    """A part of version 1 (its state dicts pickled by torch.save) is not read: the message
+    names the version and what to do, even with the manifest's hash rewritten to match."""
+    import hashlib
+    import shutil
+
+    copy = tmp_path / "model"
+    shutil.copytree(laser[2], copy)
+    index = copy / "party-1" / PART_INDEX
+    payload = json.loads(index.read_text())
+    index.write_text(json.dumps({**payload, "version": 1}))
+    manifest = json.loads((copy / "manifest.json").read_text())
+    digest = hashlib.sha256(index.read_bytes()).hexdigest()
+    manifest["parties"][1]["files"][PART_INDEX] = digest
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=r"version 2 expected .* found 1: saved by an earlier"):
+        SavedModel.load(copy)
 
 
 def test_wrong_columns_and_unknown_files_are_refused_in_one_line(

@@ -4,9 +4,9 @@ A party writes its part into its own directory and reads it back from there; not
 another party's state. A part is
 
 - ``part.json``: which module is in which file, and the names of its other files;
-- one torch state dict per module (``bottom``, ``head``, ``bottom/subset:0,1``, FALSE-VFL's
-  ``label-model`` ...), written atomically and read with ``torch.load(weights_only=True)``,
-  whose unpickler builds tensors and plain containers only (no code runs from a model file);
+- one state dict per module (``bottom``, ``head``, ``bottom/subset:0,1``, FALSE-VFL's
+  ``label-model`` ...), written atomically as a tensor file (:mod:`secure_vfl.tensor_file`:
+  safetensors, raw buffers under a JSON header; no pickle, so no code runs from a model file);
 - ``preprocessing.json`` (:class:`~secure_vfl.data.party_preprocessing.PartyPreprocessing`) and,
   at the label party, ``classes.json`` (the label file's own label values, in class order).
 
@@ -17,26 +17,24 @@ parsed: a missing, extra or altered file is refused (:class:`~secure_vfl.errors.
 from __future__ import annotations
 
 import hashlib
-import io
 import json
-import pickle
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from secure_vfl.data.party_files import LABEL_COLUMN
 from secure_vfl.data.party_preprocessing import PartyPreprocessing
 from secure_vfl.errors import DataError, IntegrityError
 from secure_vfl.io import atomic_write, atomic_write_json
+from secure_vfl.tensor_file import SUFFIX, dumps, loads
 
 PART_SCHEMA = "secure-vfl/party-part"
 CLASSES_SCHEMA = "secure-vfl/classes"
-PART_VERSION = 1
+PART_VERSION = 2  # 2: state dicts as tensor files (1: torch.save)
 PART_INDEX = "part.json"
 PREPROCESSING_FILE = "preprocessing.json"
 CLASSES_FILE = "classes.json"
@@ -66,7 +64,7 @@ def unwrapped(module: nn.Module) -> nn.Module:
 
 
 def _file_name(index: int, module: str) -> str:
-    return f"{index:02d}-{re.sub(r'[^A-Za-z0-9_-]+', '_', module)}.pt"
+    return f"{index:02d}-{re.sub(r'[^A-Za-z0-9_-]+', '_', module)}{SUFFIX}"
 
 
 def save_part(
@@ -95,13 +93,8 @@ def save_part(
 
     files = {}
     for index, (name, module) in enumerate(sorted(modules.items())):
-        buffer = io.BytesIO()
-        state = {
-            key: value.detach().clone() for key, value in unwrapped(module).state_dict().items()
-        }
-        torch.save(state, buffer)
         files[name] = _file_name(index, name)
-        write_bytes(files[name], buffer.getvalue())
+        write_bytes(files[name], dumps(unwrapped(module).state_dict()))
     if preprocessing is not None:
         write_json(PREPROCESSING_FILE, preprocessing.to_json())
     if classes is not None:
@@ -157,15 +150,8 @@ def _json(data: bytes, where: str) -> Any:
 
 
 def _state(data: bytes, where: str) -> dict[str, Tensor]:
-    """A state dict read without running code: torch's weights-only unpickler builds tensors and
-    plain containers only and refuses anything else."""
-    try:
-        state = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise IntegrityError(
-            f"{where}: a weights-only state dict expected; refused to load it ({first})."
-        ) from None
+    """A state dict read from a tensor file: tensors built from raw buffers, nothing else."""
+    state = loads(data, where)
     if not isinstance(state, dict) or not all(
         isinstance(k, str) and isinstance(v, Tensor) for k, v in state.items()
     ):
@@ -176,10 +162,12 @@ def _state(data: bytes, where: str) -> dict[str, Tensor]:
 def _check_header(payload: Any, schema: str, where: str) -> Mapping[str, Any]:
     if not isinstance(payload, Mapping) or payload.get("schema") != schema:
         raise DataError(f"{where}: a {schema!r} document expected.")
-    if payload.get("version") != PART_VERSION:
+    version = payload.get("version")
+    if version != PART_VERSION:
+        earlier = version == 1 and ": saved by an earlier secure-vfl, its state dicts pickled"
         raise DataError(
             f"{where}: version {PART_VERSION} expected (this secure-vfl reads only it), found "
-            f"{payload.get('version')!r}."
+            f"{version!r}{earlier or ''}; train and save the model again."
         )
     return payload
 
