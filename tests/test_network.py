@@ -398,6 +398,33 @@ def test_a_receive_with_no_message_times_out_naming_what_it_awaited(certs: Path)
     )
 
 
+def test_close_waits_for_the_channels_that_reconnect_replaced(certs: Path) -> None:
+    """reconnect closes the old channel on a thread of its own (gRPC's connectivity poll can
+    take a while); the endpoint's close waits for every such thread."""
+
+    class SlowToClose:
+        def __init__(self, channel: Any) -> None:
+            self.channel, self.closed = channel, False
+
+        def close(self) -> None:
+            time.sleep(0.5)
+            self.channel.close()
+            self.closed = True
+
+    shop = PartyEndpoint("shop", identity=_identity(certs, "shop"), deadline=5.0)
+    bank = PartyEndpoint("bank", identity=_identity(certs, "bank"), deadline=5.0)
+    try:
+        bank.add_peer("shop", shop.address)
+        old = bank._channels["shop"] = SlowToClose(bank._channels["shop"])
+        bank.reconnect("shop")
+        assert not old.closed
+    finally:
+        bank.close()
+        shop.close()
+    assert old.closed
+    assert not [t for t in threading.enumerate() if t.name == "bank-close"]
+
+
 def test_an_endpoint_needs_a_certificate_naming_it_or_an_explicit_opt_out(certs: Path) -> None:
     with pytest.raises(ConfigError, match="or insecure=True expected"):
         PartyEndpoint("shop")

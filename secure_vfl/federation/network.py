@@ -392,6 +392,7 @@ class PartyEndpoint:
         self._token = secrets.token_hex(16)  # this endpoint's sender stream
         self._lock = threading.Lock()
         self._deliveries: dict[tuple[str, str], _Recent] = {}
+        self._closing: list[threading.Thread] = []  # closing the channels reconnect replaced
         if insecure:
             logger.warning(
                 "%s: gRPC WITHOUT TLS (insecure=True): messages cross the network in the clear "
@@ -454,8 +455,10 @@ class PartyEndpoint:
         self._connect(name, self._peers[name])
         self._calls.pop(old, None)
         # Closing a channel a probe watched waits for gRPC's connectivity poll (about 0.2 s):
-        # not on the probing party's time.
-        threading.Thread(target=old.close, name=f"{self.name}-close", daemon=True).start()
+        # not on the probing party's time (close() waits for it).
+        closing = threading.Thread(target=old.close, name=f"{self.name}-close", daemon=True)
+        closing.start()
+        self._closing = [*(t for t in self._closing if t.is_alive()), closing]
 
     def _connect(self, name: str, address: str) -> None:
         """A client channel to peer ``name`` and its two calls, made once for every message
@@ -502,6 +505,9 @@ class PartyEndpoint:
             channel.close()
         self._channels.clear()
         self._calls.clear()
+        for closing in self._closing:
+            closing.join(grace + 1.0)
+        self._closing.clear()
         self._senders.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> PartyEndpoint:
