@@ -191,12 +191,18 @@ def restore_party_state(
     where: str,
     journal: Path | None = None,
     run_id: str = "",
+    rejoining: bool = False,
 ) -> int:
     """Put a checkpoint's state back into ``party`` (the same modules, optimisers, generators
     and accountant as it was written from), or refuse with what differs (IntegrityError). A
     party with an accountant also takes the releases its journal under ``journal`` (the
     checkpoints' root) recorded after the checkpoint (:func:`lost_releases`) and restarts the
-    journal; returns how many of those its accountant prices."""
+    journal; returns how many of those its accountant prices.
+
+    ``rejoining``: the party rejoins run ``run_id``, which went on past that checkpoint. Unlike
+    a resumed run, the run will not ask it again for the rows of the steps since, so its
+    message hooks also take back every row its journal noted, over which those releases are
+    priced."""
     modules = party.own_modules()
     saved = tensors.get("modules", {})
     _same_names(where, "modules", modules, saved)
@@ -238,8 +244,12 @@ def restore_party_state(
     )
     try:
         added: int = party.accountant.restore(releases, lost=lost)
-    except (ConfigError, TypeError, ValueError) as error:
-        raise IntegrityError(f"{where}: the releases do not fit {party.name} ({error}).") from None
+        if rejoining:
+            _replay(party, notes)
+    except (ConfigError, TypeError, ValueError, KeyError) as error:
+        raise IntegrityError(
+            f"{where}: the releases and notes of its journal do not fit {party.name} ({error})."
+        ) from None
     if journal is not None:
         start_journal(journal, party, run_id, notes=notes)
     if added:
@@ -380,20 +390,6 @@ def rejoin_from_journal(root: Path, party: DataParty, run_id: str) -> int:
         raise IntegrityError(f"{where}: its journal does not fit it ({error}).") from None
     start_journal(root, party, run_id, notes=notes)
     return added
-
-
-def rejoin_after_checkpoint(root: Path, party: DataParty, run_id: str) -> None:
-    """A DP party restored from its checkpoint (:func:`restore_party_state`, which prices the
-    releases its journal recorded after it) to rejoin run ``run_id``, which went on past that
-    checkpoint: unlike a resumed run, the run will not ask it again for the rows of the steps
-    since, so its message hooks take back every row its journal noted, over which those
-    releases are priced. IntegrityError for a journal that does not fit it."""
-    where = f"{party.name} rejoining run {run_id}"
-    _, notes = _read_journal(root, party.name, run_id, where=where)
-    try:
-        _replay(party, notes)
-    except (TypeError, ValueError, KeyError) as error:
-        raise IntegrityError(f"{where}: its journal does not fit it ({error}).") from None
 
 
 def _replay(party: DataParty, notes: Sequence[tuple[str, Any]]) -> None:

@@ -112,7 +112,6 @@ from secure_vfl.checkpoints import (
     drop_older,
     party_state,
     read_checkpoint,
-    rejoin_after_checkpoint,
     rejoin_from_journal,
     restore_party_state,
     resumed_schedule,
@@ -746,12 +745,7 @@ class ServedCheckpoints:
             self._restore(party, run, step, manifest)
             self.step = restored = step
         elif kept:
-            self._restore(party, run, step, manifest)
-            if party.accountant is not None:
-                try:
-                    rejoin_after_checkpoint(self.directory, party, run)
-                except IntegrityError as error:
-                    raise ProtocolError(f"{self.name} cannot rejoin under DP: {error}") from None
+            self._restore(party, run, step, manifest, rejoining=True)
             restored = step
             logger.warning(
                 "%s: rejoining, it restored its checkpoint of step %d (the last commit that held "
@@ -778,7 +772,9 @@ class ServedCheckpoints:
         self.joined_after = committed
         return {"run": run, "step": restored}
 
-    def _restore(self, party: DataParty, run: str, step: int, manifest: str) -> None:
+    def _restore(
+        self, party: DataParty, run: str, step: int, manifest: str, *, rejoining: bool = False
+    ) -> None:
         assert self.directory is not None
         try:
             saved = read_checkpoint(
@@ -786,7 +782,13 @@ class ServedCheckpoints:
             )
             where = str(step_directory(self.directory, self.name, step))
             restore_party_state(
-                party, saved.tensors, saved.meta, where=where, journal=self.directory, run_id=run
+                party,
+                saved.tensors,
+                saved.meta,
+                where=where,
+                journal=self.directory,
+                run_id=run,
+                rejoining=rejoining,
             )
         except (IntegrityError, DataError) as error:
             raise ProtocolError(
