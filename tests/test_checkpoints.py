@@ -406,6 +406,18 @@ def test_a_checkpoint_whose_manifest_was_altered_is_refused(
         _resume(tmp_path, config)
 
 
+def test_a_checkpoint_of_an_earlier_version_is_refused_with_what_to_do(
+    tmp_path: Path, make_data: MakeData, one_thread: None
+) -> None:
+    """Version 1 kept its tensors in a torch.save file; this secure-vfl reads none."""
+    config, directory = _checkpointed(tmp_path, make_data)
+    label = directory.parent.parent / "party-0" / directory.name
+    manifest = json.loads((label / MANIFEST_FILE).read_text())
+    (label / MANIFEST_FILE).write_text(json.dumps({**manifest, "version": 1}))
+    with pytest.raises(DataError, match=r"checkpoint version 2 expected, found 1 .*train afresh"):
+        _resume(tmp_path, config)
+
+
 def test_another_partys_checkpoint_in_its_place_is_refused(
     tmp_path: Path, make_data: MakeData, one_thread: None
 ) -> None:
