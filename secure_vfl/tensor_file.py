@@ -30,6 +30,8 @@ from secure_vfl.errors import IntegrityError
 LAYOUT_KEY = "secure-vfl/layout"
 """The header metadata entry that holds a tensor file's layout."""
 SUFFIX = ".safetensors"
+MAX_DEPTH = 16
+"""How deeply a layout may nest (a checkpoint's is 5 deep)."""
 _HEADER_LENGTH = struct.Struct("<Q")
 
 
@@ -77,14 +79,21 @@ def loads(data: bytes, where: str) -> Any:
         (length,) = _HEADER_LENGTH.unpack_from(data)
         metadata = json.loads(data[_HEADER_LENGTH.size : _HEADER_LENGTH.size + length])
         layout = json.loads(metadata["__metadata__"][LAYOUT_KEY])
-    except (safetensors.SafetensorError, struct.error, ValueError, KeyError, TypeError) as error:
+    except (
+        safetensors.SafetensorError,
+        struct.error,
+        ValueError,
+        KeyError,
+        TypeError,
+        RecursionError,  # JSON nested beyond the interpreter's stack
+    ) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise IntegrityError(
             f"{where}: a secure-vfl tensor file (safetensors with its layout) expected; "
             f"refused ({first})."
         ) from None
     used: set[str] = set()
-    tree = _build(layout, tensors, used, where)
+    tree = _build(layout, tensors, used, where, MAX_DEPTH)
     if used != set(tensors):
         raise IntegrityError(
             f"{where}: a layout that uses every tensor expected; "
@@ -93,9 +102,11 @@ def loads(data: bytes, where: str) -> Any:
     return tree
 
 
-def _build(node: Any, tensors: Mapping[str, Tensor], used: set[str], where: str) -> Any:
+def _build(node: Any, tensors: Mapping[str, Tensor], used: set[str], where: str, depth: int) -> Any:
     if node is None:
         return None
+    if depth == 0:
+        raise IntegrityError(f"{where}: a layout nested at most {MAX_DEPTH} deep expected.")
     if isinstance(node, dict) and len(node) == 1:
         [(kind, value)] = node.items()
         if kind == "tensor" and isinstance(value, str) and value in tensors:
@@ -104,9 +115,11 @@ def _build(node: Any, tensors: Mapping[str, Tensor], used: set[str], where: str)
             used.add(value)
             return tensors[value]
         if kind == "dict" and isinstance(value, dict):
-            return {name: _build(item, tensors, used, where) for name, item in value.items()}
+            return {
+                name: _build(item, tensors, used, where, depth - 1) for name, item in value.items()
+            }
         if kind == "list" and isinstance(value, list):
-            return [_build(item, tensors, used, where) for item in value]
+            return [_build(item, tensors, used, where, depth - 1) for item in value]
     raise IntegrityError(
         f"{where}: a layout node (null, tensor, dict or list) expected, found {_shown(node)}."
     )

@@ -76,6 +76,18 @@ def _with_layout(tensors: dict[str, torch.Tensor], layout: Any) -> bytes:
     return safetensors.torch.save(tensors, metadata={tensor_file.LAYOUT_KEY: json.dumps(layout)})
 
 
+def _nested(depth: int) -> Any:
+    layout = None
+    for _ in range(depth):
+        layout = {"list": [layout]}
+    return layout
+
+
+def _nested_text(depth: int) -> bytes:
+    text = '{"list": [' * depth + "null" + "]}" * depth
+    return safetensors.torch.save({}, metadata={tensor_file.LAYOUT_KEY: text})
+
+
 @pytest.mark.parametrize(
     ("data", "reason"),
     [
@@ -87,6 +99,8 @@ def _with_layout(tensors: dict[str, torch.Tensor], layout: Any) -> bytes:
         (_with_layout({"0": torch.zeros(2)}, {"list": [{"tensor": "0"}] * 2}), "laid out twice"),
         (_with_layout({"0": torch.zeros(2), "1": torch.ones(1)}, {"tensor": "0"}), "unused"),
         (_with_layout({"0": torch.zeros(2)}, {"object": "os.system"}), "a layout node"),
+        (_with_layout({}, _nested(17)), "nested at most 16 deep"),
+        (_nested_text(100_000), "expected; refused"),  # deeper than JSON's parser goes
     ],
 )
 def test_a_file_that_is_not_a_tensor_file_of_ours_is_refused(data: bytes, reason: str) -> None:
