@@ -51,7 +51,7 @@ from secure_vfl import tensor_file
 from secure_vfl.data.samplers import PoissonSampler
 from secure_vfl.errors import ConfigError, DataError, IntegrityError, ProtocolError
 from secure_vfl.federation.parts import sha256, unwrapped
-from secure_vfl.io import atomic_directory, atomic_write_text
+from secure_vfl.io import atomic_directory, atomic_write_text, parse_json
 from secure_vfl.methods.base import CHECKPOINT, StepCallback, TrainingProgress
 
 if TYPE_CHECKING:
@@ -350,8 +350,8 @@ def _read_journal(
     releases, notes = [], []
     for number, line in enumerate(text.split("\n")[:-1], start=1):  # the rest: cut short
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
+            record = parse_json(line, f"{path}, line {number}")
+        except DataError:
             record = None
         keys = set(record) if isinstance(record, dict) else set()
         if not (
@@ -634,7 +634,7 @@ def read_checkpoint(
             f"{manifest_sha[:16]}...), found another ({found_sha[:16]}...): altered, or from "
             "another run."
         )
-    manifest = _json(manifest_bytes, f"{where}/{MANIFEST_FILE}")
+    manifest = parse_json(manifest_bytes, f"{where}/{MANIFEST_FILE}")
     if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA:
         raise DataError(f"{where}/{MANIFEST_FILE}: a {SCHEMA!r} manifest expected.")
     if manifest.get("version") != VERSION:
@@ -663,7 +663,7 @@ def read_checkpoint(
                 f"found {sha256(data)[:16]}... (corrupt or truncated)."
             )
         contents[name] = data
-    meta = _json(contents[STATE_FILE], f"{where}/{STATE_FILE}")
+    meta = parse_json(contents[STATE_FILE], f"{where}/{STATE_FILE}")
     tensors = _tensors(contents[TENSORS_FILE], f"{where}/{TENSORS_FILE}")
     parties = manifest.get("parties", {})
     if not isinstance(meta, dict) or not isinstance(parties, dict):
@@ -684,13 +684,6 @@ def _file(directory: Path, name: str) -> bytes:
     if not path.is_file():
         raise IntegrityError(f"{path}: a checkpoint file expected; found none (truncated?).")
     return path.read_bytes()
-
-
-def _json(data: bytes, where: str) -> Any:
-    try:
-        return json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise DataError(f"{where}: JSON expected ({error}).") from None
 
 
 def _tensors(data: bytes, where: str) -> dict[str, Any]:

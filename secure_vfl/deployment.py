@@ -147,7 +147,7 @@ from secure_vfl.federation.federation_file import Federation
 from secure_vfl.federation.messages import AGGREGATOR, DeploymentMessage, Message
 from secure_vfl.federation.network import PROBE_SECONDS, NetworkChannel, PartyEndpoint
 from secure_vfl.federation.parties import ROLES, DataParty, Party, make_aggregation_server
-from secure_vfl.io import atomic_directory
+from secure_vfl.io import atomic_directory, parse_json
 from secure_vfl.saved_model import (
     DATA_PARTY_ROLE,
     KEPT_BY_PARTY,
@@ -307,10 +307,7 @@ def _body(message: Message, topic: str, expected: Mapping[str, type | tuple[type
     if not isinstance(message, DeploymentMessage) or message.topic != topic:
         found = getattr(message, "topic", message.kind)
         raise ProtocolError(f"a deployment {topic!r} message expected; found {found!r}.")
-    try:
-        body = json.loads(message.body)
-    except json.JSONDecodeError as error:
-        raise ProtocolError(f"{topic} from {message.sender}: JSON expected ({error}).") from None
+    body = parse_json(message.body, f"{topic} from {message.sender}", error=ProtocolError)
     if not isinstance(body, dict) or set(body) != set(expected):
         keys = sorted(body) if isinstance(body, dict) else type(body).__name__
         raise ProtocolError(

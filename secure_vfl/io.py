@@ -1,4 +1,5 @@
-"""Atomic file writes: results and checkpoints are either whole or absent, never half-written."""
+"""Atomic file writes (results and checkpoints are either whole or absent, never half-written)
+and reading JSON that another party or a file on disk holds."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from secure_vfl.errors import DataError, SecureVFLError
 
 
 def atomic_write(path: Path, write: Callable[[Path], None], *, mode: int | None = None) -> None:
@@ -44,6 +47,18 @@ def atomic_write_text(path: Path, text: str) -> None:
         tmp.write_text(text, encoding="utf-8")
 
     atomic_write(path, write)
+
+
+def parse_json(text: str | bytes, where: str, *, error: type[SecureVFLError] = DataError) -> Any:
+    """The JSON document ``text`` (str, or UTF-8 bytes), or ``error`` saying why it is not one
+    at ``where``: malformed, not UTF-8, or nested deeper than the parser goes (which raises
+    RecursionError, not a JSON error)."""
+    try:
+        return json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as problem:
+        raise error(f"{where}: JSON expected ({problem}).") from None
+    except RecursionError:
+        raise error(f"{where}: JSON expected (nested too deeply to read).") from None
 
 
 def atomic_write_json(path: Path, payload: Any) -> None:

@@ -8,7 +8,6 @@ missingness and wall time. ``secure-vfl runs list`` and ``runs compare`` print t
 
 from __future__ import annotations
 
-import json
 import math
 import subprocess
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from secure_vfl.errors import ConfigError
+from secure_vfl.io import parse_json
 
 _BACKENDS = {
     "PlainAggregator": "none",
@@ -168,10 +168,7 @@ def read_run(directory: Path) -> dict[str, Any]:
     path = Path(directory) / "result.json"
     if not path.is_file():
         raise ConfigError(f"{directory} holds no result.json; expected a run directory.")
-    try:
-        payload = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ConfigError(f"{path} is not valid JSON ({error}).") from None
+    payload = parse_json(path.read_bytes(), str(path), error=ConfigError)
     if not isinstance(payload, dict) or not ("training" in payload or "epoch_loss" in payload):
         raise ConfigError(
             f"{path} is not the result of a training run (train or attack); expected one."

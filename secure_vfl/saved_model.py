@@ -27,7 +27,6 @@ program predicts from the blocks present, as the method does at test time.
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -46,7 +45,7 @@ from secure_vfl.federation.aggregator import SumBackend
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.parties import DataParty
 from secure_vfl.federation.parts import ClassValue
-from secure_vfl.io import atomic_write, atomic_write_json
+from secure_vfl.io import atomic_write, atomic_write_json, parse_json
 from secure_vfl.methods.base import in_process_parties
 from secure_vfl.methods.false_vfl import FalseVflConfig
 
@@ -252,10 +251,7 @@ def find_manifest(path: Path) -> Path:
 def read_manifest(path: Path) -> tuple[Manifest, Path]:
     """The manifest of the model at ``path`` and the model directory it lies in."""
     manifest_path = find_manifest(path)
-    try:
-        payload = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise DataError(f"{manifest_path}: JSON expected ({error}).") from None
+    payload = parse_json(manifest_path.read_bytes(), str(manifest_path))
     return Manifest.from_json(payload, str(manifest_path)), manifest_path.parent
 
 

@@ -34,7 +34,12 @@ from test_deploy import (
 from protocols import tls
 from secure_vfl.checkpoints import MANIFEST_FILE, TENSORS_FILE, step_directory, written_steps
 from secure_vfl.cli import main
-from secure_vfl.deployment import DeployedCheckpoints, ServedCheckpoints
+from secure_vfl.deployment import (
+    CHECKPOINTED_KEYS,
+    DeployedCheckpoints,
+    ServedCheckpoints,
+    _body,
+)
 from secure_vfl.errors import ProtocolError
 from secure_vfl.experiment import TrainConfig, build_method
 from secure_vfl.federation.channel import Channel
@@ -471,6 +476,16 @@ def test_the_label_party_takes_every_party_checkpoint_and_checks_every_answer(
     ):
         label.write(9, RUN, committed=6, parties=["shop"])
     assert endpoint.kept == []
+
+
+def test_an_answer_nested_beyond_the_json_parser_is_refused_as_a_protocol_error() -> None:
+    """json.loads raises RecursionError, not a JSON error, on such a body: it must not escape
+    as a crash of the label party."""
+    deep = "[" * 100_000 + "]" * 100_000
+    header = {"sender": "shop", "receiver": "bank", "round": 0, "batch_id": 0}
+    message = DeploymentMessage(**header, topic="checkpointed", body=deep)
+    with pytest.raises(ProtocolError, match=r"checkpointed from shop: JSON expected \(nested"):
+        _body(message, "checkpointed", CHECKPOINTED_KEYS)
 
 
 def test_a_rejoined_party_restores_its_last_committed_checkpoint_and_takes_the_next_ones(

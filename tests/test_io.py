@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from secure_vfl.io import atomic_directory, atomic_write, atomic_write_json
+from secure_vfl.errors import DataError, ProtocolError
+from secure_vfl.io import atomic_directory, atomic_write, atomic_write_json, parse_json
 
 
 def test_atomic_write_json_writes_readable_ordinary_files(tmp_path: Path) -> None:
@@ -77,3 +78,26 @@ def test_atomic_write_syncs_the_file_before_the_rename_and_the_directory_after(
     atomic_write_json(tmp_path / "result.json", {"a": 1})
     assert events == ["fsync file", "rename", "fsync directory"]
     assert json.loads((tmp_path / "result.json").read_text()) == {"a": 1}
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        (b'{"a": 1', "Expecting"),
+        (b"\xff{}", "codec can't decode"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        (b'{"a": ' * 50_000 + b"1" + b"}" * 50_000, "nested too deeply"),
+    ],
+)
+def test_parse_json_refuses_what_is_not_json_with_the_error_asked_for(
+    text: str | bytes, reason: str
+) -> None:
+    with pytest.raises(DataError, match=rf"^where: JSON expected \(.*{reason}"):
+        parse_json(text, "where")
+    with pytest.raises(ProtocolError, match=r"^where: JSON expected"):
+        parse_json(text, "where", error=ProtocolError)
+
+
+def test_parse_json_reads_text_and_utf8_bytes() -> None:
+    assert parse_json('{"é": [1, 2.5, null]}', "w") == {"é": [1, 2.5, None]}
+    assert parse_json('{"é": true}'.encode(), "w") == {"é": True}

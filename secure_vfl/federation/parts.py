@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from secure_vfl.data.party_files import LABEL_COLUMN
 from secure_vfl.data.party_preprocessing import PartyPreprocessing
 from secure_vfl.errors import DataError, IntegrityError
-from secure_vfl.io import atomic_write, atomic_write_json
+from secure_vfl.io import atomic_write, atomic_write_json, parse_json
 from secure_vfl.tensor_file import SUFFIX, dumps, loads
 
 PART_SCHEMA = "secure-vfl/party-part"
@@ -142,13 +142,6 @@ def verified_bytes(directory: Path, name: str, files: Mapping[str, str], party: 
     return data
 
 
-def _json(data: bytes, where: str) -> Any:
-    try:
-        return json.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise DataError(f"{where}: JSON expected ({error}).") from None
-
-
 def _state(data: bytes, where: str) -> dict[str, Tensor]:
     """A state dict read from a tensor file: tensors built from raw buffers, nothing else."""
     state = loads(data, where)
@@ -174,7 +167,7 @@ def _check_header(payload: Any, schema: str, where: str) -> Mapping[str, Any]:
 
 def read_classes(data: bytes, where: str) -> tuple[ClassValue, ...]:
     """The class values of ``classes.json``: unique numbers, text or booleans."""
-    payload = _check_header(_json(data, where), CLASSES_SCHEMA, where)
+    payload = _check_header(parse_json(data, where), CLASSES_SCHEMA, where)
     classes = payload.get("classes")
     if (
         not isinstance(classes, list)
@@ -192,7 +185,7 @@ def load_part(directory: Path, files: Mapping[str, str], *, party: str) -> Part:
     altered file, DataError for a malformed one."""
     where = str(directory / PART_INDEX)
     index = _check_header(
-        _json(verified_bytes(directory, PART_INDEX, files, party), where), PART_SCHEMA, where
+        parse_json(verified_bytes(directory, PART_INDEX, files, party), where), PART_SCHEMA, where
     )
     if index.get("party") != party:
         raise IntegrityError(
@@ -215,7 +208,7 @@ def load_part(directory: Path, files: Mapping[str, str], *, party: str) -> Part:
     if index.get("preprocessing") is not None:
         name = str(index["preprocessing"])
         preprocessing = PartyPreprocessing.from_json(
-            _json(verified_bytes(directory, name, files, party), str(directory / name)),
+            parse_json(verified_bytes(directory, name, files, party), str(directory / name)),
             str(directory / name),
         )
     classes = None
