@@ -842,6 +842,7 @@ def test_a_party_reads_only_its_own_key(site: Path, tmp_path: Path) -> None:
         ({"[party.telco]": "[party.Telco]"}, "party.Telco"),
         ({'address = "127.0.0.1:': 'address = "127.0.0.1:99999'}, "HOST:PORT"),
         ({"[party.telco]\naddress": "[party.telco]\nport = 1\naddress"}, "[party.telco]"),
+        ({'label_party = "bank"': "x = " + "[" * 50_000 + "]" * 50_000}, "nested too deeply"),
     ],
 )
 def test_the_federation_file_refuses_mistakes_naming_the_key(

@@ -132,6 +132,8 @@ def read_federation(path: Path) -> Federation:
         document = tomllib.loads(path.read_text(encoding="utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise ConfigError(f"{path}: TOML expected: {error}") from None
+    except RecursionError:  # the parser recurses into nested arrays and tables
+        raise ConfigError(f"{path}: TOML expected: nested too deeply to read.") from None
     _known(path, "", document, _TOP_KEYS)
     for key in ("ca", "label_party", "aggregator", "party"):
         if key not in document:
