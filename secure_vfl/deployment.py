@@ -2119,16 +2119,33 @@ def _end(
                 raise
             logger.warning("%s: could not end the run at %s: %s", endpoint.name, member.name, error)
             continue
-        counts: Counter[tuple[str, str, str]] = Counter()
-        for entry in body["bytes"]:
-            sender, receiver, phase, count = entry
-            if sender != member.name:
-                raise ProtocolError(f"report from {member.name}: bytes sent by {sender!r}.")
-            counts[(str(sender), str(receiver), str(phase))] += int(count)
-        reports[member.name] = counts
+        reports[member.name] = _reported_bytes(member.name, body["bytes"])
         if member.name != AGGREGATOR:
             entries[member.name] = body["privacy"]
     return reports, entries
+
+
+def _reported_bytes(name: str, entries: list[Any]) -> Counter[tuple[str, str, str]]:
+    """The bytes party ``name`` reports it sent, as ``[sender, receiver, phase, count]`` lists
+    (sender: itself); ProtocolError naming the first entry that is not one."""
+    counts: Counter[tuple[str, str, str]] = Counter()
+    for entry in entries:
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 4
+            and all(isinstance(text, str) for text in entry[:3])
+            and type(entry[3]) is int
+            and entry[3] >= 0
+        ):
+            raise ProtocolError(
+                f"report from {name}: bytes as [sender, receiver, phase, count >= 0] expected, "
+                f"found {json.dumps(entry)[:80]}."
+            )
+        sender, receiver, phase, count = entry
+        if sender != name:
+            raise ProtocolError(f"report from {name}: bytes sent by {sender!r}.")
+        counts[(sender, receiver, phase)] += count
+    return counts
 
 
 def _with_reports(

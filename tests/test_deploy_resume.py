@@ -39,6 +39,7 @@ from secure_vfl.deployment import (
     DeployedCheckpoints,
     ServedCheckpoints,
     _body,
+    _reported_bytes,
 )
 from secure_vfl.errors import ProtocolError
 from secure_vfl.experiment import TrainConfig, build_method
@@ -567,3 +568,22 @@ def test_serving_checkpoint_flags_that_cannot_apply_are_refused_before_serving(
         assert reason in err and "serving at" not in out, (argv, err)
         assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        ["shop", "bank", "train"],
+        ["shop", "bank", "train", "12"],
+        ["shop", "bank", "train", -1],
+        ["shop", "bank", "train", True],
+        ["shop", "bank", 3, 12],
+        {"sender": "shop"},
+        ["bank", "shop", "train", 12],
+    ],
+)
+def test_a_report_of_bytes_that_is_not_the_reporters_own_count_is_refused(entry: Any) -> None:
+    good = ["shop", "bank", "train", 7]
+    assert _reported_bytes("shop", [good, good]) == {("shop", "bank", "train"): 14}
+    with pytest.raises(ProtocolError, match=r"^report from shop: (bytes as|bytes sent by)"):
+        _reported_bytes("shop", [good, entry])
