@@ -248,7 +248,8 @@ def restore_party_state(
             _replay(party, notes)
     except (ConfigError, TypeError, ValueError, KeyError) as error:
         raise IntegrityError(
-            f"{where}: the releases and notes of its journal do not fit {party.name} ({error})."
+            f"{where}: the releases of the checkpoint or its journal do not fit {party.name} "
+            f"({error})."
         ) from None
     if journal is not None:
         start_journal(journal, party, run_id, notes=notes)
