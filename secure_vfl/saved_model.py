@@ -27,6 +27,7 @@ program predicts from the blocks present, as the method does at test time.
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -119,9 +120,15 @@ class Manifest:
                 f"(this secure-vfl reads only those), found {payload.get('version')!r}."
             )
         body = {k: v for k, v in payload.items() if k not in ("schema", "version")}
+        _check_types(body, _MANIFEST_TYPES, where)
+        if body.get("seed", 0) < 0 or body.get("num_classes", 2) < 2:
+            raise DataError(
+                f"{where}: a seed >= 0 and num_classes >= 2 expected, found "
+                f"{body.get('seed')!r} and {body.get('num_classes')!r}."
+            )
         try:
             body["parties"] = tuple(_entry(p, where) for p in body["parties"])
-            body["block_shapes"] = tuple(tuple(int(n) for n in s) for s in body["block_shapes"])
+            body["block_shapes"] = tuple(_block_shape(s, where) for s in body["block_shapes"])
             manifest = cls(**body)
         except DataError:
             raise
@@ -135,7 +142,68 @@ class Manifest:
         return manifest
 
 
+_MANIFEST_TYPES: dict[str, type | tuple[type, ...]] = {
+    "run_id": str,
+    "created": str,
+    "secure_vfl_version": str,
+    "method": str,
+    "seed": int,
+    "method_config": dict,
+    "false_vfl": (dict, type(None)),
+    "data": str,
+    "kind": str,
+    "num_classes": int,
+    "block_shapes": list,
+    "parties": list,
+}
+_ENTRY_TYPES: dict[str, type | tuple[type, ...]] = {
+    "name": str,
+    "source": str,
+    "role": str,
+    "directory": str,
+    "files": dict,
+    "location": str,
+}
+MAX_BLOCK_DIMS = 4
+"""A block's sample shape: features, or an image's channels, height and width."""
+
+
+def _check_types(
+    body: Mapping[str, Any], types: Mapping[str, type | tuple[type, ...]], where: str
+) -> None:
+    """Refuse a value of ``body`` that is not of its key's type (a bool is not an int); a
+    missing or unknown key is left to the dataclass, which refuses it."""
+    for key, kind in types.items():
+        if key not in body:
+            continue
+        value = body[key]
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+            names = (
+                kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+            )
+            raise DataError(
+                f"{where}: {key} of type {names} expected, found {type(value).__name__} "
+                f"{json.dumps(value)[:60]}."
+            )
+
+
+def _block_shape(shape: Any, where: str) -> tuple[int, ...]:
+    if not (
+        isinstance(shape, list)
+        and 1 <= len(shape) <= MAX_BLOCK_DIMS
+        and all(type(n) is int and n >= 1 for n in shape)
+    ):
+        raise DataError(
+            f"{where}: a block shape of 1 to {MAX_BLOCK_DIMS} sizes >= 1 expected, found "
+            f"{json.dumps(shape)[:60]}."
+        )
+    return tuple(shape)
+
+
 def _entry(payload: Any, where: str) -> PartEntry:
+    if not isinstance(payload, dict):
+        raise DataError(f"{where}: a party entry (an object) expected, found {payload!r:.60}.")
+    _check_types(payload, _ENTRY_TYPES, where)
     entry = PartEntry(**payload)
     files = entry.files
     if (

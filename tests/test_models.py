@@ -10,8 +10,10 @@ from __future__ import annotations
 import io
 import json
 import pickle
+import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -290,6 +292,46 @@ def test_a_tampered_or_missing_part_is_refused(
         SavedModel.load(copy)
     (copy / "manifest.json").unlink()
     with pytest.raises(DataError, match="no saved model"):
+        SavedModel.load(copy)
+
+
+def _set(manifest: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
+    for key in path[:-1]:
+        manifest = manifest[key]
+    manifest[path[-1]] = value
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        (("seed",), True, "seed of type int expected, found bool"),
+        (("seed",), -1, "a seed >= 0 and num_classes >= 2 expected"),
+        (("num_classes",), [2], "num_classes of type int expected, found list"),
+        (("num_classes",), 1, "a seed >= 0 and num_classes >= 2 expected"),
+        (("method",), 3, "method of type str expected, found int"),
+        (("block_shapes", 0), [-1], "a block shape of 1 to 4 sizes >= 1 expected"),
+        (("block_shapes", 0), [1] * 65, "a block shape of 1 to 4 sizes >= 1 expected"),
+        (("parties", 1, "name"), {"a": 1}, "name of type str expected, found dict"),
+        (("parties", 1), "party-1", "a party entry (an object) expected"),
+    ],
+)
+def test_a_malformed_manifest_is_refused_saying_what_was_expected(
+    laser: tuple[Method, Channel, Path],
+    tmp_path: Path,
+    path: tuple[Any, ...],
+    value: Any,
+    message: str,
+) -> None:
+    """A manifest is the user's file: a value of the wrong type or range is a DataError naming
+    the field, not a TypeError from deep inside the rebuilt method."""
+    import shutil
+
+    copy = tmp_path / "model"
+    shutil.copytree(laser[2], copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    _set(manifest, path, value)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match=re.escape(message)):
         SavedModel.load(copy)
 
 
