@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -175,12 +176,58 @@ def _split_optimizer(state: Mapping[str, Any], what: str) -> tuple[dict[str, Any
     return tensors, {"state": rest, "param_groups": groups}
 
 
-def _join_optimizer(tensors: Mapping[str, Any], meta: Mapping[str, Any]) -> dict[str, Any]:
+def _restore_optimizer(
+    optimizer: torch.optim.Optimizer, tensors: Any, meta: Any, what: str
+) -> None:
+    """Put the checkpoint's state of an optimiser back, or refuse (IntegrityError) what this
+    run's optimiser would not hold: parameter groups other than its own (they follow from the
+    run's settings, which a resume repeats), per-parameter state that is neither a tensor of
+    its parameter's shape (or a scalar) nor a finite number or None."""
+    kept = meta.get("state") if isinstance(meta, Mapping) else None
+    saved = meta.get("param_groups") if isinstance(meta, Mapping) else None
+    parts: list[Mapping[str, Any]] = []
+    for part in (kept, tensors):
+        if not isinstance(part, Mapping) or not all(isinstance(v, Mapping) for v in part.values()):
+            break
+        parts.append(part)
+    if len(parts) != 2 or not isinstance(saved, list):
+        raise IntegrityError(f"{what}: its state and parameter groups expected; found otherwise.")
+    live = as_json({"groups": optimizer.state_dict()["param_groups"]})["groups"]
+    difference = None
+    if len(saved) != len(live):
+        difference = f"{len(live)} groups expected, found {len(saved)}"
+    for i, (group, own) in enumerate(zip(saved, live, strict=False)):
+        field = first_difference(group, own)
+        if difference is None and field is not None:
+            difference = f"group {i}, {field}"
+    if difference is not None:
+        raise IntegrityError(
+            f"{what}: the parameter groups of this run's settings expected; they differ at "
+            f"{difference}."
+        )
     state: dict[int, dict[str, Any]] = {}
-    for part in (meta["state"], tensors):
+    for part in parts:
         for index, values in part.items():
+            for key, value in values.items():
+                if not (
+                    isinstance(value, Tensor)
+                    or value is None
+                    or (type(value) in (int, float) and math.isfinite(value))
+                ):
+                    raise IntegrityError(
+                        f"{what}: state {key!r} of parameter {index}: a tensor, a number or "
+                        f"null expected, found {type(value).__name__}."
+                    )
             state.setdefault(int(index), {}).update(values)
-    return {"state": state, "param_groups": meta["param_groups"]}
+    optimizer.load_state_dict({"state": state, "param_groups": saved})
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            for key, value in optimizer.state.get(parameter, {}).items():
+                if isinstance(value, Tensor) and value.dim() and value.shape != parameter.shape:
+                    raise IntegrityError(
+                        f"{what}: state {key!r} of shape {tuple(value.shape)} for a parameter "
+                        f"of shape {tuple(parameter.shape)}; refused."
+                    )
 
 
 def restore_party_state(
@@ -209,16 +256,23 @@ def restore_party_state(
     optimizers = party.own_optimizers()
     _same_names(where, "optimisers", optimizers, meta.get("optimizers", {}))
     generators = _generators(party)
-    saved_generators = {**tensors.get("generators", {}), **meta.get("generators", {})}
+    parts = (tensors.get("generators", {}), meta.get("generators", {}))
+    if not all(isinstance(part, Mapping) for part in parts):
+        raise IntegrityError(f"{where}: random generators by name expected; found otherwise.")
+    saved_generators = {**parts[0], **parts[1]}
     _same_names(where, "random generators", generators, saved_generators)
     hooks = _kept_hooks(party)
     _same_names(where, "message hooks' states", hooks, meta.get("hooks", {}))
     try:
         for name, module in modules.items():
             unwrapped(module).load_state_dict(dict(saved[name]), strict=True)
+        saved_optimizers = tensors.get("optimizers", {})
+        if not isinstance(saved_optimizers, Mapping):
+            raise IntegrityError(f"{where}: optimiser tensors by name expected.")
         for name, optimizer in optimizers.items():
-            state = _join_optimizer(tensors["optimizers"].get(name, {}), meta["optimizers"][name])
-            optimizer.load_state_dict(state)
+            what = f"{where}: optimiser {name!r}"
+            state = meta["optimizers"][name]
+            _restore_optimizer(optimizer, saved_optimizers.get(name, {}), state, what)
         for name, generator in generators.items():
             if isinstance(generator, torch.Generator):
                 generator.set_state(saved_generators[name])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -333,6 +334,56 @@ def test_a_resume_that_loses_the_optimiser_state_would_differ(
         plan=CheckpointPlan(directory=tmp_path, resume=point, settings=_settings(config)),
     )
     assert lossy.epoch_loss != whole.epoch_loss
+
+
+def _first(mapping: dict[str, Any]) -> Any:
+    return mapping[next(iter(mapping))]
+
+
+@pytest.mark.parametrize(
+    ("alter", "message"),
+    [
+        (
+            lambda tensors, meta: _first(meta["optimizers"])["param_groups"][0].update(lr=0.5),
+            "the parameter groups of this run's settings expected; they differ at group 0, lr",
+        ),
+        (
+            lambda tensors, meta: _first(meta["optimizers"]).update(state=[]),
+            "its state and parameter groups expected; found otherwise",
+        ),
+        (
+            lambda tensors, meta: _first(meta["optimizers"])["state"].update(
+                {"0": {"momentum_buffer": "zeros"}}
+            ),
+            "state 'momentum_buffer' of parameter 0: a tensor, a number or null expected",
+        ),
+        (
+            lambda tensors, meta: _first(tensors["optimizers"])["0"].update(
+                momentum_buffer=torch.zeros(3)
+            ),
+            "state 'momentum_buffer' of shape (3,) for a parameter of shape",
+        ),
+        (
+            lambda tensors, meta: meta.update(generators=[]),
+            "random generators by name expected",
+        ),
+    ],
+)
+def test_a_checkpoint_whose_state_this_run_would_not_hold_is_refused_before_training(
+    tmp_path: Path, make_data: MakeData, one_thread: None, alter: Any, message: str
+) -> None:
+    """A checkpoint is the user's file: optimiser settings other than the run's, or state of
+    another type or shape, is an IntegrityError naming it, not a crash at the first step."""
+    config = _config()
+    data = make_data()
+    plan = CheckpointPlan(directory=tmp_path, every=EVERY, settings=_settings(config))
+    with pytest.raises(Killed):
+        _train(config, data, plan=plan, on_step=_kill_at(STOP))
+    point = find_resume_point(tmp_path, label_party="party-0", settings=_settings(config))
+    alter(point.label.tensors, point.label.meta)
+    resume = CheckpointPlan(directory=tmp_path, resume=point, settings=_settings(config))
+    with pytest.raises(IntegrityError, match=re.escape(message)):
+        _train(config, data, plan=resume)
 
 
 def test_checkpoints_leave_an_uninterrupted_run_unchanged_and_write_each_party_apart(
