@@ -372,7 +372,7 @@ def test_a_part_with_a_pickle_payload_is_refused_without_running_it(
     assert pickle.HIGHEST_PROTOCOL >= 2
 
 
-def test_a_part_saved_before_tensor_files_is_refused_with_its_version(
+def test_a_part_index_of_an_earlier_version_or_malformed_is_refused(
     files: Files, laser: tuple[Method, Channel, Path], tmp_path: Path
 ) -> None:
     """A part of version 1 (its state dicts pickled by torch.save) is not read: the message
@@ -390,6 +390,12 @@ def test_a_part_saved_before_tensor_files_is_refused_with_its_version(
     manifest["parties"][1]["files"][PART_INDEX] = digest
     (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(DataError, match=r"version 2 expected .* found 1: saved by an earlier"):
+        SavedModel.load(copy)
+    # A part index naming its other files by anything but text is refused as malformed.
+    index.write_text(json.dumps({**payload, "classes": 3}))
+    manifest["parties"][1]["files"][PART_INDEX] = hashlib.sha256(index.read_bytes()).hexdigest()
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(DataError, match="classes: a file name or null expected, found 3"):
         SavedModel.load(copy)
 
 

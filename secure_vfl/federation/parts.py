@@ -194,6 +194,11 @@ def load_part(directory: Path, files: Mapping[str, str], *, party: str) -> Part:
     modules = index.get("modules")
     if not isinstance(modules, Mapping) or not all(isinstance(v, str) for v in modules.values()):
         raise DataError(f"{where}: a mapping of module names to files expected.")
+    for key in ("preprocessing", "classes"):
+        if not isinstance(index.get(key), str | None):
+            raise DataError(
+                f"{where}: {key}: a file name or null expected, found {index[key]!r:.60}."
+            )
     named = [*modules.values(), index.get("preprocessing"), index.get("classes")]
     used = {PART_INDEX, *(name for name in named if name is not None)}
     if used != set(files):
