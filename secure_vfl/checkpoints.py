@@ -291,6 +291,11 @@ def restore_party_state(
         )
     if party.accountant is None or releases is None:
         return 0
+    if not isinstance(releases, list) or not all(isinstance(r, dict) for r in releases):
+        raise IntegrityError(
+            f"{where}: the accountant's releases as a list of objects expected, found "
+            f"{json.dumps(releases)[:60]}."
+        )
     lost, notes = (
         ([], [])
         if journal is None

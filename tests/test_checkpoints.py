@@ -591,6 +591,13 @@ def test_a_release_journal_that_does_not_fit_its_checkpoint_is_refused(
             journal.write_text("".join(changed))
         with pytest.raises(IntegrityError, match=message):
             _train(config, data, plan=resume, privacy=_dp_engine())
+    # The checkpoint's own releases must be a list of releases.
+    journal.write_text("".join(lines))
+    kept = point.label.meta["accountant"]
+    point.label.meta["accountant"] = True
+    with pytest.raises(IntegrityError, match="the accountant's releases as a list of objects"):
+        _train(config, data, plan=resume, privacy=_dp_engine())
+    point.label.meta["accountant"] = kept
     # A last line cut short by the kill: its release never left the party.
     journal.write_text("".join(lines) + lines[-1][:20])
     result, channel = _train(config, data, plan=resume, privacy=_dp_engine())
