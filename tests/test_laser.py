@@ -391,3 +391,19 @@ def test_swapping_the_aggregator_changes_the_trained_model(make_data: MakeData) 
     perturbed = _parameters(_train(data, config, aggregator=_PerturbingAggregator()))
     assert all(torch.equal(a, b) for a, b in zip(plain, again, strict=True))
     assert not all(torch.allclose(a, b) for a, b in zip(plain, perturbed, strict=True))
+
+
+def test_a_representation_wider_than_the_wire_carries_is_refused_before_anything_is_built(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A width that cannot be allocated (or sent) is a ConfigError, not torch's allocator
+    failing deep inside the bottom model's construction."""
+    from secure_vfl.cli import main
+    from secure_vfl.methods.base import MAX_REPRESENTATION_DIM
+
+    MethodConfig(representation_dim=MAX_REPRESENTATION_DIM)  # the widest is accepted
+    with pytest.raises(ConfigError, match=r"`representation_dim` must be at most 65536\. Found"):
+        MethodConfig(representation_dim=MAX_REPRESENTATION_DIM + 1)
+    argv = ["train", "--method", "laser", "--dataset", "breast-cancer", "--quiet"]
+    assert main([*argv, "--representation-dim", "99999999999"]) == 2
+    assert "`representation_dim` must be at most 65536" in capsys.readouterr().err

@@ -68,6 +68,8 @@ CHECKPOINT = "checkpoint"
 after the step it names, or (a deployment) while the model was saved after it, so its part was
 not saved, or when asked for its checkpoint of that step, so the commit of the step leaves it
 out (a rejoin is always training)."""
+MAX_REPRESENTATION_DIM = 65536
+"""The widest bottom-model output: a batch of 128 such rows is 32 MiB on the wire (limit 64)."""
 PartyMaker = Callable[[int, RoleFactory, dict[str, Tensor], nn.Module], Party]
 
 
@@ -138,6 +140,11 @@ class MethodConfig:
         _positive_int("epochs", self.epochs)
         _positive_int("batch_size", self.batch_size)
         _positive_int("representation_dim", self.representation_dim)
+        if self.representation_dim > MAX_REPRESENTATION_DIM:
+            raise ConfigError(
+                f"`representation_dim` must be at most {MAX_REPRESENTATION_DIM}. Found "
+                f"{self.representation_dim}."
+            )
         if isinstance(self.pretrain_epochs, bool) or not isinstance(self.pretrain_epochs, int):
             raise ConfigError(
                 f"`pretrain_epochs` must be an integer >= 0. Found {self.pretrain_epochs!r}."
