@@ -2119,11 +2119,11 @@ def run_runs(args: argparse.Namespace) -> int:
     """`secure-vfl runs list|compare`: a table of stored runs, or of the given run directories."""
     import dataclasses
 
-    from secure_vfl.runs import read_run, summarise, table
+    from secure_vfl.runs import summarise, summarise_run, table
 
     if args.runs_command == "compare":
-        payloads = [read_run(directory) for directory in args.dirs]
-        print(table([str(d) for d in args.dirs], [summarise(p) for p in payloads]))
+        summaries = [summarise_run(directory) for directory in args.dirs]
+        print(table([str(d) for d in args.dirs], summaries))
         return 0
     from secure_vfl.store import ResultsStore
 

@@ -91,27 +91,52 @@ def summarise(payload: dict[str, Any], *, kind: str = "train") -> RunSummary:
     """The summary of a ``result.json`` payload of ``train`` (or of ``attack``, whose training
     run is summarised, with its defenses), or of a results-store entry of either."""
     if "training" in payload:  # an attack's result.json
-        training = dict(payload["training"])
-        training["metrics"] = {"main": payload.get("main", {})}
-        defenses = list(payload.get("defenses") or [])
-        training["config"] = {**training.get("config", {}), "defense": ", ".join(defenses)}
+        training = dict(_object(payload, "training"))
+        training["metrics"] = {"main": _object(payload, "main")}
+        defenses = payload.get("defenses") or []
+        if not (isinstance(defenses, list) and all(isinstance(d, str) for d in defenses)):
+            raise ConfigError(f"defenses: a list of names expected, found {defenses!r:.60}.")
+        config = _object(training, "config", "training.config")
+        training["config"] = {**config, "defense": ", ".join(defenses)}
         return summarise(training, kind=kind)
-    config = payload.get("config", {})
-    settings = config.get("privacy") or {}
-    report = payload.get("privacy") or {}
-    epsilon = report.get("epsilon") or {}
+    config = _object(payload, "config")
+    settings = _object(config, "privacy", "config.privacy")
+    report = _object(payload, "privacy")
+    epsilon = _object(report, "epsilon", "privacy.epsilon")
+    if not all(_is_number(value) for value in epsilon.values()):
+        raise ConfigError(f"privacy.epsilon: a number per party expected, found {epsilon!r:.80}.")
+    wall_time_s = payload.get("wall_time_s")
+    if wall_time_s is not None and not _is_number(wall_time_s):
+        raise ConfigError(f"wall_time_s: a number expected, found {wall_time_s!r:.40}.")
     return RunSummary(
         kind=kind,
         method=str(payload.get("method", config.get("method", "?"))),
         dataset=str(payload.get("dataset", "?")),
-        backend=_backend(config, settings, payload.get("traffic") or {}),
+        backend=_backend(config, settings, _object(payload, "traffic")),
         dp=_dp(config, settings, report),
         epsilon=max(epsilon.values()) if epsilon else None,
-        accuracy=_accuracy(payload.get("metrics") or {}),
-        wall_time_s=payload.get("wall_time_s"),
+        accuracy=_accuracy(_object(payload, "metrics")),
+        wall_time_s=wall_time_s,
         seed=config.get("seed"),
         parties=_user_party_names(payload.get("parties")),
     )
+
+
+def _object(mapping: dict[str, Any], key: str, name: str | None = None) -> dict[str, Any]:
+    """``mapping[key]``, an object ({} where it is absent or null); ConfigError naming the
+    field (``name``, by default ``key``) for anything else."""
+    value = mapping.get(key)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ConfigError(
+            f"{name or key}: an object expected, found {type(value).__name__} {value!r:.40}."
+        )
+    return value
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _user_party_names(mapping: Any) -> tuple[str, ...]:
@@ -134,20 +159,28 @@ def _backend(config: dict[str, Any], settings: dict[str, Any], traffic: dict[str
 def _dp(config: dict[str, Any], settings: dict[str, Any], report: dict[str, Any]) -> str:
     """The DP mechanisms that ran, with the noise actually used (after a target epsilon's
     calibration), from the privacy report; else as given in the settings or defenses."""
-    noise = report.get("noise") or {}
+    noise = _object(report, "noise", "privacy.noise")
     parts = []
     for setting, reported, shown in _DP_FLAGS:
-        used = noise.get(reported)
-        if used is not None:
-            parts.append(f"{shown} {used['sigma']:.3g}:{used['clip']:g}")
-        elif settings.get(setting) is not None:
-            sigma, clip = settings[setting]
-            parts.append(f"{shown} {sigma:.3g}:{clip:g}")
+        used = _object(noise, reported, f"privacy.noise.{reported}")
+        pair = (used.get("sigma"), used.get("clip")) if used else settings.get(setting)
+        if pair is None:
+            continue
+        if not (isinstance(pair, list | tuple) and len(pair) == 2 and all(map(_is_number, pair))):
+            where = f"privacy.noise.{reported}" if used else f"config.privacy.{setting}"
+            raise ConfigError(f"{where}: a sigma and a clip expected, found {pair!r:.60}.")
+        sigma, clip = pair
+        parts.append(f"{shown} {sigma:.3g}:{clip:g}")
     for defense in str(config.get("defense") or "").split(", "):
         if defense.startswith("dp-") and not parts:
             parts.append(defense)
-    if settings.get("target_epsilon") is not None:
-        parts.append(f"target {settings['target_epsilon']:g}")
+    target = settings.get("target_epsilon")
+    if target is not None:
+        if not _is_number(target):
+            raise ConfigError(
+                f"config.privacy.target_epsilon: a number expected, found {target!r:.40}."
+            )
+        parts.append(f"target {target:g}")
     return ", ".join(parts) or "none"
 
 
@@ -174,6 +207,16 @@ def read_run(directory: Path) -> dict[str, Any]:
             f"{path} is not the result of a training run (train or attack); expected one."
         )
     return payload
+
+
+def summarise_run(directory: Path) -> RunSummary:
+    """The summary of the run in ``directory`` (:func:`read_run`, :func:`summarise`);
+    ConfigError naming its ``result.json`` and the field that does not read."""
+    payload = read_run(directory)
+    try:
+        return summarise(payload)
+    except ConfigError as error:
+        raise ConfigError(f"{Path(directory) / 'result.json'}: {error}") from None
 
 
 def table(names: list[str], summaries: list[RunSummary]) -> str:

@@ -218,3 +218,27 @@ def test_compare_refuses_a_directory_without_a_training_result(
     assert "holds no result.json; expected a run directory" in capsys.readouterr().err
     assert main(["runs", "list", "--store", str(tmp_path / "none.sqlite")]) == 2
     assert "no results store at" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"config": 1.5}, "config: an object expected, found float"),
+        ({"metrics": [1]}, "metrics: an object expected, found list"),
+        ({"privacy": {"epsilon": {"party-0": "x"}}}, "privacy.epsilon: a number per party"),
+        ({"privacy": {"noise": True}}, "privacy.noise: an object expected, found bool"),
+        ({"privacy": {"noise": {"gradient": {"sigma": 1}}}}, "privacy.noise.gradient: a sigma"),
+        ({"config": {"privacy": {"dp_gradients": 3}}}, "config.privacy.dp_gradients: a sigma"),
+        ({"wall_time_s": {}}, "wall_time_s: a number expected"),
+    ],
+)
+def test_compare_refuses_a_malformed_result_naming_the_file_and_the_field(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], change: dict[str, object], message: str
+) -> None:
+    """A result.json edited by hand is the user's file: a field of another shape is one line
+    naming it, not a traceback from formatting the table."""
+    result = {"epoch_loss": [1.0], "method": "laser", "metrics": {}, "wall_time_s": 1.0}
+    (tmp_path / "result.json").write_text(json.dumps({**result, **change}))
+    assert main(["runs", "compare", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(tmp_path / "result.json") in err and message in err
