@@ -950,13 +950,18 @@ def _read_ids(path: Path, column: str) -> list[str]:
     import csv
     from collections import Counter
 
-    with path.open(newline="", encoding="utf-8") as handle:
-        reader = csv.DictReader(handle)
-        if reader.fieldnames is None or column not in reader.fieldnames:
-            raise ConfigError(
-                f"expected a column {column!r} in {path}. Found columns {reader.fieldnames}."
-            )
-        ids = [row[column] or "" for row in reader]
+    try:
+        with path.open(newline="", encoding="utf-8") as handle:
+            reader = csv.DictReader(handle, strict=True)
+            if reader.fieldnames is None:
+                raise ConfigError(f"expected a CSV file with a column {column!r}: {path} is empty.")
+            if column not in reader.fieldnames:
+                raise ConfigError(
+                    f"expected a column {column!r} in {path}. Found columns {reader.fieldnames}."
+                )
+            ids = [row[column] or "" for row in reader]
+    except (UnicodeDecodeError, csv.Error) as error:
+        raise ConfigError(f"{path}: a UTF-8 CSV file expected ({error}).") from None
     if "" in ids:
         raise ConfigError(
             f"{path}: every row must have an id in column {column!r}. Found an empty one at "

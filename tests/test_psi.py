@@ -320,6 +320,27 @@ def test_cli_psi_writes_the_intersection(tmp_path, capsys):
     assert "expected a column 'name'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", "expected a CSV file with a column 'id': "),
+        (b'id\n"unterminated\n', "a UTF-8 CSV file expected (unexpected end of data)"),
+        (b"\xff\xfeid\na\n", "a UTF-8 CSV file expected ('utf-8' codec can't decode"),
+    ],
+)
+def test_psi_command_refuses_an_unreadable_id_file_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], content: bytes, message: str
+) -> None:
+    from secure_vfl.cli import main
+
+    (tmp_path / "mine.csv").write_text("id\na\nb\n", encoding="utf-8")
+    (tmp_path / "theirs.csv").write_bytes(content)
+    argv = ["psi", "--mine", str(tmp_path / "mine.csv"), "--theirs", str(tmp_path / "theirs.csv")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err and "theirs.csv" in err
+
+
 def test_psi_command_writes_only_the_intersection(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     from secure_vfl.cli import main
 
