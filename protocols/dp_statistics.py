@@ -54,9 +54,10 @@ import torch
 
 from protocols.dp import EventCallback, GaussianRelease, PrivacyAccountant, clip_rows
 from protocols.noise import NoiseSource, noise_source
-from protocols.party_privacy import SECURE_SOURCE, check_guarantees, check_keys
+from protocols.party_privacy import SECURE_SOURCE, check_guarantees
 from secure_vfl.data.imputation import ClientData
 from secure_vfl.errors import ConfigError, DataError, ProtocolError
+from secure_vfl.io import check_keys
 from secure_vfl.methods.imputation.statistics import FeatureRanges, ReleaseTerms
 
 if TYPE_CHECKING:

@@ -47,6 +47,7 @@ from protocols.sum_range import DivergenceGuard, RangedHalf, SumRange
 from secure_vfl.errors import ConfigError, ProtocolError
 from secure_vfl.federation.messages import Message, RepresentRequest
 from secure_vfl.federation.parties import DataParty
+from secure_vfl.io import check_keys
 
 Noise = tuple[float, float]
 PARTY_MECHANISMS: tuple[str, ...] = ("embedding", "gradient", "dp-sgd", "exposure")
@@ -174,20 +175,9 @@ def _is_int(value: Any) -> bool:
 
 def _keys(body: Any, what: str, expected: Mapping[str, type | tuple[type, ...]]) -> dict[str, Any]:
     """``body`` as a dict with exactly the keys ``expected``, each of its type."""
-    if not isinstance(body, dict) or set(body) != set(expected):
-        found = sorted(body) if isinstance(body, dict) else type(body).__name__
-        raise ProtocolError(
-            f"setup: the `{what}` part: keys {sorted(expected)} expected; found {found}."
-        )
-    for key, kind in expected.items():
-        value = body[key]
-        wrong_bool = isinstance(value, bool) and kind is not bool
-        if not isinstance(value, kind) or wrong_bool:
-            raise ProtocolError(
-                f"setup: the `{what}` part: `{key}` of type {kind} expected; found "
-                f"{type(value).__name__}."
-            )
-    return body
+    return check_keys(
+        body, expected, refuse=lambda wrong: ProtocolError(f"setup: the `{what}` part: {wrong}.")
+    )
 
 
 def _expect(holds: bool, expected: str, found: Any) -> None:
@@ -505,24 +495,6 @@ ENTRY_KEYS: Mapping[str, type | tuple[type, ...]] = {
     "exposed": dict,
     "noise_source": str,
 }
-
-
-def check_keys(
-    body: Any,
-    expected: Mapping[str, type | tuple[type, ...]],
-    *,
-    refuse: Callable[[str], ProtocolError],
-) -> dict[str, Any]:
-    """``body``, checked as another party's JSON: a dict with exactly the keys ``expected``,
-    each of its type (a bool is not a number); else raise ``refuse(what is wrong)``."""
-    if not isinstance(body, dict) or set(body) != set(expected):
-        found = sorted(body) if isinstance(body, dict) else type(body).__name__
-        raise refuse(f"keys {sorted(expected)} expected, found {found}")
-    for key, kind in expected.items():
-        value = body[key]
-        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
-            raise refuse(f"`{key}` of type {kind} expected, found {type(value).__name__}")
-    return body
 
 
 def check_guarantees(

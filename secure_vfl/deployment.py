@@ -147,7 +147,7 @@ from secure_vfl.federation.federation_file import Federation
 from secure_vfl.federation.messages import AGGREGATOR, DeploymentMessage, Message
 from secure_vfl.federation.network import PROBE_SECONDS, NetworkChannel, PartyEndpoint
 from secure_vfl.federation.parties import ROLES, DataParty, Party, make_aggregation_server
-from secure_vfl.io import atomic_directory, parse_json
+from secure_vfl.io import atomic_directory, check_keys, parse_json
 from secure_vfl.saved_model import (
     DATA_PARTY_ROLE,
     KEPT_BY_PARTY,
@@ -307,19 +307,9 @@ def _body(message: Message, topic: str, expected: Mapping[str, type | tuple[type
     if not isinstance(message, DeploymentMessage) or message.topic != topic:
         found = getattr(message, "topic", message.kind)
         raise ProtocolError(f"a deployment {topic!r} message expected; found {found!r}.")
-    body = parse_json(message.body, f"{topic} from {message.sender}", error=ProtocolError)
-    if not isinstance(body, dict) or set(body) != set(expected):
-        keys = sorted(body) if isinstance(body, dict) else type(body).__name__
-        raise ProtocolError(
-            f"{topic} from {message.sender}: keys {sorted(expected)} expected, found {keys}."
-        )
-    for key, kind in expected.items():
-        if not isinstance(body[key], kind) or (isinstance(body[key], bool) and kind is int):
-            raise ProtocolError(
-                f"{topic} from {message.sender}: `{key}` of type {kind} expected, found "
-                f"{type(body[key]).__name__}."
-            )
-    return body
+    where = f"{topic} from {message.sender}"
+    body = parse_json(message.body, where, error=ProtocolError)
+    return check_keys(body, expected, refuse=lambda wrong: ProtocolError(f"{where}: {wrong}."))
 
 
 def _rows(value: Any, what: str, *, low: int, high: int) -> np.ndarray:

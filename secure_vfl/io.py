@@ -7,7 +7,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,34 @@ def parse_json(text: str | bytes, where: str, *, error: type[SecureVFLError] = D
         raise error(f"{where}: JSON expected ({problem}).") from None
     except RecursionError:
         raise error(f"{where}: JSON expected (nested too deeply to read).") from None
+
+
+def check_keys(
+    body: Any,
+    expected: Mapping[str, type | tuple[type, ...]],
+    *,
+    refuse: Callable[[str], Exception],
+    exact: bool = True,
+) -> dict[str, Any]:
+    """``body``, checked as JSON read from another party or a file: a dict with the keys
+    ``expected`` (exactly those, or with ``exact=False`` any of them, the rest left to whoever
+    reads it), each of its type, a bool only where a bool is expected; else raise
+    ``refuse(what is wrong)``."""
+    if not isinstance(body, dict) or (exact and set(body) != set(expected)):
+        found = sorted(body) if isinstance(body, dict) else type(body).__name__
+        raise refuse(f"keys {sorted(expected)} expected, found {found}")
+    for key, kind in expected.items():
+        if key not in body:
+            continue
+        value = body[key]
+        if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+            kinds = kind if isinstance(kind, tuple) else (kind,)
+            name = " or ".join("null" if k is type(None) else k.__name__ for k in kinds)
+            raise refuse(
+                f"`{key}` of type {name} expected, found {type(value).__name__} "
+                f"{json.dumps(value, default=str)[:60]}"
+            )
+    return body
 
 
 def atomic_write_json(path: Path, payload: Any) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -46,7 +46,7 @@ from secure_vfl.federation.aggregator import SumBackend
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.parties import DataParty
 from secure_vfl.federation.parts import ClassValue
-from secure_vfl.io import atomic_write, atomic_write_json, parse_json
+from secure_vfl.io import atomic_write, atomic_write_json, check_keys, parse_json
 from secure_vfl.methods.base import in_process_parties
 from secure_vfl.methods.false_vfl import FalseVflConfig
 
@@ -120,7 +120,7 @@ class Manifest:
                 f"(this secure-vfl reads only those), found {payload.get('version')!r}."
             )
         body = {k: v for k, v in payload.items() if k not in ("schema", "version")}
-        _check_types(body, _MANIFEST_TYPES, where)
+        check_keys(body, _MANIFEST_TYPES, refuse=_refusal(where), exact=False)
         if body.get("seed", 0) < 0 or body.get("num_classes", 2) < 2:
             raise DataError(
                 f"{where}: a seed >= 0 and num_classes >= 2 expected, found "
@@ -168,23 +168,10 @@ MAX_BLOCK_DIMS = 4
 """A block's sample shape: features, or an image's channels, height and width."""
 
 
-def _check_types(
-    body: Mapping[str, Any], types: Mapping[str, type | tuple[type, ...]], where: str
-) -> None:
-    """Refuse a value of ``body`` that is not of its key's type (a bool is not an int); a
-    missing or unknown key is left to the dataclass, which refuses it."""
-    for key, kind in types.items():
-        if key not in body:
-            continue
-        value = body[key]
-        if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
-            names = (
-                kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-            )
-            raise DataError(
-                f"{where}: {key} of type {names} expected, found {type(value).__name__} "
-                f"{json.dumps(value)[:60]}."
-            )
+def _refusal(where: str) -> Callable[[str], DataError]:
+    """What a manifest's refusals raise: ``DataError`` naming the file (a missing or unknown key
+    is left to the dataclass, which refuses it)."""
+    return lambda wrong: DataError(f"{where}: {wrong}.")
 
 
 def _block_shape(shape: Any, where: str) -> tuple[int, ...]:
@@ -203,7 +190,7 @@ def _block_shape(shape: Any, where: str) -> tuple[int, ...]:
 def _entry(payload: Any, where: str) -> PartEntry:
     if not isinstance(payload, dict):
         raise DataError(f"{where}: a party entry (an object) expected, found {payload!r:.60}.")
-    _check_types(payload, _ENTRY_TYPES, where)
+    check_keys(payload, _ENTRY_TYPES, refuse=_refusal(where), exact=False)
     entry = PartEntry(**payload)
     files = entry.files
     if (

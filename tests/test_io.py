@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 from pathlib import Path
 
 import pytest
 
 from secure_vfl.errors import DataError, ProtocolError
-from secure_vfl.io import atomic_directory, atomic_write, atomic_write_json, parse_json
+from secure_vfl.io import (
+    atomic_directory,
+    atomic_write,
+    atomic_write_json,
+    check_keys,
+    parse_json,
+)
 
 
 def test_atomic_write_json_writes_readable_ordinary_files(tmp_path: Path) -> None:
@@ -101,3 +108,30 @@ def test_parse_json_refuses_what_is_not_json_with_the_error_asked_for(
 def test_parse_json_reads_text_and_utf8_bytes() -> None:
     assert parse_json('{"é": [1, 2.5, null]}', "w") == {"é": [1, 2.5, None]}
     assert parse_json('{"é": true}'.encode(), "w") == {"é": True}
+
+
+def test_check_keys_wants_each_key_of_its_type_and_a_bool_only_where_asked() -> None:
+    types: dict[str, type | tuple[type, ...]] = {"n": int, "x": float, "note": (str, type(None))}
+
+    def refuse(wrong: str) -> ProtocolError:
+        return ProtocolError(wrong)
+
+    good = {"n": 3, "x": 0.5, "note": None}
+    assert check_keys(good, types, refuse=refuse) is good
+    cases = [
+        ({**good, "n": True}, "`n` of type int expected, found bool true"),
+        ({**good, "x": False}, "`x` of type float expected, found bool false"),
+        ({**good, "note": 1}, "`note` of type str or null expected, found int 1"),
+        ({"n": 3}, "keys ['n', 'note', 'x'] expected, found ['n']"),
+        ([1], "keys ['n', 'note', 'x'] expected, found list"),
+    ]
+    for body, message in cases:
+        with pytest.raises(ProtocolError, match=re.escape(message)):
+            check_keys(body, types, refuse=refuse)
+    # Not exact: absent keys are the reader's to refuse; present ones are still checked.
+    assert check_keys({"n": 3, "other": []}, types, refuse=refuse, exact=False) == {
+        "n": 3,
+        "other": [],
+    }
+    with pytest.raises(ProtocolError, match="`n` of type int expected"):
+        check_keys({"n": "3"}, types, refuse=refuse, exact=False)

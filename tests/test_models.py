@@ -304,14 +304,14 @@ def _set(manifest: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
 @pytest.mark.parametrize(
     ("path", "value", "message"),
     [
-        (("seed",), True, "seed of type int expected, found bool"),
+        (("seed",), True, "`seed` of type int expected, found bool"),
         (("seed",), -1, "a seed >= 0 and num_classes >= 2 expected"),
-        (("num_classes",), [2], "num_classes of type int expected, found list"),
+        (("num_classes",), [2], "`num_classes` of type int expected, found list"),
         (("num_classes",), 1, "a seed >= 0 and num_classes >= 2 expected"),
-        (("method",), 3, "method of type str expected, found int"),
+        (("method",), 3, "`method` of type str expected, found int"),
         (("block_shapes", 0), [-1], "a block shape of 1 to 4 sizes >= 1 expected"),
         (("block_shapes", 0), [1] * 65, "a block shape of 1 to 4 sizes >= 1 expected"),
-        (("parties", 1, "name"), {"a": 1}, "name of type str expected, found dict"),
+        (("parties", 1, "name"), {"a": 1}, "`name` of type str expected, found dict"),
         (("parties", 1), "party-1", "a party entry (an object) expected"),
     ],
 )
