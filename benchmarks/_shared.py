@@ -31,6 +31,15 @@ def run_jobs(
         ]
 
 
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment of a ``python -m secure_vfl`` child: this checkout first on the path,
+    then whatever ``PYTHONPATH`` already held (packages installed beside the interpreter's
+    own), one torch thread, and ``extra``."""
+    root = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
+
+
 def command_line(script: str, argv: Sequence[str] | None) -> str:
     """The command that reproduces this run, as committed beside its results."""
     args = " ".join(argv if argv is not None else sys.argv[1:])

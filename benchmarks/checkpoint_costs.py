@@ -35,9 +35,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _shared import command_line, write_outputs
+from _shared import child_env, command_line, write_outputs
 
-ROOT = Path(__file__).resolve().parents[1]
 BASE = [
     "--method", "laser", "--dataset", "satellite", "--parties", "4", "--heads", "active",
     "--batch-size", "128", "--seed", "0", "--dp-embeddings", "1.0:1.0",
@@ -54,7 +53,7 @@ RUN_SECONDS = 900.0
 
 def run_once(config: str, epochs: int, out: Path) -> dict[str, Any]:
     """One command-line run: its wall time and the releases its parties journaled."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = child_env()
     args = [sys.executable, "-m", "secure_vfl", "train", *BASE, *CONFIGS[config]]
     args += ["--epochs", str(epochs), "--out", str(out)]
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=RUN_SECONDS)

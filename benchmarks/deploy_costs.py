@@ -21,6 +21,12 @@ and killed by it in a ``finally``; ports are free ones picked at run time, on 12
 
     python benchmarks/deploy_costs.py            # the committed configuration
     python benchmarks/deploy_costs.py --quick    # a smoke run: 1 epoch, 1 repeat, no output
+
+On a machine without the packaged dataset (or the ``cryptography`` package), write the party
+files and certificates where it is installed and run on the other machine from that copy:
+
+    python benchmarks/deploy_costs.py --write-site SITE      # here: files and certificates
+    python benchmarks/deploy_costs.py --site SITE --stem deploy_costs_NAME   # there
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -37,10 +45,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _shared import Processes, command_line, write_outputs
+from _shared import Processes, child_env, command_line, write_outputs
 
-ROOT = Path(__file__).resolve().parents[1]
 PARTIES = ("bank", "shop", "insurer", "telco")  # the label party first
+PROCESSES = len(PARTIES) + 1  # a deployment: every party and the aggregation server
 MODES = ("in-process", "grpc+mtls", "grpc")
 SUMS = ("plain", "masks")
 METHOD_FLAGS = ("--method", "laser", "--heads", "active", "--seed", "0", "--quiet")
@@ -71,6 +79,52 @@ def write_site(directory: Path) -> None:
         frame.to_csv(directory / f"{name}.csv", index=False)
     pd.DataFrame({"id": ids, "label": labels}).to_csv(directory / "labels.csv", index=False)
     make_federation(directory / "certs", [*PARTIES, "aggregator"])
+
+
+def add_site_arguments(parser: argparse.ArgumentParser, stem: str) -> None:
+    """``--stem``, ``--write-site`` and ``--site``: results under another name, and the party
+    files made on one machine and run on another (one without the dataset's package)."""
+    parser.add_argument("--stem", default=stem, help="the results' file names: STEM.md, STEM.json")
+    parser.add_argument(
+        "--write-site",
+        type=Path,
+        metavar="DIR",
+        help="write the party files and certificates to DIR (a new directory) and stop",
+    )
+    parser.add_argument(
+        "--site",
+        type=Path,
+        metavar="DIR",
+        help="run on a copy of the party files and certificates that --write-site wrote to DIR",
+    )
+
+
+def wrote_site_only(parser: argparse.ArgumentParser, args: argparse.Namespace) -> bool:
+    """Write the site if ``--write-site`` asks (then the script stops); check ``--site``'s."""
+    if args.write_site is not None:
+        args.write_site.mkdir(parents=True, exist_ok=False)
+        write_site(args.write_site)
+        print(f"wrote the party files and certificates to {args.write_site}")
+        return True
+    if args.site is not None:
+        wanted = [f"{name}.csv" for name in PARTIES] + ["labels.csv", "certs/ca.pem"]
+        missing = [name for name in wanted if not (args.site / name).is_file()]
+        if missing:
+            parser.error(f"--site {args.site}: expected what --write-site writes; no {missing}")
+    return False
+
+
+def make_site(args: argparse.Namespace, scratch: Path) -> Path:
+    """The runs' directory under ``scratch``: a copy of ``--site``, or the files written anew."""
+    site = scratch / "site"
+    if args.site is not None:
+        shutil.copytree(args.site, site)
+        for key in (site / "certs").glob("*.key"):
+            key.chmod(0o600)  # a copy across machines may lose the keys' mode
+    else:
+        site.mkdir()
+        write_site(site)
+    return site
 
 
 def write_federation(directory: Path) -> Path:
@@ -117,7 +171,7 @@ def run_once(site: Path, mode: str, sums: str, epochs: int, out: Path) -> dict[s
     """One run of ``mode`` with ``sums``: its result.json and the label party's command time."""
     # One torch thread per process, in every mode (the in-process run too): five processes with
     # a torch thread per core each oversubscribe a small machine.
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "GRPC_VERBOSITY": "NONE", "OMP_NUM_THREADS": "1"}
+    env = child_env(GRPC_VERBOSITY="NONE")
     flags = [*_run_flags(sums, epochs), "--out", str(out)]
     with Processes(cwd=site, env=env) as processes:
         if mode == "in-process":
@@ -227,6 +281,24 @@ def verdicts(rows: list[dict[str, Any]]) -> list[tuple[str, str, float, float]]:
     return found
 
 
+def machine() -> str:
+    """The machine's cores, processor and the versions a timing depends on, in one line."""
+    import torch
+
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (
+        f"{os.cpu_count()} cores ({model}), Python {platform.python_version()}, "
+        f"torch {torch.__version__}"
+    )
+
+
 def _analysis(rows: list[dict[str, Any]], figures: dict[str, float] | None) -> list[str]:
     """Where a deployed epoch's time goes: the round trips per step against the extra time."""
     if figures is None:
@@ -271,16 +343,29 @@ def _analysis(rows: list[dict[str, Any]], figures: dict[str, float] | None) -> l
     lines += [
         "",
         "The predicted column is the transport alone as if every message waited for the one "
-        "before (`grpc_costs.py`'s round trip, nothing else running); with a step's requests "
-        "in flight together the transport's own share is smaller than that, so most of the "
-        "extra time is what five processes on this machine's two cores add: each message "
-        "waits for the receiving process to be scheduled and its handler to run while the "
-        "others compete for the same cores (on their own machines, as in a real deployment, "
-        "the parties would not). Here the five processes' CPU is most of what the two cores "
-        "can give (`deploy_cpu.md`), so what would close more of it is mostly less CPU per "
-        "message (a long-lived stream per peer instead of a call per delivery: "
-        "`grpc_floor.md`) rather than more overlap.",
+        "before (`grpc_costs.py`'s round trip on the machine of `grpc_costs.md`, nothing else "
+        "running); with a step's requests in flight together the transport's own share is "
+        "smaller than that.",
     ]
+    cores = os.cpu_count() or 1
+    if cores < PROCESSES:
+        lines[-1] += (
+            f" So most of the extra time is what {PROCESSES} processes on this machine's "
+            f"{cores} cores add: each message waits for the receiving process to be scheduled and "
+            "its handler to run while the others compete for the same cores (on their own "
+            "machines, as in a real deployment, the parties would not). Their CPU is most of "
+            "what the cores can give (`deploy_cpu.md`), so what would close more of it is "
+            "mostly less CPU per message (a long-lived stream per peer instead of a call per "
+            "delivery: `grpc_floor.md`) rather than more overlap."
+        )
+    else:
+        lines[-1] += (
+            f" This machine has a core for each of the {PROCESSES} processes, as a deployment "
+            "with a machine per party has, so the extra time is mostly the transport's latency "
+            "on a step's critical path (the label party's requests, the data parties' answers "
+            "to the aggregator, its sum to the label party) and the CPU each message costs "
+            "its receiver (`grpc_floor.md`)."
+        )
     return lines
 
 
@@ -334,7 +419,7 @@ def _table(
     lines += [
         "",
         f"Medians of {repeats} repeats; within each repeat the six configurations ran one after "
-        f"the other. The machine ({os.cpu_count()} cores) was shared with other work: load "
+        f"the other. The machine: {machine()}. Its load "
         f"average (1, 5, 15 minutes) {load[0][0]:.1f}, {load[0][1]:.1f}, {load[0][2]:.1f} at "
         f"the start and {load[1][0]:.1f}, {load[1][1]:.1f}, {load[1][2]:.1f} at the end, so "
         "absolute times are noisy; the ratios are taken within this one run of the script.",
@@ -351,13 +436,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="1 epoch x 1 repeat, no output")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    add_site_arguments(parser, "deploy_costs")
     args = parser.parse_args(argv)
+    if wrote_site_only(parser, args):
+        return 0
     epochs, repeats = (1, 1) if args.quick else (args.epochs, args.repeats)
     load_before = os.getloadavg()
     runs = []
     with tempfile.TemporaryDirectory() as scratch:
-        site = Path(scratch)
-        write_site(site)
+        site = make_site(args, Path(scratch))
         for repeat in range(repeats):
             for sums in SUMS:
                 for mode in MODES:
@@ -373,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = _table(rows, argv, (load_before, os.getloadavg()), epochs)
     print(text)
     if not args.quick:
-        write_outputs(args.out, "deploy_costs", text, {"rows": rows, "runs": runs})
+        write_outputs(args.out, args.stem, text, {"rows": rows, "runs": runs})
     return 0
 
 

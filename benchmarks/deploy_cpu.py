@@ -30,8 +30,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _shared import command_line, write_outputs
-from deploy_costs import PARTIES, ROOT, SUMS, _run_flags, _svfl, write_federation, write_site
+from _shared import child_env, command_line, write_outputs
+from deploy_costs import (
+    PARTIES,
+    SUMS,
+    _run_flags,
+    _svfl,
+    add_site_arguments,
+    machine,
+    make_site,
+    write_federation,
+    wrote_site_only,
+)
 
 RUN_SECONDS = 600.0
 
@@ -48,7 +58,7 @@ def _reaped(process: subprocess.Popen[bytes], what: str, log: Path) -> float:
 
 def run_once(site: Path, mode: str, sums: str, epochs: int, out: Path) -> dict[str, Any]:
     """One run: the CPU seconds of each process and the training wall time."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "GRPC_VERBOSITY": "NONE", "OMP_NUM_THREADS": "1"}
+    env = child_env(GRPC_VERBOSITY="NONE")
     flags = [*_run_flags(sums, epochs), "--out", str(out)]
     started: list[tuple[str, subprocess.Popen[bytes], Path]] = []
 
@@ -135,7 +145,8 @@ def _table(rows: list[dict[str, Any]], argv: Sequence[str] | None, epochs: tuple
         f"Medians of {repeats} repeats. A step cannot take less wall time than its CPU time over "
         f"the machine's {cores} cores, so the last column, the deployed step's CPU over {cores} "
         "cores against the in-process step's wall time, is the least the deployed/in-process "
-        "ratio can be on this machine however the messages overlap (the issue's target: 1.5x).",
+        "ratio can be on this machine however the messages overlap (the issue's target: 1.5x). "
+        f"The machine: {machine()}.",
     ]
     return "\n".join(lines) + "\n"
 
@@ -147,15 +158,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="1 and 2 epochs, 1 repeat, no output")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    add_site_arguments(parser, "deploy_cpu")
     args = parser.parse_args(argv)
+    if wrote_site_only(parser, args):
+        return 0
     short, long = (1, 2) if args.quick else (args.short, args.long)
     repeats = 1 if args.quick else args.repeats
     if not 0 < short < long:
         parser.error(f"--short < --long, both >= 1, expected; found {short} and {long}.")
     measured: dict[tuple[str, str], list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as scratch:
-        site = Path(scratch)
-        write_site(site)
+        site = make_site(args, Path(scratch))
         for repeat in range(repeats):
             for sums in SUMS:
                 for mode in ("in-process", "grpc+mtls"):
@@ -194,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = _table(rows, argv, (short, long))
     print(text)
     if not args.quick:
-        write_outputs(args.out, "deploy_cpu", text, {"rows": rows, "runs": list(measured.items())})
+        write_outputs(args.out, args.stem, text, {"rows": rows, "runs": list(measured.items())})
     return 0
 
 
