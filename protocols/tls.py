@@ -41,7 +41,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -201,12 +201,34 @@ def _check_request(parties: Sequence[str], hosts: Sequence[str], days: int) -> N
         raise ConfigError(f"a validity of >= 1 day expected. Found {days}.")
 
 
+# What reading a PEM file, or a part of the certificate in it, raises when the file is not one
+# (cryptography parses a certificate's public key and extensions when they are first asked for).
+_UNREADABLE = (
+    OSError,
+    ValueError,
+    TypeError,
+    UnsupportedAlgorithm,
+    x509.DuplicateExtension,
+    x509.UnsupportedGeneralNameType,
+)
+
+
+def load_certificate(data: bytes) -> x509.Certificate:
+    """A PEM certificate with every part the checks read parsed now, so that a malformed one
+    fails here, as unreadable, rather than in the check that first reads the part."""
+    certificate = x509.load_pem_x509_certificate(data)
+    certificate.public_key()
+    for part in ("extensions", "subject", "issuer", "not_valid_before_utc", "not_valid_after_utc"):
+        getattr(certificate, part)
+    return certificate
+
+
 def _load_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """The CA of ``directory`` and its key (to issue more party certificates)."""
     try:
-        ca = x509.load_pem_x509_certificate((directory / CA_CERT).read_bytes())
+        ca = load_certificate((directory / CA_CERT).read_bytes())
         key = serialization.load_pem_private_key((directory / CA_KEY).read_bytes(), None)
-    except (OSError, ValueError, TypeError) as error:
+    except _UNREADABLE as error:
         raise ConfigError(
             f"{directory} holds a CA, but it cannot be read to issue certificates: {error}"
         ) from error
@@ -371,7 +393,7 @@ def _load(path: Path, loader: Callable[[bytes], object], what: str) -> tuple[obj
         return None, [Problem(path, f"missing ({what} expected).")]
     try:
         return loader(path.read_bytes()), []
-    except (OSError, ValueError, TypeError) as error:
+    except _UNREADABLE as error:
         return None, [Problem(path, f"not a PEM {what}: {error}")]
 
 
@@ -388,7 +410,7 @@ def check_party(
 ) -> list[Problem]:
     """What is wrong with party ``name``'s certificate and key in ``directory``."""
     cert_path, key_path = directory / f"{name}.pem", directory / f"{name}.key"
-    certificate, problems = _load(cert_path, x509.load_pem_x509_certificate, "certificate")
+    certificate, problems = _load(cert_path, load_certificate, "certificate")
     key, key_problems = _load(key_path, _load_key, "private key")
     problems += key_problems
     if key is not None:
@@ -406,7 +428,7 @@ def check_party(
 
 def _check_ca(directory: Path, now: datetime.datetime) -> tuple[object, list[Problem]]:
     path = directory / CA_CERT
-    ca, problems = _load(path, x509.load_pem_x509_certificate, "CA certificate")
+    ca, problems = _load(path, load_certificate, "CA certificate")
     if not isinstance(ca, x509.Certificate):
         return None, problems
     problems += _validity(path, ca, now)
@@ -458,4 +480,4 @@ def check_federation(
 
 def certificate_expiry(path: Path) -> datetime.datetime:
     """When the certificate at ``path`` expires (for reports)."""
-    return x509.load_pem_x509_certificate(path.read_bytes()).not_valid_after_utc
+    return load_certificate(path.read_bytes()).not_valid_after_utc

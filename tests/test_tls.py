@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import datetime
 import shutil
 import stat
@@ -232,6 +233,64 @@ def test_a_tls_identity_refuses_a_key_others_can_read(certs: Path) -> None:
     (certs / "bank.key").chmod(0o644)
     with pytest.raises(ConfigError, match="mode 0644: others may read the private key"):
         TlsIdentity.from_files(*paths)
+
+
+# P-256's object identifier (1.2.840.10045.3.1.7) as DER writes it, in a key and in a certificate's
+# public key; its last byte changed, a curve cryptography does not know.
+P256 = bytes.fromhex("06082a8648ce3d030107")
+UNKNOWN_CURVE = bytes.fromhex("06082a8648ce3d030115")
+
+
+def _rewrite_der(path: Path, old: bytes, new: bytes) -> None:
+    """Replace ``old`` by ``new`` (once) inside the DER that the PEM file at ``path`` holds."""
+    lines = path.read_bytes().strip().split(b"\n")
+    der = base64.b64decode(b"".join(lines[1:-1]))
+    assert der.count(old) == 1
+    body = base64.encodebytes(der.replace(old, new)).strip()
+    path.write_bytes(b"\n".join([lines[0], body, lines[-1]]) + b"\n")
+
+
+def _point(path: Path) -> bytes:
+    """The uncompressed EC point of the certificate at ``path``, as its DER holds it."""
+    public = x509.load_pem_x509_certificate(path.read_bytes()).public_key()
+    return public.public_bytes(
+        serialization.Encoding.X962, serialization.PublicFormat.UncompressedPoint
+    )
+
+
+def test_check_reports_certificates_and_keys_it_cannot_parse_rather_than_crash(
+    certs: Path,
+) -> None:
+    """cryptography parses a certificate's public key when first asked for it: a certificate
+    that loads may still hold a point off its curve, or a curve it does not know, and a key may
+    name such a curve. Each is a problem with the file named; found by fuzzing certs check."""
+    _rewrite_der(certs / "bank.key", P256, UNKNOWN_CURVE)
+    point = _point(certs / "shop.pem")
+    _rewrite_der(certs / "shop.pem", point, point[:-1] + bytes([point[-1] ^ 1]))  # off the curve
+    problems = _problems(certs)
+    assert f"{certs / 'bank.key'}: not a PEM private key: " in "\n".join(problems)
+    assert any(p.startswith(f"{certs / 'shop.pem'}: not a PEM certificate: ") for p in problems)
+    _rewrite_der(certs / "ca.pem", P256, UNKNOWN_CURVE)
+    (problem,) = _problems(certs)
+    assert problem.startswith(f"{certs / 'ca.pem'}: not a PEM CA certificate: ")
+    with pytest.raises(ConfigError, match="holds a CA, but it cannot be read"):
+        tls.make_federation(certs, ["insurer"])
+
+
+def test_a_tls_identity_refuses_files_that_are_not_a_certificate_and_its_key(certs: Path) -> None:
+    """gRPC, given them, would say only that it cannot listen on the address."""
+    ca, bank, key = certs / "ca.pem", certs / "bank.pem", certs / "bank.key"
+    with pytest.raises(ConfigError, match=r"shop\.key is not the private key of .*bank\.pem"):
+        TlsIdentity.from_files(ca, bank, certs / "shop.key")
+    key.write_bytes(b"-----BEGIN PRIVATE KEY-----\nbm90IGEga2V5\n-----END PRIVATE KEY-----\n")
+    with pytest.raises(ConfigError, match=r"bank\.key: a PEM private key without a passphrase"):
+        TlsIdentity.from_files(ca, bank, key)
+    point = _point(bank)
+    _rewrite_der(bank, point, point[:-1] + bytes([point[-1] ^ 1]))
+    with pytest.raises(ConfigError, match=r"bank\.pem: a PEM certificate expected"):
+        TlsIdentity.from_files(ca, bank, certs / "shop.key")
+    with pytest.raises(ConfigError, match=r"ca\.key: a PEM certificate expected"):
+        TlsIdentity.from_files(ca, certs / "ca.key", certs / "shop.key")
 
 
 def test_certs_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

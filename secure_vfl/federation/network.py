@@ -94,6 +94,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO, NoReturn
 
 import grpc
 from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
 from cryptography.x509.oid import NameOID
 
 from secure_vfl.errors import ConfigError, NotSetUpError, ProtocolError, TransportError
@@ -170,16 +172,30 @@ def check_party_name(name: str) -> str:
     return name
 
 
-def certificate_name(pem: bytes) -> str:
-    """The party a PEM certificate names: its subject's common name. ConfigError if it has
-    none, or more than one."""
+# What cryptography raises for a PEM file that is not a readable certificate or key (it parses
+# a certificate's subject and public key when they are first asked for).
+_UNREADABLE_PEM = (ValueError, TypeError, UnsupportedAlgorithm)
+
+
+def read_certificate(pem: bytes, where: str) -> x509.Certificate:
+    """The PEM certificate ``pem``, its subject and public key read; ConfigError naming
+    ``where`` if it is not one."""
     try:
         certificate = x509.load_pem_x509_certificate(pem)
-    except ValueError as error:
-        raise ConfigError(f"a PEM certificate expected: {error}") from error
-    names = [a.value for a in certificate.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+        certificate.subject  # noqa: B018 - parsed when first read: read here, where errors go
+        certificate.public_key()
+    except _UNREADABLE_PEM as error:
+        raise ConfigError(f"{where}: a PEM certificate expected: {error}") from error
+    return certificate
+
+
+def certificate_name(pem: bytes, where: str = "a certificate") -> str:
+    """The party a PEM certificate names: its subject's common name. ConfigError if it is not a
+    readable certificate, or names none or more than one (``where`` says which, in errors)."""
+    subject = read_certificate(pem, where).subject
+    names = [a.value for a in subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
     if len(names) != 1 or not isinstance(names[0], str):
-        raise ConfigError(f"a certificate with one common name expected. Found {names}.")
+        raise ConfigError(f"{where}: a certificate with one common name expected. Found {names}.")
     return names[0]
 
 
@@ -194,8 +210,8 @@ class TlsIdentity:
 
     @classmethod
     def from_files(cls, ca: Path, certificate: Path, key: Path) -> TlsIdentity:
-        """Read the three files; ConfigError if one is missing, or the key file lets anyone but
-        its owner read it."""
+        """Read the three files; ConfigError if one is missing or is not PEM of its kind, if the
+        key file lets anyone but its owner read it, or if the key is not the certificate's."""
         for path in (ca, certificate, key):
             if not path.is_file():
                 raise ConfigError(f"a PEM file expected at {path}. Found none.")
@@ -205,12 +221,33 @@ class TlsIdentity:
                 f"{key} has mode {mode:04o}: others may read the private key. Expected 0600 "
                 f"(chmod 600 {key})."
             )
-        return cls(ca.read_bytes(), certificate.read_bytes(), key.read_bytes())
+        identity = cls(ca.read_bytes(), certificate.read_bytes(), key.read_bytes())
+        identity._check(ca, certificate, key)
+        return identity
+
+    def _check(self, ca: Path, certificate: Path, key: Path) -> None:
+        """ConfigError, naming the file, unless the CA and the certificate are PEM certificates
+        and the key is the certificate's private key: gRPC would only say that it cannot
+        listen, or fail every handshake."""
+        read_certificate(self.ca, str(ca))
+        public = read_certificate(self.certificate, str(certificate)).public_key()
+        try:
+            private = serialization.load_pem_private_key(self.key, None)
+        except _UNREADABLE_PEM as error:
+            raise ConfigError(
+                f"{key}: a PEM private key without a passphrase expected: {error}"
+            ) from error
+        spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+        if public.public_bytes(*spki) != private.public_key().public_bytes(*spki):
+            raise ConfigError(
+                f"{key} is not the private key of {certificate} (their public keys differ). "
+                "`secure-vfl certs check` lists what is wrong with a set."
+            )
 
     @property
     def name(self) -> str:
         """The party this identity's certificate names."""
-        return certificate_name(self.certificate)
+        return certificate_name(self.certificate, "this party's certificate")
 
 
 @dataclasses.dataclass(frozen=True)
