@@ -361,10 +361,11 @@ def _analysis(rows: list[dict[str, Any]], figures: dict[str, float] | None) -> l
     else:
         lines[-1] += (
             f" This machine has a core for each of the {PROCESSES} processes, as a deployment "
-            "with a machine per party has, so the extra time is mostly the transport's latency "
-            "on a step's critical path (the label party's requests, the data parties' answers "
-            "to the aggregator, its sum to the label party) and the CPU each message costs "
-            "its receiver (`grpc_floor.md`)."
+            "with a machine per party has, so the processes do not wait for one another's "
+            "cores: the extra time is the transport's own, its latency on a step's critical path "
+            "(the label party's requests, the data parties' answers to the aggregator, its sum "
+            "to the label party) and the CPU each message costs its receiver "
+            "(`grpc_floor.md`); this run does not tell the two apart."
         )
     return lines
 
