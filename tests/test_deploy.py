@@ -807,18 +807,22 @@ def test_a_certificate_from_another_ca_or_naming_another_party_is_refused(
     assert shop.poll() is None  # the impostor learnt nothing and is still waiting
     log = processes.log("bank")
     assert "to shop" in log and "this federation's CA" in log, log
-    swapped = write_federation(
-        tmp_path,
-        site / "certs",
-        ports,
-        **{
-            f'cert = "{site}/certs/shop.pem"': f'cert = "{site}/certs/insurer.pem"',
-            'data = "shop.csv"': f'data = "{site}/shop.csv"',
-        },
-    )
-    code = main(["party", "serve", "--federation", str(swapped), "--name", "shop", "--wait", "1"])
-    assert code == 2
-    assert "certificate names 'insurer'" in capsys.readouterr().err
+    # Given insurer's certificate and key, shop is refused for the name; given insurer's
+    # certificate with its own key, for the key, before gRPC could only say it cannot listen.
+    for swap, said in (
+        ({"pem", "key"}, "certificate names 'insurer'"),
+        ({"pem"}, "shop.key is not the private key of"),
+    ):
+        swapped = write_federation(
+            tmp_path,
+            site / "certs",
+            ports,
+            **{f"{site}/certs/shop.{suffix}": f"{site}/certs/insurer.{suffix}" for suffix in swap},
+            **{'data = "shop.csv"': f'data = "{site}/shop.csv"'},
+        )
+        serve = ["party", "serve", "--federation", str(swapped), "--name", "shop", "--wait", "1"]
+        assert main(serve) == 2
+        assert said in capsys.readouterr().err
 
 
 def test_a_party_reads_only_its_own_key(site: Path, tmp_path: Path) -> None:
