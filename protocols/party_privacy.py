@@ -47,7 +47,7 @@ from protocols.sum_range import DivergenceGuard, RangedHalf, SumRange
 from secure_vfl.errors import ConfigError, ProtocolError
 from secure_vfl.federation.messages import Message, RepresentRequest
 from secure_vfl.federation.parties import DataParty
-from secure_vfl.io import check_keys
+from secure_vfl.io import check_keys, decimal
 
 Noise = tuple[float, float]
 PARTY_MECHANISMS: tuple[str, ...] = ("embedding", "gradient", "dp-sgd", "exposure")
@@ -256,9 +256,10 @@ class RequestedRows:
         self._rows = restored
 
     def _check(self, step: str, rows: Any) -> None:
+        number = decimal(step)
         if not (
-            step.isdigit()
-            and int(step) < self.steps
+            number is not None
+            and number < self.steps
             and isinstance(rows, list)
             and all(type(row) is int and 0 <= row < self.records for row in rows)
         ):

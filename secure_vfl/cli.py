@@ -127,7 +127,8 @@ def attack_option(text: str) -> tuple[str, float | str]:
     key, sep, value = text.partition("=")
     if not sep or not key.isidentifier() or not value:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, e.g. gamma=2. Found {text!r}.")
-    if value.lstrip("-").isdigit():
+    digits = value.removeprefix("-")
+    if digits.isascii() and digits.isdigit():  # isdigit alone takes '²', which int refuses
         return key, int(value)
     try:
         return key, float(value)

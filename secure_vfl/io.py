@@ -89,6 +89,15 @@ def check_keys(
     return body
 
 
+def decimal(text: str, digits: int = 18) -> int | None:
+    """The number ``text`` writes in ASCII decimal digits, at most ``digits`` of them; None for
+    anything else (``str.isdigit`` also takes digits ``int`` refuses, such as '²', and ``int``
+    refuses more than 4300 digits: a peer's metadata or a file may hold either)."""
+    if 0 < len(text) <= digits and text.isascii() and text.isdigit():
+        return int(text)
+    return None
+
+
 def atomic_write_json(path: Path, payload: Any) -> None:
     """Write ``payload`` as indented JSON to ``path`` atomically."""
     atomic_write_text(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")

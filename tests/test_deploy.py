@@ -845,6 +845,7 @@ def test_a_party_reads_only_its_own_key(site: Path, tmp_path: Path) -> None:
         ({'data = "shop.csv"': 'data = "shop.csv"\nlabels = "x.csv"'}, "label party 'bank' only"),
         ({"[party.telco]": "[party.Telco]"}, "party.Telco"),
         ({'address = "127.0.0.1:': 'address = "127.0.0.1:99999'}, "HOST:PORT"),
+        ({'address = "127.0.0.1:': 'address = "127.0.0.1:\u00b2'}, "HOST:PORT"),  # isdigit
         ({"[party.telco]\naddress": "[party.telco]\nport = 1\naddress"}, "[party.telco]"),
         ({'label_party = "bank"': "x = " + "[" * 50_000 + "]" * 50_000}, "nested too deeply"),
     ],

@@ -207,7 +207,9 @@ def test_a_served_partys_view_of_the_batches_survives_its_checkpoint_and_refuses
     again = RequestedRows(3, PLAN.records)
     again.restore_checkpoint(state)
     assert [rows.tolist() for rows in again.schedule()] == [[0, 3, 5, 9], [], [7]]
-    for bad in ({"3": [1]}, {"0": [PLAN.records]}, {"0": [-1]}, {"x": [1]}, {"0": [1.0]}, [1]):
+    bad_steps = ({"3": [1]}, {"x": [1]}, {"\u00b2": [1]}, {"9" * 5000: [1]})  # '²'.isdigit()
+    bad_rows = ({"0": [PLAN.records]}, {"0": [-1]}, {"0": [1.0]}, [1])
+    for bad in (*bad_steps, *bad_rows):
         with pytest.raises(ValueError, match="expected"):
             RequestedRows(3, PLAN.records).restore_checkpoint(bad)
 

@@ -16,6 +16,7 @@ from secure_vfl.io import (
     atomic_write,
     atomic_write_json,
     check_keys,
+    decimal,
     parse_json,
 )
 
@@ -135,3 +136,12 @@ def test_check_keys_wants_each_key_of_its_type_and_a_bool_only_where_asked() -> 
     }
     with pytest.raises(ProtocolError, match="`n` of type int expected"):
         check_keys({"n": "3"}, types, refuse=refuse, exact=False)
+
+
+def test_decimal_reads_ascii_digits_only_and_only_as_many_as_asked() -> None:
+    assert decimal("0") == 0
+    assert decimal("123456789012345678") == 123456789012345678
+    assert decimal("65535", digits=5) == 65535
+    # str.isdigit takes each of these; int refuses the first two, the rest are not decimals.
+    for text in ("\u00b2", "9" * 5000, "1234567890123456789", "123456", "", "-1", " 1", "1.0"):
+        assert decimal(text, digits=5 if text == "123456" else 18) is None, text

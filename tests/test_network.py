@@ -38,6 +38,7 @@ from secure_vfl.federation.messages import (
 )
 from secure_vfl.federation.network import (
     DELIVER,
+    DELIVER_STREAM,
     STREAM_THRESHOLD,
     NetworkChannel,
     PartyEndpoint,
@@ -871,6 +872,7 @@ def test_a_malformed_delivery_of_several_messages_is_refused_whole(certs: Path) 
     cases = [
         ("1", records(good), grpc.StatusCode.INVALID_ARGUMENT, "a delivery of 2 to 64 messages"),
         ("x", records(good, good), grpc.StatusCode.INVALID_ARGUMENT, "found 'x' announced"),
+        ("9" * 5000, records(good), grpc.StatusCode.INVALID_ARGUMENT, "found '99999999"),
         ("3", records(good, good), grpc.StatusCode.INVALID_ARGUMENT, "message 3 is cut short"),
         ("2", records(good, good)[:-1], grpc.StatusCode.INVALID_ARGUMENT, "message 2 is cut"),
         ("2", records(good, good) + b"\0", grpc.StatusCode.INVALID_ARGUMENT, "found 1 more"),
@@ -891,11 +893,22 @@ def test_a_malformed_delivery_of_several_messages_is_refused_whole(certs: Path) 
                 deliver(data, timeout=20, metadata=metadata)
             assert refused.value.code() == code, count
             assert reason in str(refused.value.details()), refused.value.details()
+        # Numbers int() cannot read (more than 4300 digits) are refusals like any other.
+        huge = "9" * 5000
+        odd = [
+            (deliver, good, (("svfl-stream", "s"), ("svfl-sequence", huge)), "sequence number"),
+            (channel.stream_unary(DELIVER_STREAM), iter([good]), (("svfl-size", huge),), "at most"),
+        ]
+        for call, request, metadata, reason in odd:
+            with pytest.raises(grpc.RpcError) as refused:
+                call(request, timeout=20, metadata=metadata)
+            assert reason in str(refused.value.details()), refused.value.details()
+            assert refused.value.code() != grpc.StatusCode.UNKNOWN  # not an exception in it
         # A well-formed one on the same stream goes through: both messages, in order.
         second = dataclasses.replace(_greeting(), round=2)
         metadata = (("svfl-stream", "bundle-test"), ("svfl-sequence", "99"), ("svfl-count", "2"))
         deliver(records(good, wire.encode(second)), timeout=20, metadata=metadata)
-    for _ in cases:
+    for _ in [*cases, *odd]:
         with pytest.raises(ProtocolError):
             shop.receive(0.0)
     assert [shop.receive(0.0).round for _ in range(2)] == [1, 2]

@@ -46,6 +46,7 @@ from typing import Any
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation.messages import AGGREGATOR
 from secure_vfl.federation.network import TlsIdentity, check_party_name
+from secure_vfl.io import decimal
 
 _TOP_KEYS = {"ca", "label_party", "aggregator", "party"}
 _PARTY_KEYS = {"address", "cert", "key", "data", "labels"}
@@ -181,7 +182,8 @@ def _path(path: Path, key: str, value: Any) -> Path:
 
 def _address(path: Path, key: str, value: Any) -> str:
     host, sep, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
-    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+    number = decimal(port, digits=5)
+    if not sep or not host or number is None or not 1 <= number <= 65535:
         raise ConfigError(
             f"{path}: `{key}` must be HOST:PORT with a port in 1..65535. Found {value!r}."
         )

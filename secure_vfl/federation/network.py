@@ -102,6 +102,7 @@ from secure_vfl.errors import ConfigError, NotSetUpError, ProtocolError, Transpo
 from secure_vfl.federation import wire
 from secure_vfl.federation.channel import CAPTURE_LENGTH, Channel, ChannelLayer
 from secure_vfl.federation.messages import Message
+from secure_vfl.io import decimal
 
 if TYPE_CHECKING:
     from secure_vfl.federation.parties import Party
@@ -582,13 +583,14 @@ class PartyEndpoint:
 
     def _declared_size(self, metadata: Mapping[str, str]) -> int:
         text = metadata.get(_SIZE, "")
-        if not text.isdigit() or int(text) > self.max_message_bytes:
+        size = decimal(text)
+        if size is None or size > self.max_message_bytes:
             raise _Refusal(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{self.name}: a streamed message of at most {self.max_message_bytes} bytes "
-                f"expected, {text or 'no size'} announced.",
+                f"expected, {wire.shown(text) if text else 'no size'} announced.",
             )
-        return int(text)
+        return size
 
     def _refuse(self, context: grpc.ServicerContext, refusal: _Refusal) -> NoReturn:
         """Refuse a delivery: the sender gets the status, this party the reason (its next
@@ -689,16 +691,18 @@ class PartyEndpoint:
         reused one with other bytes, is refused as a replay."""
         message = messages[0]
         stream, sequence = metadata.get(_STREAM, ""), metadata.get(_SEQUENCE, "")
-        if not stream or not sequence.isdigit():
+        number = decimal(sequence)
+        if not stream or number is None:
             raise _Refusal(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"{self.name}: a delivery from {sender} without its stream and sequence number.",
+                f"{self.name}: a delivery from {sender} without its stream and sequence number "
+                "(at most 18 decimal digits).",
             )
         # A checksum, not a cryptographic digest, is enough: the stream and its numbers are the
         # authenticated sender's own, so bytes made to collide could only make the sender's own
         # second message count as a retry of its first (not acted on), which it could as well
         # not have sent.
-        number, checksum = int(sequence), zlib.crc32(data)
+        checksum = zlib.crc32(data)
         with self._lock:
             recent = self._deliveries.get((sender, stream))
             if recent is None:
@@ -1074,14 +1078,15 @@ def _split_delivery(name: str, data: bytes, count: str | None) -> list[bytes]:
     after them. A malformed delivery is refused (INVALID_ARGUMENT) saying what was expected."""
     if count is None:
         return [data]
-    if not count.isdigit() or not 2 <= int(count) <= MAX_BUNDLE:
+    number = decimal(count)
+    if number is None or not 2 <= number <= MAX_BUNDLE:
         raise _Refusal(
             grpc.StatusCode.INVALID_ARGUMENT,
-            f"{name}: a delivery of 2 to {MAX_BUNDLE} messages expected, found {count!r} "
+            f"{name}: a delivery of 2 to {MAX_BUNDLE} messages expected, found {wire.shown(count)} "
             "announced.",
         )
     parts, offset, size = [], 0, len(data)
-    for index in range(int(count)):
+    for index in range(number):
         head = offset + CAPTURE_LENGTH.size
         length = CAPTURE_LENGTH.unpack_from(data, offset)[0] if head <= size else None
         if length is None or head + length > size:

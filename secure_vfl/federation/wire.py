@@ -148,7 +148,7 @@ def _refused(where: str, expected: str, value: object) -> ProtocolError:
     return ProtocolError(f"{where}: {expected} expected, found {type(value).__name__}.")
 
 
-def _shown(value: object) -> str:
+def shown(value: object) -> str:
     """``repr(value)``, cut short: a peer chooses the strings that errors quote."""
     text = repr(value)
     return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
@@ -290,13 +290,13 @@ def _literal_codec(where: str, values: tuple[str, ...]) -> _Codec:
 
     def encode_literal(value: Any, out: _Parts) -> int:
         if value not in values:
-            raise ProtocolError(f"{where}: one of {values} expected, found {_shown(value)}.")
+            raise ProtocolError(f"{where}: one of {values} expected, found {shown(value)}.")
         return encode_str(value, out)
 
     def decode_literal(view: memoryview, offset: int) -> tuple[str, int]:
         value, offset = decode_str(view, offset)
         if value not in values:
-            raise ProtocolError(f"{where}: one of {values} expected, found {_shown(value)}.")
+            raise ProtocolError(f"{where}: one of {values} expected, found {shown(value)}.")
         return value, offset
 
     return encode_literal, decode_literal
@@ -779,7 +779,7 @@ def _schema_of(view: memoryview) -> _Schema:
         raise ProtocolError(
             f"a message kind in ({', '.join(_SCHEMAS.names())}) expected (the privacy layer's "
             "kinds register when their module is imported, e.g. protocols.psi for psi-*), found "
-            f"{_shown(kind)}."
+            f"{shown(kind)}."
         ) from None
     schema_version, offset = _SCHEMA_VERSION_DECODER(view, offset)
     if schema_version != schema.schema_version:
