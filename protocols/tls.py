@@ -41,13 +41,18 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from secure_vfl.errors import ConfigError
-from secure_vfl.federation.network import check_party_name
+from secure_vfl.federation.network import (
+    UNREADABLE_PEM,
+    check_party_name,
+    parse_certificate,
+    same_key,
+)
 from secure_vfl.io import atomic_write
 
 CA_CERT, CA_KEY = "ca.pem", "ca.key"
@@ -201,38 +206,20 @@ def _check_request(parties: Sequence[str], hosts: Sequence[str], days: int) -> N
         raise ConfigError(f"a validity of >= 1 day expected. Found {days}.")
 
 
-# What reading a PEM file, or a part of the certificate in it, raises when the file is not one
-# (cryptography parses a certificate's public key and extensions when they are first asked for).
-_UNREADABLE = (
-    OSError,
-    ValueError,
-    TypeError,
-    UnsupportedAlgorithm,
-    x509.DuplicateExtension,
-    x509.UnsupportedGeneralNameType,
-)
-
-
-def load_certificate(data: bytes) -> x509.Certificate:
-    """A PEM certificate with every part the checks read parsed now, so that a malformed one
-    fails here, as unreadable, rather than in the check that first reads the part."""
-    certificate = x509.load_pem_x509_certificate(data)
-    certificate.public_key()
-    for part in ("extensions", "subject", "issuer", "not_valid_before_utc", "not_valid_after_utc"):
-        getattr(certificate, part)
-    return certificate
+# What reading a PEM file, or a part of the certificate in it, raises when it is not one.
+_UNREADABLE = (OSError, *UNREADABLE_PEM)
 
 
 def _load_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """The CA of ``directory`` and its key (to issue more party certificates)."""
     try:
-        ca = load_certificate((directory / CA_CERT).read_bytes())
+        ca = parse_certificate((directory / CA_CERT).read_bytes())
         key = serialization.load_pem_private_key((directory / CA_KEY).read_bytes(), None)
     except _UNREADABLE as error:
         raise ConfigError(
             f"{directory} holds a CA, but it cannot be read to issue certificates: {error}"
         ) from error
-    if not isinstance(key, ec.EllipticCurvePrivateKey) or not _same_key(ca, key):
+    if not isinstance(key, ec.EllipticCurvePrivateKey) or not same_key(ca, key):
         raise ConfigError(f"{directory / CA_KEY} is not the key of {directory / CA_CERT}.")
     return ca, key
 
@@ -288,18 +275,6 @@ class Problem:
 
     def __str__(self) -> str:
         return f"{self.path}: {self.what}"
-
-
-def _same_key(certificate: x509.Certificate, key: object) -> bool:
-    public = getattr(key, "public_key", None)
-    if public is None:
-        return False
-    spki = serialization.PublicFormat.SubjectPublicKeyInfo
-    encoding = serialization.Encoding.DER
-    return bool(
-        public().public_bytes(encoding, spki)
-        == certificate.public_key().public_bytes(encoding, spki)
-    )
 
 
 def _validity(path: Path, certificate: x509.Certificate, now: datetime.datetime) -> list[Problem]:
@@ -410,7 +385,7 @@ def check_party(
 ) -> list[Problem]:
     """What is wrong with party ``name``'s certificate and key in ``directory``."""
     cert_path, key_path = directory / f"{name}.pem", directory / f"{name}.key"
-    certificate, problems = _load(cert_path, load_certificate, "certificate")
+    certificate, problems = _load(cert_path, parse_certificate, "certificate")
     key, key_problems = _load(key_path, _load_key, "private key")
     problems += key_problems
     if key is not None:
@@ -421,14 +396,14 @@ def check_party(
     problems += _signed_by(cert_path, certificate, ca)
     problems += _names(cert_path, certificate, name, parties)
     problems += _usages(cert_path, certificate)
-    if key is not None and not _same_key(certificate, key):
+    if key is not None and not same_key(certificate, key):
         problems.append(Problem(key_path, f"not the key of {cert_path.name}."))
     return problems
 
 
 def _check_ca(directory: Path, now: datetime.datetime) -> tuple[object, list[Problem]]:
     path = directory / CA_CERT
-    ca, problems = _load(path, load_certificate, "CA certificate")
+    ca, problems = _load(path, parse_certificate, "CA certificate")
     if not isinstance(ca, x509.Certificate):
         return None, problems
     problems += _validity(path, ca, now)
@@ -442,7 +417,7 @@ def _check_ca(directory: Path, now: datetime.datetime) -> tuple[object, list[Pro
     if key_path.exists():  # optional: the CA key may be kept elsewhere
         key, key_problems = _load(key_path, _load_key, "private key")
         problems += key_problems + _permissions(key_path)
-        if key is not None and not _same_key(ca, key):
+        if key is not None and not same_key(ca, key):
             problems.append(Problem(key_path, f"not the key of {CA_CERT}."))
     return ca, problems
 
@@ -480,4 +455,4 @@ def check_federation(
 
 def certificate_expiry(path: Path) -> datetime.datetime:
     """When the certificate at ``path`` expires (for reports)."""
-    return load_certificate(path.read_bytes()).not_valid_after_utc
+    return parse_certificate(path.read_bytes()).not_valid_after_utc

@@ -173,21 +173,42 @@ def check_party_name(name: str) -> str:
     return name
 
 
-# What cryptography raises for a PEM file that is not a readable certificate or key (it parses
-# a certificate's subject and public key when they are first asked for).
-_UNREADABLE_PEM = (ValueError, TypeError, UnsupportedAlgorithm)
+# What cryptography raises for PEM bytes that are not a readable certificate or key.
+UNREADABLE_PEM = (
+    ValueError,
+    TypeError,
+    UnsupportedAlgorithm,
+    x509.DuplicateExtension,
+    x509.UnsupportedGeneralNameType,
+)
+
+
+def parse_certificate(pem: bytes) -> x509.Certificate:
+    """The PEM certificate ``pem`` with every part the checks read parsed now: cryptography
+    parses a certificate's public key, names and extensions only when they are first read, so
+    a malformed one fails here (one of :data:`UNREADABLE_PEM`), not in whatever reads it first."""
+    certificate = x509.load_pem_x509_certificate(pem)
+    certificate.public_key()
+    for part in ("extensions", "subject", "issuer", "not_valid_before_utc", "not_valid_after_utc"):
+        getattr(certificate, part)
+    return certificate
 
 
 def read_certificate(pem: bytes, where: str) -> x509.Certificate:
-    """The PEM certificate ``pem``, its subject and public key read; ConfigError naming
-    ``where`` if it is not one."""
+    """:func:`parse_certificate`, or ConfigError naming ``where``."""
     try:
-        certificate = x509.load_pem_x509_certificate(pem)
-        certificate.subject  # noqa: B018 - parsed when first read: read here, where errors go
-        certificate.public_key()
-    except _UNREADABLE_PEM as error:
+        return parse_certificate(pem)
+    except UNREADABLE_PEM as error:
         raise ConfigError(f"{where}: a PEM certificate expected: {error}") from error
-    return certificate
+
+
+def same_key(certificate: x509.Certificate, key: object) -> bool:
+    """Whether ``key`` is the private key of ``certificate`` (their public keys are equal)."""
+    public = getattr(key, "public_key", None)
+    if public is None:
+        return False
+    spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return bool(public().public_bytes(*spki) == certificate.public_key().public_bytes(*spki))
 
 
 def certificate_name(pem: bytes, where: str = "a certificate") -> str:
@@ -231,15 +252,14 @@ class TlsIdentity:
         and the key is the certificate's private key: gRPC would only say that it cannot
         listen, or fail every handshake."""
         read_certificate(self.ca, str(ca))
-        public = read_certificate(self.certificate, str(certificate)).public_key()
+        mine = read_certificate(self.certificate, str(certificate))
         try:
             private = serialization.load_pem_private_key(self.key, None)
-        except _UNREADABLE_PEM as error:
+        except UNREADABLE_PEM as error:
             raise ConfigError(
                 f"{key}: a PEM private key without a passphrase expected: {error}"
             ) from error
-        spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-        if public.public_bytes(*spki) != private.public_key().public_bytes(*spki):
+        if not same_key(mine, private):
             raise ConfigError(
                 f"{key} is not the private key of {certificate} (their public keys differ). "
                 "`secure-vfl certs check` lists what is wrong with a set."
