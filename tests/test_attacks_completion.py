@@ -134,8 +134,13 @@ def test_model_completion_refuses_what_it_cannot_run() -> None:
     every_head = TrainConfig(
         method="laser", dataset="digits", parties=2, method_config=MethodConfig(epochs=1)
     )
-    with pytest.raises(ConfigError, match="--heads active"):
+    with pytest.raises(ConfigError, match=r"party-1 holds a head.*--heads active"):
         run_attack(every_head, "passive-model-completion")
+    heads_everywhere = TrainConfig(
+        method="ensemble", dataset="digits", parties=2, method_config=MethodConfig(epochs=1)
+    )
+    with pytest.raises(ConfigError, match=r"party-1 holds a head.*stay with the label party"):
+        run_attack(heads_everywhere, "passive-model-completion")
 
 
 def test_attack_command_runs_model_completion(tmp_path: Path) -> None:
@@ -151,8 +156,6 @@ def test_attack_command_runs_model_completion(tmp_path: Path) -> None:
             "digits",
             "--parties",
             "2",
-            "--heads",
-            "active",
             "--epochs",
             "1",
             "--quiet",
@@ -168,7 +171,9 @@ def test_attack_command_runs_model_completion(tmp_path: Path) -> None:
     assert 0 < result["dcs"] <= 1
 
 
-def test_passive_completion_applies_to_false_vfl_and_the_malicious_optimiser_does_not() -> None:
+def test_passive_completion_applies_to_every_method_whose_labels_stay_with_the_label_party() -> (
+    None
+):
     from attacks.suite import applicable
     from secure_vfl.experiment import prepare_data
 
@@ -176,4 +181,8 @@ def test_passive_completion_applies_to_false_vfl_and_the_malicious_optimiser_doe
     verdicts = applicable(config, prepare_data(config))
     # FALSE-VFL has one label party whatever `heads` says, so the passive attack applies
     assert verdicts["passive-model-completion"] is None
+    # so do Standard VFL and PlugVFL, with `heads` left at its default ('all')
+    for method in ("standard", "plugvfl"):
+        config = TrainConfig(method=method, dataset="digits", parties=4, seed=0)
+        assert applicable(config, prepare_data(config))["passive-model-completion"] is None
     assert "exchange latent samples and likelihoods" in str(verdicts["active-model-completion"])
