@@ -300,3 +300,34 @@ def test_the_summary_says_when_a_party_was_lost_in_evaluation_or_at_a_checkpoint
         "rejoined: insurer at step 13 (epoch 3), set up anew (from its checkpoint of step 5); its "
         "block took part again from then on",
     ]
+
+
+@pytest.mark.parametrize("method", ["standard", "plugvfl", "combinatorial"])
+def test_a_method_that_needs_every_party_stops_on_a_lost_one_and_names_it(
+    make_data: MakeData, method: str
+) -> None:
+    data = make_data(train_missing="mcar:0.2")
+    channel = LosingChannel("represent-request")
+    trainer = METHODS.get(method)(data, FAST, seed=3, channel=channel)
+    with pytest.raises(ProtocolError, match="false-vfl-2 go on without a lost party") as raised:
+        trainer.fit()
+    assert channel.lost
+    assert str(raised.value).startswith(
+        f"{LOST} can no longer be reached (represent-request to {LOST}: its process is gone). "
+        "This method needs every data party's representation of every row it trains on, so "
+        "the run stops"
+    )
+    assert isinstance(raised.value.__cause__, TransportError)
+    assert not trainer.fed.faults  # nothing was dropped: the run stops
+
+
+def test_a_method_that_needs_every_party_passes_on_a_protocol_error_with_nobody_lost(
+    make_data: MakeData,
+) -> None:
+    # The same refusal with every party reachable is a protocol error, not a fault: unchanged.
+    data = make_data(train_missing="mcar:0.2")
+    channel = LosingChannel("represent-request")
+    channel.unreachable = lambda names: []  # type: ignore[method-assign]
+    trainer = METHODS.get("standard")(data, FAST, seed=3, channel=channel)
+    with pytest.raises(TransportError, match=f"represent-request to {LOST}: its process is gone"):
+        trainer.fit()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import secrets
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -475,10 +476,19 @@ class Federation:
         (:meth:`~secure_vfl.federation.channel.Channel.forget_refusals`), so the caller can
         retry without them. Re-raises ``error`` if the method does not tolerate dropouts, if
         no party was lost (a protocol error, not a fault) or if the aggregation server was (no
-        sum can be served without it)."""
-        if not self.tolerates_dropouts:
-            raise error
+        sum can be served without it). A method that does not tolerate dropouts stops on a
+        lost data party with an error that names it and says why."""
         peers = [name for name in self.live() if name != self.own.name]
+        if not self.tolerates_dropouts:
+            gone = self.channel.unreachable(peers)
+            if gone:
+                raise ProtocolError(
+                    f"{', '.join(gone)} can no longer be reached ({error}). This method needs "
+                    "every data party's representation of every row it trains on, so the run "
+                    "stops; --method laser, local, ensemble, false-vfl-1 and false-vfl-2 go "
+                    "on without a lost party, its block missing from then on."
+                ) from error
+            raise error
         lost = self.channel.unreachable([*peers, AGGREGATOR])
         if not lost or AGGREGATOR in lost:
             raise error
@@ -1078,6 +1088,33 @@ class TrainingProgress:
     total: float = 0.0
     count: int = 0
     losses: list[float] = dataclasses.field(default_factory=list)
+
+
+class _Driven(Protocol):
+    """A method object whose label party drives through ``fed``."""
+
+    fed: Federation
+
+
+_DrivenT = TypeVar("_DrivenT", bound=_Driven)
+TrainStep = Callable[[_DrivenT, np.ndarray, int, int], float]
+
+
+def stops_on_a_lost_party(step: TrainStep[_DrivenT]) -> TrainStep[_DrivenT]:
+    """Decorates the ``train_step(rows, round, batch_id)`` of a method that does not go on
+    without a data party: a ProtocolError it raises goes through :meth:`Federation.recover`,
+    which, when a data party can no longer be reached (a deployment: its process died), stops
+    the run with an error that names the party and says why."""
+
+    @functools.wraps(step)
+    def train_step(method: _DrivenT, rows_np: np.ndarray, round: int, batch_id: int) -> float:
+        try:
+            return step(method, rows_np, round, batch_id)
+        except ProtocolError as error:
+            method.fed.recover(error, round=round)  # raises: this method has no dropouts
+            raise
+
+    return train_step
 
 
 def train_epochs(

@@ -45,6 +45,7 @@ from secure_vfl.methods.base import (
     refuse_secure_sums,
     refuse_top_model,
     split_tensors,
+    stops_on_a_lost_party,
     train_epochs,
     training_rows,
     training_sampler,
@@ -143,6 +144,7 @@ class ConcatFusionMethod:
         dense, _ = dense_representations(messages, self.fed.names, rows.numel())
         return dense.permute(1, 0, 2)
 
+    @stops_on_a_lost_party
     def train_step(self, rows_np: np.ndarray, round: int, batch_id: int) -> float:
         rows = torch.from_numpy(rows_np)
         mask = torch.from_numpy(self.data.train.mask[rows_np])
@@ -337,6 +339,7 @@ class Combinatorial:
         present[:, list(subset)] = covered.unsqueeze(1)
         return present.unsqueeze(0), present
 
+    @stops_on_a_lost_party
     def train_step(self, rows_np: np.ndarray, round: int, batch_id: int) -> float:
         fed = self.fed
         rows = torch.from_numpy(rows_np)
