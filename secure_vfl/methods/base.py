@@ -474,10 +474,10 @@ class Federation:
         abandon the ``abandoned`` rounds (default: ``round``) at every other party
         (:class:`AbortRequest`) and forget this party's refusals of replies to them
         (:meth:`~secure_vfl.federation.channel.Channel.forget_refusals`), so the caller can
-        retry without them. Re-raises ``error`` if the method does not tolerate dropouts, if
-        no party was lost (a protocol error, not a fault) or if the aggregation server was (no
-        sum can be served without it). A method that does not tolerate dropouts stops on a
-        lost data party with an error that names it and says why."""
+        retry without them. Re-raises ``error`` if no party was lost (a protocol error, not a
+        fault) or if the aggregation server was (no sum can be served without it). A method
+        that does not tolerate dropouts drops nobody: on a lost data party it raises an error
+        that names the party and says why the run stops."""
         peers = [name for name in self.live() if name != self.own.name]
         if not self.tolerates_dropouts:
             gone = self.channel.unreachable(peers)
