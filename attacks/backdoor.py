@@ -53,7 +53,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from attacks.base import Attack, AttackContext, party_index, refuse_latent_methods, register_attack
+from attacks.base import (
+    Attack,
+    AttackContext,
+    party_index,
+    refuse_latent_methods,
+    refuse_own_head_methods,
+    register_attack,
+)
 from secure_vfl.data.vertical import VerticalData, VerticalSplit
 from secure_vfl.errors import ConfigError
 from secure_vfl.experiment import TrainConfig
@@ -271,6 +278,9 @@ class GradientReplacementBackdoor(Attack):
             config,
             self.name,
             "replaces the representation gradients a split network's data party receives",
+        )
+        refuse_own_head_methods(
+            config, self.name, "replaces the gradients another party's head sends its attacker"
         )
         if self.target >= data.num_classes:
             raise ConfigError(

@@ -26,12 +26,51 @@ from secure_vfl.data.vertical import VerticalData, VerticalSplit
 from secure_vfl.errors import ConfigError
 from secure_vfl.experiment import TrainConfig
 from secure_vfl.federation.parties import Party
+from secure_vfl.methods.base import PARTY_MODELS
+from secure_vfl.methods.laser import OWN_HEAD_METHODS
 from secure_vfl.registry import Registry
 
 
 def party_index(name: str) -> int:
     """The block index ``k`` of party ``party-k``."""
     return int(name.rsplit("-", 1)[1])
+
+
+def refuse_label_holder(
+    config: TrainConfig, data: VerticalData, attack: str, attacker: str
+) -> None:
+    """ConfigError when ``attacker`` holds a head under ``config``, and with it the labels, for
+    an ``attack`` that infers labels its attacker does not hold. Who holds a head is the method's
+    own seed rule: under standard, plugvfl and FALSE-VFL only the label party, whatever
+    ``heads`` says; under laser, local, ensemble and combinatorial with ``heads='all'`` every
+    party."""
+    heads = PARTY_MODELS.get(config.method)(
+        config.method_config, data.block_shapes, data.num_classes, config.seed
+    ).heads
+    if party_index(attacker) in heads:
+        advice = (
+            "run it with --heads active"
+            if config.method == "laser"
+            else "run it on a method whose head and labels stay with the label party "
+            "(laser --heads active, standard, plugvfl, false-vfl-1 or false-vfl-2)"
+        )
+        raise ConfigError(
+            f"{attack} infers labels that the attacker does not hold, but under "
+            f"--method {config.method} (heads={config.method_config.heads!r}) {attacker} "
+            f"holds a head, and with it the labels; {advice}."
+        )
+
+
+def refuse_own_head_methods(config: TrainConfig, attack: str, needs: str) -> None:
+    """ConfigError for local and ensemble, whose parties each train a head on their own
+    representation only: no gradient crosses a party boundary; ``needs`` says what ``attack``
+    uses."""
+    if config.method in OWN_HEAD_METHODS:
+        raise ConfigError(
+            f"{attack} {needs}; under --method {config.method} each party trains its own head "
+            "on its own representation only, so no party receives another's gradient (run it "
+            "on laser, standard, plugvfl or combinatorial)."
+        )
 
 
 def refuse_latent_methods(config: TrainConfig, attack: str, needs: str) -> None:

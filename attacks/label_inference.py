@@ -28,7 +28,14 @@ import torch
 from sklearn.metrics import roc_auc_score
 from torch import Tensor
 
-from attacks.base import Attack, AttackContext, party_index, refuse_latent_methods, register_attack
+from attacks.base import (
+    Attack,
+    AttackContext,
+    party_index,
+    refuse_label_holder,
+    refuse_latent_methods,
+    register_attack,
+)
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ConfigError, ProtocolError
 from secure_vfl.experiment import TrainConfig
@@ -104,6 +111,15 @@ def _shuffled(observation: Observation, context: AttackContext) -> np.ndarray:
     return observation.rows
 
 
+def _refuse_observer(config: TrainConfig, data: VerticalData, attack: str, attacker: str) -> None:
+    """What every label inference needs: a split network's gradients, received by a party that
+    does not hold the labels."""
+    refuse_latent_methods(
+        config, attack, "reads the representation gradients a split network's data party receives"
+    )
+    refuse_label_holder(config, data, attack, attacker)
+
+
 def _refuse_top_model(config: TrainConfig, attack: str) -> None:
     if config.method_config.top_model != "none":
         raise ConfigError(
@@ -124,11 +140,7 @@ class DirectLabelInference(Attack):
 
     def check(self, config: TrainConfig, data: VerticalData, attacker: str) -> None:
         super().check(config, data, attacker)
-        refuse_latent_methods(
-            config,
-            self.name,
-            "reads the representation gradients a split network's data party receives",
-        )
+        _refuse_observer(config, data, self.name, attacker)
         _refuse_top_model(config, self.name)
 
     def evaluate(self, party: Party, context: AttackContext) -> dict[str, float]:
@@ -186,11 +198,7 @@ class _ScoringAttack(Attack):
 
     def check(self, config: TrainConfig, data: VerticalData, attacker: str) -> None:
         super().check(config, data, attacker)
-        refuse_latent_methods(
-            config,
-            self.name,
-            "reads the representation gradients a split network's data party receives",
-        )
+        _refuse_observer(config, data, self.name, attacker)
         _binary_positive(data, self.name)
 
     def scores(

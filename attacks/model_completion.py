@@ -40,13 +40,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from attacks.base import Attack, AttackContext, party_index, refuse_latent_methods, register_attack
+from attacks.base import (
+    Attack,
+    AttackContext,
+    party_index,
+    refuse_label_holder,
+    refuse_latent_methods,
+    register_attack,
+)
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ConfigError
 from secure_vfl.experiment import TrainConfig
 from secure_vfl.federation.messages import UpdateRequest
 from secure_vfl.federation.parties import ROLES, DataParty, Party
-from secure_vfl.methods.base import PARTY_MODELS, isolated_seed
+from secure_vfl.methods.base import isolated_seed
 from secure_vfl.models.networks import LinearHead
 
 
@@ -197,23 +204,7 @@ class PassiveModelCompletion(Attack):
 
     def check(self, config: TrainConfig, data: VerticalData, attacker: str) -> None:
         super().check(config, data, attacker)
-        # Who holds a head, by the method's own seed rule (a head's party holds the labels):
-        # under standard, plugvfl and FALSE-VFL only the label party, whatever `heads` says.
-        heads = PARTY_MODELS.get(config.method)(
-            config.method_config, data.block_shapes, data.num_classes, config.seed
-        ).heads
-        if party_index(attacker) in heads:
-            advice = (
-                "run it with --heads active"
-                if config.method == "laser"
-                else "run it on a method whose head and labels stay with the label party "
-                "(laser --heads active, standard, plugvfl, false-vfl-1 or false-vfl-2)"
-            )
-            raise ConfigError(
-                f"{self.name} infers labels that the attacker does not hold, but under "
-                f"--method {config.method} (heads={config.method_config.heads!r}) {attacker} "
-                f"holds a head, and with it the labels; {advice}."
-            )
+        refuse_label_holder(config, data, self.name, attacker)
         if not data.train.mask[:, party_index(attacker)].any():
             raise ConfigError(f"{self.name}: {attacker} holds no training row.")
 

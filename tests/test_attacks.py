@@ -111,6 +111,47 @@ def test_an_attack_that_does_not_apply_is_refused_with_what_it_needs() -> None:
         run_attack(_digits_direct(1), "no-such-attack")
 
 
+def test_label_inference_by_a_label_holder_and_a_backdoor_without_a_crossing_gradient_are_refused() -> (
+    None
+):
+    from attacks.suite import applicable
+    from secure_vfl.experiment import prepare_data
+
+    def verdicts(method: str, heads: str) -> dict[str, str | None]:
+        config = TrainConfig(
+            method=method,
+            dataset="breast-cancer",
+            parties=3,
+            seed=0,
+            method_config=MethodConfig(heads=heads),  # type: ignore[arg-type]
+        )
+        return applicable(config, prepare_data(config))
+
+    label_inference = ("norm-scoring", "direction-scoring")
+    # every party holds a head, and with it the labels: nothing to infer
+    for method in ("laser", "local", "ensemble", "combinatorial"):
+        found = verdicts(method, "all")
+        for attack in label_inference:
+            assert "holds a head, and with it the labels" in str(found[attack]), (method, attack)
+    # the labels stay with the label party: the attacks apply
+    for method, heads in (("laser", "active"), ("standard", "all"), ("plugvfl", "all")):
+        found = verdicts(method, heads)
+        assert all(found[attack] is None for attack in label_inference), (method, found)
+    # no head sends the attacker a gradient under local and ensemble; other heads do elsewhere
+    for method in ("local", "ensemble"):
+        assert "no party receives another's gradient" in str(
+            verdicts(method, "all")["gradient-replacement-backdoor"]
+        )
+    for method, heads in (("laser", "all"), ("laser", "active"), ("standard", "all")):
+        assert verdicts(method, heads)["gradient-replacement-backdoor"] is None
+    # the same refusal stops a run before any training
+    with pytest.raises(ConfigError, match="holds a head, and with it the labels; run it with"):
+        run_attack(
+            TrainConfig(method="laser", dataset="breast-cancer", parties=3, seed=0),
+            "norm-scoring",
+        )
+
+
 @pytest.mark.parametrize(
     ("defenses", "expected"),
     [

@@ -491,5 +491,7 @@ def majority_vote(
 METHODS.register("laser", partial(MeanFusionMethod, planner="laser", name="laser"))
 for _name in ("laser", "local", "ensemble"):
     PARTY_MODELS.register(_name, mean_fusion_models)
-METHODS.register("local", partial(MeanFusionMethod, planner="local", name="local"))
-METHODS.register("ensemble", partial(MeanFusionMethod, planner="local", name="ensemble"))
+OWN_HEAD_METHODS = ("local", "ensemble")
+"""The methods whose every party trains its own head on its own representation only."""
+for _name in OWN_HEAD_METHODS:
+    METHODS.register(_name, partial(MeanFusionMethod, planner="local", name=_name))
