@@ -17,9 +17,17 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
 
-from secure_vfl.errors import ConfigError, DivergenceError, IntegrityError, SecureVFLError
+from secure_vfl.errors import (
+    ConfigError,
+    DivergenceError,
+    IntegrityError,
+    OutputError,
+    SecureVFLError,
+)
+from secure_vfl.io import make_parent, writable_file
 
 EXIT_USAGE = 2
+EXIT_OS = 1  # a file operation the operating system refused (permissions, a full disk)
 ID_COLUMN = "id"
 LABEL_COLUMN = "label"
 """The default id and label columns (``secure_vfl.data.party_files``'s, spelled out so that
@@ -940,8 +948,14 @@ def _capture(path: Path | None) -> Iterator[BinaryIO | None]:
         return
     if path.is_dir():
         raise ConfigError(f"--capture expects a file path. Found the directory {path}.")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("ab") as handle:
+    make_parent(path)
+    try:
+        handle = path.open("ab")
+    except OSError as error:
+        raise OutputError(
+            f"--capture {path} cannot be opened: {error.strerror or error}; nothing was run."
+        ) from None
+    with handle:
         yield handle
 
 
@@ -1110,6 +1124,7 @@ def _check_output_file(path: Path, *, overwrite: bool) -> None:
     directory, or lies under a file."""
     if path.is_dir():
         raise ConfigError(f"--out {path} is a directory; expected a file path.")
+    writable_file(path)  # a device or a pipe is refused: replacing it would not write to it
     if path.exists() and not overwrite:
         raise ConfigError(f"{path} exists; expected a new --out file (or --overwrite).")
     for parent in path.parents:
@@ -2544,6 +2559,12 @@ def _main(argv: Sequence[str] | None) -> int:
     except SecureVFLError as error:
         print(f"secure-vfl: error: {error}", file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:
+        raise
+    except OSError as error:  # the machine refused a file operation: say which, as tools do
+        where = f"{error.filename}: " if error.filename else ""
+        print(f"secure-vfl: error: {where}{error.strerror or error}", file=sys.stderr)
+        return EXIT_OS
     except KeyboardInterrupt:
         print("secure-vfl: interrupted; nothing was written.", file=sys.stderr)
         return 130

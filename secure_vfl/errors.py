@@ -23,6 +23,11 @@ class DatasetNotInstalledError(DataError):
     """A registered dataset's files are missing here; the message says how to install them."""
 
 
+class OutputError(SecureVFLError):
+    """A result, model, checkpoint or capture cannot be written where it was asked to go (the
+    path, its permissions, the disk); what was being written is left unwritten."""
+
+
 class ProtocolError(SecureVFLError):
     """A message breaks the protocol: wrong schema, sender, batch, shape or dtype."""
 

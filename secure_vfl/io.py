@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from secure_vfl.errors import DataError, SecureVFLError
+from secure_vfl.errors import DataError, OutputError, SecureVFLError
 
 
 def atomic_write(path: Path, write: Callable[[Path], None], *, mode: int | None = None) -> None:
@@ -20,9 +20,16 @@ def atomic_write(path: Path, write: Callable[[Path], None], *, mode: int | None 
     if the machine loses power in between.
 
     The file gets ``mode`` (a private key: 0o600, which it has from its creation on, so it is
-    never readable by others), or by default that of an ordinary file under the umask."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    never readable by others), or by default that of an ordinary file under the umask. A
+    symbolic link is followed (the file it names is replaced, the link kept); anything else
+    that is not a regular file (a device, a pipe, a directory) is refused, as is a path that
+    cannot be written (OutputError)."""
+    path = writable_file(path)
+    make_parent(path)
+    try:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as error:
+        raise _unwritable(path, error) from None
     os.close(fd)
     tmp = Path(tmp_name)
     try:
@@ -35,9 +42,65 @@ def atomic_write(path: Path, write: Callable[[Path], None], *, mode: int | None 
         _fsync(tmp, os.O_RDONLY)
         os.replace(tmp, path)
         _fsync(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as error:
+        tmp.unlink(missing_ok=True)
+        raise _unwritable(path, error) from error
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def writable_file(path: Path) -> Path:
+    """The file that writing ``path`` replaces: ``path`` itself, or the file a symbolic link at
+    ``path`` names. OutputError if something other than a regular file is there (a device such
+    as /dev/null, a pipe, a socket, a directory): replacing it would not write to it."""
+    try:
+        if path.is_symlink():
+            path = path.resolve()
+        there = path.exists()
+    except OSError as error:  # e.g. a name too long for the file system
+        raise _unwritable(path, error) from None
+    if there and not path.is_file():
+        raise OutputError(
+            f"{path}: a regular file (or a new path) expected, found {_file_kind(path)}; "
+            "nothing was written."
+        )
+    return path
+
+
+def _file_kind(path: Path) -> str:
+    for test, kind in (
+        (Path.is_dir, "a directory"),
+        (Path.is_char_device, "a character device"),
+        (Path.is_block_device, "a block device"),
+        (Path.is_fifo, "a named pipe"),
+        (Path.is_socket, "a socket"),
+    ):
+        if test(path):
+            return kind
+    return "something that is not a regular file"
+
+
+def make_parent(path: Path) -> None:
+    """Make the folders ``path`` lies in, or say why they cannot be (OutputError)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        found = next((p for p in path.parents if p.exists()), None)
+        reason = (
+            f"{found} is not a folder"
+            if found is not None and not found.is_dir()
+            else error.strerror or type(error).__name__
+        )
+        raise OutputError(
+            f"{path} cannot be written: its folder {path.parent} cannot be made ({reason}); "
+            "nothing was written."
+        ) from None
+
+
+def _unwritable(path: Path, error: OSError) -> OutputError:
+    reason = error.strerror or type(error).__name__
+    return OutputError(f"{path} cannot be written: {reason}; nothing was written.")
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -107,8 +170,11 @@ def atomic_directory(path: Path, write: Callable[[Path], None]) -> None:
     """Call ``write(tmp)`` on a fresh directory beside ``path``, fsync every file in it and the
     directory, and rename it to ``path`` (which must not exist): a checkpoint is either whole
     under its name or absent, even if the machine loses power in between."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    make_parent(path)
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    except OSError as error:
+        raise _unwritable(path, error) from None
     try:
         write(tmp)
         for child in tmp.iterdir():
@@ -116,6 +182,9 @@ def atomic_directory(path: Path, write: Callable[[Path], None]) -> None:
         _fsync(tmp, os.O_RDONLY | os.O_DIRECTORY)
         os.rename(tmp, path)
         _fsync(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise _unwritable(path, error) from error
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -111,7 +111,7 @@ def test_an_attack_that_does_not_apply_is_refused_with_what_it_needs() -> None:
         run_attack(_digits_direct(1), "no-such-attack")
 
 
-def test_label_inference_by_a_label_holder_and_a_backdoor_without_a_crossing_gradient_are_refused() -> (
+def test_label_inference_by_a_label_holder_or_a_backdoor_with_no_crossing_gradient_is_refused() -> (
     None
 ):
     from attacks.suite import applicable

@@ -4,8 +4,10 @@ any training (issue 12, item 3), or reported as documented (warnings, dropped co
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sqlite3
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -183,6 +185,29 @@ def test_psi_out_is_refused_when_it_exists_unless_overwrite(
     assert main([*argv, "--overwrite"]) == 0
     assert out.read_text().split() == ["2", "3"]
     assert "is a directory" in refused([*argv[:-1], str(tmp_path)], capsys)
+
+
+def test_psi_output_that_cannot_be_written_is_refused_and_leaves_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    mine, theirs = tmp_path / "mine.csv", tmp_path / "theirs.csv"
+    mine.write_text("id\n1\n2\n3\n")
+    theirs.write_text("id\n2\n3\n4\n")
+    argv = ["psi", "--mine", str(mine), "--theirs", str(theirs)]
+    # replacing a pipe or a device would not write to it (as root, /dev/null would be a file
+    # afterwards): a pipe here, which a regression cannot harm beyond this test's directory
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    err = refused([*argv, "--out", str(pipe), "--overwrite"], capsys)
+    assert "a regular file (or a new path) expected, found a named pipe" in err
+    assert stat.S_ISFIFO(pipe.stat().st_mode)
+    err = refused([*argv, "--capture", str(mine / "capture.bin")], capsys)
+    assert f"its folder {mine} cannot be made ({mine} is not a folder)" in err
+    # what the operating system refuses is said in one line, without a traceback
+    assert main([*argv, "--out", str(tmp_path / ("a" * 300))]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.endswith(": File name too long\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.csv", "pipe", "theirs.csv"]
 
 
 def test_psi_with_a_repeated_id_names_the_file_and_the_id(

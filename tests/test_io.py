@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -10,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from secure_vfl.errors import DataError, ProtocolError
+from secure_vfl.errors import DataError, OutputError, ProtocolError
 from secure_vfl.io import (
     atomic_directory,
     atomic_write,
     atomic_write_json,
+    atomic_write_text,
     check_keys,
     decimal,
     parse_json,
@@ -42,6 +44,44 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path: Pat
         atomic_write(target, failing)
     assert target.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["result.json"]
+
+
+def test_atomic_write_follows_a_link_and_refuses_what_is_not_a_regular_file(
+    tmp_path: Path,
+) -> None:
+    target = tmp_path / "target.csv"
+    target.write_text("old")
+    link = tmp_path / "link.csv"
+    link.symlink_to(target)
+    atomic_write_text(link, "new")
+    assert link.is_symlink() and target.read_text() == "new"  # the link kept, its file replaced
+    pipe = tmp_path / "pipe"  # not a device such as /dev/null: a regression would replace it
+    os.mkfifo(pipe)
+    with pytest.raises(OutputError, match=r"a regular file .* expected, found a named pipe"):
+        atomic_write_text(pipe, "x")
+    assert stat.S_ISFIFO(pipe.stat().st_mode)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.csv", "pipe", "target.csv"]
+
+
+def test_a_path_that_cannot_be_written_is_an_output_error_that_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises(OutputError, match=f"its folder .* cannot be made \\({blocker} is not"):
+        atomic_write_text(blocker / "sub" / "result.json", "{}")
+    with pytest.raises(OutputError, match="File name too long; nothing was written"):
+        atomic_write_text(tmp_path / ("a" * 300), "{}")
+    with pytest.raises(OutputError, match="cannot be made"):
+        atomic_directory(blocker / "step-1", lambda directory: None)
+
+    def failing(tmp: Path) -> None:  # the disk fills up mid-write
+        tmp.write_text("half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(OutputError, match="No space left on device; nothing was written"):
+        atomic_write(tmp_path / "result.json", failing)
+    assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
 
 
 def test_atomic_directory_is_whole_under_its_name_or_absent(tmp_path: Path) -> None:
