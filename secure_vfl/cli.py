@@ -2151,7 +2151,7 @@ def run_runs(args: argparse.Namespace) -> int:
     if not args.store.is_file():
         raise ConfigError(f"no results store at {args.store}; expected --store PATH of one.")
     store = ResultsStore(args.store)
-    store.check()
+    store.check(create=False)  # listing writes nothing
     rows = store.rows()
     if not rows:
         print(f"{args.store}: no runs.")

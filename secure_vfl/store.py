@@ -79,11 +79,13 @@ class ResultsStore:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
 
-    def check(self) -> None:
+    def check(self, *, create: bool = True) -> None:
         """Refuse (ConfigError) a path this store cannot use, before any run writes to it: a
-        directory, a path under a file, a file that is not an SQLite database, a ``runs`` table
-        of another shape or a newer schema; migrate the first schema in place. Creates
-        nothing when there is no store yet."""
+        directory, a path under a file, a file that is not an SQLite database, another
+        program's database (tables but no ``runs`` table), a ``runs`` table of another shape
+        or a newer schema; migrate the first schema in place. Creates nothing when there is no
+        store yet; with ``create=False`` (a command that only reads) it writes nothing to an
+        SQLite file that has no ``runs`` table yet either."""
         if self.path.is_dir():
             raise ConfigError(f"--store {self.path} is a directory; expected an SQLite file path.")
         if not self.path.exists():
@@ -105,13 +107,13 @@ class ResultsStore:
                     f"{header[:8]!r}); expected a results store written by secure-vfl or a new "
                     "path."
                 )
-        self._connect().close()
+        self._connect(create=create).close()
 
-    def _connect(self) -> sqlite3.Connection:
+    def _connect(self, *, create: bool = True) -> sqlite3.Connection:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         connection = sqlite3.connect(self.path)
         try:
-            self._prepare(connection)
+            self._prepare(connection, create=create)
         except sqlite3.DatabaseError as error:
             connection.close()
             raise ConfigError(
@@ -123,9 +125,10 @@ class ResultsStore:
             raise
         return connection
 
-    def _prepare(self, connection: sqlite3.Connection) -> None:
-        """Create the table, or migrate an older schema (the first: rewritten; the second: a
-        ``parties`` column added, empty for its rows); refuse what this code cannot read."""
+    def _prepare(self, connection: sqlite3.Connection, *, create: bool = True) -> None:
+        """Create the table (unless ``create`` is False), or migrate an older schema (the first:
+        rewritten; the second: a ``parties`` column added, empty for its rows); refuse what this
+        code cannot read, and a database of other tables, which another program wrote."""
         version = int(connection.execute("PRAGMA user_version").fetchone()[0])
         if version > SCHEMA_VERSION:
             raise ConfigError(
@@ -134,6 +137,23 @@ class ResultsStore:
             )
         columns = {row[1] for row in connection.execute("PRAGMA table_info(runs)")}
         if not columns:
+            tables = [
+                row[0]
+                for row in connection.execute(
+                    "SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name"
+                )
+            ]
+            if tables:
+                shown = ", ".join(tables[:5]) + (
+                    f" and {len(tables) - 5} more" if len(tables) > 5 else ""
+                )
+                raise ConfigError(
+                    f"--store {self.path} is another program's database (tables {shown}, no "
+                    "`runs` table); expected a results store written by secure-vfl or a new "
+                    "path."
+                )
+            if not create:
+                return
             with connection:
                 connection.execute(SCHEMA)
                 connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
@@ -267,9 +287,12 @@ class ResultsStore:
             connection.close()
 
     def rows(self) -> list[dict[str, Any]]:
-        """Every stored run, oldest first, with config, metrics and epsilon decoded."""
-        connection = self._connect()
+        """Every stored run, oldest first, with config, metrics and epsilon decoded (none, and
+        nothing written, when the store has no ``runs`` table yet)."""
+        connection = self._connect(create=False)
         try:
+            if not connection.execute("PRAGMA table_info(runs)").fetchall():
+                return []
             connection.row_factory = sqlite3.Row
             rows = connection.execute("SELECT * FROM runs ORDER BY id").fetchall()
         finally:

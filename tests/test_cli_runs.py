@@ -168,6 +168,25 @@ def test_a_store_of_a_newer_schema_is_refused(tmp_path: Path) -> None:
         ResultsStore(path).check()
 
 
+def test_another_programs_database_is_refused_and_listing_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    other = tmp_path / "other.sqlite"
+    with sqlite3.connect(other) as connection:
+        connection.execute("CREATE TABLE laps (lap INTEGER, seconds REAL)")
+    connection.close()
+    before = other.read_bytes()
+    assert main(["runs", "list", "--store", str(other)]) == 2
+    assert "another program's database (tables laps, no `runs` table)" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="another program's database"):
+        ResultsStore(other).check()  # what train and the others call before they write
+    assert other.read_bytes() == before
+    empty = tmp_path / "empty.sqlite"
+    empty.touch()  # an empty file is an empty SQLite database: nothing to list, nothing written
+    assert main(["runs", "list", "--store", str(empty)]) == 0
+    assert "no runs" in capsys.readouterr().out and empty.stat().st_size == 0
+
+
 def test_every_run_writes_its_plots_and_epsilon_over_epochs_under_dp(tmp_path: Path) -> None:
     train(tmp_path / "plain")
     train(tmp_path / "dp", "--dp-gradients", "1.0:0.05", "--epochs", "3")
