@@ -220,18 +220,22 @@ def summarise_run(directory: Path) -> RunSummary:
 
 
 def table(names: list[str], summaries: list[RunSummary]) -> str:
-    """A plain-text table, one line per run: name, method, backend, DP, epsilon, accuracy per
-    test missingness (a column each, over all runs), time, and the parties' names where a run
-    names them (runs on the users' own files)."""
+    """A plain-text table, one line per run: name, method, the dataset where the runs do not
+    all share one, backend, DP, epsilon, accuracy per test missingness (a column each, over all
+    runs), time, and the parties' names where a run names them (runs on the users' own
+    files)."""
     tests = list(dict.fromkeys(name for s in summaries for name in s.accuracy))
     named = any(s.parties for s in summaries)
-    header = ["run", "method", "backend", "dp", "epsilon", *[f"acc {t}" for t in tests], "time s"]
+    mixed = len({s.dataset for s in summaries}) > 1  # else the accuracies compare like for like
+    header = ["run", "method", *(["dataset"] if mixed else []), "backend", "dp", "epsilon"]
+    header += [*[f"acc {t}" for t in tests], "time s"]
     rows = [header + (["parties"] if named else [])]
     for name, summary in zip(names, summaries, strict=True):
         epsilon = "-" if summary.epsilon is None else _number(summary.epsilon)
         accuracy = [f"{summary.accuracy[t]:.2f}" if t in summary.accuracy else "-" for t in tests]
         time = "-" if summary.wall_time_s is None else f"{summary.wall_time_s:.1f}"
-        row = [name, summary.method, summary.backend, summary.dp, epsilon, *accuracy, time]
+        row = [name, summary.method, *([summary.dataset] if mixed else [])]
+        row += [summary.backend, summary.dp, epsilon, *accuracy, time]
         if named:
             row.append(", ".join(summary.parties) or "-")
         rows.append(row)

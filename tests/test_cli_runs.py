@@ -168,6 +168,22 @@ def test_a_store_of_a_newer_schema_is_refused(tmp_path: Path) -> None:
         ResultsStore(path).check()
 
 
+def test_compare_names_the_dataset_only_when_the_runs_do_not_share_one() -> None:
+    from secure_vfl.runs import RunSummary, table
+
+    def run(dataset: str) -> RunSummary:
+        return RunSummary("train", "laser", dataset, "none", "none", None, {"mcar:0": 0.9})
+
+    same = table(["a", "b"], [run("wine"), run("wine")]).splitlines()
+    assert same[0].split()[:3] == ["run", "method", "backend"]
+    mixed = table(["a", "b"], [run("wine"), run("iris")]).splitlines()
+    assert mixed[0].split()[:4] == ["run", "method", "dataset", "backend"]
+    assert [line.split()[:4] for line in mixed[1:]] == [
+        ["a", "laser", "wine", "none"],
+        ["b", "laser", "iris", "none"],
+    ]
+
+
 def test_another_programs_database_is_refused_and_listing_writes_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
