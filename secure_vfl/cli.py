@@ -960,27 +960,40 @@ def _capture(path: Path | None) -> Iterator[BinaryIO | None]:
 
 
 def _read_ids(path: Path, column: str) -> list[str]:
-    """The ids of a PSI side: column ``column`` of the CSV file ``path``, as text; an empty
-    or a repeated id is refused with the file, the id and its rows (PSI matches sets)."""
+    """The ids of a PSI side: column ``column`` of the CSV file ``path`` (UTF-8, a byte order
+    mark allowed), as text; a file without ids, a repeated column name, an empty, repeated or
+    multi-line id is refused with the file, the id and its rows (PSI matches sets, and the
+    intersection is written one id a line)."""
     import csv
     from collections import Counter
 
     try:
-        with path.open(newline="", encoding="utf-8") as handle:
+        with path.open(newline="", encoding="utf-8-sig") as handle:
             reader = csv.DictReader(handle, strict=True)
             if reader.fieldnames is None:
                 raise ConfigError(f"expected a CSV file with a column {column!r}: {path} is empty.")
-            if column not in reader.fieldnames:
+            names = list(reader.fieldnames)
+            if column not in names:
+                raise ConfigError(f"expected a column {column!r} in {path}. Found columns {names}.")
+            if names.count(column) > 1:
                 raise ConfigError(
-                    f"expected a column {column!r} in {path}. Found columns {reader.fieldnames}."
+                    f"{path}: one column {column!r} expected, found {names.count(column)}."
                 )
             ids = [row[column] or "" for row in reader]
     except (UnicodeDecodeError, csv.Error) as error:
         raise ConfigError(f"{path}: a UTF-8 CSV file expected ({error}).") from None
+    if not ids:
+        raise ConfigError(f"{path}: at least one id expected, found a header only.")
     if "" in ids:
         raise ConfigError(
             f"{path}: every row must have an id in column {column!r}. Found an empty one at "
             f"data row {ids.index('') + 1}."
+        )
+    broken = next((i for i, value in enumerate(ids) if "\n" in value or "\r" in value), None)
+    if broken is not None:
+        raise ConfigError(
+            f"{path}: an id of one line expected, found a line break in {ids[broken][:40]!r} at "
+            f"data row {broken + 1}."
         )
     repeated = [value for value, count in Counter(ids).items() if count > 1]
     if repeated:

@@ -210,6 +210,28 @@ def test_psi_output_that_cannot_be_written_is_refused_and_leaves_nothing(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.csv", "pipe", "theirs.csv"]
 
 
+def test_psi_refuses_ids_it_cannot_match_or_write_one_a_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    theirs = tmp_path / "theirs.csv"
+    theirs.write_text("id\na\nc\n")
+    cases = {
+        "id\n": "at least one id expected, found a header only",
+        'id\n"x\ny"\nc\n': "found a line break in 'x\\ny' at data row 1",
+        "id,id\n1,2\n": "one column 'id' expected, found 2",
+    }
+    for text, message in cases.items():
+        mine = tmp_path / "mine.csv"
+        mine.write_text(text)
+        out = tmp_path / "common.txt"
+        argv = ["psi", "--mine", str(mine), "--theirs", str(theirs), "--out", str(out)]
+        assert message in refused(argv, capsys) and not out.exists()
+    # a byte order mark (as spreadsheet programs write) is not part of the first column's name
+    (tmp_path / "mine.csv").write_bytes(b"\xef\xbb\xbfid\na\nb\n")
+    assert main([*argv[:-2]]) == 0
+    assert "intersection size: 1 (of 2 mine, 2 theirs)" in capsys.readouterr().out
+
+
 def test_psi_with_a_repeated_id_names_the_file_and_the_id(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
