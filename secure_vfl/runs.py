@@ -199,6 +199,9 @@ def read_run(directory: Path) -> dict[str, Any]:
     """The ``result.json`` of a run directory; ConfigError if there is none or it is not a
     result of ``train`` or ``attack``."""
     path = Path(directory) / "result.json"
+    if not Path(directory).is_dir():
+        found = "a file" if Path(directory).exists() else "nothing there"
+        raise ConfigError(f"{directory}: a run directory expected, found {found}.")
     if not path.is_file():
         raise ConfigError(f"{directory} holds no result.json; expected a run directory.")
     payload = parse_json(path.read_bytes(), str(path), error=ConfigError)

@@ -251,6 +251,11 @@ def test_compare_refuses_a_directory_without_a_training_result(
 ) -> None:
     assert main(["runs", "compare", str(tmp_path)]) == 2
     assert "holds no result.json; expected a run directory" in capsys.readouterr().err
+    assert main(["runs", "compare", str(tmp_path / "typo")]) == 2
+    assert "a run directory expected, found nothing there" in capsys.readouterr().err
+    (tmp_path / "notes.txt").write_text("x")
+    assert main(["runs", "compare", str(tmp_path / "notes.txt")]) == 2
+    assert "a run directory expected, found a file" in capsys.readouterr().err
     assert main(["runs", "list", "--store", str(tmp_path / "none.sqlite")]) == 2
     assert "no results store at" in capsys.readouterr().err
 
