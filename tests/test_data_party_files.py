@@ -88,7 +88,7 @@ def test_party_names_must_differ_and_match_the_files(tmp_path):
         ("id\n1\n2\n", "at least one feature column"),
         ("id,x\n1,inf\n2,1\n", r"column 'x' must hold finite float32 values. Found 1 infinite"),
         ("id,x\n", "at least one row"),
-        ("id,x\n,2\n", "every row must have an id"),
+        ("id,x\n1,1\n,2\n", r"every row must have an id. Found 1 empty \(first at data row 2\)"),
     ],
 )
 def test_bad_party_files_are_refused_naming_the_problem(tmp_path, text, message):

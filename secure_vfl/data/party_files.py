@@ -98,7 +98,8 @@ def _read_ids(frame: pd.DataFrame, path: Path, id_column: str) -> np.ndarray:
     if empty:
         first = int(np.flatnonzero(column.isna().to_numpy())[0])
         raise DataError(
-            f"{path}: every row must have an id. Found {empty} empty (first at row {first})."
+            f"{path}: every row must have an id. Found {empty} empty (first at data row "
+            f"{first + 1})."
         )
     ids = column.astype(str).to_numpy(dtype=str)
     unique, counts = np.unique(ids, return_counts=True)
