@@ -1,7 +1,8 @@
 """Certificates for a federation: one certificate authority (CA) and one key pair and certificate
 per party, for mutual TLS on the gRPC transport (:mod:`secure_vfl.federation.network`).
 
-``make_federation(DIR, parties)`` writes
+``make_federation(DIR, parties)`` writes, all files or none (each is written into a staging
+directory first and moved in once all are there),
 
 - ``DIR/ca.pem``, ``DIR/ca.key``: the federation CA (self-signed, may sign leaf certificates
   only: path length 0). Whoever holds ``ca.key`` can admit a party; keep it off the parties'
@@ -14,20 +15,27 @@ A party's identity is its name, written twice into its certificate: as the subje
 context) and as its first DNS name (which a calling client checks, by asking gRPC to verify the
 server's certificate against that name, ``grpc.ssl_target_name_override``). Party names are
 lower-case DNS labels (``[a-z0-9]``, inner ``-``, at most 63 characters), so the name is a valid
-DNS name. The hosts the party is reached at are further subject alternative names (default
-``localhost`` and ``127.0.0.1``; an IP literal becomes an IP address entry), for standard TLS
-tools; they may not be another party's name, or one certificate would pass for two parties.
+DNS name; ``ca`` is not a party name (``ca.pem`` and ``ca.key`` are the CA's files). The hosts
+the party is reached at are further subject alternative names (default ``localhost`` and
+``127.0.0.1``), for standard TLS tools: an IP address becomes an IP address entry, anything else
+must be an ASCII DNS host name (see :func:`host_problem`; an internationalised name in its IDNA
+A-label form, ``xn--...``). A host may not be another party's name, or one certificate would
+pass for two parties.
 
 Keys are EC P-256 (ECDSA with SHA-256): gRPC's TLS stack (BoringSSL) completes no handshake with
 an Ed25519 certificate (``NO_COMMON_SIGNATURE_ALGORITHMS``, tested with grpcio 1.85.1), so
 Ed25519 keys are refused by :func:`check_federation`. Keys are written PKCS#8, unencrypted, mode
-0600, atomically (whole or absent). Validity: the CA 5 years, a party 1 year by default (``days``),
-starting one minute in the past to absorb small clock differences between machines.
+0600. Validity: the CA 5 years, a party 1 year by default (``days``), starting one minute in the
+past to absorb small clock differences between machines. A party certificate may not outlive the
+CA that signs it (no client accepts it once the CA has expired, so the extra years would be a
+false promise): ``make_federation`` refuses a ``days`` that reaches beyond the CA's expiry, and
+says the most it can issue, rather than quietly shortening the certificate.
 
 ``check_federation(DIR)`` reports every problem with a set of certificates: a file missing or
-unreadable, a certificate expired or not yet valid, one not signed by this CA, a name that is not
-in its certificate, a key that does not match its certificate, a key file readable by others, a
-key type gRPC cannot use, a certificate without both TLS usages.
+unreadable (a key without its certificate, or a certificate without its key), a certificate
+expired or not yet valid or valid beyond its CA, one not signed by this CA, a name that is not in
+its certificate, a DNS name that is not a host name, a key that does not match its certificate, a
+key file readable by others, a key type gRPC cannot use, a certificate without both TLS usages.
 """
 
 from __future__ import annotations
@@ -36,14 +44,17 @@ import dataclasses
 import datetime
 import ipaddress
 import os
+import re
+import shutil
 import stat
-from collections.abc import Callable, Sequence
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from secure_vfl.errors import ConfigError
@@ -53,15 +64,18 @@ from secure_vfl.federation.network import (
     parse_certificate,
     same_key,
 )
-from secure_vfl.io import atomic_write
+from secure_vfl.io import atomic_directory, atomic_write, fsync_directory, unwritable
 
-CA_CERT, CA_KEY = "ca.pem", "ca.key"
+CA_NAME = "ca"
+CA_CERT, CA_KEY = f"{CA_NAME}.pem", f"{CA_NAME}.key"
 CA_DAYS = 5 * 365
 PARTY_DAYS = 365
 DEFAULT_HOSTS = ("localhost", "127.0.0.1")
 CLOCK_SKEW = datetime.timedelta(minutes=1)
 KEY_MODE = 0o600
 PRIVATE_BITS = stat.S_IRWXG | stat.S_IRWXO  # a key file must grant nothing to group or others
+MAX_HOST_LENGTH = 253
+_HOST_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 
 
 def _now() -> datetime.datetime:
@@ -94,14 +108,95 @@ def _write(path: Path, data: bytes, *, private: bool) -> None:
     atomic_write(path, write, mode=KEY_MODE if private else None)
 
 
+def _write_all(directory: Path, files: Mapping[str, tuple[bytes, bool]]) -> None:
+    """Write ``files`` (name: content, and whether it is private, a key) into ``directory``, all
+    or none: they are written into a staging directory and moved in once all are there (a new
+    ``directory`` is the staging directory renamed); a failure removes what was moved in and
+    raises OutputError (KeyboardInterrupt and the like pass as they are)."""
+
+    def stage(staging: Path) -> None:
+        for name, (data, private) in files.items():
+            _write(staging / name, data, private=private)
+
+    if not directory.exists():
+
+        def stage_directory(staging: Path) -> None:
+            stage(staging)
+            umask = os.umask(0)
+            os.umask(umask)
+            staging.chmod(0o777 & ~umask)  # an ordinary directory, as mkdir makes it
+
+        atomic_directory(directory, stage_directory)
+        return
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=".staging.", suffix=".tmp", dir=directory))
+    except OSError as error:
+        raise unwritable(directory, error) from None
+    moved: list[Path] = []
+    try:
+        stage(staging)
+        for name in files:
+            os.replace(staging / name, directory / name)
+            moved.append(directory / name)
+        fsync_directory(directory)
+    except BaseException as error:
+        for path in moved:
+            path.unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            raise unwritable(directory, error) from error
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def host_problem(host: str) -> str | None:
+    """Why ``host`` is not a DNS host name a certificate can carry, or None when it is one:
+    dot-separated labels of 1 to 63 ASCII letters, digits and inner hyphens, at most 253
+    characters in all, the last label not all digits (``256.1.1.1`` is a mistyped IP address,
+    not a name; RFC 1123 section 2.1)."""
+    if not host:
+        return "it is empty"
+    if not host.isascii():
+        return (
+            "it is not ASCII; write an internationalised name in its IDNA A-label form "
+            "(xn--..., as `idn2 NAME` prints it)"
+        )
+    if len(host) > MAX_HOST_LENGTH:
+        return f"it has {len(host)} characters, at most {MAX_HOST_LENGTH} expected"
+    labels = host.split(".")
+    for label in labels:
+        if not _HOST_LABEL.fullmatch(label):
+            return (
+                f"its label {label!r} is not 1 to 63 letters, digits and inner hyphens"
+                if label
+                else "it has an empty label (a dot at either end, or two dots in a row)"
+            )
+    if labels[-1].isdigit():
+        return "it is not an IP address, and a host name's last label is not all digits"
+    return None
+
+
 def _host_names(hosts: Sequence[str]) -> list[x509.GeneralName]:
-    """Subject alternative names of ``hosts``: IP literals as IP addresses, others as DNS."""
+    """Subject alternative names of ``hosts``: IP addresses as such, host names as DNS names;
+    ConfigError for anything else."""
     names: list[x509.GeneralName] = []
     for host in hosts:
         try:
-            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+            address = ipaddress.ip_address(host)
         except ValueError:
+            problem = host_problem(host)
+            if problem is not None:
+                raise ConfigError(
+                    f"a --san host name or IP address expected. Found {host!r}: {problem}."
+                ) from None
             names.append(x509.DNSName(host))
+            continue
+        if isinstance(address, ipaddress.IPv6Address) and address.scope_id:
+            raise ConfigError(
+                f"a --san IP address without a zone expected (a zone names an interface of one "
+                f"machine; a certificate holds none). Found {host!r}."
+            )
+        names.append(x509.IPAddress(address))
     return names
 
 
@@ -188,15 +283,27 @@ def party_certificate(
     )
 
 
+def _check_party_name(name: str) -> None:
+    """ConfigError unless ``name`` can name a party here: a party name on the network, and not
+    the CA's (its files would be the CA's files)."""
+    check_party_name(name)
+    if name == CA_NAME:
+        raise ConfigError(
+            f"a party name other than {CA_NAME!r} expected ({CA_CERT} and {CA_KEY} are the "
+            f"federation CA's files). Found {name!r}."
+        )
+
+
 def _check_request(parties: Sequence[str], hosts: Sequence[str], days: int) -> None:
     if not parties:
         raise ConfigError("at least one --party NAME expected. Found none.")
     for name in parties:
-        check_party_name(name)
+        _check_party_name(name)
     repeated = sorted({name for name in parties if list(parties).count(name) > 1})
     if repeated:
         raise ConfigError(f"each party once expected. Found {', '.join(repeated)} repeated.")
-    clash = sorted(set(parties) & set(hosts))
+    _host_names(hosts)  # ConfigError for a host that is neither an IP address nor a host name
+    clash = sorted(set(parties) & {host.lower() for host in hosts})
     if clash:
         raise ConfigError(
             f"a --san host may not be a party's name (its certificate would pass for that party)."
@@ -224,6 +331,25 @@ def _load_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivate
     return ca, key
 
 
+def _check_lifetime(
+    directory: Path, ca: x509.Certificate, start: datetime.datetime, days: int
+) -> None:
+    """ConfigError if a party certificate valid ``days`` from ``start`` would outlive ``ca``."""
+    end = ca.not_valid_after_utc
+    longest = (end - start).days
+    if longest < 1:
+        raise ConfigError(
+            f"a CA valid for at least another day expected to issue certificates. Found the CA "
+            f"in {directory} valid until {end:%Y-%m-%d %H:%M} UTC; make a new one in another "
+            "--out."
+        )
+    if days > longest:
+        raise ConfigError(
+            f"a validity of at most {longest} days expected (a party certificate may not outlive "
+            f"its CA, valid until {end:%Y-%m-%d %H:%M} UTC). Found {days}."
+        )
+
+
 def make_federation(
     directory: Path,
     parties: Sequence[str],
@@ -233,8 +359,12 @@ def make_federation(
 ) -> list[Path]:
     """Write a federation CA (unless ``directory`` already holds one: then it issues with it)
     and a key and certificate per party; return the files written. ConfigError, before anything
-    is written, for a bad name, a host that is a party's name, or a party file already there."""
+    is written, for a bad name, a host that is neither an IP address nor a host name or is a
+    party's name, a party file already there, or ``days`` reaching beyond the CA's expiry. The
+    files are written all or none: a failure leaves ``directory`` as it was."""
     _check_request(parties, hosts, days)
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(f"a directory expected for the certificates. Found the file {directory}.")
     existing = [
         directory / f"{name}{suffix}"
         for name in parties
@@ -245,22 +375,26 @@ def make_federation(
         raise ConfigError(
             f"{', '.join(map(str, existing))} already exist; remove them or choose another --out."
         )
-    written: list[Path] = []
+    files: dict[str, tuple[bytes, bool]] = {}  # name: content, private
+    now = _now()
     if (directory / CA_CERT).exists() or (directory / CA_KEY).exists():
         ca, ca_key = _load_ca(directory)
     else:
         ca_key = _new_key()
-        ca = _ca_certificate(ca_key, _now())
-        _write(directory / CA_KEY, _key_pem(ca_key), private=True)
-        _write(directory / CA_CERT, _cert_pem(ca), private=False)
-        written += [directory / CA_CERT, directory / CA_KEY]
+        ca = _ca_certificate(ca_key, now)
+        files[CA_CERT] = (_cert_pem(ca), False)
+        files[CA_KEY] = (_key_pem(ca_key), True)
+    start = now - CLOCK_SKEW
+    _check_lifetime(directory, ca, start, days)
     for name in parties:
         key = _new_key()
-        certificate = party_certificate(name, key, ca, ca_key, hosts=hosts, days=days)
-        _write(directory / f"{name}.key", _key_pem(key), private=True)
-        _write(directory / f"{name}.pem", _cert_pem(certificate), private=False)
-        written += [directory / f"{name}.pem", directory / f"{name}.key"]
-    return written
+        certificate = party_certificate(
+            name, key, ca, ca_key, hosts=hosts, not_before=start, days=days
+        )
+        files[f"{name}.pem"] = (_cert_pem(certificate), False)
+        files[f"{name}.key"] = (_key_pem(key), True)
+    _write_all(directory, files)
+    return [directory / name for name in files]
 
 
 # -- checking a set of certificates ------------------------------------------------------------
@@ -284,6 +418,20 @@ def _validity(path: Path, certificate: x509.Certificate, now: datetime.datetime)
     if now > end:
         return [Problem(path, f"expired on {end:%Y-%m-%d %H:%M} UTC.")]
     return []
+
+
+def _within_ca(path: Path, certificate: x509.Certificate, ca: x509.Certificate) -> list[Problem]:
+    """A problem if ``certificate`` is valid beyond ``ca``: it stops working when the CA expires."""
+    end, ca_end = certificate.not_valid_after_utc, ca.not_valid_after_utc
+    if end <= ca_end:
+        return []
+    return [
+        Problem(
+            path,
+            f"valid until {end:%Y-%m-%d %H:%M} UTC, beyond its CA (valid until "
+            f"{ca_end:%Y-%m-%d %H:%M} UTC): it stops working when the CA expires.",
+        )
+    ]
 
 
 def _signed_by(path: Path, certificate: x509.Certificate, ca: x509.Certificate) -> list[Problem]:
@@ -323,11 +471,15 @@ def _names(
     dns = _dns_names(certificate)
     if name not in dns:
         problems.append(Problem(path, f"{name!r} is not among its DNS names {dns}."))
-    others = sorted(set(dns) & (set(parties) - {name}))
+    others = sorted({host.lower() for host in dns} & (set(parties) - {name}))
     if others:
         problems.append(
             Problem(path, f"it also names the parties {others}: it would pass for them.")
         )
+    for host in dns:
+        problem = None if host == name else host_problem(host)  # a party name is checked apart
+        if problem is not None:
+            problems.append(Problem(path, f"its DNS name {host!r} is not a host name: {problem}."))
     return problems
 
 
@@ -342,13 +494,26 @@ def _usages(path: Path, certificate: x509.Certificate) -> list[Problem]:
     return []
 
 
+def _key_kind(key: object) -> str:
+    """What kind of key ``key`` is, in words: its algorithm, and its curve or size."""
+    if isinstance(key, ec.EllipticCurvePrivateKey):
+        return f"an EC key on {key.curve.name}"
+    if isinstance(key, rsa.RSAPrivateKey):
+        return f"an RSA key of {key.key_size} bits"
+    if isinstance(key, ed25519.Ed25519PrivateKey):
+        return "an Ed25519 key"
+    if isinstance(key, ed448.Ed448PrivateKey):
+        return "an Ed448 key"
+    return f"a {type(key).__name__}"
+
+
 def _key_type(path: Path, key: object) -> list[Problem]:
     if isinstance(key, ec.EllipticCurvePrivateKey) and isinstance(key.curve, ec.SECP256R1):
         return []
     return [
         Problem(
             path,
-            f"an EC P-256 key expected, found {type(key).__name__}: gRPC's TLS (BoringSSL) "
+            f"an EC P-256 key expected, found {_key_kind(key)}: gRPC's TLS (BoringSSL) "
             "completes no handshake with it.",
         )
     ]
@@ -393,6 +558,7 @@ def check_party(
     if not isinstance(certificate, x509.Certificate):
         return problems
     problems += _validity(cert_path, certificate, now)
+    problems += _within_ca(cert_path, certificate, ca)
     problems += _signed_by(cert_path, certificate, ca)
     problems += _names(cert_path, certificate, name, parties)
     problems += _usages(cert_path, certificate)
@@ -423,8 +589,11 @@ def _check_ca(directory: Path, now: datetime.datetime) -> tuple[object, list[Pro
 
 
 def federation_parties(directory: Path) -> list[str]:
-    """The parties with a certificate in ``directory`` (every ``NAME.pem`` but the CA's)."""
-    return sorted(p.stem for p in directory.glob("*.pem") if p.name != CA_CERT)
+    """The parties with a certificate or a key in ``directory`` (every ``NAME.pem`` and
+    ``NAME.key`` but the CA's), so that a key left without its certificate, or a certificate
+    without its key, is checked, and found missing its other half."""
+    files = [*directory.glob("*.pem"), *directory.glob("*.key")]
+    return sorted({path.stem for path in files if path.is_file()} - {CA_NAME})
 
 
 def check_federation(
@@ -434,8 +603,8 @@ def check_federation(
     now: datetime.datetime | None = None,
 ) -> list[Problem]:
     """Every problem with the CA of ``directory`` and the certificates and keys of ``parties``
-    (default: every party with a certificate there); an empty list when all is well.
-    ConfigError if ``directory`` is not a directory or holds no party."""
+    (default: every party with a certificate or a key there); an empty list when all is well.
+    ConfigError if ``directory`` is not a directory or holds no party, or for a bad party name."""
     if not directory.is_dir():
         raise ConfigError(f"a directory of certificates expected. Found no directory {directory}.")
     now = now if now is not None else _now()
@@ -444,7 +613,7 @@ def check_federation(
     if not chosen:
         raise ConfigError(f"party certificates (NAME.pem) expected in {directory}. Found none.")
     for name in chosen:
-        check_party_name(name)
+        _check_party_name(name)
     ca, problems = _check_ca(directory, now)
     if not isinstance(ca, x509.Certificate):
         return problems

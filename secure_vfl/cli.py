@@ -875,17 +875,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--out", required=True, type=Path, metavar="DIR", help="where the CA and parties' files go"
     )
     init.add_argument(
-        "--party", required=True, action="append", metavar="NAME", help="a party (repeat)"
+        "--party",
+        required=True,
+        action="append",
+        metavar="NAME",
+        help="a party (repeat; not 'ca', the CA's file name)",
     )
     init.add_argument(
         "--san",
         action="append",
         metavar="HOST",
-        help="a host name or IP the parties are reached at (repeat; default localhost and "
-        "127.0.0.1)",
+        help="a host name (ASCII; an internationalised name in its xn-- form) or IP address the "
+        "parties are reached at (repeat; default localhost and 127.0.0.1)",
     )
     init.add_argument(
-        "--days", type=int, default=365, help="validity of the party certificates (default 365)"
+        "--days",
+        type=int,
+        default=365,
+        help="validity of the party certificates in days (default 365; at most until the CA "
+        "expires)",
     )
     check = certs_actions.add_parser("check", help="say what is wrong with a set of certificates")
     check.add_argument(
@@ -2046,8 +2054,6 @@ def _party_of(model: Any, path: Path) -> str:
 
 def run_predict(args: argparse.Namespace) -> int:
     """`secure-vfl predict`: the saved federation scores the new rows of the given files."""
-    import dataclasses
-
     from secure_vfl.saved_model import SavedModel
 
     if args.federation is not None:
@@ -2068,10 +2074,11 @@ def run_predict(args: argparse.Namespace) -> int:
     model = SavedModel.load(args.model)
     id_column = args.id_column or model.id_column
     with _run_warnings() as noted:
-        predictions = model.predict(_party_tables(model, args.party_file, id_column))
-    predictions = dataclasses.replace(
-        predictions, id_column=id_column, label_column=args.label_column
-    )
+        predictions = model.predict(
+            _party_tables(model, args.party_file, id_column),
+            id_column=id_column,
+            label_column=args.label_column,
+        )
     if out is not None:
         predictions.write_csv(out)
     print(_prediction_summary(model, predictions, out))
@@ -2083,8 +2090,6 @@ def run_predict(args: argparse.Namespace) -> int:
 def run_predict_deployed(args: argparse.Namespace) -> int:
     """`secure-vfl predict --federation FED --name LABEL --model RUN_DIR`: the label party of a
     prediction in which every data party predicts with its own part in its own process."""
-    import dataclasses
-
     from secure_vfl.deployed_prediction import predict_deployed
     from secure_vfl.federation.federation_file import read_federation
 
@@ -2109,11 +2114,12 @@ def run_predict_deployed(args: argparse.Namespace) -> int:
             args.name,
             own=own,
             id_column=args.id_column,
+            label_column=args.label_column,
             capture=capture,
             psi=_psi_roles() if args.align == "psi" else None,
             **_label_party_options(args),
         )
-    predictions = dataclasses.replace(done.predictions, label_column=args.label_column)
+    predictions = done.predictions
     if out is not None:
         predictions.write_csv(out)
     print(_prediction_summary(done, predictions, out))
@@ -2140,7 +2146,10 @@ def _prediction_summary(model: Any, predictions: Any, out: Path | None) -> str:
     predicted = ", ".join(f"{value} {counts[value]}" for value in predictions.classes)
     unscored = sum(label is None for label in labels)
     if unscored:
-        predicted += f"; no prediction for {unscored} rows (a block absent: the method guesses)"
+        predicted += (
+            f"; no prediction for {unscored} rows ({manifest.method} cannot predict them from "
+            "the blocks present; their cells are left empty)"
+        )
     lines.append(f"predicted: {predicted}")
     if out is not None:
         lines.append(f"predictions: {out}")

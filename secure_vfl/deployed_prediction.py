@@ -42,7 +42,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from secure_vfl.data.party_files import ID_COLUMN, PartyTable, read_party_file
+from secure_vfl.data.party_files import PartyTable, read_party_file
 from secure_vfl.deployment import (
     _DIGEST,
     _MODEL_ID,
@@ -75,11 +75,17 @@ from secure_vfl.saved_model import (
     KEPT_BY_PARTY,
     LOST,
     PREDICT_SPLIT,
+    PREDICTED_COLUMN,
+    Manifest,
     Predictions,
+    load_party_part,
+    output_id_column,
     predict_rows,
     read_manifest,
     rebuild_method,
     refuse_absent,
+    refuse_unlisted,
+    refuse_unlisted_files,
     union_alignment,
 )
 
@@ -122,7 +128,8 @@ def build_predicting_party(
     the rows are sample positions, which it maps to its rows by ``aligned`` (what its PSI with
     the label party told it), as a training set-up's. ProtocolError for a set-up that does not
     fit (a run id or file name that is not one, rows beyond its table or alignment, a part it
-    does not keep or that differs from the manifest's)."""
+    does not keep, that differs from the manifest's or beside which lies a file it does not
+    list)."""
     body = _body(message, "predict-setup", PREDICT_SETUP_KEYS)
     run, files = body["run"], body["files"]
     if not _MODEL_ID.fullmatch(run):
@@ -159,6 +166,7 @@ def build_predicting_party(
     directory = model.part_directory(run)
     try:
         party.load_part(directory, files)
+        refuse_unlisted_files(directory, files, who=name)
     except (DataError, IntegrityError) as error:
         raise ProtocolError(
             f"predict-setup: {name} cannot load its part of model {run} from {directory}: {error}"
@@ -187,6 +195,7 @@ def predict_deployed(
     *,
     own: Path | None,
     id_column: str | None = None,
+    label_column: str = PREDICTED_COLUMN,
     deadline: float,
     wait: float = 60.0,
     insecure: bool = False,
@@ -195,18 +204,20 @@ def predict_deployed(
     secure_agg: str = "none",
     secure_sums: SecureSums | None = None,
 ) -> DeployedPredictions:
-    """Predict the new rows the parties of ``federation`` serve with the model a deployed run
-    saved at ``model`` (its run directory or ``model/``), as the label party ``name`` holding
-    the new rows of the file ``own`` (ids in ``id_column``, default the one it was trained with;
-    None: its block is absent): every data party loads its own part in its own process (module
+    """Predict the new rows the parties of ``federation`` serve with the model a deployed run saved
+    at ``model`` (its run directory or ``model/``), as the label party ``name`` holding the new rows
+    of the file ``own`` (ids in ``id_column``, default the one it was trained with; None: its block
+    is absent; the predicted label under ``label_column``, output columns that collide refused
+    before any id crosses): every data party loads its own part in its own process (module
     docstring). A data party lost in training, or not accepting a connection within ``wait``
-    seconds, is absent for every row (ConfigError first if the method cannot predict without
-    it). With ``psi`` (the roles of DH-PSI) no id crosses in the clear: the label party runs PSI
-    with each data party, as ``train --align psi`` does, and predicts its own rows (it learns
-    only which of its ids each party holds; a party learns which of its ids are predicted).
-    Under ``secure_agg`` (a scheme ``secure_sums`` makes) the representations are sealed, as in
-    training: the aggregation server sees only sealed shares and the label party only sums."""
+    seconds, is absent for every row (ConfigError first if the method cannot predict without it).
+    With ``psi`` (the roles of DH-PSI) no id crosses in the clear: the label party runs PSI with
+    each data party, as ``train --align psi`` does, and predicts its own rows (it learns only which
+    of its ids each party holds; a party learns which of its ids are predicted). Under
+    ``secure_agg`` (a scheme ``secure_sums`` makes) the representations are sealed, as in training:
+    the aggregation server sees only sealed shares and the label party only sums."""
     manifest, directory = read_manifest(Path(model))
+    refuse_unlisted(manifest, directory)
     if name != federation.label_party:
         raise ConfigError(
             f"{name} is not the label party of {federation.path} ({federation.label_party} "
@@ -248,8 +259,7 @@ def predict_deployed(
         method = rebuild_method(manifest, channel, secure_sums=backend is not None)
         refuse_absent(method, [*absent, *([] if own is not None else [federation.names[0]])])
         label = _own_part(channel, manifest, directory)
-        if id_column is None:
-            id_column = label.preprocessing.id_column if label.preprocessing else ID_COLUMN
+        id_column = output_id_column(label, id_column, label_column)
         table = None
         if own is not None:
             table = read_party_file(own, id_column=id_column, name=federation.names[0])
@@ -281,8 +291,8 @@ def predict_deployed(
             label = _own_part(channel, manifest, directory)
         label.hold_rows(PREDICT_SPLIT, table, rows[:, 0], source=str(own or ""))
         names = [e.source for e in manifest.parties]
-        predictions = dataclasses.replace(
-            predict_rows(method, sample_ids, rows, names), id_column=id_column
+        predictions = predict_rows(
+            method, sample_ids, rows, names, id_column=id_column, label_column=label_column
         )
         outcome = "finished"
     finally:
@@ -291,11 +301,12 @@ def predict_deployed(
     return DeployedPredictions(predictions, manifest, absent)
 
 
-def _own_part(channel: NetworkChannel, manifest: Any, directory: Path) -> DataParty:
-    """The label party of ``channel``, its own part of the model loaded."""
+def _own_part(channel: NetworkChannel, manifest: Manifest, directory: Path) -> DataParty:
+    """The label party of ``channel``, its own part of the model loaded (its class values
+    checked against the manifest)."""
     label = in_process_parties(channel)[0]
     entry = manifest.parties[0]
-    label.load_part(directory / entry.directory, entry.files)
+    load_party_part(label, directory / entry.directory, entry, manifest)
     return label
 
 

@@ -154,8 +154,8 @@ from secure_vfl.saved_model import (
     LOST,
     Manifest,
     PartEntry,
-    clear_manifest,
     new_run_id,
+    replace_directory,
     saved_here,
     write_manifest,
 )
@@ -1017,52 +1017,58 @@ def save_deployed(
     A party that cannot be reached when asked to save (``unreachable`` says so: its process
     died after the evaluation) is lost here: its part is listed as lost and the others are
     saved. Returns the manifest and, by name, why each party was lost while saving."""
-    clear_manifest(directory)
     run = new_run_id()
     names = federation.names
-    entries = [saved_here(directory, own, names[0], 0)]
     lost_here: dict[str, str] = {}
-    handler, endpoint.handler = endpoint.handler, None  # answers wait here, not at the party
-    try:
-        for name in names[1:]:
-            files: dict[str, str] = {}
-            if name not in lost:
-                try:
-                    files = _ask_save(endpoint, name, run)
-                except ProtocolError as error:
-                    if unreachable is None or not unreachable([name]):
-                        raise
-                    lost_here[name] = str(error)
-                    logger.warning(
-                        "%s: %s is lost while saving the model; its part is not saved: %s",
-                        endpoint.name,
-                        name,
-                        error,
+    saved: list[Manifest] = []
+
+    def write(staged: Path) -> None:
+        entries = [saved_here(staged, own, names[0], 0)]
+        handler, endpoint.handler = endpoint.handler, None  # answers wait here, not at the party
+        try:
+            for name in names[1:]:
+                files: dict[str, str] = {}
+                if name not in lost:
+                    try:
+                        files = _ask_save(endpoint, name, run)
+                    except ProtocolError as error:
+                        if unreachable is None or not unreachable([name]):
+                            raise
+                        lost_here[name] = str(error)
+                        logger.warning(
+                            "%s: %s is lost while saving the model; its part is not saved: %s",
+                            endpoint.name,
+                            name,
+                            error,
+                        )
+                gone = name in lost or name in lost_here
+                entries.append(
+                    PartEntry(
+                        name=name,
+                        source=name,
+                        role=DATA_PARTY_ROLE,
+                        directory=name,
+                        files=files,
+                        location=LOST if gone else KEPT_BY_PARTY,
                     )
-            gone = name in lost or name in lost_here
-            entries.append(
-                PartEntry(
-                    name=name,
-                    source=name,
-                    role=DATA_PARTY_ROLE,
-                    directory=name,
-                    files=files,
-                    location=LOST if gone else KEPT_BY_PARTY,
                 )
+        finally:
+            endpoint.handler = handler
+        saved.append(
+            write_manifest(
+                staged,
+                entries,
+                run_id=run,
+                method=config.method,
+                seed=config.seed,
+                method_config=config.method_config,
+                false_vfl=getattr(config, "false_vfl", None),
+                data=data,
             )
-    finally:
-        endpoint.handler = handler
-    manifest = write_manifest(
-        directory,
-        entries,
-        run_id=run,
-        method=config.method,
-        seed=config.seed,
-        method_config=config.method_config,
-        false_vfl=getattr(config, "false_vfl", None),
-        data=data,
-    )
-    return manifest, lost_here
+        )
+
+    replace_directory(directory, write)  # a model saved over another keeps none of its files
+    return saved[0], lost_here
 
 
 def _ask_save(endpoint: PartyEndpoint, name: str, run: str) -> dict[str, str]:

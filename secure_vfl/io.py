@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ def atomic_write(path: Path, write: Callable[[Path], None], *, mode: int | None 
     try:
         fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     except OSError as error:
-        raise _unwritable(path, error) from None
+        raise unwritable(path, error) from None
     os.close(fd)
     tmp = Path(tmp_name)
     try:
@@ -41,10 +42,10 @@ def atomic_write(path: Path, write: Callable[[Path], None], *, mode: int | None 
         tmp.chmod(mode)
         _fsync(tmp, os.O_RDONLY)
         os.replace(tmp, path)
-        _fsync(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        fsync_directory(path.parent)
     except OSError as error:
         tmp.unlink(missing_ok=True)
-        raise _unwritable(path, error) from error
+        raise unwritable(path, error) from error
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -59,7 +60,7 @@ def writable_file(path: Path) -> Path:
             path = path.resolve()
         there = path.exists()
     except OSError as error:  # e.g. a name too long for the file system
-        raise _unwritable(path, error) from None
+        raise unwritable(path, error) from None
     if there and not path.is_file():
         raise OutputError(
             f"{path}: a regular file (or a new path) expected, found {_file_kind(path)}; "
@@ -98,7 +99,8 @@ def make_parent(path: Path) -> None:
         ) from None
 
 
-def _unwritable(path: Path, error: OSError) -> OutputError:
+def unwritable(path: Path, error: OSError) -> OutputError:
+    """The OutputError of a write to ``path`` that the system refused with ``error``."""
     reason = error.strerror or type(error).__name__
     return OutputError(f"{path} cannot be written: {reason}; nothing was written.")
 
@@ -174,20 +176,56 @@ def atomic_directory(path: Path, write: Callable[[Path], None]) -> None:
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     except OSError as error:
-        raise _unwritable(path, error) from None
+        raise unwritable(path, error) from None
     try:
         write(tmp)
         for child in tmp.iterdir():
             _fsync(child, os.O_RDONLY)
         _fsync(tmp, os.O_RDONLY | os.O_DIRECTORY)
         os.rename(tmp, path)
-        _fsync(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        fsync_directory(path.parent)
     except OSError as error:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise _unwritable(path, error) from error
+        raise unwritable(path, error) from error
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def replace_directory(path: Path, write: Callable[[Path], None]) -> None:
+    """As :func:`atomic_directory`, but ``path`` may hold an older directory: the new one is
+    written whole beside it, swapped in, and the old one removed, so that no file of the old
+    one survives beside the new (a model saved over another). A crash between the two renames
+    leaves the old directory beside ``path`` under a hidden name (``.NAME.*.old``) and nothing
+    at ``path``."""
+    if not (path.exists() or path.is_symlink()):
+        atomic_directory(path, write)
+        return
+    stamp = uuid.uuid4().hex
+    staged = path.with_name(f".{path.name}.{stamp}.new")
+    old = path.with_name(f".{path.name}.{stamp}.old")
+    atomic_directory(staged, write)
+    try:
+        os.rename(path, old)
+    except OSError as error:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise unwritable(path, error) from error
+    try:
+        os.rename(staged, path)
+    except BaseException:
+        os.rename(old, path)
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    fsync_directory(path.parent)
+    if old.is_dir() and not old.is_symlink():
+        shutil.rmtree(old)
+    else:
+        old.unlink()
+
+
+def fsync_directory(path: Path) -> None:
+    """Make the renames in the directory ``path`` durable."""
+    _fsync(path, os.O_RDONLY | os.O_DIRECTORY)
 
 
 def _fsync(path: Path, flags: int) -> None:

@@ -10,7 +10,9 @@ valid manifest is not a model.
 Loading rebuilds the federation from the manifest and asks every party to load its own part,
 which it checks against the manifest's hashes before reading (a missing, altered or extra file
 is refused; model files are safetensors files, read without unpickling:
-:mod:`secure_vfl.tensor_file`).
+:mod:`secure_vfl.tensor_file`). Nothing else may lie in the model directory: a file or directory
+the manifest does not list is refused by name. Saving over a model replaces its whole directory
+(:func:`replace_directory`), so no file of the older model survives beside the new manifest.
 
 A deployed run (``train --federation``, :func:`secure_vfl.deployment.save_deployed`) writes the
 same manifest, but only the label party's part lies beside it: every data party keeps its own in
@@ -39,14 +41,15 @@ import numpy as np
 import pandas as pd
 
 from secure_vfl import __version__, methods
-from secure_vfl.data.party_files import PartyTable
+from secure_vfl.data.party_files import ID_COLUMN, PartyTable
 from secure_vfl.data.vertical import VerticalData, VerticalSplit
-from secure_vfl.errors import ConfigError, DataError
+from secure_vfl.errors import ConfigError, DataError, IntegrityError
+from secure_vfl.federation import parts
 from secure_vfl.federation.aggregator import SumBackend
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.parties import DataParty
 from secure_vfl.federation.parts import ClassValue
-from secure_vfl.io import atomic_write, atomic_write_json, check_keys, parse_json
+from secure_vfl.io import atomic_write, atomic_write_json, check_keys, parse_json, replace_directory
 from secure_vfl.methods.base import in_process_parties
 from secure_vfl.methods.false_vfl import FalseVflConfig
 
@@ -58,6 +61,8 @@ READ_VERSIONS = (1, 2)
 MANIFEST_FILE = "manifest.json"
 MODEL_DIR = "model"
 PREDICT_SPLIT = "predict"
+PREDICTED_COLUMN = "predicted"
+"""The output's column of the predicted label, unless the caller names another."""
 LABEL_PARTY_ROLE = "label party"
 DATA_PARTY_ROLE = "data party"
 HERE = "here"
@@ -120,20 +125,16 @@ class Manifest:
                 f"(this secure-vfl reads only those), found {payload.get('version')!r}."
             )
         body = {k: v for k, v in payload.items() if k not in ("schema", "version")}
+        _check_key_names(body, _MANIFEST_TYPES, what="manifest", where=where)
         check_keys(body, _MANIFEST_TYPES, refuse=_refusal(where), exact=False)
         if body.get("seed", 0) < 0 or body.get("num_classes", 2) < 2:
             raise DataError(
                 f"{where}: a seed >= 0 and num_classes >= 2 expected, found "
                 f"{body.get('seed')!r} and {body.get('num_classes')!r}."
             )
-        try:
-            body["parties"] = tuple(_entry(p, where) for p in body["parties"])
-            body["block_shapes"] = tuple(_block_shape(s, where) for s in body["block_shapes"])
-            manifest = cls(**body)
-        except DataError:
-            raise
-        except (KeyError, TypeError, ValueError) as error:
-            raise DataError(f"{where}: malformed manifest ({error!r}).") from None
+        body["parties"] = tuple(_entry(p, k, where) for k, p in enumerate(body["parties"]))
+        body["block_shapes"] = tuple(_block_shape(s, where) for s in body["block_shapes"])
+        manifest = cls(**body)
         if len(manifest.parties) != len(manifest.block_shapes) or len(manifest.parties) < 2:
             raise DataError(
                 f"{where}: one block shape per party and >= 2 parties expected; found "
@@ -164,14 +165,38 @@ _ENTRY_TYPES: dict[str, type | tuple[type, ...]] = {
     "files": dict,
     "location": str,
 }
+_OPTIONAL_ENTRY_KEYS = ("location",)
+"""A version 1 manifest's entries have no ``location`` (every part lies beside it)."""
 MAX_BLOCK_DIMS = 4
 """A block's sample shape: features, or an image's channels, height and width."""
 
 
 def _refusal(where: str) -> Callable[[str], DataError]:
-    """What a manifest's refusals raise: ``DataError`` naming the file (a missing or unknown key
-    is left to the dataclass, which refuses it)."""
+    """What a manifest's refusals raise: ``DataError`` naming the file."""
     return lambda wrong: DataError(f"{where}: {wrong}.")
+
+
+def _check_key_names(
+    body: Mapping[str, Any],
+    expected: Mapping[str, Any],
+    *,
+    what: str,
+    where: str,
+    optional: Sequence[str] = (),
+) -> None:
+    """DataError naming the keys of ``body`` missing from ``expected`` (but for ``optional``
+    ones) and those it does not know."""
+    missing = sorted(set(expected) - set(optional) - set(body))
+    unknown = sorted(set(body) - set(expected))
+    wrong = [
+        f"{name} {keys}" for name, keys in (("missing", missing), ("unknown", unknown)) if keys
+    ]
+    if wrong:
+        optionally = f" ({', '.join(optional)} optional)" if optional else ""
+        raise DataError(
+            f"{where}: {what} keys {sorted(expected)} expected{optionally}; found "
+            f"{sorted(body)} ({', '.join(wrong)})."
+        )
 
 
 def _block_shape(shape: Any, where: str) -> tuple[int, ...]:
@@ -187,9 +212,16 @@ def _block_shape(shape: Any, where: str) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def _entry(payload: Any, where: str) -> PartEntry:
+def _entry(payload: Any, index: int, where: str) -> PartEntry:
     if not isinstance(payload, dict):
         raise DataError(f"{where}: a party entry (an object) expected, found {payload!r:.60}.")
+    _check_key_names(
+        payload,
+        _ENTRY_TYPES,
+        what=f"party entry {index}'s",
+        where=where,
+        optional=_OPTIONAL_ENTRY_KEYS,
+    )
     check_keys(payload, _ENTRY_TYPES, refuse=_refusal(where), exact=False)
     entry = PartEntry(**payload)
     files = entry.files
@@ -223,31 +255,34 @@ def save_model(
 ) -> Manifest:
     """Save a trained federation into ``directory``: each of ``parties`` (in block order, the
     label party first) writes its own part into its own directory, then the manifest is
-    written; ``sources`` names the file each party's data came from (default: its name)."""
-    clear_manifest(directory)
-    sources = list(sources) if sources is not None else [p.name for p in parties]
-    entries = [saved_here(directory, party, sources[k], k) for k, party in enumerate(parties)]
-    return write_manifest(
-        directory,
-        entries,
-        run_id=new_run_id(),
-        method=method,
-        seed=seed,
-        method_config=method_config,
-        false_vfl=false_vfl,
-        data=data,
-    )
+    written; ``sources`` names the file each party's data came from (default: its name). The
+    whole directory is written beside ``directory`` and swapped in (:func:`replace_directory`):
+    a model saved over another keeps none of the other's files."""
+    names = list(sources) if sources is not None else [p.name for p in parties]
+    saved: list[Manifest] = []
+
+    def write(staged: Path) -> None:
+        entries = [saved_here(staged, party, names[k], k) for k, party in enumerate(parties)]
+        saved.append(
+            write_manifest(
+                staged,
+                entries,
+                run_id=new_run_id(),
+                method=method,
+                seed=seed,
+                method_config=method_config,
+                false_vfl=false_vfl,
+                data=data,
+            )
+        )
+
+    replace_directory(directory, write)
+    return saved[0]
 
 
 def new_run_id() -> str:
     """A fresh model run id (32 hex digits)."""
     return uuid.uuid4().hex
-
-
-def clear_manifest(directory: Path) -> None:
-    """Remove the manifest of ``directory`` before its parts are (re)written: a half-saved
-    directory must not look whole."""
-    (directory / MANIFEST_FILE).unlink(missing_ok=True)
 
 
 def saved_here(directory: Path, party: DataParty, source: str, index: int) -> PartEntry:
@@ -313,7 +348,9 @@ def read_manifest(path: Path) -> tuple[Manifest, Path]:
 @dataclass(frozen=True)
 class Predictions:
     """Class probabilities of new rows keyed by id: ``probabilities`` (N, C), NaN on a row the
-    method makes no prediction for; ``mask`` (N, K) which parties held each row."""
+    method makes no prediction for; ``mask`` (N, K) which parties held each row. Refuses
+    (ConfigError) output columns that are empty or that two columns share
+    (:func:`output_columns`), and probabilities of another number of classes (DataError)."""
 
     ids: np.ndarray
     probabilities: np.ndarray
@@ -321,20 +358,31 @@ class Predictions:
     classes: tuple[ClassValue, ...]
     parties: tuple[str, ...]
     id_column: str = "id"
-    label_column: str = "predicted"
+    label_column: str = PREDICTED_COLUMN
+
+    def __post_init__(self) -> None:
+        if self.probabilities.shape != (self.ids.size, len(self.classes)):
+            raise DataError(
+                f"class probabilities of shape ({self.ids.size}, {len(self.classes)}) expected "
+                f"(one per row and class value), found {self.probabilities.shape}."
+            )
+        output_columns(self.id_column, self.label_column, self.classes)
 
     def labels(self) -> list[ClassValue | None]:
-        """The predicted label of every row in the label file's own values (None: none)."""
+        """The predicted label of every row in the label file's own values (None: the method
+        makes no prediction for it)."""
         predicted = np.nan_to_num(self.probabilities, nan=-1.0).argmax(axis=1)
         made = ~np.isnan(self.probabilities).any(axis=1)
         return [self.classes[c] if ok else None for c, ok in zip(predicted, made, strict=True)]
 
     def frame(self) -> pd.DataFrame:
         """One row per id: the id (under ``id_column``), the predicted label (under
-        ``label_column``) and one probability column per class, ``p_<class value>``."""
-        frame = pd.DataFrame({self.id_column: self.ids, self.label_column: self.labels()})
+        ``label_column``; its values keep their type, missing where the method makes no
+        prediction) and one probability column per class, ``p_<class value>``."""
+        # pd.array keeps integer labels integers beside a missing one (a list makes them floats).
+        frame = pd.DataFrame({self.id_column: self.ids, self.label_column: pd.array(self.labels())})
         for c, value in enumerate(self.classes):
-            frame[f"p_{value}"] = self.probabilities[:, c]
+            frame[probability_column(value)] = self.probabilities[:, c]
         return frame
 
     def write_csv(self, path: Path) -> None:
@@ -344,6 +392,31 @@ class Predictions:
             self.frame().to_csv(tmp, index=False)
 
         atomic_write(path, write)
+
+
+def probability_column(value: ClassValue) -> str:
+    """The output's column of the probability of class ``value``."""
+    return f"p_{value}"
+
+
+def output_columns(id_column: str, label_column: str, classes: Sequence[ClassValue]) -> list[str]:
+    """The columns of a prediction's output: the id, the predicted label, one probability per
+    class. ConfigError for an empty name, or a name two of them share (the label column named
+    as the id column or a ``p_<class>`` column would replace it)."""
+    probabilities = [probability_column(value) for value in classes]
+    columns = [id_column, label_column, *probabilities]
+    if label_column in (id_column, *probabilities) or not label_column:
+        others = ", ".join([id_column, *probabilities])
+        raise ConfigError(
+            "the predicted label's column: a non-empty name other than the output's other "
+            f"columns ({others}) expected; found {label_column!r}."
+        )
+    if not id_column or len(set(columns)) < len(columns):
+        raise ConfigError(
+            "distinct, non-empty output column names expected (the id, the predicted label, "
+            f"p_<class> per class); found {columns}."
+        )
+    return columns
 
 
 def union_alignment(party_ids: Sequence[np.ndarray | None]) -> tuple[np.ndarray, np.ndarray]:
@@ -369,22 +442,48 @@ def predict_tables(
     *,
     split: str = PREDICT_SPLIT,
     names: Sequence[str] | None = None,
+    id_column: str | None = None,
+    label_column: str = PREDICTED_COLUMN,
 ) -> Predictions:
     """Predict new rows with a trained federation (in memory or loaded): party k is handed its
     own table ``tables[k]`` (with the path it came from) or None, and holds its rows of the
     aligned ids after its own preprocessing; the label party's program then predicts from
-    the blocks present. Refuses an absent party where the method cannot do without it."""
+    the blocks present. Refuses an absent party where the method cannot do without it, and
+    output columns that collide (:func:`output_columns`), before any row is read. The output
+    names the ids ``id_column`` (default: the one the model was trained with) and the
+    predicted label ``label_column``."""
     parties = in_process_parties(channel)
     if len(tables) != len(parties):
         raise ConfigError(f"one entry per party expected ({len(parties)}); found {len(tables)}.")
     names = list(names) if names is not None else [p.name for p in parties]
     refuse_absent(method, [names[k] for k, table in enumerate(tables) if table is None])
+    id_column = output_id_column(method.fed.own, id_column, label_column)
     sample_ids, rows = union_alignment([None if t is None else t[0].ids for t in tables])
     for k, party in enumerate(parties):
         entry = tables[k]
         table, source = entry if entry is not None else (None, "")
         party.hold_rows(split, table, rows[:, k], source=source)
-    return predict_rows(method, sample_ids, rows, names, split=split)
+    return predict_rows(
+        method,
+        sample_ids,
+        rows,
+        names,
+        split=split,
+        id_column=id_column,
+        label_column=label_column,
+    )
+
+
+def output_id_column(label_party: DataParty, id_column: str | None, label_column: str) -> str:
+    """The output's id column (``id_column``, default the one ``label_party`` was trained with),
+    once the output's columns are checked against its class values (:func:`output_columns`;
+    unchecked where it keeps none, which a prediction refuses)."""
+    if id_column is None:
+        preprocessing = label_party.preprocessing
+        id_column = preprocessing.id_column if preprocessing is not None else ID_COLUMN
+    if label_party.classes is not None:
+        output_columns(id_column, label_column, label_party.classes)
+    return id_column
 
 
 def refuse_absent(method: methods.Method, absent: Sequence[str]) -> None:
@@ -405,22 +504,26 @@ def predict_rows(
     names: Sequence[str],
     *,
     split: str = PREDICT_SPLIT,
+    id_column: str | None = None,
+    label_column: str = PREDICTED_COLUMN,
 ) -> Predictions:
     """The label party's prediction of ``split`` once every party holds its rows of it
-    (``rows`` (N, K): party k's row of each sample, -1 where it holds none)."""
-    mask = rows >= 0
-    method.fed.learn_split(split, mask)
+    (``rows`` (N, K): party k's row of each sample, -1 where it holds none), its output
+    columns named as :func:`predict_tables` names them."""
     label_party = method.fed.own
     if label_party.classes is None:
         raise DataError(f"{label_party.name} keeps no class values; cannot name the labels.")
-    preprocessing = label_party.preprocessing
+    id_column = output_id_column(label_party, id_column, label_column)
+    mask = rows >= 0
+    method.fed.learn_split(split, mask)
     return Predictions(
         ids=sample_ids,
         probabilities=method.predict_proba(split),
         mask=mask,
         classes=label_party.classes,
         parties=tuple(names),
-        id_column=preprocessing.id_column if preprocessing is not None else "id",
+        id_column=id_column,
+        label_column=label_column,
     )
 
 
@@ -438,13 +541,14 @@ class SavedModel:
         self.directory = directory
         self.channel = Channel()
         self.channel.party_names = [entry.name for entry in manifest.parties]
+        refuse_unlisted(manifest, directory)
         self.method = rebuild_method(manifest, self.channel)
         parties = in_process_parties(self.channel)
         for party, entry in zip(parties, manifest.parties, strict=True):
             if party.name != entry.name:
                 raise DataError(f"party {entry.name} expected in block order, found {party.name}.")
             if entry.location != LOST:
-                party.load_part(self._part_directory(entry), entry.files)
+                load_party_part(party, self._part_directory(entry), entry, manifest)
 
     def _part_directory(self, entry: PartEntry) -> Path:
         """Where ``entry``'s part lies here; DataError for a deployed party's part that was not
@@ -480,7 +584,7 @@ class SavedModel:
     def id_column(self) -> str:
         """The id column the model was trained with (the label party's preprocessing)."""
         preprocessing = in_process_parties(self.channel)[0].preprocessing
-        return preprocessing.id_column if preprocessing is not None else "id"
+        return preprocessing.id_column if preprocessing is not None else ID_COLUMN
 
     def party_index(self, name: str) -> int:
         """The block index of the party called ``name`` (its source or its party-k name)."""
@@ -492,9 +596,17 @@ class SavedModel:
             f"{', '.join(f'{e.source} ({e.name})' for e in self.manifest.parties)}."
         )
 
-    def predict(self, tables: Mapping[str, tuple[PartyTable, str]]) -> Predictions:
+    def predict(
+        self,
+        tables: Mapping[str, tuple[PartyTable, str]],
+        *,
+        id_column: str | None = None,
+        label_column: str = PREDICTED_COLUMN,
+    ) -> Predictions:
         """Class probabilities of the rows of ``tables`` (party name -> its table and the path
-        it came from); a party not named is absent for every row."""
+        it came from); a party not named is absent for every row. The output's columns are
+        ``id_column`` (default :attr:`id_column`), ``label_column`` and ``p_<class>`` per
+        class, refused before any row is read if they collide (:func:`output_columns`)."""
         by_index: list[tuple[PartyTable, str] | None] = [None] * len(self.manifest.parties)
         for name, table in tables.items():
             k = self.party_index(name)
@@ -504,7 +616,72 @@ class SavedModel:
                     "this model predicts without its block: leave its file out."
                 )
             by_index[k] = table
-        return predict_tables(self.method, self.channel, by_index, names=self.party_names)
+        return predict_tables(
+            self.method,
+            self.channel,
+            by_index,
+            names=self.party_names,
+            id_column=id_column,
+            label_column=label_column,
+        )
+
+
+def refuse_unlisted(manifest: Manifest, directory: Path) -> None:
+    """IntegrityError naming a file or directory in the model ``directory`` that ``manifest``
+    does not list: the directory holds the manifest and a directory per saved part (a
+    deployed party's part only once copied there), and each of those only its part's files."""
+    entries = {entry.directory: entry for entry in manifest.parties if entry.location != LOST}
+    for path in sorted(directory.iterdir()):
+        if path.name == MANIFEST_FILE and path.is_file():
+            continue
+        entry = entries.get(path.name)
+        if entry is None or not path.is_dir():
+            listed = [f"{e.directory}/" for e in entries.values()]
+            raise IntegrityError(
+                f"{path} is not listed in {directory / MANIFEST_FILE}; the model directory holds "
+                f"only {', '.join([MANIFEST_FILE, *listed])}. Refused: remove it or save the "
+                "model again."
+            )
+        refuse_unlisted_files(path, entry.files, who=party_label(entry))
+
+
+def refuse_unlisted_files(directory: Path, files: Mapping[str, str], *, who: str) -> None:
+    """IntegrityError naming a file or directory in the part ``directory`` of party ``who``
+    other than ``files`` (its manifest entry's)."""
+    for path in sorted(directory.iterdir()):
+        if path.name not in files or not path.is_file():
+            raise IntegrityError(
+                f"{who}: {path} is not listed in the manifest, which lists only "
+                f"{sorted(files)} in its part. Refused: remove it or save the model again."
+            )
+
+
+def party_label(entry: PartEntry) -> str:
+    """A party as errors name it: the user's name of it, and its internal one if it differs."""
+    return entry.source if entry.source == entry.name else f"{entry.source} ({entry.name})"
+
+
+def load_party_part(
+    party: DataParty, directory: Path, entry: PartEntry, manifest: Manifest
+) -> None:
+    """``party`` loads its own part of ``manifest`` (its manifest ``entry``) from ``directory``;
+    an error names it as the user does (:func:`party_label`). Class values must be the
+    manifest's ``num_classes``, distinct also as the output's text."""
+    who = party_label(entry)
+    try:
+        party.load_part(directory, entry.files)
+    except (DataError, IntegrityError) as error:
+        raise type(error)(f"{who}: {str(error).removeprefix(f'{entry.name}: ')}") from None
+    classes = party.classes
+    if (
+        classes is not None
+        and not len({str(c) for c in classes}) == len(classes) == manifest.num_classes
+    ):
+        raise DataError(
+            f"{who}: {directory / parts.CLASSES_FILE}: {manifest.num_classes} class values, "
+            "distinct as text, expected (the manifest's num_classes), found "
+            f"{len(classes)}: {list(classes)!r:.120}."
+        )
 
 
 def rebuild_method(

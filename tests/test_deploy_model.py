@@ -471,13 +471,16 @@ def test_the_label_party_saves_every_live_party_checks_every_answer_and_marks_th
         "SHA-256 (64 hex digits) per plain file name": {"files": {"part.json": "0" * 63}},
         "files ['../../bank/part.json']": {"files": {"../../bank/part.json": "0" * 64}},
     }
+    before = (model / MANIFEST_FILE).read_bytes()
     for reason, told in lies.items():
         lie.clear()
         lie.update(told)
         with pytest.raises(ProtocolError, match=re.escape(reason)) as refused:
             save_deployed(model, endpoint, federation, parties[0], config, data, [])
         assert str(refused.value).startswith("saved from shop: ")
-        assert not (model / MANIFEST_FILE).exists()  # nothing that looks whole is left
+        # the model saved before is left whole, and nothing half-saved beside it
+        assert (model / MANIFEST_FILE).read_bytes() == before
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".model")) == []
         endpoint.kept.clear()
 
     # Copied beside the manifest, the parts load; the lost party is absent from every row.

@@ -20,6 +20,7 @@ from secure_vfl.io import (
     check_keys,
     decimal,
     parse_json,
+    replace_directory,
 )
 
 
@@ -102,6 +103,26 @@ def test_atomic_directory_is_whole_under_its_name_or_absent(tmp_path: Path) -> N
     atomic_directory(target, whole)
     assert sorted(p.name for p in target.iterdir()) == ["state.json", "tensors.safetensors"]
     assert [p.name for p in target.parent.iterdir()] == ["step-00000010"]
+
+
+def test_replace_directory_keeps_none_of_the_old_files_and_the_old_one_on_failure(
+    tmp_path: Path,
+) -> None:
+    target = tmp_path / "model"
+
+    def old(directory: Path) -> None:
+        (directory / "manifest.json").write_text("old")
+        (directory / "party-2").mkdir()
+        (directory / "party-2" / "part.bin").write_text("old")
+
+    replace_directory(target, old)  # nothing there yet
+    with pytest.raises(RuntimeError, match="killed"):
+        replace_directory(target, lambda directory: (_ for _ in ()).throw(RuntimeError("killed")))
+    assert (target / "party-2" / "part.bin").read_text() == "old"  # untouched by the failure
+    replace_directory(target, lambda directory: (directory / "manifest.json").write_text("new"))
+    assert [p.name for p in target.iterdir()] == ["manifest.json"]
+    assert (target / "manifest.json").read_text() == "new"
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no staged or old copy left
 
 
 def test_atomic_write_syncs_the_file_before_the_rename_and_the_directory_after(

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import base64
 import datetime
+import os
 import shutil
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,7 +18,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from protocols import tls
 from secure_vfl.cli import main
-from secure_vfl.errors import ConfigError
+from secure_vfl.errors import ConfigError, OutputError
 from secure_vfl.federation.network import TlsIdentity, certificate_name
 
 PARTIES = ("bank", "shop")
@@ -118,6 +120,20 @@ def test_init_issues_new_parties_with_the_existing_ca_and_never_overwrites(certs
         (["-bank"], ("localhost",), "lower-case letters"),
         (["bank", "bank"], ("localhost",), "bank repeated"),
         (["bank", "shop"], ("localhost", "shop"), r"may not be a party's name .*Found shop"),
+        (["bank", "shop"], ("localhost", "Shop"), r"may not be a party's name .*Found shop"),
+        # ca.pem and ca.key are the CA's: party "ca" would overwrite them (found by exploration).
+        (["ca", "other"], ("localhost",), r"other than 'ca' expected .*Found 'ca'"),
+        (["bank"], ("bücher.example",), r"Found 'bücher\.example': it is not ASCII; .*xn--"),
+        (["bank"], ("",), "Found '': it is empty"),
+        (["bank"], ("not a host!",), "label 'not a host!' is not 1 to 63 letters"),
+        (["bank"], ("256.1.1.1",), "not an IP address, and a host name's last label is not all"),
+        (["bank"], ("10.0.0.5", "123"), "Found '123': it is not an IP address"),
+        (["bank"], ("bank.example.org.",), "an empty label"),
+        (["bank"], ("*.example.org",), r"label '\*' is not"),
+        (["bank"], ("-bank.example.org",), "label '-bank' is not"),
+        (["bank"], (f"{'a' * 64}.example.org",), "is not 1 to 63 letters"),
+        (["bank"], (".".join(["a" * 63] * 4),), "255 characters, at most 253 expected"),
+        (["bank"], ("fe80::1%eth0",), "IP address without a zone expected"),
     ],
 )
 def test_init_refuses_bad_requests_before_writing(
@@ -126,6 +142,123 @@ def test_init_refuses_bad_requests_before_writing(
     with pytest.raises(ConfigError, match=match):
         tls.make_federation(tmp_path / "out", parties, hosts=hosts)
     assert not (tmp_path / "out").exists()
+
+
+def test_init_accepts_ascii_host_names_and_ip_addresses(tmp_path: Path) -> None:
+    hosts = ("localhost", "Bank-1.Example.ORG", "xn--bcher-kva.example", "a1.b2", "10.0.0.5", "::1")
+    tls.make_federation(tmp_path, ["bank"], hosts=hosts)
+    assert tls.check_federation(tmp_path) == []
+
+
+def _listing(directory: Path) -> dict[str, bytes]:
+    """Every file under ``directory``, hidden ones too, with its content."""
+    return {
+        str(path.relative_to(directory)): path.read_bytes() if path.is_file() else b""
+        for path in sorted(directory.rglob("*"))
+    }
+
+
+def test_init_refuses_a_bad_host_for_an_existing_ca_and_leaves_the_directory_as_it_was(
+    certs: Path,
+) -> None:
+    before = _listing(certs)
+    with pytest.raises(ConfigError, match="not ASCII"):
+        tls.make_federation(certs, ["insurer"], hosts=("localhost", "bücher.example"))
+    assert _listing(certs) == before
+
+
+def _fail_on_call(number: int, target: Callable[..., object]) -> Callable[..., object]:
+    """``target``, raising OSError on its ``number``-th call instead (a disk filling up)."""
+    calls = iter(range(1, 1_000_000))
+
+    def failing(*args: object, **kwargs: object) -> object:
+        if next(calls) == number:
+            raise OSError(28, "No space left on device")
+        return target(*args, **kwargs)
+
+    return failing
+
+
+@pytest.mark.parametrize("failing_write", [1, 3, 4])
+def test_init_that_fails_while_writing_leaves_no_new_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failing_write: int
+) -> None:
+    monkeypatch.setattr(tls, "_write", _fail_on_call(failing_write, tls._write))
+    with pytest.raises(OutputError, match="No space left on device; nothing was written"):
+        tls.make_federation(tmp_path / "out", ["bank"])
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("failing_write", [1, 2, 4])
+def test_init_that_fails_while_writing_leaves_an_existing_directory_as_it_was(
+    certs: Path, monkeypatch: pytest.MonkeyPatch, failing_write: int
+) -> None:
+    before = _listing(certs)
+    monkeypatch.setattr(tls, "_write", _fail_on_call(failing_write, tls._write))
+    with pytest.raises(OutputError, match="No space left on device; nothing was written"):
+        tls.make_federation(certs, ["insurer", "broker"])
+    assert _listing(certs) == before
+    empty = certs.parent / "empty"
+    empty.mkdir()
+    monkeypatch.setattr(tls, "_write", _fail_on_call(failing_write, tls._write))
+    with pytest.raises(OutputError, match="No space left on device; nothing was written"):
+        tls.make_federation(empty, ["bank"])
+    assert list(empty.iterdir()) == []
+
+
+def test_init_that_fails_while_moving_files_in_removes_those_moved(
+    certs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = _listing(certs)
+    replace = os.replace
+    into_certs = iter(range(1, 100))
+
+    def failing_replace(source: str | Path, target: str | Path) -> None:
+        if Path(target).parent == certs and next(into_certs) == 3:
+            raise OSError(5, "Input/output error")
+        replace(source, target)
+
+    monkeypatch.setattr(tls.os, "replace", failing_replace)
+    with pytest.raises(OutputError, match="Input/output error; nothing was written"):
+        tls.make_federation(certs, ["insurer", "broker"])
+    assert _listing(certs) == before
+
+
+def test_certs_init_refuses_a_non_ascii_host_without_a_traceback_or_a_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "certs"
+    assert (
+        main(["certs", "init", "--out", str(out), "--party", "bank", "--san", "bücher.example"])
+        == 2
+    )
+    assert "IDNA A-label form (xn--" in capsys.readouterr().err
+    assert not out.exists()
+    assert main(["certs", "init", "--out", str(out), "--party", "ca", "--party", "other"]) == 2
+    assert "other than 'ca' expected" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_init_refuses_party_certificates_that_would_outlive_the_ca(
+    tmp_path: Path, certs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A certificate is worth nothing once its CA has expired: asking for more is refused,
+    with the most the CA can give (found by exploration: --days 100000 outlived the CA)."""
+    with pytest.raises(ConfigError, match=r"at most 1825 days expected .*Found 100000\."):
+        tls.make_federation(tmp_path / "new", ["bank"], days=100_000)
+    with pytest.raises(ConfigError, match=r"at most 18\d\d days expected .*Found 1000000000\."):
+        tls.make_federation(certs, ["insurer"], days=10**9)
+    assert not (tmp_path / "new").exists() and not (certs / "insurer.pem").exists()
+    tls.make_federation(tmp_path / "longest", ["bank"], days=tls.CA_DAYS)
+    assert tls.check_federation(tmp_path / "longest") == []
+    later = _ca(certs)[0].not_valid_after_utc - datetime.timedelta(days=10)
+    monkeypatch.setattr(tls, "_now", lambda: later)
+    with pytest.raises(ConfigError, match=r"at most 10 days expected .*Found 365\."):
+        tls.make_federation(certs, ["insurer"])
+    monkeypatch.setattr(tls, "_now", lambda: later + datetime.timedelta(days=20))
+    with pytest.raises(ConfigError, match="a CA valid for at least another day expected"):
+        tls.make_federation(certs, ["insurer"], days=1)
+    assert not (certs / "insurer.pem").exists()
 
 
 def test_check_reports_an_expired_certificate(certs: Path) -> None:
@@ -141,6 +274,17 @@ def test_check_reports_a_certificate_not_yet_valid(certs: Path) -> None:
     _reissue(certs, "shop", not_before=start)
     (problem,) = _problems(certs)
     assert problem == f"{certs / 'shop.pem'}: not valid yet: valid from {start:%Y-%m-%d %H:%M} UTC."
+
+
+def test_check_reports_a_certificate_valid_beyond_its_ca(certs: Path) -> None:
+    _reissue(certs, "bank", days=tls.CA_DAYS + 30)
+    ca, _ = _ca(certs)
+    bank = x509.load_pem_x509_certificate((certs / "bank.pem").read_bytes())
+    assert _problems(certs) == [
+        f"{certs / 'bank.pem'}: valid until {bank.not_valid_after_utc:%Y-%m-%d %H:%M} UTC, beyond "
+        f"its CA (valid until {ca.not_valid_after_utc:%Y-%m-%d %H:%M} UTC): it stops working "
+        "when the CA expires."
+    ]
 
 
 def test_check_reports_a_certificate_from_another_ca(certs: Path, tmp_path: Path) -> None:
@@ -171,6 +315,46 @@ def test_check_reports_a_certificate_that_would_pass_for_another_party(certs: Pa
     assert _problems(certs) == [
         f"{certs / 'bank.pem'}: it also names the parties ['shop']: it would pass for them."
     ]
+
+
+def _issue_with_dns_names(directory: Path, name: str, dns: list[str]) -> None:
+    """Replace ``name``'s certificate by one whose DNS names are ``dns``, which certs init
+    refuses to write (another tool might not)."""
+    ca, ca_key = _ca(directory)
+    key = serialization.load_pem_private_key((directory / f"{name}.key").read_bytes(), None)
+    assert isinstance(key, ec.EllipticCurvePrivateKey)
+    now = datetime.datetime.now(datetime.UTC)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName(host) for host in dns]), critical=False
+        )
+        .sign(ca_key, tls.hashes.SHA256())
+    )
+    (directory / f"{name}.pem").write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+
+
+def test_check_reports_dns_names_that_are_not_host_names(certs: Path) -> None:
+    _issue_with_dns_names(certs, "bank", ["bank", "", "256.1.1.1", "not a host!", "ok.example"])
+    path = certs / "bank.pem"
+    assert _problems(certs) == [
+        f"{path}: its DNS name '' is not a host name: it is empty.",
+        f"{path}: its DNS name '256.1.1.1' is not a host name: it is not an IP address, and a "
+        "host name's last label is not all digits.",
+        f"{path}: its DNS name 'not a host!' is not a host name: its label 'not a host!' is not 1 "
+        "to 63 letters, digits and inner hyphens.",
+    ]
+
+
+def test_check_takes_an_all_digit_party_name_as_its_name_not_as_a_host(certs: Path) -> None:
+    tls.make_federation(certs, ["42"])
+    assert tls.check_federation(certs) == []
 
 
 def test_check_reports_a_key_that_does_not_match_its_certificate(certs: Path) -> None:
@@ -216,7 +400,19 @@ def test_check_reports_an_ed25519_key_grpc_cannot_use(certs: Path) -> None:
         )
     )
     (problem,) = _problems(certs)
-    assert problem.startswith(f"{certs / 'bank.key'}: an EC P-256 key expected")
+    assert problem.startswith(f"{certs / 'bank.key'}: an EC P-256 key expected, found an Ed25519")
+
+
+def test_check_names_the_curve_of_an_ec_key_on_another_curve(certs: Path) -> None:
+    ca, ca_key = _ca(certs)
+    key = ec.generate_private_key(ec.SECP384R1())
+    certificate = tls.party_certificate("bank", key, ca, ca_key)
+    (certs / "bank.pem").write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    (certs / "bank.key").write_bytes(tls._key_pem(key))
+    assert _problems(certs) == [
+        f"{certs / 'bank.key'}: an EC P-256 key expected, found an EC key on secp384r1: gRPC's "
+        "TLS (BoringSSL) completes no handshake with it."
+    ]
 
 
 def test_check_reports_missing_files_and_needs_no_ca_key(certs: Path) -> None:
@@ -225,6 +421,26 @@ def test_check_reports_missing_files_and_needs_no_ca_key(certs: Path) -> None:
     assert _problems(certs) == [f"{certs / 'shop.key'}: missing (private key expected)."]
     with pytest.raises(ConfigError, match="no directory"):
         tls.check_federation(certs / "nowhere")
+
+
+def test_check_reports_a_key_left_without_its_certificate(
+    certs: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by exploration: only the certificates were listed, so bank's lone key went unseen."""
+    (certs / "bank.pem").unlink()
+    assert _problems(certs) == [f"{certs / 'bank.pem'}: missing (certificate expected)."]
+    assert main(["certs", "check", "--dir", str(certs)]) == 1
+    assert "bank.pem: missing (certificate expected)." in capsys.readouterr().out
+    (certs / "shop.pem").unlink()
+    assert _problems(certs) == [
+        f"{certs / 'bank.pem'}: missing (certificate expected).",
+        f"{certs / 'shop.pem'}: missing (certificate expected).",
+    ]
+
+
+def test_check_refuses_the_ca_as_a_party(certs: Path) -> None:
+    with pytest.raises(ConfigError, match="other than 'ca' expected"):
+        tls.check_federation(certs, ["ca"])
 
 
 def test_a_tls_identity_refuses_a_key_others_can_read(certs: Path) -> None:

@@ -233,10 +233,31 @@ def load_states(
             f"{party}: modules {sorted(modules)} expected in its part, found {sorted(states)}."
         )
     for name, module in modules.items():
+        target = unwrapped(module)
+        differs = _first_difference(target.state_dict(), states[name])
+        if differs is not None:
+            raise IntegrityError(
+                f"{party}: the saved {name!r} does not fit the architecture the manifest "
+                f"describes (its block_shapes and method_config): {differs}."
+            )
         try:
-            unwrapped(module).load_state_dict(dict(states[name]), strict=True)
+            target.load_state_dict(dict(states[name]), strict=True)
         except RuntimeError as error:
             first = str(error).strip().splitlines()[0]
             raise IntegrityError(
                 f"{party}: the saved {name!r} does not fit its architecture ({first})."
             ) from None
+
+
+def _first_difference(built: Mapping[str, Tensor], saved: Mapping[str, Tensor]) -> str | None:
+    """The first parameter (or buffer) that ``saved`` lacks, adds or holds in another shape than
+    the module ``built`` has it; None if every name and shape agrees."""
+    for key in [*built, *(key for key in saved if key not in built)]:
+        want = list(built[key].shape) if key in built else None
+        have = list(saved[key].shape) if key in saved else None
+        if want != have:
+            expected = (
+                f"no parameter {key!r}" if want is None else f"parameter {key!r} of shape {want}"
+            )
+            return f"{expected} expected, found {'none' if have is None else have}"
+    return None

@@ -1,0 +1,279 @@
+"""Saved models and `predict` given inputs they must refuse or handle: output column names that
+collide, a model whose files agree with their hashes but not with each other, files the
+manifest does not list, a model saved over another, and rows a method makes no prediction for.
+
+Iris split by columns across a bank, a retailer and an insurer, ids in a `customer` column.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+from sklearn.datasets import load_iris
+
+from secure_vfl.cli import main
+from secure_vfl.data.party_files import read_party_file
+from secure_vfl.deployment import ServedModel, _deployment
+from secure_vfl.errors import ConfigError, DataError, IntegrityError, ProtocolError
+from secure_vfl.saved_model import MANIFEST_FILE, MODEL_DIR, SavedModel, read_manifest
+
+COLUMNS = {"bank": ["sl", "sw"], "retailer": ["pl"], "insurer": ["pw"]}
+SPECIES = np.array(["setosa", "versicolor", "virginica"])
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Each party's file and one of its first 100 ids (`retailer-100.csv` ...), the labels as
+    numbers (`labels.csv`) and as text (`species.csv`)."""
+    root = tmp_path_factory.mktemp("iris-files")
+    iris = load_iris()
+    ids = [f"c{i:03d}" for i in range(len(iris.target))]
+    features = dict(zip(["sl", "sw", "pl", "pw"], iris.data.T, strict=True))
+    for party, columns in COLUMNS.items():
+        frame = pd.DataFrame({"customer": ids, **{c: features[c] for c in columns}})
+        frame.to_csv(root / f"{party}.csv", index=False)
+        frame.iloc[:100].to_csv(root / f"{party}-100.csv", index=False)
+    pd.DataFrame({"customer": ids, "label": iris.target}).to_csv(root / "labels.csv", index=False)
+    text = pd.DataFrame({"customer": ids, "label": SPECIES[iris.target]})
+    text.to_csv(root / "species.csv", index=False)
+    return root
+
+
+def train(
+    files: Path, out: Path, method: str, labels: str, parties: tuple[str, ...], *flags: str
+) -> Path:
+    """`train` of ``parties``' files for one epoch into ``out``."""
+    argv = ["train", "--method", method, "--label-file", str(files / labels), *flags]
+    for party in parties:
+        argv += ["--party-file", str(files / f"{party}.csv")]
+    argv += ["--id-column", "customer", "--epochs", "1", "--quiet", "--out", str(out)]
+    assert main(argv) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def laser(files: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A LASER run of the bank and the retailer with text labels."""
+    out = tmp_path_factory.mktemp("laser") / "run"
+    return train(files, out, "laser", "species.csv", ("bank", "retailer"))
+
+
+@pytest.fixture()
+def copy(laser: Path, tmp_path: Path) -> Path:
+    """A copy of the LASER run's model directory, to alter."""
+    return Path(shutil.copytree(laser / MODEL_DIR, tmp_path / MODEL_DIR))
+
+
+def tables(files: Path, retailer: str = "retailer") -> dict[str, Any]:
+    paths = {"bank": files / "bank.csv", "retailer": files / f"{retailer}.csv"}
+    return {n: (read_party_file(p, id_column="customer"), str(p)) for n, p in paths.items()}
+
+
+def edit_manifest(model: Path, edit: Any) -> None:
+    manifest = json.loads((model / MANIFEST_FILE).read_text())
+    edit(manifest)
+    (model / MANIFEST_FILE).write_text(json.dumps(manifest))
+
+
+def rewrite_part_file(model: Path, party: int, name: str, text: str) -> None:
+    """Rewrite a part's file and its hash in the manifest: a consistent model, if a wrong one."""
+    path = model / f"party-{party}" / name
+    path.write_text(text)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    edit_manifest(model, lambda m: m["parties"][party]["files"].__setitem__(name, digest))
+
+
+# -- the output's columns ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("label_column", ["customer", "p_setosa", ""])
+def test_a_label_column_named_as_another_output_column_or_empty_is_refused(
+    files: Path,
+    laser: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    label_column: str,
+) -> None:
+    """The predicted label would replace the ids or a probability column, or go under an empty
+    header: refused in the library (before any row is read: a file of the wrong columns is
+    not looked at) and by `predict` (one line, exit 2, nothing written)."""
+    out = tmp_path / "p.csv"
+    argv = ["predict", "--model", str(laser), "--party-file", str(files / "bank.csv")]
+    capsys.readouterr()
+    assert main([*argv, "--label-column", label_column, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"found {label_column!r}" in err and err.count("\n") == 1, err
+    assert not out.exists()
+    model = SavedModel.load(laser)
+    message = re.escape("other than the output's other columns (customer, p_setosa, p_versicol")
+    wrong = {"bank": tables(files)["retailer"]}  # the retailer's columns: the bank refuses them
+    with pytest.raises(ConfigError, match=message):
+        model.predict(wrong, label_column=label_column)
+    predictions = model.predict(tables(files))
+    with pytest.raises(ConfigError, match=message):
+        dataclasses.replace(predictions, label_column=label_column)
+
+
+def test_an_id_column_named_as_a_probability_column_is_refused(files: Path, laser: Path) -> None:
+    predictions = SavedModel.load(laser).predict(tables(files))
+    with pytest.raises(ConfigError, match="distinct, non-empty output column names expected"):
+        dataclasses.replace(predictions, id_column="p_virginica")
+    assert list(predictions.frame().columns) == [
+        "customer", "predicted", "p_setosa", "p_versicolor", "p_virginica",
+    ]  # fmt: skip
+
+
+# -- rows a method makes no prediction for -------------------------------------------------------
+
+
+def test_rows_a_method_cannot_predict_are_left_empty_and_labels_keep_their_type(
+    files: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Standard VFL makes no prediction for the 50 ids the retailer lacks (NaN probabilities);
+    the others' labels stay the label file's integers (`0`, not `0.0`), and the 50 cells are
+    empty. LASER, the control, predicts every row from the blocks present."""
+    run = train(files, tmp_path / "standard", "standard", "labels.csv", ("bank", "retailer"))
+    predictions = SavedModel.load(run).predict(tables(files, "retailer-100"))
+    assert sum(label is None for label in predictions.labels()) == 50
+    assert np.isnan(predictions.probabilities[~predictions.mask.all(axis=1)]).all()
+    assert str(predictions.frame()["predicted"].dtype) == "Int64"
+    out = tmp_path / "p.csv"
+    argv = ["predict", "--model", str(run), "--party-file", str(files / "bank.csv")]
+    argv += ["--party-file", f"retailer={files / 'retailer-100.csv'}", "--out", str(out)]
+    assert main(argv) == 0
+    written = pd.read_csv(out, dtype=str, keep_default_na=False)
+    assert set(written["predicted"][:100]) <= {"0", "1", "2"}
+    assert (written["predicted"][100:] == "").all() and (written["p_0"][100:] == "").all()
+    laser = train(files, tmp_path / "laser", "laser", "labels.csv", ("bank", "retailer"))
+    every = SavedModel.load(laser).predict(tables(files, "retailer-100"))
+    assert all(label is not None for label in every.labels())
+
+
+# -- what the model directory holds ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "classes", [["a", "b", "c", "d"], ["setosa", "versicolor"], ["setosa", 1, "1"]]
+)
+def test_class_values_that_disagree_with_num_classes_are_refused_naming_the_file(
+    copy: Path, classes: list[Any]
+) -> None:
+    """classes.json rewritten with its hash: 4 values in a 3-class model would index past the
+    probabilities, 2 would silently drop a class, and 1 beside '1' would share a column."""
+    path = copy / "party-0" / "classes.json"
+    payload = {**json.loads(path.read_text()), "classes": classes}
+    rewrite_part_file(copy, 0, "classes.json", json.dumps(payload))
+    with pytest.raises(DataError, match=re.escape(f"{path}: 3 class values, distinct as text")):
+        SavedModel.load(copy)
+
+
+@pytest.mark.parametrize(
+    "stray", ["party-0/evil.txt", "party-0/02-x.safetensors", "notes.txt", "empty/", "party-1/d/"]
+)
+def test_a_file_or_directory_the_manifest_does_not_list_is_refused_by_name(
+    copy: Path, stray: str
+) -> None:
+    path = copy / stray
+    if stray.endswith("/"):
+        path.mkdir()
+    else:
+        path.write_text("x")
+    with pytest.raises(IntegrityError, match=re.escape(f"{path} is not listed")):
+        SavedModel.load(copy)
+
+
+def test_a_served_party_refuses_a_file_beside_its_part_that_the_manifest_does_not_list(
+    files: Path, laser: Path, tmp_path: Path
+) -> None:
+    """No processes: a deployed data party's `predict-setup` with its part laid out as it keeps
+    it (DIR/NAME/RUN_ID/) and one file more."""
+    from secure_vfl.deployed_prediction import _predict_setup, build_predicting_party
+
+    manifest, directory = read_manifest(laser)
+    entry = manifest.parties[1]
+    models = tmp_path / "models"
+    part = Path(shutil.copytree(directory / entry.directory, models / entry.name / manifest.run_id))
+    body = _predict_setup(manifest, 1, [e.name for e in manifest.parties], np.array([0, 1]))
+    message = _deployment("party-0", entry.name, "predict-setup", body)
+    table = read_party_file(files / "retailer.csv", id_column="customer")
+    served = ServedModel(entry.name, models)
+    build_predicting_party(entry.name, message, table, served, lambda _: None)
+    (part / "evil.txt").write_text("x")
+    with pytest.raises(ProtocolError, match=re.escape(f"{part / 'evil.txt'} is not listed")):
+        build_predicting_party(entry.name, message, table, served, lambda _: None)
+
+
+def test_a_model_saved_over_another_keeps_none_of_its_files(files: Path, tmp_path: Path) -> None:
+    """Three parties, then two with --overwrite: no `party-2/` of the first survives, and no
+    directory is left beside the model."""
+    run = tmp_path / "run"
+    train(files, run, "laser", "species.csv", ("bank", "retailer", "insurer"))
+    assert (run / MODEL_DIR / "party-2").is_dir()
+    train(files, run, "local", "labels.csv", ("bank", "retailer"), "--overwrite")
+    assert sorted(p.name for p in (run / MODEL_DIR).iterdir()) == [
+        MANIFEST_FILE, "party-0", "party-1",
+    ]  # fmt: skip
+    assert not [p for p in run.iterdir() if p.name.startswith(f".{MODEL_DIR}")]
+    assert SavedModel.load(run).manifest.method == "local"
+
+
+# -- what a refusal says -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda m: m.pop("method"), "(missing ['method'])"),
+        (lambda m: m.update(foo=1), "unknown ['foo']"),
+        (lambda m: m.pop("parties"), "missing ['parties']"),
+        (lambda m: m["parties"][1].pop("role"), "party entry 1's keys"),
+        (lambda m: m["parties"][1].update(bar=1), "unknown ['bar']"),
+    ],
+)
+def test_a_manifest_with_a_missing_or_unknown_key_names_the_keys(
+    copy: Path, edit: Any, message: str
+) -> None:
+    edit_manifest(copy, edit)
+    with pytest.raises(DataError, match=re.escape(message)) as refused:
+        SavedModel.load(copy)
+    assert "expected" in str(refused.value) and "Error(" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda m: m["block_shapes"].__setitem__(1, [2]),
+            "retailer (party-1): the saved 'bottom' does not fit the architecture the manifest "
+            "describes (its block_shapes and method_config): parameter 'net.0.weight' of shape "
+            "[128, 2] expected, found [128, 1].",
+        ),
+        (
+            lambda m: m["method_config"].__setitem__("representation_dim", 64),
+            "bank (party-0): the saved 'bottom' does not fit the architecture the manifest "
+            "describes (its block_shapes and method_config): parameter 'net.4.weight' of shape "
+            "[64, 128] expected, found [128, 128].",
+        ),
+    ],
+)
+def test_a_part_that_does_not_fit_its_architecture_names_the_first_parameter(
+    copy: Path, edit: Any, message: str
+) -> None:
+    edit_manifest(copy, edit)
+    with pytest.raises(IntegrityError, match=re.escape(message)):
+        SavedModel.load(copy)
+
+
+def test_an_altered_part_is_refused_naming_the_party_as_the_user_does(copy: Path) -> None:
+    (copy / "party-1" / "preprocessing.json").write_text("{}")
+    with pytest.raises(IntegrityError, match=r"^retailer \(party-1\): .* does not match the SHA"):
+        SavedModel.load(copy)
