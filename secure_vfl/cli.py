@@ -1786,6 +1786,8 @@ def run_impute(args: argparse.Namespace) -> int:
         f"impute-{config.method}-{config.data_name}-s{config.seed}"
     )
     _check_output_dir(out, "result.json", overwrite=args.overwrite)
+    if args.save_imputed:  # a folder of the user's own, or one an older run left: not merged
+        _check_output_dir(out / "imputed", "", overwrite=args.overwrite)
     store = _results_store(args, out)
     task = prepare_imputation_task(config)
     bar: Any = None
@@ -1988,13 +1990,16 @@ def _save_imputed(directory: Path, task: Any, imputer: Any) -> None:
     """Each client's rows with missing-but-available entries filled. A client file's table
     comes back in its own form (ids first under its id column, its rows in its order, its
     label column unchanged), so it can feed ``train``; a registered dataset's clients are
-    written training rows, then test rows, with a ``split`` column."""
+    written training rows, then test rows, with a ``split`` column. The folder is written
+    whole beside ``directory`` and swapped in: every client's table or none, and no file of an
+    older run's folder left beside them."""
     import numpy as np
     import pandas as pd
 
     from secure_vfl.data.imputation import ClientData
-    from secure_vfl.io import atomic_write
+    from secure_vfl.io import replace_directory
 
+    frames = {}
     for k, (train, test) in enumerate(zip(task.train, task.test, strict=True)):
         rows = ClientData(
             name=train.name,
@@ -2010,11 +2015,13 @@ def _save_imputed(directory: Path, task: Any, imputer: Any) -> None:
             columns = [f for f, keep in zip(task.features, train.available, strict=True) if keep]
             frame = pd.DataFrame(imputed[:, train.available], columns=columns)
             frame.insert(0, "split", ["train"] * train.n + ["test"] * test.n)
+        frames[f"{train.name}.csv"] = frame
 
-        def write(tmp: Path, frame: pd.DataFrame = frame) -> None:
-            frame.to_csv(tmp, index=False)
+    def write(staged: Path) -> None:
+        for name, frame in frames.items():
+            frame.to_csv(staged / name, index=False)
 
-        atomic_write(directory / f"{train.name}.csv", write)
+    replace_directory(directory, write)
 
 
 def _party_tables(

@@ -89,6 +89,30 @@ def test_impute_writes_result_store_row_and_imputed_tables(tmp_path: Path) -> No
         assert not table.drop(columns="split").isna().any().any()
 
 
+def test_saved_imputed_tables_are_all_or_none_and_never_mixed_with_older_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "mean"
+    argv = ["impute", "--method", "mean", "--dataset", "airquality", "--out", str(out)]
+    argv += ["--save-imputed", "--quiet"]
+    # a folder already there (the user's own, say) is not written into without --overwrite
+    (out / "imputed").mkdir(parents=True)
+    (out / "imputed" / "client-0.csv").write_text("mine\n")
+    assert main(argv) == 2
+    assert "imputed exists; expected a new --out directory (or --overwrite)" in (
+        capsys.readouterr().err
+    )
+    assert (out / "imputed" / "client-0.csv").read_text() == "mine\n"
+    # with --overwrite the folder is replaced whole: a 4-client run's tables, then 2 clients'
+    assert main([*argv, "--overwrite"]) == 0
+    assert sorted(p.name for p in (out / "imputed").iterdir()) == [
+        f"client-{k}.csv" for k in range(4)
+    ]
+    assert main([*argv, "--overwrite", "--clients", "2"]) == 0
+    assert sorted(p.name for p in (out / "imputed").iterdir()) == ["client-0.csv", "client-1.csv"]
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]
+
+
 def test_impute_on_the_users_own_client_files(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     latent = rng.normal(size=(200, 2))
