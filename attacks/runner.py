@@ -71,14 +71,21 @@ def parse_defenses(
 
 def make_attack(name: str, options: Mapping[str, float | str]) -> Attack:
     """The attack registered as ``name``, made with the keyword parameters ``options``;
-    ConfigError for a parameter it does not take."""
+    ConfigError for a parameter it does not take, or a value of a type it cannot use."""
     factory = ATTACKS.get(name)
+    taken = list(inspect.signature(factory).parameters)
+    unknown = sorted(set(options) - set(taken))
+    if unknown:
+        raise ConfigError(
+            f"{name} takes the parameters ({', '.join(taken) or 'none of them'}). Found "
+            f"{', '.join(unknown)}."
+        )
     try:
         return factory(**options)
-    except TypeError:
-        taken = ", ".join(inspect.signature(factory).parameters) or "none"
+    except TypeError as error:  # e.g. text where a number is compared
+        given = ", ".join(f"{key}={value!r}" for key, value in sorted(options.items()))
         raise ConfigError(
-            f"{name} takes the parameters ({taken}). Found {', '.join(sorted(options))}."
+            f"{name}: values of the types its parameters take expected. Found {given} ({error})."
         ) from None
 
 

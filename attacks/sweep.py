@@ -66,6 +66,12 @@ def parse_grid(items: Sequence[str]) -> dict[str, tuple[float, ...]]:
             raise ConfigError(f"--grid {name}: numbers expected. Found {values!r}.") from None
         if not all(math.isfinite(v) for v in parsed):
             raise ConfigError(f"--grid {name}: finite numbers expected. Found {values!r}.")
+        if len(set(parsed)) < len(parsed):  # the same setting twice would count as two seeds
+            repeated = sorted({v for v in parsed if parsed.count(v) > 1})
+            raise ConfigError(
+                f"--grid {name}: distinct values expected. Found "
+                f"{', '.join(f'{v:g}' for v in repeated)} repeated in {values!r}."
+            )
         grid[name] = parsed
     return grid
 
@@ -74,6 +80,12 @@ def expand(templates: Sequence[str], grid: Mapping[str, Sequence[float]]) -> lis
     """The undefended setting, then every template at every combination of the values of the
     placeholders it names. ConfigError for a placeholder without values, or values no template
     uses."""
+    repeated = sorted({t for t in templates if list(templates).count(t) > 1})
+    if repeated:
+        raise ConfigError(
+            f"each --defense once expected (a setting given twice would count its runs as more "
+            f"seeds). Found {', '.join(repeated)} repeated."
+        )
     settings = [Setting(UNDEFENDED, (), UNDEFENDED)]
     used: set[str] = set()
     for template in templates:

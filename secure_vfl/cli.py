@@ -129,6 +129,18 @@ def statistics_noise_spec(text: str) -> tuple[float, float]:
     return sigma, clip
 
 
+def _attack_options(pairs: Sequence[tuple[str, float | str]]) -> dict[str, float | str]:
+    """The ``--attack-option`` pairs as keyword parameters; a key given twice is refused (the
+    last would silently win)."""
+    keys = [key for key, _ in pairs]
+    repeated = sorted({key for key in keys if keys.count(key) > 1})
+    if repeated:
+        raise ConfigError(
+            f"each --attack-option KEY once expected. Found {', '.join(repeated)} repeated."
+        )
+    return dict(pairs)
+
+
 def attack_option(text: str) -> tuple[str, float | str]:
     """``KEY=VALUE`` of ``--attack-option``: a parameter name and its value, a number where it
     reads as one (an int if written as one), else the text."""
@@ -1600,7 +1612,7 @@ def run_attack_command(args: argparse.Namespace) -> int:
         result = run_attack(
             config,
             name,
-            options=dict(args.attack_option),
+            options=_attack_options(args.attack_option),
             attacker=args.attacker,
             defenses=args.defense,
             privacy=_privacy_spec(args),

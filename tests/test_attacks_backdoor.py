@@ -141,7 +141,9 @@ def test_under_secure_aggregation_no_receiver_sees_a_representation_to_filter() 
         ({"trigger_columns": 8}, "a trigger of 8 columns in a block of 7"),
         ({"trigger_value": float("inf")}, "`trigger_value` must be a finite number"),
         ({"swap": "sideways"}, "`swap` must be one of own, target, none"),
-        ({"colour": 1}, r"takes the parameters \(target, known"),
+        ({"colour": 1}, r"takes the parameters \(target, known.*\)\. Found colour\."),
+        # a known parameter of the wrong type is not called unknown
+        ({"trigger_columns": "abc"}, r"values of the types .* Found trigger_columns='abc'"),
     ],
 )
 def test_bad_backdoor_parameters_are_refused(options: dict[str, float], expected: str) -> None:
@@ -195,6 +197,18 @@ def test_norm_filter_zeroes_only_rows_far_from_the_senders_recent_norms() -> Non
     assert layer.report() == {
         "party-1": {"predict": {"seen": 4, "dropped": 1}, "train": {"seen": 64, "dropped": 0}}
     }
+
+
+def test_an_attack_option_given_twice_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["attack", "--attack", ATTACK, "--dataset", "breast-cancer", "--method", "laser"]
+    argv += ["--attack-option", "target=1", "--attack-option", "target=0", "--out", str(tmp_path)]
+    assert main(argv) == 2
+    assert "each --attack-option KEY once expected. Found target repeated" in (
+        capsys.readouterr().err
+    )
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_attack_command_writes_asr_and_clean_accuracy(tmp_path: Path) -> None:

@@ -56,6 +56,10 @@ def test_templates_expand_over_the_grid_after_the_undefended_setting() -> None:
         (["SIGMA=1", "SIGMA=2"], ["dp-gradients:SIGMA:1"], "given twice"),
         ([], ["dp-gradients:SIGMA:1"], "no --grid values for SIGMA"),
         (["SIGMA=1"], ["dp-gradients:1:1"], "no --defense template names it"),
+        # the same setting twice would be counted as two seeds of one
+        (["SIGMA=1,1"], ["dp-gradients:SIGMA:1"], "distinct values expected. Found 1 repeated"),
+        (["SIGMA=1,2,1e0"], ["dp-gradients:SIGMA:1"], "Found 1 repeated"),
+        ([], ["norm-filter", "norm-filter"], "each --defense once expected.* norm-filter"),
     ],
 )
 def test_a_bad_grid_is_refused_before_anything_runs(
