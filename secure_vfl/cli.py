@@ -1895,7 +1895,7 @@ def run_impute_deployed(args: argparse.Namespace) -> int:
     imputation, every other party a client serving in its own process."""
     from tqdm import tqdm
 
-    from secure_vfl.deployed_imputation import impute_deployed
+    from secure_vfl.deployed_imputation import check_coordinator, impute_deployed
     from secure_vfl.experiment import ImputeRunConfig
     from secure_vfl.federation.federation_file import read_federation
     from secure_vfl.io import atomic_write_json
@@ -1904,7 +1904,7 @@ def run_impute_deployed(args: argparse.Namespace) -> int:
     _refuse_deployed_impute_flags(args)
     engine = _impute_privacy_engine(args)
     federation = read_federation(args.federation)
-    clients = [m for m in federation.parties if m.name != args.name]
+    clients = check_coordinator(args.method, federation, args.name)
     config = ImputeRunConfig(
         method=args.method,
         client_files=tuple(m.data for m in clients if m.data is not None),

@@ -292,6 +292,32 @@ def _client_file(member: Member) -> Path:
 # -- the label party: the coordinator ----------------------------------------------------------
 
 
+def check_coordinator(method: str, federation: Federation, name: str) -> list[Member]:
+    """The clients of a deployed imputation that ``name`` coordinates with ``method``;
+    ConfigError, before any contact, for a method not offered deployed, a ``name`` that is not
+    the federation's label party, or fewer than 2 clients."""
+    if method not in deployable_methods():
+        raise ConfigError(
+            f"--method {method} is not offered with --federation; expected one of "
+            f"{', '.join(deployable_methods())} (a per-client method has nothing to federate: "
+            "each client runs it alone with `impute --client-file`)."
+        )
+    if name != federation.label_party:
+        raise ConfigError(
+            f"{name} is not the label party of {federation.path} ({federation.label_party} "
+            f"is); a client runs `secure-vfl party serve --federation {federation.path} --name "
+            f"{name}`."
+        )
+    clients = [m for m in federation.parties if m.name != name]
+    if len(clients) < 2:
+        raise ConfigError(
+            f"federated imputation needs at least 2 clients besides the coordinator {name}. "
+            f"Found {len(clients)} in {federation.path}: "
+            f"{', '.join(m.name for m in clients) or 'none'}."
+        )
+    return clients
+
+
 def impute_deployed(
     config: ImputeRunConfig,
     federation: Federation,
@@ -318,19 +344,7 @@ def impute_deployed(
     own mechanism from the engine's plan in its own process and reports what its accountant
     priced at the end, which the result's privacy entry lists. ``capture`` records every message
     that crosses the label party's endpoint."""
-    if config.method not in deployable_methods():
-        raise ConfigError(
-            f"--method {config.method} is not offered with --federation; expected one of "
-            f"{', '.join(deployable_methods())} (a per-client method has nothing to federate: "
-            "each client runs it alone with `impute --client-file`)."
-        )
-    if name != federation.label_party:
-        raise ConfigError(
-            f"{name} is not the label party of {federation.path} ({federation.label_party} "
-            f"is); a client runs `secure-vfl party serve --federation {federation.path} --name "
-            f"{name}`."
-        )
-    clients = [m for m in federation.parties if m.name != name]
+    clients = check_coordinator(config.method, federation, name)
     endpoint = _endpoint(federation, name, insecure=insecure, deadline=deadline, capture=capture)
     outcome = "failed"
     reports: dict[str, Counter[tuple[str, str, str]]] = {}

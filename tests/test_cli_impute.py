@@ -348,3 +348,23 @@ def test_a_deployed_impute_refuses_what_it_does_not_offer_before_any_contact(
     assert code == 2
     assert message in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_a_deployed_impute_with_one_client_says_so_before_any_contact(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from test_deploy import write_federation
+
+    from secure_vfl.federation.network import free_loopback_ports
+
+    ports = free_loopback_ports(3)  # bank and shop, and the aggregator
+    path = write_federation(tmp_path, tmp_path / "certs", [ports[0], ports[1], ports[2]])
+    text = path.read_text()
+    path.write_text(text[: text.index("[party.insurer]")])  # bank (the label party) and shop
+    out = tmp_path / "out"
+    argv = ["impute", "--federation", str(path), "--name", "bank", "--method", "fedhf"]
+    code = main([*argv, "--out", str(out)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "needs at least 2 clients besides the coordinator bank. Found 1" in err, err
+    assert "client files" not in err and not out.exists()
