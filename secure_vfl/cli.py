@@ -27,6 +27,7 @@ from secure_vfl.errors import (
 from secure_vfl.io import make_parent, writable_file
 
 EXIT_USAGE = 2
+NETWORK_SECONDS = 60.0  # the default --wait and --deadline of a deployment
 EXIT_OS = 1  # a file operation the operating system refused (permissions, a full disk)
 ID_COLUMN = "id"
 LABEL_COLUMN = "label"
@@ -1366,6 +1367,7 @@ def _privacy_engine(args: argparse.Namespace) -> Any:
 def run_train(args: argparse.Namespace) -> int:
     if args.federation is not None:
         return run_train_deployed(args)
+    _refuse_deployment_flags(args)
     from tqdm import tqdm
 
     from secure_vfl.data.datasets import DATASETS
@@ -1770,6 +1772,7 @@ def _attack_summary(result: Any, out: Path) -> str:
 def run_impute(args: argparse.Namespace) -> int:
     if args.federation is not None:
         return run_impute_deployed(args)
+    _refuse_deployment_flags(args)
     from tqdm import tqdm
 
     from secure_vfl.data.imputation import IMPUTATION_DATASETS
@@ -2281,7 +2284,7 @@ def _deployment_flags(
     group.add_argument(
         "--wait",
         type=positive_float,
-        default=60.0,
+        default=NETWORK_SECONDS,
         metavar="S",
         help="seconds the label party waits for every other party to accept a connection "
         "before it starts",
@@ -2293,7 +2296,7 @@ def _network_flags(group: Any) -> None:
     group.add_argument(
         "--deadline",
         type=positive_float,
-        default=60.0,
+        default=NETWORK_SECONDS,
         metavar="S",
         help="seconds a party waits for a peer's answer, or a serving party for the label "
         "party's next message, before it gives up",
@@ -2450,6 +2453,22 @@ def run_party_command(args: argparse.Namespace) -> int:
         return 1
     print(f"{args.name}: the run finished")
     return 0
+
+
+def _refuse_deployment_flags(args: argparse.Namespace) -> None:
+    """ConfigError for the deployment's flags (--name, --wait, --deadline, --insecure) in a run
+    without --federation, where they would be ignored."""
+    given = _given(("--name", args.name))
+    given += [
+        flag
+        for flag, value in (("--wait", args.wait), ("--deadline", args.deadline))
+        if value != NETWORK_SECONDS
+    ]
+    given += ["--insecure"] if args.insecure else []
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)} go with --federation (a deployment); found no --federation."
+        )
 
 
 def _given(*flags: tuple[str, object]) -> list[str]:

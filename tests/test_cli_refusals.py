@@ -129,6 +129,23 @@ def test_parties_equal_to_the_files_given_are_accepted(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "r" / "result.json").read_text())["config"]["parties"] == 3
 
 
+@pytest.mark.parametrize("command", ["train", "impute"])
+def test_deployment_flags_without_a_federation_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    run = ["--method", "laser", "--dataset", "wine"] if command == "train" else []
+    run = run or ["--method", "mean", "--dataset", "airquality"]
+    argv = [command, *run, "--out", str(tmp_path / "o")]
+    for flags, named in (
+        (["--name", "bank", "--insecure"], "--name, --insecure"),
+        (["--wait", "5"], "--wait"),
+        (["--deadline", "5"], "--deadline"),
+    ):
+        err = refused([*argv, *flags], capsys)
+        assert f"{named} go with --federation (a deployment); found no --federation" in err
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.usefixtures("no_training")
 def test_out_pointing_at_a_file_is_refused_before_training(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
