@@ -1128,9 +1128,14 @@ def _party_count(args: argparse.Namespace) -> int:
         return int(args.parties) if args.parties is not None else 4
     given = len(args.party_file)
     if args.parties is not None and args.parties != given:
+        files = (
+            f"parties of {args.federation}"
+            if getattr(args, "federation", None) is not None
+            else "--party-file given (one party per file)"
+        )
         raise ConfigError(
-            f"--parties {args.parties} contradicts the {given} --party-file given (one party "
-            f"per file); expected --parties {given} or no --parties."
+            f"--parties {args.parties} contradicts the {given} {files}; expected --parties "
+            f"{given} or no --parties."
         )
     return given
 

@@ -146,6 +146,20 @@ def test_deployment_flags_without_a_federation_are_refused(
     assert not (tmp_path / "o").exists()
 
 
+def test_parties_that_contradict_a_federation_name_its_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from test_deploy import write_federation
+
+    from secure_vfl.federation.network import free_loopback_ports
+
+    path = write_federation(tmp_path, tmp_path / "certs", free_loopback_ports(5))
+    argv = ["train", "--federation", str(path), "--name", "bank", "--method", "laser"]
+    err = refused([*argv, "--parties", "7", "--out", str(tmp_path / "o")], capsys)
+    assert f"--parties 7 contradicts the 4 parties of {path}; expected --parties 4" in err
+    assert "--party-file" not in err and not (tmp_path / "o").exists()
+
+
 @pytest.mark.usefixtures("no_training")
 def test_out_pointing_at_a_file_is_refused_before_training(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
