@@ -495,9 +495,9 @@ def _checkpoint_flags(parser: argparse.ArgumentParser) -> None:
         "--resume",
         type=Path,
         metavar="DIR",
-        help="continue a killed run from its latest complete checkpoint in DIR (its --out or "
-        "its checkpoint directory); the other flags must be the killed run's own (default: none, "
-        "a fresh run)",
+        help="continue a killed run from its latest complete checkpoint in DIR (its --out, "
+        "which is then also this run's unless --out is given, or its checkpoint directory); the "
+        "other flags must be the killed run's own (default: none, a fresh run)",
     )
 
 
@@ -1391,7 +1391,11 @@ def run_train(args: argparse.Namespace) -> int:
         spec = DATASETS.get(config.dataset)
         if not spec.is_installed():
             raise ConfigError(f"dataset {config.dataset!r} is not installed. {spec.install_hint()}")
-    out: Path = args.out or Path("runs") / f"{config.method}-{config.data_name}-s{config.seed}"
+    out: Path = (
+        args.out
+        or _resumed_out(args)
+        or Path("runs") / f"{config.method}-{config.data_name}-s{config.seed}"
+    )
     _check_output_dir(out, "result.json", overwrite=args.overwrite)
     _check_output_dir(out / MODEL_DIR, MANIFEST_FILE, overwrite=args.overwrite)
     store = _results_store(args, out)
@@ -1506,6 +1510,16 @@ def _checkpoint_plan(
         settings=settings,
         label_party=label_party,
     )
+
+
+def _resumed_out(args: argparse.Namespace) -> Path | None:
+    """The killed run's own --out when ``--resume DIR`` names it (it holds the run's
+    checkpoints): a resumed run without --out finishes where the killed one would have."""
+    from secure_vfl.checkpoints import CHECKPOINTS_DIR
+
+    if args.resume is not None and (args.resume / CHECKPOINTS_DIR).is_dir():
+        return Path(args.resume)
+    return None
 
 
 def _checkpoints_payload(checkpoints: Any) -> dict[str, Any]:

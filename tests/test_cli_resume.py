@@ -94,6 +94,18 @@ def test_a_train_process_killed_after_a_checkpoint_resumes_to_the_uninterrupted_
     assert all(torch.equal(found[name], wanted[name]) for name in wanted)
 
 
+def test_resume_without_out_finishes_in_the_killed_runs_own_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # where the default --out (runs/...) would go
+    run = tmp_path / "run"
+    argv = [*RUN, "--epochs", "1", "--checkpoint-every", "5"]
+    assert main([*argv, "--out", str(run)]) == 0
+    assert main([*argv, "--resume", str(run), "--overwrite"]) == 0
+    assert _result(run)["checkpoints"]["resumed_from_step"] > 0
+    assert not (tmp_path / "runs").exists()
+
+
 def _checkpointed_run(tmp_path: Path) -> tuple[Path, Path]:
     """A one-epoch run that checkpoints into its own directory; the --out to resume into."""
     checkpoints = tmp_path / "checkpoints"
