@@ -4,6 +4,7 @@ and reading JSON that another party or a file on disk holds."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -164,8 +165,29 @@ def decimal(text: str, digits: int = 18) -> int | None:
 
 
 def atomic_write_json(path: Path, payload: Any) -> None:
-    """Write ``payload`` as indented JSON to ``path`` atomically."""
-    atomic_write_text(path, json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    """Write ``payload`` as indented JSON to ``path`` atomically (:func:`json_text`)."""
+    atomic_write_text(path, json_text(payload) + "\n")
+
+
+def json_text(payload: Any) -> str:
+    """``payload`` as indented JSON that every JSON reader takes. Python's ``json`` writes an
+    infinite float as ``Infinity``, which is not JSON (jq, JavaScript and most others refuse
+    the file); here it is the number ``1e999`` (``-1e999``), which JSON allows and which Python
+    and JavaScript read back as infinity (an epsilon of a run without noise). NaN, which JSON
+    cannot write, is ``null``."""
+    marker = f"non-finite-{uuid.uuid4().hex}"
+
+    def finite(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return None if math.isnan(value) else f"{marker}{'+' if value > 0 else '-'}"
+        if isinstance(value, dict):
+            return {key: finite(item) for key, item in value.items()}
+        if isinstance(value, list | tuple):
+            return [finite(item) for item in value]
+        return value
+
+    text = json.dumps(finite(payload), indent=2, sort_keys=True, allow_nan=False)
+    return text.replace(f'"{marker}+"', "1e999").replace(f'"{marker}-"', "-1e999")
 
 
 def atomic_directory(path: Path, write: Callable[[Path], None]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import os
 import re
 import stat
@@ -31,6 +32,23 @@ def test_atomic_write_json_writes_readable_ordinary_files(tmp_path: Path) -> Non
     umask = os.umask(0)
     os.umask(umask)
     assert stat.S_IMODE(target.stat().st_mode) == 0o666 & ~umask
+
+
+def test_json_results_are_json_every_reader_takes_even_with_an_infinite_epsilon(
+    tmp_path: Path,
+) -> None:
+    target = tmp_path / "result.json"
+    payload = {"epsilon": {"party-0": math.inf}, "low": -math.inf, "none": math.nan}
+    atomic_write_json(target, {**payload, "curve": [0.5, math.inf], "text": "Infinity"})
+    text = target.read_text()
+
+    def refuse(constant: str) -> None:  # what a strict reader (jq, JavaScript) refuses
+        raise AssertionError(f"{constant} is not JSON")
+
+    strict = json.loads(text, parse_constant=refuse)
+    assert strict["epsilon"] == {"party-0": math.inf} and strict["low"] == -math.inf
+    assert strict["none"] is None and strict["curve"] == [0.5, math.inf]
+    assert strict["text"] == "Infinity"  # a string is left as it is
 
 
 def test_a_failed_write_keeps_the_old_file_and_leaves_no_temporary(tmp_path: Path) -> None:
