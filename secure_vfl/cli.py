@@ -27,6 +27,7 @@ from secure_vfl.errors import (
 from secure_vfl.io import make_parent, writable_file
 
 EXIT_USAGE = 2
+LEARNING_RATE = 0.03  # train's default --lr (SGD)
 NETWORK_SECONDS = 60.0  # the default --wait and --deadline of a deployment
 EXIT_OS = 1  # a file operation the operating system refused (permissions, a full disk)
 ID_COLUMN = "id"
@@ -327,7 +328,7 @@ def _training_flags(parser: argparse.ArgumentParser) -> Any:
     parser.add_argument(
         "--lr",
         type=positive_float,
-        default=0.03,
+        default=LEARNING_RATE,
         metavar="LR",
         help="SGD learning rate (FALSE-VFL keeps its own Adam rates)",
     )
@@ -1099,6 +1100,16 @@ def _train_config(args: argparse.Namespace) -> Any:
         raise ConfigError(
             f"{', '.join(given)} apply to --method false-vfl-1 or false-vfl-2. "
             f"Found --method {args.method}."
+        )
+    if args.standard_incomplete != "random" and args.method != "standard":
+        raise ConfigError(
+            "--standard-incomplete applies to --method standard (how its top model treats a "
+            f"sample some party lacks). Found --method {args.method}."
+        )
+    if args.lr != LEARNING_RATE and false_vfl is not None:
+        raise ConfigError(
+            f"--lr applies to the SGD of the other methods; {args.method} trains with its own "
+            "Adam rates (FalseVflConfig). Found --lr with it."
         )
     return TrainConfig(
         false_vfl=false_vfl,

@@ -36,6 +36,15 @@ def test_false_vfl_trains_end_to_end_on_the_cli(
     ("argv", "message"),
     [
         (["--method", "laser", "--kappa", "5"], "--kappa apply to --method false-vfl-1"),
+        (["--method", "false-vfl-1", "--lr", "0.1"], "false-vfl-1 trains with its own Adam rates"),
+        (
+            ["--method", "laser", "--standard-incomplete", "zero"],
+            "--standard-incomplete applies to --method standard",
+        ),
+        (
+            ["--method", "plugvfl", "--standard-incomplete", "zero"],
+            "Found --method plugvfl",
+        ),
         (
             ["--method", "false-vfl-1", "--dp-gradients", "1:0.01", "--dp-sgd", "1:0.05"],
             "mechanisms, and noise on its (mean, precision) would break the precisions. Found "
