@@ -96,6 +96,36 @@ def test_bad_party_files_are_refused_naming_the_problem(tmp_path, text, message)
         read_party_file(write(tmp_path / "party.csv", text))
 
 
+@pytest.mark.parametrize(
+    ("header", "repeated"),
+    [("id,x,x,y", "'x'"), ("id,x,id", "'id'"), ("\ufeffid,x,id,x", "'id', 'x'")],
+)
+def test_a_csv_naming_a_column_twice_is_refused_not_renamed(tmp_path, header, repeated):
+    # pandas alone would read `x,x` as `x`, `x.1`: two features where the file has one name.
+    path = write(tmp_path / "party.csv", f"{header}\n1,2,3,4\n")
+    message = rf"party.csv: column names must be distinct. Found \[{repeated}\] repeated"
+    with pytest.raises(DataError, match=message):
+        read_party_file(path)
+    with pytest.raises(DataError, match=message):
+        read_label_file(path)
+
+
+def test_a_parquet_naming_a_column_twice_is_refused_naming_it(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "party.parquet"
+    table = pa.table([pa.array(["a"]), pa.array([1.0]), pa.array([2.0])], names=["id", "x", "x"])
+    pq.write_table(table, path)
+    with pytest.raises(DataError, match=r"column names must be distinct. Found \['x'\] repeated"):
+        read_party_file(path)
+
+
+def test_empty_and_dotted_header_names_are_not_repeats(tmp_path):
+    table = read_party_file(write(tmp_path / "party.csv", "id,x,x.1,,\n1,2,3,4,5\n"))
+    assert table.columns == ("x", "x.1", "Unnamed: 3", "Unnamed: 4")
+
+
 def test_unsupported_or_missing_files_are_refused(tmp_path):
     with pytest.raises(DataError, match=r"\.csv or \.parquet file. Found suffix '\.xlsx'"):
         read_party_file(tmp_path / "party.xlsx")

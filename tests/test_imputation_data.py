@@ -21,6 +21,7 @@ from secure_vfl.data.imputation import (
     OZONE_COLUMNS,
     ClientData,
     ImputationTask,
+    client_file_columns,
     client_from_frame,
     hide_entries,
     imputation_dataset_status,
@@ -265,6 +266,58 @@ def test_bad_client_files_are_refused_with_file_and_column(tmp_path):
         read_client_files([one, twin])
     with pytest.raises(ConfigError, match="at least one client file"):
         read_client_files([])
+
+
+def test_a_given_id_column_a_client_file_lacks_is_refused_naming_its_columns(tmp_path):
+    path = tmp_path / "site.csv"
+    path.write_text("id,age,bp,label\na,40,120,0\nb,50,130,1\nc,60,,0\n")
+    message = (
+        r"site.csv must have an id column `key` \(--id-column\). "
+        r"Found columns: \['id', 'age', 'bp', 'label'\]\."
+    )
+    with pytest.raises(DataError, match=message):
+        read_client_files([path], id_column="key")
+    # a deployed client reads its own file by the same rule
+    with pytest.raises(DataError, match=message):
+        client_file_columns(path, id_column="key")
+
+
+def test_a_given_label_column_no_client_file_has_is_refused_naming_their_columns(tmp_path):
+    first, second = tmp_path / "a.csv", tmp_path / "b.csv"
+    first.write_text("id,age,bp,label\na,40,120,0\nb,50,130,1\n")
+    second.write_text("age,chol,outcome\n30,5.1,1\n35,,0\n")
+    with pytest.raises(
+        DataError,
+        match=r"a label column `outcme` \(--label-column\) must be in at least one client file. "
+        r"Found columns: .*a.csv \['id', 'age', 'bp', 'label'\]; .*b.csv \['age', 'chol', "
+        r"'outcome'\]\.",
+    ):
+        read_client_files([first, second], label_column="outcme")
+    # a label held by some clients only: the others have none
+    features, _ = read_client_files([second, first], label_column="outcome")
+    assert features == ("age", "chol", "bp", "label")
+
+
+def test_client_files_need_no_id_or_label_column_under_the_default_names(tmp_path):
+    path = tmp_path / "site.csv"
+    path.write_text("age,bp\n40,120\n50,\n60,140\n70,150\n")
+    task = make_task_from_client_files([path], test_fraction=0.25, seed=0)
+    assert task.features == ("age", "bp")
+    assert task.files is not None and task.files[0].id_column is None
+    assert task.files[0].passthrough.columns.tolist() == []
+    named = tmp_path / "named.csv"
+    named.write_text("key,age,bp,outcome\nk1,40,120,0\nk2,50,,1\nk3,60,140,1\n")
+    assert client_file_columns(named, id_column="key", label_column="outcome") == (
+        ("age", "bp"),
+        3,
+    )
+
+
+def test_a_client_file_naming_a_column_twice_is_refused(tmp_path):
+    path = tmp_path / "site.csv"
+    path.write_text("id,a,a,c,label\nx,1,2,3,0\ny,4,5,6,1\n")
+    with pytest.raises(DataError, match=r"site.csv: column names must be distinct. Found \['a'\] "):
+        read_client_files([path])
 
 
 def test_task_refuses_mismatched_clients():

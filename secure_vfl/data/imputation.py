@@ -373,8 +373,16 @@ class _ClientSource:
 
 def _read_client_frame(path: Path, id_column: str, label_column: str) -> _ClientSource:
     """Read one client's CSV or Parquet file; refuse unreadable, empty or non-numeric files.
-    The id column (read as text) and the label column are not features."""
+    The id column (read as text) and the label column are not features. Under the default
+    name ``id`` the id column may be absent (imputation needs no ids); another name was given
+    on purpose, so a file without that column is refused (its own id column would otherwise be
+    imputed as a feature)."""
     frame = read_table(path, what="client file", id_column=id_column)
+    if id_column != ID_COLUMN and id_column not in frame.columns:
+        raise DataError(
+            f"{path} must have an id column `{id_column}` (--id-column). Found columns: "
+            f"{list(frame.columns)}."
+        )
     kept = [c for c in frame.columns if c in (id_column, label_column)]
     features = frame.drop(columns=kept)
     if features.shape[1] == 0:
@@ -398,7 +406,11 @@ def read_client_files(
 
     The global features are the union of the files' columns in first-seen order; a column absent
     from a file is unavailable at that client, an empty cell is missing, the id column and the
-    label column are not features. Clients are named by file stem, which must be distinct.
+    label column are not features. Column names within a file must be distinct. Under the
+    default names (``id``, ``label``) a file may lack either column (imputation needs no ids);
+    an id column named otherwise must be in every file, a label column named otherwise in at
+    least one (a client may hold no label). Clients are named by file stem, which must be
+    distinct.
     """
     features, clients, _ = _read_client_sources(paths, id_column, label_column)
     return features, clients
@@ -417,6 +429,14 @@ def _read_client_sources(
                 f"the second at {path}; rename one of them."
             )
         sources[path.stem] = _read_client_frame(path, id_column, label_column)
+    if label_column != LABEL_COLUMN and not any(
+        label_column in source.columns for source in sources.values()
+    ):
+        found = "; ".join(f"{source.path} {list(source.columns)}" for source in sources.values())
+        raise DataError(
+            f"a label column `{label_column}` (--label-column) must be in at least one client "
+            f"file. Found columns: {found}."
+        )
     features: dict[str, None] = {}
     for source in sources.values():
         features.update(dict.fromkeys(source.features.columns))

@@ -60,7 +60,8 @@ class LabelTable:
 
 
 def read_table(path: Path, *, what: str = "data file", id_column: str = ID_COLUMN) -> pd.DataFrame:
-    """Read a non-empty CSV or Parquet file; the ``id_column``, if any, is read as text."""
+    """Read a non-empty CSV or Parquet file whose column names are distinct; the
+    ``id_column``, if any, is read as text."""
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in _SUFFIXES:
@@ -68,16 +69,37 @@ def read_table(path: Path, *, what: str = "data file", id_column: str = ID_COLUM
     if not path.is_file():
         raise DataError(f"expected a {what} at {path}. Found no such file.")
     try:
+        _refuse_repeated_columns(path, _column_names(path, suffix))
         if suffix == ".csv":
             frame = pd.read_csv(path, dtype={id_column: str})
         else:
             frame = pd.read_parquet(path)
+    except DataError:
+        raise
     except (ValueError, OSError, pd.errors.ParserError) as error:
         raise DataError(f"{path} could not be read as {suffix[1:]}: {error}") from None
     frame.columns = [str(c) for c in frame.columns]
     if len(frame) == 0:
         raise DataError(f"{path} must have at least one row. Found none.")
     return frame
+
+
+def _column_names(path: Path, suffix: str) -> list[str]:
+    """The column names as the file writes them: pandas renames a repeated CSV name (`a`,
+    `a.1`), and a repeated Parquet one fails deep inside pyarrow."""
+    if suffix == ".csv":
+        header = pd.read_csv(path, header=None, nrows=1, dtype=str, keep_default_na=False)
+        return [str(name) for name in header.iloc[0]]
+    import pyarrow.parquet as pq
+
+    return [str(name) for name in pq.read_schema(path).names]
+
+
+def _refuse_repeated_columns(path: Path, names: list[str]) -> None:
+    """Refuse a header that names a column twice (empty names aside: pandas numbers them)."""
+    repeated = sorted({name for name in names if name and names.count(name) > 1})
+    if repeated:
+        raise DataError(f"{path}: column names must be distinct. Found {repeated} repeated.")
 
 
 def _read_frame(path: Path, id_column: str) -> pd.DataFrame:

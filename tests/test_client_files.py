@@ -1,0 +1,87 @@
+"""`secure-vfl impute --client-file`: what the reader of the user's client files refuses in one
+line before any work, and what it keeps out of the imputation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from secure_vfl.cli import main
+
+
+def write_clients(tmp_path: Path, *, label: str = "label") -> list[Path]:
+    """Two client files with ids, three numeric features (empty cells in each) and a label."""
+    rng = np.random.default_rng(0)
+    paths = []
+    for k in range(2):
+        frame = pd.DataFrame(rng.normal(size=(30, 3)), columns=["a", "b", "c"])
+        frame[rng.random(frame.shape) < 0.1] = np.nan
+        frame.insert(0, "id", [f"s{k}-{i:03d}" for i in range(30)])
+        frame[label] = rng.integers(0, 2, size=30)
+        paths.append(tmp_path / f"site{k}.csv")
+        frame.to_csv(paths[-1], index=False)
+    return paths
+
+
+def impute_argv(paths: list[Path], out: Path) -> list[str]:
+    argv = ["impute", "--method", "mean", "--out", str(out), "--quiet", "--save-imputed"]
+    for path in paths:
+        argv += ["--client-file", str(path)]
+    return argv
+
+
+COLUMNS = "['id', 'a', 'b', 'c', 'label']"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (
+            ["--id-column", "foo"],
+            f"{{root}}/site0.csv must have an id column `foo` (--id-column). Found columns: "
+            f"{COLUMNS}.",
+        ),
+        (
+            ["--label-column", "foo"],
+            "a label column `foo` (--label-column) must be in at least one client file. Found "
+            f"columns: {{root}}/site0.csv {COLUMNS}; {{root}}/site1.csv {COLUMNS}.",
+        ),
+    ],
+)
+def test_a_given_id_or_label_column_the_files_lack_is_refused_naming_their_columns(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    paths = write_clients(tmp_path)
+    assert main([*impute_argv(paths, tmp_path / "run"), *extra]) == 2
+    err = capsys.readouterr().err
+    assert message.format(root=tmp_path) in err and len(err.strip().splitlines()) == 1
+    assert sorted(tmp_path.iterdir()) == sorted(paths)
+
+
+def test_a_client_file_naming_a_column_twice_is_refused_not_renamed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    paths = write_clients(tmp_path)
+    text = paths[0].read_text().splitlines()
+    assert text[0] == "id,a,b,c,label"
+    paths[0].write_text("\n".join(["id,a,a,c,label", *text[1:]]) + "\n")
+    assert main(impute_argv(paths, tmp_path / "run")) == 2
+    err = capsys.readouterr().err
+    assert "site0.csv: column names must be distinct. Found ['a'] repeated." in err
+    assert sorted(tmp_path.iterdir()) == sorted(paths)
+
+
+def test_a_given_label_column_is_written_back_unchanged_and_not_imputed(tmp_path: Path) -> None:
+    paths = write_clients(tmp_path, label="outcome")
+    out = tmp_path / "run"
+    assert main([*impute_argv(paths, out), "--label-column", "outcome"]) == 0
+    for path in paths:
+        given = pd.read_csv(path, dtype={"id": str})
+        imputed = pd.read_csv(out / "imputed" / path.name, dtype={"id": str})
+        assert imputed.columns.tolist() == ["id", "a", "b", "c", "outcome"]
+        pd.testing.assert_series_equal(imputed["outcome"], given["outcome"])
+        pd.testing.assert_series_equal(imputed["id"], given["id"])
+        assert not imputed[["a", "b", "c"]].isna().any().any()
