@@ -40,11 +40,9 @@ key file readable by others, a key type gRPC cannot use, a certificate without b
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import ipaddress
 import os
-import re
 import shutil
 import stat
 import tempfile
@@ -52,17 +50,23 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa
+from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation.network import (
     UNREADABLE_PEM,
+    Problem,
     check_party_name,
+    host_problem,
+    issuer_problems,
+    key_type_problems,
+    name_problems,
     parse_certificate,
     same_key,
+    usage_problems,
+    validity_problems,
 )
 from secure_vfl.io import atomic_directory, atomic_write, fsync_directory, unwritable
 
@@ -74,8 +78,6 @@ DEFAULT_HOSTS = ("localhost", "127.0.0.1")
 CLOCK_SKEW = datetime.timedelta(minutes=1)
 KEY_MODE = 0o600
 PRIVATE_BITS = stat.S_IRWXG | stat.S_IRWXO  # a key file must grant nothing to group or others
-MAX_HOST_LENGTH = 253
-_HOST_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 
 
 def _now() -> datetime.datetime:
@@ -147,33 +149,6 @@ def _write_all(directory: Path, files: Mapping[str, tuple[bytes, bool]]) -> None
         raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-def host_problem(host: str) -> str | None:
-    """Why ``host`` is not a DNS host name a certificate can carry, or None when it is one:
-    dot-separated labels of 1 to 63 ASCII letters, digits and inner hyphens, at most 253
-    characters in all, the last label not all digits (``256.1.1.1`` is a mistyped IP address,
-    not a name; RFC 1123 section 2.1)."""
-    if not host:
-        return "it is empty"
-    if not host.isascii():
-        return (
-            "it is not ASCII; write an internationalised name in its IDNA A-label form "
-            "(xn--..., as `idn2 NAME` prints it)"
-        )
-    if len(host) > MAX_HOST_LENGTH:
-        return f"it has {len(host)} characters, at most {MAX_HOST_LENGTH} expected"
-    labels = host.split(".")
-    for label in labels:
-        if not _HOST_LABEL.fullmatch(label):
-            return (
-                f"its label {label!r} is not 1 to 63 letters, digits and inner hyphens"
-                if label
-                else "it has an empty label (a dot at either end, or two dots in a row)"
-            )
-    if labels[-1].isdigit():
-        return "it is not an IP address, and a host name's last label is not all digits"
-    return None
 
 
 def _host_names(hosts: Sequence[str]) -> list[x509.GeneralName]:
@@ -400,26 +375,6 @@ def make_federation(
 # -- checking a set of certificates ------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    """One thing wrong with a federation's certificates: the file and what is wrong with it."""
-
-    path: Path
-    what: str
-
-    def __str__(self) -> str:
-        return f"{self.path}: {self.what}"
-
-
-def _validity(path: Path, certificate: x509.Certificate, now: datetime.datetime) -> list[Problem]:
-    start, end = certificate.not_valid_before_utc, certificate.not_valid_after_utc
-    if now < start:
-        return [Problem(path, f"not valid yet: valid from {start:%Y-%m-%d %H:%M} UTC.")]
-    if now > end:
-        return [Problem(path, f"expired on {end:%Y-%m-%d %H:%M} UTC.")]
-    return []
-
-
 def _within_ca(path: Path, certificate: x509.Certificate, ca: x509.Certificate) -> list[Problem]:
     """A problem if ``certificate`` is valid beyond ``ca``: it stops working when the CA expires."""
     end, ca_end = certificate.not_valid_after_utc, ca.not_valid_after_utc
@@ -430,91 +385,6 @@ def _within_ca(path: Path, certificate: x509.Certificate, ca: x509.Certificate) 
             path,
             f"valid until {end:%Y-%m-%d %H:%M} UTC, beyond its CA (valid until "
             f"{ca_end:%Y-%m-%d %H:%M} UTC): it stops working when the CA expires.",
-        )
-    ]
-
-
-def _signed_by(path: Path, certificate: x509.Certificate, ca: x509.Certificate) -> list[Problem]:
-    """A problem unless ``ca`` issued ``certificate`` (its name and its signature)."""
-    if certificate.issuer != ca.subject:
-        return [
-            Problem(
-                path,
-                f"issued by {certificate.issuer.rfc4514_string()!r}, not by this federation's CA "
-                f"{ca.subject.rfc4514_string()!r}.",
-            )
-        ]
-    try:
-        certificate.verify_directly_issued_by(ca)
-    except (ValueError, TypeError, InvalidSignature):
-        return [
-            Problem(path, "not signed by this federation's CA (the signature does not verify).")
-        ]
-    return []
-
-
-def _dns_names(certificate: x509.Certificate) -> list[str]:
-    try:
-        names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName)
-    except x509.ExtensionNotFound:
-        return []
-    return list(names.value.get_values_for_type(x509.DNSName))
-
-
-def _names(
-    path: Path, certificate: x509.Certificate, name: str, parties: Sequence[str]
-) -> list[Problem]:
-    problems = []
-    common = [a.value for a in certificate.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
-    if common != [name]:
-        problems.append(Problem(path, f"common name {name!r} expected, found {common}."))
-    dns = _dns_names(certificate)
-    if name not in dns:
-        problems.append(Problem(path, f"{name!r} is not among its DNS names {dns}."))
-    others = sorted({host.lower() for host in dns} & (set(parties) - {name}))
-    if others:
-        problems.append(
-            Problem(path, f"it also names the parties {others}: it would pass for them.")
-        )
-    for host in dns:
-        problem = None if host == name else host_problem(host)  # a party name is checked apart
-        if problem is not None:
-            problems.append(Problem(path, f"its DNS name {host!r} is not a host name: {problem}."))
-    return problems
-
-
-def _usages(path: Path, certificate: x509.Certificate) -> list[Problem]:
-    try:
-        usages = certificate.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
-    except x509.ExtensionNotFound:
-        return []  # no restriction: any usage
-    needed = {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
-    if not needed <= set(usages):
-        return [Problem(path, "TLS server and client authentication usages expected.")]
-    return []
-
-
-def _key_kind(key: object) -> str:
-    """What kind of key ``key`` is, in words: its algorithm, and its curve or size."""
-    if isinstance(key, ec.EllipticCurvePrivateKey):
-        return f"an EC key on {key.curve.name}"
-    if isinstance(key, rsa.RSAPrivateKey):
-        return f"an RSA key of {key.key_size} bits"
-    if isinstance(key, ed25519.Ed25519PrivateKey):
-        return "an Ed25519 key"
-    if isinstance(key, ed448.Ed448PrivateKey):
-        return "an Ed448 key"
-    return f"a {type(key).__name__}"
-
-
-def _key_type(path: Path, key: object) -> list[Problem]:
-    if isinstance(key, ec.EllipticCurvePrivateKey) and isinstance(key.curve, ec.SECP256R1):
-        return []
-    return [
-        Problem(
-            path,
-            f"an EC P-256 key expected, found {_key_kind(key)}: gRPC's TLS (BoringSSL) "
-            "completes no handshake with it.",
         )
     ]
 
@@ -554,14 +424,14 @@ def check_party(
     key, key_problems = _load(key_path, _load_key, "private key")
     problems += key_problems
     if key is not None:
-        problems += _permissions(key_path) + _key_type(key_path, key)
+        problems += _permissions(key_path) + key_type_problems(key_path, key)
     if not isinstance(certificate, x509.Certificate):
         return problems
-    problems += _validity(cert_path, certificate, now)
+    problems += validity_problems(cert_path, certificate, now)
     problems += _within_ca(cert_path, certificate, ca)
-    problems += _signed_by(cert_path, certificate, ca)
-    problems += _names(cert_path, certificate, name, parties)
-    problems += _usages(cert_path, certificate)
+    problems += issuer_problems(cert_path, certificate, ca)
+    problems += name_problems(cert_path, certificate, name, parties)
+    problems += usage_problems(cert_path, certificate)
     if key is not None and not same_key(certificate, key):
         problems.append(Problem(key_path, f"not the key of {cert_path.name}."))
     return problems
@@ -572,7 +442,7 @@ def _check_ca(directory: Path, now: datetime.datetime) -> tuple[object, list[Pro
     ca, problems = _load(path, parse_certificate, "CA certificate")
     if not isinstance(ca, x509.Certificate):
         return None, problems
-    problems += _validity(path, ca, now)
+    problems += validity_problems(path, ca, now)
     try:
         is_ca = ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
     except x509.ExtensionNotFound:

@@ -95,6 +95,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import re
 import secrets
 from collections import Counter
@@ -145,7 +146,12 @@ from secure_vfl.federation.alignment import Alignment, JoinAligner, check_unique
 from secure_vfl.federation.channel import Channel, Readmission
 from secure_vfl.federation.federation_file import Federation
 from secure_vfl.federation.messages import AGGREGATOR, DeploymentMessage, Message
-from secure_vfl.federation.network import PROBE_SECONDS, NetworkChannel, PartyEndpoint
+from secure_vfl.federation.network import (
+    PROBE_SECONDS,
+    NetworkChannel,
+    PartyEndpoint,
+    TlsIdentity,
+)
 from secure_vfl.federation.parties import ROLES, DataParty, Party, make_aggregation_server
 from secure_vfl.io import atomic_directory, check_keys, parse_json
 from secure_vfl.saved_model import (
@@ -1342,14 +1348,20 @@ def _endpoint(
     insecure: bool,
     deadline: float,
     capture: BinaryIO | None = None,
+    identity: TlsIdentity | None = None,
 ) -> PartyEndpoint:
-    """Party ``name``'s endpoint at its address, with its own TLS identity (none with
-    ``insecure``) and every other member as a peer; ``capture`` records what crosses it."""
+    """Party ``name``'s endpoint at its address, with its own TLS identity (``identity``, else
+    :meth:`Federation.identity` checks and reads it; none with ``insecure``) and every other
+    member as a peer; ``capture`` records what crosses it."""
+    if insecure:
+        identity = None
+    elif identity is None:
+        identity = federation.identity(name)
     return PartyEndpoint(
         name,
         listen=federation.member(name).address,
         peers=federation.addresses(but=name),
-        identity=None if insecure else federation.identity(name),
+        identity=identity,
         insecure=insecure,
         deadline=deadline,
         capture=capture,
@@ -1395,7 +1407,11 @@ def serve(
     :data:`~secure_vfl.federation.network.PROBE_SECONDS`; at once if its address refuses the
     connection): its process is gone. A silent label
     party that still accepts one is busy (training without this party, a lost one waiting
-    for readmission at the next epoch boundary; a long evaluation), and is waited for again."""
+    for readmission at the next epoch boundary; a long evaluation), and is waited for again.
+    Before it listens, ConfigError for what would fail only later: its own ``data`` file
+    missing (:meth:`Federation.own_file`), a directory given that is not one and cannot be
+    made (:func:`check_directory`), a certificate no peer accepts
+    (:meth:`Federation.identity`)."""
     if name == federation.label_party:
         raise ConfigError(
             f"{name} is the label party of {federation.path}; it runs `secure-vfl train "
@@ -1407,8 +1423,19 @@ def serve(
     path = data if data is not None else member.data
     if path is not None and name == AGGREGATOR:
         raise ConfigError("the aggregation server holds no table: serve it without --data.")
+    if data is None and member.data is not None:
+        federation.own_file(name, "data")
+    for option, directory in (
+        ("--checkpoint-dir", checkpoint_dir),
+        ("--model-dir", model_dir),
+        ("--imputed-dir", imputed_dir),
+    ):
+        check_directory(option, directory)
+    identity = None if insecure else federation.identity(name)
     table = read_party_file(path) if path is not None else None
-    endpoint = _endpoint(federation, name, insecure=insecure, deadline=deadline, capture=capture)
+    endpoint = _endpoint(
+        federation, name, insecure=insecure, deadline=deadline, capture=capture, identity=identity
+    )
     server = _Server(
         federation,
         name,
@@ -1457,6 +1484,30 @@ def serve(
     finally:
         endpoint.close()
     return server.outcome
+
+
+def check_directory(option: str, directory: Path | None) -> None:
+    """ConfigError, before a party serves, unless ``directory`` (given with ``option``) is a
+    directory this process may write in, or can be made as one: its nearest existing ancestor
+    is such a directory. Otherwise the party would fail only when it first writes there (after
+    training, for a model)."""
+    if directory is None:
+        return
+    there = directory if directory.exists() else None
+    ancestor = there or next((p for p in directory.parents if p.exists()), Path("."))
+    if not ancestor.is_dir():
+        found = f"the file {ancestor}" if ancestor.is_file() else f"{ancestor}, not a directory"
+        where = "" if there is not None else f" (it would be made under {ancestor})"
+        raise ConfigError(
+            f"{option}: a directory, or a path where one can be made, expected. Found {found}"
+            f"{where}."
+        )
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        made = "" if there is not None else f" to make {directory} in"
+        raise ConfigError(
+            f"{option}: a directory this party may write in expected. Found {ancestor}{made}, "
+            "not writable by this user."
+        )
 
 
 def private_paths(directories: Mapping[str, Path | None]) -> Callable[[str], str]:
@@ -1924,10 +1975,21 @@ def train_deployed(
             f"is); a data party runs `secure-vfl party serve --federation {federation.path} "
             f"--name {name}`."
         )
-    member = federation.member(name)
-    assert member.data is not None
-    own = read_party_file(member.data)
-    endpoint = _endpoint(federation, name, insecure=insecure, deadline=deadline, capture=capture)
+    # Its own files and certificate first: nothing else would find them wrong before every
+    # peer has connected.
+    data = federation.own_file(name, "data")
+    federation.labels()  # the key: ConfigError saying that training needs it
+    federation.own_file(name, "labels")
+    identity = None if insecure else federation.identity(name)
+    own = read_party_file(data)
+    endpoint = _endpoint(
+        federation,
+        name,
+        insecure=insecure,
+        deadline=deadline,
+        capture=capture,
+        identity=identity,
+    )
     outcome = "failed"
     reports: dict[str, Counter[tuple[str, str, str]]] = {}
     entries: dict[str, Any] = {}

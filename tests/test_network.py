@@ -345,6 +345,52 @@ def test_an_impostor_with_a_certificate_from_another_ca_is_refused(
     assert outcome == {"ok": True, "refusals": []}
 
 
+def test_a_peer_whose_certificate_this_party_refuses_is_given_up_at_once(
+    certs: Path, tmp_path: Path
+) -> None:
+    """A peer serving another CA's certificate, or one that does not name it, fails every
+    handshake: neither the wait for peers nor a delivery waits it out or retries it."""
+    tls.make_federation(tmp_path / "other", ["shop"])
+    impostors = {
+        "CERTIFICATE_VERIFY_FAILED": ("shop", _identity(tmp_path / "other", "shop")),
+        "Hostname Verification Check failed": ("aggregator", _identity(certs, "aggregator")),
+    }
+    for said, (name, identity) in impostors.items():
+        with (
+            PartyEndpoint(name, identity=identity) as impostor,
+            PartyEndpoint("bank", identity=_identity(certs, "bank"), deadline=60.0) as bank,
+        ):
+            bank.add_peer("shop", impostor.address)
+            start = time.monotonic()
+            assert bank.await_peers(["shop"], 60.0) == ["shop"]
+            assert time.monotonic() - start < 10.0, said
+            start = time.monotonic()
+            with pytest.raises(TransportError) as refused:
+                bank.send(_greeting())
+            assert time.monotonic() - start < 10.0, said
+        message = str(refused.value)
+        assert "the TLS handshake with shop at 127.0.0.1:" in message, message
+        assert "failed, which no retry changes" in message and said in message, message
+
+
+def test_a_peer_not_listening_yet_is_waited_for(certs: Path) -> None:
+    """A refused connection (nothing listens there yet) is not a refused certificate."""
+    with PartyEndpoint("bank", identity=_identity(certs, "bank")) as bank:
+        bank.add_peer("shop", f"127.0.0.1:{network.free_loopback_ports(1)[0]}")
+        start = time.monotonic()
+        assert bank.await_peers(["shop"], 1.5) == ["shop"]
+        assert time.monotonic() - start >= 1.4
+
+
+def test_a_second_party_cannot_listen_at_a_port_in_use(certs: Path) -> None:
+    """gRPC's servers set SO_REUSEPORT unless told not to: two parties would both bind."""
+    with PartyEndpoint("shop", identity=_identity(certs, "shop")) as shop:
+        with pytest.raises(TransportError, match=rf"bank: cannot listen on {shop.address}"):
+            PartyEndpoint("bank", listen=shop.address, identity=_identity(certs, "bank"))
+        with pytest.raises(TransportError, match="cannot listen"):
+            PartyEndpoint("bank", listen=shop.address, insecure=True)
+
+
 def test_a_party_claiming_another_partys_name_is_refused(
     launcher: Launcher, certs: Path, tmp_path: Path
 ) -> None:

@@ -24,10 +24,13 @@
     data = "shop.csv"
 
 The label party is party 0 (block 0, as the first ``--party-file`` of an in-process run), the
-other parties follow in the file's order. Relative paths are relative to the file. Parsing reads
-and checks the file only: a party opens its own certificate, key and data (:meth:`Federation.
-identity`), never another party's. Every mistake is a ConfigError naming the file, the key and
-what was expected and found.
+other parties follow in the file's order. Relative paths are relative to the file. An address is
+``HOST:PORT``, the host an IP address (IPv6 in brackets, ``[::1]:50051``) or a DNS host name;
+two members may not share one, however written (``localhost`` is the loopback address, an IP
+address is compared by its value). Parsing reads and checks the file only: a party opens its own
+certificate, key and files (:meth:`Federation.identity`, :meth:`Federation.own_file`), never
+another party's, which need not exist on its machine. Every mistake is a ConfigError naming the
+file, the key and what was expected and found.
 
 The aggregation server is its own ``[aggregator]`` entry (its own process, address and
 certificate) because the threat model (DESIGN section 4) assumes an aggregator that does not
@@ -39,14 +42,26 @@ contribution.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import logging
 import tomllib
 from pathlib import Path
 from typing import Any
 
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation.messages import AGGREGATOR
-from secure_vfl.federation.network import TlsIdentity, check_party_name
+from secure_vfl.federation.network import (
+    TlsIdentity,
+    check_party_name,
+    covers_host,
+    host_problem,
+    identity_problems,
+    ip_host,
+    read_certificate,
+)
 from secure_vfl.io import decimal
+
+logger = logging.getLogger(__name__)
 
 _TOP_KEYS = {"ca", "label_party", "aggregator", "party"}
 _PARTY_KEYS = {"address", "cert", "key", "data", "labels"}
@@ -69,6 +84,16 @@ class Member:
     def port(self) -> int:
         """The port of its address."""
         return int(self.address.rsplit(":", 1)[1])
+
+    @property
+    def host(self) -> str:
+        """The host of its address (an IPv6 address without its brackets)."""
+        return self.address.rsplit(":", 1)[0].removeprefix("[").removesuffix("]")
+
+    @property
+    def table(self) -> str:
+        """Its table in the federation file."""
+        return "aggregator" if self.name == AGGREGATOR else f"party.{self.name}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +133,7 @@ class Federation:
 
     def labels(self) -> Path:
         """The label party's labels file (training needs it; an imputation does not);
-        ConfigError naming the file's key if it has none."""
+        ConfigError naming the file's key if it has none (:meth:`own_file` checks the file)."""
         label = self.member(self.label_party)
         if label.labels is None:
             raise ConfigError(
@@ -119,9 +144,56 @@ class Federation:
 
     def identity(self, name: str) -> TlsIdentity:
         """``name``'s TLS identity: the CA, its own certificate and its own key (no other
-        party's key is opened)."""
+        party's key is opened), checked before the party listens or connects: ConfigError
+        naming this file, the party and what is wrong unless the certificate is valid now,
+        signed by this file's CA, names the party (and no other member) and takes its key, as
+        every peer's handshake needs (:func:`~secure_vfl.federation.network.
+        identity_problems`). A certificate whose subject alternative names do not cover the
+        host of the party's address is only warned of: peers check the party's name, not the
+        host (gRPC's ``ssl_target_name_override``), but standard TLS tools check the host."""
         member = self.member(name)
-        return TlsIdentity.from_files(self.ca, member.cert, member.key)
+        where = f"{self.path}: [{member.table}] {name}"
+        try:
+            identity = TlsIdentity.from_files(self.ca, member.cert, member.key)
+        except ConfigError as error:
+            raise ConfigError(f"{where} cannot take part: {error}") from None
+        names = [m.name for m in self.members]
+        files = (self.ca, member.cert, member.key)
+        problems = identity_problems(identity, name, files=files, parties=names)
+        if problems:
+            raise ConfigError(
+                f"{where} cannot take part: no peer would complete a TLS handshake with its "
+                f"certificate: {' '.join(map(str, problems))} (`secure-vfl certs check` lists "
+                "what is wrong with a set of certificates.)"
+            )
+        certificate = read_certificate(identity.certificate, str(member.cert))
+        if not covers_host(certificate, member.host):
+            logger.warning(
+                "%s: %s does not name %s, the host of %s's address, among its subject "
+                "alternative names: the federation's peers accept it (they check the name "
+                "%s), standard TLS tools do not (`secure-vfl certs init --san %s`).",
+                where,
+                member.cert,
+                member.host,
+                name,
+                name,
+                member.host,
+            )
+        return identity
+
+    def own_file(self, name: str, key: str) -> Path:
+        """Party ``name``'s own ``key`` file (``data`` or ``labels``), checked before the party
+        listens or connects: ConfigError naming this file, the party's table and the key
+        unless the entry is there and is a file (a party sees only its own machine's files)."""
+        member = self.member(name)
+        path = member.data if key == "data" else member.labels
+        where = f"{self.path}: [{member.table}] key `{key}`"
+        if path is None:
+            raise ConfigError(f"{where} expected. Found none.")
+        if not path.is_file():
+            found = "a directory" if path.is_dir() else "nothing"
+            raise ConfigError(f"{where}: a file expected at {path}. Found {found}.")
+        return path
 
 
 def read_federation(path: Path) -> Federation:
@@ -183,11 +255,31 @@ def _path(path: Path, key: str, value: Any) -> Path:
 def _address(path: Path, key: str, value: Any) -> str:
     host, sep, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
     number = decimal(port, digits=5)
-    if not sep or not host or number is None or not 1 <= number <= 65535:
+    problem = _host_problem(host) if sep else "it has no `:PORT`"
+    if problem is None and (number is None or not 1 <= number <= 65535):
+        problem = f"its port {port!r} is not a number in 1..65535"
+    if problem is not None:
         raise ConfigError(
-            f"{path}: `{key}` must be HOST:PORT with a port in 1..65535. Found {value!r}."
+            f"{path}: `{key}` must be HOST:PORT, HOST an IP address (IPv6 in brackets) or a DNS "
+            f"host name, with a port in 1..65535. Found {value!r}: {problem}."
         )
     return str(value)
+
+
+def _host_problem(host: str) -> str | None:
+    """Why ``host`` (an address's, IPv6 in brackets) is neither an IP address nor a DNS host
+    name, or None."""
+    if host.startswith("[") and host.endswith("]"):
+        inner = host[1:-1]
+        if isinstance(ip_host(inner), ipaddress.IPv6Address):
+            return None
+        return f"{inner!r} in brackets is not an IPv6 address"
+    if ip_host(host) is not None:
+        if ":" in host:
+            return f"the IPv6 address {host!r} goes in brackets ([{host}]:PORT)"
+        return None
+    problem = host_problem(host)
+    return None if problem is None else f"its host {host!r} is not a host name: {problem}"
 
 
 def _member(path: Path, where: str, name: str, table: Any, allowed: set[str]) -> Member:
@@ -232,11 +324,27 @@ def _check_roles(path: Path, label_party: str, parties: list[Member]) -> None:
 
 
 def _check_distinct(path: Path, members: list[Member]) -> None:
-    seen: dict[str, str] = {}
+    """ConfigError naming both members if two share an address, however each is written."""
+    seen: dict[tuple[str, int], Member] = {}
     for member in members:
-        other = seen.setdefault(member.address, member.name)
-        if other != member.name:
-            raise ConfigError(
-                f"{path}: every party needs its own address; {other} and {member.name} both "
-                f"have {member.address}."
-            )
+        for place in _places(member):
+            other = seen.setdefault(place, member)
+            if other is not member:
+                same = "" if other.address == member.address else f" and {member.address}"
+                raise ConfigError(
+                    f"{path}: every party needs its own address; {other.name} and {member.name} "
+                    f"both have {other.address}{same} (one host and port)."
+                )
+
+
+def _places(member: Member) -> set[tuple[str, int]]:
+    """The (host, port) pairs ``member``'s address stands for, each host written one way: an IP
+    address by its value (an IPv4-mapped IPv6 address as the IPv4 one), a name in lower case,
+    ``localhost`` as the loopback addresses it binds."""
+    host = member.host.lower()
+    if host == "localhost":
+        return {("127.0.0.1", member.port), ("::1", member.port)}
+    address = ip_host(host)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return {(str(address) if address is not None else host, member.port)}

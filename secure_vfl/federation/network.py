@@ -19,6 +19,10 @@ name, also its first DNS name. The server takes the caller's name from the calle
 names another sender; the client checks that the server's certificate holds the DNS name of the
 party it means to reach (``grpc.ssl_target_name_override``). A certificate from another CA fails
 the TLS handshake. Plaintext only with ``insecure=True``, which logs a warning on every endpoint.
+A deployed party checks its own certificate against its federation's CA before it listens or
+connects (:func:`identity_problems`, the checks of ``secure-vfl certs check`` a handshake
+depends on). A server binds its port alone (``grpc.so_reuseport`` off): a second party at a
+port in use cannot listen, rather than share its connections.
 
 **Delivery is synchronous, as in one process.** ``send`` returns once the receiving party has
 *acted on* the message: its handler returned (``on_<kind>``), or the message waits in its inbox.
@@ -65,7 +69,9 @@ How the label party's driving maps onto this (what :class:`NetworkChannel` does 
 
 **Deadlines and retries.** Every call carries a deadline (``deadline`` seconds, which covers the
 nested chain of deliveries it causes). Only ``UNAVAILABLE`` (could not connect, connection lost)
-is retried, a bounded number of times with exponential backoff; every delivery carries a
+is retried, a bounded number of times with exponential backoff, and not when the TLS handshake
+failed on the peer's certificate (another CA's, or not naming the peer: no retry changes that;
+:meth:`PartyEndpoint.await_peers` stops waiting for such a peer too); every delivery carries a
 per-sender stream token and sequence number, so a retry of a message that did arrive is not
 acted on twice (the receiver answers it with the first attempt's outcome), and a reused or old
 sequence number is refused as a replay. That makes retries safe; it is not what stops replays:
@@ -77,6 +83,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import datetime
+import ipaddress
 import logging
 import queue
 import re
@@ -94,9 +102,10 @@ from typing import TYPE_CHECKING, Any, BinaryIO, NoReturn
 
 import grpc
 from cryptography import x509
-from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
-from cryptography.x509.oid import NameOID
+from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from secure_vfl.errors import ConfigError, NotSetUpError, ProtocolError, TransportError
 from secure_vfl.federation import wire
@@ -146,6 +155,21 @@ what it acted on): the receiver's own wait for it raises its refusal
 MAX_BUNDLE = 64
 """The most messages one delivery carries."""
 _PARTY_NAME = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
+MAX_HOST_LENGTH = 253
+_HOST_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+_DIAGNOSIS = f"/{SERVICE}/Diagnose"
+"""A method no endpoint serves: called on a channel whose connection failed, to learn why (the
+call fails at once with the connection's last error, or, connected after all, is answered
+UNIMPLEMENTED without reaching the party)."""
+_CERTIFICATE_REFUSED = re.compile(
+    r"handshake failed|verification check failed|CERTIFICATE_VERIFY_FAILED", re.IGNORECASE
+)
+"""What gRPC's UNAVAILABLE details say when the TLS handshake failed on this side: it refused
+the peer's certificate (another CA's: ``Tls handshake failed ... CERTIFICATE_VERIFY_FAILED``; one
+not naming the party called: ``Custom verification check failed ... Hostname Verification Check
+failed``), or what answered is no TLS server: no retry can change that. A peer that refuses
+this party's certificate only closes the connection (``Socket closed``), which says nothing
+certain, and is retried."""
 
 
 def free_loopback_ports(count: int) -> list[int]:
@@ -219,6 +243,218 @@ def certificate_name(pem: bytes, where: str = "a certificate") -> str:
     if len(names) != 1 or not isinstance(names[0], str):
         raise ConfigError(f"{where}: a certificate with one common name expected. Found {names}.")
     return names[0]
+
+
+def host_problem(host: str) -> str | None:
+    """Why ``host`` is not a DNS host name (for an address or a certificate), or None when it is
+    one: dot-separated labels of 1 to 63 ASCII letters, digits and inner hyphens, at most 253
+    characters in all, the last label not all digits (``256.1.1.1`` is a mistyped IP address,
+    not a name; RFC 1123 section 2.1)."""
+    if not host:
+        return "it is empty"
+    if not host.isascii():
+        return (
+            "it is not ASCII; write an internationalised name in its IDNA A-label form "
+            "(xn--..., as `idn2 NAME` prints it)"
+        )
+    if len(host) > MAX_HOST_LENGTH:
+        return f"it has {len(host)} characters, at most {MAX_HOST_LENGTH} expected"
+    labels = host.split(".")
+    for label in labels:
+        if not _HOST_LABEL.fullmatch(label):
+            return (
+                f"its label {label!r} is not 1 to 63 letters, digits and inner hyphens"
+                if label
+                else "it has an empty label (a dot at either end, or two dots in a row)"
+            )
+    if labels[-1].isdigit():
+        return "it is not an IP address, and a host name's last label is not all digits"
+    return None
+
+
+# -- what stops a certificate from a handshake (`certs check` and a party's start-up) --------
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a federation's certificates: the file and what is wrong with it."""
+
+    path: Path
+    what: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.what}"
+
+
+def validity_problems(
+    path: Path, certificate: x509.Certificate, now: datetime.datetime
+) -> list[Problem]:
+    """A problem if ``certificate`` (at ``path``) is not valid at ``now``."""
+    start, end = certificate.not_valid_before_utc, certificate.not_valid_after_utc
+    if now < start:
+        return [Problem(path, f"not valid yet: valid from {start:%Y-%m-%d %H:%M} UTC.")]
+    if now > end:
+        return [Problem(path, f"expired on {end:%Y-%m-%d %H:%M} UTC.")]
+    return []
+
+
+def issuer_problems(
+    path: Path, certificate: x509.Certificate, ca: x509.Certificate
+) -> list[Problem]:
+    """A problem unless ``ca`` issued ``certificate`` (its name and its signature)."""
+    if certificate.issuer != ca.subject:
+        return [
+            Problem(
+                path,
+                f"issued by {certificate.issuer.rfc4514_string()!r}, not by this federation's CA "
+                f"{ca.subject.rfc4514_string()!r}.",
+            )
+        ]
+    try:
+        certificate.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        return [
+            Problem(path, "not signed by this federation's CA (the signature does not verify).")
+        ]
+    return []
+
+
+def _alternative_names(certificate: x509.Certificate) -> x509.SubjectAlternativeName | None:
+    try:
+        return certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return None
+
+
+def dns_names(certificate: x509.Certificate) -> list[str]:
+    """The DNS names among ``certificate``'s subject alternative names."""
+    names = _alternative_names(certificate)
+    return [] if names is None else list(names.get_values_for_type(x509.DNSName))
+
+
+def name_problems(
+    path: Path, certificate: x509.Certificate, name: str, parties: Sequence[str]
+) -> list[Problem]:
+    """Problems unless ``certificate`` names party ``name`` (its common name and a DNS name),
+    names none of the other ``parties``, and its other DNS names are host names."""
+    problems = []
+    common = [a.value for a in certificate.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    if common != [name]:
+        problems.append(Problem(path, f"common name {name!r} expected, found {common}."))
+    dns = dns_names(certificate)
+    if name not in dns:
+        problems.append(Problem(path, f"{name!r} is not among its DNS names {dns}."))
+    others = sorted({host.lower() for host in dns} & (set(parties) - {name}))
+    if others:
+        problems.append(
+            Problem(path, f"it also names the parties {others}: it would pass for them.")
+        )
+    for host in dns:
+        problem = None if host == name else host_problem(host)  # a party name is checked apart
+        if problem is not None:
+            problems.append(Problem(path, f"its DNS name {host!r} is not a host name: {problem}."))
+    return problems
+
+
+def usage_problems(path: Path, certificate: x509.Certificate) -> list[Problem]:
+    """A problem unless ``certificate`` may serve TLS servers and clients both."""
+    try:
+        usages = certificate.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        return []  # no restriction: any usage
+    needed = {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
+    if not needed <= set(usages):
+        return [Problem(path, "TLS server and client authentication usages expected.")]
+    return []
+
+
+def _key_kind(key: object) -> str:
+    """What kind of key ``key`` is, in words: its algorithm, and its curve or size."""
+    if isinstance(key, ec.EllipticCurvePrivateKey):
+        return f"an EC key on {key.curve.name}"
+    if isinstance(key, rsa.RSAPrivateKey):
+        return f"an RSA key of {key.key_size} bits"
+    if isinstance(key, ed25519.Ed25519PrivateKey):
+        return "an Ed25519 key"
+    if isinstance(key, ed448.Ed448PrivateKey):
+        return "an Ed448 key"
+    return f"a {type(key).__name__}"
+
+
+def key_type_problems(path: Path, key: object) -> list[Problem]:
+    """A problem unless ``key`` is an EC P-256 key: gRPC's TLS (BoringSSL) completes no handshake
+    with an Ed25519 certificate (tested with grpcio 1.85.1)."""
+    if isinstance(key, ec.EllipticCurvePrivateKey) and isinstance(key.curve, ec.SECP256R1):
+        return []
+    return [
+        Problem(
+            path,
+            f"an EC P-256 key expected, found {_key_kind(key)}: gRPC's TLS (BoringSSL) "
+            "completes no handshake with it.",
+        )
+    ]
+
+
+def covers_host(certificate: x509.Certificate, host: str) -> bool:
+    """Whether ``certificate`` names ``host`` (an IP address or a DNS host name, as in an
+    address) among its subject alternative names, as a standard TLS client checks it: an IP
+    address as an IP address entry, a name as a DNS entry (case-insensitive). The loopback names
+    stand for each other, as they do on every machine: ``localhost`` is covered by an IP address
+    entry 127.0.0.1 or ::1, and those addresses by a ``localhost`` DNS entry (not another
+    127.x.y.z address: ``localhost`` does not resolve to it)."""
+    names = _alternative_names(certificate)
+    if names is None:
+        return False
+    ips = set(names.get_values_for_type(x509.IPAddress))
+    dns = [name.lower() for name in names.get_values_for_type(x509.DNSName)]
+    address = ip_host(host)
+    if address is not None:
+        return address in ips or (address in _LOCALHOST and "localhost" in dns)
+    wanted = host.lower()
+    return wanted in dns or (wanted == "localhost" and bool(ips & _LOCALHOST))
+
+
+_LOCALHOST = {ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")}
+
+
+def ip_host(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP address ``host`` writes (an IPv6 one without its zone), or None for a name."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.scope_id:
+        return ipaddress.IPv6Address(str(address).split("%", 1)[0])
+    return address
+
+
+def identity_problems(
+    identity: TlsIdentity,
+    name: str,
+    *,
+    files: tuple[Path, Path, Path],
+    parties: Sequence[str] = (),
+    now: datetime.datetime | None = None,
+) -> list[Problem]:
+    """What stops party ``name`` with ``identity`` (read by :meth:`TlsIdentity.from_files`
+    from ``files``: the CA's certificate, the party's certificate and key) from any TLS
+    handshake in its federation: the CA or the certificate not valid at ``now``, a
+    certificate the CA did not sign, one that does not name the party (or names another of
+    ``parties`` too), one without both TLS usages, a key type gRPC cannot use. The checks of
+    ``secure-vfl certs check`` that a handshake depends on."""
+    now = now if now is not None else datetime.datetime.now(datetime.UTC)
+    ca_path, certificate_path, key_path = files
+    ca = read_certificate(identity.ca, str(ca_path))
+    certificate = read_certificate(identity.certificate, str(certificate_path))
+    key = serialization.load_pem_private_key(identity.key, None)
+    return [
+        *validity_problems(ca_path, ca, now),
+        *validity_problems(certificate_path, certificate, now),
+        *issuer_problems(certificate_path, certificate, ca),
+        *name_problems(certificate_path, certificate, name, parties),
+        *usage_problems(certificate_path, certificate),
+        *key_type_problems(key_path, key),
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -478,6 +714,9 @@ class PartyEndpoint:
             options=[
                 ("grpc.max_receive_message_length", FRAME_LIMIT),
                 ("grpc.max_send_message_length", FRAME_LIMIT),
+                # gRPC sets SO_REUSEPORT by default: a second party at a port in use would
+                # bind too, and the two would share its connections.
+                ("grpc.so_reuseport", 0),
             ],
             maximum_concurrent_rpcs=SERVER_THREADS,
         )
@@ -880,18 +1119,42 @@ class PartyEndpoint:
         ``refused_is_lost`` (a probe of a peer that was up: is its process gone?) a peer is not
         reachable as soon as a connection to it fails (gRPC's TRANSIENT_FAILURE: refused, or the
         handshake failed): a live process's server accepts within milliseconds, however busy
-        the party is, and a dead one's address refuses at once."""
+        the party is, and a dead one's address refuses at once. Without it, a peer whose
+        certificate this party refused in the handshake (another CA's, or one not naming the
+        peer) is not reachable at once too: no wait would change that."""
         end = time.monotonic() + seconds
         # Every connection is tried at once, so one peer that never answers does not use up
         # the time of those after it.
-        probes = [_Probe(name, self._channels[name], refused_is_lost) for name in names]
+        wake = threading.Event()
+        probes = [_Probe(name, self._channels[name], refused_is_lost, wake) for name in names]
         try:
-            for probe in probes:
-                probe.done.wait(max(end - time.monotonic(), 0.001))
+            while (remaining := end - time.monotonic()) > 0:
+                wake.clear()  # before looking: a change from now on wakes the wait below
+                pending = [probe for probe in probes if not probe.done.is_set()]
+                if not pending:
+                    break
+                for probe in pending:
+                    if probe.failures > probe.diagnosed:
+                        probe.diagnosed = probe.failures
+                        if self._refused_certificate(probe.name, remaining):
+                            probe.done.set()
+                            wake.set()  # look again at once: it may have been the last
+                wake.wait(max(end - time.monotonic(), 0.001))
         finally:
             for probe in probes:
                 probe.close()
         return [probe.name for probe in probes if not probe.ready]
+
+    def _refused_certificate(self, name: str, seconds: float) -> bool:
+        """Whether the last connection to peer ``name`` failed because this party refused its
+        certificate (:data:`_CERTIFICATE_REFUSED`), asked by a call no endpoint serves
+        (:data:`_DIAGNOSIS`) that fails with the connection's last error."""
+        diagnose = self._channels[name].unary_unary(_DIAGNOSIS)
+        try:
+            diagnose(b"", timeout=min(seconds, 1.0), wait_for_ready=False)
+        except grpc.RpcError as error:
+            return _certificate_refused(error)
+        return False
 
     def send(self, message: Message, *, deadline: float | None = None) -> int:
         """Deliver ``message`` to the peer it names and return its encoded size once that peer
@@ -1012,7 +1275,8 @@ class PartyEndpoint:
             backoff = next(backoffs, None)
             end = delivery.start + delivery.timeout
             late = time.monotonic() + (backoff or 0.0) >= end
-            if error.code() != grpc.StatusCode.UNAVAILABLE or backoff is None or late:
+            hopeless = error.code() != grpc.StatusCode.UNAVAILABLE or _certificate_refused(error)
+            if hopeless or backoff is None or late:
                 raise self._failure(message, error, delivery.attempts, delivery.start)
             self._pause(backoff)
             delivery.attempts += 1
@@ -1072,6 +1336,13 @@ class PartyEndpoint:
     ) -> ProtocolError:
         code, details = error.code(), error.details() or ""
         what = f"{message.kind} from {self.name} to {message.receiver}"
+        if _certificate_refused(error):
+            return TransportError(
+                f"{what}: the TLS handshake with {message.receiver} at "
+                f"{self._peers[message.receiver]} failed, which no retry changes: {details}. "
+                f"Does the process there serve {message.receiver}'s certificate, from this "
+                "federation's CA (the same ca.pem at both parties)?"
+            )
         if code == grpc.StatusCode.UNAVAILABLE:
             return TransportError(
                 f"{what}: {message.receiver} at {self._peers[message.receiver]} could not be "
@@ -1126,6 +1397,15 @@ def _split_delivery(name: str, data: bytes, count: str | None) -> list[bytes]:
     return parts
 
 
+def _certificate_refused(error: grpc.RpcError) -> bool:
+    """Whether ``error`` says this party refused the peer's certificate in the TLS handshake
+    (:data:`_CERTIFICATE_REFUSED`): a connection no retry can make."""
+    details = error.details() or ""
+    return error.code() == grpc.StatusCode.UNAVAILABLE and bool(
+        _CERTIFICATE_REFUSED.search(details)
+    )
+
+
 def _as_it_is(text: str) -> str:
     return text
 
@@ -1137,12 +1417,18 @@ def _phase(message: Message) -> str:
 class _Probe:
     """Watches one peer's connection for :meth:`PartyEndpoint.await_peers`: ``done`` is set
     once it is up (``ready``), once the channel is closed, and with ``refused_is_lost`` once a
-    connection attempt fails."""
+    connection attempt fails; ``failures`` counts the failed attempts. Every change sets
+    ``wake``, which the waiting party shares between its probes."""
 
-    def __init__(self, name: str, channel: grpc.Channel, refused_is_lost: bool) -> None:
+    def __init__(
+        self, name: str, channel: grpc.Channel, refused_is_lost: bool, wake: threading.Event
+    ) -> None:
         self.name = name
         self.ready = False
         self.done = threading.Event()
+        self.failures = 0
+        self.diagnosed = 0  # failures the waiting party has looked into
+        self._wake = wake
         self._channel = channel
         self._ends = {grpc.ChannelConnectivity.SHUTDOWN}
         if refused_is_lost:
@@ -1155,6 +1441,9 @@ class _Probe:
             self.done.set()
         elif state in self._ends:
             self.done.set()
+        if state is grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+            self.failures += 1
+        self._wake.set()
 
     def close(self) -> None:
         self._channel.unsubscribe(self._changed)
