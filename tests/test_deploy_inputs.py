@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,9 +24,6 @@ from secure_vfl.federation import network
 from secure_vfl.federation.federation_file import read_federation
 from secure_vfl.federation.network import covers_host, free_loopback_ports
 
-QUICK = 10.0
-"""A refusal at start-up comes within this many seconds, far below the --wait of the commands
-(which a party that listened or connected first would wait out)."""
 WAIT = "30"
 
 
@@ -61,14 +57,12 @@ def _swap(site: Path, name: str, *suffixes: str) -> dict[str, str]:
 
 
 def _refused(argv: Sequence[str], capsys: pytest.CaptureFixture[str]) -> str:
-    """Run ``argv``; assert it is refused (exit 2) quickly and never served; its stderr."""
+    """Run ``argv``; assert it is refused (exit 2) and never served; its stderr (whose text
+    each test checks: a refusal at start-up, not a peer given up after the --wait)."""
     capsys.readouterr()
-    start = time.monotonic()
     code = main(list(argv))
-    elapsed = time.monotonic() - start
     out, err = capsys.readouterr()
     assert code == 2, (out, err)
-    assert elapsed < QUICK, (elapsed, err)
     assert "serving at" not in out, out
     return err
 
