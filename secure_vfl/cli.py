@@ -105,7 +105,7 @@ def _number(
 positive_int = _number(int, "a positive integer", lambda v: v >= 1)
 non_negative_int = _number(int, "a non-negative integer", lambda v: v >= 0)
 probability = _number(float, "a probability in [0, 1)", lambda v: 0 <= v < 1)
-positive_float = _number(float, "a positive number", lambda v: v > 0)
+positive_float = _number(float, "a positive finite number", lambda v: v > 0)
 parties_count = _number(int, "an integer number of parties in [2, 10]", lambda v: 2 <= v <= 10)
 clients_count = _number(int, "an integer number of clients in [2, 64]", lambda v: 2 <= v <= 64)
 share = _number(float, "a share in (0, 1]", lambda v: 0 < v <= 1)
@@ -1001,7 +1001,14 @@ def _read_ids(path: Path, column: str) -> list[str]:
                 raise ConfigError(
                     f"{path}: one column {column!r} expected, found {names.count(column)}."
                 )
-            ids = [row[column] or "" for row in reader]
+            ids: list[str] = []
+            for row in reader:
+                if None in row:  # DictReader keeps a row's extra fields under None
+                    raise ConfigError(
+                        f"{path}: {len(names)} fields a row expected (the header's), found "
+                        f"{len(names) + len(row[None])} at data row {len(ids) + 1}."
+                    )
+                ids.append(row[column] or "")
     except (UnicodeDecodeError, csv.Error) as error:
         raise ConfigError(f"{path}: a UTF-8 CSV file expected ({error}).") from None
     if not ids:
@@ -1911,16 +1918,31 @@ def _impute_summary(result: Any, out: Path) -> str:
 
 
 def _impute_config(args: argparse.Namespace) -> Any:
-    """The FedAvg and training options of ``impute``'s flags."""
+    """The FedAvg and training options of ``impute``'s flags; ConfigError for any of them
+    given to a method that trains no model (mean, knn, mice, fed-mean), which would ignore it."""
     from secure_vfl.methods.imputation import ImputeConfig
+    from secure_vfl.methods.imputation.fedhf import RECONSTRUCTIONS
 
-    return ImputeConfig(
+    config = ImputeConfig(
         rounds=args.rounds,
         client_fraction=args.client_fraction,
         local_epochs=args.local_epochs,
         batch_size=args.batch_size,
         lr=args.lr,
     )
+    if args.method not in RECONSTRUCTIONS.names():
+        default = ImputeConfig()
+        given = [
+            f"--{name.replace('_', '-')}"
+            for name in ("rounds", "client_fraction", "local_epochs", "batch_size", "lr")
+            if getattr(config, name) != getattr(default, name)
+        ]
+        if given:
+            raise ConfigError(
+                f"{', '.join(given)} apply to the methods that train a model "
+                f"({', '.join(RECONSTRUCTIONS.names())}). Found --method {args.method}."
+            )
+    return config
 
 
 def run_impute_deployed(args: argparse.Namespace) -> int:

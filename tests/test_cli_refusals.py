@@ -250,6 +250,7 @@ def test_psi_refuses_ids_it_cannot_match_or_write_one_a_line(
         "id\n": "at least one id expected, found a header only",
         'id\n"x\ny"\nc\n': "found a line break in 'x\\ny' at data row 1",
         "id,id\n1,2\n": "one column 'id' expected, found 2",
+        "id,x\na,1\nb,2,3\n": "2 fields a row expected (the header's), found 3 at data row 2",
     }
     for text, message in cases.items():
         mine = tmp_path / "mine.csv"
