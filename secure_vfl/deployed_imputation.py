@@ -65,6 +65,7 @@ from secure_vfl.data.imputation import (
     split_client_file,
     split_rng,
 )
+from secure_vfl.data.party_files import LABEL_COLUMN
 from secure_vfl.deployment import (
     MAX_LAYER_WIDTH,
     MAX_LAYERS,
@@ -102,8 +103,9 @@ logger = logging.getLogger(__name__)
 
 COLUMNS_REQUEST_KEYS: dict[str, type | tuple[type, ...]] = {"id_column": str, "label_column": str}
 """``columns-request``: the columns of the client files that are not features."""
-COLUMNS_KEYS: dict[str, type | tuple[type, ...]] = {"columns": list, "rows": int}
-"""``columns``: the client's feature columns in its file's order, and its row count."""
+COLUMNS_KEYS: dict[str, type | tuple[type, ...]] = {"columns": list, "rows": int, "label": bool}
+"""``columns``: the client's feature columns in its file's order, its row count, and whether its
+file has the label column asked about."""
 IMPUTE_SETUP_KEYS: dict[str, type | tuple[type, ...]] = {
     "method": str,
     "config": dict,
@@ -170,10 +172,10 @@ def served_columns(member: Member, message: Message) -> dict[str, Any]:
     """The ``columns`` answer of the client ``member`` to a ``columns-request``."""
     body = _body(message, "columns-request", COLUMNS_REQUEST_KEYS)
     path = _client_file(member)
-    columns, rows = client_file_columns(
+    columns, rows, label = client_file_columns(
         path, id_column=body["id_column"], label_column=body["label_column"]
     )
-    return {"columns": list(columns), "rows": rows}
+    return {"columns": list(columns), "rows": rows, "label": label}
 
 
 @dataclasses.dataclass
@@ -496,9 +498,12 @@ def _save_each(endpoint: Any, clients: Sequence[Member]) -> dict[str, Any]:
 def _columns(
     endpoint: Any, clients: Sequence[Member], config: ImputeRunConfig
 ) -> Mapping[str, tuple[list[str], int]]:
-    """Each client's feature columns and row count (its ``columns`` answer), in order."""
+    """Each client's feature columns and row count (its ``columns`` answer), in order.
+    ConfigError if a label column named otherwise than ``label`` is in no client's file (each
+    client would impute its own label column as a feature), as an in-process run refuses."""
     request = {"id_column": config.id_column, "label_column": config.label_column}
     schemas: dict[str, tuple[list[str], int]] = {}
+    labelled = []
     for member in clients:
         endpoint.send(_deployment(endpoint.name, member.name, "columns-request", request))
         body = _body(
@@ -509,4 +514,12 @@ def _columns(
                 f"columns from {member.name}: column names and a row count >= 1 expected."
             )
         schemas[member.name] = (body["columns"], body["rows"])
+        labelled += [member.name] if body["label"] else []
+    if config.label_column != LABEL_COLUMN and not labelled:
+        raise ConfigError(
+            f"a label column `{config.label_column}` (--label-column) must be in at least one "
+            f"client file. Found it in none of {', '.join(schemas)}'s (their feature columns: "
+            + "; ".join(f"{name} {columns}" for name, (columns, _) in schemas.items())
+            + ")."
+        )
     return schemas

@@ -4,6 +4,7 @@ line before any work, and what it keeps out of the imputation."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -85,3 +86,50 @@ def test_a_given_label_column_is_written_back_unchanged_and_not_imputed(tmp_path
         pd.testing.assert_series_equal(imputed["outcome"], given["outcome"])
         pd.testing.assert_series_equal(imputed["id"], given["id"])
         assert not imputed[["a", "b", "c"]].isna().any().any()
+
+
+class _ServingClients:
+    """The coordinator's endpoint in one process: each `columns-request` it sends is answered
+    by that client's own handler (`served_columns`) over its own file, as its process would."""
+
+    def __init__(self, members: dict[str, Any]) -> None:
+        self.name = "bank"
+        self.members = members
+        self.answers: list[Any] = []
+
+    def send(self, message: Any) -> None:
+        from secure_vfl.deployed_imputation import served_columns
+        from secure_vfl.deployment import _deployment
+
+        member = self.members[message.receiver]
+        body = served_columns(member, message)
+        self.answers.append(_deployment(member.name, self.name, "columns", body))
+
+    def receive(self, *, sender: str, kind: str) -> Any:
+        return self.answers.pop(0)
+
+
+def test_a_deployed_coordinator_refuses_a_label_column_no_client_has(tmp_path: Path) -> None:
+    """As in one process: each client says whether its file has the label column asked about,
+    and the coordinator refuses a name given that none has, before any statistics."""
+    from secure_vfl.deployed_imputation import _columns
+    from secure_vfl.errors import ConfigError
+    from secure_vfl.experiment import ImputeRunConfig
+    from secure_vfl.federation.federation_file import Member
+
+    paths = write_clients(tmp_path, label="outcome")
+    members = {
+        f"site{k}": Member(f"site{k}", "127.0.0.1:1", tmp_path, tmp_path, data=path)
+        for k, path in enumerate(paths)
+    }
+    endpoint = _ServingClients(members)
+
+    def config(label: str) -> ImputeRunConfig:
+        return ImputeRunConfig(
+            method="fedhf", client_files=tuple(paths), clients=2, label_column=label
+        )
+
+    with pytest.raises(ConfigError, match=r"a label column `result` .* in none of site0, site1"):
+        _columns(endpoint, list(members.values()), config("result"))
+    schemas = _columns(endpoint, list(members.values()), config("outcome"))
+    assert schemas == {"site0": (["a", "b", "c"], 30), "site1": (["a", "b", "c"], 30)}

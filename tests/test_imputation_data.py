@@ -310,7 +310,9 @@ def test_client_files_need_no_id_or_label_column_under_the_default_names(tmp_pat
     assert client_file_columns(named, id_column="key", label_column="outcome") == (
         ("age", "bp"),
         3,
+        True,
     )
+    assert client_file_columns(path) == (("age", "bp"), 4, False)
 
 
 def test_a_client_file_naming_a_column_twice_is_refused(tmp_path):

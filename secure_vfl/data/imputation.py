@@ -465,12 +465,14 @@ def make_task_from_client_files(
 
 def client_file_columns(
     path: Path, *, id_column: str = ID_COLUMN, label_column: str = LABEL_COLUMN
-) -> tuple[tuple[str, ...], int]:
-    """One client file's feature columns (its schema, in its order) and its row count: what
-    a client in its own process tells the coordinator, which unites the schemas in client
-    order as :func:`read_client_files` does."""
+) -> tuple[tuple[str, ...], int, bool]:
+    """One client file's feature columns (its schema, in its order), its row count and whether
+    it has the label column: what a client in its own process tells the coordinator, which
+    unites the schemas in client order and checks a label column given, as
+    :func:`read_client_files` does."""
     source = _read_client_frame(Path(path), id_column, label_column)
-    return tuple(str(c) for c in source.features.columns), int(source.features.shape[0])
+    features = tuple(str(c) for c in source.features.columns)
+    return features, int(source.features.shape[0]), label_column in source.columns
 
 
 def split_client_file(
