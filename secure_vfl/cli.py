@@ -24,7 +24,7 @@ from secure_vfl.errors import (
     OutputError,
     SecureVFLError,
 )
-from secure_vfl.io import make_parent, writable_file
+from secure_vfl.io import check_directory, make_parent, writable_file
 
 EXIT_USAGE = 2
 LEARNING_RATE = 0.03  # train's default --lr (SGD)
@@ -1160,16 +1160,9 @@ def _party_count(args: argparse.Namespace) -> int:
 
 def _check_output_dir(out: Path, marker: str, *, overwrite: bool) -> None:
     """Refuse, before any work, an output directory that cannot take ``out/marker``: a path
-    that is a file (or lies under one), or a finished run without ``--overwrite``."""
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file; expected a directory (new or a run's own).")
-    for parent in out.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ConfigError(
-                    f"--out {out} lies under the file {parent}; expected a directory."
-                )
-            break
+    that is not a directory this user may write in and cannot be made as one, or a finished run
+    without ``--overwrite``."""
+    check_directory("--out", out)
     if (out / marker).exists() and not overwrite:
         raise ConfigError(
             f"{out / marker} exists; expected a new --out directory (or --overwrite)."
@@ -1178,19 +1171,13 @@ def _check_output_dir(out: Path, marker: str, *, overwrite: bool) -> None:
 
 def _check_output_file(path: Path, *, overwrite: bool) -> None:
     """Refuse, before any work, an output file that exists (without ``--overwrite``), is a
-    directory, or lies under a file."""
+    directory, or whose folder cannot be written or made."""
     if path.is_dir():
         raise ConfigError(f"--out {path} is a directory; expected a file path.")
     writable_file(path)  # a device or a pipe is refused: replacing it would not write to it
     if path.exists() and not overwrite:
         raise ConfigError(f"{path} exists; expected a new --out file (or --overwrite).")
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ConfigError(
-                    f"--out {path} lies under the file {parent}; expected a directory."
-                )
-            break
+    check_directory(f"--out {path}: its folder", path.parent)
 
 
 def _results_store(args: argparse.Namespace, out: Path) -> Any:

@@ -95,7 +95,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
 import re
 import secrets
 from collections import Counter
@@ -153,7 +152,7 @@ from secure_vfl.federation.network import (
     TlsIdentity,
 )
 from secure_vfl.federation.parties import ROLES, DataParty, Party, make_aggregation_server
-from secure_vfl.io import atomic_directory, check_keys, parse_json
+from secure_vfl.io import atomic_directory, check_directory, check_keys, parse_json
 from secure_vfl.saved_model import (
     DATA_PARTY_ROLE,
     KEPT_BY_PARTY,
@@ -1410,7 +1409,7 @@ def serve(
     for readmission at the next epoch boundary; a long evaluation), and is waited for again.
     Before it listens, ConfigError for what would fail only later: its own ``data`` file
     missing (:meth:`Federation.own_file`), a directory given that is not one and cannot be
-    made (:func:`check_directory`), a certificate no peer accepts
+    made (:func:`~secure_vfl.io.check_directory`), a certificate no peer accepts
     (:meth:`Federation.identity`)."""
     if name == federation.label_party:
         raise ConfigError(
@@ -1430,7 +1429,8 @@ def serve(
         ("--model-dir", model_dir),
         ("--imputed-dir", imputed_dir),
     ):
-        check_directory(option, directory)
+        if directory is not None:
+            check_directory(option, directory)
     identity = None if insecure else federation.identity(name)
     table = read_party_file(path) if path is not None else None
     endpoint = _endpoint(
@@ -1484,30 +1484,6 @@ def serve(
     finally:
         endpoint.close()
     return server.outcome
-
-
-def check_directory(option: str, directory: Path | None) -> None:
-    """ConfigError, before a party serves, unless ``directory`` (given with ``option``) is a
-    directory this process may write in, or can be made as one: its nearest existing ancestor
-    is such a directory. Otherwise the party would fail only when it first writes there (after
-    training, for a model)."""
-    if directory is None:
-        return
-    there = directory if directory.exists() else None
-    ancestor = there or next((p for p in directory.parents if p.exists()), Path("."))
-    if not ancestor.is_dir():
-        found = f"the file {ancestor}" if ancestor.is_file() else f"{ancestor}, not a directory"
-        where = "" if there is not None else f" (it would be made under {ancestor})"
-        raise ConfigError(
-            f"{option}: a directory, or a path where one can be made, expected. Found {found}"
-            f"{where}."
-        )
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        made = "" if there is not None else f" to make {directory} in"
-        raise ConfigError(
-            f"{option}: a directory this party may write in expected. Found {ancestor}{made}, "
-            "not writable by this user."
-        )
 
 
 def private_paths(directories: Mapping[str, Path | None]) -> Callable[[str], str]:

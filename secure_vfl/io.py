@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from secure_vfl.errors import DataError, OutputError, SecureVFLError
+from secure_vfl.errors import ConfigError, DataError, OutputError, SecureVFLError
 
 
 def atomic_write(path: Path, write: Callable[[Path], None], *, mode: int | None = None) -> None:
@@ -81,6 +81,29 @@ def _file_kind(path: Path) -> str:
         if test(path):
             return kind
     return "something that is not a regular file"
+
+
+def check_directory(option: str, directory: Path) -> None:
+    """ConfigError, before any work, unless ``directory`` (given with ``option``) is a directory
+    this process may write in, or can be made as one: its nearest existing ancestor is such a
+    directory. Otherwise the command would fail only when it first writes there, after its work."""
+    if directory.exists():
+        ancestor, made = directory, ""
+    else:
+        ancestor = next((p for p in directory.parents if p.exists()), Path("."))
+        made = " (it would be made there)"
+    if not ancestor.is_dir():
+        kind = "a file" if ancestor.is_file() else _file_kind(ancestor)
+        where = "is" if ancestor == directory else f"lies under {ancestor},"
+        raise ConfigError(
+            f"{option} {directory} {where} {kind}; a directory, or a path where one can be "
+            "made, expected."
+        )
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{option} {directory}: a directory this user may write in expected; {ancestor} is "
+            f"not writable{made}."
+        )
 
 
 def make_parent(path: Path) -> None:

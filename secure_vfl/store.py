@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from secure_vfl.errors import ConfigError
+from secure_vfl.io import check_directory
 from secure_vfl.runs import provenance, summarise
 
 SCHEMA_VERSION = 3
@@ -89,15 +90,8 @@ class ResultsStore:
         if self.path.is_dir():
             raise ConfigError(f"--store {self.path} is a directory; expected an SQLite file path.")
         if not self.path.exists():
-            for parent in self.path.parents:
-                if parent.exists():
-                    if not parent.is_dir():
-                        raise ConfigError(
-                            f"--store {self.path} lies under the file {parent}; expected a "
-                            "directory."
-                        )
-                    return  # created by the first run written
-            return
+            check_directory(f"--store {self.path}: its folder", self.path.parent)
+            return  # created by the first run written
         if self.path.stat().st_size > 0:
             with self.path.open("rb") as handle:
                 header = handle.read(len(_SQLITE_HEADER))

@@ -168,9 +168,9 @@ def test_out_pointing_at_a_file_is_refused_before_training(
     target = tmp_path / "taken.txt"
     target.write_text("mine\n")
     err = refused(own_argv(parties, labels, target), capsys)
-    assert f"--out {target} is a file; expected a directory" in err
+    assert f"--out {target} is a file; a directory, or a path where one can be made" in err
     under = refused(own_argv(parties, labels, target / "run"), capsys)
-    assert f"lies under the file {target}" in under
+    assert f"--out {target / 'run'} lies under {target}, a file;" in under
     assert target.read_text() == "mine\n" and not (tmp_path / "results.sqlite").exists()
 
 

@@ -324,14 +324,13 @@ def test_a_served_party_refuses_a_directory_option_naming_a_file_before_it_liste
     given = a_file / "sub" if under else a_file
     federation = _federation(site, tmp_path / "fed")
     err = _refused([*_serve(federation, "shop"), option, str(given)], capsys)
-    assert f"{option}: a directory, or a path where one can be made, expected." in err, err
-    assert f"Found the file {a_file}" in err, err
+    where = f"lies under {a_file}," if under else "is"
+    assert f"{option} {given} {where} a file; a directory, or a path where one can" in err, err
 
 
 def test_directories_that_exist_or_can_be_made_are_accepted(tmp_path: Path) -> None:
-    from secure_vfl.deployment import check_directory
+    from secure_vfl.io import check_directory
 
     (tmp_path / "there").mkdir()
     for given in (tmp_path / "there", tmp_path / "new" / "deeper", Path("relative-new")):
         check_directory("--model-dir", given)
-    check_directory("--model-dir", None)

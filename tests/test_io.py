@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from secure_vfl.errors import DataError, OutputError, ProtocolError
+from secure_vfl.errors import ConfigError, DataError, OutputError, ProtocolError
 from secure_vfl.io import (
     atomic_directory,
     atomic_write,
     atomic_write_json,
     atomic_write_text,
+    check_directory,
     check_keys,
     decimal,
     parse_json,
@@ -101,6 +102,29 @@ def test_a_path_that_cannot_be_written_is_an_output_error_that_leaves_nothing(
     with pytest.raises(OutputError, match="No space left on device; nothing was written"):
         atomic_write(tmp_path / "result.json", failing)
     assert [p.name for p in tmp_path.iterdir()] == ["a-file"]
+
+
+def test_check_directory_takes_what_exists_or_can_be_made_and_says_why_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "there").mkdir()
+    for given in (tmp_path / "there", tmp_path / "new" / "deeper"):
+        check_directory("--out", given)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("mine")
+    with pytest.raises(ConfigError, match=f"--out {re.escape(str(a_file))} is a file; a dir"):
+        check_directory("--out", a_file)
+    under = a_file / "run" / "deeper"
+    with pytest.raises(ConfigError, match=f"lies under {re.escape(str(a_file))}, a file;"):
+        check_directory("--out", under)
+    # A folder this user may not write in (root may write anywhere: the check is os.access).
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != tmp_path / "there")
+    check_directory("--out", tmp_path / "new")
+    with pytest.raises(ConfigError, match=r"may write in expected; .* is not writable \(it would"):
+        check_directory("--out", tmp_path / "there" / "run")
+    with pytest.raises(ConfigError, match=r"is not writable\.$"):
+        check_directory("--out", tmp_path / "there")
+    assert a_file.read_text() == "mine" and not (tmp_path / "new").exists()
 
 
 def test_atomic_directory_is_whole_under_its_name_or_absent(tmp_path: Path) -> None:
