@@ -609,7 +609,19 @@ class SavedModel:
         class, refused before any row is read if they collide (:func:`output_columns`)."""
         by_index: list[tuple[PartyTable, str] | None] = [None] * len(self.manifest.parties)
         for name, table in tables.items():
+            if not (
+                isinstance(table, tuple) and len(table) == 2 and isinstance(table[0], PartyTable)
+            ):
+                raise TypeError(
+                    f"{name}: a (PartyTable, path) pair expected (read_party_file(path), "
+                    f"str(path)), found {type(table).__name__}."
+                )
             k = self.party_index(name)
+            if by_index[k] is not None:
+                raise ConfigError(
+                    f"{name}: one table per party expected, found two for "
+                    f"{party_label(self.manifest.parties[k])}."
+                )
             if self.manifest.parties[k].location == LOST:
                 raise ConfigError(
                     f"{self.manifest.parties[k].source} was lost in training and saved no part; "

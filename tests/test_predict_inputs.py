@@ -21,7 +21,7 @@ import pytest
 from sklearn.datasets import load_iris
 
 from secure_vfl.cli import main
-from secure_vfl.data.party_files import read_party_file
+from secure_vfl.data.party_files import PartyTable, read_party_file
 from secure_vfl.deployment import ServedModel, _deployment
 from secure_vfl.errors import ConfigError, DataError, IntegrityError, ProtocolError
 from secure_vfl.saved_model import MANIFEST_FILE, MODEL_DIR, SavedModel, read_manifest
@@ -130,6 +130,49 @@ def test_an_id_column_named_as_a_probability_column_is_refused(files: Path, lase
     assert list(predictions.frame().columns) == [
         "customer", "predicted", "p_setosa", "p_versicolor", "p_virginica",
     ]  # fmt: skip
+
+
+# -- tables built in Python ------------------------------------------------------------------------
+
+
+def test_a_table_built_in_python_gets_the_checks_of_a_file(files: Path) -> None:
+    """What read_party_file refuses in a file, PartyTable refuses when a user builds one from a
+    DataFrame: the model would otherwise predict rows without that party's block, or fail deep
+    in the wire codec on an infinite value."""
+    bank = read_party_file(files / "bank.csv", id_column="customer")
+    n = len(bank.ids)
+    inf = bank.frame.copy()
+    inf.iloc[0, 0] = np.inf
+    for ids, frame, expected in (
+        (np.array(["a"] * n), bank.frame, "bank: ids must be unique. Found 1 repeated, e.g. 'a'"),
+        (bank.ids[:5], bank.frame, f"bank: one id per row expected, found 5 ids for {n} rows"),
+        (np.array([""] * n), bank.frame, f"bank: every row must have an id. Found {n} empty"),
+        (bank.ids, inf, "bank: column 'sl' must hold finite float32 values. Found 1 infinite"),
+    ):
+        with pytest.raises(DataError, match=re.escape(expected)):
+            PartyTable(name="bank", ids=ids, frame=frame)
+    for ids, frame, expected in (
+        (list(bank.ids), bank.frame, "ids: a 1-d numpy array of str expected"),
+        (np.array([np.nan] * n, dtype=object), bank.frame, "found ndarray dtype object"),
+        (bank.ids, bank.frame.to_numpy(), "frame: a pandas DataFrame expected, found ndarray"),
+    ):
+        with pytest.raises(TypeError, match=re.escape(expected)):
+            PartyTable(name="bank", ids=ids, frame=frame)  # type: ignore[arg-type]
+    PartyTable(name="bank", ids=np.asarray(list(bank.ids), dtype=str), frame=bank.frame)
+
+
+def test_predict_wants_a_table_and_its_path_per_party_and_each_party_once(
+    files: Path, laser: Path
+) -> None:
+    model = SavedModel.load(laser)
+    given = tables(files)
+    bank, path = given["bank"]
+    for wrong in (bank.frame, bank, (bank.frame, path)):
+        with pytest.raises(TypeError, match="bank: a \\(PartyTable, path\\) pair expected"):
+            model.predict({**given, "bank": wrong})
+    with pytest.raises(ConfigError, match="one table per party expected, found two for bank"):
+        model.predict({**given, "party-0": given["bank"]})
+    assert len(model.predict(given).ids) == len(bank.ids)
 
 
 # -- rows a method makes no prediction for -------------------------------------------------------

@@ -29,11 +29,44 @@ _SUFFIXES = (".csv", ".parquet", ".pq")
 @dataclass(frozen=True)
 class PartyTable:
     """One party's rows: ``ids`` (str, unique) and ``frame``, its raw feature columns (numbers
-    or text, NaN where a cell is empty) in file order, one row per id."""
+    or text, NaN where a cell is empty) in file order, one row per id. Checked on construction,
+    as :func:`read_party_file` checks a file (a table built in Python, e.g. from a DataFrame,
+    gets the same checks: ``PartyTable(name, np.asarray(ids, dtype=str), frame)``)."""
 
     name: str
     ids: np.ndarray
     frame: pd.DataFrame
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.frame, pd.DataFrame):
+            raise TypeError(
+                f"{self.name}: frame: a pandas DataFrame expected, found "
+                f"{type(self.frame).__name__}."
+            )
+        ids = self.ids
+        if not (isinstance(ids, np.ndarray) and ids.ndim == 1 and ids.dtype.kind == "U"):
+            found = f"dtype {ids.dtype}, shape {ids.shape}" if isinstance(ids, np.ndarray) else ""
+            raise TypeError(
+                f"{self.name}: ids: a 1-d numpy array of str expected (np.asarray(ids, "
+                f"dtype=str)), found {type(ids).__name__} {found}".rstrip()
+                + "."
+            )
+        if ids.size != len(self.frame):
+            raise DataError(
+                f"{self.name}: one id per row expected, found {ids.size} ids for "
+                f"{len(self.frame)} rows."
+            )
+        empty = int(np.count_nonzero(ids == ""))
+        if empty:
+            raise DataError(f"{self.name}: every row must have an id. Found {empty} empty.")
+        _check_unique(ids, self.name)
+        infinite = _infinite_column(self.frame)
+        if infinite is not None:
+            column, count = infinite
+            raise DataError(
+                f"{self.name}: column {column!r} must hold finite float32 values. Found "
+                f"{count} infinite or too large."
+            )
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -124,14 +157,33 @@ def _read_ids(frame: pd.DataFrame, path: Path, id_column: str) -> np.ndarray:
             f"{first + 1})."
         )
     ids = column.astype(str).to_numpy(dtype=str)
-    unique, counts = np.unique(ids, return_counts=True)
-    if unique.size != ids.size:
-        repeated = unique[counts > 1]
-        raise DataError(
-            f"{path}: ids must be unique. Found {repeated.size} repeated, "
-            f"e.g. {', '.join(map(repr, repeated[:3].tolist()))}."
-        )
+    _check_unique(ids, str(path))
     return ids
+
+
+def _check_unique(ids: np.ndarray, where: str) -> None:
+    if pd.Index(ids).is_unique:
+        return
+    unique, counts = np.unique(ids, return_counts=True)
+    repeated = unique[counts > 1]
+    raise DataError(
+        f"{where}: ids must be unique. Found {repeated.size} repeated, "
+        f"e.g. {', '.join(map(repr, repeated[:3].tolist()))}."
+    )
+
+
+def _infinite_column(frame: pd.DataFrame) -> tuple[str, int] | None:
+    """The first numeric column of ``frame`` with values that are infinite or beyond float32,
+    and how many (None: none has)."""
+    for column in frame.columns:
+        if pd.api.types.is_numeric_dtype(frame[column]):
+            values = frame[column].to_numpy(dtype=np.float64, na_value=np.nan)
+            too_large = np.isinf(values) | (
+                np.abs(np.nan_to_num(values)) > np.finfo(np.float32).max
+            )
+            if too_large.any():
+                return str(column), int(too_large.sum())
+    return None
 
 
 def read_party_file(
@@ -154,24 +206,15 @@ def read_party_file(
         if pd.api.types.is_bool_dtype(features[column]):
             features[column] = features[column].astype(np.float64)
         if pd.api.types.is_numeric_dtype(features[column]):
-            values = features[column].to_numpy(dtype=np.float64, na_value=np.nan)
-            too_large = np.isinf(values) | (
-                np.abs(np.nan_to_num(values)) > np.finfo(np.float32).max
-            )
-            if too_large.any():
-                raise DataError(
-                    f"{path}: column {column!r} must hold finite float32 values. Found "
-                    f"{int(too_large.sum())} infinite or too large."
-                )
-            features[column] = values
+            features[column] = features[column].to_numpy(dtype=np.float64, na_value=np.nan)
         else:
             text = features[column].astype(object)
             features[column] = text.where(text.isna(), text.astype(str))
-    return PartyTable(
-        name=name if name is not None else party_name(path.stem),
-        ids=ids,
-        frame=features,
-    )
+    name = name if name is not None else party_name(path.stem)
+    try:
+        return PartyTable(name=name, ids=ids, frame=features)
+    except DataError as error:  # a value the table refuses: named by the file it is in
+        raise DataError(f"{path}: {str(error).removeprefix(f'{name}: ')}") from None
 
 
 def read_label_file(
