@@ -36,6 +36,7 @@ from attacks.base import ATTACKS, Attack, AttackContext
 from attacks.defenses import HOOK_DEFENSES, HookDefense, parse_hook_defense
 from protocols.dp import parse_noise
 from protocols.privacy import SECURE_AGGS, PrivacyEngine, PrivacySpec
+from secure_vfl import checks
 from secure_vfl.errors import ConfigError
 from secure_vfl.experiment import TrainConfig, TrainResult, prepare_data, run_training
 from secure_vfl.federation.channel import Channel
@@ -58,7 +59,7 @@ def parse_defenses(
     defenses (:mod:`attacks.defenses`) among them; ConfigError for an unknown defense, bad
     parameters, or a defense given twice."""
     hooks: list[HookDefense] = []
-    for text in texts:
+    for text in checks.texts("defenses", texts):
         name = text.partition(":")[0]
         if name in HOOK_DEFENSES:
             if any(hook.spec.partition(":")[0] == name for hook in hooks):
@@ -207,7 +208,7 @@ def run_attack(
     if spec.secure_agg != "none" and not config.method_config.secure_sums:
         config = replace(config, method_config=replace(config.method_config, secure_sums=True))
     engine = PrivacyEngine(spec)
-    engine.refuse(config.method, batching=config.method_config.batching)
+    engine.refuse(config)
     data = prepare_data(config)
     made.check(config, data, attacker)
     context = AttackContext(

@@ -50,6 +50,7 @@ import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from numbers import Real
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -67,6 +68,7 @@ from protocols.dp import (
 from protocols.noise import NoiseSource, noise_source
 from protocols.party_privacy import PartyPlan, PartyPrivacy, read_entry, sampling_text
 from protocols.sum_range import RUN_DRAWS_BITS, TAIL_SIGMAS, SumRange, sum_range
+from secure_vfl import checks
 from secure_vfl.data.samplers import BatchSampler, PoissonSampler, poisson_like, poisson_terms
 from secure_vfl.errors import ConfigError, ProtocolError
 from secure_vfl.federation.aggregator import SumBackend
@@ -77,6 +79,7 @@ from secure_vfl.federation.parties import DataParty
 if TYPE_CHECKING:
     from protocols.dp_statistics import ClientStatisticsNoise, StatisticsPlan
     from secure_vfl.data.imputation import ImputationTask
+    from secure_vfl.experiment import TrainConfig
     from secure_vfl.methods.base import MethodConfig
 
 SecureAgg = Literal["none", "masks", "paillier", "ckks"]
@@ -136,6 +139,7 @@ class PrivacySpec:
     release_noise: Noise | None = None
 
     def __post_init__(self) -> None:
+        self._check_types()
         self._check_release()
         if self.align not in ALIGNMENTS:
             raise ConfigError(
@@ -175,8 +179,6 @@ class PrivacySpec:
                 "--dp-gradients or --dp-sgd; for impute, expected --dp-statistics SIGMA:CLIP "
                 "with it. Found none."
             )
-        if not 0 < self.delta < 1:
-            raise ConfigError(f"`delta` must be in (0, 1). Found {self.delta}.")
         if self.grad_sample_mode not in GRAD_SAMPLE_MODES:
             raise ConfigError(
                 f"`grad_sample_mode` must be one of {', '.join(GRAD_SAMPLE_MODES)}. "
@@ -191,6 +193,39 @@ class PrivacySpec:
                 "--insecure-reproducible-noise makes DP noise reproducible from the seed; "
                 "expected a DP mechanism with it. Found none."
             )
+
+    def _check_types(self) -> None:
+        """Each field of its type (ConfigError naming it), numbers stored as Python's own."""
+        values: dict[str, object] = {}
+        for name in ("dp_embeddings", "dp_gradients", "dp_sgd", "dp_statistics", "release_noise"):
+            noise = getattr(self, name)
+            if noise is None:
+                continue
+            if not (
+                isinstance(noise, tuple | list)
+                and len(noise) == 2
+                and all(isinstance(x, Real) and not isinstance(x, bool) for x in noise)
+            ):
+                raise ConfigError(
+                    f"`{name}` must be a (SIGMA, CLIP) pair of numbers. Found {noise!r}."
+                )
+            values[name] = (float(noise[0]), float(noise[1]))  # their ranges: checked below
+        if self.target_epsilon is not None:
+            values["target_epsilon"] = checks.real(
+                "target_epsilon", self.target_epsilon, low=0, low_open=True
+            )
+        if self.feature_ranges is not None:
+            values["feature_ranges"] = checks.path("feature_ranges", self.feature_ranges)
+        values["delta"] = checks.real(
+            "delta", self.delta, low=0, high=1, low_open=True, high_open=True
+        )
+        values["seed"] = checks.integer("seed", self.seed, low=0)
+        values["insecure_reproducible_noise"] = checks.flag(
+            "insecure_reproducible_noise", self.insecure_reproducible_noise
+        )
+        for name in ("align", "secure_agg", "adjacency", "grad_sample_mode", "release"):
+            checks.text(name, getattr(self, name))
+        checks.store(self, values)
 
     def _check_release(self) -> None:
         if self.release not in RELEASES:
@@ -237,7 +272,7 @@ class PrivacyEngine:
     """Installs a :class:`PrivacySpec` into a run: the backend, then each party's mechanisms."""
 
     def __init__(self, spec: PrivacySpec) -> None:
-        self.spec = spec
+        self.spec = checks.instance("spec", spec, PrivacySpec)
         self.noise: dict[str, Noise] = spec.noise()
         self.sample_rate: float | None = None
         self._sampler: PoissonSampler | None = None
@@ -296,9 +331,26 @@ class PrivacyEngine:
             return MaskingAggregator()
         return None
 
-    def refuse(self, method: str, *, batching: str = "mixed") -> None:
-        """Refuse mechanisms a method (training with ``batching``) cannot host, before
-        anything is built."""
+    def refuse(self, config: TrainConfig) -> None:
+        """Refuse, before anything is built, a training run whose ``config`` disagrees with the
+        spec (on the alignment, or on secure sums: its method plans only sums a secure backend
+        can hide, ``MethodConfig.secure_sums``, exactly when the spec names one) or whose
+        method cannot host the mechanisms asked for."""
+        method, batching = config.method, config.method_config.batching
+        if config.align != self.spec.align:
+            raise ConfigError(
+                f"the privacy spec aligns the ids by {self.spec.align!r}, the training config by "
+                f"{config.align!r}; expected the same alignment in both "
+                "(PrivacySpec(align=...) and TrainConfig(align=...))."
+            )
+        secure_sums = config.method_config.secure_sums
+        if secure_sums is not self.spec.secure_sums:
+            raise ConfigError(
+                f"PrivacySpec(secure_agg={self.spec.secure_agg!r}) expected with "
+                f"MethodConfig(secure_sums={secure_sums}): a method plans only sums a secure "
+                "backend can hide exactly when the spec names one (masks, paillier or ckks). "
+                "Found them disagreeing."
+            )
         if self.spec.dp_statistics is not None:
             raise ConfigError(
                 "--dp-statistics protects the statistics of an imputation run (run_imputation); "

@@ -1391,7 +1391,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     engine = _privacy_engine(args)
     config = _train_config(args)
-    engine.refuse(config.method, batching=config.method_config.batching)  # before any data
+    engine.refuse(config)  # before any data
     if config.dataset is not None:
         spec = DATASETS.get(config.dataset)
         if not spec.is_installed():
@@ -2550,7 +2550,7 @@ def run_train_deployed(args: argparse.Namespace) -> int:
     engine = _privacy_engine(args)  # registers the `psi` aligner that the config names
     config = _train_config(args)
     refuse_undeployable(config)
-    engine.refuse(config.method, batching=config.method_config.batching)
+    engine.refuse(config)
     out: Path = args.out or Path("runs") / f"{config.method}-deployed-s{config.seed}"
     _check_output_dir(out, "result.json", overwrite=args.overwrite)
     _check_output_dir(out / MODEL_DIR, MANIFEST_FILE, overwrite=args.overwrite)

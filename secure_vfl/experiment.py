@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from secure_vfl import methods
+from secure_vfl import checks, methods
 from secure_vfl.checkpoints import CheckpointPlan, RunCheckpoints
 from secure_vfl.data.datasets import load_dataset
 from secure_vfl.data.imputation import (
@@ -47,7 +47,9 @@ from secure_vfl.metrics import accuracy, f1
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """Everything that defines a training run; validated on construction.
+    """Everything that defines a training run; validated on construction, but for the dataset's
+    name, which loading the data checks (a run given its data, ``run_training(config,
+    data=...)``, may name data no registry holds).
 
     With party files, the test rows are the ids of ``test_file`` (a label file of held-out ids,
     their features in the same party files), or a stratified ``test_fraction`` of the label
@@ -73,6 +75,7 @@ class TrainConfig:
     party_names: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        self._check_types()
         self._check_own_file_options()
         if self.false_vfl is not None and not self.method.startswith("false-vfl"):
             raise ConfigError(
@@ -113,9 +116,56 @@ class TrainConfig:
             )
         make_aligner(self.align)  # refuses an unknown name before anything runs
 
+    def _check_types(self) -> None:
+        """Each field of its type (ConfigError naming it), numbers and paths stored as Python's
+        own ints and :class:`~pathlib.Path` (a config writes as JSON)."""
+        checks.text("method", self.method)
+        if self.dataset is not None:
+            checks.text("dataset", self.dataset)
+        paths: dict[str, object] = {"party_files": checks.paths("party_files", self.party_files)}
+        for name in ("label_file", "test_file"):
+            if getattr(self, name) is not None:
+                paths[name] = checks.path(name, getattr(self, name))
+        checks.store(self, paths)
+        checks.store(
+            self,
+            {
+                "parties": checks.integer("parties", self.parties),
+                "seed": checks.integer("seed", self.seed, low=0),
+                "test_missing": checks.texts("test_missing", self.test_missing),
+                "party_names": checks.texts("party_names", self.party_names),
+            },
+        )
+        for name in ("train_missing", "align", "id_column", "label_column", "missing_cells"):
+            checks.text(name, getattr(self, name))
+        checks.instance("method_config", self.method_config, methods.MethodConfig)
+        if self.false_vfl is not None:
+            checks.instance("false_vfl", self.false_vfl, FalseVflConfig)
+        if self.test_fraction is not None:
+            fraction = checks.real(
+                "test_fraction", self.test_fraction, low=0, high=1, low_open=True, high_open=True
+            )
+            checks.store(self, {"test_fraction": fraction})
+
     def _check_own_file_options(self) -> None:
         """Column names, the missing-cell policy and party names: valid, and only with party
         files where they differ from the defaults."""
+        if self.dataset is not None:
+            given = [
+                f"`{name}`"
+                for name, value, default in (
+                    ("id_column", self.id_column, ID_COLUMN),
+                    ("label_column", self.label_column, LABEL_COLUMN),
+                    ("missing_cells", self.missing_cells, DEFAULT_MISSING_POLICY),
+                    ("party_names", self.party_names, ()),
+                )
+                if value != default
+            ]
+            if given:
+                raise ConfigError(
+                    f"{', '.join(given)} apply to party files (a registered dataset has its own "
+                    f"columns). Found dataset {self.dataset!r}."
+                )
         if self.missing_cells not in MISSING_POLICIES:
             raise ConfigError(
                 f"`missing_cells` must be one of {', '.join(MISSING_POLICIES)}. Found "
@@ -150,9 +200,6 @@ class TrainConfig:
                 "give either held-out ids (`test_file`) or a `test_fraction`, not both. Found "
                 f"{self.test_file} and {self.test_fraction}."
             )
-        fraction = self.test_fraction
-        if fraction is not None and not (isinstance(fraction, float | int) and 0 < fraction < 1):
-            raise ConfigError(f"`test_fraction` must be in (0, 1). Found {fraction!r}.")
 
     @property
     def data_name(self) -> str:
@@ -231,6 +278,28 @@ def prepare_data(config: TrainConfig, *, aligner: Aligner | None = None) -> Vert
         party_names=config.party_names or None,
         cross_party_counts=config.align == "join",
     )
+
+
+def check_data(config: TrainConfig, data: VerticalData) -> None:
+    """ConfigError unless ``data``, given to a run of ``config``, is the data ``config``
+    describes, as far as it shows: the number of parties and the test splits, among which
+    ``data`` may hold more (an auditor's probes), since the run's result records ``config`` and
+    scores every split of ``data``. (Its name is not compared: tests and benchmarks train a
+    config on data of the same shape made for them.)"""
+    parties = config.parties if config.dataset is not None else len(config.party_files)
+    tests = [parse_mechanism(text).label for text in config.test_missing]
+    wrong = [
+        f"{what} {expected} expected, found {found}"
+        for what, expected, found, agree in (
+            ("parties", parties, data.parties, parties == data.parties),
+            ("test splits", tests, list(data.tests), set(tests) <= set(data.tests)),
+        )
+        if not agree
+    ]
+    if wrong:
+        raise ConfigError(
+            f"the data given to the run is not the data of its config: {'; '.join(wrong)}."
+        )
 
 
 def build_method(
@@ -375,9 +444,9 @@ class PrivacyLayer(Protocol):
     PrivacyEngine``; :class:`ImputationPrivacyLayer` for imputation): the core names this
     interface and never imports the privacy layer."""
 
-    def refuse(self, method: str, *, batching: str = "mixed") -> None:
-        """Raise ConfigError if ``method`` (training with ``batching``) cannot host the chosen
-        mechanisms."""
+    def refuse(self, config: TrainConfig) -> None:
+        """Raise ConfigError if the run ``config`` disagrees with the chosen protection (its
+        alignment, its secure sums) or its method cannot host the chosen mechanisms."""
         ...
 
     def aggregator(self) -> SumBackend | None:
@@ -430,8 +499,11 @@ def run_training(
     party's own state once its mechanisms are installed.
     """
     if privacy is not None:
-        privacy.refuse(config.method, batching=config.method_config.batching)
-    data = data if data is not None else prepare_data(config)
+        privacy.refuse(config)
+    if data is None:
+        data = prepare_data(config)
+    else:
+        check_data(config, data)
     channel = channel if channel is not None else Channel()
     if aggregator is None and privacy is not None:
         aggregator = privacy.aggregator()
@@ -495,6 +567,23 @@ class ImputeRunConfig:
     label_column: str = LABEL_COLUMN
 
     def __post_init__(self) -> None:
+        checks.text("method", self.method)
+        if self.dataset is not None:
+            checks.text("dataset", self.dataset)
+        checks.store(
+            self,
+            {
+                "client_files": checks.paths("client_files", self.client_files),
+                "clients": checks.integer("clients", self.clients, low=2),
+                "availability": checks.real(
+                    "availability", self.availability, low=0, high=1, low_open=True
+                ),
+                "seed": checks.integer("seed", self.seed, low=0),
+            },
+        )
+        checks.instance("impute_config", self.impute_config, ImputeConfig)
+        checks.text("id_column", self.id_column)
+        checks.text("label_column", self.label_column)
         if self.method not in IMPUTERS:
             raise ConfigError(
                 f"`method` must be one of {', '.join(IMPUTERS.names())}. Found {self.method!r}."
@@ -509,12 +598,6 @@ class ImputeRunConfig:
                 "federated imputation needs at least 2 client files. "
                 f"Found {len(self.client_files)}."
             )
-        if isinstance(self.clients, bool) or not isinstance(self.clients, int) or self.clients < 2:
-            raise ConfigError(f"`clients` must be an integer >= 2. Found {self.clients!r}.")
-        if not 0 < self.availability <= 1:
-            raise ConfigError(f"`availability` must be in (0, 1]. Found {self.availability}.")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ConfigError(f"`seed` must be a non-negative integer. Found {self.seed!r}.")
 
     @property
     def data_name(self) -> str:

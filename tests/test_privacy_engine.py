@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -120,13 +122,56 @@ def test_a_bad_spec_is_refused(kwargs: dict[str, object], expected: str) -> None
         PrivacySpec(**kwargs)  # type: ignore[arg-type]
 
 
+def _config(method: str, **method_config: object) -> TrainConfig:
+    return TrainConfig(
+        method=method,
+        dataset="wine",
+        method_config=MethodConfig(**method_config),  # type: ignore[arg-type]
+    )
+
+
 def test_methods_that_cannot_host_a_mechanism_are_refused() -> None:
     engine = PrivacyEngine(PrivacySpec(dp_sgd=(1.0, 0.1)))
     with pytest.raises(ConfigError, match="one bottom model per party"):
-        engine.refuse("combinatorial")
+        engine.refuse(_config("combinatorial"))
     with pytest.raises(ConfigError, match="not available for false-vfl-1"):
-        engine.refuse("false-vfl-1")
-    PrivacyEngine(PrivacySpec()).refuse("false-vfl-1")  # nothing asked: nothing refused
+        engine.refuse(_config("false-vfl-1"))
+    PrivacyEngine(PrivacySpec()).refuse(_config("false-vfl-1"))  # nothing asked: nothing refused
+
+
+def test_a_run_whose_config_disagrees_with_its_spec_is_refused_before_any_data(
+    tmp_path: Path,
+) -> None:
+    """The spec and the config each say how ids are aligned and whether sums are secure: a
+    run refuses them disagreeing (it used to align by the config and ignore the spec's PSI, or
+    fail mid-training on a sum the plain plan exposed)."""
+    psi = PrivacyEngine(PrivacySpec(align="psi"))
+    with pytest.raises(ConfigError, match="spec aligns the ids by 'psi', the training config by"):
+        run_training(_config("laser", epochs=1), privacy=psi)
+    masks = PrivacyEngine(PrivacySpec(secure_agg="masks"))
+    for method in ("laser", "standard"):
+        with pytest.raises(ConfigError, match=r"secure_agg='masks'\) expected with Method"):
+            run_training(_config(method, epochs=1, heads="active"), privacy=masks)
+    plain = PrivacyEngine(PrivacySpec())
+    with pytest.raises(ConfigError, match=r"secure_agg='none'\) expected with MethodConfig\(s"):
+        plain.refuse(_config("laser", heads="active", secure_sums=True))
+    masks.refuse(_config("laser", heads="active", secure_sums=True))
+
+
+def test_a_run_refuses_data_that_is_not_the_data_of_its_config() -> None:
+    from secure_vfl.experiment import prepare_data
+
+    config = TrainConfig(
+        method="laser", dataset="wine", parties=2, method_config=MethodConfig(epochs=1)
+    )
+    data = prepare_data(config)
+    for other, found in (
+        ({"dataset": "digits", "parties": 4}, "parties 4 expected, found 2"),
+        ({"parties": 3}, "parties 3 expected, found 2"),
+        ({"test_missing": ("mcar:0", "mcar:0.5")}, "test splits ['mcar:0', 'mcar:0.5'] expected"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(found)):
+            run_training(dataclasses.replace(config, **other), data=data)
 
 
 @pytest.mark.usefixtures("one_thread")  # bit for bit: one torch thread

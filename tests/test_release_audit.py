@@ -212,7 +212,8 @@ def test_a_run_whose_sums_are_only_each_samples_full_union_passes(
     data = _audit_data(make_data, 4, (0.2,))
     ledger = ReleaseLedger()
     spec = PrivacySpec(secure_agg="masks")
-    run_training(_config(4, "drop"), data=data, privacy=PrivacyEngine(spec), on_ready=ledger.attach)
+    config = dataclasses.replace(_config(4, "drop"), test_missing=("mcar:0.2",))
+    run_training(config, data=data, privacy=PrivacyEngine(spec), on_ready=ledger.attach)
     assert ledger.releases() and not ledger.isolated()
 
 

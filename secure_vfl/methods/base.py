@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from secure_vfl import checks
 from secure_vfl.data.party_preprocessing import PartyPreprocessing
 from secure_vfl.data.samplers import BatchSampler, make_sampler
 from secure_vfl.data.vertical import (
@@ -117,11 +118,34 @@ class MethodConfig:
     max_update_norm: float | None = None
 
     def __post_init__(self) -> None:
-        _choice("heads", self.heads, ("all", "active"))
-        _choice("top_model", self.top_model, ("linear", "none"))
-        _choice("batching", self.batching, ("grouped", "mixed"))
-        _choice("standard_incomplete", self.standard_incomplete, ("random", "zero"))
-        _choice("release", self.release, ("drop", "dp"))
+        checks.text("heads", self.heads, ("all", "active"))
+        checks.text("top_model", self.top_model, ("linear", "none"))
+        checks.text("batching", self.batching, ("grouped", "mixed"))
+        checks.text("standard_incomplete", self.standard_incomplete, ("random", "zero"))
+        checks.text("release", self.release, ("drop", "dp"))
+        numbers = {
+            "vectorised": checks.flag("vectorised", self.vectorised),
+            "secure_sums": checks.flag("secure_sums", self.secure_sums),
+            "epochs": checks.integer("epochs", self.epochs, low=1),
+            "batch_size": checks.integer("batch_size", self.batch_size, low=1),
+            "representation_dim": checks.integer(
+                "representation_dim", self.representation_dim, low=1
+            ),
+            "pretrain_epochs": checks.integer("pretrain_epochs", self.pretrain_epochs, low=0),
+            "lr": checks.real("lr", self.lr, low=0, low_open=True),
+            "momentum": checks.real("momentum", self.momentum, low=0, high=1, high_open=True),
+            "weight_decay": checks.real("weight_decay", self.weight_decay, low=0),
+            "plug_dropout": checks.real(
+                "plug_dropout", self.plug_dropout, low=0, high=1, high_open=True
+            ),
+        }
+        if self.labeled is not None:
+            numbers["labeled"] = checks.integer("labeled", self.labeled, low=1)
+        if self.max_update_norm is not None:
+            numbers["max_update_norm"] = checks.real(
+                "max_update_norm", self.max_update_norm, low=0, low_open=True
+            )
+        checks.store(self, numbers)
         if self.release == "dp" and not (self.secure_sums and self.heads == "active"):
             raise ConfigError(
                 "release='dp' releases, with DP noise, what a secure sum cannot hide, so it "
@@ -129,39 +153,11 @@ class MethodConfig:
                 f"paillier or ckks and --heads active. Found secure_sums={self.secure_sums}, "
                 f"heads={self.heads!r}."
             )
-        if self.max_update_norm is not None and not (
-            isinstance(self.max_update_norm, (int, float))
-            and not isinstance(self.max_update_norm, bool)
-            and 0 < self.max_update_norm < float("inf")
-        ):
-            raise ConfigError(
-                f"`max_update_norm` must be a finite number > 0 or None. Found "
-                f"{self.max_update_norm!r}."
-            )
-        _positive_int("epochs", self.epochs)
-        _positive_int("batch_size", self.batch_size)
-        _positive_int("representation_dim", self.representation_dim)
         if self.representation_dim > MAX_REPRESENTATION_DIM:
             raise ConfigError(
                 f"`representation_dim` must be at most {MAX_REPRESENTATION_DIM}. Found "
                 f"{self.representation_dim}."
             )
-        if isinstance(self.pretrain_epochs, bool) or not isinstance(self.pretrain_epochs, int):
-            raise ConfigError(
-                f"`pretrain_epochs` must be an integer >= 0. Found {self.pretrain_epochs!r}."
-            )
-        if self.pretrain_epochs < 0:
-            raise ConfigError(f"`pretrain_epochs` must be >= 0. Found {self.pretrain_epochs}.")
-        if self.labeled is not None:
-            _positive_int("labeled", self.labeled)
-        if not (self.lr > 0 and np.isfinite(self.lr)):
-            raise ConfigError(f"`lr` must be a positive number. Found {self.lr}.")
-        if not 0 <= self.momentum < 1:
-            raise ConfigError(f"`momentum` must be in [0, 1). Found {self.momentum}.")
-        if not self.weight_decay >= 0:
-            raise ConfigError(f"`weight_decay` must be >= 0. Found {self.weight_decay}.")
-        if not 0 <= self.plug_dropout < 1:
-            raise ConfigError(f"`plug_dropout` must be in [0, 1). Found {self.plug_dropout}.")
 
 
 def labeled_rows(data: VerticalData, config: MethodConfig, seed: int) -> np.ndarray:
@@ -215,16 +211,6 @@ def require_hiding_crowd(config: MethodConfig, parties: int, method: str) -> Non
             f"{method} under secure aggregation needs at least 3 parties (the label party and "
             f"two others whose terms hide each other). Found {parties}."
         )
-
-
-def _choice(name: str, value: object, allowed: Sequence[str]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"`{name}` must be one of {', '.join(allowed)}. Found {value!r}.")
-
-
-def _positive_int(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"`{name}` must be a positive integer. Found {value!r}.")
 
 
 class Method(Protocol):

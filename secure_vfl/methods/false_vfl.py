@@ -84,6 +84,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from secure_vfl import checks
 from secure_vfl.data.party_preprocessing import PartyPreprocessing
 from secure_vfl.data.samplers import BatchSampler, make_sampler
 from secure_vfl.data.vertical import VerticalData
@@ -111,7 +112,6 @@ from secure_vfl.methods.base import (
     PartyModels,
     StepCallback,
     TrainingProgress,
-    _positive_int,
     broadcast_prediction,
     build_federation,
     build_party,
@@ -155,15 +155,16 @@ class FalseVflConfig:
     train_lr: float = 3e-3
 
     def __post_init__(self) -> None:
-        for name in ("kappa", "inference_samples", "latent_dim", "global_latent_dim", "hidden"):
-            _positive_int(name, getattr(self, name))
-        for name in ("pretrain_epochs", "train_epochs"):
-            if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
+        counts = ("kappa", "inference_samples", "latent_dim", "global_latent_dim", "hidden")
+        epochs = ("pretrain_epochs", "train_epochs")
+        values: dict[str, object] = {
+            name: checks.integer(name, getattr(self, name), low=1)
+            for name in (*counts, *epochs)
+            if getattr(self, name) is not None
+        }
         for name in ("pretrain_lr", "train_lr"):
-            value = getattr(self, name)
-            if not (value > 0 and math.isfinite(value)):
-                raise ConfigError(f"`{name}` must be a positive number. Found {value}.")
+            values[name] = checks.real(name, getattr(self, name), low=0, low_open=True)
+        checks.store(self, values)
 
 
 def _phase(split: str) -> str:

@@ -8,8 +8,9 @@ from typing import Protocol
 
 import numpy as np
 
+from secure_vfl import checks
 from secure_vfl.data.imputation import ClientData, ImputationTask
-from secure_vfl.errors import ConfigError, DataError
+from secure_vfl.errors import DataError
 from secure_vfl.federation.aggregator import SumBackend
 from secure_vfl.federation.channel import Channel
 from secure_vfl.methods.imputation.statistics import StatisticsPrivacyFactory
@@ -22,18 +23,6 @@ def derived_seed(seed: int, *keys: int) -> int:
     """An independent 63-bit seed for the stream named by ``keys`` under the run's ``seed``."""
     state = np.random.SeedSequence([seed, *keys]).generate_state(2, dtype=np.uint32)
     return int((int(state[0]) << 31) ^ int(state[1]))
-
-
-def _positive_int(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"`{name}` must be a positive integer. Found {value!r}.")
-
-
-def _fraction(name: str, value: float, *, closed: bool) -> None:
-    upper_ok = value <= 1.0 if closed else value < 1.0
-    if isinstance(value, bool) or not (isinstance(value, int | float) and value > 0 and upper_ok):
-        interval = "(0, 1]" if closed else "(0, 1)"
-        raise ConfigError(f"`{name}` must be in {interval}. Found {value!r}.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,15 +48,18 @@ class ImputeConfig:
     validation_fraction: float = 0.2
 
     def __post_init__(self) -> None:
-        for name in ("rounds", "local_epochs", "batch_size", "hidden", "layers", "top_k"):
-            _positive_int(name, getattr(self, name))
-        if isinstance(self.lr, bool) or not (
-            isinstance(self.lr, int | float) and self.lr > 0 and np.isfinite(self.lr)
-        ):
-            raise ConfigError(f"`lr` must be a positive number. Found {self.lr!r}.")
-        _fraction("block_fraction", self.block_fraction, closed=True)
-        _fraction("client_fraction", self.client_fraction, closed=True)
-        _fraction("validation_fraction", self.validation_fraction, closed=False)
+        counts = ("rounds", "local_epochs", "batch_size", "hidden", "layers", "top_k")
+        values: dict[str, object] = {
+            name: checks.integer(name, getattr(self, name), low=1) for name in counts
+        }
+        values["lr"] = checks.real("lr", self.lr, low=0, low_open=True)
+        for name in ("block_fraction", "client_fraction", "validation_fraction"):
+            closed = name != "validation_fraction"
+            value = getattr(self, name)
+            values[name] = checks.real(
+                name, value, low=0, high=1, low_open=True, high_open=not closed
+            )
+        checks.store(self, values)
 
 
 class Imputer(Protocol):

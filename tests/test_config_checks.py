@@ -1,0 +1,115 @@
+"""Configuration objects built in Python refuse values of the wrong type on construction, naming
+the field, what was expected and what was found; numpy numbers are taken and stored as Python's
+own, so that a configuration writes as JSON."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from attacks.runner import parse_defenses
+from protocols.privacy import PrivacyEngine, PrivacySpec
+from secure_vfl import checks
+from secure_vfl.errors import ConfigError
+from secure_vfl.experiment import ImputeRunConfig, TrainConfig
+from secure_vfl.methods import MethodConfig
+from secure_vfl.methods.false_vfl import FalseVflConfig
+from secure_vfl.methods.imputation import ImputeConfig
+
+
+def _train(**fields: Any) -> TrainConfig:
+    return TrainConfig(**{"method": "laser", "dataset": "wine", **fields})
+
+
+WRONG: list[tuple[Any, dict[str, Any], str]] = [
+    (MethodConfig, {"lr": "0.1"}, "`lr` must be a positive number. Found '0.1'."),
+    (MethodConfig, {"lr": True}, "`lr` must be a positive number. Found True."),
+    (MethodConfig, {"momentum": None}, "`momentum` must be in [0, 1). Found NoneType."),
+    (MethodConfig, {"weight_decay": np.inf}, "`weight_decay` must be a number >= 0. Found inf."),
+    (MethodConfig, {"secure_sums": "no"}, "`secure_sums` must be True or False. Found 'no'."),
+    (MethodConfig, {"vectorised": 1}, "`vectorised` must be True or False. Found 1."),
+    (MethodConfig, {"epochs": 2.0}, "`epochs` must be a positive integer. Found 2.0."),
+    (FalseVflConfig, {"train_lr": "1"}, "`train_lr` must be a positive number. Found '1'."),
+    (ImputeConfig, {"client_fraction": 0}, "`client_fraction` must be in (0, 1]. Found 0.0."),
+    (_train, {"parties": 4.0}, "`parties` must be an integer. Found 4.0."),
+    (_train, {"parties": "4"}, "`parties` must be an integer. Found '4'."),
+    (_train, {"dataset": 5}, "`dataset` must be a str. Found 5."),
+    (_train, {"method": ["laser"]}, "`method` must be a str. Found list."),
+    (_train, {"method_config": {"epochs": 1}}, "`method_config` must be a MethodConfig. Found"),
+    (_train, {"train_missing": 0.5}, "`train_missing` must be a str. Found 0.5."),
+    (_train, {"test_missing": "mcar:0"}, "`test_missing` must be a tuple of str. Found 'mcar"),
+    (_train, {"id_column": "x"}, "`id_column` apply to party files (a registered dataset"),
+    (
+        TrainConfig,
+        {"method": "laser", "party_files": "a.csv", "label_file": "l.csv"},
+        "`party_files` must be a tuple of paths. Found str.",
+    ),
+    (
+        ImputeRunConfig,
+        {"method": "mean", "dataset": "ozone", "impute_config": {"rounds": 1}},
+        "`impute_config` must be a ImputeConfig. Found dict.",
+    ),
+    (
+        ImputeRunConfig,
+        {"method": "mean", "dataset": "ozone", "availability": "0.5"},
+        "`availability` must be in (0, 1]. Found '0.5'.",
+    ),
+    (PrivacySpec, {"dp_embeddings": "1:1"}, "`dp_embeddings` must be a (SIGMA, CLIP) pair"),
+    (PrivacySpec, {"dp_sgd": ("1", "1")}, "`dp_sgd` must be a (SIGMA, CLIP) pair of numbers."),
+    (PrivacySpec, {"delta": "1e-5"}, "`delta` must be in (0, 1). Found '1e-5'."),
+    (
+        PrivacySpec,
+        {"dp_gradients": (1.0, 0.1), "target_epsilon": -1.0},
+        "`target_epsilon` must be a positive number. Found -1.0.",
+    ),
+    (PrivacyEngine, {"spec": {"secure_agg": "masks"}}, "`spec` must be a PrivacySpec. Found dict."),
+    (
+        parse_defenses,
+        {"texts": "marvell:4", "spec": PrivacySpec()},
+        "`defenses` must be a tuple of str.",
+    ),
+]
+
+
+@pytest.mark.parametrize(("make", "fields", "expected"), WRONG)
+def test_a_value_of_the_wrong_type_is_refused_naming_the_field(
+    make: Any, fields: dict[str, Any], expected: str
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        make(**fields)
+
+
+def test_numpy_numbers_are_taken_and_stored_as_pythons_own() -> None:
+    config = _train(
+        seed=np.int64(3),
+        parties=np.int64(3),
+        method_config=MethodConfig(epochs=np.int64(2), lr=np.float32(0.5), batch_size=np.int32(8)),
+    )
+    assert (config.seed, config.parties) == (3, 3) and type(config.seed) is int
+    assert type(config.method_config.epochs) is int and type(config.method_config.lr) is float
+    json.dumps(config.to_json())  # numpy's numbers would not write
+    spec = PrivacySpec(dp_gradients=(np.float32(1.0), 0.1), seed=np.int64(2))
+    assert json.dumps(asdict(spec)) and type(spec.dp_gradients[0]) is float  # type: ignore[index]
+    impute = ImputeRunConfig(method="mean", dataset="ozone", clients=np.int64(3))
+    assert type(impute.clients) is int
+    paths = TrainConfig(method="laser", party_files=["a.csv", Path("b.csv")], label_file="l.csv")
+    assert paths.party_files == (Path("a.csv"), Path("b.csv")) and paths.label_file == Path("l.csv")
+
+
+def test_the_checks_take_what_they_promise_and_no_more() -> None:
+    assert checks.integer("n", np.uint8(3), low=1) == 3
+    assert checks.real("x", 1, low=0, high=1) == 1.0
+    for wrong in (True, np.bool_(True), "1", None, 1.5):
+        with pytest.raises(ConfigError, match="`n` must be an integer"):
+            checks.integer("n", wrong)
+    for wrong in (float("nan"), 1.0):
+        with pytest.raises(ConfigError, match=re.escape("`x` must be in [0, 1)")):
+            checks.real("x", wrong, low=0, high=1, high_open=True)
+    assert checks.flag("f", np.bool_(False)) is False
+    assert checks.texts("t", ["a", "b"]) == ("a", "b")
