@@ -19,7 +19,6 @@ import os
 import re
 import statistics
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from multiprocessing import get_context
 from pathlib import Path
@@ -151,17 +150,31 @@ def _run_point(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _executor_map(
-    jobs: list[dict[str, Any]], *, workers: int, executor: str
+    jobs: list[dict[str, Any]],
+    *,
+    workers: int,
+    executor: str,
+    on_done: Callable[[], None] | None = None,
 ) -> Callable[[], list[dict[str, Any]]]:
+    done = on_done if on_done is not None else (lambda: None)
     if executor == "process":
 
         def run_processes() -> list[dict[str, Any]]:
+            rows = []
             if workers == 1:
-                return [_run_point(job) for job in jobs]
+                for job in jobs:
+                    rows.append(_run_point(job))
+                    done()
+                return rows
             # spawn: a fresh interpreter per worker (forking a process that has run torch's
-            # thread pools can deadlock)
-            with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-                return list(pool.map(_run_point, jobs))
+            # thread pools can deadlock). Leaving the pool terminates its workers, also on
+            # Ctrl-C or SIGTERM sent to this process alone (a process pool executor would wait
+            # for their runs, and could hang at exit joining them).
+            with get_context("spawn").Pool(workers) as pool:
+                for row in pool.imap(_run_point, jobs, chunksize=1):
+                    rows.append(row)
+                    done()
+            return rows
 
         return run_processes
     if executor == "ray":
@@ -178,7 +191,10 @@ def _executor_map(
                 ray.init(num_cpus=workers, include_dashboard=False, log_to_driver=False)
             try:
                 remote = ray.remote(num_cpus=1)(_run_point)
-                return list(ray.get([remote.remote(job) for job in jobs]))
+                rows = list(ray.get([remote.remote(job) for job in jobs]))
+                for _ in rows:
+                    done()
+                return rows
             finally:
                 if started:
                     ray.shutdown()
@@ -198,9 +214,13 @@ def run_sweep(
     workers: int | None = None,
     executor: str = "process",
     cache: Path | None = None,
+    on_start: Callable[[int], None] | None = None,
+    on_done: Callable[[], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Every setting of ``templates`` x ``grid`` (and the undefended one) at ``seeds`` seeds
-    (``config.seed``, ``config.seed + 1``, ...), run independently; one row per run."""
+    (``config.seed``, ``config.seed + 1``, ...), run independently; one row per run.
+    ``on_start(runs)`` is called once the runs are known, ``on_done()`` as each ends (in
+    order, with the process executor; all at the end with Ray)."""
     ATTACKS.get(attack)  # refuse an unknown attack before anything runs
     if seeds < 1:
         raise ConfigError(f"--seeds must be >= 1. Found {seeds}.")
@@ -219,7 +239,9 @@ def run_sweep(
         for setting in settings
         for offset in range(seeds)
     ]
-    return _executor_map(jobs, workers=workers, executor=executor)()
+    if on_start is not None:
+        on_start(len(jobs))
+    return _executor_map(jobs, workers=workers, executor=executor, on_done=on_done)()
 
 
 def _mean_sd(values: Sequence[float]) -> tuple[float, float]:

@@ -472,7 +472,11 @@ def _training_flags(parser: argparse.ArgumentParser) -> Any:
         metavar="PATH",
         help="SQLite results store (default: results.sqlite beside DIR)",
     )
-    parser.add_argument("--overwrite", action="store_true", help="replace DIR/result.json")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace DIR/result.json (and with --checkpoint-every, a killed run's checkpoints)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     _capture_option(parser)
     return source
@@ -1211,6 +1215,12 @@ def _summary(result: Any, out: Path, payload: dict[str, Any]) -> str:
     if payload.get("privacy") is not None:
         lines.extend(_privacy_lines(payload["privacy"]))
     lines.extend(_fault_lines(payload.get("faults", [])))
+    checkpoints = payload.get("checkpoints") or {}
+    if checkpoints.get("resumed_from_step") is not None:
+        lines.append(
+            f"resumed from the checkpoints of step {checkpoints['resumed_from_step']} in "
+            f"{checkpoints['directory']}"
+        )
     settings = payload["config"].get("privacy") or {}
     if settings.get("secure_agg", "none") != "none":
         lines.append(_release_line(settings, payload.get("privacy")))
@@ -1401,6 +1411,11 @@ def run_train(args: argparse.Namespace) -> int:
         or _resumed_out(args)
         or Path("runs") / f"{config.method}-{config.data_name}-s{config.seed}"
     )
+    if args.resume is not None and (out / "result.json").exists() and not args.overwrite:
+        raise ConfigError(
+            f"{out} holds a finished run ({out / 'result.json'}): nothing to resume. Expected "
+            "--resume with the --out of a killed run."
+        )
     _check_output_dir(out, "result.json", overwrite=args.overwrite)
     _check_output_dir(out / MODEL_DIR, MANIFEST_FILE, overwrite=args.overwrite)
     store = _results_store(args, out)
@@ -1491,7 +1506,12 @@ def _checkpoint_plan(
     checkpoint to go on from, found and checked (the configuration, and with
     ``check_parties`` every party's files: in a deployment each party checks its own) before
     any data is read."""
-    from secure_vfl.checkpoints import CHECKPOINTS_DIR, CheckpointPlan, find_resume_point
+    from secure_vfl.checkpoints import (
+        CHECKPOINTS_DIR,
+        CheckpointPlan,
+        find_resume_point,
+        written_steps,
+    )
 
     if args.checkpoint_every is None and args.resume is None:
         if args.checkpoint_dir is not None:
@@ -1508,6 +1528,14 @@ def _checkpoint_plan(
     directory = args.checkpoint_dir or (
         resume.root if resume is not None else out / CHECKPOINTS_DIR
     )
+    steps = written_steps(directory, label_party) if resume is None else []
+    if steps and not args.overwrite:  # a fresh run would replace a killed run's checkpoints
+        again = out if directory == out / CHECKPOINTS_DIR else directory
+        raise ConfigError(
+            f"{directory} holds the checkpoints of an earlier run (its last of step "
+            f"{steps[-1]}); expected --resume {again} to go on from them, or --overwrite to "
+            "start afresh and replace them."
+        )
     return CheckpointPlan(
         directory=directory,
         every=args.checkpoint_every or 0,
@@ -1695,17 +1723,25 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     out: Path = args.out or Path("runs") / f"sweep-{args.attack}-{config.method}-{config.data_name}"
     _check_output_dir(out, "sweep.json", overwrite=args.overwrite)
     store = _results_store(args, out)
-    rows = run_sweep(
-        config,
-        args.attack,
-        templates=args.defense,
-        grid=parse_grid(args.grid),
-        seeds=args.seeds,
-        attacker=args.attacker,
-        workers=args.workers,
-        executor=args.executor,
-        cache=out.parent / ".undefended",
-    )
+    from tqdm import tqdm
+
+    bar = tqdm(total=0, desc=f"sweep {args.attack}", unit="run", disable=args.quiet, leave=False)
+    try:
+        rows = run_sweep(
+            config,
+            args.attack,
+            templates=args.defense,
+            grid=parse_grid(args.grid),
+            seeds=args.seeds,
+            attacker=args.attacker,
+            workers=args.workers,
+            executor=args.executor,
+            cache=out.parent / ".undefended",
+            on_start=lambda runs: bar.reset(total=runs),
+            on_done=lambda: bar.update(1),
+        )
+    finally:
+        bar.close()
     command = "secure-vfl " + " ".join(sys.argv[1:]) if sys.argv[1:] else "secure-vfl sweep"
     text, plots = write_sweep(rows, out, attack=args.attack, command=command)
     store.forget(out)  # a sweep written again replaces all its runs
@@ -2632,9 +2668,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _closed_pipe()
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived (``kill``, systemd, docker, a batch scheduler): raised in the main thread,
+    like KeyboardInterrupt on Ctrl-C, so that a file or directory being written is removed and
+    a sweep's workers are stopped, rather than the process dying where it stands."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+STOPPED = (
+    "what it had written stays, each file whole; nothing half-written is left (run the same "
+    "command with --overwrite to start again)"
+)
+
+
 def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    import signal
+    import threading
+
+    # A served party keeps the default: its peers see it gone, as when its machine stops.
+    catch = args.command != "party" and threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if catch else None
     try:
         if args.command == "train":
             return run_train(args)
@@ -2665,8 +2723,14 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"secure-vfl: error: {where}{error.strerror or error}", file=sys.stderr)
         return EXIT_OS
     except KeyboardInterrupt:
-        print("secure-vfl: interrupted; nothing was written.", file=sys.stderr)
+        print(f"secure-vfl: interrupted; {STOPPED}.", file=sys.stderr)
         return 130
+    except Terminated:
+        print(f"secure-vfl: terminated; {STOPPED}.", file=sys.stderr)
+        return 143
+    finally:
+        if catch and previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _closed_pipe() -> int:

@@ -13,13 +13,14 @@ write), is migrated in place on first use; a newer version than this code knows 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from secure_vfl.errors import ConfigError
+from secure_vfl.errors import ConfigError, OutputError
 from secure_vfl.io import check_directory
 from secure_vfl.runs import provenance, summarise
 
@@ -84,9 +85,11 @@ class ResultsStore:
         """Refuse (ConfigError) a path this store cannot use, before any run writes to it: a
         directory, a path under a file, a file that is not an SQLite database, another
         program's database (tables but no ``runs`` table), a ``runs`` table of another shape
-        or a newer schema; migrate the first schema in place. Creates nothing when there is no
-        store yet; with ``create=False`` (a command that only reads) it writes nothing to an
-        SQLite file that has no ``runs`` table yet either."""
+        or a newer schema, and for a command that writes (``create``) a file or folder this user
+        may not write in (SQLite writes its journal beside the file); migrate the first schema
+        in place. Creates nothing when there is no store yet; with ``create=False`` (a command
+        that only reads) it writes nothing to an SQLite file that has no ``runs`` table yet
+        either."""
         if self.path.is_dir():
             raise ConfigError(f"--store {self.path} is a directory; expected an SQLite file path.")
         if not self.path.exists():
@@ -101,6 +104,13 @@ class ResultsStore:
                     f"{header[:8]!r}); expected a results store written by secure-vfl or a new "
                     "path."
                 )
+        if create:
+            for what, path in (("the file", self.path), ("its folder", self.path.parent)):
+                if not os.access(path, os.W_OK):
+                    raise ConfigError(
+                        f"--store {self.path}: a results store this user may write expected; "
+                        f"{what} is read-only (a run would fail to record itself after its work)."
+                    )
         self._connect(create=create).close()
 
     def _connect(self, *, create: bool = True) -> sqlite3.Connection:
@@ -264,6 +274,11 @@ class ResultsStore:
                     row,
                 )
                 return int(cursor.lastrowid or 0)
+        except sqlite3.OperationalError as error:  # e.g. the disk is full
+            raise OutputError(
+                f"--store {self.path}: the run could not be recorded ({error}); its own outputs "
+                "were written."
+            ) from None
         finally:
             connection.close()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -149,3 +150,28 @@ def test_checkpoint_flags_that_cannot_apply_are_refused(
     assert main([*RUN, "--out", str(out), "--resume", str(tmp_path / "none")]) == 2
     assert "found none" in capsys.readouterr().err
     assert not out.exists() or not (out / "result.json").exists()
+
+
+def test_a_killed_runs_checkpoints_are_kept_and_a_finished_run_is_not_resumed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A fresh run into the --out of a killed one used to replace its checkpoints unasked;
+    --resume of a finished run got the generic 'result.json exists'; a resumed run's summary
+    did not say it resumed."""
+    run = tmp_path / "run"
+    argv = [*RUN, "--epochs", "1", "--checkpoint-every", "5", "--out", str(run)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main([*argv, "--resume", str(run)]) == 2
+    assert "holds a finished run" in capsys.readouterr().err
+    (run / "result.json").unlink()  # what a killed run leaves: its checkpoints, no result
+    shutil.rmtree(run / "model")
+    steps = written_steps(run / "checkpoints", "party-0")
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"holds the checkpoints of an earlier run (its last of step {steps[-1]})" in err
+    assert f"expected --resume {run} to go on from them, or --overwrite" in err
+    assert written_steps(run / "checkpoints", "party-0") == steps
+    assert main([*argv, "--resume", str(run)]) == 0
+    assert f"resumed from the checkpoints of step {steps[-1]} in" in capsys.readouterr().out
+    assert main([*argv, "--overwrite"]) == 0  # a fresh run, asked for

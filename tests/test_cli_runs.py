@@ -282,3 +282,24 @@ def test_compare_refuses_a_malformed_result_naming_the_file_and_the_field(
     assert main(["runs", "compare", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(tmp_path / "result.json") in err and message in err
+
+
+def test_a_store_this_user_may_not_write_is_refused_before_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It used to end in a traceback from sqlite after every output was written. (Root may
+    write anything: the check is os.access, stood in for here.)"""
+    import os
+
+    store = tmp_path / "stores" / "results.sqlite"
+    train(tmp_path / "first", "--store", str(store))
+    for read_only in (store, store.parent):
+        monkeypatch.setattr(os, "access", lambda path, mode, ro=read_only: Path(path) != ro)
+        argv = ["train", "--method", "laser", "--dataset", "wine", "--epochs", "1", "--quiet"]
+        assert main([*argv, "--out", str(tmp_path / "second"), "--store", str(store)]) == 2
+        err = capsys.readouterr().err
+        what = "the file" if read_only == store else "its folder"
+        assert f"a results store this user may write expected; {what} is read-only" in err, err
+        assert not (tmp_path / "second").exists()
+    monkeypatch.undo()
+    assert main(["runs", "list", "--store", str(store)]) == 0  # reading needs no write access

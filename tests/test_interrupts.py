@@ -1,0 +1,124 @@
+"""A command stopped by Ctrl-C (SIGINT) or SIGTERM sent to its own process only, as `timeout`,
+`kill`, systemd or a batch scheduler do: it exits promptly with 130 or 143 and one line, stops
+a sweep's worker processes, and leaves nothing half-written behind."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from secure_vfl.checkpoints import written_steps
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.processes  # real processes and signals: one at a time
+EXIT = {signal.SIGINT: 130, signal.SIGTERM: 143}
+WORDS = {signal.SIGINT: "interrupted", signal.SIGTERM: "terminated"}
+
+
+def _start(argv: list[str], cwd: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "secure_vfl", *argv],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own group: the signal reaches it alone, not the tests
+    )
+
+
+def _children(pid: int) -> set[int]:
+    """The live child processes of ``pid`` (Linux /proc)."""
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found |= {int(p) for p in (task / "children").read_text().split()}
+        except OSError:
+            continue
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+
+
+def _wait_for(condition: object, process: subprocess.Popen[str], what: str) -> None:
+    deadline = time.monotonic() + 240
+    while not condition():  # type: ignore[operator]
+        if process.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"{what} never happened: {process.communicate()[1]}")
+        time.sleep(0.05)
+
+
+def _stop_all(process: subprocess.Popen[str], workers: set[int]) -> None:
+    """Whatever the test found, nothing it started keeps running."""
+    for pid in [process.pid, *workers]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    process.wait(timeout=60)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_sweep_stopped_by_a_signal_to_its_own_process_stops_its_workers_and_exits(
+    tmp_path: Path, signum: signal.Signals
+) -> None:
+    argv = ["sweep", "--attack", "direct-label-inference", "--method", "laser", "--dataset"]
+    argv += ["digits", "--heads", "active", "--epochs", "50", "--workers", "2", "--seeds", "2"]
+    argv += ["--defense", "dp-gradients:SIGMA:0.01", "--grid", "SIGMA=0.5,1", "--quiet"]
+    argv += ["--top-model", "none", "--representation-dim", "10", "--out", "sweep"]
+    process = _start(argv, tmp_path)
+    workers: set[int] = set()
+    try:
+        _wait_for(lambda: len(_children(process.pid)) >= 2, process, "two workers")
+        time.sleep(3)  # the workers are inside their runs
+        workers = _children(process.pid)
+        process.send_signal(signum)
+        _, err = process.communicate(timeout=60)  # it used to hang here, joining its workers
+        assert process.returncode == EXIT[signum], err
+        assert f"secure-vfl: {WORDS[signum]}; what it had written stays" in err, err
+        assert "Traceback" not in err, err
+        deadline = time.monotonic() + 30
+        while any(_alive(pid) for pid in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in workers), "a worker outlived the sweep"
+        assert not (tmp_path / "sweep" / "sweep.json").exists()
+    finally:
+        _stop_all(process, workers)
+
+
+def test_a_train_terminated_mid_run_leaves_no_temporary_and_its_checkpoints_ask_for_resume(
+    tmp_path: Path,
+) -> None:
+    argv = ["train", "--method", "laser", "--dataset", "breast-cancer", "--epochs", "30"]
+    argv += ["--batch-size", "32", "--checkpoint-every", "1", "--quiet", "--out", "run"]
+    process = _start(argv, tmp_path)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    try:
+        _wait_for(lambda: written_steps(checkpoints, "party-0"), process, "a checkpoint")
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=60)
+        assert process.returncode == 143, err
+        assert "secure-vfl: terminated;" in err and "Traceback" not in err, err
+    finally:
+        _stop_all(process, set())
+    left = [p for p in (tmp_path / "run").rglob("*") if ".tmp" in p.name]
+    assert not left, f"temporaries left behind: {left}"
+    assert not (tmp_path / "run" / "result.json").exists()
+    # Run again without --resume: the killed run's checkpoints are not thrown away.
+    again = _start(argv, tmp_path)
+    _, err = again.communicate(timeout=120)
+    assert again.returncode == 2, err
+    assert "holds the checkpoints of an earlier run" in err and "expected --resume run" in err
+    assert written_steps(checkpoints, "party-0")
