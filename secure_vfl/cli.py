@@ -1426,7 +1426,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     def on_start(total: int) -> None:
         nonlocal bar
-        bar = tqdm(total=total, desc=config.method, unit="step", disable=args.quiet, leave=False)
+        bar = tqdm(total=total, desc=config.method, unit="step", disable=_no_bar(args), leave=False)
 
     def on_step(step: int, loss: float) -> None:
         bar.update(step - bar.n)  # a resumed run starts past step 0
@@ -1657,7 +1657,7 @@ def run_attack_command(args: argparse.Namespace) -> int:
 
     def on_start(total: int) -> None:
         nonlocal bar
-        bar = tqdm(total=total, desc=name, unit="step", disable=args.quiet, leave=False)
+        bar = tqdm(total=total, desc=name, unit="step", disable=_no_bar(args), leave=False)
 
     def on_step(step: int, loss: float) -> None:
         bar.update(1)
@@ -1725,7 +1725,7 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     store = _results_store(args, out)
     from tqdm import tqdm
 
-    bar = tqdm(total=0, desc=f"sweep {args.attack}", unit="run", disable=args.quiet, leave=False)
+    bar = tqdm(total=0, desc=f"sweep {args.attack}", unit="run", disable=_no_bar(args), leave=False)
     try:
         rows = run_sweep(
             config,
@@ -1869,7 +1869,9 @@ def run_impute(args: argparse.Namespace) -> int:
 
     def on_start(rounds: int) -> None:
         nonlocal bar
-        bar = tqdm(total=rounds, desc=config.method, unit="round", disable=args.quiet, leave=False)
+        bar = tqdm(
+            total=rounds, desc=config.method, unit="round", disable=_no_bar(args), leave=False
+        )
 
     def on_round(round: int, rmse: float) -> None:
         bar.update(1)
@@ -1995,7 +1997,7 @@ def run_impute_deployed(args: argparse.Namespace) -> int:
     out: Path = args.out or Path("runs") / f"impute-{config.method}-deployed-s{config.seed}"
     _check_output_dir(out, "result.json", overwrite=args.overwrite)
     store = _results_store(args, out)
-    bar = tqdm(total=0, desc=config.method, unit="round", disable=args.quiet, leave=False)
+    bar = tqdm(total=0, desc=config.method, unit="round", disable=_no_bar(args), leave=False)
 
     def on_round(round: int, rmse: float) -> None:
         bar.update(1)
@@ -2594,7 +2596,7 @@ def run_train_deployed(args: argparse.Namespace) -> int:
     checkpoints = _checkpoint_plan(  # the label party's checkpoint; each party checks its own
         args, config, out, label_party=federation.label_party, check_parties=False
     )
-    bar = tqdm(total=0, desc=config.method, unit="step", disable=args.quiet, leave=False)
+    bar = tqdm(total=0, desc=config.method, unit="step", disable=_no_bar(args), leave=False)
     with _run_warnings() as noted, _capture(args.capture) as capture:
         try:
             result = train_deployed(
@@ -2666,6 +2668,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.flush()
     except BrokenPipeError:
         return _closed_pipe()
+
+
+def _no_bar(args: argparse.Namespace) -> bool | None:
+    """tqdm's ``disable``: off with ``--quiet``; otherwise shown only when stderr is a terminal
+    (None), so a log file gets no carriage-return frames."""
+    return True if args.quiet else None
 
 
 class Terminated(BaseException):
