@@ -184,8 +184,11 @@ def _check_adjacency(adjacency: str) -> None:
         )
 
 
-OPTIMAL_ORDER_WARNING = "Optimal order is the largest alpha"
-"""What Opacus warns when an RDP bound is best at the largest order of its grid."""
+OPTIMAL_ORDER_WARNING = "Optimal order is the (largest|smallest) alpha"
+"""What Opacus warns (a pattern) when an RDP bound is best at an end of its grid of orders: the
+largest for much noise (a small epsilon), the smallest for little (an epsilon in the hundreds
+or more, which protects nothing). The bound is valid either way, looser than a wider grid would
+give, never lower."""
 
 
 def price(
@@ -233,9 +236,10 @@ def _rdp_epsilon(history: Sequence[tuple[float, float, int]], delta: float) -> f
 
     rdp = sum([_rdp_of_one_step(sigma, rate) * steps for sigma, rate, steps in history])
     with warnings.catch_warnings():
-        # A large multiplier's best order is the grid's last: the epsilon is then a valid
-        # bound, looser than a wider grid would give (never lower), and what every report of
-        # this library states (RDP over Opacus' default orders). Not the user's to act on.
+        # A large (small) multiplier's best order is the grid's last (first): the epsilon is
+        # then a valid bound, looser than a wider grid would give (never lower), and what every
+        # report of this library states (RDP over Opacus' default orders). Not the user's to
+        # act on; a sweep's workers printed it once per run and epoch.
         warnings.filterwarnings("ignore", message=OPTIMAL_ORDER_WARNING)
         epsilon, _ = rdp_analysis.get_privacy_spent(
             orders=RDPAccountant.DEFAULT_ALPHAS, rdp=rdp, delta=delta

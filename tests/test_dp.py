@@ -17,7 +17,6 @@ from opacus.accountants import PRVAccountant, RDPAccountant
 from torch import nn
 
 from protocols.dp import (
-    OPTIMAL_ORDER_WARNING,
     EmbeddingNoise,
     GaussianRelease,
     GradientNoise,
@@ -93,18 +92,22 @@ def test_price_equals_opacus_accountant_stepped_with_the_same_releases(
     assert price([(0.0, 0.1, 1)], DELTA, accountant="rdp") == math.inf
 
 
-def test_pricing_a_large_multiplier_gives_opacus_bound_without_its_warning() -> None:
-    # At sigma 20 the RDP bound is best at the grid's largest order: Opacus warns (the control),
-    # pricing gives the same, valid epsilon and keeps the warning from the user.
+@pytest.mark.parametrize(
+    ("history", "end"), [((20.0, 1.0, 1), "largest"), ((0.3, 1.0, 1000), "smallest")]
+)
+def test_pricing_at_an_end_of_the_orders_gives_opacus_bound_without_its_warning(
+    history: tuple[float, float, int], end: str
+) -> None:
+    # At sigma 20 the RDP bound is best at the grid's largest order, at sigma 0.3 over 1000
+    # steps at its smallest: Opacus warns (the control), pricing gives the same, valid epsilon
+    # and keeps the warning from the user.
     reference = RDPAccountant()
-    reference.step(noise_multiplier=20.0, sample_rate=1.0)
-    with pytest.warns(UserWarning, match=OPTIMAL_ORDER_WARNING):
+    reference.history = [history]
+    with pytest.warns(UserWarning, match=f"Optimal order is the {end} alpha"):
         expected = reference.get_epsilon(delta=DELTA)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert price([(20.0, 1.0, 1)], DELTA, accountant="rdp") == pytest.approx(
-            expected, rel=1e-12
-        )
+        assert price([history], DELTA, accountant="rdp") == pytest.approx(expected, rel=1e-12)
 
 
 def test_releases_about_the_same_records_form_one_gaussian_with_the_joint_multiplier() -> None:
