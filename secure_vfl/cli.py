@@ -308,9 +308,10 @@ def _training_flags(parser: argparse.ArgumentParser) -> Any:
     parser.add_argument(
         "--heads",
         choices=["all", "active"],
-        default="all",
-        help="LASER-VFL: a head at every party (the paper's setting), or only at the label "
-        "party (the single-label-party threat model)",
+        default=None,
+        help="a head at every party (laser, local, ensemble, combinatorial; the LASER paper's "
+        "setting and the default), or only at the label party (the single-label-party threat "
+        "model; what standard, plugvfl and FALSE-VFL always have)",
     )
     parser.add_argument(
         "--batching",
@@ -1081,10 +1082,15 @@ def _train_config(args: argparse.Namespace) -> Any:
         )
     train_missing = args.missing_train or f"mcar:{args.p_miss_train or 0.0:g}"
     tests = [f"mcar:{p:g}" for p in args.p_miss_test or []] + list(args.missing_test or [])
-    from secure_vfl.methods import MethodConfig
+    from secure_vfl.methods import ONE_HEAD_METHODS, MethodConfig
 
+    if args.heads == "all" and args.method in ONE_HEAD_METHODS:
+        raise ConfigError(
+            f"--heads all: {args.method} trains one head, the label party's. Expected --heads "
+            "active or no --heads."
+        )
     method_config = MethodConfig(
-        heads=args.heads,
+        heads=args.heads or "all",
         batching=args.batching,
         epochs=args.epochs,
         batch_size=args.batch_size,

@@ -6,7 +6,7 @@ import functools
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -49,7 +49,8 @@ from secure_vfl.metrics import accuracy, f1
 class TrainConfig:
     """Everything that defines a training run; validated on construction, but for the dataset's
     name, which loading the data checks (a run given its data, ``run_training(config,
-    data=...)``, may name data no registry holds).
+    data=...)``, may name data no registry holds). Under standard, plugvfl and FALSE-VFL only
+    the label party holds a head: their ``method_config.heads`` is set to ``"active"``.
 
     With party files, the test rows are the ids of ``test_file`` (a label file of held-out ids,
     their features in the same party files), or a stratified ``test_fraction`` of the label
@@ -87,6 +88,10 @@ class TrainConfig:
                 f"`method` must be one of {', '.join(methods.METHODS.names())}. "
                 f"Found {self.method!r}."
             )
+        if self.method in methods.ONE_HEAD_METHODS and self.method_config.heads != "active":
+            # what is true of the run, and what its result and saved model record
+            heads = replace(self.method_config, heads="active")
+            checks.store(self, {"method_config": heads})
         own_files = bool(self.party_files) or self.label_file is not None
         if (self.dataset is None) == (not own_files):
             raise ConfigError(

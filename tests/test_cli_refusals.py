@@ -337,3 +337,21 @@ def test_impute_flags_that_contradict_client_files_are_refused(
     for path in parties:
         argv += ["--client-file", str(path)]
     assert message in refused([*argv, *extra], capsys)
+
+
+@pytest.mark.parametrize("method", ["standard", "plugvfl", "false-vfl-1"])
+def test_heads_all_with_a_one_head_method_is_refused_and_the_run_records_active(
+    method: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--heads all was accepted and ignored, and result.json recorded heads 'all' for a
+    method whose only head is the label party's."""
+    argv = ["train", "--method", method, "--dataset", "wine", "--epochs", "1", "--quiet"]
+    err = refused([*argv, "--heads", "all", "--out", str(tmp_path / "a")], capsys)
+    assert f"--heads all: {method} trains one head, the label party's." in err
+    assert not (tmp_path / "a").exists()
+    from secure_vfl.experiment import TrainConfig
+    from secure_vfl.methods import MethodConfig
+
+    config = TrainConfig(method=method, dataset="wine", method_config=MethodConfig(heads="all"))
+    assert config.method_config.heads == "active"  # what the library records for it
+    assert TrainConfig(method="laser", dataset="wine").method_config.heads == "all"

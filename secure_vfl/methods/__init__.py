@@ -3,4 +3,16 @@
 from secure_vfl.methods import baselines, false_vfl, laser
 from secure_vfl.methods.base import METHODS, PARTY_MODELS, Method, MethodConfig
 
-__all__ = ["METHODS", "PARTY_MODELS", "Method", "MethodConfig", "baselines", "false_vfl", "laser"]
+ONE_HEAD_METHODS = ("standard", "plugvfl", "false-vfl-1", "false-vfl-2")
+"""The methods whose only head is the label party's, whatever ``MethodConfig.heads`` says."""
+
+__all__ = [
+    "METHODS",
+    "ONE_HEAD_METHODS",
+    "PARTY_MODELS",
+    "Method",
+    "MethodConfig",
+    "baselines",
+    "false_vfl",
+    "laser",
+]
