@@ -77,7 +77,8 @@ def _readdressed(messages: list[Any]) -> list[Any]:
 
 def serve(spec_path: str) -> int:
     """The server process: an endpoint that acts on each message by dropping it."""
-    from secure_vfl.federation.network import PartyEndpoint, TlsIdentity
+    from secure_vfl.federation.certificates import TlsIdentity
+    from secure_vfl.federation.network import PartyEndpoint
 
     spec = json.loads(Path(spec_path).read_text())
     identity = None
@@ -123,8 +124,9 @@ def _median_seconds(run: Callable[[], object], count: int, repeats: int) -> floa
 
 def _senders(directory: Path, certs: Path) -> dict[str, tuple[Callable[[Any], object], Any]]:
     """For each transport, a function that carries one message, and what to stop afterwards."""
+    from secure_vfl.federation.certificates import TlsIdentity
     from secure_vfl.federation.channel import InProcessTransport
-    from secure_vfl.federation.network import PartyEndpoint, TlsIdentity
+    from secure_vfl.federation.network import PartyEndpoint
 
     senders: dict[str, tuple[Callable[[Any], object], Any]] = {}
     local = InProcessTransport()

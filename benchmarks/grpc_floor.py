@@ -59,7 +59,8 @@ def serve(transport: str, certs: Path) -> int:
     arrives on stdin."""
     import grpc
 
-    from secure_vfl.federation.network import PartyEndpoint, TlsIdentity
+    from secure_vfl.federation.certificates import TlsIdentity
+    from secure_vfl.federation.network import PartyEndpoint
 
     if transport == "endpoint":
         identity = TlsIdentity.from_files(
@@ -106,7 +107,8 @@ def _sender(transport: str, certs: Path, address: str) -> tuple[Callable[[Any], 
     import grpc
 
     from secure_vfl.federation import wire
-    from secure_vfl.federation.network import PartyEndpoint, TlsIdentity
+    from secure_vfl.federation.certificates import TlsIdentity
+    from secure_vfl.federation.network import PartyEndpoint
 
     if transport == "endpoint":
         identity = TlsIdentity.from_files(

@@ -55,7 +55,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from secure_vfl.errors import ConfigError
-from secure_vfl.federation.network import (
+from secure_vfl.federation.certificates import (
     UNREADABLE_PEM,
     Problem,
     check_party_name,

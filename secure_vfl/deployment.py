@@ -142,15 +142,11 @@ from secure_vfl.errors import (
 )
 from secure_vfl.federation.aggregator import PlainAggregator, SealingScheme, SumBackend
 from secure_vfl.federation.alignment import Alignment, JoinAligner, check_unique_ids
+from secure_vfl.federation.certificates import TlsIdentity
 from secure_vfl.federation.channel import Channel, Readmission
 from secure_vfl.federation.federation_file import Federation
 from secure_vfl.federation.messages import AGGREGATOR, DeploymentMessage, Message
-from secure_vfl.federation.network import (
-    PROBE_SECONDS,
-    NetworkChannel,
-    PartyEndpoint,
-    TlsIdentity,
-)
+from secure_vfl.federation.network import PROBE_SECONDS, NetworkChannel, PartyEndpoint
 from secure_vfl.federation.parties import ROLES, DataParty, Party, make_aggregation_server
 from secure_vfl.io import atomic_directory, check_directory, check_keys, parse_json
 from secure_vfl.saved_model import (

@@ -29,8 +29,9 @@ import numpy as np
 
 from secure_vfl.errors import SecureVFLError
 from secure_vfl.federation import wire
+from secure_vfl.federation.certificates import TlsIdentity
 from secure_vfl.federation.channel import CAPTURE_LENGTH, read_capture
-from secure_vfl.federation.network import NetworkChannel, PartyEndpoint, RetryPolicy, TlsIdentity
+from secure_vfl.federation.network import NetworkChannel, PartyEndpoint, RetryPolicy
 from secure_vfl.io import atomic_write_json
 
 

@@ -32,15 +32,11 @@ from secure_vfl.data.party_files import read_party_file
 from secure_vfl.deployment import _row_mapping, fit_served_preprocessing
 from secure_vfl.errors import ConfigError, ProtocolError
 from secure_vfl.federation import network, wire
+from secure_vfl.federation.certificates import TlsIdentity
 from secure_vfl.federation.channel import read_capture
 from secure_vfl.federation.federation_file import read_federation
 from secure_vfl.federation.messages import DeploymentMessage, Message
-from secure_vfl.federation.network import (
-    NetworkChannel,
-    PartyEndpoint,
-    TlsIdentity,
-    free_loopback_ports,
-)
+from secure_vfl.federation.network import NetworkChannel, PartyEndpoint, free_loopback_ports
 
 pytestmark = pytest.mark.processes  # party processes, loopback endpoints, deadlines
 

@@ -21,8 +21,9 @@ from protocols import tls
 from secure_vfl.cli import main
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation import network
+from secure_vfl.federation.certificates import covers_host
 from secure_vfl.federation.federation_file import read_federation
-from secure_vfl.federation.network import covers_host, free_loopback_ports
+from secure_vfl.federation.network import free_loopback_ports
 
 WAIT = "30"
 

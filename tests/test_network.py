@@ -29,6 +29,7 @@ from protocols import tls
 from secure_vfl.deployment import private_paths
 from secure_vfl.errors import ConfigError, NotSetUpError, ProtocolError, TransportError
 from secure_vfl.federation import network, wire
+from secure_vfl.federation.certificates import TlsIdentity
 from secure_vfl.federation.channel import CAPTURE_LENGTH, read_capture
 from secure_vfl.federation.messages import (
     GradientMessage,
@@ -43,7 +44,6 @@ from secure_vfl.federation.network import (
     NetworkChannel,
     PartyEndpoint,
     RetryPolicy,
-    TlsIdentity,
 )
 from secure_vfl.federation.parties import Party
 

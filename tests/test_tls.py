@@ -19,7 +19,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from protocols import tls
 from secure_vfl.cli import main
 from secure_vfl.errors import ConfigError, OutputError
-from secure_vfl.federation.network import TlsIdentity, certificate_name
+from secure_vfl.federation.certificates import TlsIdentity, certificate_name
 
 PARTIES = ("bank", "shop")
 

@@ -49,8 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from secure_vfl.errors import ConfigError
-from secure_vfl.federation.messages import AGGREGATOR
-from secure_vfl.federation.network import (
+from secure_vfl.federation.certificates import (
     TlsIdentity,
     check_party_name,
     covers_host,
@@ -59,6 +58,7 @@ from secure_vfl.federation.network import (
     ip_host,
     read_certificate,
 )
+from secure_vfl.federation.messages import AGGREGATOR
 from secure_vfl.io import decimal
 
 logger = logging.getLogger(__name__)

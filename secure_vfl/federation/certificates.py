@@ -1,0 +1,348 @@
+"""Party names, hosts and the X.509 certificates of mutual TLS: what a party's certificate must
+be for every peer's handshake to accept it, checked before a party listens or connects
+(:func:`identity_problems`, :class:`TlsIdentity`) and by ``secure-vfl certs``
+(:mod:`protocols.tls`). No gRPC and no torch here: the certificate tools load in a moment."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import ipaddress
+import re
+import stat
+from collections.abc import Sequence
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, ed448, ed25519, rsa
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from secure_vfl.errors import ConfigError
+
+_PARTY_NAME = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
+MAX_HOST_LENGTH = 253
+_HOST_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def check_party_name(name: str) -> str:
+    """``name`` if it can name a party on the network (a lower-case DNS label: letters, digits,
+    inner hyphens, at most 63 characters; it goes into certificates as a DNS name), else
+    ConfigError."""
+    if not isinstance(name, str) or not _PARTY_NAME.fullmatch(name):
+        raise ConfigError(
+            "a party name of lower-case letters, digits and inner hyphens (at most 63 "
+            f"characters) expected. Found {name!r}."
+        )
+    return name
+
+
+# What cryptography raises for PEM bytes that are not a readable certificate or key.
+UNREADABLE_PEM = (
+    ValueError,
+    TypeError,
+    UnsupportedAlgorithm,
+    x509.DuplicateExtension,
+    x509.UnsupportedGeneralNameType,
+)
+
+
+def parse_certificate(pem: bytes) -> x509.Certificate:
+    """The PEM certificate ``pem`` with every part the checks read parsed now: cryptography
+    parses a certificate's public key, names and extensions only when they are first read, so
+    a malformed one fails here (one of :data:`UNREADABLE_PEM`), not in whatever reads it first."""
+    certificate = x509.load_pem_x509_certificate(pem)
+    certificate.public_key()
+    for part in ("extensions", "subject", "issuer", "not_valid_before_utc", "not_valid_after_utc"):
+        getattr(certificate, part)
+    return certificate
+
+
+def read_certificate(pem: bytes, where: str) -> x509.Certificate:
+    """:func:`parse_certificate`, or ConfigError naming ``where``."""
+    try:
+        return parse_certificate(pem)
+    except UNREADABLE_PEM as error:
+        raise ConfigError(f"{where}: a PEM certificate expected: {error}") from error
+
+
+def same_key(certificate: x509.Certificate, key: object) -> bool:
+    """Whether ``key`` is the private key of ``certificate`` (their public keys are equal)."""
+    public = getattr(key, "public_key", None)
+    if public is None:
+        return False
+    spki = (serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return bool(public().public_bytes(*spki) == certificate.public_key().public_bytes(*spki))
+
+
+def certificate_name(pem: bytes, where: str = "a certificate") -> str:
+    """The party a PEM certificate names: its subject's common name. ConfigError if it is not a
+    readable certificate, or names none or more than one (``where`` says which, in errors)."""
+    subject = read_certificate(pem, where).subject
+    names = [a.value for a in subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    if len(names) != 1 or not isinstance(names[0], str):
+        raise ConfigError(f"{where}: a certificate with one common name expected. Found {names}.")
+    return names[0]
+
+
+def host_problem(host: str) -> str | None:
+    """Why ``host`` is not a DNS host name (for an address or a certificate), or None when it is
+    one: dot-separated labels of 1 to 63 ASCII letters, digits and inner hyphens, at most 253
+    characters in all, the last label not all digits (``256.1.1.1`` is a mistyped IP address,
+    not a name; RFC 1123 section 2.1)."""
+    if not host:
+        return "it is empty"
+    if not host.isascii():
+        return (
+            "it is not ASCII; write an internationalised name in its IDNA A-label form "
+            "(xn--..., as `idn2 NAME` prints it)"
+        )
+    if len(host) > MAX_HOST_LENGTH:
+        return f"it has {len(host)} characters, at most {MAX_HOST_LENGTH} expected"
+    labels = host.split(".")
+    for label in labels:
+        if not _HOST_LABEL.fullmatch(label):
+            return (
+                f"its label {label!r} is not 1 to 63 letters, digits and inner hyphens"
+                if label
+                else "it has an empty label (a dot at either end, or two dots in a row)"
+            )
+    if labels[-1].isdigit():
+        return "it is not an IP address, and a host name's last label is not all digits"
+    return None
+
+
+# -- what stops a certificate from a handshake (`certs check` and a party's start-up) --------
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a federation's certificates: the file and what is wrong with it."""
+
+    path: Path
+    what: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.what}"
+
+
+def validity_problems(
+    path: Path, certificate: x509.Certificate, now: datetime.datetime
+) -> list[Problem]:
+    """A problem if ``certificate`` (at ``path``) is not valid at ``now``."""
+    start, end = certificate.not_valid_before_utc, certificate.not_valid_after_utc
+    if now < start:
+        return [Problem(path, f"not valid yet: valid from {start:%Y-%m-%d %H:%M} UTC.")]
+    if now > end:
+        return [Problem(path, f"expired on {end:%Y-%m-%d %H:%M} UTC.")]
+    return []
+
+
+def issuer_problems(
+    path: Path, certificate: x509.Certificate, ca: x509.Certificate
+) -> list[Problem]:
+    """A problem unless ``ca`` issued ``certificate`` (its name and its signature)."""
+    if certificate.issuer != ca.subject:
+        return [
+            Problem(
+                path,
+                f"issued by {certificate.issuer.rfc4514_string()!r}, not by this federation's CA "
+                f"{ca.subject.rfc4514_string()!r}.",
+            )
+        ]
+    try:
+        certificate.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        return [
+            Problem(path, "not signed by this federation's CA (the signature does not verify).")
+        ]
+    return []
+
+
+def _alternative_names(certificate: x509.Certificate) -> x509.SubjectAlternativeName | None:
+    try:
+        return certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return None
+
+
+def dns_names(certificate: x509.Certificate) -> list[str]:
+    """The DNS names among ``certificate``'s subject alternative names."""
+    names = _alternative_names(certificate)
+    return [] if names is None else list(names.get_values_for_type(x509.DNSName))
+
+
+def name_problems(
+    path: Path, certificate: x509.Certificate, name: str, parties: Sequence[str]
+) -> list[Problem]:
+    """Problems unless ``certificate`` names party ``name`` (its common name and a DNS name),
+    names none of the other ``parties``, and its other DNS names are host names."""
+    problems = []
+    common = [a.value for a in certificate.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    if common != [name]:
+        problems.append(Problem(path, f"common name {name!r} expected, found {common}."))
+    dns = dns_names(certificate)
+    if name not in dns:
+        problems.append(Problem(path, f"{name!r} is not among its DNS names {dns}."))
+    others = sorted({host.lower() for host in dns} & (set(parties) - {name}))
+    if others:
+        problems.append(
+            Problem(path, f"it also names the parties {others}: it would pass for them.")
+        )
+    for host in dns:
+        problem = None if host == name else host_problem(host)  # a party name is checked apart
+        if problem is not None:
+            problems.append(Problem(path, f"its DNS name {host!r} is not a host name: {problem}."))
+    return problems
+
+
+def usage_problems(path: Path, certificate: x509.Certificate) -> list[Problem]:
+    """A problem unless ``certificate`` may serve TLS servers and clients both."""
+    try:
+        usages = certificate.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        return []  # no restriction: any usage
+    needed = {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
+    if not needed <= set(usages):
+        return [Problem(path, "TLS server and client authentication usages expected.")]
+    return []
+
+
+def _key_kind(key: object) -> str:
+    """What kind of key ``key`` is, in words: its algorithm, and its curve or size."""
+    if isinstance(key, ec.EllipticCurvePrivateKey):
+        return f"an EC key on {key.curve.name}"
+    if isinstance(key, rsa.RSAPrivateKey):
+        return f"an RSA key of {key.key_size} bits"
+    if isinstance(key, ed25519.Ed25519PrivateKey):
+        return "an Ed25519 key"
+    if isinstance(key, ed448.Ed448PrivateKey):
+        return "an Ed448 key"
+    return f"a {type(key).__name__}"
+
+
+def key_type_problems(path: Path, key: object) -> list[Problem]:
+    """A problem unless ``key`` is an EC P-256 key: gRPC's TLS (BoringSSL) completes no handshake
+    with an Ed25519 certificate (tested with grpcio 1.85.1)."""
+    if isinstance(key, ec.EllipticCurvePrivateKey) and isinstance(key.curve, ec.SECP256R1):
+        return []
+    return [
+        Problem(
+            path,
+            f"an EC P-256 key expected, found {_key_kind(key)}: gRPC's TLS (BoringSSL) "
+            "completes no handshake with it.",
+        )
+    ]
+
+
+def covers_host(certificate: x509.Certificate, host: str) -> bool:
+    """Whether ``certificate`` names ``host`` (an IP address or a DNS host name, as in an
+    address) among its subject alternative names, as a standard TLS client checks it: an IP
+    address as an IP address entry, a name as a DNS entry (case-insensitive). The loopback names
+    stand for each other, as they do on every machine: ``localhost`` is covered by an IP address
+    entry 127.0.0.1 or ::1, and those addresses by a ``localhost`` DNS entry (not another
+    127.x.y.z address: ``localhost`` does not resolve to it)."""
+    names = _alternative_names(certificate)
+    if names is None:
+        return False
+    ips = set(names.get_values_for_type(x509.IPAddress))
+    dns = [name.lower() for name in names.get_values_for_type(x509.DNSName)]
+    address = ip_host(host)
+    if address is not None:
+        return address in ips or (address in _LOCALHOST and "localhost" in dns)
+    wanted = host.lower()
+    return wanted in dns or (wanted == "localhost" and bool(ips & _LOCALHOST))
+
+
+_LOCALHOST = {ipaddress.ip_address("127.0.0.1"), ipaddress.ip_address("::1")}
+
+
+def ip_host(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP address ``host`` writes (an IPv6 one without its zone), or None for a name."""
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.scope_id:
+        return ipaddress.IPv6Address(str(address).split("%", 1)[0])
+    return address
+
+
+def identity_problems(
+    identity: TlsIdentity,
+    name: str,
+    *,
+    files: tuple[Path, Path, Path],
+    parties: Sequence[str] = (),
+    now: datetime.datetime | None = None,
+) -> list[Problem]:
+    """What stops party ``name`` with ``identity`` (read by :meth:`TlsIdentity.from_files`
+    from ``files``: the CA's certificate, the party's certificate and key) from any TLS
+    handshake in its federation: the CA or the certificate not valid at ``now``, a
+    certificate the CA did not sign, one that does not name the party (or names another of
+    ``parties`` too), one without both TLS usages, a key type gRPC cannot use. The checks of
+    ``secure-vfl certs check`` that a handshake depends on."""
+    now = now if now is not None else datetime.datetime.now(datetime.UTC)
+    ca_path, certificate_path, key_path = files
+    ca = read_certificate(identity.ca, str(ca_path))
+    certificate = read_certificate(identity.certificate, str(certificate_path))
+    key = serialization.load_pem_private_key(identity.key, None)
+    return [
+        *validity_problems(ca_path, ca, now),
+        *validity_problems(certificate_path, certificate, now),
+        *issuer_problems(certificate_path, certificate, ca),
+        *name_problems(certificate_path, certificate, name, parties),
+        *usage_problems(certificate_path, certificate),
+        *key_type_problems(key_path, key),
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class TlsIdentity:
+    """A party's TLS material, PEM: the federation CA's certificate (which every peer's must be
+    signed by), the party's certificate and its private key."""
+
+    ca: bytes
+    certificate: bytes
+    key: bytes = dataclasses.field(repr=False)
+
+    @classmethod
+    def from_files(cls, ca: Path, certificate: Path, key: Path) -> TlsIdentity:
+        """Read the three files; ConfigError if one is missing or is not PEM of its kind, if the
+        key file lets anyone but its owner read it, or if the key is not the certificate's."""
+        for path in (ca, certificate, key):
+            if not path.is_file():
+                raise ConfigError(f"a PEM file expected at {path}. Found none.")
+        mode = stat.S_IMODE(key.stat().st_mode)
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ConfigError(
+                f"{key} has mode {mode:04o}: others may read the private key. Expected 0600 "
+                f"(chmod 600 {key})."
+            )
+        identity = cls(ca.read_bytes(), certificate.read_bytes(), key.read_bytes())
+        identity._check(ca, certificate, key)
+        return identity
+
+    def _check(self, ca: Path, certificate: Path, key: Path) -> None:
+        """ConfigError, naming the file, unless the CA and the certificate are PEM certificates
+        and the key is the certificate's private key: gRPC would only say that it cannot
+        listen, or fail every handshake."""
+        read_certificate(self.ca, str(ca))
+        mine = read_certificate(self.certificate, str(certificate))
+        try:
+            private = serialization.load_pem_private_key(self.key, None)
+        except UNREADABLE_PEM as error:
+            raise ConfigError(
+                f"{key}: a PEM private key without a passphrase expected: {error}"
+            ) from error
+        if not same_key(mine, private):
+            raise ConfigError(
+                f"{key} is not the private key of {certificate} (their public keys differ). "
+                "`secure-vfl certs check` lists what is wrong with a set."
+            )
+
+    @property
+    def name(self) -> str:
+        """The party this identity's certificate names."""
+        return certificate_name(self.certificate, "this party's certificate")
