@@ -20,7 +20,7 @@ from test_deploy import PARTIES, write_federation, write_party_files
 from protocols import tls
 from secure_vfl.cli import main
 from secure_vfl.errors import ConfigError
-from secure_vfl.federation import network
+from secure_vfl.federation import certificates, federation_file
 from secure_vfl.federation.certificates import covers_host
 from secure_vfl.federation.federation_file import read_federation
 from secure_vfl.federation.network import free_loopback_ports
@@ -272,7 +272,7 @@ def test_ip_addresses_and_host_names_are_accepted(tmp_path: Path, host: str) -> 
 
 
 def test_certificates_and_addresses_check_hosts_by_one_rule() -> None:
-    assert tls.host_problem is network.host_problem
+    assert tls.host_problem is certificates.host_problem is federation_file.host_problem
 
 
 # -- 5. the label party's and a data party's own files ----------------------------------------
