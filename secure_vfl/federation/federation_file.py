@@ -147,7 +147,7 @@ class Federation:
         party's key is opened), checked before the party listens or connects: ConfigError
         naming this file, the party and what is wrong unless the certificate is valid now,
         signed by this file's CA, names the party (and no other member) and takes its key, as
-        every peer's handshake needs (:func:`~secure_vfl.federation.network.
+        every peer's handshake needs (:func:`~secure_vfl.federation.certificates.
         identity_problems`). A certificate whose subject alternative names do not cover the
         host of the party's address is only warned of: peers check the party's name, not the
         host (gRPC's ``ssl_target_name_override``), but standard TLS tools check the host."""
