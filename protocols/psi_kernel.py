@@ -260,9 +260,13 @@ class ScalarPool:
 def _worker_context() -> BaseContext | None:
     """Fork on Linux: a worker starts in ~30 ms with this process's modules already imported,
     even where the caller itself was spawned; a spawned one imports only this module (no torch)
-    but still takes ~0.2 s. Elsewhere the platform's default (spawn on macOS and Windows, where
-    fork is unsafe or missing)."""
-    return multiprocessing.get_context("fork") if sys.platform == "linux" else None
+    but still takes ~0.2 s. Spawn where gRPC is loaded (a deployed party): forking a process
+    whose gRPC threads run crashes the children (gRPC's fork handlers are off by default), as
+    every deployed PSI of 2048 ids or more did. Elsewhere the platform's default (spawn on
+    macOS and Windows, where fork is unsafe or missing)."""
+    if sys.platform != "linux":
+        return None
+    return multiprocessing.get_context("spawn" if "grpc" in sys.modules else "fork")
 
 
 def mask_points(

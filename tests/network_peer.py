@@ -84,7 +84,7 @@ def psi(endpoint: PartyEndpoint, spec: dict[str, Any], result: dict[str, Any]) -
     requester_rng, responder_rng = np.random.default_rng(spec["seed"]).spawn(2)
     channel = NetworkChannel(endpoint)
     ids = [str(i) for i in spec["ids"]]
-    options = {"workers": 1, "chunk_size": int(spec["chunk_size"])}
+    options = {"workers": int(spec.get("workers", 1)), "chunk_size": int(spec["chunk_size"])}
     if spec["program"] == "psi-requester":
         requester = PsiRequester(ids, name=endpoint.name, rng=requester_rng, **options)
         requester.connect(channel)

@@ -493,7 +493,10 @@ def test_dh_psi_between_two_processes_finds_the_in_process_intersection(
     mine = [f"id{i}" for i in rng.permutation(3000)]
     theirs = [f"id{i}" for i in rng.permutation(np.arange(2000, 5000))][:2500]
     keys = {"requester": "11" * 32, "responder": "22" * 32}
-    common = {"certs": str(certs), "seed": 9, "chunk_size": 256, "session": "psi-1"}
+    # Two workers each: 3000 points start a pool of worker processes, inside a process whose
+    # gRPC threads run (forking it crashed the workers: they are spawned there).
+    common = {"certs": str(certs), "seed": 9, "chunk_size": 4096, "session": "psi-1"}
+    common["workers"] = 2
     requester = launcher.start(
         "requester", "psi-requester", ids=mine, peer="responder", key=keys["requester"], **common
     )
@@ -512,7 +515,7 @@ def test_dh_psi_between_two_processes_finds_the_in_process_intersection(
         rng=np.random.default_rng(9),
         session_id="psi-1",
         workers=1,
-        chunk_size=256,
+        chunk_size=4096,
     )
     assert expected.indices is not None
     assert over_network["ok"] and rows["ok"], (over_network, rows)
