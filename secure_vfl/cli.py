@@ -2692,10 +2692,7 @@ def _terminated(signum: int, frame: object) -> None:
     raise Terminated
 
 
-STOPPED = (
-    "what it had written stays, each file whole; nothing half-written is left (run the same "
-    "command with --overwrite to start again)"
-)
+STOPPED = "what it had written stays, each file whole; nothing half-written is left"
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -2704,8 +2701,7 @@ def _main(argv: Sequence[str] | None) -> int:
     import signal
     import threading
 
-    # A served party keeps the default: its peers see it gone, as when its machine stops.
-    catch = args.command != "party" and threading.current_thread() is threading.main_thread()
+    catch = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminated) if catch else None
     try:
         if args.command == "train":

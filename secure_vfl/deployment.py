@@ -2127,6 +2127,10 @@ def checkpoints_elsewhere(
 
 REPORT_KEYS: dict[str, type | tuple[type, ...]] = {"bytes": list, "privacy": (dict, type(None))}
 """``report``: the bytes the party sent and what its own accountant priced (null: no DP)."""
+FAILED_END_SECONDS = 5.0
+"""How long a run that failed or was interrupted waits for each party to take its end: a party
+that does not answer by then (hung, or stopped) is only warned of, not waited for the whole
+``--deadline`` while the user who pressed Ctrl-C sees nothing."""
 
 
 def _end(
@@ -2137,12 +2141,14 @@ def _end(
     reports = {}
     entries = {}
     endpoint.handler = None
+    quick = None if outcome == "finished" else min(endpoint.deadline, FAILED_END_SECONDS)
     for member in federation.members[1:]:
         if member.name in lost:
             continue
         try:
-            endpoint.send(_deployment(endpoint.name, member.name, "end", {"outcome": outcome}))
-            message = endpoint.receive(sender=member.name, kind="deployment")
+            end = _deployment(endpoint.name, member.name, "end", {"outcome": outcome})
+            endpoint.send(end, deadline=quick)
+            message = endpoint.receive(quick, sender=member.name, kind="deployment")
             body = _body(message, "report", REPORT_KEYS)
         except SecureVFLError as error:
             if outcome == "finished":

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -122,3 +123,66 @@ def test_a_train_terminated_mid_run_leaves_no_temporary_and_its_checkpoints_ask_
     assert again.returncode == 2, err
     assert "holds the checkpoints of an earlier run" in err and "expected --resume run" in err
     assert written_steps(checkpoints, "party-0")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_served_party_stopped_by_a_signal_says_so_in_one_line(
+    tmp_path: Path, signum: signal.Signals
+) -> None:
+    """SIGTERM killed `party serve` where it stood, without a word (Ctrl-C said it)."""
+    from test_deploy import write_federation, write_party_files
+
+    from protocols import tls
+    from secure_vfl.federation.network import free_loopback_ports
+
+    write_party_files(tmp_path)
+    tls.make_federation(tmp_path / "certs", ["bank", "shop", "insurer", "telco", "aggregator"])
+    federation = write_federation(tmp_path, tmp_path / "certs", free_loopback_ports(5))
+    process = _start(
+        ["party", "serve", "--federation", str(federation), "--name", "shop"], tmp_path
+    )
+    try:
+        time.sleep(4)  # it serves, waiting for the label party
+        assert process.poll() is None, process.communicate()[1]
+        process.send_signal(signum)
+        _, err = process.communicate(timeout=60)
+        assert process.returncode == EXIT[signum], err
+        assert f"secure-vfl: {WORDS[signum]}; what it had written stays" in err, err
+        assert "Traceback" not in err, err
+    finally:
+        _stop_all(process, set())
+
+
+def test_ctrl_c_at_the_label_party_with_a_hung_party_ends_without_waiting_out_its_deadline(
+    tmp_path: Path, processes: Any
+) -> None:
+    """With one data party hung (stopped), Ctrl-C at the label party printed nothing for the
+    whole --deadline (60 s) while it told that party the run was over."""
+    from test_deploy import write_federation, write_party_files
+
+    from protocols import tls
+    from secure_vfl.federation.network import free_loopback_ports
+
+    write_party_files(tmp_path)
+    tls.make_federation(tmp_path / "certs", ["bank", "shop", "insurer", "telco", "aggregator"])
+    federation = write_federation(tmp_path, tmp_path / "certs", free_loopback_ports(5))
+    servers = {
+        n: processes.serve(federation, n) for n in ("shop", "insurer", "telco", "aggregator")
+    }
+    argv = ["train", "--federation", str(federation), "--name", "bank", "--method", "laser"]
+    label = _start([*argv, "--epochs", "200", "--batch-size", "16", "--quiet"], tmp_path)
+    try:
+        _wait_for(lambda: "training" in processes.log("telco"), label, "training at telco")
+        time.sleep(1)
+        os.kill(servers["telco"].pid, signal.SIGSTOP)
+        time.sleep(1)
+        start = time.monotonic()
+        label.send_signal(signal.SIGINT)
+        _, err = label.communicate(timeout=120)
+        took = time.monotonic() - start
+        assert label.returncode == 130, err
+        assert "could not end the run at telco" in err, err
+        assert took < 30, f"{took:.1f} s to stop after Ctrl-C: {err}"
+    finally:
+        os.kill(servers["telco"].pid, signal.SIGCONT)
+        _stop_all(label, set())

@@ -420,6 +420,17 @@ def test_a_party_claiming_another_partys_name_is_refused(
     assert outcome == {"ok": True, "refusals": [f"ProtocolError: {reason}"]}
 
 
+def test_an_address_where_nothing_listens_is_not_blamed_on_certificates(certs: Path) -> None:
+    (port,) = network.free_loopback_ports(1)
+    with PartyEndpoint("bank", identity=_identity(certs, "bank"), retry=FAST_RETRY) as bank:
+        bank.add_peer("shop", f"127.0.0.1:{port}")
+        with pytest.raises(TransportError) as refused:
+            bank.send(_greeting())
+    text = str(refused.value)
+    assert "onnection refused" in text and text.endswith("Is it running?"), text
+    assert "certificate" not in text, text
+
+
 def test_a_plaintext_client_cannot_talk_to_a_tls_server(
     launcher: Launcher, certs: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

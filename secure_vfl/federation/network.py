@@ -1011,10 +1011,16 @@ class PartyEndpoint:
                 "federation's CA (the same ca.pem at both parties)?"
             )
         if code == grpc.StatusCode.UNAVAILABLE:
+            # Nothing listens there: certificates are not in question (a peer that refuses this
+            # party's certificate closes the connection instead, which says nothing certain).
+            question = (
+                "Is it running?"
+                if "connection refused" in details.lower()
+                else "Is it running, and do both certificates come from this federation's CA?"
+            )
             return TransportError(
                 f"{what}: {message.receiver} at {self._peers[message.receiver]} could not be "
-                f"reached ({attempts} attempts over {_elapsed(start)}): {details}. Is it running, "
-                "and do both certificates come from this federation's CA?"
+                f"reached ({attempts} attempts over {_elapsed(start)}): {details}. {question}"
             )
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return TransportError(
