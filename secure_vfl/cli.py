@@ -2507,7 +2507,7 @@ def _served_statistics(name: str, part: Any, client: Any, features: int) -> Any:
 def run_party_command(args: argparse.Namespace) -> int:
     """`secure-vfl party serve`: act as one party until the label party ends the run; exit
     non-zero if it fails or the label party falls silent for longer than --deadline."""
-    from secure_vfl.deployment import serve
+    from secure_vfl.deployment import INTERRUPTED, serve
     from secure_vfl.federation.federation_file import read_federation
 
     federation = read_federation(args.federation)
@@ -2531,6 +2531,13 @@ def run_party_command(args: argparse.Namespace) -> int:
             capture=capture,
             data=args.data,
         )
+    if outcome == INTERRUPTED:
+        print(
+            "secure-vfl: the label party's operator stopped the run; start this party again "
+            "for the next one (with --resume where the run wrote checkpoints).",
+            file=sys.stderr,
+        )
+        return 1
     if outcome != "finished":
         print(f"secure-vfl: error: the label party ended the run: {outcome}", file=sys.stderr)
         return 1

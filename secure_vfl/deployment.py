@@ -97,6 +97,7 @@ import json
 import logging
 import re
 import secrets
+import sys
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -2127,6 +2128,8 @@ def checkpoints_elsewhere(
 
 REPORT_KEYS: dict[str, type | tuple[type, ...]] = {"bytes": list, "privacy": (dict, type(None))}
 """``report``: the bytes the party sent and what its own accountant priced (null: no DP)."""
+INTERRUPTED = "interrupted"
+"""The outcome a data party is told when the label party's operator stopped the run."""
 FAILED_END_SECONDS = 5.0
 """How long a run that failed or was interrupted waits for each party to take its end: a party
 that does not answer by then (hung, or stopped) is only warned of, not waited for the whole
@@ -2137,7 +2140,12 @@ def _end(
     endpoint: PartyEndpoint, federation: Federation, outcome: str, *, lost: Sequence[str] = ()
 ) -> tuple[dict[str, Counter[tuple[str, str, str]]], dict[str, Any]]:
     """Tell every party but the ``lost`` ones the run is over and take its report (best effort
-    after a failure): the bytes each sent, and each data party's privacy entry (None: no DP)."""
+    after a failure): the bytes each sent, and each data party's privacy entry (None: no DP).
+    Called from a ``finally``: where the run is ending because its operator stopped it (Ctrl-C
+    or SIGTERM, in flight), the parties are told ``"interrupted"`` rather than ``"failed"``."""
+    stopping = sys.exc_info()[1]
+    if outcome != "finished" and stopping is not None and not isinstance(stopping, Exception):
+        outcome = INTERRUPTED
     reports = {}
     entries = {}
     endpoint.handler = None

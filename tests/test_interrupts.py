@@ -183,6 +183,9 @@ def test_ctrl_c_at_the_label_party_with_a_hung_party_ends_without_waiting_out_it
         assert label.returncode == 130, err
         assert "could not end the run at telco" in err, err
         assert took < 30, f"{took:.1f} s to stop after Ctrl-C: {err}"
+        # The parties that answered learn it was stopped, not that it failed.
+        assert servers["shop"].wait(timeout=60) == 1
+        assert "the label party's operator stopped the run" in processes.log("shop")
     finally:
         os.kill(servers["telco"].pid, signal.SIGCONT)
         _stop_all(label, set())
