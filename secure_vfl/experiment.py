@@ -127,30 +127,26 @@ class TrainConfig:
         checks.text("method", self.method)
         if self.dataset is not None:
             checks.text("dataset", self.dataset)
-        paths: dict[str, object] = {"party_files": checks.paths("party_files", self.party_files)}
+        values: dict[str, object] = {
+            "party_files": checks.paths("party_files", self.party_files),
+            "parties": checks.integer("parties", self.parties),
+            "seed": checks.integer("seed", self.seed, low=0),
+            "test_missing": checks.texts("test_missing", self.test_missing),
+            "party_names": checks.texts("party_names", self.party_names),
+        }
         for name in ("label_file", "test_file"):
             if getattr(self, name) is not None:
-                paths[name] = checks.path(name, getattr(self, name))
-        checks.store(self, paths)
-        checks.store(
-            self,
-            {
-                "parties": checks.integer("parties", self.parties),
-                "seed": checks.integer("seed", self.seed, low=0),
-                "test_missing": checks.texts("test_missing", self.test_missing),
-                "party_names": checks.texts("party_names", self.party_names),
-            },
-        )
+                values[name] = checks.path(name, getattr(self, name))
+        if self.test_fraction is not None:
+            values["test_fraction"] = checks.real(
+                "test_fraction", self.test_fraction, low=0, high=1, low_open=True, high_open=True
+            )
         for name in ("train_missing", "align", "id_column", "label_column", "missing_cells"):
             checks.text(name, getattr(self, name))
         checks.instance("method_config", self.method_config, methods.MethodConfig)
         if self.false_vfl is not None:
             checks.instance("false_vfl", self.false_vfl, FalseVflConfig)
-        if self.test_fraction is not None:
-            fraction = checks.real(
-                "test_fraction", self.test_fraction, low=0, high=1, low_open=True, high_open=True
-            )
-            checks.store(self, {"test_fraction": fraction})
+        checks.store(self, values)
 
     def _check_own_file_options(self) -> None:
         """Column names, the missing-cell policy and party names: valid, and only with party
