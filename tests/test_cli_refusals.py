@@ -201,15 +201,20 @@ def test_a_database_with_a_foreign_runs_table_is_refused(
     assert "has a `runs` table that secure-vfl did not write" in err
 
 
-def test_psi_out_is_refused_when_it_exists_unless_overwrite(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def psi_argv(tmp_path: Path) -> list[str]:
+    """`psi` of two small id files (ids 2 and 3 in common), without --out."""
     mine, theirs = tmp_path / "mine.csv", tmp_path / "theirs.csv"
     mine.write_text("id\n1\n2\n3\n")
     theirs.write_text("id\n2\n3\n4\n")
+    return ["psi", "--mine", str(mine), "--theirs", str(theirs)]
+
+
+def test_psi_out_is_refused_when_it_exists_unless_overwrite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "common.txt"
     out.write_text("old\n")
-    argv = ["psi", "--mine", str(mine), "--theirs", str(theirs), "--out", str(out)]
+    argv = [*psi_argv(tmp_path), "--out", str(out)]
     err = refused(argv, capsys)
     assert f"{out} exists; expected a new --out file (or --overwrite)" in err
     assert out.read_text() == "old\n"
@@ -221,10 +226,8 @@ def test_psi_out_is_refused_when_it_exists_unless_overwrite(
 def test_psi_output_that_cannot_be_written_is_refused_and_leaves_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    mine, theirs = tmp_path / "mine.csv", tmp_path / "theirs.csv"
-    mine.write_text("id\n1\n2\n3\n")
-    theirs.write_text("id\n2\n3\n4\n")
-    argv = ["psi", "--mine", str(mine), "--theirs", str(theirs)]
+    argv = psi_argv(tmp_path)
+    mine = tmp_path / "mine.csv"
     # replacing a pipe or a device would not write to it (as root, /dev/null would be a file
     # afterwards): a pipe here, which a regression cannot harm beyond this test's directory
     pipe = tmp_path / "pipe"
