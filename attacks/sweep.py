@@ -13,6 +13,7 @@ main accuracy, one series per defense template.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -160,18 +161,15 @@ def _executor_map(
     if executor == "process":
 
         def run_processes() -> list[dict[str, Any]]:
-            rows = []
-            if workers == 1:
-                for job in jobs:
-                    rows.append(_run_point(job))
-                    done()
-                return rows
             # spawn: a fresh interpreter per worker (forking a process that has run torch's
             # thread pools can deadlock). Leaving the pool terminates its workers, also on
             # Ctrl-C or SIGTERM sent to this process alone (a process pool executor would wait
             # for their runs, and could hang at exit joining them).
-            with get_context("spawn").Pool(workers) as pool:
-                for row in pool.imap(_run_point, jobs, chunksize=1):
+            pool = get_context("spawn").Pool(workers) if workers > 1 else None
+            with pool if pool is not None else contextlib.nullcontext():
+                ran = pool.imap(_run_point, jobs, chunksize=1) if pool else map(_run_point, jobs)
+                rows = []
+                for row in ran:
                     rows.append(row)
                     done()
             return rows
