@@ -136,13 +136,19 @@ class ScalarPool:
     :class:`~protocols.psi.PsiAligner`); close it (or use it as a context manager) to stop the
     processes. Private scalars reach the workers as task arguments over this process's own pipes
     to its children.
+
+    ``progress``, if given, is called with the number of points of each task as it completes
+    (both roles' multiplications, 2·(N_A + N_B) in a run): what drives a progress bar.
     """
 
-    def __init__(self, workers: int | None = None) -> None:
+    def __init__(
+        self, workers: int | None = None, *, progress: Callable[[int], object] | None = None
+    ) -> None:
         count = workers if workers is not None else (os.cpu_count() or 1)
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ConfigError(f"`workers` must be an integer >= 1. Found {workers!r}.")
         self.workers = count
+        self.progress = progress
         self._executor: ProcessPoolExecutor | None = None
         self._finalizer: weakref.finalize | None = None
 
@@ -226,6 +232,8 @@ class ScalarPool:
                 masked, dtype=np.uint8
             )
             start += count
+            if self.progress is not None:
+                self.progress(count)
         return out
 
     @staticmethod

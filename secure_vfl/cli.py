@@ -798,6 +798,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the intersecting ids here, one per line (default: only print the size)",
     )
     psi.add_argument("--overwrite", action="store_true", help="replace an existing --out FILE")
+    psi.add_argument("--quiet", action="store_true", help="no progress bar")
     _capture_option(psi)
 
     predict = commands.add_parser(
@@ -1041,6 +1042,8 @@ def _read_ids(path: Path, column: str) -> list[str]:
 
 def run_psi_command(args: argparse.Namespace) -> int:
     """`secure-vfl psi`: DH-PSI of --mine against --theirs; --mine's side learns the result."""
+    from tqdm import tqdm
+
     from protocols.psi import run_psi
     from secure_vfl.federation.channel import Channel, InProcessTransport
     from secure_vfl.io import atomic_write_text
@@ -1051,9 +1054,13 @@ def run_psi_command(args: argparse.Namespace) -> int:
         _check_output_file(args.out, overwrite=args.overwrite)
     mine = _read_ids(args.mine, args.id_column)
     theirs = _read_ids(args.theirs, args.id_column)
-    with _capture(args.capture) as capture:
+    total = 2 * (len(mine) + len(theirs))  # each side's ids are masked by both sides
+    bar = tqdm(
+        total=total, desc="psi", unit="point", unit_scale=True, disable=_no_bar(args), leave=False
+    )
+    with bar, _capture(args.capture) as capture:
         channel = Channel(transport=InProcessTransport(capture=capture))
-        result = run_psi(mine, theirs, mode=args.mode, channel=channel)
+        result = run_psi(mine, theirs, mode=args.mode, channel=channel, progress=bar.update)
     print(f"intersection size: {result.size} (of {len(mine)} mine, {result.peer_size} theirs)")
     if result.indices is not None and args.out is not None:
         atomic_write_text(args.out, "".join(f"{mine[i]}\n" for i in result.indices))

@@ -381,9 +381,17 @@ def test_chunked_psi_equals_one_chunk(mode):
     whole = run_psi(mine, theirs, mode=mode, workers=1, chunk_size=CHUNK)
     recorder = RecordingLayer()
     transcript = recorder.messages
+    done: list[int] = []  # what a progress bar is told: every point each side masks, once
     chunked = run_psi(
-        mine, theirs, mode=mode, workers=1, chunk_size=64, channel=Channel([recorder])
+        mine,
+        theirs,
+        mode=mode,
+        workers=1,
+        chunk_size=64,
+        channel=Channel([recorder]),
+        progress=done.append,
     )
+    assert sum(done) == 2 * (len(mine) + len(theirs)) and len(done) > 2
     assert chunked.size == whole.size == np.isin(mine, theirs).sum() > 0
     assert chunked.peer_size == whole.peer_size == len(theirs)
     if mode == "intersection":

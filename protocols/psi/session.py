@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import secrets
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TypeVar
 
 import numpy as np
@@ -46,6 +46,7 @@ def run_psi(
     chunk_size: int = CHUNK,
     channel: Channel | None = None,
     roles: Mapping[str, str] | None = None,
+    progress: Callable[[int], object] | None = None,
 ) -> PsiResult:
     """DH-PSI between a requester party holding ``mine`` (who learns the result) and a responder
     party holding ``theirs``, connected to ``channel`` (a fresh in-process one by default; its
@@ -56,12 +57,14 @@ def run_psi(
     ``roles`` replaces a party (``"requester"``, ``"responder"``) by the role registered under a
     name in :data:`~secure_vfl.federation.parties.ROLES` (an attacker is a subclass of the side
     it plays: ``psi-requester``, ``psi-responder``): ``{"responder": "my-curious-responder"}``.
+    ``progress`` is called with the points of each masking task as it completes,
+    ``2 * (len(mine) + len(theirs))`` in all (:class:`~protocols.psi_kernel.ScalarPool`).
     """
     requester_role, responder_role = psi_roles(roles)
     session = session_id if session_id is not None else fresh_session_id()
     channel = channel if channel is not None else Channel()
     requester_rng, responder_rng = party_generators(rng, 2)
-    with ScalarPool(workers) as pool:
+    with ScalarPool(workers, progress=progress) as pool:
         requester = requester_role(mine, rng=requester_rng, workers=pool, chunk_size=chunk_size)
         responder = responder_role(theirs, rng=responder_rng, workers=pool, chunk_size=chunk_size)
         requester.connect(channel)
