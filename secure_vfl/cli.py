@@ -80,7 +80,7 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {_printable(message)}\n")
 
 
 SECURE_AGGREGATORS = ["none", "masks", "paillier", "ckks"]
@@ -2546,7 +2546,10 @@ def run_party_command(args: argparse.Namespace) -> int:
         )
         return 1
     if outcome != "finished":
-        print(f"secure-vfl: error: the label party ended the run: {outcome}", file=sys.stderr)
+        print(
+            f"secure-vfl: error: the label party ended the run: {_printable(outcome)}",
+            file=sys.stderr,
+        )
         return 1
     print(f"{args.name}: the run finished")
     return 0
@@ -2690,6 +2693,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _closed_pipe()
 
 
+def _printable(text: str) -> str:
+    """``text`` with every character a terminal would act on (escape sequences, carriage
+    returns, other control characters) shown escaped, newlines and tabs kept: an error may quote
+    what a file or another party chose."""
+    if text.isprintable():
+        return text
+    return "".join(
+        char if char.isprintable() or char in "\n\t" else repr(char)[1:-1] for char in text
+    )
+
+
 def _no_bar(args: argparse.Namespace) -> bool | None:
     """tqdm's ``disable``: off with ``--quiet``; otherwise shown only when stderr is a terminal
     (None), so a log file gets no carriage-return frames."""
@@ -2738,13 +2752,13 @@ def _main(argv: Sequence[str] | None) -> int:
             return run_party_command(args)
         return run_datasets(args)
     except SecureVFLError as error:
-        print(f"secure-vfl: error: {error}", file=sys.stderr)
+        print(f"secure-vfl: error: {_printable(str(error))}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:
         raise
     except OSError as error:  # the machine refused a file operation: say which, as tools do
         where = f"{error.filename}: " if error.filename else ""
-        print(f"secure-vfl: error: {where}{error.strerror or error}", file=sys.stderr)
+        print(f"secure-vfl: error: {_printable(where)}{error.strerror or error}", file=sys.stderr)
         return EXIT_OS
     except KeyboardInterrupt:
         print(f"secure-vfl: interrupted; {STOPPED}.", file=sys.stderr)

@@ -175,6 +175,22 @@ def test_out_pointing_at_a_file_is_refused_before_training(
 
 
 @pytest.mark.usefixtures("no_training")
+def test_an_error_quoting_control_characters_shows_them_escaped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file name, a cell or another party's text can hold terminal escapes; the one-line
+    error shows them, it does not send them to the terminal."""
+    *parties, labels = write_own_files(tmp_path)
+    target = tmp_path / "clear\x1b[2J\rscreen"
+    target.write_text("mine\n")
+    err = refused(own_argv(parties, labels, target), capsys)
+    assert "\x1b" not in err and "\r" not in err
+    assert "clear\\x1b[2J\\rscreen is a file" in err
+    missing = refused(["psi", "--mine", str(target) + "\x1b]0;", "--theirs", str(target)], capsys)
+    assert "\x1b" not in missing and "\\x1b]0;" in missing
+
+
+@pytest.mark.usefixtures("no_training")
 def test_a_store_that_is_not_a_database_is_refused_before_anything_is_written(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
