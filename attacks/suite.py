@@ -14,7 +14,7 @@ from typing import Any
 from attacks.base import ATTACKS
 from attacks.runner import AttackResult, run_attack
 from secure_vfl.data.vertical import VerticalData
-from secure_vfl.errors import ConfigError, IntegrityError
+from secure_vfl.errors import ConfigError, DivergenceError
 from secure_vfl.experiment import TrainConfig, prepare_data
 
 UNDEFENDED = "none"
@@ -113,8 +113,8 @@ def run_suite(
                     defenses=[] if defense == UNDEFENDED else [defense],
                     cache=cache,
                 )
-            except IntegrityError as error:  # non-finite values: training diverged
-                failed[f"{name} / {defense}"] = f"training diverged: {error}"
+            except DivergenceError as error:  # it says so, where, and what to try
+                failed[f"{name} / {defense}"] = str(error)
                 continue
             except ConfigError as error:  # the defense does not apply to this method
                 failed[f"{name} / {defense}"] = f"not applicable: {error}"

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from attacks.base import ATTACKS
-from secure_vfl.errors import ConfigError, IntegrityError
+from secure_vfl.errors import ConfigError, DivergenceError
 from secure_vfl.experiment import TrainConfig
 from secure_vfl.io import atomic_write, atomic_write_json, atomic_write_text
 
@@ -133,8 +133,8 @@ def _run_point(job: dict[str, Any]) -> dict[str, Any]:
             defenses=[] if setting.defense == UNDEFENDED else [setting.defense],
             cache=job["cache"],
         )
-    except IntegrityError as error:  # non-finite values: training diverged under the noise
-        return {**row, "failed": f"training diverged: {error}"}
+    except DivergenceError as error:  # it says so, where, and what to try
+        return {**row, "failed": str(error)}
     payload = result.to_json()
     epsilon = payload["epsilon"]
     return {

@@ -67,10 +67,11 @@ from protocols.dp import (
 )
 from protocols.noise import NoiseSource, noise_source
 from protocols.party_privacy import PartyPlan, PartyPrivacy, read_entry, sampling_text
-from protocols.sum_range import RUN_DRAWS_BITS, TAIL_SIGMAS, SumRange, sum_range
+from protocols.sum_range import ADVICE, RUN_DRAWS_BITS, TAIL_SIGMAS, SumRange, sum_range
 from secure_vfl import checks
 from secure_vfl.data.samplers import BatchSampler, PoissonSampler, poisson_like, poisson_terms
 from secure_vfl.errors import ConfigError, ProtocolError
+from secure_vfl.experiment import DIVERGENCE_ADVICE
 from secure_vfl.federation.aggregator import SumBackend
 from secure_vfl.federation.alignment import Aligner, make_aligner
 from secure_vfl.federation.channel import Channel
@@ -691,6 +692,10 @@ class PrivacyEngine:
                 steps=STATISTICS_RELEASES,
             )
         return sigma, clip
+
+    def divergence_advice(self) -> str:
+        """What to try when training diverged: under DP noise, the noise and clipping first."""
+        return ADVICE if self.noise else DIVERGENCE_ADVICE
 
     def report(self) -> dict[str, Any] | None:
         """``result.json``'s privacy entry (None when no DP mechanism ran): each party's

@@ -19,8 +19,6 @@ from typing import Any, BinaryIO, NoReturn
 
 from secure_vfl.errors import (
     ConfigError,
-    DivergenceError,
-    IntegrityError,
     OutputError,
     SecureVFLError,
 )
@@ -1462,14 +1460,6 @@ def run_train(args: argparse.Namespace) -> int:
                 on_step=on_step,
                 checkpoints=checkpoints,
             )
-        except IntegrityError as error:
-            if not engine.private or isinstance(error, DivergenceError):
-                raise
-            raise IntegrityError(
-                f"training diverged under the DP noise ({error}); expected a smaller SIGMA, a "
-                "CLIP on the scale of what is clipped (gradient rows are ~1/batch), or a lower "
-                "--lr."
-            ) from None
         finally:
             if bar is not None:
                 bar.close()

@@ -54,6 +54,11 @@ class IntegrityError(ProtocolError):
     """A message's content is corrupt: non-finite values, a tampered or replayed payload."""
 
 
+class NonFiniteError(IntegrityError):
+    """A message holds NaN or infinite values where values must be finite: in training, the sign
+    that it diverged (:func:`~secure_vfl.experiment.run_training` says so, and what to try)."""
+
+
 class DivergenceError(IntegrityError):
     """Training diverged: a value a party was about to send or seal (a representation, a
     gradient) is non-finite, or beyond the range the run's secure sums were sized for. The

@@ -27,7 +27,7 @@ from secure_vfl.data.party_files import ID_COLUMN, LABEL_COLUMN, party_names
 from secure_vfl.data.party_preprocessing import DEFAULT_MISSING_POLICY, MISSING_POLICIES
 from secure_vfl.data.samplers import BatchSampler
 from secure_vfl.data.vertical import VerticalData, make_vertical, vertical_from_party_files
-from secure_vfl.errors import ConfigError
+from secure_vfl.errors import ConfigError, DivergenceError, NonFiniteError
 from secure_vfl.federation.aggregator import PlainAggregator, SealingScheme, SumBackend
 from secure_vfl.federation.alignment import Aligner, make_aligner
 from secure_vfl.federation.channel import Channel
@@ -469,6 +469,16 @@ class PrivacyLayer(Protocol):
         """``result.json``'s privacy entry (None when no DP mechanism ran)."""
         ...
 
+    def divergence_advice(self) -> str:
+        """What to try when training under this protection diverged (non-finite values)."""
+        ...
+
+
+DIVERGENCE_ADVICE = (
+    "try a lower --lr, fewer --epochs, or --max-update-norm NORM to clip each update"
+)
+"""What to try when a run without DP noise diverged."""
+
 
 def run_training(
     config: TrainConfig,
@@ -533,7 +543,11 @@ def run_training(
         on_ready(channel)
     if on_start is not None:
         on_start(steps)
-    losses = method.fit(on_step=step_done, progress=progress)
+    try:
+        losses = method.fit(on_step=step_done, progress=progress)
+    except NonFiniteError as error:  # a party's values ran off to NaN or infinity
+        advice = privacy.divergence_advice() if privacy is not None else DIVERGENCE_ADVICE
+        raise DivergenceError(f"training diverged: {str(error).rstrip('.')}; {advice}.") from None
     for party in channel.parties.values():
         party.after_training()
     predictions = predict_tests(method, data)

@@ -12,7 +12,7 @@ import pytest
 
 import attacks.suite as suite
 from secure_vfl.cli import main
-from secure_vfl.errors import ConfigError, IntegrityError, RegistryError
+from secure_vfl.errors import ConfigError, DivergenceError, RegistryError
 from secure_vfl.experiment import TrainConfig, prepare_data
 from secure_vfl.methods import MethodConfig
 
@@ -80,7 +80,7 @@ def test_a_diverged_run_is_reported_not_scored(monkeypatch: pytest.MonkeyPatch) 
 
     def diverging(config: TrainConfig, name: str, **kwargs: Any) -> Any:
         if kwargs["defenses"]:
-            raise IntegrityError("gradient.gradient: finite values expected")
+            raise DivergenceError("training diverged: gradient.gradient: finite values expected")
         return real(config, name, **kwargs)
 
     monkeypatch.setattr(suite, "run_attack", diverging)

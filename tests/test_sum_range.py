@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -237,6 +238,34 @@ def test_the_cli_reports_divergence_under_secure_sums_in_one_line_and_writes_not
     assert code == 2
     assert err.startswith("secure-vfl: error: training diverged under the DP noise at step ")
     assert "overflows" not in err and "fraction_bits" not in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_plain_run_that_diverges_says_where_and_what_to_try_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], make_data: MakeData
+) -> None:
+    """Without DP nothing guards what a party sends: a run that blows up (here a learning rate
+    of 1e8) is stopped by the receiver's codec, and said to have diverged, with the message,
+    its sender and round, and what to try (it was the codec's bare refusal)."""
+    data = make_data(n=200, test_missing=("mcar:0",))
+    config = TrainConfig(
+        method="laser",
+        dataset=data.name,
+        parties=data.train.parties,
+        test_missing=("mcar:0",),
+        method_config=MethodConfig(epochs=1, lr=1e8, batch_size=32),
+    )
+    diverged = (
+        r"training diverged: \w+ from party-\d \(round \d+\): .*non-finite ones; "
+        "try a lower --lr"
+    )
+    with pytest.raises(DivergenceError, match=diverged):
+        run_training(config, data=data)
+    argv = ["train", "--method", "laser", "--dataset", "digits", "--parties", "4", "--epochs"]
+    argv += ["1", "--lr", "1e8", "--seed", "0", "--quiet", "--out", str(tmp_path / "run")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert re.match(f"secure-vfl: error: {diverged}", err) and len(err.splitlines()) == 1
     assert not (tmp_path / "run").exists()
 
 

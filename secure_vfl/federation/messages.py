@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from secure_vfl.errors import IntegrityError, ProtocolError
+from secure_vfl.errors import NonFiniteError, ProtocolError
 from secure_vfl.federation.wire import register_message
 
 SCHEMA_VERSION = 3
@@ -483,7 +483,9 @@ class LossMessage(Message):
     def validate(self) -> None:
         super().validate()
         if not math.isfinite(self.loss):
-            raise IntegrityError(f"{self.kind} from {self.sender}: the loss is not finite.")
+            raise NonFiniteError(
+                f"{self.kind} from {self.sender} (round {self.round}): the loss is not finite."
+            )
 
 
 # -- secure sums split at the party boundary (key set-up, sealed contributions, sealed sums) --

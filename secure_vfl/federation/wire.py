@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from secure_vfl.errors import IntegrityError, ProtocolError, RegistryError
+from secure_vfl.errors import NonFiniteError, ProtocolError, RegistryError
 from secure_vfl.registry import Registry
 
 if TYPE_CHECKING:  # messages.py registers its classes here: importing it would be a cycle
@@ -194,7 +194,7 @@ def _float_codec(where: str) -> _Codec:
                 raise _refused(where, "a float", value)
             value = float(value)
         if not math.isfinite(value):
-            raise IntegrityError(f"{where}: a finite float expected, found {value}.")
+            raise NonFiniteError(f"{where}: a finite float expected, found {value}.")
         out.append(_F64.pack(value))
         return 8
 
@@ -204,7 +204,7 @@ def _float_codec(where: str) -> _Codec:
             raise _truncated(where, 8, view, offset)
         value: float = _F64.unpack_from(view, offset)[0]
         if not math.isfinite(value):
-            raise IntegrityError(f"{where}: a finite float expected, found {value}.")
+            raise NonFiniteError(f"{where}: a finite float expected, found {value}.")
         return value, end
 
     return encode_float, decode_float
@@ -494,7 +494,7 @@ def _decode_array(where: str, view: memoryview, offset: int) -> tuple[np.ndarray
         raise ProtocolError(f"{where}: bool bytes 0 or 1 expected, found others.")
     array = np.ndarray(shape, numpy_dtype, view, start).copy()
     if dtype.finite and not _all_finite(array):
-        raise IntegrityError(f"{where}: finite values expected, found non-finite ones.")
+        raise NonFiniteError(f"{where}: finite values expected, found non-finite ones.")
     return array, end
 
 
@@ -713,7 +713,7 @@ def encode(message: Message) -> bytes:
 
 def decode(data: bytes, *, max_bytes: int = MAX_MESSAGE_BYTES) -> Message:
     """The message ``data`` encodes, validated (:meth:`Message.validate`). Anything malformed,
-    non-canonical or invalid raises ProtocolError (IntegrityError for non-finite values), never
+    non-canonical or invalid raises ProtocolError (NonFiniteError for non-finite values), never
     another exception type."""
     try:
         return _decode(data, max_bytes)
@@ -737,8 +737,11 @@ def _decode(data: bytes, max_bytes: int) -> Message:
         "round": round,
         "batch_id": batch_id,
     }
-    for name, decode_field in schema.decoders:
-        values[name], offset = decode_field(view, offset)
+    try:
+        for name, decode_field in schema.decoders:
+            values[name], offset = decode_field(view, offset)
+    except NonFiniteError as error:  # say whose, and at which step: a run that diverged
+        raise NonFiniteError(f"{schema.kind} from {names[0]} (round {round}): {error}") from None
     if offset != len(view):
         raise ProtocolError(
             f"{schema.kind}: the message ends after {offset} bytes, found {len(view) - offset} "
