@@ -543,14 +543,14 @@ def run_training(
         on_ready(channel)
     if on_start is not None:
         on_start(steps)
-    try:
+    try:  # the last steps may leave a model non-finite: its first use after training shows it
         losses = method.fit(on_step=step_done, progress=progress)
+        for party in channel.parties.values():
+            party.after_training()
+        predictions = predict_tests(method, data)
     except NonFiniteError as error:  # a party's values ran off to NaN or infinity
         advice = privacy.divergence_advice() if privacy is not None else DIVERGENCE_ADVICE
         raise DivergenceError(f"training diverged: {str(error).rstrip('.')}; {advice}.") from None
-    for party in channel.parties.values():
-        party.after_training()
-    predictions = predict_tests(method, data)
     return TrainResult(
         method=config.method,
         dataset=config.data_name,

@@ -38,6 +38,7 @@ from secure_vfl.experiment import TrainConfig, run_training
 from secure_vfl.federation.aggregator import SealingScheme
 from secure_vfl.federation.messages import GradientMessage, RepresentationMessage
 from secure_vfl.methods import MethodConfig
+from secure_vfl.methods.base import in_process_parties
 
 BACKENDS = ("none", "masks", "ckks", "paillier")
 DIVERGED = (
@@ -267,6 +268,36 @@ def test_a_plain_run_that_diverges_says_where_and_what_to_try_in_one_line(
     err = capsys.readouterr().err
     assert re.match(f"secure-vfl: error: {diverged}", err) and len(err.splitlines()) == 1
     assert not (tmp_path / "run").exists()
+
+
+def test_a_model_its_last_step_left_non_finite_is_a_divergence_too(
+    make_data: MakeData, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Training may end on the step that made a model NaN: the test predictions are its first
+    use, and they say the run diverged (they had escaped as the codec's bare refusal)."""
+    data = make_data(n=120, test_missing=("mcar:0",))
+    config = TrainConfig(
+        method="laser",
+        dataset=data.name,
+        parties=data.train.parties,
+        test_missing=("mcar:0",),
+        method_config=MethodConfig(epochs=1),
+    )
+    parties: list[Any] = []
+    predict = secure_vfl.experiment.predict_tests
+
+    def after_a_last_step_gone_wrong(method: Any, data: Any) -> Any:
+        with torch.no_grad():
+            for parameter in parties[1].model.parameters():
+                parameter.fill_(math.nan)
+        return predict(method, data)
+
+    monkeypatch.setattr(secure_vfl.experiment, "predict_tests", after_a_last_step_gone_wrong)
+    with pytest.raises(
+        DivergenceError,
+        match=r"training diverged: representation from party-1 \(phase 'predict'\): .*lower --lr",
+    ):
+        run_training(config, data=data, on_ready=lambda c: parties.extend(in_process_parties(c)))
 
 
 def test_a_private_secure_run_that_collapses_warns(

@@ -741,7 +741,9 @@ def _decode(data: bytes, max_bytes: int) -> Message:
         for name, decode_field in schema.decoders:
             values[name], offset = decode_field(view, offset)
     except NonFiniteError as error:  # say whose, and at which step: a run that diverged
-        raise NonFiniteError(f"{schema.kind} from {names[0]} (round {round}): {error}") from None
+        phase = values.get("phase", "train")  # a message's phase precedes its tensors
+        when = f"round {round}" if phase == "train" else f"phase {shown(phase)}"
+        raise NonFiniteError(f"{schema.kind} from {names[0]} ({when}): {error}") from None
     if offset != len(view):
         raise ProtocolError(
             f"{schema.kind}: the message ends after {offset} bytes, found {len(view) - offset} "
