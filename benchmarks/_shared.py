@@ -13,6 +13,9 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+RESULTS = Path(__file__).resolve().parent / "results"
+"""Where every script writes by default (``--out``), from whatever directory it is run."""
+
 
 def run_jobs(
     job: Callable[..., dict[str, Any]], jobs: Sequence[tuple[Any, ...]], *, workers: int

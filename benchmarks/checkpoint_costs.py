@@ -35,7 +35,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _shared import child_env, command_line, write_outputs
+from _shared import RESULTS, child_env, command_line, write_outputs
+
+from secure_vfl.cli import positive_int
 
 BASE = [
     "--method", "laser", "--dataset", "satellite", "--parties", "4", "--heads", "active",
@@ -98,11 +100,11 @@ def journal_line_ms(directory: Path, repeats: int) -> dict[str, float]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--short", type=int, default=1, help="epochs of the short runs")
-    parser.add_argument("--long", type=int, default=6, help="epochs of the long runs")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--short", type=positive_int, default=1, help="epochs of the short runs")
+    parser.add_argument("--long", type=positive_int, default=6, help="epochs of the long runs")
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--quick", action="store_true", help="1 and 2 epochs, 1 repeat")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     short, long, repeats = (1, 2, 1) if args.quick else (args.short, args.long, args.repeats)
     load_before = os.getloadavg()[0]

@@ -45,7 +45,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _shared import Processes, child_env, command_line, write_outputs
+from _shared import RESULTS, Processes, child_env, command_line, write_outputs
+
+from secure_vfl.cli import positive_int
 
 PARTIES = ("bank", "shop", "insurer", "telco")  # the label party first
 PROCESSES = len(PARTIES) + 1  # a deployment: every party and the aggregation server
@@ -55,7 +57,7 @@ METHOD_FLAGS = ("--method", "laser", "--heads", "active", "--seed", "0", "--quie
 TARGET_DEPLOYED = 1.5  # deployed (mTLS) epoch time at most this times the in-process one
 TARGET_MTLS = 1.25  # mTLS epoch time at most this times plaintext gRPC's
 RUN_SECONDS = 900.0
-GRPC_COSTS = Path(__file__).parent / "results" / "grpc_costs.json"
+GRPC_COSTS = RESULTS / "grpc_costs.json"
 
 
 def write_site(directory: Path) -> None:
@@ -433,10 +435,10 @@ def _table(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=3, help="training epochs per run")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--epochs", type=positive_int, default=3, help="training epochs per run")
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--quick", action="store_true", help="1 epoch x 1 repeat, no output")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     add_site_arguments(parser, "deploy_costs")
     args = parser.parse_args(argv)
     if wrote_site_only(parser, args):

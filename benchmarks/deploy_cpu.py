@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _shared import child_env, command_line, write_outputs
+from _shared import RESULTS, child_env, command_line, write_outputs
 from deploy_costs import (
     PARTIES,
     SUMS,
@@ -42,6 +42,8 @@ from deploy_costs import (
     write_federation,
     wrote_site_only,
 )
+
+from secure_vfl.cli import positive_int
 
 RUN_SECONDS = 600.0
 
@@ -153,11 +155,11 @@ def _table(rows: list[dict[str, Any]], argv: Sequence[str] | None, epochs: tuple
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--short", type=int, default=1, help="epochs of the shorter run")
-    parser.add_argument("--long", type=int, default=10, help="epochs of the longer run")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--short", type=positive_int, default=1, help="epochs of the shorter run")
+    parser.add_argument("--long", type=positive_int, default=10, help="epochs of the longer run")
+    parser.add_argument("--repeats", type=positive_int, default=2)
     parser.add_argument("--quick", action="store_true", help="1 and 2 epochs, 1 repeat, no output")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     add_site_arguments(parser, "deploy_cpu")
     args = parser.parse_args(argv)
     if wrote_site_only(parser, args):

@@ -36,9 +36,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _shared import command_line, write_outputs
+from _shared import RESULTS, command_line, write_outputs
 
 from attacks.dp_audit import GUESS_COUNTS, audit_ceiling, audit_label_dp
+from secure_vfl.cli import non_negative_int, open_probability, positive_float, positive_int
 from secure_vfl.experiment import TrainConfig
 from secure_vfl.methods import MethodConfig
 
@@ -167,14 +168,14 @@ def render(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sigmas", type=float, nargs="+", default=[2.0, 5.0, 10.0, 20.0])
-    parser.add_argument("--clip", type=float, default=0.002)
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--lr", type=float, default=0.003)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--delta", type=float, default=1e-5)
-    parser.add_argument("--confidence", type=float, default=0.95)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--sigmas", type=positive_float, nargs="+", default=[2.0, 5.0, 10.0, 20.0])
+    parser.add_argument("--clip", type=positive_float, default=0.002)
+    parser.add_argument("--epochs", type=positive_int, default=5)
+    parser.add_argument("--lr", type=positive_float, default=0.003)
+    parser.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--delta", type=open_probability, default=1e-5)
+    parser.add_argument("--confidence", type=open_probability, default=0.95)
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     command = command_line("dp_audit.py", argv)
     start = time.perf_counter()

@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _shared import command_line, run_jobs, write_outputs
+from _shared import RESULTS, command_line, run_jobs, write_outputs
+
+from secure_vfl.cli import non_negative_int, positive_int
 
 PATTERNS = ["mcar:0", "mcar:0.2", "mcar:0.5", "mar1", "mar2", "mnar:0.7", "mnar:0.9"]
 PAPER_PATTERNS = ["MCAR0", "MCAR2", "MCAR5", "MAR1", "MAR2", "MNAR7", "MNAR9"]
@@ -199,10 +201,10 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--seeds", nargs="+", type=non_negative_int, default=[0, 1, 2])
+    parser.add_argument("--workers", type=positive_int, default=2)
     parser.add_argument("--quick", action="store_true", help="tiny subsets and epochs, 1 seed")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
     plan = Plan()

@@ -20,7 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _shared import command_line, run_jobs, write_outputs
+from _shared import RESULTS, command_line, run_jobs, write_outputs
+
+from secure_vfl.cli import non_negative_int, positive_int
 
 METHODS = ["mean", "knn", "mice", "dae", "fed-mean", "fed-dae", "fedhf"]
 FEDERATED_BASELINES = ["fed-mean", "fed-dae"]
@@ -148,11 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--datasets", nargs="+", default=DATASETS, choices=DATASETS)
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--seeds", nargs="+", type=non_negative_int, default=[0, 1, 2])
+    parser.add_argument("--rounds", type=positive_int, default=30)
+    parser.add_argument("--workers", type=positive_int, default=2)
     parser.add_argument("--quick", action="store_true", help="1 seed, 3 rounds")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
     if args.quick:

@@ -34,7 +34,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
-from _shared import PortServer, command_line, write_outputs
+from _shared import RESULTS, PortServer, command_line, write_outputs
+
+from secure_vfl.cli import positive_int
 
 TRANSPORTS = ("in-process", "grpc", "grpc+mtls")
 
@@ -249,10 +251,10 @@ def _table(
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10, help="recorded steps per repeat")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=positive_int, default=10, help="recorded steps per repeat")
+    parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--quick", action="store_true", help="2 steps x 2 repeats, no output")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--serve", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:

@@ -27,7 +27,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from _shared import command_line, write_outputs
+from _shared import RESULTS, command_line, write_outputs
+
+from secure_vfl.cli import parties_count
 
 METHODS = ["local", "standard", "ensemble", "plugvfl", "laser", "combinatorial"]
 
@@ -103,9 +105,9 @@ def run(job: Job) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--parties", nargs="+", type=int, default=[2, 4, 6, 8])
+    parser.add_argument("--parties", nargs="+", type=parties_count, default=[2, 4, 6, 8])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
     from tqdm import tqdm

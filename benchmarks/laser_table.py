@@ -23,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _shared import command_line, run_jobs, write_outputs
+from _shared import RESULTS, command_line, run_jobs, write_outputs
+
+from secure_vfl.cli import non_negative_int, positive_int
 
 METHODS = ["local", "standard", "ensemble", "combinatorial", "plugvfl", "laser"]
 P_MISS = [0.0, 0.1, 0.5]
@@ -229,10 +231,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--datasets", nargs="+", default=list(PLANS), choices=list(PLANS))
     parser.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
-    parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--seeds", nargs="+", type=non_negative_int, default=[0, 1, 2])
+    parser.add_argument("--workers", type=positive_int, default=2)
     parser.add_argument("--quick", action="store_true", help="tiny subsets, 2 epochs, 1 seed")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
     plans = [PLANS[name] for name in args.datasets]

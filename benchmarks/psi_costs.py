@@ -43,8 +43,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _shared import command_line, write_outputs
+from _shared import RESULTS, command_line, write_outputs
 
+from secure_vfl.cli import non_negative_int, positive_int
 from secure_vfl.errors import ConfigError
 
 IMPLEMENTATIONS = ("ours", "openmined-psi")
@@ -228,19 +229,23 @@ def target_line(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--sizes", nargs="+", type=int, default=[10_000, 100_000, 1_000_000])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--sizes", nargs="+", type=positive_int, default=[10_000, 100_000, 1_000_000]
+    )
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument(
         "--repeats-above",
         nargs=2,
-        type=int,
+        type=positive_int,
         metavar=("N", "R"),
         help="run sizes above N only R times (e.g. 100000 1: 10^6 once)",
     )
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
-    parser.add_argument("--workers", type=int, help="our worker processes (default: all cores)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument(
+        "--workers", type=positive_int, help="our worker processes (default: all cores)"
+    )
+    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
     try:

@@ -28,7 +28,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _shared import command_line, run_jobs, save_figure, write_outputs
+from _shared import RESULTS, command_line, run_jobs, save_figure, write_outputs
+
+from secure_vfl.cli import non_negative_int, positive_float, positive_int
 
 EPSILONS = [1.0, 2.0, 4.0, 8.0]
 DELTA = 1e-5
@@ -215,13 +217,13 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--datasets", nargs="+", default=list(PLANS), choices=list(PLANS))
-    parser.add_argument("--epsilons", nargs="+", type=float, default=EPSILONS)
-    parser.add_argument("--clip", type=float, default=0.3, help="CLIP of --release dp")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--epsilons", nargs="+", type=positive_float, default=EPSILONS)
+    parser.add_argument("--clip", type=positive_float, default=0.3, help="CLIP of --release dp")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--unaligned", action="store_true", help="add the unaligned setting")
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--workers", type=positive_int, default=2)
     parser.add_argument("--quick", action="store_true", help="digits, 1 epoch, epsilon 8")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
 
     plans = [PLANS[name] for name in args.datasets]

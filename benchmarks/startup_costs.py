@@ -24,7 +24,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _shared import command_line, write_outputs
+from _shared import RESULTS, command_line, write_outputs
+
+from secure_vfl.cli import positive_int
 
 ROOT = Path(__file__).resolve().parents[1]
 SERVED = (
@@ -63,9 +65,9 @@ def cpu_seconds(modules: Sequence[str]) -> tuple[float, bool]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--quick", action="store_true", help="1 repeat, nothing written")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     repeats = 1 if args.quick else args.repeats
     seconds: dict[str, list[float]] = {name: [] for name in CASES}

@@ -24,7 +24,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _shared import command_line, run_jobs, write_outputs
+from _shared import RESULTS, command_line, run_jobs, write_outputs
+
+from secure_vfl.cli import positive_int
 
 DEFENSES = (
     "dp-gradients:1:0.01",
@@ -177,10 +179,10 @@ def render(results: list[dict[str, Any]], command: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--seeds", type=positive_int, default=3)
+    parser.add_argument("--workers", type=positive_int, default=2)
     parser.add_argument("--quick", action="store_true", help="one seed, one epoch per task")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     seeds = 1 if args.quick else args.seeds
     cache = str(args.out / ".undefended")

@@ -30,7 +30,9 @@ from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
-from _shared import command_line, write_outputs
+from _shared import RESULTS, command_line, write_outputs
+
+from secure_vfl.cli import positive_int
 
 TARGET = 0.10
 
@@ -185,10 +187,10 @@ def measure(heads: str, *, steps: int, repeats: int) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=100, help="steps per repeat")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--steps", type=positive_int, default=100, help="steps per repeat")
+    parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--quick", action="store_true", help="10 steps x 2 repeats")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     steps, repeats = (10, 2) if args.quick else (args.steps, args.repeats)
     load_before = os.getloadavg()[0]

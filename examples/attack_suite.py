@@ -17,6 +17,7 @@ import argparse
 from pathlib import Path
 
 from attacks.suite import markdown, run_suite
+from secure_vfl.cli import non_negative_int, positive_int
 from secure_vfl.experiment import TrainConfig
 from secure_vfl.io import atomic_write
 from secure_vfl.methods import MethodConfig
@@ -60,8 +61,8 @@ def plot(runs: list[dict[str, object]], path: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--epochs", type=positive_int, default=5)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument("--out", type=Path, default=Path("runs") / "attack-suite-demo")
     args = parser.parse_args()
     config = TrainConfig(
@@ -72,7 +73,8 @@ def main() -> int:
         method_config=MethodConfig(heads="active", epochs=args.epochs, batch_size=64),
     )
     report = run_suite(config, defenses=DEFENSES, attacks=ATTACKS, cache=args.out / ".undefended")
-    print(markdown(report, command=f"python examples/attack_suite.py --epochs {args.epochs}"))
+    command = f"python examples/attack_suite.py --epochs {args.epochs} --seed {args.seed}"
+    print(markdown(report, command=command))
     plot(report.runs, args.out / "attack_suite.png")
     print(f"plot: {args.out / 'attack_suite.png'}")
     return 0

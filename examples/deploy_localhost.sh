@@ -104,8 +104,11 @@ serve_all() {
     for name in shop insurer telco aggregator; do
         model_dir=()
         [ "$name" = aggregator ] || model_dir=(--model-dir "$DIR/models-$name")
-        svfl party serve --federation "$DIR/federation.toml" --name "$name" "${model_dir[@]}" \
-            > "$DIR/$name$1.log" 2>&1 &
+        # The interpreter itself in the background, not the svfl function: $! is then the
+        # party's own pid (a function would run in a subshell whose pid the trap would kill,
+        # leaving the party serving after a failed step).
+        "$PYTHON" -m secure_vfl party serve --federation "$DIR/federation.toml" --name "$name" \
+            "${model_dir[@]}" > "$DIR/$name$1.log" 2>&1 &
         PIDS+=($!)
     done
 }

@@ -17,15 +17,16 @@ import argparse
 from pathlib import Path
 
 from attacks.sweep import run_sweep, write_sweep
+from secure_vfl.cli import positive_int
 from secure_vfl.experiment import TrainConfig
 from secure_vfl.methods import MethodConfig
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=int, default=5)
-    parser.add_argument("--seeds", type=int, default=2)
-    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--epochs", type=positive_int, default=5)
+    parser.add_argument("--seeds", type=positive_int, default=2)
+    parser.add_argument("--workers", type=positive_int, default=2)
     parser.add_argument("--out", type=Path, default=Path("runs") / "privacy-utility-demo")
     args = parser.parse_args()
     config = TrainConfig(

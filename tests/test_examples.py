@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -149,3 +151,35 @@ def test_deploy_localhost_example_trains_four_processes_and_stops_them(tmp_path:
     np.testing.assert_allclose(there[["p_0", "p_1"]], here[["p_0", "p_1"]], rtol=0, atol=1e-6)
     for name in ("shop", "insurer", "telco"):
         assert "predicting with its own part" in (demo / f"{name}-predict.log").read_text()
+
+
+def _serving(directory: Path) -> list[int]:
+    """The pids of processes whose command line names ``directory`` (its parties)."""
+    found = subprocess.run(["pgrep", "-f", str(directory)], capture_output=True, text=True)
+    return [int(pid) for pid in found.stdout.split()]
+
+
+@pytest.mark.processes
+def test_the_localhost_demo_stops_its_parties_when_a_step_fails(tmp_path: Path) -> None:
+    """Its parties were started through a shell function, so the EXIT trap killed the subshells
+    and left the parties serving (for --wait, 600 s) when training was refused."""
+    demo = tmp_path / "demo"
+    try:
+        done = subprocess.run(
+            ["bash", str(ROOT / "examples" / "deploy_localhost.sh"), str(demo), "-1"],
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env={**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT)},
+        )
+        assert done.returncode == 2 and "--epochs: expected a positive integer" in done.stderr
+        assert {log.name for log in demo.glob("*.log")} == {
+            f"{name}.log" for name in ("shop", "insurer", "telco", "aggregator")
+        }  # every party had been started
+        deadline = time.monotonic() + 15
+        while _serving(demo) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _serving(demo) == []
+    finally:
+        for pid in _serving(demo):
+            os.kill(pid, signal.SIGKILL)
