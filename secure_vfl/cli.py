@@ -1228,9 +1228,10 @@ def _summary(result: Any, out: Path, payload: dict[str, Any]) -> str:
     lines.extend(_fault_lines(payload.get("faults", [])))
     checkpoints = payload.get("checkpoints") or {}
     if checkpoints.get("resumed_from_step") is not None:
+        further = "" if checkpoints.get("every") else " (and wrote none: no --checkpoint-every)"
         lines.append(
             f"resumed from the checkpoints of step {checkpoints['resumed_from_step']} in "
-            f"{checkpoints['directory']}"
+            f"{checkpoints['directory']}{further}"
         )
     settings = payload["config"].get("privacy") or {}
     if settings.get("secure_agg", "none") != "none":

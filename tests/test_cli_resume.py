@@ -173,5 +173,12 @@ def test_a_killed_runs_checkpoints_are_kept_and_a_finished_run_is_not_resumed(
     assert f"expected --resume {run} to go on from them, or --overwrite" in err
     assert written_steps(run / "checkpoints", "party-0") == steps
     assert main([*argv, "--resume", str(run)]) == 0
-    assert f"resumed from the checkpoints of step {steps[-1]} in" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert (
+        f"resumed from the checkpoints of step {steps[-1]} in" in said and "wrote none" not in said
+    )
+    (run / "result.json").unlink()
+    shutil.rmtree(run / "model")
+    assert main([*RUN, "--epochs", "1", "--out", str(run), "--resume", str(run)]) == 0
+    assert "(and wrote none: no --checkpoint-every)" in capsys.readouterr().out
     assert main([*argv, "--overwrite"]) == 0  # a fresh run, asked for
