@@ -307,13 +307,16 @@ class PrivacyEngine:
         """Whether any DP mechanism is asked for (of training or of imputation statistics)."""
         return bool(self.noise) or self.spec.dp_statistics is not None
 
-    def aligner(self, channel: Channel | None = None) -> Aligner:
+    def aligner(
+        self, channel: Channel | None = None, *, progress: Callable[[int], object] | None = None
+    ) -> Aligner:
         """The alignment of the parties' ids: the plain join, or PSI between the label party and
-        each data party whose messages cross ``channel`` (a fresh in-process one by default)."""
+        each data party whose messages cross ``channel`` (a fresh in-process one by default);
+        ``progress`` is told the points PSI masks as it goes (a progress bar's update)."""
         if self.spec.align == "psi":
             from protocols.psi import PsiAligner
 
-            return PsiAligner(channel=channel)
+            return PsiAligner(channel=channel, progress=progress)
         return make_aligner(self.spec.align)
 
     def aggregator(self) -> SumBackend | None:

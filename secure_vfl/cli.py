@@ -1448,7 +1448,16 @@ def run_train(args: argparse.Namespace) -> int:
     with _capture(args.capture) as capture, _run_warnings() as noted:
         # PSI's messages go to the capture too, but their bytes are not training traffic.
         alignment = Channel(transport=InProcessTransport(capture=capture))
-        data = prepare_data(config, aligner=engine.aligner(alignment))
+        # PSI's points, both sides' of each data party's session (no total: sizes come later).
+        psi = config.align == "psi"
+        with tqdm(
+            desc="psi",
+            unit="point",
+            unit_scale=True,
+            disable=_no_bar(args) if psi else True,
+            leave=False,
+        ) as aligning:
+            data = prepare_data(config, aligner=engine.aligner(alignment, progress=aligning.update))
         channel.transport = InProcessTransport(capture=capture)
         try:
             result = run_training(

@@ -277,8 +277,12 @@ def test_psi_aligner_equals_join_aligner(kind):
         label = np.array([f"patient-{i}" for i in label])
         parties = [np.array([f"patient-{i}" for i in ids]) for ids in parties]
     keys = np.random.default_rng(4)
-    psi = PsiAligner(rng=np.random.default_rng(5), key_factory=lambda: keys.bytes(32))
+    done: list[int] = []  # a progress bar's updates: each session's points, both sides'
+    psi = PsiAligner(
+        rng=np.random.default_rng(5), key_factory=lambda: keys.bytes(32), progress=done.append
+    )
     got = psi.align(parties, label)
+    assert sum(done) == sum(2 * (len(label) + len(ids)) for ids in parties)
     expected = JoinAligner().align(parties, label)
     assert np.array_equal(got.sample_ids, expected.sample_ids)
     assert np.array_equal(got.rows, expected.rows)

@@ -29,7 +29,8 @@ class PsiAligner:
     ``channel``: the network the parties are connected to for one alignment (a fresh in-process
     one per call by default). ``key_factory``: each party's secret scalar per session (tests;
     by default each party draws its own). ``rng`` seeds each party's shuffle generator (tests).
-    One :class:`ScalarPool` of ``workers`` processes serves every party in turn.
+    One :class:`ScalarPool` of ``workers`` processes serves every party in turn; ``progress``
+    is told the points of each of its tasks as it completes.
     """
 
     def __init__(
@@ -40,8 +41,10 @@ class PsiAligner:
         workers: int | None = None,
         chunk_size: int = CHUNK,
         channel: Channel | None = None,
+        progress: Callable[[int], object] | None = None,
     ) -> None:
         self.rng = rng
+        self.progress = progress
         self.key_factory = key_factory
         self.workers = workers
         self.chunk_size = chunk_size
@@ -53,7 +56,7 @@ class PsiAligner:
         party_ids, label_ids = checked_ids(party_ids, label_ids)
         channel = self.channel if self.channel is not None else Channel()
         generators = party_generators(self.rng, len(party_ids) + 1)
-        with ScalarPool(self.workers) as pool:
+        with ScalarPool(self.workers, progress=self.progress) as pool:
             label_party = PsiRequester(
                 label_ids,
                 name=LABEL_PARTY,
