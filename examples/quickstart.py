@@ -3,7 +3,7 @@
 Four parties each hold a quarter of the columns of scikit-learn's digits (bundled, offline).
 Each block is missing at random with probability 0.2 in training, and 0 or 0.5 at test time.
 Standard VFL can only learn from and predict on samples that every party holds; LASER-VFL trains
-and predicts with whatever subset is there. Prints one table; takes a few seconds.
+and predicts with whatever subset is there. Prints one table; about 8 s on 2 cores.
 
     python examples/quickstart.py [--epochs N] [--seed S]
 """
