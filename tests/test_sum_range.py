@@ -242,6 +242,17 @@ def test_the_cli_reports_divergence_under_secure_sums_in_one_line_and_writes_not
     assert not (tmp_path / "run").exists()
 
 
+def plain_config(data: Any, **method: Any) -> TrainConfig:
+    """One epoch of LASER on the synthetic ``data``, without DP (``method``: MethodConfig's)."""
+    return TrainConfig(
+        method="laser",
+        dataset=data.name,
+        parties=data.train.parties,
+        test_missing=("mcar:0",),
+        method_config=MethodConfig(epochs=1, **method),
+    )
+
+
 def test_a_plain_run_that_diverges_says_where_and_what_to_try_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], make_data: MakeData
 ) -> None:
@@ -249,13 +260,7 @@ def test_a_plain_run_that_diverges_says_where_and_what_to_try_in_one_line(
     of 1e8) is stopped by the receiver's codec, and said to have diverged, with the message,
     its sender and round, and what to try (it was the codec's bare refusal)."""
     data = make_data(n=200, test_missing=("mcar:0",))
-    config = TrainConfig(
-        method="laser",
-        dataset=data.name,
-        parties=data.train.parties,
-        test_missing=("mcar:0",),
-        method_config=MethodConfig(epochs=1, lr=1e8, batch_size=32),
-    )
+    config = plain_config(data, lr=1e8, batch_size=32)
     diverged = (
         r"training diverged: \w+ from party-\d \(round \d+\): .*non-finite ones; "
         "try a lower --lr"
@@ -276,13 +281,7 @@ def test_a_model_its_last_step_left_non_finite_is_a_divergence_too(
     """Training may end on the step that made a model NaN: the test predictions are its first
     use, and they say the run diverged (they had escaped as the codec's bare refusal)."""
     data = make_data(n=120, test_missing=("mcar:0",))
-    config = TrainConfig(
-        method="laser",
-        dataset=data.name,
-        parties=data.train.parties,
-        test_missing=("mcar:0",),
-        method_config=MethodConfig(epochs=1),
-    )
+    config = plain_config(data)
     parties: list[Any] = []
     predict = secure_vfl.experiment.predict_tests
 
