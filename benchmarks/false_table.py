@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _shared import RESULTS, command_line, run_jobs, write_outputs
+from _shared import RESULTS, command_line, run_jobs, save_figure, write_outputs
 
 from secure_vfl.cli import non_negative_int, positive_int
 
@@ -194,7 +194,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path, dpi=120)
     plt.close(fig)
 
 

@@ -13,14 +13,13 @@ results as JSON and a convergence plot of the federated methods' validation RMSE
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _shared import RESULTS, command_line, run_jobs, write_outputs
+from _shared import RESULTS, command_line, run_jobs, save_figure, write_outputs
 
 from secure_vfl.cli import non_negative_int, positive_int
 
@@ -140,9 +139,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
+    save_figure(fig, path)
     plt.close(fig)
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 import time
 from collections import defaultdict
@@ -23,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _shared import RESULTS, command_line, run_jobs, write_outputs
+from _shared import RESULTS, command_line, run_jobs, save_figure, write_outputs
 
 from secure_vfl.cli import non_negative_int, positive_int
 
@@ -221,9 +220,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
-    tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    os.replace(tmp, path)
+    save_figure(fig, path)
     plt.close(fig)
 
 
