@@ -43,6 +43,22 @@ def child_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **extra}
 
 
+def output_directory(text: str) -> Path:
+    """An argparse type for ``--out``: a directory that exists or can be made and written in,
+    checked before the measuring starts rather than when its results are written at the end."""
+    import argparse
+
+    from secure_vfl.errors import ConfigError
+    from secure_vfl.io import check_directory
+
+    path = Path(text)
+    try:
+        check_directory("--out", path)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("--out ")) from None
+    return path
+
+
 def command_line(script: str, argv: Sequence[str] | None) -> str:
     """The command that reproduces this run, as committed beside its results."""
     args = " ".join(argv if argv is not None else sys.argv[1:])

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _shared import RESULTS, child_env, command_line, write_outputs
+from _shared import RESULTS, child_env, command_line, output_directory, write_outputs
 
 from secure_vfl.cli import positive_int
 
@@ -104,7 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--long", type=positive_int, default=6, help="epochs of the long runs")
     parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--quick", action="store_true", help="1 and 2 epochs, 1 repeat")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=output_directory, default=RESULTS)
     args = parser.parse_args(argv)
     short, long, repeats = (1, 2, 1) if args.quick else (args.short, args.long, args.repeats)
     load_before = os.getloadavg()[0]

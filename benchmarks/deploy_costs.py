@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _shared import RESULTS, Processes, child_env, command_line, write_outputs
+from _shared import RESULTS, Processes, child_env, command_line, output_directory, write_outputs
 
 from secure_vfl.cli import positive_int
 
@@ -438,7 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--epochs", type=positive_int, default=3, help="training epochs per run")
     parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--quick", action="store_true", help="1 epoch x 1 repeat, no output")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=output_directory, default=RESULTS)
     add_site_arguments(parser, "deploy_costs")
     args = parser.parse_args(argv)
     if wrote_site_only(parser, args):

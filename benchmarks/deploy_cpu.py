@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _shared import RESULTS, child_env, command_line, write_outputs
+from _shared import RESULTS, child_env, command_line, output_directory, write_outputs
 from deploy_costs import (
     PARTIES,
     SUMS,
@@ -159,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--long", type=positive_int, default=10, help="epochs of the longer run")
     parser.add_argument("--repeats", type=positive_int, default=2)
     parser.add_argument("--quick", action="store_true", help="1 and 2 epochs, 1 repeat, no output")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=output_directory, default=RESULTS)
     add_site_arguments(parser, "deploy_cpu")
     args = parser.parse_args(argv)
     if wrote_site_only(parser, args):

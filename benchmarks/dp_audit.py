@@ -32,11 +32,10 @@ import math
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _shared import RESULTS, command_line, write_outputs
+from _shared import RESULTS, command_line, output_directory, write_outputs
 
 from attacks.dp_audit import GUESS_COUNTS, audit_ceiling, audit_label_dp
 from secure_vfl.cli import non_negative_int, open_probability, positive_float, positive_int
@@ -175,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seeds", type=non_negative_int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--delta", type=open_probability, default=1e-5)
     parser.add_argument("--confidence", type=open_probability, default=0.95)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=output_directory, default=RESULTS)
     args = parser.parse_args(argv)
     command = command_line("dp_audit.py", argv)
     start = time.perf_counter()

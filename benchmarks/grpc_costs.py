@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
-from _shared import RESULTS, PortServer, command_line, write_outputs
+from _shared import RESULTS, PortServer, command_line, output_directory, write_outputs
 
 from secure_vfl.cli import positive_int
 
@@ -254,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=positive_int, default=10, help="recorded steps per repeat")
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--quick", action="store_true", help="2 steps x 2 repeats, no output")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=output_directory, default=RESULTS)
     parser.add_argument("--serve", metavar="SPEC", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:

@@ -40,7 +40,7 @@ from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-from _shared import RESULTS, PortServer, command_line, write_outputs
+from _shared import RESULTS, PortServer, command_line, output_directory, write_outputs
 from grpc_costs import _readdressed, record_step_messages, serve_dropping
 
 TRANSPORTS = ("endpoint", "grpc unary", "grpc stream")
@@ -288,7 +288,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smoke run (fewer steps)")
     parser.add_argument("--serve", choices=TRANSPORTS, help=argparse.SUPPRESS)
     parser.add_argument("--certs", type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, default=RESULTS, help="output directory")
+    parser.add_argument("--out", type=output_directory, default=RESULTS, help="output directory")
     args = parser.parse_args(argv)
     if args.serve:
         return serve(args.serve, args.certs)

@@ -23,11 +23,10 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from _shared import RESULTS, command_line, write_outputs
+from _shared import RESULTS, command_line, output_directory, write_outputs
 
 from secure_vfl.cli import parties_count
 
@@ -107,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--parties", nargs="+", type=parties_count, default=[2, 4, 6, 8])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=output_directory, default=RESULTS)
     args = parser.parse_args(argv)
 
     from tqdm import tqdm

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _shared import RESULTS, command_line, run_jobs, save_figure, write_outputs
+from _shared import RESULTS, command_line, output_directory, run_jobs, save_figure, write_outputs
 
 from secure_vfl.cli import non_negative_int, positive_int
 
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", nargs="+", type=non_negative_int, default=[0, 1, 2])
     parser.add_argument("--workers", type=positive_int, default=2)
     parser.add_argument("--quick", action="store_true", help="tiny subsets, 2 epochs, 1 seed")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=output_directory, default=RESULTS)
     args = parser.parse_args(argv)
 
     plans = [PLANS[name] for name in args.datasets]

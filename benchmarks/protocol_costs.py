@@ -35,7 +35,7 @@ from typing import Any, cast
 
 import numpy as np
 import torch
-from _shared import RESULTS, command_line, write_outputs
+from _shared import RESULTS, command_line, output_directory, write_outputs
 from psi_costs import table as psi_table_lines
 from psi_costs import target_line as psi_target_line
 
@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         choices=["dp"],
         help="re-run one section and keep the others from the committed results (the .json)",
     )
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=output_directory, default=RESULTS)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     repeats, epochs = (3, 1) if args.quick else (7, 5)

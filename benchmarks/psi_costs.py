@@ -39,11 +39,10 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _shared import RESULTS, command_line, write_outputs
+from _shared import RESULTS, command_line, output_directory, write_outputs
 
 from secure_vfl.cli import non_negative_int, positive_int
 from secure_vfl.errors import ConfigError
@@ -245,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
         "--workers", type=positive_int, help="our worker processes (default: all cores)"
     )
     parser.add_argument("--seed", type=non_negative_int, default=0)
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=output_directory, default=RESULTS)
     args = parser.parse_args(argv)
 
     try:

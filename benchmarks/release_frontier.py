@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _shared import RESULTS, command_line, run_jobs, save_figure, write_outputs
+from _shared import RESULTS, command_line, output_directory, run_jobs, save_figure, write_outputs
 
 from secure_vfl.cli import non_negative_int, positive_float, positive_int
 
@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--unaligned", action="store_true", help="add the unaligned setting")
     parser.add_argument("--workers", type=positive_int, default=2)
     parser.add_argument("--quick", action="store_true", help="digits, 1 epoch, epsilon 8")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=output_directory, default=RESULTS)
     args = parser.parse_args(argv)
 
     plans = [PLANS[name] for name in args.datasets]

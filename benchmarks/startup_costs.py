@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _shared import RESULTS, command_line, write_outputs
+from _shared import RESULTS, command_line, output_directory, write_outputs
 
 from secure_vfl.cli import positive_int
 
@@ -67,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--quick", action="store_true", help="1 repeat, nothing written")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=output_directory, default=RESULTS)
     args = parser.parse_args(argv)
     repeats = 1 if args.quick else args.repeats
     seconds: dict[str, list[float]] = {name: [] for name in CASES}

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _shared import RESULTS, command_line, run_jobs, write_outputs
+from _shared import RESULTS, command_line, output_directory, run_jobs, write_outputs
 
 from secure_vfl.cli import positive_int
 
@@ -182,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seeds", type=positive_int, default=3)
     parser.add_argument("--workers", type=positive_int, default=2)
     parser.add_argument("--quick", action="store_true", help="one seed, one epoch per task")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=output_directory, default=RESULTS)
     args = parser.parse_args(argv)
     seeds = 1 if args.quick else args.seeds
     cache = str(args.out / ".undefended")

@@ -26,11 +26,10 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
-from _shared import RESULTS, command_line, write_outputs
+from _shared import RESULTS, command_line, output_directory, write_outputs
 
 from secure_vfl.cli import positive_int
 
@@ -190,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=positive_int, default=100, help="steps per repeat")
     parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--quick", action="store_true", help="10 steps x 2 repeats")
-    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--out", type=output_directory, default=RESULTS)
     args = parser.parse_args(argv)
     steps, repeats = (10, 2) if args.quick else (args.steps, args.repeats)
     load_before = os.getloadavg()[0]
