@@ -98,6 +98,7 @@ import logging
 import re
 import secrets
 import sys
+import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -2149,24 +2150,54 @@ def _end(
     reports = {}
     entries = {}
     endpoint.handler = None
-    quick = None if outcome == "finished" else min(endpoint.deadline, FAILED_END_SECONDS)
-    for member in federation.members[1:]:
-        if member.name in lost:
-            continue
-        try:
-            end = _deployment(endpoint.name, member.name, "end", {"outcome": outcome})
-            endpoint.send(end, deadline=quick)
-            message = endpoint.receive(quick, sender=member.name, kind="deployment")
-            body = _body(message, "report", REPORT_KEYS)
-        except SecureVFLError as error:
-            if outcome == "finished":
-                raise
-            logger.warning("%s: could not end the run at %s: %s", endpoint.name, member.name, error)
-            continue
-        reports[member.name] = _reported_bytes(member.name, body["bytes"])
-        if member.name != AGGREGATOR:
-            entries[member.name] = body["privacy"]
+    names = [member.name for member in federation.members[1:] if member.name not in lost]
+    ends = [_deployment(endpoint.name, name, "end", {"outcome": outcome}) for name in names]
+    if outcome == "finished":
+        bodies = {}
+        for name, end in zip(names, ends, strict=True):
+            endpoint.send(end)
+            bodies[name] = _body(
+                endpoint.receive(sender=name, kind="deployment"), "report", REPORT_KEYS
+            )
+    else:
+        bodies = _end_failed(endpoint, names, ends, min(endpoint.deadline, FAILED_END_SECONDS))
+    for name, body in bodies.items():
+        reports[name] = _reported_bytes(name, body["bytes"])
+        if name != AGGREGATOR:
+            entries[name] = body["privacy"]
     return reports, entries
+
+
+def _end_failed(
+    endpoint: PartyEndpoint, names: Sequence[str], ends: Sequence[Message], seconds: float
+) -> dict[str, Any]:
+    """The ends of a run that failed or was interrupted, sent to every party at once and their
+    reports taken within ``seconds`` in all: hung or stopped parties are only warned of, and
+    cost the user that wait once, not once each. A party acts on its end, and answers with its
+    report, before its delivery returns, so the reports of those reached are already here."""
+    until = time.monotonic() + seconds
+    try:
+        endpoint.send_all(ends, deadline=seconds)
+    except SecureVFLError as error:  # each party not reached is named below
+        logger.debug("%s: not every party took its end: %s", endpoint.name, error)
+    bodies = {}
+    for name in names:
+        try:
+            message = endpoint.receive(
+                max(until - time.monotonic(), 0.0), sender=name, kind="deployment"
+            )
+            bodies[name] = _body(message, "report", REPORT_KEYS)
+        except TransportError:  # the wait is shared: say what it was, not what was left of it
+            logger.warning(
+                "%s: could not end the run at %s: it did not answer within %g s (hung, stopped, "
+                "or unreachable)",
+                endpoint.name,
+                name,
+                seconds,
+            )
+        except SecureVFLError as error:
+            logger.warning("%s: could not end the run at %s: %s", endpoint.name, name, error)
+    return bodies
 
 
 def _reported_bytes(name: str, entries: list[Any]) -> Counter[tuple[str, str, str]]:
