@@ -2475,16 +2475,16 @@ def _secure_sums(name: str) -> Any:
     return PrivacyEngine(PrivacySpec(secure_agg=name)).aggregator()
 
 
-def _psi_roles() -> Any:
+def _psi_roles(progress: Callable[[int], object] | None = None) -> Any:
     """The two sides of DH-PSI for a deployment (:class:`secure_vfl.deployment.PsiRoles`), the
     privacy layer's roles registered as ``psi-requester`` and ``psi-responder``; imported when
-    a party first plays one."""
+    a party first plays one. ``progress`` is told the requester's points as it masks them."""
     from secure_vfl.deployment import PsiRoles
 
     def requester(ids: Any, name: str) -> Any:
         from protocols.psi.session import psi_roles
 
-        return psi_roles(None)[0](ids, name=name)
+        return psi_roles(None)[0](ids, name=name, progress=progress)
 
     def responder(ids: Any, name: str) -> Any:
         from protocols.psi.session import psi_roles
@@ -2619,7 +2619,23 @@ def run_train_deployed(args: argparse.Namespace) -> int:
     checkpoints = _checkpoint_plan(  # the label party's checkpoint; each party checks its own
         args, config, out, label_party=federation.label_party, check_parties=False
     )
-    bar = tqdm(total=0, desc=config.method, unit="step", disable=_no_bar(args), leave=False)
+    # PSI's points, the label party's side of each data party's session (no total: their sizes
+    # come later); closed when training starts (a party PSI realigns later adds none).
+    aligning = tqdm(
+        desc="psi",
+        unit="point",
+        unit_scale=True,
+        disable=_no_bar(args) if config.align == "psi" else True,
+        leave=False,
+    )
+
+    bar: Any = None
+
+    def started(total: int) -> None:
+        nonlocal bar
+        aligning.close()
+        bar = tqdm(total=total, desc=config.method, unit="step", disable=_no_bar(args), leave=False)
+
     with _run_warnings() as noted, _capture(args.capture) as capture:
         try:
             result = train_deployed(
@@ -2627,16 +2643,18 @@ def run_train_deployed(args: argparse.Namespace) -> int:
                 federation,
                 args.name,
                 **_label_party_options(args),
-                on_start=lambda total: bar.reset(total=total),
+                on_start=started,
                 on_step=lambda step, loss: bar.update(step - bar.n),  # resumed: past step 0
-                psi=_psi_roles(),
+                psi=_psi_roles(progress=aligning.update),
                 checkpoints=checkpoints,
                 model_dir=out / MODEL_DIR,
                 privacy=engine,
                 capture=capture,
             )
         finally:
-            bar.close()
+            aligning.close()
+            if bar is not None:
+                bar.close()
     manifest, _ = read_manifest(out / MODEL_DIR)
     payload = result.to_json()
     payload["config"]["privacy"] = _privacy_settings(args)

@@ -70,6 +70,27 @@ def _parties(mine, theirs, channel, *, workers=1, session="s", mode="intersectio
     return requester, responder
 
 
+def test_each_party_is_told_the_points_its_own_pool_masks():
+    """A deployed party has its own pool: its progress counts its own multiplications, its ids
+    and the peer's (each side masks both), over every session it runs."""
+    mine, theirs, others = list(range(300)), list(range(200, 450)), list(range(100, 160))
+    told: dict[str, list[int]] = {"requester": [], "responder": [], "other": []}
+    channel = Channel()
+    requester = PsiRequester(mine, workers=1, chunk_size=64, progress=told["requester"].append)
+    responder = PsiResponder(theirs, workers=1, chunk_size=64, progress=told["responder"].append)
+    other = PsiResponder(others, name="other", workers=1, progress=told["other"].append)
+    for party in (requester, responder, other):
+        party.connect(channel)
+    responder.accept("requester", session_id="s", key=KEY_B)
+    other.accept("requester", session_id="t")
+    assert requester.intersect("responder", session_id="s", key=KEY_A).size == 100
+    assert requester.intersect("other", session_id="t").size == 60
+    assert sum(told["requester"]) == 2 * len(mine) + len(theirs) + len(others)
+    assert len(told["requester"]) > 2  # a chunk at a time
+    assert sum(told["responder"]) == len(theirs) + len(mine)
+    assert sum(told["other"]) == len(others) + len(mine)
+
+
 def _pair(mine, theirs, *, mode="intersection", session="s1", seed=0):
     rng = np.random.default_rng(seed)
     requester = RequesterSession(mine, session_id=session, mode=mode, key=KEY_A, rng=rng)

@@ -21,7 +21,7 @@ attacker is a subclass of the side it plays (``run_psi(..., roles={"responder": 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import numpy as np
@@ -45,7 +45,8 @@ class _PsiParty(Party):
 
     ``workers``: processes for the scalar multiplications (default all cores, 1 for none;
     started and stopped per session) or a :class:`ScalarPool` to share (a machine's compute: it
-    keeps no state of a session), which the caller closes.
+    keeps no state of a session), which the caller closes. ``progress`` is told the points of
+    each of its sessions' own pools' tasks as they complete (a shared pool has its own).
     """
 
     def __init__(
@@ -56,12 +57,14 @@ class _PsiParty(Party):
         rng: np.random.Generator | None,
         workers: int | ScalarPool | None,
         chunk_size: int,
+        progress: Callable[[int], object] | None,
     ) -> None:
         super().__init__(name)
         self.ids = ids
         self.chunk_size = check_chunk_size(chunk_size)
         self._rng = rng if rng is not None else default_rng()
         self._workers = workers
+        self._progress = progress
 
     def _settings(
         self,
@@ -84,6 +87,7 @@ class _PsiParty(Party):
             "rng": self._rng,
             "workers": self._workers,
             "chunk_size": self.chunk_size,
+            "progress": self._progress,
         }
 
 
@@ -98,8 +102,11 @@ class PsiRequester(_PsiParty):
         rng: np.random.Generator | None = None,
         workers: int | ScalarPool | None = None,
         chunk_size: int = CHUNK,
+        progress: Callable[[int], object] | None = None,
     ) -> None:
-        super().__init__(ids, name=name, rng=rng, workers=workers, chunk_size=chunk_size)
+        super().__init__(
+            ids, name=name, rng=rng, workers=workers, chunk_size=chunk_size, progress=progress
+        )
         self._sessions: dict[str, RequesterSession] = {}
 
     def intersect(
@@ -168,8 +175,11 @@ class PsiResponder(_PsiParty):
         rng: np.random.Generator | None = None,
         workers: int | ScalarPool | None = None,
         chunk_size: int = CHUNK,
+        progress: Callable[[int], object] | None = None,
     ) -> None:
-        super().__init__(ids, name=name, rng=rng, workers=workers, chunk_size=chunk_size)
+        super().__init__(
+            ids, name=name, rng=rng, workers=workers, chunk_size=chunk_size, progress=progress
+        )
         self._sessions: dict[str, ResponderSession] = {}
 
     def accept(

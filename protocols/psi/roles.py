@@ -32,7 +32,7 @@ channel keeps every message (64·N_A + 32·N_B bytes).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -130,6 +130,7 @@ class _Session:
         rng: np.random.Generator | None = None,
         workers: int | ScalarPool | None = None,
         chunk_size: int = CHUNK,
+        progress: Callable[[int], object] | None = None,
     ) -> None:
         self.ids = ids
         self.name = name
@@ -140,7 +141,9 @@ class _Session:
         self._key = _check_key(key if key is not None else fresh_key())
         self._rng = rng if rng is not None else default_rng()
         self._owns_pool = not isinstance(workers, ScalarPool)
-        self._pool = workers if isinstance(workers, ScalarPool) else ScalarPool(workers)
+        self._pool = (
+            workers if isinstance(workers, ScalarPool) else ScalarPool(workers, progress=progress)
+        )
 
     def _shuffle(self) -> np.ndarray:
         """A secret random order of this party's ids (4 bytes per id below 2^31 ids)."""
@@ -212,6 +215,7 @@ class RequesterSession(_Session):
         rng: np.random.Generator | None = None,
         workers: int | ScalarPool | None = None,
         chunk_size: int = CHUNK,
+        progress: Callable[[int], object] | None = None,
     ) -> None:
         super().__init__(
             ids,
@@ -223,6 +227,7 @@ class RequesterSession(_Session):
             rng=rng,
             workers=workers,
             chunk_size=chunk_size,
+            progress=progress,
         )
         self.chunks = max(1, math.ceil(len(ids) / self.chunk_size))
         """Request chunks this party sends (one, empty, for no ids)."""
@@ -393,6 +398,7 @@ class ResponderSession(_Session):
         rng: np.random.Generator | None = None,
         workers: int | ScalarPool | None = None,
         chunk_size: int = CHUNK,
+        progress: Callable[[int], object] | None = None,
     ) -> None:
         super().__init__(
             ids,
@@ -404,6 +410,7 @@ class ResponderSession(_Session):
             rng=rng,
             workers=workers,
             chunk_size=chunk_size,
+            progress=progress,
         )
         self._own_order: np.ndarray | None = None
         self._own_chunks = math.ceil(len(ids) / self.chunk_size)
