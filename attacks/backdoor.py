@@ -354,7 +354,12 @@ class GradientReplacementBackdoor(Attack):
         }
 
     def chance(self, context: AttackContext) -> float:
-        """The target class's share of the training rows: how often a model without the
-        backdoor predicts the target for rows it cannot tell apart."""
-        labels = context.data.train.labels
-        return float((labels == self.target).mean())
+        """The rate at which the same federation predicts the target for the probe rows without
+        the trigger (:data:`UNTRIGGERED`): what the model does for them anyway, so that the ASR
+        above it is the trigger's doing. The negative control's ASR sits there (the honest model
+        meets the trigger); the target class's share of the rows, used before, was far above
+        both (0.37 on breast-cancer against a control at 0.00) and scored a working backdoor
+        as defended."""
+        if UNTRIGGERED not in context.probed:
+            raise ConfigError(f"{self.name}: its chance level needs the probed rows.")
+        return float(context.probed[UNTRIGGERED])

@@ -98,6 +98,29 @@ def test_gradient_scoring_succeeds_and_its_shuffled_control_sits_at_one_half(
     assert control.chance == 0.5
 
 
+
+def test_scores_that_rank_the_rare_class_last_are_a_leak_not_a_defense() -> None:
+    """Standard VFL on breast-cancer, 2 parties, 1 epoch: the gradient norms separate the
+    classes the other way round (AUC 0.08). That leaks as much to an attacker who knows which
+    class is rarer; it was scored DCS 1 against chance, a perfect defense."""
+    config = TrainConfig(
+        method="standard",
+        dataset="breast-cancer",
+        parties=2,
+        seed=0,
+        method_config=MethodConfig(epochs=1),
+    )
+    result = run_attack(config, "norm-scoring")
+    auc = result.attack["auc"]
+    assert auc <= 0.3, auc
+    assert result.attack["separation"] == 1 - auc
+    main_accuracy = result.main["accuracy"]
+    reference = result.undefended_accuracy
+    assert result.dcs_chance == pytest.approx(
+        dcs(1 - auc, main_accuracy, attack_star=0.5, main_star=reference)
+    )
+    assert result.dcs_chance < 0.9
+
 def test_an_attack_that_does_not_apply_is_refused_with_what_it_needs() -> None:
     with pytest.raises(ConfigError, match="--top-model none"):
         run_attack(_binary("breast-cancer", "laser", 1), "direct-label-inference")

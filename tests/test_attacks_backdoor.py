@@ -72,7 +72,8 @@ def test_backdoor_flips_triggered_rows_to_the_target_and_keeps_clean_accuracy(
     assert all(
         type(channel.parties[name]) is DataParty for name in ("party-0", "party-2", "party-3")
     )
-    assert result.chance == pytest.approx(170 / 456)  # the target class's share (malignant)
+    # chance: the model's own rate of predicting the target for those rows without the trigger
+    assert result.chance == result.attack["untriggered_asr"]
 
 
 def test_without_poisoning_the_trigger_does_what_it_does_to_the_honest_model(
@@ -84,6 +85,7 @@ def test_without_poisoning_the_trigger_does_what_it_does_to_the_honest_model(
     # the honest model predicts the target for few triggered rows; the backdoor for most
     assert control.attack["asr"] <= 0.1
     assert attacked.attack["asr"] - control.attack["asr"] >= 0.7
+    assert abs(control.attack["asr"] - control.chance) <= 0.05  # the control sits at chance
 
 
 def test_norm_filter_lowers_the_backdoor_and_reports_what_it_dropped(
@@ -99,6 +101,7 @@ def test_norm_filter_lowers_the_backdoor_and_reports_what_it_dropped(
         counts = filtered[honest]["predict"]
         assert counts["dropped"] <= 0.2 * counts["seen"]
     assert defended.dcs > attacked.dcs
+    assert defended.dcs_chance > attacked.dcs_chance  # scored against chance, too
     assert attacked.defense_reports == {}
 
 
