@@ -25,6 +25,7 @@ import hashlib
 import inspect
 import json
 import math
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -74,13 +75,18 @@ def make_attack(name: str, options: Mapping[str, float | str]) -> Attack:
     """The attack registered as ``name``, made with the keyword parameters ``options``;
     ConfigError for a parameter it does not take, or a value of a type it cannot use."""
     factory = ATTACKS.get(name)
-    taken = list(inspect.signature(factory).parameters)
+    parameters = inspect.signature(factory, eval_str=True).parameters
+    taken = list(parameters)
     unknown = sorted(set(options) - set(taken))
     if unknown:
         raise ConfigError(
             f"{name} takes the parameters ({', '.join(taken) or 'none of them'}). Found "
             f"{', '.join(unknown)}."
         )
+    for key, value in options.items():
+        declared = parameters[key].annotation
+        if declared is not inspect.Parameter.empty and not _of_type(value, declared):
+            raise ConfigError(f"{name}: {key} takes {_type_name(declared)}. Found {key}={value!r}.")
     try:
         return factory(**options)
     except TypeError as error:  # e.g. text where a number is compared
@@ -88,6 +94,28 @@ def make_attack(name: str, options: Mapping[str, float | str]) -> Attack:
         raise ConfigError(
             f"{name}: values of the types its parameters take expected. Found {given} ({error})."
         ) from None
+
+
+def _of_type(value: object, hint: Any) -> bool:
+    """Whether ``value`` is a value of the declared type ``hint``: an int (not a bool) for int,
+    a finite number for float, else an instance of one of the hint's classes."""
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return (
+            isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        )
+    if typing.get_args(hint):  # a union, e.g. Completion | None
+        return any(_of_type(value, arg) for arg in typing.get_args(hint))
+    return not isinstance(hint, type) or isinstance(value, hint)
+
+
+def _type_name(hint: Any) -> str:
+    names = {int: "an integer", float: "a finite number", str: "text"}
+    if hint in names:
+        return names[hint]
+    args = [arg for arg in typing.get_args(hint) if arg is not type(None)] or [hint]
+    return " or ".join(names.get(arg, f"a {getattr(arg, '__name__', arg)} object") for arg in args)
 
 
 def apply_defense(spec: PrivacySpec, text: str) -> PrivacySpec:

@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from attacks import ATTACKS
 from attacks.label_inference import GradientObserver
-from attacks.runner import apply_defense, dcs, run_attack
+from attacks.model_completion import Completion
+from attacks.runner import apply_defense, dcs, make_attack, run_attack
 from protocols.privacy import PrivacySpec
 from secure_vfl.cli import main
 from secure_vfl.errors import ConfigError, RegistryError
@@ -98,7 +101,6 @@ def test_gradient_scoring_succeeds_and_its_shuffled_control_sits_at_one_half(
     assert control.chance == 0.5
 
 
-
 def test_scores_that_rank_the_rare_class_last_are_a_leak_not_a_defense() -> None:
     """Standard VFL on breast-cancer, 2 parties, 1 epoch: the gradient norms separate the
     classes the other way round (AUC 0.08). That leaks as much to an attacker who knows which
@@ -120,6 +122,28 @@ def test_scores_that_rank_the_rare_class_last_are_a_leak_not_a_defense() -> None
         dcs(1 - auc, main_accuracy, attack_star=0.5, main_star=reference)
     )
     assert result.dcs_chance < 0.9
+
+
+@pytest.mark.parametrize(
+    ("attack", "options", "expected"),
+    [
+        # each of these failed after training, with a traceback (AttributeError, TypeError,
+        # ValueError from numpy)
+        ("passive-model-completion", {"settings": 1}, "settings takes a Completion object"),
+        ("passive-model-completion", {"known": 2.5}, "known takes an integer. Found known=2.5"),
+        ("feature-reconstruction", {"victim": 1.5}, "victim takes an integer"),
+        ("direction-scoring", {"known": math.nan}, "known takes an integer. Found known=nan"),
+        ("gradient-replacement-backdoor", {"gamma": math.inf}, "gamma takes a finite number"),
+        ("gradient-replacement-backdoor", {"swap": 3}, "swap takes text. Found swap=3"),
+    ],
+)
+def test_an_option_of_the_wrong_type_is_refused_before_training(
+    attack: str, options: dict[str, Any], expected: str
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        make_attack(attack, options)
+    assert make_attack("passive-model-completion", {"known": 3, "settings": Completion()})
+
 
 def test_an_attack_that_does_not_apply_is_refused_with_what_it_needs() -> None:
     with pytest.raises(ConfigError, match="--top-model none"):

@@ -142,11 +142,14 @@ def test_under_secure_aggregation_no_receiver_sees_a_representation_to_filter() 
         ({"poison_fraction": 1.5}, r"`poison_fraction` must be in \(0, 1\)"),
         ({"gamma": -1.0}, "`gamma` must be a positive number"),
         ({"trigger_columns": 8}, "a trigger of 8 columns in a block of 7"),
-        ({"trigger_value": float("inf")}, "`trigger_value` must be a finite number"),
+        ({"trigger_value": float("inf")}, "trigger_value takes a finite number"),
         ({"swap": "sideways"}, "`swap` must be one of own, target, none"),
         ({"colour": 1}, r"takes the parameters \(target, known.*\)\. Found colour\."),
         # a known parameter of the wrong type is not called unknown
-        ({"trigger_columns": "abc"}, r"values of the types .* Found trigger_columns='abc'"),
+        (
+            {"trigger_columns": "abc"},
+            r"trigger_columns takes an integer\. Found trigger_columns='abc'",
+        ),
     ],
 )
 def test_bad_backdoor_parameters_are_refused(options: dict[str, float], expected: str) -> None:
