@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from attacks.base import ATTACKS
-from attacks.runner import AttackResult, run_attack
+from attacks.runner import AttackResult, parse_defenses, run_attack
+from protocols.privacy import PrivacySpec
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ConfigError, DivergenceError
 from secure_vfl.experiment import TrainConfig, prepare_data
@@ -81,14 +82,21 @@ def run_suite(
     defenses: Sequence[str] = (),
     attacker: str | None = None,
     attacks: Sequence[str] | None = None,
+    privacy: PrivacySpec | None = None,
     cache: Path | None = None,
     on_run: Callable[[str, str, AttackResult], None] | None = None,
 ) -> SuiteReport:
     """Run every attack that applies to ``config`` (only those named in ``attacks``, if given)
-    undefended and under each defense (one spec each, e.g. ``dp-gradients:1:0.01``);
-    ``on_run(attack, defense, result)`` after each."""
+    undefended and under each defense (one spec each, e.g. ``dp-gradients:1:0.01``) added to
+    ``privacy`` (its DP accounting: delta, adjacency; default none);
+    ``on_run(attack, defense, result)`` after each. An unknown attack or a malformed defense is
+    refused (ConfigError) before anything runs; a defense that does not apply to a run is
+    listed with why, as a run that diverges is."""
     for name in attacks or ():
         ATTACKS.get(name)  # an unknown name is refused before anything runs
+    base = privacy if privacy is not None else PrivacySpec(seed=config.seed)
+    for defense in defenses:
+        parse_defenses([defense], base)  # a typo is refused, not listed as not applicable
     verdicts = {
         name: why
         for name, why in applicable(config, prepare_data(config), attacker).items()
@@ -111,6 +119,7 @@ def run_suite(
                     name,
                     attacker=attacker,
                     defenses=[] if defense == UNDEFENDED else [defense],
+                    privacy=base,
                     cache=cache,
                 )
             except DivergenceError as error:  # it says so, where, and what to try
@@ -166,14 +175,18 @@ def markdown(report: SuiteReport, *, command: str) -> str:
             f"{run['dcs']:.3f} | {run['dcs_chance']:.3f} |"
         )
     kinds = sorted({run["kind"] for run in report.runs})
-    lines += [
-        "",
-        "T-DCS per attack kind (mean DCS of its attacks) and C-DCS per defense (mean of its "
-        "T-DCS); in brackets with AP* = the attacks' chance levels.",
-        "",
-        "| defense | " + " | ".join(kinds) + " | C-DCS |",
-        "|---|" + "---|" * (len(kinds) + 1),
-    ]
+    lines += (
+        [
+            "",
+            "T-DCS per attack kind (mean DCS of its attacks) and C-DCS per defense (mean of its "
+            "T-DCS); in brackets with AP* = the attacks' chance levels.",
+            "",
+            "| defense | " + " | ".join(kinds) + " | C-DCS |",
+            "|---|" + "---|" * (len(kinds) + 1),
+        ]
+        if report.runs
+        else ["", "No run was scored: no T-DCS or C-DCS."]
+    )
     for defense, per_kind in report.t_dcs.items():
         cells = [
             f"{per_kind[k]:.3f} ({report.t_dcs_chance[defense][k]:.3f})" if k in per_kind else "-"

@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from attacks.base import ATTACKS
+from protocols.privacy import PrivacySpec
 from secure_vfl.errors import ConfigError, DivergenceError
-from secure_vfl.experiment import TrainConfig
+from secure_vfl.experiment import TrainConfig, prepare_data
 from secure_vfl.io import atomic_write, atomic_write_json, atomic_write_text
 
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*$")
@@ -131,10 +132,13 @@ def _run_point(job: dict[str, Any]) -> dict[str, Any]:
             job["attack"],
             attacker=job["attacker"],
             defenses=[] if setting.defense == UNDEFENDED else [setting.defense],
+            privacy=job["privacy"],
             cache=job["cache"],
         )
     except DivergenceError as error:  # it says so, where, and what to try
         return {**row, "failed": str(error)}
+    except ConfigError as error:  # the defense does not apply to this task (as in a suite)
+        return {**row, "failed": f"not applicable: {error}"}
     payload = result.to_json()
     epsilon = payload["epsilon"]
     return {
@@ -211,27 +215,38 @@ def run_sweep(
     attacker: str | None = None,
     workers: int | None = None,
     executor: str = "process",
+    privacy: PrivacySpec | None = None,
     cache: Path | None = None,
     on_start: Callable[[int], None] | None = None,
     on_done: Callable[[], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Every setting of ``templates`` x ``grid`` (and the undefended one) at ``seeds`` seeds
     (``config.seed``, ``config.seed + 1``, ...), run independently; one row per run.
-    ``on_start(runs)`` is called once the runs are known, ``on_done()`` as each ends (in
-    order, with the process executor; all at the end with Ray)."""
-    ATTACKS.get(attack)  # refuse an unknown attack before anything runs
+    ``privacy``: what every run's defense is added to (its DP accounting: delta, adjacency;
+    default none). ``on_start(runs)`` is called once the runs are known, ``on_done()`` as each
+    ends (in order, with the process executor; all at the end with Ray). An unknown attack, one
+    that does not apply to ``config`` or a malformed setting is refused (ConfigError) before
+    anything runs; a defense that does not apply to the task is a failed row with why."""
+    from attacks.runner import make_attack, parse_defenses
+
     if seeds < 1:
         raise ConfigError(f"--seeds must be >= 1. Found {seeds}.")
     settings = expand(templates, grid)
     workers = workers if workers is not None else max(1, min(os.cpu_count() or 1, 4))
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1. Found {workers}.")
+    base = privacy if privacy is not None else PrivacySpec(seed=config.seed)
+    for setting in settings[1:]:  # e.g. a negative CLIP from the grid, or a misspelt name
+        parse_defenses([setting.defense], base)
+    made = make_attack(attack, {})
+    made.check(config, prepare_data(config), attacker or made.default_attacker)
     jobs = [
         {
             "setting": setting,
             "config": replace(config, seed=config.seed + offset),
             "attack": attack,
             "attacker": attacker,
+            "privacy": replace(base, seed=config.seed + offset),
             "cache": cache,
         }
         for setting in settings
@@ -284,7 +299,15 @@ def summarise(rows: Sequence[dict[str, Any]], metric: str) -> list[dict[str, Any
     return table
 
 
-def markdown(table: Sequence[dict[str, Any]], *, attack: str, metric: str, command: str) -> str:
+def markdown(
+    table: Sequence[dict[str, Any]],
+    *,
+    attack: str,
+    metric: str,
+    command: str,
+    failures: Sequence[str] = (),
+) -> str:
+    """The table of means over seeds, then ``failures``: each run not scored, with why."""
     lines = [
         f"# Privacy-utility sweep: {attack}",
         "",
@@ -297,32 +320,35 @@ def markdown(table: Sequence[dict[str, Any]], *, attack: str, metric: str, comma
     for row in table:
         if not row["seeds"]:
             lines.append(
-                f"| {row['template']} | {row['setting']} | 0 (diverged: {row['failed']}) "
+                f"| {row['template']} | {row['setting']} | 0 (failed: {row['failed']}) "
                 "| - | - | - | - | - |"
             )
             continue
-        diverged = f" (diverged: {row['failed']})" if row["failed"] else ""
+        failed = f" (failed: {row['failed']})" if row["failed"] else ""
         epsilon = row["epsilon"]
         shown = "-" if epsilon is None else ("inf" if math.isinf(epsilon) else f"{epsilon:.2f}")
         lines.append(
-            f"| {row['template']} | {row['setting']} | {row['seeds']}{diverged} | "
+            f"| {row['template']} | {row['setting']} | {row['seeds']}{failed} | "
             f"{100 * row['main_accuracy']:.2f} ± {100 * row['main_accuracy_sd']:.2f} | "
             f"{row['attack']:.3f} ± {row['attack_sd']:.3f} | {shown} | {row['dcs']:.3f} | "
             f"{row['dcs_chance']:.3f} |"
         )
+    if failures:
+        lines += ["", "Runs not scored (diverged, or the defense does not apply):", ""]
+        lines += [f"- {failure}" for failure in failures]
     return "\n".join(lines) + "\n"
 
 
 def plot(table: Sequence[dict[str, Any]], out: Path, *, attack: str, metric: str) -> list[Path]:
-    """``utility_epsilon.png`` (main accuracy against epsilon; no noise is drawn at the right
-    edge) and ``attack_utility.png`` (the attack's metric against main accuracy); written
-    atomically. Returns their paths."""
+    """``utility_epsilon.png`` (main accuracy against epsilon; a setting whose epsilon is
+    unbounded, e.g. SIGMA 0, is drawn at the right edge) and ``attack_utility.png`` (the
+    attack's metric against main accuracy); written atomically. Returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    table = [row for row in table if row["seeds"]]  # settings whose every run diverged: none
+    table = [row for row in table if row["seeds"]]  # settings whose every run failed: none
     series: dict[str, list[dict[str, Any]]] = {}
     for row in table:
         series.setdefault(row["template"], []).append(row)
@@ -358,10 +384,14 @@ def plot(table: Sequence[dict[str, Any]], out: Path, *, attack: str, metric: str
             100 * undefended[0]["main_accuracy"], color="grey", ls="--", label="undefended"
         )
     axes.set_xscale("log")
-    axes.set_xlabel("epsilon (largest party's; no noise drawn at the right edge)")
+    unbounded = any(r["epsilon"] is not None and math.isinf(r["epsilon"]) for r in table)
+    axes.set_xlabel(
+        "epsilon (largest party's"
+        + ("; epsilon = inf drawn at the right edge)" if unbounded else ")")
+    )
     axes.set_ylabel("main accuracy (%)")
     axes.set_title(f"{attack}: utility against privacy")
-    axes.legend(fontsize=8)
+    _legend(axes)
     figure.tight_layout()
     paths.append(_save(figure, out / "utility_epsilon.png"))
     plt.close(figure)
@@ -381,11 +411,17 @@ def plot(table: Sequence[dict[str, Any]], out: Path, *, attack: str, metric: str
     axes.set_xlabel("main accuracy (%)")
     axes.set_ylabel(f"attack {metric}")
     axes.set_title(f"{attack}: attack against utility, per defense")
-    axes.legend(fontsize=8)
+    _legend(axes)
     figure.tight_layout()
     paths.append(_save(figure, out / "attack_utility.png"))
     plt.close(figure)
     return paths
+
+
+def _legend(axes: Any) -> None:
+    """A legend, where something is drawn (every run failed: an empty plot, and no warning)."""
+    if axes.get_legend_handles_labels()[0]:
+        axes.legend(fontsize=8)
 
 
 def _save(figure: Any, path: Path) -> Path:
@@ -400,7 +436,12 @@ def write_sweep(
     and the plot paths."""
     metric = ATTACKS.get(attack)().metric
     table = summarise(rows, metric)
-    text = markdown(table, attack=attack, metric=metric, command=command)
+    failures = [
+        f"{row['defense']} seed {row['seed']}: {row['failed']}"
+        for row in rows
+        if row["failed"] is not None
+    ]
+    text = markdown(table, attack=attack, metric=metric, command=command, failures=failures)
     atomic_write_json(
         out / "sweep.json",
         {

@@ -1749,6 +1749,7 @@ def run_sweep_command(args: argparse.Namespace) -> int:
             attacker=args.attacker,
             workers=args.workers,
             executor=args.executor,
+            privacy=_privacy_spec(args),  # its DP accounting; the defenses are the templates
             cache=out.parent / ".undefended",
             on_start=lambda runs: bar.reset(total=runs),
             on_done=lambda: bar.update(1),
@@ -1775,6 +1776,14 @@ def run_sweep_command(args: argparse.Namespace) -> int:
         )
     print(text)
     print("plots: " + ", ".join(str(p) for p in plots))
+    failed = sum(row["failed"] is not None for row in rows)
+    if failed == len(rows):
+        print(
+            f"secure-vfl: error: no run of the sweep was scored ({failed} failed); see "
+            f"{out / 'sweep.md'}.",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
@@ -1784,27 +1793,33 @@ def _run_suite_command(args: argparse.Namespace, config: Any) -> int:
 
     out: Path = args.out or Path("runs") / f"suite-{config.method}-{config.data_name}"
     _check_output_dir(out, "suite.json", overwrite=args.overwrite)
-    if _privacy_spec(args).noise() or args.secure_agg != "none":
+    privacy = _privacy_spec(args)
+    if privacy.noise() or args.secure_agg != "none":
         raise ConfigError(
             "a suite's defenses are its --defense specs (each run on its own); found the "
             "privacy flags of train."
         )
+    given = _given(
+        ("--control", True if args.control else None),
+        ("--attack-option", args.attack_option or None),
+    )
+    if given:
+        raise ConfigError(
+            f"{' and '.join(given)} go with one --attack (a suite runs each attack with its own "
+            "parameters, each against its defenses); found them with --suite."
+        )
     store = _results_store(args, out)
-    store.forget(out)  # a suite written again replaces all its runs
+    entries: list[tuple[dict[str, Any], str, str]] = []  # stored once the suite is written
 
     def on_run(attack: str, defense: str, result: Any) -> None:
         payload = result.to_json()
         training = payload["training"]
-        store.add(
-            {
-                **training,
-                "config": {**training["config"], "defense": defense},
-                "metrics": {"main": payload["main"], "attack": payload["attack"]},
-            },
-            kind=f"suite:{attack}",
-            out_dir=out,
-            entry=f"{attack} / {defense}",
-        )
+        entry = {
+            **training,
+            "config": {**training["config"], "defense": defense},
+            "metrics": {"main": payload["main"], "attack": payload["attack"]},
+        }
+        entries.append((entry, f"suite:{attack}", f"{attack} / {defense}"))
         if not args.quiet:
             value = ", ".join(f"{k} {v:.3f}" for k, v in payload["attack"].items())
             print(f"{attack} / {defense}: main {100 * payload['main']['accuracy']:.2f} %, {value}")
@@ -1813,6 +1828,7 @@ def _run_suite_command(args: argparse.Namespace, config: Any) -> int:
         config,
         defenses=args.defense,
         attacker=args.attacker,
+        privacy=privacy,
         cache=args.cache or out.parent / ".undefended",
         on_run=on_run,
     )
@@ -1820,7 +1836,17 @@ def _run_suite_command(args: argparse.Namespace, config: Any) -> int:
     text = markdown(report, command=command)
     atomic_write_json(out / "suite.json", report.to_json())
     atomic_write_text(out / "suite.md", text)
+    store.forget(out)  # a suite written again replaces all its runs (only once it is written)
+    for entry, kind, name in entries:
+        store.add(entry, kind=kind, out_dir=out, entry=name)
     print(text)
+    if not report.runs:
+        print(
+            f"secure-vfl: error: no run of the suite was scored ({len(report.failed)} failed or "
+            f"do not apply); see {out / 'suite.md'}.",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

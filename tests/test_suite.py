@@ -11,10 +11,12 @@ from typing import Any
 import pytest
 
 import attacks.suite as suite
+from protocols.privacy import PrivacySpec
 from secure_vfl.cli import main
 from secure_vfl.errors import ConfigError, DivergenceError, RegistryError
 from secure_vfl.experiment import TrainConfig, prepare_data
 from secure_vfl.methods import MethodConfig
+from secure_vfl.store import ResultsStore
 
 
 def _direct(epochs: int = 1) -> TrainConfig:
@@ -162,3 +164,101 @@ def test_each_attack_is_played_by_its_own_attacker_unless_one_is_named() -> None
     assert attackers["feature-reconstruction"] == "party-0"
     assert attackers["norm-scoring"] == "party-1"
     assert "| feature-reconstruction | party-0 |" in suite.markdown(report, command="test")
+
+
+SUITE_ARGV = [
+    "attack",
+    "--suite",
+    "all",
+    "--method",
+    "laser",
+    "--dataset",
+    "digits",
+    "--heads",
+    "active",
+    "--top-model",
+    "none",
+    "--representation-dim",
+    "10",
+    "--epochs",
+    "1",
+    "--quiet",
+]
+
+
+@pytest.mark.parametrize(
+    ("extra", "expected"),
+    [
+        (["--control"], "--control go with one --attack"),
+        (["--attack-option", "known=2"], "--attack-option go with one --attack"),
+        # a typo was listed as "not applicable" and the suite exited 0
+        (["--defense", "dp-gradient:1:0.01"], "a defense in (dp-gradients, "),
+        (["--defense", "marvell:-1"], "marvell:SCALE with SCALE > 0"),
+    ],
+)
+def test_a_suite_refuses_what_it_would_ignore_or_misread_before_anything_runs(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    extra: list[str],
+    expected: str,
+) -> None:
+    def no_run(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a run started")
+
+    monkeypatch.setattr(suite, "run_attack", no_run)
+    out = tmp_path / "suite"
+    assert main([*SUITE_ARGV, *extra, "--out", str(out)]) == 2
+    assert expected in capsys.readouterr().err
+    assert not out.exists() and not (tmp_path / "results.sqlite").exists()
+
+
+def test_a_suite_hands_its_dp_accounting_to_every_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--delta, --dp-adjacency and --insecure-reproducible-noise reached no run of a suite."""
+    seen: list[Any] = []
+
+    def recording(config: TrainConfig, name: str, **kwargs: Any) -> Any:
+        seen.append(kwargs["privacy"])
+        raise DivergenceError("training diverged (not run here)")
+
+    monkeypatch.setattr(suite, "run_attack", recording)
+    spec = PrivacySpec(delta=1e-3, adjacency="add-remove", seed=0)
+    report = suite.run_suite(
+        _direct(),
+        defenses=["dp-gradients:1:0.01"],
+        attacks=["direct-label-inference"],
+        privacy=spec,
+    )
+    assert seen == [spec, spec] and not report.runs
+    assert "No run was scored" in suite.markdown(report, command="test")
+
+
+def test_a_refused_or_interrupted_suite_leaves_the_store_and_the_report_as_they_were(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--overwrite emptied the store of the suite's rows before any work: a refused or stopped
+    suite left the store and suite.md disagreeing."""
+    real = suite.run_suite
+
+    def one_attack(config: TrainConfig, **kwargs: Any) -> Any:
+        return real(config, attacks=["direct-label-inference"], **kwargs)
+
+    monkeypatch.setattr(suite, "run_suite", one_attack)
+    out = tmp_path / "suite"
+    argv = [*SUITE_ARGV, "--out", str(out)]
+    assert main(argv) == 0
+    store = ResultsStore(tmp_path / "results.sqlite")
+    before, report = store.rows(), (out / "suite.md").read_bytes()
+    assert len(before) == 1
+    assert main([*argv, "--overwrite", "--attacker", "party-9"]) == 2  # no attack applies
+
+    def interrupted(config: TrainConfig, *, on_run: Any, **kwargs: Any) -> Any:
+        def then_stop(*args: Any) -> None:
+            on_run(*args)
+            raise KeyboardInterrupt
+
+        return one_attack(config, on_run=then_stop, **kwargs)
+
+    monkeypatch.setattr(suite, "run_suite", interrupted)
+    assert main([*argv, "--overwrite"]) == 130
+    assert store.rows() == before and (out / "suite.md").read_bytes() == report

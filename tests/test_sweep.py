@@ -6,11 +6,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
 
 from attacks.sweep import expand, parse_grid, run_sweep, summarise, write_sweep
+from protocols.privacy import PrivacySpec
 from secure_vfl.cli import main
 from secure_vfl.errors import ConfigError
 from secure_vfl.experiment import TrainConfig
@@ -181,5 +183,54 @@ def test_a_diverged_run_is_counted_not_averaged(tmp_path: Path) -> None:
     assert table[0]["seeds"] == 1 and table[0]["failed"] == 1 and table[0]["attack"] == 0.6
     assert table[1] == {"template": ok["template"], "setting": "SIGMA=3", "seeds": 0, "failed": 1}
     text, plots = write_sweep(rows, tmp_path, attack="norm-scoring", command="test")
-    assert "| SIGMA=1 | 1 (diverged: 1) |" in text and "| SIGMA=3 | 0 (diverged: 1) |" in text
+    assert "| SIGMA=1 | 1 (failed: 1) |" in text and "| SIGMA=3 | 0 (failed: 1) |" in text
+    assert "- d seed 1: training diverged: non-finite" in text  # each run not scored, with why
     assert all(path.exists() for path in plots)
+
+
+def test_a_malformed_setting_or_an_attack_that_does_not_apply_is_refused_before_any_run() -> None:
+    """A negative CLIP from the grid, or a misspelt name, was found in a worker after the runs
+    before it had trained (and then every finished run was thrown away)."""
+
+    def started(runs: int) -> None:
+        raise AssertionError("runs were started")
+
+    cases = [
+        (
+            "direct-label-inference",
+            ["dp-gradients:1:CLIP"],
+            {"CLIP": (0.01, -1.0)},
+            "clip norm must be a positive",
+        ),
+        ("direct-label-inference", ["bogus:X"], {"X": (1.0,)}, "a defense in ("),
+        ("norm-scoring", ["marvell:4"], {}, "binary task"),  # digits has 10 classes
+    ]
+    for attack, templates, grid, expected in cases:
+        with pytest.raises(ConfigError, match=re.escape(expected)):
+            run_sweep(
+                _config(), attack, templates=templates, grid=grid, workers=1, on_start=started
+            )
+
+
+def test_a_defense_that_does_not_apply_is_a_failed_row_and_the_accounting_reaches_each_run(
+    tmp_path: Path,
+) -> None:
+    """Marvell on a 10-class task (one error, after other settings had trained, ended the whole
+    sweep); --delta and --dp-adjacency reached no run."""
+    rows = run_sweep(
+        _config(),
+        "direct-label-inference",
+        templates=["marvell:4", "dp-gradients:1:0.01"],
+        grid={},
+        seeds=1,
+        workers=1,
+        privacy=PrivacySpec(delta=1e-3, adjacency="add-remove"),
+        cache=tmp_path / "cache",
+    )
+    undefended, marvell, noised = rows
+    assert undefended["failed"] is None and noised["failed"] is None
+    assert marvell["failed"].startswith("not applicable: marvell protects binary tasks")
+    privacy = noised["training"]["privacy"]
+    assert privacy["delta"] == 1e-3 and privacy["adjacency"].startswith("add or remove")
+    text, _ = write_sweep(rows, tmp_path / "out", attack="direct-label-inference", command="t")
+    assert "- marvell:4 seed 0: not applicable: marvell protects binary tasks" in text
