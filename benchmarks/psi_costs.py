@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 from _shared import RESULTS, command_line, output_directory, write_outputs
 
-from secure_vfl.cli import non_negative_int, positive_int
+from secure_vfl.cli import positive_int, seed
 from secure_vfl.errors import ConfigError
 
 IMPLEMENTATIONS = ("ours", "openmined-psi")
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--workers", type=positive_int, help="our worker processes (default: all cores)"
     )
-    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--seed", type=seed, default=0)
     parser.add_argument("--out", type=output_directory, default=RESULTS)
     args = parser.parse_args(argv)
 

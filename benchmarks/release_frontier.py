@@ -30,7 +30,7 @@ from typing import Any
 
 from _shared import RESULTS, command_line, output_directory, run_jobs, save_figure, write_outputs
 
-from secure_vfl.cli import non_negative_int, positive_float, positive_int
+from secure_vfl.cli import positive_float, positive_int, seed
 
 EPSILONS = [1.0, 2.0, 4.0, 8.0]
 DELTA = 1e-5
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--datasets", nargs="+", default=list(PLANS), choices=list(PLANS))
     parser.add_argument("--epsilons", nargs="+", type=positive_float, default=EPSILONS)
     parser.add_argument("--clip", type=positive_float, default=0.3, help="CLIP of --release dp")
-    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--seed", type=seed, default=0)
     parser.add_argument("--unaligned", action="store_true", help="add the unaligned setting")
     parser.add_argument("--workers", type=positive_int, default=2)
     parser.add_argument("--quick", action="store_true", help="digits, 1 epoch, epsilon 8")

@@ -17,7 +17,7 @@ import argparse
 from pathlib import Path
 
 from attacks.suite import markdown, run_suite
-from secure_vfl.cli import non_negative_int, positive_int
+from secure_vfl.cli import positive_int, seed
 from secure_vfl.experiment import TrainConfig
 from secure_vfl.io import atomic_write
 from secure_vfl.methods import MethodConfig
@@ -62,7 +62,7 @@ def plot(runs: list[dict[str, object]], path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=positive_int, default=5)
-    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--seed", type=seed, default=0)
     parser.add_argument("--out", type=Path, default=Path("runs") / "attack-suite-demo")
     args = parser.parse_args()
     config = TrainConfig(

@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 from sklearn.datasets import load_breast_cancer
 
-from secure_vfl.cli import non_negative_int
+from secure_vfl.cli import seed
 
 PARTIES = ("bank", "retailer", "insurer")
 
@@ -78,7 +78,7 @@ def _as_users_have_it(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--seed", type=seed, default=0)
     parser.add_argument(
         "--messy",
         action="store_true",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from secure_vfl.cli import non_negative_int, positive_int
+from secure_vfl.cli import positive_int, seed
 from secure_vfl.experiment import TrainConfig, prepare_data, run_training
 from secure_vfl.methods import MethodConfig
 
@@ -20,7 +20,7 @@ from secure_vfl.methods import MethodConfig
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--epochs", type=positive_int, default=20)
-    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--seed", type=seed, default=0)
     args = parser.parse_args()
 
     base = TrainConfig(

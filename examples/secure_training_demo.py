@@ -46,7 +46,7 @@ import pandas as pd
 from sklearn.datasets import load_digits
 
 from secure_vfl.cli import main as secure_vfl
-from secure_vfl.cli import non_negative_int, positive_float, positive_int
+from secure_vfl.cli import positive_float, positive_int, seed
 
 PARTIES = 4
 HELD = 0.9  # share of the customers each data party holds
@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--secure-agg", choices=["masks", "paillier", "ckks"], default="masks")
     parser.add_argument("--epochs", type=positive_int, default=10)
     parser.add_argument("--target-epsilon", type=positive_float, default=8.0)
-    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--seed", type=seed, default=0)
     parser.add_argument("--workdir", type=Path, help="keep the files and results here")
     args = parser.parse_args()
 

@@ -102,6 +102,8 @@ def _number(
 
 positive_int = _number(int, "a positive integer", lambda v: v >= 1)
 non_negative_int = _number(int, "a non-negative integer", lambda v: v >= 0)
+SEED_LIMIT = 2**32  # what every generator takes, and well inside a results store's integers
+seed = _number(int, "an integer seed in [0, 2**32)", lambda v: 0 <= v < SEED_LIMIT)
 probability = _number(float, "a probability in [0, 1)", lambda v: 0 <= v < 1)
 positive_float = _number(float, "a positive finite number", lambda v: v > 0)
 parties_count = _number(int, "an integer number of parties in [2, 10]", lambda v: 2 <= v <= 10)
@@ -444,7 +446,7 @@ def _training_flags(parser: argparse.ArgumentParser) -> Any:
     )
     parser.add_argument(
         "--seed",
-        type=non_negative_int,
+        type=seed,
         default=0,
         metavar="S",
         help="seeds the split, the missingness and the models (DP noise comes from a secure "
@@ -730,7 +732,7 @@ def build_parser() -> argparse.ArgumentParser:
     _insecure_noise_flag(impute_privacy)
     impute.add_argument(
         "--seed",
-        type=non_negative_int,
+        type=seed,
         default=0,
         metavar="S",
         help="seeds the client split, the hidden entries and the models (DP noise comes from a "

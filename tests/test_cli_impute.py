@@ -24,6 +24,8 @@ BAD_FLAGS = [
     (["--client-fraction", "0"], "expected a share in (0, 1], found '0'"),
     (["--local-epochs", "-1"], "expected a positive integer, found '-1'"),
     (["--lr", "0"], "expected a positive finite number, found '0'"),
+    # the run finished, then the results store refused the seed with a traceback
+    (["--seed", "99999999999999999999"], "expected an integer seed in [0, 2**32)"),
     (["--method", "magic"], "invalid choice: 'magic'"),
     (["--secure-agg", "rot13"], "invalid choice: 'rot13'"),
     (["--dp-statistics", "0:1"], "SIGMA must be > 0 for a private release"),

@@ -268,6 +268,30 @@ def test_bad_client_files_are_refused_with_file_and_column(tmp_path):
         read_client_files([])
 
 
+def test_client_files_with_an_empty_or_repeated_id_or_a_column_nobody_observed_are_refused(
+    tmp_path,
+):
+    """An empty id cell cut every saved id to its first character (u000 -> u); a repeated id
+    passed into tables advertised for `train`; a column with no value anywhere was filled with
+    what the model made of nothing."""
+    other = tmp_path / "other.csv"
+    other.write_text("id,bp,chol\nu000,120,5\nu001,130,6\n")
+    empty_id = tmp_path / "empty_id.csv"
+    empty_id.write_text("id,age,bp\nu000,40,120\n,50,130\nu002,60,\n")
+    with pytest.raises(DataError, match=r"empty_id.csv: every row must have an id. Found 1 empty"):
+        read_client_files([empty_id, other])
+    repeated = tmp_path / "repeated.csv"
+    repeated.write_text("id,age,bp\nu000,40,120\nu000,50,130\n")
+    with pytest.raises(DataError, match=r"repeated.csv: ids must be unique"):
+        read_client_files([repeated, other])
+    unobserved = tmp_path / "unobserved.csv"
+    unobserved.write_text("id,age,bp,z\nu000,40,120,\nu001,50,,\n")
+    with pytest.raises(DataError, match=r"needs a value in some client file.*none of 'z'"):
+        read_client_files([unobserved, other])
+    features, _ = read_client_files([other])
+    assert features == ("bp", "chol")
+
+
 def test_a_given_id_column_a_client_file_lacks_is_refused_naming_its_columns(tmp_path):
     path = tmp_path / "site.csv"
     path.write_text("id,age,bp,label\na,40,120,0\nb,50,130,1\nc,60,,0\n")

@@ -32,7 +32,7 @@ from secure_vfl.data.datasets import (
     read_rda,
     require_installed,
 )
-from secure_vfl.data.party_files import ID_COLUMN, LABEL_COLUMN, read_table
+from secure_vfl.data.party_files import ID_COLUMN, LABEL_COLUMN, read_ids, read_table
 from secure_vfl.errors import ConfigError, DataError
 from secure_vfl.registry import Registry
 
@@ -393,7 +393,7 @@ def _read_client_frame(path: Path, id_column: str, label_column: str) -> _Client
         path=path,
         columns=tuple(str(c) for c in frame.columns),
         id_column=id_column if has_ids else None,
-        ids=frame[id_column].astype(str).to_numpy(str) if has_ids else None,
+        ids=read_ids(frame, path, id_column) if has_ids else None,
         passthrough=frame[[c for c in kept if c != id_column]].reset_index(drop=True),
         features=features,
     )
@@ -443,6 +443,15 @@ def _read_client_sources(
     names = tuple(features)
     _check_feature_count(len(names), f"the client files together ({', '.join(map(str, paths))})")
     clients = [client_from_frame(stem, source.features, names) for stem, source in sources.items()]
+    observed = np.zeros(len(names), dtype=bool)
+    for client in clients:
+        observed |= ~np.isnan(client.values).all(axis=0)
+    if not observed.all():  # it would be filled with what the model makes of nothing
+        never = ", ".join(repr(names[i]) for i in np.flatnonzero(~observed))
+        raise DataError(
+            f"every feature column needs a value in some client file, to impute it from. Found "
+            f"none of {never} in {', '.join(map(str, paths))}; drop the column or add its values."
+        )
     return names, clients, list(sources.values())
 
 

@@ -146,7 +146,7 @@ def _read_frame(path: Path, id_column: str) -> pd.DataFrame:
     return frame
 
 
-def _read_ids(frame: pd.DataFrame, path: Path, id_column: str) -> np.ndarray:
+def read_ids(frame: pd.DataFrame, path: Path, id_column: str) -> np.ndarray:
     """The id column as unique strings; empty and duplicate ids are refused."""
     column = frame[id_column]
     empty = int(column.isna().sum())
@@ -196,7 +196,7 @@ def read_party_file(
     name (default: :func:`party_name` of the file's stem)."""
     path = Path(path)
     frame = _read_frame(path, id_column)
-    ids = _read_ids(frame, path, id_column)
+    ids = read_ids(frame, path, id_column)
     features = frame.drop(columns=id_column).reset_index(drop=True)
     if features.shape[1] == 0:
         raise DataError(
@@ -231,7 +231,7 @@ def read_label_file(
             f"{path} must have a label column `{label_column}` (--label-column). Found "
             f"columns: {list(frame.columns)}."
         )
-    ids = _read_ids(frame, path, id_column)
+    ids = read_ids(frame, path, id_column)
     column = frame[label_column]
     if column.isna().any():
         raise DataError(
