@@ -102,6 +102,28 @@ def test_a_lost_client_is_dropped_and_fedavg_goes_on_over_the_others(
             assert scores[name] == pytest.approx(whole_scores[name], rel=1e-6)
 
 
+@pytest.mark.parametrize("backend", ["plain", "masks"])
+def test_a_loss_that_leaves_secure_sums_one_client_stops_saying_so(backend: str) -> None:
+    """Two clients under masks, one lost: the retried round failed on the aggregator's refusal
+    of a sum of one, in training terms ("a sum reveals a single party's representation ...
+    task 0, row 0"), after a line saying FedAvg would go on. Plain sums go on with one."""
+    aggregator = PlainAggregator() if backend == "plain" else MaskingAggregator()
+    channel = LosingClient("client-1", "compute-request", _message_round(ROUND))
+    task = synthetic_task(rows=40, test_rows=12, features=6, clients=2)
+    imputer = IMPUTERS.get("fedhf")(task, CONFIG, seed=0, aggregator=aggregator, channel=channel)
+    if backend == "plain":
+        assert len(imputer.fit()) == CONFIG.rounds
+        assert imputer.federation.names == ["client-0"]
+        return
+    with pytest.raises(ProtocolError) as refused:
+        imputer.fit()
+    assert str(refused.value).startswith(
+        f"client-1 lost in round {ROUND + 1}, which leaves client-0 alone: a secure sum (masks) "
+        "needs at least 2 clients"
+    )
+    assert "its process is gone" in str(refused.value)
+
+
 class RestartingClient(LosingClient):
     """A :class:`LosingClient` whose lost client its operator restarts at once: the first probe
     after the loss finds it back, and the readmission attaches a new client built as at the

@@ -141,10 +141,18 @@ class ImputationFederation:
         discarded, and a lost client's late share is refused, never added) and make the next
         messages a fresh batch, so the caller can retry the round. Re-raises ``error`` if no
         client was lost (a protocol error, not a fault), if the aggregation server was, or if
-        no client is left."""
+        no client is left; raises ProtocolError, saying why, if secure sums are left one client
+        (a sum of one would be that client's update in the clear, which they refuse)."""
         lost = self.channel.unreachable([*self.names, AGGREGATOR])
         if not lost or AGGREGATOR in lost or set(lost) >= set(self.names):
             raise error
+        left = [name for name in self.names if name not in lost]
+        if self.scheme and len(left) < 2:
+            raise ProtocolError(
+                f"{', '.join(lost)} lost in round {fedavg_round}, which leaves {left[0]} alone: "
+                f"a secure sum ({self.scheme}) needs at least 2 clients (the sum of one is its "
+                f"update in the clear), so FedAvg cannot go on ({error})."
+            ) from error
         for name in lost:
             self.names.remove(name)
             self.own.scoring.discard(name)
