@@ -214,6 +214,15 @@ def read_feature_ranges(path: Path, features: Sequence[str]) -> FeatureRanges:
         upper = by_name.loc[list(features), "upper"].to_numpy(dtype=np.float64)
     except ValueError as error:
         raise DataError(f"{path}: lower and upper must be numbers ({error}).") from None
+    reversed_ = [
+        f"{f} [{lo:g}, {hi:g}]"
+        for f, lo, hi in zip(features, lower, upper, strict=True)
+        if not hi > lo
+    ]
+    if reversed_:  # named by the file's own feature names, not by their place
+        raise DataError(
+            f"{path}: every feature range needs lower < upper. Found {', '.join(reversed_)}."
+        )
     try:
         return FeatureRanges(lower=lower, upper=upper)
     except DataError as error:

@@ -84,6 +84,7 @@ from secure_vfl.errors import ConfigError, ProtocolError
 from secure_vfl.experiment import (
     ImputeResult,
     ImputeRunConfig,
+    fit_and_score,
     load_optimiser_machinery,
     traffic_report,
 )
@@ -415,8 +416,12 @@ def impute_deployed(
         yardstick = imputer.standardisation
         if on_start is not None:
             on_start(config.impute_config.rounds)
-        curve = imputer.fit(on_round=on_round)
-        scores = scores_of(imputer.score(yardstick, seed=config.seed, fraction=TEST_FRACTION))
+        curve, scores = fit_and_score(
+            imputer,
+            lambda: scores_of(imputer.score(yardstick, seed=config.seed, fraction=TEST_FRACTION)),
+            rounds=config.impute_config.rounds,
+            on_round=on_round,
+        )
         rows = {member.name: schemas[member.name][1] for member in clients}
         result = ImputeResult(
             method=config.method,

@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -478,6 +478,8 @@ DIVERGENCE_ADVICE = (
     "try a lower --lr, fewer --epochs, or --max-update-norm NORM to clip each update"
 )
 """What to try when a run without DP noise diverged."""
+IMPUTATION_ADVICE = "try a lower --lr or fewer --local-epochs"
+"""What to try when an imputation diverged."""
 
 
 def run_training(
@@ -585,10 +587,13 @@ class ImputeRunConfig:
         checks.text("method", self.method)
         if self.dataset is not None:
             checks.text("dataset", self.dataset)
+        files = checks.paths("client_files", self.client_files)
+        if len(files) == 1:  # before `clients`, which one file makes 1
+            raise ConfigError("federated imputation needs at least 2 client files. Found 1.")
         checks.store(
             self,
             {
-                "client_files": checks.paths("client_files", self.client_files),
+                "client_files": files,
                 "clients": checks.integer("clients", self.clients, low=2),
                 "availability": checks.real(
                     "availability", self.availability, low=0, high=1, low_open=True
@@ -607,11 +612,6 @@ class ImputeRunConfig:
             raise ConfigError(
                 "give either a dataset name or client files, not both. "
                 f"Found dataset={self.dataset!r}, {len(self.client_files)} client files."
-            )
-        if self.client_files and len(self.client_files) < 2:
-            raise ConfigError(
-                "federated imputation needs at least 2 client files. "
-                f"Found {len(self.client_files)}."
             )
 
     @property
@@ -746,9 +746,13 @@ def run_imputation(
     )
     if on_start is not None:
         on_start(config.impute_config.rounds)
-    curve = imputer.fit(on_round=on_round)
-    scores = evaluate_imputer(
-        imputer, task, standardisation=statistics.standardisation, seed=config.seed
+    curve, scores = fit_and_score(
+        imputer,
+        lambda: evaluate_imputer(
+            imputer, task, standardisation=statistics.standardisation, seed=config.seed
+        ),
+        rounds=config.impute_config.rounds,
+        on_round=on_round,
     )
     result = ImputeResult(
         method=config.method,
@@ -772,6 +776,37 @@ def run_imputation(
         ),
     )
     return result, imputer
+
+
+S = TypeVar("S")
+
+
+def fit_and_score(
+    imputer: Imputer,
+    score: Callable[[], S],
+    *,
+    rounds: int,
+    on_round: Callable[[int, float], None] | None,
+) -> tuple[list[float], S]:
+    """``imputer.fit`` over ``rounds`` FedAvg rounds, then ``score()``; a client's values that
+    ran off to NaN or infinity raise DivergenceError, with the FedAvg round and what to try
+    (a message's own round counts messages, not FedAvg rounds)."""
+    done = 0
+
+    def round_done(round: int, rmse: float) -> None:
+        nonlocal done
+        done = round
+        if on_round is not None:
+            on_round(round, rmse)
+
+    try:
+        curve = imputer.fit(on_round=round_done)
+        return list(curve), score()
+    except NonFiniteError as error:
+        when = "after its last FedAvg round" if done >= rounds else f"in FedAvg round {done + 1}"
+        raise DivergenceError(
+            f"imputation diverged {when}: {str(error).rstrip('.')}; {IMPUTATION_ADVICE}."
+        ) from None
 
 
 def _imputation_config(config: ImputeRunConfig, task: ImputationTask) -> dict[str, Any]:

@@ -291,6 +291,14 @@ def test_declared_feature_ranges_replace_the_observed_ones(tmp_path: Path) -> No
     [
         ({"feature": ["x"], "lower": [0.0]}, "missing ['upper']"),
         ({"feature": ["x"], "lower": [0.0], "upper": [1.0]}, "no range for feature(s)"),
+        (  # named by the file's feature names (it said "for feature 0")
+            {
+                "feature": [f"V{k}" for k in range(4, 14)],
+                "lower": [5.0] + [0.0] * 9,
+                "upper": [1.0] * 10,
+            },
+            "every feature range needs lower < upper. Found V4 [5, 1].",
+        ),
     ],
 )
 def test_bad_feature_ranges_are_refused(
@@ -380,3 +388,28 @@ def test_a_deployed_impute_with_one_client_says_so_before_any_contact(
     err = capsys.readouterr().err
     assert "needs at least 2 clients besides the coordinator bank. Found 1" in err, err
     assert "client files" not in err and not out.exists()
+
+
+def test_an_imputation_that_diverges_says_in_which_fedavg_round_and_what_to_try(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It stopped with the codec's refusal of a message's own round ("round 4" of a 2-round
+    run) and nothing to try."""
+    out = tmp_path / "r"
+    argv = ["impute", "--method", "fedhf", "--dataset", "ozone", "--rounds", "2", "--lr", "1e6"]
+    assert main([*argv, "--quiet", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("secure-vfl: error: imputation diverged in FedAvg round 1: ")
+    assert err.rstrip().endswith("try a lower --lr or fewer --local-epochs.")
+    assert not out.exists()
+
+
+def test_one_client_file_is_refused_as_one_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "site.csv"
+    path.write_text("id,a,b\nu1,1,2\nu2,3,4\nu3,5,\n")
+    argv = ["impute", "--method", "fedhf", "--client-file", str(path), "--out", str(tmp_path / "r")]
+    assert main(argv) == 2
+    # it said "`clients` must be an integer >= 2. Found 1."
+    assert "federated imputation needs at least 2 client files. Found 1." in capsys.readouterr().err
