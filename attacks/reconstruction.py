@@ -384,6 +384,7 @@ class SubsetDifferencing(_ReconstructionAttack):
             raise ConfigError(f"the window must be >= 1 step per sample. Found {window}.")
         self.window = window
         self._samples = 0
+        self._isolated = 0
 
     def check(self, config: TrainConfig, data: VerticalData, attacker: str) -> None:
         super().check(config, data, attacker)
@@ -420,9 +421,20 @@ class SubsetDifferencing(_ReconstructionAttack):
             solution, *_ = np.linalg.lstsq(design, target, rcond=None)
             isolated[row] = solution[np.searchsorted(columns, victim)]
         self._samples = len(log.sums)
+        self._isolated = len(isolated)
         return isolated
 
     def evaluate(self, party: Party, context: AttackContext) -> dict[str, float]:
-        metrics = super().evaluate(party, context)
+        try:
+            metrics = super().evaluate(party, context)
+        except ConfigError:
+            if self._samples and not self._isolated:  # not for want of training or rows
+                raise ConfigError(
+                    f"{self.name}: none of the sums of the {self._samples} samples "
+                    f"{context.attacker} received determines {self.victim_name}'s term, so "
+                    "there is nothing to difference (under secure sums the block rule releases "
+                    "no sum that isolates a party)."
+                ) from None
+            raise
         isolated = metrics["reconstructed_rows"] + metrics["auxiliary_rows"]
         return {**metrics, "isolated": isolated, "samples": float(self._samples)}

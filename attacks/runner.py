@@ -139,6 +139,20 @@ def apply_defense(spec: PrivacySpec, text: str) -> PrivacySpec:
     raise ConfigError(f"a defense in ({known}) expected. Found {text!r}.")
 
 
+def spec_defenses(spec: PrivacySpec) -> list[str]:
+    """The privacy layer's mechanisms that ``spec`` turns on, written as ``--defense`` specs
+    (``dp-gradients:1:0.01``, ``secure-agg:masks``): what a run given ``train``'s privacy flags
+    is defended by."""
+    given = [
+        f"{name}:{noise[0]:g}:{noise[1]:g}"
+        for name, attribute in NOISE_DEFENSES.items()
+        if (noise := getattr(spec, attribute)) is not None
+    ]
+    if given and spec.target_epsilon is not None:  # each SIGMA calibrated to it
+        given.append(f"target-epsilon:{spec.target_epsilon:g}")
+    return given + ([f"secure-agg:{spec.secure_agg}"] if spec.secure_agg != "none" else [])
+
+
 def dcs(attack: float, main: float, *, attack_star: float, main_star: float) -> float:
     """VFLAIR's defense capability score of one (attack performance, main accuracy) pair."""
     gap = (1 - BALANCE) * max(attack - attack_star, 0.0) ** 2
@@ -230,9 +244,8 @@ def run_attack(
     probe splits (:meth:`Attack.probes`), after the test splits, for its scoring."""
     made = make_attack(attack, options or {})
     attacker = attacker if attacker is not None else made.default_attacker
-    spec, hooks = parse_defenses(
-        defenses, privacy if privacy is not None else PrivacySpec(seed=config.seed)
-    )
+    base = privacy if privacy is not None else PrivacySpec(seed=config.seed)
+    spec, hooks = parse_defenses(defenses, base)
     if spec.secure_agg != "none" and not config.method_config.secure_sums:
         config = replace(config, method_config=replace(config.method_config, secure_sums=True))
     engine = PrivacyEngine(spec)
@@ -278,7 +291,7 @@ def run_attack(
     return AttackResult(
         attack_name=attack,
         attacker=attacker,
-        defenses=list(defenses),
+        defenses=[*spec_defenses(base), *defenses],  # train's flags are defenses too
         control=control,
         main={"accuracy": main},
         attack=metrics,

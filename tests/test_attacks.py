@@ -319,3 +319,19 @@ def test_top_model_none_needs_mean_fusion_and_one_width_per_class() -> None:
     result = run_training(_digits_direct(1))
     assert result.metrics["mcar:0"]["accuracy"] > 30  # it learns with no top model at all
     assert np.isfinite(result.epoch_loss).all()
+
+
+def test_trains_privacy_flags_are_listed_among_an_attacks_defenses() -> None:
+    """DP given by train's flags (the CLI's --dp-gradients) was reported as "defenses: none"."""
+    from attacks.runner import spec_defenses
+
+    spec = PrivacySpec(dp_gradients=(1.0, 0.01), target_epsilon=8.0, secure_agg="masks")
+    assert spec_defenses(spec) == ["dp-gradients:1:0.01", "target-epsilon:8", "secure-agg:masks"]
+    assert spec_defenses(PrivacySpec()) == []
+    result = run_attack(
+        _digits_direct(1),
+        "direct-label-inference",
+        privacy=PrivacySpec(dp_gradients=(1.0, 0.01)),
+        defenses=["gradient-sparsification:0.5"],
+    )
+    assert result.defenses == ["dp-gradients:1:0.01", "gradient-sparsification:0.5"]
