@@ -43,10 +43,8 @@ def plot(runs: list[dict[str, object]], path: Path) -> None:
         strict=True,
     ):
         for j, defense in enumerate(defenses):
-            values = [
-                float(next(r[key] for r in runs if r["attack"] == a and r["defense"] == defense))  # type: ignore[arg-type]
-                for a in attacks
-            ]
+            scored = {str(r["attack"]): float(r[key]) for r in runs if r["defense"] == defense}  # type: ignore[arg-type]
+            values = [scored.get(a, 0.0) for a in attacks]  # a run that diverged: no bar
             positions = [i + j * width for i in range(len(attacks))]
             panel.bar(positions, values, width, label=defense)
         panel.set_xticks([i + 0.4 - width / 2 for i in range(len(attacks))], attacks)
@@ -60,10 +58,12 @@ def plot(runs: list[dict[str, object]], path: Path) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=positive_int, default=5)
-    parser.add_argument("--seed", type=seed, default=0)
-    parser.add_argument("--out", type=Path, default=Path("runs") / "attack-suite-demo")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument("--epochs", type=positive_int, default=5, help="epochs of every run")
+    parser.add_argument("--seed", type=seed, default=0, help="seeds the split and the models")
+    parser.add_argument(
+        "--out", type=Path, default=Path("runs") / "attack-suite-demo", help="output directory"
+    )
     args = parser.parse_args()
     config = TrainConfig(
         method="standard",

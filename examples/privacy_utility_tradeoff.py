@@ -24,10 +24,12 @@ from secure_vfl.methods import MethodConfig
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--epochs", type=positive_int, default=5)
-    parser.add_argument("--seeds", type=positive_int, default=2)
-    parser.add_argument("--workers", type=positive_int, default=2)
-    parser.add_argument("--out", type=Path, default=Path("runs") / "privacy-utility-demo")
+    parser.add_argument("--epochs", type=positive_int, default=5, help="epochs of every run")
+    parser.add_argument("--seeds", type=positive_int, default=2, help="seeds per setting")
+    parser.add_argument("--workers", type=positive_int, default=2, help="worker processes")
+    parser.add_argument(
+        "--out", type=Path, default=Path("runs") / "privacy-utility-demo", help="output directory"
+    )
     args = parser.parse_args()
     config = TrainConfig(
         method="standard",

@@ -222,9 +222,17 @@ def _own_file_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _training_flags(parser: argparse.ArgumentParser) -> Any:
-    """The data, method, privacy and output flags of a training run (``train`` and ``attack``);
-    returns the group of data sources (one of them is required)."""
+def _training_flags(
+    parser: argparse.ArgumentParser,
+    *,
+    out: str = "runs/METHOD-DATASET-sSEED",
+    writes: str = "DIR/result.json (and with --checkpoint-every, a killed run's checkpoints)",
+    capture: bool = True,
+) -> Any:
+    """The data, method, privacy and output flags of a training run (``train``, ``attack``,
+    ``sweep``): ``out`` the default --out, ``writes`` what --overwrite replaces, ``capture``
+    whether --capture is offered. Returns the group of data sources (one of them is
+    required)."""
     parser.add_argument(
         "--method",
         required=True,
@@ -465,7 +473,7 @@ def _training_flags(parser: argparse.ArgumentParser) -> Any:
         "--out",
         type=Path,
         metavar="DIR",
-        help="output directory (default runs/METHOD-DATASET-sSEED)",
+        help=f"output directory (default {out})",
     )
     parser.add_argument(
         "--store",
@@ -476,10 +484,11 @@ def _training_flags(parser: argparse.ArgumentParser) -> Any:
     parser.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace DIR/result.json (and with --checkpoint-every, a killed run's checkpoints)",
+        help=f"replace {writes}",
     )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    _capture_option(parser)
+    if capture:
+        _capture_option(parser)
     return source
 
 
@@ -581,7 +590,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="where the undefended runs behind the DCS are kept (default: DIR/../.undefended)",
     )
-    _training_flags(attack)
+    _training_flags(
+        attack,
+        out="runs/attack-NAME-METHOD-DATASET, or runs/suite-METHOD-DATASET",
+        writes="DIR/result.json (DIR/suite.json with --suite, and the suite's stored runs)",
+        capture=False,
+    )
 
     sweep = commands.add_parser(
         "sweep",
@@ -627,7 +641,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="process",
         help="worker processes on this machine, or Ray tasks (optional extra: secure-vfl[ray])",
     )
-    _training_flags(sweep)
+    _training_flags(
+        sweep,
+        out="runs/sweep-ATTACK-METHOD-DATASET",
+        writes="DIR/sweep.json, its tables, plots and stored runs",
+        capture=False,
+    )
 
     impute = commands.add_parser(
         "impute", help="federated imputation across clients with different feature schemas"
@@ -1658,10 +1677,11 @@ def run_attack_command(args: argparse.Namespace) -> int:
     from secure_vfl.runs import provenance
 
     config = _train_config(args)
-    if args.capture is not None:
-        raise ConfigError("--capture applies to train, impute and psi; found it with attack.")
     if args.align != "join":
-        raise ConfigError(f"attack runs on a registered dataset; found --align {args.align}.")
+        raise ConfigError(
+            f"attack aligns party files by the plain join (PSI is train's); found --align "
+            f"{args.align}."
+        )
     if args.suite is not None:
         return _run_suite_command(args, config)
     name = args.attack
@@ -1720,8 +1740,11 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     from attacks.sweep import parse_grid, run_sweep, write_sweep
 
     config = _train_config(args)
-    if args.capture is not None or args.align != "join":
-        raise ConfigError("sweep runs on a registered dataset, without --capture or --align.")
+    if args.align != "join":
+        raise ConfigError(
+            f"sweep aligns party files by the plain join (PSI is train's); found --align "
+            f"{args.align}."
+        )
     given = _given(
         ("--secure-agg", args.secure_agg if args.secure_agg != "none" else None),
         ("--dp-embeddings", args.dp_embeddings),
