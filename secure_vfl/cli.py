@@ -776,7 +776,11 @@ def build_parser() -> argparse.ArgumentParser:
         "the input's id column), its rows in the input's order, the label column unchanged, "
         "so it can feed `train`",
     )
-    impute.add_argument("--overwrite", action="store_true", help="replace DIR/result.json")
+    impute.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace DIR/result.json, and with --save-imputed the whole DIR/imputed/ folder",
+    )
     impute.add_argument("--quiet", action="store_true", help="no progress bar")
     _capture_option(impute)
 
@@ -1927,6 +1931,11 @@ def run_impute(args: argparse.Namespace) -> int:
     _check_output_dir(out, "result.json", overwrite=args.overwrite)
     if args.save_imputed:  # a folder of the user's own, or one an older run left: not merged
         _check_output_dir(out / "imputed", "", overwrite=args.overwrite)
+    elif args.overwrite and (out / "imputed").exists():  # it would outlive the run it was of
+        raise ConfigError(
+            f"{out / 'imputed'} holds the tables of the run --overwrite replaces; expected "
+            "--save-imputed to replace them too (or remove the folder)."
+        )
     store = _results_store(args, out)
     task = prepare_imputation_task(config)
     bar: Any = None

@@ -89,6 +89,12 @@ def test_impute_writes_result_store_row_and_imputed_tables(tmp_path: Path) -> No
         assert len(table) == info["train_rows"] + info["test_rows"]
         assert table.shape[1] == info["available_features"] + 1  # + the split column
         assert not table.drop(columns="split").isna().any().any()
+    # --overwrite without --save-imputed: the old tables would outlive the run they were of
+    written = (out / "result.json").read_bytes()
+    again = [a for a in argv if a != "--save-imputed"] + ["--overwrite"]
+    assert main(again) == 2  # refused before any work: nothing replaced
+    assert (out / "result.json").read_bytes() == written
+    assert len(ResultsStore(tmp_path / "results.sqlite").rows()) == 1
 
 
 @pytest.mark.parametrize("method", ["mean", "knn", "mice", "fed-mean"])
