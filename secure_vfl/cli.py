@@ -1372,6 +1372,9 @@ def _privacy_lines(privacy: dict[str, Any]) -> list[str]:
             "WARNING: --insecure-reproducible-noise: the noise is reproducible from the seed; "
             "these epsilons do not hold against anyone who knows it."
         )
+    ranges = privacy.get("ranges")
+    if isinstance(ranges, str) and "not private" in ranges:  # an imputation's observed ranges
+        lines.append(f"WARNING: the feature ranges are the {ranges}.")
     return lines
 
 

@@ -419,3 +419,23 @@ def test_one_client_file_is_refused_as_one_file(
     assert main(argv) == 2
     # it said "`clients` must be an integer >= 2. Found 1."
     assert "federated imputation needs at least 2 client files. Found 1." in capsys.readouterr().err
+
+
+def test_the_summary_warns_when_the_epsilons_rest_on_observed_ranges() -> None:
+    """The epsilon was printed as if private; only result.json's `ranges` said it was not."""
+    from secure_vfl.cli import _privacy_lines
+
+    privacy = {
+        "epsilon": {"client-0": 2.0},
+        "sampling": {"kind": "full"},
+        "delta": 1e-5,
+        "adjacency": "add or remove one record",
+        "insecure_reproducible_noise": False,
+        "ranges": "observed training ranges (not private: pass --feature-ranges)",
+    }
+    lines = _privacy_lines(privacy)
+    assert lines[-1] == (
+        "WARNING: the feature ranges are the observed training ranges (not private: pass "
+        "--feature-ranges)."
+    )
+    assert len(_privacy_lines({**privacy, "ranges": "declared in r.csv"})) == 1
