@@ -92,6 +92,8 @@ def run_suite(
     ``on_run(attack, defense, result)`` after each. An unknown attack or a malformed defense is
     refused (ConfigError) before anything runs; a defense that does not apply to a run is
     listed with why, as a run that diverges is."""
+    if attacks is not None and not attacks:
+        raise ConfigError("attacks: at least one attack name expected (None: every one). Found [].")
     for name in attacks or ():
         ATTACKS.get(name)  # an unknown name is refused before anything runs
     base = privacy if privacy is not None else PrivacySpec(seed=config.seed)

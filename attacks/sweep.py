@@ -87,6 +87,12 @@ def expand(templates: Sequence[str], grid: Mapping[str, Sequence[float]]) -> lis
             f"each --defense once expected (a setting given twice would count its runs as more "
             f"seeds). Found {', '.join(repeated)} repeated."
         )
+    for name, points in grid.items():  # as parse_grid refuses them, for a grid made in Python
+        if len(set(points)) < len(points):
+            raise ConfigError(
+                f"grid {name}: distinct values expected (the same setting twice would count as "
+                f"two seeds). Found {list(points)}."
+            )
     settings = [Setting(UNDEFENDED, (), UNDEFENDED)]
     used: set[str] = set()
     for template in templates:
@@ -391,6 +397,20 @@ def plot(table: Sequence[dict[str, Any]], out: Path, *, attack: str, metric: str
     )
     axes.set_ylabel("main accuracy (%)")
     axes.set_title(f"{attack}: utility against privacy")
+    priceless = [
+        t
+        for t, rows in series.items()
+        if t != UNDEFENDED and all(r["epsilon"] is None for r in rows)
+    ]
+    if priceless:  # e.g. Marvell: no formal guarantee, so no point on this axis
+        axes.text(
+            0.01,
+            0.01,
+            f"no epsilon, not drawn: {', '.join(priceless)} (see attack_utility.png)",
+            transform=axes.transAxes,
+            fontsize=6,
+            color="grey",
+        )
     _legend(axes)
     figure.tight_layout()
     paths.append(_save(figure, out / "utility_epsilon.png"))

@@ -112,6 +112,8 @@ def test_a_run_no_attack_applies_to_is_refused() -> None:
         suite.run_suite(config, attacks=["norm-scoring", "gradient-replacement-backdoor"])
     with pytest.raises(RegistryError, match="unknown attack"):
         suite.run_suite(config, attacks=["no-such-attack"])
+    with pytest.raises(ConfigError, match="at least one attack name expected"):
+        suite.run_suite(config, attacks=[])
 
 
 def test_attack_suite_command_writes_the_report(tmp_path: Path) -> None:

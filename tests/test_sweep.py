@@ -69,6 +69,8 @@ def test_a_bad_grid_is_refused_before_anything_runs(
 ) -> None:
     with pytest.raises(ConfigError, match=expected):
         expand(templates, parse_grid(grid))
+    with pytest.raises(ConfigError, match=r"grid SIGMA: distinct values expected"):
+        expand(["dp-gradients:SIGMA:1"], {"SIGMA": [1.0, 1.0]})  # a grid made in Python
 
 
 def test_a_sweep_in_worker_processes_equals_one_in_this_process(tmp_path: Path) -> None:
