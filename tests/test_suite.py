@@ -18,6 +18,25 @@ from secure_vfl.experiment import TrainConfig, prepare_data
 from secure_vfl.methods import MethodConfig
 from secure_vfl.store import ResultsStore
 
+SUITE_ARGV = [
+    "attack",
+    "--suite",
+    "all",
+    "--method",
+    "laser",
+    "--dataset",
+    "digits",
+    "--heads",
+    "active",
+    "--top-model",
+    "none",
+    "--representation-dim",
+    "10",
+    "--epochs",
+    "1",
+    "--quiet",
+]
+
 
 def _direct(epochs: int = 1) -> TrainConfig:
     return TrainConfig(
@@ -118,28 +137,7 @@ def test_a_run_no_attack_applies_to_is_refused() -> None:
 
 def test_attack_suite_command_writes_the_report(tmp_path: Path) -> None:
     out = tmp_path / "suite"
-    argv = [
-        "attack",
-        "--suite",
-        "all",
-        "--method",
-        "laser",
-        "--dataset",
-        "digits",
-        "--heads",
-        "active",
-        "--top-model",
-        "none",
-        "--representation-dim",
-        "10",
-        "--epochs",
-        "1",
-        "--defense",
-        "dp-gradients:1:0.01",
-        "--quiet",
-        "--out",
-        str(out),
-    ]
+    argv = [*SUITE_ARGV, "--defense", "dp-gradients:1:0.01", "--out", str(out)]
     assert main(argv) == 0
     report = json.loads((out / "suite.json").read_text())
     assert set(report["c_dcs"]) == {"none", "dp-gradients:1:0.01"}
@@ -166,26 +164,6 @@ def test_each_attack_is_played_by_its_own_attacker_unless_one_is_named() -> None
     assert attackers["feature-reconstruction"] == "party-0"
     assert attackers["norm-scoring"] == "party-1"
     assert "| feature-reconstruction | party-0 |" in suite.markdown(report, command="test")
-
-
-SUITE_ARGV = [
-    "attack",
-    "--suite",
-    "all",
-    "--method",
-    "laser",
-    "--dataset",
-    "digits",
-    "--heads",
-    "active",
-    "--top-model",
-    "none",
-    "--representation-dim",
-    "10",
-    "--epochs",
-    "1",
-    "--quiet",
-]
 
 
 @pytest.mark.parametrize(
