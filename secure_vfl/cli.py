@@ -2669,6 +2669,7 @@ def run_train_deployed(args: argparse.Namespace) -> int:
 
     _refuse_deployed_flags(args)
     federation = read_federation(args.federation)
+    federation.label_data()  # the key: ConfigError saying that training needs it
     args.party_file = [member.data for member in federation.parties]
     args.label_file = federation.labels()
     engine = _privacy_engine(args)  # registers the `psi` aligner that the config names

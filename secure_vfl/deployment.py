@@ -1951,8 +1951,9 @@ def train_deployed(
         )
     # Its own files and certificate first: nothing else would find them wrong before every
     # peer has connected.
+    federation.label_data()  # the keys: ConfigError saying that training needs them
     data = federation.own_file(name, "data")
-    federation.labels()  # the key: ConfigError saying that training needs it
+    federation.labels()
     federation.own_file(name, "labels")
     identity = None if insecure else federation.identity(name)
     own = read_party_file(data)

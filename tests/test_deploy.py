@@ -850,6 +850,17 @@ def test_training_needs_the_label_partys_labels_and_an_imputation_does_not(
     assert code == 2
     assert "`labels` expected at the label party to train" in capsys.readouterr().err
     assert not out.exists()
+    # nor its own data (it was required of the label party of an imputation, which reads none)
+    path = write_federation(tmp_path, tmp_path, free_loopback_ports(5), **{'data = "bank.csv"': ""})
+    federation = read_federation(path)
+    assert federation.member("bank").data is None
+    with pytest.raises(ConfigError, match="`data` expected at the label party to train"):
+        federation.label_data()
+    assert main(["train", "--federation", str(path), *flags]) == 2
+    assert "[party.bank] key `data` expected at the label party to train" in capsys.readouterr().err
+    path = write_federation(tmp_path, tmp_path, free_loopback_ports(5), **{'data = "shop.csv"': ""})
+    with pytest.raises(ConfigError, match=r"\[party.shop\] key `data` expected. Found none"):
+        read_federation(path)  # a data party's table is what it serves
 
 
 def test_the_federation_file_refuses_a_shared_address(tmp_path: Path) -> None:

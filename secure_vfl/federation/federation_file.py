@@ -134,13 +134,21 @@ class Federation:
     def labels(self) -> Path:
         """The label party's labels file (training needs it; an imputation does not);
         ConfigError naming the file's key if it has none (:meth:`own_file` checks the file)."""
+        return self._to_train("labels")
+
+    def label_data(self) -> Path:
+        """The label party's own data file, as :meth:`labels` its labels file."""
+        return self._to_train("data")
+
+    def _to_train(self, key: str) -> Path:
         label = self.member(self.label_party)
-        if label.labels is None:
+        path = label.labels if key == "labels" else label.data
+        if path is None:
             raise ConfigError(
-                f"{self.path}: [party.{label.name}] key `labels` expected at the label party to "
+                f"{self.path}: [party.{label.name}] key `{key}` expected at the label party to "
                 "train. Found none."
             )
-        return label.labels
+        return path
 
     def identity(self, name: str) -> TlsIdentity:
         """``name``'s TLS identity: the CA, its own certificate and its own key (no other
@@ -213,12 +221,22 @@ def read_federation(path: Path) -> Federation:
             raise ConfigError(f"{path}: key `{key}` expected at the top level. Found none.")
     ca = _path(path, "ca", document["ca"])
     label_party = _name(path, "label_party", document["label_party"])
-    aggregator = _member(path, "aggregator", AGGREGATOR, document["aggregator"], _SERVER_KEYS)
+    aggregator = _member(
+        path, "aggregator", AGGREGATOR, document["aggregator"], _SERVER_KEYS, set()
+    )
     tables = document["party"]
     if not isinstance(tables, dict) or not tables:
         raise ConfigError(f"{path}: at least one [party.NAME] table expected. Found {tables!r}.")
     parties = [
-        _member(path, f"party.{name}", _name(path, f"party.{name}", name), table, _PARTY_KEYS)
+        _member(
+            path,
+            f"party.{name}",
+            _name(path, f"party.{name}", name),
+            table,
+            _PARTY_KEYS,
+            # the label party's own data and labels: what training needs, an imputation does not
+            {"labels", "data"} if name == label_party else {"labels"},
+        )
         for name, table in tables.items()
     ]
     _check_roles(path, label_party, parties)
@@ -282,11 +300,13 @@ def _host_problem(host: str) -> str | None:
     return None if problem is None else f"its host {host!r} is not a host name: {problem}"
 
 
-def _member(path: Path, where: str, name: str, table: Any, allowed: set[str]) -> Member:
+def _member(
+    path: Path, where: str, name: str, table: Any, allowed: set[str], optional: set[str]
+) -> Member:
     if not isinstance(table, dict):
         raise ConfigError(f"{path}: [{where}] must be a table. Found {table!r}.")
     _known(path, where, table, allowed)
-    for key in sorted(allowed - {"labels"}):
+    for key in sorted(allowed - optional):
         if key not in table:
             raise ConfigError(f"{path}: [{where}] key `{key}` expected. Found none.")
     return Member(
