@@ -2161,33 +2161,14 @@ def _save_imputed(directory: Path, task: Any, imputer: Any) -> None:
     written training rows, then test rows, with a ``split`` column. The folder is written
     whole beside ``directory`` and swapped in: every client's table or none, and no file of an
     older run's folder left beside them."""
-    import numpy as np
-    import pandas as pd
-
-    from secure_vfl.data.imputation import ClientData
+    from secure_vfl.experiment import imputed_tables
     from secure_vfl.io import replace_directory
 
-    frames = {}
-    for k, (train, test) in enumerate(zip(task.train, task.test, strict=True)):
-        rows = ClientData(
-            name=train.name,
-            values=np.concatenate([train.values, test.values]),
-            available=train.available,
-        )
-        imputed = imputer.impute(k, rows)
-        if task.files is not None:
-            frame = task.files[k].imputed_frame(
-                imputed[: train.n], imputed[train.n :], task.features
-            )
-        else:
-            columns = [f for f, keep in zip(task.features, train.available, strict=True) if keep]
-            frame = pd.DataFrame(imputed[:, train.available], columns=columns)
-            frame.insert(0, "split", ["train"] * train.n + ["test"] * test.n)
-        frames[f"{train.name}.csv"] = frame
+    frames = imputed_tables(task, imputer)
 
     def write(staged: Path) -> None:
         for name, frame in frames.items():
-            frame.to_csv(staged / name, index=False)
+            frame.to_csv(staged / f"{name}.csv", index=False)
 
     replace_directory(directory, write)
 

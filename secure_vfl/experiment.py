@@ -11,12 +11,14 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
+import pandas as pd
 import torch
 
 from secure_vfl import checks, methods
 from secure_vfl.checkpoints import CheckpointPlan, RunCheckpoints
 from secure_vfl.data.datasets import load_dataset
 from secure_vfl.data.imputation import (
+    ClientData,
     ImputationTask,
     load_imputation_dataset,
     make_imputation_task,
@@ -779,6 +781,33 @@ def run_imputation(
 
 
 S = TypeVar("S")
+
+
+def imputed_tables(task: ImputationTask, imputer: Imputer) -> dict[str, pd.DataFrame]:
+    """Each client's rows with its missing-but-available entries filled by a fitted
+    ``imputer``, by client name (what ``impute --save-imputed`` writes). A client file's table
+    comes back in its own form (ids first under its id column, its rows in its order, every cell
+    it had unchanged, its label column as it was), so it can feed ``train``; a registered
+    dataset's clients have no ids: their training rows, then their test rows, with a ``split``
+    column."""
+    tables = {}
+    for k, (train, test) in enumerate(zip(task.train, task.test, strict=True)):
+        rows = ClientData(
+            name=train.name,
+            values=np.concatenate([train.values, test.values]),
+            available=train.available,
+        )
+        imputed = imputer.impute(k, rows)
+        if task.files is not None:
+            frame = task.files[k].imputed_frame(
+                imputed[: train.n], imputed[train.n :], task.features
+            )
+        else:
+            columns = [f for f, keep in zip(task.features, train.available, strict=True) if keep]
+            frame = pd.DataFrame(imputed[:, train.available], columns=columns)
+            frame.insert(0, "split", ["train"] * train.n + ["test"] * test.n)
+        tables[train.name] = frame
+    return tables
 
 
 def fit_and_score(

@@ -12,7 +12,12 @@ from opacus.accountants import RDPAccountant
 from test_paillier import paillier_aggregator
 
 from secure_vfl.cli import main
-from secure_vfl.experiment import ImputeRunConfig, prepare_imputation_task, run_imputation
+from secure_vfl.experiment import (
+    ImputeRunConfig,
+    imputed_tables,
+    prepare_imputation_task,
+    run_imputation,
+)
 from secure_vfl.methods.imputation import ImputeConfig
 from secure_vfl.store import ResultsStore
 
@@ -152,6 +157,20 @@ def test_impute_on_the_users_own_client_files(tmp_path: Path) -> None:
     # The files' own facts, not the defaults that deal a dataset to 4 clients at 60 %.
     assert result["config"]["clients"] == 2
     assert result["config"]["availability"] == pytest.approx(4 / 6)
+    # From Python, the same tables as --save-imputed writes (a private helper of the CLI's)
+    config = ImputeRunConfig(method="knn", client_files=tuple(paths))
+    task = prepare_imputation_task(config)
+    _, imputer = run_imputation(config, task=task)
+    tables = imputed_tables(task, imputer)
+    assert list(tables) == ["site0", "site1"]
+    assert main([*argv, "--overwrite", "--save-imputed"]) == 0
+    for name, table in tables.items():
+        written = pd.read_csv(tmp_path / "own" / "imputed" / f"{name}.csv")
+        pd.testing.assert_frame_equal(table, written, check_dtype=False, atol=1e-6)
+        original = pd.read_csv(tmp_path / f"{name}.csv")
+        assert not table.isna().any().any() and original.isna().any().any()
+        kept = original.notna()
+        assert np.allclose(table[kept].fillna(0), original[kept].fillna(0), atol=1e-6)
 
 
 def test_secure_aggregation_of_client_sums_matches_the_clear(tmp_path: Path) -> None:
