@@ -166,7 +166,7 @@ class AttackResult:
 
     attack_name: str
     attacker: str
-    defenses: list[str]  # as given to --defense (the privacy spec says the whole protection)
+    defenses: list[str]  # train's privacy flags as defense specs, then --defense's
     control: bool
     main: dict[str, float]
     attack: dict[str, float]
