@@ -123,6 +123,11 @@ def render(results: list[dict[str, Any]], command: str) -> str:
         "",
         f"Command: `{command}`",
         "",
+        "Means ± standard deviations over the seeds that scored. `chance` is the attack's level "
+        "without signal, where its negative control sits (the backdoor's: the run's own rate of "
+        "predicting the target for the probe rows without the trigger, a mean over seeds); the "
+        "scoring attacks' AP in the DCS is max(AUC, 1 - AUC).",
+        "",
     ]
     for label, *_ in TASKS:
         mine = sorted((r for r in results if r["task"] == label), key=lambda r: r["seed"])
@@ -144,11 +149,12 @@ def render(results: list[dict[str, Any]], command: str) -> str:
             "|---|---|---|---|---|---|---|---|",
         ]
         for (attack, defense), members in runs.items():
-            # a run missing at some seed diverged or failed there (listed below for seed 0)
+            # a run missing at some seed diverged or failed there (listed below with its seeds)
             short = f" (seeds: {len(members)} of {len(mine)})" if len(members) < len(mine) else ""
+            level = statistics.fmean(m["chance"] for m in members)  # the backdoor's: per run
             lines.append(
                 f"| {attack} | {defense}{short} | {members[0]['metric']} | "
-                f"{_mean_sd([m['value'] for m in members])} | {members[0]['chance']:.3f} | "
+                f"{_mean_sd([m['value'] for m in members])} | {level:.3f} | "
                 f"{_mean_sd([100 * m['main_accuracy'] for m in members])} | "
                 f"{_mean_sd([m['dcs'] for m in members])} | "
                 f"{_mean_sd([m['dcs_chance'] for m in members])} |"
@@ -166,10 +172,16 @@ def render(results: list[dict[str, Any]], command: str) -> str:
                 if defense in r["report"]["c_dcs_chance"]
             ]
             lines.append(f"| {defense} | {_mean_sd(c_dcs[defense])} | {_mean_sd(chance)} |")
-        notes = {**mine[0]["report"]["skipped"], **mine[0]["report"]["failed"]}
+        notes: dict[tuple[str, str], list[int]] = {}  # (what, why) -> the seeds it was so
+        for result in mine:
+            report = result["report"]
+            for name, why in {**report["skipped"], **report["failed"]}.items():
+                notes.setdefault((name, why), []).append(result["seed"])
         if notes:
-            lines += ["", "Not scored (seed {}):".format(mine[0]["seed"]), ""]
-            lines += [f"- {name}: {why}" for name, why in notes.items()]
+            lines += ["", "Not scored:", ""]
+            for (name, why), seeds in notes.items():
+                at = "" if len(seeds) == len(mine) else f" (seed {', '.join(map(str, seeds))})"
+                lines.append(f"- {name}{at}: {why}")
         lines.append("")
     missing = results[0]["missing"] if results else []
     if missing:
