@@ -1996,7 +1996,8 @@ def _impute_summary(result: Any, out: Path) -> str:
         f"{'client':<20}{'RMSE (std units)':>18}{'hidden entries':>16}",
     ]
     for name, rmse in result.rmse_per_client.items():
-        lines.append(f"{name:<20}{rmse:>18.4f}{result.hidden_per_client[name]:>16}")
+        shown = "-" if rmse is None or rmse != rmse else f"{rmse:.4f}"  # no hidden entry: no score
+        lines.append(f"{name:<20}{shown:>18}{result.hidden_per_client[name]:>16}")
     lines.append(
         f"{'all clients':<20}{result.rmse:>18.4f}{sum(result.hidden_per_client.values()):>16}"
     )
