@@ -185,12 +185,13 @@ def _dp(config: dict[str, Any], settings: dict[str, Any], report: dict[str, Any]
 
 
 def _accuracy(metrics: dict[str, Any]) -> dict[str, float]:
-    """Accuracy (%) per test missingness of a training run's metrics; an attack's main
-    accuracy (a share) under ``main``."""
+    """Accuracy (%) per test missingness of a training run's metrics; an attack run's main
+    accuracy under ``main`` and, where its metric is an accuracy, the attack's under ``attack``
+    (both shares, shown as % like the others)."""
     accuracy = {}
     for name, values in metrics.items():
         if isinstance(values, dict) and isinstance(values.get("accuracy"), int | float):
-            share = name == "main"
+            share = name in ("main", "attack")
             accuracy[name] = float(values["accuracy"]) * (100 if share else 1)
     return accuracy
 

@@ -303,3 +303,18 @@ def test_a_store_this_user_may_not_write_is_refused_before_the_run(
         assert not (tmp_path / "second").exists()
     monkeypatch.undo()
     assert main(["runs", "list", "--store", str(store)]) == 0  # reading needs no write access
+
+
+def test_an_attack_runs_accuracies_are_both_percentages() -> None:
+    """`runs list` showed an attack's accuracy as a share (0.10) beside its main accuracy in %
+    (75.49)."""
+    from secure_vfl.runs import summarise
+
+    entry = {
+        "config": {"method": "laser", "privacy": {}},
+        "metrics": {"main": {"accuracy": 0.7549}, "attack": {"accuracy": 0.0991, "rows": 1438}},
+    }
+    summary = summarise(entry, kind="attack:direct-label-inference")
+    assert summary.accuracy == pytest.approx({"main": 75.49, "attack": 9.91})
+    scored = {**entry, "metrics": {"main": {"accuracy": 0.7}, "attack": {"auc": 0.98}}}
+    assert summarise(scored, kind="attack:norm-scoring").accuracy == pytest.approx({"main": 70.0})
