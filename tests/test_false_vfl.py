@@ -101,6 +101,26 @@ def test_configuration_errors_say_what_was_expected() -> None:
         MethodConfig(labeled=0)
     with pytest.raises(ConfigError, match=r"`labeled` must be an integer in \[1, 10\]"):
         labeled_subset(10, 11, rng=np.random.default_rng(0))
+    # each row's samples are held at once: 10^8 asked the allocator for 1.6 TB, with a traceback
+    with pytest.raises(ConfigError, match=r"`kappa` must be at most 10000 latent samples"):
+        FalseVflConfig(kappa=10**8)
+    with pytest.raises(ConfigError, match=r"`inference_samples` must be at most 10000"):
+        FalseVflConfig(inference_samples=10**8)
+
+
+@pytest.mark.parametrize(
+    ("change", "expected"),
+    [
+        ({"pretrain_epochs": 1}, "has no bottom model for SimSiam to pretrain"),
+        ({"representation_dim": 7}, "representation_dim applies to the split networks"),
+    ],
+)
+def test_split_network_settings_are_refused_not_recorded_and_ignored(
+    make_data: MakeData, change: dict[str, int], expected: str
+) -> None:
+    """Both ran, were written into result.json, and changed nothing."""
+    with pytest.raises(ConfigError, match=expected):
+        _method(make_data(n=40), config=dataclasses.replace(FAST, **change))
 
 
 def test_the_labelled_subset_is_seeded_sorted_and_all_rows_by_default() -> None:

@@ -133,6 +133,11 @@ Variant = Literal[1, 2]
 _PREDICT_BATCH = 256
 
 
+MAX_SAMPLES = 10_000
+"""The most latent samples per row (``kappa``, ``inference_samples``): a batch holds them all
+at once, 16 KiB per row and sample at the default sizes and batch (10^8 asked 1.6 TB)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class FalseVflConfig:
     """FALSE-VFL's own hyper-parameters: kappa and L (``inference_samples``) as the paper's
@@ -164,6 +169,12 @@ class FalseVflConfig:
         }
         for name in ("pretrain_lr", "train_lr"):
             values[name] = checks.real(name, getattr(self, name), low=0, low_open=True)
+        for name in ("kappa", "inference_samples"):  # each row's samples are held at once
+            if values[name] > MAX_SAMPLES:  # type: ignore[operator]
+                raise ConfigError(
+                    f"`{name}` must be at most {MAX_SAMPLES} latent samples per row (the "
+                    f"paper's runs: kappa 10, L 50). Found {values[name]}."
+                )
         checks.store(self, values)
 
 
@@ -562,6 +573,19 @@ class FalseVflMethod:
     ) -> None:
         require_hiding_crowd(config, data.parties, name)
         refuse_top_model(config, name, "a discriminator on the latent samples")
+        if config.pretrain_epochs:  # it was recorded and silently not done
+            raise ConfigError(
+                f"{name} has no bottom model for SimSiam to pretrain (its own stage 1 pretrains "
+                "the generative model, for --epochs); pretrain_epochs applies to the split "
+                f"networks (laser, local, standard, ensemble, plugvfl). Found pretrain_epochs="
+                f"{config.pretrain_epochs}."
+            )
+        if config.representation_dim != MethodConfig.representation_dim:
+            raise ConfigError(
+                f"{name}'s latent sizes are its own (FalseVflConfig's latent_dim and "
+                "global_latent_dim); representation_dim applies to the split networks. Found "
+                f"representation_dim={config.representation_dim}."
+            )
         self.name = name
         self.config = config
         self.options = false_vfl if false_vfl is not None else FalseVflConfig()
