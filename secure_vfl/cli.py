@@ -26,6 +26,7 @@ from secure_vfl.io import check_directory, make_parent, writable_file
 
 EXIT_USAGE = 2
 LEARNING_RATE = 0.03  # train's default --lr (SGD)
+REPRESENTATION_DIM = 128  # train's default --representation-dim (MethodConfig's)
 NETWORK_SECONDS = 60.0  # the default --wait and --deadline of a deployment
 EXIT_OS = 1  # a file operation the operating system refused (permissions, a full disk)
 ID_COLUMN = "id"
@@ -353,7 +354,7 @@ def _training_flags(
     parser.add_argument(
         "--representation-dim",
         type=positive_int,
-        default=128,
+        default=REPRESENTATION_DIM,
         metavar="D",
         help="width of every bottom model's output",
     )
@@ -1142,11 +1143,17 @@ def _train_config(args: argparse.Namespace) -> Any:
         false_vfl = FalseVflConfig(
             kappa=args.kappa or 10, inference_samples=args.inference_samples or 50
         )
+        if args.representation_dim != REPRESENTATION_DIM:  # it was recorded and did nothing
+            raise ConfigError(
+                f"--representation-dim applies to the split networks; {args.method}'s latent "
+                "sizes are its own (FalseVflConfig's latent_dim and global_latent_dim). Found "
+                f"--representation-dim {args.representation_dim}."
+            )
     elif any(value is not None for value in latent_flags.values()):
         given = [flag for flag, value in latent_flags.items() if value is not None]
         raise ConfigError(
-            f"{', '.join(given)} apply to --method false-vfl-1 or false-vfl-2. "
-            f"Found --method {args.method}."
+            f"{' and '.join(given)} {'apply' if len(given) > 1 else 'applies'} to --method "
+            f"false-vfl-1 or false-vfl-2. Found --method {args.method}."
         )
     if args.standard_incomplete != "random" and args.method != "standard":
         raise ConfigError(

@@ -35,7 +35,15 @@ def test_false_vfl_trains_end_to_end_on_the_cli(
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--method", "laser", "--kappa", "5"], "--kappa apply to --method false-vfl-1"),
+        (["--method", "laser", "--kappa", "5"], "--kappa applies to --method false-vfl-1"),
+        (
+            ["--method", "laser", "--kappa", "5", "--inference-samples", "9"],
+            "--kappa and --inference-samples apply to --method false-vfl-1",
+        ),
+        (  # it was recorded in result.json and did nothing
+            ["--method", "false-vfl-1", "--representation-dim", "7"],
+            "--representation-dim applies to the split networks; false-vfl-1's latent sizes",
+        ),
         (["--method", "false-vfl-1", "--lr", "0.1"], "false-vfl-1 trains with its own Adam rates"),
         (
             ["--method", "laser", "--standard-incomplete", "zero"],

@@ -112,7 +112,6 @@ def test_configuration_errors_say_what_was_expected() -> None:
     ("change", "expected"),
     [
         ({"pretrain_epochs": 1}, "has no bottom model for SimSiam to pretrain"),
-        ({"representation_dim": 7}, "representation_dim applies to the split networks"),
     ],
 )
 def test_split_network_settings_are_refused_not_recorded_and_ignored(

@@ -171,7 +171,14 @@ def training_rows(method: str, data: VerticalData, config: MethodConfig, seed: i
     (:func:`labeled_rows`), and for Standard VFL only those every party holds."""
     rows = labeled_rows(data, config, seed)
     if method == "standard":  # Vanilla VFL: only the aligned (complete) labelled samples
+        labelled = rows.size
         rows = rows[data.train.mask[rows].all(axis=1)]
+        if not rows.size:  # it reported an untrained model's accuracy as Standard VFL's
+            raise ConfigError(
+                f"standard trains on the labelled samples every one of the {data.parties} "
+                f"parties holds; found none of {labelled} (fewer parties or less training "
+                "missingness would leave some; laser and plugvfl train on incomplete samples)."
+            )
     return rows
 
 

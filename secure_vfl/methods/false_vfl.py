@@ -580,12 +580,6 @@ class FalseVflMethod:
                 f"networks (laser, local, standard, ensemble, plugvfl). Found pretrain_epochs="
                 f"{config.pretrain_epochs}."
             )
-        if config.representation_dim != MethodConfig.representation_dim:
-            raise ConfigError(
-                f"{name}'s latent sizes are its own (FalseVflConfig's latent_dim and "
-                "global_latent_dim); representation_dim applies to the split networks. Found "
-                f"representation_dim={config.representation_dim}."
-            )
         self.name = name
         self.config = config
         self.options = false_vfl if false_vfl is not None else FalseVflConfig()
