@@ -67,6 +67,7 @@ def test_simsiam_pretraining_lowers_its_loss_and_changes_the_bottom() -> None:
     )
     assert losses[-1] < losses[0] - 0.2
     assert all(-1.0 <= loss <= 1.0 for loss in losses)
+    assert all(p.grad is None for p in bottom.parameters())  # nothing left for training
     assert any(not torch.equal(a, b) for a, b in zip(before, bottom.parameters(), strict=True))
 
 

@@ -67,7 +67,9 @@ def pretrain_simsiam(
     """Pretrain ``bottom`` in place on ``rows`` (a party's own block); mean loss per epoch.
 
     SGD with momentum 0.9 (SimSiam's optimiser); batches of fewer than 2 rows are skipped
-    (batch norm needs two).
+    (batch norm needs two). ``bottom`` is left with no gradient: the last batch's would
+    otherwise enter the first training step (and a run resumed from a checkpoint, pretrained
+    again, would add it to the step after the checkpoint).
     """
     if epochs < 0:
         raise ConfigError(f"`pretrain_epochs` must be >= 0. Found {epochs}.")
@@ -98,4 +100,5 @@ def pretrain_simsiam(
             total += loss.item() * batch.shape[0]
             count += batch.shape[0]
         losses.append(total / max(count, 1))
+    optimiser.zero_grad(set_to_none=True)
     return losses
