@@ -326,8 +326,8 @@ def _training_flags(
         "--batching",
         choices=["grouped", "mixed"],
         default="mixed",
-        help="LASER-VFL: batches of one observed set (the paper's), or mixed batches with "
-        "per-sample subset sampling",
+        help="training batches of one observed set each (the LASER-VFL paper's) or mixed (LASER "
+        "then samples a subset per sample); every method draws its batches so",
     )
     parser.add_argument(
         "--epochs", type=positive_int, default=20, metavar="N", help="training epochs"

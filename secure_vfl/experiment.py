@@ -111,9 +111,21 @@ class TrainConfig:
         if not self.test_missing:
             raise ConfigError("at least one test missingness is needed. Found none.")
         if len(set(self.test_missing)) != len(self.test_missing):
-            raise ConfigError(f"test missingness given twice: {list(self.test_missing)}.")
-        for text in (self.train_missing, *self.test_missing):
-            parse_mechanism(text)
+            repeated = sorted({t for t in self.test_missing if self.test_missing.count(t) > 1})
+            raise ConfigError(f"each test missingness once expected. Found {repeated} repeated.")
+        parties = self.parties if self.dataset is not None else len(self.party_files)
+        for field_name, texts in (
+            ("train_missing", (self.train_missing,)),
+            ("test_missing", self.test_missing),
+        ):
+            for text in texts:
+                mechanism = parse_mechanism(text)
+                rates = len(mechanism.params)
+                if mechanism.name == "mcar" and rates > 1 and rates != parties:
+                    raise ConfigError(
+                        f"`{field_name}` {text!r}: one MCAR rate, or one per party ({parties}), "
+                        f"expected. Found {rates} rates."
+                    )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ConfigError(f"`seed` must be a non-negative integer. Found {self.seed!r}.")
         if self.align != "join" and self.dataset is not None:

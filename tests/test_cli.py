@@ -227,3 +227,25 @@ def test_a_runs_clock_starts_after_torch_has_imported_what_its_optimisers_need()
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
     )
     assert completed.stdout.strip() == "[]", completed.stdout[:500]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        # it said "`p` must be one rate or one rate per party (4)", naming neither flag
+        (["--missing-train", "mcar:0.1,0.2"], "`train_missing` 'mcar:0.1,0.2': one MCAR rate"),
+        (["--missing-test", "mcar:0,0,0"], "`test_missing` 'mcar:0,0,0': one MCAR rate, or one"),
+        (  # it printed the whole list, not the repeated entry
+            ["--missing-test", "mar1", "--missing-test", "mcar:0", "--missing-test", "mar1"],
+            "each test missingness once expected. Found ['mar1'] repeated.",
+        ),
+    ],
+)
+def test_missingness_that_does_not_fit_the_run_names_its_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    out = tmp_path / "run"
+    assert (
+        main(["train", "--method", "laser", "--dataset", "digits", "--out", str(out), *extra]) == 2
+    )
+    assert message in capsys.readouterr().err and not out.exists()
