@@ -85,6 +85,9 @@ class RunSummary:
     wall_time_s: float | None = None
     seed: int | None = None
     parties: tuple[str, ...] = ()
+    trained: str = ""
+    """How it was trained where runs may differ: training missingness, epochs, labelled rows,
+    SimSiam pretraining (e.g. ``mcar:0.5, 5 epochs, 20 labelled``)."""
 
 
 def summarise(payload: dict[str, Any], *, kind: str = "train") -> RunSummary:
@@ -119,7 +122,23 @@ def summarise(payload: dict[str, Any], *, kind: str = "train") -> RunSummary:
         wall_time_s=wall_time_s,
         seed=config.get("seed"),
         parties=_user_party_names(payload.get("parties")),
+        trained=_trained(config),
     )
+
+
+def _trained(config: dict[str, Any]) -> str:
+    """The training settings a comparison of methods turns on (the papers' tables are laid out
+    by training missingness), as far as the configuration records them."""
+    method = config.get("method_config")
+    method = method if isinstance(method, dict) else {}
+    parts = [str(config["train_missing"])] if config.get("train_missing") else []
+    if isinstance(method.get("epochs"), int):
+        parts.append(f"{method['epochs']} epoch{'s' if method['epochs'] != 1 else ''}")
+    if isinstance(method.get("labeled"), int):
+        parts.append(f"{method['labeled']} labelled")
+    if method.get("pretrain_epochs"):
+        parts.append(f"pretrained {method['pretrain_epochs']}")
+    return ", ".join(parts)
 
 
 def _object(mapping: dict[str, Any], key: str, name: str | None = None) -> dict[str, Any]:
@@ -231,7 +250,9 @@ def table(names: list[str], summaries: list[RunSummary]) -> str:
     tests = list(dict.fromkeys(name for s in summaries for name in s.accuracy))
     named = any(s.parties for s in summaries)
     mixed = len({s.dataset for s in summaries}) > 1  # else the accuracies compare like for like
-    header = ["run", "method", *(["dataset"] if mixed else []), "backend", "dp", "epsilon"]
+    varied = len({s.trained for s in summaries}) > 1  # training settings, where they differ
+    header = ["run", "method", *(["dataset"] if mixed else []), *(["trained"] if varied else [])]
+    header += ["backend", "dp", "epsilon"]
     header += [*[f"acc {t}" for t in tests], "time s"]
     rows = [header + (["parties"] if named else [])]
     for name, summary in zip(names, summaries, strict=True):
@@ -239,6 +260,7 @@ def table(names: list[str], summaries: list[RunSummary]) -> str:
         accuracy = [f"{summary.accuracy[t]:.2f}" if t in summary.accuracy else "-" for t in tests]
         time = "-" if summary.wall_time_s is None else f"{summary.wall_time_s:.1f}"
         row = [name, summary.method, *([summary.dataset] if mixed else [])]
+        row += [summary.trained or "-"] if varied else []
         row += [summary.backend, summary.dp, epsilon, *accuracy, time]
         if named:
             row.append(", ".join(summary.parties) or "-")

@@ -318,3 +318,23 @@ def test_an_attack_runs_accuracies_are_both_percentages() -> None:
     assert summary.accuracy == pytest.approx({"main": 75.49, "attack": 9.91})
     scored = {**entry, "metrics": {"main": {"accuracy": 0.7}, "attack": {"auc": 0.98}}}
     assert summarise(scored, kind="attack:norm-scoring").accuracy == pytest.approx({"main": 70.0})
+
+
+def test_runs_that_were_trained_differently_say_how() -> None:
+    """A run under dirichlet missingness on 20 labels looked like one with the defaults."""
+    from secure_vfl.runs import summarise, table
+
+    def entry(train: str, epochs: int, **method: int) -> dict[str, object]:
+        config = {"epochs": epochs, "labeled": None, "pretrain_epochs": 0, **method}
+        return {
+            "config": {"train_missing": train, "method_config": config, "privacy": {}},
+            "metrics": {"mcar:0": {"accuracy": 80.0}},
+        }
+
+    plain = summarise(entry("mcar:0", 5))
+    other = summarise(entry("dirichlet:inf", 1, labeled=20, pretrain_epochs=2))
+    assert plain.trained == "mcar:0, 5 epochs"
+    assert other.trained == "dirichlet:inf, 1 epoch, 20 labelled, pretrained 2"
+    lines = table(["a", "b"], [plain, other]).splitlines()
+    assert "trained" in lines[0] and "dirichlet:inf, 1 epoch" in lines[2]
+    assert "trained" not in table(["a", "b"], [plain, plain]).splitlines()[0]  # alike: no column
