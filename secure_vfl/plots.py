@@ -21,8 +21,14 @@ def write_run_plots(result: dict[str, Any], out: Path) -> list[Path]:
     missingness) and, when DP ran, ``epsilon.png`` (each party's epsilon after every epoch)
     for a ``train`` result payload, in ``out``; returns the paths written."""
     title = f"{result['method']} on {result['dataset']}"
+    config = result.get("config") or {}
+    latent = config.get("false_vfl")  # two stages, one after the other in epoch_loss
+    first = None
+    if isinstance(latent, dict):
+        epochs = (config.get("method_config") or {}).get("epochs")
+        first = latent.get("pretrain_epochs") or epochs
     paths = [
-        _loss(result["epoch_loss"], out / LOSS_PLOT, title=title),
+        _loss(result["epoch_loss"], out / LOSS_PLOT, title=title, first_stage=first),
         _accuracy(result["metrics"], out / ACCURACY_PLOT, title=title),
     ]
     privacy = result.get("privacy") or {}
@@ -52,10 +58,19 @@ def _save(figure: Any, path: Path) -> Path:
     return path
 
 
-def _loss(losses: list[float], path: Path, *, title: str) -> Path:
+def _loss(losses: list[float], path: Path, *, title: str, first_stage: int | None = None) -> Path:
+    """The loss per epoch; a two-stage run's (FALSE-VFL: ``first_stage`` epochs of the bound of
+    the features, then the labelled bound) as two curves, which measure different things."""
     figure, axes = _figure(epochs=True)
     epochs = list(range(1, len(losses) + 1))
-    axes.plot(epochs, losses, marker="o")
+    if isinstance(first_stage, int) and 0 < first_stage < len(losses):
+        axes.plot(epochs[:first_stage], losses[:first_stage], marker="o", label="stage 1: -L_kappa")
+        axes.plot(
+            epochs[first_stage:], losses[first_stage:], marker="o", label="stage 2: -L'_kappa"
+        )
+        axes.legend(fontsize=8)
+    else:
+        axes.plot(epochs, losses, marker="o")
     axes.set_xlabel("epoch")
     axes.set_ylabel("mean training loss")
     axes.set_title(f"{title}: training loss")
