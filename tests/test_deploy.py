@@ -46,6 +46,14 @@ PROCESS_SECONDS = 120.0
 FLAGS = ["--epochs", "2", "--batch-size", "64", "--representation-dim", "8", "--quiet"]
 
 
+def flags_for(flags: Sequence[str]) -> list[str]:
+    """FLAGS and then ``flags``, less --representation-dim where ``flags`` name a FALSE-VFL
+    method (its latent sizes are its own: train refuses the flag with it)."""
+    latent = any(flag.startswith("false-vfl") for flag in flags)
+    common = FLAGS[:4] + FLAGS[6:] if latent else FLAGS
+    return [*common, *flags]
+
+
 def write_party_files(directory: Path, *, rows: int = 240) -> None:
     """Four parties' files of breast-cancer columns (the label party's with the labels), each
     missing a few ids, in its own row order."""
@@ -140,7 +148,7 @@ class Processes:
 def in_process(site: Path, out: Path, *flags: str) -> dict[str, Any]:
     files = [arg for name in PARTIES for arg in ("--party-file", str(site / f"{name}.csv"))]
     labels = ["--label-file", str(site / "labels.csv")]
-    code = main(["train", *files, *labels, *FLAGS, *flags, "--out", str(out)])
+    code = main(["train", *files, *labels, *flags_for(flags), "--out", str(out)])
     assert code == 0
     return dict(json.loads((out / "result.json").read_text()))
 
@@ -156,8 +164,7 @@ def deployed(
         str(federation),
         "--name",
         "bank",
-        *FLAGS,
-        *flags,
+        *flags_for(flags),
         "--out",
         str(out),
         log="bank",

@@ -22,10 +22,10 @@ import pytest
 import torch
 from sklearn.datasets import load_breast_cancer
 from test_deploy import (
-    FLAGS,
     PARTIES,
     PROCESS_SECONDS,
     Processes,
+    flags_for,
     in_process,
     write_federation,
     write_party_files,
@@ -112,7 +112,7 @@ def train_keeping_parts(
     servers.append(processes.serve(federation, "aggregator"))
     out = tmp_path / "deployed"
     label = processes.start(
-        "train", "--federation", str(federation), "--name", "bank", *FLAGS, *flags,
+        "train", "--federation", str(federation), "--name", "bank", *flags_for(flags),
         "--out", str(out), log="bank",
     )  # fmt: skip
     assert label.wait(timeout=PROCESS_SECONDS) == 0, processes.log("bank")
@@ -356,7 +356,7 @@ def test_a_party_killed_while_it_saves_its_part_is_lost_there_and_the_run_ends(
     )  # fmt: skip
     out = tmp_path / "deployed"
     label = processes.start(
-        "train", "--federation", str(federation), "--name", "bank", *FLAGS, *flags,
+        "train", "--federation", str(federation), "--name", "bank", *flags_for(flags),
         "--out", str(out), log="bank",
     )  # fmt: skip
     assert label.wait(timeout=PROCESS_SECONDS) == 0, processes.log("bank")

@@ -21,11 +21,11 @@ import pytest
 import torch
 from conftest import MakeData
 from test_deploy import (
-    FLAGS,
     PARTIES,
     PROCESS_SECONDS,
     PartyProcess,
     Processes,
+    flags_for,
     in_process,
     write_federation,
     write_party_files,
@@ -88,7 +88,7 @@ def start_federation(
     servers.append(processes.start(*command, "aggregator", log=f"aggregator-{phase}"))
     out = tmp_path / "out"
     label = processes.start(
-        "train", "--federation", str(federation), "--name", "bank", *FLAGS, *EPOCHS, *flags,
+        "train", "--federation", str(federation), "--name", "bank", *flags_for([*EPOCHS, *flags]),
         "--checkpoint-every", EVERY, "--out", str(out),
         *(["--resume", str(out)] if resume else []), log=f"bank-{phase}",
     )  # fmt: skip
