@@ -792,9 +792,6 @@ def run_imputation(
     return result, imputer
 
 
-S = TypeVar("S")
-
-
 def imputed_tables(task: ImputationTask, imputer: Imputer) -> dict[str, pd.DataFrame]:
     """Each client's rows with its missing-but-available entries filled by a fitted
     ``imputer``, by client name (what ``impute --save-imputed`` writes). A client file's table
@@ -822,13 +819,16 @@ def imputed_tables(task: ImputationTask, imputer: Imputer) -> dict[str, pd.DataF
     return tables
 
 
+Score = TypeVar("Score")
+
+
 def fit_and_score(
     imputer: Imputer,
-    score: Callable[[], S],
+    score: Callable[[], Score],
     *,
     rounds: int,
     on_round: Callable[[int, float], None] | None,
-) -> tuple[list[float], S]:
+) -> tuple[list[float], Score]:
     """``imputer.fit`` over ``rounds`` FedAvg rounds, then ``score()``; a client's values that
     ran off to NaN or infinity raise DivergenceError, with the FedAvg round and what to try
     (a message's own round counts messages, not FedAvg rounds)."""

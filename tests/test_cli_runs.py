@@ -10,6 +10,7 @@ import shutil
 import sqlite3
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -338,3 +339,26 @@ def test_runs_that_were_trained_differently_say_how() -> None:
     lines = table(["a", "b"], [plain, other]).splitlines()
     assert "trained" in lines[0] and "dirichlet:inf, 1 epoch" in lines[2]
     assert "trained" not in table(["a", "b"], [plain, plain]).splitlines()[0]  # alike: no column
+
+
+def test_a_two_stage_runs_loss_plot_draws_each_stage_as_its_own_curve(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FALSE-VFL's epoch_loss holds stage 1's bound, then stage 2's: one line joined them."""
+    from secure_vfl import plots
+
+    drawn: dict[str, Any] = {}
+    monkeypatch.setattr(plots, "_save", lambda figure, path: drawn.__setitem__(path.name, figure))
+    payload: dict[str, Any] = {
+        "method": "false-vfl-1",
+        "dataset": "wine",
+        "epoch_loss": [20.0, 19.5, 19.4, 3.0, 2.5],
+        "metrics": {"mcar:0": {"accuracy": 80.0}},
+        "config": {"method_config": {"epochs": 2}, "false_vfl": {"pretrain_epochs": 3}},
+    }
+    plots.write_run_plots(payload, tmp_path)
+    lines = drawn["loss.png"].axes[0].get_lines()
+    assert [list(line.get_xdata()) for line in lines] == [[1, 2, 3], [4, 5]]
+    assert [line.get_label() for line in lines] == ["stage 1: -L_kappa", "stage 2: -L'_kappa"]
+    plots.write_run_plots({**payload, "config": {"method_config": {"epochs": 2}}}, tmp_path)
+    assert len(drawn["loss.png"].axes[0].get_lines()) == 1  # one stage: one curve
