@@ -143,7 +143,7 @@ def render(
     ratio = max(row["epsilon_lower"] / row["claimed_epsilon"] for row in dp)
     return (
         "# Empirical DP audit: the label party's gradient DP\n\n"
-        f"`{command}`\n\n"
+        f"Command: `{command}`\n\n"
         "One-run audit (Steinke, Nasr & Jagielski, NeurIPS 2023, Thm 3.1) of `--dp-gradients "
         f"SIGMA:{args.clip:g}` on LASER-VFL, digits, 2 parties, `--heads active --top-model none "
         f"--representation-dim 10 --epochs {args.epochs} --lr {args.lr:g}`; every one of the "

@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     body, summary = table(results)
     text = (
         "# FALSE-VFL on Fashion-MNIST (paper Tables 13-18), reproduced\n\n"
-        f"Command: `{command.strip()}`  \n"
+        f"Command: `{command}`  \n"
         f"Seeds {args.seeds}; {len(results)} trainings in {elapsed / 60:.1f} min on this machine "
         f"({args.workers} workers x 1 thread).\n\n"
         f"Setup: {dataclasses.asdict(plan)}; 8 parties (14x7 patches), trained under MCAR 0.2; "

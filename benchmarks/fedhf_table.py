@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     table, checks = summarise(results)
     text = (
         "# FedHF-Impute Table II pattern, reproduced on offline datasets\n\n"
-        f"Command: `{command.strip()}`  \n"
+        f"Command: `{command}`  \n"
         f"Seeds {args.seeds}; {len(results)} runs in {elapsed / 60:.1f} min ({args.workers} "
         "workers x 1 thread). K = 4 clients, each keeping a random 60 % of the features; "
         f"{args.rounds} FedAvg rounds of 2 local epochs, batch 16. RMSE in standardised space on "

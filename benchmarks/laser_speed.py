@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "# LASER-VFL speed and memory",
         "",
-        f"Command: `{command.strip()}`  ",
+        f"Command: `{command}`  ",
         "Satellite (4435 training rows), train p_miss 0.1, batch 128, torch threads: default (2). "
         "Epoch time is the median over "
         f"{epochs} epochs; peak memory is the process's maximum RSS growth once data is loaded.",

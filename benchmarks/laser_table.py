@@ -264,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     text = (
         "# LASER-VFL Table 1 pattern, reproduced\n\n"
-        f"Command: `{command.strip()}`  \n"
+        f"Command: `{command}`  \n"
         f"Seeds {args.seeds}; {len(results)} trainings in {elapsed / 60:.1f} min on this machine "
         f"({args.workers} workers x 1 thread).\n\n{setup}\n\n{body}"
     )
