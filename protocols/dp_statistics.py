@@ -224,7 +224,7 @@ def read_feature_ranges(path: Path, features: Sequence[str]) -> FeatureRanges:
             f"{path}: every feature range needs lower < upper. Found {', '.join(reversed_)}."
         )
     try:
-        return FeatureRanges(lower=lower, upper=upper)
+        return FeatureRanges(lower=lower, upper=upper, names=tuple(features))
     except DataError as error:
         raise DataError(f"{path}: {error}") from None
 
@@ -298,8 +298,9 @@ class StatisticsPlan:
         }
 
     @classmethod
-    def from_json(cls, body: Any, *, features: int) -> StatisticsPlan:
-        """The plan in ``body``, for a run of ``features`` features; ProtocolError naming what
+    def from_json(cls, body: Any, *, features: int, names: Sequence[str] = ()) -> StatisticsPlan:
+        """The plan in ``body``, for a run of ``features`` features (``names``: theirs, for
+        messages); ProtocolError naming what
         is wrong (keys, types, a SIGMA, CLIP or bound that is not a finite number > 0, a count
         of shares < 1, ranges of another width or not lower < upper, a delta outside (0, 1))."""
 
@@ -325,6 +326,7 @@ class StatisticsPlan:
             ranges = FeatureRanges(
                 lower=np.array(body["lower"], dtype=np.float64),
                 upper=np.array(body["upper"], dtype=np.float64),
+                names=tuple(names),
             )
         except DataError as error:
             raise refuse(str(error)) from None
@@ -379,11 +381,11 @@ class ServedStatistics:
 
 
 def served_statistics(
-    name: str, part: Any, client: ImputationClient, *, features: int
+    name: str, part: Any, client: ImputationClient, *, features: Sequence[str]
 ) -> ServedStatistics:
     """Client ``name``'s own mechanism, made from the ``privacy`` part of its ``impute-setup``
-    for a run of ``features`` features (checked: ProtocolError) and installed in ``client``."""
-    plan = StatisticsPlan.from_json(part, features=features)
+    for a run of the features ``features`` (checked: ProtocolError), installed in ``client``."""
+    plan = StatisticsPlan.from_json(part, features=len(features), names=features)
     served = ServedStatistics(name, plan)
     client.privacy = served.mechanism
     return served

@@ -2555,7 +2555,7 @@ def _served_privacy(name: str, part: Any, party: Any) -> Any:
     return served_privacy(name, part, party)
 
 
-def _served_statistics(name: str, part: Any, client: Any, features: int) -> Any:
+def _served_statistics(name: str, part: Any, client: Any, features: Sequence[str]) -> Any:
     """A served imputation client's own statistics mechanism and accountant, from the plan in
     its set-up (:func:`protocols.dp_statistics.served_statistics`)."""
     from protocols.dp_statistics import served_statistics

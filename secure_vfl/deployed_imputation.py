@@ -127,9 +127,9 @@ IMPUTE_SAVED_KEYS: dict[str, type | tuple[type, ...]] = {"run": str, "rows": int
 """``impute-saved``: the run, the rows written and the table's SHA-256."""
 _RUN_ID = re.compile(r"[0-9a-f]{16}")
 
-StatisticsPrivacyFactory = Callable[[str, Any, ImputationClient, int], ServedPrivacy]
+StatisticsPrivacyFactory = Callable[[str, Any, ImputationClient, Sequence[str]], ServedPrivacy]
 """A client's own statistics mechanism from (its name, the ``privacy`` part of its
-``impute-setup``, the client built, the run's feature count), installed in the client
+``impute-setup``, the client built, the run's features), installed in the client
 (:func:`protocols.dp_statistics.served_statistics`); ProtocolError for a malformed part. Handed
 in by the composition root: the core never imports the privacy layer."""
 
@@ -282,7 +282,7 @@ def build_served_client(
                 f"impute-setup: {member.name} was sent a statistics plan, but this process "
                 "offers no DP mechanisms."
             )
-        privacy = statistics_privacy(member.name, body["privacy"], client, len(features))
+        privacy = statistics_privacy(member.name, body["privacy"], client, features)
     return ServedClient(client, train, test, file, tuple(features), privacy)
 
 

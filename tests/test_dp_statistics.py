@@ -3,6 +3,7 @@ against Opacus, and a graph and standardisation that stay valid under heavy nois
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import subprocess
@@ -217,6 +218,35 @@ def test_almost_noiseless_unclipped_release_gives_the_exact_statistics() -> None
     np.testing.assert_allclose(private.correlation, exact.correlation, atol=0.1)
 
 
+def test_each_client_tells_its_operator_of_values_outside_the_declared_ranges(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A declared range that misses the data clips values silently into a large imputation
+    error: each client whose observed values fall outside says how many, where and against
+    which range, naming the feature (only in its own log: nothing of it is sent)."""
+    clients = _clients()
+    observed = observed_ranges(clients)
+    names = tuple(f"f{j}" for j in range(6))
+    fits = FeatureRanges(lower=observed.lower, upper=observed.upper, names=names)
+    with caplog.at_level(logging.WARNING):
+        federated_statistics(clients, privacy=_mechanisms(1.0, 1.0, ranges=fits))
+    assert caplog.records == []
+    # Feature 1 (mean 500) declared in [0, 100]: every observed value of it is above.
+    upper = observed.upper.copy()
+    upper[1] = 100.0
+    lower = np.minimum(observed.lower, 0.0)
+    narrow = FeatureRanges(lower=lower, upper=upper, names=names)
+    with caplog.at_level(logging.WARNING):
+        federated_statistics(clients, privacy=_mechanisms(1.0, 1.0, ranges=narrow))
+    warned = {record.getMessage().split(":")[0]: record.getMessage() for record in caplog.records}
+    assert sorted(warned) == [client.name for client in clients]
+    for client in clients:
+        seen = int((~np.isnan(client.values[:, 1])).sum())
+        assert f"f1: {seen} of {seen} values, in [" in warned[client.name]
+        assert "against [0, 100]" in warned[client.name]
+        assert "f0" not in warned[client.name] and "f2" not in warned[client.name]
+
+
 def test_record_clipping_down_weights_records_without_biasing_the_std() -> None:
     """Regression: exchange 2 divided its clipped sums by exchange 1's counts, whose records
     were clipped more, and inflated every std by ~1.5x; each exchange now carries its counts."""
@@ -326,14 +356,14 @@ def test_a_served_client_makes_its_own_mechanism_from_the_plan_under_the_coordin
     plan = StatisticsPlan.from_json(body, features=3)
     assert plan.to_json() == body  # what the label party sent, exactly
     client = ImputationClient(_clients(features=3)[0])
-    served = served_statistics("client-0", body, client, features=3)
+    served = served_statistics("client-0", body, client, features=("a", "b", "c"))
     assert client.privacy is served.mechanism
     # The coordinator's view of the clients' mechanisms is what each client made.
     assert plan.terms().matches(ReleaseTerms.of(served.mechanism))
     assert served.mechanism.share_std == pytest.approx(1.5 * 2.0 / math.sqrt(3))
     # Its noise is fresh OS entropy: two clients of one plan draw different noise.
     other = served_statistics(
-        "client-1", body, ImputationClient(_clients(features=3)[1]), features=3
+        "client-1", body, ImputationClient(_clients(features=3)[1]), features=("a", "b", "c")
     )
     no_rows = np.zeros((0, 20_000))
     mine = served.mechanism.privatise("client-0", "pairs", no_rows)
@@ -351,7 +381,7 @@ def test_a_served_client_makes_its_own_mechanism_from_the_plan_under_the_coordin
     assert read_statistics_entry("client-0", entry, delta=DELTA) == entry
     # Before any release: no guarantee, and the label party accepts that too.
     assert other.entry()["guarantees"] != [] and served_statistics(
-        "client-2", body, ImputationClient(_clients(features=3)[2]), features=3
+        "client-2", body, ImputationClient(_clients(features=3)[2]), features=("a", "b", "c")
     ).entry() == {
         "guarantees": [],
         "releases": {"statistics": 0},

@@ -59,8 +59,9 @@ matrix need not be positive semi-definite.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -68,6 +69,8 @@ import numpy as np
 from secure_vfl.data.imputation import ClientData
 from secure_vfl.errors import DataError, ProtocolError
 from secure_vfl.models.feature_graph import FeatureGraph
+
+logger = logging.getLogger(__name__)
 
 SERVER = "server"
 """The coordinator: the party that receives the federated sums, builds the graph and averages
@@ -139,6 +142,8 @@ class FeatureRanges:
 
     lower: np.ndarray
     upper: np.ndarray
+    names: tuple[str, ...] = field(default=(), compare=False)
+    """The features' names, for messages (empty: features are named by their place)."""
 
     def __post_init__(self) -> None:
         if self.lower.shape != self.upper.shape or self.lower.ndim != 1:
@@ -166,6 +171,22 @@ class FeatureRanges:
     def scaled(self, values: np.ndarray) -> np.ndarray:
         """Values clipped to their range and mapped affinely onto [-1, 1] (NaN stays NaN)."""
         return np.clip((values - self.centre) / self.half_width, -1.0, 1.0)
+
+    def outside(self, values: np.ndarray) -> list[str]:
+        """For each feature with observed ``values`` (rows x features, NaN: unobserved) outside
+        its range, what they are: how many, where they lie, and the range."""
+        found = []
+        with np.errstate(invalid="ignore"):
+            beyond = (values < self.lower) | (values > self.upper)
+        for j in np.flatnonzero(beyond.any(axis=0)):
+            column = values[:, j][~np.isnan(values[:, j])]
+            name = self.names[j] if j < len(self.names) else f"feature {j}"
+            found.append(
+                f"{name}: {int(beyond[:, j].sum())} of {column.size} values, in "
+                f"[{column.min():g}, {column.max():g}] against [{self.lower[j]:g}, "
+                f"{self.upper[j]:g}]"
+            )
+        return found
 
 
 class StatisticsPrivacy(Protocol):
@@ -377,6 +398,15 @@ def exchange_contribution(
         _expect_arguments(client, exchange, arguments, 0)
         if privacy is None:
             return wide_digits(client_moments(client))
+        outside = privacy.ranges.outside(client.values.astype(np.float64))
+        if outside:  # told to this client's own operator only: nothing of it is sent
+            logger.warning(
+                "%s: observed values outside the declared feature ranges are clipped to them, "
+                "which biases the private statistics and the imputation; check the ranges "
+                "(--feature-ranges). %s.",
+                client.name,
+                "; ".join(outside),
+            )
         u, observed = _scaled(client, privacy)
         rows = np.concatenate([observed, u], axis=1)
         return wide_digits(privacy.privatise(client.name, "moments", rows))
