@@ -724,6 +724,7 @@ class PrivacyEngine:
             "adjacency": ADJACENCY_TEXT[self.spec.adjacency],
             "sampling": {
                 "kind": "poisson",
+                "records": sampler.n,
                 "rate": sampler.rate,
                 "draws": sampler.draws,
                 "steps": len(sampler.schedule),

@@ -1374,6 +1374,13 @@ def _privacy_lines(privacy: dict[str, Any]) -> list[str]:
         f"epsilon (delta {privacy['delta']:g}, {privacy['adjacency']}{drawn}; largest "
         f"guarantee per party, see result.json): {spent}"
     ]
+    records = sampling.get("records")
+    if records and privacy["delta"] >= 1 / records:
+        lines.append(
+            f"WARNING: delta {privacy['delta']:g} is not below 1/n = 1/{records} (n: the "
+            "training records): at such a delta a mechanism that publishes a few records "
+            "outright meets the guarantee; choose --delta well below 1/n."
+        )
     if privacy["insecure_reproducible_noise"]:
         lines.append(
             "WARNING: --insecure-reproducible-noise: the noise is reproducible from the seed; "

@@ -10,7 +10,7 @@ from pathlib import Path
 import dp_accounting
 import pytest
 
-from secure_vfl.cli import main
+from secure_vfl.cli import _privacy_lines, main
 
 BASE = ["train", "--method", "laser", "--dataset", "digits", "--heads", "active", "--quiet"]
 
@@ -92,6 +92,23 @@ def test_the_issues_example_prices_joint_events_per_record_under_replace_one(
     assert "representations: sent without noise" in privacy["not_noised"][0]
     printed = capsys.readouterr().out
     assert "epsilon (delta 1e-05, replace one record" in printed and "party-0" in printed
+    assert privacy["sampling"]["records"] == 1438  # digits' training rows
+    assert "WARNING" not in printed  # delta 1e-5 is below 1/1438
+
+
+def test_the_summary_warns_when_delta_is_not_below_one_over_the_records() -> None:
+    """`--delta 0.5` was accepted in silence: a guarantee at such a delta allows publishing a
+    few records outright."""
+    privacy = {
+        "epsilon": {"party-0": 2.0},
+        "sampling": {"kind": "poisson", "rate": 0.1, "records": 455},
+        "delta": 0.01,
+        "adjacency": "add or remove one record",
+        "insecure_reproducible_noise": False,
+    }
+    [_, warning] = _privacy_lines(privacy)
+    assert warning.startswith("WARNING: delta 0.01 is not below 1/n = 1/455")
+    assert len(_privacy_lines({**privacy, "delta": 1 / 456})) == 1
 
 
 def test_target_epsilon_8_keeps_every_guarantee_within_8_by_the_independent_accountant(
