@@ -170,6 +170,7 @@ class AttackResult:
     control: bool
     main: dict[str, float]
     attack: dict[str, float]
+    performance: float  # AP in [0, 1], from the attack's metrics: what the DCS scores
     chance: float
     dcs: float
     dcs_chance: float
@@ -188,6 +189,7 @@ class AttackResult:
             "control": self.control,
             "main": self.main,
             "attack": self.attack,
+            "performance": self.performance,
             "chance": self.chance,
             "epsilon": epsilon,
             "dcs": self.dcs,
@@ -295,6 +297,7 @@ def run_attack(
         control=control,
         main={"accuracy": main},
         attack=metrics,
+        performance=performance,
         chance=chance,
         dcs=dcs(performance, main, attack_star=0.0, main_star=reference),
         dcs_chance=dcs(performance, main, attack_star=chance, main_star=reference),

@@ -152,6 +152,7 @@ def _run_point(job: dict[str, Any]) -> dict[str, Any]:
         "failed": None,
         "main_accuracy": payload["main"]["accuracy"],
         "attack": payload["attack"],
+        "performance": payload["performance"],
         "chance": payload["chance"],
         "epsilon": max(epsilon.values()) if epsilon else None,
         "dcs": payload["dcs"],

@@ -1737,22 +1737,8 @@ def run_attack_command(args: argparse.Namespace) -> int:
     payload = result.to_json()
     payload["provenance"] = provenance()
     atomic_write_json(out / "result.json", payload)
-    training = payload["training"]
-    config = {
-        **training["config"],
-        "privacy": _privacy_settings(args),
-        "defense": ", ".join(args.defense),
-    }
-    store.add(
-        {
-            **training,
-            "config": config,
-            "metrics": {"main": payload["main"], "attack": payload["attack"]},
-            "provenance": payload["provenance"],
-        },
-        kind=f"attack:{name}",
-        out_dir=out,
-    )
+    entry = _attack_entry(payload, ", ".join(args.defense), privacy=_privacy_settings(args))
+    store.add({**entry, "provenance": payload["provenance"]}, kind=f"attack:{name}", out_dir=out)
     print(_attack_summary(result, out))
     return 0
 
@@ -1809,13 +1795,8 @@ def run_sweep_command(args: argparse.Namespace) -> int:
         if row["failed"] is not None:
             print(f"{row['defense']} seed {row['seed']}: {row['failed']}", file=sys.stderr)
             continue
-        training = row["training"]
         store.add(
-            {
-                **training,
-                "config": {**training["config"], "defense": row["defense"]},
-                "metrics": {"main": {"accuracy": row["main_accuracy"]}, "attack": row["attack"]},
-            },
+            _attack_entry({**row, "main": {"accuracy": row["main_accuracy"]}}, row["defense"]),
             kind=f"sweep:{args.attack}",
             out_dir=out,
             entry=f"{row['defense']} seed {row['seed']}",
@@ -1859,13 +1840,9 @@ def _run_suite_command(args: argparse.Namespace, config: Any) -> int:
 
     def on_run(attack: str, defense: str, result: Any) -> None:
         payload = result.to_json()
-        training = payload["training"]
-        entry = {
-            **training,
-            "config": {**training["config"], "defense": defense},
-            "metrics": {"main": payload["main"], "attack": payload["attack"]},
-        }
-        entries.append((entry, f"suite:{attack}", f"{attack} / {defense}"))
+        entries.append(
+            (_attack_entry(payload, defense), f"suite:{attack}", f"{attack} / {defense}")
+        )
         if not args.quiet:
             value = ", ".join(f"{k} {v:.3f}" for k, v in payload["attack"].items())
             print(f"{attack} / {defense}: main {100 * payload['main']['accuracy']:.2f} %, {value}")
@@ -1896,6 +1873,22 @@ def _run_suite_command(args: argparse.Namespace, config: Any) -> int:
     return 0
 
 
+def _attack_entry(
+    payload: dict[str, Any], defense: str, *, privacy: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The results store's entry of one attack run (``payload``: its ``training`` result, its
+    ``main`` and ``attack`` metrics, ``performance``, ``chance``, ``dcs_chance`` and
+    ``control``): the training result, its configuration with the ``defense`` (and
+    ``privacy``: the privacy flags given), the metrics with the attack's score."""
+    training = payload["training"]
+    config = {**training["config"], "defense": defense, "control": bool(payload.get("control"))}
+    if privacy is not None:
+        config["privacy"] = privacy
+    score = {key: payload[key] for key in ("performance", "chance", "dcs_chance")}
+    metrics = {"main": payload["main"], "attack": payload["attack"], "score": score}
+    return {**training, "config": config, "metrics": metrics}
+
+
 def _attack_summary(result: Any, out: Path) -> str:
     defenses = ", ".join(result.defenses) or "none"
     lines = [
@@ -1906,6 +1899,7 @@ def _attack_summary(result: Any, out: Path) -> str:
     ]
     for metric, value in result.attack.items():
         lines.append(f"attack {metric:<13} {value:.4f}")
+    lines.append(f"attack performance   {result.performance:.4f} (AP, what the DCS scores)")
     lines.append(f"chance level         {result.chance:.4f}")
     lines.append(f"DCS {result.dcs:.4f}   DCS (AP* = chance) {result.dcs_chance:.4f}")
     if result.privacy is not None:

@@ -88,6 +88,15 @@ class RunSummary:
     trained: str = ""
     """How it was trained where runs may differ: training missingness, epochs, labelled rows,
     SimSiam pretraining (e.g. ``mcar:0.5, 5 epochs, 20 labelled``)."""
+    attack: str = ""
+    """An attack run's attack (``norm-scoring``; ``norm-scoring, control`` for its negative
+    control); empty for a training run."""
+    defense: str = ""
+    """An attack run's defenses other than DP and secure sums (which ``dp`` and ``backend``
+    show), e.g. ``marvell:4``."""
+    score: tuple[float, float, float] | None = None
+    """An attack run's attack performance AP, its chance level and its DCS against chance
+    (None where the run did not record them)."""
 
 
 def summarise(payload: dict[str, Any], *, kind: str = "train") -> RunSummary:
@@ -95,13 +104,20 @@ def summarise(payload: dict[str, Any], *, kind: str = "train") -> RunSummary:
     run is summarised, with its defenses), or of a results-store entry of either."""
     if "training" in payload:  # an attack's result.json
         training = dict(_object(payload, "training"))
-        training["metrics"] = {"main": _object(payload, "main")}
+        training["metrics"] = {
+            "main": _object(payload, "main"),
+            "score": {key: payload.get(key) for key in ("performance", "chance", "dcs_chance")},
+        }
         defenses = payload.get("defenses") or []
         if not (isinstance(defenses, list) and all(isinstance(d, str) for d in defenses)):
             raise ConfigError(f"defenses: a list of names expected, found {defenses!r:.60}.")
         config = _object(training, "config", "training.config")
-        training["config"] = {**config, "defense": ", ".join(defenses)}
-        return summarise(training, kind=kind)
+        training["config"] = {
+            **config,
+            "defense": ", ".join(defenses),
+            "control": payload.get("control") is True,
+        }
+        return summarise(training, kind=f"attack:{payload.get('attack_name', '?')}")
     config = _object(payload, "config")
     settings = _object(config, "privacy", "config.privacy")
     report = _object(payload, "privacy")
@@ -123,7 +139,31 @@ def summarise(payload: dict[str, Any], *, kind: str = "train") -> RunSummary:
         seed=config.get("seed"),
         parties=_user_party_names(payload.get("parties")),
         trained=_trained(config),
+        **_attack_columns(kind, config, _object(payload, "metrics")),
     )
+
+
+_ATTACK_KINDS = ("attack", "suite", "sweep")  # the kinds of run whose name follows a colon
+
+
+def _attack_columns(kind: str, config: dict[str, Any], metrics: dict[str, Any]) -> dict[str, Any]:
+    """An attack run's ``attack``, ``defense`` and ``score`` (none for a training run)."""
+    family, _, name = kind.partition(":")
+    if family not in _ATTACK_KINDS or not name:
+        return {}
+    control = ", control" if config.get("control") is True else ""
+    others = [
+        defense
+        for defense in str(config.get("defense") or "").split(", ")
+        if defense and not defense.startswith(("dp-", "secure-agg:"))
+    ]
+    score = _object(metrics, "score", "metrics.score")
+    values = [score.get(key) for key in ("performance", "chance", "dcs_chance")]
+    return {
+        "attack": name + control,
+        "defense": ", ".join(others),
+        "score": tuple(values) if all(map(_is_number, values)) else None,
+    }
 
 
 def _trained(config: dict[str, Any]) -> str:
@@ -251,9 +291,13 @@ def table(names: list[str], summaries: list[RunSummary]) -> str:
     named = any(s.parties for s in summaries)
     mixed = len({s.dataset for s in summaries}) > 1  # else the accuracies compare like for like
     varied = len({s.trained for s in summaries}) > 1  # training settings, where they differ
+    attacks = any(s.attack for s in summaries)
     header = ["run", "method", *(["dataset"] if mixed else []), *(["trained"] if varied else [])]
+    header += ["attack", "defense"] if attacks else []
     header += ["backend", "dp", "epsilon"]
-    header += [*[f"acc {t}" for t in tests], "time s"]
+    header += [*[f"acc {t}" for t in tests]]
+    header += ["AP", "chance", "DCS"] if attacks else []
+    header += ["time s"]
     rows = [header + (["parties"] if named else [])]
     for name, summary in zip(names, summaries, strict=True):
         epsilon = "-" if summary.epsilon is None else _number(summary.epsilon)
@@ -261,7 +305,11 @@ def table(names: list[str], summaries: list[RunSummary]) -> str:
         time = "-" if summary.wall_time_s is None else f"{summary.wall_time_s:.1f}"
         row = [name, summary.method, *([summary.dataset] if mixed else [])]
         row += [summary.trained or "-"] if varied else []
-        row += [summary.backend, summary.dp, epsilon, *accuracy, time]
+        row += [summary.attack or "-", summary.defense or "-"] if attacks else []
+        row += [summary.backend, summary.dp, epsilon, *accuracy]
+        if attacks:
+            row += [f"{v:.3f}" for v in summary.score] if summary.score else ["-"] * 3
+        row.append(time)
         if named:
             row.append(", ".join(summary.parties) or "-")
         rows.append(row)

@@ -169,6 +169,17 @@ def test_attack_command_runs_model_completion(tmp_path: Path) -> None:
     assert 0 <= result["attack"]["accuracy"] <= 1
     assert 0 <= result["attack"]["untrained_accuracy"] <= 1
     assert 0 < result["dcs"] <= 1
+    assert result["performance"] == result["attack"]["accuracy"]  # its AP
+    # `runs compare` and `runs list` say which attack ran under which defense, and its score
+    # (four runs differing in defense or control read as one before)
+    from secure_vfl.runs import summarise_run
+    from secure_vfl.store import ResultsStore
+
+    score = (result["performance"], result["chance"], result["dcs_chance"])
+    assert summarise_run(out).score == pytest.approx(score)
+    [row] = ResultsStore(tmp_path / "results.sqlite").rows()
+    assert row["metrics"]["score"]["performance"] == result["performance"]
+    assert row["config"]["control"] is False and row["config"]["defense"] == ""
 
 
 def test_passive_completion_applies_to_every_method_whose_labels_stay_with_the_label_party() -> (

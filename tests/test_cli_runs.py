@@ -321,6 +321,54 @@ def test_an_attack_runs_accuracies_are_both_percentages() -> None:
     assert summarise(scored, kind="attack:norm-scoring").accuracy == pytest.approx({"main": 70.0})
 
 
+def test_attack_runs_show_their_attack_defense_and_score() -> None:
+    """`runs list` showed an attack's runs under MARVELL, sparsification and its negative
+    control alike (`dp none`), without the attack's score."""
+    from secure_vfl.runs import summarise, table
+
+    def attack(defense: str, control: bool, performance: float) -> dict[str, object]:
+        return {
+            "attack_name": "norm-scoring",
+            "defenses": [defense] if defense else [],
+            "control": control,
+            "main": {"accuracy": 0.9},
+            "attack": {"auc": performance},
+            "performance": performance,
+            "chance": 0.5,
+            "dcs_chance": 0.75,
+            "training": {"config": {"method": "laser", "privacy": {}}},
+        }
+
+    plain = summarise(attack("", False, 0.95))
+    marvell = summarise(attack("marvell:4", False, 0.55))
+    control = summarise(attack("", True, 0.5))
+    assert (plain.attack, plain.defense, plain.score) == ("norm-scoring", "", (0.95, 0.5, 0.75))
+    assert marvell.defense == "marvell:4" and control.attack == "norm-scoring, control"
+    # DP and secure sums have their own columns; other defenses are listed in order
+    entry = {
+        "config": {
+            "method": "laser",
+            "privacy": {},
+            "defense": "dp-gradients:1:0.01, norm-filter:3, secure-agg:masks",
+        },
+        "metrics": {"main": {"accuracy": 0.9}, "attack": {"auc": 0.6}},
+    }
+    stored = summarise(entry, kind="sweep:norm-scoring")
+    assert stored.defense == "norm-filter:3" and stored.backend == "masks"
+    assert stored.score is None  # stored before the score was: shown as "-"
+    header, *rows = table(["a", "b", "c", "d"], [plain, marvell, control, stored]).splitlines()
+    assert header.split() == [
+        *["run", "method", "attack", "defense", "backend", "dp", "epsilon", "acc", "main"],
+        *["AP", "chance", "DCS", "time", "s"],
+    ]
+    assert rows[1].split()[3:4] == ["marvell:4"]
+    assert rows[1].split()[-4:-1] == ["0.550", "0.500", "0.750"]
+    assert rows[2].split()[2:4] == ["norm-scoring,", "control"]
+    assert rows[3].split()[-4:] == ["-", "-", "-", "-"]
+    training = summarise({"config": {"method": "laser", "privacy": {}}, "metrics": {}})
+    assert training.attack == "" and "attack" not in table(["t"], [training])
+
+
 def test_runs_that_were_trained_differently_say_how() -> None:
     """A run under dirichlet missingness on 20 labels looked like one with the defaults."""
     from secure_vfl.runs import summarise, table
