@@ -52,8 +52,10 @@ per test record as the training messages (:meth:`prediction_guarantee`).
 Assumptions stated, not hidden: each release is priced given the state that shaped it (its
 sender's models, and what other parties sent); state that is updated without noise (a head, or
 a bottom model without DP-SGD) is outside these guarantees. Add/remove prices a record's own row
-only: the receivers see which ids each step used, and the rows of a batch-mean gradient rescale
-with the batch size, so replace-one (the default) is the adjacency that holds against them.
+only, which holds for the rows because a private run divides each batch's loss by the expected
+size of its Poisson draw (:func:`~secure_vfl.data.samplers.loss_normaliser`), so no other row
+rescales when a record is added; but the receivers see which ids each step used, so replace-one
+(the default) is the adjacency that holds against them.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 from conftest import MakeData
 
 from protocols.dp import EmbeddingNoise, GradientNoise
@@ -282,3 +284,42 @@ def test_opacus_is_imported_only_by_a_run_that_uses_it(
     modules = set(ast.literal_eval(completed.stdout.strip().splitlines()[-1]))
     assert ("opacus" in modules) is imported
     assert (tmp_path / "r" / "result.json").exists()
+
+
+@pytest.mark.parametrize("method", ["laser", "standard", "combinatorial"])
+def test_under_poisson_sampling_a_rows_gradient_does_not_depend_on_the_other_rows_drawn(
+    make_data: MakeData, method: str
+) -> None:
+    """The head divided a batch's loss by the rows drawn, so one more record in the training
+    set rescaled every other row's gradient by |B| / (|B| + 1): a DP-SGD step's sum of clipped
+    per-sample gradients moved by up to twice the clip norm where its add/remove guarantee
+    prices once. Under Poisson sampling the loss is divided by the expected batch size, as
+    Opacus does: each row's gradient is the same whichever other rows are drawn."""
+    from secure_vfl.federation.channel import Channel, RecordingLayer
+
+    data = make_data(parties=2, train_missing="mcar:0")
+    # heads="all": with 2 parties each head's subsets are fixed ({k}, {0, 1}), so no draw of
+    # LASER's tasks depends on the batch either
+    config = MethodConfig(heads="all", epochs=1, batch_size=32, representation_dim=8)
+
+    def gradients(batch: np.ndarray) -> dict[int, torch.Tensor]:
+        recorder = RecordingLayer()
+        built = METHODS.get(method)(data, config, seed=0, channel=Channel([recorder]))
+        engine = PrivacyEngine(PrivacySpec(dp_gradients=(1.0, 0.1)))
+        built.sampler = engine.sampler(built.sampler, n=data.train.n, epochs=1)
+        built.train_step(batch, 0, 0)
+        [message] = [
+            m
+            for m in recorder.messages
+            if m.kind == "gradient" and (m.sender, m.receiver) == ("party-0", "party-1")
+        ]
+        return {
+            int(batch[p]): row for p, row in zip(message.positions, message.gradient, strict=True)
+        }
+
+    batch = np.arange(0, 64, 2)
+    drawn = gradients(batch)
+    more = gradients(np.sort(np.append(batch, 1)))
+    assert set(drawn) < set(more)
+    for row, gradient in drawn.items():
+        torch.testing.assert_close(more[row], gradient, rtol=0, atol=0)

@@ -209,6 +209,23 @@ class PoissonSampler:
         yield from self.epochs[self._next - 1]
 
 
+def loss_normaliser(
+    sampler: BatchSampler, drawn: int, *, counted: np.ndarray | None = None
+) -> float:
+    """What a batch's summed loss is divided by: the ``drawn`` rows it counts, except under
+    Poisson sampling, where it is the number of them a draw holds on average (rate x the
+    candidate rows, those with ``counted`` (N,) set where a loss counts only some), as
+    Opacus' ``expected_batch_size``. A fixed normaliser keeps each row's gradient independent
+    of which other rows were drawn: adding a record to the training set then moves a DP-SGD
+    step's sum of clipped per-sample gradients by at most the clip norm, as its add/remove
+    guarantee assumes; dividing by the rows drawn would rescale every other row's gradient,
+    which moves the sum by up to twice the clip norm."""
+    if not isinstance(sampler, PoissonSampler):
+        return float(drawn)
+    candidates = sampler.rows.size if counted is None else int(counted[sampler.rows].sum())
+    return sampler.rate * candidates
+
+
 def poisson_like(
     sampler: BatchSampler, *, n: int, epochs: int, rng: np.random.Generator
 ) -> PoissonSampler:

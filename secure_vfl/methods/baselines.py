@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from secure_vfl.data.samplers import BatchSampler
+from secure_vfl.data.samplers import BatchSampler, loss_normaliser
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation.aggregator import SumBackend, dense_representations
@@ -157,7 +157,10 @@ class ConcatFusionMethod:
             keep = mask & ~drop
         self.head.module.train()
         logits = self.head.module(inputs * keep.unsqueeze(-1).to(inputs.dtype))
-        loss = F.cross_entropy(logits, self.head.labels("train", rows))
+        # The batch mean, or under Poisson sampling the sum over the expected batch size
+        # (loss_normaliser); a factor of exactly 1 otherwise, which changes no bit.
+        scale = rows.numel() / loss_normaliser(self.sampler, rows.numel())
+        loss = F.cross_entropy(logits, self.head.labels("train", rows)) * scale
         loss.backward()
         assert inputs.grad is not None
         self.fed.send_gradients(
@@ -360,7 +363,11 @@ class Combinatorial:
                 selection,
                 covered.to(torch.float32).unsqueeze(0),
                 present,
-                normaliser=float(covered.sum()),
+                normaliser=loss_normaliser(
+                    self.sampler,
+                    int(covered.sum()),
+                    counted=np.asarray(self.data.train.mask[:, list(subset)].all(axis=1)),
+                ),
                 round=round,
                 batch_id=batch_id,
                 tag=tag + "/train",

@@ -47,6 +47,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from secure_vfl.data.samplers import loss_normaliser
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ConfigError, ProtocolError
 from secure_vfl.federation.aggregator import SumBackend
@@ -314,7 +315,7 @@ class MeanFusionMethod:
                 selection[i, chunk],
                 weights[i, chunk],
                 mask,
-                normaliser=float(rows.numel()),
+                normaliser=loss_normaliser(self.sampler, rows.numel()),
                 round=round,
                 batch_id=batch_id,
                 tag=tag,
