@@ -428,6 +428,7 @@ class PrivacyEngine:
         method: str,
         method_config: MethodConfig,
         names: Sequence[str],
+        predictions: int,
         resumed: Callable[[PoissonSampler], None] | None = None,
     ) -> dict[str, dict[str, Any] | None]:
         """A deployed label party's plan, before it sets the other parties up: the Poisson
@@ -444,11 +445,16 @@ class PrivacyEngine:
             assert self._sampler is not None
             resumed(self._sampler)
         self._ahead = True
-        self._decide(method, method_config, names)
+        self._decide(method, method_config, names, predictions)
         return {name: self._parties[name].to_json() for name in names[1:]}
 
     def make_private(
-        self, parties: list[DataParty], *, method: str, method_config: MethodConfig
+        self,
+        parties: list[DataParty],
+        *,
+        method: str,
+        method_config: MethodConfig,
+        predictions: int,
     ) -> None:
         """Install every mechanism inside the party it protects, each with its own accountant
         and noise source (:class:`~protocols.party_privacy.PartyPrivacy`); calibrate SIGMA
@@ -463,7 +469,7 @@ class PrivacyEngine:
                 "PrivacyEngine.sampler(...) before make_private. Found none."
             )
         if not self._ahead:
-            self._decide(method, method_config, [party.name for party in parties])
+            self._decide(method, method_config, [party.name for party in parties], predictions)
         for party in parties:
             if party.name not in self._parties:
                 raise ConfigError(
@@ -482,9 +488,14 @@ class PrivacyEngine:
             half.install(party)
             self._halves[party.name] = half
 
-    def _decide(self, method: str, method_config: MethodConfig, names: Sequence[str]) -> None:
+    def _decide(
+        self, method: str, method_config: MethodConfig, names: Sequence[str], predictions: int
+    ) -> None:
         """The plan of the parties ``names`` (the label party first): their releases per step,
-        SIGMA (calibrated to a target epsilon), the sums' range, and each party's share."""
+        SIGMA (calibrated to a target epsilon, over the training steps and the ``predictions``
+        test splits the run predicts), the sums' range, and each party's share."""
+        if isinstance(predictions, bool) or not isinstance(predictions, int) or predictions < 0:
+            raise ConfigError(f"`predictions` must be an integer >= 0. Found {predictions!r}.")
         sampler = self._sampler
         assert sampler is not None
         if ("exposure" in self.noise) != (method_config.release == "dp"):
@@ -495,7 +506,7 @@ class PrivacyEngine:
             )
         plan = release_plan(method, method_config, len(names))
         if self.spec.target_epsilon is not None:
-            sigma = self._calibrated_sigma(sampler, plan)
+            sigma = self._calibrated_sigma(sampler, plan, predictions)
             self.noise = {kind: (sigma, clip) for kind, (_, clip) in self.noise.items()}
         self.value_range = sum_range(self.noise, contributors=len(names))
         self._names = list(names)
@@ -539,11 +550,15 @@ class PrivacyEngine:
                 )
             self._reported[name] = read_entry(name, entry, delta=self.spec.delta)
 
-    def _calibrated_sigma(self, sampler: PoissonSampler, plan: list[dict[str, int]]) -> float:
+    def _calibrated_sigma(
+        self, sampler: PoissonSampler, plan: list[dict[str, int]], predictions: int
+    ) -> float:
         """One SIGMA for every mechanism that keeps each party's every guarantee within the
         target: against the receivers, its planned releases per step times the most steps any
-        record is used in (the schedule is drawn already), composed per record; with DP-SGD,
-        also the Poisson-amplified steps against the model's observer."""
+        record is used in (the schedule is drawn already), composed per record; for the test
+        records, with embedding DP, one release per test split (``predictions``) and one more
+        per split where its exposed rows are released (``release="dp"``); with DP-SGD, also the
+        Poisson-amplified steps against the model's observer."""
         target, delta = self.spec.target_epsilon, self.spec.delta
         assert target is not None
         shift = ROW_SHIFT[self.spec.adjacency]
@@ -561,6 +576,15 @@ class PrivacyEngine:
                     sigma,
                     calibrate_per_record(target, delta, releases=uses * per_step, shift=shift),
                 )
+        per_split = sum(
+            kind in self.noise and any(releases[kind] for releases in plan)
+            for kind in ("embedding", "exposure")
+        )
+        if per_split and predictions:
+            sigma = max(
+                sigma,
+                calibrate_per_record(target, delta, releases=predictions * per_split, shift=shift),
+            )
         if "dp-sgd" in self.noise:
             sigma = max(
                 sigma,

@@ -278,6 +278,7 @@ if TYPE_CHECKING:
             method: str,
             method_config: MethodConfig,
             names: Sequence[str],
+            predictions: int,
             resumed: Callable[[Any], None] | None = None,
         ) -> dict[str, dict[str, Any] | None]: ...
 
@@ -1852,6 +1853,7 @@ def privacy_plans(
         method=config.method,
         method_config=config.method_config,
         names=federation.names,
+        predictions=len(data.tests),  # each test record is released once per split
         resumed=resumed_schedule(resume) if resume is not None else None,
     )
 

@@ -436,10 +436,13 @@ def score(predictions: Mapping[str, np.ndarray], data: VerticalData) -> dict[str
     }
 
 
-def collapse_warnings(predictions: Mapping[str, np.ndarray], data: VerticalData) -> list[str]:
+def collapse_warnings(
+    predictions: Mapping[str, np.ndarray], data: VerticalData, *, noised: bool = False
+) -> list[str]:
     """A warning for every test split on which the model predicts one class only while its
     labels hold several: a model that learned nothing but a constant (too few epochs, too
-    high a learning rate, too much DP noise), whose accuracy is the class's share."""
+    high a learning rate, too much DP noise where the run was ``noised``), whose accuracy is
+    the class's share."""
     warnings = []
     classes = data.classes if data.classes is not None else tuple(range(data.num_classes))
     for name, predicted in predictions.items():
@@ -449,9 +452,28 @@ def collapse_warnings(predictions: Mapping[str, np.ndarray], data: VerticalData)
             warnings.append(
                 f"predictions on test split {name!r} collapsed to one class (label "
                 f"{classes[int(made[0])]!r} for every sample, {present.size} classes in the "
-                "labels); expected more --epochs, another --lr or less DP noise."
+                f"labels); expected more --epochs{',' if noised else ' or'} another --lr"
+                f"{' or less DP noise' if noised else ''}."
             )
     return warnings
+
+
+def target_warnings(privacy: Mapping[str, Any] | None) -> list[str]:
+    """A warning when a run's privacy report (``result.json``'s ``privacy``) says its target
+    epsilon was exceeded (``within_target`` false), naming the parties and their epsilons."""
+    if privacy is None or privacy.get("within_target") is not False:
+        return []
+    target = privacy["target_epsilon"]
+    over = ", ".join(
+        f"{party} {epsilon:.2f}"
+        for party, epsilon in sorted(privacy["epsilon"].items())
+        if epsilon > target
+    )
+    return [
+        f"the target epsilon {target:g} was exceeded: {over} (each party's guarantees in "
+        "result.json's privacy; e.g. a resumed run prices the killed run's releases after its "
+        "last checkpoint again, which the calibration did not plan)."
+    ]
 
 
 class PrivacyLayer(Protocol):
@@ -474,9 +496,16 @@ class PrivacyLayer(Protocol):
         ...
 
     def make_private(
-        self, parties: list[DataParty], *, method: str, method_config: methods.MethodConfig
+        self,
+        parties: list[DataParty],
+        *,
+        method: str,
+        method_config: methods.MethodConfig,
+        predictions: int,
     ) -> None:
-        """Install each mechanism inside the party it protects, with that party's accountant."""
+        """Install each mechanism inside the party it protects, with that party's accountant
+        (``predictions``: the test splits the run predicts, whose releases a target epsilon
+        covers too)."""
         ...
 
     def report(self) -> dict[str, Any] | None:
@@ -546,7 +575,10 @@ def run_training(
     progress = run_checkpoints.restore_run(method) if run_checkpoints is not None else None
     if privacy is not None:
         privacy.make_private(
-            in_process_parties(channel), method=config.method, method_config=config.method_config
+            in_process_parties(channel),
+            method=config.method,
+            method_config=config.method_config,
+            predictions=len(data.tests),  # each test record is released once per split
         )
     steps = method.total_steps
     step_done = on_step
@@ -567,6 +599,7 @@ def run_training(
     except NonFiniteError as error:  # a party's values ran off to NaN or infinity
         advice = privacy.divergence_advice() if privacy is not None else DIVERGENCE_ADVICE
         raise DivergenceError(f"training diverged: {str(error).rstrip('.')}; {advice}.") from None
+    report = privacy.report() if privacy is not None else None
     return TrainResult(
         method=config.method,
         dataset=config.data_name,
@@ -576,9 +609,12 @@ def run_training(
         wall_time_s=time.perf_counter() - start,
         samples={"train": data.train.n, **{name: s.n for name, s in data.tests.items()}},
         dropped=dict(data.dropped),
-        privacy=privacy.report() if privacy is not None else None,
+        privacy=report,
         traffic=traffic_report(aggregator, train_steps=steps, channel=channel),
-        warnings=collapse_warnings(predictions, data),
+        warnings=[
+            *collapse_warnings(predictions, data, noised=privacy is not None),
+            *target_warnings(report),
+        ],
         faults=list(method.fed.faults),
     )
 

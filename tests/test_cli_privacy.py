@@ -111,6 +111,35 @@ def test_the_summary_warns_when_delta_is_not_below_one_over_the_records() -> Non
     assert len(_privacy_lines({**privacy, "delta": 1 / 456})) == 1
 
 
+def test_a_target_epsilon_covers_the_test_records_released_at_prediction(tmp_path: Path) -> None:
+    """Calibration planned the training steps only: with one step an epoch the test records'
+    two releases (one per test split) priced 12.13 against a target of 8, and the run exited 0
+    with nothing said."""
+    argv = ["train", "--method", "laser", "--heads", "active", "--dataset", "breast-cancer"]
+    argv += ["--parties", "3", "--epochs", "1", "--batch-size", "456", "--seed", "0", "--quiet"]
+    argv += ["--dp-embeddings", "1:1", "--target-epsilon", "8", "--out", str(tmp_path / "r")]
+    assert main(argv) == 0
+    result = json.loads((tmp_path / "r" / "result.json").read_text())
+    privacy = result["privacy"]
+    assert privacy["within_target"] is True and result["warnings"] == []
+    for guarantees in privacy["guarantees"].values():
+        test = next(g for g in guarantees if g["protects"].startswith("the test records"))
+        assert test["releases"] == 2  # mcar:0 and mcar:0.5
+        assert 7.5 < test["epsilon"] <= 8.0  # calibrated to it: the binding guarantee here
+
+
+def test_a_run_over_its_target_says_so() -> None:
+    """`within_target` false was in result.json only (a resumed run prices the killed run's
+    releases after its checkpoint again)."""
+    from secure_vfl.experiment import target_warnings
+
+    privacy = {"target_epsilon": 4.0, "within_target": False}
+    [warning] = target_warnings({**privacy, "epsilon": {"party-0": 4.2, "party-1": 3.9}})
+    assert warning.startswith("the target epsilon 4 was exceeded: party-0 4.20 (")
+    assert target_warnings({**privacy, "within_target": True, "epsilon": {}}) == []
+    assert target_warnings(None) == []
+
+
 def test_target_epsilon_8_keeps_every_guarantee_within_8_by_the_independent_accountant(
     tmp_path: Path,
 ) -> None:

@@ -224,6 +224,10 @@ def test_collapsed_predictions_are_detected_per_test_split(make_data) -> None:  
     constant = {name: np.where(s.mask, 2, -1) for name, s in data.tests.items()}
     warnings = collapse_warnings(constant, data)
     assert len(warnings) == 2 and "'mcar:0' collapsed to one class (label 2 for" in warnings[0]
+    # DP noise is suggested only where the run had some
+    assert warnings[0].endswith("expected more --epochs or another --lr.")
+    noised = collapse_warnings(constant, data, noised=True)[0]
+    assert noised.endswith("expected more --epochs, another --lr or less DP noise.")
     # The label file's own value, not the class index.
     named = dataclasses.replace(data, classes=tuple(f"kind-{c}" for c in range(data.num_classes)))
     assert "collapsed to one class (label 'kind-2' for" in collapse_warnings(constant, named)[0]

@@ -362,7 +362,7 @@ def laser_run(data: object, sigma: float | None) -> tuple[float, dict[str, Any] 
         engine = PrivacyEngine(spec)
         method.sampler = engine.sampler(method.sampler, n=data.train.n, epochs=1)  # type: ignore[attr-defined]
         parties = in_process_parties(method.fed.channel)  # type: ignore[attr-defined]
-        engine.make_private(parties, method="laser", method_config=config)
+        engine.make_private(parties, method="laser", method_config=config, predictions=0)
     method.fit()
     score = accuracy(method.predict("mcar:0"), data.tests["mcar:0"].labels)  # type: ignore[attr-defined]
     return score, engine.report() if engine is not None else None

@@ -80,7 +80,7 @@ def _build(make_data: MakeData, *, insecure: bool) -> Built:
     initial = [p.detach().clone() for party in parties for p in party.model.parameters()]
     sampler = engine.sampler(method.sampler, n=data.train.n, epochs=1)
     assert isinstance(sampler, PoissonSampler)
-    engine.make_private(parties, method="laser", method_config=CONFIG)
+    engine.make_private(parties, method="laser", method_config=CONFIG, predictions=0)
     return Built(engine, parties, initial, sampler)
 
 

@@ -43,7 +43,7 @@ def _private_run(make_data: MakeData, heads: str, spec: PrivacySpec):  # type: i
     sampler = engine.sampler(method.sampler, n=data.train.n, epochs=1)
     assert isinstance(sampler, PoissonSampler)
     parties = in_process_parties(method.fed.channel)
-    engine.make_private(parties, method="laser", method_config=config)
+    engine.make_private(parties, method="laser", method_config=config, predictions=0)
     for round in range(2):
         method.train_step(sampler.schedule[round], round, 0)
     return engine, parties
@@ -230,7 +230,13 @@ def test_a_resumed_deployed_plan_is_calibrated_to_the_killed_runs_sample() -> No
     killed run's. A fresh draw would calibrate to another sample (the control)."""
     spec = PrivacySpec(dp_embeddings=(1.0, 1.0), target_epsilon=8.0)
     names = ["party-0", "party-1", "party-2"]
-    terms = {"n": 100, "epochs": 3, "method": "laser", "method_config": MethodConfig()}
+    terms = {
+        "n": 100,
+        "epochs": 3,
+        "method": "laser",
+        "method_config": MethodConfig(),
+        "predictions": 2,
+    }
 
     def plan(**more: object) -> tuple[PrivacyEngine, dict[str, object]]:
         engine = PrivacyEngine(spec)
