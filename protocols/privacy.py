@@ -374,6 +374,12 @@ class PrivacyEngine:
                 "--dp-sgd applies to methods with one bottom model per party. "
                 "Found --method combinatorial."
             )
+        if self.spec.dp_gradients is not None and method in ("local", "ensemble"):
+            raise ConfigError(
+                "--dp-gradients noises the gradients a head sends to other parties; "
+                f"{method} sends none (each party trains its own head on its own block). "
+                "Expected --dp-embeddings or --dp-sgd. Found --dp-gradients."
+            )
         if "exposure" in self.noise and method != "laser":
             raise ConfigError(
                 "--release dp releases the rows of LASER's subsets that a secure sum cannot "

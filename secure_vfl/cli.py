@@ -25,6 +25,7 @@ from secure_vfl.errors import (
 from secure_vfl.io import check_directory, make_parent, writable_file
 
 EXIT_USAGE = 2
+DEFAULT_DELTA = 1e-5  # protocols.privacy.PrivacySpec's (this module imports protocols lazily)
 LEARNING_RATE = 0.03  # train's default --lr (SGD)
 REPRESENTATION_DIM = 128  # train's default --representation-dim (MethodConfig's)
 NETWORK_SECONDS = 60.0  # the default --wait and --deadline of a deployment
@@ -402,7 +403,8 @@ def _training_flags(
         "--secure-agg",
         choices=SECURE_AGGREGATORS,
         default="none",
-        help="secure sums of representations (laser --heads active): pairwise masks, Paillier "
+        help="secure sums of representations (laser --heads active; false-vfl: the "
+        "posterior terms, its likelihoods still cross in the clear): pairwise masks, Paillier "
         "or CKKS; the label party learns only sums over >= 2 other parties",
     )
     parser.add_argument(
@@ -449,9 +451,9 @@ def _training_flags(
     privacy.add_argument(
         "--delta",
         type=open_probability,
-        default=1e-5,
         metavar="D",
-        help="the delta of every (epsilon, delta) reported",
+        help=f"the delta of every (epsilon, delta) reported (default {DEFAULT_DELTA:g}; well "
+        "below 1/n for n training records)",
     )
     parser.add_argument(
         "--seed",
@@ -464,7 +466,6 @@ def _training_flags(
     privacy.add_argument(
         "--dp-adjacency",
         choices=["replace-one", "add-remove"],
-        default="replace-one",
         help="neighbouring datasets of the guarantees against the receivers of messages: "
         "replace one record (its features and, at the label party, its label; the default) "
         "or add/remove one record",
@@ -745,9 +746,8 @@ def build_parser() -> argparse.ArgumentParser:
     impute_privacy.add_argument(
         "--delta",
         type=open_probability,
-        default=1e-5,
         metavar="D",
-        help="the delta of every (epsilon, delta) reported",
+        help=f"the delta of every (epsilon, delta) reported (default {DEFAULT_DELTA:g})",
     )
     _insecure_noise_flag(impute_privacy)
     impute.add_argument(
@@ -1397,13 +1397,18 @@ def _impute_privacy_engine(args: argparse.Namespace) -> Any:
     DP with its accounting, chosen in one place (:class:`protocols.privacy.PrivacyEngine`)."""
     from protocols.privacy import PrivacyEngine, PrivacySpec
 
+    if args.delta is not None and args.dp_statistics is None:
+        raise ConfigError(
+            "--delta sets the terms of DP guarantees; expected --dp-statistics SIGMA:CLIP with "
+            "it. Found none."
+        )
     return PrivacyEngine(
         PrivacySpec(
             secure_agg=args.secure_agg,
             dp_statistics=args.dp_statistics,
             feature_ranges=args.feature_ranges,
             target_epsilon=args.target_epsilon,
-            delta=args.delta,
+            delta=_delta(args),
             insecure_reproducible_noise=args.insecure_reproducible_noise,
             seed=args.seed,
         )
@@ -1421,8 +1426,8 @@ def _privacy_spec(args: argparse.Namespace) -> Any:
         dp_gradients=args.dp_gradients,
         dp_sgd=args.dp_sgd,
         target_epsilon=args.target_epsilon,
-        delta=args.delta,
-        adjacency=args.dp_adjacency,
+        delta=_delta(args),
+        adjacency=args.dp_adjacency or "replace-one",
         insecure_reproducible_noise=args.insecure_reproducible_noise,
         seed=args.seed,
         release=args.release,
@@ -1435,7 +1440,19 @@ def _privacy_engine(args: argparse.Namespace) -> Any:
     chosen in one place (:class:`protocols.privacy.PrivacyEngine`)."""
     from protocols.privacy import PrivacyEngine
 
-    return PrivacyEngine(_privacy_spec(args))
+    spec = _privacy_spec(args)
+    terms = _given(("--delta", args.delta), ("--dp-adjacency", args.dp_adjacency))
+    if terms and not spec.noise():
+        raise ConfigError(
+            f"{' and '.join(terms)} set the terms of DP guarantees; expected a DP mechanism "
+            "with them (--dp-embeddings, --dp-gradients, --dp-sgd or --release dp). Found none."
+        )
+    return PrivacyEngine(spec)
+
+
+def _delta(args: argparse.Namespace) -> float:
+    """``--delta``, or its default."""
+    return float(args.delta) if args.delta is not None else DEFAULT_DELTA
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -1991,7 +2008,7 @@ def _impute_privacy_config(args: argparse.Namespace) -> dict[str, Any]:
         "secure_agg": args.secure_agg,
         "dp_statistics": args.dp_statistics,
         "target_epsilon": args.target_epsilon,
-        "delta": args.delta,
+        "delta": _delta(args),
         "feature_ranges": str(args.feature_ranges) if args.feature_ranges else None,
     }
 

@@ -139,6 +139,37 @@ def test_methods_that_cannot_host_a_mechanism_are_refused() -> None:
     with pytest.raises(ConfigError, match="not available for false-vfl-1"):
         engine.refuse(_config("false-vfl-1"))
     PrivacyEngine(PrivacySpec()).refuse(_config("false-vfl-1"))  # nothing asked: nothing refused
+    # Local and Ensemble send no gradient: --dp-gradients was recorded, calibrated and priced
+    # nothing
+    gradients = PrivacyEngine(PrivacySpec(dp_gradients=(1.0, 0.01)))
+    for method in ("local", "ensemble"):
+        with pytest.raises(ConfigError, match=f"{method} sends none .* Found --dp-gradients"):
+            gradients.refuse(_config(method))
+    gradients.refuse(_config("laser"))
+
+
+def test_the_terms_of_a_guarantee_without_a_mechanism_are_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`--delta` and `--dp-adjacency` with no DP flag were recorded in result.json and applied
+    to nothing."""
+    from secure_vfl.cli import DEFAULT_DELTA
+
+    assert PrivacySpec().delta == DEFAULT_DELTA
+    train = ["train", "--method", "laser", "--dataset", "iris", "--out", "unused"]
+    for flags, named in (
+        (["--delta", "0.001"], "--delta set"),
+        (["--dp-adjacency", "add-remove"], "--dp-adjacency set"),
+        (["--delta", "0.001", "--dp-adjacency", "add-remove"], "--delta and --dp-adjacency set"),
+    ):
+        assert main([*train, *flags]) == 2
+        assert (
+            f"error: {named} the terms of DP guarantees; expected a DP" in capsys.readouterr().err
+        )
+    impute = ["impute", "--method", "fed-mean", "--dataset", "ozone", "--delta", "0.001"]
+    assert main([*impute, "--out", "unused"]) == 2
+    assert "expected --dp-statistics SIGMA:CLIP with it" in capsys.readouterr().err
+    assert not Path("unused").exists()
 
 
 def test_a_run_whose_config_disagrees_with_its_spec_is_refused_before_any_data(
