@@ -897,6 +897,15 @@ def test_own_file_options_are_refused_with_federation_before_any_contact(
         assert main([*args, *extra]) == 2
         err = capsys.readouterr().err
         assert f"found {extra[0]} (not offered with --federation yet)" in err, err
+    # One --party-name was counted against the federation's files ("one --party-name per
+    # --party-file expected (3); found 1"); --missing-cells refuse was ignored by every party.
+    for extra, said in (
+        (["--party-name", "x"], "--party-name not offered with --federation: the parties'"),
+        (["--missing-cells", "refuse"], "--missing-cells refuse not offered with --federation"),
+    ):
+        assert main([*args, *extra]) == 2
+        err = capsys.readouterr().err
+        assert said in err, err
     assert not (tmp_path / "o").exists()
 
 
