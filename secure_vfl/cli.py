@@ -2252,7 +2252,7 @@ def run_predict(args: argparse.Namespace) -> int:
         raise ConfigError(f"{', '.join(refused)} go with --federation; found no --federation.")
     out: Path | None = args.out
     if out is not None:
-        _check_output_file(out, overwrite=args.overwrite)
+        _check_prediction_out(out, args, [path for _, path in args.party_file])
     model = SavedModel.load(args.model)
     id_column = args.id_column or model.id_column
     with _run_warnings() as noted:
@@ -2262,7 +2262,7 @@ def run_predict(args: argparse.Namespace) -> int:
             label_column=args.label_column,
         )
     if out is not None:
-        predictions.write_csv(out)
+        predictions.write(out)
     print(_prediction_summary(model, predictions, out))
     for warning in noted:
         print(f"secure-vfl: warning: {warning}", file=sys.stderr)
@@ -2284,11 +2284,11 @@ def run_predict_deployed(args: argparse.Namespace) -> int:
             "with --federation at most one --party-file, the label party's own new rows (each "
             f"data party serves its own: `party serve --data FILE`); found {found}."
         )
-    out: Path | None = args.out
-    if out is not None:
-        _check_output_file(out, overwrite=args.overwrite)
     federation = read_federation(args.federation)
     own = files[0][1] if files else federation.member(args.name).data
+    out: Path | None = args.out
+    if out is not None:
+        _check_prediction_out(out, args, [own] if own is not None else [])
     with _run_warnings() as noted, _capture(args.capture) as capture:
         done = predict_deployed(
             args.model,
@@ -2303,13 +2303,33 @@ def run_predict_deployed(args: argparse.Namespace) -> int:
         )
     predictions = done.predictions
     if out is not None:
-        predictions.write_csv(out)
+        predictions.write(out)
     print(_prediction_summary(done, predictions, out))
     for party, why in done.absent.items():
         print(f"absent: {party} ({why}); predicted without its block")
     for warning in noted:
         print(f"secure-vfl: warning: {warning}", file=sys.stderr)
     return 0
+
+
+def _check_prediction_out(out: Path, args: argparse.Namespace, inputs: Sequence[Path]) -> None:
+    """Refuse, before any work, a prediction's ``--out`` that :func:`_check_output_file`
+    refuses, that lies inside the model's directory (the manifest lists the model's files: one
+    more makes it refuse to load) or that is one of the ``inputs`` (even with --overwrite)."""
+    _check_output_file(out, overwrite=args.overwrite)
+    where = out.resolve()
+    if where.is_relative_to(Path(args.model).resolve()):
+        raise ConfigError(
+            f"--out {out} is inside the model's directory {args.model}, whose manifest lists "
+            "every file of the model (one more makes it refuse to load); expected a path "
+            "outside it."
+        )
+    for path in inputs:
+        if where == Path(path).resolve():
+            raise ConfigError(
+                f"--out {out} is the input file {path}; expected another path (the rows read "
+                "would be replaced by their predictions)."
+            )
 
 
 def _prediction_summary(model: Any, predictions: Any, out: Path | None) -> str:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import json
 import uuid
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
@@ -43,12 +44,13 @@ import pandas as pd
 from secure_vfl import __version__, methods
 from secure_vfl.data.party_files import ID_COLUMN, PartyTable
 from secure_vfl.data.vertical import VerticalData, VerticalSplit
-from secure_vfl.errors import ConfigError, DataError, IntegrityError
+from secure_vfl.errors import ConfigError, DataError, IntegrityError, RunWarning
 from secure_vfl.federation import parts
 from secure_vfl.federation.aggregator import SumBackend
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.parties import DataParty
 from secure_vfl.federation.parts import ClassValue
+from secure_vfl.federation.releases import ReleaseBlocks
 from secure_vfl.io import atomic_write, atomic_write_json, check_keys, parse_json, replace_directory
 from secure_vfl.methods.base import in_process_parties
 from secure_vfl.methods.false_vfl import FalseVflConfig
@@ -385,11 +387,16 @@ class Predictions:
             frame[probability_column(value)] = self.probabilities[:, c]
         return frame
 
-    def write_csv(self, path: Path) -> None:
-        """Write :meth:`frame` to ``path`` atomically."""
+    def write(self, path: Path) -> None:
+        """Write :meth:`frame` to ``path`` atomically: Parquet where its suffix is
+        ``.parquet`` (as the party files may be), else CSV."""
 
         def write(tmp: Path) -> None:
-            self.frame().to_csv(tmp, index=False)
+            frame = self.frame()
+            if path.suffix.lower() == ".parquet":
+                frame.to_parquet(tmp, index=False)
+            else:
+                frame.to_csv(tmp, index=False)
 
         atomic_write(path, write)
 
@@ -516,14 +523,48 @@ def predict_rows(
     id_column = output_id_column(label_party, id_column, label_column)
     mask = rows >= 0
     method.fed.learn_split(split, mask)
+    probabilities = method.predict_proba(split)
+    _warn_unused_blocks(method, split, mask, names)
     return Predictions(
         ids=sample_ids,
-        probabilities=method.predict_proba(split),
+        probabilities=probabilities,
         mask=mask,
         classes=label_party.classes,
         parties=tuple(names),
         id_column=id_column,
         label_column=label_column,
+    )
+
+
+def _warn_unused_blocks(
+    method: methods.Method, split: str, mask: np.ndarray, names: Sequence[str]
+) -> None:
+    """A model trained under secure sums predicts from whole blocks of other parties only:
+    warn (RunWarning) of rows whose present blocks it left out, and of rows it predicted from
+    the prior, naming the blocks (a user who gave one file of a block sees why it changed
+    nothing)."""
+    blocks = getattr(method, "blocks", None)
+    if not isinstance(blocks, ReleaseBlocks):
+        return
+    unused, prior = blocks.unused(split, mask)
+    if not unused.any() and not prior.any():
+        return
+    together = "; ".join(
+        "{" + ", ".join(names[k] for k in block) + "}" for block in blocks.fixed_blocks()
+    )
+    left_out = ", ".join(
+        f"{names[int(k)]} ({int(unused[:, k].sum())} rows)"
+        for k in np.flatnonzero(unused.any(axis=0))
+    )
+    warnings.warn(
+        RunWarning(
+            "the model was trained under secure sums: it predicts from the label party's "
+            f"block and whole blocks of other parties ({together}), each used only where all "
+            f"its members hold the row. Left out: {left_out or 'none'}; "
+            f"{int(prior.sum())} of {len(mask)} rows predicted from the prior (nothing usable "
+            "held). Give every member of a block to use it."
+        ),
+        stacklevel=2,
     )
 
 

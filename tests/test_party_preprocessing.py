@@ -63,13 +63,19 @@ def test_an_unseen_category_is_all_zero_and_warns_naming_column_and_value() -> N
 def test_refuse_policy_refuses_missing_cells_in_training_and_at_prediction() -> None:
     with pytest.raises(
         DataError, match=r"Found 2 missing values in 2 rows, columns \['age', 'city'\]"
-    ):
+    ) as training:
         PartyPreprocessing.fit(training_rows(), missing_cells="refuse", where="t")
+    assert str(training.value).endswith("(or use --missing-cells mean-indicator).")
     complete = training_rows().dropna()
     fitted = PartyPreprocessing.fit(complete, missing_cells="refuse", where="t")
     assert fitted.indicators == () and fitted.fill is None
-    with pytest.raises(DataError, match="new: features must not be missing"):
+    with pytest.raises(DataError, match="new: features must not be missing") as prediction:
         fitted.transform_frame(training_rows(), "new")
+    # predict takes no --missing-cells: it advised that flag
+    assert "or use --missing-cells" not in str(prediction.value)
+    assert "(a model trained with --missing-cells mean-indicator fills them)" in str(
+        prediction.value
+    )
 
 
 def test_a_column_empty_in_every_training_row_is_refused() -> None:

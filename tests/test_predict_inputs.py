@@ -320,3 +320,55 @@ def test_an_altered_part_is_refused_naming_the_party_as_the_user_does(copy: Path
     (copy / "party-1" / "preprocessing.json").write_text("{}")
     with pytest.raises(IntegrityError, match=r"^retailer \(party-1\): .* does not match the SHA"):
         SavedModel.load(copy)
+
+
+def test_a_model_trained_under_secure_sums_says_which_blocks_it_left_out(
+    files: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With one file of a block of other parties it predicted every row from the prior (the
+    same probabilities for all), and with the label party's file it left that block out, in
+    silence."""
+    run = train(
+        files,
+        tmp_path / "secure",
+        "laser",
+        "species.csv",
+        ("bank", "retailer", "insurer"),
+        *["--heads", "active", "--secure-agg", "masks"],
+    )
+    predict = ["predict", "--model", str(run)]
+    capsys.readouterr()
+    assert main([*predict, "--party-file", str(files / "retailer.csv")]) == 0
+    err = capsys.readouterr().err
+    assert "whole blocks of other parties ({retailer, insurer})" in err, err
+    assert "Left out: retailer (150 rows); 150 of 150 rows predicted from the prior" in err
+    both = ["--party-file", str(files / "bank.csv"), "--party-file", str(files / "retailer.csv")]
+    assert main([*predict, *both]) == 0
+    assert "Left out: retailer (150 rows); 0 of 150 rows" in capsys.readouterr().err
+    every = [*both, "--party-file", str(files / "insurer.csv")]
+    assert main([*predict, *every]) == 0
+    assert "secure sums" not in capsys.readouterr().err  # nothing left out: nothing said
+
+
+def test_predict_refuses_an_out_in_the_model_or_on_its_input_and_writes_parquet(
+    files: Path, laser: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--out inside the model's directory made the model refuse to load afterwards; --out on an
+    input file with --overwrite replaced the rows read; a .parquet name held CSV text."""
+    source = tmp_path / "bank.csv"
+    shutil.copy(files / "bank.csv", source)
+    argv = ["predict", "--model", str(laser), "--party-file", str(source), "--id-column"]
+    argv += ["customer"]
+    assert main([*argv, "--out", str(laser / MODEL_DIR / "p.csv")]) == 2
+    assert "is inside the model's directory" in capsys.readouterr().err
+    assert main([*argv, "--out", str(source), "--overwrite"]) == 2
+    assert f"is the input file {source}" in capsys.readouterr().err
+    assert source.read_bytes() == (files / "bank.csv").read_bytes()
+    assert main([*argv, "--out", str(tmp_path / "p.parquet")]) == 0
+    assert main([*argv, "--out", str(tmp_path / "p.csv")]) == 0
+    pd.testing.assert_frame_equal(
+        pd.read_parquet(tmp_path / "p.parquet"),
+        pd.read_csv(tmp_path / "p.csv"),
+        check_dtype=False,
+    )
+    assert SavedModel.load(laser)  # still loads

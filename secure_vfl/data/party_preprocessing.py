@@ -272,7 +272,13 @@ class PartyPreprocessing:
         if self.missing_cells == "refuse":
             own = frame[list(self.columns or ())]
             if own.isna().to_numpy().any():
-                raise _missing_refusal(own, own.isna().to_numpy(), where)
+                # rows scored by a saved model (predict takes no --missing-cells), or test rows
+                raise _missing_refusal(
+                    own,
+                    own.isna().to_numpy(),
+                    where,
+                    advice="a model trained with --missing-cells mean-indicator fills them",
+                )
         encoded, missing = self.encode(frame, where)
         if self.missing_cells == "refuse":
             inputs = encoded
@@ -451,13 +457,19 @@ def _fill(encoded: np.ndarray, fill: np.ndarray | None) -> np.ndarray:
     return np.where(np.isnan(encoded), fill[None, :], encoded)
 
 
-def _missing_refusal(frame: pd.DataFrame, missing: np.ndarray, where: str) -> DataError:
+def _missing_refusal(
+    frame: pd.DataFrame,
+    missing: np.ndarray,
+    where: str,
+    *,
+    advice: str = "or use --missing-cells mean-indicator",
+) -> DataError:
     bad_columns: list[bool] = list(np.asarray(missing.any(axis=0), dtype=bool))
     columns = [str(c) for c, bad in zip(frame.columns, bad_columns, strict=True) if bad]
     return DataError(
         f"{where}: features must not be missing under --missing-cells refuse. Found "
         f"{int(missing.sum())} missing values in {int(missing.any(axis=1).sum())} rows, columns "
-        f"{columns}; impute or drop them first, or use --missing-cells mean-indicator."
+        f"{columns}; impute or drop them first ({advice})."
     )
 
 

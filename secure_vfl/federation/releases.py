@@ -197,6 +197,25 @@ class ReleaseBlocks:
         self.expose = expose
         self.blocks = max(1, (parties - 1) // 2)
 
+    def unused(self, split: str, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For the rows of ``split`` (not training) whose observed sets are ``mask`` (N, K):
+        which observed blocks no sum may use, (N, K) bool (a block whose mates are not all
+        observed), and which rows are left with nothing to release (N,) bool (predicted from
+        the receiver's prior)."""
+        rows = torch.arange(mask.shape[0])
+        union = self.plan(split, rows, torch.from_numpy(np.asarray(mask, dtype=bool))).union()
+        used = union.numpy()
+        return mask & ~used, np.asarray(~used.any(axis=1))
+
+    def fixed_blocks(self) -> list[list[int]]:
+        """The parties of each block of every split but training (the receiver in none)."""
+        block = self._fixed[0][0]
+        return [
+            [int(k) for k in np.flatnonzero(block == b)]
+            for b in range(self.blocks)
+            if (block == b).any()
+        ]
+
     def blocks_of(self, split: str, rows: Tensor) -> tuple[Tensor, Tensor]:
         """The blocks of ``rows`` of ``split``: block (B, K) int64 (-1: the receiver, and a
         training row's parties not observed as the run started) and exposable (B, K) bool,
