@@ -452,8 +452,8 @@ def _training_flags(
         "--delta",
         type=open_probability,
         metavar="D",
-        help=f"the delta of every (epsilon, delta) reported (default {DEFAULT_DELTA:g}; well "
-        "below 1/n for n training records)",
+        help="the delta of every (epsilon, delta) reported, well below 1/n for n training "
+        f"records (default: {DEFAULT_DELTA:g})",
     )
     parser.add_argument(
         "--seed",
@@ -747,7 +747,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--delta",
         type=open_probability,
         metavar="D",
-        help=f"the delta of every (epsilon, delta) reported (default {DEFAULT_DELTA:g})",
+        help=f"the delta of every (epsilon, delta) reported (default: {DEFAULT_DELTA:g})",
     )
     _insecure_noise_flag(impute_privacy)
     impute.add_argument(
@@ -2316,11 +2316,15 @@ def _check_prediction_out(out: Path, args: argparse.Namespace, inputs: Sequence[
     """Refuse, before any work, a prediction's ``--out`` that :func:`_check_output_file`
     refuses, that lies inside the model's directory (the manifest lists the model's files: one
     more makes it refuse to load) or that is one of the ``inputs`` (even with --overwrite)."""
+    from secure_vfl.saved_model import MODEL_DIR
+
     _check_output_file(out, overwrite=args.overwrite)
     where = out.resolve()
-    if where.is_relative_to(Path(args.model).resolve()):
+    model = Path(args.model) / MODEL_DIR
+    model = model if model.is_dir() else Path(args.model)  # a run's directory, or the model's
+    if where.is_relative_to(model.resolve()):
         raise ConfigError(
-            f"--out {out} is inside the model's directory {args.model}, whose manifest lists "
+            f"--out {out} is inside the model's directory {model}, whose manifest lists "
             "every file of the model (one more makes it refuse to load); expected a path "
             "outside it."
         )

@@ -66,7 +66,7 @@ def test_defaults_are_shown_in_the_help_output(capsys: pytest.CaptureFixture[str
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "training epochs (default: 20)" in text
-    assert "the delta of every (epsilon, delta) reported (default: 1e-05)" in text
+    assert "reported, well below 1/n for n training records (default: 1e-05)" in text
     assert "(default: 4)" in text  # --parties, said in words since it depends on the files
 
 
