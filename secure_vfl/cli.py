@@ -1459,8 +1459,11 @@ def run_train(args: argparse.Namespace) -> int:
     if args.federation is not None:
         return run_train_deployed(args)
     _refuse_deployment_flags(args)
+    import shutil
+
     from tqdm import tqdm
 
+    from secure_vfl.checkpoints import CHECKPOINTS_DIR
     from secure_vfl.data.datasets import DATASETS
     from secure_vfl.experiment import prepare_data, run_training
     from secure_vfl.federation.channel import Channel, InProcessTransport
@@ -1556,6 +1559,10 @@ def run_train(args: argparse.Namespace) -> int:
     if checkpoints is not None:
         payload["checkpoints"] = _checkpoints_payload(checkpoints)
     atomic_write_json(out / "result.json", payload)
+    if checkpoints is None and (out / CHECKPOINTS_DIR).is_dir():
+        # --overwrite of a killed run without checkpoints of its own: the killed run's, which
+        # no --resume can go on from beside a finished run, go with the run they belonged to
+        shutil.rmtree(out / CHECKPOINTS_DIR)
     plots = write_run_plots(payload, out)
     store.add(payload, kind="train", out_dir=out)
     print(_summary(result, out, payload))
@@ -1582,7 +1589,6 @@ def _checkpoint_plan(
         CHECKPOINTS_DIR,
         CheckpointPlan,
         find_resume_point,
-        written_steps,
     )
 
     if args.checkpoint_every is None and args.resume is None:
@@ -1590,24 +1596,27 @@ def _checkpoint_plan(
             raise ConfigError(
                 "--checkpoint-dir goes with --checkpoint-every N. Found no --checkpoint-every."
             )
+        _refuse_stale_checkpoints(out / CHECKPOINTS_DIR, out, label_party, args.overwrite)
         return None
     settings = {**config.to_json(), "privacy": _privacy_settings(args)}
     resume = None
     if args.resume is not None:
+        if not Path(args.resume).is_dir():
+            found = "a file" if Path(args.resume).exists() else "nothing there"
+            raise ConfigError(
+                f"--resume {args.resume}: the --out of a killed run (or its checkpoints "
+                f"directory) expected; found {found}."
+            )
         resume = find_resume_point(
             args.resume, label_party=label_party, settings=settings, check_parties=check_parties
         )
     directory = args.checkpoint_dir or (
         resume.root if resume is not None else out / CHECKPOINTS_DIR
     )
-    steps = written_steps(directory, label_party) if resume is None else []
-    if steps and not args.overwrite:  # a fresh run would replace a killed run's checkpoints
-        again = out if directory == out / CHECKPOINTS_DIR else directory
-        raise ConfigError(
-            f"{directory} holds the checkpoints of an earlier run (its last of step "
-            f"{steps[-1]}); expected --resume {again} to go on from them, or --overwrite to "
-            "start afresh and replace them."
-        )
+    if directory.exists() and not directory.is_dir():
+        raise ConfigError(f"--checkpoint-dir {directory}: a directory expected; found a file.")
+    if resume is None:  # a fresh run would replace a killed run's checkpoints
+        _refuse_stale_checkpoints(directory, out, label_party, args.overwrite)
     return CheckpointPlan(
         directory=directory,
         every=args.checkpoint_every or 0,
@@ -1617,13 +1626,37 @@ def _checkpoint_plan(
     )
 
 
+def _refuse_stale_checkpoints(
+    directory: Path, out: Path, label_party: str, overwrite: bool
+) -> None:
+    """Refuse a fresh run whose checkpoints would go where a killed run's are (``directory``),
+    unless ``overwrite``: it would replace them, or (without --checkpoint-every) leave them
+    beside a finished run that no --resume can go on from."""
+    from secure_vfl.checkpoints import CHECKPOINTS_DIR, written_steps
+
+    steps = written_steps(directory, label_party) if directory.is_dir() else []
+    if steps and not overwrite:
+        again = out if directory == out / CHECKPOINTS_DIR else directory
+        raise ConfigError(
+            f"{directory} holds the checkpoints of an earlier run (its last of step "
+            f"{steps[-1]}); expected --resume {again} to go on from them, or --overwrite to "
+            "start afresh and replace them."
+        )
+
+
 def _resumed_out(args: argparse.Namespace) -> Path | None:
     """The killed run's own --out when ``--resume DIR`` names it (it holds the run's
-    checkpoints): a resumed run without --out finishes where the killed one would have."""
+    checkpoints) or its checkpoints directory: a resumed run without --out finishes where the
+    killed one would have."""
     from secure_vfl.checkpoints import CHECKPOINTS_DIR
 
-    if args.resume is not None and (args.resume / CHECKPOINTS_DIR).is_dir():
-        return Path(args.resume)
+    if args.resume is None:
+        return None
+    resume = Path(args.resume)
+    if (resume / CHECKPOINTS_DIR).is_dir():
+        return resume
+    if resume.name == CHECKPOINTS_DIR and resume.is_dir():
+        return resume.parent
     return None
 
 

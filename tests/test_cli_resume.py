@@ -148,7 +148,20 @@ def test_checkpoint_flags_that_cannot_apply_are_refused(
     assert main([*RUN, "--checkpoint-dir", str(tmp_path / "c"), "--out", str(out)]) == 2
     assert "--checkpoint-dir goes with --checkpoint-every" in capsys.readouterr().err
     assert main([*RUN, "--out", str(out), "--resume", str(tmp_path / "none")]) == 2
-    assert "found none" in capsys.readouterr().err
+    # it said "a checkpoint of the label party party-0 expected under .../none/party-0"
+    assert "--resume " + str(tmp_path / "none") + ": the --out of a killed run (or its " in (
+        capsys.readouterr().err
+    )
+    a_file = tmp_path / "file.csv"
+    a_file.write_text("id\n")
+    assert main([*RUN, "--out", str(out), "--resume", str(a_file)]) == 2
+    assert "checkpoints directory) expected; found a file." in capsys.readouterr().err
+    # a --checkpoint-dir that is a file failed at the first checkpoint, after training began
+    argv = [*RUN, "--checkpoint-every", "2", "--checkpoint-dir", str(a_file), "--out", str(out)]
+    assert main(argv) == 2
+    assert f"--checkpoint-dir {a_file}: a directory expected; found a file." in (
+        capsys.readouterr().err
+    )
     assert not out.exists() or not (out / "result.json").exists()
 
 
@@ -182,3 +195,29 @@ def test_a_killed_runs_checkpoints_are_kept_and_a_finished_run_is_not_resumed(
     assert main([*RUN, "--epochs", "1", "--out", str(run), "--resume", str(run)]) == 0
     assert "(and wrote none: no --checkpoint-every)" in capsys.readouterr().out
     assert main([*argv, "--overwrite"]) == 0  # a fresh run, asked for
+
+
+def test_a_fresh_run_without_checkpoints_into_a_killed_runs_out_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without --checkpoint-every a fresh run into a killed run's --out went ahead and left
+    the killed run's checkpoints beside its result (`--resume` then: "a finished run"), and
+    --overwrite kept them too; --resume DIR/checkpoints without --out finished in runs/...."""
+    run = tmp_path / "run"
+    checkpointed = [*RUN, "--epochs", "1", "--checkpoint-every", "5", "--out", str(run)]
+    assert main(checkpointed) == 0
+    (run / "result.json").unlink()  # what a killed run leaves: its checkpoints, no result
+    shutil.rmtree(run / "model")
+    steps = written_steps(run / "checkpoints", "party-0")
+    capsys.readouterr()
+    plain = [*RUN, "--epochs", "1", "--out", str(run)]
+    assert main(plain) == 2
+    assert f"expected --resume {run} to go on from them, or --overwrite" in capsys.readouterr().err
+    assert written_steps(run / "checkpoints", "party-0") == steps
+    monkeypatch.chdir(tmp_path)  # where the default --out (runs/...) would go
+    assert main([*RUN, "--epochs", "1", "--resume", str(run / "checkpoints")]) == 0
+    assert (run / "result.json").exists() and not (tmp_path / "runs").exists()
+    (run / "result.json").unlink()
+    shutil.rmtree(run / "model")
+    assert main([*plain, "--overwrite"]) == 0
+    assert (run / "result.json").exists() and not (run / "checkpoints").exists()
