@@ -22,14 +22,16 @@ must be an ASCII DNS host name (see :func:`host_problem`; an internationalised n
 A-label form, ``xn--...``). A host may not be another party's name, or one certificate would
 pass for two parties.
 
-Keys are EC P-256 (ECDSA with SHA-256): gRPC's TLS stack (BoringSSL) completes no handshake with
-an Ed25519 certificate (``NO_COMMON_SIGNATURE_ALGORITHMS``, tested with grpcio 1.85.1), so
-Ed25519 keys are refused by :func:`check_federation`. Keys are written PKCS#8, unencrypted, mode
-0600. Validity: the CA 5 years, a party 1 year by default (``days``), starting one minute in the
-past to absorb small clock differences between machines. A party certificate may not outlive the
-CA that signs it (no client accepts it once the CA has expired, so the extra years would be a
-false promise): ``make_federation`` refuses a ``days`` that reaches beyond the CA's expiry, and
-says the most it can issue, rather than quietly shortening the certificate.
+Keys made here are EC P-256 (ECDSA with SHA-256). An organisation's own PKI may issue EC P-384 or
+RSA keys of at least 2048 bits, which gRPC's TLS stack (BoringSSL) accepts too; it completes no
+handshake with an Ed25519 certificate (``NO_COMMON_SIGNATURE_ALGORITHMS``) or a P-521 one (tested
+with grpcio 1.85.1), so :func:`check_federation` refuses those, and shorter RSA keys. Keys are
+written PKCS#8, unencrypted, mode 0600. Validity: the CA 5 years, a party 1 year by default
+(``days``), starting one minute in the past to absorb small clock differences between machines. A
+party certificate may not outlive the CA that signs it (no client accepts it once the CA has
+expired, so the extra years would be a false promise): ``make_federation`` refuses a ``days`` that
+reaches beyond the CA's expiry, and says the most it can issue, rather than quietly shortening the
+certificate.
 
 ``check_federation(DIR)`` reports every problem with a set of certificates: a file missing or
 unreadable (a key without its certificate, or a certificate without its key), a certificate

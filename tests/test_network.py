@@ -326,6 +326,30 @@ def _legitimate_delivery(certs: Path, listener: Peer, tmp_path: Path) -> dict[st
     return outcome
 
 
+def test_parties_with_rsa_and_p384_keys_complete_the_mutual_tls_handshake(
+    launcher: Launcher, tmp_path: Path
+) -> None:
+    """Keys an organisation's own PKI may issue, which `certs check` refused ("gRPC's TLS
+    completes no handshake with it"): bank's RSA-2048 and shop's P-384 key, both ways."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec, rsa
+
+    certs = tmp_path / "pki"
+    tls.make_federation(certs, ["bank", "shop"])
+    ca = tls.x509.load_pem_x509_certificate((certs / "ca.pem").read_bytes())
+    ca_key = serialization.load_pem_private_key((certs / "ca.key").read_bytes(), None)
+    for name, key in (
+        ("bank", rsa.generate_private_key(65537, 2048)),
+        ("shop", ec.generate_private_key(ec.SECP384R1())),
+    ):
+        certificate = tls.party_certificate(name, key, ca, ca_key)  # type: ignore[arg-type]
+        (certs / f"{name}.pem").write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+        (certs / f"{name}.key").write_bytes(tls._key_pem(key))  # type: ignore[arg-type]
+    assert tls.check_federation(certs) == []
+    listener = _listener(launcher, certs, tmp_path)
+    assert _legitimate_delivery(certs, listener, tmp_path) == {"ok": True, "refusals": []}
+
+
 def test_an_impostor_with_a_certificate_from_another_ca_is_refused(
     launcher: Launcher, certs: Path, other_ca: Path, tmp_path: Path
 ) -> None:

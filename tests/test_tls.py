@@ -9,11 +9,12 @@ import shutil
 import stat
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from protocols import tls
@@ -400,18 +401,32 @@ def test_check_reports_an_ed25519_key_grpc_cannot_use(certs: Path) -> None:
         )
     )
     (problem,) = _problems(certs)
-    assert problem.startswith(f"{certs / 'bank.key'}: an EC P-256 key expected, found an Ed25519")
+    assert problem.startswith(
+        f"{certs / 'bank.key'}: an EC P-256 or P-384 key or an RSA key of at least 2048 bits "
+        "expected, found an Ed25519"
+    )
 
 
-def test_check_names_the_curve_of_an_ec_key_on_another_curve(certs: Path) -> None:
+def test_check_accepts_p384_and_rsa_keys_and_names_what_it_refuses(certs: Path) -> None:
+    """P-384 and RSA keys were refused as keys gRPC "completes no handshake with"; it does
+    (tests/test_network.py); it does not with P-521, and RSA below 2048 bits is too short."""
     ca, ca_key = _ca(certs)
-    key = ec.generate_private_key(ec.SECP384R1())
-    certificate = tls.party_certificate("bank", key, ca, ca_key)
-    (certs / "bank.pem").write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
-    (certs / "bank.key").write_bytes(tls._key_pem(key))
-    assert _problems(certs) == [
-        f"{certs / 'bank.key'}: an EC P-256 key expected, found an EC key on secp384r1: gRPC's "
-        "TLS (BoringSSL) completes no handshake with it."
+
+    def reissue(key: Any) -> list[str]:
+        certificate = tls.party_certificate("bank", key, ca, ca_key)
+        (certs / "bank.pem").write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+        (certs / "bank.key").write_bytes(tls._key_pem(key))
+        return _problems(certs)
+
+    assert reissue(ec.generate_private_key(ec.SECP384R1())) == []
+    assert reissue(rsa.generate_private_key(65537, 2048)) == []
+    expected = f"{certs / 'bank.key'}: an EC P-256 or P-384 key or an RSA key of at least 2048 bits"
+    assert reissue(ec.generate_private_key(ec.SECP521R1())) == [
+        f"{expected} expected, found an EC key on secp521r1: gRPC's TLS (BoringSSL) completes "
+        "no handshake with it."
+    ]
+    assert reissue(rsa.generate_private_key(65537, 1024)) == [
+        f"{expected} expected, found an RSA key of 1024 bits: shorter than 112-bit security."
     ]
 
 

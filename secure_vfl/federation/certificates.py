@@ -209,6 +209,9 @@ def usage_problems(path: Path, certificate: x509.Certificate) -> list[Problem]:
     return []
 
 
+MIN_RSA_BITS = 2048  # 112-bit security, as NIST SP 800-57 asks of keys in use today
+
+
 def _key_kind(key: object) -> str:
     """What kind of key ``key`` is, in words: its algorithm, and its curve or size."""
     if isinstance(key, ec.EllipticCurvePrivateKey):
@@ -223,15 +226,25 @@ def _key_kind(key: object) -> str:
 
 
 def key_type_problems(path: Path, key: object) -> list[Problem]:
-    """A problem unless ``key`` is an EC P-256 key: gRPC's TLS (BoringSSL) completes no handshake
-    with an Ed25519 certificate (tested with grpcio 1.85.1)."""
-    if isinstance(key, ec.EllipticCurvePrivateKey) and isinstance(key.curve, ec.SECP256R1):
+    """A problem unless ``key`` is one gRPC's TLS (BoringSSL) completes a mutual handshake with
+    and that is strong enough: EC P-256 or P-384, or RSA of at least 2048 bits. Tested with
+    grpcio 1.85.1 between two processes: Ed25519 and P-521 keys complete no handshake."""
+    if isinstance(key, ec.EllipticCurvePrivateKey) and isinstance(
+        key.curve, ec.SECP256R1 | ec.SECP384R1
+    ):
         return []
+    if isinstance(key, rsa.RSAPrivateKey) and key.key_size >= MIN_RSA_BITS:
+        return []
+    why = (
+        "shorter than 112-bit security"
+        if isinstance(key, rsa.RSAPrivateKey)
+        else "gRPC's TLS (BoringSSL) completes no handshake with it"
+    )
     return [
         Problem(
             path,
-            f"an EC P-256 key expected, found {_key_kind(key)}: gRPC's TLS (BoringSSL) "
-            "completes no handshake with it.",
+            f"an EC P-256 or P-384 key or an RSA key of at least {MIN_RSA_BITS} bits expected, "
+            f"found {_key_kind(key)}: {why}.",
         )
     ]
 
