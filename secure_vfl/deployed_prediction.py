@@ -221,8 +221,9 @@ def predict_deployed(
     if name != federation.label_party:
         raise ConfigError(
             f"{name} is not the label party of {federation.path} ({federation.label_party} "
-            f"is); a data party runs `secure-vfl party serve --federation {federation.path} "
-            f"--name {name} --data NEW_ROWS.csv`."
+            f"is); {'the aggregation server' if name == AGGREGATOR else 'a data party'} runs "
+            f"`secure-vfl party serve --federation {federation.path} --name {name}"
+            f"{'' if name == AGGREGATOR else ' --data NEW_ROWS.csv'}`."
         )
     trained = [entry.name for entry in manifest.parties]
     if trained != federation.names:

@@ -1948,7 +1948,8 @@ def train_deployed(
     if name != federation.label_party:
         raise ConfigError(
             f"{name} is not the label party of {federation.path} ({federation.label_party} "
-            f"is); a data party runs `secure-vfl party serve --federation {federation.path} "
+            f"is); {'the aggregation server' if name == AGGREGATOR else 'a data party'} runs "
+            f"`secure-vfl party serve --federation {federation.path} "
             f"--name {name}`."
         )
     # Its own files and certificate first: nothing else would find them wrong before every
@@ -1972,9 +1973,17 @@ def train_deployed(
     entries: dict[str, Any] = {}
     lost: list[str] = []
     try:
+        waited = time.monotonic()
         late = endpoint.await_peers(list(federation.addresses(but=name)), wait)
         if late:
-            logger.warning("%s: not reachable after %.0f s: %s", name, wait, ", ".join(late))
+            logger.warning(
+                "%s: not reachable after %.1f s (--wait %.0f s; a refused certificate is given "
+                "up at once): %s",
+                name,
+                time.monotonic() - waited,
+                wait,
+                ", ".join(late),
+            )
         align: AlignLabelIds
         if config.align == "psi":
             assert psi is not None

@@ -751,6 +751,9 @@ def test_a_party_given_the_wrong_name_is_refused(
         (*serve, "nobody"): "no party named 'nobody'; expected one of bank, shop, insurer, telco",
         (*serve, "bank"): "bank is the label party of",
         (*train, "shop", "--out", str(tmp_path / "o")): "shop is not the label party of",
+        # the aggregation server was called "a data party"
+        (*train, "aggregator", "--out", str(tmp_path / "o")): "is); the aggregation server "
+        f"runs `secure-vfl party serve --federation {federation} --name aggregator`.",
         (*train, "bank", "--insecure-reproducible-noise"): "--insecure-reproducible-noise is "
         "refused with --federation",
     }

@@ -196,6 +196,11 @@ def test_the_loopback_names_cover_each_other_and_nothing_else(tmp_path: Path) ->
         ("127.0.0.1", "[::ffff:127.0.0.1]"),
         ("[::1]", "[0:0:0:0:0:0:0:1]"),
         ("shop.example.org", "SHOP.Example.org"),
+        # an unspecified address binds every address of its machine (it was accepted)
+        ("0.0.0.0", "127.0.0.1"),
+        ("127.0.0.1", "0.0.0.0"),
+        ("[::]", "localhost"),
+        ("10.0.0.2", "[::]"),
     ],
 )
 def test_one_address_written_two_ways_is_refused_naming_both_parties(

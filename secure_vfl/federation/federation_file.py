@@ -344,17 +344,37 @@ def _check_roles(path: Path, label_party: str, parties: list[Member]) -> None:
 
 
 def _check_distinct(path: Path, members: list[Member]) -> None:
-    """ConfigError naming both members if two share an address, however each is written."""
+    """ConfigError naming both members if two share an address, however each is written; an
+    unspecified host (``0.0.0.0``, ``::``) binds every address of its machine, so it shares its
+    port with every member."""
     seen: dict[tuple[str, int], Member] = {}
     for member in members:
+        everywhere = _binds_every_address(member)
         for place in _places(member):
             other = seen.setdefault(place, member)
+            if other is member:
+                other = next(
+                    (
+                        m
+                        for (_, port), m in seen.items()
+                        if port == member.port and (everywhere or _binds_every_address(m))
+                    ),
+                    member,
+                )
             if other is not member:
                 same = "" if other.address == member.address else f" and {member.address}"
+                wildcard = everywhere or _binds_every_address(other)
                 raise ConfigError(
                     f"{path}: every party needs its own address; {other.name} and {member.name} "
-                    f"both have {other.address}{same} (one host and port)."
+                    f"both have {other.address}{same} (one host and port"
+                    f"{'; 0.0.0.0 and :: stand for every address' if wildcard else ''})."
                 )
+
+
+def _binds_every_address(member: Member) -> bool:
+    """Whether ``member``'s host is the unspecified address (0.0.0.0 or ::)."""
+    address = ip_host(member.host.lower())
+    return address is not None and address.is_unspecified
 
 
 def _places(member: Member) -> set[tuple[str, int]]:
