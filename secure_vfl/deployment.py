@@ -1756,6 +1756,7 @@ def label_side(
         test_fraction=config.test_fraction if config.test_fraction is not None else 0.2,
         test_file=config.test_file,
         rng=np.random.default_rng(config.seed),
+        names=federation.names,
     )
     blocks, preprocessing = party_blocks(
         own,

@@ -88,3 +88,31 @@ def test_a_false_vfl_party_builds_itself_as_in_one_process_and_is_given_no_label
         setup = _deployment("bank", "shop", "setup", {**bodies["shop"], **change})
         with pytest.raises(ProtocolError, match=expected_error):
             build_served_party("shop", setup, tables["shop"], lambda scheme: None)
+
+
+def test_a_party_whose_ids_match_no_label_is_named_by_its_name(tmp_path: Path) -> None:
+    """The deployed label party said "no ids of party 1 matched the label file"."""
+    from secure_vfl.errors import DataError
+
+    write_party_files(tmp_path)
+    federation = read_federation(
+        write_federation(tmp_path, tmp_path / "certs", free_loopback_ports(5))
+    )
+    tables = {name: read_party_file(tmp_path / f"{name}.csv") for name in PARTIES}
+    config = TrainConfig(
+        method="laser",
+        party_files=tuple(tmp_path / f"{name}.csv" for name in PARTIES),
+        label_file=tmp_path / "labels.csv",
+        method_config=MethodConfig(epochs=1),
+    )
+    others = [tables[name] for name in PARTIES[1:]]
+    ids = [t.ids for t in others]
+    ids[0] = ids[0].astype(object) + "-elsewhere"  # shop's ids, in another format
+    with pytest.raises(DataError, match=f"^no ids of {PARTIES[1]} matched the label file "):
+        label_side(
+            config,
+            federation,
+            tables["bank"],
+            join_alignment(tables["bank"], ids),
+            [len(t.columns) for t in others],
+        )

@@ -458,6 +458,19 @@ def test_check_refuses_the_ca_as_a_party(certs: Path) -> None:
         tls.check_federation(certs, ["ca"])
 
 
+def test_a_tls_identity_says_when_certificate_and_key_are_swapped(certs: Path) -> None:
+    """Swapped, the certificate (mode 0644) was refused as a key others may read: chmod 600
+    would not have helped."""
+    with pytest.raises(ConfigError) as swapped:
+        TlsIdentity.from_files(certs / "ca.pem", certs / "bank.key", certs / "bank.pem")
+    assert str(swapped.value) == (
+        f"{certs / 'bank.pem'}: a PEM private key expected, found a certificate "
+        f"({certs / 'bank.key'} holds a private key: cert and key swapped?)."
+    )
+    with pytest.raises(ConfigError, match=r"found a certificate\.$"):
+        TlsIdentity.from_files(certs / "ca.pem", certs / "shop.pem", certs / "bank.pem")
+
+
 def test_a_tls_identity_refuses_a_key_others_can_read(certs: Path) -> None:
     paths = (certs / "ca.pem", certs / "bank.pem", certs / "bank.key")
     assert TlsIdentity.from_files(*paths).name == "bank"

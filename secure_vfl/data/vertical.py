@@ -622,11 +622,12 @@ def plan_rows_by(
     test_fraction: float = 0.2,
     test_file: Path | None = None,
     rng: np.random.Generator,
+    names: Sequence[str] | None = None,
 ) -> RowPlan:
     """:func:`plan_rows` where ``align`` aligns the label party's ids without it holding the
     other parties' ids (PSI over the network, :mod:`secure_vfl.deployment`): the plan's rows of
     a party are then what ``align`` put in the alignment's rows (for PSI, sample positions that
-    the party maps to its own rows)."""
+    the party maps to its own rows). ``names``: the parties', for messages."""
     _check_test_labels(test_missing)
     for mechanism in (train_missing, *test_missing):
         if mechanism.name not in SHAPE_ONLY_MECHANISMS:
@@ -644,8 +645,9 @@ def plan_rows_by(
     alignment, sizes = align(label_ids)
     for k in range(alignment.parties):
         if not alignment.mask[:, k].any():
+            party = names[k] if names is not None else f"party {k}"
             raise DataError(
-                f"no ids of party {k} matched the label file {label_file} (ids are compared as "
+                f"no ids of {party} matched the label file {label_file} (ids are compared as "
                 "text: expected the same format on both sides)."
             )
     unlabelled = sum(size - int(alignment.mask[:, k].sum()) for k, size in enumerate(sizes))

@@ -327,6 +327,10 @@ class TlsIdentity:
         for path in (ca, certificate, key):
             if not path.is_file():
                 raise ConfigError(f"a PEM file expected at {path}. Found none.")
+        if b"-----BEGIN CERTIFICATE-----" in key.read_bytes()[:4096]:
+            swapped = b"PRIVATE KEY-----" in certificate.read_bytes()[:4096]
+            why = f" ({certificate} holds a private key: cert and key swapped?)" if swapped else ""
+            raise ConfigError(f"{key}: a PEM private key expected, found a certificate{why}.")
         mode = stat.S_IMODE(key.stat().st_mode)
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
             raise ConfigError(
