@@ -2189,12 +2189,16 @@ def _end_failed(
     cost the user that wait once, not once each. A party acts on its end, and answers with its
     report, before its delivery returns, so the reports of those reached are already here."""
     until = time.monotonic() + seconds
+    failed: dict[str, ProtocolError] = {}
     try:
-        endpoint.send_all(ends, deadline=seconds)
+        endpoint.send_all(ends, deadline=seconds, failed=failed)
     except SecureVFLError as error:  # each party not reached is named below
         logger.debug("%s: not every party took its end: %s", endpoint.name, error)
     bodies = {}
     for name in names:
+        if name in failed:  # it refused its end, or could not be reached: it says which
+            logger.warning("%s: could not end the run at %s: %s", endpoint.name, name, failed[name])
+            continue
         try:
             message = endpoint.receive(
                 max(until - time.monotonic(), 0.0), sender=name, kind="deployment"

@@ -816,9 +816,15 @@ def test_send_all_lets_its_receivers_act_at_once_and_raises_a_refusal_after_all_
         assert sizes == [len(wire.encode(to_shop)), len(wire.encode(to_aggregator))]
         seen.clear()
         aggregator_acted.clear()
+        failed: dict[str, ProtocolError] = {}
         with pytest.raises(ProtocolError, match="round 13 is not the round expected"):
-            bank.send_all([dataclasses.replace(m, round=13) for m in (to_shop, to_aggregator)])
+            bank.send_all(
+                [dataclasses.replace(m, round=13) for m in (to_shop, to_aggregator)],
+                failed=failed,
+            )
         assert sorted(seen) == [("aggregator", 13, True), ("shop", 13, True)]
+        # whose refusal it was (a label party ending a run said "it did not answer")
+        assert list(failed) == ["shop"] and "round 13 is not" in str(failed["shop"])
     assert bank.bytes[("bank", "shop", "train")] == 2 * len(wire.encode(to_shop))
     assert bank.bytes[("bank", "aggregator", "train")] == 2 * len(wire.encode(to_aggregator))
 

@@ -832,7 +832,12 @@ class PartyEndpoint:
         return self.send_all([message], deadline=deadline)[0]
 
     def send_all(
-        self, messages: Sequence[Message], *, deadline: float | None = None, detached: bool = False
+        self,
+        messages: Sequence[Message],
+        *,
+        deadline: float | None = None,
+        detached: bool = False,
+        failed: dict[str, ProtocolError] | None = None,
     ) -> list[int]:
         """Deliver ``messages`` as :meth:`send` does, but to their peers at once: every peer
         acts on its own while the others do, and this returns (their encoded sizes) once each
@@ -841,7 +846,7 @@ class PartyEndpoint:
         size limit. After a failure the others are still waited for, then the first failure
         is raised. ``detached``: nobody waits on this party for their outcome (it answered
         the delivery that caused them), so a peer that refuses one also raises the refusal in
-        its own next wait."""
+        its own next wait. ``failed``, if given, gets each failure by the peer it came from."""
         encoded = [self._encode(message) for message in messages]
         groups: dict[str, list[int]] = {}
         for i, message in enumerate(messages):
@@ -861,17 +866,21 @@ class PartyEndpoint:
             for indices in together
         ]
         failures = []
-        for delivery in deliveries:
+        for delivery, indices in zip(deliveries, together, strict=True):
             try:
                 self._complete(delivery)
             except ProtocolError as error:  # TransportError included
                 failures.append(error)
+                if failed is not None:
+                    failed[messages[indices[0]].receiver] = error
         for indices in apart:
             try:
                 for i in indices:
                     self._complete(self._start([messages[i]], [encoded[i]], deadline, detached))
             except ProtocolError as error:
                 failures.append(error)
+                if failed is not None:
+                    failed[messages[indices[0]].receiver] = error
         if failures:
             raise failures[0]
         return [len(data) for data in encoded]
