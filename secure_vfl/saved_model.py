@@ -657,6 +657,8 @@ class SavedModel:
                     f"{name}: a (PartyTable, path) pair expected (read_party_file(path), "
                     f"str(path)), found {type(table).__name__}."
                 )
+            if table[0].ids.size == 0:  # as read_party_file refuses a file without rows
+                raise DataError(f"{table[1]} must have at least one row. Found none.")
             k = self.party_index(name)
             if by_index[k] is not None:
                 raise ConfigError(

@@ -161,6 +161,14 @@ def test_a_table_built_in_python_gets_the_checks_of_a_file(files: Path) -> None:
     PartyTable(name="bank", ids=np.asarray(list(bank.ids), dtype=str), frame=bank.frame)
 
 
+def test_a_table_without_rows_is_refused_by_predict_as_a_file_is(files: Path, laser: Path) -> None:
+    """An empty table predicted nothing, in silence (a header-only file is refused)."""
+    bank = read_party_file(files / "bank.csv", id_column="customer")
+    empty = PartyTable(name="bank", ids=bank.ids[:0], frame=bank.frame.iloc[:0])
+    with pytest.raises(DataError, match=r"^memory must have at least one row\. Found none\.$"):
+        SavedModel.load(laser).predict({"bank": (empty, "memory")})
+
+
 def test_predict_wants_a_table_and_its_path_per_party_and_each_party_once(
     files: Path, laser: Path
 ) -> None:
