@@ -559,6 +559,10 @@ def test_serving_checkpoint_flags_that_cannot_apply_are_refused_before_serving(
         f"expected under {empty / 'shop'}; found none",
         ("train", "--federation", str(federation), "--name", "bank", "--method", "laser",
          "--quiet", "--wait", "1", "--out", str(tmp_path / "o"), "--resume", str(empty)):
+        f"--resume {empty}: the --out of a killed run (or its checkpoints directory) expected; "
+        "found nothing there",
+        ("train", "--federation", str(federation), "--name", "bank", "--method", "laser",
+         "--quiet", "--wait", "1", "--out", str(tmp_path / "o"), "--resume", str(tmp_path)):
         "a checkpoint of the label party bank expected",
     }  # fmt: skip
     for argv, reason in refusals.items():
