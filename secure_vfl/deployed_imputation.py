@@ -356,17 +356,7 @@ def impute_deployed(
     saved: dict[str, Any] | None = None
     view: ImputationFederation | None = None
     try:
-        waited = time.monotonic()
-        late = endpoint.await_peers(list(federation.addresses(but=name)), wait)
-        if late:
-            logger.warning(
-                "%s: not reachable after %.1f s (--wait %.0f s; a refused certificate is given "
-                "up at once): %s",
-                name,
-                time.monotonic() - waited,
-                wait,
-                ", ".join(late),
-            )
+        endpoint.await_peers_or_warn(list(federation.addresses(but=name)), wait)
         schemas = _columns(endpoint, clients, config)
         features = list(dict.fromkeys(f for columns, _ in schemas.values() for f in columns))
         if len(features) < 2:

@@ -1974,17 +1974,7 @@ def train_deployed(
     entries: dict[str, Any] = {}
     lost: list[str] = []
     try:
-        waited = time.monotonic()
-        late = endpoint.await_peers(list(federation.addresses(but=name)), wait)
-        if late:
-            logger.warning(
-                "%s: not reachable after %.1f s (--wait %.0f s; a refused certificate is given "
-                "up at once): %s",
-                name,
-                time.monotonic() - waited,
-                wait,
-                ", ".join(late),
-            )
+        endpoint.await_peers_or_warn(list(federation.addresses(but=name)), wait)
         align: AlignLabelIds
         if config.align == "psi":
             assert psi is not None

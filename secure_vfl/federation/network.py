@@ -812,6 +812,22 @@ class PartyEndpoint:
                 probe.close()
         return [probe.name for probe in probes if not probe.ready]
 
+    def await_peers_or_warn(self, names: Sequence[str], seconds: float) -> list[str]:
+        """:meth:`await_peers`, and a warning naming those not reachable and how long was
+        waited (a driver goes on: the first message to one of them fails with its reason)."""
+        start = time.monotonic()
+        late = self.await_peers(names, seconds)
+        if late:
+            logger.warning(
+                "%s: not reachable after %.1f s (wait %.0f s; a refused certificate is given up "
+                "at once): %s",
+                self.name,
+                time.monotonic() - start,
+                seconds,
+                ", ".join(late),
+            )
+        return late
+
     def _refused_certificate(self, name: str, seconds: float) -> bool:
         """Whether the last connection to peer ``name`` failed because this party refused its
         certificate (:data:`_CERTIFICATE_REFUSED`), asked by a call no endpoint serves
