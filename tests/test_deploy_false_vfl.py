@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_deploy import PARTIES, write_federation, write_party_files
 
-from secure_vfl.data.party_files import read_party_file
+from secure_vfl.data.party_files import PartyTable, read_party_file
 from secure_vfl.deployment import (
     _deployment,
     build_served_party,
@@ -21,7 +21,7 @@ from secure_vfl.deployment import (
 )
 from secure_vfl.errors import ProtocolError
 from secure_vfl.experiment import TrainConfig, build_method, prepare_data
-from secure_vfl.federation.federation_file import read_federation
+from secure_vfl.federation.federation_file import Federation, read_federation
 from secure_vfl.federation.network import free_loopback_ports
 from secure_vfl.methods import MethodConfig
 from secure_vfl.methods.base import in_process_parties
@@ -30,14 +30,19 @@ from secure_vfl.methods.false_vfl import FalseVflConfig, LatentParty
 OPTIONS = FalseVflConfig(latent_dim=6, global_latent_dim=3, hidden=32, kappa=3)
 
 
+def _site(directory: Path) -> tuple[Federation, dict[str, PartyTable]]:
+    """The parties' files and federation file in ``directory``, and every party's table."""
+    write_party_files(directory)
+    federation = read_federation(
+        write_federation(directory, directory / "certs", free_loopback_ports(5))
+    )
+    return federation, {name: read_party_file(directory / f"{name}.csv") for name in PARTIES}
+
+
 def test_a_false_vfl_party_builds_itself_as_in_one_process_and_is_given_no_label(
     tmp_path: Path,
 ) -> None:
-    write_party_files(tmp_path)
-    federation = read_federation(
-        write_federation(tmp_path, tmp_path / "certs", free_loopback_ports(5))
-    )
-    tables = {name: read_party_file(tmp_path / f"{name}.csv") for name in PARTIES}
+    federation, tables = _site(tmp_path)
     config = TrainConfig(
         method="false-vfl-2",
         party_files=tuple(tmp_path / f"{name}.csv" for name in PARTIES),
@@ -94,11 +99,7 @@ def test_a_party_whose_ids_match_no_label_is_named_by_its_name(tmp_path: Path) -
     """The deployed label party said "no ids of party 1 matched the label file"."""
     from secure_vfl.errors import DataError
 
-    write_party_files(tmp_path)
-    federation = read_federation(
-        write_federation(tmp_path, tmp_path / "certs", free_loopback_ports(5))
-    )
-    tables = {name: read_party_file(tmp_path / f"{name}.csv") for name in PARTIES}
+    federation, tables = _site(tmp_path)
     config = TrainConfig(
         method="laser",
         party_files=tuple(tmp_path / f"{name}.csv" for name in PARTIES),
