@@ -2723,12 +2723,6 @@ def _refuse_deployed_flags(args: argparse.Namespace) -> None:
             "--party-name not offered with --federation: the parties' names are the "
             "federation file's."
         )
-    if args.missing_cells == "refuse":
-        raise ConfigError(
-            "--missing-cells refuse not offered with --federation yet: each party fits its own "
-            "preprocessing on its own file, filling empty cells (mean-indicator). Check the "
-            "files for empty cells before the run, or train in one process."
-        )
 
 
 def run_train_deployed(args: argparse.Namespace) -> int:

@@ -124,7 +124,11 @@ from secure_vfl.checkpoints import (
 )
 from secure_vfl.data.missingness import parse_mechanism
 from secure_vfl.data.party_files import ID_COLUMN, LABEL_COLUMN, PartyTable, read_party_file
-from secure_vfl.data.party_preprocessing import PartyPreprocessing
+from secure_vfl.data.party_preprocessing import (
+    DEFAULT_MISSING_POLICY,
+    MISSING_POLICIES,
+    PartyPreprocessing,
+)
 from secure_vfl.data.vertical import (
     AlignLabelIds,
     RowPlan,
@@ -150,6 +154,7 @@ from secure_vfl.federation.federation_file import Federation
 from secure_vfl.federation.messages import AGGREGATOR, DeploymentMessage, Message
 from secure_vfl.federation.network import PROBE_SECONDS, NetworkChannel, PartyEndpoint
 from secure_vfl.federation.parties import ROLES, DataParty, Party, make_aggregation_server
+from secure_vfl.federation.wire import shown
 from secure_vfl.io import atomic_directory, check_directory, check_keys, parse_json
 from secure_vfl.saved_model import (
     DATA_PARTY_ROLE,
@@ -472,12 +477,17 @@ class _Server:
         of its columns), so that every party builds its models on the shapes of the run."""
         if self.party is not None or self.table is None:
             raise ProtocolError(f"{self.name}: a fit after the set-up, or at the aggregator.")
-        body = _body(message, "fit", {"fit_rows": list, "align": str})
+        body = _body(message, "fit", {"fit_rows": list, "align": str, "missing_cells": str})
         aligned = None
         if self.responder is not None:
             aligned = self.responder.aligned_rows(message.sender)
         fitted = fit_served_preprocessing(
-            self.name, self.table, body["fit_rows"], body["align"], aligned
+            self.name,
+            self.table,
+            body["fit_rows"],
+            body["align"],
+            aligned,
+            missing_cells=served_missing_cells("fit", body),
         )
         self._reply("fitted", {"shape": list(fitted.block_shape)})
 
@@ -1116,9 +1126,22 @@ SETUP_KEYS: dict[str, type | tuple[type, ...]] = {
     "rows": dict,
     "labels": (list, type(None)),
     "align": str,
+    "missing_cells": str,
     "false_vfl": (dict, type(None)),
     "privacy": (dict, type(None)),
 }
+
+
+def served_missing_cells(what: str, body: dict[str, Any]) -> str:
+    """The policy for empty cells the label party sent in ``body`` (``--missing-cells``), which
+    the party applies to its own table; ProtocolError for one it does not know."""
+    policy = body["missing_cells"]
+    if policy not in MISSING_POLICIES:
+        raise ProtocolError(
+            f"{what}: `missing_cells` one of {list(MISSING_POLICIES)} expected, found "
+            f"{shown(policy)}."
+        )
+    return str(policy)
 
 
 def served_privacy(
@@ -1166,7 +1189,13 @@ def build_served_party(
     fit_rows = to_rows(_rows(body["fit_rows"], "fit_rows", low=0, high=n), "fit_rows")
     if fit_rows.size == 0:
         raise ProtocolError(f"setup: {name} must hold a training row; found none.")
-    blocks, preprocessing = party_blocks(table, fit_rows, rows, where=f"{name} ({table.name})")
+    blocks, preprocessing = party_blocks(
+        table,
+        fit_rows,
+        rows,
+        missing_cells=served_missing_cells("setup", body),
+        where=f"{name} ({table.name})",
+    )
     shapes = served_shapes(body)
     if shapes[index] != tuple(blocks["train"].shape[1:]):
         raise ProtocolError(
@@ -1292,7 +1321,13 @@ def _with_secure_sums(party: DataParty, backend: SumBackend | None) -> DataParty
 
 
 def fit_served_preprocessing(
-    name: str, table: PartyTable, fit_rows: Any, align: str, aligned: np.ndarray | None
+    name: str,
+    table: PartyTable,
+    fit_rows: Any,
+    align: str,
+    aligned: np.ndarray | None,
+    *,
+    missing_cells: str,
 ) -> PartyPreprocessing:
     """Data party ``name``'s preprocessing fitted on the ``fit_rows`` (a message's value: rows
     of its table under the plain join, sample positions under PSI, mapped by ``aligned``) of
@@ -1304,7 +1339,10 @@ def fit_served_preprocessing(
     if rows.size == 0:
         raise ProtocolError(f"fit: {name} must hold a training row; found none.")
     return PartyPreprocessing.fit(
-        table.frame.iloc[rows], id_column=ID_COLUMN, where=f"{name} ({table.name})"
+        table.frame.iloc[rows],
+        missing_cells=missing_cells,
+        id_column=ID_COLUMN,
+        where=f"{name} ({table.name})",
     )
 
 
@@ -1568,14 +1606,22 @@ def collect_ids(
 
 
 def fitted_widths(
-    endpoint: PartyEndpoint, federation: Federation, plan: RowPlan, align: str
+    endpoint: PartyEndpoint,
+    federation: Federation,
+    plan: RowPlan,
+    align: str,
+    missing_cells: str = DEFAULT_MISSING_POLICY,
 ) -> list[int]:
     """Every data party's model-input width, asked for by message once the plan is drawn:
     each fits its own preprocessing on its planned training rows (:data:`fit`) and answers
     with its block's shape, which is all it tells of its columns."""
     widths = []
     for k, name in enumerate(federation.names[1:], start=1):
-        body = {"fit_rows": plan.fit_rows[k].tolist(), "align": align}
+        body = {
+            "fit_rows": plan.fit_rows[k].tolist(),
+            "align": align,
+            "missing_cells": missing_cells,
+        }
         endpoint.send(_deployment(endpoint.name, name, "fit", body))
         reply = _body(endpoint.receive(sender=name, kind="deployment"), "fitted", {"shape": list})
         shape = reply["shape"]
@@ -1762,6 +1808,7 @@ def label_side(
         own,
         plan.fit_rows[0],
         {split: rows[:, 0] for split, rows in plan.rows.items()},
+        missing_cells=config.missing_cells,
         where=f"{member.data} ({federation.label_party})",
     )
     if encoded is not None:
@@ -1825,6 +1872,7 @@ def setup_bodies(
             "rows": {split: rows[:, k].tolist() for split, rows in side.plan.rows.items()},
             "labels": labels,
             "align": config.align,
+            "missing_cells": config.missing_cells,
             "false_vfl": _false_vfl_options(config),
             "privacy": (privacy or {}).get(name),
         }
@@ -1989,7 +2037,9 @@ def train_deployed(
             own,
             align,
             widths,
-            encoded=lambda plan: fitted_widths(endpoint, federation, plan, config.align),
+            encoded=lambda plan: fitted_widths(
+                endpoint, federation, plan, config.align, config.missing_cells
+            ),
         )
         resume = checkpoints.resume if checkpoints is not None else None
         plans = privacy_plans(config, side, federation, privacy, resume)

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -739,6 +740,39 @@ def test_a_data_party_waits_on_a_silent_label_party_that_is_up_and_not_on_a_dead
     assert "label party bank was silent" in processes.log("shop")
 
 
+def test_a_data_partys_empty_cells_are_refused_under_missing_cells_refuse(
+    site: Path, processes: Processes, tmp_path: Path
+) -> None:
+    """`--missing-cells refuse` was ignored with --federation: every party filled its empty
+    cells (mean-indicator) while result.json said `refuse`. shop refuses its own file now, and
+    the label party's run fails saying so; nothing is written."""
+    here = tmp_path / "site"
+    shutil.copytree(site, here)
+    shop = pd.read_csv(here / "shop.csv", dtype={"id": str})
+    shop.iloc[:3, 1] = np.nan
+    shop.to_csv(here / "shop.csv", index=False)
+    federation = write_federation(here, here / "certs", free_loopback_ports(5))
+    servers = [processes.serve(federation, name) for name in (*PARTIES[1:], "aggregator")]
+    out = tmp_path / "run"
+    label = processes.start(
+        "train",
+        "--federation",
+        str(federation),
+        "--name",
+        "bank",
+        *flags_for(("--method", "laser", "--missing-cells", "refuse")),
+        "--out",
+        str(out),
+        log="bank",
+    )
+    assert label.wait(timeout=PROCESS_SECONDS) == 2, processes.log("bank")
+    said = processes.log("bank")
+    assert "shop" in said and "must not be missing under --missing-cells refuse" in said, said
+    assert not out.exists()
+    for server in servers:
+        server.wait(timeout=PROCESS_SECONDS)
+
+
 def test_a_party_given_the_wrong_name_is_refused(
     site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -901,14 +935,10 @@ def test_own_file_options_are_refused_with_federation_before_any_contact(
         err = capsys.readouterr().err
         assert f"found {extra[0]} (not offered with --federation yet)" in err, err
     # One --party-name was counted against the federation's files ("one --party-name per
-    # --party-file expected (3); found 1"); --missing-cells refuse was ignored by every party.
-    for extra, said in (
-        (["--party-name", "x"], "--party-name not offered with --federation: the parties'"),
-        (["--missing-cells", "refuse"], "--missing-cells refuse not offered with --federation"),
-    ):
-        assert main([*args, *extra]) == 2
-        err = capsys.readouterr().err
-        assert said in err, err
+    # --party-file expected (3); found 1").
+    assert main([*args, "--party-name", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "--party-name not offered with --federation: the parties'" in err, err
     assert not (tmp_path / "o").exists()
 
 

@@ -117,3 +117,41 @@ def test_a_party_whose_ids_match_no_label_is_named_by_its_name(tmp_path: Path) -
             join_alignment(tables["bank"], ids),
             [len(t.columns) for t in others],
         )
+
+
+def test_each_party_applies_the_runs_missing_cells_policy_to_its_own_file(
+    tmp_path: Path,
+) -> None:
+    """`train --federation --missing-cells refuse` was ignored: every party filled its empty
+    cells (mean-indicator) while result.json said `refuse`. The policy now travels in the
+    set-up (and PSI's fit), and each party refuses its own empty cells, naming its file."""
+    from secure_vfl.errors import DataError
+
+    federation, tables = _site(tmp_path)
+    config = TrainConfig(
+        method="laser",
+        party_files=tuple(tmp_path / f"{name}.csv" for name in PARTIES),
+        label_file=tmp_path / "labels.csv",
+        method_config=MethodConfig(epochs=1),
+        missing_cells="refuse",
+    )
+    others = [tables[name] for name in PARTIES[1:]]
+    side = label_side(
+        config,
+        federation,
+        tables["bank"],
+        join_alignment(tables["bank"], [t.ids for t in others]),
+        [len(t.columns) for t in others],
+    )
+    bodies = setup_bodies(config, side, federation, "none")
+    assert bodies["shop"]["missing_cells"] == "refuse"
+    shop = tables["shop"]
+    holed = shop.frame.copy()
+    holed.iloc[bodies["shop"]["fit_rows"][0], 0] = float("nan")
+    with_holes = dataclasses.replace(shop, frame=holed)
+    setup = _deployment("bank", "shop", "setup", bodies["shop"])
+    with pytest.raises(DataError, match="features must not be missing under --missing-cells"):
+        build_served_party("shop", setup, with_holes, lambda scheme: None)
+    unknown = {**bodies["shop"], "missing_cells": "drop"}
+    with pytest.raises(ProtocolError, match="`missing_cells` one of"):
+        build_served_party("shop", _deployment("bank", "shop", "setup", unknown), shop, print)

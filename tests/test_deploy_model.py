@@ -550,7 +550,10 @@ def test_the_label_party_takes_each_partys_model_input_shape_and_refuses_a_bad_o
     endpoint.handler = None  # before the set-up no party is attached
     plan: Any = type("Plan", (), {"fit_rows": [np.arange(k, k + 3) for k in range(4)]})
     assert fitted_widths(endpoint, federation, plan, "join") == [12, 7, 7]
-    assert asked == [{"fit_rows": [k, k + 1, k + 2], "align": "join"} for k in (1, 2, 3)]
+    assert asked == [
+        {"fit_rows": [k, k + 1, k + 2], "align": "join", "missing_cells": "mean-indicator"}
+        for k in (1, 2, 3)
+    ]
     for bad in ([0], [3, 4], ["12"], [2**21], []):
         told["telco"] = bad
         endpoint.kept.clear()
