@@ -29,7 +29,7 @@ from secure_vfl.data.party_files import ID_COLUMN, LABEL_COLUMN, party_names
 from secure_vfl.data.party_preprocessing import DEFAULT_MISSING_POLICY, MISSING_POLICIES
 from secure_vfl.data.samplers import BatchSampler
 from secure_vfl.data.vertical import VerticalData, make_vertical, vertical_from_party_files
-from secure_vfl.errors import ConfigError, DivergenceError, NonFiniteError
+from secure_vfl.errors import ConfigError, DataError, DivergenceError, NonFiniteError
 from secure_vfl.federation.aggregator import PlainAggregator, SealingScheme, SumBackend
 from secure_vfl.federation.alignment import Aligner, make_aligner
 from secure_vfl.federation.channel import Channel
@@ -525,6 +525,20 @@ IMPUTATION_ADVICE = "try a lower --lr or fewer --local-epochs"
 """What to try when an imputation diverged."""
 
 
+def refuse_empty_tests(data: VerticalData) -> None:
+    """DataError for a test split that holds no sample (every one lost all its blocks to the
+    test missingness, or none was set aside), before any training: its metrics would be NaN
+    (printed, with numpy's warnings, and the run exited 0)."""
+    for name, split in data.tests.items():
+        if split.n == 0:
+            dropped = data.dropped.get(name, 0)
+            raise DataError(
+                f"test split {name!r} holds no sample ({dropped} dropped for having no observed "
+                "block); expected a test missingness that leaves some (--missing-test, "
+                "--p-miss-test) or more test rows (--test-fraction, --test-file)."
+            )
+
+
 def run_training(
     config: TrainConfig,
     *,
@@ -560,6 +574,7 @@ def run_training(
         data = prepare_data(config)
     else:
         check_data(config, data)
+    refuse_empty_tests(data)
     channel = channel if channel is not None else Channel()
     if aggregator is None and privacy is not None:
         aggregator = privacy.aggregator()

@@ -374,3 +374,35 @@ def test_heads_all_with_a_one_head_method_is_refused_and_the_run_records_active(
     config = TrainConfig(method=method, dataset="wine", method_config=MethodConfig(heads="all"))
     assert config.method_config.heads == "active"  # what the library records for it
     assert TrainConfig(method="laser", dataset="wine").method_config.heads == "all"
+
+
+def test_a_test_split_or_an_imputation_with_nothing_to_score_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Both printed `nan` for their metrics, with numpy's "Mean of empty slice", and exited
+    0: a test missingness that dropped every test sample, and 30 imputation clients none of
+    which had a test entry to hide."""
+    train = ["train", "--method", "laser", "--dataset", "iris", "--epochs", "1", "--quiet"]
+    train += ["--missing-test", "mcar:0.99", "--out", str(tmp_path / "t")]
+    assert main(train) == 2
+    err = capsys.readouterr().err
+    assert "test split 'mcar:0.99' holds no sample (30 dropped for having no observed" in err
+    assert not (tmp_path / "t").exists()
+    impute = ["impute", "--method", "mean", "--dataset", "airquality", "--clients", "30"]
+    assert main([*impute, "--out", str(tmp_path / "i")]) == 2
+    err = capsys.readouterr().err
+    assert "no client had a test entry to hide and score (30 clients, 0 hidden" in err
+    assert not (tmp_path / "i").exists()
+
+
+@pytest.mark.parametrize("method", ["laser", "false-vfl-2"])
+def test_labelled_samples_of_one_class_are_refused(
+    method: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--labeled 1` trained on one class and warned only that predictions collapsed."""
+    argv = ["train", "--method", method, "--dataset", "iris", "--labeled", "1", "--quiet"]
+    assert main([*argv, "--out", str(tmp_path / "r")]) == 2
+    assert "(--labeled 1) hold one class (2); a classifier needs at least 2" in (
+        capsys.readouterr().err
+    )
+    assert main([*argv[:-3], "--labeled", "10", "--epochs", "1", "--out", str(tmp_path / "s")]) == 0

@@ -162,8 +162,20 @@ class MethodConfig:
 
 def labeled_rows(data: VerticalData, config: MethodConfig, seed: int) -> np.ndarray:
     """The training rows whose labels a method may use: all, or ``config.labeled`` of them
-    drawn with the run's seed (the same rows for every method of a run)."""
-    return labeled_subset(data.train.n, config.labeled, rng=np.random.default_rng(seed))
+    drawn with the run's seed (the same rows for every method of a run). ConfigError when
+    ``config.labeled`` leaves one class (it trained, and warned only of collapsed predictions).
+    """
+    rows = labeled_subset(data.train.n, config.labeled, rng=np.random.default_rng(seed))
+    if config.labeled is not None:
+        classes = np.unique(data.train.labels[rows])
+        if classes.size < 2:
+            values = data.classes or tuple(range(data.num_classes))
+            raise ConfigError(
+                f"the {rows.size} labelled training sample(s) (--labeled {config.labeled}) hold "
+                f"one class ({values[int(classes[0])]!r}); a classifier needs at least 2: "
+                "expected a larger --labeled."
+            )
+    return rows
 
 
 def training_rows(method: str, data: VerticalData, config: MethodConfig, seed: int) -> np.ndarray:

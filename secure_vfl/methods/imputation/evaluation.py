@@ -91,6 +91,12 @@ def scores_of(errors: Mapping[str, tuple[float, int]]) -> ImputationScores:
     }
     squared = sum(sse for sse, _ in errors.values())
     total = sum(count for _, count in errors.values())
+    if not total:  # an RMSE of nothing: it printed nan, and exited 0
+        raise DataError(
+            f"no client had a test entry to hide and score ({len(errors)} clients, 0 hidden "
+            "entries: their test rows are too few); expected fewer clients (--clients) or more "
+            "rows per client."
+        )
     scored = np.array([r for r in per_client.values() if np.isfinite(r)])
     return ImputationScores(
         rmse=float(np.sqrt(squared / total)) if total else float("nan"),
