@@ -225,7 +225,7 @@ def make_mice(
     """MICE per client: ``IterativeImputer`` (BayesianRidge chains), seeded, 10 iterations.
 
     Imputations are clipped to each column's observed training range: on wide, collinear data
-    (chorizon, 104 features) the unclipped chained regressions diverge to infinity.
+    (chorizon, 99 features) the unclipped chained regressions diverge to infinity.
     """
     statistics = federated_statistics(
         task.train, aggregator=aggregator, channel=channel, privacy=privacy, roles=roles
