@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -24,9 +26,15 @@ def test_column_blocks_one_party_and_one_column_each():
     assert [b.shape for b in column_blocks(x, 4)] == [(2, 1)] * 4
 
 
-@pytest.mark.parametrize("parties", [0, 5])
-def test_column_blocks_refuse_party_counts_outside_one_to_d(parties):
-    with pytest.raises(ConfigError, match=rf"`parties` must be in \[1, 4\].*Found {parties}"):
+@pytest.mark.parametrize(
+    ("parties", "expected"),
+    [(0, "at least 1"), (5, "at most the number of features, 4 (a column each)")],
+)
+def test_column_blocks_refuse_party_counts_outside_one_to_d(parties, expected):
+    # it said "in [1, 4]" where the CLI's own range starts at 2
+    with pytest.raises(
+        ConfigError, match=rf"`parties` must be {re.escape(expected)}.*Found {parties}"
+    ):
         column_blocks(np.ones((2, 4), np.float32), parties)
 
 

@@ -25,26 +25,31 @@ _IMAGE_GRIDS: dict[int, tuple[int, int]] = {
 }
 
 
+def _check_parties(parties: int, width: int) -> None:
+    """ConfigError unless each of ``parties`` can get at least one of ``width`` columns."""
+    if parties < 1:
+        raise ConfigError(f"`parties` must be at least 1. Found {parties}.")
+    if parties > width:
+        raise ConfigError(
+            f"`parties` must be at most the number of features, {width} (a column each). "
+            f"Found {parties}."
+        )
+
+
 def column_blocks(x: np.ndarray, parties: int) -> list[np.ndarray]:
     """Split ``(N, D)`` into ``parties`` contiguous blocks of ``D // parties`` columns each;
     the last ``D % parties`` columns are dropped."""
     if x.ndim != 2:
         raise DataError(f"tabular features must have shape (N, D). Found shape {x.shape}.")
     width = x.shape[1]
-    if not 1 <= parties <= width:
-        raise ConfigError(
-            f"`parties` must be in [1, {width}] (the number of features). Found {parties}."
-        )
+    _check_parties(parties, width)
     block = width // parties
     return [np.ascontiguousarray(x[:, k * block : (k + 1) * block]) for k in range(parties)]
 
 
 def column_ranges(width: int, parties: int) -> list[range]:
     """The column indices each party gets from :func:`column_blocks` on ``width`` columns."""
-    if not 1 <= parties <= width:
-        raise ConfigError(
-            f"`parties` must be in [1, {width}] (the number of features). Found {parties}."
-        )
+    _check_parties(parties, width)
     block = width // parties
     return [range(k * block, (k + 1) * block) for k in range(parties)]
 
