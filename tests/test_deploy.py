@@ -1076,11 +1076,15 @@ def test_a_party_fits_its_preprocessing_only_on_rows_it_holds_and_tells_only_the
     messy_site: Path,
 ) -> None:
     shop = read_party_file(messy_site / "shop.csv")
-    fitted = fit_served_preprocessing("shop", shop, list(range(0, 200, 2)), "join", None)
+    fitted = fit_served_preprocessing(
+        "shop", shop, list(range(0, 200, 2)), "join", None, missing_cells="mean-indicator"
+    )
     # Its numeric columns, "segment" as 3 one-hot inputs, and one missing-cell indicator.
     assert fitted.block_shape == (len(shop.columns) - 1 + 3 + 1,)
     aligned = np.array([3, -1, 0], dtype=np.int64)  # under PSI: positions of aligned samples
-    assert fit_served_preprocessing("shop", shop, [0, 2], "psi", aligned).block_shape
+    assert fit_served_preprocessing(
+        "shop", shop, [0, 2], "psi", aligned, missing_cells="mean-indicator"
+    ).block_shape
     refusals = {
         "must be a list of integers": (["0"], "join", None),
         "must lie in": ([shop.ids.size], "join", None),  # a row its table does not have
@@ -1090,7 +1094,9 @@ def test_a_party_fits_its_preprocessing_only_on_rows_it_holds_and_tells_only_the
     }
     for reason, (rows, align, held) in refusals.items():
         with pytest.raises(ProtocolError, match=reason):
-            fit_served_preprocessing("shop", shop, rows, align, held)
+            fit_served_preprocessing(
+                "shop", shop, rows, align, held, missing_cells="mean-indicator"
+            )
 
 
 def test_a_label_party_process_goes_past_the_refusals_to_psi_with_each_party(
