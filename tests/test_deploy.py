@@ -154,9 +154,11 @@ def in_process(site: Path, out: Path, *flags: str) -> dict[str, Any]:
     return dict(json.loads((out / "result.json").read_text()))
 
 
-def deployed(
+def deploy(
     site: Path, processes: Processes, out: Path, *flags: str
-) -> tuple[dict[str, Any], list[int]]:
+) -> tuple[int, list[PartyProcess]]:
+    """Every data party and the aggregator served from ``site``, and the label party's `train`
+    with ``flags`` into ``out``: its exit status, and the servers."""
     federation = write_federation(site, site / "certs", free_loopback_ports(5))
     servers = [processes.serve(federation, name) for name in (*PARTIES[1:], "aggregator")]
     label = processes.start(
@@ -170,7 +172,14 @@ def deployed(
         str(out),
         log="bank",
     )
-    assert label.wait(timeout=PROCESS_SECONDS) == 0, processes.log("bank")
+    return label.wait(timeout=PROCESS_SECONDS), servers
+
+
+def deployed(
+    site: Path, processes: Processes, out: Path, *flags: str
+) -> tuple[dict[str, Any], list[int]]:
+    code, servers = deploy(site, processes, out, *flags)
+    assert code == 0, processes.log("bank")
     codes = [server.wait(timeout=PROCESS_SECONDS) for server in servers]
     return dict(json.loads((out / "result.json").read_text())), codes
 
@@ -751,21 +760,9 @@ def test_a_data_partys_empty_cells_are_refused_under_missing_cells_refuse(
     shop = pd.read_csv(here / "shop.csv", dtype={"id": str})
     shop.iloc[:3, 1] = np.nan
     shop.to_csv(here / "shop.csv", index=False)
-    federation = write_federation(here, here / "certs", free_loopback_ports(5))
-    servers = [processes.serve(federation, name) for name in (*PARTIES[1:], "aggregator")]
     out = tmp_path / "run"
-    label = processes.start(
-        "train",
-        "--federation",
-        str(federation),
-        "--name",
-        "bank",
-        *flags_for(("--method", "laser", "--missing-cells", "refuse")),
-        "--out",
-        str(out),
-        log="bank",
-    )
-    assert label.wait(timeout=PROCESS_SECONDS) == 2, processes.log("bank")
+    code, servers = deploy(here, processes, out, "--method", "laser", "--missing-cells", "refuse")
+    assert code == 2, processes.log("bank")
     said = processes.log("bank")
     assert "shop" in said and "must not be missing under --missing-cells refuse" in said, said
     assert not out.exists()

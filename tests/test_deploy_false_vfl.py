@@ -39,6 +39,35 @@ def _site(directory: Path) -> tuple[Federation, dict[str, PartyTable]]:
     return federation, {name: read_party_file(directory / f"{name}.csv") for name in PARTIES}
 
 
+def _laser(directory: Path, **settings: Any) -> TrainConfig:
+    """A one-epoch LASER run of the parties' files in ``directory``."""
+    return TrainConfig(
+        method="laser",
+        party_files=tuple(directory / f"{name}.csv" for name in PARTIES),
+        label_file=directory / "labels.csv",
+        method_config=MethodConfig(epochs=1),
+        **settings,
+    )
+
+
+def _label_side(
+    config: TrainConfig,
+    federation: Federation,
+    tables: dict[str, PartyTable],
+    ids: list[Any] | None = None,
+) -> Any:
+    """The label party's side of a plain-join set-up (``ids``: the data parties' ids it was
+    told, by default their tables')."""
+    others = [tables[name] for name in PARTIES[1:]]
+    return label_side(
+        config,
+        federation,
+        tables["bank"],
+        join_alignment(tables["bank"], ids if ids is not None else [t.ids for t in others]),
+        [len(t.columns) for t in others],
+    )
+
+
 def test_a_false_vfl_party_builds_itself_as_in_one_process_and_is_given_no_label(
     tmp_path: Path,
 ) -> None:
@@ -51,14 +80,7 @@ def test_a_false_vfl_party_builds_itself_as_in_one_process_and_is_given_no_label
         false_vfl=OPTIONS,
         seed=5,
     )
-    others = [tables[name] for name in PARTIES[1:]]
-    side = label_side(
-        config,
-        federation,
-        tables["bank"],
-        join_alignment(tables["bank"], [t.ids for t in others]),
-        [len(t.columns) for t in others],
-    )
+    side = _label_side(config, federation, tables)
     bodies = setup_bodies(config, side, federation, "none")
     assert side.data.train.n > 100  # some training rows are unlabelled
     for name in PARTIES[1:]:
@@ -100,23 +122,12 @@ def test_a_party_whose_ids_match_no_label_is_named_by_its_name(tmp_path: Path) -
     from secure_vfl.errors import DataError
 
     federation, tables = _site(tmp_path)
-    config = TrainConfig(
-        method="laser",
-        party_files=tuple(tmp_path / f"{name}.csv" for name in PARTIES),
-        label_file=tmp_path / "labels.csv",
-        method_config=MethodConfig(epochs=1),
-    )
+    config = _laser(tmp_path)
     others = [tables[name] for name in PARTIES[1:]]
     ids = [t.ids for t in others]
     ids[0] = ids[0].astype(object) + "-elsewhere"  # shop's ids, in another format
     with pytest.raises(DataError, match=f"^no ids of {PARTIES[1]} matched the label file "):
-        label_side(
-            config,
-            federation,
-            tables["bank"],
-            join_alignment(tables["bank"], ids),
-            [len(t.columns) for t in others],
-        )
+        _label_side(config, federation, tables, ids)
 
 
 def test_each_party_applies_the_runs_missing_cells_policy_to_its_own_file(
@@ -128,21 +139,8 @@ def test_each_party_applies_the_runs_missing_cells_policy_to_its_own_file(
     from secure_vfl.errors import DataError
 
     federation, tables = _site(tmp_path)
-    config = TrainConfig(
-        method="laser",
-        party_files=tuple(tmp_path / f"{name}.csv" for name in PARTIES),
-        label_file=tmp_path / "labels.csv",
-        method_config=MethodConfig(epochs=1),
-        missing_cells="refuse",
-    )
-    others = [tables[name] for name in PARTIES[1:]]
-    side = label_side(
-        config,
-        federation,
-        tables["bank"],
-        join_alignment(tables["bank"], [t.ids for t in others]),
-        [len(t.columns) for t in others],
-    )
+    config = _laser(tmp_path, missing_cells="refuse")
+    side = _label_side(config, federation, tables)
     bodies = setup_bodies(config, side, federation, "none")
     assert bodies["shop"]["missing_cells"] == "refuse"
     shop = tables["shop"]
