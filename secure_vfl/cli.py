@@ -108,6 +108,7 @@ SEED_LIMIT = 2**32  # what every generator takes, and well inside a results stor
 seed = _number(int, "an integer seed in [0, 2**32)", lambda v: 0 <= v < SEED_LIMIT)
 probability = _number(float, "a probability in [0, 1)", lambda v: 0 <= v < 1)
 positive_float = _number(float, "a positive finite number", lambda v: v > 0)
+non_negative_float = _number(float, "a non-negative finite number", lambda v: v >= 0)
 parties_count = _number(int, "an integer number of parties in [2, 10]", lambda v: 2 <= v <= 10)
 clients_count = _number(int, "an integer number of clients in [2, 64]", lambda v: 2 <= v <= 64)
 share = _number(float, "a share in (0, 1]", lambda v: 0 < v <= 1)
@@ -342,6 +343,14 @@ def _training_flags(
         default=LEARNING_RATE,
         metavar="LR",
         help="SGD learning rate (FALSE-VFL keeps its own Adam rates)",
+    )
+    parser.add_argument(
+        "--weight-decay",
+        type=non_negative_float,
+        default=0.0,
+        metavar="W",
+        help="L2 weight decay of every optimiser (SGD's, and FALSE-VFL's Adam: the FALSE-VFL "
+        "paper uses 1e-4)",
     )
     parser.add_argument(
         "--max-update-norm",
@@ -1126,6 +1135,7 @@ def _train_config(args: argparse.Namespace) -> Any:
         epochs=args.epochs,
         batch_size=args.batch_size,
         lr=args.lr,
+        weight_decay=args.weight_decay,
         representation_dim=args.representation_dim,
         top_model=args.top_model,
         standard_incomplete=args.standard_incomplete,

@@ -414,3 +414,33 @@ def test_a_two_stage_runs_loss_plot_draws_each_stage_as_its_own_curve(
     assert [line.get_label() for line in lines] == ["stage 1: -L_kappa", "stage 2: -L'_kappa"]
     plots.write_run_plots({**payload, "config": {"method_config": {"epochs": 2}}}, tmp_path)
     assert len(drawn["loss.png"].axes[0].get_lines()) == 1  # one stage: one curve
+
+
+@pytest.mark.parametrize("method", ["laser", "false-vfl-1"])
+def test_weight_decay_reaches_every_optimiser_of_every_party(method: str, tmp_path: Path) -> None:
+    """The FALSE-VFL paper trains with weight decay 1e-4; no flag set it (always 0)."""
+    from secure_vfl.experiment import TrainConfig, build_method, prepare_data
+    from secure_vfl.methods import MethodConfig
+    from secure_vfl.methods.base import in_process_parties
+
+    argv = ["train", "--method", method, "--dataset", "iris", "--epochs", "1", "--quiet"]
+    assert main([*argv, "--weight-decay", "1e-4", "--out", str(tmp_path / "r")]) == 0
+    config = json.loads((tmp_path / "r" / "result.json").read_text())["config"]
+    assert config["method_config"]["weight_decay"] == 1e-4
+    run = TrainConfig(
+        method=method,
+        dataset="iris",
+        parties=config["parties"],
+        method_config=MethodConfig(epochs=1, weight_decay=1e-4),
+    )
+    method_object = build_method(run, prepare_data(run))
+    decays = {
+        group["weight_decay"]
+        for party in in_process_parties(method_object.fed.channel)
+        for optimiser in party.own_optimizers().values()
+        for group in optimiser.param_groups
+    }
+    assert decays == {1e-4}, decays
+    with pytest.raises(SystemExit) as refused:
+        main([*argv, "--weight-decay", "-1", "--out", str(tmp_path / "s")])
+    assert refused.value.code == 2
