@@ -95,6 +95,8 @@ class RunSummary:
     """An attack run's defenses other than DP and secure sums (which ``dp`` and ``backend``
     show), e.g. ``marvell:4``."""
     score: tuple[float, float, float] | None = None
+    resumed: bool = False
+    """Whether the run resumed a killed one (its time is the resumed part's only)."""
     """An attack run's attack performance AP, its chance level and its DCS against chance
     (None where the run did not record them)."""
 
@@ -139,6 +141,7 @@ def summarise(payload: dict[str, Any], *, kind: str = "train") -> RunSummary:
         seed=config.get("seed"),
         parties=_user_party_names(payload.get("parties")),
         trained=_trained(config),
+        resumed=_object(payload, "checkpoints").get("resumed_from_step") is not None,
         **_attack_columns(kind, config, _object(payload, "metrics")),
     )
 
@@ -303,6 +306,7 @@ def table(names: list[str], summaries: list[RunSummary]) -> str:
         epsilon = "-" if summary.epsilon is None else _number(summary.epsilon)
         accuracy = [f"{summary.accuracy[t]:.2f}" if t in summary.accuracy else "-" for t in tests]
         time = "-" if summary.wall_time_s is None else f"{summary.wall_time_s:.1f}"
+        time += " (resumed)" if summary.resumed else ""
         row = [name, summary.method, *([summary.dataset] if mixed else [])]
         row += [summary.trained or "-"] if varied else []
         row += [summary.attack or "-", summary.defense or "-"] if attacks else []
