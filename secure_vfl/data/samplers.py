@@ -8,7 +8,7 @@ Differentially private training replaces either by a :class:`PoissonSampler`
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Literal, Protocol
 
 import numpy as np
@@ -210,11 +210,12 @@ class PoissonSampler:
 
 
 def loss_normaliser(
-    sampler: BatchSampler, drawn: int, *, counted: np.ndarray | None = None
+    sampler: BatchSampler, drawn: int, *, counted: Callable[[], np.ndarray] | None = None
 ) -> float:
     """What a batch's summed loss is divided by: the ``drawn`` rows it counts, except under
     Poisson sampling, where it is the number of them a draw holds on average (rate x the
-    candidate rows, those with ``counted`` (N,) set where a loss counts only some), as
+    candidate rows, those that ``counted()`` (N,) sets where a loss counts only some; asked
+    only then), as
     Opacus' ``expected_batch_size``. A fixed normaliser keeps each row's gradient independent
     of which other rows were drawn: adding a record to the training set then moves a DP-SGD
     step's sum of clipped per-sample gradients by at most the clip norm, as its add/remove
@@ -222,7 +223,7 @@ def loss_normaliser(
     which moves the sum by up to twice the clip norm."""
     if not isinstance(sampler, PoissonSampler):
         return float(drawn)
-    candidates = sampler.rows.size if counted is None else int(counted[sampler.rows].sum())
+    candidates = sampler.rows.size if counted is None else int(counted()[sampler.rows].sum())
     return sampler.rate * candidates
 
 

@@ -342,6 +342,10 @@ class Combinatorial:
         present[:, list(subset)] = covered.unsqueeze(1)
         return present.unsqueeze(0), present
 
+    def _covering(self, subset: tuple[int, ...]) -> np.ndarray:
+        """(N,) which training rows ``subset``'s parties all hold (its head's loss counts)."""
+        return np.asarray(self.data.train.mask[:, list(subset)].all(axis=1))
+
     @stops_on_a_lost_party
     def train_step(self, rows_np: np.ndarray, round: int, batch_id: int) -> float:
         fed = self.fed
@@ -366,7 +370,7 @@ class Combinatorial:
                 normaliser=loss_normaliser(
                     self.sampler,
                     int(covered.sum()),
-                    counted=np.asarray(self.data.train.mask[:, list(subset)].all(axis=1)),
+                    counted=partial(self._covering, subset),
                 ),
                 round=round,
                 batch_id=batch_id,
