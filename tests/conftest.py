@@ -144,3 +144,11 @@ def processes(tmp_path: Path) -> Iterator[Processes]:
         yield started
     finally:
         started.stop_all()
+
+
+LABEL_LEAK_RUN = [
+    *["--method", "laser", "--dataset", "digits", "--heads", "active"],
+    *["--top-model", "none", "--representation-dim", "10", "--epochs", "1"],
+]
+"""A one-epoch LASER run on digits whose label party has no top model: the run the attack
+tests share (direct label inference reads every label from its gradients)."""

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import LABEL_LEAK_RUN
 
 from attacks import ATTACKS
 from attacks.label_inference import GradientObserver
@@ -249,18 +250,7 @@ def test_attack_command_writes_the_scores(tmp_path: Path) -> None:
             "attack",
             "--attack",
             "direct-label-inference",
-            "--method",
-            "laser",
-            "--dataset",
-            "digits",
-            "--heads",
-            "active",
-            "--top-model",
-            "none",
-            "--representation-dim",
-            "10",
-            "--epochs",
-            "1",
+            *LABEL_LEAK_RUN,
             "--defense",
             "dp-gradients:1:0.01",
             "--quiet",

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import LABEL_LEAK_RUN
 
 import attacks.suite as suite
 from protocols.privacy import PrivacySpec
@@ -22,18 +23,7 @@ SUITE_ARGV = [
     "attack",
     "--suite",
     "all",
-    "--method",
-    "laser",
-    "--dataset",
-    "digits",
-    "--heads",
-    "active",
-    "--top-model",
-    "none",
-    "--representation-dim",
-    "10",
-    "--epochs",
-    "1",
+    *LABEL_LEAK_RUN,
     "--quiet",
 ]
 

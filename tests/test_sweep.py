@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import LABEL_LEAK_RUN
 
 from attacks.sweep import expand, parse_grid, run_sweep, summarise, write_sweep
 from protocols.privacy import PrivacySpec
@@ -108,18 +109,7 @@ def test_sweep_command_writes_table_plots_and_store_rows(tmp_path: Path) -> None
         "sweep",
         "--attack",
         "direct-label-inference",
-        "--method",
-        "laser",
-        "--dataset",
-        "digits",
-        "--heads",
-        "active",
-        "--top-model",
-        "none",
-        "--representation-dim",
-        "10",
-        "--epochs",
-        "1",
+        *LABEL_LEAK_RUN,
         "--defense",
         "dp-gradients:SIGMA:0.01",
         "--grid",
