@@ -255,3 +255,39 @@ def test_party_files_with_bad_file_are_refused(tmp_path):
             test_missing=[],
             rng=rng(),
         )
+
+
+def test_aligned_samples_are_observed_by_every_party_and_the_others_keep_their_masks():
+    split = same_rows_split(n=4000)
+    mechanisms = {"train_missing": parse_mechanism("mnar:0.7"), "test_missing": []}
+    plain = make_vertical(split, parties=4, rng=rng(3), **mechanisms)
+    reserved = make_vertical(
+        split, parties=4, rng=rng(3), aligned=300, aligned_rng=rng(4), **mechanisms
+    )
+    assert plain.aligned_rows is None and reserved.aligned_rows is not None
+    drawn = np.sort(rng(4).choice(4000, size=300, replace=False))
+    rows = reserved.aligned_rows
+    # The labels are the original row numbers: the reserve is the rows drawn, all observed.
+    assert np.array_equal(reserved.train.labels[rows], drawn)
+    assert reserved.train.mask[rows].all()
+    assert all(np.abs(block[rows]).sum(axis=1).all() for block in reserved.train.blocks)
+    # Without the reserve, few of the same samples are complete (MNAR 0.7).
+    assert plain.train.mask[np.isin(plain.train.labels, drawn)].all(axis=1).mean() < 0.2
+    # Every other sample keeps the mask it has in the run without a reserve.
+    others = ~np.isin(reserved.train.labels, drawn)
+    kept = ~np.isin(plain.train.labels, drawn)
+    assert np.array_equal(reserved.train.labels[others], plain.train.labels[kept])
+    assert np.array_equal(reserved.train.mask[others], plain.train.mask[kept])
+
+
+def test_an_aligned_reserve_larger_than_the_training_set_is_refused():
+    with pytest.raises(ConfigError, match=r"`aligned_labeled` must be an integer in \[0, 4000\]"):
+        make_vertical(
+            toy_split(),
+            parties=2,
+            train_missing=parse_mechanism("mcar:0.5"),
+            test_missing=[parse_mechanism("mcar:0")],
+            rng=rng(0),
+            aligned=4001,
+            aligned_rng=rng(1),
+        )

@@ -4,18 +4,27 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import MakeData
+from conftest import MakeData, synthetic_split
 
 from secure_vfl.cli import main
+from secure_vfl.data.missingness import parse_mechanism
+from secure_vfl.data.vertical import VerticalData, make_vertical
 from secure_vfl.errors import ConfigError
+from secure_vfl.experiment import TrainConfig, check_data
 from secure_vfl.federation.channel import Channel, RecordingLayer
 from secure_vfl.methods import METHODS, MethodConfig
-from secure_vfl.methods.base import build_federation, in_process_parties, labeled_rows
+from secure_vfl.methods.base import (
+    build_federation,
+    in_process_parties,
+    labeled_rows,
+    training_rows,
+)
 from secure_vfl.models.networks import make_bottom
 from secure_vfl.models.simsiam import pretrain_simsiam
 
@@ -112,3 +121,82 @@ def test_cli_labeled_run_records_its_labels(
         main([*bad, "--out", str(tmp_path / "bad")])
     assert exit_info.value.code == 2 and "--labeled" in capsys.readouterr().err
     assert not (tmp_path / "bad").exists()
+
+
+def aligned_data(aligned: int, *, n: int = 600) -> VerticalData:
+    """4 parties, MCAR 0.5 in training, ``aligned`` samples kept observed by every party."""
+    return make_vertical(
+        synthetic_split(n=n, features=16, seed=2),
+        parties=4,
+        train_missing=parse_mechanism("mcar:0.5"),
+        test_missing=[parse_mechanism("mcar:0")],
+        rng=np.random.default_rng(2),
+        aligned=aligned,
+        aligned_rng=np.random.default_rng(9),
+    )
+
+
+def test_the_aligned_reserve_is_labelled_first_and_standard_vfl_trains_on_it() -> None:
+    data = aligned_data(40)
+    assert data.aligned_rows is not None and data.aligned_rows.size == 40
+    labeled = labeled_rows(data, FAST, seed=1)  # FAST labels 60
+    assert labeled.size == 60 and set(data.aligned_rows.tolist()) <= set(labeled.tolist())
+    assert np.array_equal(labeled, labeled_rows(data, FAST, seed=1))
+    # The other 20 are drawn among the rest by the seed, whatever their masks.
+    assert not np.array_equal(labeled, labeled_rows(data, FAST, seed=2))
+    everything = labeled_rows(data, dataclasses.replace(FAST, labeled=None), seed=1)
+    assert np.array_equal(everything, np.arange(data.train.n))
+    # Vanilla VFL keeps the complete labelled samples: the 40 and the few (1/16) of the rest.
+    complete = training_rows("standard", data, FAST, seed=1)
+    assert set(data.aligned_rows.tolist()) <= set(complete.tolist())
+    assert complete.size < 40 + 10
+    without = training_rows("standard", aligned_data(0), FAST, seed=1)
+    assert without.size < 15
+    with pytest.raises(ConfigError, match="the 40 samples kept aligned are labelled ones"):
+        labeled_rows(data, dataclasses.replace(FAST, labeled=39), seed=1)
+
+
+def test_cli_aligned_labeled_run_records_its_reserve(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "reserve"
+    argv = ["train", "--method", "standard", "--dataset", "digits", "--p-miss-train", "0.5"]
+    argv += ["--labeled", "200", "--aligned-labeled", "100", "--epochs", "1", "--quiet"]
+    assert main([*argv, "--out", str(out)]) == 0
+    assert json.loads((out / "result.json").read_text())["config"]["aligned_labeled"] == 100
+    assert "200 labelled, 100 kept aligned)" in capsys.readouterr().out
+    for flags, refusal in (
+        (["--labeled", "99"], "expected `labeled` of at least 100, found 99"),
+        (
+            ["--labeled", "6000", "--aligned-labeled", "5000"],
+            r"`aligned_labeled` must be an integer in \[0, 1438\]",
+        ),
+    ):
+        assert main([*argv, *flags, "--out", str(tmp_path / "bad")]) != 0
+        assert re.search(refusal, capsys.readouterr().err)
+    assert not (tmp_path / "bad").exists()
+
+
+def test_an_aligned_reserve_is_refused_with_party_files_and_checked_against_given_data(
+    tmp_path: Path,
+) -> None:
+    files = {name: tmp_path / f"{name}.csv" for name in ("a", "b", "labels")}
+    for path in files.values():
+        path.write_text("id,x\n1,0\n")
+    with pytest.raises(ConfigError, match="the missingness of party files is what the files"):
+        TrainConfig(
+            method="laser",
+            party_files=(files["a"], files["b"]),
+            label_file=files["labels"],
+            aligned_labeled=10,
+        )
+    config = TrainConfig(
+        method="standard",
+        dataset="synthetic",
+        train_missing="mcar:0.5",
+        method_config=dataclasses.replace(FAST, labeled=60),
+        aligned_labeled=30,
+    )
+    with pytest.raises(ConfigError, match="aligned labelled samples 30 expected, found 40"):
+        check_data(config, aligned_data(40))
+    check_data(config, aligned_data(30))

@@ -101,7 +101,9 @@ class VerticalData:
     value of each class index (the label file's own values; 0..C-1 for a registered dataset).
     ``party_names`` are the users' names of the parties (the files' stems or ``--party-name``;
     None for a registered dataset, whose parties are ``party-0``...) and ``alignment`` the
-    alignment report of party files (:func:`alignment_report`).
+    alignment report of party files (:func:`alignment_report`). ``aligned_rows`` are the
+    training rows kept observed by every party whatever the training missingness (sorted; a
+    reserve of labelled samples, :func:`make_vertical`'s ``aligned``; None: no reserve).
     """
 
     name: str
@@ -115,6 +117,7 @@ class VerticalData:
     classes: tuple[object, ...] | None = None
     party_names: tuple[str, ...] | None = None
     alignment: dict[str, Any] | None = None
+    aligned_rows: np.ndarray | None = None
 
     @property
     def parties(self) -> int:
@@ -194,12 +197,19 @@ def _assemble(
     classes: tuple[object, ...] | None = None,
     party_names: tuple[str, ...] | None = None,
     alignment: dict[str, Any] | None = None,
+    aligned: np.ndarray | None = None,
 ) -> VerticalData:
-    """Draw the masks (AND-ed with which rows parties hold, if given) and build the splits."""
+    """Draw the masks (AND-ed with which rows parties hold, if given) and build the splits;
+    the training rows ``aligned`` stay observed by every party."""
     dropped = dict(dropped or {})
     train_mask = train_missing.sample(train_blocks, rng=rng)
     if held_train is not None:
         train_mask &= held_train
+    aligned_rows = None
+    if aligned is not None:
+        train_mask[aligned] = True
+        # Their rows once the samples no party observes are dropped (they are not among them).
+        aligned_rows = np.flatnonzero(np.isin(np.flatnonzero(train_mask.any(axis=1)), aligned))
     train, dropped["train"] = _masked_split(train_blocks, train_labels, train_mask, copy=False)
     tests: dict[str, VerticalSplit] = {}
     for mechanism in test_missing:
@@ -221,6 +231,7 @@ def _assemble(
         classes=classes if classes is not None else tuple(range(num_classes)),
         party_names=party_names,
         alignment=alignment,
+        aligned_rows=aligned_rows,
     )
 
 
@@ -231,13 +242,31 @@ def make_vertical(
     train_missing: Mechanism,
     test_missing: Sequence[Mechanism],
     rng: np.random.Generator,
+    aligned: int = 0,
+    aligned_rng: np.random.Generator | None = None,
 ) -> VerticalData:
     """Partition a dataset over ``parties`` (column blocks or image patches), standardise each
     block with its training statistics, and draw independent train and test masks.
 
-    The MAR/MNAR rules see the standardised blocks, as in FALSE-VFL's appendix D.4.
+    The MAR/MNAR rules see the standardised blocks, as in FALSE-VFL's appendix D.4. ``aligned``
+    training samples, drawn uniformly by ``aligned_rng`` (its own stream: the masks are those of
+    a run without them), are kept observed by every party and the training missingness renders
+    only the others missing: FALSE-VFL's setup, which reserves 100 (tabular) or 200 (image) of
+    its labelled samples as fully aligned (its section 5); :func:`labeled_rows
+    <secure_vfl.methods.base.labeled_rows>` labels them first (``VerticalData.aligned_rows``).
     """
     _check_test_labels(test_missing)
+    reserve = None
+    if aligned:
+        n = split.train.y.shape[0]
+        if isinstance(aligned, bool) or not isinstance(aligned, int) or not 0 <= aligned <= n:
+            raise ConfigError(
+                f"`aligned_labeled` must be an integer in [0, {n}] (the training samples). "
+                f"Found {aligned!r}."
+            )
+        if aligned_rng is None:
+            raise ConfigError("`aligned` samples need their own generator: give aligned_rng.")
+        reserve = np.sort(aligned_rng.choice(n, size=aligned, replace=False))
     train_raw = partition(split.train.x, split.kind, parties)
     test_raw = partition(split.test.x, split.kind, parties)
     train_blocks, test_blocks, scalers = _standardise(train_raw, test_raw, [None] * parties)
@@ -260,6 +289,7 @@ def make_vertical(
         rng=rng,
         feature_names=names,
         preprocessing=_preprocessing(scalers, names),
+        aligned=reserve,
     )
 
 

@@ -162,10 +162,24 @@ class MethodConfig:
 
 def labeled_rows(data: VerticalData, config: MethodConfig, seed: int) -> np.ndarray:
     """The training rows whose labels a method may use: all, or ``config.labeled`` of them
-    drawn with the run's seed (the same rows for every method of a run). ConfigError when
-    ``config.labeled`` leaves one class (it trained, and warned only of collapsed predictions).
+    drawn with the run's seed (the same rows for every method of a run): the rows every party
+    keeps observed (``data.aligned_rows``, FALSE-VFL's reserve) first, the rest among the
+    others. ConfigError when ``config.labeled`` leaves one class (it trained, and warned only
+    of collapsed predictions) or is smaller than the reserve.
     """
-    rows = labeled_subset(data.train.n, config.labeled, rng=np.random.default_rng(seed))
+    reserve = data.aligned_rows
+    rng = np.random.default_rng(seed)
+    if reserve is None or config.labeled is None or config.labeled > data.train.n:
+        rows = labeled_subset(data.train.n, config.labeled, rng=rng)  # refuses too many
+    elif config.labeled < reserve.size:
+        raise ConfigError(
+            f"the {reserve.size} samples kept aligned are labelled ones: expected --labeled "
+            f"of at least {reserve.size}, found {config.labeled}."
+        )
+    else:
+        others = np.setdiff1d(np.arange(data.train.n), reserve)
+        drawn = others[rng.choice(others.size, size=config.labeled - reserve.size, replace=False)]
+        rows = np.sort(np.concatenate([reserve, drawn])).astype(np.int64)
     if config.labeled is not None:
         classes = np.unique(data.train.labels[rows])
         if classes.size < 2:
