@@ -179,6 +179,8 @@ def _trained(config: dict[str, Any]) -> str:
         parts.append(f"{method['epochs']} epoch{'s' if method['epochs'] != 1 else ''}")
     if isinstance(method.get("labeled"), int):
         parts.append(f"{method['labeled']} labelled")
+    if isinstance(config.get("aligned_labeled"), int) and config["aligned_labeled"]:
+        parts.append(f"{config['aligned_labeled']} kept aligned")
     if method.get("pretrain_epochs"):
         parts.append(f"pretrained {method['pretrain_epochs']}")
     return ", ".join(parts)

@@ -388,6 +388,9 @@ def test_runs_that_were_trained_differently_say_how() -> None:
     other = summarise(entry("dirichlet:inf", 1, labeled=20, pretrain_epochs=2))
     assert plain.trained == "mcar:0, 5 epochs"
     assert other.trained == "dirichlet:inf, 1 epoch, 20 labelled, pretrained 2"
+    reserved = entry("mcar:0.2", 5, labeled=1000)
+    reserved["config"]["aligned_labeled"] = 200  # type: ignore[index]
+    assert summarise(reserved).trained == "mcar:0.2, 5 epochs, 1000 labelled, 200 kept aligned"
     lines = table(["a", "b"], [plain, other]).splitlines()
     assert "trained" in lines[0] and "dirichlet:inf, 1 epoch" in lines[2]
     assert "trained" not in table(["a", "b"], [plain, plain]).splitlines()[0]  # alike: no column
