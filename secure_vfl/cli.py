@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
@@ -2319,9 +2319,16 @@ def run_predict(args: argparse.Namespace) -> int:
     if out is not None:
         predictions.write(out)
     print(_prediction_summary(model, predictions, out))
+    _print_absent(model.absent)
     for warning in noted:
         print(f"secure-vfl: warning: {warning}", file=sys.stderr)
     return 0
+
+
+def _print_absent(absent: Mapping[str, str]) -> None:
+    """A line for each party a prediction went without for every row, and why."""
+    for party, why in absent.items():
+        print(f"absent: {party} ({why}); predicted without its block")
 
 
 def run_predict_deployed(args: argparse.Namespace) -> int:
@@ -2360,8 +2367,7 @@ def run_predict_deployed(args: argparse.Namespace) -> int:
     if out is not None:
         predictions.write(out)
     print(_prediction_summary(done, predictions, out))
-    for party, why in done.absent.items():
-        print(f"absent: {party} ({why}); predicted without its block")
+    _print_absent(done.absent)
     for warning in noted:
         print(f"secure-vfl: warning: {warning}", file=sys.stderr)
     return 0

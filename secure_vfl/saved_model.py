@@ -17,9 +17,10 @@ the manifest does not list is refused by name. Saving over a model replaces its 
 A deployed run (``train --federation``, :func:`secure_vfl.deployment.save_deployed`) writes the
 same manifest, but only the label party's part lies beside it: every data party keeps its own in
 its own process's model directory (``location`` :data:`KEPT_BY_PARTY`), and a party lost in
-training has none (:data:`LOST`; prediction treats it as absent). Such a model loads here once
-the data parties' parts are copied beside the manifest, each checked against the hashes its
-party reported.
+training has none (:data:`LOST`; prediction treats it as absent). Such a model loads here with
+the data parties' parts that were copied beside the manifest, each checked against the hashes
+its party reported; a party whose part was not copied is absent from every prediction here, as
+a lost one is (its file is refused, naming where its part lies).
 
 Prediction on new rows (:meth:`SavedModel.predict`): each party is handed its own new file (or
 none), rows are aligned by id (the union of the ids given; a party that does not hold an id is
@@ -572,9 +573,10 @@ class SavedModel:
     """A federation rebuilt from its manifest, every party holding the part it loaded itself.
 
     ``SavedModel.load(path)`` reads ``path/model/manifest.json`` (or ``path/manifest.json``);
-    :meth:`predict` scores new rows. Prediction runs in plain sums in this process (the parties
-    of a saved model are all here); a model trained under secure sums still predicts from the
-    subsets it was trained to release.
+    :meth:`predict` scores new rows. Prediction runs in plain sums in this process (every party
+    whose part is here is here); a model trained under secure sums still predicts from the
+    subsets it was trained to release. A deployed data party's part that was not copied beside
+    the manifest leaves that party absent from every prediction (:attr:`absent`).
     """
 
     def __init__(self, manifest: Manifest, directory: Path) -> None:
@@ -584,30 +586,49 @@ class SavedModel:
         self.channel.party_names = [entry.name for entry in manifest.parties]
         refuse_unlisted(manifest, directory)
         self.method = rebuild_method(manifest, self.channel)
+        uncopied = [entry for entry in manifest.parties if not self._copied(entry)]
+        if uncopied and getattr(self.method, "absent_block_refusal", None) is not None:
+            raise DataError(
+                f"{self._uncopied(uncopied[0])}: expected a copy of it there, since "
+                f"{manifest.method} predicts only with every party's block."
+            )
         parties = in_process_parties(self.channel)
         for party, entry in zip(parties, manifest.parties, strict=True):
             if party.name != entry.name:
                 raise DataError(f"party {entry.name} expected in block order, found {party.name}.")
-            if entry.location != LOST:
-                load_party_part(party, self._part_directory(entry), entry, manifest)
+            if entry.location != LOST and self._copied(entry):
+                load_party_part(party, self.directory / entry.directory, entry, manifest)
 
-    def _part_directory(self, entry: PartEntry) -> Path:
-        """Where ``entry``'s part lies here; DataError for a deployed party's part that was not
-        copied beside the manifest."""
-        path = self.directory / entry.directory
-        if entry.location == KEPT_BY_PARTY and not path.is_dir():
-            raise DataError(
-                f"the part of {entry.source} is kept by that party (its `party serve "
-                f"--model-dir DIR`, under DIR/{entry.name}/{self.manifest.run_id}/); expected a "
-                f"copy of it at {path} to predict in this process. Found none."
-            )
-        return path
+    def _copied(self, entry: PartEntry) -> bool:
+        """Whether ``entry``'s part lies here: always, but for a deployed party's part that was
+        not copied beside the manifest."""
+        return entry.location != KEPT_BY_PARTY or (self.directory / entry.directory).is_dir()
+
+    def _uncopied(self, entry: PartEntry) -> str:
+        """Why a deployed party's part is not here, and where a copy is expected."""
+        return (
+            f"the part of {entry.source} is kept by that party (its `party serve --model-dir "
+            f"DIR`, under DIR/{entry.name}/{self.manifest.run_id}/) and was not copied to "
+            f"{self.directory / entry.directory}"
+        )
 
     @property
     def lost(self) -> tuple[str, ...]:
         """The parties lost in training (a deployed run): they saved no part and are absent
         from every prediction."""
         return tuple(entry.source for entry in self.manifest.parties if entry.location == LOST)
+
+    @property
+    def absent(self) -> dict[str, str]:
+        """The parties absent from every prediction here, each with why: lost in training, or
+        a deployed party whose part was not copied beside the manifest."""
+        return {
+            entry.source: "lost in training"
+            if entry.location == LOST
+            else "its part is kept by that party and was not copied here"
+            for entry in self.manifest.parties
+            if entry.location == LOST or not self._copied(entry)
+        }
 
     @classmethod
     def load(cls, path: Path) -> SavedModel:
@@ -665,10 +686,17 @@ class SavedModel:
                     f"{name}: one table per party expected, found two for "
                     f"{party_label(self.manifest.parties[k])}."
                 )
-            if self.manifest.parties[k].location == LOST:
+            entry = self.manifest.parties[k]
+            if entry.location == LOST:
                 raise ConfigError(
-                    f"{self.manifest.parties[k].source} was lost in training and saved no part; "
-                    "this model predicts without its block: leave its file out."
+                    f"{entry.source} was lost in training and saved no part; this model predicts "
+                    "without its block: leave its file out."
+                )
+            if not self._copied(entry):
+                raise DataError(
+                    f"{self._uncopied(entry)}: expected a copy of it there to predict with "
+                    f"{entry.source}'s rows in this process, or leave its file out (it is then "
+                    "absent from every row)."
                 )
             by_index[k] = table
         return predict_tables(

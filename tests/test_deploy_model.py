@@ -121,11 +121,14 @@ def train_keeping_parts(
     return out, models
 
 
-def copy_parts(out: Path, models: dict[str, Path], copy: Path) -> Path:
-    """The deployed model at ``out`` with every data party's part copied beside the manifest."""
+def copy_parts(
+    out: Path, models: dict[str, Path], copy: Path, names: Sequence[str] = PARTIES[1:]
+) -> Path:
+    """The deployed model at ``out`` with the parts of the data parties ``names`` (default:
+    every one) copied beside the manifest."""
     run = read_manifest(out)[0].run_id
     shutil.copytree(out / "model", copy)
-    for name in PARTIES[1:]:
+    for name in names:
         shutil.copytree(models[name] / name / run, copy / name)
     return copy
 
@@ -200,11 +203,28 @@ def test_a_deployed_run_saves_each_part_at_its_party_and_predicts_as_the_in_proc
         processes.log("bank")
     )
 
-    # Not loadable here until the data parties' parts are copied beside the manifest.
-    with pytest.raises(DataError, match="the part of shop is kept by that party"):
-        SavedModel.load(out)
     copy = copy_parts(out, models, tmp_path / "copied")
     deployed, in_memory = SavedModel.load(copy), SavedModel.load(tmp_path / "alone")
+    # Loaded with the parts copied beside the manifest: a party whose part is not is absent
+    # from every row, as if its file were left out, and its file is refused naming where the
+    # part lies; with none copied the label party predicts from its own block alone.
+    partly = SavedModel.load(copy_parts(out, models, tmp_path / "partly", ["shop", "telco"]))
+    uncopied = "its part is kept by that party and was not copied here"
+    assert partly.absent == {"insurer": uncopied} and deployed.absent == {}
+    np.testing.assert_allclose(
+        partly.predict(new_tables(site, "insurer")).probabilities,
+        deployed.predict(new_tables(site, "insurer")).probabilities,
+        rtol=0,
+        atol=1e-6,
+    )
+    with pytest.raises(DataError, match=r"the part of insurer is kept by that party .* not copied"):
+        partly.predict(new_tables(site))
+    bare = SavedModel.load(out)
+    assert bare.absent == {name: uncopied for name in PARTIES[1:]}
+    own = {"bank": new_tables(site)["bank"]}
+    np.testing.assert_allclose(
+        bare.predict(own).probabilities, in_memory.predict(own).probabilities, atol=1e-6
+    )
     for absent in (None, "insurer"):
         ours, theirs = (
             deployed.predict(new_tables(site, absent)),

@@ -380,3 +380,36 @@ def test_predict_refuses_an_out_in_the_model_or_on_its_input_and_writes_parquet(
         check_dtype=False,
     )
     assert SavedModel.load(laser)  # still loads
+
+
+def test_a_deployed_partys_part_not_copied_here_leaves_it_absent_and_its_file_refused(
+    files: Path, copy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The retailer's part kept at the retailer (a deployed run's manifest) and not copied: the
+    model loads and predicts from the bank's block alone, as when the retailer's file is left
+    out of a model that has every part; the retailer's file is refused, naming where its part
+    lies. (`tests/test_deploy_model.py` does this with parts saved by real party processes.)"""
+    whole = SavedModel.load(copy).predict({"bank": tables(files)["bank"]})
+    edit_manifest(copy, lambda m: m["parties"][1].__setitem__("location", "party"))
+    shutil.rmtree(copy / "party-1")
+    model = SavedModel.load(copy)
+    assert model.absent == {"retailer": "its part is kept by that party and was not copied here"}
+    bank_only = model.predict({"bank": tables(files)["bank"]})
+    np.testing.assert_allclose(bank_only.probabilities, whole.probabilities, rtol=0, atol=0)
+    with pytest.raises(DataError, match=r"the part of retailer is kept by that party \(its"):
+        model.predict(tables(files))
+    argv = ["predict", "--model", str(copy), "--party-file", str(files / "bank.csv")]
+    assert main([*argv, "--out", str(tmp_path / "p.csv")]) == 0
+    printed = capsys.readouterr().out
+    assert "absent: retailer (its part is kept by that party and was not copied here)" in printed
+    assert len(pd.read_csv(tmp_path / "p.csv")) == 150
+
+
+def test_a_method_that_needs_every_block_refuses_a_deployed_part_not_copied_here(
+    files: Path, tmp_path: Path
+) -> None:
+    run = train(files, tmp_path / "standard", "standard", "labels.csv", ("bank", "retailer"))
+    edit_manifest(run / MODEL_DIR, lambda m: m["parties"][1].__setitem__("location", "party"))
+    shutil.rmtree(run / MODEL_DIR / "party-1")
+    with pytest.raises(DataError, match="standard predicts only with every party's block"):
+        SavedModel.load(run)
