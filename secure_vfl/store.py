@@ -7,7 +7,9 @@ sweeps and suites that write many runs into one directory, an entry name), so wr
 again (``--overwrite``) replaces its row instead of adding a second one.
 
 Schema versions (``PRAGMA user_version``): 0/1, the first store (no privacy columns, one row per
-write), is migrated in place on first use; a newer version than this code knows is refused.
+write), is migrated in place on first use, and so are 2 (no ``parties``) and 3 (no
+``checkpoints``: a run's checkpoint report, which says whether it resumed a killed run), whose
+rows keep them empty; a newer version than this code knows is refused.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from secure_vfl.errors import ConfigError, OutputError
 from secure_vfl.io import check_directory
 from secure_vfl.runs import provenance, summarise
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -45,9 +47,12 @@ CREATE TABLE IF NOT EXISTS runs (
     metrics TEXT NOT NULL,
     wall_time_s REAL NOT NULL,
     out_dir TEXT,
-    parties TEXT
+    parties TEXT,
+    checkpoints TEXT
 )
 """
+_ADDED_COLUMNS = ("parties", "checkpoints")
+"""The columns added since schema 2 (in order), each empty for the rows written before."""
 
 _FIRST_COLUMNS = {
     "id",
@@ -131,8 +136,9 @@ class ResultsStore:
 
     def _prepare(self, connection: sqlite3.Connection, *, create: bool = True) -> None:
         """Create the table (unless ``create`` is False), or migrate an older schema (the first:
-        rewritten; the second: a ``parties`` column added, empty for its rows); refuse what this
-        code cannot read, and a database of other tables, which another program wrote."""
+        rewritten; the second and third: the columns they lack added, empty for their rows);
+        refuse what this code cannot read, and a database of other tables, which another program
+        wrote."""
         version = int(connection.execute("PRAGMA user_version").fetchone()[0])
         if version > SCHEMA_VERSION:
             raise ConfigError(
@@ -163,9 +169,11 @@ class ResultsStore:
                 connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             return
         if "run_key" in columns:
-            if "parties" not in columns:  # schema 2: the parties' names were not kept
+            missing = [column for column in _ADDED_COLUMNS if column not in columns]
+            if missing:  # schema 2 or 3: what was not kept stays empty for their rows
                 with connection:
-                    connection.execute("ALTER TABLE runs ADD COLUMN parties TEXT")
+                    for column in missing:
+                        connection.execute(f"ALTER TABLE runs ADD COLUMN {column} TEXT")
                     connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             return
         if not columns >= _FIRST_COLUMNS:
@@ -239,8 +247,8 @@ class ResultsStore:
         ``out_dir`` and ``entry``) if there is one; return its row id.
 
         ``result`` is the run's ``result.json`` payload (``method``, ``dataset``, ``config``,
-        ``metrics``, ``wall_time_s``; ``privacy`` and ``provenance`` when present; the
-        provenance of this process otherwise)."""
+        ``metrics``, ``wall_time_s``; ``privacy``, ``parties``, ``checkpoints`` and
+        ``provenance`` when present; the provenance of this process otherwise)."""
         summary = summarise(result, kind=kind)
         origin = result.get("provenance") or provenance()
         epsilon = (result.get("privacy") or {}).get("epsilon")
@@ -262,6 +270,9 @@ class ResultsStore:
             result["wall_time_s"],
             str(Path(out_dir).resolve()) if out_dir is not None else None,
             json.dumps(result["parties"], sort_keys=True) if result.get("parties") else None,
+            json.dumps(result["checkpoints"], sort_keys=True)
+            if result.get("checkpoints")
+            else None,
         )
         connection = self._connect()
         try:
@@ -270,7 +281,8 @@ class ResultsStore:
                 cursor = connection.execute(
                     "INSERT INTO runs (run_key, created_at, kind, method, dataset, seed, backend, "
                     "dp, epsilon, epsilon_max, version, git_commit, config, metrics, wall_time_s, "
-                    "out_dir, parties) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "out_dir, parties, checkpoints) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     row,
                 )
                 return int(cursor.lastrowid or 0)
@@ -312,6 +324,7 @@ class ResultsStore:
             entry["config"] = json.loads(entry["config"])
             entry["metrics"] = json.loads(entry["metrics"])
             entry["epsilon"] = json.loads(entry["epsilon"]) if entry["epsilon"] else None
-            entry["parties"] = json.loads(entry["parties"]) if entry["parties"] else None
+            for column in _ADDED_COLUMNS:
+                entry[column] = json.loads(entry[column]) if entry[column] else None
             out.append(entry)
         return out

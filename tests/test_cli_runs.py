@@ -136,7 +136,10 @@ def test_a_first_schema_store_is_migrated_in_place(tmp_path: Path) -> None:
     assert [r["backend"] for r in store.rows()] == ["masks"]
 
 
-def test_a_second_schema_store_gains_the_parties_column_in_place(tmp_path: Path) -> None:
+@pytest.mark.parametrize("schema", [2, 3])
+def test_a_second_or_third_schema_store_gains_its_missing_columns_in_place(
+    tmp_path: Path, schema: int
+) -> None:
     path = tmp_path / "results.sqlite"
     store = ResultsStore(path)
     result = {
@@ -146,17 +149,23 @@ def test_a_second_schema_store_gains_the_parties_column_in_place(tmp_path: Path)
         "metrics": {"mcar:0": {"accuracy": 91.0, "f1": 90.0}},
         "wall_time_s": 2.0,
         "parties": {"party-0": "bank", "party-1": "shop"},
+        "checkpoints": {"every": 5, "resumed_from_step": 10},
     }
     store.add(result, kind="train", out_dir=tmp_path / "old")
-    with sqlite3.connect(path) as connection:  # what schema 2 wrote: no parties column
-        connection.execute("ALTER TABLE runs DROP COLUMN parties")
-        connection.execute("PRAGMA user_version = 2")
+    with sqlite3.connect(path) as connection:  # schema 2 kept neither; 3 no checkpoints
+        connection.execute("ALTER TABLE runs DROP COLUMN checkpoints")
+        if schema == 2:
+            connection.execute("ALTER TABLE runs DROP COLUMN parties")
+        connection.execute(f"PRAGMA user_version = {schema}")
     connection.close()
     store.check()
     store.add(result, kind="train", out_dir=tmp_path / "new")
-    assert [r["parties"] for r in store.rows()] == [None, result["parties"]]
+    rows = store.rows()
+    old_parties = None if schema == 2 else result["parties"]
+    assert [r["parties"] for r in rows] == [old_parties, result["parties"]]
+    assert [r["checkpoints"] for r in rows] == [None, result["checkpoints"]]
     with sqlite3.connect(path) as connection:
-        assert connection.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+        assert connection.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
     connection.close()
 
 
@@ -460,3 +469,22 @@ def test_a_resumed_runs_time_says_it_is_the_resumed_part() -> None:
     assert resumed.resumed and not fresh.resumed and not summarise(entry).resumed
     lines = table(["resumed", "fresh"], [resumed, fresh]).splitlines()
     assert lines[1].endswith("0.9 (resumed)") and lines[2].endswith("0.9")
+
+
+def test_runs_list_marks_a_resumed_run_from_the_store(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The store kept no checkpoint report, so `runs list` could not mark a resumed run."""
+    store = ResultsStore(tmp_path / "results.sqlite")
+    entry = {
+        "method": "laser",
+        "dataset": "digits",
+        "config": {"seed": 0, "method": "laser", "privacy": {}},
+        "metrics": {"mcar:0": {"accuracy": 90.0, "f1": 89.0}},
+        "wall_time_s": 0.9,
+    }
+    store.add({**entry, "checkpoints": {"resumed_from_step": 40}}, kind="train", out_dir=None)
+    store.add({**entry, "checkpoints": {"resumed_from_step": None}}, kind="train", out_dir=None)
+    assert main(["runs", "list", "--store", str(tmp_path / "results.sqlite")]) == 0
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert rows[0].endswith("0.9 (resumed)") and rows[1].endswith("0.9")
