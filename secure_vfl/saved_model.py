@@ -586,6 +586,12 @@ class SavedModel:
         self.channel.party_names = [entry.name for entry in manifest.parties]
         refuse_unlisted(manifest, directory)
         self.method = rebuild_method(manifest, self.channel)
+        # Decided once, as the parts are loaded: a part copied later is not in this model.
+        self._not_copied = frozenset(
+            entry.name
+            for entry in manifest.parties
+            if entry.location == KEPT_BY_PARTY and not (directory / entry.directory).is_dir()
+        )
         uncopied = [entry for entry in manifest.parties if not self._copied(entry)]
         if uncopied and getattr(self.method, "absent_block_refusal", None) is not None:
             raise DataError(
@@ -600,9 +606,9 @@ class SavedModel:
                 load_party_part(party, self.directory / entry.directory, entry, manifest)
 
     def _copied(self, entry: PartEntry) -> bool:
-        """Whether ``entry``'s part lies here: always, but for a deployed party's part that was
-        not copied beside the manifest."""
-        return entry.location != KEPT_BY_PARTY or (self.directory / entry.directory).is_dir()
+        """Whether ``entry``'s part lay here when the model loaded: always, but for a deployed
+        party's part that was not copied beside the manifest."""
+        return entry.name not in self._not_copied
 
     def _uncopied(self, entry: PartEntry) -> str:
         """Why a deployed party's part is not here, and where a copy is expected."""

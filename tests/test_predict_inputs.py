@@ -391,13 +391,15 @@ def test_a_deployed_partys_part_not_copied_here_leaves_it_absent_and_its_file_re
     lies. (`tests/test_deploy_model.py` does this with parts saved by real party processes.)"""
     whole = SavedModel.load(copy).predict({"bank": tables(files)["bank"]})
     edit_manifest(copy, lambda m: m["parties"][1].__setitem__("location", "party"))
-    shutil.rmtree(copy / "party-1")
+    part = shutil.move(copy / "party-1", tmp_path / "retailer-part")
     model = SavedModel.load(copy)
+    shutil.copytree(part, copy / "party-1")  # copied after loading: not in this model
     assert model.absent == {"retailer": "its part is kept by that party and was not copied here"}
     bank_only = model.predict({"bank": tables(files)["bank"]})
     np.testing.assert_allclose(bank_only.probabilities, whole.probabilities, rtol=0, atol=0)
     with pytest.raises(DataError, match=r"the part of retailer is kept by that party \(its"):
         model.predict(tables(files))
+    shutil.rmtree(copy / "party-1")
     argv = ["predict", "--model", str(copy), "--party-file", str(files / "bank.csv")]
     assert main([*argv, "--out", str(tmp_path / "p.csv")]) == 0
     printed = capsys.readouterr().out
