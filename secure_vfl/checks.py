@@ -111,7 +111,10 @@ def paths(name: str, value: object) -> tuple[Path, ...]:
 def instance(name: str, value: object, cls: type, hint: str = "") -> Any:
     """``value``, if it is a ``cls`` (``hint``: how to make one)."""
     if not isinstance(value, cls):
-        raise ConfigError(f"`{name}` must be a {cls.__name__}{hint}. Found {type(value).__name__}.")
+        article = "an" if cls.__name__[:1] in "AEIOU" else "a"
+        raise ConfigError(
+            f"`{name}` must be {article} {cls.__name__}{hint}. Found {type(value).__name__}."
+        )
     return value
 
 

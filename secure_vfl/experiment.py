@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 import pandas as pd
@@ -125,7 +125,10 @@ class TrainConfig:
             ("test_missing", self.test_missing),
         ):
             for text in texts:
-                mechanism = parse_mechanism(text)
+                try:
+                    mechanism = parse_mechanism(text)
+                except ConfigError as error:  # say which field: it names only the parameter
+                    raise ConfigError(f"`{field_name}` {text!r}: {error}") from None
                 rates = len(mechanism.params)
                 if mechanism.name == "mcar" and rates > 1 and rates != parties:
                     raise ConfigError(
@@ -515,6 +518,7 @@ def target_warnings(privacy: Mapping[str, Any] | None) -> list[str]:
     ]
 
 
+@runtime_checkable
 class PrivacyLayer(Protocol):
     """What a training run needs of its privacy entry object (``protocols.privacy.
     PrivacyEngine``; :class:`ImputationPrivacyLayer` for imputation): the core names this
@@ -578,6 +582,9 @@ def refuse_empty_tests(data: VerticalData) -> None:
             )
 
 
+_ENGINE_HINT = " (protocols.privacy.PrivacyEngine(spec), not the spec itself)"
+
+
 def run_training(
     config: TrainConfig,
     *,
@@ -607,7 +614,11 @@ def run_training(
     position and sampler are restored before the privacy layer calibrates to the schedule, each
     party's own state once its mechanisms are installed.
     """
+    checks.instance("config", config, TrainConfig)
+    if data is not None:
+        checks.instance("data", data, VerticalData, " (prepare_data(config))")
     if privacy is not None:
+        checks.instance("privacy", privacy, PrivacyLayer, _ENGINE_HINT)
         privacy.refuse(config)
     if data is None:
         data = prepare_data(config)
@@ -784,6 +795,7 @@ def prepare_imputation_task(config: ImputeRunConfig) -> ImputationTask:
     )
 
 
+@runtime_checkable
 class ImputationPrivacyLayer(Protocol):
     """What an imputation run needs of its privacy entry object, as :class:`PrivacyLayer` is
     for training (``protocols.privacy.PrivacyEngine`` is both): the core names this interface
@@ -829,7 +841,14 @@ def run_imputation(
     from exact federated statistics, the same for every method and privacy setting, so RMSEs are
     comparable across both: it is the evaluator's yardstick, not a release of the method.
     """
-    task = task if task is not None else prepare_imputation_task(config)
+    checks.instance("config", config, ImputeRunConfig)
+    if privacy is not None:
+        checks.instance("privacy", privacy, ImputationPrivacyLayer, _ENGINE_HINT)
+    if task is None:
+        task = prepare_imputation_task(config)
+    else:
+        checks.instance("task", task, ImputationTask, " (prepare_imputation_task(config))")
+        check_task(config, task)
     mechanisms = privacy.statistics_mechanisms(task) if privacy is not None else None
     if aggregator is None and privacy is not None:
         aggregator = privacy.aggregator()
@@ -938,6 +957,19 @@ def fit_and_score(
         raise DivergenceError(
             f"imputation diverged {when}: {str(error).rstrip('.')}; {IMPUTATION_ADVICE}."
         ) from None
+
+
+def check_task(config: ImputeRunConfig, task: ImputationTask) -> None:
+    """ConfigError unless ``task``, given to a run of ``config``, has the clients ``config``
+    describes (``clients``, or one per client file): the run's result records ``config``. (Its
+    name is not compared, as :func:`check_data` does not.)"""
+    clients = len(config.client_files) if config.client_files else config.clients
+    if len(task.train) != clients:
+        given = f"{clients} client files" if config.client_files else f"clients={clients}"
+        raise ConfigError(
+            f"the task given to the run is not the task of its config: {given} expected, "
+            f"found a task of {len(task.train)} clients."
+        )
 
 
 def _imputation_config(config: ImputeRunConfig, task: ImputationTask) -> dict[str, Any]:

@@ -388,9 +388,10 @@ class Predictions:
             frame[probability_column(value)] = self.probabilities[:, c]
         return frame
 
-    def write(self, path: Path) -> None:
+    def write(self, path: Path | str) -> None:
         """Write :meth:`frame` to ``path`` atomically: Parquet where its suffix is
         ``.parquet`` (as the party files may be), else CSV."""
+        path = Path(path)
 
         def write(tmp: Path) -> None:
             frame = self.frame()
@@ -411,6 +412,12 @@ def output_columns(id_column: str, label_column: str, classes: Sequence[ClassVal
     """The columns of a prediction's output: the id, the predicted label, one probability per
     class. ConfigError for an empty name, or a name two of them share (the label column named
     as the id column or a ``p_<class>`` column would replace it)."""
+    for what, name in (("id", id_column), ("predicted label", label_column)):
+        if not isinstance(name, str):
+            raise ConfigError(
+                f"the {what}'s column: a column name (str) expected; found "
+                f"{type(name).__name__} {name!r}."
+            )
     probabilities = [probability_column(value) for value in classes]
     columns = [id_column, label_column, *probabilities]
     if label_column in (id_column, *probabilities) or not label_column:
@@ -460,6 +467,11 @@ def predict_tables(
     output columns that collide (:func:`output_columns`), before any row is read. The output
     names the ids ``id_column`` (default: the one the model was trained with) and the
     predicted label ``label_column``."""
+    if method.fed.fit != "trained":
+        raise ConfigError(
+            f"{method.name} has not been trained ({method.fed.fit}): expected method.fit() "
+            "before predicting, or a saved model (SavedModel.load)."
+        )
     parties = in_process_parties(channel)
     if len(tables) != len(parties):
         raise ConfigError(f"one entry per party expected ({len(parties)}); found {len(tables)}.")
@@ -604,6 +616,7 @@ class SavedModel:
                 raise DataError(f"party {entry.name} expected in block order, found {party.name}.")
             if entry.location != LOST and self._copied(entry):
                 load_party_part(party, self.directory / entry.directory, entry, manifest)
+        self.method.fed.fit = "trained"  # by the run that saved it
 
     def _copied(self, entry: PartEntry) -> bool:
         """Whether ``entry``'s part lay here when the model loaded: always, but for a deployed
@@ -675,6 +688,11 @@ class SavedModel:
         it came from); a party not named is absent for every row. The output's columns are
         ``id_column`` (default :attr:`id_column`), ``label_column`` and ``p_<class>`` per
         class, refused before any row is read if they collide (:func:`output_columns`)."""
+        if not isinstance(tables, Mapping):
+            raise TypeError(
+                "a mapping of party name -> (PartyTable, path) expected, e.g. {'bank': "
+                f"(read_party_file(path), str(path))}}; found {type(tables).__name__}."
+            )
         by_index: list[tuple[PartyTable, str] | None] = [None] * len(self.manifest.parties)
         for name, table in tables.items():
             if not (

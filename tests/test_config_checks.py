@@ -53,7 +53,7 @@ WRONG: list[tuple[Any, dict[str, Any], str]] = [
     (
         ImputeRunConfig,
         {"method": "mean", "dataset": "ozone", "impute_config": {"rounds": 1}},
-        "`impute_config` must be a ImputeConfig. Found dict.",
+        "`impute_config` must be an ImputeConfig. Found dict.",
     ),
     (
         ImputeRunConfig,
@@ -113,3 +113,36 @@ def test_the_checks_take_what_they_promise_and_no_more() -> None:
             checks.real("x", wrong, low=0, high=1, high_open=True)
     assert checks.flag("f", np.bool_(False)) is False
     assert checks.texts("t", ["a", "b"]) == ("a", "b")
+
+
+def test_the_entry_points_refuse_arguments_of_the_wrong_kind_naming_them() -> None:
+    """A PrivacySpec passed where its engine goes, a dict for a config, data or a task: an
+    AttributeError from deep inside the run before."""
+    from secure_vfl.experiment import prepare_imputation_task, run_imputation, run_training
+
+    config, impute = _train(), ImputeRunConfig(method="mean", dataset="ozone", clients=3)
+    engine = re.escape("(protocols.privacy.PrivacyEngine(spec), not the spec itself)")
+    for call, refusal in (
+        (
+            lambda: run_training(config, privacy=PrivacySpec()),
+            f"`privacy` must be a Priv.*{engine}",
+        ),
+        (lambda: run_training({"method": "laser"}), "`config` must be a TrainConfig. Found dict"),
+        (lambda: run_training(config, data={"x": 1}), r"`data` must be a VerticalData \(prepare"),
+        (lambda: run_imputation(impute, privacy=PrivacySpec()), f"must be an Imput.*{engine}"),
+        (lambda: run_imputation(impute, task={"a": 1}), "`task` must be an ImputationTask"),
+    ):
+        with pytest.raises(ConfigError, match=refusal):
+            call()
+    # A task dealt to 3 clients under a config of 5 recorded 5 clients in its result.
+    task = prepare_imputation_task(impute)
+    with pytest.raises(ConfigError, match="clients=5 expected, found a task of 3 clients"):
+        run_imputation(ImputeRunConfig(method="mean", dataset="ozone", clients=5), task=task)
+    assert run_imputation(impute, task=task)[0].config["clients"] == 3
+
+
+def test_a_missingness_refusal_names_its_field() -> None:
+    with pytest.raises(ConfigError, match=r"`train_missing` 'mcar:1': `p` must be in \[0, 1\)"):
+        _train(train_missing="mcar:1")
+    with pytest.raises(ConfigError, match="`test_missing` 'mnar:2': "):
+        _train(test_missing=("mcar:0", "mnar:2"))

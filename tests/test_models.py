@@ -608,3 +608,18 @@ def test_categorical_columns_and_missing_cells_predict_as_the_trained_federation
         held_out[name] = (table.subset(np.isin(table.ids, messy.held_out_ids)), str(path))
     repeated = SavedModel.load(directory).predict(held_out)
     np.testing.assert_allclose(repeated.probabilities, method.predict_proba("mcar:0"), atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["laser", "standard"])
+def test_a_method_predicts_once_trained_and_trains_once(files: Files, name: str) -> None:
+    """Predicting before fit() gave an untrained model's labels without a word; a second fit()
+    failed as a replay of round 0."""
+    config = _config(files, name)
+    channel = Channel()
+    method = build_method(config, prepare_data(config), channel=channel)
+    with pytest.raises(ConfigError, match=f"{name} has not been trained .new.: expected"):
+        predict_tables(method, channel, _tables(files.new))
+    method.fit()
+    assert len(predict_tables(method, channel, _tables(files.new)).ids) == len(files.new_ids)
+    with pytest.raises(ConfigError, match=r"fit\(\) was called on this method already .trained."):
+        method.fit()

@@ -130,6 +130,18 @@ def test_an_id_column_named_as_a_probability_column_is_refused(files: Path, lase
     assert list(predictions.frame().columns) == [
         "customer", "predicted", "p_setosa", "p_versicolor", "p_virginica",
     ]  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"the id.s column: a column name \(str\) expected; found"
+    ):
+        SavedModel.load(laser).predict(tables(files), id_column=3)  # type: ignore[arg-type]
+
+
+def test_predictions_write_to_a_path_given_as_text(
+    files: Path, laser: Path, tmp_path: Path
+) -> None:
+    predictions = SavedModel.load(laser).predict(tables(files))
+    predictions.write(str(tmp_path / "p.parquet"))
+    assert pd.read_parquet(tmp_path / "p.parquet")["predicted"].tolist() == predictions.labels()
 
 
 # -- tables built in Python ------------------------------------------------------------------------
@@ -180,6 +192,10 @@ def test_predict_wants_a_table_and_its_path_per_party_and_each_party_once(
             model.predict({**given, "bank": wrong})
     with pytest.raises(ConfigError, match="one table per party expected, found two for bank"):
         model.predict({**given, "party-0": given["bank"]})
+    with pytest.raises(
+        TypeError, match=r"a mapping of party name -> \(PartyTable, path\) expected"
+    ):
+        model.predict([given["bank"]])  # type: ignore[arg-type]
     assert len(model.predict(given).ids) == len(bank.ids)
 
 

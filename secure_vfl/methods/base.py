@@ -355,6 +355,9 @@ class Federation:
     )
     """Each dropped party's availability column per split as the label party knew it when the
     party was lost: what it gets back if it rejoins (never more than was known)."""
+    fit: Literal["new", "fitting", "trained"] = "new"
+    """Where the method's one :meth:`~Method.fit` stands (``trained`` too for a model loaded
+    from its saved parts); see :func:`fits_once`."""
 
     def live(self, names: Sequence[str] | None = None) -> list[str]:
         """``names`` (default: every data party) less those dropped."""
@@ -1134,6 +1137,29 @@ def stops_on_a_lost_party(step: TrainStep[_DrivenT]) -> TrainStep[_DrivenT]:
             raise
 
     return train_step
+
+
+FitT = TypeVar("FitT", bound=Callable[..., list[float]])
+
+
+def fits_once(fit: FitT) -> FitT:
+    """Decorate a method's ``fit``: a method trains once (its parties' rounds move on; a second
+    fit was refused as a replay of round 0), and :attr:`Federation.fit` says whether it has."""
+
+    @functools.wraps(fit)
+    def once(self: Any, *args: Any, **kwargs: Any) -> list[float]:
+        if self.fed.fit != "new":
+            raise ConfigError(
+                f"{self.name}: fit() was called on this method already ({self.fed.fit}); a "
+                "method trains once: build another (build_method, with a new Channel) to "
+                "train again."
+            )
+        self.fed.fit = "fitting"
+        losses: list[float] = fit(self, *args, **kwargs)
+        self.fed.fit = "trained"
+        return losses
+
+    return cast(FitT, once)
 
 
 def train_epochs(

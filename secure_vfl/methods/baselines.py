@@ -40,6 +40,7 @@ from secure_vfl.methods.base import (
     batches,
     broadcast_prediction,
     build_federation,
+    fits_once,
     isolated_seed,
     random_predictions,
     refuse_secure_sums,
@@ -181,6 +182,7 @@ class ConcatFusionMethod:
     def total_steps(self) -> int:
         return len(self.sampler) * self.config.epochs
 
+    @fits_once
     def fit(
         self, *, on_step: StepCallback | None = None, progress: TrainingProgress | None = None
     ) -> list[float]:
@@ -385,6 +387,7 @@ class Combinatorial:
     def total_steps(self) -> int:
         return len(self.sampler) * self.config.epochs
 
+    @fits_once
     def fit(
         self, *, on_step: StepCallback | None = None, progress: TrainingProgress | None = None
     ) -> list[float]:

@@ -115,6 +115,7 @@ from secure_vfl.methods.base import (
     broadcast_prediction,
     build_federation,
     build_party,
+    fits_once,
     isolated_seed,
     labeled_rows,
     refuse_top_model,
@@ -973,6 +974,7 @@ class FalseVflMethod:
         label.discriminator_optimizer.zero_grad(set_to_none=True)
         return loss.item()
 
+    @fits_once
     def fit(
         self, *, on_step: StepCallback | None = None, progress: TrainingProgress | None = None
     ) -> list[float]:

@@ -64,6 +64,7 @@ from secure_vfl.methods.base import (
     batches,
     broadcast_prediction,
     build_federation,
+    fits_once,
     isolated_seed,
     require_hiding_crowd,
     split_tensors,
@@ -348,6 +349,7 @@ class MeanFusionMethod:
     def total_steps(self) -> int:
         return len(self.sampler) * self.config.epochs
 
+    @fits_once
     def fit(
         self, *, on_step: StepCallback | None = None, progress: TrainingProgress | None = None
     ) -> list[float]:
