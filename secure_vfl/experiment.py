@@ -717,8 +717,13 @@ class ImputeRunConfig:
             },
         )
         checks.instance("impute_config", self.impute_config, ImputeConfig)
-        checks.text("id_column", self.id_column)
-        checks.text("label_column", self.label_column)
+        for name in ("id_column", "label_column"):
+            if not checks.text(name, getattr(self, name)):
+                raise ConfigError(f"`{name}` must be a column name. Found ''.")
+        if self.id_column == self.label_column:
+            raise ConfigError(
+                f"the id and label columns must differ. Found both {self.id_column!r}."
+            )
         if self.method not in IMPUTERS:
             raise ConfigError(
                 f"`method` must be one of {', '.join(IMPUTERS.names())}. Found {self.method!r}."

@@ -60,6 +60,16 @@ WRONG: list[tuple[Any, dict[str, Any], str]] = [
         {"method": "mean", "dataset": "ozone", "availability": "0.5"},
         "`availability` must be in (0, 1]. Found '0.5'.",
     ),
+    (
+        ImputeRunConfig,
+        {"method": "mean", "dataset": "ozone", "id_column": "x", "label_column": "x"},
+        "the id and label columns must differ. Found both 'x'.",
+    ),
+    (
+        ImputeRunConfig,
+        {"method": "mean", "dataset": "ozone", "id_column": ""},
+        "`id_column` must be a column name. Found ''.",
+    ),
     (PrivacySpec, {"dp_embeddings": "1:1"}, "`dp_embeddings` must be a (SIGMA, CLIP) pair"),
     (PrivacySpec, {"dp_sgd": ("1", "1")}, "`dp_sgd` must be a (SIGMA, CLIP) pair of numbers."),
     (PrivacySpec, {"delta": "1e-5"}, "`delta` must be in (0, 1). Found '1e-5'."),

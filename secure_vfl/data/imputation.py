@@ -219,7 +219,8 @@ def _split_client(
         raise DataError(
             f"client {client.name!r} must keep at least 2 training rows. Found {client.n} rows, "
             f"{client.n - n_test} left for training with test_fraction {test_fraction}; "
-            "give it more rows (a dataset: fewer clients; from Python: a smaller test_fraction)."
+            "give it more rows (a dataset: fewer clients; from Python: a smaller test_fraction of "
+            "make_imputation_task)."
         )
     in_test = np.zeros(client.n, dtype=bool)
     in_test[rng.permutation(client.n)[:n_test]] = True
