@@ -121,9 +121,49 @@ def test_a_parquet_naming_a_column_twice_is_refused_naming_it(tmp_path):
         read_party_file(path)
 
 
-def test_empty_and_dotted_header_names_are_not_repeats(tmp_path):
-    table = read_party_file(write(tmp_path / "party.csv", "id,x,x.1,,\n1,2,3,4,5\n"))
-    assert table.columns == ("x", "x.1", "Unnamed: 3", "Unnamed: 4")
+def test_dotted_header_names_are_not_repeats_and_unnamed_columns_are_refused(tmp_path):
+    table = read_party_file(write(tmp_path / "party.csv", "id,x,x.1\n1,2,3\n"))
+    assert table.columns == ("x", "x.1")
+    # pandas named them `Unnamed: 3` and read an index written without a name as a feature.
+    for header, row, which in (
+        ("id,x,x.1,,", "1,2,3,4,5", "4, 5 of 5"),
+        (",id,x", "0,a,2", "1 of 3"),
+    ):
+        with pytest.raises(DataError, match=f"found none for column {which} .a trailing"):
+            read_party_file(write(tmp_path / "unnamed.csv", f"{header}\n{row}\n"))
+
+
+def test_a_trailing_comma_on_every_row_does_not_shift_the_columns(tmp_path):
+    """pandas took the ids for an index and every value for the column before it: predict wrote
+    predictions keyed by feature values."""
+    table = read_party_file(write(tmp_path / "p.csv", "id,c,d\nc1,0.5,0.6,\nc2,-0.7,0.8,\n"))
+    assert table.ids.tolist() == ["c1", "c2"]
+    assert table.frame.to_dict("list") == {"c": [0.5, -0.7], "d": [0.6, 0.8]}
+    with pytest.raises(DataError, match="some rows have more fields than the header names"):
+        read_party_file(write(tmp_path / "q.csv", "id,c,d\nc1,0.5,0.6,7\nc2,-0.7,0.8,\n"))
+
+
+def test_text_pandas_reads_as_missing_is_an_id_or_a_label_and_booleans_stay_numbers(tmp_path):
+    """`NA` (North America) was an empty label and an empty id; True/False with an empty cell
+    became categories, and without one numbers: a model trained on one refused the other."""
+    labels = read_label_file(write(tmp_path / "y.csv", "id,label\nNA,NA\nb,EU\nnull,NA\n"))
+    assert labels.ids.tolist() == ["NA", "b", "null"] and labels.classes == ("EU", "NA")
+    numbers = read_label_file(write(tmp_path / "n.csv", "id,label\na,0\nb,1\n"))
+    assert numbers.classes == (0, 1)  # numbers stay numbers
+    with pytest.raises(DataError, match=r"every row must have a label\. Found 1 empty"):
+        read_label_file(write(tmp_path / "e.csv", "id,label\na,0\nb,\n"))
+    flags = read_party_file(write(tmp_path / "f.csv", "id,flag,region\n1,True,NA\n2,,EU\n"))
+    assert flags.frame["flag"].tolist()[0] == 1.0 and np.isnan(flags.frame["flag"].tolist()[1])
+    assert flags.frame["region"].isna().tolist() == [True, False]  # a feature: NA is missing
+
+
+def test_a_file_in_another_encoding_or_separator_is_refused_saying_so(tmp_path):
+    latin = tmp_path / "latin.csv"
+    latin.write_bytes("id,city\na,Montr\xe9al\n".encode("latin-1"))
+    with pytest.raises(DataError, match=r"could not be read as UTF-8 text .* saved as UTF-8"):
+        read_party_file(latin)
+    with pytest.raises(DataError, match="the header is one column, 'id;c', separated by ';'"):
+        read_party_file(write(tmp_path / "semi.csv", "id;c\n1;2\n"))
 
 
 def test_unsupported_or_missing_files_are_refused(tmp_path):

@@ -132,3 +132,45 @@ def test_version_1_json_is_still_read_as_numeric_columns_that_refuse_missing_cel
         PartyPreprocessing.from_json(version_1, "old.json")
     with pytest.raises(DataError, match="preprocessing version 1 or 2 expected"):
         PartyPreprocessing.from_json({**version_1, "version": 3}, "new.json")
+
+
+def test_codes_a_new_file_reads_as_numbers_are_the_categories_they_were_in_training(
+    tmp_path,
+) -> None:
+    """`007`, `012`, `HQ` are text in training; a new file with only `007` and `012` reads them
+    as the numbers 7 and 12, which were 'never seen in training' and encoded as no category."""
+    from secure_vfl.data.party_files import read_party_file
+
+    train = tmp_path / "train.csv"
+    train.write_text("id,branch\na,007\nb,012\nc,HQ\nd,7.5\n")
+    fitted = PartyPreprocessing.fit(read_party_file(train).frame, where="t")
+    assert fitted.categories == {"branch": ("007", "012", "7.5", "HQ")}
+    new = tmp_path / "new.csv"
+    new.write_text("id,branch\nx,12\ny,007\nz,7.5\nw,3\n")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        inputs = fitted.transform_frame(read_party_file(new).frame, "new.csv")
+    raw = inputs.astype(np.float64) * fitted.std + fitted.mean
+    np.testing.assert_allclose(raw[:3], [[0, 1, 0, 0], [1, 0, 0, 0], [0, 0, 1, 0]], atol=1e-6)
+    np.testing.assert_allclose(raw[3], 0.0, atol=1e-6)  # 3 is no category
+    [message] = [str(w.message) for w in caught if issubclass(w.category, RunWarning)]
+    assert "1 value(s) never seen in training ('3'; 1 row(s))" in message
+    # Two categories that read as one number: neither is taken for it.
+    both = PartyPreprocessing.fit(pd.DataFrame({"b": ["07", "007", "x"]}), where="t")
+    with pytest.warns(RunWarning, match="never seen in training"):
+        both.transform_frame(pd.DataFrame({"b": [7]}), "n")
+
+
+def test_true_and_false_read_alike_with_and_without_an_empty_cell(tmp_path) -> None:
+    from secure_vfl.data.party_files import read_party_file
+
+    gaps, full = tmp_path / "gaps.csv", tmp_path / "full.csv"
+    gaps.write_text("id,flag\na,True\nb,\nc,False\n")
+    full.write_text("id,flag\nx,False\ny,True\n")
+    for train, new in ((gaps, full), (full, gaps)):
+        fitted = PartyPreprocessing.fit(
+            read_party_file(train).frame, missing_cells="mean-indicator", where="t"
+        )
+        assert fitted.categories == {}  # a number, 1 or 0, either way
+        inputs = fitted.transform_frame(read_party_file(new).frame, "n")
+        assert np.isfinite(inputs).all()

@@ -12,6 +12,7 @@ columns (one-hot encoding, missing cells, standardisation) is
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,9 +93,17 @@ class LabelTable:
     classes: tuple[object, ...]
 
 
-def read_table(path: Path, *, what: str = "data file", id_column: str = ID_COLUMN) -> pd.DataFrame:
-    """Read a non-empty CSV or Parquet file whose column names are distinct; the
-    ``id_column``, if any, is read as text."""
+def read_table(
+    path: Path,
+    *,
+    what: str = "data file",
+    id_column: str = ID_COLUMN,
+    literal: Sequence[str] = (),
+) -> pd.DataFrame:
+    """Read a non-empty CSV or Parquet file whose column names are distinct and non-empty; the
+    ``id_column``, if any, is read as text. In a CSV, the id column and the ``literal`` ones
+    (a label column) are read as written: only an empty cell is missing there, where pandas
+    would also read ``NA``, ``null`` or ``None`` (a region, a name) as missing."""
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in _SUFFIXES:
@@ -102,13 +111,21 @@ def read_table(path: Path, *, what: str = "data file", id_column: str = ID_COLUM
     if not path.is_file():
         raise DataError(f"expected a {what} at {path}. Found no such file.")
     try:
-        _refuse_repeated_columns(path, _column_names(path, suffix))
+        names = _column_names(path, suffix)
+        _refuse_repeated_columns(path, names)
         if suffix == ".csv":
-            frame = pd.read_csv(path, dtype={id_column: str})
+            frame = _read_csv(path, id_column)
+            for column in [c for c in (id_column, *literal) if c in frame.columns]:
+                frame[column] = _read_csv(path, id_column, usecols=[column], literal=True)[column]
         else:
             frame = pd.read_parquet(path)
     except DataError:
         raise
+    except UnicodeDecodeError as error:
+        raise DataError(
+            f"{path} could not be read as UTF-8 text ({error.encoding}: {error.reason}); "
+            "expected a CSV saved as UTF-8 (e.g. Excel's 'CSV UTF-8')."
+        ) from None
     except (ValueError, OSError, pd.errors.ParserError) as error:
         raise DataError(f"{path} could not be read as {suffix[1:]}: {error}") from None
     frame.columns = [str(c) for c in frame.columns]
@@ -117,27 +134,68 @@ def read_table(path: Path, *, what: str = "data file", id_column: str = ID_COLUM
     return frame
 
 
+def _read_csv(
+    path: Path, id_column: str, *, usecols: list[str] | None = None, literal: bool = False
+) -> pd.DataFrame:
+    """``path`` as pandas reads it, but that the first column is never taken for an index (a
+    trailing comma on every data row made pandas shift every column onto the one before it),
+    and a row with more fields than the header is refused (pandas would drop them)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", pd.errors.ParserWarning)
+        try:
+            return pd.read_csv(
+                path,
+                dtype={id_column: str},
+                index_col=False,
+                usecols=usecols,
+                keep_default_na=not literal,
+                na_values=[""] if literal else None,
+            )
+        except pd.errors.ParserWarning:
+            raise DataError(
+                f"{path}: some rows have more fields than the header names columns (the values "
+                "after the last column would be lost); expected as many fields in every row as "
+                "in the header."
+            ) from None
+
+
 def _column_names(path: Path, suffix: str) -> list[str]:
     """The column names as the file writes them: pandas renames a repeated CSV name (`a`,
-    `a.1`), and a repeated Parquet one fails deep inside pyarrow."""
+    `a.1`), and a repeated Parquet one fails deep inside pyarrow. A CSV header of one name
+    that holds the file's other separator (``;`` or a tab) is refused naming it."""
     if suffix == ".csv":
         header = pd.read_csv(path, header=None, nrows=1, dtype=str, keep_default_na=False)
-        return [str(name) for name in header.iloc[0]]
+        names = [str(name) for name in header.iloc[0]]
+        if len(names) == 1 and (separator := next((s for s in ";\t" if s in names[0]), None)):
+            shown = "a tab" if separator == "\t" else repr(separator)
+            raise DataError(
+                f"{path}: the header is one column, {names[0][:60]!r}, separated by {shown}; "
+                "expected a comma-separated file (save it as CSV with commas)."
+            )
+        return names
     import pyarrow.parquet as pq
 
     return [str(name) for name in pq.read_schema(path).names]
 
 
 def _refuse_repeated_columns(path: Path, names: list[str]) -> None:
-    """Refuse a header that names a column twice (empty names aside: pandas numbers them)."""
+    """Refuse a header that names a column twice or leaves one unnamed (pandas would invent
+    ``Unnamed: 3``, and take an index written without a name for a feature)."""
     repeated = sorted({name for name in names if name and names.count(name) > 1})
     if repeated:
         raise DataError(f"{path}: column names must be distinct. Found {repeated} repeated.")
+    unnamed = [position + 1 for position, name in enumerate(names) if not name.strip()]
+    if unnamed:
+        raise DataError(
+            f"{path}: every column needs a name in the header; found none for column "
+            f"{', '.join(map(str, unnamed))} of {len(names)} (a trailing separator, or an index "
+            "written without a name, e.g. pandas' to_csv without index=False?)."
+        )
 
 
-def _read_frame(path: Path, id_column: str) -> pd.DataFrame:
+def _read_frame(path: Path, id_column: str, literal: Sequence[str] = ()) -> pd.DataFrame:
     """Read a party or label file, which must have the id column."""
-    frame = read_table(path, id_column=id_column)
+    frame = read_table(path, id_column=id_column, literal=literal)
     if id_column not in frame.columns:
         raise DataError(
             f"{path} must have an id column `{id_column}` (--id-column). Found columns: "
@@ -203,8 +261,9 @@ def read_party_file(
             f"{path} must have at least one feature column besides `{id_column}`. Found none."
         )
     for column in features.columns:
-        if pd.api.types.is_bool_dtype(features[column]):
-            features[column] = features[column].astype(np.float64)
+        if pd.api.types.is_bool_dtype(features[column]) or _booleans(features[column]):
+            # True/False with empty cells as well: 1/0 and missing, as without them
+            features[column] = features[column].map(_as_number).astype(np.float64)
         if pd.api.types.is_numeric_dtype(features[column]):
             features[column] = features[column].to_numpy(dtype=np.float64, na_value=np.nan)
         else:
@@ -217,6 +276,20 @@ def read_party_file(
         raise DataError(f"{path}: {str(error).removeprefix(f'{name}: ')}") from None
 
 
+def _booleans(column: pd.Series) -> bool:
+    """Whether a column of objects holds only True and False besides missing cells."""
+    present = column.dropna()
+    return (
+        column.dtype == object
+        and len(present) > 0
+        and all(isinstance(value, bool | np.bool_) for value in present)
+    )
+
+
+def _as_number(value: object) -> float:
+    return float("nan") if value is None or value is pd.NA else float(value)  # type: ignore[arg-type]
+
+
 def read_label_file(
     path: Path, *, id_column: str = ID_COLUMN, label_column: str = LABEL_COLUMN
 ) -> LabelTable:
@@ -225,7 +298,7 @@ def read_label_file(
     Other columns are ignored.
     """
     path = Path(path)
-    frame = _read_frame(path, id_column)
+    frame = _read_frame(path, id_column, literal=[label_column])
     if label_column not in frame.columns:
         raise DataError(
             f"{path} must have a label column `{label_column}` (--label-column). Found "

@@ -30,6 +30,7 @@ image block (no column names; ``block_shape`` is (C, H, W); only the standardize
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -247,10 +248,16 @@ class PartyPreprocessing:
         missing = values.isna().to_numpy()
         block[missing] = np.nan
         unseen: dict[str, int] = {}
+        aliases: dict[float, str] | None = None
         for row, value in enumerate(values.tolist()):
             if missing[row]:
                 continue
             text = _category_text(value)
+            if text not in index and isinstance(value, int | float):
+                # A file whose cells of this column all look like numbers reads them as numbers:
+                # 7 is the category `007` where no other category reads as 7 (True: `True`).
+                aliases = aliases if aliases is not None else _numeric_aliases(categories)
+                text = aliases.get(float(value), text)
             if text in index:
                 block[row, index[text]] = 1.0
             else:
@@ -435,6 +442,22 @@ def _category_text(value: object) -> str:
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
     return str(value)
+
+
+def _numeric_aliases(categories: Sequence[str]) -> dict[float, str]:
+    """The categories that read as one number each (``007``: 7; ``True``, ``False``: 1, 0), by
+    that number; a number two categories read as (``7`` and ``007``) is left out."""
+    read: dict[float, list[str]] = {}
+    for category in categories:
+        number = {"True": 1.0, "False": 0.0}.get(category)
+        if number is None:
+            try:
+                number = float(category)
+            except ValueError:
+                continue
+        if math.isfinite(number):
+            read.setdefault(number, []).append(category)
+    return {number: found[0] for number, found in read.items() if len(found) == 1}
 
 
 def _categories(values: pd.Series, column: str, where: str) -> tuple[str, ...]:
