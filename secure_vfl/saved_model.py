@@ -479,6 +479,7 @@ def predict_tables(
     refuse_absent(method, [names[k] for k, table in enumerate(tables) if table is None])
     id_column = output_id_column(method.fed.own, id_column, label_column)
     sample_ids, rows = union_alignment([None if t is None else t[0].ids for t in tables])
+    _warn_disjoint(tables, rows, names)
     for k, party in enumerate(parties):
         entry = tables[k]
         table, source = entry if entry is not None else (None, "")
@@ -492,6 +493,31 @@ def predict_tables(
         id_column=id_column,
         label_column=label_column,
     )
+
+
+def _warn_disjoint(
+    tables: Sequence[tuple[PartyTable, str] | None], rows: np.ndarray, names: Sequence[str]
+) -> None:
+    """Warn about a party's file that shares no id with the other files given: each of its
+    rows is predicted from its block alone, and theirs without it (ids compared as written:
+    ``C9001`` is not ``c9001``)."""
+    given = [k for k, table in enumerate(tables) if table is not None]
+    if len(given) < 2:
+        return
+    held = rows[:, given] >= 0
+    for column, k in enumerate(given):
+        if held[:, column].any() and not (held[:, column] & (held.sum(axis=1) > 1)).any():
+            table, path = cast(tuple[PartyTable, str], tables[k])
+            others = [tables[j] for j in given if j != k]
+            example = cast(tuple[PartyTable, str], others[0])
+            warnings.warn(
+                f"{path} ({names[k]}) shares no id with the other files given (e.g. "
+                f"{str(table.ids[0])!r} there, {str(example[0].ids[0])!r} in {example[1]}); "
+                "ids are compared as written, so each of its rows is predicted from its block "
+                "alone: write the same ids alike in every file.",
+                RunWarning,
+                stacklevel=3,
+            )
 
 
 def output_id_column(label_party: DataParty, id_column: str | None, label_column: str) -> str:

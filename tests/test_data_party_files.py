@@ -195,3 +195,16 @@ def test_label_file_maps_sorted_classes_to_indices(tmp_path):
 def test_bad_label_files_are_refused(tmp_path, text, message):
     with pytest.raises(DataError, match=message):
         read_label_file(write(tmp_path / "labels.csv", text))
+
+
+def test_a_label_of_about_one_class_per_row_is_refused_as_a_quantity(tmp_path):
+    """A regression target given as labels: 200 classes in 200 rows, and then a feature
+    'equal to the label up to renaming' because each of its values is unique."""
+    rows = "".join(f"r{i},{i * 0.37:.2f}\n" for i in range(200))
+    with pytest.raises(DataError, match=r"200 distinct labels in 200 rows .* \(regression\)"):
+        read_label_file(write(tmp_path / "y.csv", "id,label\n" + rows))
+    # Many classes with a few rows each are classes (and 20 classes are allowed in any case).
+    many = "".join(f"r{i},c{i % 50}\n" for i in range(150))
+    assert len(read_label_file(write(tmp_path / "m.csv", "id,label\n" + many)).classes) == 50
+    few = "".join(f"r{i},c{i}\n" for i in range(20))
+    assert len(read_label_file(write(tmp_path / "f.csv", "id,label\n" + few)).classes) == 20

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -291,3 +292,33 @@ def test_an_aligned_reserve_larger_than_the_training_set_is_refused():
             aligned=4001,
             aligned_rng=rng(1),
         )
+
+
+def test_ids_a_party_writes_otherwise_than_the_label_file_are_named_in_a_warning(tmp_path):
+    """A party writing `000`-`199` against labels `0`-`199` kept only `100`-`199`: half its rows
+    left out, with `warnings: []`."""
+    labels = tmp_path / "labels.csv"
+    labels.write_text("id,label\n" + "".join(f"{i},{i % 2}\n" for i in range(200)))
+    plain, padded = tmp_path / "plain.csv", tmp_path / "padded.csv"
+    plain.write_text("id,a\n" + "".join(f"{i},{i}\n" for i in range(200)))
+    padded.write_text("id,b\n" + "".join(f"{i:03d},{i}\n" for i in range(200)))
+
+    def read(files: list[Path]) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            vertical_from_party_files(
+                files,
+                labels,
+                aligner=JoinAligner(),
+                train_missing=parse_mechanism("mcar:0"),
+                test_missing=[parse_mechanism("mcar:0")],
+                rng=rng(0),
+            )
+        return [str(w.message) for w in caught if "leading zeros" in str(w.message)]
+
+    [message] = read([plain, padded])
+    assert f"{padded}: 100 of its ids without a label read as ids of {labels}" in message
+    assert "(e.g. '000' here, '0' there)" in message
+    other = tmp_path / "other.csv"
+    other.write_text("id,c\n" + "".join(f"{i},{i}\n" for i in range(200)))
+    assert not read([plain, other])  # every id matched: nothing to say

@@ -12,6 +12,7 @@ import hashlib
 import json
 import re
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -431,3 +432,38 @@ def test_a_method_that_needs_every_block_refuses_a_deployed_part_not_copied_here
     shutil.rmtree(run / MODEL_DIR / "party-1")
     with pytest.raises(DataError, match="standard predicts only with every party's block"):
         SavedModel.load(run)
+
+
+def test_a_file_sharing_no_id_with_the_others_and_an_empty_column_are_named_in_warnings(
+    files: Path, laser: Path, tmp_path: Path
+) -> None:
+    """The retailer's new ids written `C000` against the bank's `c000`: 4 rows for 2, each
+    from one block, exit 0 and no word; a column empty in every row: filled in silence."""
+    model = SavedModel.load(laser)
+    retailer = pd.read_csv(files / "retailer.csv").head(2)
+    retailer["customer"] = retailer["customer"].str.upper()
+    shouting = tmp_path / "retailer.csv"
+    retailer.to_csv(shouting, index=False)
+    bank = pd.read_csv(files / "bank.csv").head(2)
+    bank["sl"] = np.nan
+    empty = tmp_path / "bank.csv"
+    bank.to_csv(empty, index=False)
+    given = {
+        "bank": (read_party_file(empty, id_column="customer"), str(empty)),
+        "retailer": (read_party_file(shouting, id_column="customer"), str(shouting)),
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        predictions = model.predict(given)
+    messages = [str(w.message) for w in caught]
+    assert len(predictions.ids) == 4
+    assert any(
+        f"{shouting} (retailer) shares no id with the other files given (e.g. 'C000' there, "
+        f"'c000' in {empty})" in m
+        for m in messages
+    ), messages
+    assert any("column(s) 'sl' empty in every one of its 2 rows" in m for m in messages)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.predict(tables(files))
+    assert not [w for w in caught if "shares no id" in str(w.message)]

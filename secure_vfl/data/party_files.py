@@ -24,6 +24,9 @@ from secure_vfl.errors import ConfigError, DataError
 
 ID_COLUMN = "id"
 LABEL_COLUMN = "label"
+MAX_CLASSES_FREE = 20
+"""Classes a label file may always have; more must leave at least two rows a class on average:
+a label of about one class per row is a quantity (regression), not a class."""
 _SUFFIXES = (".csv", ".parquet", ".pq")
 
 
@@ -320,6 +323,13 @@ def read_label_file(
         ) from None
     if len(classes) < 2:
         raise DataError(f"{path}: a classifier needs at least 2 classes. Found {list(classes)}.")
+    if len(classes) > max(MAX_CLASSES_FREE, len(values) // 2):
+        raise DataError(
+            f"{path}: {len(classes)} distinct labels in {len(values)} rows (e.g. "
+            f"{', '.join(map(repr, classes[:3]))}); a classifier needs several rows of each "
+            f"class. Is `{label_column}` a quantity to predict (regression)? secure-vfl "
+            "classifies: expected a label column of classes."
+        )
     index = {value: position for position, value in enumerate(classes)}
     labels = np.fromiter((index[v] for v in values), dtype=np.int64, count=len(values))
     return LabelTable(ids=ids, labels=labels, classes=classes)
@@ -440,6 +450,30 @@ def _label_columns(table: PartyTable, labels: LabelTable) -> list[str]:
         if values.nunique(dropna=False) == classes and len(pairs) == classes:
             leaked.append(column)
     return leaked
+
+
+def loose_id(text: str) -> str:
+    """An id as a person reads it: no surrounding spaces, lower case, no leading zeros and no
+    ``.0`` decimal (``' 007.0'`` reads ``7``): what two files that write the same ids
+    differently still share."""
+    loose = text.strip().lower().removesuffix(".0").lstrip("0")
+    return loose or ("0" if text.strip() else "")
+
+
+def near_matches(ids: np.ndarray, others: np.ndarray) -> list[tuple[str, str]]:
+    """The ids of ``ids`` that are not in ``others`` but read as one of the ``others`` that no
+    id matched exactly (:func:`loose_id`), each with that id: the same samples, written
+    differently in two files."""
+    exact = set(others.tolist()) & set(ids.tolist())
+    loose: dict[str, str] = {}
+    for other in others.tolist():
+        if other not in exact:
+            loose.setdefault(loose_id(other), other)
+    return [
+        (own, loose[loose_id(own)])
+        for own in ids.tolist()
+        if own not in exact and loose_id(own) in loose
+    ]
 
 
 def describe_unmatched(table: PartyTable, path: Path, labels: LabelTable, label_path: Path) -> str:

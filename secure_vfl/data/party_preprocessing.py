@@ -239,7 +239,18 @@ class PartyPreprocessing:
             parts.append(values.to_numpy(dtype=np.float64, na_value=np.nan)[:, None])
         width = len(self.encoded_columns)
         encoded = np.concatenate(parts, axis=1) if parts else np.zeros((len(frame), width))
-        return encoded, frame[list(self.columns)].isna().to_numpy()
+        missing = frame[list(self.columns)].isna().to_numpy()
+        gone = np.asarray(missing.all(axis=0), dtype=bool).tolist()
+        empty = [c for c, nothing in zip(self.columns, gone, strict=True) if nothing]
+        if empty and len(frame) > 1:
+            warnings.warn(
+                f"{where}: column(s) {', '.join(map(repr, empty))} empty in every one of its "
+                f"{len(frame)} rows: each cell is filled as a missing cell is (the training "
+                "mean), which says nothing of these rows.",
+                RunWarning,
+                stacklevel=3,
+            )
+        return encoded, missing
 
     def _one_hot(self, values: pd.Series, column: str, where: str) -> np.ndarray:
         categories = self.categories[column]

@@ -27,6 +27,7 @@ from secure_vfl.data.party_files import (
     PartyTable,
     check_party_tables,
     describe_unmatched,
+    near_matches,
     read_label_file,
     read_party_file,
 )
@@ -344,6 +345,8 @@ def vertical_from_party_files(
     for k, table in enumerate(tables):
         if not alignment.mask[:, k].any():
             raise DataError(describe_unmatched(table, paths[k], label_table, Path(label_file)))
+        if cross_party_counts:  # a plain join sees every id (PSI shows no party the others')
+            _warn_near_matches(table.ids, label_ids, paths[k], Path(label_file))
     # Each party knows how many of its own rows found no label (under PSI too).
     unlabelled = sum(
         table.ids.size - int(alignment.mask[:, k].sum()) for k, table in enumerate(tables)
@@ -513,6 +516,23 @@ def warn_small_classes(labels: np.ndarray, test_fraction: float, classes: Sequen
                 RunWarning,
                 stacklevel=2,
             )
+
+
+def _warn_near_matches(ids: np.ndarray, label_ids: np.ndarray, path: Path, labels: Path) -> None:
+    """Warn when ids of the party file ``path`` that found no label read as labelled ids that
+    found no party row once spaces, case, leading zeros or a ``.0`` are ignored: the same
+    samples written differently, left out of training without a word."""
+    near = near_matches(ids, label_ids)
+    if near:
+        own, other = near[0]
+        warnings.warn(
+            f"{path}: {len(near)} of its ids without a label read as ids of {labels} that no "
+            f"party row matched, once spaces, case, leading zeros or '.0' are ignored (e.g. "
+            f"{own!r} here, {other!r} there); ids are compared as written, so these samples "
+            "were left out: write them alike in both files to align them.",
+            RunWarning,
+            stacklevel=3,
+        )
 
 
 def labeled_subset(n: int, labeled: int | None, *, rng: np.random.Generator) -> np.ndarray:
