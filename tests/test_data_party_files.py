@@ -208,3 +208,27 @@ def test_a_label_of_about_one_class_per_row_is_refused_as_a_quantity(tmp_path):
     assert len(read_label_file(write(tmp_path / "m.csv", "id,label\n" + many)).classes) == 50
     few = "".join(f"r{i},c{i}\n" for i in range(20))
     assert len(read_label_file(write(tmp_path / "f.csv", "id,label\n" + few)).classes) == 20
+
+
+def test_parquet_decimals_are_numbers_and_dates_or_nested_values_are_refused(tmp_path):
+    """A money column exported as decimal was one-hot encoded or refused as free text; lists
+    and dates became categories of their text."""
+    import datetime
+    import decimal
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "p.parquet"
+    ids = {"id": ["a", "b", "c"]}
+    money = pa.array([decimal.Decimal("1.50"), None, decimal.Decimal("2.25")], pa.decimal128(9, 2))
+    pq.write_table(pa.table({**ids, "money": money}), path)
+    assert read_party_file(path).frame["money"].tolist()[::2] == [1.5, 2.25]
+    when = [datetime.date(2020, 1, 1), None, datetime.date(2021, 1, 1)]
+    for column, values, kind in (
+        ("when", when, "dates or times"),
+        ("tags", [[1], [2, 3], []], "nested"),
+    ):
+        pq.write_table(pa.table({**ids, column: values}), path)
+        with pytest.raises(DataError, match=f"column '{column}' holds {kind}"):
+            read_party_file(path)

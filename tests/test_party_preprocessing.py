@@ -174,3 +174,20 @@ def test_true_and_false_read_alike_with_and_without_an_empty_cell(tmp_path) -> N
         assert fitted.categories == {}  # a number, 1 or 0, either way
         inputs = fitted.transform_frame(read_party_file(new).frame, "n")
         assert np.isfinite(inputs).all()
+
+
+def test_a_column_of_numbers_but_for_a_few_text_cells_says_so() -> None:
+    """3 cells of `n/a ` and `?` among 130 numbers: refused as 'an identifier or free text?';
+    2 of `unknown` among rounded numbers: 8 categories without a word."""
+    rng = np.random.default_rng(0)
+    many = [f"{v:.3f}" for v in rng.normal(size=130)] + ["n/a ", "?", "?"]
+    with pytest.raises(
+        DataError, match=r"it is numbers but for 3 cell\(s\) of text \('\?', 'n/a '"
+    ):
+        PartyPreprocessing.fit(pd.DataFrame({"c": many}), where="x.csv")
+    few = [str(round(v)) for v in rng.normal(size=130)] + ["unknown", "unknown"]
+    with pytest.warns(RunWarning, match=r"x.csv: column 'c' is numbers but for 2 cell\(s\)"):
+        PartyPreprocessing.fit(pd.DataFrame({"c": few}), where="x.csv")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        PartyPreprocessing.fit(pd.DataFrame({"c": ["lyon", "paris", "7"]}), where="x.csv")

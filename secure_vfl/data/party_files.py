@@ -11,6 +11,8 @@ columns (one-hot encoding, missing cells, standardisation) is
 
 from __future__ import annotations
 
+import datetime
+import decimal
 import re
 import warnings
 from collections.abc import Sequence
@@ -264,6 +266,9 @@ def read_party_file(
             f"{path} must have at least one feature column besides `{id_column}`. Found none."
         )
     for column in features.columns:
+        _refuse_unsupported(features[column], column, path)
+        if _decimals(features[column]):  # a Parquet decimal (money, from a database)
+            features[column] = features[column].map(_as_number).astype(np.float64)
         if pd.api.types.is_bool_dtype(features[column]) or _booleans(features[column]):
             # True/False with empty cells as well: 1/0 and missing, as without them
             features[column] = features[column].map(_as_number).astype(np.float64)
@@ -277,6 +282,43 @@ def read_party_file(
         return PartyTable(name=name, ids=ids, frame=features)
     except DataError as error:  # a value the table refuses: named by the file it is in
         raise DataError(f"{path}: {str(error).removeprefix(f'{name}: ')}") from None
+
+
+def _refuse_unsupported(column: pd.Series, name: object, path: Path) -> None:
+    """Refuse a column of dates or times, or of nested values (lists, mappings), which a
+    Parquet file may hold: neither is a number or a category."""
+    present = column.dropna()
+    if pd.api.types.is_datetime64_any_dtype(column) or (
+        column.dtype == object
+        and len(present)
+        and all(isinstance(v, datetime.date | datetime.time) for v in present)
+    ):
+        kind = "dates or times"
+    elif column.dtype == object and any(not np.isscalar(v) for v in present.head(1000)):
+        kind = f"nested values such as {str(present.iloc[0])[:40]!r}"
+    elif (
+        isinstance(column.dtype, pd.CategoricalDtype | pd.StringDtype)
+        or column.dtype == object
+        or pd.api.types.is_numeric_dtype(column)
+        or pd.api.types.is_bool_dtype(column)
+    ):
+        return  # numbers, or text (categories)
+    else:
+        kind = f"values of type {column.dtype}"
+    raise DataError(
+        f"{path}: column {str(name)!r} holds {kind}; expected numbers or text (categories): "
+        "convert it (a date, e.g., to days since a fixed date) or drop it."
+    )
+
+
+def _decimals(column: pd.Series) -> bool:
+    """Whether a column of objects holds only decimal numbers besides missing cells."""
+    present = column.dropna()
+    return (
+        column.dtype == object
+        and len(present) > 0
+        and all(isinstance(v, decimal.Decimal) for v in present)
+    )
 
 
 def _booleans(column: pd.Series) -> bool:

@@ -47,6 +47,9 @@ PREPROCESSING_SCHEMA = "secure-vfl/party-preprocessing"
 PREPROCESSING_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 COLUMN_KINDS = ("numeric", "categorical")
+NUMERIC_BUT_FOR = 0.05
+"""The largest share of text cells in a column otherwise of numbers that is named as stray
+text (``n/a``, ``?``) rather than taken for categories without a word."""
 MISSING_POLICIES = ("mean-indicator", "refuse")
 DEFAULT_MISSING_POLICY = "mean-indicator"
 MAX_CATEGORIES = 100
@@ -473,13 +476,36 @@ def _numeric_aliases(categories: Sequence[str]) -> dict[float, str]:
 
 def _categories(values: pd.Series, column: str, where: str) -> tuple[str, ...]:
     """The sorted categories a categorical column shows in training; more than
-    :data:`MAX_CATEGORIES` is refused."""
-    found = sorted({_category_text(v) for v in values.dropna().tolist()})
+    :data:`MAX_CATEGORIES` is refused. A column of numbers but for a few cells of text (``n/a``,
+    ``?``) is categorical because of them: the refusal names them, and a column that is not
+    refused warns (:class:`RunWarning`)."""
+    present = values.dropna()
+    found = sorted({_category_text(v) for v in present.tolist()})
+    text = present[pd.to_numeric(present, errors="coerce").isna()]
+    stray = sorted({str(v) for v in text.tolist()})
+    numeric = 0 < len(text) <= NUMERIC_BUT_FOR * len(present)
+    cells = f"{len(text)} cell(s) of text ({', '.join(map(repr, stray[:3]))})"
+    because = (
+        f"; it is numbers but for {cells}: if they mean missing, leave them empty"
+        if numeric
+        else ""
+    )
     if len(found) > MAX_CATEGORIES:
+        advice = (
+            "" if numeric else " (is it an identifier or free text? drop it, or make it numeric)"
+        )
         raise DataError(
             f"{where}: categorical column {column!r} has {len(found)} distinct values in "
-            f"training; at most {MAX_CATEGORIES} expected for one-hot encoding (is it an "
-            "identifier or free text? drop it, or make it numeric)."
+            f"training; at most {MAX_CATEGORIES} expected for one-hot encoding{advice}"
+            f"{because}."
+        )
+    if numeric:
+        warnings.warn(
+            f"{where}: column {column!r} is numbers but for {cells}, so it is one-hot encoded "
+            f"as {len(found)} categories; if those cells mean missing, leave them empty and "
+            "the column is read as numbers.",
+            RunWarning,
+            stacklevel=3,
         )
     return tuple(found)
 
