@@ -575,10 +575,15 @@ def refuse_empty_tests(data: VerticalData) -> None:
     for name, split in data.tests.items():
         if split.n == 0:
             dropped = data.dropped.get(name, 0)
+            why = (
+                f"{dropped} dropped for having no observed block"
+                if dropped
+                else f"no row was set aside for testing, of {data.train.n} aligned"
+            )
             raise DataError(
-                f"test split {name!r} holds no sample ({dropped} dropped for having no observed "
-                "block); expected a test missingness that leaves some (--missing-test, "
-                "--p-miss-test) or more test rows (--test-fraction, --test-file)."
+                f"test split {name!r} holds no sample ({why}); expected a test missingness "
+                "that leaves some (--missing-test, --p-miss-test) or more test rows "
+                "(--test-fraction, --test-file)."
             )
 
 

@@ -388,6 +388,16 @@ def test_a_test_split_or_an_imputation_with_nothing_to_score_is_refused(
     err = capsys.readouterr().err
     assert "test split 'mcar:0.99' holds no sample (30 dropped for having no observed" in err
     assert not (tmp_path / "t").exists()
+    # Three labelled ids: none set aside for testing (it said "0 dropped ... no observed block").
+    for name, text in (("a.csv", "id,x\n1,1\n2,2\n3,3\n"), ("b.csv", "id,y\n1,3\n2,1\n3,2\n")):
+        (tmp_path / name).write_text(text)
+    (tmp_path / "y.csv").write_text("id,label\n1,0\n2,1\n3,0\n")
+    own = ["train", "--method", "laser", "--label-file", str(tmp_path / "y.csv"), "--quiet"]
+    own += ["--party-file", str(tmp_path / "a.csv"), "--party-file", str(tmp_path / "b.csv")]
+    assert main([*own, "--out", str(tmp_path / "o")]) == 2
+    assert "holds no sample (no row was set aside for testing, of 3 aligned)" in (
+        capsys.readouterr().err
+    )
     impute = ["impute", "--method", "mean", "--dataset", "airquality", "--clients", "30"]
     assert main([*impute, "--out", str(tmp_path / "i")]) == 2
     err = capsys.readouterr().err
