@@ -2379,6 +2379,11 @@ def _check_prediction_out(out: Path, args: argparse.Namespace, inputs: Sequence[
     more makes it refuse to load) or that is one of the ``inputs`` (even with --overwrite)."""
     from secure_vfl.saved_model import MODEL_DIR
 
+    if out.suffix.lower() not in (".csv", ".parquet", ".pq"):
+        raise ConfigError(
+            f"--out {out}: a .csv or .parquet file expected (the formats predictions are "
+            f"written in); found suffix {out.suffix or '(none)'!r}."
+        )
     _check_output_file(out, overwrite=args.overwrite)
     where = out.resolve()
     model = Path(args.model) / MODEL_DIR

@@ -390,12 +390,12 @@ class Predictions:
 
     def write(self, path: Path | str) -> None:
         """Write :meth:`frame` to ``path`` atomically: Parquet where its suffix is
-        ``.parquet`` (as the party files may be), else CSV."""
+        ``.parquet`` or ``.pq`` (as the party files may be), else CSV."""
         path = Path(path)
 
         def write(tmp: Path) -> None:
             frame = self.frame()
-            if path.suffix.lower() == ".parquet":
+            if path.suffix.lower() in (".parquet", ".pq"):
                 frame.to_parquet(tmp, index=False)
             else:
                 frame.to_csv(tmp, index=False)

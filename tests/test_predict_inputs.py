@@ -397,6 +397,9 @@ def test_predict_refuses_an_out_in_the_model_or_on_its_input_and_writes_parquet(
         check_dtype=False,
     )
     assert SavedModel.load(laser)  # still loads
+    assert main([*argv, "--out", str(tmp_path / "p.xlsx")]) == 2  # it held CSV text
+    assert "a .csv or .parquet file expected" in capsys.readouterr().err
+    assert not (tmp_path / "p.xlsx").exists()
 
 
 def test_a_deployed_partys_part_not_copied_here_leaves_it_absent_and_its_file_refused(
