@@ -87,6 +87,7 @@ from secure_vfl.saved_model import (
     refuse_unlisted,
     refuse_unlisted_files,
     union_alignment,
+    warn_disjoint,
 )
 
 logger = logging.getLogger(__name__)
@@ -277,7 +278,10 @@ def predict_deployed(
         else:
             ids = dict(zip(live, collect_ids(endpoint, federation, live)[0], strict=True))
             held = [ids.get(n) for n in federation.names[1:]]
-            sample_ids, rows = union_alignment([table.ids if table else None, *held])
+            party_ids = [table.ids if table else None, *held]
+            sample_ids, rows = union_alignment(party_ids)
+            where = [f"{own} ({name})", *(f"{n}'s new rows" for n in federation.names[1:])]
+            warn_disjoint(party_ids, where, rows)
         for k, party in enumerate(federation.names[1:], start=1):
             if party in live:
                 body = _predict_setup(manifest, k, federation.names, rows[:, k], psi, secure_agg)

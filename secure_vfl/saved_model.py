@@ -478,8 +478,11 @@ def predict_tables(
     names = list(names) if names is not None else [p.name for p in parties]
     refuse_absent(method, [names[k] for k, table in enumerate(tables) if table is None])
     id_column = output_id_column(method.fed.own, id_column, label_column)
-    sample_ids, rows = union_alignment([None if t is None else t[0].ids for t in tables])
-    _warn_disjoint(tables, rows, names)
+    party_ids = [None if t is None else t[0].ids for t in tables]
+    sample_ids, rows = union_alignment(party_ids)
+    warn_disjoint(
+        party_ids, [f"{t[1]} ({names[k]})" if t else "" for k, t in enumerate(tables)], rows
+    )
     for k, party in enumerate(parties):
         entry = tables[k]
         table, source = entry if entry is not None else (None, "")
@@ -495,26 +498,27 @@ def predict_tables(
     )
 
 
-def _warn_disjoint(
-    tables: Sequence[tuple[PartyTable, str] | None], rows: np.ndarray, names: Sequence[str]
+def warn_disjoint(
+    party_ids: Sequence[np.ndarray | None], where: Sequence[str], rows: np.ndarray
 ) -> None:
-    """Warn about a party's file that shares no id with the other files given: each of its
-    rows is predicted from its block alone, and theirs without it (ids compared as written:
-    ``C9001`` is not ``c9001``)."""
-    given = [k for k, table in enumerate(tables) if table is not None]
+    """Warn about a party's rows (``where[k]`` names them) that share no id with the other
+    parties' (:func:`union_alignment`'s ``rows``): each is predicted from its block alone, and
+    theirs without it (ids are compared as written: ``C9001`` is not ``c9001``)."""
+    given = [k for k, ids in enumerate(party_ids) if ids is not None and ids.size]
     if len(given) < 2:
         return
     held = rows[:, given] >= 0
+    shared = held.sum(axis=1) > 1
     for column, k in enumerate(given):
-        if held[:, column].any() and not (held[:, column] & (held.sum(axis=1) > 1)).any():
-            table, path = cast(tuple[PartyTable, str], tables[k])
-            others = [tables[j] for j in given if j != k]
-            example = cast(tuple[PartyTable, str], others[0])
+        if not (held[:, column] & shared).any():
+            other = next(j for j in given if j != k)
+            own, theirs = party_ids[k], party_ids[other]
+            assert own is not None and theirs is not None
             warnings.warn(
-                f"{path} ({names[k]}) shares no id with the other files given (e.g. "
-                f"{str(table.ids[0])!r} there, {str(example[0].ids[0])!r} in {example[1]}); "
-                "ids are compared as written, so each of its rows is predicted from its block "
-                "alone: write the same ids alike in every file.",
+                f"{where[k]} shares no id with the other parties' (e.g. {str(own[0])!r} there, "
+                f"{str(theirs[0])!r} in {where[other]}); ids are compared as written, so each "
+                "of its rows is predicted from its block alone: write the same ids alike in "
+                "every file.",
                 RunWarning,
                 stacklevel=3,
             )

@@ -461,8 +461,8 @@ def test_a_file_sharing_no_id_with_the_others_and_an_empty_column_are_named_in_w
     messages = [str(w.message) for w in caught]
     assert len(predictions.ids) == 4
     assert any(
-        f"{shouting} (retailer) shares no id with the other files given (e.g. 'C000' there, "
-        f"'c000' in {empty})" in m
+        f"{shouting} (retailer) shares no id with the other parties' (e.g. 'C000' there, "
+        f"'c000' in {empty} (bank))" in m
         for m in messages
     ), messages
     assert any("column(s) 'sl' empty in every one of its 2 rows" in m for m in messages)
