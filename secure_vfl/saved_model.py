@@ -43,7 +43,7 @@ import numpy as np
 import pandas as pd
 
 from secure_vfl import __version__, methods
-from secure_vfl.data.party_files import ID_COLUMN, PartyTable
+from secure_vfl.data.party_files import ID_COLUMN, PartyTable, near_matches
 from secure_vfl.data.vertical import VerticalData, VerticalSplit
 from secure_vfl.errors import ConfigError, DataError, IntegrityError, RunWarning
 from secure_vfl.federation import parts
@@ -510,15 +510,30 @@ def warn_disjoint(
     held = rows[:, given] >= 0
     shared = held.sum(axis=1) > 1
     for column, k in enumerate(given):
+        own = party_ids[k]
+        assert own is not None
         if not (held[:, column] & shared).any():
             other = next(j for j in given if j != k)
-            own, theirs = party_ids[k], party_ids[other]
-            assert own is not None and theirs is not None
+            theirs = party_ids[other]
+            assert theirs is not None
             warnings.warn(
                 f"{where[k]} shares no id with the other parties' (e.g. {str(own[0])!r} there, "
                 f"{str(theirs[0])!r} in {where[other]}); ids are compared as written, so each "
                 "of its rows is predicted from its block alone: write the same ids alike in "
                 "every file.",
+                RunWarning,
+                stacklevel=3,
+            )
+            continue
+        others = np.concatenate([party_ids[j] for j in given if j != k])
+        near = near_matches(own.astype(str), others.astype(str))
+        if near:
+            warnings.warn(
+                f"{where[k]}: {len(near)} of its ids read as ids of the other parties' rows "
+                "once spaces, case, leading zeros or '.0' are ignored (e.g. "
+                f"{near[0][0]!r} there, {near[0][1]!r} elsewhere); ids are compared as written, "
+                "so those rows are predicted apart, each from fewer blocks: write the same ids "
+                "alike in every file.",
                 RunWarning,
                 stacklevel=3,
             )

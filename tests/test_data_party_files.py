@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from secure_vfl.data.party_files import party_name, party_names, read_label_file, read_party_file
-from secure_vfl.errors import ConfigError, DataError
+from secure_vfl.errors import ConfigError, DataError, RunWarning
 
 
 def write(path: Path, text: str) -> Path:
@@ -232,3 +232,32 @@ def test_parquet_decimals_are_numbers_and_dates_or_nested_values_are_refused(tmp
         pq.write_table(pa.table({**ids, column: values}), path)
         with pytest.raises(DataError, match=f"column '{column}' holds {kind}"):
             read_party_file(path)
+
+
+def test_a_parquet_column_stored_as_the_pandas_index_is_a_column(tmp_path):
+    """`df.set_index("a1").to_parquet()`: the feature a1 was dropped without a word, and a file
+    indexed by its ids had 'no id column'."""
+    frame = pd.DataFrame({"id": ["x", "y"], "a1": [1.0, 2.0], "a2": [3.0, 4.0]})
+    for index in ("a1", "id"):
+        path = tmp_path / f"{index}.parquet"
+        frame.set_index(index).to_parquet(path)
+        table = read_party_file(path)
+        assert table.ids.tolist() == ["x", "y"] and set(table.columns) == {"a1", "a2"}
+
+
+def test_labels_keep_the_text_they_are_written_in_unless_it_is_a_numbers_own(tmp_path):
+    codes = read_label_file(write(tmp_path / "c.csv", "id,label\na,007\nb,012\nc,007\n"))
+    assert codes.classes == ("007", "012")  # they were the numbers 7 and 12
+    assert read_label_file(write(tmp_path / "i.csv", "id,label\na,-1\nb,2\n")).classes == (-1, 2)
+    assert read_label_file(write(tmp_path / "f.csv", "id,label\na,0.5\nb,2.0\n")).classes == (
+        0.5,
+        2.0,
+    )
+    assert read_label_file(write(tmp_path / "t.csv", "id,label\na,1.50\nb,2\n")).classes == (
+        "1.50",
+        "2",
+    )
+    with pytest.warns(
+        RunWarning, match=r"differ only in case or surrounding spaces .*'Yes', 'yes'"
+    ):
+        read_label_file(write(tmp_path / "y.csv", "id,label\na,yes\nb,Yes\nc,no\nd,yes\n"))

@@ -322,3 +322,37 @@ def test_ids_a_party_writes_otherwise_than_the_label_file_are_named_in_a_warning
     other = tmp_path / "other.csv"
     other.write_text("id,c\n" + "".join(f"{i},{i}\n" for i in range(200)))
     assert not read([plain, other])  # every id matched: nothing to say
+
+
+def test_a_held_out_file_of_number_labels_matches_text_labels_beside_na(tmp_path):
+    """Labels `0`, `1` and `NA` are text; a test file of `0` and `1` read them as numbers and
+    was refused: 'held-out labels must be among the training classes ['0', '1', 'NA']'."""
+    labels, held = tmp_path / "labels.csv", tmp_path / "held.csv"
+    labels.write_text("id,label\n" + "".join(f"{i},{['0', '1', 'NA'][i % 3]}\n" for i in range(90)))
+    held.write_text("id,label\n" + "".join(f"{i},{i % 2}\n" for i in range(90, 120)))
+    party = tmp_path / "party.csv"
+    party.write_text("id,a\n" + "".join(f"{i},{i % 7}\n" for i in range(120)))
+    other = tmp_path / "other.csv"
+    other.write_text("id,b\n" + "".join(f"{i},{i % 5}\n" for i in range(120)))
+    data = vertical_from_party_files(
+        [party, other],
+        labels,
+        aligner=JoinAligner(),
+        train_missing=parse_mechanism("mcar:0"),
+        test_missing=[parse_mechanism("mcar:0")],
+        test_file=held,
+        rng=rng(0),
+    )
+    assert data.classes == ("0", "1", "NA")
+    assert sorted(set(data.tests["mcar:0"].labels.tolist())) == [0, 1]
+
+
+def test_many_classes_too_small_for_both_splits_are_one_warning() -> None:
+    from secure_vfl.data.vertical import warn_small_classes
+
+    labels = np.concatenate([np.zeros(50, np.int64), np.arange(1, 9)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warn_small_classes(labels, 0.2, tuple(range(9)))
+    [message] = [str(w.message) for w in caught]
+    assert message.startswith("8 of 9 classes have too few aligned samples") and "1 (1, " in message

@@ -24,7 +24,7 @@ from sklearn.datasets import load_iris
 from secure_vfl.cli import main
 from secure_vfl.data.party_files import PartyTable, read_party_file
 from secure_vfl.deployment import ServedModel, _deployment
-from secure_vfl.errors import ConfigError, DataError, IntegrityError, ProtocolError
+from secure_vfl.errors import ConfigError, DataError, IntegrityError, ProtocolError, RunWarning
 from secure_vfl.saved_model import MANIFEST_FILE, MODEL_DIR, SavedModel, read_manifest
 
 COLUMNS = {"bank": ["sl", "sw"], "retailer": ["pl"], "insurer": ["pw"]}
@@ -470,3 +470,17 @@ def test_a_file_sharing_no_id_with_the_others_and_an_empty_column_are_named_in_w
         warnings.simplefilter("always")
         model.predict(tables(files))
     assert not [w for w in caught if "shares no id" in str(w.message)]
+
+
+def test_ids_written_otherwise_in_some_rows_of_one_file_are_named_in_a_warning(
+    files: Path, laser: Path, tmp_path: Path
+) -> None:
+    """A third of the retailer's new ids with a trailing space: 67 rows for 50, each of those
+    predicted from one block, exit 0 and no word (only a file sharing no id warned)."""
+    retailer = pd.read_csv(files / "retailer.csv").head(30)
+    retailer["customer"] = [f"{c} " if i % 3 == 0 else c for i, c in enumerate(retailer.customer)]
+    spaced = tmp_path / "retailer.csv"
+    retailer.to_csv(spaced, index=False)
+    given = {**tables(files), "retailer": (read_party_file(spaced, id_column="customer"), "r")}
+    with pytest.warns(RunWarning, match=r"r \(retailer\): 10 of its ids read as ids of the other"):
+        SavedModel.load(laser).predict(given)

@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import datetime
 import decimal
+import math
 import re
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from secure_vfl.errors import ConfigError, DataError
+from secure_vfl.errors import ConfigError, DataError, RunWarning
 
 ID_COLUMN = "id"
 LABEL_COLUMN = "label"
@@ -124,6 +126,8 @@ def read_table(
                 frame[column] = _read_csv(path, id_column, usecols=[column], literal=True)[column]
         else:
             frame = pd.read_parquet(path)
+            if any(name is not None for name in frame.index.names):
+                frame = frame.reset_index()  # a column pandas stored as the index is a column
     except DataError:
         raise
     except UnicodeDecodeError as error:
@@ -150,7 +154,7 @@ def _read_csv(
         try:
             return pd.read_csv(
                 path,
-                dtype={id_column: str},
+                dtype=str if literal else {id_column: str},
                 index_col=False,
                 usecols=usecols,
                 keep_default_na=not literal,
@@ -311,6 +315,43 @@ def _refuse_unsupported(column: pd.Series, name: object, path: Path) -> None:
     )
 
 
+_INTEGER = re.compile(r"-?(0|[1-9][0-9]*)")
+
+
+def _label_values(values: list[Any]) -> list[Any]:
+    """Labels read as text (a CSV's) as numbers where each one's text is the number's own
+    (``7``, ``-2``, ``0.5``), else as the text written (``007``, ``1.50``, ``NA``): a label
+    is the label file's own value, and ``007`` is not ``7``."""
+    if not all(isinstance(value, str) for value in values):
+        return values  # a Parquet column: its own types
+    if all(_INTEGER.fullmatch(value) for value in values):
+        return [int(value) for value in values]
+    try:
+        numbers = [float(value) for value in values]
+    except ValueError:
+        return values
+    if all(math.isfinite(n) and str(n) == value for n, value in zip(numbers, values, strict=True)):
+        return numbers
+    return values
+
+
+def _warn_alike_labels(values: list[Any], path: Path) -> None:
+    """Warn of text labels that differ only in case or surrounding spaces (``yes``, ``Yes``,
+    ``yes ``): they are different classes, as written."""
+    groups: dict[str, set[str]] = {}
+    for value in {v for v in values if isinstance(v, str)}:
+        groups.setdefault(value.strip().casefold(), set()).add(value)
+    alike = [sorted(group) for group in groups.values() if len(group) > 1]
+    if alike:
+        shown = "; ".join(", ".join(map(repr, group)) for group in alike[:3])
+        warnings.warn(
+            f"{path}: labels that differ only in case or surrounding spaces are different "
+            f"classes ({shown}); write each class alike if they are one.",
+            RunWarning,
+            stacklevel=3,
+        )
+
+
 def _decimals(column: pd.Series) -> bool:
     """Whether a column of objects holds only decimal numbers besides missing cells."""
     present = column.dropna()
@@ -355,7 +396,8 @@ def read_label_file(
         raise DataError(
             f"{path}: every row must have a label. Found {int(column.isna().sum())} empty."
         )
-    values = column.tolist()
+    values = _label_values(column.tolist())
+    _warn_alike_labels(values, path)
     try:
         classes = tuple(sorted(set(values)))
     except TypeError:

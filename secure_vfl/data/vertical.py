@@ -485,14 +485,17 @@ def _with_held_out(
             f"{test_file}: held-out ids must not be training ids of {label_file}. Found "
             f"{shared.size} in both, e.g. {', '.join(map(repr, shared[:3].tolist()))}."
         )
-    index = {value: position for position, value in enumerate(train.classes)}
-    unknown = [value for value in test.classes if value not in index]
+    # As text where the two files' labels are of different kinds (`0` read as a number in one,
+    # as text beside `NA` in the other): a label's text is its own (party_files._label_values).
+    key = (lambda value: value) if _same_kind(train.classes, test.classes) else str
+    index = {key(value): position for position, value in enumerate(train.classes)}
+    unknown = [value for value in test.classes if key(value) not in index]
     if unknown:
         raise DataError(
             f"{test_file}: held-out labels must be among the training classes "
             f"{list(train.classes)} of {label_file}. Found {unknown}."
         )
-    test_labels = np.array([index[test.classes[i]] for i in test.labels], dtype=np.int64)
+    test_labels = np.array([index[key(test.classes[i])] for i in test.labels], dtype=np.int64)
     held_out = np.concatenate([np.zeros(train.ids.size, bool), np.ones(test.ids.size, bool)])
     return (
         np.concatenate([train.ids, test.ids]),
@@ -501,21 +504,39 @@ def _with_held_out(
     )
 
 
+def _same_kind(first: Sequence[object], second: Sequence[object]) -> bool:
+    """Whether two label files' classes are all text, or all numbers."""
+    kinds = {isinstance(value, str) for value in (*first, *second)}
+    return len(kinds) <= 1
+
+
 def warn_small_classes(labels: np.ndarray, test_fraction: float, classes: Sequence[object]) -> None:
     """Warn (:class:`RunWarning`) about every class too small for the stratified split to put
     it in both the training and the test split: it is then trained on but never tested, or
-    tested but never learned."""
+    tested but never learned. More than three such classes are one warning."""
+    small = []
     for index, count in enumerate(np.bincount(labels, minlength=len(classes))):
         in_test = round(test_fraction * int(count))
         if count and in_test in (0, count):
-            where = "training" if in_test == 0 else "test"
-            warnings.warn(
-                f"class {classes[index]!r} has {count} aligned sample(s): too few to appear in "
-                f"both the training and the test split (test fraction {test_fraction:g}); it "
-                f"is in the {where} split only.",
-                RunWarning,
-                stacklevel=2,
-            )
+            small.append((classes[index], int(count), "training" if in_test == 0 else "test"))
+    if len(small) > 3:
+        shown = ", ".join(f"{value!r} ({count}, {where})" for value, count, where in small[:5])
+        warnings.warn(
+            f"{len(small)} of {len(classes)} classes have too few aligned samples to appear in "
+            f"both the training and the test split (test fraction {test_fraction:g}), e.g. "
+            f"{shown} (samples, the split they are in).",
+            RunWarning,
+            stacklevel=2,
+        )
+        return
+    for value, count, where in small:
+        warnings.warn(
+            f"class {value!r} has {count} aligned sample(s): too few to appear in both the "
+            f"training and the test split (test fraction {test_fraction:g}); it is in the "
+            f"{where} split only.",
+            RunWarning,
+            stacklevel=2,
+        )
 
 
 def _warn_near_matches(ids: np.ndarray, label_ids: np.ndarray, path: Path, labels: Path) -> None:
@@ -526,8 +547,8 @@ def _warn_near_matches(ids: np.ndarray, label_ids: np.ndarray, path: Path, label
     if near:
         own, other = near[0]
         warnings.warn(
-            f"{path}: {len(near)} of its ids without a label read as ids of {labels} that no "
-            f"party row matched, once spaces, case, leading zeros or '.0' are ignored (e.g. "
+            f"{path}: {len(near)} of its ids without a label read as ids of {labels} that none "
+            f"of its rows matched, once spaces, case, leading zeros or '.0' are ignored (e.g. "
             f"{own!r} here, {other!r} there); ids are compared as written, so these samples "
             "were left out: write them alike in both files to align them.",
             RunWarning,
