@@ -2014,6 +2014,14 @@ def run_impute(args: argparse.Namespace) -> int:
     _check_output_dir(out, "result.json", overwrite=args.overwrite)
     if args.save_imputed:  # a folder of the user's own, or one an older run left: not merged
         _check_output_dir(out / "imputed", "", overwrite=args.overwrite)
+        replaced = (out / "imputed").resolve()
+        inside = [p for p in args.client_file or () if Path(p).resolve().is_relative_to(replaced)]
+        if inside:
+            raise ConfigError(
+                f"--client-file {inside[0]} lies in {out / 'imputed'}, which --save-imputed "
+                "replaces whole (the file would be lost); expected client files outside it, or "
+                "another --out."
+            )
     elif args.overwrite and (out / "imputed").exists():  # it would outlive the run it was of
         raise ConfigError(
             f"{out / 'imputed'} holds the tables of the run --overwrite replaces; expected "

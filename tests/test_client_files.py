@@ -133,3 +133,41 @@ def test_a_deployed_coordinator_refuses_a_label_column_no_client_has(tmp_path: P
         _columns(endpoint, list(members.values()), config("result"))
     schemas = _columns(endpoint, list(members.values()), config("outcome"))
     assert schemas == {"site0": (["a", "b", "c"], 30), "site1": (["a", "b", "c"], 30)}
+
+
+def test_client_files_read_as_party_files_do(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    """A label `NA` was blanked in the imputed table; True/False with an empty cell and Parquet
+    decimals were 'non-numeric'; a text cell was refused without naming it; client files in the
+    imputed folder were replaced by their imputed tables under --overwrite --save-imputed."""
+    import decimal
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    paths = write_clients(tmp_path)
+    frame = pd.read_csv(paths[0], dtype={"id": str})
+    frame["label"] = ["NA" if i % 2 else "EU" for i in range(len(frame))]
+    frame["flag"] = [["True", "False", ""][i % 3] for i in range(len(frame))]
+    frame.to_csv(paths[0], index=False)
+    money = pa.array([decimal.Decimal(f"{i}.25") for i in range(30)], pa.decimal128(9, 2))
+    table = pa.Table.from_pandas(pd.read_csv(paths[1], dtype={"id": str})).append_column(
+        "money", money
+    )
+    parquet = tmp_path / "site1.parquet"
+    pq.write_table(table, parquet)
+    paths[1].unlink()
+    out = tmp_path / "run"
+    assert main(impute_argv([paths[0], parquet], out)) == 0, capsys.readouterr().err
+    imputed = pd.read_csv(out / "imputed" / "site0.csv", keep_default_na=False)
+    assert imputed["label"].tolist() == frame["label"].tolist()
+    assert imputed["flag"].astype(float).notna().all()  # read as numbers, the empty ones filled
+    frame["a"] = frame["a"].astype(object)
+    frame.loc[3, "a"] = "?"
+    frame.to_csv(paths[0], index=False)
+    assert main(impute_argv([paths[0], parquet], tmp_path / "bad")) == 2
+    assert "('a' holds '?' at data row 4)" in capsys.readouterr().err
+    # A client file inside the folder --save-imputed replaces: refused, the file kept.
+    inside = out / "imputed" / "site0.csv"
+    argv = [*impute_argv([inside, parquet], out), "--overwrite"]
+    assert main(argv) == 2
+    assert "lies in" in capsys.readouterr().err and inside.is_file()

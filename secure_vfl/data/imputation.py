@@ -32,7 +32,13 @@ from secure_vfl.data.datasets import (
     read_rda,
     require_installed,
 )
-from secure_vfl.data.party_files import ID_COLUMN, LABEL_COLUMN, read_ids, read_table
+from secure_vfl.data.party_files import (
+    ID_COLUMN,
+    LABEL_COLUMN,
+    feature_columns,
+    read_ids,
+    read_table,
+)
 from secure_vfl.errors import ConfigError, DataError
 from secure_vfl.registry import Registry
 
@@ -182,21 +188,30 @@ def _check_feature_count(count: int, where: str) -> None:
 
 
 def _check_numeric(frame: pd.DataFrame, where: str) -> None:
-    """Refuse non-numeric columns, naming them."""
+    """Refuse non-numeric columns, naming them and the first text cell of the first."""
     bad = [str(c) for c in frame.columns if not pd.api.types.is_numeric_dtype(frame[c])]
     if bad:
-        raise DataError(f"{where}: feature columns must be numeric. Found non-numeric {bad}.")
+        column = frame[bad[0]]
+        text = column[column.notna() & pd.to_numeric(column, errors="coerce").isna()]
+        first = f" ({bad[0]!r} holds {str(text.iloc[0])!r} at data row {text.index[0] + 1})"
+        raise DataError(
+            f"{where}: feature columns must be numeric. Found non-numeric "
+            f"{bad}{first if len(text) else ''} (an empty cell is a missing value)."
+        )
 
 
 def _as_float32(frame: pd.DataFrame, where: str) -> np.ndarray:
-    """The frame's values as float32 with NaN for missing; infinities are refused."""
-    values = frame.to_numpy(dtype=np.float64, na_value=np.nan).astype(np.float32)
-    if np.isinf(values).any():
+    """The frame's values as float32 with NaN for missing; infinities (and values beyond
+    float32) are refused, naming the first column that holds one."""
+    wide = frame.to_numpy(dtype=np.float64, na_value=np.nan)
+    too_large = np.isinf(wide) | (np.abs(np.nan_to_num(wide)) > np.finfo(np.float32).max)
+    if too_large.any():
+        column = frame.columns[int(np.flatnonzero(too_large.any(axis=0))[0])]
         raise DataError(
-            f"{where}: values must be finite or missing. "
-            f"Found {int(np.isinf(values).sum())} infinite or beyond float32."
+            f"{where}: values must be finite or missing. Found {int(too_large.sum())} infinite "
+            f"or beyond float32, e.g. in column {str(column)!r}."
         )
-    return values
+    return wide.astype(np.float32)
 
 
 SPLIT_STREAM = 6
@@ -378,16 +393,17 @@ def _read_client_frame(path: Path, id_column: str, label_column: str) -> _Client
     name ``id`` the id column may be absent (imputation needs no ids); another name was given
     on purpose, so a file without that column is refused (its own id column would otherwise be
     imputed as a feature)."""
-    frame = read_table(path, what="client file", id_column=id_column)
+    frame = read_table(path, what="client file", id_column=id_column, literal=[label_column])
     if id_column != ID_COLUMN and id_column not in frame.columns:
         raise DataError(
             f"{path} must have an id column `{id_column}` (--id-column). Found columns: "
             f"{list(frame.columns)}."
         )
     kept = [c for c in frame.columns if c in (id_column, label_column)]
-    features = frame.drop(columns=kept)
+    features = frame.drop(columns=kept).reset_index(drop=True)
     if features.shape[1] == 0:
         raise DataError(f"{path} must have at least one feature column. Found none.")
+    feature_columns(features, path)
     _check_numeric(features, str(path))
     has_ids = id_column in frame.columns
     return _ClientSource(

@@ -269,6 +269,18 @@ def read_party_file(
         raise DataError(
             f"{path} must have at least one feature column besides `{id_column}`. Found none."
         )
+    feature_columns(features, path)
+    name = name if name is not None else party_name(path.stem)
+    try:
+        return PartyTable(name=name, ids=ids, frame=features)
+    except DataError as error:  # a value the table refuses: named by the file it is in
+        raise DataError(f"{path}: {str(error).removeprefix(f'{name}: ')}") from None
+
+
+def feature_columns(features: pd.DataFrame, path: Path) -> None:
+    """Make each feature column of ``features`` (read from ``path``) numbers (float64, NaN for
+    an empty cell) or text, in place: decimals, and True/False with or without empty cells, are
+    numbers; dates, times and nested values are refused naming the column."""
     for column in features.columns:
         _refuse_unsupported(features[column], column, path)
         if _decimals(features[column]):  # a Parquet decimal (money, from a database)
@@ -281,11 +293,6 @@ def read_party_file(
         else:
             text = features[column].astype(object)
             features[column] = text.where(text.isna(), text.astype(str))
-    name = name if name is not None else party_name(path.stem)
-    try:
-        return PartyTable(name=name, ids=ids, frame=features)
-    except DataError as error:  # a value the table refuses: named by the file it is in
-        raise DataError(f"{path}: {str(error).removeprefix(f'{name}: ')}") from None
 
 
 def _refuse_unsupported(column: pd.Series, name: object, path: Path) -> None:

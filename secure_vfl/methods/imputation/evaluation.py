@@ -94,8 +94,8 @@ def scores_of(errors: Mapping[str, tuple[float, int]]) -> ImputationScores:
     if not total:  # an RMSE of nothing: it printed nan, and exited 0
         raise DataError(
             f"no client had a test entry to hide and score ({len(errors)} clients, 0 hidden "
-            "entries: their test rows are too few); expected fewer clients (--clients) or more "
-            "rows per client."
+            "entries: their test rows are too few); expected more rows per client (a "
+            "registered dataset: fewer --clients)."
         )
     scored = np.array([r for r in per_client.values() if np.isfinite(r)])
     return ImputationScores(
