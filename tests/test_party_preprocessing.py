@@ -191,3 +191,19 @@ def test_a_column_of_numbers_but_for_a_few_text_cells_says_so() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         PartyPreprocessing.fit(pd.DataFrame({"c": ["lyon", "paris", "7"]}), where="x.csv")
+
+
+def test_numbers_written_with_percent_or_separators_and_alike_categories_say_so() -> None:
+    rng = np.random.default_rng(0)
+    rates = pd.DataFrame({"rate": [f"{v}%" for v in rng.integers(0, 60, 200)]})
+    with pytest.warns(RunWarning, match=r"'rate' is one-hot encoded as \d+ categories; it holds"):
+        PartyPreprocessing.fit(rates, where="b.csv")
+    wide = pd.DataFrame({"inc": [f"{v:,}" for v in rng.integers(1, 1000, 400) * 1000]})
+    with pytest.raises(
+        DataError, match=r"values in training; at most 100 expected for one-hot"
+    ) as e:
+        PartyPreprocessing.fit(wide, where="b.csv")
+    assert "numbers written as text" in str(e.value) and "free text" not in str(e.value)
+    cities = pd.DataFrame({"c": ["Paris", "paris", " Paris", "Lyon"]})
+    with pytest.warns(RunWarning, match=r"differ only in case or surrounding spaces \(' Paris'"):
+        PartyPreprocessing.fit(cities, where="b.csv")

@@ -31,6 +31,7 @@ image block (no column names; ``block_shape`` is (C, H, W); only the standardize
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -474,6 +475,10 @@ def _numeric_aliases(categories: Sequence[str]) -> dict[float, str]:
     return {number: found[0] for number, found in read.items() if len(found) == 1}
 
 
+_FORMATTED_NUMBER = re.compile(r"\s*[-+]?(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?%?|\d+(?:\.\d+)?%)\s*")
+"""A number written with thousands separators (``1,234.5``) or as a percentage (``12%``)."""
+
+
 def _categories(values: pd.Series, column: str, where: str) -> tuple[str, ...]:
     """The sorted categories a categorical column shows in training; more than
     :data:`MAX_CATEGORIES` is refused. A column of numbers but for a few cells of text (``n/a``,
@@ -490,9 +495,26 @@ def _categories(values: pd.Series, column: str, where: str) -> tuple[str, ...]:
         if numeric
         else ""
     )
+    written = [str(v) for v in text.tolist()]
+    formatted = bool(written) and all(_FORMATTED_NUMBER.fullmatch(v) for v in written)
+    if formatted:
+        numeric = False  # every text cell is a number written with '%' or ',': say that
+        because = (
+            f"; it holds numbers written as text ({', '.join(map(repr, sorted(set(written))[:3]))}"
+            "): write plain numbers (12, 1000, not 12% or 1,000) to have it read as numbers"
+        )
+        if len(found) <= MAX_CATEGORIES:
+            warnings.warn(
+                f"{where}: column {column!r} is one-hot encoded as {len(found)} categories"
+                f"{because}.",
+                RunWarning,
+                stacklevel=3,
+            )
     if len(found) > MAX_CATEGORIES:
         advice = (
-            "" if numeric else " (is it an identifier or free text? drop it, or make it numeric)"
+            ""
+            if numeric or formatted
+            else " (is it an identifier or free text? drop it, or make it numeric)"
         )
         raise DataError(
             f"{where}: categorical column {column!r} has {len(found)} distinct values in "
@@ -504,6 +526,19 @@ def _categories(values: pd.Series, column: str, where: str) -> tuple[str, ...]:
             f"{where}: column {column!r} is numbers but for {cells}, so it is one-hot encoded "
             f"as {len(found)} categories; if those cells mean missing, leave them empty and "
             "the column is read as numbers.",
+            RunWarning,
+            stacklevel=3,
+        )
+    alike: dict[str, list[str]] = {}
+    for category in found:
+        alike.setdefault(category.strip().casefold(), []).append(category)
+    groups = [group for group in alike.values() if len(group) > 1]
+    if groups:
+        shown = "; ".join(", ".join(map(repr, group)) for group in groups[:3])
+        warnings.warn(
+            f"{where}: column {column!r} has categories that differ only in case or "
+            f"surrounding spaces ({shown}); they are encoded apart: write each alike if they "
+            "are one.",
             RunWarning,
             stacklevel=3,
         )
