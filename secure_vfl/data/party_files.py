@@ -342,13 +342,19 @@ def _label_values(values: list[Any]) -> list[Any]:
     return values
 
 
-def _warn_alike_labels(values: list[Any], path: Path) -> None:
-    """Warn of text labels that differ only in case or surrounding spaces (``yes``, ``Yes``,
-    ``yes ``): they are different classes, as written."""
+def alike_texts(values: Sequence[object]) -> list[list[str]]:
+    """The groups of distinct texts among ``values`` that differ only in case or surrounding
+    spaces (``yes``, ``Yes``, ``yes ``), each sorted."""
     groups: dict[str, set[str]] = {}
     for value in {v for v in values if isinstance(v, str)}:
         groups.setdefault(value.strip().casefold(), set()).add(value)
-    alike = [sorted(group) for group in groups.values() if len(group) > 1]
+    return [sorted(group) for group in groups.values() if len(group) > 1]
+
+
+def _warn_alike_labels(values: list[Any], path: Path) -> None:
+    """Warn of text labels that differ only in case or surrounding spaces: they are different
+    classes, as written."""
+    alike = alike_texts(values)
     if alike:
         shown = "; ".join(", ".join(map(repr, group)) for group in alike[:3])
         warnings.warn(

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from secure_vfl.data.party_files import ID_COLUMN, PartyTable
+from secure_vfl.data.party_files import ID_COLUMN, PartyTable, alike_texts
 from secure_vfl.data.preprocessing import Standardizer
 from secure_vfl.errors import DataError, RunWarning
 
@@ -529,10 +529,7 @@ def _categories(values: pd.Series, column: str, where: str) -> tuple[str, ...]:
             RunWarning,
             stacklevel=3,
         )
-    alike: dict[str, list[str]] = {}
-    for category in found:
-        alike.setdefault(category.strip().casefold(), []).append(category)
-    groups = [group for group in alike.values() if len(group) > 1]
+    groups = alike_texts(found)
     if groups:
         shown = "; ".join(", ".join(map(repr, group)) for group in groups[:3])
         warnings.warn(
