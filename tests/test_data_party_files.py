@@ -261,3 +261,8 @@ def test_labels_keep_the_text_they_are_written_in_unless_it_is_a_numbers_own(tmp
         RunWarning, match=r"differ only in case or surrounding spaces .*'Yes', 'yes'"
     ):
         read_label_file(write(tmp_path / "y.csv", "id,label\na,yes\nb,Yes\nc,no\nd,yes\n"))
+
+
+def test_a_label_column_before_the_id_column_is_read_as_written(tmp_path):
+    labels = read_label_file(write(tmp_path / "y.csv", "label,x,id\nNA,1,007\nEU,2,b\nNA,3,c\n"))
+    assert labels.ids.tolist() == ["007", "b", "c"] and labels.labels.tolist() == [1, 0, 1]

@@ -122,8 +122,11 @@ def read_table(
         _refuse_repeated_columns(path, names)
         if suffix == ".csv":
             frame = _read_csv(path, id_column)
-            for column in [c for c in (id_column, *literal) if c in frame.columns]:
-                frame[column] = _read_csv(path, id_column, usecols=[column], literal=True)[column]
+            as_written = [c for c in dict.fromkeys((id_column, *literal)) if c in frame.columns]
+            if as_written:  # one more read, of these columns only
+                read = _read_csv(path, id_column, usecols=as_written, literal=True)
+                for column in as_written:
+                    frame[column] = read[column]
         else:
             frame = pd.read_parquet(path)
             if any(name is not None for name in frame.index.names):
