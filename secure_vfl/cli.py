@@ -2253,7 +2253,7 @@ def _save_imputed(directory: Path, task: Any, imputer: Any) -> None:
     from secure_vfl.experiment import imputed_tables
     from secure_vfl.io import replace_directory
 
-    frames = imputed_tables(task, imputer)
+    frames = imputed_tables(task, imputer, as_written=True)
 
     def write(staged: Path) -> None:
         for name, frame in frames.items():

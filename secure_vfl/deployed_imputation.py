@@ -209,7 +209,7 @@ class ServedClient:
         )
         imputed = self.party.impute(rows)
         frame = self.file.imputed_frame(
-            imputed[: self.train.n], imputed[self.train.n :], self.features
+            imputed[: self.train.n], imputed[self.train.n :], self.features, as_written=True
         )
         path = directory / body["run"] / f"{self.party.name}.csv"
 

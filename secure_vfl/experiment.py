@@ -911,13 +911,16 @@ def run_imputation(
     return result, imputer
 
 
-def imputed_tables(task: ImputationTask, imputer: Imputer) -> dict[str, pd.DataFrame]:
+def imputed_tables(
+    task: ImputationTask, imputer: Imputer, *, as_written: bool = False
+) -> dict[str, pd.DataFrame]:
     """Each client's rows with its missing-but-available entries filled by a fitted
-    ``imputer``, by client name (what ``impute --save-imputed`` writes). A client file's table
-    comes back in its own form (ids first under its id column, its rows in its order, every cell
-    it had unchanged, its label column as it was), so it can feed ``train``; a registered
-    dataset's clients have no ids: their training rows, then their test rows, with a ``split``
-    column."""
+    ``imputer``, by client name. A client file's table comes back in its own form (ids first
+    under its id column, its rows in its order, every cell it had unchanged, its label column
+    as it was), so it can feed ``train``; a registered dataset's clients have no ids: their
+    training rows, then their test rows, with a ``split`` column. ``as_written``: a client
+    file's cells as the file writes them (what ``impute --save-imputed`` writes; see
+    :meth:`~secure_vfl.data.imputation.ClientFile.imputed_frame`)."""
     tables = {}
     for k, (train, test) in enumerate(zip(task.train, task.test, strict=True)):
         rows = ClientData(
@@ -928,7 +931,7 @@ def imputed_tables(task: ImputationTask, imputer: Imputer) -> dict[str, pd.DataF
         imputed = imputer.impute(k, rows)
         if task.files is not None:
             frame = task.files[k].imputed_frame(
-                imputed[: train.n], imputed[train.n :], task.features
+                imputed[: train.n], imputed[train.n :], task.features, as_written=as_written
             )
         else:
             columns = [f for f, keep in zip(task.features, train.available, strict=True) if keep]

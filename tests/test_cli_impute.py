@@ -12,6 +12,7 @@ from opacus.accountants import RDPAccountant
 from test_paillier import paillier_aggregator
 
 from secure_vfl.cli import main
+from secure_vfl.errors import DataError
 from secure_vfl.experiment import (
     ImputeRunConfig,
     imputed_tables,
@@ -171,6 +172,67 @@ def test_impute_on_the_users_own_client_files(tmp_path: Path) -> None:
         assert not table.isna().any().any() and original.isna().any().any()
         kept = original.notna()
         assert np.allclose(table[kept].fillna(0), original[kept].fillna(0), atol=1e-6)
+
+
+def test_saved_imputed_tables_keep_each_cell_as_the_file_wrote_it(tmp_path: Path) -> None:
+    # Whole numbers, True/False and a formatted decimal came back as 52.0, 1.0 and 0.1.
+    (tmp_path / "a.csv").write_text(
+        "id,age,smoker,chol,label\n"
+        "a1,52,True,0.10,yes\na2,,False,1.5e2,no\na3,61,,200,NA\n"
+        "a4,70,True,,yes\na5,44,False,180,no\na6,39,True,NA,no\n"
+    )
+    (tmp_path / "b.csv").write_text(
+        "id,age,chol,bp\nb1,50,190,120\nb2,60,,130\nb3,,170,125\nb4,45,160,\nb5,58,175,128\n"
+    )
+    argv = ["impute", "--method", "fed-mean", "--out", str(tmp_path / "r"), "--quiet"]
+    for name in ("a", "b"):
+        argv += ["--client-file", str(tmp_path / f"{name}.csv")]
+    assert main([*argv, "--save-imputed"]) == 0
+    for name in ("a", "b"):
+        original = pd.read_csv(tmp_path / f"{name}.csv", dtype=str, keep_default_na=False)
+        written = pd.read_csv(
+            tmp_path / "r" / "imputed" / f"{name}.csv", dtype=str, keep_default_na=False
+        )
+        assert list(written.columns) == list(original.columns)
+        for column in original.columns:
+            for before, after in zip(original[column], written[column], strict=True):
+                if column in ("id", "label") or before not in ("", "NA"):
+                    assert after == before  # as the file wrote it
+                elif column == "smoker":
+                    assert after in ("True", "False")  # filled, and still a True/False column
+                else:
+                    assert np.isfinite(float(after))  # filled
+    assert written_cells(tmp_path / "r" / "imputed" / "a.csv", "smoker")[2] == "True"  # 3 of 4
+    assert written_cells(tmp_path / "r" / "imputed" / "a.csv", "age") == [
+        "52",
+        "52.625",
+        "61",
+        "70",
+        "44",
+        "39",
+    ]  # the other rows' mean fills a2; the rest as written
+
+
+def written_cells(path: Path, column: str) -> list[str]:
+    return pd.read_csv(path, dtype=str, keep_default_na=False)[column].tolist()
+
+
+def test_a_client_file_changed_before_its_table_is_written_is_refused(tmp_path: Path) -> None:
+    paths = []
+    for name in ("a", "b"):
+        paths.append(tmp_path / f"{name}.csv")
+        paths[-1].write_text("x,y\n" + "".join(f"{i},{i + 1}\n" for i in range(1, 20)) + ",5\n")
+    config = ImputeRunConfig(method="fed-mean", client_files=tuple(paths))
+    task = prepare_imputation_task(config)
+    _, imputer = run_imputation(config, task=task)
+    assert imputed_tables(task, imputer, as_written=True)["a"]["x"].tolist()[0] == "1"
+    # a value it had is gone
+    paths[0].write_text("x,y\n,2\n" + "".join(f"{i},{i + 1}\n" for i in range(2, 20)) + ",5\n")
+    with pytest.raises(DataError, match=r"a.csv changed after it was read: column 'x'"):
+        imputed_tables(task, imputer, as_written=True)
+    paths[0].write_text("x,y\n1,2\n")
+    with pytest.raises(DataError, match=r"20 rows with columns \['x', 'y'\] expected, found 1"):
+        imputed_tables(task, imputer, as_written=True)
 
 
 def test_secure_aggregation_of_client_sums_matches_the_clear(tmp_path: Path) -> None:

@@ -160,7 +160,11 @@ def test_client_files_read_as_party_files_do(tmp_path: Path, capsys: pytest.Capt
     assert main(impute_argv([paths[0], parquet], out)) == 0, capsys.readouterr().err
     imputed = pd.read_csv(out / "imputed" / "site0.csv", keep_default_na=False)
     assert imputed["label"].tolist() == frame["label"].tolist()
-    assert imputed["flag"].astype(float).notna().all()  # read as numbers, the empty ones filled
+    # read as numbers, the empty ones filled, and written back as True/False
+    flags = imputed["flag"].astype(str)
+    assert set(flags) == {"True", "False"}
+    given = frame["flag"] != ""
+    assert flags[given].tolist() == frame["flag"][given].tolist()
     frame["a"] = frame["a"].astype(object)
     frame.loc[3, "a"] = "?"
     frame.to_csv(paths[0], index=False)

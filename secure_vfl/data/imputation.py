@@ -98,8 +98,8 @@ class ClientFile:
     """Where one client's rows came from, so that its imputed table can be written back in
     the file's own form: its ``path``, its ``columns`` in file order, its ``id_column`` (None if
     it has none) with the ``ids`` as text, the columns that are not features (``passthrough``,
-    e.g. a label, kept unchanged), its ``features`` as read and which of its rows went to the
-    test split (``in_test``)."""
+    e.g. a label, kept unchanged), its ``features`` as read (``booleans``: those that were
+    True/False, now 1/0) and which of its rows went to the test split (``in_test``)."""
 
     path: Path
     columns: tuple[str, ...]
@@ -108,17 +108,30 @@ class ClientFile:
     passthrough: pd.DataFrame
     features: pd.DataFrame
     in_test: np.ndarray
+    booleans: tuple[str, ...] = ()
 
     def imputed_frame(
-        self, train: np.ndarray, test: np.ndarray, features: Sequence[str]
+        self,
+        train: np.ndarray,
+        test: np.ndarray,
+        features: Sequence[str],
+        *,
+        as_written: bool = False,
     ) -> pd.DataFrame:
         """The file's table with its features replaced by the imputed ``train`` and ``test``
         rows ((n, F) in the global ``features``): rows in the file's order, the id column
         first, every other column in the file's order; a cell the file has keeps its value
-        exactly (only empty cells take the imputed float32 value)."""
+        exactly (only empty cells take the imputed float32 value).
+
+        ``as_written``: the feature cells the file has as it writes them (a CSV's text, ``52``
+        and ``True`` as they are, not ``52.0`` and ``1.0``; a Parquet file's own values), read
+        from the file again, and each filled cell as the shortest text of its float32 value,
+        or in a True/False column True where it is at least 0.5, else False: the table a CSV
+        writer puts back in the file's own form, which reads as the file did."""
         values = np.empty((self.in_test.size, train.shape[1]), dtype=train.dtype)
         values[~self.in_test], values[self.in_test] = train, test
         index = {feature: position for position, feature in enumerate(features)}
+        written = self._as_written() if as_written else None
         frame = pd.DataFrame(index=range(self.in_test.size))
         if self.id_column is not None and self.ids is not None:
             frame[self.id_column] = self.ids
@@ -127,11 +140,42 @@ class ClientFile:
                 continue
             if column in self.passthrough.columns:
                 frame[column] = self.passthrough[column].to_numpy()
+                continue
+            given = self.features[column].to_numpy(dtype=np.float64, na_value=np.nan)
+            imputed = values[:, index[column]]
+            missing = np.isnan(given)
+            if written is None:
+                frame[column] = np.where(missing, imputed.astype(np.float64), given)
+                continue
+            cells = written[column].to_numpy(dtype=object, copy=True)
+            if pd.isna(cells[~missing]).any():
+                raise DataError(
+                    f"{self.path} changed after it was read: column {column!r} has empty cells "
+                    "where it had values; expected the file as the run read it (run again)."
+                )
+            if column in self.booleans:
+                cells[missing] = imputed[missing] >= 0.5
             else:
-                given = self.features[column].to_numpy(dtype=np.float64, na_value=np.nan)
-                imputed = values[:, index[column]].astype(np.float64)
-                frame[column] = np.where(np.isnan(given), imputed, given)
+                cells[missing] = [str(value) for value in imputed[missing]]
+            frame[column] = cells
         return frame
+
+    def _as_written(self) -> pd.DataFrame:
+        """The file's feature columns read again as it writes them (a CSV's text)."""
+        columns = list(self.features.columns)
+        frame = read_table(
+            self.path,
+            what="client file",
+            id_column=self.id_column or ID_COLUMN,
+            literal=columns,
+        )
+        if len(frame) != len(self.features) or not set(columns) <= set(frame.columns):
+            raise DataError(
+                f"{self.path} changed after it was read: {len(self.features)} rows with columns "
+                f"{columns} expected, found {len(frame)} rows with {list(frame.columns)} "
+                "(run again)."
+            )
+        return frame[columns].reset_index(drop=True)
 
 
 @dataclass(frozen=True)
@@ -288,6 +332,7 @@ def _client_file(source: _ClientSource, in_test: np.ndarray) -> ClientFile:
         passthrough=source.passthrough,
         features=source.features.reset_index(drop=True),
         in_test=in_test,
+        booleans=source.booleans,
     )
 
 
@@ -385,6 +430,7 @@ class _ClientSource:
     ids: np.ndarray | None
     passthrough: pd.DataFrame
     features: pd.DataFrame
+    booleans: tuple[str, ...]  # feature columns that were True/False
 
 
 def _read_client_frame(path: Path, id_column: str, label_column: str) -> _ClientSource:
@@ -403,7 +449,7 @@ def _read_client_frame(path: Path, id_column: str, label_column: str) -> _Client
     features = frame.drop(columns=kept).reset_index(drop=True)
     if features.shape[1] == 0:
         raise DataError(f"{path} must have at least one feature column. Found none.")
-    feature_columns(features, path)
+    booleans = feature_columns(features, path)
     _check_numeric(features, str(path))
     has_ids = id_column in frame.columns
     return _ClientSource(
@@ -413,6 +459,7 @@ def _read_client_frame(path: Path, id_column: str, label_column: str) -> _Client
         ids=read_ids(frame, path, id_column) if has_ids else None,
         passthrough=frame[[c for c in kept if c != id_column]].reset_index(drop=True),
         features=features,
+        booleans=tuple(booleans),
     )
 
 

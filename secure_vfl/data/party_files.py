@@ -280,10 +280,12 @@ def read_party_file(
         raise DataError(f"{path}: {str(error).removeprefix(f'{name}: ')}") from None
 
 
-def feature_columns(features: pd.DataFrame, path: Path) -> None:
+def feature_columns(features: pd.DataFrame, path: Path) -> list[str]:
     """Make each feature column of ``features`` (read from ``path``) numbers (float64, NaN for
     an empty cell) or text, in place: decimals, and True/False with or without empty cells, are
-    numbers; dates, times and nested values are refused naming the column."""
+    numbers; dates, times and nested values are refused naming the column. Returns the columns
+    that were True/False (now 1/0)."""
+    booleans = []
     for column in features.columns:
         _refuse_unsupported(features[column], column, path)
         if _decimals(features[column]):  # a Parquet decimal (money, from a database)
@@ -291,11 +293,13 @@ def feature_columns(features: pd.DataFrame, path: Path) -> None:
         if pd.api.types.is_bool_dtype(features[column]) or _booleans(features[column]):
             # True/False with empty cells as well: 1/0 and missing, as without them
             features[column] = features[column].map(_as_number).astype(np.float64)
+            booleans.append(str(column))
         if pd.api.types.is_numeric_dtype(features[column]):
             features[column] = features[column].to_numpy(dtype=np.float64, na_value=np.nan)
         else:
             text = features[column].astype(object)
             features[column] = text.where(text.isna(), text.astype(str))
+    return booleans
 
 
 def _refuse_unsupported(column: pd.Series, name: object, path: Path) -> None:
