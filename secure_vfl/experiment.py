@@ -44,6 +44,7 @@ from secure_vfl.methods.imputation import (
     federated_statistics,
 )
 from secure_vfl.methods.imputation.evaluation import evaluate as evaluate_imputer
+from secure_vfl.methods.imputation.statistics import FeatureScaleError
 from secure_vfl.metrics import accuracy, f1
 
 
@@ -864,29 +865,32 @@ def run_imputation(
         aggregator = privacy.aggregator()
     load_optimiser_machinery()
     start = time.perf_counter()
-    # The evaluator's own exact statistics (its yardstick, not a release of the method).
-    statistics = federated_statistics(task.train, tag="statistics/eval")
-    aggregator = aggregator if aggregator is not None else PlainAggregator()
-    channel = channel if channel is not None else Channel()
-    imputer = IMPUTERS.get(config.method)(
-        task,
-        config.impute_config,
-        seed=config.seed,
-        aggregator=aggregator,
-        channel=channel,
-        privacy=mechanisms,
-        roles=roles,
-    )
-    if on_start is not None:
-        on_start(config.impute_config.rounds)
-    curve, scores = fit_and_score(
-        imputer,
-        lambda: evaluate_imputer(
-            imputer, task, standardisation=statistics.standardisation, seed=config.seed
-        ),
-        rounds=config.impute_config.rounds,
-        on_round=on_round,
-    )
+    try:  # a feature too large for the statistics' sums is refused by its name
+        # The evaluator's own exact statistics (its yardstick, not a release of the method).
+        statistics = federated_statistics(task.train, tag="statistics/eval")
+        aggregator = aggregator if aggregator is not None else PlainAggregator()
+        channel = channel if channel is not None else Channel()
+        imputer = IMPUTERS.get(config.method)(
+            task,
+            config.impute_config,
+            seed=config.seed,
+            aggregator=aggregator,
+            channel=channel,
+            privacy=mechanisms,
+            roles=roles,
+        )
+        if on_start is not None:
+            on_start(config.impute_config.rounds)
+        curve, scores = fit_and_score(
+            imputer,
+            lambda: evaluate_imputer(
+                imputer, task, standardisation=statistics.standardisation, seed=config.seed
+            ),
+            rounds=config.impute_config.rounds,
+            on_round=on_round,
+        )
+    except FeatureScaleError as error:
+        raise error.naming(task.features) from None
     result = ImputeResult(
         method=config.method,
         dataset=config.data_name,

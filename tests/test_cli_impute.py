@@ -520,3 +520,26 @@ def test_the_summary_warns_when_the_epsilons_rest_on_observed_ranges() -> None:
         "--feature-ranges)."
     )
     assert len(_privacy_lines({**privacy, "ranges": "declared in r.csv"})) == 1
+
+
+def test_a_feature_too_large_for_the_statistics_sums_is_refused_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The refusal named neither the client nor the feature, and quoted a magnitude scaled by 2^20.
+    rng = np.random.default_rng(0)
+    argv = ["impute", "--method", "fedhf", "--rounds", "1", "--out", str(tmp_path / "r")]
+    for k in range(2):
+        frame = pd.DataFrame(rng.normal(size=(40, 3)), columns=["a", "b", "c"])
+        frame["income"] = rng.normal(size=40) * 3e8 + 1e9
+        frame.to_csv(tmp_path / f"site{k}.csv", index=False)
+        argv += ["--client-file", str(tmp_path / f"site{k}.csv")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "client 'site0': feature 'income' holds values up to 1." in err
+    assert "rescale that feature's units" in err
+    frame["income"] /= 1e3  # in thousands it is carried
+    frame.to_csv(tmp_path / "site1.csv", index=False)
+    pd.read_csv(tmp_path / "site0.csv").assign(income=lambda f: f.income / 1e3).to_csv(
+        tmp_path / "site0.csv", index=False
+    )
+    assert main(argv) == 0

@@ -60,7 +60,7 @@ matrix need not be positive semi-definite.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -90,6 +90,9 @@ WIDE_DIGITS = 7
 
 WIDE_FRACTION_BITS = 20
 """Wide values are sent as digits of v * 2^20: 20 more fraction bits than the lowest digit has."""
+
+WIDE_CAPACITY = WIRE_LIMIT * DIGIT_BASE ** (WIDE_DIGITS - 1) / 2.0**WIDE_FRACTION_BITS
+"""The largest magnitude a wide value carries (~5.6e14)."""
 
 WIDE_STEP = 2.0**-35
 """Each client's part of a sum of :func:`wide_digits` arrives within this (raw units)."""
@@ -380,6 +383,42 @@ def _scaled(client: ClientData, privacy: StatisticsPrivacy) -> tuple[np.ndarray,
     return u, client.observed.astype(np.float64)
 
 
+class FeatureScaleError(DataError):
+    """A client's statistic of one feature is beyond what a wide value carries (the feature's
+    values are too large); ``feature`` is the feature's index in the task's features, which
+    :meth:`naming` turns into its name."""
+
+    def __init__(self, client: str, feature: int, largest: float, exchange: str) -> None:
+        self.client, self.feature, self.largest, self.exchange = client, feature, largest, exchange
+        super().__init__(self._text(f"feature {feature} (0-based, of the task's features)"))
+
+    def _text(self, feature: str) -> str:
+        return (
+            f"client {self.client!r}: {feature} holds values up to {self.largest:.3g}, too "
+            f"large for the statistics' sums (its {self.exchange} statistic exceeds "
+            f"{WIDE_CAPACITY:.3g}); rescale that feature's units (e.g. thousands) and run again."
+        )
+
+    def naming(self, features: Sequence[str]) -> DataError:
+        """The same refusal naming the feature by its name in ``features``."""
+        return DataError(self._text(f"feature {features[self.feature]!r}"))
+
+
+def _wide_statistic(client: ClientData, exchange: str, values: np.ndarray) -> np.ndarray:
+    """:func:`wide_digits` of a per-feature statistic (``values``: one or more blocks of one
+    value per feature); one too large to carry is refused naming its feature
+    (:class:`FeatureScaleError`)."""
+    try:
+        return wide_digits(values)
+    except DataError:
+        if not np.all(np.isfinite(values)):
+            raise
+        features = client.values.shape[1]
+        feature = int(np.argmax(np.abs(values))) % features
+        largest = float(np.nanmax(np.abs(client.values[:, feature])))
+        raise FeatureScaleError(client.name, feature, largest, exchange) from None
+
+
 def exchange_contribution(
     client: ClientData,
     exchange: str,
@@ -397,7 +436,7 @@ def exchange_contribution(
     if exchange == "moments":
         _expect_arguments(client, exchange, arguments, 0)
         if privacy is None:
-            return wide_digits(client_moments(client))
+            return _wide_statistic(client, exchange, client_moments(client))
         outside = privacy.ranges.outside(client.values.astype(np.float64))
         if outside:  # told to this client's own operator only: nothing of it is sent
             logger.warning(
@@ -413,7 +452,7 @@ def exchange_contribution(
     if exchange == "deviations":
         _expect_arguments(client, exchange, arguments, features)
         if privacy is None:
-            return wide_digits(client_deviations(client, arguments))
+            return _wide_statistic(client, exchange, client_deviations(client, arguments))
         # Each exchange carries its own counts: clipping scales a record's counts with its
         # sums, so the counts of exchange 1 would not match exchange 2's down-weighted records.
         u, observed = _scaled(client, privacy)
