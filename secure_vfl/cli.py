@@ -1590,8 +1590,7 @@ def run_train(args: argparse.Namespace) -> int:
     print(_summary(result, out, payload))
     print(f"model: {out / MODEL_DIR} (secure-vfl predict --model {out} --party-file ...)")
     print("plots: " + ", ".join(str(path) for path in plots))
-    for warning in payload["warnings"]:
-        print(f"secure-vfl: warning: {warning}", file=sys.stderr)
+    _print_warnings(payload["warnings"])
     return 0
 
 
@@ -2028,7 +2027,8 @@ def run_impute(args: argparse.Namespace) -> int:
             "--save-imputed to replace them too (or remove the folder)."
         )
     store = _results_store(args, out)
-    task = prepare_imputation_task(config)
+    with _run_warnings() as noted:
+        task = prepare_imputation_task(config)
     bar: Any = None
 
     def on_start(rounds: int) -> None:
@@ -2041,7 +2041,7 @@ def run_impute(args: argparse.Namespace) -> int:
         bar.update(1)
         bar.set_postfix(val_rmse=f"{rmse:.3f}")
 
-    with _capture(args.capture) as capture:
+    with _capture(args.capture) as capture, _run_warnings() as running:
         try:
             result, imputer = run_imputation(
                 config,
@@ -2059,10 +2059,17 @@ def run_impute(args: argparse.Namespace) -> int:
     payload = result.to_json()
     payload["config"]["privacy"] = _impute_privacy_config(args)
     payload["provenance"] = provenance()
+    payload["warnings"] = [*noted, *running]
     atomic_write_json(out / "result.json", payload)
     store.add(payload, kind="impute", out_dir=out)
     print(_impute_summary(result, out))
+    _print_warnings(payload["warnings"])
     return 0
+
+
+def _print_warnings(warnings: Sequence[str]) -> None:
+    for warning in warnings:
+        print(f"secure-vfl: warning: {warning}", file=sys.stderr)
 
 
 def _impute_privacy_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -2169,7 +2176,7 @@ def run_impute_deployed(args: argparse.Namespace) -> int:
         bar.set_postfix(val_rmse=f"{rmse:.3f}")
 
     try:
-        with _capture(args.capture) as capture:
+        with _capture(args.capture) as capture, _run_warnings() as noted:
             result, saved = impute_deployed(
                 config,
                 federation,
@@ -2189,6 +2196,7 @@ def run_impute_deployed(args: argparse.Namespace) -> int:
     payload["provenance"] = provenance()
     if saved is not None:
         payload["imputed"] = saved
+    payload["warnings"] = noted
     atomic_write_json(out / "result.json", payload)
     store.add(payload, kind="impute", out_dir=out)
     print(_impute_summary(result, out))
@@ -2197,6 +2205,7 @@ def run_impute_deployed(args: argparse.Namespace) -> int:
             f"imputed tables: each client's in its own --imputed-dir, {saved['run']}/NAME.csv "
             f"({', '.join(saved['tables'])})"
         )
+    _print_warnings(noted)
     return 0
 
 
@@ -2328,8 +2337,7 @@ def run_predict(args: argparse.Namespace) -> int:
         predictions.write(out)
     print(_prediction_summary(model, predictions, out))
     _print_absent(model.absent)
-    for warning in noted:
-        print(f"secure-vfl: warning: {warning}", file=sys.stderr)
+    _print_warnings(noted)
     return 0
 
 
@@ -2376,8 +2384,7 @@ def run_predict_deployed(args: argparse.Namespace) -> int:
         predictions.write(out)
     print(_prediction_summary(done, predictions, out))
     _print_absent(done.absent)
-    for warning in noted:
-        print(f"secure-vfl: warning: {warning}", file=sys.stderr)
+    _print_warnings(noted)
     return 0
 
 
@@ -2844,8 +2851,7 @@ def run_train_deployed(args: argparse.Namespace) -> int:
     print(_summary(result, out, payload))
     print(_deployed_model_line(manifest, out / MODEL_DIR))
     print("plots: " + ", ".join(str(path) for path in plots))
-    for warning in payload["warnings"]:
-        print(f"secure-vfl: warning: {warning}", file=sys.stderr)
+    _print_warnings(payload["warnings"])
     return 0
 
 

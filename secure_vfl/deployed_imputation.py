@@ -64,6 +64,7 @@ from secure_vfl.data.imputation import (
     client_file_columns,
     split_client_file,
     split_rng,
+    warn_alike_features,
 )
 from secure_vfl.data.party_files import LABEL_COLUMN
 from secure_vfl.deployment import (
@@ -359,6 +360,7 @@ def impute_deployed(
         endpoint.await_peers_or_warn(list(federation.addresses(but=name)), wait)
         schemas = _columns(endpoint, clients, config)
         features = list(dict.fromkeys(f for columns, _ in schemas.values() for f in columns))
+        warn_alike_features({client: columns for client, (columns, _) in schemas.items()})
         if len(features) < 2:
             raise ConfigError(
                 f"the clients' files together must have at least 2 feature columns. Found "

@@ -3,6 +3,7 @@ line before any work, and what it keeps out of the imputation."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -175,3 +176,34 @@ def test_client_files_read_as_party_files_do(tmp_path: Path, capsys: pytest.Capt
     argv = [*impute_argv([inside, parquet], out), "--overwrite"]
     assert main(argv) == 2
     assert "lies in" in capsys.readouterr().err and inside.is_file()
+
+
+def test_features_named_alike_and_id_like_columns_are_warned_of(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `Chol` and `chol ` became two features, each unavailable at the other client, and a
+    # `PatientID` column was imputed as a feature: both silently.
+    (tmp_path / "h0.csv").write_text(
+        "PatientID,Chol,age\n" + "".join(f"{i},{150 + i},{40 + i % 7}\n" for i in range(20))
+    )
+    (tmp_path / "h1.csv").write_text(
+        "chol ,age,bp\n" + "".join(f"{160 + i},{45 + i % 5},{120 + i % 9}\n" for i in range(20))
+    )
+    out = tmp_path / "run"
+    argv = impute_argv([tmp_path / "h0.csv", tmp_path / "h1.csv"], out)
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    alike = "differ only in case or surrounding spaces are different features"
+    assert (
+        f"{alike}, each unavailable where it is named otherwise: 'Chol' (h0), 'chol ' (h1)" in err
+    )
+    assert "h0.csv: 'PatientID' looks like an id column but is imputed as a feature" in err
+    assert "give --id-column PatientID" in err
+    warned = json.loads((out / "result.json").read_text())["warnings"]
+    assert len(warned) == 2 and alike in " ".join(warned)
+    # Named alike, and with the id column given: no warning.
+    (tmp_path / "h1.csv").write_text(
+        "PatientID,Chol,age\n" + "".join(f"{i},{160 + i},{45 + i % 5}\n" for i in range(20))
+    )
+    assert main([*argv, "--overwrite", "--id-column", "PatientID"]) == 0
+    assert "warning" not in capsys.readouterr().err

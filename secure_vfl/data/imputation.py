@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import bz2
 import lzma
+import re
 import warnings
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
 from pathlib import Path
@@ -35,11 +36,12 @@ from secure_vfl.data.datasets import (
 from secure_vfl.data.party_files import (
     ID_COLUMN,
     LABEL_COLUMN,
+    alike_texts,
     feature_columns,
     read_ids,
     read_table,
 )
-from secure_vfl.errors import ConfigError, DataError
+from secure_vfl.errors import ConfigError, DataError, RunWarning
 from secure_vfl.registry import Registry
 
 HIDE_FRACTION = 0.2
@@ -420,6 +422,46 @@ def client_from_frame(name: str, frame: pd.DataFrame, features: Sequence[str]) -
     return ClientData(name, values, available)
 
 
+_ID_LIKE = re.compile(r"(?:.*[_\s.-])?(?i:id)|.*[a-z](?:ID|Id)")
+
+
+def warn_alike_features(schemas: Mapping[str, Sequence[str]]) -> None:
+    """Warn (:class:`~secure_vfl.errors.RunWarning`) of feature names, in the clients'
+    ``schemas`` (client -> its feature columns), that differ only in case or surrounding
+    spaces: they are different features, each unavailable where it is named otherwise."""
+    where: dict[str, list[str]] = {}
+    for client, columns in schemas.items():
+        for column in columns:
+            where.setdefault(column, []).append(client)
+    alike = alike_texts(list(where))
+    if alike:
+        shown = "; ".join(
+            ", ".join(f"{name!r} ({', '.join(where[name])})" for name in group)
+            for group in alike[:3]
+        )
+        warnings.warn(
+            "feature columns whose names differ only in case or surrounding spaces are "
+            f"different features, each unavailable where it is named otherwise: {shown}; "
+            "name each feature alike in every file if they are one.",
+            RunWarning,
+            stacklevel=2,
+        )
+
+
+def _warn_id_like(path: Path, columns: Sequence[str], id_column: str) -> None:
+    """Warn of feature columns named like an id (``patient_id``, ``ID``, ``PatientID``) in a
+    file without the id column: they are imputed as features."""
+    named = [c for c in columns if c != id_column and _ID_LIKE.fullmatch(c.strip())]
+    if named:
+        warnings.warn(
+            f"{path}: {', '.join(map(repr, named))} looks like an id column but is imputed as "
+            f"a feature (the id column is `{id_column}`); give --id-column "
+            f"{named[0]} if it is the file's ids.",
+            RunWarning,
+            stacklevel=3,
+        )
+
+
 @dataclass(frozen=True, eq=False)
 class _ClientSource:
     """One client file as read: its features and what is written back around them."""
@@ -447,6 +489,8 @@ def _read_client_frame(path: Path, id_column: str, label_column: str) -> _Client
         )
     kept = [c for c in frame.columns if c in (id_column, label_column)]
     features = frame.drop(columns=kept).reset_index(drop=True)
+    if id_column not in frame.columns:
+        _warn_id_like(path, list(features.columns), id_column)
     if features.shape[1] == 0:
         raise DataError(f"{path} must have at least one feature column. Found none.")
     booleans = feature_columns(features, path)
@@ -505,6 +549,7 @@ def _read_client_sources(
     for source in sources.values():
         features.update(dict.fromkeys(source.features.columns))
     names = tuple(features)
+    warn_alike_features({stem: list(source.features.columns) for stem, source in sources.items()})
     _check_feature_count(len(names), f"the client files together ({', '.join(map(str, paths))})")
     clients = [client_from_frame(stem, source.features, names) for stem, source in sources.items()]
     observed = np.zeros(len(names), dtype=bool)
