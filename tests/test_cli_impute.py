@@ -543,3 +543,22 @@ def test_a_feature_too_large_for_the_statistics_sums_is_refused_by_name(
         tmp_path / "site0.csv", index=False
     )
     assert main(argv) == 0
+
+
+def test_a_constant_feature_is_filled_with_its_constant(tmp_path: Path) -> None:
+    # A model's output for it was destandardised with the fallback std 1: 7.3195 for 7.3.
+    rng = np.random.default_rng(0)
+    argv = ["impute", "--method", "fedhf", "--rounds", "2", "--out", str(tmp_path / "r")]
+    for k in range(2):
+        frame = pd.DataFrame(rng.normal(size=(40, 3)), columns=["a", "b", "c"])
+        frame["const"] = 7.3
+        frame[rng.random(frame.shape) < 0.15] = np.nan
+        frame.to_csv(tmp_path / f"site{k}.csv", index=False)
+        argv += ["--client-file", str(tmp_path / f"site{k}.csv")]
+    assert main([*argv, "--quiet", "--save-imputed"]) == 0
+    for k in range(2):
+        original = pd.read_csv(tmp_path / f"site{k}.csv")
+        written = pd.read_csv(tmp_path / "r" / "imputed" / f"site{k}.csv")
+        assert original["const"].isna().any()
+        assert (written["const"] == 7.3).all()
+        assert written[["a", "b", "c"]].notna().all().all()

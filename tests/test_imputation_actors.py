@@ -428,11 +428,14 @@ def _statistics(**changes: object) -> GlobalStatisticsMessage:
         ({"neighbours": torch.tensor([[1], [0], [3]])}, r"neighbours in \[0, 3\)"),
         ({"weights": torch.tensor([[1.0], [0.5], [0.2]])}, "and 0 where the mask is False"),
         ({"weights": torch.ones(3, 2)}, "of shape \\(3, k\\)"),
+        ({"constant": torch.tensor([True, False])}, "a constant flag for each of the 3 features"),
+        ({"constant": torch.zeros(3)}, "constant must be a 1-d torch.bool tensor"),
     ],
 )
 def test_bad_global_statistics_are_refused(changes: dict[str, object], error: str) -> None:
     _statistics().validate()
     _statistics(neighbours=None, weights=None, mask=None).validate()  # a model without a graph
+    _statistics(constant=torch.tensor([False, True, False])).validate()
     with pytest.raises(ProtocolError, match=error):
         _statistics(**changes).validate()
 

@@ -134,6 +134,7 @@ def samples() -> list[Message]:
             neighbours=torch.tensor([[1, 2], [0, 2], [0, 1]]),
             weights=torch.tensor([[1.0, 0.5], [0.25, 0.0], [0.75, 1.0]]),
             mask=torch.tensor([[True, True], [True, False], [True, True]]),
+            constant=torch.tensor([False, True, False]),
         ),
     ]
 

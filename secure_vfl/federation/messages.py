@@ -21,11 +21,13 @@ from torch import Tensor
 from secure_vfl.errors import NonFiniteError, ProtocolError
 from secure_vfl.federation.wire import register_message
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 """The messages' layouts: 2 since sealed sums carry their members' selection, sum and seal
 requests their DP-released rows, and the abort message exists; 3 since a gradient may close its
 receiver's step (``GradientMessage.step``) and a head task may hold its gradients for the driver
-(``HeadTask.hold``). A party of another version is refused on its first message, naming both."""
+(``HeadTask.hold``); 4 since the global statistics mark constant features
+(``GlobalStatisticsMessage.constant``). A party of another version is refused on its first
+message, naming both."""
 PHASES = ("train", "predict")
 
 PartyId = str
@@ -637,15 +639,17 @@ class ParametersMessage(Message):
 @dataclass(frozen=True, kw_only=True)
 class GlobalStatisticsMessage(Message):
     """What the coordinator publishes to each client once the statistics are summed: the
-    global standardisation (per-feature ``mean`` and ``std`` > 0, float64) and, for a model
-    that reads one, the feature graph (``neighbours`` (F, k) int64 in [0, F), ``weights``
-    float32 in [0, 1] and 0 where ``mask`` (bool) is False; all three or none)."""
+    global standardisation (per-feature ``mean`` and ``std`` > 0, float64, and which features
+    are ``constant``, bool, if known) and, for a model that reads one, the feature graph
+    (``neighbours`` (F, k) int64 in [0, F), ``weights`` float32 in [0, 1] and 0 where ``mask``
+    (bool) is False; all three or none)."""
 
     mean: Tensor
     std: Tensor
     neighbours: Tensor | None = None
     weights: Tensor | None = None
     mask: Tensor | None = None
+    constant: Tensor | None = None
     kind: ClassVar[str] = "global-statistics"
 
     def validate(self) -> None:
@@ -659,6 +663,13 @@ class GlobalStatisticsMessage(Message):
                 f"features expected, found shape {tuple(self.std.shape)}, minimum "
                 f"{float(self.std.min()) if self.std.numel() else 'none'}."
             )
+        if self.constant is not None:
+            _check_tensor(self, "constant", self.constant, dims=1, dtype=torch.bool)
+            if self.constant.shape != self.mean.shape:
+                raise ProtocolError(
+                    f"{self.kind} from {self.sender}: a constant flag for each of the "
+                    f"{features} features expected, found {self.constant.shape[0]}."
+                )
         graph = (self.neighbours, self.weights, self.mask)
         if all(part is None for part in graph):
             return

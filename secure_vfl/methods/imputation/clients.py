@@ -342,7 +342,11 @@ class ImputationClient(SecureSumParty):
                 f"{self.name}: a standardisation of its {features} features expected, found "
                 f"{message.mean.shape[0]}."
             )
-        standardisation = Standardisation(mean=message.mean.numpy(), std=message.std.numpy())
+        standardisation = Standardisation(
+            mean=message.mean.numpy(),
+            std=message.std.numpy(),
+            constant=None if message.constant is None else message.constant.numpy(),
+        )
         graph = None
         if message.neighbours is not None:
             assert message.weights is not None and message.mask is not None  # validated

@@ -296,6 +296,9 @@ class ImputationFederation:
         """Send every client (or ``names``) the global standardisation and (for a graph model)
         the graph."""
         neighbours = weights = mask = None
+        constant = None
+        if standardisation.constant is not None:
+            constant = torch.from_numpy(np.asarray(standardisation.constant, dtype=np.bool_))
         if graph is not None:
             neighbours = torch.from_numpy(graph.neighbours)
             weights = torch.from_numpy(graph.weights)
@@ -309,6 +312,7 @@ class ImputationFederation:
                     neighbours=neighbours,
                     weights=weights,
                     mask=mask,
+                    constant=constant,
                 )
             )
 

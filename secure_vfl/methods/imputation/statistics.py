@@ -114,11 +114,14 @@ _NOISE_FLOOR = 2.0
 class Standardisation:
     """Global per-feature mean and std (population std, ddof 0) of the pooled training entries.
 
-    A feature never observed anywhere gets mean 0 and std 1; a constant feature gets std 1.
+    A feature never observed anywhere gets mean 0 and std 1; a constant feature gets std 1,
+    and ``constant`` (bool, one per feature; None: no feature known to be one) marks it, so
+    that its imputed values are its mean exactly, whatever a model makes of it.
     """
 
     mean: np.ndarray
     std: np.ndarray
+    constant: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.mean.shape != self.std.shape or self.mean.ndim != 1:
@@ -128,14 +131,24 @@ class Standardisation:
             )
         if not np.all(self.std > 0):
             raise DataError(f"`std` must be > 0 everywhere. Found minimum {self.std.min()}.")
+        if self.constant is not None and (
+            self.constant.dtype != np.bool_ or self.constant.shape != self.mean.shape
+        ):
+            raise DataError(
+                f"`constant` must be bool of shape {self.mean.shape}. Found "
+                f"{self.constant.dtype} of shape {self.constant.shape}."
+            )
 
     def standardise(self, values: np.ndarray) -> np.ndarray:
         """(x - mean) / std as float32; NaN stays NaN."""
         return ((values - self.mean) / self.std).astype(np.float32)
 
     def destandardise(self, z: np.ndarray) -> np.ndarray:
-        """z * std + mean as float32 (back to the raw scale)."""
-        return (z * self.std + self.mean).astype(np.float32)
+        """z * std + mean as float32 (back to the raw scale); a constant feature's mean."""
+        raw = z * self.std + self.mean
+        if self.constant is not None:
+            raw = np.where(self.constant, self.mean, raw)
+        return raw.astype(np.float32)
 
 
 @dataclass(frozen=True)
@@ -553,7 +566,7 @@ def _exact_standardisation(sums: ClientSums, tag: str) -> tuple[Standardisation,
     # Below the transport's precision, a sum of squared deviations is 0: a constant feature.
     spread = (count > 0) & (squares > 2 * sums.clients * WIDE_STEP)
     std = np.where(spread, np.sqrt(np.maximum(squares, 0.0) / np.maximum(count, 1)), 1.0)
-    return Standardisation(mean=mean, std=std), count
+    return Standardisation(mean=mean, std=std, constant=(count > 0) & ~spread), count
 
 
 def _private_standardisation(
