@@ -81,7 +81,7 @@ from secure_vfl.deployment import (
     _with_reports,
     check_requested,
 )
-from secure_vfl.errors import ConfigError, ProtocolError
+from secure_vfl.errors import ConfigError, DataError, ProtocolError
 from secure_vfl.experiment import (
     ImputeResult,
     ImputeRunConfig,
@@ -410,6 +410,7 @@ def impute_deployed(
         imputer = reconstruction_imputer(
             config.method, None, config.impute_config, seed=config.seed, federation=view
         )
+        _check_observed(features, imputer.counts if plan is None else None)
         # The yardstick: the statistics of the training rows the method collected. Without DP
         # they are exact, as the in-process evaluator computes them; under DP they are the
         # released ones (nothing exact about the clients' rows leaves them).
@@ -498,6 +499,23 @@ def _save_each(endpoint: Any, clients: Sequence[Member]) -> dict[str, Any]:
             )
         tables[member.name] = {"rows": body["rows"], "sha256": body["sha256"]}
     return {"run": run, "tables": tables}
+
+
+def _check_observed(features: Sequence[str], counts: np.ndarray | None) -> None:
+    """Refuse a feature column that some client has but no client has a value of in its
+    training rows (``counts``: the exact counts of the statistics; None under DP, where they
+    are noisy), as one process refuses it when it reads the files: it would be imputed from
+    nothing."""
+    if counts is None:
+        return
+    unobserved = [
+        repr(feature) for feature, count in zip(features, counts, strict=True) if count == 0
+    ]
+    if unobserved:
+        raise DataError(
+            "every feature column needs a value in some client's training rows, to impute it "
+            f"from; found none of {', '.join(unobserved)}: drop the column or add its values."
+        )
 
 
 def _columns(

@@ -333,3 +333,31 @@ def test_each_client_noises_its_own_statistics_and_reports_its_own_epsilon(
     assert "epsilon" in processes.log("bank")  # the summary prints the guarantees
     for name in CLIENTS:
         assert "clips and noises its own statistics" in processes.log(name)
+
+
+def test_a_column_no_client_has_a_value_of_is_refused_by_the_coordinator(
+    site: Path, processes: Processes, tmp_path: Path
+) -> None:
+    """A column empty in the one file that has it: one process refuses it when it reads the
+    files; deployed, the coordinator imputed it from nothing (mean 0, std 1). It now refuses it
+    from the statistics' exact counts, and every party ends."""
+    for name in CLIENTS:
+        frame = pd.read_csv(site / f"{name}.csv", dtype={"id": str})
+        if name == CLIENTS[0]:
+            frame["z"] = np.nan
+        frame.to_csv(tmp_path / f"{name}.csv", index=False)
+    federation = write_federation(tmp_path, site / "certs", free_loopback_ports(5))
+    servers = [processes.serve(federation, name) for name in (*CLIENTS, "aggregator")]
+    label = processes.start(
+        "impute", "--federation", str(federation), "--name", "bank", *FLAGS,
+        "--method", "fedhf", "--out", str(tmp_path / "deployed"), log="bank",
+    )  # fmt: skip
+    assert label.wait(timeout=PROCESS_SECONDS) == 2, processes.log("bank")
+    assert (
+        "every feature column needs a value in some client's training rows, to impute it from; "
+        "found none of 'z'"
+    ) in processes.log("bank")
+    for name, server in zip((*CLIENTS, "aggregator"), servers, strict=True):
+        assert server.wait(timeout=PROCESS_SECONDS) == 1, processes.log(name)
+        assert "the label party ended the run: failed" in processes.log(name)
+    assert not (tmp_path / "deployed" / "result.json").exists()

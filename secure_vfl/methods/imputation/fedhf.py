@@ -139,6 +139,9 @@ class ReconstructionImputer:
         self.federation.publish(statistics.standardisation, graph)
         self.standardisation = statistics.standardisation
         """The global standardisation it published (exact without DP)."""
+        self.counts = np.diag(statistics.counts).copy()
+        """How many observed training entries of each feature the statistics counted (exact
+        without DP)."""
         self.graph = graph
         """The feature graph it published (None: not a graph model)."""
         self.rng = np.random.default_rng(derived_seed(seed, 1))
