@@ -250,6 +250,9 @@ def run_attack(
     spec, hooks = parse_defenses(defenses, base)
     if spec.secure_agg != "none" and not config.method_config.secure_sums:
         config = replace(config, method_config=replace(config.method_config, secure_sums=True))
+    if spec.insecure_reproducible_noise and not spec.noise():
+        # nothing to make reproducible in this run (a suite's or a sweep's undefended one)
+        spec = replace(spec, insecure_reproducible_noise=False)
     engine = PrivacyEngine(spec)
     engine.refuse(config)
     data = prepare_data(config)
@@ -311,5 +314,7 @@ def run_attack(
 
 
 def _undefended(config: TrainConfig) -> TrainConfig:
-    """``config`` without secure sums (the defenses are the privacy layer's, not the method's)."""
-    return replace(config, method_config=replace(config.method_config, secure_sums=False))
+    """``config`` without secure sums, and so without their DP release of what a sum cannot
+    hide (the defenses are the privacy layer's, not the method's)."""
+    undefended = replace(config.method_config, secure_sums=False, release="drop")
+    return replace(config, method_config=undefended)

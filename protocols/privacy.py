@@ -100,6 +100,15 @@ RELEASE_CLIP = 1.0
 Noise = tuple[float, float]
 
 
+IDLE_REPRODUCIBLE_NOISE = (
+    "--insecure-reproducible-noise makes DP noise reproducible from the seed; expected a DP "
+    "mechanism with it. Found none."
+)
+"""The refusal of ``insecure_reproducible_noise`` with no mechanism to make reproducible: by
+:class:`PrivacyEngine`, which installs a whole run's spec (a spec alone may be a template that
+an attack's defenses add DP or secure sums to; so is ``release="dp"`` without secure sums)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class PrivacySpec:
     """How one run is protected. Noise is (SIGMA, CLIP); ``target_epsilon`` replaces every
@@ -189,11 +198,6 @@ class PrivacySpec:
             raise ConfigError(
                 f"`adjacency` must be one of {', '.join(ADJACENCIES)}. Found {self.adjacency!r}."
             )
-        if self.insecure_reproducible_noise and not self.noise() and self.dp_statistics is None:
-            raise ConfigError(
-                "--insecure-reproducible-noise makes DP noise reproducible from the seed; "
-                "expected a DP mechanism with it. Found none."
-            )
 
     def _check_types(self) -> None:
         """Each field of its type (ConfigError naming it), numbers stored as Python's own."""
@@ -239,11 +243,6 @@ class PrivacySpec:
                     "--release-noise is the noise of --release dp; found it with --release drop."
                 )
             return
-        if self.secure_agg == "none":
-            raise ConfigError(
-                "--release dp sends with DP noise what a secure sum cannot hide; expected "
-                "--secure-agg masks, paillier or ckks with it. Found --secure-agg none."
-            )
         if self.release_noise is None and self.target_epsilon is None:
             raise ConfigError(
                 "--release dp needs its noise: expected --release-noise SIGMA:CLIP or "
@@ -275,6 +274,13 @@ class PrivacyEngine:
     def __init__(self, spec: PrivacySpec) -> None:
         self.spec = checks.instance("spec", spec, PrivacySpec)
         self.noise: dict[str, Noise] = spec.noise()
+        if spec.insecure_reproducible_noise and not self.noise and spec.dp_statistics is None:
+            raise ConfigError(IDLE_REPRODUCIBLE_NOISE)
+        if spec.release == "dp" and spec.secure_agg == "none":
+            raise ConfigError(
+                "--release dp sends with DP noise what a secure sum cannot hide; expected "
+                "--secure-agg masks, paillier or ckks with it. Found --secure-agg none."
+            )
         self.sample_rate: float | None = None
         self._sampler: PoissonSampler | None = None
         self._ahead = False  # the sample was drawn by plan_parties, before the run

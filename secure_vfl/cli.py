@@ -1110,7 +1110,9 @@ def run_psi_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_config(args: argparse.Namespace) -> Any:
+def _train_config(args: argparse.Namespace, *, secure_sums: bool = False) -> Any:
+    """The training configuration of the flags (``secure_sums``: a run of secure sums even
+    without --secure-agg, e.g. an attack's secure-agg defense)."""
     from secure_vfl.experiment import TrainConfig
 
     if args.party_file and args.label_file is None:
@@ -1148,7 +1150,7 @@ def _train_config(args: argparse.Namespace) -> Any:
         representation_dim=args.representation_dim,
         top_model=args.top_model,
         standard_incomplete=args.standard_incomplete,
-        secure_sums=args.secure_agg != "none",
+        secure_sums=secure_sums or args.secure_agg != "none",
         release=args.release,
         labeled=args.labeled,
         pretrain_epochs=args.pretrain_epochs,
@@ -1438,10 +1440,12 @@ def _impute_privacy_engine(args: argparse.Namespace) -> Any:
 
 
 def _privacy_spec(args: argparse.Namespace) -> Any:
-    """The protection asked for by ``train``'s flags: alignment, secure sums, DP."""
-    from protocols.privacy import PrivacySpec
+    """The protection asked for by ``train``'s flags: alignment, secure sums, DP. ConfigError
+    for --insecure-reproducible-noise with no DP mechanism in them nor among an attack's or
+    a sweep's --defense specs (to which it reaches)."""
+    from protocols.privacy import IDLE_REPRODUCIBLE_NOISE, PrivacySpec
 
-    return PrivacySpec(
+    spec = PrivacySpec(
         align=args.align,
         secure_agg=args.secure_agg,
         dp_embeddings=args.dp_embeddings,
@@ -1455,6 +1459,10 @@ def _privacy_spec(args: argparse.Namespace) -> Any:
         release=args.release,
         release_noise=args.release_noise,
     )
+    defended = any(text.startswith("dp-") for text in getattr(args, "defense", None) or ())
+    if spec.insecure_reproducible_noise and not (spec.noise() or defended):
+        raise ConfigError(IDLE_REPRODUCIBLE_NOISE)
+    return spec
 
 
 def _privacy_engine(args: argparse.Namespace) -> Any:
@@ -1768,12 +1776,15 @@ def run_attack_command(args: argparse.Namespace) -> int:
     from secure_vfl.io import atomic_write_json
     from secure_vfl.runs import provenance
 
-    config = _train_config(args)
-    if args.align != "join":
+    if args.align != "join":  # before the config, which would not know the psi aligner
         raise ConfigError(
             f"attack aligns party files by the plain join (PSI is train's); found --align "
             f"{args.align}."
         )
+    # A single attack's secure-agg defense makes its run one of secure sums, as --secure-agg
+    # does (so --release dp may go with it); a suite's runs are each defended on their own.
+    secure = args.suite is None and any(d.startswith("secure-agg:") for d in args.defense)
+    config = _train_config(args, secure_sums=secure)
     if args.suite is not None:
         return _run_suite_command(args, config)
     name = args.attack
@@ -1817,12 +1828,12 @@ def run_attack_command(args: argparse.Namespace) -> int:
 def run_sweep_command(args: argparse.Namespace) -> int:
     from attacks.sweep import parse_grid, run_sweep, write_sweep
 
-    config = _train_config(args)
-    if args.align != "join":
+    if args.align != "join":  # before the config, which would not know the psi aligner
         raise ConfigError(
             f"sweep aligns party files by the plain join (PSI is train's); found --align "
             f"{args.align}."
         )
+    config = _train_config(args)
     given = _given(
         ("--secure-agg", args.secure_agg if args.secure_agg != "none" else None),
         ("--dp-embeddings", args.dp_embeddings),

@@ -325,3 +325,33 @@ def test_trains_privacy_flags_are_listed_among_an_attacks_defenses() -> None:
         defenses=["gradient-sparsification:0.5"],
     )
     assert result.defenses == ["dp-gradients:1:0.01", "gradient-sparsification:0.5"]
+
+
+def test_an_attacks_defenses_complete_the_train_flags_that_need_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--release dp failed after the whole defended training (the undefended reference run
+    kept it without secure sums), and was refused up front with secure sums as a --defense;
+    --insecure-reproducible-noise was refused whenever DP came from a --defense; --align psi
+    failed inside the configuration instead of saying why."""
+    argv = ["attack", "--attack", "direct-label-inference", *LABEL_LEAK_RUN, "--quiet"]
+    release = ["--release", "dp", "--release-noise", "1:1"]
+    for n, defended in enumerate(
+        (["--secure-agg", "masks", *release], ["--defense", "secure-agg:masks", *release])
+    ):
+        assert main([*argv, *defended, "--out", str(tmp_path / f"release{n}")]) == 0
+        result = json.loads((tmp_path / f"release{n}" / "result.json").read_text())
+        assert result["epsilon"] and 0 < result["undefended_accuracy"] <= 1
+    noisy = ["--defense", "dp-gradients:1:0.01", "--insecure-reproducible-noise"]
+    for n in range(2):  # the same noise again: the same scores
+        assert main([*argv, *noisy, "--out", str(tmp_path / f"noise{n}")]) == 0
+    first, again = (
+        json.loads((tmp_path / f"noise{n}" / "result.json").read_text()) for n in (0, 1)
+    )
+    assert first["attack"] == again["attack"] and first["main"] == again["main"]
+    capsys.readouterr()
+    assert main([*argv, "--insecure-reproducible-noise", "--out", str(tmp_path / "x")]) == 2
+    assert "expected a DP mechanism with it. Found none." in capsys.readouterr().err
+    assert main([*argv, "--align", "psi", "--out", str(tmp_path / "x")]) == 2
+    assert "attack aligns party files by the plain join" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

@@ -116,12 +116,23 @@ def test_target_epsilon_calibrates_one_sigma_for_every_mechanism(make_data: Make
         ({"dp_statistics": (1.0, 1.0), "dp_sgd": (1.0, 0.1)}, "expected one kind, found both"),
         ({"feature_ranges": Path("ranges.csv")}, "bounds the values of --dp-statistics"),
         ({"dp_sgd": (1.0, 0.1), "adjacency": "swap"}, "`adjacency` must be one of"),
-        ({"insecure_reproducible_noise": True}, "expected a DP mechanism with it"),
     ],
 )
 def test_a_bad_spec_is_refused(kwargs: dict[str, object], expected: str) -> None:
     with pytest.raises(ConfigError, match=expected):
         PrivacySpec(**kwargs)  # type: ignore[arg-type]
+
+
+def test_what_a_template_spec_lacks_is_refused_by_the_engine() -> None:
+    # A spec may be a template an attack's defenses add DP to; the engine installs a whole run.
+    template = PrivacySpec(insecure_reproducible_noise=True)
+    with pytest.raises(ConfigError, match="expected a DP mechanism with it"):
+        PrivacyEngine(template)
+    PrivacyEngine(dataclasses.replace(template, dp_gradients=(1.0, 0.1)))
+    released = PrivacySpec(release="dp", release_noise=(1.0, 1.0))
+    with pytest.raises(ConfigError, match="expected --secure-agg masks, paillier or ckks with it"):
+        PrivacyEngine(released)
+    PrivacyEngine(dataclasses.replace(released, secure_agg="masks"))
 
 
 def _config(method: str, **method_config: object) -> TrainConfig:
