@@ -209,20 +209,30 @@ def _main_accuracy(result: TrainResult) -> float:
 
 def undefended_accuracy(config: TrainConfig, *, cache: Path | None = None) -> float:
     """MP*: the main accuracy of the honest, undefended federation of ``config``; cached in
-    ``cache/<hash of the config>.json`` when ``cache`` is given."""
-    key = hashlib.sha256(json.dumps(config.to_json(), sort_keys=True).encode()).hexdigest()[:24]
+    ``cache/<hash>.json`` when ``cache`` is given, under the config and the SHA-256 of each
+    party and label file it reads (a file edited in place is a new federation)."""
+    described = json.loads(json.dumps(config.to_json()))
+    files = [*config.party_files, *([config.label_file] if config.label_file else [])]
+    if files:
+        described["file_sha256"] = {str(path): _sha256(path) for path in files}
+    key = hashlib.sha256(json.dumps(described, sort_keys=True).encode()).hexdigest()[:24]
     path = cache / f"{key}.json" if cache is not None else None
     if path is not None and path.exists():
         try:
             stored = json.loads(path.read_text())
-            if stored.get("config") == json.loads(json.dumps(config.to_json())):
+            if stored.get("config") == described:
                 return float(stored["accuracy"])
         except (OSError, ValueError, KeyError, TypeError):
             pass  # an unreadable cache entry is recomputed and replaced
     accuracy = _main_accuracy(run_training(config))
     if path is not None:
-        atomic_write_json(path, {"config": config.to_json(), "accuracy": accuracy})
+        atomic_write_json(path, {"config": described, "accuracy": accuracy})
     return accuracy
+
+
+def _sha256(path: Path) -> str:
+    with Path(path).open("rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def run_attack(

@@ -17,7 +17,7 @@ from conftest import LABEL_LEAK_RUN
 from attacks import ATTACKS
 from attacks.label_inference import GradientObserver
 from attacks.model_completion import Completion
-from attacks.runner import apply_defense, dcs, make_attack, run_attack
+from attacks.runner import apply_defense, dcs, make_attack, run_attack, undefended_accuracy
 from protocols.privacy import PrivacySpec
 from secure_vfl.cli import main
 from secure_vfl.errors import ConfigError, RegistryError
@@ -355,3 +355,37 @@ def test_an_attacks_defenses_complete_the_train_flags_that_need_them(
     assert main([*argv, "--align", "psi", "--out", str(tmp_path / "x")]) == 2
     assert "attack aligns party files by the plain join" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_the_undefended_reference_follows_the_party_files_contents(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # MP* was cached under the files' paths: labels shuffled in place kept the old reference
+    # (90.8 % against the shuffled run's 63.2 %), and the DCS with it.
+    import attacks.runner
+
+    trained: list[TrainConfig] = []
+
+    def train(config: TrainConfig) -> Any:
+        trained.append(config)
+        return _Trained(len(trained))
+
+    monkeypatch.setattr(attacks.runner, "run_training", train)
+    paths = []
+    for name in ("a", "b", "labels"):
+        paths.append(tmp_path / f"{name}.csv")
+        paths[-1].write_text(f"id,{name}\n1,0\n2,1\n")
+    config = TrainConfig(method="standard", party_files=tuple(paths[:2]), label_file=paths[2])
+    cache = tmp_path / "cache"
+    assert undefended_accuracy(config, cache=cache) == 0.01
+    assert undefended_accuracy(config, cache=cache) == 0.01 and len(trained) == 1  # cached
+    paths[2].write_text("id,labels\n1,1\n2,0\n")  # the same path, other labels
+    assert undefended_accuracy(config, cache=cache) == 0.02 and len(trained) == 2
+    assert undefended_accuracy(config, cache=cache) == 0.02 and len(trained) == 2
+
+
+class _Trained:
+    """What the reference reads of a training result: its first metric's accuracy (%)."""
+
+    def __init__(self, percent: float) -> None:
+        self.metrics = {"test": {"accuracy": percent}}
