@@ -1227,15 +1227,29 @@ def _party_count(args: argparse.Namespace) -> int:
     return given
 
 
+_RUN_MARKERS = ("result.json", "sweep.json", "suite.json")
+"""What a finished run, sweep or suite leaves in its folder: one kind per folder (the results
+store keeps each folder's rows as one run's, sweep's or suite's)."""
+
+
 def _check_output_dir(out: Path, marker: str, *, overwrite: bool) -> None:
     """Refuse, before any work, an output directory that cannot take ``out/marker``: a path
-    that is not a directory this user may write in and cannot be made as one, or a finished run
-    without ``--overwrite``."""
+    that is not a directory this user may write in and cannot be made as one, a finished run
+    without ``--overwrite``, or a folder that holds another kind of run (a sweep written over
+    a training run would take its rows out of the results store)."""
     check_directory("--out", out)
     if (out / marker).exists() and not overwrite:
         raise ConfigError(
             f"{out / marker} exists; expected a new --out directory (or --overwrite)."
         )
+    if marker in _RUN_MARKERS:
+        other = next((m for m in _RUN_MARKERS if m != marker and (out / m).exists()), None)
+        if other is not None:
+            raise ConfigError(
+                f"{out} holds another kind of run ({other}); expected a new --out directory "
+                f"for the {marker.removesuffix('.json').replace('result', 'run')} (or remove "
+                "that one first)."
+            )
 
 
 def _check_output_file(path: Path, *, overwrite: bool) -> None:

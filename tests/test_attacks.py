@@ -389,3 +389,24 @@ class _Trained:
 
     def __init__(self, percent: float) -> None:
         self.metrics = {"test": {"accuracy": percent}}
+
+
+def test_a_sweep_or_suite_is_refused_in_a_folder_that_holds_a_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The sweep went ahead without --overwrite and took the run's row out of the results store.
+    from secure_vfl.store import ResultsStore
+
+    out = tmp_path / "run"
+    attack = ["--attack", "direct-label-inference", *LABEL_LEAK_RUN, "--quiet", "--out", str(out)]
+    assert main(["attack", *attack]) == 0
+    rows = ResultsStore(tmp_path / "results.sqlite").rows()
+    assert len(rows) == 1
+    capsys.readouterr()
+    sweep = ["sweep", *attack, "--defense", "dp-gradients:S:0.01", "--grid", "S=1"]
+    suite = ["attack", "--suite", "all", *LABEL_LEAK_RUN, "--quiet", "--out", str(out)]
+    for argv in (sweep, suite, [*sweep, "--overwrite"]):
+        assert main(argv) == 2
+        assert f"{out} holds another kind of run (result.json)" in capsys.readouterr().err
+    assert ResultsStore(tmp_path / "results.sqlite").rows() == rows
+    assert sorted(p.name for p in out.iterdir() if p.suffix == ".json") == ["result.json"]
