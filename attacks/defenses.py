@@ -39,7 +39,9 @@ from secure_vfl.registry import Registry
 
 
 class HookDefense(Protocol):
-    """A defense installed inside the parties it protects once they exist."""
+    """A defense installed inside the parties it protects once they exist. One that cannot
+    protect some runs also has ``check(config)``, which refuses them (ConfigError) before any
+    work."""
 
     spec: str
 

@@ -265,6 +265,9 @@ def run_attack(
         spec = replace(spec, insecure_reproducible_noise=False)
     engine = PrivacyEngine(spec)
     engine.refuse(config)
+    for hook in hooks:  # a defense refuses, before any work, a run it cannot protect
+        if (check := getattr(hook, "check", None)) is not None:
+            check(config)
     data = prepare_data(config)
     made.check(config, data, attacker)
     context = AttackContext(
