@@ -46,7 +46,14 @@ class Setting:
 
     @property
     def label(self) -> str:
-        return ", ".join(f"{name}={value:g}" for name, value in self.values) or self.defense
+        return ", ".join(f"{name}={number(value)}" for name, value in self.values) or self.defense
+
+
+def number(value: float) -> str:
+    """``value`` written short (``1``, ``0.1``, ``1e-05``), but never rounded: two values of a
+    grid stay two settings (``0.1000001``)."""
+    short = f"{value:g}"
+    return short if float(short) == value else repr(value)
 
 
 def parse_grid(items: Sequence[str]) -> dict[str, tuple[float, ...]]:
@@ -71,7 +78,7 @@ def parse_grid(items: Sequence[str]) -> dict[str, tuple[float, ...]]:
             repeated = sorted({v for v in parsed if parsed.count(v) > 1})
             raise ConfigError(
                 f"--grid {name}: distinct values expected. Found "
-                f"{', '.join(f'{v:g}' for v in repeated)} repeated in {values!r}."
+                f"{', '.join(map(number, repeated))} repeated in {values!r}."
             )
         grid[name] = parsed
     return grid
@@ -97,7 +104,7 @@ def expand(templates: Sequence[str], grid: Mapping[str, Sequence[float]]) -> lis
     used: set[str] = set()
     for template in templates:
         parts = template.split(":")
-        names = [part for part in parts[1:] if PLACEHOLDER.match(part)]
+        names = list(dict.fromkeys(part for part in parts[1:] if PLACEHOLDER.match(part)))
         missing = [name for name in names if name not in grid]
         if missing:
             raise ConfigError(
@@ -107,11 +114,18 @@ def expand(templates: Sequence[str], grid: Mapping[str, Sequence[float]]) -> lis
         used.update(names)
         for combination in itertools.product(*(grid[name] for name in names)):
             values = dict(zip(names, combination, strict=True))
-            concrete = ":".join(f"{values[part]:g}" if part in values else part for part in parts)
+            concrete = ":".join(number(values[part]) if part in values else part for part in parts)
             settings.append(Setting(template, tuple(values.items()), concrete))
     unused = sorted(set(grid) - used)
     if unused:
         raise ConfigError(f"--grid {', '.join(unused)}: no --defense template names it.")
+    defenses = [setting.defense for setting in settings]
+    twice = sorted({defense for defense in defenses if defenses.count(defense) > 1})
+    if twice:
+        raise ConfigError(
+            "each setting once expected (a setting given twice would count its runs as more "
+            f"seeds). Found {', '.join(twice)} from more than one --defense and --grid."
+        )
     return settings
 
 

@@ -49,6 +49,18 @@ def test_templates_expand_over_the_grid_after_the_undefended_setting() -> None:
     assert settings[2].label == "SIGMA=0, CLIP=0.1"
 
 
+def test_a_placeholder_named_twice_is_one_value_and_close_values_stay_apart() -> None:
+    # S:S gave four settings (0.5:0.5 twice), and 0.1000001 and 0.1000002 both ran as 0.1.
+    settings = expand(["dp-gradients:S:S"], parse_grid(["S=0.5,1"]))
+    assert [s.defense for s in settings] == ["none", "dp-gradients:0.5:0.5", "dp-gradients:1:1"]
+    close = expand(["gradient-sparsification:F"], parse_grid(["F=0.1000001,0.1000002"]))
+    assert [s.defense for s in close[1:]] == [
+        "gradient-sparsification:0.1000001",
+        "gradient-sparsification:0.1000002",
+    ]
+    assert [s.label for s in close[1:]] == ["F=0.1000001", "F=0.1000002"]
+
+
 @pytest.mark.parametrize(
     ("grid", "templates", "expected"),
     [
@@ -63,6 +75,8 @@ def test_templates_expand_over_the_grid_after_the_undefended_setting() -> None:
         (["SIGMA=1,1"], ["dp-gradients:SIGMA:1"], "distinct values expected. Found 1 repeated"),
         (["SIGMA=1,2,1e0"], ["dp-gradients:SIGMA:1"], "Found 1 repeated"),
         ([], ["norm-filter", "norm-filter"], "each --defense once expected.* norm-filter"),
+        # two templates (or a placeholder named twice) made one setting, its runs two seeds
+        (["S=4"], ["marvell:4", "marvell:S"], "each setting once expected.* Found marvell:4"),
     ],
 )
 def test_a_bad_grid_is_refused_before_anything_runs(
