@@ -1805,6 +1805,10 @@ def run_attack_command(args: argparse.Namespace) -> int:
     out: Path = args.out or Path("runs") / f"attack-{name}-{config.method}-{config.data_name}"
     _check_output_dir(out, "result.json", overwrite=args.overwrite)
     store = _results_store(args, out)
+    mapping = _file_party_names(config)
+    attacker = {user: internal for internal, user in mapping.items()}.get(
+        args.attacker, args.attacker
+    )  # a party of files is named by its own name, as in train's outputs
     bar: Any = None
 
     def on_start(total: int) -> None:
@@ -1815,28 +1819,53 @@ def run_attack_command(args: argparse.Namespace) -> int:
         bar.update(1)
 
     try:
-        result = run_attack(
-            config,
-            name,
-            options=_attack_options(args.attack_option),
-            attacker=args.attacker,
-            defenses=args.defense,
-            privacy=_privacy_spec(args),
-            control=args.control,
-            cache=args.cache or out.parent / ".undefended",
-            on_start=on_start,
-            on_step=on_step,
-        )
+        with _run_warnings() as noted:
+            result = run_attack(
+                config,
+                name,
+                options=_attack_options(args.attack_option),
+                attacker=attacker,
+                defenses=args.defense,
+                privacy=_privacy_spec(args),
+                control=args.control,
+                cache=args.cache or out.parent / ".undefended",
+                on_start=on_start,
+                on_step=on_step,
+            )
     finally:
         if bar is not None:
             bar.close()
     payload = result.to_json()
+    if mapping:  # not the configuration (its paths are the user's own)
+        training = payload["training"]
+        payload = {key: _relabel(value, mapping) for key, value in payload.items()}
+        payload["training"] = {
+            key: _relabel(value, mapping) if key in ("privacy", "traffic", "warnings") else value
+            for key, value in training.items()
+        }
+        payload["parties"] = mapping
+    found = [*noted, *payload["training"].get("warnings", [])]
+    payload["warnings"] = list(dict.fromkeys(_named_text(text, mapping) for text in found))
     payload["provenance"] = provenance()
     atomic_write_json(out / "result.json", payload)
     entry = _attack_entry(payload, ", ".join(args.defense), privacy=_privacy_settings(args))
+    if mapping:
+        entry["parties"] = mapping
     store.add({**entry, "provenance": payload["provenance"]}, kind=f"attack:{name}", out_dir=out)
-    print(_attack_summary(result, out))
+    print(_named_text(_attack_summary(result, out), mapping))
+    _print_warnings(payload["warnings"])
     return 0
+
+
+def _file_party_names(config: Any) -> dict[str, str]:
+    """Each internal party name (``party-k``) by the user's name of its party file (empty for
+    a registered dataset, whose parties have no other names)."""
+    from secure_vfl.data.party_files import party_names
+
+    if not config.party_files:
+        return {}
+    names = party_names(config.party_files, config.party_names or None)
+    return {f"party-{k}": name for k, name in enumerate(names)}
 
 
 def run_sweep_command(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import pytest
 from conftest import LABEL_LEAK_RUN
 
@@ -25,6 +26,7 @@ from secure_vfl.experiment import TrainConfig
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.parties import DataParty
 from secure_vfl.methods import MethodConfig
+from secure_vfl.store import ResultsStore
 
 
 def _digits_direct(epochs: int = 2) -> TrainConfig:
@@ -395,8 +397,6 @@ def test_a_sweep_or_suite_is_refused_in_a_folder_that_holds_a_run(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # The sweep went ahead without --overwrite and took the run's row out of the results store.
-    from secure_vfl.store import ResultsStore
-
     out = tmp_path / "run"
     attack = ["--attack", "direct-label-inference", *LABEL_LEAK_RUN, "--quiet", "--out", str(out)]
     assert main(["attack", *attack]) == 0
@@ -410,3 +410,34 @@ def test_a_sweep_or_suite_is_refused_in_a_folder_that_holds_a_run(
         assert f"{out} holds another kind of run (result.json)" in capsys.readouterr().err
     assert ResultsStore(tmp_path / "results.sqlite").rows() == rows
     assert sorted(p.name for p in out.iterdir() if p.suffix == ".json") == ["result.json"]
+
+
+def test_an_attack_on_party_files_speaks_of_the_parties_by_their_names(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `--attacker shop` was refused (only party-1 was known), the outputs said party-1, and a
+    # training's warning (predictions collapsed to one class) went unprinted.
+    rng = np.random.default_rng(0)
+    ids = [f"c{i:03d}" for i in range(160)]
+    y = (rng.random(160) < 0.15).astype(int)  # mostly "no", and features that say nothing:
+    x = rng.normal(size=(160, 4))  # one epoch predicts "no" for every sample
+    argv = ["attack", "--attack", "norm-scoring", "--method", "standard", "--epochs", "1"]
+    for k, name in enumerate(("bank", "shop")):
+        frame = pd.DataFrame({"id": ids, f"a{k}": x[:, 2 * k], f"b{k}": x[:, 2 * k + 1]})
+        frame.to_csv(tmp_path / f"{name}.csv", index=False)
+        argv += ["--party-file", str(tmp_path / f"{name}.csv")]
+    pd.DataFrame({"id": ids, "label": np.where(y == 1, "yes", "no")}).to_csv(
+        tmp_path / "labels.csv", index=False
+    )
+    argv += ["--label-file", str(tmp_path / "labels.csv"), "--quiet"]
+    assert main([*argv, "--attacker", "shop", "--out", str(tmp_path / "run")]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("norm-scoring by shop;")
+    assert "collapsed to one class (label 'no' for every sample" in captured.err
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["attacker"] == "shop"
+    assert result["parties"] == {"party-0": "bank", "party-1": "shop"}
+    row = ResultsStore(tmp_path / "results.sqlite").rows()[0]
+    assert row["parties"] == {"party-0": "bank", "party-1": "shop"}
+    assert main([*argv, "--attacker", "party-1", "--out", str(tmp_path / "again")]) == 0
+    assert json.loads((tmp_path / "again" / "result.json").read_text())["attacker"] == "shop"
