@@ -141,6 +141,7 @@ def run_suite(
                     "defense": defense,
                     "metric": attack.metric,
                     "value": result.attack[attack.metric],
+                    "performance": result.performance,
                     "chance": result.chance,
                     "main_accuracy": result.main["accuracy"],
                     "epsilon": result.to_json()["epsilon"],
@@ -161,9 +162,9 @@ def markdown(report: SuiteReport, *, command: str) -> str:
         "",
         f"Command: `{command}`",
         "",
-        "| attack | attacker | defense | metric | value | chance | main accuracy | epsilon | DCS | "
-        "DCS (AP* = chance) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| attack | attacker | defense | metric | value | AP | chance | main accuracy | epsilon "
+        "| DCS | DCS (AP* = chance) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in report.runs:
         epsilon = run["epsilon"]
@@ -172,7 +173,7 @@ def markdown(report: SuiteReport, *, command: str) -> str:
         )
         lines.append(
             f"| {run['attack']} | {run['attacker']} | {run['defense']} | {run['metric']} | "
-            f"{run['value']:.3f} | "
+            f"{run['value']:.3f} | {run['performance']:.3f} | "
             f"{run['chance']:.3f} | {100 * run['main_accuracy']:.2f} | {shown} | "
             f"{run['dcs']:.3f} | {run['dcs_chance']:.3f} |"
         )

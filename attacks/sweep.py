@@ -300,6 +300,9 @@ def summarise(rows: Sequence[dict[str, Any]], metric: str) -> list[dict[str, Any
             continue
         main, main_sd = _mean_sd([m["main_accuracy"] for m in members])
         attack, attack_sd = _mean_sd([m["attack"][metric] for m in members])
+        # AP (what the DCS scores) per run, then averaged: an AUC of 0.1 and one of 0.9 are two
+        # strong attacks, not a mean at chance
+        performance, performance_sd = _mean_sd([m["performance"] for m in members])
         epsilons = [m["epsilon"] for m in members if m["epsilon"] is not None]
         table.append(
             {
@@ -310,6 +313,8 @@ def summarise(rows: Sequence[dict[str, Any]], metric: str) -> list[dict[str, Any
                 "main_accuracy_sd": main_sd,
                 "attack": attack,
                 "attack_sd": attack_sd,
+                "performance": performance,
+                "performance_sd": performance_sd,
                 "epsilon": statistics.fmean(epsilons) if epsilons else None,
                 "dcs": statistics.fmean(m["dcs"] for m in members),
                 "dcs_chance": statistics.fmean(m["dcs_chance"] for m in members),
@@ -334,15 +339,15 @@ def markdown(
         "",
         f"Command: `{command}`",
         "",
-        f"| defense | setting | seeds | main accuracy | attack {metric} | epsilon | DCS "
-        "| DCS (AP* = chance) |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| defense | setting | seeds | main accuracy | attack {metric} | attack AP | epsilon "
+        "| DCS | DCS (AP* = chance) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in table:
         if not row["seeds"]:
             lines.append(
                 f"| {row['template']} | {row['setting']} | 0 (failed: {row['failed']}) "
-                "| - | - | - | - | - |"
+                "| - | - | - | - | - | - |"
             )
             continue
         failed = f" (failed: {row['failed']})" if row["failed"] else ""
@@ -351,8 +356,9 @@ def markdown(
         lines.append(
             f"| {row['template']} | {row['setting']} | {row['seeds']}{failed} | "
             f"{100 * row['main_accuracy']:.2f} ± {100 * row['main_accuracy_sd']:.2f} | "
-            f"{row['attack']:.3f} ± {row['attack_sd']:.3f} | {shown} | {row['dcs']:.3f} | "
-            f"{row['dcs_chance']:.3f} |"
+            f"{row['attack']:.3f} ± {row['attack_sd']:.3f} | "
+            f"{row['performance']:.3f} ± {row['performance_sd']:.3f} | {shown} | "
+            f"{row['dcs']:.3f} | {row['dcs_chance']:.3f} |"
         )
     if failures:
         lines += ["", "Runs not scored (diverged, or the defense does not apply):", ""]
@@ -363,7 +369,8 @@ def markdown(
 def plot(table: Sequence[dict[str, Any]], out: Path, *, attack: str, metric: str) -> list[Path]:
     """``utility_epsilon.png`` (main accuracy against epsilon; a setting whose epsilon is
     unbounded, e.g. SIGMA 0, is drawn at the right edge) and ``attack_utility.png`` (the
-    attack's metric against main accuracy); written atomically. Returns their paths."""
+    attack's performance AP, which the DCS scores, against main accuracy); written
+    atomically. Returns their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -434,7 +441,7 @@ def plot(table: Sequence[dict[str, Any]], out: Path, *, attack: str, metric: str
     figure, axes = plt.subplots(figsize=(6, 4))
     for template, rows in series.items():
         xs = [100 * r["main_accuracy"] for r in rows]
-        ys = [r["attack"] for r in rows]
+        ys = [r["performance"] for r in rows]
         axes.plot(xs, ys, marker="o", ls="" if template == UNDEFENDED else "-", label=template)
         for r, x, y in zip(rows, xs, ys, strict=True):
             if r["template"] != UNDEFENDED:
@@ -444,7 +451,7 @@ def plot(table: Sequence[dict[str, Any]], out: Path, *, attack: str, metric: str
     if table:
         axes.axhline(table[0]["chance"], color="grey", ls=":", label="chance")
     axes.set_xlabel("main accuracy (%)")
-    axes.set_ylabel(f"attack {metric}")
+    axes.set_ylabel(f"attack performance (AP, from its {metric})")
     axes.set_title(f"{attack}: attack against utility, per defense")
     _legend(axes)
     figure.tight_layout()

@@ -175,6 +175,7 @@ def test_a_diverged_run_is_counted_not_averaged(tmp_path: Path) -> None:
         "failed": None,
         "main_accuracy": 0.7,
         "attack": {"auc": 0.6},
+        "performance": 0.6,
         "chance": 0.5,
         "epsilon": 2.0,
         "dcs": 0.8,
@@ -192,6 +193,14 @@ def test_a_diverged_run_is_counted_not_averaged(tmp_path: Path) -> None:
     assert "| SIGMA=1 | 1 (failed: 1) |" in text and "| SIGMA=3 | 0 (failed: 1) |" in text
     assert "- d seed 1: training diverged: non-finite" in text  # each run not scored, with why
     assert all(path.exists() for path in plots)
+
+    # AUCs of 0.1 and 0.9 are two strong attacks (AP 0.9 each), not a mean at chance
+    flipped = [{**ok, "attack": {"auc": 0.1}, "performance": 0.9}, {**ok, "attack": {"auc": 0.9},
+               "performance": 0.9, "seed": 1}]  # fmt: skip
+    (row,) = summarise(flipped, "auc")
+    assert row["attack"] == pytest.approx(0.5) and row["performance"] == pytest.approx(0.9)
+    text, _ = write_sweep(flipped, tmp_path, attack="norm-scoring", command="test")
+    assert "| attack auc | attack AP |" in text and "| 0.500 ± 0.400 | 0.900 ± 0.000 |" in text
 
 
 def test_a_malformed_setting_or_an_attack_that_does_not_apply_is_refused_before_any_run() -> None:
