@@ -349,7 +349,8 @@ class GradientReplacementBackdoor(Attack):
             "asr": probed[TRIGGERED],
             "untriggered_asr": probed[UNTRIGGERED],
             "clean_accuracy": probed[CLEAN],
-            "poisoned_rows": float(attacker.plan.poisoned.sum()),
+            # the rows it poisoned: none in the negative control, which only plans them
+            "poisoned_rows": float(attacker.plan.poisoned.sum()) if attacker.plan.poison else 0.0,
             "replaced_gradients": float(attacker.replaced),
         }
 

@@ -1140,6 +1140,11 @@ def _train_config(args: argparse.Namespace, *, secure_sums: bool = False) -> Any
             f"--heads all: {args.method} trains one head, the label party's. Expected --heads "
             "active or no --heads."
         )
+    if args.heads == "active" and args.method == "combinatorial":
+        raise ConfigError(
+            "--heads active: combinatorial trains a head at every party (one per subset of "
+            "parties). Expected --heads all or no --heads."
+        )
     method_config = MethodConfig(
         heads=args.heads or "all",
         batching=args.batching,
@@ -1804,6 +1809,8 @@ def run_attack_command(args: argparse.Namespace) -> int:
     name = args.attack
     out: Path = args.out or Path("runs") / f"attack-{name}-{config.method}-{config.data_name}"
     _check_output_dir(out, "result.json", overwrite=args.overwrite)
+    if args.cache is not None:  # before the training, whose reference it would keep
+        check_directory("--cache", args.cache)
     store = _results_store(args, out)
     mapping = _file_party_names(config)
     attacker = {user: internal for internal, user in mapping.items()}.get(
@@ -1960,6 +1967,8 @@ def _run_suite_command(args: argparse.Namespace, config: Any) -> int:
             f"{' and '.join(given)} go with one --attack (a suite runs each attack with its own "
             "parameters, each against its defenses); found them with --suite."
         )
+    if args.cache is not None:
+        check_directory("--cache", args.cache)
     store = _results_store(args, out)
     entries: list[tuple[dict[str, Any], str, str]] = []  # stored once the suite is written
 
