@@ -31,6 +31,7 @@ _DP_FLAGS = (
     ("dp_gradients", "gradient", "gradients"),
     ("dp_sgd", "dp-sgd", "dp-sgd"),
     ("dp_statistics", "statistics", "statistics"),
+    ("release_noise", "exposure", "release"),  # --release dp: what a secure sum cannot hide
 )
 """(privacy setting, privacy report's noise kind, name shown) of every DP mechanism."""
 
@@ -95,10 +96,10 @@ class RunSummary:
     """An attack run's defenses other than DP and secure sums (which ``dp`` and ``backend``
     show), e.g. ``marvell:4``."""
     score: tuple[float, float, float] | None = None
-    resumed: bool = False
-    """Whether the run resumed a killed one (its time is the resumed part's only)."""
     """An attack run's attack performance AP, its chance level and its DCS against chance
     (None where the run did not record them)."""
+    resumed: bool = False
+    """Whether the run resumed a killed one (its time is the resumed part's only)."""
 
 
 def summarise(payload: dict[str, Any], *, kind: str = "train") -> RunSummary:
@@ -158,7 +159,7 @@ def _attack_columns(kind: str, config: dict[str, Any], metrics: dict[str, Any]) 
     others = [
         defense
         for defense in str(config.get("defense") or "").split(", ")
-        if defense and not defense.startswith(("dp-", "secure-agg:"))
+        if defense and defense != "none" and not defense.startswith(("dp-", "secure-agg:"))
     ]
     score = _object(metrics, "score", "metrics.score")
     values = [score.get(key) for key in ("performance", "chance", "dcs_chance")]
@@ -212,7 +213,7 @@ def _user_party_names(mapping: Any) -> tuple[str, ...]:
 
 
 def _backend(config: dict[str, Any], settings: dict[str, Any], traffic: dict[str, Any]) -> str:
-    if settings.get("secure_agg"):
+    if settings.get("secure_agg") not in (None, "", "none"):
         return str(settings["secure_agg"])
     for defense in str(config.get("defense") or "").split(", "):
         if defense.startswith("secure-agg:"):
@@ -288,16 +289,18 @@ def summarise_run(directory: Path) -> RunSummary:
 
 
 def table(names: list[str], summaries: list[RunSummary]) -> str:
-    """A plain-text table, one line per run: name, method, the dataset where the runs do not
-    all share one, backend, DP, epsilon, accuracy per test missingness (a column each, over all
-    runs), time, and the parties' names where a run names them (runs on the users' own
-    files)."""
+    """A plain-text table, one line per run: name, method, the dataset, the training settings
+    and the seed where the runs do not all share one, backend, DP, epsilon, accuracy per test
+    missingness (a column each, over all runs), time, and the parties' names where a run names
+    them (runs on the users' own files)."""
     tests = list(dict.fromkeys(name for s in summaries for name in s.accuracy))
     named = any(s.parties for s in summaries)
     mixed = len({s.dataset for s in summaries}) > 1  # else the accuracies compare like for like
     varied = len({s.trained for s in summaries}) > 1  # training settings, where they differ
+    seeded = len({s.seed for s in summaries}) > 1  # a sweep's seeds: else rows look repeated
     attacks = any(s.attack for s in summaries)
     header = ["run", "method", *(["dataset"] if mixed else []), *(["trained"] if varied else [])]
+    header += ["seed"] if seeded else []
     header += ["attack", "defense"] if attacks else []
     header += ["backend", "dp", "epsilon"]
     header += [*[f"acc {t}" for t in tests]]
@@ -311,6 +314,7 @@ def table(names: list[str], summaries: list[RunSummary]) -> str:
         time += " (resumed)" if summary.resumed else ""
         row = [name, summary.method, *([summary.dataset] if mixed else [])]
         row += [summary.trained or "-"] if varied else []
+        row += ["-" if summary.seed is None else str(summary.seed)] if seeded else []
         row += [summary.attack or "-", summary.defense or "-"] if attacks else []
         row += [summary.backend, summary.dp, epsilon, *accuracy]
         if attacks:

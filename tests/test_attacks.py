@@ -344,6 +344,14 @@ def test_an_attacks_defenses_complete_the_train_flags_that_need_them(
         assert main([*argv, *defended, "--out", str(tmp_path / f"release{n}")]) == 0
         result = json.loads((tmp_path / f"release{n}" / "result.json").read_text())
         assert result["epsilon"] and 0 < result["undefended_accuracy"] <= 1
+    # Both are runs of masked sums with a DP release (runs said `none` for the defense's
+    # backend, and `none` for the release's DP in both)
+    capsys.readouterr()
+    compare = ["runs", "compare", *(str(tmp_path / f"release{n}") for n in (0, 1))]
+    for listing in (compare, ["runs", "list", "--store", str(tmp_path / "results.sqlite")]):
+        assert main(listing) == 0
+        printed = capsys.readouterr().out
+        assert len(re.findall(r" masks +release 1:1 ", printed)) == 2, printed
     noisy = ["--defense", "dp-gradients:1:0.01", "--insecure-reproducible-noise"]
     for n in range(2):  # the same noise again: the same scores
         assert main([*argv, *noisy, "--out", str(tmp_path / f"noise{n}")]) == 0

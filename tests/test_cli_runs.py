@@ -19,7 +19,7 @@ import secure_vfl.experiment
 from secure_vfl.cli import main
 from secure_vfl.errors import ConfigError
 from secure_vfl.experiment import collapse_warnings
-from secure_vfl.runs import provenance
+from secure_vfl.runs import RunSummary, provenance, table
 from secure_vfl.store import SCHEMA_VERSION, ResultsStore
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -488,3 +488,17 @@ def test_runs_list_marks_a_resumed_run_from_the_store(
     assert main(["runs", "list", "--store", str(tmp_path / "results.sqlite")]) == 0
     rows = capsys.readouterr().out.splitlines()[1:]
     assert rows[0].endswith("0.9 (resumed)") and rows[1].endswith("0.9")
+
+
+def test_the_table_shows_the_seed_where_the_runs_differ_in_it() -> None:
+    # A sweep's runs of one setting at two seeds read as the same row twice.
+    runs = [
+        RunSummary(kind="sweep:x", method="laser", dataset="wine", backend="none", dp="none",
+                   epsilon=None, seed=seed, attack="x", defense="")
+        for seed in (0, 1)
+    ]  # fmt: skip
+    lines = table(["a", "b"], runs).splitlines()
+    assert lines[0].split()[:3] == ["run", "method", "seed"]
+    assert [line.split()[2] for line in lines[1:]] == ["0", "1"]
+    same = table(["a", "b"], [runs[0], dataclasses.replace(runs[1], seed=0)])
+    assert "seed" not in same.splitlines()[0]
