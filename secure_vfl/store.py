@@ -116,7 +116,18 @@ class ResultsStore:
                         f"--store {self.path}: a results store this user may write expected; "
                         f"{what} is read-only (a run would fail to record itself after its work)."
                     )
-        self._connect(create=create).close()
+        connection = self._connect(create=create)
+        try:  # a damaged page reads as a database until the run records itself after its work
+            verdict = connection.execute("PRAGMA quick_check").fetchone()[0]
+        except sqlite3.DatabaseError as error:
+            verdict = str(error)
+        finally:
+            connection.close()
+        if verdict != "ok":
+            raise ConfigError(
+                f"--store {self.path} is damaged (SQLite's check: {str(verdict)[:120]}); expected "
+                "an intact results store (restore it from a copy) or a new path."
+            )
 
     def _connect(self, *, create: bool = True) -> sqlite3.Connection:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -316,6 +327,11 @@ class ResultsStore:
                 return []
             connection.row_factory = sqlite3.Row
             rows = connection.execute("SELECT * FROM runs ORDER BY id").fetchall()
+        except sqlite3.DatabaseError as error:
+            raise ConfigError(
+                f"--store {self.path} could not be read ({error}); expected an intact results "
+                "store (restore it from a copy)."
+            ) from None
         finally:
             connection.close()
         out = []

@@ -178,6 +178,31 @@ def test_a_store_of_a_newer_schema_is_refused(tmp_path: Path) -> None:
         ResultsStore(path).check()
 
 
+def test_a_damaged_store_is_refused_before_the_run_not_after_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A damaged page passed the check: the run trained, wrote its results, then failed with a
+    # traceback from sqlite3 when it recorded itself (and `runs list` with another).
+    path = tmp_path / "results.sqlite"
+    ResultsStore(path)._connect().close()  # an empty store of the current schema
+    with sqlite3.connect(path) as connection:
+        connection.execute("CREATE TABLE notes (text TEXT)")
+        connection.executemany("INSERT INTO notes VALUES (?)", [("x" * 500,)] * 40)
+    connection.close()
+    ResultsStore(path).check()  # intact
+    with path.open("r+b") as handle:
+        handle.seek(4096)
+        handle.write(b"\xff" * 90)
+    with pytest.raises(ConfigError, match=r"is damaged \(SQLite's check: "):
+        ResultsStore(path).check()
+    out = tmp_path / "run"
+    argv = ["train", "--method", "standard", "--dataset", "iris", "--epochs", "1", "--quiet"]
+    assert main([*argv, "--out", str(out), "--store", str(path)]) == 2
+    assert main(["runs", "list", "--store", str(path)]) == 2
+    assert capsys.readouterr().err.count("is damaged") == 2
+    assert not out.exists()
+
+
 def test_compare_names_the_dataset_only_when_the_runs_do_not_share_one() -> None:
     from secure_vfl.runs import RunSummary, table
 
