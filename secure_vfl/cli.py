@@ -1011,13 +1011,23 @@ def _capture_option(parser: argparse.ArgumentParser) -> None:
 
 
 @contextmanager
-def _capture(path: Path | None) -> Iterator[BinaryIO | None]:
-    """The open capture file of ``--capture`` (appended to), or None."""
+def _capture(path: Path | None, args: argparse.Namespace) -> Iterator[BinaryIO | None]:
+    """The open capture file of ``--capture`` (appended to), or None. Refused when it is
+    another path of the command (``args``: an input file, ``--out``, the store), which one
+    would overwrite the other; a file it made and nothing was written to (a run refused before
+    any message) is removed."""
     if path is None:
         yield None
         return
     if path.is_dir():
         raise ConfigError(f"--capture expects a file path. Found the directory {path}.")
+    for flag, other in _path_arguments(args):
+        if other.resolve() == path.resolve():
+            raise ConfigError(
+                f"--capture {path} is also this command's {flag}; expected a file of its own "
+                "(one would overwrite the other)."
+            )
+    made = not path.exists()
     make_parent(path)
     try:
         handle = path.open("ab")
@@ -1025,8 +1035,26 @@ def _capture(path: Path | None) -> Iterator[BinaryIO | None]:
         raise OutputError(
             f"--capture {path} cannot be opened: {error.strerror or error}; nothing was run."
         ) from None
-    with handle:
-        yield handle
+    try:
+        with handle:
+            yield handle
+    finally:
+        if made and path.is_file() and path.stat().st_size == 0:
+            path.unlink()
+
+
+def _path_arguments(args: argparse.Namespace) -> list[tuple[str, Path]]:
+    """Every path the command was given but ``--capture``, with its flag (a ``NAME=PATH``
+    pair's path too)."""
+    found = []
+    for name, value in vars(args).items():
+        if name == "capture":
+            continue
+        for item in value if isinstance(value, list | tuple) else [value]:
+            item = item[-1] if isinstance(item, tuple) and item else item
+            if isinstance(item, Path):
+                found.append((f"--{name.replace('_', '-')}", item))
+    return found
 
 
 def _read_ids(path: Path, column: str) -> list[str]:
@@ -1100,7 +1128,7 @@ def run_psi_command(args: argparse.Namespace) -> int:
     bar = tqdm(
         total=total, desc="psi", unit="point", unit_scale=True, disable=_no_bar(args), leave=False
     )
-    with bar, _capture(args.capture) as capture:
+    with bar, _capture(args.capture, args) as capture:
         channel = Channel(transport=InProcessTransport(capture=capture))
         result = run_psi(mine, theirs, mode=args.mode, channel=channel, progress=bar.update)
     print(f"intersection size: {result.size} (of {len(mine)} mine, {result.peer_size} theirs)")
@@ -1556,7 +1584,7 @@ def run_train(args: argparse.Namespace) -> int:
         if step % 10 == 0:
             bar.set_postfix(loss=f"{loss:.3f}")
 
-    with _capture(args.capture) as capture, _run_warnings() as noted:
+    with _capture(args.capture, args) as capture, _run_warnings() as noted:
         # PSI's messages go to the capture too, but their bytes are not training traffic.
         alignment = Channel(transport=InProcessTransport(capture=capture))
         # PSI's points, both sides' of each data party's session (no total: sizes come later).
@@ -2104,7 +2132,7 @@ def run_impute(args: argparse.Namespace) -> int:
         bar.update(1)
         bar.set_postfix(val_rmse=f"{rmse:.3f}")
 
-    with _capture(args.capture) as capture, _run_warnings() as running:
+    with _capture(args.capture, args) as capture, _run_warnings() as running:
         try:
             result, imputer = run_imputation(
                 config,
@@ -2239,7 +2267,7 @@ def run_impute_deployed(args: argparse.Namespace) -> int:
         bar.set_postfix(val_rmse=f"{rmse:.3f}")
 
     try:
-        with _capture(args.capture) as capture, _run_warnings() as noted:
+        with _capture(args.capture, args) as capture, _run_warnings() as noted:
             result, saved = impute_deployed(
                 config,
                 federation,
@@ -2430,7 +2458,7 @@ def run_predict_deployed(args: argparse.Namespace) -> int:
     out: Path | None = args.out
     if out is not None:
         _check_prediction_out(out, args, [own] if own is not None else [])
-    with _run_warnings() as noted, _capture(args.capture) as capture:
+    with _run_warnings() as noted, _capture(args.capture, args) as capture:
         done = predict_deployed(
             args.model,
             federation,
@@ -2756,7 +2784,7 @@ def run_party_command(args: argparse.Namespace) -> int:
     from secure_vfl.federation.federation_file import read_federation
 
     federation = read_federation(args.federation)
-    with _capture(args.capture) as capture:
+    with _capture(args.capture, args) as capture:
         outcome = serve(
             federation,
             args.name,
@@ -2880,7 +2908,7 @@ def run_train_deployed(args: argparse.Namespace) -> int:
         aligning.close()
         bar = tqdm(total=total, desc=config.method, unit="step", disable=_no_bar(args), leave=False)
 
-    with _run_warnings() as noted, _capture(args.capture) as capture:
+    with _run_warnings() as noted, _capture(args.capture, args) as capture:
         try:
             result = train_deployed(
                 config,

@@ -43,6 +43,7 @@ from secure_vfl.methods.imputation import (
     StatisticsPrivacyFactory,
     federated_statistics,
 )
+from secure_vfl.methods.imputation.evaluation import check_scorable
 from secure_vfl.methods.imputation.evaluation import evaluate as evaluate_imputer
 from secure_vfl.methods.imputation.statistics import FeatureScaleError
 from secure_vfl.metrics import accuracy, f1
@@ -860,6 +861,7 @@ def run_imputation(
     else:
         checks.instance("task", task, ImputationTask, " (prepare_imputation_task(config))")
         check_task(config, task)
+    check_scorable(task)  # before the training, not after it
     mechanisms = privacy.statistics_mechanisms(task) if privacy is not None else None
     if aggregator is None and privacy is not None:
         aggregator = privacy.aggregator()

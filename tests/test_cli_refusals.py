@@ -416,6 +416,12 @@ def test_a_test_split_or_an_imputation_with_nothing_to_score_is_refused(
     err = capsys.readouterr().err
     assert "no client had a test entry to hide and score (30 clients, 0 hidden" in err
     assert not (tmp_path / "i").exists()
+    # A model-based method found it only after its whole training (and --capture kept it all)
+    capture = tmp_path / "i.capture"
+    impute[2] = "fedhf"
+    assert main([*impute, "--out", str(tmp_path / "i"), "--capture", str(capture)]) == 2
+    assert "no client had a test entry" in capsys.readouterr().err
+    assert not capture.exists() and not (tmp_path / "i").exists()
 
 
 @pytest.mark.parametrize("method", ["laser", "false-vfl-2"])

@@ -161,6 +161,34 @@ def test_read_capture_refuses_a_truncated_record(tmp_path: Path) -> None:
     path.write_bytes(b"\x00\x00")
     with pytest.raises(ProtocolError, match="truncated record length"):
         list(read_capture(path))
+    path.write_bytes(struct.pack(">I", 5) + b"SVFL\x01")  # a whole record, not a message
+    with pytest.raises(ProtocolError, match=r"bad.capture: header: 6 bytes expected, found 5"):
+        list(read_capture(path))
+
+
+def test_a_capture_is_a_file_of_its_own_and_a_refused_run_leaves_none(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`psi --out F --capture F` lost the capture, `--capture` on the --mine file appended
+    binary records to the user's CSV, `train --out D --capture D` trained and then failed; a
+    run refused before any message left an empty capture file."""
+    (tmp_path / "a.csv").write_text("id\na\nb\n", encoding="utf-8")
+    (tmp_path / "b.csv").write_text("id\nb\nc\n", encoding="utf-8")
+    psi = ["psi", "--mine", str(tmp_path / "a.csv"), "--theirs", str(tmp_path / "b.csv")]
+    train = ["train", "--method", "laser", "--dataset", "iris", "--epochs", "1", "--quiet"]
+    for argv, path, flag in (
+        ([*psi, "--out", str(tmp_path / "same.txt")], tmp_path / "same.txt", "--out"),
+        (psi, tmp_path / "a.csv", "--mine"),
+        ([*train, "--out", str(tmp_path / "run")], tmp_path / "run", "--out"),
+    ):
+        assert main([*argv, "--capture", str(path)]) == 2
+        assert f"--capture {path} is also this command's {flag}" in capsys.readouterr().err
+    assert (tmp_path / "a.csv").read_text() == "id\na\nb\n"
+    assert not (tmp_path / "same.txt").exists() and not (tmp_path / "run").exists()
+    capture = tmp_path / "refused.capture"  # ten parties for iris' four features
+    assert main([*train, "--parties", "10", "--out", str(tmp_path / "r"), "--capture",
+                 str(capture)]) == 2  # fmt: skip
+    assert not capture.exists()
 
 
 def test_the_label_party_holds_no_other_party(make_data: MakeData) -> None:

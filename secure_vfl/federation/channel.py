@@ -98,7 +98,11 @@ def read_capture(path: Path) -> Iterator[Message]:
                 raise ProtocolError(
                     f"{path}: a record of {length} bytes expected, found {len(data)}."
                 )
-            yield wire.decode(data)
+            try:
+                message = wire.decode(data)
+            except ProtocolError as error:  # say which file: a capture is read after the fact
+                raise type(error)(f"{path}: {error}") from None
+            yield message
 
 
 class Channel:

@@ -83,6 +83,22 @@ def squared_errors(
     return float((errors.astype(np.float64) ** 2).sum()), int(errors.size)
 
 
+def check_scorable(task: ImputationTask, fraction: float = TEST_FRACTION) -> None:
+    """DataError, before any work, when the evaluation would hide no test entry of any client
+    (its score an RMSE of nothing): each client hides ``round(fraction * observed)`` of them,
+    whatever the seed."""
+    if not any(round(fraction * int(client.observed.sum())) for client in task.test):
+        raise _nothing_to_score(len(task.test))
+
+
+def _nothing_to_score(clients: int) -> DataError:
+    return DataError(
+        f"no client had a test entry to hide and score ({clients} clients, 0 hidden entries: "
+        "their test rows are too few); expected more rows per client (a registered dataset: "
+        "fewer --clients)."
+    )
+
+
 def scores_of(errors: Mapping[str, tuple[float, int]]) -> ImputationScores:
     """The scores of per-client (sum of squared errors, count) pairs, in client order."""
     per_client = {
@@ -92,11 +108,7 @@ def scores_of(errors: Mapping[str, tuple[float, int]]) -> ImputationScores:
     squared = sum(sse for sse, _ in errors.values())
     total = sum(count for _, count in errors.values())
     if not total:  # an RMSE of nothing: it printed nan, and exited 0
-        raise DataError(
-            f"no client had a test entry to hide and score ({len(errors)} clients, 0 hidden "
-            "entries: their test rows are too few); expected more rows per client (a "
-            "registered dataset: fewer --clients)."
-        )
+        raise _nothing_to_score(len(errors))
     scored = np.array([r for r in per_client.values() if np.isfinite(r)])
     return ImputationScores(
         rmse=float(np.sqrt(squared / total)) if total else float("nan"),
