@@ -11,7 +11,7 @@ labels in `outcome`, the bank's first column a text category (`segment`: low, mi
 new rows show `vip`, never seen in training) and about 5 % of the retailer's cells empty
 (train with `--id-column customer --label-column outcome`).
 
-    python examples/own_party_files.py --out DIR [--seed S] [--messy]
+    python examples/own_party_files.py --out DIR [--seed S] [--messy] [--overwrite]
 """
 
 from __future__ import annotations
@@ -78,6 +78,9 @@ def _as_users_have_it(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace the files an earlier run wrote there"
+    )
     parser.add_argument("--seed", type=seed, default=0)
     parser.add_argument(
         "--messy",
@@ -85,6 +88,16 @@ def main() -> None:
         help="named id and label columns, a categorical column and empty cells",
     )
     args = parser.parse_args()
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} is a file; expected a directory (or a new path).")
+    targets = [args.out / f"{name}.csv" for name in (*PARTIES, "labels", "held_out")]
+    targets += [args.out / "new" / f"{name}.csv" for name in PARTIES]
+    existing = [str(path) for path in targets if path.exists()]
+    if existing and not args.overwrite:
+        parser.error(
+            f"{', '.join(existing[:3])}{' ...' if len(existing) > 3 else ''} exist; expected a "
+            "new --out directory (or --overwrite to replace them)."
+        )
     write_party_files(args.out, seed=args.seed, messy=args.messy)
     print(f"party files, labels and new rows written to {args.out}")
 
