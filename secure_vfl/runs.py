@@ -100,6 +100,8 @@ class RunSummary:
     (None where the run did not record them)."""
     resumed: bool = False
     """Whether the run resumed a killed one (its time is the resumed part's only)."""
+    rmse: float | None = None
+    """An imputation run's RMSE over every client's hidden test entries (standardised units)."""
 
 
 def summarise(payload: dict[str, Any], *, kind: str = "train") -> RunSummary:
@@ -143,6 +145,7 @@ def summarise(payload: dict[str, Any], *, kind: str = "train") -> RunSummary:
         parties=_user_party_names(payload.get("parties")),
         trained=_trained(config),
         resumed=_object(payload, "checkpoints").get("resumed_from_step") is not None,
+        rmse=_rmse(_object(payload, "metrics")),
         **_attack_columns(kind, config, _object(payload, "metrics")),
     )
 
@@ -249,6 +252,12 @@ def _dp(config: dict[str, Any], settings: dict[str, Any], report: dict[str, Any]
     return ", ".join(parts) or "none"
 
 
+def _rmse(metrics: dict[str, Any]) -> float | None:
+    """An imputation run's RMSE (None for any other run)."""
+    value = metrics.get("rmse")
+    return float(value) if isinstance(value, int | float) and _is_number(value) else None
+
+
 def _accuracy(metrics: dict[str, Any]) -> dict[str, float]:
     """Accuracy (%) per test missingness of a training run's metrics; an attack run's main
     accuracy under ``main`` and, where its metric is an accuracy, the attack's under ``attack``
@@ -304,6 +313,8 @@ def table(names: list[str], summaries: list[RunSummary]) -> str:
     header += ["attack", "defense"] if attacks else []
     header += ["backend", "dp", "epsilon"]
     header += [*[f"acc {t}" for t in tests]]
+    imputed = any(s.rmse is not None for s in summaries)
+    header += ["RMSE"] if imputed else []
     header += ["AP", "chance", "DCS"] if attacks else []
     header += ["time s"]
     rows = [header + (["parties"] if named else [])]
@@ -317,6 +328,7 @@ def table(names: list[str], summaries: list[RunSummary]) -> str:
         row += ["-" if summary.seed is None else str(summary.seed)] if seeded else []
         row += [summary.attack or "-", summary.defense or "-"] if attacks else []
         row += [summary.backend, summary.dp, epsilon, *accuracy]
+        row += ["-" if summary.rmse is None else f"{summary.rmse:.4f}"] if imputed else []
         if attacks:
             row += [f"{v:.3f}" for v in summary.score] if summary.score else ["-"] * 3
         row.append(time)

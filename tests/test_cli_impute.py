@@ -65,7 +65,9 @@ def test_unknown_imputation_dataset_is_refused(
     assert list(tmp_path.iterdir()) == []
 
 
-def test_impute_writes_result_store_row_and_imputed_tables(tmp_path: Path) -> None:
+def test_impute_writes_result_store_row_and_imputed_tables(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "fedhf"
     argv = [
         "impute",
@@ -90,6 +92,11 @@ def test_impute_writes_result_store_row_and_imputed_tables(tmp_path: Path) -> No
     assert 0.0 < result["rmse"] < 3.0
     rows = ResultsStore(tmp_path / "results.sqlite").rows()
     assert len(rows) == 1 and rows[0]["kind"] == "impute"
+    capsys.readouterr()  # `runs list` showed an imputation's every figure as `-`
+    assert main(["runs", "list", "--store", str(tmp_path / "results.sqlite")]) == 0
+    header, row = capsys.readouterr().out.splitlines()
+    rmse = header.split().index("RMSE")
+    assert row.split()[rmse + 2] == f"{result['rmse']:.4f}"  # the run's name is 3 words
     for name, info in result["clients"].items():
         table = pd.read_csv(out / "imputed" / f"{name}.csv")
         assert len(table) == info["train_rows"] + info["test_rows"]
