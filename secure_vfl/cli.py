@@ -1161,16 +1161,16 @@ def _train_config(args: argparse.Namespace, *, secure_sums: bool = False) -> Any
         )
     train_missing = args.missing_train or f"mcar:{args.p_miss_train or 0.0:g}"
     tests = [f"mcar:{p:g}" for p in args.p_miss_test or []] + list(args.missing_test or [])
-    from secure_vfl.methods import ONE_HEAD_METHODS, MethodConfig
+    from secure_vfl.methods import EVERY_HEAD_METHODS, ONE_HEAD_METHODS, MethodConfig
 
     if args.heads == "all" and args.method in ONE_HEAD_METHODS:
         raise ConfigError(
             f"--heads all: {args.method} trains one head, the label party's. Expected --heads "
             "active or no --heads."
         )
-    if args.heads == "active" and args.method == "combinatorial":
+    if args.heads == "active" and args.method in EVERY_HEAD_METHODS:
         raise ConfigError(
-            "--heads active: combinatorial trains a head at every party (one per subset of "
+            f"--heads active: {args.method} trains a head at every party (one per subset of "
             "parties). Expected --heads all or no --heads."
         )
     method_config = MethodConfig(

@@ -237,8 +237,13 @@ def test_a_client_file_changed_before_its_table_is_written_is_refused(tmp_path: 
     paths[0].write_text("x,y\n,2\n" + "".join(f"{i},{i + 1}\n" for i in range(2, 20)) + ",5\n")
     with pytest.raises(DataError, match=r"a.csv changed after it was read: column 'x'"):
         imputed_tables(task, imputer, as_written=True)
+    paths[0].write_text("x,z\n1,2\n")  # a column gone
+    with pytest.raises(DataError, match=r"a.csv changed after it was read: columns \['x', 'y'\]"):
+        imputed_tables(task, imputer, as_written=True)
     paths[0].write_text("x,y\n1,2\n")
-    with pytest.raises(DataError, match=r"20 rows with columns \['x', 'y'\] expected, found 1"):
+    with pytest.raises(
+        DataError, match=r"a.csv changed after it was read: 20 rows expected, found 1"
+    ):
         imputed_tables(task, imputer, as_written=True)
 
 

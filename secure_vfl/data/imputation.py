@@ -38,6 +38,7 @@ from secure_vfl.data.party_files import (
     LABEL_COLUMN,
     alike_texts,
     feature_columns,
+    read_as_written,
     read_ids,
     read_table,
 )
@@ -165,19 +166,19 @@ class ClientFile:
     def _as_written(self) -> pd.DataFrame:
         """The file's feature columns read again as it writes them (a CSV's text)."""
         columns = list(self.features.columns)
-        frame = read_table(
-            self.path,
-            what="client file",
-            id_column=self.id_column or ID_COLUMN,
-            literal=columns,
-        )
-        if len(frame) != len(self.features) or not set(columns) <= set(frame.columns):
+        try:
+            frame = read_as_written(self.path, columns, id_column=self.id_column or ID_COLUMN)
+        except (DataError, ValueError, OSError) as error:  # a column gone, the file gone
             raise DataError(
-                f"{self.path} changed after it was read: {len(self.features)} rows with columns "
-                f"{columns} expected, found {len(frame)} rows with {list(frame.columns)} "
-                "(run again)."
+                f"{self.path} changed after it was read: columns {columns} expected ({error}); "
+                "run again."
+            ) from None
+        if len(frame) != len(self.features):
+            raise DataError(
+                f"{self.path} changed after it was read: {len(self.features)} rows expected, "
+                f"found {len(frame)} (run again)."
             )
-        return frame[columns].reset_index(drop=True)
+        return frame.reset_index(drop=True)
 
 
 @dataclass(frozen=True)

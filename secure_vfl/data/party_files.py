@@ -146,6 +146,16 @@ def read_table(
     return frame
 
 
+def read_as_written(path: Path, columns: Sequence[str], *, id_column: str) -> pd.DataFrame:
+    """The ``columns`` of a file :func:`read_table` read before, as the file writes them: a
+    CSV's text (only an empty cell missing), in one read of those columns; a Parquet file's
+    own values."""
+    path = Path(path)
+    if path.suffix.lower() == ".csv":
+        return _read_csv(path, id_column, usecols=list(columns), literal=True)
+    return read_table(path, id_column=id_column)[list(columns)]
+
+
 def _read_csv(
     path: Path, id_column: str, *, usecols: list[str] | None = None, literal: bool = False
 ) -> pd.DataFrame:

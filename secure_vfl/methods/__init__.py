@@ -6,7 +6,11 @@ from secure_vfl.methods.base import METHODS, PARTY_MODELS, Method, MethodConfig
 ONE_HEAD_METHODS = ("standard", "plugvfl", "false-vfl-1", "false-vfl-2")
 """The methods whose only head is the label party's, whatever ``MethodConfig.heads`` says."""
 
+EVERY_HEAD_METHODS = ("combinatorial",)
+"""The methods that train a head at every party: ``MethodConfig.heads`` must be ``"all"``."""
+
 __all__ = [
+    "EVERY_HEAD_METHODS",
     "METHODS",
     "ONE_HEAD_METHODS",
     "PARTY_MODELS",
