@@ -2931,6 +2931,8 @@ def run_train_deployed(args: argparse.Namespace) -> int:
     payload = result.to_json()
     payload["config"]["privacy"] = _privacy_settings(args)
     payload["config"]["federation"] = str(args.federation)
+    # Each actor carries its party's name from the federation file (in one process: party-k).
+    payload["parties"] = {name: name for name in federation.names}
     payload["provenance"] = provenance()
     payload["warnings"] = list(dict.fromkeys([*noted, *result.warnings]))
     payload["model"] = {"directory": str(out / MODEL_DIR), "run_id": manifest.run_id}

@@ -208,11 +208,15 @@ def _is_number(value: Any) -> bool:
 
 
 def _user_party_names(mapping: Any) -> tuple[str, ...]:
-    """The users' names of a run's parties (``result.json``'s ``parties``: internal name ->
-    user's name), or none where they are the internal names (a registered dataset)."""
-    if not isinstance(mapping, dict) or all(k == v for k, v in mapping.items()):
+    """The users' names of a run's parties (``result.json``'s ``parties``: actor name ->
+    user's name; a deployed run's actors carry the users' names), or none where they are the
+    internal names ``party-0``, ``party-1``, ... (a registered dataset)."""
+    if not isinstance(mapping, dict):
         return ()
-    return tuple(str(name) for name in mapping.values())
+    names = [str(name) for name in mapping.values()]
+    if names == [f"party-{k}" for k in range(len(names))]:
+        return ()
+    return tuple(names)
 
 
 def _backend(config: dict[str, Any], settings: dict[str, Any], traffic: dict[str, Any]) -> str:

@@ -219,6 +219,17 @@ def test_compare_names_the_dataset_only_when_the_runs_do_not_share_one() -> None
     ]
 
 
+def test_the_parties_column_names_own_files_parties_deployed_or_not() -> None:
+    from secure_vfl.runs import _user_party_names
+
+    # In one process the actors are party-k, mapped to the files' names; deployed, each actor
+    # carries its federation name; a registered dataset's parties have no other name.
+    assert _user_party_names({"party-0": "bank", "party-1": "shop"}) == ("bank", "shop")
+    assert _user_party_names({"bank": "bank", "shop": "shop"}) == ("bank", "shop")
+    assert _user_party_names({"party-0": "party-0", "party-1": "party-1"}) == ()
+    assert _user_party_names(None) == ()
+
+
 def test_another_programs_database_is_refused_and_listing_writes_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -227,6 +227,7 @@ def test_four_processes_train_to_exactly_the_in_process_metrics(
     assert result["faults"] == alone["faults"] == []  # one schema, with or without faults
     # Every party's bytes are counted; the data parties' reports reach the label party.
     assert set(result["traffic"]["bytes"]) == {*PARTIES, "aggregator"}
+    assert result["parties"] == {name: name for name in PARTIES}  # `runs list` names them
 
 
 def test_each_party_captures_what_crossed_its_own_endpoint(
