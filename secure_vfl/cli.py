@@ -192,22 +192,34 @@ def _column_flags(
     label_help: str,
     id_default: str | None,
     label_default: str = LABEL_COLUMN,
+    own_files: bool = False,
 ) -> None:
-    """``--id-column`` and ``--label-column``: where the ids and the labels are."""
+    """``--id-column`` and ``--label-column``: where the ids and the labels are. ``own_files``:
+    they apply only to the user's own files, so each is None unless given (a run on a registered
+    dataset refuses either, even spelt as its default) and the defaults are the help's."""
     parser.add_argument(
         "--id-column",
-        default=id_default,
+        default=None if own_files else id_default,
         metavar="NAME",
         help="the column holding the ids in every file; ids are compared as the text in the "
-        "files (`0304` is not `304`)" + ("" if id_default else " (default: the model's own)"),
+        "files (`0304` is not `304`)"
+        + (f" (default: {id_default})" if id_default else " (default: the model's own)"),
     )
-    parser.add_argument("--label-column", default=label_default, metavar="NAME", help=label_help)
+    parser.add_argument(
+        "--label-column",
+        default=None if own_files else label_default,
+        metavar="NAME",
+        help=f"{label_help} (default: {label_default})",
+    )
 
 
 def _own_file_flags(parser: argparse.ArgumentParser) -> None:
     """The flags of the user's own files: columns, party names, the missing-cell policy."""
     _column_flags(
-        parser, label_help="the label file's column holding the labels", id_default=ID_COLUMN
+        parser,
+        label_help="the label file's column holding the labels",
+        id_default=ID_COLUMN,
+        own_files=True,
     )
     parser.add_argument(
         "--party-name",
@@ -691,6 +703,7 @@ def build_parser() -> argparse.ArgumentParser:
         label_help="a column of the client files that is not a feature: kept out of the "
         "imputation and written back unchanged by --save-imputed",
         id_default=ID_COLUMN,
+        own_files=True,
     )
     impute.add_argument(
         "--clients",
@@ -1150,8 +1163,8 @@ def _train_config(args: argparse.Namespace, *, secure_sums: bool = False) -> Any
     own_file_flags = {
         "--party-name": bool(args.party_name),
         "--missing-cells": args.missing_cells is not None,
-        "--id-column": args.id_column != ID_COLUMN,
-        "--label-column": args.label_column != LABEL_COLUMN,
+        "--id-column": args.id_column is not None,
+        "--label-column": args.label_column is not None,
     }
     given = [flag for flag, used in own_file_flags.items() if used]
     if given and not args.party_file:
@@ -1233,8 +1246,8 @@ def _train_config(args: argparse.Namespace, *, secure_sums: bool = False) -> Any
         align=args.align,
         seed=args.seed,
         method_config=method_config,
-        id_column=args.id_column,
-        label_column=args.label_column,
+        id_column=args.id_column or ID_COLUMN,
+        label_column=args.label_column or LABEL_COLUMN,
         missing_cells=args.missing_cells or "mean-indicator",
         party_names=tuple(args.party_name or ()),
         aligned_labeled=args.aligned_labeled,
@@ -2074,6 +2087,12 @@ def run_impute(args: argparse.Namespace) -> int:
     if args.federation is not None:
         return run_impute_deployed(args)
     _refuse_deployment_flags(args)
+    columns = _given(("--id-column", args.id_column), ("--label-column", args.label_column))
+    if columns and args.dataset is not None:
+        raise ConfigError(
+            f"{', '.join(columns)} apply to --client-file (a registered dataset has its own "
+            f"columns). Found --dataset {args.dataset}."
+        )
     from tqdm import tqdm
 
     from secure_vfl.data.imputation import IMPUTATION_DATASETS
@@ -2090,8 +2109,8 @@ def run_impute(args: argparse.Namespace) -> int:
         clients=_client_count(args),
         availability=args.availability if args.availability is not None else 0.6,
         seed=args.seed,
-        id_column=args.id_column,
-        label_column=args.label_column,
+        id_column=args.id_column or ID_COLUMN,
+        label_column=args.label_column or LABEL_COLUMN,
         impute_config=_impute_config(args),
     )
     if config.dataset is not None:
@@ -2253,8 +2272,8 @@ def run_impute_deployed(args: argparse.Namespace) -> int:
         client_files=tuple(m.data for m in clients if m.data is not None),
         clients=len(clients),
         seed=args.seed,
-        id_column=args.id_column,
-        label_column=args.label_column,
+        id_column=args.id_column or ID_COLUMN,
+        label_column=args.label_column or LABEL_COLUMN,
         impute_config=_impute_config(args),
     )
     out: Path = args.out or Path("runs") / f"impute-{config.method}-deployed-s{config.seed}"
@@ -2861,6 +2880,13 @@ def _refuse_deployed_flags(args: argparse.Namespace) -> None:
         raise ConfigError(
             "--party-name not offered with --federation: the parties' names are the "
             "federation file's."
+        )
+    columns = _given(("--id-column", args.id_column), ("--label-column", args.label_column))
+    if columns:
+        raise ConfigError(
+            f"{', '.join(columns)} not offered with --federation yet: every party's file has "
+            f"its ids in the column `{ID_COLUMN}`, and the label file its labels in "
+            f"`{LABEL_COLUMN}`."
         )
 
 

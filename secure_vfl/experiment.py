@@ -731,6 +731,14 @@ class ImputeRunConfig:
             raise ConfigError(
                 f"the id and label columns must differ. Found both {self.id_column!r}."
             )
+        if self.dataset is not None and (self.id_column, self.label_column) != (
+            ID_COLUMN,
+            LABEL_COLUMN,
+        ):
+            raise ConfigError(
+                "`id_column` and `label_column` apply to client files (a registered dataset "
+                f"has its own columns). Found dataset {self.dataset!r}."
+            )
         if self.method not in IMPUTERS:
             raise ConfigError(
                 f"`method` must be one of {', '.join(IMPUTERS.names())}. Found {self.method!r}."

@@ -56,6 +56,23 @@ def test_bad_impute_flags_are_refused_and_nothing_is_written(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [  # ignored before, even when they named a column the dataset does not have
+        (["--id-column", "key"], "--id-column apply to --client-file (a registered dataset"),
+        (["--id-column", "id", "--label-column", "label"], "--id-column, --label-column apply"),
+    ],
+)
+def test_column_flags_are_refused_with_a_registered_dataset(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    argv = ["impute", "--method", "fedhf", "--dataset", "ozone", "--out", str(tmp_path / "r")]
+    assert main([*argv, *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_unknown_imputation_dataset_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -46,6 +46,11 @@ WRONG: list[tuple[Any, dict[str, Any], str]] = [
     (_train, {"test_missing": "mcar:0"}, "`test_missing` must be a tuple of str. Found 'mcar"),
     (_train, {"id_column": "x"}, "`id_column` apply to party files (a registered dataset"),
     (
+        ImputeRunConfig,
+        {"method": "mean", "dataset": "ozone", "label_column": "y"},
+        "`id_column` and `label_column` apply to client files (a registered dataset",
+    ),
+    (
         TrainConfig,
         {"method": "laser", "party_files": "a.csv", "label_file": "l.csv"},
         "`party_files` must be a tuple of paths. Found str.",

@@ -927,11 +927,12 @@ def test_own_file_options_are_refused_with_federation_before_any_contact(
     federation = write_federation(site, site / "certs", free_loopback_ports(5))
     args = ["train", "--federation", str(federation), "--name", "bank", "--method", "laser"]
     args += ["--quiet", "--wait", "1", "--out", str(tmp_path / "o")]
-    for extra in (["--id-column", "patient"], ["--label-column", "outcome"]):
+    # Even spelt as the columns the files must have: the flag is not offered, not ignored.
+    for extra in (["--id-column", "patient"], ["--label-column", "outcome"], ["--id-column", "id"]):
         capsys.readouterr()
         assert main([*args, *extra]) == 2
         err = capsys.readouterr().err
-        assert f"found {extra[0]} (not offered with --federation yet)" in err, err
+        assert f"{extra[0]} not offered with --federation yet" in err, err
     # One --party-name was counted against the federation's files ("one --party-name per
     # --party-file expected (3); found 1").
     assert main([*args, "--party-name", "x"]) == 2
