@@ -385,10 +385,12 @@ class SubsetDifferencing(_ReconstructionAttack):
         self.window = window
         self._samples = 0
         self._isolated = 0
+        self._secure = True  # whether the attacked run's sums are secure (set by check)
 
     def check(self, config: TrainConfig, data: VerticalData, attacker: str) -> None:
         super().check(config, data, attacker)
         method = config.method_config
+        self._secure = method.secure_sums
         if config.method != "laser" or method.heads != "active":
             raise ConfigError(
                 f"{self.name} differences the sums a single label party receives: --method "
@@ -432,9 +434,17 @@ class SubsetDifferencing(_ReconstructionAttack):
                 raise ConfigError(
                     f"{self.name}: none of the sums of the {self._samples} samples "
                     f"{context.attacker} received determines {self.victim_name}'s term, so "
-                    "there is nothing to difference (under secure sums the block rule releases "
-                    "no sum that isolates a party)."
+                    f"there is nothing to difference ({self._why_none()})."
                 ) from None
             raise
         isolated = metrics["reconstructed_rows"] + metrics["auxiliary_rows"]
         return {**metrics, "isolated": isolated, "samples": float(self._samples)}
+
+    def _why_none(self) -> str:
+        if self._secure:
+            return "under secure sums the block rule releases no sum that isolates a party"
+        last = "sum was" if self.window == 1 else f"{self.window} sums were"
+        return (
+            f"each sample's last {last} differenced; a larger window (--attack-option "
+            "window=W) holds more of them"
+        )

@@ -89,13 +89,26 @@ def test_subset_differencing_isolates_nothing_from_sums_of_fixed_blocks() -> Non
     with pytest.raises(
         ConfigError,
         match=r"none of the sums of the \d+ samples party-0 received "
-        "determines party-1's term, so there is nothing to difference",
+        r"determines party-1's term, so there is nothing to difference \(under secure sums the "
+        "block rule releases no sum that isolates a party",
     ):
         run_attack(
             _config("laser", 10),
             "subset-differencing",
             attacker="party-0",
             defenses=["secure-agg:masks"],
+        )
+
+
+def test_subset_differencing_on_plain_sums_blames_its_window_not_a_block_rule() -> None:
+    # it said "under secure sums the block rule releases no sum...", of a run of plain sums
+    with pytest.raises(
+        ConfigError,
+        match=r"nothing to difference \(each sample's last sum was differenced; a larger window "
+        r"\(--attack-option window=W\)",
+    ):
+        run_attack(
+            _config("laser", 2), "subset-differencing", attacker="party-0", options={"window": 1}
         )
 
 
