@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -345,6 +346,33 @@ def test_a_held_out_file_of_number_labels_matches_text_labels_beside_na(tmp_path
     )
     assert data.classes == ("0", "1", "NA")
     assert sorted(set(data.tests["mcar:0"].labels.tolist())) == [0, 1]
+
+
+def test_a_held_out_file_of_one_class_is_a_test_split_of_that_class(tmp_path):
+    """A test file whose labels are all `yes` (a training class) was refused: 'a classifier
+    needs at least 2 classes. Found ['yes']'; the training labels still need two."""
+    labels, held = tmp_path / "labels.csv", tmp_path / "held.csv"
+    labels.write_text("id,label\n" + "".join(f"{i},{['no', 'yes'][i % 2]}\n" for i in range(90)))
+    held.write_text("id,label\n" + "".join(f"{i},yes\n" for i in range(90, 110)))
+    party = tmp_path / "party.csv"
+    party.write_text("id,a\n" + "".join(f"{i},{i % 7}\n" for i in range(110)))
+
+    def read(label_file: Path, test_file: Path) -> Any:
+        return vertical_from_party_files(
+            [party],
+            label_file,
+            aligner=JoinAligner(),
+            train_missing=parse_mechanism("mcar:0"),
+            test_missing=[parse_mechanism("mcar:0")],
+            test_file=test_file,
+            rng=rng(0),
+        )
+
+    data = read(labels, held)
+    assert data.classes == ("no", "yes")
+    assert data.tests["mcar:0"].labels.tolist() == [1] * 20
+    with pytest.raises(DataError, match=r"a classifier needs at least 2 classes\. Found"):
+        read(held, labels)  # one class to train on is still refused
 
 
 def test_many_classes_too_small_for_both_splits_are_one_warning() -> None:

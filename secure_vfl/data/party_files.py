@@ -407,11 +407,16 @@ def _as_number(value: object) -> float:
 
 
 def read_label_file(
-    path: Path, *, id_column: str = ID_COLUMN, label_column: str = LABEL_COLUMN
+    path: Path,
+    *,
+    id_column: str = ID_COLUMN,
+    label_column: str = LABEL_COLUMN,
+    held_out: bool = False,
 ) -> LabelTable:
     """Read the label file: the id and label columns; labels map to 0..C-1 in sorted order.
 
-    Other columns are ignored.
+    Other columns are ignored. ``held_out``: a test file's labels, which may all be of one
+    class (the training labels need two; a test class must be among theirs).
     """
     path = Path(path)
     frame = _read_frame(path, id_column, literal=[label_column])
@@ -435,7 +440,7 @@ def read_label_file(
             f"{path}: labels must be of one sortable kind (all numbers or all text). "
             f"Found types {sorted({type(v).__name__ for v in values})}."
         ) from None
-    if len(classes) < 2:
+    if len(classes) < (1 if held_out else 2):
         raise DataError(f"{path}: a classifier needs at least 2 classes. Found {list(classes)}.")
     if len(classes) > max(MAX_CLASSES_FREE, len(values) // 2):
         raise DataError(

@@ -335,7 +335,7 @@ def vertical_from_party_files(
     label_ids, all_labels, held_out = label_table.ids, label_table.labels, None
     if test_file is not None:
         test_table = read_label_file(
-            Path(test_file), id_column=id_column, label_column=label_column
+            Path(test_file), id_column=id_column, label_column=label_column, held_out=True
         )
         label_ids, all_labels, held_out = _with_held_out(
             label_table, test_table, label_file, test_file
@@ -711,7 +711,7 @@ def plan_rows_by(
     label_ids, all_labels, held_out = label_table.ids, label_table.labels, None
     if test_file is not None:
         label_ids, all_labels, held_out = _with_held_out(
-            label_table, read_label_file(Path(test_file)), label_file, test_file
+            label_table, read_label_file(Path(test_file), held_out=True), label_file, test_file
         )
     alignment, sizes = align(label_ids)
     for k in range(alignment.parties):
