@@ -96,6 +96,24 @@ def make_attack(name: str, options: Mapping[str, float | str]) -> Attack:
         ) from None
 
 
+def attack_parameters(name: str, options: Mapping[str, float | str]) -> dict[str, Any]:
+    """Every parameter of the attack ``name`` made with ``options``: its value, or its default
+    where not given (as JSON: a value that is not a number, text, a bool or None as its text)."""
+    bound = inspect.signature(ATTACKS.get(name)).bind(**options)
+    bound.apply_defaults()
+    return {
+        key: value if value is None or isinstance(value, bool | int | float | str) else str(value)
+        for key, value in bound.arguments.items()
+    }
+
+
+def changed_parameters(name: str, parameters: Mapping[str, Any]) -> dict[str, Any]:
+    """Those of ``parameters`` (:func:`attack_parameters`) that differ from the attack's
+    defaults: what tells two runs of it apart."""
+    defaults = attack_parameters(name, {})
+    return {key: value for key, value in parameters.items() if defaults.get(key) != value}
+
+
 def _of_type(value: object, hint: Any) -> bool:
     """Whether ``value`` is a value of the declared type ``hint``: an int (not a bool) for int,
     a finite number for float, else an instance of one of the hint's classes."""
@@ -166,6 +184,7 @@ class AttackResult:
 
     attack_name: str
     attacker: str
+    parameters: dict[str, Any]  # the attack's, defaults included (attack_parameters)
     defenses: list[str]  # train's privacy flags as defense specs, then --defense's
     control: bool
     main: dict[str, float]
@@ -185,6 +204,8 @@ class AttackResult:
         return {
             "attack_name": self.attack_name,
             "attacker": self.attacker,
+            "parameters": self.parameters,
+            "options": changed_parameters(self.attack_name, self.parameters),
             "defenses": self.defenses,
             "control": self.control,
             "main": self.main,
@@ -309,6 +330,7 @@ def run_attack(
     return AttackResult(
         attack_name=attack,
         attacker=attacker,
+        parameters=attack_parameters(attack, options or {}),
         defenses=[*spec_defenses(base), *defenses],  # train's flags are defenses too
         control=control,
         main={"accuracy": main},

@@ -2057,6 +2057,7 @@ def _attack_entry(
     ``privacy``: the privacy flags given), the metrics with the attack's score."""
     training = payload["training"]
     config = {**training["config"], "defense": defense, "control": bool(payload.get("control"))}
+    config["options"] = payload.get("options") or {}  # the attack's non-default parameters
     if privacy is not None:
         config["privacy"] = privacy
     score = {key: payload[key] for key in ("performance", "chance", "dcs_chance")}

@@ -121,6 +121,7 @@ def summarise(payload: dict[str, Any], *, kind: str = "train") -> RunSummary:
             **config,
             "defense": ", ".join(defenses),
             "control": payload.get("control") is True,
+            "options": payload.get("options") or {},
         }
         return summarise(training, kind=f"attack:{payload.get('attack_name', '?')}")
     config = _object(payload, "config")
@@ -159,6 +160,9 @@ def _attack_columns(kind: str, config: dict[str, Any], metrics: dict[str, Any]) 
     if family not in _ATTACK_KINDS or not name:
         return {}
     control = ", control" if config.get("control") is True else ""
+    options = config.get("options")  # the attack's parameters that differ from its defaults
+    if isinstance(options, dict) and options:
+        name += " (" + ", ".join(f"{key}={value}" for key, value in sorted(options.items())) + ")"
     others = [
         defense
         for defense in str(config.get("defense") or "").split(", ")

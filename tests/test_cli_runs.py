@@ -538,3 +538,32 @@ def test_the_table_shows_the_seed_where_the_runs_differ_in_it() -> None:
     assert [line.split()[2] for line in lines[1:]] == ["0", "1"]
     same = table(["a", "b"], [runs[0], dataclasses.replace(runs[1], seed=0)])
     assert "seed" not in same.splitlines()[0]
+
+
+def test_an_attacks_options_are_kept_and_tell_its_runs_apart(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two runs of one attack that differed only in --attack-option had the same result.json
+    configuration, store row and `runs compare` line."""
+    store = ["--store", str(tmp_path / "results.sqlite")]
+    argv = ["attack", "--attack", "gradient-replacement-backdoor", "--method", "laser"]
+    argv += ["--dataset", "breast-cancer", "--heads", "active", "--epochs", "1", "--quiet"]
+    argv += ["--cache", str(tmp_path / "cache"), *store]
+    assert main([*argv, "--out", str(tmp_path / "default")]) == 0
+    given = ["--attack-option", "gamma=3", "--attack-option", "target=0"]  # target: its default
+    assert main([*argv, *given, "--out", str(tmp_path / "gamma")]) == 0
+    default = json.loads((tmp_path / "default" / "result.json").read_text())
+    gamma = json.loads((tmp_path / "gamma" / "result.json").read_text())
+    assert default["options"] == {} and gamma["options"] == {"gamma": 3}
+    assert default["parameters"]["gamma"] == 1.5 and gamma["parameters"]["gamma"] == 3
+    assert {
+        key for key in gamma["parameters"] if default["parameters"][key] != gamma["parameters"][key]
+    } == {"gamma"}
+    capsys.readouterr()
+    assert main(["runs", "compare", str(tmp_path / "default"), str(tmp_path / "gamma")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "gradient-replacement-backdoor (gamma=3)" in lines[2]
+    assert "(gamma" not in lines[1]
+    assert main(["runs", "list", *store]) == 0
+    listed = capsys.readouterr().out
+    assert listed.count("gradient-replacement-backdoor (gamma=3)") == 1
