@@ -10,6 +10,7 @@ Building the parser imports nothing heavy (no torch, pandas or privacy layer), s
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -1278,15 +1279,24 @@ _RUN_MARKERS = ("result.json", "sweep.json", "suite.json")
 store keeps each folder's rows as one run's, sweep's or suite's)."""
 
 
-def _check_output_dir(out: Path, marker: str, *, overwrite: bool) -> None:
+def _check_output_dir(out: Path, marker: str, *, overwrite: bool, kind: str | None = None) -> None:
     """Refuse, before any work, an output directory that cannot take ``out/marker``: a path
     that is not a directory this user may write in and cannot be made as one, a finished run
     without ``--overwrite``, or a folder that holds another kind of run (a sweep written over
-    a training run would take its rows out of the results store)."""
+    a training run would take its rows out of the results store; an attack's ``result.json``
+    over a training run's would leave its model and plots beside it: ``kind``, the command's
+    run, ``train``, ``attack`` or ``impute``)."""
     check_directory("--out", out)
     if (out / marker).exists() and not overwrite:
         raise ConfigError(
             f"{out / marker} exists; expected a new --out directory (or --overwrite)."
+        )
+    found = _result_kind(out / marker) if kind is not None else None
+    if found is not None and found != kind:
+        raise ConfigError(
+            f"{out} holds a {found} run ({out / marker}); --overwrite replaces a run of its own "
+            f"kind. Expected a new --out directory for the {kind} run (or remove that one "
+            "first)."
         )
     if marker in _RUN_MARKERS:
         other = next((m for m in _RUN_MARKERS if m != marker and (out / m).exists()), None)
@@ -1296,6 +1306,22 @@ def _check_output_dir(out: Path, marker: str, *, overwrite: bool) -> None:
                 f"for the {marker.removesuffix('.json').replace('result', 'run')} (or remove "
                 "that one first)."
             )
+
+
+def _result_kind(path: Path) -> str | None:
+    """The kind of run whose ``result.json`` is at ``path`` (``train``, ``attack``, ``impute``);
+    None where there is none or it does not read as one (it is replaced like any file)."""
+    try:
+        payload = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(payload, dict):
+        return None
+    if "attack_name" in payload:
+        return "attack"
+    if "rmse" in payload:
+        return "impute"
+    return "train" if "epoch_loss" in payload else None
 
 
 def _check_output_file(path: Path, *, overwrite: bool) -> None:
@@ -1580,7 +1606,7 @@ def run_train(args: argparse.Namespace) -> int:
             f"{out} holds a finished run ({out / 'result.json'}): nothing to resume. Expected "
             "--resume with the --out of a killed run."
         )
-    _check_output_dir(out, "result.json", overwrite=args.overwrite)
+    _check_output_dir(out, "result.json", overwrite=args.overwrite, kind="train")
     _check_output_dir(out / MODEL_DIR, MANIFEST_FILE, overwrite=args.overwrite)
     store = _results_store(args, out)
     checkpoints = _checkpoint_plan(args, config, out)  # a bad checkpoint: refused here
@@ -1849,7 +1875,7 @@ def run_attack_command(args: argparse.Namespace) -> int:
         return _run_suite_command(args, config)
     name = args.attack
     out: Path = args.out or Path("runs") / f"attack-{name}-{config.method}-{config.data_name}"
-    _check_output_dir(out, "result.json", overwrite=args.overwrite)
+    _check_output_dir(out, "result.json", overwrite=args.overwrite, kind="attack")
     if args.cache is not None:  # before the training, whose reference it would keep
         check_directory("--cache", args.cache)
     store = _results_store(args, out)
@@ -2121,7 +2147,7 @@ def run_impute(args: argparse.Namespace) -> int:
     out: Path = args.out or Path("runs") / (
         f"impute-{config.method}-{config.data_name}-s{config.seed}"
     )
-    _check_output_dir(out, "result.json", overwrite=args.overwrite)
+    _check_output_dir(out, "result.json", overwrite=args.overwrite, kind="impute")
     if args.save_imputed:  # a folder of the user's own, or one an older run left: not merged
         _check_output_dir(out / "imputed", "", overwrite=args.overwrite)
         replaced = (out / "imputed").resolve()
@@ -2278,7 +2304,7 @@ def run_impute_deployed(args: argparse.Namespace) -> int:
         impute_config=_impute_config(args),
     )
     out: Path = args.out or Path("runs") / f"impute-{config.method}-deployed-s{config.seed}"
-    _check_output_dir(out, "result.json", overwrite=args.overwrite)
+    _check_output_dir(out, "result.json", overwrite=args.overwrite, kind="impute")
     store = _results_store(args, out)
     bar = tqdm(total=0, desc=config.method, unit="round", disable=_no_bar(args), leave=False)
 
@@ -2912,7 +2938,7 @@ def run_train_deployed(args: argparse.Namespace) -> int:
     refuse_undeployable(config)
     engine.refuse(config)
     out: Path = args.out or Path("runs") / f"{config.method}-deployed-s{config.seed}"
-    _check_output_dir(out, "result.json", overwrite=args.overwrite)
+    _check_output_dir(out, "result.json", overwrite=args.overwrite, kind="train")
     _check_output_dir(out / MODEL_DIR, MANIFEST_FILE, overwrite=args.overwrite)
     store = _results_store(args, out)
     checkpoints = _checkpoint_plan(  # the label party's checkpoint; each party checks its own

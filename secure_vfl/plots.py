@@ -35,6 +35,8 @@ def write_run_plots(result: dict[str, Any], out: Path) -> list[Path]:
     curves = privacy.get("epsilon_per_epoch") or {}
     if any(curves.values()):
         paths.append(_epsilon(curves, privacy["delta"], out / EPSILON_PLOT, title=title))
+    else:  # a run it replaces may have drawn one (--overwrite): it would not be this run's
+        (out / EPSILON_PLOT).unlink(missing_ok=True)
     return paths
 
 

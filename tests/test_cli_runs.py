@@ -567,3 +567,36 @@ def test_an_attacks_options_are_kept_and_tell_its_runs_apart(
     assert main(["runs", "list", *store]) == 0
     listed = capsys.readouterr().out
     assert listed.count("gradient-replacement-backdoor (gamma=3)") == 1
+
+
+def test_overwrite_leaves_no_file_of_the_run_it_replaced(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run without DP written over one with DP kept its epsilon.png, and an attack written over
+    a training run left that run's model and plots beside the attack's result.json (`predict`
+    then loaded the old model)."""
+    out = tmp_path / "run"  # each run's store row in tmp_path/results.sqlite, beside it
+    train = ["train", "--method", "laser", "--dataset", "iris", "--heads", "active"]
+    train += ["--epochs", "1", "--quiet", "--out", str(out)]
+    assert main([*train, "--dp-gradients", "1:0.01"]) == 0
+    assert (out / "epsilon.png").is_file()
+    assert main([*train, "--overwrite"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "accuracy.png",
+        "loss.png",
+        "model",
+        "result.json",
+    ]
+    before = (out / "result.json").read_bytes()
+    capsys.readouterr()
+    attack = ["attack", "--attack", "direct-label-inference", "--method", "laser"]
+    attack += ["--dataset", "iris", "--heads", "active", "--top-model", "none"]
+    attack += ["--representation-dim", "3", "--epochs", "1", "--quiet"]
+    assert main([*attack, "--out", str(out), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert f"{out} holds a train run ({out / 'result.json'}); --overwrite replaces a run" in err
+    assert "Expected a new --out directory for the attack run" in err
+    impute = ["impute", "--method", "mean", "--dataset", "airquality", "--quiet"]
+    assert main([*impute, "--out", str(out), "--overwrite"]) == 2
+    assert "holds a train run" in capsys.readouterr().err
+    assert (out / "result.json").read_bytes() == before
