@@ -117,6 +117,21 @@ def test_train_writes_result_json_and_a_store_row(
     assert len(ResultsStore(tmp_path / "results.sqlite").rows()) == 1
 
 
+IRIS = ["train", "--method", "laser", "--dataset", "iris", "--epochs", "1", "--quiet"]
+
+
+def test_train_warns_when_its_missingness_left_every_block_observed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """mar1 on iris's four one-column blocks hides none: the run is mcar:0 under its name."""
+    argv = [*IRIS, "--missing-train", "mar1", "--missing-test", "mcar:0"]
+    assert main([*argv, "--out", str(tmp_path / "run")]) == 0
+    [warning] = json.loads((tmp_path / "run" / "result.json").read_text())["warnings"]
+    assert warning.startswith("the training missingness mar1 left every block of all 120")
+    assert "each of the 4 blocks has one column" in warning
+    assert f"secure-vfl: warning: {warning}" in capsys.readouterr().err
+
+
 def test_train_on_the_users_own_party_files(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     n = 240

@@ -236,6 +236,24 @@ def test_parse_errors_list_the_accepted_forms():
         parse_mechanism("mcr:0.2")
 
 
+@pytest.mark.parametrize(
+    ("text", "asks_for_none"),
+    [
+        ("mcar:0", True),
+        ("mcar:0,0,0", True),
+        ("dirichlet:inf,0", True),
+        ("mcar:0,0.1", False),
+        ("dirichlet:1", False),
+        ("beta", False),
+        ("mar1", False),
+        ("mar2", False),
+        ("mnar:0", False),
+    ],
+)
+def test_only_zero_rates_ask_for_no_missing_block(text, asks_for_none):
+    assert parse_mechanism(text).asks_for_none is asks_for_none
+
+
 def test_mechanism_sample_shapes_and_per_party_mismatch():
     blocks = [np.zeros((50, 3), np.float32)] * 4
     for text in ("mcar:0.2", "beta", "dirichlet:1", "mar1", "mar2", "mnar:0.7"):

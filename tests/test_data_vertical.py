@@ -13,7 +13,7 @@ import pytest
 from secure_vfl.data.datasets import DatasetSplit, LabeledArrays, load_dataset
 from secure_vfl.data.missingness import parse_mechanism
 from secure_vfl.data.vertical import VerticalSplit, make_vertical, vertical_from_party_files
-from secure_vfl.errors import ConfigError, DataError
+from secure_vfl.errors import ConfigError, DataError, RunWarning
 from secure_vfl.federation.alignment import JoinAligner
 
 
@@ -113,6 +113,45 @@ def test_masking_rules_see_standardised_blocks():
         )
         np.testing.assert_array_equal(plain.train.mask, rescaled.train.mask)
         assert 0.2 < plain.train.mask.mean() < 0.9  # the rule did drop blocks
+
+
+def drawn_warnings(split: DatasetSplit, parties: int, train: str, *tests: str) -> list[str]:
+    """The RunWarnings of make_vertical with these mechanisms (by their text)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        make_vertical(
+            split,
+            parties=parties,
+            train_missing=parse_mechanism(train),
+            test_missing=[parse_mechanism(text) for text in tests],
+            rng=rng(4),
+        )
+    return [str(w.message) for w in caught if issubclass(w.category, RunWarning)]
+
+
+def test_mar_on_one_column_blocks_warns_that_no_block_went_missing():
+    """iris over 4 parties: a block of one column has variance 0, so mar1 and mar2 hid no
+    block and the run was mcar:0 under another name, without a word."""
+    iris = load_dataset("iris", rng=rng())
+    train, test = drawn_warnings(iris, 4, "mar1", "mcar:0", "mar2")
+    assert train.startswith(
+        "the training missingness mar1 left every block of all 120 training samples observed, "
+        "as mcar:0 would: each of the 4 blocks has one column, whose variance within the block "
+        "is 0 for every sample, too little for mar1 to end any sample's visit"
+    )
+    assert test.startswith("the test missingness mar2 left every block of all 30 test samples")
+    assert "each of the 4 blocks has one column" in test
+
+
+def test_missingness_that_hides_blocks_or_is_asked_for_none_does_not_warn():
+    assert drawn_warnings(toy_split(300, 300), 4, "mar1", "mar2", "mcar:0", "mcar:0,0,0,0") == []
+    assert drawn_warnings(toy_split(300, 300), 4, "mcar:0.2", "dirichlet:inf,0", "mnar:0.7") == []
+    # A rate so small that no block went missing: said, without the MAR reason.
+    [message] = drawn_warnings(toy_split(100, 100), 4, "mcar:1e-09")
+    assert message == (
+        "the training missingness mcar:1e-09 left every block of all 100 training samples "
+        "observed, as mcar:0 would."
+    )
 
 
 def test_train_and_test_masks_are_independent():

@@ -270,6 +270,14 @@ class Mechanism:
             params = params[:1]
         return f"{self.name}:" + ",".join(_format(v) for v in params)
 
+    @property
+    def asks_for_none(self) -> bool:
+        """Whether the mechanism asks that no block be missing: ``mcar`` with every rate 0, or
+        ``dirichlet`` with mean rate 0. Every other one asks for missing blocks."""
+        if self.name == "mcar":
+            return all(rate == 0.0 for rate in self.params)
+        return self.name == "dirichlet" and self.params[1] == 0.0
+
     def sample(self, blocks: Sequence[np.ndarray], *, rng: np.random.Generator) -> np.ndarray:
         """Draw a bool (N, K) availability mask for the samples of ``blocks`` (K arrays, N rows)."""
         n = _check_blocks(blocks)

@@ -146,6 +146,33 @@ def _masked_split(
     return (split if dropped == 0 else split.subset(keep)), dropped
 
 
+def _warn_all_observed(
+    mechanism: Mechanism, mask: np.ndarray, blocks: Sequence[np.ndarray], split: str
+) -> None:
+    """Warn (:class:`RunWarning`) when ``mechanism``, which asks for missing blocks, drew a
+    ``mask`` of the ``split`` samples that observes every block: the split is then that of
+    ``mcar:0`` under another name. The MAR rules (FALSE-VFL appendix D.4) draw it from blocks
+    of one column each with the paper's thresholds and up to 9 (mar1) or 7 (mar2) blocks: such a
+    block's variance is 0, which ends a sample's visit only once the threshold has dropped below
+    0, and every block a sample visits is observed."""
+    if mechanism.asks_for_none or mask.size == 0 or not mask.all():
+        return
+    samples = f"{mask.shape[0]} {split} sample" + ("s" if mask.shape[0] != 1 else "")
+    message = (
+        f"the {split} missingness {mechanism.label} left every block of all {samples} "
+        "observed, as mcar:0 would"
+    )
+    one_column = all(int(np.prod(block.shape[1:])) == 1 for block in blocks)
+    if mechanism.name in ("mar1", "mar2") and one_column:
+        message += (
+            f": each of the {len(blocks)} blocks has one column, whose variance within the "
+            f"block is 0 for every sample, too little for {mechanism.name} to end any "
+            "sample's visit before its last block, and every visited block is observed (MAR "
+            "needs blocks of several columns: fewer parties)"
+        )
+    warnings.warn(message + ".", RunWarning, stacklevel=2)
+
+
 def _check_test_labels(test_missing: Sequence[Mechanism]) -> None:
     labels = [m.label for m in test_missing]
     repeated = sorted({label for label in labels if labels.count(label) > 1})
@@ -204,6 +231,7 @@ def _assemble(
     the training rows ``aligned`` stay observed by every party."""
     dropped = dict(dropped or {})
     train_mask = train_missing.sample(train_blocks, rng=rng)
+    _warn_all_observed(train_missing, train_mask, train_blocks, "training")
     if held_train is not None:
         train_mask &= held_train
     aligned_rows = None
@@ -215,6 +243,7 @@ def _assemble(
     tests: dict[str, VerticalSplit] = {}
     for mechanism in test_missing:
         test_mask = mechanism.sample(test_blocks, rng=rng)
+        _warn_all_observed(mechanism, test_mask, test_blocks, "test")
         if held_test is not None:
             test_mask &= held_test
         tests[mechanism.label], dropped[mechanism.label] = _masked_split(
@@ -741,7 +770,9 @@ def plan_rows_by(
         *[(m.label, m, test_rows, test_index) for m in test_missing],
     ]:
         shapes = [np.broadcast_to(np.float32(0), (held.shape[0], w)) for w in widths]
-        mask = mechanism.sample(shapes, rng=rng) & (held >= 0)
+        drawn = mechanism.sample(shapes, rng=rng)
+        _warn_all_observed(mechanism, drawn, shapes, "training" if name == "train" else "test")
+        mask = drawn & (held >= 0)
         keep, dropped[name] = drop_unobserved(mask)
         rows[name] = np.where(mask, held, -1)[keep]
         split_labels[name] = labels[split_index][keep]
