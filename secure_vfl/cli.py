@@ -297,8 +297,11 @@ def _training_flags(
         "--parties",
         type=parties_count,
         metavar="K",
-        help="how many parties a --dataset is split among (default: 4); with --party-file it "
-        "is the number of files, and a different K is refused",
+        help="how many parties a --dataset is split among (default: 4): of a table's D "
+        "columns each gets D // K in turn and the last D mod K go to none, as in the papers "
+        "(train's result.json names them in left_out_columns; an image's patch grid leaves "
+        "out its remainder pixels too); with --party-file it is the number of files, and a "
+        "different K is refused",
     )
     missing_train = parser.add_mutually_exclusive_group()
     missing_train.add_argument(
@@ -1365,6 +1368,11 @@ def _summary(result: Any, out: Path, payload: dict[str, Any]) -> str:
         lines.extend(_alignment_lines(payload["alignment"]))
     if payload.get("columns"):
         lines.extend(_column_lines(payload["columns"]))
+    if payload.get("left_out_columns"):
+        lines.append(
+            "left out of every block (columns mod parties, as in the papers): "
+            + ", ".join(payload["left_out_columns"])
+        )
     if payload.get("privacy") is not None:
         lines.extend(_privacy_lines(payload["privacy"]))
     lines.extend(_fault_lines(payload.get("faults", [])))
@@ -1789,7 +1797,7 @@ def _with_party_names(payload: dict[str, Any], data: Any) -> dict[str, Any]:
     """``result.json`` in the users' party names: ``parties`` maps each internal actor name
     (``party-k``, which the federation keeps) to the user's name, and the per-party figures
     (privacy spend, traffic) are keyed by the user's name; with the alignment and column
-    reports of party files."""
+    reports of party files, and the columns of a dataset that no party's block holds."""
     from secure_vfl.data.vertical import column_report
 
     internal = [f"party-{k}" for k in range(data.parties)]
@@ -1802,6 +1810,8 @@ def _with_party_names(payload: dict[str, Any], data: Any) -> dict[str, Any]:
     payload["alignment"] = data.alignment
     if data.party_names is not None and data.preprocessing is not None:
         payload["columns"] = column_report(names, data.preprocessing)
+    if data.left_out_columns:
+        payload["left_out_columns"] = list(data.left_out_columns)
     return payload
 
 

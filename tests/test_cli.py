@@ -120,6 +120,22 @@ def test_train_writes_result_json_and_a_store_row(
 IRIS = ["train", "--method", "laser", "--dataset", "iris", "--epochs", "1", "--quiet"]
 
 
+def test_train_names_the_columns_equal_blocks_leave_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """iris over 3 parties: its fourth column goes to no party, as in the papers; the run
+    says so in result.json and its summary (a note, not a warning)."""
+    assert main([*IRIS, "--parties", "3", "--out", str(tmp_path / "three")]) == 0
+    result = json.loads((tmp_path / "three" / "result.json").read_text())
+    assert result["left_out_columns"] == ["petal width (cm)"] and result["warnings"] == []
+    printed = capsys.readouterr()
+    note = "left out of every block (columns mod parties, as in the papers): petal width (cm)"
+    assert note in printed.out and "warning" not in printed.err
+    assert main([*IRIS, "--parties", "2", "--out", str(tmp_path / "two")]) == 0
+    assert "left_out_columns" not in json.loads((tmp_path / "two" / "result.json").read_text())
+    assert "left out" not in capsys.readouterr().out
+
+
 def test_train_warns_when_its_missingness_left_every_block_observed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

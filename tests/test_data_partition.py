@@ -7,7 +7,13 @@ import re
 import numpy as np
 import pytest
 
-from secure_vfl.data.partition import column_blocks, image_grid, image_patches, partition
+from secure_vfl.data.partition import (
+    column_blocks,
+    image_grid,
+    image_patches,
+    left_out_columns,
+    partition,
+)
 from secure_vfl.errors import ConfigError, DataError
 
 
@@ -18,6 +24,14 @@ def test_column_blocks_have_equal_width_and_drop_the_remainder():
     for k, block in enumerate(blocks):
         np.testing.assert_array_equal(block, x[:, 3 * k : 3 * k + 3])
     assert 9 not in np.concatenate(blocks, axis=1)[0]  # column 9 dropped
+
+
+def test_left_out_columns_are_those_no_column_block_holds():
+    assert left_out_columns(10, 3) == range(9, 10)
+    assert left_out_columns(30, 4) == range(28, 30)  # breast-cancer over the default 4
+    assert list(left_out_columns(4, 4)) == [] and list(left_out_columns(12, 3)) == []
+    with pytest.raises(ConfigError, match="at most the number of features, 4"):
+        left_out_columns(4, 5)
 
 
 def test_column_blocks_one_party_and_one_column_each():

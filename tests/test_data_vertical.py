@@ -154,6 +154,16 @@ def test_missingness_that_hides_blocks_or_is_asked_for_none_does_not_warn():
     )
 
 
+def test_columns_that_equal_blocks_leave_out_are_named():
+    iris = load_dataset("iris", rng=rng())
+    mechanism = parse_mechanism("mcar:0")
+    for parties, left_out in ((3, ("petal width (cm)",)), (4, ()), (2, ())):
+        data = make_vertical(
+            iris, parties=parties, train_missing=mechanism, test_missing=[], rng=rng()
+        )
+        assert data.left_out_columns == left_out
+
+
 def test_train_and_test_masks_are_independent():
     n = 20000
     data = make_vertical(

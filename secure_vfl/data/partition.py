@@ -54,6 +54,13 @@ def column_ranges(width: int, parties: int) -> list[range]:
     return [range(k * block, (k + 1) * block) for k in range(parties)]
 
 
+def left_out_columns(width: int, parties: int) -> range:
+    """The last ``width % parties`` column indices, which no block of :func:`column_blocks`
+    holds (empty when ``parties`` divides ``width``)."""
+    _check_parties(parties, width)
+    return range(width // parties * parties, width)
+
+
 def image_grid(parties: int) -> tuple[int, int]:
     """(rows, cols) of the patch grid for ``parties`` in 2..10, as close to square as K allows."""
     try:

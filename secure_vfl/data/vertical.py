@@ -19,7 +19,7 @@ import numpy as np
 
 from secure_vfl.data.datasets import DatasetSplit, Kind
 from secure_vfl.data.missingness import Mechanism, drop_unobserved
-from secure_vfl.data.partition import column_ranges, partition
+from secure_vfl.data.partition import column_ranges, left_out_columns, partition
 from secure_vfl.data.party_files import (
     ID_COLUMN,
     LABEL_COLUMN,
@@ -96,7 +96,10 @@ class VerticalData:
 
     ``dropped`` counts samples removed for having no observed block, keyed ``"train"`` and by
     test label; data from party files also has ``"alignment"`` (labels no party holds).
-    ``feature_names`` gives each block's column names where known (tabular data).
+    ``feature_names`` gives each block's column names where known (tabular data), and
+    ``left_out_columns`` the names of the dataset's columns that no block holds: the last
+    D mod K, which equal blocks leave out as both papers do (:func:`column_blocks
+    <secure_vfl.data.partition.column_blocks>`).
     ``preprocessing[k]`` is party k's own column schema and training standardisation (what its
     saved model keeps; None where a view holds only its own), and ``classes`` the original label
     value of each class index (the label file's own values; 0..C-1 for a registered dataset).
@@ -114,6 +117,7 @@ class VerticalData:
     tests: dict[str, VerticalSplit]
     dropped: dict[str, int]
     feature_names: tuple[tuple[str, ...], ...] | None = None
+    left_out_columns: tuple[str, ...] = ()
     preprocessing: tuple[PartyPreprocessing | None, ...] | None = None
     classes: tuple[object, ...] | None = None
     party_names: tuple[str, ...] | None = None
@@ -220,6 +224,7 @@ def _assemble(
     held_train: np.ndarray | None = None,
     held_test: np.ndarray | None = None,
     feature_names: tuple[tuple[str, ...], ...] | None = None,
+    left_out_columns: tuple[str, ...] = (),
     dropped: dict[str, int] | None = None,
     preprocessing: tuple[PartyPreprocessing, ...] | None = None,
     classes: tuple[object, ...] | None = None,
@@ -257,6 +262,7 @@ def _assemble(
         tests=tests,
         dropped=dropped,
         feature_names=feature_names,
+        left_out_columns=left_out_columns,
         preprocessing=preprocessing,
         classes=classes if classes is not None else tuple(range(num_classes)),
         party_names=party_names,
@@ -276,7 +282,8 @@ def make_vertical(
     aligned_rng: np.random.Generator | None = None,
 ) -> VerticalData:
     """Partition a dataset over ``parties`` (column blocks or image patches), standardise each
-    block with its training statistics, and draw independent train and test masks.
+    block with its training statistics, and draw independent train and test masks. The columns
+    that equal blocks leave out are named in ``left_out_columns``.
 
     The MAR/MNAR rules see the standardised blocks, as in FALSE-VFL's appendix D.4. ``aligned``
     training samples, drawn uniformly by ``aligned_rng`` (its own stream: the masks are those of
@@ -301,11 +308,14 @@ def make_vertical(
     test_raw = partition(split.test.x, split.kind, parties)
     train_blocks, test_blocks, scalers = _standardise(train_raw, test_raw, [None] * parties)
     names = None
+    left_out: tuple[str, ...] = ()
     if split.feature_names is not None:
+        width = len(split.feature_names)
         names = tuple(
             tuple(split.feature_names[c] for c in columns)
-            for columns in column_ranges(len(split.feature_names), parties)
+            for columns in column_ranges(width, parties)
         )
+        left_out = tuple(split.feature_names[c] for c in left_out_columns(width, parties))
     return _assemble(
         name=split.name,
         kind=split.kind,
@@ -319,6 +329,7 @@ def make_vertical(
         rng=rng,
         feature_names=names,
         preprocessing=_preprocessing(scalers, names),
+        left_out_columns=left_out,
         aligned=reserve,
     )
 
