@@ -1463,11 +1463,18 @@ def _alignment_lines(report: dict[str, Any]) -> list[str]:
     ]
 
 
+def _count(number: int, noun: str) -> str:
+    """``1 column``, ``2 columns``."""
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
 def _column_lines(columns: dict[str, dict[str, Any]]) -> list[str]:
     """The summary's column report: per party, what its preprocessing did to its columns."""
     lines = ["columns:"]
     for name, entry in columns.items():
-        parts = [f"{entry['columns']} columns -> {entry['inputs']} model inputs"]
+        parts = [
+            f"{_count(entry['columns'], 'column')} -> {_count(entry['inputs'], 'model input')}"
+        ]
         if entry["encoded"]:
             encoded = ", ".join(f"{c} ({n} categories)" for c, n in entry["encoded"].items())
             parts.append(f"one-hot: {encoded}")

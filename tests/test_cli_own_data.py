@@ -367,3 +367,10 @@ def test_under_psi_the_report_counts_ids_without_a_label_per_party_only(
     assert report["dropped"]["one_party_only_without_label"] is None
     assert report["dropped"]["without_label_per_party"] == {"bank-a": 2, "shop": 2}
     assert "party ids without a label: bank-a 2, shop 2 (per party" in summary
+
+
+def test_the_column_report_counts_one_column_in_the_singular() -> None:
+    from secure_vfl.cli import _column_lines
+
+    entry = {"columns": 1, "inputs": 1, "encoded": {}, "indicators": []}
+    assert _column_lines({"shop": entry}) == ["columns:", "  shop: 1 column -> 1 model input"]
