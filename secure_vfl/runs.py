@@ -280,7 +280,7 @@ def _accuracy(metrics: dict[str, Any]) -> dict[str, float]:
 
 def read_run(directory: Path) -> dict[str, Any]:
     """The ``result.json`` of a run directory; ConfigError if there is none or it is not a
-    result of ``train`` or ``attack``."""
+    result of ``train``, ``attack`` or ``impute``."""
     path = Path(directory) / "result.json"
     if not Path(directory).is_dir():
         found = "a file" if Path(directory).exists() else "nothing there"
@@ -288,9 +288,11 @@ def read_run(directory: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"{directory} holds no result.json; expected a run directory.")
     payload = parse_json(path.read_bytes(), str(path), error=ConfigError)
-    if not isinstance(payload, dict) or not ("training" in payload or "epoch_loss" in payload):
+    if not isinstance(payload, dict) or not any(
+        key in payload for key in ("training", "epoch_loss", "rmse")
+    ):
         raise ConfigError(
-            f"{path} is not the result of a training run (train or attack); expected one."
+            f"{path} is not the result of a run (train, attack or impute); expected one."
         )
     return payload
 
@@ -299,8 +301,9 @@ def summarise_run(directory: Path) -> RunSummary:
     """The summary of the run in ``directory`` (:func:`read_run`, :func:`summarise`);
     ConfigError naming its ``result.json`` and the field that does not read."""
     payload = read_run(directory)
+    imputation = "rmse" in payload and "epoch_loss" not in payload
     try:
-        return summarise(payload)
+        return summarise(payload, kind="impute" if imputation else "train")
     except ConfigError as error:
         raise ConfigError(f"{Path(directory) / 'result.json'}: {error}") from None
 

@@ -600,3 +600,20 @@ def test_overwrite_leaves_no_file_of_the_run_it_replaced(
     assert main([*impute, "--out", str(out), "--overwrite"]) == 2
     assert "holds a train run" in capsys.readouterr().err
     assert (out / "result.json").read_bytes() == before
+
+
+def test_compare_takes_an_imputation_run_as_list_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`runs list` showed an imputation run with its RMSE; `runs compare` refused its folder:
+    'is not the result of a training run (train or attack)'."""
+    out = tmp_path / "imputed"
+    impute = ["impute", "--method", "mean", "--dataset", "airquality", "--quiet"]
+    assert main([*impute, "--out", str(out)]) == 0
+    rmse = json.loads((out / "result.json").read_text())["rmse"]
+    capsys.readouterr()
+    assert main(["runs", "compare", str(out)]) == 0
+    header, row = capsys.readouterr().out.splitlines()
+    assert "RMSE" in header.split() and f"{rmse:.4f}" in row.split()
+    assert main(["runs", "list", "--store", str(tmp_path / "results.sqlite")]) == 0
+    assert f"{rmse:.4f}" in capsys.readouterr().out
