@@ -56,7 +56,7 @@ from protocols.dp import EventCallback, GaussianRelease, PrivacyAccountant, clip
 from protocols.noise import NoiseSource, noise_source
 from protocols.party_privacy import SECURE_SOURCE, check_guarantees
 from secure_vfl.data.imputation import ClientData
-from secure_vfl.errors import ConfigError, DataError, ProtocolError
+from secure_vfl.errors import ConfigError, DataError, ProtocolError, RunWarning
 from secure_vfl.io import check_keys
 from secure_vfl.methods.imputation.statistics import FeatureRanges, ReleaseTerms
 
@@ -209,6 +209,14 @@ def read_feature_ranges(path: Path, features: Sequence[str]) -> FeatureRanges:
     absent = [f for f in features if f not in by_name.index]
     if absent:
         raise DataError(f"{path}: no range for feature(s) {absent}; every task feature needs one.")
+    unused = [name for name in by_name.index if name not in set(features)]
+    if unused:  # a list of more features than these files have, or a name that is not theirs
+        warnings.warn(
+            f"{path}: ranges of {len(unused)} feature(s) no client file has, unused: "
+            f"{unused[:5]}{' ...' if len(unused) > 5 else ''}.",
+            RunWarning,
+            stacklevel=2,
+        )
     try:
         lower = by_name.loc[list(features), "lower"].to_numpy(dtype=np.float64)
         upper = by_name.loc[list(features), "upper"].to_numpy(dtype=np.float64)

@@ -400,6 +400,13 @@ def test_declared_feature_ranges_replace_the_observed_ones(tmp_path: Path) -> No
     assert declared["privacy"]["ranges"] == f"declared in {tmp_path / 'ranges.csv'}"
     assert "not private" in observed["privacy"]["ranges"]
     assert declared["rmse"] != observed["rmse"]  # the clipping bounds changed what was released
+    assert not any("no client file has" in text for text in declared["warnings"])
+    # A row for a feature the files do not have was dropped in silence (e.g. a misspelt name).
+    extra = pd.concat([table, pd.DataFrame({"feature": ["Extra"], "lower": [0.0], "upper": [1.0]})])
+    extra.to_csv(tmp_path / "extra.csv", index=False)
+    more = _impute(tmp_path, "extra", *args, "--feature-ranges", str(tmp_path / "extra.csv"))
+    unused = f"{tmp_path / 'extra.csv'}: ranges of 1 feature(s) no client file has, unused: "
+    assert unused + "['Extra']." in more["warnings"]
 
 
 @pytest.mark.parametrize(
