@@ -169,6 +169,18 @@ def existing_file(text: str) -> Path:
     return path
 
 
+def file_path(text: str) -> Path:
+    """A path to write one file at; a path that ends with a separator names a directory (which
+    ``Path`` would drop, writing a file named as the directory)."""
+    import os
+
+    if text.endswith(tuple(sep for sep in (os.sep, os.altsep) if sep)):
+        raise argparse.ArgumentTypeError(
+            f"expected a file path, found {text!r}, which ends with a separator (a directory)"
+        )
+    return Path(text)
+
+
 def mechanism(text: str) -> str:
     from secure_vfl.data.missingness import parse_mechanism
 
@@ -836,8 +848,12 @@ def build_parser() -> argparse.ArgumentParser:
     psi = commands.add_parser(
         "psi", help="private set intersection of two id files (both roles in-process)"
     )
-    psi.add_argument("--mine", required=True, type=existing_file, help="CSV: this side's ids")
-    psi.add_argument("--theirs", required=True, type=existing_file, help="CSV: the peer's ids")
+    psi.add_argument(
+        "--mine", required=True, type=existing_file, help="CSV/Parquet: this side's ids"
+    )
+    psi.add_argument(
+        "--theirs", required=True, type=existing_file, help="CSV/Parquet: the peer's ids"
+    )
     psi.add_argument(
         "--id-column",
         default=ID_COLUMN,
@@ -852,7 +868,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     psi.add_argument(
         "--out",
-        type=Path,
+        type=file_path,
         metavar="FILE",
         help="write the intersecting ids here, one per line (default: only print the size)",
     )
@@ -1075,54 +1091,18 @@ def _path_arguments(args: argparse.Namespace) -> list[tuple[str, Path]]:
 
 
 def _read_ids(path: Path, column: str) -> list[str]:
-    """The ids of a PSI side: column ``column`` of the CSV file ``path`` (UTF-8, a byte order
-    mark allowed), as text; a file without ids, a repeated column name, an empty, repeated or
-    multi-line id is refused with the file, the id and its rows (PSI matches sets, and the
-    intersection is written one id a line)."""
-    import csv
-    from collections import Counter
+    """The ids of a PSI side: column ``column`` of the CSV or Parquet file ``path``, read as
+    `train --align psi` reads a party file's (as text; an empty or repeated id is refused with
+    the file, the id and its rows), and each of one line (the intersection is written one id a
+    line)."""
+    from secure_vfl.data.party_files import read_id_file
 
-    try:
-        with path.open(newline="", encoding="utf-8-sig") as handle:
-            reader = csv.DictReader(handle, strict=True)
-            if reader.fieldnames is None:
-                raise ConfigError(f"expected a CSV file with a column {column!r}: {path} is empty.")
-            names = list(reader.fieldnames)
-            if column not in names:
-                raise ConfigError(f"expected a column {column!r} in {path}. Found columns {names}.")
-            if names.count(column) > 1:
-                raise ConfigError(
-                    f"{path}: one column {column!r} expected, found {names.count(column)}."
-                )
-            ids: list[str] = []
-            for row in reader:
-                if None in row:  # DictReader keeps a row's extra fields under None
-                    raise ConfigError(
-                        f"{path}: {len(names)} fields a row expected (the header's), found "
-                        f"{len(names) + len(row[None])} at data row {len(ids) + 1}."
-                    )
-                ids.append(row[column] or "")
-    except (UnicodeDecodeError, csv.Error) as error:
-        raise ConfigError(f"{path}: a UTF-8 CSV file expected ({error}).") from None
-    if not ids:
-        raise ConfigError(f"{path}: at least one id expected, found a header only.")
-    if "" in ids:
-        raise ConfigError(
-            f"{path}: every row must have an id in column {column!r}. Found an empty one at "
-            f"data row {ids.index('') + 1}."
-        )
+    ids: list[str] = read_id_file(path, id_column=column).tolist()
     broken = next((i for i, value in enumerate(ids) if "\n" in value or "\r" in value), None)
     if broken is not None:
         raise ConfigError(
             f"{path}: an id of one line expected, found a line break in {ids[broken][:40]!r} at "
             f"data row {broken + 1}."
-        )
-    repeated = [value for value, count in Counter(ids).items() if count > 1]
-    if repeated:
-        rows = [i + 1 for i, value in enumerate(ids) if value == repeated[0]]
-        raise ConfigError(
-            f"{path}: ids in column {column!r} must be unique for PSI. Found {len(repeated)} "
-            f"repeated, e.g. {repeated[0]!r} at data rows {rows[:5]}."
         )
     return ids
 

@@ -266,10 +266,10 @@ def test_psi_refuses_ids_it_cannot_match_or_write_one_a_line(
     theirs = tmp_path / "theirs.csv"
     theirs.write_text("id\na\nc\n")
     cases = {
-        "id\n": "at least one id expected, found a header only",
+        "id\n": "must have at least one row. Found none.",
         'id\n"x\ny"\nc\n': "found a line break in 'x\\ny' at data row 1",
-        "id,id\n1,2\n": "one column 'id' expected, found 2",
-        "id,x\na,1\nb,2,3\n": "2 fields a row expected (the header's), found 3 at data row 2",
+        "id,id\n1,2\n": "column names must be distinct. Found ['id'] repeated.",
+        "id,x\na,1\nb,2,3\n": "C error: Expected 2 fields in line 3, saw 3",
     }
     for text, message in cases.items():
         mine = tmp_path / "mine.csv"

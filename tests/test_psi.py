@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from reachability import reachable
@@ -342,15 +343,15 @@ def test_cli_psi_writes_the_intersection(tmp_path, capsys):
     assert "intersection size: 2 (of 3 mine, 3 theirs)" in capsys.readouterr().out
     assert out.read_text(encoding="utf-8") == "a\nc\n"
     assert main([*args, "--id-column", "name"]) == 2
-    assert "expected a column 'name'" in capsys.readouterr().err
+    assert "must have an id column `name` (--id-column)" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        (b"", "expected a CSV file with a column 'id': "),
-        (b'id\n"unterminated\n', "a UTF-8 CSV file expected (unexpected end of data)"),
-        (b"\xff\xfeid\na\n", "a UTF-8 CSV file expected ('utf-8' codec can't decode"),
+        (b"", "could not be read as csv: No columns to parse from file"),
+        (b'id\n"unterminated\n', "could not be read as csv: Error tokenizing data"),
+        (b"\xff\xfeid\na\n", "could not be read as UTF-8 text (utf-8: invalid start byte)"),
     ],
 )
 def test_psi_command_refuses_an_unreadable_id_file_in_one_line(
@@ -395,7 +396,50 @@ def test_psi_command_writes_only_the_intersection(tmp_path, capsys) -> None:  # 
         )
         == 2
     )
-    assert "expected a column 'key'" in capsys.readouterr().err
+    assert "must have an id column `key` (--id-column)" in capsys.readouterr().err
+
+
+def test_psi_command_reads_csv_and_parquet_ids_as_train_reads_party_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`psi --theirs shop.parquet` was refused as not UTF-8 CSV, though `train --align psi`
+    reads Parquet party files: both read ids as party files are read, as text."""
+    from secure_vfl.cli import main
+    from secure_vfl.data.party_files import read_party_file
+
+    (tmp_path / "bank.csv").write_text("id,x\n0304,1\n304,2\n7,3\nb,4\n", encoding="utf-8")
+    shop = tmp_path / "shop.parquet"
+    pd.DataFrame({"id": [304, 7, 8], "y": [0.5, 1.5, 2.5]}).to_parquet(shop)
+    out = tmp_path / "common.txt"
+    argv = ["psi", "--mine", str(tmp_path / "bank.csv"), "--theirs", str(shop)]
+    assert main([*argv, "--out", str(out)]) == 0
+    assert "intersection size: 2 (of 4 mine, 3 theirs)" in capsys.readouterr().out
+    assert out.read_text(encoding="utf-8") == "304\n7\n"  # `0304` is not `304`
+    assert read_party_file(shop).ids.tolist() == ["304", "7", "8"]  # the ids train aligns
+    pd.DataFrame({"id": ["c", None]}).to_parquet(shop)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"{shop}: every row must have an id. Found 1 empty (first at data row 2)" in err
+
+
+@pytest.mark.parametrize("out", ["sub/dir/", "sub/"])
+def test_psi_command_refuses_an_out_that_names_a_directory(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], out: str
+) -> None:
+    """`--out sub/dir/` wrote a file named `dir`: a path ending with a separator is a directory."""
+    from secure_vfl.cli import main
+
+    (tmp_path / "mine.csv").write_text("id\na\nb\n", encoding="utf-8")
+    (tmp_path / "sub").mkdir()
+    argv = ["psi", "--mine", str(tmp_path / "mine.csv"), "--theirs", str(tmp_path / "mine.csv")]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*argv, "--out", f"{tmp_path}/{out}"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --out: expected a file path, found '{tmp_path}/{out}', which ends" in err
+    assert err.count("\n") == 1 and list((tmp_path / "sub").iterdir()) == []
+    assert main([*argv, "--out", str(tmp_path / "sub")]) == 2  # a directory given without a /
+    assert "is a directory; expected a file path" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("mode", ["intersection", "cardinality"])

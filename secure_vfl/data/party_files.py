@@ -139,7 +139,8 @@ def read_table(
             "expected a CSV saved as UTF-8 (e.g. Excel's 'CSV UTF-8')."
         ) from None
     except (ValueError, OSError, pd.errors.ParserError) as error:
-        raise DataError(f"{path} could not be read as {suffix[1:]}: {error}") from None
+        reason = str(error).strip()  # pandas ends some of its messages with a line break
+        raise DataError(f"{path} could not be read as {suffix[1:]}: {reason}") from None
     frame.columns = [str(c) for c in frame.columns]
     if len(frame) == 0:
         raise DataError(f"{path} must have at least one row. Found none.")
@@ -241,14 +242,24 @@ def read_ids(frame: pd.DataFrame, path: Path, id_column: str) -> np.ndarray:
     return ids
 
 
+def read_id_file(path: Path, *, id_column: str = ID_COLUMN) -> np.ndarray:
+    """The ids of a CSV or Parquet file, read as :func:`read_party_file` reads a party's (as
+    text, unique, none empty); the file needs no other column (an id file of `secure-vfl psi`)."""
+    path = Path(path)
+    return read_ids(_read_frame(path, id_column), path, id_column)
+
+
 def _check_unique(ids: np.ndarray, where: str) -> None:
     if pd.Index(ids).is_unique:
         return
     unique, counts = np.unique(ids, return_counts=True)
     repeated = unique[counts > 1]
+    examples = (
+        f"{value!r} at data rows {(np.flatnonzero(ids == value) + 1)[:5].tolist()}"
+        for value in repeated[:3].tolist()
+    )
     raise DataError(
-        f"{where}: ids must be unique. Found {repeated.size} repeated, "
-        f"e.g. {', '.join(map(repr, repeated[:3].tolist()))}."
+        f"{where}: ids must be unique. Found {repeated.size} repeated, e.g. {', '.join(examples)}."
     )
 
 
