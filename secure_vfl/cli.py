@@ -256,11 +256,12 @@ def _training_flags(
     out: str = "runs/METHOD-DATASET-sSEED",
     writes: str = "DIR/result.json (and with --checkpoint-every, a killed run's checkpoints)",
     capture: bool = True,
+    psi: bool = True,
 ) -> Any:
     """The data, method, privacy and output flags of a training run (``train``, ``attack``,
     ``sweep``): ``out`` the default --out, ``writes`` what --overwrite replaces, ``capture``
-    whether --capture is offered. Returns the group of data sources (one of them is
-    required)."""
+    whether --capture is offered, ``psi`` whether --align offers PSI (only train aligns by
+    it). Returns the group of data sources (one of them is required)."""
     parser.add_argument(
         "--method",
         required=True,
@@ -299,11 +300,12 @@ def _training_flags(
         help="with --party-file: evaluate on a stratified, seeded share F of the label file's "
         "rows (default 0.2 when neither this nor --test-file is given)",
     )
+    other = " or PSI over X25519" if psi else ", the only one here (PSI is train's)"
     parser.add_argument(
         "--align",
-        choices=["join", "psi"],
+        choices=["join", "psi"] if psi else ["join"],
         default="join",
-        help="how party files are aligned by id: plain join (insecure) or PSI over X25519",
+        help=f"how party files are aligned by id: plain join (insecure){other}",
     )
     parser.add_argument(
         "--parties",
@@ -643,6 +645,7 @@ def build_parser() -> argparse.ArgumentParser:
         out="runs/attack-NAME-METHOD-DATASET, or runs/suite-METHOD-DATASET",
         writes="DIR/result.json (DIR/suite.json with --suite, and the suite's stored runs)",
         capture=False,
+        psi=False,
     )
 
     sweep = commands.add_parser(
@@ -694,6 +697,7 @@ def build_parser() -> argparse.ArgumentParser:
         out="runs/sweep-ATTACK-METHOD-DATASET",
         writes="DIR/sweep.json, its tables, plots and stored runs",
         capture=False,
+        psi=False,
     )
 
     impute = commands.add_parser(
@@ -1859,11 +1863,6 @@ def run_attack_command(args: argparse.Namespace) -> int:
     from secure_vfl.io import atomic_write_json
     from secure_vfl.runs import provenance
 
-    if args.align != "join":  # before the config, which would not know the psi aligner
-        raise ConfigError(
-            f"attack aligns party files by the plain join (PSI is train's); found --align "
-            f"{args.align}."
-        )
     # A single attack's secure-agg defense makes its run one of secure sums, as --secure-agg
     # does (so --release dp may go with it); a suite's runs are each defended on their own.
     secure = args.suite is None and any(d.startswith("secure-agg:") for d in args.defense)
@@ -1942,11 +1941,6 @@ def _file_party_names(config: Any) -> dict[str, str]:
 def run_sweep_command(args: argparse.Namespace) -> int:
     from attacks.sweep import parse_grid, run_sweep, write_sweep
 
-    if args.align != "join":  # before the config, which would not know the psi aligner
-        raise ConfigError(
-            f"sweep aligns party files by the plain join (PSI is train's); found --align "
-            f"{args.align}."
-        )
     config = _train_config(args)
     given = _given(
         ("--secure-agg", args.secure_agg if args.secure_agg != "none" else None),

@@ -362,8 +362,6 @@ def test_an_attacks_defenses_complete_the_train_flags_that_need_them(
     capsys.readouterr()
     assert main([*argv, "--insecure-reproducible-noise", "--out", str(tmp_path / "x")]) == 2
     assert "expected a DP mechanism with it. Found none." in capsys.readouterr().err
-    assert main([*argv, "--align", "psi", "--out", str(tmp_path / "x")]) == 2
-    assert "attack aligns party files by the plain join" in capsys.readouterr().err
     (tmp_path / "file").write_text("")  # refused after the defended training had run
     assert main([*argv, "--cache", str(tmp_path / "file"), "--out", str(tmp_path / "x")]) == 2
     assert f"--cache {tmp_path / 'file'} is a file" in capsys.readouterr().err

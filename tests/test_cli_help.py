@@ -5,6 +5,7 @@ and `--version`) imports no torch, pandas or privacy layer."""
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -68,6 +69,29 @@ def test_defaults_are_shown_in_the_help_output(capsys: pytest.CaptureFixture[str
     assert "training epochs (default: 20)" in text
     assert "reported, well below 1/n for n training records (default: 1e-05)" in text
     assert "(default: 4)" in text  # --parties, said in words since it depends on the files
+
+
+@pytest.mark.parametrize("command", ["attack", "sweep"])
+def test_attack_and_sweep_offer_only_the_join_they_align_by(
+    capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    """Their help listed `--align {join,psi}`, and both refused `--align psi` (PSI is train's)."""
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    assert "--align {join} " in capsys.readouterr().out
+    run = [command, "--attack", "norm-scoring", "--method", "laser", "--dataset", "wine"]
+    with pytest.raises(SystemExit) as exit_info:
+        main([*run, "--align", "psi"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(
+        r"secure-vfl \w+: error: argument --align: invalid choice: 'psi' "
+        r"\(choose from '?join'?\)\n",
+        err,
+    ), err
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "--align {join,psi} " in capsys.readouterr().out
 
 
 def test_version_comes_from_the_package_metadata(capsys: pytest.CaptureFixture[str]) -> None:
