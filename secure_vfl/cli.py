@@ -1157,8 +1157,8 @@ def _train_config(args: argparse.Namespace, *, secure_sums: bool = False) -> Any
     given = [flag for flag, used in own_file_flags.items() if used]
     if given and not args.party_file:
         raise ConfigError(
-            f"{', '.join(given)} apply to --party-file (a registered dataset has its own "
-            "columns). Found a dataset instead."
+            f"{_flags_with_verb(given, 'applies', 'apply')} to --party-file (a registered "
+            "dataset has its own columns). Found a dataset instead."
         )
     train_missing = args.missing_train or f"mcar:{args.p_miss_train or 0.0:g}"
     tests = [f"mcar:{p:g}" for p in args.p_miss_test or []] + list(args.missing_test or [])
@@ -1207,7 +1207,7 @@ def _train_config(args: argparse.Namespace, *, secure_sums: bool = False) -> Any
     elif any(value is not None for value in latent_flags.values()):
         given = [flag for flag, value in latent_flags.items() if value is not None]
         raise ConfigError(
-            f"{' and '.join(given)} {'apply' if len(given) > 1 else 'applies'} to --method "
+            f"{_flags_with_verb(given, 'applies', 'apply', joined=' and ')} to --method "
             f"false-vfl-1 or false-vfl-2. Found --method {args.method}."
         )
     if args.standard_incomplete != "random" and args.method != "standard":
@@ -2022,8 +2022,9 @@ def _run_suite_command(args: argparse.Namespace, config: Any) -> int:
     )
     if given:
         raise ConfigError(
-            f"{' and '.join(given)} go with one --attack (a suite runs each attack with its own "
-            "parameters, each against its defenses); found them with --suite."
+            f"{_flags_with_verb(given, 'goes', 'go', joined=' and ')} with one --attack (a "
+            "suite runs each attack with its own parameters, each against its defenses); found "
+            "--suite."
         )
     if args.cache is not None:
         check_directory("--cache", args.cache)
@@ -2108,8 +2109,8 @@ def run_impute(args: argparse.Namespace) -> int:
     columns = _given(("--id-column", args.id_column), ("--label-column", args.label_column))
     if columns and args.dataset is not None:
         raise ConfigError(
-            f"{', '.join(columns)} apply to --client-file (a registered dataset has its own "
-            f"columns). Found --dataset {args.dataset}."
+            f"{_flags_with_verb(columns, 'applies', 'apply')} to --client-file (a registered "
+            f"dataset has its own columns). Found --dataset {args.dataset}."
         )
     from tqdm import tqdm
 
@@ -2264,7 +2265,7 @@ def _impute_config(args: argparse.Namespace) -> Any:
         ]
         if given:
             raise ConfigError(
-                f"{', '.join(given)} apply to the methods that train a model "
+                f"{_flags_with_verb(given, 'applies', 'apply')} to the methods that train a model "
                 f"({', '.join(RECONSTRUCTIONS.names())}). Found --method {args.method}."
             )
     return config
@@ -2445,11 +2446,12 @@ def run_predict(args: argparse.Namespace) -> int:
             "predict needs --party-file [PARTY=]PATH (one per party present), or --federation "
             "FED --name LABEL for a deployed model. Found neither."
         )
-    refused = _given(("--name", args.name), ("--capture", args.capture))
-    refused += ["--align psi"] if args.align == "psi" else []
-    refused += [f"--secure-agg {args.secure_agg}"] if args.secure_agg != "none" else []
-    if refused:
-        raise ConfigError(f"{', '.join(refused)} go with --federation; found no --federation.")
+    _refuse_deployment_flags(
+        args,
+        *_given(("--capture", args.capture)),
+        *(["--align psi"] if args.align == "psi" else []),
+        *([f"--secure-agg {args.secure_agg}"] if args.secure_agg != "none" else []),
+    )
     out: Path | None = args.out
     if out is not None:
         _check_prediction_out(out, args, [path for _, path in args.party_file])
@@ -2858,9 +2860,10 @@ def run_party_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _refuse_deployment_flags(args: argparse.Namespace) -> None:
-    """ConfigError for the deployment's flags (--name, --wait, --deadline, --insecure) in a run
-    without --federation, where they would be ignored."""
+def _refuse_deployment_flags(args: argparse.Namespace, *others: str) -> None:
+    """ConfigError for the deployment's flags (--name, --wait, --deadline, --insecure, and the
+    ``others`` given that the command takes only with --federation) in a run without
+    --federation, where they would be ignored."""
     given = _given(("--name", args.name))
     given += [
         flag
@@ -2868,15 +2871,23 @@ def _refuse_deployment_flags(args: argparse.Namespace) -> None:
         if value != NETWORK_SECONDS
     ]
     given += ["--insecure"] if args.insecure else []
+    given += others
     if given:
         raise ConfigError(
-            f"{', '.join(given)} go with --federation (a deployment); found no --federation."
+            f"{_flags_with_verb(given, 'goes', 'go')} with --federation (a deployment); found "
+            "no --federation."
         )
 
 
 def _given(*flags: tuple[str, object]) -> list[str]:
     """The names of the ``(flag, value)`` pairs whose value was given (is not None)."""
     return [flag for flag, value in flags if value is not None]
+
+
+def _flags_with_verb(flags: Sequence[str], one: str, several: str, *, joined: str = ", ") -> str:
+    """``flags`` joined, then the verb that agrees with how many they are (``--lr applies``,
+    ``--rounds, --lr apply``)."""
+    return f"{joined.join(flags)} {one if len(flags) == 1 else several}"
 
 
 def _refuse_deployed_flags(args: argparse.Namespace) -> None:

@@ -59,7 +59,7 @@ def test_bad_impute_flags_are_refused_and_nothing_is_written(
 @pytest.mark.parametrize(
     ("extra", "message"),
     [  # ignored before, even when they named a column the dataset does not have
-        (["--id-column", "key"], "--id-column apply to --client-file (a registered dataset"),
+        (["--id-column", "key"], "--id-column applies to --client-file (a registered dataset"),
         (["--id-column", "id", "--label-column", "label"], "--id-column, --label-column apply"),
     ],
 )

@@ -223,7 +223,7 @@ def test_party_names_given_are_shown_in_result_json_the_summary_runs_compare_and
     err = refused([*dataset, "--party-name", "a", "--id-column", "key"], capsys)
     assert "--party-name, --id-column apply to --party-file" in err
     err = refused([*dataset, "--label-column", "label"], capsys)  # even spelt as the default
-    assert "--label-column apply to --party-file" in err
+    assert "--label-column applies to --party-file" in err
 
 
 def test_impute_save_imputed_keeps_ids_and_order_and_feeds_train(

@@ -137,12 +137,12 @@ def test_deployment_flags_without_a_federation_are_refused(
     run = run or ["--method", "mean", "--dataset", "airquality"]
     argv = [command, *run, "--out", str(tmp_path / "o")]
     for flags, named in (
-        (["--name", "bank", "--insecure"], "--name, --insecure"),
-        (["--wait", "5"], "--wait"),
-        (["--deadline", "5"], "--deadline"),
+        (["--name", "bank", "--insecure"], "--name, --insecure go"),
+        (["--wait", "5"], "--wait goes"),
+        (["--deadline", "5"], "--deadline goes"),
     ):
         err = refused([*argv, *flags], capsys)
-        assert f"{named} go with --federation (a deployment); found no --federation" in err
+        assert f"{named} with --federation (a deployment); found no --federation" in err
     assert not (tmp_path / "o").exists()
 
 

@@ -745,8 +745,8 @@ def test_a_deployed_prediction_refuses_what_does_not_fit_before_any_contact(
         # Trained in one process, under other names: the federation's parties hold no part.
         ([*deployed, "--name", "bank"], "was trained by party-0, party-1"),
         (base, "predict needs --party-file"),
-        ([*base, "--party-file", new[0], "--name", "bank"], "--name go with --federation"),
-        ([*base, "--party-file", new[0], "--align", "psi"], "--align psi go with --federation"),
+        ([*base, "--party-file", new[0], "--name", "bank"], "--name goes with --federation"),
+        ([*base, "--party-file", new[0], "--align", "psi"], "--align psi goes with --federation"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv

@@ -402,6 +402,35 @@ def test_predict_refuses_an_out_in_the_model_or_on_its_input_and_writes_parquet(
     assert not (tmp_path / "p.xlsx").exists()
 
 
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--insecure"], "--insecure goes"),
+        (["--wait", "5", "--deadline", "5"], "--wait, --deadline go"),
+        (
+            ["--name", "bank", "--align", "psi", "--secure-agg", "masks"],
+            "--name, --align psi, --secure-agg masks go",
+        ),
+    ],
+)
+def test_predict_without_a_federation_refuses_its_flags_as_train_does(
+    files: Path,
+    laser: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    flags: list[str],
+    named: str,
+) -> None:
+    """--insecure, --wait and --deadline were ignored in one process, where `train` and
+    `impute` refuse them."""
+    out = tmp_path / "p.csv"
+    argv = ["predict", "--model", str(laser), "--party-file", str(files / "bank.csv")]
+    assert main([*argv, "--id-column", "customer", "--out", str(out), *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"{named} with --federation (a deployment); found no --federation." in err
+    assert err.count("\n") == 1 and not out.exists()
+
+
 def test_a_deployed_partys_part_not_copied_here_leaves_it_absent_and_its_file_refused(
     files: Path, copy: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

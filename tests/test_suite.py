@@ -159,8 +159,8 @@ def test_each_attack_is_played_by_its_own_attacker_unless_one_is_named() -> None
 @pytest.mark.parametrize(
     ("extra", "expected"),
     [
-        (["--control"], "--control go with one --attack"),
-        (["--attack-option", "known=2"], "--attack-option go with one --attack"),
+        (["--control"], "--control goes with one --attack"),
+        (["--attack-option", "known=2"], "--attack-option goes with one --attack"),
         # a typo was listed as "not applicable" and the suite exited 0
         (["--defense", "dp-gradient:1:0.01"], "a defense in (dp-gradients, "),
         (["--defense", "marvell:-1"], "marvell:SCALE with SCALE > 0"),
