@@ -297,7 +297,9 @@ class GradientReplacementBackdoor(Attack):
         if self.trigger_columns > width:
             raise ConfigError(
                 f"{self.name}: a trigger of {self.trigger_columns} columns in a block of "
-                f"{width} columns."
+                f"{width} column{'s' if width != 1 else ''}: {attacker}'s block is too narrow. "
+                f"Expected --attack-option trigger_columns=N with N <= {width}, or fewer "
+                "parties, so that each holds more columns."
             )
 
     def probes(self, context: AttackContext) -> dict[str, VerticalSplit]:

@@ -191,8 +191,9 @@ class TrainConfig:
             ]
             if given:
                 raise ConfigError(
-                    f"{', '.join(given)} apply to party files (a registered dataset has its own "
-                    f"columns). Found dataset {self.dataset!r}."
+                    f"{', '.join(given)} {'applies' if len(given) == 1 else 'apply'} to party "
+                    f"files (a registered dataset has its own columns). Found dataset "
+                    f"{self.dataset!r}."
                 )
         if self.missing_cells not in MISSING_POLICIES:
             raise ConfigError(
@@ -236,7 +237,8 @@ class TrainConfig:
         ]
         if given and self.dataset is not None:
             raise ConfigError(
-                f"{' and '.join(f'`{g}`' for g in given)} apply to party files (a registered "
+                f"{' and '.join(f'`{g}`' for g in given)} "
+                f"{'applies' if len(given) == 1 else 'apply'} to party files (a registered "
                 f"dataset keeps its own split). Found dataset {self.dataset!r}."
             )
         if len(given) == 2:

@@ -156,7 +156,11 @@ def test_norm_filter_refuses_false_vfl_before_any_work(monkeypatch: pytest.Monke
         ({"known": 0}, "at least 1 known target row"),
         ({"poison_fraction": 1.5}, r"`poison_fraction` must be in \(0, 1\)"),
         ({"gamma": -1.0}, "`gamma` must be a positive number"),
-        ({"trigger_columns": 8}, "a trigger of 8 columns in a block of 7"),
+        (
+            {"trigger_columns": 8},
+            "a trigger of 8 columns in a block of 7 columns: party-1's block is too narrow. "
+            "Expected --attack-option trigger_columns=N with N <= 7",
+        ),
         ({"trigger_value": float("inf")}, "trigger_value takes a finite number"),
         ({"swap": "sideways"}, "`swap` must be one of own, target, none"),
         ({"colour": 1}, r"takes the parameters \(target, known.*\)\. Found colour\."),

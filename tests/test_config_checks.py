@@ -44,7 +44,7 @@ WRONG: list[tuple[Any, dict[str, Any], str]] = [
     (_train, {"method_config": {"epochs": 1}}, "`method_config` must be a MethodConfig. Found"),
     (_train, {"train_missing": 0.5}, "`train_missing` must be a str. Found 0.5."),
     (_train, {"test_missing": "mcar:0"}, "`test_missing` must be a tuple of str. Found 'mcar"),
-    (_train, {"id_column": "x"}, "`id_column` apply to party files (a registered dataset"),
+    (_train, {"id_column": "x"}, "`id_column` applies to party files (a registered dataset"),
     (
         ImputeRunConfig,
         {"method": "mean", "dataset": "ozone", "label_column": "y"},

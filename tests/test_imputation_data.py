@@ -243,6 +243,15 @@ def test_bad_client_files_are_refused_with_file_and_column(tmp_path):
     text.write_text("id,age,city\n1,40,Oslo\n")
     with pytest.raises(DataError, match=r"text.csv: feature columns must be numeric.*\['city'\]"):
         read_client_files([text])
+    keyed = tmp_path / "keyed.csv"  # ids under another name: it said only "must be numeric"
+    keyed.write_text("customer,age\nc-1,40\nc-2,41\n")
+    with pytest.raises(
+        DataError,
+        match=r"\['customer'\] \('customer' holds 'c-1' at data row 1\) \(an empty cell is a "
+        r"missing value\); the file has no id column `id`: if 'customer' holds the ids, give "
+        r"--id-column customer\.",
+    ):
+        read_client_files([keyed])
     empty = tmp_path / "empty.csv"
     empty.write_text("age,bp\n")
     with pytest.raises(DataError, match=r"empty.csv must have at least one row. Found none"):

@@ -470,7 +470,7 @@ def test_held_out_rows_by_fraction_or_file_and_their_refusals(
         assert not (tmp_path / "refused").exists()
     argv = ["train", "--method", "laser", "--dataset", "breast-cancer", "--test-fraction", "0.3"]
     assert _exit_code([*argv, "--out", str(tmp_path / "dataset")]) == 2
-    assert "apply to party files" in capsys.readouterr().err
+    assert "`test_fraction` applies to party files" in capsys.readouterr().err
 
 
 def _exit_code(argv: list[str]) -> int:

@@ -234,16 +234,23 @@ def _check_feature_count(count: int, where: str) -> None:
         raise DataError(f"{where} must have at least 2 feature columns. Found {count}.")
 
 
-def _check_numeric(frame: pd.DataFrame, where: str) -> None:
-    """Refuse non-numeric columns, naming them and the first text cell of the first."""
+def _check_numeric(frame: pd.DataFrame, where: str, *, id_column: str | None = None) -> None:
+    """Refuse non-numeric columns, naming them and the first text cell of the first;
+    ``id_column``: the id column's name, which the file lacks (one of them may be its ids)."""
     bad = [str(c) for c in frame.columns if not pd.api.types.is_numeric_dtype(frame[c])]
     if bad:
         column = frame[bad[0]]
         text = column[column.notna() & pd.to_numeric(column, errors="coerce").isna()]
         first = f" ({bad[0]!r} holds {str(text.iloc[0])!r} at data row {text.index[0] + 1})"
+        hint = (
+            f"; the file has no id column `{id_column}`: if {bad[0]!r} holds the ids, give "
+            f"--id-column {bad[0]}"
+            if id_column is not None
+            else ""
+        )
         raise DataError(
             f"{where}: feature columns must be numeric. Found non-numeric "
-            f"{bad}{first if len(text) else ''} (an empty cell is a missing value)."
+            f"{bad}{first if len(text) else ''} (an empty cell is a missing value){hint}."
         )
 
 
@@ -495,8 +502,8 @@ def _read_client_frame(path: Path, id_column: str, label_column: str) -> _Client
     if features.shape[1] == 0:
         raise DataError(f"{path} must have at least one feature column. Found none.")
     booleans = feature_columns(features, path)
-    _check_numeric(features, str(path))
     has_ids = id_column in frame.columns
+    _check_numeric(features, str(path), id_column=None if has_ids else id_column)
     return _ClientSource(
         path=path,
         columns=tuple(str(c) for c in frame.columns),
