@@ -907,7 +907,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     predict.add_argument(
         "--out",
-        type=Path,
+        type=file_path,
         metavar="CSV",
         help="write the predictions here (default: print a summary)",
     )

@@ -400,6 +400,10 @@ def test_predict_refuses_an_out_in_the_model_or_on_its_input_and_writes_parquet(
     assert main([*argv, "--out", str(tmp_path / "p.xlsx")]) == 2  # it held CSV text
     assert "a .csv or .parquet file expected" in capsys.readouterr().err
     assert not (tmp_path / "p.xlsx").exists()
+    with pytest.raises(SystemExit):  # a folder meant: it wrote the file p.csv
+        main([*argv, "--out", str(tmp_path / "out.csv") + "/"])
+    assert "ends with a separator (a directory)" in capsys.readouterr().err
+    assert not (tmp_path / "out.csv").exists()
 
 
 @pytest.mark.parametrize(
