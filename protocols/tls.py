@@ -478,7 +478,8 @@ def check_federation(
     (default: every party with a certificate or a key there); an empty list when all is well.
     ConfigError if ``directory`` is not a directory or holds no party, or for a bad party name."""
     if not directory.is_dir():
-        raise ConfigError(f"a directory of certificates expected. Found no directory {directory}.")
+        found = "a file" if directory.exists() else "nothing"
+        raise ConfigError(f"a directory of certificates expected. Found {found} at {directory}.")
     now = now if now is not None else _now()
     everyone = federation_parties(directory)
     chosen = list(parties) if parties else everyone

@@ -549,3 +549,15 @@ def test_certs_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert main(["certs", "init", "--out", str(tmp_path / "x"), "--party", "Bank"]) == 2
     assert "lower-case letters" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_check_of_a_file_or_nothing_says_which(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A --dir that is a file said "Found no directory p0.csv", as if nothing were there."""
+    (tmp_path / "p0.csv").write_text("x\n")
+    assert main(["certs", "check", "--dir", str(tmp_path / "p0.csv")]) == 2
+    err = capsys.readouterr().err
+    assert f"a directory of certificates expected. Found a file at {tmp_path / 'p0.csv'}." in err
+    assert main(["certs", "check", "--dir", str(tmp_path / "none")]) == 2
+    assert "Found nothing at" in capsys.readouterr().err
