@@ -258,7 +258,10 @@ def run_sweep(
         raise ConfigError(f"--workers must be >= 1. Found {workers}.")
     base = privacy if privacy is not None else PrivacySpec(seed=config.seed)
     for setting in settings[1:]:  # e.g. a negative CLIP from the grid, or a misspelt name
-        parse_defenses([setting.defense], base)
+        try:
+            parse_defenses([setting.defense], base)
+        except ConfigError as error:  # say which setting the grid made
+            raise ConfigError(f"--defense setting {setting.defense!r}: {error}") from None
     made = make_attack(attack, {})
     made.check(config, prepare_data(config), attacker or made.default_attacker)
     jobs = [
