@@ -374,6 +374,19 @@ def test_ids_a_party_writes_otherwise_than_the_label_file_are_named_in_a_warning
     assert not read([plain, other])  # every id matched: nothing to say
 
 
+def _with_test_file(parties: list[Path], labels: Path, held: Path) -> Any:
+    """The party files' data with ``held`` as the test file, nothing missing."""
+    return vertical_from_party_files(
+        parties,
+        labels,
+        aligner=JoinAligner(),
+        train_missing=parse_mechanism("mcar:0"),
+        test_missing=[parse_mechanism("mcar:0")],
+        test_file=held,
+        rng=rng(0),
+    )
+
+
 def test_a_held_out_file_of_number_labels_matches_text_labels_beside_na(tmp_path):
     """Labels `0`, `1` and `NA` are text; a test file of `0` and `1` read them as numbers and
     was refused: 'held-out labels must be among the training classes ['0', '1', 'NA']'."""
@@ -384,15 +397,7 @@ def test_a_held_out_file_of_number_labels_matches_text_labels_beside_na(tmp_path
     party.write_text("id,a\n" + "".join(f"{i},{i % 7}\n" for i in range(120)))
     other = tmp_path / "other.csv"
     other.write_text("id,b\n" + "".join(f"{i},{i % 5}\n" for i in range(120)))
-    data = vertical_from_party_files(
-        [party, other],
-        labels,
-        aligner=JoinAligner(),
-        train_missing=parse_mechanism("mcar:0"),
-        test_missing=[parse_mechanism("mcar:0")],
-        test_file=held,
-        rng=rng(0),
-    )
+    data = _with_test_file([party, other], labels, held)
     assert data.classes == ("0", "1", "NA")
     assert sorted(set(data.tests["mcar:0"].labels.tolist())) == [0, 1]
 
@@ -405,23 +410,11 @@ def test_a_held_out_file_of_one_class_is_a_test_split_of_that_class(tmp_path):
     held.write_text("id,label\n" + "".join(f"{i},yes\n" for i in range(90, 110)))
     party = tmp_path / "party.csv"
     party.write_text("id,a\n" + "".join(f"{i},{i % 7}\n" for i in range(110)))
-
-    def read(label_file: Path, test_file: Path) -> Any:
-        return vertical_from_party_files(
-            [party],
-            label_file,
-            aligner=JoinAligner(),
-            train_missing=parse_mechanism("mcar:0"),
-            test_missing=[parse_mechanism("mcar:0")],
-            test_file=test_file,
-            rng=rng(0),
-        )
-
-    data = read(labels, held)
+    data = _with_test_file([party], labels, held)
     assert data.classes == ("no", "yes")
     assert data.tests["mcar:0"].labels.tolist() == [1] * 20
     with pytest.raises(DataError, match=r"a classifier needs at least 2 classes\. Found"):
-        read(held, labels)  # one class to train on is still refused
+        _with_test_file([party], held, labels)  # one class to train on is still refused
 
 
 def test_many_classes_too_small_for_both_splits_are_one_warning() -> None:
