@@ -1298,17 +1298,13 @@ def _check_output_dir(out: Path, marker: str, *, overwrite: bool, kind: str | No
 def _result_kind(path: Path) -> str | None:
     """The kind of run whose ``result.json`` is at ``path`` (``train``, ``attack``, ``impute``);
     None where there is none or it does not read as one (it is replaced like any file)."""
+    from secure_vfl.runs import result_kind
+
     try:
         payload = json.loads(path.read_bytes())
     except (OSError, ValueError):
         return None
-    if not isinstance(payload, dict):
-        return None
-    if "attack_name" in payload:
-        return "attack"
-    if "rmse" in payload:
-        return "impute"
-    return "train" if "epoch_loss" in payload else None
+    return result_kind(payload)
 
 
 def _check_output_file(path: Path, *, overwrite: bool) -> None:

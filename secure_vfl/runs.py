@@ -278,6 +278,18 @@ def _accuracy(metrics: dict[str, Any]) -> dict[str, float]:
     return accuracy
 
 
+def result_kind(payload: Any) -> str | None:
+    """The command whose ``result.json`` ``payload`` is (``train``, ``attack``, ``impute``), or
+    None where it is none of theirs."""
+    if not isinstance(payload, dict):
+        return None
+    if "attack_name" in payload or "training" in payload:
+        return "attack"
+    if "epoch_loss" in payload:
+        return "train"
+    return "impute" if "rmse" in payload else None
+
+
 def read_run(directory: Path) -> dict[str, Any]:
     """The ``result.json`` of a run directory; ConfigError if there is none or it is not a
     result of ``train``, ``attack`` or ``impute``."""
@@ -288,9 +300,7 @@ def read_run(directory: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"{directory} holds no result.json; expected a run directory.")
     payload = parse_json(path.read_bytes(), str(path), error=ConfigError)
-    if not isinstance(payload, dict) or not any(
-        key in payload for key in ("training", "epoch_loss", "rmse")
-    ):
+    if result_kind(payload) is None:
         raise ConfigError(
             f"{path} is not the result of a run (train, attack or impute); expected one."
         )
@@ -301,9 +311,8 @@ def summarise_run(directory: Path) -> RunSummary:
     """The summary of the run in ``directory`` (:func:`read_run`, :func:`summarise`);
     ConfigError naming its ``result.json`` and the field that does not read."""
     payload = read_run(directory)
-    imputation = "rmse" in payload and "epoch_loss" not in payload
-    try:
-        return summarise(payload, kind="impute" if imputation else "train")
+    try:  # an attack's kind is its payload's (summarise reads its attack's name there)
+        return summarise(payload, kind="impute" if result_kind(payload) == "impute" else "train")
     except ConfigError as error:
         raise ConfigError(f"{Path(directory) / 'result.json'}: {error}") from None
 
