@@ -40,6 +40,17 @@ def integer(name: str, value: object, *, low: int | None = None) -> int:
     return number
 
 
+SEED_LIMIT = 2**32  # what every generator takes, and well inside a results store's integers
+
+
+def seed(name: str, value: object) -> int:
+    """``value`` as an int, if it is an integer seed in [0, 2**32) (the command line's range)."""
+    number = integer(name, value, low=0)
+    if number >= SEED_LIMIT:
+        raise ConfigError(f"`{name}` must be an integer seed in [0, 2**32). Found {number}.")
+    return number
+
+
 def real(
     name: str,
     value: object,

@@ -105,7 +105,7 @@ def _number(
 
 positive_int = _number(int, "a positive integer", lambda v: v >= 1)
 non_negative_int = _number(int, "a non-negative integer", lambda v: v >= 0)
-SEED_LIMIT = 2**32  # what every generator takes, and well inside a results store's integers
+SEED_LIMIT = 2**32  # checks.SEED_LIMIT (spelt out: this module imports no numpy on start)
 seed = _number(int, "an integer seed in [0, 2**32)", lambda v: 0 <= v < SEED_LIMIT)
 probability = _number(float, "a probability in [0, 1)", lambda v: 0 <= v < 1)
 positive_float = _number(float, "a positive finite number", lambda v: v > 0)

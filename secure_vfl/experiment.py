@@ -48,6 +48,8 @@ from secure_vfl.methods.imputation.evaluation import evaluate as evaluate_impute
 from secure_vfl.methods.imputation.statistics import FeatureScaleError
 from secure_vfl.metrics import accuracy, f1
 
+DEFAULT_PARTIES = 4  # how many parties a registered dataset is split among unless told
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
@@ -72,7 +74,7 @@ class TrainConfig:
     label_file: Path | None = None
     test_file: Path | None = None
     test_fraction: float | None = None
-    parties: int = 4
+    parties: int = DEFAULT_PARTIES  # with party files: the number of files
     train_missing: str = "mcar:0"
     test_missing: tuple[str, ...] = ("mcar:0",)
     align: str = "join"
@@ -153,14 +155,23 @@ class TrainConfig:
         checks.text("method", self.method)
         if self.dataset is not None:
             checks.text("dataset", self.dataset)
+        files = checks.paths("party_files", self.party_files)
+        parties = checks.integer("parties", self.parties)
         values: dict[str, object] = {
-            "party_files": checks.paths("party_files", self.party_files),
-            "parties": checks.integer("parties", self.parties),
-            "seed": checks.integer("seed", self.seed, low=0),
+            "party_files": files,
+            "parties": parties,
+            "seed": checks.seed("seed", self.seed),
             "test_missing": checks.texts("test_missing", self.test_missing),
             "party_names": checks.texts("party_names", self.party_names),
             "aligned_labeled": checks.integer("aligned_labeled", self.aligned_labeled, low=0),
         }
+        if files and parties != len(files):  # one party per file: the default means theirs
+            if parties != DEFAULT_PARTIES:
+                raise ConfigError(
+                    f"`parties` {parties} contradicts the {len(files)} party files (one party "
+                    f"per file); expected {len(files)} or the default."
+                )
+            values["parties"] = len(files)
         for name in ("label_file", "test_file"):
             if getattr(self, name) is not None:
                 values[name] = checks.path(name, getattr(self, name))
@@ -722,7 +733,7 @@ class ImputeRunConfig:
                 "availability": checks.real(
                     "availability", self.availability, low=0, high=1, low_open=True
                 ),
-                "seed": checks.integer("seed", self.seed, low=0),
+                "seed": checks.seed("seed", self.seed),
             },
         )
         checks.instance("impute_config", self.impute_config, ImputeConfig)

@@ -45,6 +45,17 @@ WRONG: list[tuple[Any, dict[str, Any], str]] = [
     (_train, {"train_missing": 0.5}, "`train_missing` must be a str. Found 0.5."),
     (_train, {"test_missing": "mcar:0"}, "`test_missing` must be a tuple of str. Found 'mcar"),
     (_train, {"id_column": "x"}, "`id_column` applies to party files (a registered dataset"),
+    # accepted, then an overflow deep in the run (the command line refused it)
+    (
+        _train,
+        {"seed": 2**70},
+        "`seed` must be an integer seed in [0, 2**32). Found 1180591620717411303424.",
+    ),
+    (
+        ImputeRunConfig,
+        {"method": "mean", "dataset": "ozone", "seed": 2**32},
+        "`seed` must be an integer seed in [0, 2**32). Found 4294967296.",
+    ),
     (
         ImputeRunConfig,
         {"method": "mean", "dataset": "ozone", "label_column": "y"},
@@ -161,3 +172,21 @@ def test_a_missingness_refusal_names_its_field() -> None:
         _train(train_missing="mcar:1")
     with pytest.raises(ConfigError, match="`test_missing` 'mnar:2': "):
         _train(test_missing=("mcar:0", "mnar:2"))
+
+
+def test_the_command_lines_seed_range_is_the_configs() -> None:
+    from secure_vfl import checks, cli
+
+    assert cli.SEED_LIMIT == checks.SEED_LIMIT
+
+
+def test_a_config_of_party_files_has_one_party_per_file() -> None:
+    """`TrainConfig(parties=7)` of 3 files ran 3 parties and recorded 7 (the default, 4, too)."""
+    files: dict[str, Any] = {
+        "party_files": (Path("a.csv"), Path("b.csv"), Path("c.csv")),
+        "label_file": Path("l.csv"),
+    }
+    assert TrainConfig(method="laser", **files).parties == 3
+    assert TrainConfig(method="laser", parties=3, **files).parties == 3
+    with pytest.raises(ConfigError, match=r"`parties` 7 contradicts the 3 party files"):
+        TrainConfig(method="laser", parties=7, **files)
