@@ -96,6 +96,15 @@ def make_attack(name: str, options: Mapping[str, float | str]) -> Attack:
         ) from None
 
 
+def check_attack_arguments(config: object, privacy: object) -> None:
+    """ConfigError unless ``config`` is a TrainConfig and ``privacy`` a PrivacySpec or None
+    (an attack makes its own engine: its defenses join the spec)."""
+    checks.instance("config", config, TrainConfig)
+    if privacy is not None:
+        hint = " (an attack adds its defenses to the spec; run_training takes the engine)"
+        checks.instance("privacy", privacy, PrivacySpec, hint)
+
+
 def attack_parameters(name: str, options: Mapping[str, float | str]) -> dict[str, Any]:
     """Every parameter of the attack ``name`` made with ``options``: its value, or its default
     where not given (as JSON: a value that is not a number, text, a bool or None as its text)."""
@@ -275,6 +284,9 @@ def run_attack(
     attack and the defended model. ``control`` runs the negative control (the attacker's signal
     destroyed). ``cache`` keeps MP* between runs. The federation also predicts the attack's
     probe splits (:meth:`Attack.probes`), after the test splits, for its scoring."""
+    check_attack_arguments(config, privacy)
+    if options is not None:
+        checks.instance("options", options, Mapping, " of parameter names to values")
     made = make_attack(attack, options or {})
     attacker = attacker if attacker is not None else made.default_attacker
     base = privacy if privacy is not None else PrivacySpec(seed=config.seed)

@@ -27,6 +27,7 @@ from typing import Any
 
 from attacks.base import ATTACKS
 from protocols.privacy import PrivacySpec
+from secure_vfl import checks
 from secure_vfl.errors import ConfigError, DivergenceError
 from secure_vfl.experiment import TrainConfig, prepare_data
 from secure_vfl.io import atomic_write, atomic_write_json, atomic_write_text
@@ -248,9 +249,20 @@ def run_sweep(
     ends (in order, with the process executor; all at the end with Ray). An unknown attack, one
     that does not apply to ``config`` or a malformed setting is refused (ConfigError) before
     anything runs; a defense that does not apply to the task is a failed row with why."""
-    from attacks.runner import make_attack, parse_defenses
+    from attacks.runner import check_attack_arguments, make_attack, parse_defenses
 
-    if seeds < 1:
+    check_attack_arguments(config, privacy)
+    if isinstance(templates, str) or not isinstance(templates, Sequence):
+        raise ConfigError(
+            f"`templates` must be a list of defense templates. Found {type(templates).__name__}."
+        )
+    checks.instance("grid", grid, Mapping, " of placeholder names to value lists")
+    for name, values in grid.items():
+        if isinstance(values, str) or not isinstance(values, Sequence):
+            raise ConfigError(
+                f"`grid` {name!r}: a list of values expected. Found {type(values).__name__}."
+            )
+    if checks.integer("seeds", seeds) < 1:
         raise ConfigError(f"--seeds must be >= 1. Found {seeds}.")
     settings = expand(templates, grid)
     workers = workers if workers is not None else max(1, min(os.cpu_count() or 1, 4))

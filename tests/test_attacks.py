@@ -450,3 +450,32 @@ def test_an_attack_on_party_files_speaks_of_the_parties_by_their_names(
     assert row["parties"] == {"party-0": "bank", "party-1": "shop"}
     assert main([*argv, "--attacker", "party-1", "--out", str(tmp_path / "again")]) == 0
     assert json.loads((tmp_path / "again" / "result.json").read_text())["attacker"] == "shop"
+
+
+def test_run_attack_and_run_sweep_refuse_arguments_of_the_wrong_kind() -> None:
+    """Each failed deep inside with an AttributeError or a TypeError (a PrivacyEngine where the
+    spec goes, a dict, None), or split a template string into characters."""
+    from attacks.sweep import run_sweep
+    from protocols.privacy import PrivacyEngine
+
+    config = TrainConfig(method="laser", dataset="iris", parties=2)
+    engine = PrivacyEngine(PrivacySpec(dp_gradients=(1.0, 0.01)))
+    wrong: list[tuple[dict[str, Any], str]] = [
+        ({"privacy": engine}, "`privacy` must be a PrivacySpec (an attack adds its defenses"),
+        ({"privacy": {"secure_agg": "masks"}}, "`privacy` must be a PrivacySpec"),
+        ({"options": [("known", 1)]}, "`options` must be a Mapping of parameter names"),
+    ]
+    for arguments, message in wrong:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            run_attack(config, "norm-scoring", **arguments)
+    with pytest.raises(ConfigError, match=re.escape("`config` must be a TrainConfig. Found")):
+        run_attack(None, "norm-scoring")  # type: ignore[arg-type]
+    sweep: dict[str, Any] = {"templates": ["marvell:SCALE"], "grid": {"SCALE": (2.0,)}}
+    for changes, message in [
+        ({"privacy": engine}, "`privacy` must be a PrivacySpec"),
+        ({"templates": "marvell:SCALE"}, "`templates` must be a list of defense templates"),
+        ({"grid": {"SCALE": 2.0}}, "`grid` 'SCALE': a list of values expected. Found float."),
+        ({"seeds": "2"}, "`seeds` must be an integer. Found '2'."),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            run_sweep(config, "norm-scoring", **{**sweep, **changes})
