@@ -37,7 +37,7 @@ from protocols.psi import (
     mask_points,
     run_psi,
 )
-from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError, RegistryError
+from secure_vfl.errors import ConfigError, DataError, IntegrityError, ProtocolError, RegistryError
 from secure_vfl.federation.alignment import JoinAligner
 from secure_vfl.federation.channel import (
     Channel,
@@ -763,3 +763,14 @@ def test_psi_roles_refuse_unknown_names_parties_and_sides() -> None:
         ConfigError, match=r"requester of a PSI run plays a PsiRequester .* DataParty"
     ):
         run_psi(ids, ids, workers=1, roles={"requester": "data-party"})
+
+
+def test_run_psi_refuses_text_no_ids_and_repeated_ids_first() -> None:
+    """`run_psi("abc", "bcd")` matched characters (size 2), `run_psi([], ...)` failed inside
+    numpy, and one's own repeated id was reported as a peer's tampering (IntegrityError)."""
+    with pytest.raises(ConfigError, match=r"a list \(or array\) of ids expected\. Found str: each"):
+        run_psi("abc", ["b"], workers=1)  # type: ignore[arg-type]
+    with pytest.raises(DataError, match=r"requester.s ids: at least one id expected\. Found none"):
+        run_psi([], ["a"], workers=1)
+    with pytest.raises(DataError, match=r"responder's ids: distinct ids expected .* 1 repeats"):
+        run_psi(["a"], np.array(["a", "b", "a"]), workers=1)

@@ -33,6 +33,7 @@ from protocols.psi.roles import (
     RequesterSession,
     ResponderSession,
     check_chunk_size,
+    check_ids,
     default_rng,
 )
 from protocols.psi_kernel import CHUNK, Ids, ScalarPool
@@ -60,7 +61,7 @@ class _PsiParty(Party):
         progress: Callable[[int], object] | None,
     ) -> None:
         super().__init__(name)
-        self.ids = ids
+        self.ids = check_ids(ids, f"{name}'s ids")
         self.chunk_size = check_chunk_size(chunk_size)
         self._rng = rng if rng is not None else default_rng()
         self._workers = workers

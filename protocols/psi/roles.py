@@ -32,7 +32,7 @@ channel keeps every message (64·N_A + 32·N_B bytes).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,7 +58,7 @@ from protocols.psi_kernel import (
     fresh_key,
     position_dtype,
 )
-from secure_vfl.errors import ConfigError, ProtocolError
+from secure_vfl.errors import ConfigError, DataError, ProtocolError
 from secure_vfl.federation.messages import check_header
 
 LOOKUP_BLOCK = 1 << 16
@@ -115,6 +115,28 @@ def check_chunk_size(chunk_size: int) -> int:
     return chunk_size
 
 
+def check_ids(ids: Ids, who: str) -> Ids:
+    """``ids`` if they are a sequence (or 1-d array) of distinct ids, at least one: ConfigError
+    for text or bytes (each character would be an id), DataError for none or a repeated one
+    (PSI matches sets; a peer's repeats are refused as tampering, one's own are a mistake)."""
+    if isinstance(ids, str | bytes) or not isinstance(ids, Sequence | np.ndarray):
+        raise ConfigError(
+            f"{who}: a list (or array) of ids expected. Found {type(ids).__name__}"
+            + (": each character would be an id." if isinstance(ids, str | bytes) else ".")
+        )
+    if len(ids) == 0:
+        raise DataError(f"{who}: at least one id expected. Found none.")
+    try:
+        distinct = len(set(ids.tolist() if isinstance(ids, np.ndarray) else ids))
+    except TypeError as error:  # e.g. a list among the ids
+        raise ConfigError(f"{who}: ids of text or numbers expected ({error}).") from None
+    if distinct != len(ids):
+        raise DataError(
+            f"{who}: distinct ids expected (PSI matches sets). Found {len(ids) - distinct} repeats."
+        )
+    return ids
+
+
 class _Session:
     """What both roles share: ids, key, session, chunking and the scalar-multiplication pool."""
 
@@ -132,7 +154,7 @@ class _Session:
         chunk_size: int = CHUNK,
         progress: Callable[[int], object] | None = None,
     ) -> None:
-        self.ids = ids
+        self.ids = check_ids(ids, f"{name}'s ids")
         self.name = name
         self.peer = peer
         self.session_id = session_id
