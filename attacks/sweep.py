@@ -135,9 +135,18 @@ def _run_point(job: dict[str, Any]) -> dict[str, Any]:
     process pool can call it)."""
     import torch
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the caller's count again after the run (one worker: its process)
+    try:
+        return _attack_row(job)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _attack_row(job: dict[str, Any]) -> dict[str, Any]:
+    """The row of one run of :func:`_run_point`."""
     from attacks.runner import run_attack
 
-    torch.set_num_threads(1)
     setting: Setting = job["setting"]
     config: TrainConfig = job["config"]
     row: dict[str, Any] = {

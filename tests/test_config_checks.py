@@ -190,3 +190,10 @@ def test_a_config_of_party_files_has_one_party_per_file() -> None:
     assert TrainConfig(method="laser", parties=3, **files).parties == 3
     with pytest.raises(ConfigError, match=r"`parties` 7 contradicts the 3 party files"):
         TrainConfig(method="laser", parties=7, **files)
+
+
+def test_every_config_object_is_exported_beside_method_config() -> None:
+    """`from secure_vfl.methods import FalseVflConfig` failed (the README lists it there)."""
+    from secure_vfl import methods
+
+    assert methods.FalseVflConfig is FalseVflConfig and methods.MethodConfig is MethodConfig

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import LABEL_LEAK_RUN
 
 from attacks.sweep import expand, parse_grid, run_sweep, summarise, write_sweep
@@ -96,7 +97,13 @@ def test_a_sweep_in_worker_processes_equals_one_in_this_process(tmp_path: Path) 
         "cache": tmp_path / "cache",
     }
     parallel = run_sweep(_config(), "direct-label-inference", workers=2, **kwargs)
-    serial = run_sweep(_config(), "direct-label-inference", workers=1, **kwargs)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:  # one worker runs in this process: it left torch at one thread
+        serial = run_sweep(_config(), "direct-label-inference", workers=1, **kwargs)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
     assert [r["defense"] for r in parallel] == ["none", "dp-gradients:3:0.01"]
     # the seed fixes everything but the DP noise (drawn fresh from the OS in every run): the
     # undefended runs are the same wherever they run, the defended ones equally private

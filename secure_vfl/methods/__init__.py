@@ -2,6 +2,7 @@
 
 from secure_vfl.methods import baselines, false_vfl, laser
 from secure_vfl.methods.base import METHODS, PARTY_MODELS, Method, MethodConfig
+from secure_vfl.methods.false_vfl import FalseVflConfig
 
 ONE_HEAD_METHODS = ("standard", "plugvfl", "false-vfl-1", "false-vfl-2")
 """The methods whose only head is the label party's, whatever ``MethodConfig.heads`` says."""
@@ -14,6 +15,7 @@ __all__ = [
     "METHODS",
     "ONE_HEAD_METHODS",
     "PARTY_MODELS",
+    "FalseVflConfig",
     "Method",
     "MethodConfig",
     "baselines",
