@@ -347,16 +347,21 @@ def aligned_generator(seed: int) -> np.random.Generator:
 
 def check_data(config: TrainConfig, data: VerticalData) -> None:
     """ConfigError unless ``data``, given to a run of ``config``, is the data ``config``
-    describes, as far as it shows: the number of parties and the test splits, among which
-    ``data`` may hold more (an auditor's probes), since the run's result records ``config`` and
-    scores every split of ``data``. (Its name is not compared: tests and benchmarks train a
-    config on data of the same shape made for them.)"""
+    describes, as far as it shows: the number of parties, the test splits, among which
+    ``data`` may hold more (an auditor's probes), and the dataset where ``data`` is a registered
+    one's, since the run's result records ``config`` and scores every split of ``data``.
+    (Another name, and the training missingness, are not compared: tests and benchmarks train
+    a config on data of the same shape made for them.)"""
+    from secure_vfl.data.datasets import DATASETS
+
     parties = config.parties if config.dataset is not None else len(config.party_files)
     tests = [parse_mechanism(text).label for text in config.test_missing]
     aligned = 0 if data.aligned_rows is None else data.aligned_rows.size
+    registered = config.dataset is not None and data.name in DATASETS.names()
     wrong = [
         f"{what} {expected} expected, found {found}"
         for what, expected, found, agree in (
+            ("dataset", config.dataset, data.name, not registered or data.name == config.dataset),
             ("parties", parties, data.parties, parties == data.parties),
             ("test splits", tests, list(data.tests), set(tests) <= set(data.tests)),
             (

@@ -197,3 +197,14 @@ def test_every_config_object_is_exported_beside_method_config() -> None:
     from secure_vfl import methods
 
     assert methods.FalseVflConfig is FalseVflConfig and methods.MethodConfig is MethodConfig
+
+
+def test_a_registered_datasets_data_is_refused_under_a_config_of_another() -> None:
+    """An iris config trained on wine's data, and its result said iris."""
+    from secure_vfl.experiment import check_data, prepare_data
+
+    wine = TrainConfig(method="laser", dataset="wine", parties=2)
+    data = prepare_data(wine)
+    check_data(wine, data)
+    with pytest.raises(ConfigError, match="dataset iris expected, found wine"):
+        check_data(TrainConfig(method="laser", dataset="iris", parties=2), data)
