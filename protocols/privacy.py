@@ -361,6 +361,13 @@ class PrivacyEngine:
                 "backend can hide exactly when the spec names one (masks, paillier or ckks). "
                 "Found them disagreeing."
             )
+        if (config.method_config.release == "dp") != (self.spec.release == "dp"):
+            raise ConfigError(  # else the method plans rows that no party can noise, or none
+                f"the privacy spec's release={self.spec.release!r} and the method's "
+                f"release={config.method_config.release!r} must agree (the method plans the "
+                "exposed rows, the parties noise them): PrivacySpec(release=...) and "
+                "MethodConfig(release=...), as --release sets both."
+            )
         if self.spec.dp_statistics is not None:
             raise ConfigError(
                 "--dp-statistics protects the statistics of an imputation run (run_imputation); "

@@ -288,6 +288,16 @@ def test_bad_release_specs_are_refused(spec: dict[str, Any], message: str) -> No
         PrivacyEngine(PrivacySpec(**spec))  # the engine refuses a whole run without them
 
 
+def test_a_spec_and_a_method_config_that_disagree_on_the_release_are_refused_first() -> None:
+    """A spec of release drop under a method of release dp trained until a party was asked
+    for a DP release it had no mechanism for; the other way round was refused first."""
+    plain = PrivacyEngine(PrivacySpec(secure_agg="masks"))
+    noisy = PrivacyEngine(PrivacySpec(secure_agg="masks", release="dp", release_noise=(1, 1)))
+    for engine, config in ((plain, _config("dp")), (noisy, _config("drop"))):
+        with pytest.raises(ConfigError, match=r"release=.* and the method.s release=.* must agree"):
+            engine.refuse(config)
+
+
 def test_release_dp_needs_secure_sums_and_the_single_label_party() -> None:
     with pytest.raises(ConfigError, match="needs secure sums and the single label party"):
         MethodConfig(heads="active", release="dp")
