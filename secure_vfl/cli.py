@@ -2243,6 +2243,7 @@ def _impute_config(args: argparse.Namespace) -> Any:
     """The FedAvg and training options of ``impute``'s flags; ConfigError for any of them
     given to a method that trains no model (mean, knn, mice, fed-mean), which would ignore it."""
     from secure_vfl.methods.imputation import ImputeConfig
+    from secure_vfl.methods.imputation.base import changed_training_fields
     from secure_vfl.methods.imputation.fedhf import RECONSTRUCTIONS
 
     config = ImputeConfig(
@@ -2253,12 +2254,7 @@ def _impute_config(args: argparse.Namespace) -> Any:
         lr=args.lr,
     )
     if args.method not in RECONSTRUCTIONS.names():
-        default = ImputeConfig()
-        given = [
-            f"--{name.replace('_', '-')}"
-            for name in ("rounds", "client_fraction", "local_epochs", "batch_size", "lr")
-            if getattr(config, name) != getattr(default, name)
-        ]
+        given = [f"--{name.replace('_', '-')}" for name in changed_training_fields(config)]
         if given:
             raise ConfigError(
                 f"{_flags_with_verb(given, 'applies', 'apply')} to the methods that train a model "

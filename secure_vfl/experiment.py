@@ -45,6 +45,7 @@ from secure_vfl.methods.imputation import (
 )
 from secure_vfl.methods.imputation.evaluation import check_scorable
 from secure_vfl.methods.imputation.evaluation import evaluate as evaluate_imputer
+from secure_vfl.methods.imputation.fedhf import RECONSTRUCTIONS
 from secure_vfl.methods.imputation.statistics import FeatureScaleError
 from secure_vfl.metrics import accuracy, f1
 
@@ -771,6 +772,13 @@ class ImputeRunConfig:
     def data_name(self) -> str:
         return self.dataset if self.dataset is not None else "client-files"
 
+    @property
+    def trains(self) -> bool:
+        """Whether the method trains a model (FedHF and its neural baselines): it alone uses
+        the training settings of ``impute_config`` (rounds, local epochs, ...), which the
+        others ignore (one config may serve every method, as in ``benchmarks/fedhf_table.py``)."""
+        return self.method in RECONSTRUCTIONS.names()
+
     def to_json(self) -> dict[str, Any]:
         payload = asdict(self)
         payload["client_files"] = [str(p) for p in self.client_files]
@@ -937,7 +945,9 @@ def run_imputation(
         aggregator=type(aggregator).__name__,
         privacy=privacy.report() if privacy is not None else None,
         traffic=traffic_report(
-            aggregator, train_steps=config.impute_config.rounds, channel=channel
+            aggregator,
+            train_steps=config.impute_config.rounds if config.trains else 1,
+            channel=channel,
         ),
     )
     return result, imputer

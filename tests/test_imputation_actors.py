@@ -483,3 +483,24 @@ def test_an_imputation_client_is_replaceable_by_a_registered_role() -> None:
     for bad, expected in ((SERVER, "keeps its role"), ("nobody", "roles can replace")):
         with pytest.raises(ConfigError, match=expected):
             IMPUTERS.get("fed-dae")(task, TINY, seed=0, roles={bad: "test-curious-client"})
+
+
+def test_a_method_that_trains_nothing_reports_its_traffic_as_one_step_whatever_the_rounds() -> None:
+    """fed-mean's one exchange was divided by the config's rounds, which it ignores: the same
+    bytes read 561.5 a step with rounds=2 and 37.4 with the default 30."""
+    traffic = []
+    for rounds in (2, 30):
+        config = ImputeRunConfig(
+            method="fed-mean", dataset="synthetic", impute_config=ImputeConfig(rounds=rounds)
+        )
+        result, _ = run_imputation(config, task=synthetic_task(seed=0))
+        traffic.append(result.traffic)
+    timed = ("aggregation_s", "protection_s")  # the rest is counted, not timed
+    assert [{k: v for k, v in t.items() if k not in timed} for t in traffic[1:]] == [
+        {k: v for k, v in traffic[0].items() if k not in timed}
+    ]
+    assert traffic[0]["train_steps"] == 1
+    assert traffic[0]["bytes_per_step"] and all(
+        value == traffic[0]["bytes"][name]["train"]
+        for name, value in traffic[0]["bytes_per_step"].items()
+    )

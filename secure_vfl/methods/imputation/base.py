@@ -62,6 +62,16 @@ class ImputeConfig:
         checks.store(self, values)
 
 
+TRAINING_FIELDS = ("rounds", "client_fraction", "local_epochs", "batch_size", "lr")
+"""The settings of :class:`ImputeConfig` that only the methods that train a model use."""
+
+
+def changed_training_fields(config: ImputeConfig) -> list[str]:
+    """Those of :data:`TRAINING_FIELDS` that ``config`` sets to other than the defaults."""
+    default = ImputeConfig()
+    return [name for name in TRAINING_FIELDS if getattr(config, name) != getattr(default, name)]
+
+
 class Imputer(Protocol):
     """A fitted-on-training-rows imputer that fills one client's rows by the rule of eq. 7."""
 
