@@ -642,7 +642,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _training_flags(
         attack,
-        out="runs/attack-NAME-METHOD-DATASET, or runs/suite-METHOD-DATASET",
+        out="runs/attack-NAME[-control]-METHOD-DATASET-sSEED, or runs/suite-METHOD-DATASET",
         writes="DIR/result.json (DIR/suite.json with --suite, and the suite's stored runs)",
         capture=False,
         psi=False,
@@ -1866,7 +1866,10 @@ def run_attack_command(args: argparse.Namespace) -> int:
     if args.suite is not None:
         return _run_suite_command(args, config)
     name = args.attack
-    out: Path = args.out or Path("runs") / f"attack-{name}-{config.method}-{config.data_name}"
+    control = "-control" if args.control else ""  # beside the attack, not over it
+    out: Path = args.out or Path("runs") / (
+        f"attack-{name}{control}-{config.method}-{config.data_name}-s{config.seed}"
+    )
     _check_output_dir(out, "result.json", overwrite=args.overwrite, kind="attack")
     if args.cache is not None:  # before the training, whose reference it would keep
         check_directory("--cache", args.cache)

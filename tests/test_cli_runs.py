@@ -617,3 +617,22 @@ def test_compare_takes_an_imputation_run_as_list_does(
     assert "RMSE" in header.split() and f"{rmse:.4f}" in row.split()
     assert main(["runs", "list", "--store", str(tmp_path / "results.sqlite")]) == 0
     assert f"{rmse:.4f}" in capsys.readouterr().out
+
+
+def test_an_attacks_default_out_tells_seeds_and_its_control_apart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A second seed, or the negative control, of an attack was refused by default: its
+    `--out` (runs/attack-NAME-METHOD-DATASET) held the first run."""
+    monkeypatch.chdir(tmp_path)
+    argv = ["attack", "--attack", "gradient-replacement-backdoor", "--method", "laser"]
+    argv += ["--dataset", "breast-cancer", "--heads", "active", "--epochs", "1", "--quiet"]
+    for extra in ([], ["--seed", "1"], ["--control"]):
+        assert main([*argv, *extra]) == 0, capsys.readouterr().err
+    made = sorted(path.name for path in (tmp_path / "runs").iterdir() if path.is_dir())
+    stem = "gradient-replacement-backdoor"
+    assert [name for name in made if name.startswith("attack-")] == [
+        f"attack-{stem}-control-laser-breast-cancer-s0",
+        f"attack-{stem}-laser-breast-cancer-s0",
+        f"attack-{stem}-laser-breast-cancer-s1",
+    ]
