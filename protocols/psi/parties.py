@@ -33,7 +33,6 @@ from protocols.psi.roles import (
     RequesterSession,
     ResponderSession,
     check_chunk_size,
-    check_ids,
     default_rng,
 )
 from protocols.psi_kernel import CHUNK, Ids, ScalarPool
@@ -61,7 +60,7 @@ class _PsiParty(Party):
         progress: Callable[[int], object] | None,
     ) -> None:
         super().__init__(name)
-        self.ids = check_ids(ids, f"{name}'s ids")
+        self.ids = ids  # checked by each session made from them, before any message
         self.chunk_size = check_chunk_size(chunk_size)
         self._rng = rng if rng is not None else default_rng()
         self._workers = workers
