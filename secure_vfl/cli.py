@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -642,7 +643,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _training_flags(
         attack,
-        out="runs/attack-NAME[-control]-METHOD-DATASET-sSEED, or runs/suite-METHOD-DATASET",
+        out="runs/attack-NAME[-control]-METHOD-DATASET-sSEED[-DEFENSE...], or "
+        "runs/suite-METHOD-DATASET",
         writes="DIR/result.json (DIR/suite.json with --suite, and the suite's stored runs)",
         capture=False,
         psi=False,
@@ -1852,6 +1854,13 @@ def _privacy_settings(args: argparse.Namespace) -> dict[str, Any]:
     return dict(json.loads(json.dumps(settings, default=str)))
 
 
+def _path_part(text: str) -> str:
+    """``text`` as part of a directory name: ``dp-gradients:1:0.01`` -> ``dp-gradients-1-0.01``
+    (a separator or any other character outside letters, digits, ``.``, ``_`` and ``-`` is a
+    ``-``)."""
+    return re.sub(r"[^A-Za-z0-9._-]", "-", text)
+
+
 def run_attack_command(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
@@ -1869,6 +1878,7 @@ def run_attack_command(args: argparse.Namespace) -> int:
     control = "-control" if args.control else ""  # beside the attack, not over it
     out: Path = args.out or Path("runs") / (
         f"attack-{name}{control}-{config.method}-{config.data_name}-s{config.seed}"
+        + "".join(f"-{_path_part(defense)}" for defense in args.defense)
     )
     _check_output_dir(out, "result.json", overwrite=args.overwrite, kind="attack")
     if args.cache is not None:  # before the training, whose reference it would keep

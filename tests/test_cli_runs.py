@@ -619,20 +619,22 @@ def test_compare_takes_an_imputation_run_as_list_does(
     assert f"{rmse:.4f}" in capsys.readouterr().out
 
 
-def test_an_attacks_default_out_tells_seeds_and_its_control_apart(
+def test_an_attacks_default_out_tells_seeds_its_control_and_defenses_apart(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A second seed, or the negative control, of an attack was refused by default: its
-    `--out` (runs/attack-NAME-METHOD-DATASET) held the first run."""
+    """A second seed, the negative control, or the same attack under a defense was refused by
+    default: its `--out` (runs/attack-NAME-METHOD-DATASET) held the first run."""
     monkeypatch.chdir(tmp_path)
     argv = ["attack", "--attack", "gradient-replacement-backdoor", "--method", "laser"]
     argv += ["--dataset", "breast-cancer", "--heads", "active", "--epochs", "1", "--quiet"]
-    for extra in ([], ["--seed", "1"], ["--control"]):
+    defended = ["--defense", "norm-filter:3", "--defense", "gradient-sparsification:0.5"]
+    for extra in ([], ["--seed", "1"], ["--control"], defended):
         assert main([*argv, *extra]) == 0, capsys.readouterr().err
     made = sorted(path.name for path in (tmp_path / "runs").iterdir() if path.is_dir())
     stem = "gradient-replacement-backdoor"
     assert [name for name in made if name.startswith("attack-")] == [
         f"attack-{stem}-control-laser-breast-cancer-s0",
         f"attack-{stem}-laser-breast-cancer-s0",
+        f"attack-{stem}-laser-breast-cancer-s0-norm-filter-3-gradient-sparsification-0.5",
         f"attack-{stem}-laser-breast-cancer-s1",
     ]
