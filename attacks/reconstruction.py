@@ -23,7 +23,9 @@ other row it observed.
   lies in the span of the other parties' subset indicators, least squares over those sums
   isolates the victim's representation, exactly only if the models did not move between the
   steps (README, "Secure aggregation": the leak the single-step planner leaves). The inverse
-  model is learnt on the isolated estimates of the auxiliary rows.
+  model is learnt on the isolated estimates of the auxiliary rows. Under secure sums the
+  planner's block rule leaves no sum that determines a victim's term: the attacker can only
+  guess the auxiliary set's column means, and scores gain 0 (``isolated`` 0): the defense holds.
 
 An honest-but-curious aggregation server is not an attacker here: it receives representations
 (or masked shares) at positions of a batch but never the row ids (the label party's requests
@@ -430,21 +432,34 @@ class SubsetDifferencing(_ReconstructionAttack):
         try:
             metrics = super().evaluate(party, context)
         except ConfigError:
-            if self._samples and not self._isolated:  # not for want of training or rows
-                raise ConfigError(
-                    f"{self.name}: none of the sums of the {self._samples} samples "
-                    f"{context.attacker} received determines {self.victim_name}'s term, so "
-                    f"there is nothing to difference ({self._why_none()})."
-                ) from None
-            raise
+            if not (self._samples and not self._isolated and self.log is not None):
+                raise  # for want of training or rows
+            if self._secure:  # the defense held
+                return self._defeated(self.log, context)
+            last = "sum was" if self.window == 1 else f"{self.window} sums were"
+            raise ConfigError(
+                f"{self.name}: none of the sums of the {self._samples} samples "
+                f"{context.attacker} received determines {self.victim_name}'s term, so "
+                f"there is nothing to difference (each sample's last {last} differenced; a "
+                "larger window (--attack-option window=W) holds more of them)."
+            ) from None
         isolated = metrics["reconstructed_rows"] + metrics["auxiliary_rows"]
         return {**metrics, "isolated": isolated, "samples": float(self._samples)}
 
-    def _why_none(self) -> str:
-        if self._secure:
-            return "under secure sums the block rule releases no sum that isolates a party"
-        last = "sum was" if self.window == 1 else f"{self.window} sums were"
-        return (
-            f"each sample's last {last} differenced; a larger window (--attack-option "
-            "window=W) holds more of them"
-        )
+    def _defeated(self, log: RepresentationLog, context: AttackContext) -> dict[str, float]:
+        """The score where the secure planner's block rule left no sum that determines the
+        victim's term: all the attacker can say of a victim row is the auxiliary set's column
+        means, the baseline itself (gain 0), over the rows it received sums of."""
+        rows = np.setdiff1d(np.fromiter(log.sums, dtype=np.int64), self._auxiliary_rows)
+        features = context.data.train.blocks[self.victim].astype(np.float64)
+        baseline = features[self._auxiliary_rows].mean(axis=0)
+        mse = float(((baseline - features[rows]) ** 2).mean())
+        return {
+            "gain": 0.0,
+            "mse": mse,
+            "mse_baseline": mse,
+            "reconstructed_rows": 0.0,
+            "auxiliary_rows": 0.0,  # none isolated: the inverse model has nothing to learn
+            "isolated": 0.0,
+            "samples": float(self._samples),
+        }
