@@ -206,7 +206,7 @@ def price(
         return math.inf
     if accountant == "rdp":
         return _rdp_epsilon(history, delta)
-    from opacus.accountants import PRVAccountant
+    from protocols._opacus import PRVAccountant
 
     pricer = PRVAccountant()
     pricer.history = list(history)
@@ -217,8 +217,7 @@ def price(
 def _rdp_of_one_step(noise_multiplier: float, sample_rate: float) -> np.ndarray:
     """Opacus' RDP of one subsampled Gaussian step at its accountant's orders (cached: a run
     prices the same (sigma, rate) for every party and every epoch's prefix)."""
-    from opacus.accountants import RDPAccountant
-    from opacus.accountants.analysis import rdp as rdp_analysis
+    from protocols._opacus import RDPAccountant, rdp_analysis
 
     rdp = rdp_analysis.compute_rdp(
         q=sample_rate,
@@ -233,8 +232,7 @@ def _rdp_of_one_step(noise_multiplier: float, sample_rate: float) -> np.ndarray:
 def _rdp_epsilon(history: Sequence[tuple[float, float, int]], delta: float) -> float:
     """What Opacus' ``RDPAccountant.get_epsilon`` gives for ``history``, term for term (its
     ``compute_rdp`` is the one-step RDP times the steps), with the one-step RDP cached."""
-    from opacus.accountants import RDPAccountant
-    from opacus.accountants.analysis import rdp as rdp_analysis
+    from protocols._opacus import RDPAccountant, rdp_analysis
 
     rdp = sum([_rdp_of_one_step(sigma, rate) * steps for sigma, rate, steps in history])
     with warnings.catch_warnings():
@@ -293,7 +291,7 @@ def calibrate_noise(
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ConfigError(f"`steps` must be a positive integer. Found {steps!r}.")
     _check_accountant(accountant)
-    from opacus.accountants.utils import get_noise_multiplier
+    from protocols._opacus import get_noise_multiplier
 
     with warnings.catch_warnings():
         # The search probes large multipliers whose best RDP order is the grid's last; the

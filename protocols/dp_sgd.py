@@ -13,11 +13,14 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
-from opacus import GradSampleModule
-from opacus.optimizers import DPOptimizer
-from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 from torch import Tensor, nn
 
+from protocols._opacus import (
+    DPOptimizer,
+    GradSampleModule,
+    _check_processed_flag,
+    _mark_as_processed,
+)
 from protocols.dp import (
     GRAD_SAMPLE_MODES,
     EventCallback,
