@@ -643,7 +643,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _training_flags(
         attack,
-        out="runs/attack-NAME[-control]-METHOD-DATASET-sSEED[-DEFENSE...], or "
+        out="runs/attack-NAME[-control]-METHOD-DATASET-sSEED[-DEFENSES], or "
         "runs/suite-METHOD-DATASET",
         writes="DIR/result.json (DIR/suite.json with --suite, and the suite's stored runs)",
         capture=False,
@@ -1864,7 +1864,7 @@ def _path_part(text: str) -> str:
 def run_attack_command(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from attacks.runner import run_attack
+    from attacks.runner import run_attack, spec_defenses
     from secure_vfl.io import atomic_write_json
     from secure_vfl.runs import provenance
 
@@ -1878,7 +1878,10 @@ def run_attack_command(args: argparse.Namespace) -> int:
     control = "-control" if args.control else ""  # beside the attack, not over it
     out: Path = args.out or Path("runs") / (
         f"attack-{name}{control}-{config.method}-{config.data_name}-s{config.seed}"
-        + "".join(f"-{_path_part(defense)}" for defense in args.defense)
+        + "".join(
+            f"-{_path_part(defense)}"
+            for defense in [*spec_defenses(_privacy_spec(args)), *args.defense]
+        )
     )
     _check_output_dir(out, "result.json", overwrite=args.overwrite, kind="attack")
     if args.cache is not None:  # before the training, whose reference it would keep

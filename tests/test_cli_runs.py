@@ -628,7 +628,8 @@ def test_an_attacks_default_out_tells_seeds_its_control_and_defenses_apart(
     argv = ["attack", "--attack", "gradient-replacement-backdoor", "--method", "laser"]
     argv += ["--dataset", "breast-cancer", "--heads", "active", "--epochs", "1", "--quiet"]
     defended = ["--defense", "norm-filter:3", "--defense", "gradient-sparsification:0.5"]
-    for extra in ([], ["--seed", "1"], ["--control"], defended):
+    secure = ["--secure-agg", "masks"]  # train's privacy flags are defenses too
+    for extra in ([], ["--seed", "1"], ["--control"], defended, secure):
         assert main([*argv, *extra]) == 0, capsys.readouterr().err
     made = sorted(path.name for path in (tmp_path / "runs").iterdir() if path.is_dir())
     stem = "gradient-replacement-backdoor"
@@ -636,5 +637,6 @@ def test_an_attacks_default_out_tells_seeds_its_control_and_defenses_apart(
         f"attack-{stem}-control-laser-breast-cancer-s0",
         f"attack-{stem}-laser-breast-cancer-s0",
         f"attack-{stem}-laser-breast-cancer-s0-norm-filter-3-gradient-sparsification-0.5",
+        f"attack-{stem}-laser-breast-cancer-s0-secure-agg-masks",
         f"attack-{stem}-laser-breast-cancer-s1",
     ]
