@@ -273,6 +273,11 @@ def run_sweep(
             )
     if checks.integer("seeds", seeds) < 1:
         raise ConfigError(f"--seeds must be >= 1. Found {seeds}.")
+    if config.seed + seeds > checks.SEED_LIMIT:  # before a list of that many runs is made
+        raise ConfigError(
+            f"--seeds: seeds {config.seed}..{config.seed + seeds - 1} must be below 2**32; "
+            f"at most {checks.SEED_LIMIT - config.seed} from --seed {config.seed}. Found {seeds}."
+        )
     settings = expand(templates, grid)
     workers = workers if workers is not None else max(1, min(os.cpu_count() or 1, 4))
     if workers < 1:
@@ -299,6 +304,8 @@ def run_sweep(
     ]
     if on_start is not None:
         on_start(len(jobs))
+    # never more workers than runs: each is a fresh interpreter
+    workers = min(workers, len(jobs))
     return _executor_map(jobs, workers=workers, executor=executor, on_done=on_done)()
 
 

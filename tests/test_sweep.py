@@ -262,3 +262,27 @@ def test_a_defense_that_does_not_apply_is_a_failed_row_and_the_accounting_reache
     assert privacy["delta"] == 1e-3 and privacy["adjacency"].startswith("add or remove")
     text, _ = write_sweep(rows, tmp_path / "out", attack="direct-label-inference", command="t")
     assert "- marvell:4 seed 0: not applicable: marvell protects binary tasks" in text
+
+
+def test_seeds_past_the_seed_range_are_refused_and_workers_never_outnumber_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`--seeds 99999999999` built its list of runs (memory growing without a word), and
+    `--workers 99999999999` asked for that many worker processes."""
+    import attacks.sweep
+
+    def started(runs: int) -> None:
+        raise AssertionError("runs were started")
+
+    with pytest.raises(ConfigError, match=re.escape("at most 4294967296 from --seed 0")):
+        run_sweep(_config(), "direct-label-inference", templates=[], grid={}, seeds=10**11,
+                  on_start=started)  # fmt: skip
+    asked = []
+
+    def executor_map(jobs: list[object], *, workers: int, **kwargs: object) -> object:
+        asked.append((len(jobs), workers))
+        return list
+
+    monkeypatch.setattr(attacks.sweep, "_executor_map", executor_map)
+    run_sweep(_config(), "direct-label-inference", templates=[], grid={}, seeds=2, workers=10**11)
+    assert asked == [(2, 2)]
