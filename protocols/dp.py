@@ -96,6 +96,11 @@ ADJACENCY_TEXT: Mapping[str, str] = {
     "replace-one": "replace one record (its features and, at a label holder, its label)",
     "add-remove": "add or remove one record",
 }
+NEGLIGIBLE_NOISE = 1e-50
+"""A noise multiplier below this prices as none at all (epsilon inf). Its epsilon is beyond any
+meaning (5.5e100 at 1e-50 for 10 steps at rate 0.01), and further down the accountant's
+arithmetic overflows, divides by a square that underflows to 0 (1e-200) or runs without end
+(1e-160). Inf is the safe side of that."""
 MESSAGE_KINDS: tuple[str, ...] = ("embedding", "gradient", "dp-sgd")
 """The releases composed per step into a party's guarantee against the receivers of its
 messages (charged to every row of the step's batch)."""
@@ -197,12 +202,13 @@ def price(
     history: Sequence[tuple[float, float, int]], delta: float, *, accountant: AccountantName
 ) -> float:
     """The epsilon at ``delta`` of (noise multiplier, Poisson rate, steps) runs of subsampled
-    Gaussian mechanisms (Opacus' history), composed: 0 with none, inf if one is noiseless."""
+    Gaussian mechanisms (Opacus' history), composed: 0 with none, inf if one is noiseless (or
+    has a multiplier below :data:`NEGLIGIBLE_NOISE`)."""
     _check_delta(delta)
     _check_accountant(accountant)
     if not history:
         return 0.0
-    if any(sigma == 0 for sigma, _, _ in history):
+    if any(sigma < NEGLIGIBLE_NOISE for sigma, _, _ in history):
         return math.inf
     if accountant == "rdp":
         return _rdp_epsilon(history, delta)
@@ -249,8 +255,10 @@ def _rdp_epsilon(history: Sequence[tuple[float, float, int]], delta: float) -> f
 
 def release_strength(noise_multiplier: float, *, shift: float) -> float:
     """``(shift / sigma)^2``: one release's share of its record's squared Gaussian privacy
-    parameter mu^2 (inf for a noiseless release)."""
-    return math.inf if noise_multiplier == 0 else (shift / noise_multiplier) ** 2
+    parameter mu^2 (inf for a noiseless release, or one below :data:`NEGLIGIBLE_NOISE`)."""
+    if noise_multiplier < NEGLIGIBLE_NOISE:
+        return math.inf
+    return (shift / noise_multiplier) ** 2
 
 
 def joint_noise_multiplier(multipliers: Iterable[float], *, shift: float) -> float:
@@ -356,6 +364,10 @@ class PrivacyAccountant:
     """Records releases (pass :meth:`on_event` to the mechanisms) and prices them per party as
     :class:`Guarantee` s. A party's guarantees cover its own records only.
     ``accountant`` names Opacus' accountant used for pricing: ``"rdp"`` (default) or ``"prv"``.
+    PRV is tighter where it works, but its grid grows with the privacy loss: measured here, a
+    noise multiplier of 0.15 (rate 0.01, 1000 steps) took 30 s, 0.1 did not finish in 30 s and
+    0.05 asked for 26 GiB, and (0.5, rate 0.5, 1000 steps) gave inf where RDP gives 904. Keep
+    it for noise multipliers of about 0.3 and more.
     """
 
     def __init__(self, *, accountant: AccountantName = "rdp") -> None:

@@ -28,6 +28,7 @@ from protocols.dp import (
     parse_noise,
     per_record_epsilon,
     price,
+    release_strength,
 )
 from protocols.dp_sgd import make_private_party
 from protocols.noise import SecureNoise, SeededNoise
@@ -561,3 +562,15 @@ def test_prediction_releases_are_noised_and_priced_for_the_rows_requested() -> N
     # a representation the party receives passes its incoming hook unchanged
     incoming = dataclass_replace(unseen, phase="train")
     assert layer.requests.on_message(incoming) is incoming
+
+
+def test_a_negligible_noise_multiplier_prices_as_none_instead_of_crashing_the_accountant() -> None:
+    """SIGMA 1e-200 crashed a finished run at its privacy report: ZeroDivisionError in Opacus'
+    RDP (sigma**2 underflows to 0), OverflowError in a release's strength ((2 / sigma)**2)."""
+    for accountant in ("rdp", "prv"):
+        assert price([(1e-200, 0.01, 10)], 1e-5, accountant=accountant) == math.inf
+    assert release_strength(1e-200, shift=2.0) == math.inf
+    assert joint_noise_multiplier([1e-200, 1.0], shift=2.0) == 0.0  # priced as noiseless
+    # above the floor, the accountant's own figure: huge, finite
+    assert 1e98 < price([(1e-49, 0.01, 10)], 1e-5, accountant="rdp") < math.inf
+    assert release_strength(1e-49, shift=2.0) == pytest.approx(4e98)
