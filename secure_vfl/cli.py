@@ -163,6 +163,23 @@ def attack_option(text: str) -> tuple[str, float | str]:
         return key, value
 
 
+def path_arg(text: str) -> Path:
+    """A path; an empty one is refused (``Path("")`` is the current directory, where a run would
+    spill its files)."""
+    if not text:
+        raise argparse.ArgumentTypeError(
+            "expected a path, found an empty string (write . for the current directory)"
+        )
+    return Path(text)
+
+
+def column_name(text: str) -> str:
+    """A column's name: not empty, nor only spaces (an empty one was taken as the default)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a column name, found {text!r}")
+    return text
+
+
 def existing_file(text: str) -> Path:
     path = Path(text)
     if not path.is_file():
@@ -179,7 +196,7 @@ def file_path(text: str) -> Path:
         raise argparse.ArgumentTypeError(
             f"expected a file path, found {text!r}, which ends with a separator (a directory)"
         )
-    return Path(text)
+    return path_arg(text)
 
 
 def mechanism(text: str) -> str:
@@ -213,6 +230,7 @@ def _column_flags(
     dataset refuses either, even spelt as its default) and the defaults are the help's."""
     parser.add_argument(
         "--id-column",
+        type=column_name,
         default=None if own_files else id_default,
         metavar="NAME",
         help="the column holding the ids in every file; ids are compared as the text in the "
@@ -221,6 +239,7 @@ def _column_flags(
     )
     parser.add_argument(
         "--label-column",
+        type=column_name,
         default=None if own_files else label_default,
         metavar="NAME",
         help=f"{label_help} (default: {label_default})",
@@ -522,13 +541,13 @@ def _training_flags(
     _insecure_noise_flag(privacy)
     parser.add_argument(
         "--out",
-        type=Path,
+        type=path_arg,
         metavar="DIR",
         help=f"output directory (default {out})",
     )
     parser.add_argument(
         "--store",
-        type=Path,
+        type=path_arg,
         metavar="PATH",
         help="SQLite results store (default: results.sqlite beside DIR)",
     )
@@ -553,13 +572,13 @@ def _checkpoint_flags(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--checkpoint-dir",
-        type=Path,
+        type=path_arg,
         metavar="DIR",
         help="where the checkpoints go, one directory per party (default: --out's checkpoints/)",
     )
     group.add_argument(
         "--resume",
-        type=Path,
+        type=path_arg,
         metavar="DIR",
         help="continue a killed run from its latest complete checkpoint in DIR (its --out, "
         "which is then also this run's unless --out is given, or its checkpoint directory); the "
@@ -637,7 +656,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     attack.add_argument(
         "--cache",
-        type=Path,
+        type=path_arg,
         metavar="DIR",
         help="where the undefended runs behind the DCS are kept (default: DIR/../.undefended)",
     )
@@ -813,13 +832,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     impute.add_argument(
         "--out",
-        type=Path,
+        type=path_arg,
         metavar="DIR",
         help="output directory (default runs/impute-METHOD-DATASET-sSEED)",
     )
     impute.add_argument(
         "--store",
-        type=Path,
+        type=path_arg,
         metavar="PATH",
         help="SQLite results store (default: results.sqlite beside DIR)",
     )
@@ -862,6 +881,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     psi.add_argument(
         "--id-column",
+        type=column_name,
         default=ID_COLUMN,
         metavar="NAME",
         help="the column holding the ids in both files, compared as text (`0304` is not `304`)",
@@ -893,7 +913,7 @@ def build_parser() -> argparse.ArgumentParser:
     predict.add_argument(
         "--model",
         required=True,
-        type=Path,
+        type=path_arg,
         metavar="RUN_DIR",
         help="a train run's --out directory (or its model/ directory)",
     )
@@ -954,7 +974,7 @@ def build_parser() -> argparse.ArgumentParser:
     runs_list = runs_commands.add_parser("list", help="every run in a results store")
     runs_list.add_argument(
         "--store",
-        type=Path,
+        type=path_arg,
         default=Path("runs") / "results.sqlite",
         metavar="PATH",
         help="the SQLite results store (train's default for runs under runs/)",
@@ -963,7 +983,7 @@ def build_parser() -> argparse.ArgumentParser:
         "compare", help="runs side by side, from their directories' result.json"
     )
     runs_compare.add_argument(
-        "dirs", nargs="+", type=Path, metavar="DIR", help="run directories (train or attack)"
+        "dirs", nargs="+", type=path_arg, metavar="DIR", help="run directories (train or attack)"
     )
     certs = commands.add_parser(
         "certs", help="certificates for mutual TLS between parties: make a set, or check one"
@@ -973,7 +993,11 @@ def build_parser() -> argparse.ArgumentParser:
         "init", help="a federation CA and a key and certificate per party (keys mode 0600)"
     )
     init.add_argument(
-        "--out", required=True, type=Path, metavar="DIR", help="where the CA and parties' files go"
+        "--out",
+        required=True,
+        type=path_arg,
+        metavar="DIR",
+        help="where the CA and parties' files go",
     )
     init.add_argument(
         "--party",
@@ -998,7 +1022,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check = certs_actions.add_parser("check", help="say what is wrong with a set of certificates")
     check.add_argument(
-        "--dir", required=True, type=Path, metavar="DIR", help="a directory made by certs init"
+        "--dir", required=True, type=path_arg, metavar="DIR", help="a directory made by certs init"
     )
     check.add_argument(
         "--party", action="append", metavar="NAME", help="check this party (default: every one)"
@@ -1041,7 +1065,7 @@ def run_certs_command(args: argparse.Namespace) -> int:
 def _capture_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--capture",
-        type=Path,
+        type=path_arg,
         metavar="FILE",
         help="append every message that crosses the transport to FILE, one record each: a "
         "4-byte big-endian length, then the encoded message (what the network sees; in a "
@@ -1124,7 +1148,12 @@ def run_psi_command(args: argparse.Namespace) -> int:
     if args.mode == "cardinality" and args.out is not None:
         raise ConfigError("--out needs --mode intersection; cardinality mode reveals only a size.")
     if args.out is not None:
-        _check_output_file(args.out, overwrite=args.overwrite)
+        _check_output_file(
+            args.out,
+            overwrite=args.overwrite,
+            inputs=(args.mine, args.theirs),
+            replaced="its ids would be replaced by the intersection",
+        )
     mine = _read_ids(args.mine, args.id_column)
     theirs = _read_ids(args.theirs, args.id_column)
     total = 2 * (len(mine) + len(theirs))  # each side's ids are masked by both sides
@@ -1309,12 +1338,25 @@ def _result_kind(path: Path) -> str | None:
     return result_kind(payload)
 
 
-def _check_output_file(path: Path, *, overwrite: bool) -> None:
+def _check_output_file(
+    path: Path,
+    *,
+    overwrite: bool,
+    inputs: Sequence[Path],
+    replaced: str,
+) -> None:
     """Refuse, before any work, an output file that exists (without ``--overwrite``), is a
-    directory, or whose folder cannot be written or made."""
+    directory, whose folder cannot be written or made, or that is one of the command's
+    ``inputs`` (even with ``--overwrite``: ``replaced`` says what writing it would lose)."""
     if path.is_dir():
         raise ConfigError(f"--out {path} is a directory; expected a file path.")
     writable_file(path)  # a device or a pipe is refused: replacing it would not write to it
+    where = path.resolve()
+    for read in inputs:
+        if where == Path(read).resolve():
+            raise ConfigError(
+                f"--out {path} is the input file {read}; expected another path ({replaced})."
+            )
     if path.exists() and not overwrite:
         raise ConfigError(f"{path} exists; expected a new --out file (or --overwrite).")
     check_directory(f"--out {path}: its folder", path.parent)
@@ -2537,7 +2579,12 @@ def _check_prediction_out(out: Path, args: argparse.Namespace, inputs: Sequence[
             f"--out {out}: a .csv or .parquet file expected (the formats predictions are "
             f"written in); found suffix {out.suffix or '(none)'!r}."
         )
-    _check_output_file(out, overwrite=args.overwrite)
+    _check_output_file(
+        out,
+        overwrite=args.overwrite,
+        inputs=inputs,
+        replaced="the rows read would be replaced by their predictions",
+    )
     where = out.resolve()
     model = Path(args.model) / MODEL_DIR
     model = model if model.is_dir() else Path(args.model)  # a run's directory, or the model's
@@ -2547,12 +2594,6 @@ def _check_prediction_out(out: Path, args: argparse.Namespace, inputs: Sequence[
             "every file of the model (one more makes it refuse to load); expected a path "
             "outside it."
         )
-    for path in inputs:
-        if where == Path(path).resolve():
-            raise ConfigError(
-                f"--out {out} is the input file {path}; expected another path (the rows read "
-                "would be replaced by their predictions)."
-            )
 
 
 def _prediction_summary(model: Any, predictions: Any, out: Path | None) -> str:
@@ -2741,7 +2782,7 @@ def _party_command(commands: Any) -> None:
     )
     serve.add_argument(
         "--checkpoint-dir",
-        type=Path,
+        type=path_arg,
         metavar="DIR",
         help="where this data party writes its own checkpoints (DIR/NAME/step-N/) when the label "
         "party runs `train --checkpoint-every N`, and, restarted after a crash with the same DIR, "
@@ -2756,14 +2797,14 @@ def _party_command(commands: Any) -> None:
     )
     serve.add_argument(
         "--model-dir",
-        type=Path,
+        type=path_arg,
         metavar="DIR",
         help="where this data party keeps its own part of each model the label party saves "
         "(DIR/NAME/RUN_ID/) (default: models/ beside its data file)",
     )
     serve.add_argument(
         "--imputed-dir",
-        type=Path,
+        type=path_arg,
         metavar="DIR",
         help="where this imputation client writes its imputed table when the label party runs "
         "`impute --federation --save-imputed` (DIR/RUN_ID/NAME.csv) (default: imputed/ beside "

@@ -32,13 +32,25 @@ BAD_FLAGS = [
     (["--missing-train", "mcar:2"], "`p` must be in [0, 1). Found 2.0"),
     (["--missing-test", "weird"], "unknown missingness mechanism 'weird'"),
     (["--p-miss-train", "0.1", "--missing-train", "mar1"], "not allowed with argument"),
+    # an empty path was the current directory (the run's files spilled there), an empty column
+    # name the default one
+    (["--out", ""], "expected a path, found an empty string (write . for the current directory)"),
+    (["--checkpoint-dir", ""], "expected a path, found an empty string"),
+    (["--resume", ""], "expected a path, found an empty string"),
+    (["--id-column", ""], "expected a column name, found ''"),
+    (["--label-column", "  "], "expected a column name, found '  '"),
 ]
 
 
 @pytest.mark.parametrize(("extra", "message"), BAD_FLAGS)
 def test_bad_flags_are_refused_in_one_line_and_nothing_is_written(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    extra: list[str],
+    message: str,
 ) -> None:
+    monkeypatch.chdir(tmp_path)  # where an empty path wrote
     out = tmp_path / "run"
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "--method", "laser", "--dataset", "digits", "--out", str(out), *extra])

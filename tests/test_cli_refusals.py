@@ -239,6 +239,19 @@ def test_psi_out_is_refused_when_it_exists_unless_overwrite(
     assert "is a directory" in refused([*argv[:-1], str(tmp_path)], capsys)
 
 
+def test_psi_out_is_refused_when_it_is_an_input_even_with_overwrite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--out mine.csv --overwrite` replaced the input with the intersection, header gone."""
+    argv = psi_argv(tmp_path)
+    for side in ("mine.csv", "theirs.csv"):
+        read = tmp_path / side
+        before = read.read_text()
+        err = refused([*argv, "--out", str(read), "--overwrite"], capsys)
+        assert f"--out {read} is the input file {read}; expected another path (its ids" in err
+        assert read.read_text() == before
+
+
 def test_psi_output_that_cannot_be_written_is_refused_and_leaves_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
