@@ -61,6 +61,7 @@ from attacks.base import (
     refuse_own_head_methods,
     register_attack,
 )
+from secure_vfl import checks
 from secure_vfl.data.vertical import VerticalData, VerticalSplit
 from secure_vfl.errors import ConfigError
 from secure_vfl.experiment import TrainConfig
@@ -256,9 +257,11 @@ class GradientReplacementBackdoor(Attack):
                 f"{self.name}: `trigger_columns` must be a positive integer. Found "
                 f"{trigger_columns!r}."
             )
-        if not np.isfinite(trigger_value):
+        if not (np.isfinite(trigger_value) and abs(trigger_value) <= checks.FLOAT32_MAX):
             raise ConfigError(
-                f"{self.name}: `trigger_value` must be a finite number. Found {trigger_value}."
+                f"{self.name}: `trigger_value` must be a finite float32 number (|value| <= "
+                f"{checks.FLOAT32_MAX:.6g}: it is stamped into float32 features). Found "
+                f"{trigger_value}."
             )
         if swap not in SWAPS:
             raise ConfigError(

@@ -31,7 +31,8 @@ import torch
 from torch import Tensor
 
 from protocols.noise import NoiseSource, SecureNoise
-from secure_vfl.errors import ConfigError
+from secure_vfl import checks
+from secure_vfl.errors import ConfigError, DivergenceError
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import GradientMessage, RepresentRequest
 from secure_vfl.federation.parties import DataParty
@@ -160,6 +161,12 @@ class _Marvell:
         if gap == 0:
             return gradient
         u0, u1 = marvell_variances(gap, float(positive.float().mean()), self.scale * gap)
+        if not math.sqrt(max(u0, u1)) <= checks.FLOAT32_MAX:
+            raise DivergenceError(
+                f"marvell:{self.scale:g}: its noise std {math.sqrt(max(u0, u1)):.3g} for a "
+                f"gradient class gap of {math.sqrt(gap):.3g} overflows float32; try a smaller "
+                "SCALE."
+            )
         direction = difference / math.sqrt(gap)
         std = torch.where(positive, math.sqrt(u1), math.sqrt(u0)).to(gradient.dtype)
         draws = self.noise.gaussian((len(labels),), dtype=gradient.dtype)

@@ -40,6 +40,9 @@ def integer(name: str, value: object, *, low: int | None = None) -> int:
     return number
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+"""The largest float32: what a setting the models compute with in float32 (a learning rate, a
+weight decay) may be at most; torch refuses a larger one mid-step."""
 SEED_LIMIT = 2**32  # what every generator takes, and well inside a results store's integers
 
 
@@ -62,15 +65,18 @@ def real(
 ) -> float:
     """``value`` as a float, if it is a finite real number (not a bool) in the interval from
     ``low`` to ``high`` (each end closed unless said open)."""
-    if high == math.inf and low == -math.inf:
+    unbounded = high in (math.inf, FLOAT32_MAX)  # a float32 cap is named after the rest
+    if unbounded and low == -math.inf:
         expected = "a finite number"
-    elif high == math.inf and low == 0 and low_open:
+    elif unbounded and low == 0 and low_open:
         expected = "a positive number"
-    elif high == math.inf:
+    elif unbounded:
         expected = f"a number {'>' if low_open else '>='} {low:g}"
     else:
         opens, closes = "(" if low_open else "[", ")" if high_open else "]"
         expected = f"in {opens}{low:g}, {high:g}{closes}"
+    if high == FLOAT32_MAX:
+        expected += f", at most {FLOAT32_MAX:.6g} (float32's largest)"
     if isinstance(value, bool | np.bool_) or not isinstance(value, Real):
         raise ConfigError(f"`{name}` must be {expected}. Found {_found(value)}.")
     number = float(value)

@@ -448,3 +448,36 @@ def test_labelled_samples_of_one_class_are_refused(
         capsys.readouterr().err
     )
     assert main([*argv[:-3], "--labeled", "10", "--epochs", "1", "--out", str(tmp_path / "s")]) == 0
+
+
+def test_settings_past_float32_are_refused_before_anything_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A learning rate, weight decay or trigger value above the float32 maximum crashed the
+    run mid-step (torch: "value cannot be converted to type float without overflow")."""
+    train = ["train", "--method", "laser", "--dataset", "breast-cancer", "--epochs", "1"]
+    attack = ["attack", "--method", "laser", "--dataset", "breast-cancer", "--heads", "active"]
+    attack += ["--epochs", "1", "--attack", "gradient-replacement-backdoor"]
+    impute = ["impute", "--dataset", "airquality", "--method", "fedhf"]
+    cases = [
+        (
+            [*train, "--lr", "1e39"],
+            "`lr` must be a positive number, at most 3.40282e+38 (float32's largest). Found 1e+39.",
+        ),
+        (
+            [*train, "--weight-decay", "1e39"],
+            "`weight_decay` must be a number >= 0, at most 3.40282e+38 (float32's largest)",
+        ),
+        (
+            [*impute, "--lr", "1e39"],
+            "`lr` must be a positive number, at most 3.40282e+38 (float32's largest). Found 1e+39.",
+        ),
+        (
+            [*attack, "--attack-option", "trigger_value=-1e39"],
+            "`trigger_value` must be a finite float32 number",
+        ),
+    ]
+    for argv, message in cases:
+        out = tmp_path / "out"
+        assert message in refused([*argv, "--quiet", "--out", str(out)], capsys)
+        assert not out.exists()

@@ -28,10 +28,22 @@ def _train(**fields: Any) -> TrainConfig:
 
 
 WRONG: list[tuple[Any, dict[str, Any], str]] = [
-    (MethodConfig, {"lr": "0.1"}, "`lr` must be a positive number. Found '0.1'."),
-    (MethodConfig, {"lr": True}, "`lr` must be a positive number. Found True."),
+    (
+        MethodConfig,
+        {"lr": "0.1"},
+        "`lr` must be a positive number, at most 3.40282e+38 (float32's largest). Found '0.1'.",
+    ),
+    (
+        MethodConfig,
+        {"lr": True},
+        "`lr` must be a positive number, at most 3.40282e+38 (float32's largest). Found True.",
+    ),
     (MethodConfig, {"momentum": None}, "`momentum` must be in [0, 1). Found NoneType."),
-    (MethodConfig, {"weight_decay": np.inf}, "`weight_decay` must be a number >= 0. Found inf."),
+    (
+        MethodConfig,
+        {"weight_decay": np.inf},
+        "`weight_decay` must be a number >= 0, at most 3.40282e+38 (float32's largest). Found inf.",
+    ),
     (MethodConfig, {"secure_sums": "no"}, "`secure_sums` must be True or False. Found 'no'."),
     (MethodConfig, {"vectorised": 1}, "`vectorised` must be True or False. Found 1."),
     (MethodConfig, {"epochs": 2.0}, "`epochs` must be a positive integer. Found 2.0."),

@@ -13,7 +13,7 @@ from attacks.defenses import Marvell, _Marvell, _Sparsifier, marvell_variances, 
 from attacks.runner import parse_defenses, run_attack
 from protocols.noise import SeededNoise
 from protocols.privacy import PrivacySpec
-from secure_vfl.errors import ConfigError
+from secure_vfl.errors import ConfigError, DivergenceError
 from secure_vfl.experiment import TrainConfig
 from secure_vfl.federation.messages import GradientMessage, RepresentRequest
 from secure_vfl.methods import MethodConfig
@@ -156,3 +156,14 @@ def test_marvell_refuses_a_task_that_is_not_binary() -> None:
     with pytest.raises(ConfigError, match="binary tasks; found 10 classes"):
         run_attack(config, "direct-label-inference", defenses=["marvell:1"])
     assert math.isfinite(Marvell(1.0).scale)
+
+
+def test_marvell_whose_noise_overflows_float32_says_the_run_diverged() -> None:
+    """marvell:1e300 crashed with torch's "value cannot be converted to type float without
+    overflow"; the suite and sweeps count a diverged run, with why."""
+    labels = torch.tensor([0, 1] * 5)
+    gradient = torch.zeros(10, 3)
+    gradient[labels == 1, 0] = 1.0
+    with pytest.raises(DivergenceError, match=r"marvell:1e\+300: its noise std .* overflows"):
+        _Marvell(labels, 1e300, SeededNoise(0)).perturb(gradient, labels)
+    assert torch.isfinite(_Marvell(labels, 4.0, SeededNoise(0)).perturb(gradient, labels)).all()

@@ -167,8 +167,18 @@ def test_feature_graph_refuses_inconsistent_tables() -> None:
         ("local_epochs", 1.5, "`local_epochs` must be a positive integer. Found 1.5."),
         ("batch_size", True, "`batch_size` must be a positive integer. Found True."),
         ("top_k", -1, "`top_k` must be a positive integer. Found -1."),
-        ("lr", 0.0, "`lr` must be a positive number. Found 0.0."),
-        ("lr", float("nan"), "`lr` must be a positive number. Found nan."),
+        (
+            "lr",
+            0.0,
+            r"`lr` must be a positive number, at most 3.40282e\+38 \(float32's largest\). "
+            r"Found 0.0.",
+        ),
+        (
+            "lr",
+            float("nan"),
+            r"`lr` must be a positive number, at most 3.40282e\+38 \(float32's largest\). "
+            r"Found nan.",
+        ),
         ("block_fraction", 0.0, r"`block_fraction` must be in \(0, 1\]. Found 0.0."),
         ("client_fraction", 1.5, r"`client_fraction` must be in \(0, 1\]. Found 1.5."),
         ("validation_fraction", 1.0, r"`validation_fraction` must be in \(0, 1\). Found 1.0."),

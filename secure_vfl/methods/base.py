@@ -132,9 +132,11 @@ class MethodConfig:
                 "representation_dim", self.representation_dim, low=1
             ),
             "pretrain_epochs": checks.integer("pretrain_epochs", self.pretrain_epochs, low=0),
-            "lr": checks.real("lr", self.lr, low=0, low_open=True),
+            "lr": checks.real("lr", self.lr, low=0, low_open=True, high=checks.FLOAT32_MAX),
             "momentum": checks.real("momentum", self.momentum, low=0, high=1, high_open=True),
-            "weight_decay": checks.real("weight_decay", self.weight_decay, low=0),
+            "weight_decay": checks.real(
+                "weight_decay", self.weight_decay, low=0, high=checks.FLOAT32_MAX
+            ),
             "plug_dropout": checks.real(
                 "plug_dropout", self.plug_dropout, low=0, high=1, high_open=True
             ),

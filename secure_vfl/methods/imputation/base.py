@@ -52,7 +52,7 @@ class ImputeConfig:
         values: dict[str, object] = {
             name: checks.integer(name, getattr(self, name), low=1) for name in counts
         }
-        values["lr"] = checks.real("lr", self.lr, low=0, low_open=True)
+        values["lr"] = checks.real("lr", self.lr, low=0, low_open=True, high=checks.FLOAT32_MAX)
         for name in ("block_fraction", "client_fraction", "validation_fraction"):
             closed = name != "validation_fraction"
             value = getattr(self, name)
