@@ -250,8 +250,10 @@ def undefended_accuracy(config: TrainConfig, *, cache: Path | None = None) -> fl
     if path is not None and path.exists():
         try:
             stored = json.loads(path.read_text())
-            if stored.get("config") == described:
-                return float(stored["accuracy"])
+            if isinstance(stored, dict) and stored.get("config") == described:
+                cached = float(stored["accuracy"])
+                if 0 <= cached <= 1:  # (NaN is not)
+                    return cached
         except (OSError, ValueError, KeyError, TypeError):
             pass  # an unreadable cache entry is recomputed and replaced
     accuracy = _main_accuracy(run_training(config))

@@ -20,7 +20,7 @@ import sqlite3
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from secure_vfl.errors import ConfigError, OutputError
 from secure_vfl.io import check_directory
@@ -334,13 +334,28 @@ class ResultsStore:
             ) from None
         finally:
             connection.close()
-        out = []
-        for row in rows:
-            entry = dict(row)
-            entry["config"] = json.loads(entry["config"])
-            entry["metrics"] = json.loads(entry["metrics"])
-            entry["epsilon"] = json.loads(entry["epsilon"]) if entry["epsilon"] else None
-            for column in _ADDED_COLUMNS:
-                entry[column] = json.loads(entry[column]) if entry[column] else None
-            out.append(entry)
-        return out
+        return [self._decoded(dict(row)) for row in rows]
+
+    def _decoded(self, entry: dict[str, Any]) -> dict[str, Any]:
+        """A stored row with its JSON cells decoded; ConfigError naming the row and the column
+        where a cell is not what this code writes (an edited or damaged store)."""
+        for column in ("config", "metrics", "epsilon", *_ADDED_COLUMNS):
+            cell = entry[column]
+            if column not in ("config", "metrics") and not cell:
+                entry[column] = None
+                continue
+            try:
+                entry[column] = json.loads(cell)
+            except (TypeError, ValueError):
+                self._damaged(entry, column, "JSON text")
+        for column in ("epsilon_max", "wall_time_s"):
+            cell = entry[column]
+            if not (cell is None or type(cell) in (int, float)):
+                self._damaged(entry, column, "a number")
+        return entry
+
+    def _damaged(self, entry: dict[str, Any], column: str, expected: str) -> NoReturn:
+        raise ConfigError(
+            f"--store {self.path}: run {entry['id']}'s `{column}` holds {entry[column]!r:.40}; "
+            f"expected {expected} (an intact results store: restore it from a copy)."
+        )

@@ -393,6 +393,14 @@ def test_the_undefended_reference_follows_the_party_files_contents(
     paths[2].write_text("id,labels\n1,1\n2,0\n")  # the same path, other labels
     assert undefended_accuracy(config, cache=cache) == 0.02 and len(trained) == 2
     assert undefended_accuracy(config, cache=cache) == 0.02 and len(trained) == 2
+    # a damaged entry is trained again and replaced (`[]` crashed with AttributeError)
+    (entry,) = [e for e in cache.iterdir() if json.loads(e.read_text())["accuracy"] == 0.02]
+    stored = json.loads(entry.read_text())
+    for damaged in ([], "x", {**stored, "accuracy": "NaN"}, {**stored, "accuracy": [1]}):
+        entry.write_text(json.dumps(damaged))
+        before = len(trained)
+        assert undefended_accuracy(config, cache=cache) == (before + 1) / 100
+        assert json.loads(entry.read_text())["accuracy"] == (before + 1) / 100
 
 
 class _Trained:

@@ -94,6 +94,31 @@ def test_the_store_keeps_one_row_per_run_directory_and_its_provenance(tmp_path: 
         assert row["git_commit"] is None
 
 
+@pytest.mark.parametrize(
+    ("column", "cell", "expected"),
+    [
+        ("metrics", "{", "JSON text"),
+        ("config", "not json", "JSON text"),
+        ("epsilon", "[", "JSON text"),
+        ("checkpoints", "{", "JSON text"),
+        ("epsilon_max", "x", "a number"),
+    ],
+)
+def test_runs_list_names_a_damaged_cell_of_the_store(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], column: str, cell: str, expected: str
+) -> None:
+    """A cell edited to what this code never writes crashed `runs list` (JSONDecodeError;
+    TypeError in formatting an epsilon_max of text)."""
+    train(tmp_path / "run")
+    store = tmp_path / "results.sqlite"
+    with sqlite3.connect(store) as connection:
+        connection.execute(f"UPDATE runs SET {column} = ?", (cell,))
+    connection.close()
+    assert main(["runs", "list", "--store", str(store)]) == 2
+    err = capsys.readouterr().err
+    assert f"run 1's `{column}` holds {cell!r}; expected {expected}" in err, err
+
+
 def test_a_first_schema_store_is_migrated_in_place(tmp_path: Path) -> None:
     path = tmp_path / "results.sqlite"
     with sqlite3.connect(path) as connection:
