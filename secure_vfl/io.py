@@ -83,15 +83,26 @@ def _file_kind(path: Path) -> str:
     return "something that is not a regular file"
 
 
+def _shortened(text: str) -> str:
+    """``text``, cut short past 120 characters (a path as long as the system refuses)."""
+    return text if len(text) <= 120 else f"{text[:80]}... ({len(text)} characters)"
+
+
 def check_directory(option: str, directory: Path) -> None:
     """ConfigError, before any work, unless ``directory`` (given with ``option``) is a directory
     this process may write in, or can be made as one: its nearest existing ancestor is such a
     directory. Otherwise the command would fail only when it first writes there, after its work."""
-    if directory.exists():
-        ancestor, made = directory, ""
-    else:
-        ancestor = next((p for p in directory.parents if p.exists()), Path("."))
-        made = " (it would be made there)"
+    try:
+        if directory.exists():
+            ancestor, made = directory, ""
+        else:
+            ancestor = next((p for p in directory.parents if p.exists()), Path("."))
+            made = " (it would be made there)"
+    except OSError as error:  # e.g. a name longer than the file system takes
+        raise ConfigError(
+            f"{option} {_shortened(str(directory))}: a path this system can use expected; "
+            f"{error.strerror or error}."
+        ) from None
     if not ancestor.is_dir():
         kind = "a file" if ancestor.is_file() else _file_kind(ancestor)
         where = "is" if ancestor == directory else f"lies under {ancestor},"

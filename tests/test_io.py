@@ -127,6 +127,12 @@ def test_check_directory_takes_what_exists_or_can_be_made_and_says_why_not(
     assert a_file.read_text() == "mine" and not (tmp_path / "new").exists()
 
 
+def test_check_directory_refuses_a_name_the_file_system_cannot_take(tmp_path: Path) -> None:
+    """A name of 300 characters ended the command with exit 1 and the whole name echoed."""
+    with pytest.raises(ConfigError, match=r"\.\.\. \(\d+ characters\): a path this system can use"):
+        check_directory("--out", tmp_path / ("a" * 300))
+
+
 def test_atomic_directory_is_whole_under_its_name_or_absent(tmp_path: Path) -> None:
     target = tmp_path / "checkpoints" / "step-00000010"
 
