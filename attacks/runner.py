@@ -79,10 +79,8 @@ def make_attack(name: str, options: Mapping[str, float | str]) -> Attack:
     taken = list(parameters)
     unknown = sorted(set(options) - set(taken))
     if unknown:
-        raise ConfigError(
-            f"{name} takes the parameters ({', '.join(taken) or 'none of them'}). Found "
-            f"{', '.join(unknown)}."
-        )
+        takes = f"the parameters ({', '.join(taken)})" if taken else "no parameters"
+        raise ConfigError(f"{name} takes {takes}. Found {', '.join(unknown)}.")
     for key, value in options.items():
         declared = parameters[key].annotation
         if declared is not inspect.Parameter.empty and not _of_type(value, declared):

@@ -138,6 +138,8 @@ def test_scores_that_rank_the_rare_class_last_are_a_leak_not_a_defense() -> None
         ("direction-scoring", {"known": math.nan}, "known takes an integer. Found known=nan"),
         ("gradient-replacement-backdoor", {"gamma": math.inf}, "gamma takes a finite number"),
         ("gradient-replacement-backdoor", {"swap": 3}, "swap takes text. Found swap=3"),
+        # it said "takes the parameters (none of them)"
+        ("norm-scoring", {"known": 3}, "norm-scoring takes no parameters. Found known."),
     ],
 )
 def test_an_option_of_the_wrong_type_is_refused_before_training(

@@ -475,7 +475,8 @@ def party_name(text: str) -> str:
     safe = re.sub("-{2,}", "-", safe)
     if not safe:
         raise ConfigError(
-            f"a party name needs a letter or a digit; {text!r} has none (use --party-name)."
+            f"a party name needs an ASCII letter (a-z) or digit; {text!r} has none (use "
+            "--party-name)."
         )
     return safe
 
