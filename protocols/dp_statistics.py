@@ -189,13 +189,15 @@ class ClientStatisticsNoise:
 
 
 def read_feature_ranges(path: Path, features: Sequence[str]) -> FeatureRanges:
-    """Declared ranges from a CSV with columns ``feature``, ``lower``, ``upper`` (one row per
-    feature of the task, in the units the clients hold), in the order of ``features``."""
+    """Declared ranges from a CSV (or a Parquet file, by its suffix ``.parquet``/``.pq``) with
+    columns ``feature``, ``lower``, ``upper`` (one row per feature of the task, in the units the
+    clients hold), in the order of ``features``."""
     import pandas as pd
 
+    parquet = Path(path).suffix.lower() in (".parquet", ".pq")
     try:
-        table = pd.read_csv(path)
-    except (OSError, ValueError) as error:
+        table = pd.read_parquet(path) if parquet else pd.read_csv(path)
+    except (OSError, ValueError, ImportError) as error:
         raise DataError(f"cannot read feature ranges from {path}: {error}") from None
     missing_columns = {"feature", "lower", "upper"} - set(table.columns)
     if missing_columns:

@@ -811,9 +811,10 @@ def build_parser() -> argparse.ArgumentParser:
     impute_privacy.add_argument(
         "--feature-ranges",
         type=existing_file,
-        metavar="CSV",
-        help="declared per-feature ranges (columns feature, lower, upper) that values are "
-        "clipped to; default: the observed training ranges, which are not private",
+        metavar="FILE",
+        help="declared per-feature ranges, CSV or Parquet (columns feature, lower, upper), "
+        "that values are clipped to; default: the observed training ranges, which are not "
+        "private",
     )
     impute_privacy.add_argument(
         "--delta",

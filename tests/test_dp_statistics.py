@@ -20,6 +20,7 @@ from protocols.dp_statistics import (
     ClientStatisticsNoise,
     StatisticsNoise,
     observed_ranges,
+    read_feature_ranges,
 )
 from protocols.noise import SeededNoise
 from protocols.secagg import MaskingAggregator
@@ -491,3 +492,19 @@ def test_the_label_partys_engine_plans_declared_ranges_and_lists_what_clients_re
     assert report["noise_shares"] == 3 and report["ranges"] == f"declared in {ranges}"
     assert report["accounted_by"]["telco"].startswith("none: it reported nothing")
     assert report["accounted_by"]["shop"].startswith("its own accountant in its own process")
+
+
+def test_feature_ranges_read_from_csv_or_parquet_alike(tmp_path: Path) -> None:
+    """A Parquet file was read as CSV ("'utf-8' codec can't decode byte ...")."""
+    import pandas as pd
+
+    table = pd.DataFrame({"feature": ["b", "a"], "lower": [-1.0, 0.0], "upper": [2.0, 5.0]})
+    table.to_csv(tmp_path / "ranges.csv", index=False)
+    table.to_parquet(tmp_path / "ranges.parquet", index=False)
+    read = [
+        read_feature_ranges(tmp_path / name, ["a", "b"])
+        for name in ("ranges.csv", "ranges.parquet")
+    ]
+    for ranges in read:
+        np.testing.assert_array_equal(ranges.lower, [0.0, -1.0])
+        np.testing.assert_array_equal(ranges.upper, [5.0, 2.0])
