@@ -642,7 +642,7 @@ def test_oversize_message_is_refused_before_parsing() -> None:
 
 def test_oversize_message_is_not_encoded() -> None:
     big = torch.zeros(MAX_MESSAGE_BYTES, dtype=torch.uint8)
-    with pytest.raises(ProtocolError, match="exceeds the limit of 67108864"):
+    with pytest.raises(ProtocolError, match=r"exceeds the limit of 67108864; .* \(--batch-size\)"):
         encode(TensorMessage(**HEADER, tensor=big))
 
 

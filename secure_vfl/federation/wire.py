@@ -706,7 +706,9 @@ def encode(message: Message) -> bytes:
         size += encode_field(value, out)
     if size > MAX_MESSAGE_BYTES:
         raise ProtocolError(
-            f"{message.kind}: message of {size} bytes exceeds the limit of {MAX_MESSAGE_BYTES}."
+            f"{message.kind}: message of {size} bytes exceeds the limit of {MAX_MESSAGE_BYTES}; "
+            "a message carries one batch's tensors, so a smaller batch (--batch-size) makes it "
+            "smaller."
         )
     return b"".join(out)
 
