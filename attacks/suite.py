@@ -92,6 +92,9 @@ def run_suite(
     ``on_run(attack, defense, result)`` after each. An unknown attack or a malformed defense is
     refused (ConfigError) before anything runs; a defense that does not apply to a run is
     listed with why, as a run that diverges is."""
+    for name, given in (("attacks", attacks), ("defenses", defenses)):
+        if isinstance(given, str):  # its letters would be taken as names
+            raise ConfigError(f"`{name}` must be a list of names. Found the str {given!r}.")
     if attacks is not None and not attacks:
         raise ConfigError("attacks: at least one attack name expected (None: every one). Found [].")
     for name in attacks or ():

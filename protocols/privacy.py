@@ -224,7 +224,7 @@ class PrivacySpec:
         values["delta"] = checks.real(
             "delta", self.delta, low=0, high=1, low_open=True, high_open=True
         )
-        values["seed"] = checks.integer("seed", self.seed, low=0)
+        values["seed"] = checks.seed("seed", self.seed)
         values["insecure_reproducible_noise"] = checks.flag(
             "insecure_reproducible_noise", self.insecure_reproducible_noise
         )

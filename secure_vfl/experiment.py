@@ -308,6 +308,7 @@ def load_optimiser_machinery() -> None:
 def prepare_data(config: TrainConfig, *, aligner: Aligner | None = None) -> VerticalData:
     """The vertical data of a run: a registered dataset partitioned, or the user's own files
     aligned by ``aligner`` (by default the one registered as ``config.align``)."""
+    checks.instance("config", config, TrainConfig)
     rng = np.random.default_rng(config.seed)
     train_missing = parse_mechanism(config.train_missing)
     test_missing = [parse_mechanism(text) for text in config.test_missing]
@@ -824,6 +825,7 @@ class ImputeResult:
 
 def prepare_imputation_task(config: ImputeRunConfig) -> ImputationTask:
     """The clients of a run: a registered dataset dealt to clients, or the user's own files."""
+    checks.instance("config", config, ImputeRunConfig)
     if config.dataset is not None:
         frame = load_imputation_dataset(config.dataset)
         return make_imputation_task(
@@ -963,6 +965,7 @@ def imputed_tables(
     training rows, then their test rows, with a ``split`` column. ``as_written``: a client
     file's cells as the file writes them (what ``impute --save-imputed`` writes; see
     :meth:`~secure_vfl.data.imputation.ClientFile.imputed_frame`)."""
+    checks.instance("task", task, ImputationTask, " (prepare_imputation_task)")
     tables = {}
     for k, (train, test) in enumerate(zip(task.train, task.test, strict=True)):
         rows = ClientData(

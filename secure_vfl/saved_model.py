@@ -31,6 +31,7 @@ program predicts from the blocks present, as the method does at test time.
 from __future__ import annotations
 
 import json
+import os
 import uuid
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -697,6 +698,11 @@ class SavedModel:
     @classmethod
     def load(cls, path: Path) -> SavedModel:
         """Load the model saved at ``path`` (a run directory or its ``model/``)."""
+        if not isinstance(path, str | os.PathLike):
+            raise ConfigError(
+                f"`path` must be a path to a run directory or its model/. Found "
+                f"{type(path).__name__}."
+            )
         manifest, directory = read_manifest(Path(path))
         return cls(manifest, directory)
 

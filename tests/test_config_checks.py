@@ -98,6 +98,17 @@ WRONG: list[tuple[Any, dict[str, Any], str]] = [
         {"method": "mean", "dataset": "ozone", "id_column": ""},
         "`id_column` must be a column name. Found ''.",
     ),
+    # each of these crashed in the run (TypeError, KeyError, torch's "Overflow when unpacking")
+    (FalseVflConfig, {"latent_dim": None}, "`latent_dim` must be a positive integer. Found None"),
+    (FalseVflConfig, {"kappa": None}, "`kappa` must be a positive integer. Found NoneType."),
+    (FalseVflConfig, {"hidden": 10**30}, "`hidden` must be at most 65536. Found 10000"),
+    (ImputeConfig, {"hidden": 10**30}, "`hidden` must be at most 65536. Found 10000"),
+    (ImputeConfig, {"layers": 65}, "`layers` must be at most 64. Found 65."),  # was ignored
+    (
+        PrivacySpec,
+        {"seed": 2**32},
+        "`seed` must be an integer seed in [0, 2**32). Found 4294967296",
+    ),
     (PrivacySpec, {"dp_embeddings": "1:1"}, "`dp_embeddings` must be a (SIGMA, CLIP) pair"),
     (PrivacySpec, {"dp_sgd": ("1", "1")}, "`dp_sgd` must be a (SIGMA, CLIP) pair of numbers."),
     (PrivacySpec, {"delta": "1e-5"}, "`delta` must be in (0, 1). Found '1e-5'."),
@@ -156,7 +167,15 @@ def test_the_checks_take_what_they_promise_and_no_more() -> None:
 def test_the_entry_points_refuse_arguments_of_the_wrong_kind_naming_them() -> None:
     """A PrivacySpec passed where its engine goes, a dict for a config, data or a task: an
     AttributeError from deep inside the run before."""
-    from secure_vfl.experiment import prepare_imputation_task, run_imputation, run_training
+    from attacks.suite import run_suite
+    from secure_vfl.experiment import (
+        imputed_tables,
+        prepare_data,
+        prepare_imputation_task,
+        run_imputation,
+        run_training,
+    )
+    from secure_vfl.saved_model import SavedModel
 
     config, impute = _train(), ImputeRunConfig(method="mean", dataset="ozone", clients=3)
     engine = re.escape("(protocols.privacy.PrivacyEngine(spec), not the spec itself)")
@@ -169,6 +188,12 @@ def test_the_entry_points_refuse_arguments_of_the_wrong_kind_naming_them() -> No
         (lambda: run_training(config, data={"x": 1}), r"`data` must be a VerticalData \(prepare"),
         (lambda: run_imputation(impute, privacy=PrivacySpec()), f"must be an Imput.*{engine}"),
         (lambda: run_imputation(impute, task={"a": 1}), "`task` must be an ImputationTask"),
+        # an AttributeError or TypeError before, or (run_suite) the letters taken as names
+        (lambda: prepare_data({"method": "laser"}), "`config` must be a TrainConfig. Found dict"),
+        (lambda: prepare_imputation_task({}), "`config` must be an ImputeRunConfig. Found dict"),
+        (lambda: imputed_tables(None, None), "`task` must be an ImputationTask"),  # type: ignore[arg-type]
+        (lambda: SavedModel.load(None), "`path` must be a path to a run directory"),  # type: ignore[arg-type]
+        (lambda: run_suite(config, attacks="norm-scoring"), "`attacks` must be a list of names"),
     ):
         with pytest.raises(ConfigError, match=refusal):
             call()

@@ -106,6 +106,7 @@ from secure_vfl.federation.messages import (
 from secure_vfl.federation.parties import ROLES, DataParty, Party, RoleFactory
 from secure_vfl.federation.releases import ReleaseBlocks
 from secure_vfl.methods.base import (
+    MAX_REPRESENTATION_DIM,
     METHODS,
     PARTY_MODELS,
     MethodConfig,
@@ -162,12 +163,17 @@ class FalseVflConfig:
 
     def __post_init__(self) -> None:
         counts = ("kappa", "inference_samples", "latent_dim", "global_latent_dim", "hidden")
-        epochs = ("pretrain_epochs", "train_epochs")
+        epochs = ("pretrain_epochs", "train_epochs")  # None: the method's own epochs
         values: dict[str, object] = {
             name: checks.integer(name, getattr(self, name), low=1)
             for name in (*counts, *epochs)
-            if getattr(self, name) is not None
+            if name in counts or getattr(self, name) is not None
         }
+        for name in ("latent_dim", "global_latent_dim", "hidden"):  # a layer's width
+            if values[name] > MAX_REPRESENTATION_DIM:  # type: ignore[operator]
+                raise ConfigError(
+                    f"`{name}` must be at most {MAX_REPRESENTATION_DIM}. Found {values[name]}."
+                )
         for name in ("pretrain_lr", "train_lr"):
             values[name] = checks.real(name, getattr(self, name), low=0, low_open=True)
         for name in ("kappa", "inference_samples"):  # each row's samples are held at once

@@ -10,7 +10,7 @@ import numpy as np
 
 from secure_vfl import checks
 from secure_vfl.data.imputation import ClientData, ImputationTask
-from secure_vfl.errors import DataError
+from secure_vfl.errors import ConfigError, DataError
 from secure_vfl.federation.aggregator import SumBackend
 from secure_vfl.federation.channel import Channel
 from secure_vfl.methods.imputation.statistics import StatisticsPrivacyFactory
@@ -23,6 +23,11 @@ def derived_seed(seed: int, *keys: int) -> int:
     """An independent 63-bit seed for the stream named by ``keys`` under the run's ``seed``."""
     state = np.random.SeedSequence([seed, *keys]).generate_state(2, dtype=np.uint32)
     return int((int(state[0]) << 31) ^ int(state[1]))
+
+
+MAX_WIDTH = {"hidden": 65536, "layers": 64}
+"""The widest and deepest imputation network a config may ask for (a larger one was refused
+only by torch, mid-run, or ignored)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +58,11 @@ class ImputeConfig:
             name: checks.integer(name, getattr(self, name), low=1) for name in counts
         }
         values["lr"] = checks.real("lr", self.lr, low=0, low_open=True, high=checks.FLOAT32_MAX)
+        for name in ("hidden", "layers"):  # a network's width and depth
+            if values[name] > MAX_WIDTH[name]:  # type: ignore[operator]
+                raise ConfigError(
+                    f"`{name}` must be at most {MAX_WIDTH[name]}. Found {values[name]}."
+                )
         for name in ("block_fraction", "client_fraction", "validation_fraction"):
             closed = name != "validation_fraction"
             value = getattr(self, name)
