@@ -160,8 +160,11 @@ def test_a_table_built_in_python_gets_the_checks_of_a_file(files: Path) -> None:
     n = len(bank.ids)
     inf = bank.frame.copy()
     inf.iloc[0, 0] = np.inf
+    # a column named twice crashed predict (TypeError from pandas)
+    twice = pd.concat([bank.frame, bank.frame.iloc[:, :1]], axis=1)
     for ids, frame, expected in (
         (np.array(["a"] * n), bank.frame, "bank: ids must be unique. Found 1 repeated, e.g. 'a'"),
+        (bank.ids, twice, "bank: column names must be distinct. Found ['sl'] repeated."),
         (bank.ids[:5], bank.frame, f"bank: one id per row expected, found 5 ids for {n} rows"),
         (np.array([""] * n), bank.frame, f"bank: every row must have an id. Found {n} empty"),
         (bank.ids, inf, "bank: column 'sl' must hold finite float32 values. Found 1 infinite"),
@@ -176,6 +179,8 @@ def test_a_table_built_in_python_gets_the_checks_of_a_file(files: Path) -> None:
         with pytest.raises(TypeError, match=re.escape(expected)):
             PartyTable(name="bank", ids=ids, frame=frame)  # type: ignore[arg-type]
     PartyTable(name="bank", ids=np.asarray(list(bank.ids), dtype=str), frame=bank.frame)
+    with pytest.raises(ConfigError, match="a party table's name must be a non-empty str"):
+        PartyTable(name=None, ids=bank.ids, frame=bank.frame)  # type: ignore[arg-type]
 
 
 def test_a_table_without_rows_is_refused_by_predict_as_a_file_is(files: Path, laser: Path) -> None:

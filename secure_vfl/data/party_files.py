@@ -46,10 +46,17 @@ class PartyTable:
     frame: pd.DataFrame
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.name, str) and self.name):
+            raise ConfigError(f"a party table's name must be a non-empty str. Found {self.name!r}.")
         if not isinstance(self.frame, pd.DataFrame):
             raise TypeError(
                 f"{self.name}: frame: a pandas DataFrame expected, found "
                 f"{type(self.frame).__name__}."
+            )
+        repeated = sorted({str(c) for c in self.frame.columns[self.frame.columns.duplicated()]})
+        if repeated:  # one of them would be read as the other (a TypeError deep in predict)
+            raise DataError(
+                f"{self.name}: column names must be distinct. Found {repeated} repeated."
             )
         ids = self.ids
         if not (isinstance(ids, np.ndarray) and ids.ndim == 1 and ids.dtype.kind == "U"):
