@@ -161,9 +161,10 @@ class _Marvell:
         if gap == 0:
             return gradient
         u0, u1 = marvell_variances(gap, float(positive.float().mean()), self.scale * gap)
-        if not math.sqrt(max(u0, u1)) <= checks.FLOAT32_MAX:
+        widest = math.sqrt(max(u0, u1))
+        if not widest <= checks.FLOAT32_MAX:
             raise DivergenceError(
-                f"marvell:{self.scale:g}: its noise std {math.sqrt(max(u0, u1)):.3g} for a "
+                f"marvell:{self.scale:g}: its noise std {widest:.3g} for a "
                 f"gradient class gap of {math.sqrt(gap):.3g} overflows float32; try a smaller "
                 "SCALE."
             )

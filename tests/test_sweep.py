@@ -275,8 +275,14 @@ def test_seeds_past_the_seed_range_are_refused_and_workers_never_outnumber_runs(
         raise AssertionError("runs were started")
 
     with pytest.raises(ConfigError, match=re.escape("at most 4294967296 from --seed 0")):
-        run_sweep(_config(), "direct-label-inference", templates=[], grid={}, seeds=10**11,
-                  on_start=started)  # fmt: skip
+        run_sweep(
+            _config(),
+            "direct-label-inference",
+            templates=[],
+            grid={},
+            seeds=10**11,
+            on_start=started,
+        )
     asked = []
 
     def executor_map(jobs: list[object], *, workers: int, **kwargs: object) -> object:
