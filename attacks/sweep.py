@@ -28,7 +28,7 @@ from typing import Any
 from attacks.base import ATTACKS
 from protocols.privacy import PrivacySpec
 from secure_vfl import checks
-from secure_vfl.errors import ConfigError, DivergenceError
+from secure_vfl.errors import ConfigError, DivergenceError, run_warnings
 from secure_vfl.experiment import TrainConfig, prepare_data
 from secure_vfl.io import atomic_write, atomic_write_json, atomic_write_text
 
@@ -157,14 +157,15 @@ def _attack_row(job: dict[str, Any]) -> dict[str, Any]:
         "seed": config.seed,
     }
     try:
-        result = run_attack(
-            config,
-            job["attack"],
-            attacker=job["attacker"],
-            defenses=[] if setting.defense == UNDEFENDED else [setting.defense],
-            privacy=job["privacy"],
-            cache=job["cache"],
-        )
+        with run_warnings() as noted:
+            result = run_attack(
+                config,
+                job["attack"],
+                attacker=job["attacker"],
+                defenses=[] if setting.defense == UNDEFENDED else [setting.defense],
+                privacy=job["privacy"],
+                cache=job["cache"],
+            )
     except DivergenceError as error:  # it says so, where, and what to try
         return {**row, "failed": str(error)}
     except ConfigError as error:  # the defense does not apply to this task (as in a suite)
@@ -182,6 +183,7 @@ def _attack_row(job: dict[str, Any]) -> dict[str, Any]:
         "dcs": payload["dcs"],
         "dcs_chance": payload["dcs_chance"],
         "training": payload["training"],
+        "warnings": list(dict.fromkeys(noted)),
     }
 
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from numbers import Real
@@ -60,6 +61,7 @@ from protocols.dp import (
     ADJACENCIES,
     ADJACENCY_TEXT,
     GRAD_SAMPLE_MODES,
+    NEGLIGIBLE_NOISE,
     ROW_SHIFT,
     PrivacyAccountant,
     calibrate_noise,
@@ -70,7 +72,7 @@ from protocols.party_privacy import PartyPlan, PartyPrivacy, read_entry, samplin
 from protocols.sum_range import ADVICE, RUN_DRAWS_BITS, TAIL_SIGMAS, SumRange, sum_range
 from secure_vfl import checks
 from secure_vfl.data.samplers import BatchSampler, PoissonSampler, poisson_like, poisson_terms
-from secure_vfl.errors import ConfigError, ProtocolError
+from secure_vfl.errors import ConfigError, ProtocolError, RunWarning
 from secure_vfl.experiment import DIVERGENCE_ADVICE
 from secure_vfl.federation.aggregator import SumBackend
 from secure_vfl.federation.alignment import Aligner, make_aligner
@@ -760,7 +762,7 @@ class PrivacyEngine:
         guarantees = {n: e["guarantees"] for n, e in entries.items() if e["guarantees"]}
         epsilon = {n: max(g["epsilon"] for g in held) for n, held in guarantees.items()}
         target = self.spec.target_epsilon
-        return {
+        entry = {
             **self._source_entry(),
             "accountant": "rdp",
             "delta": self.spec.delta,
@@ -794,6 +796,10 @@ class PrivacyEngine:
             if target is None
             else all(e <= target * (1 + 1e-9) for e in epsilon.values()),
         }
+        _warn_of_weak_guarantees(
+            entry, {MECHANISMS[kind]: s for kind, (s, _) in self.noise.items()}
+        )
+        return entry
 
     def _entries(self) -> dict[str, dict[str, Any]]:
         """Each party's priced releases (its own half here, or what it reported), in the
@@ -917,6 +923,7 @@ class PrivacyEngine:
             "releases": {name: {"statistics": releases[name]} for name in guarantees},
             "target_epsilon": self.spec.target_epsilon,
         }
+        _warn_of_weak_guarantees(entry, {"--dp-statistics": terms.noise_multiplier})
         if self._statistics is None:
             entry["accounted_by"] = {
                 name: (
@@ -929,6 +936,35 @@ class PrivacyEngine:
                 for name in self._statistics_clients
             }
         return entry
+
+
+def _warn_of_weak_guarantees(entry: Mapping[str, Any], sigmas: Mapping[str, float]) -> None:
+    """RunWarnings for a privacy report whose figures protect nothing: a party with epsilon inf
+    (a noise multiplier of 0, or below :data:`~protocols.dp.NEGLIGIBLE_NOISE`, adds no noise),
+    and a delta not below 1/n for n training records (a mechanism that publishes a few records
+    outright meets such a guarantee). ``sigmas``: each mechanism's noise multiplier by the flag
+    that sets it."""
+    unbounded = sorted(name for name, epsilon in entry["epsilon"].items() if math.isinf(epsilon))
+    if unbounded:
+        silent = [
+            f"{flag} SIGMA {sigma:g}" for flag, sigma in sigmas.items() if sigma < NEGLIGIBLE_NOISE
+        ]
+        cause = f" ({', '.join(silent)}: no noise)" if silent else ""
+        warnings.warn(
+            f"epsilon is inf for {', '.join(unbounded)}{cause}: the run holds no differential "
+            "privacy guarantee; expected a noise multiplier SIGMA > 0 (or --target-epsilon).",
+            RunWarning,
+            stacklevel=3,
+        )
+    records = entry["sampling"].get("records")
+    if records and entry["delta"] >= 1 / records:
+        warnings.warn(
+            f"delta {entry['delta']:g} is not below 1/n = 1/{records} (n: the training records): "
+            "at such a delta a mechanism that publishes a few records outright meets the "
+            "guarantee; choose --delta well below 1/n.",
+            RunWarning,
+            stacklevel=3,
+        )
 
 
 def release_plan(method: str, config: MethodConfig, parties: int) -> list[dict[str, int]]:

@@ -19,11 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
 
-from secure_vfl.errors import (
-    ConfigError,
-    OutputError,
-    SecureVFLError,
-)
+from secure_vfl.errors import ConfigError, OutputError, SecureVFLError, run_warnings
 from secure_vfl.io import check_directory, make_parent, writable_file
 
 EXIT_USAGE = 2
@@ -1524,13 +1520,6 @@ def _privacy_lines(privacy: dict[str, Any]) -> list[str]:
         f"epsilon (delta {privacy['delta']:g}, {privacy['adjacency']}{drawn}; largest "
         f"guarantee per party, see result.json): {spent}"
     ]
-    records = sampling.get("records")
-    if records and privacy["delta"] >= 1 / records:
-        lines.append(
-            f"WARNING: delta {privacy['delta']:g} is not below 1/n = 1/{records} (n: the "
-            "training records): at such a delta a mechanism that publishes a few records "
-            "outright meets the guarantee; choose --delta well below 1/n."
-        )
     if privacy["insecure_reproducible_noise"]:
         lines.append(
             "WARNING: --insecure-reproducible-noise: the noise is reproducible from the seed; "
@@ -1663,7 +1652,7 @@ def run_train(args: argparse.Namespace) -> int:
         if step % 10 == 0:
             bar.set_postfix(loss=f"{loss:.3f}")
 
-    with _capture(args.capture, args) as capture, _run_warnings() as noted:
+    with _capture(args.capture, args) as capture, run_warnings() as noted:
         # PSI's messages go to the capture too, but their bytes are not training traffic.
         alignment = Channel(transport=InProcessTransport(capture=capture))
         # PSI's points, both sides' of each data party's session (no total: sizes come later).
@@ -1866,27 +1855,6 @@ def _relabel(value: Any, mapping: dict[str, str]) -> Any:
     return value
 
 
-@contextmanager
-def _run_warnings() -> Iterator[list[str]]:
-    """Collect the :class:`~secure_vfl.errors.RunWarning` messages raised inside (into the
-    list yielded); other warnings pass through as usual."""
-    import warnings
-
-    from secure_vfl.errors import RunWarning
-
-    noted: list[str] = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", RunWarning)
-        yield noted
-    for warning in caught:
-        if issubclass(warning.category, RunWarning):
-            noted.append(str(warning.message))
-        else:
-            warnings.showwarning(
-                warning.message, warning.category, warning.filename, warning.lineno
-            )
-
-
 def _privacy_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The privacy flags of a training run as given (backend, alignment, every DP flag,
     target epsilon, delta, noise seed), for ``result.json``'s ``config.privacy``."""
@@ -1944,7 +1912,7 @@ def run_attack_command(args: argparse.Namespace) -> int:
         bar.update(1)
 
     try:
-        with _run_warnings() as noted:
+        with run_warnings() as noted:
             result = run_attack(
                 config,
                 name,
@@ -2040,6 +2008,7 @@ def run_sweep_command(args: argparse.Namespace) -> int:
         if row["failed"] is not None:
             print(f"{row['defense']} seed {row['seed']}: {row['failed']}", file=sys.stderr)
             continue
+        _print_warnings([f"{row['defense']} seed {row['seed']}: {w}" for w in row["warnings"]])
         store.add(
             _attack_entry({**row, "main": {"accuracy": row["main_accuracy"]}}, row["defense"]),
             kind=f"sweep:{args.attack}",
@@ -2211,7 +2180,7 @@ def run_impute(args: argparse.Namespace) -> int:
             "--save-imputed to replace them too (or remove the folder)."
         )
     store = _results_store(args, out)
-    with _run_warnings() as noted:
+    with run_warnings() as noted:
         task = prepare_imputation_task(config)
     bar: Any = None
 
@@ -2225,7 +2194,7 @@ def run_impute(args: argparse.Namespace) -> int:
         bar.update(1)
         bar.set_postfix(val_rmse=f"{rmse:.3f}")
 
-    with _capture(args.capture, args) as capture, _run_warnings() as running:
+    with _capture(args.capture, args) as capture, run_warnings() as running:
         try:
             result, imputer = run_imputation(
                 config,
@@ -2356,7 +2325,7 @@ def run_impute_deployed(args: argparse.Namespace) -> int:
         bar.set_postfix(val_rmse=f"{rmse:.3f}")
 
     try:
-        with _capture(args.capture, args) as capture, _run_warnings() as noted:
+        with _capture(args.capture, args) as capture, run_warnings() as noted:
             result, saved = impute_deployed(
                 config,
                 federation,
@@ -2508,7 +2477,7 @@ def run_predict(args: argparse.Namespace) -> int:
         _check_prediction_out(out, args, [path for _, path in args.party_file])
     model = SavedModel.load(args.model)
     id_column = args.id_column or model.id_column
-    with _run_warnings() as noted:
+    with run_warnings() as noted:
         predictions = model.predict(
             _party_tables(model, args.party_file, id_column),
             id_column=id_column,
@@ -2548,7 +2517,7 @@ def run_predict_deployed(args: argparse.Namespace) -> int:
     out: Path | None = args.out
     if out is not None:
         _check_prediction_out(out, args, [own] if own is not None else [])
-    with _run_warnings() as noted, _capture(args.capture, args) as capture:
+    with run_warnings() as noted, _capture(args.capture, args) as capture:
         done = predict_deployed(
             args.model,
             federation,
@@ -3013,7 +2982,7 @@ def run_train_deployed(args: argparse.Namespace) -> int:
         aligning.close()
         bar = tqdm(total=total, desc=config.method, unit="step", disable=_no_bar(args), leave=False)
 
-    with _run_warnings() as noted, _capture(args.capture, args) as capture:
+    with run_warnings() as noted, _capture(args.capture, args) as capture:
         try:
             result = train_deployed(
                 config,

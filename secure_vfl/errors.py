@@ -6,6 +6,10 @@ expected and what was found (``"`p_miss` must be in [0, 1). Found 1.5."``).
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 
 class SecureVFLError(Exception):
     """Base class of every error raised on purpose by secure-vfl."""
@@ -76,3 +80,20 @@ class RunWarning(UserWarning):
     """A run goes on, but its result deserves a look: data that cannot be split as asked, a
     model whose predictions collapsed to one class. The CLI prints each one and lists it in
     ``result.json``'s ``warnings``."""
+
+
+@contextmanager
+def run_warnings() -> Iterator[list[str]]:
+    """Collect the :class:`RunWarning` messages raised inside, each time it is raised, into the
+    list yielded; other warnings are shown as usual when the block ends."""
+    noted: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", RunWarning)
+        yield noted
+    for warning in caught:
+        if issubclass(warning.category, RunWarning):
+            noted.append(str(warning.message))
+        else:
+            warnings.showwarning(
+                warning.message, warning.category, warning.filename, warning.lineno
+            )

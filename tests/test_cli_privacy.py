@@ -10,7 +10,7 @@ from pathlib import Path
 import dp_accounting
 import pytest
 
-from secure_vfl.cli import _privacy_lines, main
+from secure_vfl.cli import main
 
 BASE = ["train", "--method", "laser", "--dataset", "digits", "--heads", "active", "--quiet"]
 
@@ -96,19 +96,21 @@ def test_the_issues_example_prices_joint_events_per_record_under_replace_one(
     assert "WARNING" not in printed  # delta 1e-5 is below 1/1438
 
 
-def test_the_summary_warns_when_delta_is_not_below_one_over_the_records() -> None:
-    """`--delta 0.5` was accepted in silence: a guarantee at such a delta allows publishing a
-    few records outright."""
-    privacy = {
-        "epsilon": {"party-0": 2.0},
-        "sampling": {"kind": "poisson", "rate": 0.1, "records": 455},
-        "delta": 0.01,
-        "adjacency": "add or remove one record",
-        "insecure_reproducible_noise": False,
-    }
-    [_, warning] = _privacy_lines(privacy)
-    assert warning.startswith("WARNING: delta 0.01 is not below 1/n = 1/455")
-    assert len(_privacy_lines({**privacy, "delta": 1 / 456})) == 1
+def test_a_run_without_noise_or_with_a_large_delta_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--dp-embeddings 0:1` reported epsilon inf for every party and said nothing else. The
+    delta warning was a line of the summary only; both are run warnings now, in result.json."""
+    argv = [*BASE, "--epochs", "1", "--dp-embeddings", "0:1", "--delta", "0.01"]
+    assert main([*argv, "--out", str(tmp_path / "r")]) == 0
+    result = json.loads((tmp_path / "r" / "result.json").read_text())
+    assert set(result["privacy"]["epsilon"].values()) == {math.inf}
+    [unbounded] = [w for w in result["warnings"] if w.startswith("epsilon is inf")]
+    [delta] = [w for w in result["warnings"] if w.startswith("delta")]
+    assert "(--dp-embeddings SIGMA 0: no noise): the run holds no differential privacy" in unbounded
+    assert delta.startswith("delta 0.01 is not below 1/n = 1/1438")
+    printed = capsys.readouterr().err
+    assert f"secure-vfl: warning: {unbounded}" in printed and delta in printed
 
 
 def test_a_target_epsilon_covers_the_test_records_released_at_prediction(tmp_path: Path) -> None:

@@ -17,7 +17,7 @@ from attacks.dp_audit import (
     epsilon_lower_bound,
     one_run_p_value,
 )
-from secure_vfl.errors import ConfigError
+from secure_vfl.errors import ConfigError, RunWarning
 from secure_vfl.experiment import TrainConfig
 from secure_vfl.methods import MethodConfig
 
@@ -144,9 +144,13 @@ def _tiny_run() -> TrainConfig:
 def test_label_audit_positive_control_fails_without_noise() -> None:
     """Clipping only, claiming epsilon 2: party-1 reads the canaries' labels, and the audit
     refutes the claim."""
-    audit, report = audit_label_dp(
-        _tiny_run(), gradient_noise=(0.0, 0.002), rng=np.random.default_rng(3), claimed_epsilon=2.0
-    )
+    with pytest.warns(RunWarning, match=r"epsilon is inf for party-0 \(--dp-gradients SIGMA 0"):
+        audit, report = audit_label_dp(
+            _tiny_run(),
+            gradient_noise=(0.0, 0.002),
+            rng=np.random.default_rng(3),
+            claimed_epsilon=2.0,
+        )
     assert report["reported_epsilon"] == math.inf
     assert audit.correct >= 0.99 * audit.guesses
     assert audit.epsilon_lower > 2.0

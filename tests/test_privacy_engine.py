@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ from protocols.privacy import PrivacyEngine, PrivacySpec
 from protocols.secagg import MaskingAggregator
 from secure_vfl.cli import main
 from secure_vfl.data.samplers import MixedSampler, PoissonSampler
-from secure_vfl.errors import ConfigError
+from secure_vfl.errors import ConfigError, RunWarning
 from secure_vfl.experiment import ImputeRunConfig, TrainConfig, run_imputation, run_training
 from secure_vfl.methods import METHODS, MethodConfig
 from secure_vfl.methods.base import in_process_parties
@@ -47,6 +48,29 @@ def _private_run(make_data: MakeData, heads: str, spec: PrivacySpec):  # type: i
     for round in range(2):
         method.train_step(sampler.schedule[round], round, 0)
     return engine, parties
+
+
+def test_a_report_that_protects_nothing_warns(make_data: MakeData) -> None:
+    """Zero noise priced epsilon inf, and a delta of 0.5 was accepted, both in silence (the CLI
+    alone warned of the delta): each is a RunWarning of the report now, so a Python caller and
+    result.json's warnings see it."""
+    spec = PrivacySpec(dp_embeddings=(0.0, 1.0), dp_gradients=(1.0, 0.1), delta=0.5)
+    engine, _ = _private_run(make_data, "active", spec)
+    with pytest.warns(RunWarning) as caught:
+        report = engine.report()
+    assert report is not None and all(e == float("inf") for e in report["epsilon"].values())
+    unbounded, delta = (str(w.message) for w in caught)
+    assert unbounded.startswith(f"epsilon is inf for {', '.join(sorted(report['epsilon']))}")
+    assert "(--dp-embeddings SIGMA 0: no noise)" in unbounded
+    records = report["sampling"]["records"]
+    assert delta.startswith(f"delta 0.5 is not below 1/n = 1/{records}")
+    for fine in (PrivacySpec(dp_embeddings=(1.0, 1.0)), PrivacySpec(delta=1 / (records + 1))):
+        engine, _ = _private_run(
+            make_data, "active", dataclasses.replace(fine, dp_gradients=(1.0, 0.1))
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RunWarning)
+            assert engine.report() is not None
 
 
 @pytest.mark.parametrize("heads", ["all", "active"])

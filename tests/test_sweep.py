@@ -154,6 +154,24 @@ def test_sweep_command_writes_table_plots_and_store_rows(tmp_path: Path) -> None
     assert main([*argv[:-2], "--dp-sgd", "1:1", "--out", str(tmp_path / "x")]) == 2
 
 
+def test_a_run_warning_of_a_worker_is_printed_with_its_setting_and_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A worker's RunWarnings (here: SIGMA 0 adds no noise) came out as raw Python warnings, one
+    per worker process, naming no setting, and were not kept with the sweep."""
+    out = tmp_path / "sweep"
+    argv = ["sweep", "--attack", "direct-label-inference", *LABEL_LEAK_RUN, "--defense"]
+    argv += ["dp-gradients:SIGMA:0.01", "--grid", "SIGMA=0", "--seeds", "1", "--workers", "1"]
+    assert main([*argv, "--quiet", "--out", str(out)]) == 0
+    rows = {row["defense"]: row for row in json.loads((out / "sweep.json").read_text())["rows"]}
+    [unbounded] = [w for w in rows["dp-gradients:0:0.01"]["warnings"] if "epsilon is inf" in w]
+    assert "(--dp-gradients SIGMA 0: no noise)" in unbounded
+    assert not any("epsilon is inf" in w for w in rows["none"]["warnings"])
+    printed = capsys.readouterr().err
+    assert f"secure-vfl: warning: dp-gradients:0:0.01 seed 0: {unbounded}" in printed
+    assert "RunWarning" not in printed
+
+
 def test_the_ray_executor_is_an_optional_extra() -> None:
     if importlib.util.find_spec("ray") is not None:
         rows = run_sweep(
