@@ -136,12 +136,15 @@ def test_named_columns_categories_and_missing_cells_train_report_and_predict(
     manifest = json.loads((out / "model" / "manifest.json").read_text())
     assert [p["source"] for p in manifest["parties"]] == ["bank-a", "shop"]
     saved = json.loads((out / "model" / "party-1" / "preprocessing.json").read_text())
-    assert saved["version"] == 2 and saved["id_column"] == "patient"
+    assert saved["version"] == 3 and saved["id_column"] == "patient"
     assert saved["columns"][0] == {
         "name": "city",
         "kind": "categorical",
         "categories": list(CITIES),
     }
+    [spend] = [column for column in saved["columns"] if column["name"] == "spend"]
+    low, high = spend["range"]  # the training rows' own, which the party keeps
+    assert spend["kind"] == "numeric" and low < high
 
     # New rows: a missing cell, an unseen city, ids with leading zeros under `patient`.
     new = tmp_path / "new"

@@ -4,6 +4,7 @@ fitted on its training rows only and kept as versioned JSON (issue 12, item 2)."
 from __future__ import annotations
 
 import json
+import re
 import warnings
 
 import numpy as np
@@ -100,18 +101,20 @@ def test_text_in_a_column_that_was_numeric_in_training_is_refused() -> None:
 def test_json_round_trip_keeps_every_step_exactly() -> None:
     fitted = PartyPreprocessing.fit(training_rows(), where="t", id_column="patient")
     payload = json.loads(json.dumps(fitted.to_json()))
-    assert payload["version"] == 2
+    assert payload["version"] == 3
+    assert payload["columns"][0] == {"name": "age", "kind": "numeric", "range": [30.0, 50.0]}
     assert payload["columns"][1] == {
         "name": "city",
         "kind": "categorical",
         "categories": ["lyon", "paris"],
     }
     loaded = PartyPreprocessing.from_json(payload, "p.json")
-    new = pd.DataFrame({"age": [np.nan, 31.0], "city": ["lyon", None], "income": [9.0, 0.0]})
+    new = pd.DataFrame({"age": [np.nan, 31.0], "city": ["lyon", None], "income": [5.0, 0.0]})
     np.testing.assert_array_equal(
         loaded.transform_frame(new, "n"), fitted.transform_frame(new, "n")
     )
     assert loaded.id_column == "patient" and loaded.indicators == fitted.indicators
+    assert loaded.ranges == fitted.ranges == {"age": (30.0, 50.0), "income": (1.0, 4.0)}
 
 
 def test_version_1_json_is_still_read_as_numeric_columns_that_refuse_missing_cells() -> None:
@@ -130,8 +133,64 @@ def test_version_1_json_is_still_read_as_numeric_columns_that_refuse_missing_cel
     version_1["columns"][0]["kind"] = "categorical"  # type: ignore[index]
     with pytest.raises(DataError, match=r"column kinds \['numeric'\] expected"):
         PartyPreprocessing.from_json(version_1, "old.json")
-    with pytest.raises(DataError, match="preprocessing version 1 or 2 expected"):
-        PartyPreprocessing.from_json({**version_1, "version": 3}, "new.json")
+    with pytest.raises(DataError, match="preprocessing version 1 or 2 or 3 expected"):
+        PartyPreprocessing.from_json({**version_1, "version": 4}, "new.json")
+
+
+def _far_outside(fitted: PartyPreprocessing, new: pd.DataFrame) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fitted.transform_frame(new, "new.csv (shop)")
+    return [str(w.message) for w in caught if "far outside" in str(w.message)]
+
+
+def test_rows_far_outside_a_columns_training_range_warn_with_the_range() -> None:
+    """A column in other units (or a value of 3e38) was scored in silence: probabilities
+    saturated at 0 and 1, with nothing said."""
+    fitted = PartyPreprocessing.fit(training_rows(), where="t")  # age 30..50, income 1..4
+    # within, and beyond the range by at most its width: no warning
+    near = pd.DataFrame(
+        {"age": [10.0, 70.0, np.nan], "city": ["paris"] * 3, "income": [-2.0, 7.0, 3]}
+    )
+    assert _far_outside(fitted, near) == []
+    far = pd.DataFrame(
+        {"age": [40.0, 9.0, 3e38], "city": ["lyon"] * 3, "income": [2.0, 2.0, 4000.0]}
+    )
+    [message] = _far_outside(fitted, far)
+    assert message.startswith("new.csv (shop): 2 of 3 rows hold values far outside")
+    assert "'age' (training range [30, 50], found 9 to 3e+38)" in message
+    assert "'income' (training range [1, 4], found 4000)" in message
+    assert "check the columns' units and scale" in message
+    # a column constant in training: any other value is outside its range
+    constant = PartyPreprocessing.fit(pd.DataFrame({"k": [5.0, 5.0]}), where="t")
+    assert _far_outside(constant, pd.DataFrame({"k": [5.0]})) == []
+    assert (
+        "'k' (training range [5, 5], found 5.5)"
+        in _far_outside(constant, pd.DataFrame({"k": [5.5]}))[0]
+    )
+    # a model saved before ranges were kept (version 2) checks nothing
+    old = fitted.to_json()
+    old["version"] = 2
+    for column in old["columns"]:
+        column.pop("range", None)
+    assert PartyPreprocessing.from_json(old, "v2.json").ranges == {}
+    assert _far_outside(PartyPreprocessing.from_json(old, "v2.json"), far) == []
+
+
+@pytest.mark.parametrize(
+    ("saved", "expected"),
+    [
+        ("low", "a training range [low, high] of two numbers expected, found 'low'"),
+        ([1.0, True], "a training range [low, high] of two numbers expected"),
+        ([3.0, 1.0], "a finite training range low <= high expected, found [3.0, 1.0]"),
+        ([1.0, 1e400], "a finite training range low <= high expected"),
+    ],
+)
+def test_a_malformed_saved_range_is_refused(saved: object, expected: str) -> None:
+    payload = PartyPreprocessing.fit(training_rows(), where="t").to_json()
+    payload["columns"][0]["range"] = saved
+    with pytest.raises(DataError, match=re.escape(expected)):
+        PartyPreprocessing.from_json(payload, "p.json")
 
 
 def test_codes_a_new_file_reads_as_numbers_are_the_categories_they_were_in_training(

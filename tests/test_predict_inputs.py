@@ -415,6 +415,36 @@ def test_predict_refuses_an_out_in_the_model_or_on_its_input_and_writes_parquet(
     assert not (tmp_path / "out.csv").exists()
 
 
+def test_predict_warns_of_rows_far_outside_the_training_range(
+    files: Path, laser: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bank file in millimetres (the model was trained on centimetres) was predicted in
+    silence; a cell of 3e38 (finite in float32) stopped predict with a message about a
+    non-finite representation from party-0."""
+    bank = pd.read_csv(files / "bank.csv").head(4)
+    bank["sl"] = bank["sl"] * 10
+    bank.loc[0, "sw"] = 40.0
+    millimetres = tmp_path / "bank.csv"
+    bank.to_csv(millimetres, index=False)
+    argv = ["predict", "--model", str(laser), "--party-file", str(millimetres), "--id-column"]
+    argv += ["customer", "--out"]
+    assert main([*argv, str(tmp_path / "p.csv")]) == 0
+    warned = capsys.readouterr().err
+    assert f"warning: {millimetres} (bank): 4 of 4 rows hold values far outside" in warned
+    assert "'sl' (training range [4.3, 7.7], found 46 to 51)" in warned
+    assert "'sw' (training range [2, 4.4], found 40)" in warned
+    assert len(pd.read_csv(tmp_path / "p.csv")) == 4  # predicted all the same
+    bank.loc[0, "sw"] = 3e38
+    bank.to_csv(millimetres, index=False)
+    assert main([*argv, str(tmp_path / "q.csv"), "--overwrite"]) == 2
+    refused = capsys.readouterr().err
+    assert f"{millimetres} (bank): column 'sw' holds 3e+38, beyond float32's range" in refused
+    assert not (tmp_path / "q.csv").exists()
+    argv[argv.index(str(millimetres))] = str(files / "bank.csv")
+    assert main([*argv, str(tmp_path / "q.csv")]) == 0
+    assert "far outside" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("flags", "named"),
     [

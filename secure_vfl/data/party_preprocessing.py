@@ -13,19 +13,24 @@ input, every one fitted on the party's own training rows only:
    indicator column, appended after the encoded columns in column order);
 3. **standardisation** with the training mean and standard deviation of every model input.
 
-Version 2 (version 1, written before categorical columns and missing cells, is still read: its
-columns are numeric and its policy ``refuse``)::
+It also keeps each numeric column's training range (its smallest and largest value), so rows far
+outside it warn (:data:`FAR_OUTSIDE`): a column in other units, or a corrupt cell, that the model
+would extrapolate on in silence.
 
-    {"schema": "secure-vfl/party-preprocessing", "version": 2, "id_column": "id",
+Version 3 (version 1, written before categorical columns and missing cells, is still read: its
+columns are numeric and its policy ``refuse``; version 2 kept no ranges)::
+
+    {"schema": "secure-vfl/party-preprocessing", "version": 3, "id_column": "id",
      "block_shape": [6],
-     "columns": [{"name": "age", "kind": "numeric"},
+     "columns": [{"name": "age", "kind": "numeric", "range": [18.0, 90.0]},
                  {"name": "city", "kind": "categorical", "categories": ["lyon", "paris"]}],
      "steps": [{"step": "missing-cells", "policy": "mean-indicator",
                 "fill": [41.5, 0.4, 0.6], "indicators": ["age"]},
                {"step": "standardize", "mean": [...], "std": [...]}]}
 
-``fill`` has one value per encoded column (before the indicators). ``columns`` is null for an
-image block (no column names; ``block_shape`` is (C, H, W); only the standardize step).
+``fill`` has one value per encoded column (before the indicators). A numeric column's ``range``
+is null where none was kept (a built-in dataset's block). ``columns`` is null for an image block
+(no column names; ``block_shape`` is (C, H, W); only the standardize step).
 """
 
 from __future__ import annotations
@@ -45,8 +50,8 @@ from secure_vfl.data.preprocessing import Standardizer
 from secure_vfl.errors import DataError, RunWarning
 
 PREPROCESSING_SCHEMA = "secure-vfl/party-preprocessing"
-PREPROCESSING_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+PREPROCESSING_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 COLUMN_KINDS = ("numeric", "categorical")
 NUMERIC_BUT_FOR = 0.05
 """The largest share of text cells in a column otherwise of numbers that is named as stray
@@ -57,6 +62,9 @@ MAX_CATEGORIES = 100
 """Most categories a categorical column may have: more is almost always an identifier or free
 text (a name, an address), whose one-hot block would be as wide as the table."""
 INDICATOR_SUFFIX = ":missing"
+FAR_OUTSIDE = 1.0
+"""A value is far outside its column's training range [lo, hi] when it lies beyond it by more
+than this many widths hi - lo (any other value, for a column constant in training)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,7 +76,8 @@ class PartyPreprocessing:
     each, in that order); ``missing_cells`` is the policy, ``fill`` (mean-indicator only) the
     value of every encoded column that replaces a missing cell, and ``indicators`` the columns
     that get a 0/1 missing-cell indicator; ``mean`` and ``std`` (already floored, see
-    :data:`~secure_vfl.data.preprocessing.STD_FLOOR`) have ``block_shape``.
+    :data:`~secure_vfl.data.preprocessing.STD_FLOOR`) have ``block_shape``; ``ranges`` maps
+    numeric columns to their training (smallest, largest) value (none kept: empty).
     """
 
     columns: tuple[str, ...] | None
@@ -80,6 +89,7 @@ class PartyPreprocessing:
     missing_cells: str = "refuse"
     fill: np.ndarray | None = None
     indicators: tuple[str, ...] = ()
+    ranges: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         shape = tuple(self.block_shape)
@@ -98,14 +108,22 @@ class PartyPreprocessing:
                 f"{self.missing_cells!r}."
             )
         if self.columns is None:
-            if self.categories or self.indicators or self.fill is not None:
-                raise DataError("an image block has no categories or missing-cell steps.")
+            if self.categories or self.indicators or self.fill is not None or self.ranges:
+                raise DataError("an image block has no categories, missing-cell steps or ranges.")
             return
         unknown = [c for c in [*self.categories, *self.indicators] if c not in self.columns]
         if unknown:
             raise DataError(
                 f"categories and indicators of known columns expected; found {unknown}."
             )
+        for column, (low, high) in self.ranges.items():
+            if column not in self.columns or column in self.categories:
+                raise DataError(f"ranges of numeric columns expected; found one for {column!r}.")
+            if not (math.isfinite(low) and math.isfinite(high) and low <= high):
+                raise DataError(
+                    f"column {column!r}: a finite training range low <= high expected, found "
+                    f"[{low}, {high}]."
+                )
         width = len(self.encoded_columns)
         if shape != (width + len(self.indicators),):
             raise DataError(
@@ -200,6 +218,10 @@ class PartyPreprocessing:
             categories=categories,
         )
         encoded, _ = encoding.encode(frame, where)
+        ranges = {}
+        for column, values in zip(encoding.encoded_columns, encoded.T, strict=True):
+            if column in columns and column not in categories:
+                ranges[column] = (float(np.nanmin(values)), float(np.nanmax(values)))
         fill = None
         if missing_cells == "mean-indicator":
             fill = np.nanmean(encoded, axis=0) if encoded.shape[0] else np.zeros(encoded.shape[1])
@@ -216,6 +238,7 @@ class PartyPreprocessing:
             missing_cells=missing_cells,
             fill=fill,
             indicators=indicators if missing_cells == "mean-indicator" else (),
+            ranges=ranges,
         )
 
     # -- applying it to rows ---------------------------------------------------------------
@@ -302,21 +325,71 @@ class PartyPreprocessing:
                     advice="a model trained with --missing-cells mean-indicator fills them",
                 )
         encoded, missing = self.encode(frame, where)
+        self._warn_far_outside(encoded, where)
         if self.missing_cells == "refuse":
             inputs = encoded
         else:
             assert self.columns is not None
             indicator = missing[:, [self.columns.index(c) for c in self.indicators]]
             inputs = np.concatenate([_fill(encoded, self.fill), indicator], axis=1)
-        return self.transform(inputs)
+        return self.transform(inputs, where)
 
-    def transform(self, x: np.ndarray) -> np.ndarray:
-        """Standardise model inputs ``x`` (N, *block_shape) exactly as in training: float32."""
+    def _warn_far_outside(self, encoded: np.ndarray, where: str) -> None:
+        """Warn (:class:`RunWarning`) of rows with a value far outside its column's training
+        range (:data:`FAR_OUTSIDE`), naming the columns, their ranges and the values found."""
+        if not self.ranges:
+            return
+        far_rows = np.zeros(len(encoded), dtype=bool)
+        named = []
+        for position, column in enumerate(self.encoded_columns):
+            if column not in self.ranges:
+                continue
+            low, high = self.ranges[column]
+            values = encoded[:, position]
+            margin = FAR_OUTSIDE * (high - low)
+            with np.errstate(invalid="ignore", over="ignore"):
+                far = (values < low - margin) | (values > high + margin)  # NaN: neither
+            if far.any():
+                far_rows |= far
+                lowest, highest = values[far].min(), values[far].max()
+                found = f"{lowest:g}" if lowest == highest else f"{lowest:g} to {highest:g}"
+                named.append(f"{column!r} (training range [{low:g}, {high:g}], found {found})")
+        if named:
+            shown = "; ".join(named[:3]) + (
+                f"; and {len(named) - 3} more" if len(named) > 3 else ""
+            )
+            warnings.warn(
+                f"{where}: {int(far_rows.sum())} of {len(encoded)} rows hold values far outside "
+                f"their column's training range (beyond it by more than its width): {shown}. "
+                "The model extrapolates there, so their predictions are unreliable; check the "
+                "columns' units and scale.",
+                RunWarning,
+                stacklevel=3,
+            )
+
+    def transform(self, x: np.ndarray, where: str = "rows") -> np.ndarray:
+        """Standardise model inputs ``x`` (N, *block_shape) exactly as in training: float32.
+        Refuses a value whose standardised form is beyond float32's range (DataError naming
+        ``where`` and the column): the model would read it as infinite."""
         if tuple(x.shape[1:]) != self.block_shape:
             raise DataError(
                 f"rows of shape {self.block_shape} expected, found {tuple(x.shape[1:])}."
             )
-        return ((x.astype(np.float64, copy=False) - self.mean) / self.std).astype(np.float32)
+        scaled = (x.astype(np.float64, copy=False) - self.mean) / self.std
+        with np.errstate(over="ignore", invalid="ignore"):
+            inputs = scaled.astype(np.float32)
+        beyond = ~np.isfinite(inputs) & ~np.isnan(scaled)
+        if beyond.any():
+            row, *at = (int(i[0]) for i in np.nonzero(beyond))
+            names = self.input_columns
+            column = f"column {names[at[0]]!r}" if names else f"position {tuple(at)}"
+            raw = x[(row, *at)]
+            raise DataError(
+                f"{where}: {column} holds {raw:g}, beyond float32's range once standardised "
+                f"(training mean {self.mean[tuple(at)]:g}, std {self.std[tuple(at)]:g}); "
+                "expected values of the scale the model was trained on."
+            )
+        return inputs
 
     def check_columns(self, found: Sequence[str], where: str) -> None:
         """DataError naming the missing and the unexpected columns unless ``found`` holds exactly
@@ -385,7 +458,9 @@ class PartyPreprocessing:
             "block_shape": list(self.block_shape),
             "columns": None
             if self.columns is None
-            else [_column_json(c, self.categories.get(c)) for c in self.columns],
+            else [
+                _column_json(c, self.categories.get(c), self.ranges.get(c)) for c in self.columns
+            ],
             "steps": steps,
         }
 
@@ -417,7 +492,7 @@ class PartyPreprocessing:
     def _from_body(cls, payload: Mapping[str, Any], where: str) -> PartyPreprocessing:
         shape = tuple(int(n) for n in payload["block_shape"])
         columns = payload["columns"]
-        names, categories = None, {}
+        names, categories, ranges = None, {}, {}
         if columns is not None:
             kinds = {str(c["kind"]) for c in columns}
             allowed = COLUMN_KINDS if payload["version"] >= 2 else ("numeric",)
@@ -430,6 +505,12 @@ class PartyPreprocessing:
                 for c in columns
                 if c["kind"] == "categorical"
             }
+            if payload["version"] >= 3:
+                ranges = {
+                    str(c["name"]): _range(c["range"], str(c["name"]), where)
+                    for c in columns
+                    if c["kind"] == "numeric" and c["range"] is not None
+                }
         steps = {str(step["step"]): step for step in payload["steps"]}
         expected = ["standardize"]
         if payload["version"] >= 2 and columns is not None:
@@ -449,7 +530,22 @@ class PartyPreprocessing:
             missing_cells=str(missing["policy"]),
             fill=None if fill is None else np.asarray(fill, dtype=np.float64),
             indicators=tuple(str(c) for c in missing["indicators"]),
+            ranges=ranges,
         )
+
+
+def _range(value: Any, column: str, where: str) -> tuple[float, float]:
+    """A numeric column's saved training range: two finite numbers, low <= high."""
+    if not (
+        isinstance(value, list)
+        and len(value) == 2
+        and all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)
+    ):
+        raise DataError(
+            f"{where}: column {column!r}: a training range [low, high] of two numbers expected, "
+            f"found {value!r}."
+        )
+    return float(value[0]), float(value[1])
 
 
 def _category_text(value: object) -> str:
@@ -565,7 +661,9 @@ def _missing_refusal(
     )
 
 
-def _column_json(name: str, categories: Sequence[str] | None) -> dict[str, Any]:
+def _column_json(
+    name: str, categories: Sequence[str] | None, range: tuple[float, float] | None
+) -> dict[str, Any]:
     if categories is None:
-        return {"name": name, "kind": "numeric"}
+        return {"name": name, "kind": "numeric", "range": None if range is None else list(range)}
     return {"name": name, "kind": "categorical", "categories": list(categories)}
