@@ -237,10 +237,12 @@ def test_the_release_plan_bounds_what_every_method_releases_per_step(
     train = TrainConfig(method=method, dataset="synthetic", method_config=config)
     run_training(train, data=make_data(train_missing="mcar:0", n=300), privacy=engine)
     plan = release_plan(method, config, 4)
+    assert len(engine.accountants) == 4
     for k, (name, accountant) in enumerate(engine.accountants.items()):
         per_step: Counter[tuple[int, str]] = Counter(
             (e.round, e.kind) for e in accountant.events if e.phase == "train"
         )
+        assert per_step, name  # it released something in training
         for (_, kind), count in per_step.items():
             assert count <= plan[k][kind], (name, kind, count, plan[k])
 

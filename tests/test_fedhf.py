@@ -91,8 +91,9 @@ def test_message_passing_matches_a_loop_over_edges() -> None:
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = FeatureGraphImputer(graph, hidden=8, layers=2)
-    x = torch.randn(3, 5)
-    observed = torch.rand(3, 5) > 0.3
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 5, generator=generator)
+    observed = torch.rand(3, 5, generator=generator) > 0.3
     available = torch.tensor([True, True, False, True, True])
     expected = torch.zeros(3, 5)
     with torch.no_grad():

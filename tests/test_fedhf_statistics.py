@@ -249,6 +249,8 @@ def test_a_client_holds_its_rows_and_sends_only_its_sums() -> None:
     recorder = RecordingLayer()
     federated_statistics(clients, channel=Channel([recorder]))
     names = {c.name for c in clients}
+    kinds = {message.kind for message in recorder.messages}
+    assert kinds == {"compute-request", "representation", "sum-request", "sum"}
     for message in recorder.messages:
         route = (message.kind, message.sender in names, message.receiver)
         assert route in {

@@ -91,7 +91,9 @@ def test_natural_missing_stays_distinct_from_unavailable():
     frame = table(rows=200)
     task = make_imputation_task(frame, name="t", rng=np.random.default_rng(3))
     original = frame.to_numpy(dtype=np.float32)
-    for client in (c for c in all_clients(task) if c.available[0]):
+    holding = [c for c in all_clients(task) if c.available[0]]
+    assert holding
+    for client in holding:
         rows = original[client.values[:, 0].astype(int)]
         np.testing.assert_array_equal(client.observed, client.available & ~np.isnan(rows))
         assert (client.available & np.isnan(client.values)).any()  # missing inside the schema

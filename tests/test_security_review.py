@@ -10,7 +10,7 @@ import dataclasses
 import numpy as np
 import pytest
 import tenseal as ts
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from randomgen import AESCounter
 
@@ -82,6 +82,7 @@ _NAMES = st.text(alphabet="ab|\x00-", max_size=6)
 _COUNTERS = st.integers(min_value=0, max_value=2**63 - 1)
 
 
+@settings(derandomize=True, max_examples=200, deadline=None)
 @given(
     st.tuples(_NAMES, _NAMES, _COUNTERS, _COUNTERS, _NAMES),
     st.tuples(_NAMES, _NAMES, _COUNTERS, _COUNTERS, _NAMES),

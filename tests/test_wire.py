@@ -212,7 +212,10 @@ def assert_canonical_or_refused(data: bytes) -> None:
     """What decode accepts re-encodes to exactly the same bytes; anything else is refused."""
     try:
         message = decode(data)
-    except ProtocolError:
+    except ProtocolError as error:
+        # decode turns any other exception into ProtocolError("undecodable message: ...")
+        # chained from it: a crash of the decoder, which must not count as a refusal
+        assert error.__cause__ is None, f"decode crashed: {error!r}"
         return
     assert encode(message) == data
 

@@ -215,7 +215,15 @@ def test_every_kind_refuses_every_truncation(message: Message) -> None:
             decode(data[:cut])
 
 
-@pytest.mark.parametrize("message", SAMPLES, ids=lambda m: m.kind)
+WITH_TENSORS = [m for m in SAMPLES if tensor_fields(m)]
+WITH_FLOATS = [
+    m
+    for m in SAMPLES
+    if any(getattr(m, n).is_floating_point() and getattr(m, n).numel() for n in tensor_fields(m))
+]
+
+
+@pytest.mark.parametrize("message", WITH_TENSORS, ids=lambda m: m.kind)
 def test_every_kind_refuses_a_changed_dtype_code(message: Message) -> None:
     data = encode(message)
     offsets = field_offsets(message)
@@ -224,13 +232,18 @@ def test_every_kind_refuses_a_changed_dtype_code(message: Message) -> None:
         assert data[at] == DTYPE_CODES[getattr(message, name).dtype]
         for code in [*range(9), 255]:
             if code != data[at]:
-                with pytest.raises(ProtocolError):
+                # an unknown code, or another dtype's: its element count (bool: its values)
+                # does not match the bytes, or the message's validate refuses the dtype; each
+                # names the field
+                with pytest.raises(ProtocolError, match=name) as refused:
                     decode(data[:at] + bytes([code]) + data[at + 1 :])
+                assert refused.value.__cause__ is None  # refused, not a crash turned into one
 
 
-@pytest.mark.parametrize("message", SAMPLES, ids=lambda m: m.kind)
+@pytest.mark.parametrize("message", WITH_FLOATS, ids=lambda m: m.kind)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_every_kind_refuses_a_non_finite_tensor(message: Message, bad: float) -> None:
+    poisoned_fields = 0
     for name in tensor_fields(message):
         tensor = getattr(message, name)
         if tensor.is_floating_point() and tensor.numel():
@@ -239,3 +252,17 @@ def test_every_kind_refuses_a_non_finite_tensor(message: Message, bad: float) ->
             data = encode(dataclasses.replace(message, **{name: poisoned}))
             with pytest.raises(IntegrityError, match=f"{message.kind}.{name}: finite values"):
                 decode(data)
+            poisoned_fields += 1
+    assert poisoned_fields  # WITH_FLOATS: each has one
+
+
+def test_the_kinds_with_tensors_cover_the_wire_dtypes() -> None:
+    """The two tests above leave out kinds without (float) tensors; those left cover every
+    floating-point dtype the wire allows."""
+    floats = {
+        getattr(m, n).dtype
+        for m in WITH_FLOATS
+        for n in tensor_fields(m)
+        if getattr(m, n).is_floating_point()
+    }
+    assert floats == {torch.float32, torch.float64} and len(WITH_FLOATS) >= 8
