@@ -2842,7 +2842,7 @@ def run_party_command(args: argparse.Namespace) -> int:
     from secure_vfl.federation.federation_file import read_federation
 
     federation = read_federation(args.federation)
-    with _capture(args.capture, args) as capture:
+    with _capture(args.capture, args) as capture, _printed_warnings():
         outcome = serve(
             federation,
             args.name,
@@ -2877,6 +2877,30 @@ def run_party_command(args: argparse.Namespace) -> int:
         return 1
     print(f"{args.name}: the run finished")
     return 0
+
+
+@contextmanager
+def _printed_warnings() -> Iterator[None]:
+    """Print each :class:`~secure_vfl.errors.RunWarning` raised inside as it is raised, as the
+    commands print theirs (``secure-vfl: warning: ...``): a served party runs until the label
+    party ends the run, and its operator should see a warning about its own rows (new rows far
+    outside its training range, say) when it happens, not once per line of code."""
+    import warnings
+
+    from secure_vfl.errors import RunWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always", RunWarning)
+        shown = warnings.showwarning
+
+        def show(message: Any, category: Any, *where: Any, **more: Any) -> None:
+            if issubclass(category, RunWarning):
+                print(f"secure-vfl: warning: {message}", file=sys.stderr, flush=True)
+            else:
+                shown(message, category, *where, **more)
+
+        warnings.showwarning = show
+        yield
 
 
 def _refuse_deployment_flags(args: argparse.Namespace, *others: str) -> None:

@@ -292,3 +292,21 @@ def test_missingness_that_does_not_fit_the_run_names_its_flag(
         main(["train", "--method", "laser", "--dataset", "digits", "--out", str(out), *extra]) == 2
     )
     assert message in capsys.readouterr().err and not out.exists()
+
+
+def test_a_served_party_prints_its_run_warnings_as_they_come(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`party serve` showed a RunWarning (a new row far outside its training range, say) as a
+    raw Python warning with its source line, and the same one only once per line of code."""
+    import warnings
+
+    from secure_vfl.cli import _printed_warnings
+    from secure_vfl.errors import RunWarning
+
+    with _printed_warnings():
+        for _ in range(2):
+            warnings.warn("rows far outside", RunWarning, stacklevel=1)
+        assert capsys.readouterr().err == "secure-vfl: warning: rows far outside\n" * 2
+        with pytest.warns(DeprecationWarning):  # other warnings as before
+            warnings.warn("old", DeprecationWarning, stacklevel=1)
