@@ -160,6 +160,8 @@ from secure_vfl.saved_model import (
     DATA_PARTY_ROLE,
     KEPT_BY_PARTY,
     LOST,
+    MAX_CLASSES,
+    MAX_INPUT_WIDTH,
     Manifest,
     PartEntry,
     new_run_id,
@@ -176,16 +178,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-MAX_WIDTH = 2**20
-"""The widest model input a data party may announce (a bound on what a peer may say; no party
-file comes near it)."""
 MAX_LAYER_WIDTH = 4096
 """The widest layer a label party may ask a served party to build (a representation, a hidden or
 latent layer, an imputation model's width or neighbours): a bound on what a peer may say, so
 that one set-up cannot make a party allocate without limit. The papers' settings use 512 at
 most."""
-MAX_CLASSES = 4096
-"""The most classes a label party may announce (a head's output width; CIFAR-100 has 100)."""
 MAX_LAYERS = 64
 """The deepest model a label party may ask a served imputation client to build."""
 MAX_LOCAL_EPOCHS = 1000
@@ -1625,10 +1622,10 @@ def fitted_widths(
         endpoint.send(_deployment(endpoint.name, name, "fit", body))
         reply = _body(endpoint.receive(sender=name, kind="deployment"), "fitted", {"shape": list})
         shape = reply["shape"]
-        if len(shape) != 1 or not isinstance(shape[0], int) or not 1 <= shape[0] <= MAX_WIDTH:
+        if len(shape) != 1 or not isinstance(shape[0], int) or not 1 <= shape[0] <= MAX_INPUT_WIDTH:
             raise ProtocolError(
                 f"fitted from {name}: the shape of a tabular block, [width] with 1 <= width <= "
-                f"{MAX_WIDTH}, expected; found {str(shape)[:60]}."
+                f"{MAX_INPUT_WIDTH}, expected; found {str(shape)[:60]}."
             )
         widths.append(shape[0])
     return widths

@@ -31,6 +31,7 @@ program predicts from the blocks present, as the method does at test time.
 from __future__ import annotations
 
 import json
+import math
 import os
 import uuid
 import warnings
@@ -131,9 +132,9 @@ class Manifest:
         body = {k: v for k, v in payload.items() if k not in ("schema", "version")}
         _check_key_names(body, _MANIFEST_TYPES, what="manifest", where=where)
         check_keys(body, _MANIFEST_TYPES, refuse=_refusal(where), exact=False)
-        if body.get("seed", 0) < 0 or body.get("num_classes", 2) < 2:
+        if body.get("seed", 0) < 0 or not 2 <= body.get("num_classes", 2) <= MAX_CLASSES:
             raise DataError(
-                f"{where}: a seed >= 0 and num_classes >= 2 expected, found "
+                f"{where}: a seed >= 0 and num_classes in [2, {MAX_CLASSES}] expected, found "
                 f"{body.get('seed')!r} and {body.get('num_classes')!r}."
             )
         body["parties"] = tuple(_entry(p, k, where) for k, p in enumerate(body["parties"]))
@@ -173,6 +174,12 @@ _OPTIONAL_ENTRY_KEYS = ("location",)
 """A version 1 manifest's entries have no ``location`` (every part lies beside it)."""
 MAX_BLOCK_DIMS = 4
 """A block's sample shape: features, or an image's channels, height and width."""
+MAX_INPUT_WIDTH = 2**20
+"""The most values a block holds per sample (its model input's width): a bound on what a peer
+or a manifest may announce before anything is allocated for it; no party file comes near it."""
+MAX_CLASSES = 4096
+"""The most classes a label party or a manifest may announce (a head's output width; CIFAR-100
+has 100)."""
 
 
 def _refusal(where: str) -> Callable[[str], DataError]:
@@ -208,10 +215,11 @@ def _block_shape(shape: Any, where: str) -> tuple[int, ...]:
         isinstance(shape, list)
         and 1 <= len(shape) <= MAX_BLOCK_DIMS
         and all(type(n) is int and n >= 1 for n in shape)
+        and math.prod(shape) <= MAX_INPUT_WIDTH
     ):
         raise DataError(
-            f"{where}: a block shape of 1 to {MAX_BLOCK_DIMS} sizes >= 1 expected, found "
-            f"{json.dumps(shape)[:60]}."
+            f"{where}: a block shape of 1 to {MAX_BLOCK_DIMS} sizes >= 1, of at most "
+            f"{MAX_INPUT_WIDTH} values in all, expected, found {json.dumps(shape)[:60]}."
         )
     return tuple(shape)
 
