@@ -62,11 +62,13 @@ from secure_vfl.federation.certificates import (
     Problem,
     check_party_name,
     host_problem,
+    is_ca,
     issuer_problems,
     key_type_problems,
     name_problems,
     parse_certificate,
     same_key,
+    unreadable,
     usage_problems,
     validity_problems,
 )
@@ -290,19 +292,37 @@ def _check_request(parties: Sequence[str], hosts: Sequence[str], days: int) -> N
         raise ConfigError(f"a validity of >= 1 day expected. Found {days}.")
 
 
-# What reading a PEM file, or a part of the certificate in it, raises when it is not one.
-_UNREADABLE = (OSError, *UNREADABLE_PEM)
-
-
 def _load_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    """The CA of ``directory`` and its key (to issue more party certificates)."""
-    try:
-        ca = parse_certificate((directory / CA_CERT).read_bytes())
-        key = serialization.load_pem_private_key((directory / CA_KEY).read_bytes(), None)
-    except _UNREADABLE as error:
+    """The CA of ``directory`` and its key (to issue more party certificates); ConfigError,
+    naming the file, unless both are there and readable, the certificate is a CA's and the key
+    is its own."""
+    found = {}
+    for name, what, load in (
+        (CA_CERT, "CA certificate", parse_certificate),
+        (CA_KEY, "private key", _load_key),
+    ):
+        path = directory / name
+        if not path.is_file():
+            raise ConfigError(
+                f"{directory} holds part of a CA: its certificate and key ({CA_CERT}, {CA_KEY}) "
+                f"expected to issue certificates; found no file {path}."
+            )
+        try:
+            data = path.read_bytes()
+            found[name] = load(data)
+        except OSError as error:
+            raise ConfigError(f"{path}: cannot be read ({error.strerror}).") from error
+        except UNREADABLE_PEM as error:
+            raise ConfigError(
+                f"{path}: a PEM {what} expected; found {unreadable(data, error)}."
+            ) from error
+    ca, key = found[CA_CERT], found[CA_KEY]
+    assert isinstance(ca, x509.Certificate)
+    if not is_ca(ca):
         raise ConfigError(
-            f"{directory} holds a CA, but it cannot be read to issue certificates: {error}"
-        ) from error
+            f"{directory / CA_CERT}: a CA certificate (basic constraints CA:TRUE) expected to "
+            f"issue certificates; found one that is not a CA's ({ca.subject.rfc4514_string()})."
+        )
     if not isinstance(key, ec.EllipticCurvePrivateKey) or not same_key(ca, key):
         raise ConfigError(f"{directory / CA_KEY} is not the key of {directory / CA_CERT}.")
     return ca, key
@@ -404,9 +424,12 @@ def _load(path: Path, loader: Callable[[bytes], object], what: str) -> tuple[obj
     if not path.is_file():
         return None, [Problem(path, f"missing ({what} expected).")]
     try:
-        return loader(path.read_bytes()), []
-    except _UNREADABLE as error:
-        return None, [Problem(path, f"not a PEM {what}: {error}")]
+        data = path.read_bytes()
+        return loader(data), []
+    except OSError as error:
+        return None, [Problem(path, f"cannot be read ({error.strerror}).")]
+    except UNREADABLE_PEM as error:
+        return None, [Problem(path, f"a PEM {what} expected; found {unreadable(data, error)}.")]
 
 
 def _load_key(data: bytes) -> object:
@@ -445,11 +468,7 @@ def _check_ca(directory: Path, now: datetime.datetime) -> tuple[object, list[Pro
     if not isinstance(ca, x509.Certificate):
         return None, problems
     problems += validity_problems(path, ca, now)
-    try:
-        is_ca = ca.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
-    except x509.ExtensionNotFound:
-        is_ca = False
-    if not is_ca:
+    if not is_ca(ca):
         problems.append(Problem(path, "not a CA certificate (basic constraints CA:TRUE)."))
     key_path = directory / CA_KEY
     if key_path.exists():  # optional: the CA key may be kept elsewhere

@@ -514,13 +514,42 @@ def test_check_reports_certificates_and_keys_it_cannot_parse_rather_than_crash(
     point = _point(certs / "shop.pem")
     _rewrite_der(certs / "shop.pem", point, point[:-1] + bytes([point[-1] ^ 1]))  # off the curve
     problems = _problems(certs)
-    assert f"{certs / 'bank.key'}: not a PEM private key: " in "\n".join(problems)
-    assert any(p.startswith(f"{certs / 'shop.pem'}: not a PEM certificate: ") for p in problems)
+    unreadable = f"{certs / 'bank.key'}: a PEM private key expected; found a PEM block that "
+    assert unreadable in "\n".join(problems)
+    shop = f"{certs / 'shop.pem'}: a PEM certificate expected; found a PEM block that does not"
+    assert any(p.startswith(shop) for p in problems)
     _rewrite_der(certs / "ca.pem", P256, UNKNOWN_CURVE)
     (problem,) = _problems(certs)
-    assert problem.startswith(f"{certs / 'ca.pem'}: not a PEM CA certificate: ")
-    with pytest.raises(ConfigError, match="holds a CA, but it cannot be read"):
+    assert problem.startswith(f"{certs / 'ca.pem'}: a PEM CA certificate expected; found a PEM")
+    with pytest.raises(ConfigError, match=r"ca\.pem: a PEM CA certificate expected; found a PEM"):
         tls.make_federation(certs, ["insurer"])
+
+
+def test_certs_init_refuses_a_ca_it_cannot_issue_with_naming_the_file(
+    certs: Path, tmp_path: Path
+) -> None:
+    """A party's certificate and key copied in as ca.pem and ca.key issued a certificate no
+    peer accepts (exit 0, and `certs check` found it after); a missing ca.key, garbage PEM and
+    an unreadable file gave the library's own text ("[Errno 2] ...", a link to cryptography's
+    FAQ, "MalformedFraming")."""
+    fake = tmp_path / "fake"
+    fake.mkdir()
+    shutil.copy(certs / "bank.pem", fake / "ca.pem")
+    shutil.copy(certs / "bank.key", fake / "ca.key")
+    with pytest.raises(ConfigError, match=r"ca.pem: a CA certificate \(basic constraints CA:TRUE"):
+        tls.make_federation(fake, ["insurer"])
+    (fake / "ca.key").unlink()
+    with pytest.raises(ConfigError, match=r"found no file .*ca.key"):
+        tls.make_federation(fake, ["insurer"])
+    (fake / "ca.key").write_text("-----BEGIN PRIVATE KEY-----\nnot base64\n")
+    shutil.copy(certs / "ca.pem", fake / "ca.pem")
+    with pytest.raises(ConfigError, match=r"ca\.key: a PEM private key expected; found") as refused:
+        tls.make_federation(fake, ["insurer"])
+    assert "https://" not in str(refused.value)
+    (fake / "ca.key").write_bytes(b"\x00\xff garbage")
+    with pytest.raises(ConfigError, match=r"ca\.key: a PEM private key expected; found no PEM bl"):
+        tls.make_federation(fake, ["insurer"])
+    assert sorted(p.name for p in fake.iterdir()) == ["ca.key", "ca.pem"]  # nothing written
 
 
 def test_a_tls_identity_refuses_files_that_are_not_a_certificate_and_its_key(certs: Path) -> None:

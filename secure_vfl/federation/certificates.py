@@ -48,6 +48,25 @@ UNREADABLE_PEM = (
 )
 
 
+def unreadable(data: bytes, error: Exception) -> str:
+    """What ``data`` holds instead of a readable PEM certificate or key (cryptography raised
+    ``error``), in words: no PEM block at all, or one that does not parse (its reason, without
+    the link to cryptography's FAQ that it carries)."""
+    if b"-----BEGIN " not in data:
+        return "no PEM block (-----BEGIN ...-----)"
+    reason = re.sub(r"\s*See https?://\S+ for more details\.?", "", str(error)).strip()
+    reason = reason.splitlines()[0][:100] if reason else type(error).__name__
+    return f"a PEM block that does not parse ({reason})"
+
+
+def is_ca(certificate: x509.Certificate) -> bool:
+    """Whether ``certificate`` says it is a CA's (basic constraints CA:TRUE)."""
+    try:
+        return bool(certificate.extensions.get_extension_for_class(x509.BasicConstraints).value.ca)
+    except x509.ExtensionNotFound:
+        return False
+
+
 def parse_certificate(pem: bytes) -> x509.Certificate:
     """The PEM certificate ``pem`` with every part the checks read parsed now: cryptography
     parses a certificate's public key, names and extensions only when they are first read, so
@@ -64,7 +83,9 @@ def read_certificate(pem: bytes, where: str) -> x509.Certificate:
     try:
         return parse_certificate(pem)
     except UNREADABLE_PEM as error:
-        raise ConfigError(f"{where}: a PEM certificate expected: {error}") from error
+        raise ConfigError(
+            f"{where}: a PEM certificate expected; found {unreadable(pem, error)}."
+        ) from error
 
 
 def same_key(certificate: x509.Certificate, key: object) -> bool:
@@ -351,7 +372,8 @@ class TlsIdentity:
             private = serialization.load_pem_private_key(self.key, None)
         except UNREADABLE_PEM as error:
             raise ConfigError(
-                f"{key}: a PEM private key without a passphrase expected: {error}"
+                f"{key}: a PEM private key without a passphrase expected; found "
+                f"{unreadable(self.key, error)}."
             ) from error
         if not same_key(mine, private):
             raise ConfigError(
