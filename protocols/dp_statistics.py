@@ -56,6 +56,7 @@ from protocols.dp import EventCallback, GaussianRelease, PrivacyAccountant, clip
 from protocols.noise import NoiseSource, noise_source
 from protocols.party_privacy import SECURE_SOURCE, check_guarantees
 from secure_vfl.data.imputation import ClientData
+from secure_vfl.data.party_files import read_table
 from secure_vfl.errors import ConfigError, DataError, ProtocolError, RunWarning
 from secure_vfl.io import check_keys
 from secure_vfl.methods.imputation.statistics import FeatureRanges, ReleaseTerms
@@ -191,14 +192,11 @@ class ClientStatisticsNoise:
 def read_feature_ranges(path: Path, features: Sequence[str]) -> FeatureRanges:
     """Declared ranges from a CSV (or a Parquet file, by its suffix ``.parquet``/``.pq``) with
     columns ``feature``, ``lower``, ``upper`` (one row per feature of the task, in the units the
-    clients hold), in the order of ``features``."""
+    clients hold), in the order of ``features``. The file is read as a party file is (its
+    checks and messages: UTF-8, one field per column in every row, ...)."""
     import pandas as pd
 
-    parquet = Path(path).suffix.lower() in (".parquet", ".pq")
-    try:
-        table = pd.read_parquet(path) if parquet else pd.read_csv(path)
-    except (OSError, ValueError, ImportError) as error:
-        raise DataError(f"cannot read feature ranges from {path}: {error}") from None
+    table = read_table(Path(path), what="feature ranges file", id_column="feature")
     missing_columns = {"feature", "lower", "upper"} - set(table.columns)
     if missing_columns:
         raise DataError(
@@ -219,11 +217,24 @@ def read_feature_ranges(path: Path, features: Sequence[str]) -> FeatureRanges:
             RunWarning,
             stacklevel=2,
         )
-    try:
-        lower = by_name.loc[list(features), "lower"].to_numpy(dtype=np.float64)
-        upper = by_name.loc[list(features), "upper"].to_numpy(dtype=np.float64)
-    except ValueError as error:
-        raise DataError(f"{path}: lower and upper must be numbers ({error}).") from None
+    bounds = []
+    for column in ("lower", "upper"):
+        values = by_name.loc[list(features), column]
+        if not pd.api.types.is_numeric_dtype(values) or pd.api.types.is_bool_dtype(values):
+            shown = next((v for v in values if not isinstance(v, int | float)), values.iloc[0])
+            text = pd.api.types.is_string_dtype(values) or values.dtype == object
+            raise DataError(
+                f"{path}: `{column}` must hold numbers; found {'text' if text else values.dtype} "
+                f"such as {str(shown)[:40]!r}."
+            )
+        empty = [f for f, missing in zip(features, values.isna(), strict=True) if missing]
+        if empty:
+            raise DataError(
+                f"{path}: `{column}` must hold a number for every feature; found none for "
+                f"{empty[:5]}{' ...' if len(empty) > 5 else ''}."
+            )
+        bounds.append(values.to_numpy(dtype=np.float64))
+    lower, upper = bounds
     reversed_ = [
         f"{f} [{lo:g}, {hi:g}]"
         for f, lo, hi in zip(features, lower, upper, strict=True)

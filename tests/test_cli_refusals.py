@@ -282,7 +282,7 @@ def test_psi_refuses_ids_it_cannot_match_or_write_one_a_line(
         "id\n": "must have at least one row. Found none.",
         'id\n"x\ny"\nc\n': "found a line break in 'x\\ny' at data row 1",
         "id,id\n1,2\n": "column names must be distinct. Found ['id'] repeated.",
-        "id,x\na,1\nb,2,3\n": "C error: Expected 2 fields in line 3, saw 3",
+        "id,x\na,1\nb,2,3\n": "line 3 has 3 fields; expected 2, as the lines before",
     }
     for text, message in cases.items():
         mine = tmp_path / "mine.csv"

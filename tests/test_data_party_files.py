@@ -90,6 +90,15 @@ def test_party_names_must_differ_and_match_the_files(tmp_path):
         ("id,x\n1,inf\n2,1\n", r"column 'x' must hold finite float32 values. Found 1 infinite"),
         ("id,x\n", "at least one row"),
         ("id,x\n1,1\n,2\n", r"every row must have an id. Found 1 empty \(first at data row 2\)"),
+        # these gave pandas' own words ("No columns to parse from file", "Error tokenizing data.
+        # C error: ..."), and a row cut short was read as missing cells in silence
+        ("", "a header and rows expected; found an empty file"),
+        ("\n\n", "a header and rows expected; found only blank lines"),
+        ("id,x,y\n1,2,3\n2,3\n\n3,4,5\n", r"line 3 has 2 fields; expected 3, one per column"),
+        ('id,x,y\n1,2,3\n   \n2,"3",4\n3,4\n', "line 5 has 2 fields; expected 3"),
+        ('id,x,y\n1,2,3\n2,"3,4\n3,4,5\n', "line 3 has 2 fields .a double-quoted value in it runs"),
+        ("id,x,y\n1,2,3\n2,3,4,5,6\n", "line 3 has 5 fields; expected 3, as the lines before"),
+        ('id,x,y\n1,2,3\n2,3,"4\n', "a double quote opens a value in data row 2 and is never"),
     ],
 )
 def test_bad_party_files_are_refused_naming_the_problem(tmp_path, text, message):

@@ -508,3 +508,26 @@ def test_feature_ranges_read_from_csv_or_parquet_alike(tmp_path: Path) -> None:
     for ranges in read:
         np.testing.assert_array_equal(ranges.lower, [0.0, -1.0])
         np.testing.assert_array_equal(ranges.upper, [5.0, 2.0])
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        # pandas' and numpy's own words, or a NaN range: "could not convert", "[nan, 10]"
+        ("feature,lower,upper\na,,5\nb,0,1\n", r"`lower` must hold a number for every feature; "
+         r"found none for \['a'\]"),
+        ("feature,lower,upper\na,0,five\nb,0,1\n", "`upper` must hold numbers; found text such "
+         "as 'five'"),
+        ("feature,lower,upper\na,0,5\nb,0\n", "line 3 has 2 fields; expected 3"),
+        (b"feature,lower,upper\na,0,5\nb,\xe9,1\n", "could not be read as UTF-8 text"),
+        ("", "a header and rows expected; found an empty file"),
+        ("feature,lower,upper\na,0,inf\nb,0,1\n", "finite"),
+    ],
+)  # fmt: skip
+def test_a_malformed_feature_ranges_file_is_refused_in_words(
+    tmp_path: Path, text: str | bytes, message: str
+) -> None:
+    path = tmp_path / "ranges.csv"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(DataError, match=message):
+        read_feature_ranges(path, ["a", "b"])

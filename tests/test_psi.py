@@ -349,8 +349,8 @@ def test_cli_psi_writes_the_intersection(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        (b"", "could not be read as csv: No columns to parse from file"),
-        (b'id\n"unterminated\n', "could not be read as csv: Error tokenizing data"),
+        (b"", "theirs.csv: a header and rows expected; found an empty file."),
+        (b'id\n"unterminated\n', "a double quote opens a value in data row 1 and is never closed"),
         (b"\xff\xfeid\na\n", "could not be read as UTF-8 text (utf-8: invalid start byte)"),
     ],
 )

@@ -11,6 +11,7 @@ columns (one-hot encoding, missing cells, standardisation) is
 
 from __future__ import annotations
 
+import csv
 import datetime
 import decimal
 import math
@@ -19,7 +20,7 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import pandas as pd
@@ -124,10 +125,13 @@ def read_table(
         raise DataError(f"{path} must be a .csv or .parquet file. Found suffix {suffix!r}.")
     if not path.is_file():
         raise DataError(f"expected a {what} at {path}. Found no such file.")
+    if path.stat().st_size == 0:
+        raise DataError(f"{path}: a header and rows expected; found an empty file.")
     try:
         names = _column_names(path, suffix)
         _refuse_repeated_columns(path, names)
         if suffix == ".csv":
+            _refuse_short_rows(path, len(names))
             frame = _read_csv(path, id_column)
             as_written = [c for c in dict.fromkeys((id_column, *literal)) if c in frame.columns]
             if as_written:  # one more read, of these columns only
@@ -146,7 +150,7 @@ def read_table(
             "expected a CSV saved as UTF-8 (e.g. Excel's 'CSV UTF-8')."
         ) from None
     except (ValueError, OSError, pd.errors.ParserError) as error:
-        reason = str(error).strip()  # pandas ends some of its messages with a line break
+        reason = _parser_reason(str(error).strip())  # pandas ends some with a line break
         raise DataError(f"{path} could not be read as {suffix[1:]}: {reason}") from None
     frame.columns = [str(c) for c in frame.columns]
     if len(frame) == 0:
@@ -187,6 +191,58 @@ def _read_csv(
                 "after the last column would be lost); expected as many fields in every row as "
                 "in the header."
             ) from None
+
+
+def _parser_reason(reason: str) -> str:
+    """pandas' reason for refusing a CSV, in the words of a file's lines and fields."""
+    if found := re.search(r"Expected (\d+) fields in line (\d+), saw (\d+)", reason):
+        expected, line, saw = found.groups()
+        return (
+            f"line {line} has {saw} fields; expected {expected}, as the lines before it (a "
+            "separator inside a value needs the value in double quotes)."
+        )
+    if found := re.search(r"EOF inside string starting at row (\d+)", reason):
+        return (
+            f"a double quote opens a value in data row {found.group(1)} and is never closed; "
+            "expected every quoted value to end with a double quote (a quote inside a value is "
+            'written "").'
+        )
+    if reason.startswith("No columns to parse from file"):
+        return "a header and rows expected; found only blank lines."
+    return reason
+
+
+def _refuse_short_rows(path: Path, fields: int) -> None:
+    """Refuse a CSV with a row of fewer fields than the header's ``fields``: pandas fills the
+    fields a row lacks as empty cells, so a row cut short, or broken in two by a stray line
+    break, would be read as missing values in silence. Blank (or white-space) lines are
+    skipped, as pandas skips them."""
+    data = path.read_bytes()
+    if b'"' not in data:  # no quoted value: a line's commas count its fields
+        for number, line in enumerate(data.split(b"\n"), start=1):
+            if line.strip() and line.count(b",") + 1 < fields:
+                _short(path, number, line.count(b",") + 1, fields)
+        return
+    with path.open(newline="", encoding="utf-8-sig") as file:
+        reader = csv.reader(file)
+        start = 1
+        for row in reader:
+            if len(row) < fields and any(field.strip() for field in row):
+                quoted = reader.line_num > start  # a value in quotes ran on over line breaks
+                _short(path, start, len(row), fields, runs_to=reader.line_num if quoted else None)
+            start = reader.line_num + 1
+
+
+def _short(path: Path, line: int, found: int, fields: int, runs_to: int | None = None) -> NoReturn:
+    quoted = (
+        f" (a double-quoted value in it runs on to line {runs_to}: a quote not closed?)"
+        if runs_to is not None
+        else ""
+    )
+    raise DataError(
+        f"{path}: line {line} has {found} field{'s' if found != 1 else ''}{quoted}; expected "
+        f"{fields}, one per column of the header (an empty cell is an empty field: `a,,c`)."
+    )
 
 
 def _column_names(path: Path, suffix: str) -> list[str]:
