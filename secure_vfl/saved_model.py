@@ -30,6 +30,7 @@ program predicts from the blocks present, as the method does at test time.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -865,13 +866,19 @@ def rebuild_method(
     whatever the model was trained under (ConfigError for a method that cannot)."""
     from secure_vfl.experiment import make_method
 
-    try:
-        config = methods.MethodConfig(**manifest.method_config)
-        false_vfl = FalseVflConfig(**manifest.false_vfl) if manifest.false_vfl else None
-    except TypeError as error:
-        raise DataError(
-            f"the manifest's configuration does not fit this version: {error}"
-        ) from None
+    for key, kind, given in (
+        ("method_config", methods.MethodConfig, manifest.method_config),
+        ("false_vfl", FalseVflConfig, manifest.false_vfl or {}),
+    ):
+        known = {field.name for field in dataclasses.fields(kind)}
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise DataError(
+                f"the manifest's {key} names settings this version does not have: {unknown} "
+                f"(it has {sorted(known)}); a model from another version of secure-vfl?"
+            )
+    config = methods.MethodConfig(**manifest.method_config)
+    false_vfl = FalseVflConfig(**manifest.false_vfl) if manifest.false_vfl else None
     config = replace(
         config, labeled=None, pretrain_epochs=0, secure_sums=config.secure_sums or secure_sums
     )

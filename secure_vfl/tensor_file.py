@@ -88,6 +88,10 @@ def loads(data: bytes, where: str) -> Any:
         RecursionError,  # JSON nested beyond the interpreter's stack
     ) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if isinstance(error, KeyError):  # a safetensors file, but not one this code wrote
+            first = f"its metadata holds no {error.args[0]!r}"
+        elif isinstance(error, RecursionError):
+            first = "its metadata is nested too deeply to read"
         raise IntegrityError(
             f"{where}: a secure-vfl tensor file (safetensors with its layout) expected; "
             f"refused ({first})."

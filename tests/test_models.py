@@ -316,6 +316,8 @@ def _set(manifest: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
         (("block_shapes", 0), [10**9], "values in all, expected, found [1000000000]"),
         (("parties", 1, "name"), {"a": 1}, "`name` of type str expected, found dict"),
         (("parties", 1), "party-1", "a party entry (an object) expected"),
+        # it said "MethodConfig.__init__() got an unexpected keyword argument 'zzz'"
+        (("method_config", "zzz"), 1, "method_config names settings this version does not have"),
     ],
 )
 def test_a_malformed_manifest_is_refused_saying_what_was_expected(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import warnings
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -266,3 +267,35 @@ def test_numbers_written_with_percent_or_separators_and_alike_categories_say_so(
     cities = pd.DataFrame({"c": ["Paris", "paris", " Paris", "Lyon"]})
     with pytest.warns(RunWarning, match=r"differ only in case or surrounding spaces \(' Paris'"):
         PartyPreprocessing.fit(cities, where="b.csv")
+
+
+def test_a_file_of_thousands_of_other_columns_is_refused_in_a_short_line() -> None:
+    """predict on a file of 10,000 other columns printed every name: a 100 KB error line."""
+    fitted = PartyPreprocessing.fit(training_rows(), where="t")
+    found = ["age", *(f"c{i}" for i in range(10_000))]
+    with pytest.raises(DataError) as refused:
+        fitted.check_columns(found, "wide.csv")
+    message = str(refused.value)
+    assert "missing ['city', 'income'] and unexpected ['c0', 'c1'," in message
+    assert "'c9'] and 9990 more." in message and len(message) < 400
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda p: p.pop("steps"),
+            "malformed preprocessing: the key 'steps' expected, found none.",
+        ),
+        (lambda p: p["columns"][0].pop("name"), "the key 'name' expected, found none."),
+        (lambda p: p["steps"][1].__setitem__("std", [1.0]), "cannot reshape array of size 1"),
+        (lambda p: p["steps"][1].__setitem__("mean", ["a"] * 6), "could not convert string"),
+    ],
+)
+def test_a_malformed_preprocessing_file_says_what_it_lacks(edit: Any, message: str) -> None:
+    """It said "malformed preprocessing (KeyError('steps'))"."""
+    payload = PartyPreprocessing.fit(training_rows(), where="t").to_json()
+    edit(payload)
+    with pytest.raises(DataError, match=re.escape(message)) as refused:
+        PartyPreprocessing.from_json(payload, "p.json")
+    assert "Error(" not in str(refused.value)

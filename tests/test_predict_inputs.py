@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pytest
+import torch
 from sklearn.datasets import load_iris
 
 from secure_vfl.cli import main
@@ -26,6 +27,7 @@ from secure_vfl.data.party_files import PartyTable, read_party_file
 from secure_vfl.deployment import ServedModel, _deployment
 from secure_vfl.errors import ConfigError, DataError, IntegrityError, ProtocolError, RunWarning
 from secure_vfl.saved_model import MANIFEST_FILE, MODEL_DIR, SavedModel, read_manifest
+from secure_vfl.tensor_file import SUFFIX, dumps, loads
 
 COLUMNS = {"bank": ["sl", "sw"], "retailer": ["pl"], "insurer": ["pw"]}
 SPECIES = np.array(["setosa", "versicolor", "virginica"])
@@ -346,6 +348,29 @@ def test_a_part_that_does_not_fit_its_architecture_names_the_first_parameter(
     copy: Path, edit: Any, message: str
 ) -> None:
     edit_manifest(copy, edit)
+    with pytest.raises(IntegrityError, match=re.escape(message)):
+        SavedModel.load(copy)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda t: t.fill_(float("nan")), "of finite values expected, found NaN or infinite"),
+        (lambda t: t.to(torch.float64), "of dtype torch.float32 expected, found torch.float64"),
+    ],
+)
+def test_a_part_of_non_finite_or_other_typed_weights_is_refused_when_loaded(
+    copy: Path, change: Any, message: str
+) -> None:
+    """Weights of NaN loaded, and predict failed later on "representation from party-1 (phase
+    'predict'): ... finite values expected", naming no file; float64 weights were cast."""
+    path = sorted((copy / "party-1").glob(f"*{SUFFIX}"))[0]  # its bottom model
+    states = loads(path.read_bytes(), str(path))
+    first = next(iter(states))
+    states[first] = change(states[first])
+    path.write_bytes(dumps(states))
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    edit_manifest(copy, lambda m: m["parties"][1]["files"].__setitem__(path.name, digest))
     with pytest.raises(IntegrityError, match=re.escape(message)):
         SavedModel.load(copy)
 

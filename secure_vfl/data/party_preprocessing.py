@@ -403,10 +403,10 @@ class PartyPreprocessing:
         extra = [c for c in found if c not in self.columns]
         if missing or extra:
             parts = []
-            if missing:
-                parts.append(f"missing {missing}")
-            if extra:
-                parts.append(f"unexpected {extra}")
+            for what, names in (("missing", missing), ("unexpected", extra)):
+                if names:  # a file of other columns may have thousands: the first few say it
+                    more = f" and {len(names) - 10} more" if len(names) > 10 else ""
+                    parts.append(f"{what} {names[:10]}{more}")
             raise DataError(
                 f"{where}: the {len(self.columns)} columns this party's model was trained on "
                 f"expected; found {' and '.join(parts)}."
@@ -486,7 +486,12 @@ class PartyPreprocessing:
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             if isinstance(error, DataError):
                 raise
-            raise DataError(f"{where}: malformed preprocessing ({error!r}).") from None
+            reason = (
+                f"the key {error.args[0]!r} expected, found none"
+                if isinstance(error, KeyError) and error.args
+                else str(error) or type(error).__name__
+            )
+            raise DataError(f"{where}: malformed preprocessing: {reason}.") from None
 
     @classmethod
     def _from_body(cls, payload: Mapping[str, Any], where: str) -> PartyPreprocessing:

@@ -250,8 +250,9 @@ def load_states(
 
 
 def _first_difference(built: Mapping[str, Tensor], saved: Mapping[str, Tensor]) -> str | None:
-    """The first parameter (or buffer) that ``saved`` lacks, adds or holds in another shape than
-    the module ``built`` has it; None if every name and shape agrees."""
+    """The first parameter (or buffer) that ``saved`` lacks, adds or holds in another shape or
+    dtype than the module ``built`` has it, or with a value that is not finite (a model that
+    would predict NaN); None if every name, shape and dtype agrees and every value is finite."""
     for key in [*built, *(key for key in saved if key not in built)]:
         want = list(built[key].shape) if key in built else None
         have = list(saved[key].shape) if key in saved else None
@@ -260,4 +261,10 @@ def _first_difference(built: Mapping[str, Tensor], saved: Mapping[str, Tensor]) 
                 f"no parameter {key!r}" if want is None else f"parameter {key!r} of shape {want}"
             )
             return f"{expected} expected, found {'none' if have is None else have}"
+        if built[key].dtype != saved[key].dtype:
+            return (
+                f"parameter {key!r} of dtype {built[key].dtype} expected, found {saved[key].dtype}"
+            )
+        if saved[key].is_floating_point() and not bool(saved[key].isfinite().all()):
+            return f"parameter {key!r} of finite values expected, found NaN or infinite ones"
     return None
