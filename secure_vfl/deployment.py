@@ -123,7 +123,13 @@ from secure_vfl.checkpoints import (
     written_steps,
 )
 from secure_vfl.data.missingness import parse_mechanism
-from secure_vfl.data.party_files import ID_COLUMN, LABEL_COLUMN, PartyTable, read_party_file
+from secure_vfl.data.party_files import (
+    ID_COLUMN,
+    LABEL_COLUMN,
+    PartyTable,
+    read_label_file,
+    read_party_file,
+)
 from secure_vfl.data.party_preprocessing import (
     DEFAULT_MISSING_POLICY,
     MISSING_POLICIES,
@@ -2002,8 +2008,8 @@ def train_deployed(
     # peer has connected.
     federation.label_data()  # the keys: ConfigError saying that training needs them
     data = federation.own_file(name, "data")
-    federation.labels()
     federation.own_file(name, "labels")
+    read_label_file(federation.labels())  # read again to plan the rows, once peers answer
     identity = None if insecure else federation.identity(name)
     own = read_party_file(data)
     endpoint = _endpoint(

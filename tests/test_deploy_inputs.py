@@ -276,6 +276,15 @@ def test_ip_addresses_and_host_names_are_accepted(tmp_path: Path, host: str) -> 
     assert member.host == host.strip("[]") and member.port == ports[1]
 
 
+def test_a_federation_file_saved_with_a_byte_order_mark_is_read(tmp_path: Path) -> None:
+    """Notepad's UTF-8 starts with a BOM: it was refused as "Invalid statement (at line 1,
+    column 1)", while party files and JSON with one were read."""
+    path = write_federation(tmp_path, tmp_path, free_loopback_ports(5))
+    plain = read_federation(path)
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert read_federation(path) == plain
+
+
 def test_certificates_and_addresses_check_hosts_by_one_rule() -> None:
     assert tls.host_problem is certificates.host_problem is federation_file.host_problem
 
@@ -293,6 +302,19 @@ def test_the_label_party_checks_its_own_files_before_any_contact(
     err = _refused(_train(federation, tmp_path / "out"), capsys)
     said = f"{federation}: [party.bank] key `{key}`: a file expected at {missing}. Found nothing."
     assert said in err, err
+
+
+def test_the_label_party_reads_its_label_file_before_any_contact(
+    site: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A label file of garbage was read only once the peers had answered: with them not up,
+    the run said only that they could not be reached."""
+    garbage = tmp_path / "labels.csv"
+    garbage.write_text("id,label\nc1\n")
+    old = f'labels = "{site}/labels.csv"'
+    federation = _federation(site, tmp_path / "fed", **{old: f'labels = "{garbage}"'})
+    err = _refused(_train(federation, tmp_path / "out"), capsys)
+    assert f"{garbage}: line 2 has 1 field; expected 2" in err, err
 
 
 def test_a_labels_entry_naming_a_directory_is_refused(

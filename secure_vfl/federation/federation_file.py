@@ -210,7 +210,7 @@ def read_federation(path: Path) -> Federation:
     if not path.is_file():
         raise ConfigError(f"a federation file (TOML) expected at {path}. Found none.")
     try:
-        document = tomllib.loads(path.read_text(encoding="utf-8"))
+        document = tomllib.loads(path.read_text(encoding="utf-8-sig"))  # a BOM, as Notepad writes
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as error:
         raise ConfigError(f"{path}: TOML expected: {error}") from None
     except RecursionError:  # the parser recurses into nested arrays and tables
