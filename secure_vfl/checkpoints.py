@@ -540,6 +540,7 @@ def restore_run(
             count=int(position["count"]),
             losses=[float(x) for x in position["losses"]],
         )
+        _check_progress(progress)
         fed.generator.set_state(tensors["plan_generator"])
         fed.rng.bit_generator.state = meta["epoch_generator"]
         fed.queries = int(meta["queries"])
@@ -553,6 +554,25 @@ def restore_run(
         ) from None
     restore_schedule(method.sampler, tensors, meta, where=where)
     return progress
+
+
+def _check_progress(progress: TrainingProgress) -> None:
+    """ValueError unless ``progress`` is a position training can reach: counts >= 0, one loss
+    per finished epoch, and the next batch within the epoch's order (0 before it is drawn)."""
+    counts = {"epoch": progress.epoch, "step": progress.step, "batch": progress.batch}
+    negative = [f"{name} {value}" for name, value in counts.items() if value < 0]
+    if negative or progress.count < 0:
+        raise ValueError(f"counts >= 0 expected, found {', '.join(negative) or progress.count}")
+    if len(progress.losses) != progress.epoch:
+        raise ValueError(
+            f"one loss per finished epoch expected, found {len(progress.losses)} for epoch "
+            f"{progress.epoch}"
+        )
+    batches = 0 if progress.order is None else len(progress.order)
+    if progress.batch > batches:
+        raise ValueError(f"a batch of at most {batches} expected, found {progress.batch}")
+    if not math.isfinite(progress.total):
+        raise ValueError(f"a finite loss total expected, found {progress.total}")
 
 
 def restore_schedule(

@@ -383,6 +383,20 @@ def _first(mapping: dict[str, Any]) -> Any:
             lambda tensors, meta: meta.update(generators=[]),
             "random generators by name expected",
         ),
+        # positions no run reaches: an epoch of -5 trained 55 more epochs, one of 1000000
+        # ended the run at once as finished, and a batch beyond the epoch was taken
+        (
+            lambda tensors, meta: meta["run"]["progress"].update(epoch=-5),
+            "a run position expected, found otherwise (counts >= 0 expected, found epoch -5)",
+        ),
+        (
+            lambda tensors, meta: meta["run"]["progress"].update(epoch=10**6),
+            "(one loss per finished epoch expected, found 1 for epoch 1000000)",
+        ),
+        (
+            lambda tensors, meta: meta["run"]["progress"].update(batch=10**6),
+            "expected, found 1000000)",
+        ),
     ],
 )
 def test_a_checkpoint_whose_state_this_run_would_not_hold_is_refused_before_training(
