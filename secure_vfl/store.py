@@ -348,6 +348,9 @@ class ResultsStore:
                 entry[column] = json.loads(cell)
             except (TypeError, ValueError):
                 self._damaged(entry, column, "JSON text")
+            if column in ("config", "metrics") and not isinstance(entry[column], dict):
+                entry[column] = cell  # quoted as the store holds it
+                self._damaged(entry, column, "a JSON object")
         for column in ("epsilon_max", "wall_time_s"):
             cell = entry[column]
             if not (cell is None or type(cell) in (int, float)):

@@ -99,6 +99,7 @@ def test_the_store_keeps_one_row_per_run_directory_and_its_provenance(tmp_path: 
     [
         ("metrics", "{", "JSON text"),
         ("config", "not json", "JSON text"),
+        ("config", "[1]", "a JSON object"),  # "config: an object expected", naming no run
         ("epsilon", "[", "JSON text"),
         ("checkpoints", "{", "JSON text"),
         ("epsilon_max", "x", "a number"),
