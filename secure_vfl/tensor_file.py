@@ -113,7 +113,12 @@ def _build(node: Any, tensors: Mapping[str, Tensor], used: set[str], where: str,
         raise IntegrityError(f"{where}: a layout nested at most {MAX_DEPTH} deep expected.")
     if isinstance(node, dict) and len(node) == 1:
         [(kind, value)] = node.items()
-        if kind == "tensor" and isinstance(value, str) and value in tensors:
+        if kind == "tensor" and isinstance(value, str):
+            if value not in tensors:
+                raise IntegrityError(
+                    f"{where}: tensor {value[:40]!r} of its layout expected in the file; found "
+                    f"none of that name ({len(tensors)} tensor(s) in it)."
+                )
             if value in used:
                 raise IntegrityError(f"{where}: tensor {value!r} laid out twice; refused.")
             used.add(value)

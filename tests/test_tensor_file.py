@@ -95,7 +95,7 @@ def _nested_text(depth: int) -> bytes:
         (b"\x00" * 7, "expected; refused"),
         # a safetensors file of another program: "refused ('__metadata__')"
         (safetensors.torch.save({"0": torch.zeros(2)}), r"refused \(its metadata holds no '__m"),
-        (_with_layout({"0": torch.zeros(2)}, {"tensor": "1"}), "a layout node"),
+        (_with_layout({"0": torch.zeros(2)}, {"tensor": "1"}), "tensor '1' of its layout expe"),
         (_with_layout({"0": torch.zeros(2)}, {"tensor": "0", "dict": {}}), "a layout node"),
         (_with_layout({"0": torch.zeros(2)}, {"list": [{"tensor": "0"}] * 2}), "laid out twice"),
         (_with_layout({"0": torch.zeros(2), "1": torch.ones(1)}, {"tensor": "0"}), "unused"),
