@@ -816,7 +816,12 @@ def refuse_unlisted_files(directory: Path, files: Mapping[str, str], *, who: str
     """IntegrityError naming a file or directory in the part ``directory`` of party ``who``
     other than ``files`` (its manifest entry's)."""
     for path in sorted(directory.iterdir()):
-        if path.name not in files or not path.is_file():
+        if path.name in files and not path.is_file():
+            raise IntegrityError(
+                f"{who}: {path}: the file the manifest lists expected; found a directory or "
+                "something else. Refused: save the model again."
+            )
+        if path.name not in files:
             raise IntegrityError(
                 f"{who}: {path} is not listed in the manifest, which lists only "
                 f"{sorted(files)} in its part. Refused: remove it or save the model again."

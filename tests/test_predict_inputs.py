@@ -270,6 +270,15 @@ def test_a_file_or_directory_the_manifest_does_not_list_is_refused_by_name(
         SavedModel.load(copy)
 
 
+def test_a_listed_file_replaced_by_a_directory_is_named_as_listed(copy: Path) -> None:
+    """It was refused as "not listed in the manifest", which lists it."""
+    path = copy / "party-1" / "part.json"
+    path.unlink()
+    path.mkdir()
+    with pytest.raises(IntegrityError, match=re.escape(f"{path}: the file the manifest lists")):
+        SavedModel.load(copy)
+
+
 def test_a_served_party_refuses_a_file_beside_its_part_that_the_manifest_does_not_list(
     files: Path, laser: Path, tmp_path: Path
 ) -> None:
