@@ -34,6 +34,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import uuid
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -133,6 +134,11 @@ class Manifest:
         body = {k: v for k, v in payload.items() if k not in ("schema", "version")}
         _check_key_names(body, _MANIFEST_TYPES, what="manifest", where=where)
         check_keys(body, _MANIFEST_TYPES, refuse=_refusal(where), exact=False)
+        if not re.fullmatch(r"[0-9a-f]{32}", str(body.get("run_id", "0" * 32))):
+            raise DataError(
+                f"{where}: a run_id of 32 hex digits expected (a served party keeps its part "
+                f"under it), found {str(body.get('run_id'))[:40]!r}."
+            )
         if body.get("seed", 0) < 0 or not 2 <= body.get("num_classes", 2) <= MAX_CLASSES:
             raise DataError(
                 f"{where}: a seed >= 0 and num_classes in [2, {MAX_CLASSES}] expected, found "

@@ -311,6 +311,7 @@ def _set(manifest: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
         # a huge count or shape: it allocated 512 GB and crashed with a traceback
         (("num_classes",), 10**12, "found 0 and 1000000000000"),
         (("method",), 3, "`method` of type str expected, found int"),
+        (("run_id",), "../../x", "a run_id of 32 hex digits expected"),
         (("block_shapes", 0), [-1], "a block shape of 1 to 4 sizes >= 1, of at most 1048576"),
         (("block_shapes", 0), [1] * 65, "a block shape of 1 to 4 sizes >= 1, of at most"),
         (("block_shapes", 0), [10**9], "values in all, expected, found [1000000000]"),
