@@ -270,7 +270,7 @@ def _training_flags(
     parser: argparse.ArgumentParser,
     *,
     out: str = "runs/METHOD-DATASET-sSEED",
-    writes: str = "DIR/result.json (and with --checkpoint-every, a killed run's checkpoints)",
+    writes: str = "DIR/result.json, DIR/model/ and a killed run's checkpoints",
     capture: bool = True,
     psi: bool = True,
 ) -> Any:
@@ -291,7 +291,8 @@ def _training_flags(
         type=existing_file,
         action="append",
         metavar="PATH",
-        help="one CSV/Parquet file per party: an `id` column and that party's features",
+        help="one CSV/Parquet file per party: the id column (--id-column) and that party's "
+        "features",
     )
     parser.add_argument(
         "--label-file",
@@ -305,9 +306,9 @@ def _training_flags(
         "--test-file",
         type=existing_file,
         metavar="PATH",
-        help="a label file (`id`, `label`) of held-out ids to evaluate on; their features come "
-        "from the same party files, and every id of --label-file is trained on (default: none, "
-        "see --test-fraction)",
+        help="a label file (id and label columns) of held-out ids to evaluate on; their "
+        "features come from the same party files, and every id of --label-file is trained on "
+        "(default: none, see --test-fraction)",
     )
     held_out.add_argument(
         "--test-fraction",
@@ -366,9 +367,9 @@ def _training_flags(
         "--heads",
         choices=["all", "active"],
         default=None,
-        help="a head at every party (laser, local, ensemble, combinatorial; the LASER paper's "
-        "setting and the default), or only at the label party (the single-label-party threat "
-        "model; what standard, plugvfl and FALSE-VFL always have)",
+        help="a head at every party (laser's default, the LASER paper's setting; what local, "
+        "ensemble and combinatorial always have), or only at the label party (laser's "
+        "single-label-party threat model; what standard, plugvfl and FALSE-VFL always have)",
     )
     parser.add_argument(
         "--batching",
@@ -974,13 +975,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=path_arg,
         default=Path("runs") / "results.sqlite",
         metavar="PATH",
-        help="the SQLite results store (train's default for runs under runs/)",
+        help="the SQLite results store (runs/results.sqlite: train's for runs under runs/)",
     )
     runs_compare = runs_commands.add_parser(
         "compare", help="runs side by side, from their directories' result.json"
     )
     runs_compare.add_argument(
-        "dirs", nargs="+", type=path_arg, metavar="DIR", help="run directories (train or attack)"
+        "dirs",
+        nargs="+",
+        type=path_arg,
+        metavar="DIR",
+        help="run directories (train, attack or impute)",
     )
     certs = commands.add_parser(
         "certs", help="certificates for mutual TLS between parties: make a set, or check one"
@@ -1199,8 +1204,8 @@ def _train_config(args: argparse.Namespace, *, secure_sums: bool = False) -> Any
         )
     if args.heads == "active" and args.method in EVERY_HEAD_METHODS:
         raise ConfigError(
-            f"--heads active: {args.method} trains a head at every party (one per subset of "
-            "parties). Expected --heads all or no --heads."
+            f"--heads active: {args.method} trains a head at every party. Expected --heads all "
+            "or no --heads."
         )
     method_config = MethodConfig(
         heads=args.heads or "all",

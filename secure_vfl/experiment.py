@@ -704,7 +704,7 @@ def run_training(
         privacy=report,
         traffic=traffic_report(aggregator, train_steps=steps, channel=channel),
         warnings=[
-            *collapse_warnings(predictions, data, noised=privacy is not None),
+            *collapse_warnings(predictions, data, noised=report is not None),  # DP ran
             *target_warnings(report),
         ],
         faults=list(method.fed.faults),

@@ -371,16 +371,18 @@ def test_impute_flags_that_contradict_client_files_are_refused(
     assert message in refused([*argv, *extra], capsys)
 
 
+@pytest.mark.parametrize("method", ["combinatorial", "local", "ensemble"])
 @pytest.mark.parametrize("command", ["train", "attack"])
-def test_heads_active_with_combinatorial_is_refused_before_any_work(
-    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def test_heads_active_with_an_every_head_method_is_refused_before_any_work(
+    command: str, method: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """An attack said `(heads='active') party-1 holds a head`, as if that were the attack's
-    limit: combinatorial trains a head at every party and needs them all."""
-    argv = [command, "--method", "combinatorial", "--dataset", "wine", "--heads", "active"]
+    limit: combinatorial trains a head at every party and needs them all. Local and ensemble
+    were refused only once their method was built, after the data had loaded."""
+    argv = [command, "--method", method, "--dataset", "wine", "--heads", "active"]
     argv += ["--attack", "norm-scoring"] if command == "attack" else []
     err = refused([*argv, "--out", str(tmp_path / "a")], capsys)
-    assert "--heads active: combinatorial trains a head at every party" in err
+    assert f"--heads active: {method} trains a head at every party" in err
     assert not (tmp_path / "a").exists()
 
 

@@ -320,6 +320,8 @@ def test_a_run_that_collapses_to_one_class_warns_and_says_so_in_result_json(
     assert "secure-vfl: warning: predictions on test split 'mcar:0' collapsed" in err
     warnings = json.loads((tmp_path / "run" / "result.json").read_text())["warnings"]
     assert len(warnings) == 2 and all("collapsed to one class" in w for w in warnings)
+    # a run without DP is not told to use less DP noise (the CLI always has a privacy engine)
+    assert all(w.endswith("expected more --epochs or another --lr.") for w in warnings)
 
 
 def test_compare_refuses_a_directory_without_a_training_result(

@@ -466,7 +466,7 @@ class PartyPreprocessing:
 
     @classmethod
     def from_json(cls, payload: Any, where: str) -> PartyPreprocessing:
-        """Read the JSON form (version 1 or 2), refusing another schema, a newer version, an
+        """Read the JSON form (version 1, 2 or 3), refusing another schema, a newer version, an
         unknown column kind, step or policy, or malformed values (DataError naming ``where``)."""
         if not isinstance(payload, Mapping):
             raise DataError(f"{where}: a JSON object expected, found {type(payload).__name__}.")

@@ -7,7 +7,7 @@ from secure_vfl.methods.false_vfl import FalseVflConfig
 ONE_HEAD_METHODS = ("standard", "plugvfl", "false-vfl-1", "false-vfl-2")
 """The methods whose only head is the label party's, whatever ``MethodConfig.heads`` says."""
 
-EVERY_HEAD_METHODS = ("combinatorial",)
+EVERY_HEAD_METHODS = ("local", "ensemble", "combinatorial")
 """The methods that train a head at every party: ``MethodConfig.heads`` must be ``"all"``."""
 
 __all__ = [

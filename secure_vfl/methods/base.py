@@ -77,11 +77,13 @@ PartyMaker = Callable[[int, RoleFactory, dict[str, Tensor], nn.Module], Party]
 
 @dataclass(frozen=True, kw_only=True)
 class MethodConfig:
-    """Hyper-parameters shared by the split-network methods (defaults: LASER reference, tabular).
+    """Hyper-parameters shared by the split-network methods (defaults: LASER reference, tabular,
+    but for the batching).
 
     ``heads="all"`` gives every party labels and a head (the LASER paper); ``"active"`` keeps one
     label party (party 0) with a single head (the threat model's setting). ``batching="grouped"``
-    forms batches of one observed set (the paper); ``"mixed"`` samples subsets per sample.
+    forms batches of one observed set (the paper); ``"mixed"``, the default, samples subsets per
+    sample.
     ``pretrain_epochs > 0`` pretrains every party's bottom model with SimSiam on its own
     training rows, labelled or not, before training (local: nothing is sent).
     ``secure_sums=True`` says the aggregator is a secure backend that releases only sums over
