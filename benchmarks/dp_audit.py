@@ -175,7 +175,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--delta", type=open_probability, default=1e-5)
     parser.add_argument("--confidence", type=open_probability, default=0.95)
     parser.add_argument("--out", type=output_directory, default=RESULTS)
+    parser.add_argument(
+        "--quick", action="store_true", help="SIGMA 2, 1 epoch, seed 0 (a smoke run: *_quick)"
+    )
     args = parser.parse_args(argv)
+    if args.quick:
+        args.sigmas, args.epochs, args.seeds = [2.0], 1, [0]
     command = command_line("dp_audit.py", argv)
     start = time.perf_counter()
     rows = run(args)
@@ -188,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "all_as_expected": all(expected(row) for row in rows),
     }
     text = render(rows, args, command, top)
-    write_outputs(args.out, "dp_audit", text, payload)
+    write_outputs(args.out, "dp_audit_quick" if args.quick else "dp_audit", text, payload)
     print(text)
     return (
         0

@@ -245,7 +245,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=seed, default=0)
     parser.add_argument("--out", type=output_directory, default=RESULTS)
+    parser.add_argument(
+        "--quick", action="store_true", help="10^3 ids, 1 repeat (a smoke run: *_quick)"
+    )
     args = parser.parse_args(argv)
+    if args.quick:
+        args.sizes, args.repeats, args.repeats_above = [1000], 1, None
 
     try:
         rows: list[dict[str, Any]] = []
@@ -287,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         target_line(rows),
     ]
     text = "\n".join(lines) + "\n"
-    write_outputs(args.out, "psi_costs", text, {"command": command, "psi": rows})
+    stem = "psi_costs_quick" if args.quick else "psi_costs"
+    write_outputs(args.out, stem, text, {"command": command, "psi": rows})
     print(text)
     return 0
 
