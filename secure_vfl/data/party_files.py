@@ -217,12 +217,14 @@ def _refuse_short_rows(path: Path, fields: int) -> None:
     fields a row lacks as empty cells, so a row cut short, or broken in two by a stray line
     break, would be read as missing values in silence. Blank (or white-space) lines are
     skipped, as pandas skips them."""
-    data = path.read_bytes()
-    if b'"' not in data:  # no quoted value: a line's commas count its fields
-        for number, line in enumerate(data.split(b"\n"), start=1):
+    with path.open("rb") as lines:  # streamed: a file's size is the user's
+        for number, line in enumerate(lines, start=1):
+            if b'"' in line:
+                break  # a quoted value may hold commas and line breaks: parse it as CSV
             if line.strip() and line.count(b",") + 1 < fields:
                 _short(path, number, line.count(b",") + 1, fields)
-        return
+        else:
+            return
     with path.open(newline="", encoding="utf-8-sig") as file:
         reader = csv.reader(file)
         start = 1
