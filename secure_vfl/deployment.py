@@ -126,6 +126,7 @@ from secure_vfl.data.missingness import parse_mechanism
 from secure_vfl.data.party_files import (
     ID_COLUMN,
     LABEL_COLUMN,
+    LabelTable,
     PartyTable,
     read_label_file,
     read_party_file,
@@ -1786,6 +1787,7 @@ def label_side(
     align: AlignLabelIds,
     widths: list[int],
     encoded: Callable[[RowPlan], list[int]] | None = None,
+    labels: LabelTable | None = None,
 ) -> LabelSide:
     """The label party's plan of rows (``align``: :func:`join_alignment` or
     :class:`PsiAlignment`) and its view of the data: the labels, the masks, its own
@@ -1793,7 +1795,8 @@ def label_side(
     (zero-strided: the method reads their shapes only). The plan reads the parties' column
     counts ``widths`` (for its shapes only); the blocks take the widths ``encoded`` gives for
     the plan (each party's model input once its own preprocessing is fitted on its planned
-    training rows, :func:`fitted_widths`), or ``widths`` without it."""
+    training rows, :func:`fitted_widths`), or ``widths`` without it. ``labels``: the label
+    file as the label party read it before contacting anyone (None: read here)."""
     member = federation.member(federation.label_party)
     assert member.labels is not None
     plan = plan_rows_by(
@@ -1806,6 +1809,7 @@ def label_side(
         test_file=config.test_file,
         rng=np.random.default_rng(config.seed),
         names=federation.names,
+        labels_read=labels,
     )
     blocks, preprocessing = party_blocks(
         own,
@@ -2009,7 +2013,7 @@ def train_deployed(
     federation.label_data()  # the keys: ConfigError saying that training needs them
     data = federation.own_file(name, "data")
     federation.own_file(name, "labels")
-    read_label_file(federation.labels())  # read again to plan the rows, once peers answer
+    labels = read_label_file(federation.labels())  # before any peer: what plans the rows
     identity = None if insecure else federation.identity(name)
     own = read_party_file(data)
     endpoint = _endpoint(
@@ -2043,6 +2047,7 @@ def train_deployed(
             encoded=lambda plan: fitted_widths(
                 endpoint, federation, plan, config.align, config.missing_cells
             ),
+            labels=labels,
         )
         resume = checkpoints.resume if checkpoints is not None else None
         plans = privacy_plans(config, side, federation, privacy, resume)

@@ -734,11 +734,13 @@ def plan_rows_by(
     test_file: Path | None = None,
     rng: np.random.Generator,
     names: Sequence[str] | None = None,
+    labels_read: LabelTable | None = None,
 ) -> RowPlan:
     """:func:`plan_rows` where ``align`` aligns the label party's ids without it holding the
     other parties' ids (PSI over the network, :mod:`secure_vfl.deployment`): the plan's rows of
     a party are then what ``align`` put in the alignment's rows (for PSI, sample positions that
-    the party maps to its own rows). ``names``: the parties', for messages."""
+    the party maps to its own rows). ``names``: the parties', for messages; ``labels_read``: the
+    label file as :func:`read_label_file` read it already (None: it is read here)."""
     _check_test_labels(test_missing)
     for mechanism in (train_missing, *test_missing):
         if mechanism.name not in SHAPE_ONLY_MECHANISMS:
@@ -747,7 +749,7 @@ def plan_rows_by(
                 f"a missingness mechanism drawn from shapes only ({allowed}) expected when no "
                 f"party sees another's features. Found {mechanism.label}."
             )
-    label_table = read_label_file(Path(label_file))
+    label_table = labels_read if labels_read is not None else read_label_file(Path(label_file))
     label_ids, all_labels, held_out = label_table.ids, label_table.labels, None
     if test_file is not None:
         label_ids, all_labels, held_out = _with_held_out(
