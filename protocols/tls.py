@@ -307,15 +307,9 @@ def _load_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivate
                 f"{directory} holds part of a CA: its certificate and key ({CA_CERT}, {CA_KEY}) "
                 f"expected to issue certificates; found no file {path}."
             )
-        try:
-            data = path.read_bytes()
-            found[name] = load(data)
-        except OSError as error:
-            raise ConfigError(f"{path}: cannot be read ({error.strerror}).") from error
-        except UNREADABLE_PEM as error:
-            raise ConfigError(
-                f"{path}: a PEM {what} expected; found {unreadable(data, error)}."
-            ) from error
+        found[name], problems = _load(path, load, what)  # what `certs check` says of it
+        if problems:
+            raise ConfigError(str(problems[0]))
     ca, key = found[CA_CERT], found[CA_KEY]
     assert isinstance(ca, x509.Certificate)
     if not is_ca(ca):

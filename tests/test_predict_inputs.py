@@ -87,10 +87,10 @@ def edit_manifest(model: Path, edit: Any) -> None:
     (model / MANIFEST_FILE).write_text(json.dumps(manifest))
 
 
-def rewrite_part_file(model: Path, party: int, name: str, text: str) -> None:
+def rewrite_part_file(model: Path, party: int, name: str, content: str | bytes) -> None:
     """Rewrite a part's file and its hash in the manifest: a consistent model, if a wrong one."""
     path = model / f"party-{party}" / name
-    path.write_text(text)
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     edit_manifest(model, lambda m: m["parties"][party]["files"].__setitem__(name, digest))
 
@@ -377,9 +377,7 @@ def test_a_part_of_non_finite_or_other_typed_weights_is_refused_when_loaded(
     states = loads(path.read_bytes(), str(path))
     first = next(iter(states))
     states[first] = change(states[first])
-    path.write_bytes(dumps(states))
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    edit_manifest(copy, lambda m: m["parties"][1]["files"].__setitem__(path.name, digest))
+    rewrite_part_file(copy, 1, path.name, dumps(states))
     with pytest.raises(IntegrityError, match=re.escape(message)):
         SavedModel.load(copy)
 
