@@ -22,8 +22,8 @@ other row it observed.
   subsets it planned for them; its own term it knows (it sent it). If the victim's indicator
   lies in the span of the other parties' subset indicators, least squares over those sums
   isolates the victim's representation, exactly only if the models did not move between the
-  steps (README, "Secure aggregation": the leak the single-step planner leaves). The inverse
-  model is learnt on the isolated estimates of the auxiliary rows. Under secure sums the
+  steps (docs/privacy.md, "Secure aggregation": the leak the single-step planner leaves). The
+  inverse model is learnt on the isolated estimates of the auxiliary rows. Under secure sums the
   planner's block rule leaves no sum that determines a victim's term: the attacker can only
   guess the auxiliary set's column means, and scores gain 0 (``isolated`` 0): the defense holds.
 

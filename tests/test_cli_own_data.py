@@ -301,12 +301,11 @@ def test_a_closed_pipe_ends_the_command_quietly() -> None:
 
 
 def test_readme_commands_for_data_as_users_have_it_run(tmp_path: Path) -> None:
-    """The README's "Your own data for training" commands, as written (2 epochs)."""
+    """docs/own-data.md's commands, as written (2 epochs)."""
     import shlex
 
     root = Path(__file__).resolve().parents[1]
-    readme = (root / "README.md").read_text(encoding="utf-8")
-    section = readme.split("### Your own data for training", 1)[1]
+    section = (root / "docs" / "own-data.md").read_text(encoding="utf-8")
     block = section.split("```bash\n", 1)[1].split("```", 1)[0]
     commands = [
         line

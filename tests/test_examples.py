@@ -1,9 +1,10 @@
-"""The README's examples run as written (with fewer epochs)."""
+"""The examples, and the README's and docs/' commands, run as written (with fewer epochs)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -57,13 +58,51 @@ def test_secure_training_demo_compares_plaintext_secure_sums_and_dp() -> None:
     assert rows["time (training)"][1::2] == ["s", "s", "s"]
 
 
-def test_readme_python_snippets_run(capsys) -> None:  # type: ignore[no-untyped-def]
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    snippets = [block.split("```", 1)[0] for block in readme.split("```python\n")[1:]]
-    assert snippets, "the README should show the Python API"
-    for snippet in snippets:
-        exec(compile(snippet, "README.md", "exec"), {})
+DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_documented_python_snippets_run(capsys) -> None:  # type: ignore[no-untyped-def]
+    """Every ```python block of the README and of docs/ runs as written."""
+    ran = []
+    for document in DOCUMENTS:
+        text = document.read_text(encoding="utf-8")
+        for snippet in [block.split("```", 1)[0] for block in text.split("```python\n")[1:]]:
+            exec(compile(snippet, str(document.relative_to(ROOT)), "exec"), {})
+            ran.append(document.name)
+    assert "README.md" in ran, "the README should show the Python API"
+    assert len(ran) >= 4, ran
     assert "'accuracy'" in capsys.readouterr().out
+
+
+def _anchors(document: Path) -> set[str]:
+    """The fragment of each heading of a Markdown file, as GitHub makes them."""
+    anchors = set()
+    for line in document.read_text(encoding="utf-8").splitlines():
+        match = re.match(r"#+ (.+)", line)
+        if match:
+            words = re.sub(r"[^\w\- ]", "", match.group(1).strip().lower())
+            anchors.add(words.replace(" ", "-"))
+    return anchors
+
+
+def test_documentation_links_resolve() -> None:
+    """Every relative link of the README, docs/ and benchmarks/README.md names a file that
+    exists and, with a fragment, a heading of that file."""
+    broken, checked = [], 0
+    for document in [*DOCUMENTS, ROOT / "benchmarks" / "README.md"]:
+        text = document.read_text(encoding="utf-8")
+        for link in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+://", link):
+                continue
+            checked += 1
+            name, _, fragment = link.partition("#")
+            target = (document.parent / name).resolve() if name else document
+            if not target.exists():
+                broken.append(f"{document.name}: {link} (no such file)")
+            elif fragment and target.suffix == ".md" and fragment not in _anchors(target):
+                broken.append(f"{document.name}: {link} (no such heading)")
+    assert checked > 40
+    assert not broken, broken
 
 
 def _run_example(name: str, *args: str, tmp_path: Path) -> list[str]:

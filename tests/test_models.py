@@ -520,13 +520,13 @@ def test_false_vfl_saves_its_label_model_and_predicts_with_a_party_absent(
 
 
 def test_readme_commands_for_saved_models_run(tmp_path: Path) -> None:
-    """The README's "Saved models and prediction" commands, as written (2 epochs)."""
+    """docs/models.md's "Saved models and prediction" commands, as written (2 epochs)."""
     import shlex
     import subprocess
     import sys
 
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = readme.split("### Saved models and prediction", 1)[1]
+    models = (ROOT / "docs" / "models.md").read_text(encoding="utf-8")
+    section = models.split("## Saved models and prediction", 1)[1]
     block = section.split("```bash\n", 1)[1].split("```", 1)[0]
     commands = [
         line
