@@ -37,7 +37,10 @@ from secure_vfl.methods.imputation.statistics import STATISTICS_ROUNDS
 from secure_vfl.models.feature_graph import FeatureGraph, FeatureGraphImputer
 
 # Small and quick: enough rounds for the GNN to leave its initial plateau on synthetic data.
-QUICK = ImputeConfig(rounds=8, local_epochs=4, hidden=64, lr=2e-3)
+# 20 rounds: at 8, FedHF's RMSE was 0.71-0.97 of column means' over seeds 0-8 (two above
+# 0.9, the bound asserted), at 20 0.49-0.89, and its validation curve fell to 0.56-0.84 of
+# its start (0.73-0.95 at 8)
+QUICK = ImputeConfig(rounds=20, local_epochs=4, hidden=64, lr=2e-3)
 
 
 def synthetic_task(
@@ -197,6 +200,8 @@ def test_local_training_corrupts_exactly_one_block_and_learns_only_on_it() -> No
     n, features = 37, 8
     available = torch.tensor([True] * 6 + [False] * 2)
     observed = torch.from_numpy(rng.random((n, features)) < 0.7) & available
+    for row in range(n):  # 3 observed of the 6: one stays outside any block, to find the row by
+        observed[row, rng.choice(6, size=3, replace=False)] = True
     values = torch.from_numpy(rng.normal(size=(n, features)).astype(np.float32)) * observed
     shard = ClientShard(
         name="client-0",
