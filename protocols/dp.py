@@ -616,10 +616,10 @@ def parse_noise(text: str) -> tuple[float, float]:
 def _check_noise(noise_multiplier: float, clip: float) -> None:
     if not (noise_multiplier >= 0 and math.isfinite(noise_multiplier)):
         raise ConfigError(
-            f"The noise multiplier must be a finite number >= 0. Found {noise_multiplier}."
+            f"the noise multiplier (SIGMA) must be a finite number >= 0. Found {noise_multiplier}."
         )
     if not (clip > 0 and math.isfinite(clip)):
-        raise ConfigError(f"The clip norm must be a positive number. Found {clip}.")
+        raise ConfigError(f"the clip norm (CLIP) must be a positive number. Found {clip}.")
 
 
 def clip_rows(rows: Tensor, clip: float) -> Tensor:

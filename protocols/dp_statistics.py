@@ -95,11 +95,11 @@ class StatisticsNoise:
     ) -> None:
         if not (noise_multiplier > 0 and math.isfinite(noise_multiplier)):
             raise ConfigError(
-                f"The noise multiplier of a private release must be a positive number. "
+                f"the noise multiplier (SIGMA) of a private release must be a positive number. "
                 f"Found {noise_multiplier}."
             )
         if not (clip > 0 and math.isfinite(clip)):
-            raise ConfigError(f"The clip norm must be a positive number. Found {clip}.")
+            raise ConfigError(f"the clip norm (CLIP) must be a positive number. Found {clip}.")
         if isinstance(shares, bool) or not isinstance(shares, int) or shares < 1:
             raise ConfigError(f"`shares` must be a positive integer. Found {shares!r}.")
         if not (standard_bound > 0 and math.isfinite(standard_bound)):

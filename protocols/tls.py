@@ -43,11 +43,13 @@ key file readable by others, a key type gRPC cannot use, a certificate without b
 from __future__ import annotations
 
 import datetime
+import glob
 import ipaddress
 import os
 import shutil
 import stat
 import tempfile
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -56,7 +58,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from secure_vfl.errors import ConfigError
+from secure_vfl.errors import ConfigError, RunWarning
 from secure_vfl.federation.certificates import (
     UNREADABLE_PEM,
     Problem,
@@ -114,6 +116,27 @@ def _write(path: Path, data: bytes, *, private: bool) -> None:
     atomic_write(path, write, mode=KEY_MODE if private else None)
 
 
+def _remove_stale_staging(directory: Path) -> None:
+    """Remove the staging folders that a write of ``directory`` killed before its end left
+    (SIGKILL, a power cut: no handler ran), which may hold private keys: beside a new
+    ``directory`` (``.NAME.*.tmp``) and inside an existing one (``.staging.*.tmp``). A
+    RunWarning names them: their keys lay on disk, mode 0600, outside the set."""
+    found = [*directory.parent.glob(f".{glob.escape(directory.name)}.*.tmp")]
+    if directory.is_dir():
+        found += directory.glob(".staging.*.tmp")
+    stale = sorted(path for path in found if path.is_dir() and not path.is_symlink())
+    for path in stale:
+        shutil.rmtree(path)
+    if stale:
+        warnings.warn(
+            f"removed {len(stale)} staging folder(s) an earlier write of {directory} left when "
+            f"it was killed ({', '.join(path.name for path in stale)}); any keys in them lay "
+            "on disk (mode 0600) outside the set.",
+            RunWarning,
+            stacklevel=2,
+        )
+
+
 def _write_all(directory: Path, files: Mapping[str, tuple[bytes, bool]]) -> None:
     """Write ``files`` (name: content, and whether it is private, a key) into ``directory``, all
     or none: they are written into a staging directory and moved in once all are there (a new
@@ -124,6 +147,7 @@ def _write_all(directory: Path, files: Mapping[str, tuple[bytes, bool]]) -> None
         for name, (data, private) in files.items():
             _write(staging / name, data, private=private)
 
+    _remove_stale_staging(directory)
     if not directory.exists():
 
         def stage_directory(staging: Path) -> None:
@@ -476,8 +500,9 @@ def _check_ca(directory: Path, now: datetime.datetime) -> tuple[object, list[Pro
 def federation_parties(directory: Path) -> list[str]:
     """The parties with a certificate or a key in ``directory`` (every ``NAME.pem`` and
     ``NAME.key`` but the CA's), so that a key left without its certificate, or a certificate
-    without its key, is checked, and found missing its other half."""
-    files = [*directory.glob("*.pem"), *directory.glob("*.key")]
+    without its key, is checked, and found missing its other half. PermissionError where the
+    directory cannot be listed (glob would find nothing in it)."""
+    files = [path for path in directory.iterdir() if path.suffix in (".pem", ".key")]
     return sorted({path.stem for path in files if path.is_file()} - {CA_NAME})
 
 

@@ -10,12 +10,13 @@ Building the parser imports nothing heavy (no torch, pandas or privacy layer), s
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import re
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
 
@@ -27,7 +28,18 @@ DEFAULT_DELTA = 1e-5  # protocols.privacy.PrivacySpec's (this module imports pro
 LEARNING_RATE = 0.03  # train's default --lr (SGD)
 REPRESENTATION_DIM = 128  # train's default --representation-dim (MethodConfig's)
 NETWORK_SECONDS = 60.0  # the default --wait and --deadline of a deployment
-EXIT_OS = 1  # a file operation the operating system refused (permissions, a full disk)
+EXIT_FAILED = 1  # sound, but not doable here: the system refused a file operation, a peer is gone
+REFUSALS = frozenset(  # the errnos of such a refusal
+    {
+        errno.EACCES,
+        errno.EPERM,
+        errno.ENOSPC,
+        errno.EDQUOT,
+        errno.EROFS,
+        errno.ENAMETOOLONG,
+        errno.EIO,
+    }
+)
 ID_COLUMN = "id"
 LABEL_COLUMN = "label"
 """The default id and label columns (``secure_vfl.data.party_files``'s, spelled out so that
@@ -167,6 +179,32 @@ def path_arg(text: str) -> Path:
             "expected a path, found an empty string (write . for the current directory)"
         )
     return Path(text)
+
+
+def run_directory(text: str) -> Path:
+    """A run's output directory: a path whose name is UTF-8, as the results store and the
+    reports record it as text (a name of other bytes failed after the run, unrecorded)."""
+    path = path_arg(text)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        import os
+
+        raise argparse.ArgumentTypeError(
+            f"expected a path in UTF-8 (the results store records it), found {os.fsencode(text)!r}"
+        ) from None
+    return path
+
+
+def command_line(default: str) -> str:
+    """The command this process runs, as a report records it: ``default`` when it was called
+    from Python; an argument that is not UTF-8 shown with its bytes escaped."""
+    import os
+
+    if not sys.argv[1:]:
+        return default
+    shown = [os.fsencode(arg).decode("utf-8", "backslashreplace") for arg in sys.argv[1:]]
+    return "secure-vfl " + " ".join(shown)
 
 
 def column_name(text: str) -> str:
@@ -538,7 +576,7 @@ def _training_flags(
     _insecure_noise_flag(privacy)
     parser.add_argument(
         "--out",
-        type=path_arg,
+        type=run_directory,
         metavar="DIR",
         help=f"output directory (default {out})",
     )
@@ -830,7 +868,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     impute.add_argument(
         "--out",
-        type=path_arg,
+        type=run_directory,
         metavar="DIR",
         help="output directory (default runs/impute-METHOD-DATASET-sSEED)",
     )
@@ -1048,9 +1086,11 @@ def run_certs_command(args: argparse.Namespace) -> int:
 
     if args.certs_action == "init":
         hosts = tuple(args.san) if args.san else tls.DEFAULT_HOSTS
-        written = tls.make_federation(args.out, args.party, hosts=hosts, days=args.days)
+        with run_warnings() as noted:
+            written = tls.make_federation(args.out, args.party, hosts=hosts, days=args.days)
         print(f"wrote {len(written)} files to {args.out}: {', '.join(p.name for p in written)}")
         print(f"hosts in every certificate: {', '.join(hosts)}; keys are mode 0600")
+        _print_warnings(noted)
         return 0
     problems = tls.check_federation(args.dir, args.party)
     for problem in problems:
@@ -1094,6 +1134,8 @@ def _capture(path: Path | None, args: argparse.Namespace) -> Iterator[BinaryIO |
             )
     made = not path.exists()
     make_parent(path)
+    if path.is_file() and path.stat().st_size > 0:
+        _cut_torn_tail(path)
     try:
         handle = path.open("ab")
     except OSError as error:
@@ -1101,11 +1143,42 @@ def _capture(path: Path | None, args: argparse.Namespace) -> Iterator[BinaryIO |
             f"--capture {path} cannot be opened: {error.strerror or error}; nothing was run."
         ) from None
     try:
-        with handle:
-            yield handle
+        yield handle
+    except BaseException:
+        with suppress(OSError):  # what a refused write left buffered fails again: said already
+            handle.close()
+        raise
+    else:
+        handle.close()  # nothing is left to write: each record was flushed as it came
     finally:
         if made and path.is_file() and path.stat().st_size == 0:
             path.unlink()
+
+
+def _cut_torn_tail(path: Path) -> None:
+    """Before a capture is appended to: refuse a file that is not one (ConfigError), and cut
+    a torn last record that a killed command left (warned of): appended after it, the records
+    that follow would be read as its remainder, and the file could not be read past it."""
+    import os
+
+    from secure_vfl.errors import ProtocolError
+    from secure_vfl.federation.channel import whole_records
+
+    try:
+        whole = whole_records(path)
+    except ProtocolError as error:
+        raise ConfigError(
+            f"--capture {error}; expected a capture to append to, or a new path."
+        ) from None
+    size = path.stat().st_size
+    if whole < size:
+        os.truncate(path, whole)
+        _print_warnings(
+            [
+                f"--capture {path} ended in a torn record (a command stopped while writing it): "
+                f"its last {size - whole} bytes were cut before this run's records."
+            ]
+        )
 
 
 def _path_arguments(args: argparse.Namespace) -> list[tuple[str, Path]]:
@@ -1685,36 +1758,37 @@ def run_train(args: argparse.Namespace) -> int:
         finally:
             if bar is not None:
                 bar.close()
-    manifest = save_model(
-        out / MODEL_DIR,
-        trained,
-        method=config.method,
-        seed=config.seed,
-        method_config=config.method_config,
-        false_vfl=config.false_vfl,
-        data=data,
-        sources=data.party_names,
-    )
-    payload = _with_party_names(result.to_json(), data)
-    if data.classes is not None:  # the label file's values (a registered dataset has indices)
-        payload["classes"] = {
-            str(index): value.item() if hasattr(value, "item") else value
-            for index, value in enumerate(data.classes)
-        }
-    payload["config"]["privacy"] = _privacy_settings(args)
-    payload["provenance"] = provenance()
-    named = [_named_text(text, payload["parties"]) for text in [*noted, *result.warnings]]
-    payload["warnings"] = list(dict.fromkeys(named))
-    payload["model"] = {"directory": str(out / MODEL_DIR), "run_id": manifest.run_id}
-    if checkpoints is not None:
-        payload["checkpoints"] = _checkpoints_payload(checkpoints)
-    atomic_write_json(out / "result.json", payload)
-    if checkpoints is None and (out / CHECKPOINTS_DIR).is_dir():
-        # --overwrite of a killed run without checkpoints of its own: the killed run's, which
-        # no --resume can go on from beside a finished run, go with the run they belonged to
-        shutil.rmtree(out / CHECKPOINTS_DIR)
-    plots = write_run_plots(payload, out)
-    store.add(payload, kind="train", out_dir=out)
+    with _finishing():
+        manifest = save_model(
+            out / MODEL_DIR,
+            trained,
+            method=config.method,
+            seed=config.seed,
+            method_config=config.method_config,
+            false_vfl=config.false_vfl,
+            data=data,
+            sources=data.party_names,
+        )
+        payload = _with_party_names(result.to_json(), data)
+        if data.classes is not None:  # the label file's values (a registered dataset has indices)
+            payload["classes"] = {
+                str(index): value.item() if hasattr(value, "item") else value
+                for index, value in enumerate(data.classes)
+            }
+        payload["config"]["privacy"] = _privacy_settings(args)
+        payload["provenance"] = provenance()
+        named = [_named_text(text, payload["parties"]) for text in [*noted, *result.warnings]]
+        payload["warnings"] = list(dict.fromkeys(named))
+        payload["model"] = {"directory": str(out / MODEL_DIR), "run_id": manifest.run_id}
+        if checkpoints is not None:
+            payload["checkpoints"] = _checkpoints_payload(checkpoints)
+        atomic_write_json(out / "result.json", payload)
+        if checkpoints is None and (out / CHECKPOINTS_DIR).is_dir():
+            # --overwrite of a killed run without checkpoints of its own: the killed run's, which
+            # no --resume can go on from beside a finished run, go with the run they belonged to
+            shutil.rmtree(out / CHECKPOINTS_DIR)
+        plots = write_run_plots(payload, out)
+        store.add(payload, kind="train", out_dir=out)
     print(_summary(result, out, payload))
     print(f"model: {out / MODEL_DIR} (secure-vfl predict --model {out} --party-file ...)")
     print("plots: " + ", ".join(str(path) for path in plots))
@@ -1945,11 +2019,14 @@ def run_attack_command(args: argparse.Namespace) -> int:
     found = [*noted, *payload["training"].get("warnings", [])]
     payload["warnings"] = list(dict.fromkeys(_named_text(text, mapping) for text in found))
     payload["provenance"] = provenance()
-    atomic_write_json(out / "result.json", payload)
-    entry = _attack_entry(payload, ", ".join(args.defense), privacy=_privacy_settings(args))
-    if mapping:
-        entry["parties"] = mapping
-    store.add({**entry, "provenance": payload["provenance"]}, kind=f"attack:{name}", out_dir=out)
+    with _finishing():
+        atomic_write_json(out / "result.json", payload)
+        entry = _attack_entry(payload, ", ".join(args.defense), privacy=_privacy_settings(args))
+        if mapping:
+            entry["parties"] = mapping
+        store.add(
+            {**entry, "provenance": payload["provenance"]}, kind=f"attack:{name}", out_dir=out
+        )
     print(_named_text(_attack_summary(result, out), mapping))
     _print_warnings(payload["warnings"])
     return 0
@@ -2006,20 +2083,21 @@ def run_sweep_command(args: argparse.Namespace) -> int:
         )
     finally:
         bar.close()
-    command = "secure-vfl " + " ".join(sys.argv[1:]) if sys.argv[1:] else "secure-vfl sweep"
-    text, plots = write_sweep(rows, out, attack=args.attack, command=command)
-    store.forget(out)  # a sweep written again replaces all its runs
-    for row in rows:
-        if row["failed"] is not None:
-            print(f"{row['defense']} seed {row['seed']}: {row['failed']}", file=sys.stderr)
-            continue
-        _print_warnings([f"{row['defense']} seed {row['seed']}: {w}" for w in row["warnings"]])
-        store.add(
-            _attack_entry({**row, "main": {"accuracy": row["main_accuracy"]}}, row["defense"]),
-            kind=f"sweep:{args.attack}",
-            out_dir=out,
-            entry=f"{row['defense']} seed {row['seed']}",
-        )
+    command = command_line("secure-vfl sweep")
+    with _finishing():
+        text, plots = write_sweep(rows, out, attack=args.attack, command=command)
+        store.forget(out)  # a sweep written again replaces all its runs
+        for row in rows:
+            if row["failed"] is not None:
+                print(f"{row['defense']} seed {row['seed']}: {row['failed']}", file=sys.stderr)
+                continue
+            _print_warnings([f"{row['defense']} seed {row['seed']}: {w}" for w in row["warnings"]])
+            store.add(
+                _attack_entry({**row, "main": {"accuracy": row["main_accuracy"]}}, row["defense"]),
+                kind=f"sweep:{args.attack}",
+                out_dir=out,
+                entry=f"{row['defense']} seed {row['seed']}",
+            )
     print(text)
     print("plots: " + ", ".join(str(p) for p in plots))
     failed = sum(row["failed"] is not None for row in rows)
@@ -2077,13 +2155,14 @@ def _run_suite_command(args: argparse.Namespace, config: Any) -> int:
         cache=args.cache or out.parent / ".undefended",
         on_run=on_run,
     )
-    command = "secure-vfl " + " ".join(sys.argv[1:]) if sys.argv[1:] else "secure-vfl attack"
+    command = command_line("secure-vfl attack")
     text = markdown(report, command=command)
-    atomic_write_json(out / "suite.json", report.to_json())
-    atomic_write_text(out / "suite.md", text)
-    store.forget(out)  # a suite written again replaces all its runs (only once it is written)
-    for entry, kind, name in entries:
-        store.add(entry, kind=kind, out_dir=out, entry=name)
+    with _finishing():
+        atomic_write_json(out / "suite.json", report.to_json())
+        atomic_write_text(out / "suite.md", text)
+        store.forget(out)  # a suite written again replaces all its runs (only once it is written)
+        for entry, kind, name in entries:
+            store.add(entry, kind=kind, out_dir=out, entry=name)
     print(text)
     if not report.runs:
         print(
@@ -2212,14 +2291,15 @@ def run_impute(args: argparse.Namespace) -> int:
         finally:
             if bar is not None:
                 bar.close()
-    if args.save_imputed:
-        _save_imputed(out / "imputed", task, imputer)
-    payload = result.to_json()
-    payload["config"]["privacy"] = _impute_privacy_config(args)
-    payload["provenance"] = provenance()
-    payload["warnings"] = [*noted, *running]
-    atomic_write_json(out / "result.json", payload)
-    store.add(payload, kind="impute", out_dir=out)
+    with _finishing():
+        if args.save_imputed:
+            _save_imputed(out / "imputed", task, imputer)
+        payload = result.to_json()
+        payload["config"]["privacy"] = _impute_privacy_config(args)
+        payload["provenance"] = provenance()
+        payload["warnings"] = [*noted, *running]
+        atomic_write_json(out / "result.json", payload)
+        store.add(payload, kind="impute", out_dir=out)
     print(_impute_summary(result, out))
     _print_warnings(payload["warnings"])
     return 0
@@ -2351,8 +2431,9 @@ def run_impute_deployed(args: argparse.Namespace) -> int:
     if saved is not None:
         payload["imputed"] = saved
     payload["warnings"] = noted
-    atomic_write_json(out / "result.json", payload)
-    store.add(payload, kind="impute", out_dir=out)
+    with _finishing():
+        atomic_write_json(out / "result.json", payload)
+        store.add(payload, kind="impute", out_dir=out)
     print(_impute_summary(result, out))
     if saved is not None:
         print(
@@ -2841,8 +2922,9 @@ def _served_statistics(name: str, part: Any, client: Any, features: Sequence[str
 
 
 def run_party_command(args: argparse.Namespace) -> int:
-    """`secure-vfl party serve`: act as one party until the label party ends the run; exit
-    non-zero if it fails or the label party falls silent for longer than --deadline."""
+    """`secure-vfl party serve`: act as one party until the label party ends the run; exit 1
+    if the run ends otherwise (it failed, its operator stopped it, or the label party fell
+    silent for longer than --deadline: a TransportError, :func:`_exit_status`)."""
     from secure_vfl.deployment import INTERRUPTED, serve
     from secure_vfl.federation.federation_file import read_federation
 
@@ -3041,9 +3123,10 @@ def run_train_deployed(args: argparse.Namespace) -> int:
     payload["model"] = {"directory": str(out / MODEL_DIR), "run_id": manifest.run_id}
     if checkpoints is not None:
         payload["checkpoints"] = _checkpoints_payload(checkpoints)
-    atomic_write_json(out / "result.json", payload)
-    plots = write_run_plots(payload, out)
-    store.add(payload, kind="train", out_dir=out)
+    with _finishing():
+        atomic_write_json(out / "result.json", payload)
+        plots = write_run_plots(payload, out)
+        store.add(payload, kind="train", out_dir=out)
     print(_summary(result, out, payload))
     print(_deployed_model_line(manifest, out / MODEL_DIR))
     print("plots: " + ", ".join(str(path) for path in plots))
@@ -3117,52 +3200,149 @@ def _terminated(signum: int, frame: object) -> None:
 STOPPED = "what it had written stays, each file whole; nothing half-written is left"
 
 
+@contextmanager
+def _finishing() -> Iterator[None]:
+    """Hold Ctrl-C and SIGTERM while a command writes what it produced (the model, result.json,
+    plots, the results store's rows): one that arrives then is acted on once the last of them
+    is written, so a stopped command leaves its run either unwritten or whole. Stopped between
+    two of those files it left a run that neither a rerun nor --resume would take (a model
+    without result.json, a result.json without its store row, a sweep with part of its rows)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[int] = []
+    previous = {
+        signum: signal.signal(signum, lambda number, frame: held.append(number))
+        for signum in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    if held:
+        raise KeyboardInterrupt if held[0] == signal.SIGINT else Terminated
+
+
 def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
     import signal
     import threading
 
     catch = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminated) if catch else None
+    made: list[Path] = []
     try:
-        if args.command == "train":
-            return run_train(args)
-        if args.command == "impute":
-            return run_impute(args)
-        if args.command == "attack":
-            return run_attack_command(args)
-        if args.command == "sweep":
-            return run_sweep_command(args)
-        if args.command == "psi":
-            return run_psi_command(args)
-        if args.command == "predict":
-            return run_predict(args)
-        if args.command == "runs":
-            return run_runs(args)
-        if args.command == "certs":
-            return run_certs_command(args)
-        if args.command == "party":
-            return run_party_command(args)
-        return run_datasets(args)
+        args = parser.parse_args(argv)  # in here: a flag's type may meet an OS refusal
+        made = _paths_to_make(args)
+        return _run_command(args)
     except SecureVFLError as error:
+        _remove_if_empty(made)
         print(f"secure-vfl: error: {_printable(str(error))}", file=sys.stderr)
-        return EXIT_USAGE
+        return _exit_status(error)
     except BrokenPipeError:
         raise
     except OSError as error:  # the machine refused a file operation: say which, as tools do
+        _remove_if_empty(made)
         where = f"{error.filename}: " if error.filename else ""
         print(f"secure-vfl: error: {_printable(where)}{error.strerror or error}", file=sys.stderr)
-        return EXIT_OS
+        return EXIT_FAILED
     except KeyboardInterrupt:
+        _remove_if_empty(made)
         print(f"secure-vfl: interrupted; {STOPPED}.", file=sys.stderr)
         return 130
     except Terminated:
+        _remove_if_empty(made)
         print(f"secure-vfl: terminated; {STOPPED}.", file=sys.stderr)
         return 143
     finally:
         if catch and previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _run_command(args: argparse.Namespace) -> int:
+    if args.command == "train":
+        return run_train(args)
+    if args.command == "impute":
+        return run_impute(args)
+    if args.command == "attack":
+        return run_attack_command(args)
+    if args.command == "sweep":
+        return run_sweep_command(args)
+    if args.command == "psi":
+        return run_psi_command(args)
+    if args.command == "predict":
+        return run_predict(args)
+    if args.command == "runs":
+        return run_runs(args)
+    if args.command == "certs":
+        return run_certs_command(args)
+    if args.command == "party":
+        return run_party_command(args)
+    return run_datasets(args)
+
+
+def _exit_status(error: SecureVFLError) -> int:
+    """EXIT_FAILED where what was asked could not be done here: a party it needs is gone (a
+    TransportError), or the operating system refused a file operation behind ``error`` (an
+    OSError of :data:`REFUSALS` among its causes: a file the user may not read, a full disk),
+    whichever module turned it into a message; EXIT_USAGE for every other error."""
+    from secure_vfl.errors import TransportError
+
+    if isinstance(error, TransportError):
+        return EXIT_FAILED
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in REFUSALS:
+            return EXIT_FAILED
+        seen = seen.__cause__ or seen.__context__
+    return EXIT_USAGE
+
+
+OUTPUT_FLAGS = ("out", "store", "capture", "checkpoint_dir", "model_dir", "imputed_dir", "cache")
+
+
+def _paths_to_make(args: argparse.Namespace) -> list[Path]:
+    """For each output flag of ``args`` whose path does not exist yet, the topmost path that
+    writing it makes (the path, or its highest missing folder)."""
+    made = []
+    for flag in OUTPUT_FLAGS:
+        value = getattr(args, flag, None)
+        if not isinstance(value, (str, Path)):
+            continue
+        path = Path(value)
+        try:
+            if path.exists() or path.is_symlink():
+                continue
+            while path.parent != path and not path.parent.exists():
+                path = path.parent
+        except OSError:  # a name the system refuses: nothing can be made there
+            continue
+        made.append(path)
+    return made
+
+
+def _remove_if_empty(paths: Sequence[Path]) -> None:
+    """Remove what a failed command made at ``paths`` and left without content: a folder with
+    no file below it, or an empty file (an --out folder made for results never written, a
+    results store the system would not let it fill)."""
+    import shutil
+
+    for path in paths:
+        try:
+            if path.is_symlink():
+                continue
+            if path.is_file() and path.stat().st_size == 0:
+                path.unlink()
+            elif path.is_dir() and all(
+                inner.is_dir() and not inner.is_symlink() for inner in path.rglob("*")
+            ):
+                shutil.rmtree(path)
+        except OSError:  # the system that failed the command may refuse this too
+            continue
 
 
 def _closed_pipe() -> int:

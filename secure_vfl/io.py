@@ -3,6 +3,7 @@ and reading JSON that another party or a file on disk holds."""
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -64,13 +65,14 @@ def writable_file(path: Path) -> Path:
         raise unwritable(path, error) from None
     if there and not path.is_file():
         raise OutputError(
-            f"{path}: a regular file (or a new path) expected, found {_file_kind(path)}; "
+            f"{path}: a regular file (or a new path) expected, found {file_kind(path)}; "
             "nothing was written."
         )
     return path
 
 
-def _file_kind(path: Path) -> str:
+def file_kind(path: Path) -> str:
+    """What ``path`` is, in words, where it is not a regular file (a directory, a device...)."""
     for test, kind in (
         (Path.is_dir, "a directory"),
         (Path.is_char_device, "a character device"),
@@ -104,17 +106,18 @@ def check_directory(option: str, directory: Path) -> None:
             f"{error.strerror or error}."
         ) from None
     if not ancestor.is_dir():
-        kind = "a file" if ancestor.is_file() else _file_kind(ancestor)
+        kind = "a file" if ancestor.is_file() else file_kind(ancestor)
         where = "is" if ancestor == directory else f"lies under {ancestor},"
         raise ConfigError(
             f"{option} {directory} {where} {kind}; a directory, or a path where one can be "
             "made, expected."
         )
     if not os.access(ancestor, os.W_OK | os.X_OK):
+        refusal = PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(ancestor))
         raise ConfigError(
             f"{option} {directory}: a directory this user may write in expected; {ancestor} is "
             f"not writable{made}."
-        )
+        ) from refusal
 
 
 def make_parent(path: Path) -> None:

@@ -14,6 +14,7 @@ rows keep them empty; a newer version than this code knows is refused.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sqlite3
@@ -23,7 +24,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from secure_vfl.errors import ConfigError, OutputError
-from secure_vfl.io import check_directory
+from secure_vfl.io import check_directory, file_kind
 from secure_vfl.runs import provenance, summarise
 
 SCHEMA_VERSION = 4
@@ -97,6 +98,10 @@ class ResultsStore:
         either."""
         if self.path.is_dir():
             raise ConfigError(f"--store {self.path} is a directory; expected an SQLite file path.")
+        if self.path.exists() and not self.path.is_file():
+            raise ConfigError(
+                f"--store {self.path} is {file_kind(self.path)}; expected an SQLite file path."
+            )
         if not self.path.exists():
             check_directory(f"--store {self.path}: its folder", self.path.parent)
             return  # created by the first run written
@@ -112,10 +117,11 @@ class ResultsStore:
         if create:
             for what, path in (("the file", self.path), ("its folder", self.path.parent)):
                 if not os.access(path, os.W_OK):
+                    refusal = PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
                     raise ConfigError(
                         f"--store {self.path}: a results store this user may write expected; "
                         f"{what} is read-only (a run would fail to record itself after its work)."
-                    )
+                    ) from refusal
         connection = self._connect(create=create)
         try:  # a damaged page reads as a database until the run records itself after its work
             verdict = connection.execute("PRAGMA quick_check").fetchone()[0]
@@ -131,18 +137,25 @@ class ResultsStore:
 
     def _connect(self, *, create: bool = True) -> sqlite3.Connection:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        made = not self.path.exists()
         connection = sqlite3.connect(self.path)
         try:
             self._prepare(connection, create=create)
-        except sqlite3.DatabaseError as error:
+        except BaseException as error:
             connection.close()
+            if made:  # SQLite made the file before it failed: an empty store would stay
+                self.path.unlink(missing_ok=True)
+            if not isinstance(error, sqlite3.DatabaseError):
+                raise
+            refusal = _refusal(error, self.path)
+            if refusal is not None:
+                raise OutputError(
+                    f"--store {self.path} cannot be written: {error}; nothing was recorded."
+                ) from refusal
             raise ConfigError(
                 f"--store {self.path} could not be used as a results store ({error}); expected "
                 "a results store written by secure-vfl or a new path."
             ) from None
-        except BaseException:
-            connection.close()
-            raise
         return connection
 
     def _prepare(self, connection: sqlite3.Connection, *, create: bool = True) -> None:
@@ -301,7 +314,7 @@ class ResultsStore:
             raise OutputError(
                 f"--store {self.path}: the run could not be recorded ({error}); its own outputs "
                 "were written."
-            ) from None
+            ) from _refusal(error, self.path)
         finally:
             connection.close()
 
@@ -362,3 +375,18 @@ class ResultsStore:
             f"--store {self.path}: run {entry['id']}'s `{column}` holds {entry[column]!r:.40}; "
             f"expected {expected} (an intact results store: restore it from a copy)."
         )
+
+
+_REFUSALS = {  # SQLite's codes for a refusal of the file system, as the errno of an OSError
+    sqlite3.SQLITE_FULL: errno.ENOSPC,
+    sqlite3.SQLITE_IOERR: errno.EIO,
+    sqlite3.SQLITE_READONLY: errno.EROFS,
+    sqlite3.SQLITE_PERM: errno.EPERM,
+}
+
+
+def _refusal(error: sqlite3.Error, path: Path) -> OSError | None:
+    """The file system's refusal behind SQLite's ``error`` (a full disk, an I/O error, a
+    read-only file), as an OSError the CLI answers with its exit status for one; else None."""
+    code = _REFUSALS.get(getattr(error, "sqlite_errorcode", -1) & 0xFF)
+    return None if code is None else OSError(code, os.strerror(code), str(path))

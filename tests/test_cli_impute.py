@@ -37,7 +37,7 @@ BAD_FLAGS = [
     (["--dp-statistics", "0:1"], "SIGMA must be > 0 for a private release"),
     (["--dp-statistics", "abc"], "Noise must be given as SIGMA:CLIP"),
     (["--dp-statistics", "1:x"], "must be two numbers"),
-    (["--dp-statistics", "1:0"], "The clip norm must be a positive number"),
+    (["--dp-statistics", "1:0"], "the clip norm (CLIP) must be a positive number"),
     (["--dp-statistics", "1:1", "--target-epsilon", "0"], "expected a positive finite number"),
     (["--dp-statistics", "1:1", "--delta", "1"], "expected a probability in (0, 1)"),
 ]

@@ -285,7 +285,9 @@ def test_moderate_noise_keeps_the_strongest_correlations() -> None:
     both = np.isfinite(exact.correlation) & np.isfinite(private.correlation)
     np.fill_diagonal(both, False)
     gap = np.abs(private.correlation[both] - exact.correlation[both])
-    assert float(gap.max()) < 0.1, gap
+    # over noise seeds 0-11 and data seeds 0-1: largest gap 0.088-0.123, mean 0.043-0.076
+    # (sigma 10: largest 0.14-0.32); it was < 0.1, which seed 0's 0.098 passed by chance
+    assert float(gap.max()) < 0.15 and float(gap.mean()) < 0.1, gap
 
 
 def test_fedhf_trains_on_private_statistics_and_every_client_spends_three_releases() -> None:
@@ -306,9 +308,9 @@ def test_fedhf_trains_on_private_statistics_and_every_client_spends_three_releas
 
 
 def test_invalid_settings_are_refused() -> None:
-    with pytest.raises(ConfigError, match="noise multiplier of a private release"):
+    with pytest.raises(ConfigError, match=r"noise multiplier \(SIGMA\) of a private release"):
         _mechanism(0.0, 1.0, ranges=RANGES)
-    with pytest.raises(ConfigError, match="clip norm must be a positive number"):
+    with pytest.raises(ConfigError, match=r"clip norm \(CLIP\) must be a positive number"):
         _mechanism(1.0, -1.0, ranges=RANGES)
     with pytest.raises(ConfigError, match="`shares` must be a positive integer"):
         _mechanism(1.0, 1.0, ranges=RANGES, shares=0)

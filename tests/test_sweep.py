@@ -246,7 +246,7 @@ def test_a_malformed_setting_or_an_attack_that_does_not_apply_is_refused_before_
             "direct-label-inference",
             ["dp-gradients:1:CLIP"],
             {"CLIP": (0.01, -1.0)},
-            "clip norm must be a positive",  # ... why
+            "clip norm (CLIP) must be a positive",  # ... why
         ),
         ("direct-label-inference", ["bogus:X"], {"X": (1.0,)}, "a defense in ("),
         ("norm-scoring", ["marvell:4"], {}, "binary task"),  # digits has 10 classes

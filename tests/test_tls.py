@@ -582,6 +582,29 @@ def test_certs_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert not (tmp_path / "x").exists()
 
 
+def test_init_removes_the_staging_folders_a_killed_init_left_and_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """SIGKILL during `certs init` left `.certs.XXXX.tmp` beside the set, its CA key inside,
+    and every later init left it there."""
+    out = tmp_path / "certs"
+    beside = tmp_path / ".certs.q1w2e3.tmp"
+    beside.mkdir()
+    (beside / "ca.key").write_bytes(b"a private key")
+    unrelated = tmp_path / ".other.q1w2e3.tmp"  # another write's: not this set's
+    unrelated.mkdir()
+    assert main(["certs", "init", "--out", str(out), "--party", "bank"]) == 0
+    err = capsys.readouterr().err
+    assert "removed 1 staging folder(s) an earlier write of" in err and ".certs.q1w2e3.tmp" in err
+    assert not beside.exists() and unrelated.is_dir()
+    inside = out / ".staging.a1b2.tmp"  # a killed init that added parties to the set
+    inside.mkdir()
+    (inside / "shop.key").write_bytes(b"a private key")
+    assert main(["certs", "init", "--out", str(out), "--party", "shop"]) == 0
+    assert ".staging.a1b2.tmp" in capsys.readouterr().err and not inside.exists()
+    assert main(["certs", "check", "--dir", str(out)]) == 0
+
+
 def test_check_of_a_file_or_nothing_says_which(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -255,6 +255,38 @@ def test_cli_captures_train_impute_and_psi(tmp_path: Path) -> None:
     assert kinds["representation"] > 0 and kinds["sum"] > 0
 
 
+def test_a_capture_torn_by_a_killed_command_is_cut_before_the_next_appends(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Appended to after a torn last record (SIGKILL while writing it), a capture could no
+    longer be read past that record (`magic bytes b'SVFL' expected, found b'\\x00...'`)."""
+    (tmp_path / "a.csv").write_text("id\na\nb\nc\n", encoding="utf-8")
+    (tmp_path / "b.csv").write_text("id\nc\nd\na\n", encoding="utf-8")
+    argv = ["psi", "--mine", str(tmp_path / "a.csv"), "--theirs", str(tmp_path / "b.csv")]
+    capture = tmp_path / "psi.capture"
+    assert main([*argv, "--capture", str(capture)]) == 0
+    whole = capture.read_bytes()
+    first = 4 + struct.unpack(">I", whole[:4])[0]
+    for torn in (whole[:3], whole[:6], whole[: first - 1]):  # its length, magic, message cut
+        capture.write_bytes(whole + torn)
+        assert main([*argv, "--capture", str(capture)]) == 0
+        err = capsys.readouterr().err
+        assert (
+            f"ended in a torn record (a command stopped while writing it): its last {len(torn)} "
+            "bytes were cut" in err
+        )
+        assert [m.kind for m in read_capture(capture)] == ["psi-request", "psi-response"] * 2
+    # a file that is not a capture is refused, and left as it was
+    notes = tmp_path / "notes.txt"
+    notes.write_text("id,x\n1,2\n", encoding="utf-8")
+    assert main([*argv, "--capture", str(notes)]) == 2
+    assert "is not a capture file (it starts with b'id,x\\n1,2'" in capsys.readouterr().err
+    assert notes.read_text(encoding="utf-8") == "id,x\n1,2\n"
+    capture.write_bytes(whole + whole[: first - 1] + whole)  # appended to after a torn record
+    assert main([*argv, "--capture", str(capture)]) == 2
+    assert "is not a capture file (its record at byte" in capsys.readouterr().err
+
+
 class CuriousParty(DataParty):
     """A passive party that keeps every gradient it receives and notes when training ended."""
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bz2
 import lzma
+import os
 import re
 import warnings
 import zlib
@@ -539,6 +540,13 @@ def _read_client_sources(
         raise ConfigError("at least one client file is needed. Found none.")
     sources: dict[str, _ClientSource] = {}
     for path in map(Path, paths):
+        try:
+            path.stem.encode("utf-8")
+        except UnicodeEncodeError:
+            raise DataError(
+                f"a client is named by its file's stem, which its messages carry as UTF-8 text; "
+                f"found {os.fsencode(path.name)!r} at {path}: rename the file."
+            ) from None
         if path.stem in sources:
             raise DataError(
                 f"client files must have distinct names (file stems). Found {path.stem!r} twice, "

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeVar, cast
 
-from secure_vfl.errors import ProtocolError
+from secure_vfl.errors import OutputError, ProtocolError
 from secure_vfl.federation import wire
 from secure_vfl.federation.messages import Message, check_header
 
@@ -80,9 +80,23 @@ class InProcessTransport:
         phase = getattr(message, "phase", "train")
         self.bytes[(message.sender, message.receiver, phase)] += len(data)
         if self.capture is not None:
-            self.capture.write(CAPTURE_LENGTH.pack(len(data)))
-            self.capture.write(data)
+            append_record(self.capture, data)
         return cast(M, received)
+
+
+def append_record(capture: BinaryIO, data: bytes) -> None:
+    """Append ``data`` to ``capture`` as one record, flushed (a refused write fails here, not
+    when the file is closed); OutputError naming the file where the system refuses it (a full
+    disk)."""
+    try:
+        capture.write(CAPTURE_LENGTH.pack(len(data)))
+        capture.write(data)
+        capture.flush()
+    except OSError as error:
+        name = getattr(capture, "name", "the capture file")
+        raise OutputError(
+            f"--capture {name} cannot be written: {error.strerror or error}; the run stopped."
+        ) from error
 
 
 def read_capture(path: Path) -> Iterator[Message]:
@@ -103,6 +117,33 @@ def read_capture(path: Path) -> Iterator[Message]:
             except ProtocolError as error:  # say which file: a capture is read after the fact
                 raise type(error)(f"{path}: {error}") from None
             yield message
+
+
+def whole_records(path: Path) -> int:
+    """The length of ``path``'s leading whole capture records (each a length, then a message
+    that starts with the codec's magic bytes), read by their lengths alone: the file's size, or
+    where a torn last record starts (a command stopped while writing it). ProtocolError where
+    a record does not start as one: not a capture file (or one appended to after a torn
+    record, which no cut mends)."""
+    size = path.stat().st_size
+    opening = CAPTURE_LENGTH.size + len(wire.MAGIC)
+    with path.open("rb") as handle:
+        end = 0
+        while end < size:
+            header = handle.read(opening)
+            seen = max(len(header) - CAPTURE_LENGTH.size, 0)
+            if header[CAPTURE_LENGTH.size :] != wire.MAGIC[:seen] or (seen == 0 and end == 0):
+                where = "it starts" if end == 0 else f"its record at byte {end} starts"
+                raise ProtocolError(
+                    f"{path} is not a capture file ({where} with {header!r}; a record length "
+                    f"and then {wire.MAGIC!r} expected)"
+                )
+            (length,) = CAPTURE_LENGTH.unpack(header[: CAPTURE_LENGTH.size].ljust(4, b"\0"))
+            if len(header) < opening or end + CAPTURE_LENGTH.size + length > size:
+                break  # the torn last record
+            end += CAPTURE_LENGTH.size + length
+            handle.seek(end)
+        return end
 
 
 class Channel:

@@ -101,7 +101,7 @@ import grpc
 from secure_vfl.errors import ConfigError, NotSetUpError, ProtocolError, TransportError
 from secure_vfl.federation import wire
 from secure_vfl.federation.certificates import TlsIdentity, check_party_name
-from secure_vfl.federation.channel import CAPTURE_LENGTH, Channel, ChannelLayer
+from secure_vfl.federation.channel import CAPTURE_LENGTH, Channel, ChannelLayer, append_record
 from secure_vfl.federation.messages import Message
 from secure_vfl.io import decimal
 
@@ -981,8 +981,7 @@ class PartyEndpoint:
         """Append ``data`` to the capture file (if any) as one record."""
         if self.capture is not None:
             with self._capture_lock:
-                self.capture.write(CAPTURE_LENGTH.pack(len(data)))
-                self.capture.write(data)
+                append_record(self.capture, data)
 
     def _call(
         self,
