@@ -71,7 +71,8 @@ def test_gradient_dp_lowers_direct_label_inference_and_the_dcs_prices_both() -> 
     config = _digits_direct()
     undefended = run_attack(config, "direct-label-inference")
     defended = run_attack(config, "direct-label-inference", defenses=["dp-gradients:3:0.01"])
-    assert defended.attack["accuracy"] <= undefended.attack["accuracy"] - 0.5
+    # 0.855-0.874 lower over seeds 0-8
+    assert defended.attack["accuracy"] <= undefended.attack["accuracy"] - 0.75
     assert defended.privacy is not None and defended.privacy["epsilon"]["party-0"] > 0
     assert defended.undefended_accuracy == pytest.approx(undefended.main["accuracy"])
     assert defended.dcs > undefended.dcs
@@ -327,7 +328,8 @@ def test_top_model_none_needs_mean_fusion_and_one_width_per_class() -> None:
             )
         )
     result = run_training(_digits_direct(1))
-    assert result.metrics["mcar:0"]["accuracy"] > 30  # it learns with no top model at all
+    # it learns with no top model at all: 61.0-75.5 % over seeds 0-8
+    assert result.metrics["mcar:0"]["accuracy"] > 50
     assert np.isfinite(result.epoch_loss).all()
 
 

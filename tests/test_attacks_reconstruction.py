@@ -44,11 +44,11 @@ def test_label_party_reconstructs_a_victims_features_and_its_shuffled_control_do
     channel = Channel()
     attacked = run_attack(config, "feature-reconstruction", attacker="party-0", channel=channel)
     metrics = attacked.attack
-    # measured 0.047, 0.049, 0.038 of the baseline with seeds 0, 1, 2
-    assert metrics["mse"] <= 0.5 * metrics["mse_baseline"]
+    # measured 0.047, 0.049, 0.038 of the baseline with seeds 0, 1, 2 (0.031-0.082 over 0-8)
+    assert metrics["mse"] <= 0.2 * metrics["mse_baseline"]
     assert metrics["reconstructed_rows"] >= 400  # every training row but the auxiliary ones
     assert attacked.chance == 0.0
-    assert 0.5 <= metrics["gain"] <= 1
+    assert 0.8 <= metrics["gain"] <= 1  # 0.92-0.97 over seeds 0-8
     # the label party kept its role: it only observed through its own hooks
     assert type(channel.parties["party-0"]) is DataParty
     assert any(
@@ -68,10 +68,11 @@ def test_subset_differencing_isolates_a_party_from_fresh_subsets_over_the_last_e
     )
     metrics = attacked.attack
     assert metrics["samples"] >= 450  # every training sample was summed in some step
-    assert metrics["isolated"] >= 0.5 * metrics["samples"]  # window of 5 steps per sample
+    # window of 5 steps per sample: 0.74-0.78 of them isolated over seeds 0-8
+    assert metrics["isolated"] >= 0.65 * metrics["samples"]
     # the drift of the models between a sample's steps does not hide it: measured 0.10, 0.18,
-    # 0.17 of the baseline with seeds 0, 1, 2 (0.35, 0.45, 0.36 on digits)
-    assert metrics["mse"] <= 0.5 * metrics["mse_baseline"]
+    # 0.17 of the baseline with seeds 0, 1, 2 (0.05-0.21 over 0-8; 0.35, 0.45, 0.36 on digits)
+    assert metrics["mse"] <= 0.35 * metrics["mse_baseline"]
     control = run_attack(
         config,
         "subset-differencing",

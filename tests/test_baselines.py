@@ -28,7 +28,8 @@ def test_every_baseline_learns_on_fully_observed_data(make_data: MakeData, name:
     assert losses[-1] < losses[0]
     predictions = method.predict("mcar:0")
     assert np.array_equal(predictions >= 0, data.tests["mcar:0"].mask)
-    assert accuracy(predictions, data.tests["mcar:0"].labels) > 60.0  # chance is 33 %
+    # chance is 33 %; 74.8-100 over data seeds 0-8 (local, from one block, the lowest)
+    assert accuracy(predictions, data.tests["mcar:0"].labels) > 70.0
 
 
 def test_standard_vfl_trains_on_complete_samples_and_guesses_on_incomplete_ones(
@@ -43,7 +44,7 @@ def test_standard_vfl_trains_on_complete_samples_and_guesses_on_incomplete_ones(
     predictions = method.predict("mcar:0.3")
     complete = split.mask.all(axis=1)
     assert complete.sum() > 40 and (~complete).sum() > 100
-    assert accuracy(predictions[complete], split.labels[complete]) > 60.0
+    assert accuracy(predictions[complete], split.labels[complete]) > 80.0  # 88.2-100, 9 seeds
     assert accuracy(predictions[~complete], split.labels[~complete]) < 45.0
 
 
@@ -65,7 +66,7 @@ def test_standard_vfl_can_zero_impute_instead_of_guessing(make_data: MakeData) -
     split = data.tests["mcar:0.5"]
     incomplete = ~split.mask.all(axis=1)
     predictions = method.predict("mcar:0.5")
-    assert accuracy(predictions[incomplete], split.labels[incomplete]) > 45.0
+    assert accuracy(predictions[incomplete], split.labels[incomplete]) > 65.0  # 72.5-96.2
 
 
 def test_plugvfl_drops_passive_parties_but_never_the_label_party(make_data: MakeData) -> None:

@@ -67,7 +67,8 @@ def test_observed_values_are_kept_and_unavailable_features_never_imputed(task, n
 
 @pytest.mark.parametrize("name", ["knn", "mice", "dae", "fed-dae"])
 def test_baseline_beats_column_means_on_correlated_data(scores, name) -> None:
-    assert scores[name] < 0.9 * min(scores["mean"], scores["fed-mean"]), scores
+    # over seeds 0-8: mice 0.23-0.33, dae 0.46-0.56, fed-dae 0.46-0.56, knn 0.53-0.63
+    assert scores[name] < 0.75 * min(scores["mean"], scores["fed-mean"]), scores
 
 
 def test_knn_is_scikit_learn_knn_on_the_clients_standardised_columns(task) -> None:

@@ -74,7 +74,7 @@ def test_simsiam_pretraining_lowers_its_loss_and_changes_the_bottom() -> None:
     losses = pretrain_simsiam(
         bottom, rows, width=32, epochs=15, batch_size=64, lr=0.05, generator=generator
     )
-    assert losses[-1] < losses[0] - 0.2
+    assert losses[-1] < losses[0] - 0.4  # it fell 0.56-0.87 over seeds 0-8
     assert all(-1.0 <= loss <= 1.0 for loss in losses)
     assert all(p.grad is None for p in bottom.parameters())  # nothing left for training
     assert any(not torch.equal(a, b) for a, b in zip(before, bottom.parameters(), strict=True))
