@@ -624,7 +624,12 @@ def _checkpoint_flags(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from secure_vfl.runs import package_version
 
-    parser = _Parser(prog="secure-vfl", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser = _Parser(
+        prog="secure-vfl",
+        description="Privacy-hardened vertical federated learning: train, attack, impute and "
+        "deploy across parties (exit 0 done, 1 refused by the system or a party gone, 2 a bad "
+        "flag, value or file; README, Exit statuses).",
+    )
     parser.add_argument(
         "--version",
         action="version",
@@ -1060,7 +1065,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="validity of the party certificates in days (default 365; at most until the CA "
         "expires)",
     )
-    check = certs_actions.add_parser("check", help="say what is wrong with a set of certificates")
+    check = certs_actions.add_parser(
+        "check",
+        help="say what is wrong with a set of certificates",
+        description="Check a federation's certificates and keys: exit 0 and one line per party "
+        "when all is well, exit 1 and one line per problem otherwise.",
+    )
     check.add_argument(
         "--dir", required=True, type=path_arg, metavar="DIR", help="a directory made by certs init"
     )
