@@ -566,6 +566,19 @@ def test_prediction_releases_are_noised_and_priced_for_the_rows_requested() -> N
     assert layer.requests.on_message(incoming) is incoming
 
 
+def test_prv_prices_only_where_its_grid_works_and_rdp_beyond() -> None:
+    """(0.3, rate 0.5, 1000 steps) took PRV 99 s and came out inf; 0.05 at rate 0.01 asked for
+    26 GiB. Where RDP's epsilon is above PRV_LIMIT its bound is the price; below, PRV's."""
+    from protocols.dp import PRV_LIMIT
+
+    lossy = [(0.3, 0.5, 1000)]
+    assert price(lossy, DELTA, accountant="rdp") > PRV_LIMIT
+    assert price(lossy, DELTA, accountant="prv") == price(lossy, DELTA, accountant="rdp")
+    tight = [(1.1, 0.01, 300)]
+    assert price(tight, DELTA, accountant="rdp") < PRV_LIMIT
+    assert price(tight, DELTA, accountant="prv") < price(tight, DELTA, accountant="rdp")
+
+
 def test_a_negligible_noise_multiplier_prices_as_none_instead_of_crashing_the_accountant() -> None:
     """SIGMA 1e-200 crashed a finished run at its privacy report: ZeroDivisionError in Opacus'
     RDP (sigma**2 underflows to 0), OverflowError in a release's strength ((2 / sigma)**2)."""
