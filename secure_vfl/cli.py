@@ -3244,28 +3244,27 @@ def _main(argv: Sequence[str] | None) -> int:
 
     catch = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminated) if catch else None
-    made: list[Path] = []
     try:
         args = parser.parse_args(argv)  # in here: a flag's type may meet an OS refusal
         made = _paths_to_make(args)
-        return _run_command(args)
+        try:
+            return _run_command(args)
+        except BaseException:
+            _remove_if_empty(made)
+            raise
     except SecureVFLError as error:
-        _remove_if_empty(made)
         print(f"secure-vfl: error: {_printable(str(error))}", file=sys.stderr)
         return _exit_status(error)
     except BrokenPipeError:
         raise
     except OSError as error:  # the machine refused a file operation: say which, as tools do
-        _remove_if_empty(made)
         where = f"{error.filename}: " if error.filename else ""
         print(f"secure-vfl: error: {_printable(where)}{error.strerror or error}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
-        _remove_if_empty(made)
         print(f"secure-vfl: interrupted; {STOPPED}.", file=sys.stderr)
         return 130
     except Terminated:
-        _remove_if_empty(made)
         print(f"secure-vfl: terminated; {STOPPED}.", file=sys.stderr)
         return 143
     finally:
@@ -3274,25 +3273,19 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 def _run_command(args: argparse.Namespace) -> int:
-    if args.command == "train":
-        return run_train(args)
-    if args.command == "impute":
-        return run_impute(args)
-    if args.command == "attack":
-        return run_attack_command(args)
-    if args.command == "sweep":
-        return run_sweep_command(args)
-    if args.command == "psi":
-        return run_psi_command(args)
-    if args.command == "predict":
-        return run_predict(args)
-    if args.command == "runs":
-        return run_runs(args)
-    if args.command == "certs":
-        return run_certs_command(args)
-    if args.command == "party":
-        return run_party_command(args)
-    return run_datasets(args)
+    commands: dict[str, Callable[[argparse.Namespace], int]] = {
+        "train": run_train,
+        "impute": run_impute,
+        "attack": run_attack_command,
+        "sweep": run_sweep_command,
+        "psi": run_psi_command,
+        "predict": run_predict,
+        "runs": run_runs,
+        "certs": run_certs_command,
+        "party": run_party_command,
+        "datasets": run_datasets,
+    }
+    return commands[args.command](args)
 
 
 def _exit_status(error: SecureVFLError) -> int:
