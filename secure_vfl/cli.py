@@ -3214,9 +3214,10 @@ STOPPED = "what it had written stays, each file whole; nothing half-written is l
 def _finishing() -> Iterator[None]:
     """Hold Ctrl-C and SIGTERM while a command writes what it produced (the model, result.json,
     plots, the results store's rows): one that arrives then is acted on once the last of them
-    is written, so a stopped command leaves its run either unwritten or whole. Stopped between
-    two of those files it left a run that neither a rerun nor --resume would take (a model
-    without result.json, a result.json without its store row, a sweep with part of its rows)."""
+    is written (a second one stops it at once), so a stopped command leaves its run either
+    unwritten or whole. Stopped between two of those files, it left a run that neither a rerun
+    nor --resume would take (a model without result.json, a result.json without its store row,
+    a sweep with part of its rows)."""
     import signal
     import threading
 
@@ -3224,17 +3225,23 @@ def _finishing() -> Iterator[None]:
         yield
         return
     held: list[int] = []
-    previous = {
-        signum: signal.signal(signum, lambda number, frame: held.append(number))
-        for signum in (signal.SIGINT, signal.SIGTERM)
-    }
+
+    def stop(number: int) -> NoReturn:
+        raise KeyboardInterrupt if number == signal.SIGINT else Terminated
+
+    def hold(number: int, frame: object) -> None:
+        if held:  # asked twice (writes that hang, a full NFS mount): stop where it stands
+            stop(number)
+        held.append(number)
+
+    previous = {signum: signal.signal(signum, hold) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     if held:
-        raise KeyboardInterrupt if held[0] == signal.SIGINT else Terminated
+        stop(held[0])
 
 
 def _main(argv: Sequence[str] | None) -> int:

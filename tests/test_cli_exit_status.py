@@ -226,3 +226,13 @@ def test_a_signal_while_a_run_writes_its_outputs_is_acted_on_after_the_last_of_t
     assert (out / "model" / "manifest.json").is_file()
     [row] = ResultsStore(tmp_path / "results.sqlite").rows()
     assert Path(row["out_dir"]) == out.resolve()
+
+    def asked_twice(payload: object, out: Path) -> object:  # writes that hang: stop at once
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        raise AssertionError("the second Ctrl-C did not stop it")
+
+    monkeypatch.setattr(secure_vfl.plots, "write_run_plots", asked_twice)
+    assert main([*argv, "--out", str(tmp_path / "again")]) == 130
+    assert "secure-vfl: interrupted;" in capsys.readouterr().err
+    assert len(ResultsStore(tmp_path / "results.sqlite").rows()) == 1
