@@ -74,7 +74,14 @@ from secure_vfl.federation.certificates import (
     usage_problems,
     validity_problems,
 )
-from secure_vfl.io import atomic_directory, atomic_write, fsync_directory, unwritable
+from secure_vfl.io import (
+    atomic_directory,
+    atomic_write,
+    fsync_directory,
+    temporary_prefix,
+    unwritable,
+    writer_alive,
+)
 
 CA_NAME = "ca"
 CA_CERT, CA_KEY = f"{CA_NAME}.pem", f"{CA_NAME}.key"
@@ -119,12 +126,17 @@ def _write(path: Path, data: bytes, *, private: bool) -> None:
 def _remove_stale_staging(directory: Path) -> None:
     """Remove the staging folders that a write of ``directory`` killed before its end left
     (SIGKILL, a power cut: no handler ran), which may hold private keys: beside a new
-    ``directory`` (``.NAME.*.tmp``) and inside an existing one (``.staging.*.tmp``). A
-    RunWarning names them: their keys lay on disk, mode 0600, outside the set."""
+    ``directory`` (``.NAME.*.tmp``) and inside an existing one (``.staging.*.tmp``), but not
+    those of a writer that still runs (a second ``certs init`` at the same time). A RunWarning
+    names them: their keys lay on disk, mode 0600, outside the set."""
     found = [*directory.parent.glob(f".{glob.escape(directory.name)}.*.tmp")]
     if directory.is_dir():
         found += directory.glob(".staging.*.tmp")
-    stale = sorted(path for path in found if path.is_dir() and not path.is_symlink())
+    stale = sorted(
+        path
+        for path in found
+        if path.is_dir() and not path.is_symlink() and not writer_alive(path.name)
+    )
     for path in stale:
         shutil.rmtree(path)
     if stale:
@@ -159,7 +171,11 @@ def _write_all(directory: Path, files: Mapping[str, tuple[bytes, bool]]) -> None
         atomic_directory(directory, stage_directory)
         return
     try:
-        staging = Path(tempfile.mkdtemp(prefix=".staging.", suffix=".tmp", dir=directory))
+        staging = Path(
+            tempfile.mkdtemp(
+                prefix=temporary_prefix(directory / "staging"), suffix=".tmp", dir=directory
+            )
+        )
     except OSError as error:
         raise unwritable(directory, error) from None
     moved: list[Path] = []

@@ -7,6 +7,7 @@ import errno
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -227,13 +228,35 @@ def json_text(payload: Any) -> str:
     return text.replace(f'"{marker}+"', "1e999").replace(f'"{marker}-"', "-1e999")
 
 
+def temporary_prefix(path: Path) -> str:
+    """The start of the name of a directory staged beside ``path``: hidden, and with this
+    process's id, so that a later write can tell one a killed process left (no handler ran to
+    remove it) from one another process is writing (:func:`writer_alive`)."""
+    return f".{path.name}.{os.getpid()}-"
+
+
+def writer_alive(name: str) -> bool:
+    """Whether the process whose id a staged name carries (``.NAME.PID-XXXX.tmp``) still runs;
+    False for a name with no id (staged by an older version)."""
+    found = re.search(r"\.(\d+)-[^.]*\.tmp$", name)
+    if found is None:
+        return False
+    try:
+        os.kill(int(found.group(1)), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):  # another user's process runs under that id
+        return True
+    return True
+
+
 def atomic_directory(path: Path, write: Callable[[Path], None]) -> None:
     """Call ``write(tmp)`` on a fresh directory beside ``path``, fsync every file in it and the
     directory, and rename it to ``path`` (which must not exist): a checkpoint is either whole
     under its name or absent, even if the machine loses power in between."""
     make_parent(path)
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=temporary_prefix(path), suffix=".tmp", dir=path.parent))
     except OSError as error:
         raise unwritable(path, error) from None
     try:

@@ -143,7 +143,7 @@ class ResultsStore:
             self._prepare(connection, create=create)
         except BaseException as error:
             connection.close()
-            if made:  # SQLite made the file before it failed: an empty store would stay
+            if made and self.path.stat().st_size == 0:  # SQLite made it, and no run wrote it
                 self.path.unlink(missing_ok=True)
             if not isinstance(error, sqlite3.DatabaseError):
                 raise
@@ -177,6 +177,8 @@ class ResultsStore:
                     "SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name"
                 )
             ]
+            if "runs" in tables:  # made between the two reads, by a run that started with this
+                return self._prepare(connection, create=create)
             if tables:
                 shown = ", ".join(tables[:5]) + (
                     f" and {len(tables) - 5} more" if len(tables) > 5 else ""

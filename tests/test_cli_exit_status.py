@@ -9,6 +9,7 @@ import os
 import sqlite3
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -236,3 +237,49 @@ def test_a_signal_while_a_run_writes_its_outputs_is_acted_on_after_the_last_of_t
     assert main([*argv, "--out", str(tmp_path / "again")]) == 130
     assert "secure-vfl: interrupted;" in capsys.readouterr().err
     assert len(ResultsStore(tmp_path / "results.sqlite").rows()) == 1
+
+
+def test_a_store_made_by_another_run_between_two_reads_is_used_not_refused(tmp_path: Path) -> None:
+    """Runs finishing together into a new folder: one read no `runs` table, another run made
+    it, and the schema check then found tables and refused the store as another program's
+    (and, having made the file, would have removed it with the other run's row)."""
+    path = tmp_path / "results.sqlite"
+    store = ResultsStore(path)
+    store._connect().close()  # the other run's store, its table made
+
+    class ReadBeforeTheOtherRun:
+        def __init__(self, connection: sqlite3.Connection) -> None:
+            self.connection, self.first = connection, True
+
+        def execute(self, sql: str, *args: Any) -> object:
+            if sql == "PRAGMA table_info(runs)" and self.first:
+                self.first = False
+                return iter(())
+            return self.connection.execute(sql, *args)
+
+    connection = sqlite3.connect(path)
+    try:
+        store._prepare(ReadBeforeTheOtherRun(connection), create=True)  # type: ignore[arg-type]
+    finally:
+        connection.close()
+
+
+def test_a_capture_record_is_one_write() -> None:
+    """Two commands capturing into one file at once interleaved a length and its message (the
+    other's record between them), and the file could not be read past it."""
+    from secure_vfl.federation.channel import append_record
+
+    class Writes:
+        def __init__(self) -> None:
+            self.calls: list[bytes] = []
+
+        def write(self, data: bytes) -> int:
+            self.calls.append(bytes(data))
+            return len(data)
+
+        def flush(self) -> None:
+            self.calls.append(b"<flush>")
+
+    handle = Writes()
+    append_record(handle, b"SVFL" + b"x" * 100_000)  # type: ignore[arg-type]
+    assert handle.calls == [b"\x00\x01\x86\xa4SVFL" + b"x" * 100_000, b"<flush>"]

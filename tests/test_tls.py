@@ -603,6 +603,11 @@ def test_init_removes_the_staging_folders_a_killed_init_left_and_says_so(
     assert main(["certs", "init", "--out", str(out), "--party", "shop"]) == 0
     assert ".staging.a1b2.tmp" in capsys.readouterr().err and not inside.exists()
     assert main(["certs", "check", "--dir", str(out)]) == 0
+    # a second init at the same time, still writing (its process id in the name): left alone
+    live = out / f".staging.{os.getpid()}-c3d4.tmp"
+    live.mkdir()
+    assert main(["certs", "init", "--out", str(out), "--party", "telco"]) == 0
+    assert live.is_dir() and "staging folder" not in capsys.readouterr().err
 
 
 def test_check_of_a_file_or_nothing_says_which(

@@ -85,12 +85,12 @@ class InProcessTransport:
 
 
 def append_record(capture: BinaryIO, data: bytes) -> None:
-    """Append ``data`` to ``capture`` as one record, flushed (a refused write fails here, not
-    when the file is closed); OutputError naming the file where the system refuses it (a full
-    disk)."""
+    """Append ``data`` to ``capture`` as one record in one write, flushed: two commands that
+    append to one file at once keep their records whole (a length written apart from its
+    message let the other's record in between), and a refused write fails here, not when the
+    file is closed. OutputError naming the file where the system refuses it (a full disk)."""
     try:
-        capture.write(CAPTURE_LENGTH.pack(len(data)))
-        capture.write(data)
+        capture.write(CAPTURE_LENGTH.pack(len(data)) + data)
         capture.flush()
     except OSError as error:
         name = getattr(capture, "name", "the capture file")
