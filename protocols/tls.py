@@ -43,6 +43,7 @@ key file readable by others, a key type gRPC cannot use, a certificate without b
 from __future__ import annotations
 
 import datetime
+import errno
 import glob
 import ipaddress
 import os
@@ -182,7 +183,7 @@ def _write_all(directory: Path, files: Mapping[str, tuple[bytes, bool]]) -> None
     try:
         stage(staging)
         for name in files:
-            os.replace(staging / name, directory / name)
+            _move_in(staging / name, directory / name)
             moved.append(directory / name)
         fsync_directory(directory)
     except BaseException as error:
@@ -193,6 +194,27 @@ def _write_all(directory: Path, files: Mapping[str, tuple[bytes, bool]]) -> None
         raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _move_in(staged: Path, target: Path) -> None:
+    """Put ``staged`` at ``target`` only if nothing is there: a hard link fails where a file
+    appeared since the set was checked (another ``certs init`` at the same time, whose CA this
+    one's would replace, leaving certificates no CA signs: ConfigError). Where the file system
+    has no hard links, a replace after a last check."""
+    appeared = ConfigError(
+        f"{target} appeared while this certs init ran (another one at the same time?); "
+        "nothing of this one is kept: run it again."
+    )
+    try:
+        os.link(staged, target)
+    except FileExistsError:
+        raise appeared from None
+    except OSError as error:
+        if error.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK):
+            raise
+        if target.exists():
+            raise appeared from None
+        os.replace(staged, target)
 
 
 def _host_names(hosts: Sequence[str]) -> list[x509.GeneralName]:

@@ -211,18 +211,39 @@ def test_init_that_fails_while_moving_files_in_removes_those_moved(
     certs: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     before = _listing(certs)
-    replace = os.replace
+    link = os.link
     into_certs = iter(range(1, 100))
 
-    def failing_replace(source: str | Path, target: str | Path) -> None:
+    def failing_link(source: str | Path, target: str | Path) -> None:
         if Path(target).parent == certs and next(into_certs) == 3:
             raise OSError(5, "Input/output error")
-        replace(source, target)
+        link(source, target)
 
-    monkeypatch.setattr(tls.os, "replace", failing_replace)
+    monkeypatch.setattr(tls.os, "link", failing_link)
     with pytest.raises(OutputError, match="Input/output error; nothing was written"):
         tls.make_federation(certs, ["insurer", "broker"])
     assert _listing(certs) == before
+
+
+def test_init_never_replaces_a_ca_another_init_wrote_meanwhile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two `certs init` into one empty folder at once: the second's CA replaced the first's,
+    whose party certificates no CA then signed; both exited 0."""
+    out = tmp_path / "certs"
+    out.mkdir()
+    write = tls._write
+
+    def another_init_meanwhile(path: Path, data: bytes, *, private: bool) -> None:
+        write(path, data, private=private)
+        if path.name == "bank.key":  # the other init's CA lands before this one moves in
+            (out / "ca.pem").write_bytes(b"the other init's CA")
+
+    monkeypatch.setattr(tls, "_write", another_init_meanwhile)
+    with pytest.raises(ConfigError, match=r"ca.pem appeared while this certs init ran"):
+        tls.make_federation(out, ["bank"])
+    assert [p.name for p in out.iterdir()] == ["ca.pem"]
+    assert (out / "ca.pem").read_bytes() == b"the other init's CA"
 
 
 def test_certs_init_refuses_a_non_ascii_host_without_a_traceback_or_a_file(
