@@ -17,6 +17,7 @@ import re
 import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
 
@@ -1713,10 +1714,9 @@ def run_train(args: argparse.Namespace) -> int:
         spec = DATASETS.get(config.dataset)
         if not spec.is_installed():
             raise ConfigError(f"dataset {config.dataset!r} is not installed. {spec.install_hint()}")
-    out: Path = (
-        args.out
-        or _resumed_out(args)
-        or Path("runs") / f"{config.method}-{config.data_name}-s{config.seed}"
+    out = _run_out(
+        args,
+        _resumed_out(args) or Path("runs") / f"{config.method}-{config.data_name}-s{config.seed}",
     )
     if args.resume is not None and (out / "result.json").exists() and not args.overwrite:
         raise ConfigError(
@@ -1976,12 +1976,16 @@ def run_attack_command(args: argparse.Namespace) -> int:
         return _run_suite_command(args, config)
     name = args.attack
     control = "-control" if args.control else ""  # beside the attack, not over it
-    out: Path = args.out or Path("runs") / (
-        f"attack-{name}{control}-{config.method}-{config.data_name}-s{config.seed}"
-        + "".join(
-            f"-{_path_part(defense)}"
-            for defense in [*spec_defenses(_privacy_spec(args)), *args.defense]
-        )
+    out = _run_out(
+        args,
+        Path("runs")
+        / (
+            f"attack-{name}{control}-{config.method}-{config.data_name}-s{config.seed}"
+            + "".join(
+                f"-{_path_part(defense)}"
+                for defense in [*spec_defenses(_privacy_spec(args)), *args.defense]
+            )
+        ),
     )
     _check_output_dir(out, "result.json", overwrite=args.overwrite, kind="attack")
     if args.cache is not None:  # before the training, whose reference it would keep
@@ -2070,7 +2074,7 @@ def run_sweep_command(args: argparse.Namespace) -> int:
             f"a sweep's defenses are its --defense templates; found {', '.join(given)} "
             "(e.g. --defense secure-agg:masks, --defense dp-gradients:SIGMA:0.01)."
         )
-    out: Path = args.out or Path("runs") / f"sweep-{args.attack}-{config.method}-{config.data_name}"
+    out = _run_out(args, Path("runs") / f"sweep-{args.attack}-{config.method}-{config.data_name}")
     _check_output_dir(out, "sweep.json", overwrite=args.overwrite)
     store = _results_store(args, out)
     from tqdm import tqdm
@@ -2125,7 +2129,7 @@ def _run_suite_command(args: argparse.Namespace, config: Any) -> int:
     from attacks.suite import markdown, run_suite
     from secure_vfl.io import atomic_write_json, atomic_write_text
 
-    out: Path = args.out or Path("runs") / f"suite-{config.method}-{config.data_name}"
+    out = _run_out(args, Path("runs") / f"suite-{config.method}-{config.data_name}")
     _check_output_dir(out, "suite.json", overwrite=args.overwrite)
     privacy = _privacy_spec(args)
     if privacy.noise() or args.secure_agg != "none":
@@ -2254,8 +2258,8 @@ def run_impute(args: argparse.Namespace) -> int:
         spec = IMPUTATION_DATASETS.get(config.dataset)
         if not spec.is_installed():
             raise ConfigError(f"dataset {config.dataset!r} is not installed. {spec.install_hint()}")
-    out: Path = args.out or Path("runs") / (
-        f"impute-{config.method}-{config.data_name}-s{config.seed}"
+    out = _run_out(
+        args, Path("runs") / (f"impute-{config.method}-{config.data_name}-s{config.seed}")
     )
     _check_output_dir(out, "result.json", overwrite=args.overwrite, kind="impute")
     if args.save_imputed:  # a folder of the user's own, or one an older run left: not merged
@@ -2410,7 +2414,7 @@ def run_impute_deployed(args: argparse.Namespace) -> int:
         label_column=args.label_column or LABEL_COLUMN,
         impute_config=_impute_config(args),
     )
-    out: Path = args.out or Path("runs") / f"impute-{config.method}-deployed-s{config.seed}"
+    out = _run_out(args, Path("runs") / f"impute-{config.method}-deployed-s{config.seed}")
     _check_output_dir(out, "result.json", overwrite=args.overwrite, kind="impute")
     store = _results_store(args, out)
     bar = tqdm(total=0, desc=config.method, unit="round", disable=_no_bar(args), leave=False)
@@ -3079,7 +3083,7 @@ def run_train_deployed(args: argparse.Namespace) -> int:
     config = _train_config(args)
     refuse_undeployable(config)
     engine.refuse(config)
-    out: Path = args.out or Path("runs") / f"{config.method}-deployed-s{config.seed}"
+    out = _run_out(args, Path("runs") / f"{config.method}-deployed-s{config.seed}")
     _check_output_dir(out, "result.json", overwrite=args.overwrite, kind="train")
     _check_output_dir(out / MODEL_DIR, MANIFEST_FILE, overwrite=args.overwrite)
     store = _results_store(args, out)
@@ -3251,9 +3255,11 @@ def _main(argv: Sequence[str] | None) -> int:
 
     catch = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminated) if catch else None
+    made: list[Path] = []
+    token = MADE.set(made)  # a default --out joins them (_run_out)
     try:
         args = parser.parse_args(argv)  # in here: a flag's type may meet an OS refusal
-        made = _paths_to_make(args)
+        made += _paths_to_make(args)
         try:
             return _run_command(args)
         except BaseException:
@@ -3275,6 +3281,7 @@ def _main(argv: Sequence[str] | None) -> int:
         print(f"secure-vfl: terminated; {STOPPED}.", file=sys.stderr)
         return 143
     finally:
+        MADE.reset(token)
         if catch and previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
@@ -3312,7 +3319,34 @@ def _exit_status(error: SecureVFLError) -> int:
     return EXIT_USAGE
 
 
+MADE: ContextVar[list[Path] | None] = ContextVar("made", default=None)
+"""The paths the command running in :func:`_main` makes, which it removes again if it fails
+and left them empty."""
 OUTPUT_FLAGS = ("out", "store", "capture", "checkpoint_dir", "model_dir", "imputed_dir", "cache")
+
+
+def _run_out(args: argparse.Namespace, default: Path) -> Path:
+    """``--out``, or ``default`` where it was not given: then noted, if it is new, among the
+    paths that a failed command removes again when it left them empty (:func:`_main`)."""
+    if args.out is not None:
+        return Path(args.out)
+    made = MADE.get()
+    if made is not None:
+        made.extend(_missing_top(default))
+    return default
+
+
+def _missing_top(path: Path) -> list[Path]:
+    """The topmost path that writing ``path`` makes (itself or its highest missing folder);
+    none where it exists, or where the system refuses the name."""
+    try:
+        if path.exists() or path.is_symlink():
+            return []
+        while path.parent != path and not path.parent.exists():
+            path = path.parent
+    except OSError:  # a name the system refuses: nothing can be made there
+        return []
+    return [path]
 
 
 def _paths_to_make(args: argparse.Namespace) -> list[Path]:
@@ -3321,17 +3355,8 @@ def _paths_to_make(args: argparse.Namespace) -> list[Path]:
     made = []
     for flag in OUTPUT_FLAGS:
         value = getattr(args, flag, None)
-        if not isinstance(value, (str, Path)):
-            continue
-        path = Path(value)
-        try:
-            if path.exists() or path.is_symlink():
-                continue
-            while path.parent != path and not path.parent.exists():
-                path = path.parent
-        except OSError:  # a name the system refuses: nothing can be made there
-            continue
-        made.append(path)
+        if isinstance(value, (str, Path)):
+            made += _missing_top(Path(value))
     return made
 
 

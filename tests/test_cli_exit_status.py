@@ -105,6 +105,17 @@ def test_a_failed_command_removes_the_folders_it_made_and_left_empty(
     assert main([*argv, "--out", str(written)]) == 130
     assert (written / "result.json").read_text() == "{}"  # what it had written stays
 
+    def default_out_fails(args: object) -> int:  # no --out: runs/METHOD-DATASET-sSEED
+        out = secure_vfl.cli._run_out(args, Path("runs") / "laser-digits-s0")  # type: ignore[arg-type]
+        (out / "model").mkdir(parents=True)
+        raise OutputError(f"{out}/model cannot be written: No space left on device")
+
+    monkeypatch.setattr(secure_vfl.cli, "run_train", default_out_fails)
+    monkeypatch.chdir(tmp_path / "kept")
+    assert main(argv) == 2
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["model", "notes"]
+    capsys.readouterr()
+
 
 def test_a_run_folder_whose_name_is_not_utf8_is_refused_before_any_work(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
