@@ -143,7 +143,7 @@ class ResultsStore:
             self._prepare(connection, create=create)
         except BaseException as error:
             connection.close()
-            if made and self.path.stat().st_size == 0:  # SQLite made it, and no run wrote it
+            if made and self.path.is_file() and self.path.stat().st_size == 0:  # no run wrote it
                 self.path.unlink(missing_ok=True)
             if not isinstance(error, sqlite3.DatabaseError):
                 raise
