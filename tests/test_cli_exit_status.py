@@ -269,10 +269,13 @@ def test_a_store_made_by_another_run_between_two_reads_is_used_not_refused(tmp_p
             return self.connection.execute(sql, *args)
 
     connection = sqlite3.connect(path)
+    racing = ReadBeforeTheOtherRun(connection)
     try:
-        store._prepare(ReadBeforeTheOtherRun(connection), create=True)  # type: ignore[arg-type]
+        store._prepare(racing, create=True)  # type: ignore[arg-type]
     finally:
         connection.close()
+    assert not racing.first  # the race was played: the first read found no table
+    assert path.stat().st_size > 0 and store.rows() == []  # the store stays, and reads
 
 
 def test_a_capture_record_is_one_write() -> None:
