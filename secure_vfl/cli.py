@@ -1135,14 +1135,14 @@ def _capture(path: Path | None, args: argparse.Namespace) -> Iterator[BinaryIO |
     if path is None:
         yield None
         return
-    if path.is_dir():
-        raise ConfigError(f"--capture expects a file path. Found the directory {path}.")
-    for flag, other in _path_arguments(args):
+    for flag, other in _path_arguments(args):  # first: an --out is a folder by now
         if other.resolve() == path.resolve():
             raise ConfigError(
                 f"--capture {path} is also this command's {flag}; expected a file of its own "
                 "(one would overwrite the other)."
             )
+    if path.is_dir():
+        raise ConfigError(f"--capture expects a file path. Found the directory {path}.")
     made = not path.exists()
     make_parent(path)
     if path.is_file() and path.stat().st_size > 0:
@@ -1383,14 +1383,19 @@ _RUN_MARKERS = ("result.json", "sweep.json", "suite.json")
 store keeps each folder's rows as one run's, sweep's or suite's)."""
 
 
-def _check_output_dir(out: Path, marker: str, *, overwrite: bool, kind: str | None = None) -> None:
+def _check_output_dir(
+    out: Path, marker: str, *, overwrite: bool, kind: str | None = None, lock: bool = False
+) -> None:
     """Refuse, before any work, an output directory that cannot take ``out/marker``: a path
     that is not a directory this user may write in and cannot be made as one, a finished run
     without ``--overwrite``, or a folder that holds another kind of run (a sweep written over
     a training run would take its rows out of the results store; an attack's ``result.json``
     over a training run's would leave its model and plots beside it: ``kind``, the command's
-    run, ``train``, ``attack`` or ``impute``)."""
+    run, ``train``, ``attack`` or ``impute``). With ``lock`` (a run's own folder), take its
+    lock first (:func:`_lock_out`): the checks then hold until the command ends."""
     check_directory("--out", out)
+    if lock:
+        _lock_out(out)
     if (out / marker).exists() and not overwrite:
         raise ConfigError(
             f"{out / marker} exists; expected a new --out directory (or --overwrite)."
@@ -1723,7 +1728,7 @@ def run_train(args: argparse.Namespace) -> int:
             f"{out} holds a finished run ({out / 'result.json'}): nothing to resume. Expected "
             "--resume with the --out of a killed run."
         )
-    _check_output_dir(out, "result.json", overwrite=args.overwrite, kind="train")
+    _check_output_dir(out, "result.json", overwrite=args.overwrite, kind="train", lock=True)
     _check_output_dir(out / MODEL_DIR, MANIFEST_FILE, overwrite=args.overwrite)
     store = _results_store(args, out)
     checkpoints = _checkpoint_plan(args, config, out)  # a bad checkpoint: refused here
@@ -1987,7 +1992,7 @@ def run_attack_command(args: argparse.Namespace) -> int:
             )
         ),
     )
-    _check_output_dir(out, "result.json", overwrite=args.overwrite, kind="attack")
+    _check_output_dir(out, "result.json", overwrite=args.overwrite, kind="attack", lock=True)
     if args.cache is not None:  # before the training, whose reference it would keep
         check_directory("--cache", args.cache)
     store = _results_store(args, out)
@@ -2075,7 +2080,7 @@ def run_sweep_command(args: argparse.Namespace) -> int:
             "(e.g. --defense secure-agg:masks, --defense dp-gradients:SIGMA:0.01)."
         )
     out = _run_out(args, Path("runs") / f"sweep-{args.attack}-{config.method}-{config.data_name}")
-    _check_output_dir(out, "sweep.json", overwrite=args.overwrite)
+    _check_output_dir(out, "sweep.json", overwrite=args.overwrite, lock=True)
     store = _results_store(args, out)
     from tqdm import tqdm
 
@@ -2100,18 +2105,17 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     command = command_line("secure-vfl sweep")
     with _finishing():
         text, plots = write_sweep(rows, out, attack=args.attack, command=command)
-        store.forget(out)  # a sweep written again replaces all its runs
+        scored = []
         for row in rows:
             if row["failed"] is not None:
                 print(f"{row['defense']} seed {row['seed']}: {row['failed']}", file=sys.stderr)
                 continue
             _print_warnings([f"{row['defense']} seed {row['seed']}: {w}" for w in row["warnings"]])
-            store.add(
-                _attack_entry({**row, "main": {"accuracy": row["main_accuracy"]}}, row["defense"]),
-                kind=f"sweep:{args.attack}",
-                out_dir=out,
-                entry=f"{row['defense']} seed {row['seed']}",
+            entry = _attack_entry(
+                {**row, "main": {"accuracy": row["main_accuracy"]}}, row["defense"]
             )
+            scored.append((entry, f"sweep:{args.attack}", f"{row['defense']} seed {row['seed']}"))
+        store.replace_runs(out, scored)  # a sweep written again replaces all its runs
     print(text)
     print("plots: " + ", ".join(str(p) for p in plots))
     failed = sum(row["failed"] is not None for row in rows)
@@ -2130,7 +2134,7 @@ def _run_suite_command(args: argparse.Namespace, config: Any) -> int:
     from secure_vfl.io import atomic_write_json, atomic_write_text
 
     out = _run_out(args, Path("runs") / f"suite-{config.method}-{config.data_name}")
-    _check_output_dir(out, "suite.json", overwrite=args.overwrite)
+    _check_output_dir(out, "suite.json", overwrite=args.overwrite, lock=True)
     privacy = _privacy_spec(args)
     if privacy.noise() or args.secure_agg != "none":
         raise ConfigError(
@@ -2174,9 +2178,7 @@ def _run_suite_command(args: argparse.Namespace, config: Any) -> int:
     with _finishing():
         atomic_write_json(out / "suite.json", report.to_json())
         atomic_write_text(out / "suite.md", text)
-        store.forget(out)  # a suite written again replaces all its runs (only once it is written)
-        for entry, kind, name in entries:
-            store.add(entry, kind=kind, out_dir=out, entry=name)
+        store.replace_runs(out, entries)  # a suite written again replaces all its runs
     print(text)
     if not report.runs:
         print(
@@ -2261,7 +2263,7 @@ def run_impute(args: argparse.Namespace) -> int:
     out = _run_out(
         args, Path("runs") / (f"impute-{config.method}-{config.data_name}-s{config.seed}")
     )
-    _check_output_dir(out, "result.json", overwrite=args.overwrite, kind="impute")
+    _check_output_dir(out, "result.json", overwrite=args.overwrite, kind="impute", lock=True)
     if args.save_imputed:  # a folder of the user's own, or one an older run left: not merged
         _check_output_dir(out / "imputed", "", overwrite=args.overwrite)
         replaced = (out / "imputed").resolve()
@@ -2415,7 +2417,7 @@ def run_impute_deployed(args: argparse.Namespace) -> int:
         impute_config=_impute_config(args),
     )
     out = _run_out(args, Path("runs") / f"impute-{config.method}-deployed-s{config.seed}")
-    _check_output_dir(out, "result.json", overwrite=args.overwrite, kind="impute")
+    _check_output_dir(out, "result.json", overwrite=args.overwrite, kind="impute", lock=True)
     store = _results_store(args, out)
     bar = tqdm(total=0, desc=config.method, unit="round", disable=_no_bar(args), leave=False)
 
@@ -3084,7 +3086,7 @@ def run_train_deployed(args: argparse.Namespace) -> int:
     refuse_undeployable(config)
     engine.refuse(config)
     out = _run_out(args, Path("runs") / f"{config.method}-deployed-s{config.seed}")
-    _check_output_dir(out, "result.json", overwrite=args.overwrite, kind="train")
+    _check_output_dir(out, "result.json", overwrite=args.overwrite, kind="train", lock=True)
     _check_output_dir(out / MODEL_DIR, MANIFEST_FILE, overwrite=args.overwrite)
     store = _results_store(args, out)
     checkpoints = _checkpoint_plan(  # the label party's checkpoint; each party checks its own
@@ -3257,14 +3259,19 @@ def _main(argv: Sequence[str] | None) -> int:
     previous = signal.signal(signal.SIGTERM, _terminated) if catch else None
     made: list[Path] = []
     token = MADE.set(made)  # a default --out joins them (_run_out)
+    held: list[Callable[[], None]] = []
+    held_token = HELD.set(held)
     try:
         args = parser.parse_args(argv)  # in here: a flag's type may meet an OS refusal
         made += _paths_to_make(args)
         try:
             return _run_command(args)
         except BaseException:
+            _release(held)  # first: a lock's file is what would keep its folder
             _remove_if_empty(made)
             raise
+        finally:
+            _release(held)
     except SecureVFLError as error:
         print(f"secure-vfl: error: {_printable(str(error))}", file=sys.stderr)
         return _exit_status(error)
@@ -3282,6 +3289,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return 143
     finally:
         MADE.reset(token)
+        HELD.reset(held_token)
         if catch and previous is not None:
             signal.signal(signal.SIGTERM, previous)
 
@@ -3323,6 +3331,26 @@ MADE: ContextVar[list[Path] | None] = ContextVar("made", default=None)
 """The paths the command running in :func:`_main` makes, which it removes again if it fails
 and left them empty."""
 OUTPUT_FLAGS = ("out", "store", "capture", "checkpoint_dir", "model_dir", "imputed_dir", "cache")
+
+
+HELD: ContextVar[list[Callable[[], None]] | None] = ContextVar("held", default=None)
+"""How to release the output folders' locks that the command running in :func:`_main` holds."""
+
+
+def _lock_out(out: Path) -> None:
+    """Take ``out``'s lock (:func:`secure_vfl.io.lock_directory`) until the command ends: then
+    :func:`_main` releases it (outside it, the process's end does)."""
+    from secure_vfl.io import lock_directory
+
+    release = lock_directory(out, "--out")
+    held = HELD.get()
+    if held is not None:
+        held.append(release)
+
+
+def _release(held: list[Callable[[], None]]) -> None:
+    while held:
+        held.pop()()
 
 
 def _run_out(args: argparse.Namespace, default: Path) -> Path:

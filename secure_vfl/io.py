@@ -3,6 +3,7 @@ and reading JSON that another party or a file on disk holds."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import math
@@ -303,6 +304,60 @@ def replace_directory(path: Path, write: Callable[[Path], None]) -> None:
         shutil.rmtree(old)
     else:
         old.unlink()
+
+
+LOCK_FILE = ".secure-vfl.lock"
+"""The file in an output directory whose lock (``flock``) the command writing there holds."""
+
+
+def lock_directory(directory: Path, option: str) -> Callable[[], None]:
+    """Take the lock of ``directory`` (made if it is missing) for this process: an exclusive
+    ``flock`` on its :data:`LOCK_FILE`, which the system drops when the process ends, however
+    it ends. Returns the function that releases it and removes the file. ConfigError, naming
+    the holder, when another command holds it: two runs writing one ``--out`` at once would
+    each replace the other's files, and the later one would win unasked (neither found a
+    finished run there when it started)."""
+    import fcntl
+
+    path = directory / LOCK_FILE
+    make_parent(path)
+    for _ in range(8):  # the holder may remove the file between our open and our lock
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as error:
+            raise unwritable(path, error) from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+            os.close(fd)
+            who = f"process {holder}" if holder.isdigit() else "another process"
+            raise ConfigError(
+                f"{option} {directory}: a folder no other command writes in expected; "
+                f"{who} is writing there (it holds {path}). Wait for it to finish, or choose "
+                f"another {option}."
+            ) from None
+        except OSError as error:
+            os.close(fd)
+            raise unwritable(path, error) from None
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)  # we locked a file its last holder had removed: take the one there now
+    else:
+        raise OutputError(f"{path}: its lock could not be taken (it was replaced 8 times).")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+
+    def release() -> None:
+        with contextlib.suppress(OSError):  # then the empty file stays; the lock goes anyway
+            path.unlink(missing_ok=True)  # while held: one that locks it after finds it gone
+        os.close(fd)
+
+    return release
 
 
 def fsync_directory(path: Path) -> None:

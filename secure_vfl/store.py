@@ -19,6 +19,8 @@ import json
 import os
 import sqlite3
 import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NoReturn
@@ -79,6 +81,40 @@ def run_key(out_dir: Path | None, entry: str = "") -> str:
         return f"no-dir:{uuid.uuid4()}"
     resolved = str(Path(out_dir).resolve())
     return f"{resolved}#{entry}" if entry else resolved
+
+
+_INSERT = (
+    "INSERT INTO runs (run_key, created_at, kind, method, dataset, seed, backend, dp, epsilon, "
+    "epsilon_max, version, git_commit, config, metrics, wall_time_s, out_dir, parties, "
+    "checkpoints) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+
+
+def _row(result: dict[str, Any], *, kind: str, out_dir: Path | None, entry: str) -> tuple[Any, ...]:
+    """The values of ``result``'s row, in :data:`_INSERT`'s order."""
+    summary = summarise(result, kind=kind)
+    origin = result.get("provenance") or provenance()
+    epsilon = (result.get("privacy") or {}).get("epsilon")
+    return (
+        run_key(out_dir, entry),
+        datetime.now(UTC).isoformat(timespec="seconds"),
+        kind,
+        result["method"],
+        result["dataset"],
+        result["config"].get("seed"),
+        summary.backend,
+        summary.dp,
+        json.dumps(epsilon, sort_keys=True) if epsilon is not None else None,
+        summary.epsilon,
+        origin.get("version"),
+        origin.get("git_commit"),
+        json.dumps(result["config"], sort_keys=True),
+        json.dumps(result["metrics"], sort_keys=True),
+        result["wall_time_s"],
+        str(Path(out_dir).resolve()) if out_dir is not None else None,
+        json.dumps(result["parties"], sort_keys=True) if result.get("parties") else None,
+        json.dumps(result["checkpoints"], sort_keys=True) if result.get("checkpoints") else None,
+    )
 
 
 class ResultsStore:
@@ -275,61 +311,40 @@ class ResultsStore:
         ``result`` is the run's ``result.json`` payload (``method``, ``dataset``, ``config``,
         ``metrics``, ``wall_time_s``; ``privacy``, ``parties``, ``checkpoints`` and
         ``provenance`` when present; the provenance of this process otherwise)."""
-        summary = summarise(result, kind=kind)
-        origin = result.get("provenance") or provenance()
-        epsilon = (result.get("privacy") or {}).get("epsilon")
-        row = (
-            run_key(out_dir, entry),
-            datetime.now(UTC).isoformat(timespec="seconds"),
-            kind,
-            result["method"],
-            result["dataset"],
-            result["config"].get("seed"),
-            summary.backend,
-            summary.dp,
-            json.dumps(epsilon, sort_keys=True) if epsilon is not None else None,
-            summary.epsilon,
-            origin.get("version"),
-            origin.get("git_commit"),
-            json.dumps(result["config"], sort_keys=True),
-            json.dumps(result["metrics"], sort_keys=True),
-            result["wall_time_s"],
-            str(Path(out_dir).resolve()) if out_dir is not None else None,
-            json.dumps(result["parties"], sort_keys=True) if result.get("parties") else None,
-            json.dumps(result["checkpoints"], sort_keys=True)
-            if result.get("checkpoints")
-            else None,
-        )
+        row = _row(result, kind=kind, out_dir=out_dir, entry=entry)
+        with self._writing() as connection:
+            connection.execute("DELETE FROM runs WHERE run_key = ?", (row[0],))
+            return int(connection.execute(_INSERT, row).lastrowid or 0)
+
+    def replace_runs(self, out_dir: Path, runs: Sequence[tuple[dict[str, Any], str, str]]) -> None:
+        """Make ``runs`` (``(result, kind, entry)`` each, as :meth:`add` takes them) the only
+        rows of the runs written into ``out_dir`` (a sweep or suite, written again from
+        scratch), in one transaction: a reader sees the old set of rows or the new one, never
+        part of either."""
+        rows = [
+            _row(result, kind=kind, out_dir=out_dir, entry=entry) for result, kind, entry in runs
+        ]
+        with self._writing() as connection:
+            connection.execute(
+                "DELETE FROM runs WHERE out_dir = ?", (str(Path(out_dir).resolve()),)
+            )
+            for row in rows:
+                connection.execute("DELETE FROM runs WHERE run_key = ?", (row[0],))
+                connection.execute(_INSERT, row)
+
+    @contextmanager
+    def _writing(self) -> Iterator[sqlite3.Connection]:
+        """A connection inside one transaction, committed when the block ends (rolled back if
+        it raises); OutputError where SQLite could not write (a full disk)."""
         connection = self._connect()
         try:
             with connection:
-                connection.execute("DELETE FROM runs WHERE run_key = ?", (row[0],))
-                cursor = connection.execute(
-                    "INSERT INTO runs (run_key, created_at, kind, method, dataset, seed, backend, "
-                    "dp, epsilon, epsilon_max, version, git_commit, config, metrics, wall_time_s, "
-                    "out_dir, parties, checkpoints) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    row,
-                )
-                return int(cursor.lastrowid or 0)
-        except sqlite3.OperationalError as error:  # e.g. the disk is full
+                yield connection
+        except sqlite3.OperationalError as error:
             raise OutputError(
                 f"--store {self.path}: the run could not be recorded ({error}); its own outputs "
                 "were written."
             ) from _refusal(error, self.path)
-        finally:
-            connection.close()
-
-    def forget(self, out_dir: Path) -> int:
-        """Delete every row of the runs written into ``out_dir`` (a sweep or suite written
-        again from scratch); return how many."""
-        connection = self._connect()
-        try:
-            with connection:
-                cursor = connection.execute(
-                    "DELETE FROM runs WHERE out_dir = ?", (str(Path(out_dir).resolve()),)
-                )
-                return int(cursor.rowcount)
         finally:
             connection.close()
 

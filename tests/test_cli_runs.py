@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import secure_vfl.experiment
+import secure_vfl.store
 from secure_vfl.cli import main
 from secure_vfl.errors import ConfigError
 from secure_vfl.experiment import collapse_warnings
@@ -92,6 +93,47 @@ def test_the_store_keeps_one_row_per_run_directory_and_its_provenance(tmp_path: 
         assert row["git_commit"] == head == result["provenance"]["git_commit"]
     else:
         assert row["git_commit"] is None
+
+
+def _entry(seed: int) -> dict[str, Any]:
+    return {
+        "method": "standard",
+        "dataset": "digits",
+        "config": {"seed": seed},
+        "metrics": {"accuracy": 0.5},
+        "wall_time_s": 1.0,
+    }
+
+
+def test_a_sweeps_rows_are_replaced_all_at_once_or_not_at_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sweep or suite written again replaces its rows in one transaction: they were deleted,
+    then added one by one, so a reader could see part of the set, and a failure between them
+    (a full disk) left the store with part of the new set and none of the old."""
+    store, out = ResultsStore(tmp_path / "results.sqlite"), tmp_path / "sweep"
+    store.add(_entry(9), kind="train", out_dir=tmp_path / "other")
+    old = [(_entry(seed), "sweep:x", f"none seed {seed}") for seed in range(3)]
+    store.replace_runs(out, old)
+
+    def seeds() -> list[int]:
+        return sorted(row["seed"] for row in store.rows() if row["kind"] == "sweep:x")
+
+    assert seeds() == [0, 1, 2]
+    rows = secure_vfl.store._row
+
+    def second_fails(result: dict[str, Any], **where: Any) -> tuple[Any, ...]:
+        row = rows(result, **where)  # SQLite cannot store the last value of seed 6's row
+        return (*row[:-1], object()) if result["config"]["seed"] == 6 else row
+
+    monkeypatch.setattr(secure_vfl.store, "_row", second_fails)
+    new = [(_entry(seed), "sweep:x", f"none seed {seed}") for seed in (5, 6)]
+    with pytest.raises(sqlite3.Error):  # after seed 5's row went in, in the same transaction
+        store.replace_runs(out, new)
+    assert seeds() == [0, 1, 2]  # the old set, whole
+    monkeypatch.undo()
+    store.replace_runs(out, [(_entry(7), "sweep:x", "none seed 7")])
+    assert seeds() == [7] and len(store.rows()) == 2  # the other run's row stays
 
 
 @pytest.mark.parametrize(
