@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import json
 import math
 import os
@@ -236,10 +237,15 @@ def temporary_prefix(path: Path) -> str:
     return f".{path.name}.{os.getpid()}-"
 
 
+STAGED_SUFFIXES = (".tmp", ".new", ".old")
+"""The suffixes of the names written beside a directory while it is written or replaced: the
+one being written, the new one staged, the old one moved aside (:func:`replace_directory`)."""
+
+
 def writer_alive(name: str) -> bool:
-    """Whether the process whose id a staged name carries (``.NAME.PID-XXXX.tmp``) still runs;
-    False for a name with no id (staged by an older version)."""
-    found = re.search(r"\.(\d+)-[^.]*\.tmp$", name)
+    """Whether the process whose id a staged name carries (``.NAME.PID-XXXX.tmp``, ``.new``,
+    ``.old``) still runs; False for a name with no id (staged by an older version)."""
+    found = re.search(r"\.(\d+)-[^.]*\.(?:tmp|new|old)$", name)
     if found is None:
         return False
     try:
@@ -251,13 +257,39 @@ def writer_alive(name: str) -> bool:
     return True
 
 
-def atomic_directory(path: Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp)`` on a fresh directory beside ``path``, fsync every file in it and the
-    directory, and rename it to ``path`` (which must not exist): a checkpoint is either whole
-    under its name or absent, even if the machine loses power in between."""
+def left_beside(path: Path, suffix: str) -> list[Path]:
+    """The directories named ``.NAME.*SUFFIX`` beside ``path`` that a write of it killed before
+    its end left (no live writer's: :func:`writer_alive`), oldest name first."""
+    try:
+        found = path.parent.glob(f".{glob.escape(path.name)}.*{suffix}")
+        return sorted(
+            p for p in found if p.is_dir() and not p.is_symlink() and not writer_alive(p.name)
+        )
+    except OSError:  # a folder this user may not list: nothing of its own there to finish
+        return []
+
+
+def finish_interrupted(path: Path) -> None:
+    """Finish what a write of ``path`` killed before its end left beside it (SIGKILL, a power
+    cut: no handler ran), before ``path`` is written again: killed between
+    :func:`replace_directory`'s two renames, the old directory (``.NAME.*.old``) goes back to
+    ``path``, where nothing is; an old one whose new one got in is removed, and so are staged
+    directories (``.new``, ``.tmp``)."""
+    for old in left_beside(path, ".old"):
+        if path.exists() or path.is_symlink():
+            shutil.rmtree(old)
+        else:
+            os.rename(old, path)
+    for staged in [*left_beside(path, ".new"), *left_beside(path, ".tmp")]:
+        shutil.rmtree(staged)
+
+
+def _staged(path: Path, write: Callable[[Path], None], suffix: str) -> Path:
+    """A fresh directory beside ``path`` (``.NAME.PID-XXXX`` + ``suffix``) that ``write`` filled,
+    with every file in it and itself fsynced; removed again if anything fails."""
     make_parent(path)
     try:
-        tmp = Path(tempfile.mkdtemp(prefix=temporary_prefix(path), suffix=".tmp", dir=path.parent))
+        tmp = Path(tempfile.mkdtemp(prefix=temporary_prefix(path), suffix=suffix, dir=path.parent))
     except OSError as error:
         raise unwritable(path, error) from None
     try:
@@ -265,6 +297,21 @@ def atomic_directory(path: Path, write: Callable[[Path], None]) -> None:
         for child in tmp.iterdir():
             _fsync(child, os.O_RDONLY)
         _fsync(tmp, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise unwritable(path, error) from error
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return tmp
+
+
+def atomic_directory(path: Path, write: Callable[[Path], None]) -> None:
+    """Call ``write(tmp)`` on a fresh directory beside ``path``, fsync every file in it and the
+    directory, and rename it to ``path`` (which must not exist): a checkpoint is either whole
+    under its name or absent, even if the machine loses power in between."""
+    tmp = _staged(path, write, ".tmp")
+    try:
         os.rename(tmp, path)
         fsync_directory(path.parent)
     except OSError as error:
@@ -278,16 +325,16 @@ def atomic_directory(path: Path, write: Callable[[Path], None]) -> None:
 def replace_directory(path: Path, write: Callable[[Path], None]) -> None:
     """As :func:`atomic_directory`, but ``path`` may hold an older directory: the new one is
     written whole beside it, swapped in, and the old one removed, so that no file of the old
-    one survives beside the new (a model saved over another). A crash between the two renames
-    leaves the old directory beside ``path`` under a hidden name (``.NAME.*.old``) and nothing
-    at ``path``."""
+    one survives beside the new (a model saved over another). A kill between the two renames
+    leaves the old directory beside ``path`` under a hidden name (``.NAME.PID-XXXX.old``) and
+    nothing at ``path``; the next write of ``path`` puts it back first
+    (:func:`finish_interrupted`)."""
+    finish_interrupted(path)
     if not (path.exists() or path.is_symlink()):
         atomic_directory(path, write)
         return
-    stamp = uuid.uuid4().hex
-    staged = path.with_name(f".{path.name}.{stamp}.new")
-    old = path.with_name(f".{path.name}.{stamp}.old")
-    atomic_directory(staged, write)
+    staged = _staged(path, write, ".new")
+    old = staged.with_name(staged.name.removesuffix(".new") + ".old")
     try:
         os.rename(path, old)
     except OSError as error:

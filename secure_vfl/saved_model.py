@@ -56,7 +56,14 @@ from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.parties import DataParty
 from secure_vfl.federation.parts import ClassValue
 from secure_vfl.federation.releases import ReleaseBlocks
-from secure_vfl.io import atomic_write, atomic_write_json, check_keys, parse_json, replace_directory
+from secure_vfl.io import (
+    atomic_write,
+    atomic_write_json,
+    check_keys,
+    left_beside,
+    parse_json,
+    replace_directory,
+)
 from secure_vfl.methods.base import in_process_parties
 from secure_vfl.methods.false_vfl import FalseVflConfig
 
@@ -351,9 +358,19 @@ def find_manifest(path: Path) -> Path:
     for candidate in (path / MODEL_DIR / MANIFEST_FILE, path / MANIFEST_FILE):
         if candidate.is_file():
             return candidate
+    stopped = ""
+    for target in (path / MODEL_DIR, path):  # a save killed between its renames
+        hidden = left_beside(target, ".old")
+        if hidden:
+            stopped = (
+                f" A save over it was stopped before its end and left the model it replaced "
+                f"at {hidden[-1]}: the next save there puts it back first, or rename it to "
+                f"{target}."
+            )
+            break
     raise DataError(
         f"no saved model at {path}: expected {path / MODEL_DIR / MANIFEST_FILE} (written by "
-        "`secure-vfl train`) or a model directory holding manifest.json."
+        f"`secure-vfl train`) or a model directory holding manifest.json.{stopped}"
     )
 
 

@@ -7,7 +7,10 @@ import json
 import math
 import os
 import re
+import signal
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +27,7 @@ from secure_vfl.io import (
     parse_json,
     replace_directory,
 )
+from secure_vfl.saved_model import find_manifest
 
 
 def test_atomic_write_json_writes_readable_ordinary_files(tmp_path: Path) -> None:
@@ -171,6 +175,63 @@ def test_replace_directory_keeps_none_of_the_old_files_and_the_old_one_on_failur
     assert [p.name for p in target.iterdir()] == ["manifest.json"]
     assert (target / "manifest.json").read_text() == "new"
     assert [p.name for p in tmp_path.iterdir()] == ["model"]  # no staged or old copy left
+
+
+KILLED_SAVE = """
+import os, shutil, signal, sys
+from pathlib import Path
+from secure_vfl.io import replace_directory
+renames, real = [0], os.rename
+def rename(source, target):
+    renames[0] += 1
+    if renames[0] == 2 and sys.argv[2] == "between":  # no handler runs
+        os.kill(os.getpid(), signal.SIGKILL)
+    real(source, target)
+def rmtree(path, *args, **kwargs):
+    os.kill(os.getpid(), signal.SIGKILL)
+os.rename = rename
+if sys.argv[2] == "after":
+    shutil.rmtree = rmtree
+replace_directory(Path(sys.argv[1]), lambda d: (d / "manifest.json").write_text("second"))
+"""
+
+
+@pytest.mark.parametrize("killed", ["between", "after"])
+def test_a_save_killed_between_or_after_its_renames_is_finished_by_the_next(
+    tmp_path: Path, killed: str
+) -> None:
+    """SIGKILL between the renames (the old model moved aside, the new one not yet in) left
+    nothing at the path and the old model hidden beside it for good; after them, the old one
+    stayed beside the new. The next save puts the old one back first, or removes it, and the
+    staged new one; a reader is told where the old one is."""
+    target = tmp_path / "model"
+    replace_directory(target, lambda d: (d / "manifest.json").write_text("first"))
+    run = [sys.executable, "-c", KILLED_SAVE, str(target), killed]
+    assert subprocess.run(run, timeout=120, check=False).returncode == -signal.SIGKILL
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name != "model")
+    old = left[-1]
+    assert re.fullmatch(r"\.model\.\d+-\w+\.old", old), left
+    if killed == "between":
+        assert not target.exists() and len(left) == 2  # and the staged new one
+        with pytest.raises(DataError, match=f"at {re.escape(str(tmp_path / old))}: the next"):
+            find_manifest(target)
+    else:
+        assert (target / "manifest.json").read_text() == "second" and len(left) == 1
+    with pytest.raises(RuntimeError, match="refused"):  # a save that fails still finishes it
+        replace_directory(target, lambda d: (_ for _ in ()).throw(RuntimeError("refused")))
+    expected = "first" if killed == "between" else "second"
+    assert (target / "manifest.json").read_text() == expected
+    assert [p.name for p in tmp_path.iterdir()] == ["model"]
+
+
+def test_a_live_writers_staged_directories_are_left_alone(tmp_path: Path) -> None:
+    target = tmp_path / "model"
+    replace_directory(target, lambda d: (d / "manifest.json").write_text("first"))
+    live = tmp_path / f".model.{os.getpid()}-abc.new"  # this process: a writer that runs
+    dead = tmp_path / ".model.999999999-abc.tmp"
+    live.mkdir(), dead.mkdir()
+    replace_directory(target, lambda d: (d / "manifest.json").write_text("second"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "model"]
 
 
 def test_atomic_write_syncs_the_file_before_the_rename_and_the_directory_after(
