@@ -32,8 +32,12 @@ def atomic_write(path: Path, write: Callable[[Path], None], *, mode: int | None 
     cannot be written (OutputError)."""
     path = writable_file(path)
     make_parent(path)
+    for stale in left_beside(path, ".tmp", directories=False):  # a killed write's
+        stale.unlink(missing_ok=True)
     try:
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, tmp_name = tempfile.mkstemp(
+            prefix=temporary_prefix(path), suffix=".tmp", dir=path.parent
+        )
     except OSError as error:
         raise unwritable(path, error) from None
     os.close(fd)
@@ -231,7 +235,7 @@ def json_text(payload: Any) -> str:
 
 
 def temporary_prefix(path: Path) -> str:
-    """The start of the name of a directory staged beside ``path``: hidden, and with this
+    """The start of the name of a file or directory staged beside ``path``: hidden, and with this
     process's id, so that a later write can tell one a killed process left (no handler ran to
     remove it) from one another process is writing (:func:`writer_alive`)."""
     return f".{path.name}.{os.getpid()}-"
@@ -257,13 +261,15 @@ def writer_alive(name: str) -> bool:
     return True
 
 
-def left_beside(path: Path, suffix: str) -> list[Path]:
-    """The directories named ``.NAME.*SUFFIX`` beside ``path`` that a write of it killed before
-    its end left (no live writer's: :func:`writer_alive`), oldest name first."""
+def left_beside(path: Path, suffix: str, *, directories: bool = True) -> list[Path]:
+    """The directories (or with ``directories=False`` the files) named ``.NAME.*SUFFIX`` beside
+    ``path`` that a write of it killed before its end left (no live writer's:
+    :func:`writer_alive`), in name order."""
+    kind = Path.is_dir if directories else Path.is_file
     try:
         found = path.parent.glob(f".{glob.escape(path.name)}.*{suffix}")
         return sorted(
-            p for p in found if p.is_dir() and not p.is_symlink() and not writer_alive(p.name)
+            p for p in found if kind(p) and not p.is_symlink() and not writer_alive(p.name)
         )
     except OSError:  # a folder this user may not list: nothing of its own there to finish
         return []

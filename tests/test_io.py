@@ -315,3 +315,20 @@ def test_decimal_reads_ascii_digits_only_and_only_as_many_as_asked() -> None:
     # str.isdigit takes each of these; int refuses the first two, the rest are not decimals.
     for text in ("\u00b2", "9" * 5000, "1234567890123456789", "123456", "", "-1", " 1", "1.0"):
         assert decimal(text, digits=5 if text == "123456" else 18) is None, text
+
+
+def test_a_killed_writes_temporary_file_goes_with_the_next_write_of_its_file(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL while writing left ``.result.json.XXXX.tmp`` for good (its name said nothing of
+    its writer); now the next write of the file removes a dead writer's, not a live one's."""
+    dead = tmp_path / ".result.json.999999999-abcd.tmp"
+    older = tmp_path / ".result.json.abcd1234.tmp"  # named before writers gave their id
+    live = tmp_path / f".result.json.{os.getpid()}-abcd.tmp"
+    other = tmp_path / ".other.json.999999999-abcd.tmp"
+    for path in (dead, older, live, other):
+        path.write_text("{")
+    atomic_write_json(tmp_path / "result.json", {"a": 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [live.name, other.name, "result.json"]
+    )
