@@ -348,10 +348,16 @@ def test_invalid_settings_are_refused() -> None:
         GaussianRelease("party-1", 1.0, 0.1, "embedding", 0, "serve")
 
 
+EPOCHS = 3
+"""LASER's epochs in :func:`laser_run`: after one, the plain run's accuracy moved with the
+seeds (69.3-100 % over seeds 0-8 of data and method); after three, 99.3-100 %."""
+
+
 def laser_run(data: object, sigma: float | None) -> tuple[float, dict[str, Any] | None]:
-    """LASER (label party active) for one epoch, with embedding and gradient noise of ``sigma``
+    """LASER (label party active) for :data:`EPOCHS` epochs, with embedding and gradient noise of
+    ``sigma``
     installed by the privacy engine (reproducible noise, for the test); accuracy and report."""
-    config = MethodConfig(epochs=1, heads="active", batch_size=32, lr=0.05)
+    config = MethodConfig(epochs=EPOCHS, heads="active", batch_size=32, lr=0.05)
     method = METHODS.get("laser")(data, config, seed=0)  # type: ignore[arg-type]
     engine = None
     if sigma is not None:
@@ -361,7 +367,7 @@ def laser_run(data: object, sigma: float | None) -> tuple[float, dict[str, Any] 
             insecure_reproducible_noise=True,
         )
         engine = PrivacyEngine(spec)
-        method.sampler = engine.sampler(method.sampler, n=data.train.n, epochs=1)  # type: ignore[attr-defined]
+        method.sampler = engine.sampler(method.sampler, n=data.train.n, epochs=EPOCHS)  # type: ignore[attr-defined]
         parties = in_process_parties(method.fed.channel)  # type: ignore[attr-defined]
         engine.make_private(parties, method="laser", method_config=config, predictions=0)
     method.fit()
@@ -387,7 +393,7 @@ def test_laser_trains_through_noise_layers_and_every_party_gets_an_epsilon(
     drowned, loud = laser_run(data, 3.0)
     assert loud is not None
     assert plain > 90.0  # chance is 33 %
-    assert drowned < plain - 30.0
+    assert drowned < plain - 30.0  # sigma 3: 32.7-38.7 % over seeds 0-8
     assert all(loud["epsilon"][p] < epsilons[p] for p in epsilons)
 
 
@@ -468,7 +474,9 @@ def test_dp_sgd_party_trains_in_laser_and_reports_one_event_per_step(make_data: 
     assert accountant.parties() == ["party-2"]
     after = list(party.model.parameters())
     assert any(not torch.equal(a, b) for a, b in zip(before, after, strict=True))
-    assert accuracy(method.predict("mcar:0"), data.tests["mcar:0"].labels) > 80.0
+    assert (
+        accuracy(method.predict("mcar:0"), data.tests["mcar:0"].labels) > 80.0
+    )  # 91.3-100 % over data seeds 0-8
 
 
 def test_dp_sgd_step_without_gradients_releases_nothing() -> None:
