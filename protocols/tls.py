@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import datetime
 import errno
-import glob
 import ipaddress
 import os
 import shutil
@@ -79,9 +78,9 @@ from secure_vfl.io import (
     atomic_directory,
     atomic_write,
     fsync_directory,
+    left_beside,
     temporary_prefix,
     unwritable,
-    writer_alive,
 )
 
 CA_NAME = "ca"
@@ -130,14 +129,9 @@ def _remove_stale_staging(directory: Path) -> None:
     ``directory`` (``.NAME.*.tmp``) and inside an existing one (``.staging.*.tmp``), but not
     those of a writer that still runs (a second ``certs init`` at the same time). A RunWarning
     names them: their keys lay on disk, mode 0600, outside the set."""
-    found = [*directory.parent.glob(f".{glob.escape(directory.name)}.*.tmp")]
+    stale = left_beside(directory, ".tmp")
     if directory.is_dir():
-        found += directory.glob(".staging.*.tmp")
-    stale = sorted(
-        path
-        for path in found
-        if path.is_dir() and not path.is_symlink() and not writer_alive(path.name)
-    )
+        stale += left_beside(directory / "staging", ".tmp")
     for path in stale:
         shutil.rmtree(path)
     if stale:

@@ -262,14 +262,18 @@ def writer_alive(name: str) -> bool:
 
 
 def left_beside(path: Path, suffix: str, *, directories: bool = True) -> list[Path]:
-    """The directories (or with ``directories=False`` the files) named ``.NAME.*SUFFIX`` beside
-    ``path`` that a write of it killed before its end left (no live writer's:
-    :func:`writer_alive`), in name order."""
+    """The directories (or with ``directories=False`` the files) staged for ``path`` itself
+    (``.NAME.PID-XXXX`` + ``suffix``, or ``.NAME.XXXX`` + ``suffix`` from before writers gave
+    their id; not those of ``NAME.more``) that a write of it killed before its end left (no
+    live writer's: :func:`writer_alive`), in name order."""
     kind = Path.is_dir if directories else Path.is_file
+    own = re.compile(rf"\.{re.escape(path.name)}\.(?:\d+-)?[a-z0-9_]+{re.escape(suffix)}")
     try:
         found = path.parent.glob(f".{glob.escape(path.name)}.*{suffix}")
         return sorted(
-            p for p in found if kind(p) and not p.is_symlink() and not writer_alive(p.name)
+            p
+            for p in found
+            if own.fullmatch(p.name) and kind(p) and not p.is_symlink() and not writer_alive(p.name)
         )
     except OSError:  # a folder this user may not list: nothing of its own there to finish
         return []

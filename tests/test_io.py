@@ -326,9 +326,10 @@ def test_a_killed_writes_temporary_file_goes_with_the_next_write_of_its_file(
     older = tmp_path / ".result.json.abcd1234.tmp"  # named before writers gave their id
     live = tmp_path / f".result.json.{os.getpid()}-abcd.tmp"
     other = tmp_path / ".other.json.999999999-abcd.tmp"
-    for path in (dead, older, live, other):
+    longer = tmp_path / ".result.json.bak.999999999-abcd.tmp"  # result.json.bak's, not ours
+    for path in (dead, older, live, other, longer):
         path.write_text("{")
     atomic_write_json(tmp_path / "result.json", {"a": 1})
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [live.name, other.name, "result.json"]
+        [live.name, other.name, longer.name, "result.json"]
     )
