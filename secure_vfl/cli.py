@@ -1008,7 +1008,7 @@ def build_parser() -> argparse.ArgumentParser:
     _capture_option(predict)
     runs = commands.add_parser(
         "runs",
-        help="list the runs of a results store, or compare run directories",
+        help="list the runs of a results store, compare run directories, or remove runs",
         description="Print a table of runs: method, secure-sum backend, DP mechanisms with "
         "their noise, the largest epsilon a party spent, accuracy per test missingness, time.",
     )
@@ -1020,6 +1020,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=Path("runs") / "results.sqlite",
         metavar="PATH",
         help="the SQLite results store (runs/results.sqlite: train's for runs under runs/)",
+    )
+    runs_remove = runs_commands.add_parser(
+        "remove",
+        help="take runs out of a results store (their files stay)",
+        description="Delete the rows of the runs written into each DIR (a run, sweep or suite "
+        "directory, which may be gone) from the results store, all or none; the directories' "
+        "files are not touched.",
+    )
+    runs_remove.add_argument(
+        "dirs", nargs="+", type=path_arg, metavar="DIR", help="run directories"
+    )
+    runs_remove.add_argument(
+        "--store",
+        type=path_arg,
+        metavar="PATH",
+        help="the SQLite results store (default: results.sqlite beside the directories, where "
+        "their runs wrote it)",
     )
     runs_compare = runs_commands.add_parser(
         "compare", help="runs side by side, from their directories' result.json"
@@ -2697,7 +2714,8 @@ def _prediction_summary(model: Any, predictions: Any, out: Path | None) -> str:
 
 
 def run_runs(args: argparse.Namespace) -> int:
-    """`secure-vfl runs list|compare`: a table of stored runs, or of the given run directories."""
+    """`secure-vfl runs list|compare|remove`: a table of stored runs, or of the given run
+    directories; or those directories' runs taken out of the store."""
     import dataclasses
 
     from secure_vfl.runs import summarise, summarise_run, table
@@ -2708,10 +2726,22 @@ def run_runs(args: argparse.Namespace) -> int:
         return 0
     from secure_vfl.store import ResultsStore
 
+    if args.runs_command == "remove" and args.store is None:
+        parents = sorted({str(Path(directory).absolute().parent) for directory in args.dirs})
+        if len(parents) > 1:
+            raise ConfigError(
+                f"runs remove: directories in one folder expected (their results store lies "
+                f"beside them), or --store PATH; found them in {', '.join(parents)}."
+            )
+        args.store = Path(args.dirs[0]).absolute().parent / "results.sqlite"
     if not args.store.is_file():
         raise ConfigError(f"no results store at {args.store}; expected --store PATH of one.")
     store = ResultsStore(args.store)
     store.check(create=False)  # listing writes nothing
+    if args.runs_command == "remove":
+        for directory, count in store.remove(args.dirs).items():
+            print(f"{directory}: {count} run{'s' if count != 1 else ''} removed from {args.store}")
+        return 0
     rows = store.rows()
     if not rows:
         print(f"{args.store}: no runs.")

@@ -332,6 +332,25 @@ class ResultsStore:
                 connection.execute("DELETE FROM runs WHERE run_key = ?", (row[0],))
                 connection.execute(_INSERT, row)
 
+    def remove(self, out_dirs: Sequence[Path]) -> dict[Path, int]:
+        """Delete every row of the runs written into each of ``out_dirs`` (a run, sweep or
+        suite directory, whether it still exists or not), in one transaction; return how many
+        rows each had. ConfigError, and nothing deleted, where one of them has no row here."""
+        with self._writing() as connection:
+            removed = {
+                directory: connection.execute(
+                    "DELETE FROM runs WHERE out_dir = ?", (str(Path(directory).resolve()),)
+                ).rowcount
+                for directory in out_dirs
+            }
+            missing = [str(directory) for directory, count in removed.items() if count == 0]
+            if missing:
+                raise ConfigError(
+                    f"no run of {', '.join(missing)} in {self.path}; expected directories "
+                    "whose runs it records (`secure-vfl runs list`). Nothing was removed."
+                )
+        return removed
+
     @contextmanager
     def _writing(self) -> Iterator[sqlite3.Connection]:
         """A connection inside one transaction, committed when the block ends (rolled back if

@@ -136,6 +136,35 @@ def test_a_sweeps_rows_are_replaced_all_at_once_or_not_at_all(
     assert seeds() == [7] and len(store.rows()) == 2  # the other run's row stays
 
 
+def test_runs_remove_takes_runs_out_of_the_store_all_or_none_and_keeps_their_files(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = ResultsStore(tmp_path / "results.sqlite")
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "result.json").write_text("{}")
+        store.add(_entry(1), kind="train", out_dir=tmp_path / name)
+    store.replace_runs(tmp_path / "sweep", [(_entry(s), "sweep:x", f"s{s}") for s in (1, 2)])
+
+    def stored() -> list[str]:
+        return sorted({Path(row["out_dir"]).name for row in store.rows()})
+
+    # "gone" has no run here: refused, and "a" keeps its row
+    assert main(["runs", "remove", str(tmp_path / "a"), str(tmp_path / "gone")]) == 2
+    assert f"no run of {tmp_path / 'gone'} in " in capsys.readouterr().err
+    assert stored() == ["a", "b", "sweep"]
+    assert main(["runs", "remove", str(tmp_path / "a"), str(tmp_path / "sweep")]) == 0
+    out = capsys.readouterr().out
+    assert f"{tmp_path / 'a'}: 1 run removed" in out and "sweep: 2 runs removed" in out
+    assert stored() == ["b"] and (tmp_path / "a" / "result.json").exists()  # files stay
+    elsewhere = tmp_path / "other" / "c"
+    assert main(["runs", "remove", str(tmp_path / "b"), str(elsewhere)]) == 2
+    assert "directories in one folder expected" in capsys.readouterr().err
+    store_flag = ["--store", str(tmp_path / "results.sqlite")]
+    assert main(["runs", "remove", str(tmp_path / "b"), *store_flag]) == 0
+    assert stored() == []
+
+
 @pytest.mark.parametrize(
     ("column", "cell", "expected"),
     [
