@@ -95,11 +95,19 @@ MECHANISMS = {
     "dp-sgd": "--dp-sgd",
     "exposure": "--release dp",
 }
+FIELDS = {
+    "embedding": "`dp_embeddings` (--dp-embeddings)",
+    "gradient": "`dp_gradients` (--dp-gradients)",
+    "dp-sgd": "`dp_sgd` (--dp-sgd)",
+    "exposure": "`release_noise` (--release-noise)",
+}
+"""Each mechanism's :class:`PrivacySpec` field and command-line flag, as its refusals name it."""
 RELEASES: tuple[str, ...] = ("drop", "dp")
 RELEASE_CLIP = 1.0
 """The CLIP of ``--release dp`` when only ``--target-epsilon`` is given (no --release-noise)."""
 
 Noise = tuple[float, float]
+STATISTICS = "`dp_statistics` (--dp-statistics)"
 
 
 IDLE_REPRODUCIBLE_NOISE = (
@@ -165,31 +173,31 @@ class PrivacySpec:
             sigma, clip = noise
             if not (sigma >= 0 and math.isfinite(sigma)) or not (clip > 0 and math.isfinite(clip)):
                 raise ConfigError(
-                    f"{MECHANISMS[name]} needs SIGMA >= 0 and CLIP > 0, both finite. "
+                    f"{FIELDS[name]} needs SIGMA >= 0 and CLIP > 0, both finite. "
                     f"Found {sigma}:{clip}."
                 )
         if self.dp_statistics is not None:
             sigma, clip = self.dp_statistics
             if not (sigma > 0 and math.isfinite(sigma)) or not (clip > 0 and math.isfinite(clip)):
                 raise ConfigError(
-                    f"--dp-statistics needs SIGMA > 0 and CLIP > 0, both finite. "
-                    f"Found {sigma}:{clip}."
+                    f"{STATISTICS} needs SIGMA > 0 and CLIP > 0, both finite. Found {sigma}:{clip}."
                 )
             if self.noise():
                 raise ConfigError(
-                    "--dp-statistics protects imputation statistics, the other mechanisms "
-                    f"training; expected one kind, found both ({', '.join(self.noise())})."
+                    f"{STATISTICS} protects imputation statistics, the other mechanisms "
+                    "training; expected one kind, found both "
+                    f"({', '.join(FIELDS[kind] for kind in self.noise())})."
                 )
         elif self.feature_ranges is not None:
             raise ConfigError(
-                "--feature-ranges bounds the values of --dp-statistics; expected "
-                "--dp-statistics SIGMA:CLIP with it. Found none."
+                f"`feature_ranges` (--feature-ranges) bounds the values of {STATISTICS}; "
+                f"expected {STATISTICS} with it. Found none."
             )
         if self.target_epsilon is not None and not self.noise() and self.dp_statistics is None:
             raise ConfigError(
-                "--target-epsilon calibrates a mechanism: for train, expected --dp-embeddings, "
-                "--dp-gradients or --dp-sgd; for impute, expected --dp-statistics SIGMA:CLIP "
-                "with it. Found none."
+                "`target_epsilon` (--target-epsilon) calibrates a mechanism: for training, "
+                f"expected {FIELDS['embedding']}, {FIELDS['gradient']} or {FIELDS['dp-sgd']}; "
+                f"for imputation, expected {STATISTICS} with it. Found none."
             )
         if self.grad_sample_mode not in GRAD_SAMPLE_MODES:
             raise ConfigError(
@@ -242,13 +250,14 @@ class PrivacySpec:
         if self.release == "drop":
             if self.release_noise is not None:
                 raise ConfigError(
-                    "--release-noise is the noise of --release dp; found it with --release drop."
+                    f"{FIELDS['exposure']} is the noise of `release` 'dp' (--release dp); found "
+                    "it with 'drop' (--release drop, the default)."
                 )
             return
         if self.release_noise is None and self.target_epsilon is None:
             raise ConfigError(
-                "--release dp needs its noise: expected --release-noise SIGMA:CLIP or "
-                "--target-epsilon E. Found neither."
+                "`release` 'dp' (--release dp) needs its noise: expected "
+                f"{FIELDS['exposure']} or `target_epsilon` (--target-epsilon). Found neither."
             )
 
     def noise(self) -> dict[str, Noise]:

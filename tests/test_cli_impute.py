@@ -381,7 +381,7 @@ def test_target_epsilon_without_dp_statistics_is_refused(
     argv = ["impute", "--method", "fedhf", "--dataset", "ozone", "--out", str(tmp_path / "r")]
     assert main([*argv, "--target-epsilon", "2"]) == 2
     err = capsys.readouterr().err
-    assert "expected --dp-statistics SIGMA:CLIP with it" in err
+    assert "expected `dp_statistics` (--dp-statistics) with it" in err
     assert len(err.strip().splitlines()) == 1
     assert not (tmp_path / "r" / "result.json").exists()
 

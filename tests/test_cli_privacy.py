@@ -228,7 +228,7 @@ def test_clipped_embeddings_train_without_their_norms_drifting_to_divergence(
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--target-epsilon", "2"], "--target-epsilon calibrates a mechanism"),
+        (["--target-epsilon", "2"], "(--target-epsilon) calibrates a mechanism"),
         (["--dp-embeddings", "1.0"], "SIGMA:CLIP"),
         (["--dp-gradients", "-1:1"], "--dp-gradients"),
         (["--delta", "1"], "expected a probability in (0, 1), found '1'"),

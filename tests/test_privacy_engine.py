@@ -130,15 +130,15 @@ def test_target_epsilon_calibrates_one_sigma_for_every_mechanism(make_data: Make
 @pytest.mark.parametrize(
     ("kwargs", "expected"),
     [
-        ({"target_epsilon": 1.0}, "calibrates a mechanism"),
+        ({"target_epsilon": 1.0}, "`target_epsilon` .--target-epsilon. calibrates"),
         ({"secure_agg": "rot13"}, "`secure_agg` must be one of"),
         ({"align": "guess"}, "`align` must be one of"),
-        ({"dp_sgd": (1.0, 0.0)}, "--dp-sgd needs SIGMA >= 0 and CLIP > 0"),
-        ({"dp_gradients": (float("nan"), 1.0)}, "--dp-gradients needs"),
+        ({"dp_sgd": (1.0, 0.0)}, "`dp_sgd` .--dp-sgd. needs SIGMA >= 0 and CLIP > 0"),
+        ({"dp_gradients": (float("nan"), 1.0)}, "`dp_gradients` .--dp-gradients. needs"),
         ({"delta": 1.0}, "`delta` must be in"),
-        ({"dp_statistics": (0.0, 1.0)}, "--dp-statistics needs SIGMA > 0 and CLIP > 0"),
+        ({"dp_statistics": (0.0, 1.0)}, "`dp_statistics` .--dp-statistics. needs SIGMA > 0"),
         ({"dp_statistics": (1.0, 1.0), "dp_sgd": (1.0, 0.1)}, "expected one kind, found both"),
-        ({"feature_ranges": Path("ranges.csv")}, "bounds the values of --dp-statistics"),
+        ({"feature_ranges": Path("ranges.csv")}, "`feature_ranges` .--feature-ranges. bounds"),
         ({"dp_sgd": (1.0, 0.1), "adjacency": "swap"}, "`adjacency` must be one of"),
     ],
 )
