@@ -2746,7 +2746,7 @@ def run_runs(args: argparse.Namespace) -> int:
     if not rows:
         print(f"{args.store}: no runs.")
         return 0
-    names = [f"{row['id']} {row['kind']} {Path(row['out_dir'] or '-').name}" for row in rows]
+    names = [f"{row['id']} {row['kind']} {_stored_run_name(row['out_dir'])}" for row in rows]
     summaries = [
         # the row's columns were summarised from the whole result (noise after calibration)
         dataclasses.replace(
@@ -2759,6 +2759,18 @@ def run_runs(args: argparse.Namespace) -> int:
     ]
     print(table(names, summaries))
     return 0
+
+
+def _stored_run_name(out_dir: str | None) -> str:
+    """A stored run's directory as ``runs list`` names it: its last part, ``(gone)`` after it
+    where the directory no longer exists (``runs remove`` takes such runs out)."""
+    if out_dir is None:
+        return "-"
+    try:
+        gone = not Path(out_dir).exists()
+    except OSError:  # a path this system refuses now: it cannot be read either
+        gone = True
+    return f"{Path(out_dir).name}{' (gone)' if gone else ''}"
 
 
 def run_datasets(args: argparse.Namespace) -> int:

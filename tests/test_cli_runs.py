@@ -157,6 +157,9 @@ def test_runs_remove_takes_runs_out_of_the_store_all_or_none_and_keeps_their_fil
     out = capsys.readouterr().out
     assert f"{tmp_path / 'a'}: 1 run removed" in out and "sweep: 2 runs removed" in out
     assert stored() == ["b"] and (tmp_path / "a" / "result.json").exists()  # files stay
+    shutil.rmtree(tmp_path / "b")  # runs list marks a run whose directory is gone
+    assert main(["runs", "list", "--store", str(tmp_path / "results.sqlite")]) == 0
+    assert " train b (gone) " in capsys.readouterr().out
     elsewhere = tmp_path / "other" / "c"
     assert main(["runs", "remove", str(tmp_path / "b"), str(elsewhere)]) == 2
     assert "directories in one folder expected" in capsys.readouterr().err
