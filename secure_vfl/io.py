@@ -13,7 +13,8 @@ import re
 import shutil
 import tempfile
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -302,18 +303,26 @@ def _staged(path: Path, write: Callable[[Path], None], suffix: str) -> Path:
         tmp = Path(tempfile.mkdtemp(prefix=temporary_prefix(path), suffix=suffix, dir=path.parent))
     except OSError as error:
         raise unwritable(path, error) from None
-    try:
+    with _removed_on_failure(tmp, path):
         write(tmp)
         for child in tmp.iterdir():
             _fsync(child, os.O_RDONLY)
         _fsync(tmp, os.O_RDONLY | os.O_DIRECTORY)
+    return tmp
+
+
+@contextmanager
+def _removed_on_failure(tmp: Path, path: Path) -> Iterator[None]:
+    """Remove the directory ``tmp`` staged for ``path`` where the block fails (an OSError
+    raised as OutputError naming ``path``)."""
+    try:
+        yield
     except OSError as error:
         shutil.rmtree(tmp, ignore_errors=True)
         raise unwritable(path, error) from error
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return tmp
 
 
 def atomic_directory(path: Path, write: Callable[[Path], None]) -> None:
@@ -321,15 +330,9 @@ def atomic_directory(path: Path, write: Callable[[Path], None]) -> None:
     directory, and rename it to ``path`` (which must not exist): a checkpoint is either whole
     under its name or absent, even if the machine loses power in between."""
     tmp = _staged(path, write, ".tmp")
-    try:
+    with _removed_on_failure(tmp, path):
         os.rename(tmp, path)
         fsync_directory(path.parent)
-    except OSError as error:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise unwritable(path, error) from error
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def replace_directory(path: Path, write: Callable[[Path], None]) -> None:
