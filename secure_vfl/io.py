@@ -11,6 +11,7 @@ import math
 import os
 import re
 import shutil
+import stat
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Mapping
@@ -248,10 +249,13 @@ one being written, the new one staged, the old one moved aside (:func:`replace_d
 
 
 def writer_alive(name: str) -> bool:
-    """Whether the process whose id a staged name carries (``.NAME.PID-XXXX.tmp``, ``.new``,
-    ``.old``) still runs; False for a name with no id (staged by an older version)."""
-    found = re.search(r"\.(\d+)-[^.]*\.(?:tmp|new|old)$", name)
-    if found is None:
+    """Whether the process whose id a staged name carries (``.NAME.PID-XXXXXXXX.tmp``, ``.new``,
+    ``.old``) still runs; False for a name with no id (staged by an older version), and for
+    this process's own id: a process writes one path once at a time, and a name of its id
+    that is there before it writes was left by an earlier process of the same id (a
+    container's entry point is process 1 every time)."""
+    found = re.search(r"\.(\d+)-[a-z0-9_]{8}\.(?:tmp|new|old)$", name)
+    if found is None or int(found.group(1)) == os.getpid():
         return False
     try:
         os.kill(int(found.group(1)), 0)
@@ -262,19 +266,26 @@ def writer_alive(name: str) -> bool:
     return True
 
 
-def left_beside(path: Path, suffix: str, *, directories: bool = True) -> list[Path]:
+def left_beside(
+    path: Path, suffix: str, *, directories: bool = True, links: bool = False
+) -> list[Path]:
     """The directories (or with ``directories=False`` the files) staged for ``path`` itself
-    (``.NAME.PID-XXXX`` + ``suffix``, or ``.NAME.XXXX`` + ``suffix`` from before writers gave
-    their id; not those of ``NAME.more``) that a write of it killed before its end left (no
-    live writer's: :func:`writer_alive`), in name order."""
+    (``.NAME.PID-XXXXXXXX`` + ``suffix``, or the names of before writers gave their id; not
+    those of ``NAME.more``) that a write of it killed before its end left (no live writer's:
+    :func:`writer_alive`), in name order; with ``links``, symbolic links to directories too
+    (``path`` was one, moved aside)."""
     kind = Path.is_dir if directories else Path.is_file
-    own = re.compile(rf"\.{re.escape(path.name)}\.(?:\d+-)?[a-z0-9_]+{re.escape(suffix)}")
+    stamp = r"(?:\d+-[a-z0-9_]{8}|[a-z0-9_]{8}|[0-9a-f]{32})"  # mkstemp's; uuid4's before
+    own = re.compile(rf"\.{re.escape(path.name)}\.{stamp}{re.escape(suffix)}")
     try:
         found = path.parent.glob(f".{glob.escape(path.name)}.*{suffix}")
         return sorted(
             p
             for p in found
-            if own.fullmatch(p.name) and kind(p) and not p.is_symlink() and not writer_alive(p.name)
+            if own.fullmatch(p.name)
+            and kind(p)
+            and (links or not p.is_symlink())
+            and not writer_alive(p.name)
         )
     except OSError:  # a folder this user may not list: nothing of its own there to finish
         return []
@@ -286,11 +297,13 @@ def finish_interrupted(path: Path) -> None:
     :func:`replace_directory`'s two renames, the old directory (``.NAME.*.old``) goes back to
     ``path``, where nothing is; an old one whose new one got in is removed, and so are staged
     directories (``.new``, ``.tmp``)."""
-    for old in left_beside(path, ".old"):
-        if path.exists() or path.is_symlink():
-            shutil.rmtree(old)
-        else:
+    for old in left_beside(path, ".old", links=True):  # path may have been a link
+        if not (path.exists() or path.is_symlink()):
             os.rename(old, path)
+        elif old.is_symlink():
+            old.unlink()
+        else:
+            shutil.rmtree(old)
     for staged in [*left_beside(path, ".new"), *left_beside(path, ".tmp")]:
         shutil.rmtree(staged)
 
@@ -382,10 +395,20 @@ def lock_directory(directory: Path, option: str) -> Callable[[], None]:
     path = directory / LOCK_FILE
     make_parent(path)
     for _ in range(8):  # the holder may remove the file between our open and our lock
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:  # never through a link: it would truncate the file the link names
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         except OSError as error:
+            if error.errno == errno.ELOOP:
+                error = OSError(errno.ELOOP, "a symbolic link, where a lock file of its own is")
             raise unwritable(path, error) from None
+        found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode) or found.st_nlink != 1:
+            os.close(fd)
+            kind = "a hard link of another file" if stat.S_ISREG(found.st_mode) else "no file"
+            raise OutputError(
+                f"{path}: a lock file of its own expected (a plain file, one name); found "
+                f"{kind}. Remove it, or choose another {option}."
+            )
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

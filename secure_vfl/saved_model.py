@@ -360,7 +360,7 @@ def find_manifest(path: Path) -> Path:
             return candidate
     stopped = ""
     for target in (path / MODEL_DIR, path):  # a save killed between its renames
-        hidden = left_beside(target, ".old")
+        hidden = left_beside(target, ".old", links=True)
         if hidden:
             stopped = (
                 f" A save over it was stopped before its end and left the model it replaced "

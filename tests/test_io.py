@@ -11,6 +11,7 @@ import signal
 import stat
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -224,14 +225,49 @@ def test_a_save_killed_between_or_after_its_renames_is_finished_by_the_next(
     assert [p.name for p in tmp_path.iterdir()] == ["model"]
 
 
-def test_a_live_writers_staged_directories_are_left_alone(tmp_path: Path) -> None:
+@pytest.fixture
+def live_pid() -> Iterator[int]:
+    """The id of another process that runs while the test does (a writer still writing)."""
+    process = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        yield process.pid
+    finally:
+        process.kill()
+        process.wait(timeout=30)
+
+
+def test_a_live_writers_staged_directories_are_left_alone(tmp_path: Path, live_pid: int) -> None:
+    """And a name of this process's own id is an earlier process's (a container's entry point
+    is process 1 every time): it was kept for good, since that process seemed to run."""
     target = tmp_path / "model"
     replace_directory(target, lambda d: (d / "manifest.json").write_text("first"))
-    live = tmp_path / f".model.{os.getpid()}-abc.new"  # this process: a writer that runs
-    dead = tmp_path / ".model.999999999-abc.tmp"
-    live.mkdir(), dead.mkdir()
+    live = tmp_path / f".model.{live_pid}-abcdefgh.new"
+    dead = tmp_path / ".model.999999999-abcdefgh.tmp"
+    earlier = tmp_path / f".model.{os.getpid()}-abcdefgh.old"  # model is there: its new got in
+    for path in (live, dead, earlier):
+        path.mkdir()
     replace_directory(target, lambda d: (d / "manifest.json").write_text("second"))
     assert sorted(p.name for p in tmp_path.iterdir()) == [live.name, "model"]
+
+
+def test_a_target_that_was_a_link_is_put_back_as_the_link(tmp_path: Path) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "manifest.json").write_text("first")
+    old = tmp_path / ".model.999999999-abcdefgh.old"  # killed between the renames
+    old.symlink_to("elsewhere")
+    assert f"at {old}: the next" in _no_model(tmp_path / "model")
+    with pytest.raises(RuntimeError, match="refused"):
+        replace_directory(
+            tmp_path / "model", lambda d: (_ for _ in ()).throw(RuntimeError("refused"))
+        )
+    assert os.readlink(tmp_path / "model") == "elsewhere"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "model"]
+
+
+def _no_model(path: Path) -> str:
+    with pytest.raises(DataError) as refused:
+        find_manifest(path)
+    return str(refused.value)
 
 
 def test_atomic_write_syncs_the_file_before_the_rename_and_the_directory_after(
@@ -318,18 +354,19 @@ def test_decimal_reads_ascii_digits_only_and_only_as_many_as_asked() -> None:
 
 
 def test_a_killed_writes_temporary_file_goes_with_the_next_write_of_its_file(
-    tmp_path: Path,
+    tmp_path: Path, live_pid: int
 ) -> None:
     """SIGKILL while writing left ``.result.json.XXXX.tmp`` for good (its name said nothing of
     its writer); now the next write of the file removes a dead writer's, not a live one's."""
-    dead = tmp_path / ".result.json.999999999-abcd.tmp"
+    dead = tmp_path / ".result.json.999999999-abcdefgh.tmp"
     older = tmp_path / ".result.json.abcd1234.tmp"  # named before writers gave their id
-    live = tmp_path / f".result.json.{os.getpid()}-abcd.tmp"
-    other = tmp_path / ".other.json.999999999-abcd.tmp"
-    longer = tmp_path / ".result.json.bak.999999999-abcd.tmp"  # result.json.bak's, not ours
-    for path in (dead, older, live, other, longer):
+    live = tmp_path / f".result.json.{live_pid}-abcdefgh.tmp"
+    other = tmp_path / ".other.json.999999999-abcdefgh.tmp"
+    longer = tmp_path / ".result.json.bak.999999999-abcdefgh.tmp"  # result.json.bak's
+    mine = tmp_path / ".result.json.12-notes.tmp"  # a user's file, not a temporary's name
+    for path in (dead, older, live, other, longer, mine):
         path.write_text("{")
     atomic_write_json(tmp_path / "result.json", {"a": 1})
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        [live.name, other.name, longer.name, "result.json"]
+        [live.name, other.name, longer.name, mine.name, "result.json"]
     )

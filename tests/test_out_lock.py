@@ -96,3 +96,22 @@ def test_a_held_lock_is_refused_within_one_process_too_and_taken_once_released(
         release()
     assert not (tmp_path / LOCK_FILE).exists()
     lock_directory(tmp_path, "--out")()
+
+
+@pytest.mark.parametrize("link", ["symbolic", "hard"])
+def test_a_lock_file_that_is_a_link_is_refused_and_what_it_names_is_untouched(
+    tmp_path: Path, link: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A symbolic link at the lock's name had the file it names truncated to a process id (as
+    root, any file), even when the command was then refused."""
+    precious = tmp_path / "notes.txt"
+    precious.write_text("precious")
+    out = tmp_path / "run"
+    out.mkdir()
+    if link == "symbolic":
+        (out / LOCK_FILE).symlink_to(precious)
+    else:
+        os.link(precious, out / LOCK_FILE)
+    assert main([*TRAIN, "--out", str(out)]) == 2
+    assert "a lock file of its own" in capsys.readouterr().err
+    assert precious.read_text() == "precious" and not (out / "result.json").exists()

@@ -609,20 +609,20 @@ def test_init_removes_the_staging_folders_a_killed_init_left_and_says_so(
     """SIGKILL during `certs init` left `.certs.XXXX.tmp` beside the set, its CA key inside,
     and every later init left it there."""
     out = tmp_path / "certs"
-    beside = tmp_path / ".certs.q1w2e3.tmp"
+    beside = tmp_path / ".certs.q1w2e3r4.tmp"
     beside.mkdir()
     (beside / "ca.key").write_bytes(b"a private key")
-    unrelated = tmp_path / ".other.q1w2e3.tmp"  # another write's: not this set's
+    unrelated = tmp_path / ".other.q1w2e3r4.tmp"  # another write's: not this set's
     unrelated.mkdir()
     assert main(["certs", "init", "--out", str(out), "--party", "bank"]) == 0
     err = capsys.readouterr().err
-    assert "removed 1 staging folder(s) an earlier write of" in err and ".certs.q1w2e3.tmp" in err
+    assert "removed 1 staging folder(s) an earlier write of" in err and ".certs.q1w2e3r4.tmp" in err
     assert not beside.exists() and unrelated.is_dir()
-    inside = out / ".staging.a1b2.tmp"  # a killed init that added parties to the set
+    inside = out / ".staging.a1b2c3d4.tmp"  # a killed init that added parties to the set
     inside.mkdir()
     (inside / "shop.key").write_bytes(b"a private key")
     assert main(["certs", "init", "--out", str(out), "--party", "shop"]) == 0
-    assert ".staging.a1b2.tmp" in capsys.readouterr().err and not inside.exists()
+    assert ".staging.a1b2c3d4.tmp" in capsys.readouterr().err and not inside.exists()
     assert main(["certs", "check", "--dir", str(out)]) == 0
     # a second init at the same time, still writing (its process id in the name): left alone
     live = out / f".staging.{os.getpid()}-c3d4.tmp"
