@@ -243,11 +243,6 @@ def temporary_prefix(path: Path) -> str:
     return f".{path.name}.{os.getpid()}-"
 
 
-STAGED_SUFFIXES = (".tmp", ".new", ".old")
-"""The suffixes of the names written beside a directory while it is written or replaced: the
-one being written, the new one staged, the old one moved aside (:func:`replace_directory`)."""
-
-
 def writer_alive(name: str) -> bool:
     """Whether the process whose id a staged name carries (``.NAME.PID-XXXXXXXX.tmp``, ``.new``,
     ``.old``) still runs; False for a name with no id (staged by an older version), and for
@@ -404,7 +399,7 @@ def lock_directory(directory: Path, option: str) -> Callable[[], None]:
         found = os.fstat(fd)
         if not stat.S_ISREG(found.st_mode) or found.st_nlink != 1:
             os.close(fd)
-            kind = "a hard link of another file" if stat.S_ISREG(found.st_mode) else "no file"
+            kind = "a hard link of another file" if stat.S_ISREG(found.st_mode) else file_kind(path)
             raise OutputError(
                 f"{path}: a lock file of its own expected (a plain file, one name); found "
                 f"{kind}. Remove it, or choose another {option}."
