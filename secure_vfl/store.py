@@ -79,7 +79,7 @@ def run_key(out_dir: Path | None, entry: str = "") -> str:
     holds many runs); a run without a directory gets a fresh key of its own."""
     if out_dir is None:
         return f"no-dir:{uuid.uuid4()}"
-    resolved = str(Path(out_dir).resolve())
+    resolved = _stored_dir(out_dir)
     return f"{resolved}#{entry}" if entry else resolved
 
 
@@ -88,6 +88,11 @@ _INSERT = (
     "epsilon_max, version, git_commit, config, metrics, wall_time_s, out_dir, parties, "
     "checkpoints) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
+
+
+def _stored_dir(directory: Path) -> str:
+    """How the store records a run's directory (its ``out_dir`` column): resolved."""
+    return str(Path(directory).resolve())
 
 
 def _row(result: dict[str, Any], *, kind: str, out_dir: Path | None, entry: str) -> tuple[Any, ...]:
@@ -111,7 +116,7 @@ def _row(result: dict[str, Any], *, kind: str, out_dir: Path | None, entry: str)
         json.dumps(result["config"], sort_keys=True),
         json.dumps(result["metrics"], sort_keys=True),
         result["wall_time_s"],
-        str(Path(out_dir).resolve()) if out_dir is not None else None,
+        _stored_dir(out_dir) if out_dir is not None else None,
         json.dumps(result["parties"], sort_keys=True) if result.get("parties") else None,
         json.dumps(result["checkpoints"], sort_keys=True) if result.get("checkpoints") else None,
     )
@@ -325,9 +330,7 @@ class ResultsStore:
             _row(result, kind=kind, out_dir=out_dir, entry=entry) for result, kind, entry in runs
         ]
         with self._writing() as connection:
-            connection.execute(
-                "DELETE FROM runs WHERE out_dir = ?", (str(Path(out_dir).resolve()),)
-            )
+            connection.execute("DELETE FROM runs WHERE out_dir = ?", (_stored_dir(out_dir),))
             for row in rows:
                 connection.execute("DELETE FROM runs WHERE run_key = ?", (row[0],))
                 connection.execute(_INSERT, row)
@@ -339,7 +342,7 @@ class ResultsStore:
         with self._writing() as connection:
             removed = {
                 directory: connection.execute(
-                    "DELETE FROM runs WHERE out_dir = ?", (str(Path(directory).resolve()),)
+                    "DELETE FROM runs WHERE out_dir = ?", (_stored_dir(directory),)
                 ).rowcount
                 for directory in out_dirs
             }
