@@ -1048,6 +1048,39 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="run directories (train, attack or impute)",
     )
+    capture = commands.add_parser(
+        "capture",
+        help="read a --capture file: every message, or who sent how much to whom",
+        description="Read back a file that --capture wrote: what crossed the transport (the "
+        "network's view; in a deployment, one party's). Tensors show as dtype and shape, "
+        "never their values.",
+    )
+    capture_commands = capture.add_subparsers(
+        dest="capture_command", required=True, parser_class=_Parser
+    )
+    capture_show = capture_commands.add_parser(
+        "show",
+        help="a line per message: round, batch, kind, sender -> receiver, bytes, fields",
+    )
+    capture_show.add_argument("file", type=existing_file, metavar="FILE", help="a capture file")
+    capture_show.add_argument(
+        "--kind",
+        action="append",
+        default=[],
+        metavar="KIND",
+        help="only messages of this kind (repeat for more; e.g. representation, sum, "
+        "psi-request; default: every kind)",
+    )
+    capture_show.add_argument(
+        "--party",
+        metavar="NAME",
+        help="only messages this party sent or received (default: every party's)",
+    )
+    capture_summary = capture_commands.add_parser(
+        "summary",
+        help="messages and bytes by sender, receiver and kind, and per party",
+    )
+    capture_summary.add_argument("file", type=existing_file, metavar="FILE", help="a capture file")
     certs = commands.add_parser(
         "certs", help="certificates for mutual TLS between parties: make a set, or check one"
     )
@@ -2761,6 +2794,20 @@ def run_runs(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_capture(args: argparse.Namespace) -> int:
+    """`secure-vfl capture show|summary FILE`: a capture's messages, one line each, or a table
+    of who sent how much to whom."""
+    import protocols.psi.messages  # noqa: F401  (registers the psi-* kinds with the codec)
+    from secure_vfl.captures import show_lines, summary_lines
+
+    if args.capture_command == "summary":
+        print("\n".join(summary_lines(args.file)))
+        return 0
+    for line in show_lines(args.file, kinds=args.kind, party=args.party):
+        print(line)
+    return 0
+
+
 def _stored_run_name(out_dir: str | None) -> str:
     """A stored run's directory as ``runs list`` names it: its last part, ``(gone)`` after it
     where the directory no longer exists (``runs remove`` takes such runs out)."""
@@ -3345,6 +3392,7 @@ def _run_command(args: argparse.Namespace) -> int:
         "psi": run_psi_command,
         "predict": run_predict,
         "runs": run_runs,
+        "capture": run_capture,
         "certs": run_certs_command,
         "party": run_party_command,
         "datasets": run_datasets,

@@ -102,8 +102,18 @@ def append_record(capture: BinaryIO, data: bytes) -> None:
 def read_capture(path: Path) -> Iterator[Message]:
     """The messages of a capture file, in the order they crossed; ProtocolError on a truncated
     record or a message the codec refuses."""
+    for _, message in capture_records(path):
+        yield message
+
+
+def capture_records(path: Path, *, end: int | None = None) -> Iterator[tuple[int, Message]]:
+    """Each message of the capture file ``path`` with its encoded size in bytes (what crossed),
+    in the order they crossed, up to byte ``end`` (None: the end of the file; a record's
+    boundary, such as :func:`whole_records` finds). ProtocolError on a truncated record or a
+    message the codec refuses, naming the file."""
     with path.open("rb") as handle:
-        while header := handle.read(CAPTURE_LENGTH.size):
+        read = 0
+        while (end is None or read < end) and (header := handle.read(CAPTURE_LENGTH.size)):
             if len(header) < CAPTURE_LENGTH.size:
                 raise ProtocolError(f"{path}: a truncated record length at the end of the file.")
             (length,) = CAPTURE_LENGTH.unpack(header)
@@ -112,11 +122,12 @@ def read_capture(path: Path) -> Iterator[Message]:
                 raise ProtocolError(
                     f"{path}: a record of {length} bytes expected, found {len(data)}."
                 )
+            read += CAPTURE_LENGTH.size + length
             try:
                 message = wire.decode(data)
             except ProtocolError as error:  # say which file: a capture is read after the fact
                 raise type(error)(f"{path}: {error}") from None
-            yield message
+            yield length, message
 
 
 def whole_records(path: Path) -> int:

@@ -683,6 +683,11 @@ def register_message(cls: type[MessageT]) -> type[MessageT]:
     return cls
 
 
+def kinds() -> list[str]:
+    """The registered message kinds (the privacy layer's once their modules are imported)."""
+    return _SCHEMAS.names()
+
+
 def encode(message: Message) -> bytes:
     """The canonical bytes of ``message``; raise ProtocolError if it cannot be sent as it is (an
     unregistered class, a field of the wrong type, a tensor that requires grad or is not on the

@@ -1,0 +1,214 @@
+"""A capture file read back as people read it: ``secure-vfl capture show`` and ``capture summary``.
+
+``--capture FILE`` appends every message that crosses the transport to FILE: what the network,
+or an eavesdropper on it, sees; in a deployment, what one party sent and received. ``show``
+prints one line a message (round and batch, kind, sender and receiver, encoded size, and each
+of its fields, a tensor or an array as its dtype and shape, never its values); ``summary``
+prints how many messages and bytes of each kind each party sent to each other. Bytes after the
+last whole record (a record still being written, or the torn one a stopped run left) are not
+read, and the output says so.
+
+The privacy layer's message kinds (``psi-*``) are read once ``protocols.psi`` is imported, as
+the command line does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+from torch import Tensor
+
+from secure_vfl.errors import ConfigError
+from secure_vfl.federation import wire
+from secure_vfl.federation.channel import capture_records, whole_records
+from secure_vfl.federation.messages import Message
+
+_HEADER = frozenset(wire.HEADER_FIELDS)
+_ITEMS_SHOWN = 4  # a longer tuple shows its first items and its length
+
+
+def field_text(value: object) -> str:
+    """One field of a message as ``show`` prints it: a tensor or an array as its dtype and
+    shape, bytes as their count, a string quoted (escaped and cut short: another party chose
+    it), a tuple item by item."""
+    if isinstance(value, Tensor):
+        return f"{str(value.dtype).removeprefix('torch.')}{list(value.shape)}"
+    if isinstance(value, np.ndarray):
+        return f"{value.dtype.name}{list(value.shape)}"
+    if isinstance(value, bytes):
+        return f"bytes[{len(value)}]"
+    if isinstance(value, tuple):
+        items = [field_text(item) for item in value[:_ITEMS_SHOWN]]
+        if len(value) > _ITEMS_SHOWN:
+            items.append(f"... {len(value)} items")
+        return f"({', '.join(items)}{',' if len(value) == 1 else ''})"
+    return wire.shown(value)
+
+
+def content(message: Message) -> str:
+    """A message's own fields (not its header) as ``name=value``, those that are None left out."""
+    return " ".join(
+        f"{field.name}={field_text(value)}"
+        for field in dataclasses.fields(message)
+        if field.name not in _HEADER and (value := getattr(message, field.name)) is not None
+    )
+
+
+def byte_size(count: int) -> str:
+    """``count`` bytes for a reader: ``812 B``, ``4.3 KiB``, ``1.2 MiB``, ``3.0 GiB``."""
+    if count < 1024:
+        return f"{count} B"
+    value = count / 1024
+    for unit in ("KiB", "MiB"):
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
+
+
+def _records(path: Path) -> tuple[Iterator[tuple[int, Message]], int]:
+    """The whole records of the capture ``path`` (encoded size, message) and how many bytes
+    follow them. ConfigError where there is no file; ProtocolError where it is not a capture."""
+    if not path.is_file():
+        found = "a directory" if path.is_dir() else "nothing"
+        raise ConfigError(f"a capture file (--capture FILE) expected at {path}, found {found}.")
+    end = whole_records(path)
+    return capture_records(path, end=end), max(path.stat().st_size - end, 0)
+
+
+def _after_records(torn: int) -> list[str]:
+    if not torn:
+        return []
+    return [
+        f"the last {torn} bytes are not a whole record (one still being written, or the torn "
+        "record of a run stopped while writing it): not read."
+    ]
+
+
+def _check_kinds(kinds: Sequence[str]) -> None:
+    known = wire.kinds()
+    for kind in kinds:
+        if kind not in known:
+            raise ConfigError(
+                f"--kind: a message kind in ({', '.join(known)}) expected, found {kind!r}."
+            )
+
+
+def show_lines(path: Path, *, kinds: Sequence[str] = (), party: str | None = None) -> Iterator[str]:
+    """``secure-vfl capture show``: a line per message of the capture ``path`` in the order
+    they crossed, numbered from 1, those of ``kinds`` only (empty: all) and sent or received by
+    ``party`` only (None: any); a line naming each session where it changes; then how many
+    messages and bytes there were."""
+    _check_kinds(kinds)
+    records, torn = _records(path)
+    yield _show_row("#", "round", "batch", "kind", "sender -> receiver", "bytes", "fields")
+    session = ""
+    shown = shown_bytes = total = 0
+    for number, (size, message) in enumerate(records, start=1):
+        total += 1
+        if kinds and message.kind not in kinds:
+            continue
+        if party is not None and party not in (message.sender, message.receiver):
+            continue
+        if message.session != session:
+            session = message.session
+            yield f"session {wire.shown(session)}:"
+        shown += 1
+        shown_bytes += size
+        route = f"{message.sender} -> {message.receiver}"
+        yield _show_row(
+            number, message.round, message.batch_id, message.kind, route, size, content(message)
+        )
+    counted = f"{shown} of {total} messages" if kinds or party is not None else f"{total} messages"
+    yield f"{counted}, {byte_size(shown_bytes)} encoded."
+    yield from _after_records(torn)
+
+
+def _show_row(*cells: object) -> str:
+    """One line of ``show``: number, round, batch, kind, route, bytes and fields."""
+    number, round, batch, kind, route, size, fields = cells
+    return f"{number:>6}  {round:>5}  {batch:>5}  {kind:<20} {route:<30} {size:>9}  {fields}"
+
+
+@dataclasses.dataclass
+class _Flow:
+    """The messages of one kind from one party to another."""
+
+    messages: int = 0
+    bytes: int = 0
+    first_round: int | None = None
+    last_round: int = 0
+
+    def add(self, size: int, round: int) -> None:
+        self.messages += 1
+        self.bytes += size
+        self.first_round = round if self.first_round is None else min(self.first_round, round)
+        self.last_round = max(self.last_round, round)
+
+
+def summary_lines(path: Path) -> list[str]:
+    """``secure-vfl capture summary``: the messages and bytes of the capture ``path`` by sender,
+    receiver and kind (with the rounds they span), then what each party sent and received."""
+    records, torn = _records(path)
+    flows: dict[tuple[str, str, str], _Flow] = {}
+    sent: Counter[str] = Counter()
+    received: Counter[str] = Counter()
+    sent_bytes: Counter[str] = Counter()
+    received_bytes: Counter[str] = Counter()
+    sessions: set[str] = set()
+    for size, message in records:
+        key = (message.sender, message.receiver, message.kind)
+        flows.setdefault(key, _Flow()).add(size, message.round)
+        sent[message.sender] += 1
+        sent_bytes[message.sender] += size
+        received[message.receiver] += 1
+        received_bytes[message.receiver] += size
+        sessions.add(message.session)
+    total = sum(flow.messages for flow in flows.values())
+    size = sum(flow.bytes for flow in flows.values())
+    lines = [
+        f"{path}: {total} messages, {byte_size(size)} encoded, "
+        f"{len(sessions)} session{'s' if len(sessions) != 1 else ''}."
+    ]
+    if flows:
+        rows = [("sender -> receiver", "kind", "messages", "bytes", "rounds")]
+        for (sender, receiver, kind), flow in sorted(flows.items()):
+            rounds = (
+                str(flow.last_round)
+                if flow.first_round == flow.last_round
+                else f"{flow.first_round}-{flow.last_round}"
+            )
+            rows.append(
+                (f"{sender} -> {receiver}", kind, str(flow.messages), byte_size(flow.bytes), rounds)
+            )
+        lines += ["", *_table(rows, right=(2, 3))]
+        parties = sorted(set(sent) | set(received))
+        rows = [("party", "sent", "sent bytes", "received", "received bytes")]
+        rows += [
+            (
+                name,
+                str(sent[name]),
+                byte_size(sent_bytes[name]),
+                str(received[name]),
+                byte_size(received_bytes[name]),
+            )
+            for name in parties
+        ]
+        lines += ["", *_table(rows, right=(1, 2, 3, 4))]
+    return lines + _after_records(torn)
+
+
+def _table(rows: Sequence[tuple[str, ...]], *, right: tuple[int, ...]) -> list[str]:
+    """``rows`` (the first a heading) in columns, those at ``right`` aligned right."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  ".join(
+            cell.rjust(width) if i in right else cell.ljust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in rows
+    ]

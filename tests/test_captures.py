@@ -1,0 +1,198 @@
+"""`secure-vfl capture show|summary`: a capture read back, every message and every byte counted,
+tensors as dtype and shape, never their values."""
+
+from __future__ import annotations
+
+import io
+import re
+import struct
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from conftest import MakeData
+
+from secure_vfl.captures import byte_size, field_text, show_lines, summary_lines
+from secure_vfl.cli import main
+from secure_vfl.errors import ConfigError, ProtocolError
+from secure_vfl.federation.channel import Channel, InProcessTransport, RecordingLayer, read_capture
+from secure_vfl.federation.messages import RepresentationMessage
+from secure_vfl.methods import METHODS, MethodConfig
+
+_LINE = re.compile(
+    r"^ *(?P<number>\d+) +(?P<round>\d+) +(?P<batch>\d+)  (?P<kind>\S+) +(?P<sender>\S+) -> "
+    r"(?P<receiver>\S+) +(?P<bytes>\d+)  (?P<fields>.*)$"
+)
+
+
+@pytest.fixture
+def laser_capture(make_data: MakeData, tmp_path: Path) -> tuple[Path, RecordingLayer]:
+    """A capture of one LASER epoch and prediction, and what a recording layer saw of it."""
+    recorder = RecordingLayer()
+    capture = io.BytesIO()
+    channel = Channel([recorder], transport=InProcessTransport(capture=capture))
+    config = MethodConfig(epochs=1, batch_size=64, lr=0.05)
+    method = METHODS.get("laser")(make_data(), config, seed=0, channel=channel)
+    method.fit()
+    method.predict("mcar:0")
+    path = tmp_path / "run.capture"
+    path.write_bytes(capture.getvalue())
+    return path, recorder
+
+
+def _message_lines(lines: list[str]) -> list[re.Match[str]]:
+    matches = [_LINE.match(line) for line in lines[1:]]
+    return [match for match in matches if match is not None]
+
+
+def test_show_has_a_line_per_message_in_order_with_shapes_and_never_values(
+    laser_capture: tuple[Path, RecordingLayer],
+) -> None:
+    path, recorder = laser_capture
+    lines = list(show_lines(path))
+    rows = _message_lines(lines)
+    assert [row["kind"] for row in rows] == recorder.kinds()
+    assert [int(row["number"]) for row in rows] == list(range(1, len(rows) + 1))
+    messages = list(read_capture(path))
+    assert [(row["sender"], row["receiver"]) for row in rows] == [
+        (m.sender, m.receiver) for m in messages
+    ]
+    assert [int(row["round"]) for row in rows] == [m.round for m in messages]
+    # every encoded byte is counted: the file is the records' lengths and their bytes
+    assert sum(int(row["bytes"]) for row in rows) == path.stat().st_size - 4 * len(rows)
+    first = messages[0]
+    assert isinstance(first, RepresentationMessage)
+    shape = list(first.representation.shape)
+    assert f"representation=float32{shape}" in rows[0]["fields"]
+    value = f"{first.representation[0, 0].item():.4f}"[:6]
+    assert value not in "\n".join(lines)
+    assert (
+        lines[-1]
+        == f"{len(rows)} messages, {byte_size(sum(int(r['bytes']) for r in rows))} encoded."
+    )
+
+
+def test_show_keeps_the_kinds_and_the_party_asked_for(
+    laser_capture: tuple[Path, RecordingLayer],
+) -> None:
+    path, _ = laser_capture
+    messages = list(read_capture(path))
+    lines = list(show_lines(path, kinds=["gradient", "sum"], party="party-2"))
+    rows = _message_lines(lines)
+    expected = [
+        m for m in messages if m.kind in ("gradient", "sum") and "party-2" in (m.sender, m.receiver)
+    ]
+    assert 0 < len(rows) == len(expected) < len(messages)
+    assert [(r["kind"], r["sender"], r["receiver"]) for r in rows] == [
+        (m.kind, m.sender, m.receiver) for m in expected
+    ]
+    assert lines[-1].startswith(f"{len(expected)} of {len(messages)} messages, ")
+    with pytest.raises(
+        ConfigError, match=r"--kind: a message kind in \(.*\) expected, found 'sums'"
+    ):
+        list(show_lines(path, kinds=["sums"]))
+
+
+def test_summary_counts_every_flow_and_what_each_party_sent_and_received(
+    laser_capture: tuple[Path, RecordingLayer],
+) -> None:
+    path, _ = laser_capture
+    sizes = Counter[tuple[str, str, str]]()
+    count = Counter[tuple[str, str, str]]()
+    with path.open("rb") as handle:
+        while header := handle.read(4):
+            data = handle.read(struct.unpack(">I", header)[0])
+            sizes[_route(data)] += len(data)
+    for message in read_capture(path):
+        count[(message.sender, message.receiver, message.kind)] += 1
+    lines = summary_lines(path)
+    assert lines[0] == (
+        f"{path}: {sum(count.values())} messages, {byte_size(sum(sizes.values()))} encoded, "
+        "1 session."
+    )
+    flows = {}
+    for line in lines:
+        match = re.match(r"^(\S+) -> (\S+) +(\S+) +(\d+) +(\d+(?:\.\d)? (?:B|KiB|MiB)) ", line)
+        if match:
+            sender, receiver, kind, messages, size = match.groups()
+            flows[(sender, receiver, kind)] = (int(messages), size)
+    assert flows == {key: (count[key], byte_size(sizes[key])) for key in count}
+    sent = Counter[str]()
+    for (sender, _, _), number in count.items():
+        sent[sender] += number
+    for party, number in sent.items():
+        assert any(re.match(rf"^{party} +{number} ", line) for line in lines), party
+
+
+def _route(data: bytes) -> tuple[str, str, str]:
+    from secure_vfl.federation import wire
+
+    message = wire.decode(data)
+    return message.sender, message.receiver, message.kind
+
+
+def test_bytes_after_the_last_whole_record_are_left_out_and_said(
+    laser_capture: tuple[Path, RecordingLayer],
+) -> None:
+    path, _ = laser_capture
+    whole = list(show_lines(path))
+    path.write_bytes(path.read_bytes() + b"\x00\x00\x01\x00SVFL")  # a record being written
+    torn = list(show_lines(path))
+    assert torn[:-1] == whole
+    assert torn[-1].startswith("the last 8 bytes are not a whole record")
+    assert summary_lines(path)[-1] == torn[-1]
+
+
+def test_what_is_not_a_capture_is_refused_naming_it(tmp_path: Path) -> None:
+    notes = tmp_path / "notes.txt"
+    notes.write_text("id,x\n1,2\n", encoding="utf-8")
+    with pytest.raises(ProtocolError, match=r"notes\.txt is not a capture file"):
+        summary_lines(notes)
+    with pytest.raises(ConfigError, match=r"capture file .* expected at .*, found a directory"):
+        list(show_lines(tmp_path))
+    empty = tmp_path / "empty.capture"
+    empty.touch()
+    assert summary_lines(empty) == [f"{empty}: 0 messages, 0 B encoded, 0 sessions."]
+
+
+def test_fields_another_party_chose_are_escaped_and_cut_short() -> None:
+    assert field_text("\x1b[2J") == "'\\x1b[2J'"  # a terminal clear-screen, shown, not acted on
+    assert len(field_text("x" * 500)) < 100
+    assert field_text(("a", "b")) == "('a', 'b')"
+    assert field_text(("a",)) == "('a',)"
+    assert field_text(tuple("abcdef")) == "('a', 'b', 'c', 'd', ... 6 items)"
+    assert field_text(b"\x00" * 96) == "bytes[96]"
+    assert [byte_size(n) for n in (0, 1023, 1024, 1536, 5 * 2**20, 3 * 2**30)] == [
+        "0 B",
+        "1023 B",
+        "1.0 KiB",
+        "1.5 KiB",
+        "5.0 MiB",
+        "3.0 GiB",
+    ]
+
+
+def test_the_command_line_reads_a_psi_capture(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The psi-* kinds are the privacy layer's: the command registers them before reading."""
+    (tmp_path / "a.csv").write_text("id\na\nb\nc\n", encoding="utf-8")
+    (tmp_path / "b.csv").write_text("id\nc\nd\na\n", encoding="utf-8")
+    capture = tmp_path / "psi.capture"
+    argv = ["psi", "--mine", str(tmp_path / "a.csv"), "--theirs", str(tmp_path / "b.csv")]
+    assert main([*argv, "--capture", str(capture), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["capture", "show", str(capture)]) == 0
+    out = capsys.readouterr().out
+    rows = _message_lines(out.splitlines())
+    assert [(r["kind"], r["sender"], r["receiver"]) for r in rows] == [
+        ("psi-request", "requester", "responder"),
+        ("psi-response", "responder", "requester"),
+    ]
+    assert "points=bytes[96] total=3" in rows[0]["fields"]
+    assert main(["capture", "summary", str(capture)]) == 0
+    assert "requester -> responder  psi-request" in capsys.readouterr().out
+    assert main(["capture", "show", str(capture), "--kind", "psi-reqest"]) == 2
+    assert "found 'psi-reqest'" in capsys.readouterr().err
+    assert main(["capture", "summary", str(tmp_path / "a.csv")]) == 2
+    assert "a.csv is not a capture file" in capsys.readouterr().err
