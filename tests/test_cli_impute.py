@@ -227,14 +227,43 @@ def test_saved_imputed_tables_keep_each_cell_as_the_file_wrote_it(tmp_path: Path
                 else:
                     assert np.isfinite(float(after))  # filled
     assert written_cells(tmp_path / "r" / "imputed" / "a.csv", "smoker")[2] == "True"  # 3 of 4
+    # A column of whole numbers is filled with whole numbers: the other rows' mean, 52.625
+    # (a fractional age, count or score did not read as the file's own column).
     assert written_cells(tmp_path / "r" / "imputed" / "a.csv", "age") == [
         "52",
-        "52.625",
+        "53",
         "61",
         "70",
         "44",
         "39",
-    ]  # the other rows' mean fills a2; the rest as written
+    ]
+    # a column with a decimal or an exponent among its cells is filled as it is imputed
+    assert written_cells(tmp_path / "r" / "imputed" / "a.csv", "chol")[3] not in ("", "NA")
+    assert float(written_cells(tmp_path / "r" / "imputed" / "a.csv", "chol")[3]) % 1 != 0
+
+
+def test_a_parquet_integer_column_is_filled_with_whole_numbers(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    paths = []
+    for name in ("a", "b"):
+        count = pd.array(rng.integers(0, 10, 40), dtype="Int64")
+        count[rng.random(40) < 0.2] = None
+        level = rng.normal(size=40)
+        level[rng.random(40) < 0.2] = np.nan
+        paths.append(tmp_path / f"{name}.parquet")
+        pd.DataFrame({"count": count, "level": level}).to_parquet(paths[-1])
+    config = ImputeRunConfig(method="mean", client_files=tuple(paths))
+    task = prepare_imputation_task(config)
+    _, imputer = run_imputation(config, task=task)
+    tables = imputed_tables(task, imputer, as_written=True)
+    for (name, table), path in zip(tables.items(), paths, strict=True):
+        original = pd.read_parquet(path)
+        filled = original["count"].isna().to_numpy()
+        assert filled.any()
+        assert all(str(cell).isdigit() for cell in table["count"][filled]), name
+        assert table["count"][~filled].tolist() == original["count"][~filled].tolist()
+        fractional = [float(cell) % 1 for cell in table["level"][original["level"].isna()]]
+        assert fractional and all(part != 0 for part in fractional)  # not whole: kept as imputed
 
 
 def written_cells(path: Path, column: str) -> list[str]:

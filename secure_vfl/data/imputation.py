@@ -130,6 +130,7 @@ class ClientFile:
         ``as_written``: the feature cells the file has as it writes them (a CSV's text, ``52``
         and ``True`` as they are, not ``52.0`` and ``1.0``; a Parquet file's own values), read
         from the file again, and each filled cell as the shortest text of its float32 value,
+        in a column of whole numbers only (``52``, a Parquet integer) the nearest whole number,
         or in a True/False column True where it is at least 0.5, else False: the table a CSV
         writer puts back in the file's own form, which reads as the file did."""
         values = np.empty((self.in_test.size, train.shape[1]), dtype=train.dtype)
@@ -159,6 +160,8 @@ class ClientFile:
                 )
             if column in self.booleans:
                 cells[missing] = imputed[missing] >= 0.5
+            elif _whole_numbers(cells[~missing]):
+                cells[missing] = [str(int(value)) for value in np.rint(imputed[missing])]
             else:
                 cells[missing] = [str(value) for value in imputed[missing]]
             frame[column] = cells
@@ -180,6 +183,20 @@ class ClientFile:
                 f"found {len(frame)} (run again)."
             )
         return frame.reset_index(drop=True)
+
+
+_WHOLE_NUMBER = re.compile(r"\s*[+-]?\d+\s*")
+
+
+def _whole_numbers(cells: np.ndarray) -> bool:
+    """Whether a column's cells, as its file writes them, are all whole numbers (a CSV's text
+    such as ``52`` or ``-3``, not ``52.0``; a Parquet file's integers), and there is one."""
+    return cells.size > 0 and all(
+        _WHOLE_NUMBER.fullmatch(cell) is not None
+        if isinstance(cell, str)
+        else isinstance(cell, Integral) and not isinstance(cell, (bool, np.bool_))
+        for cell in cells
+    )
 
 
 @dataclass(frozen=True)
