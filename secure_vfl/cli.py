@@ -2400,6 +2400,7 @@ def _impute_summary(result: Any, out: Path) -> str:
     lines.append(
         f"{'all clients':<20}{result.rmse:>18.4f}{sum(result.hidden_per_client.values()):>16}"
     )
+    lines.extend(_feature_lines(result))
     if result.privacy is not None:
         lines.extend(_privacy_lines(result.privacy))
     for k, fault in enumerate(result.faults):
@@ -2416,6 +2417,28 @@ def _impute_summary(result: Any, out: Path) -> str:
         )
     lines.append(f"result: {out / 'result.json'}")
     return "\n".join(lines)
+
+
+FEATURES_SHOWN = 12
+"""The most features ``impute`` prints an RMSE line for; result.json has every one's."""
+
+
+def _feature_lines(result: Any) -> list[str]:
+    """The RMSE per feature, in std units and in the feature's own, up to FEATURES_SHOWN
+    features (beyond that, where result.json has them)."""
+    features = result.rmse_per_feature
+    if len(features) > FEATURES_SHOWN:
+        return [
+            f"RMSE per feature ({len(features)} features): rmse_per_feature and "
+            "rmse_per_feature_in_units in result.json"
+        ]
+    lines = [f"{'feature':<20}{'RMSE (std units)':>18}{'RMSE (its units)':>18}{'hidden':>8}"]
+    for feature, rmse in features.items():
+        units = result.rmse_per_feature_in_units[feature]
+        hidden = result.hidden_per_feature[feature]
+        shown = ("-", "-") if not hidden else (f"{rmse:.4f}", f"{units:.4g}")
+        lines.append(f"{_printable(feature)[:19]:<20}{shown[0]:>18}{shown[1]:>18}{hidden:>8}")
+    return lines
 
 
 def _impute_config(args: argparse.Namespace) -> Any:

@@ -419,7 +419,11 @@ def impute_deployed(
             on_start(config.impute_config.rounds)
         curve, scores = fit_and_score(
             imputer,
-            lambda: scores_of(imputer.score(yardstick, seed=config.seed, fraction=TEST_FRACTION)),
+            lambda: scores_of(
+                imputer.score(yardstick, seed=config.seed, fraction=TEST_FRACTION),
+                features=features,
+                std=yardstick.std,
+            ),
             rounds=config.impute_config.rounds,
             on_round=on_round,
         )

@@ -798,6 +798,11 @@ class ImputeResult:
     rmse_client_std: float
     rmse_per_client: dict[str, float]
     hidden_per_client: dict[str, int]
+    rmse_per_feature: dict[str, float]
+    """Per feature, over every client's hidden entries of it (NaN where none was hidden)."""
+    rmse_per_feature_in_units: dict[str, float]
+    """The same in the feature's own units: times its std (the evaluator's yardstick)."""
+    hidden_per_feature: dict[str, int]
     validation_curve: list[float]
     wall_time_s: float
     clients: dict[str, dict[str, int]]

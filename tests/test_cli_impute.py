@@ -127,6 +127,34 @@ def test_impute_writes_result_store_row_and_imputed_tables(
     assert len(ResultsStore(tmp_path / "results.sqlite").rows()) == 1
 
 
+def test_impute_prints_and_keeps_each_features_rmse_also_in_its_own_units(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["impute", "--method", "fed-mean", "--dataset", "ozone"]
+    assert main([*argv, "--out", str(tmp_path / "ozone")]) == 0
+    out = capsys.readouterr().out
+    result = json.loads((tmp_path / "ozone" / "result.json").read_text())
+    per_feature, in_units = result["rmse_per_feature"], result["rmse_per_feature_in_units"]
+    hidden = result["hidden_per_feature"]
+    assert list(per_feature) == list(in_units) == list(hidden) and len(per_feature) == 10
+    assert sum(hidden.values()) == sum(result["hidden_per_client"].values())
+    # the overall RMSE is the features' pooled
+    pooled = sum(per_feature[f] ** 2 * hidden[f] for f in hidden) / sum(hidden.values())
+    assert result["rmse"] == pytest.approx(pooled**0.5, rel=1e-9)
+    assert "feature               RMSE (std units)  RMSE (its units)  hidden" in out
+    for feature, rmse in per_feature.items():
+        line = f"{per_feature[feature]:.4f}{in_units[feature]:>18.4g}{hidden[feature]:>8}"
+        assert any(row.startswith(feature) and row.endswith(line) for row in out.splitlines())
+        assert in_units[feature] > rmse  # ozone's stds are all above 1
+    # 99 features are too many lines: result.json has them
+    assert main(["impute", "--method", "mean", "--dataset", "chorizon", "--out",
+                 str(tmp_path / "chorizon")]) == 0  # fmt: skip
+    assert "RMSE per feature (99 features): rmse_per_feature and rmse_per_feature_in_units in " \
+        "result.json" in capsys.readouterr().out  # fmt: skip
+    result = json.loads((tmp_path / "chorizon" / "result.json").read_text())
+    assert len(result["rmse_per_feature_in_units"]) == 99
+
+
 @pytest.mark.parametrize("method", ["mean", "knn", "mice", "fed-mean"])
 def test_training_flags_are_refused_for_a_method_that_trains_no_model(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], method: str

@@ -105,11 +105,11 @@ def _scored_as_before_actors(imputer: Any, task: Any, method: str) -> float:
         errors[truth.name] = squared_errors(
             imputer.impute(k, corrupted), truth, hidden, std, by=method
         )
-    return scores_of(errors)["rmse"]
+    return scores_of(errors, features=task.features, std=std)["rmse"]
 
 
 @pytest.mark.parametrize("method", ["fedhf", "dae"])
-def test_each_client_scores_itself_as_the_evaluator_would_and_sends_two_numbers(
+def test_each_client_scores_itself_as_the_evaluator_would_and_sends_two_numbers_a_feature(
     method: str,
 ) -> None:
     recorder = RecordingLayer()
@@ -128,13 +128,18 @@ def test_each_client_scores_itself_as_the_evaluator_would_and_sends_two_numbers(
             zip(task.test, hidden_test_entries(task, seed=3), strict=True)
         )
     }
-    assert scored == expected
-    assert all(count > 0 for _, count in scored.values())
-    # What crossed: a request to each client and, back to the coordinator, its two numbers.
+    assert list(scored) == list(expected)
+    for name, (sse, count) in scored.items():
+        np.testing.assert_array_equal(sse, expected[name][0])
+        np.testing.assert_array_equal(count, expected[name][1])
+        assert sse.shape == count.shape == (len(task.features),) and count.sum() > 0
+    # What crossed: a request to each client and, back to the coordinator, its two numbers per
+    # feature.
     assert [m.kind for m in recorder.messages] == ["score-request", "score"] * len(task.test)
     assert {m.sender for m in recorder.messages if m.kind == "score"} == {c.name for c in task.test}
     # Another seed draws other entries.
-    assert imputer.score(standardisation, seed=4, fraction=0.2) != scored
+    other = imputer.score(standardisation, seed=4, fraction=0.2)
+    assert any(not np.array_equal(other[name][1], count) for name, (_, count) in scored.items())
 
 
 def test_a_client_without_test_rows_refuses_to_score() -> None:
@@ -360,7 +365,12 @@ def test_bad_or_replayed_messages_are_refused_and_change_no_party(backend: str) 
             "a score nobody asked for",
             lambda: second.send(
                 ScoreMessage(
-                    sender=second.name, receiver=SERVER, round=99, batch_id=0, sse=0.0, count=0
+                    sender=second.name,
+                    receiver=SERVER,
+                    round=99,
+                    batch_id=0,
+                    sse=torch.zeros(14, dtype=torch.float64),
+                    count=torch.zeros(14, dtype=torch.int64),
                 )
             ),
             f"found a score from {second.name}",
@@ -438,6 +448,61 @@ def test_bad_global_statistics_are_refused(changes: dict[str, object], error: st
     _statistics(constant=torch.tensor([False, True, False])).validate()
     with pytest.raises(ProtocolError, match=error):
         _statistics(**changes).validate()
+
+
+def _score(sse: list[float], count: list[int]) -> ScoreMessage:
+    return ScoreMessage(
+        sender="client-0",
+        receiver=SERVER,
+        round=0,
+        batch_id=0,
+        sse=torch.tensor(sse, dtype=torch.float64),
+        count=torch.tensor(count, dtype=torch.int64),
+    )
+
+
+@pytest.mark.parametrize(
+    ("sse", "count", "error"),
+    [
+        ([1.0, -0.5], [2, 1], r"squared errors >= 0 over counts >= 0"),
+        ([1.0, 0.5], [2, -1], r"over \[2, -1\]"),
+        ([1.0, 0.5], [2, 0], r"\(0 over none\) expected, found \[1.0, 0.5\] over \[2, 0\]"),
+        ([1.0, 0.5], [2], "as many counts as squared errors expected, found 1 and 2"),
+    ],
+)
+def test_a_score_that_cannot_be_one_is_refused(
+    sse: list[float], count: list[int], error: str
+) -> None:
+    _score([1.0, 0.0], [2, 0]).validate()
+    with pytest.raises(ProtocolError, match=error):
+        _score(sse, count).validate()
+
+
+class _ShortScoringClient(ImputationClient):
+    """A client that answers a score request with its first feature's numbers only."""
+
+    def send(self, message: Any) -> None:  # type: ignore[override]
+        if isinstance(message, ScoreMessage):
+            message = dataclasses.replace(message, sse=message.sse[:1], count=message.count[:1])
+        super().send(message)
+
+
+ROLES.register("test-short-scoring-client", _ShortScoringClient)
+
+
+def test_a_score_of_another_number_of_features_is_refused_naming_its_client() -> None:
+    task = synthetic_task(rows=24, test_rows=6, features=6)
+    name = task.train[2].name
+    imputer = IMPUTERS.get("fedhf")(
+        task, TINY, seed=0, channel=Channel(), roles={name: "test-short-scoring-client"}
+    )
+    imputer.fit()
+    standardisation = federated_statistics(task.train).standardisation
+    with pytest.raises(
+        ProtocolError,
+        match=f"score from {name}: a squared error for each of the 6 features expected, found 1",
+    ):
+        imputer.score(standardisation, seed=0, fraction=0.2)
 
 
 def test_requests_and_downloads_are_checked_on_their_own() -> None:

@@ -159,12 +159,27 @@ def test_evaluation_protocol_is_fixed_by_the_seed_and_scores_the_hidden_entries(
     fed_mean = IMPUTERS.get("fed-mean")(task, QUICK, seed=0)
     scores = evaluate(fed_mean, task, standardisation=standardisation, seed=5)
     squared, total = 0.0, 0
+    features = len(task.features)
+    raw_squared, raw_total = np.zeros(features), np.zeros(features, dtype=np.int64)
     for k, (corrupted, hidden) in enumerate(first):
         z = standardisation.standardise(task.test[k].values)
         squared += float((z[hidden].astype(np.float64) ** 2).sum())  # global mean is z = 0
         total += int(hidden.sum())
         assert scores["hidden_per_client"][corrupted.name] == int(hidden.sum())
+        # in the data's own units: the distance to the global mean, feature by feature
+        raw = np.where(hidden, task.test[k].values - standardisation.mean, 0.0)
+        raw_squared += (raw.astype(np.float64) ** 2).sum(axis=0)
+        raw_total += hidden.sum(axis=0)
     assert scores["rmse"] == pytest.approx(np.sqrt(squared / total), rel=1e-5)
+    assert list(scores["hidden_per_feature"].values()) == raw_total.tolist()
+    assert sum(raw_total) == total and (raw_total > 0).all()
+    assert list(scores["rmse_per_feature_in_units"].values()) == pytest.approx(
+        np.sqrt(raw_squared / raw_total), rel=1e-5
+    )
+    assert list(scores["rmse_per_feature"].values()) == pytest.approx(
+        np.sqrt(raw_squared / raw_total) / standardisation.std, rel=1e-5
+    )
+    assert list(scores["rmse_per_feature"]) == list(task.features)
     per_client = list(scores["rmse_per_client"].values())
     assert scores["rmse_client_mean"] == pytest.approx(np.mean(per_client))
 

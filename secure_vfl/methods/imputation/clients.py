@@ -407,8 +407,8 @@ class ImputationClient(SecureSumParty):
 
     def on_score_request(self, request: ScoreRequest) -> None:
         """Score its model on its own test rows: hide the entries the request's seed draws,
-        impute them, and answer with the squared errors in the request's units and their
-        count (nothing else of the rows leaves it)."""
+        impute them, and answer with each feature's squared errors in the request's units and
+        their count (nothing else of the rows leaves it)."""
         key = self._check_fresh(request, "")
         if self._test is None:
             raise ProtocolError(f"{self.name}: test rows to score on expected, found none.")
@@ -423,7 +423,13 @@ class ImputationClient(SecureSumParty):
             self.impute(corrupted), self._test, hidden, request.std.numpy(), by=self.name
         )
         self._acted.add(key)
-        self.send(ScoreMessage(**self.reply_header(request), sse=sse, count=count))
+        self.send(
+            ScoreMessage(
+                **self.reply_header(request),
+                sse=torch.from_numpy(sse),
+                count=torch.from_numpy(count),
+            )
+        )
 
     def _compute(self, computation: str, arguments: np.ndarray) -> np.ndarray:
         if computation in EXCHANGES:

@@ -2,15 +2,17 @@
 
 For each client, a fixed-seed random 20 % of its observed-and-available test entries is hidden;
 the method imputes the corrupted rows; the score is the RMSE on exactly the hidden entries in
-standardised space (errors divided by the global federated std). The hidden entries depend only
-on the task and the seed, so every method is scored on the same ones. Each client's are drawn by
-its own generator (:func:`score_seed`), so a client that scores itself, its test rows never
-leaving it (:class:`SelfScoring`), hides exactly the entries the evaluator would.
+standardised space (errors divided by the global federated std), overall, per client and per
+feature, and per feature also in the data's own units (times that std). The hidden entries
+depend only on the task and the seed, so every method is scored on the same ones. Each
+client's are drawn by its own generator (:func:`score_seed`), so a client that scores itself,
+its test rows never leaving it (:class:`SelfScoring`), hides exactly the entries the evaluator
+would.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Protocol, TypedDict, runtime_checkable
 
 import numpy as np
@@ -31,6 +33,14 @@ class ImputationScores(TypedDict):
     rmse_client_std: float  # their (population) std across clients
     rmse_per_client: dict[str, float]
     hidden_per_client: dict[str, int]
+    rmse_per_feature: dict[str, float]  # over every client's hidden entries of the feature
+    rmse_per_feature_in_units: dict[str, float]  # the same times the feature's std: its units
+    hidden_per_feature: dict[str, int]
+
+
+ClientScore = tuple[np.ndarray, np.ndarray]
+"""One client's score, per feature: the sum of squared errors over its hidden test entries, in
+the yardstick's units (float64), and how many entries it hid (int64)."""
 
 
 SCORE_STREAM = 5
@@ -66,21 +76,23 @@ def hidden_test_entries(
 
 def squared_errors(
     imputed: np.ndarray, truth: ClientData, hidden: np.ndarray, std: np.ndarray, *, by: str
-) -> tuple[float, int]:
-    """The sum of squared errors of ``imputed`` (``by``'s answer) against ``truth`` over the
-    ``hidden`` entries, in units of ``std``, and how many entries there are. DataError for an
-    answer of another shape or without a finite value at a hidden entry."""
+) -> ClientScore:
+    """Per feature, the sum of squared errors of ``imputed`` (``by``'s answer) against
+    ``truth`` over the ``hidden`` entries, in units of ``std``, and how many entries there are.
+    DataError for an answer of another shape or without a finite value at a hidden entry."""
     if imputed.shape != truth.values.shape:
         raise DataError(
             f"{by} returned shape {imputed.shape} for {truth.name}; expected {truth.values.shape}."
         )
-    errors = ((imputed - truth.values) / std.astype(np.float32))[hidden]
-    if not np.all(np.isfinite(errors)):
+    errors = (imputed - truth.values) / std.astype(np.float32)
+    unscored = hidden & ~np.isfinite(errors)
+    if unscored.any():
         raise DataError(
-            f"{by} left {int((~np.isfinite(errors)).sum())} hidden entries of "
-            f"{truth.name} without a finite value."
+            f"{by} left {int(unscored.sum())} hidden entries of {truth.name} without a finite "
+            "value."
         )
-    return float((errors.astype(np.float64) ** 2).sum()), int(errors.size)
+    squared = np.where(hidden, errors, 0.0).astype(np.float64) ** 2
+    return squared.sum(axis=0), hidden.sum(axis=0).astype(np.int64)
 
 
 def check_scorable(task: ImputationTask, fraction: float = TEST_FRACTION) -> None:
@@ -99,24 +111,45 @@ def _nothing_to_score(clients: int) -> DataError:
     )
 
 
-def scores_of(errors: Mapping[str, tuple[float, int]]) -> ImputationScores:
-    """The scores of per-client (sum of squared errors, count) pairs, in client order."""
-    per_client = {
-        name: float(np.sqrt(sse / count)) if count else float("nan")
-        for name, (sse, count) in errors.items()
-    }
-    squared = sum(sse for sse, _ in errors.values())
-    total = sum(count for _, count in errors.values())
+def scores_of(
+    errors: Mapping[str, ClientScore], *, features: Sequence[str], std: np.ndarray
+) -> ImputationScores:
+    """The scores of the clients' per-feature (sums of squared errors, counts), in client order,
+    of the ``features`` whose yardstick is ``std`` (a feature's RMSE in its own units is its
+    RMSE in units of ``std`` times its std)."""
+    if not errors:
+        raise _nothing_to_score(0)
+    sse = np.sum([squared for squared, _ in errors.values()], axis=0)
+    counts = np.sum([count for _, count in errors.values()], axis=0)
+    total = int(counts.sum())
     if not total:  # an RMSE of nothing: it printed nan, and exited 0
         raise _nothing_to_score(len(errors))
+    per_client = {
+        name: _rmse(float(squared.sum()), int(count.sum()))
+        for name, (squared, count) in errors.items()
+    }
+    per_feature = [_rmse(float(s), int(n)) for s, n in zip(sse, counts, strict=True)]
     scored = np.array([r for r in per_client.values() if np.isfinite(r)])
     return ImputationScores(
-        rmse=float(np.sqrt(squared / total)) if total else float("nan"),
+        rmse=_rmse(float(sse.sum()), total),
         rmse_client_mean=float(scored.mean()) if scored.size else float("nan"),
         rmse_client_std=float(scored.std()) if scored.size else float("nan"),
         rmse_per_client=per_client,
-        hidden_per_client={name: count for name, (_, count) in errors.items()},
+        hidden_per_client={name: int(count.sum()) for name, (_, count) in errors.items()},
+        rmse_per_feature=dict(zip(features, per_feature, strict=True)),
+        rmse_per_feature_in_units={
+            feature: rmse * float(scale)
+            for feature, rmse, scale in zip(features, per_feature, std, strict=True)
+        },
+        hidden_per_feature={
+            feature: int(count) for feature, count in zip(features, counts, strict=True)
+        },
     )
+
+
+def _rmse(squared: float, count: int) -> float:
+    """The root of the mean of ``count`` squared errors summing to ``squared`` (NaN of none)."""
+    return float(np.sqrt(squared / count)) if count else float("nan")
 
 
 @runtime_checkable
@@ -126,8 +159,9 @@ class SelfScoring(Protocol):
 
     def score(
         self, standardisation: Standardisation, *, seed: int, fraction: float
-    ) -> dict[str, tuple[float, int]]:
-        """Each client's (sum of squared errors, count) on its hidden test entries."""
+    ) -> dict[str, ClientScore]:
+        """Each client's per-feature (sums of squared errors, counts) on its hidden test
+        entries."""
         ...
 
 
@@ -142,14 +176,16 @@ def evaluate(
     """Score ``imputer`` on the hidden test entries; a fitted imputer is expected. One whose
     clients score themselves is asked to (by messages); any other imputes each client's
     corrupted test rows here. Both see the same entries and give the same scores."""
+    std = standardisation.std
     if isinstance(imputer, SelfScoring):
-        return scores_of(imputer.score(standardisation, seed=seed, fraction=fraction))
-    errors: dict[str, tuple[float, int]] = {}
+        scores = imputer.score(standardisation, seed=seed, fraction=fraction)
+        return scores_of(scores, features=task.features, std=std)
+    errors: dict[str, ClientScore] = {}
     for k, (corrupted, hidden) in enumerate(
         hidden_test_entries(task, seed=seed, fraction=fraction)
     ):
         truth = task.test[k]
         errors[truth.name] = squared_errors(
-            imputer.impute(k, corrupted), truth, hidden, standardisation.std, by=imputer.name
+            imputer.impute(k, corrupted), truth, hidden, std, by=imputer.name
         )
-    return scores_of(errors)
+    return scores_of(errors, features=task.features, std=std)

@@ -47,6 +47,7 @@ from secure_vfl.federation.messages import (
 from secure_vfl.federation.parties import ROLES, SecureSumParty, make_aggregation_server
 from secure_vfl.methods.base import REJOINED
 from secure_vfl.methods.imputation.clients import ImputationClient, TrainingPlan
+from secure_vfl.methods.imputation.evaluation import ClientScore
 from secure_vfl.methods.imputation.statistics import (
     SERVER,
     FederatedStatistics,
@@ -334,13 +335,14 @@ class ImputationFederation:
         fraction: float,
         round: int,
         fedavg_round: int,
-    ) -> dict[str, tuple[float, int]]:
-        """Each client's (sum of squared errors, count) on its own test rows, ``fraction`` of
-        their entries hidden by a generator seeded ``seed_of(k)`` (k: the client's index in
-        the roster), errors in units of ``std`` (:class:`~secure_vfl.federation.messages.
-        ScoreRequest`): two numbers per client cross, never a row. A client lost on the way
-        is dropped (:meth:`recover`, dated ``fedavg_round``) and has no score."""
-        scores: dict[str, tuple[float, int]] = {}
+    ) -> dict[str, ClientScore]:
+        """Each client's per-feature (sums of squared errors, counts) on its own test rows,
+        ``fraction`` of their entries hidden by a generator seeded ``seed_of(k)`` (k: the
+        client's index in the roster), errors in units of ``std`` (:class:`~secure_vfl.
+        federation.messages.ScoreRequest`): two numbers per client and feature cross, never a
+        row. A client lost on the way is dropped (:meth:`recover`, dated ``fedavg_round``) and
+        has no score."""
+        scores: dict[str, ClientScore] = {}
         yardstick = torch.from_numpy(np.asarray(std, dtype=np.float64))
         while unscored := [name for name in self.names if name not in scores]:
             name = unscored[0]
@@ -357,10 +359,15 @@ class ImputationFederation:
                     ScoreMessage,
                     self.own.take("score", sender=name, round=round, batch_id=self.attempt),
                 )
+                if answer.sse.shape[0] != yardstick.shape[0]:
+                    raise ProtocolError(
+                        f"score from {name}: a squared error for each of the "
+                        f"{yardstick.shape[0]} features expected, found {answer.sse.shape[0]}."
+                    )
             except ProtocolError as error:
                 self.recover(error, round=round, fedavg_round=fedavg_round)
                 continue
-            scores[name] = (answer.sse, answer.count)
+            scores[name] = (answer.sse.numpy(), answer.count.numpy())
         return scores
 
     def set_up_keys(self) -> None:
