@@ -129,6 +129,30 @@ def test_attack_suite_example_prints_the_scores_and_saves_its_plot(tmp_path: Pat
     assert (tmp_path / "attack_suite.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_imputation_example_scores_every_method_per_measurement_and_saves_its_plot(
+    tmp_path: Path,
+) -> None:
+    lines = _run_example("federated_imputation.py", "--rounds", "2", tmp_path=tmp_path)
+    assert lines[0].startswith("ozone: 4 sites, 10 measurements")
+    methods = {line[:16].strip(): line[16:].split() for line in lines[2:8]}
+    assert list(methods) == [
+        "mean (local)",
+        "kNN (local)",
+        "MICE (local)",
+        "Fed-Mean",
+        "FedHF",
+        "FedHF + masks",
+    ]
+    assert all(0.0 < float(values[0]) < 3.0 for values in methods.values())
+    # masks sum what the clear sums: after two rounds the same RMSE to the fourth decimal
+    assert abs(float(methods["FedHF"][0]) - float(methods["FedHF + masks"][0])) < 2e-4
+    table = lines[lines.index(next(line for line in lines if line.startswith("measurement"))) :]
+    rows = [line for line in table[1:] if not line.startswith("plot:")]
+    assert len(rows) == 10 and rows[6].startswith("inversion base height (ft)")
+    assert all(len(row[34:].split()) == 5 for row in rows)  # four methods, the hidden entries
+    assert (tmp_path / "imputation.png").read_bytes().startswith(b"\x89PNG")
+
+
 def test_privacy_utility_example_prints_the_sweep_and_saves_its_plots(tmp_path: Path) -> None:
     lines = _run_example(
         "privacy_utility_tradeoff.py", "--epochs", "1", "--seeds", "1", tmp_path=tmp_path
