@@ -46,7 +46,13 @@ from secure_vfl.methods.imputation import (
     hidden_test_entries,
     in_process_clients,
 )
-from secure_vfl.methods.imputation.evaluation import TEST_FRACTION, scores_of, squared_errors
+from secure_vfl.methods.imputation.evaluation import (
+    TEST_FRACTION,
+    ScoredErrors,
+    scores_of,
+    squared_errors,
+)
+from secure_vfl.methods.imputation.statistics import wide_width
 
 TINY = ImputeConfig(rounds=2, local_epochs=1, hidden=8, layers=1)
 
@@ -105,41 +111,56 @@ def _scored_as_before_actors(imputer: Any, task: Any, method: str) -> float:
         errors[truth.name] = squared_errors(
             imputer.impute(k, corrupted), truth, hidden, std, by=method
         )
-    return scores_of(errors, features=task.features, std=std)["rmse"]
+    scored = ScoredErrors.of(errors, len(task.features))
+    return scores_of(scored, features=task.features, std=std)["rmse"]
 
 
 @pytest.mark.parametrize("method", ["fedhf", "dae"])
-def test_each_client_scores_itself_as_the_evaluator_would_and_sends_two_numbers_a_feature(
-    method: str,
+@pytest.mark.parametrize("backend", ["plain", "masks"])
+def test_each_client_scores_itself_as_the_evaluator_would_and_sends_two_numbers(
+    method: str, backend: str
 ) -> None:
     recorder = RecordingLayer()
-    imputer = _imputer(PlainAggregator(), recorder, method=method)
+    aggregator = MaskingAggregator() if backend == "masks" else PlainAggregator()
+    imputer = _imputer(aggregator, recorder, method=method)
     imputer.fit()
     task = imputer.task
     standardisation = federated_statistics(task.train).standardisation
     recorder.messages.clear()
     scored = imputer.score(standardisation, seed=3, fraction=0.2)
     # The evaluator's computation, from the test rows it holds in one process.
-    expected = {
-        truth.name: squared_errors(
-            imputer.impute(k, corrupted), truth, hidden, standardisation.std, by=method
-        )
-        for k, (truth, (corrupted, hidden)) in enumerate(
-            zip(task.test, hidden_test_entries(task, seed=3), strict=True)
-        )
-    }
-    assert list(scored) == list(expected)
-    for name, (sse, count) in scored.items():
-        np.testing.assert_array_equal(sse, expected[name][0])
-        np.testing.assert_array_equal(count, expected[name][1])
-        assert sse.shape == count.shape == (len(task.features),) and count.sum() > 0
-    # What crossed: a request to each client and, back to the coordinator, its two numbers per
-    # feature.
-    assert [m.kind for m in recorder.messages] == ["score-request", "score"] * len(task.test)
-    assert {m.sender for m in recorder.messages if m.kind == "score"} == {c.name for c in task.test}
+    expected = ScoredErrors.of(
+        {
+            truth.name: squared_errors(
+                imputer.impute(k, corrupted), truth, hidden, standardisation.std, by=method
+            )
+            for k, (truth, (corrupted, hidden)) in enumerate(
+                zip(task.test, hidden_test_entries(task, seed=3), strict=True)
+            )
+        },
+        len(task.features),
+    )
+    assert scored.per_client == expected.per_client
+    assert all(count > 0 for _, count in scored.per_client.values())
+    # per feature, as a sum over the clients, to the sums' fixed point (2**-20)
+    np.testing.assert_allclose(scored.feature_sse, expected.feature_sse, atol=1e-5)
+    np.testing.assert_array_equal(scored.feature_count, expected.feature_count)
+    assert scored.feature_count.sum() == sum(n for _, n in scored.per_client.values())
+    # What crossed to the coordinator: each client's two numbers, and the per-feature errors
+    # only summed over the clients by the aggregator (under masks, sealed until then).
+    clients = {c.name for c in task.test}
+    to_coordinator = [m for m in recorder.messages if m.receiver == SERVER]
+    summed = "sealed-sum" if backend == "masks" else "sum"
+    assert sorted(m.kind for m in to_coordinator) == sorted(["score"] * len(clients) + [summed])
+    assert {m.sender for m in to_coordinator if m.kind == "score"} == clients
+    contributions = [m for m in recorder.messages if m.sender in clients and m.kind != "score"]
+    if backend == "masks":
+        assert {m.kind for m in contributions} == {"sealed"}
+    else:
+        assert {(m.kind, m.receiver) for m in contributions} == {("representation", AGGREGATOR)}
     # Another seed draws other entries.
     other = imputer.score(standardisation, seed=4, fraction=0.2)
-    assert any(not np.array_equal(other[name][1], count) for name, (_, count) in scored.items())
+    assert other.per_client != scored.per_client
 
 
 def test_a_client_without_test_rows_refuses_to_score() -> None:
@@ -369,8 +390,8 @@ def test_bad_or_replayed_messages_are_refused_and_change_no_party(backend: str) 
                     receiver=SERVER,
                     round=99,
                     batch_id=0,
-                    sse=torch.zeros(14, dtype=torch.float64),
-                    count=torch.zeros(14, dtype=torch.int64),
+                    sse=0.0,
+                    count=0,
                 )
             ),
             f"found a score from {second.name}",
@@ -450,58 +471,35 @@ def test_bad_global_statistics_are_refused(changes: dict[str, object], error: st
         _statistics(**changes).validate()
 
 
-def _score(sse: list[float], count: list[int]) -> ScoreMessage:
-    return ScoreMessage(
-        sender="client-0",
-        receiver=SERVER,
-        round=0,
-        batch_id=0,
-        sse=torch.tensor(sse, dtype=torch.float64),
-        count=torch.tensor(count, dtype=torch.int64),
-    )
+@pytest.mark.parametrize(("sse", "count"), [(-0.5, 2), (1.0, -1), (1.0, 0)])
+def test_a_score_that_cannot_be_one_is_refused(sse: float, count: int) -> None:
+    header = {"sender": "client-0", "receiver": SERVER, "round": 0, "batch_id": 0}
+    ScoreMessage(**header, sse=0.0, count=0).validate()
+    with pytest.raises(ProtocolError, match=r"a squared error >= 0 over a count >= 0"):
+        ScoreMessage(**header, sse=sse, count=count).validate()
 
 
-@pytest.mark.parametrize(
-    ("sse", "count", "error"),
-    [
-        ([1.0, -0.5], [2, 1], r"squared errors >= 0 over counts >= 0"),
-        ([1.0, 0.5], [2, -1], r"over \[2, -1\]"),
-        ([1.0, 0.5], [2, 0], r"\(0 over none\) expected, found \[1.0, 0.5\] over \[2, 0\]"),
-        ([1.0, 0.5], [2], "as many counts as squared errors expected, found 1 and 2"),
-    ],
-)
-def test_a_score_that_cannot_be_one_is_refused(
-    sse: list[float], count: list[int], error: str
-) -> None:
-    _score([1.0, 0.0], [2, 0]).validate()
-    with pytest.raises(ProtocolError, match=error):
-        _score(sse, count).validate()
+class _ShortFeatureErrorsClient(ImputationClient):
+    """A client that contributes its first feature's errors only to the feature-errors sum."""
+
+    def _compute(self, computation: str, arguments: np.ndarray) -> np.ndarray:
+        vector = super()._compute(computation, arguments)
+        return vector[: wide_width(2)] if computation == "feature-errors" else vector
 
 
-class _ShortScoringClient(ImputationClient):
-    """A client that answers a score request with its first feature's numbers only."""
-
-    def send(self, message: Any) -> None:  # type: ignore[override]
-        if isinstance(message, ScoreMessage):
-            message = dataclasses.replace(message, sse=message.sse[:1], count=message.count[:1])
-        super().send(message)
+ROLES.register("test-short-feature-errors-client", _ShortFeatureErrorsClient)
 
 
-ROLES.register("test-short-scoring-client", _ShortScoringClient)
-
-
-def test_a_score_of_another_number_of_features_is_refused_naming_its_client() -> None:
+def test_feature_errors_of_another_width_are_refused() -> None:
     task = synthetic_task(rows=24, test_rows=6, features=6)
     name = task.train[2].name
     imputer = IMPUTERS.get("fedhf")(
-        task, TINY, seed=0, channel=Channel(), roles={name: "test-short-scoring-client"}
+        task, TINY, seed=0, channel=Channel(), roles={name: "test-short-feature-errors-client"}
     )
     imputer.fit()
     standardisation = federated_statistics(task.train).standardisation
-    with pytest.raises(
-        ProtocolError,
-        match=f"score from {name}: a squared error for each of the 6 features expected, found 1",
-    ):
+    width = wide_width(2 * len(task.features))
+    with pytest.raises(ProtocolError, match=f"from {name}: width {width} expected, found 14"):
         imputer.score(standardisation, seed=0, fraction=0.2)
 
 

@@ -62,8 +62,10 @@ def _fit(
     imputer = IMPUTERS.get(method)(task, CONFIG, seed=0, aggregator=aggregator, channel=channel)
     assert isinstance(imputer, ReconstructionImputer)
     curve = imputer.fit()
-    scores = imputer.score(imputer.standardisation, seed=0, fraction=0.2)
-    return imputer, curve, scores
+    scored = imputer.score(imputer.standardisation, seed=0, fraction=0.2)
+    # the per-feature sums cover exactly the clients that have a score
+    assert scored.feature_count.sum() == sum(count for _, count in scored.per_client.values())
+    return imputer, curve, scored.per_client
 
 
 @pytest.mark.parametrize(
@@ -73,8 +75,10 @@ def _fit(
         ("parameters", _message_round(ROUND), ROUND + 1),  # the round's download
         ("parameters", _message_round(CONFIG.rounds), CONFIG.rounds),  # the best model's
         ("score-request", _message_round(CONFIG.rounds + 1), CONFIG.rounds),  # being scored
+        # scored, then asked for its per-feature errors: it has no score
+        ("compute-request", _message_round(CONFIG.rounds + 1), CONFIG.rounds),
     ],
-    ids=["local-update", "download", "best-download", "score"],
+    ids=["local-update", "download", "best-download", "score", "feature-errors"],
 )
 @pytest.mark.parametrize("backend", ["plain", "masks"])
 def test_a_lost_client_is_dropped_and_fedavg_goes_on_over_the_others(
@@ -95,13 +99,11 @@ def test_a_lost_client_is_dropped_and_fedavg_goes_on_over_the_others(
     # same numbers as a run in which nobody was lost would give it, when the loss came after
     # training (the best model, the scoring).
     assert sorted(scores) == federation.names
-    if kind == "score-request":
+    if round == _message_round(CONFIG.rounds + 1):
         whole, _, whole_scores = _fit(Channel(), type(aggregator)())
         assert whole.federation.faults == []
         for name in federation.names:
-            sse, count = scores[name]
-            np.testing.assert_allclose(sse, whole_scores[name][0], rtol=1e-6)
-            np.testing.assert_array_equal(count, whole_scores[name][1])
+            assert scores[name] == pytest.approx(whole_scores[name], rel=1e-6)
 
 
 @pytest.mark.parametrize("backend", ["plain", "masks"])

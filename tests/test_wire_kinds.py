@@ -86,11 +86,7 @@ def samples() -> list[Message]:
         messages.ScoreRequest(
             **HEADER, std=torch.tensor([1.0, 0.5], dtype=torch.float64), seed=3, fraction=0.2
         ),
-        messages.ScoreMessage(
-            **HEADER,
-            sse=torch.tensor([1.5, 0.0, 2.25], dtype=torch.float64),
-            count=torch.tensor([4, 0, 3]),
-        ),
+        messages.ScoreMessage(**HEADER, sse=1.5, count=4),
         messages.AbortRequest(**HEADER),
         messages.HeadTask(
             **HEADER,

@@ -21,13 +21,13 @@ from torch import Tensor
 from secure_vfl.errors import NonFiniteError, ProtocolError
 from secure_vfl.federation.wire import register_message
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 4
 """The messages' layouts: 2 since sealed sums carry their members' selection, sum and seal
 requests their DP-released rows, and the abort message exists; 3 since a gradient may close its
 receiver's step (``GradientMessage.step``) and a head task may hold its gradients for the driver
 (``HeadTask.hold``); 4 since the global statistics mark constant features
-(``GlobalStatisticsMessage.constant``); 5 since an imputation client's score is per feature
-(``ScoreMessage``). A party of another version is refused on its first message, naming both."""
+(``GlobalStatisticsMessage.constant``). A party of another version is refused on its first
+message, naming both."""
 PHASES = ("train", "predict")
 
 PartyId = str
@@ -594,9 +594,19 @@ class SealedSumMessage(Message):
 
 # -- federated imputation: the coordinator's requests, publications and downloads ------------
 
-COMPUTATIONS: tuple[str, ...] = ("moments", "deviations", "pairs", "rows", "train", "validation")
+COMPUTATIONS: tuple[str, ...] = (
+    "moments",
+    "deviations",
+    "pairs",
+    "rows",
+    "train",
+    "validation",
+    "feature-errors",
+)
 """The local computations an imputation client runs on request: the three statistics exchanges,
-its row count, local training (its FedAvg update) and its validation error."""
+its row count, local training (its FedAvg update), its validation error, and the per-feature
+errors of the score it last sent (:class:`ScoreMessage`), which only their sum over the clients
+reports."""
 
 
 @register_message
@@ -735,28 +745,19 @@ class ScoreRequest(Message):
 @register_message
 @dataclass(frozen=True, kw_only=True)
 class ScoreMessage(Message):
-    """An imputation client's score, per feature (F,): the sum of its squared errors (float64,
-    in the yardstick's units) over the ``count`` (int64) test entries of the feature it hid.
-    Nothing of its rows crosses but these two numbers per feature."""
+    """An imputation client's score: the sum of its squared errors (in the yardstick's units)
+    over the ``count`` test entries it hid. Nothing of its rows crosses but these two numbers."""
 
-    sse: Tensor
-    count: Tensor
+    sse: float
+    count: int
     kind: ClassVar[str] = "score"
 
     def validate(self) -> None:
         super().validate()
-        _check_tensor(self, "sse", self.sse, dims=1, dtype=torch.float64)
-        _check_tensor(self, "count", self.count, dims=1, dtype=torch.int64)
-        if self.sse.shape != self.count.shape:
+        if self.sse < 0 or self.count < 0 or (self.count == 0 and self.sse != 0):
             raise ProtocolError(
-                f"{self.kind} from {self.sender}: as many counts as squared errors expected, "
-                f"found {self.count.shape[0]} and {self.sse.shape[0]}."
-            )
-        sse, count = self.sse.numpy(), self.count.numpy()
-        if (sse < 0).any() or (count < 0).any() or (sse[count == 0] != 0).any():
-            raise ProtocolError(
-                f"{self.kind} from {self.sender}: squared errors >= 0 over counts >= 0 (0 over "
-                f"none) expected, found {sse.tolist()} over {count.tolist()}."
+                f"{self.kind} from {self.sender}: a squared error >= 0 over a count >= 0 (0 "
+                f"over none) expected, found {self.sse} over {self.count}."
             )
 
 

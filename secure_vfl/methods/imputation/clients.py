@@ -283,6 +283,9 @@ class ImputationClient(SecureSumParty):
         self._round_start: tuple[int, dict[str, Any], Tensor | None] | None = None
         self._best: Tensor | None = None
         self._best_error = math.inf
+        # Its last score's squared errors and counts per feature (2F values), which it
+        # contributes to the coordinator's feature-errors sum.
+        self._feature_errors: np.ndarray | None = None
 
     @property
     def n(self) -> int:
@@ -407,8 +410,9 @@ class ImputationClient(SecureSumParty):
 
     def on_score_request(self, request: ScoreRequest) -> None:
         """Score its model on its own test rows: hide the entries the request's seed draws,
-        impute them, and answer with each feature's squared errors in the request's units and
-        their count (nothing else of the rows leaves it)."""
+        impute them, and answer with the squared errors in the request's units and their
+        count (nothing else of the rows leaves it). The same per feature it keeps for the
+        ``feature-errors`` sum, which reports them summed over the clients only."""
         key = self._check_fresh(request, "")
         if self._test is None:
             raise ProtocolError(f"{self.name}: test rows to score on expected, found none.")
@@ -419,17 +423,14 @@ class ImputationClient(SecureSumParty):
                 f"{request.std.shape[0]}."
             )
         corrupted, hidden = hide_test_entries(self._test, request.seed, request.fraction)
-        sse, count = squared_errors(
+        errors = squared_errors(
             self.impute(corrupted), self._test, hidden, request.std.numpy(), by=self.name
         )
         self._acted.add(key)
-        self.send(
-            ScoreMessage(
-                **self.reply_header(request),
-                sse=torch.from_numpy(sse),
-                count=torch.from_numpy(count),
-            )
+        self._feature_errors = np.concatenate(
+            [errors.feature_sse, errors.feature_count.astype(np.float64)]
         )
+        self.send(ScoreMessage(**self.reply_header(request), sse=errors.sse, count=errors.count))
 
     def _compute(self, computation: str, arguments: np.ndarray) -> np.ndarray:
         if computation in EXCHANGES:
@@ -445,6 +446,12 @@ class ImputationClient(SecureSumParty):
         if computation == "validation":
             sse, count = self.validation_error()
             return wide_digits(np.array([sse, float(count)]))
+        if computation == "feature-errors":
+            if self._feature_errors is None:
+                raise ProtocolError(
+                    f"{self.name}: a score-request before its feature-errors expected, found none."
+                )
+            return wide_digits(self._feature_errors)
         raise ProtocolError(f"{self.name}: no local computation named {computation!r}.")
 
     def _federated_update(self, arguments: np.ndarray) -> Tensor:

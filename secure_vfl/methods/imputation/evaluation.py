@@ -13,6 +13,7 @@ would.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Protocol, TypedDict, runtime_checkable
 
 import numpy as np
@@ -38,9 +39,38 @@ class ImputationScores(TypedDict):
     hidden_per_feature: dict[str, int]
 
 
-ClientScore = tuple[np.ndarray, np.ndarray]
-"""One client's score, per feature: the sum of squared errors over its hidden test entries, in
-the yardstick's units (float64), and how many entries it hid (int64)."""
+@dataclass(frozen=True)
+class HiddenErrors:
+    """The squared errors of one client's imputation at its hidden test entries, in the
+    yardstick's units: their sum and count, and the same per feature (float64 and int64 (F,))."""
+
+    sse: float
+    count: int
+    feature_sse: np.ndarray
+    feature_count: np.ndarray
+
+
+@dataclass(frozen=True)
+class ScoredErrors:
+    """A scoring's errors: each client's (sum of squared errors, count) over its hidden test
+    entries, and per feature their sums over every client scored (float64 and int64 (F,))."""
+
+    per_client: dict[str, tuple[float, int]]
+    feature_sse: np.ndarray
+    feature_count: np.ndarray
+
+    @classmethod
+    def of(cls, errors: Mapping[str, HiddenErrors], features: int) -> ScoredErrors:
+        """The errors of clients each scored apart (in one process: the evaluator's)."""
+        return cls(
+            per_client={name: (e.sse, e.count) for name, e in errors.items()},
+            feature_sse=np.sum([e.feature_sse for e in errors.values()], axis=0)
+            if errors
+            else np.zeros(features),
+            feature_count=np.sum([e.feature_count for e in errors.values()], axis=0)
+            if errors
+            else np.zeros(features, dtype=np.int64),
+        )
 
 
 SCORE_STREAM = 5
@@ -76,10 +106,10 @@ def hidden_test_entries(
 
 def squared_errors(
     imputed: np.ndarray, truth: ClientData, hidden: np.ndarray, std: np.ndarray, *, by: str
-) -> ClientScore:
-    """Per feature, the sum of squared errors of ``imputed`` (``by``'s answer) against
-    ``truth`` over the ``hidden`` entries, in units of ``std``, and how many entries there are.
-    DataError for an answer of another shape or without a finite value at a hidden entry."""
+) -> HiddenErrors:
+    """The squared errors of ``imputed`` (``by``'s answer) against ``truth`` at the ``hidden``
+    entries, in units of ``std``: their sum and count, overall and per feature. DataError for
+    an answer of another shape or without a finite value at a hidden entry."""
     if imputed.shape != truth.values.shape:
         raise DataError(
             f"{by} returned shape {imputed.shape} for {truth.name}; expected {truth.values.shape}."
@@ -92,7 +122,12 @@ def squared_errors(
             "value."
         )
     squared = np.where(hidden, errors, 0.0).astype(np.float64) ** 2
-    return squared.sum(axis=0), hidden.sum(axis=0).astype(np.int64)
+    return HiddenErrors(
+        sse=float((errors[hidden].astype(np.float64) ** 2).sum()),
+        count=int(hidden.sum()),
+        feature_sse=squared.sum(axis=0),
+        feature_count=hidden.sum(axis=0).astype(np.int64),
+    )
 
 
 def check_scorable(task: ImputationTask, fraction: float = TEST_FRACTION) -> None:
@@ -112,37 +147,34 @@ def _nothing_to_score(clients: int) -> DataError:
 
 
 def scores_of(
-    errors: Mapping[str, ClientScore], *, features: Sequence[str], std: np.ndarray
+    errors: ScoredErrors, *, features: Sequence[str], std: np.ndarray
 ) -> ImputationScores:
-    """The scores of the clients' per-feature (sums of squared errors, counts), in client order,
-    of the ``features`` whose yardstick is ``std`` (a feature's RMSE in its own units is its
-    RMSE in units of ``std`` times its std)."""
-    if not errors:
-        raise _nothing_to_score(0)
-    sse = np.sum([squared for squared, _ in errors.values()], axis=0)
-    counts = np.sum([count for _, count in errors.values()], axis=0)
-    total = int(counts.sum())
+    """The scores of a scoring's ``errors``, of the ``features`` whose yardstick is ``std`` (a
+    feature's RMSE in its own units is its RMSE in units of ``std`` times its std)."""
+    per_client = {name: _rmse(sse, count) for name, (sse, count) in errors.per_client.items()}
+    squared = sum(sse for sse, _ in errors.per_client.values())
+    total = sum(count for _, count in errors.per_client.values())
     if not total:  # an RMSE of nothing: it printed nan, and exited 0
-        raise _nothing_to_score(len(errors))
-    per_client = {
-        name: _rmse(float(squared.sum()), int(count.sum()))
-        for name, (squared, count) in errors.items()
-    }
-    per_feature = [_rmse(float(s), int(n)) for s, n in zip(sse, counts, strict=True)]
+        raise _nothing_to_score(len(errors.per_client))
+    per_feature = [
+        _rmse(float(sse), int(count))
+        for sse, count in zip(errors.feature_sse, errors.feature_count, strict=True)
+    ]
     scored = np.array([r for r in per_client.values() if np.isfinite(r)])
     return ImputationScores(
-        rmse=_rmse(float(sse.sum()), total),
+        rmse=_rmse(squared, total),
         rmse_client_mean=float(scored.mean()) if scored.size else float("nan"),
         rmse_client_std=float(scored.std()) if scored.size else float("nan"),
         rmse_per_client=per_client,
-        hidden_per_client={name: int(count.sum()) for name, (_, count) in errors.items()},
+        hidden_per_client={name: count for name, (_, count) in errors.per_client.items()},
         rmse_per_feature=dict(zip(features, per_feature, strict=True)),
         rmse_per_feature_in_units={
             feature: rmse * float(scale)
             for feature, rmse, scale in zip(features, per_feature, std, strict=True)
         },
         hidden_per_feature={
-            feature: int(count) for feature, count in zip(features, counts, strict=True)
+            feature: int(count)
+            for feature, count in zip(features, errors.feature_count, strict=True)
         },
     )
 
@@ -159,9 +191,9 @@ class SelfScoring(Protocol):
 
     def score(
         self, standardisation: Standardisation, *, seed: int, fraction: float
-    ) -> dict[str, ClientScore]:
-        """Each client's per-feature (sums of squared errors, counts) on its hidden test
-        entries."""
+    ) -> ScoredErrors:
+        """Each client's errors on its hidden test entries, and per feature their sums over
+        the clients."""
         ...
 
 
@@ -178,9 +210,9 @@ def evaluate(
     corrupted test rows here. Both see the same entries and give the same scores."""
     std = standardisation.std
     if isinstance(imputer, SelfScoring):
-        scores = imputer.score(standardisation, seed=seed, fraction=fraction)
-        return scores_of(scores, features=task.features, std=std)
-    errors: dict[str, ClientScore] = {}
+        scored = imputer.score(standardisation, seed=seed, fraction=fraction)
+        return scores_of(scored, features=task.features, std=std)
+    errors: dict[str, HiddenErrors] = {}
     for k, (corrupted, hidden) in enumerate(
         hidden_test_entries(task, seed=seed, fraction=fraction)
     ):
@@ -188,4 +220,4 @@ def evaluate(
         errors[truth.name] = squared_errors(
             imputer.impute(k, corrupted), truth, hidden, std, by=imputer.name
         )
-    return scores_of(errors, features=task.features, std=std)
+    return scores_of(ScoredErrors.of(errors, len(task.features)), features=task.features, std=std)

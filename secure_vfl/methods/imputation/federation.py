@@ -47,7 +47,7 @@ from secure_vfl.federation.messages import (
 from secure_vfl.federation.parties import ROLES, SecureSumParty, make_aggregation_server
 from secure_vfl.methods.base import REJOINED
 from secure_vfl.methods.imputation.clients import ImputationClient, TrainingPlan
-from secure_vfl.methods.imputation.evaluation import ClientScore
+from secure_vfl.methods.imputation.evaluation import ScoredErrors
 from secure_vfl.methods.imputation.statistics import (
     SERVER,
     FederatedStatistics,
@@ -55,10 +55,14 @@ from secure_vfl.methods.imputation.statistics import (
     Standardisation,
     StatisticsPrivacyFactory,
     collect_statistics,
+    from_wide_digits,
+    wide_width,
 )
 from secure_vfl.models.feature_graph import FeatureGraph
 
 logger = logging.getLogger(__name__)
+
+_NO_ARGUMENTS = np.zeros(0)
 
 REJOIN_TAG = "rejoin"
 """The tag of the download of the global model to a client readmitted before a round."""
@@ -335,40 +339,56 @@ class ImputationFederation:
         fraction: float,
         round: int,
         fedavg_round: int,
-    ) -> dict[str, ClientScore]:
-        """Each client's per-feature (sums of squared errors, counts) on its own test rows,
-        ``fraction`` of their entries hidden by a generator seeded ``seed_of(k)`` (k: the
-        client's index in the roster), errors in units of ``std`` (:class:`~secure_vfl.
-        federation.messages.ScoreRequest`): two numbers per client and feature cross, never a
-        row. A client lost on the way is dropped (:meth:`recover`, dated ``fedavg_round``) and
-        has no score."""
-        scores: dict[str, ClientScore] = {}
+    ) -> ScoredErrors:
+        """Each client's (sum of squared errors, count) on its own test rows, ``fraction`` of
+        their entries hidden by a generator seeded ``seed_of(k)`` (k: the client's index in the
+        roster), errors in units of ``std`` (:class:`~secure_vfl.federation.messages.
+        ScoreRequest`): two numbers per client cross, never a row. Then the same per feature,
+        summed over the clients scored (the ``feature-errors`` sum: through the secure-sum
+        backend, so that under a secure one no client's per-feature errors reach the
+        coordinator). A client lost on the way is dropped (:meth:`recover`, dated
+        ``fedavg_round``) and has no score."""
+        scores: dict[str, tuple[float, int]] = {}
         yardstick = torch.from_numpy(np.asarray(std, dtype=np.float64))
-        while unscored := [name for name in self.names if name not in scores]:
-            name = unscored[0]
-            self.own.scoring.add(name)
-            request = ScoreRequest(
-                **self._header(name, round),
-                std=yardstick,
-                seed=seed_of(self.roster.index(name)),
-                fraction=fraction,
-            )
-            try:
-                self.own.send(request)
-                answer = cast(
-                    ScoreMessage,
-                    self.own.take("score", sender=name, round=round, batch_id=self.attempt),
+        features = yardstick.shape[0]
+        while True:
+            while unscored := [name for name in self.names if name not in scores]:
+                name = unscored[0]
+                self.own.scoring.add(name)
+                request = ScoreRequest(
+                    **self._header(name, round),
+                    std=yardstick,
+                    seed=seed_of(self.roster.index(name)),
+                    fraction=fraction,
                 )
-                if answer.sse.shape[0] != yardstick.shape[0]:
-                    raise ProtocolError(
-                        f"score from {name}: a squared error for each of the "
-                        f"{yardstick.shape[0]} features expected, found {answer.sse.shape[0]}."
+                try:
+                    self.own.send(request)
+                    answer = cast(
+                        ScoreMessage,
+                        self.own.take("score", sender=name, round=round, batch_id=self.attempt),
                     )
-            except ProtocolError as error:
+                except ProtocolError as error:
+                    self.recover(error, round=round, fedavg_round=fedavg_round)
+                    continue
+                scores[name] = (answer.sse, answer.count)
+            try:
+                summed = self.sum(
+                    "feature-errors",
+                    _NO_ARGUMENTS,
+                    width=wide_width(2 * features),
+                    round=round,
+                    tag="feature-errors",
+                )
+            except ProtocolError as error:  # a client lost after it scored has no score
                 self.recover(error, round=round, fedavg_round=fedavg_round)
+                scores = {name: score for name, score in scores.items() if name in self.names}
                 continue
-            scores[name] = (answer.sse.numpy(), answer.count.numpy())
-        return scores
+            totals = from_wide_digits(summed)
+            return ScoredErrors(
+                per_client=scores,
+                feature_sse=totals[:features],
+                feature_count=np.rint(totals[features:]).astype(np.int64),
+            )
 
     def set_up_keys(self) -> None:
         """Open the secure-sum session: every client announces its public key to the others

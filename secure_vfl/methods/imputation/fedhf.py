@@ -42,7 +42,7 @@ from secure_vfl.methods.imputation.clients import (
     TrainingPlan,
     flat_parameters,
 )
-from secure_vfl.methods.imputation.evaluation import ClientScore, score_seed
+from secure_vfl.methods.imputation.evaluation import ScoredErrors, score_seed
 from secure_vfl.methods.imputation.federation import (
     ImputationFederation,
     build_imputation_federation,
@@ -282,11 +282,11 @@ class ReconstructionImputer:
 
     def score(
         self, standardisation: Standardisation, *, seed: int, fraction: float
-    ) -> dict[str, ClientScore]:
+    ) -> ScoredErrors:
         """Each client scores its (best-validation) model on its own test rows, its hidden
         entries drawn by its own generator (:func:`~secure_vfl.methods.imputation.evaluation.
-        score_seed`): its squared errors and counts per feature, by messages (see
-        :class:`~secure_vfl.methods.imputation.evaluation.SelfScoring`)."""
+        score_seed`): its squared error and count, by messages, and per feature their sum over
+        the clients (see :class:`~secure_vfl.methods.imputation.evaluation.SelfScoring`)."""
         self._scorings += 1
         return self.federation.score(
             standardisation.std,
