@@ -114,11 +114,14 @@ def read_table(
     what: str = "data file",
     id_column: str = ID_COLUMN,
     literal: Sequence[str] = (),
+    nullable: bool = False,
 ) -> pd.DataFrame:
     """Read a non-empty CSV or Parquet file whose column names are distinct and non-empty; the
     ``id_column``, if any, is read as text. In a CSV, the id column and the ``literal`` ones
     (a label column) are read as written: only an empty cell is missing there, where pandas
-    would also read ``NA``, ``null`` or ``None`` (a region, a name) as missing."""
+    would also read ``NA``, ``null`` or ``None`` (a region, a name) as missing. ``nullable``:
+    a Parquet file's columns in pandas' nullable types, so that an integer column with nulls
+    stays integers (else float64)."""
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in _SUFFIXES:
@@ -139,7 +142,8 @@ def read_table(
                 for column in as_written:
                     frame[column] = read[column]
         else:
-            frame = pd.read_parquet(path)
+            nullable_types = {"dtype_backend": "numpy_nullable"} if nullable else {}
+            frame = pd.read_parquet(path, **nullable_types)
             if any(name is not None for name in frame.index.names):
                 frame = frame.reset_index()  # a column pandas stored as the index is a column
     except DataError:
@@ -165,7 +169,7 @@ def read_as_written(path: Path, columns: Sequence[str], *, id_column: str) -> pd
     path = Path(path)
     if path.suffix.lower() == ".csv":
         return _read_csv(path, id_column, usecols=list(columns), literal=True)
-    return read_table(path, id_column=id_column)[list(columns)]
+    return read_table(path, id_column=id_column, nullable=True)[list(columns)]
 
 
 def _read_csv(
