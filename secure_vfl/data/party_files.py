@@ -142,8 +142,10 @@ def read_table(
                 for column in as_written:
                     frame[column] = read[column]
         else:
-            nullable_types = {"dtype_backend": "numpy_nullable"} if nullable else {}
-            frame = pd.read_parquet(path, **nullable_types)
+            if nullable:
+                frame = pd.read_parquet(path, dtype_backend="numpy_nullable")
+            else:
+                frame = pd.read_parquet(path)
             if any(name is not None for name in frame.index.names):
                 frame = frame.reset_index()  # a column pandas stored as the index is a column
     except DataError:
