@@ -3,8 +3,11 @@
 ``--capture FILE`` appends every message that crosses the transport to FILE: what the network,
 or an eavesdropper on it, sees; in a deployment, what one party sent and received. ``show``
 prints one line a message (round and batch, kind, sender and receiver, encoded size, and each
-of its fields, a tensor or an array as its dtype and shape, never its values); ``summary``
-prints how many messages and bytes of each kind each party sent to each other. Bytes after the
+of its fields: a tensor or an array as its dtype and shape, never its values; any other field,
+a loss, a tag, a deployment message's JSON body with its ids and row numbers, as it is, cut
+short); ``summary`` prints how many messages and bytes of each kind each party sent to each
+other. Messages are in the order the file recorded them: in a deployment a party records a
+message it sent once it was delivered, so the answer to it can come first. Bytes after the
 last whole record (a record still being written, or the torn one a stopped run left) are not
 read, and the output says so.
 
@@ -49,6 +52,13 @@ def field_text(value: object) -> str:
     return wire.shown(value)
 
 
+def name_text(name: str) -> str:
+    """A party's, a client's or a feature's name as a table prints it: every character a
+    terminal would act on escaped, line breaks and tabs too (another party, a file's name or a
+    column's header chose it)."""
+    return name if name.isprintable() else repr(name)[1:-1]
+
+
 def content(message: Message) -> str:
     """A message's own fields (not its header) as ``name=value``, those that are None left out."""
     return " ".join(
@@ -64,7 +74,7 @@ def byte_size(count: int) -> str:
         return f"{count} B"
     value = count / 1024
     for unit in ("KiB", "MiB"):
-        if value < 1024:
+        if round(value, 1) < 1024:  # 1048575 bytes is 1.0 MiB, not 1024.0 KiB
             return f"{value:.1f} {unit}"
         value /= 1024
     return f"{value:.1f} GiB"
@@ -100,32 +110,46 @@ def _check_kinds(kinds: Sequence[str]) -> None:
 
 def show_lines(path: Path, *, kinds: Sequence[str] = (), party: str | None = None) -> Iterator[str]:
     """``secure-vfl capture show``: a line per message of the capture ``path`` in the order
-    they crossed, numbered from 1, those of ``kinds`` only (empty: all) and sent or received by
-    ``party`` only (None: any); a line naming each session where it changes; then how many
-    messages and bytes there were."""
+    it recorded them, numbered from 1, those of ``kinds`` only (empty: all) and sent or received
+    by ``party`` only (None: any); a line naming each session where it changes to another one;
+    then how many messages and bytes there were. ConfigError, after the lines, where ``party``
+    sent and received nothing in the file (naming the parties that did)."""
     _check_kinds(kinds)
     records, torn = _records(path)
+    parties: set[str] = set()
     yield _show_row("#", "round", "batch", "kind", "sender -> receiver", "bytes", "fields")
     session = ""
     shown = shown_bytes = total = 0
     for number, (size, message) in enumerate(records, start=1):
         total += 1
+        parties.update((message.sender, message.receiver))
         if kinds and message.kind not in kinds:
             continue
         if party is not None and party not in (message.sender, message.receiver):
             continue
-        if message.session != session:
+        if message.session and message.session != session:  # deployment control has none
             session = message.session
             yield f"session {wire.shown(session)}:"
         shown += 1
         shown_bytes += size
-        route = f"{message.sender} -> {message.receiver}"
+        route = f"{name_text(message.sender)} -> {name_text(message.receiver)}"
         yield _show_row(
             number, message.round, message.batch_id, message.kind, route, size, content(message)
         )
-    counted = f"{shown} of {total} messages" if kinds or party is not None else f"{total} messages"
-    yield f"{counted}, {byte_size(shown_bytes)} encoded."
+    counted = f"{shown} of {_count(total, 'message')}" if kinds or party is not None else ""
+    yield f"{counted or _count(total, 'message')}, {byte_size(shown_bytes)} encoded."
     yield from _after_records(torn)
+    if party is not None and party not in parties:
+        named = ", ".join(name_text(name) for name in sorted(parties)) or "none"
+        raise ConfigError(
+            f"--party: a party of the capture ({named}) expected, found {name_text(party)!r} "
+            "(in one process the data parties are party-0, party-1, ... in the order of their "
+            "blocks, whatever their files are called)."
+        )
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def _show_row(*cells: object) -> str:
@@ -167,12 +191,13 @@ def summary_lines(path: Path) -> list[str]:
         sent_bytes[message.sender] += size
         received[message.receiver] += 1
         received_bytes[message.receiver] += size
-        sessions.add(message.session)
+        if message.session:  # a deployment's control messages belong to none
+            sessions.add(message.session)
     total = sum(flow.messages for flow in flows.values())
     size = sum(flow.bytes for flow in flows.values())
     lines = [
-        f"{path}: {total} messages, {byte_size(size)} encoded, "
-        f"{len(sessions)} session{'s' if len(sessions) != 1 else ''}."
+        f"{path}: {_count(total, 'message')}, {byte_size(size)} encoded, "
+        f"{_count(len(sessions), 'session')}."
     ]
     if flows:
         rows = [("sender -> receiver", "kind", "messages", "bytes", "rounds")]
@@ -182,15 +207,14 @@ def summary_lines(path: Path) -> list[str]:
                 if flow.first_round == flow.last_round
                 else f"{flow.first_round}-{flow.last_round}"
             )
-            rows.append(
-                (f"{sender} -> {receiver}", kind, str(flow.messages), byte_size(flow.bytes), rounds)
-            )
+            route = f"{name_text(sender)} -> {name_text(receiver)}"
+            rows.append((route, kind, str(flow.messages), byte_size(flow.bytes), rounds))
         lines += ["", *_table(rows, right=(2, 3))]
         parties = sorted(set(sent) | set(received))
         rows = [("party", "sent", "sent bytes", "received", "received bytes")]
         rows += [
             (
-                name,
+                name_text(name),
                 str(sent[name]),
                 byte_size(sent_bytes[name]),
                 str(received[name]),

@@ -1052,8 +1052,9 @@ def build_parser() -> argparse.ArgumentParser:
         "capture",
         help="read a --capture file: every message, or who sent how much to whom",
         description="Read back a file that --capture wrote: what crossed the transport (the "
-        "network's view; in a deployment, one party's). Tensors show as dtype and shape, "
-        "never their values.",
+        "network's view; in a deployment, one party's). Tensors and arrays show as dtype and "
+        "shape, never their values; every other field as it is, cut short (a loss, a tag, a "
+        "deployment message's JSON body with ids and row numbers).",
     )
     capture_commands = capture.add_subparsers(
         dest="capture_command", required=True, parser_class=_Parser
@@ -2389,17 +2390,20 @@ def _impute_privacy_config(args: argparse.Namespace) -> dict[str, Any]:
 
 def _impute_summary(result: Any, out: Path) -> str:
     """What ``impute`` prints: the RMSE per client and overall, the privacy, the result."""
+    from secure_vfl.captures import name_text  # a client file's name chose it
+
+    names = {name: name_text(name) for name in result.rmse_per_client}
+    width = max(20, *(len(name) + 2 for name in names.values()))
     lines = [
         f"{result.method} on {result.dataset} ({len(result.clients)} clients) "
         f"in {result.wall_time_s:.1f} s",
-        f"{'client':<20}{'RMSE (std units)':>18}{'hidden entries':>16}",
+        f"{'client':<{width}}{'RMSE (std units)':>18}{'hidden entries':>16}",
     ]
     for name, rmse in result.rmse_per_client.items():
         shown = "-" if rmse is None or rmse != rmse else f"{rmse:.4f}"  # no hidden entry: no score
-        lines.append(f"{name:<20}{shown:>18}{result.hidden_per_client[name]:>16}")
-    lines.append(
-        f"{'all clients':<20}{result.rmse:>18.4f}{sum(result.hidden_per_client.values()):>16}"
-    )
+        lines.append(f"{names[name]:<{width}}{shown:>18}{result.hidden_per_client[name]:>16}")
+    hidden = sum(result.hidden_per_client.values())
+    lines.append(f"{'all clients':<{width}}{result.rmse:>18.4f}{hidden:>16}")
     lines.extend(_feature_lines(result))
     if result.privacy is not None:
         lines.extend(_privacy_lines(result.privacy))
@@ -2432,12 +2436,16 @@ def _feature_lines(result: Any) -> list[str]:
             f"RMSE per feature ({len(features)} features): rmse_per_feature and "
             "rmse_per_feature_in_units in result.json"
         ]
-    lines = [f"{'feature':<20}{'RMSE (std units)':>18}{'RMSE (its units)':>18}{'hidden':>8}"]
+    from secure_vfl.captures import name_text  # a column's header chose it
+
+    names = {feature: name_text(feature) for feature in features}
+    width = max(20, *(len(name) + 2 for name in names.values()))
+    lines = [f"{'feature':<{width}}{'RMSE (std units)':>18}{'RMSE (its units)':>18}{'hidden':>8}"]
     for feature, rmse in features.items():
         units = result.rmse_per_feature_in_units[feature]
         hidden = result.hidden_per_feature[feature]
         shown = ("-", "-") if not hidden else (f"{rmse:.4f}", f"{units:.4g}")
-        lines.append(f"{_printable(feature)[:19]:<20}{shown[0]:>18}{shown[1]:>18}{hidden:>8}")
+        lines.append(f"{names[feature]:<{width}}{shown[0]:>18}{shown[1]:>18}{hidden:>8}")
     return lines
 
 

@@ -15,8 +15,15 @@ from conftest import MakeData
 from secure_vfl.captures import byte_size, field_text, show_lines, summary_lines
 from secure_vfl.cli import main
 from secure_vfl.errors import ConfigError, ProtocolError
-from secure_vfl.federation.channel import Channel, InProcessTransport, RecordingLayer, read_capture
-from secure_vfl.federation.messages import RepresentationMessage
+from secure_vfl.federation import wire
+from secure_vfl.federation.channel import (
+    Channel,
+    InProcessTransport,
+    RecordingLayer,
+    append_record,
+    read_capture,
+)
+from secure_vfl.federation.messages import Message, RepresentationMessage, ScoreMessage
 from secure_vfl.methods import METHODS, MethodConfig
 
 _LINE = re.compile(
@@ -125,8 +132,6 @@ def test_summary_counts_every_flow_and_what_each_party_sent_and_received(
 
 
 def _route(data: bytes) -> tuple[str, str, str]:
-    from secure_vfl.federation import wire
-
     message = wire.decode(data)
     return message.sender, message.receiver, message.kind
 
@@ -155,6 +160,46 @@ def test_what_is_not_a_capture_is_refused_naming_it(tmp_path: Path) -> None:
     assert summary_lines(empty) == [f"{empty}: 0 messages, 0 B encoded, 0 sessions."]
 
 
+def _write_records(path: Path, messages: list[Message]) -> None:
+    with path.open("ab") as handle:
+        for message in messages:
+            append_record(handle, wire.encode(message))
+
+
+def test_names_another_party_chose_are_escaped_and_a_party_not_in_the_file_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A client file's name is a party's name: `capture show` printed its escape sequences
+    raw; `--party bank` in a run whose messages say party-1 matched nothing, silently."""
+    odd = "e\x1b[31mRED\x1b[0m"
+    path = tmp_path / "odd.capture"
+    header = {"round": 1, "batch_id": 0}
+    _write_records(
+        path,
+        [
+            ScoreMessage(sender=odd, receiver="server", sse=1.0, count=2, **header),
+            ScoreMessage(sender="b", receiver="server", sse=0.5, count=1, session="s1", **header),
+        ],
+    )
+    printed = "\n".join([*show_lines(path), *summary_lines(path)])
+    assert "\x1b" not in printed and "e\\x1b[31mRED\\x1b[0m -> server" in printed
+    # one session (the first message has none, as a deployment's control messages), one message
+    assert summary_lines(path)[0] == f"{path}: 2 messages, {byte_size(path.stat().st_size - 8)} " \
+        "encoded, 1 session."  # fmt: skip
+    lines = list(show_lines(path))
+    assert [line for line in lines if line.startswith("session")] == ["session 's1':"]
+    shown = show_lines(path, party="b")
+    assert [next(shown) for _ in range(4)][-1] == "1 of 2 messages, " + byte_size(
+        int(_LINE.match(lines[-2])["bytes"])  # type: ignore[index]
+    ) + " encoded."
+    with pytest.raises(
+        ConfigError,
+        match=r"--party: a party of the capture \(b, e\\x1b\[31mRED\\x1b\[0m, server\) "
+        r"expected, found 'bank'",
+    ):
+        list(show_lines(path, party="bank"))
+
+
 def test_fields_another_party_chose_are_escaped_and_cut_short() -> None:
     assert field_text("\x1b[2J") == "'\\x1b[2J'"  # a terminal clear-screen, shown, not acted on
     assert len(field_text("x" * 500)) < 100
@@ -162,11 +207,13 @@ def test_fields_another_party_chose_are_escaped_and_cut_short() -> None:
     assert field_text(("a",)) == "('a',)"
     assert field_text(tuple("abcdef")) == "('a', 'b', 'c', 'd', ... 6 items)"
     assert field_text(b"\x00" * 96) == "bytes[96]"
-    assert [byte_size(n) for n in (0, 1023, 1024, 1536, 5 * 2**20, 3 * 2**30)] == [
+    sizes = (0, 1023, 1024, 1536, 2**20 - 1, 5 * 2**20, 3 * 2**30)
+    assert [byte_size(n) for n in sizes] == [
         "0 B",
         "1023 B",
         "1.0 KiB",
         "1.5 KiB",
+        "1.0 MiB",  # not 1024.0 KiB
         "5.0 MiB",
         "3.0 GiB",
     ]

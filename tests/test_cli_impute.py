@@ -306,6 +306,29 @@ def test_a_parquet_integer_column_is_filled_with_whole_numbers(tmp_path: Path, w
         assert fractional and all(part != 0 for part in fractional)  # not whole: kept as imputed
 
 
+def test_the_summary_shows_every_name_whole_and_escaped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Names were cut at 19 characters (two cholesterol columns read alike), and a tab or a
+    line break in a header broke the table."""
+    rng = np.random.default_rng(0)
+    columns = ["serum_cholesterol_mg_dL_fasting", "serum_cholesterol_mg_dL_random", "tab\there"]
+    argv = ["impute", "--method", "mean", "--out", str(tmp_path / "r")]
+    for name in ("site\x1b[2Ja", "site_b"):
+        frame = pd.DataFrame(rng.normal(size=(60, 3)), columns=columns)
+        frame[rng.random(frame.shape) < 0.15] = np.nan
+        frame.to_csv(tmp_path / f"{name}.csv", index=False)
+        argv += ["--client-file", str(tmp_path / f"{name}.csv")]
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert not any("\x1b" in line or "\t" in line for line in lines)
+    assert any(line.startswith("site\\x1b[2Ja ") for line in lines)
+    for name in ("serum_cholesterol_mg_dL_fasting", "serum_cholesterol_mg_dL_random", "tab\\there"):
+        assert len([line for line in lines if line.startswith(name + " ")]) == 1
+    widths = {len(line) for line in lines if line.startswith(("serum", "tab", "feature"))}
+    assert len(widths) == 1  # one table, its columns aligned
+
+
 def written_cells(path: Path, column: str) -> list[str]:
     return pd.read_csv(path, dtype=str, keep_default_na=False)[column].tolist()
 

@@ -162,7 +162,10 @@ def test_read_capture_refuses_a_truncated_record(tmp_path: Path) -> None:
     with pytest.raises(ProtocolError, match="truncated record length"):
         list(read_capture(path))
     path.write_bytes(struct.pack(">I", 5) + b"SVFL\x01")  # a whole record, not a message
-    with pytest.raises(ProtocolError, match=r"bad.capture: header: 6 bytes expected, found 5"):
+    with pytest.raises(
+        ProtocolError,
+        match=r"bad.capture, record 1 \(at byte 0\): header: 6 bytes expected, found 5",
+    ):
         list(read_capture(path))
 
 

@@ -112,7 +112,7 @@ def capture_records(path: Path, *, end: int | None = None) -> Iterator[tuple[int
     boundary, such as :func:`whole_records` finds). ProtocolError on a truncated record or a
     message the codec refuses, naming the file."""
     with path.open("rb") as handle:
-        read = 0
+        read = records = 0
         while (end is None or read < end) and (header := handle.read(CAPTURE_LENGTH.size)):
             if len(header) < CAPTURE_LENGTH.size:
                 raise ProtocolError(f"{path}: a truncated record length at the end of the file.")
@@ -122,11 +122,12 @@ def capture_records(path: Path, *, end: int | None = None) -> Iterator[tuple[int
                 raise ProtocolError(
                     f"{path}: a record of {length} bytes expected, found {len(data)}."
                 )
-            read += CAPTURE_LENGTH.size + length
+            records += 1
             try:
                 message = wire.decode(data)
-            except ProtocolError as error:  # say which file: a capture is read after the fact
-                raise type(error)(f"{path}: {error}") from None
+            except ProtocolError as error:  # say which file and record: read after the fact
+                raise type(error)(f"{path}, record {records} (at byte {read}): {error}") from None
+            read += CAPTURE_LENGTH.size + length
             yield length, message
 
 
