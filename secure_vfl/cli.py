@@ -2445,7 +2445,7 @@ def _feature_lines(result: Any) -> list[str]:
         units = result.rmse_per_feature_in_units[feature]
         hidden = result.hidden_per_feature[feature]
         in_units = f"{units:.4g}" if abs(units) < 1e4 else f"{units:.0f}"  # no exponent
-        shown = ("-", "-") if not hidden else (f"{rmse:.4f}", in_units)
+        shown = ("-", "-") if not hidden or rmse != rmse else (f"{rmse:.4f}", in_units)
         lines.append(f"{names[feature]:<{width}}{shown[0]:>18}{shown[1]:>18}{hidden:>8}")
     return lines
 

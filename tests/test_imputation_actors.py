@@ -17,7 +17,7 @@ from test_fedhf import synthetic_task
 from test_secure_split import BACKENDS, _secret
 
 from protocols.secagg import MaskingAggregator
-from secure_vfl.data.imputation import hide_entries
+from secure_vfl.data.imputation import ClientData, hide_entries
 from secure_vfl.errors import ConfigError, ProtocolError
 from secure_vfl.experiment import ImputeRunConfig, run_imputation
 from secure_vfl.federation.aggregator import PlainAggregator, SumBackend
@@ -498,8 +498,64 @@ def test_feature_errors_of_another_width_are_refused() -> None:
     )
     imputer.fit()
     standardisation = federated_statistics(task.train).standardisation
-    width = wide_width(2 * len(task.features))
+    width = wide_width(2 * len(task.features) + 1)
     with pytest.raises(ProtocolError, match=f"from {name}: width {width} expected, found 14"):
+        imputer.score(standardisation, seed=0, fraction=0.2)
+
+
+class _DivergedClient(ImputationClient):
+    """A client whose model imputes its test rows a hundred million stds off."""
+
+    def impute(self, client: ClientData) -> np.ndarray:
+        return super().impute(client) + 1e8 * self.standardisation.std  # type: ignore[union-attr]
+
+
+class _MiscountingClient(ImputationClient):
+    """A client that adds 500 to its first feature's count in the feature-errors sum."""
+
+    def _compute(self, computation: str, arguments: np.ndarray) -> np.ndarray:
+        if computation == "feature-errors":
+            assert self._feature_errors is not None
+            self._feature_errors[len(self._feature_errors) // 2] += 500
+        return super()._compute(computation, arguments)
+
+
+ROLES.register("test-diverged-client", _DivergedClient)
+ROLES.register("test-miscounting-client", _MiscountingClient)
+
+
+@pytest.mark.parametrize("backend", ["plain", "masks"])
+def test_errors_too_large_to_sum_leave_the_features_unscored_not_the_run(backend: str) -> None:
+    """A diverged client's per-feature errors (1e16 std units squared) exceed what a sum's
+    values carry: the run stopped after training, blaming a statistic and its units."""
+    task = synthetic_task(rows=24, test_rows=6, features=6)
+    name = task.train[1].name
+    imputer = IMPUTERS.get("fedhf")(
+        task,
+        TINY,
+        seed=0,
+        channel=Channel(),
+        aggregator=MaskingAggregator() if backend == "masks" else PlainAggregator(),
+        roles={name: "test-diverged-client"},
+    )
+    imputer.fit()
+    standardisation = federated_statistics(task.train).standardisation
+    scored = imputer.score(standardisation, seed=0, fraction=0.2)
+    assert scored.per_client[name][0] > 1e15  # its total, sent in the clear as before
+    assert np.isnan(scored.feature_sse).all()
+    assert scored.feature_count.sum() == sum(n for _, n in scored.per_client.values())
+    scores = scores_of(scored, features=task.features, std=standardisation.std)
+    assert scores["rmse"] > 1e7 and all(np.isnan(list(scores["rmse_per_feature"].values())))
+
+
+def test_a_feature_errors_sum_that_disagrees_with_the_scores_is_refused() -> None:
+    task = synthetic_task(rows=24, test_rows=6, features=6)
+    imputer = IMPUTERS.get("fedhf")(
+        task, TINY, seed=0, channel=Channel(), roles={task.train[2].name: "test-miscounting-client"}
+    )
+    imputer.fit()
+    standardisation = federated_statistics(task.train).standardisation
+    with pytest.raises(ProtocolError, match="the feature-errors sum disagrees with the clients'"):
         imputer.score(standardisation, seed=0, fraction=0.2)
 
 

@@ -21,13 +21,14 @@ from torch import Tensor
 from secure_vfl.errors import NonFiniteError, ProtocolError
 from secure_vfl.federation.wire import register_message
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 """The messages' layouts: 2 since sealed sums carry their members' selection, sum and seal
 requests their DP-released rows, and the abort message exists; 3 since a gradient may close its
 receiver's step (``GradientMessage.step``) and a head task may hold its gradients for the driver
 (``HeadTask.hold``); 4 since the global statistics mark constant features
-(``GlobalStatisticsMessage.constant``). A party of another version is refused on its first
-message, naming both."""
+(``GlobalStatisticsMessage.constant``); 5 since a scored imputation client contributes its
+per-feature errors to a sum (the ``feature-errors`` computation). A party of another version is
+refused on its first message, naming both."""
 PHASES = ("train", "predict")
 
 PartyId = str

@@ -44,6 +44,7 @@ from secure_vfl.methods.imputation.evaluation import hide_test_entries, squared_
 from secure_vfl.methods.imputation.statistics import (
     EXCHANGES,
     SERVER,
+    WIDE_CAPACITY,
     Standardisation,
     StatisticsPrivacy,
     exchange_contribution,
@@ -283,8 +284,8 @@ class ImputationClient(SecureSumParty):
         self._round_start: tuple[int, dict[str, Any], Tensor | None] | None = None
         self._best: Tensor | None = None
         self._best_error = math.inf
-        # Its last score's squared errors and counts per feature (2F values), which it
-        # contributes to the coordinator's feature-errors sum.
+        # Its last score's squared errors and counts per feature, and whether the errors were
+        # too large to send (2F + 1 values), which it contributes to the feature-errors sum.
         self._feature_errors: np.ndarray | None = None
 
     @property
@@ -427,8 +428,15 @@ class ImputationClient(SecureSumParty):
             self.impute(corrupted), self._test, hidden, request.std.numpy(), by=self.name
         )
         self._acted.add(key)
+        # Errors too large for a wide value (a diverged model: over ~1e7 std units) are not
+        # sent; the last value says so, and the sum then reports no per-feature error.
+        overflow = bool(errors.feature_sse.max(initial=0.0) >= WIDE_CAPACITY / 2)
         self._feature_errors = np.concatenate(
-            [errors.feature_sse, errors.feature_count.astype(np.float64)]
+            [
+                np.zeros_like(errors.feature_sse) if overflow else errors.feature_sse,
+                errors.feature_count.astype(np.float64),
+                [float(overflow)],
+            ]
         )
         self.send(ScoreMessage(**self.reply_header(request), sse=errors.sse, count=errors.count))
 

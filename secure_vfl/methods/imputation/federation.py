@@ -375,7 +375,7 @@ class ImputationFederation:
                 summed = self.sum(
                     "feature-errors",
                     _NO_ARGUMENTS,
-                    width=wide_width(2 * features),
+                    width=wide_width(2 * features + 1),
                     round=round,
                     tag="feature-errors",
                 )
@@ -383,12 +383,7 @@ class ImputationFederation:
                 self.recover(error, round=round, fedavg_round=fedavg_round)
                 scores = {name: score for name, score in scores.items() if name in self.names}
                 continue
-            totals = from_wide_digits(summed)
-            return ScoredErrors(
-                per_client=scores,
-                feature_sse=totals[:features],
-                feature_count=np.rint(totals[features:]).astype(np.int64),
-            )
+            return _feature_errors(scores, from_wide_digits(summed), features)
 
     def set_up_keys(self) -> None:
         """Open the secure-sum session: every client announces its public key to the others
@@ -403,6 +398,35 @@ class ImputationFederation:
                     receivers=(self.own.name,),
                 )
             )
+
+
+def _feature_errors(
+    scores: dict[str, tuple[float, int]], totals: np.ndarray, features: int
+) -> ScoredErrors:
+    """The scoring's errors from the clients' ``scores`` and the ``feature-errors`` sum's
+    ``totals`` (per feature the squared errors, then the counts, then how many clients' errors
+    were too large to send: NaN errors then). ProtocolError where the sum disagrees with the
+    scores (a count or error below zero, counts of another total, errors of another sum)."""
+    sse, counts = totals[:features], np.rint(totals[features : 2 * features]).astype(np.int64)
+    count = sum(n for _, n in scores.values())
+    squared = sum(s for s, _ in scores.values())
+    # each client's value is rounded to 2**-20 on the way: the sums may be off by that much each
+    slack = len(scores) * (features + 1) * 2.0**-20 + 1e-9 * max(squared, 1.0)
+    overflow = round(float(totals[2 * features])) > 0
+    wrong = (counts < 0).any() or int(counts.sum()) != count
+    if not overflow:
+        wrong = wrong or bool((sse < -slack).any()) or abs(float(sse.sum()) - squared) > slack
+    if wrong:
+        raise ProtocolError(
+            f"the feature-errors sum disagrees with the clients' scores: {count} hidden entries "
+            f"of squared error {squared:.6g} expected in all, found counts {counts.tolist()} "
+            f"and errors {sse.tolist()}."
+        )
+    return ScoredErrors(
+        per_client=scores,
+        feature_sse=np.full(features, np.nan) if overflow else np.maximum(sse, 0.0),
+        feature_count=counts,
+    )
 
 
 def _check_clients(clients: Sequence[ClientData]) -> int:
