@@ -29,6 +29,7 @@ from secure_vfl.errors import ConfigError
 from secure_vfl.federation import wire
 from secure_vfl.federation.channel import capture_records, whole_records
 from secure_vfl.federation.messages import Message
+from secure_vfl.runs import columns
 
 _HEADER = frozenset(wire.HEADER_FIELDS)
 _ITEMS_SHOWN = 4  # a longer tuple shows its first items and its length
@@ -209,7 +210,7 @@ def summary_lines(path: Path) -> list[str]:
             )
             route = f"{name_text(sender)} -> {name_text(receiver)}"
             rows.append((route, kind, str(flow.messages), byte_size(flow.bytes), rounds))
-        lines += ["", *_table(rows, right=(2, 3))]
+        lines += ["", *columns(rows, right=(2, 3))]
         parties = sorted(set(sent) | set(received))
         rows = [("party", "sent", "sent bytes", "received", "received bytes")]
         rows += [
@@ -222,17 +223,5 @@ def summary_lines(path: Path) -> list[str]:
             )
             for name in parties
         ]
-        lines += ["", *_table(rows, right=(1, 2, 3, 4))]
+        lines += ["", *columns(rows, right=(1, 2, 3, 4))]
     return lines + _after_records(torn)
-
-
-def _table(rows: Sequence[tuple[str, ...]], *, right: tuple[int, ...]) -> list[str]:
-    """``rows`` (the first a heading) in columns, those at ``right`` aligned right."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return [
-        "  ".join(
-            cell.rjust(width) if i in right else cell.ljust(width)
-            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
-        ).rstrip()
-        for row in rows
-    ]

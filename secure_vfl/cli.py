@@ -2859,6 +2859,7 @@ def run_datasets(args: argparse.Namespace) -> int:
         imputation_dataset_status,
         install_imputation_dataset,
     )
+    from secure_vfl.runs import columns
 
     if args.action == "install":
         names = DATASETS.names() + IMPUTATION_DATASETS.names() if args.all else args.names
@@ -2890,9 +2891,7 @@ def run_datasets(args: argparse.Namespace) -> int:
         rows.append((name, use, shape, source, "yes" if installed else "no"))
         if not installed:
             hints.append(f"  {name}: {hint}")
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    for row in rows:
-        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)))
+    print("\n".join(columns(rows)))
     if hints:
         print("\nto install a missing dataset:")
         print("\n".join(hints))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import subprocess
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -355,11 +356,20 @@ def table(names: list[str], summaries: list[RunSummary]) -> str:
         if named:
             row.append(", ".join(summary.parties) or "-")
         rows.append(row)
+    return "\n".join(columns(rows))
+
+
+def columns(rows: Sequence[Sequence[str]], *, right: Sequence[int] = ()) -> list[str]:
+    """``rows`` (the first a heading) as lines of columns two spaces apart, each as wide as its
+    widest cell, those at the indices ``right`` aligned right, the others left."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+    return [
+        "  ".join(
+            cell.rjust(width) if i in right else cell.ljust(width)
+            for i, (cell, width) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
         for row in rows
-    )
+    ]
 
 
 def _number(value: float) -> str:
