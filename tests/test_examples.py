@@ -218,6 +218,25 @@ def test_deploy_localhost_example_trains_four_processes_and_stops_them(tmp_path:
         assert "predicting with its own part" in (demo / f"{name}-predict.log").read_text()
 
 
+def _described(pids: list[int], demo: Path) -> str:
+    """What a failed check shows of processes left running: each one's state and command line,
+    and the end of every party's log."""
+    lines = []
+    for pid in pids:
+        proc = Path("/proc") / str(pid)
+        try:
+            state = next(
+                line for line in (proc / "status").read_text().splitlines() if line[:6] == "State:"
+            )
+            command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError as error:
+            state, command = f"gone ({error.strerror})", ""
+        lines.append(f"pid {pid}: {state}: {command}")
+    for log in sorted(demo.glob("*.log")):
+        lines.append(f"--- {log.name}:\n" + "\n".join(log.read_text().splitlines()[-8:]))
+    return "\n".join(lines)
+
+
 def _serving(directory: Path) -> list[int]:
     """The pids of processes whose command line names ``directory`` (its parties)."""
     found = subprocess.run(["pgrep", "-f", str(directory)], capture_output=True, text=True)
@@ -241,10 +260,13 @@ def test_the_localhost_demo_stops_its_parties_when_a_step_fails(tmp_path: Path) 
         assert {log.name for log in demo.glob("*.log")} == {
             f"{name}.log" for name in ("shop", "insurer", "telco", "aggregator")
         }  # every party had been started
-        deadline = time.monotonic() + 15
+        # Killed while importing torch on a loaded machine, a party may take seconds to go;
+        # one the trap missed serves for --wait (600 s).
+        deadline = time.monotonic() + 60
         while _serving(demo) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _serving(demo) == []
+        left = _serving(demo)
+        assert left == [], _described(left, demo)
     finally:
         for pid in _serving(demo):
             os.kill(pid, signal.SIGKILL)
