@@ -100,9 +100,12 @@ class _MsgspecTransport:
     as the in-process transport counts its codec's."""
 
     def __init__(self) -> None:
-        import msgspec
+        import importlib
+
         import torch
 
+        # Not a static import: msgspec is optional, and the type checker runs without it.
+        msgspec: Any = importlib.import_module("msgspec")
         self.bytes: Counter[tuple[str, str, str]] = Counter()
         self.codec_seconds = 0.0
         self._msgspec = msgspec
@@ -120,7 +123,7 @@ class _MsgspecTransport:
         }
         self._torch = {code: dtype for dtype, code in self._dtypes.items()}
 
-    def _layout(self, cls: type) -> tuple[Any, ...]:
+    def _layout(self, cls: Any) -> tuple[Any, ...]:
         """The class's field names, a getter of their values, the decoder of its fields, and
         which fields are tensors and floats."""
         import operator
