@@ -29,7 +29,7 @@ from secure_vfl.errors import ConfigError
 from secure_vfl.federation import wire
 from secure_vfl.federation.channel import capture_records, whole_records
 from secure_vfl.federation.messages import Message
-from secure_vfl.runs import columns
+from secure_vfl.runs import columns, padded
 
 _HEADER = frozenset(wire.HEADER_FIELDS)
 _ITEMS_SHOWN = 4  # a longer tuple shows its first items and its length
@@ -156,7 +156,8 @@ def _count(number: int, noun: str) -> str:
 def _show_row(*cells: object) -> str:
     """One line of ``show``: number, round, batch, kind, route, bytes and fields."""
     number, round, batch, kind, route, size, fields = cells
-    return f"{number:>6}  {round:>5}  {batch:>5}  {kind:<20} {route:<30} {size:>9}  {fields}"
+    route = padded(str(route), 30)  # names another party chose: in any script
+    return f"{number:>6}  {round:>5}  {batch:>5}  {kind:<20} {route} {size:>9}  {fields}"
 
 
 @dataclasses.dataclass

@@ -2391,9 +2391,10 @@ def _impute_privacy_config(args: argparse.Namespace) -> dict[str, Any]:
 def _impute_summary(result: Any, out: Path) -> str:
     """What ``impute`` prints: the RMSE per client and overall, the privacy, the result."""
     from secure_vfl.captures import name_text  # a client file's name chose it
+    from secure_vfl.runs import display_width, padded
 
     names = {name: name_text(name) for name in result.rmse_per_client}
-    width = max(20, *(len(name) + 2 for name in names.values()))
+    width = max(20, *(display_width(name) + 2 for name in names.values()))
     lines = [
         f"{result.method} on {result.dataset} ({len(result.clients)} clients) "
         f"in {result.wall_time_s:.1f} s",
@@ -2401,7 +2402,7 @@ def _impute_summary(result: Any, out: Path) -> str:
     ]
     for name, rmse in result.rmse_per_client.items():
         shown = "-" if rmse is None or rmse != rmse else f"{rmse:.4f}"  # no hidden entry: no score
-        lines.append(f"{names[name]:<{width}}{shown:>18}{result.hidden_per_client[name]:>16}")
+        lines.append(f"{padded(names[name], width)}{shown:>18}{result.hidden_per_client[name]:>16}")
     hidden = sum(result.hidden_per_client.values())
     lines.append(f"{'all clients':<{width}}{result.rmse:>18.4f}{hidden:>16}")
     lines.extend(_feature_lines(result))
@@ -2437,16 +2438,17 @@ def _feature_lines(result: Any) -> list[str]:
             "rmse_per_feature_in_units in result.json"
         ]
     from secure_vfl.captures import name_text  # a column's header chose it
+    from secure_vfl.runs import display_width, padded
 
     names = {feature: name_text(feature) for feature in features}
-    width = max(20, *(len(name) + 2 for name in names.values()))
+    width = max(20, *(display_width(name) + 2 for name in names.values()))
     lines = [f"{'feature':<{width}}{'RMSE (std units)':>18}{'RMSE (its units)':>18}{'hidden':>8}"]
     for feature, rmse in features.items():
         units = result.rmse_per_feature_in_units[feature]
         hidden = result.hidden_per_feature[feature]
         in_units = f"{units:.4g}" if abs(units) < 1e4 else f"{units:.0f}"  # no exponent
         shown = ("-", "-") if not hidden or rmse != rmse else (f"{rmse:.4f}", in_units)
-        lines.append(f"{names[feature]:<{width}}{shown[0]:>18}{shown[1]:>18}{hidden:>8}")
+        lines.append(f"{padded(names[feature], width)}{shown[0]:>18}{shown[1]:>18}{hidden:>8}")
     return lines
 
 

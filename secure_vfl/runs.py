@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import subprocess
+import unicodedata
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -361,15 +362,40 @@ def table(names: list[str], summaries: list[RunSummary]) -> str:
 
 def columns(rows: Sequence[Sequence[str]], *, right: Sequence[int] = ()) -> list[str]:
     """``rows`` (the first a heading) as lines of columns two spaces apart, each as wide as its
-    widest cell, those at the indices ``right`` aligned right, the others left."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    widest cell on a terminal (:func:`display_width`), those at the indices ``right`` aligned
+    right, the others left."""
+    widths = [max(display_width(row[i]) for row in rows) for i in range(len(rows[0]))]
     return [
         "  ".join(
-            cell.rjust(width) if i in right else cell.ljust(width)
+            padded(cell, width, right=i in right)
             for i, (cell, width) in enumerate(zip(row, widths, strict=True))
         ).rstrip()
         for row in rows
     ]
+
+
+def display_width(text: str) -> int:
+    """How many columns a terminal gives ``text``: two for each wide character (Chinese,
+    Japanese, Korean, most emoji), none for a combining mark or a format character, one for
+    any other. A name or a column header may be in any script; counting characters left the
+    columns after a wide one out of line."""
+    if text.isascii():
+        return len(text)
+    return sum(
+        0
+        if unicodedata.combining(char) or unicodedata.category(char) in ("Mn", "Me", "Cf")
+        else 2
+        if unicodedata.east_asian_width(char) in ("W", "F")
+        else 1
+        for char in text
+    )
+
+
+def padded(text: str, width: int, *, right: bool = False) -> str:
+    """``text`` with spaces to ``width`` terminal columns (:func:`display_width`), on its left
+    with ``right``, else on its right."""
+    fill = " " * max(0, width - display_width(text))
+    return fill + text if right else text + fill
 
 
 def _number(value: float) -> str:

@@ -743,3 +743,27 @@ def test_an_attacks_default_out_tells_seeds_its_control_and_defenses_apart(
         f"attack-{stem}-laser-breast-cancer-s0-secure-agg-masks",
         f"attack-{stem}-laser-breast-cancer-s1",
     ]
+
+
+def test_tables_keep_their_columns_in_line_after_wide_and_combining_characters() -> None:
+    from types import SimpleNamespace
+
+    from secure_vfl.cli import _feature_lines
+    from secure_vfl.runs import columns, display_width
+
+    assert [display_width(text) for text in ("ozone", "臭氧", "é", "e\u0301", "🙂", "")] == [
+        5, 4, 1, 1, 2, 0,
+    ]  # fmt: skip
+    lines = columns([["name", "rmse"], ["臭氧濃度", "0.5"], ["e\u0301t\u00e9", "0.25"]], right=[1])
+    # every row ends at the same terminal column: the right-aligned numbers line up
+    assert len({display_width(line) for line in lines}) == 1, lines
+    assert lines[1] == "臭氧濃度   0.5" and lines[2] == "e\u0301té" + " " * 7 + "0.25"
+    # impute's per-feature table, a feature named in Chinese among others
+    result = SimpleNamespace(
+        rmse_per_feature={"臭氧濃度": 0.5, "wind": 0.25},
+        rmse_per_feature_in_units={"臭氧濃度": 2.0, "wind": 1.0},
+        hidden_per_feature={"臭氧濃度": 3, "wind": 4},
+    )
+    table = _feature_lines(result)
+    assert len({display_width(line) for line in table}) == 1, table
+    assert table[1].startswith("臭氧濃度" + " " * 24 + "0.5000")
