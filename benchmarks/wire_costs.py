@@ -102,7 +102,7 @@ class _MsgspecTransport:
     def __init__(self) -> None:
         import importlib
 
-        import torch
+        from secure_vfl.federation import wire
 
         # Not a static import: msgspec is optional, and the type checker runs without it.
         msgspec: Any = importlib.import_module("msgspec")
@@ -112,15 +112,8 @@ class _MsgspecTransport:
         self._encoder = msgspec.msgpack.Encoder()
         self._kind = msgspec.msgpack.Decoder(tuple[str, msgspec.Raw])
         self._classes: dict[str, Any] = {}  # by kind: the class and how to decode it
-        self._dtypes = {
-            torch.float32: 1,
-            torch.float64: 2,
-            torch.int64: 3,
-            torch.int32: 4,
-            torch.uint64: 5,
-            torch.uint8: 6,
-            torch.bool: 7,
-        }
+        # The codec's own dtype codes.
+        self._dtypes = {dtype: spec.code for dtype, spec in wire._DTYPE_BY_TORCH.items()}
         self._torch = {code: dtype for dtype, code in self._dtypes.items()}
 
     def _layout(self, cls: Any) -> tuple[Any, ...]:
