@@ -48,28 +48,36 @@ def package_version() -> str:
 
 def provenance() -> dict[str, Any]:
     """The package version and, when the code runs from a git checkout of this project, the
-    commit it runs from (None otherwise: an installed package, or no git)."""
-    return {"version": package_version(), "git_commit": _git_commit()}
+    commit it runs from and whether its tracked files differ from that commit (both None
+    otherwise: an installed package, or no git). A run from edited code named only its commit,
+    as if it were that commit's."""
+    commit, modified = git_state(Path(__file__).resolve().parent.parent)
+    return {"version": package_version(), "git_commit": commit, "git_modified": modified}
 
 
-def _git_commit() -> str | None:
-    """``git rev-parse HEAD`` of the checkout holding this package, if it is one whose top
-    level holds ``secure_vfl/`` (not, say, a project whose virtualenv holds the package)."""
-    source = Path(__file__).resolve().parent.parent
+def git_state(source: Path) -> tuple[str | None, bool | None]:
+    """``git rev-parse HEAD`` of the checkout whose top level is ``source`` (not, say, a
+    project whose virtualenv holds the package), and whether a tracked file differs from it
+    (staged or not; files git does not track do not count); (None, None) where there is none."""
     try:
-        answer = subprocess.run(
-            ["git", "-C", str(source), "rev-parse", "--show-toplevel", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=True,
-        )
+        answer = _git(source, "rev-parse", "--show-toplevel", "HEAD")
+        lines = answer.split()
+        if len(lines) != 2 or Path(lines[0]).resolve() != source:
+            return None, None
+        changes = _git(source, "status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
-        return None
-    lines = answer.stdout.split()
-    if len(lines) != 2 or Path(lines[0]).resolve() != source:
-        return None
-    return lines[1]
+        return None, None
+    return lines[1], bool(changes.strip())
+
+
+def _git(source: Path, *command: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(source), *command],
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=True,
+    ).stdout
 
 
 @dataclass(frozen=True)

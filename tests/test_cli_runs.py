@@ -91,8 +91,41 @@ def test_the_store_keeps_one_row_per_run_directory_and_its_provenance(tmp_path: 
             [git, "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True
         ).stdout.strip()
         assert row["git_commit"] == head == result["provenance"]["git_commit"]
+        changed = subprocess.run(
+            [git, "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+        ).stdout
+        assert result["provenance"]["git_modified"] is bool(changed)
     else:
-        assert row["git_commit"] is None
+        assert row["git_commit"] is None and result["provenance"]["git_modified"] is None
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_provenance_says_when_the_code_differs_from_its_commit(tmp_path: Path) -> None:
+    from secure_vfl.runs import git_state
+
+    def git(*command: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *command],
+            capture_output=True, text=True, check=True,
+        ).stdout.strip()  # fmt: skip
+
+    assert git_state(tmp_path) == (None, None)  # not a checkout
+    git("init", "-q")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", "code.py")
+    git("commit", "-q", "-m", "first")
+    head = git("rev-parse", "HEAD")
+    assert git_state(tmp_path) == (head, False)
+    (tmp_path / "notes.txt").write_text("not tracked\n")
+    assert git_state(tmp_path) == (head, False)  # untracked files do not count
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert git_state(tmp_path) == (head, True)
+    git("add", "code.py")  # staged is still not the commit
+    assert git_state(tmp_path) == (head, True)
+    (tmp_path / "inner").mkdir()  # a folder inside a checkout is not its top level
+    assert git_state(tmp_path / "inner") == (None, None)
 
 
 def _entry(seed: int) -> dict[str, Any]:
