@@ -46,6 +46,7 @@ from sklearn.datasets import load_digits
 
 from secure_vfl.cli import main as secure_vfl
 from secure_vfl.cli import positive_float, positive_int, seed
+from secure_vfl.runs import columns as table_columns
 
 PARTIES = 4
 HELD = 0.9  # share of the customers each data party holds
@@ -158,13 +159,9 @@ def report(results: dict[str, tuple[dict[str, Any], float]], agg: str) -> str:
         "time (training)",
         "  of which protection",
     ]
-    columns = [column(result, seconds) for result, seconds in results.values()]
-    width = max(len(n) for n in names) + 2
-    cell = max(len(c) for c in [*results, *(c for col in columns for c in col)]) + 2
-    lines = [f"{'':<{width}}" + "".join(f"{name:<{cell}}" for name in results)]
-    for i, name in enumerate(names):
-        lines.append(f"{name:<{width}}" + "".join(f"{col[i]:<{cell}}" for col in columns))
-    return "\n".join(lines)
+    cells = [column(result, seconds) for result, seconds in results.values()]
+    rows = [["", *results], *([name, *(cell[i] for cell in cells)] for i, name in enumerate(names))]
+    return "\n".join(table_columns(rows))
 
 
 if __name__ == "__main__":
