@@ -397,6 +397,38 @@ def test_a_peer_whose_certificate_this_party_refuses_is_given_up_at_once(
         assert "failed, which no retry changes" in message and said in message, message
 
 
+@pytest.mark.processes
+def test_a_refused_handshake_is_said_once_not_also_by_grpcs_own_log(
+    certs: Path, other_ca: Path
+) -> None:
+    """gRPC's core printed its own INFO line ("Handshake failed with error SSL_ERROR_SSL ...")
+    beside the party's error that names the peer and what to check. In a fresh interpreter
+    (gRPC reads its verbosity when first imported), with no GRPC_VERBOSITY of the user's."""
+    program = f"""
+from pathlib import Path
+from secure_vfl.federation.certificates import TlsIdentity
+from secure_vfl.federation.network import PartyEndpoint
+def identity(directory, name):
+    d = Path(directory)
+    return TlsIdentity.from_files(d / "ca.pem", d / f"{{name}}.pem", d / f"{{name}}.key")
+with PartyEndpoint("shop", identity=identity({str(certs)!r}, "shop")) as shop, PartyEndpoint(
+    "bank", identity=identity({str(other_ca)!r}, "bank"), peers={{"shop": shop.address}}
+) as bank:
+    print("unreachable:", bank.await_peers(["shop"], 30.0))
+"""
+    env = {key: value for key, value in os.environ.items() if key != "GRPC_VERBOSITY"}
+    done = subprocess.run(
+        [sys.executable, "-c", program],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**env, "PYTHONPATH": str(ROOT)},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "unreachable: ['shop']"  # the handshake was refused
+    assert "Handshake failed" not in done.stderr, done.stderr
+
+
 def test_a_peer_not_listening_yet_is_waited_for(certs: Path) -> None:
     """A refused connection (nothing listens there yet) is not a refused certificate."""
     with PartyEndpoint("bank", identity=_identity(certs, "bank")) as bank:

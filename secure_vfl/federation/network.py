@@ -84,6 +84,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import queue
 import re
 import secrets
@@ -95,6 +96,12 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
 from typing import TYPE_CHECKING, Any, BinaryIO, NoReturn
+
+# gRPC's core prints a failed TLS handshake as an INFO line of its own ("Handshake failed with
+# error SSL_ERROR_SSL ...") on the operator's terminal, beside this module's error that says
+# which party failed and what to check. Its errors still print; a GRPC_VERBOSITY the user set
+# wins. Read when gRPC is first imported: this module is the only one that imports it.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 import grpc
 
