@@ -109,10 +109,17 @@ def _check_kinds(kinds: Sequence[str]) -> None:
             )
 
 
-def show_lines(path: Path, *, kinds: Sequence[str] = (), party: str | None = None) -> Iterator[str]:
+def show_lines(
+    path: Path,
+    *,
+    kinds: Sequence[str] = (),
+    party: str | None = None,
+    rounds: tuple[int, int] | None = None,
+) -> Iterator[str]:
     """``secure-vfl capture show``: a line per message of the capture ``path`` in the order
-    it recorded them, numbered from 1, those of ``kinds`` only (empty: all) and sent or received
-    by ``party`` only (None: any); a line naming each session where it changes to another one;
+    it recorded them, numbered from 1, those of ``kinds`` only (empty: all), sent or received
+    by ``party`` only (None: any) and of the rounds ``rounds`` (first, last; None: all); a line
+    naming each session where it changes to another one;
     then how many messages and bytes there were. ConfigError, after the lines, where ``party``
     sent and received nothing in the file (naming the parties that did)."""
     _check_kinds(kinds)
@@ -128,6 +135,8 @@ def show_lines(path: Path, *, kinds: Sequence[str] = (), party: str | None = Non
             continue
         if party is not None and party not in (message.sender, message.receiver):
             continue
+        if rounds is not None and not rounds[0] <= message.round <= rounds[1]:
+            continue
         if message.session and message.session != session:  # deployment control has none
             session = message.session
             yield f"session {wire.shown(session)}:"
@@ -137,7 +146,8 @@ def show_lines(path: Path, *, kinds: Sequence[str] = (), party: str | None = Non
         yield _show_row(
             number, message.round, message.batch_id, message.kind, route, size, content(message)
         )
-    counted = f"{shown} of {_count(total, 'message')}" if kinds or party is not None else ""
+    filtered = kinds or party is not None or rounds is not None
+    counted = f"{shown} of {_count(total, 'message')}" if filtered else ""
     yield f"{counted or _count(total, 'message')}, {byte_size(shown_bytes)} encoded."
     yield from _after_records(torn)
     if party is not None and party not in parties:

@@ -126,6 +126,20 @@ share = _number(float, "a share in (0, 1]", lambda v: 0 < v <= 1)
 open_probability = _number(float, "a probability in (0, 1)", lambda v: 0 < v < 1)
 
 
+def round_range(text: str) -> tuple[int, int]:
+    """``N`` or ``A-B`` (rounds A to B, both included) as (first, last)."""
+    first, dash, last = text.partition("-")
+    try:
+        bounds = (int(first), int(last) if dash else int(first))
+    except ValueError:
+        bounds = (-1, -1)
+    if min(bounds) < 0 or bounds[0] > bounds[1]:
+        raise argparse.ArgumentTypeError(
+            f"expected a round N or rounds A-B (integers, 0 <= A <= B), found {text!r}"
+        )
+    return bounds
+
+
 def noise_spec(text: str) -> tuple[float, float]:
     from protocols.dp import parse_noise
 
@@ -1076,6 +1090,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--party",
         metavar="NAME",
         help="only messages this party sent or received (default: every party's)",
+    )
+    capture_show.add_argument(
+        "--rounds",
+        type=round_range,
+        metavar="N|A-B",
+        help="only messages of round N, or of rounds A to B (a training step's round; default: "
+        "every round)",
     )
     capture_summary = capture_commands.add_parser(
         "summary",
@@ -2837,7 +2858,7 @@ def run_capture(args: argparse.Namespace) -> int:
     if args.capture_command == "summary":
         print("\n".join(summary_lines(args.file)))
         return 0
-    for line in show_lines(args.file, kinds=args.kind, party=args.party):
+    for line in show_lines(args.file, kinds=args.kind, party=args.party, rounds=args.rounds):
         print(line)
     return 0
 

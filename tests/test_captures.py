@@ -100,6 +100,31 @@ def test_show_keeps_the_kinds_and_the_party_asked_for(
         list(show_lines(path, kinds=["sums"]))
 
 
+def test_show_keeps_the_rounds_asked_for(
+    laser_capture: tuple[Path, RecordingLayer], capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, _ = laser_capture
+    messages = list(read_capture(path))
+    for first, last in ((2, 2), (1, 3)):
+        expected = [m for m in messages if first <= m.round <= last]
+        rows = _message_lines(list(show_lines(path, rounds=(first, last))))
+        assert 0 < len(rows) == len(expected) < len(messages)
+        assert {int(r["round"]) for r in rows} == set(range(first, last + 1))
+    assert main(["capture", "show", str(path), "--rounds", "1-3", "--kind", "sum"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    sums = [m for m in messages if 1 <= m.round <= 3 and m.kind == "sum"]
+    assert out[-1].startswith(f"{len(sums)} of {len(messages)} messages, ")
+    for bad in ("3-1", "-1", "a", "1-", "2.5"):
+        with pytest.raises(SystemExit) as refused:
+            main(["capture", "show", str(path), "--rounds", bad])
+        assert refused.value.code == 2
+        err = capsys.readouterr().err
+        assert (
+            f"--rounds: expected a round N or rounds A-B (integers, 0 <= A <= B), found {bad!r}"
+            in err
+        )
+
+
 def test_summary_counts_every_flow_and_what_each_party_sent_and_received(
     laser_capture: tuple[Path, RecordingLayer],
 ) -> None:
