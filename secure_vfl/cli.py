@@ -127,12 +127,11 @@ open_probability = _number(float, "a probability in (0, 1)", lambda v: 0 < v < 1
 
 
 def round_range(text: str) -> tuple[int, int]:
-    """``N`` or ``A-B`` (rounds A to B, both included) as (first, last)."""
-    first, dash, last = text.partition("-")
-    try:
-        bounds = (int(first), int(last) if dash else int(first))
-    except ValueError:
-        bounds = (-1, -1)
+    """``N`` or ``A-B`` (rounds A to B, both included; ASCII digits only) as (first, last)."""
+    import re
+
+    found = re.fullmatch(r"([0-9]{1,18})(?:-([0-9]{1,18}))?", text)
+    bounds = (int(found[1]), int(found[2] or found[1])) if found else (-1, -1)
     if min(bounds) < 0 or bounds[0] > bounds[1]:
         raise argparse.ArgumentTypeError(
             f"expected a round N or rounds A-B (integers, 0 <= A <= B), found {text!r}"
@@ -1095,8 +1094,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds",
         type=round_range,
         metavar="N|A-B",
-        help="only messages of round N, or of rounds A to B (a training step's round; default: "
-        "every round)",
+        help="only messages of round N, or of rounds A to B (default: every round); training "
+        "steps count rounds from 0, and so do prediction passes and a deployment's set-up "
+        "messages, each their own",
     )
     capture_summary = capture_commands.add_parser(
         "summary",

@@ -58,15 +58,20 @@ def provenance() -> dict[str, Any]:
 def git_state(source: Path) -> tuple[str | None, bool | None]:
     """``git rev-parse HEAD`` of the checkout whose top level is ``source`` (not, say, a
     project whose virtualenv holds the package), and whether a tracked file differs from it
-    (staged or not; files git does not track do not count); (None, None) where there is none."""
+    (staged or not; files git does not track do not count; None where git cannot tell);
+    (None, None) where there is no such checkout. Reads only: git takes no lock on the index
+    (a ``git add`` the user runs meanwhile is not refused)."""
+    source = source.resolve()
     try:
-        answer = _git(source, "rev-parse", "--show-toplevel", "HEAD")
-        lines = answer.split()
-        if len(lines) != 2 or Path(lines[0]).resolve() != source:
-            return None, None
-        changes = _git(source, "status", "--porcelain", "--untracked-files=no")
+        lines = _git(source, "rev-parse", "--show-toplevel", "HEAD").splitlines()
     except (OSError, subprocess.SubprocessError):
         return None, None
+    if len(lines) != 2 or Path(lines[0]).resolve() != source:
+        return None, None
+    try:
+        changes = _git(source, "--no-optional-locks", "status", "--porcelain", "-uno")
+    except (OSError, subprocess.SubprocessError):
+        return lines[1], None
     return lines[1], bool(changes.strip())
 
 
@@ -384,19 +389,21 @@ def columns(rows: Sequence[Sequence[str]], *, right: Sequence[int] = ()) -> list
 
 def display_width(text: str) -> int:
     """How many columns a terminal gives ``text``: two for each wide character (Chinese,
-    Japanese, Korean, most emoji), none for a combining mark or a format character, one for
-    any other. A name or a column header may be in any script; counting characters left the
-    columns after a wide one out of line."""
+    Japanese, Korean, most emoji), none for a combining mark, a format character or a Korean
+    vowel or final consonant that joins the letter before it (Hangul written as letters, as
+    macOS names files), one for any other. A name or a column header may be in any script;
+    counting characters left the columns after a wide one out of line."""
     if text.isascii():
         return len(text)
-    return sum(
-        0
-        if unicodedata.combining(char) or unicodedata.category(char) in ("Mn", "Me", "Cf")
-        else 2
-        if unicodedata.east_asian_width(char) in ("W", "F")
-        else 1
-        for char in text
-    )
+    return sum(_char_width(char) for char in unicodedata.normalize("NFC", text))
+
+
+def _char_width(char: str) -> int:
+    if unicodedata.combining(char) or unicodedata.category(char) in ("Mn", "Me", "Cf"):
+        return 0
+    if "\u1160" <= char <= "\u11ff" or "\ud7b0" <= char <= "\ud7ff":  # Hangul jungseong, jongseong
+        return 0
+    return 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
 
 
 def padded(text: str, width: int, *, right: bool = False) -> str:

@@ -114,7 +114,7 @@ def test_show_keeps_the_rounds_asked_for(
     out = capsys.readouterr().out.splitlines()
     sums = [m for m in messages if 1 <= m.round <= 3 and m.kind == "sum"]
     assert out[-1].startswith(f"{len(sums)} of {len(messages)} messages, ")
-    for bad in ("3-1", "-1", "a", "1-", "2.5"):
+    for bad in ("3-1", "-1", "a", "1-", "2.5", " 1", "+1", "1_000", "1-2-3", "\u0661"):
         with pytest.raises(SystemExit) as refused:
             main(["capture", "show", str(path), "--rounds", bad])
         assert refused.value.code == 2

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import sqlite3
 import subprocess
+import time
+import unicodedata
 from pathlib import Path
 from typing import Any
 
@@ -105,27 +108,38 @@ def test_the_store_keeps_one_row_per_run_directory_and_its_provenance(tmp_path: 
 def test_provenance_says_when_the_code_differs_from_its_commit(tmp_path: Path) -> None:
     from secure_vfl.runs import git_state
 
+    checkout = tmp_path / "a checkout"  # a space in its path read as two paths: no commit
+
     def git(*command: str) -> str:
         return subprocess.run(
-            ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *command],
+            ["git", "-C", str(checkout), "-c", "user.name=t", "-c", "user.email=t@t", *command],
             capture_output=True, text=True, check=True,
         ).stdout.strip()  # fmt: skip
 
-    assert git_state(tmp_path) == (None, None)  # not a checkout
+    checkout.mkdir()
+    assert git_state(checkout) == (None, None)  # not a checkout
     git("init", "-q")
-    (tmp_path / "code.py").write_text("x = 1\n")
+    (checkout / "code.py").write_text("x = 1\n")
     git("add", "code.py")
     git("commit", "-q", "-m", "first")
     head = git("rev-parse", "HEAD")
-    assert git_state(tmp_path) == (head, False)
-    (tmp_path / "notes.txt").write_text("not tracked\n")
-    assert git_state(tmp_path) == (head, False)  # untracked files do not count
-    (tmp_path / "code.py").write_text("x = 2\n")
-    assert git_state(tmp_path) == (head, True)
+    assert git_state(checkout) == (head, False)
+    (checkout / "notes.txt").write_text("not tracked\n")
+    assert git_state(checkout) == (head, False)  # untracked files do not count
+    index = checkout / ".git" / "index"
+    before = index.stat().st_mtime_ns
+    time.sleep(0.05)
+    os.utime(checkout / "code.py")  # same content, newer time: git would refresh its index
+    assert git_state(checkout) == (head, False)
+    assert index.stat().st_mtime_ns == before  # read only: a user's `git add` is never locked out
+    (checkout / "code.py").write_text("x = 2\n")
+    assert git_state(checkout) == (head, True)
     git("add", "code.py")  # staged is still not the commit
-    assert git_state(tmp_path) == (head, True)
-    (tmp_path / "inner").mkdir()  # a folder inside a checkout is not its top level
-    assert git_state(tmp_path / "inner") == (None, None)
+    assert git_state(checkout) == (head, True)
+    (checkout / "inner").mkdir()  # a folder inside a checkout is not its top level
+    assert git_state(checkout / "inner") == (None, None)
+    index.write_bytes(b"not an index")  # git cannot tell what changed: the commit still holds
+    assert git_state(checkout) == (head, None)
 
 
 def _entry(seed: int) -> dict[str, Any]:
@@ -784,9 +798,9 @@ def test_tables_keep_their_columns_in_line_after_wide_and_combining_characters()
     from secure_vfl.cli import _feature_lines
     from secure_vfl.runs import columns, display_width
 
-    assert [display_width(text) for text in ("ozone", "臭氧", "é", "e\u0301", "🙂", "")] == [
-        5, 4, 1, 1, 2, 0,
-    ]  # fmt: skip
+    korean = unicodedata.normalize("NFD", "한국어")  # as letters (macOS file names): 8 of them
+    texts = ("ozone", "臭氧", "é", "e\u0301", "🙂", "", korean)
+    assert [display_width(text) for text in texts] == [5, 4, 1, 1, 2, 0, 6]
     lines = columns([["name", "rmse"], ["臭氧濃度", "0.5"], ["e\u0301t\u00e9", "0.25"]], right=[1])
     # every row ends at the same terminal column: the right-aligned numbers line up
     assert len({display_width(line) for line in lines}) == 1, lines
