@@ -29,7 +29,7 @@ from secure_vfl.errors import ConfigError
 from secure_vfl.federation import wire
 from secure_vfl.federation.channel import capture_records, whole_records
 from secure_vfl.federation.messages import Message
-from secure_vfl.runs import columns, padded
+from secure_vfl.runs import columns, name_text, padded
 
 _HEADER = frozenset(wire.HEADER_FIELDS)
 _ITEMS_SHOWN = 4  # a longer tuple shows its first items and its length
@@ -51,13 +51,6 @@ def field_text(value: object) -> str:
             items.append(f"... {len(value)} items")
         return f"({', '.join(items)}{',' if len(value) == 1 else ''})"
     return wire.shown(value)
-
-
-def name_text(name: str) -> str:
-    """A party's, a client's or a feature's name as a table prints it: every character a
-    terminal would act on escaped, line breaks and tabs too (another party, a file's name or a
-    column's header chose it)."""
-    return name if name.isprintable() else repr(name)[1:-1]
 
 
 def content(message: Message) -> str:

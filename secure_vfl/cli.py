@@ -2411,8 +2411,7 @@ def _impute_privacy_config(args: argparse.Namespace) -> dict[str, Any]:
 
 def _impute_summary(result: Any, out: Path) -> str:
     """What ``impute`` prints: the RMSE per client and overall, the privacy, the result."""
-    from secure_vfl.captures import name_text  # a client file's name chose it
-    from secure_vfl.runs import display_width, padded
+    from secure_vfl.runs import display_width, name_text, padded  # a client file's name chose it
 
     names = {name: name_text(name) for name in result.rmse_per_client}
     width = max(20, *(display_width(name) + 2 for name in names.values()))
@@ -2458,8 +2457,7 @@ def _feature_lines(result: Any) -> list[str]:
             f"RMSE per feature ({len(features)} features): rmse_per_feature and "
             "rmse_per_feature_in_units in result.json"
         ]
-    from secure_vfl.captures import name_text  # a column's header chose it
-    from secure_vfl.runs import display_width, padded
+    from secure_vfl.runs import display_width, name_text, padded  # a column's header chose it
 
     names = {feature: name_text(feature) for feature in features}
     width = max(20, *(display_width(name) + 2 for name in names.values()))

@@ -376,15 +376,24 @@ def table(names: list[str], summaries: list[RunSummary]) -> str:
 def columns(rows: Sequence[Sequence[str]], *, right: Sequence[int] = ()) -> list[str]:
     """``rows`` (the first a heading) as lines of columns two spaces apart, each as wide as its
     widest cell on a terminal (:func:`display_width`), those at the indices ``right`` aligned
-    right, the others left."""
-    widths = [max(display_width(row[i]) for row in rows) for i in range(len(rows[0]))]
+    right, the others left; a cell's characters a terminal would act on escaped
+    (:func:`name_text`: a run's directory, a party's name may hold any)."""
+    cells = [[name_text(cell) for cell in row] for row in rows]
+    widths = [max(display_width(row[i]) for row in cells) for i in range(len(cells[0]))]
     return [
         "  ".join(
             padded(cell, width, right=i in right)
             for i, (cell, width) in enumerate(zip(row, widths, strict=True))
         ).rstrip()
-        for row in rows
+        for row in cells
     ]
+
+
+def name_text(name: str) -> str:
+    """A party's, a client's, a feature's or a run's name as a table prints it: every character
+    a terminal would act on escaped, line breaks and tabs too (another party, a file's name or a
+    column's header chose it)."""
+    return name if name.isprintable() else repr(name)[1:-1]
 
 
 def display_width(text: str) -> int:

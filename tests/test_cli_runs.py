@@ -805,6 +805,9 @@ def test_tables_keep_their_columns_in_line_after_wide_and_combining_characters()
     # every row ends at the same terminal column: the right-aligned numbers line up
     assert len({display_width(line) for line in lines}) == 1, lines
     assert lines[1] == "臭氧濃度   0.5" and lines[2] == "e\u0301té" + " " * 7 + "0.25"
+    # a cell a terminal would act on (a run directory's name, a party's) is escaped
+    escaped = columns([["run", "time"], ["x\x1b[2J\nrm", "1.0"]])
+    assert escaped[1] == "x\\x1b[2J\\nrm  1.0" and all(line.isprintable() for line in escaped)
     # impute's per-feature table, a feature named in Chinese among others
     result = SimpleNamespace(
         rmse_per_feature={"臭氧濃度": 0.5, "wind": 0.25},
