@@ -179,10 +179,12 @@ class _Flow:
         self.last_round = max(self.last_round, round)
 
 
-def summary_lines(path: Path) -> list[str]:
+def summary_lines(path: Path, *, rounds: tuple[int, int] | None = None) -> list[str]:
     """``secure-vfl capture summary``: the messages and bytes of the capture ``path`` by sender,
-    receiver and kind (with the rounds they span), then what each party sent and received."""
+    receiver and kind (with the rounds they span), then what each party sent and received; of
+    the rounds ``rounds`` only (first, last; None: all)."""
     records, torn = _records(path)
+    every = 0
     flows: dict[tuple[str, str, str], _Flow] = {}
     sent: Counter[str] = Counter()
     received: Counter[str] = Counter()
@@ -190,6 +192,9 @@ def summary_lines(path: Path) -> list[str]:
     received_bytes: Counter[str] = Counter()
     sessions: set[str] = set()
     for size, message in records:
+        every += 1
+        if rounds is not None and not rounds[0] <= message.round <= rounds[1]:
+            continue
         key = (message.sender, message.receiver, message.kind)
         flows.setdefault(key, _Flow()).add(size, message.round)
         sent[message.sender] += 1
@@ -200,20 +205,24 @@ def summary_lines(path: Path) -> list[str]:
             sessions.add(message.session)
     total = sum(flow.messages for flow in flows.values())
     size = sum(flow.bytes for flow in flows.values())
-    lines = [
-        f"{path}: {_count(total, 'message')}, {byte_size(size)} encoded, "
-        f"{_count(len(sessions), 'session')}."
-    ]
+    if rounds is None:
+        counted = _count(total, "message")
+    else:
+        shown = (
+            f"round {rounds[0]}" if rounds[0] == rounds[1] else f"rounds {rounds[0]}-{rounds[1]}"
+        )
+        counted = f"{total} of {_count(every, 'message')} ({shown})"
+    lines = [f"{path}: {counted}, {byte_size(size)} encoded, {_count(len(sessions), 'session')}."]
     if flows:
         rows = [("sender -> receiver", "kind", "messages", "bytes", "rounds")]
         for (sender, receiver, kind), flow in sorted(flows.items()):
-            rounds = (
+            span = (
                 str(flow.last_round)
                 if flow.first_round == flow.last_round
                 else f"{flow.first_round}-{flow.last_round}"
             )
             route = f"{name_text(sender)} -> {name_text(receiver)}"
-            rows.append((route, kind, str(flow.messages), byte_size(flow.bytes), rounds))
+            rows.append((route, kind, str(flow.messages), byte_size(flow.bytes), span))
         lines += ["", *columns(rows, right=(2, 3))]
         parties = sorted(set(sent) | set(received))
         rows = [("party", "sent", "sent bytes", "received", "received bytes")]

@@ -1103,6 +1103,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="messages and bytes by sender, receiver and kind, and per party",
     )
     capture_summary.add_argument("file", type=existing_file, metavar="FILE", help="a capture file")
+    capture_summary.add_argument(
+        "--rounds",
+        type=round_range,
+        metavar="N|A-B",
+        help="only the messages of round N, or of rounds A to B (default: every round), as "
+        "for show",
+    )
     certs = commands.add_parser(
         "certs", help="certificates for mutual TLS between parties: make a set, or check one"
     )
@@ -2854,7 +2861,7 @@ def run_capture(args: argparse.Namespace) -> int:
     from secure_vfl.captures import show_lines, summary_lines
 
     if args.capture_command == "summary":
-        print("\n".join(summary_lines(args.file)))
+        print("\n".join(summary_lines(args.file, rounds=args.rounds)))
         return 0
     for line in show_lines(args.file, kinds=args.kind, party=args.party, rounds=args.rounds):
         print(line)

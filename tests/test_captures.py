@@ -110,6 +110,14 @@ def test_show_keeps_the_rounds_asked_for(
         rows = _message_lines(list(show_lines(path, rounds=(first, last))))
         assert 0 < len(rows) == len(expected) < len(messages)
         assert {int(r["round"]) for r in rows} == set(range(first, last + 1))
+    # summary: the same rounds' messages, and bytes, counted by flow and by party
+    round_2 = [m for m in read_capture(path) if m.round == 2]
+    summary = summary_lines(path, rounds=(2, 2))
+    assert summary[0].startswith(f"{path}: {len(round_2)} of {len(messages)} messages (round 2), ")
+    heading = next(i for i, line in enumerate(summary) if line.startswith("party "))
+    sent = {line.split()[0]: int(line.split()[1]) for line in summary[heading + 1 :]}
+    senders = Counter(m.sender for m in round_2)
+    assert sent == {name: senders[name] for name in sent} and set(senders) <= set(sent)
     assert main(["capture", "show", str(path), "--rounds", "1-3", "--kind", "sum"]) == 0
     out = capsys.readouterr().out.splitlines()
     sums = [m for m in messages if 1 <= m.round <= 3 and m.kind == "sum"]
