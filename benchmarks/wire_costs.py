@@ -97,7 +97,8 @@ class _MsgspecTransport:
     message built and validated as the codec does. What it does not do that the codec does: a
     canonical encoding (msgpack has several for one value), the header's magic and version, the
     byte-count bounds checked before anything is allocated. ``codec_seconds`` counts all of it,
-    as the in-process transport counts its codec's."""
+    as the in-process transport counts its codec's. Its run must train the same model as the
+    copies' run (the same predictions after the same steps), or the benchmark stops."""
 
     def __init__(self) -> None:
         import importlib
@@ -271,11 +272,15 @@ def measure(heads: str, *, steps: int, repeats: int) -> dict[str, Any]:
     assert counter.kept is not None
     warm_ms = 1000 * back_to_back_seconds(counter.kept, repeats=max(5, repeats))
     copies = _steps(heads, _CopyingTransport(), _MessageCounter(), steps=steps, repeats=repeats)
-    library = (
-        _steps(heads, _MsgspecTransport(), _MessageCounter(), steps=steps, repeats=repeats)
-        if _has_msgspec()
-        else {"step_ms": None, "codec_ms": None, "share": None}
-    )
+    library: dict[str, Any] = {"step_ms": None, "codec_ms": None, "share": None}
+    if _has_msgspec():
+        library = _steps(
+            heads, _MsgspecTransport(), _MessageCounter(), steps=steps, repeats=repeats
+        )
+        # The same steps trained the same model: a like-for-like timing.
+        same = [run["method"].predict_proba("mcar:0") for run in (copies, library)]
+        if not np.array_equal(*same):
+            raise AssertionError(f"heads {heads}: msgspec's run trained another model")
     return {
         "heads": heads,
         "steps": steps,
