@@ -29,7 +29,7 @@ from secure_vfl.errors import ConfigError, OutputError
 from secure_vfl.io import check_directory, file_kind
 from secure_vfl.runs import provenance, summarise
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -51,11 +51,13 @@ CREATE TABLE IF NOT EXISTS runs (
     wall_time_s REAL NOT NULL,
     out_dir TEXT,
     parties TEXT,
-    checkpoints TEXT
+    checkpoints TEXT,
+    git_modified TEXT
 )
 """
-_ADDED_COLUMNS = ("parties", "checkpoints")
-"""The columns added since schema 2 (in order), each empty for the rows written before."""
+_ADDED_COLUMNS = ("parties", "checkpoints", "git_modified")
+"""The columns added since schema 2 (in order: 3, 4, 5), each empty for the rows written before
+(JSON text: ``git_modified`` is ``true`` or ``false``, empty where git could not tell)."""
 
 _FIRST_COLUMNS = {
     "id",
@@ -86,7 +88,7 @@ def run_key(out_dir: Path | None, entry: str = "") -> str:
 _INSERT = (
     "INSERT INTO runs (run_key, created_at, kind, method, dataset, seed, backend, dp, epsilon, "
     "epsilon_max, version, git_commit, config, metrics, wall_time_s, out_dir, parties, "
-    "checkpoints) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "checkpoints, git_modified) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 
 
@@ -119,6 +121,7 @@ def _row(result: dict[str, Any], *, kind: str, out_dir: Path | None, entry: str)
         _stored_dir(out_dir) if out_dir is not None else None,
         json.dumps(result["parties"], sort_keys=True) if result.get("parties") else None,
         json.dumps(result["checkpoints"], sort_keys=True) if result.get("checkpoints") else None,
+        None if origin.get("git_modified") is None else json.dumps(origin["git_modified"]),
     )
 
 
@@ -201,7 +204,7 @@ class ResultsStore:
 
     def _prepare(self, connection: sqlite3.Connection, *, create: bool = True) -> None:
         """Create the table (unless ``create`` is False), or migrate an older schema (the first:
-        rewritten; the second and third: the columns they lack added, empty for their rows);
+        rewritten; the second to the fourth: the columns they lack added, empty for their rows);
         refuse what this code cannot read, and a database of other tables, which another program
         wrote."""
         version = int(connection.execute("PRAGMA user_version").fetchone()[0])
@@ -237,7 +240,7 @@ class ResultsStore:
             return
         if "run_key" in columns:
             missing = [column for column in _ADDED_COLUMNS if column not in columns]
-            if missing:  # schema 2 or 3: what was not kept stays empty for their rows
+            if missing:  # schema 2 to 4: what was not kept stays empty for their rows
                 with connection:
                     for column in missing:
                         connection.execute(f"ALTER TABLE runs ADD COLUMN {column} TEXT")

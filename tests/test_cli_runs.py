@@ -99,9 +99,10 @@ def test_the_store_keeps_one_row_per_run_directory_and_its_provenance(tmp_path: 
             capture_output=True,
             text=True,
         ).stdout
-        assert result["provenance"]["git_modified"] is bool(changed)
+        assert result["provenance"]["git_modified"] is bool(changed) is row["git_modified"]
     else:
         assert row["git_commit"] is None and result["provenance"]["git_modified"] is None
+        assert row["git_modified"] is None
 
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
@@ -283,8 +284,8 @@ def test_a_first_schema_store_is_migrated_in_place(tmp_path: Path) -> None:
     assert [r["backend"] for r in store.rows()] == ["masks"]
 
 
-@pytest.mark.parametrize("schema", [2, 3])
-def test_a_second_or_third_schema_store_gains_its_missing_columns_in_place(
+@pytest.mark.parametrize("schema", [2, 3, 4])
+def test_a_second_to_fourth_schema_store_gains_its_missing_columns_in_place(
     tmp_path: Path, schema: int
 ) -> None:
     path = tmp_path / "results.sqlite"
@@ -299,8 +300,11 @@ def test_a_second_or_third_schema_store_gains_its_missing_columns_in_place(
         "checkpoints": {"every": 5, "resumed_from_step": 10},
     }
     store.add(result, kind="train", out_dir=tmp_path / "old")
-    with sqlite3.connect(path) as connection:  # schema 2 kept neither; 3 no checkpoints
-        connection.execute("ALTER TABLE runs DROP COLUMN checkpoints")
+    # schema 2 kept no parties, 3 no checkpoints, 4 not whether the code was the commit's
+    with sqlite3.connect(path) as connection:
+        connection.execute("ALTER TABLE runs DROP COLUMN git_modified")
+        if schema <= 3:
+            connection.execute("ALTER TABLE runs DROP COLUMN checkpoints")
         if schema == 2:
             connection.execute("ALTER TABLE runs DROP COLUMN parties")
         connection.execute(f"PRAGMA user_version = {schema}")
@@ -310,9 +314,11 @@ def test_a_second_or_third_schema_store_gains_its_missing_columns_in_place(
     rows = store.rows()
     old_parties = None if schema == 2 else result["parties"]
     assert [r["parties"] for r in rows] == [old_parties, result["parties"]]
-    assert [r["checkpoints"] for r in rows] == [None, result["checkpoints"]]
+    old_checkpoints = None if schema <= 3 else result["checkpoints"]
+    assert [r["checkpoints"] for r in rows] == [old_checkpoints, result["checkpoints"]]
+    assert [r["git_modified"] for r in rows] == [None, provenance()["git_modified"]]
     with sqlite3.connect(path) as connection:
-        assert connection.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+        assert connection.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
     connection.close()
 
 
