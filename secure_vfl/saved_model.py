@@ -47,7 +47,7 @@ import numpy as np
 import pandas as pd
 
 from secure_vfl import __version__, methods
-from secure_vfl.data.party_files import ID_COLUMN, PartyTable, near_matches
+from secure_vfl.data.party_files import ID_COLUMN, PartyTable, near_matches, same_table
 from secure_vfl.data.vertical import VerticalData, VerticalSplit
 from secure_vfl.errors import ConfigError, DataError, IntegrityError, RunWarning
 from secure_vfl.federation import parts
@@ -510,6 +510,7 @@ def predict_tables(
         raise ConfigError(f"one entry per party expected ({len(parties)}); found {len(tables)}.")
     names = list(names) if names is not None else [p.name for p in parties]
     refuse_absent(method, [names[k] for k, table in enumerate(tables) if table is None])
+    refuse_same_tables(tables, names)
     id_column = output_id_column(method.fed.own, id_column, label_column)
     party_ids = [None if t is None else t[0].ids for t in tables]
     sample_ids, rows = union_alignment(party_ids)
@@ -529,6 +530,23 @@ def predict_tables(
         id_column=id_column,
         label_column=label_column,
     )
+
+
+def refuse_same_tables(
+    tables: Sequence[tuple[PartyTable, str] | None], names: Sequence[str]
+) -> None:
+    """DataError where two parties are handed the same table (one file given for both, or a
+    copy of it): one party's rows would be read as the other's features, and predicted from
+    without a word where their columns share names, as ``train`` refuses it
+    (:func:`~secure_vfl.data.party_files.check_party_tables`)."""
+    for k, entry in enumerate(tables):
+        for j in range(k):
+            earlier = tables[j]
+            if entry is not None and earlier is not None and same_table(earlier[0], entry[0]):
+                raise DataError(
+                    f"{earlier[1]} ({names[j]}) and {entry[1]} ({names[k]}) hold the same table "
+                    "(same ids, columns and values); expected each party's own file."
+                )
 
 
 def warn_disjoint(

@@ -211,6 +211,48 @@ def test_predict_wants_a_table_and_its_path_per_party_and_each_party_once(
     assert len(model.predict(given).ids) == len(bank.ids)
 
 
+def test_one_table_given_for_two_parties_is_refused_as_train_refuses_it(
+    files: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two parties whose columns share names (north and south each measure `v`): one file
+    given for both, or a copy of it, was predicted from without a word, one party's rows read
+    as the other's."""
+    frame = pd.read_csv(files / "bank.csv")
+    for name, column in (("north", "sl"), ("south", "sw")):
+        frame[["customer", column]].rename(columns={column: "v"}).to_csv(
+            tmp_path / f"{name}.csv", index=False
+        )
+    run = tmp_path / "run"
+    argv = ["train", "--method", "laser", "--label-file", str(files / "species.csv")]
+    argv += [
+        "--party-file",
+        str(tmp_path / "north.csv"),
+        "--party-file",
+        str(tmp_path / "south.csv"),
+    ]
+    assert (
+        main([*argv, "--id-column", "customer", "--epochs", "1", "--quiet", "--out", str(run)]) == 0
+    )
+    north = tmp_path / "north.csv"
+    (tmp_path / "copy").mkdir()
+    copied = Path(shutil.copy(north, tmp_path / "copy" / "south.csv"))
+    for south in (f"south={north}", str(copied)):
+        argv = ["predict", "--model", str(run), "--party-file", str(north), "--party-file", south]
+        assert main([*argv, "--out", str(tmp_path / "p.csv")]) == 2
+        err = capsys.readouterr().err
+        said = f"{north} (north) and {south.removeprefix('south=')} (south) hold the same table"
+        assert f"{said} (same ids, columns and values); expected each party's own file." in err
+        assert not (tmp_path / "p.csv").exists()
+    model = SavedModel.load(run)
+    table = read_party_file(north, id_column="customer")
+    with pytest.raises(DataError, match="hold the same table"):
+        model.predict({"north": (table, str(north)), "south": (table, str(north))})
+    south = tmp_path / "south.csv"
+    given = {name: (read_party_file(path, id_column="customer"), str(path)) for name, path in
+             (("north", north), ("south", south))}  # fmt: skip
+    assert len(model.predict(given).ids) == len(table.ids)  # their own files: predicted
+
+
 # -- rows a method makes no prediction for -------------------------------------------------------
 
 

@@ -600,7 +600,7 @@ def check_party_tables(
     shares with the label file: the label file given as a party file, say)."""
     for k, table in enumerate(tables):
         for j in range(k):
-            if _same_table(tables[j], table):
+            if same_table(tables[j], table):
                 raise DataError(
                     f"party files {paths[j]} and {paths[k]} hold the same table (same ids, "
                     "columns and values); expected one file per party, each with its own "
@@ -621,7 +621,9 @@ def check_party_tables(
             )
 
 
-def _same_table(first: PartyTable, second: PartyTable) -> bool:
+def same_table(first: PartyTable, second: PartyTable) -> bool:
+    """Whether two tables hold the same ids, columns and values, whatever their rows' order
+    (one file given twice, or a copy of it)."""
     if first.columns != second.columns or first.frame.shape != second.frame.shape:
         return False
     order_first, order_second = np.argsort(first.ids), np.argsort(second.ids)
