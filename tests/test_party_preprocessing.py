@@ -221,6 +221,30 @@ def test_codes_a_new_file_reads_as_numbers_are_the_categories_they_were_in_train
         both.transform_frame(pd.DataFrame({"b": [7]}), "n")
 
 
+def test_a_category_in_another_case_is_named_as_the_one_it_resembles() -> None:
+    """`HIGH` and `high ` for the training category `high` were only 'never seen in training',
+    though every row of a file written in capitals is then encoded as no category."""
+    fitted = PartyPreprocessing.fit(pd.DataFrame({"segment": ["high", "low", "mid"]}), where="t")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        inputs = fitted.transform_frame(
+            pd.DataFrame({"segment": ["HIGH", "high ", "Low", "vip", "mid"]}), "new.csv"
+        )
+    raw = inputs.astype(np.float64) * fitted.std + fitted.mean
+    np.testing.assert_allclose(raw[:4], 0.0, atol=1e-6)  # not taken for them: only named
+    [message] = [str(w.message) for w in caught if issubclass(w.category, RunWarning)]
+    assert "4 value(s) never seen in training ('HIGH', 'high ', 'Low'; 4 row(s))" in message
+    assert (
+        "3 of them are training categories but for case or spaces ('HIGH' as 'high', 'high ' as "
+        "'high', 'Low' as 'low'): expected them written as in training" in message
+    )
+    with warnings.catch_warnings(record=True) as caught:  # none alike: nothing more said
+        warnings.simplefilter("always")
+        fitted.transform_frame(pd.DataFrame({"segment": ["vip"]}), "new.csv")
+    [message] = [str(w.message) for w in caught if issubclass(w.category, RunWarning)]
+    assert "case or spaces" not in message
+
+
 def test_true_and_false_read_alike_with_and_without_an_empty_cell(tmp_path) -> None:
     from secure_vfl.data.party_files import read_party_file
 

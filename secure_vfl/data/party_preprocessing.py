@@ -305,7 +305,7 @@ class PartyPreprocessing:
             warnings.warn(
                 f"{where}: column {column!r} has {len(unseen)} value(s) never seen in training "
                 f"({examples}; {sum(unseen.values())} row(s)); they are encoded as no category "
-                "(all-zero one-hot).",
+                f"(all-zero one-hot){_near_categories(unseen, categories)}.",
                 RunWarning,
                 stacklevel=3,
             )
@@ -558,6 +558,23 @@ def _category_text(value: object) -> str:
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
     return str(value)
+
+
+def _near_categories(unseen: Mapping[str, int], categories: Sequence[str]) -> str:
+    """What the warning about ``unseen`` values adds where some of them are training
+    categories written otherwise (another case, spaces around them): they are not taken for
+    those categories, but the user is told which they resemble."""
+    folded: dict[str, str] = {}
+    for category in categories:
+        folded.setdefault(category.strip().casefold(), category)
+    near = {v: folded[v.strip().casefold()] for v in unseen if v.strip().casefold() in folded}
+    if not near:
+        return ""
+    pairs = ", ".join(f"{value!r} as {category!r}" for value, category in list(near.items())[:3])
+    return (
+        f"; {len(near)} of them are training categories but for case or spaces ({pairs}): "
+        "expected them written as in training"
+    )
 
 
 def _numeric_aliases(categories: Sequence[str]) -> dict[float, str]:
