@@ -970,7 +970,8 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         type=path_arg,
         metavar="RUN_DIR",
-        help="a train run's --out directory (or its model/ directory)",
+        help="a train run's --out directory (or its model/ directory, or that directory's "
+        "manifest.json)",
     )
     predict.add_argument(
         "--party-file",

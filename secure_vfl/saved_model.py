@@ -353,8 +353,10 @@ def write_manifest(
 
 
 def find_manifest(path: Path) -> Path:
-    """The manifest of the model at ``path``: a run directory (``path/model/manifest.json``) or
-    the model directory itself; DataError if there is none."""
+    """The manifest of the model at ``path``: a run directory (``path/model/manifest.json``),
+    the model directory itself, or its manifest file; DataError if there is none."""
+    if path.name == MANIFEST_FILE and path.is_file():
+        return path
     for candidate in (path / MODEL_DIR / MANIFEST_FILE, path / MANIFEST_FILE):
         if candidate.is_file():
             return candidate

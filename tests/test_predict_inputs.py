@@ -209,6 +209,9 @@ def test_predict_wants_a_table_and_its_path_per_party_and_each_party_once(
     ):
         model.predict([given["bank"]])  # type: ignore[arg-type]
     assert len(model.predict(given).ids) == len(bank.ids)
+    # the model named by its manifest file, as by its directory
+    by_file = SavedModel.load(laser / MODEL_DIR / MANIFEST_FILE).predict(given)
+    np.testing.assert_array_equal(by_file.probabilities, model.predict(given).probabilities)
 
 
 def test_one_table_given_for_two_parties_is_refused_as_train_refuses_it(
