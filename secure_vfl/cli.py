@@ -907,7 +907,8 @@ def build_parser() -> argparse.ArgumentParser:
     impute.add_argument(
         "--overwrite",
         action="store_true",
-        help="replace DIR/result.json, and with --save-imputed the whole DIR/imputed/ folder",
+        help="replace DIR/result.json and the saved imputer DIR/model/ (methods that keep "
+        "one: `secure-vfl fill` uses it), and with --save-imputed the whole DIR/imputed/ folder",
     )
     impute.add_argument("--quiet", action="store_true", help="no progress bar")
     _capture_option(impute)
@@ -1020,6 +1021,49 @@ def build_parser() -> argparse.ArgumentParser:
         "training",
     )
     _capture_option(predict)
+    fill = commands.add_parser(
+        "fill",
+        help="fill the empty cells of new rows with an imputer saved by impute",
+        description="Load the imputer saved by `impute` (a method that keeps a model: mean, "
+        "fed-mean, dae, fed-dae, fedhf) and have each given client fill the empty cells of its "
+        "file with its own part (checked against the manifest's hashes); no other party takes "
+        "part. Each table is written in its file's own form: ids first, its rows in its order, "
+        "every cell it had unchanged, the label column as it was.",
+    )
+    fill.add_argument(
+        "--model",
+        required=True,
+        type=path_arg,
+        metavar="RUN_DIR",
+        help="an impute run's --out directory (or its model/ directory, or that directory's "
+        "manifest.json)",
+    )
+    fill.add_argument(
+        "--client-file",
+        action="append",
+        required=True,
+        type=party_file_spec,
+        metavar="[CLIENT=]PATH",
+        help="a client's CSV/Parquet file of rows to fill: some of the feature columns it was "
+        "trained with (an empty cell is filled; a column it lacks stays absent). CLIENT is the "
+        "stem of its training file (or client-K of a dataset), by default this file's stem "
+        "(repeatable)",
+    )
+    fill.add_argument(
+        "--out",
+        type=path_arg,
+        default=Path("filled"),
+        metavar="DIR",
+        help="write each filled table to DIR/STEM.csv, STEM the file's stem (default: filled)",
+    )
+    _column_flags(
+        fill,
+        label_help="a column of the files that is not a feature: written back unchanged",
+        id_default=ID_COLUMN,
+    )
+    fill.add_argument(
+        "--overwrite", action="store_true", help="replace tables an earlier fill wrote in DIR"
+    )
     runs = commands.add_parser(
         "runs",
         help="list the runs of a results store, compare run directories, or remove runs",
@@ -2318,11 +2362,13 @@ def run_impute(args: argparse.Namespace) -> int:
         )
     from tqdm import tqdm
 
+    from secure_vfl import saved_imputer
     from secure_vfl.data.imputation import IMPUTATION_DATASETS
     from secure_vfl.experiment import ImputeRunConfig, prepare_imputation_task, run_imputation
     from secure_vfl.federation.channel import Channel, InProcessTransport
     from secure_vfl.io import atomic_write_json
     from secure_vfl.runs import provenance
+    from secure_vfl.saved_model import MANIFEST_FILE, MODEL_DIR
 
     engine = _impute_privacy_engine(args)
     config = ImputeRunConfig(
@@ -2344,16 +2390,26 @@ def run_impute(args: argparse.Namespace) -> int:
         args, Path("runs") / (f"impute-{config.method}-{config.data_name}-s{config.seed}")
     )
     _check_output_dir(out, "result.json", overwrite=args.overwrite, kind="impute", lock=True)
+    keeps_model = saved_imputer.keeps_model(config.method)
+    if keeps_model:
+        _check_output_dir(out / MODEL_DIR, MANIFEST_FILE, overwrite=args.overwrite)
+        _refuse_inside(
+            out / MODEL_DIR, args.client_file or (), "the model folder", "it is saved whole"
+        )
+    elif args.overwrite and (out / MODEL_DIR).exists():  # it would outlive the run it was of
+        raise ConfigError(
+            f"{out / MODEL_DIR} holds the imputer of the run --overwrite replaces, and "
+            f"{config.method} keeps no model to replace it with; expected another --out (or "
+            "remove the folder)."
+        )
     if args.save_imputed:  # a folder of the user's own, or one an older run left: not merged
         _check_output_dir(out / "imputed", "", overwrite=args.overwrite)
-        replaced = (out / "imputed").resolve()
-        inside = [p for p in args.client_file or () if Path(p).resolve().is_relative_to(replaced)]
-        if inside:
-            raise ConfigError(
-                f"--client-file {inside[0]} lies in {out / 'imputed'}, which --save-imputed "
-                "replaces whole (the file would be lost); expected client files outside it, or "
-                "another --out."
-            )
+        _refuse_inside(
+            out / "imputed",
+            args.client_file or (),
+            "--save-imputed's folder",
+            "it is replaced whole",
+        )
     elif args.overwrite and (out / "imputed").exists():  # it would outlive the run it was of
         raise ConfigError(
             f"{out / 'imputed'} holds the tables of the run --overwrite replaces; expected "
@@ -2394,9 +2450,22 @@ def run_impute(args: argparse.Namespace) -> int:
         payload["config"]["privacy"] = _impute_privacy_config(args)
         payload["provenance"] = provenance()
         payload["warnings"] = [*noted, *running]
+        payload["model"] = None
+        if keeps_model:
+            manifest = saved_imputer.save_imputer(
+                out / MODEL_DIR,
+                imputer,
+                task,
+                method=config.method,
+                seed=config.seed,
+                config=config.impute_config,
+            )
+            payload["model"] = {"directory": str(out / MODEL_DIR), "run_id": manifest.run_id}
         atomic_write_json(out / "result.json", payload)
         store.add(payload, kind="impute", out_dir=out)
     print(_impute_summary(result, out))
+    if keeps_model:
+        print(f"model: {out / MODEL_DIR} (secure-vfl fill --model {out} --client-file ...)")
     _print_warnings(payload["warnings"])
     return 0
 
@@ -2666,6 +2735,82 @@ def _party_of(model: Any, path: Path) -> str:
         f"unknown party file {path}: its stem names no party of this model; expected one of "
         f"{', '.join(entry.source for entry in parties)} (or --party-file PARTY={path})."
     )
+
+
+def run_fill(args: argparse.Namespace) -> int:
+    """`secure-vfl fill`: each client fills its new rows with its own part of a saved imputer."""
+    from secure_vfl.io import atomic_write
+    from secure_vfl.runs import columns
+    from secure_vfl.saved_imputer import SavedImputer
+
+    out: Path = args.out
+    files = [path for _, path in args.client_file]
+    stems = [path.stem for path in files]
+    repeated = sorted({stem for stem in stems if stems.count(stem) > 1})
+    if repeated:
+        raise ConfigError(
+            f"--out {out} takes one table per file stem; found {repeated[0]!r} twice "
+            f"({', '.join(str(p) for p in files if p.stem == repeated[0])}): rename one."
+        )
+    check_directory("--out", out)
+    targets = [out / f"{stem}.csv" for stem in stems]
+    for target in targets:
+        _check_output_file(
+            target,
+            overwrite=args.overwrite,
+            inputs=files,
+            replaced="the rows read would be replaced by their filled table",
+        )
+    imputer = SavedImputer.load(args.model)
+    _refuse_inside(
+        imputer.directory, targets, "the model's directory", "its manifest lists every file"
+    )
+    clients = [_client_of(imputer, name, path) for name, path in args.client_file]
+    with run_warnings() as noted:
+        filled = [
+            imputer.fill(
+                path, client=client, id_column=args.id_column, label_column=args.label_column
+            )
+            for client, path in zip(clients, files, strict=True)
+        ]
+    for target, done in zip(targets, filled, strict=True):  # every table made: none half-done
+        atomic_write(target, done.write_csv)
+    manifest = imputer.manifest
+    print(
+        f"{manifest.method} imputer {manifest.run_id[:12]} ({len(manifest.clients)} clients, "
+        f"{len(manifest.features)} features)"
+    )
+    rows = [
+        (done.client, str(path), str(done.rows), str(done.filled), str(target))
+        for path, target, done in zip(files, targets, filled, strict=True)
+    ]
+    heading = ("client", "file", "rows", "filled cells", "written")
+    print("\n".join(columns([heading, *rows], right=(2, 3))))
+    _print_warnings(noted)
+    return 0
+
+
+def _client_of(imputer: Any, name: str | None, path: Path) -> str:
+    """The client a file fills for: the one named, else the one its stem names."""
+    names = [entry.name for entry in imputer.manifest.clients]
+    if name is not None:
+        return str(imputer.manifest.client(name).name)
+    if path.stem in names:
+        return path.stem
+    raise ConfigError(
+        f"unknown client file {path}: its stem names no client of this imputer; expected one "
+        f"of {', '.join(names)} (or --client-file CLIENT={path})."
+    )
+
+
+def _refuse_inside(folder: Path, paths: Sequence[Path], what: str, why: str) -> None:
+    """ConfigError if one of ``paths`` lies in ``folder`` (``what``, written whole: ``why``)."""
+    where = folder.resolve()
+    for path in paths:
+        if Path(path).resolve().is_relative_to(where):
+            raise ConfigError(
+                f"{path} lies in {what} {folder} ({why}); expected a path outside it."
+            )
 
 
 def run_predict(args: argparse.Namespace) -> int:
@@ -3451,6 +3596,7 @@ def _run_command(args: argparse.Namespace) -> int:
         "sweep": run_sweep_command,
         "psi": run_psi_command,
         "predict": run_predict,
+        "fill": run_fill,
         "runs": run_runs,
         "capture": run_capture,
         "certs": run_certs_command,

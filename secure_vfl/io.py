@@ -14,7 +14,7 @@ import shutil
 import stat
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -199,6 +199,23 @@ def check_keys(
                 f"{json.dumps(value, default=str)[:60]}"
             )
     return body
+
+
+def check_document(
+    payload: Any, *, schema: str, versions: Sequence[int], where: str, what: str = ""
+) -> dict[str, Any]:
+    """``payload``, a JSON document read from a file, once it names ``schema`` and one of the
+    ``versions`` this code reads; DataError naming ``where`` (and ``what`` the document is, as
+    in "manifest version 2 expected") otherwise."""
+    if not isinstance(payload, dict) or payload.get("schema") != schema:
+        raise DataError(f"{where}: a {schema!r} document expected.")
+    if payload.get("version") not in versions:
+        read = "it" if len(versions) == 1 else "those"
+        raise DataError(
+            f"{where}: {what + ' ' if what else ''}version {' or '.join(map(str, versions))} "
+            f"expected (this secure-vfl reads only {read}), found {payload.get('version')!r}."
+        )
+    return payload
 
 
 def decimal(text: str, digits: int = 18) -> int | None:

@@ -59,6 +59,7 @@ from secure_vfl.federation.releases import ReleaseBlocks
 from secure_vfl.io import (
     atomic_write,
     atomic_write_json,
+    check_document,
     check_keys,
     left_beside,
     parse_json,
@@ -68,6 +69,8 @@ from secure_vfl.methods.base import in_process_parties
 from secure_vfl.methods.false_vfl import FalseVflConfig
 
 MANIFEST_SCHEMA = "secure-vfl/model-manifest"
+IMPUTER_SCHEMA = "secure-vfl/imputer-manifest"
+"""An imputer's manifest (:mod:`secure_vfl.saved_imputer`), refused here by name."""
 MANIFEST_VERSION = 2
 """Version 2 adds each party's ``location`` (version 1, every part beside the manifest, is
 still read)."""
@@ -131,13 +134,10 @@ class Manifest:
     @classmethod
     def from_json(cls, payload: Any, where: str) -> Manifest:
         """Read a manifest, refusing another schema, another version or a malformed entry."""
-        if not isinstance(payload, dict) or payload.get("schema") != MANIFEST_SCHEMA:
-            raise DataError(f"{where}: a {MANIFEST_SCHEMA!r} document expected.")
-        if payload.get("version") not in READ_VERSIONS:
-            raise DataError(
-                f"{where}: manifest version {' or '.join(map(str, READ_VERSIONS))} expected "
-                f"(this secure-vfl reads only those), found {payload.get('version')!r}."
-            )
+        refuse_other_kind(payload, MANIFEST_SCHEMA, where)
+        check_document(
+            payload, schema=MANIFEST_SCHEMA, versions=READ_VERSIONS, where=where, what="manifest"
+        )
         body = {k: v for k, v in payload.items() if k not in ("schema", "version")}
         _check_key_names(body, _MANIFEST_TYPES, what="manifest", where=where)
         check_keys(body, _MANIFEST_TYPES, refuse=_refusal(where), exact=False)
@@ -352,9 +352,46 @@ def write_manifest(
     return manifest
 
 
-def find_manifest(path: Path) -> Path:
-    """The manifest of the model at ``path``: a run directory (``path/model/manifest.json``),
-    the model directory itself, or its manifest file; DataError if there is none."""
+@dataclass(frozen=True)
+class ModelKind:
+    """A kind of saved model: what it is, the command that saves it, the one that uses it."""
+
+    what: str
+    noun: str
+    saved_by: str
+    used_by: str
+
+
+MODEL_KINDS = {
+    MANIFEST_SCHEMA: ModelKind(
+        "a trained classifier",
+        "model",
+        "`secure-vfl train`",
+        "score rows with `secure-vfl predict`",
+    ),
+    IMPUTER_SCHEMA: ModelKind(
+        "an imputer", "imputer", "`secure-vfl impute`", "fill rows with `secure-vfl fill`"
+    ),
+}
+"""The kinds of model a manifest ties together, by the manifest's schema."""
+
+
+def refuse_other_kind(payload: Any, schema: str, where: str) -> None:
+    """DataError where the manifest ``payload`` (read from ``where``) is another kind of model
+    than ``schema``'s, saying which command uses the one found."""
+    found = payload.get("schema") if isinstance(payload, dict) else None
+    if found != schema and found in MODEL_KINDS:
+        expected, other = MODEL_KINDS[schema], MODEL_KINDS[found]
+        raise DataError(
+            f"{where}: {expected.what} (saved by {expected.saved_by}) expected, found "
+            f"{other.what} (saved by {other.saved_by}): {other.used_by}."
+        )
+
+
+def find_manifest(path: Path, *, schema: str = MANIFEST_SCHEMA) -> Path:
+    """The manifest of a model of ``schema`` (:data:`MODEL_KINDS`) at ``path``: a run directory
+    (``path/model/manifest.json``), the model directory itself, or its manifest file;
+    DataError if there is none."""
     if path.name == MANIFEST_FILE and path.is_file():
         return path
     for candidate in (path / MODEL_DIR / MANIFEST_FILE, path / MANIFEST_FILE):
@@ -371,8 +408,9 @@ def find_manifest(path: Path) -> Path:
             )
             break
     raise DataError(
-        f"no saved model at {path}: expected {path / MODEL_DIR / MANIFEST_FILE} (written by "
-        f"`secure-vfl train`) or a model directory holding manifest.json.{stopped}"
+        f"no saved {MODEL_KINDS[schema].noun} at {path}: expected "
+        f"{path / MODEL_DIR / MANIFEST_FILE} (written by {MODEL_KINDS[schema].saved_by}) or a "
+        f"model directory holding manifest.json.{stopped}"
     )
 
 

@@ -614,6 +614,15 @@ def make_task_from_client_files(
     return _split_clients("client-files", features, clients, test_fraction, rngs, sources)
 
 
+def read_client_file(
+    path: Path, *, id_column: str = ID_COLUMN, label_column: str = LABEL_COLUMN
+) -> ClientFile:
+    """One client file as read (its features, ids and the columns around them), every row
+    to be filled: what a saved imputer fills (:meth:`ClientFile.imputed_frame`)."""
+    source = _read_client_frame(Path(path), id_column, label_column)
+    return _client_file(source, np.zeros(len(source.features), dtype=bool))
+
+
 def client_file_columns(
     path: Path, *, id_column: str = ID_COLUMN, label_column: str = LABEL_COLUMN
 ) -> tuple[tuple[str, ...], int, bool]:

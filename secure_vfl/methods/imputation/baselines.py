@@ -16,6 +16,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
+from pathlib import Path
 from typing import TypeAlias
 
 import numpy as np
@@ -29,6 +30,7 @@ from secure_vfl.data.imputation import ClientData, ImputationTask
 from secure_vfl.errors import DataError
 from secure_vfl.federation.aggregator import SumBackend
 from secure_vfl.federation.channel import Channel
+from secure_vfl.methods.imputation import parts
 from secure_vfl.methods.imputation.base import (
     IMPUTERS,
     ImputeConfig,
@@ -69,6 +71,20 @@ class ColumnMeanImputer:
         check_client(self.task, client_index, client)
         filled = np.broadcast_to(self.means[client_index], client.values.shape)
         return imputation_rule(client, filled)
+
+    def save_parts(self, directories: Mapping[str, Path]) -> dict[str, dict[str, str]]:
+        """Each client's means and schema into its directory of ``directories`` (by client
+        name: its own means, or the federation's that it was sent); the SHA-256 of each file
+        by client, for the imputer's manifest."""
+        return {
+            client.name: parts.write_part(
+                directories[client.name],
+                client=client.name,
+                kind=parts.MEANS,
+                tensors=parts.means_tensors(client.available, means),
+            )
+            for client, means in zip(self.task.train, self.means, strict=True)
+        }
 
 
 def client_means(client: ClientData, fallback: np.ndarray) -> np.ndarray:

@@ -19,6 +19,7 @@ import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,7 +39,9 @@ from secure_vfl.federation.messages import (
     ScoreRequest,
 )
 from secure_vfl.federation.parties import ROLES, SecureSumParty
+from secure_vfl.federation.parts import unwrapped
 from secure_vfl.methods.base import isolated_seed
+from secure_vfl.methods.imputation import parts
 from secure_vfl.methods.imputation.base import ImputeConfig, derived_seed, imputation_rule
 from secure_vfl.methods.imputation.evaluation import hide_test_entries, squared_errors
 from secure_vfl.methods.imputation.statistics import (
@@ -193,6 +196,14 @@ def predict(model: nn.Module, values: Tensor, observed: Tensor, available: Tenso
     return torch.cat(chunks) if chunks else torch.zeros_like(values)
 
 
+def reconstruct(model: nn.Module, standardisation: Standardisation, rows: ClientData) -> np.ndarray:
+    """Eq. 7 on ``rows`` with ``model``'s de-standardised predictions."""
+    values, observed = model_inputs(rows, standardisation)
+    available = torch.from_numpy(rows.available.copy())
+    z = predict(model, values, observed, available).numpy()
+    return imputation_rule(rows, standardisation.destandardise(z))
+
+
 @dataclass(frozen=True)
 class ClientTraining:
     """What one client trains with: the hyper-parameters, the model's factory and its own seeds
@@ -272,6 +283,7 @@ class ImputationClient(SecureSumParty):
         self.privacy = privacy
         self.training = training
         self.standardisation: Standardisation | None = None
+        self.graph: FeatureGraph | None = None
         self.shard: ClientShard | None = None
         self.model: nn.Module | None = None
         self.optimiser: torch.optim.Optimizer | None = None
@@ -369,7 +381,7 @@ class ImputationClient(SecureSumParty):
         with isolated_seed(training.init_seed):
             model = training.make_model(graph)
         optimiser = torch.optim.Adam(model.parameters(), lr=training.config.lr)
-        self.standardisation, self.shard = standardisation, shard
+        self.standardisation, self.shard, self.graph = standardisation, shard, graph
         self.model, self.optimiser = model, optimiser
         self._acted.add(key)
 
@@ -516,10 +528,20 @@ class ImputationClient(SecureSumParty):
         local step: the client fills its own table)."""
         _, _, model, _ = self._ready()
         assert self.standardisation is not None  # set with the model
-        values, observed = model_inputs(rows, self.standardisation)
-        available = torch.from_numpy(rows.available.copy())
-        z = predict(model, values, observed, available).numpy()
-        return imputation_rule(rows, self.standardisation.destandardise(z))
+        return reconstruct(model, self.standardisation, rows)
+
+    def save_part(self, directory: Path) -> dict[str, str]:
+        """Write its own part (:mod:`~secure_vfl.methods.imputation.parts`: its schema, the
+        standardisation and graph it was published, its model) into ``directory``, to fill
+        new rows of its own later; the SHA-256 of each file, for the imputer's manifest."""
+        _, _, model, _ = self._ready()
+        assert self.standardisation is not None  # set with the model
+        tensors = parts.reconstruction_tensors(
+            self._data.available, self.standardisation, self.graph, unwrapped(model)
+        )
+        return parts.write_part(
+            directory, client=self.name, kind=parts.RECONSTRUCTION, tensors=tensors
+        )
 
 
 ROLES.register("imputation-client", ImputationClient)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -304,6 +305,13 @@ class ReconstructionImputer:
             )
         check_client(self.task, client_index, client)
         return self._clients()[client_index].impute(client)
+
+    def save_parts(self, directories: Mapping[str, Path]) -> dict[str, dict[str, str]]:
+        """Every in-process client writes its own part into its directory of ``directories``
+        (by client name); the SHA-256 of each file by client, for the imputer's manifest."""
+        return {
+            client.name: client.save_part(directories[client.name]) for client in self._clients()
+        }
 
 
 def _graph_model(config: ImputeConfig, graph: FeatureGraph | None) -> nn.Module:

@@ -1,0 +1,330 @@
+"""Saved imputers: `impute` keeps each client's part, `fill` fills new rows with it alone."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from secure_vfl.cli import main
+from secure_vfl.errors import DataError, IntegrityError
+from secure_vfl.experiment import (
+    ImputeRunConfig,
+    imputed_tables,
+    prepare_imputation_task,
+    run_imputation,
+)
+from secure_vfl.federation.parts import sha256
+from secure_vfl.methods.imputation import ImputeConfig
+from secure_vfl.saved_imputer import SavedImputer, model_methods, save_imputer
+from secure_vfl.tensor_file import dumps, loads
+
+SCHEMAS = (["x0", "x1", "x2", "x3"], ["x2", "x3", "x4", "x5"])
+
+
+def client_files(directory: Path, *, seed: int = 0) -> list[Path]:
+    """Two sites' files of correlated features (ids, a label, 10 % empty cells)."""
+    rng = np.random.default_rng(seed)
+    full = pd.DataFrame(
+        rng.normal(size=(160, 2)) @ rng.normal(size=(2, 6)), columns=[f"x{i}" for i in range(6)]
+    )
+    full[rng.random(full.shape) < 0.1] = np.nan
+    paths = []
+    for k, columns in enumerate(SCHEMAS):
+        rows = full.iloc[k * 80 : (k + 1) * 80][columns].reset_index(drop=True)
+        rows.insert(0, "id", [f"s{k}-{i}" for i in range(80)])
+        rows["label"] = rng.integers(0, 2, size=80)
+        path = directory / f"site{k}.csv"
+        rows.to_csv(path, index=False)
+        paths.append(path)
+    return paths
+
+
+@pytest.mark.parametrize("method", model_methods())
+def test_a_saved_imputer_fills_a_clients_rows_as_the_run_did(tmp_path: Path, method: str) -> None:
+    paths = client_files(tmp_path)
+    config = ImputeRunConfig(
+        method=method, client_files=tuple(paths), impute_config=ImputeConfig(rounds=2)
+    )
+    task = prepare_imputation_task(config)
+    _, imputer = run_imputation(config, task=task)
+    expected = imputed_tables(task, imputer, as_written=True)
+    manifest = save_imputer(
+        tmp_path / "model", imputer, task, method=method, seed=0, config=config.impute_config
+    )
+    assert [entry.columns for entry in manifest.clients] == [tuple(s) for s in SCHEMAS]
+    saved = SavedImputer.load(tmp_path / "model")
+    for path, name in zip(paths, ("site0", "site1"), strict=True):
+        filled = saved.fill(path, client=name, id_column="id", label_column="label")
+        # Cell for cell the table the run wrote with its in-memory clients.
+        pd.testing.assert_frame_equal(filled.table.astype(str), expected[name].astype(str))
+        original = pd.read_csv(path)
+        assert filled.filled == int(original.drop(columns=["id", "label"]).isna().sum().sum()) > 0
+
+
+def impute_argv(tmp_path: Path, method: str, out: str) -> list[str]:
+    argv = ["impute", "--method", method, "--out", str(tmp_path / out), "--quiet"]
+    for path in client_files(tmp_path):
+        argv += ["--client-file", str(path)]
+    return argv + (["--rounds", "2"] if method in ("fedhf", "dae", "fed-dae") else [])
+
+
+def impute(tmp_path: Path, *extra: str, method: str = "fedhf", out: str = "run") -> Path:
+    assert main([*impute_argv(tmp_path, method, out), *extra]) == 0
+    return tmp_path / out
+
+
+def test_impute_saves_the_model_and_fill_fills_new_rows_of_a_clients_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = impute(tmp_path)
+    result = json.loads((run / "result.json").read_text())
+    assert result["model"]["directory"] == str(run / "model")
+    assert f"secure-vfl fill --model {run}" in capsys.readouterr().out
+    # New rows at site1: a column of its schema missing, the others in another order, empty cells.
+    new = pd.DataFrame(
+        {
+            "x5": [1.0, np.nan, 0.5],
+            "id": ["n1", "n2", "n3"],
+            "x2": [np.nan, 0.3, np.nan],
+            "x3": [0.1, np.nan, np.nan],
+        }
+    )
+    new_file = tmp_path / "incoming" / "site1.csv"
+    new_file.parent.mkdir()
+    new.to_csv(new_file, index=False)
+    out = tmp_path / "filled"
+    assert (
+        main(["fill", "--model", str(run), "--client-file", str(new_file), "--out", str(out)]) == 0
+    )
+    printed = capsys.readouterr().out
+    assert "fedhf imputer" in printed and "site1" in printed
+    assert printed.splitlines()[-1].split()[2:4] == ["3", "5"]  # rows, filled cells
+    filled = pd.read_csv(out / "site1.csv")
+    assert list(filled.columns) == ["id", "x5", "x2", "x3"]  # the id first, then file order
+    assert filled["id"].tolist() == ["n1", "n2", "n3"]
+    assert not filled.isna().any().any()
+    given = new.notna()
+    for column in ("x5", "x2", "x3"):
+        kept = given[column].to_numpy()
+        assert np.allclose(filled[column][kept], new[column][kept])
+    # The same client named explicitly, from a file of another stem, gives the same table.
+    renamed = tmp_path / "incoming" / "batch.csv"
+    new.to_csv(renamed, index=False)
+    again = tmp_path / "again"
+    argv = ["fill", "--model", str(run), "--client-file", f"site1={renamed}", "--out", str(again)]
+    assert main(argv) == 0
+    pd.testing.assert_frame_equal(pd.read_csv(again / "batch.csv"), filled)
+
+
+def test_a_client_that_keeps_only_its_own_part_fills_alone(tmp_path: Path) -> None:
+    run = impute(tmp_path, method="fed-mean")
+    shutil.rmtree(run / "model" / "client-1")
+    saved = SavedImputer.load(run)
+    filled = saved.fill(
+        tmp_path / "site0.csv", client="site0", id_column="id", label_column="label"
+    )
+    assert not filled.table.isna().any().any()
+    with pytest.raises(DataError, match="its part is not here"):
+        saved.fill(tmp_path / "site1.csv", client="site1", id_column="id", label_column="label")
+
+
+def test_methods_without_a_model_save_none(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = impute(tmp_path, method="knn")
+    assert not (run / "model").exists()
+    assert json.loads((run / "result.json").read_text())["model"] is None
+    assert "secure-vfl fill" not in capsys.readouterr().out
+    # Over a run that kept one, --overwrite would leave that model beside the knn result.
+    impute(tmp_path, method="fed-mean", out="kept")
+    capsys.readouterr()
+    assert main([*impute_argv(tmp_path, "knn", "kept"), "--overwrite"]) == 2
+    assert "keeps no model to replace it with" in capsys.readouterr().err
+    assert (tmp_path / "kept" / "model" / "manifest.json").is_file()
+
+
+def fill_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def test_fill_refuses_what_it_cannot_fill_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = impute(tmp_path, method="fed-mean")
+    site0 = tmp_path / "site0.csv"
+    base = ["fill", "--model", str(run), "--out", str(tmp_path / "out")]
+    # A column the client was not trained with (x4 is site1's).
+    foreign = tmp_path / "other" / "site0.csv"
+    foreign.parent.mkdir()
+    pd.read_csv(tmp_path / "site1.csv").to_csv(foreign, index=False)
+    err = fill_error([*base, "--client-file", str(foreign)], capsys)
+    assert "feature columns of client site0 expected (x0, x1, x2, x3" in err and "'x4'" in err
+    # A file whose stem names no client.
+    stray = tmp_path / "stray.csv"
+    shutil.copy(site0, stray)
+    err = fill_error([*base, "--client-file", str(stray)], capsys)
+    assert "expected one of site0, site1 (or --client-file CLIENT=" in err
+    err = fill_error([*base, "--client-file", f"site9={site0}"], capsys)
+    assert "no client 'site9' in this imputer; expected one of site0, site1" in err
+    # Two files of one stem would write one table over the other.
+    err = fill_error([*base, "--client-file", str(site0), "--client-file", str(foreign)], capsys)
+    assert "found 'site0' twice" in err
+    # A table inside the model (its manifest lists every file), a table over its own input,
+    # an earlier table without --overwrite.
+    inside = ["fill", "--model", str(run), "--client-file", str(site0), "--out"]
+    err = fill_error([*inside, str(run / "model" / "x")], capsys)
+    assert "lies in the model's directory" in err
+    err = fill_error([*inside, str(tmp_path), "--overwrite"], capsys)
+    assert "is the input file" in err and "site0.csv" in err
+    assert not (tmp_path / "out").exists()
+    assert main([*inside, str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    err = fill_error([*inside, str(tmp_path / "out")], capsys)
+    assert "site0.csv exists; expected a new --out file (or --overwrite)" in err
+    assert main([*inside, str(tmp_path / "out"), "--overwrite"]) == 0
+    # A bad second file: nothing is written, not even the first file's table.
+    err = fill_error(
+        [*inside, str(tmp_path / "out2"), "--client-file", f"site0={tmp_path / 'site1.csv'}"],
+        capsys,
+    )
+    assert "'x4'" in err and not (tmp_path / "out2").exists()
+
+
+def test_fill_and_predict_each_refuse_the_others_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = impute(tmp_path, method="mean")
+    err = fill_error(
+        ["predict", "--model", str(run), "--party-file", str(tmp_path / "site0.csv")], capsys
+    )
+    assert (
+        "found an imputer (saved by `secure-vfl impute`): fill rows with `secure-vfl fill`" in err
+    )
+    trained = tmp_path / "trained"
+    assert (
+        main(
+            [
+                "train",
+                "--method",
+                "local",
+                "--dataset",
+                "breast-cancer",
+                "--epochs",
+                "1",
+                "--out",
+                str(trained),
+                "--quiet",
+            ]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    err = fill_error(
+        ["fill", "--model", str(trained), "--client-file", str(tmp_path / "site0.csv")], capsys
+    )
+    assert "found a trained classifier (saved by `secure-vfl train`): score rows with" in err
+    err = fill_error(
+        ["fill", "--model", str(tmp_path), "--client-file", str(tmp_path / "site0.csv")], capsys
+    )
+    assert f"no saved imputer at {tmp_path}" in err
+
+
+def rewrite_part(part: Path, manifest: Path, change: object) -> None:
+    """Change a client's tensor file and list its new SHA-256 in the manifest (a part altered
+    by someone who can also edit the manifest: the hashes no longer protect it)."""
+    tree = loads((part / "imputer.safetensors").read_bytes(), "test")
+    change(tree)  # type: ignore[operator]
+    data = dumps(tree)
+    (part / "imputer.safetensors").write_bytes(data)
+    payload = json.loads(manifest.read_text())
+    entry = next(e for e in payload["clients"] if e["directory"] == part.name)
+    entry["files"]["imputer.safetensors"] = sha256(data)
+    manifest.write_text(json.dumps(payload))
+
+
+def test_an_altered_part_or_manifest_is_refused(tmp_path: Path) -> None:
+    run = impute(tmp_path)
+    model = run / "model"
+    pristine = tmp_path / "pristine"
+    shutil.copytree(model, pristine)
+
+    def fill() -> None:
+        SavedImputer.load(model).fill(
+            tmp_path / "site0.csv", client="site0", id_column="id", label_column="label"
+        )
+
+    fill()
+    tensors = model / "client-0" / "imputer.safetensors"
+    data = bytearray(tensors.read_bytes())
+    data[-1] ^= 1
+    tensors.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="does not match the SHA-256 in the manifest"):
+        fill()
+
+    def restore() -> None:
+        shutil.rmtree(model)
+        shutil.copytree(pristine, model)
+
+    restore()
+    (model / "client-0" / "notes.txt").write_text("x")
+    with pytest.raises(IntegrityError, match=r"notes\.txt is not listed in the manifest"):
+        SavedImputer.load(model)
+    restore()
+    (model / "extra").mkdir()
+    with pytest.raises(IntegrityError, match="extra is not listed in"):
+        SavedImputer.load(model)
+    restore()
+
+    def nan_weight(tree: dict) -> None:
+        name = next(k for k, v in tree["model"].items() if v.is_floating_point())
+        tree["model"][name].view(-1)[0] = float("nan")
+
+    rewrite_part(model / "client-0", model / "manifest.json", nan_weight)
+    with pytest.raises(IntegrityError, match="finite values expected"):
+        fill()
+    restore()
+    rewrite_part(model / "client-0", model / "manifest.json", lambda t: t.update(std=-t["std"]))
+    with pytest.raises(IntegrityError, match="std"):
+        fill()
+    restore()
+
+    def wider(tree: dict) -> None:
+        tree["available"] = torch.ones(7, dtype=torch.bool)
+
+    rewrite_part(model / "client-0", model / "manifest.json", wider)
+    with pytest.raises(
+        IntegrityError, match=r"available: finite torch.bool of shape \[6\] expected"
+    ):
+        fill()
+    restore()
+    for key, value, message in [
+        ("version", 2, "imputer manifest version 1 expected"),
+        ("method", "knn", "a method that keeps a model"),
+        ("features", ["x0"], "2 to 65536 distinct feature names expected"),
+        ("impute_config", {"hidden": 0}, "does not build here"),
+        ("run_id", "../../x", "a run_id of 32 hex digits"),
+    ]:
+        payload = json.loads((pristine / "manifest.json").read_text())
+        payload[key] = value
+        (model / "manifest.json").write_text(json.dumps(payload))
+        with pytest.raises(DataError, match=message):
+            SavedImputer.load(model)
+    for change, message in [
+        ({"directory": ".."}, "a plain directory name"),
+        ({"columns": ["x0", "nope"]}, "each one of the manifest's features"),
+        ({"files": {"part.json": "0" * 63}}, "SHA-256"),
+    ]:
+        payload = json.loads((pristine / "manifest.json").read_text())
+        payload["clients"][0].update(change)
+        (model / "manifest.json").write_text(json.dumps(payload))
+        with pytest.raises(DataError, match=message):
+            SavedImputer.load(model)
