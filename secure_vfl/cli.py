@@ -2607,7 +2607,7 @@ def run_impute_deployed(args: argparse.Namespace) -> int:
 
     try:
         with _capture(args.capture, args) as capture, run_warnings() as noted:
-            result, saved = impute_deployed(
+            result, kept = impute_deployed(
                 config,
                 federation,
                 args.name,
@@ -2624,8 +2624,10 @@ def run_impute_deployed(args: argparse.Namespace) -> int:
     payload["config"]["privacy"] = _impute_privacy_config(args)
     payload["config"]["federation"] = str(args.federation)
     payload["provenance"] = provenance()
+    saved, model = kept["imputed"], kept["model"]
     if saved is not None:
         payload["imputed"] = saved
+    payload["model"] = model
     payload["warnings"] = noted
     with _finishing():
         atomic_write_json(out / "result.json", payload)
@@ -2636,6 +2638,11 @@ def run_impute_deployed(args: argparse.Namespace) -> int:
             f"imputed tables: each client's in its own --imputed-dir, {saved['run']}/NAME.csv "
             f"({', '.join(saved['tables'])})"
         )
+    savers = [name for name, part in model["clients"].items() if part["files"]]
+    print(
+        f"model: each client saved its own imputer in its own --model-dir, NAME/{model['run_id']} "
+        f"({', '.join(savers)}): secure-vfl fill --model THAT_DIR --client-file ... on its machine"
+    )
     _print_warnings(noted)
     return 0
 

@@ -28,7 +28,8 @@ in-process run's RMSEs and curve (plain sums exactly; masked sums up to their fi
 precision in the yardstick). ``end`` is answered by each party's ``report``
 as in training. Only the FedAvg methods are offered (a per-client method has nothing to
 federate). With ``--save-imputed`` each client writes its imputed table in its own process
-(``impute-save``).
+(``impute-save``). At the end each client saves its own imputer there (``save``: its part and a
+manifest listing it alone, in its model directory), to fill new rows of its own with alone.
 
 A client lost in the rounds is dropped and FedAvg goes on over the others; one whose operator
 restarts it is readmitted before a later round: it is sent its ``impute-setup`` again
@@ -74,6 +75,7 @@ from secure_vfl.deployment import (
     SETUP_DEADLINE,
     SecureSums,
     ServedPrivacy,
+    _ask_save,
     _body,
     _deployment,
     _end,
@@ -100,6 +102,7 @@ from secure_vfl.methods.imputation.evaluation import TEST_FRACTION, scores_of
 from secure_vfl.methods.imputation.federation import Coordinator, ImputationFederation
 from secure_vfl.methods.imputation.fedhf import RECONSTRUCTIONS, reconstruction_imputer
 from secure_vfl.methods.imputation.statistics import ReleaseTerms
+from secure_vfl.saved_model import KEPT_BY_PARTY, LOST, new_run_id
 
 logger = logging.getLogger(__name__)
 
@@ -190,8 +193,36 @@ class ServedClient:
     test: ClientData
     file: ClientFile
     features: tuple[str, ...]
+    method: str
+    seed: int
+    config: ImputeConfig
     privacy: ServedPrivacy | None = None
     """Its own statistics mechanism and accountant (None: no DP), reported at the end."""
+
+    def save_model(self, directory: Path, run: str) -> dict[str, str]:
+        """Write its own imputer into the fresh ``directory``: its part and a manifest that
+        lists it alone (:func:`~secure_vfl.saved_imputer.write_imputer`), so that it fills new
+        rows of its own with ``secure-vfl fill --model DIRECTORY`` on its machine, no other
+        party taking part. Returns the manifest's SHA-256 (which pins every file's), for the
+        ``saved`` answer."""
+        from secure_vfl.saved_imputer import MANIFEST_FILE, SavedClient, write_imputer
+
+        client = SavedClient(
+            name=self.party.name,
+            columns=tuple(str(c) for c in self.file.features.columns),
+            write=self.party.save_part,
+        )
+        write_imputer(
+            directory,
+            [client],
+            run_id=run,
+            method=self.method,
+            seed=self.seed,
+            config=self.config,
+            data="client-files",
+            features=self.features,
+        )
+        return {MANIFEST_FILE: hashlib.sha256((directory / MANIFEST_FILE).read_bytes()).hexdigest()}
 
     def save(self, directory: Path, message: Message) -> tuple[dict[str, Any], Path]:
         """Write its imputed table (its file's rows in its order, the ids first, every cell
@@ -284,7 +315,17 @@ def build_served_client(
                 "offers no DP mechanisms."
             )
         privacy = statistics_privacy(member.name, body["privacy"], client, features)
-    return ServedClient(client, train, test, file, tuple(features), privacy)
+    return ServedClient(
+        client,
+        train,
+        test,
+        file,
+        tuple(features),
+        method=method,
+        seed=seed,
+        config=config,
+        privacy=privacy,
+    )
 
 
 def _client_file(member: Member) -> Path:
@@ -337,13 +378,15 @@ def impute_deployed(
     save_imputed: bool = False,
     privacy: DeployedStatisticsPrivacy | None = None,
     capture: BinaryIO | None = None,
-) -> tuple[ImputeResult, dict[str, Any] | None]:
+) -> tuple[ImputeResult, dict[str, Any]]:
     """Run ``config`` (a FedAvg reconstruction method over the federation's client files) as
     the coordinator in the label party ``name``'s process: every other party is a client in its
     own process. Returns the :class:`~secure_vfl.experiment.ImputeResult`, its traffic
-    counting every party's bytes (each reports its own), and with ``save_imputed`` what each
-    client answered once it wrote its imputed table in its own process (``impute-save``: the
-    run id, and per client its rows and the table's SHA-256), else None. With ``privacy`` (the
+    counting every party's bytes (each reports its own), and what the clients saved in their
+    own processes: ``model``, the run id of the imputers every client saved (each its own, to
+    fill new rows with alone) and per client where it lies and its manifest's SHA-256, and with
+    ``save_imputed`` ``imputed`` (else None), the run id of the imputed tables and per client
+    its rows and the table's SHA-256 (``impute-save``). With ``privacy`` (the
     label party's privacy engine) the statistics are released under DP: each client makes its
     own mechanism from the engine's plan in its own process and reports what its accountant
     priced at the end, which the result's privacy entry lists. ``capture`` records every message
@@ -355,6 +398,7 @@ def impute_deployed(
     entries: dict[str, Any] = {}
     plan: StatisticsPlan | None = None
     saved: dict[str, Any] | None = None
+    model: dict[str, Any] = {}
     view: ImputationFederation | None = None
     try:
         endpoint.await_peers_or_warn(list(federation.addresses(but=name)), wait)
@@ -454,8 +498,10 @@ def impute_deployed(
             ),
             faults=list(view.faults),
         )
+        live = [m for m in clients if m.name in view.names]
         if save_imputed:
-            saved = _save_each(endpoint, [m for m in clients if m.name in view.names])
+            saved = _save_each(endpoint, live)
+        model = _save_models(endpoint, live, lost=[n for n in view.roster if n not in view.names])
         outcome = "finished"
     finally:
         lost = [n for n in view.roster if n not in view.names] if view is not None else []
@@ -466,7 +512,7 @@ def impute_deployed(
         assert privacy is not None
         privacy.take_statistics_reports(entries)
         result = dataclasses.replace(result, privacy=privacy.report())
-    return result, saved
+    return result, {"imputed": saved, "model": model}
 
 
 def _readmission(
@@ -503,6 +549,23 @@ def _save_each(endpoint: Any, clients: Sequence[Member]) -> dict[str, Any]:
             )
         tables[member.name] = {"rows": body["rows"], "sha256": body["sha256"]}
     return {"run": run, "tables": tables}
+
+
+def _save_models(
+    endpoint: Any, clients: Sequence[Member], *, lost: Sequence[str]
+) -> dict[str, Any]:
+    """Have every client save its own imputer in its own process, under one model run id
+    (``save``, answered by ``saved`` with its manifest's SHA-256): each fills new rows of its
+    own there with ``secure-vfl fill``; nothing of a model leaves its process. A client lost in
+    the rounds saves none."""
+    run = new_run_id()
+    endpoint.handler = None  # the answers are the label party's, no longer the coordinator's
+    kept: dict[str, Any] = {
+        member.name: {"location": KEPT_BY_PARTY, "files": _ask_save(endpoint, member.name, run)}
+        for member in clients
+    }
+    kept.update({name: {"location": LOST, "files": {}} for name in lost})
+    return {"run_id": run, "clients": kept}
 
 
 def _check_observed(features: Sequence[str], counts: np.ndarray | None) -> None:

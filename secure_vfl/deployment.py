@@ -587,11 +587,20 @@ class _Server:
         self.on_event(f"{self.name}: wrote its checkpoint of step {body['step']}")
 
     def _on_save(self, message: Message) -> None:
-        """Write this party's own part of the trained model into its own model directory."""
+        """Write this party's own part of the trained model into its own model directory (an
+        imputation client: its own imputer, to fill new rows of its own alone)."""
         body = _body(message, "save", SAVE_KEYS)
-        party = self._data_party(f"a save (run {str(body['run'])[:40]!r})", "saves a part")
-        self._reply("saved", self.model.save(party, body))
-        self.on_event(f"{self.name}: saved its part of model {body['run']}")
+        run = str(body["run"])
+        if self.imputation is not None:
+            imputation = self.imputation
+            answer = self.model.save(lambda tmp: imputation.save_model(tmp, run), body)
+            where = self.model.part_directory(run)
+            self.on_event(f"{self.name}: saved its imputer {run} (secure-vfl fill --model {where})")
+        else:
+            party = self._data_party(f"a save (run {run[:40]!r})", "saves a part")
+            answer = self.model.save(party.save_part, body)
+            self.on_event(f"{self.name}: saved its part of model {run}")
+        self._reply("saved", answer)
 
     def _checkpointing(self, body: Mapping[str, Any]) -> DataParty:
         return self._data_party(
@@ -977,7 +986,9 @@ def model_directory(federation: Federation, name: str, given: Path | None) -> Pa
 class ServedModel:
     """A serving data party's own parts of saved models: when the label party asks (``save``,
     naming the model's run id) it writes its part with
-    :meth:`~secure_vfl.federation.parties.DataParty.save_part` into ``DIR/NAME/RUN_ID/``, the
+    :meth:`~secure_vfl.federation.parties.DataParty.save_part` (an imputation client: its own
+    imputer, :meth:`~secure_vfl.deployed_imputation.ServedClient.save_model`) into
+    ``DIR/NAME/RUN_ID/``, the
     whole directory atomically (a fresh one renamed into place), and answers with the SHA-256
     of each file: nothing else leaves it, and it writes nothing outside ``DIR``. One save per
     run; a run id already saved there is refused (a replay)."""
@@ -992,9 +1003,12 @@ class ServedModel:
         assert self.directory is not None
         return self.directory / self.name / run
 
-    def save(self, party: DataParty, body: Mapping[str, Any]) -> dict[str, Any]:
-        """Write ``party``'s part of the model ``body`` names (:data:`SAVE_KEYS`); the answer
-        (:data:`SAVED_KEYS`) carries each file's SHA-256."""
+    def save(
+        self, write: Callable[[Path], dict[str, str]], body: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """Write this party's part of the model ``body`` names (:data:`SAVE_KEYS`) with
+        ``write`` (into a fresh directory; it returns each file's SHA-256); the answer
+        (:data:`SAVED_KEYS`) carries them."""
         run = body["run"]
         if not _MODEL_ID.fullmatch(run):
             raise ProtocolError(f"save: a run id of 32 hex digits expected; found {run[:40]!r}.")
@@ -1011,7 +1025,7 @@ class ServedModel:
                 f"{self.name}: its part of model {run} already exists at {target} (a replay?)."
             )
         files: dict[str, str] = {}
-        atomic_directory(target, lambda tmp: files.update(party.save_part(tmp)))
+        atomic_directory(target, lambda tmp: files.update(write(tmp)))
         self.saved = run
         return {"run": run, "files": files}
 

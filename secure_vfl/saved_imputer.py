@@ -18,9 +18,10 @@ not be there: a client may keep only its own directory and the manifest.
 
 from __future__ import annotations
 
+import functools
 import re
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -63,7 +64,7 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 class SavableImputer(Protocol):
     """A fitted imputer whose clients can write their own parts."""
 
-    def save_parts(self, directories: Mapping[str, Path]) -> dict[str, dict[str, str]]: ...
+    def save_part(self, client: str, directory: Path) -> dict[str, str]: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -224,6 +225,57 @@ def keeps_model(method: str) -> bool:
     return method in model_methods()
 
 
+PartWriter = Callable[[Path], dict[str, str]]
+"""A client writing its own part into a directory; returns each file's SHA-256."""
+
+
+@dataclass(frozen=True)
+class SavedClient:
+    """A client to save: its name, its schema (feature columns) and how it writes its part."""
+
+    name: str
+    columns: tuple[str, ...]
+    write: PartWriter
+
+
+def write_imputer(
+    directory: Path,
+    clients: Sequence[SavedClient],
+    *,
+    run_id: str,
+    method: str,
+    seed: int,
+    config: ImputeConfig,
+    data: str,
+    features: Sequence[str],
+) -> ImputerManifest:
+    """Into the fresh ``directory``: each of ``clients`` writes its own part into
+    ``client-K/``, then the manifest tying them together (last, atomically)."""
+    entries = []
+    for k, client in enumerate(clients):
+        entries.append(
+            ClientEntry(
+                name=client.name,
+                directory=f"client-{k}",
+                columns=client.columns,
+                files=client.write(directory / f"client-{k}"),
+            )
+        )
+    manifest = ImputerManifest(
+        run_id=run_id,
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
+        secure_vfl_version=__version__,
+        method=method,
+        seed=seed,
+        impute_config=asdict(config),
+        data=data,
+        features=tuple(features),
+        clients=tuple(entries),
+    )
+    atomic_write_json(directory / MANIFEST_FILE, manifest.to_json())
+    return manifest
+
+
 def save_imputer(
     directory: Path,
     imputer: object,
@@ -233,40 +285,35 @@ def save_imputer(
     seed: int,
     config: ImputeConfig,
 ) -> ImputerManifest:
-    """Save a fitted imputer into ``directory``: each client writes its own part into its own
-    directory (``client-K/``), then the manifest is written. The whole directory is written
-    beside ``directory`` and swapped in (:func:`~secure_vfl.io.replace_directory`): an imputer
-    saved over another keeps none of the other's files."""
+    """Save a fitted in-process imputer into ``directory`` (:func:`write_imputer`). The whole
+    directory is written beside ``directory`` and swapped in
+    (:func:`~secure_vfl.io.replace_directory`): an imputer saved over another keeps none of the
+    other's files."""
     if not keeps_model(method) or not isinstance(imputer, SavableImputer):
         raise ConfigError(f"{method} keeps no model to save (it fits on the rows it fills).")
+    clients = [
+        SavedClient(
+            name=client.name,
+            columns=_schema(task, k),
+            write=functools.partial(imputer.save_part, client.name),
+        )
+        for k, client in enumerate(task.train)
+    ]
     saved: list[ImputerManifest] = []
 
-    directories = {client.name: f"client-{k}" for k, client in enumerate(task.train)}
-
     def write(staged: Path) -> None:
-        written = imputer.save_parts({n: staged / d for n, d in directories.items()})
-        entries = [
-            ClientEntry(
-                name=client.name,
-                directory=directories[client.name],
-                columns=_schema(task, k),
-                files=written[client.name],
+        saved.append(
+            write_imputer(
+                staged,
+                clients,
+                run_id=uuid.uuid4().hex,
+                method=method,
+                seed=seed,
+                config=config,
+                data=task.name,
+                features=task.features,
             )
-            for k, client in enumerate(task.train)
-        ]
-        manifest = ImputerManifest(
-            run_id=uuid.uuid4().hex,
-            created=datetime.now(UTC).isoformat(timespec="seconds"),
-            secure_vfl_version=__version__,
-            method=method,
-            seed=seed,
-            impute_config=asdict(config),
-            data=task.name,
-            features=task.features,
-            clients=tuple(entries),
         )
-        atomic_write_json(staged / MANIFEST_FILE, manifest.to_json())
-        saved.append(manifest)
 
     replace_directory(directory, write)
     return saved[0]

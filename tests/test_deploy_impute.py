@@ -98,7 +98,11 @@ def test_three_clients_in_their_own_processes_impute_as_in_one(
 
     federation = write_federation(site, site / "certs", free_loopback_ports(5))
     tables = tmp_path / "tables"
-    servers = [processes.serve(federation, name, "--imputed-dir", str(tables)) for name in CLIENTS]
+    models = tmp_path / "models"
+    servers = [
+        processes.serve(federation, name, "--imputed-dir", str(tables), "--model-dir", str(models))
+        for name in CLIENTS
+    ]
     servers.append(processes.serve(federation, "aggregator"))
     label = processes.start(
         "impute",
@@ -137,6 +141,23 @@ def test_three_clients_in_their_own_processes_impute_as_in_one(
             assert entry["sha256"] == hashlib.sha256(written).hexdigest()
             assert entry["rows"] == len(pd.read_csv(site / f"{name}.csv"))
             assert f"wrote its imputed table to {tables / run / name}.csv" in processes.log(name)
+        # Each client saved its own imputer in its own process, and fills alone with it as the
+        # in-process run's clients filled their rows.
+        model = result["model"]
+        for name in CLIENTS:
+            kept = models / name / model["run_id"]
+            manifest = (kept / "manifest.json").read_bytes()
+            assert model["clients"][name] == {
+                "location": "party",
+                "files": {"manifest.json": hashlib.sha256(manifest).hexdigest()},
+            }
+            assert [c["name"] for c in json.loads(manifest)["clients"]] == [name]  # its own only
+            assert f"secure-vfl fill --model {kept}" in processes.log(name)
+            filled = tmp_path / "filled" / name
+            argv = ["fill", "--model", str(kept), "--client-file", str(site / f"{name}.csv")]
+            assert main([*argv, "--out", str(filled)]) == 0
+            written = (filled / f"{name}.csv").read_bytes()
+            assert written == (tmp_path / "alone" / "imputed" / f"{name}.csv").read_bytes()
     else:
         # In one process the yardstick's statistics are summed in the clear; deployed, through
         # the run's masks (fixed point) or CKKS (approximate): the same scores up to that
@@ -278,6 +299,10 @@ def test_fedavg_goes_on_without_a_client_killed_mid_run(
         assert set(result["traffic"]["bytes"]) == {"bank", "shop", "insurer", "aggregator"}
         assert f"lost: telco in round {fault['round']}; FedAvg went on over the other clients, " \
             "and it has no score" in log  # fmt: skip
+        # The others saved their imputers; the lost client, none.
+        kept = result["model"]["clients"]
+        assert kept["telco"] == {"location": "lost", "files": {}}
+        assert {kept[name]["location"] for name in ("shop", "insurer")} == {"party"}
         return
     assert "was never set up for this run" in fault["what"], fault
     assert "before the run was set up" in processes.log("telco-restarted")

@@ -436,8 +436,8 @@ def test_a_served_party_saves_its_part_only_on_a_request_that_checks_out(
     shop = federation_parties[2][1]
     served = ServedModel("shop", tmp_path)
     with pytest.raises(ProtocolError, match="a run id of 32 hex digits expected"):
-        served.save(shop, {"run": "../../elsewhere"})
-    answer = served.save(shop, {"run": RUN})
+        served.save(shop.save_part, {"run": "../../elsewhere"})
+    answer = served.save(shop.save_part, {"run": RUN})
     part = tmp_path / "shop" / RUN
     assert answer["run"] == RUN and answer["files"] == {
         p.name: sha256(p.read_bytes()) for p in part.iterdir()
@@ -446,11 +446,11 @@ def test_a_served_party_saves_its_part_only_on_a_request_that_checks_out(
         f.endswith(".safetensors") for f in answer["files"]
     )
     with pytest.raises(ProtocolError, match="a second save of the run"):
-        served.save(shop, {"run": "f" * 32})  # one save per run, whatever the id
+        served.save(shop.save_part, {"run": "f" * 32})  # one save per run, whatever the id
     with pytest.raises(ProtocolError, match="already exists"):
-        ServedModel("shop", tmp_path).save(shop, {"run": RUN})  # a replay in a later run
+        ServedModel("shop", tmp_path).save(shop.save_part, {"run": RUN})  # a replay in a later run
     with pytest.raises(ProtocolError, match="keeps no model directory"):
-        ServedModel("shop", None).save(shop, {"run": RUN})
+        ServedModel("shop", None).save(shop.save_part, {"run": RUN})
     assert [p.relative_to(tmp_path) for p in tmp_path.iterdir()] == [Path("shop")]
     assert [p.name for p in (tmp_path / "shop").iterdir()] == [RUN]  # no temporary left
 
@@ -468,7 +468,7 @@ def test_the_label_party_saves_every_live_party_checks_every_answer_and_marks_th
         side = served[message.receiver]
         side.saved = None  # each save below is a new run for the serving side
         party = parties[PARTIES.index(message.receiver)]
-        return "saved", {**side.save(party, json.loads(message.body)), **lie}
+        return "saved", {**side.save(party.save_part, json.loads(message.body)), **lie}
 
     endpoint: Any = LoopbackEndpoint(answer)  # the label party's side
     model = tmp_path / "model"
@@ -529,7 +529,7 @@ def test_a_party_lost_while_the_model_is_saved_is_listed_lost_and_the_others_are
         if message.receiver == "telco":  # died after the evaluation, before the save
             raise TransportError(gone)
         party = parties[PARTIES.index(message.receiver)]
-        return "saved", served[message.receiver].save(party, json.loads(message.body))
+        return "saved", served[message.receiver].save(party.save_part, json.loads(message.body))
 
     endpoint: Any = LoopbackEndpoint(answer)
     model = tmp_path / "model"
@@ -590,7 +590,7 @@ def test_manifest_locations_are_checked_and_version_1_still_reads(
 
     def answer(message: DeploymentMessage) -> tuple[str, dict[str, Any]]:
         party = parties[PARTIES.index(message.receiver)]
-        return "saved", served[message.receiver].save(party, json.loads(message.body))
+        return "saved", served[message.receiver].save(party.save_part, json.loads(message.body))
 
     endpoint: Any = LoopbackEndpoint(answer)  # the label party's side
     manifest, _ = save_deployed(

@@ -804,8 +804,9 @@ class DeploymentMessage(Message):
     run id; answered by ``saved`` with its files' SHA-256) and ends the run (``end``, answered
     by a ``report``). An imputation run asks each client for its feature columns
     (``columns-request``, answered by ``columns``), sets it up (``impute-setup``) and may
-    have it write its imputed table (``impute-save``, answered by ``impute-saved``;
-    :mod:`secure_vfl.deployed_imputation`). ``body`` is a JSON
+    have it write its imputed table (``impute-save``, answered by ``impute-saved``) and save its
+    own imputer (``save``, answered by ``saved``; :mod:`secure_vfl.deployed_imputation`).
+    ``body`` is a JSON
     object whose schema the receiver checks per topic (:mod:`secure_vfl.deployment`); never
     pickle."""
 

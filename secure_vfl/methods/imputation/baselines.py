@@ -72,19 +72,19 @@ class ColumnMeanImputer:
         filled = np.broadcast_to(self.means[client_index], client.values.shape)
         return imputation_rule(client, filled)
 
-    def save_parts(self, directories: Mapping[str, Path]) -> dict[str, dict[str, str]]:
-        """Each client's means and schema into its directory of ``directories`` (by client
-        name: its own means, or the federation's that it was sent); the SHA-256 of each file
-        by client, for the imputer's manifest."""
-        return {
-            client.name: parts.write_part(
-                directories[client.name],
-                client=client.name,
-                kind=parts.MEANS,
-                tensors=parts.means_tensors(client.available, means),
-            )
-            for client, means in zip(self.task.train, self.means, strict=True)
-        }
+    def save_part(self, client: str, directory: Path) -> dict[str, str]:
+        """Client ``client``'s means (its own, or the federation's that it was sent) and schema
+        into ``directory``; the SHA-256 of each file, for the imputer's manifest."""
+        names = [train.name for train in self.task.train]
+        if client not in names:
+            raise DataError(f"{self.name}: no client {client!r}; expected one of {names}.")
+        index = names.index(client)
+        return parts.write_part(
+            directory,
+            client=client,
+            kind=parts.MEANS,
+            tensors=parts.means_tensors(self.task.train[index].available, self.means[index]),
+        )
 
 
 def client_means(client: ClientData, fallback: np.ndarray) -> np.ndarray:

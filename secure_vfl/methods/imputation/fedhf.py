@@ -306,12 +306,13 @@ class ReconstructionImputer:
         check_client(self.task, client_index, client)
         return self._clients()[client_index].impute(client)
 
-    def save_parts(self, directories: Mapping[str, Path]) -> dict[str, dict[str, str]]:
-        """Every in-process client writes its own part into its directory of ``directories``
-        (by client name); the SHA-256 of each file by client, for the imputer's manifest."""
-        return {
-            client.name: client.save_part(directories[client.name]) for client in self._clients()
-        }
+    def save_part(self, client: str, directory: Path) -> dict[str, str]:
+        """The in-process client ``client`` writes its own part into ``directory``; the
+        SHA-256 of each file, for the imputer's manifest."""
+        for party in self._clients():
+            if party.name == client:
+                return party.save_part(directory)
+        raise ConfigError(f"{self.name}: no client {client!r} in this process.")
 
 
 def _graph_model(config: ImputeConfig, graph: FeatureGraph | None) -> nn.Module:
