@@ -1056,10 +1056,19 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="write each filled table to DIR/STEM.csv, STEM the file's stem (default: filled)",
     )
-    _column_flags(
-        fill,
-        label_help="a column of the files that is not a feature: written back unchanged",
-        id_default=ID_COLUMN,
+    fill.add_argument(
+        "--id-column",
+        type=column_name,
+        metavar="NAME",
+        help="the column holding the ids in every file (default: the one the imputer was "
+        "trained with)",
+    )
+    fill.add_argument(
+        "--label-column",
+        type=column_name,
+        metavar="NAME",
+        help="a column of the files that is not a feature, written back unchanged (default: "
+        "the one the imputer was trained with)",
     )
     fill.add_argument(
         "--overwrite", action="store_true", help="replace tables an earlier fill wrote in DIR"
@@ -2459,6 +2468,7 @@ def run_impute(args: argparse.Namespace) -> int:
                 method=config.method,
                 seed=config.seed,
                 config=config.impute_config,
+                columns=(config.id_column, config.label_column),
             )
             payload["model"] = {"directory": str(out / MODEL_DIR), "run_id": manifest.run_id}
         atomic_write_json(out / "result.json", payload)
@@ -2776,7 +2786,10 @@ def run_fill(args: argparse.Namespace) -> int:
     with run_warnings() as noted:
         filled = [
             imputer.fill(
-                path, client=client, id_column=args.id_column, label_column=args.label_column
+                path,
+                client=client,
+                id_column=args.id_column or imputer.manifest.id_column,
+                label_column=args.label_column or imputer.manifest.label_column,
             )
             for client, path in zip(clients, files, strict=True)
         ]

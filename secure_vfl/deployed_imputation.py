@@ -196,6 +196,8 @@ class ServedClient:
     method: str
     seed: int
     config: ImputeConfig
+    columns: tuple[str, str]
+    """The id and label columns of its file."""
     privacy: ServedPrivacy | None = None
     """Its own statistics mechanism and accountant (None: no DP), reported at the end."""
 
@@ -221,6 +223,7 @@ class ServedClient:
             config=self.config,
             data="client-files",
             features=self.features,
+            columns=self.columns,
         )
         return {MANIFEST_FILE: hashlib.sha256((directory / MANIFEST_FILE).read_bytes()).hexdigest()}
 
@@ -324,6 +327,7 @@ def build_served_client(
         method=method,
         seed=seed,
         config=config,
+        columns=(body["id_column"], body["label_column"]),
         privacy=privacy,
     )
 

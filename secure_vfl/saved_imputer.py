@@ -1,12 +1,14 @@
 """A trained imputer kept on disk and used again: each client's own part plus a manifest.
 
-``impute`` saves into ``DIR/model/`` (in one process, for the methods that keep a model:
-``mean``, ``fed-mean``, ``dae``, ``fed-dae`` and ``fedhf``): every client writes its own part
-into its own directory (``client-0/`` ...; :mod:`secure_vfl.methods.imputation.parts`), and the
-run writes ``manifest.json`` last, which ties the parts together: the run id, the method and its
+``impute`` saves into ``DIR/model/`` (for the methods that keep a model: ``mean``,
+``fed-mean``, ``dae``, ``fed-dae`` and ``fedhf``): every client writes its own part into its own
+directory (``client-0/`` ...; :mod:`secure_vfl.methods.imputation.parts`), and the run writes
+``manifest.json`` last, which ties the parts together: the run id, the method and its
 configuration (enough to rebuild the architecture), the federation's features, every client's
 name and schema (its feature columns) and the SHA-256 of every part file. ``knn`` and ``mice``
-keep no model (each fits on the rows it fills) and save none.
+keep no model (each fits on the rows it fills) and save none. Deployed, each client saves its
+own imputer in its own process, under a manifest that lists it alone
+(:meth:`~secure_vfl.deployed_imputation.ServedClient.save_model`).
 
 Filling new rows (:meth:`SavedImputer.fill`) is a client's local step: it reads only its own
 part (checked against the manifest's hashes before it is parsed; a file the manifest does not
@@ -31,6 +33,7 @@ import pandas as pd
 
 from secure_vfl import __version__
 from secure_vfl.data.imputation import ImputationTask, client_from_frame, read_client_file
+from secure_vfl.data.party_files import ID_COLUMN, LABEL_COLUMN
 from secure_vfl.errors import ConfigError, DataError, IntegrityError
 from secure_vfl.io import (
     atomic_write_json,
@@ -90,6 +93,8 @@ class ImputerManifest:
     seed: int
     impute_config: dict[str, Any]
     data: str
+    id_column: str
+    label_column: str
     features: tuple[str, ...]
     clients: tuple[ClientEntry, ...]
 
@@ -126,6 +131,15 @@ class ImputerManifest:
             raise refuse(
                 f"a method that keeps a model ({', '.join(model_methods())}) expected, found "
                 f"{body['method'][:40]!r}"
+            )
+        if (
+            not body["id_column"]
+            or not body["label_column"]
+            or (body["id_column"] == body["label_column"])
+        ):
+            raise refuse(
+                f"two distinct column names for the ids and labels expected, found "
+                f"{body['id_column'][:40]!r} and {body['label_column'][:40]!r}"
             )
         features = body["features"]
         if not (
@@ -180,6 +194,8 @@ _MANIFEST_TYPES: dict[str, type | tuple[type, ...]] = {
     "seed": int,
     "impute_config": dict,
     "data": str,
+    "id_column": str,
+    "label_column": str,
     "features": list,
     "clients": list,
 }
@@ -248,9 +264,11 @@ def write_imputer(
     config: ImputeConfig,
     data: str,
     features: Sequence[str],
+    columns: tuple[str, str],
 ) -> ImputerManifest:
     """Into the fresh ``directory``: each of ``clients`` writes its own part into
-    ``client-K/``, then the manifest tying them together (last, atomically)."""
+    ``client-K/``, then the manifest tying them together (last, atomically). ``columns``: the
+    id and label columns of the clients' files (``fill``'s defaults)."""
     entries = []
     for k, client in enumerate(clients):
         entries.append(
@@ -269,6 +287,8 @@ def write_imputer(
         seed=seed,
         impute_config=asdict(config),
         data=data,
+        id_column=columns[0],
+        label_column=columns[1],
         features=tuple(features),
         clients=tuple(entries),
     )
@@ -284,6 +304,7 @@ def save_imputer(
     method: str,
     seed: int,
     config: ImputeConfig,
+    columns: tuple[str, str] = (ID_COLUMN, LABEL_COLUMN),
 ) -> ImputerManifest:
     """Save a fitted in-process imputer into ``directory`` (:func:`write_imputer`). The whole
     directory is written beside ``directory`` and swapped in
@@ -312,6 +333,7 @@ def save_imputer(
                 config=config,
                 data=task.name,
                 features=task.features,
+                columns=columns,
             )
         )
 

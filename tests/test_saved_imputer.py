@@ -122,6 +122,28 @@ def test_impute_saves_the_model_and_fill_fills_new_rows_of_a_clients_own(
     pd.testing.assert_frame_equal(pd.read_csv(again / "batch.csv"), filled)
 
 
+def test_fill_reads_the_id_and_label_columns_the_imputer_was_trained_with(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["impute", "--method", "fed-mean", "--out", str(tmp_path / "run"), "--quiet"]
+    for path in client_files(tmp_path):
+        frame = pd.read_csv(path).rename(columns={"id": "patient", "label": "outcome"})
+        frame.to_csv(path, index=False)
+        argv += ["--client-file", str(path)]
+    assert main([*argv, "--id-column", "patient", "--label-column", "outcome"]) == 0
+    manifest = json.loads((tmp_path / "run" / "model" / "manifest.json").read_text())
+    assert (manifest["id_column"], manifest["label_column"]) == ("patient", "outcome")
+    out = tmp_path / "filled"
+    fill = ["fill", "--model", str(tmp_path / "run"), "--client-file", str(tmp_path / "site0.csv")]
+    assert main([*fill, "--out", str(out)]) == 0  # not taken for features: the model's own
+    filled = pd.read_csv(out / "site0.csv")
+    assert list(filled.columns) == ["patient", "x0", "x1", "x2", "x3", "outcome"]
+    # Named otherwise, the model's id column would be read as a feature.
+    capsys.readouterr()
+    err = fill_error([*fill, "--out", str(tmp_path / "other"), "--id-column", "id"], capsys)
+    assert "if 'patient' holds the ids, give --id-column patient" in err
+
+
 def test_a_client_that_keeps_only_its_own_part_fills_alone(tmp_path: Path) -> None:
     run = impute(tmp_path, method="fed-mean")
     shutil.rmtree(run / "model" / "client-1")
@@ -312,6 +334,7 @@ def test_an_altered_part_or_manifest_is_refused(tmp_path: Path) -> None:
         ("features", ["x0"], "2 to 65536 distinct feature names expected"),
         ("impute_config", {"hidden": 0}, "does not build here"),
         ("run_id", "../../x", "a run_id of 32 hex digits"),
+        ("label_column", "id", "two distinct column names for the ids and labels"),
     ]:
         payload = json.loads((pristine / "manifest.json").read_text())
         payload[key] = value
