@@ -328,6 +328,12 @@ def test_an_altered_part_or_manifest_is_refused(tmp_path: Path) -> None:
     ):
         fill()
     restore()
+    # A manifest edited to ask for a vast network: refused by the saved shapes, not built.
+    payload = json.loads((pristine / "manifest.json").read_text())
+    payload["impute_config"].update(hidden=65536, layers=64)
+    (model / "manifest.json").write_text(json.dumps(payload))
+    with pytest.raises(IntegrityError, match=r"'embedding.weight' of shape \[6, 65536\] expected"):
+        fill()
     for key, value, message in [
         ("version", 2, "imputer manifest version 1 expected"),
         ("method", "knn", "a method that keeps a model"),

@@ -234,7 +234,7 @@ def load_states(
         )
     for name, module in modules.items():
         target = unwrapped(module)
-        differs = _first_difference(target.state_dict(), states[name])
+        differs = first_difference(target.state_dict(), states[name])
         if differs is not None:
             raise IntegrityError(
                 f"{party}: the saved {name!r} does not fit the architecture the manifest "
@@ -249,7 +249,7 @@ def load_states(
             ) from None
 
 
-def _first_difference(built: Mapping[str, Tensor], saved: Mapping[str, Tensor]) -> str | None:
+def first_difference(built: Mapping[str, Tensor], saved: Mapping[str, Tensor]) -> str | None:
     """The first parameter (or buffer) that ``saved`` lacks, adds or holds in another shape or
     dtype than the module ``built`` has it, or with a value that is not finite (a model that
     would predict NaN); None if every name, shape and dtype agrees and every value is finite."""

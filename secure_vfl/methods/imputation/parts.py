@@ -29,7 +29,7 @@ from torch import Tensor, nn
 
 from secure_vfl.data.imputation import ClientData
 from secure_vfl.errors import DataError, IntegrityError
-from secure_vfl.federation.parts import load_states, sha256, verified_bytes
+from secure_vfl.federation.parts import first_difference, load_states, sha256, verified_bytes
 from secure_vfl.io import atomic_write, atomic_write_json, check_document, parse_json
 from secure_vfl.methods.imputation.base import imputation_rule
 from secure_vfl.methods.imputation.statistics import Standardisation
@@ -183,10 +183,19 @@ def read_part(
         graph = _graph(tree["graph"], features, tensor_path)
     except DataError as error:
         raise IntegrityError(f"{tensor_path}: {error}") from None
-    model = build(graph)
     state = tree["model"]
     if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
         raise IntegrityError(f"{tensor_path}: model: a state of named tensors expected.")
+    # The architecture the manifest describes, first without memory: a manifest edited to ask
+    # for a vast network is refused by the saved state's shapes before it is built.
+    with torch.device("meta"):
+        differs = first_difference(build(graph).state_dict(), state)
+    if differs is not None:
+        raise IntegrityError(
+            f"{client}: the saved model does not fit the architecture the manifest describes "
+            f"(its impute_config and features): {differs}."
+        )
+    model = build(graph)
     load_states({"model": model}, {"model": state}, party=client)
     model.eval()
     return ClientPart(
