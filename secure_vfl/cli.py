@@ -889,7 +889,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--out",
         type=run_directory,
         metavar="DIR",
-        help="output directory (default runs/impute-METHOD-DATASET-sSEED)",
+        help="output directory: result.json and, for a method that keeps a model, the "
+        "saved imputer in model/, which `secure-vfl fill` uses (default "
+        "runs/impute-METHOD-DATASET-sSEED)",
     )
     impute.add_argument(
         "--store",
@@ -1060,8 +1062,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--id-column",
         type=column_name,
         metavar="NAME",
-        help="the column holding the ids in every file (default: the one the imputer was "
-        "trained with)",
+        help="the column holding the ids, written back unchanged (default: the one the imputer "
+        "was trained with)",
     )
     fill.add_argument(
         "--label-column",
@@ -1215,11 +1217,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def party_file_spec(text: str) -> tuple[str | None, Path]:
-    """``[PARTY=]PATH`` of ``predict --party-file``: the party's name (None: not given) and
-    an existing file."""
-    name, sep, rest = text.partition("=")
-    if sep and name and not Path(text).is_file():
-        return name, existing_file(rest)
+    """``[PARTY=]PATH`` of ``predict --party-file`` (and ``fill --client-file``): the party's
+    name (None: not given) and an existing file. A name may hold ``=`` itself (a file stem
+    does): the first ``=`` after which an existing file is named ends it."""
+    if not Path(text).is_file():
+        for at in (i for i, character in enumerate(text) if character == "="):
+            if at and Path(text[at + 1 :]).is_file():
+                return text[:at], existing_file(text[at + 1 :])
+        name, sep, rest = text.partition("=")
+        if sep and name:
+            return name, existing_file(rest)  # refused, naming the path after the first `=`
     return None, existing_file(text)
 
 
@@ -2373,6 +2380,7 @@ def run_impute(args: argparse.Namespace) -> int:
 
     from secure_vfl import saved_imputer
     from secure_vfl.data.imputation import IMPUTATION_DATASETS
+    from secure_vfl.federation.parts import sha256
     from secure_vfl.experiment import ImputeRunConfig, prepare_imputation_task, run_imputation
     from secure_vfl.federation.channel import Channel, InProcessTransport
     from secure_vfl.io import atomic_write_json
@@ -2470,7 +2478,11 @@ def run_impute(args: argparse.Namespace) -> int:
                 config=config.impute_config,
                 columns=(config.id_column, config.label_column),
             )
-            payload["model"] = {"directory": str(out / MODEL_DIR), "run_id": manifest.run_id}
+            payload["model"] = {
+                "directory": str(out / MODEL_DIR),
+                "run_id": manifest.run_id,
+                "manifest_sha256": sha256((out / MODEL_DIR / MANIFEST_FILE).read_bytes()),
+            }
         atomic_write_json(out / "result.json", payload)
         store.add(payload, kind="impute", out_dir=out)
     print(_impute_summary(result, out))

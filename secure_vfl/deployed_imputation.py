@@ -212,6 +212,7 @@ class ServedClient:
         client = SavedClient(
             name=self.party.name,
             columns=tuple(str(c) for c in self.file.features.columns),
+            forms=self.file.cell_forms(),
             write=self.party.save_part,
         )
         write_imputer(

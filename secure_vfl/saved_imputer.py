@@ -21,6 +21,7 @@ not be there: a client may keep only its own directory and the manifest.
 from __future__ import annotations
 
 import functools
+import json
 import re
 import uuid
 from collections.abc import Callable, Sequence
@@ -32,7 +33,12 @@ from typing import Any, Protocol, runtime_checkable
 import pandas as pd
 
 from secure_vfl import __version__
-from secure_vfl.data.imputation import ImputationTask, client_from_frame, read_client_file
+from secure_vfl.data.imputation import (
+    CELL_FORMS,
+    ImputationTask,
+    client_from_frame,
+    read_client_file,
+)
 from secure_vfl.data.party_files import ID_COLUMN, LABEL_COLUMN
 from secure_vfl.errors import ConfigError, DataError, IntegrityError
 from secure_vfl.io import (
@@ -80,6 +86,10 @@ class ClientEntry:
     directory: str
     columns: tuple[str, ...]
     files: dict[str, str]
+    forms: dict[str, str]
+    """How its training file wrote each column's cells (:data:`~secure_vfl.data.imputation.
+    CELL_FORMS`), which its filled cells take in every file it fills; empty for a dataset's
+    client (each file's own cells decide)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,6 +214,7 @@ _ENTRY_TYPES: dict[str, type | tuple[type, ...]] = {
     "directory": str,
     "columns": list,
     "files": dict,
+    "forms": dict,
 }
 
 
@@ -213,8 +224,10 @@ def _entry(payload: Any, index: int, features: set[str], where: str) -> ClientEn
 
     check_keys(payload, _ENTRY_TYPES, refuse=refuse)
     directory, columns, files = payload["directory"], payload["columns"], payload["files"]
-    if not payload["name"] or Path(directory).name != directory or directory in ("", ".", ".."):
-        raise refuse(f"a name and a plain directory name expected, found {directory[:60]!r}")
+    if not payload["name"]:
+        raise refuse("a client name expected, found ''")
+    if Path(directory).name != directory or directory in ("", ".", ".."):
+        raise refuse(f"a plain directory name expected, found {directory[:60]!r}")
     if not (
         columns
         and all(isinstance(c, str) and c in features for c in columns)
@@ -226,8 +239,15 @@ def _entry(payload: Any, index: int, features: set[str], where: str) -> ClientEn
         for name, digest in files.items()
     ):
         raise refuse("file names with their SHA-256 (64 hex digits) expected")
+    forms = payload["forms"]
+    if not all(column in columns and form in CELL_FORMS for column, form in forms.items()):
+        raise refuse(f"a form in {CELL_FORMS} for some of its columns expected")
     return ClientEntry(
-        name=payload["name"], directory=directory, columns=tuple(columns), files=dict(files)
+        name=payload["name"],
+        directory=directory,
+        columns=tuple(columns),
+        files=dict(files),
+        forms=dict(forms),
     )
 
 
@@ -251,6 +271,7 @@ class SavedClient:
 
     name: str
     columns: tuple[str, ...]
+    forms: dict[str, str]
     write: PartWriter
 
 
@@ -277,6 +298,7 @@ def write_imputer(
                 directory=f"client-{k}",
                 columns=client.columns,
                 files=client.write(directory / f"client-{k}"),
+                forms=client.forms,
             )
         )
     manifest = ImputerManifest(
@@ -316,6 +338,7 @@ def save_imputer(
         SavedClient(
             name=client.name,
             columns=_schema(task, k),
+            forms=task.files[k].cell_forms() if task.files is not None else {},
             write=functools.partial(imputer.save_part, client.name),
         )
         for k, client in enumerate(task.train)
@@ -350,6 +373,16 @@ def _schema(task: ImputationTask, k: int) -> tuple[str, ...]:
     return tuple(f for f, keep in zip(task.features, available, strict=True) if keep)
 
 
+def _run_method(path: Path) -> str | None:
+    """The method of the impute run whose ``result.json`` is in ``path``, if it reads as one."""
+    try:
+        payload = json.loads((path / "result.json").read_bytes())
+        method = payload["config"]["method"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return method if isinstance(method, str) else None
+
+
 @dataclass(frozen=True)
 class Filled:
     """One client file filled: the table (in the file's own form), its rows and how many of
@@ -377,7 +410,18 @@ class SavedImputer:
         """The imputer at ``path``: an ``impute`` run directory (``path/model/manifest.json``),
         the model directory itself, or its manifest file. Refuses a file or directory there that
         the manifest does not list (IntegrityError)."""
-        manifest_path = find_manifest(Path(path), schema=IMPUTER_SCHEMA)
+        path = Path(path)
+        try:
+            manifest_path = find_manifest(path, schema=IMPUTER_SCHEMA)
+        except DataError:
+            method = _run_method(path)
+            if method is None or keeps_model(method):
+                raise
+            raise DataError(
+                f"{path} is an impute run of {method}, which keeps no model (it fits on the "
+                f"rows it fills): expected a run of a method that keeps one "
+                f"({', '.join(model_methods())})."
+            ) from None
         payload = parse_json(manifest_path.read_bytes(), str(manifest_path))
         manifest = ImputerManifest.from_json(payload, str(manifest_path))
         directory = manifest_path.parent
@@ -410,7 +454,7 @@ class SavedImputer:
             config = self.manifest.config()
             build = RECONSTRUCTIONS.get(method).models(config, len(self.manifest.features))
         try:
-            return read_part(
+            part = read_part(
                 part_directory,
                 entry.files,
                 client=client,
@@ -419,6 +463,14 @@ class SavedImputer:
             )
         except (DataError, IntegrityError) as error:
             raise type(error)(f"{client}: {str(error).removeprefix(f'{client}: ')}") from None
+        schema = [f for f, keep in zip(self.manifest.features, part.available, strict=True) if keep]
+        if set(schema) != set(entry.columns):
+            raise IntegrityError(
+                f"{client}: its part's schema ({', '.join(schema)}) expected in the manifest, "
+                f"found columns {', '.join(entry.columns)}: the part or the manifest was altered "
+                "(or put together from two imputers); refused."
+            )
+        return part
 
     def fill(self, path: Path, *, client: str, id_column: str, label_column: str) -> Filled:
         """Client ``client`` fills the empty cells of its file at ``path`` (CSV or Parquet: its
@@ -437,5 +489,7 @@ class SavedImputer:
         rows = client_from_frame(client, source.features, self.manifest.features)
         filled = part.impute(rows)
         empty = ~rows.observed & rows.available[None, :]
-        table = source.imputed_frame(filled, filled[:0], self.manifest.features, as_written=True)
+        table = source.imputed_frame(
+            filled, filled[:0], self.manifest.features, as_written=True, forms=entry.forms
+        )
         return Filled(client=client, table=table, rows=rows.n, filled=int(empty.sum()))

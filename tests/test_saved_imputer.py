@@ -163,6 +163,8 @@ def test_methods_without_a_model_save_none(
     assert not (run / "model").exists()
     assert json.loads((run / "result.json").read_text())["model"] is None
     assert "secure-vfl fill" not in capsys.readouterr().out
+    with pytest.raises(DataError, match="is an impute run of knn, which keeps no model"):
+        SavedImputer.load(run)
     # Over a run that kept one, --overwrite would leave that model beside the knn result.
     impute(tmp_path, method="fed-mean", out="kept")
     capsys.readouterr()
@@ -260,6 +262,51 @@ def test_fill_and_predict_each_refuse_the_others_model(
     assert f"no saved imputer at {tmp_path}" in err
 
 
+def test_each_batch_of_a_column_is_filled_in_the_form_of_its_training_file(
+    tmp_path: Path,
+) -> None:
+    # Trained on real numbers (x0), whole numbers (n) and True/False (flag) ...
+    rng = np.random.default_rng(1)
+    for k in range(2):
+        frame = pd.DataFrame(
+            {
+                "x0": rng.normal(size=30),
+                "n": rng.integers(0, 9, size=30),
+                "flag": rng.random(30) < 0.5,
+            }
+        ).astype(object)
+        frame.iloc[::7, k] = None
+        frame.to_csv(tmp_path / f"site{k}.csv", index=False)
+    files = [arg for k in range(2) for arg in ("--client-file", str(tmp_path / f"site{k}.csv"))]
+    assert main(["impute", "--method", "fed-mean", "--out", str(tmp_path / "r"), *files]) == 0
+    manifest = json.loads((tmp_path / "r" / "model" / "manifest.json").read_text())
+    assert manifest["clients"][0]["forms"] == {"x0": "real", "n": "whole", "flag": "boolean"}
+    # ... a new batch whose x0 cells happen to be whole, n's real, and flag all empty.
+    batch = tmp_path / "new" / "site0.csv"
+    batch.parent.mkdir()
+    batch.write_text("x0,n,flag\n1,2.5,\n,,\n")
+    fill = ["fill", "--model", str(tmp_path / "r"), "--client-file", str(batch)]
+    assert main([*fill, "--out", str(tmp_path / "o")]) == 0
+    filled = (tmp_path / "o" / "site0.csv").read_text().splitlines()
+    x0, n, flag = filled[2].split(",")
+    assert float(x0) != round(float(x0)) and n == str(int(n)) and flag in ("True", "False")
+    assert filled[1].startswith("1,2.5,")  # the cells it had, as it wrote them
+
+
+def test_a_client_named_with_an_equals_sign_is_named_on_the_command_line(
+    tmp_path: Path,
+) -> None:
+    paths = client_files(tmp_path)
+    named = [path.rename(path.with_name(f"a=b {k}.csv")) for k, path in enumerate(paths)]
+    files = [arg for path in named for arg in ("--client-file", str(path))]
+    assert main(["impute", "--method", "mean", "--out", str(tmp_path / "r"), *files]) == 0
+    batch = tmp_path / "batch.csv"
+    shutil.copy(named[1], batch)
+    argv = ["fill", "--model", str(tmp_path / "r"), "--out", str(tmp_path / "o")]
+    assert main([*argv, "--client-file", f"a=b 1={batch}"]) == 0
+    assert (tmp_path / "o" / "batch.csv").is_file()
+
+
 def rewrite_part(part: Path, manifest: Path, change: object) -> None:
     """Change a client's tensor file and list its new SHA-256 in the manifest (a part altered
     by someone who can also edit the manifest: the hashes no longer protect it)."""
@@ -322,6 +369,18 @@ def test_an_altered_part_or_manifest_is_refused(tmp_path: Path) -> None:
     def wider(tree: dict) -> None:
         tree["available"] = torch.ones(7, dtype=torch.bool)
 
+    rewrite_part(model / "client-0", model / "manifest.json", lambda t: t.update(graph=None))
+    with pytest.raises(IntegrityError, match="FedHF's model reads the feature graph"):
+        fill()
+    restore()
+
+    def another_schema(tree: dict) -> None:
+        tree["available"] = torch.tensor([False, False, True, True, True, True])
+
+    rewrite_part(model / "client-0", model / "manifest.json", another_schema)
+    with pytest.raises(IntegrityError, match=r"its part's schema \(x2, x3, x4, x5\) expected"):
+        fill()
+    restore()
     rewrite_part(model / "client-0", model / "manifest.json", wider)
     with pytest.raises(
         IntegrityError, match=r"available: finite torch.bool of shape \[6\] expected"

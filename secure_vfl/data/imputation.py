@@ -46,6 +46,10 @@ from secure_vfl.data.party_files import (
 from secure_vfl.errors import ConfigError, DataError, RunWarning
 from secure_vfl.registry import Registry
 
+BOOLEAN_CELLS, WHOLE_CELLS, REAL_CELLS = "boolean", "whole", "real"
+CELL_FORMS = (BOOLEAN_CELLS, WHOLE_CELLS, REAL_CELLS)
+"""How a client file writes a feature column's cells, and so its filled cells: True/False
+(True where the value is at least 0.5), whole numbers (the nearest), or real numbers."""
 HIDE_FRACTION = 0.2
 """Share of observed-and-available entries the evaluation protocol hides (FedHF-Impute)."""
 
@@ -121,6 +125,7 @@ class ClientFile:
         features: Sequence[str],
         *,
         as_written: bool = False,
+        forms: Mapping[str, str] | None = None,
     ) -> pd.DataFrame:
         """The file's table with its features replaced by the imputed ``train`` and ``test``
         rows ((n, F) in the global ``features``): rows in the file's order, the id column
@@ -132,7 +137,9 @@ class ClientFile:
         from the file again, and each filled cell as the shortest text of its float32 value,
         in a column of whole numbers only (``52``, a Parquet integer) the nearest whole number,
         or in a True/False column True where it is at least 0.5, else False: the table a CSV
-        writer puts back in the file's own form, which reads as the file did."""
+        writer puts back in the file's own form, which reads as the file did. ``forms``: a
+        column's form (:data:`CELL_FORMS`) as another file had it (the training file of a saved
+        imputer, so that every batch of a column is filled alike), in place of this file's."""
         values = np.empty((self.in_test.size, train.shape[1]), dtype=train.dtype)
         values[~self.in_test], values[self.in_test] = train, test
         index = {feature: position for position, feature in enumerate(features)}
@@ -158,14 +165,32 @@ class ClientFile:
                     f"{self.path} changed after it was read: column {column!r} has empty cells "
                     "where it had values; expected the file as the run read it (run again)."
                 )
-            if column in self.booleans:
+            form = (forms or {}).get(column) or self._form(column, cells[~missing])
+            if form == BOOLEAN_CELLS:
                 cells[missing] = imputed[missing] >= 0.5
-            elif _whole_numbers(cells[~missing]):
+            elif form == WHOLE_CELLS:
                 cells[missing] = [str(int(value)) for value in np.rint(imputed[missing])]
             else:
                 cells[missing] = [str(value) for value in imputed[missing]]
             frame[column] = cells
         return frame
+
+    def _form(self, column: str, cells: np.ndarray) -> str:
+        """The form of a feature column whose cells, as the file writes them, are ``cells``."""
+        if column in self.booleans:
+            return BOOLEAN_CELLS
+        return WHOLE_CELLS if _whole_numbers(cells) else REAL_CELLS
+
+    def cell_forms(self) -> dict[str, str]:
+        """The form of each feature column's cells as the file writes them (read again): True
+        and False, whole numbers only, or real numbers; what its filled cells take."""
+        written = self._as_written()
+        forms = {}
+        for column in self.features.columns:
+            given = self.features[column].to_numpy(dtype=np.float64, na_value=np.nan)
+            cells = written[column].to_numpy(dtype=object)[~np.isnan(given)]
+            forms[str(column)] = self._form(str(column), cells)
+        return forms
 
     def _as_written(self) -> pd.DataFrame:
         """The file's feature columns read again as it writes them (a CSV's text)."""

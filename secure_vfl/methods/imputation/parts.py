@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from secure_vfl.data.imputation import ClientData
-from secure_vfl.errors import DataError, IntegrityError
+from secure_vfl.errors import DataError, IntegrityError, ProtocolError
 from secure_vfl.federation.parts import first_difference, load_states, sha256, verified_bytes
 from secure_vfl.io import atomic_write, atomic_write_json, check_document, parse_json
 from secure_vfl.methods.imputation.base import imputation_rule
@@ -150,6 +150,11 @@ def read_part(
             f"{where}: the {expected_kind} part of {client} expected, found the "
             f"{index.get('kind')!r} part of {index.get('client')!r}."
         )
+    if set(index) != {"schema", "version", "client", "kind", "tensors"}:
+        raise IntegrityError(
+            f"{where}: keys client, kind, schema, tensors and version expected, found "
+            f"{sorted(index)}."
+        )
     if index.get("tensors") != TENSORS_FILE or set(files) != {PART_INDEX, TENSORS_FILE}:
         raise IntegrityError(
             f"{client}: files {sorted([PART_INDEX, TENSORS_FILE])} expected in its part, the "
@@ -188,8 +193,11 @@ def read_part(
         raise IntegrityError(f"{tensor_path}: model: a state of named tensors expected.")
     # The architecture the manifest describes, first without memory: a manifest edited to ask
     # for a vast network is refused by the saved state's shapes before it is built.
-    with torch.device("meta"):
-        differs = first_difference(build(graph).state_dict(), state)
+    try:
+        with torch.device("meta"):
+            differs = first_difference(build(graph).state_dict(), state)
+    except (ProtocolError, DataError) as error:  # e.g. FedHF's model without its graph
+        raise IntegrityError(f"{tensor_path}: {error}") from None
     if differs is not None:
         raise IntegrityError(
             f"{client}: the saved model does not fit the architecture the manifest describes "
