@@ -2380,9 +2380,9 @@ def run_impute(args: argparse.Namespace) -> int:
 
     from secure_vfl import saved_imputer
     from secure_vfl.data.imputation import IMPUTATION_DATASETS
-    from secure_vfl.federation.parts import sha256
     from secure_vfl.experiment import ImputeRunConfig, prepare_imputation_task, run_imputation
     from secure_vfl.federation.channel import Channel, InProcessTransport
+    from secure_vfl.federation.parts import sha256
     from secure_vfl.io import atomic_write_json
     from secure_vfl.runs import provenance
     from secure_vfl.saved_model import MANIFEST_FILE, MODEL_DIR
@@ -2665,7 +2665,12 @@ def run_impute_deployed(args: argparse.Namespace) -> int:
         f"model: each client saved its own imputer in its own --model-dir, NAME/{model['run_id']} "
         f"({', '.join(savers)}): secure-vfl fill --model THAT_DIR --client-file ... on its machine"
     )
-    _print_warnings(noted)
+    unsaved = [
+        f"{name} saved none ({part['why']})"
+        for name, part in model["clients"].items()
+        if "why" in part
+    ]
+    _print_warnings([*noted, *unsaved])
     return 0
 
 

@@ -404,6 +404,7 @@ def impute_deployed(
     plan: StatisticsPlan | None = None
     saved: dict[str, Any] | None = None
     model: dict[str, Any] = {}
+    gone: list[str] = []  # clients whose process died while saving its imputer
     view: ImputationFederation | None = None
     try:
         endpoint.await_peers_or_warn(list(federation.addresses(but=name)), wait)
@@ -506,11 +507,12 @@ def impute_deployed(
         live = [m for m in clients if m.name in view.names]
         if save_imputed:
             saved = _save_each(endpoint, live)
-        model = _save_models(endpoint, live, lost=[n for n in view.roster if n not in view.names])
+        lost = [n for n in view.roster if n not in view.names]
+        model = _save_models(endpoint, channel, live, lost=lost, gone=gone)
         outcome = "finished"
     finally:
         lost = [n for n in view.roster if n not in view.names] if view is not None else []
-        reports, entries = _end(endpoint, federation, outcome, lost=lost)
+        reports, entries = _end(endpoint, federation, outcome, lost=[*lost, *gone])
         endpoint.close()
     result = dataclasses.replace(result, traffic=_with_reports(result.traffic, reports))
     if plan is not None:
@@ -557,20 +559,38 @@ def _save_each(endpoint: Any, clients: Sequence[Member]) -> dict[str, Any]:
 
 
 def _save_models(
-    endpoint: Any, clients: Sequence[Member], *, lost: Sequence[str]
+    endpoint: Any,
+    channel: NetworkChannel,
+    clients: Sequence[Member],
+    *,
+    lost: Sequence[str],
+    gone: list[str],
 ) -> dict[str, Any]:
     """Have every client save its own imputer in its own process, under one model run id
     (``save``, answered by ``saved`` with its manifest's SHA-256): each fills new rows of its
     own there with ``secure-vfl fill``; nothing of a model leaves its process. A client lost in
-    the rounds saves none."""
+    the rounds saves none. A client that could not save (its model directory refused the
+    write; its process died meanwhile: added to ``gone``) is listed ``unsaved`` with why, and
+    the run keeps its result: the others' imputers and every score stand."""
     run = new_run_id()
     endpoint.handler = None  # the answers are the label party's, no longer the coordinator's
-    kept: dict[str, Any] = {
-        member.name: {"location": KEPT_BY_PARTY, "files": _ask_save(endpoint, member.name, run)}
-        for member in clients
-    }
+    kept: dict[str, Any] = {}
+    for member in clients:
+        try:
+            kept[member.name] = {
+                "location": KEPT_BY_PARTY,
+                "files": _ask_save(endpoint, member.name, run),
+            }
+        except ProtocolError as error:
+            gone.extend(channel.unreachable([member.name]))
+            logger.warning("%s saved no imputer: %s", member.name, error)
+            kept[member.name] = {"location": UNSAVED, "files": {}, "why": str(error)}
     kept.update({name: {"location": LOST, "files": {}} for name in lost})
     return {"run_id": run, "clients": kept}
+
+
+UNSAVED = "unsaved"
+"""A client that took part to the end but could not save its imputer (``result.json``)."""
 
 
 def _check_observed(features: Sequence[str], counts: np.ndarray | None) -> None:

@@ -386,3 +386,34 @@ def test_a_column_no_client_has_a_value_of_is_refused_by_the_coordinator(
         assert server.wait(timeout=PROCESS_SECONDS) == 1, processes.log(name)
         assert "the label party ended the run: failed" in processes.log(name)
     assert not (tmp_path / "deployed" / "result.json").exists()
+
+
+def test_a_client_that_cannot_save_its_imputer_is_listed_and_the_run_keeps_its_result(
+    site: Path, processes: Processes, tmp_path: Path
+) -> None:
+    """shop's model directory is taken by a file once it serves: its save is refused; the run
+    still finishes with every score, the others' imputers saved and shop listed unsaved."""
+    federation = write_federation(site, site / "certs", free_loopback_ports(5))
+    models = {name: tmp_path / f"models-{name}" for name in CLIENTS}
+    servers = [
+        processes.serve(federation, name, "--model-dir", str(models[name])) for name in CLIENTS
+    ]
+    servers.append(processes.serve(federation, "aggregator"))
+    for name in CLIENTS:
+        wait_for_line(processes, name, f"{name}: serving at", servers[0])
+    models["shop"].write_text("not a directory")
+    label = processes.start(
+        "impute", "--federation", str(federation), "--name", "bank", "--method", "fed-dae",
+        "--rounds", "2", "--quiet", "--out", str(tmp_path / "out"), log="bank",
+    )  # fmt: skip
+    assert label.wait(timeout=PROCESS_SECONDS) == 0, processes.log("bank")
+    for server in servers:
+        assert server.wait(timeout=PROCESS_SECONDS) == 0, processes.log("shop")
+    result = _result(tmp_path / "out")
+    assert sorted(result["rmse_per_client"]) == sorted(CLIENTS)
+    kept = result["model"]["clients"]
+    assert kept["shop"]["location"] == "unsaved" and "cannot be made" in kept["shop"]["why"]
+    for name in ("insurer", "telco"):
+        assert kept[name]["location"] == "party"
+        assert (models[name] / name / result["model"]["run_id"] / "manifest.json").is_file()
+    assert "secure-vfl: warning: shop saved none (" in processes.log("bank")
