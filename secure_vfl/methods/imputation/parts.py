@@ -42,7 +42,6 @@ PART_INDEX = "part.json"
 TENSORS_FILE = f"imputer{SUFFIX}"
 MEANS = "means"
 RECONSTRUCTION = "reconstruction"
-KINDS = (MEANS, RECONSTRUCTION)
 
 ModelBuilder = Callable[[FeatureGraph | None], nn.Module]
 """The architecture the manifest describes, built on the part's feature graph (None: a model
