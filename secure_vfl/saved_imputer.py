@@ -404,6 +404,7 @@ class SavedImputer:
     def __init__(self, manifest: ImputerManifest, directory: Path) -> None:
         self.manifest = manifest
         self.directory = directory
+        self._parts: dict[str, ClientPart] = {}  # read once, however many files a client fills
 
     @classmethod
     def load(cls, path: Path) -> SavedImputer:
@@ -440,7 +441,12 @@ class SavedImputer:
         return cls(manifest, directory)
 
     def part(self, client: str) -> ClientPart:
-        """Client ``client``'s part, read from its directory and checked."""
+        """Client ``client``'s part, read from its directory and checked (once)."""
+        if client not in self._parts:
+            self._parts[client] = self._read_part(client)
+        return self._parts[client]
+
+    def _read_part(self, client: str) -> ClientPart:
         entry = self.manifest.client(client)
         part_directory = self.directory / entry.directory
         if not part_directory.is_dir():
