@@ -2811,7 +2811,7 @@ def run_fill(args: argparse.Namespace) -> int:
             for client, path in zip(clients, files, strict=True)
         ]
     for target, done in zip(targets, filled, strict=True):  # every table made: none half-done
-        atomic_write(target, done.write_csv)
+        atomic_write(target, done.write_csv, replace=args.overwrite)
     manifest = imputer.manifest
     print(
         f"{manifest.method} imputer {manifest.run_id[:12]} ({len(manifest.clients)} clients, "
@@ -2879,7 +2879,7 @@ def run_predict(args: argparse.Namespace) -> int:
             label_column=args.label_column,
         )
     if out is not None:
-        predictions.write(out)
+        predictions.write(out, replace=args.overwrite)
     print(_prediction_summary(model, predictions, out))
     _print_absent(model.absent)
     _print_warnings(noted)
@@ -2926,7 +2926,7 @@ def run_predict_deployed(args: argparse.Namespace) -> int:
         )
     predictions = done.predictions
     if out is not None:
-        predictions.write(out)
+        predictions.write(out, replace=args.overwrite)
     print(_prediction_summary(done, predictions, out))
     _print_absent(done.absent)
     _print_warnings(noted)

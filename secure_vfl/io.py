@@ -22,7 +22,13 @@ from typing import Any
 from secure_vfl.errors import ConfigError, DataError, OutputError, SecureVFLError
 
 
-def atomic_write(path: Path, write: Callable[[Path], None], *, mode: int | None = None) -> None:
+def atomic_write(
+    path: Path,
+    write: Callable[[Path], None],
+    *,
+    mode: int | None = None,
+    replace: bool = True,
+) -> None:
     """Call ``write(tmp)`` on a temporary file beside ``path``, fsync it and rename it into
     place (then fsync the directory): ``path`` holds the old content or the whole new one, even
     if the machine loses power in between.
@@ -31,7 +37,10 @@ def atomic_write(path: Path, write: Callable[[Path], None], *, mode: int | None 
     never readable by others), or by default that of an ordinary file under the umask. A
     symbolic link is followed (the file it names is replaced, the link kept); anything else
     that is not a regular file (a device, a pipe, a directory) is refused, as is a path that
-    cannot be written (OutputError)."""
+    cannot be written (OutputError). ``replace=False``: a file at ``path`` is kept, even one
+    another process wrote after the caller checked there was none (ConfigError); the new file
+    is linked into place, which fails where one is there (on a file system without hard
+    links it is renamed, and that last check is lost)."""
     path = writable_file(path)
     make_parent(path)
     for stale in left_beside(path, ".tmp", directories=False):  # a killed write's
@@ -52,7 +61,10 @@ def atomic_write(path: Path, write: Callable[[Path], None], *, mode: int | None 
             mode = 0o666 & ~umask  # mkstemp creates 0600; results are ordinary files
         tmp.chmod(mode)
         _fsync(tmp, os.O_RDONLY)
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            _link_into_place(tmp, path)
         fsync_directory(path.parent)
     except OSError as error:
         tmp.unlink(missing_ok=True)
@@ -60,6 +72,23 @@ def atomic_write(path: Path, write: Callable[[Path], None], *, mode: int | None 
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def _link_into_place(tmp: Path, path: Path) -> None:
+    """Put ``tmp`` at ``path`` unless a file is there (ConfigError), then remove ``tmp``."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise ConfigError(
+            f"{path} exists (written since this command checked it, by another one?); "
+            "expected a new --out file (or --overwrite)."
+        ) from None
+    except OSError as error:
+        if error.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EXDEV, errno.EMLINK):
+            raise
+        os.replace(tmp, path)  # no hard links here
+        return
+    tmp.unlink()
 
 
 def writable_file(path: Path) -> Path:

@@ -461,9 +461,10 @@ class Predictions:
             frame[probability_column(value)] = self.probabilities[:, c]
         return frame
 
-    def write(self, path: Path | str) -> None:
+    def write(self, path: Path | str, *, replace: bool = True) -> None:
         """Write :meth:`frame` to ``path`` atomically: Parquet where its suffix is
-        ``.parquet`` or ``.pq`` (as the party files may be), else CSV."""
+        ``.parquet`` or ``.pq`` (as the party files may be), else CSV; ``replace=False`` keeps
+        a file there (:func:`~secure_vfl.io.atomic_write`)."""
         path = Path(path)
 
         def write(tmp: Path) -> None:
@@ -473,7 +474,7 @@ class Predictions:
             else:
                 frame.to_csv(tmp, index=False)
 
-        atomic_write(path, write)
+        atomic_write(path, write, replace=replace)
 
 
 def probability_column(value: ClassValue) -> str:

@@ -370,3 +370,22 @@ def test_a_killed_writes_temporary_file_goes_with_the_next_write_of_its_file(
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         [live.name, other.name, longer.name, mine.name, "result.json"]
     )
+
+
+def test_a_write_that_must_not_replace_keeps_a_file_written_meanwhile(tmp_path: Path) -> None:
+    # Two commands checked that `out.csv` was free; the first wrote it, then the second
+    # finished: without --overwrite the second's table must not replace the first's.
+    path = tmp_path / "out.csv"
+
+    def write(tmp: Path) -> None:
+        path.write_text("the other command's table\n")  # lands between the check and the link
+        tmp.write_text("this command's table\n")
+
+    with pytest.raises(ConfigError, match=r"out\.csv exists \(written since this command"):
+        atomic_write(path, write, replace=False)
+    assert path.read_text() == "the other command's table\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.csv"]  # no temporary left
+    atomic_write(tmp_path / "new.csv", lambda tmp: tmp.write_text("x\n"), replace=False)
+    assert (tmp_path / "new.csv").read_text() == "x\n"
+    atomic_write(path, lambda tmp: tmp.write_text("replaced\n"))  # the default replaces
+    assert path.read_text() == "replaced\n"
