@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
+import torch
 
 from secure_vfl.data.party_files import PartyTable, read_party_file
 from secure_vfl.deployment import (
@@ -70,20 +71,23 @@ from secure_vfl.federation.federation_file import Federation
 from secure_vfl.federation.messages import AGGREGATOR, Message
 from secure_vfl.federation.network import NetworkChannel
 from secure_vfl.federation.parties import DataParty
+from secure_vfl.federation.parts import Part, load_part, refuse_unfit
 from secure_vfl.methods.base import in_process_parties
 from secure_vfl.saved_model import (
     KEPT_BY_PARTY,
     LOST,
     PREDICT_SPLIT,
     PREDICTED_COLUMN,
-    Manifest,
+    PartEntry,
     Predictions,
     load_party_part,
     output_id_column,
     predict_rows,
     read_manifest,
+    read_party_part,
     rebuild_method,
     refuse_absent,
+    refuse_unfit_parts,
     refuse_unlisted,
     refuse_unlisted_files,
     union_alignment,
@@ -159,19 +163,28 @@ def build_predicting_party(
     rows = to_rows(_rows(body["rows"], "rows", low=-1, high=n), "rows")
     placeholder = {"train": np.zeros((1, *shapes[body["index"]]), dtype=np.float32)}
     held = {"train": np.zeros(1, dtype=np.int64)}
-    party = served_models(
-        "predict-setup", name, body, config, placeholder, held, shapes, None, labels=None
-    )
+
+    def build() -> DataParty:
+        return served_models(
+            "predict-setup", name, body, config, placeholder, held, shapes, None, labels=None
+        )
+
     if model.directory is None:
         raise ProtocolError(f"{name} keeps no model directory; it has no part to predict with.")
     directory = model.part_directory(run)
     try:
-        party.load_part(directory, files)
+        part = load_part(directory, files, party=name)
         refuse_unlisted_files(directory, files, who=name)
+        # The models the set-up asks for, first without memory: a set-up that asks for a vast
+        # network is refused by its own part's shapes before it is built.
+        with torch.device("meta"):
+            refuse_unfit(build().own_modules(), part.states, party=name)
     except (DataError, IntegrityError) as error:
         raise ProtocolError(
             f"predict-setup: {name} cannot load its part of model {run} from {directory}: {error}"
         ) from None
+    party = build()
+    party.load_part(part)
     party.hold_rows(PREDICT_SPLIT, table, rows, source=table.name)
     return _with_secure_sums(party, secure_sums(body["secure_agg"]))
 
@@ -255,12 +268,17 @@ def predict_deployed(
                 )
             absent[late] = f"not reachable within {wait:g} s"
             logger.warning("%s: %s is not reachable; it is absent from the prediction", name, late)
+        # Its own part, checked against the architecture first built without memory; refused
+        # here, the run still ends at every party that waits for it.
+        entry = manifest.parties[0]
+        part = read_party_part(directory / entry.directory, entry, manifest)
+        refuse_unfit_parts(manifest, {0: part}, secure_sums=backend is not None)
         channel = NetworkChannel(endpoint)
         channel.party_names = federation.names
         # The label party's side only; under sealed sums only the sums they may release.
         method = rebuild_method(manifest, channel, secure_sums=backend is not None)
         refuse_absent(method, [*absent, *([] if own is not None else [federation.names[0]])])
-        label = _own_part(channel, manifest, directory)
+        label = _own_part(channel, part, entry)
         id_column = output_id_column(label, id_column, label_column)
         table = None
         if own is not None:
@@ -293,7 +311,7 @@ def predict_deployed(
             channel = NetworkChannel(endpoint)
             channel.party_names = federation.names
             method = rebuild_method(manifest, channel, aggregator=backend, secure_sums=True)
-            label = _own_part(channel, manifest, directory)
+            label = _own_part(channel, part, entry)
         label.hold_rows(PREDICT_SPLIT, table, rows[:, 0], source=str(own or ""))
         names = [e.source for e in manifest.parties]
         predictions = predict_rows(
@@ -306,12 +324,11 @@ def predict_deployed(
     return DeployedPredictions(predictions, manifest, absent)
 
 
-def _own_part(channel: NetworkChannel, manifest: Manifest, directory: Path) -> DataParty:
-    """The label party of ``channel``, its own part of the model loaded (its class values
-    checked against the manifest)."""
+def _own_part(channel: NetworkChannel, part: Part, entry: PartEntry) -> DataParty:
+    """The label party of ``channel``, holding its own ``part`` of the model (its manifest
+    ``entry``'s)."""
     label = in_process_parties(channel)[0]
-    entry = manifest.parties[0]
-    load_party_part(label, directory / entry.directory, entry, manifest)
+    load_party_part(label, part, entry)
     return label
 
 

@@ -734,13 +734,19 @@ class SavedModel:
         self.channel = Channel()
         self.channel.party_names = [entry.name for entry in manifest.parties]
         refuse_unlisted(manifest, directory)
-        self.method = rebuild_method(manifest, self.channel)
         # Decided once, as the parts are loaded: a part copied later is not in this model.
         self._not_copied = frozenset(
             entry.name
             for entry in manifest.parties
             if entry.location == KEPT_BY_PARTY and not (directory / entry.directory).is_dir()
         )
+        loaded = {
+            k: read_party_part(directory / entry.directory, entry, manifest)
+            for k, entry in enumerate(manifest.parties)
+            if entry.location != LOST and self._copied(entry)
+        }
+        refuse_unfit_parts(manifest, loaded)
+        self.method = rebuild_method(manifest, self.channel)
         uncopied = [entry for entry in manifest.parties if not self._copied(entry)]
         if uncopied and getattr(self.method, "absent_block_refusal", None) is not None:
             raise DataError(
@@ -748,11 +754,11 @@ class SavedModel:
                 f"{manifest.method} predicts only with every party's block."
             )
         parties = in_process_parties(self.channel)
-        for party, entry in zip(parties, manifest.parties, strict=True):
+        for k, (party, entry) in enumerate(zip(parties, manifest.parties, strict=True)):
             if party.name != entry.name:
                 raise DataError(f"party {entry.name} expected in block order, found {party.name}.")
-            if entry.location != LOST and self._copied(entry):
-                load_party_part(party, self.directory / entry.directory, entry, manifest)
+            if k in loaded:
+                load_party_part(party, loaded[k], entry)
         self.method.fed.fit = "trained"  # by the run that saved it
 
     def _copied(self, entry: PartEntry) -> bool:
@@ -915,18 +921,17 @@ def party_label(entry: PartEntry) -> str:
     return entry.source if entry.source == entry.name else f"{entry.source} ({entry.name})"
 
 
-def load_party_part(
-    party: DataParty, directory: Path, entry: PartEntry, manifest: Manifest
-) -> None:
-    """``party`` loads its own part of ``manifest`` (its manifest ``entry``) from ``directory``;
-    an error names it as the user does (:func:`party_label`). Class values must be the
-    manifest's ``num_classes``, distinct also as the output's text."""
+def read_party_part(directory: Path, entry: PartEntry, manifest: Manifest) -> parts.Part:
+    """The part of the party of ``manifest``'s ``entry``, read from ``directory`` (every file
+    checked against the entry's SHA-256); an error names the party as the user does
+    (:func:`party_label`). Class values must be the manifest's ``num_classes``, distinct also
+    as the output's text."""
     who = party_label(entry)
     try:
-        party.load_part(directory, entry.files)
+        part = parts.load_part(directory, entry.files, party=entry.name)
     except (DataError, IntegrityError) as error:
-        raise type(error)(f"{who}: {str(error).removeprefix(f'{entry.name}: ')}") from None
-    classes = party.classes
+        raise type(error)(f"{who}: {_unnamed(error, entry)}") from None
+    classes = part.classes
     if (
         classes is not None
         and not len({str(c) for c in classes}) == len(classes) == manifest.num_classes
@@ -936,6 +941,40 @@ def load_party_part(
             "distinct as text, expected (the manifest's num_classes), found "
             f"{len(classes)}: {list(classes)!r:.120}."
         )
+    return part
+
+
+def _unnamed(error: Exception, entry: PartEntry) -> str:
+    return str(error).removeprefix(f"{entry.name}: ")
+
+
+def refuse_unfit_parts(
+    manifest: Manifest, loaded: Mapping[int, parts.Part], *, secure_sums: bool = False
+) -> None:
+    """IntegrityError for a part of ``loaded`` (by block index) that does not fit the
+    architecture ``manifest`` describes (``secure_sums`` as :func:`rebuild_method`'s), that
+    architecture built first on torch's meta device: a manifest edited to ask for a vast
+    network is refused by the saved shapes before any of its memory is taken (a part's files
+    bound what it holds)."""
+    import torch
+
+    channel = Channel()
+    channel.party_names = [entry.name for entry in manifest.parties]
+    with torch.device("meta"):
+        rebuild_method(manifest, channel, secure_sums=secure_sums)
+    for k, party in enumerate(in_process_parties(channel)):
+        if k in loaded:
+            entry = manifest.parties[k]
+            parts.refuse_unfit(party.own_modules(), loaded[k].states, party=party_label(entry))
+
+
+def load_party_part(party: DataParty, part: parts.Part, entry: PartEntry) -> None:
+    """``party`` takes its own ``part`` (its manifest ``entry``'s, read by
+    :func:`read_party_part`); an error names it as the user does (:func:`party_label`)."""
+    try:
+        party.load_part(part)
+    except (DataError, IntegrityError) as error:
+        raise type(error)(f"{party_label(entry)}: {_unnamed(error, entry)}") from None
 
 
 def rebuild_method(

@@ -667,11 +667,12 @@ def test_a_serving_process_takes_a_save_only_from_the_label_party_once_set_up(
     ids=["laser", "false-vfl-2"],
 )
 def test_a_data_party_predicts_only_with_its_own_unaltered_part_on_rows_it_holds(
-    site: Path, tmp_path: Path, flags: tuple[str, ...]
+    site: Path, tmp_path: Path, flags: tuple[str, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No processes: a served data party's `predict-setup`, fed the label party's message, with
     a part laid out as a deployed party keeps it (DIR/NAME/RUN_ID/): the models of its method
     (LASER's bottom and heads; FALSE-VFL's encoder, decoder and missingness model), loaded."""
+    from secure_vfl import deployed_prediction
     from secure_vfl.deployed_prediction import _predict_setup, build_predicting_party
 
     in_process(site, tmp_path / "alone", *flags)
@@ -713,6 +714,23 @@ def test_a_data_party_predicts_only_with_its_own_unaltered_part_on_rows_it_holds
     ]:
         with pytest.raises(ProtocolError, match=re.escape(expected_error)):
             build(change)
+    # A set-up that asks for a network its part does not hold (each size within its bounds) is
+    # refused by the part's shapes, its models built only on torch's meta device.
+    built_on: list[str] = []
+    served_models = deployed_prediction.served_models
+
+    def recording(*args: Any, **kwargs: Any) -> DataParty:
+        built_on.append(torch.get_default_device().type)
+        return served_models(*args, **kwargs)
+
+    monkeypatch.setattr(deployed_prediction, "served_models", recording)
+    shapes = [body["block_shapes"][0], [2**20], *body["block_shapes"][2:]]
+    with pytest.raises(ProtocolError, match="does not fit the architecture the manifest"):
+        build({"block_shapes": shapes})
+    assert built_on == ["meta"]
+    built_on.clear()
+    build({})
+    assert built_on == ["meta", "cpu"]
     with pytest.raises(ProtocolError, match="keeps no model directory"):
         build({}, model=None)
     with pytest.raises(ProtocolError, match="cannot load its part of model"):

@@ -341,6 +341,52 @@ def test_a_malformed_manifest_is_refused_saying_what_was_expected(
         SavedModel.load(copy)
 
 
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        # Each within its bounds; together 20 GB: it took 66 s and 20 GB before its refusal.
+        (("method_config", "representation_dim"), 65536, "'net.4.weight' of shape [65536, "),
+        (("block_shapes", 1), [2**20], "'net.0.weight' of shape [128, 1048576] expected"),
+        (("method",), "combinatorial", "modules ['bottom', 'bottom/subset:0', "),
+    ],
+)
+def test_a_manifest_that_asks_for_another_network_is_refused_before_it_is_built(
+    laser: tuple[Method, Channel, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    path: tuple[Any, ...],
+    value: Any,
+    message: str,
+) -> None:
+    """The architecture a manifest describes is built first on torch's meta device and checked
+    against the saved parts' shapes: one that does not fit is never built in memory."""
+    import shutil
+
+    from secure_vfl import saved_model
+
+    copy = tmp_path / "model"
+    shutil.copytree(laser[2], copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    _set(manifest, path, value)
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    built_on: list[str] = []
+    rebuild = saved_model.rebuild_method
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        built_on.append(torch.get_default_device().type)
+        return rebuild(*args, **kwargs)
+
+    monkeypatch.setattr(saved_model, "rebuild_method", recording)
+    with pytest.raises(IntegrityError, match=re.escape(message)):
+        SavedModel.load(copy)
+    assert built_on == ["meta"]
+    shutil.rmtree(copy)
+    shutil.copytree(laser[2], copy)  # and the model as saved builds for real, once checked
+    built_on.clear()
+    SavedModel.load(copy)
+    assert built_on == ["meta", "cpu"]
+
+
 class _Payload:
     """Pickles to a call that would create a file when unpickled."""
 

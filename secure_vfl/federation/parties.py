@@ -608,10 +608,10 @@ class DataParty(SecureSumParty):
             classes=self.classes,
         )
 
-    def load_part(self, directory: Path, files: Mapping[str, str]) -> None:
-        """Load this party's own part from ``directory``, every file checked against
-        ``files`` (its manifest entry: name -> SHA-256) before it is read."""
-        part = parts.load_part(directory, files, party=self.name)
+    def load_part(self, part: parts.Part) -> None:
+        """Take its own saved ``part`` (:func:`~secure_vfl.federation.parts.load_part` read
+        it, every file checked against the manifest): its modules' states, its preprocessing
+        and the class values."""
         parts.load_states(self.own_modules(), part.states, party=self.name)
         self.preprocessing, self.classes = part.preprocessing, part.classes
 

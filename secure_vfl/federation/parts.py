@@ -223,23 +223,34 @@ def load_part(directory: Path, files: Mapping[str, str], *, party: str) -> Part:
     return Part(states=states, preprocessing=preprocessing, classes=classes)
 
 
-def load_states(
+def refuse_unfit(
     modules: Mapping[str, nn.Module], states: Mapping[str, Mapping[str, Tensor]], *, party: str
 ) -> None:
-    """Put the saved states into this party's modules (same names, same architectures), or
-    refuse with what differs."""
+    """IntegrityError naming what differs between the saved ``states`` and this party's
+    ``modules`` (their names, then each parameter's name, shape and dtype, and finite values).
+    The modules may be on torch's meta device: built there first, an architecture is checked
+    against the saved shapes before it takes any memory."""
     if set(modules) != set(states):
         raise IntegrityError(
             f"{party}: modules {sorted(modules)} expected in its part, found {sorted(states)}."
         )
     for name, module in modules.items():
-        target = unwrapped(module)
-        differs = first_difference(target.state_dict(), states[name])
+        differs = first_difference(unwrapped(module).state_dict(), states[name])
         if differs is not None:
             raise IntegrityError(
                 f"{party}: the saved {name!r} does not fit the architecture the manifest "
                 f"describes (its block_shapes and method_config): {differs}."
             )
+
+
+def load_states(
+    modules: Mapping[str, nn.Module], states: Mapping[str, Mapping[str, Tensor]], *, party: str
+) -> None:
+    """Put the saved states into this party's modules (same names, same architectures), or
+    refuse with what differs."""
+    refuse_unfit(modules, states, party=party)
+    for name, module in modules.items():
+        target = unwrapped(module)
         try:
             target.load_state_dict(dict(states[name]), strict=True)
         except RuntimeError as error:
