@@ -190,13 +190,30 @@ def atomic_write_text(path: Path, text: str) -> None:
     atomic_write(path, write)
 
 
+class _DuplicateKey(ValueError):
+    pass
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's members as a dict, refusing a name given twice: Python's parser keeps the
+    last, another reader may keep the first, and the document would mean two things."""
+    members = dict(pairs)
+    if len(members) != len(pairs):
+        seen: set[str] = set()
+        for name, _ in pairs:
+            if name in seen:
+                raise _DuplicateKey(f"the name {name!r:.60} given twice in one object")
+            seen.add(name)
+    return members
+
+
 def parse_json(text: str | bytes, where: str, *, error: type[SecureVFLError] = DataError) -> Any:
     """The JSON document ``text`` (str, or UTF-8 bytes), or ``error`` saying why it is not one
-    at ``where``: malformed, not UTF-8, or nested deeper than the parser goes (which raises
-    RecursionError, not a JSON error)."""
+    at ``where``: malformed, not UTF-8, an object that names a member twice, or nested deeper
+    than the parser goes (which raises RecursionError, not a JSON error)."""
     try:
-        return json.loads(text)
-    except (UnicodeDecodeError, json.JSONDecodeError) as problem:
+        return json.loads(text, object_pairs_hook=_unique_keys)
+    except (UnicodeDecodeError, json.JSONDecodeError, _DuplicateKey) as problem:
         raise error(f"{where}: JSON expected ({problem}).") from None
     except RecursionError:
         raise error(f"{where}: JSON expected (nested too deeply to read).") from None

@@ -301,6 +301,9 @@ def test_atomic_write_syncs_the_file_before_the_rename_and_the_directory_after(
         (b"\xff{}", "codec can't decode"),
         ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
         (b'{"a": ' * 50_000 + b"1" + b"}" * 50_000, "nested too deeply"),
+        # Python keeps the last, another reader the first: two documents in one.
+        (b'{"run": "a", "files": {}, "run": "b"}', "the name 'run' given twice in one object"),
+        (b'[{"x": {"k": 1, "k": 1}}]', "the name 'k' given twice"),
     ],
 )
 def test_parse_json_refuses_what_is_not_json_with_the_error_asked_for(
