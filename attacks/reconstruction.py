@@ -289,6 +289,14 @@ class _ReconstructionAttack(Attack):
                 f"{self.name} reconstructs tabular feature blocks; the victim's block has shape "
                 f"{data.block_shapes[self.victim]}."
             )
+        held = data.train.blocks[self.victim][data.train.mask[:, self.victim]]
+        if len(held) and not (held != held[:1]).any():
+            raise ConfigError(
+                f"{self.name}: a victim whose features vary expected; party-{self.victim}'s "
+                f"{held.shape[1]} features are the same in each of its {len(held)} training "
+                "rows, so there is nothing to reconstruct (the baseline's column means are "
+                "exact)."
+            )
 
     def prepare(self, party: Party, context: AttackContext) -> None:
         """Grant the auxiliary set (a share of the victim's training rows) and install the
@@ -337,7 +345,7 @@ class _ReconstructionAttack(Attack):
         mse = float(((reconstructed - truth) ** 2).mean())
         mse_baseline = float(((baseline - truth) ** 2).mean())
         return {
-            "gain": 1 - mse / mse_baseline,
+            "gain": _gain(mse, mse_baseline),
             "mse": mse,
             "mse_baseline": mse_baseline,
             "reconstructed_rows": float((~known).sum()),
@@ -350,7 +358,13 @@ class _ReconstructionAttack(Attack):
 
     def performance(self, metrics: dict[str, float]) -> float:
         """``max(0, 1 - mse / mse_baseline)``: 0 at the column-mean guess, 1 exact."""
-        return float(np.clip(1 - metrics["mse"] / metrics["mse_baseline"], 0.0, 1.0))
+        return float(np.clip(_gain(metrics["mse"], metrics["mse_baseline"]), 0.0, 1.0))
+
+
+def _gain(mse: float, mse_baseline: float) -> float:
+    """``1 - mse / mse_baseline``; 0 where the baseline is exact (every reconstructed row's
+    features equal the auxiliary set's means): nothing was left to gain."""
+    return 1 - mse / mse_baseline if mse_baseline > 0 else 0.0
 
 
 @register_attack

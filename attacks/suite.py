@@ -16,7 +16,7 @@ from attacks.runner import AttackResult, parse_defenses, run_attack
 from protocols.privacy import PrivacySpec
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ConfigError, DivergenceError
-from secure_vfl.experiment import TrainConfig, prepare_data
+from secure_vfl.experiment import TrainConfig, build_method, prepare_data
 
 UNDEFENDED = "none"
 
@@ -54,7 +54,9 @@ def applicable(
     for name in ATTACKS.names():
         attack = ATTACKS.get(name)()
         try:
-            attack.check(config, data, attacker or attack.default_attacker)
+            attack.check(
+                config, data, attacker if attacker is not None else attack.default_attacker
+            )
         except ConfigError as error:
             verdicts[name] = str(error)
         else:
@@ -102,9 +104,11 @@ def run_suite(
     base = privacy if privacy is not None else PrivacySpec(seed=config.seed)
     for defense in defenses:
         parse_defenses([defense], base)  # a typo is refused, not listed as not applicable
+    data = prepare_data(config)
+    build_method(config, data)  # what every run would be refused for, refused once, here
     verdicts = {
         name: why
-        for name, why in applicable(config, prepare_data(config), attacker).items()
+        for name, why in applicable(config, data, attacker).items()
         if attacks is None or name in attacks
     }
     names = [name for name, why in verdicts.items() if why is None]

@@ -29,11 +29,13 @@ from attacks.base import ATTACKS
 from protocols.privacy import PrivacySpec
 from secure_vfl import checks
 from secure_vfl.errors import ConfigError, DivergenceError, run_warnings
-from secure_vfl.experiment import TrainConfig, prepare_data
+from secure_vfl.experiment import TrainConfig, build_method, prepare_data
 from secure_vfl.io import atomic_write, atomic_write_json, atomic_write_text
 
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*$")
 UNDEFENDED = "none"
+MAX_RUNS = 100_000
+"""The most runs (settings x seeds) a sweep takes: more is a typo, not a sweep."""
 
 
 @dataclass(frozen=True)
@@ -281,6 +283,11 @@ def run_sweep(
             f"at most {checks.SEED_LIMIT - config.seed} from --seed {config.seed}. Found {seeds}."
         )
     settings = expand(templates, grid)
+    if len(settings) * seeds > MAX_RUNS:  # before a list of that many runs is made
+        raise ConfigError(
+            f"a sweep of at most {MAX_RUNS} runs expected; found {len(settings)} settings x "
+            f"{seeds} seeds = {len(settings) * seeds}."
+        )
     workers = workers if workers is not None else max(1, min(os.cpu_count() or 1, 4))
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1. Found {workers}.")
@@ -291,7 +298,9 @@ def run_sweep(
         except ConfigError as error:  # say which setting the grid made
             raise ConfigError(f"--defense setting {setting.defense!r}: {error}") from None
     made = make_attack(attack, {})
-    made.check(config, prepare_data(config), attacker or made.default_attacker)
+    data = prepare_data(config)
+    build_method(config, data)  # what every run would be refused for, refused once, here
+    made.check(config, data, attacker if attacker is not None else made.default_attacker)
     jobs = [
         {
             "setting": setting,

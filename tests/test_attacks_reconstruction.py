@@ -174,6 +174,33 @@ def test_a_reconstruction_that_does_not_apply_is_refused_with_what_it_needs() ->
         )
 
 
+def test_a_victim_with_nothing_to_reconstruct_is_refused_and_an_exact_baseline_gains_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A victim whose features are the same in every row: the gain divided by a baseline error
+    of 0 (ZeroDivisionError, a traceback, and a sweep's finished runs lost)."""
+    import dataclasses
+
+    from attacks import reconstruction
+    from secure_vfl import experiment
+
+    prepare = experiment.prepare_data
+
+    def constant_victim(config: TrainConfig) -> object:
+        data = prepare(config)
+        blocks = list(data.train.blocks)
+        blocks[1] = np.ones_like(blocks[1])
+        train = dataclasses.replace(data.train, blocks=tuple(blocks))
+        return dataclasses.replace(data, train=train)
+
+    monkeypatch.setattr("attacks.runner.prepare_data", constant_victim)
+    with pytest.raises(ConfigError, match=r"party-1's 7 features are the same in each of its"):
+        run_attack(_config("standard", 1), "feature-reconstruction", attacker="party-0")
+    assert reconstruction._gain(0.0, 0.0) == 0.0 and reconstruction._gain(1.0, 4.0) == 0.75
+    attack = reconstruction.FeatureReconstruction()
+    assert attack.performance({"mse": 0.5, "mse_baseline": 0.0}) == 0.0
+
+
 def test_attack_command_writes_the_reconstruction_error(tmp_path: Path) -> None:
     out = tmp_path / "run"
     code = main(

@@ -123,6 +123,14 @@ def test_a_run_no_attack_applies_to_is_refused() -> None:
         suite.run_suite(config, attacks=["no-such-attack"])
     with pytest.raises(ConfigError, match="at least one attack name expected"):
         suite.run_suite(config, attacks=[])
+    # What every run shares and its method refuses, or an empty attacker: each run was listed
+    # as not applicable, the report written, then the suite exited 1.
+    width = MethodConfig(heads="active", top_model="none", epochs=1)
+    refused = TrainConfig(method="laser", dataset="digits", method_config=width)
+    with pytest.raises(ConfigError, match="representation_dim must equal the 10 classes"):
+        suite.run_suite(refused)
+    with pytest.raises(ConfigError, match=r"no attack applies.*Found attacker ''"):
+        suite.run_suite(TrainConfig(method="standard", dataset="digits"), attacker="")
 
 
 def test_attack_suite_command_writes_the_report(tmp_path: Path) -> None:

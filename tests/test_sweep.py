@@ -7,6 +7,7 @@ import importlib.util
 import json
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -256,6 +257,20 @@ def test_a_malformed_setting_or_an_attack_that_does_not_apply_is_refused_before_
             run_sweep(
                 _config(), attack, templates=templates, grid=grid, workers=1, on_start=started
             )
+    # A setting every run shares that its method refuses, and an empty attacker: every run was
+    # written up as "not applicable" (report, plots, store rows), then the sweep exited 1.
+    default_width = replace(
+        _config(), method_config=replace(_config().method_config, representation_dim=128)
+    )
+    for config, attacker, expected in [
+        (default_width, None, "representation_dim must equal the 10 classes. Found 128."),
+        (_config(), "", "Found attacker ''"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(expected)):
+            run_sweep(
+                config, "direct-label-inference", templates=[], grid={}, attacker=attacker,
+                on_start=started,
+            )  # fmt: skip
 
 
 def test_a_defense_that_does_not_apply_is_a_failed_row_and_the_accounting_reaches_each_run(
@@ -299,6 +314,16 @@ def test_seeds_past_the_seed_range_are_refused_and_workers_never_outnumber_runs(
             templates=[],
             grid={},
             seeds=10**11,
+            on_start=started,
+        )
+    # Within the seed range, and far past any sweep: it built a list of 2**32 runs, silently.
+    with pytest.raises(ConfigError, match=re.escape("found 3 settings x 50000 seeds = 150000")):
+        run_sweep(
+            _config(),
+            "direct-label-inference",
+            templates=["dp-gradients:1:CLIP"],
+            grid={"CLIP": (0.1, 1.0)},
+            seeds=50_000,
             on_start=started,
         )
     asked = []
