@@ -290,6 +290,13 @@ class _ReconstructionAttack(Attack):
                 f"{data.block_shapes[self.victim]}."
             )
         held = data.train.blocks[self.victim][data.train.mask[:, self.victim]]
+        if self._granted(len(held)) >= len(held):
+            raise ConfigError(
+                f"{self.name}: auxiliary={self.auxiliary:g} grants "
+                f"{self._granted(len(held))} of party-{self.victim}'s {len(held)} training rows, "
+                "leaving none to reconstruct: expected a smaller share "
+                "(--attack-option auxiliary=F)."
+            )
         if len(held) and not (held != held[:1]).any():
             raise ConfigError(
                 f"{self.name}: a victim whose features vary expected; party-{self.victim}'s "
@@ -298,11 +305,15 @@ class _ReconstructionAttack(Attack):
                 "exact)."
             )
 
+    def _granted(self, held: int) -> int:
+        """How many of the victim's ``held`` training rows the auxiliary set grants."""
+        return max(2, round(self.auxiliary * held))
+
     def prepare(self, party: Party, context: AttackContext) -> None:
         """Grant the auxiliary set (a share of the victim's training rows) and install the
         observer on the label party's own hooks."""
         held = np.flatnonzero(context.data.train.mask[:, self.victim])
-        count = max(2, round(self.auxiliary * len(held)))
+        count = self._granted(len(held))
         self._auxiliary_rows = np.sort(context.rng.choice(held, size=count, replace=False))
         self.log = RepresentationLog(
             victim=self.victim_name,
@@ -328,9 +339,10 @@ class _ReconstructionAttack(Attack):
             representations = representations[context.rng.permutation(len(rows))]
         known = np.isin(rows, self._auxiliary_rows)
         if known.sum() < 2 or (~known).sum() < 1:
+            advice = "train longer or grant more rows" if known.sum() < 2 else "grant fewer rows"
             raise ConfigError(
                 f"{self.name}: {known.sum()} auxiliary rows and {(~known).sum()} others "
-                "observed; it needs >= 2 and >= 1 (train longer or grant more rows)."
+                f"observed; it needs >= 2 and >= 1 ({advice}: --attack-option auxiliary=F)."
             )
         features = context.data.train.blocks[self.victim].astype(np.float64)
         generator = torch.Generator().manual_seed(int(context.rng.integers(2**31)))

@@ -151,7 +151,10 @@ def apply_defense(spec: PrivacySpec, text: str) -> PrivacySpec:
         attribute = NOISE_DEFENSES[name]
         if getattr(spec, attribute) is not None:
             raise ConfigError(f"defense {name} given twice (found {text!r}).")
-        noise: dict[str, Any] = {attribute: parse_noise(params)}
+        try:
+            noise: dict[str, Any] = {attribute: parse_noise(params)}
+        except ConfigError as error:  # it names neither the defense nor the spec
+            raise ConfigError(f"defense {name}: {error}") from None
         return replace(spec, **noise)
     if name == "secure-agg":
         if params not in SECURE_AGGS or params == "none":

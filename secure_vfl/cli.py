@@ -2109,16 +2109,29 @@ def _path_part(text: str) -> str:
 def run_attack_command(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from attacks.runner import run_attack, spec_defenses
+    from attacks.runner import NOISE_DEFENSES, run_attack, spec_defenses
     from secure_vfl.io import atomic_write_json
     from secure_vfl.runs import provenance
 
     # A single attack's secure-agg defense makes its run one of secure sums, as --secure-agg
     # does (so --release dp may go with it); a suite's runs are each defended on their own.
     secure = args.suite is None and any(d.startswith("secure-agg:") for d in args.defense)
+    if args.suite is not None and args.release == "dp":
+        raise _release_refusal("--suite")
     config = _train_config(args, secure_sums=secure)
     if args.suite is not None:
         return _run_suite_command(args, config)
+    noised = [d for d in args.defense if d.partition(":")[0] in NOISE_DEFENSES]
+    if (
+        args.target_epsilon is not None
+        and noised
+        and not (args.dp_embeddings or args.dp_gradients or args.dp_sgd)
+    ):
+        raise ConfigError(
+            "--target-epsilon calibrates train's --dp-embeddings, --dp-gradients or --dp-sgd; a "
+            "--defense spec's SIGMA is its own. Expected the mechanism as a flag (e.g. "
+            f"--dp-gradients SIGMA:CLIP) or no --target-epsilon; found --defense {noised[0]}."
+        )
     name = args.attack
     control = "-control" if args.control else ""  # beside the attack, not over it
     out = _run_out(
@@ -2137,9 +2150,6 @@ def run_attack_command(args: argparse.Namespace) -> int:
         check_directory("--cache", args.cache)
     store = _results_store(args, out)
     mapping = _file_party_names(config)
-    attacker = {user: internal for internal, user in mapping.items()}.get(
-        args.attacker, args.attacker
-    )  # a party of files is named by its own name, as in train's outputs
     bar: Any = None
 
     def on_start(total: int) -> None:
@@ -2150,12 +2160,12 @@ def run_attack_command(args: argparse.Namespace) -> int:
         bar.update(1)
 
     try:
-        with run_warnings() as noted:
+        with run_warnings() as noted, _named_errors(mapping):
             result = run_attack(
                 config,
                 name,
                 options=_attack_options(args.attack_option),
-                attacker=attacker,
+                attacker=_internal_party(mapping, args.attacker),
                 defenses=args.defense,
                 privacy=_privacy_spec(args),
                 control=args.control,
@@ -2166,14 +2176,8 @@ def run_attack_command(args: argparse.Namespace) -> int:
     finally:
         if bar is not None:
             bar.close()
-    payload = result.to_json()
-    if mapping:  # not the configuration (its paths are the user's own)
-        training = payload["training"]
-        payload = {key: _relabel(value, mapping) for key, value in payload.items()}
-        payload["training"] = {
-            key: _relabel(value, mapping) if key in ("privacy", "traffic", "warnings") else value
-            for key, value in training.items()
-        }
+    payload = _attack_relabelled(result.to_json(), mapping)
+    if mapping:
         payload["parties"] = mapping
     found = [*noted, *payload["training"].get("warnings", [])]
     payload["warnings"] = list(dict.fromkeys(_named_text(text, mapping) for text in found))
@@ -2191,6 +2195,38 @@ def run_attack_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _attack_relabelled(payload: dict[str, Any], mapping: dict[str, str]) -> dict[str, Any]:
+    """An attack run's ``payload`` (``result.json``, a sweep's row) in the users' party names,
+    but for its training configuration (its paths are the user's own)."""
+    if not mapping:
+        return payload
+    training = payload.get("training")
+    relabelled = {key: _relabel(value, mapping) for key, value in payload.items()}
+    if isinstance(training, dict):
+        relabelled["training"] = {
+            key: _relabel(value, mapping) if key in ("privacy", "traffic", "warnings") else value
+            for key, value in training.items()
+        }
+    return relabelled
+
+
+def _internal_party(mapping: dict[str, str], name: str | None) -> str | None:
+    """The internal name (``party-k``) of the party the user calls ``name`` (its file's name,
+    as train's outputs name it), or ``name`` as given."""
+    return {user: internal for internal, user in mapping.items()}.get(name, name)  # type: ignore[arg-type]
+
+
+@contextmanager
+def _named_errors(mapping: dict[str, str]) -> Iterator[None]:
+    """A ConfigError raised inside says the users' party names, not the internal ones."""
+    try:
+        yield
+    except ConfigError as error:
+        if not mapping or type(error) is not ConfigError:
+            raise
+        raise ConfigError(_named_text(str(error), mapping)) from None
+
+
 def _file_party_names(config: Any) -> dict[str, str]:
     """Each internal party name (``party-k``) by the user's name of its party file (empty for
     a registered dataset, whose parties have no other names)."""
@@ -2202,46 +2238,59 @@ def _file_party_names(config: Any) -> dict[str, str]:
     return {f"party-{k}": name for k, name in enumerate(names)}
 
 
+def _release_refusal(found: str) -> ConfigError:
+    """Why a sweep or a suite takes no --release dp: its undefended runs sum in the clear."""
+    return ConfigError(
+        "--release dp adds DP noise to what secure sums release, and the undefended runs of a "
+        "sweep or suite have none: expected one `attack --attack NAME` with --defense "
+        f"secure-agg:BACKEND and --release dp; found {found}."
+    )
+
+
 def run_sweep_command(args: argparse.Namespace) -> int:
     from attacks.sweep import parse_grid, run_sweep, write_sweep
 
-    config = _train_config(args)
+    if args.release == "dp":
+        raise _release_refusal("sweep")
     given = _given(
         ("--secure-agg", args.secure_agg if args.secure_agg != "none" else None),
         ("--dp-embeddings", args.dp_embeddings),
         ("--dp-gradients", args.dp_gradients),
         ("--dp-sgd", args.dp_sgd),
         ("--target-epsilon", args.target_epsilon),
-        ("--release dp", "dp" if args.release == "dp" else None),
     )
     if given:
         raise ConfigError(
             f"a sweep's defenses are its --defense templates; found {', '.join(given)} "
             "(e.g. --defense secure-agg:masks, --defense dp-gradients:SIGMA:0.01)."
         )
+    config = _train_config(args)
     out = _run_out(args, Path("runs") / f"sweep-{args.attack}-{config.method}-{config.data_name}")
     _check_output_dir(out, "sweep.json", overwrite=args.overwrite, lock=True)
     store = _results_store(args, out)
     from tqdm import tqdm
 
+    mapping = _file_party_names(config)
     bar = tqdm(total=0, desc=f"sweep {args.attack}", unit="run", disable=_no_bar(args), leave=False)
     try:
-        rows = run_sweep(
-            config,
-            args.attack,
-            templates=args.defense,
-            grid=parse_grid(args.grid),
-            seeds=args.seeds,
-            attacker=args.attacker,
-            workers=args.workers,
-            executor=args.executor,
-            privacy=_privacy_spec(args),  # its DP accounting; the defenses are the templates
-            cache=out.parent / ".undefended",
-            on_start=lambda runs: bar.reset(total=runs),
-            on_done=lambda: bar.update(1),
-        )
+        with _named_errors(mapping):
+            rows = run_sweep(
+                config,
+                args.attack,
+                templates=args.defense,
+                grid=parse_grid(args.grid),
+                seeds=args.seeds,
+                attacker=_internal_party(mapping, args.attacker),
+                workers=args.workers,
+                executor=args.executor,
+                privacy=_privacy_spec(args),  # its DP accounting; the defenses are the templates
+                cache=out.parent / ".undefended",
+                on_start=lambda runs: bar.reset(total=runs),
+                on_done=lambda: bar.update(1),
+            )
     finally:
         bar.close()
+    rows = [_attack_relabelled(row, mapping) for row in rows]
     command = command_line("secure-vfl sweep")
     with _finishing():
         text, plots = write_sweep(rows, out, attack=args.attack, command=command)
@@ -2295,9 +2344,10 @@ def _run_suite_command(args: argparse.Namespace, config: Any) -> int:
         check_directory("--cache", args.cache)
     store = _results_store(args, out)
     entries: list[tuple[dict[str, Any], str, str]] = []  # stored once the suite is written
+    mapping = _file_party_names(config)
 
     def on_run(attack: str, defense: str, result: Any) -> None:
-        payload = result.to_json()
+        payload = _attack_relabelled(result.to_json(), mapping)
         entries.append(
             (_attack_entry(payload, defense), f"suite:{attack}", f"{attack} / {defense}")
         )
@@ -2305,14 +2355,22 @@ def _run_suite_command(args: argparse.Namespace, config: Any) -> int:
             value = ", ".join(f"{k} {v:.3f}" for k, v in payload["attack"].items())
             print(f"{attack} / {defense}: main {100 * payload['main']['accuracy']:.2f} %, {value}")
 
-    report = run_suite(
-        config,
-        defenses=args.defense,
-        attacker=args.attacker,
-        privacy=privacy,
-        cache=args.cache or out.parent / ".undefended",
-        on_run=on_run,
-    )
+    with _named_errors(mapping):
+        report = run_suite(
+            config,
+            defenses=args.defense,
+            attacker=_internal_party(mapping, args.attacker),
+            privacy=privacy,
+            cache=args.cache or out.parent / ".undefended",
+            on_run=on_run,
+        )
+    if mapping:
+        import dataclasses
+
+        named = _relabel(report.to_json(), mapping)
+        report = dataclasses.replace(
+            report, runs=named["runs"], skipped=named["skipped"], failed=named["failed"]
+        )
     command = command_line("secure-vfl attack")
     text = markdown(report, command=command)
     with _finishing():

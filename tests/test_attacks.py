@@ -225,6 +225,9 @@ def test_label_inference_by_a_label_holder_or_a_backdoor_with_no_crossing_gradie
     ("defenses", "expected"),
     [
         (["dp-gradients:1"], "SIGMA:CLIP"),
+        # which defense: it said only "Noise must be given as SIGMA:CLIP ... Found ''"
+        (["dp-gradients"], "defense dp-gradients: Noise must be given as SIGMA:CLIP"),
+        (["dp-sgd:1:1:1"], "defense dp-sgd: Noise must be given as SIGMA:CLIP"),
         (["secure-agg:rot13"], "BACKEND"),
         (["dp-sgd:1:1", "dp-sgd:2:1"], "given twice"),
         (["secure-agg:masks", "secure-agg:ckks"], "given twice"),
@@ -385,6 +388,10 @@ def test_an_attacks_defenses_complete_the_train_flags_that_need_them(
     (tmp_path / "file").write_text("")  # refused after the defended training had run
     assert main([*argv, "--cache", str(tmp_path / "file"), "--out", str(tmp_path / "x")]) == 2
     assert f"--cache {tmp_path / 'file'} is a file" in capsys.readouterr().err
+    # --target-epsilon with DP given only as a --defense: it said no DP mechanism was given.
+    calibrated = ["--defense", "dp-gradients:1:0.01", "--target-epsilon", "50"]
+    assert main([*argv, *calibrated, "--out", str(tmp_path / "x")]) == 2
+    assert "a --defense spec's SIGMA is its own" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
 
@@ -478,6 +485,23 @@ def test_an_attack_on_party_files_speaks_of_the_parties_by_their_names(
     assert row["parties"] == {"party-0": "bank", "party-1": "shop"}
     assert main([*argv, "--attacker", "party-1", "--out", str(tmp_path / "again")]) == 0
     assert json.loads((tmp_path / "again" / "result.json").read_text())["attacker"] == "shop"
+    # A refusal names the parties as the user does: it said "the label party party-0".
+    reconstruction = ["--attack", "feature-reconstruction", "--attacker", "shop"]
+    capsys.readouterr()
+    assert main([*argv, *reconstruction, "--out", str(tmp_path / "refused")]) == 2
+    assert "run by the label party bank" in capsys.readouterr().err
+    # A sweep and a suite take the same names and report in them: `--attacker shop` was
+    # refused by both ("Found attacker 'shop'"), their reports said party-1.
+    sweep = ["sweep", *argv[1:], "--attacker", "shop", "--seeds", "1", "--workers", "1"]
+    assert main([*sweep, "--out", str(tmp_path / "sweep")]) == 0
+    written = (tmp_path / "sweep" / "sweep.json").read_text()
+    assert "shop" in written and not re.search(r"\bparty-\d", written)
+    suite = ["attack", "--suite", "all", *argv[3:], "--attacker", "shop"]
+    assert main([*suite, "--out", str(tmp_path / "suite")]) == 0
+    report = json.loads((tmp_path / "suite" / "suite.json").read_text())
+    assert {run["attacker"] for run in report["runs"]} == {"shop"}
+    assert "run by the label party bank" in report["skipped"]["feature-reconstruction"]
+    assert not re.search(r"\bparty-\d", (tmp_path / "suite" / "suite.md").read_text())
 
 
 def test_run_attack_and_run_sweep_refuse_arguments_of_the_wrong_kind() -> None:

@@ -163,6 +163,14 @@ def test_a_reconstruction_that_does_not_apply_is_refused_with_what_it_needs() ->
         run_attack(_config("laser", 1), "subset-differencing", attacker="aggregator")
     with pytest.raises(ConfigError, match="concatenation methods"):
         run_attack(_config("laser", 1), "feature-reconstruction", attacker="party-0")
+    # Every row granted: refused after the training, advising to grant more rows.
+    with pytest.raises(ConfigError, match="leaving none to reconstruct: expected a smaller"):
+        run_attack(
+            _config("standard", 1),
+            "feature-reconstruction",
+            attacker="party-0",
+            options={"auxiliary": 0.999},
+        )
     with pytest.raises(ConfigError, match="--heads active"):
         run_attack(_config("laser", 1, heads="all"), "subset-differencing", attacker="party-0")
     with pytest.raises(ConfigError, match=">= 4 parties"):

@@ -172,6 +172,11 @@ def test_each_attack_is_played_by_its_own_attacker_unless_one_is_named() -> None
         # a typo was listed as "not applicable" and the suite exited 0
         (["--defense", "dp-gradient:1:0.01"], "a defense in (dp-gradients, "),
         (["--defense", "marvell:-1"], "marvell:SCALE with SCALE > 0"),
+        # it asked for --secure-agg masks, a flag the suite refuses
+        (
+            ["--defense", "secure-agg:masks", "--release", "dp", "--release-noise", "1:1"],
+            "the undefended runs of a sweep or suite have none",
+        ),
     ],
 )
 def test_a_suite_refuses_what_it_would_ignore_or_misread_before_anything_runs(

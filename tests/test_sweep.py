@@ -90,6 +90,23 @@ def test_a_bad_grid_is_refused_before_anything_runs(
         expand(["dp-gradients:SIGMA:1"], {"SIGMA": [1.0, 1.0]})  # a grid made in Python
 
 
+def test_the_sweep_command_refuses_train_flags_saying_what_to_give_instead(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--release dp asked for --secure-agg masks, which a sweep refuses in turn."""
+    argv = ["sweep", "--attack", "direct-label-inference", *LABEL_LEAK_RUN]
+    for extra, expected in [
+        (["--secure-agg", "masks"], "a sweep's defenses are its --defense templates; found "),
+        (
+            ["--defense", "secure-agg:masks", "--release", "dp", "--release-noise", "1:1"],
+            "the undefended runs of a sweep or suite have none: expected one `attack --attack",
+        ),
+    ]:
+        assert main([*argv, *extra, "--out", str(tmp_path / "sweep")]) == 2
+        assert expected in capsys.readouterr().err
+    assert not (tmp_path / "sweep").exists()
+
+
 def test_a_sweep_in_worker_processes_equals_one_in_this_process(tmp_path: Path) -> None:
     kwargs = {
         "templates": ["dp-gradients:SIGMA:0.01"],
