@@ -220,9 +220,10 @@ class GradientReplacementBackdoor(Attack):
     """A passive party's backdoor by gradient replacement; ASR on triggered non-target rows.
 
     ``target`` is the target class, ``known`` how many of its training rows (held by the
-    attacker) the auditor grants, ``poison_fraction`` the share of its other training rows it
-    poisons, ``gamma`` the amplification of the replaced gradients, ``trigger_columns`` how many
-    columns of its block the trigger sets, to ``trigger_value``.
+    attacker) the auditor grants (all it holds, if fewer: metric ``known_rows``),
+    ``poison_fraction`` the share of its other training rows it poisons, ``gamma`` the
+    amplification of the replaced gradients, ``trigger_columns`` how many columns of its block
+    the trigger sets, to ``trigger_value``.
     """
 
     name: ClassVar[str] = "gradient-replacement-backdoor"
@@ -357,6 +358,8 @@ class GradientReplacementBackdoor(Attack):
             # the rows it poisoned: none in the negative control, which only plans them
             "poisoned_rows": float(attacker.plan.poisoned.sum()) if attacker.plan.poison else 0.0,
             "replaced_gradients": float(attacker.replaced),
+            # what ``known`` granted: at most the target rows the attacker holds
+            "known_rows": float(len(attacker.plan.target_rows)),
         }
 
     def chance(self, context: AttackContext) -> float:

@@ -17,7 +17,7 @@ from attacks.runner import AttackResult, parse_defenses, run_attack
 from protocols.privacy import PrivacySpec
 from secure_vfl.cli import main
 from secure_vfl.errors import ConfigError
-from secure_vfl.experiment import TrainConfig
+from secure_vfl.experiment import TrainConfig, prepare_data
 from secure_vfl.federation.channel import Channel, RecordingLayer
 from secure_vfl.federation.messages import AGGREGATOR
 from secure_vfl.federation.parties import DataParty
@@ -66,6 +66,7 @@ def test_backdoor_flips_triggered_rows_to_the_target_and_keeps_clean_accuracy(
     assert result.main["accuracy"] >= result.undefended_accuracy - 0.03
     assert result.attack["untriggered_asr"] <= 0.1  # the trigger does it, not a broken model
     assert result.attack["replaced_gradients"] > 0
+    assert result.attack["known_rows"] == 10  # the default `known`: it holds more
     assert result.attack["clean_accuracy"] == result.main["accuracy"]
     # only the attacker changed role
     assert isinstance(channel.parties["party-1"], BackdoorParty)
@@ -74,6 +75,16 @@ def test_backdoor_flips_triggered_rows_to_the_target_and_keeps_clean_accuracy(
     )
     # chance: the model's own rate of predicting the target for those rows without the trigger
     assert result.chance == result.attack["untriggered_asr"]
+
+
+def test_known_beyond_the_target_rows_held_grants_them_all_and_says_how_many(cache: Path) -> None:
+    """`known=100000` was recorded as given, the rows it granted nowhere."""
+    config = _config(epochs=1)
+    result = run_attack(config, ATTACK, options={"known": 100_000}, cache=cache)
+    train = prepare_data(config).train
+    held = train.mask[:, 1] & (train.labels == 0)  # the attacker's (party-1) target rows
+    assert result.attack["known_rows"] == held.sum() > 10
+    assert result.parameters["known"] == 100_000  # as given; the metric says what it meant
 
 
 def test_without_poisoning_the_trigger_does_what_it_does_to_the_honest_model(
