@@ -235,6 +235,7 @@ class ResultsStore:
             if not create:
                 return
             with connection:
+                connection.execute("BEGIN")  # the table and its version, or neither
                 connection.execute(SCHEMA)
                 connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             return
@@ -242,6 +243,7 @@ class ResultsStore:
             missing = [column for column in _ADDED_COLUMNS if column not in columns]
             if missing:  # schema 2 to 4: what was not kept stays empty for their rows
                 with connection:
+                    connection.execute("BEGIN")  # every column and the version, or none
                     for column in missing:
                         connection.execute(f"ALTER TABLE runs ADD COLUMN {column} TEXT")
                     connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
@@ -262,6 +264,8 @@ class ResultsStore:
         connection.row_factory = None
         latest: dict[str, dict[str, Any]] = {}
         for row in old:
+            if not isinstance(row["kind"], str):
+                raise self._unreadable_row(row, "kind", "text")
             many = row["kind"].startswith(("sweep:", "suite:"))
             key = (
                 f"legacy:{row['id']}"
@@ -269,14 +273,29 @@ class ResultsStore:
                 else run_key(Path(row["out_dir"]))
             )
             latest[key] = row
+        summaries = {}  # every row read before the store changes: one that cannot be, changes none
+        for key, row in latest.items():
+            payload = {}
+            for cell in ("config", "metrics"):
+                try:
+                    payload[cell] = json.loads(row[cell])
+                except (TypeError, ValueError, RecursionError):
+                    raise self._unreadable_row(row, cell, "JSON") from None
+            try:
+                summaries[key] = summarise(payload, kind=row["kind"])
+            except ConfigError as error:
+                raise ConfigError(
+                    f"--store {self.path}: run {row['id']}: {error} Expected a results store "
+                    "written by secure-vfl; the store was left as it was."
+                ) from None
         with connection:
+            # DDL commits at once outside a transaction (Python's sqlite3 opens one only before
+            # a row is written): without BEGIN, a failure left the table renamed and empty.
+            connection.execute("BEGIN")
             connection.execute("ALTER TABLE runs RENAME TO runs_schema0")
             connection.execute(SCHEMA)
             for key, row in latest.items():
-                config = json.loads(row["config"])
-                metrics = json.loads(row["metrics"])
-                payload = {"config": config, "metrics": metrics}
-                summary = summarise(payload, kind=row["kind"])
+                summary = summaries[key]
                 connection.execute(
                     "INSERT INTO runs (id, run_key, created_at, kind, method, dataset, seed, "
                     "backend, dp, epsilon, epsilon_max, version, git_commit, config, metrics, "
@@ -304,6 +323,12 @@ class ResultsStore:
                 )
             connection.execute("DROP TABLE runs_schema0")
             connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    def _unreadable_row(self, row: dict[str, Any], cell: str, expected: str) -> ConfigError:
+        return ConfigError(
+            f"--store {self.path}: run {row['id']}'s {cell} is not {expected} ({row[cell]!r:.40}); "
+            "expected a results store written by secure-vfl. The store was left as it was."
+        )
 
     def add(
         self,
@@ -342,12 +367,16 @@ class ResultsStore:
         """Delete every row of the runs written into each of ``out_dirs`` (a run, sweep or
         suite directory, whether it still exists or not), in one transaction; return how many
         rows each had. ConfigError, and nothing deleted, where one of them has no row here."""
-        with self._writing() as connection:
+        stored: dict[str, Path] = {}  # one directory given twice (or by two paths) once
+        for directory in out_dirs:
+            stored.setdefault(_stored_dir(directory), directory)
+        with self._writing(create=False) as connection:
+            empty = not connection.execute("PRAGMA table_info(runs)").fetchall()
             removed = {
-                directory: connection.execute(
-                    "DELETE FROM runs WHERE out_dir = ?", (_stored_dir(directory),)
-                ).rowcount
-                for directory in out_dirs
+                directory: 0
+                if empty
+                else connection.execute("DELETE FROM runs WHERE out_dir = ?", (key,)).rowcount
+                for key, directory in stored.items()
             }
             missing = [str(directory) for directory, count in removed.items() if count == 0]
             if missing:
@@ -358,10 +387,11 @@ class ResultsStore:
         return removed
 
     @contextmanager
-    def _writing(self) -> Iterator[sqlite3.Connection]:
+    def _writing(self, *, create: bool = True) -> Iterator[sqlite3.Connection]:
         """A connection inside one transaction, committed when the block ends (rolled back if
-        it raises); OutputError where SQLite could not write (a full disk)."""
-        connection = self._connect()
+        it raises); OutputError where SQLite could not write (a full disk). ``create``: make
+        the table where there is none (:meth:`_prepare`)."""
+        connection = self._connect(create=create)
         try:
             with connection:
                 yield connection

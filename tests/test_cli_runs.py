@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -282,6 +283,63 @@ def test_a_first_schema_store_is_migrated_in_place(tmp_path: Path) -> None:
         out_dir=tmp_path / "run",
     )
     assert [r["backend"] for r in store.rows()] == ["masks"]
+
+
+@pytest.mark.parametrize(
+    ("config", "metrics", "expected"),
+    [
+        ("{bad", "{}", "run 1's config is not JSON ('{bad')"),
+        ("[1, 2]", "{}", "run 1: config: an object expected"),
+        ("{}", "nope", "run 1's metrics is not JSON ('nope')"),
+    ],
+)
+def test_a_first_schema_store_that_cannot_be_migrated_is_left_as_it_was(
+    tmp_path: Path, config: str, metrics: str, expected: str
+) -> None:
+    """The table was renamed and the new one made (DDL commits at once in Python's sqlite3)
+    before a row failed: a traceback, then every run hidden ("no runs.")."""
+    path = tmp_path / "results.sqlite"
+    with sqlite3.connect(path) as connection:
+        connection.execute(
+            "CREATE TABLE runs (id INTEGER PRIMARY KEY AUTOINCREMENT, created_at TEXT NOT NULL, "
+            "kind TEXT NOT NULL, method TEXT NOT NULL, dataset TEXT NOT NULL, seed INTEGER, "
+            "config TEXT NOT NULL, metrics TEXT NOT NULL, wall_time_s REAL NOT NULL, out_dir TEXT)"
+        )
+        connection.execute(
+            "INSERT INTO runs (created_at, kind, method, dataset, seed, config, metrics, "
+            "wall_time_s, out_dir) VALUES ('t', 'train', 'laser', 'wine', 0, ?, ?, 1.0, 'r')",
+            (config, metrics),
+        )
+    connection.close()
+    before = path.read_bytes()
+    for _ in range(2):  # and again: the same refusal, not an empty store
+        with pytest.raises(ConfigError, match=re.escape(expected)):
+            ResultsStore(path).check()
+        assert path.read_bytes() == before
+
+
+def test_runs_remove_counts_a_directory_given_twice_once_and_an_empty_store_stays_empty(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The second DELETE of one directory found nothing and said so ("no run of ..."); an
+    empty store file became a store with a table, though nothing was removed."""
+    store = ResultsStore(tmp_path / "results.sqlite")
+    (tmp_path / "a").mkdir()
+    store.add(_entry(1), kind="train", out_dir=tmp_path / "a")
+    again = tmp_path / "x" / ".." / "a"
+    assert main(["runs", "remove", str(tmp_path / "a"), str(tmp_path / "a")]) == 0
+    assert capsys.readouterr().out.count("1 run removed") == 1
+    assert store.rows() == []
+    store.add(_entry(1), kind="train", out_dir=tmp_path / "a")
+    (tmp_path / "x").mkdir()
+    assert (
+        main(["runs", "remove", str(tmp_path / "a"), str(again), "--store", str(store.path)]) == 0
+    )
+    empty = tmp_path / "empty.sqlite"
+    empty.write_bytes(b"")
+    assert main(["runs", "remove", str(tmp_path / "a"), "--store", str(empty)]) == 2
+    assert "Nothing was removed" in capsys.readouterr().err
+    assert empty.read_bytes() == b""
 
 
 @pytest.mark.parametrize("schema", [2, 3, 4])
