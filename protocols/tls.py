@@ -63,6 +63,7 @@ from secure_vfl.federation.certificates import (
     UNREADABLE_PEM,
     Problem,
     check_party_name,
+    dns_names,
     host_problem,
     is_ca,
     issuer_problems,
@@ -348,6 +349,34 @@ def _check_request(parties: Sequence[str], hosts: Sequence[str], days: int) -> N
         raise ConfigError(f"a validity of >= 1 day expected. Found {days}.")
 
 
+def _refuse_passing_for(directory: Path, parties: Sequence[str], hosts: Sequence[str]) -> None:
+    """ConfigError where new certificates for ``parties`` (naming ``hosts`` too) would pass for
+    a party whose certificate ``directory`` already holds (a host that is its name), or one of
+    those would pass for a new party (its DNS names hold the new name): one call checks this
+    within its own parties; this checks them against the set they join."""
+    names = {host.lower() for host in hosts}
+    for other in federation_parties(directory):
+        if other in names:
+            raise ConfigError(
+                f"a --san host may not be a party's name (the new certificates would pass for "
+                f"{other}, whose certificate is in {directory}). Found {other}."
+            )
+        path = directory / f"{other}.pem"
+        if not path.is_file():
+            continue
+        try:
+            certificate = parse_certificate(path.read_bytes())
+        except UNREADABLE_PEM:  # `certs check` names what is wrong with it
+            continue
+        named = sorted({host.lower() for host in dns_names(certificate)} & set(parties))
+        if named:
+            raise ConfigError(
+                f"{path} also names {', '.join(named)} among its hosts: it would pass for the "
+                "new party. Expected party names that no certificate of the set names; found "
+                f"{', '.join(named)}."
+            )
+
+
 def _load_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     """The CA of ``directory`` and its key (to issue more party certificates); ConfigError,
     naming the file, unless both are there and readable, the certificate is a CA's and the key
@@ -422,6 +451,8 @@ def make_federation(
         raise ConfigError(
             f"{', '.join(map(str, existing))} already exist; remove them or choose another --out."
         )
+    if directory.is_dir():
+        _refuse_passing_for(directory, parties, hosts)
     files: dict[str, tuple[bytes, bool]] = {}  # name: content, private
     now = _now()
     if (directory / CA_CERT).exists() or (directory / CA_KEY).exists():

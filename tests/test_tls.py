@@ -112,6 +112,26 @@ def test_init_issues_new_parties_with_the_existing_ca_and_never_overwrites(certs
     assert (certs / "bank.key").read_bytes() == bank_before
 
 
+def test_init_refuses_new_certificates_that_would_pass_for_a_party_of_the_set(
+    tmp_path: Path,
+) -> None:
+    """Within one call a --san that is a party's name was refused; against the parties already
+    in the directory it was not: `certs init --party evil --san bank` wrote a certificate that
+    passes for bank (`certs check` then found it, exit 1)."""
+    tls.make_federation(tmp_path, ["bank", "shop"], hosts=("localhost", "backup"))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for parties, hosts, match in [
+        (["evil"], ("bank",), r"would pass for bank, whose certificate is in .*Found bank\."),
+        (["telco"], ("localhost", "Shop"), r"would pass for shop"),
+        (["backup"], ("localhost",), r"bank\.pem also names backup among its hosts"),
+    ]:
+        with pytest.raises(ConfigError, match=match):
+            tls.make_federation(tmp_path, parties, hosts=hosts)
+        assert sorted(p.name for p in tmp_path.iterdir()) == before
+    tls.make_federation(tmp_path, ["telco"])  # a party no certificate names joins as before
+    assert tls.check_federation(tmp_path) == []
+
+
 @pytest.mark.parametrize(
     ("parties", "hosts", "match"),
     [
