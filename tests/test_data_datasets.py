@@ -181,6 +181,36 @@ def test_install_as_root_updates_once_then_unpacks(empty_data_home, monkeypatch)
     assert DATASETS.get("german-credit").is_installed()
 
 
+def test_an_unpack_that_fails_midway_installs_no_file_and_a_damaged_file_is_named(
+    empty_data_home, monkeypatch, tmp_path
+):
+    """dpkg unpacked straight into the data home: a file it left cut short (stopped, or out of
+    disk) counted as installed, `install` said "already installed", and training ended in a
+    traceback (LZMAError) from reading it."""
+    relative = "usr/lib/R/site-library/mlbench/data/Satellite.rda"
+
+    def dying_run(cmd: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+        if cmd[:2] == ["apt-get", "download"]:
+            assert cwd is not None
+            (cwd / "r-cran-mlbench_1.0_amd64.deb").write_bytes(b"deb")
+        elif cmd[:2] == ["dpkg", "-x"]:
+            cut = Path(cmd[3]) / relative  # half a file, then the unpack fails
+            cut.parent.mkdir(parents=True)
+            cut.write_bytes(b"\xfd7zXZ\x00")
+            return completed(2)
+        return completed(0)
+
+    monkeypatch.setattr(datasets, "_run", dying_run)
+    with pytest.raises(DataError, match="must unpack into"):
+        install_dataset("satellite", log=lambda _: None)
+    assert not DATASETS.get("satellite").is_installed()
+    assert [p.name for p in empty_data_home.iterdir()] == ["debian"]  # no staging left
+    damaged = tmp_path / "Satellite.rda"
+    damaged.write_bytes(b"\xfd7zXZ\x00" + bytes(100))
+    with pytest.raises(DataError, match=r"Satellite\.rda must be an R data file; it cannot be"):
+        datasets.read_rda(damaged, "satellite")
+
+
 def test_read_idx_round_trip_and_bad_magic(tmp_path):
     images = np.arange(2 * 3 * 4, dtype=np.uint8).reshape(2, 3, 4)
     header = (2051).to_bytes(4, "big") + b"".join(d.to_bytes(4, "big") for d in images.shape)

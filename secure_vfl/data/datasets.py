@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import shutil
 import subprocess
 import tempfile
 import warnings
@@ -280,10 +281,18 @@ def read_rda(path: Path, object_name: str) -> pd.DataFrame:
     """Read one data frame from an R data file with ``rdata`` (no R needed)."""
     import rdata
 
-    with warnings.catch_warnings():
-        # R's data files from Debian carry no encoding tag; rdata assumes ASCII and says so.
-        warnings.filterwarnings("ignore", message="Unknown encoding", category=UserWarning)
-        objects = rdata.read_rda(path)
+    try:
+        with warnings.catch_warnings():
+            # R's data files from Debian carry no encoding tag; rdata assumes ASCII and says so.
+            warnings.filterwarnings("ignore", message="Unknown encoding", category=UserWarning)
+            objects = rdata.read_rda(path)
+    except Exception as error:  # rdata, lzma, gzip and bz2 raise many kinds on damaged input
+        first = str(error).strip().splitlines()[0][:120] if str(error).strip() else ""
+        raise DataError(
+            f"{path} must be an R data file; it cannot be read ({type(error).__name__}: "
+            f"{first}): damaged or cut short. Remove it and install its dataset again "
+            "(`secure-vfl datasets install NAME`)."
+        ) from None
     frame = objects.get(object_name)
     if not isinstance(frame, pd.DataFrame):
         raise DataError(
@@ -486,12 +495,19 @@ def install_debian_dataset(
                     f"Found {[d.name for d in debs]}."
                 )
             log(f"{name}: dpkg -x {debs[0].name} {target}")
-            unpacked = _run(["dpkg", "-x", str(debs[0]), str(target)])
-            if unpacked.returncode != 0:
-                raise DataError(
-                    f"`dpkg -x {debs[0].name}` must unpack into {target}. Found exit code "
-                    f"{unpacked.returncode}: {_tail(unpacked.stderr)}."
-                )
+            # Unpacked beside the data, then each file moved into place whole: an unpack that
+            # is stopped or runs out of disk leaves no file cut short that counts as installed.
+            staging = Path(tempfile.mkdtemp(prefix=".unpacking-", dir=data_home()))
+            try:
+                unpacked = _run(["dpkg", "-x", str(debs[0]), str(staging)])
+                if unpacked.returncode != 0:
+                    raise DataError(
+                        f"`dpkg -x {debs[0].name}` must unpack into {target}. Found exit code "
+                        f"{unpacked.returncode}: {_tail(unpacked.stderr)}."
+                    )
+                _move_into(staging, target)
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
     missing = [str(p) for p in files() if not p.is_file()]
     if missing:
         raise DataError(
@@ -499,6 +515,17 @@ def install_debian_dataset(
             f"Found these missing: {', '.join(missing)}."
         )
     log(f"{name}: installed under {target}.")
+
+
+def _move_into(source: Path, target: Path) -> None:
+    """Move every file under ``source`` to the same place under ``target`` (on one file system:
+    each appears whole, by one rename), replacing what is there; links move as links."""
+    for path in sorted(source.rglob("*")):
+        if path.is_dir() and not path.is_symlink():
+            continue
+        destination = target / path.relative_to(source)
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(path, destination)
 
 
 def install_all(*, log: Callable[[str], None] = print) -> list[str]:
