@@ -243,6 +243,17 @@ def test_cli_captures_train_impute_and_psi(tmp_path: Path) -> None:
     traffic = json.loads((out / "result.json").read_text())["traffic"]
     sent = sum(c["train"] + c["predict"] for c in traffic["bytes"].values())
     assert sent == capture.stat().st_size - 4 * len(messages)
+    # Each sender's bytes by phase are its messages' (the aggregator's sums for the test splits
+    # were counted as training: a plain sum carried no phase).
+    by_phase: Counter[tuple[str, str]] = Counter()
+    for message in messages:
+        by_phase[(message.sender, getattr(message, "phase", "train"))] += len(wire.encode(message))
+    for sender, counts in traffic["bytes"].items():
+        assert counts == {
+            "train": by_phase[(sender, "train")],
+            "predict": by_phase[(sender, "predict")],
+        }
+    assert traffic["bytes"]["aggregator"]["predict"] > 0
     (tmp_path / "a.csv").write_text("id\na\nb\nc\n", encoding="utf-8")
     (tmp_path / "b.csv").write_text("id\nc\nd\na\n", encoding="utf-8")
     psi = tmp_path / "psi.capture"

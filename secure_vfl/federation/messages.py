@@ -21,13 +21,14 @@ from torch import Tensor
 from secure_vfl.errors import NonFiniteError, ProtocolError
 from secure_vfl.federation.wire import register_message
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 """The messages' layouts: 2 since sealed sums carry their members' selection, sum and seal
 requests their DP-released rows, and the abort message exists; 3 since a gradient may close its
 receiver's step (``GradientMessage.step``) and a head task may hold its gradients for the driver
 (``HeadTask.hold``); 4 since the global statistics mark constant features
 (``GlobalStatisticsMessage.constant``); 5 since a scored imputation client contributes its
-per-feature errors to a sum (the ``feature-errors`` computation). A party of another version is
+per-feature errors to a sum (the ``feature-errors`` computation); 6 since a plain sum carries
+its request's phase (``SumMessage.phase``). A party of another version is
 refused on its first message, naming both."""
 PHASES = ("train", "predict")
 
@@ -194,10 +195,12 @@ class SumMessage(Message):
     sums: Tensor
     counts: Tensor
     tag: str = ""
+    phase: str = "train"  # its request's: what the transport counts its bytes under
     kind: ClassVar[str] = "sum"
 
     def validate(self) -> None:
         super().validate()
+        _check_choice(self, "phase", self.phase, PHASES)
         _check_tensor(self, "sums", self.sums, dims=3, dtype=torch.float32)
         _check_tensor(self, "counts", self.counts, dims=2, dtype=torch.int64)
         if tuple(self.counts.shape) != tuple(self.sums.shape[:2]):

@@ -494,6 +494,7 @@ class SecureSumParty(Party):
                 sums=torch.from_numpy(sums),
                 counts=message.counts,
                 tag=message.tag,
+                phase=message.phase,
             )
         )
 
@@ -1072,7 +1073,10 @@ class AggregationServer(Party):
             tag=request.tag,
         )
         self._deliver(
-            request, dataclasses.replace(result, session=request.session, tag=request.tag)
+            request,
+            dataclasses.replace(
+                result, session=request.session, tag=request.tag, phase=request.phase
+            ),
         )
 
     def _deliver(self, request: SumRequest, result: Message) -> None:
