@@ -124,8 +124,9 @@ def summarise(payload: dict[str, Any], *, kind: str = "train") -> RunSummary:
     run is summarised, with its defenses), or of a results-store entry of either."""
     if "training" in payload:  # an attack's result.json
         training = dict(_object(payload, "training"))
-        training["metrics"] = {
+        training["metrics"] = {  # as the results store keeps them: `runs list` and `compare` agree
             "main": _object(payload, "main"),
+            "attack": _object(payload, "attack"),
             "score": {key: payload.get(key) for key in ("performance", "chance", "dcs_chance")},
         }
         defenses = payload.get("defenses") or []

@@ -630,6 +630,12 @@ def test_attack_runs_show_their_attack_defense_and_score() -> None:
     assert rows[3].split()[-4:] == ["-", "-", "-", "-"]
     training = summarise({"config": {"method": "laser", "privacy": {}}, "metrics": {}})
     assert training.attack == "" and "attack" not in table(["t"], [training])
+    # An attack scored by accuracy: its result.json (`runs compare`) shows it as its store
+    # entry (`runs list`) does; compare dropped the column.
+    result = {**attack("", False, 1.0), "attack": {"accuracy": 1.0}}
+    entry = {**result["training"], "metrics": {"main": result["main"], "attack": result["attack"]}}
+    assert summarise(result).accuracy == summarise(entry, kind="attack:x").accuracy
+    assert summarise(result).accuracy == {"main": 90.0, "attack": 100.0}
 
 
 def test_runs_that_were_trained_differently_say_how() -> None:
