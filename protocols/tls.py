@@ -582,13 +582,28 @@ def check_federation(
         found = "a file" if directory.exists() else "nothing"
         raise ConfigError(f"a directory of certificates expected. Found {found} at {directory}.")
     now = now if now is not None else _now()
-    everyone = federation_parties(directory)
+    everyone, strays = [], []
+    for name in federation_parties(directory):
+        try:
+            _check_party_name(name)
+        except ConfigError as error:  # another file of the folder: named, the rest still checked
+            files = [directory / f"{name}{suffix}" for suffix in (".pem", ".key")]
+            strays.append(
+                Problem(
+                    next(path for path in files if path.exists()),
+                    f"not a party's file: {error} Rename it, move it out, or check the parties "
+                    "by name (--party NAME).",
+                )
+            )
+        else:
+            everyone.append(name)
     chosen = list(parties) if parties else everyone
     if not chosen:
         raise ConfigError(f"party certificates (NAME.pem) expected in {directory}. Found none.")
     for name in chosen:
         _check_party_name(name)
     ca, problems = _check_ca(directory, now)
+    problems = [*([] if parties else strays), *problems]
     if not isinstance(ca, x509.Certificate):
         return problems
     for name in chosen:

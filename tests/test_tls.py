@@ -501,6 +501,17 @@ def test_check_refuses_the_ca_as_a_party(certs: Path) -> None:
         tls.check_federation(certs, ["ca"])
 
 
+def test_check_names_a_file_that_is_no_party_s_and_checks_the_others(certs: Path) -> None:
+    """One `server_cert.pem` refused the whole folder, naming no file and no other problem."""
+    shutil.copy(certs / "bank.pem", certs / "server_cert.pem")
+    (certs / "shop.key").chmod(0o644)
+    problems = _problems(certs)
+    assert len(problems) == 2, problems
+    assert problems[0].startswith(f"{certs / 'server_cert.pem'}: not a party's file: a party name")
+    assert "shop.key: mode 0644 lets others read the key" in problems[1]
+    assert tls.check_federation(certs, ["bank"]) == []  # named parties: the others are not read
+
+
 def test_a_tls_identity_says_when_certificate_and_key_are_swapped(certs: Path) -> None:
     """Swapped, the certificate (mode 0644) was refused as a key others may read: chmod 600
     would not have helped."""
