@@ -243,25 +243,31 @@ def test_runs_list_names_a_damaged_cell_of_the_store(
     assert f"run 1's `{column}` holds {cell!r}; expected {expected}" in err, err
 
 
-def test_a_first_schema_store_is_migrated_in_place(tmp_path: Path) -> None:
-    path = tmp_path / "results.sqlite"
+def _first_schema_store(path: Path, rows: list[tuple[str, str, str]]) -> None:
+    """A results store of the first schema at ``path`` holding ``rows`` (config, metrics and
+    out_dir cells) of training runs."""
     with sqlite3.connect(path) as connection:
         connection.execute(
             "CREATE TABLE runs (id INTEGER PRIMARY KEY AUTOINCREMENT, created_at TEXT NOT NULL, "
             "kind TEXT NOT NULL, method TEXT NOT NULL, dataset TEXT NOT NULL, seed INTEGER, "
             "config TEXT NOT NULL, metrics TEXT NOT NULL, wall_time_s REAL NOT NULL, out_dir TEXT)"
         )
-        for lr in (0.03, 0.1):  # the old --overwrite's second row of one run directory
-            connection.execute(
-                "INSERT INTO runs (created_at, kind, method, dataset, seed, config, metrics, "
-                "wall_time_s, out_dir) VALUES ('t', 'train', 'laser', 'wine', 0, ?, ?, 1.0, ?)",
-                (
-                    json.dumps({"seed": 0, "lr": lr}),
-                    json.dumps({"mcar:0": {"accuracy": 90.0, "f1": 88.0}}),
-                    str(tmp_path / "run"),
-                ),
-            )
+        connection.executemany(
+            "INSERT INTO runs (created_at, kind, method, dataset, seed, config, metrics, "
+            "wall_time_s, out_dir) VALUES ('t', 'train', 'laser', 'wine', 0, ?, ?, 1.0, ?)",
+            rows,
+        )
     connection.close()
+
+
+def test_a_first_schema_store_is_migrated_in_place(tmp_path: Path) -> None:
+    path = tmp_path / "results.sqlite"
+    metrics = json.dumps({"mcar:0": {"accuracy": 90.0, "f1": 88.0}})
+    # the old --overwrite's second row of one run directory
+    rows = [
+        (json.dumps({"seed": 0, "lr": lr}), metrics, str(tmp_path / "run")) for lr in (0.03, 0.1)
+    ]
+    _first_schema_store(path, rows)
     store = ResultsStore(path)
     store.check()
     rows = store.rows()
@@ -299,18 +305,7 @@ def test_a_first_schema_store_that_cannot_be_migrated_is_left_as_it_was(
     """The table was renamed and the new one made (DDL commits at once in Python's sqlite3)
     before a row failed: a traceback, then every run hidden ("no runs.")."""
     path = tmp_path / "results.sqlite"
-    with sqlite3.connect(path) as connection:
-        connection.execute(
-            "CREATE TABLE runs (id INTEGER PRIMARY KEY AUTOINCREMENT, created_at TEXT NOT NULL, "
-            "kind TEXT NOT NULL, method TEXT NOT NULL, dataset TEXT NOT NULL, seed INTEGER, "
-            "config TEXT NOT NULL, metrics TEXT NOT NULL, wall_time_s REAL NOT NULL, out_dir TEXT)"
-        )
-        connection.execute(
-            "INSERT INTO runs (created_at, kind, method, dataset, seed, config, metrics, "
-            "wall_time_s, out_dir) VALUES ('t', 'train', 'laser', 'wine', 0, ?, ?, 1.0, 'r')",
-            (config, metrics),
-        )
-    connection.close()
+    _first_schema_store(path, [(config, metrics, "r")])
     before = path.read_bytes()
     for _ in range(2):  # and again: the same refusal, not an empty store
         with pytest.raises(ConfigError, match=re.escape(expected)):
