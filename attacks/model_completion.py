@@ -190,7 +190,8 @@ class PassiveModelCompletion(Attack):
     per class and its unlabelled training rows, labels the rows it holds.
 
     Metrics: ``accuracy`` on the test rows it holds (first test split), ``train_accuracy`` on
-    the training rows it holds (the known rows excluded), ``untrained_accuracy`` the headline
+    the training rows it holds (the known rows excluded; absent when every one was granted),
+    ``untrained_accuracy`` the headline
     of the same completion from a freshly initialised bottom model, ``known`` the number of
     granted rows.
     """
@@ -265,15 +266,17 @@ class PassiveModelCompletion(Attack):
         for labels in self._label_sets:  # one set, or the control's shuffles
             known_y = torch.from_numpy(labels)
             trained, untrained = complete(attacker.model, known_y), complete(fresh, known_y)
-            for name, value in {
+            values = {
                 "accuracy": _accuracy(_predict(trained, test_x), test.labels[held_test]),
-                "train_accuracy": _accuracy(
-                    _predict(trained, unknown_x), data.train.labels[unknown]
-                ),
                 "untrained_accuracy": _accuracy(
                     _predict(untrained, test_x), test.labels[held_test]
                 ),
-            }.items():
+            }
+            if len(unknown):  # none when every training row it holds was granted
+                values["train_accuracy"] = _accuracy(
+                    _predict(trained, unknown_x), data.train.labels[unknown]
+                )
+            for name, value in values.items():
                 scores.setdefault(name, []).append(value)
         metrics = {name: float(np.mean(values)) for name, values in scores.items()}
         return metrics | {"known": float(len(self._known_rows))}

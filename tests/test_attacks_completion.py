@@ -144,6 +144,18 @@ def test_model_completion_refuses_what_it_cannot_run() -> None:
         run_attack(heads_everywhere, "passive-model-completion")
 
 
+def test_completion_granted_every_training_row_reports_no_train_accuracy() -> None:
+    # wine: 142 training rows, at most 57 of a class; 100 per class grants them all, and an
+    # accuracy over no rows was NaN (written as null, printed as nan)
+    config = TrainConfig(
+        method="standard", dataset="wine", parties=2, method_config=MethodConfig(epochs=1)
+    )
+    attacked = run_attack(config, "passive-model-completion", options={"known": 100})
+    assert attacked.attack["known"] == 142
+    assert "train_accuracy" not in attacked.attack
+    assert 0 <= attacked.attack["accuracy"] <= 1
+
+
 def test_attack_command_runs_model_completion(tmp_path: Path) -> None:
     out = tmp_path / "completion"
     code = main(
