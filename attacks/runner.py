@@ -25,8 +25,10 @@ import hashlib
 import inspect
 import json
 import math
+import re
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -167,6 +169,26 @@ def apply_defense(spec: PrivacySpec, text: str) -> PrivacySpec:
     raise ConfigError(f"a defense in ({known}) expected. Found {text!r}.")
 
 
+@contextmanager
+def _defense_flags(defenses: Sequence[str], base: PrivacySpec) -> Iterator[None]:
+    """A ConfigError raised inside names what it found as the ``--defense`` that gave it, not
+    as train's flag: ``Found --dp-gradients.`` reads ``Found --defense dp-gradients:1:1.``
+    where the mechanism came from ``defenses`` (and not from ``base``)."""
+    try:
+        yield
+    except ConfigError as error:
+        expected, found, tail = str(error).rpartition("Found ")
+        if not found:
+            raise
+        for text in defenses:
+            name = text.partition(":")[0]
+            if name in NOISE_DEFENSES and getattr(base, NOISE_DEFENSES[name]) is None:
+                tail = re.sub(rf"--{name}(?![\w-])", f"--defense {text}", tail)
+        if expected + found + tail == str(error):
+            raise
+        raise ConfigError(expected + found + tail) from None
+
+
 def spec_defenses(spec: PrivacySpec) -> list[str]:
     """The privacy layer's mechanisms that ``spec`` turns on, written as ``--defense`` specs
     (``dp-gradients:1:0.01``, ``secure-agg:masks``): what a run given ``train``'s privacy flags
@@ -300,7 +322,8 @@ def run_attack(
         # nothing to make reproducible in this run (a suite's or a sweep's undefended one)
         spec = replace(spec, insecure_reproducible_noise=False)
     engine = PrivacyEngine(spec)
-    engine.refuse(config)
+    with _defense_flags(defenses, base):
+        engine.refuse(config)
     for hook in hooks:  # a defense refuses, before any work, a run it cannot protect
         if (check := getattr(hook, "check", None)) is not None:
             check(config)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -239,6 +240,24 @@ def test_a_bad_defense_spec_is_refused(defenses: list[str], expected: str) -> No
     with pytest.raises(ConfigError, match=expected):
         for text in defenses:
             spec = apply_defense(spec, text)
+
+
+def test_a_refused_defense_is_named_as_it_was_given() -> None:
+    # it said "Found --dp-gradients", a flag the command was not given
+    config = TrainConfig(method="local", dataset="wine", method_config=MethodConfig(epochs=1))
+    with pytest.raises(ConfigError, match=r"Found --defense dp-gradients:1:0\.5\.$"):
+        run_attack(config, "norm-scoring", defenses=["dp-gradients:1:0.5"])
+    given = PrivacySpec(dp_gradients=(1.0, 0.5))  # train's own flag: named as given
+    with pytest.raises(ConfigError, match=r"Found --dp-gradients\.$"):
+        run_attack(config, "norm-scoring", privacy=given)
+    false_vfl = replace(config, method="false-vfl-1")
+    with pytest.raises(ConfigError, match=r"Found --defense dp-embeddings:2:1, --dp-sgd\.$"):
+        run_attack(
+            false_vfl,
+            "norm-scoring",
+            privacy=PrivacySpec(dp_sgd=(1.0, 1.0)),
+            defenses=["dp-embeddings:2:1"],
+        )
 
 
 def test_defense_specs_map_onto_the_privacy_layer() -> None:
