@@ -117,6 +117,10 @@ class RunSummary:
     """Whether the run resumed a killed one (its time is the resumed part's only)."""
     rmse: float | None = None
     """An imputation run's RMSE over every client's hidden test entries (standardised units)."""
+    settings: tuple[tuple[str, str], ...] = ()
+    """The other settings it was trained with, as ``(flag, value)`` in the flags' words
+    (``("lr", "0.1")``, ``("batch-size", "32")``): a table shows those that differ between
+    its runs."""
 
 
 def summarise(payload: dict[str, Any], *, kind: str = "train") -> RunSummary:
@@ -163,6 +167,7 @@ def summarise(payload: dict[str, Any], *, kind: str = "train") -> RunSummary:
         trained=_trained(config),
         resumed=_object(payload, "checkpoints").get("resumed_from_step") is not None,
         rmse=_rmse(_object(payload, "metrics")),
+        settings=_settings(config),
         **_attack_columns(kind, config, _object(payload, "metrics")),
     )
 
@@ -208,6 +213,43 @@ def _trained(config: dict[str, Any]) -> str:
     if method.get("pretrain_epochs"):
         parts.append(f"pretrained {method['pretrain_epochs']}")
     return ", ".join(parts)
+
+
+# Where a run's configuration keeps its settings, and those that other columns show (the
+# training missingness, epochs, labelled rows and pretraining: `trained`; the seed, the secure
+# sums and the DP release) or that change how it runs, not what it learns.
+_SETTING_GROUPS = ("method_config", "false_vfl", "impute_config")
+_SHOWN_ELSEWHERE = frozenset(
+    {"epochs", "labeled", "pretrain_epochs", "secure_sums", "vectorised", "release"}
+)
+_RUN_SETTINGS = ("parties", "clients", "availability")
+
+
+def _settings(config: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The settings of a run's configuration that no other column shows, as (flag, value)."""
+    found = [(key, config.get(key)) for key in _RUN_SETTINGS if key in config]
+    for group in _SETTING_GROUPS:
+        values = config.get(group)
+        if isinstance(values, dict):
+            found += [(k, v) for k, v in values.items() if k not in _SHOWN_ELSEWHERE]
+    return tuple((key.replace("_", "-"), _setting_text(value)) for key, value in found)
+
+
+def _setting_text(value: Any) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def _differing(summaries: Sequence[RunSummary]) -> list[str]:
+    """The settings (flags) that two of ``summaries`` hold with different values."""
+    values: dict[str, set[str]] = {}
+    for summary in summaries:
+        for flag, value in summary.settings:
+            values.setdefault(flag, set()).add(value)
+    return [flag for flag, seen in values.items() if len(seen) > 1]
 
 
 def _object(mapping: dict[str, Any], key: str, name: str | None = None) -> dict[str, Any]:
@@ -334,18 +376,20 @@ def summarise_run(directory: Path) -> RunSummary:
 
 
 def table(names: list[str], summaries: list[RunSummary]) -> str:
-    """A plain-text table, one line per run: name, method, the dataset, the training settings
-    and the seed where the runs do not all share one, backend, DP, epsilon, accuracy per test
-    missingness (a column each, over all runs), time, and the parties' names where a run names
-    them (runs on the users' own files)."""
+    """A plain-text table, one line per run: name, method, the dataset, the training settings,
+    the seed and the other settings where the runs do not all share them, backend, DP,
+    epsilon, accuracy per test missingness (a column each, over all runs), time, and the
+    parties' names where a run names them (runs on the users' own files)."""
     tests = list(dict.fromkeys(name for s in summaries for name in s.accuracy))
     named = any(s.parties for s in summaries)
     mixed = len({s.dataset for s in summaries}) > 1  # else the accuracies compare like for like
     varied = len({s.trained for s in summaries}) > 1  # training settings, where they differ
     seeded = len({s.seed for s in summaries}) > 1  # a sweep's seeds: else rows look repeated
+    differing = _differing(summaries)  # e.g. lr 0.1 against lr 0.03: else rows look alike
     attacks = any(s.attack for s in summaries)
     header = ["run", "method", *(["dataset"] if mixed else []), *(["trained"] if varied else [])]
     header += ["seed"] if seeded else []
+    header += ["settings"] if differing else []
     header += ["attack", "defense"] if attacks else []
     header += ["backend", "dp", "epsilon"]
     header += [*[f"acc {t}" for t in tests]]
@@ -362,6 +406,9 @@ def table(names: list[str], summaries: list[RunSummary]) -> str:
         row = [name, summary.method, *([summary.dataset] if mixed else [])]
         row += [summary.trained or "-"] if varied else []
         row += ["-" if summary.seed is None else str(summary.seed)] if seeded else []
+        if differing:
+            own = dict(summary.settings)
+            row.append(", ".join(f"{flag} {own[flag]}" for flag in differing if flag in own) or "-")
         row += [summary.attack or "-", summary.defense or "-"] if attacks else []
         row += [summary.backend, summary.dp, epsilon, *accuracy]
         row += ["-" if summary.rmse is None else f"{summary.rmse:.4f}"] if imputed else []

@@ -656,6 +656,40 @@ def test_runs_that_were_trained_differently_say_how() -> None:
     assert "trained" not in table(["a", "b"], [plain, plain]).splitlines()[0]  # alike: no column
 
 
+def test_runs_that_differ_in_a_setting_show_it(tmp_path: Path) -> None:
+    """Runs with another --lr or --batch-size read as the same run in `runs compare`."""
+    from secure_vfl.runs import summarise, summarise_run, table
+
+    base = ["train", "--method", "laser", "--dataset", "iris", "--epochs", "1", "--quiet"]
+    runs = {
+        "a": [],
+        "b": ["--lr", "0.1"],
+        "c": ["--batch-size", "32", "--heads", "active"],
+    }
+    for name, flags in runs.items():
+        assert main([*base, *flags, "--out", str(tmp_path / name)]) == 0
+    summaries = [summarise_run(tmp_path / name) for name in runs]
+    header, *rows = table(list(runs), summaries).splitlines()
+    start = header.index("settings")
+    cells = [row[start : header.index("backend")].strip() for row in rows]
+    assert cells == [
+        "batch-size 128, heads all, lr 0.03",
+        "batch-size 128, heads all, lr 0.1",
+        "batch-size 32, heads active, lr 0.03",
+    ]
+    # alike in every setting: no column; an imputation run's own settings count
+    assert "settings" not in table(["a", "a"], summaries[:1] * 2).splitlines()[0]
+    imputed = [
+        summarise({"config": {"clients": 4, "impute_config": {"lr": lr, "rounds": 3}}})
+        for lr in (0.001, 0.1)
+    ]
+    assert [dict(s.settings) for s in imputed] == [
+        {"clients": "4", "lr": "0.001", "rounds": "3"},
+        {"clients": "4", "lr": "0.1", "rounds": "3"},
+    ]
+    assert "lr 0.1" in table(["x", "y"], imputed).splitlines()[2]
+
+
 def test_a_two_stage_runs_loss_plot_draws_each_stage_as_its_own_curve(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
