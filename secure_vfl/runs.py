@@ -223,15 +223,22 @@ _SHOWN_ELSEWHERE = frozenset(
     {"epochs", "labeled", "pretrain_epochs", "secure_sums", "vectorised", "release"}
 )
 _RUN_SETTINGS = ("parties", "clients", "availability")
+_ONE_METHODS = {"plug_dropout": "plugvfl", "standard_incomplete": "standard"}  # else unused
 
 
 def _settings(config: dict[str, Any]) -> tuple[tuple[str, str], ...]:
-    """The settings of a run's configuration that no other column shows, as (flag, value)."""
+    """The settings of a run's configuration that no other column shows and its method uses,
+    as (flag, value)."""
     found = [(key, config.get(key)) for key in _RUN_SETTINGS if key in config]
+    method = config.get("method")
     for group in _SETTING_GROUPS:
         values = config.get(group)
         if isinstance(values, dict):
-            found += [(k, v) for k, v in values.items() if k not in _SHOWN_ELSEWHERE]
+            found += [
+                (key, value)
+                for key, value in values.items()
+                if key not in _SHOWN_ELSEWHERE and _ONE_METHODS.get(key, method) == method
+            ]
     return tuple((key.replace("_", "-"), _setting_text(value)) for key, value in found)
 
 

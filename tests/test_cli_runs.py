@@ -688,6 +688,13 @@ def test_runs_that_differ_in_a_setting_show_it(tmp_path: Path) -> None:
         {"clients": "4", "lr": "0.1", "rounds": "3"},
     ]
     assert "lr 0.1" in table(["x", "y"], imputed).splitlines()[2]
+    # a setting of one method is not shown for another, which does not use it
+    dropout = {"plug_dropout": 0.5, "standard_incomplete": "random"}
+    plug, laser = (
+        summarise({"config": {"method": method, "method_config": dropout}})
+        for method in ("plugvfl", "laser")
+    )
+    assert dict(plug.settings) == {"plug-dropout": "0.5"} and laser.settings == ()
 
 
 def test_a_two_stage_runs_loss_plot_draws_each_stage_as_its_own_curve(
