@@ -231,6 +231,7 @@ class GradientReplacementBackdoor(Attack):
     metric: ClassVar[str] = "asr"
     passive: ClassVar[bool] = False
     kind: ClassVar[str] = "backdoor"
+    counts: ClassVar[tuple[str, ...]] = ("poisoned_rows", "replaced_gradients", "known_rows")
 
     def __init__(
         self,

@@ -114,6 +114,8 @@ class Attack(ABC):
     kind: ClassVar[str] = "label-inference"
     # the party that plays it unless the user names another
     default_attacker: ClassVar[str] = "party-1"
+    # its metrics that are counts or class labels, not scores (shown as whole numbers)
+    counts: ClassVar[tuple[str, ...]] = ()
 
     def check(self, config: TrainConfig, data: VerticalData, attacker: str) -> None:
         """Raise ConfigError if the attack does not apply to this run."""

@@ -137,6 +137,7 @@ class DirectLabelInference(Attack):
     name: ClassVar[str] = "direct-label-inference"
     role: ClassVar[str | None] = "gradient-observer"
     metric: ClassVar[str] = "accuracy"
+    counts: ClassVar[tuple[str, ...]] = ("rows",)
 
     def check(self, config: TrainConfig, data: VerticalData, attacker: str) -> None:
         super().check(config, data, attacker)
@@ -195,6 +196,7 @@ class _ScoringAttack(Attack):
 
     role: ClassVar[str | None] = "gradient-observer"
     metric: ClassVar[str] = "auc"
+    counts: ClassVar[tuple[str, ...]] = ("batches", "positive_class")
 
     def check(self, config: TrainConfig, data: VerticalData, attacker: str) -> None:
         super().check(config, data, attacker)

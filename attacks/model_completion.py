@@ -199,6 +199,7 @@ class PassiveModelCompletion(Attack):
     name: ClassVar[str] = "passive-model-completion"
     role: ClassVar[str | None] = None  # an honest party of any method: it replaces no role
     metric: ClassVar[str] = "accuracy"
+    counts: ClassVar[tuple[str, ...]] = ("known",)
 
     def __init__(self, known: int = 4, settings: Completion | None = None) -> None:
         if known < 1:

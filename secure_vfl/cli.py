@@ -1604,6 +1604,8 @@ def _results_store(args: argparse.Namespace, out: Path) -> Any:
 
 
 def _summary(result: Any, out: Path, payload: dict[str, Any]) -> str:
+    from secure_vfl import runs
+
     labeled = result.config["method_config"]["labeled"]
     labeled_text = f", {labeled} labelled" if labeled is not None else ""
     if result.config.get("aligned_labeled"):
@@ -1612,10 +1614,11 @@ def _summary(result: Any, out: Path, payload: dict[str, Any]) -> str:
         f"{result.method} on {result.dataset} (train {result.config['train_missing']}, "
         f"{result.samples['train']} training samples{labeled_text}) in "
         f"{result.wall_time_s:.1f} s",
-        f"{'test missingness':<20}{'accuracy %':>12}{'F1 x100':>10}",
     ]
+    table = [["test missingness", "accuracy %", "F1 x100"]]
     for name, values in result.metrics.items():
-        lines.append(f"{name:<20}{values['accuracy']:>12.2f}{values['f1']:>10.2f}")
+        table.append([name, f"{values['accuracy']:.2f}", f"{values['f1']:.2f}"])
+    lines += runs.columns(table, right=(1, 2))  # a long missingness name widens its column
     if payload.get("classes"):
         mapping = ", ".join(f"{index} = {value}" for index, value in payload["classes"].items())
         lines.append(f"classes (index = label value): {mapping}")
@@ -2398,6 +2401,7 @@ def _attack_entry(
     training = payload["training"]
     config = {**training["config"], "defense": defense, "control": bool(payload.get("control"))}
     config["options"] = payload.get("options") or {}  # the attack's non-default parameters
+    config["attacker"] = payload.get("attacker")
     if privacy is not None:
         config["privacy"] = privacy
     score = {key: payload[key] for key in ("performance", "chance", "dcs_chance")}
@@ -2406,17 +2410,24 @@ def _attack_entry(
 
 
 def _attack_summary(result: Any, out: Path) -> str:
+    from attacks import ATTACKS
+
+    counts = getattr(ATTACKS.get(result.attack_name), "counts", ())
     defenses = ", ".join(result.defenses) or "none"
+    width = max([13, *(len(metric) for metric in result.attack)])
     lines = [
         f"{result.attack_name} by {result.attacker}"
         f"{' (negative control)' if result.control else ''}; defenses: {defenses}",
-        f"main accuracy        {100 * result.main['accuracy']:.2f} % "
+        f"{'main accuracy':<{width + 7}} {100 * result.main['accuracy']:.2f} % "
         f"(undefended {100 * result.undefended_accuracy:.2f} %)",
     ]
     for metric, value in result.attack.items():
-        lines.append(f"attack {metric:<13} {value:.4f}")
-    lines.append(f"attack performance   {result.performance:.4f} (AP, what the DCS scores)")
-    lines.append(f"chance level         {result.chance:.4f}")
+        shown = f"{value:.0f}" if metric in counts else f"{value:.4f}"
+        lines.append(f"attack {metric:<{width}} {shown}")
+    lines.append(
+        f"{'attack performance':<{width + 7}} {result.performance:.4f} (AP, what the DCS scores)"
+    )
+    lines.append(f"{'chance level':<{width + 7}} {result.chance:.4f}")
     lines.append(f"DCS {result.dcs:.4f}   DCS (AP* = chance) {result.dcs_chance:.4f}")
     if result.privacy is not None:
         lines.extend(_privacy_lines(result.privacy))
@@ -3080,17 +3091,25 @@ def run_runs(args: argparse.Namespace) -> int:
     if not rows:
         print(f"{args.store}: no runs.")
         return 0
-    names = [f"{row['id']} {row['kind']} {_stored_run_name(row['out_dir'])}" for row in rows]
-    summaries = [
-        # the row's columns were summarised from the whole result (noise after calibration)
-        dataclasses.replace(
-            summarise(row, kind=row["kind"]),
-            backend=row["backend"],
-            dp=row["dp"],
-            epsilon=row["epsilon_max"],
-        )
-        for row in rows
+    folder = args.store.absolute().parent
+    names = [
+        f"{row['id']} {row['kind']} {_stored_run_name(row['out_dir'], folder)}" for row in rows
     ]
+    summaries = []
+    for row in rows:
+        try:
+            summary = summarise(row, kind=row["kind"])
+        except ConfigError as error:
+            raise ConfigError(
+                f"--store {args.store}: run {row['id']}: {error} Expected a results store "
+                "written by secure-vfl."
+            ) from None
+        # the row's columns were summarised from the whole result (noise after calibration)
+        summaries.append(
+            dataclasses.replace(
+                summary, backend=row["backend"], dp=row["dp"], epsilon=row["epsilon_max"]
+            )
+        )
     print(table(names, summaries))
     return 0
 
@@ -3109,16 +3128,20 @@ def run_capture(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stored_run_name(out_dir: str | None) -> str:
-    """A stored run's directory as ``runs list`` names it: its last part, ``(gone)`` after it
-    where the directory no longer exists (``runs remove`` takes such runs out)."""
+def _stored_run_name(out_dir: str | None, folder: Path) -> str:
+    """A stored run's directory as ``runs list`` names it: its path from ``folder`` (the
+    store's) where it lies inside it, else its last part; ``(gone)`` after it where the
+    directory no longer exists (``runs remove`` takes such runs out)."""
     if out_dir is None:
         return "-"
     try:
         gone = not Path(out_dir).exists()
     except OSError:  # a path this system refuses now: it cannot be read either
         gone = True
-    return f"{Path(out_dir).name}{' (gone)' if gone else ''}"
+    path = Path(out_dir)
+    inside = path.is_relative_to(folder) and path != folder
+    name = str(path.relative_to(folder)) if inside else path.name
+    return f"{name}{' (gone)' if gone else ''}"
 
 
 def run_datasets(args: argparse.Namespace) -> int:

@@ -142,6 +142,7 @@ def summarise(payload: dict[str, Any], *, kind: str = "train") -> RunSummary:
             "defense": ", ".join(defenses),
             "control": payload.get("control") is True,
             "options": payload.get("options") or {},
+            "attacker": payload.get("attacker"),
         }
         return summarise(training, kind=f"attack:{payload.get('attack_name', '?')}")
     config = _object(payload, "config")
@@ -153,12 +154,14 @@ def summarise(payload: dict[str, Any], *, kind: str = "train") -> RunSummary:
     wall_time_s = payload.get("wall_time_s")
     if wall_time_s is not None and not _is_number(wall_time_s):
         raise ConfigError(f"wall_time_s: a number expected, found {wall_time_s!r:.40}.")
+    method = str(payload.get("method", config.get("method", "?")))
+    dp = _dp(config, settings, report)
     return RunSummary(
         kind=kind,
-        method=str(payload.get("method", config.get("method", "?"))),
+        method=method,
         dataset=str(payload.get("dataset", "?")),
         backend=_backend(config, settings, _object(payload, "traffic")),
-        dp=_dp(config, settings, report),
+        dp=dp,
         epsilon=max(epsilon.values()) if epsilon else None,
         accuracy=_accuracy(_object(payload, "metrics")),
         wall_time_s=wall_time_s,
@@ -167,7 +170,7 @@ def summarise(payload: dict[str, Any], *, kind: str = "train") -> RunSummary:
         trained=_trained(config),
         resumed=_object(payload, "checkpoints").get("resumed_from_step") is not None,
         rmse=_rmse(_object(payload, "metrics")),
-        settings=_settings(config),
+        settings=_settings(config, method, dp=dp != "none"),
         **_attack_columns(kind, config, _object(payload, "metrics")),
     )
 
@@ -222,31 +225,65 @@ _SETTING_GROUPS = ("method_config", "false_vfl", "impute_config")
 _SHOWN_ELSEWHERE = frozenset(
     {"epochs", "labeled", "pretrain_epochs", "secure_sums", "vectorised", "release"}
 )
-_RUN_SETTINGS = ("parties", "clients", "availability")
-_ONE_METHODS = {"plug_dropout": "plugvfl", "standard_incomplete": "standard"}  # else unused
+_RUN_SETTINGS = ("parties", "clients", "availability", "attacker")
+_OWN_FILE_SETTINGS = ("align", "test_file", "test_fraction", "missing_cells")
+_DP_SETTINGS = {"delta": "delta", "adjacency": "dp-adjacency"}  # in config.privacy: its flag
+# Which methods use a setting that not every method uses; a run of another method records its
+# default, as the commands refuse another value (tests/test_cli_runs.py checks these lists
+# against the methods' own).
+MEAN_FUSION_METHODS = ("laser", "local", "ensemble")  # top_model
+TRAINED_IMPUTERS = ("dae", "fed-dae", "fedhf")  # every setting of impute_config
 
 
-def _settings(config: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+def _uses(method: str, key: str) -> bool:
+    """Whether a run of ``method`` uses its configuration's setting ``key``."""
+    if key == "plug_dropout":
+        return method == "plugvfl"
+    if key == "standard_incomplete":
+        return method == "standard"
+    if key == "top_model":
+        return method in MEAN_FUSION_METHODS
+    if key in ("lr", "momentum", "representation_dim"):  # FALSE-VFL: its own Adam and latents
+        return not method.startswith("false-vfl")
+    return True
+
+
+def _settings(config: dict[str, Any], method: str, *, dp: bool) -> tuple[tuple[str, str], ...]:
     """The settings of a run's configuration that no other column shows and its method uses,
-    as (flag, value)."""
-    found = [(key, config.get(key)) for key in _RUN_SETTINGS if key in config]
-    method = config.get("method")
+    as (flag, value): those of its own files where it ran on some, and the DP accounting's
+    where a DP mechanism ran."""
+    found = [(key, config[key]) for key in _RUN_SETTINGS if config.get(key) is not None]
+    if config.get("party_files"):
+        found += [(key, config.get(key)) for key in _OWN_FILE_SETTINGS]
     for group in _SETTING_GROUPS:
         values = config.get(group)
-        if isinstance(values, dict):
-            found += [
-                (key, value)
-                for key, value in values.items()
-                if key not in _SHOWN_ELSEWHERE and _ONE_METHODS.get(key, method) == method
-            ]
-    return tuple((key.replace("_", "-"), _setting_text(value)) for key, value in found)
+        if not isinstance(values, dict):
+            continue
+        if group == "impute_config" and method not in TRAINED_IMPUTERS:
+            continue
+        found += [
+            (key, value)
+            for key, value in values.items()
+            if key not in _SHOWN_ELSEWHERE and _uses(method, key)
+        ]
+    shown = [(key.replace("_", "-"), _setting_text(value)) for key, value in found]
+    privacy = config.get("privacy")
+    if dp and isinstance(privacy, dict):
+        shown += [
+            (flag, _setting_text(privacy[key]))
+            for key, flag in _DP_SETTINGS.items()
+            if key in privacy
+        ]
+    return tuple(shown)
 
 
 def _setting_text(value: Any) -> str:
+    """A setting's value as its flag takes it: a float in the fewest digits that read back as
+    it (0.1 and 0.1000004 differ), None as ``none``."""
     if value is None:
         return "none"
     if isinstance(value, float):
-        return f"{value:g}"
+        return repr(value)
     return str(value)
 
 
@@ -402,7 +439,7 @@ def table(names: list[str], summaries: list[RunSummary]) -> str:
     header += [*[f"acc {t}" for t in tests]]
     imputed = any(s.rmse is not None for s in summaries)
     header += ["RMSE"] if imputed else []
-    header += ["AP", "chance", "DCS"] if attacks else []
+    header += ["AP", "chance", "DCS vs chance"] if attacks else []
     header += ["time s"]
     rows = [header + (["parties"] if named else [])]
     for name, summary in zip(names, summaries, strict=True):

@@ -6,6 +6,7 @@ reports, and it refuses to run where it cannot see what it filters."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -247,7 +248,9 @@ def test_an_attack_option_given_twice_is_refused(
     assert list(tmp_path.iterdir()) == []
 
 
-def test_attack_command_writes_asr_and_clean_accuracy(tmp_path: Path) -> None:
+def test_attack_command_writes_asr_and_clean_accuracy(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "run"
     code = main(
         [
@@ -279,3 +282,11 @@ def test_attack_command_writes_asr_and_clean_accuracy(tmp_path: Path) -> None:
     assert result["attack"]["clean_accuracy"] == result["main"]["accuracy"]
     assert result["defense_reports"]["norm-filter:4"]["party-1"]["train"]["seen"] > 0
     assert GradientReplacementBackdoor().metric == "asr"
+    # its summary: counts as whole numbers, values in one column however long a metric's name
+    lines = capsys.readouterr().out.splitlines()
+    metrics = [line for line in lines if line.startswith(("attack ", "main accuracy", "chance"))]
+    starts = {re.match(r"(attack \S+|main accuracy|chance level) +", m).end() for m in metrics}
+    assert len(metrics) >= 8 and len(starts) == 1
+    poisoned = next(line for line in metrics if line.startswith("attack poisoned_rows"))
+    assert re.fullmatch(r"attack poisoned_rows +\d+", poisoned)
+    assert re.fullmatch(r"attack asr +\d\.\d{4}", next(m for m in metrics if " asr " in m))

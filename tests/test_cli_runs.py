@@ -617,7 +617,7 @@ def test_attack_runs_show_their_attack_defense_and_score() -> None:
     header, *rows = table(["a", "b", "c", "d"], [plain, marvell, control, stored]).splitlines()
     assert header.split() == [
         *["run", "method", "attack", "defense", "backend", "dp", "epsilon", "acc", "main"],
-        *["AP", "chance", "DCS", "time", "s"],
+        *["AP", "chance", "DCS", "vs", "chance", "time", "s"],
     ]
     assert rows[1].split()[3:4] == ["marvell:4"]
     assert rows[1].split()[-4:-1] == ["0.550", "0.500", "0.750"]
@@ -680,7 +680,9 @@ def test_runs_that_differ_in_a_setting_show_it(tmp_path: Path) -> None:
     # alike in every setting: no column; an imputation run's own settings count
     assert "settings" not in table(["a", "a"], summaries[:1] * 2).splitlines()[0]
     imputed = [
-        summarise({"config": {"clients": 4, "impute_config": {"lr": lr, "rounds": 3}}})
+        summarise(
+            {"config": {"method": "fedhf", "clients": 4, "impute_config": {"lr": lr, "rounds": 3}}}
+        )
         for lr in (0.001, 0.1)
     ]
     assert [dict(s.settings) for s in imputed] == [
@@ -695,6 +697,115 @@ def test_runs_that_differ_in_a_setting_show_it(tmp_path: Path) -> None:
         for method in ("plugvfl", "laser")
     )
     assert dict(plug.settings) == {"plug-dropout": "0.5"} and laser.settings == ()
+    # nor one the method keeps at its default: FALSE-VFL's lr, a mean imputer's rounds
+    split = {"lr": 0.03, "representation_dim": 128, "top_model": "linear", "batch_size": 64}
+    false_vfl = summarise({"config": {"method": "false-vfl-1", "method_config": split}})
+    assert dict(false_vfl.settings) == {"batch-size": "64"}
+    mean = summarise({"config": {"method": "mean", "impute_config": {"rounds": 30}}})
+    assert mean.settings == ()
+    # 0.1 and 0.1000004 are different rates
+    assert _lr_cells([0.1, 0.1000004]) == ["lr 0.1", "lr 0.1000004"]
+
+
+def _lr_cells(rates: list[float]) -> list[str]:
+    from secure_vfl.runs import summarise, table
+
+    summaries = [
+        summarise({"config": {"method": "laser", "method_config": {"lr": lr}}}) for lr in rates
+    ]
+    header, *rows = table([str(i) for i in range(len(rates))], summaries).splitlines()
+    start, end = header.index("settings"), header.index("backend")
+    return [row[start:end].strip() for row in rows]
+
+
+def test_runs_show_the_settings_behind_their_test_rows_epsilon_and_attacker() -> None:
+    """Runs that differed in --test-fraction, --delta, --dp-adjacency or --attacker looked
+    alike: their accuracies, epsilons or attack scores read as like for like."""
+    from secure_vfl.runs import summarise
+
+    own = {"method": "laser", "party_files": ["a.csv", "b.csv"], "test_fraction": 0.5}
+    assert dict(summarise({"config": own}).settings)["test-fraction"] == "0.5"
+    dataset = {"method": "laser", "test_fraction": None, "missing_cells": "mean-indicator"}
+    assert summarise({"config": dataset}).settings == ()  # a dataset's own split
+    privacy = {"delta": 1e-7, "adjacency": "add-remove", "dp_gradients": [1.0, 0.01]}
+    noised = summarise({"config": {"method": "laser", "privacy": privacy}})
+    assert dict(noised.settings) == {"delta": "1e-07", "dp-adjacency": "add-remove"}
+    plain = summarise({"config": {"method": "laser", "privacy": {**privacy, "dp_gradients": None}}})
+    assert plain.settings == ()  # nothing was priced
+    result = {
+        "attack_name": "norm-scoring",
+        "attacker": "party-2",
+        "training": {"config": {"method": "standard"}},
+    }
+    assert dict(summarise(result).settings) == {"attacker": "party-2"}
+
+
+def test_the_train_summary_keeps_its_columns_for_a_long_missingness_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    long = "mcar:0.1,0.2,0.3,0.45"  # 21 characters: it ran into the accuracy column
+    argv = ["train", "--method", "laser", "--dataset", "iris", "--epochs", "1", "--quiet"]
+    assert main([*argv, "--missing-test", long, "--out", str(tmp_path / "r")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("test missingness"))
+    header, row = lines[start], lines[start + 1]
+    assert row.startswith(long + " ") and len(row) == len(header)  # numbers aligned right
+
+
+def test_a_damaged_stored_run_is_named_with_its_store_and_id(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["train", "--method", "laser", "--dataset", "iris", "--epochs", "1", "--quiet"]
+    assert main([*argv, "--out", str(tmp_path / "r")]) == 0
+    store = tmp_path / "results.sqlite"
+    with sqlite3.connect(store) as connection:
+        connection.execute("UPDATE runs SET config = json_set(config, '$.privacy', 5)")
+    capsys.readouterr()
+    assert main(["runs", "list", "--store", str(store)]) == 2
+    error = capsys.readouterr().err  # it named neither the store nor the run
+    assert f"--store {store}: run 1: config.privacy: an object expected" in error
+
+
+def test_runs_list_names_a_run_by_its_path_from_the_store(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two runs named `run` in different folders of one store read as the same name."""
+    argv = ["train", "--method", "laser", "--dataset", "iris", "--epochs", "1", "--quiet"]
+    store = tmp_path / "results.sqlite"
+    for folder in ("x", "y"):
+        out = tmp_path / folder / "run"
+        assert main([*argv, "--out", str(out), "--store", str(store)]) == 0
+    capsys.readouterr()
+    assert main(["runs", "list", "--store", str(store)]) == 0
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert [row.split()[:3] for row in rows] == [
+        ["1", "train", str(Path("x", "run"))],
+        ["2", "train", str(Path("y", "run"))],
+    ]
+
+
+def test_the_runs_tables_lists_of_methods_are_the_methods_own() -> None:
+    from secure_vfl.experiment import TrainConfig, build_method, prepare_data
+    from secure_vfl.methods import METHODS, MethodConfig
+    from secure_vfl.methods.imputation.fedhf import RECONSTRUCTIONS
+    from secure_vfl.runs import MEAN_FUSION_METHODS, TRAINED_IMPUTERS
+
+    assert set(TRAINED_IMPUTERS) == set(RECONSTRUCTIONS.names())
+    taking = set()
+    for name in METHODS.names():
+        config = TrainConfig(
+            method=name,
+            dataset="iris",
+            parties=2,
+            method_config=MethodConfig(epochs=1, top_model="none", representation_dim=3),
+        )
+        try:
+            build_method(config, prepare_data(config))
+        except ConfigError as error:
+            assert "top_model" in str(error)
+        else:
+            taking.add(name)
+    assert taking == set(MEAN_FUSION_METHODS)
 
 
 def test_a_two_stage_runs_loss_plot_draws_each_stage_as_its_own_curve(
