@@ -123,6 +123,18 @@ def file_kind(path: Path) -> str:
     return "something that is not a regular file"
 
 
+def shown(value: object) -> str:
+    """``repr(value)``, cut short: a file or a peer chooses the names that errors quote."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
+
+
+def shown_names(names: Sequence[object], limit: int = 10) -> str:
+    """The first ``limit`` of ``names`` as a list, each :func:`shown`, and how many more."""
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return f"[{', '.join(shown(name) for name in names[:limit])}]{more}"
+
+
 def _shortened(text: str) -> str:
     """``text``, cut short past 120 characters (a path as long as the system refuses)."""
     return text if len(text) <= 120 else f"{text[:80]}... ({len(text)} characters)"

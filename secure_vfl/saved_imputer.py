@@ -47,6 +47,7 @@ from secure_vfl.io import (
     check_keys,
     parse_json,
     replace_directory,
+    shown_names,
 )
 from secure_vfl.methods.imputation import ImputeConfig
 from secure_vfl.methods.imputation.fedhf import RECONSTRUCTIONS
@@ -483,16 +484,18 @@ class SavedImputer:
         id column and label column, if any, and some of its feature columns, in any order)."""
         entry = self.manifest.client(client)
         part = self.part(client)
-        source = read_client_file(Path(path), id_column=id_column, label_column=label_column)
+        source = read_client_file(
+            Path(path), id_column=id_column, label_column=label_column, schema=entry.columns
+        )
         columns = [str(c) for c in source.features.columns]
         unknown = [c for c in columns if c not in entry.columns]
         if unknown:
             raise DataError(
                 f"{path}: feature columns of client {client} expected ({', '.join(entry.columns)}"
                 f"; the id column is `{id_column}`, the label column `{label_column}`), found "
-                f"{', '.join(map(repr, unknown))}."
+                f"{shown_names(unknown)}."
             )
-        rows = client_from_frame(client, source.features, self.manifest.features)
+        rows = client_from_frame(client, source.features, self.manifest.features, where=str(path))
         filled = part.impute(rows)
         empty = ~rows.observed & rows.available[None, :]
         table = source.imputed_frame(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import bz2
 import lzma
 import subprocess
+import warnings
 import zlib
 from pathlib import Path
 
@@ -235,7 +236,7 @@ def test_client_split_is_seeded_and_random(tmp_path):
 
 
 def test_client_from_frame_refuses_unknown_columns():
-    frame = pd.DataFrame({"id": ["a"], "x": [1.0], "w": [2.0]})
+    frame = pd.DataFrame({"x": [1.0], "w": [2.0]})  # feature columns only
     with pytest.raises(DataError, match=r"among the 2 global features. Found unknown \['w'\]"):
         client_from_frame("c", frame, ["x", "y"])
 
@@ -301,6 +302,53 @@ def test_client_files_with_an_empty_or_repeated_id_or_a_column_nobody_observed_a
         read_client_files([unobserved, other])
     features, _ = read_client_files([other])
     assert features == ("bp", "chol")
+
+
+def test_a_parquet_column_of_nulls_is_missing_and_one_of_numbers_as_text_is_named(tmp_path):
+    """Both ended in an IndexError traceback: no cell of the column was text."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    nulls, other = tmp_path / "n0.parquet", tmp_path / "n1.parquet"
+    pq.write_table(
+        pa.table({"id": ["a", "b"], "x": [1.0, None], "y": [2.0, 2.5], "z": pa.nulls(2)}), nulls
+    )
+    pq.write_table(
+        pa.table({"id": ["d", "e"], "x": [1.5, 2.0], "y": [1.0, 2.0], "z": [1.0, 3.0]}), other
+    )
+    features, clients = read_client_files([nulls, other])
+    assert features == ("x", "y", "z")
+    assert np.isnan(clients[0].values[:, 2]).all() and clients[0].available[2]
+    text = tmp_path / "t0.parquet"
+    pq.write_table(pa.table({"x": ["1.5", None, "3"], "y": [1.0, 2.0, 3.0]}), text)
+    with pytest.raises(DataError, match=r"\('x' is stored as text, each cell a number: store it"):
+        read_client_files([text])
+
+
+def test_a_feature_named_id_is_a_feature_when_the_ids_are_named_otherwise(tmp_path):
+    """It was dropped as if it held ids, then refused as a feature no file has values of."""
+    first, second = tmp_path / "s0.csv", tmp_path / "s1.csv"
+    first.write_text("patient,id,a,b\np1,1,1.0,\np2,2,,2.0\np3,3,3.0,3.0\n")
+    second.write_text("patient,a,b\nq1,1.5,\nq2,,2.5\nq3,3.5,1.0\n")
+    features, clients = read_client_files([first, second], id_column="patient")
+    assert features == ("id", "a", "b")
+    assert clients[0].values[:, 0].tolist() == [1.0, 2.0, 3.0]
+
+
+def test_a_csv_column_is_typed_as_a_whole_however_long_the_file(tmp_path):
+    """pandas typed each chunk of rows alone: '001' became 1 in the first 262,144 rows and
+    stayed '001' after, two categories of one value (and a pandas warning leaked)."""
+    from secure_vfl.data.party_files import read_table
+
+    rows = 300_000
+    codes = np.where(np.arange(rows) % 2, "001", "002").astype(object)
+    codes[-10:] = "A1"
+    path = tmp_path / "a.csv"
+    pd.DataFrame({"id": np.arange(rows), "seg": codes, "x": 1.0}).to_csv(path, index=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        frame = read_table(path, what="party file", id_column="id")
+    assert sorted(set(frame["seg"])) == ["001", "002", "A1"]
 
 
 def test_a_given_id_column_a_client_file_lacks_is_refused_naming_its_columns(tmp_path):

@@ -302,6 +302,22 @@ def test_a_file_of_thousands_of_other_columns_is_refused_in_a_short_line() -> No
     message = str(refused.value)
     assert "missing ['city', 'income'] and unexpected ['c0', 'c1'," in message
     assert "'c9'] and 9990 more." in message and len(message) < 400
+    # one name as long as a file allows is cut short: it was repeated whole (a 20 KB line)
+    with pytest.raises(DataError) as refused:
+        fitted.check_columns(["age", "w" * 20_000], "long.csv")
+    assert "(20002 characters)" in str(refused.value) and len(str(refused.value)) < 400
+
+
+def test_a_text_column_whose_cells_are_all_numbers_says_so() -> None:
+    """A Parquet column of numbers stored as text was one-hot encoded without a word."""
+    rng = np.random.default_rng(0)
+    stored = pd.DataFrame({"radius": [str(v) for v in rng.integers(10, 30, 200)]})
+    with pytest.warns(RunWarning, match=r"'radius' is one-hot encoded as \d+ categories; each"):
+        PartyPreprocessing.fit(stored, where="bank.parquet")
+    many = pd.DataFrame({"radius": [f"{v:.2f}" for v in rng.normal(20, 3, 300)]})
+    with pytest.raises(DataError, match="each of its cells is a number stored as text") as e:
+        PartyPreprocessing.fit(many, where="bank.parquet")
+    assert "free text" not in str(e.value)
 
 
 @pytest.mark.parametrize(

@@ -142,6 +142,26 @@ def test_fill_reads_the_id_and_label_columns_the_imputer_was_trained_with(
     capsys.readouterr()
     err = fill_error([*fill, "--out", str(tmp_path / "other"), "--id-column", "id"], capsys)
     assert "if 'patient' holds the ids, give --id-column patient" in err
+    # The ids are optional (the docs say so): it was refused for lacking `patient`.
+    bare = tmp_path / "bare" / "site0.csv"
+    bare.parent.mkdir()
+    pd.read_csv(tmp_path / "site0.csv").drop(columns=["patient"]).to_csv(bare, index=False)
+    assert (
+        main(
+            [
+                "fill",
+                "--model",
+                str(tmp_path / "run"),
+                "--client-file",
+                str(bare),
+                "--out",
+                str(tmp_path / "bare-out"),
+            ]
+        )
+        == 0
+    )
+    filled = pd.read_csv(tmp_path / "bare-out" / "site0.csv")
+    assert list(filled.columns) == ["x0", "x1", "x2", "x3", "outcome"]
 
 
 def test_a_client_that_keeps_only_its_own_part_fills_alone(tmp_path: Path) -> None:
@@ -221,6 +241,21 @@ def test_fill_refuses_what_it_cannot_fill_in_one_line(
         capsys,
     )
     assert "'x4'" in err and not (tmp_path / "out2").exists()
+    # An infinite value is named with its file (a client may fill several): it named the client.
+    infinite = tmp_path / "inf" / "site0.csv"
+    infinite.parent.mkdir()
+    frame = pd.read_csv(site0)
+    frame.loc[0, "x1"] = np.inf
+    frame.to_csv(infinite, index=False)
+    base = ["fill", "--model", str(run), "--out", str(tmp_path / "out3")]
+    err = fill_error([*base, "--client-file", str(infinite)], capsys)
+    assert f"{infinite}: values must be finite or missing" in err and "'x1'" in err
+    # A column name as long as a file allows is cut short in the error.
+    long = tmp_path / "long" / "site0.csv"
+    long.parent.mkdir()
+    pd.read_csv(site0).assign(**{"w" * 20_000: 1.0}).to_csv(long, index=False)
+    err = fill_error([*base, "--client-file", str(long)], capsys)
+    assert "(20002 characters)" in err and len(err) < 1000
 
 
 def test_fill_and_predict_each_refuse_the_others_model(

@@ -44,6 +44,7 @@ from secure_vfl.data.party_files import (
     read_table,
 )
 from secure_vfl.errors import ConfigError, DataError, RunWarning
+from secure_vfl.io import shown, shown_names
 from secure_vfl.registry import Registry
 
 BOOLEAN_CELLS, WHOLE_CELLS, REAL_CELLS = "boolean", "whole", "real"
@@ -279,12 +280,21 @@ def _check_feature_count(count: int, where: str) -> None:
 
 def _check_numeric(frame: pd.DataFrame, where: str, *, id_column: str | None = None) -> None:
     """Refuse non-numeric columns, naming them and the first text cell of the first;
-    ``id_column``: the id column's name, which the file lacks (one of them may be its ids)."""
+    ``id_column``: the id column's name, which the file lacks (one of them may be its ids). A
+    column without a value (a Parquet column of nulls) is read as numbers, all missing, in
+    ``frame``."""
+    for name in frame.columns:
+        if not pd.api.types.is_numeric_dtype(frame[name]) and frame[name].isna().all():
+            frame[name] = frame[name].astype(np.float64)
     bad = [str(c) for c in frame.columns if not pd.api.types.is_numeric_dtype(frame[c])]
     if bad:
         column = frame[bad[0]]
         text = column[column.notna() & pd.to_numeric(column, errors="coerce").isna()]
-        first = f" ({bad[0]!r} holds {str(text.iloc[0])!r} at data row {text.index[0] + 1})"
+        if len(text):
+            first = f" ({shown(bad[0])} holds {shown(str(text.iloc[0]))} at data row "
+            first += f"{text.index[0] + 1})"
+        else:  # a Parquet text column whose every cell is a number
+            first = f" ({shown(bad[0])} is stored as text, each cell a number: store it as numbers)"
         hint = (
             f"; the file has no id column `{id_column}`: if {bad[0]!r} holds the ids, give "
             f"--id-column {bad[0]}"
@@ -293,7 +303,7 @@ def _check_numeric(frame: pd.DataFrame, where: str, *, id_column: str | None = N
         )
         raise DataError(
             f"{where}: feature columns must be numeric. Found non-numeric "
-            f"{bad}{first if len(text) else ''} (an empty cell is a missing value){hint}."
+            f"{shown_names(bad)}{first} (an empty cell is a missing value){hint}."
         )
 
 
@@ -306,7 +316,7 @@ def _as_float32(frame: pd.DataFrame, where: str) -> np.ndarray:
         column = frame.columns[int(np.flatnonzero(too_large.any(axis=0))[0])]
         raise DataError(
             f"{where}: values must be finite or missing. Found {int(too_large.sum())} infinite "
-            f"or beyond float32, e.g. in column {str(column)!r}."
+            f"or beyond float32, e.g. in column {shown(str(column))}."
         )
     return wide.astype(np.float32)
 
@@ -449,25 +459,28 @@ def hide_entries(
     return ClientData(client.name, values, client.available.copy()), hidden
 
 
-def client_from_frame(name: str, frame: pd.DataFrame, features: Sequence[str]) -> ClientData:
-    """Place one client's table into the global ``features``: its columns are its schema.
+def client_from_frame(
+    name: str, frame: pd.DataFrame, features: Sequence[str], *, where: str | None = None
+) -> ClientData:
+    """Place one client's table of feature columns into the global ``features``: its columns
+    are its schema.
 
     A feature absent from ``frame`` is unavailable at this client; NaN inside a present column is
-    missing. An ``id`` column is ignored; a column that is not one of ``features`` is refused.
-    """
-    frame = frame.drop(columns=[c for c in frame.columns if str(c) == ID_COLUMN])
+    missing. A column that is not one of ``features`` is refused. ``where`` names the table in
+    errors (default: the client)."""
+    where = where if where is not None else f"client {name!r}"
     columns = [str(c) for c in frame.columns]
     index = {feature: position for position, feature in enumerate(features)}
     unknown = [c for c in columns if c not in index]
     if unknown:
         raise DataError(
-            f"client {name!r}: columns must be among the {len(index)} global features. "
-            f"Found unknown {unknown}."
+            f"{where}: columns must be among the {len(index)} global features. "
+            f"Found unknown {shown_names(unknown)}."
         )
-    _check_numeric(frame, f"client {name!r}")
+    _check_numeric(frame, where)
     values = np.full((len(frame), len(index)), np.nan, dtype=np.float32)
     positions = [index[c] for c in columns]
-    values[:, positions] = _as_float32(frame, f"client {name!r}")
+    values[:, positions] = _as_float32(frame, where)
     available = np.zeros(len(index), dtype=bool)
     available[positions] = True
     return ClientData(name, values, available)
@@ -526,14 +539,17 @@ class _ClientSource:
     booleans: tuple[str, ...]  # feature columns that were True/False
 
 
-def _read_client_frame(path: Path, id_column: str, label_column: str) -> _ClientSource:
+def _read_client_frame(
+    path: Path, id_column: str, label_column: str, *, schema: Sequence[str] | None = None
+) -> _ClientSource:
     """Read one client's CSV or Parquet file; refuse unreadable, empty or non-numeric files.
     The id column (read as text) and the label column are not features. Under the default
     name ``id`` the id column may be absent (imputation needs no ids); another name was given
     on purpose, so a file without that column is refused (its own id column would otherwise be
-    imputed as a feature)."""
+    imputed as a feature), unless the file is read against a saved ``schema`` (its feature
+    columns), which refuses any other column by name."""
     frame = read_table(path, what="client file", id_column=id_column, literal=[label_column])
-    if id_column != ID_COLUMN and id_column not in frame.columns:
+    if id_column != ID_COLUMN and id_column not in frame.columns and schema is None:
         raise DataError(
             f"{path} must have an id column `{id_column}` (--id-column). Found columns: "
             f"{list(frame.columns)}."
@@ -609,7 +625,10 @@ def _read_client_sources(
     names = tuple(features)
     warn_alike_features({stem: list(source.features.columns) for stem, source in sources.items()})
     _check_feature_count(len(names), f"the client files together ({', '.join(map(str, paths))})")
-    clients = [client_from_frame(stem, source.features, names) for stem, source in sources.items()]
+    clients = [
+        client_from_frame(stem, source.features, names, where=str(source.path))
+        for stem, source in sources.items()
+    ]
     observed = np.zeros(len(names), dtype=bool)
     for client in clients:
         observed |= ~np.isnan(client.values).all(axis=0)
@@ -640,11 +659,17 @@ def make_task_from_client_files(
 
 
 def read_client_file(
-    path: Path, *, id_column: str = ID_COLUMN, label_column: str = LABEL_COLUMN
+    path: Path,
+    *,
+    id_column: str = ID_COLUMN,
+    label_column: str = LABEL_COLUMN,
+    schema: Sequence[str] | None = None,
 ) -> ClientFile:
     """One client file as read (its features, ids and the columns around them), every row
-    to be filled: what a saved imputer fills (:meth:`ClientFile.imputed_frame`)."""
-    source = _read_client_frame(Path(path), id_column, label_column)
+    to be filled: what a saved imputer fills (:meth:`ClientFile.imputed_frame`). With the
+    client's saved ``schema`` the file may lack the id column whatever its name (a column
+    outside the schema is the caller's to refuse)."""
+    source = _read_client_frame(Path(path), id_column, label_column, schema=schema)
     return _client_file(source, np.zeros(len(source.features), dtype=bool))
 
 
@@ -677,7 +702,7 @@ def split_client_file(
     _check_test_fraction(test_fraction)
     _check_feature_count(len(features), "the federation's features")
     source = _read_client_frame(Path(path), id_column, label_column)
-    client = client_from_frame(name, source.features, tuple(features))
+    client = client_from_frame(name, source.features, tuple(features), where=str(path))
     train, test, in_test = _split_client(client, test_fraction, rng)
     return train, test, _client_file(source, in_test)
 

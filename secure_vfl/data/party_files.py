@@ -188,6 +188,7 @@ def _read_csv(
                 dtype=str if literal else {id_column: str},
                 index_col=False,
                 usecols=usecols,
+                low_memory=False,  # else each chunk of rows is typed alone: 001 and '001'
                 keep_default_na=not literal,
                 na_values=[""] if literal else None,
             )

@@ -48,6 +48,7 @@ import pandas as pd
 from secure_vfl.data.party_files import ID_COLUMN, PartyTable, alike_texts
 from secure_vfl.data.preprocessing import Standardizer
 from secure_vfl.errors import DataError, RunWarning
+from secure_vfl.io import shown_names
 
 PREPROCESSING_SCHEMA = "secure-vfl/party-preprocessing"
 PREPROCESSING_VERSION = 3
@@ -405,8 +406,7 @@ class PartyPreprocessing:
             parts = []
             for what, names in (("missing", missing), ("unexpected", extra)):
                 if names:  # a file of other columns may have thousands: the first few say it
-                    more = f" and {len(names) - 10} more" if len(names) > 10 else ""
-                    parts.append(f"{what} {names[:10]}{more}")
+                    parts.append(f"{what} {shown_names(names)}")
             raise DataError(
                 f"{where}: the {len(self.columns)} columns this party's model was trained on "
                 f"expected; found {' and '.join(parts)}."
@@ -615,6 +615,21 @@ def _categories(values: pd.Series, column: str, where: str) -> tuple[str, ...]:
     )
     written = [str(v) for v in text.tolist()]
     formatted = bool(written) and all(_FORMATTED_NUMBER.fullmatch(v) for v in written)
+    # a text column of numbers (Parquet keeps a column's type): categorical by its type alone
+    stored = bool(len(present)) and not len(text)
+    stored = stored and all(isinstance(v, str) for v in present.tolist())
+    if stored:
+        because = (
+            "; each of its cells is a number stored as text: store the column as numbers to have "
+            "it read as numbers"
+        )
+        if len(found) <= MAX_CATEGORIES:
+            warnings.warn(
+                f"{where}: column {column!r} is one-hot encoded as {len(found)} categories"
+                f"{because}.",
+                RunWarning,
+                stacklevel=3,
+            )
     if formatted:
         numeric = False  # every text cell is a number written with '%' or ',': say that
         because = (
@@ -631,7 +646,7 @@ def _categories(values: pd.Series, column: str, where: str) -> tuple[str, ...]:
     if len(found) > MAX_CATEGORIES:
         advice = (
             ""
-            if numeric or formatted
+            if numeric or formatted or stored
             else " (is it an identifier or free text? drop it, or make it numeric)"
         )
         raise DataError(

@@ -49,6 +49,7 @@ import torch
 from torch import Tensor
 
 from secure_vfl.errors import NonFiniteError, ProtocolError, RegistryError
+from secure_vfl.io import shown
 from secure_vfl.registry import Registry
 
 if TYPE_CHECKING:  # messages.py registers its classes here: importing it would be a cycle
@@ -146,12 +147,6 @@ def _truncated(where: str, size: int, view: memoryview, offset: int) -> Protocol
 
 def _refused(where: str, expected: str, value: object) -> ProtocolError:
     return ProtocolError(f"{where}: {expected} expected, found {type(value).__name__}.")
-
-
-def shown(value: object) -> str:
-    """``repr(value)``, cut short: a peer chooses the strings that errors quote."""
-    text = repr(value)
-    return text if len(text) <= 80 else f"{text[:60]}... ({len(text)} characters)"
 
 
 def _read_flag(view: memoryview, offset: int, where: str, meaning: str) -> bool:
