@@ -306,6 +306,35 @@ def test_a_parquet_integer_column_is_filled_with_whole_numbers(tmp_path: Path, w
         assert fractional and all(part != 0 for part in fractional)  # not whole: kept as imputed
 
 
+@pytest.mark.parametrize("nullable", [False, True])
+def test_a_parquet_float32_columns_cells_are_written_as_float32_text(
+    tmp_path: Path, nullable: bool
+) -> None:
+    """Its kept cells were written as float64 text (2.48 as 2.4800000190734863), its filled
+    cells as float32 text: one column in two forms."""
+    rng = np.random.default_rng(0)
+    paths = []
+    for name in ("a", "b"):
+        values = rng.normal(size=(40, 2)).astype(np.float32)
+        values[rng.random((40, 2)) < 0.2] = np.nan
+        frame = pd.DataFrame(values, columns=["x", "y"])
+        paths.append(tmp_path / f"{name}.parquet")
+        (frame.astype("Float32") if nullable else frame).to_parquet(paths[-1])
+    config = ImputeRunConfig(method="mean", client_files=tuple(paths))
+    task = prepare_imputation_task(config)
+    _, imputer = run_imputation(config, task=task)
+    tables = imputed_tables(task, imputer, as_written=True)
+    for (name, table), path in zip(tables.items(), paths, strict=True):
+        original = pd.read_parquet(path).astype(np.float32)
+        for column in ("x", "y"):
+            kept = original[column].notna().to_numpy()
+            cells = table[column].tolist()
+            assert all(cell == str(np.float32(cell)) for cell in cells), (name, column)
+            assert [np.float32(cell) for cell in np.array(cells)[kept]] == list(
+                original[column][kept]
+            )
+
+
 def test_the_summary_shows_every_name_whole_and_escaped(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

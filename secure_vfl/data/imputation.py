@@ -167,6 +167,10 @@ class ClientFile:
                     "where it had values; expected the file as the run read it (run again)."
                 )
             form = (forms or {}).get(column) or self._form(column, cells[~missing])
+            if written[column].dtype in (np.float32, pd.Float32Dtype()):  # a Parquet float32
+                # its cells as the shortest text of their float32 value, as filled cells are
+                # (as float64 text, 2.48 read 2.4800000190734863)
+                cells[~missing] = [str(np.float32(value)) for value in cells[~missing]]
             if form == BOOLEAN_CELLS:
                 cells[missing] = imputed[missing] >= 0.5
             elif form == WHOLE_CELLS:
