@@ -378,11 +378,21 @@ class ResultsStore:
                 else connection.execute("DELETE FROM runs WHERE out_dir = ?", (key,)).rowcount
                 for key, directory in stored.items()
             }
-            missing = [str(directory) for directory, count in removed.items() if count == 0]
+            missing = [directory for directory, count in removed.items() if count == 0]
             if missing:
+                recorded = [] if empty else connection.execute("SELECT out_dir FROM runs")
+                names = {Path(directory).name for directory in missing}
+                alike = sorted({d for (d,) in recorded if d and Path(d).name in names})
+                hint = (  # a folder moved or copied: the store records where it was written
+                    f" It records {', '.join(alike[:5])} of those names (the path a run was "
+                    "written to): give that path."
+                    if alike
+                    else ""
+                )
                 raise ConfigError(
-                    f"no run of {', '.join(missing)} in {self.path}; expected directories "
-                    "whose runs it records (`secure-vfl runs list`). Nothing was removed."
+                    f"no run of {', '.join(map(str, missing))} in {self.path}; expected "
+                    "directories whose runs it records (`secure-vfl runs list`). Nothing was "
+                    f"removed.{hint}"
                 )
         return removed
 

@@ -337,6 +337,18 @@ def test_runs_remove_counts_a_directory_given_twice_once_and_an_empty_store_stay
     assert empty.read_bytes() == b""
 
 
+def test_runs_remove_of_a_moved_folder_names_the_path_the_store_records(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = ResultsStore(tmp_path / "old" / "results.sqlite")
+    store.add(_entry(1), kind="train", out_dir=tmp_path / "old" / "a")
+    argv = ["runs", "remove", str(tmp_path / "new" / "a"), "--store", str(store.path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err  # it said only "no run of ..."
+    assert f"It records {tmp_path / 'old' / 'a'} of those names" in err
+    assert len(store.rows()) == 1
+
+
 @pytest.mark.parametrize("schema", [2, 3, 4])
 def test_a_second_to_fourth_schema_store_gains_its_missing_columns_in_place(
     tmp_path: Path, schema: int
