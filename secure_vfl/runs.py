@@ -207,11 +207,11 @@ def _trained(config: dict[str, Any]) -> str:
     method = config.get("method_config")
     method = method if isinstance(method, dict) else {}
     parts = [str(config["train_missing"])] if config.get("train_missing") else []
-    if isinstance(method.get("epochs"), int):
+    if type(method.get("epochs")) is int:
         parts.append(f"{method['epochs']} epoch{'s' if method['epochs'] != 1 else ''}")
-    if isinstance(method.get("labeled"), int):
+    if type(method.get("labeled")) is int:
         parts.append(f"{method['labeled']} labelled")
-    if isinstance(config.get("aligned_labeled"), int) and config["aligned_labeled"]:
+    if type(config.get("aligned_labeled")) is int and config["aligned_labeled"]:
         parts.append(f"{config['aligned_labeled']} kept aligned")
     if method.get("pretrain_epochs"):
         parts.append(f"pretrained {method['pretrain_epochs']}")

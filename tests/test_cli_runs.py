@@ -666,6 +666,9 @@ def test_runs_that_were_trained_differently_say_how() -> None:
     lines = table(["a", "b"], [plain, other]).splitlines()
     assert "trained" in lines[0] and "dirichlet:inf, 1 epoch" in lines[2]
     assert "trained" not in table(["a", "b"], [plain, plain]).splitlines()[0]  # alike: no column
+    edited = entry("mcar:0", 5)
+    edited["config"]["method_config"]["epochs"] = True  # type: ignore[index]
+    assert summarise(edited).trained == "mcar:0"  # it read "mcar:0, True epoch"
 
 
 def test_runs_that_differ_in_a_setting_show_it(tmp_path: Path) -> None:
