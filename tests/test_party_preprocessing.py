@@ -145,6 +145,22 @@ def _far_outside(fitted: PartyPreprocessing, new: pd.DataFrame) -> list[str]:
     return [str(w.message) for w in caught if "far outside" in str(w.message)]
 
 
+def test_a_true_false_column_where_numbers_were_trained_warns() -> None:
+    """Read as 1/0, near enough to a range of 1 to 4 for no range check to see it."""
+    fitted = PartyPreprocessing.fit(training_rows(), where="t")  # income 1..4
+    new = pd.DataFrame({"age": [40.0, 41.0], "city": ["lyon"] * 2, "income": [True, False]})
+    with pytest.warns(
+        RunWarning,
+        match=r"new.csv: True/False columns read as 1/0 where the "
+        r"model was trained on other numbers: 'income' \(training range \[1, 4\]\)",
+    ):
+        fitted.transform_frame(new, "new.csv")
+    flags = PartyPreprocessing.fit(pd.DataFrame({"f": [True, False, True]}), where="t")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # trained as True/False (0 and 1): nothing to say
+        flags.transform_frame(pd.DataFrame({"f": [False, True]}), "new.csv")
+
+
 def test_rows_far_outside_a_columns_training_range_warn_with_the_range() -> None:
     """A column in other units (or a value of 3e38) was scored in silence: probabilities
     saturated at 0 and 1, with nothing said."""

@@ -325,6 +325,7 @@ class PartyPreprocessing:
                     where,
                     advice="a model trained with --missing-cells mean-indicator fills them",
                 )
+        self._warn_true_false(frame, where)
         encoded, missing = self.encode(frame, where)
         self._warn_far_outside(encoded, where)
         if self.missing_cells == "refuse":
@@ -334,6 +335,27 @@ class PartyPreprocessing:
             indicator = missing[:, [self.columns.index(c) for c in self.indicators]]
             inputs = np.concatenate([_fill(encoded, self.fill), indicator], axis=1)
         return self.transform(inputs, where)
+
+    def _warn_true_false(self, frame: pd.DataFrame, where: str) -> None:
+        """Warn (:class:`RunWarning`) of True/False columns (read as 1/0) whose training values
+        were other numbers: a column of another meaning, which no range check sees when 0 and 1
+        lie near the training range."""
+        named = [
+            f"{column!r} (training range [{low:g}, {high:g}])"
+            for column, (low, high) in self.ranges.items()
+            if column in frame.columns
+            and pd.api.types.is_bool_dtype(frame[column])
+            and not (low >= 0 and high <= 1)
+        ]
+        if named:
+            warnings.warn(
+                f"{where}: True/False columns read as 1/0 where the model was trained on other "
+                f"numbers: {'; '.join(named[:3])}"
+                f"{f'; and {len(named) - 3} more' if len(named) > 3 else ''}. Their predictions "
+                "are unreliable; check that the columns are the ones trained on.",
+                RunWarning,
+                stacklevel=3,
+            )
 
     def _warn_far_outside(self, encoded: np.ndarray, where: str) -> None:
         """Warn (:class:`RunWarning`) of rows with a value far outside its column's training
