@@ -295,10 +295,13 @@ def calibrate_noise(
     sample_rate: float,
     steps: int,
     accountant: AccountantName = "rdp",
+    releases: str | None = None,
 ) -> float:
     """The smallest noise multiplier (to Opacus' search tolerance) whose ``steps`` releases at
     ``sample_rate`` spend at most ``target_epsilon`` at ``delta`` (Opacus'
-    ``get_noise_multiplier``)."""
+    ``get_noise_multiplier``). ``releases`` says what is calibrated, for errors (default: the
+    steps). ConfigError where none reaches the target, or where the target asks for less than
+    :data:`NEGLIGIBLE_NOISE`, which the accountant prices as none."""
     if not (target_epsilon > 0 and math.isfinite(target_epsilon)):
         raise ConfigError(f"`target_epsilon` must be a positive number. Found {target_epsilon}.")
     _check_delta(delta)
@@ -325,9 +328,15 @@ def calibrate_noise(
         except ValueError as error:  # Opacus: no multiplier it searches reaches the target
             raise ConfigError(
                 f"no noise multiplier reaches --target-epsilon {target_epsilon:g} at delta "
-                f"{delta:g} over {steps} release(s) with the {accountant} accountant "
-                f"(Opacus: {error}); expected a larger --target-epsilon or --delta."
+                f"{delta:g} over {releases or f'{steps} release(s)'} with the {accountant} "
+                f"accountant (Opacus: {error}); expected a larger --target-epsilon or --delta."
             ) from None
+    if sigma < NEGLIGIBLE_NOISE:  # priced as no noise: epsilon inf, far beyond the target
+        raise ConfigError(
+            f"--target-epsilon {target_epsilon:g} asks for a noise multiplier of {sigma:.3g}, "
+            f"below {NEGLIGIBLE_NOISE:g}, which the accountant prices as no noise (epsilon "
+            "inf); expected a smaller --target-epsilon (or no DP mechanism)."
+        )
     return float(sigma)
 
 
@@ -345,7 +354,14 @@ def calibrate_per_record(
     the single Gaussian's calibrated multiplier."""
     if not releases > 0:
         raise ConfigError(f"`releases` must be positive. Found {releases}.")
-    single = calibrate_noise(target_epsilon, delta, sample_rate=1.0, steps=1, accountant=accountant)
+    single = calibrate_noise(
+        target_epsilon,
+        delta,
+        sample_rate=1.0,
+        steps=1,
+        accountant=accountant,
+        releases=f"{releases:g} releases of a record (composed)",
+    )
     return single * shift * math.sqrt(releases)
 
 

@@ -869,14 +869,17 @@ class PrivacyEngine:
         }
 
     def _not_noised(self) -> list[str]:
-        """What crosses a party boundary in the clear, so that no guarantee covers it."""
+        """What crosses a party boundary in the clear, so that no guarantee covers it (of what
+        the method sends: local and ensemble send no gradient)."""
+        sent = {kind for plan in self._plan.values() for kind, count in plan.items() if count}
+        sent = sent if self._plan else {"embedding", "gradient"}
         found = []
-        if "embedding" not in self.noise:
+        if "embedding" not in self.noise and "embedding" in sent:
             found.append(
                 "representations: sent without noise, so no guarantee covers a party's "
                 "features against their receiver (the aggregator or the label party)"
             )
-        if "gradient" not in self.noise:
+        if "gradient" not in self.noise and "gradient" in sent:
             found.append(
                 "gradients: sent without noise, so no guarantee covers the labels against the "
                 "data parties receiving them"
@@ -1006,8 +1009,8 @@ def release_plan(method: str, config: MethodConfig, parties: int) -> list[dict[s
             exposure = int(config.release == "dp" and k != 0)
         elif method in ("local", "ensemble"):
             embedding, gradient = 1, 0
-        elif method in ("standard", "plugvfl"):
-            embedding, gradient = 1, (parties - 1 if k == 0 else 0)
+        elif method in ("standard", "plugvfl"):  # the label party's own stays inside it
+            embedding, gradient = (0, parties - 1) if k == 0 else (1, 0)
         else:
             raise ConfigError(
                 f"differential privacy plans the releases of laser, local, ensemble, standard, "

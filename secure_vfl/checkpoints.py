@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import math
 import os
 import re
 import secrets
 import shutil
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +50,7 @@ from torch import Tensor
 
 from secure_vfl import tensor_file
 from secure_vfl.data.samplers import PoissonSampler
-from secure_vfl.errors import ConfigError, DataError, IntegrityError, ProtocolError
+from secure_vfl.errors import ConfigError, DataError, IntegrityError, ProtocolError, RunWarning
 from secure_vfl.federation.parts import sha256, unwrapped
 from secure_vfl.io import atomic_directory, atomic_write_text, parse_json
 from secure_vfl.methods.base import CHECKPOINT, StepCallback, TrainingProgress
@@ -58,8 +58,6 @@ from secure_vfl.methods.base import CHECKPOINT, StepCallback, TrainingProgress
 if TYPE_CHECKING:
     from secure_vfl.federation.parties import DataParty
     from secure_vfl.methods.base import Method
-
-logger = logging.getLogger(__name__)
 
 SCHEMA = "secure-vfl/checkpoint"
 VERSION = 2  # 2: tensors.safetensors (1: tensors.pt, by torch.save)
@@ -313,12 +311,12 @@ def restore_party_state(
     if journal is not None:
         start_journal(journal, party, run_id, notes=notes)
     if added:
-        logger.warning(
-            "%s: %d release(s) of the killed run after %s are priced too (their receivers saw "
-            "them, and the resumed steps release about the same rows again)",
-            party.name,
-            added,
-            where,
+        warnings.warn(  # a run warning: printed as one, and kept in result.json's warnings
+            f"{party.name}: {added} release(s) of the killed run after {where} are priced too "
+            "(their receivers saw them, and the resumed steps release about the same rows "
+            "again)",
+            RunWarning,
+            stacklevel=2,
         )
     return added
 

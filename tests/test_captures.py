@@ -84,6 +84,7 @@ def test_show_keeps_the_kinds_and_the_party_asked_for(
 ) -> None:
     path, _ = laser_capture
     messages = list(read_capture(path))
+    assert [m.kind for m in read_capture(str(path))] == [m.kind for m in messages]  # str paths too
     lines = list(show_lines(path, kinds=["gradient", "sum"], party="party-2"))
     rows = _message_lines(lines)
     expected = [

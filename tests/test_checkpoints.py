@@ -36,6 +36,7 @@ from secure_vfl.errors import (
     IntegrityError,
     ProtocolError,
     TransportError,
+    run_warnings,
 )
 from secure_vfl.experiment import TrainConfig, TrainResult, run_training
 from secure_vfl.federation.channel import Channel
@@ -572,9 +573,13 @@ def test_a_resumed_dp_run_prices_the_whole_run_and_the_killed_runs_lost_releases
     whole, uninterrupted = _train(
         config, data, privacy=_dp_engine(insecure_reproducible_noise=True)
     )
-    resumed, channel = _killed_then_resumed(
-        tmp_path, config, data, privacy=_dp_engine(insecure_reproducible_noise=True)
-    )
+    with run_warnings() as noted:  # a run warning (it was a log line, not in result.json)
+        resumed, channel = _killed_then_resumed(
+            tmp_path, config, data, privacy=_dp_engine(insecure_reproducible_noise=True)
+        )
+    assert any(
+        re.fullmatch(r"party-0: \d+ release\(s\) of the killed run .* too .*", w) for w in noted
+    ), noted
     assert whole.privacy is not None and resumed.privacy is not None
     for key in ("sampling", "noise"):
         assert resumed.privacy[key] == whole.privacy[key], key

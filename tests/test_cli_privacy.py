@@ -96,6 +96,18 @@ def test_the_issues_example_prices_joint_events_per_record_under_replace_one(
     assert "WARNING" not in printed  # delta 1e-5 is below 1/1438
 
 
+def test_not_noised_lists_only_what_the_method_sends(tmp_path: Path) -> None:
+    """local sends no gradient: the report said gradients crossed in the clear."""
+    argv = ["train", "--method", "local", "--dataset", "iris", "--parties", "3", "--epochs", "1"]
+    assert main([*argv, "--dp-embeddings", "1:1", "--quiet", "--out", str(tmp_path / "l")]) == 0
+    privacy = json.loads((tmp_path / "l" / "result.json").read_text())["privacy"]
+    assert privacy["not_noised"] == []
+    argv[2] = "laser"
+    assert main([*argv, "--dp-embeddings", "1:1", "--quiet", "--out", str(tmp_path / "s")]) == 0
+    privacy = json.loads((tmp_path / "s" / "result.json").read_text())["privacy"]
+    assert [text.split(":")[0] for text in privacy["not_noised"]] == ["gradients"]
+
+
 def test_a_run_without_noise_or_with_a_large_delta_says_so(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

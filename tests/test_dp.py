@@ -231,6 +231,16 @@ def test_calibrated_noise_reaches_the_target_epsilon() -> None:
     assert 0.99 * target <= per_record_epsilon(strength, DELTA, accountant="rdp") <= target
 
 
+def test_a_target_the_accountant_cannot_reach_or_price_is_refused_saying_why() -> None:
+    # below what the RDP orders price at this delta: the releases it names are the record's
+    # (it said "over 1 release(s)", the single Gaussian it calibrates)
+    with pytest.raises(ConfigError, match=r"over 52 releases of a record \(composed\)"):
+        calibrate_per_record(0.01, DELTA, releases=13 * 4, shift=2.0)
+    # so large that its noise prices as none: the run went on with epsilon inf
+    with pytest.raises(ConfigError, match=r"--target-epsilon 1e\+300 asks for a noise multi"):
+        calibrate_noise(1e300, DELTA, sample_rate=1.0, steps=1)
+
+
 def test_noise_std_and_norm_match_sigma_times_clip() -> None:
     sigma, clip, n, d = 1.5, 2.0, 20_000, 16
     layer = EmbeddingNoise(sigma, clip, sample_rate=0.1, noise=SeededNoise(0), on_event=discard)

@@ -99,18 +99,19 @@ def append_record(capture: BinaryIO, data: bytes) -> None:
         ) from error
 
 
-def read_capture(path: Path) -> Iterator[Message]:
+def read_capture(path: Path | str) -> Iterator[Message]:
     """The messages of a capture file, in the order they crossed; ProtocolError on a truncated
     record or a message the codec refuses."""
     for _, message in capture_records(path):
         yield message
 
 
-def capture_records(path: Path, *, end: int | None = None) -> Iterator[tuple[int, Message]]:
+def capture_records(path: Path | str, *, end: int | None = None) -> Iterator[tuple[int, Message]]:
     """Each message of the capture file ``path`` with its encoded size in bytes (what crossed),
     in the order they crossed, up to byte ``end`` (None: the end of the file; a record's
     boundary, such as :func:`whole_records` finds). ProtocolError on a truncated record or a
     message the codec refuses, naming the file."""
+    path = Path(path)
     with path.open("rb") as handle:
         read = records = 0
         while (end is None or read < end) and (header := handle.read(CAPTURE_LENGTH.size)):
