@@ -645,26 +645,18 @@ def _categories(values: pd.Series, column: str, where: str) -> tuple[str, ...]:
             "; each of its cells is a number stored as text: store the column as numbers to have "
             "it read as numbers"
         )
-        if len(found) <= MAX_CATEGORIES:
-            warnings.warn(
-                f"{where}: column {column!r} is one-hot encoded as {len(found)} categories"
-                f"{because}.",
-                RunWarning,
-                stacklevel=3,
-            )
     if formatted:
         numeric = False  # every text cell is a number written with '%' or ',': say that
         because = (
             f"; it holds numbers written as text ({', '.join(map(repr, sorted(set(written))[:3]))}"
             "): write plain numbers (12, 1000, not 12% or 1,000) to have it read as numbers"
         )
-        if len(found) <= MAX_CATEGORIES:
-            warnings.warn(
-                f"{where}: column {column!r} is one-hot encoded as {len(found)} categories"
-                f"{because}.",
-                RunWarning,
-                stacklevel=3,
-            )
+    if (stored or formatted) and len(found) <= MAX_CATEGORIES:
+        warnings.warn(
+            f"{where}: column {column!r} is one-hot encoded as {len(found)} categories{because}.",
+            RunWarning,
+            stacklevel=3,
+        )
     if len(found) > MAX_CATEGORIES:
         advice = (
             ""
