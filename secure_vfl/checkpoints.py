@@ -127,6 +127,7 @@ def party_state(party: DataParty) -> tuple[dict[str, Any], dict[str, Any]]:
     accountant = party.accountant
     meta["accountant"] = accountant.to_json() if accountant is not None else None
     meta["hooks"] = {key: hook.checkpoint_state() for key, hook in _kept_hooks(party).items()}
+    meta["training_data"] = party.training_digest()
     return tensors, meta
 
 
@@ -248,6 +249,13 @@ def restore_party_state(
     a resumed run, the run will not ask it again for the rows of the steps since, so its
     message hooks also take back every row its journal noted, over which those releases are
     priced."""
+    digest = meta.get("training_data")  # absent from a checkpoint written before it was kept
+    if digest is not None and digest != (found := party.training_digest()):
+        raise IntegrityError(
+            f"{where}: {party.name}'s checkpoint was trained on other rows: the SHA-256 of its "
+            f"training data {str(digest)[:16]}... expected, found {found[:16]}... (its data file "
+            "changed since?). Resume with the data the run had, or train anew."
+        )
     modules = party.own_modules()
     saved = tensors.get("modules", {})
     _same_names(where, "modules", modules, saved)

@@ -10,6 +10,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from conftest import MakeData
@@ -538,6 +539,34 @@ def test_a_checkpoint_of_another_run_is_refused(
         (directory / name).write_bytes((foreign / name).read_bytes())
     with pytest.raises(IntegrityError, match="expected"):
         _resume(tmp_path, config)
+
+
+def test_a_resume_on_other_training_rows_is_refused_by_the_party_whose_rows_changed(
+    tmp_path: Path, make_data: MakeData
+) -> None:
+    """A data file changed between the kill and the resume: the run went on over other rows,
+    mixing two datasets without a word."""
+    config = _config()
+    data = make_data(train_missing="mcar:0")
+    plan = CheckpointPlan(directory=tmp_path, every=EVERY, settings=_settings(config))
+    with pytest.raises(Killed):
+        _train(config, data, plan=plan, on_step=_kill_at(STOP))
+    point = find_resume_point(tmp_path, label_party="party-0", settings=_settings(config))
+    resume = CheckpointPlan(
+        directory=tmp_path, every=EVERY, resume=point, settings=_settings(config)
+    )
+    blocks = list(data.train.blocks)
+    blocks[2] = blocks[2][np.random.default_rng(0).permutation(len(blocks[2]))]
+    shuffled = dataclasses.replace(
+        data, train=dataclasses.replace(data.train, blocks=tuple(blocks))
+    )
+    with pytest.raises(IntegrityError, match=r"party-2's checkpoint was trained on other rows"):
+        _train(config, shuffled, plan=resume)
+    relabelled = dataclasses.replace(
+        data, train=dataclasses.replace(data.train, labels=np.roll(data.train.labels, 1))
+    )
+    with pytest.raises(IntegrityError, match=r"party-0's checkpoint was trained on other rows"):
+        _train(config, relabelled, plan=resume)
 
 
 def test_resume_without_a_checkpoint_is_refused(tmp_path: Path) -> None:

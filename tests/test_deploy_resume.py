@@ -17,6 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pandas as pd
 import pytest
 import torch
 from conftest import MakeData
@@ -162,6 +164,22 @@ def test_a_killed_federation_refuses_a_tampered_party_checkpoint_and_resumes_fro
     assert "first training step" not in processes.log("shop-tampered")
     assert not (tmp_path / "out" / "result.json").exists()
     tensors.write_bytes(intact)
+    # A data file changed since the kill: resumed, the run went on over other rows in silence.
+    data = site / "insurer.csv"
+    original = data.read_bytes()
+    frame = pd.read_csv(data)
+    frame.iloc[:, 1] = np.random.default_rng(0).permutation(frame.iloc[:, 1].to_numpy())
+    frame.to_csv(data, index=False)
+    try:
+        label, servers = start_federation(site, processes, tmp_path, "changed", *flags, resume=True)
+        code, codes = finish(label, servers)
+    finally:
+        data.write_bytes(original)  # the module's other tests read it
+    log = processes.log("bank-changed")
+    assert code == 2, log
+    [error] = [line for line in log.splitlines() if line.startswith("secure-vfl: error:")]
+    assert "insurer's checkpoint was trained on other rows" in error, error
+    assert codes == [1, 1, 1, 1] and not (tmp_path / "out" / "result.json").exists()
     resume_and_compare(site, processes, tmp_path, step, *flags)
 
 

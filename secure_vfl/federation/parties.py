@@ -29,6 +29,7 @@ with hooks on what it sends (``outgoing``) and receives (``incoming``) and after
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -537,6 +538,7 @@ class DataParty(SecureSumParty):
         # label value of each class: its own, kept in its saved part.
         self.preprocessing: PartyPreprocessing | None = None
         self.classes: tuple[ClassValue, ...] | None = None
+        self._training_digest: str | None = None
 
     @property
     def receives_sums(self) -> bool:
@@ -568,6 +570,25 @@ class DataParty(SecureSumParty):
             raise ProtocolError(f"{self.name} already holds a model named {key!r}.")
         self.models[key] = model
         self.optimizers[key] = optimizer
+
+    def training_digest(self) -> str:
+        """The SHA-256 of what this party trains on: its training block and, at a label
+        holder, its heads' training labels (their shapes, dtypes and bytes). A checkpoint
+        keeps it, so that a resume on other rows (a data file changed since) is refused.
+        Computed once: its training rows cannot be replaced (:meth:`hold_split`)."""
+        if self._training_digest is not None:
+            return self._training_digest
+        digest = hashlib.sha256()
+        named = [("block", self._blocks["train"])]
+        named += [
+            (f"labels/{key}", head.all_labels("train")) for key, head in sorted(self.heads.items())
+        ]
+        for name, tensor in named:
+            array = tensor.detach().contiguous().numpy()
+            digest.update(f"{name} {array.dtype.str} {array.shape}\n".encode())
+            digest.update(array.data)
+        self._training_digest = digest.hexdigest()
+        return self._training_digest
 
     # -- its saved part: kept and loaded by this party alone --------------------------------
 
