@@ -12,6 +12,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -445,6 +446,21 @@ def test_a_second_party_cannot_listen_at_a_port_in_use(certs: Path) -> None:
             PartyEndpoint("bank", listen=shop.address, identity=_identity(certs, "bank"))
         with pytest.raises(TransportError, match="cannot listen"):
             PartyEndpoint("bank", listen=shop.address, insecure=True)
+
+
+def test_a_port_in_use_or_an_address_not_of_this_machine_is_refused_saying_so(
+    certs: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """gRPC's refusal said only that it failed to bind; the reason went to a raw log line."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        address = f"127.0.0.1:{held.getsockname()[1]}"
+        with pytest.raises(TransportError, match=r"another process listens there"):
+            PartyEndpoint("bank", listen=address, identity=_identity(certs, "bank"))
+    with pytest.raises(TransportError, match=r"192\.0\.2\.1 is not an address of this machine"):
+        PartyEndpoint("bank", listen="192.0.2.1:47000", identity=_identity(certs, "bank"))
+    assert "add_port" not in capfd.readouterr().err  # no raw gRPC log line
 
 
 def test_a_party_claiming_another_partys_name_is_refused(

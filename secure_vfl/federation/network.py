@@ -83,6 +83,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import logging
 import os
 import queue
@@ -286,6 +287,41 @@ def _elapsed(start: float) -> str:
     return f"{time.monotonic() - start:.1f} s"
 
 
+def _bind_refusal(listen: str) -> str | None:
+    """Why this machine would refuse a server socket at ``listen`` (``host:port``), or None:
+    asked before gRPC binds, whose own failure says only that it failed (the reason goes to its
+    log). The probe binds as gRPC does (SO_REUSEADDR: a port whose last connections linger
+    is free) and closes at once; a port 0 (any free port) is not probed."""
+    host, _, port_text = listen.rpartition(":")
+    host = host.strip("[]")
+    try:
+        port = int(port_text)
+        infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)
+    except (OSError, ValueError, UnicodeError) as error:
+        return f"{host!r} is not an address of this machine ({error})."
+    if port == 0:
+        return None
+    family, kind, protocol, _, address = infos[0]
+    with socket.socket(family, kind, protocol) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as error:
+            reason = error.strerror or str(error)
+            if error.errno == errno.EADDRINUSE:
+                return (
+                    f"{reason}: another process listens there (this party served twice, or "
+                    "another program); expected a free port."
+                )
+            if error.errno == errno.EADDRNOTAVAIL:
+                return (
+                    f"{reason}: {host} is not an address of this machine; expected the "
+                    "federation file to give this party one of its own."
+                )
+            return f"{reason}."
+    return None
+
+
 class PartyEndpoint:
     """One party's endpoint: a gRPC server at ``listen`` and clients to its ``peers``
     (name -> ``host:port``), under mutual TLS with ``identity`` (or plaintext with
@@ -394,6 +430,9 @@ class PartyEndpoint:
             ],
             maximum_concurrent_rpcs=SERVER_THREADS,
         )
+        refusal = _bind_refusal(listen)
+        if refusal is not None:
+            raise TransportError(f"{self.name}: cannot listen on {listen}: {refusal}")
         try:
             if self.identity is None:
                 port = server.add_insecure_port(listen)
