@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from secure_vfl.data.imputation import ClientData
-from secure_vfl.errors import ConfigError, DataError, ProtocolError
+from secure_vfl.errors import ConfigError, DataError, ProtocolError, TransportError
 from secure_vfl.federation.aggregator import SealingScheme, SumBackend
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import (
@@ -146,14 +146,14 @@ class ImputationFederation:
         discarded, and a lost client's late share is refused, never added) and make the next
         messages a fresh batch, so the caller can retry the round. Re-raises ``error`` if no
         client was lost (a protocol error, not a fault), if the aggregation server was, or if
-        no client is left; raises ProtocolError, saying why, if secure sums are left one client
+        no client is left; raises TransportError, saying why, if secure sums are left one client
         (a sum of one would be that client's update in the clear, which they refuse)."""
         lost = self.channel.unreachable([*self.names, AGGREGATOR])
         if not lost or AGGREGATOR in lost or set(lost) >= set(self.names):
             raise error
         left = [name for name in self.names if name not in lost]
-        if self.scheme and len(left) < 2:
-            raise ProtocolError(
+        if self.scheme and len(left) < 2:  # a party lost that the run cannot go on without
+            raise TransportError(
                 f"{', '.join(lost)} lost in round {fedavg_round}, which leaves {left[0]} alone: "
                 f"a secure sum ({self.scheme}) needs at least 2 clients (the sum of one is its "
                 f"update in the clear), so FedAvg cannot go on ({error})."
