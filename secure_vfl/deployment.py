@@ -2265,6 +2265,12 @@ def _end_failed(
             message = endpoint.receive(
                 max(until - time.monotonic(), 0.0), sender=name, kind="deployment"
             )
+            while getattr(message, "topic", "report") != "report":  # an earlier request's
+                # answer, still in flight when the run stopped (a checkpoint's): skipped, as
+                # the party sends its report after it
+                message = endpoint.receive(
+                    max(until - time.monotonic(), 0.0), sender=name, kind="deployment"
+                )
             bodies[name] = _body(message, "report", REPORT_KEYS)
         except TransportError:  # the wait is shared: say what it was, not what was left of it
             logger.warning(

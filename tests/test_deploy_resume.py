@@ -15,7 +15,7 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pandas as pd
@@ -41,6 +41,8 @@ from secure_vfl.deployment import (
     DeployedCheckpoints,
     ServedCheckpoints,
     _body,
+    _deployment,
+    _end_failed,
     _reported_bytes,
 )
 from secure_vfl.errors import ProtocolError
@@ -495,6 +497,35 @@ def test_the_label_party_takes_every_party_checkpoint_and_checks_every_answer(
     ):
         label.write(9, RUN, committed=6, parties=["shop"])
     assert endpoint.kept == []
+
+
+def test_a_stopped_runs_end_skips_a_checkpoint_answer_still_in_flight() -> None:
+    """Ctrl-C while the parties wrote a checkpoint: the end took their 'checkpointed' answer
+    for the report ("a deployment 'report' message expected; found 'checkpointed'") and lost
+    the report."""
+
+    class Endpoint:
+        name = "bank"
+
+        def __init__(self) -> None:
+            def answer(topic: str, body: dict[str, Any]) -> DeploymentMessage:
+                header = {"sender": "shop", "receiver": "bank", "round": 0, "batch_id": 0}
+                return DeploymentMessage(**header, topic=topic, body=json.dumps(body))
+
+            self.queue = [  # what the party sent: the stopped run's answer, then its report
+                answer("checkpointed", {"run": RUN, "step": 6, "manifest": "0" * 64}),
+                answer("report", {"bytes": [["shop", "bank", "train", 10]], "privacy": None}),
+            ]
+
+        def send_all(self, messages: Any, *, deadline: float, failed: dict[str, Any]) -> None:
+            pass
+
+        def receive(self, seconds: float, *, sender: str, kind: str) -> DeploymentMessage:
+            return self.queue.pop(0)
+
+    ends = [_deployment("bank", "shop", "end", {"outcome": "interrupted"})]
+    bodies = _end_failed(cast(Any, Endpoint()), ["shop"], ends, 1.0)
+    assert bodies == {"shop": {"bytes": [["shop", "bank", "train", 10]], "privacy": None}}
 
 
 def test_an_answer_nested_beyond_the_json_parser_is_refused_as_a_protocol_error() -> None:
