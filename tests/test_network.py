@@ -379,10 +379,17 @@ def test_a_peer_whose_certificate_this_party_refuses_is_given_up_at_once(
     impostors = {
         "CERTIFICATE_VERIFY_FAILED": ("shop", _identity(tmp_path / "other", "shop")),
         "Hostname Verification Check failed": ("aggregator", _identity(certs, "aggregator")),
+        "WRONG_VERSION_NUMBER": ("shop", None),  # served without TLS (--insecure)
+    }
+    # what each means, said first (gRPC's words followed, with one question for all three)
+    meanings = {
+        "CERTIFICATE_VERIFY_FAILED": "shop's certificate is not signed by this federation's CA",
+        "Hostname Verification Check failed": "the certificate served there does not name shop",
+        "WRONG_VERSION_NUMBER": "what answers there does not speak TLS: is shop served with",
     }
     for said, (name, identity) in impostors.items():
         with (
-            PartyEndpoint(name, identity=identity) as impostor,
+            PartyEndpoint(name, identity=identity, insecure=identity is None) as impostor,
             PartyEndpoint("bank", identity=_identity(certs, "bank"), deadline=60.0) as bank,
         ):
             bank.add_peer("shop", impostor.address)
@@ -396,6 +403,7 @@ def test_a_peer_whose_certificate_this_party_refuses_is_given_up_at_once(
         message = str(refused.value)
         assert "the TLS handshake with shop at 127.0.0.1:" in message, message
         assert "failed, which no retry changes" in message and said in message, message
+        assert f"which no retry changes: {meanings[said]}" in message, message
 
 
 @pytest.mark.processes
@@ -437,6 +445,14 @@ def test_a_peer_not_listening_yet_is_waited_for(certs: Path) -> None:
         start = time.monotonic()
         assert bank.await_peers(["shop"], 1.5) == ["shop"]
         assert time.monotonic() - start >= 1.4
+
+
+def test_a_peer_whose_host_does_not_resolve_is_named_so(certs: Path) -> None:
+    """It asked whether the peer ran and whether both certificates came from one CA."""
+    with PartyEndpoint("bank", identity=_identity(certs, "bank"), deadline=5.0) as bank:
+        bank.add_peer("shop", "nohost.invalid:47000")
+        with pytest.raises(TransportError, match="Its host name does not resolve"):
+            bank.send(_greeting())
 
 
 def test_a_second_party_cannot_listen_at_a_port_in_use(certs: Path) -> None:

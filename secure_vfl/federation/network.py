@@ -1076,18 +1076,19 @@ class PartyEndpoint:
         if _certificate_refused(error):
             return TransportError(
                 f"{what}: the TLS handshake with {message.receiver} at "
-                f"{self._peers[message.receiver]} failed, which no retry changes: {details}. "
-                f"Does the process there serve {message.receiver}'s certificate, from this "
-                "federation's CA (the same ca.pem at both parties)?"
+                f"{self._peers[message.receiver]} failed, which no retry changes: "
+                f"{_handshake_reason(details, message.receiver)} (gRPC: {details})"
             )
         if code == grpc.StatusCode.UNAVAILABLE:
             # Nothing listens there: certificates are not in question (a peer that refuses this
             # party's certificate closes the connection instead, which says nothing certain).
-            question = (
-                "Is it running?"
-                if "connection refused" in details.lower()
-                else "Is it running, and do both certificates come from this federation's CA?"
-            )
+            lowered = details.lower()
+            if "connection refused" in lowered:
+                question = "Is it running?"
+            elif "dns resolution failed" in lowered or "domain name not found" in lowered:
+                question = "Its host name does not resolve: is the federation file's address right?"
+            else:
+                question = "Is it running, and do both certificates come from this federation's CA?"
             return TransportError(
                 f"{what}: {message.receiver} at {self._peers[message.receiver]} could not be "
                 f"reached ({attempts} attempts over {_elapsed(start)}): {details}. {question}"
@@ -1138,6 +1139,29 @@ def _split_delivery(name: str, data: bytes, count: str | None) -> list[bytes]:
             f"{size - offset} more.",
         )
     return parts
+
+
+def _handshake_reason(details: str, peer: str) -> str:
+    """What a failed TLS handshake's ``details`` (gRPC's, OpenSSL's words) mean to an operator."""
+    if "WRONG_VERSION_NUMBER" in details:
+        return (
+            f"what answers there does not speak TLS: is {peer} served with --insecure, or is "
+            "another program at that port?"
+        )
+    if "CERTIFICATE_VERIFY_FAILED" in details:
+        return (
+            f"{peer}'s certificate is not signed by this federation's CA (the ca.pem here): "
+            "does it serve another federation's certificates?"
+        )
+    if "Hostname Verification" in details:
+        return (
+            f"the certificate served there does not name {peer}: does the process there serve "
+            f"{peer}'s certificate?"
+        )
+    return (
+        f"does the process there serve {peer}'s certificate, from this federation's CA (the "
+        "same ca.pem at both parties)?"
+    )
 
 
 def _certificate_refused(error: grpc.RpcError) -> bool:
