@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import logging
 import math
 import re
 import sys
@@ -3662,7 +3663,45 @@ def _finishing() -> Iterator[None]:
         stop(held[0])
 
 
+class _LogLines(logging.Handler):
+    """The packages' log records at WARNING and above as the command's own lines
+    (``secure-vfl: warning: ...``, as its run warnings print), on the ``sys.stderr`` of the
+    moment (as logging's last resort writes them, which tests capture). Installed for the
+    command's run only: a library user's logging stays theirs."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = _printable(record.getMessage())
+            print(f"secure-vfl: {record.levelname.lower()}: {text}", file=sys.stderr, flush=True)
+        except Exception:  # logging's own policy: a handler never raises
+            self.handleError(record)
+
+
+LOGGED_PACKAGES = ("secure_vfl", "protocols", "attacks")
+
+
+@contextmanager
+def _log_lines() -> Iterator[None]:
+    handler = _LogLines()
+    loggers = [logging.getLogger(name) for name in LOGGED_PACKAGES]
+    for logger_ in loggers:
+        logger_.addHandler(handler)
+    try:
+        yield
+    finally:
+        for logger_ in loggers:
+            logger_.removeHandler(handler)
+
+
 def _main(argv: Sequence[str] | None) -> int:
+    with _log_lines():
+        return _main_logged(argv)
+
+
+def _main_logged(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     import signal
     import threading

@@ -294,6 +294,40 @@ def test_missingness_that_does_not_fit_the_run_names_its_flag(
     assert message in capsys.readouterr().err and not out.exists()
 
 
+def test_a_commands_log_records_print_as_its_warnings(
+    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Faults, rejoins and a certificate that does not name its host printed bare ("bank: could
+    not end the run at shop: ..."), beside run warnings prefixed `secure-vfl: warning:`."""
+    import logging
+
+    from secure_vfl.cli import _log_lines
+
+    with _log_lines():
+        logging.getLogger("secure_vfl.deployment").warning("%s: could not end the run", "bank")
+        logging.getLogger("protocols.x").error("shown \x1b[2J escaped")
+        logging.getLogger("secure_vfl.deployment").info("not shown")
+    assert capsys.readouterr().err == (
+        "secure-vfl: warning: bank: could not end the run\n"
+        "secure-vfl: error: shown \\x1b[2J escaped\n"
+    )
+    assert "could not end the run" in caplog.text  # records still reach the logging tree
+    logging.getLogger("secure_vfl.deployment").warning("a library user's logging: theirs")
+    assert "secure-vfl: warning:" not in capsys.readouterr().err
+    # every command runs with it
+    import secure_vfl.cli as cli
+
+    def logs(args: object) -> int:
+        logging.getLogger("secure_vfl.methods.base").warning("party-2 is lost at step 3")
+        return 0
+
+    monkeypatch.setattr(cli, "_run_command", logs)
+    assert main(["datasets"]) == 0
+    assert capsys.readouterr().err == "secure-vfl: warning: party-2 is lost at step 3\n"
+
+
 def test_a_served_party_prints_its_run_warnings_as_they_come(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
