@@ -390,9 +390,12 @@ class _Server:
     def receive(self, message: Message) -> None:
         if isinstance(message, DeploymentMessage):
             if message.sender != self.federation.label_party:
+                label = self.federation.label_party
                 raise ProtocolError(
-                    f"{self.name}: a {message.topic} from {message.sender}; only the label "
-                    f"party {self.federation.label_party} sets a run up or ends it."
+                    f"{self.name}: a deployment message ({message.topic!r}) from "
+                    f"{message.sender}, but its federation file names {label} the label party, "
+                    "the only one that sets a run up or ends it: do the two parties' federation "
+                    "files differ?"
                 )
             handlers = {
                 "ids-request": self._on_ids_request,
@@ -409,7 +412,10 @@ class _Server:
             }
             handler = handlers.get(message.topic, self._on_end)
             if message.topic not in (*handlers, "end"):
-                raise ProtocolError(f"{self.name}: a {message.topic} is not for a data party.")
+                raise ProtocolError(
+                    f"{self.name}: a deployment message ({message.topic!r}) from "
+                    f"{message.sender}, which a data party does not take."
+                )
             handler(message)
             return
         if self.party is None and self.responder is not None:

@@ -649,8 +649,11 @@ def test_a_serving_process_takes_a_save_only_from_the_label_party_once_set_up(
     refusals = {
         ("bank", "save"): "a save (run '0123456789abcdef0123456789abcdef') before the run was "
         "set up; only a set-up data party saves a part",
-        ("insurer", "save"): "a save from insurer; only the label party bank",
-        ("bank", "saved"): "shop: a saved is not for a data party",
+        ("insurer", "save"): "a deployment message ('save') from insurer, but its federation "
+        "file names bank the label party, the only one that sets a run up or ends it: do the "
+        "two parties' federation files differ?",
+        ("bank", "saved"): "shop: a deployment message ('saved') from bank, which a data party "
+        "does not take.",
     }
     for (sender, topic), reason in refusals.items():
         message = _deployment(sender, "shop", topic, {"run": RUN})
