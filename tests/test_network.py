@@ -28,7 +28,7 @@ import torch
 
 from protocols import tls
 from secure_vfl.deployment import private_paths
-from secure_vfl.errors import ConfigError, NotSetUpError, ProtocolError, TransportError
+from secure_vfl.errors import ConfigError, DataError, NotSetUpError, ProtocolError, TransportError
 from secure_vfl.federation import network, wire
 from secure_vfl.federation.certificates import TlsIdentity
 from secure_vfl.federation.channel import CAPTURE_LENGTH, read_capture
@@ -661,6 +661,8 @@ def test_send_returns_once_the_receiver_acted_and_its_replies_were_handled(certs
     def handle(message: Message) -> None:
         if message.round == 13:
             raise ProtocolError("round 13 is not the round expected")
+        if message.round == 14:  # its own data refuse it: said as such, not as a crash
+            raise DataError("new.csv: the 5 columns this party's model was trained on expected")
         acted.append(message.round)
         shop.send(_greeting(sender="shop", receiver="bank"))  # a reply, nested in bank's send
 
@@ -673,12 +675,18 @@ def test_send_returns_once_the_receiver_acted_and_its_replies_were_handled(certs
         with pytest.raises(ProtocolError) as refused:
             bank.send(dataclasses.replace(_greeting(), round=13))
         assert str(refused.value) == (
-            "representation from bank to shop refused (ABORTED): shop refused representation "
+            "representation from bank to shop refused: shop refused representation "
             "from bank: round 13 is not the round expected"
+        )
+        with pytest.raises(ProtocolError) as refused:
+            bank.send(dataclasses.replace(_greeting(), round=14))
+        assert str(refused.value) == (
+            "representation from bank to shop refused: shop could not act on representation "
+            "from bank: new.csv: the 5 columns this party's model was trained on expected"
         )
         bank.send(dataclasses.replace(_greeting(), round=2))  # shop goes on after refusing
         assert acted == [1, 2]
-    assert bank.bytes[("bank", "shop", "train")] == 3 * len(wire.encode(_greeting()))
+    assert bank.bytes[("bank", "shop", "train")] == 4 * len(wire.encode(_greeting()))
 
 
 class _Relay(Party):
@@ -805,7 +813,7 @@ def test_a_party_never_set_up_for_the_run_is_reported_lost_by_its_sender(certs: 
         with pytest.raises(ProtocolError) as further:
             bank.send(dataclasses.replace(_greeting(), round=2))
         assert not isinstance(further.value, NotSetUpError), further.value
-        assert "(ABORTED)" in str(further.value)
+        assert "refused: shop refused representation from bank: not set up" in str(further.value)
         assert bank.restarted == set() and channel.unreachable(["shop"]) == []
         with pytest.raises(NotSetUpError) as own:
             bank.send(_greeting())

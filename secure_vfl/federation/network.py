@@ -106,7 +106,13 @@ os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 import grpc
 
-from secure_vfl.errors import ConfigError, NotSetUpError, ProtocolError, TransportError
+from secure_vfl.errors import (
+    ConfigError,
+    NotSetUpError,
+    ProtocolError,
+    SecureVFLError,
+    TransportError,
+)
 from secure_vfl.federation import wire
 from secure_vfl.federation.certificates import TlsIdentity, check_party_name
 from secure_vfl.federation.channel import CAPTURE_LENGTH, Channel, ChannelLayer, append_record
@@ -737,6 +743,9 @@ class PartyEndpoint:
             refusal = f"{self.name} refused {message.kind} from {message.sender}: {error}"
             # Only its own: one it met further down a chain of deliveries is the sender's.
             item.not_set_up = isinstance(error, NotSetUpError) and error.party == self.name
+        except SecureVFLError as error:  # its own data or files refused what was asked
+            refusal = f"{self.name} could not act on {message.kind} from {message.sender}: {error}"
+            item.failed = True
         except Exception as error:  # the sender learns it failed; this party goes on
             refusal = (
                 f"{self.name} failed acting on {message.kind} from {message.sender}: "
@@ -1104,6 +1113,8 @@ class PartyEndpoint:
                 f"{what}: {message.receiver} was never set up for this run (its process was "
                 f"restarted?): {details}",
             )
+        if code in (grpc.StatusCode.ABORTED, grpc.StatusCode.INTERNAL):  # the party says why
+            return ProtocolError(f"{what} refused: {details}")
         return ProtocolError(f"{what} refused ({code.name}): {details}")
 
 

@@ -655,7 +655,8 @@ class DataParty(SecureSumParty):
         if self.preprocessing is None:
             raise ProtocolError(f"{self.name} keeps no preprocessing; cannot read new rows.")
         block = np.zeros((rows.shape[0], *self.preprocessing.block_shape), dtype=np.float32)
-        block[held] = self.preprocessing.apply(table, where=f"{source} ({table.name})")[rows[held]]
+        where = source if source == table.name else f"{source} ({table.name})"
+        block[held] = self.preprocessing.apply(table, where=where)[rows[held]]
         self.hold_split(split, torch.from_numpy(block), torch.from_numpy(held))
 
     def hold_split(self, split: str, block: Tensor, held: Tensor) -> None:
