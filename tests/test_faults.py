@@ -15,7 +15,7 @@ from protocols.secagg import MaskingAggregator
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ProtocolError, TransportError
 from secure_vfl.federation.channel import Channel
-from secure_vfl.federation.messages import Message, SealRequest
+from secure_vfl.federation.messages import AGGREGATOR, Message, SealRequest
 from secure_vfl.federation.parties import Party
 from secure_vfl.methods import METHODS, MethodConfig
 from secure_vfl.methods.base import in_process_parties
@@ -309,8 +309,8 @@ def test_a_method_that_needs_every_party_stops_on_a_lost_one_and_names_it(
     data = make_data(train_missing="mcar:0.2")
     channel = LosingChannel("represent-request")
     trainer = METHODS.get(method)(data, FAST, seed=3, channel=channel)
-    with pytest.raises(ProtocolError, match="false-vfl-2 go on without a lost party") as raised:
-        trainer.fit()
+    with pytest.raises(TransportError, match="false-vfl-2 go on without a lost party") as raised:
+        trainer.fit()  # a lost party the run cannot go on without: exit 1 (it was 2)
     assert channel.lost
     assert str(raised.value).startswith(
         f"{LOST} can no longer be reached (represent-request to {LOST}: its process is gone). "
@@ -319,6 +319,18 @@ def test_a_method_that_needs_every_party_stops_on_a_lost_one_and_names_it(
     )
     assert isinstance(raised.value.__cause__, TransportError)
     assert not trainer.fed.faults  # nothing was dropped: the run stops
+
+
+def test_a_lost_aggregation_server_is_named_whatever_refusal_said_it(
+    make_data: MakeData,
+) -> None:
+    """A data party's refusal of a seal request (it could not reach the aggregator) stopped the
+    run as that party's protocol error (exit 2), naming the wrong party."""
+    data = make_data(train_missing="mcar:0.2")
+    channel = LosingChannel("represent-request")
+    channel.unreachable = lambda names: [AGGREGATOR] if channel.lost else []  # type: ignore[method-assign]
+    with pytest.raises(TransportError, match="the aggregation server can no longer be reached"):
+        _train(data, FAST, channel)
 
 
 def test_a_method_that_needs_every_party_passes_on_a_protocol_error_with_nobody_lost(

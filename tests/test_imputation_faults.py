@@ -16,7 +16,7 @@ from protocols.secagg import MaskingAggregator
 from secure_vfl.errors import ProtocolError, TransportError
 from secure_vfl.federation.aggregator import PlainAggregator, SealingScheme, SumBackend
 from secure_vfl.federation.channel import Channel
-from secure_vfl.federation.messages import Message
+from secure_vfl.federation.messages import AGGREGATOR, Message
 from secure_vfl.federation.parties import Party
 from secure_vfl.methods.imputation import IMPUTERS, ImputeConfig
 from secure_vfl.methods.imputation.clients import ImputationClient, flat_parameters
@@ -126,6 +126,17 @@ def test_a_loss_that_leaves_secure_sums_one_client_stops_saying_so(backend: str)
         "needs at least 2 clients"
     )
     assert "its process is gone" in str(refused.value)
+
+
+def test_a_lost_aggregation_server_stops_fedavg_naming_it() -> None:
+    """A client's refusal (it could not reach the aggregator) stopped the run as that client's
+    protocol error (exit 2), naming the wrong party."""
+    channel = LosingClient("client-1", "compute-request", _message_round(ROUND))
+    channel.unreachable = lambda names: [AGGREGATOR] if channel.gone else []  # type: ignore[method-assign]
+    task = synthetic_task(rows=40, test_rows=12, features=6, clients=2)
+    imputer = IMPUTERS.get("fedhf")(task, CONFIG, seed=0, channel=channel)
+    with pytest.raises(TransportError, match="the aggregation server can no longer be reached"):
+        imputer.fit()
 
 
 class RestartingClient(LosingClient):

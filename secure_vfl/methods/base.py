@@ -24,7 +24,7 @@ from secure_vfl.data.vertical import (
     label_party_view,
     labeled_subset,
 )
-from secure_vfl.errors import ConfigError, ProtocolError
+from secure_vfl.errors import ConfigError, ProtocolError, TransportError
 from secure_vfl.federation.aggregator import SealingScheme, SumBackend
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import (
@@ -501,14 +501,14 @@ class Federation:
         (:class:`AbortRequest`) and forget this party's refusals of replies to them
         (:meth:`~secure_vfl.federation.channel.Channel.forget_refusals`), so the caller can
         retry without them. Re-raises ``error`` if no party was lost (a protocol error, not a
-        fault) or if the aggregation server was (no sum can be served without it). A method
-        that does not tolerate dropouts drops nobody: on a lost data party it raises an error
-        that names the party and says why the run stops."""
+        fault); raises TransportError, naming it, if the aggregation server was (no sum can be
+        served without it). A method that does not tolerate dropouts drops nobody: on a lost
+        data party it raises TransportError naming the party and saying why the run stops."""
         peers = [name for name in self.live() if name != self.own.name]
         if not self.tolerates_dropouts:
             gone = self.channel.unreachable(peers)
             if gone:
-                raise ProtocolError(
+                raise TransportError(
                     f"{', '.join(gone)} can no longer be reached ({error}). This method needs "
                     "every data party's representation of every row it trains on, so the run "
                     "stops; --method laser, local, ensemble, false-vfl-1 and false-vfl-2 go "
@@ -516,7 +516,12 @@ class Federation:
                 ) from error
             raise error
         lost = self.channel.unreachable([*peers, AGGREGATOR])
-        if not lost or AGGREGATOR in lost:
+        if AGGREGATOR in lost:  # what the error says may be another party's refusal of it
+            raise TransportError(
+                f"the aggregation server can no longer be reached ({error}); no sum can be "
+                "served without it, so the run stops."
+            ) from error
+        if not lost:
             raise error
         for name in lost:
             self.drop(name, round=round, what=str(error), phase=phase)

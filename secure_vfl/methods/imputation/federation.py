@@ -145,11 +145,17 @@ class ImputationFederation:
         every other client and the aggregator (:class:`AbortRequest`: what they kept of it is
         discarded, and a lost client's late share is refused, never added) and make the next
         messages a fresh batch, so the caller can retry the round. Re-raises ``error`` if no
-        client was lost (a protocol error, not a fault), if the aggregation server was, or if
-        no client is left; raises TransportError, saying why, if secure sums are left one client
+        client was lost (a protocol error, not a fault) or if no client is left; raises
+        TransportError if the aggregation server was lost, or, saying why, if secure sums are
+        left one client
         (a sum of one would be that client's update in the clear, which they refuse)."""
         lost = self.channel.unreachable([*self.names, AGGREGATOR])
-        if not lost or AGGREGATOR in lost or set(lost) >= set(self.names):
+        if AGGREGATOR in lost:  # what the error says may be a client's refusal of it
+            raise TransportError(
+                f"the aggregation server can no longer be reached ({error}); FedAvg cannot go "
+                "on without it."
+            ) from error
+        if not lost or set(lost) >= set(self.names):
             raise error
         left = [name for name in self.names if name not in lost]
         if self.scheme and len(left) < 2:  # a party lost that the run cannot go on without
