@@ -518,7 +518,8 @@ class _Server:
             self.privacy = served_privacy(self.name, message, party, self.party_privacy)
             self.party = party
         self._attach(self.party)
-        self.on_event(f"{self.name}: set up by {message.sender}; training")
+        doing = "serving its sums" if self.name == AGGREGATOR else "training"  # or predicting
+        self.on_event(f"{self.name}: set up by {message.sender}; {doing}")
 
     def _on_columns_request(self, message: Message) -> None:
         """An imputation run: answer with this client's feature columns and row count."""

@@ -376,6 +376,8 @@ def test_training_goes_on_without_a_data_party_killed_mid_training(
     others = [servers[name].wait(timeout=PROCESS_SECONDS) for name in ("insurer", "telco")]
     assert others == [0, 0], [processes.log(name) for name in ("insurer", "telco")]
     assert servers["aggregator"].wait(timeout=PROCESS_SECONDS) == 0, processes.log("aggregator")
+    # it said "training", also when set up for a prediction (it trains nothing)
+    assert "aggregator: set up by bank; serving its sums" in processes.log("aggregator")
     result = json.loads((out / "result.json").read_text())
     [fault] = result["faults"]
     steps = len(result["epoch_loss"]) * -(-result["samples"]["train"] // 64)
