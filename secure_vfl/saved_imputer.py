@@ -485,7 +485,7 @@ class SavedImputer:
         entry = self.manifest.client(client)
         part = self.part(client)
         source = read_client_file(
-            Path(path), id_column=id_column, label_column=label_column, schema=entry.columns
+            Path(path), id_column=id_column, label_column=label_column, ids_optional=True
         )
         columns = [str(c) for c in source.features.columns]
         unknown = [c for c in columns if c not in entry.columns]

@@ -300,7 +300,7 @@ def _check_numeric(frame: pd.DataFrame, where: str, *, id_column: str | None = N
         else:  # a Parquet text column whose every cell is a number
             first = f" ({shown(bad[0])} is stored as text, each cell a number: store it as numbers)"
         hint = (
-            f"; the file has no id column `{id_column}`: if {bad[0]!r} holds the ids, give "
+            f"; the file has no id column `{id_column}`: if {shown(bad[0])} holds the ids, give "
             f"--id-column {bad[0]}"
             if id_column is not None
             else ""
@@ -544,16 +544,16 @@ class _ClientSource:
 
 
 def _read_client_frame(
-    path: Path, id_column: str, label_column: str, *, schema: Sequence[str] | None = None
+    path: Path, id_column: str, label_column: str, *, ids_optional: bool = False
 ) -> _ClientSource:
     """Read one client's CSV or Parquet file; refuse unreadable, empty or non-numeric files.
     The id column (read as text) and the label column are not features. Under the default
     name ``id`` the id column may be absent (imputation needs no ids); another name was given
     on purpose, so a file without that column is refused (its own id column would otherwise be
-    imputed as a feature), unless the file is read against a saved ``schema`` (its feature
-    columns), which refuses any other column by name."""
+    imputed as a feature), unless ``ids_optional``: the caller refuses every column outside a
+    saved schema by name (a saved imputer's client)."""
     frame = read_table(path, what="client file", id_column=id_column, literal=[label_column])
-    if id_column != ID_COLUMN and id_column not in frame.columns and schema is None:
+    if id_column != ID_COLUMN and id_column not in frame.columns and not ids_optional:
         raise DataError(
             f"{path} must have an id column `{id_column}` (--id-column). Found columns: "
             f"{list(frame.columns)}."
@@ -667,13 +667,13 @@ def read_client_file(
     *,
     id_column: str = ID_COLUMN,
     label_column: str = LABEL_COLUMN,
-    schema: Sequence[str] | None = None,
+    ids_optional: bool = False,
 ) -> ClientFile:
     """One client file as read (its features, ids and the columns around them), every row
-    to be filled: what a saved imputer fills (:meth:`ClientFile.imputed_frame`). With the
-    client's saved ``schema`` the file may lack the id column whatever its name (a column
-    outside the schema is the caller's to refuse)."""
-    source = _read_client_frame(Path(path), id_column, label_column, schema=schema)
+    to be filled: what a saved imputer fills (:meth:`ClientFile.imputed_frame`). With
+    ``ids_optional`` the file may lack the id column whatever its name (the caller refuses
+    any column outside the client's saved schema)."""
+    source = _read_client_frame(Path(path), id_column, label_column, ids_optional=ids_optional)
     return _client_file(source, np.zeros(len(source.features), dtype=bool))
 
 
