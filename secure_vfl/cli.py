@@ -91,7 +91,17 @@ class _Parser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", _HelpFormatter)
         super().__init__(*args, **kwargs)
 
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._words = list(sys.argv[1:] if args is None else args)  # what error() may quote
+        return super().parse_known_args(args, namespace)
+
     def error(self, message: str) -> NoReturn:
+        flag = message.removeprefix("argument ").removesuffix(": expected one argument")
+        words: list[str] = getattr(self, "_words", [])
+        if flag != message and flag in words[:-1]:
+            value = words[words.index(flag) + 1]
+            if re.match(r"-[0-9.]", value):  # argparse took a value such as -1:0.1 for a flag
+                message += f": found {value}, taken for a flag; write {flag}={value}"
         self.exit(EXIT_USAGE, f"{self.prog}: error: {_printable(message)}\n")
 
 

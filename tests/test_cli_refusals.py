@@ -190,6 +190,17 @@ def test_an_error_quoting_control_characters_shows_them_escaped(
     assert "\x1b" not in missing and "\\x1b]0;" in missing
 
 
+def test_a_value_argparse_takes_for_a_flag_is_shown_with_how_to_write_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--dp-gradients -1:0.1`` is not a negative number to argparse, which said only
+    "expected one argument"; a flag followed by a real flag gets no such hint."""
+    err = refused(["train", "--dp-gradients", "-1:0.1"], capsys)
+    assert "found -1:0.1, taken for a flag; write --dp-gradients=-1:0.1" in err
+    err = refused(["train", "--p-miss-test", "--epochs", "1"], capsys)
+    assert err.strip().endswith("argument --p-miss-test: expected one argument")
+
+
 @pytest.mark.usefixtures("no_training")
 def test_a_store_that_is_not_a_database_is_refused_before_anything_is_written(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
