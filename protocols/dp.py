@@ -119,7 +119,9 @@ class GaussianRelease:
     the release's records were Poisson-sampled (1: not subsampled); ``round`` the training step
     (or statistics exchange) it belongs to; ``phase`` ``"train"`` (training records) or
     ``"predict"`` (test records, of ``split``, whose rows are ``rows``). A release of a
-    secure sum's exposed rows (``"exposure"``) names its rows in either phase.
+    secure sum's exposed rows (``"exposure"``) names its rows in either phase. ``attempt``
+    counts the runs of its step before it: a resumed run takes again the steps after its
+    checkpoint, whose releases the killed run had made too (:meth:`PrivacyAccountant.restore`).
     """
 
     party: str
@@ -130,6 +132,7 @@ class GaussianRelease:
     phase: str = "train"
     split: str = "train"
     rows: tuple[int, ...] = field(default=(), repr=False)
+    attempt: int = 0
 
     def __post_init__(self) -> None:
         if not self.party:
@@ -144,6 +147,8 @@ class GaussianRelease:
             raise ConfigError(f"`kind` must be one of {', '.join(_KINDS)}. Found {self.kind!r}.")
         if self.phase not in ("train", "predict"):
             raise ConfigError(f"`phase` must be 'train' or 'predict'. Found {self.phase!r}.")
+        if type(self.attempt) is not int or self.attempt < 0:
+            raise ConfigError(f"`attempt` must be an integer >= 0. Found {self.attempt!r}.")
 
 
 EventCallback = Callable[[GaussianRelease], None]
@@ -399,6 +404,7 @@ class PrivacyAccountant:
         _check_accountant(accountant)
         self.accountant: AccountantName = accountant
         self.events: list[GaussianRelease] = []
+        self.attempt = 0  # what this run's releases are stamped with (restore() raises it)
         self.journal: Callable[[Mapping[str, Any]], None] | None = None
         """Called with each release as JSON once it is recorded, before the message carrying
         it leaves the party: a checkpointed party's release journal
@@ -407,6 +413,8 @@ class PrivacyAccountant:
 
     def on_event(self, event: GaussianRelease) -> None:
         """Record one release (and journal it, when a journal is attached)."""
+        if event.attempt != self.attempt:
+            event = dataclasses.replace(event, attempt=self.attempt)
         self.events.append(event)
         if self.journal is not None:
             self.journal(_release_json(event))
@@ -430,6 +438,8 @@ class PrivacyAccountant:
         restored = _releases(events, "a checkpoint")
         seen = [event for event in _releases(lost, "the journal") if event.kind != "dp-sgd"]
         self.events = restored + seen
+        # The steps after the checkpoint are taken again: their releases are new joint events.
+        self.attempt = 1 + max((event.attempt for event in self.events), default=-1)
         return len(seen)
 
     def parties(self) -> list[str]:
@@ -447,15 +457,6 @@ class PrivacyAccountant:
         self, party: str, *, phase: str, kinds: Sequence[str] = _KINDS
     ) -> list[GaussianRelease]:
         return [e for e in self.events if e.party == party and e.phase == phase and e.kind in kinds]
-
-    def step_strengths(self, party: str, *, shift: float) -> dict[int, float]:
-        """Per training step, the strength sum (shift / sigma_i)^2 of ``party``'s releases of
-        the kinds :data:`MESSAGE_KINDS` in it: its joint event's 1 / z^2."""
-        strengths: dict[int, float] = {}
-        for event in self._events(party, phase="train", kinds=MESSAGE_KINDS):
-            strength = release_strength(event.noise_multiplier, shift=shift)
-            strengths[event.round] = strengths.get(event.round, 0.0) + strength
-        return strengths
 
     def message_guarantee(
         self,
@@ -482,27 +483,26 @@ class PrivacyAccountant:
         if not ({"embedding", "gradient", *ROW_KINDS} & set(kinds)):
             return None
         shift = ROW_SHIFT[adjacency]
-        strengths = self.step_strengths(party, shift=shift)
-        by_rows = self._events(party, phase="train", kinds=ROW_KINDS)
-        outside = sorted(
-            step
-            for step in {*strengths, *(e.round for e in by_rows)}
-            if not 0 <= step < len(schedule)
-        )
+        steps = self._events(party, phase="train", kinds=(*MESSAGE_KINDS, *ROW_KINDS))
+        outside = sorted({e.round for e in steps if not 0 <= e.round < len(schedule)})
         if outside:
             raise ConfigError(
                 f"{party} released in training step(s) {outside[:3]} outside the "
                 f"{len(schedule)} steps of the schedule."
             )
         per_record = np.zeros(records, dtype=np.float64)
-        touched: dict[int, np.ndarray] = {}
-        for step, strength in strengths.items():
-            per_record[schedule[step]] += strength
-            touched.setdefault(step, np.zeros(records, dtype=bool))[schedule[step]] = True
-        for event in by_rows:
-            rows = np.asarray(event.rows, dtype=np.int64)
+        # The rows of each step's joint event, by (attempt, round): a step a resumed run took
+        # again is another event. Its message releases are charged to its whole batch (its
+        # 1 / z^2 the sum of theirs), an exposure to the rows it names.
+        touched: dict[tuple[int, int], np.ndarray] = {}
+        for event in steps:
+            if event.kind in MESSAGE_KINDS:
+                rows = schedule[event.round]
+            else:
+                rows = np.asarray(event.rows, dtype=np.int64)
             per_record[rows] += release_strength(event.noise_multiplier, shift=shift)
-            touched.setdefault(event.round, np.zeros(records, dtype=bool))[rows] = True
+            key = (event.attempt, event.round)
+            touched.setdefault(key, np.zeros(records, dtype=bool))[rows] = True
         worst = float(per_record.max()) if records else 0.0
         uses = np.zeros(records, dtype=np.int64)
         for rows_of_step in touched.values():

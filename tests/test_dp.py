@@ -134,6 +134,35 @@ def _schedule_run(accountant: PrivacyAccountant, sigma: float, rounds: int) -> N
         accountant.on_event(GaussianRelease("party-0", sigma, 0.5, "dp-sgd", step))
 
 
+def test_a_step_a_resumed_run_takes_again_is_counted_as_a_release_of_its_own() -> None:
+    """The killed run released steps 0-2, its checkpoint kept steps 0-1: the resumed run prices
+    the lost step 2 and takes step 2 again; both are composed, and both are counted."""
+    killed = PrivacyAccountant()
+    for step in range(2):
+        killed.on_event(GaussianRelease("party-0", 2.0, 0.5, "gradient", step))
+    checkpointed = killed.to_json()
+    killed.on_event(GaussianRelease("party-0", 2.0, 0.5, "gradient", 2))
+    resumed = PrivacyAccountant()
+    assert resumed.restore(checkpointed, lost=killed.to_json()[2:]) == 1
+    resumed.on_event(GaussianRelease("party-0", 2.0, 0.5, "gradient", 2))
+    assert [e.attempt for e in resumed.events] == [0, 0, 0, 1]
+    schedule = [np.array([0, 1])] * 3
+    guarantee = resumed.message_guarantee(
+        "party-0", schedule=schedule, records=2, adjacency="replace-one", delta=DELTA, sampling=""
+    )
+    assert guarantee is not None and guarantee.releases == 4
+    assert guarantee.epsilon == pytest.approx(
+        price([(2.0 / 2.0, 1.0, 4)], DELTA, accountant="rdp"), rel=1e-9
+    )
+    # A second resume goes on counting from the releases it restores.
+    again = PrivacyAccountant()
+    again.restore(resumed.to_json())
+    again.on_event(GaussianRelease("party-0", 2.0, 0.5, "gradient", 2))
+    assert again.events[-1].attempt == 2
+    with pytest.raises(ConfigError, match="attempt"):
+        GaussianRelease("party-0", 2.0, 0.5, "gradient", 2, attempt=-1)
+
+
 def test_message_guarantee_composes_each_records_steps_and_takes_the_worst_record() -> None:
     accountant = PrivacyAccountant()
     _schedule_run(accountant, 2.0, rounds=3)
