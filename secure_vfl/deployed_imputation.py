@@ -406,8 +406,9 @@ def impute_deployed(
     model: dict[str, Any] = {}
     gone: list[str] = []  # clients whose process died while saving its imputer
     view: ImputationFederation | None = None
+    late: list[str] = []
     try:
-        endpoint.await_peers_or_warn(list(federation.addresses(but=name)), wait)
+        late = endpoint.await_peers_or_warn(list(federation.addresses(but=name)), wait)
         schemas = _columns(endpoint, clients, config)
         features = list(dict.fromkeys(f for columns, _ in schemas.values() for f in columns))
         warn_alike_features({client: columns for client, (columns, _) in schemas.items()})
@@ -512,7 +513,7 @@ def impute_deployed(
         outcome = "finished"
     finally:
         lost = [n for n in view.roster if n not in view.names] if view is not None else []
-        reports, entries = _end(endpoint, federation, outcome, lost=[*lost, *gone])
+        reports, entries = _end(endpoint, federation, outcome, lost=[*lost, *gone], late=late)
         endpoint.close()
     result = dataclasses.replace(result, traffic=_with_reports(result.traffic, reports))
     if plan is not None:

@@ -2049,8 +2049,9 @@ def train_deployed(
     reports: dict[str, Counter[tuple[str, str, str]]] = {}
     entries: dict[str, Any] = {}
     lost: list[str] = []
+    late: list[str] = []
     try:
-        endpoint.await_peers_or_warn(list(federation.addresses(but=name)), wait)
+        late = endpoint.await_peers_or_warn(list(federation.addresses(but=name)), wait)
         align: AlignLabelIds
         if config.align == "psi":
             assert psi is not None
@@ -2138,7 +2139,7 @@ def train_deployed(
             lost = [*lost, *lost_saving]
         outcome = "finished"
     finally:
-        reports, entries = _end(endpoint, federation, outcome, lost=lost)
+        reports, entries = _end(endpoint, federation, outcome, lost=lost, late=late)
         endpoint.close()
     if privacy is not None:
         privacy.take_reports(entries)
@@ -2220,12 +2221,19 @@ that does not answer by then (hung, or stopped) is only warned of, not waited fo
 
 
 def _end(
-    endpoint: PartyEndpoint, federation: Federation, outcome: str, *, lost: Sequence[str] = ()
+    endpoint: PartyEndpoint,
+    federation: Federation,
+    outcome: str,
+    *,
+    lost: Sequence[str] = (),
+    late: Sequence[str] = (),
 ) -> tuple[dict[str, Counter[tuple[str, str, str]]], dict[str, Any]]:
     """Tell every party but the ``lost`` ones the run is over and take its report (best effort
     after a failure): the bytes each sent, and each data party's privacy entry (None: no DP).
     Called from a ``finally``: where the run is ending because its operator stopped it (Ctrl-C
-    or SIGTERM, in flight), the parties are told ``"interrupted"`` rather than ``"failed"``."""
+    or SIGTERM, in flight), the parties are told ``"interrupted"`` rather than ``"failed"``.
+    ``late``: the parties the start-up already warned were not reachable; one the failed run
+    cannot end (still not reachable) is not warned of again."""
     stopping = sys.exc_info()[1]
     if outcome != "finished" and stopping is not None and not isinstance(stopping, Exception):
         outcome = INTERRUPTED
@@ -2242,7 +2250,8 @@ def _end(
                 endpoint.receive(sender=name, kind="deployment"), "report", REPORT_KEYS
             )
     else:
-        bodies = _end_failed(endpoint, names, ends, min(endpoint.deadline, FAILED_END_SECONDS))
+        seconds = min(endpoint.deadline, FAILED_END_SECONDS)
+        bodies = _end_failed(endpoint, names, ends, seconds, late=late)
     for name, body in bodies.items():
         reports[name] = _reported_bytes(name, body["bytes"])
         if name != AGGREGATOR:
@@ -2251,7 +2260,12 @@ def _end(
 
 
 def _end_failed(
-    endpoint: PartyEndpoint, names: Sequence[str], ends: Sequence[Message], seconds: float
+    endpoint: PartyEndpoint,
+    names: Sequence[str],
+    ends: Sequence[Message],
+    seconds: float,
+    *,
+    late: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The ends of a run that failed or was interrupted, sent to every party at once and their
     reports taken within ``seconds`` in all: hung or stopped parties are only warned of, and
@@ -2266,7 +2280,14 @@ def _end_failed(
     bodies = {}
     for name in names:
         if name in failed:  # it refused its end, or could not be reached: it says which
-            logger.warning("%s: could not end the run at %s: %s", endpoint.name, name, failed[name])
+            unheard = name in late and isinstance(failed[name], TransportError)
+            logger.log(
+                logging.DEBUG if unheard else logging.WARNING,
+                "%s: could not end the run at %s: %s",
+                endpoint.name,
+                name,
+                failed[name],
+            )
             continue
         try:
             message = endpoint.receive(

@@ -1113,6 +1113,9 @@ def test_a_label_party_process_goes_past_the_refusals_to_psi_with_each_party(
     assert label.wait(timeout=PROCESS_SECONDS) != 0
     log = processes.log("bank")
     assert "deployment from bank to shop" in log and "could not be reached" in log, log
+    # The start-up named the parties it could not reach: ending the run there is not warned of
+    # again, one line each.
+    assert "not reachable after" in log and "could not end the run" not in log, log
     assert not (tmp_path / "out" / "result.json").exists()
 
 
