@@ -71,7 +71,7 @@ class Observer:
         for party in self.parties:
             party.contribute = self._kept(party.name, party.contribute)  # type: ignore[method-assign,assignment]
             if party.name == RECEIVER:
-                party.on_sum = self._opened(party.on_sum)  # type: ignore[method-assign,assignment]
+                party.take_sum = self._opened(party.take_sum)  # type: ignore[method-assign,assignment]
 
     def _kept(self, name: str, contribute: Callable[[Any], None]) -> Callable[[Any], None]:
         def record(message: RepresentationMessage) -> None:
@@ -81,10 +81,10 @@ class Observer:
 
         return record
 
-    def _opened(self, on_sum: Callable[[SumMessage], None]) -> Callable[[SumMessage], None]:
+    def _opened(self, take_sum: Callable[[SumMessage], None]) -> Callable[[SumMessage], None]:
         def record(message: SumMessage) -> None:
             self.opened.append(message)
-            on_sum(message)
+            take_sum(message)
 
         return record
 

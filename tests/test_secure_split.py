@@ -24,11 +24,13 @@ from secure_vfl.federation.aggregator import PlainAggregator, SealingScheme, Sum
 from secure_vfl.federation.channel import Channel, RecordingLayer
 from secure_vfl.federation.messages import (
     AGGREGATOR,
+    HeadTask,
     PublicKeyMessage,
     RepresentationMessage,
     SealedMessage,
     SealedSumMessage,
     SealRequest,
+    SumMessage,
 )
 from secure_vfl.federation.parties import DataParty, Party
 from secure_vfl.methods import METHODS, MethodConfig
@@ -257,6 +259,71 @@ def test_a_tampered_or_truncated_sealed_sum_is_refused(make_data: MakeData, back
     )
     with pytest.raises((ProtocolError, IntegrityError)):
         receiver.receive(garbage)
+
+
+def _every_head_stepped(make_data: MakeData, aggregator: SumBackend):  # type: ignore[no-untyped-def]
+    """LASER with a head at every party (head tasks cross to the data parties: plain sums
+    only), one step."""
+    recorder = RecordingLayer()
+    method = METHODS.get("laser")(
+        make_data(),
+        dataclasses.replace(CONFIG, heads="all", secure_sums=False),
+        seed=0,
+        channel=Channel([recorder]),
+        aggregator=aggregator,
+    )
+    method.train_step(ROWS, 0, 0)
+    return method, recorder
+
+
+def test_a_sum_comes_from_the_aggregation_server_only_and_sealed_under_a_secure_sum(
+    make_data: MakeData,
+) -> None:
+    """A data party could send the label party, in its own name, a plain sum for the step's
+    head task: the head trained on it (loss 522 instead of 2.7). A sum from anyone but the
+    aggregation server is refused, and under a secure sum a plain one from it too."""
+    method, recorder = _stepped(make_data)
+    sealed = _last(recorder, SealedSumMessage)
+    receiver = _party(method, sealed.receiver)
+    forged = SumMessage(
+        sender="party-2",
+        receiver=receiver.name,
+        round=1,
+        batch_id=sealed.batch_id,
+        tag=sealed.tag,
+        sums=torch.full((*sealed.selection.shape[:2], 8), 1000.0),
+        counts=sealed.selection.sum(dim=2),
+    )
+    with pytest.raises(ProtocolError, match="sums come from aggregator only"):
+        receiver.receive(forged)
+    with pytest.raises(ProtocolError, match="sums come from aggregator only"):
+        receiver.receive(dataclasses.replace(sealed, sender="party-2", round=1))
+    with pytest.raises(ProtocolError, match="it takes them sealed only"):
+        receiver.receive(dataclasses.replace(forged, sender=AGGREGATOR))
+    method.train_step(ROWS + 32, 1, 0)  # nothing was taken: the next step trains
+
+
+def test_a_sum_that_does_not_fit_its_head_task_is_refused_and_the_task_kept(
+    make_data: MakeData,
+) -> None:
+    method, recorder = _every_head_stepped(make_data, PlainAggregator())
+    task = dataclasses.replace(_last(recorder, HeadTask), round=5)
+    party = _party(method, task.receiver)
+    assert isinstance(party, DataParty)
+    party.receive(task)
+    right = dataclasses.replace(
+        [m for m in recorder.messages if isinstance(m, SumMessage) and m.tag == task.tag][-1],
+        round=5,
+    )
+    more = dataclasses.replace(right, counts=right.counts + 1)
+    with pytest.raises(ProtocolError, match="over the contributors its task selected"):
+        party.receive(more)
+    wider = dataclasses.replace(right, sums=torch.cat([right.sums, right.sums], dim=1))
+    with pytest.raises(ProtocolError, match=r"sums of \(tasks, rows\)"):
+        party.receive(wider)
+    # The task still waits for its sum: a second one for it is a replay.
+    with pytest.raises(ProtocolError, match="a second task"):
+        party.receive(task)
 
 
 @pytest.mark.parametrize(

@@ -317,7 +317,7 @@ class SecureSumParty(Party):
     """A party in secure sums split at the party boundary: it holds its own halves of the
     scheme (its secret keys live in them, nowhere else), announces its public keys on a
     :class:`KeyRequest`, seals what it contributes on a :class:`SealRequest` and opens the
-    sealed sums it is owed (:meth:`on_sum` then acts on them as on plain sums)."""
+    sealed sums it is owed (:meth:`take_sum` then acts on them as on plain sums)."""
 
     def __init__(self, name: str) -> None:
         super().__init__(name)
@@ -479,13 +479,14 @@ class SecureSumParty(Party):
 
     def on_sealed_sum(self, message: SealedSumMessage) -> None:
         """Open the sums it is owed with its own key and act on them as on plain sums."""
+        _check_from_aggregator(self.name, message)
         if self.opener is None or message.scheme != self.scheme:
             raise ProtocolError(
                 f"{self.name}: sealed {message.scheme!r} sums from {message.sender}, but it "
                 "holds no key to open them."
             )
         sums = self.opener.open(message.payload, members=sum_members(message), width=message.width)
-        self.on_sum(
+        self.take_sum(
             SumMessage(
                 sender=message.sender,
                 receiver=self.name,
@@ -500,8 +501,54 @@ class SecureSumParty(Party):
         )
 
     def on_sum(self, message: SumMessage) -> None:
-        """A sum it is owed waits in its inbox until its program takes it."""
+        """A plain sum from the aggregation server, which it acts on (:meth:`take_sum`); under a
+        secure sum it takes sealed sums only, which it opens itself."""
+        _check_from_aggregator(self.name, message)
+        if self.opener is not None:
+            raise ProtocolError(
+                f"{self.name}: a plain sum from {message.sender}, but its sums are sealed "
+                f"({self.scheme}): it takes them sealed only."
+            )
+        self.take_sum(message)
+
+    def take_sum(self, message: SumMessage) -> None:
+        """A sum it is owed (plain, or opened) waits in its inbox until its program takes it."""
         self._inbox.append(message)
+
+
+def _check_from_aggregator(name: str, message: Message) -> None:
+    """Refuse a sum that does not come from the aggregation server, the only party that sums."""
+    if message.sender != AGGREGATOR:
+        raise ProtocolError(
+            f"{name}: a {message.kind} from {message.sender}; sums come from {AGGREGATOR} only."
+        )
+
+
+def _check_sum_fits(name: str, message: SumMessage, task: HeadTask | PredictTask) -> None:
+    """Refuse a sum that is not the one ``task`` waits for: a training task's sums of its tasks
+    and rows, each over as many contributors as its selection names; a prediction's, sums of
+    the rows it predicts."""
+    where = f"{name}: the sum {message.tag!r} of round {message.round} from {message.sender}"
+    found = tuple(message.sums.shape[:2])
+    if isinstance(task, HeadTask):
+        expected = tuple(task.weights.shape)
+        if found != expected:
+            raise ProtocolError(
+                f"{where}: sums of (tasks, rows) {expected} expected, found {found}."
+            )
+        if not torch.equal(message.counts, task.selection.sum(dim=2)):
+            raise ProtocolError(
+                f"{where}: each sum over the contributors its task selected expected, found "
+                "other counts."
+            )
+    elif (
+        task.positions.numel()
+        and not 0 <= int(task.positions.min()) <= int(task.positions.max()) < found[1]
+    ):
+        raise ProtocolError(
+            f"{where}: sums of the rows to predict (up to position {int(task.positions.max())}) "
+            f"expected, found {found[1]} rows."
+        )
 
 
 class DataParty(SecureSumParty):
@@ -825,11 +872,14 @@ class DataParty(SecureSumParty):
             )
         self._tasks[key] = task
 
-    def on_sum(self, message: SumMessage) -> None:
-        task = self._tasks.pop((message.round, message.batch_id, message.tag), None)
+    def take_sum(self, message: SumMessage) -> None:
+        key = (message.round, message.batch_id, message.tag)
+        task = self._tasks.get(key)
         if task is None:
             self._inbox.append(message)
             return
+        _check_sum_fits(self.name, message, task)
+        del self._tasks[key]
         counts = message.counts.clamp(min=1).unsqueeze(-1).to(message.sums.dtype)
         means = message.sums / counts
         if isinstance(task, PredictTask):
