@@ -241,10 +241,12 @@ def load_vector(context: ts.Context, data: bytes, who: str) -> ts.CKKSVector:
 
 
 def add_ciphertexts(
-    public: ts.Context, arrived: Mapping[str, Sequence[bytes]], count: int
+    public: ts.Context, arrived: Mapping[str, Sequence[bytes]], values: int, slots: int
 ) -> list[bytes]:
-    """Slot-wise homomorphic sums of every contributor's ``count`` ciphertexts (public context
-    only)."""
+    """Slot-wise homomorphic sums of every contributor's ciphertexts of ``values`` values,
+    ``slots`` to a ciphertext (public context only). A ciphertext of another size or scale than
+    the first contributor's is an IntegrityError naming its sender."""
+    count = -(-values // slots)
     for name, sent in arrived.items():
         if len(sent) != count:
             raise IntegrityError(f"{count} ciphertexts expected from {name}, found {len(sent)}.")
@@ -252,10 +254,25 @@ def add_ciphertexts(
         return []
     totals: list[bytes] = []
     for i in range(count):
+        size = min(slots, values - i * slots)
         total: ts.CKKSVector | None = None
         for name, sent in arrived.items():
             vector = load_vector(public, sent[i], f"from {name}")
-            total = vector if total is None else total + vector
+            if vector.size() != size:
+                raise IntegrityError(
+                    f"CKKS ciphertext {i} from {name}: {size} values expected, found "
+                    f"{vector.size()}."
+                )
+            if total is None:
+                total = vector
+                continue
+            try:
+                total = total + vector
+            except (ValueError, RuntimeError) as error:  # another scale or context
+                raise IntegrityError(
+                    f"CKKS ciphertext {i} from {name} does not add to the others' ({error}): "
+                    "sealed under other parameters, or tampered with."
+                ) from None
         assert total is not None
         totals.append(bytes(total.serialize()))
     return totals
@@ -267,6 +284,7 @@ def open_sums(
     counts: np.ndarray,
     shape: tuple[int, int, int],
     *,
+    slots: int,
     max_magnitude: float,
     bound: Callable[[int], float],
 ) -> np.ndarray:
@@ -274,12 +292,18 @@ def open_sums(
     honest inputs can give (|sum| <= contributors * max_magnitude + bound), reshape, and set
     the sums nobody entered to exactly 0."""
     tasks, batch, width = shape
-    if not summed:  # nobody contributed to any sum
+    if not summed and not counts.any():  # nobody contributed to any sum: nothing sealed
         return np.zeros(shape, dtype=np.float32)
+    total = tasks * batch * width
+    expected = -(-total // slots)
+    if len(summed) != expected:
+        raise IntegrityError(
+            f"a CKKS sum of {total} values in {expected} ciphertext(s) expected, found "
+            f"{len(summed)}."
+        )
     decrypted = np.concatenate(
         [np.asarray(load_vector(secret, c, "of the sum").decrypt()) for c in summed]
     )
-    total = tasks * batch * width
     if decrypted.size < total:
         raise IntegrityError(
             f"a CKKS sum of {total} values expected, found {decrypted.size} slots."
@@ -397,8 +421,9 @@ class CkksAdder:
         public = self._publics.get(receiver)
         if public is None:
             raise ProtocolError(f"no CKKS public context of {receiver} was announced.")
-        count = -(-shape[0] * shape[1] * shape[2] // self.slots)
-        summed = tuple(add_ciphertexts(public, payloads, count))
+        summed = tuple(
+            add_ciphertexts(public, payloads, shape[0] * shape[1] * shape[2], self.slots)
+        )
         self.seconds += time.perf_counter() - start
         return summed
 
@@ -416,6 +441,7 @@ class CkksReceiver:
         bound: Callable[[int], float],
     ) -> None:
         self._secret = make_secret_context(poly_modulus_degree, coeff_mod_bit_sizes, scale_bits)
+        self.slots = poly_modulus_degree // 2
         self._published = public_context_bytes(self._secret)
         self.max_magnitude = max_magnitude
         self.scale_bits = scale_bits
@@ -450,6 +476,7 @@ class CkksReceiver:
             payload,
             counts,
             (*counts.shape, width),
+            slots=self.slots,
             max_magnitude=self.max_magnitude,
             bound=self._bound,
         )

@@ -544,7 +544,7 @@ class PaillierReceiver:
             parties=len(members.parties),
         )
         values = shape[0] * shape[1] * shape[2]
-        if not payload:
+        if not payload and not counts.any():  # nobody contributed to any sum: nothing sealed
             sums = np.zeros(shape, dtype=np.float32)
         else:
             ciphertexts = _read_ciphertexts(

@@ -194,6 +194,34 @@ def test_corrupted_ciphertext_bytes_are_refused() -> None:
             SumParties(CkksAggregator(), layers=[tap]).combine(messages, selection)
 
 
+def test_a_share_of_another_size_or_scale_is_refused_naming_its_sender() -> None:
+    """Under the receiver's own public context, a share vector of another length or scale made
+    the aggregation server fail with tenseal's ValueError, which named no party."""
+    messages, selection = full_batch(10)
+    selection[0, 0, :] = True
+    public: dict[str, ts.Context] = {}
+
+    def replaced(fewer: int, scale_bits: int) -> Callable[[list[bytes]], list[bytes]]:
+        def rewrite(sent: list[bytes]) -> list[bytes]:
+            values = [0.5] * (ts.ckks_vector_from(public["ckks"], sent[0]).size() - fewer)
+            vector = ts.ckks_vector(public["ckks"], values, scale=float(2**scale_bits))
+            return [bytes(vector.serialize()), *sent[1:]]
+
+        return rewrite
+
+    for rewrite, pattern in [
+        (replaced(3, 40), r"ciphertext 0 from party-1: \d+ values expected, found \d+"),
+        # Below the scales a sender may use (at least 2**30): it cannot be the honest one's.
+        (replaced(0, 25), "ciphertext 0 from party-1 does not add"),
+    ]:
+        parties = SumParties(CkksAggregator(), layers=[Tap(PARTIES[1], rewrite)])
+        receiver = parties.parties[PARTIES[0]]
+        assert receiver.opener is not None
+        public["ckks"] = load_public_context(receiver.opener.public_key())
+        with pytest.raises(IntegrityError, match=pattern):
+            parties.combine(messages, selection)
+
+
 def test_whole_vector_sums_work_through_split_ckks() -> None:
     generator = torch.Generator().manual_seed(13)
     vectors = {name: torch.randn(5000, generator=generator) for name in PARTIES[:3]}

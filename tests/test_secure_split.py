@@ -259,6 +259,9 @@ def test_a_tampered_or_truncated_sealed_sum_is_refused(make_data: MakeData, back
     )
     with pytest.raises((ProtocolError, IntegrityError)):
         receiver.receive(garbage)
+    # No ciphertext at all: Paillier and CKKS opened it as sums of zeros.
+    with pytest.raises(ProtocolError, match="expected, found 0"):
+        receiver.receive(dataclasses.replace(sealed, round=50, payload=()))
 
 
 def _every_head_stepped(make_data: MakeData, aggregator: SumBackend):  # type: ignore[no-untyped-def]
