@@ -92,9 +92,11 @@ def public_context_bytes(context: ts.Context) -> bytes:
     )
 
 
-def load_public_context(published: bytes) -> ts.Context:
+def load_public_context(published: bytes, *, modulus: tuple[int, int] | None = None) -> ts.Context:
     """A sender's (or the aggregator's) context, loaded from the receiver's published bytes;
-    refuse one that carries a secret key (the receiver would have leaked it)."""
+    refuse one that carries a secret key (the receiver would have leaked it) and, given
+    ``modulus`` (N, the bits of the coefficient modulus), one of other parameters, which
+    would fail only at the next sum."""
     try:
         context = ts.context_from(published)
     except (ValueError, RuntimeError) as error:
@@ -104,6 +106,14 @@ def load_public_context(published: bytes) -> ts.Context:
             "a published CKKS context must not hold the secret key; publish it serialized with "
             "save_secret_key=False."
         )
+    if modulus is not None:
+        key_data = context.data.seal_context().key_context_data()
+        found = (key_data.parms().poly_modulus_degree(), key_data.total_coeff_modulus_bit_count())
+        if found != modulus:
+            raise ProtocolError(
+                f"a published CKKS context of N = {modulus[0]} with a {modulus[1]}-bit "
+                f"coefficient modulus expected (this run's), found N = {found[0]}, {found[1]} bits."
+            )
     return context
 
 
@@ -174,13 +184,14 @@ class CkksAggregator:
     def sender(self) -> CkksSender:
         return CkksSender(
             slots=self.slots,
+            modulus_bits=sum(self.coeff_mod_bit_sizes),
             max_magnitude=self.max_magnitude,
             sum_limit=self.sum_limit,
             scale_bits=self.scale_bits,
         )
 
     def adder(self) -> CkksAdder:
-        return CkksAdder(slots=self.slots)
+        return CkksAdder(slots=self.slots, modulus_bits=sum(self.coeff_mod_bit_sizes))
 
     def receiver(self) -> CkksReceiver:
         """A fresh receiver half: its own secret context."""
@@ -332,9 +343,15 @@ class CkksSender:
     context (which cannot decrypt)."""
 
     def __init__(
-        self, *, slots: int, max_magnitude: float, sum_limit: float, scale_bits: int
+        self,
+        *,
+        slots: int,
+        modulus_bits: int,
+        max_magnitude: float,
+        sum_limit: float,
+        scale_bits: int,
     ) -> None:
-        self.slots = slots
+        self.slots, self.modulus_bits = slots, modulus_bits
         self.max_magnitude, self.sum_limit, self.scale_bits = max_magnitude, sum_limit, scale_bits
         self._headroom_bits = scale_bits + round(math.log2(sum_limit))
         self._most_scale_bits = scale_bits
@@ -356,7 +373,9 @@ class CkksSender:
 
     def learn(self, peer: str, role: str, key: bytes) -> None:
         if role == "receiver":
-            self._publics[peer] = load_public_context(key)
+            self._publics[peer] = load_public_context(
+                key, modulus=(2 * self.slots, self.modulus_bits)
+            )
 
     def seal(
         self,
@@ -400,14 +419,16 @@ class CkksSender:
 class CkksAdder:
     """The aggregator's half: adds ciphertexts with only each receiver's public context."""
 
-    def __init__(self, *, slots: int) -> None:
-        self.slots = slots
+    def __init__(self, *, slots: int, modulus_bits: int) -> None:
+        self.slots, self.modulus_bits = slots, modulus_bits
         self._publics: dict[str, ts.Context] = {}
         self.seconds = 0.0
 
     def learn(self, peer: str, role: str, key: bytes) -> None:
         if role == "receiver":
-            self._publics[peer] = load_public_context(key)
+            self._publics[peer] = load_public_context(
+                key, modulus=(2 * self.slots, self.modulus_bits)
+            )
 
     def add(
         self,

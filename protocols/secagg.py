@@ -190,11 +190,24 @@ def add_self_mask(
     add_pair_mask(target, self_key, sign, rows, _SELF_MASK_INFO + context)
 
 
-def _read_key(peer: str, role: str, key: bytes) -> bytes:
+_FIELD_PRIME = 2**255 - 19
+
+
+def _read_key(peer: str, role: str, key: bytes, private: X25519PrivateKey) -> bytes:
+    """``peer``'s announced X25519 public key, refused on arrival (before it replaces one taken
+    before) unless it is 32 bytes, canonically encoded (u < 2^255 - 19) and of full order: one
+    that gives ``private`` the all-zero secret (a low-order point) would fail only at the next
+    sum, with no good key left."""
     if len(key) != 32:
         raise ProtocolError(
             f"an X25519 public key of 32 bytes expected from {peer} as {role}, found {len(key)}."
         )
+    if int.from_bytes(key, "little") >= _FIELD_PRIME:
+        raise ProtocolError(
+            f"a canonically encoded X25519 public key (u < 2^255 - 19) expected from {peer} as "
+            f"{role}, found one that is not."
+        )
+    _agree(private, bytes(key), "this party", peer)  # refuses a low-order point
     return bytes(key)
 
 
@@ -242,10 +255,10 @@ class MaskSender:
     def learn(self, peer: str, role: str, key: bytes) -> None:
         """A peer contributor's key (pair masks) or a receiver's key (self-masks)."""
         if role == "sender":
-            self._peers[peer] = _read_key(peer, role, key)
+            self._peers[peer] = _read_key(peer, role, key, self._private)
             self._pair_keys.pop(peer, None)
         elif role == "receiver":
-            self._receivers[peer] = _read_key(peer, role, key)
+            self._receivers[peer] = _read_key(peer, role, key, self._private)
             self._self_keys.pop(peer, None)
 
     def _pair_key(self, owner: str, peer: str) -> bytes:
@@ -405,7 +418,7 @@ class MaskReceiver:
     def learn(self, peer: str, role: str, key: bytes) -> None:
         """A contributor's announced key, from which its self-mask key is derived."""
         if role == "sender":
-            self._senders[peer] = _read_key(peer, role, key)
+            self._senders[peer] = _read_key(peer, role, key, self._private)
             self._self_keys = {k: v for k, v in self._self_keys.items() if k[0] != peer}
 
     def use_range(self, value_range: SumRange) -> None:

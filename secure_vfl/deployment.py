@@ -479,6 +479,8 @@ class _Server:
         channel = NetworkChannel(self.endpoint)
         self.endpoint.handler = None  # the channel attaches the party to the endpoint
         party.connect(channel)
+        if isinstance(party, Party):  # its requests and plans come from the label party only
+            party.driver = self.federation.label_party
         self.endpoint.handler = self.receive
 
     def _on_fit(self, message: Message) -> None:

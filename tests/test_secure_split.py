@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey
 from phe import paillier
 from reachability import reachable
 
-from protocols.ckks import CkksAggregator
+from protocols.ckks import CkksAggregator, make_secret_context, public_context_bytes
 from protocols.paillier import KeyPair, PaillierAggregator, generate_key_pair
 from protocols.secagg import MaskingAggregator
 from secure_vfl.errors import IntegrityError, ProtocolError
@@ -24,6 +24,7 @@ from secure_vfl.federation.aggregator import PlainAggregator, SealingScheme, Sum
 from secure_vfl.federation.channel import Channel, RecordingLayer
 from secure_vfl.federation.messages import (
     AGGREGATOR,
+    DRIVEN_KINDS,
     HeadTask,
     PublicKeyMessage,
     RepresentationMessage,
@@ -329,12 +330,51 @@ def test_a_sum_that_does_not_fit_its_head_task_is_refused_and_the_task_kept(
         party.receive(task)
 
 
+@pytest.mark.parametrize("backend", ["plain", "masks"])
+def test_the_drivers_requests_and_plans_are_refused_from_anyone_else(
+    make_data: MakeData, backend: str
+) -> None:
+    """Every kind only the label party sends, sent by another party (in its own name, as the
+    channel makes it), is refused by its receiver before anything acts on it."""
+    if backend == "plain":
+        method, recorder = _every_head_stepped(make_data, PlainAggregator())
+    else:
+        method, recorder = _stepped(make_data)
+    driven = {}
+    for message in recorder.messages:
+        if message.kind in DRIVEN_KINDS and message.receiver != message.sender:
+            driven.setdefault(message.kind, message)
+    expected = {
+        "plain": {"represent-request", "head-task", "sum-request"},
+        "masks": {"represent-request", "sum-request", "seal-request", "key-request"},
+    }[backend]
+    assert expected <= set(driven), sorted(driven)
+    for kind, message in driven.items():
+        assert message.sender == "party-0", kind
+        forger = "party-2" if message.receiver != "party-2" else "party-1"
+        receiver = _party(method, message.receiver)
+        inbox = list(receiver._inbox)
+        with pytest.raises(ProtocolError, match="only the run's driver, party-0, sends one"):
+            receiver.receive(dataclasses.replace(message, sender=forger, round=7))
+        assert receiver._inbox == inbox, kind
+    method.train_step(ROWS + 32, 1, 0)  # nothing was acted on: the next step trains
+
+
 @pytest.mark.parametrize(
     ("backend", "key", "expected"),
     [
         ("masks", b"\x01" * 31, "32 bytes expected"),
+        # A low-order point (all-zero secret) and a non-canonical u >= 2^255 - 19: taken, they
+        # replaced the good key and failed only at the next sum.
+        ("masks", b"\x00" * 32, "degenerate secret"),
+        ("masks", b"\xff" * 31 + b"\x7f", "canonically encoded"),
         ("paillier", b"\x80" + b"\x00" * 127, "odd 1024-bit Paillier modulus"),
         ("ckks", b"not a context", "does not load"),
+        (
+            "ckks",
+            public_context_bytes(make_secret_context(4096, [40, 20, 40], 30)),
+            "context of N = 8192 with a 120-bit coefficient modulus expected",
+        ),
     ],
 )
 def test_a_bad_public_key_is_refused(
@@ -354,6 +394,21 @@ def test_a_bad_public_key_is_refused(
     )
     with pytest.raises((ProtocolError, IntegrityError), match=expected):
         party.receive(message)
+
+
+def test_a_second_different_key_in_one_key_session_is_refused_and_the_first_kept(
+    make_data: MakeData,
+) -> None:
+    """A peer's key replaced within a session left the sums sealed under the first with masks
+    that no longer cancelled ("masks did not cancel" at the next sum)."""
+    method, recorder = _stepped(make_data)
+    announced = _last(recorder, PublicKeyMessage, "party-2")
+    party = _party(method, announced.receiver)
+    party.receive(announced)  # the same key again: nothing changes
+    other = X25519PrivateKey.generate().public_key().public_bytes_raw()
+    with pytest.raises(ProtocolError, match="a second, different sender key of key session"):
+        party.receive(dataclasses.replace(announced, key=other))
+    method.train_step(ROWS + 32, 1, 0)  # the first key stands: the next step's masks cancel
 
 
 def test_a_party_of_another_scheme_refuses_the_key_set_up(make_data: MakeData) -> None:

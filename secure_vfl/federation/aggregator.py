@@ -382,6 +382,7 @@ class KeySessions:
 
     def __init__(self) -> None:
         self._seen: list[str] = []
+        self._keys: dict[tuple[str, str], bytes] = {}  # the newest session's, by sender, role
 
     def enter(self, session: str, what: str) -> None:
         """Note ``session`` (a key request or a public key of it, ``what``); ProtocolError if
@@ -393,3 +394,20 @@ class KeySessions:
             )
         if not self._seen or self._seen[-1] != session:
             self._seen.append(session)
+            self._keys = {}
+
+    def check_key(self, session: str, sender: str, role: str, key: bytes, what: str) -> None:
+        """Enter ``session`` (:meth:`enter`) for ``sender``'s ``role`` key; ProtocolError if it
+        announced another one in that session (:meth:`keep_key`): a key replaced within a
+        session would leave the masks of the sums sealed before it uncancelled."""
+        self.enter(session, what)
+        known = self._keys.get((sender, role))
+        if known is not None and known != key:
+            raise ProtocolError(
+                f"{what}: a second, different {role} key of key session {session!r}; a party "
+                "announces its key once a session."
+            )
+
+    def keep_key(self, sender: str, role: str, key: bytes) -> None:
+        """Note a key of the newest session its receiver took (after :meth:`check_key`)."""
+        self._keys[(sender, role)] = key

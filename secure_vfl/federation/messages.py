@@ -34,6 +34,26 @@ PHASES = ("train", "predict")
 
 PartyId = str
 AGGREGATOR: PartyId = "aggregator"
+DRIVEN_KINDS = frozenset(
+    {
+        "abort",
+        "compute-request",
+        "global-statistics",
+        "head-task",
+        "key-request",
+        "latent",
+        "parameters",
+        "predict-task",
+        "represent-request",
+        "score-request",
+        "seal-request",
+        "sum-request",
+        "update",
+    }
+)
+"""The kinds only a run's driver sends (the label party; an imputation run's coordinator): its
+requests and plans. A party that knows its driver (:attr:`~secure_vfl.federation.parties.
+Party.driver`) refuses them from anyone else."""
 
 
 def party_name(index: int) -> PartyId:

@@ -57,6 +57,7 @@ from secure_vfl.federation.aggregator import (
 )
 from secure_vfl.federation.messages import (
     AGGREGATOR,
+    DRIVEN_KINDS,
     AbortRequest,
     GradientMessage,
     HeadTask,
@@ -123,6 +124,10 @@ class Party:
         self._deferred: list[Message] = []
         self._outbox: list[Message] | None = None
         self._after: list[Message] = []
+        self.driver: str | None = None
+        """The party that drives its run (the label party; an imputation run's coordinator),
+        the only one it takes the kinds :data:`DRIVEN_KINDS` from; None: any sender's (a party
+        used on its own)."""
 
     def connect(self, channel: Channel) -> None:
         """Attach this party to ``channel`` (the network it sends and receives on)."""
@@ -233,6 +238,11 @@ class Party:
             raise ProtocolError(
                 f"{message.kind} from {message.sender} for {message.receiver!r} was delivered "
                 f"to {self.name!r}."
+            )
+        if message.kind in DRIVEN_KINDS and self.driver not in (None, message.sender):
+            raise ProtocolError(
+                f"{self.name}: a {message.kind} from {message.sender}; only the run's driver, "
+                f"{self.driver}, sends one."
             )
         for layer in self.incoming:
             message = layer.on_message(message)
@@ -391,9 +401,16 @@ class SecureSumParty(Party):
                 f"{message.sender}, but it runs {self.scheme or 'no secure sum'} with no half "
                 f"that takes a {message.role} key."
             )
-        self._key_sessions.enter(message.session, f"{self.name}: a key from {message.sender}")
-        for half in learners:
+        self._key_sessions.check_key(
+            message.session,
+            message.sender,
+            message.role,
+            message.key,
+            f"{self.name}: a key from {message.sender}",
+        )
+        for half in learners:  # each refuses a key it cannot use before it takes it
             half.learn(message.sender, message.role, message.key)
+        self._key_sessions.keep_key(message.sender, message.role, message.key)
 
     def on_seal_request(self, request: SealRequest) -> None:
         """Seal the representation kept for the request's source into the sums it asks for,
@@ -992,8 +1009,15 @@ class AggregationServer(Party):
                 f"{self.name}: a {message.scheme!r} public key from {message.sender}, but it "
                 f"runs {self.scheme or 'no secure sum'}."
             )
-        self._key_sessions.enter(message.session, f"{self.name}: a key from {message.sender}")
+        self._key_sessions.check_key(
+            message.session,
+            message.sender,
+            message.role,
+            message.key,
+            f"{self.name}: a key from {message.sender}",
+        )
         self.adder.learn(message.sender, message.role, message.key)
+        self._key_sessions.keep_key(message.sender, message.role, message.key)
 
     def _enter_batch(self, message: SealedMessage | RepresentationMessage) -> None:
         batch = (message.round, message.batch_id, message.phase)

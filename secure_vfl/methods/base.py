@@ -977,6 +977,8 @@ def build_federation(
     if channel.hosts(AGGREGATOR):
         server = make_aggregation_server(aggregator, roles.get(AGGREGATOR, "aggregation-server"))
         server.connect(channel)
+    for member in [*parties, *([server] if server is not None else [])]:
+        member.driver = party_names[0]  # its requests and plans come from the label party only
     if isinstance(aggregator, SealingScheme):  # (split: repeated for the type checker)
         # Each party makes its own halves (its keys never leave it); keys meet by messages.
         for party in parties:

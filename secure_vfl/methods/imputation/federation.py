@@ -536,6 +536,8 @@ def build_imputation_federation(
     coordinator.connect(channel)
     server = make_aggregation_server(aggregator, roles.get(AGGREGATOR, "aggregation-server"))
     server.connect(channel)
+    for party in [*parties, server]:
+        party.driver = coordinator.name  # its requests come from the coordinator only
     federation = ImputationFederation(
         own=coordinator,
         names=[client.name for client in parties],
