@@ -256,7 +256,12 @@ class _ReconstructionAttack(Attack):
     role: ClassVar[str | None] = None
     metric: ClassVar[str] = "gain"
     kind: ClassVar[str] = "reconstruction"
-    counts: ClassVar[tuple[str, ...]] = ("isolated", "samples")
+    counts: ClassVar[tuple[str, ...]] = (
+        "isolated",
+        "samples",
+        "reconstructed_rows",
+        "auxiliary_rows",
+    )
     default_attacker: ClassVar[str] = LABEL_PARTY
 
     def __init__(self, victim: int = 1, auxiliary: float = 0.1) -> None:

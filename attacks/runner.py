@@ -27,6 +27,7 @@ import json
 import math
 import re
 import typing
+import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -40,7 +41,7 @@ from attacks.defenses import HOOK_DEFENSES, HookDefense, parse_hook_defense
 from protocols.dp import parse_noise
 from protocols.privacy import SECURE_AGGS, PrivacyEngine, PrivacySpec
 from secure_vfl import checks
-from secure_vfl.errors import ConfigError
+from secure_vfl.errors import ConfigError, OutputError, RunWarning
 from secure_vfl.experiment import TrainConfig, TrainResult, prepare_data, run_training
 from secure_vfl.federation.channel import Channel
 from secure_vfl.io import atomic_write_json
@@ -281,7 +282,15 @@ def undefended_accuracy(config: TrainConfig, *, cache: Path | None = None) -> fl
             pass  # an unreadable cache entry is recomputed and replaced
     accuracy = _main_accuracy(run_training(config))
     if path is not None:
-        atomic_write_json(path, {"config": described, "accuracy": accuracy})
+        try:
+            atomic_write_json(path, {"config": described, "accuracy": accuracy})
+        except (OutputError, OSError) as error:  # only a cache: the run stands without it
+            warnings.warn(
+                f"the undefended accuracy was not cached ({error}); a later run trains the "
+                "undefended federation again",
+                RunWarning,
+                stacklevel=2,
+            )
     return accuracy
 
 

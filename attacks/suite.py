@@ -15,7 +15,7 @@ from attacks.base import ATTACKS
 from attacks.runner import AttackResult, parse_defenses, run_attack
 from protocols.privacy import PrivacySpec
 from secure_vfl.data.vertical import VerticalData
-from secure_vfl.errors import ConfigError, DivergenceError
+from secure_vfl.errors import ConfigError, DivergenceError, run_warnings
 from secure_vfl.experiment import TrainConfig, build_method, prepare_data
 
 UNDEFENDED = "none"
@@ -123,14 +123,15 @@ def run_suite(
         kind = ATTACKS.get(name)().kind
         for defense in (UNDEFENDED, *defenses):
             try:
-                result = run_attack(
-                    config,
-                    name,
-                    attacker=attacker,
-                    defenses=[] if defense == UNDEFENDED else [defense],
-                    privacy=base,
-                    cache=cache,
-                )
+                with run_warnings() as noted:
+                    result = run_attack(
+                        config,
+                        name,
+                        attacker=attacker,
+                        defenses=[] if defense == UNDEFENDED else [defense],
+                        privacy=base,
+                        cache=cache,
+                    )
             except DivergenceError as error:  # it says so, where, and what to try
                 failed[f"{name} / {defense}"] = str(error)
                 continue
@@ -140,6 +141,7 @@ def run_suite(
             if on_run is not None:
                 on_run(name, defense, result)
             attack = ATTACKS.get(name)()
+            payload = result.to_json()
             runs.append(
                 {
                     "attack": name,
@@ -151,9 +153,11 @@ def run_suite(
                     "performance": result.performance,
                     "chance": result.chance,
                     "main_accuracy": result.main["accuracy"],
-                    "epsilon": result.to_json()["epsilon"],
+                    "epsilon": payload["epsilon"],
                     "dcs": result.dcs,
                     "dcs_chance": result.dcs_chance,
+                    # e.g. a model that predicts one class: its scores mean little
+                    "warnings": list(dict.fromkeys([*noted, *payload["training"]["warnings"]])),
                 }
             )
     t_dcs, c_dcs = _scores(runs, "dcs")
@@ -207,6 +211,10 @@ def markdown(report: SuiteReport, *, command: str) -> str:
             + " | ".join(cells)
             + f" | {report.c_dcs[defense]:.3f} ({report.c_dcs_chance[defense]:.3f}) |"
         )
+    warned = [(run, text) for run in report.runs for text in run.get("warnings", [])]
+    if warned:
+        lines += ["", "Warnings (a run's scores may mean little):", ""]
+        lines += [f"- {run['attack']} / {run['defense']}: {text}" for run, text in warned]
     if report.failed:
         lines += ["", "Runs that failed or do not apply (not scored):", ""]
         lines += [f"- {run}: {why}" for run, why in report.failed.items()]

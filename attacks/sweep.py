@@ -185,7 +185,8 @@ def _attack_row(job: dict[str, Any]) -> dict[str, Any]:
         "dcs": payload["dcs"],
         "dcs_chance": payload["dcs_chance"],
         "training": payload["training"],
-        "warnings": list(dict.fromkeys(noted)),
+        # the run's own (e.g. a model that predicts one class) with what was noted during it
+        "warnings": list(dict.fromkeys([*noted, *payload["training"]["warnings"]])),
     }
 
 
@@ -292,11 +293,20 @@ def run_sweep(
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1. Found {workers}.")
     base = privacy if privacy is not None else PrivacySpec(seed=config.seed)
+    parsed: list[tuple[str, Any]] = []  # each setting as the runs take it: its values' numbers
     for setting in settings[1:]:  # e.g. a negative CLIP from the grid, or a misspelt name
         try:
-            parse_defenses([setting.defense], base)
+            spec, hooks = parse_defenses([setting.defense], base)
         except ConfigError as error:  # say which setting the grid made
             raise ConfigError(f"--defense setting {setting.defense!r}: {error}") from None
+        taken = (spec, [_taken(hook.spec) for hook in hooks])
+        same = [text for text, other in parsed if other == taken]
+        if same:  # dp-gradients:1:0.01 and dp-gradients:1:0.010, marvell:4 and marvell:4.0
+            raise ConfigError(
+                f"each setting once expected (a setting given twice would count its runs as "
+                f"more seeds). Found {same[0]} and {setting.defense}, the same setting."
+            )
+        parsed.append((setting.defense, taken))
     made = make_attack(attack, {})
     data = prepare_data(config)
     build_method(config, data)  # what every run would be refused for, refused once, here
@@ -318,6 +328,14 @@ def run_sweep(
     # never more workers than runs: each is a fresh interpreter
     workers = min(workers, len(jobs))
     return _executor_map(jobs, workers=workers, executor=executor, on_done=on_done)()
+
+
+def _taken(spec: str) -> tuple[str, float]:
+    """A hook defense's ``NAME[:NUMBER]`` as it is taken: its name and its number (or default)."""
+    from attacks.defenses import HOOK_DEFAULTS
+
+    name, _, param = spec.partition(":")
+    return name, float(param) if param else HOOK_DEFAULTS[name]
 
 
 def _mean_sd(values: Sequence[float]) -> tuple[float, float]:

@@ -2333,6 +2333,7 @@ def run_sweep_command(args: argparse.Namespace) -> int:
 
 
 def _run_suite_command(args: argparse.Namespace, config: Any) -> int:
+    from attacks import ATTACKS
     from attacks.suite import markdown, run_suite
     from secure_vfl.io import atomic_write_json, atomic_write_text
 
@@ -2366,7 +2367,11 @@ def _run_suite_command(args: argparse.Namespace, config: Any) -> int:
             (_attack_entry(payload, defense), f"suite:{attack}", f"{attack} / {defense}")
         )
         if not args.quiet:
-            value = ", ".join(f"{k} {v:.3f}" for k, v in payload["attack"].items())
+            counts = getattr(ATTACKS.get(attack), "counts", ())
+            value = ", ".join(
+                f"{k} {v:.0f}" if k in counts else f"{k} {v:.3f}"
+                for k, v in payload["attack"].items()
+            )
             print(f"{attack} / {defense}: main {100 * payload['main']['accuracy']:.2f} %, {value}")
 
     with _named_errors(mapping):
@@ -2392,6 +2397,13 @@ def _run_suite_command(args: argparse.Namespace, config: Any) -> int:
         atomic_write_text(out / "suite.md", text)
         store.replace_runs(out, entries)  # a suite written again replaces all its runs
     print(text)
+    _print_warnings(
+        [
+            f"{run['attack']} / {run['defense']}: {_named_text(warning, mapping)}"
+            for run in report.runs
+            for warning in run.get("warnings", [])
+        ]
+    )
     if not report.runs:
         print(
             f"secure-vfl: error: no run of the suite was scored ({len(report.failed)} failed or "

@@ -22,7 +22,7 @@ from attacks.model_completion import Completion
 from attacks.runner import apply_defense, dcs, make_attack, run_attack, undefended_accuracy
 from protocols.privacy import PrivacySpec
 from secure_vfl.cli import main
-from secure_vfl.errors import ConfigError, RegistryError
+from secure_vfl.errors import ConfigError, RegistryError, run_warnings
 from secure_vfl.experiment import TrainConfig
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.parties import DataParty
@@ -447,6 +447,49 @@ def test_the_undefended_reference_follows_the_party_files_contents(
         before = len(trained)
         assert undefended_accuracy(config, cache=cache) == (before + 1) / 100
         assert json.loads(entry.read_text())["accuracy"] == (before + 1) / 100
+
+
+def test_a_cache_that_cannot_be_written_is_warned_of_and_the_run_stands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default cache (beside --out) was not checked before the work: a folder that could
+    not be made failed the attack after its training, and a sweep at its first defended run."""
+    import attacks.runner
+
+    monkeypatch.setattr(attacks.runner, "run_training", lambda config: _Trained(42))
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    with run_warnings() as noted:
+        config = TrainConfig(method="standard", dataset="digits")
+        assert undefended_accuracy(config, cache=blocked / ".undefended") == 0.42
+    [warning] = noted
+    assert warning.startswith("the undefended accuracy was not cached (") and "a-file" in warning
+
+
+def test_the_attack_summary_shows_counts_as_whole_numbers(tmp_path: Path) -> None:
+    """A reconstruction's row counts printed as `reconstructed_rows 410.0000`."""
+    from types import SimpleNamespace
+
+    from secure_vfl.cli import _attack_summary
+
+    result = SimpleNamespace(
+        attack_name="feature-reconstruction",
+        attacker="party-0",
+        control=False,
+        defenses=[],
+        main={"accuracy": 0.9},
+        undefended_accuracy=0.9,
+        attack={"mse": 0.04, "reconstructed_rows": 410.0, "auxiliary_rows": 46.0},
+        performance=0.96,
+        chance=0.0,
+        dcs=0.1,
+        dcs_chance=0.1,
+        privacy=None,
+    )
+    text = _attack_summary(result, tmp_path)
+    assert re.search(r"^attack reconstructed_rows +410$", text, re.M), text
+    assert re.search(r"^attack auxiliary_rows +46$", text, re.M), text
+    assert re.search(r"^attack mse +0\.0400$", text, re.M), text
 
 
 class _Trained:

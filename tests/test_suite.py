@@ -133,13 +133,33 @@ def test_a_run_no_attack_applies_to_is_refused() -> None:
         suite.run_suite(TrainConfig(method="standard", dataset="digits"), attacker="")
 
 
-def test_attack_suite_command_writes_the_report(tmp_path: Path) -> None:
+def test_attack_suite_command_writes_the_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its runs' warnings (a model that predicts one class scores attacks that mean little)
+    were dropped: the suite printed and kept none."""
+    real = suite.run_attack
+    collapsed = "predictions on test split 'mcar:0' collapsed to one class (stand-in)"
+
+    def warned(config: TrainConfig, name: str, **kwargs: Any) -> Any:
+        result = real(config, name, **kwargs)
+        if kwargs["defenses"]:
+            result.training["warnings"].append(collapsed)
+        return result
+
+    monkeypatch.setattr(suite, "run_attack", warned)
     out = tmp_path / "suite"
     argv = [*SUITE_ARGV, "--defense", "dp-gradients:1:0.01", "--out", str(out)]
     assert main(argv) == 0
     report = json.loads((out / "suite.json").read_text())
     assert set(report["c_dcs"]) == {"none", "dp-gradients:1:0.01"}
-    assert "C-DCS" in (out / "suite.md").read_text()
+    for run in report["runs"]:
+        assert (collapsed in run["warnings"]) == (run["defense"] != "none"), run
+    text = (out / "suite.md").read_text()
+    assert "C-DCS" in text
+    assert f"- direct-label-inference / dp-gradients:1:0.01: {collapsed}" in text
+    err = capsys.readouterr().err
+    assert f"warning: direct-label-inference / dp-gradients:1:0.01: {collapsed}" in err
     assert main([*argv[:-2], "--dp-gradients", "1:0.01", "--out", str(tmp_path / "x")]) == 2
 
 

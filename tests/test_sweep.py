@@ -9,6 +9,7 @@ import math
 import re
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -190,6 +191,33 @@ def test_a_run_warning_of_a_worker_is_printed_with_its_setting_and_kept(
     assert "RunWarning" not in printed
 
 
+def test_a_runs_own_warnings_are_in_its_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run's result warnings (a model that predicts one class) were left out of its row,
+    which kept only what was noted while it ran: the sweep printed nothing."""
+    import attacks.runner
+    import attacks.sweep as sweep
+
+    real = attacks.runner.run_attack
+    collapsed = "predictions on test split 'mcar:0' collapsed to one class (stand-in)"
+
+    def warned(*args: Any, **kwargs: Any) -> Any:
+        result = real(*args, **kwargs)
+        result.training["warnings"].append(collapsed)
+        return result
+
+    monkeypatch.setattr(attacks.runner, "run_attack", warned)
+    [setting] = sweep.expand([], {})
+    job = {
+        "setting": setting,
+        "config": _config(),
+        "attack": "direct-label-inference",
+        "attacker": None,
+        "privacy": None,
+        "cache": None,
+    }
+    assert collapsed in sweep._attack_row(job)["warnings"]
+
+
 def test_the_ray_executor_is_an_optional_extra() -> None:
     if importlib.util.find_spec("ray") is not None:
         rows = run_sweep(
@@ -268,6 +296,25 @@ def test_a_malformed_setting_or_an_attack_that_does_not_apply_is_refused_before_
         ),
         ("direct-label-inference", ["bogus:X"], {"X": (1.0,)}, "a defense in ("),
         ("norm-scoring", ["marvell:4"], {}, "binary task"),  # digits has 10 classes
+        # One setting written two ways: two rows, its runs counted as more seeds.
+        (
+            "direct-label-inference",
+            ["dp-gradients:1:0.01", "dp-gradients:1:0.010"],
+            {},
+            "Found dp-gradients:1:0.01 and dp-gradients:1:0.010, the same setting.",
+        ),
+        (
+            "direct-label-inference",
+            ["norm-filter", "norm-filter:4"],
+            {},
+            "Found norm-filter and norm-filter:4, the same setting.",
+        ),
+        (
+            "direct-label-inference",
+            ["dp-gradients:SIGMA:0.01", "dp-gradients:1.0:0.01"],
+            {"SIGMA": (1.0, 2.0)},
+            "Found dp-gradients:1:0.01 and dp-gradients:1.0:0.01, the same setting.",
+        ),
     ]
     for attack, templates, grid, expected in cases:
         with pytest.raises(ConfigError, match=re.escape(expected)):
