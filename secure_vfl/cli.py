@@ -3146,7 +3146,10 @@ def run_capture(args: argparse.Namespace) -> int:
     if args.capture_command == "summary":
         print("\n".join(summary_lines(args.file, rounds=args.rounds)))
         return 0
-    for line in show_lines(args.file, kinds=args.kind, party=args.party, rounds=args.rounds):
+    lines = show_lines(args.file, kinds=args.kind, party=args.party, rounds=args.rounds)
+    if args.party is not None:  # a party the capture does not hold is refused after its lines
+        lines = iter(list(lines))
+    for line in lines:
         print(line)
     return 0
 

@@ -275,5 +275,9 @@ def test_the_command_line_reads_a_psi_capture(
     assert "requester -> responder  psi-request" in capsys.readouterr().out
     assert main(["capture", "show", str(capture), "--kind", "psi-reqest"]) == 2
     assert "found 'psi-reqest'" in capsys.readouterr().err
+    # A party the capture does not hold: refused, with no table printed before the refusal.
+    assert main(["capture", "show", str(capture), "--party", "bogus"]) == 2
+    refused = capsys.readouterr()
+    assert "found 'bogus'" in refused.err and refused.out == ""
     assert main(["capture", "summary", str(tmp_path / "a.csv")]) == 2
     assert "a.csv is not a capture file" in capsys.readouterr().err
