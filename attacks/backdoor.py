@@ -298,6 +298,13 @@ class GradientReplacementBackdoor(Attack):
             raise ConfigError(
                 f"{self.name}: {attacker} holds no training row of target class {self.target}."
             )
+        split, test = next(iter(data.tests.items()))
+        if not (test.mask[:, k] & (test.labels != self.target)).any():
+            raise ConfigError(
+                f"{self.name}: {attacker} holds no row of test split {split!r} of a class other "
+                f"than the target {self.target}, on which the backdoor is probed (its block is "
+                "missing from them). Expected a first test split with fewer blocks missing."
+            )
         width = int(np.prod(data.train.blocks[k].shape[1:]))
         if self.trigger_columns > width:
             raise ConfigError(

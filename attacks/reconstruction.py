@@ -430,11 +430,11 @@ class SubsetDifferencing(_ReconstructionAttack):
                 f"{self.name} differences the sums a single label party receives: --method "
                 f"laser --heads active. Found --method {config.method} --heads {method.heads}."
             )
-        if data.train.parties < 4:
+        if method.secure_sums and data.train.parties < 4:
             raise ConfigError(
-                f"{self.name} needs >= 4 parties: with the label party and two others, the "
-                f"only releasable sums hold both others, so neither is ever isolated. Found "
-                f"{data.train.parties}."
+                f"{self.name} under secure sums needs >= 4 parties: with the label party and "
+                "two others, the only releasable sums hold both others, so neither is ever "
+                f"isolated. Found {data.train.parties}."
             )
 
     def observed(self, log: RepresentationLog) -> dict[int, np.ndarray]:

@@ -188,6 +188,14 @@ def test_bad_backdoor_parameters_are_refused(options: dict[str, float], expected
         run_attack(_config(epochs=1), ATTACK, options=options)
 
 
+def test_a_first_test_split_without_the_attackers_rows_is_refused_saying_so() -> None:
+    """With nearly every block missing at test time the attacker held no probe row, and the
+    refusal said that no row had been set aside for testing (113 had)."""
+    config = replace(_config(epochs=1), test_missing=("mcar:0.99",))
+    with pytest.raises(ConfigError, match=r"party-1 holds no row of test split 'mcar:0.99'"):
+        run_attack(config, ATTACK)
+
+
 @pytest.mark.parametrize(
     ("defenses", "expected"),
     [
