@@ -119,10 +119,11 @@ class Attack(ABC):
 
     def check(self, config: TrainConfig, data: VerticalData, attacker: str) -> None:
         """Raise ConfigError if the attack does not apply to this run."""
-        if attacker not in [f"party-{k}" for k in range(1, data.train.parties)]:
+        passive = [f"party-{k}" for k in range(1, data.train.parties)]
+        if attacker not in passive:
             raise ConfigError(
-                f"{self.name} is run by a passive data party, one of party-1.."
-                f"party-{data.train.parties - 1}. Found attacker {attacker!r}."
+                f"{self.name} is run by a passive data party, one of {', '.join(passive)}. "
+                f"Found attacker {attacker!r}."
             )
 
     def prepare(self, party: Party, context: AttackContext) -> None:  # noqa: B027

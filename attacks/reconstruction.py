@@ -286,9 +286,10 @@ class _ReconstructionAttack(Attack):
                 f"Found attacker {attacker!r}."
             )
         if not 1 <= self.victim < data.train.parties:
+            passive = ", ".join(f"{k} (party-{k})" for k in range(1, data.train.parties))
             raise ConfigError(
-                f"{self.name}'s victim must be one of party-1..party-{data.train.parties - 1}. "
-                f"Found party-{self.victim}."
+                f"{self.name}'s victim: the index of a passive party expected, one of {passive}. "
+                f"Found victim={self.victim}."
             )
         if len(data.block_shapes[self.victim]) != 1:
             raise ConfigError(

@@ -552,6 +552,14 @@ def test_an_attack_on_party_files_speaks_of_the_parties_by_their_names(
     capsys.readouterr()
     assert main([*argv, *reconstruction, "--out", str(tmp_path / "refused")]) == 2
     assert "run by the label party bank" in capsys.readouterr().err
+    # The passive parties and a victim's index by name: "one of insurer..telco" read as a
+    # range of names, and "victim ... Found party-9" mixed names and indices.
+    assert main([*argv, "--attacker", "bank", "--out", str(tmp_path / "refused")]) == 2
+    assert "a passive data party, one of shop. Found attacker 'bank'" in capsys.readouterr().err
+    victim = ["--attack", "feature-reconstruction", "--attacker", "bank"]
+    victim += ["--attack-option", "victim=9", "--out", str(tmp_path / "refused")]
+    assert main([*argv, *victim]) == 2
+    assert "one of 1 (shop). Found victim=9." in capsys.readouterr().err
     # A sweep and a suite take the same names and report in them: `--attacker shop` was
     # refused by both ("Found attacker 'shop'"), their reports said party-1.
     sweep = ["sweep", *argv[1:], "--attacker", "shop", "--seeds", "1", "--workers", "1"]
