@@ -1391,8 +1391,10 @@ def run_psi_command(args: argparse.Namespace) -> int:
             inputs=(args.mine, args.theirs),
             replaced="its ids would be replaced by the intersection",
         )
-    mine = _read_ids(args.mine, args.id_column)
-    theirs = _read_ids(args.theirs, args.id_column)
+    with run_warnings() as noted:  # e.g. ids with spaces around them
+        mine = _read_ids(args.mine, args.id_column)
+        theirs = _read_ids(args.theirs, args.id_column)
+    _print_warnings(noted)
     total = 2 * (len(mine) + len(theirs))  # each side's ids are masked by both sides
     bar = tqdm(
         total=total, desc="psi", unit="point", unit_scale=True, disable=_no_bar(args), leave=False

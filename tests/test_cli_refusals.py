@@ -307,6 +307,23 @@ def test_psi_refuses_ids_it_cannot_match_or_write_one_a_line(
     assert "intersection size: 1 (of 2 mine, 2 theirs)" in capsys.readouterr().out
 
 
+def test_ids_with_spaces_around_them_are_warned_of(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """PSI compares ids as text: ' a' in one file never matched 'a' in the other, silently (the
+    join names near matches; PSI cannot see the other side's ids)."""
+    mine, theirs = tmp_path / "mine.csv", tmp_path / "theirs.csv"
+    mine.write_text("id\n a\nb\nc\n")
+    theirs.write_text("id\na\nb\n")
+    assert main(["psi", "--mine", str(mine), "--theirs", str(theirs)]) == 0
+    captured = capsys.readouterr()
+    assert "intersection size: 1 (of 3 mine, 2 theirs)" in captured.out
+    assert f"secure-vfl: warning: {mine}: 1 id(s) with spaces around them, e.g. ' a';" in (
+        captured.err
+    )
+    assert "theirs.csv" not in captured.err
+
+
 def test_psi_with_a_repeated_id_names_the_file_and_the_id(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

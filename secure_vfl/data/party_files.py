@@ -311,6 +311,15 @@ def read_ids(frame: pd.DataFrame, path: Path, id_column: str) -> np.ndarray:
         )
     ids = column.astype(str).to_numpy(dtype=str)
     _check_unique(ids, str(path))
+    spaced = [value for value in ids.tolist() if value != value.strip()]
+    if spaced:  # another party's file, or PSI, cannot say that ' a' was meant as 'a'
+        warnings.warn(
+            f"{path}: {len(spaced)} id(s) with spaces around them, e.g. {spaced[0][:40]!r}; ids "
+            "are compared as the text in the files, so such an id matches only an id written "
+            "with the same spaces",
+            RunWarning,
+            stacklevel=2,
+        )
     return ids
 
 
