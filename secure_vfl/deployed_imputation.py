@@ -82,6 +82,7 @@ from secure_vfl.deployment import (
     _endpoint,
     _with_reports,
     check_requested,
+    check_rosters,
 )
 from secure_vfl.errors import ConfigError, DataError, ProtocolError
 from secure_vfl.experiment import (
@@ -409,6 +410,7 @@ def impute_deployed(
     late: list[str] = []
     try:
         late = endpoint.await_peers_or_warn(list(federation.addresses(but=name)), wait)
+        check_rosters(endpoint, federation, [m.name for m in federation.members[1:]])
         schemas = _columns(endpoint, clients, config)
         features = list(dict.fromkeys(f for columns, _ in schemas.values() for f in columns))
         warn_alike_features({client: columns for client, (columns, _) in schemas.items()})

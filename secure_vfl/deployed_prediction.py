@@ -60,6 +60,7 @@ from secure_vfl.deployment import (
     _row_mapping,
     _rows,
     _with_secure_sums,
+    check_rosters,
     collect_ids,
     served_config,
     served_models,
@@ -268,6 +269,7 @@ def predict_deployed(
                 )
             absent[late] = f"not reachable within {wait:g} s"
             logger.warning("%s: %s is not reachable; it is absent from the prediction", name, late)
+        check_rosters(endpoint, federation, [*(n for n in expected if n not in absent), AGGREGATOR])
         # Its own part, checked against the architecture first built without memory; refused
         # here, the run still ends at every party that waits for it.
         entry = manifest.parties[0]

@@ -6,6 +6,10 @@ server (``--name aggregator``) act on what arrives until the label party ends th
 crosses, besides the training messages of the in-process run, is :class:`~secure_vfl.
 federation.messages.DeploymentMessage` s, each a JSON object checked on arrival:
 
+0. ``roster`` (what every copy of the federation file must agree on: the label party, each
+   member's name and address in order, the CA certificate's SHA-256), to every other process
+   at once: one whose own copy differs refuses the run, naming how (:func:`check_rosters`), as
+   do an imputation and a prediction.
 1. Alignment, by the plain join (``--align join``, the default) or by PSI (``--align psi``):
 
    - ``ids-request`` -> ``ids``: each data party sends its ids and block width to the label
@@ -157,7 +161,7 @@ from secure_vfl.federation.aggregator import PlainAggregator, SealingScheme, Sum
 from secure_vfl.federation.alignment import Alignment, JoinAligner, check_unique_ids
 from secure_vfl.federation.certificates import TlsIdentity
 from secure_vfl.federation.channel import Channel, Readmission
-from secure_vfl.federation.federation_file import Federation
+from secure_vfl.federation.federation_file import Federation, roster_differences
 from secure_vfl.federation.messages import AGGREGATOR, DeploymentMessage, Message
 from secure_vfl.federation.network import PROBE_SECONDS, NetworkChannel, PartyEndpoint
 from secure_vfl.federation.parties import ROLES, DataParty, Party, make_aggregation_server
@@ -398,6 +402,7 @@ class _Server:
                     "files differ?"
                 )
             handlers = {
+                "roster": self._on_roster,
                 "ids-request": self._on_ids_request,
                 "psi": self._on_psi,
                 "fit": self._on_fit,
@@ -439,6 +444,23 @@ class _Server:
 
     def _reply(self, topic: str, body: Mapping[str, Any]) -> None:
         self.endpoint.send(_deployment(self.name, self.federation.label_party, topic, body))
+
+    def _on_roster(self, message: Message) -> None:
+        """Refuse a run whose label party's federation file differs from this party's in what
+        every copy must agree on (:meth:`Federation.roster`), naming how."""
+        body = _body(message, "roster", {"label_party": str, "members": list, "ca_sha256": str})
+        if not all(
+            isinstance(m, list) and len(m) == 2 and all(isinstance(t, str) for t in m)
+            for m in body["members"]
+        ):
+            raise ProtocolError(f"roster from {message.sender}: [name, address] pairs expected.")
+        differences = roster_differences(self.federation.roster(), body, them=message.sender)
+        if differences:
+            raise ProtocolError(
+                f"{self.name}: the federation file of {message.sender} differs from this "
+                f"party's ({self.federation.path}): {'; '.join(differences)}. Every party "
+                "expected the same file (its own paths aside)."
+            )
 
     def _on_ids_request(self, message: Message) -> None:
         _body(message, "ids-request", {})
@@ -1615,6 +1637,14 @@ class LabelSide:
     widths: list[int]
 
 
+def check_rosters(endpoint: PartyEndpoint, federation: Federation, names: Sequence[str]) -> None:
+    """Have each of ``names`` compare the label party's federation file with its own copy
+    (:meth:`Federation.roster`), all at once, before anything else of the run: a copy that
+    differs is refused there, naming how, rather than failing later in transit."""
+    roster = federation.roster()
+    endpoint.send_all([_deployment(endpoint.name, name, "roster", roster) for name in names])
+
+
 def collect_ids(
     endpoint: PartyEndpoint, federation: Federation, names: Sequence[str] | None = None
 ) -> tuple[list[Any], list[int]]:
@@ -2054,6 +2084,7 @@ def train_deployed(
     late: list[str] = []
     try:
         late = endpoint.await_peers_or_warn(list(federation.addresses(but=name)), wait)
+        check_rosters(endpoint, federation, [m.name for m in federation.members[1:]])
         align: AlignLabelIds
         if config.align == "psi":
             assert psi is not None

@@ -1119,6 +1119,62 @@ def test_a_label_party_process_goes_past_the_refusals_to_psi_with_each_party(
     assert not (tmp_path / "out" / "result.json").exists()
 
 
+def test_a_party_whose_federation_file_differs_refuses_the_run_saying_how(
+    site: Path, processes: Processes, tmp_path: Path
+) -> None:
+    """telco's copy of the file gives insurer another address: the run got as far as training,
+    where telco's gradients for insurer went to an address nobody served."""
+    ports = free_loopback_ports(5)
+    federation = write_federation(site, site / "certs", ports)
+    elsewhere = tmp_path / "telco-copy"
+    elsewhere.mkdir()
+    other = free_loopback_ports(1)[0]
+    differs = write_federation(
+        elsewhere,
+        site / "certs",
+        ports,
+        **{f'address = "127.0.0.1:{ports[2]}"': f'address = "127.0.0.1:{other}"'},
+        **{'data = "telco.csv"': f'data = "{site}/telco.csv"'},
+    )
+    servers = [processes.serve(federation, name) for name in ("shop", "insurer", "aggregator")]
+    servers.append(processes.serve(differs, "telco"))
+    args = ["--name", "bank", "--method", "laser", "--quiet", "--out", str(tmp_path / "out")]
+    label = processes.start("train", "--federation", str(federation), *args, log="bank")
+    assert label.wait(timeout=PROCESS_SECONDS) != 0
+    log = processes.log("bank")
+    expected = (
+        "telco: the federation file of bank differs from this party's ({}): insurer "
+        f"at 127.0.0.1:{ports[2]} at bank, at 127.0.0.1:{other} here."
+    )
+    # The label party is told how, not where telco keeps its files; telco's own log says where.
+    assert expected.format("<its federation file's directory>/federation.toml") in log, log
+    assert expected.format(differs) in processes.log("telco")
+    assert not (tmp_path / "out" / "result.json").exists()
+    assert [p.wait(timeout=PROCESS_SECONDS) for p in servers] == [1, 1, 1, 1]
+
+
+def test_roster_differences_name_each_way_two_copies_differ() -> None:
+    from secure_vfl.federation.federation_file import roster_differences
+
+    own = {"label_party": "bank", "members": [["bank", "a:1"], ["shop", "a:2"]], "ca_sha256": "x"}
+    assert roster_differences(own, own, them="bank") == []
+    theirs = {
+        "label_party": "shop",
+        "members": [["bank", "a:1"], ["shop", "a:3"], ["telco", "a:4"]],
+        "ca_sha256": "y",
+    }
+    assert roster_differences(own, theirs, them="bank") == [
+        "label party shop at bank, bank here",
+        "telco only at bank",
+        "shop at a:3 at bank, at a:2 here",
+        "another CA certificate",
+    ]
+    swapped = {**own, "members": [["shop", "a:2"], ["bank", "a:1"]]}
+    assert roster_differences(own, swapped, them="bank") == [
+        "the parties in the order shop, bank at bank"
+    ]
+
+
 def test_a_data_party_serving_psi_only_refuses_to_send_its_ids(
     site: Path, processes: Processes, tmp_path: Path
 ) -> None:

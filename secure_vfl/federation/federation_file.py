@@ -42,6 +42,7 @@ contribution.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import ipaddress
 import logging
 import tomllib
@@ -131,6 +132,20 @@ class Federation:
         """Every member's address but ``but``'s (the peers of ``but``)."""
         return {m.name: m.address for m in self.members if m.name != but}
 
+    def roster(self) -> dict[str, Any]:
+        """What every party's copy of the file must agree on, as JSON: the label party, each
+        member's name and address in order, and the SHA-256 of the CA certificate (each party
+        opens its own files: their paths may differ)."""
+        try:
+            ca = hashlib.sha256(self.ca.read_bytes()).hexdigest()
+        except OSError as error:
+            raise ConfigError(f"{self.path}: ca {self.ca} cannot be read: {error}.") from None
+        return {
+            "label_party": self.label_party,
+            "members": [[member.name, member.address] for member in self.members],
+            "ca_sha256": ca,
+        }
+
     def labels(self) -> Path:
         """The label party's labels file (training needs it; an imputation does not);
         ConfigError naming the file's key if it has none (:meth:`own_file` checks the file)."""
@@ -202,6 +217,27 @@ class Federation:
             found = "a directory" if path.is_dir() else "nothing"
             raise ConfigError(f"{where}: a file expected at {path}. Found {found}.")
         return path
+
+
+def roster_differences(own: dict[str, Any], theirs: dict[str, Any], *, them: str) -> list[str]:
+    """How the roster ``theirs`` (party ``them``'s copy of the federation file,
+    :meth:`Federation.roster`) differs from ``own``: one phrase each, empty if it does not."""
+    found = []
+    if theirs["label_party"] != own["label_party"]:
+        found.append(f"label party {theirs['label_party']} at {them}, {own['label_party']} here")
+    ours, their = dict(map(tuple, own["members"])), dict(map(tuple, theirs["members"]))
+    for name in [n for n in their if n not in ours]:
+        found.append(f"{name} only at {them}")
+    for name in [n for n in ours if n not in their]:
+        found.append(f"{name} only here")
+    for name in [n for n in their if n in ours and their[n] != ours[n]]:
+        found.append(f"{name} at {their[name]} at {them}, at {ours[name]} here")
+    order = [n for n in their if n in ours], [n for n in ours if n in their]
+    if not found and order[0] != order[1]:
+        found.append(f"the parties in the order {', '.join(order[0])} at {them}")
+    if theirs["ca_sha256"] != own["ca_sha256"]:
+        found.append("another CA certificate")
+    return found
 
 
 def read_federation(path: Path) -> Federation:

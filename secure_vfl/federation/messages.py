@@ -788,6 +788,7 @@ class ScoreMessage(Message):
 # -- deployment: how a run is set up and ended between processes (secure_vfl.deployment) -----
 
 DEPLOYMENT_TOPICS = (
+    "roster",
     "ids-request",
     "ids",
     "psi",
@@ -816,6 +817,8 @@ DEPLOYMENT_TOPICS = (
 @dataclass(frozen=True, kw_only=True)
 class DeploymentMessage(Message):
     """A control message of a deployed run (every party its own process): the label party
+    first has every other process compare its federation file with the label party's
+    (``roster``: the label party, each member's name and address, the CA's SHA-256), then
     asks a data party for its ids (``ids-request``) and hears them (``ids``), or, under
     ``--align psi``, asks it to take the responder's side of a PSI session (``psi``: the session
     id and mode) and hears its block width (``psi-ready``); it sets the run up
