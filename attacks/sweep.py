@@ -299,7 +299,7 @@ def run_sweep(
             spec, hooks = parse_defenses([setting.defense], base)
         except ConfigError as error:  # say which setting the grid made
             raise ConfigError(f"--defense setting {setting.defense!r}: {error}") from None
-        taken = (spec, [_taken(hook.spec) for hook in hooks])
+        taken = (spec, _taken(setting.defense) if hooks else None)
         same = [text for text, other in parsed if other == taken]
         if same:  # dp-gradients:1:0.01 and dp-gradients:1:0.010, marvell:4 and marvell:4.0
             raise ConfigError(
@@ -330,11 +330,12 @@ def run_sweep(
     return _executor_map(jobs, workers=workers, executor=executor, on_done=on_done)()
 
 
-def _taken(spec: str) -> tuple[str, float]:
-    """A hook defense's ``NAME[:NUMBER]`` as it is taken: its name and its number (or default)."""
+def _taken(text: str) -> tuple[str, float]:
+    """A hook defense's ``NAME[:NUMBER]`` (parsed: it is one) as it is taken: its name and its
+    number, or its default (``marvell:4`` and ``marvell:4.0`` alike, ``4.0000001`` apart)."""
     from attacks.defenses import HOOK_DEFAULTS
 
-    name, _, param = spec.partition(":")
+    name, _, param = text.partition(":")
     return name, float(param) if param else HOOK_DEFAULTS[name]
 
 

@@ -92,11 +92,15 @@ def public_context_bytes(context: ts.Context) -> bytes:
     )
 
 
-def load_public_context(published: bytes, *, modulus: tuple[int, int] | None = None) -> ts.Context:
+def load_public_context(
+    published: bytes, *, modulus: tuple[int, Sequence[int]] | None = None
+) -> ts.Context:
     """A sender's (or the aggregator's) context, loaded from the receiver's published bytes;
     refuse one that carries a secret key (the receiver would have leaked it) and, given
-    ``modulus`` (N, the bits of the coefficient modulus), one of other parameters, which
-    would fail only at the next sum."""
+    ``modulus`` (N and the bit sizes of the coefficient modulus' primes), one of other
+    parameters, which would fail only at the next sum. SEAL shows its primes' count and their
+    product's bit length (not each size): a product of k primes of b_i bits has between
+    sum(b_i) - k + 1 and sum(b_i) bits."""
     try:
         context = ts.context_from(published)
     except (ValueError, RuntimeError) as error:
@@ -107,12 +111,17 @@ def load_public_context(published: bytes, *, modulus: tuple[int, int] | None = N
             "save_secret_key=False."
         )
     if modulus is not None:
+        degree, sizes = modulus[0], list(modulus[1])
         key_data = context.data.seal_context().key_context_data()
-        found = (key_data.parms().poly_modulus_degree(), key_data.total_coeff_modulus_bit_count())
-        if found != modulus:
+        found = key_data.parms().poly_modulus_degree()
+        primes, bits = key_data.chain_index() + 1, key_data.total_coeff_modulus_bit_count()
+        if (found, primes) != (degree, len(sizes)) or not (
+            sum(sizes) - len(sizes) < bits <= sum(sizes)
+        ):
             raise ProtocolError(
-                f"a published CKKS context of N = {modulus[0]} with a {modulus[1]}-bit "
-                f"coefficient modulus expected (this run's), found N = {found[0]}, {found[1]} bits."
+                f"a published CKKS context of N = {degree} with {len(sizes)} coefficient-modulus "
+                f"primes of {sizes} bits expected (this run's), found N = {found} with {primes} "
+                f"primes of {bits} bits in all."
             )
     return context
 
@@ -178,20 +187,22 @@ class CkksAggregator:
         return self.poly_modulus_degree // 2
 
     def step(self, parties: int) -> float:
-        """The stated bound on |secure sum - exact sum| of ``parties`` values: K * 2^-20."""
-        return parties * 2.0**-ERROR_BITS
+        """The stated bound on |secure sum - exact sum| of ``parties`` values: K * 2^-20 at
+        the default scale 2^40 or above, 2^(40 - s) times that at a smaller scale 2^s (the
+        encryption noise is absolute: decoded at a smaller scale, it is that much larger)."""
+        return parties * 2.0 ** (max(DEFAULT_SCALE_BITS - self.scale_bits, 0) - ERROR_BITS)
 
     def sender(self) -> CkksSender:
         return CkksSender(
             slots=self.slots,
-            modulus_bits=sum(self.coeff_mod_bit_sizes),
+            modulus_bits=tuple(self.coeff_mod_bit_sizes),
             max_magnitude=self.max_magnitude,
             sum_limit=self.sum_limit,
             scale_bits=self.scale_bits,
         )
 
     def adder(self) -> CkksAdder:
-        return CkksAdder(slots=self.slots, modulus_bits=sum(self.coeff_mod_bit_sizes))
+        return CkksAdder(slots=self.slots, modulus_bits=tuple(self.coeff_mod_bit_sizes))
 
     def receiver(self) -> CkksReceiver:
         """A fresh receiver half: its own secret context."""
@@ -346,7 +357,7 @@ class CkksSender:
         self,
         *,
         slots: int,
-        modulus_bits: int,
+        modulus_bits: tuple[int, ...],
         max_magnitude: float,
         sum_limit: float,
         scale_bits: int,
@@ -419,7 +430,7 @@ class CkksSender:
 class CkksAdder:
     """The aggregator's half: adds ciphertexts with only each receiver's public context."""
 
-    def __init__(self, *, slots: int, modulus_bits: int) -> None:
+    def __init__(self, *, slots: int, modulus_bits: tuple[int, ...]) -> None:
         self.slots, self.modulus_bits = slots, modulus_bits
         self._publics: dict[str, ts.Context] = {}
         self.seconds = 0.0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import itertools
 import json
 import logging
 import math
@@ -98,10 +99,15 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         flag = message.removeprefix("argument ").removesuffix(": expected one argument")
         words: list[str] = getattr(self, "_words", [])
-        if flag != message and flag in words[:-1]:
-            value = words[words.index(flag) + 1]
-            if re.match(r"-[0-9.]", value):  # argparse took a value such as -1:0.1 for a flag
-                message += f": found {value}, taken for a flag; write {flag}={value}"
+        if flag != message:  # argparse took a value such as -1:0.1 for a flag
+            given = (  # the flag as written (or abbreviated), followed by such a value
+                (word, value)
+                for word, value in itertools.pairwise(words)
+                if word.startswith("--") and flag.startswith(word) and re.match(r"-[0-9.]", value)
+            )
+            word, value = next(given, ("", ""))
+            if word:
+                message += f": found {value}, taken for a flag; write {word}={value}"
         self.exit(EXIT_USAGE, f"{self.prog}: error: {_printable(message)}\n")
 
 

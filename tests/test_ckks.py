@@ -96,6 +96,17 @@ def test_the_secure_sum_is_within_the_stated_bound_of_the_float64_sum() -> None:
             assert float((sums.double() - expected).abs().max()) <= 1e-5 + 100 * 4 * 2.0**-24
 
 
+def test_the_smallest_scale_offered_sums_within_its_stated_bound() -> None:
+    """scale_bits=30, which the configuration takes, failed every honest sum as tampered with:
+    its bound was the 2^40 scale's, and the noise decoded at 2^30 is 2^10 times larger."""
+    messages, selection = full_batch(9)
+    aggregator = CkksAggregator(scale_bits=30)
+    sums = SumParties(aggregator).combine(messages, selection).sums
+    expected, magnitude = oracle(messages, selection)
+    bound = aggregator.step(selection.shape[2]) + 2.0**-24 * magnitude
+    assert float(((sums.double() - expected).abs() - bound).max()) <= 0.0
+
+
 def test_a_contribution_is_packed_into_n_over_2_slot_vectors() -> None:
     # T=1, B=256, d=64: 16384 values in 4 ciphertexts of 4096 slots, not 256.
     messages, _ = full_batch(2, batch=256, width=64, tasks=1)
@@ -220,6 +231,23 @@ def test_a_share_of_another_size_or_scale_is_refused_naming_its_sender() -> None
         public["ckks"] = load_public_context(receiver.opener.public_key())
         with pytest.raises(IntegrityError, match=pattern):
             parties.combine(messages, selection)
+
+
+def test_a_receivers_context_is_checked_against_the_runs_parameters() -> None:
+    """Each honest setting's context is taken (SEAL gives the primes' product one bit fewer
+    than their sizes' sum where small primes sit far below 2^b: [21] * 4 at N = 8192 is 83
+    bits, which a check of the sum refused), and another setting's is refused."""
+    honest = [(8192, [21, 21, 21, 21]), (16384, [22, 22, 22, 22]), (8192, [60, 40, 40, 60])]
+    for degree, sizes in honest:
+        published = public_context_bytes(make_secret_context(degree, sizes, 20))
+        load_public_context(published, modulus=(degree, sizes))
+    other = public_context_bytes(make_secret_context(8192, [40, 40, 40], 30))
+    with pytest.raises(ProtocolError, match=r"3 primes of 120 bits in all"):
+        load_public_context(other, modulus=(8192, [60, 60]))
+    with pytest.raises(ProtocolError, match=r"found N = 8192 with 2 primes"):
+        load_public_context(
+            public_context_bytes(make_secret_context(8192, [60, 60], 40)), modulus=(8192, [60, 59])
+        )
 
 
 def test_whole_vector_sums_work_through_split_ckks() -> None:

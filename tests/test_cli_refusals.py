@@ -197,6 +197,11 @@ def test_a_value_argparse_takes_for_a_flag_is_shown_with_how_to_write_it(
     "expected one argument"; a flag followed by a real flag gets no such hint."""
     err = refused(["train", "--dp-gradients", "-1:0.1"], capsys)
     assert "found -1:0.1, taken for a flag; write --dp-gradients=-1:0.1" in err
+    # abbreviated, or given twice (the second the one argparse stops at)
+    err = refused(["train", "--dp-grad", "-1:0.1"], capsys)
+    assert "found -1:0.1, taken for a flag; write --dp-grad=-1:0.1" in err
+    err = refused(["train", "--dp-gradients", "1:0.1", "--dp-gradients", "-.5:0.1"], capsys)
+    assert "found -.5:0.1, taken for a flag; write --dp-gradients=-.5:0.1" in err
     err = refused(["train", "--p-miss-test", "--epochs", "1"], capsys)
     assert err.strip().endswith("argument --p-miss-test: expected one argument")
 

@@ -25,9 +25,11 @@ from secure_vfl.federation.channel import Channel, RecordingLayer
 from secure_vfl.federation.messages import (
     AGGREGATOR,
     DRIVEN_KINDS,
+    GradientMessage,
     HeadTask,
     PublicKeyMessage,
     RepresentationMessage,
+    RepresentRequest,
     SealedMessage,
     SealedSumMessage,
     SealRequest,
@@ -360,6 +362,55 @@ def test_the_drivers_requests_and_plans_are_refused_from_anyone_else(
     method.train_step(ROWS + 32, 1, 0)  # nothing was acted on: the next step trains
 
 
+def test_a_gradient_that_acts_as_the_drivers_is_refused_from_anyone_else(
+    make_data: MakeData,
+) -> None:
+    """A gradient that closes its step is the driver's update, and under FALSE-VFL every
+    gradient is the label party's (a likelihood gradient is answered with the gradient of the
+    latent samples): from another party, each stepped the receiver's model or answered it."""
+    method, recorder = _stepped(make_data)
+    method.train_step(ROWS + 32, 1, 0)  # the first step's closing gradients go with it
+    closing = next(m for m in recorder.messages if isinstance(m, GradientMessage) and m.step)
+    receiver = _party(method, closing.receiver)
+    request = [
+        m
+        for m in recorder.messages
+        if isinstance(m, RepresentRequest) and m.receiver == receiver.name
+    ][-1]
+    receiver.receive(dataclasses.replace(request, round=9))  # a forward pass waits
+    before = [p.detach().clone() for p in receiver.models[""].parameters()]
+    forged = dataclasses.replace(
+        closing,
+        sender="party-2",
+        round=9,
+        tag=request.tag,
+        positions=request.positions,
+        gradient=torch.ones(len(request.positions), closing.gradient.shape[1]),
+    )
+    with pytest.raises(ProtocolError, match="only the run's driver, party-0, closes a step"):
+        receiver.receive(forged)
+    after = list(receiver.models[""].parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+    recorder = RecordingLayer()
+    latent = _build("false-vfl-2", make_data(), PlainAggregator(), Channel([recorder]))
+    latent.train_step(ROWS, 0, 0)
+    gradients = [m for m in recorder.messages if isinstance(m, GradientMessage)]
+    assert {m.sender for m in gradients} == {"party-0"}
+    likelihood = next(m for m in gradients if m.tag.endswith("likelihood"))
+    receiver = _party(latent, likelihood.receiver)
+    drawn = [m for m in recorder.messages if m.kind == "latent" and m.receiver == receiver.name]
+    receiver.receive(dataclasses.replace(drawn[0], round=9))  # its likelihoods wait
+    forged = dataclasses.replace(
+        likelihood,
+        sender="party-2",
+        round=9,
+        positions=drawn[0].positions,
+        gradient=torch.ones(len(drawn[0].positions), likelihood.gradient.shape[1]),
+    )
+    with pytest.raises(ProtocolError, match="only the run's driver, party-0, sends gradients"):
+        receiver.receive(forged)
+
+
 @pytest.mark.parametrize(
     ("backend", "key", "expected"),
     [
@@ -373,7 +424,7 @@ def test_the_drivers_requests_and_plans_are_refused_from_anyone_else(
         (
             "ckks",
             public_context_bytes(make_secret_context(4096, [40, 20, 40], 30)),
-            "context of N = 8192 with a 120-bit coefficient modulus expected",
+            r"context of N = 8192 with 2 coefficient-modulus primes of \[60, 60\] bits expected",
         ),
     ],
 )

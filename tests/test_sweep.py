@@ -311,6 +311,12 @@ def test_a_malformed_setting_or_an_attack_that_does_not_apply_is_refused_before_
         ),
         (
             "direct-label-inference",
+            ["norm-filter:4", "norm-filter:4.0000001", "norm-filter:4.00"],
+            {},
+            "Found norm-filter:4 and norm-filter:4.00, the same setting.",
+        ),
+        (
+            "direct-label-inference",
             ["dp-gradients:SIGMA:0.01", "dp-gradients:1.0:0.01"],
             {"SIGMA": (1.0, 2.0)},
             "Found dp-gradients:1:0.01 and dp-gradients:1.0:0.01, the same setting.",

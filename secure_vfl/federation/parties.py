@@ -780,6 +780,11 @@ class DataParty(SecureSumParty):
         self.contribute(message)
 
     def on_gradient(self, message: GradientMessage) -> None:
+        if message.step and self.driver not in (None, message.sender):
+            raise ProtocolError(  # a gradient that closes the step is an update: the driver's
+                f"{self.name}: a gradient that closes its step from {message.sender}; only the "
+                f"run's driver, {self.driver}, closes a step."
+            )
         key = (message.round, message.tag)
         pending = self._pending.get(key)
         if pending is None:

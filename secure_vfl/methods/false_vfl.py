@@ -289,6 +289,11 @@ class LatentParty(DataParty):
             self.latent_model.zero_grad(set_to_none=True)
 
     def on_gradient(self, message: GradientMessage) -> None:
+        if self.driver not in (None, message.sender):  # its encoder's and decoder's alike
+            raise ProtocolError(
+                f"{self.name}: a gradient from {message.sender}; under FALSE-VFL only the run's "
+                f"driver, {self.driver}, sends gradients."
+            )
         if message.tag.endswith(LIKELIHOOD):
             self._latent_gradient(message, message.tag.removesuffix(LIKELIHOOD))
         else:
