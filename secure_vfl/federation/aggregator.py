@@ -24,6 +24,7 @@ from torch import Tensor
 from secure_vfl.errors import ProtocolError
 from secure_vfl.federation.messages import (
     AGGREGATOR,
+    PublicKeyMessage,
     RepresentationMessage,
     SealedSumMessage,
     SumMessage,
@@ -396,18 +397,24 @@ class KeySessions:
             self._seen.append(session)
             self._keys = {}
 
-    def check_key(self, session: str, sender: str, role: str, key: bytes, what: str) -> None:
-        """Enter ``session`` (:meth:`enter`) for ``sender``'s ``role`` key; ProtocolError if it
-        announced another one in that session (:meth:`keep_key`): a key replaced within a
-        session would leave the masks of the sums sealed before it uncancelled."""
-        self.enter(session, what)
-        known = self._keys.get((sender, role))
-        if known is not None and known != key:
+    def take_key(
+        self,
+        owner: str,
+        message: PublicKeyMessage,
+        learners: Sequence[SenderHalf | ReceiverHalf | AdderHalf],
+    ) -> None:
+        """Hand ``message``'s key to ``owner``'s ``learners`` (its halves, each of which refuses
+        a key it cannot use before it takes it), once :meth:`enter` and a check that its sender
+        announced no other key of the session pass: a key replaced within a session would
+        leave the masks of the sums sealed before it uncancelled."""
+        what = f"{owner}: a key from {message.sender}"
+        self.enter(message.session, what)
+        held = (message.sender, message.role)
+        if self._keys.get(held, message.key) != message.key:
             raise ProtocolError(
-                f"{what}: a second, different {role} key of key session {session!r}; a party "
-                "announces its key once a session."
+                f"{what}: a second, different {message.role} key of key session "
+                f"{message.session!r}; a party announces its key once a session."
             )
-
-    def keep_key(self, sender: str, role: str, key: bytes) -> None:
-        """Note a key of the newest session its receiver took (after :meth:`check_key`)."""
-        self._keys[(sender, role)] = key
+        for half in learners:
+            half.learn(message.sender, message.role, message.key)
+        self._keys[held] = message.key

@@ -401,16 +401,7 @@ class SecureSumParty(Party):
                 f"{message.sender}, but it runs {self.scheme or 'no secure sum'} with no half "
                 f"that takes a {message.role} key."
             )
-        self._key_sessions.check_key(
-            message.session,
-            message.sender,
-            message.role,
-            message.key,
-            f"{self.name}: a key from {message.sender}",
-        )
-        for half in learners:  # each refuses a key it cannot use before it takes it
-            half.learn(message.sender, message.role, message.key)
-        self._key_sessions.keep_key(message.sender, message.role, message.key)
+        self._key_sessions.take_key(self.name, message, learners)
 
     def on_seal_request(self, request: SealRequest) -> None:
         """Seal the representation kept for the request's source into the sums it asks for,
@@ -1014,15 +1005,7 @@ class AggregationServer(Party):
                 f"{self.name}: a {message.scheme!r} public key from {message.sender}, but it "
                 f"runs {self.scheme or 'no secure sum'}."
             )
-        self._key_sessions.check_key(
-            message.session,
-            message.sender,
-            message.role,
-            message.key,
-            f"{self.name}: a key from {message.sender}",
-        )
-        self.adder.learn(message.sender, message.role, message.key)
-        self._key_sessions.keep_key(message.sender, message.role, message.key)
+        self._key_sessions.take_key(self.name, message, [self.adder])
 
     def _enter_batch(self, message: SealedMessage | RepresentationMessage) -> None:
         batch = (message.round, message.batch_id, message.phase)
