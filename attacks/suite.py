@@ -17,6 +17,7 @@ from protocols.privacy import PrivacySpec
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ConfigError, DivergenceError, run_warnings
 from secure_vfl.experiment import TrainConfig, build_method, prepare_data
+from secure_vfl.federation.messages import AGGREGATOR
 
 UNDEFENDED = "none"
 
@@ -106,6 +107,12 @@ def run_suite(
         parse_defenses([defense], base)  # a typo is refused, not listed as not applicable
     data = prepare_data(config)
     build_method(config, data)  # what every run would be refused for, refused once, here
+    members = [*(f"party-{k}" for k in range(data.train.parties)), AGGREGATOR]
+    if attacker is not None and attacker not in members:  # once, not once per attack
+        raise ConfigError(
+            f"attacker: a party of this run expected, one of {', '.join(members)}. Found "
+            f"{attacker!r}."
+        )
     verdicts = {
         name: why
         for name, why in applicable(config, data, attacker).items()

@@ -129,8 +129,14 @@ def test_a_run_no_attack_applies_to_is_refused() -> None:
     refused = TrainConfig(method="laser", dataset="digits", method_config=width)
     with pytest.raises(ConfigError, match="representation_dim must equal the 10 classes"):
         suite.run_suite(refused)
-    with pytest.raises(ConfigError, match=r"no attack applies.*Found attacker ''"):
-        suite.run_suite(TrainConfig(method="standard", dataset="digits"), attacker="")
+    # Not a party at all: said once (it was said once per attack, joined by "; ").
+    for attacker in ("", "party-9"):
+        with pytest.raises(ConfigError) as refusal:
+            suite.run_suite(TrainConfig(method="standard", dataset="digits"), attacker=attacker)
+        assert str(refusal.value) == (
+            "attacker: a party of this run expected, one of party-0, party-1, party-2, party-3, "
+            f"aggregator. Found {attacker!r}."
+        )
 
 
 def test_attack_suite_command_writes_the_report(
