@@ -128,7 +128,7 @@ def vector_sum(
             party.install(aggregator.scheme, aggregator.sender(), None)
         owner.install(aggregator.scheme, None, aggregator.receiver())
         server.install(aggregator.scheme, aggregator.adder())
-        for name in (*names, receiver):
+        for name in (AGGREGATOR, *names, receiver):
             owner.send(
                 KeyRequest(
                     **header,
@@ -189,7 +189,7 @@ class SumParties:
                 opener = backend.receiver() if name == RECEIVER else None
                 party.install(backend.scheme, backend.sender(), opener)
             self.server.install(backend.scheme, backend.adder())
-            for name in PARTIES:
+            for name in (AGGREGATOR, *PARTIES):
                 self.driver.send(
                     KeyRequest(
                         **self._header(name, 0, 0),

@@ -194,7 +194,8 @@ def test_a_lost_client_restarted_by_its_operator_rejoins_before_the_next_round(
     assert len(curve) == CONFIG.rounds and np.all(np.isfinite(curve))
     # A new session: under masks every client announced its keys again, the new one's new.
     requests = [m for m in channel.posted if m.kind == "key-request"]
-    assert len(requests) == (2 * 4 if backend == "masks" else 0)  # the clients, twice
+    # the clients and the aggregation server, twice
+    assert len(requests) == (2 * 5 if backend == "masks" else 0)
     assert len({m.session for m in requests}) == (2 if backend == "masks" else 0)
 
 

@@ -431,14 +431,18 @@ def test_a_gradient_that_acts_as_the_drivers_is_refused_from_anyone_else(
 def test_a_bad_public_key_is_refused(
     make_data: MakeData, backend: str, key: bytes, expected: str
 ) -> None:
-    method, _ = _stepped(make_data, backend)
+    method, recorder = _stepped(make_data, backend)
     party = in_process_parties(method.fed.channel)[1]
     role = "sender" if backend == "masks" else "receiver"
+    # A session the driver opens anew (a key of a session no key request opened only waits).
+    request = [m for m in recorder.messages if m.kind == "key-request"][-1]
+    party.receive(dataclasses.replace(request, receiver=party.name, session="fresh"))
     message = PublicKeyMessage(
         sender="party-0",
         receiver=party.name,
         round=0,
         batch_id=0,
+        session="fresh",
         scheme=backend,
         role=role,
         key=key,
@@ -460,6 +464,20 @@ def test_a_second_different_key_in_one_key_session_is_refused_and_the_first_kept
     with pytest.raises(ProtocolError, match="a second, different sender key of key session"):
         party.receive(dataclasses.replace(announced, key=other))
     method.train_step(ROWS + 32, 1, 0)  # the first key stands: the next step's masks cancel
+
+
+def test_a_key_of_a_session_no_driver_opened_changes_nothing(make_data: MakeData) -> None:
+    """A key of an unknown session was taken as the newest session, after which the driver's
+    own keys were refused as replays: any party could stop a run at its key set-up."""
+    method, recorder = _stepped(make_data)
+    announced = _last(recorder, PublicKeyMessage, "party-2")
+    party = _party(method, announced.receiver)
+    other = X25519PrivateKey.generate().public_key().public_bytes_raw()
+    party.receive(dataclasses.replace(announced, session="forged", key=other))
+    party.receive(announced)  # the driver's session's key is still taken (it said: a replay)
+    server = _party(method, AGGREGATOR)
+    server.receive(dataclasses.replace(announced, receiver=AGGREGATOR, session="forged"))
+    method.train_step(ROWS + 32, 1, 0)  # the session stands at every party
 
 
 def test_a_party_of_another_scheme_refuses_the_key_set_up(make_data: MakeData) -> None:

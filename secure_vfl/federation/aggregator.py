@@ -11,6 +11,7 @@ learning algorithm changes either way.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -29,6 +30,8 @@ from secure_vfl.federation.messages import (
     SealedSumMessage,
     SumMessage,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -375,40 +378,65 @@ class ContextLedger:
         self._served.add(context)
 
 
+_Learners = Sequence["SenderHalf | ReceiverHalf | AdderHalf"]
+MAX_EARLY_KEYS = 256
+"""How many keys of key sessions not yet opened a party keeps for when they open (a bound: a
+peer chooses what it sends)."""
+
+
 class KeySessions:
     """The key set-up sessions a party has taken part in, newest last: it takes public keys of
-    the newest only. The label party opens a new session when a lost party rejoins (its new
-    keys, every sum context new); a key of an earlier session is then a replay (e.g. the
-    rejoined party's key from before it was lost), refused before it replaces a newer one."""
+    the newest only. Only the driver opens a session, by a key request (the label party, when
+    the run starts and when a lost party rejoins: its new keys, every sum context new); a key of
+    an earlier session is then a replay (e.g. the rejoined party's key from before it was lost),
+    refused before it replaces a newer one. A key of a session not opened yet waits for its
+    key request (keys of a new session can reach a party before its own request): a key no
+    driver opens a session for changes nothing."""
 
     def __init__(self) -> None:
         self._seen: list[str] = []
         self._keys: dict[tuple[str, str], bytes] = {}  # the newest session's, by sender, role
+        self._early: list[tuple[PublicKeyMessage, _Learners]] = []
 
-    def enter(self, session: str, what: str) -> None:
-        """Note ``session`` (a key request or a public key of it, ``what``); ProtocolError if
-        a newer session has been seen since."""
+    def _refuse_replay(self, session: str, what: str) -> None:
         if session in self._seen[:-1]:
             raise ProtocolError(
                 f"{what} of key session {session!r}, which a newer session replaced; a key of "
                 "the newest session only is taken (a replay?)."
             )
-        if not self._seen or self._seen[-1] != session:
-            self._seen.append(session)
-            self._keys = {}
 
-    def take_key(
-        self,
-        owner: str,
-        message: PublicKeyMessage,
-        learners: Sequence[SenderHalf | ReceiverHalf | AdderHalf],
-    ) -> None:
+    def open(self, owner: str, session: str) -> None:
+        """Enter ``session``, which the driver's key request opens (ProtocolError if a newer
+        one was opened since), and take the keys of it that came before the request."""
+        self._refuse_replay(session, f"{owner}: a key request")
+        if self._seen and self._seen[-1] == session:
+            return
+        self._seen.append(session)
+        self._keys = {}
+        early, self._early = self._early, []
+        for message, learners in early:
+            if message.session == session:
+                try:
+                    self.take_key(owner, message, learners)
+                except ProtocolError as error:  # its sender was answered before: say it here
+                    logger.warning("%s (taken once its key request came)", error)
+
+    def take_key(self, owner: str, message: PublicKeyMessage, learners: _Learners) -> None:
         """Hand ``message``'s key to ``owner``'s ``learners`` (its halves, each of which refuses
-        a key it cannot use before it takes it), once :meth:`enter` and a check that its sender
-        announced no other key of the session pass: a key replaced within a session would
-        leave the masks of the sums sealed before it uncancelled."""
+        a key it cannot use before it takes it) if its session is the newest opened and its
+        sender announced no other key of it (a key replaced within a session would leave the
+        masks of the sums sealed before it uncancelled); keep it for its session's opening if
+        that has not come."""
         what = f"{owner}: a key from {message.sender}"
-        self.enter(message.session, what)
+        self._refuse_replay(message.session, what)
+        if not self._seen or self._seen[-1] != message.session:
+            if len(self._early) >= MAX_EARLY_KEYS:
+                raise ProtocolError(
+                    f"{what} of key session {message.session!r}, which no key request opened; "
+                    f"at most {MAX_EARLY_KEYS} such keys are kept for when theirs comes."
+                )
+            self._early.append((message, learners))
+            return
         held = (message.sender, message.role)
         if self._keys.get(held, message.key) != message.key:
             raise ProtocolError(

@@ -368,7 +368,7 @@ class SecureSumParty(Party):
                 f"{self.name}: a key set-up for scheme {request.scheme!r}, but it runs "
                 f"{self.scheme or 'no secure sum'}."
             )
-        self._key_sessions.enter(request.session, f"{self.name}: a key request")
+        self._key_sessions.open(self.name, request.session)
         announced = self.sealer.public_key() if self.sealer is not None else None
         if announced is not None:
             # To the other contributors (pair masks) and to the receivers (self-masks).
@@ -998,6 +998,15 @@ class AggregationServer(Party):
     def install(self, scheme: str, adder: AdderHalf) -> None:
         """Take the adding half of a secure-sum scheme."""
         self.scheme, self.adder = scheme, adder
+
+    def on_key_request(self, request: KeyRequest) -> None:
+        """The driver opens a key session: the server takes its keys (it announces none)."""
+        if self.adder is None or request.scheme != self.scheme:
+            raise ProtocolError(
+                f"{self.name}: a key set-up for scheme {request.scheme!r}, but it runs "
+                f"{self.scheme or 'no secure sum'}."
+            )
+        self._key_sessions.open(self.name, request.session)
 
     def on_public_key(self, message: PublicKeyMessage) -> None:
         if self.adder is None or message.scheme != self.scheme:

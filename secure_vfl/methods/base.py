@@ -829,7 +829,7 @@ class Federation:
                     contributors=tuple(live),
                     receivers=tuple(self.live(self.receivers)),
                 )
-                for name in live
+                for name in (AGGREGATOR, *live)  # the server too: it takes the session's keys
             ]
         )
 

@@ -395,7 +395,7 @@ class ImputationFederation:
         """Open the secure-sum session: every client announces its public key to the others
         (pairwise masks), the coordinator its encryption key to the clients and the aggregator
         (Paillier, CKKS). Only public keys cross."""
-        for name in (*self.names, self.own.name):
+        for name in (AGGREGATOR, *self.names, self.own.name):  # the server takes keys too
             self.own.send(
                 KeyRequest(
                     **self._header(name, 0),
