@@ -53,9 +53,16 @@ def test_masked_traffic_is_the_sealed_shares_that_crossed_and_nothing_in_the_cle
     result = run_training(
         config, data=data, channel=Channel([recorder]), aggregator=MaskingAggregator()
     )
-    # No representation reaches the aggregator in the clear: only public keys and sealed shares.
+    # No representation reaches the aggregator in the clear: only public keys and sealed shares
+    # (and the driver's requests: the key session, the sums).
     to_aggregator = {(m.kind, m.sender) for m in recorder.messages if m.receiver == AGGREGATOR}
-    assert {kind for kind, _ in to_aggregator} == {"public-key", "sealed", "sum-request"}
+    assert {kind for kind, _ in to_aggregator} == {
+        "key-request",
+        "public-key",
+        "sealed",
+        "sum-request",
+    }
+    assert {s for kind, s in to_aggregator if kind.endswith("-request")} == {"party-0"}
     # The only key it is told is the receiver's (party-0's), announced with the self-masks'.
     assert {sender for kind, sender in to_aggregator if kind == "public-key"} == {"party-0"}
     assert "representation" not in {m.kind for m in recorder.messages}

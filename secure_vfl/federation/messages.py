@@ -522,7 +522,9 @@ class LossMessage(Message):
 class KeyRequest(Message):
     """The driver opens a secure-sum session: every contributor announces its public key (if
     its scheme has one) to the other ``contributors``, every ``receivers`` member its public
-    key to the contributors and the aggregator. Nothing secret is asked for or sent."""
+    key to the contributors and the aggregator, which gets a request too (it announces nothing).
+    Only this request opens a session: a key of one not opened waits for it. Nothing secret is
+    asked for or sent."""
 
     scheme: str
     contributors: tuple[str, ...]
