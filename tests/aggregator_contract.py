@@ -372,9 +372,12 @@ class AggregatorContract:
         parties.seal(selection, round=1)
         assert "never served" in caplog.text
         assert not parties.server._waiting
-        # Round 0's sum again: its contributions are closed (its context spent, if sealed).
-        with pytest.raises(ProtocolError, match=r"moved past|already served"):
+        # Round 0's sum again: a message the server took already; under another tag, its
+        # contributions are closed all the same.
+        with pytest.raises(ProtocolError, match=r"a second sum-request .*\(a replay\?\)"):
             parties.driver.send(request)
+        with pytest.raises(ProtocolError, match=r"moved past"):
+            parties.driver.send(dataclasses.replace(request, tag="other"))
         # ... and an abandoned step takes its waiting requests with it.
         parties.driver.send(dataclasses.replace(request, round=3))
         parties.driver.send(AbortRequest(**parties._header(AGGREGATOR, 3, 0)))
@@ -480,10 +483,23 @@ class SecureAggregatorContract(AggregatorContract):
         messages, selection = full_batch(6, round=3, batch_id=7)
         parties = SumParties(self.make_aggregator())
         first = parties.combine(messages, selection, round=3, batch_id=7, tag="train")
-        with pytest.raises(ProtocolError, match=r"round 3, batch 7, tag 'train' was already"):
+        # The request and the share again are messages their receivers took already ...
+        with pytest.raises(ProtocolError, match=r"a second seal-request .*\(a replay\?\)"):
             parties.seal(selection, round=3, batch_id=7, tag="train")
-        with pytest.raises(ProtocolError, match=r"round 3, batch 7, tag 'train' was already"):
-            parties.server.receive(parties.crossed(SealedMessage, PARTIES[1])[-1])
+        share = parties.crossed(SealedMessage, PARTIES[1])[-1]
+        with pytest.raises(ProtocolError, match=r"a second sealed .*\(a replay\?\)"):
+            parties.server.receive(share)
+        # ... and were they not, the context they seal or add is spent.
+        if parties.split:
+            [request] = [
+                m
+                for m in parties.recorder.messages
+                if isinstance(m, SealRequest) and m.receiver == PARTIES[1] and m.round == 3
+            ]
+            with pytest.raises(ProtocolError, match=r"round 3, batch 7, tag 'train' was already"):
+                parties.parties[PARTIES[1]].on_seal_request(request)
+            with pytest.raises(ProtocolError, match=r"round 3, batch 7, tag 'train' was already"):
+                parties.server.on_sealed(share)
         again = parties.combine(messages, selection, round=3, batch_id=7, tag="predict/x")
         self.assert_close_to_oracle(first.sums, messages, selection)
         self.assert_close_to_oracle(again.sums, messages, selection)

@@ -607,9 +607,11 @@ def test_a_party_refuses_bad_or_replayed_latent_messages_and_keeps_its_state(
     before = _pending(party)
     assert list(before) == [(0, "stage1")]
     bad = {
-        "second latent samples": latent,
-        "split 'nope'": dataclasses.replace(latent, split="nope"),
-        "rows < ": dataclasses.replace(latent, rows=latent.rows + 10_000),
+        r"a second latent from party-0 .*\(a replay\?\)": latent,
+        # Another batch id: a message it has not taken, for latent samples it holds.
+        "second latent samples": dataclasses.replace(latent, batch_id=1),
+        "split 'nope'": dataclasses.replace(latent, split="nope", batch_id=2),
+        "rows < ": dataclasses.replace(latent, rows=latent.rows + 10_000, batch_id=3),
     }
     for expected, message in bad.items():
         with pytest.raises(ProtocolError, match=expected):

@@ -256,8 +256,10 @@ def test_a_replayed_request_is_refused_and_changes_nothing() -> None:
     party, driver, _ = _federation()
     driver.send(_request([0, 1], [0, 1]))
     pending = dict(party._pending)
-    with pytest.raises(ProtocolError, match="replayed"):
+    with pytest.raises(ProtocolError, match=r"a second represent-request .*\(a replay\?\)"):
         driver.send(_request([2, 3], [0, 1]))
+    with pytest.raises(ProtocolError, match="replayed request"):  # not the same message
+        driver.send(dataclasses.replace(_request([2, 3], [0, 1]), batch_id=1))
     assert party._pending.keys() == pending.keys()
     assert party._pending[(7, "")][0] is pending[(7, "")][0]
 

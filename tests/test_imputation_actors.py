@@ -258,8 +258,8 @@ def test_traffic_counts_the_encoded_messages_that_crossed_the_transport() -> Non
 
 
 def _state(channel: Channel) -> dict[str, Any]:
-    """What every party holds that a message could change: models, what each has acted on,
-    kept and sealed, the server's batch and the coordinator's inbox (deep copies)."""
+    """What every party holds that a message could change: models, what each has kept and
+    sealed, the server's batch and the coordinator's inbox (deep copies)."""
     state: dict[str, Any] = {}
     for name, party in channel.parties.items():
         if isinstance(party, ImputationClient):
@@ -267,7 +267,6 @@ def _state(channel: Channel) -> dict[str, Any]:
             state[name] = [
                 [p.detach().clone() for p in party.model.parameters()],
                 copy.deepcopy(party.optimiser.state_dict()) if party.optimiser else None,
-                set(party._acted),
                 sorted(party._held),
                 set(party._sealed._served),
                 torch.get_rng_state(),
@@ -419,7 +418,16 @@ def test_bad_or_replayed_messages_are_refused_and_change_no_party(backend: str) 
     if backend == "masks":
         share = _last(recorder, SealedMessage, sender=second.name)
         attempts += [
-            ("a replayed sealed share", lambda: second.send(share), "already served"),
+            (
+                "a replayed sealed share",
+                lambda: second.send(share),
+                r"a second sealed .*\(a replay\?\)",
+            ),
+            (
+                "a sealed share of a served sum",
+                lambda: second.send(dataclasses.replace(share, session="other")),
+                "already served",
+            ),
             (
                 "a contribution in the clear",
                 lambda: second.send(_row(second.name, AGGREGATOR)),
@@ -428,9 +436,14 @@ def test_bad_or_replayed_messages_are_refused_and_change_no_party(backend: str) 
         ]
     else:
         contribution = _last(recorder, RepresentationMessage, sender=second.name)
-        attempts.append(
-            ("a replayed contribution", lambda: second.send(contribution), "two representations")
-        )
+        attempts += [
+            ("a replayed contribution", lambda: second.send(contribution), r"a second repr"),
+            (
+                "a second contribution to a sum",
+                lambda: second.send(dataclasses.replace(contribution, session="other")),
+                "two representations",
+            ),
+        ]
     for what, attempt, error in attempts:
         before = _state(channel)
         with pytest.raises(ProtocolError, match=error):

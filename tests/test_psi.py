@@ -647,10 +647,14 @@ class InboxWatcher(PsiRequester):
 
 
 class ReplayingResponder(PsiResponder):
-    """A responder that sends every response twice."""
+    """A responder that sends every response twice (the second in batch ``again``, if set)."""
+
+    again: int | None = None
 
     def send(self, message):  # type: ignore[no-untyped-def]
         super().send(message)
+        if self.again is not None:
+            message = dataclasses.replace(message, batch_id=self.again)
         super().send(message)
 
 
@@ -664,8 +668,13 @@ def test_a_party_refuses_a_replayed_or_unasked_message_and_keeps_its_state():
     assert requester.intersect("responder", session_id="s", key=KEY_A).size == 2
     requester.send_matches("responder", np.array([-1, 0, 1]), 2)
     assert responder.aligned_rows("requester").tolist() == [0, 1]
+    # A second, other one: the same message as far as its header goes, so refused as a
+    # replay; in another batch, refused by the session all the same.
+    with pytest.raises(ProtocolError, match=r"a second psi-matches .*\(a replay\?\)"):
+        requester.send_matches("responder", np.array([0, 1, -1]), 2)
+    other = requester._sessions["responder"].matches(np.array([0, 1, -1]), 2)
     with pytest.raises(ProtocolError, match="one matches message per session"):
-        requester.send_matches("responder", np.array([0, 1, -1]), 2)  # a second, other one
+        requester.send(dataclasses.replace(other, batch_id=1))
     assert responder.aligned_rows("requester").tolist() == [0, 1]
     with pytest.raises(ProtocolError, match="one session with responder expected"):
         requester.intersect("responder", session_id="s")
@@ -678,9 +687,20 @@ def test_a_party_refuses_a_replayed_or_unasked_message_and_keeps_its_state():
     requester.connect(replaying)
     responder.connect(replaying)
     responder.accept("requester", session_id="s")
-    with pytest.raises(ProtocolError, match=r"found 1 more: \[\('psi-response', 1, 0\)\]"):
+    with pytest.raises(ProtocolError, match=r"a second psi-response .*\(a replay\?\)"):
         requester.intersect("responder", session_id="s")
     assert requester._sessions["responder"].responses == 0  # the response was not taken in
+    # Sent again as another message (another batch id): one more than its request asked for.
+    replaying = Channel()
+    requester = PsiRequester(["a", "b"], workers=1)
+    responder = ReplayingResponder(["b"], workers=1)
+    responder.again = 1
+    requester.connect(replaying)
+    responder.connect(replaying)
+    responder.accept("requester", session_id="s")
+    with pytest.raises(ProtocolError, match=r"found 1 more: \[\('psi-response', 1, 1\)\]"):
+        requester.intersect("responder", session_id="s")
+    assert requester._sessions["responder"].responses == 0
 
 
 class _KeepsWhatItReceives(Party):

@@ -220,16 +220,21 @@ def test_a_contributor_refuses_to_seal_a_sum_that_reveals_it_alone(make_data: Ma
 def test_a_replayed_seal_request_or_sealed_share_is_refused(make_data: MakeData) -> None:
     method, recorder = _stepped(make_data)
     seal = _last(recorder, SealRequest)
-    with pytest.raises(ProtocolError, match="already served"):
+    with pytest.raises(ProtocolError, match=r"a second seal-request .*\(a replay\?\)"):
         method.fed.own.send(seal)
     share = _last(recorder, SealedMessage)
     server = _party(method, AGGREGATOR)
-    with pytest.raises(ProtocolError, match="already served"):  # its sum was delivered
+    with pytest.raises(ProtocolError, match=r"a second sealed .*\(a replay\?\)"):
         server.receive(share)
+    # In another session (a message the server never took), its sum was delivered all the same.
+    with pytest.raises(ProtocolError, match="already served"):
+        server.receive(dataclasses.replace(share, session="other"))
     fresh = dataclasses.replace(share, tag="not-yet-served")
     server.receive(fresh)
-    with pytest.raises(ProtocolError, match="two sealed shares"):
+    with pytest.raises(ProtocolError, match=r"a second sealed .*\(a replay\?\)"):
         server.receive(fresh)
+    with pytest.raises(ProtocolError, match="two sealed shares"):
+        server.receive(dataclasses.replace(fresh, session="other"))
 
 
 def test_the_secure_server_refuses_a_representation_in_the_clear(make_data: MakeData) -> None:
@@ -328,8 +333,10 @@ def test_a_sum_that_does_not_fit_its_head_task_is_refused_and_the_task_kept(
     with pytest.raises(ProtocolError, match=r"sums of \(tasks, rows\)"):
         party.receive(wider)
     # The task still waits for its sum: a second one for it is a replay.
-    with pytest.raises(ProtocolError, match="a second task"):
+    with pytest.raises(ProtocolError, match=r"a second head-task .*\(a replay\?\)"):
         party.receive(task)
+    with pytest.raises(ProtocolError, match="a second task"):
+        party.receive(dataclasses.replace(task, session="other"))
 
 
 @pytest.mark.parametrize("backend", ["plain", "masks"])
@@ -459,10 +466,13 @@ def test_a_second_different_key_in_one_key_session_is_refused_and_the_first_kept
     method, recorder = _stepped(make_data)
     announced = _last(recorder, PublicKeyMessage, "party-2")
     party = _party(method, announced.receiver)
-    party.receive(announced)  # the same key again: nothing changes
+    with pytest.raises(ProtocolError, match=r"a second public-key .*\(a replay\?\)"):
+        party.receive(announced)
+    again = dataclasses.replace(announced, batch_id=1)  # a message it has not taken
+    party.receive(again)  # the same key again: nothing changes
     other = X25519PrivateKey.generate().public_key().public_bytes_raw()
     with pytest.raises(ProtocolError, match="a second, different sender key of key session"):
-        party.receive(dataclasses.replace(announced, key=other))
+        party.receive(dataclasses.replace(again, batch_id=2, key=other))
     method.train_step(ROWS + 32, 1, 0)  # the first key stands: the next step's masks cancel
 
 
@@ -474,7 +484,8 @@ def test_a_key_of_a_session_no_driver_opened_changes_nothing(make_data: MakeData
     party = _party(method, announced.receiver)
     other = X25519PrivateKey.generate().public_key().public_bytes_raw()
     party.receive(dataclasses.replace(announced, session="forged", key=other))
-    party.receive(announced)  # the driver's session's key is still taken (it said: a replay)
+    # The driver's session's key is still taken (it said: a replay of an older session).
+    party.receive(dataclasses.replace(announced, batch_id=1))
     server = _party(method, AGGREGATOR)
     server.receive(dataclasses.replace(announced, receiver=AGGREGATOR, session="forged"))
     method.train_step(ROWS + 32, 1, 0)  # the session stands at every party
@@ -486,7 +497,7 @@ def test_a_party_of_another_scheme_refuses_the_key_set_up(make_data: MakeData) -
     party = _party(method, request.receiver)
     assert isinstance(party, DataParty)
     with pytest.raises(ProtocolError, match="but it runs masks"):
-        party.receive(dataclasses.replace(request, scheme="ckks"))
+        party.receive(dataclasses.replace(request, scheme="ckks", batch_id=1))
 
 
 def test_plain_backends_are_not_split(make_data: MakeData) -> None:

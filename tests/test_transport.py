@@ -443,19 +443,24 @@ def test_a_replayed_request_or_gradient_is_refused_and_changes_nothing(make_data
     own = method.fed.own
     own.send(request)
     before = _state(method.fed.channel)
-    with pytest.raises(ProtocolError, match="replayed request"):
+    with pytest.raises(ProtocolError, match=r"a second represent-request .*\(a replay\?\)"):
         own.send(request)
+    # Not the same messages (another session), for what was done all the same.
+    with pytest.raises(ProtocolError, match="replayed request"):
+        own.send(dataclasses.replace(request, session="other"))
+    second = RepresentationMessage(
+        sender="party-1",
+        receiver="aggregator",
+        round=5,
+        batch_id=0,
+        positions=rows,
+        representation=torch.zeros(4, 8),
+    )
+    sender = in_process_parties(method.fed.channel)[1]
+    with pytest.raises(ProtocolError, match=r"a second representation .*\(a replay\?\)"):
+        sender.send(second)
     with pytest.raises(ProtocolError, match="two representations from party-1"):
-        in_process_parties(method.fed.channel)[1].send(
-            RepresentationMessage(
-                sender="party-1",
-                receiver="aggregator",
-                round=5,
-                batch_id=0,
-                positions=rows,
-                representation=torch.zeros(4, 8),
-            )
-        )
+        sender.send(dataclasses.replace(second, session="other"))
     assert _same(before, _state(method.fed.channel))
 
 
@@ -491,6 +496,9 @@ def test_a_contribution_for_a_past_batch_is_refused_and_changes_nothing(
     before = _state(method.fed.channel)
     assert ("", ["party-1"]) in before  # what the stale contribution must not reset
     stale = old if tag is None else dataclasses.replace(old, tag=tag)
-    with pytest.raises(ProtocolError, match="moved past"):
+    with pytest.raises(
+        ProtocolError,
+        match=r"a second representation .*\(a replay\?\)" if tag is None else "moved past",
+    ):
         method.fed.channel.parties[old.sender].send(stale)
     assert _same(before, _state(method.fed.channel))

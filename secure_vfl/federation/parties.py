@@ -108,6 +108,82 @@ class ExposedRowRelease(Protocol):
         ...
 
 
+REPLAY_WINDOW = 1024
+"""How many rounds behind the newest it has taken of a kind from a sender a party still tells a
+message apart from a replay; older ones are refused as replays (and forgotten, so what it keeps
+stays bounded)."""
+
+_Stream = tuple[str, str, str, str]
+_Item = tuple[int, str, str, str, str]
+
+
+class Receipts:
+    """What a party has taken (acted on, or kept in its inbox), by each message's identity: its
+    session, kind, sender and phase, round, batch id, tag, model, key role and whom a sum is
+    for. A party takes each message once; a second with the same identity is a replay (or a
+    sender repeating itself), refused before anything looks at it, unless the driver abandoned
+    its round since (the retry's messages are new). A message it refused is not taken: a
+    refusal changes nothing. No sender sends two messages of one identity in a run but a head
+    its gradients (:data:`UNLEDGERED_KINDS`)."""
+
+    def __init__(self) -> None:
+        self._taken: dict[_Stream, dict[int, set[_Item]]] = {}
+        self._newest: dict[_Stream, int] = {}
+
+    def check(self, name: str, message: Message) -> tuple[_Stream, int, _Item]:
+        """Refuse ``message`` if one of its identity was taken (ProtocolError); else return its
+        identity, for :meth:`take`."""
+        get = message.__dict__.get
+        stream = (message.session, message.kind, message.sender, get("phase", ""))
+        item = (
+            message.batch_id,
+            get("tag", ""),
+            get("model", ""),
+            get("role", ""),
+            get("deliver_to", ""),
+        )
+        round = message.round
+        newest = self._newest.get(stream)
+        where = f"{message.kind} from {message.sender} for round {round}, batch {item[0]}"
+        if newest is not None and round < newest - REPLAY_WINDOW:
+            raise ProtocolError(
+                f"{name}: a {where}, over {REPLAY_WINDOW} rounds behind the newest it took of "
+                f"that kind from that sender ({newest}): refused as a replay."
+            )
+        if item in self._taken.get(stream, {}).get(round, ()):
+            tag = f", tag {item[1]!r}" if item[1] else ""
+            raise ProtocolError(
+                f"{name}: a second {where}{tag} (a replay?): it takes each message once."
+            )
+        return stream, round, item
+
+    def take(self, identity: tuple[_Stream, int, _Item]) -> None:
+        """Record the message of ``identity`` (from :meth:`check`) as taken."""
+        stream, round, item = identity
+        rounds = self._taken.setdefault(stream, {})
+        rounds.setdefault(round, set()).add(item)
+        if round > self._newest.get(stream, round - 1):
+            self._newest[stream] = round
+            for old in [r for r in rounds if r < round - REPLAY_WINDOW]:
+                del rounds[old]
+
+    def forget_round(self, session: str, round: int) -> None:
+        """Forget what it took for ``round`` in ``session`` of the kinds whose newest round it
+        is: the driver abandoned that round, and its retry sends messages of the same
+        identities again. (An abandoned prediction pass's query round leaves the training
+        step of that number alone: training has moved past it.)"""
+        for stream, rounds in self._taken.items():
+            if stream[0] == session and self._newest.get(stream) == round:
+                rounds.pop(round, None)
+
+
+UNLEDGERED_KINDS = frozenset({"abort", "error", "gradient"})
+"""Kinds a party may take more than once with one identity: the driver abandons a round again
+if its retry fails too, a refusal says the same for each message it refuses, and a head trained
+task by task sends a party one gradient per task. A gradient is taken only for a forward pass
+still open, so a replayed one after the step closed is refused all the same."""
+
+
 class Party:
     """One organisation: a name, an inbox and hooks; subclasses add state and handlers."""
 
@@ -124,6 +200,7 @@ class Party:
         self._deferred: list[Message] = []
         self._outbox: list[Message] | None = None
         self._after: list[Message] = []
+        self.receipts = Receipts()
         self.driver: str | None = None
         """The party that drives its run (the label party; an imputation run's coordinator),
         the only one it takes the kinds :data:`DRIVEN_KINDS` from; None: any sender's (a party
@@ -244,6 +321,11 @@ class Party:
                 f"{self.name}: a {message.kind} from {message.sender}; only the run's driver, "
                 f"{self.driver}, sends one."
             )
+        identity = None
+        if message.kind not in UNLEDGERED_KINDS:
+            identity = self.receipts.check(self.name, message)
+        elif message.kind == "abort":
+            self.receipts.forget_round(message.session, message.round)
         for layer in self.incoming:
             message = layer.on_message(message)
         handler = getattr(self, "on_" + message.kind.replace("-", "_"), None)
@@ -251,6 +333,8 @@ class Party:
             self._inbox.append(message)
         else:
             handler(message)
+        if identity is not None:
+            self.receipts.take(identity)
 
     def take(
         self, kind: str, *, sender: str, round: int, batch_id: int, tag: str | None = None

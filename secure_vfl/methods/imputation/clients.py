@@ -290,7 +290,6 @@ class ImputationClient(SecureSumParty):
         self.generator = (
             torch.Generator().manual_seed(training.generator_seed) if training else None
         )
-        self._acted: set[tuple[str, int, int, str]] = set()
         # Its optimiser's state and its generator's before its last round of local training
         # (that round's message round): a retried round starts from them again.
         self._round_start: tuple[int, dict[str, Any], Tensor | None] | None = None
@@ -317,18 +316,6 @@ class ImputationClient(SecureSumParty):
             )
         super().receive(message)
 
-    def _check_fresh(self, message: Message, tag: str) -> tuple[str, int, int, str]:
-        """Refuse a message it has acted on before (a replay); return its key for
-        :meth:`_acted_on`, called once it has been acted on. A round retried after a lost
-        client is a fresh batch id: its messages are new ones."""
-        key = (message.kind, message.round, message.batch_id, tag)
-        if key in self._acted:
-            raise ProtocolError(
-                f"{self.name}: a second {message.kind} for round {message.round}, batch "
-                f"{message.batch_id}, tag {tag!r} (a replayed message?)."
-            )
-        return key
-
     def _ready(self) -> tuple[ClientTraining, ClientShard, nn.Module, torch.optim.Optimizer]:
         if (
             self.training is None
@@ -346,7 +333,6 @@ class ImputationClient(SecureSumParty):
 
     def on_global_statistics(self, message: GlobalStatisticsMessage) -> None:
         """Standardise its rows, hold Omega_val out and build its model from the graph."""
-        key = self._check_fresh(message, "")
         if self.training is None or self.shard is not None:
             raise ProtocolError(
                 f"{self.name}: global statistics to set up its training expected once, by a "
@@ -383,14 +369,12 @@ class ImputationClient(SecureSumParty):
         optimiser = torch.optim.Adam(model.parameters(), lr=training.config.lr)
         self.standardisation, self.shard, self.graph = standardisation, shard, graph
         self.model, self.optimiser = model, optimiser
-        self._acted.add(key)
 
     def on_parameters(self, message: ParametersMessage) -> None:
         """FedAvg's download: load the global parameters into its model. A ``restart`` (the
         round is run again after a client was lost in it) also puts back its optimiser's
         moments and its batch generator as they were before it trained in the abandoned
         attempt, so that attempt leaves nothing behind."""
-        key = self._check_fresh(message, message.tag)
         _, _, model, optimiser = self._ready()
         load_parameters(model, message.parameters)
         start = self._round_start
@@ -399,11 +383,9 @@ class ImputationClient(SecureSumParty):
             optimiser.load_state_dict(copy.deepcopy(state))
             if self.generator is not None and generator is not None:
                 self.generator.set_state(generator)
-        self._acted.add(key)
 
     def on_compute_request(self, request: ComputeRequest) -> None:
         """Run the named local computation and contribute its vector to the sum ``tag``."""
-        key = self._check_fresh(request, request.tag)
         if request.computation == "train" and self.optimiser is not None:
             self._round_start = (
                 request.round,
@@ -411,7 +393,6 @@ class ImputationClient(SecureSumParty):
                 self.generator.get_state() if self.generator is not None else None,
             )
         vector = self._compute(request.computation, request.arguments.numpy())
-        self._acted.add(key)
         self.contribute(
             RepresentationMessage(
                 **self.reply_header(request, AGGREGATOR),
@@ -426,7 +407,6 @@ class ImputationClient(SecureSumParty):
         impute them, and answer with the squared errors in the request's units and their
         count (nothing else of the rows leaves it). The same per feature it keeps for the
         ``feature-errors`` sum, which reports them summed over the clients only."""
-        key = self._check_fresh(request, "")
         if self._test is None:
             raise ProtocolError(f"{self.name}: test rows to score on expected, found none.")
         features = self._test.values.shape[1]
@@ -439,7 +419,6 @@ class ImputationClient(SecureSumParty):
         errors = squared_errors(
             self.impute(corrupted), self._test, hidden, request.std.numpy(), by=self.name
         )
-        self._acted.add(key)
         # Errors too large for a wide value (a diverged model: over ~1e7 std units) are not
         # sent; the last value says so, and the sum then reports no per-feature error.
         overflow = bool(errors.feature_sse.max(initial=0.0) >= WIDE_CAPACITY / 2)

@@ -1,0 +1,187 @@
+"""Every message of a run, sent again as it was by its sender: refused by its receiver with a
+clear error, and nothing changes (issue 10: "a replay ... refused ... and change no party's
+state", per kind). Before a party took each message once (:class:`~secure_vfl.federation.
+parties.Receipts`), the driver's head task, update and sum request and the aggregation server's
+sums of steps already done were taken again: heads trained twice on old sums, and under a
+secure sum a past round's representation request ran a new forward pass."""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from conftest import MakeData
+
+from protocols.paillier import KeyPair, PaillierAggregator, generate_key_pair
+from protocols.secagg import MaskingAggregator
+from secure_vfl.errors import ProtocolError
+from secure_vfl.federation.aggregator import PlainAggregator, SumBackend
+from secure_vfl.federation.channel import Channel, RecordingLayer
+from secure_vfl.federation.messages import RepresentRequest
+from secure_vfl.federation.parties import REPLAY_WINDOW, DataParty, Receipts
+from secure_vfl.methods import METHODS, MethodConfig
+from secure_vfl.methods.false_vfl import FalseVflConfig
+
+SMALL_FALSE = FalseVflConfig(
+    latent_dim=4, global_latent_dim=2, hidden=16, kappa=3, inference_samples=8
+)
+
+
+@functools.cache
+def _key_pair(bits: int) -> KeyPair:
+    return generate_key_pair(bits)
+
+
+BACKENDS = {
+    "plain": PlainAggregator,
+    "masks": MaskingAggregator,
+    # Its sums decrypt exactly, so the twins train alike (CKKS's fresh noise would not).
+    "paillier": lambda: PaillierAggregator(key_bits=1024, key_generator=_key_pair),
+}
+
+# (method, backend, heads): the kinds that cross the transport in two of its steps.
+CASES = {
+    ("laser", "plain", "all"): {
+        "represent-request",
+        "representation",
+        "sum-request",
+        "head-task",
+        "sum",
+        "gradient",
+        "loss",
+        "update",
+    },
+    ("laser", "masks", "active"): {
+        "key-request",
+        "public-key",
+        "represent-request",
+        "seal-request",
+        "sealed",
+        "sum-request",
+        "sealed-sum",
+        "gradient",
+    },
+    ("laser", "paillier", "active"): {"public-key", "sealed", "sealed-sum", "gradient"},
+    ("false-vfl-2", "masks", "active"): {
+        "latent",
+        "likelihood",
+        "latent-gradient",
+        "sealed",
+        "sealed-sum",
+        "gradient",
+    },
+    ("standard", "plain", "active"): {"represent-request", "representation", "update"},
+    ("combinatorial", "plain", "all"): {"head-task", "sum", "loss", "update"},
+}
+
+
+def _build(make_data: MakeData, method: str, backend: str, heads: str, channel: Channel):  # type: ignore[no-untyped-def]
+    config = MethodConfig(
+        heads=heads,  # type: ignore[arg-type]
+        epochs=1,
+        batch_size=32,
+        lr=0.05,
+        representation_dim=8,
+        secure_sums=backend != "plain",
+    )
+    aggregator: SumBackend = BACKENDS[backend]()
+    options = {"false_vfl": SMALL_FALSE} if method.startswith("false-vfl") else {}
+    return METHODS.get(method)(
+        make_data(), config, seed=0, channel=channel, aggregator=aggregator, **options
+    )
+
+
+def _parameters(channel: Channel) -> list[torch.Tensor]:
+    """Every trained module's state of every party, in one order."""
+    state = []
+    for name in sorted(channel.parties):
+        party = channel.parties[name]
+        if isinstance(party, DataParty):
+            for _, module in sorted(party.own_modules().items()):
+                state += [t.detach().clone() for t in module.state_dict().values()]
+    return state
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize(("method", "backend", "heads"), list(CASES))
+def test_every_message_of_a_run_replayed_is_refused_and_changes_nothing(
+    make_data: MakeData, method: str, backend: str, heads: str
+) -> None:
+    recorder = RecordingLayer()
+    replayed = _build(make_data, method, backend, heads, Channel([recorder]))
+    twin = _build(make_data, method, backend, heads, Channel())
+    batches = [np.arange(32 * i, 32 * (i + 1)) for i in range(3)]
+    for round in range(2):
+        assert replayed.train_step(batches[round], round, 0) == twin.train_step(
+            batches[round], round, 0
+        )
+    channel = replayed.fed.channel
+    inboxes = {name: len(party._inbox) for name, party in channel.parties.items()}
+    refused: Counter[str] = Counter()
+    for message in list(recorder.messages):
+        receiver = channel.parties[message.receiver].name
+        with pytest.raises(ProtocolError, match=f"^{receiver}: ") as error:
+            channel.parties[message.sender].send(message)
+        assert str(message.round) in str(error.value), (message.kind, str(error.value))
+        refused[message.kind] += 1
+    assert CASES[(method, backend, heads)] <= set(refused), sorted(refused)
+    assert set(refused) == {m.kind for m in recorder.messages}
+    assert {name: len(party._inbox) for name, party in channel.parties.items()} == inboxes
+    # The next step trains as the twin's that saw no replay.
+    assert replayed.train_step(batches[2], 2, 0) == twin.train_step(batches[2], 2, 0)
+    after, expected = _parameters(channel), _parameters(twin.fed.channel)
+    assert len(after) == len(expected) > 0
+    assert all(torch.equal(a, b) for a, b in zip(after, expected, strict=True))
+
+
+def _request(round: int, **changes: object) -> RepresentRequest:
+    rows = torch.arange(2)
+    fields: dict[str, object] = {
+        "sender": "party-0",
+        "receiver": "party-1",
+        "round": round,
+        "batch_id": 0,
+        "split": "train",
+        "rows": rows,
+        "positions": rows,
+        "reply_to": "aggregator",
+    }
+    fields.update(changes)
+    return RepresentRequest(**fields)  # type: ignore[arg-type]
+
+
+def test_receipts_tell_messages_apart_by_identity_forget_an_abandoned_round_and_stay_bounded() -> (
+    None
+):
+    receipts = Receipts()
+    receipts.take(receipts.check("party-1", _request(3)))
+    with pytest.raises(ProtocolError, match="party-1: a second represent-request from party-0"):
+        receipts.check("party-1", _request(3, rows=torch.arange(1, 3)))  # its payload aside
+    # Another session, phase, batch, tag, model or sender: another message.
+    for changes in (
+        {"session": "s2"},
+        {"phase": "predict"},
+        {"batch_id": 1},
+        {"tag": "t"},
+        {"model": "m"},
+        {"sender": "party-2"},
+    ):
+        receipts.check("party-1", _request(3, **changes))
+    receipts.forget_round("", 3)  # the driver abandoned round 3: its retry is new
+    receipts.take(receipts.check("party-1", _request(3)))
+    receipts.take(receipts.check("party-1", _request(4)))
+    # A prediction pass's query round 3 abandoned, or another session's: training is past it.
+    receipts.forget_round("", 3)
+    receipts.forget_round("s2", 4)
+    for round in (3, 4):
+        with pytest.raises(ProtocolError, match="a second represent-request"):
+            receipts.check("party-1", _request(round))
+    for round in range(5, REPLAY_WINDOW + 10):
+        receipts.take(receipts.check("party-1", _request(round)))
+    with pytest.raises(ProtocolError, match=f"over {REPLAY_WINDOW} rounds behind"):
+        receipts.check("party-1", _request(5))
+    kept = receipts._taken[("", "represent-request", "party-0", "train")]
+    assert min(kept) == 9 and len(kept) == REPLAY_WINDOW + 1
