@@ -153,6 +153,23 @@ def test_in_one_process_a_reply_sent_after_acting_goes_before_the_send_returns()
         bank.take("representation", sender="aggregator", round=2, batch_id=0)  # none waits
 
 
+def test_a_message_answered_before_a_refusal_further_on_is_taken_all_the_same() -> None:
+    """shop answered bank's message before the aggregator's reply to it was refused (its
+    handler failed with that refusal): it acted, so the same message again is refused as a
+    replay instead of acted on twice. bank's own refusal, before it acted, took nothing."""
+    channel = Channel()
+    bank = _Refusing("bank")
+    for party in (bank, _Forward("shop", "aggregator", after=False)):
+        party.connect(channel)
+    _Forward("aggregator", "bank", after=False).connect(channel)
+    with pytest.raises(ProtocolError, match="round 13 is not the round expected"):
+        bank.send(_rows_message("bank", "shop", round=13))
+    with pytest.raises(ProtocolError, match=r"^shop: a second representation from bank"):
+        bank.send(_rows_message("bank", "shop", round=13))
+    with pytest.raises(ProtocolError, match="round 13 is not the round expected"):
+        channel.parties["aggregator"].send(_rows_message("aggregator", "bank", round=13))
+
+
 def test_read_capture_refuses_a_truncated_record(tmp_path: Path) -> None:
     path = tmp_path / "bad.capture"
     path.write_bytes(struct.pack(">I", 100) + b"\x00" * 10)

@@ -123,8 +123,9 @@ class Receipts:
     for. A party takes each message once; a second with the same identity is a replay (or a
     sender repeating itself), refused before anything looks at it, unless the driver abandoned
     its round since (the retry's messages are new). A message it refused is not taken: a
-    refusal changes nothing. No sender sends two messages of one identity in a run but a head
-    its gradients (:data:`UNLEDGERED_KINDS`)."""
+    refusal changes nothing; one it answered before a refusal further on failed it is. No
+    sender sends two messages of one identity in a run but a head its gradients
+    (:data:`UNLEDGERED_KINDS`)."""
 
     def __init__(self) -> None:
         self._taken: dict[_Stream, dict[int, set[_Item]]] = {}
@@ -201,6 +202,7 @@ class Party:
         self._outbox: list[Message] | None = None
         self._after: list[Message] = []
         self.receipts = Receipts()
+        self._sends = 0  # calls of send_all: whether a handler answered before it failed
         self.driver: str | None = None
         """The party that drives its run (the label party; an imputation run's coordinator),
         the only one it takes the kinds :data:`DRIVEN_KINDS` from; None: any sender's (a party
@@ -235,6 +237,7 @@ class Party:
         delivery, and the receivers act concurrently); if none is for another party, the
         held-back ones wait on. Called while acting on its own message inside another
         ``send_all``, the messages join that one's."""
+        self._sends += 1
         released = [self.release(message) for message in messages]
         if self._outbox is not None:
             self._queue(released)
@@ -332,7 +335,15 @@ class Party:
         if handler is None:
             self._inbox.append(message)
         else:
-            handler(message)
+            sends = self._sends
+            try:
+                handler(message)
+            except BaseException:
+                # It acted, far enough to answer, before a refusal further on failed it: taken,
+                # or the same message again would be acted on twice.
+                if identity is not None and self._sends != sends:
+                    self.receipts.take(identity)
+                raise
         if identity is not None:
             self.receipts.take(identity)
 
