@@ -121,10 +121,11 @@ class Receipts:
     """What a party has taken (acted on, or kept in its inbox), by each message's identity: its
     session, kind, sender and phase, round, batch id, tag, model, key role and whom a sum is
     for. A party takes each message once; a second with the same identity is a replay (or a
-    sender repeating itself), refused before anything looks at it, unless the driver abandoned
-    its round since (the retry's messages are new). A message it refused is not taken: a
-    refusal changes nothing; one it answered before a refusal further on failed it is. No
-    sender sends two messages of one identity in a run but a head its gradients
+    sender repeating itself), refused before anything looks at it. A step the driver abandons
+    is retried under a fresh batch id, and each abort has its own: the retry's messages and a
+    second abort are new ones, a replay of the abandoned attempt's is not. A message it refused
+    is not taken: a refusal changes nothing; one it answered before a refusal further on failed
+    it is. No sender sends two messages of one identity in a run but a head its gradients
     (:data:`UNLEDGERED_KINDS`)."""
 
     def __init__(self) -> None:
@@ -168,21 +169,12 @@ class Receipts:
             for old in [r for r in rounds if r < round - REPLAY_WINDOW]:
                 del rounds[old]
 
-    def forget_round(self, session: str, round: int) -> None:
-        """Forget what it took for ``round`` in ``session`` of the kinds whose newest round it
-        is: the driver abandoned that round, and its retry sends messages of the same
-        identities again. (An abandoned prediction pass's query round leaves the training
-        step of that number alone: training has moved past it.)"""
-        for stream, rounds in self._taken.items():
-            if stream[0] == session and self._newest.get(stream) == round:
-                rounds.pop(round, None)
 
-
-UNLEDGERED_KINDS = frozenset({"abort", "error", "gradient"})
-"""Kinds a party may take more than once with one identity: the driver abandons a round again
-if its retry fails too, a refusal says the same for each message it refuses, and a head trained
-task by task sends a party one gradient per task. A gradient is taken only for a forward pass
-still open, so a replayed one after the step closed is refused all the same."""
+UNLEDGERED_KINDS = frozenset({"error", "gradient"})
+"""Kinds a party may take more than once with one identity: a refusal says the same for each
+message it refuses, and a head trained task by task sends a party one gradient per task. A
+gradient is taken only for a forward pass still open, so a replayed one after the step closed
+is refused all the same."""
 
 
 class Party:
@@ -327,8 +319,6 @@ class Party:
         identity = None
         if message.kind not in UNLEDGERED_KINDS:
             identity = self.receipts.check(self.name, message)
-        elif message.kind == "abort":
-            self.receipts.forget_round(message.session, message.round)
         for layer in self.incoming:
             message = layer.on_message(message)
         handler = getattr(self, "on_" + message.kind.replace("-", "_"), None)

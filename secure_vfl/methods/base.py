@@ -347,6 +347,9 @@ class Federation:
     rng: np.random.Generator
     session: str = ""
     queries: int = 0
+    aborts: int = 0
+    """How many times it abandoned a step: each abort its own batch id, so no two are alike (a
+    step that fails again is abandoned again) and a replayed one is refused as the replay it is."""
     scheme: str = ""
     tolerates_dropouts: bool = False
     epoch_steps: int = 0
@@ -526,9 +529,10 @@ class Federation:
         for name in lost:
             self.drop(name, round=round, what=str(error), phase=phase)
         for abandoned_round in [round] if abandoned is None else abandoned:
+            self.aborts += 1
             self.send_or_drop(
                 [
-                    AbortRequest(**self.header(name, abandoned_round, 0))
+                    AbortRequest(**self.header(name, abandoned_round, self.aborts))
                     for name in [*self.live(), AGGREGATOR]
                 ],
                 round=round,
