@@ -209,3 +209,11 @@ def test_receipts_tell_messages_apart_by_identity_and_stay_bounded() -> None:
         receipts.check("party-1", _request(5))
     kept = receipts._taken[("", "represent-request", "party-0", "train")]
     assert min(kept) == 9 and len(kept) == REPLAY_WINDOW + 1
+    # A round taken out of order (5 after 10) goes with the rounds taken before it.
+    receipts = Receipts()
+    for round in (0, 10, 5, REPLAY_WINDOW + 6):
+        receipts.take(receipts.check("party-1", _request(round)))
+    kept = receipts._taken[("", "represent-request", "party-0", "train")]
+    assert list(kept) == [10, 5, REPLAY_WINDOW + 6]
+    receipts.take(receipts.check("party-1", _request(REPLAY_WINDOW + 11)))
+    assert list(kept) == [REPLAY_WINDOW + 6, REPLAY_WINDOW + 11]

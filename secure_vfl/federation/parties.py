@@ -146,28 +146,42 @@ class Receipts:
         )
         round = message.round
         newest = self._newest.get(stream)
-        where = f"{message.kind} from {message.sender} for round {round}, batch {item[0]}"
         if newest is not None and round < newest - REPLAY_WINDOW:
             raise ProtocolError(
-                f"{name}: a {where}, over {REPLAY_WINDOW} rounds behind the newest it took of "
-                f"that kind from that sender ({newest}): refused as a replay."
+                f"{name}: a {message.kind} from {message.sender} for round {round}, batch "
+                f"{item[0]}, over {REPLAY_WINDOW} rounds behind the newest it took of that kind "
+                f"from that sender ({newest}): refused as a replay."
             )
-        if item in self._taken.get(stream, {}).get(round, ()):
+        rounds = self._taken.get(stream)
+        if rounds is not None and item in rounds.get(round, ()):
             tag = f", tag {item[1]!r}" if item[1] else ""
             raise ProtocolError(
-                f"{name}: a second {where}{tag} (a replay?): it takes each message once."
+                f"{name}: a second {message.kind} from {message.sender} for round {round}, "
+                f"batch {item[0]}{tag} (a replay?): it takes each message once."
             )
         return stream, round, item
 
     def take(self, identity: tuple[_Stream, int, _Item]) -> None:
-        """Record the message of ``identity`` (from :meth:`check`) as taken."""
+        """Record the message of ``identity`` (from :meth:`check`) as taken; forget the rounds
+        of its stream that fall out of the window, oldest first (rounds come in order: a
+        round taken out of order goes with those taken before it)."""
         stream, round, item = identity
-        rounds = self._taken.setdefault(stream, {})
-        rounds.setdefault(round, set()).add(item)
-        if round > self._newest.get(stream, round - 1):
+        rounds = self._taken.get(stream)
+        if rounds is None:
+            rounds = self._taken[stream] = {}
+        taken = rounds.get(round)
+        if taken is None:
+            rounds[round] = {item}
+        else:
+            taken.add(item)
+        newest = self._newest.get(stream)
+        if newest is None or round > newest:
             self._newest[stream] = round
-            for old in [r for r in rounds if r < round - REPLAY_WINDOW]:
-                del rounds[old]
+            while True:  # ends at the latest: this round is within the window
+                oldest = next(iter(rounds))
+                if oldest >= round - REPLAY_WINDOW:
+                    break
+                del rounds[oldest]
 
 
 UNLEDGERED_KINDS = frozenset({"error", "gradient"})
