@@ -391,7 +391,7 @@ def run_attack(
         defense_reports={
             hook.spec: report() for hook in hooks if (report := getattr(hook, "report", None))
         },
-        training=result.to_json(),
+        training=result.to_json(named=False),  # named with the whole record
     )
 
 

@@ -46,7 +46,9 @@ benchmarks build runs through this object only.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import json
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -277,6 +279,11 @@ class PrivacySpec:
     @property
     def secure_sums(self) -> bool:
         return self.secure_agg != "none"
+
+    def to_json(self) -> dict[str, Any]:
+        """Every field as chosen, as JSON (tuples as lists, anything else not JSON's own as
+        its text): ``result.json``'s ``config.privacy``."""
+        return dict(json.loads(json.dumps(dataclasses.asdict(self), default=str)))
 
 
 class PrivacyEngine:
@@ -749,6 +756,10 @@ class PrivacyEngine:
                 steps=STATISTICS_RELEASES,
             )
         return sigma, clip
+
+    def settings(self) -> dict[str, Any]:
+        """The protection chosen (:meth:`PrivacySpec.to_json`)."""
+        return self.spec.to_json()
 
     def divergence_advice(self) -> str:
         """What to try when training diverged: under DP noise, the noise and clipping first."""

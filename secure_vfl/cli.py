@@ -25,6 +25,7 @@ from typing import Any, BinaryIO, NoReturn
 
 from secure_vfl.errors import ConfigError, OutputError, SecureVFLError, run_warnings
 from secure_vfl.io import check_directory, make_parent, writable_file
+from secure_vfl.runs import party_named
 
 EXIT_USAGE = 2
 DEFAULT_DELTA = 1e-5  # protocols.privacy.PrivacySpec's (this module imports protocols lazily)
@@ -1871,7 +1872,6 @@ def run_train(args: argparse.Namespace) -> int:
     from secure_vfl.io import atomic_write_json
     from secure_vfl.methods.base import in_process_parties
     from secure_vfl.plots import write_run_plots
-    from secure_vfl.runs import provenance
     from secure_vfl.saved_model import MANIFEST_FILE, MODEL_DIR, save_model
 
     engine = _privacy_engine(args)
@@ -1946,16 +1946,9 @@ def run_train(args: argparse.Namespace) -> int:
             data=data,
             sources=data.party_names,
         )
-        payload = _with_party_names(result.to_json(), data)
-        if data.classes is not None:  # the label file's values (a registered dataset has indices)
-            payload["classes"] = {
-                str(index): value.item() if hasattr(value, "item") else value
-                for index, value in enumerate(data.classes)
-            }
-        payload["config"]["privacy"] = _privacy_settings(args)
-        payload["provenance"] = provenance()
-        named = [_named_text(text, payload["parties"]) for text in [*noted, *result.warnings]]
-        payload["warnings"] = list(dict.fromkeys(named))
+        payload = result.to_json()
+        found = [*party_named(noted, result.parties), *payload["warnings"]]
+        payload["warnings"] = list(dict.fromkeys(found))
         payload["model"] = {"directory": str(out / MODEL_DIR), "run_id": manifest.run_id}
         if checkpoints is not None:
             payload["checkpoints"] = _checkpoints_payload(checkpoints)
@@ -2070,55 +2063,11 @@ def _checkpoints_payload(checkpoints: Any) -> dict[str, Any]:
     }
 
 
-def _with_party_names(payload: dict[str, Any], data: Any) -> dict[str, Any]:
-    """``result.json`` in the users' party names: ``parties`` maps each internal actor name
-    (``party-k``, which the federation keeps) to the user's name, and the per-party figures
-    (privacy spend, traffic) are keyed by the user's name; with the alignment and column
-    reports of party files, and the columns of a dataset that no party's block holds."""
-    from secure_vfl.data.vertical import column_report
-
-    internal = [f"party-{k}" for k in range(data.parties)]
-    names = list(data.party_names or internal)
-    mapping = dict(zip(internal, names, strict=True))
-    payload["parties"] = mapping
-    for key in ("privacy", "traffic"):
-        if payload.get(key) is not None:
-            payload[key] = _relabel(payload[key], mapping)
-    payload["alignment"] = data.alignment
-    if data.party_names is not None and data.preprocessing is not None:
-        payload["columns"] = column_report(names, data.preprocessing)
-    if data.left_out_columns:
-        payload["left_out_columns"] = list(data.left_out_columns)
-    return payload
-
-
-def _named_text(text: str, mapping: dict[str, str]) -> str:
-    """``text`` with every internal party name (``party-k``) replaced by the user's name."""
-    import re
-
-    return re.sub(r"\bparty-\d+\b", lambda m: mapping.get(m.group(0), m.group(0)), text)
-
-
-def _relabel(value: Any, mapping: dict[str, str]) -> Any:
-    """``value`` in the users' party names at any depth: dictionary keys found in ``mapping``
-    renamed, and every internal name in a text (a guarantee's "against party-1") replaced."""
-    if isinstance(value, dict):
-        return {mapping.get(k, k): _relabel(v, mapping) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_relabel(v, mapping) for v in value]
-    if isinstance(value, str):
-        return _named_text(value, mapping)
-    return value
-
-
 def _privacy_settings(args: argparse.Namespace) -> dict[str, Any]:
     """The privacy flags of a training run as given (backend, alignment, every DP flag,
     target epsilon, delta, noise seed), for ``result.json``'s ``config.privacy``."""
-    import dataclasses
-    import json
-
-    settings = dataclasses.asdict(_privacy_spec(args))
-    return dict(json.loads(json.dumps(settings, default=str)))
+    settings: dict[str, Any] = _privacy_spec(args).to_json()
+    return settings
 
 
 def _path_part(text: str) -> str:
@@ -2202,7 +2151,7 @@ def run_attack_command(args: argparse.Namespace) -> int:
     if mapping:
         payload["parties"] = mapping
     found = [*noted, *payload["training"].get("warnings", [])]
-    payload["warnings"] = list(dict.fromkeys(_named_text(text, mapping) for text in found))
+    payload["warnings"] = list(dict.fromkeys(party_named(text, mapping) for text in found))
     payload["provenance"] = provenance()
     with _finishing():
         atomic_write_json(out / "result.json", payload)
@@ -2212,7 +2161,7 @@ def run_attack_command(args: argparse.Namespace) -> int:
         store.add(
             {**entry, "provenance": payload["provenance"]}, kind=f"attack:{name}", out_dir=out
         )
-    print(_named_text(_attack_summary(result, out), mapping))
+    print(party_named(_attack_summary(result, out), mapping))
     _print_warnings(payload["warnings"])
     return 0
 
@@ -2223,10 +2172,10 @@ def _attack_relabelled(payload: dict[str, Any], mapping: dict[str, str]) -> dict
     if not mapping:
         return payload
     training = payload.get("training")
-    relabelled = {key: _relabel(value, mapping) for key, value in payload.items()}
+    relabelled = {key: party_named(value, mapping) for key, value in payload.items()}
     if isinstance(training, dict):
         relabelled["training"] = {
-            key: _relabel(value, mapping) if key in ("privacy", "traffic", "warnings") else value
+            key: party_named(value, mapping) if key in ("privacy", "traffic", "warnings") else value
             for key, value in training.items()
         }
     return relabelled
@@ -2246,7 +2195,7 @@ def _named_errors(mapping: dict[str, str]) -> Iterator[None]:
     except ConfigError as error:
         if not mapping or type(error) is not ConfigError:
             raise
-        raise ConfigError(_named_text(str(error), mapping)) from None
+        raise ConfigError(party_named(str(error), mapping)) from None
 
 
 def _file_party_names(config: Any) -> dict[str, str]:
@@ -2394,7 +2343,7 @@ def _run_suite_command(args: argparse.Namespace, config: Any) -> int:
     if mapping:
         import dataclasses
 
-        named = _relabel(report.to_json(), mapping)
+        named = party_named(report.to_json(), mapping)
         report = dataclasses.replace(
             report, runs=named["runs"], skipped=named["skipped"], failed=named["failed"]
         )
@@ -2407,7 +2356,7 @@ def _run_suite_command(args: argparse.Namespace, config: Any) -> int:
     print(text)
     _print_warnings(
         [
-            f"{run['attack']} / {run['defense']}: {_named_text(warning, mapping)}"
+            f"{run['attack']} / {run['defense']}: {party_named(warning, mapping)}"
             for run in report.runs
             for warning in run.get("warnings", [])
         ]
@@ -3519,7 +3468,6 @@ def run_train_deployed(args: argparse.Namespace) -> int:
     from secure_vfl.federation.federation_file import read_federation
     from secure_vfl.io import atomic_write_json
     from secure_vfl.plots import write_run_plots
-    from secure_vfl.runs import provenance
     from secure_vfl.saved_model import MANIFEST_FILE, MODEL_DIR, read_manifest
 
     _refuse_deployed_flags(args)
@@ -3576,11 +3524,7 @@ def run_train_deployed(args: argparse.Namespace) -> int:
                 bar.close()
     manifest, _ = read_manifest(out / MODEL_DIR)
     payload = result.to_json()
-    payload["config"]["privacy"] = _privacy_settings(args)
     payload["config"]["federation"] = str(args.federation)
-    # Each actor carries its party's name from the federation file (in one process: party-k).
-    payload["parties"] = {name: name for name in federation.names}
-    payload["provenance"] = provenance()
     payload["warnings"] = list(dict.fromkeys([*noted, *result.warnings]))
     payload["model"] = {"directory": str(out / MODEL_DIR), "run_id": manifest.run_id}
     if checkpoints is not None:

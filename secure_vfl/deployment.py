@@ -2177,7 +2177,12 @@ def train_deployed(
     if privacy is not None:
         privacy.take_reports(entries)
         result = dataclasses.replace(result, privacy=privacy.report())
-    return dataclasses.replace(result, traffic=_with_reports(result.traffic, reports))
+    return dataclasses.replace(
+        result,
+        traffic=_with_reports(result.traffic, reports),
+        # Each actor carries its party's name from the federation file (in one process: party-k).
+        parties={name: name for name in federation.names},
+    )
 
 
 def readmission(

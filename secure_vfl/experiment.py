@@ -28,7 +28,12 @@ from secure_vfl.data.missingness import parse_mechanism
 from secure_vfl.data.party_files import ID_COLUMN, LABEL_COLUMN, party_names
 from secure_vfl.data.party_preprocessing import DEFAULT_MISSING_POLICY, MISSING_POLICIES
 from secure_vfl.data.samplers import BatchSampler
-from secure_vfl.data.vertical import VerticalData, make_vertical, vertical_from_party_files
+from secure_vfl.data.vertical import (
+    VerticalData,
+    column_report,
+    make_vertical,
+    vertical_from_party_files,
+)
 from secure_vfl.errors import ConfigError, DataError, DivergenceError, NonFiniteError
 from secure_vfl.federation.aggregator import PlainAggregator, SealingScheme, SumBackend
 from secure_vfl.federation.alignment import Aligner, make_aligner
@@ -48,6 +53,7 @@ from secure_vfl.methods.imputation.evaluation import evaluate as evaluate_impute
 from secure_vfl.methods.imputation.fedhf import RECONSTRUCTIONS
 from secure_vfl.methods.imputation.statistics import FeatureScaleError
 from secure_vfl.metrics import accuracy, f1
+from secure_vfl.runs import party_named, provenance
 
 DEFAULT_PARTIES = 4  # how many parties a registered dataset is split among unless told
 
@@ -291,9 +297,59 @@ class TrainResult:
     faults: list[dict[str, Any]] = field(default_factory=list)
     """Every data party lost during training (a deployment): its name, the step and epoch
     (from 1) from which its block was missing, and the error that revealed it."""
+    parties: dict[str, str] = field(default_factory=dict)
+    """Each party's actor name (``party-k`` in one process) -> the users' name for it (its
+    party file's stem or ``--party-name``; the same name for a registered dataset's parties
+    and for a deployment's, whose actors carry the federation file's names)."""
+    alignment: dict[str, Any] | None = None
+    """Party files' alignment report (None for a registered dataset)."""
+    columns: dict[str, dict[str, Any]] | None = None
+    """Each party's columns as its preprocessing turned them into model inputs, by the users'
+    party names (party files only)."""
+    left_out_columns: list[str] = field(default_factory=list)
+    """A dataset's columns that no party's block holds."""
+    classes: dict[str, Any] | None = None
+    """Each label index -> the label file's value it stands for (None for a registered
+    dataset, whose labels are the indices)."""
+    provenance: dict[str, Any] | None = None
+    """The package version and git commit that ran (:func:`secure_vfl.runs.provenance`)."""
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_json(self, *, named: bool = True) -> dict[str, Any]:
+        """``result.json``'s fields; ``columns``, ``left_out_columns`` and ``classes`` only
+        where the run has them. ``named``: the per-party figures (privacy, traffic) and the
+        texts (warnings, guarantees) in the users' party names (``parties``); else in the
+        actors', without ``parties`` (for a record that is named as a whole later, as an
+        attack's is)."""
+        payload = asdict(self)
+        if named:
+            for key in ("privacy", "traffic", "warnings"):
+                payload[key] = party_named(payload[key], self.parties)
+        else:
+            del payload["parties"]
+        for key in ("columns", "left_out_columns", "classes"):
+            if not payload[key]:
+                del payload[key]
+        return payload
+
+
+def _about_data(data: VerticalData) -> dict[str, Any]:
+    """What a result says of its data beyond the figures (:class:`TrainResult`'s fields from
+    ``parties`` to ``classes``)."""
+    actors = [f"party-{k}" for k in range(data.parties)]
+    names = list(data.party_names or actors)
+    about: dict[str, Any] = {
+        "parties": dict(zip(actors, names, strict=True)),
+        "alignment": data.alignment,
+        "left_out_columns": list(data.left_out_columns),
+    }
+    if data.party_names is not None and data.preprocessing is not None:
+        about["columns"] = column_report(names, data.preprocessing)
+    if data.classes is not None:  # the label file's values (a registered dataset has indices)
+        about["classes"] = {
+            str(index): value.item() if hasattr(value, "item") else value
+            for index, value in enumerate(data.classes)
+        }
+    return about
 
 
 @functools.cache
@@ -577,6 +633,10 @@ class PrivacyLayer(Protocol):
         """``result.json``'s privacy entry (None when no DP mechanism ran)."""
         ...
 
+    def settings(self) -> dict[str, Any]:
+        """The protection chosen, as JSON: ``result.json``'s ``config.privacy``."""
+        ...
+
     def divergence_advice(self) -> str:
         """What to try when training under this protection diverged (non-finite values)."""
         ...
@@ -695,7 +755,10 @@ def run_training(
     return TrainResult(
         method=config.method,
         dataset=config.data_name,
-        config=config.to_json(),
+        config={
+            **config.to_json(),
+            "privacy": privacy.settings() if privacy is not None else None,
+        },
         metrics=score(predictions, data),
         epoch_loss=losses,
         wall_time_s=time.perf_counter() - start,
@@ -708,6 +771,8 @@ def run_training(
             *target_warnings(report),
         ],
         faults=list(method.fed.faults),
+        **_about_data(data),
+        provenance=provenance(),
     )
 
 

@@ -9,9 +9,10 @@ missingness and wall time. ``secure-vfl runs list`` and ``runs compare`` print t
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,22 @@ def package_version() -> str:
     from secure_vfl import __version__
 
     return __version__
+
+
+def party_named(value: Any, parties: Mapping[str, str]) -> Any:
+    """``value`` in the users' party names at any depth: dictionary keys found in ``parties``
+    (actor name -> user's name) renamed, and every actor name ``party-k`` in a text (a
+    guarantee's "against party-1") replaced."""
+    if isinstance(value, dict):
+        return {parties.get(k, k): party_named(v, parties) for k, v in value.items()}
+    if isinstance(value, list):
+        return [party_named(v, parties) for v in value]
+    if isinstance(value, str):
+        return _ACTOR_NAME.sub(lambda m: parties.get(m.group(0), m.group(0)), value)
+    return value
+
+
+_ACTOR_NAME = re.compile(r"\bparty-\d+\b")
 
 
 def provenance() -> dict[str, Any]:

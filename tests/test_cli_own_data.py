@@ -376,3 +376,47 @@ def test_the_column_report_counts_one_column_in_the_singular() -> None:
 
     entry = {"columns": 1, "inputs": 1, "encoded": {}, "indicators": []}
     assert _column_lines({"shop": entry}) == ["columns:", "  shop: 1 column -> 1 model input"]
+
+
+def test_the_python_api_result_is_the_cli_result_json_but_for_the_cli_own_entries(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``run_training(...).to_json()`` says what ``train`` writes to result.json (parties in
+    the users' names, classes, columns, alignment, provenance, the privacy chosen): only the
+    saved model's place is the CLI's own. Before, a library user's result lacked all but the
+    figures, and its per-party figures were keyed by ``party-k``."""
+    from protocols.privacy import PrivacyEngine, PrivacySpec
+    from secure_vfl.experiment import TrainConfig, run_training
+    from secure_vfl.methods import MethodConfig
+
+    bank, shop, labels = write_case(tmp_path)
+    out = tmp_path / "cli"
+    named = ["--party-name", "North Bank", "--party-name", "south"]
+    assert main(train_argv(bank, shop, labels, out, *named, "--dp-gradients", "1:0.05")) == 0
+    capsys.readouterr()
+    written = json.loads((out / "result.json").read_text())
+    config = TrainConfig(
+        method="laser",
+        party_files=(bank, shop),
+        label_file=labels,
+        id_column="patient",
+        label_column="outcome",
+        party_names=("North Bank", "south"),
+        test_missing=("mcar:0", "mcar:0.5"),
+        method_config=MethodConfig(epochs=2),
+    )
+    spec = PrivacySpec(dp_gradients=(1.0, 0.05), seed=0)
+    result = run_training(config, privacy=PrivacyEngine(spec)).to_json()
+    assert set(written) - set(result) == {"model"}
+    assert set(result) <= set(written)
+    assert result["config"] == written["config"]
+    for key in ("parties", "classes", "columns", "alignment", "provenance", "samples"):
+        assert result[key] == written[key], key
+    assert result["parties"] == {"party-0": "north-bank", "party-1": "south"}
+    assert set(result["privacy"]["epsilon"]) == set(written["privacy"]["epsilon"])
+    assert set(result["traffic"]["bytes"]) == set(written["traffic"]["bytes"])
+    assert not re.search(r"party-\d", json.dumps([result["privacy"], result["traffic"]]))
+    # An attack's record of its training is named as a whole later: in the actors' names.
+    raw = run_training(config, privacy=PrivacyEngine(spec))
+    assert "parties" not in raw.to_json(named=False)
+    assert set(raw.to_json(named=False)["privacy"]["epsilon"]) == set(raw.parties)
