@@ -102,6 +102,23 @@ def full_batch(
     return messages, releasable_selection(present, tasks, generator)
 
 
+class SumDriver(SecureSumParty):
+    """A receiver that drives, as the label party does: it expects the sum each of its sum
+    requests asks to be delivered to it (its inbox keeps nothing it did not ask for)."""
+
+    def send_all(self, messages: Sequence[Message]) -> None:
+        for message in messages:
+            if isinstance(message, SumRequest) and message.deliver_to == self.name:
+                self.expect(
+                    "sum",
+                    senders=[AGGREGATOR],
+                    round=message.round,
+                    batch_id=message.batch_id,
+                    tag=message.tag,
+                )
+        super().send_all(messages)
+
+
 def vector_sum(
     aggregator: SumBackend,
     vectors: dict[str, Tensor],
@@ -116,7 +133,7 @@ def vector_sum(
     :class:`SealingScheme`)."""
     channel = channel if channel is not None else Channel()
     contributors = [SecureSumParty(name) for name in vectors]
-    owner = SecureSumParty(receiver)
+    owner = SumDriver(receiver)
     split = isinstance(aggregator, SealingScheme)
     server = make_aggregation_server(aggregator)
     for party in (*contributors, owner, server):
@@ -178,7 +195,9 @@ class SumParties:
         self.recorder = RecordingLayer()
         self.channel = Channel([*layers, self.recorder])
         self.session = session
-        self.parties = {name: SecureSumParty(name) for name in PARTIES}
+        self.parties = {
+            name: SumDriver(name) if name == RECEIVER else SecureSumParty(name) for name in PARTIES
+        }
         self.driver = self.parties[RECEIVER]
         self.server: AggregationServer = make_aggregation_server(backend)
         for party in (*self.parties.values(), self.server):

@@ -98,6 +98,7 @@ def _step(party: DataParty, step: int, gradient: torch.Tensor) -> list[torch.Ten
     back, an update); returns how far each parameter moved."""
     header = {"sender": "party-0", "receiver": party.name, "round": step, "batch_id": 0}
     rows = torch.arange(gradient.shape[0])
+    party.expect("representation", senders=[party.name], round=step, batch_id=0)
     party.on_represent_request(
         RepresentRequest(**header, split="train", rows=rows, positions=rows, reply_to=party.name)
     )

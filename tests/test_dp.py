@@ -457,6 +457,7 @@ def test_dp_sgd_clips_each_sample_gradient() -> None:
     party.connect(channel)
     label.connect(channel)
     rows = torch.arange(20)
+    label.expect("representation", senders=["party-1"], round=0, batch_id=0)
     label.send(
         RepresentRequest(
             sender="party-0",
@@ -537,6 +538,7 @@ def test_dp_sgd_step_without_gradients_releases_nothing() -> None:
     label.connect(channel)
 
     def request(rows: torch.Tensor, round: int) -> None:
+        label.expect("representation", senders=["party-1"], round=round, batch_id=0)
         label.send(
             RepresentRequest(
                 sender="party-0",

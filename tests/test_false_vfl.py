@@ -644,7 +644,11 @@ def test_a_party_refuses_a_likelihood_gradient_it_is_not_owed(make_data: MakeDat
             party.receive(message)
         assert _pending(party) == before, expected
         assert all(p.grad is None for p in party.latent_model.parameters())
-    party.receive(gradient)  # the one it is owed: answered, then forgotten
+    # The one it is owed (as the driver sends it, expecting its answer): answered, then forgotten.
+    method.fed.own.expect(
+        "latent-gradient", senders=[party.name], round=0, batch_id=0, tag="stage1"
+    )
+    party.receive(gradient)
     assert _pending(party) == {}
     answer = [m for m in recorder.messages if isinstance(m, LatentGradientMessage)]
     assert [m.sender for m in answer] == [party.name]

@@ -17,6 +17,7 @@ from secure_vfl.federation.messages import (
     SCHEMA_VERSION,
     GradientMessage,
     HeadTask,
+    Message,
     RepresentationMessage,
     RepresentRequest,
     UpdateRequest,
@@ -131,7 +132,11 @@ def test_aggregator_refuses_duplicate_or_unknown_senders() -> None:
 
 
 class _Inbox(Party):
-    """A party that only collects what it receives (stands in for a label party)."""
+    """A party that only collects what it receives, asked for or not (stands in for a label
+    party)."""
+
+    def keep(self, message: Message) -> None:
+        self._inbox.append(message)
 
 
 def _federation() -> tuple[DataParty, _Inbox, Channel]:

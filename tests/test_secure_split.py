@@ -202,6 +202,15 @@ def _last(recorder: RecordingLayer, kind: type, sender: str | None = None):  # t
     return [m for m in recorder.messages if isinstance(m, kind) and sender in (None, m.sender)][-1]
 
 
+def _parties(method) -> dict[str, Party]:  # type: ignore[no-untyped-def]
+    """Every party that takes keys (the aggregation server included)."""
+    return {
+        name: party
+        for name, party in method.fed.channel.parties.items()
+        if hasattr(party, "_key_sessions")
+    }
+
+
 def _party(method, name: str) -> Party:  # type: ignore[no-untyped-def]
     return method.fed.channel.parties[name]
 
@@ -257,19 +266,24 @@ def test_a_tampered_or_truncated_sealed_sum_is_refused(make_data: MakeData, back
     method, recorder = _stepped(make_data, backend)
     sealed = _last(recorder, SealedSumMessage)
     receiver = _party(method, sealed.receiver)
-    truncated = dataclasses.replace(sealed, payload=(sealed.payload[0][:-8], *sealed.payload[1:]))
-    with pytest.raises((ProtocolError, IntegrityError)):
-        receiver.receive(truncated)
+
+    def opened(batch_id: int, payload: tuple[bytes, ...]) -> str:
+        """The refusal of ``sealed`` with ``payload``, as a sum the receiver is owed (a new
+        message: its key opens it, neither the receipts nor the expectations refuse it)."""
+        receiver.expect(
+            "sum", senders=[AGGREGATOR], round=sealed.round, batch_id=batch_id, tag=sealed.tag
+        )
+        with pytest.raises((ProtocolError, IntegrityError)) as error:
+            receiver.receive(dataclasses.replace(sealed, batch_id=batch_id, payload=payload))
+        assert "did not ask" not in str(error.value) and "a second" not in str(error.value)
+        return str(error.value)
+
+    opened(101, (sealed.payload[0][:-8], *sealed.payload[1:]))  # truncated
     # Garbage beyond what honest inputs give (masks promise no more than that: they are
     # malleable, so a small shift passes; see protocols.secagg).
-    garbage = dataclasses.replace(
-        sealed, payload=tuple(bytes([0x7F]) * len(item) for item in sealed.payload)
-    )
-    with pytest.raises((ProtocolError, IntegrityError)):
-        receiver.receive(garbage)
+    opened(102, tuple(bytes([0x7F]) * len(item) for item in sealed.payload))
     # No ciphertext at all: Paillier and CKKS opened it as sums of zeros.
-    with pytest.raises(ProtocolError, match="expected, found 0"):
-        receiver.receive(dataclasses.replace(sealed, round=50, payload=()))
+    assert "expected, found 0" in opened(103, ())
 
 
 def _every_head_stepped(make_data: MakeData, aggregator: SumBackend):  # type: ignore[no-untyped-def]
@@ -406,7 +420,11 @@ def test_a_gradient_that_acts_as_the_drivers_is_refused_from_anyone_else(
     likelihood = next(m for m in gradients if m.tag.endswith("likelihood"))
     receiver = _party(latent, likelihood.receiver)
     drawn = [m for m in recorder.messages if m.kind == "latent" and m.receiver == receiver.name]
-    receiver.receive(dataclasses.replace(drawn[0], round=9))  # its likelihoods wait
+    # The driver's latent of round 9 (the driver expects its likelihoods): they wait.
+    latent.fed.own.expect(
+        "likelihood", senders=[receiver.name], round=9, batch_id=0, tag=drawn[0].tag
+    )
+    receiver.receive(dataclasses.replace(drawn[0], round=9))
     forged = dataclasses.replace(
         likelihood,
         sender="party-2",
@@ -468,11 +486,16 @@ def test_a_second_different_key_in_one_key_session_is_refused_and_the_first_kept
     party = _party(method, announced.receiver)
     with pytest.raises(ProtocolError, match=r"a second public-key .*\(a replay\?\)"):
         party.receive(announced)
-    again = dataclasses.replace(announced, batch_id=1)  # a message it has not taken
-    party.receive(again)  # the same key again: nothing changes
     other = X25519PrivateKey.generate().public_key().public_bytes_raw()
+    # Another message (another batch id) answers no key request of the session.
+    with pytest.raises(ProtocolError, match=r"the key request of session .* round 0, batch 0"):
+        party.receive(dataclasses.replace(announced, batch_id=2, key=other))
+    # The session's own check, past the receipts and the request's header: the same key again
+    # changes nothing, another is refused.
+    sessions = party._key_sessions
+    sessions.take_key(party.name, announced, [])
     with pytest.raises(ProtocolError, match="a second, different sender key of key session"):
-        party.receive(dataclasses.replace(again, batch_id=2, key=other))
+        sessions.take_key(party.name, dataclasses.replace(announced, key=other), [])
     method.train_step(ROWS + 32, 1, 0)  # the first key stands: the next step's masks cancel
 
 
@@ -484,11 +507,37 @@ def test_a_key_of_a_session_no_driver_opened_changes_nothing(make_data: MakeData
     party = _party(method, announced.receiver)
     other = X25519PrivateKey.generate().public_key().public_bytes_raw()
     party.receive(dataclasses.replace(announced, session="forged", key=other))
-    # The driver's session's key is still taken (it said: a replay of an older session).
-    party.receive(dataclasses.replace(announced, batch_id=1))
+    # The driver's session is still the newest (it was a replay of an older session).
+    assert party._key_sessions._seen[-1] == announced.session
     server = _party(method, AGGREGATOR)
     server.receive(dataclasses.replace(announced, receiver=AGGREGATOR, session="forged"))
     method.train_step(ROWS + 32, 1, 0)  # the session stands at every party
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_a_key_in_a_role_its_sender_does_not_hold_is_refused_and_learnt_by_no_one(
+    make_data: MakeData, backend: str
+) -> None:
+    """A receiver's key sent again by a party that receives no sum, and by the aggregation
+    server (which holds no secret key), was learnt as that party's receiver key; a contributor's
+    key from the server as its sender key. Each is refused against the driver's key request,
+    and no party's keys change."""
+    method, recorder = _stepped(make_data, backend)
+    keys = [m for m in recorder.messages if isinstance(m, PublicKeyMessage)]
+    roles = {role: {m.sender for m in keys if m.role == role} for role in ("sender", "receiver")}
+    held = {name: dict(party._key_sessions._keys) for name, party in _parties(method).items()}
+    refused = 0
+    for message in keys:
+        for other in [*_parties(method), AGGREGATOR]:
+            if other in roles[message.role] or other == message.receiver:
+                continue
+            forged = dataclasses.replace(message, sender=other)
+            with pytest.raises(ProtocolError, match=f"a {message.role} key, but the "):
+                _party(method, message.receiver).receive(forged)
+            refused += 1
+    assert refused > 0
+    assert held == {n: dict(p._key_sessions._keys) for n, p in _parties(method).items()}
+    method.train_step(ROWS + 32, 1, 0)  # the session's keys stand: the next sums open
 
 
 def test_a_party_of_another_scheme_refuses_the_key_set_up(make_data: MakeData) -> None:

@@ -128,27 +128,28 @@ class PsiRequester(_PsiParty):
         session = RequesterSession(self.ids, **settings)
         self._sessions[peer] = session
         for request in session.requests():
-            self.send(request)
-            session.receive(self._response(session))
+            self._ask(session, request)
         while session.result is None:
-            self.send(session.next_request())
-            session.receive(self._response(session))
+            self._ask(session, session.next_request())
         return session.result
 
+    def _ask(self, session: RequesterSession, request: PsiMessage) -> None:
+        """Send ``request`` to the session's peer and take its response in."""
+        self.expect(
+            PsiResponse.kind,
+            senders=[session.peer],
+            round=ROUND_RESPONSE,
+            batch_id=session.responses,
+        )
+        self.send(request)
+        session.receive(self._response(session))
+
     def _response(self, session: RequesterSession) -> PsiResponse:
-        """The peer's response to this party's last message, from the inbox; ProtocolError if
-        it is missing or comes with another message from the peer (a replay, or one sent
-        unasked)."""
+        """The peer's response to this party's last message, from the inbox (which keeps only
+        the response each message asked for: :meth:`_ask`); ProtocolError if it is missing."""
         message = self.take(
             PsiResponse.kind, sender=session.peer, round=ROUND_RESPONSE, batch_id=session.responses
         )
-        stray = [m for m in self._inbox if m.sender == session.peer]
-        if stray:
-            raise ProtocolError(
-                f"{self.name}: one {message.kind} from {session.peer} per message it sent "
-                f"expected, found {len(stray)} more: "
-                f"{[(m.kind, m.round, m.batch_id) for m in stray][:5]} (a replay?)."
-            )
         return cast(PsiResponse, message)  # the session checks its class
 
     def send_matches(self, peer: str, sample_of: np.ndarray, samples: int) -> None:

@@ -25,6 +25,7 @@ from torch import Tensor
 from secure_vfl.errors import ProtocolError
 from secure_vfl.federation.messages import (
     AGGREGATOR,
+    KeyRequest,
     PublicKeyMessage,
     RepresentationMessage,
     SealedSumMessage,
@@ -396,6 +397,10 @@ class KeySessions:
     def __init__(self) -> None:
         self._seen: list[str] = []
         self._keys: dict[tuple[str, str], bytes] = {}  # the newest session's, by sender, role
+        # Who announces a key of each role in the newest session (its key request's members),
+        # and the round and batch id its key request (so each key, its answer) carries.
+        self._members: dict[str, frozenset[str]] = {}
+        self._request: tuple[int, int] = (0, 0)
         self._early: list[tuple[PublicKeyMessage, _Learners]] = []
 
     def _refuse_replay(self, session: str, what: str) -> None:
@@ -405,14 +410,21 @@ class KeySessions:
                 "the newest session only is taken (a replay?)."
             )
 
-    def open(self, owner: str, session: str) -> None:
-        """Enter ``session``, which the driver's key request opens (ProtocolError if a newer
-        one was opened since), and take the keys of it that came before the request."""
+    def open(self, owner: str, request: KeyRequest) -> None:
+        """Enter the session of the driver's key ``request`` (ProtocolError if a newer one was
+        opened since), whose contributors announce sender keys and whose receivers receiver
+        keys, and take the keys of it that came before the request."""
+        session = request.session
         self._refuse_replay(session, f"{owner}: a key request")
         if self._seen and self._seen[-1] == session:
             return
         self._seen.append(session)
         self._keys = {}
+        self._members = {
+            "sender": frozenset(request.contributors),
+            "receiver": frozenset(request.receivers),
+        }
+        self._request = (request.round, request.batch_id)
         early, self._early = self._early, []
         for message, learners in early:
             if message.session == session:
@@ -437,6 +449,21 @@ class KeySessions:
                 )
             self._early.append((message, learners))
             return
+        if (message.round, message.batch_id) != self._request:
+            round, batch_id = self._request
+            raise ProtocolError(
+                f"{what} for round {message.round}, batch {message.batch_id}; the key request "
+                f"of session {message.session!r} was for round {round}, batch {batch_id}, "
+                "which its keys answer."
+            )
+        members = self._members.get(message.role, frozenset())
+        if message.sender not in members:
+            group = "contributors" if message.role == "sender" else "receivers"
+            raise ProtocolError(
+                f"{what}: a {message.role} key, but the {group} of key session "
+                f"{message.session!r} are {sorted(members)} (the driver's key request); a "
+                f"{message.role} key of any other party is not taken."
+            )
         held = (message.sender, message.role)
         if self._keys.get(held, message.key) != message.key:
             raise ProtocolError(

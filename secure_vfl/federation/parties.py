@@ -208,6 +208,9 @@ class Party:
         self._outbox: list[Message] | None = None
         self._after: list[Message] = []
         self.receipts = Receipts()
+        # The replies it asked for and has not had: (kind, sender, round, batch_id, tag or None
+        # for any tag) -> how many. Its inbox keeps nothing else (:meth:`expect`).
+        self._expected: dict[tuple[str, str, int, int, str | None], int] = {}
         self._sends = 0  # calls of send_all: whether a handler answered before it failed
         self.driver: str | None = None
         """The party that drives its run (the label party; an imputation run's coordinator),
@@ -337,7 +340,7 @@ class Party:
             message = layer.on_message(message)
         handler = getattr(self, "on_" + message.kind.replace("-", "_"), None)
         if handler is None:
-            self._inbox.append(message)
+            self.keep(message)
         else:
             sends = self._sends
             try:
@@ -350,6 +353,57 @@ class Party:
                 raise
         if identity is not None:
             self.receipts.take(identity)
+
+    def expect(
+        self,
+        kind: str,
+        *,
+        senders: Sequence[str],
+        round: int,
+        batch_id: int,
+        tag: str | None = None,
+    ) -> None:
+        """Keep a ``kind`` from each of ``senders`` for ``(round, batch_id[, tag])`` when it
+        comes, for :meth:`take`: a reply this party asks for, expected before the request
+        goes (in one process the reply comes before ``send`` returns). Its inbox keeps
+        nothing it did not expect (:meth:`keep`)."""
+        for sender in senders:
+            key = (kind, sender, round, batch_id, tag)
+            self._expected[key] = self._expected.get(key, 0) + 1
+
+    def keep(self, message: Message) -> None:
+        """Keep ``message`` in the inbox for :meth:`take` if this party expects it; else
+        refuse it (ProtocolError) before anything changes: a reply nobody asked for, for
+        another round or batch, or from another party than the one asked, would wait there
+        for good."""
+        key = self._expectation(message.kind, message)
+        if key is None:
+            raise self._unasked(message)
+        count = self._expected[key]
+        if count == 1:
+            del self._expected[key]
+        else:
+            self._expected[key] = count - 1
+        self._inbox.append(message)
+
+    def _expectation(
+        self, kind: str, message: Message
+    ) -> tuple[str, str, int, int, str | None] | None:
+        """The expectation a ``kind`` with ``message``'s header would meet (None: none)."""
+        head = (kind, message.sender, message.round, message.batch_id)
+        for key in ((*head, getattr(message, "tag", "")), (*head, None)):
+            if self._expected.get(key):
+                return key
+        return None
+
+    def _unasked(self, message: Message) -> ProtocolError:
+        tag = getattr(message, "tag", "")
+        return ProtocolError(
+            f"{self.name}: a {message.kind} from {message.sender} for round {message.round}, "
+            f"batch {message.batch_id}{f', tag {tag!r}' if tag else ''} that it did not ask "
+            "for (for another round or batch, or from another party than the one asked?): it "
+            "keeps only the replies it asked for."
+        )
 
     def take(
         self, kind: str, *, sender: str, round: int, batch_id: int, tag: str | None = None
@@ -467,7 +521,7 @@ class SecureSumParty(Party):
                 f"{self.name}: a key set-up for scheme {request.scheme!r}, but it runs "
                 f"{self.scheme or 'no secure sum'}."
             )
-        self._key_sessions.open(self.name, request.session)
+        self._key_sessions.open(self.name, request)
         announced = self.sealer.public_key() if self.sealer is not None else None
         if announced is not None:
             # To the other contributors (pair masks) and to the receivers (self-masks).
@@ -592,6 +646,8 @@ class SecureSumParty(Party):
                 f"{self.name}: sealed {message.scheme!r} sums from {message.sender}, but it "
                 "holds no key to open them."
             )
+        if not self.owes_sum(message):  # before its key does any work on it
+            raise self._unasked(message)
         sums = self.opener.open(message.payload, members=sum_members(message), width=message.width)
         self.take_sum(
             SumMessage(
@@ -618,9 +674,14 @@ class SecureSumParty(Party):
             )
         self.take_sum(message)
 
+    def owes_sum(self, message: SumMessage | SealedSumMessage) -> bool:
+        """Whether it asked for a sum of ``message``'s round, batch and tag."""
+        return self._expectation("sum", message) is not None
+
     def take_sum(self, message: SumMessage) -> None:
-        """A sum it is owed (plain, or opened) waits in its inbox until its program takes it."""
-        self._inbox.append(message)
+        """A sum it is owed (plain, or opened) waits in its inbox until its program takes it
+        (if it asked for it: :meth:`keep`)."""
+        self.keep(message)
 
 
 def _check_from_aggregator(name: str, message: Message) -> None:
@@ -984,11 +1045,21 @@ class DataParty(SecureSumParty):
             )
         self._tasks[key] = task
 
+    def owes_sum(self, message: SumMessage | SealedSumMessage) -> bool:
+        """Whether its head has a task for a sum of ``message``'s round, batch and tag, or it
+        asked for such a sum itself."""
+        key = (message.round, message.batch_id, message.tag)
+        return key in self._tasks or super().owes_sum(message)
+
     def take_sum(self, message: SumMessage) -> None:
+        """A sum for a task of its head is acted on (the driver sends a task before asking
+        for its sums, so the task is here first); any other waits in the inbox only if this
+        party asked for it (:meth:`keep`: FALSE-VFL's label party takes its posterior's sum
+        itself)."""
         key = (message.round, message.batch_id, message.tag)
         task = self._tasks.get(key)
         if task is None:
-            self._inbox.append(message)
+            self.keep(message)
             return
         _check_sum_fits(self.name, message, task)
         del self._tasks[key]
@@ -1105,7 +1176,7 @@ class AggregationServer(Party):
                 f"{self.name}: a key set-up for scheme {request.scheme!r}, but it runs "
                 f"{self.scheme or 'no secure sum'}."
             )
-        self._key_sessions.open(self.name, request.session)
+        self._key_sessions.open(self.name, request)
 
     def on_public_key(self, message: PublicKeyMessage) -> None:
         if self.adder is None or message.scheme != self.scheme:

@@ -655,6 +655,10 @@ class Federation:
                 )
             )
             asked.append(name)
+        if reply_to == self.own.name:
+            self.own.expect(
+                "representation", senders=asked, round=round, batch_id=batch_id, tag=tag
+            )
         self.own.send_all([*requests, *sums])
         return asked
 
@@ -730,6 +734,7 @@ class Federation:
         requests unsent (for :meth:`request_representations`). With ``hold`` (``head_party`` is
         the label party itself) the head keeps the gradients it owes the others for
         :meth:`update`."""
+        self.own.expect("loss", senders=[head_party], round=round, batch_id=batch_id, tag=tag)
         self.own.send(
             HeadTask(
                 **self.header(head_party, round, batch_id),
@@ -777,6 +782,7 @@ class Federation:
         ``selection`` (B, K) over the representations sent under ``source_tag``: (positions,
         predictions) as it answered; with ``probabilities``, its class probabilities
         (positions, classes) instead of the classes. ``dp_rows``: see :meth:`sum_requests`."""
+        self.own.expect("prediction", senders=[head_party], round=round, batch_id=batch_id, tag=tag)
         self.own.send(
             PredictTask(
                 **self.header(head_party, round, batch_id),

@@ -747,6 +747,9 @@ class FalseVflMethod:
         # representation requests: the aggregator serves the sum once the representations
         # (shares) it sums are in, and a party acts on its messages in their order (over the
         # network, one delivery), so it seals what it has just computed.
+        self.label_party.expect(
+            "sum", senders=[AGGREGATOR], round=round, batch_id=batch_id, tag=tag
+        )
         asked = fed.request_representations(
             split,
             rows,
@@ -815,6 +818,7 @@ class FalseVflMethod:
             positions = torch.nonzero(scored[:, k]).flatten()
             if positions.numel() == 0:
                 continue
+            label.expect("likelihood", senders=[name], round=round, batch_id=batch_id, tag=tag)
             label.send(
                 LatentMessage(
                     **fed.header(name, round, batch_id),
@@ -945,6 +949,13 @@ class FalseVflMethod:
                     gradient=value.grad.detach(),
                 )
             )
+        label.expect(
+            "latent-gradient",
+            senders=list(forward.likelihoods),
+            round=round,
+            batch_id=batch_id,
+            tag=tag,
+        )
         label.send_all(likelihood_gradients)
         for name in forward.likelihoods:
             reply = cast(

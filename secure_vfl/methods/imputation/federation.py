@@ -273,6 +273,7 @@ class ImputationFederation:
         selection = torch.ones(1, 1, len(parties), dtype=torch.bool)
         # Under a secure scheme each client first seals what it kept; then the aggregator adds.
         sealers = list(parties) if self.scheme else []
+        self.own.expect("sum", senders=[AGGREGATOR], round=round, batch_id=self.attempt, tag=tag)
         for name in [*sealers, AGGREGATOR]:
             kind = SealRequest if name != AGGREGATOR else SumRequest
             self.own.send(
@@ -368,6 +369,7 @@ class ImputationFederation:
                     fraction=fraction,
                 )
                 try:
+                    self.own.expect("score", senders=[name], round=round, batch_id=self.attempt)
                     self.own.send(request)
                     answer = cast(
                         ScoreMessage,

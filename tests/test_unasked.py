@@ -1,0 +1,71 @@
+"""Every reply of a run sent again from a party that was not asked, or for another round or
+batch: refused by its receiver, and nothing changes (issue 10: "a message from the wrong
+sender, for the wrong round ... refused ... and change no party's state", per kind; F17 in
+docs/security-review.md). Before, such a sum, loss, likelihood, latent gradient or
+representation waited in its receiver's inbox for good, and a public key was learnt in a role
+its sender does not hold. A reply is what answers a request: the driver's own kinds
+(:data:`~secure_vfl.federation.messages.DRIVEN_KINDS`) at another round are the driver driving,
+not replies. Left out: contributions to the aggregation server, which it cannot tell from
+those of a batch it has not opened yet (kept unused for that batch; F17)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from conftest import MakeData
+from test_replays import CASES, _build, _trains_as_its_twin
+
+from secure_vfl.errors import ProtocolError
+from secure_vfl.federation.channel import Channel, RecordingLayer
+from secure_vfl.federation.messages import AGGREGATOR, DRIVEN_KINDS, Message
+
+
+def _unasked(message: Message, names: list[str]) -> Iterator[tuple[str, Message]]:
+    """``message`` as its receiver never asked for it: from each other party in that party's
+    own name, and from its sender for rounds before and after it and for another batch."""
+    for other in names:
+        if other not in (message.sender, message.receiver):
+            yield other, dataclasses.replace(message, sender=other)
+    for shift in (-1, 1, 2, 50):
+        if message.round + shift >= 0:
+            moved = dataclasses.replace(
+                message, round=message.round + shift, batch_id=message.batch_id + 7
+            )
+            yield message.sender, moved
+    yield message.sender, dataclasses.replace(message, batch_id=message.batch_id + 1)
+
+
+def _reply(message: Message) -> bool:
+    contribution = message.receiver == AGGREGATOR and message.kind in ("representation", "sealed")
+    return message.kind not in DRIVEN_KINDS and not contribution
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize(("method", "backend", "heads"), list(CASES))
+def test_every_reply_sent_unasked_is_refused_and_changes_nothing(
+    make_data: MakeData, method: str, backend: str, heads: str
+) -> None:
+    recorder = RecordingLayer()
+    run = _build(make_data, method, backend, heads, Channel([recorder]))
+    twin = _build(make_data, method, backend, heads, Channel())
+    batches = [np.arange(32 * i, 32 * (i + 1)) for i in range(3)]
+    for round in range(2):
+        assert run.train_step(batches[round], round, 0) == twin.train_step(batches[round], round, 0)
+    channel = run.fed.channel
+    names = sorted(channel.parties)
+    inboxes = {name: len(party._inbox) for name, party in channel.parties.items()}
+    refused: Counter[str] = Counter()
+    for message in [m for m in recorder.messages if _reply(m)]:
+        receiver = channel.parties[message.receiver].name
+        for sender, unasked in _unasked(message, names):
+            with pytest.raises(ProtocolError, match=f"^{receiver}: "):
+                channel.parties[sender].send(unasked)
+            refused[message.kind] += 1
+    kinds = {m.kind for m in recorder.messages if _reply(m)}
+    assert set(refused) == kinds and kinds & {"loss", "sum", "sealed-sum", "gradient"}, kinds
+    assert {name: len(party._inbox) for name, party in channel.parties.items()} == inboxes
+    _trains_as_its_twin(run, twin, batches[2])
