@@ -510,7 +510,12 @@ def test_a_key_of_a_session_no_driver_opened_changes_nothing(make_data: MakeData
     # The driver's session is still the newest (it was a replay of an older session).
     assert party._key_sessions._seen[-1] == announced.session
     server = _party(method, AGGREGATOR)
-    server.receive(dataclasses.replace(announced, receiver=AGGREGATOR, session="forged"))
+    receiver_key = next(
+        m
+        for m in recorder.messages
+        if isinstance(m, PublicKeyMessage) and m.receiver == AGGREGATOR and m.role == "receiver"
+    )
+    server.receive(dataclasses.replace(receiver_key, session="forged"))
     method.train_step(ROWS + 32, 1, 0)  # the session stands at every party
 
 
@@ -536,6 +541,12 @@ def test_a_key_in_a_role_its_sender_does_not_hold_is_refused_and_learnt_by_no_on
                 _party(method, message.receiver).receive(forged)
             refused += 1
     assert refused > 0
+    # The aggregation server takes receivers' keys only (under masks it kept a contributor's).
+    for message in keys:
+        if message.role == "sender":
+            to_server = dataclasses.replace(message, receiver=AGGREGATOR)
+            with pytest.raises(ProtocolError, match="takes receivers' keys only"):
+                _party(method, AGGREGATOR).receive(to_server)
     assert held == {n: dict(p._key_sessions._keys) for n, p in _parties(method).items()}
     method.train_step(ROWS + 32, 1, 0)  # the session's keys stand: the next sums open
 

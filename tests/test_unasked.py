@@ -69,3 +69,29 @@ def test_every_reply_sent_unasked_is_refused_and_changes_nothing(
     assert set(refused) == kinds and kinds & {"loss", "sum", "sealed-sum", "gradient"}, kinds
     assert {name: len(party._inbox) for name, party in channel.parties.items()} == inboxes
     _trains_as_its_twin(run, twin, batches[2])
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("backend", ["plain", "masks"])
+def test_a_gradient_from_a_party_whose_head_did_not_train_on_the_pass_is_refused(
+    make_data: MakeData, backend: str
+) -> None:
+    """Under ``--heads active`` each party's forward pass stays open between two steps (the
+    driver holds the closing gradients back until its next send). A gradient for it from
+    another data party or the aggregation server, in its own name, was added to the pass and
+    the next step moved the model; only the driver and the parties whose heads train on the
+    pass (its request names them) send its gradients."""
+    run = _build(make_data, "laser", backend, "active", Channel())
+    twin = _build(make_data, "laser", backend, "active", Channel())
+    batches = [np.arange(32 * i, 32 * (i + 1)) for i in range(3)]
+    for round in range(2):
+        assert run.train_step(batches[round], round, 0) == twin.train_step(batches[round], round, 0)
+    held = [m for m in run.fed.own.deferred if m.kind == "gradient"]
+    assert held  # the closing gradients of round 1, whose passes are open
+    channel = run.fed.channel
+    for gradient in held:
+        for forger in sorted({*channel.parties} - {gradient.sender, gradient.receiver}):
+            forged = dataclasses.replace(gradient, sender=forger, step=False, batch_id=9)
+            with pytest.raises(ProtocolError, match="takes gradients from \\['party-0'\\] only"):
+                channel.parties[forger].send(forged)
+    _trains_as_its_twin(run, twin, batches[2])

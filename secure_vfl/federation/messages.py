@@ -21,15 +21,16 @@ from torch import Tensor
 from secure_vfl.errors import NonFiniteError, ProtocolError
 from secure_vfl.federation.wire import register_message
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 """The messages' layouts: 2 since sealed sums carry their members' selection, sum and seal
 requests their DP-released rows, and the abort message exists; 3 since a gradient may close its
 receiver's step (``GradientMessage.step``) and a head task may hold its gradients for the driver
 (``HeadTask.hold``); 4 since the global statistics mark constant features
 (``GlobalStatisticsMessage.constant``); 5 since a scored imputation client contributes its
 per-feature errors to a sum (the ``feature-errors`` computation); 6 since a plain sum carries
-its request's phase (``SumMessage.phase``). A party of another version is
-refused on its first message, naming both."""
+its request's phase (``SumMessage.phase``); 7 since a representation request names the heads'
+parties whose gradients its forward pass takes (``RepresentRequest.gradients_from``). A party of
+another version is refused on its first message, naming both."""
 PHASES = ("train", "predict")
 
 PartyId = str
@@ -336,8 +337,10 @@ class RepresentRequest(Message):
     labels): ``rows`` index the party's own table of ``split``, ``positions`` place them in the
     batch; the party sends a :class:`RepresentationMessage` to ``reply_to`` computed with its
     model ``model`` (``""``: its bottom model) and, in training with ``backward``, keeps the
-    graph for the gradient that will come back under ``tag``. (``phase`` prices the release;
-    ``backward=False`` serves training rows to a step that sends no gradient back.)"""
+    graph for the gradient that will come back under ``tag``, from the driver or from the
+    parties ``gradients_from`` (the holders of the heads that train on it). (``phase`` prices
+    the release; ``backward=False`` serves training rows to a step that sends no gradient
+    back.)"""
 
     split: str
     rows: Tensor
@@ -347,6 +350,7 @@ class RepresentRequest(Message):
     model: str = ""
     phase: str = "train"
     backward: bool = True
+    gradients_from: tuple[PartyId, ...] = ()
     kind: ClassVar[str] = "represent-request"
 
     def validate(self) -> None:

@@ -744,7 +744,8 @@ class DataParty(SecureSumParty):
         # clips what it backpropagated from the gradients it received, post-processing that
         # costs no privacy and keeps noisy gradients (--dp-gradients) from blowing up its model.
         self.max_update_norm: float | None = None
-        self._pending: dict[tuple[int, str], tuple[Tensor, Tensor, str]] = {}
+        # Each open forward pass: its output, positions, model and who may send its gradients.
+        self._pending: dict[tuple[int, str], tuple[Tensor, Tensor, str, frozenset[str]]] = {}
         self._gradients: dict[tuple[int, str], list[Tensor]] = {}
         self._tasks: dict[tuple[int, int, str], HeadTask | PredictTask] = {}
         # A held task's gradients for other parties, by (round, batch): HeadTask.hold.
@@ -915,7 +916,8 @@ class DataParty(SecureSumParty):
         if train:
             model.train()
             output = model(x)
-            self._pending[key] = (output, request.positions, request.model)
+            senders = frozenset((request.sender, *request.gradients_from))
+            self._pending[key] = (output, request.positions, request.model, senders)
             sent = output.detach()
         else:
             model.eval()
@@ -943,7 +945,13 @@ class DataParty(SecureSumParty):
                 f"{self.name}: gradient for round {message.round} (tag {message.tag!r}) "
                 "but no pending forward pass."
             )
-        output, positions, _ = pending
+        output, positions, _, senders = pending
+        if self.driver is not None and message.sender not in senders:
+            raise ProtocolError(
+                f"{self.name}: a gradient from {message.sender} for round {message.round} "
+                f"(tag {message.tag!r}); its forward pass takes gradients from "
+                f"{sorted(senders)} only (the driver's request named them)."
+            )
         if not torch.equal(message.positions, positions) or (
             message.gradient.shape != output.shape
         ):
@@ -1003,7 +1011,7 @@ class DataParty(SecureSumParty):
             del self._pending[stale]
         if pending is None:
             return ""
-        output, _, model_key = pending
+        output, _, model_key, _ = pending
         if gradients:
             total = torch.zeros_like(output)
             for gradient in gradients:
@@ -1179,10 +1187,17 @@ class AggregationServer(Party):
         self._key_sessions.open(self.name, request)
 
     def on_public_key(self, message: PublicKeyMessage) -> None:
+        """A receiver's key, under which it adds (it takes no contributor's: nobody sends it
+        one, and it would keep it unused)."""
         if self.adder is None or message.scheme != self.scheme:
             raise ProtocolError(
                 f"{self.name}: a {message.scheme!r} public key from {message.sender}, but it "
                 f"runs {self.scheme or 'no secure sum'}."
+            )
+        if message.role != "receiver":
+            raise ProtocolError(
+                f"{self.name}: a {message.role} key from {message.sender}; the aggregation "
+                "server takes receivers' keys only."
             )
         self._key_sessions.take_key(self.name, message, [self.adder])
 

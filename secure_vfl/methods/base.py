@@ -627,14 +627,17 @@ class Federation:
         model: str = "",
         backward: bool | None = None,
         sums: Sequence[Message] = (),
+        gradients_from: Sequence[str] = (),
     ) -> list[str]:
         """Ask each sender for its representations of its ``present`` rows of the batch, sent to
         ``reply_to``; ``present`` is (B, len(senders)), senders default to every party. With
         ``train`` the rows are priced as training records and, unless ``backward`` is False,
         each sender keeps its graph for a gradient. ``sums`` (plaintext sum requests,
         :meth:`sum_requests`) go out together with the requests: the aggregator serves each
-        once the representations it sums are in, so a step waits once for both. Returns the
-        names of the parties asked (those with a present row)."""
+        once the representations it sums are in, so a step waits once for both.
+        ``gradients_from``: the parties besides the driver whose gradients each forward pass
+        takes (the holders of the heads that train on it). Returns the names of the parties
+        asked (those with a present row)."""
         senders = self.names if senders is None else senders
         asked, requests = [], []
         for k, name in enumerate(senders):
@@ -652,6 +655,7 @@ class Federation:
                     model=model,
                     phase="train" if train else "predict",
                     backward=train if backward is None else backward,
+                    gradients_from=tuple(gradients_from),
                 )
             )
             asked.append(name)

@@ -339,6 +339,7 @@ class Combinatorial:
             senders=names,
             tag=tag,
             model=subset_tag(subset),
+            gradients_from=names[:1] if train else (),  # its head's party
         )
         present = torch.zeros((rows.numel(), len(self.fed.names)), dtype=torch.bool)
         present[:, list(subset)] = covered.unsqueeze(1)

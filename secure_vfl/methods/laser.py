@@ -335,6 +335,7 @@ class MeanFusionMethod:
             batch_id=batch_id,
             train=True,
             sums=sums,
+            gradients_from=[fed.names[self.head_index[i]] for i, _, _ in tasks],
         )
         if not together:
             for task in tasks:
