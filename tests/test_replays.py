@@ -115,19 +115,24 @@ def _trains_as_its_twin(replayed, twin, rows: np.ndarray) -> None:  # type: igno
     assert all(torch.equal(a, b) for a, b in zip(after, expected, strict=True))
 
 
+def twins(make_data: MakeData, method: str, backend: str, heads: str):  # type: ignore[no-untyped-def]
+    """A run whose messages are recorded and its twin, each two steps in (with equal losses),
+    the recorder, and the rows of the next batch."""
+    recorder = RecordingLayer()
+    run = _build(make_data, method, backend, heads, Channel([recorder]))
+    twin = _build(make_data, method, backend, heads, Channel())
+    batches = [np.arange(32 * i, 32 * (i + 1)) for i in range(3)]
+    for round in range(2):
+        assert run.train_step(batches[round], round, 0) == twin.train_step(batches[round], round, 0)
+    return run, twin, recorder, batches[2]
+
+
 @pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize(("method", "backend", "heads"), list(CASES))
 def test_every_message_of_a_run_replayed_is_refused_and_changes_nothing(
     make_data: MakeData, method: str, backend: str, heads: str
 ) -> None:
-    recorder = RecordingLayer()
-    replayed = _build(make_data, method, backend, heads, Channel([recorder]))
-    twin = _build(make_data, method, backend, heads, Channel())
-    batches = [np.arange(32 * i, 32 * (i + 1)) for i in range(3)]
-    for round in range(2):
-        assert replayed.train_step(batches[round], round, 0) == twin.train_step(
-            batches[round], round, 0
-        )
+    replayed, twin, recorder, rows = twins(make_data, method, backend, heads)
     channel = replayed.fed.channel
     inboxes = {name: len(party._inbox) for name, party in channel.parties.items()}
     refused: Counter[str] = Counter()
@@ -140,7 +145,7 @@ def test_every_message_of_a_run_replayed_is_refused_and_changes_nothing(
     assert CASES[(method, backend, heads)] <= set(refused), sorted(refused)
     assert set(refused) == {m.kind for m in recorder.messages}
     assert {name: len(party._inbox) for name, party in channel.parties.items()} == inboxes
-    _trains_as_its_twin(replayed, twin, batches[2])
+    _trains_as_its_twin(replayed, twin, rows)
 
 
 @pytest.mark.usefixtures("one_thread")

@@ -14,13 +14,11 @@ import dataclasses
 from collections import Counter
 from collections.abc import Iterator
 
-import numpy as np
 import pytest
 from conftest import MakeData
-from test_replays import CASES, _build, _trains_as_its_twin
+from test_replays import CASES, _trains_as_its_twin, twins
 
 from secure_vfl.errors import ProtocolError
-from secure_vfl.federation.channel import Channel, RecordingLayer
 from secure_vfl.federation.messages import AGGREGATOR, DRIVEN_KINDS, Message
 
 
@@ -49,12 +47,7 @@ def _reply(message: Message) -> bool:
 def test_every_reply_sent_unasked_is_refused_and_changes_nothing(
     make_data: MakeData, method: str, backend: str, heads: str
 ) -> None:
-    recorder = RecordingLayer()
-    run = _build(make_data, method, backend, heads, Channel([recorder]))
-    twin = _build(make_data, method, backend, heads, Channel())
-    batches = [np.arange(32 * i, 32 * (i + 1)) for i in range(3)]
-    for round in range(2):
-        assert run.train_step(batches[round], round, 0) == twin.train_step(batches[round], round, 0)
+    run, twin, recorder, rows = twins(make_data, method, backend, heads)
     channel = run.fed.channel
     names = sorted(channel.parties)
     inboxes = {name: len(party._inbox) for name, party in channel.parties.items()}
@@ -68,7 +61,7 @@ def test_every_reply_sent_unasked_is_refused_and_changes_nothing(
     kinds = {m.kind for m in recorder.messages if _reply(m)}
     assert set(refused) == kinds and kinds & {"loss", "sum", "sealed-sum", "gradient"}, kinds
     assert {name: len(party._inbox) for name, party in channel.parties.items()} == inboxes
-    _trains_as_its_twin(run, twin, batches[2])
+    _trains_as_its_twin(run, twin, rows)
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -81,11 +74,7 @@ def test_a_gradient_from_a_party_whose_head_did_not_train_on_the_pass_is_refused
     another data party or the aggregation server, in its own name, was added to the pass and
     the next step moved the model; only the driver and the parties whose heads train on the
     pass (its request names them) send its gradients."""
-    run = _build(make_data, "laser", backend, "active", Channel())
-    twin = _build(make_data, "laser", backend, "active", Channel())
-    batches = [np.arange(32 * i, 32 * (i + 1)) for i in range(3)]
-    for round in range(2):
-        assert run.train_step(batches[round], round, 0) == twin.train_step(batches[round], round, 0)
+    run, twin, _, rows = twins(make_data, "laser", backend, "active")
     held = [m for m in run.fed.own.deferred if m.kind == "gradient"]
     assert held  # the closing gradients of round 1, whose passes are open
     channel = run.fed.channel
@@ -94,4 +83,4 @@ def test_a_gradient_from_a_party_whose_head_did_not_train_on_the_pass_is_refused
             forged = dataclasses.replace(gradient, sender=forger, step=False, batch_id=9)
             with pytest.raises(ProtocolError, match="takes gradients from \\['party-0'\\] only"):
                 channel.parties[forger].send(forged)
-    _trains_as_its_twin(run, twin, batches[2])
+    _trains_as_its_twin(run, twin, rows)
