@@ -401,8 +401,8 @@ class Party:
         return ProtocolError(
             f"{self.name}: a {message.kind} from {message.sender} for round {message.round}, "
             f"batch {message.batch_id}{f', tag {tag!r}' if tag else ''} that it did not ask "
-            "for (for another round or batch, or from another party than the one asked?): it "
-            "keeps only the replies it asked for."
+            "for (for another round or batch, from another party than the one asked, or of a "
+            "step abandoned since?): it keeps only the replies it asked for."
         )
 
     def take(
