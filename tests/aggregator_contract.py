@@ -38,6 +38,7 @@ from secure_vfl.federation.parties import (
     AggregationServer,
     SecureSumParty,
     make_aggregation_server,
+    ticket_issuer,
 )
 
 M = TypeVar("M", bound=Message)
@@ -104,9 +105,34 @@ def full_batch(
 
 class SumDriver(SecureSumParty):
     """A receiver that drives, as the label party does: it expects the sum each of its sum
-    requests asks to be delivered to it (its inbox keeps nothing it did not ask for)."""
+    requests asks to be delivered to it (its inbox keeps nothing it did not ask for), and gives
+    each seal request the ticket of its share (:meth:`ticket`)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.tickets = ticket_issuer(self)
+
+    def ticket(self, message: RepresentationMessage | SealRequest) -> bytes:
+        """The ticket of the contribution ``message`` is (a representation to the aggregator)
+        or asks for (a seal request)."""
+        sealing = isinstance(message, SealRequest)
+        return self.tickets.mint(
+            session=message.session,
+            contributor=message.receiver if sealing else message.sender,
+            round=message.round,
+            batch_id=message.batch_id,
+            phase=message.phase,
+            tag=message.tag,
+            deliver_to=message.deliver_to if isinstance(message, SealRequest) else "",
+        )
 
     def send_all(self, messages: Sequence[Message]) -> None:
+        messages = [
+            dataclasses.replace(m, ticket=self.ticket(m))
+            if isinstance(m, SealRequest) and not m.ticket
+            else m
+            for m in messages
+        ]
         for message in messages:
             if isinstance(message, SumRequest) and message.deliver_to == self.name:
                 self.expect(
@@ -156,17 +182,16 @@ def vector_sum(
                 )
             )
     for party in contributors:
-        party.contribute(
-            RepresentationMessage(
-                sender=party.name,
-                receiver=AGGREGATOR,
-                round=round,
-                batch_id=0,
-                positions=torch.zeros(1, dtype=torch.int64),
-                tag="vectors",
-                representation=vectors[party.name].reshape(1, -1),
-            )
+        contribution = RepresentationMessage(
+            sender=party.name,
+            receiver=AGGREGATOR,
+            round=round,
+            batch_id=0,
+            positions=torch.zeros(1, dtype=torch.int64),
+            tag="vectors",
+            representation=vectors[party.name].reshape(1, -1),
         )
+        party.contribute(dataclasses.replace(contribution, ticket=owner.ticket(contribution)))
     plan: dict[str, Any] = {
         "selection": torch.ones(1, 1, len(names), dtype=torch.bool),
         "parties": names,
@@ -228,9 +253,13 @@ class SumParties:
         }
 
     def contribute(self, messages: Sequence[RepresentationMessage]) -> None:
-        """Each party's representation on its way to the server: kept by its party under a
-        split scheme (until a seal request), sent in the clear otherwise."""
+        """Each party's representation on its way to the server, with the driver's ticket for
+        it: kept by its party under a split scheme (until a seal request), sent in the clear
+        otherwise."""
         for message in messages:
+            if not self.split:  # sent as it is: in this run's session, with its ticket
+                message = dataclasses.replace(message, session=self.session)
+                message = dataclasses.replace(message, ticket=self.driver.ticket(message))
             self.parties[message.sender].contribute(message)
 
     def seal(

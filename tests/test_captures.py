@@ -67,10 +67,11 @@ def test_show_has_a_line_per_message_in_order_with_shapes_and_never_values(
     assert [int(row["round"]) for row in rows] == [m.round for m in messages]
     # every encoded byte is counted: the file is the records' lengths and their bytes
     assert sum(int(row["bytes"]) for row in rows) == path.stat().st_size - 4 * len(rows)
-    first = messages[0]
+    assert messages[0].kind == "ticket-key"  # the session's first, then the first step's
+    first = messages[1]
     assert isinstance(first, RepresentationMessage)
     shape = list(first.representation.shape)
-    assert f"representation=float32{shape}" in rows[0]["fields"]
+    assert f"representation=float32{shape}" in rows[1]["fields"]
     value = f"{first.representation[0, 0].item():.4f}"[:6]
     assert value not in "\n".join(lines)
     assert (

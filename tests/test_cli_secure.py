@@ -54,15 +54,17 @@ def test_masked_traffic_is_the_sealed_shares_that_crossed_and_nothing_in_the_cle
         config, data=data, channel=Channel([recorder]), aggregator=MaskingAggregator()
     )
     # No representation reaches the aggregator in the clear: only public keys and sealed shares
-    # (and the driver's requests: the key session, the sums).
+    # (and the driver's requests: the key session, the sums, the key of its tickets).
     to_aggregator = {(m.kind, m.sender) for m in recorder.messages if m.receiver == AGGREGATOR}
     assert {kind for kind, _ in to_aggregator} == {
         "key-request",
         "public-key",
         "sealed",
         "sum-request",
+        "ticket-key",
     }
-    assert {s for kind, s in to_aggregator if kind.endswith("-request")} == {"party-0"}
+    driven = {s for kind, s in to_aggregator if kind.endswith("-request") or kind == "ticket-key"}
+    assert driven == {"party-0"}
     # The only key it is told is the receiver's (party-0's), announced with the self-masks'.
     assert {sender for kind, sender in to_aggregator if kind == "public-key"} == {"party-0"}
     assert "representation" not in {m.kind for m in recorder.messages}

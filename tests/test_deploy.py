@@ -276,8 +276,10 @@ def test_each_party_captures_what_crossed_its_own_endpoint(
         "sealed-sum",
         "public-key",
         "key-request",  # the driver opens the key session there too
+        "ticket-key",  # and tells it which contributions it asks for
         "deployment",
     }
+    assert {m.sender for m in seen["aggregator"] if m.kind == "ticket-key"} == {"bank"}
 
 
 @pytest.fixture(scope="module")

@@ -25,6 +25,7 @@ from secure_vfl.federation.messages import (
     RepresentRequest,
     SumMessage,
     SumRequest,
+    TicketKeyMessage,
     UpdateRequest,
 )
 from secure_vfl.federation.parties import ROLES
@@ -393,7 +394,8 @@ def test_messages_follow_the_papers_communication_pattern(make_data: MakeData) -
     others = parties[1:]  # the label party's messages to itself never cross the wire
     routes = Counter((m.kind, m.sender, m.receiver) for m in recorder.messages)
     expected = Counter(
-        [("represent-request", "party-0", p) for p in others]
+        [("ticket-key", "party-0", "aggregator")]  # once per session: its first step's
+        + [("represent-request", "party-0", p) for p in others]
         + [("representation", p, "aggregator") for p in parties]
         + [("sum-request", "party-0", "aggregator"), ("sum", "aggregator", "party-0")]
         + [("latent", "party-0", p) for p in others]
@@ -411,7 +413,9 @@ def test_messages_follow_the_papers_communication_pattern(make_data: MakeData) -
     assert block_width not in (latent, 2 * latent, kappa)  # a block could not hide in a message
     for message in recorder.messages:
         assert message.round == 0 and message.batch_id == 0
-        if isinstance(message, RepresentRequest):
+        if isinstance(message, TicketKeyMessage):
+            assert message.sender == "party-0" and message.receiver == "aggregator"
+        elif isinstance(message, RepresentRequest):
             k = parties.index(message.receiver)
             assert message.rows.tolist() == rows[mask[:, k]].tolist()  # ids of rows, no values
         elif isinstance(message, UpdateRequest | SumRequest):

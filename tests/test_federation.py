@@ -300,7 +300,9 @@ def test_vector_sums_go_through_the_channel_and_the_aggregator() -> None:
     contributions = {"client-0": torch.tensor([1.0, 2.0]), "client-1": torch.tensor([10.0, 20.0])}
     total = vector_sum(PlainAggregator(), contributions, channel=Channel([recorder]), round=4)
     assert total.tolist() == [11.0, 22.0]
-    assert recorder.kinds() == ["representation", "representation", "sum-request", "sum"]
-    assert all(m.round == 4 for m in recorder.messages)
+    # The driver's ticket key (once per session) comes before the first contribution.
+    kinds = ["ticket-key", "representation", "representation", "sum-request", "sum"]
+    assert recorder.kinds() == kinds
+    assert all(m.round == 4 for m in recorder.messages[1:])
     with pytest.raises(ProtocolError, match="width 2 expected, found 3"):
         vector_sum(PlainAggregator(), {"a": torch.ones(2), "b": torch.ones(3)})

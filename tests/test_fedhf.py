@@ -305,8 +305,10 @@ def test_fedhf_model_updates_travel_only_through_the_seam_with_client_sampling()
     set_up = len(recorder.messages)
     # Three statistics exchanges and the row count N: each a request to the 4 clients, their 4
     # contributions, the sum request and the sum; then the global statistics and the initial
-    # download, one message to each client. Nothing else.
+    # download, one message to each client; and the key of the session's tickets, to the
+    # aggregator before the first contribution. Nothing else.
     expected = {
+        "ticket-key": 1,
         "compute-request": 4 * 4,
         "representation": 4 * 4,
         "sum-request": 4,

@@ -250,13 +250,14 @@ def test_a_client_holds_its_rows_and_sends_only_its_sums() -> None:
     federated_statistics(clients, channel=Channel([recorder]))
     names = {c.name for c in clients}
     kinds = {message.kind for message in recorder.messages}
-    assert kinds == {"compute-request", "representation", "sum-request", "sum"}
+    assert kinds == {"compute-request", "representation", "sum-request", "sum", "ticket-key"}
     for message in recorder.messages:
         route = (message.kind, message.sender in names, message.receiver)
         assert route in {
             ("compute-request", False, message.receiver),
             ("representation", True, "aggregator"),
             ("sum-request", False, "aggregator"),
+            ("ticket-key", False, "aggregator"),
             ("sum", False, "server"),
         }, route
         if message.kind == "compute-request":

@@ -219,7 +219,7 @@ def test_nothing_but_sealed_shares_reach_the_aggregator(backend: str) -> None:
             allowed = (
                 {"sealed"}
                 if message.sender in names
-                else {"sum-request", "public-key", "key-request"}
+                else {"sum-request", "public-key", "key-request", "ticket-key"}
             )
             assert message.kind in allowed, (message.kind, message.sender)
         if message.receiver == SERVER:  # and, under masks, the clients' public keys
@@ -439,9 +439,14 @@ def test_bad_or_replayed_messages_are_refused_and_change_no_party(backend: str) 
         attempts += [
             ("a replayed contribution", lambda: second.send(contribution), r"a second repr"),
             (
-                "a second contribution to a sum",
+                "a second contribution to a sum, in another session",
                 lambda: second.send(dataclasses.replace(contribution, session="other")),
-                "two representations",
+                "of session 'other'; the driver's session is",
+            ),
+            (
+                "a second contribution to a sum, under another tag",
+                lambda: second.send(dataclasses.replace(contribution, tag="other")),
+                "that the driver did not ask for",
             ),
         ]
     for what, attempt, error in attempts:

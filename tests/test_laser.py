@@ -280,7 +280,8 @@ def test_a_training_step_sends_every_message_through_the_channel(make_data: Make
     others = parties[1:]  # what the label party (party-0) does for itself crosses no boundary
     routes = Counter((m.kind, m.sender, m.receiver) for m in recorder.messages)
     expected = Counter(
-        [("represent-request", "party-0", p) for p in others]
+        [("ticket-key", "party-0", "aggregator")]  # once per session: its first step's
+        + [("represent-request", "party-0", p) for p in others]
         + [("representation", p, "aggregator") for p in parties]
         + [("head-task", "party-0", p) for p in others]
         + [("sum-request", "party-0", "aggregator") for _ in parties]
@@ -330,9 +331,10 @@ def test_with_the_label_partys_head_alone_a_step_is_twelve_messages(make_data: M
     # In the order they crossed: the sum request goes with the representation requests (the
     # aggregator serves it once the last representation is in). Each data party's gradient
     # closes its step (no update follows) and is held back to go ahead of its next request
-    # (over the network: in the same delivery), or until the label party flushes.
+    # (over the network: in the same delivery), or until the label party flushes. The session's
+    # first step begins with the driver's ticket key, to the aggregator.
     method.train_step(np.arange(32), 0, 0)
-    assert crossed() == routes
+    assert crossed() == [("ticket-key", "party-0", "aggregator"), *routes]
     assert [(m.kind, m.sender, m.receiver) for m in method.fed.own.deferred] == closing
     method.train_step(np.arange(32, 64), 1, 1)
     first = recorder.messages[:3]

@@ -497,13 +497,15 @@ def test_a_masked_step_sends_the_same_messages_and_share_bytes_as_without_self_m
     # Double masking adds no message to a step: a seal request to each other contributor (the
     # driver's own is handed over, not sent), a sealed share per contributor, one sum request
     # and one sealed sum; each share is the T * B * d ring elements it was, the self-mask riding
-    # in them.
+    # in them. (The driver's ticket key goes to the server once per session, with the first
+    # seal request: tickets add no message to a step but the session's first.)
     messages, selection = full_batch(24, batch=16, width=8, tasks=2)
     parties = SumParties(masking())
     setup = len(parties.recorder.messages)
     parties.combine(messages, selection)
     step = parties.recorder.messages[setup:]
     assert Counter(m.kind for m in step) == {
+        "ticket-key": 1,
         "seal-request": 3,
         "sealed": 4,
         "sum-request": 1,

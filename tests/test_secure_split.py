@@ -238,11 +238,24 @@ def test_a_replayed_seal_request_or_sealed_share_is_refused(make_data: MakeData)
     # In another session (a message the server never took), its sum was delivered all the same.
     with pytest.raises(ProtocolError, match="already served"):
         server.receive(dataclasses.replace(share, session="other"))
+    # Under a tag the driver gave no ticket for, it is not kept (nor when its ticket is moved
+    # to another session); with the driver's ticket for that tag, it is, once.
     fresh = dataclasses.replace(share, tag="not-yet-served")
+    with pytest.raises(ProtocolError, match="that the driver did not ask for"):
+        server.receive(fresh)
+    ticket = method.fed.ticket(
+        share.sender,
+        round=share.round,
+        batch_id=share.batch_id,
+        phase=share.phase,
+        tag=fresh.tag,
+        deliver_to=share.deliver_to,
+    )
+    fresh = dataclasses.replace(fresh, ticket=ticket)
     server.receive(fresh)
     with pytest.raises(ProtocolError, match=r"a second sealed .*\(a replay\?\)"):
         server.receive(fresh)
-    with pytest.raises(ProtocolError, match="two sealed shares"):
+    with pytest.raises(ProtocolError, match="of session 'other'; the driver's session is"):
         server.receive(dataclasses.replace(fresh, session="other"))
 
 

@@ -447,15 +447,18 @@ def test_a_replayed_request_or_gradient_is_refused_and_changes_nothing(make_data
     config = MethodConfig(epochs=1, batch_size=64, lr=0.05, representation_dim=8)
     method = METHODS.get("laser")(make_data(), config, seed=0)
     rows = torch.arange(4)
+    fed = method.fed
     request = RepresentRequest(
         sender="party-0",
         receiver="party-1",
         round=5,
         batch_id=0,
+        session=fed.session,
         split="train",
         rows=rows,
         positions=rows,
         reply_to="aggregator",
+        ticket=fed.ticket("party-1", round=5, batch_id=0, phase="train", tag=""),
     )
     own = method.fed.own
     own.send(request)
@@ -470,13 +473,15 @@ def test_a_replayed_request_or_gradient_is_refused_and_changes_nothing(make_data
         receiver="aggregator",
         round=5,
         batch_id=0,
+        session=fed.session,
         positions=rows,
         representation=torch.zeros(4, 8),
+        ticket=request.ticket,
     )
     sender = in_process_parties(method.fed.channel)[1]
     with pytest.raises(ProtocolError, match=r"a second representation .*\(a replay\?\)"):
         sender.send(second)
-    with pytest.raises(ProtocolError, match="two representations from party-1"):
+    with pytest.raises(ProtocolError, match="of session 'other'; the driver's session is"):
         sender.send(dataclasses.replace(second, session="other"))
     assert _same(before, _state(method.fed.channel))
 
@@ -497,22 +502,28 @@ def test_a_contribution_for_a_past_batch_is_refused_and_changes_nothing(
     old = next(m for m in recorder.messages if isinstance(m, RepresentationMessage))
     method.train_step(np.arange(64, 128), 1, 0)
     rows = torch.arange(4)
+    fed = method.fed
     # the next batch has begun at the server: a representation of round 2 has arrived
-    method.fed.own.send(
+    fed.own.send(
         RepresentRequest(
             sender="party-0",
             receiver="party-1",
             round=2,
             batch_id=0,
+            session=fed.session,
             split="train",
             rows=rows,
             positions=rows,
             reply_to="aggregator",
+            ticket=fed.ticket("party-1", round=2, batch_id=0, phase="train", tag=""),
         )
     )
     before = _state(method.fed.channel)
     assert ("", ["party-1"]) in before  # what the stale contribution must not reset
-    stale = old if tag is None else dataclasses.replace(old, tag=tag)
+    stale = old
+    if tag is not None:  # with the driver's ticket for that tag: no other check refuses it
+        ticket = fed.ticket(old.sender, round=old.round, batch_id=0, phase="train", tag=tag)
+        stale = dataclasses.replace(old, tag=tag, ticket=ticket)
     with pytest.raises(
         ProtocolError,
         match=r"a second representation .*\(a replay\?\)" if tag is None else "moved past",

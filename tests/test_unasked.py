@@ -3,10 +3,11 @@ batch: refused by its receiver, and nothing changes (issue 10: "a message from t
 sender, for the wrong round ... refused ... and change no party's state", per kind; F17 in
 docs/security-review.md). Before, such a sum, loss, likelihood, latent gradient or
 representation waited in its receiver's inbox for good, and a public key was learnt in a role
-its sender does not hold. A reply is what answers a request: the driver's own kinds
+its sender does not hold; and a contribution to the aggregation server (a representation or a
+sealed share) was kept for a batch the server had not seen, or moved the server past the batch
+it was collecting. A reply is what answers a request: the driver's own kinds
 (:data:`~secure_vfl.federation.messages.DRIVEN_KINDS`) at another round are the driver driving,
-not replies. Left out: contributions to the aggregation server, which it cannot tell from
-those of a batch it has not opened yet (kept unused for that batch; F17)."""
+not replies. A contribution is refused by its ticket (:mod:`secure_vfl.federation.tickets`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from test_replays import CASES, _trains_as_its_twin, twins
 
 from secure_vfl.errors import ProtocolError
 from secure_vfl.federation.messages import AGGREGATOR, DRIVEN_KINDS, Message
+from secure_vfl.federation.parties import Party
 
 
 def _unasked(message: Message, names: list[str]) -> Iterator[tuple[str, Message]]:
@@ -38,8 +40,7 @@ def _unasked(message: Message, names: list[str]) -> Iterator[tuple[str, Message]
 
 
 def _reply(message: Message) -> bool:
-    contribution = message.receiver == AGGREGATOR and message.kind in ("representation", "sealed")
-    return message.kind not in DRIVEN_KINDS and not contribution
+    return message.kind not in DRIVEN_KINDS
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -60,6 +61,7 @@ def test_every_reply_sent_unasked_is_refused_and_changes_nothing(
             refused[message.kind] += 1
     kinds = {m.kind for m in recorder.messages if _reply(m)}
     assert set(refused) == kinds and kinds & {"loss", "sum", "sealed-sum", "gradient"}, kinds
+    assert kinds & {"representation", "sealed"}, kinds  # the contributions too
     assert {name: len(party._inbox) for name, party in channel.parties.items()} == inboxes
     _trains_as_its_twin(run, twin, rows)
 
@@ -84,3 +86,48 @@ def test_a_gradient_from_a_party_whose_head_did_not_train_on_the_pass_is_refused
             with pytest.raises(ProtocolError, match="takes gradients from \\['party-0'\\] only"):
                 channel.parties[forger].send(forged)
     _trains_as_its_twin(run, twin, rows)
+
+
+class _Sidestep:
+    """An outgoing hook of a contributor that, before its next contribution (of ``kind``) to
+    the aggregation server leaves, sends the server a contribution of its own for the next round
+    (a sum nobody asked for), in its own name: the refusal it gets is kept."""
+
+    def __init__(self, party: Party, kind: str) -> None:
+        self.party, self.kind = party, kind
+        self.sent = False
+        self.refusals: list[str] = []
+
+    def on_message(self, message: Message) -> Message:
+        contribution = message.receiver == AGGREGATOR and message.kind == self.kind
+        if contribution and not self.sent:
+            self.sent = True  # (the share sent below passes this hook too)
+            ahead = dataclasses.replace(message, round=message.round + 1, tag="ahead")
+            try:
+                self.party.send(ahead)
+            except ProtocolError as error:
+                self.refusals.append(str(error))
+            else:
+                self.refusals.append("")
+        return message
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize(("backend", "heads"), [("plain", "all"), ("masks", "active")])
+def test_a_contribution_for_the_next_round_sent_mid_batch_leaves_the_batch_alone(
+    make_data: MakeData, backend: str, heads: str
+) -> None:
+    """While the aggregation server collects a batch, a contributor sends it a share of its own
+    for the next round. The server took it as the start of that round and moved past the batch
+    it was collecting, whose last shares it then refused ("a batch it has moved past"): one
+    party stopped the run. Refused on arrival by its ticket, it leaves the batch alone."""
+    run, twin, _, rows = twins(make_data, "laser", backend, heads)
+    last = run.fed.names[-1]
+    party = run.fed.channel.parties[last]
+    assert isinstance(party, Party)
+    sidestep = _Sidestep(party, "sealed" if backend == "masks" else "representation")
+    party.outgoing.append(sidestep)
+    _trains_as_its_twin(run, twin, rows)
+    assert len(sidestep.refusals) == 1
+    assert sidestep.refusals[0].startswith("aggregator: ")
+    assert "that the driver did not ask for" in sidestep.refusals[0]

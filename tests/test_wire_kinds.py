@@ -43,7 +43,10 @@ def samples() -> list[Message]:
     counts = torch.tensor([[0, 1, 2], [2, 1, 0]])
     return [
         messages.RepresentationMessage(
-            **HEADER, positions=positions, representation=torch.randn(3, 4, generator=generator)
+            **HEADER,
+            positions=positions,
+            representation=torch.randn(3, 4, generator=generator),
+            ticket=b"\x05" * 32,
         ),
         messages.GradientMessage(
             **HEADER, positions=positions, gradient=torch.randn(3, 4, generator=generator), tag="t"
@@ -78,6 +81,7 @@ def samples() -> list[Message]:
             reply_to=AGGREGATOR,
             tag="t",
             model="m",
+            ticket=bytes(range(32)),
         ),
         messages.SumRequest(
             **HEADER, selection=selection, parties=parties, deliver_to="party-0", tag="t"
@@ -103,11 +107,23 @@ def samples() -> list[Message]:
         messages.LossMessage(**HEADER, loss=0.25, tag="t"),
         messages.KeyRequest(**HEADER, scheme="masks", contributors=parties, receivers=("party-2",)),
         messages.PublicKeyMessage(**HEADER, scheme="masks", role="sender", key=b"\x01\x02"),
+        messages.TicketKeyMessage(**HEADER, key=bytes(range(32))),
         messages.SealRequest(
-            **HEADER, selection=selection, parties=parties, deliver_to="party-0", tag="t"
+            **HEADER,
+            selection=selection,
+            parties=parties,
+            deliver_to="party-0",
+            tag="t",
+            ticket=b"\x07" * 32,
         ),
         messages.SealedMessage(
-            **HEADER, scheme="masks", deliver_to="party-0", tag="t", width=2, payload=(b"ab", b"")
+            **HEADER,
+            scheme="masks",
+            deliver_to="party-0",
+            tag="t",
+            width=2,
+            payload=(b"ab", b""),
+            ticket=b"\x07" * 32,
         ),
         messages.SealedSumMessage(
             **HEADER,
@@ -123,6 +139,7 @@ def samples() -> list[Message]:
             computation="deviations",
             arguments=torch.tensor([0.5, -1.25], dtype=torch.float64),
             tag="t",
+            ticket=b"\x01" * 32,
         ),
         messages.ParametersMessage(
             **HEADER, parameters=torch.randn(5, generator=generator), tag="global"

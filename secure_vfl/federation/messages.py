@@ -19,9 +19,10 @@ import torch
 from torch import Tensor
 
 from secure_vfl.errors import NonFiniteError, ProtocolError
+from secure_vfl.federation.tickets import TICKET_KEY_BYTES
 from secure_vfl.federation.wire import register_message
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 """The messages' layouts: 2 since sealed sums carry their members' selection, sum and seal
 requests their DP-released rows, and the abort message exists; 3 since a gradient may close its
 receiver's step (``GradientMessage.step``) and a head task may hold its gradients for the driver
@@ -29,8 +30,10 @@ receiver's step (``GradientMessage.step``) and a head task may hold its gradient
 (``GlobalStatisticsMessage.constant``); 5 since a scored imputation client contributes its
 per-feature errors to a sum (the ``feature-errors`` computation); 6 since a plain sum carries
 its request's phase (``SumMessage.phase``); 7 since a representation request names the heads'
-parties whose gradients its forward pass takes (``RepresentRequest.gradients_from``). A party of
-another version is refused on its first message, naming both."""
+parties whose gradients its forward pass takes (``RepresentRequest.gradients_from``); 8 since
+every request for a contribution to the aggregator, and the contribution, carries its ticket
+(:mod:`~secure_vfl.federation.tickets`; the ``ticket-key`` message exists). A party of another
+version is refused on its first message, naming both."""
 PHASES = ("train", "predict")
 
 PartyId = str
@@ -49,6 +52,7 @@ DRIVEN_KINDS = frozenset(
         "score-request",
         "seal-request",
         "sum-request",
+        "ticket-key",
         "update",
     }
 )
@@ -173,9 +177,12 @@ class RowsMessage(Message):
 @register_message
 @dataclass(frozen=True, kw_only=True)
 class RepresentationMessage(RowsMessage):
-    """A data party's representations of its observed rows of the batch (forward pass)."""
+    """A data party's representations of its observed rows of the batch (forward pass); to the
+    aggregator, with the ``ticket`` of the request that asked for it (:mod:`~secure_vfl.
+    federation.tickets`)."""
 
     representation: Tensor
+    ticket: bytes = b""
     kind: ClassVar[str] = "representation"
 
     def validate(self) -> None:
@@ -340,7 +347,8 @@ class RepresentRequest(Message):
     graph for the gradient that will come back under ``tag``, from the driver or from the
     parties ``gradients_from`` (the holders of the heads that train on it). (``phase`` prices
     the release; ``backward=False`` serves training rows to a step that sends no gradient
-    back.)"""
+    back.) With ``reply_to`` the aggregator it carries the ``ticket`` the representation
+    carries there (:mod:`~secure_vfl.federation.tickets`)."""
 
     split: str
     rows: Tensor
@@ -351,6 +359,7 @@ class RepresentRequest(Message):
     phase: str = "train"
     backward: bool = True
     gradients_from: tuple[PartyId, ...] = ()
+    ticket: bytes = b""
     kind: ClassVar[str] = "represent-request"
 
     def validate(self) -> None:
@@ -538,6 +547,25 @@ class KeyRequest(Message):
 
 @register_message
 @dataclass(frozen=True, kw_only=True)
+class TicketKeyMessage(Message):
+    """The driver's key for the tickets of its ``session``, to the aggregation server, before the
+    first request of the session that carries a ticket (:mod:`~secure_vfl.federation.tickets`).
+    It protects no data: it tells the server which contributions the driver asked for."""
+
+    key: bytes
+    kind: ClassVar[str] = "ticket-key"
+
+    def validate(self) -> None:
+        super().validate()
+        if len(self.key) != TICKET_KEY_BYTES:
+            raise ProtocolError(
+                f"{self.kind} from {self.sender}: a key of {TICKET_KEY_BYTES} bytes expected, "
+                f"found {len(self.key)}."
+            )
+
+
+@register_message
+@dataclass(frozen=True, kw_only=True)
 class PublicKeyMessage(Message):
     """A party's public key for a secure-sum scheme: as a contributor (``role="sender"``,
     e.g. its X25519 key for pairwise masks) or as a receiver of sums (``role="receiver"``, e.g.
@@ -559,8 +587,10 @@ class SealRequest(SumRequest):
     """The driver asks a contributor to seal (mask or encrypt) the representation it kept for
     ``(round, batch_id, phase, source_tag)`` into the sums ``selection`` (T, B, K) describes,
     for ``deliver_to``, and send it to the aggregator under ``tag`` (the fields of the
-    :class:`SumRequest` for the same sums)."""
+    :class:`SumRequest` for the same sums) with the ``ticket`` the share carries there
+    (:mod:`~secure_vfl.federation.tickets`)."""
 
+    ticket: bytes = b""
     kind: ClassVar[str] = "seal-request"
 
 
@@ -569,7 +599,8 @@ class SealRequest(SumRequest):
 class SealedMessage(Message):
     """A contributor's sealed share of the sums ``tag`` for ``deliver_to``: its values in the
     sums it enters, masked or encrypted by ``scheme`` (``payload`` in the scheme's own
-    serialisation: ring elements, Paillier or CKKS ciphertexts); ``width`` values per row."""
+    serialisation: ring elements, Paillier or CKKS ciphertexts); ``width`` values per row;
+    ``ticket``: its seal request's (:mod:`~secure_vfl.federation.tickets`)."""
 
     scheme: str
     deliver_to: PartyId
@@ -577,6 +608,7 @@ class SealedMessage(Message):
     width: int
     payload: tuple[bytes, ...]
     phase: str = "train"
+    ticket: bytes = b""
     kind: ClassVar[str] = "sealed"
 
     def validate(self) -> None:
@@ -646,11 +678,13 @@ class ComputeRequest(Message):
     :data:`COMPUTATIONS`) on ``arguments`` (public values only: a released mean, the
     federation's row count) and to contribute the resulting vector to the sum ``tag`` of this
     round: a one-row representation sent to the aggregator in the clear under a plain sum, kept
-    until a :class:`SealRequest` under a secure one."""
+    until a :class:`SealRequest` under a secure one; ``ticket``: the one-row representation's
+    (:mod:`~secure_vfl.federation.tickets`)."""
 
     computation: str
     arguments: Tensor
     tag: str
+    ticket: bytes = b""
     kind: ClassVar[str] = "compute-request"
 
     def validate(self) -> None:

@@ -74,9 +74,11 @@ from secure_vfl.federation.messages import (
     SealRequest,
     SumMessage,
     SumRequest,
+    TicketKeyMessage,
     UpdateRequest,
 )
 from secure_vfl.federation.parts import ClassValue
+from secure_vfl.federation.tickets import TicketCheck, TicketIssuer
 from secure_vfl.registry import Registry
 
 if TYPE_CHECKING:
@@ -614,6 +616,7 @@ class SecureSumParty(Party):
                 width=int(values.shape[1]),
                 payload=payload,
                 phase=request.phase,
+                ticket=request.ticket,
             )
         )
 
@@ -929,6 +932,7 @@ class DataParty(SecureSumParty):
             tag=request.tag,
             phase=request.phase,
             representation=sent,
+            ticket=request.ticket,
         )
         self.contribute(message)
 
@@ -1172,6 +1176,9 @@ class AggregationServer(Party):
         # Sum requests that came before every contribution they sum (the driver sends a step's
         # requests together), by (round, batch id, phase, tag): served when the last one comes.
         self._waiting: dict[tuple[int, int, str, str], SumRequest] = {}
+        # The driver's key of the tickets of the contributions it asks for: one without its
+        # ticket is refused on arrival, before it touches a batch.
+        self._tickets = TicketCheck()
 
     def install(self, scheme: str, adder: AdderHalf) -> None:
         """Take the adding half of a secure-sum scheme."""
@@ -1201,7 +1208,26 @@ class AggregationServer(Party):
             )
         self._key_sessions.take_key(self.name, message, [self.adder])
 
+    def on_ticket_key(self, message: TicketKeyMessage) -> None:
+        """The driver's key of its session's tickets (:mod:`~secure_vfl.federation.tickets`)."""
+        self._tickets.learn(message.session, message.key, by=self.name)
+
     def _enter_batch(self, message: SealedMessage | RepresentationMessage) -> None:
+        """Check ``message``'s ticket, and that its batch is neither past nor abandoned; move to
+        its batch (the driver asked for it: only a ticket says so)."""
+        sealed = isinstance(message, SealedMessage)
+        self._tickets.check(
+            by=self.name,
+            what="sealed share" if sealed else "representation",
+            session=message.session,
+            contributor=message.sender,
+            round=message.round,
+            batch_id=message.batch_id,
+            phase=message.phase,
+            tag=message.tag,
+            given=message.ticket,
+            deliver_to=message.deliver_to if isinstance(message, SealedMessage) else "",
+        )
         batch = (message.round, message.batch_id, message.phase)
         if batch in self._abandoned:
             raise ProtocolError(
@@ -1461,6 +1487,26 @@ def make_aggregation_server(
             f"the aggregator's role must be an AggregationServer; found {type(server).__name__}."
         )
     return server
+
+
+def ticket_issuer(driver: Party) -> TicketIssuer:
+    """The tickets of the contributions ``driver`` asks for: the key of each session goes to
+    the aggregation server in a message (:class:`~secure_vfl.federation.messages.
+    TicketKeyMessage`) before the first request of the session that carries one."""
+
+    def send_key(session: str, key: bytes) -> None:
+        driver.send(
+            TicketKeyMessage(
+                sender=driver.name,
+                receiver=AGGREGATOR,
+                round=0,
+                batch_id=0,
+                session=session,
+                key=key,
+            )
+        )
+
+    return TicketIssuer(send_key)
 
 
 RoleFactory = Callable[..., Party]

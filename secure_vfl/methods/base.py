@@ -51,8 +51,10 @@ from secure_vfl.federation.parties import (
     Party,
     RoleFactory,
     make_aggregation_server,
+    ticket_issuer,
 )
 from secure_vfl.federation.parts import ClassValue
+from secure_vfl.federation.tickets import TicketIssuer
 from secure_vfl.models.networks import make_bottom
 from secure_vfl.models.simsiam import pretrain_simsiam
 from secure_vfl.registry import Registry
@@ -365,6 +367,33 @@ class Federation:
     fit: Literal["new", "fitting", "trained"] = "new"
     """Where the method's one :meth:`~Method.fit` stands (``trained`` too for a model loaded
     from its saved parts); see :func:`fits_once`."""
+    tickets: TicketIssuer = dataclasses.field(init=False, repr=False)
+    """The tickets of the contributions it asks the parties to send the aggregation server
+    (:mod:`~secure_vfl.federation.tickets`)."""
+
+    def __post_init__(self) -> None:
+        self.tickets = ticket_issuer(self.own)
+
+    def ticket(
+        self,
+        contributor: str,
+        *,
+        round: int,
+        batch_id: int,
+        phase: str,
+        tag: str,
+        deliver_to: str = "",
+    ) -> bytes:
+        """The ticket of the contribution it asks ``contributor`` for, in this session."""
+        return self.tickets.mint(
+            session=self.session,
+            contributor=contributor,
+            round=round,
+            batch_id=batch_id,
+            phase=phase,
+            tag=tag,
+            deliver_to=deliver_to,
+        )
 
     def live(self, names: Sequence[str] | None = None) -> list[str]:
         """``names`` (default: every data party) less those dropped."""
@@ -639,11 +668,15 @@ class Federation:
         takes (the holders of the heads that train on it). Returns the names of the parties
         asked (those with a present row)."""
         senders = self.names if senders is None else senders
+        phase = "train" if train else "predict"
         asked, requests = [], []
         for k, name in enumerate(senders):
             positions = torch.nonzero(present[:, k]).flatten()
             if positions.numel() == 0:
                 continue
+            ticket = b""
+            if reply_to == AGGREGATOR:
+                ticket = self.ticket(name, round=round, batch_id=batch_id, phase=phase, tag=tag)
             requests.append(
                 RepresentRequest(
                     **self.header(name, round, batch_id),
@@ -653,9 +686,10 @@ class Federation:
                     reply_to=reply_to,
                     tag=tag,
                     model=model,
-                    phase="train" if train else "predict",
+                    phase=phase,
                     backward=train if backward is None else backward,
                     gradients_from=tuple(gradients_from),
+                    ticket=ticket,
                 )
             )
             asked.append(name)
@@ -713,7 +747,21 @@ class Federation:
         sealers = []  # under a secure scheme, every contributor the selection names
         if self.scheme:
             sealers = [n for k, n in enumerate(self.names) if bool(selection[..., k].any())]
-        seals = [SealRequest(**self.header(name, round, batch_id), **plan) for name in sealers]
+        seals = [
+            SealRequest(
+                **self.header(name, round, batch_id),
+                **plan,
+                ticket=self.ticket(
+                    name,
+                    round=round,
+                    batch_id=batch_id,
+                    phase=plan["phase"],
+                    tag=tag,
+                    deliver_to=deliver_to,
+                ),
+            )
+            for name in sealers
+        ]
         return [*seals, SumRequest(**self.header(AGGREGATOR, round, batch_id), **plan)]
 
     def assign_head_task(

@@ -399,6 +399,7 @@ class ImputationClient(SecureSumParty):
                 positions=torch.zeros(1, dtype=torch.int64),
                 tag=request.tag,
                 representation=torch.from_numpy(vector.astype(np.float32)).reshape(1, -1),
+                ticket=request.ticket,
             )
         )
 

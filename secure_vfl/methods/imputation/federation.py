@@ -44,7 +44,13 @@ from secure_vfl.federation.messages import (
     SumMessage,
     SumRequest,
 )
-from secure_vfl.federation.parties import ROLES, SecureSumParty, make_aggregation_server
+from secure_vfl.federation.parties import (
+    ROLES,
+    SecureSumParty,
+    make_aggregation_server,
+    ticket_issuer,
+)
+from secure_vfl.federation.tickets import TicketIssuer
 from secure_vfl.methods.base import REJOINED
 from secure_vfl.methods.imputation.clients import ImputationClient, TrainingPlan
 from secure_vfl.methods.imputation.evaluation import ScoredErrors
@@ -120,9 +126,25 @@ class ImputationFederation:
     batch, so no client or aggregator takes its messages for replays of the abandoned one."""
     roster: tuple[str, ...] = ()
     """Every client the run started with, in order (a client's index is its place here)."""
+    tickets: TicketIssuer = field(init=False, repr=False)
+    """The tickets of the contributions it asks the clients to send the aggregation server
+    (:mod:`~secure_vfl.federation.tickets`)."""
 
     def __post_init__(self) -> None:
         self.roster = self.roster or tuple(self.names)
+        self.tickets = ticket_issuer(self.own)
+
+    def _ticket(self, name: str, round: int, tag: str, *, deliver_to: str = "") -> bytes:
+        """The ticket of the contribution to the sum ``tag`` it asks client ``name`` for."""
+        return self.tickets.mint(
+            session=self.session,
+            contributor=name,
+            round=round,
+            batch_id=self.attempt,
+            phase="train",
+            tag=tag,
+            deliver_to=deliver_to,
+        )
 
     @property
     def clients(self) -> int:
@@ -267,25 +289,28 @@ class ImputationFederation:
         for name in parties:
             self.own.send(
                 ComputeRequest(
-                    **self._header(name, round), computation=computation, arguments=values, tag=tag
+                    **self._header(name, round),
+                    computation=computation,
+                    arguments=values,
+                    tag=tag,
+                    ticket=self._ticket(name, round, tag),
                 )
             )
         selection = torch.ones(1, 1, len(parties), dtype=torch.bool)
         # Under a secure scheme each client first seals what it kept; then the aggregator adds.
         sealers = list(parties) if self.scheme else []
         self.own.expect("sum", senders=[AGGREGATOR], round=round, batch_id=self.attempt, tag=tag)
-        for name in [*sealers, AGGREGATOR]:
-            kind = SealRequest if name != AGGREGATOR else SumRequest
-            self.own.send(
-                kind(
-                    **self._header(name, round),
-                    selection=selection,
-                    parties=parties,
-                    deliver_to=self.own.name,
-                    tag=tag,
-                    source_tag=tag,
-                )
-            )
+        plan: dict[str, Any] = {
+            "selection": selection,
+            "parties": parties,
+            "deliver_to": self.own.name,
+            "tag": tag,
+            "source_tag": tag,
+        }
+        for name in sealers:
+            ticket = self._ticket(name, round, tag, deliver_to=self.own.name)
+            self.own.send(SealRequest(**self._header(name, round), **plan, ticket=ticket))
+        self.own.send(SumRequest(**self._header(AGGREGATOR, round), **plan))
         summed = cast(
             SumMessage,
             self.own.take("sum", sender=AGGREGATOR, round=round, batch_id=self.attempt, tag=tag),
