@@ -844,11 +844,13 @@ def find_resume_point(
     label_party: str,
     settings: Mapping[str, Any],
     check_parties: bool = True,
+    flag_names: Mapping[str, str] | None = None,
 ) -> ResumePoint:
     """The latest complete checkpoint under ``directory`` (a run's ``--out`` or its
     checkpoints' directory): the label party's latest, which commits its step. Refused
     (ConfigError) when there is none or its run's configuration differs from ``settings``
-    (naming the first differing field); with ``check_parties``, every other party's checkpoint
+    (naming the first differing field, and the flag that sets it: ``flag_names`` by the field's
+    last part, e.g. ``{"lr": "--lr"}``); with ``check_parties``, every other party's checkpoint
     of that step is read and checked too (IntegrityError or DataError otherwise)."""
     root = checkpoint_root(directory)
     steps = written_steps(root, label_party)
@@ -862,10 +864,11 @@ def find_resume_point(
     current = as_json(settings)
     differing = first_difference(saved, current)
     if differing is not None:
+        flag = (flag_names or {}).get(differing.rsplit(".", 1)[-1])
         raise ConfigError(
             f"--resume {directory}: the same configuration as the checkpoint's run expected; "
-            f"`{differing}` differs (checkpoint: {_field(saved, differing)!r}, this run: "
-            f"{_field(current, differing)!r})."
+            f"`{differing}`{f' ({flag})' if flag else ''} differs (checkpoint: "
+            f"{_field(saved, differing)!r}, this run: {_field(current, differing)!r})."
         )
     point = ResumePoint(root=root, label=label)
     if check_parties:

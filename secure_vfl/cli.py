@@ -97,6 +97,15 @@ class _Parser(argparse.ArgumentParser):
         self._words = list(sys.argv[1:] if args is None else args)  # what error() may quote
         return super().parse_known_args(args, namespace)
 
+    def options(self) -> dict[str, str]:
+        """Each of its flags' longest spelling, by the name it is stored under (``lr`` ->
+        ``--lr``)."""
+        return {
+            action.dest: max(action.option_strings, key=len)
+            for action in self._actions
+            if action.option_strings
+        }
+
     def error(self, message: str) -> NoReturn:
         flag = message.removeprefix("argument ").removesuffix(": expected one argument")
         words: list[str] = getattr(self, "_words", [])
@@ -673,6 +682,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="train a VFL method and evaluate it")
     _deployment_flags(train, _training_flags(train))
     _checkpoint_flags(train)
+    # A resume names the flag that set a setting it refuses (--lr for method_config.lr).
+    train.set_defaults(flag_names=train.options())
     _party_command(commands)
 
     attack = commands.add_parser(
@@ -2001,7 +2012,11 @@ def _checkpoint_plan(
                 f"directory) expected; found {found}."
             )
         resume = find_resume_point(
-            args.resume, label_party=label_party, settings=settings, check_parties=check_parties
+            args.resume,
+            label_party=label_party,
+            settings=settings,
+            check_parties=check_parties,
+            flag_names=getattr(args, "flag_names", None),
         )
     directory = args.checkpoint_dir or (
         resume.root if resume is not None else out / CHECKPOINTS_DIR

@@ -124,7 +124,7 @@ def test_resume_with_another_flag_is_refused_in_one_line_before_any_work(
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1
-    assert "`method_config.lr` differs (checkpoint: 0.03, this run: 0.1)" in err
+    assert "`method_config.lr` (--lr) differs (checkpoint: 0.03, this run: 0.1)" in err
     assert not (out / "result.json").exists()
 
 
