@@ -5,6 +5,7 @@ always noticed at the start of a step; these reach the other places a step can b
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from protocols.secagg import MaskingAggregator
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ProtocolError, TransportError
 from secure_vfl.federation.channel import Channel
-from secure_vfl.federation.messages import AGGREGATOR, Message, SealRequest
+from secure_vfl.federation.messages import AGGREGATOR, LossMessage, Message, SealRequest
 from secure_vfl.federation.parties import Party
 from secure_vfl.methods import METHODS, MethodConfig
 from secure_vfl.methods.base import in_process_parties
@@ -343,3 +344,36 @@ def test_a_method_that_needs_every_party_passes_on_a_protocol_error_with_nobody_
     trainer = METHODS.get("standard")(data, FAST, seed=3, channel=channel)
     with pytest.raises(TransportError, match=f"represent-request to {LOST}: its process is gone"):
         trainer.fit()
+
+
+def test_a_late_reply_of_the_abandoned_attempt_is_dropped_by_the_driver(
+    make_data: MakeData, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The driver expected party-2's loss for its head task of the attempt it abandoned (party-2
+    was lost at that task). The loss, coming late, waited in its inbox for good (kept as an
+    answer it had asked for). Now the abort stops expecting it: it is dropped where it arrives,
+    not refused (over the network a late sum of the attempt would fail the retry's next wait),
+    and anything else of that round is refused as unasked."""
+    data = make_data(train_missing="mcar:0.2")
+    channel = LosingChannel("head-task")
+    method = _train(data, dataclasses.replace(FAST, heads="all"), channel)
+    assert [fault["party"] for fault in method.fed.faults] == [LOST]
+    tasks = [m for m in channel.posted if m.kind == "head-task" and m.receiver == LOST]
+    task = next(m for m in tasks if m.round == STEP)  # the one it was lost at
+    late = LossMessage(
+        sender=LOST,
+        receiver=task.sender,
+        round=task.round,
+        batch_id=task.batch_id,
+        session=task.session,
+        tag=task.tag,
+        loss=1.0,
+    )
+    label = channel.parties[task.sender]
+    inbox = list(label._inbox)
+    with caplog.at_level(logging.INFO, logger="secure_vfl.federation.parties"):
+        label.receive(late)
+    assert label._inbox == inbox
+    assert "a late loss from party-2 of the abandoned attempt" in caplog.text
+    with pytest.raises(ProtocolError, match="that it did not ask for"):
+        label.receive(dataclasses.replace(late, tag="another"))

@@ -213,6 +213,9 @@ class Party:
         # The replies it asked for and has not had: (kind, sender, round, batch_id, tag or None
         # for any tag) -> how many. Its inbox keeps nothing else (:meth:`expect`).
         self._expected: dict[tuple[str, str, int, int, str | None], int] = {}
+        # What it expected of attempts abandoned since (:meth:`abandon_expected`): a late
+        # answer of one is dropped, neither kept nor refused.
+        self._abandoned_expected: set[tuple[str, str, int, int, str | None]] = set()
         self._sends = 0  # calls of send_all: whether a handler answered before it failed
         self.driver: str | None = None
         """The party that drives its run (the label party; an imputation run's coordinator),
@@ -380,6 +383,15 @@ class Party:
         for good."""
         key = self._expectation(message.kind, message)
         if key is None:
+            if self._expectation(message.kind, message, self._abandoned_expected) is not None:
+                logger.info(
+                    "%s: a late %s from %s of the abandoned attempt at round %d, dropped",
+                    self.name,
+                    message.kind,
+                    message.sender,
+                    message.round,
+                )
+                return
             raise self._unasked(message)
         count = self._expected[key]
         if count == 1:
@@ -389,14 +401,28 @@ class Party:
         self._inbox.append(message)
 
     def _expectation(
-        self, kind: str, message: Message
+        self,
+        kind: str,
+        message: Message,
+        expected: Mapping[Any, int] | set[Any] | None = None,
     ) -> tuple[str, str, int, int, str | None] | None:
-        """The expectation a ``kind`` with ``message``'s header would meet (None: none)."""
+        """The expectation a ``kind`` with ``message``'s header would meet among ``expected``
+        (default: what it expects now; None: none)."""
+        expected = self._expected if expected is None else expected
         head = (kind, message.sender, message.round, message.batch_id)
         for key in ((*head, getattr(message, "tag", "")), (*head, None)):
-            if self._expected.get(key):
+            if key in expected and (not isinstance(expected, Mapping) or expected[key]):
                 return key
         return None
+
+    def abandon_expected(self, round: int) -> None:
+        """Stop expecting the answers of round ``round`` (an attempt abandoned): one that comes
+        late is dropped where it arrives (over the network a sum sent after its server answered
+        may come after the abort; refusing it would fail the retry's next wait), never kept in
+        the inbox."""
+        for key in [key for key in self._expected if key[2] == round]:
+            del self._expected[key]
+            self._abandoned_expected.add(key)
 
     def _unasked(self, message: Message) -> ProtocolError:
         tag = getattr(message, "tag", "")
@@ -622,10 +648,12 @@ class SecureSumParty(Party):
 
     def on_abort(self, request: AbortRequest) -> None:
         """Forget what it keeps of the abandoned step ``request.round``: representations held
-        for sealing and answers waiting in its inbox (its retry uses fresh contexts)."""
+        for sealing, answers waiting in its inbox and (the driver) the answers it expected
+        (:meth:`abandon_expected`; its retry uses a fresh batch id)."""
         for key in [key for key in self._held if key[0] == request.round]:
             del self._held[key]
         self._inbox = [m for m in self._inbox if m.round != request.round]
+        self.abandon_expected(request.round)
 
     def _release_exposed(
         self, held: RepresentationMessage, exposed: Tensor
