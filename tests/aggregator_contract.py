@@ -40,6 +40,7 @@ from secure_vfl.federation.parties import (
     make_aggregation_server,
     ticket_issuer,
 )
+from secure_vfl.federation.tickets import Contribution
 
 M = TypeVar("M", bound=Message)
 
@@ -116,7 +117,7 @@ class SumDriver(SecureSumParty):
         """The ticket of the contribution ``message`` is (a representation to the aggregator)
         or asks for (a seal request)."""
         sealing = isinstance(message, SealRequest)
-        return self.tickets.mint(
+        named = Contribution(
             session=message.session,
             contributor=message.receiver if sealing else message.sender,
             round=message.round,
@@ -125,6 +126,7 @@ class SumDriver(SecureSumParty):
             tag=message.tag,
             deliver_to=message.deliver_to if isinstance(message, SealRequest) else "",
         )
+        return self.tickets.mint(named)
 
     def send_all(self, messages: Sequence[Message]) -> None:
         messages = [

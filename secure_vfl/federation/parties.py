@@ -78,7 +78,7 @@ from secure_vfl.federation.messages import (
     UpdateRequest,
 )
 from secure_vfl.federation.parts import ClassValue
-from secure_vfl.federation.tickets import TicketCheck, TicketIssuer
+from secure_vfl.federation.tickets import Contribution, TicketCheck, TicketIssuer
 from secure_vfl.registry import Registry
 
 if TYPE_CHECKING:
@@ -1244,18 +1244,17 @@ class AggregationServer(Party):
         """Check ``message``'s ticket, and that its batch is neither past nor abandoned; move to
         its batch (the driver asked for it: only a ticket says so)."""
         sealed = isinstance(message, SealedMessage)
-        self._tickets.check(
-            by=self.name,
-            what="sealed share" if sealed else "representation",
+        contribution = Contribution(
             session=message.session,
             contributor=message.sender,
             round=message.round,
             batch_id=message.batch_id,
             phase=message.phase,
             tag=message.tag,
-            given=message.ticket,
             deliver_to=message.deliver_to if isinstance(message, SealedMessage) else "",
         )
+        what = "sealed share" if sealed else "representation"
+        self._tickets.check(contribution, message.ticket, by=self.name, what=what)
         batch = (message.round, message.batch_id, message.phase)
         if batch in self._abandoned:
             raise ProtocolError(

@@ -21,11 +21,11 @@ import hmac
 import json
 import secrets
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from secure_vfl.errors import ProtocolError
 
 TICKET_KEY_BYTES = 32
-TICKET_BYTES = 32  # an HMAC-SHA256
 
 
 def new_ticket_key() -> bytes:
@@ -34,21 +34,39 @@ def new_ticket_key() -> bytes:
     return secrets.token_bytes(TICKET_KEY_BYTES)
 
 
-def ticket(
-    key: bytes,
-    *,
-    session: str,
-    contributor: str,
-    round: int,
-    batch_id: int,
-    phase: str,
-    tag: str,
-    deliver_to: str = "",
-) -> bytes:
-    """The ticket of one contribution: what names it, in one canonical encoding (a JSON list),
-    authenticated under ``key``."""
-    named = [session, contributor, round, batch_id, phase, tag, deliver_to]
-    return hmac.digest(key, json.dumps(named, separators=(",", ":")).encode("utf-8"), "sha256")
+@dataclass(frozen=True, kw_only=True)
+class Contribution:
+    """What names one contribution to the aggregation server: its session, its contributor,
+    round, batch, phase and tag, and whom its sum is for (a sealed share's receiver; ``""``
+    for a representation, summed for whoever a sum request names)."""
+
+    session: str
+    contributor: str
+    round: int
+    batch_id: int
+    phase: str
+    tag: str
+    deliver_to: str = ""
+
+    def ticket(self, key: bytes) -> bytes:
+        """Its ticket under ``key``: what names it, in one canonical encoding (a JSON list),
+        authenticated by HMAC-SHA256."""
+        named = [
+            self.session,
+            self.contributor,
+            self.round,
+            self.batch_id,
+            self.phase,
+            self.tag,
+            self.deliver_to,
+        ]
+        return hmac.digest(key, json.dumps(named, separators=(",", ":")).encode("utf-8"), "sha256")
+
+    def __str__(self) -> str:
+        return (
+            f"from {self.contributor} for round {self.round}, batch {self.batch_id} "
+            f"({self.phase}), tag {self.tag!r}"
+        )
 
 
 class TicketCheck:
@@ -69,49 +87,25 @@ class TicketCheck:
             )
         self._session, self._key = session, bytes(key)
 
-    def check(
-        self,
-        *,
-        by: str,
-        what: str,
-        session: str,
-        contributor: str,
-        round: int,
-        batch_id: int,
-        phase: str,
-        tag: str,
-        given: bytes,
-        deliver_to: str = "",
-    ) -> None:
-        """Refuse (ProtocolError) a contribution whose ticket is not the one the driver gave
-        for exactly it: unasked, or asked of another party, round, batch, phase or sum."""
-        named = (
-            f"{what} from {contributor} for round {round}, batch {batch_id} ({phase}), tag {tag!r}"
-        )
+    def check(self, contribution: Contribution, given: bytes, *, by: str, what: str) -> None:
+        """Refuse (ProtocolError) a ``what`` (a representation, a sealed share) whose ticket
+        ``given`` is not the one the driver gave for exactly ``contribution``: unasked, or asked
+        of another party, round, batch, phase or sum."""
         if not self._key:
             raise ProtocolError(
-                f"{by}: a {named} before the driver's ticket key: nothing was asked for yet."
+                f"{by}: a {what} {contribution} before the driver's ticket key: nothing was "
+                "asked for yet."
             )
-        if session != self._session:
+        if contribution.session != self._session:
             raise ProtocolError(
-                f"{by}: a {named} of session {session!r}; the driver's session is "
-                f"{self._session!r}."
+                f"{by}: a {what} {contribution} of session {contribution.session!r}; the "
+                f"driver's session is {self._session!r}."
             )
-        expected = ticket(
-            self._key,
-            session=session,
-            contributor=contributor,
-            round=round,
-            batch_id=batch_id,
-            phase=phase,
-            tag=tag,
-            deliver_to=deliver_to,
-        )
-        if not hmac.compare_digest(expected, given):
+        if not hmac.compare_digest(contribution.ticket(self._key), given):
             raise ProtocolError(
-                f"{by}: a {named} that the driver did not ask for (its ticket is not the "
-                "driver's for it: unasked, or asked of another party, round, batch or sum?); "
-                "it is not kept."
+                f"{by}: a {what} {contribution} that the driver did not ask for (its ticket is "
+                "not the driver's for it: unasked, or asked of another party, round, batch or "
+                "sum?); it is not kept."
             )
 
 
@@ -125,29 +119,10 @@ class TicketIssuer:
         self._session: str | None = None  # none yet
         self._key = b""
 
-    def mint(
-        self,
-        *,
-        session: str,
-        contributor: str,
-        round: int,
-        batch_id: int,
-        phase: str,
-        tag: str,
-        deliver_to: str = "",
-    ) -> bytes:
-        """The ticket of one contribution the driver asks for (:func:`ticket`)."""
-        if session != self._session:
+    def mint(self, contribution: Contribution) -> bytes:
+        """The ticket of a contribution the driver asks for."""
+        if contribution.session != self._session:
             key = new_ticket_key()
-            self._send_key(session, key)  # the server learns it before any ticket is used
-            self._session, self._key = session, key
-        return ticket(
-            self._key,
-            session=session,
-            contributor=contributor,
-            round=round,
-            batch_id=batch_id,
-            phase=phase,
-            tag=tag,
-            deliver_to=deliver_to,
-        )
+            self._send_key(contribution.session, key)  # the server learns it before any ticket
+            self._session, self._key = contribution.session, key
+        return contribution.ticket(self._key)

@@ -54,7 +54,7 @@ from secure_vfl.federation.parties import (
     ticket_issuer,
 )
 from secure_vfl.federation.parts import ClassValue
-from secure_vfl.federation.tickets import TicketIssuer
+from secure_vfl.federation.tickets import Contribution, TicketIssuer
 from secure_vfl.models.networks import make_bottom
 from secure_vfl.models.simsiam import pretrain_simsiam
 from secure_vfl.registry import Registry
@@ -385,7 +385,7 @@ class Federation:
         deliver_to: str = "",
     ) -> bytes:
         """The ticket of the contribution it asks ``contributor`` for, in this session."""
-        return self.tickets.mint(
+        named = Contribution(
             session=self.session,
             contributor=contributor,
             round=round,
@@ -394,6 +394,7 @@ class Federation:
             tag=tag,
             deliver_to=deliver_to,
         )
+        return self.tickets.mint(named)
 
     def live(self, names: Sequence[str] | None = None) -> list[str]:
         """``names`` (default: every data party) less those dropped."""

@@ -50,7 +50,7 @@ from secure_vfl.federation.parties import (
     make_aggregation_server,
     ticket_issuer,
 )
-from secure_vfl.federation.tickets import TicketIssuer
+from secure_vfl.federation.tickets import Contribution, TicketIssuer
 from secure_vfl.methods.base import REJOINED
 from secure_vfl.methods.imputation.clients import ImputationClient, TrainingPlan
 from secure_vfl.methods.imputation.evaluation import ScoredErrors
@@ -136,7 +136,7 @@ class ImputationFederation:
 
     def _ticket(self, name: str, round: int, tag: str, *, deliver_to: str = "") -> bytes:
         """The ticket of the contribution to the sum ``tag`` it asks client ``name`` for."""
-        return self.tickets.mint(
+        named = Contribution(
             session=self.session,
             contributor=name,
             round=round,
@@ -145,6 +145,7 @@ class ImputationFederation:
             tag=tag,
             deliver_to=deliver_to,
         )
+        return self.tickets.mint(named)
 
     @property
     def clients(self) -> int:
