@@ -118,6 +118,7 @@ class SumDriver(SecureSumParty):
         or asks for (a seal request)."""
         sealing = isinstance(message, SealRequest)
         named = Contribution(
+            kind="sealed" if sealing else "representation",
             session=message.session,
             contributor=message.receiver if sealing else message.sender,
             round=message.round,

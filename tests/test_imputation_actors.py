@@ -32,6 +32,7 @@ from secure_vfl.federation.messages import (
     ScoreMessage,
     ScoreRequest,
     SealedMessage,
+    SealRequest,
     SumMessage,
 )
 from secure_vfl.federation.parties import ROLES, AggregationServer
@@ -214,6 +215,10 @@ def test_nothing_but_sealed_shares_reach_the_aggregator(backend: str) -> None:
     kinds = set(recorder.kinds())
     assert {"sealed", "sealed-sum", "seal-request"} <= kinds
     assert not kinds & {"representation", "sum"}, "a contribution or a sum crossed in the clear"
+    # What a client holds until it seals gets no ticket; its seal request's does.
+    for message in recorder.messages:
+        if isinstance(message, ComputeRequest | SealRequest):
+            assert len(message.ticket) == (32 if isinstance(message, SealRequest) else 0)
     for message in recorder.messages:
         if message.receiver == AGGREGATOR:
             allowed = (

@@ -6,6 +6,7 @@ test_deploy.py restart a real one)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ from secure_vfl.methods.base import (
     install_halves,
     lost_parties,
     split_tensors,
+    training_sampler,
 )
 from secure_vfl.methods.laser import MeanFusionMethod
 
@@ -283,3 +285,46 @@ def test_a_key_from_before_the_rejoin_is_refused_as_a_replay(make_data: MakeData
     # Training after the rejoin still opens every sum: the peers kept the new key.
     for name in data.tests:
         assert (method.predict(name) >= 0).any(axis=1).all()
+
+
+class _SecondLoss(FlakyChannel):
+    """A :class:`FlakyChannel` that also loses ``party-3`` at the closing gradient of round
+    ``closing``, which the driver holds back to go with its next send."""
+
+    def __init__(self, *args: Any, closing: int) -> None:
+        super().__init__(*args)
+        self.closing = closing
+        self.second_alive = True
+
+    def post(self, message: Message, *, sender: Party) -> None:
+        if message.receiver == "party-3":
+            if message.kind == "gradient" and message.round == self.closing:
+                self.second_alive = False
+            if not self.second_alive:
+                raise TransportError(f"{message.kind} to party-3: its process is gone")
+        super().post(message, sender=sender)
+
+    def unreachable(self, names: list[str]) -> list[str]:  # type: ignore[override]
+        lost = [] if self.second_alive else ["party-3"]
+        return [*super().unreachable(names), *[name for name in names if name in lost]]
+
+
+def test_a_party_lost_with_the_new_sessions_ticket_key_is_dropped_and_the_run_goes_on(
+    make_data: MakeData,
+) -> None:
+    """party-2 rejoins at the second epoch, which opens a new session; under plain sums the
+    session's ticket key is the driver's first send after it, and goes with the closing
+    gradients held back from the epoch's last step. party-3 is gone at its gradient: the send
+    fails though the aggregator took the key. The driver dropped party-3 and retried the
+    step, which sent the key again: the aggregator refused a second key of the session, and
+    the run stopped. The key is the session's once sent, so the run goes on without party-3."""
+    data = make_data(train_missing="mcar:0.2")
+    config = dataclasses.replace(FAST, epochs=2, heads="active")
+    steps = len(training_sampler("laser", data, config, SEED))
+    channel = _SecondLoss("represent-request", (1,), (1,), closing=steps - 1)
+    readmission(channel, data, config)
+    method = _train(data, config, channel)
+    assert [fault["party"] for fault in method.fed.faults] == [LOST, LOST, "party-3"]
+    assert [fault["what"] for fault in method.fed.faults][1] == "rejoined"
+    keys = [m for m in channel.posted if m.kind == "ticket-key"]
+    assert len(keys) == 2 and len({m.session for m in keys}) == 2  # one per session

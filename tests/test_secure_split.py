@@ -244,6 +244,7 @@ def test_a_replayed_seal_request_or_sealed_share_is_refused(make_data: MakeData)
     with pytest.raises(ProtocolError, match="that the driver did not ask for"):
         server.receive(fresh)
     ticket = method.fed.ticket(
+        "sealed",
         share.sender,
         round=share.round,
         batch_id=share.batch_id,

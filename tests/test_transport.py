@@ -458,7 +458,7 @@ def test_a_replayed_request_or_gradient_is_refused_and_changes_nothing(make_data
         rows=rows,
         positions=rows,
         reply_to="aggregator",
-        ticket=fed.ticket("party-1", round=5, batch_id=0, phase="train", tag=""),
+        ticket=fed.ticket("representation", "party-1", round=5, batch_id=0, phase="train", tag=""),
     )
     own = method.fed.own
     own.send(request)
@@ -515,14 +515,18 @@ def test_a_contribution_for_a_past_batch_is_refused_and_changes_nothing(
             rows=rows,
             positions=rows,
             reply_to="aggregator",
-            ticket=fed.ticket("party-1", round=2, batch_id=0, phase="train", tag=""),
+            ticket=fed.ticket(
+                "representation", "party-1", round=2, batch_id=0, phase="train", tag=""
+            ),
         )
     )
     before = _state(method.fed.channel)
     assert ("", ["party-1"]) in before  # what the stale contribution must not reset
     stale = old
     if tag is not None:  # with the driver's ticket for that tag: no other check refuses it
-        ticket = fed.ticket(old.sender, round=old.round, batch_id=0, phase="train", tag=tag)
+        ticket = fed.ticket(
+            "representation", old.sender, round=old.round, batch_id=0, phase="train", tag=tag
+        )
         stale = dataclasses.replace(old, tag=tag, ticket=ticket)
     with pytest.raises(
         ProtocolError,

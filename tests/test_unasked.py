@@ -20,8 +20,15 @@ from conftest import MakeData
 from test_replays import CASES, _trains_as_its_twin, twins
 
 from secure_vfl.errors import ProtocolError
-from secure_vfl.federation.messages import AGGREGATOR, DRIVEN_KINDS, Message
+from secure_vfl.federation.messages import (
+    AGGREGATOR,
+    DRIVEN_KINDS,
+    Message,
+    RepresentRequest,
+    SealRequest,
+)
 from secure_vfl.federation.parties import Party
+from secure_vfl.federation.tickets import Contribution, TicketCheck, new_ticket_key
 
 
 def _unasked(message: Message, names: list[str]) -> Iterator[tuple[str, Message]]:
@@ -131,3 +138,33 @@ def test_a_contribution_for_the_next_round_sent_mid_batch_leaves_the_batch_alone
     assert len(sidestep.refusals) == 1
     assert sidestep.refusals[0].startswith("aggregator: ")
     assert "that the driver did not ask for" in sidestep.refusals[0]
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_ticket_is_for_one_kind_of_contribution_and_a_held_one_gets_none(
+    make_data: MakeData,
+) -> None:
+    """Under a secure sum a representation for the aggregator is held and sealed later: its
+    request carried a ticket all the same, which its contributor could put on a sealed share
+    the driver never asked for (a helper's review: kept, unused). Now only what is sent gets a
+    ticket, and a ticket names the kind of contribution it is for."""
+    _, _, recorder, _ = twins(make_data, "laser", "masks", "active")
+    asked = [m for m in recorder.messages if isinstance(m, RepresentRequest)]
+    sealing = [m for m in recorder.messages if isinstance(m, SealRequest)]
+    assert asked and all(m.reply_to == AGGREGATOR and m.ticket == b"" for m in asked)
+    assert sealing and all(len(m.ticket) == 32 for m in sealing)
+    key, check = new_ticket_key(), TicketCheck()
+    check.learn("s", key, by="aggregator")
+    named = Contribution(
+        kind="representation",
+        session="s",
+        contributor="party-1",
+        round=3,
+        batch_id=0,
+        phase="train",
+        tag="t",
+    )
+    check.check(named, named.ticket(key), by="aggregator")
+    as_sealed = dataclasses.replace(named, kind="sealed")
+    with pytest.raises(ProtocolError, match=r"a sealed share from party-1 .* did not ask for"):
+        check.check(as_sealed, named.ticket(key), by="aggregator")

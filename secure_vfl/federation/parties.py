@@ -1243,8 +1243,8 @@ class AggregationServer(Party):
     def _enter_batch(self, message: SealedMessage | RepresentationMessage) -> None:
         """Check ``message``'s ticket, and that its batch is neither past nor abandoned; move to
         its batch (the driver asked for it: only a ticket says so)."""
-        sealed = isinstance(message, SealedMessage)
         contribution = Contribution(
+            kind=message.kind,
             session=message.session,
             contributor=message.sender,
             round=message.round,
@@ -1253,8 +1253,7 @@ class AggregationServer(Party):
             tag=message.tag,
             deliver_to=message.deliver_to if isinstance(message, SealedMessage) else "",
         )
-        what = "sealed share" if sealed else "representation"
-        self._tickets.check(contribution, message.ticket, by=self.name, what=what)
+        self._tickets.check(contribution, message.ticket, by=self.name)
         batch = (message.round, message.batch_id, message.phase)
         if batch in self._abandoned:
             raise ProtocolError(

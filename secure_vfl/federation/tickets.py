@@ -36,10 +36,12 @@ def new_ticket_key() -> bytes:
 
 @dataclass(frozen=True, kw_only=True)
 class Contribution:
-    """What names one contribution to the aggregation server: its session, its contributor,
-    round, batch, phase and tag, and whom its sum is for (a sealed share's receiver; ``""``
-    for a representation, summed for whoever a sum request names)."""
+    """What names one contribution to the aggregation server: its ``kind`` (a
+    ``representation`` in the clear or a ``sealed`` share), session, contributor, round, batch,
+    phase and tag, and whom its sum is for (a sealed share's receiver; ``""`` for a
+    representation, summed for whoever a sum request names)."""
 
+    kind: str
     session: str
     contributor: str
     round: int
@@ -52,6 +54,7 @@ class Contribution:
         """Its ticket under ``key``: what names it, in one canonical encoding (a JSON list),
         authenticated by HMAC-SHA256."""
         named = [
+            self.kind,
             self.session,
             self.contributor,
             self.round,
@@ -87,10 +90,11 @@ class TicketCheck:
             )
         self._session, self._key = session, bytes(key)
 
-    def check(self, contribution: Contribution, given: bytes, *, by: str, what: str) -> None:
-        """Refuse (ProtocolError) a ``what`` (a representation, a sealed share) whose ticket
-        ``given`` is not the one the driver gave for exactly ``contribution``: unasked, or asked
-        of another party, round, batch, phase or sum."""
+    def check(self, contribution: Contribution, given: bytes, *, by: str) -> None:
+        """Refuse (ProtocolError) a contribution whose ticket ``given`` is not the one the
+        driver gave for exactly ``contribution``: unasked, or asked of another party, round,
+        batch, phase or sum, or as the other kind."""
+        what = "sealed share" if contribution.kind == "sealed" else contribution.kind
         if not self._key:
             raise ProtocolError(
                 f"{by}: a {what} {contribution} before the driver's ticket key: nothing was "
@@ -111,8 +115,10 @@ class TicketCheck:
 
 class TicketIssuer:
     """The driver's side: one key per session, handed to ``send_key`` (which sends it to the
-    aggregation server and returns once the server has it) by the first ticket of the session,
-    before the request that carries the ticket goes out."""
+    aggregation server) by the first ticket of the session, before the request that carries the
+    ticket goes out. The key is the session's from then on, even if ``send_key`` fails: the
+    server may have it all the same (the send fails for another receiver of what went with it),
+    and a second key of one session is refused."""
 
     def __init__(self, send_key: Callable[[str, bytes], None]) -> None:
         self._send_key = send_key
@@ -122,7 +128,6 @@ class TicketIssuer:
     def mint(self, contribution: Contribution) -> bytes:
         """The ticket of a contribution the driver asks for."""
         if contribution.session != self._session:
-            key = new_ticket_key()
-            self._send_key(contribution.session, key)  # the server learns it before any ticket
-            self._session, self._key = contribution.session, key
+            self._session, self._key = contribution.session, new_ticket_key()
+            self._send_key(self._session, self._key)  # the server learns it before any ticket
         return contribution.ticket(self._key)

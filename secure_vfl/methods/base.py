@@ -376,6 +376,7 @@ class Federation:
 
     def ticket(
         self,
+        kind: str,
         contributor: str,
         *,
         round: int,
@@ -384,8 +385,10 @@ class Federation:
         tag: str,
         deliver_to: str = "",
     ) -> bytes:
-        """The ticket of the contribution it asks ``contributor`` for, in this session."""
+        """The ticket of the contribution (``kind``: ``representation`` or ``sealed``) it asks
+        ``contributor`` for, in this session."""
         named = Contribution(
+            kind=kind,
             session=self.session,
             contributor=contributor,
             round=round,
@@ -676,8 +679,10 @@ class Federation:
             if positions.numel() == 0:
                 continue
             ticket = b""
-            if reply_to == AGGREGATOR:
-                ticket = self.ticket(name, round=round, batch_id=batch_id, phase=phase, tag=tag)
+            if reply_to == AGGREGATOR and not self.scheme:  # (under a scheme: held, sealed)
+                ticket = self.ticket(
+                    "representation", name, round=round, batch_id=batch_id, phase=phase, tag=tag
+                )
             requests.append(
                 RepresentRequest(
                     **self.header(name, round, batch_id),
@@ -753,6 +758,7 @@ class Federation:
                 **self.header(name, round, batch_id),
                 **plan,
                 ticket=self.ticket(
+                    "sealed",
                     name,
                     round=round,
                     batch_id=batch_id,

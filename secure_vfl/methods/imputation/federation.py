@@ -134,9 +134,11 @@ class ImputationFederation:
         self.roster = self.roster or tuple(self.names)
         self.tickets = ticket_issuer(self.own)
 
-    def _ticket(self, name: str, round: int, tag: str, *, deliver_to: str = "") -> bytes:
-        """The ticket of the contribution to the sum ``tag`` it asks client ``name`` for."""
+    def _ticket(self, kind: str, name: str, round: int, tag: str, *, deliver_to: str = "") -> bytes:
+        """The ticket of the contribution (``kind``: ``representation`` or ``sealed``) to the
+        sum ``tag`` it asks client ``name`` for."""
         named = Contribution(
+            kind=kind,
             session=self.session,
             contributor=name,
             round=round,
@@ -294,7 +296,8 @@ class ImputationFederation:
                     computation=computation,
                     arguments=values,
                     tag=tag,
-                    ticket=self._ticket(name, round, tag),
+                    # Under a scheme the row is held until sealed: the seal request has a ticket.
+                    ticket=b"" if self.scheme else self._ticket("representation", name, round, tag),
                 )
             )
         selection = torch.ones(1, 1, len(parties), dtype=torch.bool)
@@ -309,7 +312,7 @@ class ImputationFederation:
             "source_tag": tag,
         }
         for name in sealers:
-            ticket = self._ticket(name, round, tag, deliver_to=self.own.name)
+            ticket = self._ticket("sealed", name, round, tag, deliver_to=self.own.name)
             self.own.send(SealRequest(**self._header(name, round), **plan, ticket=ticket))
         self.own.send(SumRequest(**self._header(AGGREGATOR, round), **plan))
         summed = cast(
