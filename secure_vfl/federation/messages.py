@@ -347,8 +347,9 @@ class RepresentRequest(Message):
     graph for the gradient that will come back under ``tag``, from the driver or from the
     parties ``gradients_from`` (the holders of the heads that train on it). (``phase`` prices
     the release; ``backward=False`` serves training rows to a step that sends no gradient
-    back.) With ``reply_to`` the aggregator it carries the ``ticket`` the representation
-    carries there (:mod:`~secure_vfl.federation.tickets`)."""
+    back.) With ``reply_to`` the aggregator, under plain sums, it carries the ``ticket`` the
+    representation carries there (:mod:`~secure_vfl.federation.tickets`; under a secure sum
+    the representation is held for sealing and the seal request carries one)."""
 
     split: str
     rows: Tensor
@@ -679,7 +680,7 @@ class ComputeRequest(Message):
     federation's row count) and to contribute the resulting vector to the sum ``tag`` of this
     round: a one-row representation sent to the aggregator in the clear under a plain sum, kept
     until a :class:`SealRequest` under a secure one; ``ticket``: the one-row representation's
-    (:mod:`~secure_vfl.federation.tickets`)."""
+    under a plain sum (:mod:`~secure_vfl.federation.tickets`)."""
 
     computation: str
     arguments: Tensor

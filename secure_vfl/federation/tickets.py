@@ -5,10 +5,12 @@ The driver asks each contributor for its representation or sealed share, and sen
 the request for the sum, at once (a step waits once, :meth:`~secure_vfl.federation.parties.
 Party.send_all`). So a share may reach the server before the request that says who contributes
 to which sum, and the server could not refuse a share sent unasked: from a party the driver did
-not ask, or for another round, batch or sum. Instead each request for a contribution carries a
-ticket, an HMAC-SHA256 under a key the driver sends the server once per session
-(:class:`~secure_vfl.federation.messages.TicketKeyMessage`) of everything that names the
-contribution: the session, the contributor, round, batch, phase, tag and whom the sum is for.
+not ask, or for another round, batch or sum. Instead each request for a contribution that its
+contributor sends as it is (a representation under plain sums, a sealed share under a secure
+one: a representation held for sealing gets none) carries a ticket, an HMAC-SHA256 under a key
+the driver sends the server once per session (:class:`~secure_vfl.federation.messages.
+TicketKeyMessage`) of everything that names the contribution: its kind, session, contributor,
+round, batch, phase, tag and whom the sum is for.
 The contributor copies the ticket into its contribution, and the server recomputes it. A
 contributor learns only the tickets of its own contributions, so it cannot make one for another
 party, round or sum; the key never reaches a contributor. The key protects no data: it says only
