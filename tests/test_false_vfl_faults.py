@@ -6,6 +6,7 @@ attempt. The process test in test_deploy.py kills a real party."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import numpy as np
 import pytest
@@ -16,9 +17,15 @@ from test_rejoin import FlakyChannel
 
 from protocols.secagg import MaskingAggregator
 from secure_vfl.data.vertical import VerticalData
+from secure_vfl.errors import ProtocolError
 from secure_vfl.federation.aggregator import SumBackend
 from secure_vfl.federation.channel import Channel
-from secure_vfl.federation.messages import AGGREGATOR, AbortRequest, RepresentRequest
+from secure_vfl.federation.messages import (
+    AGGREGATOR,
+    AbortRequest,
+    RepresentRequest,
+    SealedSumMessage,
+)
 from secure_vfl.methods import MethodConfig
 from secure_vfl.methods.base import REJOINED, in_process_parties, lost_parties, split_tensors
 from secure_vfl.methods.false_vfl import (
@@ -247,3 +254,41 @@ def test_a_party_lost_in_stage_two_is_not_probed(make_data: MakeData) -> None:
     method.fit()
     assert readmitted == [] and channel.probes == 0
     assert lost_parties(method.fed.faults) == [LOST]
+
+
+def test_under_masks_a_late_sealed_sum_of_the_abandoned_attempt_is_dropped(
+    make_data: MakeData, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The label party expects its posterior's sum, sealed under masks. A late one of the
+    attempt abandoned for a lost party was refused before its key did any work (a plain one was
+    dropped, as every late reply the driver expected); now it is dropped too, unopened, and a
+    sealed sum for another tag of that round is still refused."""
+    data = make_data(train_missing="mcar:0.2")
+    channel = LosingChannel("seal-request", step=STEP)
+    config = dataclasses.replace(CONFIG, secure_sums=True)
+    method = _method(data, channel, config=config, aggregator=MaskingAggregator())
+    method.fit()
+    label = method.label_party
+    [key] = [key for key in label._abandoned_expected if key[0] == "sum"]
+    _, _, round, batch_id, tag = key
+    names = tuple(method.fed.names)
+    late = SealedSumMessage(
+        sender=AGGREGATOR,
+        receiver=label.name,
+        round=round,
+        batch_id=batch_id,
+        session=method.fed.session,
+        scheme="masks",
+        tag=tag or "",
+        width=4,
+        selection=torch.ones(1, 3, len(names), dtype=torch.bool),
+        parties=names,
+        payload=(b"\0" * 96,),  # never opened: no key does any work on it
+    )
+    inbox = list(label._inbox)
+    with caplog.at_level(logging.INFO, logger="secure_vfl.federation.parties"):
+        label.receive(late)
+    assert label._inbox == inbox
+    assert "a late sealed-sum from aggregator of the abandoned attempt" in caplog.text
+    with pytest.raises(ProtocolError, match="that it did not ask for"):
+        label.receive(dataclasses.replace(late, tag="another"))

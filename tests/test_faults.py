@@ -16,7 +16,13 @@ from protocols.secagg import MaskingAggregator
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ProtocolError, TransportError
 from secure_vfl.federation.channel import Channel
-from secure_vfl.federation.messages import AGGREGATOR, LossMessage, Message, SealRequest
+from secure_vfl.federation.messages import (
+    AGGREGATOR,
+    LossMessage,
+    Message,
+    SealRequest,
+    TicketKeyMessage,
+)
 from secure_vfl.federation.parties import Party
 from secure_vfl.methods import METHODS, MethodConfig
 from secure_vfl.methods.base import in_process_parties
@@ -377,3 +383,41 @@ def test_a_late_reply_of_the_abandoned_attempt_is_dropped_by_the_driver(
     assert "a late loss from party-2 of the abandoned attempt" in caplog.text
     with pytest.raises(ProtocolError, match="that it did not ask for"):
         label.receive(dataclasses.replace(late, tag="another"))
+
+
+class _KeyLost(Channel):
+    """The first ticket key never reaches the aggregation server (its delivery fails, the
+    server still reachable), and ``LOST`` is found gone at the same time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys: list[Message] = []
+        self.lost = False
+
+    def post(self, message: Message, *, sender: Party) -> None:
+        if message.kind == "ticket-key":
+            self.keys.append(message)
+            if len(self.keys) == 1:
+                self.lost = True
+                raise TransportError("ticket-key to aggregator: connection reset")
+        if self.lost and message.receiver == LOST:
+            raise TransportError(f"{message.kind} to {LOST}: its process is gone")
+        super().post(message, sender=sender)
+
+    def unreachable(self, names: list[str]) -> list[str]:  # type: ignore[override]
+        return [name for name in names if self.lost and name == LOST]
+
+
+def test_a_ticket_key_that_did_not_arrive_is_sent_again_with_the_retry(
+    make_data: MakeData,
+) -> None:
+    """The session's ticket key was taken as sent once its send was tried: when the send
+    failed and a party was found lost with it, the step's retry asked for contributions under
+    a key the aggregator never had, and every one was refused ("before the driver's ticket
+    key"). Until a send of the key returns, the key goes again (the same key, a new message)."""
+    data = make_data(train_missing="mcar:0.2")
+    channel = _KeyLost()
+    method = _train(data, dataclasses.replace(FAST, epochs=1, heads="all"), channel)
+    assert [fault["party"] for fault in method.fed.faults] == [LOST]
+    assert [m.batch_id for m in channel.keys] == [0, 1]
+    assert len({(m.session, m.key) for m in channel.keys if isinstance(m, TicketKeyMessage)}) == 1

@@ -16,7 +16,7 @@ from protocols.secagg import MaskingAggregator
 from secure_vfl.errors import ProtocolError, TransportError
 from secure_vfl.federation.aggregator import PlainAggregator, SealingScheme, SumBackend
 from secure_vfl.federation.channel import Channel
-from secure_vfl.federation.messages import AGGREGATOR, Message
+from secure_vfl.federation.messages import AGGREGATOR, Message, SealedSumMessage
 from secure_vfl.federation.parties import Party
 from secure_vfl.methods.imputation import IMPUTERS, ImputeConfig
 from secure_vfl.methods.imputation.clients import ImputationClient, flat_parameters
@@ -272,3 +272,32 @@ def test_scores_keep_each_clients_own_draws_after_a_loss() -> None:
     seeds = [m.seed for m in channel.posted if m.kind == "score-request"]
     assert seeds == [score_seed(0, k) for k in (1, 2, 3)]
     assert imputer.federation.faults[0]["party"] == "client-0"
+
+
+def test_the_coordinator_stops_expecting_the_abandoned_rounds_sum() -> None:
+    """A client lost at its seal request: the coordinator retries the round under a fresh
+    batch id. It kept expecting the abandoned attempt's sum (a late one would have waited in
+    its inbox for good); now it drops a late one and expects nothing of that attempt."""
+    round = _message_round(ROUND)
+    channel = LosingClient("client-1", "seal-request", round)
+    imputer, _, _ = _fit(channel, MaskingAggregator())
+    coordinator = imputer.federation.own
+    assert [fault["party"] for fault in imputer.federation.faults] == ["client-1"]
+    assert not [key for key in coordinator._expected if key[2] == round]
+    [key] = [key for key in coordinator._abandoned_expected if key[0] == "sum"]
+    late = SealedSumMessage(
+        sender=AGGREGATOR,
+        receiver=coordinator.name,
+        round=key[2],
+        batch_id=key[3],
+        session=imputer.federation.session,
+        scheme="masks",
+        tag=key[4] or "",
+        width=4,
+        selection=torch.ones(1, 1, 3, dtype=torch.bool),
+        parties=("client-0", "client-2", "client-3"),
+        payload=(b"\0" * 32,),  # never opened: no key does any work on it
+    )
+    inbox = list(coordinator._inbox)
+    coordinator.receive(late)
+    assert coordinator._inbox == inbox

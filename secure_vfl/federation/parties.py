@@ -377,20 +377,13 @@ class Party:
             self._expected[key] = self._expected.get(key, 0) + 1
 
     def keep(self, message: Message) -> None:
-        """Keep ``message`` in the inbox for :meth:`take` if this party expects it; else
-        refuse it (ProtocolError) before anything changes: a reply nobody asked for, for
-        another round or batch, or from another party than the one asked, would wait there
-        for good."""
+        """Keep ``message`` in the inbox for :meth:`take` if this party expects it; drop it if
+        it expected it of an attempt abandoned since (:meth:`abandon_expected`); else refuse it
+        (ProtocolError) before anything changes: a reply nobody asked for, for another round or
+        batch, or from another party than the one asked, would wait there for good."""
         key = self._expectation(message.kind, message)
         if key is None:
-            if self._expectation(message.kind, message, self._abandoned_expected) is not None:
-                logger.info(
-                    "%s: a late %s from %s of the abandoned attempt at round %d, dropped",
-                    self.name,
-                    message.kind,
-                    message.sender,
-                    message.round,
-                )
+            if self._late(message.kind, message):
                 return
             raise self._unasked(message)
         count = self._expected[key]
@@ -414,6 +407,20 @@ class Party:
             if key in expected and (not isinstance(expected, Mapping) or expected[key]):
                 return key
         return None
+
+    def _late(self, kind: str, message: Message) -> bool:
+        """Whether ``message`` is a late ``kind`` it expected of an attempt abandoned since (it
+        is then dropped, and logged)."""
+        if self._expectation(kind, message, self._abandoned_expected) is None:
+            return False
+        logger.info(
+            "%s: a late %s from %s of the abandoned attempt at round %d, dropped",
+            self.name,
+            message.kind,
+            message.sender,
+            message.round,
+        )
+        return True
 
     def abandon_expected(self, round: int) -> None:
         """Stop expecting the answers of round ``round`` (an attempt abandoned): one that comes
@@ -678,6 +685,8 @@ class SecureSumParty(Party):
                 "holds no key to open them."
             )
         if not self.owes_sum(message):  # before its key does any work on it
+            if self._late("sum", message):
+                return
             raise self._unasked(message)
         sums = self.opener.open(message.payload, members=sum_members(message), width=message.width)
         self.take_sum(
@@ -1520,13 +1529,13 @@ def ticket_issuer(driver: Party) -> TicketIssuer:
     the aggregation server in a message (:class:`~secure_vfl.federation.messages.
     TicketKeyMessage`) before the first request of the session that carries one."""
 
-    def send_key(session: str, key: bytes) -> None:
+    def send_key(session: str, key: bytes, attempt: int) -> None:
         driver.send(
             TicketKeyMessage(
                 sender=driver.name,
                 receiver=AGGREGATOR,
                 round=0,
-                batch_id=0,
+                batch_id=attempt,  # a send again after one that failed is not a replay
                 session=session,
                 key=key,
             )

@@ -83,12 +83,15 @@ class TicketCheck:
         self._key = b""
 
     def learn(self, session: str, key: bytes, *, by: str) -> None:
-        """Take the driver's key for ``session`` (a new session's replaces the last one's);
-        ProtocolError for a second key of the same session."""
+        """Take the driver's key for ``session`` (a new session's replaces the last one's; the
+        same key again is the driver resending one whose delivery it could not confirm);
+        ProtocolError for another key of the same session."""
         if self._key and session == self._session:
+            if hmac.compare_digest(key, self._key):
+                return
             raise ProtocolError(
-                f"{by}: a second ticket key for session {session!r} (a replay?); one per "
-                "session expected."
+                f"{by}: another ticket key for session {session!r}, which has one; one key "
+                "per session expected."
             )
         self._session, self._key = session, bytes(key)
 
@@ -118,18 +121,25 @@ class TicketCheck:
 class TicketIssuer:
     """The driver's side: one key per session, handed to ``send_key`` (which sends it to the
     aggregation server) by the first ticket of the session, before the request that carries the
-    ticket goes out. The key is the session's from then on, even if ``send_key`` fails: the
-    server may have it all the same (the send fails for another receiver of what went with it),
-    and a second key of one session is refused."""
+    ticket goes out. Until a send of it returns, each ticket sends it again, the same key: a send
+    that failed (for another receiver of what went with it, or for the server) may or may not
+    have reached the server, which takes the same key again. ``send_key(session, key, attempt)``
+    gets the attempt's number (from 0), so that no two sends are the same message."""
 
-    def __init__(self, send_key: Callable[[str, bytes], None]) -> None:
+    def __init__(self, send_key: Callable[[str, bytes, int], None]) -> None:
         self._send_key = send_key
         self._session: str | None = None  # none yet
         self._key = b""
+        self._attempts = 0  # sends of the session's key so far
+        self._confirmed = False
 
     def mint(self, contribution: Contribution) -> bytes:
         """The ticket of a contribution the driver asks for."""
         if contribution.session != self._session:
             self._session, self._key = contribution.session, new_ticket_key()
-            self._send_key(self._session, self._key)  # the server learns it before any ticket
+            self._attempts, self._confirmed = 0, False
+        if not self._confirmed:  # the server learns it before any ticket
+            attempt, self._attempts = self._attempts, self._attempts + 1
+            self._send_key(contribution.session, self._key, attempt)
+            self._confirmed = True
         return contribution.ticket(self._key)

@@ -203,6 +203,7 @@ class ImputationFederation:
             )
         for name in [*self.names, AGGREGATOR]:
             self.own.send(AbortRequest(**self._header(name, round)))
+        self.own.abandon_expected(round)  # a late answer of the attempt is dropped
         self.attempt += 1
 
     def rejoin(
