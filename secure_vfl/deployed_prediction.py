@@ -312,6 +312,7 @@ def predict_deployed(
         else:  # again, now that every party has its halves: their keys meet by messages
             channel = NetworkChannel(endpoint)
             channel.party_names = federation.names
+            channel.absent = frozenset(absent)  # no key set-up with a party not served
             method = rebuild_method(manifest, channel, aggregator=backend, secure_sums=True)
             label = _own_part(channel, part, entry)
         label.hold_rows(PREDICT_SPLIT, table, rows[:, 0], source=str(own or ""))

@@ -298,19 +298,24 @@ def test_a_model_trained_under_masks_predicts_under_masks_where_its_parts_live(
 ) -> None:
     """LASER (heads active) trained under masks predicts with every part where it lives and the
     representations sealed: the aggregation server takes only sealed shares, and the
-    predictions are those of its parts copied into one place (which plan the same sums)."""
+    predictions are those of its parts copied into one place (which plan the same sums). With
+    a party not served it predicts from the others (its key set-up asked the absent party for
+    its keys, and the prediction failed naming a chain of refusals)."""
     flags = ("--method", "laser", "--heads", "active", "--secure-agg", "masks")
     out, models = train_keeping_parts(site, processes, tmp_path, *flags)
     expected = SavedModel.load(copy_parts(out, models, tmp_path / "copied"))
-    capture, written = tmp_path / "aggregator.capture", tmp_path / "p.csv"
-    code = predict_where_parts_live(
-        site, processes, out, models, written, "--secure-agg", "masks",
-        aggregator=["--capture", str(capture)],
-    )  # fmt: skip
-    assert code == 0, processes.log("bank")
-    assert_predicted(written, expected.predict(new_tables(site)), atol=1e-5)
-    kinds = {message.kind for message in read_capture(capture)}
-    assert "sealed" in kinds and "representation" not in kinds, kinds
+    for absent in (None, "insurer"):
+        capture, written = tmp_path / f"aggregator-{absent}.capture", tmp_path / f"{absent}.csv"
+        code = predict_where_parts_live(
+            site, processes, out, models, written, "--secure-agg", "masks", "--wait", "3",
+            absent=absent, aggregator=["--capture", str(capture)],
+        )  # fmt: skip
+        assert code == 0, processes.log("bank")
+        assert_predicted(written, expected.predict(new_tables(site, absent)), atol=1e-5)
+        messages = list(read_capture(capture))
+        kinds = {message.kind for message in messages}
+        assert "sealed" in kinds and "representation" not in kinds, kinds
+        assert absent not in {message.sender for message in messages}
 
 
 def test_a_false_vfl_model_predicts_where_its_parts_live_as_from_its_copied_parts(

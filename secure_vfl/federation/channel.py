@@ -174,6 +174,10 @@ class Channel:
         self.layer_seconds: defaultdict[str, float] = defaultdict(float)
         self.party_names: list[str] | None = None
         """The data parties' names in block order (None: ``party-0``, ``party-1``, ...)."""
+        self.absent: frozenset[str] = frozenset()
+        """Data parties known to be absent from the start (a deployed prediction's parties not
+        served): a federation built on this channel never asks them for anything, its key
+        set-up included."""
         self.readmit: Readmission | None = None
         """How a lost data party that answers again rejoins (None: a lost party never does;
         probing it then costs nothing). See :meth:`~secure_vfl.methods.base.Federation.rejoin`."""

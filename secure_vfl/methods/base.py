@@ -1042,6 +1042,7 @@ def build_federation(
         rng=np.random.default_rng(seed),
         session=secrets.token_hex(8),
     )
+    federation.dropped = [name for name in party_names[1:] if name in channel.absent]
     server = None
     if channel.hosts(AGGREGATOR):
         server = make_aggregation_server(aggregator, roles.get(AGGREGATOR, "aggregation-server"))
