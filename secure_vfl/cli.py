@@ -2011,6 +2011,13 @@ def _checkpoint_plan(
                 f"--resume {args.resume}: the --out of a killed run (or its checkpoints "
                 f"directory) expected; found {found}."
             )
+        finished = Path(args.resume) / "result.json"
+        if finished.exists() and not (Path(args.resume) / CHECKPOINTS_DIR).is_dir():
+            raise ConfigError(
+                f"--resume {args.resume}: it holds a finished run without checkpoints "
+                f"({finished}): nothing to resume. Expected the --out of a killed run (one "
+                "trained with --checkpoint-every N)."
+            )
         resume = find_resume_point(
             args.resume,
             label_party=label_party,
@@ -2877,9 +2884,10 @@ def run_fill(args: argparse.Namespace) -> int:
     for target, done in zip(targets, filled, strict=True):  # every table made: none half-done
         atomic_write(target, done.write_csv, replace=args.overwrite)
     manifest = imputer.manifest
+    clients_held = len(manifest.clients)  # one where a deployed client kept its own part
     print(
-        f"{manifest.method} imputer {manifest.run_id[:12]} ({len(manifest.clients)} clients, "
-        f"{len(manifest.features)} features)"
+        f"{manifest.method} imputer {manifest.run_id[:12]} ({clients_held} "
+        f"client{'s' if clients_held != 1 else ''}, {len(manifest.features)} features)"
     )
     rows = [
         (done.client, str(path), str(done.rows), str(done.filled), str(target))

@@ -177,6 +177,17 @@ def test_a_killed_runs_checkpoints_are_kept_and_a_finished_run_is_not_resumed(
     capsys.readouterr()
     assert main([*argv, "--resume", str(run)]) == 2
     assert "holds a finished run" in capsys.readouterr().err
+    # A finished run without checkpoints (the usual kind) was sent looking for the label
+    # party's checkpoint under a folder that no run writes.
+    plain = tmp_path / "plain"
+    assert main([*RUN, "--epochs", "1", "--out", str(plain)]) == 0
+    capsys.readouterr()
+    resumed = [*RUN, "--epochs", "1", "--resume", str(plain), "--out", str(tmp_path / "more")]
+    assert main(resumed) == 2
+    assert (
+        f"--resume {plain}: it holds a finished run without checkpoints "
+        f"({plain / 'result.json'}): nothing to resume." in capsys.readouterr().err
+    )
     (run / "result.json").unlink()  # what a killed run leaves: its checkpoints, no result
     shutil.rmtree(run / "model")
     steps = written_steps(run / "checkpoints", "party-0")
