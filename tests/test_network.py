@@ -519,6 +519,41 @@ def test_an_address_where_nothing_listens_is_not_blamed_on_certificates(certs: P
     assert "certificate" not in text, text
 
 
+def test_send_all_retries_the_peers_it_cannot_reach_at_once_not_one_after_another(
+    certs: Path,
+) -> None:
+    """A label party starting a run with no peer up waited for each peer's retries in turn (and
+    again for each to end the run): 11 s more than one peer's retries with four of them."""
+    ports = network.free_loopback_ports(3)
+    names = ("shop", "insurer", "aggregator")
+    with PartyEndpoint("bank", identity=_identity(certs, "bank"), retry=FAST_RETRY) as bank:
+        for name, port in zip(names, ports, strict=True):
+            bank.add_peer(name, f"127.0.0.1:{port}")
+        by_channel = {bank._channels[name]: name for name in names}
+        calls: list[str] = []
+        call = bank._call
+
+        def recorded(channel: Any, *args: Any) -> Any:
+            calls.append(by_channel[channel])
+            return call(channel, *args)
+
+        bank._call = recorded  # type: ignore[method-assign]
+        failed: dict[str, ProtocolError] = {}
+        with pytest.raises(TransportError, match="shop at 127.0.0.1"):
+            bank.send_all([_greeting(receiver=name) for name in names], failed=failed)
+    assert sorted(failed) == sorted(names)
+    for name in names:
+        assert isinstance(failed[name], TransportError)
+        assert "(3 attempts over" in str(failed[name]), failed[name]
+    assert sorted(calls) == sorted(names * 3)
+    # Every peer's second attempt went before any third: one after another, shop's third went
+    # before insurer's second.
+    attempts = [calls[: i + 1].count(name) for i, name in enumerate(calls)]
+    assert max(i for i, n in enumerate(attempts) if n == 2) < min(
+        i for i, n in enumerate(attempts) if n == 3
+    ), calls
+
+
 def test_a_plaintext_client_cannot_talk_to_a_tls_server(
     launcher: Launcher, certs: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

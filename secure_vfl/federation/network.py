@@ -937,10 +937,9 @@ class PartyEndpoint:
             for indices in together
         ]
         failures = []
-        for delivery, indices in zip(deliveries, together, strict=True):
-            try:
-                self._complete(delivery)
-            except ProtocolError as error:  # TransportError included
+        outcomes = self._complete_all(deliveries)
+        for error, indices in zip(outcomes, together, strict=True):
+            if error is not None:  # TransportError included
                 failures.append(error)
                 if failed is not None:
                     failed[messages[indices[0]].receiver] = error
@@ -1001,36 +1000,85 @@ class PartyEndpoint:
         return delivery
 
     def _complete(self, delivery: _Delivery) -> None:
-        """Wait for ``delivery`` (acting on what arrives), retrying it on UNAVAILABLE within its
-        deadline, until the peer has acted on it; else raise the failure."""
-        message, data = delivery.messages[0], delivery.data
-        backoffs = self.retry.backoffs()
+        """Wait for ``delivery`` as :meth:`_complete_all` does; raise its failure."""
+        error = self._complete_all([delivery])[0]
+        if error is not None:
+            raise error
+
+    def _complete_all(self, deliveries: Sequence[_Delivery]) -> list[ProtocolError | None]:
+        """Wait for every one of ``deliveries`` (acting on what arrives), each retried on
+        UNAVAILABLE within its own deadline, until its peer has acted on it or it failed; all
+        at once, so that peers not reached cost the time of their retries once, not once each.
+        Returns each one's failure (None: delivered). An error that is not the transport's (a
+        channel closed under it) is raised as it is."""
+        outcomes: dict[int, ProtocolError | None] = {}
+        backoffs = [self.retry.backoffs() for _ in deliveries]
+        retries: dict[int, float] = {}  # delivery -> when its next attempt goes
+        for delivery in deliveries:
+            self._wake_when_done(delivery)
         while True:
-            future = delivery.future
-            assert future is not None
-            self._wait_for(future)
-            error = future.exception()
-            if error is not None and not isinstance(error, grpc.RpcError):
-                raise error  # not the transport's (a channel closed under it): as it is
-            if error is None or error.code() not in _NOT_DELIVERED:
-                # It crossed (answered, or refused by the peer): count it, as in one process.
-                for sent, part in zip(delivery.messages, delivery.encoded, strict=True):
-                    self.bytes[(sent.sender, sent.receiver, _phase(sent))] += len(part)
-                    self._record(part)
-            if error is None:
-                return
-            backoff = next(backoffs, None)
-            end = delivery.start + delivery.timeout
-            late = time.monotonic() + (backoff or 0.0) >= end
-            hopeless = error.code() != grpc.StatusCode.UNAVAILABLE or _certificate_refused(error)
-            if hopeless or backoff is None or late:
-                raise self._failure(message, error, delivery.attempts, delivery.start)
-            self._pause(backoff)
-            delivery.attempts += 1
-            remaining = end - time.monotonic()
-            delivery.future = self._call(
-                delivery.channel, data, delivery.metadata, max(remaining, 0.001)
-            )
+            for i, delivery in enumerate(deliveries):
+                future = delivery.future
+                if i in outcomes or i in retries or future is None or not future.done():
+                    continue
+                try:
+                    backoff = self._settle(delivery, backoffs[i])
+                except ProtocolError as error:
+                    outcomes[i] = error
+                    continue
+                if backoff is None:
+                    outcomes[i] = None
+                else:
+                    retries[i] = time.monotonic() + backoff
+            if len(outcomes) == len(deliveries):
+                return [outcomes[i] for i in range(len(deliveries))]
+            now = time.monotonic()
+            for i, when in list(retries.items()):
+                if when <= now:
+                    del retries[i]
+                    delivery = deliveries[i]
+                    delivery.attempts += 1
+                    remaining = delivery.start + delivery.timeout - now
+                    delivery.future = self._call(
+                        delivery.channel, delivery.data, delivery.metadata, max(remaining, 0.001)
+                    )
+                    self._wake_when_done(delivery)
+            # Until an outgoing call ends (its callback wakes this) or the next retry is due.
+            wait = min(retries.values(), default=now + 1.0) - time.monotonic()
+            try:
+                item = self._queue.get(timeout=max(wait, 0.0))
+            except queue.Empty:
+                continue
+            self._act_on(item)
+
+    def _wake_when_done(self, delivery: _Delivery) -> None:
+        future = delivery.future
+        assert future is not None
+        future.add_done_callback(lambda _: self._queue.put(_WAKE))
+
+    def _settle(self, delivery: _Delivery, backoffs: Iterator[float]) -> float | None:
+        """What the ended attempt of ``delivery`` comes to: None if the peer acted on it (its
+        bytes counted, as in one process), else the wait before the next attempt; raises its
+        failure where no retry is left or would help (not UNAVAILABLE, a refused certificate,
+        past its deadline)."""
+        future = delivery.future
+        assert future is not None
+        error = future.exception()
+        if error is not None and not isinstance(error, grpc.RpcError):
+            raise error  # not the transport's (a channel closed under it): as it is
+        if error is None or error.code() not in _NOT_DELIVERED:
+            # It crossed (answered, or refused by the peer): count it, as in one process.
+            for sent, part in zip(delivery.messages, delivery.encoded, strict=True):
+                self.bytes[(sent.sender, sent.receiver, _phase(sent))] += len(part)
+                self._record(part)
+        if error is None:
+            return None
+        backoff = next(backoffs, None)
+        late = time.monotonic() + (backoff or 0.0) >= delivery.start + delivery.timeout
+        hopeless = error.code() != grpc.StatusCode.UNAVAILABLE or _certificate_refused(error)
+        if hopeless or backoff is None or late:
+            raise self._failure(delivery.messages[0], error, delivery.attempts, delivery.start)
+        return backoff
 
     def _record(self, data: bytes) -> None:
         """Append ``data`` to the capture file (if any) as one record."""
@@ -1057,25 +1105,6 @@ class PartyEndpoint:
         return self._senders.submit(
             streamed, chunks, timeout=timeout, metadata=(*metadata, (_SIZE, str(len(data))))
         )
-
-    def _wait_for(self, future: futures.Future[Any]) -> None:
-        """Act on what arrives until ``future`` is done (it ends at its deadline at the latest)."""
-        future.add_done_callback(lambda _: self._queue.put(_WAKE))
-        while not future.done():
-            try:
-                item = self._queue.get(timeout=1.0)
-            except queue.Empty:
-                continue
-            self._act_on(item)
-
-    def _pause(self, seconds: float) -> None:
-        """Wait ``seconds``, acting on what arrives meanwhile."""
-        end = time.monotonic() + seconds
-        while (remaining := end - time.monotonic()) > 0:
-            try:
-                self._act_on(self._queue.get(timeout=remaining))
-            except queue.Empty:
-                return
 
     def _failure(
         self, message: Message, error: grpc.RpcError, attempts: int, start: float
