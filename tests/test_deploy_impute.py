@@ -87,6 +87,7 @@ def test_three_clients_in_their_own_processes_impute_as_in_one(
     monkeypatch: pytest.MonkeyPatch,
     secure_agg: str,
     method: tuple[str, ...],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # every party process: torch on one thread
     flags = [*FLAGS, "--method", *method, "--secure-agg", secure_agg]
@@ -155,7 +156,11 @@ def test_three_clients_in_their_own_processes_impute_as_in_one(
             assert f"secure-vfl fill --model {kept}" in processes.log(name)
             filled = tmp_path / "filled" / name
             argv = ["fill", "--model", str(kept), "--client-file", str(site / f"{name}.csv")]
+            capsys.readouterr()
             assert main([*argv, "--out", str(filled)]) == 0
+            assert "imputer " + model["run_id"][:12] + " (1 client, 5 features)" in (
+                capsys.readouterr().out
+            )  # it said "1 clients"
             written = (filled / f"{name}.csv").read_bytes()
             assert written == (tmp_path / "alone" / "imputed" / f"{name}.csv").read_bytes()
     else:
