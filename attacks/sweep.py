@@ -535,8 +535,8 @@ def _save(figure: Any, path: Path) -> Path:
 def write_sweep(
     rows: Sequence[dict[str, Any]], out: Path, *, attack: str, command: str
 ) -> tuple[str, list[Path]]:
-    """Write ``sweep.json``, ``sweep.md`` and the plots into ``out``; return the Markdown table
-    and the plot paths."""
+    """Write ``sweep.md``, the plots and, last, ``sweep.json`` (what marks a finished sweep)
+    into ``out``; return the Markdown table and the plot paths."""
     metric = ATTACKS.get(attack)().metric
     table = summarise(rows, metric)
     failures = [
@@ -545,6 +545,8 @@ def write_sweep(
         if row["failed"] is not None
     ]
     text = markdown(table, attack=attack, metric=metric, command=command, failures=failures)
+    atomic_write_text(out / "sweep.md", text)
+    plots = plot(table, out, attack=attack, metric=metric)
     atomic_write_json(
         out / "sweep.json",
         {
@@ -555,5 +557,4 @@ def write_sweep(
             "command": command,
         },
     )
-    atomic_write_text(out / "sweep.md", text)
-    return text, plot(table, out, attack=attack, metric=metric)
+    return text, plots

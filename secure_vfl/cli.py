@@ -1947,28 +1947,29 @@ def run_train(args: argparse.Namespace) -> int:
             if bar is not None:
                 bar.close()
     with _finishing():
-        manifest = save_model(
-            out / MODEL_DIR,
-            trained,
-            method=config.method,
-            seed=config.seed,
-            method_config=config.method_config,
-            false_vfl=config.false_vfl,
-            data=data,
-            sources=data.party_names,
-        )
         payload = result.to_json()
         found = [*party_named(noted, result.parties), *payload["warnings"]]
         payload["warnings"] = list(dict.fromkeys(found))
-        payload["model"] = {"directory": str(out / MODEL_DIR), "run_id": manifest.run_id}
-        if checkpoints is not None:
-            payload["checkpoints"] = _checkpoints_payload(checkpoints)
-        atomic_write_json(out / "result.json", payload)
+        with _unfinished(out, "result.json"):
+            plots = write_run_plots(payload, out)
+            manifest = save_model(
+                out / MODEL_DIR,
+                trained,
+                method=config.method,
+                seed=config.seed,
+                method_config=config.method_config,
+                false_vfl=config.false_vfl,
+                data=data,
+                sources=data.party_names,
+            )
+            payload["model"] = {"directory": str(out / MODEL_DIR), "run_id": manifest.run_id}
+            if checkpoints is not None:
+                payload["checkpoints"] = _checkpoints_payload(checkpoints)
+            atomic_write_json(out / "result.json", payload)
         if checkpoints is None and (out / CHECKPOINTS_DIR).is_dir():
             # --overwrite of a killed run without checkpoints of its own: the killed run's, which
             # no --resume can go on from beside a finished run, go with the run they belonged to
             shutil.rmtree(out / CHECKPOINTS_DIR)
-        plots = write_run_plots(payload, out)
         store.add(payload, kind="train", out_dir=out)
     print(_summary(result, out, payload))
     print(f"model: {out / MODEL_DIR} (secure-vfl predict --model {out} --party-file ...)")
@@ -2286,7 +2287,8 @@ def run_sweep_command(args: argparse.Namespace) -> int:
     rows = [_attack_relabelled(row, mapping) for row in rows]
     command = command_line("secure-vfl sweep")
     with _finishing():
-        text, plots = write_sweep(rows, out, attack=args.attack, command=command)
+        with _unfinished(out, "sweep.json"):
+            text, plots = write_sweep(rows, out, attack=args.attack, command=command)
         scored = []
         for row in rows:
             if row["failed"] is not None:
@@ -2372,8 +2374,9 @@ def _run_suite_command(args: argparse.Namespace, config: Any) -> int:
     command = command_line("secure-vfl attack")
     text = markdown(report, command=command)
     with _finishing():
-        atomic_write_json(out / "suite.json", report.to_json())
-        atomic_write_text(out / "suite.md", text)
+        with _unfinished(out, "suite.json"):
+            atomic_write_text(out / "suite.md", text)
+            atomic_write_json(out / "suite.json", report.to_json())
         store.replace_runs(out, entries)  # a suite written again replaces all its runs
     print(text)
     _print_warnings(
@@ -2532,29 +2535,30 @@ def run_impute(args: argparse.Namespace) -> int:
             if bar is not None:
                 bar.close()
     with _finishing():
-        if args.save_imputed:
-            _save_imputed(out / "imputed", task, imputer)
-        payload = result.to_json()
-        payload["config"]["privacy"] = _impute_privacy_config(args)
-        payload["provenance"] = provenance()
-        payload["warnings"] = [*noted, *running]
-        payload["model"] = None
-        if keeps_model:
-            manifest = saved_imputer.save_imputer(
-                out / MODEL_DIR,
-                imputer,
-                task,
-                method=config.method,
-                seed=config.seed,
-                config=config.impute_config,
-                columns=(config.id_column, config.label_column),
-            )
-            payload["model"] = {
-                "directory": str(out / MODEL_DIR),
-                "run_id": manifest.run_id,
-                "manifest_sha256": sha256((out / MODEL_DIR / MANIFEST_FILE).read_bytes()),
-            }
-        atomic_write_json(out / "result.json", payload)
+        with _unfinished(out, "result.json"):
+            if args.save_imputed:
+                _save_imputed(out / "imputed", task, imputer)
+            payload = result.to_json()
+            payload["config"]["privacy"] = _impute_privacy_config(args)
+            payload["provenance"] = provenance()
+            payload["warnings"] = [*noted, *running]
+            payload["model"] = None
+            if keeps_model:
+                manifest = saved_imputer.save_imputer(
+                    out / MODEL_DIR,
+                    imputer,
+                    task,
+                    method=config.method,
+                    seed=config.seed,
+                    config=config.impute_config,
+                    columns=(config.id_column, config.label_column),
+                )
+                payload["model"] = {
+                    "directory": str(out / MODEL_DIR),
+                    "run_id": manifest.run_id,
+                    "manifest_sha256": sha256((out / MODEL_DIR / MANIFEST_FILE).read_bytes()),
+                }
+            atomic_write_json(out / "result.json", payload)
         store.add(payload, kind="impute", out_dir=out)
     print(_impute_summary(result, out))
     if keeps_model:
@@ -3553,8 +3557,9 @@ def run_train_deployed(args: argparse.Namespace) -> int:
     if checkpoints is not None:
         payload["checkpoints"] = _checkpoints_payload(checkpoints)
     with _finishing():
-        atomic_write_json(out / "result.json", payload)
-        plots = write_run_plots(payload, out)
+        with _unfinished(out, "result.json"):
+            plots = write_run_plots(payload, out)
+            atomic_write_json(out / "result.json", payload)
         store.add(payload, kind="train", out_dir=out)
     print(_summary(result, out, payload))
     print(_deployed_model_line(manifest, out / MODEL_DIR))
@@ -3661,6 +3666,22 @@ def _finishing() -> Iterator[None]:
             signal.signal(signum, handler)
     if held:
         stop(held[0])
+
+
+@contextmanager
+def _unfinished(out: Path, marker: str) -> Iterator[None]:
+    """Where writing a run's outputs fails before its ``marker`` (``result.json``: what marks a
+    finished run, written last) is written: say that the run is not finished, and how to go on
+    (a model already written makes a rerun refuse without --overwrite). A written ``marker``
+    with its plots or model missing read as a finished run, which a rerun refused."""
+    try:
+        yield
+    except OutputError as error:
+        raise OutputError(
+            f"{error} This run is not finished (its {marker} was not written): run the "
+            f"command again once it can write to {out}, with --overwrite if it refuses what this "
+            "one left there."
+        ) from error
 
 
 class _LogLines(logging.Handler):

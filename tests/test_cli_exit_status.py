@@ -250,6 +250,81 @@ def test_a_signal_while_a_run_writes_its_outputs_is_acted_on_after_the_last_of_t
     assert len(ResultsStore(tmp_path / "results.sqlite").rows()) == 1
 
 
+def test_outputs_that_cannot_all_be_written_leave_no_result_json_and_say_how_to_go_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A plot the disk refused was written after result.json: the run read as finished without
+    its plots or store row, a rerun refused it (`result.json exists`) and the error said
+    "nothing was written"."""
+    import secure_vfl.io
+    import secure_vfl.plots
+
+    def full(out: Path) -> OutputError:
+        return OutputError(
+            f"{out} cannot be written: No space left on device; nothing was written."
+        )
+
+    def plots_refused(payload: object, out: Path) -> object:
+        raise full(out / "loss.png")
+
+    real_plots = secure_vfl.plots.write_run_plots
+    monkeypatch.setattr(secure_vfl.plots, "write_run_plots", plots_refused)
+    out = tmp_path / "run"
+    argv = ["train", "--method", "laser", "--dataset", "wine", "--epochs", "1", "--quiet"]
+    argv += ["--out", str(out)]
+    assert main(argv) == 2
+    err = one_line(capsys)
+    assert "This run is not finished (its result.json was not written): run the command " in err
+    assert not (out / "result.json").exists() and not (out / "model").exists()
+    assert ResultsStore(tmp_path / "results.sqlite").rows() == []
+    monkeypatch.setattr(secure_vfl.plots, "write_run_plots", real_plots)
+    assert main(argv) == 0  # the same command, as it was
+    assert (out / "result.json").is_file() and (out / "loss.png").is_file()
+    capsys.readouterr()
+
+    # result.json itself refused: the model it wrote first makes the rerun ask for --overwrite
+    real_json = secure_vfl.io.atomic_write_json
+
+    def result_refused(path: Path, payload: object, **kwargs: Any) -> None:
+        if path.name == "result.json":
+            raise full(path)
+        real_json(path, payload, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(secure_vfl.io, "atomic_write_json", result_refused)
+    again = [*argv[:-1], str(tmp_path / "again")]
+    assert main(again) == 2
+    assert "This run is not finished (its result.json was not written)" in one_line(capsys)
+    assert (tmp_path / "again" / "model" / "manifest.json").is_file()
+    assert len(ResultsStore(tmp_path / "results.sqlite").rows()) == 1
+    monkeypatch.setattr(secure_vfl.io, "atomic_write_json", real_json)
+    assert main(again) == 2
+    assert "manifest.json exists" in one_line(capsys)
+    assert main([*again, "--overwrite"]) == 0
+    assert len(ResultsStore(tmp_path / "results.sqlite").rows()) == 2
+    capsys.readouterr()
+
+    # a sweep's and a suite's marker files go last too
+    import attacks.sweep
+
+    def sweep_plot_refused(*args: Any, **kwargs: Any) -> Any:
+        raise full(tmp_path / "sweep" / "sweep.png")
+
+    monkeypatch.setattr(attacks.sweep, "plot", sweep_plot_refused)
+    sweep = [
+        "sweep",
+        "--attack",
+        "norm-scoring",
+        "--method",
+        "standard",
+        "--dataset",
+        "breast-cancer",
+    ]
+    sweep += ["--epochs", "1", "--seeds", "1", "--workers", "1", "--quiet"]
+    assert main([*sweep, "--out", str(tmp_path / "sweep")]) == 2
+    assert "This run is not finished (its sweep.json was not written)" in one_line(capsys)
+    assert not (tmp_path / "sweep" / "sweep.json").exists()
+
+
 def test_a_store_made_by_another_run_between_two_reads_is_used_not_refused(tmp_path: Path) -> None:
     """Runs finishing together into a new folder: one read no `runs` table, another run made
     it, and the schema check then found tables and refused the store as another program's
