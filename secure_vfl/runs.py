@@ -15,7 +15,7 @@ import unicodedata
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from secure_vfl.errors import ConfigError
 from secure_vfl.io import parse_json
@@ -431,9 +431,22 @@ def summarise_run(directory: Path) -> RunSummary:
     ConfigError naming its ``result.json`` and the field that does not read."""
     payload = read_run(directory)
     try:  # an attack's kind is its payload's (summarise reads its attack's name there)
+        if result_kind(payload) == "train":
+            _check_accuracies(_object(payload, "metrics"))
         return summarise(payload, kind="impute" if result_kind(payload) == "impute" else "train")
     except ConfigError as error:
         raise ConfigError(f"{Path(directory) / 'result.json'}: {error}") from None
+
+
+def _check_accuracies(metrics: dict[str, Any]) -> None:
+    """A training run's ``metrics``: an object with a number ``accuracy`` per test missingness,
+    at least one (ConfigError otherwise: a run without them showed "-" in every column)."""
+    if not metrics:
+        raise ConfigError("metrics: an accuracy per test missingness expected, found none.")
+    for name, values in metrics.items():
+        found = values.get("accuracy") if isinstance(values, dict) else values
+        if not (_is_number(found) and math.isfinite(cast(float, found))):
+            raise ConfigError(f"metrics.{name}.accuracy: a number expected, found {found!r:.40}.")
 
 
 def table(names: list[str], summaries: list[RunSummary]) -> str:

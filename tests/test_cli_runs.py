@@ -540,6 +540,10 @@ def test_compare_refuses_a_directory_without_a_training_result(
         ({"privacy": {"noise": {"gradient": {"sigma": 1}}}}, "privacy.noise.gradient: a sigma"),
         ({"config": {"privacy": {"dp_gradients": 3}}}, "config.privacy.dp_gradients: a sigma"),
         ({"wall_time_s": {}}, "wall_time_s: a number expected"),
+        # these showed "-" for every accuracy, and exit 0
+        ({"metrics": {}}, "metrics: an accuracy per test missingness expected, found none"),
+        ({"metrics": {"mcar:0": "x"}}, "metrics.mcar:0.accuracy: a number expected, found 'x'"),
+        ({"metrics": {"mcar:0": {"f1": 1}}}, "metrics.mcar:0.accuracy: a number expected"),
     ],
 )
 def test_compare_refuses_a_malformed_result_naming_the_file_and_the_field(
@@ -547,7 +551,11 @@ def test_compare_refuses_a_malformed_result_naming_the_file_and_the_field(
 ) -> None:
     """A result.json edited by hand is the user's file: a field of another shape is one line
     naming it, not a traceback from formatting the table."""
-    result = {"epoch_loss": [1.0], "method": "laser", "metrics": {}, "wall_time_s": 1.0}
+    metrics = {"mcar:0": {"accuracy": 90.0}}
+    result = {"epoch_loss": [1.0], "method": "laser", "metrics": metrics, "wall_time_s": 1.0}
+    (tmp_path / "result.json").write_text(json.dumps(result))
+    assert main(["runs", "compare", str(tmp_path)]) == 0  # as written, it reads
+    capsys.readouterr()
     (tmp_path / "result.json").write_text(json.dumps({**result, **change}))
     assert main(["runs", "compare", str(tmp_path)]) == 2
     err = capsys.readouterr().err
