@@ -308,6 +308,25 @@ def test_party_files_with_bad_file_are_refused(tmp_path):
         )
 
 
+def test_a_test_fraction_that_leaves_a_party_no_training_row_names_the_split(tmp_path):
+    """It said only that the party held no training sample, naming no flag."""
+    paths, label_path = write_party_files(tmp_path)
+    with pytest.raises(
+        DataError,
+        match=r"party0\.csv\) holds no training sample \(test_fraction 0\.999 \(--test-fraction\) "
+        r"left \d+ of \d+ aligned rows for training\)",
+    ):
+        vertical_from_party_files(
+            paths,
+            label_path,
+            aligner=JoinAligner(),
+            train_missing=parse_mechanism("mcar:0"),
+            test_missing=[parse_mechanism("mcar:0")],
+            test_fraction=0.999,
+            rng=rng(),
+        )
+
+
 def test_aligned_samples_are_observed_by_every_party_and_the_others_keep_their_masks():
     split = same_rows_split(n=4000)
     mechanisms = {"train_missing": parse_mechanism("mnar:0.7"), "test_missing": []}

@@ -402,9 +402,15 @@ def vertical_from_party_files(
     preprocessing: list[PartyPreprocessing] = []
     for k, table in enumerate(tables):
         if not held_train[:, k].any():
+            split = (
+                f"test_fraction {test_fraction} (--test-fraction) left {train_index.size} of "
+                f"{labels.size} aligned rows for training"
+                if test_file is None
+                else f"{train_index.size} aligned rows are not the test file's"
+            )
             raise DataError(
-                f"party {table.name!r} ({paths[k]}) holds no training sample; cannot fit its "
-                "preprocessing."
+                f"party {table.name!r} ({paths[k]}) holds no training sample ({split}); cannot "
+                "fit its preprocessing."
             )
         train_rows = alignment.rows[train_index, k]
         blocks, fitted = party_blocks(
