@@ -79,15 +79,21 @@ def make_attack(name: str, options: Mapping[str, float | str]) -> Attack:
     ConfigError for a parameter it does not take, or a value of a type it cannot use."""
     factory = ATTACKS.get(name)
     parameters = inspect.signature(factory, eval_str=True).parameters
-    taken = list(parameters)
-    unknown = sorted(set(options) - set(taken))
+    # What an option's value (a number or text) can set; the others take objects, from Python.
+    options_taken = [key for key, p in parameters.items() if _settable(p.annotation)]
+    objects = [key for key in parameters if key not in options_taken]
+    unknown = sorted(set(options) - set(parameters))
     if unknown:
-        takes = f"the parameters ({', '.join(taken)})" if taken else "no parameters"
-        raise ConfigError(f"{name} takes {takes}. Found {', '.join(unknown)}.")
+        takes = f"the parameters ({', '.join(options_taken)})" if options_taken else "no parameters"
+        python = f" (from Python also {', '.join(objects)})" if objects else ""
+        raise ConfigError(f"{name} takes {takes}{python}. Found {', '.join(unknown)}.")
     for key, value in options.items():
         declared = parameters[key].annotation
         if declared is not inspect.Parameter.empty and not _of_type(value, declared):
-            raise ConfigError(f"{name}: {key} takes {_type_name(declared)}. Found {key}={value!r}.")
+            python = ", from Python only" if key in objects else ""
+            raise ConfigError(
+                f"{name}: {key} takes {_type_name(declared)}{python}. Found {key}={value!r}."
+            )
     try:
         return factory(**options)
     except TypeError as error:  # e.g. text where a number is compared
@@ -122,6 +128,11 @@ def changed_parameters(name: str, parameters: Mapping[str, Any]) -> dict[str, An
     defaults: what tells two runs of it apart."""
     defaults = attack_parameters(name, {})
     return {key: value for key, value in parameters.items() if defaults.get(key) != value}
+
+
+def _settable(hint: Any) -> bool:
+    """Whether an option's value (a number or text) can be of the declared type ``hint``."""
+    return hint is inspect.Parameter.empty or any(_of_type(v, hint) for v in (1, 1.0, "x"))
 
 
 def _of_type(value: object, hint: Any) -> bool:

@@ -150,7 +150,17 @@ def test_scores_that_rank_the_rare_class_last_are_a_leak_not_a_defense(
     [
         # each of these failed after training, with a traceback (AttributeError, TypeError,
         # ValueError from numpy)
-        ("passive-model-completion", {"settings": 1}, "settings takes a Completion object"),
+        # a Completion object cannot be an option's value: it offered `settings` as one
+        (
+            "passive-model-completion",
+            {"settings": 1},
+            "settings takes a Completion object, from Python only. Found settings=1.",
+        ),
+        (
+            "passive-model-completion",
+            {"colour": 1},
+            "takes the parameters (known) (from Python also settings). Found colour.",
+        ),
         ("passive-model-completion", {"known": 2.5}, "known takes an integer. Found known=2.5"),
         ("feature-reconstruction", {"victim": 1.5}, "victim takes an integer"),
         ("direction-scoring", {"known": math.nan}, "known takes an integer. Found known=nan"),
