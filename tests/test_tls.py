@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import datetime
 import os
+import re
 import shutil
 import stat
 from collections.abc import Callable
@@ -523,6 +524,25 @@ def test_a_tls_identity_says_when_certificate_and_key_are_swapped(certs: Path) -
     )
     with pytest.raises(ConfigError, match=r"found a certificate\.$"):
         TlsIdentity.from_files(certs / "ca.pem", certs / "shop.pem", certs / "bank.pem")
+
+
+def test_a_file_of_several_certificates_is_refused_where_one_is_expected(certs: Path) -> None:
+    """`certs check` passed a party's file with another party's certificate appended, and a
+    CA file with a second certificate, which gRPC would trust too: every check read the first."""
+    several = "found 2 certificates (one expected: every check reads the first"
+    bank = (certs / "bank.pem").read_bytes()
+    (certs / "shop.pem").write_bytes((certs / "shop.pem").read_bytes() + bank)
+    assert _problems(certs, "shop") == [
+        f"{certs / 'shop.pem'}: a PEM certificate expected; {several}, and TLS would trust or "
+        "send them all)."
+    ]
+    with pytest.raises(ConfigError, match=re.escape(f"{certs / 'shop.pem'}: a PEM certificate")):
+        TlsIdentity.from_files(certs / "ca.pem", certs / "shop.pem", certs / "shop.key")
+    (certs / "ca.pem").write_bytes((certs / "ca.pem").read_bytes() + bank)
+    (problem,) = _problems(certs, "bank")
+    assert problem.startswith(f"{certs / 'ca.pem'}: a PEM CA certificate expected; {several}")
+    with pytest.raises(ConfigError, match=re.escape(several)):
+        TlsIdentity.from_files(certs / "ca.pem", certs / "bank.pem", certs / "bank.key")
 
 
 def test_a_tls_identity_refuses_a_key_others_can_read(certs: Path) -> None:

@@ -48,10 +48,16 @@ UNREADABLE_PEM = (
 )
 
 
+class SeveralCertificates(ValueError):
+    """A PEM file of more than one certificate where one is expected."""
+
+
 def unreadable(data: bytes, error: Exception) -> str:
     """What ``data`` holds instead of a readable PEM certificate or key (cryptography raised
-    ``error``), in words: no PEM block at all, or one that does not parse (its reason, without
-    the link to cryptography's FAQ that it carries)."""
+    ``error``), in words: no PEM block at all, one that does not parse (its reason, without
+    the link to cryptography's FAQ that it carries), or several certificates."""
+    if isinstance(error, SeveralCertificates):
+        return str(error)
     if b"-----BEGIN " not in data:
         return "no PEM block (-----BEGIN ...-----)"
     reason = re.sub(r"\s*See https?://\S+ for more details\.?", "", str(error)).strip()
@@ -70,7 +76,15 @@ def is_ca(certificate: x509.Certificate) -> bool:
 def parse_certificate(pem: bytes) -> x509.Certificate:
     """The PEM certificate ``pem`` with every part the checks read parsed now: cryptography
     parses a certificate's public key, names and extensions only when they are first read, so
-    a malformed one fails here (one of :data:`UNREADABLE_PEM`), not in whatever reads it first."""
+    a malformed one fails here (one of :data:`UNREADABLE_PEM`), not in whatever reads it first.
+    A file of several certificates is refused (:class:`SeveralCertificates`): every check would
+    read the first, and gRPC would trust (a CA file) or send (a party's) them all."""
+    count = pem.count(b"-----BEGIN CERTIFICATE-----")
+    if count > 1:
+        raise SeveralCertificates(
+            f"{count} certificates (one expected: every check reads the first, and TLS would "
+            "trust or send them all)"
+        )
     certificate = x509.load_pem_x509_certificate(pem)
     certificate.public_key()
     for part in ("extensions", "subject", "issuer", "not_valid_before_utc", "not_valid_after_utc"):
