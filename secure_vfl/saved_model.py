@@ -893,9 +893,9 @@ def refuse_unlisted(manifest: Manifest, directory: Path) -> None:
         if entry is None or not path.is_dir():
             listed = [f"{e.directory}/" for e in entries.values()]
             raise IntegrityError(
-                f"{path} is not listed in {directory / MANIFEST_FILE}; the model directory holds "
-                f"only {', '.join([MANIFEST_FILE, *listed])}. Refused: remove it or save the "
-                "model again."
+                f"{path} is not listed in {directory / MANIFEST_FILE}; the model directory "
+                f"should hold only {', '.join([MANIFEST_FILE, *listed])}. Refused: remove it or "
+                "save the model again."
             )
         refuse_unlisted_files(path, entry.files, who=party_label(entry))
 
