@@ -354,6 +354,25 @@ def test_a_deployed_dp_run_reports_every_partys_guarantee_at_the_in_process_epsi
     assert privacy["epsilon_per_epoch"]["shop"][-1] == pytest.approx(privacy["epsilon"]["shop"])
 
 
+def test_gradient_dp_alone_runs_deployed_as_in_one_process(
+    site: Path,
+    processes: Processes,
+    tmp_path: Path,
+) -> None:
+    """`--dp-gradients` alone stopped at set-up: every data party was sent a plan of no
+    mechanism (only the label party noises what it sends) and refused it as malformed."""
+    flags = ["--method", "laser", "--heads", "active", "--dp-gradients", "1.0:0.01"]
+    flags += ["--secure-agg", "masks", "--batch-size", "256"]  # rate 1, as above
+    alone = in_process(site, tmp_path / "alone", *flags)["privacy"]
+    result, codes = deployed(site, processes, tmp_path / "deployed", *flags)
+    assert codes == [0, 0, 0, 0], [processes.log(n) for n in (*PARTIES[1:], "aggregator")]
+    privacy = result["privacy"]
+    assert set(privacy["epsilon"]) == set(alone["epsilon"]) == {"bank"}
+    assert privacy["epsilon"] == pytest.approx(alone["epsilon"], rel=1e-9)
+    for name in PARTIES[1:]:
+        assert privacy["accounted_by"][name].startswith("none: no mechanism of the run is its")
+
+
 def test_a_deployed_run_with_a_target_epsilon_keeps_every_partys_epsilon_within_it(
     site: Path,
     processes: Processes,

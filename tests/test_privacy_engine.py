@@ -322,6 +322,26 @@ def test_a_resumed_deployed_plan_is_calibrated_to_the_killed_runs_sample() -> No
     assert any(other != plans for other in others)
 
 
+def test_a_deployed_party_no_mechanism_of_the_run_is_in_is_sent_no_plan() -> None:
+    """Under `--dp-gradients` alone (one label party) a data party releases nothing noised: it
+    was sent a plan of no mechanism, which every data party refused as malformed, so the run
+    stopped at set-up. With every party a head, each noises the gradients it sends."""
+    names = ["party-0", "party-1", "party-2"]
+    terms = {"n": 100, "epochs": 1, "method": "laser", "names": names, "predictions": 1}
+    engine = PrivacyEngine(PrivacySpec(dp_gradients=(1.0, 0.01)))
+    active = MethodConfig(heads="active")
+    plans = engine.plan_parties(MixedSampler(100, 10), method_config=active, **terms)  # type: ignore[arg-type]
+    assert plans == {"party-1": None, "party-2": None}
+    engine.take_reports(plans)  # each reports no entry, as a party without DP does
+    accounted = engine.report()["accounted_by"]  # type: ignore[index]
+    assert accounted["party-1"] == "none: no mechanism of the run is its, so it was sent no plan"
+    every = PrivacyEngine(PrivacySpec(dp_gradients=(1.0, 0.01)))
+    plans = every.plan_parties(MixedSampler(100, 10), method_config=MethodConfig(), **terms)  # type: ignore[arg-type]
+    assert all(
+        plan is not None and plan["noise"] == {"gradient": [1.0, 0.01]} for plan in plans.values()
+    )
+
+
 @pytest.mark.parametrize(
     ("flags", "imported"),
     [
