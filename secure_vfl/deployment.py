@@ -2082,6 +2082,7 @@ def train_deployed(
     entries: dict[str, Any] = {}
     lost: list[str] = []
     late: list[str] = []
+    channel: NetworkChannel | None = None
     try:
         late = endpoint.await_peers_or_warn(list(federation.addresses(but=name)), wait)
         check_rosters(endpoint, federation, [m.name for m in federation.members[1:]])
@@ -2121,6 +2122,9 @@ def train_deployed(
             checkpoints = dataclasses.replace(checkpoints, elsewhere=elsewhere)
         channel = NetworkChannel(endpoint)
         channel.party_names = federation.names
+        # Lost before the resumed checkpoint: never set up, so left out of the key set-up too
+        # (asked for its keys, it refused them as a party never set up, and the run stopped).
+        channel.absent = frozenset(lost_before)
         # Under DP a rejoining party takes back its releases from its journal, which it keeps
         # beside its checkpoints: without checkpoints its accountant died with its process.
         if not any(plans.values()) or elsewhere is not None:
@@ -2172,6 +2176,8 @@ def train_deployed(
             lost = [*lost, *lost_saving]
         outcome = "finished"
     finally:
+        if outcome != "finished" and channel is not None:  # stopped: those lost until now
+            lost = sorted(channel.lost_now)
         reports, entries = _end(endpoint, federation, outcome, lost=lost, late=late)
         endpoint.close()
     if privacy is not None:

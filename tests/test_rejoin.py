@@ -164,7 +164,7 @@ def test_a_party_lost_in_epoch_1_rejoins_at_epoch_2_and_is_observed_again(
         "phase": "training",
         "what": REJOINED,
     }
-    assert lost_parties(method.fed.faults) == []
+    assert lost_parties(method.fed.faults) == [] and channel.lost_now == set()
     # Asked for its block in steps 1 and 2 (lost in the second), in none until epoch 2, then
     # in every step (each batch of 64 holds rows of it).
     asked = _train_rounds_asked(channel)
@@ -202,6 +202,8 @@ def test_a_party_that_never_comes_back_costs_the_run_only_the_probes(
         f"gradient to {LOST}: its process is gone"
     ]
     assert lost_parties(method.fed.faults) == [LOST]
+    # What a deployed run that stops does not try to end (it tried, 1.5 s of retries)
+    assert probed.lost_now == {LOST}
     # Without a readmission nothing is probed; the two runs are the same run.
     unprobed = FlakyChannel("gradient", losses=(2,), back_at=())
     alone = _train(data, config, unprobed)

@@ -178,6 +178,9 @@ class Channel:
         """Data parties known to be absent from the start (a deployed prediction's parties not
         served): a federation built on this channel never asks them for anything, its key
         set-up included."""
+        self.lost_now: set[str] = set()
+        """The data parties its driver counts lost now (dropped, not readmitted): a deployed
+        run that stops early does not try to end the run at them."""
         self.readmit: Readmission | None = None
         """How a lost data party that answers again rejoins (None: a lost party never does;
         probing it then costs nothing). See :meth:`~secure_vfl.methods.base.Federation.rejoin`."""

@@ -440,13 +440,18 @@ class Federation:
         for split in splits.values():
             split.mask[:, column] = False
         self.dropped.append(name)
+        self.channel.lost_now.add(name)
         self.own.withdraw(name)
 
     def restore_losses(self, dropped: Sequence[str], faults: Sequence[Mapping[str, Any]]) -> None:
         """A resumed run: the parties ``dropped`` when its checkpoint was written stay lost
         (their blocks missing, as after :meth:`drop`), and ``faults`` is the run's record so
-        far. ProtocolError for a name that is not a data party of this run."""
+        far. ProtocolError for a name that is not a data party of this run. A party the
+        channel knew absent when the federation was built (:attr:`Channel.absent`: left out of
+        the key set-up) is counted dropped already; it is lost here as the others are."""
         for name in dropped:
+            if name in self.dropped:
+                self.dropped.remove(name)
             self._lose(name)
         self.faults = [dict(fault) for fault in faults]
 
@@ -492,6 +497,7 @@ class Federation:
         for key, held in self.lost_columns.pop(name).items():
             splits[key].mask[:, column] = held
         self.dropped.remove(name)
+        self.channel.lost_now.discard(name)
         epoch = round // self.epoch_steps + 1 if self.epoch_steps else None
         fault = {"party": name, "step": round + 1, "epoch": epoch, "phase": TRAINING}
         self.faults.append(
