@@ -3264,7 +3264,8 @@ def _party_command(commands: Any) -> None:
         type=positive_float,
         default=600.0,
         metavar="S",
-        help="seconds to wait for the label party's first message",
+        help="seconds to wait for the label party to start (once it has, its first message "
+        "is waited for while it accepts connections)",
     )
     serve.add_argument(
         "--align",

@@ -1549,24 +1549,41 @@ def serve(
     )
     on_event(f"{name}: serving at {member.address}")
     label = federation.label_party
-    silence, awaiting = wait, f"first message from the label party {label}"
+    start = time.monotonic()
+    heard = False  # a message from the label party came
+    seen = False  # before that, the label party's process accepted a connection
     try:
         while server.outcome is None:
+            # Before the first message, looked at every `deadline` seconds too (up to `wait`):
+            # a restarted party never readmitted is left waiting once its run has ended.
+            left = wait - (time.monotonic() - start)
+            silence = deadline if heard or seen else max(min(deadline, left), 0.001)
+            awaiting = f"{'' if heard else 'first '}message from the label party {label}"
             try:
                 endpoint.act_on_next(silence, awaiting=awaiting)
             except TransportError as error:
                 probe = min(PROBE_SECONDS, silence)
                 if not endpoint.await_peers([label], probe, refused_is_lost=True):
+                    seen = True
                     on_event(
                         f"{name}: the label party {label} was silent for {silence:g} s but "
                         "accepts connections: waiting on"
                     )
                     continue
+                if not (heard or seen) and time.monotonic() - start < wait:
+                    continue  # not up yet: parties may start in any order
+                why = (
+                    "did it die?"
+                    if heard or not seen
+                    else "it accepted them before, and sent this party nothing: its run ended or "
+                    "stopped without taking this party back, or it died"
+                )
+                waited = wait if not (heard or seen) else silence
                 raise TransportError(
-                    f"{name}: the label party {label} was silent for {silence:g} s and accepts "
-                    f"no connection (did it die?): {error}"
+                    f"{name}: the label party {label} was silent for {waited:g} s and accepts "
+                    f"no connection ({why}): {error}"
                 ) from None
-            silence, awaiting = deadline, f"message from the label party {label}"
+            heard = True
     finally:
         endpoint.close()
     return server.outcome
