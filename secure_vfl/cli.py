@@ -1788,6 +1788,16 @@ def _privacy_lines(privacy: dict[str, Any]) -> list[str]:
         f"epsilon (delta {privacy['delta']:g}, {privacy['adjacency']}{drawn}; largest "
         f"guarantee per party, see result.json): {spent}"
     ]
+    unheard = [  # a deployed party lost mid-run: its releases died with its process
+        name
+        for name, whose in (privacy.get("accounted_by") or {}).items()
+        if str(whose).startswith("none: it reported nothing")
+    ]
+    if unheard:
+        lines.append(
+            f"no epsilon for {', '.join(unheard)}: lost mid-run, it reported nothing (see "
+            "faults); its releases before it was lost are not priced here"
+        )
     if privacy["insecure_reproducible_noise"]:
         lines.append(
             "WARNING: --insecure-reproducible-noise: the noise is reproducible from the seed; "

@@ -677,6 +677,13 @@ def test_the_summary_warns_when_the_epsilons_rest_on_observed_ranges() -> None:
         "--feature-ranges)."
     )
     assert len(_privacy_lines({**privacy, "ranges": "declared in r.csv"})) == 1
+    # A deployed party lost mid-run reported nothing: the line left it out without a word.
+    lost = {"client-1": "none: it reported nothing (lost mid-run; see faults), so ..."}
+    lines = _privacy_lines({**privacy, "ranges": None, "accounted_by": lost})
+    assert lines[1] == (
+        "no epsilon for client-1: lost mid-run, it reported nothing (see faults); its releases "
+        "before it was lost are not priced here"
+    )
 
 
 def test_a_feature_too_large_for_the_statistics_sums_is_refused_by_name(
