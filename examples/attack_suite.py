@@ -6,7 +6,7 @@ split-learning setting of the label-leakage literature) on German credit (1000 a
 bad credit): the bank (party-0) holds the labels, party-1 is curious. Norm and direction scoring
 run undefended and under each defense; the suite scores each pair with VFLAIR's defense
 capability score (DCS) and prints T-DCS per attack kind and C-DCS per defense, then saves a bar
-plot of every run's attack metric and main accuracy. About 7 s on 2 cores.
+plot of every run's attack metric and main accuracy. About 11 s on 2 idle cores.
 
     python examples/attack_suite.py [--epochs N] [--seed S] [--out DIR]
 """

@@ -5,8 +5,8 @@ by the norm of the gradients it receives (Li et al., ICLR 2022). Two defenses ar
 strengths each, with two seeds per setting, as independent runs in parallel worker processes:
 DP on the gradients sent back (noise multiplier SIGMA, clip 0.01; priced in epsilon by Opacus'
 accountant) and Marvell (label-dependent noise of power SCALE). It prints the table and saves
-two plots: main accuracy against epsilon, and the attack's AUC against main accuracy. About 9 s
-on 2 cores.
+two plots: main accuracy against epsilon, and the attack's AUC against main accuracy. About 16
+s on 2 idle cores.
 
     python examples/privacy_utility_tradeoff.py [--epochs N] [--seeds N] [--out DIR]
 """
