@@ -472,9 +472,7 @@ class PrivacyEngine:
         sample drawn for the method's ``sampler`` (its training set of ``n`` rows), SIGMA
         calibrated, and each party of ``names`` but the first (the label party, hosted here)
         given its :class:`~protocols.party_privacy.PartyPlan` as JSON for its ``setup`` (None
-        each without DP, and for a party no mechanism of the run is in: under `--dp-gradients`
-        alone a data party releases nothing noised). The run then trains on that sample
-        (:meth:`sampler`). A resumed run
+        each without DP). The run then trains on that sample (:meth:`sampler`). A resumed run
         passes ``resumed``, which puts the killed run's sample into the one drawn, so that SIGMA
         is calibrated to the schedule the run trains on, as the killed run's was."""
         if not self.noise:
@@ -485,8 +483,7 @@ class PrivacyEngine:
             resumed(self._sampler)
         self._ahead = True
         self._decide(method, method_config, names, predictions)
-        plans = {name: self._parties[name] for name in names[1:]}
-        return {name: plan.to_json() if plan.noise else None for name, plan in plans.items()}
+        return {name: self._parties[name].to_json() for name in names[1:]}
 
     def make_private(
         self,
@@ -577,7 +574,7 @@ class PrivacyEngine:
         (ProtocolError), for :meth:`report`. A planned party that reports nothing (lost mid-run)
         is listed as unreported."""
         for name, entry in reports.items():
-            if name not in self._parties or name in self._halves or not self._parties[name].noise:
+            if name not in self._parties or name in self._halves:
                 if entry is None:
                     continue
                 raise ProtocolError(
@@ -842,8 +839,6 @@ class PrivacyEngine:
                     "its own accountant in its own process: the figures it reported about "
                     "itself at the end of the run"
                 )
-            elif not self._parties[name].noise:
-                found[name] = "none: no mechanism of the run is its, so it was sent no plan"
             else:
                 found[name] = (
                     "none: it reported nothing (lost mid-run; see faults), so no figure of it "

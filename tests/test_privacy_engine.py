@@ -18,6 +18,7 @@ from conftest import MakeData
 
 from protocols.dp import EmbeddingNoise, GradientNoise
 from protocols.noise import SecureNoise
+from protocols.party_privacy import PartyPlan
 from protocols.privacy import PrivacyEngine, PrivacySpec
 from protocols.secagg import MaskingAggregator
 from secure_vfl.cli import main
@@ -322,19 +323,23 @@ def test_a_resumed_deployed_plan_is_calibrated_to_the_killed_runs_sample() -> No
     assert any(other != plans for other in others)
 
 
-def test_a_deployed_party_no_mechanism_of_the_run_is_in_is_sent_no_plan() -> None:
-    """Under `--dp-gradients` alone (one label party) a data party releases nothing noised: it
-    was sent a plan of no mechanism, which every data party refused as malformed, so the run
-    stopped at set-up. With every party a head, each noises the gradients it sends."""
+def test_a_deployed_party_no_mechanism_of_the_run_is_in_gets_a_plan_that_sizes_its_sums() -> None:
+    """Under `--dp-gradients` alone (one label party) a data party releases nothing noised, but
+    its secure-sum halves must be sized as the label party's opener is: its plan of no mechanism
+    was refused as malformed, so the run stopped at set-up (and a plan left out, tried first,
+    left its Paillier shares decoded 4x too large). With every party a head, each noises the
+    gradients it sends."""
     names = ["party-0", "party-1", "party-2"]
     terms = {"n": 100, "epochs": 1, "method": "laser", "names": names, "predictions": 1}
     engine = PrivacyEngine(PrivacySpec(dp_gradients=(1.0, 0.01)))
     active = MethodConfig(heads="active")
     plans = engine.plan_parties(MixedSampler(100, 10), method_config=active, **terms)  # type: ignore[arg-type]
-    assert plans == {"party-1": None, "party-2": None}
-    engine.take_reports(plans)  # each reports no entry, as a party without DP does
-    accounted = engine.report()["accounted_by"]  # type: ignore[index]
-    assert accounted["party-1"] == "none: no mechanism of the run is its, so it was sent no plan"
+    label = engine._parties["party-0"]
+    assert label.noise == {"gradient": (1.0, 0.01)}
+    for plan in plans.values():
+        assert plan is not None and plan["noise"] == {}
+        read = PartyPlan.from_json(json.loads(json.dumps(plan)))  # what the party takes
+        assert read.noise == {} and read.value_range == label.value_range
     every = PrivacyEngine(PrivacySpec(dp_gradients=(1.0, 0.01)))
     plans = every.plan_parties(MixedSampler(100, 10), method_config=MethodConfig(), **terms)  # type: ignore[arg-type]
     assert all(
