@@ -1562,7 +1562,8 @@ def serve(
             try:
                 endpoint.act_on_next(silence, awaiting=awaiting)
             except TransportError as error:
-                probe = min(PROBE_SECONDS, silence)
+                # A whole probe even where the last look before --wait's end was short.
+                probe = min(PROBE_SECONDS, max(silence, min(deadline, wait)))
                 if not endpoint.await_peers([label], probe, refused_is_lost=True):
                     seen = True
                     on_event(

@@ -449,8 +449,10 @@ class Federation:
         far. ProtocolError for a name that is not a data party of this run. A party the
         channel knew absent when the federation was built (:attr:`Channel.absent`: left out of
         the key set-up) is counted dropped already; it is lost here as the others are."""
+        absent = set(self.dropped)
         for name in dropped:
-            if name in self.dropped:
+            if name in absent:  # once: a name listed twice is refused by _lose, as before
+                absent.discard(name)
                 self.dropped.remove(name)
             self._lose(name)
         self.faults = [dict(fault) for fault in faults]
