@@ -151,6 +151,12 @@ parties_count = _number(int, "an integer number of parties in [2, 10]", lambda v
 clients_count = _number(int, "an integer number of clients in [2, 64]", lambda v: 2 <= v <= 64)
 share = _number(float, "a share in (0, 1]", lambda v: 0 < v <= 1)
 open_probability = _number(float, "a probability in (0, 1)", lambda v: 0 < v < 1)
+MAX_NETWORK_SECONDS = 1e6  # 11.6 days; the system's longest timeout is about 9.2e9 s
+network_seconds = _number(
+    float,
+    f"a positive number of seconds, at most {MAX_NETWORK_SECONDS:.0f}",
+    lambda v: 0 < v <= MAX_NETWORK_SECONDS,
+)
 
 
 def round_range(text: str) -> tuple[int, int]:
@@ -3231,7 +3237,7 @@ def _deployment_flags(
     )
     group.add_argument(
         "--wait",
-        type=positive_float,
+        type=network_seconds,
         default=NETWORK_SECONDS,
         metavar="S",
         help="seconds the label party waits for every other party to accept a connection "
@@ -3243,7 +3249,7 @@ def _deployment_flags(
 def _network_flags(group: Any) -> None:
     group.add_argument(
         "--deadline",
-        type=positive_float,
+        type=network_seconds,
         default=NETWORK_SECONDS,
         metavar="S",
         help="seconds a party waits for a peer's answer, or a serving party for the label "
@@ -3271,7 +3277,7 @@ def _party_command(commands: Any) -> None:
     serve.add_argument("--name", required=True, metavar="NAME", help="this party's name in it")
     serve.add_argument(
         "--wait",
-        type=positive_float,
+        type=network_seconds,
         default=600.0,
         metavar="S",
         help="seconds to wait for the label party to start (once it has, its first message "

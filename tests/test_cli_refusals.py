@@ -516,3 +516,26 @@ def test_settings_past_float32_are_refused_before_anything_runs(
         out = tmp_path / "out"
         assert message in refused([*argv, "--quiet", "--out", str(out)], capsys)
         assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["party", "serve", "--federation", "FED", "--name", "shop", "--deadline", "1e10"],
+        ["party", "serve", "--federation", "FED", "--name", "shop", "--wait", "1e10"],
+        ["train", "--federation", "FED", "--name", "bank", "--method", "laser", "--wait", "1e10"],
+    ],
+)
+def test_network_seconds_past_what_the_system_waits_are_refused(
+    argv: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A --deadline of 1e10 s was taken, and the first wait that long raised OverflowError
+    (timeout value is too large) from the queue it waited on."""
+    federation = tmp_path / "federation.toml"
+    federation.write_text("")
+    argv = [str(federation) if a == "FED" else a for a in argv]
+    with pytest.raises(SystemExit) as stopped:
+        main(argv)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert "expected a positive number of seconds, at most 1000000, found '1e10'" in err
