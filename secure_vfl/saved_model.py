@@ -41,12 +41,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, cast, get_args
 
 import numpy as np
 import pandas as pd
 
 from secure_vfl import __version__, methods
+from secure_vfl.data.datasets import Kind
 from secure_vfl.data.party_files import ID_COLUMN, PartyTable, near_matches, same_table
 from secure_vfl.data.vertical import VerticalData, VerticalSplit
 from secure_vfl.errors import ConfigError, DataError, IntegrityError, RunWarning
@@ -151,6 +152,11 @@ class Manifest:
                 f"{where}: a seed >= 0 and num_classes in [2, {MAX_CLASSES}] expected, found "
                 f"{body.get('seed')!r} and {body.get('num_classes')!r}."
             )
+        if body["kind"] not in get_args(Kind):
+            raise DataError(
+                f"{where}: a data kind of {' or '.join(get_args(Kind))} expected, found "
+                f"{str(body['kind'])[:40]!r}."
+            )
         body["parties"] = tuple(_entry(p, k, where) for k, p in enumerate(body["parties"]))
         body["block_shapes"] = tuple(_block_shape(s, where) for s in body["block_shapes"])
         manifest = cls(**body)
@@ -250,6 +256,12 @@ def _entry(payload: Any, index: int, where: str) -> PartEntry:
     )
     check_keys(payload, _ENTRY_TYPES, refuse=_refusal(where), exact=False)
     entry = PartEntry(**payload)
+    role = LABEL_PARTY_ROLE if index == 0 else DATA_PARTY_ROLE
+    if entry.role != role:
+        raise DataError(
+            f"{where}: party entry {index} ({entry.name}) is the {role} (the label party comes "
+            f"first, data parties after it), found role {entry.role[:40]!r}."
+        )
     files = entry.files
     if (
         Path(entry.directory).name != entry.directory

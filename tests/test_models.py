@@ -317,6 +317,10 @@ def _set(manifest: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
         (("block_shapes", 0), [10**9], "values in all, expected, found [1000000000]"),
         (("parties", 1, "name"), {"a": 1}, "`name` of type str expected, found dict"),
         (("parties", 1), "party-1", "a party entry (an object) expected"),
+        # kind and roles were taken whatever they said
+        (("kind",), "graph", "a data kind of tabular or image expected, found 'graph'"),
+        (("parties", 0, "role"), "data party", "party entry 0 (party-0) is the label party"),
+        (("parties", 1, "role"), "label party", "party entry 1 (party-1) is the data party"),
         # it said "MethodConfig.__init__() got an unexpected keyword argument 'zzz'"
         (("method_config", "zzz"), 1, "method_config names settings this version does not have"),
     ],
