@@ -6,6 +6,7 @@ Every process started here is stopped by its pid when the test ends, passed or f
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -1054,6 +1055,57 @@ def test_messages_to_one_peer_travel_in_one_delivery_acted_on_in_order_up_to_a_r
     assert [wire.encode(m) for m in read_capture(tmp_path / "shop.capture")] == [
         wire.encode(m) for m in delivered
     ]
+
+
+def test_messages_over_the_size_limit_go_in_several_deliveries_every_peer_at_once(
+    certs: Path,
+) -> None:
+    """Where one peer's messages pass the size limit together, they go in deliveries of as
+    many as fit, one after another, in order; every peer's first delivery is in flight at
+    once (shop's handler waits for aggregator's to have acted on the same round: one peer
+    after the other, it waited in vain), and a refusal stops its own peer's next ones only."""
+    greetings = {name: _greeting(receiver=name) for name in ("shop", "aggregator")}
+    size = max(len(wire.encode(m)) + CAPTURE_LENGTH.size for m in greetings.values())
+    bank = PartyEndpoint(
+        "bank", identity=_identity(certs, "bank"), deadline=20.0, max_message_bytes=2 * size
+    )
+    peers = {
+        name: PartyEndpoint(name, identity=_identity(certs, name), deadline=20.0)
+        for name in ("shop", "aggregator")
+    }
+    for name, peer in peers.items():
+        bank.add_peer(name, peer.address)
+    acted = collections.defaultdict(threading.Event)
+    seen: list[tuple[str, int, bool]] = []
+
+    def shop_handler(message: Message) -> None:
+        seen.append(("shop", message.round, acted[message.round].wait(timeout=5.0)))
+        if message.round == 13:
+            raise ProtocolError("round 13 is not the round expected")
+
+    def aggregator_handler(message: Message) -> None:
+        seen.append(("aggregator", message.round, True))
+        acted[message.round].set()
+
+    peers["shop"].handler = shop_handler
+    peers["aggregator"].handler = aggregator_handler
+    rounds = (1, 2, 3, 4, 5)
+    with bank, _Serving(peers["shop"]), _Serving(peers["aggregator"]):
+        sent = [dataclasses.replace(greetings[n], round=r) for r in rounds for n in peers]
+        assert bank.send_all(sent) == [len(wire.encode(m)) for m in sent]
+        assert [(n, r) for n, r, _ in seen if n == "shop"] == [("shop", r) for r in rounds]
+        assert all(waited for _, _, waited in seen)
+        for peer in peers.values():  # 2 + 2 + 1 messages
+            (deliveries,) = peer._deliveries.values()
+            assert deliveries.highest == 3
+        seen.clear()
+        failed: dict[str, ProtocolError] = {}
+        refused = [dataclasses.replace(greetings[n], round=r) for r in (6, 13, 7) for n in peers]
+        with pytest.raises(ProtocolError, match="round 13 is not the round expected"):
+            bank.send_all(refused, failed=failed)
+        assert list(failed) == ["shop"]
+        assert [(n, r) for n, r, _ in seen if n == "shop"] == [("shop", 6), ("shop", 13)]
+        assert [r for n, r, _ in seen if n == "aggregator"] == [6, 13, 7]
 
 
 def test_a_malformed_delivery_of_several_messages_is_refused_whole(certs: Path) -> None:

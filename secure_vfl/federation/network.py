@@ -913,8 +913,9 @@ class PartyEndpoint:
         """Deliver ``messages`` as :meth:`send` does, but to their peers at once: every peer
         acts on its own while the others do, and this returns (their encoded sizes) once each
         has acted. The messages to one peer keep their order, in one delivery (acted on up to
-        the first the peer refuses), or one after another where together they would pass the
-        size limit. After a failure the others are still waited for, then the first failure
+        the first the peer refuses), or in several one after another where together they would
+        pass the size limit (every peer's first in flight at once, then every peer's second).
+        After a failure the others are still waited for, then the first failure
         is raised. ``detached``: nobody waits on this party for their outcome (it answered
         the delivery that caused them), so a peer that refuses one also raises the refusal in
         its own next wait. ``failed``, if given, gets each failure by the peer it came from."""
@@ -922,38 +923,47 @@ class PartyEndpoint:
         groups: dict[str, list[int]] = {}
         for i, message in enumerate(messages):
             groups.setdefault(message.receiver, []).append(i)
-        together: list[list[int]] = []
-        apart: list[list[int]] = []
-        for indices in groups.values():
-            size = sum(len(encoded[i]) + CAPTURE_LENGTH.size for i in indices)
-            fits = len(indices) == 1 or (
-                len(indices) <= MAX_BUNDLE and size <= self.max_message_bytes
-            )
-            (together if fits else apart).append(indices)
-        deliveries = [
-            self._start(
-                [messages[i] for i in indices], [encoded[i] for i in indices], deadline, detached
-            )
-            for indices in together
-        ]
+        # Each peer's messages in as few deliveries as the size limit allows, one after
+        # another; the peers' k-th deliveries all in flight at once.
+        queues = [self._bundles(indices, encoded) for indices in groups.values()]
         failures = []
-        outcomes = self._complete_all(deliveries)
-        for error, indices in zip(outcomes, together, strict=True):
-            if error is not None:  # TransportError included
-                failures.append(error)
-                if failed is not None:
-                    failed[messages[indices[0]].receiver] = error
-        for indices in apart:
-            try:
-                for i in indices:
-                    self._complete(self._start([messages[i]], [encoded[i]], deadline, detached))
-            except ProtocolError as error:
-                failures.append(error)
-                if failed is not None:
-                    failed[messages[indices[0]].receiver] = error
+        while queues:
+            bundles = [bundles.pop(0) for bundles in queues]
+            deliveries = [
+                self._start(
+                    [messages[i] for i in bundle], [encoded[i] for i in bundle], deadline, detached
+                )
+                for bundle in bundles
+            ]
+            going_on = []
+            outcomes = self._complete_all(deliveries)
+            for error, bundle, rest in zip(outcomes, bundles, queues, strict=True):
+                if error is not None:  # TransportError included; its peer's next ones not sent
+                    failures.append(error)
+                    if failed is not None:
+                        failed[messages[bundle[0]].receiver] = error
+                elif rest:
+                    going_on.append(rest)
+            queues = going_on
         if failures:
             raise failures[0]
         return [len(data) for data in encoded]
+
+    def _bundles(self, indices: Sequence[int], encoded: Sequence[bytes]) -> list[list[int]]:
+        """``indices`` (one peer's messages, ``encoded``) cut in order into deliveries of at most
+        MAX_BUNDLE messages and ``max_message_bytes`` bytes (a message over it goes alone)."""
+        bundles: list[list[int]] = [[]]
+        size = 0
+        for i in indices:
+            part = len(encoded[i]) + CAPTURE_LENGTH.size
+            if bundles[-1] and (
+                len(bundles[-1]) == MAX_BUNDLE or size + part > self.max_message_bytes
+            ):
+                bundles.append([])
+                size = 0
+            bundles[-1].append(i)
+            size += part
+        return bundles
 
     def _encode(self, message: Message) -> bytes:
         """``message``'s bytes, if it is this party's to send to a known peer."""
