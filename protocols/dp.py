@@ -601,7 +601,10 @@ class PrivacyAccountant:
         strength = sum(release_strength(e.noise_multiplier, shift=1.0) for e in events)
         return Guarantee(
             protects="the rows behind its statistics",
-            observer="the server and every other client (they see the released sums)",
+            observer=(
+                "the server, or any one other client (each sees the released sums; a client "
+                "knows its own noise share, and the others' carry the full noise)"
+            ),
             mechanisms=("statistics",),
             adjacency=ADJACENCY_TEXT["add-remove"],
             sampling="every row in every release (no subsampling)",

@@ -14,13 +14,17 @@ Gaussian mechanism (Dwork & Roth 2014, Thm A.1) per client:
   ``clip`` (C) if longer, so adding or removing one record moves its client's sum by at most C
   (add/remove adjacency, Opacus' convention): the L2 sensitivity is C. A scaled row counts as a
   fractional row (its counts shrink with its sums), so the statistics stay a weighted, valid set.
-- Noise on the sum, distributed: each of ``shares`` clients adds N(0, (sigma C)^2 / shares) per
-  coordinate, so the sum of all K shares carries N(0, (sigma C)^2). With secure aggregation
-  (masks, Paillier, CKKS) the server sees only that sum, so every client's records are protected
-  by the full noise while each client adds only 1/K of its variance: the error of the released
-  sum is that of one central Gaussian mechanism, not K of them. Without secure aggregation the
-  server sees each client's vector, so ``shares`` must be 1 (every client adds all the noise:
-  local DP, K times the variance in the sum).
+- Noise on the sum, distributed: each of ``shares`` (K >= 2) clients adds
+  N(0, (sigma C)^2 / (K - 1)) per coordinate, so any K - 1 of the shares carry N(0, (sigma C)^2).
+  With secure aggregation (masks, Paillier, CKKS) the server sees only the sum, and every client
+  sees the released sum too and knows its own share: what either cannot subtract is the noise of
+  at least K - 1 clients, so every client's records are protected by the full noise against the
+  server and against any one other client, while each client adds 1/(K - 1) of its variance: the
+  released sum's error is K / (K - 1) times a central Gaussian mechanism's variance, not K times.
+  (Shares of 1/K each would leave a client that subtracts its own share sigma sqrt((K - 1) / K):
+  epsilon 4.70 where 3.98 was claimed, at K = 4.) Without secure aggregation the server sees each
+  client's vector, so ``shares`` must be 1 (every client adds all the noise: local DP, K times
+  the variance in the sum).
 - Accounting: one :class:`~protocols.dp.GaussianRelease` (``kind="statistics"``, noise
   multiplier sigma, sample rate 1: the statistics cover every training row, no subsampling) per
   client and exchange, priced per client by its own :class:`~protocols.dp.PrivacyAccountant`
@@ -35,7 +39,8 @@ Gaussian mechanism (Dwork & Roth 2014, Thm A.1) per client:
 
 Trust, stated: the distributed guarantee assumes semi-honest clients that add their share and a
 server that sees only the secure sum (DESIGN section 4). A server colluding with c clients can
-remove their shares, leaving noise multiplier sigma * sqrt((K - c) / K) on the others' records.
+remove their shares, leaving noise multiplier sigma * sqrt((K - c) / (K - 1)) on the others'
+records (sigma itself for one: a client alone, or the server alone).
 The ranges must be public (declared by the federation, e.g. physical units); ranges measured on
 the data, as :func:`observed_ranges` does for experiments, are themselves not private.
 """
@@ -122,8 +127,8 @@ class StatisticsNoise:
 
     @property
     def share_std(self) -> float:
-        """The std of the noise one client adds per coordinate: sigma C / sqrt(shares)."""
-        return self.noise_std / math.sqrt(self.shares)
+        """The std of the noise one client adds per coordinate (:func:`share_std`)."""
+        return share_std(self.noise_std, self.shares)
 
     def privatise(self, client: str, exchange: str, rows: np.ndarray) -> np.ndarray:
         """``client``'s noisy share of an exchange: its clipped rows summed, plus its noise."""
@@ -142,6 +147,13 @@ class StatisticsNoise:
         step = EXCHANGES.index(exchange)
         self.on_event(GaussianRelease(client, self.noise_multiplier, 1.0, "statistics", step))
         return (total + draws * self.share_std).numpy()
+
+
+def share_std(noise_std: float, shares: int) -> float:
+    """The std of the noise each of ``shares`` clients adds per coordinate so that any
+    ``shares - 1`` of them (what the sum holds beyond one client's own share) carry
+    ``noise_std``: noise_std / sqrt(shares - 1), all of it when one client adds it alone."""
+    return noise_std / math.sqrt(max(shares - 1, 1))
 
 
 class ClientStatisticsNoise:
@@ -366,7 +378,7 @@ class StatisticsPlan:
         return ReleaseTerms(
             ranges=FeatureRanges(lower=self.ranges.lower.copy(), upper=self.ranges.upper.copy()),
             standard_bound=self.standard_bound,
-            share_std=self.noise_multiplier * self.clip / math.sqrt(self.shares),
+            share_std=share_std(self.noise_multiplier * self.clip, self.shares),
         )
 
 

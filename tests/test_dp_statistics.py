@@ -105,18 +105,22 @@ def _mechanisms(
 RANGES = FeatureRanges(lower=np.full(3, -1.0), upper=np.full(3, 1.0))
 
 
-def test_each_share_has_std_sigma_clip_over_sqrt_k_and_the_sum_sigma_clip() -> None:
+def test_any_k_minus_one_shares_carry_sigma_clip_so_no_client_can_strip_the_noise() -> None:
+    """A client knows its own share of the released sum's noise: what is left to it, the
+    others' K - 1 shares, must carry sigma C (shares of 1/K each left sigma sqrt((K-1)/K))."""
     sigma, clip, shares = 1.5, 2.0, 4
     mechanism = _mechanism(sigma, clip, ranges=RANGES, shares=shares)
     no_rows = np.zeros((0, 50_000))
     parts = [mechanism.privatise(f"client-{k}", "pairs", no_rows) for k in range(shares)]
-    assert np.std(parts[0]) == pytest.approx(sigma * clip / math.sqrt(shares), rel=0.02)
+    assert np.std(parts[0]) == pytest.approx(sigma * clip / math.sqrt(shares - 1), rel=0.02)
+    others = np.sum(parts[1:], axis=0)  # the sum, less client-0's own share
+    assert np.std(others) == pytest.approx(sigma * clip, rel=0.02)
     total = np.sum(parts, axis=0)
-    assert np.std(total) == pytest.approx(sigma * clip, rel=0.02)
-    assert abs(float(np.mean(total))) < 5 * sigma * clip / math.sqrt(total.size)
-    # norm of the summed noise: sqrt(d) sigma C
-    expected_norm = math.sqrt(total.size) * sigma * clip
-    assert float(np.linalg.norm(total)) == pytest.approx(expected_norm, rel=0.02)
+    assert np.std(total) == pytest.approx(sigma * clip * math.sqrt(shares / (shares - 1)), rel=0.02)
+    assert abs(float(np.mean(total))) < 5 * np.std(total) / math.sqrt(total.size)
+    # one client adding all the noise (no secure sum) adds sigma C
+    alone = _mechanism(sigma, clip, ranges=RANGES, shares=1).privatise("c", "pairs", no_rows)
+    assert np.std(alone) == pytest.approx(sigma * clip, rel=0.02)
 
 
 def test_one_record_moves_a_clients_release_by_at_most_the_clip_norm() -> None:
@@ -170,7 +174,7 @@ def test_each_client_holds_its_own_mechanism_and_noise_source() -> None:
     assert len({id(m) for m in held}) == len(sources) == len(clients)
     # The coordinator knows only the public terms (a copy), no mechanism or generator.
     assert federation.release_terms is not None
-    assert federation.release_terms.share_std == pytest.approx(1.0 / 2.0)
+    assert federation.release_terms.share_std == pytest.approx(1.0 / math.sqrt(3.0))
     shared = _mechanism(1.0, 1.0, ranges=observed_ranges(clients))
     with pytest.raises(ConfigError, match="each client needs its own statistics mechanism"):
         build_imputation_federation(clients, privacy=lambda name: shared)
@@ -363,7 +367,7 @@ def test_a_served_client_makes_its_own_mechanism_from_the_plan_under_the_coordin
     assert client.privacy is served.mechanism
     # The coordinator's view of the clients' mechanisms is what each client made.
     assert plan.terms().matches(ReleaseTerms.of(served.mechanism))
-    assert served.mechanism.share_std == pytest.approx(1.5 * 2.0 / math.sqrt(3))
+    assert served.mechanism.share_std == pytest.approx(1.5 * 2.0 / math.sqrt(2))
     # Its noise is fresh OS entropy: two clients of one plan draw different noise.
     other = served_statistics(
         "client-1", body, ImputationClient(_clients(features=3)[1]), features=("a", "b", "c")
