@@ -122,6 +122,8 @@ class GaussianRelease:
     secure sum's exposed rows (``"exposure"``) names its rows in either phase. ``attempt``
     counts the runs of its step before it: a resumed run takes again the steps after its
     checkpoint, whose releases the killed run had made too (:meth:`PrivacyAccountant.restore`).
+    ``discarded``: a DP-SGD step of such a killed run, whose model the resumed run discarded
+    (its later messages, computed with that model, were seen all the same).
     """
 
     party: str
@@ -133,6 +135,7 @@ class GaussianRelease:
     split: str = "train"
     rows: tuple[int, ...] = field(default=(), repr=False)
     attempt: int = 0
+    discarded: bool = False
 
     def __post_init__(self) -> None:
         if not self.party:
@@ -149,6 +152,11 @@ class GaussianRelease:
             raise ConfigError(f"`phase` must be 'train' or 'predict'. Found {self.phase!r}.")
         if type(self.attempt) is not int or self.attempt < 0:
             raise ConfigError(f"`attempt` must be an integer >= 0. Found {self.attempt!r}.")
+        if type(self.discarded) is not bool or (self.discarded and self.kind != "dp-sgd"):
+            raise ConfigError(
+                "`discarded` must be a bool, true only for a DP-SGD step. Found "
+                f"{self.discarded!r} for a {self.kind!r} release."
+            )
 
 
 EventCallback = Callable[[GaussianRelease], None]
@@ -429,14 +437,18 @@ class PrivacyAccountant:
     ) -> int:
         """Replace the releases recorded by ``events`` (from :meth:`to_json`, read back from a
         checkpoint), then add those of ``lost`` (the killed run's releases after that
-        checkpoint, from its journal) that left the party: every release but a DP-SGD step's,
-        which changed only the model the resumed run discards (its step is taken again, with
-        fresh noise, and counted then). A lost release was seen by its receivers before the
-        kill, and the resumed run releases about the same rows again: both are priced. Returns
-        how many lost releases were added; ConfigError, naming the entry, for one that is not
-        a release."""
+        checkpoint, from its journal). A lost release was seen by its receivers before the
+        kill, and the resumed run releases about the same rows again: both are priced. A lost
+        DP-SGD step is kept ``discarded``: the messages the killed run sent after it were
+        computed with the model it made, so it is priced against their receivers, but not in
+        the model guarantee (the resumed run discards that model and takes the step again,
+        with fresh noise). Returns how many lost releases were added; ConfigError, naming the
+        entry, for one that is not a release."""
         restored = _releases(events, "a checkpoint")
-        seen = [event for event in _releases(lost, "the journal") if event.kind != "dp-sgd"]
+        seen = [
+            dataclasses.replace(event, discarded=True) if event.kind == "dp-sgd" else event
+            for event in _releases(lost, "the journal")
+        ]
         self.events = restored + seen
         # The steps after the checkpoint are taken again: their releases are new joint events.
         self.attempt = 1 + max((event.attempt for event in self.events), default=-1)
@@ -528,7 +540,9 @@ class PrivacyAccountant:
         without DP-SGD): ``draws`` Poisson-subsampled Gaussian steps at ``sample_rate``, under
         add/remove, with amplification: valid only if the sample (``sampling`` says how it was
         drawn) is secret from that observer, as the secure generator keeps it."""
-        steps = self._events(party, phase="train", kinds=("dp-sgd",))
+        steps = [
+            e for e in self._events(party, phase="train", kinds=("dp-sgd",)) if not e.discarded
+        ]
         if not steps:
             return None
         multipliers = {e.noise_multiplier for e in steps}

@@ -411,7 +411,11 @@ class PartyPrivacy:
             prefix.events = [
                 e for e in self.accountant.events if e.phase == "train" and e.round < end
             ]
-            draws = sum(1 for e in prefix.events if e.party == self.name and e.kind == "dp-sgd")
+            draws = sum(
+                1
+                for e in prefix.events
+                if e.party == self.name and e.kind == "dp-sgd" and not e.discarded
+            )
             held = self._training(prefix, schedule, draws=draws)
             if held:
                 curve.append(max(g.epsilon for g in held))

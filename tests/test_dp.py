@@ -20,7 +20,9 @@ from protocols.dp import (
     EmbeddingNoise,
     GaussianRelease,
     GradientNoise,
+    Guarantee,
     PrivacyAccountant,
+    _release_json,
     calibrate_noise,
     calibrate_per_record,
     clip_rows,
@@ -161,6 +163,60 @@ def test_a_step_a_resumed_run_takes_again_is_counted_as_a_release_of_its_own() -
     assert again.events[-1].attempt == 2
     with pytest.raises(ConfigError, match="attempt"):
         GaussianRelease("party-0", 2.0, 0.5, "gradient", 2, attempt=-1)
+
+
+def test_a_killed_runs_dp_sgd_steps_are_priced_against_receivers_not_in_the_model() -> None:
+    """The killed run's messages after a lost DP-SGD step were computed with the model it
+    made: against their receivers that step is a release (as in an uninterrupted run of all
+    the attempts); the final model is the resumed run's, so the model guarantee leaves it out.
+    (restore dropped it: against the receivers, epsilon 19.05 where 21.44 was spent.)"""
+    schedule = [np.arange(10)] * 4
+
+    def run(rounds: range, attempt: int = 0) -> list[GaussianRelease]:
+        return [
+            GaussianRelease("party-1", 2.0, 0.5, kind, step, attempt=attempt)
+            for step in rounds
+            for kind in ("embedding", "dp-sgd")
+        ]
+
+    def guarantees(accountant: PrivacyAccountant) -> tuple[Guarantee, Guarantee]:
+        messages = accountant.message_guarantee(
+            "party-1",
+            schedule=schedule,
+            records=10,
+            adjacency="replace-one",
+            delta=DELTA,
+            sampling="",
+        )
+        model = accountant.model_guarantee(
+            "party-1", sample_rate=0.5, draws=4, delta=DELTA, sampling=""
+        )
+        assert messages is not None and model is not None
+        return messages, model
+
+    resumed = PrivacyAccountant()
+    lost = [_release_json(e) for e in run(range(2, 4))]
+    assert resumed.restore([_release_json(e) for e in run(range(2))], lost=lost) == 4
+    for event in run(range(2, 4)):
+        resumed.on_event(event)
+    every = PrivacyAccountant()
+    every.events = [*run(range(4)), *run(range(2, 4), attempt=1)]
+    messages, model = guarantees(resumed)
+    assert messages.epsilon == pytest.approx(guarantees(every)[0].epsilon, rel=1e-12)
+    assert [e.discarded for e in resumed.events if e.kind == "dp-sgd"] == [
+        False,
+        False,
+        True,
+        True,
+        False,
+        False,
+    ]
+    assert model.releases == 4  # the checkpoint's two steps and the resumed run's two
+    final = PrivacyAccountant()  # the resumed model's steps: the checkpoint's and its own
+    final.events = [*run(range(2)), *run(range(2, 4), attempt=1)]
+    assert model == guarantees(final)[1]
+    with pytest.raises(ConfigError, match="true only for a DP-SGD step"):
+        GaussianRelease("party-1", 2.0, 0.5, "embedding", 0, discarded=True)
 
 
 def test_message_guarantee_composes_each_records_steps_and_takes_the_worst_record() -> None:
