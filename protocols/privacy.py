@@ -769,9 +769,12 @@ class PrivacyEngine:
         """``result.json``'s privacy entry (None when no DP mechanism ran): each party's
         guarantees from its own accountant (what each protects, against whom, under which
         adjacency, sampling and accountant, and its epsilon), its headline ``epsilon`` (the
-        largest of them), the noise, the sampling and the releases made. ``accounted_by`` says
-        whose accountant each party's figures come from: in a deployment every data party's
-        are what it reported about itself (:meth:`take_reports`)."""
+        largest of them, over what it noised), ``unguarded`` (by party, what it sends without
+        noise, :meth:`_unguarded`: no epsilon bounds that, so the run's worst party is at inf
+        while any is listed), the noise, the sampling and the releases made; the target and
+        ``within_target`` are of the guarantees priced. ``accounted_by`` says whose
+        accountant each party's figures come from: in a deployment every data party's are what
+        it reported about itself (:meth:`take_reports`)."""
         if self._statistics is not None or self._deployed_statistics is not None:
             return self._statistics_report()
         if not self.noise:
@@ -799,6 +802,7 @@ class PrivacyEngine:
             "sample_rate": sampler.rate,
             "noise": {kind: {"sigma": s, "clip": c} for kind, (s, c) in self.noise.items()},
             "epsilon": epsilon,
+            "unguarded": self._unguarded(),
             "epsilon_per_epoch": {
                 n: e["epsilon_per_epoch"] for n, e in entries.items() if e["epsilon_per_epoch"]
             },
@@ -878,6 +882,18 @@ class PrivacyEngine:
             "clip": clip,
             "exposed_releases": {name: e["exposed"] for name, e in self._entries().items()},
         }
+
+    def _unguarded(self) -> dict[str, list[str]]:
+        """By party, what its plan sends every step that no noise covers (its representations,
+        or its gradients back to the data parties): crossing in the clear, it has no epsilon.
+        A secure sum may hide it from the receiver, but not by DP."""
+        names = {"embedding": "representations", "gradient": "gradients"}
+        found = {}
+        for name, plan in self._plan.items():
+            clear = [names[k] for k in names if plan.get(k) and k not in self.noise]
+            if clear:
+                found[name] = clear
+        return found
 
     def _not_noised(self) -> list[str]:
         """What crosses a party boundary in the clear, so that no guarantee covers it (of what

@@ -1794,6 +1794,15 @@ def _privacy_lines(privacy: dict[str, Any]) -> list[str]:
         f"epsilon (delta {privacy['delta']:g}, {privacy['adjacency']}{drawn}; largest "
         f"guarantee per party, see result.json): {spent}"
     ]
+    unguarded = privacy.get("unguarded") or {}
+    if unguarded:
+        sent: dict[str, list[str]] = {}
+        for party, kinds in unguarded.items():
+            sent.setdefault(" and ".join(kinds), []).append(party)
+        lines.append(
+            "no DP guarantee (epsilon inf), sent without noise: "
+            + "; ".join(f"the {what} of {', '.join(names)}" for what, names in sent.items())
+        )
     unheard = [  # a deployed party lost mid-run: its releases died with its process
         name
         for name, whose in (privacy.get("accounted_by") or {}).items()

@@ -106,7 +106,8 @@ def _git(source: Path, *command: str) -> str:
 class RunSummary:
     """What tells one run from another: ``backend`` (none, masks, paillier, ckks), ``dp``
     (the DP mechanisms as ``name SIGMA:CLIP``, or none), ``epsilon`` (the largest spent by a
-    party, None without DP), ``accuracy`` (%, per test missingness)."""
+    party, None without DP; inf where a party has no guarantee, its releases in the clear),
+    ``accuracy`` (%, per test missingness)."""
 
     kind: str
     method: str
@@ -179,7 +180,7 @@ def summarise(payload: dict[str, Any], *, kind: str = "train") -> RunSummary:
         dataset=str(payload.get("dataset", "?")),
         backend=_backend(config, settings, _object(payload, "traffic")),
         dp=dp,
-        epsilon=max(epsilon.values()) if epsilon else None,
+        epsilon=math.inf if report.get("unguarded") else max(epsilon.values(), default=None),
         accuracy=_accuracy(_object(payload, "metrics")),
         wall_time_s=wall_time_s,
         seed=config.get("seed"),

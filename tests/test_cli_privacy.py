@@ -90,8 +90,16 @@ def test_the_issues_example_prices_joint_events_per_record_under_replace_one(
     # the data parties' DP-SGD guarantee is the issue's 5.68 (60 steps at q = 0.089)
     assert privacy["epsilon"]["party-1"] == pytest.approx(5.68, abs=0.01)
     assert "representations: sent without noise" in privacy["not_noised"][0]
+    # DP-SGD covers the bottom models, not what they send: every party's representations are
+    # listed as unguarded (no epsilon bounds them; 'the worst party' was 5.68-ish, finite)
+    unguarded = {f"party-{k}": ["representations"] for k in range(4)}
+    assert privacy["unguarded"] == unguarded
     printed = capsys.readouterr().out
     assert "epsilon (delta 1e-05, replace one record" in printed and "party-0" in printed
+    assert (
+        "no DP guarantee (epsilon inf), sent without noise: the representations of party-0, "
+        "party-1, party-2, party-3" in printed
+    )
     assert privacy["sampling"]["records"] == 1438  # digits' training rows
     assert "WARNING" not in printed  # delta 1e-5 is below 1/1438
 
@@ -101,11 +109,13 @@ def test_not_noised_lists_only_what_the_method_sends(tmp_path: Path) -> None:
     argv = ["train", "--method", "local", "--dataset", "iris", "--parties", "3", "--epochs", "1"]
     assert main([*argv, "--dp-embeddings", "1:1", "--quiet", "--out", str(tmp_path / "l")]) == 0
     privacy = json.loads((tmp_path / "l" / "result.json").read_text())["privacy"]
-    assert privacy["not_noised"] == []
+    assert privacy["not_noised"] == [] and privacy["unguarded"] == {}
     argv[2] = "laser"
     assert main([*argv, "--dp-embeddings", "1:1", "--quiet", "--out", str(tmp_path / "s")]) == 0
     privacy = json.loads((tmp_path / "s" / "result.json").read_text())["privacy"]
     assert [text.split(":")[0] for text in privacy["not_noised"]] == ["gradients"]
+    # with every head (LASER's default) every party sends gradients, none with noise
+    assert privacy["unguarded"] == {f"party-{k}": ["gradients"] for k in range(3)}
 
 
 def test_a_run_without_noise_or_with_a_large_delta_says_so(

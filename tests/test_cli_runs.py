@@ -56,8 +56,9 @@ def test_compare_tells_a_masks_run_from_a_ckks_run_from_a_dp_run(
     assert masks[2:5] == ["masks", "none", "-"]
     assert ckks[2:5] == ["ckks", "none", "-"]
     assert dp[2] == "none" and dp[3:5] == ["gradients", "1:0.05"]
+    # the worst party's: the representations crossed without noise (the gradients' is finite)
     epsilon = json.loads((tmp_path / "dp" / "result.json").read_text())["privacy"]["epsilon"]
-    assert float(dp[5]) == pytest.approx(max(epsilon.values()), abs=0.006)
+    assert dp[5] == "inf" and max(epsilon.values()) < 1e3
     # The store holds the same distinctions, one row per run, with the whole configuration.
     rows_stored = {
         Path(r["out_dir"]).name: r for r in ResultsStore(tmp_path / "results.sqlite").rows()
