@@ -121,6 +121,15 @@ IDLE_REPRODUCIBLE_NOISE = (
 an attack's defenses add DP or secure sums to; so is ``release="dp"`` without secure sums)."""
 
 
+SCOPE = (
+    "each epsilon prices a release given the model state that shaped it: the heads, and bottom "
+    "models without DP-SGD, train on values in the clear, and what they learn from one record "
+    "and show in later releases about other records is not covered; see docs/privacy.md"
+)
+"""What a training run's guarantees leave out, in its report and summary: they are conditional
+on the un-noised state, which an empirical audit (``benchmarks/dp_audit.py``) probes."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class PrivacySpec:
     """How one run is protected. Noise is (SIGMA, CLIP); ``target_epsilon`` replaces every
@@ -803,6 +812,7 @@ class PrivacyEngine:
             "noise": {kind: {"sigma": s, "clip": c} for kind, (s, c) in self.noise.items()},
             "epsilon": epsilon,
             "unguarded": self._unguarded(),
+            "scope": SCOPE,
             "epsilon_per_epoch": {
                 n: e["epsilon_per_epoch"] for n, e in entries.items() if e["epsilon_per_epoch"]
             },

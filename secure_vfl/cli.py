@@ -1794,6 +1794,8 @@ def _privacy_lines(privacy: dict[str, Any]) -> list[str]:
         f"epsilon (delta {privacy['delta']:g}, {privacy['adjacency']}{drawn}; largest "
         f"guarantee per party, see result.json): {spent}"
     ]
+    if privacy.get("scope"):
+        lines.append(f"  note: {privacy['scope']}")
     unguarded = privacy.get("unguarded") or {}
     if unguarded:
         sent: dict[str, list[str]] = {}

@@ -100,6 +100,9 @@ def test_the_issues_example_prices_joint_events_per_record_under_replace_one(
         "no DP guarantee (epsilon inf), sent without noise: the representations of party-0, "
         "party-1, party-2, party-3" in printed
     )
+    # what every epsilon leaves out is said where the figures are, not only in the docs
+    assert "heads" in privacy["scope"] and "not covered" in privacy["scope"]
+    assert f"note: {privacy['scope']}" in printed
     assert privacy["sampling"]["records"] == 1438  # digits' training rows
     assert "WARNING" not in printed  # delta 1e-5 is below 1/1438
 
