@@ -310,6 +310,7 @@ class PrivacyEngine:
             )
         self.sample_rate: float | None = None
         self._sampler: PoissonSampler | None = None
+        self._present: np.ndarray | None = None  # (rows, parties): whose block each row holds
         self._ahead = False  # the sample was drawn by plan_parties, before the run
         self._names: list[str] = []
         self._plan: dict[str, dict[str, int]] = {}  # each party's releases per step, planned
@@ -433,11 +434,22 @@ class PrivacyEngine:
                 f"Found {', '.join(MECHANISMS[kind] for kind in self.noise)}."
             )
 
-    def sampler(self, sampler: BatchSampler, *, n: int, epochs: int) -> BatchSampler:
+    def sampler(
+        self,
+        sampler: BatchSampler,
+        *,
+        n: int,
+        epochs: int,
+        present: np.ndarray | None = None,
+    ) -> BatchSampler:
         """With a DP mechanism of training, the Poisson sampler that replaces the method's
         ``sampler`` (same rows, rate batch_size / rows, same steps per epoch; the whole schedule
         drawn now from the engine's sampling generator, or before, by :meth:`plan_parties`);
-        else ``sampler`` unchanged."""
+        else ``sampler`` unchanged. ``present`` (training rows x parties, in block order):
+        whose block each row holds, so that the report can bound the draws a party's DP-SGD
+        skips (:func:`skipped_draws_delta`)."""
+        if present is not None:
+            self._present = np.asarray(present, dtype=bool)
         if not self.noise:
             return sampler
         if self._ahead:  # drawn before the parties were set up (a deployment)
@@ -476,6 +488,7 @@ class PrivacyEngine:
         names: Sequence[str],
         predictions: int,
         resumed: Callable[[PoissonSampler], None] | None = None,
+        present: np.ndarray | None = None,
     ) -> dict[str, dict[str, Any] | None]:
         """A deployed label party's plan, before it sets the other parties up: the Poisson
         sample drawn for the method's ``sampler`` (its training set of ``n`` rows), SIGMA
@@ -486,7 +499,7 @@ class PrivacyEngine:
         is calibrated to the schedule the run trains on, as the killed run's was."""
         if not self.noise:
             return {name: None for name in names[1:]}
-        self.sampler(sampler, n=n, epochs=epochs)
+        self.sampler(sampler, n=n, epochs=epochs, present=present)
         if resumed is not None:
             assert self._sampler is not None
             resumed(self._sampler)
@@ -813,6 +826,7 @@ class PrivacyEngine:
             "epsilon": epsilon,
             "unguarded": self._unguarded(),
             "scope": SCOPE,
+            "skipped_draws": self._skipped_draws(guarantees),
             "epsilon_per_epoch": {
                 n: e["epsilon_per_epoch"] for n, e in entries.items() if e["epsilon_per_epoch"]
             },
@@ -892,6 +906,41 @@ class PrivacyEngine:
             "clip": clip,
             "exposed_releases": {name: e["exposed"] for name, e in self._entries().items()},
         }
+
+    def _skipped_draws(self, guarantees: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+        """By DP-SGD party, what its skipped draws add to its model guarantee's delta
+        (:func:`skipped_draws_delta`, over its records among the sampled rows); a RunWarning
+        where that is not negligible (over 1 % of delta). Empty without DP-SGD or without
+        ``present`` (a Python caller that did not pass it)."""
+        sampler = self._sampler
+        if "dp-sgd" not in self.noise or self._present is None or sampler is None:
+            return {}
+        found = {}
+        for k, name in enumerate(self._names):
+            model = [g for g in guarantees.get(name, []) if g["amplification"]]
+            if not model or k >= self._present.shape[1]:
+                continue
+            records = int(self._present[sampler.rows, k].sum())
+            added = skipped_draws_delta(
+                model[0]["epsilon"], rate=sampler.rate, draws=sampler.draws, records=records
+            )
+            found[name] = {"records": records, "delta_added": added}
+            if added > 0.01 * self.spec.delta:
+                delta = self.spec.delta + added
+                holds = (
+                    "is void (delta >= 1)"
+                    if delta >= 1
+                    else f"holds at delta {delta:.3g}, not {self.spec.delta:g}"
+                )
+                warnings.warn(
+                    f"{name}'s DP-SGD takes no step on a draw that holds none of its {records} "
+                    f"records (rate {sampler.rate:.3g}, {sampler.draws} draws), and a step not "
+                    f"taken is no Gaussian step: its model guarantee {holds}. A larger "
+                    "--batch-size (or fewer missing blocks) makes such draws rare.",
+                    RunWarning,
+                    stacklevel=3,
+                )
+        return found
 
     def _unguarded(self) -> dict[str, list[str]]:
         """By party, what its plan sends every step that no noise covers (its representations,
@@ -985,6 +1034,21 @@ class PrivacyEngine:
                 for name in self._statistics_clients
             }
         return entry
+
+
+def skipped_draws_delta(epsilon: float, *, rate: float, draws: int, records: int) -> float:
+    """What a party's DP-SGD adds to its model guarantee's delta by taking no step on a draw
+    with none of its records (Opacus takes a noise-only step there; here no party is asked for
+    rows it does not hold). The accountant prices ``draws`` Poisson-subsampled Gaussian steps at
+    ``rate``, each taken; the run coincides with that mechanism unless some draw holds none of
+    the party's records, which happens with probability at most p = draws (1 - rate)^(n - 1)
+    for n = ``records`` (one fewer under removal), on either neighbouring dataset. Coupling the
+    two runs, an (epsilon, delta) guarantee of the priced mechanism is one of (epsilon,
+    delta + (1 + e^epsilon) p) for the run (capped at 1: no guarantee)."""
+    if records <= 1:
+        return 1.0
+    empty = draws * math.exp((records - 1) * math.log1p(-min(rate, 1.0))) if rate < 1 else 0.0
+    return min(1.0, (1.0 + math.exp(min(epsilon, 700.0))) * empty)
 
 
 def _warn_of_weak_guarantees(entry: Mapping[str, Any], sigmas: Mapping[str, float]) -> None:

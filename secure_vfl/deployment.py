@@ -293,6 +293,7 @@ if TYPE_CHECKING:
             names: Sequence[str],
             predictions: int,
             resumed: Callable[[Any], None] | None = None,
+            present: Any = None,
         ) -> dict[str, dict[str, Any] | None]: ...
 
         def take_reports(self, reports: Mapping[str, Any]) -> None: ...
@@ -1982,6 +1983,7 @@ def privacy_plans(
         names=federation.names,
         predictions=len(data.tests),  # each test record is released once per split
         resumed=resumed_schedule(resume) if resume is not None else None,
+        present=data.train.mask,
     )
 
 

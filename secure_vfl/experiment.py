@@ -611,9 +611,12 @@ class PrivacyLayer(Protocol):
         """The secure-sum backend (None: plain sums)."""
         ...
 
-    def sampler(self, sampler: BatchSampler, *, n: int, epochs: int) -> BatchSampler:
+    def sampler(
+        self, sampler: BatchSampler, *, n: int, epochs: int, present: np.ndarray | None = None
+    ) -> BatchSampler:
         """The sampler the run trains with, given the method's own over a training set of ``n``
-        rows (a DP run's Poisson sampler; ``sampler`` itself without DP)."""
+        rows (a DP run's Poisson sampler; ``sampler`` itself without DP); ``present``: whose
+        block each training row holds (rows x parties), for what the report says of it."""
         ...
 
     def make_private(
@@ -721,7 +724,10 @@ def run_training(
     method = build_method(config, data, channel=channel, aggregator=aggregator, roles=roles)
     if privacy is not None:
         method.sampler = privacy.sampler(
-            method.sampler, n=data.train.n, epochs=config.method_config.epochs
+            method.sampler,
+            n=data.train.n,
+            epochs=config.method_config.epochs,
+            present=data.train.mask,
         )
     run_checkpoints = RunCheckpoints(checkpoints) if checkpoints is not None else None
     progress = run_checkpoints.restore_run(method) if run_checkpoints is not None else None

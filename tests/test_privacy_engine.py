@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import json
+import math
 import re
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from conftest import MakeData
 from protocols.dp import EmbeddingNoise, GradientNoise
 from protocols.noise import SecureNoise
 from protocols.party_privacy import PartyPlan
-from protocols.privacy import PrivacyEngine, PrivacySpec
+from protocols.privacy import PrivacyEngine, PrivacySpec, skipped_draws_delta
 from protocols.secagg import MaskingAggregator
 from secure_vfl.cli import main
 from secure_vfl.data.samplers import MixedSampler, PoissonSampler
@@ -72,6 +73,39 @@ def test_a_report_that_protects_nothing_warns(make_data: MakeData) -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("error", RunWarning)
             assert engine.report() is not None
+
+
+def test_skipped_draws_add_to_delta_what_a_draw_without_the_partys_records_risks() -> None:
+    """(1 + e^eps) draws (1 - q)^(n - 1), capped at 1: vanishing for many records, the whole
+    guarantee for few."""
+    added = skipped_draws_delta(1.0, rate=0.1, draws=50, records=100)
+    assert added == pytest.approx((1 + math.e) * 50 * 0.9**99, rel=1e-12)
+    assert skipped_draws_delta(1.0, rate=0.089, draws=60, records=1438) < 1e-50
+    assert skipped_draws_delta(1.0, rate=0.01, draws=100, records=50) == 1.0
+    assert skipped_draws_delta(1e6, rate=0.1, draws=1, records=10) == 1.0  # no overflow
+    assert skipped_draws_delta(1.0, rate=1.0, draws=10, records=5) == 0.0  # every row, always
+
+
+def test_dp_sgd_whose_draws_often_miss_a_partys_records_says_its_delta() -> None:
+    """DP-SGD skips a draw with none of the party's rows (wine, batch 2, half of the blocks
+    missing: 58 of 67 draws or fewer stepped), where the accountant priced a noisy step: its
+    delta was reported as 1e-5 in silence."""
+    spec = PrivacySpec(dp_sgd=(1.0, 1.0), dp_gradients=(1.0, 0.01))
+    config = TrainConfig(
+        method="laser",
+        dataset="wine",
+        train_missing="mcar:0.5",
+        method_config=MethodConfig(heads="active", epochs=1, batch_size=2),
+    )
+    with pytest.warns(RunWarning, match="DP-SGD takes no step on a draw") as caught:
+        result = run_training(config, privacy=PrivacyEngine(spec))
+    assert result.privacy is not None
+    skipped = result.privacy["skipped_draws"]
+    assert set(skipped) == {f"party-{k}" for k in range(4)}
+    assert all(entry["delta_added"] == 1.0 for entry in skipped.values())
+    assert any("model guarantee is void (delta >= 1)" in str(w.message) for w in caught)
+    steps = result.privacy["releases"]["party-1"]["dp-sgd"]
+    assert steps < result.privacy["sampling"]["draws"]  # what the bound is about
 
 
 @pytest.mark.parametrize("heads", ["all", "active"])
