@@ -443,9 +443,11 @@ def _read_journal(
 
 def rejoin_from_journal(root: Path, party: DataParty, run_id: str) -> int:
     """A DP party set up anew after its process died, rejoining run ``run_id``: its accountant
-    takes every release its journal recorded in the run but the DP-SGD steps (their model died
-    with the process; it trains a fresh one), its message hooks their notes (the rows each step
-    asked for, over which those releases are priced), and the journal goes on. IntegrityError
+    takes every release its journal recorded in the run (its DP-SGD steps kept ``discarded``:
+    their model died with the process and it trains a fresh one, but the messages it sent were
+    computed with it: :meth:`~protocols.dp.PrivacyAccountant.restore`), its message hooks their
+    notes (the rows each step asked for, over which those releases are priced), and the journal
+    goes on. IntegrityError
     without a journal of the run: its releases would go unpriced. Returns the releases taken."""
     where = f"{party.name} rejoining run {run_id}"
     releases, notes = _read_journal(root, party.name, run_id, where=where)

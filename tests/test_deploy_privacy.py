@@ -227,15 +227,17 @@ def test_a_party_rejoining_under_dp_takes_back_its_releases_and_rows_from_its_jo
     # Its process dies; a new one, set up anew, rejoins the run.
     again = _party()
     served_half("shop", PLAN.to_json(), again)
-    assert rejoin_from_journal(tmp_path, again, RUN) == 2  # not the DP-SGD steps
-    assert again.accountant.releases("shop") == {"embedding": 2}
+    # the DP-SGD steps too, discarded: priced against the receivers, not in the fresh model's
+    assert rejoin_from_journal(tmp_path, again, RUN) == 4
+    assert again.accountant.releases("shop") == {"embedding": 2, "dp-sgd": 2}
+    assert [e.discarded for e in again.accountant.events if e.kind == "dp-sgd"] == [True, True]
     [view] = [hook for hook in again.incoming if isinstance(hook, RequestedRows)]
     assert [rows.tolist() for rows in view.schedule()[:3]] == [[0, 3], [3, 7], []]
     view.on_message(_request(2, torch.tensor([1])))  # the journal goes on
     again.accountant.on_event(GaussianRelease("shop", 1.5, 0.25, "embedding", 2))
     third = _party()
     served_half("shop", PLAN.to_json(), third)
-    assert rejoin_from_journal(tmp_path, third, RUN) == 3
+    assert rejoin_from_journal(tmp_path, third, RUN) == 5
     [view] = [hook for hook in third.incoming if isinstance(hook, RequestedRows)]
     assert [rows.tolist() for rows in view.schedule()[:3]] == [[0, 3], [3, 7], [1]]
     with pytest.raises(IntegrityError, match=r"release journal .* expected"):
@@ -426,8 +428,9 @@ def test_a_dp_party_rejoining_from_its_checkpoint_prices_its_releases_up_to_its_
 ) -> None:
     # Its checkpoint of step 1 holds the releases and rows of step 0; the journal those of step
     # 1, after it, up to its death. Restarted and readmitted from that checkpoint, it prices
-    # both (their receivers saw them) but the DP-SGD step after the checkpoint (it changed only
-    # the model that died; as on resume), and knows every row it was asked for.
+    # both (their receivers saw them), the DP-SGD step after the checkpoint as discarded (its
+    # model died, but the messages after it were computed with it; as on resume), and knows
+    # every row it was asked for.
     first = _served()
     own = ServedCheckpoints("shop", tmp_path, resume=False)
     own.start(first, {**CHECKPOINTS, "step": 0, "manifest": None, "committed": None})
@@ -444,7 +447,8 @@ def test_a_dp_party_rejoining_from_its_checkpoint_prices_its_releases_up_to_its_
         again, {**rejoin, "rejoin": True}
     )
     assert answer == {"run": RUN, "step": 1}
-    assert again.accountant.releases("shop") == {"embedding": 2, "dp-sgd": 1}
+    assert again.accountant.releases("shop") == {"embedding": 2, "dp-sgd": 2}
+    assert [e.discarded for e in again.accountant.events if e.kind == "dp-sgd"] == [False, True]
     [view] = [hook for hook in again.incoming if isinstance(hook, RequestedRows)]
     assert [rows.tolist() for rows in view.schedule()[:3]] == [[0, 3], [3, 7], []]
 
