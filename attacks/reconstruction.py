@@ -318,7 +318,11 @@ class _ReconstructionAttack(Attack):
 
     def prepare(self, party: Party, context: AttackContext) -> None:
         """Grant the auxiliary set (a share of the victim's training rows) and install the
-        observer on the label party's own hooks."""
+        observer on the label party's own hooks: first among its incoming layers, so that it
+        keeps what arrives before any layer of the party's own acts on it (the norm filter,
+        which the label party runs, zeroes rows it would otherwise log as zeros: a curious party
+        keeps the message as received), and last among its outgoing ones, so that it keeps its
+        own terms as they were sent (what the sums it receives hold)."""
         held = np.flatnonzero(context.data.train.mask[:, self.victim])
         count = self._granted(len(held))
         self._auxiliary_rows = np.sort(context.rng.choice(held, size=count, replace=False))
@@ -326,7 +330,7 @@ class _ReconstructionAttack(Attack):
             victim=self.victim_name,
             label_party=party if isinstance(party, SecureSumParty) else None,
         )
-        party.incoming.append(self.log)
+        party.incoming.insert(0, self.log)
         party.outgoing.append(self.log)
 
     @abstractmethod
