@@ -23,10 +23,14 @@ The semi-supervised step is self-training with confidence-thresholded pseudo-lab
 regularisation need data augmentations, which a party's column block of a tabular dataset has
 none of, whereas pseudo-labelling needs nothing but the model's own confident predictions.
 
-Its controls: ``untrained_accuracy`` is the same completion started from a freshly initialised
-bottom model of the same architecture (what the federation's training taught the bottom model
-is the attack's signal), and the negative control (``control=True``) shuffles the granted labels
-among the granted rows, so the completed model learns no labels and sits at chance. One shuffle
+It is scored by balanced accuracy (the mean recall over the classes): the granted rows are
+balanced, so a completion without signal guesses the classes alike and its plain accuracy sits
+below the majority class's share on an imbalanced task, where a completion that reads labels can
+sit too. Its controls: ``untrained_balanced_accuracy`` is the same completion started from a
+freshly initialised bottom model of the same architecture (what the federation's training taught
+the bottom model is the attack's signal), and the negative control (``control=True``) shuffles
+the granted labels among the granted rows, so the completed model learns no labels and sits at
+chance, 1/C. One shuffle
 leaves about a tenth of the granted rows with their own class, and which ones moves the control
 by up to 0.05 either side of chance (digits, 40 rows); the control therefore completes the model
 once for each of ``CONTROL_SHUFFLES`` independent shuffles and reports the mean.
@@ -46,6 +50,7 @@ from torch import Tensor, nn
 from attacks.base import (
     Attack,
     AttackContext,
+    balanced_accuracy,
     party_index,
     refuse_label_holder,
     refuse_latent_methods,
@@ -189,16 +194,20 @@ class PassiveModelCompletion(Attack):
     """The attacker's trained bottom model, completed with a head on ``known`` labelled rows
     per class and its unlabelled training rows, labels the rows it holds.
 
-    Metrics: ``accuracy`` on the test rows it holds (first test split), ``train_accuracy`` on
-    the training rows it holds (the known rows excluded; absent when every one was granted),
-    ``untrained_accuracy`` the headline
-    of the same completion from a freshly initialised bottom model, ``known`` the number of
-    granted rows.
+    Metrics: ``balanced_accuracy`` (the headline: the mean recall over the classes, chance 1/C
+    whatever their shares; :func:`attacks.base.balanced_accuracy`) and ``accuracy`` on the test
+    rows it holds (first test split), ``train_accuracy`` on the training rows it holds (the
+    known rows excluded; absent when every one was granted), ``untrained_balanced_accuracy`` and
+    ``untrained_accuracy`` of the same completion from a freshly initialised bottom model,
+    ``known`` the number of granted rows. The granted rows are balanced (``known`` per class),
+    so a completion without signal is no likelier to guess the majority class than another:
+    on an imbalanced task its plain accuracy sits below the majority class's share, which an
+    attack that reads labels may not reach either (German credit, 70/30).
     """
 
     name: ClassVar[str] = "passive-model-completion"
     role: ClassVar[str | None] = None  # an honest party of any method: it replaces no role
-    metric: ClassVar[str] = "accuracy"
+    metric: ClassVar[str] = "balanced_accuracy"
     counts: ClassVar[tuple[str, ...]] = ("known",)
 
     def __init__(self, known: int = 4, settings: Completion | None = None) -> None:
@@ -267,11 +276,13 @@ class PassiveModelCompletion(Attack):
         for labels in self._label_sets:  # one set, or the control's shuffles
             known_y = torch.from_numpy(labels)
             trained, untrained = complete(attacker.model, known_y), complete(fresh, known_y)
+            truth = test.labels[held_test]
+            predicted, untrained_predicted = _predict(trained, test_x), _predict(untrained, test_x)
             values = {
-                "accuracy": _accuracy(_predict(trained, test_x), test.labels[held_test]),
-                "untrained_accuracy": _accuracy(
-                    _predict(untrained, test_x), test.labels[held_test]
-                ),
+                "balanced_accuracy": balanced_accuracy(predicted, truth),
+                "accuracy": _accuracy(predicted, truth),
+                "untrained_balanced_accuracy": balanced_accuracy(untrained_predicted, truth),
+                "untrained_accuracy": _accuracy(untrained_predicted, truth),
             }
             if len(unknown):  # none when every training row it holds was granted
                 values["train_accuracy"] = _accuracy(
@@ -283,9 +294,9 @@ class PassiveModelCompletion(Attack):
         return metrics | {"known": float(len(self._known_rows))}
 
     def chance(self, context: AttackContext) -> float:
-        """The majority class's share: the best accuracy without any signal."""
-        counts = np.bincount(context.data.train.labels)
-        return float(counts.max() / counts.sum())
+        """1/C, the balanced accuracy of a completion without signal (the negative control's
+        shuffled labels)."""
+        return 1.0 / context.data.num_classes
 
 
 def _accuracy(predicted: np.ndarray, labels: np.ndarray) -> float:

@@ -58,14 +58,14 @@ def test_passive_completion_reads_labels_from_the_trained_bottom_and_not_from_sh
     attacked = run_attack(config, "passive-model-completion", channel=channel)
     metrics = attacked.attack
     assert metrics["known"] == 40  # 4 rows per class
-    assert metrics["accuracy"] >= 0.65 and metrics["train_accuracy"] >= 0.65
-    assert metrics["accuracy"] >= attacked.chance + 0.5
+    assert metrics["balanced_accuracy"] >= 0.65 and metrics["train_accuracy"] >= 0.65
+    assert metrics["balanced_accuracy"] >= attacked.chance + 0.5
     # what the federation taught the bottom model is the signal: an untrained one does worse
-    assert metrics["accuracy"] >= metrics["untrained_accuracy"] + 0.05
+    assert metrics["balanced_accuracy"] >= metrics["untrained_balanced_accuracy"] + 0.05
     assert type(channel.parties["party-1"]) is DataParty  # the passive attacker is honest
     control = run_attack(config, "passive-model-completion", control=True)
-    assert abs(control.attack["accuracy"] - control.chance) <= 0.05
-    assert control.chance == pytest.approx(0.102, abs=0.005)  # the majority class's share
+    assert abs(control.attack["balanced_accuracy"] - control.chance) <= 0.05
+    assert control.chance == pytest.approx(0.1)  # 1/C
     assert control.main == attacked.main  # the control changes the labels granted, not training
 
 
@@ -79,9 +79,12 @@ def test_active_completion_beats_the_passive_one_and_is_priced_against_an_honest
     passive = run_attack(config, "passive-model-completion")
     assert isinstance(channel.parties["party-1"], MaliciousOptimiserParty)
     assert type(channel.parties["party-0"]) is DataParty
-    assert active.attack["accuracy"] >= passive.attack["accuracy"] + 0.03
+    assert active.attack["balanced_accuracy"] >= passive.attack["balanced_accuracy"] + 0.03
     # the same completion from an untrained bottom model does not depend on how it trained
-    assert active.attack["untrained_accuracy"] == passive.attack["untrained_accuracy"]
+    assert (
+        active.attack["untrained_balanced_accuracy"]
+        == (passive.attack["untrained_balanced_accuracy"])
+    )
     # MP* is the honest, undefended run's accuracy, not the attacked run's
     assert active.undefended_accuracy == pytest.approx(passive.main["accuracy"])
 
@@ -183,7 +186,7 @@ def test_attack_command_runs_model_completion(tmp_path: Path) -> None:
     assert 0 <= result["attack"]["accuracy"] <= 1
     assert 0 <= result["attack"]["untrained_accuracy"] <= 1
     assert 0 < result["dcs"] <= 1
-    assert result["performance"] == result["attack"]["accuracy"]  # its AP
+    assert result["performance"] == result["attack"]["balanced_accuracy"]  # its AP
     # `runs compare` and `runs list` say which attack ran under which defense, and its score
     # (four runs differing in defense or control read as one before)
     from secure_vfl.runs import summarise_run
