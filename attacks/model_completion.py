@@ -30,7 +30,8 @@ sit too. Its controls: ``untrained_balanced_accuracy`` is the same completion st
 freshly initialised bottom model of the same architecture (what the federation's training taught
 the bottom model is the attack's signal), and the negative control (``control=True``) shuffles
 the granted labels among the granted rows, so the completed model learns no labels and sits at
-chance, 1/C. One shuffle
+chance, 1/C. The untrained completion is the attack's no-signal level, AP* of the DCS against
+chance (:meth:`PassiveModelCompletion.chance` says why). One shuffle
 leaves about a tenth of the granted rows with their own class, and which ones moves the control
 by up to 0.05 either side of chance (digits, 40 rows); the control therefore completes the model
 once for each of ``CONTROL_SHUFFLES`` independent shuffles and reports the mean.
@@ -217,6 +218,7 @@ class PassiveModelCompletion(Attack):
         self.settings = settings if settings is not None else Completion()
         self._known_rows = np.zeros(0, dtype=np.int64)
         self._label_sets: list[np.ndarray] = []  # the granted labels; one set per shuffle
+        self._untrained: float | None = None  # untrained_balanced_accuracy, once evaluated
 
     def check(self, config: TrainConfig, data: VerticalData, attacker: str) -> None:
         super().check(config, data, attacker)
@@ -291,12 +293,23 @@ class PassiveModelCompletion(Attack):
             for name, value in values.items():
                 scores.setdefault(name, []).append(value)
         metrics = {name: float(np.mean(values)) for name, values in scores.items()}
+        self._untrained = metrics["untrained_balanced_accuracy"]
         return metrics | {"known": float(len(self._known_rows))}
 
     def chance(self, context: AttackContext) -> float:
-        """1/C, the balanced accuracy of a completion without signal (the negative control's
-        shuffled labels)."""
-        return 1.0 / context.data.num_classes
+        """The same run's ``untrained_balanced_accuracy``: what this attacker reaches from its own
+        block and granted labels with nothing the federation taught it. No defense of the
+        protocol can take that from it, so it is where a perfect defense leaves the attack (as
+        the backdoor's level is the same run's untriggered rate); against 1/C, or the majority
+        class's share used before, the DCS charged a defense for the attacker's own data (digits,
+        2 parties: 0.53 untrained against 0.10). Under the negative control, whose granted labels
+        are shuffled, it sits at 1/C with the control. Scoring the gain over it instead would
+        change AP itself: VFLAIR's DCS (AP* = 0) would no longer score the attack's success, and
+        a gain divided by ``1 - untrained`` does not compare across tasks; so AP stays the
+        balanced accuracy and the untrained completion is AP* of ``dcs_chance``."""
+        if self._untrained is None:
+            raise ConfigError(f"{self.name}: its chance level needs the attack evaluated first.")
+        return self._untrained
 
 
 def _accuracy(predicted: np.ndarray, labels: np.ndarray) -> float:
