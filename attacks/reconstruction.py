@@ -39,7 +39,11 @@ go to the data parties), so it cannot pair them with an auxiliary set's rows.
 
 Metrics: ``mse`` of the reconstructed rows' features, ``mse_baseline`` of guessing the
 auxiliary set's column means, and ``gain = 1 - mse / mse_baseline`` (the headline; the attack
-performance is ``max(0, gain)``, 0 at chance). The negative control shuffles the
+performance is ``max(0, gain)``, 0 at chance). Where the parties' features are correlated, the
+label party's own block already says something of the victim's: ``mse_own`` is the error of
+the same inverse model learnt on the auxiliary rows from the label party's own features
+instead, and ``gain_over_own = 1 - mse / mse_own`` what the messages add to that (negative where
+they say less than its own block). The negative control shuffles the
 representations across rows before the inverse model sees them.
 """
 
@@ -369,7 +373,8 @@ class _ReconstructionAttack(Attack):
                 f"observed; it needs >= 2 and >= 1 ({advice}: --attack-option auxiliary=F)."
             )
         features = context.data.train.blocks[self.victim].astype(np.float64)
-        generator = torch.Generator().manual_seed(int(context.rng.integers(2**31)))
+        seed = int(context.rng.integers(2**31))
+        generator = torch.Generator().manual_seed(seed)
         reconstructed = fit_inverse(
             representations[known],
             features[rows[known]],
@@ -380,13 +385,32 @@ class _ReconstructionAttack(Attack):
         baseline = features[self._auxiliary_rows].mean(axis=0)
         mse = float(((reconstructed - truth) ** 2).mean())
         mse_baseline = float(((baseline - truth) ** 2).mean())
+        # what the label party knew already: the victim's features regressed on its own block
+        own = self._own_view(context)
+        from_own = fit_inverse(
+            own[rows[known]],
+            features[rows[known]],
+            own[rows[~known]],
+            generator=torch.Generator().manual_seed(seed),
+        )
+        mse_own = float(((from_own - truth) ** 2).mean())
         return {
             "gain": _gain(mse, mse_baseline),
+            "gain_over_own": _gain(mse, mse_own),
             "mse": mse,
             "mse_baseline": mse_baseline,
+            "mse_own": mse_own,
             "reconstructed_rows": float((~known).sum()),
             "auxiliary_rows": float(known.sum()),
         }
+
+    @staticmethod
+    def _own_view(context: AttackContext) -> np.ndarray:
+        """The label party's own features of every training row (flattened), and whether it
+        holds the row: what it knows of a row without any message."""
+        train = context.data.train
+        own = train.blocks[0].reshape(len(train.labels), -1).astype(np.float64)
+        return np.hstack([own, train.mask[:, :1].astype(np.float64)])
 
     def chance(self, context: AttackContext) -> float:
         """An inverse model without signal guesses the features' means: no gain."""
