@@ -4,12 +4,13 @@ same completion from an untrained bottom model and from shuffled labels (chance)
 attack's malicious optimiser makes the completed model better.
 
 The task: digits over 2 parties (the attacker holds half of each image), Standard VFL with the
-label party's top model, 10 epochs. Measured with seeds 0-4: completion 0.72-0.76 against
-0.53-0.65 from an untrained bottom model, chance 0.10; the active attack (steps x3) 0.81-0.88.
-One shuffle of the granted labels is at chance on average but spread by which of the 40 granted
-rows keep their own class (about 4): 0.047-0.153 over seeds 0-9. The control therefore averages
-8 independent shuffles: 0.084-0.129 over seeds 0-9 (chance 0.102; seeds 0-2, which the tests run:
-0.120, 0.099, 0.112).
+label party's top model, 10 epochs. Measured with seeds 0-4 (balanced accuracy, the attack's
+metric): completion 0.72-0.76 against 0.53-0.65 from an untrained bottom model (its chance
+level), 1/C = 0.10; the active attack (steps x3) 0.81-0.88. One shuffle of the granted labels is
+at chance on average but spread by which of the 40 granted rows keep their own class (about 4):
+0.047-0.153 over seeds 0-9 (plain accuracy, measured before balanced accuracy). The control
+therefore averages 8 independent shuffles: 0.084-0.129 over seeds 0-9 (seeds 0-2, which the
+tests run: 0.121, 0.100, 0.112, at their untrained levels 0.128, 0.092, 0.112).
 """
 
 from __future__ import annotations
