@@ -9,7 +9,8 @@ role receives.
 - ``direct-label-inference`` (Fu et al., "Label inference attacks against vertical federated
   learning", USENIX Security 2022, the direct attack): with no trainable top model the gradient
   a party receives for a row is ``(softmax(z) - onehot(y)) / c``, negative at the label only, so
-  the label is the index of the most negative entry.
+  the label is the index of the most negative entry. Scored by balanced accuracy (the mean recall
+  over the classes, :func:`attacks.base.balanced_accuracy`; chance 1/C), plain accuracy beside it.
 - ``norm-scoring`` (Li et al., "Label leakage and protection in two-party split learning", ICLR
   2022): on an imbalanced binary task the rows of the rare class get larger gradients; the norm
   of each row's gradient scores it, ROC-AUC per batch.
@@ -31,6 +32,7 @@ from torch import Tensor
 from attacks.base import (
     Attack,
     AttackContext,
+    balanced_accuracy,
     party_index,
     refuse_label_holder,
     refuse_latent_methods,
@@ -136,7 +138,7 @@ class DirectLabelInference(Attack):
 
     name: ClassVar[str] = "direct-label-inference"
     role: ClassVar[str | None] = "gradient-observer"
-    metric: ClassVar[str] = "accuracy"
+    metric: ClassVar[str] = "balanced_accuracy"
     counts: ClassVar[tuple[str, ...]] = ("rows",)
 
     def check(self, config: TrainConfig, data: VerticalData, attacker: str) -> None:
@@ -147,29 +149,32 @@ class DirectLabelInference(Attack):
     def evaluate(self, party: Party, context: AttackContext) -> dict[str, float]:
         observer = _observer(party, self.name)
         labels = context.data.train.labels
-        right = total = 0
+        guessed: list[np.ndarray] = []
+        truths: list[np.ndarray] = []
         inferred: dict[int, int] = {}
         for observation in observer.observations:
             rows = _shuffled(observation, context)
             live = np.abs(observation.gradient).sum(axis=1) > 0
             guess = observation.gradient.argmin(axis=1)
-            right += int((guess[live] == labels[rows[live]]).sum())
-            total += int(live.sum())
+            guessed.append(guess[live])
+            truths.append(labels[rows[live]])
             inferred.update(zip(rows[live].tolist(), guess[live].tolist(), strict=True))
-        if total == 0:
+        if not inferred:
             raise ConfigError(f"{self.name}: {observer.name} received no gradient to read.")
+        every_guess, every_truth = np.concatenate(guessed), np.concatenate(truths)
         rows = np.fromiter(inferred, dtype=np.int64)
         guesses = np.fromiter(inferred.values(), dtype=np.int64)
-        return {
-            "accuracy": right / total,  # over every gradient row received
+        return {  # over every gradient row received
+            "balanced_accuracy": balanced_accuracy(every_guess, every_truth),
+            "accuracy": float((every_guess == every_truth).mean()),
             "rows_accuracy": float((guesses == labels[rows]).mean()),  # last guess per row
             "rows": float(len(rows)),
         }
 
     def chance(self, context: AttackContext) -> float:
-        """The majority class's share: the best accuracy without any signal."""
-        counts = np.bincount(context.data.train.labels)
-        return float(counts.max() / counts.sum())
+        """1/C, the balanced accuracy of a guess without signal, where the negative control
+        sits (its gradients belong to random rows of their batch)."""
+        return 1.0 / context.data.num_classes
 
 
 def _binary_positive(data: VerticalData, attack: str) -> int:

@@ -23,10 +23,15 @@ The semi-supervised step is self-training with confidence-thresholded pseudo-lab
 regularisation need data augmentations, which a party's column block of a tabular dataset has
 none of, whereas pseudo-labelling needs nothing but the model's own confident predictions.
 
-Its controls: ``untrained_accuracy`` is the same completion started from a freshly initialised
-bottom model of the same architecture (what the federation's training taught the bottom model
-is the attack's signal), and the negative control (``control=True``) shuffles the granted labels
-among the granted rows, so the completed model learns no labels and sits at chance. One shuffle
+It is scored by balanced accuracy (the mean recall over the classes): the granted rows are
+balanced, so a completion without signal guesses the classes alike and its plain accuracy sits
+below the majority class's share on an imbalanced task, where a completion that reads labels can
+sit too. Its controls: ``untrained_balanced_accuracy`` is the same completion started from a
+freshly initialised bottom model of the same architecture (what the federation's training taught
+the bottom model is the attack's signal), and the negative control (``control=True``) shuffles
+the granted labels among the granted rows, so the completed model learns no labels and sits at
+chance, 1/C. The untrained completion is the attack's no-signal level, AP* of the DCS against
+chance (:meth:`PassiveModelCompletion.chance` says why). One shuffle
 leaves about a tenth of the granted rows with their own class, and which ones moves the control
 by up to 0.05 either side of chance (digits, 40 rows); the control therefore completes the model
 once for each of ``CONTROL_SHUFFLES`` independent shuffles and reports the mean.
@@ -46,6 +51,7 @@ from torch import Tensor, nn
 from attacks.base import (
     Attack,
     AttackContext,
+    balanced_accuracy,
     party_index,
     refuse_label_holder,
     refuse_latent_methods,
@@ -189,16 +195,20 @@ class PassiveModelCompletion(Attack):
     """The attacker's trained bottom model, completed with a head on ``known`` labelled rows
     per class and its unlabelled training rows, labels the rows it holds.
 
-    Metrics: ``accuracy`` on the test rows it holds (first test split), ``train_accuracy`` on
-    the training rows it holds (the known rows excluded; absent when every one was granted),
-    ``untrained_accuracy`` the headline
-    of the same completion from a freshly initialised bottom model, ``known`` the number of
-    granted rows.
+    Metrics: ``balanced_accuracy`` (the headline: the mean recall over the classes, chance 1/C
+    whatever their shares; :func:`attacks.base.balanced_accuracy`) and ``accuracy`` on the test
+    rows it holds (first test split), ``train_accuracy`` on the training rows it holds (the
+    known rows excluded; absent when every one was granted), ``untrained_balanced_accuracy`` and
+    ``untrained_accuracy`` of the same completion from a freshly initialised bottom model,
+    ``known`` the number of granted rows. The granted rows are balanced (``known`` per class),
+    so a completion without signal is no likelier to guess the majority class than another:
+    on an imbalanced task its plain accuracy sits below the majority class's share, which an
+    attack that reads labels may not reach either (German credit, 70/30).
     """
 
     name: ClassVar[str] = "passive-model-completion"
     role: ClassVar[str | None] = None  # an honest party of any method: it replaces no role
-    metric: ClassVar[str] = "accuracy"
+    metric: ClassVar[str] = "balanced_accuracy"
     counts: ClassVar[tuple[str, ...]] = ("known",)
 
     def __init__(self, known: int = 4, settings: Completion | None = None) -> None:
@@ -208,6 +218,7 @@ class PassiveModelCompletion(Attack):
         self.settings = settings if settings is not None else Completion()
         self._known_rows = np.zeros(0, dtype=np.int64)
         self._label_sets: list[np.ndarray] = []  # the granted labels; one set per shuffle
+        self._untrained: float | None = None  # untrained_balanced_accuracy, once evaluated
 
     def check(self, config: TrainConfig, data: VerticalData, attacker: str) -> None:
         super().check(config, data, attacker)
@@ -267,11 +278,13 @@ class PassiveModelCompletion(Attack):
         for labels in self._label_sets:  # one set, or the control's shuffles
             known_y = torch.from_numpy(labels)
             trained, untrained = complete(attacker.model, known_y), complete(fresh, known_y)
+            truth = test.labels[held_test]
+            predicted, untrained_predicted = _predict(trained, test_x), _predict(untrained, test_x)
             values = {
-                "accuracy": _accuracy(_predict(trained, test_x), test.labels[held_test]),
-                "untrained_accuracy": _accuracy(
-                    _predict(untrained, test_x), test.labels[held_test]
-                ),
+                "balanced_accuracy": balanced_accuracy(predicted, truth),
+                "accuracy": _accuracy(predicted, truth),
+                "untrained_balanced_accuracy": balanced_accuracy(untrained_predicted, truth),
+                "untrained_accuracy": _accuracy(untrained_predicted, truth),
             }
             if len(unknown):  # none when every training row it holds was granted
                 values["train_accuracy"] = _accuracy(
@@ -280,12 +293,23 @@ class PassiveModelCompletion(Attack):
             for name, value in values.items():
                 scores.setdefault(name, []).append(value)
         metrics = {name: float(np.mean(values)) for name, values in scores.items()}
+        self._untrained = metrics["untrained_balanced_accuracy"]
         return metrics | {"known": float(len(self._known_rows))}
 
     def chance(self, context: AttackContext) -> float:
-        """The majority class's share: the best accuracy without any signal."""
-        counts = np.bincount(context.data.train.labels)
-        return float(counts.max() / counts.sum())
+        """The same run's ``untrained_balanced_accuracy``: what this attacker reaches from its own
+        block and granted labels with nothing the federation taught it. No defense of the
+        protocol can take that from it, so it is where a perfect defense leaves the attack (as
+        the backdoor's level is the same run's untriggered rate); against 1/C, or the majority
+        class's share used before, the DCS charged a defense for the attacker's own data (digits,
+        2 parties: 0.53 untrained against 0.10). Under the negative control, whose granted labels
+        are shuffled, it sits at 1/C with the control. Scoring the gain over it instead would
+        change AP itself: VFLAIR's DCS (AP* = 0) would no longer score the attack's success, and
+        a gain divided by ``1 - untrained`` does not compare across tasks; so AP stays the
+        balanced accuracy and the untrained completion is AP* of ``dcs_chance``."""
+        if self._untrained is None:
+            raise ConfigError(f"{self.name}: its chance level needs the attack evaluated first.")
+        return self._untrained
 
 
 def _accuracy(predicted: np.ndarray, labels: np.ndarray) -> float:

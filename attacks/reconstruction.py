@@ -23,9 +23,15 @@ other row it observed.
   lies in the span of the other parties' subset indicators, least squares over those sums
   isolates the victim's representation, exactly only if the models did not move between the
   steps (docs/privacy.md, "Secure aggregation": the leak the single-step planner leaves). The
-  inverse model is learnt on the isolated estimates of the auxiliary rows. Under secure sums the
-  planner's block rule leaves no sum that determines a victim's term: the attacker can only
-  guess the auxiliary set's column means, and scores gain 0 (``isolated`` 0): the defense holds.
+  inverse model is learnt on the isolated estimates of the auxiliary rows. Where no sample's
+  sums determine the victim's term (under secure sums the planner's block rule: with 4 parties
+  every sum of a sample holds all three data parties), it inverts the sums themselves: the
+  inverse model maps a sample's last sum that holds the victim's term (its own term taken out),
+  and which parties that sum holds, to the victim's features, learnt on the auxiliary rows in
+  the same way. A sum of the victim's representation and others' still says much of the victim's
+  features (breast-cancer, 4 parties, 10 epochs, seed 0: gain 0.87): secure sums hide which
+  party sent what, not what a sum over the parties' blocks reveals of each block. ``from_sums``
+  says which path scored (1: the sums, 0: the isolated terms).
 
 An honest-but-curious aggregation server is not an attacker here: it receives representations
 (or masked shares) at positions of a batch but never the row ids (the label party's requests
@@ -33,7 +39,11 @@ go to the data parties), so it cannot pair them with an auxiliary set's rows.
 
 Metrics: ``mse`` of the reconstructed rows' features, ``mse_baseline`` of guessing the
 auxiliary set's column means, and ``gain = 1 - mse / mse_baseline`` (the headline; the attack
-performance is ``max(0, gain)``, 0 at chance). The negative control shuffles the
+performance is ``max(0, gain)``, 0 at chance). Where the parties' features are correlated, the
+label party's own block already says something of the victim's: ``mse_own`` is the error of
+the same inverse model learnt on the auxiliary rows from the label party's own features
+instead, and ``gain_over_own = 1 - mse / mse_own`` what the messages add to that (negative where
+they say less than its own block). The negative control shuffles the
 representations across rows before the inverse model sees them.
 """
 
@@ -258,6 +268,7 @@ class _ReconstructionAttack(Attack):
     kind: ClassVar[str] = "reconstruction"
     counts: ClassVar[tuple[str, ...]] = (
         "isolated",
+        "from_sums",
         "samples",
         "reconstructed_rows",
         "auxiliary_rows",
@@ -318,7 +329,11 @@ class _ReconstructionAttack(Attack):
 
     def prepare(self, party: Party, context: AttackContext) -> None:
         """Grant the auxiliary set (a share of the victim's training rows) and install the
-        observer on the label party's own hooks."""
+        observer on the label party's own hooks: first among its incoming layers, so that it
+        keeps what arrives before any layer of the party's own acts on it (the norm filter,
+        which the label party runs, zeroes rows it would otherwise log as zeros: a curious party
+        keeps the message as received), and last among its outgoing ones, so that it keeps its
+        own terms as they were sent (what the sums it receives hold)."""
         held = np.flatnonzero(context.data.train.mask[:, self.victim])
         count = self._granted(len(held))
         self._auxiliary_rows = np.sort(context.rng.choice(held, size=count, replace=False))
@@ -326,7 +341,7 @@ class _ReconstructionAttack(Attack):
             victim=self.victim_name,
             label_party=party if isinstance(party, SecureSumParty) else None,
         )
-        party.incoming.append(self.log)
+        party.incoming.insert(0, self.log)
         party.outgoing.append(self.log)
 
     @abstractmethod
@@ -336,7 +351,13 @@ class _ReconstructionAttack(Attack):
     def evaluate(self, party: Party, context: AttackContext) -> dict[str, float]:
         if self.log is None:
             raise ConfigError(f"{self.name}: evaluated before it was prepared.")
-        observed = self.observed(self.log)
+        return self._score(self.observed(self.log), context)
+
+    def _score(self, observed: dict[int, np.ndarray], context: AttackContext) -> dict[str, float]:
+        """Learn the inverse model on the auxiliary rows of ``observed`` (what the attacker holds
+        of each row: the victim's representation, an isolated term or a sum) and score its
+        reconstruction of the victim's features of the other rows; under the negative control
+        ``observed`` is shuffled across rows first."""
         rows = np.fromiter(sorted(observed), dtype=np.int64, count=len(observed))
         if len(rows):
             representations = np.stack([observed[int(row)] for row in rows])
@@ -352,7 +373,8 @@ class _ReconstructionAttack(Attack):
                 f"observed; it needs >= 2 and >= 1 ({advice}: --attack-option auxiliary=F)."
             )
         features = context.data.train.blocks[self.victim].astype(np.float64)
-        generator = torch.Generator().manual_seed(int(context.rng.integers(2**31)))
+        seed = int(context.rng.integers(2**31))
+        generator = torch.Generator().manual_seed(seed)
         reconstructed = fit_inverse(
             representations[known],
             features[rows[known]],
@@ -363,13 +385,32 @@ class _ReconstructionAttack(Attack):
         baseline = features[self._auxiliary_rows].mean(axis=0)
         mse = float(((reconstructed - truth) ** 2).mean())
         mse_baseline = float(((baseline - truth) ** 2).mean())
+        # what the label party knew already: the victim's features regressed on its own block
+        own = self._own_view(context)
+        from_own = fit_inverse(
+            own[rows[known]],
+            features[rows[known]],
+            own[rows[~known]],
+            generator=torch.Generator().manual_seed(seed),
+        )
+        mse_own = float(((from_own - truth) ** 2).mean())
         return {
             "gain": _gain(mse, mse_baseline),
+            "gain_over_own": _gain(mse, mse_own),
             "mse": mse,
             "mse_baseline": mse_baseline,
+            "mse_own": mse_own,
             "reconstructed_rows": float((~known).sum()),
             "auxiliary_rows": float(known.sum()),
         }
+
+    @staticmethod
+    def _own_view(context: AttackContext) -> np.ndarray:
+        """The label party's own features of every training row (flattened), and whether it
+        holds the row: what it knows of a row without any message."""
+        train = context.data.train
+        own = train.blocks[0].reshape(len(train.labels), -1).astype(np.float64)
+        return np.hstack([own, train.mask[:, :1].astype(np.float64)])
 
     def chance(self, context: AttackContext) -> float:
         """An inverse model without signal guesses the features' means: no gain."""
@@ -409,7 +450,8 @@ class FeatureReconstruction(_ReconstructionAttack):
 @register_attack
 class SubsetDifferencing(_ReconstructionAttack):
     """The label party of secure LASER isolates the victim's term from sums over different
-    subsets in different steps, then inverts it."""
+    subsets in different steps, then inverts it; where no sample's term can be isolated, it
+    inverts the sums that hold it."""
 
     name: ClassVar[str] = "subset-differencing"
 
@@ -420,12 +462,10 @@ class SubsetDifferencing(_ReconstructionAttack):
         self.window = window
         self._samples = 0
         self._isolated = 0
-        self._secure = True  # whether the attacked run's sums are secure (set by check)
 
     def check(self, config: TrainConfig, data: VerticalData, attacker: str) -> None:
         super().check(config, data, attacker)
         method = config.method_config
-        self._secure = method.secure_sums
         if config.method != "laser" or method.heads != "active":
             raise ConfigError(
                 f"{self.name} differences the sums a single label party receives: --method "
@@ -461,38 +501,32 @@ class SubsetDifferencing(_ReconstructionAttack):
         self._isolated = len(isolated)
         return isolated
 
+    def summed(self, log: RepresentationLog) -> dict[int, np.ndarray]:
+        """Per sample, its last sum that holds the victim's term (its own term taken out), with
+        the indicator of the parties that sum holds appended: what the inverse model reads where
+        no term is isolated."""
+        summed: dict[int, np.ndarray] = {}
+        for row, observations in log.sums.items():
+            holding = [o for o in observations if o.others[self.victim]]
+            if holding:
+                last = holding[-1]
+                summed[row] = np.concatenate([last.value, last.others.astype(np.float64)])
+        return summed
+
     def evaluate(self, party: Party, context: AttackContext) -> dict[str, float]:
-        try:
-            metrics = super().evaluate(party, context)
-        except ConfigError:
-            if not (self._samples and not self._isolated and self.log is not None):
-                raise  # for want of training or rows
-            if self._secure:  # the defense held
-                return self._defeated(self.log, context)
-            last = "sum was" if self.window == 1 else f"{self.window} sums were"
+        """Score the isolated terms; where none was isolated, the sums that hold the victim's
+        term (``from_sums`` 1)."""
+        if self.log is None:
+            raise ConfigError(f"{self.name}: evaluated before it was prepared.")
+        isolated = self.observed(self.log)
+        counts = {"isolated": float(self._isolated), "samples": float(self._samples)}
+        if isolated:
+            return {**self._score(isolated, context), **counts, "from_sums": 0.0}
+        summed = self.summed(self.log)
+        if not summed:
             raise ConfigError(
                 f"{self.name}: none of the sums of the {self._samples} samples "
-                f"{context.attacker} received determines {self.victim_name}'s term, so "
-                f"there is nothing to difference (each sample's last {last} differenced; a "
-                "larger window (--attack-option window=W) holds more of them)."
-            ) from None
-        isolated = metrics["reconstructed_rows"] + metrics["auxiliary_rows"]
-        return {**metrics, "isolated": isolated, "samples": float(self._samples)}
-
-    def _defeated(self, log: RepresentationLog, context: AttackContext) -> dict[str, float]:
-        """The score where the secure planner's block rule left no sum that determines the
-        victim's term: all the attacker can say of a victim row is the auxiliary set's column
-        means, the baseline itself (gain 0), over the rows it received sums of."""
-        rows = np.setdiff1d(np.fromiter(log.sums, dtype=np.int64), self._auxiliary_rows)
-        features = context.data.train.blocks[self.victim].astype(np.float64)
-        baseline = features[self._auxiliary_rows].mean(axis=0)
-        mse = float(((baseline - features[rows]) ** 2).mean())
-        return {
-            "gain": 0.0,
-            "mse": mse,
-            "mse_baseline": mse,
-            "reconstructed_rows": 0.0,
-            "auxiliary_rows": 0.0,  # none isolated: the inverse model has nothing to learn
-            "isolated": 0.0,
-            "samples": float(self._samples),
-        }
+                f"{context.attacker} received holds {self.victim_name}'s term: there is nothing "
+                "to invert (train longer, or choose a victim that holds training rows)."
+            )
+        return {**self._score(summed, context), **counts, "from_sums": 1.0}

@@ -157,6 +157,8 @@ def run_suite(
                     "defense": defense,
                     "metric": attack.metric,
                     "value": result.attack[attack.metric],
+                    # every metric, e.g. model completion's untrained control (its chance)
+                    "metrics": dict(result.attack),
                     "performance": result.performance,
                     "chance": result.chance,
                     "main_accuracy": result.main["accuracy"],

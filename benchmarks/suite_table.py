@@ -124,9 +124,11 @@ def render(results: list[dict[str, Any]], command: str) -> str:
         f"Command: `{command}`",
         "",
         "Means ± standard deviations over the seeds that scored. `chance` is the attack's level "
-        "without signal, where its negative control sits (the backdoor's: the run's own rate of "
-        "predicting the target for the probe rows without the trigger, a mean over seeds); the "
-        "scoring attacks' AP in the DCS is max(AUC, 1 - AUC).",
+        "without signal, where its negative control sits, a mean over seeds where it is the run's "
+        "own (the backdoor's: its rate of predicting the target for the probe rows without the "
+        "trigger; model completion's: the balanced accuracy of the same completion from an "
+        "untrained bottom model); the scoring attacks' AP in the DCS is max(AUC, 1 - AUC); "
+        "label inference and model completion are scored by balanced accuracy (chance 1/C).",
         "",
     ]
     for label, *_ in TASKS:
@@ -151,7 +153,7 @@ def render(results: list[dict[str, Any]], command: str) -> str:
         for (attack, defense), members in runs.items():
             # a run missing at some seed diverged or failed there (listed below with its seeds)
             short = f" (seeds: {len(members)} of {len(mine)})" if len(members) < len(mine) else ""
-            level = statistics.fmean(m["chance"] for m in members)  # the backdoor's: per run
+            level = statistics.fmean(m["chance"] for m in members)  # per run: backdoor, completion
             lines.append(
                 f"| {attack} | {defense}{short} | {members[0]['metric']} | "
                 f"{_mean_sd([m['value'] for m in members])} | {level:.3f} | "

@@ -56,7 +56,7 @@ def test_direct_label_inference_reads_every_label_and_sits_at_chance_when_shuffl
     config = _digits_direct()
     channel = Channel()
     attacked = run_attack(config, "direct-label-inference", channel=channel)
-    assert attacked.attack["accuracy"] >= 0.99
+    assert attacked.attack["balanced_accuracy"] >= 0.99 and attacked.attack["accuracy"] >= 0.99
     assert attacked.attack["rows"] > 1000  # every training row it holds, not a lucky few
     # only the attacker changed role; it kept nothing but what it was sent
     assert isinstance(channel.parties["party-1"], GradientObserver)
@@ -64,8 +64,35 @@ def test_direct_label_inference_reads_every_label_and_sits_at_chance_when_shuffl
         type(channel.parties[name]) is DataParty for name in ("party-0", "party-2", "party-3")
     )
     control = run_attack(config, "direct-label-inference", control=True)
-    assert abs(control.attack["accuracy"] - control.chance) <= 0.05
+    assert abs(control.attack["balanced_accuracy"] - control.chance) <= 0.05
     assert control.main == attacked.main  # the control changes the scoring, not the training
+
+
+@pytest.mark.parametrize(
+    ("attack", "top_model"),
+    [("direct-label-inference", "none"), ("passive-model-completion", "linear")],
+)
+def test_a_label_inference_control_sits_at_chance_on_a_skewed_task(
+    attack: str, top_model: str
+) -> None:
+    """German credit is 70/30. The controls' plain accuracy sat below the majority class's share
+    used as chance (direct: 0.60 against 0.70, a guess shuffled within the batch scores the sum
+    of the squared shares; model completion from balanced granted labels: 0.56), and an
+    undefended completion below it scored DCS (AP* = chance) 1.000. By balanced accuracy a
+    guess without signal scores 1/C: measured 0.518 and 0.539 (seed 0)."""
+    # direct label inference reads the loss gradient itself: no top model, 2 outputs
+    direct = {"top_model": "none", "representation_dim": 2} if top_model == "none" else {}
+    config = TrainConfig(
+        method="laser" if direct else "standard",
+        dataset="german-credit",
+        parties=4,
+        seed=0,
+        method_config=MethodConfig(heads="active", epochs=5, batch_size=64, **direct),  # type: ignore[arg-type]
+    )
+    control = run_attack(config, attack, control=True)
+    assert abs(control.performance - control.chance) <= 0.05  # AP, the headline metric
+    assert abs(control.performance - 0.5) <= 0.05
+    assert control.performance == control.attack["balanced_accuracy"]
 
 
 def test_gradient_dp_lowers_direct_label_inference_and_the_dcs_prices_both() -> None:
@@ -73,7 +100,7 @@ def test_gradient_dp_lowers_direct_label_inference_and_the_dcs_prices_both() -> 
     undefended = run_attack(config, "direct-label-inference")
     defended = run_attack(config, "direct-label-inference", defenses=["dp-gradients:3:0.01"])
     # 0.855-0.874 lower over seeds 0-8
-    assert defended.attack["accuracy"] <= undefended.attack["accuracy"] - 0.75
+    assert defended.attack["balanced_accuracy"] <= undefended.attack["balanced_accuracy"] - 0.75
     assert defended.privacy is not None and defended.privacy["epsilon"]["party-0"] > 0
     assert defended.undefended_accuracy == pytest.approx(undefended.main["accuracy"])
     assert defended.dcs > undefended.dcs

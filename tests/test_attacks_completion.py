@@ -4,12 +4,13 @@ same completion from an untrained bottom model and from shuffled labels (chance)
 attack's malicious optimiser makes the completed model better.
 
 The task: digits over 2 parties (the attacker holds half of each image), Standard VFL with the
-label party's top model, 10 epochs. Measured with seeds 0-4: completion 0.72-0.76 against
-0.53-0.65 from an untrained bottom model, chance 0.10; the active attack (steps x3) 0.81-0.88.
-One shuffle of the granted labels is at chance on average but spread by which of the 40 granted
-rows keep their own class (about 4): 0.047-0.153 over seeds 0-9. The control therefore averages
-8 independent shuffles: 0.084-0.129 over seeds 0-9 (chance 0.102; seeds 0-2, which the tests run:
-0.120, 0.099, 0.112).
+label party's top model, 10 epochs. Measured with seeds 0-4 (balanced accuracy, the attack's
+metric): completion 0.72-0.76 against 0.53-0.65 from an untrained bottom model (its chance
+level), 1/C = 0.10; the active attack (steps x3) 0.81-0.88. One shuffle of the granted labels is
+at chance on average but spread by which of the 40 granted rows keep their own class (about 4):
+0.047-0.153 over seeds 0-9 (plain accuracy, measured before balanced accuracy). The control
+therefore averages 8 independent shuffles: 0.084-0.129 over seeds 0-9 (seeds 0-2, which the
+tests run: 0.121, 0.100, 0.112, at their untrained levels 0.128, 0.092, 0.112).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from attacks.model_completion import (
     MaliciousOptimiserParty,
     PassiveModelCompletion,
 )
-from attacks.runner import run_attack
+from attacks.runner import dcs, run_attack
 from secure_vfl.cli import main
 from secure_vfl.errors import ConfigError
 from secure_vfl.experiment import TrainConfig
@@ -58,14 +59,23 @@ def test_passive_completion_reads_labels_from_the_trained_bottom_and_not_from_sh
     attacked = run_attack(config, "passive-model-completion", channel=channel)
     metrics = attacked.attack
     assert metrics["known"] == 40  # 4 rows per class
-    assert metrics["accuracy"] >= 0.65 and metrics["train_accuracy"] >= 0.65
-    assert metrics["accuracy"] >= attacked.chance + 0.5
-    # what the federation taught the bottom model is the signal: an untrained one does worse
-    assert metrics["accuracy"] >= metrics["untrained_accuracy"] + 0.05
+    assert metrics["balanced_accuracy"] >= 0.65 and metrics["train_accuracy"] >= 0.65
+    # what the federation taught the bottom model is the signal: an untrained one does worse,
+    # and it is the attack's no-signal level (it was the majority class's share, 0.10)
+    assert metrics["balanced_accuracy"] >= metrics["untrained_balanced_accuracy"] + 0.05
+    assert attacked.chance == metrics["untrained_balanced_accuracy"] >= 0.4
+    assert attacked.dcs_chance == pytest.approx(
+        dcs(
+            attacked.performance,
+            attacked.main["accuracy"],
+            attack_star=metrics["untrained_balanced_accuracy"],
+            main_star=attacked.undefended_accuracy,
+        )
+    )
     assert type(channel.parties["party-1"]) is DataParty  # the passive attacker is honest
     control = run_attack(config, "passive-model-completion", control=True)
-    assert abs(control.attack["accuracy"] - control.chance) <= 0.05
-    assert control.chance == pytest.approx(0.102, abs=0.005)  # the majority class's share
+    assert abs(control.attack["balanced_accuracy"] - control.chance) <= 0.05
+    assert control.chance == pytest.approx(0.1, abs=0.05)  # labels shuffled: 1/C
     assert control.main == attacked.main  # the control changes the labels granted, not training
 
 
@@ -79,9 +89,12 @@ def test_active_completion_beats_the_passive_one_and_is_priced_against_an_honest
     passive = run_attack(config, "passive-model-completion")
     assert isinstance(channel.parties["party-1"], MaliciousOptimiserParty)
     assert type(channel.parties["party-0"]) is DataParty
-    assert active.attack["accuracy"] >= passive.attack["accuracy"] + 0.03
+    assert active.attack["balanced_accuracy"] >= passive.attack["balanced_accuracy"] + 0.03
     # the same completion from an untrained bottom model does not depend on how it trained
-    assert active.attack["untrained_accuracy"] == passive.attack["untrained_accuracy"]
+    assert (
+        active.attack["untrained_balanced_accuracy"]
+        == (passive.attack["untrained_balanced_accuracy"])
+    )
     # MP* is the honest, undefended run's accuracy, not the attacked run's
     assert active.undefended_accuracy == pytest.approx(passive.main["accuracy"])
 
@@ -183,7 +196,7 @@ def test_attack_command_runs_model_completion(tmp_path: Path) -> None:
     assert 0 <= result["attack"]["accuracy"] <= 1
     assert 0 <= result["attack"]["untrained_accuracy"] <= 1
     assert 0 < result["dcs"] <= 1
-    assert result["performance"] == result["attack"]["accuracy"]  # its AP
+    assert result["performance"] == result["attack"]["balanced_accuracy"]  # its AP
     # `runs compare` and `runs list` say which attack ran under which defense, and its score
     # (four runs differing in defense or control read as one before)
     from secure_vfl.runs import summarise_run

@@ -57,6 +57,10 @@ def test_the_suite_runs_what_applies_and_scores_each_defense(tmp_path: Path) -> 
     assert "binary task" in report.skipped["direction-scoring"]
     undefended, defended = (r for r in report.runs if r["attack"] == "direct-label-inference")
     assert undefended["value"] >= 0.99 and defended["value"] < 0.5
+    # every run keeps its attack's metrics: model completion's untrained control is its chance
+    for run in report.runs:
+        if run["attack"] == "passive-model-completion":
+            assert run["chance"] == run["metrics"]["untrained_balanced_accuracy"] > 0.2
     # T-DCS averages the attacks of a kind and C-DCS the kinds
     assert set(report.t_dcs["none"]) == {"label-inference", "backdoor", "reconstruction"}
     for defense, kinds in report.t_dcs.items():

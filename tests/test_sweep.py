@@ -132,15 +132,15 @@ def test_a_sweep_in_worker_processes_equals_one_in_this_process(tmp_path: Path) 
     assert undefended["attack"]["accuracy"] >= 0.99 and undefended["epsilon"] is None
     for row in (defended, serial[1]):
         assert row["attack"]["accuracy"] < 0.5 and 0 < row["epsilon"] < math.inf
-    table = summarise(parallel, "accuracy")
-    assert table[1]["attack"] == defended["attack"]["accuracy"]
+    table = summarise(parallel, "balanced_accuracy")
+    assert table[1]["attack"] == defended["attack"]["balanced_accuracy"]
     text, plots = write_sweep(
         parallel, tmp_path / "out", attack="direct-label-inference", command="test"
     )
     assert "| dp-gradients:SIGMA:0.01 | SIGMA=3 | 1 |" in text
     assert all(path.read_bytes().startswith(PNG) for path in plots)
     stored = json.loads((tmp_path / "out" / "sweep.json").read_text())
-    assert len(stored["rows"]) == 2 and stored["metric"] == "accuracy"
+    assert len(stored["rows"]) == 2 and stored["metric"] == "balanced_accuracy"
 
 
 def test_sweep_command_writes_table_plots_and_store_rows(tmp_path: Path) -> None:
