@@ -459,10 +459,12 @@ class PrivacyAccountant:
         return list(dict.fromkeys(e.party for e in self.events))
 
     def releases(self, party: str, *, phase: str = "train") -> dict[str, int]:
-        """How many releases of each kind ``party`` made in ``phase``."""
+        """How many releases of each kind ``party`` made in ``phase``; the DP-SGD steps of a
+        killed run's model that was discarded apart, as ``dp-sgd-discarded``."""
         counts: dict[str, int] = {}
         for event in self._events(party, phase=phase):
-            counts[event.kind] = counts.get(event.kind, 0) + 1
+            kind = f"{event.kind}-discarded" if event.discarded else event.kind
+            counts[kind] = counts.get(kind, 0) + 1
         return counts
 
     def _events(
@@ -491,7 +493,7 @@ class PrivacyAccountant:
         about (the batch's other rows entered sums that hide them).
         """
         _check_adjacency(adjacency)
-        kinds = self.releases(party)
+        kinds = {e.kind for e in self._events(party, phase="train")}
         if not ({"embedding", "gradient", *ROW_KINDS} & set(kinds)):
             return None
         shift = ROW_SHIFT[adjacency]

@@ -615,7 +615,8 @@ def test_a_resumed_dp_run_prices_the_whole_run_and_the_killed_runs_lost_releases
         assert resumed.privacy[key] == whole.privacy[key], key
     for name, releases in whole.privacy["releases"].items():
         again = resumed.privacy["releases"][name]
-        assert again["dp-sgd"] > releases["dp-sgd"]
+        assert again["dp-sgd"] == releases["dp-sgd"]  # the steps of the model it kept
+        assert again["dp-sgd-discarded"] > 0  # and the killed run's after its checkpoint
         assert again["gradient"] > releases["gradient"]
         assert resumed.privacy["epsilon"][name] > whole.privacy["epsilon"][name]
         (model,) = [g for g in resumed.privacy["guarantees"][name] if g["amplification"]]
@@ -714,10 +715,11 @@ def test_a_resumed_dp_run_keeps_its_secure_poisson_schedule(
     ]
     assert result.privacy is not None
     releases = result.privacy["releases"]["party-0"]
-    # Every step of the schedule once, and the killed run's steps after its last checkpoint
-    # (step 10), whose model was discarded, once more.
+    # Every step of the schedule once, and apart the killed run's steps after its last
+    # checkpoint (step 10), whose model was discarded.
     steps = killed.poisson.schedule
-    assert releases["dp-sgd"] == sum(1 for b in [*steps, *steps[10:STOP]] if b.size)
+    assert releases["dp-sgd"] == sum(1 for b in steps if b.size)
+    assert releases["dp-sgd-discarded"] == sum(1 for b in steps[10:STOP] if b.size)
 
 
 def test_a_party_restores_only_a_state_that_fits_it(
