@@ -945,11 +945,14 @@ class PrivacyEngine:
     def _unguarded(self) -> dict[str, list[str]]:
         """By party, what its plan sends every step that no noise covers (its representations,
         or its gradients back to the data parties): crossing in the clear, it has no epsilon.
-        A secure sum may hide it from the receiver, but not by DP."""
+        A secure sum may hide it from the receiver, but not by DP; the label party's own
+        representation under secure sums goes sealed into the sums only it opens."""
         names = {"embedding": "representations", "gradient": "gradients"}
         found = {}
         for name, plan in self._plan.items():
             clear = [names[k] for k in names if plan.get(k) and k not in self.noise]
+            if self.spec.secure_sums and name == self._names[0] and "representations" in clear:
+                clear.remove("representations")  # sealed for itself alone: nobody sees it
             if clear:
                 found[name] = clear
         return found

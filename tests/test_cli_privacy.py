@@ -122,6 +122,11 @@ def test_not_noised_lists_only_what_the_method_sends(tmp_path: Path) -> None:
     assert [text.split(":")[0] for text in privacy["not_noised"]] == ["gradients"]
     # with every head (LASER's default) every party sends gradients, none with noise
     assert privacy["unguarded"] == {f"party-{k}": ["gradients"] for k in range(3)}
+    # under secure sums the label party's own representation is sealed for itself alone
+    secure = ["--heads", "active", "--secure-agg", "masks", "--dp-gradients", "1:0.01"]
+    assert main([*argv, *secure, "--quiet", "--out", str(tmp_path / "m")]) == 0
+    privacy = json.loads((tmp_path / "m" / "result.json").read_text())["privacy"]
+    assert privacy["unguarded"] == {f"party-{k}": ["representations"] for k in (1, 2)}
 
 
 def test_a_run_without_noise_or_with_a_large_delta_says_so(
