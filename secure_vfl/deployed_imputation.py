@@ -263,11 +263,16 @@ def build_served_client(
     message: Message,
     secure_sums: SecureSums,
     statistics_privacy: StatisticsPrivacyFactory | None = None,
+    *,
+    clients: int,
 ) -> ServedClient:
     """Client ``member``'s part of the run its ``impute-setup`` describes: its file placed in
     the federation's features, its own train/test split, its training plan by the method's
     seed rule, its own secure-sum halves and, when the set-up carries a privacy plan, its own
-    statistics mechanism made by ``statistics_privacy`` (ProtocolError without one)."""
+    statistics mechanism made by ``statistics_privacy`` (ProtocolError without one, or for a
+    plan whose noise is shared among other than the run's ``clients`` under secure sums, or
+    other than 1 without: each client's share would be too small for the guarantee it
+    reports)."""
     body = _body(message, "impute-setup", IMPUTE_SETUP_KEYS)
     method = body["method"]
     if method not in deployable_methods():
@@ -319,6 +324,7 @@ def build_served_client(
                 f"impute-setup: {member.name} was sent a statistics plan, but this process "
                 "offers no DP mechanisms."
             )
+        _check_shares(body["privacy"], clients if body["secure_agg"] != "none" else 1)
         privacy = statistics_privacy(member.name, body["privacy"], client, features)
     return ServedClient(
         client,
@@ -341,6 +347,19 @@ def _client_file(member: Member) -> Path:
 
 
 # -- the label party: the coordinator ----------------------------------------------------------
+
+
+def _check_shares(plan: Any, expected: int) -> None:
+    """ProtocolError unless the statistics ``plan`` shares its noise among ``expected``
+    clients (the federation's, under secure sums; 1, each adding all of it, without)."""
+    shares = plan.get("shares") if isinstance(plan, dict) else None
+    if shares != expected:
+        raise ProtocolError(
+            f"impute-setup: the privacy plan shares the statistics' noise among {shares!r} "
+            f"clients; expected {expected} (the federation's clients under secure sums, 1 "
+            "without): a larger count would shrink this client's noise below what its "
+            "guarantee is priced at."
+        )
 
 
 def check_coordinator(method: str, federation: Federation, name: str) -> list[Member]:

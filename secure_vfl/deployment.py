@@ -565,7 +565,13 @@ class _Server:
                 f"{self.name}: an impute-setup at the aggregator or a second one (a replay?)."
             )
         self.imputation = build_served_client(
-            self.federation.member(self.name), message, self.secure_sums, self.statistics_privacy
+            self.federation.member(self.name),
+            message,
+            self.secure_sums,
+            self.statistics_privacy,
+            clients=sum(
+                1 for m in self.federation.parties if m.name != self.federation.label_party
+            ),
         )
         self.privacy = self.imputation.privacy
         self.party = self.imputation.party

@@ -193,7 +193,10 @@ def test_a_client_sets_itself_up_from_its_own_file_and_refuses_a_path_for_a_run_
         "privacy": None,
     }
     served = build_served_client(
-        federation.member("shop"), _deployment("bank", "shop", "impute-setup", body), lambda _: None
+        federation.member("shop"),
+        _deployment("bank", "shop", "impute-setup", body),
+        lambda _: None,
+        clients=3,
     )
     # Its rows, its file's split (as `impute --client-file` splits its first file), its schema.
     assert served.train.n + served.test.n == 48 and served.test.n == 10
@@ -229,21 +232,38 @@ def test_a_client_sets_itself_up_from_its_own_file_and_refuses_a_path_for_a_run_
                 federation.member("shop"),
                 _deployment("bank", "shop", "impute-setup", setup),
                 lambda _: None,
+                clients=3,
             )
     with pytest.raises(ProtocolError, match="a method in"):
         build_served_client(
             federation.member("shop"),
             _deployment("bank", "shop", "impute-setup", {**body, "method": "mean"}),
             lambda _: None,
+            clients=3,
         )
     # A statistics plan: the client makes its own mechanism, if its process offers DP.
     ranges = FeatureRanges(lower=np.full(5, -4.0), upper=np.full(5, 4.0))
     plan = StatisticsPlan(noise_multiplier=2.0, clip=1.0, shares=3, ranges=ranges, delta=1e-5)
-    private = _deployment("bank", "shop", "impute-setup", {**body, "privacy": plan.to_json()})
+    masked = {**body, "secure_agg": "masks"}
+    private = _deployment("bank", "shop", "impute-setup", {**masked, "privacy": plan.to_json()})
     with pytest.raises(ProtocolError, match="offers no DP mechanisms"):
-        build_served_client(federation.member("shop"), private, lambda _: None)
+        build_served_client(federation.member("shop"), private, lambda _: None, clients=3)
+    # Noise shared among more clients than the run's (or any, without secure sums) would
+    # shrink each share below what the guarantee it reports is priced at.
+    for setup, expected in [
+        ({**masked, "privacy": {**plan.to_json(), "shares": 100}}, "among 100 clients; expected 3"),
+        ({**body, "privacy": plan.to_json()}, "among 3 clients; expected 1"),
+    ]:
+        with pytest.raises(ProtocolError, match=re.escape(expected)):
+            build_served_client(
+                federation.member("shop"),
+                _deployment("bank", "shop", "impute-setup", setup),
+                lambda _: None,
+                _served_statistics,
+                clients=3,
+            )
     served = build_served_client(
-        federation.member("shop"), private, lambda _: None, _served_statistics
+        federation.member("shop"), private, lambda _: None, _served_statistics, clients=3
     )
     assert served.privacy is not None and served.party.privacy is not None
     assert plan.terms().matches(ReleaseTerms.of(served.party.privacy))
@@ -251,9 +271,10 @@ def test_a_client_sets_itself_up_from_its_own_file_and_refuses_a_path_for_a_run_
     with pytest.raises(ProtocolError, match="as 5 numbers each expected"):
         build_served_client(
             federation.member("shop"),
-            _deployment("bank", "shop", "impute-setup", {**body, "privacy": narrow}),
+            _deployment("bank", "shop", "impute-setup", {**masked, "privacy": narrow}),
             lambda _: None,
             _served_statistics,
+            clients=3,
         )
 
 
