@@ -40,7 +40,8 @@ Gaussian mechanism (Dwork & Roth 2014, Thm A.1) per client:
 Trust, stated: the distributed guarantee assumes semi-honest clients that add their share and a
 server that sees only the secure sum (DESIGN section 4). A server colluding with c clients can
 remove their shares, leaving noise multiplier sigma * sqrt((K - c) / (K - 1)) on the others'
-records (sigma itself for one: a client alone, or the server alone).
+records (sigma itself for c = 1: one client, alone or with the server; the server alone
+faces sigma sqrt(K / (K - 1))).
 The ranges must be public (declared by the federation, e.g. physical units); ranges measured on
 the data, as :func:`observed_ranges` does for experiments, are themselves not private.
 """

@@ -805,6 +805,11 @@ class PrivacyEngine:
         assert sampler is not None
         entries = self._entries()
         guarantees = {n: e["guarantees"] for n, e in entries.items() if e["guarantees"]}
+        skipped = self._skipped_draws(guarantees)
+        guarantees = {
+            name: [_with_skipped_draws(g, skipped.get(name)) for g in held]
+            for name, held in guarantees.items()
+        }
         epsilon = {n: max(g["epsilon"] for g in held) for n, held in guarantees.items()}
         target = self.spec.target_epsilon
         entry = {
@@ -826,7 +831,7 @@ class PrivacyEngine:
             "epsilon": epsilon,
             "unguarded": self._unguarded(),
             "scope": SCOPE,
-            "skipped_draws": self._skipped_draws(guarantees),
+            "skipped_draws": skipped,
             "epsilon_per_epoch": {
                 n: e["epsilon_per_epoch"] for n, e in entries.items() if e["epsilon_per_epoch"]
             },
@@ -1037,6 +1042,18 @@ class PrivacyEngine:
                 for name in self._statistics_clients
             }
         return entry
+
+
+def _with_skipped_draws(
+    guarantee: dict[str, Any], skipped: dict[str, Any] | None
+) -> dict[str, Any]:
+    """A model guarantee (DP-SGD's, amplified) at the delta its skipped draws leave it
+    (:func:`skipped_draws_delta`): epsilon inf where that reaches 1 (no guarantee); any other
+    guarantee as it is."""
+    if skipped is None or not guarantee["amplification"] or not skipped["delta_added"]:
+        return guarantee
+    delta = min(1.0, guarantee["delta"] + skipped["delta_added"])
+    return {**guarantee, "delta": delta, **({"epsilon": math.inf} if delta >= 1 else {})}
 
 
 def skipped_draws_delta(epsilon: float, *, rate: float, draws: int, records: int) -> float:

@@ -39,7 +39,7 @@ from secure_vfl.federation.aggregator import PlainAggregator, SealingScheme, Sum
 from secure_vfl.federation.alignment import Aligner, make_aligner
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.parties import DataParty
-from secure_vfl.methods.base import StepCallback, in_process_parties
+from secure_vfl.methods.base import StepCallback, in_process_parties, trained_blocks
 from secure_vfl.methods.false_vfl import FalseVflConfig, FalseVflMethod
 from secure_vfl.methods.imputation import (
     IMPUTERS,
@@ -727,7 +727,7 @@ def run_training(
             method.sampler,
             n=data.train.n,
             epochs=config.method_config.epochs,
-            present=data.train.mask,
+            present=trained_blocks(data, config.method_config, config.seed),
         )
     run_checkpoints = RunCheckpoints(checkpoints) if checkpoints is not None else None
     progress = run_checkpoints.restore_run(method) if run_checkpoints is not None else None

@@ -25,9 +25,15 @@ from protocols.secagg import MaskingAggregator
 from secure_vfl.cli import main
 from secure_vfl.data.samplers import MixedSampler, PoissonSampler
 from secure_vfl.errors import ConfigError, RunWarning
-from secure_vfl.experiment import ImputeRunConfig, TrainConfig, run_imputation, run_training
+from secure_vfl.experiment import (
+    ImputeRunConfig,
+    TrainConfig,
+    prepare_data,
+    run_imputation,
+    run_training,
+)
 from secure_vfl.methods import METHODS, MethodConfig
-from secure_vfl.methods.base import in_process_parties
+from secure_vfl.methods.base import in_process_parties, trained_blocks
 from secure_vfl.methods.imputation import ImputeConfig
 
 
@@ -106,6 +112,30 @@ def test_dp_sgd_whose_draws_often_miss_a_partys_records_says_its_delta() -> None
     assert any("model guarantee is void (delta >= 1)" in str(w.message) for w in caught)
     steps = result.privacy["releases"]["party-1"]["dp-sgd"]
     assert steps < result.privacy["sampling"]["draws"]  # what the bound is about
+
+
+def test_under_secure_sums_the_skipped_draws_count_the_rows_a_party_is_trained_on() -> None:
+    """A party outside every usable block of a row is sent no gradient for it, so its DP-SGD
+    steps only on draws holding a row it is trained on: counting every row it holds put the
+    bound at 1.2e-07 where 1.5e-04 held (digits, masks, half of the blocks missing). The model
+    guarantee carries the delta the bound leaves it."""
+    spec = PrivacySpec(secure_agg="masks", dp_sgd=(1.0, 1.0), dp_gradients=(1.0, 0.01))
+    config = TrainConfig(
+        method="laser",
+        dataset="digits",
+        train_missing="mcar:0.5",
+        method_config=MethodConfig(heads="active", epochs=2, batch_size=48, secure_sums=True),
+    )
+    data = prepare_data(config)
+    trained = trained_blocks(data, config.method_config, config.seed)
+    with pytest.warns(RunWarning, match="DP-SGD takes no step on a draw"):
+        result = run_training(config, data=data, privacy=PrivacyEngine(spec))
+    assert result.privacy is not None
+    skipped = result.privacy["skipped_draws"]["party-1"]
+    assert skipped["records"] == int(trained[:, 1].sum()) < int(data.train.mask[:, 1].sum())
+    assert skipped["delta_added"] > 1e-7  # over 1 % of delta, as the warning says
+    (model,) = [g for g in result.privacy["guarantees"]["party-1"] if g["amplification"]]
+    assert model["delta"] == pytest.approx(1e-5 + skipped["delta_added"], rel=1e-12)
 
 
 @pytest.mark.parametrize("heads", ["all", "active"])

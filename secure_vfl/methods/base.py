@@ -54,6 +54,7 @@ from secure_vfl.federation.parties import (
     ticket_issuer,
 )
 from secure_vfl.federation.parts import ClassValue
+from secure_vfl.federation.releases import ReleaseBlocks
 from secure_vfl.federation.tickets import Contribution, TicketIssuer
 from secure_vfl.models.networks import make_bottom
 from secure_vfl.models.simsiam import pretrain_simsiam
@@ -222,6 +223,20 @@ def training_sampler(
     sample from it before it sets the other parties up."""
     rows = training_rows(method, data, config, seed)
     return make_sampler(config.batching, data.train.mask, config.batch_size, rows=rows)
+
+
+def trained_blocks(data: VerticalData, config: MethodConfig, seed: int) -> np.ndarray:
+    """(training rows, parties) bool: where each party's block can be trained on, so that a
+    step asks it for rows and its DP-SGD steps: where it is present, and under secure sums
+    only where it is in a usable block of the row, or exposed under ``release="dp"``
+    (:class:`~secure_vfl.federation.releases.ReleaseBlocks`, as LASER plans with the same
+    ``seed``): elsewhere no gradient reaches it."""
+    mask = np.asarray(data.train.mask, dtype=bool)
+    if not config.secure_sums:
+        return mask
+    blocks = ReleaseBlocks(mask, receiver=0, seed=seed, expose=config.release == "dp")
+    plan = blocks.plan("train", torch.arange(mask.shape[0]), torch.from_numpy(mask))
+    return plan.union().numpy()
 
 
 def refuse_secure_sums(config: MethodConfig, method: str, reason: str) -> None:
