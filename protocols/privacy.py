@@ -1077,7 +1077,16 @@ def _warn_of_weak_guarantees(entry: Mapping[str, Any], sigmas: Mapping[str, floa
     and a delta not below 1/n for n training records (a mechanism that publishes a few records
     outright meets such a guarantee). ``sigmas``: each mechanism's noise multiplier by the flag
     that sets it."""
-    unbounded = sorted(name for name, epsilon in entry["epsilon"].items() if math.isinf(epsilon))
+    voided = {  # their DP-SGD's skipped draws: warned of on their own
+        name
+        for name, skipped in (entry.get("skipped_draws") or {}).items()
+        if entry["delta"] + skipped["delta_added"] >= 1
+    }
+    unbounded = sorted(
+        name
+        for name, epsilon in entry["epsilon"].items()
+        if math.isinf(epsilon) and name not in voided
+    )
     if unbounded:
         silent = [
             f"{flag} SIGMA {sigma:g}" for flag, sigma in sigmas.items() if sigma < NEGLIGIBLE_NOISE
