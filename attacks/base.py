@@ -36,6 +36,14 @@ def party_index(name: str) -> int:
     return int(name.rsplit("-", 1)[1])
 
 
+EPSILON_NOTE = (
+    "epsilon: the largest party's, over what its defense noised; what a party sends without "
+    "noise has none (each run's result.json lists it: privacy.unguarded), so against those "
+    "messages the run's worst party is at inf."
+)
+"""What a sweep's and a suite's epsilon column is, said under its table."""
+
+
 def balanced_accuracy(predicted: np.ndarray, labels: np.ndarray) -> float:
     """The mean over the classes in ``labels`` of the share of that class's rows ``predicted``
     gets right (NaN without rows). A guess that ignores the row, random or constant, scores

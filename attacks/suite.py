@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from attacks.base import ATTACKS
+from attacks.base import ATTACKS, EPSILON_NOTE
 from attacks.runner import AttackResult, parse_defenses, run_attack
 from protocols.privacy import PrivacySpec
 from secure_vfl.data.vertical import VerticalData
@@ -198,6 +198,7 @@ def markdown(report: SuiteReport, *, command: str) -> str:
             f"{run['dcs']:.3f} | {run['dcs_chance']:.3f} |"
         )
     kinds = sorted({run["kind"] for run in report.runs})
+    lines += ["", EPSILON_NOTE]
     lines += (
         [
             "",

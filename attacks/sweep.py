@@ -25,7 +25,7 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from attacks.base import ATTACKS
+from attacks.base import ATTACKS, EPSILON_NOTE
 from protocols.privacy import PrivacySpec
 from secure_vfl import checks
 from secure_vfl.errors import ConfigError, DivergenceError, run_warnings
@@ -421,6 +421,7 @@ def markdown(
             f"{row['performance']:.3f} ± {row['performance_sd']:.3f} | {shown} | "
             f"{row['dcs']:.3f} | {row['dcs_chance']:.3f} |"
         )
+    lines += ["", EPSILON_NOTE]
     if failures:
         lines += ["", "Runs not scored (diverged, or the defense does not apply):", ""]
         lines += [f"- {failure}" for failure in failures]
@@ -475,7 +476,7 @@ def plot(table: Sequence[dict[str, Any]], out: Path, *, attack: str, metric: str
     axes.set_xscale("log")
     unbounded = any(r["epsilon"] is not None and math.isinf(r["epsilon"]) for r in table)
     axes.set_xlabel(
-        "epsilon (largest party's"
+        "epsilon of what is noised (largest party's"
         + ("; epsilon = inf drawn at the right edge)" if unbounded else ")")
     )
     axes.set_ylabel("main accuracy (%)")
