@@ -1106,6 +1106,15 @@ def test_messages_over_the_size_limit_go_in_several_deliveries_every_peer_at_onc
         assert list(failed) == ["shop"]
         assert [(n, r) for n, r, _ in seen if n == "shop"] == [("shop", 6), ("shop", 13)]
         assert [r for n, r, _ in seen if n == "aggregator"] == [6, 13, 7]
+        # A peer's next delivery goes once it acted on its last, not once every peer did:
+        # shop's one message waits for aggregator's third delivery (in waves, it waited in vain).
+        seen.clear()
+        later = [dataclasses.replace(greetings["shop"], round=10)]
+        later += [dataclasses.replace(greetings["aggregator"], round=r) for r in range(8, 14)]
+        acted[10] = acted[12]  # shop's round 10 waits for aggregator's round 12: its 3rd delivery
+        bank.send_all(later)
+        assert ("shop", 10, True) in seen
+        assert [r for n, r, _ in seen if n == "aggregator"] == list(range(8, 14))
 
 
 def test_a_malformed_delivery_of_several_messages_is_refused_whole(certs: Path) -> None:

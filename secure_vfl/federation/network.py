@@ -914,7 +914,8 @@ class PartyEndpoint:
         acts on its own while the others do, and this returns (their encoded sizes) once each
         has acted. The messages to one peer keep their order, in one delivery (acted on up to
         the first the peer refuses), or in several one after another where together they would
-        pass the size limit (every peer's first in flight at once, then every peer's second).
+        pass the size limit (a peer's next one goes once it acted on the one before; each has
+        its own ``deadline``).
         After a failure the others are still waited for, then the first failure
         is raised. ``detached``: nobody waits on this party for their outcome (it answered
         the delivery that caused them), so a peer that refuses one also raises the refusal in
@@ -924,27 +925,23 @@ class PartyEndpoint:
         for i, message in enumerate(messages):
             groups.setdefault(message.receiver, []).append(i)
         # Each peer's messages in as few deliveries as the size limit allows, one after
-        # another; the peers' k-th deliveries all in flight at once.
+        # another; every peer's at once, each going on as soon as its last one was acted on.
         queues = [self._bundles(indices, encoded) for indices in groups.values()]
+
+        def start(bundle: list[int]) -> _Delivery:
+            sent = [messages[i] for i in bundle]
+            return self._start(sent, [encoded[i] for i in bundle], deadline, detached)
+
+        def follow(peer: int) -> _Delivery | None:
+            return start(queues[peer].pop(0)) if queues[peer] else None
+
+        outcomes = self._complete_all([start(bundles.pop(0)) for bundles in queues], follow)
         failures = []
-        while queues:
-            bundles = [bundles.pop(0) for bundles in queues]
-            deliveries = [
-                self._start(
-                    [messages[i] for i in bundle], [encoded[i] for i in bundle], deadline, detached
-                )
-                for bundle in bundles
-            ]
-            going_on = []
-            outcomes = self._complete_all(deliveries)
-            for error, bundle, rest in zip(outcomes, bundles, queues, strict=True):
-                if error is not None:  # TransportError included; its peer's next ones not sent
-                    failures.append(error)
-                    if failed is not None:
-                        failed[messages[bundle[0]].receiver] = error
-                elif rest:
-                    going_on.append(rest)
-            queues = going_on
+        for error, indices in zip(outcomes, groups.values(), strict=True):
+            if error is not None:  # TransportError included; its peer's next ones not sent
+                failures.append(error)
+                if failed is not None:
+                    failed[messages[indices[0]].receiver] = error
         if failures:
             raise failures[0]
         return [len(data) for data in encoded]
@@ -1015,12 +1012,18 @@ class PartyEndpoint:
         if error is not None:
             raise error
 
-    def _complete_all(self, deliveries: Sequence[_Delivery]) -> list[ProtocolError | None]:
+    def _complete_all(
+        self,
+        deliveries: Sequence[_Delivery],
+        follow: Callable[[int], _Delivery | None] | None = None,
+    ) -> list[ProtocolError | None]:
         """Wait for every one of ``deliveries`` (acting on what arrives), each retried on
         UNAVAILABLE within its own deadline, until its peer has acted on it or it failed; all
         at once, so that peers not reached cost the time of their retries once, not once each.
-        Returns each one's failure (None: delivered). An error that is not the transport's (a
-        channel closed under it) is raised as it is."""
+        ``follow(i)``, once the i-th was delivered, may start the next delivery in its place
+        (None: that one was the last). Returns each place's failure (None: all delivered). An
+        error that is not the transport's (a channel closed under it) is raised as it is."""
+        deliveries = list(deliveries)
         outcomes: dict[int, ProtocolError | None] = {}
         backoffs = [self.retry.backoffs() for _ in deliveries]
         retries: dict[int, float] = {}  # delivery -> when its next attempt goes
@@ -1036,10 +1039,15 @@ class PartyEndpoint:
                 except ProtocolError as error:
                     outcomes[i] = error
                     continue
-                if backoff is None:
+                if backoff is not None:
+                    retries[i] = time.monotonic() + backoff
+                    continue
+                after = follow(i) if follow is not None else None
+                if after is None:
                     outcomes[i] = None
                 else:
-                    retries[i] = time.monotonic() + backoff
+                    deliveries[i], backoffs[i] = after, self.retry.backoffs()
+                    self._wake_when_done(after)
             if len(outcomes) == len(deliveries):
                 return [outcomes[i] for i in range(len(deliveries))]
             now = time.monotonic()
