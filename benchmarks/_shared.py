@@ -17,6 +17,13 @@ RESULTS = Path(__file__).resolve().parent / "results"
 """Where every script writes by default (``--out``), from whatever directory it is run."""
 
 
+QUICK_NOTE = (
+    "**A `--quick` smoke run**: subsets and epochs far too small to reproduce anything; the "
+    "pattern checks and the target below are printed to exercise the code, not as results.\n\n"
+)
+"""Heads a --quick run's results: a smoke run, not a result."""
+
+
 def run_jobs(
     job: Callable[..., dict[str, Any]], jobs: Sequence[tuple[Any, ...]], *, workers: int
 ) -> list[dict[str, Any]]:

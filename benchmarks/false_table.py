@@ -1,4 +1,5 @@
-"""FALSE-VFL's Fashion-MNIST table (paper Tables 13-18), reproduced on a CPU budget.
+"""FALSE-VFL on Fashion-MNIST, run against the paper's Table 13 (its Fashion-MNIST block, trained
+under MCAR 0.2) on a CPU budget.
 
 Fashion-MNIST cut into 8 patches of 14x7 pixels (one per party), 1000 labelled training
 samples and the rest of the training subset unlabelled, blocks missing MCAR 0.2 in training but
@@ -29,14 +30,23 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _shared import RESULTS, command_line, output_directory, run_jobs, save_figure, write_outputs
+from _shared import (
+    QUICK_NOTE,
+    RESULTS,
+    command_line,
+    output_directory,
+    run_jobs,
+    save_figure,
+    write_outputs,
+)
 
 from secure_vfl.cli import non_negative_int, positive_int
 
 PATTERNS = ["mcar:0", "mcar:0.2", "mcar:0.5", "mar1", "mar2", "mnar:0.7", "mnar:0.9"]
 PAPER_PATTERNS = ["MCAR0", "MCAR2", "MCAR5", "MAR1", "MAR2", "MNAR7", "MNAR9"]
 
-# Paper Tables 13-18 as quoted in REFERENCE.md (accuracy %, Fashion-MNIST).
+# The paper's numbers as REFERENCE.md quotes them (its "Tables 13-18" section: the
+# Fashion-MNIST block, accuracy %).
 PAPER = {
     "Vanilla VFL": [76.7, 71.0, 55.9, 53.2, 54.2, 53.4, 49.2],
     "LASER-VFL": [75.6, 72.5, 65.2, 65.1, 66.0, 64.7, 63.7],
@@ -159,8 +169,13 @@ def table(results: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
         cells = [f"{v:.1f}" for v in values]
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {statistics.mean(values):.1f} |")
     averages = {v: statistics.mean(vals) for v, vals in ours.items()}
-    false_best = max((a, v) for v, a in averages.items() if v.startswith("FALSE"))
-    base_best = max((a, v) for v, a in averages.items() if not v.startswith("FALSE"))
+    falses = [(a, v) for v, a in averages.items() if v.startswith("FALSE")]
+    bases = [(a, v) for v, a in averages.items() if not v.startswith("FALSE")]
+    check: dict[str, Any] = {}
+    if not (falses and bases):  # a run of some variants only: no target to check
+        lines += ["", "Target not checked: it needs a FALSE-VFL variant and a baseline."]
+        return "\n".join(lines), {"ours": ours, "std": spread, "check": check}
+    false_best, base_best = max(falses), max(bases)
     check = {
         "best_false": {"variant": false_best[1], "average": false_best[0]},
         "best_baseline": {"variant": base_best[1], "average": base_best[0]},
@@ -176,12 +191,6 @@ def table(results: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
         "against FedHSSL, which we do not run).",
     ]
     return "\n".join(lines), {"ours": ours, "std": spread, "check": check}
-
-
-QUICK_NOTE = (
-    "**A `--quick` smoke run**: subsets and epochs far too small to reproduce anything; the "
-    "pattern checks and the target below are printed to exercise the code, not as results.\n\n"
-)
 
 
 def plot(summary: dict[str, Any], path: Path) -> None:
@@ -245,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
     command = command_line("false_table.py", argv)
     body, summary = table(results)
     text = (
-        "# FALSE-VFL on Fashion-MNIST (paper Tables 13-18), reproduced\n\n"
+        "# FALSE-VFL on Fashion-MNIST, compared with the paper's Table 13 (Fashion-MNIST block)\n\n"
         f"Command: `{command}`  \n"
         f"Seeds {args.seeds}; {len(results)} trainings in {elapsed / 60:.1f} min on this machine "
         f"({args.workers} workers x 1 thread).\n\n"

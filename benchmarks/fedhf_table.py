@@ -19,7 +19,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _shared import RESULTS, command_line, output_directory, run_jobs, save_figure, write_outputs
+from _shared import (
+    QUICK_NOTE,
+    RESULTS,
+    command_line,
+    output_directory,
+    run_jobs,
+    save_figure,
+    write_outputs,
+)
 
 from secure_vfl.cli import non_negative_int, positive_int
 
@@ -35,7 +43,12 @@ Paper, Table II (RMSE, standardised; their datasets, which are not available off
 | MICE (per client) | 0.6756 | 1.1821 | 1.1231 |
 | Fed-Mean | 0.9902 | 0.9927 | 1.1762 |
 | Fed-DAE | 0.7726 | 0.9718 | 4.0519 |
+| VFL-KNN-Impute | 0.9889 | 0.9662 | 1.1231 |
+| Fed-FeatGen | 0.8233 | 0.9339 | 2.2202 |
 | FedHF-Impute | 0.7074 | 0.9363 | 0.8205 |
+
+(The federated rows of the paper's table but Fed-Transformer, and MICE; its 26.9 % gain on SECOM
+is over VFL-KNN-Impute, 1.1231; on PhysioNet Fed-FeatGen is ahead of FedHF-Impute.)
 
 The public FedHF-Impute code on LA Ozone (REFERENCE.md, seeds 0-2): column mean 1.053, Fed-Mean
 1.050, kNN 0.796, MICE 0.713, FedHF-Impute (batch 16, 30 rounds) 0.799.
@@ -93,10 +106,17 @@ def summarise(results: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
             values = per_client(method, dataset)
             cells.append(f"{np.mean(values):.3f} ± {np.std(values):.3f}" if values else "–")
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
-    checks: dict[str, Any] = {}
+    checks: dict[str, Any] = {}  # by dataset: its checks, or why none were made
     for dataset in datasets:
+        baselines = {
+            m: float(np.mean(per_client(m, dataset)))
+            for m in FEDERATED_BASELINES
+            if per_client(m, dataset)
+        }
+        if not (per_client("fedhf", dataset) and baselines):  # some methods run only
+            checks[dataset] = "not made (they need fedhf and a federated baseline)"
+            continue
         fedhf = float(np.mean(per_client("fedhf", dataset)))
-        baselines = {m: float(np.mean(per_client(m, dataset))) for m in FEDERATED_BASELINES}
         best = min(baselines.values())
         checks[dataset] = {
             "fedhf_below_fed_mean_and_fed_dae": bool(fedhf < best),
@@ -168,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     command = command_line("fedhf_table.py", argv)
     table, checks = summarise(results)
     text = (
-        "# FedHF-Impute Table II pattern, reproduced on offline datasets\n\n"
+        "# FedHF-Impute on offline datasets, compared with the paper's Table II\n\n"
+        f"{QUICK_NOTE if args.quick else ''}"
         f"Command: `{command}`  \n"
         f"Seeds {args.seeds}; {len(results)} runs in {elapsed / 60:.1f} min ({args.workers} "
         "workers x 1 thread). K = 4 clients, each keeping a random 60 % of the features; "
