@@ -47,8 +47,9 @@ Paper, Table II (RMSE, standardised; their datasets, which are not available off
 | Fed-FeatGen | 0.8233 | 0.9339 | 2.2202 |
 | FedHF-Impute | 0.7074 | 0.9363 | 0.8205 |
 
-(The federated rows of the paper's table but Fed-Transformer, and MICE; its 26.9 % gain on SECOM
-is over VFL-KNN-Impute, 1.1231; on PhysioNet Fed-FeatGen is ahead of FedHF-Impute.)
+(MICE and the paper's federated rows but Fed-Transformer. Its 26.9 % on SECOM is the gain over
+VFL-KNN-Impute's 1.1231; on PhysioNet Fed-FeatGen's 0.9339 is ahead of FedHF-Impute's. Our
+`airquality` is R's 4-feature New York air quality data, not the paper's 13-feature AirQuality.)
 
 The public FedHF-Impute code on LA Ozone (REFERENCE.md, seeds 0-2): column mean 1.053, Fed-Mean
 1.050, kNN 0.796, MICE 0.713, FedHF-Impute (batch 16, 30 rounds) 0.799.
