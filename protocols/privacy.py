@@ -310,7 +310,7 @@ class PrivacyEngine:
             )
         self.sample_rate: float | None = None
         self._sampler: PoissonSampler | None = None
-        self._present: np.ndarray | None = None  # (rows, parties): whose block each row holds
+        self._present: np.ndarray | None = None  # (rows, parties): where each block trains
         self._ahead = False  # the sample was drawn by plan_parties, before the run
         self._names: list[str] = []
         self._plan: dict[str, dict[str, int]] = {}  # each party's releases per step, planned
@@ -446,8 +446,9 @@ class PrivacyEngine:
         ``sampler`` (same rows, rate batch_size / rows, same steps per epoch; the whole schedule
         drawn now from the engine's sampling generator, or before, by :meth:`plan_parties`);
         else ``sampler`` unchanged. ``present`` (training rows x parties, in block order):
-        whose block each row holds, so that the report can bound the draws a party's DP-SGD
-        skips (:func:`skipped_draws_delta`)."""
+        where each party's block can be trained on (it holds the row, and under secure sums
+        the row's usable blocks take it in), so that the report can bound the draws a party's
+        DP-SGD skips (:func:`skipped_draws_delta`)."""
         if present is not None:
             self._present = np.asarray(present, dtype=bool)
         if not self.noise:
@@ -914,7 +915,7 @@ class PrivacyEngine:
 
     def _skipped_draws(self, guarantees: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
         """By DP-SGD party, what its skipped draws add to its model guarantee's delta
-        (:func:`skipped_draws_delta`, over its records among the sampled rows); a RunWarning
+        (:func:`skipped_draws_delta`, over the sampled rows it is trained on); a RunWarning
         where that is not negligible (over 1 % of delta). Empty without DP-SGD or without
         ``present`` (a Python caller that did not pass it)."""
         sampler = self._sampler
@@ -1058,13 +1059,13 @@ def _with_skipped_draws(
 
 def skipped_draws_delta(epsilon: float, *, rate: float, draws: int, records: int) -> float:
     """What a party's DP-SGD adds to its model guarantee's delta by taking no step on a draw
-    with none of its records (Opacus takes a noise-only step there; here no party is asked for
-    rows it does not hold). The accountant prices ``draws`` Poisson-subsampled Gaussian steps at
-    ``rate``, each taken; the run coincides with that mechanism unless some draw holds none of
-    the party's records, which happens with probability at most p = draws (1 - rate)^(n - 1)
-    for n = ``records`` (one fewer under removal), on either neighbouring dataset. Coupling the
-    two runs, an (epsilon, delta) guarantee of the priced mechanism is one of (epsilon,
-    delta + (1 + e^epsilon) p) for the run (capped at 1: no guarantee)."""
+    with none of its records (Opacus takes a noise-only step there; here a party is asked only
+    for the rows it is trained on). The accountant prices ``draws`` Poisson-subsampled Gaussian
+    steps at ``rate``, each taken; the run coincides with that mechanism unless some draw holds
+    none of the party's records, which happens with probability at most p = draws (1 -
+    rate)^(n - 1) for n = ``records`` (one fewer under removal), on either neighbouring
+    dataset. Coupling the two runs, an (epsilon, delta) guarantee of the priced mechanism is
+    one of (epsilon, delta + (1 + e^epsilon) p) for the run (capped at 1: no guarantee)."""
     if records <= 1:
         return 1.0
     empty = draws * math.exp((records - 1) * math.log1p(-min(rate, 1.0))) if rate < 1 else 0.0
