@@ -225,17 +225,25 @@ def training_sampler(
     return make_sampler(config.batching, data.train.mask, config.batch_size, rows=rows)
 
 
+def release_blocks(data: VerticalData, config: MethodConfig, seed: int) -> ReleaseBlocks:
+    """The blocks of a secure LASER run (the label party the receiver, exposures under
+    ``release="dp"``): the method plans its sums by them, and :func:`trained_blocks` reads
+    from them which rows each party is trained on; one construction, so the two agree."""
+    return ReleaseBlocks(data.train.mask, receiver=0, seed=seed, expose=config.release == "dp")
+
+
 def trained_blocks(data: VerticalData, config: MethodConfig, seed: int) -> np.ndarray:
     """(training rows, parties) bool: where each party's block can be trained on, so that a
     step asks it for rows and its DP-SGD steps: where it is present, and under secure sums
     only where it is in a usable block of the row, or exposed under ``release="dp"``
     (:class:`~secure_vfl.federation.releases.ReleaseBlocks`, as LASER plans with the same
-    ``seed``): elsewhere no gradient reaches it."""
+    ``seed``, :func:`release_blocks`): elsewhere no gradient reaches it."""
     mask = np.asarray(data.train.mask, dtype=bool)
     if not config.secure_sums:
         return mask
-    blocks = ReleaseBlocks(mask, receiver=0, seed=seed, expose=config.release == "dp")
-    plan = blocks.plan("train", torch.arange(mask.shape[0]), torch.from_numpy(mask))
+    plan = release_blocks(data, config, seed).plan(
+        "train", torch.arange(mask.shape[0]), torch.from_numpy(mask)
+    )
     return plan.union().numpy()
 
 

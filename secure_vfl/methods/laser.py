@@ -66,6 +66,7 @@ from secure_vfl.methods.base import (
     build_federation,
     fits_once,
     isolated_seed,
+    release_blocks,
     require_hiding_crowd,
     split_tensors,
     train_epochs,
@@ -221,9 +222,7 @@ class MeanFusionMethod:
         self.fed.epoch_steps = len(self.sampler)
         self.blocks: ReleaseBlocks | None = None
         if config.secure_sums:
-            self.blocks = ReleaseBlocks(
-                data.train.mask, receiver=0, seed=seed, expose=config.release == "dp"
-            )
+            self.blocks = release_blocks(data, config, seed)
 
     def plan(self, rows: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """Selection (H, T, B, K) and weights (H, T, B) of this batch's tasks, and under
