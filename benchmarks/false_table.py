@@ -160,7 +160,7 @@ def table(results: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
         spread[variant] = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in per_pattern]
     header = "| method | " + " | ".join(PAPER_PATTERNS) + " | average |"
     rule = "|---" * (len(PATTERNS) + 2) + "|"
-    lines = ["## This run (accuracy %, mean ± std over seeds)", "", header, rule]
+    lines = ["## This run (accuracy %, mean ± sample std over seeds)", "", header, rule]
     for variant, values in ours.items():
         cells = [f"{m:.1f} ± {s:.1f}" for m, s in zip(values, spread[variant], strict=True)]
         lines.append(f"| {variant} | " + " | ".join(cells) + f" | {statistics.mean(values):.1f} |")

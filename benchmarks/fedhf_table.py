@@ -195,8 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         f"Seeds {args.seeds}; {len(results)} runs in {elapsed / 60:.1f} min ({args.workers} "
         "workers x 1 thread). K = 4 clients, each keeping a random 60 % of the features; "
         f"{args.rounds} FedAvg rounds of 2 local epochs, batch 16. RMSE in standardised space on "
-        "a fixed-seed 20 % of each client's observed-and-available test entries; mean ± std over "
-        "seeds and clients.\n\n"
+        "a fixed-seed 20 % of each client's observed-and-available test entries; mean ± population "
+        "std (numpy's, ddof 0) over seeds and clients.\n\n"
         f"{table}\n\n{PAPER_TABLE}"
     )
     stem = "fedhf_table_quick" if args.quick else "fedhf_table"

@@ -143,7 +143,8 @@ def tables(results: list[dict[str, Any]]) -> tuple[str, dict[str, Any]]:
     for dataset in dict.fromkeys(r["dataset"] for r in results):
         header = " | ".join(f"{a:g} / {b:g}" for a in P_MISS for b in P_MISS)
         lines += [
-            f"### {dataset} (accuracy %, train p_miss / test p_miss)",
+            f"### {dataset} (accuracy %, mean ± population std over seeds, "
+            "train p_miss / test p_miss)",
             "",
             f"| method | {header} |",
             "|---|" + "---|" * len(P_MISS) ** 2,
