@@ -84,7 +84,7 @@ from secure_vfl.deployment import (
     check_requested,
     check_rosters,
 )
-from secure_vfl.errors import ConfigError, DataError, ProtocolError
+from secure_vfl.errors import ConfigError, DataError, ProtocolError, TransportError
 from secure_vfl.experiment import (
     ImputeResult,
     ImputeRunConfig,
@@ -473,15 +473,24 @@ def impute_deployed(
             session=secrets.token_hex(8),
             release_terms=plan.terms() if plan is not None else None,
         )
-        if isinstance(aggregator, SealingScheme):
-            coordinator.install(aggregator.scheme, None, aggregator.receiver())
-            view.scheme = aggregator.scheme
-            view.set_up_keys()
         load_optimiser_machinery()
         start = time.perf_counter()
-        imputer = reconstruction_imputer(
-            config.method, None, config.impute_config, seed=config.seed, federation=view
-        )
+        try:
+            if isinstance(aggregator, SealingScheme):
+                coordinator.install(aggregator.scheme, None, aggregator.receiver())
+                view.scheme = aggregator.scheme
+                view.set_up_keys()
+            imputer = reconstruction_imputer(
+                config.method, None, config.impute_config, seed=config.seed, federation=view
+            )
+        except TransportError as error:  # FedAvg drops a client lost later; not one lost here
+            raise TransportError(
+                f"{error} ({error.party or 'a party'} lost before FedAvg's first round, while "
+                "the federation set up its secure sums or computed the clients' statistics, "
+                "which need every party: start it again and rerun; a client lost in a later "
+                "round is dropped and FedAvg goes on)",
+                error.party,
+            ) from error
         _check_observed(features, imputer.counts if plan is None else None)
         # The yardstick: the statistics of the training rows the method collected. Without DP
         # they are exact, as the in-process evaluator computes them; under DP they are the

@@ -2302,8 +2302,9 @@ def _end(
     after a failure): the bytes each sent, and each data party's privacy entry (None: no DP).
     Called from a ``finally``: where the run is ending because its operator stopped it (Ctrl-C
     or SIGTERM, in flight), the parties are told ``"interrupted"`` rather than ``"failed"``.
-    ``late``: the parties the start-up already warned were not reachable; one the failed run
-    cannot end (still not reachable) is not warned of again."""
+    ``late``: the parties the start-up already warned were not reachable, and the one whose loss
+    the error in flight reports; one the failed run cannot end (still not reachable) is not
+    warned of again."""
     stopping = sys.exc_info()[1]
     if outcome != "finished" and stopping is not None and not isinstance(stopping, Exception):
         outcome = INTERRUPTED
@@ -2321,7 +2322,9 @@ def _end(
             )
     else:
         seconds = min(endpoint.deadline, FAILED_END_SECONDS)
-        bodies = _end_failed(endpoint, names, ends, seconds, late=late)
+        # The party whose loss failed the run: its error says so, the end need not warn again.
+        cause = stopping.party if isinstance(stopping, TransportError) else None
+        bodies = _end_failed(endpoint, names, ends, seconds, late=[*late, cause] if cause else late)
     for name, body in bodies.items():
         reports[name] = _reported_bytes(name, body["bytes"])
         if name != AGGREGATOR:

@@ -39,7 +39,13 @@ class ProtocolError(SecureVFLError):
 class TransportError(ProtocolError):
     """A message did not get through in time: its receiver could not be reached (after bounded
     retries) or did not act on it before the deadline, or nothing arrived that a party waited
-    for. Unlike a refusal, the peer may simply be gone (a crashed or partitioned party)."""
+    for. Unlike a refusal, the peer may simply be gone (a crashed or partitioned party).
+    ``party`` names that peer where one is known (the receiver not reached, the sender awaited),
+    so that what reports the failure does not warn of it again."""
+
+    def __init__(self, message: str, party: str | None = None) -> None:
+        super().__init__(message)
+        self.party = party
 
 
 class NotSetUpError(ProtocolError):

@@ -825,7 +825,8 @@ class PartyEndpoint:
                 raise TransportError(
                     f"{self.name}: no {kind or 'message'} from {sender or 'any peer'} arrived "
                     f"within {timeout:g} s; is {sender or 'the peer'}{where} running, and can it "
-                    "reach this party?"
+                    "reach this party?",
+                    sender,
                 ) from None
             self._act_on(item)
 
@@ -1133,7 +1134,8 @@ class PartyEndpoint:
             return TransportError(
                 f"{what}: the TLS handshake with {message.receiver} at "
                 f"{self._peers[message.receiver]} failed, which no retry changes: "
-                f"{_handshake_reason(details, message.receiver)} (gRPC: {details})"
+                f"{_handshake_reason(details, message.receiver)} (gRPC: {details})",
+                message.receiver,
             )
         if code == grpc.StatusCode.UNAVAILABLE:
             # Nothing listens there: certificates are not in question (a peer that refuses this
@@ -1147,11 +1149,14 @@ class PartyEndpoint:
                 question = "Is it running, and do both certificates come from this federation's CA?"
             return TransportError(
                 f"{what}: {message.receiver} at {self._peers[message.receiver]} could not be "
-                f"reached ({attempts} attempts over {_elapsed(start)}): {details}. {question}"
+                f"reached ({attempts} attempts over {_elapsed(start)}): {details}. {question}",
+                message.receiver,
             )
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return TransportError(
-                f"{what}: no answer within the deadline ({_elapsed(start)}): {details or code.name}"
+                f"{what}: no answer within the deadline ({_elapsed(start)}): "
+                f"{details or code.name}",
+                message.receiver,
             )
         if code == grpc.StatusCode.FAILED_PRECONDITION:
             self.restarted.add(message.receiver)
