@@ -32,7 +32,10 @@ It runs split at the party boundary (:class:`MaskingAggregator` is the factory o
 aggregation server, :class:`MaskReceiver` inside the receiver with its own key pair; keys and
 shares cross as messages. A contributor whose share never comes can be recovered from: every
 survivor reveals the pair masks it shared with the dropped party (:meth:`MaskSender.reveal`),
-which the server adds like a share, so the receiver gets the sum over the survivors.
+which the server adds like a share, so the receiver gets the sum over the survivors. The runs
+do not call it: a run that loses a contributor abandons the step's sums (their contexts are
+refused from then on) and does the step again over the survivors under fresh contexts, so
+nothing is revealed; the recovery is for a caller that cannot do a step again.
 
 Promises (semi-honest parties, non-colluding aggregator): the receiver learns only sums over at
 least two contributors; the aggregator and the network see uniform ring elements, including a

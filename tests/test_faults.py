@@ -325,6 +325,7 @@ def test_a_method_that_needs_every_party_stops_on_a_lost_one_and_names_it(
         "the run stops"
     )
     assert isinstance(raised.value.__cause__, TransportError)
+    assert raised.value.party == LOST  # the end of the run need not warn of it again
     assert not trainer.fed.faults  # nothing was dropped: the run stops
 
 
@@ -336,8 +337,11 @@ def test_a_lost_aggregation_server_is_named_whatever_refusal_said_it(
     data = make_data(train_missing="mcar:0.2")
     channel = LosingChannel("represent-request")
     channel.unreachable = lambda names: [AGGREGATOR] if channel.lost else []  # type: ignore[method-assign]
-    with pytest.raises(TransportError, match="the aggregation server can no longer be reached"):
+    with pytest.raises(
+        TransportError, match="the aggregation server can no longer be reached"
+    ) as raised:
         _train(data, FAST, channel)
+    assert raised.value.party == AGGREGATOR
 
 
 def test_a_method_that_needs_every_party_passes_on_a_protocol_error_with_nobody_lost(

@@ -135,8 +135,11 @@ def test_a_lost_aggregation_server_stops_fedavg_naming_it() -> None:
     channel.unreachable = lambda names: [AGGREGATOR] if channel.gone else []  # type: ignore[method-assign]
     task = synthetic_task(rows=40, test_rows=12, features=6, clients=2)
     imputer = IMPUTERS.get("fedhf")(task, CONFIG, seed=0, channel=channel)
-    with pytest.raises(TransportError, match="the aggregation server can no longer be reached"):
+    with pytest.raises(
+        TransportError, match="the aggregation server can no longer be reached"
+    ) as raised:
         imputer.fit()
+    assert raised.value.party == AGGREGATOR
 
 
 class RestartingClient(LosingClient):

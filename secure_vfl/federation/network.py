@@ -1007,12 +1007,6 @@ class PartyEndpoint:
         delivery.future = self._call(channel, data, metadata, timeout)
         return delivery
 
-    def _complete(self, delivery: _Delivery) -> None:
-        """Wait for ``delivery`` as :meth:`_complete_all` does; raise its failure."""
-        error = self._complete_all([delivery])[0]
-        if error is not None:
-            raise error
-
     def _complete_all(
         self,
         deliveries: Sequence[_Delivery],

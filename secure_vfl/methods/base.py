@@ -579,14 +579,16 @@ class Federation:
                     f"{', '.join(gone)} can no longer be reached ({error}). This method needs "
                     "every data party's representation of every row it trains on, so the run "
                     "stops; --method laser, local, ensemble, false-vfl-1 and false-vfl-2 go "
-                    "on without a lost party, its block missing from then on."
+                    "on without a lost party, its block missing from then on.",
+                    gone[0] if len(gone) == 1 else None,
                 ) from error
             raise error
         lost = self.channel.unreachable([*peers, AGGREGATOR])
         if AGGREGATOR in lost:  # what the error says may be another party's refusal of it
             raise TransportError(
                 f"the aggregation server can no longer be reached ({error}); no sum can be "
-                "served without it, so the run stops."
+                "served without it, so the run stops.",
+                AGGREGATOR,
             ) from error
         if not lost:
             raise error

@@ -178,7 +178,8 @@ class ImputationFederation:
         if AGGREGATOR in lost:  # what the error says may be a client's refusal of it
             raise TransportError(
                 f"the aggregation server can no longer be reached ({error}); FedAvg cannot go "
-                "on without it."
+                "on without it.",
+                AGGREGATOR,
             ) from error
         if not lost or set(lost) >= set(self.names):
             raise error
