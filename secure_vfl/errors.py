@@ -48,6 +48,11 @@ class TransportError(ProtocolError):
         self.party = party
 
 
+class VersionError(ProtocolError):
+    """Bytes of another version of the wire format or of a message kind's schema: written by
+    another release of secure-vfl (a party not upgraded with the others, an older capture)."""
+
+
 class NotSetUpError(ProtocolError):
     """A party was sent a message of a run that never set it up: in a deployment, its process
     was restarted (by its operator or a supervisor) before the label party noticed the crash,

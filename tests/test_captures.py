@@ -3,6 +3,7 @@ tensors as dtype and shape, never their values."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import re
 import struct
@@ -10,11 +11,12 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import MakeData
 
 from secure_vfl.captures import byte_size, field_text, show_lines, summary_lines
 from secure_vfl.cli import main
-from secure_vfl.errors import ConfigError, ProtocolError
+from secure_vfl.errors import ConfigError, ProtocolError, VersionError
 from secure_vfl.federation import wire
 from secure_vfl.federation.channel import (
     Channel,
@@ -193,6 +195,28 @@ def test_what_is_not_a_capture_is_refused_naming_it(tmp_path: Path) -> None:
     empty = tmp_path / "empty.capture"
     empty.touch()
     assert summary_lines(empty) == [f"{empty}: 0 messages, 0 B encoded, 0 sessions."]
+
+
+def test_a_capture_of_another_release_is_refused_saying_so(tmp_path: Path) -> None:
+    """A record of an older message schema (or wire version): refused as before, and the error
+    says that another release wrote the file, not only which version it expected."""
+    message = RepresentationMessage(
+        sender="party-1", receiver="aggregator", round=0, batch_id=0, positions=torch.arange(2),
+        representation=torch.zeros(2, 3),
+    )  # fmt: skip
+    for field, value in (("schema_version", message.schema_version - 1), (None, None)):
+        path = tmp_path / f"{field}.capture"
+        data = wire.encode(dataclasses.replace(message, **{field: value}) if field else message)
+        if field is None:  # the wire format's version: the u16 after the magic bytes
+            at = len(wire.MAGIC)
+            data = data[:at] + struct.pack("<H", wire.WIRE_VERSION + 1) + data[at + 2 :]
+        path.write_bytes(struct.pack(">I", len(data)) + data)
+        with pytest.raises(VersionError) as refused:
+            summary_lines(path)
+        assert "version" in str(refused.value) and "expected, found" in str(refused.value)
+        assert str(refused.value).endswith(
+            "The file was captured by another release of secure-vfl; read it with that release."
+        ), refused.value
 
 
 def _write_records(path: Path, messages: list[Message]) -> None:

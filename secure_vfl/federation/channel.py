@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeVar, cast
 
-from secure_vfl.errors import OutputError, ProtocolError
+from secure_vfl.errors import OutputError, ProtocolError, VersionError
 from secure_vfl.federation import wire
 from secure_vfl.federation.messages import Message, check_header
 
@@ -127,7 +127,15 @@ def capture_records(path: Path | str, *, end: int | None = None) -> Iterator[tup
             try:
                 message = wire.decode(data)
             except ProtocolError as error:  # say which file and record: read after the fact
-                raise type(error)(f"{path}, record {records} (at byte {read}): {error}") from None
+                hint = (
+                    " The file was captured by another release of secure-vfl; read it with that "
+                    "release."
+                    if isinstance(error, VersionError)
+                    else ""
+                )
+                raise type(error)(
+                    f"{path}, record {records} (at byte {read}): {error}{hint}"
+                ) from None
             read += CAPTURE_LENGTH.size + length
             yield length, message
 

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from secure_vfl.errors import NonFiniteError, ProtocolError, RegistryError
+from secure_vfl.errors import NonFiniteError, ProtocolError, RegistryError, VersionError
 from secure_vfl.io import shown
 from secure_vfl.registry import Registry
 
@@ -778,7 +778,7 @@ def _schema_of(view: memoryview) -> _Schema:
             f"magic bytes {MAGIC!r} expected, found {magic!r}: not a secure-vfl message."
         )
     if version != WIRE_VERSION:
-        raise ProtocolError(f"wire version {WIRE_VERSION} expected, found {version}.")
+        raise VersionError(f"wire version {WIRE_VERSION} expected, found {version}.")
     kind, offset = _KIND_DECODER(view, _KIND_AT)
     try:
         schema = _SCHEMAS.get(kind)
@@ -790,7 +790,7 @@ def _schema_of(view: memoryview) -> _Schema:
         ) from None
     schema_version, offset = _SCHEMA_VERSION_DECODER(view, offset)
     if schema_version != schema.schema_version:
-        raise ProtocolError(
+        raise VersionError(
             f"{kind}: schema version {schema.schema_version} expected, found {schema_version}."
         )
     return schema
