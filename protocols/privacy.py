@@ -68,6 +68,7 @@ from protocols.dp import (
     PrivacyAccountant,
     calibrate_noise,
     calibrate_per_record,
+    price,
 )
 from protocols.noise import NoiseSource, noise_source
 from protocols.party_privacy import PartyPlan, PartyPrivacy, read_entry, sampling_text
@@ -311,6 +312,7 @@ class PrivacyEngine:
         self.sample_rate: float | None = None
         self._sampler: PoissonSampler | None = None
         self._present: np.ndarray | None = None  # (rows, parties): where each block trains
+        self._skips_warned: set[str] = set()  # parties warned of their skipped draws
         self._ahead = False  # the sample was drawn by plan_parties, before the run
         self._names: list[str] = []
         self._plan: dict[str, dict[str, int]] = {}  # each party's releases per step, planned
@@ -590,6 +592,23 @@ class PrivacyEngine:
             )
             for name, releases in self._plan.items()
         }
+        self._warn_of_planned_skips(sampler)
+
+    def _warn_of_planned_skips(self, sampler: PoissonSampler) -> None:
+        """Before training, the warning :meth:`_skipped_draws` would give after it: the DP-SGD
+        guarantee the plan prices (SIGMA, the rate, every draw) and what the draws without a
+        party's records add to its delta (:func:`skipped_draws_delta`)."""
+        if "dp-sgd" not in self.noise or self._present is None:
+            return
+        sigma = self.noise["dp-sgd"][0]
+        epsilon = price([(sigma, sampler.rate, sampler.draws)], self.spec.delta, accountant="rdp")
+        for k, name in enumerate(self._names[: self._present.shape[1]]):
+            records = int(self._present[sampler.rows, k].sum())
+            if records:  # a party trained on no record steps never, and is not warned of
+                added = skipped_draws_delta(
+                    epsilon, rate=sampler.rate, draws=sampler.draws, records=records
+                )
+                self._warn_of_skips(name, records, added, sampler)
 
     def take_reports(self, reports: Mapping[str, Any]) -> None:
         """What each deployed data party reported about its own releases at the end of the run
@@ -931,22 +950,31 @@ class PrivacyEngine:
                 model[0]["epsilon"], rate=sampler.rate, draws=sampler.draws, records=records
             )
             found[name] = {"records": records, "delta_added": added}
-            if added > 0.01 * self.spec.delta:
-                delta = self.spec.delta + added
-                holds = (
-                    "is void (delta >= 1)"
-                    if delta >= 1
-                    else f"holds at delta {delta:.3g}, not {self.spec.delta:g}"
-                )
-                warnings.warn(
-                    f"{name}'s DP-SGD takes no step on a draw that holds none of its {records} "
-                    f"records (rate {sampler.rate:.3g}, {sampler.draws} draws), and a step not "
-                    f"taken is no Gaussian step: its model guarantee {holds}. A larger "
-                    "--batch-size (or fewer missing blocks) makes such draws rare.",
-                    RunWarning,
-                    stacklevel=3,
-                )
+            self._warn_of_skips(name, records, added, sampler)
         return found
+
+    def _warn_of_skips(
+        self, name: str, records: int, added: float, sampler: PoissonSampler
+    ) -> None:
+        """A RunWarning, once per party (before training where the plan shows it), where
+        ``name``'s skipped draws add over 1 % of delta to its model guarantee's."""
+        if added <= 0.01 * self.spec.delta or name in self._skips_warned:
+            return
+        self._skips_warned.add(name)
+        delta = self.spec.delta + added
+        holds = (
+            "is void (delta >= 1)"
+            if delta >= 1
+            else f"holds at delta {delta:.3g}, not {self.spec.delta:g}"
+        )
+        warnings.warn(
+            f"{name}'s DP-SGD takes no step on a draw that holds none of its {records} "
+            f"records (rate {sampler.rate:.3g}, {sampler.draws} draws), and a step not "
+            f"taken is no Gaussian step: its model guarantee {holds}. A larger "
+            "--batch-size (or fewer missing blocks) makes such draws rare.",
+            RunWarning,
+            stacklevel=4,
+        )
 
     def _unguarded(self) -> dict[str, list[str]]:
         """By party, what its plan sends every step that no noise covers (its representations,
