@@ -483,13 +483,18 @@ def impute_deployed(
             imputer = reconstruction_imputer(
                 config.method, None, config.impute_config, seed=config.seed, federation=view
             )
-        except TransportError as error:  # FedAvg drops a client lost later; not one lost here
+        except ProtocolError as error:  # FedAvg drops a client lost later; not one lost here
+            # What failed may be another party's refusal of it (its key could not reach the
+            # lost one): a probe says who is gone, as FedAvg's recovery does.
+            lost = channel.unreachable([*view.roster, AGGREGATOR])
+            if not lost:  # a protocol error, or a party late but there: as it is
+                raise
             raise TransportError(
-                f"{error} ({error.party or 'a party'} lost before FedAvg's first round, while "
-                "the federation set up its secure sums or computed the clients' statistics, "
-                "which need every party: start it again and rerun; a client lost in a later "
-                "round is dropped and FedAvg goes on)",
-                error.party,
+                f"{', '.join(lost)} lost before FedAvg's first round, while the federation set "
+                "up its secure sums or computed the clients' statistics, which need every "
+                "party: start it again and rerun (a client lost in a later round is dropped "
+                f"and FedAvg goes on). {error}",
+                lost[0] if len(lost) == 1 else None,
             ) from error
         _check_observed(features, imputer.counts if plan is None else None)
         # The yardstick: the statistics of the training rows the method collected. Without DP

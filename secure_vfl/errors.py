@@ -40,8 +40,10 @@ class TransportError(ProtocolError):
     """A message did not get through in time: its receiver could not be reached (after bounded
     retries) or did not act on it before the deadline, or nothing arrived that a party waited
     for. Unlike a refusal, the peer may simply be gone (a crashed or partitioned party).
-    ``party`` names that peer where one is known (the receiver not reached, the sender awaited),
-    so that what reports the failure does not warn of it again."""
+    ``party`` names the peer where the error reports it lost: not reachable at all (nothing
+    listens at its address), or found so after the failure; not one that is merely late or
+    refuses this party's certificate, which may still be running. What reports the failure
+    then need not warn of that party again."""
 
     def __init__(self, message: str, party: str | None = None) -> None:
         super().__init__(message)

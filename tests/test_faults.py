@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
+import types
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -15,6 +18,7 @@ from conftest import MakeData
 from protocols.secagg import MaskingAggregator
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ProtocolError, TransportError
+from secure_vfl.federation import network
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import (
     AGGREGATOR,
@@ -22,6 +26,7 @@ from secure_vfl.federation.messages import (
     Message,
     SealRequest,
     TicketKeyMessage,
+    UpdateRequest,
 )
 from secure_vfl.federation.parties import Party
 from secure_vfl.methods import METHODS, MethodConfig
@@ -425,3 +430,39 @@ def test_a_ticket_key_that_did_not_arrive_is_sent_again_with_the_retry(
     assert [fault["party"] for fault in method.fed.faults] == [LOST]
     assert [m.batch_id for m in channel.keys] == [0, 1]
     assert len({(m.session, m.key) for m in channel.keys if isinstance(m, TicketKeyMessage)}) == 1
+
+
+@pytest.mark.parametrize(
+    ("code", "details", "lost"),
+    [
+        (grpc.StatusCode.UNAVAILABLE, "failed to connect to all addresses: Connection refused", 1),
+        (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", 0),
+        (grpc.StatusCode.UNAVAILABLE, "Ssl handshake failed: CERTIFICATE_VERIFY_FAILED", 0),
+    ],
+    ids=["unreachable", "late", "certificate"],
+)
+def test_a_send_failure_names_its_receiver_lost_only_where_nothing_answers_there(
+    code: grpc.StatusCode, details: str, lost: int
+) -> None:
+    """The end of a failed deployment does not warn again of the party its error reports lost;
+    a party that is only late, or refuses this party's certificate, may still be running (and
+    waiting), so its error names none: the end warns that it could not end the run there."""
+
+    class Failure(grpc.RpcError):
+        def code(self) -> grpc.StatusCode:
+            return code
+
+        def details(self) -> str:
+            return details
+
+    endpoint = types.SimpleNamespace(name="bank", _peers={"shop": "127.0.0.1:1"}, restarted=set())
+    message = UpdateRequest(sender="bank", receiver="shop", round=3, batch_id=0)
+    error = network.PartyEndpoint._failure(
+        endpoint,  # type: ignore[arg-type]
+        message,
+        Failure(),
+        5,
+        time.monotonic(),
+    )
+    assert isinstance(error, TransportError), error
+    assert error.party == ("shop" if lost else None)

@@ -126,6 +126,7 @@ def test_a_loss_that_leaves_secure_sums_one_client_stops_saying_so(backend: str)
         "needs at least 2 clients"
     )
     assert "its process is gone" in str(refused.value)
+    assert refused.value.party == "client-1"  # the end of the run need not warn of it again
 
 
 def test_a_lost_aggregation_server_stops_fedavg_naming_it() -> None:

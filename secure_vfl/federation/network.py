@@ -825,8 +825,7 @@ class PartyEndpoint:
                 raise TransportError(
                     f"{self.name}: no {kind or 'message'} from {sender or 'any peer'} arrived "
                     f"within {timeout:g} s; is {sender or 'the peer'}{where} running, and can it "
-                    "reach this party?",
-                    sender,
+                    "reach this party?"
                 ) from None
             self._act_on(item)
 
@@ -1128,8 +1127,7 @@ class PartyEndpoint:
             return TransportError(
                 f"{what}: the TLS handshake with {message.receiver} at "
                 f"{self._peers[message.receiver]} failed, which no retry changes: "
-                f"{_handshake_reason(details, message.receiver)} (gRPC: {details})",
-                message.receiver,
+                f"{_handshake_reason(details, message.receiver)} (gRPC: {details})"
             )
         if code == grpc.StatusCode.UNAVAILABLE:
             # Nothing listens there: certificates are not in question (a peer that refuses this
@@ -1148,9 +1146,7 @@ class PartyEndpoint:
             )
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return TransportError(
-                f"{what}: no answer within the deadline ({_elapsed(start)}): "
-                f"{details or code.name}",
-                message.receiver,
+                f"{what}: no answer within the deadline ({_elapsed(start)}): {details or code.name}"
             )
         if code == grpc.StatusCode.FAILED_PRECONDITION:
             self.restarted.add(message.receiver)

@@ -188,7 +188,8 @@ class ImputationFederation:
             raise TransportError(
                 f"{', '.join(lost)} lost in round {fedavg_round}, which leaves {left[0]} alone: "
                 f"a secure sum ({self.scheme}) needs at least 2 clients (the sum of one is its "
-                f"update in the clear), so FedAvg cannot go on ({error})."
+                f"update in the clear), so FedAvg cannot go on ({error}).",
+                lost[0] if len(lost) == 1 else None,
             ) from error
         for name in lost:
             self.names.remove(name)
