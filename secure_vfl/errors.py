@@ -66,6 +66,11 @@ class NotSetUpError(ProtocolError):
         super().__init__(message)
         self.party = party
 
+    def __reduce__(self) -> tuple[type[NotSetUpError], tuple[str, str]]:
+        # Rebuilt from (party, message): the default passes the message alone, which the
+        # constructor refuses (an error carried from a worker process could not be read back).
+        return type(self), (self.party, str(self))
+
 
 class IntegrityError(ProtocolError):
     """A message's content is corrupt: non-finite values, a tampered or replayed payload."""
