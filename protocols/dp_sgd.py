@@ -53,14 +53,17 @@ class StepTracker:
 
 
 class _PartyDPOptimizer(DPOptimizer):
-    """Opacus' DP optimiser that draws its noise from a :class:`~protocols.noise.NoiseSource`,
-    reports each noisy step as an event of the step ``tracker`` saw closed, and skips empty
-    steps.
+    """Opacus' DP optimiser that draws its noise from a :class:`~protocols.noise.NoiseSource`
+    and reports each noisy step as an event of the step ``tracker`` saw closed.
 
-    A step without per-sample gradients (the party sent nothing this round, or its gradient
-    never came) releases nothing. The hooks' state of forward passes that never got a gradient
-    (activations, forward counters) is reset at ``zero_grad``, so a later backward pass is
-    neither paired with a stale forward nor left unpromoted.
+    Every update the driver sends closes one Poisson draw, and every draw takes one noisy
+    step: one without per-sample gradients (a draw without the party's records, an empty draw,
+    or a gradient that never came) is a noise-only step, as Opacus takes on an empty batch, so
+    the steps taken are the ones the accountant prices whatever the sample held (a skipped
+    step would tell an observer of the model that a draw missed the party's records). The
+    hooks' state of forward passes that never got a gradient (activations, forward counters)
+    is reset at ``zero_grad``, so a later backward pass is neither paired with a stale forward
+    nor left unpromoted.
     """
 
     def __init__(
@@ -96,18 +99,29 @@ class _PartyDPOptimizer(DPOptimizer):
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         if all(getattr(p, "grad_sample", None) is None for p in self.params):
-            return None
-        result = super().step(closure)
+            result = self._noisy_step({})
+        else:
+            result = super().step(closure)
+            self._released()
+        return result
+
+    def _noisy_step(self, sums: dict[Tensor, Tensor]) -> float | None:
+        """Step on ``sums`` (each parameter's sum of clipped per-sample gradients; zero for
+        one not in it: a noise-only step) plus the noise, and report the release."""
+        for p in self.params:
+            summed = sums.get(p)
+            p.summed_grad = torch.zeros_like(p) if summed is None else summed.to(p.dtype)
+        self.add_noise()
+        result = self.original_optimizer.step()
+        self._released()
+        return result
+
+    def _released(self) -> None:
         self._on_event(
             GaussianRelease(
-                self._party,
-                self.noise_multiplier,
-                self._sample_rate,
-                "dp-sgd",
-                self._tracker.round,
+                self._party, self.noise_multiplier, self._sample_rate, "dp-sgd", self._tracker.round
             )
         )
-        return result
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         super().zero_grad(set_to_none)
@@ -223,7 +237,7 @@ def clipped_linear_sums(captures: LinearCaptures, max_grad_norm: float) -> dict[
 
 class _LinearDPOptimizer(_PartyDPOptimizer):
     """The party's DP optimiser on exact per-sample gradients of a Linear-only model
-    (:class:`LinearCaptures`): the same clipping, noise, accounting and skipped empty steps as
+    (:class:`LinearCaptures`): the same clipping, noise, accounting and noise-only steps as
     :class:`_PartyDPOptimizer`, without Opacus' per-sample gradient tensors."""
 
     def __init__(
@@ -236,20 +250,10 @@ class _LinearDPOptimizer(_PartyDPOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 closure()
-        if not self._captures.any_gradient():
-            return None
-        sums = clipped_linear_sums(self._captures, self.max_grad_norm)
-        for p in self.params:
-            summed = sums.get(p)
-            p.summed_grad = torch.zeros_like(p) if summed is None else summed.to(p.dtype)
-        self.add_noise()
-        result = self.original_optimizer.step()
-        self._on_event(
-            GaussianRelease(
-                self._party, self.noise_multiplier, self._sample_rate, "dp-sgd", self._tracker.round
-            )
+        captured = self._captures.any_gradient()
+        return self._noisy_step(
+            clipped_linear_sums(self._captures, self.max_grad_norm) if captured else {}
         )
-        return result
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         for p in self.params:
@@ -284,9 +288,11 @@ def make_private_party(
     Reductions are ``"sum"``: the received gradients are already those of the head's batch mean,
     so each row's gradient is that sample's contribution as is (no rescaling by the number of
     rows the party happened to observe, which varies per batch); ``max_grad_norm`` is therefore
-    on the scale of the head's mean loss. One ``"dp-sgd"`` event per optimiser step, charged to
-    the step its :class:`UpdateRequest` closes (a :class:`StepTracker` in the party's incoming
-    hooks). The noise comes from ``noise`` (Opacus' own generator is not used).
+    on the scale of the head's mean loss. One optimiser step per update the party receives
+    (every draw; noise only where no gradient came) and one ``"dp-sgd"`` event per step,
+    charged to the step its :class:`UpdateRequest` closes (a :class:`StepTracker` in the
+    party's incoming hooks). The noise comes from ``noise`` (Opacus' own generator is not
+    used).
     """
     # The bottom model's input needs no gradient, so torch notes that its full backward hook
     # fires on outputs only; that is what the split pattern wants, not a problem to show users.

@@ -68,7 +68,6 @@ from protocols.dp import (
     PrivacyAccountant,
     calibrate_noise,
     calibrate_per_record,
-    price,
 )
 from protocols.noise import NoiseSource, noise_source
 from protocols.party_privacy import PartyPlan, PartyPrivacy, read_entry, sampling_text
@@ -311,8 +310,6 @@ class PrivacyEngine:
             )
         self.sample_rate: float | None = None
         self._sampler: PoissonSampler | None = None
-        self._present: np.ndarray | None = None  # (rows, parties): where each block trains
-        self._skips_warned: set[str] = set()  # parties warned of their skipped draws
         self._ahead = False  # the sample was drawn by plan_parties, before the run
         self._names: list[str] = []
         self._plan: dict[str, dict[str, int]] = {}  # each party's releases per step, planned
@@ -442,17 +439,11 @@ class PrivacyEngine:
         *,
         n: int,
         epochs: int,
-        present: np.ndarray | None = None,
     ) -> BatchSampler:
         """With a DP mechanism of training, the Poisson sampler that replaces the method's
         ``sampler`` (same rows, rate batch_size / rows, same steps per epoch; the whole schedule
         drawn now from the engine's sampling generator, or before, by :meth:`plan_parties`);
-        else ``sampler`` unchanged. ``present`` (training rows x parties, in block order):
-        where each party's block can be trained on (it holds the row, and under secure sums
-        the row's usable blocks take it in), so that the report can bound the draws a party's
-        DP-SGD skips (:func:`skipped_draws_delta`)."""
-        if present is not None:
-            self._present = np.asarray(present, dtype=bool)
+        else ``sampler`` unchanged."""
         if not self.noise:
             return sampler
         if self._ahead:  # drawn before the parties were set up (a deployment)
@@ -491,7 +482,6 @@ class PrivacyEngine:
         names: Sequence[str],
         predictions: int,
         resumed: Callable[[PoissonSampler], None] | None = None,
-        present: np.ndarray | None = None,
     ) -> dict[str, dict[str, Any] | None]:
         """A deployed label party's plan, before it sets the other parties up: the Poisson
         sample drawn for the method's ``sampler`` (its training set of ``n`` rows), SIGMA
@@ -502,7 +492,7 @@ class PrivacyEngine:
         is calibrated to the schedule the run trains on, as the killed run's was."""
         if not self.noise:
             return {name: None for name in names[1:]}
-        self.sampler(sampler, n=n, epochs=epochs, present=present)
+        self.sampler(sampler, n=n, epochs=epochs)
         if resumed is not None:
             assert self._sampler is not None
             resumed(self._sampler)
@@ -592,23 +582,6 @@ class PrivacyEngine:
             )
             for name, releases in self._plan.items()
         }
-        self._warn_of_planned_skips(sampler)
-
-    def _warn_of_planned_skips(self, sampler: PoissonSampler) -> None:
-        """Before training, the warning :meth:`_skipped_draws` would give after it: the DP-SGD
-        guarantee the plan prices (SIGMA, the rate, every draw) and what the draws without a
-        party's records add to its delta (:func:`skipped_draws_delta`)."""
-        if "dp-sgd" not in self.noise or self._present is None:
-            return
-        sigma = self.noise["dp-sgd"][0]
-        epsilon = price([(sigma, sampler.rate, sampler.draws)], self.spec.delta, accountant="rdp")
-        for k, name in enumerate(self._names[: self._present.shape[1]]):
-            records = int(self._present[sampler.rows, k].sum())
-            if records:  # a party trained on no record steps never, and is not warned of
-                added = skipped_draws_delta(
-                    epsilon, rate=sampler.rate, draws=sampler.draws, records=records
-                )
-                self._warn_of_skips(name, records, added, sampler)
 
     def take_reports(self, reports: Mapping[str, Any]) -> None:
         """What each deployed data party reported about its own releases at the end of the run
@@ -825,11 +798,6 @@ class PrivacyEngine:
         assert sampler is not None
         entries = self._entries()
         guarantees = {n: e["guarantees"] for n, e in entries.items() if e["guarantees"]}
-        skipped = self._skipped_draws(guarantees)
-        guarantees = {
-            name: [_with_skipped_draws(g, skipped.get(name)) for g in held]
-            for name, held in guarantees.items()
-        }
         epsilon = {n: max(g["epsilon"] for g in held) for n, held in guarantees.items()}
         target = self.spec.target_epsilon
         entry = {
@@ -851,7 +819,6 @@ class PrivacyEngine:
             "epsilon": epsilon,
             "unguarded": self._unguarded(),
             "scope": SCOPE,
-            "skipped_draws": skipped,
             "epsilon_per_epoch": {
                 n: e["epsilon_per_epoch"] for n, e in entries.items() if e["epsilon_per_epoch"]
             },
@@ -931,50 +898,6 @@ class PrivacyEngine:
             "clip": clip,
             "exposed_releases": {name: e["exposed"] for name, e in self._entries().items()},
         }
-
-    def _skipped_draws(self, guarantees: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-        """By DP-SGD party, what its skipped draws add to its model guarantee's delta
-        (:func:`skipped_draws_delta`, over the sampled rows it is trained on); a RunWarning
-        where that is not negligible (over 1 % of delta). Empty without DP-SGD or without
-        ``present`` (a Python caller that did not pass it)."""
-        sampler = self._sampler
-        if "dp-sgd" not in self.noise or self._present is None or sampler is None:
-            return {}
-        found = {}
-        for k, name in enumerate(self._names):
-            model = [g for g in guarantees.get(name, []) if g["amplification"]]
-            if not model or k >= self._present.shape[1]:
-                continue
-            records = int(self._present[sampler.rows, k].sum())
-            added = skipped_draws_delta(
-                model[0]["epsilon"], rate=sampler.rate, draws=sampler.draws, records=records
-            )
-            found[name] = {"records": records, "delta_added": added}
-            self._warn_of_skips(name, records, added, sampler)
-        return found
-
-    def _warn_of_skips(
-        self, name: str, records: int, added: float, sampler: PoissonSampler
-    ) -> None:
-        """A RunWarning, once per party (before training where the plan shows it), where
-        ``name``'s skipped draws add over 1 % of delta to its model guarantee's."""
-        if added <= 0.01 * self.spec.delta or name in self._skips_warned:
-            return
-        self._skips_warned.add(name)
-        delta = self.spec.delta + added
-        holds = (
-            "is void (delta >= 1)"
-            if delta >= 1
-            else f"holds at delta {delta:.3g}, not {self.spec.delta:g}"
-        )
-        warnings.warn(
-            f"{name}'s DP-SGD takes no step on a draw that holds none of its {records} "
-            f"records (rate {sampler.rate:.3g}, {sampler.draws} draws), and a step not "
-            f"taken is no Gaussian step: its model guarantee {holds}. A larger "
-            "--batch-size (or fewer missing blocks) makes such draws rare.",
-            RunWarning,
-            stacklevel=4,
-        )
 
     def _unguarded(self) -> dict[str, list[str]]:
         """By party, what its plan sends every step that no noise covers (its representations,
@@ -1073,49 +996,13 @@ class PrivacyEngine:
         return entry
 
 
-def _with_skipped_draws(
-    guarantee: dict[str, Any], skipped: dict[str, Any] | None
-) -> dict[str, Any]:
-    """A model guarantee (DP-SGD's, amplified) at the delta its skipped draws leave it
-    (:func:`skipped_draws_delta`): epsilon inf where that reaches 1 (no guarantee); any other
-    guarantee as it is."""
-    if skipped is None or not guarantee["amplification"] or not skipped["delta_added"]:
-        return guarantee
-    delta = min(1.0, guarantee["delta"] + skipped["delta_added"])
-    return {**guarantee, "delta": delta, **({"epsilon": math.inf} if delta >= 1 else {})}
-
-
-def skipped_draws_delta(epsilon: float, *, rate: float, draws: int, records: int) -> float:
-    """What a party's DP-SGD adds to its model guarantee's delta by taking no step on a draw
-    with none of its records (Opacus takes a noise-only step there; here a party is asked only
-    for the rows it is trained on). The accountant prices ``draws`` Poisson-subsampled Gaussian
-    steps at ``rate``, each taken; the run coincides with that mechanism unless some draw holds
-    none of the party's records, which happens with probability at most p = draws (1 -
-    rate)^(n - 1) for n = ``records`` (one fewer under removal), on either neighbouring
-    dataset. Coupling the two runs, an (epsilon, delta) guarantee of the priced mechanism is
-    one of (epsilon, delta + (1 + e^epsilon) p) for the run (capped at 1: no guarantee)."""
-    if records <= 1:
-        return 1.0
-    empty = draws * math.exp((records - 1) * math.log1p(-min(rate, 1.0))) if rate < 1 else 0.0
-    return min(1.0, (1.0 + math.exp(min(epsilon, 700.0))) * empty)
-
-
 def _warn_of_weak_guarantees(entry: Mapping[str, Any], sigmas: Mapping[str, float]) -> None:
     """RunWarnings for a privacy report whose figures protect nothing: a party with epsilon inf
     (a noise multiplier of 0, or below :data:`~protocols.dp.NEGLIGIBLE_NOISE`, adds no noise),
     and a delta not below 1/n for n training records (a mechanism that publishes a few records
     outright meets such a guarantee). ``sigmas``: each mechanism's noise multiplier by the flag
     that sets it."""
-    voided = {  # their DP-SGD's skipped draws: warned of on their own
-        name
-        for name, skipped in (entry.get("skipped_draws") or {}).items()
-        if entry["delta"] + skipped["delta_added"] >= 1
-    }
-    unbounded = sorted(
-        name
-        for name, epsilon in entry["epsilon"].items()
-        if math.isinf(epsilon) and name not in voided
-    )
+    unbounded = sorted(name for name, epsilon in entry["epsilon"].items() if math.isinf(epsilon))
     if unbounded:
         silent = [
             f"{flag} SIGMA {sigma:g}" for flag, sigma in sigmas.items() if sigma < NEGLIGIBLE_NOISE

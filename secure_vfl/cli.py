@@ -1942,7 +1942,7 @@ def run_train(args: argparse.Namespace) -> int:
 
     def on_step(step: int, loss: float) -> None:
         bar.update(step - bar.n)  # a resumed run starts past step 0
-        if step % 10 == 0:
+        if step % 10 == 0 and not math.isnan(loss):  # NaN: an empty Poisson draw
             bar.set_postfix(loss=f"{loss:.3f}")
 
     with _capture(args.capture, args) as capture, run_warnings() as noted:

@@ -1975,7 +1975,7 @@ def privacy_plans(
     party's ``privacy`` before any party is set up: the Poisson sample drawn for the method's
     training batches (on ``resume``, the killed run's, from the label party's checkpoint),
     SIGMA calibrated to it, as in one process."""
-    from secure_vfl.methods.base import trained_blocks, training_sampler
+    from secure_vfl.methods.base import training_sampler
 
     if privacy is None:
         return {name: None for name in federation.names[1:]}
@@ -1989,7 +1989,6 @@ def privacy_plans(
         names=federation.names,
         predictions=len(data.tests),  # each test record is released once per split
         resumed=resumed_schedule(resume) if resume is not None else None,
-        present=trained_blocks(data, config.method_config, config.seed),
     )
 
 

@@ -39,7 +39,7 @@ from secure_vfl.federation.aggregator import PlainAggregator, SealingScheme, Sum
 from secure_vfl.federation.alignment import Aligner, make_aligner
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.parties import DataParty
-from secure_vfl.methods.base import StepCallback, in_process_parties, trained_blocks
+from secure_vfl.methods.base import StepCallback, in_process_parties
 from secure_vfl.methods.false_vfl import FalseVflConfig, FalseVflMethod
 from secure_vfl.methods.imputation import (
     IMPUTERS,
@@ -611,12 +611,9 @@ class PrivacyLayer(Protocol):
         """The secure-sum backend (None: plain sums)."""
         ...
 
-    def sampler(
-        self, sampler: BatchSampler, *, n: int, epochs: int, present: np.ndarray | None = None
-    ) -> BatchSampler:
+    def sampler(self, sampler: BatchSampler, *, n: int, epochs: int) -> BatchSampler:
         """The sampler the run trains with, given the method's own over a training set of ``n``
-        rows (a DP run's Poisson sampler; ``sampler`` itself without DP); ``present``: whose
-        block each training row holds (rows x parties), for what the report says of it."""
+        rows (a DP run's Poisson sampler; ``sampler`` itself without DP)."""
         ...
 
     def make_private(
@@ -727,7 +724,6 @@ def run_training(
             method.sampler,
             n=data.train.n,
             epochs=config.method_config.epochs,
-            present=trained_blocks(data, config.method_config, config.seed),
         )
     run_checkpoints = RunCheckpoints(checkpoints) if checkpoints is not None else None
     progress = run_checkpoints.restore_run(method) if run_checkpoints is not None else None

@@ -100,9 +100,6 @@ def test_the_issues_example_prices_joint_events_per_record_under_replace_one(
         "no DP guarantee (epsilon inf), sent without noise: the representations of party-0, "
         "party-1, party-2, party-3" in printed
     )
-    # 1438 records at rate 0.089: a draw with none of them is beyond any delta
-    assert privacy["skipped_draws"]["party-1"]["records"] == 1438
-    assert privacy["skipped_draws"]["party-1"]["delta_added"] < 1e-40
     # what every epsilon leaves out is said where the figures are, not only in the docs
     assert "heads" in privacy["scope"] and "not covered" in privacy["scope"]
     assert f"note: {privacy['scope']}" in printed

@@ -575,7 +575,10 @@ def test_dp_sgd_party_trains_in_laser_and_reports_one_event_per_step(make_data: 
     )  # 91.3-100 % over data seeds 0-8
 
 
-def test_dp_sgd_step_without_gradients_releases_nothing() -> None:
+def test_dp_sgd_step_without_gradients_is_noise_only_and_the_next_one_backpropagates() -> None:
+    """An update whose gradient never came (or that asked nothing of the party) is one noisy
+    step of zero gradients, priced as every draw is; its forward pass is forgotten, and the
+    next step's gradient backpropagates through its own."""
     model = nn.Linear(4, 2)
     x = torch.randn(10, 4, generator=torch.Generator().manual_seed(0))
     party = DataParty("party-1", {"train": x}, model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -612,14 +615,15 @@ def test_dp_sgd_step_without_gradients_releases_nothing() -> None:
         label.send(UpdateRequest(sender="party-0", receiver="party-1", round=round, batch_id=0))
 
     request(torch.arange(10), 0)
-    update(0)  # its gradient never came: nothing is released
-    assert events == []
-    assert all(torch.equal(a, b) for a, b in zip(before, party.model.parameters(), strict=True))
+    update(0)  # its gradient never came: the noise alone, released
+    assert events == [GaussianRelease("party-1", 1.0, 0.1, "dp-sgd", 0)]
+    noised = [p.detach().clone() for p in party.model.parameters()]
+    assert all(not torch.equal(a, b) for a, b in zip(before, noised, strict=True))
     request(torch.arange(6), 1)
     label.send(dataclass_replace(gradient(torch.ones(6, 2)), round=1))
     update(1)
-    assert events == [GaussianRelease("party-1", 1.0, 0.1, "dp-sgd", 1)]
-    assert any(not torch.equal(a, b) for a, b in zip(before, party.model.parameters(), strict=True))
+    assert events[1:] == [GaussianRelease("party-1", 1.0, 0.1, "dp-sgd", 1)]
+    assert any(not torch.equal(a, b) for a, b in zip(noised, party.model.parameters(), strict=True))
 
 
 def test_prediction_releases_are_noised_and_priced_for_the_rows_requested() -> None:

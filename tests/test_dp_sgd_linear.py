@@ -124,6 +124,39 @@ def test_the_noised_update_equals_opacus_hooks_mode_for_the_same_noise() -> None
     assert events == reference_events
 
 
+@pytest.mark.parametrize("mode", ["linear", "hooks"])
+def test_an_update_without_gradients_is_a_noise_only_step(mode: str) -> None:
+    """A draw that brought the party no gradient (none of its records, or no row at all) is
+    still one step, of zero clipped gradients plus the noise, as Opacus takes on an empty
+    batch: SGD at learning rate 0.5 moves each parameter by -0.5 sigma C times the noise drawn,
+    and the accountant is told of one release. (Skipping it, as before, took fewer steps than
+    were priced, and how many fewer depended on the sample.)"""
+    torch.manual_seed(0)
+    model = MLPBottom(9, hidden=16, out=8)
+    party = DataParty(
+        "party-1", {"train": torch.zeros(1, 9)}, model, torch.optim.SGD(model.parameters(), lr=0.5)
+    )
+    events: list[Any] = []
+    before = [p.detach().clone() for p in model.parameters()]
+    make_private_party(
+        party,
+        noise_multiplier=0.7,
+        max_grad_norm=0.3,
+        sample_rate=0.1,
+        noise=SeededNoise(7),
+        on_event=events.append,
+        grad_sample_mode=mode,  # type: ignore[arg-type]
+    )
+    assert party.optimizer is not None
+    party.optimizer.step()
+    party.optimizer.zero_grad(set_to_none=True)
+    expected = SeededNoise(7)
+    for p, p0 in zip(party.model.parameters(), before, strict=True):
+        noise = expected.gaussian(tuple(p.shape), dtype=p.dtype) * (0.7 * 0.3)
+        torch.testing.assert_close(p.detach(), p0 - 0.5 * noise)
+    assert [(e.kind, e.noise_multiplier) for e in events] == [("dp-sgd", 0.7)]
+
+
 def test_a_layer_without_bias_and_frozen_layers_are_handled() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(9, 12, bias=False), nn.ReLU(), nn.Linear(12, 8))

@@ -20,7 +20,7 @@ from conftest import MakeData
 from protocols.dp import EmbeddingNoise, GradientNoise
 from protocols.noise import SecureNoise
 from protocols.party_privacy import PartyPlan
-from protocols.privacy import PrivacyEngine, PrivacySpec, skipped_draws_delta
+from protocols.privacy import PrivacyEngine, PrivacySpec
 from protocols.secagg import MaskingAggregator
 from secure_vfl.cli import main
 from secure_vfl.data.samplers import MixedSampler, PoissonSampler
@@ -33,7 +33,7 @@ from secure_vfl.experiment import (
     run_training,
 )
 from secure_vfl.methods import METHODS, MethodConfig
-from secure_vfl.methods.base import in_process_parties, trained_blocks
+from secure_vfl.methods.base import in_process_parties
 from secure_vfl.methods.imputation import ImputeConfig
 
 
@@ -81,21 +81,18 @@ def test_a_report_that_protects_nothing_warns(make_data: MakeData) -> None:
             assert engine.report() is not None
 
 
-def test_skipped_draws_add_to_delta_what_a_draw_without_the_partys_records_risks() -> None:
-    """(1 + e^eps) draws (1 - q)^(n - 1), capped at 1: vanishing for many records, the whole
-    guarantee for few."""
-    added = skipped_draws_delta(1.0, rate=0.1, draws=50, records=100)
-    assert added == pytest.approx((1 + math.e) * 50 * 0.9**99, rel=1e-12)
-    assert skipped_draws_delta(1.0, rate=0.089, draws=60, records=1438) < 1e-50
-    assert skipped_draws_delta(1.0, rate=0.01, draws=100, records=50) == 1.0
-    assert skipped_draws_delta(1e6, rate=0.1, draws=1, records=10) == 1.0  # no overflow
-    assert skipped_draws_delta(1.0, rate=1.0, draws=10, records=5) == 0.0  # every row, always
+def _draws_without(schedule: list[np.ndarray], rows: np.ndarray) -> int:
+    """How many draws of ``schedule`` hold none of ``rows`` (bool over the training rows)."""
+    return sum(1 for batch in schedule if not rows[batch].any())
 
 
-def test_dp_sgd_whose_draws_often_miss_a_partys_records_says_its_delta() -> None:
-    """DP-SGD skips a draw with none of the party's rows (wine, batch 2, half of the blocks
-    missing: 58 of 67 draws or fewer stepped), where the accountant priced a noisy step: its
-    delta was reported as 1e-5 in silence."""
+def test_dp_sgd_steps_on_every_draw_noise_only_where_none_of_its_records_came() -> None:
+    """A draw with none of a party's records (wine, batch 2, half of the blocks missing: most
+    draws), or with no row at all, is a noise-only step, as Opacus takes on an empty batch:
+    the party took no step there, so the number of steps it took told an observer of its
+    model how often the sample missed its records, and the accountant priced steps that were
+    never taken (its delta void). Every party now steps on every draw, and the run is the
+    mechanism priced: no warning, the delta asked for."""
     spec = PrivacySpec(dp_sgd=(1.0, 1.0), dp_gradients=(1.0, 0.01))
     config = TrainConfig(
         method="laser",
@@ -103,32 +100,29 @@ def test_dp_sgd_whose_draws_often_miss_a_partys_records_says_its_delta() -> None
         train_missing="mcar:0.5",
         method_config=MethodConfig(heads="active", epochs=1, batch_size=2),
     )
-    before: list[list[str]] = []  # the skipped-draws warnings given before the first step
-
-    def skips(caught: list[warnings.WarningMessage]) -> list[str]:
-        return [str(w.message) for w in caught if "DP-SGD takes no step on a draw" in str(w)]
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        result = run_training(
-            config, privacy=PrivacyEngine(spec), on_start=lambda _: before.append(skips(caught))
-        )
-    assert result.privacy is not None
-    skipped = result.privacy["skipped_draws"]
-    assert set(skipped) == {f"party-{k}" for k in range(4)}
-    assert all(entry["delta_added"] == 1.0 for entry in skipped.values())
-    # Said before training (it used to come after the run only), once per party, not again.
-    assert before[0] == skips(caught) and len(skips(caught)) == 4, skips(caught)
-    assert all("model guarantee is void (delta >= 1)" in text for text in skips(caught))
-    steps = result.privacy["releases"]["party-1"]["dp-sgd"]
-    assert steps < result.privacy["sampling"]["draws"]  # what the bound is about
+    data = prepare_data(config)
+    engine = PrivacyEngine(spec)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RunWarning)
+        result = run_training(config, data=data, privacy=engine)
+    assert result.privacy is not None and engine.poisson is not None
+    schedule = engine.poisson.schedule
+    draws = result.privacy["sampling"]["draws"]
+    assert len(schedule) == result.privacy["sampling"]["steps"] == draws
+    assert any(batch.size == 0 for batch in schedule)  # empty draws are steps too
+    mask = np.asarray(data.train.mask, dtype=bool)
+    for k in range(4):
+        name = f"party-{k}"
+        assert _draws_without(schedule, mask[:, k]) > draws // 4  # what the test is about
+        assert result.privacy["releases"][name]["dp-sgd"] == draws
+        (model,) = [g for g in result.privacy["guarantees"][name] if g["amplification"]]
+        assert model["delta"] == spec.delta and math.isfinite(model["epsilon"])
 
 
-def test_under_secure_sums_the_skipped_draws_count_the_rows_a_party_is_trained_on() -> None:
-    """A party outside every usable block of a row is sent no gradient for it, so its DP-SGD
-    steps only on draws holding a row it is trained on: counting every row it holds put the
-    bound at 1.2e-07 where 1.5e-04 held (digits, masks, half of the blocks missing). The model
-    guarantee carries the delta the bound leaves it."""
+def test_under_secure_sums_a_party_outside_every_usable_block_steps_on_noise() -> None:
+    """Under secure sums a party is sent no gradient for a row it holds outside the row's
+    usable blocks; its DP-SGD still steps once on every draw (digits, masks, half of the blocks
+    missing)."""
     spec = PrivacySpec(secure_agg="masks", dp_sgd=(1.0, 1.0), dp_gradients=(1.0, 0.01))
     config = TrainConfig(
         method="laser",
@@ -136,16 +130,12 @@ def test_under_secure_sums_the_skipped_draws_count_the_rows_a_party_is_trained_o
         train_missing="mcar:0.5",
         method_config=MethodConfig(heads="active", epochs=2, batch_size=48, secure_sums=True),
     )
-    data = prepare_data(config)
-    trained = trained_blocks(data, config.method_config, config.seed)
-    with pytest.warns(RunWarning, match="DP-SGD takes no step on a draw"):
-        result = run_training(config, data=data, privacy=PrivacyEngine(spec))
+    result = run_training(config, privacy=PrivacyEngine(spec))
     assert result.privacy is not None
-    skipped = result.privacy["skipped_draws"]["party-1"]
-    assert skipped["records"] == int(trained[:, 1].sum()) < int(data.train.mask[:, 1].sum())
-    assert skipped["delta_added"] > 1e-7  # over 1 % of delta, as the warning says
-    (model,) = [g for g in result.privacy["guarantees"]["party-1"] if g["amplification"]]
-    assert model["delta"] == pytest.approx(1e-5 + skipped["delta_added"], rel=1e-12)
+    draws = result.privacy["sampling"]["draws"]
+    assert {name: r["dp-sgd"] for name, r in result.privacy["releases"].items()} == {
+        f"party-{k}": draws for k in range(4)
+    }
 
 
 @pytest.mark.parametrize("heads", ["all", "active"])

@@ -131,8 +131,10 @@ class PoissonSampler:
 
     The whole schedule of ``epochs`` epochs is drawn up front from ``rng`` (a step's size from
     Binomial(n, rate), then that many distinct rows uniformly, which is the same distribution),
-    so the number of steps each row is used in (:meth:`uses`) is known before training; an
-    empty draw is dropped (it releases nothing). :meth:`epoch` ignores the generator it is
+    so the number of steps each row is used in (:meth:`uses`) is known before training. An
+    empty draw stays in the schedule as a step of no rows: the accountant composes every draw,
+    and a DP-SGD party takes its noise-only step there as on any draw without its records
+    (:func:`~secure_vfl.methods.base.train_epochs`). :meth:`epoch` ignores the generator it is
     handed: the sample must come from the one given here (for DP, a secure one).
     """
 
@@ -167,6 +169,8 @@ class PoissonSampler:
                 if size:
                     picked = np.sort(rng.choice(self.rows.size, size=size, replace=False))
                     batches.append(self.rows[picked])
+                else:
+                    batches.append(np.zeros(0, dtype=np.int64))
             self.epochs.append(batches)
         self._next = 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import math
 import secrets
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -54,7 +55,6 @@ from secure_vfl.federation.parties import (
     ticket_issuer,
 )
 from secure_vfl.federation.parts import ClassValue
-from secure_vfl.federation.releases import ReleaseBlocks
 from secure_vfl.federation.tickets import Contribution, TicketIssuer
 from secure_vfl.models.networks import make_bottom
 from secure_vfl.models.simsiam import pretrain_simsiam
@@ -223,28 +223,6 @@ def training_sampler(
     sample from it before it sets the other parties up."""
     rows = training_rows(method, data, config, seed)
     return make_sampler(config.batching, data.train.mask, config.batch_size, rows=rows)
-
-
-def release_blocks(data: VerticalData, config: MethodConfig, seed: int) -> ReleaseBlocks:
-    """The blocks of a secure LASER run (the label party the receiver, exposures under
-    ``release="dp"``): the method plans its sums by them, and :func:`trained_blocks` reads
-    from them which rows each party is trained on; one construction, so the two agree."""
-    return ReleaseBlocks(data.train.mask, receiver=0, seed=seed, expose=config.release == "dp")
-
-
-def trained_blocks(data: VerticalData, config: MethodConfig, seed: int) -> np.ndarray:
-    """(training rows, parties) bool: where each party's block can be trained on, so that a
-    step asks it for rows and its DP-SGD steps: where it is present, and under secure sums
-    only where it is in a usable block of the row, or exposed under ``release="dp"``
-    (:class:`~secure_vfl.federation.releases.ReleaseBlocks`, as LASER plans with the same
-    ``seed``, :func:`release_blocks`): elsewhere no gradient reaches it."""
-    mask = np.asarray(data.train.mask, dtype=bool)
-    if not config.secure_sums:
-        return mask
-    plan = release_blocks(data, config, seed).plan(
-        "train", torch.arange(mask.shape[0]), torch.from_numpy(mask)
-    )
-    return plan.union().numpy()
 
 
 def refuse_secure_sums(config: MethodConfig, method: str, reason: str) -> None:
@@ -965,6 +943,13 @@ class Federation:
         )
         self.own.defer(last)
 
+    def pass_draw(self, *, round: int) -> None:
+        """Step ``round`` drew no rows (an empty Poisson draw): every live party is told it
+        passed, with nothing to backpropagate, as a party without rows in a draw is. What a
+        party does then is its own: a DP-SGD party takes the noise-only step that its
+        accountant prices for every draw, a plain optimiser has nothing to apply."""
+        self.update(round=round)
+
     def flush(self, *, round: int) -> None:
         """Deliver the closing gradients :meth:`update` held back now (before the parties'
         state is read or kept: at the end of training, before a checkpoint); a party lost on
@@ -1285,6 +1270,7 @@ def train_epochs(
     on_step: StepCallback | None,
     progress: TrainingProgress | None = None,
     on_epoch: Callable[[int], object] | None = None,
+    on_empty: Callable[[int], object] | None = None,
 ) -> list[float]:
     """Run ``step(rows, round, batch_id)`` over every batch of every epoch; mean loss per epoch.
 
@@ -1293,6 +1279,10 @@ def train_epochs(
     ``progress`` (a fresh one by default) says where to start and follows every step.
     ``on_epoch(round)`` is called at the start of every epoch but the first, before its order
     is drawn (``round``: the step that comes next; a lost party may rejoin there).
+
+    A batch of no rows (a Poisson draw that came out empty) is a step all the same: instead of
+    ``step``, ``on_empty(round)`` tells the parties it passed (:meth:`Federation.pass_draw`),
+    and ``on_step`` sees a loss of NaN; the epoch's mean loss is over the rows drawn.
     """
     progress = progress if progress is not None else TrainingProgress()
     while progress.epoch < epochs:
@@ -1302,9 +1292,14 @@ def train_epochs(
             progress.order = list(sampler.epoch(rng))
         while progress.batch < len(progress.order):
             rows = progress.order[progress.batch]
-            loss = step(rows, progress.step, progress.batch)
-            progress.total += loss * len(rows)
-            progress.count += len(rows)
+            if len(rows):
+                loss = step(rows, progress.step, progress.batch)
+                progress.total += loss * len(rows)
+                progress.count += len(rows)
+            else:
+                loss = math.nan
+                if on_empty is not None:
+                    on_empty(progress.step)
             progress.step += 1
             progress.batch += 1
             if on_step is not None:

@@ -195,6 +195,7 @@ class ConcatFusionMethod:
             rng=self.fed.rng,
             on_step=on_step,
             progress=progress,
+            on_empty=lambda round: self.fed.pass_draw(round=round),
         )
 
     def _logits(self, split_name: str) -> np.ndarray:

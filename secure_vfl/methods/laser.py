@@ -66,7 +66,6 @@ from secure_vfl.methods.base import (
     build_federation,
     fits_once,
     isolated_seed,
-    release_blocks,
     require_hiding_crowd,
     split_tensors,
     train_epochs,
@@ -222,7 +221,9 @@ class MeanFusionMethod:
         self.fed.epoch_steps = len(self.sampler)
         self.blocks: ReleaseBlocks | None = None
         if config.secure_sums:
-            self.blocks = release_blocks(data, config, seed)
+            self.blocks = ReleaseBlocks(
+                data.train.mask, receiver=0, seed=seed, expose=config.release == "dp"
+            )
 
     def plan(self, rows: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """Selection (H, T, B, K) and weights (H, T, B) of this batch's tasks, and under
@@ -362,6 +363,7 @@ class MeanFusionMethod:
             on_step=on_step,
             progress=progress,
             on_epoch=lambda round: self.fed.rejoin(round=round),
+            on_empty=lambda round: self.fed.pass_draw(round=round),
         )
         self.fed.flush(round=progress.step - 1)  # the last step's closing gradients
         return losses
