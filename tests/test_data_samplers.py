@@ -13,7 +13,7 @@ from secure_vfl.data.samplers import (
     make_sampler,
     poisson_like,
 )
-from secure_vfl.errors import ConfigError
+from secure_vfl.errors import ConfigError, DataError
 
 
 @pytest.fixture
@@ -81,7 +81,7 @@ def test_poisson_sampling_takes_each_row_independently_at_the_rate() -> None:
         rows, rate=0.05, steps_per_epoch=20, epochs=10, rng=np.random.default_rng(0), n=2000
     )
     schedule = sampler.schedule
-    assert sampler.draws == 200 and len(schedule) <= 200 and len(sampler) == 20
+    assert sampler.draws == 200 and len(schedule) == 200 and len(sampler) == 20
     sizes = np.array([batch.size for batch in schedule])
     assert sizes.std() > 2  # variable batch sizes, mean rate * rows = 50
     assert sizes.mean() == pytest.approx(50, rel=0.05)
@@ -105,6 +105,26 @@ def test_poisson_epochs_replay_the_drawn_schedule_whatever_generator_is_passed()
     assert all(np.array_equal(a, b) for a, b in zip(used, sampler.schedule, strict=True))
     with pytest.raises(ConfigError, match="all used"):
         next(sampler.epoch(np.random.default_rng(0)))
+
+
+def test_an_empty_poisson_draw_is_a_step_and_a_schedule_without_them_is_not_restored() -> None:
+    """An empty draw stays in the schedule as a step of no rows (DP-SGD takes a noise-only
+    step there); a checkpoint's schedule that left them out (an earlier release) would resume
+    with fewer steps than the accountant prices, and is refused."""
+    sampler = PoissonSampler(
+        np.arange(20), rate=0.05, steps_per_epoch=30, epochs=2, rng=np.random.default_rng(0)
+    )
+    assert [len(epoch) for epoch in sampler.epochs] == [30, 30]
+    empty = sum(batch.size == 0 for batch in sampler.schedule)
+    assert empty > 5  # (1 - 0.05)^20 = 0.36 of 60 draws
+    again = PoissonSampler(
+        np.arange(20), rate=0.05, steps_per_epoch=30, epochs=2, rng=np.random.default_rng(1)
+    )
+    again.restore(sampler.epochs, next_epoch=1)
+    assert all(np.array_equal(a, b) for a, b in zip(again.schedule, sampler.schedule, strict=True))
+    dropped = [[batch for batch in epoch if batch.size] for epoch in sampler.epochs]
+    with pytest.raises(DataError, match="30 draws per epoch, empty ones included, expected"):
+        again.restore(dropped, next_epoch=1)
 
 
 def test_poisson_like_keeps_the_rows_rate_and_steps_and_refuses_grouped_batches(mask):

@@ -278,7 +278,7 @@ def test_model_guarantee_is_opacus_dp_sgd_over_every_poisson_draw() -> None:
     )
     assert guarantee is not None and guarantee.amplification and guarantee.releases == 10
     reference = RDPAccountant()
-    for _ in range(10):  # every draw, the empty (skipped) ones too
+    for _ in range(10):  # every draw, a noise-only step where it holds none of the records
         reference.step(noise_multiplier=1.3, sample_rate=0.1)
     assert guarantee.epsilon == pytest.approx(reference.get_epsilon(delta=DELTA), rel=1e-9)
 

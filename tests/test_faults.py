@@ -8,6 +8,8 @@ import dataclasses
 import logging
 import time
 import types
+import warnings
+from typing import Any
 
 import grpc
 import numpy as np
@@ -15,9 +17,11 @@ import pytest
 import torch
 from conftest import MakeData
 
+from protocols.privacy import PrivacyEngine, PrivacySpec
 from protocols.secagg import MaskingAggregator
 from secure_vfl.data.vertical import VerticalData
-from secure_vfl.errors import ProtocolError, TransportError
+from secure_vfl.errors import ProtocolError, RunWarning, TransportError
+from secure_vfl.experiment import TrainConfig, run_training
 from secure_vfl.federation import network
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import (
@@ -332,6 +336,46 @@ def test_a_method_that_needs_every_party_stops_on_a_lost_one_and_names_it(
     assert isinstance(raised.value.__cause__, TransportError)
     assert raised.value.party == LOST  # the end of the run need not warn of it again
     assert not trainer.fed.faults  # nothing was dropped: the run stops
+
+
+def _empty_draw_run(method: str, channel: LosingChannel) -> tuple[PrivacyEngine, Any]:
+    """A DP-SGD run of ``method`` on wine at batch 2 whose draw 10 holds no row (seed 2 of the
+    reproducible sample), through ``channel``: the result, or the error it raised."""
+    spec = PrivacySpec(dp_sgd=(1.0, 1.0), insecure_reproducible_noise=True, seed=2)
+    config = TrainConfig(
+        method=method,
+        dataset="wine",
+        train_missing="mcar:0.2",
+        method_config=MethodConfig(heads="active", epochs=1, batch_size=2, lr=0.01),
+    )
+    engine = PrivacyEngine(spec)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RunWarning)
+            outcome: Any = run_training(config, privacy=engine, channel=channel)
+    except TransportError as error:
+        outcome = error
+    assert engine.poisson is not None
+    assert [engine.poisson.schedule[t].size for t in (9, 10)] == [3, 0]  # as the test needs
+    return engine, outcome
+
+
+def test_a_party_lost_by_a_closing_gradient_before_an_empty_draw_is_dropped_once() -> None:
+    """The closing gradients of step 9 wait to go with the next message to each party: after
+    an empty draw that is its update, so both were sent together, and the party lost there
+    was dropped twice (a ProtocolError ended the run)."""
+    _, result = _empty_draw_run("laser", LosingChannel("gradient", step=9, closing=True))
+    assert not isinstance(result, Exception), result
+    assert [(f["party"], f["step"]) for f in result.faults] == [(LOST, 11)]
+
+
+def test_a_party_lost_at_an_empty_draw_stops_a_method_that_needs_it_and_names_it() -> None:
+    """An empty draw's update finds the party gone: the run stops as at any step, naming the
+    party (its `party` is what the end of the run reads not to warn of it again)."""
+    _, raised = _empty_draw_run("plugvfl", LosingChannel("update", step=10))
+    assert isinstance(raised, TransportError)
+    assert str(raised).startswith(f"{LOST} can no longer be reached (update to {LOST}")
+    assert raised.party == LOST
 
 
 def test_a_lost_aggregation_server_is_named_whatever_refusal_said_it(

@@ -193,11 +193,19 @@ class PoissonSampler:
 
     def restore(self, epochs: list[list[np.ndarray]], *, next_epoch: int) -> None:
         """Take back a schedule drawn before (a resumed run's, from its checkpoint), of as many
-        epochs as this one, ``next_epoch`` of them handed out already."""
+        epochs as this one, each of as many draws, ``next_epoch`` of them handed out already."""
         if len(epochs) != len(self.epochs) or not 0 <= next_epoch <= len(epochs):
             raise DataError(
                 f"a schedule of {len(self.epochs)} epochs, at most that many handed out, "
                 f"expected; found {len(epochs)} epochs, {next_epoch} handed out."
+            )
+        short = [k for k, epoch in enumerate(epochs) if len(epoch) != self.steps_per_epoch]
+        if short:
+            raise DataError(
+                f"a schedule of {self.steps_per_epoch} draws per epoch, empty ones included, "
+                f"expected; found epoch {short[0] + 1} with {len(epochs[short[0]])} (a "
+                "checkpoint of an earlier release, which left empty draws out: its run cannot "
+                "be resumed by this one)."
             )
         self.epochs = [[np.asarray(batch, dtype=np.int64) for batch in e] for e in epochs]
         self._next = next_epoch

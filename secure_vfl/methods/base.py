@@ -612,7 +612,9 @@ class Federation:
         Party.send_all`, behind the closing gradients :meth:`update` held back); should
         receivers among the data parties turn out to be unreachable (dropouts tolerated), drop
         them instead of failing the step: the others have acted."""
-        receivers = [m.receiver for m in [*self.own.deferred, *messages]]
+        # Once each: a step's closing gradients held back and an update for an empty draw
+        # after it go to the same parties (a party lost there is dropped once).
+        receivers = list(dict.fromkeys(m.receiver for m in [*self.own.deferred, *messages]))
         try:
             if messages:
                 self.own.send_all(messages)
@@ -947,8 +949,15 @@ class Federation:
         """Step ``round`` drew no rows (an empty Poisson draw): every live party is told it
         passed, with nothing to backpropagate, as a party without rows in a draw is. What a
         party does then is its own: a DP-SGD party takes the noise-only step that its
-        accountant prices for every draw, a plain optimiser has nothing to apply."""
-        self.update(round=round)
+        accountant prices for every draw, a plain optimiser has nothing to apply. A method
+        that does not go on without a data party stops as its steps do
+        (:func:`stops_on_a_lost_party`), naming the party lost here."""
+        try:
+            self.update(round=round)
+        except ProtocolError as error:
+            if not self.tolerates_dropouts:
+                self.recover(error, round=round)  # raises, naming a lost party
+            raise
 
     def flush(self, *, round: int) -> None:
         """Deliver the closing gradients :meth:`update` held back now (before the parties'
