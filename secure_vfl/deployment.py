@@ -1443,8 +1443,8 @@ def _endpoint(
     identity: TlsIdentity | None = None,
 ) -> PartyEndpoint:
     """Party ``name``'s endpoint at its address, with its own TLS identity (``identity``, else
-    :meth:`Federation.identity` checks and reads it; none with ``insecure``) and every other
-    member as a peer; ``capture`` records what crosses it."""
+    :meth:`Federation.identity` checks and reads it; none with ``insecure``), every other
+    member as a peer and the members alone as callers; ``capture`` records what crosses it."""
     if insecure:
         identity = None
     elif identity is None:
@@ -1457,6 +1457,7 @@ def _endpoint(
         insecure=insecure,
         deadline=deadline,
         capture=capture,
+        members=[member.name for member in federation.members],
     )
 
 

@@ -75,6 +75,7 @@ def listen(endpoint: PartyEndpoint, spec: dict[str, Any], result: dict[str, Any]
             refusals.append(f"{type(error).__name__}: {error}")
             continue
         _append(Path(spec["received"]), wire.encode(message))
+        result["refused"] = list(endpoint.refused)  # what its server refused on the way
         return
 
 

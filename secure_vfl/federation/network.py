@@ -94,7 +94,7 @@ import threading
 import time
 import zlib
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent import futures
 from typing import TYPE_CHECKING, Any, BinaryIO, NoReturn
 
@@ -151,6 +151,8 @@ REPLAY_WINDOW = 1024
 """Deliveries remembered per sender stream (for retries); older sequence numbers are replays."""
 STREAMS_KEPT = 4
 """Sender streams (endpoint lifetimes) remembered per peer."""
+REFUSALS_KEPT = 64
+"""The latest deliveries' refusals an endpoint keeps (:attr:`PartyEndpoint.refused`)."""
 
 _NOT_DELIVERED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _STREAM, _SEQUENCE, _SIZE, _COUNT = "svfl-stream", "svfl-sequence", "svfl-size", "svfl-count"
@@ -217,7 +219,8 @@ class RetryPolicy:
 class _Arrival:
     """A delivery's decoded messages (``sizes``: their encoded sizes) handed from a server
     thread to the party's thread, which acts on them in order, up to the first it refuses,
-    and sets ``done`` (with ``refusal``: why it refused it)."""
+    and sets ``done`` (with ``refusal``: why it refused it), letting go of the messages: what
+    stays of it, for a retry to be answered with, is its outcome and checksum."""
 
     messages: tuple[Message, ...]
     sizes: tuple[int, ...]
@@ -249,15 +252,8 @@ class _Recent:
             del self.arrivals[self._order.popleft()]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Refused:
-    """A message the server refused before the party saw it (the party learns why)."""
-
-    reason: str
-
-
 _WAKE = object()  # an outgoing call finished: the waiting party thread looks again
-_Item = _Arrival | _Refused | object
+_Item = _Arrival | object
 
 
 @dataclasses.dataclass
@@ -356,6 +352,7 @@ class PartyEndpoint:
         retry: RetryPolicy | None = None,
         max_message_bytes: int = wire.MAX_MESSAGE_BYTES,
         capture: BinaryIO | None = None,
+        members: Collection[str] | None = None,
     ) -> None:
         self.name = check_party_name(name)
         if insecure == (identity is not None):
@@ -376,6 +373,11 @@ class PartyEndpoint:
         self.retry = retry if retry is not None else RetryPolicy()
         self.max_message_bytes = max_message_bytes
         self.capture = capture
+        self.members = frozenset(members) if members is not None else None
+        """The parties whose certificates may call this one (a federation's members); None:
+        any the CA certified. A CA outlives its federations (one CA for several is the
+        documented way), so a certificate it issued to an organisation that left, or to one
+        of another federation, would otherwise reach this party."""
         self._capture_lock = threading.Lock()  # the party's thread sends, gRPC's receive
         self.handler: Callable[[Message], None] | None = None
         self.after: Callable[[], None] | None = None
@@ -389,7 +391,11 @@ class PartyEndpoint:
         self.received: Counter[tuple[str, str, str]] = Counter()
         self._queue: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self._kept: collections.deque[Message] = collections.deque()
-        self._refusals: collections.deque[str] = collections.deque()
+        self.refused: collections.deque[str] = collections.deque(maxlen=REFUSALS_KEPT)
+        """Why the server refused the latest deliveries before the party saw them (the codec
+        refused the bytes, an impostor, a replay, ...): logged, kept here, and answered to
+        their sender with the status. The party goes on: a peer cannot stop it with a bad
+        frame, and an honest sender learns from the status why its message did not count."""
         self._detached_refusals: collections.deque[str] = collections.deque()
         self._peers: dict[str, str] = {}
         self._channels: dict[str, grpc.Channel] = {}
@@ -539,6 +545,7 @@ class PartyEndpoint:
 
     def _serve_stream(self, chunks: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
         try:
+            self._caller(context)  # a caller that may not call is refused before it streams
             declared = self._declared_size(_metadata(context))
             buffer = bytearray()
             for chunk in chunks:
@@ -571,15 +578,21 @@ class PartyEndpoint:
         return size
 
     def _refuse(self, context: grpc.ServicerContext, refusal: _Refusal) -> NoReturn:
-        """Refuse a delivery: the sender gets the status, this party the reason (its next
-        :meth:`receive` raises ProtocolError)."""
+        """Refuse a delivery: the sender gets the status, this party's log and :attr:`refused`
+        the reason; nothing reaches the party, but for a reply sent after its sender answered
+        (:data:`_DETACHED`, the aggregator's sum), whose refusal no sender relays: that one is
+        raised in the wait of the party that awaits it (:meth:`await_reply`), woken for it."""
         logger.warning("%s", refusal.reason)
-        self._queue.put(_Refused(refusal.reason))
+        self.refused.append(refusal.reason)
+        if _metadata(context).get(_DETACHED) == "1":
+            self._detached_refusals.append(refusal.reason)
+            self._queue.put(_WAKE)
         context.abort(refusal.code, refusal.reason)
         raise AssertionError("context.abort returns only by raising")  # pragma: no cover
 
     def _caller(self, context: grpc.ServicerContext) -> str | None:
-        """The caller's party name, from its certificate (None without TLS)."""
+        """The caller's party name, from its certificate (None without TLS), refused unless
+        it is one of :attr:`members`."""
         if self.identity is None:
             return None
         names = context.auth_context().get("x509_common_name", [])
@@ -589,7 +602,14 @@ class PartyEndpoint:
                 f"{self.name}: a caller certificate with one common name expected, found "
                 f"{len(names)}.",
             )
-        return bytes(names[0]).decode("utf-8", errors="replace")
+        caller = bytes(names[0]).decode("utf-8", errors="replace")
+        if self.members is not None and caller not in self.members:
+            raise _Refusal(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{self.name}: a caller whose certificate names {wire.shown(caller)}, not a "
+                f"member of the federation ({', '.join(sorted(self.members))}).",
+            )
+        return caller
 
     def _accept(self, data: bytes, context: grpc.ServicerContext) -> bytes:
         """Decode and check a delivery, hand it to the party's thread, wait until it has acted
@@ -711,9 +731,7 @@ class PartyEndpoint:
     # -- the party's thread: acting on what arrived ------------------------------------------
 
     def _act_on(self, item: _Item) -> None:
-        if isinstance(item, _Refused):
-            self._refusals.append(item.reason)
-        elif isinstance(item, _Arrival):
+        if isinstance(item, _Arrival):
             try:
                 for message in item.messages:
                     if not self._act_on_message(item, message):
@@ -721,6 +739,9 @@ class PartyEndpoint:
             finally:
                 for message, size in zip(item.messages, item.sizes, strict=True):
                     self.received[(message.sender, message.receiver, _phase(message))] += size
+                # What a retry of it is answered with stays in the replay window; its messages
+                # (a step's tensors) do not.
+                item.messages = ()
                 item.done.set()
             if item.refusal is not None and item.detached:
                 self._detached_refusals.append(item.refusal)
@@ -763,12 +784,10 @@ class PartyEndpoint:
         deadline: float | None = None,
         *,
         awaiting: str = "message",
-        refusals: bool = True,
     ) -> None:
         """Act on the next thing that arrives (hand a message to the handler, or keep it);
         TransportError if nothing arrives within ``deadline`` seconds (default: the
-        endpoint's). With ``refusals``, ProtocolError for a delivery the server refused (an
-        impostor, a replay; otherwise they wait for :meth:`receive`)."""
+        endpoint's)."""
         timeout = self.deadline if deadline is None else deadline
         try:
             item = self._queue.get(timeout=timeout)
@@ -778,8 +797,6 @@ class PartyEndpoint:
                 "and can it reach this party?"
             ) from None
         self._act_on(item)
-        if refusals and self._refusals:
-            raise ProtocolError(self._refusals.popleft())
 
     def await_reply(self, awaiting: str) -> None:
         """Act on the next thing that arrives, for a party waiting for ``awaiting`` (a reply
@@ -787,7 +804,7 @@ class PartyEndpoint:
         party refused, now or since its last wait (nobody else tells it);
         TransportError if nothing arrives within the endpoint's deadline."""
         if not self._detached_refusals:
-            self.act_on_next(awaiting=awaiting, refusals=False)
+            self.act_on_next(awaiting=awaiting)
         if self._detached_refusals:
             raise ProtocolError(self._detached_refusals.popleft())
 
@@ -807,13 +824,10 @@ class PartyEndpoint:
     ) -> Message:
         """The next kept message (from ``sender``, of ``kind``, if given), waiting for it up to
         ``deadline`` seconds (default: the endpoint's). TransportError naming what was awaited
-        if it does not come; ProtocolError if a delivery was refused meanwhile (an impostor, a
-        message the codec refuses)."""
+        if it does not come."""
         timeout = self.deadline if deadline is None else deadline
         end = time.monotonic() + timeout
         while True:
-            if self._refusals:
-                raise ProtocolError(self._refusals.popleft())
             for message in self._kept:
                 if sender in (None, message.sender) and kind in (None, message.kind):
                     self._kept.remove(message)
