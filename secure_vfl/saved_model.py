@@ -67,7 +67,7 @@ from secure_vfl.io import (
     replace_directory,
 )
 from secure_vfl.methods.base import in_process_parties
-from secure_vfl.methods.false_vfl import FalseVflConfig
+from secure_vfl.methods.false_vfl import FalseVflConfig, FalseVflMethod
 
 MANIFEST_SCHEMA = "secure-vfl/model-manifest"
 IMPUTER_SCHEMA = "secure-vfl/imputer-manifest"
@@ -1034,7 +1034,7 @@ def rebuild_method(
         tests={},
         dropped={},
     )
-    return make_method(
+    method = make_method(
         manifest.method,
         data,
         config,
@@ -1043,3 +1043,6 @@ def rebuild_method(
         channel=channel,
         aggregator=aggregator,
     )
+    if isinstance(method, FalseVflMethod):
+        method.shared_draws = True  # a row's prediction: a function of the row alone
+    return method

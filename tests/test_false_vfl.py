@@ -38,7 +38,7 @@ from secure_vfl.methods.false_vfl import (
     LatentParty,
 )
 from secure_vfl.metrics import accuracy
-from secure_vfl.models.latent import gaussian_log_prob
+from secure_vfl.models.latent import gaussian_log_prob, generator_draws
 
 SMALL = FalseVflConfig(latent_dim=6, global_latent_dim=3, hidden=32, kappa=3)
 FAST = MethodConfig(epochs=1, batch_size=64, labeled=100)
@@ -333,7 +333,7 @@ def _centralised_loss(
     label = method.label_party.label_model
     log_weights = (
         total
-        + label.latent_log_ratio(h, generator)
+        + label.latent_log_ratio(h, generator_draws(generator))
         - gaussian_log_prob(h, mean.unsqueeze(1), scale)
     )
     return -(torch.logsumexp(log_weights, dim=1) - math.log(kappa)).mean()

@@ -126,9 +126,12 @@ from secure_vfl.methods.base import (
 )
 from secure_vfl.models.latent import (
     MIN_PRECISION,
+    Draws,
     LabelSideModel,
     PartyLatentModel,
     gaussian_log_prob,
+    generator_draws,
+    row_shared_draws,
 )
 
 Variant = Literal[1, 2]
@@ -596,6 +599,13 @@ class FalseVflMethod:
         self.config = config
         self.options = false_vfl if false_vfl is not None else FalseVflConfig()
         self.variant = variant
+        self.seed = seed
+        self.shared_draws = False
+        """Whether prediction scores every row with the same L latent draws (a saved model's
+        prediction of new rows: a row's probabilities are then a function of the row alone,
+        the same on every call and whatever other rows come with it) rather than each row
+        with its own (training-time evaluation of a test split, as the papers do). Either way
+        a row's SNIS estimate is over L independent draws."""
         options = self.options
         models = [
             latent_model(k, data.block_shapes, options, variant, seed) for k in range(data.parties)
@@ -789,8 +799,10 @@ class FalseVflMethod:
         batch_id: int,
         tag: str,
         train: bool,
+        draws: Draws | None = None,
     ) -> _Forward:
-        """Steps 1-3 of the protocol and the label party's label-free log importance weights.
+        """Steps 1-3 of the protocol and the label party's label-free log importance weights,
+        on standard normal ``draws`` (default: the label party's latent generator's).
 
         Every row must have a posterior (a non-empty :meth:`posterior_selection`). FALSE-VFL-I
         asks the selected parties for their likelihoods; FALSE-VFL-II also asks the parties
@@ -808,9 +820,8 @@ class FalseVflMethod:
             live = torch.tensor([name not in fed.dropped for name in fed.names])
             scored = selection | (~mask & live)  # a lost party's block: left out (marginalised)
         scale = precision.rsqrt().unsqueeze(1)
-        noise = torch.randn(
-            (rows.shape[0], samples, mean.shape[1]), generator=label.latent_generator
-        )
+        draws = draws if draws is not None else generator_draws(label.latent_generator)
+        noise = draws((rows.shape[0], samples, mean.shape[1]))
         samples_graph = mean.unsqueeze(1) + noise * scale
         sent = samples_graph.detach()
         asked = []
@@ -845,9 +856,7 @@ class FalseVflMethod:
         with torch.set_grad_enabled(train):
             h = sent.clone().requires_grad_(train)
             log_q = gaussian_log_prob(h, mean.unsqueeze(1), scale)
-            log_weights = (
-                total + label.label_model.latent_log_ratio(h, label.latent_generator) - log_q
-            )
+            log_weights = total + label.label_model.latent_log_ratio(h, draws) - log_q
         return _Forward(
             log_weights=log_weights,
             samples=h,
@@ -1111,6 +1120,7 @@ class FalseVflMethod:
                     batch_id=batch_id,
                     tag=f"predict/{split_name}",
                     train=False,
+                    draws=self._prediction_draws(),
                 )
                 normalised = torch.softmax(forward.log_weights, dim=1)
                 class_probabilities = torch.softmax(
@@ -1122,12 +1132,19 @@ class FalseVflMethod:
         if without.size:  # no releasable posterior: the prior, where all weights are equal
             with torch.no_grad():
                 prior = label.label_model.prior_samples(
-                    without.size, samples, label.latent_generator
+                    without.size, samples, self._prediction_draws()
                 )
                 class_probabilities = torch.softmax(label.label_model.discriminator(prior), dim=-1)
             probabilities[without] = class_probabilities.mean(dim=1).numpy()
             weights[without] = 1.0 / samples
         return Inference(probabilities=probabilities, weights=weights)
+
+    def _prediction_draws(self) -> Draws:
+        """A prediction batch's draws: per row, or under :attr:`shared_draws` the same for
+        every row and every batch (fresh from the method's seed each time)."""
+        if self.shared_draws:
+            return row_shared_draws(self.seed)
+        return generator_draws(self.label_party.latent_generator)
 
     def predict_proba(self, split_name: str) -> np.ndarray:
         """The SNIS class probabilities (N, C) of :meth:`infer` (random: L latent draws)."""

@@ -24,7 +24,7 @@ Choices the paper leaves open:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -145,6 +145,24 @@ class GaussianMap(nn.Module):
         return mean, F.softplus(raw) + MIN_SCALE
 
 
+Draws = Callable[[tuple[int, ...]], Tensor]
+"""Standard normal draws of a given shape (rows first)."""
+
+
+def generator_draws(generator: torch.Generator) -> Draws:
+    """Independent draws from ``generator``, every row its own."""
+    return lambda shape: torch.randn(shape, generator=generator)
+
+
+def row_shared_draws(seed: int) -> Draws:
+    """Draws that are the same for every row: each call draws one row's worth, (1, ...), from
+    a generator seeded with ``seed`` (the k-th call its k-th draws), and broadcasts it to the
+    rows. Used from a fresh one per batch, it makes what a row's values are computed from a
+    function of the row alone, not of its place among the others or of earlier calls."""
+    generator = torch.Generator().manual_seed(seed)
+    return lambda shape: torch.randn((1, *shape[1:]), generator=generator).expand(shape)
+
+
 class LabelSideModel(nn.Module):
     """The label party's modules: q(z | h), p(h | z) and the discriminator p(y | h)."""
 
@@ -159,16 +177,16 @@ class LabelSideModel(nn.Module):
         """The label side's share of Theta_g (trained in stage 1, frozen in stage 2)."""
         return [*self.global_encoder.parameters(), *self.global_decoder.parameters()]
 
-    def prior_samples(self, n: int, samples: int, generator: torch.Generator) -> Tensor:
+    def prior_samples(self, n: int, samples: int, draws: Draws) -> Tensor:
         """h ~ p(h) = integral of p(h | z) p(z) dz: (n, samples, d_h), by ancestral sampling."""
-        z = torch.randn((n, samples, self.global_latent), generator=generator)
+        z = draws((n, samples, self.global_latent))
         mean, scale = self.global_decoder(z)
-        return mean + scale * torch.randn(mean.shape, generator=generator)
+        return mean + scale * draws(tuple(mean.shape))
 
-    def latent_log_ratio(self, h: Tensor, generator: torch.Generator) -> Tensor:
+    def latent_log_ratio(self, h: Tensor, draws: Draws) -> Tensor:
         """log p(h | z) + log p(z) - log q(z | h) with z ~ q(z | h) reparameterised: (...)."""
         z_mean, z_scale = self.global_encoder(h)
-        z = z_mean + z_scale * torch.randn(z_mean.shape, generator=generator)
+        z = z_mean + z_scale * draws(tuple(z_mean.shape))
         h_mean, h_scale = self.global_decoder(z)
         prior = gaussian_log_prob(z, torch.zeros_like(z), torch.ones_like(z))
         return gaussian_log_prob(h, h_mean, h_scale) + prior - gaussian_log_prob(z, z_mean, z_scale)
