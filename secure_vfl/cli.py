@@ -3054,8 +3054,11 @@ def _check_prediction_out(out: Path, args: argparse.Namespace, inputs: Sequence[
         replaced="the rows read would be replaced by their predictions",
     )
     where = out.resolve()
-    model = Path(args.model) / MODEL_DIR
-    model = model if model.is_dir() else Path(args.model)  # a run's directory, or the model's
+    model = Path(args.model)
+    if model.is_file():  # its manifest
+        model = model.parent
+    elif (model / MODEL_DIR).is_dir():  # a run's directory
+        model = model / MODEL_DIR
     if where.is_relative_to(model.resolve()):
         raise ConfigError(
             f"--out {out} is inside the model's directory {model}, whose manifest lists "

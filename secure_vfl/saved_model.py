@@ -47,6 +47,7 @@ import numpy as np
 import pandas as pd
 
 from secure_vfl import __version__, methods
+from secure_vfl.checks import SEED_LIMIT
 from secure_vfl.data.datasets import Kind
 from secure_vfl.data.party_files import ID_COLUMN, PartyTable, near_matches, same_table
 from secure_vfl.data.vertical import VerticalData, VerticalSplit
@@ -147,10 +148,11 @@ class Manifest:
                 f"{where}: a run_id of 32 hex digits expected (a served party keeps its part "
                 f"under it), found {str(body.get('run_id'))[:40]!r}."
             )
-        if body.get("seed", 0) < 0 or not 2 <= body.get("num_classes", 2) <= MAX_CLASSES:
+        seed, classes = body.get("seed", 0), body.get("num_classes", 2)
+        if not (0 <= seed < SEED_LIMIT and 2 <= classes <= MAX_CLASSES):
             raise DataError(
-                f"{where}: a seed >= 0 and num_classes in [2, {MAX_CLASSES}] expected, found "
-                f"{body.get('seed')!r} and {body.get('num_classes')!r}."
+                f"{where}: a seed in [0, 2**32) and num_classes in [2, {MAX_CLASSES}] expected, "
+                f"found {seed!r} and {classes!r}."
             )
         if body["kind"] not in get_args(Kind):
             raise DataError(
@@ -978,6 +980,14 @@ def refuse_unfit_parts(
         if k in loaded:
             entry = manifest.parties[k]
             parts.refuse_unfit(party.own_modules(), loaded[k].states, party=party_label(entry))
+    for k, part in loaded.items():  # the inputs its preprocessing makes, the model's
+        made = tuple(part.preprocessing.block_shape) if part.preprocessing is not None else None
+        if made is not None and made != tuple(manifest.block_shapes[k]):
+            raise IntegrityError(
+                f"{party_label(manifest.parties[k])}: its preprocessing makes blocks of shape "
+                f"{list(made)}, the manifest's block_shapes say {list(manifest.block_shapes[k])} "
+                "(its part and the manifest come from different models?)."
+            )
 
 
 def load_party_part(party: DataParty, part: parts.Part, entry: PartEntry) -> None:

@@ -305,9 +305,11 @@ def _set(manifest: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
     ("path", "value", "message"),
     [
         (("seed",), True, "`seed` of type int expected, found bool"),
-        (("seed",), -1, "a seed >= 0 and num_classes in [2, 4096] expected"),
+        (("seed",), -1, "a seed in [0, 2**32) and num_classes in [2, 4096] expected"),
+        # a traceback (OverflowError) from the generator it seeded
+        (("seed",), 2**70, "a seed in [0, 2**32) and num_classes in [2, 4096] expected"),
         (("num_classes",), [2], "`num_classes` of type int expected, found list"),
-        (("num_classes",), 1, "a seed >= 0 and num_classes in [2, 4096] expected"),
+        (("num_classes",), 1, "a seed in [0, 2**32) and num_classes in [2, 4096] expected"),
         # a huge count or shape: it allocated 512 GB and crashed with a traceback
         (("num_classes",), 10**12, "found 0 and 1000000000000"),
         (("method",), 3, "`method` of type str expected, found int"),
@@ -342,6 +344,42 @@ def test_a_malformed_manifest_is_refused_saying_what_was_expected(
     _set(manifest, path, value)
     (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(DataError, match=re.escape(message)):
+        SavedModel.load(copy)
+
+
+def test_a_part_whose_preprocessing_disagrees_with_the_manifest_is_refused(
+    laser: tuple[Method, Channel, Path], tmp_path: Path
+) -> None:
+    """A part whose preprocessing makes blocks of another shape than the manifest's (here one
+    column fewer, its files' hashes in the manifest made to match) gave a RuntimeError from a
+    matrix product ("mat1 and mat2 shapes cannot be multiplied") when it predicted."""
+    import hashlib
+    import shutil
+
+    copy = tmp_path / "model"
+    shutil.copytree(laser[2], copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    entry = manifest["parties"][1]
+    path = copy / entry["directory"] / "preprocessing.json"
+    preprocessing = json.loads(path.read_text())
+    missing, standardize = preprocessing["steps"]  # numeric columns, no indicators
+    assert missing["indicators"] == [] and standardize["step"] == "standardize"
+    preprocessing["columns"] = preprocessing["columns"][:-1]
+    preprocessing["block_shape"] = [preprocessing["block_shape"][0] - 1]
+    missing["fill"] = missing["fill"][:-1]
+    for key in ("mean", "std"):
+        standardize[key] = standardize[key][:-1]
+    path.write_text(json.dumps(preprocessing))
+    entry["files"]["preprocessing.json"] = hashlib.sha256(path.read_bytes()).hexdigest()
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    shape = manifest["block_shapes"][1]
+    with pytest.raises(
+        IntegrityError,
+        match=re.escape(
+            f"its preprocessing makes blocks of shape [{shape[0] - 1}], the manifest's "
+            f"block_shapes say {shape}"
+        ),
+    ):
         SavedModel.load(copy)
 
 

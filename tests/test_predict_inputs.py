@@ -472,6 +472,11 @@ def test_predict_refuses_an_out_in_the_model_or_on_its_input_and_writes_parquet(
     argv += ["customer"]
     assert main([*argv, "--out", str(laser / MODEL_DIR / "p.csv")]) == 2
     assert "is inside the model's directory" in capsys.readouterr().err
+    # --model given as the manifest's path (a documented form): its directory is the model's
+    by_manifest = [*argv[:1], "--model", str(laser / MODEL_DIR / "manifest.json"), *argv[3:]]
+    assert main([*by_manifest, "--out", str(laser / MODEL_DIR / "p.csv")]) == 2
+    assert "is inside the model's directory" in capsys.readouterr().err
+    assert not (laser / MODEL_DIR / "p.csv").exists()
     assert main([*argv, "--out", str(source), "--overwrite"]) == 2
     assert f"is the input file {source}" in capsys.readouterr().err
     assert source.read_bytes() == (files / "bank.csv").read_bytes()
