@@ -63,6 +63,28 @@ def test_a_given_id_or_label_column_the_files_lack_is_refused_naming_their_colum
     assert sorted(tmp_path.iterdir()) == sorted(paths)
 
 
+def test_a_blank_line_of_a_one_column_file_is_refused_and_a_quoted_empty_cell_read(
+    tmp_path: Path,
+) -> None:
+    """In a file of one column a blank line may be an empty cell (a spreadsheet writes one so):
+    it was skipped, its row dropped in silence ("rows 1, filled 0" for a file of two rows).
+    An empty cell written as pandas writes it, "", is one."""
+    from secure_vfl.data.imputation import read_client_files
+    from secure_vfl.errors import DataError
+
+    other = tmp_path / "client-1.csv"
+    other.write_text("Ozone,Solar.R\n41,190\n36,118\n")
+    path = tmp_path / "client-0.csv"
+    for text in ("Solar.R\n190\n\n", 'Solar.R\n""\n\n7\n'):
+        path.write_text(text)
+        with pytest.raises(DataError, match=r"client-0\.csv: line 3 is blank; in a file of one"):
+            read_client_files([path, other])
+    path.write_text('Solar.R\n190\n""\n7\n')
+    features, (client, _) = read_client_files([path, other])
+    column = features.index("Solar.R")
+    np.testing.assert_array_equal(client.values[:, column], [190.0, np.nan, 7.0])
+
+
 def test_a_client_file_naming_a_column_twice_is_refused_not_renamed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

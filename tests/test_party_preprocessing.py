@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import re
 import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 import pytest
 
+from secure_vfl.data.party_files import PartyTable, read_party_file
 from secure_vfl.data.party_preprocessing import PartyPreprocessing
 from secure_vfl.errors import DataError, RunWarning
 
@@ -159,6 +161,42 @@ def test_a_true_false_column_where_numbers_were_trained_warns() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # trained as True/False (0 and 1): nothing to say
         flags.transform_frame(pd.DataFrame({"f": [False, True]}), "new.csv")
+
+
+def test_a_true_false_column_of_a_file_warns_as_one_of_a_dataframe(tmp_path: Path) -> None:
+    """Reading a file made its True/False column 1/0 before the table was built, so the
+    check, which looked for a bool column, never fired for files (CSV or Parquet)."""
+    fitted = PartyPreprocessing.fit(training_rows(), where="t")  # income 1..4
+    path = tmp_path / "shop.csv"
+    path.write_text("id,age,city,income\na,40,lyon,True\nb,41,lyon,\nc,42,paris,False\n")
+    table = read_party_file(path)
+    assert table.booleans == ("income",)
+    assert table.subset(np.array([0, 2])).booleans == ("income",)
+    with pytest.warns(RunWarning, match=r"shop.csv: True/False columns read as 1/0 .*'income'"):
+        fitted.apply(table, "shop.csv")
+    frame = pd.DataFrame({"age": [40.0], "city": ["lyon"], "income": [True]})
+    built = PartyTable("shop", np.array(["a"]), frame)
+    assert built.booleans == ("income",) and frame["income"].dtype == bool  # a copy is made
+    with pytest.warns(RunWarning, match="True/False columns read as 1/0"):
+        fitted.apply(built, "shop")
+
+
+@pytest.mark.parametrize(
+    ("values", "found"),
+    [
+        (pd.to_datetime(["2024-01-01", "2024-02-01"]), "holds dates or times"),
+        (pd.to_timedelta([1, 2], unit="D"), "holds values of type timedelta64"),
+        (np.array([1 + 2j, 3j]), "holds complex numbers"),
+    ],
+)
+def test_a_table_built_from_a_dataframe_is_checked_as_a_file(values: Any, found: str) -> None:
+    """Dates, durations and complex numbers were scored from a DataFrame (a far-outside
+    warning, or numpy's ComplexWarning) where a file holding them was refused."""
+    frame = pd.DataFrame({"age": [40.0, 41.0], "when": values})
+    with pytest.raises(
+        DataError, match=rf"shop: column 'when' {found}\S*; expected numbers or text"
+    ):
+        PartyTable("shop", np.array(["a", "b"]), frame)
 
 
 def test_rows_far_outside_a_columns_training_range_warn_with_the_range() -> None:

@@ -38,13 +38,16 @@ _SUFFIXES = (".csv", ".parquet", ".pq")
 @dataclass(frozen=True)
 class PartyTable:
     """One party's rows: ``ids`` (str, unique) and ``frame``, its raw feature columns (numbers
-    or text, NaN where a cell is empty) in file order, one row per id. Checked on construction,
-    as :func:`read_party_file` checks a file (a table built in Python, e.g. from a DataFrame,
-    gets the same checks: ``PartyTable(name, np.asarray(ids, dtype=str), frame)``)."""
+    or text, NaN where a cell is empty) in file order, one row per id. Checked and its columns
+    made numbers or text on construction (:func:`feature_columns`, on a copy of ``frame``), as
+    for a file, whichever way it was built (``PartyTable(name, np.asarray(ids, dtype=str),
+    frame)`` from a DataFrame); ``booleans``: the columns that held True/False, now 1/0 (a
+    saved model warns of them where it was trained on other numbers)."""
 
     name: str
     ids: np.ndarray
     frame: pd.DataFrame
+    booleans: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not (isinstance(self.name, str) and self.name):
@@ -59,6 +62,10 @@ class PartyTable:
             raise DataError(
                 f"{self.name}: column names must be distinct. Found {repeated} repeated."
             )
+        frame = self.frame.copy()
+        booleans = feature_columns(frame, self.name)
+        object.__setattr__(self, "frame", frame)
+        object.__setattr__(self, "booleans", tuple(dict.fromkeys([*self.booleans, *booleans])))
         ids = self.ids
         if not (isinstance(ids, np.ndarray) and ids.ndim == 1 and ids.dtype.kind == "U"):
             found = f"dtype {ids.dtype}, shape {ids.shape}" if isinstance(ids, np.ndarray) else ""
@@ -95,6 +102,7 @@ class PartyTable:
             name=self.name,
             ids=self.ids[rows],
             frame=self.frame.iloc[np.asarray(rows)].reset_index(drop=True),
+            booleans=self.booleans,
         )
 
 
@@ -223,9 +231,13 @@ def _refuse_short_rows(path: Path, fields: int) -> None:
     """Refuse a CSV with a row of fewer fields than the header's ``fields``: pandas fills the
     fields a row lacks as empty cells, so a row cut short, or broken in two by a stray line
     break, would be read as missing values in silence. Blank (or white-space) lines are
-    skipped, as pandas skips them."""
+    skipped, as pandas skips them, but in a file of one column, where a blank line may be an
+    empty cell (a spreadsheet writes one so; pandas writes ``""``), and skipping it would
+    drop a row in silence: there it is refused."""
     with path.open("rb") as lines:  # streamed: a file's size is the user's
         for number, line in enumerate(lines, start=1):
+            if fields == 1 and not line.strip():
+                _blank(path, number)
             if b'"' in line:
                 break  # a quoted value may hold commas and line breaks: parse it as CSV
             if line.strip() and line.count(b",") + 1 < fields:
@@ -236,10 +248,19 @@ def _refuse_short_rows(path: Path, fields: int) -> None:
         reader = csv.reader(file)
         start = 1
         for row in reader:
+            if fields == 1 and not any(field.strip() for field in row) and row != [""]:
+                _blank(path, start)  # [""] is a quoted empty cell, "", as pandas writes one
             if len(row) < fields and any(field.strip() for field in row):
                 quoted = reader.line_num > start  # a value in quotes ran on over line breaks
                 _short(path, start, len(row), fields, runs_to=reader.line_num if quoted else None)
             start = reader.line_num + 1
+
+
+def _blank(path: Path, line: int) -> NoReturn:
+    raise DataError(
+        f"{path}: line {line} is blank; in a file of one column a blank line is an empty cell "
+        'or nothing, so expected an empty cell written as "" and no blank line.'
+    )
 
 
 def _short(path: Path, line: int, found: int, fields: int, runs_to: int | None = None) -> NoReturn:
@@ -374,7 +395,6 @@ def read_party_file(
         raise DataError(
             f"{path} must have at least one feature column besides `{id_column}`. Found none."
         )
-    feature_columns(features, path)
     name = name if name is not None else party_name(path.stem)
     try:
         return PartyTable(name=name, ids=ids, frame=features)
@@ -382,11 +402,11 @@ def read_party_file(
         raise DataError(f"{path}: {str(error).removeprefix(f'{name}: ')}") from None
 
 
-def feature_columns(features: pd.DataFrame, path: Path) -> list[str]:
-    """Make each feature column of ``features`` (read from ``path``) numbers (float64, NaN for
-    an empty cell) or text, in place: decimals, and True/False with or without empty cells, are
-    numbers; dates, times and nested values are refused naming the column. Returns the columns
-    that were True/False (now 1/0)."""
+def feature_columns(features: pd.DataFrame, path: Path | str) -> list[str]:
+    """Make each feature column of ``features`` (read from ``path``, or a table's name) numbers
+    (float64, NaN for an empty cell) or text, in place: decimals, and True/False with or
+    without empty cells, are numbers; dates, times and nested values are refused naming the
+    column. Returns the columns that were True/False (now 1/0)."""
     booleans = []
     for column in features.columns:
         _refuse_unsupported(features[column], column, path)
@@ -404,7 +424,7 @@ def feature_columns(features: pd.DataFrame, path: Path) -> list[str]:
     return booleans
 
 
-def _refuse_unsupported(column: pd.Series, name: object, path: Path) -> None:
+def _refuse_unsupported(column: pd.Series, name: object, path: Path | str) -> None:
     """Refuse a column of dates or times, or of nested values (lists, mappings), which a
     Parquet file may hold: neither is a number or a category."""
     present = column.dropna()
@@ -416,6 +436,8 @@ def _refuse_unsupported(column: pd.Series, name: object, path: Path) -> None:
         kind = "dates or times"
     elif column.dtype == object and any(not np.isscalar(v) for v in present.head(1000)):
         kind = f"nested values such as {str(present.iloc[0])[:40]!r}"
+    elif pd.api.types.is_complex_dtype(column):
+        kind = "complex numbers"
     elif (
         isinstance(column.dtype, pd.CategoricalDtype | pd.StringDtype)
         or column.dtype == object

@@ -312,9 +312,12 @@ class PartyPreprocessing:
             )
         return block
 
-    def transform_frame(self, frame: pd.DataFrame, where: str) -> np.ndarray:
+    def transform_frame(
+        self, frame: pd.DataFrame, where: str, booleans: Sequence[str] = ()
+    ) -> np.ndarray:
         """The model input of raw rows ``frame`` (the saved columns, any order), exactly as in
-        training: encoded, missing cells handled by the saved policy, standardised; float32."""
+        training: encoded, missing cells handled by the saved policy, standardised; float32.
+        ``booleans``: its columns that held True/False (:attr:`PartyTable.booleans`)."""
         if self.missing_cells == "refuse":
             own = frame[list(self.columns or ())]
             if own.isna().to_numpy().any():
@@ -325,7 +328,7 @@ class PartyPreprocessing:
                     where,
                     advice="a model trained with --missing-cells mean-indicator fills them",
                 )
-        self._warn_true_false(frame, where)
+        self._warn_true_false(frame, where, booleans)
         encoded, missing = self.encode(frame, where)
         self._warn_far_outside(encoded, where)
         if self.missing_cells == "refuse":
@@ -336,15 +339,15 @@ class PartyPreprocessing:
             inputs = np.concatenate([_fill(encoded, self.fill), indicator], axis=1)
         return self.transform(inputs, where)
 
-    def _warn_true_false(self, frame: pd.DataFrame, where: str) -> None:
-        """Warn (:class:`RunWarning`) of True/False columns (read as 1/0) whose training values
-        were other numbers: a column of another meaning, which no range check sees when 0 and 1
-        lie near the training range."""
+    def _warn_true_false(self, frame: pd.DataFrame, where: str, booleans: Sequence[str]) -> None:
+        """Warn (:class:`RunWarning`) of True/False columns (``booleans``, or of bool dtype;
+        read as 1/0) whose training values were other numbers: a column of another meaning,
+        which no range check sees when 0 and 1 lie near the training range."""
         named = [
             f"{column!r} (training range [{low:g}, {high:g}])"
             for column, (low, high) in self.ranges.items()
             if column in frame.columns
-            and pd.api.types.is_bool_dtype(frame[column])
+            and (column in booleans or pd.api.types.is_bool_dtype(frame[column]))
             and not (low >= 0 and high <= 1)
         ]
         if named:
@@ -438,7 +441,7 @@ class PartyPreprocessing:
         """The model input of a party file's rows: its columns checked against the schema,
         then :meth:`transform_frame`."""
         self.check_columns(table.columns, where)
-        return self.transform_frame(table.frame, where)
+        return self.transform_frame(table.frame, where, table.booleans)
 
     def describe(self) -> dict[str, Any]:
         """What was done to the party's columns, for the run's column report: the columns

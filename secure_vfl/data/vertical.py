@@ -820,6 +820,8 @@ def party_blocks(
         block = np.zeros((split_rows.size, *fitted.block_shape), dtype=np.float32)
         held = split_rows >= 0
         if held.any():
-            block[held] = fitted.transform_frame(table.frame.iloc[split_rows[held]], where)
+            block[held] = fitted.transform_frame(
+                table.frame.iloc[split_rows[held]], where, table.booleans
+            )
         blocks[name] = block
     return blocks, fitted
