@@ -279,6 +279,11 @@ def _entry(payload: Any, index: int, where: str) -> PartEntry:
             f"{where}: {entry.name}: a location of {', '.join(LOCATIONS)} expected, with file "
             f"hashes unless {LOST!r}; found location {entry.location!r} and {len(files)} files."
         )
+    if index == 0 and entry.location != HERE:  # it predicts: its part is the manifest's
+        raise DataError(
+            f"{where}: the label party {entry.name}: location {HERE!r} expected (its part beside "
+            f"the manifest), found {entry.location!r}."
+        )
     return entry
 
 

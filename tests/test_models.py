@@ -323,6 +323,8 @@ def _set(manifest: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
         (("kind",), "graph", "a data kind of tabular or image expected, found 'graph'"),
         (("parties", 0, "role"), "data party", "party entry 0 (party-0) is the label party"),
         (("parties", 1, "role"), "label party", "party entry 1 (party-1) is the data party"),
+        # it loaded, then told the user to leave out a file it did not need
+        (("parties", 0, "location"), "party", "the label party party-0: location 'here' expected"),
         # it said "MethodConfig.__init__() got an unexpected keyword argument 'zzz'"
         (("method_config", "zzz"), 1, "method_config names settings this version does not have"),
     ],
