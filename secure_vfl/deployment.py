@@ -166,7 +166,13 @@ from secure_vfl.federation.messages import AGGREGATOR, DeploymentMessage, Messag
 from secure_vfl.federation.network import PROBE_SECONDS, NetworkChannel, PartyEndpoint
 from secure_vfl.federation.parties import ROLES, DataParty, Party, make_aggregation_server
 from secure_vfl.federation.wire import shown
-from secure_vfl.io import atomic_directory, check_directory, check_keys, parse_json
+from secure_vfl.io import (
+    atomic_directory,
+    check_directory,
+    check_keys,
+    parse_json,
+    remove_directory,
+)
 from secure_vfl.saved_model import (
     DATA_PARTY_ROLE,
     KEPT_BY_PARTY,
@@ -660,6 +666,9 @@ class _Server:
     def _on_end(self, message: Message) -> None:
         body = _body(message, "end", {"outcome": str})
         self.outcome = body["outcome"]
+        removed = self.model.end(self.outcome)
+        if removed is not None:
+            self.on_event(f"{self.name}: removed its part {removed}: the run ended without a model")
         sent = [[s, r, p, n] for (s, r, p), n in sorted(self.endpoint.bytes.items())]
         privacy = self.privacy.entry() if self.privacy is not None else None
         self._reply("report", {"bytes": sent, "privacy": privacy})
@@ -1066,6 +1075,19 @@ class ServedModel:
         atomic_directory(target, lambda tmp: files.update(write(tmp)))
         self.saved = run
         return {"run": run, "files": files}
+
+    def end(self, outcome: str) -> Path | None:
+        """The label party ended the run with ``outcome``: anything but ``finished`` means it
+        kept no manifest of the model (it removes its run's directory on failure), so the part
+        this process saved for it names a model that does not exist: it is removed, and its
+        directory returned (None: nothing was saved, or the run finished)."""
+        if outcome == "finished" or self.saved is None:
+            return None
+        target = self.part_directory(self.saved)
+        if target.exists():
+            remove_directory(target)
+        self.saved = None
+        return target
 
 
 def save_deployed(

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import secrets
 import shutil
 import stat
 import tempfile
@@ -447,6 +448,19 @@ def replace_directory(path: Path, write: Callable[[Path], None]) -> None:
         shutil.rmtree(old)
     else:
         old.unlink()
+
+
+def remove_directory(path: Path) -> None:
+    """Remove the directory ``path`` so that it is whole or gone, never half there: renamed
+    aside first, to a hidden ``.NAME.PID-XXXXXXXX.tmp`` that :func:`finish_interrupted`
+    removes should a kill stop the removal, then removed."""
+    aside = path.with_name(f"{temporary_prefix(path)}{secrets.token_hex(4)}.tmp")
+    try:
+        os.rename(path, aside)
+        fsync_directory(path.parent)
+        shutil.rmtree(aside)
+    except OSError as error:
+        raise unwritable(path, error) from error
 
 
 LOCK_FILE = ".secure-vfl.lock"

@@ -460,6 +460,24 @@ def test_a_served_party_saves_its_part_only_on_a_request_that_checks_out(
     assert [p.name for p in (tmp_path / "shop").iterdir()] == [RUN]  # no temporary left
 
 
+def test_a_served_party_removes_its_part_of_a_run_that_ended_without_a_model(
+    tmp_path: Path, federation_parties: tuple[TrainConfig, Any, list[DataParty]]
+) -> None:
+    """A run that failed after the parties saved their parts leaves the label party no manifest
+    (it removes its run's directory): the parts it told to stay were whole, and orphaned, easy
+    to take for a model. Told the run failed (or was interrupted), a party removes its own;
+    told it finished, it keeps it."""
+    shop = federation_parties[2][1]
+    kept, failed = ServedModel("shop", tmp_path / "kept"), ServedModel("shop", tmp_path / "f")
+    for served in (kept, failed):
+        served.save(shop.save_part, {"run": RUN})
+    assert kept.end("finished") is None and (tmp_path / "kept" / "shop" / RUN).is_dir()
+    assert failed.end("failed") == tmp_path / "f" / "shop" / RUN
+    assert list((tmp_path / "f" / "shop").iterdir()) == []  # nothing left, not even aside
+    assert failed.end("interrupted") is None  # nothing saved any more
+    assert ServedModel("shop", tmp_path / "none").end("failed") is None
+
+
 def test_the_label_party_saves_every_live_party_checks_every_answer_and_marks_the_lost(
     site: Path, tmp_path: Path, federation_parties: tuple[TrainConfig, Any, list[DataParty]]
 ) -> None:
