@@ -116,7 +116,7 @@ from secure_vfl.errors import (
 from secure_vfl.federation import wire
 from secure_vfl.federation.certificates import TlsIdentity, check_party_name
 from secure_vfl.federation.channel import CAPTURE_LENGTH, Channel, ChannelLayer, append_record
-from secure_vfl.federation.messages import Message
+from secure_vfl.federation.messages import AGGREGATOR, Message
 from secure_vfl.io import decimal
 
 if TYPE_CHECKING:
@@ -396,7 +396,7 @@ class PartyEndpoint:
         refused the bytes, an impostor, a replay, ...): logged, kept here, and answered to
         their sender with the status. The party goes on: a peer cannot stop it with a bad
         frame, and an honest sender learns from the status why its message did not count."""
-        self._detached_refusals: collections.deque[str] = collections.deque()
+        self._detached_refusals: collections.deque[str] = collections.deque(maxlen=REFUSALS_KEPT)
         self._peers: dict[str, str] = {}
         self._channels: dict[str, grpc.Channel] = {}
         self._calls: dict[grpc.Channel, tuple[Any, Any]] = {}  # Deliver, DeliverStream
@@ -584,11 +584,25 @@ class PartyEndpoint:
         raised in the wait of the party that awaits it (:meth:`await_reply`), woken for it."""
         logger.warning("%s", refusal.reason)
         self.refused.append(refusal.reason)
-        if _metadata(context).get(_DETACHED) == "1":
+        if self._unrelayed(context):
             self._detached_refusals.append(refusal.reason)
             self._queue.put(_WAKE)
         context.abort(refusal.code, refusal.reason)
         raise AssertionError("context.abort returns only by raising")  # pragma: no cover
+
+    def _unrelayed(self, context: grpc.ServicerContext) -> bool:
+        """Whether a refused delivery was a reply whose refusal no sender relays: marked
+        detached, by the one party that sends such replies (the aggregator's sum), as its
+        certificate says (any caller without TLS, which tells no one's name). Anyone else's
+        mark is ignored: a certificate of the CA is not a licence to fail the awaiting
+        party's wait."""
+        if _metadata(context).get(_DETACHED) != "1":
+            return False
+        try:
+            caller = self._caller(context)
+        except _Refusal:
+            return False
+        return caller is None or caller == AGGREGATOR
 
     def _caller(self, context: grpc.ServicerContext) -> str | None:
         """The caller's party name, from its certificate (None without TLS), refused unless
