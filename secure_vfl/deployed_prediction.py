@@ -74,6 +74,7 @@ from secure_vfl.federation.network import NetworkChannel
 from secure_vfl.federation.parties import DataParty
 from secure_vfl.federation.parts import Part, load_part, refuse_unfit
 from secure_vfl.methods.base import in_process_parties
+from secure_vfl.methods.false_vfl import predict_as_saved
 from secure_vfl.saved_model import (
     KEPT_BY_PARTY,
     LOST,
@@ -186,6 +187,7 @@ def build_predicting_party(
         ) from None
     party = build()
     party.load_part(part)
+    predict_as_saved(party, body["seed"], body["index"])
     party.hold_rows(PREDICT_SPLIT, table, rows, source=table.name)
     return _with_secure_sums(party, secure_sums(body["secure_agg"]))
 

@@ -68,7 +68,7 @@ from secure_vfl.io import (
     replace_directory,
 )
 from secure_vfl.methods.base import in_process_parties
-from secure_vfl.methods.false_vfl import FalseVflConfig, FalseVflMethod
+from secure_vfl.methods.false_vfl import FalseVflConfig, FalseVflMethod, predict_as_saved
 
 MANIFEST_SCHEMA = "secure-vfl/model-manifest"
 IMPUTER_SCHEMA = "secure-vfl/imputer-manifest"
@@ -1058,6 +1058,8 @@ def rebuild_method(
         channel=channel,
         aggregator=aggregator,
     )
-    if isinstance(method, FalseVflMethod):
-        method.shared_draws = True  # a row's prediction: a function of the row alone
+    if isinstance(method, FalseVflMethod):  # a row's prediction: a function of the row alone
+        method.shared_draws = True
+        for index, party in enumerate(in_process_parties(channel)):  # in block order
+            predict_as_saved(party, manifest.seed, index)
     return method

@@ -623,6 +623,29 @@ def test_false_vfl_saves_its_label_model_and_predicts_with_a_party_absent(
     np.testing.assert_allclose(some.probabilities, predictions.probabilities[at], atol=1e-6)
 
 
+def test_a_saved_false_vfl_2_model_predicts_a_row_from_the_row_alone(
+    files: Files, tmp_path: Path
+) -> None:
+    """FALSE-VFL-II scores a block a row lacks by drawing it at the party that lacks it
+    (x~): those draws came from the party's generator in row order, so a row some party
+    lacks moved between calls and with the other rows (0.502 to 0.487 for one, its label
+    flipped), after the label party's draws were shared."""
+    _train(files, tmp_path / "model", "false-vfl-2", epochs=1)
+    loaded = SavedModel.load(tmp_path / "model")
+    tables = {n: t for n, t in zip(PARTIES, _tables(files.new, "retailer"), strict=True) if t}
+    predictions = loaded.predict(tables)
+    assert not predictions.mask[:, 1].any()  # every row lacks the retailer's block
+    np.testing.assert_array_equal(loaded.predict(tables).probabilities, predictions.probabilities)
+    chosen = sorted(set.intersection(*(set(t.ids) for t, _ in tables.values())))[:5]
+    few = {}
+    for name, (table, where) in tables.items():
+        keep = np.isin(table.ids, chosen)
+        few[name] = (PartyTable(table.name, table.ids[keep], table.frame[keep]), where)
+    some = loaded.predict(few)
+    at = [list(predictions.ids).index(i) for i in some.ids]
+    np.testing.assert_allclose(some.probabilities, predictions.probabilities[at], atol=1e-6)
+
+
 def test_readme_commands_for_saved_models_run(tmp_path: Path) -> None:
     """docs/models.md's "Saved models and prediction" commands, as written (2 epochs)."""
     import shlex

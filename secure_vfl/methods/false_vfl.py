@@ -220,6 +220,11 @@ class LatentParty(DataParty):
         super().__init__(name, blocks, model, optimizer)
         self._observed = dict(observed)
         self.generator = generator
+        self.shared_draws: int | None = None
+        """A seed where the party serves a saved model's prediction: its draws x~ (FALSE-VFL-II)
+        at prediction are then the same for every row (:func:`row_shared_draws`), so what it
+        answers for a row depends on the row alone (None: from its generator, as in training
+        and training-time evaluation)."""
         self._likelihood_pending: dict[tuple[int, str], tuple[Tensor, Tensor, Tensor]] = {}
 
     @property
@@ -264,7 +269,7 @@ class LatentParty(DataParty):
                 log_likelihood = log_likelihood.index_put((observed,), value)
             missing = torch.nonzero(~held).flatten()
             if missing.numel() and missingness is not None:
-                drawn = model.decoder.sample(h[missing], self.generator)
+                drawn = model.decoder.sample(h[missing], self._draws(train))
                 value = missingness.log_prob(drawn, missing=True)
                 log_likelihood = log_likelihood.index_put((missing,), value)
         if train:
@@ -278,6 +283,13 @@ class LatentParty(DataParty):
                 log_likelihood=log_likelihood.detach(),
             )
         )
+
+    def _draws(self, train: bool) -> Draws:
+        """The draws of a pass: shared by every row in a saved model's prediction (fresh from
+        :attr:`shared_draws` each time), else the party's generator's."""
+        if self.shared_draws is not None and not train:
+            return row_shared_draws(self.shared_draws)
+        return generator_draws(self.generator)
 
     def _forget_unfinished(self, round: int) -> None:
         """Before step ``round``'s likelihoods: what an earlier step whose update never reached
@@ -473,6 +485,14 @@ def make_latent_party(
     return role(
         name, blocks, model, optimizer, observed=observed, generator=generator, **label_side
     )
+
+
+def predict_as_saved(party: Party, seed: int, index: int) -> None:
+    """Make ``party``, block ``index`` of a model saved with ``seed``, serve its prediction:
+    a FALSE-VFL data party then draws the same for every row, from the seed and its index
+    (:attr:`LatentParty.shared_draws`), in one process or its own; any other has no draws."""
+    if isinstance(party, LatentParty):
+        party.shared_draws = seed + 1 + index
 
 
 def build_latent_party(

@@ -53,6 +53,24 @@ def mlp(widths: Sequence[int]) -> nn.Sequential:
     return nn.Sequential(*layers)
 
 
+Draws = Callable[[tuple[int, ...]], Tensor]
+"""Standard normal draws of a given shape (rows first)."""
+
+
+def generator_draws(generator: torch.Generator) -> Draws:
+    """Independent draws from ``generator``, every row its own."""
+    return lambda shape: torch.randn(shape, generator=generator)
+
+
+def row_shared_draws(seed: int) -> Draws:
+    """Draws that are the same for every row: each call draws one row's worth, (1, ...), from
+    a generator seeded with ``seed`` (the k-th call its k-th draws), and broadcasts it to the
+    rows. Used from a fresh one per batch, it makes what a row's values are computed from a
+    function of the row alone, not of its place among the others or of earlier calls."""
+    generator = torch.Generator().manual_seed(seed)
+    return lambda shape: torch.randn((1, *shape[1:]), generator=generator).expand(shape)
+
+
 class PartyEncoder(nn.Module):
     """x^k -> (mean, diagonal precision) of party k's factor of q(h | x_obs) (paper eq. 1).
 
@@ -95,11 +113,10 @@ class PartyDecoder(nn.Module):
         """log p(x | h) for flattened ``x`` (..., D) broadcast against ``h`` (..., d_h)."""
         return gaussian_log_prob(x, self.net(h), self.scale())
 
-    def sample(self, h: Tensor, generator: torch.Generator) -> Tensor:
+    def sample(self, h: Tensor, draws: Draws) -> Tensor:
         """A reparameterised draw x ~ p(x | h) (..., D); gradients flow to ``h`` and the decoder."""
         mean = self.net(h)
-        noise = torch.randn(mean.shape, generator=generator)
-        return mean + self.scale() * noise
+        return mean + self.scale() * draws(tuple(mean.shape))
 
 
 class MissingnessModel(nn.Module):
@@ -143,24 +160,6 @@ class GaussianMap(nn.Module):
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         mean, raw = self.net(x).split(self.out, dim=-1)
         return mean, F.softplus(raw) + MIN_SCALE
-
-
-Draws = Callable[[tuple[int, ...]], Tensor]
-"""Standard normal draws of a given shape (rows first)."""
-
-
-def generator_draws(generator: torch.Generator) -> Draws:
-    """Independent draws from ``generator``, every row its own."""
-    return lambda shape: torch.randn(shape, generator=generator)
-
-
-def row_shared_draws(seed: int) -> Draws:
-    """Draws that are the same for every row: each call draws one row's worth, (1, ...), from
-    a generator seeded with ``seed`` (the k-th call its k-th draws), and broadcasts it to the
-    rows. Used from a fresh one per batch, it makes what a row's values are computed from a
-    function of the row alone, not of its place among the others or of earlier calls."""
-    generator = torch.Generator().manual_seed(seed)
-    return lambda shape: torch.randn((1, *shape[1:]), generator=generator).expand(shape)
 
 
 class LabelSideModel(nn.Module):
