@@ -83,6 +83,14 @@ def test_a_blank_line_of_a_one_column_file_is_refused_and_a_quoted_empty_cell_re
     features, (client, _) = read_client_files([path, other])
     column = features.index("Solar.R")
     np.testing.assert_array_equal(client.values[:, column], [190.0, np.nan, 7.0])
+    # An id file (`secure-vfl psi`) is one column too, but a blank line there is no id:
+    # skipped, as in a file of several columns (the review found it refused).
+    from secure_vfl.data.party_files import read_id_file
+
+    ids = tmp_path / "ids.csv"
+    for text in ("id\na\nb\n\n", "id\r\na\r\n\r\nb\r\n\r\n"):
+        ids.write_text(text)
+        assert read_id_file(ids).tolist() == ["a", "b"]
 
 
 def test_a_client_file_naming_a_column_twice_is_refused_not_renamed(

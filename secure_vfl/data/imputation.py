@@ -552,7 +552,9 @@ def _read_client_frame(
     on purpose, so a file without that column is refused (its own id column would otherwise be
     imputed as a feature), unless ``ids_optional``: the caller refuses every column outside a
     saved schema by name (a saved imputer's client)."""
-    frame = read_table(path, what="client file", id_column=id_column, literal=[label_column])
+    frame = read_table(
+        path, what="client file", id_column=id_column, literal=[label_column], blank_cells=True
+    )
     if id_column != ID_COLUMN and id_column not in frame.columns and not ids_optional:
         raise DataError(
             f"{path} must have an id column `{id_column}` (--id-column). Found columns: "

@@ -123,13 +123,15 @@ def read_table(
     id_column: str = ID_COLUMN,
     literal: Sequence[str] = (),
     nullable: bool = False,
+    blank_cells: bool = False,
 ) -> pd.DataFrame:
     """Read a non-empty CSV or Parquet file whose column names are distinct and non-empty; the
     ``id_column``, if any, is read as text. In a CSV, the id column and the ``literal`` ones
     (a label column) are read as written: only an empty cell is missing there, where pandas
     would also read ``NA``, ``null`` or ``None`` (a region, a name) as missing. ``nullable``:
     a Parquet file's columns in pandas' nullable types, so that an integer column with nulls
-    stays integers (else float64)."""
+    stays integers (else float64). ``blank_cells``: its cells may be empty, so a blank line of
+    a one-column CSV is refused rather than skipped (:func:`_refuse_short_rows`)."""
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in _SUFFIXES:
@@ -142,7 +144,7 @@ def read_table(
         names = _column_names(path, suffix)
         _refuse_repeated_columns(path, names)
         if suffix == ".csv":
-            _refuse_short_rows(path, len(names))
+            _refuse_short_rows(path, len(names), blank_cells=blank_cells)
             frame = _read_csv(path, id_column)
             as_written = [c for c in dict.fromkeys((id_column, *literal)) if c in frame.columns]
             if as_written:  # one more read, of these columns only
@@ -227,16 +229,17 @@ def _parser_reason(reason: str) -> str:
     return reason
 
 
-def _refuse_short_rows(path: Path, fields: int) -> None:
+def _refuse_short_rows(path: Path, fields: int, *, blank_cells: bool = False) -> None:
     """Refuse a CSV with a row of fewer fields than the header's ``fields``: pandas fills the
     fields a row lacks as empty cells, so a row cut short, or broken in two by a stray line
     break, would be read as missing values in silence. Blank (or white-space) lines are
-    skipped, as pandas skips them, but in a file of one column, where a blank line may be an
-    empty cell (a spreadsheet writes one so; pandas writes ``""``), and skipping it would
-    drop a row in silence: there it is refused."""
+    skipped, as pandas skips them, but with ``blank_cells`` (a file whose cells may be empty:
+    an imputation client's) in a file of one column, where a blank line may be an empty cell
+    (a spreadsheet writes one so; pandas writes ``""``) and skipping it would drop a row in
+    silence: there it is refused. (In an id file a blank line is no id: it is skipped.)"""
     with path.open("rb") as lines:  # streamed: a file's size is the user's
         for number, line in enumerate(lines, start=1):
-            if fields == 1 and not line.strip():
+            if blank_cells and fields == 1 and not line.strip():
                 _blank(path, number)
             if b'"' in line:
                 break  # a quoted value may hold commas and line breaks: parse it as CSV
@@ -248,7 +251,7 @@ def _refuse_short_rows(path: Path, fields: int) -> None:
         reader = csv.reader(file)
         start = 1
         for row in reader:
-            if fields == 1 and not any(field.strip() for field in row) and row != [""]:
+            if blank_cells and fields == 1 and not any(f.strip() for f in row) and row != [""]:
                 _blank(path, start)  # [""] is a quoted empty cell, "", as pandas writes one
             if len(row) < fields and any(field.strip() for field in row):
                 quoted = reader.line_num > start  # a value in quotes ran on over line breaks
