@@ -177,6 +177,7 @@ from secure_vfl.saved_model import (
     DATA_PARTY_ROLE,
     KEPT_BY_PARTY,
     LOST,
+    MANIFEST_FILE,
     MAX_CLASSES,
     MAX_INPUT_WIDTH,
     Manifest,
@@ -1077,11 +1078,11 @@ class ServedModel:
         return {"run": run, "files": files}
 
     def end(self, outcome: str) -> Path | None:
-        """The label party ended the run with ``outcome``: anything but ``finished`` means it
-        kept no manifest of the model (it removes its run's directory on failure), so the part
-        this process saved for it names a model that does not exist: it is removed, and its
-        directory returned (None: nothing was saved, or the run finished)."""
-        if outcome == "finished" or self.saved is None:
+        """The label party ended the run with ``outcome``: but for those of
+        :data:`KEEPS_ITS_PART` it wrote no manifest naming the part this process saved for
+        the run (it failed or was stopped before), so the part belongs to no model: it is
+        removed, and its directory returned (None: nothing was saved, or it is kept)."""
+        if outcome in KEEPS_ITS_PART or self.saved is None:
             return None
         target = self.part_directory(self.saved)
         if target.exists():
@@ -1099,17 +1100,22 @@ def save_deployed(
     data: VerticalData,
     lost: Sequence[str],
     unreachable: Callable[[Sequence[str]], list[str]] | None = None,
+    runs: list[str] | None = None,
 ) -> tuple[Manifest, dict[str, str]]:
     """Save a deployed run's model: every live data party writes its own part in its own
     process (``save`` -> ``saved``, its files' SHA-256), the label party ``own`` writes its part
     into ``directory/<name>/`` and the manifest last, listing every party's hashes and where its
     part lies (:data:`~secure_vfl.saved_model.KEPT_BY_PARTY`, or
-    :data:`~secure_vfl.saved_model.LOST` for the ``lost`` parties, which saved nothing).
+    :data:`~secure_vfl.saved_model.LOST` for the ``lost`` parties, which saved nothing). The
+    model's run id is appended to ``runs`` before any party is asked, so a run that fails
+    after can tell whether its manifest got into place (:func:`_saved_run`).
 
     A party that cannot be reached when asked to save (``unreachable`` says so: its process
     died after the evaluation) is lost here: its part is listed as lost and the others are
     saved. Returns the manifest and, by name, why each party was lost while saving."""
     run = new_run_id()
+    if runs is not None:
+        runs.append(run)
     names = federation.names
     lost_here: dict[str, str] = {}
     saved: list[Manifest] = []
@@ -1161,6 +1167,15 @@ def save_deployed(
 
     replace_directory(directory, write)  # a model saved over another keeps none of its files
     return saved[0], lost_here
+
+
+def _saved_run(directory: Path) -> str | None:
+    """The run id of the manifest in ``directory`` (None: none there, or not readable)."""
+    try:
+        run = json.loads((directory / MANIFEST_FILE).read_text(encoding="utf-8")).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return run if isinstance(run, str) else None
 
 
 def _ask_save(endpoint: PartyEndpoint, name: str, run: str) -> dict[str, str]:
@@ -2126,6 +2141,7 @@ def train_deployed(
         identity=identity,
     )
     outcome = "failed"
+    saved_runs: list[str] = []  # the model's run id, once the parties are asked to save
     reports: dict[str, Counter[tuple[str, str, str]]] = {}
     entries: dict[str, Any] = {}
     lost: list[str] = []
@@ -2214,6 +2230,7 @@ def train_deployed(
                 side.data,
                 lost,
                 unreachable=channel.unreachable,
+                runs=saved_runs,
             )
             epoch = len(result.epoch_loss)  # the last, counted as the faults count them
             saving = [
@@ -2226,6 +2243,13 @@ def train_deployed(
     finally:
         if outcome != "finished" and channel is not None:  # stopped: those lost until now
             lost = sorted(channel.lost_now)
+        if (  # stopped once its manifest, which names every part, was in place
+            outcome != "finished"
+            and saved_runs
+            and model_dir is not None
+            and _saved_run(model_dir) == saved_runs[0]
+        ):
+            outcome = SAVED_THEN_STOPPED
         reports, entries = _end(endpoint, federation, outcome, lost=lost, late=late)
         endpoint.close()
     if privacy is not None:
@@ -2306,6 +2330,12 @@ REPORT_KEYS: dict[str, type | tuple[type, ...]] = {"bytes": list, "privacy": (di
 """``report``: the bytes the party sent and what its own accountant priced (null: no DP)."""
 INTERRUPTED = "interrupted"
 """The outcome a data party is told when the label party's operator stopped the run."""
+SAVED_THEN_STOPPED = "stopped after the model was saved"
+"""The outcome a data party is told when the run failed or was stopped once the label party's
+manifest naming every part was in place: the model is whole, so each party keeps its part
+(on any other failure it removes it, :meth:`ServedModel.end`)."""
+KEEPS_ITS_PART = ("finished", SAVED_THEN_STOPPED)
+"""The outcomes after which a data party keeps the part of the model it saved."""
 FAILED_END_SECONDS = 5.0
 """How long a run that failed or was interrupted waits for each party to take its end: a party
 that does not answer by then (hung, or stopped) is only warned of, not waited for the whole
@@ -2328,7 +2358,7 @@ def _end(
     the error in flight reports; one the failed run cannot end (still not reachable) is not
     warned of again."""
     stopping = sys.exc_info()[1]
-    if outcome != "finished" and stopping is not None and not isinstance(stopping, Exception):
+    if outcome == "failed" and stopping is not None and not isinstance(stopping, Exception):
         outcome = INTERRUPTED
     reports = {}
     entries = {}

@@ -36,8 +36,10 @@ from protocols import tls
 from secure_vfl.cli import main
 from secure_vfl.data.party_files import read_party_file
 from secure_vfl.deployment import (
+    SAVED_THEN_STOPPED,
     ServedModel,
     _deployment,
+    _saved_run,
     _Server,
     fitted_widths,
     model_directory,
@@ -476,6 +478,20 @@ def test_a_served_party_removes_its_part_of_a_run_that_ended_without_a_model(
     assert list((tmp_path / "f" / "shop").iterdir()) == []  # nothing left, not even aside
     assert failed.end("interrupted") is None  # nothing saved any more
     assert ServedModel("shop", tmp_path / "none").end("failed") is None
+    # Stopped once the label party's manifest was in place (it names every part): kept.
+    late = ServedModel("shop", tmp_path / "late")
+    late.save(shop.save_part, {"run": RUN})
+    assert late.end(SAVED_THEN_STOPPED) is None and late.part_directory(RUN).is_dir()
+
+
+def test_a_label_party_tells_whether_its_manifest_of_a_run_is_in_place(tmp_path: Path) -> None:
+    """What decides, when a deployed run fails after it asked the parties to save, whether
+    they keep their parts: its own manifest, naming the run, in place."""
+    assert _saved_run(tmp_path) is None  # none written
+    (tmp_path / "manifest.json").write_text(json.dumps({"run_id": RUN}))
+    assert _saved_run(tmp_path) == RUN
+    (tmp_path / "manifest.json").write_text("{not json")
+    assert _saved_run(tmp_path) is None
 
 
 def test_the_label_party_saves_every_live_party_checks_every_answer_and_marks_the_lost(
