@@ -1618,12 +1618,15 @@ def serve(
                     continue
                 if not (heard or seen) and time.monotonic() - start < wait:
                     continue  # not up yet: parties may start in any order
-                why = (
-                    "did it die?"
-                    if heard or not seen
-                    else "it accepted them before, and sent this party nothing: its run ended or "
-                    "stopped without taking this party back, or it died"
-                )
+                if heard:
+                    why = "did it die?"
+                elif seen:
+                    why = (
+                        "it accepted them before, and sent this party nothing: its run ended or "
+                        "stopped without taking this party back, or it died"
+                    )
+                else:  # it never came up: nothing to say it died
+                    why = "is it started, at the address of the federation file?"
                 waited = wait if not (heard or seen) else silence
                 raise TransportError(
                     f"{name}: the label party {label} was silent for {waited:g} s and accepts "

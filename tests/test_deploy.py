@@ -763,6 +763,21 @@ def test_a_data_party_waits_on_a_silent_label_party_that_is_up_and_not_on_a_dead
     assert "label party bank was silent for 1 s and accepts no connection (it accepted them" in said
 
 
+def test_a_data_party_whose_label_party_never_starts_says_so_after_its_wait(
+    site: Path, processes: Processes
+) -> None:
+    """A label party that never came up is not one that died: the party waits --wait for its
+    first message, then exits 1 asking whether it is started (it asked "did it die?")."""
+    path = write_federation(site, site / "certs", free_loopback_ports(5))
+    shop = processes.serve(path, "shop", "--wait", "2", "--deadline", "1")
+    assert shop.wait(timeout=PROCESS_SECONDS) == 1
+    said = processes.log("shop")
+    assert (
+        "the label party bank was silent for 2 s and accepts no connection (is it started, at "
+        "the address of the federation file?)" in said
+    ), said
+
+
 def test_a_data_partys_empty_cells_are_refused_under_missing_cells_refuse(
     site: Path, processes: Processes, tmp_path: Path
 ) -> None:
