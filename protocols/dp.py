@@ -223,7 +223,9 @@ def price(
     """The epsilon at ``delta`` of (noise multiplier, Poisson rate, steps) runs of subsampled
     Gaussian mechanisms (Opacus' history), composed: 0 with none, inf if one is noiseless (or
     has a multiplier below :data:`NEGLIGIBLE_NOISE`). Under ``"prv"``, RDP's bound where it
-    exceeds :data:`PRV_LIMIT`."""
+    exceeds :data:`PRV_LIMIT`. Never below 0: at a large delta the accountants' conversion
+    goes negative (RDP's -0.02 at delta 0.5), and an (epsilon, delta) guarantee holds for any
+    larger epsilon."""
     _check_delta(delta)
     _check_accountant(accountant)
     if not history:
@@ -232,12 +234,12 @@ def price(
         return math.inf
     rdp = _rdp_epsilon(history, delta)
     if accountant == "rdp" or rdp > PRV_LIMIT:
-        return rdp
+        return max(rdp, 0.0)
     from protocols._opacus import PRVAccountant
 
     pricer = PRVAccountant()
     pricer.history = list(history)
-    return float(pricer.get_epsilon(delta=delta))
+    return max(float(pricer.get_epsilon(delta=delta)), 0.0)
 
 
 @functools.lru_cache(maxsize=1024)

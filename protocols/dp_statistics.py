@@ -234,11 +234,18 @@ def read_feature_ranges(path: Path, features: Sequence[str]) -> FeatureRanges:
     for column in ("lower", "upper"):
         values = by_name.loc[list(features), column]
         if not pd.api.types.is_numeric_dtype(values) or pd.api.types.is_bool_dtype(values):
-            shown = next((v for v in values if not isinstance(v, int | float)), values.iloc[0])
+            # read as text, every cell is a str: the one shown is one no number reads
+            numbers = pd.to_numeric(values, errors="coerce")
+            odd = [
+                (f, v)
+                for f, v, n in zip(features, values, numbers, strict=True)
+                if pd.isna(n) and not pd.isna(v)
+            ]
+            feature, shown = odd[0] if odd else (features[0], values.iloc[0])
             text = pd.api.types.is_string_dtype(values) or values.dtype == object
             raise DataError(
                 f"{path}: `{column}` must hold numbers; found {'text' if text else values.dtype} "
-                f"such as {str(shown)[:40]!r}."
+                f"such as {str(shown)[:40]!r} (feature {feature!r})."
             )
         empty = [f for f, missing in zip(features, values.isna(), strict=True) if missing]
         if empty:

@@ -320,6 +320,7 @@ class PrivacyEngine:
         self._deployed_statistics: StatisticsPlan | None = None  # a deployment's plan
         self._statistics_reported: dict[str, dict[str, Any]] = {}  # its clients' reports
         self._statistics_clients: list[str] = []  # the clients it was planned for
+        self._statistics_records: int | None = None  # the training rows (in one process)
         self.value_range: SumRange | None = None
         self._ranges_note = ""
         if spec.align == "psi":
@@ -682,6 +683,7 @@ class PrivacyEngine:
                 "observed training ranges (an experiment's stand-in for declared ranges; not "
                 "private: pass --feature-ranges)"
             )
+        self._statistics_records = sum(client.values.shape[0] for client in task.train)
         self._statistics = ClientStatisticsNoise(
             sigma,
             clip,
@@ -970,7 +972,13 @@ class PrivacyEngine:
             "accountant": "rdp",
             "delta": delta,
             "adjacency": ADJACENCY_TEXT["add-remove"],
-            "sampling": {"kind": "none", "rate": 1.0},
+            "sampling": {
+                "kind": "none",
+                "rate": 1.0,
+                # every client's training rows: what delta is weighed against (a deployed
+                # coordinator is not told the clients' counts)
+                **({"records": n} if (n := self._statistics_records) else {}),
+            },
             "sample_rate": 1.0,
             "noise": {"statistics": {"sigma": terms.noise_multiplier, "clip": terms.clip}},
             "noise_shares": terms.shares,

@@ -1316,6 +1316,12 @@ def _capture(path: Path | None, args: argparse.Namespace) -> Iterator[BinaryIO |
                 f"--capture {path} is also this command's {flag}; expected a file of its own "
                 "(one would overwrite the other)."
             )
+        if flag in ("--out", "--model") and path.resolve().is_relative_to(other.resolve()):
+            raise ConfigError(
+                f"--capture {path} is inside this command's {flag} {other}, which is written "
+                "whole (or listed by its manifest): the capture would be lost or break it; "
+                "expected a path outside it."
+            )
     if path.is_dir():
         raise ConfigError(f"--capture expects a file path. Found the directory {path}.")
     made = not path.exists()

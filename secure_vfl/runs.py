@@ -172,6 +172,9 @@ def summarise(payload: dict[str, Any], *, kind: str = "train") -> RunSummary:
     wall_time_s = payload.get("wall_time_s")
     if wall_time_s is not None and not _is_number(wall_time_s):
         raise ConfigError(f"wall_time_s: a number expected, found {wall_time_s!r:.40}.")
+    seed = config.get("seed")
+    if seed is not None and not (_is_number(seed) and isinstance(seed, int)):
+        raise ConfigError(f"config.seed: an integer expected, found {seed!r:.40}.")
     method = str(payload.get("method", config.get("method", "?")))
     dp = _dp(config, settings, report)
     return RunSummary(
@@ -183,7 +186,7 @@ def summarise(payload: dict[str, Any], *, kind: str = "train") -> RunSummary:
         epsilon=math.inf if report.get("unguarded") else max(epsilon.values(), default=None),
         accuracy=_accuracy(_object(payload, "metrics")),
         wall_time_s=wall_time_s,
-        seed=config.get("seed"),
+        seed=seed,
         parties=_user_party_names(payload.get("parties")),
         trained=_trained(config),
         resumed=_object(payload, "checkpoints").get("resumed_from_step") is not None,
@@ -328,7 +331,15 @@ def _object(mapping: dict[str, Any], key: str, name: str | None = None) -> dict[
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """An int or float (not a bool) that a float holds: JSON's integers have no bound, and one
+    of 400 digits failed the table's formatting with an OverflowError."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    try:
+        float(value)
+    except OverflowError:
+        return False
+    return True
 
 
 def _user_party_names(mapping: Any) -> tuple[str, ...]:

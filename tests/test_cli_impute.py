@@ -686,6 +686,19 @@ def test_the_summary_warns_when_the_epsilons_rest_on_observed_ranges() -> None:
     )
 
 
+def test_noise_too_large_for_the_statistics_sums_is_named_as_a_cause(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A --dp-statistics SIGMA of 1e15 swamps the statistics; the refusal blamed only the
+    features' units."""
+    argv = ["impute", "--method", "fedhf", "--dataset", "ozone", "--rounds", "1"]
+    argv += ["--dp-statistics", "1e15:1", "--out", str(tmp_path / "r")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "a --dp-statistics SIGMA x CLIP that large swamps them" in err, err
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_feature_too_large_for_the_statistics_sums_is_refused_by_name(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

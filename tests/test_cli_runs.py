@@ -541,6 +541,10 @@ def test_compare_refuses_a_directory_without_a_training_result(
         ({"privacy": {"noise": {"gradient": {"sigma": 1}}}}, "privacy.noise.gradient: a sigma"),
         ({"config": {"privacy": {"dp_gradients": 3}}}, "config.privacy.dp_gradients: a sigma"),
         ({"wall_time_s": {}}, "wall_time_s: a number expected"),
+        # these ended in a traceback (an unhashable seed; an int no float holds)
+        ({"config": {"seed": [1]}}, "config.seed: an integer expected, found [1]"),
+        ({"wall_time_s": 10**400}, "wall_time_s: a number expected"),
+        ({"privacy": {"epsilon": {"party-0": 10**400}}}, "privacy.epsilon: a number per party"),
         # these showed "-" for every accuracy, and exit 0
         ({"metrics": {}}, "metrics: an accuracy per test missingness expected, found none"),
         ({"metrics": {"mcar:0": "x"}}, "metrics.mcar:0.accuracy: a number expected, found 'x'"),

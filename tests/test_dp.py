@@ -698,3 +698,12 @@ def test_a_negligible_noise_multiplier_prices_as_none_instead_of_crashing_the_ac
     # above the floor, the accountant's own figure: huge, finite
     assert 1e98 < price([(1e-49, 0.01, 10)], 1e-5, accountant="rdp") < math.inf
     assert release_strength(1e-49, shift=2.0) == pytest.approx(4e98)
+
+
+@pytest.mark.parametrize("accountant", ["rdp", "prv"])
+def test_no_epsilon_is_negative_at_a_large_delta(accountant: str) -> None:
+    """The accountants' conversion goes below 0 at a large delta (RDP: -0.63 for one party of
+    a wine run at delta 0.5, printed and stored); a guarantee holds for any larger epsilon."""
+    assert price([(20.0, 1.0, 3)], 0.5, accountant=accountant) == 0.0  # type: ignore[arg-type]
+    assert per_record_epsilon(0.01, 0.5, accountant=accountant) == 0.0  # type: ignore[arg-type]
+    assert price([(1.0, 0.1, 100)], 1e-5, accountant=accountant) > 0  # type: ignore[arg-type]

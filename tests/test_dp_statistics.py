@@ -523,7 +523,10 @@ def test_feature_ranges_read_from_csv_or_parquet_alike(tmp_path: Path) -> None:
         ("feature,lower,upper\na,,5\nb,0,1\n", r"`lower` must hold a number for every feature; "
          r"found none for \['a'\]"),
         ("feature,lower,upper\na,0,five\nb,0,1\n", "`upper` must hold numbers; found text such "
-         "as 'five'"),
+         r"as 'five' \(feature 'a'\)"),
+        # it showed the first cell, '0', a number read as text like every other
+        ("feature,lower,upper\na,0,5\nb,abc,1\n", "`lower` must hold numbers; found text such "
+         r"as 'abc' \(feature 'b'\)"),
         ("feature,lower,upper\na,0,5\nb,0\n", "line 3 has 2 fields; expected 3"),
         (b"feature,lower,upper\na,0,5\nb,\xe9,1\n", "could not be read as UTF-8 text"),
         ("", "a header and rows expected; found an empty file"),

@@ -29,6 +29,7 @@ from secure_vfl.experiment import (
     ImputeRunConfig,
     TrainConfig,
     prepare_data,
+    prepare_imputation_task,
     run_imputation,
     run_training,
 )
@@ -335,6 +336,21 @@ def test_an_imputation_run_takes_the_engine_as_one_object_as_the_cli_does(tmp_pa
     assert set(result.privacy["epsilon"]) == set(result.rmse_per_client)
     assert (result.rmse, result.validation_curve) == (cli["rmse"], cli["validation_curve"])
     assert result.privacy == cli["privacy"]
+
+
+def test_an_imputation_at_a_delta_not_below_one_over_n_warns_and_no_epsilon_is_negative() -> None:
+    """At delta 0.5 the accountant's conversion gave epsilon -0.02 per client, printed and
+    stored, and an imputation never said that its delta was not below 1/n (its report named no
+    record count), where a training run did."""
+    spec = PrivacySpec(dp_statistics=(2.0, 1.0), delta=0.5)
+    config = ImputeRunConfig(method="fed-mean", dataset="ozone")
+    with pytest.warns(RunWarning, match=r"delta 0\.5 is not below 1/n = 1/(\d+)") as caught:
+        result, _ = run_imputation(config, privacy=PrivacyEngine(spec))
+    assert result.privacy is not None
+    records = result.privacy["sampling"]["records"]
+    assert f"1/n = 1/{records} " in str(caught[0].message)
+    assert records == sum(c.values.shape[0] for c in prepare_imputation_task(config).train)
+    assert result.privacy["epsilon"] and min(result.privacy["epsilon"].values()) == 0.0
 
 
 def test_each_kind_of_run_refuses_the_mechanisms_of_the_other() -> None:

@@ -205,6 +205,12 @@ def test_a_capture_is_a_file_of_its_own_and_a_refused_run_leaves_none(
         assert f"--capture {path} is also this command's {flag}" in capsys.readouterr().err
     assert (tmp_path / "a.csv").read_text() == "id\na\nb\n"
     assert not (tmp_path / "same.txt").exists() and not (tmp_path / "run").exists()
+    # Inside the run's folder, which is written whole: replaced by result.json, or gone with
+    # the model folder, exit 0 and nothing said.
+    for inside in (tmp_path / "run" / "result.json", tmp_path / "run" / "model" / "c.bin"):
+        assert main([*train, "--out", str(tmp_path / "run"), "--capture", str(inside)]) == 2
+        assert f"--capture {inside} is inside this command's --out" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
     capture = tmp_path / "refused.capture"  # ten parties for iris' four features
     assert main([*train, "--parties", "10", "--out", str(tmp_path / "r"), "--capture",
                  str(capture)]) == 2  # fmt: skip

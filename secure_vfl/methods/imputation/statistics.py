@@ -302,7 +302,9 @@ def split_digits(values: np.ndarray, digits: int = WIDE_DIGITS) -> np.ndarray:
         capacity = WIRE_LIMIT * DIGIT_BASE ** (digits - 1)
         raise DataError(
             f"a statistic of magnitude {largest:.6g} exceeds what {digits} base-"
-            f"{DIGIT_BASE:g} digits carry (~{capacity:.3g}); rescale that feature's units."
+            f"{DIGIT_BASE:g} digits carry (~{capacity:.3g}); rescale that feature's units, or "
+            "add less noise to the statistics (a --dp-statistics SIGMA x CLIP that large swamps "
+            "them)."
         )
     return np.concatenate(parts)
 
