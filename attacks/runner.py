@@ -56,6 +56,21 @@ NOISE_DEFENSES = {
 DEFENSES = (*NOISE_DEFENSES, "secure-agg")
 
 
+def defense_as_taken(text: str, spec: PrivacySpec) -> tuple[PrivacySpec, Any]:
+    """The one defense ``text`` as a run takes it, over the base ``spec``: the privacy spec it
+    makes and, for a hook defense, its name and number (its default where none is given), so
+    that two texts of one setting compare equal (``dp-gradients:1:0.01`` and ``:0.010``,
+    ``marvell:4`` and ``marvell:4.0``) and two settings apart do not (``4.0000001``).
+    ConfigError as :func:`parse_defenses`."""
+    from attacks.defenses import HOOK_DEFAULTS
+
+    taken, hooks = parse_defenses([text], spec)
+    if not hooks:
+        return taken, None
+    name, _, param = text.partition(":")
+    return taken, (name, float(param) if param else HOOK_DEFAULTS[name])
+
+
 def parse_defenses(
     texts: Sequence[str], spec: PrivacySpec
 ) -> tuple[PrivacySpec, list[HookDefense]]:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from attacks.base import ATTACKS, EPSILON_NOTE
-from attacks.runner import AttackResult, parse_defenses, run_attack
+from attacks.runner import AttackResult, defense_as_taken, run_attack
 from protocols.privacy import PrivacySpec
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ConfigError, DivergenceError, run_warnings
@@ -103,8 +103,15 @@ def run_suite(
     for name in attacks or ():
         ATTACKS.get(name)  # an unknown name is refused before anything runs
     base = privacy if privacy is not None else PrivacySpec(seed=config.seed)
-    for defense in defenses:
-        parse_defenses([defense], base)  # a typo is refused, not listed as not applicable
+    taken: dict[Any, str] = {}
+    for defense in defenses:  # a typo is refused, not listed as not applicable
+        setting = defense_as_taken(defense, base)
+        if setting in taken:  # run twice, both averaged into its scores, one store row lost
+            raise ConfigError(
+                f"each --defense once expected (one setting run twice would count twice in its "
+                f"scores). Found {taken[setting]} and {defense}, the same setting."
+            )
+        taken[setting] = defense
     data = prepare_data(config)
     build_method(config, data)  # what every run would be refused for, refused once, here
     members = [*(f"party-{k}" for k in range(data.train.parties)), AGGREGATOR]

@@ -19,6 +19,7 @@ import math
 import os
 import re
 import statistics
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from multiprocessing import get_context
@@ -87,11 +88,22 @@ def parse_grid(items: Sequence[str]) -> dict[str, tuple[float, ...]]:
     return grid
 
 
+def settings_count(templates: Sequence[str], grid: Mapping[str, Sequence[float]]) -> int:
+    """How many settings :func:`expand` makes of ``templates`` and ``grid`` (the undefended one
+    included), counted without making them: each template, the product of its placeholders'
+    value counts (one without values counts none, for :func:`expand` to refuse)."""
+    total = 1
+    for template in templates:
+        names = dict.fromkeys(p for p in template.split(":")[1:] if PLACEHOLDER.match(p))
+        total += math.prod(len(grid.get(name, ())) for name in names)
+    return total
+
+
 def expand(templates: Sequence[str], grid: Mapping[str, Sequence[float]]) -> list[Setting]:
     """The undefended setting, then every template at every combination of the values of the
     placeholders it names. ConfigError for a placeholder without values, or values no template
     uses."""
-    repeated = sorted({t for t in templates if list(templates).count(t) > 1})
+    repeated = sorted(t for t, n in Counter(templates).items() if n > 1)
     if repeated:
         raise ConfigError(
             f"each --defense once expected (a setting given twice would count its runs as more "
@@ -122,8 +134,8 @@ def expand(templates: Sequence[str], grid: Mapping[str, Sequence[float]]) -> lis
     unused = sorted(set(grid) - used)
     if unused:
         raise ConfigError(f"--grid {', '.join(unused)}: no --defense template names it.")
-    defenses = [setting.defense for setting in settings]
-    twice = sorted({defense for defense in defenses if defenses.count(defense) > 1})
+    counts = Counter(setting.defense for setting in settings)
+    twice = sorted(defense for defense, n in counts.items() if n > 1)
     if twice:
         raise ConfigError(
             "each setting once expected (a setting given twice would count its runs as more "
@@ -177,6 +189,7 @@ def _attack_row(job: dict[str, Any]) -> dict[str, Any]:
     return {
         **row,
         "failed": None,
+        "attacker": payload["attacker"],  # who attacked (its default where none was given)
         "main_accuracy": payload["main"]["accuracy"],
         "attack": payload["attack"],
         "performance": payload["performance"],
@@ -263,7 +276,7 @@ def run_sweep(
     ends (in order, with the process executor; all at the end with Ray). An unknown attack, one
     that does not apply to ``config`` or a malformed setting is refused (ConfigError) before
     anything runs; a defense that does not apply to the task is a failed row with why."""
-    from attacks.runner import check_attack_arguments, make_attack, parse_defenses
+    from attacks.runner import check_attack_arguments, defense_as_taken, make_attack
 
     check_attack_arguments(config, privacy)
     if isinstance(templates, str) or not isinstance(templates, Sequence):
@@ -283,30 +296,29 @@ def run_sweep(
             f"--seeds: seeds {config.seed}..{config.seed + seeds - 1} must be below 2**32; "
             f"at most {checks.SEED_LIMIT - config.seed} from --seed {config.seed}. Found {seeds}."
         )
-    settings = expand(templates, grid)
-    if len(settings) * seeds > MAX_RUNS:  # before a list of that many runs is made
-        raise ConfigError(
-            f"a sweep of at most {MAX_RUNS} runs expected; found {len(settings)} settings x "
-            f"{seeds} seeds = {len(settings) * seeds}."
+    planned = settings_count(templates, grid)
+    if planned * seeds > MAX_RUNS:  # before the settings are made (a 1000 x 1000 grid's took
+        raise ConfigError(  # minutes before this said no)
+            f"a sweep of at most {MAX_RUNS} runs expected; found {planned} settings x "
+            f"{seeds} seeds = {planned * seeds}."
         )
+    settings = expand(templates, grid)
     workers = workers if workers is not None else max(1, min(os.cpu_count() or 1, 4))
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1. Found {workers}.")
     base = privacy if privacy is not None else PrivacySpec(seed=config.seed)
-    parsed: list[tuple[str, Any]] = []  # each setting as the runs take it: its values' numbers
+    parsed: dict[Any, str] = {}  # each setting as the runs take it (its values' numbers): text
     for setting in settings[1:]:  # e.g. a negative CLIP from the grid, or a misspelt name
         try:
-            spec, hooks = parse_defenses([setting.defense], base)
+            taken = defense_as_taken(setting.defense, base)
         except ConfigError as error:  # say which setting the grid made
             raise ConfigError(f"--defense setting {setting.defense!r}: {error}") from None
-        taken = (spec, _taken(setting.defense) if hooks else None)
-        same = [text for text, other in parsed if other == taken]
-        if same:  # dp-gradients:1:0.01 and dp-gradients:1:0.010, marvell:4 and marvell:4.0
+        if taken in parsed:  # dp-gradients:1:0.01 and dp-gradients:1:0.010, marvell:4 and 4.0
             raise ConfigError(
                 f"each setting once expected (a setting given twice would count its runs as "
-                f"more seeds). Found {same[0]} and {setting.defense}, the same setting."
+                f"more seeds). Found {parsed[taken]} and {setting.defense}, the same setting."
             )
-        parsed.append((setting.defense, taken))
+        parsed[taken] = setting.defense
     made = make_attack(attack, {})
     data = prepare_data(config)
     build_method(config, data)  # what every run would be refused for, refused once, here
@@ -328,15 +340,6 @@ def run_sweep(
     # never more workers than runs: each is a fresh interpreter
     workers = min(workers, len(jobs))
     return _executor_map(jobs, workers=workers, executor=executor, on_done=on_done)()
-
-
-def _taken(text: str) -> tuple[str, float]:
-    """A hook defense's ``NAME[:NUMBER]`` (parsed: it is one) as it is taken: its name and its
-    number, or its default (``marvell:4`` and ``marvell:4.0`` alike, ``4.0000001`` apart)."""
-    from attacks.defenses import HOOK_DEFAULTS
-
-    name, _, param = text.partition(":")
-    return name, float(param) if param else HOOK_DEFAULTS[name]
 
 
 def _mean_sd(values: Sequence[float]) -> tuple[float, float]:
@@ -510,8 +513,19 @@ def plot(table: Sequence[dict[str, Any]], out: Path, *, attack: str, metric: str
                 axes.annotate(
                     r["setting"], (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points"
                 )
-    if table:
-        axes.axhline(table[0]["chance"], color="grey", ls=":", label="chance")
+    chances = [(100 * r["main_accuracy"], r["chance"]) for r in table if r["chance"] is not None]
+    if len({round(chance, 9) for _, chance in chances}) == 1:
+        axes.axhline(chances[0][1], color="grey", ls=":", label="chance")
+    elif chances:  # a level per setting (a backdoor's under DP; model completion's untrained
+        # model): each point is judged against its own, not the undefended one's
+        axes.plot(
+            *zip(*chances, strict=True),
+            ls="",
+            marker="_",
+            markersize=14,
+            color="grey",
+            label="chance (each setting's)",
+        )
     axes.set_xlabel("main accuracy (%)")
     axes.set_ylabel(f"attack performance (AP, from its {metric})")
     axes.set_title(f"{attack}: attack against utility, per defense")

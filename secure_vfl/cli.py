@@ -2331,6 +2331,8 @@ def run_sweep_command(args: argparse.Namespace) -> int:
             entry = _attack_entry(
                 {**row, "main": {"accuracy": row["main_accuracy"]}}, row["defense"]
             )
+            if mapping:  # the users' party names, as `attack` stores them
+                entry["parties"] = mapping
             scored.append((entry, f"sweep:{args.attack}", f"{row['defense']} seed {row['seed']}"))
         store.replace_runs(out, scored)  # a sweep written again replaces all its runs
     print(text)
@@ -2377,9 +2379,10 @@ def _run_suite_command(args: argparse.Namespace, config: Any) -> int:
 
     def on_run(attack: str, defense: str, result: Any) -> None:
         payload = _attack_relabelled(result.to_json(), mapping)
-        entries.append(
-            (_attack_entry(payload, defense), f"suite:{attack}", f"{attack} / {defense}")
-        )
+        entry = _attack_entry(payload, defense)
+        if mapping:  # the users' party names, as `attack` stores them
+            entry["parties"] = mapping
+        entries.append((entry, f"suite:{attack}", f"{attack} / {defense}"))
         if not args.quiet:
             counts = getattr(ATTACKS.get(attack), "counts", ())
             value = ", ".join(

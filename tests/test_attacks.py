@@ -609,6 +609,13 @@ def test_an_attack_on_party_files_speaks_of_the_parties_by_their_names(
     assert {run["attacker"] for run in report["runs"]} == {"shop"}
     assert "run by the label party bank" in report["skipped"]["feature-reconstruction"]
     assert not re.search(r"\bparty-\d", (tmp_path / "suite" / "suite.md").read_text())
+    # Their store rows said who attacked and named the parties as `attack` does: a sweep's had
+    # attacker None (two sweeps by different attackers looked alike), neither had the names.
+    names = {"party-0": "bank", "party-1": "shop"}
+    for kind in ("sweep", "suite"):
+        rows = [r for r in ResultsStore(tmp_path / "results.sqlite").rows() if kind in r["kind"]]
+        assert rows and all(r["parties"] == names for r in rows), kind
+        assert {r["config"]["attacker"] for r in rows} == {"shop"}, kind
 
 
 def test_run_attack_and_run_sweep_refuse_arguments_of_the_wrong_kind() -> None:

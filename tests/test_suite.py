@@ -118,6 +118,18 @@ def test_a_defense_that_does_not_apply_to_the_method_is_reported() -> None:
     assert "not applicable" in report.failed["norm-scoring / secure-agg:masks"]
 
 
+def test_a_defense_given_twice_is_refused_before_anything_runs() -> None:
+    """`--defense marvell:4 --defense marvell:4` ran it twice, both runs averaged into its
+    scores and one of them lost from the store (their rows shared a key); `marvell:4.0` too."""
+
+    def ran(*_: object) -> None:
+        raise AssertionError("a run was started")
+
+    for twice in (["marvell:4", "marvell:4"], ["marvell:4", "marvell:4.0"]):
+        with pytest.raises(ConfigError, match="each --defense once expected"):
+            suite.run_suite(_direct(), defenses=twice, on_run=ran)
+
+
 def test_a_run_no_attack_applies_to_is_refused() -> None:
     # FALSE-VFL exchanges no representation gradients: only model completion could apply
     config = TrainConfig(method="false-vfl-1", dataset="digits")

@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import LABEL_LEAK_RUN
 
-from attacks.sweep import expand, parse_grid, run_sweep, summarise, write_sweep
+from attacks.sweep import expand, parse_grid, run_sweep, settings_count, summarise, write_sweep
 from protocols.privacy import PrivacySpec
 from secure_vfl.cli import main
 from secure_vfl.errors import ConfigError
@@ -50,6 +50,8 @@ def test_templates_expand_over_the_grid_after_the_undefended_setting() -> None:
         "secure-agg:masks",
     ]
     assert settings[2].label == "SIGMA=0, CLIP=0.1"
+    # counted without being made, as the run limit is checked
+    assert settings_count(["dp-gradients:SIGMA:CLIP", "secure-agg:masks"], grid) == len(settings)
 
 
 def test_a_placeholder_named_twice_is_one_value_and_close_values_stay_apart() -> None:
@@ -274,6 +276,31 @@ def test_a_diverged_run_is_counted_not_averaged(tmp_path: Path) -> None:
     assert "| attack auc | attack AP |" in text and "| 0.500 ± 0.400 | 0.900 ± 0.000 |" in text
 
 
+def test_a_grid_over_the_run_limit_is_refused_before_its_settings_are_made(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A 399 x 399 grid took 2.5 minutes of CPU (its settings made, then checked for repeats
+    pairwise) before the limit refused it; it is counted first now, and the settings it would
+    make are never made."""
+    from attacks import sweep
+
+    def made(*_: object) -> None:
+        raise AssertionError("the settings were made")
+
+    monkeypatch.setattr(sweep, "expand", made)
+    values = tuple(float(v) for v in range(1, 400))
+    with pytest.raises(ConfigError, match=r"at most 100000 runs expected; found 159202 settings"):
+        run_sweep(
+            _config(),
+            "direct-label-inference",
+            templates=["dp-gradients:SIGMA:CLIP"],
+            grid={"SIGMA": values, "CLIP": values},
+        )
+    templates = ["dp-gradients:SIGMA:0.01", "marvell", "norm-filter:S"]
+    grid = {"SIGMA": (1.0, 2.0), "S": (1.0, 2.0, 3.0)}
+    assert sweep.settings_count(templates, grid) == 1 + 2 + 1 + 3
+
+
 def test_a_malformed_setting_or_an_attack_that_does_not_apply_is_refused_before_any_run() -> None:
     """A negative CLIP from the grid, or a misspelt name, was found in a worker after the runs
     before it had trained (and then every finished run was thrown away)."""
@@ -405,3 +432,32 @@ def test_seeds_past_the_seed_range_are_refused_and_workers_never_outnumber_runs(
     monkeypatch.setattr(attacks.sweep, "_executor_map", executor_map)
     run_sweep(_config(), "direct-label-inference", templates=[], grid={}, seeds=2, workers=10**11)
     assert asked == [(2, 2)]
+
+
+def test_the_attack_utility_plot_judges_each_setting_against_its_own_chance(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backdoor's chance under DP (0.000) is not its undefended one (0.232): one line at the
+    first row's chance judged every defended point against the wrong level."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.axes import Axes
+
+    from attacks.sweep import plot
+
+    lines: list[float] = []
+
+    def axhline(self: Axes, y: float, **options: Any) -> None:
+        if options.get("label") == "chance":
+            lines.append(y)
+
+    monkeypatch.setattr(Axes, "axhline", axhline)
+    row = {"template": "none", "setting": "none", "seeds": 1, "main_accuracy": 0.9}
+    row |= {"performance": 0.9, "epsilon": None, "chance": 0.232}
+    defended = row | {"template": "dp-gradients:S:1", "setting": "S=1", "main_accuracy": 0.8}
+    plot([row, defended | {"chance": 0.0}], tmp_path, attack="backdoor", metric="asr")
+    assert lines == []  # each point's own level is drawn instead
+    plot([row, defended | {"chance": 0.232}], tmp_path, attack="backdoor", metric="asr")
+    assert lines == [0.232]
+    assert (tmp_path / "attack_utility.png").stat().st_size > 0
