@@ -1598,6 +1598,14 @@ def _check_output_dir(
                 f"for the {marker.removesuffix('.json').replace('result', 'run')} (or remove "
                 "that one first)."
             )
+        for folder in out.resolve().parents:  # a run's folder is written, listed, removed whole
+            held = next((m for m in _RUN_MARKERS if (folder / m).is_file()), None)
+            if held is not None:
+                raise ConfigError(
+                    f"--out {out} is inside the folder of another run, {folder} ({held}): "
+                    "written there, it would be replaced, listed and removed with that run; "
+                    "expected an --out outside it."
+                )
 
 
 def _result_kind(path: Path) -> str | None:

@@ -553,6 +553,16 @@ def test_a_sweep_or_suite_is_refused_in_a_folder_that_holds_a_run(
         assert f"{out} holds another kind of run (result.json)" in capsys.readouterr().err
     assert ResultsStore(tmp_path / "results.sqlite").rows() == rows
     assert sorted(p.name for p in out.iterdir() if p.suffix == ".json") == ["result.json"]
+    # Inside the run's folder: it went ahead, its store and cache inside the other run's folder,
+    # and `runs list` from the parent did not show it.
+    sub = out / "sub"
+    nested = ["train", "--method", "laser", "--dataset", "iris", "--epochs", "1", "--quiet"]
+    for argv in (sweep, ["attack", *attack], nested):
+        inside = [str(sub) if arg == str(out) else arg for arg in argv]
+        assert main(inside if str(sub) in inside else [*inside, "--out", str(sub)]) == 2
+        expected = f"--out {sub} is inside the folder of another run, {out}"
+        assert expected in capsys.readouterr().err
+    assert not (out / "sub").exists()
 
 
 def test_an_attack_on_party_files_speaks_of_the_parties_by_their_names(
