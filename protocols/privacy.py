@@ -320,7 +320,7 @@ class PrivacyEngine:
         self._deployed_statistics: StatisticsPlan | None = None  # a deployment's plan
         self._statistics_reported: dict[str, dict[str, Any]] = {}  # its clients' reports
         self._statistics_clients: list[str] = []  # the clients it was planned for
-        self._statistics_records: int | None = None  # the training rows (in one process)
+        self._statistics_records: int | None = None  # every client's training rows
         self.value_range: SumRange | None = None
         self._ranges_note = ""
         if spec.align == "psi":
@@ -694,12 +694,14 @@ class PrivacyEngine:
         return self._statistics
 
     def statistics_plan(
-        self, features: Sequence[str], clients: Sequence[str]
+        self, features: Sequence[str], clients: Sequence[str], *, records: int | None = None
     ) -> StatisticsPlan | None:
         """The plan from which every client of a deployed imputation makes its own statistics
         mechanism in its own process (None without ``dp_statistics``): the SIGMA and CLIP of
         :meth:`statistics_mechanisms`, the noise shared among the ``clients`` (their names)
-        under secure sums, and the ranges declared in ``feature_ranges`` for ``features``.
+        under secure sums, and the ranges declared in ``feature_ranges`` for ``features``;
+        ``records``: the clients' training rows (each told the coordinator its count), what
+        the report weighs delta against.
         ConfigError without declared ranges (observed ones would take every client's extreme
         values, which are not private) or with reproducible noise (noise anyone with the seed
         can remove)."""
@@ -721,6 +723,7 @@ class PrivacyEngine:
         sigma, clip = self._statistics_noise()
         self._ranges_note = f"declared in {self.spec.feature_ranges}"
         self._statistics_clients = list(clients)
+        self._statistics_records = records
         self._deployed_statistics = StatisticsPlan(
             noise_multiplier=sigma,
             clip=clip,
@@ -975,8 +978,7 @@ class PrivacyEngine:
             "sampling": {
                 "kind": "none",
                 "rate": 1.0,
-                # every client's training rows: what delta is weighed against (a deployed
-                # coordinator is not told the clients' counts)
+                # every client's training rows: what delta is weighed against
                 **({"records": n} if (n := self._statistics_records) else {}),
             },
             "sample_rate": 1.0,

@@ -1301,12 +1301,55 @@ def _capture_option(parser: argparse.ArgumentParser) -> None:
     )
 
 
+_RUN_WRITES_WHOLE = ("model", "checkpoints", "imputed")
+"""The folders of a run's ``--out`` that it writes whole (replacing whatever is in them)."""
+_RUN_FILE_SUFFIXES = (".json", ".md", ".png")
+"""The kinds of file a run writes at the top of its ``--out`` (result.json, plots, reports)."""
+
+
+def _model_directory(model: Path) -> Path:
+    """The folder of the saved model ``--model`` names: a run's folder (its ``model/``), the
+    model's folder, or its manifest (the folder it is in)."""
+    from secure_vfl.saved_model import MODEL_DIR
+
+    if model.is_file():
+        return model.parent
+    return model / MODEL_DIR if (model / MODEL_DIR).is_dir() else model
+
+
+def _refuse_captured_over(path: Path, args: argparse.Namespace, out: Path | None) -> None:
+    """ConfigError for a capture where the command writes (``out``'s result.json, plots or
+    reports, or anything in a folder it writes whole) or inside the saved model ``--model``
+    names (its manifest lists every file: one more makes it refuse to load). A capture beside
+    a run's outputs, not among them, is taken."""
+    where = path.resolve()
+    if out is not None and where.is_relative_to(out.resolve()):
+        inside = where.relative_to(out.resolve()).parts
+        top_file = len(inside) == 1 and where.suffix.lower() in _RUN_FILE_SUFFIXES
+        if top_file or (len(inside) > 1 and inside[0] in _RUN_WRITES_WHOLE):
+            raise ConfigError(
+                f"--capture {path} is among what this command writes in --out {out} (its "
+                f"{'files' if top_file else inside[0] + '/ folder'}), where it would be "
+                "replaced; expected a path outside them (e.g. beside them, in --out)."
+            )
+    model = getattr(args, "model", None)
+    if isinstance(model, Path) and where.is_relative_to(_model_directory(model).resolve()):
+        raise ConfigError(
+            f"--capture {path} is inside the model's folder {_model_directory(model)}, whose "
+            "manifest lists every file (one more makes it refuse to load); expected a path "
+            "outside it."
+        )
+
+
 @contextmanager
-def _capture(path: Path | None, args: argparse.Namespace) -> Iterator[BinaryIO | None]:
+def _capture(
+    path: Path | None, args: argparse.Namespace, *, out: Path | None = None
+) -> Iterator[BinaryIO | None]:
     """The open capture file of ``--capture`` (appended to), or None. Refused when it is
     another path of the command (``args``: an input file, ``--out``, the store), which one
-    would overwrite the other; a file it made and nothing was written to (a run refused before
-    any message) is removed."""
+    would overwrite the other, or among what the run writes in ``out`` (its output folder,
+    given or by default) or in the saved model it reads (:func:`_refuse_captured_over`); a
+    file it made and nothing was written to (a run refused before any message) is removed."""
     if path is None:
         yield None
         return
@@ -1316,12 +1359,7 @@ def _capture(path: Path | None, args: argparse.Namespace) -> Iterator[BinaryIO |
                 f"--capture {path} is also this command's {flag}; expected a file of its own "
                 "(one would overwrite the other)."
             )
-        if flag in ("--out", "--model") and path.resolve().is_relative_to(other.resolve()):
-            raise ConfigError(
-                f"--capture {path} is inside this command's {flag} {other}, which is written "
-                "whole (or listed by its manifest): the capture would be lost or break it; "
-                "expected a path outside it."
-            )
+    _refuse_captured_over(path, args, out)
     if path.is_dir():
         raise ConfigError(f"--capture expects a file path. Found the directory {path}.")
     made = not path.exists()
@@ -1959,7 +1997,7 @@ def run_train(args: argparse.Namespace) -> int:
         if step % 10 == 0 and not math.isnan(loss):  # NaN: an empty Poisson draw
             bar.set_postfix(loss=f"{loss:.3f}")
 
-    with _capture(args.capture, args) as capture, run_warnings() as noted:
+    with _capture(args.capture, args, out=out) as capture, run_warnings() as noted:
         # PSI's messages go to the capture too, but their bytes are not training traffic.
         alignment = Channel(transport=InProcessTransport(capture=capture))
         # PSI's points, both sides' of each data party's session (no total: sizes come later).
@@ -2565,7 +2603,7 @@ def run_impute(args: argparse.Namespace) -> int:
         bar.update(1)
         bar.set_postfix(val_rmse=f"{rmse:.3f}")
 
-    with _capture(args.capture, args) as capture, run_warnings() as running:
+    with _capture(args.capture, args, out=out) as capture, run_warnings() as running:
         try:
             result, imputer = run_imputation(
                 config,
@@ -2747,7 +2785,7 @@ def run_impute_deployed(args: argparse.Namespace) -> int:
         bar.set_postfix(val_rmse=f"{rmse:.3f}")
 
     try:
-        with _capture(args.capture, args) as capture, run_warnings() as noted:
+        with _capture(args.capture, args, out=out) as capture, run_warnings() as noted:
             result, kept = impute_deployed(
                 config,
                 federation,
@@ -3057,7 +3095,6 @@ def _check_prediction_out(out: Path, args: argparse.Namespace, inputs: Sequence[
     """Refuse, before any work, a prediction's ``--out`` that :func:`_check_output_file`
     refuses, that lies inside the model's directory (the manifest lists the model's files: one
     more makes it refuse to load) or that is one of the ``inputs`` (even with --overwrite)."""
-    from secure_vfl.saved_model import MODEL_DIR
 
     if out.suffix.lower() not in (".csv", ".parquet", ".pq"):
         raise ConfigError(
@@ -3071,11 +3108,7 @@ def _check_prediction_out(out: Path, args: argparse.Namespace, inputs: Sequence[
         replaced="the rows read would be replaced by their predictions",
     )
     where = out.resolve()
-    model = Path(args.model)
-    if model.is_file():  # its manifest
-        model = model.parent
-    elif (model / MODEL_DIR).is_dir():  # a run's directory
-        model = model / MODEL_DIR
+    model = _model_directory(Path(args.model))
     if where.is_relative_to(model.resolve()):
         raise ConfigError(
             f"--out {out} is inside the model's directory {model}, whose manifest lists "
@@ -3578,7 +3611,7 @@ def run_train_deployed(args: argparse.Namespace) -> int:
         aligning.close()
         bar = tqdm(total=total, desc=config.method, unit="step", disable=_no_bar(args), leave=False)
 
-    with run_warnings() as noted, _capture(args.capture, args) as capture:
+    with run_warnings() as noted, _capture(args.capture, args, out=out) as capture:
         try:
             result = train_deployed(
                 config,

@@ -156,7 +156,7 @@ if TYPE_CHECKING:
         their reports at the end, and the run's privacy entry."""
 
         def statistics_plan(
-            self, features: Sequence[str], clients: Sequence[str]
+            self, features: Sequence[str], clients: Sequence[str], *, records: int | None = None
         ) -> StatisticsPlan | None: ...
 
         def take_statistics_reports(self, reports: Mapping[str, Any]) -> None: ...
@@ -439,7 +439,10 @@ def impute_deployed(
                 f"{features}."
             )
         if privacy is not None:
-            plan = privacy.statistics_plan(features, [member.name for member in clients])
+            trained = sum(n - round(TEST_FRACTION * n) for _, n in schemas.values())
+            plan = privacy.statistics_plan(
+                features, [member.name for member in clients], records=trained
+            )
         bodies = {}
         for index, member in enumerate(clients):
             bodies[member.name] = body = {

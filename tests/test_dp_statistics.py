@@ -464,7 +464,7 @@ def test_the_label_partys_engine_plans_declared_ranges_and_lists_what_clients_re
         secure_agg="masks", dp_statistics=(1.0, 2.0), feature_ranges=ranges, target_epsilon=4.0
     )
     engine = PrivacyEngine(spec)
-    plan = engine.statistics_plan(["a", "b"], ["shop", "insurer", "telco"])
+    plan = engine.statistics_plan(["a", "b"], ["shop", "insurer", "telco"], records=240)
     assert isinstance(plan, StatisticsPlan)
     # SIGMA calibrated over the three releases, as in one process; the noise shared by the
     # three clients under secure sums; the ranges in the run's feature order.
@@ -498,6 +498,9 @@ def test_the_label_partys_engine_plans_declared_ranges_and_lists_what_clients_re
     assert report["noise_shares"] == 3 and report["ranges"] == f"declared in {ranges}"
     assert report["accounted_by"]["telco"].startswith("none: it reported nothing")
     assert report["accounted_by"]["shop"].startswith("its own accountant in its own process")
+    # The clients' training rows, which they told the coordinator: what delta is weighed
+    # against (a deployed imputation never warned of a delta not below 1/n).
+    assert report["sampling"]["records"] == 240
 
 
 def test_feature_ranges_read_from_csv_or_parquet_alike(tmp_path: Path) -> None:

@@ -205,12 +205,32 @@ def test_a_capture_is_a_file_of_its_own_and_a_refused_run_leaves_none(
         assert f"--capture {path} is also this command's {flag}" in capsys.readouterr().err
     assert (tmp_path / "a.csv").read_text() == "id\na\nb\n"
     assert not (tmp_path / "same.txt").exists() and not (tmp_path / "run").exists()
-    # Inside the run's folder, which is written whole: replaced by result.json, or gone with
-    # the model folder, exit 0 and nothing said.
-    for inside in (tmp_path / "run" / "result.json", tmp_path / "run" / "model" / "c.bin"):
-        assert main([*train, "--out", str(tmp_path / "run"), "--capture", str(inside)]) == 2
-        assert f"--capture {inside} is inside this command's --out" in capsys.readouterr().err
-    assert not (tmp_path / "run").exists()
+    # Among what the run writes in its folder: replaced by result.json, or gone with the model
+    # folder, exit 0 and nothing said. Beside them it is the user's file, and stays.
+    run = tmp_path / "run"
+    for inside in (run / "result.json", run / "model" / "c.bin", run / "checkpoints" / "c"):
+        assert main([*train, "--out", str(run), "--capture", str(inside)]) == 2
+        assert f"--capture {inside} is among what this command writes" in capsys.readouterr().err
+    assert not run.exists()
+    beside = run / "train.capture"
+    assert main([*train, "--out", str(run), "--capture", str(beside)]) == 0
+    size = beside.stat().st_size
+    assert main([*train, "--out", str(run), "--overwrite", "--capture", str(beside)]) == 0
+    assert beside.stat().st_size == 2 * size  # appended to, over a run written again
+    # Inside the saved model a deployed prediction reads, named any of the three ways: its
+    # manifest lists every file (the manifest's own path let one through).
+    import argparse
+
+    from secure_vfl.cli import _capture
+
+    cut = run / "model" / "p.capture"
+    for model in (run, run / "model", run / "model" / "manifest.json"):
+        with (
+            pytest.raises(ConfigError, match="is inside the model's folder"),
+            _capture(cut, argparse.Namespace(model=model)),
+        ):
+            pass
+    assert not cut.exists()
     capture = tmp_path / "refused.capture"  # ten parties for iris' four features
     assert main([*train, "--parties", "10", "--out", str(tmp_path / "r"), "--capture",
                  str(capture)]) == 2  # fmt: skip
