@@ -1637,13 +1637,34 @@ def _check_output_dir(
                 "that one first)."
             )
         for folder in out.resolve().parents:  # a run's folder is written, listed, removed whole
-            held = next((m for m in _RUN_MARKERS if (folder / m).is_file()), None)
+            held = _run_marker(folder)
             if held is not None:
                 raise ConfigError(
                     f"--out {out} is inside the folder of another run, {folder} ({held}): "
                     "written there, it would be replaced, listed and removed with that run; "
                     "expected an --out outside it."
                 )
+
+
+def _run_marker(folder: Path) -> str | None:
+    """Which of :data:`_RUN_MARKERS` shows ``folder`` to be a finished run, sweep or suite of
+    this tool (its file read as one: another tool's ``result.json`` is not), or None."""
+    for marker in _RUN_MARKERS:
+        path = folder / marker
+        if not path.is_file():
+            continue
+        if marker == "result.json":
+            if _result_kind(path) is not None:
+                return marker
+            continue
+        try:
+            payload = json.loads(path.read_bytes())
+        except (OSError, ValueError):
+            continue
+        keys = {"sweep.json": ("attack", "rows", "table"), "suite.json": ("runs",)}[marker]
+        if isinstance(payload, dict) and all(key in payload for key in keys):
+            return marker
+    return None
 
 
 def _result_kind(path: Path) -> str | None:

@@ -562,6 +562,11 @@ def test_a_sweep_or_suite_is_refused_in_a_folder_that_holds_a_run(
         assert main(inside if str(sub) in inside else [*inside, "--out", str(sub)]) == 2
         expected = f"--out {sub} is inside the folder of another run, {out}"
         assert expected in capsys.readouterr().err
+    # Another tool's result.json in a folder above is not a run of this one.
+    elsewhere = tmp_path / "project"
+    elsewhere.mkdir()
+    (elsewhere / "result.json").write_text('{"score": 1}')
+    assert main([*nested, "--out", str(elsewhere / "runs" / "iris")]) == 0
     assert not (out / "sub").exists()
 
 
