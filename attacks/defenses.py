@@ -36,6 +36,7 @@ from secure_vfl.errors import ConfigError, DivergenceError
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import GradientMessage, RepresentRequest
 from secure_vfl.federation.parties import DataParty
+from secure_vfl.io import plain_number
 from secure_vfl.registry import Registry
 
 
@@ -211,7 +212,7 @@ def parse_hook_defense(text: str) -> HookDefense:
     if not sep and name in HOOK_DEFAULTS:
         return factory(HOOK_DEFAULTS[name])
     try:
-        value = float(param)
+        value = plain_number(param)
     except ValueError:
         raise ConfigError(f"{name}:NUMBER expected. Found {text!r}.") from None
     return factory(value)

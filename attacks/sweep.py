@@ -31,7 +31,7 @@ from protocols.privacy import PrivacySpec
 from secure_vfl import checks
 from secure_vfl.errors import ConfigError, DivergenceError, run_warnings
 from secure_vfl.experiment import TrainConfig, build_method, prepare_data
-from secure_vfl.io import atomic_write, atomic_write_json, atomic_write_text
+from secure_vfl.io import atomic_write, atomic_write_json, atomic_write_text, plain_number
 
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*$")
 UNDEFENDED = "none"
@@ -73,7 +73,7 @@ def parse_grid(items: Sequence[str]) -> dict[str, tuple[float, ...]]:
         if name in grid:
             raise ConfigError(f"--grid {name} given twice.")
         try:
-            parsed = tuple(float(v) for v in values.split(","))
+            parsed = tuple(plain_number(v) for v in values.split(","))
         except ValueError:
             raise ConfigError(f"--grid {name}: numbers expected. Found {values!r}.") from None
         if not all(math.isfinite(v) for v in parsed):

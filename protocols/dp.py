@@ -80,6 +80,7 @@ from secure_vfl.federation.messages import (
     RepresentationMessage,
     RepresentRequest,
 )
+from secure_vfl.io import plain_number
 
 ReleaseKind = Literal["embedding", "gradient", "dp-sgd", "statistics", "exposure"]
 GradSampleMode = Literal["auto", "linear", "hooks"]
@@ -650,7 +651,7 @@ def parse_noise(text: str) -> tuple[float, float]:
     if len(parts) != 2:
         raise ConfigError(f"Noise must be given as SIGMA:CLIP, e.g. 1.1:1.0. Found {text!r}.")
     try:
-        sigma, clip = float(parts[0]), float(parts[1])
+        sigma, clip = plain_number(parts[0]), plain_number(parts[1])
     except ValueError:
         raise ConfigError(
             f"Noise SIGMA:CLIP must be two numbers, e.g. 1.1:1.0. Found {text!r}."

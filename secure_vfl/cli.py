@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
 
 from secure_vfl.errors import ConfigError, OutputError, SecureVFLError, run_warnings
-from secure_vfl.io import check_directory, make_parent, writable_file
+from secure_vfl.io import check_directory, make_parent, plain_integer, plain_number, writable_file
 from secure_vfl.runs import party_named
 
 EXIT_USAGE = 2
@@ -140,20 +140,24 @@ def _number(
     return parse
 
 
-positive_int = _number(int, "a positive integer", lambda v: v >= 1)
-non_negative_int = _number(int, "a non-negative integer", lambda v: v >= 0)
+positive_int = _number(plain_integer, "a positive integer", lambda v: v >= 1)
+non_negative_int = _number(plain_integer, "a non-negative integer", lambda v: v >= 0)
 SEED_LIMIT = 2**32  # checks.SEED_LIMIT (spelt out: this module imports no numpy on start)
-seed = _number(int, "an integer seed in [0, 2**32)", lambda v: 0 <= v < SEED_LIMIT)
-probability = _number(float, "a probability in [0, 1)", lambda v: 0 <= v < 1)
-positive_float = _number(float, "a positive finite number", lambda v: v > 0)
-non_negative_float = _number(float, "a non-negative finite number", lambda v: v >= 0)
-parties_count = _number(int, "an integer number of parties in [2, 10]", lambda v: 2 <= v <= 10)
-clients_count = _number(int, "an integer number of clients in [2, 64]", lambda v: 2 <= v <= 64)
-share = _number(float, "a share in (0, 1]", lambda v: 0 < v <= 1)
-open_probability = _number(float, "a probability in (0, 1)", lambda v: 0 < v < 1)
+seed = _number(plain_integer, "an integer seed in [0, 2**32)", lambda v: 0 <= v < SEED_LIMIT)
+probability = _number(plain_number, "a probability in [0, 1)", lambda v: 0 <= v < 1)
+positive_float = _number(plain_number, "a positive finite number", lambda v: v > 0)
+non_negative_float = _number(plain_number, "a non-negative finite number", lambda v: v >= 0)
+parties_count = _number(
+    plain_integer, "an integer number of parties in [2, 10]", lambda v: 2 <= v <= 10
+)
+clients_count = _number(
+    plain_integer, "an integer number of clients in [2, 64]", lambda v: 2 <= v <= 64
+)
+share = _number(plain_number, "a share in (0, 1]", lambda v: 0 < v <= 1)
+open_probability = _number(plain_number, "a probability in (0, 1)", lambda v: 0 < v < 1)
 MAX_NETWORK_SECONDS = 1e6  # 11.6 days; the system's longest timeout is about 9.2e9 s
 network_seconds = _number(
-    float,
+    plain_number,
     f"a positive number of seconds, at most {MAX_NETWORK_SECONDS:.0f}",
     lambda v: 0 < v <= MAX_NETWORK_SECONDS,
 )
@@ -213,7 +217,7 @@ def attack_option(text: str) -> tuple[str, float | str]:
     if digits.isascii() and digits.isdigit():  # isdigit alone takes '²', which int refuses
         return key, int(value)
     try:
-        return key, float(value)
+        return key, plain_number(value)
     except ValueError:
         return key, value
 
@@ -1231,7 +1235,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     init.add_argument(
         "--days",
-        type=int,
+        type=positive_int,
         default=365,
         help="validity of the party certificates in days (default 365; at most until the CA "
         "expires)",

@@ -286,6 +286,32 @@ def decimal(text: str, digits: int = 18) -> int | None:
     return None
 
 
+# A number as a person types one: ASCII digits, a sign, a point, an exponent, or inf/nan (which
+# the callers' range checks refuse where they must). Python's float() and int() also take '1_0'
+# (10) and other scripts' digits, which read here as a mistake, not as a number.
+_FLOAT_TEXT = re.compile(
+    r"\s*[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|inf(?:inity)?|nan)\s*",
+    re.IGNORECASE,
+)
+_INT_TEXT = re.compile(r"\s*[+-]?[0-9]+\s*")
+
+
+def plain_number(text: str) -> float:
+    """The float ``text`` writes in plain decimal (``1.5``, ``-2e-3``, ``inf``); ValueError for
+    anything else, as ``float`` raises, so a caller can take it in ``float``'s place."""
+    if not _FLOAT_TEXT.fullmatch(text):
+        raise ValueError(f"not a plain decimal number: {text!r}")
+    return float(text)
+
+
+def plain_integer(text: str) -> int:
+    """The int ``text`` writes in ASCII decimal digits, with a sign; ValueError for anything
+    else (``int`` takes ``1_000`` and other scripts' digits), as ``int`` raises."""
+    if len(text) > 4000 or not _INT_TEXT.fullmatch(text):
+        raise ValueError(f"not a plain decimal integer: {text[:40]!r}")
+    return int(text)
+
+
 def atomic_write_json(path: Path, payload: Any) -> None:
     """Write ``payload`` as indented JSON to ``path`` atomically (:func:`json_text`)."""
     atomic_write_text(path, json_text(payload) + "\n")

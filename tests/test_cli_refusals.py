@@ -539,3 +539,33 @@ def test_network_seconds_past_what_the_system_waits_are_refused(
     assert stopped.value.code == 2
     err = capsys.readouterr().err
     assert "expected a positive number of seconds, at most 1000000, found '1e10'" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["train", "--dataset", "wine", "--epochs", "1_0"], "found '1_0'"),
+        (["train", "--dataset", "wine", "--seed", "٣"], "found '٣'"),
+        (["train", "--dataset", "wine", "--lr", "1_0"], "found '1_0'"),
+        (["train", "--dataset", "wine", "--dp-sgd", "1_0:1"], "two numbers, e.g. 1.1:1.0"),
+        (["train", "--dataset", "wine", "--missing-train", "mcar:0_5"], "must be numbers"),
+        (
+            ["attack", "--method", "laser", "--dataset", "wine", "--attack", "norm-scoring"]
+            + ["--defense", "marvell:1_0"],
+            "marvell:NUMBER expected. Found 'marvell:1_0'",
+        ),
+        (
+            ["sweep", "--method", "laser", "--dataset", "wine", "--attack", "norm-scoring"]
+            + ["--defense", "marvell:SCALE", "--grid", "SCALE=1,1_0"],
+            "--grid SCALE: numbers expected",
+        ),
+    ],
+)
+def test_numbers_are_read_as_written_never_with_underscores_or_other_scripts_digits(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Python's float and int read '1_0' as 10 and '٣' as 3: `marvell:1_0` ran a defense of
+    strength 10, a typo taken for another setting."""
+    out = tmp_path / "out"
+    assert message in refused([*argv, "--quiet", "--out", str(out)], capsys)
+    assert not out.exists()

@@ -16,6 +16,7 @@ from typing import Literal, get_args
 import numpy as np
 
 from secure_vfl.errors import ConfigError, DataError
+from secure_vfl.io import plain_number
 
 MechanismName = Literal["mcar", "beta", "dirichlet", "mar1", "mar2", "mnar"]
 
@@ -316,7 +317,7 @@ def parse_mechanism(text: str) -> Mechanism:
     if rest:
         for piece in rest.split(","):
             try:
-                params.append(float(piece))
+                params.append(plain_number(piece))
             except ValueError:
                 raise ConfigError(
                     f"mechanism parameters must be numbers. Found {piece!r} in {text!r}; "
