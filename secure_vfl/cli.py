@@ -955,17 +955,15 @@ def build_parser() -> argparse.ArgumentParser:
     _capture_option(impute)
 
     datasets = commands.add_parser("datasets", help="list datasets, or install them")
-    datasets.add_argument(
-        "action",
-        nargs="?",
-        choices=["list", "install"],
-        default="list",
-        help="list the datasets and whether each is installed, or install some",
+    # Two subcommands, not a choice and a list: argparse left NAME after --all unread
+    # ("install --all wine": unrecognized arguments).
+    datasets_actions = datasets.add_subparsers(dest="action", metavar="{list,install}")
+    datasets_actions.add_parser(
+        "list", help="the datasets and whether each is installed (the default)"
     )
-    datasets.add_argument(
-        "names", nargs="*", metavar="NAME", help="with install: the datasets to install"
-    )
-    datasets.add_argument("--all", action="store_true", help="with install: every dataset")
+    install = datasets_actions.add_parser("install", help="install some datasets, or all")
+    install.add_argument("names", nargs="*", metavar="NAME", help="the datasets to install")
+    install.add_argument("--all", action="store_true", help="every dataset")
 
     psi = commands.add_parser(
         "psi", help="private set intersection of two id files (both roles in-process)"
@@ -3269,6 +3267,11 @@ def run_datasets(args: argparse.Namespace) -> int:
     from secure_vfl.runs import columns
 
     if args.action == "install":
+        if args.all and args.names:
+            raise ConfigError(
+                f"datasets install takes NAME ... or --all, not both. Found --all and "
+                f"{' '.join(args.names)}."
+            )
         names = DATASETS.names() + IMPUTATION_DATASETS.names() if args.all else args.names
         if not names:
             raise ConfigError("datasets install needs NAME ... or --all. Found neither.")
@@ -3282,8 +3285,6 @@ def run_datasets(args: argparse.Namespace) -> int:
             else:
                 install_imputation_dataset(name)
         return 0
-    if args.names or args.all:
-        raise ConfigError("names and --all go with `datasets install`. Found them with `list`.")
     rows = [("name", "use", "shape", "source", "installed")]
     hints = []
     status: list[tuple[str, str, str, str, bool, str]] = [

@@ -344,3 +344,23 @@ def test_a_served_party_prints_its_run_warnings_as_they_come(
         assert capsys.readouterr().err == "secure-vfl: warning: rows far outside\n" * 2
         with pytest.warns(DeprecationWarning):  # other warnings as before
             warnings.warn("old", DeprecationWarning, stacklevel=1)
+
+
+def test_datasets_install_reads_names_and_all_in_any_order(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`datasets install --all wine` stopped at argparse ("unrecognized arguments: wine"): the
+    names were read before --all. Now the names are read wherever they stand, and --all with
+    names is refused, naming both; `datasets` alone lists."""
+    import secure_vfl.data.datasets as datasets
+
+    installed: list[str] = []
+    monkeypatch.setattr(datasets, "install_dataset", installed.append)
+    assert main(["datasets", "install", "wine", "iris"]) == 0
+    assert main(["datasets", "install", "digits"]) == 0
+    assert installed == ["wine", "iris", "digits"]
+    assert main(["datasets", "install", "--all", "wine"]) == 2
+    err = capsys.readouterr().err
+    assert "datasets install takes NAME ... or --all, not both. Found --all and wine." in err
+    assert installed == ["wine", "iris", "digits"]
+    assert main(["datasets"]) == 0 and "breast-cancer" in capsys.readouterr().out

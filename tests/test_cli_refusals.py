@@ -541,6 +541,9 @@ def test_network_seconds_past_what_the_system_waits_are_refused(
     assert "expected a positive number of seconds, at most 1000000, found '1e10'" in err
 
 
+NORM_SCORING_ON_WINE = ["--method", "laser", "--dataset", "wine", "--attack", "norm-scoring"]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -550,13 +553,15 @@ def test_network_seconds_past_what_the_system_waits_are_refused(
         (["train", "--dataset", "wine", "--dp-sgd", "1_0:1"], "two numbers, e.g. 1.1:1.0"),
         (["train", "--dataset", "wine", "--missing-train", "mcar:0_5"], "must be numbers"),
         (
-            ["attack", "--method", "laser", "--dataset", "wine", "--attack", "norm-scoring"]
-            + ["--defense", "marvell:1_0"],
+            ["attack", *NORM_SCORING_ON_WINE, *["--defense", "marvell:1_0"]],
             "marvell:NUMBER expected. Found 'marvell:1_0'",
         ),
         (
-            ["sweep", "--method", "laser", "--dataset", "wine", "--attack", "norm-scoring"]
-            + ["--defense", "marvell:SCALE", "--grid", "SCALE=1,1_0"],
+            [
+                "sweep",
+                *NORM_SCORING_ON_WINE,
+                *["--defense", "marvell:SCALE", "--grid", "SCALE=1,1_0"],
+            ],
             "--grid SCALE: numbers expected",
         ),
     ],
