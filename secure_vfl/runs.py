@@ -466,7 +466,12 @@ def table(names: list[str], summaries: list[RunSummary]) -> str:
     the seed and the other settings where the runs do not all share them, backend, DP,
     epsilon, accuracy per test missingness (a column each, over all runs), time, and the
     parties' names where a run names them (runs on the users' own files)."""
-    tests = list(dict.fromkeys(name for s in summaries for name in s.accuracy))
+    # An attack run's main task first and the attack's own accuracy last, whatever the runs'
+    # order (else `runs list` and `runs compare` of the same runs ordered them apart).
+    tests = sorted(
+        dict.fromkeys(name for s in summaries for name in s.accuracy),
+        key=lambda name: {"main": 0, "attack": 2}.get(name, 1),
+    )
     named = any(s.parties for s in summaries)
     mixed = len({s.dataset for s in summaries}) > 1  # else the accuracies compare like for like
     varied = len({s.trained for s in summaries}) > 1  # training settings, where they differ

@@ -935,6 +935,29 @@ def test_the_table_shows_the_seed_where_the_runs_differ_in_it() -> None:
     assert "seed" not in same.splitlines()[0]
 
 
+def test_the_tables_accuracy_columns_keep_one_order_whatever_the_runs_order() -> None:
+    """`runs list` (store order: a training run first) and `runs compare` (the order given: an
+    attack run first) of the same runs put `acc main` after and before the training run's
+    columns."""
+    trained = RunSummary(
+        kind="train",
+        method="laser",
+        dataset="wine",
+        backend="none",
+        dp="none",
+        epsilon=None,
+        accuracy={"mcar:0": 90.0, "mcar:0.5": 80.0},
+    )
+    attacked = RunSummary(kind="attack:x", method="laser", dataset="wine", backend="none",
+                          dp="none", epsilon=None, attack="x",
+                          accuracy={"attack": 60.0, "main": 85.0})  # fmt: skip
+    expected = ["acc main", "acc mcar:0", "acc mcar:0.5", "acc attack"]
+    for runs in ([trained, attacked], [attacked, trained]):
+        header = table(["a", "b"], runs).splitlines()[0]
+        assert [column for column in expected if column in header] == expected
+        assert sorted(expected, key=header.index) == expected
+
+
 def test_an_attacks_options_are_kept_and_tell_its_runs_apart(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
