@@ -1009,9 +1009,10 @@ class PrivacyEngine:
 def _warn_of_weak_guarantees(entry: Mapping[str, Any], sigmas: Mapping[str, float]) -> None:
     """RunWarnings for a privacy report whose figures protect nothing: a party with epsilon inf
     (a noise multiplier of 0, or below :data:`~protocols.dp.NEGLIGIBLE_NOISE`, adds no noise),
-    and a delta not below 1/n for n training records (a mechanism that publishes a few records
-    outright meets such a guarantee). ``sigmas``: each mechanism's noise multiplier by the flag
-    that sets it."""
+    noise reproducible from the seed, an imputation's clipping ranges observed in the data (not
+    private), and a delta not below 1/n for n training records (a mechanism that publishes a
+    few records outright meets such a guarantee). ``sigmas``: each mechanism's noise multiplier
+    by the flag that sets it."""
     unbounded = sorted(name for name, epsilon in entry["epsilon"].items() if math.isinf(epsilon))
     if unbounded:
         silent = [
@@ -1024,6 +1025,16 @@ def _warn_of_weak_guarantees(entry: Mapping[str, Any], sigmas: Mapping[str, floa
             RunWarning,
             stacklevel=3,
         )
+    if entry.get("insecure_reproducible_noise"):
+        warnings.warn(
+            "--insecure-reproducible-noise: the noise is reproducible from the seed; these "
+            "epsilons do not hold against anyone who knows it.",
+            RunWarning,
+            stacklevel=3,
+        )
+    ranges = entry.get("ranges")
+    if isinstance(ranges, str) and "not private" in ranges:  # an imputation's observed ranges
+        warnings.warn(f"the feature ranges are the {ranges}.", RunWarning, stacklevel=3)
     records = entry["sampling"].get("records")
     if records and entry["delta"] >= 1 / records:
         warnings.warn(

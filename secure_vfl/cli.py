@@ -1860,8 +1860,9 @@ def _column_lines(columns: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def _privacy_lines(privacy: dict[str, Any]) -> list[str]:
-    """The summary's privacy lines: each party's epsilon, its adjacency and sampling, and a
-    warning when the noise was reproducible from the seed."""
+    """The summary's privacy lines: each party's epsilon, its adjacency and sampling, its
+    scope, and what no epsilon covers (the caveats of reproducible noise or observed ranges are
+    run warnings, printed and kept in result.json with the others)."""
     spent = ", ".join(f"{p} {e:.2f}" for p, e in sorted(privacy["epsilon"].items()))
     sampling = privacy["sampling"]
     drawn = f", Poisson rate {sampling['rate']:.4g}" if sampling["kind"] == "poisson" else ""
@@ -1890,14 +1891,6 @@ def _privacy_lines(privacy: dict[str, Any]) -> list[str]:
             f"no epsilon for {', '.join(unheard)}: lost mid-run, it reported nothing (see "
             "faults); its releases before it was lost are not priced here"
         )
-    if privacy["insecure_reproducible_noise"]:
-        lines.append(
-            "WARNING: --insecure-reproducible-noise: the noise is reproducible from the seed; "
-            "these epsilons do not hold against anyone who knows it."
-        )
-    ranges = privacy.get("ranges")
-    if isinstance(ranges, str) and "not private" in ranges:  # an imputation's observed ranges
-        lines.append(f"WARNING: the feature ranges are the {ranges}.")
     return lines
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -659,9 +660,13 @@ def test_one_client_file_is_refused_as_one_file(
     assert "federated imputation needs at least 2 client files. Found 1." in capsys.readouterr().err
 
 
-def test_the_summary_warns_when_the_epsilons_rest_on_observed_ranges() -> None:
-    """The epsilon was printed as if private; only result.json's `ranges` said it was not."""
+def test_a_run_warns_when_the_epsilons_rest_on_observed_ranges() -> None:
+    """The epsilon was printed as if private; only result.json's `ranges` said it was not.
+    Then it was a `WARNING:` line of the summary on stdout; it is a run warning, as every
+    other caveat of a guarantee is (stderr, and result.json's warnings)."""
+    from protocols.privacy import _warn_of_weak_guarantees
     from secure_vfl.cli import _privacy_lines
+    from secure_vfl.errors import RunWarning
 
     privacy = {
         "epsilon": {"client-0": 2.0},
@@ -671,12 +676,15 @@ def test_the_summary_warns_when_the_epsilons_rest_on_observed_ranges() -> None:
         "insecure_reproducible_noise": False,
         "ranges": "observed training ranges (not private: pass --feature-ranges)",
     }
-    lines = _privacy_lines(privacy)
-    assert lines[-1] == (
-        "WARNING: the feature ranges are the observed training ranges (not private: pass "
-        "--feature-ranges)."
-    )
-    assert len(_privacy_lines({**privacy, "ranges": "declared in r.csv"})) == 1
+    with pytest.warns(RunWarning) as warned:
+        _warn_of_weak_guarantees(privacy, {})
+    assert [str(w.message) for w in warned] == [
+        "the feature ranges are the observed training ranges (not private: pass --feature-ranges)."
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RunWarning)
+        _warn_of_weak_guarantees({**privacy, "ranges": "declared in r.csv"}, {})
+    assert len(_privacy_lines(privacy)) == 1  # the epsilons; the caveat is not repeated
     # A deployed party lost mid-run reported nothing: the line left it out without a word.
     lost = {"client-1": "none: it reported nothing (lost mid-run; see faults), so ..."}
     lines = _privacy_lines({**privacy, "ranges": None, "accounted_by": lost})

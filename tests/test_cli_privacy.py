@@ -220,7 +220,15 @@ def test_the_same_seed_draws_new_noise_unless_reproducible_noise_is_asked_for(
     privacy = insecure["privacy"]
     assert isinstance(privacy, dict) and privacy["insecure_reproducible_noise"] is True
     assert "INSECURE" in privacy["noise_source"]
-    assert "WARNING: --insecure-reproducible-noise" in capsys.readouterr().out
+    # Said once a run, through the run warnings (stderr and result.json), not in the summary.
+    caveat = "--insecure-reproducible-noise: the noise is reproducible from the seed"
+    printed = capsys.readouterr()
+    assert printed.err.count(f"secure-vfl: warning: {caveat}") == 2  # runs c and d
+    assert caveat not in printed.out
+    assert [w for w in again["warnings"] if caveat in w] == [
+        f"{caveat}; these epsilons do not hold against anyone who knows it."
+    ]  # type: ignore[union-attr]
+    assert not [w for w in first["warnings"] if caveat in w]  # type: ignore[union-attr]
 
 
 def test_add_remove_adjacency_is_chosen_by_flag_and_halves_the_row_shift(tmp_path: Path) -> None:
