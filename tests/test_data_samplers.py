@@ -144,3 +144,18 @@ def test_poisson_like_keeps_the_rows_rate_and_steps_and_refuses_grouped_batches(
         PoissonSampler(
             np.arange(4), rate=0.0, steps_per_epoch=1, epochs=1, rng=np.random.default_rng(0)
         )
+
+
+def test_a_poisson_schedule_too_large_to_hold_is_refused_before_a_draw(monkeypatch) -> None:
+    """The whole schedule is drawn up front: 5000 DP-SGD epochs of fashion-mnist's 60000
+    training rows would hold 3e8 row indices (2.4 GB); it is refused by its size."""
+    import secure_vfl.data.samplers as samplers
+
+    monkeypatch.setattr(samplers, "MAX_SCHEDULE_ROWS", 1000)
+    rng = np.random.default_rng(0)
+    draws = rng.bit_generator.state
+    rows = np.arange(100)
+    PoissonSampler(rows, rate=0.5, steps_per_epoch=2, epochs=10, rng=np.random.default_rng(0))
+    with pytest.raises(ConfigError, match=r"holds about 1\.1e\+03 row indices.*at most 1000"):
+        PoissonSampler(rows, rate=0.5, steps_per_epoch=2, epochs=11, rng=rng)
+    assert rng.bit_generator.state == draws  # refused before anything was drawn

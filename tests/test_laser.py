@@ -409,3 +409,13 @@ def test_a_representation_wider_than_the_wire_carries_is_refused_before_anything
     argv = ["train", "--method", "laser", "--dataset", "breast-cancer", "--quiet"]
     assert main([*argv, "--representation-dim", "99999999999"]) == 2
     assert "`representation_dim` must be at most 65536" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["epochs", "pretrain_epochs"])
+def test_more_epochs_than_a_run_can_plan_are_refused_before_anything_is_drawn(name: str) -> None:
+    """--epochs 100000000 --dp-sgd drew its Poisson schedule until the memory ran out."""
+    from secure_vfl.methods.base import MAX_EPOCHS
+
+    MethodConfig(**{name: MAX_EPOCHS})  # the most is accepted
+    with pytest.raises(ConfigError, match=rf"`{name}` must be at most 100000\. Found 100001\."):
+        MethodConfig(**{name: MAX_EPOCHS + 1})

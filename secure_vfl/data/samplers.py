@@ -124,6 +124,11 @@ def make_sampler(
     raise ConfigError(f"`batching` must be 'grouped' or 'mixed'. Found {kind!r}.")
 
 
+MAX_SCHEDULE_ROWS = 2**27
+"""The most row indices a :class:`PoissonSampler`'s schedule holds (1 GiB of int64): it is
+drawn whole before the first step."""
+
+
 class PoissonSampler:
     """Poisson sampling (as Opacus' ``DPDataLoader``): at every step each candidate row joins
     the batch independently with probability ``rate``, so batch sizes vary (mean
@@ -155,6 +160,14 @@ class PoissonSampler:
                 f"`steps_per_epoch` and `epochs` must be >= 1. Found {steps_per_epoch}, {epochs}."
             )
         self.rows = np.asarray(rows, dtype=np.int64)
+        expected = self.rows.size * rate * steps_per_epoch * epochs  # row indices drawn
+        if expected > MAX_SCHEDULE_ROWS:
+            raise ConfigError(
+                f"a Poisson sample of {epochs} epochs x {steps_per_epoch} steps at rate "
+                f"{rate:.4g} over {self.rows.size} rows holds about {expected:.3g} row indices, "
+                f"all drawn before the first step; expected at most {MAX_SCHEDULE_ROWS} "
+                f"({MAX_SCHEDULE_ROWS * 8 // 2**30} GiB): fewer epochs."
+            )
         self.n = int(n) if n is not None else int(self.rows.max(initial=-1)) + 1
         """The size of the index space the rows live in (the training set)."""
         self.rate = float(rate)

@@ -75,6 +75,9 @@ not saved, or when asked for its checkpoint of that step, so the commit of the s
 out (a rejoin is always training)."""
 MAX_REPRESENTATION_DIM = 65536
 """The widest bottom-model output: a batch of 128 such rows is 32 MiB on the wire (limit 64)."""
+MAX_EPOCHS = 100_000
+"""The most training (and pretraining) epochs: a DP-SGD run draws its whole Poisson schedule
+before the first step, and 10**8 epochs of a 142-row training set ran out of memory there."""
 PartyMaker = Callable[[int, RoleFactory, dict[str, Tensor], nn.Module], Party]
 
 
@@ -165,6 +168,11 @@ class MethodConfig:
                 f"`representation_dim` must be at most {MAX_REPRESENTATION_DIM}. Found "
                 f"{self.representation_dim}."
             )
+        for name in ("epochs", "pretrain_epochs"):
+            if getattr(self, name) > MAX_EPOCHS:
+                raise ConfigError(
+                    f"`{name}` must be at most {MAX_EPOCHS}. Found {getattr(self, name)}."
+                )
 
 
 def labeled_rows(data: VerticalData, config: MethodConfig, seed: int) -> np.ndarray:
