@@ -349,7 +349,7 @@ def test_an_imputation_at_a_delta_not_below_one_over_n_warns_and_no_epsilon_is_n
     assert result.privacy is not None
     records = result.privacy["sampling"]["records"]
     said = [str(w.message) for w in caught]
-    assert [m for m in said if "1/n = 1/" in m][0].count(f"1/n = 1/{records} ") == 1
+    assert next(m for m in said if "1/n = 1/" in m).count(f"1/n = 1/{records} ") == 1
     assert any(m.startswith("the feature ranges are the observed") for m in said)
     assert records == sum(c.values.shape[0] for c in prepare_imputation_task(config).train)
     assert result.privacy["epsilon"] and min(result.privacy["epsilon"].values()) == 0.0
