@@ -92,6 +92,14 @@ def public_context_bytes(context: ts.Context) -> bytes:
     )
 
 
+def public_context_max_bytes(poly_modulus_degree: int, coeff_mod_bit_sizes: Sequence[int]) -> int:
+    """The most bytes a published context of these parameters takes: its public key is two
+    polynomials of N coefficients of 8 bytes per coefficient-modulus prime (256 KiB at the
+    defaults; measured 256.2 KiB), plus 64 KiB for the parameters and the serialization's
+    framing."""
+    return 2 * poly_modulus_degree * 8 * len(coeff_mod_bit_sizes) + 64 * 1024
+
+
 def load_public_context(
     published: bytes, *, modulus: tuple[int, Sequence[int]] | None = None
 ) -> ts.Context:
@@ -368,6 +376,7 @@ class CkksSender:
         self._most_scale_bits = scale_bits
         self._publics: dict[str, ts.Context] = {}
         self.seconds = 0.0
+        self.max_key_bytes = public_context_max_bytes(2 * slots, modulus_bits)
 
     def public_key(self) -> None:
         return None
@@ -434,6 +443,7 @@ class CkksAdder:
         self.slots, self.modulus_bits = slots, modulus_bits
         self._publics: dict[str, ts.Context] = {}
         self.seconds = 0.0
+        self.max_key_bytes = public_context_max_bytes(2 * slots, modulus_bits)
 
     def learn(self, peer: str, role: str, key: bytes) -> None:
         if role == "receiver":
@@ -482,6 +492,7 @@ class CkksReceiver:
         self._stated_bound = bound
         self._bound = bound
         self.seconds = 0.0
+        self.max_key_bytes = public_context_max_bytes(poly_modulus_degree, coeff_mod_bit_sizes)
 
     def public_key(self) -> bytes:
         return self._published

@@ -384,6 +384,7 @@ class PaillierSender:
         self._rng = rng
         self._pools: dict[str, ObfuscatorPool] = {}
         self.seconds = 0.0
+        self.max_key_bytes = _modulus_bytes(key_bits)
 
     def public_key(self) -> None:
         return None
@@ -456,6 +457,7 @@ class PaillierAdder:
         self.key_bits, self.value_bits = key_bits, value_bits
         self._publics: dict[str, paillier.PaillierPublicKey] = {}
         self.seconds = 0.0
+        self.max_key_bytes = _modulus_bytes(key_bits)
 
     def learn(self, peer: str, role: str, key: bytes) -> None:
         if role == "receiver":
@@ -520,6 +522,7 @@ class PaillierReceiver:
             )
         self._public, self._private = public, private
         self.seconds = 0.0
+        self.max_key_bytes = _modulus_bytes(key_bits)
 
     def public_key(self) -> bytes:
         return int(self._public.n).to_bytes(_modulus_bytes(self.key_bits), "big")

@@ -194,6 +194,8 @@ def add_self_mask(
 
 
 _FIELD_PRIME = 2**255 - 19
+PUBLIC_KEY_BYTES = 32
+"""An X25519 public key's size: every key of this scheme, sender's and receiver's."""
 
 
 def _read_key(peer: str, role: str, key: bytes, private: X25519PrivateKey) -> bytes:
@@ -201,9 +203,10 @@ def _read_key(peer: str, role: str, key: bytes, private: X25519PrivateKey) -> by
     before) unless it is 32 bytes, canonically encoded (u < 2^255 - 19) and of full order: one
     that gives ``private`` the all-zero secret (a low-order point) would fail only at the next
     sum, with no good key left."""
-    if len(key) != 32:
+    if len(key) != PUBLIC_KEY_BYTES:
         raise ProtocolError(
-            f"an X25519 public key of 32 bytes expected from {peer} as {role}, found {len(key)}."
+            f"an X25519 public key of {PUBLIC_KEY_BYTES} bytes expected from {peer} as {role}, "
+            f"found {len(key)}."
         )
     if int.from_bytes(key, "little") >= _FIELD_PRIME:
         raise ProtocolError(
@@ -246,6 +249,7 @@ class MaskSender:
         self._receivers: dict[str, bytes] = {}
         self._self_keys: dict[str, bytes] = {}
         self.seconds = 0.0
+        self.max_key_bytes = PUBLIC_KEY_BYTES
 
     def public_key(self) -> bytes:
         return self._private.public_key().public_bytes_raw()
@@ -382,6 +386,7 @@ class MaskAdder:
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.max_key_bytes = PUBLIC_KEY_BYTES
 
     def learn(self, peer: str, role: str, key: bytes) -> None:
         """Pairwise masks need no receiver key."""
@@ -414,6 +419,7 @@ class MaskReceiver:
         self._senders: dict[str, bytes] = {}
         self._self_keys: dict[tuple[str, str], bytes] = {}
         self.seconds = 0.0
+        self.max_key_bytes = PUBLIC_KEY_BYTES
 
     def public_key(self) -> bytes:
         return self._private.public_key().public_bytes_raw()

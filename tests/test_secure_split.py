@@ -20,7 +20,12 @@ from protocols.ckks import CkksAggregator, make_secret_context, public_context_b
 from protocols.paillier import KeyPair, PaillierAggregator, generate_key_pair
 from protocols.secagg import MaskingAggregator
 from secure_vfl.errors import IntegrityError, ProtocolError
-from secure_vfl.federation.aggregator import PlainAggregator, SealingScheme, SumBackend
+from secure_vfl.federation.aggregator import (
+    MAX_EARLY_SESSIONS,
+    PlainAggregator,
+    SealingScheme,
+    SumBackend,
+)
 from secure_vfl.federation.channel import Channel, RecordingLayer
 from secure_vfl.federation.messages import (
     AGGREGATOR,
@@ -531,6 +536,42 @@ def test_a_key_of_a_session_no_driver_opened_changes_nothing(make_data: MakeData
     )
     server.receive(dataclasses.replace(receiver_key, session="forged"))
     method.train_step(ROWS + 32, 1, 0)  # the session stands at every party
+
+
+def test_keys_of_sessions_not_opened_are_bounded_per_sender_and_in_bytes(
+    make_data: MakeData,
+) -> None:
+    """Keys of sessions no key request opened were kept bounded by their count only (256, all
+    senders together): a peer's 16 keys of 16 MiB grew a party by 550 MiB, and 240 more had the
+    honest early key of the next session refused. Each sender's are bounded now, and in bytes."""
+    method, recorder = _stepped(make_data)
+    announced = _last(recorder, PublicKeyMessage, "party-2")
+    party = _party(method, announced.receiver)
+    sessions = party._key_sessions
+
+    def key() -> bytes:
+        return X25519PrivateKey.generate().public_key().public_bytes_raw()
+
+    with pytest.raises(ProtocolError, match=r"party-2 .* at most 32 bytes expected .* found 33"):
+        party.receive(dataclasses.replace(announced, session="big", key=bytes(33)))
+    for n in range(MAX_EARLY_SESSIONS):
+        party.receive(dataclasses.replace(announced, session=f"bogus{n}", key=key()))
+    with pytest.raises(ProtocolError, match="a second sender key of key session 'bogus0'"):
+        party.receive(dataclasses.replace(announced, session="bogus0", batch_id=1, key=key()))
+    with pytest.raises(ProtocolError, match=r"at most 2 such sessions .* found party-2's keys"):
+        party.receive(dataclasses.replace(announced, session="bogus9", key=key()))
+    assert len(sessions._early) == MAX_EARLY_SESSIONS
+    # Another member's key of the next session is kept, and taken when the session opens.
+    honest = next(
+        m
+        for m in recorder.messages
+        if isinstance(m, PublicKeyMessage) and m.receiver == party.name and m.sender != "party-2"
+    )
+    fresh = key()
+    party.receive(dataclasses.replace(honest, session="next", key=fresh))
+    request = [m for m in recorder.messages if m.kind == "key-request"][-1]
+    party.receive(dataclasses.replace(request, receiver=party.name, session="next"))
+    assert sessions._keys == {(honest.sender, honest.role): fresh} and sessions._early == []
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))

@@ -81,9 +81,11 @@ class Aggregator(Protocol):
 
 class SenderHalf(Protocol):
     """The sending half of a secure sum, inside one contributing party: it holds that party's
-    secret keys (if its scheme has any) and seals the party's values into the sums it enters."""
+    secret keys (if its scheme has any) and seals the party's values into the sums it enters.
+    ``max_key_bytes`` is the most bytes a public key it takes can have."""
 
     seconds: float
+    max_key_bytes: int
 
     def public_key(self) -> bytes | None:
         """What this party announces to the other contributors (None: nothing)."""
@@ -110,9 +112,10 @@ class SenderHalf(Protocol):
 
 class AdderHalf(Protocol):
     """The adding half, inside the aggregation server: it combines sealed contributions
-    without any secret key."""
+    without any secret key. ``max_key_bytes`` is the most bytes a public key it takes can have."""
 
     seconds: float
+    max_key_bytes: int
 
     def learn(self, peer: str, role: str, key: bytes) -> None:
         """A receiver's public key (Paillier modulus, CKKS public context), if it needs one."""
@@ -158,9 +161,11 @@ class SumMembers:
 
 class ReceiverHalf(Protocol):
     """The opening half, inside the party the sums are for: it holds the secret key (if its
-    scheme has one) and turns the sealed sums into float sums."""
+    scheme has one) and turns the sealed sums into float sums. ``max_key_bytes`` is the most
+    bytes a public key it takes can have."""
 
     seconds: float
+    max_key_bytes: int
 
     def public_key(self) -> bytes | None:
         """What this receiver announces to contributors and the aggregator (None: nothing)."""
@@ -380,9 +385,10 @@ class ContextLedger:
 
 
 _Learners = Sequence["SenderHalf | ReceiverHalf | AdderHalf"]
-MAX_EARLY_KEYS = 256
-"""How many keys of key sessions not yet opened a party keeps for when they open (a bound: a
-peer chooses what it sends)."""
+MAX_EARLY_SESSIONS = 2
+"""Of how many key sessions not opened yet a party keeps a sender's keys (one of each role a
+session): a session's keys can reach it before its key request, and a set-up that lost a party
+runs again in a new session, whose keys can come before either request."""
 
 
 class KeySessions:
@@ -391,8 +397,9 @@ class KeySessions:
     the run starts and when a lost party rejoins: its new keys, every sum context new); a key of
     an earlier session is then a replay (e.g. the rejoined party's key from before it was lost),
     refused before it replaces a newer one. A key of a session not opened yet waits for its
-    key request (keys of a new session can reach a party before its own request): a key no
-    driver opens a session for changes nothing."""
+    key request (keys of a new session can reach a party before its own request), each sender's
+    kept within bounds of their own: a key no driver opens a session for changes nothing, and a
+    sender's such keys crowd out no other's."""
 
     def __init__(self) -> None:
         self._seen: list[str] = []
@@ -438,16 +445,11 @@ class KeySessions:
         a key it cannot use before it takes it) if its session is the newest opened and its
         sender announced no other key of it (a key replaced within a session would leave the
         masks of the sums sealed before it uncancelled); keep it for its session's opening if
-        that has not come."""
+        that has not come (:meth:`_keep_early`)."""
         what = f"{owner}: a key from {message.sender}"
         self._refuse_replay(message.session, what)
         if not self._seen or self._seen[-1] != message.session:
-            if len(self._early) >= MAX_EARLY_KEYS:
-                raise ProtocolError(
-                    f"{what} of key session {message.session!r}, which no key request opened; "
-                    f"at most {MAX_EARLY_KEYS} such keys are kept for when theirs comes."
-                )
-            self._early.append((message, learners))
+            self._keep_early(what, message, learners)
             return
         if (message.round, message.batch_id) != self._request:
             round, batch_id = self._request
@@ -473,3 +475,29 @@ class KeySessions:
         for half in learners:
             half.learn(message.sender, message.role, message.key)
         self._keys[held] = message.key
+
+    def _keep_early(self, what: str, message: PublicKeyMessage, learners: _Learners) -> None:
+        """Keep a key of a session not opened yet, within bounds a sender cannot stretch: no
+        larger than the scheme's public keys, one of each role a session, and of at most
+        :data:`MAX_EARLY_SESSIONS` sessions a sender (so no peer crowds out another's)."""
+        session = f"key session {message.session!r}, which no key request opened yet"
+        most = max((half.max_key_bytes for half in learners), default=0)
+        if len(message.key) > most:
+            raise ProtocolError(
+                f"{what} of {session}: a {message.role} key of at most {most} bytes expected "
+                f"(this run's scheme), found {len(message.key)}."
+            )
+        kept = [m for m, _ in self._early if m.sender == message.sender]
+        if any((m.session, m.role) == (message.session, message.role) for m in kept):
+            raise ProtocolError(
+                f"{what}: a second {message.role} key of {session}; a party announces its key "
+                "once a session."
+            )
+        sessions = {m.session for m in kept}
+        if message.session not in sessions and len(sessions) >= MAX_EARLY_SESSIONS:
+            raise ProtocolError(
+                f"{what} of {session}: keys of at most {MAX_EARLY_SESSIONS} such sessions are "
+                f"kept from one sender, found {message.sender}'s keys of {len(sessions)} "
+                "already (a party announces keys of a session once its key request came)."
+            )
+        self._early.append((message, learners))
