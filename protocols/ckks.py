@@ -101,26 +101,37 @@ def public_context_max_bytes(poly_modulus_degree: int, coeff_mod_bit_sizes: Sequ
 
 
 def load_public_context(
-    published: bytes, *, modulus: tuple[int, Sequence[int]] | None = None
+    published: bytes, *, modulus: tuple[int, Sequence[int]] | None = None, who: str = "a receiver"
 ) -> ts.Context:
-    """A sender's (or the aggregator's) context, loaded from the receiver's published bytes;
-    refuse one that carries a secret key (the receiver would have leaked it) and, given
-    ``modulus`` (N and the bit sizes of the coefficient modulus' primes), one of other
-    parameters, which would fail only at the next sum. SEAL shows its primes' count and their
-    product's bit length (not each size): a product of k primes of b_i bits has between
-    sum(b_i) - k + 1 and sum(b_i) bits."""
+    """A sender's (or the aggregator's) context, loaded from the bytes receiver ``who``
+    published; refuse one that carries a secret key (the receiver would have leaked it), one of
+    another scheme (BFV) or without its public key, and, given ``modulus`` (N and the bit sizes
+    of the coefficient modulus' primes), one of other parameters: each would fail only at the
+    next sum, having replaced the good one. SEAL shows its primes' count and their product's
+    bit length (not each size): a product of k primes of b_i bits has between sum(b_i) - k + 1
+    and sum(b_i) bits."""
     try:
         context = ts.context_from(published)
     except (ValueError, RuntimeError) as error:
-        raise IntegrityError(f"the published CKKS context does not load: {error}.") from error
+        raise IntegrityError(
+            f"the CKKS context published by {who} does not load: {error}."
+        ) from error
     if context.has_secret_key() or not context.is_public():
         raise ProtocolError(
-            "a published CKKS context must not hold the secret key; publish it serialized with "
-            "save_secret_key=False."
+            f"a published CKKS context from {who} must not hold the secret key; publish it "
+            "serialized with save_secret_key=False."
+        )
+    key_data = context.data.seal_context().key_context_data()
+    scheme = key_data.parms().scheme()
+    if scheme != ts.SCHEME_TYPE.CKKS.value:  # the wrapped enum is the C++ one
+        raise ProtocolError(f"a CKKS context expected from {who}, found a {scheme.name} one.")
+    if not context.has_public_key():
+        raise ProtocolError(
+            f"a published CKKS context with its public key expected from {who}, found one "
+            "without (serialized with save_public_key=False): nothing encrypts under it."
         )
     if modulus is not None:
         degree, sizes = modulus[0], list(modulus[1])
-        key_data = context.data.seal_context().key_context_data()
         found = key_data.parms().poly_modulus_degree()
         primes, bits = key_data.chain_index() + 1, key_data.total_coeff_modulus_bit_count()
         if (found, primes) != (degree, len(sizes)) or not (
@@ -128,8 +139,8 @@ def load_public_context(
         ):
             raise ProtocolError(
                 f"a published CKKS context of N = {degree} with {len(sizes)} coefficient-modulus "
-                f"primes of {sizes} bits expected (this run's), found N = {found} with {primes} "
-                f"primes of {bits} bits in all."
+                f"primes of {sizes} bits expected from {who} (this run's), found N = {found} "
+                f"with {primes} primes of {bits} bits in all."
             )
     return context
 
@@ -394,7 +405,7 @@ class CkksSender:
     def learn(self, peer: str, role: str, key: bytes) -> None:
         if role == "receiver":
             self._publics[peer] = load_public_context(
-                key, modulus=(2 * self.slots, self.modulus_bits)
+                key, modulus=(2 * self.slots, self.modulus_bits), who=peer
             )
 
     def seal(
@@ -448,7 +459,7 @@ class CkksAdder:
     def learn(self, peer: str, role: str, key: bytes) -> None:
         if role == "receiver":
             self._publics[peer] = load_public_context(
-                key, modulus=(2 * self.slots, self.modulus_bits)
+                key, modulus=(2 * self.slots, self.modulus_bits), who=peer
             )
 
     def add(

@@ -250,6 +250,39 @@ def test_a_receivers_context_is_checked_against_the_runs_parameters() -> None:
         )
 
 
+def test_a_bfv_context_or_one_without_its_public_key_is_refused_and_the_good_one_kept() -> None:
+    """Both were taken, replacing the receiver's good context at every contributor and the
+    server, and the next sum failed inside the sealing with tenseal's ValueError ("unsupported
+    scheme", "this context doesn't support encryption")."""
+    bfv = ts.context(
+        ts.SCHEME_TYPE.BFV,
+        poly_modulus_degree=8192,
+        plain_modulus=1032193,
+        coeff_mod_bit_sizes=[60, 60],
+    )
+    keyless = make_secret_context().serialize(
+        save_public_key=False,
+        save_secret_key=False,
+        save_galois_keys=False,
+        save_relin_keys=False,
+    )
+    messages, selection = full_batch(12)
+    parties = SumParties(CkksAggregator())
+    parties.combine(messages, selection)
+    halves = [parties.parties[PARTIES[1]].sealer, parties.server.adder]
+    for published, pattern in [
+        (public_context_bytes(bfv), "a CKKS context expected from party-0, found a BFV one"),
+        (keyless, "with its public key expected from party-0, found one without"),
+    ]:
+        for half in halves:
+            assert half is not None
+            with pytest.raises(ProtocolError, match=pattern):
+                half.learn(PARTIES[0], "receiver", bytes(published))
+    messages, selection = full_batch(12, batch_id=1)
+    result = parties.combine(messages, selection, batch_id=1)  # the good context stands
+    assert within_bound(result.sums, messages, selection) <= 0.0
+
+
 def test_whole_vector_sums_work_through_split_ckks() -> None:
     generator = torch.Generator().manual_seed(13)
     vectors = {name: torch.randn(5000, generator=generator) for name in PARTIES[:3]}
