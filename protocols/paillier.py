@@ -283,18 +283,20 @@ def fraction_bits_for(value_range: SumRange, *, value_bits: int, most: int) -> i
 def encode_values(
     dense: np.ndarray, *, value_bits: int, fraction_bits: int, parties: int
 ) -> np.ndarray:
-    """round(x * 2^f) as int64; refuse any outside [-2^(v-1), 2^(v-1)) or not finite."""
+    """round(x * 2^f) as int64; refuse any outside [-2^(v-1), 2^(v-1)) or not finite: x
+    rounded to a step of 2^-f in [-2^(v-1-f), 2^(v-1-f)), stated exactly in the refusal."""
     scaled = np.rint(np.asarray(dense, dtype=np.float64) * float(1 << fraction_bits))
     half = float(1 << (value_bits - 1))
     outside = ~np.isfinite(scaled) | (scaled < -half) | (scaled >= half)
     if bool(outside.any()):
-        largest = float(np.abs(np.asarray(dense)[outside]).max())
-        limit = float((1 << (value_bits - 1)) - 1) / float(1 << fraction_bits)
+        refused = np.asarray(dense, dtype=np.float64)[outside]
+        worst = float(refused[np.argmax(np.abs(refused))])
+        bound = 1 << (value_bits - 1 - fraction_bits)
         raise ProtocolError(
-            f"a value of magnitude {largest:.6g} is outside the Paillier fixed-point range: "
-            f"with {value_bits} value bits and {fraction_bits} fraction bits every "
-            f"|value| must be finite and <= {limit:.6g}; clip the values or lower "
-            "fraction_bits."
+            f"a value of {worst:.6g} is outside the Paillier fixed-point range: with "
+            f"{value_bits} value bits and {fraction_bits} fraction bits every value must be "
+            f"finite and, rounded to a step of 2^-{fraction_bits}, in [-{bound}, {bound}); "
+            "clip the values or lower fraction_bits."
         )
     encoded = encode_fixed_point(dense, fraction_bits=fraction_bits, parties=parties)
     return encoded.view(np.int64)

@@ -187,14 +187,22 @@ def test_packing_round_trips_every_slot_value() -> None:
 
 
 def test_the_fixed_point_range_is_stated_in_the_refusal() -> None:
+    """32768 itself was refused as outside "|value| <= 32768" (the limit, 32767.99998, printed
+    to 6 digits): the range is stated as it is, half-open."""
     messages, selection = full_batch(8)
     aggregator = paillier_aggregator()
     assert aggregator.limit() == pytest.approx(32768.0, abs=1e-4)
+    stated = r"finite and, rounded to a step of 2\^-16, in \[-32768, 32768\)"
+    for value in (-32769.0, 32768.0):
+        big = messages[1].representation.clone()
+        big[0, 0] = value
+        refused = dataclasses.replace(messages[1], representation=big)
+        with pytest.raises(ProtocolError, match=rf"a value of {value:g} is outside .* {stated}"):
+            combine(aggregator, [messages[0], refused, *messages[2:]], selection)
     big = messages[1].representation.clone()
-    big[0, 0] = -32769.0
+    big[0, 0] = -32768.0  # the range's lowest value is taken
     messages[1] = dataclasses.replace(messages[1], representation=big)
-    with pytest.raises(ProtocolError, match=r"magnitude 32769 is outside .* finite and <= 32768"):
-        combine(aggregator, messages, selection)
+    combine(aggregator, messages, selection)
 
 
 def test_decrypting_with_another_key_pair_is_detected() -> None:
