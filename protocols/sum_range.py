@@ -19,9 +19,11 @@ in every party's own halves (:class:`RangedHalf`), so that an honest run never o
   :data:`REPRESENTATION_BOUND` (2^16 = 65536: a bottom model of standardised inputs gives values
   of a few units; under gradient noise alone they drift, and a Satellite run of
   ``benchmarks/protocol_costs.py`` that still reached 81 % accuracy had passed 4096) and a value
-  beyond it is divergence, not an overflow. Every backend holds it at its default precision
-  for up to 4 contributors (CKKS: 4 x 2^16 x 2^40 is the 60-bit prime less two bits; Paillier:
-  15 fraction bits instead of 16).
+  beyond it is divergence, not an overflow. Masks and CKKS hold it at their default precision
+  for up to 4 contributors (masks: 4 x 2^16 x 2^24 is far within 2^62; CKKS: 4 x 2^16 x 2^40
+  is the 60-bit prime less two bits; one contributor more and CKKS encodes at 2^39); Paillier's
+  32-bit slots hold it with 14 fraction bits instead of 16, whatever the contributors
+  (2^16 x 2^15 is one past the largest 32-bit encoded value, 2^31 - 1).
 
 The range holds ``max(REPRESENTATION_BOUND, CLIP (1 + k SIGMA))`` per value and ``contributors``
 values per sum; each backend derives its encoding from it (masks and Paillier: fewer fraction

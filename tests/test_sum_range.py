@@ -19,6 +19,7 @@ from conftest import MakeData
 from scipy.stats import norm
 from test_paillier import paillier_aggregator
 
+import protocols.sum_range
 import secure_vfl.experiment
 from protocols.ckks import CkksAggregator
 from protocols.dp import calibrate_noise
@@ -112,6 +113,24 @@ def test_clipped_rows_with_large_noise_sum_once_the_halves_are_sized(
     summed = vector_sum(Ranged(scheme(name), value_range), vectors)
     exact = torch.stack([v.double() for v in vectors.values()]).sum(0)
     assert torch.allclose(summed.double(), exact, rtol=1e-6, atol=0.05)
+
+
+def test_the_precision_kept_at_the_representation_bound_is_the_one_stated() -> None:
+    """The module said Paillier keeps 15 fraction bits of 16 at the representation bound and
+    every backend its default precision; Paillier's sizing gives 14 (65536 x 2^15 = 2^31 is
+    past the largest 32-bit value, 2^31 - 1)."""
+    value_range = SumRange(REPRESENTATION_BOUND, 4)
+    masks, ckks, paillier = (
+        MaskingAggregator().sender(),
+        CkksAggregator().sender(),
+        paillier_aggregator().sender(),
+    )
+    for half in (masks, ckks, paillier):
+        half.use_range(value_range)
+    assert (masks.fraction_bits, ckks.scale_bits) == (24, 40)  # their defaults
+    stated = " ".join((protocols.sum_range.__doc__ or "").split())
+    kept = re.search(r"Paillier\S* .*?(\d+) fraction bits instead of 16", stated)
+    assert kept is not None and int(kept.group(1)) == paillier.fraction_bits == 14
 
 
 def test_a_range_no_encoding_can_hold_is_refused_when_halves_are_sized() -> None:
