@@ -61,6 +61,12 @@ if TYPE_CHECKING:
     from secure_vfl.federation.aggregator import SumMembers
 
 DEFAULT_KEY_BITS = 2048
+MIN_KEY_BITS = 1024
+"""The smallest modulus taken (about 80-bit security), for the tests' speed; every run of the
+CLI makes :data:`DEFAULT_KEY_BITS` ones."""
+SMALL_PRIMES = tuple(int(p) for p in range(3, 1000, 2) if gmpy2.is_prime(p))
+"""The odd primes below 1000: no honest modulus, a product of two key_bits/2-bit primes, has
+one as a factor."""
 DEFAULT_VALUE_BITS = 32
 DEFAULT_FRACTION_BITS = 16
 DEFAULT_POOL_SIZE = 64
@@ -190,7 +196,8 @@ class PaillierAggregator:
     """Secure sums by packed Paillier encryption under the receiver's key: a
     :class:`SealingScheme`, the factory of the halves each party makes for itself.
 
-    ``key_bits`` sizes each receiver's modulus (2048 by default; tests use 1024). ``value_bits``
+    ``key_bits`` sizes each receiver's modulus (2048 by default, which the CLI always uses;
+    1024, the least taken, only for tests' speed: about 80-bit security). ``value_bits``
     and ``fraction_bits`` fix the encoding: values must lie in
     [-2^(v-1-f), 2^(v-1-f)) (+-32768 by default) and are rounded to a step of 2^-f.
     ``key_generator`` makes a receiver's key pair (default :func:`generate_key_pair`; inject a
@@ -211,7 +218,7 @@ class PaillierAggregator:
         pool_size: int = DEFAULT_POOL_SIZE,
     ) -> None:
         for name, value, low, high in [
-            ("key_bits", key_bits, 256, 8192),
+            ("key_bits", key_bits, MIN_KEY_BITS, 8192),
             ("value_bits", value_bits, 8, 56),
             ("fraction_bits", fraction_bits, 0, value_bits - 2),
             ("pool_size", pool_size, 0, 10**6),
@@ -336,7 +343,9 @@ def _ciphertext_bytes(key_bits: int) -> int:
 
 def read_public_key(key: bytes, *, key_bits: int, who: str) -> paillier.PaillierPublicKey:
     """A receiver's announced modulus (big-endian, fixed width) as a public key; refuse one of
-    the wrong size or an even one (no product of two odd primes is even)."""
+    the wrong size, an even one, one with a prime factor below 1000, a prime or a perfect
+    power: no product of two distinct large primes is any of those, and whoever factors the
+    modulus (the aggregation server too) decrypts every share sealed under it."""
     if len(key) != _modulus_bytes(key_bits):
         raise ProtocolError(
             f"a Paillier modulus of {_modulus_bytes(key_bits)} bytes expected from {who}, "
@@ -347,6 +356,18 @@ def read_public_key(key: bytes, *, key_bits: int, who: str) -> paillier.Paillier
         raise ProtocolError(
             f"an odd {key_bits}-bit Paillier modulus expected from {who}, found "
             f"{'an even' if n % 2 == 0 else 'a'} {n.bit_length()}-bit integer."
+        )
+    factor = next((p for p in SMALL_PRIMES if n % p == 0), None)
+    if factor is not None:
+        raise ProtocolError(
+            f"a Paillier modulus with no prime factor below 1000 expected from {who}, found one "
+            f"divisible by {factor}."
+        )
+    prime = bool(gmpy2.is_prime(n))
+    if prime or gmpy2.is_power(n):
+        raise ProtocolError(
+            f"a Paillier modulus of two distinct primes expected from {who}, found "
+            f"{'a prime' if prime else 'a perfect power'}."
         )
     return paillier.PaillierPublicKey(n)
 

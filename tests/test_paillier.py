@@ -8,6 +8,7 @@ import functools
 import random
 from collections.abc import Callable
 
+import gmpy2
 import numpy as np
 import pytest
 import torch
@@ -286,6 +287,42 @@ def test_the_default_2048_bit_key_sums_exactly() -> None:
     assert int.from_bytes(announced[0].key, "big").bit_length() == 2048
 
 
+def test_a_weak_or_malformed_modulus_is_refused_and_the_key_taken_before_kept() -> None:
+    """A modulus of the right width with a small prime factor, a prime one or a prime's square
+    was taken (only width and oddness were checked): whoever factors it, the aggregation server
+    too, decrypts every share sealed under it."""
+    factor = int(gmpy2.next_prime(2**1023 // 3 + 2**64))
+    square = int(gmpy2.next_prime(gmpy2.isqrt(2**1023) + 1))
+    weak = [
+        (
+            3 * factor,
+            "with no prime factor below 1000 expected from party-0, found one divisible by 3",
+        ),
+        (
+            int(gmpy2.next_prime(2**1023 + 2**64)),
+            "of two distinct primes expected from party-0, found a prime",
+        ),
+        (square * square, "of two distinct primes expected from party-0, found a perfect power"),
+    ]
+    good, _ = cached_key_pair(0)
+    weak.append(
+        (
+            good.n >> 1 | 1,
+            "an odd 1024-bit Paillier modulus expected from party-0, found a 1023-bit",
+        )
+    )
+    aggregator = paillier_aggregator()
+    sender, adder = aggregator.sender(), aggregator.adder()
+    for half in (sender, adder):
+        half.learn(RECEIVER, "receiver", good.n.to_bytes(SMALL_KEY // 8, "big"))
+    pool = sender.pool(RECEIVER)
+    for n, found in weak:
+        for half in (sender, adder):
+            with pytest.raises(ProtocolError, match=found):
+                half.learn(RECEIVER, "receiver", n.to_bytes(SMALL_KEY // 8, "big"))
+    assert sender.pool(RECEIVER) is pool and adder._publics[RECEIVER] == good
+
+
 def test_configuration_out_of_range_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"`value_bits` must be in \[8, 56\]. Found 60"):
         PaillierAggregator(value_bits=60)
@@ -293,6 +330,9 @@ def test_configuration_out_of_range_is_refused() -> None:
         PaillierAggregator(fraction_bits=31)
     with pytest.raises(ConfigError, match=r"`key_bits` must be an integer. Found '2048'"):
         PaillierAggregator(key_bits="2048")  # type: ignore[arg-type]
+    # 1024 bits, the tests' keys, at the least; 2048 by default, as the CLI always makes them.
+    with pytest.raises(ConfigError, match=r"`key_bits` must be in \[1024, 8192\]. Found 512"):
+        PaillierAggregator(key_bits=512)
 
 
 def test_laser_trained_through_paillier_matches_laser_trained_in_the_clear(
