@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import tenseal as ts
 
-from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
+from secure_vfl.errors import ConfigError, IntegrityError, OutOfRangeError, ProtocolError
 
 if TYPE_CHECKING:
     from protocols.sum_range import SumRange
@@ -263,10 +263,12 @@ def check_range(
     outside = ~np.isfinite(values) | (np.abs(values) > max_magnitude)
     if bool(outside.any()):
         largest = float(np.abs(values[outside]).max())
-        raise ProtocolError(
-            f"a value of magnitude {largest:.6g} is outside the CKKS range: every |value| "
-            f"must be finite and <= {max_magnitude:.6g} for the stated error bound; "
-            "clip the values or raise max_magnitude."
+        raise OutOfRangeError(
+            f"a value of magnitude {largest:.10g} is outside the CKKS range: every |value| "
+            f"must be finite and <= {max_magnitude:.10g} for the stated error bound; "
+            "clip the values or raise max_magnitude.",
+            found=f"|value| {largest:.10g}" if math.isfinite(largest) else "non-finite values",
+            limit=f"|value| <= {max_magnitude:.10g} (a {scale_bits}-bit scale)",
         )
 
 

@@ -53,7 +53,7 @@ import numpy as np
 from phe import paillier
 
 from protocols.secagg import decode_fixed_point, encode_fixed_point
-from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
+from secure_vfl.errors import ConfigError, IntegrityError, OutOfRangeError, ProtocolError
 from secure_vfl.federation.aggregator import check_payload
 
 if TYPE_CHECKING:
@@ -299,11 +299,13 @@ def encode_values(
         refused = np.asarray(dense, dtype=np.float64)[outside]
         worst = float(refused[np.argmax(np.abs(refused))])
         bound = 1 << (value_bits - 1 - fraction_bits)
-        raise ProtocolError(
+        raise OutOfRangeError(
             f"a value of {worst:.6g} is outside the Paillier fixed-point range: with "
             f"{value_bits} value bits and {fraction_bits} fraction bits every value must be "
             f"finite and, rounded to a step of 2^-{fraction_bits}, in [-{bound}, {bound}); "
-            "clip the values or lower fraction_bits."
+            "clip the values or lower fraction_bits.",
+            found=f"a value of {worst:.6g}",
+            limit=f"values in [-{bound}, {bound}) at {fraction_bits} fraction bits",
         )
     encoded = encode_fixed_point(dense, fraction_bits=fraction_bits, parties=parties)
     return encoded.view(np.int64)

@@ -59,7 +59,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
+from secure_vfl.errors import ConfigError, IntegrityError, OutOfRangeError, ProtocolError
 from secure_vfl.federation.aggregator import check_payload, refuse_single_contributors
 
 if TYPE_CHECKING:
@@ -105,16 +105,24 @@ def encode_fixed_point(values: np.ndarray, *, fraction_bits: int, parties: int) 
     """
     scaled = np.asarray(values, dtype=np.float64) * float(2**fraction_bits)
     if scaled.size:
+        limit = fixed_point_limit(fraction_bits, parties)
+        holds = f"|value| <= {limit:.10g} ({fraction_bits} fraction bits, {parties} parties)"
         if not np.isfinite(scaled).all():
-            raise ProtocolError("fixed-point encoding needs finite values, found NaN or inf.")
+            raise OutOfRangeError(
+                "fixed-point encoding needs finite values, found NaN or inf.",
+                found="non-finite values",
+                limit=holds,
+            )
         largest = float(np.abs(scaled).max())
         bound = float(2**HEADROOM_BITS) / parties
         if largest > bound:
-            raise ProtocolError(
-                f"a value of magnitude {largest / 2**fraction_bits:.6g} overflows the fixed-point "
-                f"ring: with {fraction_bits} fraction bits and {parties} parties every |value| "
-                f"must be <= {fixed_point_limit(fraction_bits, parties):.6g}; clip the values or "
-                "lower fraction_bits."
+            magnitude = f"{largest / 2**fraction_bits:.10g}"
+            raise OutOfRangeError(
+                f"a value of magnitude {magnitude} overflows the fixed-point ring: with "
+                f"{fraction_bits} fraction bits and {parties} parties every |value| must be "
+                f"<= {limit:.10g}; clip the values or lower fraction_bits.",
+                found=f"|value| {magnitude}",
+                limit=holds,
             )
     return np.rint(scaled).astype(np.int64).view(np.uint64)
 

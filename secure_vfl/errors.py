@@ -81,6 +81,16 @@ class NonFiniteError(IntegrityError):
     that it diverged (:func:`~secure_vfl.experiment.run_training` says so, and what to try)."""
 
 
+class OutOfRangeError(ProtocolError):
+    """A value a party was about to seal into a secure sum is outside what the sum's encoding
+    holds, or not finite: ``found`` says what it was and ``limit`` what the encoding holds, so
+    that the sealing party can report its own values' divergence in its own words."""
+
+    def __init__(self, message: str, found: str = "", limit: str = "") -> None:
+        super().__init__(message)
+        self.found, self.limit = found, limit
+
+
 class DivergenceError(IntegrityError):
     """Training diverged: a value a party was about to send or seal (a representation, a
     gradient) is non-finite, or beyond the range the run's secure sums were sized for. The

@@ -28,7 +28,7 @@ from protocols.ckks import (
     make_secret_context,
     public_context_bytes,
 )
-from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
+from secure_vfl.errors import ConfigError, DivergenceError, IntegrityError, ProtocolError
 from secure_vfl.federation.aggregator import PlainAggregator, SumBackend
 from secure_vfl.federation.messages import (
     RepresentationMessage,
@@ -151,7 +151,9 @@ def test_the_ckks_range_is_stated_in_the_refusal() -> None:
     big = messages[1].representation.clone()
     big[0, 0] = -4097.0
     messages[1] = dataclasses.replace(messages[1], representation=big)
-    with pytest.raises(ProtocolError, match=r"magnitude 4097 is outside .* finite and <= 4096"):
+    with pytest.raises(
+        DivergenceError, match=r"\|value\| 4097, beyond what they encode, \|value\| <= 4096 \("
+    ):
         combine(aggregator, messages, selection)
     messages[1] = dataclasses.replace(messages[1], representation=big.clamp(-4096, 4096))
     # Too many parties for the magnitude: 2^18 / 2^17 = 2 parties at most, 4 asked.

@@ -30,9 +30,16 @@ from protocols.paillier import (
     PackingLayout,
     PaillierAggregator,
     PaillierSender,
+    encode_values,
     generate_key_pair,
 )
-from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
+from secure_vfl.errors import (
+    ConfigError,
+    DivergenceError,
+    IntegrityError,
+    OutOfRangeError,
+    ProtocolError,
+)
 from secure_vfl.federation.aggregator import PlainAggregator, SumBackend
 from secure_vfl.federation.messages import (
     Message,
@@ -198,7 +205,12 @@ def test_the_fixed_point_range_is_stated_in_the_refusal() -> None:
         big = messages[1].representation.clone()
         big[0, 0] = value
         refused = dataclasses.replace(messages[1], representation=big)
-        with pytest.raises(ProtocolError, match=rf"a value of {value:g} is outside .* {stated}"):
+        with pytest.raises(OutOfRangeError, match=rf"a value of {value:g} is outside .* {stated}"):
+            encode_values(np.array([value]), value_bits=32, fraction_bits=16, parties=4)
+        with pytest.raises(
+            DivergenceError,
+            match=rf"a value of {value:g}, beyond what they encode, values in \[-32768, 32768\)",
+        ):
             combine(aggregator, [messages[0], refused, *messages[2:]], selection)
     big = messages[1].representation.clone()
     big[0, 0] = -32768.0  # the range's lowest value is taken

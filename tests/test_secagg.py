@@ -39,7 +39,7 @@ from protocols.secagg import (
     encode_fixed_point,
     fixed_point_limit,
 )
-from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
+from secure_vfl.errors import ConfigError, DivergenceError, IntegrityError, ProtocolError
 from secure_vfl.federation.aggregator import (
     PlainAggregator,
     SumBackend,
@@ -135,7 +135,8 @@ def test_a_value_that_could_overflow_the_ring_is_refused() -> None:
     big[0, 0] = 1.01 * limit
     messages[1] = dataclasses.replace(messages[1], representation=big)
     parties = SumParties(masking())
-    with pytest.raises(ProtocolError, match=r"overflows the fixed-point ring.*must be <= 6\.87"):
+    said = r"beyond what they encode, \|value\| <= 6\.871947674e\+10 \(24 fraction bits, 4 parties"
+    with pytest.raises(DivergenceError, match=said):
         parties.combine(messages, selection)
     assert parties.crossed(SealedMessage, PARTIES[1]) == []
 

@@ -34,7 +34,7 @@ from protocols.sum_range import (
     sum_range,
 )
 from secure_vfl.cli import main
-from secure_vfl.errors import ConfigError, DivergenceError, ProtocolError
+from secure_vfl.errors import ConfigError, DivergenceError
 from secure_vfl.experiment import TrainConfig, run_training
 from secure_vfl.federation.aggregator import SealingScheme
 from secure_vfl.federation.messages import GradientMessage, RepresentationMessage
@@ -108,7 +108,7 @@ def test_clipped_rows_with_large_noise_sum_once_the_halves_are_sized(
         row = np.clip(generator.normal(size=64), -1.0, 1.0) + sigma * generator.normal(size=64)
         row[0] = value_range.value_bound  # the extreme the range allows, from every party
         vectors[f"party-{k}"] = torch.from_numpy(row.astype(np.float32))
-    with pytest.raises(ProtocolError, match=r"overflows|outside"):
+    with pytest.raises(DivergenceError, match=r"beyond what they encode"):
         vector_sum(scheme(name), vectors)
     summed = vector_sum(Ranged(scheme(name), value_range), vectors)
     exact = torch.stack([v.double() for v in vectors.values()]).sum(0)
@@ -292,6 +292,32 @@ def test_a_plain_run_that_diverges_says_where_and_what_to_try_in_one_line(
     err = capsys.readouterr().err
     assert re.match(f"secure-vfl: error: {diverged}", err) and len(err.splitlines()) == 1
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("backend", "limit"),
+    [
+        ("masks", r"\|value\| <= 6\.871947674e\+10 \(24 fraction bits, 4 parties\)"),
+        ("ckks", r"\|value\| <= 4096 \(a 40-bit scale\)"),
+        ("paillier", r"values in \[-32768, 32768\) at 16 fraction bits"),
+    ],
+)
+def test_a_secure_run_without_dp_that_diverges_says_so_at_the_sealing_party(
+    backend: str, limit: str, make_data: MakeData
+) -> None:
+    """Without DP nothing sizes the sums: a representation past what the backend encodes
+    stopped the run with the encoder's ProtocolError ("... lower fraction_bits", "raise
+    max_magnitude": no flag sets either), where a plain run says it diverged."""
+    data = make_data(n=200, test_missing=("mcar:0",))
+    config = plain_config(data, lr=1e3, batch_size=32, heads="active", secure_sums=True)
+    engine = PrivacyEngine(PrivacySpec(secure_agg=backend))
+    aggregator = paillier_aggregator() if backend == "paillier" else None
+    said = (
+        rf"training diverged at (step \d+|prediction): party-\d's representation for the "
+        rf"{backend} sums of party-0 has .*, beyond what they encode, {limit}; try a lower --lr"
+    )
+    with pytest.raises(DivergenceError, match=said):
+        run_training(config, data=data, privacy=engine, aggregator=aggregator)
 
 
 def test_a_model_its_last_step_left_non_finite_is_a_divergence_too(

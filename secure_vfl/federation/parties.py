@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from secure_vfl.data.party_files import PartyTable
 from secure_vfl.data.party_preprocessing import PartyPreprocessing
-from secure_vfl.errors import ConfigError, ProtocolError
+from secure_vfl.errors import ConfigError, DivergenceError, OutOfRangeError, ProtocolError
 from secure_vfl.federation import parts
 from secure_vfl.federation.aggregator import (
     ContextLedger,
@@ -629,16 +629,29 @@ class SecureSumParty(Party):
             held = self._release_exposed(held, request.dp_rows[held.positions, column])
         values = torch.zeros(selection.shape[1], held.representation.shape[1])
         values[held.positions] = held.representation
-        payload = self.sealer.seal(
-            values.numpy(),
-            selection.numpy(),
-            column=column,
-            parties=request.parties,
-            receiver=request.deliver_to,
-            context=sum_context(
-                request.session, request.deliver_to, request.round, request.batch_id, request.tag
-            ),
-        )
+        try:
+            payload = self.sealer.seal(
+                values.numpy(),
+                selection.numpy(),
+                column=column,
+                parties=request.parties,
+                receiver=request.deliver_to,
+                context=sum_context(
+                    request.session,
+                    request.deliver_to,
+                    request.round,
+                    request.batch_id,
+                    request.tag,
+                ),
+            )
+        except OutOfRangeError as error:  # its own values: divergence, said as a plain run says it
+            where = f"at step {request.round}" if request.phase == "train" else "at prediction"
+            raise DivergenceError(
+                f"training diverged {where}: {self.name}'s representation for the "
+                f"{self.scheme} sums of {request.deliver_to} has {error.found}, beyond what they "
+                f"encode, {error.limit}; try a lower --lr or fewer --epochs, or --dp-embeddings "
+                "SIGMA:CLIP, which clips every representation."
+            ) from None
         self._sealed.spend(context)
         self.send(
             SealedMessage(
