@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from secure_vfl import tensor_file
-from secure_vfl.data.samplers import PoissonSampler
+from secure_vfl.data.samplers import BatchSampler, PoissonSampler
 from secure_vfl.errors import ConfigError, DataError, IntegrityError, ProtocolError, RunWarning
 from secure_vfl.federation.parts import sha256, unwrapped
 from secure_vfl.io import atomic_directory, atomic_write_text, parse_json
@@ -531,24 +531,33 @@ def dropped_parties(run: Mapping[str, Any]) -> list[str]:
 
 
 def restore_run(
-    method: Method, tensors: Mapping[str, Any], meta: Mapping[str, Any], *, where: str
+    method: Method,
+    tensors: Mapping[str, Any],
+    meta: Mapping[str, Any],
+    *,
+    where: str,
+    step: int,
 ) -> TrainingProgress:
-    """Put the label party's run back where ``run_state`` found it; the progress to go on
-    from. IntegrityError when the checkpoint's sampler is not this run's."""
+    """Put the label party's run back where ``run_state`` found it, at ``step`` (its
+    manifest's); the progress to go on from. IntegrityError when the checkpoint's sampler is
+    not this run's or its position is not one this run reaches (:func:`_check_progress`)."""
     fed = method.fed
     try:
         position = meta["progress"]
         order = tensors["order"]
+        losses = position["losses"]
+        if not isinstance(losses, list):
+            raise TypeError(f"the epochs' losses as a list expected, found {losses!r:.60}")
         progress = TrainingProgress(
-            epoch=int(position["epoch"]),
-            step=int(position["step"]),
-            batch=int(position["batch"]),
+            epoch=_integer(position, "epoch"),
+            step=_integer(position, "step"),
+            batch=_integer(position, "batch"),
             order=None if order is None else [t.numpy().astype(np.int64) for t in order],
-            total=float(position["total"]),
-            count=int(position["count"]),
-            losses=[float(x) for x in position["losses"]],
+            total=_number(position["total"], "loss total"),
+            count=_integer(position, "count"),
+            losses=[_number(loss, "epoch loss") for loss in losses],
         )
-        _check_progress(progress)
+        _check_progress(progress, method.epoch_samplers(), step=step)
         fed.generator.set_state(tensors["plan_generator"])
         fed.rng.bit_generator.state = meta["epoch_generator"]
         fed.queries = int(meta["queries"])
@@ -564,9 +573,27 @@ def restore_run(
     return progress
 
 
-def _check_progress(progress: TrainingProgress) -> None:
-    """ValueError unless ``progress`` is a position training can reach: counts >= 0, one loss
-    per finished epoch, and the next batch within the epoch's order (0 before it is drawn)."""
+def _integer(position: Mapping[str, Any], name: str) -> int:
+    value = position[name]
+    if type(value) is not int:
+        raise TypeError(f"an integer {name} expected, found {value!r:.40}")
+    return value
+
+
+def _number(value: Any, name: str) -> float:
+    if type(value) not in (int, float):
+        raise TypeError(f"a number as the {name} expected, found {value!r:.40}")
+    return float(value)
+
+
+def _check_progress(
+    progress: TrainingProgress, samplers: Sequence[BatchSampler], *, step: int
+) -> None:
+    """ValueError unless ``progress`` is a position this run's training reaches at ``step``
+    (``samplers``: the sampler of each of its epochs, :meth:`~secure_vfl.methods.base.Method.
+    epoch_samplers`): counts >= 0, one loss per finished epoch, an epoch of the run, the next
+    batch within the epoch's order (0 before it is drawn) and the steps of the epochs before
+    and of the batches done, the rows of those batches counted and a finite loss total."""
     counts = {"epoch": progress.epoch, "step": progress.step, "batch": progress.batch}
     negative = [f"{name} {value}" for name, value in counts.items() if value < 0]
     if negative or progress.count < 0:
@@ -576,11 +603,35 @@ def _check_progress(progress: TrainingProgress) -> None:
             f"one loss per finished epoch expected, found {len(progress.losses)} for epoch "
             f"{progress.epoch}"
         )
+    if progress.step != step:
+        raise ValueError(f"step {step} (its manifest's) expected, found step {progress.step}")
+    if progress.epoch >= len(samplers):
+        raise ValueError(
+            f"fewer finished epochs than the run's {len(samplers)} expected, found {progress.epoch}"
+        )
     batches = 0 if progress.order is None else len(progress.order)
     if progress.batch > batches:
         raise ValueError(f"a batch of at most {batches} expected, found {progress.batch}")
-    if not math.isfinite(progress.total):
-        raise ValueError(f"a finite loss total expected, found {progress.total}")
+    reached = sum(len(sampler) for sampler in samplers[: progress.epoch]) + progress.batch
+    if progress.step != reached:
+        raise ValueError(
+            f"step {reached} after {progress.epoch} epoch(s) and {progress.batch} batch(es) of "
+            f"this run expected, found step {progress.step}"
+        )
+    for k, loss in enumerate(progress.losses):  # NaN: an epoch of empty Poisson draws only
+        if math.isinf(loss) or (math.isnan(loss) and not isinstance(samplers[k], PoissonSampler)):
+            raise ValueError(f"a finite loss of epoch {k + 1} expected, found {loss}")
+    rows = sum(len(batch) for batch in (progress.order or [])[: progress.batch])
+    if progress.count != rows:
+        raise ValueError(
+            f"a count of {rows} rows (those of the epoch's {progress.batch} batch(es) done) "
+            f"expected, found {progress.count}"
+        )
+    if not math.isfinite(progress.total) or (rows == 0 and progress.total != 0):
+        raise ValueError(
+            f"a finite loss total{' of 0 over no rows' if rows == 0 else ''} expected, found "
+            f"{progress.total}"
+        )
 
 
 def restore_schedule(
@@ -962,7 +1013,8 @@ class RunCheckpoints:
         run = point.label.meta.get("run")
         if not isinstance(run, dict):
             raise IntegrityError(f"{where}: the label party's run position expected; found none.")
-        return restore_run(method, point.label.tensors.get("run", {}), run, where=where)
+        tensors = point.label.tensors.get("run", {})
+        return restore_run(method, tensors, run, where=where, step=point.step)
 
     def start_parties(self, parties: Sequence[DataParty]) -> None:
         """Every party of this process restores its own state from its checkpoint of the

@@ -399,6 +399,36 @@ def _first(mapping: dict[str, Any]) -> Any:
             lambda tensors, meta: meta["run"]["progress"].update(batch=10**6),
             "expected, found 1000000)",
         ),
+        # positions that were only checked against each other: an epoch past the run's
+        # (--epochs 3) trained none and reported 50 losses, a batch of 1.5 was taken for 1
+        (
+            lambda tensors, meta: meta["run"]["progress"].update(epoch=50, losses=[0.5] * 50),
+            "(fewer finished epochs than the run's 3 expected, found 50)",
+        ),
+        (
+            lambda tensors, meta: meta["run"]["progress"].update(epoch=2, losses=[0.5, 0.5]),
+            "(step 17 after 2 epoch(s) and 3 batch(es) of this run expected, found step 10)",
+        ),
+        (
+            lambda tensors, meta: meta["run"]["progress"].update(step=9),
+            "(step 10 (its manifest's) expected, found step 9)",
+        ),
+        (
+            lambda tensors, meta: meta["run"]["progress"].update(batch=1.5),
+            "(an integer batch expected, found 1.5)",
+        ),
+        (
+            lambda tensors, meta: meta["run"]["progress"].update(losses=[float("inf")]),
+            "(a finite loss of epoch 1 expected, found inf)",
+        ),
+        (
+            lambda tensors, meta: meta["run"]["progress"].update(losses=["0.5"]),
+            "(a number as the epoch loss expected, found '0.5')",
+        ),
+        (
+            lambda tensors, meta: meta["run"]["progress"].update(count=10**6),
+            "rows (those of the epoch's 3 batch(es) done) expected, found 1000000)",
+        ),
     ],
 )
 def test_a_checkpoint_whose_state_this_run_would_not_hold_is_refused_before_training(

@@ -277,6 +277,11 @@ class Method(Protocol):
         """How many training steps :meth:`fit` runs (for progress reporting)."""
         ...
 
+    def epoch_samplers(self) -> list[BatchSampler]:
+        """The sampler of every epoch :meth:`fit` trains, in order (a resumed run's position
+        is checked against them)."""
+        ...
+
     def fit(
         self, *, on_step: StepCallback | None = None, progress: TrainingProgress | None = None
     ) -> list[float]:

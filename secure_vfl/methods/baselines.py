@@ -182,6 +182,9 @@ class ConcatFusionMethod:
     def total_steps(self) -> int:
         return len(self.sampler) * self.config.epochs
 
+    def epoch_samplers(self) -> list[BatchSampler]:
+        return [self.sampler] * self.config.epochs
+
     @fits_once
     def fit(
         self, *, on_step: StepCallback | None = None, progress: TrainingProgress | None = None
@@ -388,6 +391,9 @@ class Combinatorial:
     @property
     def total_steps(self) -> int:
         return len(self.sampler) * self.config.epochs
+
+    def epoch_samplers(self) -> list[BatchSampler]:
+        return [self.sampler] * self.config.epochs
 
     @fits_once
     def fit(

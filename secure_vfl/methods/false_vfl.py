@@ -716,6 +716,10 @@ class FalseVflMethod:
         """Training steps of both stages (for progress reporting)."""
         return len(self.sampler) * self._epochs(1) + len(self.labeled_sampler) * self._epochs(2)
 
+    def epoch_samplers(self) -> list[BatchSampler]:
+        """Stage 1's epochs over every training row, then stage 2's over the labelled ones."""
+        return [self.sampler] * self._epochs(1) + [self.labeled_sampler] * self._epochs(2)
+
     def _epochs(self, stage: int) -> int:
         chosen = self.options.pretrain_epochs if stage == 1 else self.options.train_epochs
         return chosen if chosen is not None else self.config.epochs

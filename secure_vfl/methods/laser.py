@@ -47,7 +47,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from secure_vfl.data.samplers import loss_normaliser
+from secure_vfl.data.samplers import BatchSampler, loss_normaliser
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import ConfigError, ProtocolError
 from secure_vfl.federation.aggregator import SumBackend
@@ -349,6 +349,9 @@ class MeanFusionMethod:
     @property
     def total_steps(self) -> int:
         return len(self.sampler) * self.config.epochs
+
+    def epoch_samplers(self) -> list[BatchSampler]:
+        return [self.sampler] * self.config.epochs
 
     @fits_once
     def fit(
