@@ -548,16 +548,17 @@ def restore_run(
         losses = position["losses"]
         if not isinstance(losses, list):
             raise TypeError(f"the epochs' losses as a list expected, found {losses!r:.60}")
+        if not (order is None or isinstance(order, list)):
+            raise TypeError(f"the epoch's batch order as a list expected, found {type(order)}")
         progress = TrainingProgress(
             epoch=_integer(position, "epoch"),
             step=_integer(position, "step"),
             batch=_integer(position, "batch"),
-            order=None if order is None else [t.numpy().astype(np.int64) for t in order],
+            order=None if order is None else [t.numpy() for t in order],
             total=_number(position["total"], "loss total"),
             count=_integer(position, "count"),
             losses=[_number(loss, "epoch loss") for loss in losses],
         )
-        _check_progress(progress, method.epoch_samplers(), step=step)
         fed.generator.set_state(tensors["plan_generator"])
         fed.rng.bit_generator.state = meta["epoch_generator"]
         fed.queries = int(meta["queries"])
@@ -570,6 +571,16 @@ def restore_run(
             f"{where}: a run position expected, found otherwise ({error})."
         ) from None
     restore_schedule(method.sampler, tensors, meta, where=where)
+    try:
+        _check_progress(progress, method.epoch_samplers(), step=step)
+    except DataError as error:  # the epoch's batch order (after its Poisson schedule)
+        raise IntegrityError(f"{where}: {error}") from None
+    except ValueError as error:
+        raise IntegrityError(
+            f"{where}: a run position expected, found otherwise ({error})."
+        ) from None
+    if progress.order is not None:
+        progress.order = [batch.astype(np.int64) for batch in progress.order]
     return progress
 
 
@@ -593,7 +604,8 @@ def _check_progress(
     (``samplers``: the sampler of each of its epochs, :meth:`~secure_vfl.methods.base.Method.
     epoch_samplers`): counts >= 0, one loss per finished epoch, an epoch of the run, the next
     batch within the epoch's order (0 before it is drawn) and the steps of the epochs before
-    and of the batches done, the rows of those batches counted and a finite loss total."""
+    and of the batches done, the epoch's batch order as its sampler draws them (DataError),
+    the rows of the batches done counted and a finite loss total."""
     counts = {"epoch": progress.epoch, "step": progress.step, "batch": progress.batch}
     negative = [f"{name} {value}" for name, value in counts.items() if value < 0]
     if negative or progress.count < 0:
@@ -612,6 +624,8 @@ def _check_progress(
     batches = 0 if progress.order is None else len(progress.order)
     if progress.batch > batches:
         raise ValueError(f"a batch of at most {batches} expected, found {progress.batch}")
+    if progress.order is not None:  # DataError unless the sampler would have drawn it
+        samplers[progress.epoch].check_order(progress.order)
     reached = sum(len(sampler) for sampler in samplers[: progress.epoch]) + progress.batch
     if progress.step != reached:
         raise ValueError(
@@ -650,7 +664,11 @@ def restore_schedule(
     if isinstance(sampler, PoissonSampler):
         schedule = tensors.get("schedule")
         next_epoch = saved.get("next_epoch") if isinstance(saved, dict) else None
-        if not isinstance(schedule, list) or not isinstance(next_epoch, int):
+        if not (
+            isinstance(schedule, list)
+            and all(isinstance(epoch, list) for epoch in schedule)
+            and isinstance(next_epoch, int)
+        ):
             raise IntegrityError(
                 f"{where}: a Poisson schedule and its next epoch expected; found "
                 f"{type(schedule).__name__} and {next_epoch!r}."

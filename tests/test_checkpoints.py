@@ -358,6 +358,16 @@ def _first(mapping: dict[str, Any]) -> Any:
     return mapping[next(iter(mapping))]
 
 
+def _last_batch(change: Any) -> Any:
+    """An alteration of a checkpoint: the last batch of its epoch's order made ``change(it)``."""
+
+    def alter(tensors: dict[str, Any], meta: dict[str, Any]) -> None:
+        order = tensors["run"]["order"]
+        order[-1] = change(order[-1].clone())
+
+    return alter
+
+
 @pytest.mark.parametrize(
     ("alter", "message"),
     [
@@ -428,6 +438,25 @@ def _first(mapping: dict[str, Any]) -> Any:
         (
             lambda tensors, meta: meta["run"]["progress"].update(count=10**6),
             "rows (those of the epoch's 3 batch(es) done) expected, found 1000000)",
+        ),
+        # batch orders the sampler never draws: an index out of range was an IndexError
+        # mid-run, a 2-D batch a ValueError; bool and repeated indices trained other rows
+        (
+            _last_batch(lambda batch: batch + 10**6),
+            "batch 7 of the epoch's order: row indices in [0, 447) expected, found 1000",
+        ),
+        (
+            _last_batch(lambda batch: batch.reshape(1, -1)),
+            "batch 7 of the epoch's order: a 1-D array of row indices expected, found int64 of "
+            "shape (1, ",
+        ),
+        (
+            _last_batch(lambda batch: batch > 100),
+            "batch 7 of the epoch's order: a 1-D array of row indices expected, found bool",
+        ),
+        (
+            _last_batch(lambda batch: torch.cat([batch[:1], batch[:-1]])),
+            "an epoch's batch order that holds each of its 447 rows once expected; found row ",
         ),
     ],
 )
@@ -750,6 +779,40 @@ def test_a_resumed_dp_run_keeps_its_secure_poisson_schedule(
     # (one step per draw, an empty one included: a noise-only step)
     assert releases["dp-sgd"] == len(killed.poisson.schedule) == killed.poisson.draws
     assert releases["dp-sgd-discarded"] == STOP - 10
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda draw: draw + 10**6, "row indices in [0, 450) expected, found 1000"),
+        (lambda draw: draw.reshape(1, -1), "a 1-D array of row indices expected, found int64"),
+        (lambda draw: draw.double(), "a 1-D array of row indices expected, found float64"),
+        (lambda draw: draw.flip(0), "distinct candidate rows in their order expected; found row"),
+        (
+            lambda draw: torch.cat([draw[:1], draw]),
+            "distinct candidate rows in their order expected; found row",
+        ),
+    ],
+)
+def test_a_poisson_schedule_that_was_never_drawn_is_refused_before_training(
+    tmp_path: Path, make_data: MakeData, one_thread: None, change: Any, message: str
+) -> None:
+    """A draw of the checkpointed schedule is a sorted set of candidate rows: an index out of
+    range failed with an IndexError after training, a 2-D one with a ValueError, and a float,
+    repeated or unsorted one was taken."""
+    config = _config()
+    data = make_data(train_missing="mcar:0")
+    plan = CheckpointPlan(directory=tmp_path, every=EVERY, settings=_settings(config))
+    with pytest.raises(Killed):
+        _train(config, data, plan=plan, on_step=_kill_at(STOP), privacy=_dp_engine())
+    point = find_resume_point(tmp_path, label_party="party-0", settings=_settings(config))
+    schedule = point.label.tensors["run"]["schedule"]
+    schedule[-1][0] = change(schedule[-1][0])
+    resume = CheckpointPlan(directory=tmp_path, resume=point, settings=_settings(config))
+    where = str(step_directory(tmp_path, "party-0", 10))
+    expected = f"{where}: draw 1 of epoch 3 of the Poisson schedule: {message}"
+    with pytest.raises(IntegrityError, match=re.escape(expected)):
+        _train(config, data, plan=resume, privacy=_dp_engine())
 
 
 def test_a_party_restores_only_a_state_that_fits_it(

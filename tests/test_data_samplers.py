@@ -65,6 +65,30 @@ def test_mixed_epoch_covers_all_once_and_reshuffles():
     )
 
 
+@pytest.mark.parametrize("kind", ["grouped", "mixed", "subset"])
+def test_a_sampler_takes_back_only_an_epoch_it_could_have_drawn(mask, kind):
+    """A resumed run's batch order (from its checkpoint) is checked by its sampler: every row
+    once, in the batches it cuts (one observed set each, when grouped)."""
+    rows = np.arange(0, mask.shape[0], 2) if kind == "subset" else None
+    sampler = make_sampler("mixed" if kind == "mixed" else "grouped", mask, 16, rows=rows)
+    order = list(sampler.epoch(np.random.default_rng(1)))
+    sampler.check_order(order)
+    other = [order[0][:8], order[0][8:], *order[1:]]  # the same rows, cut otherwise
+    with pytest.raises(DataError, match="batch"):
+        sampler.check_order(other)
+    with pytest.raises(DataError, match="rows once expected; found row"):
+        sampler.check_order([order[0][::-1].copy() if k == 1 else b for k, b in enumerate(order)])
+    with pytest.raises(DataError, match="a 1-D array of row indices expected, found float64"):
+        sampler.check_order([b.astype(np.float64) for b in order])
+    if kind != "mixed":
+        a, b = (next(x for x in order if mask[x[0], 0] == v) for v in (True, False))
+        swapped = [
+            np.r_[b[:1], x[1:]] if x is a else np.r_[a[:1], x[1:]] if x is b else x for x in order
+        ]
+        with pytest.raises(DataError, match="samples of one observed set of parties expected"):
+            sampler.check_order(swapped)
+
+
 def test_make_sampler_by_name(mask):
     assert isinstance(make_sampler("grouped", mask, 8), GroupedSampler)
     mixed = make_sampler("mixed", mask, 8)

@@ -8,8 +8,8 @@ Differentially private training replaces either by a :class:`PoissonSampler`
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Literal, Protocol
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -32,6 +32,59 @@ class BatchSampler(Protocol):
 
     def __len__(self) -> int: ...
 
+    def check_order(self, order: Sequence[Any]) -> None:
+        """DataError unless ``order`` is an epoch's batches this sampler could have yielded (a
+        resumed run's, from its checkpoint)."""
+        ...
+
+
+def _check_indices(batch: Any, n: int, what: str) -> None:
+    """DataError unless ``batch`` is a 1-D array of integers in [0, n)."""
+    if not (
+        isinstance(batch, np.ndarray) and batch.ndim == 1 and np.issubdtype(batch.dtype, np.integer)
+    ):
+        found = (
+            f"{batch.dtype} of shape {batch.shape}"
+            if isinstance(batch, np.ndarray)
+            else type(batch).__name__
+        )
+        raise DataError(f"{what}: a 1-D array of row indices expected, found {found}.")
+    outside = batch[(batch < 0) | (batch >= n)]
+    if outside.size:
+        raise DataError(f"{what}: row indices in [0, {n}) expected, found {outside[0]}.")
+
+
+def _check_epoch(order: Sequence[Any], rows: np.ndarray, n: int) -> None:
+    """DataError unless ``order`` is batches of row indices in [0, n) that together hold each
+    of ``rows`` (distinct) once."""
+    for k, batch in enumerate(order):
+        _check_indices(batch, n, f"batch {k + 1} of the epoch's order")
+    joined = np.concatenate([np.zeros(0, dtype=np.int64), *order]).astype(np.int64)
+    values, counts = np.unique(joined, return_counts=True)
+    if values.size == joined.size == rows.size and np.array_equal(values, np.sort(rows)):
+        return
+    stray, twice = np.setdiff1d(values, rows), values[counts > 1]
+    found = (
+        f"row {stray[0]}, not one of them"
+        if stray.size
+        else f"row {twice[0]} more than once"
+        if twice.size
+        else f"{rows.size - values.size} of them missing"
+    )
+    raise DataError(
+        f"an epoch's batch order that holds each of its {rows.size} rows once expected; found "
+        f"{found}."
+    )
+
+
+def _cut(size: int, batch_size: int) -> list[int]:
+    """The sizes of the batches ``size`` rows are cut into (the last one smaller)."""
+    return [min(batch_size, size - start) for start in range(0, size, batch_size)]
+
+
+def _sizes(sizes: list[int]) -> str:
+    return f"{len(sizes)} batch(es) of {sizes[:8]}{'...' if len(sizes) > 8 else ''} rows"
+
 
 class GroupedSampler:
     """Batches in which all samples have the same availability-mask row (LASER-VFL).
@@ -51,6 +104,8 @@ class GroupedSampler:
         inverse = inverse.reshape(-1)
         self.patterns: np.ndarray = patterns
         """(B, K): the distinct mask rows, one per bucket."""
+        self.bucket_of: np.ndarray = inverse
+        """(N,) the bucket of each sample."""
         by_bucket = np.argsort(inverse, kind="stable").astype(np.int64)
         ends = np.cumsum(np.bincount(inverse, minlength=len(patterns)))[:-1]
         self.buckets: list[np.ndarray] = np.split(by_bucket, ends) if len(patterns) else []
@@ -70,6 +125,28 @@ class GroupedSampler:
             )
         for position in rng.permutation(len(batches)):
             yield batches[position]
+
+    def check_order(self, order: Sequence[Any]) -> None:
+        """Every sample once, each batch from one bucket, each bucket cut into batches of
+        ``batch_size`` (its last one smaller)."""
+        _check_epoch(order, np.arange(self.bucket_of.size), self.bucket_of.size)
+        sizes: dict[int, list[int]] = {}
+        for k, batch in enumerate(order):
+            buckets = np.unique(self.bucket_of[batch])
+            if buckets.size != 1:
+                raise DataError(
+                    f"batch {k + 1} of the epoch's order: samples of one observed set of parties "
+                    f"expected (grouped batching), found {buckets.size} sets."
+                )
+            sizes.setdefault(int(buckets[0]), []).append(batch.size)
+        for b, bucket in enumerate(self.buckets):
+            expected = _cut(bucket.size, self.batch_size)
+            if sorted(sizes.get(b, [])) != sorted(expected):
+                raise DataError(
+                    f"the {bucket.size} samples of observed set {b + 1} in "
+                    f"{_sizes(sorted(expected))} expected; found "
+                    f"{_sizes(sorted(sizes.get(b, [])))}."
+                )
 
 
 class MixedSampler:
@@ -91,6 +168,15 @@ class MixedSampler:
         for start in range(0, self.n, self.batch_size):
             yield order[start : start + self.batch_size]
 
+    def check_order(self, order: Sequence[Any]) -> None:
+        """Every sample once, in batches of ``batch_size`` (the last one smaller)."""
+        _check_epoch(order, np.arange(self.n), self.n)
+        expected, found = _cut(self.n, self.batch_size), [len(batch) for batch in order]
+        if found != expected:
+            raise DataError(
+                f"an epoch's batch order of {_sizes(expected)} expected; found {_sizes(found)}."
+            )
+
 
 class SubsetSampler:
     """A sampler over some training rows (``rows``), yielding indices into the full set."""
@@ -105,6 +191,14 @@ class SubsetSampler:
     def epoch(self, rng: np.random.Generator) -> Iterator[np.ndarray]:
         for batch in self.inner.epoch(rng):
             yield self.rows[batch]
+
+    def check_order(self, order: Sequence[Any]) -> None:
+        """Every one of ``rows`` once, cut into batches as the inner sampler cuts them."""
+        n = int(self.rows.max(initial=-1)) + 1
+        _check_epoch(order, self.rows, n)
+        position = np.zeros(n, dtype=np.int64)
+        position[self.rows] = np.arange(self.rows.size)
+        self.inner.check_order([position[batch] for batch in order])
 
 
 def make_sampler(
@@ -206,7 +300,8 @@ class PoissonSampler:
 
     def restore(self, epochs: list[list[np.ndarray]], *, next_epoch: int) -> None:
         """Take back a schedule drawn before (a resumed run's, from its checkpoint), of as many
-        epochs as this one, each of as many draws, ``next_epoch`` of them handed out already."""
+        epochs as this one, each of as many draws, ``next_epoch`` of them handed out already;
+        each draw a 1-D integer array of distinct candidate rows in their order (as drawn)."""
         if len(epochs) != len(self.epochs) or not 0 <= next_epoch <= len(epochs):
             raise DataError(
                 f"a schedule of {len(self.epochs)} epochs, at most that many handed out, "
@@ -220,11 +315,39 @@ class PoissonSampler:
                 "checkpoint of an earlier release, which left empty draws out: its run cannot "
                 "be resumed by this one)."
             )
+        position = np.full(self.n, -1, dtype=np.int64)
+        position[self.rows] = np.arange(self.rows.size)
+        for k, epoch in enumerate(epochs):
+            for t, batch in enumerate(epoch):
+                what = f"draw {t + 1} of epoch {k + 1} of the Poisson schedule"
+                _check_indices(batch, self.n, what)
+                picked = position[batch]
+                stray, back = np.flatnonzero(picked < 0), np.flatnonzero(np.diff(picked) <= 0)
+                if stray.size or back.size:
+                    found = (
+                        f"row {batch[stray[0]]}, not a candidate"
+                        if stray.size
+                        else f"row {batch[back[0] + 1]} after row {batch[back[0]]}"
+                    )
+                    raise DataError(
+                        f"{what}: distinct candidate rows in their order expected; found {found}."
+                    )
         self.epochs = [[np.asarray(batch, dtype=np.int64) for batch in e] for e in epochs]
         self._next = next_epoch
 
     def __len__(self) -> int:
         return self.steps_per_epoch
+
+    def check_order(self, order: Sequence[Any]) -> None:
+        """The draws of the schedule's epoch handed out last, as drawn."""
+        drawn = self.epochs[self._next - 1] if self._next else []
+        for k, batch in enumerate(order):
+            _check_indices(batch, self.n, f"batch {k + 1} of the epoch's order")
+        if not self._next or len(order) != len(drawn) or not all(map(np.array_equal, order, drawn)):
+            raise DataError(
+                f"the draws of epoch {self._next} of the Poisson schedule as the epoch's batch "
+                "order expected; found other batches."
+            )
 
     def epoch(self, rng: np.random.Generator) -> Iterator[np.ndarray]:
         """Yield the next epoch's drawn batches (``rng`` is not used; see the class)."""
