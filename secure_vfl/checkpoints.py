@@ -52,7 +52,7 @@ from secure_vfl import tensor_file
 from secure_vfl.data.samplers import BatchSampler, PoissonSampler
 from secure_vfl.errors import ConfigError, DataError, IntegrityError, ProtocolError, RunWarning
 from secure_vfl.federation.parts import sha256, unwrapped
-from secure_vfl.io import atomic_directory, atomic_write_text, parse_json
+from secure_vfl.io import atomic_directory, atomic_write_text, check_keys, parse_json
 from secure_vfl.methods.base import CHECKPOINT, StepCallback, TrainingProgress
 
 if TYPE_CHECKING:
@@ -181,7 +181,7 @@ def _restore_optimizer(
     """Put the checkpoint's state of an optimiser back, or refuse (IntegrityError) what this
     run's optimiser would not hold: parameter groups other than its own (they follow from the
     run's settings, which a resume repeats), per-parameter state that is neither a tensor of
-    its parameter's shape (or a scalar) nor a finite number or None."""
+    its parameter's shape (a scalar for ``step``) nor a finite number or None."""
     kept = meta.get("state") if isinstance(meta, Mapping) else None
     saved = meta.get("param_groups") if isinstance(meta, Mapping) else None
     parts: list[Mapping[str, Any]] = []
@@ -222,10 +222,11 @@ def _restore_optimizer(
     for group in optimizer.param_groups:
         for parameter in group["params"]:
             for key, value in optimizer.state.get(parameter, {}).items():
-                if isinstance(value, Tensor) and value.dim() and value.shape != parameter.shape:
+                shape = () if key == "step" else tuple(parameter.shape)  # Adam's step: a scalar
+                if isinstance(value, Tensor) and tuple(value.shape) != shape:
                     raise IntegrityError(
-                        f"{what}: state {key!r} of shape {tuple(value.shape)} for a parameter "
-                        f"of shape {tuple(parameter.shape)}; refused."
+                        f"{what}: state {key!r} of shape {shape} expected, found "
+                        f"{tuple(value.shape)}."
                     )
 
 
@@ -286,7 +287,7 @@ def restore_party_state(
                 generator.bit_generator.state = saved_generators[name]
         for key, hook in hooks.items():
             hook.restore_checkpoint(meta["hooks"][key])
-    except (RuntimeError, ValueError, KeyError, TypeError) as error:
+    except (RuntimeError, ValueError, KeyError, TypeError, OverflowError) as error:
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise IntegrityError(f"{where}: the state does not fit {party.name} ({first}).") from None
     releases = meta.get("accountant")
@@ -563,10 +564,22 @@ def restore_run(
         fed.rng.bit_generator.state = meta["epoch_generator"]
         fed.queries = int(meta["queries"])
         dropped, faults = dropped_parties(meta), meta.get("faults", [])
-        if not (isinstance(faults, list) and all(isinstance(f, dict) for f in faults)):
+        if not isinstance(faults, list):
             raise TypeError(f"faults as a list of entries expected, found {faults!r:.60}")
+        for fault in faults:
+            rejoined = isinstance(fault, dict) and "restored" in fault
+            keys = FAULT_KEYS | ({"restored": int} if rejoined else {})
+            check_keys(fault, keys, refuse=lambda wrong: TypeError(f"a fault entry's {wrong}"))
         fed.restore_losses(dropped, faults)
-    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError, ProtocolError) as error:
+    except (
+        KeyError,
+        TypeError,
+        ValueError,
+        RuntimeError,
+        AttributeError,
+        OverflowError,
+        ProtocolError,
+    ) as error:
         raise IntegrityError(
             f"{where}: a run position expected, found otherwise ({error})."
         ) from None
@@ -582,6 +595,17 @@ def restore_run(
     if progress.order is not None:
         progress.order = [batch.astype(np.int64) for batch in progress.order]
     return progress
+
+
+FAULT_KEYS: dict[str, type | tuple[type, ...]] = {
+    "party": str,
+    "step": int,
+    "epoch": (int, type(None)),
+    "phase": str,
+    "what": str,
+}
+"""An entry of a run's ``faults`` (:class:`~secure_vfl.methods.base.Federation`), as a
+checkpoint keeps it; a rejoined party's may say the step of the checkpoint it ``restored``."""
 
 
 def _integer(position: Mapping[str, Any], name: str) -> int:

@@ -26,6 +26,7 @@ from secure_vfl.checkpoints import (
     find_resume_point,
     journal_path,
     party_state,
+    restore_party_state,
     step_directory,
     write_checkpoint,
     written_steps,
@@ -389,7 +390,30 @@ def _last_batch(change: Any) -> Any:
             lambda tensors, meta: _first(tensors["optimizers"])["0"].update(
                 momentum_buffer=torch.zeros(3)
             ),
-            "state 'momentum_buffer' of shape (3,) for a parameter of shape",
+            "state 'momentum_buffer' of shape (128, 4) expected, found (3,).",
+        ),
+        (  # a 0-dim buffer was taken for a scalar and torch's sgd raised at the first step
+            lambda tensors, meta: _first(tensors["optimizers"])["0"].update(
+                momentum_buffer=torch.tensor(0.5)
+            ),
+            "state 'momentum_buffer' of shape (128, 4) expected, found ().",
+        ),
+        (  # numpy's OverflowError came through as a traceback
+            lambda tensors, meta: meta["run"]["epoch_generator"]["state"].update(state=-1),
+            "a run position expected, found otherwise (Python integer -1 out of bounds",
+        ),
+        (  # a fault without its keys: the summary raised KeyError after result.json was written
+            lambda tensors, meta: meta["run"].update(faults=[{"party": "party-1"}]),
+            "(a fault entry's keys ['epoch', 'party', 'phase', 'step', 'what'] expected, found "
+            "['party']).",
+        ),
+        (
+            lambda tensors, meta: meta["run"].update(
+                faults=[
+                    {"party": "party-1", "step": "2", "epoch": 1, "phase": "training", "what": ""}
+                ]
+            ),
+            '(a fault entry\'s `step` of type int expected, found str "2").',
         ),
         (
             lambda tensors, meta: meta.update(generators=[]),
@@ -833,3 +857,16 @@ def test_a_party_restores_only_a_state_that_fits_it(
             make_data(),
             plan=CheckpointPlan(directory=tmp_path, resume=point, settings=_settings(config)),
         )
+
+
+def test_a_party_generator_state_out_of_range_is_refused(
+    make_data: MakeData, one_thread: None
+) -> None:
+    """numpy's OverflowError on a state of -1 came through restore as a traceback."""
+    _, channel = _train(_config(epochs=1), make_data())
+    party = in_process_parties(channel)[1]
+    party.sampling = np.random.default_rng(0)  # a generator of its own, as a role holds
+    tensors, meta = party_state(party)
+    meta["generators"]["sampling"]["state"]["state"] = -1
+    with pytest.raises(IntegrityError, match=r"here: the state does not fit party-1 \(Python int"):
+        restore_party_state(party, tensors, meta, where="here")
