@@ -237,6 +237,7 @@ def restore_party_state(
     *,
     where: str,
     journal: Path | None = None,
+    journal_into: Path | None = None,
     run_id: str = "",
     rejoining: bool = False,
 ) -> int:
@@ -244,7 +245,8 @@ def restore_party_state(
     and accountant as it was written from), or refuse with what differs (IntegrityError). A
     party with an accountant also takes the releases its journal under ``journal`` (the
     checkpoints' root) recorded after the checkpoint (:func:`lost_releases`) and restarts the
-    journal; returns how many of those its accountant prices.
+    journal, under ``journal_into`` (the root the run writes its checkpoints into from now on;
+    ``journal`` by default); returns how many of those its accountant prices.
 
     ``rejoining``: the party rejoins run ``run_id``, which went on past that checkpoint. Unlike
     a resumed run, the run will not ask it again for the rows of the steps since, so its
@@ -318,7 +320,7 @@ def restore_party_state(
             f"({error})."
         ) from None
     if journal is not None:
-        start_journal(journal, party, run_id, notes=notes)
+        start_journal(journal_into or journal, party, run_id, notes=notes)
     if added:
         warnings.warn(  # a run warning: printed as one, and kept in result.json's warnings
             f"{party.name}: {added} release(s) of the killed run after {where} are priced too "
@@ -1061,7 +1063,9 @@ class RunCheckpoints:
     def start_parties(self, parties: Sequence[DataParty]) -> None:
         """Every party of this process restores its own state from its checkpoint of the
         resumed step (the parties elsewhere have restored theirs when they were started), and
-        each DP party journals its releases from now on (:class:`ReleaseJournal`)."""
+        each DP party journals its releases from now on (:class:`ReleaseJournal`): its journal
+        of the killed run is read beside that checkpoint, and goes on in ``plan.directory``
+        (another directory, where a resumed run writes its checkpoints elsewhere)."""
         point = self.plan.resume
         root = self.plan.directory
         if point is None:
@@ -1093,8 +1097,14 @@ class RunCheckpoints:
                 )
             )
             where = str(step_directory(point.root, party.name, point.step))
-            restore_party_state(
-                party, saved.tensors, saved.meta, where=where, journal=root, run_id=self.run_id
+            restore_party_state(  # the journal beside the checkpoint goes on beside the new ones
+                party,
+                saved.tensors,
+                saved.meta,
+                where=where,
+                journal=point.root,
+                journal_into=root,
+                run_id=self.run_id,
             )
 
     def _write_elsewhere(

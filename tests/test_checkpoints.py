@@ -733,6 +733,36 @@ def test_a_resumed_dp_run_prices_the_whole_run_and_the_killed_runs_lost_releases
     }
 
 
+def test_a_dp_run_resumed_into_another_directory_journals_there_and_resumes_from_it(
+    tmp_path: Path, make_data: MakeData, one_thread: None
+) -> None:
+    """A DP resume with its checkpoints in a new directory looked for the killed run's
+    release journal there ("... expected; found none"): it is read beside the checkpoint, and
+    goes on beside the new checkpoints, from which the run resumes again."""
+    config, settings = _config(), _settings(_config())
+    data = make_data(train_missing="mcar:0")
+    old, new = tmp_path / "old", tmp_path / "new"
+    with pytest.raises(Killed):
+        plan = CheckpointPlan(directory=old, every=EVERY, settings=settings)
+        _train(config, data, plan=plan, on_step=_kill_at(STOP), privacy=_dp_engine())
+    journals = [journal_path(old, f"party-{k}").read_text() for k in range(4)]
+    point = find_resume_point(old, label_party="party-0", settings=settings)
+    with pytest.raises(Killed):  # killed again, 3 steps after its checkpoint of step 20
+        plan = CheckpointPlan(directory=new, every=EVERY, resume=point, settings=settings)
+        _train(config, data, plan=plan, on_step=_kill_at(23), privacy=_dp_engine())
+    assert [journal_path(old, f"party-{k}").read_text() for k in range(4)] == journals
+    assert written_steps(new, "party-0") == [20]
+    point = find_resume_point(new, label_party="party-0", settings=settings)
+    engine = _dp_engine()
+    plan = CheckpointPlan(directory=new, resume=point, settings=settings)
+    result, _ = _train(config, data, plan=plan, privacy=engine)
+    assert result.privacy is not None and engine.poisson is not None
+    for name, releases in result.privacy["releases"].items():
+        # every draw once in the model kept, and the steps after each kill's checkpoint apart
+        assert releases["dp-sgd"] == engine.poisson.draws, name
+        assert releases["dp-sgd-discarded"] == (STOP - 10) + (23 - 20), name
+
+
 def test_a_release_journal_that_does_not_fit_its_checkpoint_is_refused(
     tmp_path: Path, make_data: MakeData, one_thread: None
 ) -> None:
