@@ -122,6 +122,15 @@ class _Parser(argparse.ArgumentParser):
 
 
 SECURE_AGGREGATORS = ["none", "masks", "paillier", "ckks"]
+SETTING_FLAGS = {
+    "train_missing": "--missing-train or --p-miss-train",
+    "test_missing": "--missing-test or --p-miss-test",
+    "adjacency": "--dp-adjacency",
+    "party_files": "--party-file",
+    "party_names": "--party-name",
+}
+"""The flags that set a run's settings stored under other names than theirs (the rest are
+found by the name the flag's value is stored under: ``lr`` -> ``--lr``)."""
 DP_FLAGS = {"embedding": "--dp-embeddings", "gradient": "--dp-gradients", "dp-sgd": "--dp-sgd"}
 
 
@@ -693,7 +702,7 @@ def build_parser() -> argparse.ArgumentParser:
     _deployment_flags(train, _training_flags(train))
     _checkpoint_flags(train)
     # A resume names the flag that set a setting it refuses (--lr for method_config.lr).
-    train.set_defaults(flag_names=train.options())
+    train.set_defaults(flag_names={**train.options(), **SETTING_FLAGS})
     _party_command(commands)
 
     attack = commands.add_parser(

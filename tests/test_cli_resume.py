@@ -128,6 +128,27 @@ def test_resume_with_another_flag_is_refused_in_one_line_before_any_work(
     assert not (out / "result.json").exists()
 
 
+def test_a_refused_resume_names_the_flag_of_a_setting_stored_under_another_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The flag was looked up by the setting's name: `train_missing`, `test_missing` and
+    `privacy.adjacency` were refused without the flags that set them."""
+    checkpoints = tmp_path / "checkpoints"
+    argv = [*RUN, "--epochs", "1", "--batching", "mixed", "--dp-embeddings", "1.0:1.0"]
+    argv += ["--checkpoint-every", "5", "--checkpoint-dir", str(checkpoints)]
+    assert main([*argv, "--out", str(tmp_path / "first")]) == 0
+    resumed = [*argv, "--out", str(tmp_path / "resumed"), "--resume", str(checkpoints)]
+    for flags, differs in [
+        (["--missing-train", "mcar:0.2"], "`train_missing` (--missing-train or --p-miss-train)"),
+        (["--p-miss-test", "0.3"], "`test_missing` (--missing-test or --p-miss-test)"),
+        (["--dp-adjacency", "add-remove"], "`privacy.adjacency` (--dp-adjacency)"),
+    ]:
+        capsys.readouterr()
+        assert main([*resumed, *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"{differs} differs (checkpoint: " in err, err
+
+
 def test_a_tampered_checkpoint_is_refused_in_one_line(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
