@@ -2107,7 +2107,9 @@ def _checkpoint_plan(
             )
         _refuse_stale_checkpoints(out / CHECKPOINTS_DIR, out, label_party, args.overwrite)
         return None
-    settings = {**config.to_json(), "privacy": _privacy_settings(args)}
+    settings = _files_resolved(
+        {**config.to_json(), "privacy": _privacy_settings(args)}, parties_here=check_parties
+    )
     resume = None
     if args.resume is not None:
         if not Path(args.resume).is_dir():
@@ -2144,6 +2146,25 @@ def _checkpoint_plan(
         settings=settings,
         label_party=label_party,
     )
+
+
+def _files_resolved(settings: dict[str, Any], *, parties_here: bool) -> dict[str, Any]:
+    """``settings`` with the run's files named by their absolute, resolved paths, as its
+    checkpoints record them and a resume compares them: the same files given by relative or
+    absolute paths (or through a link) are the same run's; their contents are compared apart
+    (each party's training data by its SHA-256). Party files elsewhere (``parties_here``
+    false: a deployment's, on their parties' machines) are kept as given."""
+
+    def resolved(path: str | None) -> str | None:
+        return None if path is None else str(Path(path).resolve())
+
+    files = settings["party_files"]
+    return {
+        **settings,
+        "party_files": [resolved(path) for path in files] if parties_here else files,
+        "label_file": resolved(settings["label_file"]),
+        "test_file": resolved(settings["test_file"]),
+    }
 
 
 def _refuse_stale_checkpoints(

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_cli_own_data import train_argv, write_case
 
 from secure_vfl import tensor_file
 from secure_vfl.checkpoints import written_steps
@@ -147,6 +148,22 @@ def test_a_refused_resume_names_the_flag_of_a_setting_stored_under_another_name(
         assert main([*resumed, *flags]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and f"{differs} differs (checkpoint: " in err, err
+
+
+def test_a_resume_takes_the_same_files_given_by_relative_or_absolute_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The files' paths were compared as given: a run given pf/labels.csv was refused a resume
+    given /tmp/.../pf/labels.csv (`label_file` differs), though the files were the same."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pf").mkdir()
+    files = write_case(tmp_path / "pf")
+    checkpoints = ["--checkpoint-every", "2", "--checkpoint-dir"]
+    relative = [path.relative_to(tmp_path) for path in files]
+    assert main(train_argv(*relative, Path("first"), *checkpoints, "kept")) == 0
+    kept = str(tmp_path / "kept")
+    assert main(train_argv(*files, tmp_path / "resumed", *checkpoints, kept, "--resume", kept)) == 0
+    assert _result(tmp_path / "resumed")["checkpoints"]["resumed_from_step"] > 0
 
 
 def test_a_tampered_checkpoint_is_refused_in_one_line(
