@@ -2107,6 +2107,8 @@ def _checkpoint_plan(
             )
         _refuse_stale_checkpoints(out / CHECKPOINTS_DIR, out, label_party, args.overwrite)
         return None
+    if args.checkpoint_dir is not None:
+        _check_checkpoint_dir(args.checkpoint_dir, make=bool(args.checkpoint_every))
     settings = _files_resolved(
         {**config.to_json(), "privacy": _privacy_settings(args)}, parties_here=check_parties
     )
@@ -2146,6 +2148,23 @@ def _checkpoint_plan(
         settings=settings,
         label_party=label_party,
     )
+
+
+def _check_checkpoint_dir(directory: Path, *, make: bool) -> None:
+    """Refuse, before any work, a ``--checkpoint-dir`` that cannot hold checkpoints
+    (:func:`~secure_vfl.io.check_directory`; it failed at the first checkpoint, after training
+    began), and with ``make`` (the run writes checkpoints) make it: the system may refuse what
+    the permissions allow (``/proc/xyz``, to root). A failed command removes it again while it
+    is empty (an output flag's path: :func:`_paths_to_make`)."""
+    check_directory("--checkpoint-dir", directory)
+    if make:
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise ConfigError(
+                f"--checkpoint-dir {directory}: a directory, or a path where one can be made, "
+                f"expected; it cannot be made there ({error.strerror or error})."
+            ) from None
 
 
 def _files_resolved(settings: dict[str, Any], *, parties_here: bool) -> dict[str, Any]:

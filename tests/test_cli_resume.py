@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -194,12 +195,18 @@ def test_checkpoint_flags_that_cannot_apply_are_refused(
     a_file.write_text("id\n")
     assert main([*RUN, "--out", str(out), "--resume", str(a_file)]) == 2
     assert "checkpoints directory) expected; found a file." in capsys.readouterr().err
-    # a --checkpoint-dir that is a file failed at the first checkpoint, after training began
-    argv = [*RUN, "--checkpoint-every", "2", "--checkpoint-dir", str(a_file), "--out", str(out)]
-    assert main(argv) == 2
-    assert f"--checkpoint-dir {a_file}: a directory expected; found a file." in (
-        capsys.readouterr().err
-    )
+    # a --checkpoint-dir that is a file, or under one, or that the system will not make
+    # (/proc/xyz, even to root) failed at the first checkpoint, after training began
+    for directory, said in [
+        (a_file, f"--checkpoint-dir {a_file} is a file; a directory, or a path where one"),
+        (a_file / "sub", f"--checkpoint-dir {a_file / 'sub'} lies under {a_file}, a file;"),
+        (Path("/proc/xyz"), "--checkpoint-dir /proc/xyz: a directory"),
+    ]:
+        argv = [*RUN, "--checkpoint-every", "2", "--checkpoint-dir", str(directory)]
+        with patch("secure_vfl.experiment.run_training", side_effect=AssertionError("trained")):
+            assert main([*argv, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert said in err and len(err.strip().splitlines()) == 1, err
     assert not out.exists() or not (out / "result.json").exists()
 
 
