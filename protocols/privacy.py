@@ -322,6 +322,7 @@ class PrivacyEngine:
         self._statistics_clients: list[str] = []  # the clients it was planned for
         self._statistics_records: int | None = None  # every client's training rows
         self.value_range: SumRange | None = None
+        self._resumed_at = 0  # the step a resumed run goes on from (make_private)
         self._ranges_note = ""
         if spec.align == "psi":
             import protocols.psi  # noqa: F401  (registers the `psi` aligner)
@@ -508,11 +509,14 @@ class PrivacyEngine:
         method: str,
         method_config: MethodConfig,
         predictions: int,
+        resumed_at: int = 0,
     ) -> None:
         """Install every mechanism inside the party it protects, each with its own accountant
         and noise source (:class:`~protocols.party_privacy.PartyPrivacy`); calibrate SIGMA
         first when a target epsilon is given (after :meth:`sampler`, whose schedule the
-        calibration reads), unless :meth:`plan_parties` did."""
+        calibration reads), unless :meth:`plan_parties` did. ``resumed_at``: the step a
+        resumed run goes on from (:meth:`_noise_source`)."""
+        self._resumed_at = resumed_at
         if not self.noise:
             return
         sampler = self._sampler
@@ -651,9 +655,14 @@ class PrivacyEngine:
 
     def _noise_source(self, stream: int) -> NoiseSource:
         """A fresh secure noise source; only under ``insecure_reproducible_noise``, one
-        regenerated from (seed, ``stream``)."""
-        insecure = self.spec.insecure_reproducible_noise
-        return noise_source([self.spec.seed, stream] if insecure else None)
+        regenerated from (seed, ``stream``), and in a run resumed at step t > 0 from (seed,
+        ``stream``, t): no checkpoint keeps a stream's state, and restarted from the seed it
+        drew again the noise of the killed run's first steps."""
+        if not self.spec.insecure_reproducible_noise:
+            return noise_source(None)
+        return noise_source(
+            [self.spec.seed, stream, *([self._resumed_at] if self._resumed_at else [])]
+        )
 
     def statistics_mechanisms(self, task: ImputationTask) -> ClientStatisticsNoise | None:
         """The factory of each client's own statistics mechanism for ``task`` (None without

@@ -623,10 +623,11 @@ class PrivacyLayer(Protocol):
         method: str,
         method_config: methods.MethodConfig,
         predictions: int,
+        resumed_at: int = 0,
     ) -> None:
         """Install each mechanism inside the party it protects, with that party's accountant
         (``predictions``: the test splits the run predicts, whose releases a target epsilon
-        covers too)."""
+        covers too; ``resumed_at``: the step a resumed run goes on from)."""
         ...
 
     def report(self) -> dict[str, Any] | None:
@@ -733,6 +734,7 @@ def run_training(
             method=config.method,
             method_config=config.method_config,
             predictions=len(data.tests),  # each test record is released once per split
+            resumed_at=progress.step if progress is not None else 0,
         )
     steps = method.total_steps
     step_done = on_step

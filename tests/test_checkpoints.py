@@ -900,3 +900,46 @@ def test_a_party_generator_state_out_of_range_is_refused(
     meta["generators"]["sampling"]["state"]["state"] = -1
     with pytest.raises(IntegrityError, match=r"here: the state does not fit party-1 \(Python int"):
         restore_party_state(party, tensors, meta, where="here")
+
+
+def test_a_resumed_run_with_reproducible_noise_draws_none_of_the_killed_runs_noise_again(
+    tmp_path: Path, make_data: MakeData, one_thread: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No checkpoint keeps a noise stream's state: under --insecure-reproducible-noise a
+    resumed run regenerated each party's streams from (seed, stream), so its steps 10.. drew
+    the noise of the killed run's steps 0.. again, and the docs said it drew fresh noise. Its
+    streams are now regenerated from (seed, stream, the step it resumed at)."""
+    import protocols.privacy
+
+    seeds: list[list[int] | None] = []
+    drawn = protocols.privacy.noise_source
+
+    def recorded(seed: list[int] | None) -> Any:
+        seeds.append(seed)
+        return drawn(seed)
+
+    monkeypatch.setattr(protocols.privacy, "noise_source", recorded)
+    config, data = _config(), make_data(train_missing="mcar:0")
+    plan = CheckpointPlan(directory=tmp_path, every=EVERY, settings=_settings(config))
+    with pytest.raises(Killed):
+        _train(
+            config,
+            data,
+            plan=plan,
+            on_step=_kill_at(STOP),
+            privacy=_dp_engine(insecure_reproducible_noise=True),
+        )
+    first, seeds[:] = list(seeds), []
+    point = find_resume_point(tmp_path, label_party="party-0", settings=_settings(config))
+    resume = CheckpointPlan(
+        directory=tmp_path, every=EVERY, resume=point, settings=_settings(config)
+    )
+    _train(config, data, plan=resume, privacy=_dp_engine(insecure_reproducible_noise=True))
+    # The Poisson sample's stream (1) is the killed run's (its schedule is restored anyway);
+    # every party's mechanism streams go on from the step resumed at.
+    assert [0, 1] in first and [0, 1] in seeds
+    streams = [seed for seed in first if seed is not None and seed != [0, 1]]
+    assert streams and all(len(seed) == 2 for seed in streams)
+    resumed = [seed for seed in seeds if seed is not None and seed != [0, 1]]
+    step = STOP - STOP % EVERY
+    assert sorted(resumed) == sorted([*seed, step] for seed in streams)
