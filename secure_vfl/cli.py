@@ -2139,6 +2139,8 @@ def _checkpoint_plan(
     )
     if directory.exists() and not directory.is_dir():
         raise ConfigError(f"--checkpoint-dir {directory}: a directory expected; found a file.")
+    if args.checkpoint_every:
+        _lock_checkpoints(directory, out)
     if resume is None:  # a fresh run would replace a killed run's checkpoints
         _refuse_stale_checkpoints(directory, out, label_party, args.overwrite)
     return CheckpointPlan(
@@ -2148,6 +2150,21 @@ def _checkpoint_plan(
         settings=settings,
         label_party=label_party,
     )
+
+
+def _lock_checkpoints(directory: Path, out: Path) -> None:
+    """Hold the lock of the checkpoint ``directory`` a run writes into until the command ends,
+    unless it lies inside ``out`` (whose lock covers it): two runs resuming one killed run
+    into two --out folders wrote into its checkpoints at once, each removing the other's older
+    steps, and one failed ("party-1's checkpoint of step 8 expected; found none")."""
+    from secure_vfl.io import lock_directory
+
+    if directory.absolute().is_relative_to(out.absolute()):
+        return
+    release = lock_directory(directory, "--checkpoint-dir")
+    held = HELD.get()
+    if held is not None:
+        held.append(release)
 
 
 def _check_checkpoint_dir(directory: Path, *, make: bool) -> None:

@@ -277,3 +277,40 @@ def test_a_fresh_run_without_checkpoints_into_a_killed_runs_out_is_refused(
     shutil.rmtree(run / "model")
     assert main([*plain, "--overwrite"]) == 0
     assert (run / "result.json").exists() and not (run / "checkpoints").exists()
+
+
+def test_a_checkpoint_directory_another_command_writes_in_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Only --out was locked: two runs resuming one killed run into two --out folders wrote
+    into its checkpoints at once, each removing the other's older steps, and one failed
+    ("party-1's checkpoint of step 8 expected; found none"). The directory a run writes its
+    checkpoints into is now held as --out is (the test holds it as another command would)."""
+    from secure_vfl.io import LOCK_FILE, lock_directory
+
+    checkpoints = tmp_path / "checkpoints"
+    argv = [*RUN, "--checkpoint-every", "2", "--checkpoint-dir", str(checkpoints)]
+    release = lock_directory(checkpoints, "--checkpoint-dir")
+    try:
+        with patch("secure_vfl.experiment.run_training", side_effect=AssertionError("trained")):
+            assert main([*argv, "--out", str(tmp_path / "run")]) == 2
+    finally:
+        release()
+    err = capsys.readouterr().err
+    assert f"--checkpoint-dir {checkpoints}: a folder no other command writes in expected" in err
+    assert f"process {os.getpid()} is writing there" in err
+    # Free, it is held while the run trains (and let go after); inside --out, whose lock
+    # holds its checkpoints too, none is taken there.
+    out = tmp_path / "inside"
+    held: list[bool] = []
+
+    def trained(*_: Any, **__: Any) -> None:
+        held.append((checkpoints / LOCK_FILE).exists())
+        held.append((out / "checkpoints" / LOCK_FILE).exists())
+        raise KeyboardInterrupt
+
+    with patch("secure_vfl.experiment.run_training", side_effect=trained):
+        main([*argv, "--out", str(tmp_path / "run")])
+        main([*RUN, "--checkpoint-every", "2", "--out", str(out)])
+    assert held == [True, False, False, False]
+    assert not (checkpoints / LOCK_FILE).exists()
