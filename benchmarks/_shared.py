@@ -73,9 +73,18 @@ def command_line(script: str, argv: Sequence[str] | None) -> str:
 
 
 def write_outputs(out: Path, stem: str, text: str, payload: dict[str, Any]) -> None:
-    """``stem.md`` and ``stem.json`` under ``out``, each written atomically."""
+    """``stem.md`` and ``stem.json`` under ``out``, each written atomically; the JSON carries
+    the command that made it (``command``, else the report's first ``Command: `...``` line),
+    as the report does. ValueError where neither says it."""
+    import re
+
     from secure_vfl.io import atomic_write_json, atomic_write_text
 
+    if "command" not in payload:
+        stated = re.search(r"^Command: `([^`]+)`", text, re.MULTILINE)
+        if stated is None:
+            raise ValueError(f"{stem}: results without the command that made them")
+        payload = {"command": stated[1], **payload}
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out / f"{stem}.md", text)
     atomic_write_json(out / f"{stem}.json", payload)

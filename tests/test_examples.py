@@ -288,3 +288,26 @@ def test_the_party_files_example_keeps_files_it_did_not_write(tmp_path: Path) ->
     assert into_file.returncode == 2 and "is a file; expected a directory" in into_file.stderr
     subprocess.run([*script, "--out", str(tmp_path), "--overwrite"], check=True)
     assert (tmp_path / "bank.csv").read_text().startswith("id,")
+
+
+def test_every_committed_benchmark_result_carries_the_command_that_made_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Eight JSON results (wire_costs, deploy_costs, ...) had no command; their reports had.
+    Each report states its command and each JSON carries one of its report's commands."""
+    results = ROOT / "benchmarks" / "results"
+    for path in sorted(results.glob("*.json")):
+        stated = re.findall(r"^Command: `([^`]+)`", path.with_suffix(".md").read_text(), re.M)
+        payload = json.loads(path.read_text())
+        assert stated and payload.get("command") in stated, path.name
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from _shared import write_outputs
+
+    write_outputs(tmp_path, "made", "# T\n\nCommand: `python benchmarks/x.py --quick`\n", {"a": 1})
+    assert json.loads((tmp_path / "made.json").read_text()) == {
+        "command": "python benchmarks/x.py --quick",
+        "a": 1,
+    }
+    with pytest.raises(ValueError, match="without the command that made them"):
+        write_outputs(tmp_path, "unsaid", "# T\n", {"a": 1})
+    assert not (tmp_path / "unsaid.json").exists()
