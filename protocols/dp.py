@@ -385,9 +385,12 @@ def _release_json(event: GaussianRelease) -> dict[str, Any]:
     return {**dataclasses.asdict(event), "rows": list(event.rows)}
 
 
-def _releases(events: Sequence[Mapping[str, Any]], source: str) -> list[GaussianRelease]:
+def _releases(
+    events: Sequence[Mapping[str, Any]], source: str, planned: Mapping[str, float] | None = None
+) -> list[GaussianRelease]:
     """The releases ``events`` (as :meth:`PrivacyAccountant.to_json` writes them) describe;
-    ConfigError, naming the entry, for one that is not a release."""
+    ConfigError, naming the entry, for one that is not a release or, given ``planned`` (the
+    run's noise multiplier by kind), not one of the run's."""
     fields = {f.name for f in dataclasses.fields(GaussianRelease)}
     found = []
     for i, event in enumerate(events):
@@ -396,7 +399,16 @@ def _releases(events: Sequence[Mapping[str, Any]], source: str) -> list[Gaussian
             raise ConfigError(
                 f"release {i} of {source}: the fields {sorted(fields)} expected, found {keys}."
             )
-        found.append(GaussianRelease(**{**event, "rows": tuple(event.get("rows", ()))}))
+        release = GaussianRelease(**{**event, "rows": tuple(event.get("rows", ()))})
+        if planned is not None:
+            sigma = planned.get(release.kind)
+            if sigma is None or not math.isclose(release.noise_multiplier, sigma, rel_tol=1e-9):
+                expected = "none" if sigma is None else f"noise multiplier {sigma:.10g}"
+                raise ConfigError(
+                    f"release {i} of {source}: a {release.kind!r} release of this run's "
+                    f"{expected} expected, found noise multiplier {release.noise_multiplier:.10g}."
+                )
+        found.append(release)
     return found
 
 
@@ -411,9 +423,15 @@ class PrivacyAccountant:
     price is RDP's bound.
     """
 
-    def __init__(self, *, accountant: AccountantName = "rdp") -> None:
+    def __init__(
+        self, *, accountant: AccountantName = "rdp", planned: Mapping[str, float] | None = None
+    ) -> None:
         _check_accountant(accountant)
         self.accountant: AccountantName = accountant
+        self.planned = dict(planned) if planned is not None else None
+        """The noise multiplier of each kind of release the run plans (None: any), which every
+        release :meth:`restore` takes back must have: a checkpoint edited to record more noise
+        than was drawn would price the run lower."""
         self.events: list[GaussianRelease] = []
         self.attempt = 0  # what this run's releases are stamped with (restore() raises it)
         self.journal: Callable[[Mapping[str, Any]], None] | None = None
@@ -447,10 +465,10 @@ class PrivacyAccountant:
         the model guarantee (the resumed run discards that model and takes the step again,
         with fresh noise). Returns how many lost releases were added; ConfigError, naming the
         entry, for one that is not a release."""
-        restored = _releases(events, "a checkpoint")
+        restored = _releases(events, "a checkpoint", self.planned)
         seen = [
             dataclasses.replace(event, discarded=True) if event.kind == "dp-sgd" else event
-            for event in _releases(lost, "the journal")
+            for event in _releases(lost, "the journal", self.planned)
         ]
         self.events = restored + seen
         # The steps after the checkpoint are taken again: their releases are new joint events.

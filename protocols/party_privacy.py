@@ -310,7 +310,9 @@ class PartyPrivacy:
     ) -> None:
         self.name = name
         self.plan = plan
-        self.accountant = PrivacyAccountant()
+        self.accountant = PrivacyAccountant(
+            planned={kind: sigma for kind, (sigma, _) in plan.noise.items()}
+        )
         self._noise = noise
         self._schedule = schedule
         self.sampling = sampling

@@ -5,6 +5,7 @@ of LASER, and DP-SGD of a data party in the split pattern."""
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from dataclasses import replace as dataclass_replace
 from typing import Any
@@ -707,3 +708,46 @@ def test_no_epsilon_is_negative_at_a_large_delta(accountant: str) -> None:
     assert price([(20.0, 1.0, 3)], 0.5, accountant=accountant) == 0.0  # type: ignore[arg-type]
     assert per_record_epsilon(0.01, 0.5, accountant=accountant) == 0.0  # type: ignore[arg-type]
     assert price([(1.0, 0.1, 100)], 1e-5, accountant=accountant) > 0  # type: ignore[arg-type]
+
+
+def test_an_accountant_takes_back_only_releases_of_its_runs_noise() -> None:
+    """A checkpoint whose releases were edited to a noise multiplier of 100 (re-hashed) priced
+    the resumed party's epsilon down from 116 to 81: the releases a party's accountant takes
+    back must carry the noise its plan draws, kind by kind."""
+    from protocols.party_privacy import PartyPlan, PartyPrivacy
+    from protocols.sum_range import SumRange
+
+    drawn = GaussianRelease("party-1", 1.5, 0.1, "gradient", round=3)
+    accountant = PrivacyAccountant(planned={"gradient": 1.5, "dp-sgd": 1.0})
+    assert accountant.restore([_release_json(drawn)]) == 0
+    assert accountant.events == [drawn]
+    for edited, said in [
+        (dataclass_replace(drawn, noise_multiplier=100.0), "noise multiplier 1.5 expected"),
+        (dataclass_replace(drawn, kind="embedding"), "'embedding' release of this run's none"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(said)):
+            accountant.restore([_release_json(edited)])
+        with pytest.raises(ConfigError, match="of the journal"):
+            accountant.restore([], lost=[_release_json(edited)])
+    assert accountant.events == [drawn]  # a refused restore changes nothing
+    # A party's own accountant is planned with its plan's noise.
+    plan = PartyPlan(
+        noise={"gradient": (1.5, 0.1)},
+        sample_rate=0.1,
+        draws=10,
+        epoch_ends=(10,),
+        records=100,
+        delta=1e-5,
+        adjacency="replace-one",
+        grad_sample_mode="auto",
+        value_range=SumRange(65536.0, 4),
+    )
+    half = PartyPrivacy(
+        "party-1",
+        plan,
+        noise=lambda _: None,
+        schedule=list,
+        sampling="",
+        source="",  # type: ignore[arg-type,return-value]
+    )
+    assert half.accountant.planned == {"gradient": 1.5}
