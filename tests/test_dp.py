@@ -745,9 +745,9 @@ def test_an_accountant_takes_back_only_releases_of_its_runs_noise() -> None:
     half = PartyPrivacy(
         "party-1",
         plan,
-        noise=lambda _: None,
+        noise=lambda _: None,  # type: ignore[arg-type,return-value]
         schedule=list,
         sampling="",
-        source="",  # type: ignore[arg-type,return-value]
+        source="",
     )
     assert half.accountant.planned == {"gradient": 1.5}
