@@ -2138,7 +2138,12 @@ def _checkpoint_plan(
         resume.root if resume is not None else out / CHECKPOINTS_DIR
     )
     if directory.exists() and not directory.is_dir():
-        raise ConfigError(f"--checkpoint-dir {directory}: a directory expected; found a file.")
+        where = (
+            f"--checkpoint-dir {directory}"
+            if args.checkpoint_dir is not None
+            else f"{directory} (where the run's checkpoints go)"
+        )
+        raise ConfigError(f"{where}: a directory expected; found a file.")
     if args.checkpoint_every:
         _lock_checkpoints(directory, out)
     if resume is None:  # a fresh run would replace a killed run's checkpoints

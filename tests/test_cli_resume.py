@@ -314,3 +314,17 @@ def test_a_checkpoint_directory_another_command_writes_in_is_refused(
         main([*RUN, "--checkpoint-every", "2", "--out", str(out)])
     assert held == [True, False, False, False]
     assert not (checkpoints / LOCK_FILE).exists()
+
+
+def test_a_file_where_the_default_checkpoints_go_is_named_as_such(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without --checkpoint-dir the refusal named the flag all the same."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "checkpoints").write_text("")
+    with patch("secure_vfl.experiment.run_training", side_effect=AssertionError("trained")):
+        assert main([*RUN, "--checkpoint-every", "2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{out / 'checkpoints'} (where the run's checkpoints go): a directory expected" in err
+    assert "--checkpoint-dir" not in err
