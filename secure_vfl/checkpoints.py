@@ -305,6 +305,11 @@ def restore_party_state(
             f"{where}: the accountant's releases as a list of objects expected, found "
             f"{json.dumps(releases)[:60]}."
         )
+    # A process resumed into ``journal_into`` before (and killed again) journalled there from
+    # this checkpoint's releases on: that journal holds the older one's releases and its own,
+    # and is the one to go on from (the older one misses the second process's).
+    if journal is not None and journal_into is not None:
+        journal = journal_into if journal_path(journal_into, party.name).exists() else journal
     lost, notes = (
         ([], [])
         if journal is None

@@ -2144,7 +2144,7 @@ def _checkpoint_plan(
             else f"{directory} (where the run's checkpoints go)"
         )
         raise ConfigError(f"{where}: a directory expected; found a file.")
-    if args.checkpoint_every:
+    if args.checkpoint_every or resume is not None:  # a DP resume journals there too
         _lock_checkpoints(directory, out)
     if resume is None:  # a fresh run would replace a killed run's checkpoints
         _refuse_stale_checkpoints(directory, out, label_party, args.overwrite)
@@ -2158,10 +2158,11 @@ def _checkpoint_plan(
 
 
 def _lock_checkpoints(directory: Path, out: Path) -> None:
-    """Hold the lock of the checkpoint ``directory`` a run writes into until the command ends,
-    unless it lies inside ``out`` (whose lock covers it): two runs resuming one killed run
-    into two --out folders wrote into its checkpoints at once, each removing the other's older
-    steps, and one failed ("party-1's checkpoint of step 8 expected; found none")."""
+    """Hold the lock of the checkpoint ``directory`` a run writes into (its checkpoints, or a
+    resumed DP run's release journals) until the command ends, unless it lies inside ``out``
+    (whose lock covers it): two runs resuming one killed run into two --out folders wrote into
+    its checkpoints at once, each removing the other's older steps, and one failed
+    ("party-1's checkpoint of step 8 expected; found none")."""
     from secure_vfl.io import lock_directory
 
     if directory.absolute().is_relative_to(out.absolute()):

@@ -763,6 +763,34 @@ def test_a_dp_run_resumed_into_another_directory_journals_there_and_resumes_from
         assert releases["dp-sgd-discarded"] == (STOP - 10) + (23 - 20), name
 
 
+def test_a_second_resume_from_one_checkpoint_into_another_directory_prices_every_kill(
+    tmp_path: Path, make_data: MakeData, one_thread: None
+) -> None:
+    """Resumed from old/ into new/ and killed again before new/ held a checkpoint, a run
+    resumed from old/ once more read old/'s journal (the first kill's releases only) and wrote
+    new/'s anew, erasing the second process's: 3 lost steps priced of 7."""
+    config, settings = _config(), _settings(_config())
+    data = make_data(train_missing="mcar:0")
+    old, new = tmp_path / "old", tmp_path / "new"
+    with pytest.raises(Killed):
+        plan = CheckpointPlan(directory=old, every=EVERY, settings=settings)
+        _train(config, data, plan=plan, on_step=_kill_at(STOP), privacy=_dp_engine())
+    for kill in (14, None):  # killed at 14, before new/ holds its checkpoint of 20; then whole
+        point = find_resume_point(old, label_party="party-0", settings=settings)
+        engine = _dp_engine()
+        plan = CheckpointPlan(directory=new, every=EVERY, resume=point, settings=settings)
+        if kill is not None:
+            with pytest.raises(Killed):
+                _train(config, data, plan=plan, on_step=_kill_at(kill), privacy=engine)
+            assert written_steps(new, "party-0") == []
+            continue
+        result, _ = _train(config, data, plan=plan, privacy=engine)
+    assert result.privacy is not None and engine.poisson is not None
+    for name, releases in result.privacy["releases"].items():
+        assert releases["dp-sgd"] == engine.poisson.draws, name
+        assert releases["dp-sgd-discarded"] == (STOP - 10) + (14 - 10), name
+
+
 def test_a_release_journal_that_does_not_fit_its_checkpoint_is_refused(
     tmp_path: Path, make_data: MakeData, one_thread: None
 ) -> None:

@@ -314,6 +314,15 @@ def test_a_checkpoint_directory_another_command_writes_in_is_refused(
         main([*RUN, "--checkpoint-every", "2", "--out", str(out)])
     assert held == [True, False, False, False]
     assert not (checkpoints / LOCK_FILE).exists()
+    # A resume without --checkpoint-every writes there too (a DP run's journals): held too.
+    assert main([*RUN, "--epochs", "1", *argv[len(RUN) :], "--out", str(tmp_path / "r")]) == 0
+    release = lock_directory(checkpoints, "--checkpoint-dir")
+    try:
+        resume = [*RUN, "--epochs", "1", "--resume", str(checkpoints)]
+        assert main([*resume, "--out", str(tmp_path / "again")]) == 2
+    finally:
+        release()
+    assert "a folder no other command writes in expected" in capsys.readouterr().err
 
 
 def test_a_file_where_the_default_checkpoints_go_is_named_as_such(
