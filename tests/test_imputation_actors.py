@@ -650,3 +650,23 @@ def test_a_method_that_trains_nothing_reports_its_traffic_as_one_step_whatever_t
         value == traffic[0]["bytes"][name]["train"]
         for name, value in traffic[0]["bytes_per_step"].items()
     )
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_secure_imputation_that_diverges_says_so_in_its_own_flags() -> None:
+    """A client's FedAvg update past what the masks encode was reported in a training run's
+    words: "training diverged at step 4: client-0's representation ... try ... fewer --epochs,
+    or --dp-embeddings" (flags impute has not; a message round, in a 3-round run)."""
+    from secure_vfl.errors import DivergenceError
+
+    config = ImputeRunConfig(
+        method="fed-dae",
+        dataset="synthetic",
+        impute_config=ImputeConfig(rounds=3, local_epochs=1, hidden=16, lr=1e30),
+    )
+    said = (
+        r"^the imputation diverged: client-\d's contribution to the masks sums of server has "
+        r".*, beyond what they encode, \|value\| <= .*; try a lower --lr or fewer --local-epochs\.$"
+    )
+    with pytest.raises(DivergenceError, match=said):
+        run_imputation(config, task=synthetic_task(seed=0), aggregator=MaskingAggregator())

@@ -645,13 +645,7 @@ class SecureSumParty(Party):
                 ),
             )
         except OutOfRangeError as error:  # its own values: divergence, said as a plain run says it
-            where = f"at step {request.round}" if request.phase == "train" else "at prediction"
-            raise DivergenceError(
-                f"training diverged {where}: {self.name}'s representation for the "
-                f"{self.scheme} sums of {request.deliver_to} has {error.found}, beyond what they "
-                f"encode, {error.limit}; try a lower --lr or fewer --epochs, or --dp-embeddings "
-                "SIGMA:CLIP, which clips every representation."
-            ) from None
+            raise self.diverged(request, error) from None
         self._sealed.spend(context)
         self.send(
             SealedMessage(
@@ -664,6 +658,18 @@ class SecureSumParty(Party):
                 phase=request.phase,
                 ticket=request.ticket,
             )
+        )
+
+    def diverged(self, request: SealRequest, error: OutOfRangeError) -> DivergenceError:
+        """The divergence of what this party was about to seal for ``request``, past what the
+        sums encode (``error``): said in a training run's words; a party of another kind of
+        run says it in its own."""
+        where = f"at step {request.round}" if request.phase == "train" else "at prediction"
+        return DivergenceError(
+            f"training diverged {where}: {self.name}'s representation for the {self.scheme} "
+            f"sums of {request.deliver_to} has {error.found}, beyond what they encode, "
+            f"{error.limit}; try a lower --lr or fewer --epochs, or --dp-embeddings SIGMA:CLIP, "
+            "which clips every representation."
         )
 
     def on_abort(self, request: AbortRequest) -> None:

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from secure_vfl.data.imputation import ClientData, hide_entries
-from secure_vfl.errors import ProtocolError
+from secure_vfl.errors import DivergenceError, OutOfRangeError, ProtocolError
 from secure_vfl.federation.messages import (
     AGGREGATOR,
     ComputeRequest,
@@ -37,6 +37,7 @@ from secure_vfl.federation.messages import (
     RepresentationMessage,
     ScoreMessage,
     ScoreRequest,
+    SealRequest,
 )
 from secure_vfl.federation.parties import ROLES, SecureSumParty
 from secure_vfl.federation.parts import unwrapped
@@ -315,6 +316,15 @@ class ImputationClient(SecureSumParty):
                 f"and public keys expected, found a {message.kind} from {message.sender}."
             )
         super().receive(message)
+
+    def diverged(self, request: SealRequest, error: OutOfRangeError) -> DivergenceError:
+        """What it was about to seal (its model update or statistics) is past what the sums
+        encode: the imputation diverged, said in its own flags."""
+        return DivergenceError(
+            f"the imputation diverged: {self.name}'s contribution to the {self.scheme} sums of "
+            f"{request.deliver_to} has {error.found}, beyond what they encode, {error.limit}; "
+            "try a lower --lr or fewer --local-epochs."
+        )
 
     def _ready(self) -> tuple[ClientTraining, ClientShard, nn.Module, torch.optim.Optimizer]:
         if (
