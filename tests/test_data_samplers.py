@@ -170,16 +170,22 @@ def test_poisson_like_keeps_the_rows_rate_and_steps_and_refuses_grouped_batches(
         )
 
 
-def test_a_poisson_schedule_too_large_to_hold_is_refused_before_a_draw(monkeypatch) -> None:
+def test_a_poisson_schedule_too_large_to_hold_is_refused_before_a_draw() -> None:
     """The whole schedule is drawn up front: 5000 DP-SGD epochs of fashion-mnist's 60000
-    training rows would hold 3e8 row indices (2.4 GB); it is refused by its size."""
-    import secure_vfl.data.samplers as samplers
-
-    monkeypatch.setattr(samplers, "MAX_SCHEDULE_ROWS", 1000)
+    training rows would hold 3e8 row indices (2.4 GB); at batch size 1, 100000 epochs of
+    breast-cancer's 455 rows hold only 4.6e7 indices, but in as many arrays (about 8 GB,
+    which a bound on the indices alone let through). Both are refused by their size."""
     rng = np.random.default_rng(0)
-    draws = rng.bit_generator.state
-    rows = np.arange(100)
-    PoissonSampler(rows, rate=0.5, steps_per_epoch=2, epochs=10, rng=np.random.default_rng(0))
-    with pytest.raises(ConfigError, match=r"holds about 1\.1e\+03 row indices.*at most 1000"):
-        PoissonSampler(rows, rate=0.5, steps_per_epoch=2, epochs=11, rng=rng)
-    assert rng.bit_generator.state == draws  # refused before anything was drawn
+    drawn = rng.bit_generator.state
+    PoissonSampler(np.arange(100), rate=0.5, steps_per_epoch=2, epochs=10, rng=rng)
+    assert rng.bit_generator.state != drawn  # a schedule within the bound is drawn
+    for rows, rate, steps, epochs, said in [
+        (60000, 128 / 60000, 469, 5000, r"holds about 3e\+08 row indices in 2345000 draws"),
+        (455, 1 / 455, 455, 100000, r"holds about 4\.55e\+07 row indices in 45500000 draws"),
+    ]:
+        drawn = rng.bit_generator.state
+        with pytest.raises(ConfigError, match=rf"{said} \(.* GiB\).*at most 1 GiB"):
+            PoissonSampler(
+                np.arange(rows), rate=rate, steps_per_epoch=steps, epochs=epochs, rng=rng
+            )
+        assert rng.bit_generator.state == drawn  # refused before anything was drawn
