@@ -466,12 +466,9 @@ def table(names: list[str], summaries: list[RunSummary]) -> str:
     the seed and the other settings where the runs do not all share them, backend, DP,
     epsilon, accuracy per test missingness (a column each, over all runs), time, and the
     parties' names where a run names them (runs on the users' own files)."""
-    # An attack run's main task first and the attack's own accuracy last, whatever the runs'
-    # order (else `runs list` and `runs compare` of the same runs ordered them apart).
-    tests = sorted(
-        dict.fromkeys(name for s in summaries for name in s.accuracy),
-        key=lambda name: {"main": 0, "attack": 2}.get(name, 1),
-    )
+    # One order whatever the runs' order (else `runs list` and `runs compare` of the same runs
+    # ordered them apart): an attack run's main task first, its attack's accuracy last.
+    tests = sorted({name for s in summaries for name in s.accuracy}, key=_test_order)
     named = any(s.parties for s in summaries)
     mixed = len({s.dataset for s in summaries}) > 1  # else the accuracies compare like for like
     varied = len({s.trained for s in summaries}) > 1  # training settings, where they differ
@@ -510,6 +507,17 @@ def table(names: list[str], summaries: list[RunSummary]) -> str:
             row.append(", ".join(summary.parties) or "-")
         rows.append(row)
     return "\n".join(columns(rows))
+
+
+def _test_order(name: str) -> tuple[int, list[tuple[int, float, str]]]:
+    """A test split's place among the table's columns: ``main`` first, ``attack`` last, the
+    others by their text, the numbers in it by value (``mcar:0.1``, ``mcar:0.25``,
+    ``mcar:0.5``; split by :func:`re.split`, texts at even places and numbers at odd ones)."""
+    parts = [
+        (0, float(part), "") if index % 2 else (1, 0.0, part)
+        for index, part in enumerate(re.split(r"(\d+(?:\.\d+)?)", name))
+    ]
+    return {"main": 0, "attack": 2}.get(name, 1), parts
 
 
 def columns(rows: Sequence[Sequence[str]], *, right: Sequence[int] = ()) -> list[str]:
