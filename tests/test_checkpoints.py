@@ -733,18 +733,32 @@ def test_a_resumed_dp_run_prices_the_whole_run_and_the_killed_runs_lost_releases
     }
 
 
+def _dp_killed(old: Path, data: VerticalData) -> tuple[TrainConfig, dict[str, Any]]:
+    """A DP run checkpointed into ``old`` and killed 3 steps after its checkpoint of step 10."""
+    config, settings = _config(), _settings(_config())
+    with pytest.raises(Killed):
+        plan = CheckpointPlan(directory=old, every=EVERY, settings=settings)
+        _train(config, data, plan=plan, on_step=_kill_at(STOP), privacy=_dp_engine())
+    return config, settings
+
+
+def _assert_priced(result: TrainResult, engine: PrivacyEngine, discarded: int) -> None:
+    """Every draw once in the model kept, and the steps after each kill's checkpoint apart."""
+    assert result.privacy is not None and engine.poisson is not None
+    for name, releases in result.privacy["releases"].items():
+        assert releases["dp-sgd"] == engine.poisson.draws, name
+        assert releases["dp-sgd-discarded"] == discarded, name
+
+
 def test_a_dp_run_resumed_into_another_directory_journals_there_and_resumes_from_it(
     tmp_path: Path, make_data: MakeData, one_thread: None
 ) -> None:
     """A DP resume with its checkpoints in a new directory looked for the killed run's
     release journal there ("... expected; found none"): it is read beside the checkpoint, and
     goes on beside the new checkpoints, from which the run resumes again."""
-    config, settings = _config(), _settings(_config())
     data = make_data(train_missing="mcar:0")
     old, new = tmp_path / "old", tmp_path / "new"
-    with pytest.raises(Killed):
-        plan = CheckpointPlan(directory=old, every=EVERY, settings=settings)
-        _train(config, data, plan=plan, on_step=_kill_at(STOP), privacy=_dp_engine())
+    config, settings = _dp_killed(old, data)
     journals = [journal_path(old, f"party-{k}").read_text() for k in range(4)]
     point = find_resume_point(old, label_party="party-0", settings=settings)
     with pytest.raises(Killed):  # killed again, 3 steps after its checkpoint of step 20
@@ -756,11 +770,7 @@ def test_a_dp_run_resumed_into_another_directory_journals_there_and_resumes_from
     engine = _dp_engine()
     plan = CheckpointPlan(directory=new, resume=point, settings=settings)
     result, _ = _train(config, data, plan=plan, privacy=engine)
-    assert result.privacy is not None and engine.poisson is not None
-    for name, releases in result.privacy["releases"].items():
-        # every draw once in the model kept, and the steps after each kill's checkpoint apart
-        assert releases["dp-sgd"] == engine.poisson.draws, name
-        assert releases["dp-sgd-discarded"] == (STOP - 10) + (23 - 20), name
+    _assert_priced(result, engine, (STOP - 10) + (23 - 20))
 
 
 def test_a_second_resume_from_one_checkpoint_into_another_directory_prices_every_kill(
@@ -769,26 +779,19 @@ def test_a_second_resume_from_one_checkpoint_into_another_directory_prices_every
     """Resumed from old/ into new/ and killed again before new/ held a checkpoint, a run
     resumed from old/ once more read old/'s journal (the first kill's releases only) and wrote
     new/'s anew, erasing the second process's: 3 lost steps priced of 7."""
-    config, settings = _config(), _settings(_config())
     data = make_data(train_missing="mcar:0")
     old, new = tmp_path / "old", tmp_path / "new"
-    with pytest.raises(Killed):
-        plan = CheckpointPlan(directory=old, every=EVERY, settings=settings)
-        _train(config, data, plan=plan, on_step=_kill_at(STOP), privacy=_dp_engine())
-    for kill in (14, None):  # killed at 14, before new/ holds its checkpoint of 20; then whole
-        point = find_resume_point(old, label_party="party-0", settings=settings)
-        engine = _dp_engine()
-        plan = CheckpointPlan(directory=new, every=EVERY, resume=point, settings=settings)
-        if kill is not None:
-            with pytest.raises(Killed):
-                _train(config, data, plan=plan, on_step=_kill_at(kill), privacy=engine)
-            assert written_steps(new, "party-0") == []
-            continue
-        result, _ = _train(config, data, plan=plan, privacy=engine)
-    assert result.privacy is not None and engine.poisson is not None
-    for name, releases in result.privacy["releases"].items():
-        assert releases["dp-sgd"] == engine.poisson.draws, name
-        assert releases["dp-sgd-discarded"] == (STOP - 10) + (14 - 10), name
+    config, settings = _dp_killed(old, data)
+    point = find_resume_point(old, label_party="party-0", settings=settings)
+    plan = CheckpointPlan(directory=new, every=EVERY, resume=point, settings=settings)
+    with pytest.raises(Killed):  # killed at 14, before new/ holds its checkpoint of 20
+        _train(config, data, plan=plan, on_step=_kill_at(14), privacy=_dp_engine())
+    assert written_steps(new, "party-0") == []
+    point = find_resume_point(old, label_party="party-0", settings=settings)
+    engine = _dp_engine()
+    plan = CheckpointPlan(directory=new, every=EVERY, resume=point, settings=settings)
+    result, _ = _train(config, data, plan=plan, privacy=engine)
+    _assert_priced(result, engine, (STOP - 10) + (14 - 10))
 
 
 def test_a_release_journal_that_does_not_fit_its_checkpoint_is_refused(
