@@ -3,10 +3,11 @@
     python tests/network_peer.py SPEC.json
 
 SPEC (JSON): ``name``; ``certs`` (a directory from ``certs init``: ``ca.pem``, ``NAME.pem``,
-``NAME.key``) or ``insecure: true``; ``program`` and its settings; ``result`` (where to write the
-outcome). The process starts its endpoint on a free loopback port and prints ``PORT <n>``, reads
-its peers' addresses as one JSON line on stdin, runs its program, writes ``result`` atomically,
-then keeps serving until stdin says ``stop`` (or closes) so that no peer loses it mid-delivery.
+``NAME.key``) or ``insecure: true``; optionally ``members`` (the only parties that may call it);
+``program`` and its settings; ``result`` (where to write the outcome). The process starts its
+endpoint on a free loopback port and prints ``PORT <n>``, reads its peers' addresses as one JSON
+line on stdin, runs its program, writes ``result`` atomically, then keeps serving until stdin
+says ``stop`` (or closes) so that no peer loses it mid-delivery.
 
 Programs:
 - ``exchange``: send every message of the capture file ``send`` (each to the receiver it names),
@@ -49,6 +50,7 @@ def _endpoint(spec: dict[str, Any]) -> PartyEndpoint:
         insecure=bool(spec.get("insecure")),
         deadline=float(spec.get("deadline", 30.0)),
         retry=RetryPolicy(attempts=3, first_backoff=0.05, max_backoff=0.2),
+        members=spec.get("members"),
     )
 
 

@@ -293,7 +293,9 @@ def test_a_message_above_4_mb_arrives_intact_through_chunks(
     assert torch.equal(big.representation, expected.representation)  # type: ignore[attr-defined]
 
 
-def _listener(launcher: Launcher, certs: Path, directory: Path, name: str = "shop") -> Peer:
+def _listener(
+    launcher: Launcher, certs: Path, directory: Path, name: str = "shop", **settings: Any
+) -> Peer:
     peer = launcher.start(
         name,
         "listen",
@@ -301,6 +303,7 @@ def _listener(launcher: Launcher, certs: Path, directory: Path, name: str = "sho
         received=str(directory / f"{name}.received"),
         deadline=2.0,
         total=90.0,
+        **settings,
     )
     peer.connect({})
     return peer
@@ -373,6 +376,116 @@ def test_an_impostor_with_a_certificate_from_another_ca_is_refused(
     outcome = _legitimate_delivery(certs, listener, tmp_path)
     # The handshake failed: nothing the impostor sent ever reached the listening party.
     assert outcome == {"ok": True, "refusals": [], "refused": []}
+
+
+def _refused_greeting(listener: Peer, ca: bytes, key: bytes, certificate: bytes) -> grpc.RpcError:
+    """How ``listener`` (shop) refuses bank's greeting from a caller with ``key`` and
+    ``certificate`` (PEM), which trusts ``ca``: the error of one raw gRPC call."""
+    credentials = grpc.ssl_channel_credentials(ca, key, certificate)
+    options = [("grpc.ssl_target_name_override", "shop")]
+    with (
+        grpc.secure_channel(listener.address, credentials, options=options) as channel,
+        pytest.raises(grpc.RpcError) as refused,
+    ):
+        channel.unary_unary(DELIVER)(
+            wire.encode(_greeting(sender="bank")),
+            timeout=20,
+            metadata=(("svfl-stream", "x"), ("svfl-sequence", "1")),
+        )
+    return refused.value
+
+
+def _certificate_naming(certs: Path, common_name: str, dns: list[str]) -> tuple[bytes, bytes]:
+    """A key and a certificate the CA of ``certs`` signs with ``common_name`` and the DNS
+    names ``dns`` (PEM): what `certs init` never issues, another tool might."""
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    ca = tls.x509.load_pem_x509_certificate((certs / "ca.pem").read_bytes())
+    ca_key = serialization.load_pem_private_key((certs / "ca.key").read_bytes(), None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = tls._now()
+    certificate = (
+        tls.x509.CertificateBuilder()
+        .subject_name(tls.x509.Name([tls.x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(tls.x509.random_serial_number())
+        .not_valid_before(now - tls.CLOCK_SKEW)
+        .not_valid_after(now + tls.CLOCK_SKEW * 60)
+        .add_extension(
+            tls.x509.SubjectAlternativeName([tls.x509.DNSName(host) for host in dns]),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    return tls._key_pem(key), certificate.public_bytes(serialization.Encoding.PEM)
+
+
+def test_a_caller_certificate_whose_dns_names_name_another_party_is_refused(
+    launcher: Launcher, certs: Path, tmp_path: Path
+) -> None:
+    """The server named a caller by its certificate's common name alone, a client names a
+    server by its DNS names: a certificate of the CA with the common name bank and the DNS
+    name aggregator passed for bank when calling (and would for aggregator when serving).
+    The server now holds the caller to what a party's start-up holds itself to."""
+    listener = _listener(launcher, certs, tmp_path, members=["bank", "shop", "aggregator"])
+    ca = (certs / "ca.pem").read_bytes()
+    reasons = {
+        ("aggregator", "localhost"): "'bank' is not among its DNS names ['aggregator', "
+        "'localhost']; it also names the parties ['aggregator']: it would pass for them.",
+        ("bank", "aggregator"): "it also names the parties ['aggregator']: it would pass for them.",
+    }
+    refusals = []
+    for dns, reason in reasons.items():
+        refused = _refused_greeting(listener, ca, *_certificate_naming(certs, "bank", list(dns)))
+        assert refused.code() == grpc.StatusCode.UNAUTHENTICATED
+        refusals.append(
+            "shop: a caller certificate that names one party (its common name among its DNS "
+            f"names, no other member there) expected; found common name 'bank': {reason}"
+        )
+        assert refused.details() == refusals[-1]
+    outcome = _legitimate_delivery(certs, listener, tmp_path)
+    # Neither reached the party (the only message it got is bank's own); its server says why.
+    assert outcome == {"ok": True, "refusals": [], "refused": refusals}
+
+
+def test_a_server_judges_each_caller_certificate_once_and_keeps_a_bounded_number(
+    certs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller's certificate is parsed once, not on every call; the verdicts kept stay
+    within CALLER_CERTIFICATES_KEPT however many certificates call (the oldest go first)."""
+
+    class Context:  # what _caller reads of gRPC's servicer context
+        def __init__(self, pem: bytes) -> None:
+            self.pem = pem
+
+        def auth_context(self) -> dict[str, list[bytes]]:
+            return {"x509_pem_cert": [self.pem]}
+
+    parsed = collections.Counter[bytes]()
+    parse = network.parse_certificate
+
+    def counted(pem: bytes) -> Any:
+        parsed[pem] += 1
+        return parse(pem)
+
+    monkeypatch.setattr(network, "CALLER_CERTIFICATES_KEPT", 3)
+    monkeypatch.setattr(network, "parse_certificate", counted)
+    bank = (certs / "bank.pem").read_bytes()
+    with PartyEndpoint("shop", identity=_identity(certs, "shop")) as shop:
+        for _ in range(3):
+            assert shop._caller(Context(bank)) == "bank"  # type: ignore[arg-type]
+        assert parsed[bank] == 1
+        others = [_certificate_naming(certs, "bank", ["shop"])[1] for _ in range(4)]
+        for pem in others:
+            with pytest.raises(network._Refusal, match="'bank' is not among its DNS names"):
+                shop._caller(Context(pem))  # type: ignore[arg-type]
+        assert list(shop._verdicts) == others[1:]
+        assert shop._caller(Context(bank)) == "bank"  # type: ignore[arg-type]
+        assert parsed[bank] == 2 and list(shop._verdicts) == [*others[2:], bank]
 
 
 def test_a_peer_whose_certificate_this_party_refuses_is_given_up_at_once(
@@ -489,25 +602,13 @@ def test_a_party_claiming_another_partys_name_is_refused(
 ) -> None:
     listener = _listener(launcher, certs, tmp_path)
     aggregator = _identity(certs, "aggregator")
-    credentials = grpc.ssl_channel_credentials(
-        aggregator.ca, aggregator.key, aggregator.certificate
-    )
-    options = [("grpc.ssl_target_name_override", "shop")]
-    with (
-        grpc.secure_channel(listener.address, credentials, options=options) as channel,
-        pytest.raises(grpc.RpcError) as refused,
-    ):
-        channel.unary_unary(DELIVER)(
-            wire.encode(_greeting(sender="bank")),
-            timeout=20,
-            metadata=(("svfl-stream", "x"), ("svfl-sequence", "1")),
-        )
-    assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    refused = _refused_greeting(listener, aggregator.ca, aggregator.key, aggregator.certificate)
+    assert refused.code() == grpc.StatusCode.PERMISSION_DENIED
     reason = (
         "shop: a representation claiming to come from 'bank' over a connection whose "
         "certificate is 'aggregator''s; a party sends only in its own name."
     )
-    assert refused.value.details() == reason
+    assert refused.details() == reason
     outcome = _legitimate_delivery(certs, listener, tmp_path)
     # The receiving party's server refused it (logged, kept in `refused`); the party itself
     # was not stopped by it, and got the real message.

@@ -10,7 +10,7 @@ import datetime
 import ipaddress
 import re
 import stat
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 from cryptography import x509
@@ -111,11 +111,15 @@ def same_key(certificate: x509.Certificate, key: object) -> bool:
     return bool(public().public_bytes(*spki) == certificate.public_key().public_bytes(*spki))
 
 
+def common_names(certificate: x509.Certificate) -> list[str | bytes]:
+    """The common names of ``certificate``'s subject (one, for a party's certificate)."""
+    return [a.value for a in certificate.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+
+
 def certificate_name(pem: bytes, where: str = "a certificate") -> str:
     """The party a PEM certificate names: its subject's common name. ConfigError if it is not a
     readable certificate, or names none or more than one (``where`` says which, in errors)."""
-    subject = read_certificate(pem, where).subject
-    names = [a.value for a in subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    names = common_names(read_certificate(pem, where))
     if len(names) != 1 or not isinstance(names[0], str):
         raise ConfigError(f"{where}: a certificate with one common name expected. Found {names}.")
     return names[0]
@@ -208,28 +212,39 @@ def dns_names(certificate: x509.Certificate) -> list[str]:
     return [] if names is None else list(names.get_values_for_type(x509.DNSName))
 
 
-def name_problems(
-    path: Path, certificate: x509.Certificate, name: str, parties: Sequence[str]
-) -> list[Problem]:
-    """Problems unless ``certificate`` names party ``name`` (its common name and a DNS name),
-    names none of the other ``parties``, and its other DNS names are host names."""
-    problems = []
-    common = [a.value for a in certificate.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+def name_mismatches(
+    certificate: x509.Certificate, name: str, parties: Collection[str]
+) -> list[str]:
+    """What stops ``certificate`` from naming party ``name`` alone, one sentence each: its
+    common name is not ``name``, ``name`` is not among its DNS names, it names another of
+    ``parties`` there too (it would pass for that party where DNS names are checked: a client
+    checks a server's), or another DNS name is not a host name. Empty when it names ``name``
+    alone. A party's start-up and ``certs check`` (:func:`name_problems`) and a server
+    judging a caller's certificate (:mod:`secure_vfl.federation.network`) apply this rule, so
+    a certificate passes for the same party at either end of a connection."""
+    mismatches = []
+    common = common_names(certificate)
     if common != [name]:
-        problems.append(Problem(path, f"common name {name!r} expected, found {common}."))
+        mismatches.append(f"common name {name!r} expected, found {common}.")
     dns = dns_names(certificate)
     if name not in dns:
-        problems.append(Problem(path, f"{name!r} is not among its DNS names {dns}."))
+        mismatches.append(f"{name!r} is not among its DNS names {dns}.")
     others = sorted({host.lower() for host in dns} & (set(parties) - {name}))
     if others:
-        problems.append(
-            Problem(path, f"it also names the parties {others}: it would pass for them.")
-        )
+        mismatches.append(f"it also names the parties {others}: it would pass for them.")
     for host in dns:
         problem = None if host == name else host_problem(host)  # a party name is checked apart
         if problem is not None:
-            problems.append(Problem(path, f"its DNS name {host!r} is not a host name: {problem}."))
-    return problems
+            mismatches.append(f"its DNS name {host!r} is not a host name: {problem}.")
+    return mismatches
+
+
+def name_problems(
+    path: Path, certificate: x509.Certificate, name: str, parties: Collection[str]
+) -> list[Problem]:
+    """Problems unless ``certificate`` (at ``path``) names party ``name`` alone
+    (:func:`name_mismatches`)."""
+    return [Problem(path, what) for what in name_mismatches(certificate, name, parties)]
 
 
 def usage_problems(path: Path, certificate: x509.Certificate) -> list[Problem]:

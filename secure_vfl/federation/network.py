@@ -15,14 +15,21 @@ same size limit.
 **Identity.** Mutual TLS by default, with the federation's certificates
 (:mod:`protocols.tls`, ``secure-vfl certs init``): a party's name is its certificate's common
 name, also its first DNS name. The server takes the caller's name from the caller's certificate
-(``context.auth_context()``) and refuses, with ``PERMISSION_DENIED``, any message whose header
-names another sender; the client checks that the server's certificate holds the DNS name of the
-party it means to reach (``grpc.ssl_target_name_override``). A certificate from another CA fails
-the TLS handshake. Plaintext only with ``insecure=True``, which logs a warning on every endpoint.
-A deployed party checks its own certificate against its federation's CA before it listens or
-connects (:func:`identity_problems`, the checks of ``secure-vfl certs check`` a handshake
-depends on). A server binds its port alone (``grpc.so_reuseport`` off): a second party at a
-port in use cannot listen, rather than share its connections.
+(``x509_pem_cert`` of ``context.auth_context()``, parsed once per certificate), its common name,
+and refuses, with ``PERMISSION_DENIED``, any message whose header names another sender; the
+client checks that the server's certificate holds the DNS name of the party it means to reach
+(``grpc.ssl_target_name_override``). Both ends must see one name, so the server also refuses
+(``UNAUTHENTICATED``) a caller certificate whose DNS names lack its common name or name another
+member (the rule a party's start-up applies to its own, :func:`~secure_vfl.federation.
+certificates.name_mismatches`): a CA that issued the common name ``a`` with the DNS name ``b``
+would otherwise have made a certificate that calls as ``a`` and serves as ``b``. (The auth
+context's ``x509_subject_alternative_name`` is no substitute: it lists DNS names, IP addresses,
+URIs and e-mail addresses alike.) A certificate from another CA fails the TLS handshake.
+Plaintext only with ``insecure=True``, which logs a warning on every endpoint. A deployed
+party checks its own certificate against its federation's CA before it listens or connects
+(:func:`identity_problems`, the checks of ``secure-vfl certs check`` a handshake depends on). A
+server binds its port alone (``grpc.so_reuseport`` off): a second party at a port in use cannot
+listen, rather than share its connections.
 
 **Delivery is synchronous, as in one process.** ``send`` returns once the receiving party has
 *acted on* the message: its handler returned (``on_<kind>``), or the message waits in its inbox.
@@ -114,7 +121,15 @@ from secure_vfl.errors import (
     TransportError,
 )
 from secure_vfl.federation import wire
-from secure_vfl.federation.certificates import TlsIdentity, check_party_name
+from secure_vfl.federation.certificates import (
+    UNREADABLE_PEM,
+    TlsIdentity,
+    check_party_name,
+    common_names,
+    name_mismatches,
+    parse_certificate,
+    unreadable,
+)
 from secure_vfl.federation.channel import CAPTURE_LENGTH, Channel, ChannelLayer, append_record
 from secure_vfl.federation.messages import AGGREGATOR, Message
 from secure_vfl.io import decimal
@@ -153,6 +168,9 @@ STREAMS_KEPT = 4
 """Sender streams (endpoint lifetimes) remembered per peer."""
 REFUSALS_KEPT = 64
 """The latest deliveries' refusals an endpoint keeps (:attr:`PartyEndpoint.refused`)."""
+CALLER_CERTIFICATES_KEPT = 64
+"""Caller certificates whose verdict (the caller's name, or why it is refused) an endpoint
+keeps, so that a certificate is parsed once, not on every call; the oldest goes first."""
 
 _NOT_DELIVERED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _STREAM, _SEQUENCE, _SIZE, _COUNT = "svfl-stream", "svfl-sequence", "svfl-size", "svfl-count"
@@ -279,6 +297,15 @@ class _Refusal(Exception):
         super().__init__(reason)
         self.code = code
         self.reason = reason
+
+
+@dataclasses.dataclass(frozen=True)
+class _Verdict:
+    """What a server concluded of one caller certificate: the caller's party name, or the
+    status and reason it refuses the certificate with."""
+
+    caller: str
+    refusal: tuple[grpc.StatusCode, str] | None = None
 
 
 def _metadata(context: grpc.ServicerContext) -> dict[str, str]:
@@ -408,6 +435,8 @@ class PartyEndpoint:
         self._token = secrets.token_hex(16)  # this endpoint's sender stream
         self._lock = threading.Lock()
         self._deliveries: dict[tuple[str, str], _Recent] = {}
+        self._verdicts: dict[bytes, _Verdict] = {}  # by caller certificate (PEM), oldest first
+        self._verdicts_lock = threading.Lock()
         self._closing: list[threading.Thread] = []  # closing the channels reconnect replaced
         if insecure:
             logger.warning(
@@ -606,22 +635,69 @@ class PartyEndpoint:
 
     def _caller(self, context: grpc.ServicerContext) -> str | None:
         """The caller's party name, from its certificate (None without TLS), refused unless
-        it is one of :attr:`members`."""
+        the certificate names that party alone (:meth:`_judge`). Judged once per certificate:
+        the verdict is kept, for the latest :data:`CALLER_CERTIFICATES_KEPT` certificates."""
         if self.identity is None:
             return None
-        names = context.auth_context().get("x509_common_name", [])
-        if len(names) != 1:
+        certificates = context.auth_context().get("x509_pem_cert", [])
+        if len(certificates) != 1:
+            raise _Refusal(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{self.name}: one caller certificate expected, found {len(certificates)}.",
+            )
+        pem = bytes(certificates[0])
+        with self._verdicts_lock:
+            verdict = self._verdicts.get(pem)
+        if verdict is None:
+            try:
+                verdict = _Verdict(self._judge(pem))
+            except _Refusal as refusal:
+                verdict = _Verdict("", (refusal.code, refusal.reason))
+            with self._verdicts_lock:
+                self._verdicts[pem] = verdict
+                while len(self._verdicts) > CALLER_CERTIFICATES_KEPT:
+                    del self._verdicts[next(iter(self._verdicts))]
+        if verdict.refusal is not None:
+            raise _Refusal(*verdict.refusal)
+        return verdict.caller
+
+    def _judge(self, pem: bytes) -> str:
+        """The party the caller certificate ``pem`` (the handshake verified it against the
+        federation CA) names, its common name; refused unless it is one of :attr:`members`
+        and the certificate names it alone, as a party's start-up requires of its own
+        (:func:`~secure_vfl.federation.certificates.name_mismatches`): its common name also
+        among its DNS names, no other member there. A client checks the server's DNS names,
+        so a certificate with the common name ``a`` and the DNS name ``b`` would otherwise
+        pass for ``a`` when it calls and for ``b`` when it serves."""
+        try:
+            certificate = parse_certificate(pem)
+        except UNREADABLE_PEM as error:
+            raise _Refusal(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{self.name}: a caller certificate it can read expected; found "
+                f"{unreadable(pem, error)}.",
+            ) from error
+        names = common_names(certificate)
+        if len(names) != 1 or not isinstance(names[0], str):
             raise _Refusal(
                 grpc.StatusCode.UNAUTHENTICATED,
                 f"{self.name}: a caller certificate with one common name expected, found "
                 f"{len(names)}.",
             )
-        caller = bytes(names[0]).decode("utf-8", errors="replace")
+        caller = names[0]
         if self.members is not None and caller not in self.members:
             raise _Refusal(
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"{self.name}: a caller whose certificate names {wire.shown(caller)}, not a "
                 f"member of the federation ({', '.join(sorted(self.members))}).",
+            )
+        mismatches = name_mismatches(certificate, caller, self.members or ())
+        if mismatches:
+            raise _Refusal(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"{self.name}: a caller certificate that names one party (its common name "
+                f"among its DNS names, no other member there) expected; found common name "
+                f"{wire.shown(caller)}: {'; '.join(m.rstrip('.') for m in mismatches)}.",
             )
         return caller
 
