@@ -37,11 +37,28 @@ certificate.
 unreadable (a key without its certificate, or a certificate without its key), a certificate
 expired or not yet valid or valid beyond its CA, one not signed by this CA, a name that is not in
 its certificate, a DNS name that is not a host name, a key that does not match its certificate, a
-key file readable by others, a key type gRPC cannot use, a certificate without both TLS usages.
+key file readable by others, a key type gRPC cannot use, a certificate without both TLS usages,
+a certificate the CA revoked; and a revocation list ``DIR/crl.pem`` that cannot be read, is not
+signed by the CA or is past its next update.
+
+``revoke(DIR, NAME)`` revokes party ``NAME``'s certificate (a stolen key, an organisation that
+left): it adds the certificate's serial number to the CA's certificate revocation list (X.509
+CRL), ``DIR/crl.pem``, signed with ``DIR/ca.key`` and written atomically, keeping the
+revocations already there; its next update is the CA's expiry. Hand every party the new
+``crl.pem``, beside its ``ca.pem`` (or where its federation file's ``crl`` says): a party
+refuses to start with a revoked certificate, and its server refuses every caller whose
+certificate the list revokes (:mod:`secure_vfl.federation.network`; gRPC's Python API takes no
+CRL, so the party applies it). To admit the party again, remove ``NAME.pem`` and ``NAME.key``
+and issue new ones (``make_federation(DIR, [NAME])``, ``certs init``: the CA is reused). What a
+revocation cannot do: a client sees nothing of a server's certificate in gRPC's Python API, so
+whoever holds the revoked key can still answer as that party wherever they can take its
+address; move the party's address, or, where the key may be used anywhere on the path, make a
+new CA and certificates for every party.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import errno
 import ipaddress
@@ -60,9 +77,13 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from secure_vfl.errors import ConfigError, RunWarning
 from secure_vfl.federation.certificates import (
+    CRL_FILE,
+    REVOCATION_REASONS,
     UNREADABLE_PEM,
     Problem,
     check_party_name,
+    crl_issuer_problems,
+    crl_problems,
     dns_names,
     host_problem,
     is_ca,
@@ -70,6 +91,11 @@ from secure_vfl.federation.certificates import (
     key_type_problems,
     name_problems,
     parse_certificate,
+    parse_crl,
+    read_certificate,
+    read_crl,
+    revocation_problems,
+    revocation_words,
     same_key,
     unreadable,
     usage_problems,
@@ -86,6 +112,7 @@ from secure_vfl.io import (
 
 CA_NAME = "ca"
 CA_CERT, CA_KEY = f"{CA_NAME}.pem", f"{CA_NAME}.key"
+CRL_NAME = Path(CRL_FILE).stem
 CA_DAYS = 5 * 365
 PARTY_DAYS = 365
 DEFAULT_HOSTS = ("localhost", "127.0.0.1")
@@ -321,12 +348,17 @@ def party_certificate(
 
 def _check_party_name(name: str) -> None:
     """ConfigError unless ``name`` can name a party here: a party name on the network, and not
-    the CA's (its files would be the CA's files)."""
+    the CA's or its revocation list's (its files would be theirs)."""
     check_party_name(name)
     if name == CA_NAME:
         raise ConfigError(
             f"a party name other than {CA_NAME!r} expected ({CA_CERT} and {CA_KEY} are the "
             f"federation CA's files). Found {name!r}."
+        )
+    if name == CRL_NAME:
+        raise ConfigError(
+            f"a party name other than {CRL_NAME!r} expected ({CRL_FILE} is the CA's "
+            f"certificate revocation list). Found {name!r}."
         )
 
 
@@ -523,8 +555,10 @@ def check_party(
     ca: x509.Certificate,
     parties: Sequence[str],
     now: datetime.datetime,
+    crl: x509.CertificateRevocationList | None = None,
 ) -> list[Problem]:
-    """What is wrong with party ``name``'s certificate and key in ``directory``."""
+    """What is wrong with party ``name``'s certificate and key in ``directory`` (revoked too,
+    where ``crl``, the CA's revocation list in ``directory``, says so)."""
     cert_path, key_path = directory / f"{name}.pem", directory / f"{name}.key"
     certificate, problems = _load(cert_path, parse_certificate, "certificate")
     key, key_problems = _load(key_path, _load_key, "private key")
@@ -538,6 +572,8 @@ def check_party(
     problems += issuer_problems(cert_path, certificate, ca)
     problems += name_problems(cert_path, certificate, name, parties)
     problems += usage_problems(cert_path, certificate)
+    if crl is not None:
+        problems += revocation_problems(cert_path, certificate, crl, directory / CRL_FILE)
     if key is not None and not same_key(certificate, key):
         problems.append(Problem(key_path, f"not the key of {cert_path.name}."))
     return problems
@@ -560,13 +596,30 @@ def _check_ca(directory: Path, now: datetime.datetime) -> tuple[object, list[Pro
     return ca, problems
 
 
+def _check_crl(
+    directory: Path, ca: x509.Certificate, now: datetime.datetime
+) -> tuple[x509.CertificateRevocationList | None, list[Problem]]:
+    """The CA's revocation list in ``directory`` (None where there is none, or where it is not
+    the CA's: it revokes nothing then) and what is wrong with it: unreadable, not signed by the
+    CA, out of date."""
+    path = directory / CRL_FILE
+    if not path.exists():
+        return None, []
+    crl, problems = _load(path, parse_crl, "certificate revocation list")
+    if not isinstance(crl, x509.CertificateRevocationList):
+        return None, problems
+    problems = crl_problems(path, crl, ca, now)
+    return (None if crl_issuer_problems(path, crl, ca) else crl), problems
+
+
 def federation_parties(directory: Path) -> list[str]:
     """The parties with a certificate or a key in ``directory`` (every ``NAME.pem`` and
-    ``NAME.key`` but the CA's), so that a key left without its certificate, or a certificate
-    without its key, is checked, and found missing its other half. PermissionError where the
-    directory cannot be listed (glob would find nothing in it)."""
+    ``NAME.key`` but the CA's and its revocation list's), so that a key left without its
+    certificate, or a certificate without its key, is checked, and found missing its other
+    half. PermissionError where the directory cannot be listed (glob would find nothing in
+    it)."""
     files = [path for path in directory.iterdir() if path.suffix in (".pem", ".key")]
-    return sorted({path.stem for path in files if path.is_file()} - {CA_NAME})
+    return sorted({path.stem for path in files if path.is_file()} - {CA_NAME, CRL_NAME})
 
 
 def check_federation(
@@ -575,9 +628,10 @@ def check_federation(
     *,
     now: datetime.datetime | None = None,
 ) -> list[Problem]:
-    """Every problem with the CA of ``directory`` and the certificates and keys of ``parties``
-    (default: every party with a certificate or a key there); an empty list when all is well.
-    ConfigError if ``directory`` is not a directory or holds no party, or for a bad party name."""
+    """Every problem with the CA of ``directory``, its revocation list (if there is one) and
+    the certificates and keys of ``parties`` (default: every party with a certificate or a key
+    there, a revoked certificate too); an empty list when all is well. ConfigError if
+    ``directory`` is not a directory or holds no party, or for a bad party name."""
     if not directory.is_dir():
         found = "a file" if directory.exists() else "nothing"
         raise ConfigError(f"a directory of certificates expected. Found {found} at {directory}.")
@@ -606,9 +660,126 @@ def check_federation(
     problems = [*([] if parties else strays), *problems]
     if not isinstance(ca, x509.Certificate):
         return problems
+    crl, crl_found = _check_crl(directory, ca, now)
+    problems += crl_found
     for name in chosen:
-        problems += check_party(directory, name, ca, sorted(set(everyone) | set(chosen)), now)
+        problems += check_party(directory, name, ca, sorted(set(everyone) | set(chosen)), now, crl)
     return problems
+
+
+def crl_summary(directory: Path) -> str | None:
+    """The revocation list of ``directory`` in a line (for ``certs check`` once it found
+    nothing wrong), or None where there is none."""
+    path = directory / CRL_FILE
+    if not path.exists():
+        return None
+    crl = read_crl(path.read_bytes(), str(path))
+    until = f", next update {crl.next_update_utc:%Y-%m-%d} UTC" if crl.next_update_utc else ""
+    return f"{CRL_FILE}: {len(crl)} certificate(s) revoked{until}"
+
+
+# -- revoking a party's certificate --------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Revocation:
+    """What :func:`revoke` did: the party, its certificate's serial number, when and why the
+    certificate was revoked (words), the list it is in and how many that holds, and whether it
+    was there already (the list then is left as it was)."""
+
+    party: str
+    serial: int
+    revoked: str
+    crl: Path
+    count: int
+    already: bool
+
+
+def _crl_to_extend(
+    path: Path, ca: x509.Certificate
+) -> tuple[x509.CertificateRevocationList | None, int]:
+    """The CA's revocation list at ``path`` (None where there is none) and its CRL number (0
+    without one); ConfigError if it is unreadable or not the CA's: a new list would lose the
+    revocations it holds."""
+    if not path.exists():
+        return None, 0
+    keep = "expected to add to (a new list would lose its revocations); move it away to start one"
+    try:
+        crl = read_crl(path.read_bytes(), str(path))
+    except OSError as error:
+        raise ConfigError(f"{path} cannot be read ({error.strerror}); {keep}.") from None
+    except ConfigError as error:
+        raise ConfigError(f"{error} This CA's list {keep}.") from None
+    problems = crl_issuer_problems(path, crl, ca)
+    if problems:
+        raise ConfigError(f"{problems[0]} This CA's list {keep}.")
+    try:
+        number = crl.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number
+    except x509.ExtensionNotFound:
+        number = 0
+    return crl, number
+
+
+def revoke(directory: Path, name: str, *, reason: str | None = None) -> Revocation:
+    """Revoke party ``name``'s certificate in ``directory`` (``NAME.pem``, by its serial
+    number): write the CA's revocation list ``DIR/crl.pem``, signed with ``DIR/ca.key``, with
+    every revocation it held and this one (``reason``: one of :data:`REVOCATION_REASONS`, or
+    none), a CRL number one above the last, and its next update at the CA's expiry (the list
+    holds as long as the CA, which signs nothing after). A certificate already revoked leaves
+    the list as it is. ConfigError, before anything is written, for a bad name or reason, a
+    CA that cannot sign (missing, expired, its key not there), a certificate missing or not
+    this CA's, or a ``crl.pem`` that is not the CA's. The list is written atomically (the old
+    one or the whole new one); two revocations at once may lose one of the two entries: run
+    them one after another."""
+    _check_party_name(name)
+    if reason is not None and reason not in REVOCATION_REASONS:
+        raise ConfigError(
+            f"a reason among {', '.join(REVOCATION_REASONS)} expected. Found {reason!r}."
+        )
+    if not directory.is_dir():
+        found = "a file" if directory.exists() else "nothing"
+        raise ConfigError(f"a directory of certificates expected. Found {found} at {directory}.")
+    ca, ca_key = _load_ca(directory)
+    now = _now()
+    if now >= ca.not_valid_after_utc:
+        raise ConfigError(
+            f"a CA valid now expected to sign a revocation list. Found the CA in {directory} "
+            f"expired on {ca.not_valid_after_utc:%Y-%m-%d %H:%M} UTC: every certificate it "
+            "issued is refused already; make a new one in another --out."
+        )
+    path = directory / f"{name}.pem"
+    if not path.is_file():
+        raise ConfigError(f"{name}'s certificate expected at {path} to revoke. Found none.")
+    certificate = read_certificate(path.read_bytes(), str(path))
+    problems = issuer_problems(path, certificate, ca)
+    if problems:
+        raise ConfigError(f"{problems[0]} A certificate this CA issued expected to revoke.")
+    crl_path = directory / CRL_FILE
+    old, number = _crl_to_extend(crl_path, ca)
+    serial = certificate.serial_number
+    known = old.get_revoked_certificate_by_serial_number(serial) if old is not None else None
+    if old is not None and known is not None:
+        return Revocation(name, serial, revocation_words(known), crl_path, len(old), True)
+    entry = x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(now)
+    if reason is not None:
+        entry = entry.add_extension(x509.CRLReason(REVOCATION_REASONS[reason]), critical=False)
+    builder = (
+        x509.CertificateRevocationListBuilder()
+        .issuer_name(ca.subject)
+        .last_update(now - CLOCK_SKEW)
+        .next_update(ca.not_valid_after_utc)
+        .add_extension(x509.CRLNumber(number + 1), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+            critical=False,
+        )
+    )
+    new = entry.build()
+    for revoked in [*(old if old is not None else []), new]:
+        builder = builder.add_revoked_certificate(revoked)
+    crl = builder.sign(ca_key, hashes.SHA256())
+    _write(crl_path, crl.public_bytes(serialization.Encoding.PEM), private=False)
+    return Revocation(name, serial, revocation_words(new), crl_path, len(crl), False)
 
 
 def certificate_expiry(path: Path) -> datetime.datetime:

@@ -65,6 +65,16 @@ import torch (a test keeps the two equal)."""
 IMPUTER_NAMES = ("dae", "fed-dae", "fed-mean", "fedhf", "knn", "mean", "mice")
 """The names in ``secure_vfl.methods.imputation.IMPUTERS`` (a test keeps the two equal)."""
 
+REVOCATION_REASON_NAMES = (
+    "key-compromise",
+    "affiliation-changed",
+    "superseded",
+    "cessation-of-operation",
+    "privilege-withdrawn",
+)
+"""The names in ``secure_vfl.federation.certificates.REVOCATION_REASONS``, spelled out so that
+building the parser does not import cryptography (a test keeps the two equal)."""
+
 
 class _HelpFormatter(argparse.HelpFormatter):
     """Shows an option's default after its help, unless the help already says it or there is
@@ -1213,7 +1223,9 @@ def build_parser() -> argparse.ArgumentParser:
         "for show",
     )
     certs = commands.add_parser(
-        "certs", help="certificates for mutual TLS between parties: make a set, or check one"
+        "certs",
+        help="certificates for mutual TLS between parties: make a set, check one, or revoke a "
+        "party's",
     )
     certs_actions = certs.add_subparsers(dest="certs_action", required=True, parser_class=_Parser)
     init = certs_actions.add_parser(
@@ -1259,6 +1271,27 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument(
         "--party", action="append", metavar="NAME", help="check this party (default: every one)"
     )
+    revoke = certs_actions.add_parser(
+        "revoke",
+        help="revoke a party's certificate: add it to the CA's revocation list DIR/crl.pem",
+        description="Revoke party NAME's current certificate (DIR/NAME.pem) by its serial number: "
+        "write DIR/crl.pem, signed with DIR/ca.key, keeping the revocations already there. Hand "
+        "every party the new crl.pem beside its ca.pem: its server refuses the revoked "
+        "certificate's calls, and a party with it does not start. A revoked certificate's "
+        "holder can still answer at the party's address (clients cannot see a server's "
+        "revocation): move the address, or make a new CA.",
+    )
+    revoke.add_argument(
+        "--dir", required=True, type=path_arg, metavar="DIR", help="a directory made by certs init"
+    )
+    revoke.add_argument(
+        "--party", required=True, metavar="NAME", help="the party whose certificate is revoked"
+    )
+    revoke.add_argument(
+        "--reason",
+        choices=REVOCATION_REASON_NAMES,
+        help="why, recorded in the list (default: none recorded)",
+    )
     return parser
 
 
@@ -1277,10 +1310,12 @@ def party_file_spec(text: str) -> tuple[str | None, Path]:
 
 
 def run_certs_command(args: argparse.Namespace) -> int:
-    """`secure-vfl certs init|check`: make a federation's certificates, or check a set (exit 1
-    and one line per problem if anything is wrong)."""
+    """`secure-vfl certs init|check|revoke`: make a federation's certificates, check a set (exit
+    1 and one line per problem if anything is wrong), or revoke a party's certificate."""
     from protocols import tls
 
+    if args.certs_action == "revoke":
+        return _revoke(tls, args.dir, args.party, args.reason)
     if args.certs_action == "init":
         hosts = tuple(args.san) if args.san else tls.DEFAULT_HOSTS
         with run_warnings() as noted:
@@ -1298,6 +1333,33 @@ def run_certs_command(args: argparse.Namespace) -> int:
     for name in parties:
         expiry = tls.certificate_expiry(args.dir / f"{name}.pem")
         print(f"{name}: ok (valid until {expiry:%Y-%m-%d} UTC)")
+    summary = tls.crl_summary(args.dir)
+    if summary is not None:
+        print(summary)
+    return 0
+
+
+def _revoke(tls: Any, directory: Path, name: str, reason: str | None) -> int:
+    """`certs revoke`: revoke ``name``'s certificate and say what to do next."""
+    done = tls.revoke(directory, name, reason=reason)
+    if done.already:
+        print(
+            f"{name}'s certificate (serial {done.serial:x}) was {done.revoked} already; "
+            f"{done.crl} is unchanged ({done.count} revoked)."
+        )
+        return 0
+    print(
+        f"{name}'s certificate (serial {done.serial:x}) {done.revoked}: {done.crl} now lists "
+        f"{done.count} revoked certificate(s)."
+    )
+    print(
+        f"Hand every party the new {done.crl.name}, beside its ca.pem: its server then refuses "
+        f"{name}'s calls. Whoever holds {name}'s key can still answer at {name}'s address "
+        "(clients cannot see a server's revocation): move it in the federation file, or make a "
+        f"new CA. To admit {name} again, remove {directory / (name + '.pem')} and "
+        f"{directory / (name + '.key')}, then `secure-vfl certs init --out {directory} --party "
+        f"{name}`."
+    )
     return 0
 
 

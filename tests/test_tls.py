@@ -692,3 +692,216 @@ def test_check_of_a_file_or_nothing_says_which(
     assert f"a directory of certificates expected. Found a file at {tmp_path / 'p0.csv'}." in err
     assert main(["certs", "check", "--dir", str(tmp_path / "none")]) == 2
     assert "Found nothing at" in capsys.readouterr().err
+
+
+# -- revocation ----------------------------------------------------------------------------
+
+
+def _crl(directory: Path) -> x509.CertificateRevocationList:
+    return x509.load_pem_x509_crl((directory / "crl.pem").read_bytes())
+
+
+def _serial(directory: Path, name: str) -> int:
+    return x509.load_pem_x509_certificate((directory / f"{name}.pem").read_bytes()).serial_number
+
+
+def test_revoke_writes_a_crl_the_ca_signed_and_keeps_the_revocations_already_there(
+    certs: Path,
+) -> None:
+    ca, _ = _ca(certs)
+    first = tls.revoke(certs, "bank", reason="key-compromise")
+    assert (first.party, first.serial, first.count, first.already) == (
+        "bank",
+        _serial(certs, "bank"),
+        1,
+        False,
+    )
+    assert first.crl == certs / "crl.pem" and first.revoked.endswith("UTC (key-compromise)")
+    second = tls.revoke(certs, "shop")
+    assert second.count == 2 and second.revoked.endswith("UTC")  # no reason: none recorded
+    crl = _crl(certs)
+    assert crl.is_signature_valid(ca.public_key())  # type: ignore[arg-type]
+    assert crl.issuer == ca.subject
+    assert crl.next_update_utc == ca.not_valid_after_utc  # holds as long as the CA
+    assert {entry.serial_number for entry in crl} == {_serial(certs, n) for n in PARTIES}
+    assert crl.extensions.get_extension_for_class(x509.CRLNumber).value.crl_number == 2
+    bank = crl.get_revoked_certificate_by_serial_number(_serial(certs, "bank"))
+    assert bank is not None
+    reason = bank.extensions.get_extension_for_class(x509.CRLReason).value.reason
+    assert reason == x509.ReasonFlags.key_compromise
+    shop = crl.get_revoked_certificate_by_serial_number(_serial(certs, "shop"))
+    assert shop is not None and len(shop.extensions) == 0
+    assert not stat.S_IMODE((certs / "crl.pem").stat().st_mode) & stat.S_IWOTH
+    # Revoking again changes nothing: the list and its dates stay as they were.
+    before = (certs / "crl.pem").read_bytes()
+    again = tls.revoke(certs, "bank", reason="superseded")
+    assert again.already and again.revoked == first.revoked and again.count == 2
+    assert (certs / "crl.pem").read_bytes() == before
+
+
+def test_revoke_refuses_what_it_cannot_revoke_before_writing(certs: Path, tmp_path: Path) -> None:
+    tls.make_federation(tmp_path / "other", ["bank"])
+    with pytest.raises(ConfigError, match=r"a reason among key-compromise, .* Found 'stolen'"):
+        tls.revoke(certs, "bank", reason="stolen")
+    with pytest.raises(ConfigError, match=r"telco's certificate expected at .*telco\.pem"):
+        tls.revoke(certs, "telco")
+    with pytest.raises(ConfigError, match="a party name other than 'crl' expected"):
+        tls.revoke(certs, "crl")
+    shutil.copy(tmp_path / "other" / "bank.pem", certs / "bank.pem")
+    with pytest.raises(ConfigError, match="A certificate this CA issued expected to revoke"):
+        tls.revoke(certs, "bank")
+    without_key = tmp_path / "without-key"
+    shutil.copytree(certs, without_key)
+    (without_key / "ca.key").unlink()
+    with pytest.raises(ConfigError, match=r"certificate and key .* expected to issue"):
+        tls.revoke(without_key, "shop")
+    assert not (certs / "crl.pem").exists() and not (without_key / "crl.pem").exists()
+
+
+def test_revoke_refuses_to_replace_a_crl_that_is_not_the_cas(certs: Path, tmp_path: Path) -> None:
+    """Its revocations would be lost: a list of another CA, or bytes that are no list."""
+    tls.make_federation(tmp_path / "other", ["bank"])
+    tls.revoke(tmp_path / "other", "bank")
+    shutil.copy(tmp_path / "other" / "crl.pem", certs / "crl.pem")
+    with pytest.raises(
+        ConfigError,
+        match=r"crl\.pem: not signed by this federation's CA .* "
+        r"This CA's list expected to add to",
+    ):
+        tls.revoke(certs, "shop")
+    (certs / "crl.pem").write_bytes(b"not a list")
+    with pytest.raises(
+        ConfigError,
+        match=r"a PEM certificate revocation list .* expected; found "
+        r"no PEM block",
+    ):
+        tls.revoke(certs, "shop")
+    assert (certs / "crl.pem").read_bytes() == b"not a list"
+
+
+def test_revoke_refuses_a_ca_that_has_expired(certs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ca, _ = _ca(certs)
+    monkeypatch.setattr(tls, "_now", lambda: ca.not_valid_after_utc + datetime.timedelta(days=1))
+    with pytest.raises(ConfigError, match="a CA valid now expected to sign a revocation list"):
+        tls.revoke(certs, "bank")
+    assert not (certs / "crl.pem").exists()
+
+
+def test_check_reports_a_revoked_certificate_and_a_reissued_one_checks_clean(certs: Path) -> None:
+    done = tls.revoke(certs, "bank", reason="affiliation-changed")
+    assert _problems(certs) == [
+        f"{certs / 'bank.pem'}: {done.revoked} by {certs / 'crl.pem'} (serial {done.serial:x}): "
+        "every party that has this list refuses its calls; a new certificate expected (remove it "
+        "and its key, then `secure-vfl certs init --out DIR --party NAME` issues one)."
+    ]
+    assert "crl" not in tls.federation_parties(certs)  # crl.pem is no party's certificate
+    for suffix in (".pem", ".key"):
+        (certs / f"bank{suffix}").unlink()
+    tls.make_federation(certs, ["bank"])  # the CA and its list stay
+    assert _problems(certs) == []
+    assert len(_crl(certs)) == 1
+
+
+def _crl_signed_by(directory: Path, key: ec.EllipticCurvePrivateKey, **dates: Any) -> bytes:
+    """A revocation list in the name of ``directory``'s CA (or ``issuer``), signed with
+    ``key``, with ``dates`` (``last_update``, ``next_update``) instead of now and a day on."""
+    ca, _ = _ca(directory)
+    now = datetime.datetime.now(datetime.UTC)
+    issuer = x509.Name.from_rfc4514_string(dates["issuer"]) if "issuer" in dates else ca.subject
+    crl = (
+        x509.CertificateRevocationListBuilder()
+        .issuer_name(issuer)
+        .last_update(dates.get("last_update", now))
+        .next_update(dates.get("next_update", now + datetime.timedelta(days=1)))
+        .sign(key, tls.hashes.SHA256())
+    )
+    return crl.public_bytes(serialization.Encoding.PEM)
+
+
+def test_check_reports_a_crl_it_cannot_read_not_signed_by_the_ca_or_out_of_date(
+    certs: Path,
+) -> None:
+    path = certs / "crl.pem"
+    path.write_bytes(b"-----BEGIN X509 CRL-----\nAAAA\n-----END X509 CRL-----\n")
+    (problem,) = _problems(certs)
+    assert problem.startswith(
+        f"{path}: a PEM certificate revocation list expected; found a PEM block that does not parse"
+    )
+    path.write_bytes(_crl_signed_by(certs, ec.generate_private_key(ec.SECP256R1())))
+    assert _problems(certs) == [
+        f"{path}: not signed by this federation's CA (the signature does not verify)."
+    ]
+    _, ca_key = _ca(certs)
+    path.write_bytes(_crl_signed_by(certs, ca_key, issuer="CN=another CA"))
+    assert _problems(certs) == [
+        f"{path}: issued by 'CN=another CA', not by this federation's CA 'CN=secure-vfl "
+        "federation CA'."
+    ]
+    long_ago = datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC)
+    path.write_bytes(
+        _crl_signed_by(
+            certs, ca_key, last_update=long_ago, next_update=long_ago + datetime.timedelta(1)
+        )
+    )
+    assert _problems(certs) == [
+        f"{path}: out of date since 2020-01-02 00:00 UTC (its next update); a newer one from the "
+        "federation's CA expected."
+    ]
+
+
+def test_a_list_the_ca_did_not_sign_revokes_nothing_in_check(certs: Path, tmp_path: Path) -> None:
+    """Another CA's list that names bank's serial number is reported, not believed."""
+    tls.make_federation(tmp_path / "other", ["bank"])
+    shutil.copy(certs / "bank.pem", tmp_path / "other" / "bank.pem")  # this CA's bank
+    other_ca = x509.load_pem_x509_certificate((tmp_path / "other" / "ca.pem").read_bytes())
+    other_key = serialization.load_pem_private_key(
+        (tmp_path / "other" / "ca.key").read_bytes(), None
+    )
+    assert isinstance(other_key, ec.EllipticCurvePrivateKey)
+    now = datetime.datetime.now(datetime.UTC)
+    entry = (
+        x509.RevokedCertificateBuilder().serial_number(_serial(certs, "bank")).revocation_date(now)
+    )
+    crl = (
+        x509.CertificateRevocationListBuilder()
+        .issuer_name(other_ca.subject)
+        .last_update(now)
+        .next_update(now + datetime.timedelta(days=1))
+        .add_revoked_certificate(entry.build())
+        .sign(other_key, tls.hashes.SHA256())
+    )
+    (certs / "crl.pem").write_bytes(crl.public_bytes(serialization.Encoding.PEM))
+    # Both CAs are named alike: the signature tells them apart. bank is not reported revoked.
+    assert _problems(certs) == [
+        f"{certs / 'crl.pem'}: not signed by this federation's CA (the signature does not verify)."
+    ]
+
+
+def test_init_refuses_a_party_named_after_the_crl(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"a party name other than 'crl' expected \(crl\.pem"):
+        tls.make_federation(tmp_path / "certs", ["crl"])
+
+
+def test_certs_revoke_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from secure_vfl.cli import REVOCATION_REASON_NAMES
+    from secure_vfl.federation.certificates import REVOCATION_REASONS
+
+    assert tuple(REVOCATION_REASONS) == REVOCATION_REASON_NAMES
+    out = tmp_path / "certs"
+    assert main(["certs", "init", "--out", str(out), "--party", "bank", "--party", "shop"]) == 0
+    capsys.readouterr()
+    argv = ["certs", "revoke", "--dir", str(out), "--party", "bank"]
+    assert main([*argv, "--reason", "key-compromise"]) == 0
+    said = capsys.readouterr().out
+    assert f"bank's certificate (serial {_serial(out, 'bank'):x}) revoked on " in said
+    assert "(key-compromise): " in said and "now lists 1 revoked certificate(s)" in said
+    assert "Whoever holds bank's key can still answer at bank's address" in said
+    assert main(argv) == 0
+    assert "already;" in capsys.readouterr().out
+    assert main(["certs", "check", "--dir", str(out)]) == 1
+    assert "bank.pem: revoked on" in capsys.readouterr().out
+    assert main(["certs", "check", "--dir", str(out), "--party", "shop"]) == 0
+    assert "crl.pem: 1 certificate(s) revoked, next update" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main([*argv, "--reason", "stolen"])
+    assert "invalid choice: 'stolen'" in capsys.readouterr().err

@@ -10,8 +10,9 @@ import datetime
 import ipaddress
 import re
 import stat
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
@@ -48,15 +49,15 @@ UNREADABLE_PEM = (
 )
 
 
-class SeveralCertificates(ValueError):
-    """A PEM file of more than one certificate where one is expected."""
+class SeveralBlocks(ValueError):
+    """A PEM file of more than one certificate (or revocation list) where one is expected."""
 
 
 def unreadable(data: bytes, error: Exception) -> str:
-    """What ``data`` holds instead of a readable PEM certificate or key (cryptography raised
-    ``error``), in words: no PEM block at all, one that does not parse (its reason, without
-    the link to cryptography's FAQ that it carries), or several certificates."""
-    if isinstance(error, SeveralCertificates):
+    """What ``data`` holds instead of a readable PEM certificate, key or revocation list
+    (cryptography raised ``error``), in words: no PEM block at all, one that does not parse (its
+    reason, without the link to cryptography's FAQ that it carries), or several blocks."""
+    if isinstance(error, SeveralBlocks):
         return str(error)
     if b"-----BEGIN " not in data:
         return "no PEM block (-----BEGIN ...-----)"
@@ -77,11 +78,11 @@ def parse_certificate(pem: bytes) -> x509.Certificate:
     """The PEM certificate ``pem`` with every part the checks read parsed now: cryptography
     parses a certificate's public key, names and extensions only when they are first read, so
     a malformed one fails here (one of :data:`UNREADABLE_PEM`), not in whatever reads it first.
-    A file of several certificates is refused (:class:`SeveralCertificates`): every check would
+    A file of several certificates is refused (:class:`SeveralBlocks`): every check would
     read the first, and gRPC would trust (a CA file) or send (a party's) them all."""
     count = pem.count(b"-----BEGIN CERTIFICATE-----")
     if count > 1:
-        raise SeveralCertificates(
+        raise SeveralBlocks(
             f"{count} certificates (one expected: every check reads the first, and TLS would "
             "trust or send them all)"
         )
@@ -92,14 +93,79 @@ def parse_certificate(pem: bytes) -> x509.Certificate:
     return certificate
 
 
-def read_certificate(pem: bytes, where: str) -> x509.Certificate:
-    """:func:`parse_certificate`, or ConfigError naming ``where``."""
+_Parsed = TypeVar("_Parsed")
+
+
+def _read(parse: Callable[[bytes], _Parsed], pem: bytes, where: str, what: str) -> _Parsed:
+    """``parse(pem)``, or ConfigError naming ``where`` and saying a PEM ``what`` was expected
+    and what was found."""
     try:
-        return parse_certificate(pem)
+        return parse(pem)
     except UNREADABLE_PEM as error:
         raise ConfigError(
-            f"{where}: a PEM certificate expected; found {unreadable(pem, error)}."
+            f"{where}: a PEM {what} expected; found {unreadable(pem, error)}."
         ) from error
+
+
+def read_certificate(pem: bytes, where: str) -> x509.Certificate:
+    """:func:`parse_certificate`, or ConfigError naming ``where``."""
+    return _read(parse_certificate, pem, where, "certificate")
+
+
+CRL_FILE = "crl.pem"
+"""The federation's certificate revocation list, beside the CA's certificate: ``secure-vfl certs
+revoke`` writes it there, and a deployed party reads it from beside its ``ca`` file."""
+
+REVOCATION_REASONS = {
+    "key-compromise": x509.ReasonFlags.key_compromise,
+    "affiliation-changed": x509.ReasonFlags.affiliation_changed,
+    "superseded": x509.ReasonFlags.superseded,
+    "cessation-of-operation": x509.ReasonFlags.cessation_of_operation,
+    "privilege-withdrawn": x509.ReasonFlags.privilege_withdrawn,
+}
+"""The reasons ``certs revoke --reason`` records (RFC 5280 section 5.3.1), by the name it takes.
+Without one the entry carries no reason, as RFC 5280 asks rather than ``unspecified``."""
+
+
+def parse_crl(pem: bytes) -> x509.CertificateRevocationList:
+    """The PEM certificate revocation list ``pem`` with every part the checks read parsed now
+    (its issuer, dates, extensions and entries), or one of :data:`UNREADABLE_PEM`. A file of
+    several lists is refused (:class:`SeveralBlocks`): every check would read the first."""
+    count = pem.count(b"-----BEGIN X509 CRL-----")
+    if count > 1:
+        raise SeveralBlocks(
+            f"{count} revocation lists (one expected: every check would read the first)"
+        )
+    crl = x509.load_pem_x509_crl(pem)
+    for part in ("issuer", "extensions", "last_update_utc", "next_update_utc"):
+        getattr(crl, part)
+    for entry in crl:
+        for part in ("serial_number", "revocation_date_utc", "extensions"):
+            getattr(entry, part)
+    return crl
+
+
+def read_crl(pem: bytes, where: str) -> x509.CertificateRevocationList:
+    """:func:`parse_crl`, or ConfigError naming ``where``."""
+    return _read(parse_crl, pem, where, "certificate revocation list (-----BEGIN X509 CRL-----)")
+
+
+def revocation_words(entry: x509.RevokedCertificate) -> str:
+    """When and why the certificate of ``entry`` was revoked, in words (``revoked on
+    2026-01-05 09:30 UTC (key-compromise)``)."""
+    try:
+        flag = entry.extensions.get_extension_for_class(x509.CRLReason).value.reason
+    except x509.ExtensionNotFound:
+        reason = ""
+    else:
+        named = [name for name, known in REVOCATION_REASONS.items() if known == flag]
+        reason = f" ({named[0] if named else flag.value})"
+    return f"revoked on {entry.revocation_date_utc:%Y-%m-%d %H:%M} UTC{reason}"
+
+
+def revoked_serials(crl: x509.CertificateRevocationList) -> dict[int, str]:
+    """The serial numbers ``crl`` revokes, each with :func:`revocation_words`."""
+    return {entry.serial_number: revocation_words(entry) for entry in crl}
 
 
 def same_key(certificate: x509.Certificate, key: object) -> bool:
@@ -197,6 +263,78 @@ def issuer_problems(
             Problem(path, "not signed by this federation's CA (the signature does not verify).")
         ]
     return []
+
+
+def crl_issuer_problems(
+    path: Path, crl: x509.CertificateRevocationList, ca: x509.Certificate
+) -> list[Problem]:
+    """A problem unless ``ca`` issued ``crl`` (at ``path``): its name and its signature. A list
+    anyone could write would let them refuse any party."""
+    if crl.issuer != ca.subject:
+        return [
+            Problem(
+                path,
+                f"issued by {crl.issuer.rfc4514_string()!r}, not by this federation's CA "
+                f"{ca.subject.rfc4514_string()!r}.",
+            )
+        ]
+    try:
+        valid = crl.is_signature_valid(ca.public_key())  # type: ignore[arg-type]
+    except (ValueError, TypeError):  # a key that signs nothing (X25519): it signed no list
+        valid = False
+    if not valid:
+        return [
+            Problem(path, "not signed by this federation's CA (the signature does not verify).")
+        ]
+    return []
+
+
+def crl_validity_problems(
+    path: Path, crl: x509.CertificateRevocationList, now: datetime.datetime
+) -> list[Problem]:
+    """A problem if ``crl`` (at ``path``) is past its next update, or names none: a revocation
+    since then would be missing from it."""
+    next_update = crl.next_update_utc
+    if next_update is None:
+        return [
+            Problem(
+                path, "no next update: a revocation list that says until when it holds expected."
+            )
+        ]
+    if now > next_update:
+        return [
+            Problem(
+                path,
+                f"out of date since {next_update:%Y-%m-%d %H:%M} UTC (its next update); a "
+                "newer one from the federation's CA expected.",
+            )
+        ]
+    return []
+
+
+def crl_problems(
+    path: Path, crl: x509.CertificateRevocationList, ca: x509.Certificate, now: datetime.datetime
+) -> list[Problem]:
+    """What is wrong with the revocation list ``crl`` at ``path``: not ``ca``'s, or out of date."""
+    return [*crl_issuer_problems(path, crl, ca), *crl_validity_problems(path, crl, now)]
+
+
+def revocation_problems(
+    path: Path, certificate: x509.Certificate, crl: x509.CertificateRevocationList, crl_path: Path
+) -> list[Problem]:
+    """A problem if ``crl`` (at ``crl_path``, this CA's) revokes ``certificate`` (at ``path``)."""
+    entry = crl.get_revoked_certificate_by_serial_number(certificate.serial_number)
+    if entry is None:
+        return []
+    return [
+        Problem(
+            path,
+            f"{revocation_words(entry)} by {crl_path} (serial {certificate.serial_number:x}): "
+            "every party that has this list refuses its calls; a new certificate expected "
+            "(remove it and its key, then `secure-vfl certs init --out DIR --party NAME` issues "
+            "one).",
+        )
+    ]
 
 
 def _alternative_names(certificate: x509.Certificate) -> x509.SubjectAlternativeName | None:
