@@ -488,6 +488,53 @@ def test_a_server_judges_each_caller_certificate_once_and_keeps_a_bounded_number
         assert parsed[bank] == 2 and list(shop._verdicts) == [*others[2:], bank]
 
 
+def test_a_revoked_partys_calls_are_refused_while_the_others_go_through(
+    launcher: Launcher, tmp_path: Path
+) -> None:
+    """gRPC's Python API takes no revocation list: a certificate the CA revoked (a stolen key)
+    called as its party until a new CA replaced every certificate. The server now refuses a
+    caller whose certificate the CA's list (crl.pem beside ca.pem) revokes; another member,
+    and the revoked party's new certificate, go through."""
+    pki = tmp_path / "pki"
+    tls.make_federation(pki, ["bank", "shop", "aggregator"])
+    stolen = _identity(pki, "bank")
+    revoked = tls.revoke(pki, "bank", reason="key-compromise")
+    listener = _listener(launcher, pki, tmp_path, members=["bank", "shop", "aggregator"])
+    with PartyEndpoint("bank", identity=stolen, deadline=20.0, retry=FAST_RETRY) as bank:
+        bank.add_peer("shop", listener.address)
+        with pytest.raises(ProtocolError) as refused:
+            bank.send(_greeting())
+    reason = (
+        f"shop: a caller certificate the CA has not revoked expected; 'bank''s (serial "
+        f"{revoked.serial:x}) was {revoked.revoked} (the federation's certificate revocation "
+        "list)."
+    )
+    assert str(refused.value) == (
+        f"representation from bank to shop refused (PERMISSION_DENIED): {reason}"
+    )
+    with PartyEndpoint(
+        "aggregator", identity=_identity(pki, "aggregator"), deadline=20.0
+    ) as aggregator:
+        aggregator.add_peer("shop", listener.address)
+        aggregator.send(_greeting(sender="aggregator"))
+    assert listener.outcome(timeout=60) == {"ok": True, "refusals": [], "refused": [reason]}
+    (arrived,) = read_capture(tmp_path / "shop.received")
+    assert arrived.sender == "aggregator"
+    (tmp_path / "shop.received").unlink()
+    # bank admitted again: a new certificate of the CA, which the list does not revoke
+    for suffix in (".pem", ".key"):
+        (pki / f"bank{suffix}").unlink()
+    tls.make_federation(pki, ["bank"])
+    listener.result.unlink()  # the second shop writes its outcome where the first did
+    second = _listener(launcher, pki, tmp_path)
+    with PartyEndpoint("bank", identity=_identity(pki, "bank"), deadline=20.0) as bank:
+        bank.add_peer("shop", second.address)
+        bank.send(_greeting())
+    assert second.outcome(timeout=60) == {"ok": True, "refusals": [], "refused": []}
+    (arrived,) = read_capture(tmp_path / "shop.received")
+    assert arrived.sender == "bank"
+
+
 def test_a_peer_whose_certificate_this_party_refuses_is_given_up_at_once(
     certs: Path, tmp_path: Path
 ) -> None:

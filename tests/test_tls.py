@@ -882,6 +882,102 @@ def test_init_refuses_a_party_named_after_the_crl(tmp_path: Path) -> None:
         tls.make_federation(tmp_path / "certs", ["crl"])
 
 
+def test_a_tls_identity_reads_the_cas_list_and_refuses_one_that_is_not(
+    certs: Path, tmp_path: Path
+) -> None:
+    files = (certs / "ca.pem", certs / "shop.pem", certs / "shop.key")
+    assert TlsIdentity.from_files(*files).crl is None
+    tls.revoke(certs, "bank")
+    identity = TlsIdentity.from_files(*files, crl=certs / "crl.pem")
+    assert identity.crl == (certs / "crl.pem").read_bytes()
+    with pytest.raises(ConfigError, match=r"a PEM file expected at .*missing\.pem"):
+        TlsIdentity.from_files(*files, crl=tmp_path / "missing.pem")
+    (tmp_path / "bad.pem").write_bytes((certs / "ca.pem").read_bytes())
+    with pytest.raises(ConfigError, match=r"bad\.pem: a PEM certificate revocation list .*"):
+        TlsIdentity.from_files(*files, crl=tmp_path / "bad.pem")
+    (tmp_path / "forged.pem").write_bytes(
+        _crl_signed_by(certs, ec.generate_private_key(ec.SECP256R1()))
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"forged\.pem: not signed by this federation's CA .* "
+        "A revocation list from the CA",
+    ):
+        TlsIdentity.from_files(*files, crl=tmp_path / "forged.pem")
+
+
+def _federation_file(directory: Path, certs: Path, extra: str = "") -> Path:
+    """A federation of bank (the label party), shop and the aggregator, certificates in
+    ``certs``; ``extra`` lines at the top."""
+    members = {"aggregator": "[aggregator]", "bank": "[party.bank]", "shop": "[party.shop]"}
+    lines = [extra, f'ca = "{certs}/ca.pem"', 'label_party = "bank"']
+    for port, (name, table) in enumerate(members.items(), start=50050):
+        lines += [table, f'address = "127.0.0.1:{port}"']
+        lines += [f'cert = "{certs}/{name}.pem"', f'key = "{certs}/{name}.key"']
+        lines += [] if name == "aggregator" else [f'data = "{name}.csv"']
+    path = directory / "federation.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_party_loads_the_crl_beside_its_ca_and_will_not_start_revoked(tmp_path: Path) -> None:
+    from secure_vfl.federation.federation_file import read_federation
+
+    certs = tmp_path / "certs"
+    tls.make_federation(certs, ["bank", "shop", "aggregator"])
+    federation = read_federation(_federation_file(tmp_path, certs))
+    assert federation.crl_file() is None and federation.identity("bank").crl is None
+    done = tls.revoke(certs, "bank", reason="key-compromise")
+    assert federation.crl_file() == certs / "crl.pem"
+    assert federation.identity("shop").crl == (certs / "crl.pem").read_bytes()
+    with pytest.raises(ConfigError) as refused:
+        federation.identity("bank")
+    assert str(refused.value) == (
+        f"{tmp_path / 'federation.toml'}: [party.bank] bank cannot take part: "
+        f"{certs / 'bank.pem'}: {done.revoked} by {certs / 'crl.pem'} (serial {done.serial:x}): "
+        "every party that has this list refuses its calls; a new certificate expected (remove it "
+        "and its key, then `secure-vfl certs init --out DIR --party NAME` issues one)."
+    )
+
+
+def test_a_party_refuses_to_start_with_a_bad_crl_saying_what_is_wrong(tmp_path: Path) -> None:
+    from secure_vfl.federation.federation_file import read_federation
+
+    certs = tmp_path / "certs"
+    tls.make_federation(certs, ["bank", "shop", "aggregator"])
+    elsewhere = tmp_path / "lists" / "revoked.pem"
+    named = read_federation(_federation_file(tmp_path, certs, f'crl = "{elsewhere}"'))
+    assert named.crl == elsewhere
+    with pytest.raises(
+        ConfigError,
+        match=rf"shop cannot take part: a PEM file expected at "
+        rf"{elsewhere}\. Found none\.",
+    ):
+        named.identity("shop")
+    federation = read_federation(_federation_file(tmp_path, certs))
+    where = f"{tmp_path / 'federation.toml'}: [party.shop] shop cannot take part: "
+    crl = certs / "crl.pem"
+    crl.write_bytes(b"garbage")
+    with pytest.raises(ConfigError) as refused:
+        federation.identity("shop")
+    assert str(refused.value) == (
+        f"{where}{crl}: a PEM certificate revocation list (-----BEGIN X509 CRL-----) expected; "
+        "found no PEM block (-----BEGIN ...-----)."
+    )
+    crl.write_bytes(_crl_signed_by(certs, ec.generate_private_key(ec.SECP256R1())))
+    with pytest.raises(ConfigError, match=rf"{re.escape(where)}.*not signed by this federation"):
+        federation.identity("shop")
+    _, ca_key = _ca(certs)
+    long_ago = datetime.datetime(2020, 1, 1, tzinfo=datetime.UTC)
+    crl.write_bytes(_crl_signed_by(certs, ca_key, last_update=long_ago, next_update=long_ago))
+    with pytest.raises(ConfigError) as refused:
+        federation.identity("shop")
+    assert str(refused.value) == (
+        f"{where}{crl}: out of date since 2020-01-01 00:00 UTC (its next update); a newer one "
+        "from the federation's CA expected."
+    )
+
+
 def test_certs_revoke_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from secure_vfl.cli import REVOCATION_REASON_NAMES
     from secure_vfl.federation.certificates import REVOCATION_REASONS

@@ -499,20 +499,49 @@ def identity_problems(
     ]
 
 
+def revoked_identity_problems(
+    identity: TlsIdentity,
+    *,
+    files: tuple[Path, Path],
+    now: datetime.datetime | None = None,
+) -> list[Problem]:
+    """What the federation's revocation list (``identity.crl``, read from ``files``: the list
+    and the party's certificate) says against the party: the list out of date at ``now`` (a
+    revocation since would be missing from it), or the party's own certificate revoked (every
+    peer refuses its calls). Empty without a list; :meth:`TlsIdentity.from_files` has checked
+    that the CA signed it."""
+    if identity.crl is None:
+        return []
+    now = now if now is not None else datetime.datetime.now(datetime.UTC)
+    crl_path, certificate_path = files
+    crl = read_crl(identity.crl, str(crl_path))
+    certificate = read_certificate(identity.certificate, str(certificate_path))
+    return [
+        *crl_validity_problems(crl_path, crl, now),
+        *revocation_problems(certificate_path, certificate, crl, crl_path),
+    ]
+
+
 @dataclasses.dataclass(frozen=True)
 class TlsIdentity:
     """A party's TLS material, PEM: the federation CA's certificate (which every peer's must be
-    signed by), the party's certificate and its private key."""
+    signed by), the party's certificate and its private key, and the CA's certificate
+    revocation list where the federation has one (the party's server refuses the callers whose
+    certificates it lists)."""
 
     ca: bytes
     certificate: bytes
     key: bytes = dataclasses.field(repr=False)
+    crl: bytes | None = None
 
     @classmethod
-    def from_files(cls, ca: Path, certificate: Path, key: Path) -> TlsIdentity:
-        """Read the three files; ConfigError if one is missing or is not PEM of its kind, if the
-        key file lets anyone but its owner read it, or if the key is not the certificate's."""
-        for path in (ca, certificate, key):
+    def from_files(
+        cls, ca: Path, certificate: Path, key: Path, *, crl: Path | None = None
+    ) -> TlsIdentity:
+        """Read the files; ConfigError if one is missing or is not PEM of its kind, if the key
+        file lets anyone but its owner read it, if the key is not the certificate's, or if the
+        revocation list ``crl`` (optional) is not the CA's."""
+        for path in (ca, certificate, key, *([crl] if crl is not None else [])):
             if not path.is_file():
                 raise ConfigError(f"a PEM file expected at {path}. Found none.")
         if b"-----BEGIN CERTIFICATE-----" in key.read_bytes()[:4096]:
@@ -525,15 +554,25 @@ class TlsIdentity:
                 f"{key} has mode {mode:04o}: others may read the private key. Expected 0600 "
                 f"(chmod 600 {key})."
             )
-        identity = cls(ca.read_bytes(), certificate.read_bytes(), key.read_bytes())
-        identity._check(ca, certificate, key)
+        identity = cls(
+            ca.read_bytes(),
+            certificate.read_bytes(),
+            key.read_bytes(),
+            crl.read_bytes() if crl is not None else None,
+        )
+        identity._check(ca, certificate, key, crl)
         return identity
 
-    def _check(self, ca: Path, certificate: Path, key: Path) -> None:
-        """ConfigError, naming the file, unless the CA and the certificate are PEM certificates
-        and the key is the certificate's private key: gRPC would only say that it cannot
-        listen, or fail every handshake."""
-        read_certificate(self.ca, str(ca))
+    def _check(self, ca: Path, certificate: Path, key: Path, crl: Path | None) -> None:
+        """ConfigError, naming the file, unless the CA and the certificate are PEM certificates,
+        the key is the certificate's private key (gRPC would only say that it cannot listen,
+        or fail every handshake) and the revocation list, if any, is one the CA signed."""
+        authority = read_certificate(self.ca, str(ca))
+        if self.crl is not None:
+            where = Path(crl if crl is not None else CRL_FILE)
+            problems = crl_issuer_problems(where, read_crl(self.crl, str(where)), authority)
+            if problems:
+                raise ConfigError(f"{problems[0]} A revocation list from the CA {ca} expected.")
         mine = read_certificate(self.certificate, str(certificate))
         try:
             private = serialization.load_pem_private_key(self.key, None)

@@ -4,6 +4,7 @@
 
     ca = "certs/ca.pem"
     label_party = "bank"
+    # crl = "certs/crl.pem"      # optional: the CA's revocation list (default: crl.pem beside ca)
 
     [aggregator]                 # the aggregation server: its own process and certificate
     address = "127.0.0.1:50050"
@@ -32,6 +33,13 @@ certificate, key and files (:meth:`Federation.identity`, :meth:`Federation.own_f
 another party's, which need not exist on its machine. Every mistake is a ConfigError naming the
 file, the key and what was expected and found.
 
+A party loads the CA's certificate revocation list (``secure-vfl certs revoke`` writes it) from
+``crl`` where the file names one (then it must be there), else from ``crl.pem`` beside the CA
+file where there is one: it refuses to start with its own certificate revoked, and its server
+refuses the callers whose certificates the list revokes (:meth:`Federation.identity`). The list
+is not part of what every party's copy must agree on (:meth:`Federation.roster`): a new one
+reaches each party when it is handed out.
+
 The aggregation server is its own ``[aggregator]`` entry (its own process, address and
 certificate) because the threat model (DESIGN section 4) assumes an aggregator that does not
 collude with the label party: under Paillier or CKKS the sums are encrypted under the label
@@ -51,6 +59,7 @@ from typing import Any
 
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation.certificates import (
+    CRL_FILE,
     TlsIdentity,
     check_party_name,
     covers_host,
@@ -58,13 +67,14 @@ from secure_vfl.federation.certificates import (
     identity_problems,
     ip_host,
     read_certificate,
+    revoked_identity_problems,
 )
 from secure_vfl.federation.messages import AGGREGATOR
 from secure_vfl.io import decimal
 
 logger = logging.getLogger(__name__)
 
-_TOP_KEYS = {"ca", "label_party", "aggregator", "party"}
+_TOP_KEYS = {"ca", "crl", "label_party", "aggregator", "party"}
 _PARTY_KEYS = {"address", "cert", "key", "data", "labels"}
 _SERVER_KEYS = {"address", "cert", "key"}
 
@@ -100,13 +110,15 @@ class Member:
 @dataclasses.dataclass(frozen=True)
 class Federation:
     """A parsed federation file: the CA, the label party's name, the aggregation server and
-    the parties in order (the label party first)."""
+    the parties in order (the label party first); the CA's revocation list where the file
+    names one (:meth:`crl_file` also finds one beside the CA)."""
 
     path: Path
     ca: Path
     label_party: str
     aggregator: Member
     parties: tuple[Member, ...]
+    crl: Path | None = None
 
     @property
     def names(self) -> list[str]:
@@ -165,19 +177,30 @@ class Federation:
             )
         return path
 
+    def crl_file(self) -> Path | None:
+        """The CA's revocation list a party loads: the file's ``crl``, else ``crl.pem`` beside
+        the ``ca`` file where there is one, else None (nothing revoked)."""
+        if self.crl is not None:
+            return self.crl
+        beside = self.ca.with_name(CRL_FILE)
+        return beside if beside.exists() else None
+
     def identity(self, name: str) -> TlsIdentity:
         """``name``'s TLS identity: the CA, its own certificate and its own key (no other
-        party's key is opened), checked before the party listens or connects: ConfigError
-        naming this file, the party and what is wrong unless the certificate is valid now,
-        signed by this file's CA, names the party (and no other member) and takes its key, as
-        every peer's handshake needs (:func:`~secure_vfl.federation.certificates.
-        identity_problems`). A certificate whose subject alternative names do not cover the
-        host of the party's address is only warned of: peers check the party's name, not the
-        host (gRPC's ``ssl_target_name_override``), but standard TLS tools check the host."""
+        party's key is opened) and the CA's revocation list (:meth:`crl_file`), checked before
+        the party listens or connects: ConfigError naming this file, the party and what is
+        wrong unless the certificate is valid now, signed by this file's CA, names the party
+        (and no other member) and takes its key, as every peer's handshake needs
+        (:func:`~secure_vfl.federation.certificates.identity_problems`), and unless the
+        revocation list is the CA's, is not out of date and does not revoke the certificate.
+        A certificate whose subject alternative names do not cover the host of the party's
+        address is only warned of: peers check the party's name, not the host (gRPC's
+        ``ssl_target_name_override``), but standard TLS tools check the host."""
         member = self.member(name)
         where = f"{self.path}: [{member.table}] {name}"
+        crl = self.crl_file()
         try:
-            identity = TlsIdentity.from_files(self.ca, member.cert, member.key)
+            identity = TlsIdentity.from_files(self.ca, member.cert, member.key, crl=crl)
         except ConfigError as error:
             raise ConfigError(f"{where} cannot take part: {error}") from None
         names = [m.name for m in self.members]
@@ -189,6 +212,10 @@ class Federation:
                 f"certificate: {' '.join(map(str, problems))} (`secure-vfl certs check` lists "
                 "what is wrong with a set of certificates.)"
             )
+        if crl is not None:
+            revoked = revoked_identity_problems(identity, files=(crl, member.cert))
+            if revoked:
+                raise ConfigError(f"{where} cannot take part: {' '.join(map(str, revoked))}")
         certificate = read_certificate(identity.certificate, str(member.cert))
         if not covers_host(certificate, member.host):
             logger.warning(
@@ -256,6 +283,7 @@ def read_federation(path: Path) -> Federation:
         if key not in document:
             raise ConfigError(f"{path}: key `{key}` expected at the top level. Found none.")
     ca = _path(path, "ca", document["ca"])
+    crl = _path(path, "crl", document["crl"]) if "crl" in document else None
     label_party = _name(path, "label_party", document["label_party"])
     aggregator = _member(
         path, "aggregator", AGGREGATOR, document["aggregator"], _SERVER_KEYS, set()
@@ -279,7 +307,7 @@ def read_federation(path: Path) -> Federation:
     _check_distinct(path, [*parties, aggregator])
     label = next(p for p in parties if p.name == label_party)
     ordered = (label, *(p for p in parties if p.name != label_party))
-    return Federation(path, ca, label_party, aggregator, ordered)
+    return Federation(path, ca, label_party, aggregator, ordered, crl)
 
 
 def _known(path: Path, where: str, table: dict[str, Any], allowed: set[str]) -> None:

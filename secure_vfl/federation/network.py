@@ -31,6 +31,18 @@ party checks its own certificate against its federation's CA before it listens o
 server binds its port alone (``grpc.so_reuseport`` off): a second party at a port in use cannot
 listen, rather than share its connections.
 
+**Revocation.** gRPC's Python API takes no certificate revocation list, so the server applies
+the CA's (``secure-vfl certs revoke``, :attr:`TlsIdentity.crl`) itself: a caller whose
+certificate's serial number the list holds is refused (``PERMISSION_DENIED``, naming the caller
+and when its certificate was revoked); a deployed party with a revoked certificate of its own
+does not start. The client side cannot do the same: gRPC's Python API shows a client nothing of
+the server's certificate (it checks only the chain and the name), so whoever holds a revoked
+certificate and its key can still answer as that party, and receive what is sent to it, wherever
+it can take the party's address. Moving the party to a new address in the federation file helps
+where the key is known to sit at the old one only (a lost or seized machine); where it may be
+used anywhere on the network path, make a new CA and certificates for every party (``certs
+init`` in a new directory).
+
 **Delivery is synchronous, as in one process.** ``send`` returns once the receiving party has
 *acted on* the message: its handler returned (``on_<kind>``), or the message waits in its inbox.
 The receiving server thread hands the decoded message to the receiving party's own thread and
@@ -128,6 +140,8 @@ from secure_vfl.federation.certificates import (
     common_names,
     name_mismatches,
     parse_certificate,
+    read_crl,
+    revoked_serials,
     unreadable,
 )
 from secure_vfl.federation.channel import CAPTURE_LENGTH, Channel, ChannelLayer, append_record
@@ -405,6 +419,13 @@ class PartyEndpoint:
         any the CA certified. A CA outlives its federations (one CA for several is the
         documented way), so a certificate it issued to an organisation that left, or to one
         of another federation, would otherwise reach this party."""
+        self._revoked = (
+            revoked_serials(read_crl(identity.crl, f"{name}'s certificate revocation list"))
+            if identity is not None and identity.crl is not None
+            else {}
+        )
+        """The serial numbers of the certificates the CA revoked (its CRL, ``identity.crl``),
+        with when and why: callers holding one are refused."""
         self._capture_lock = threading.Lock()  # the party's thread sends, gRPC's receive
         self.handler: Callable[[Message], None] | None = None
         self.after: Callable[[], None] | None = None
@@ -663,12 +684,13 @@ class PartyEndpoint:
 
     def _judge(self, pem: bytes) -> str:
         """The party the caller certificate ``pem`` (the handshake verified it against the
-        federation CA) names, its common name; refused unless it is one of :attr:`members`
-        and the certificate names it alone, as a party's start-up requires of its own
-        (:func:`~secure_vfl.federation.certificates.name_mismatches`): its common name also
-        among its DNS names, no other member there. A client checks the server's DNS names,
-        so a certificate with the common name ``a`` and the DNS name ``b`` would otherwise
-        pass for ``a`` when it calls and for ``b`` when it serves."""
+        federation CA) names, its common name; refused unless it is one of :attr:`members`,
+        the CA has not revoked the certificate (``identity.crl``) and it names the party
+        alone, as a party's start-up requires of its own (:func:`~secure_vfl.federation.
+        certificates.name_mismatches`): its common name also among its DNS names, no other
+        member there. A client checks the server's DNS names, so a certificate with the
+        common name ``a`` and the DNS name ``b`` would otherwise pass for ``a`` when it calls
+        and for ``b`` when it serves."""
         try:
             certificate = parse_certificate(pem)
         except UNREADABLE_PEM as error:
@@ -690,6 +712,14 @@ class PartyEndpoint:
                 grpc.StatusCode.PERMISSION_DENIED,
                 f"{self.name}: a caller whose certificate names {wire.shown(caller)}, not a "
                 f"member of the federation ({', '.join(sorted(self.members))}).",
+            )
+        revoked = self._revoked.get(certificate.serial_number)
+        if revoked is not None:
+            raise _Refusal(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{self.name}: a caller certificate the CA has not revoked expected; "
+                f"{wire.shown(caller)}'s (serial {certificate.serial_number:x}) was {revoked} "
+                "(the federation's certificate revocation list).",
             )
         mismatches = name_mismatches(certificate, caller, self.members or ())
         if mismatches:
