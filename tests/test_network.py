@@ -1278,6 +1278,28 @@ def test_a_certificate_of_the_ca_for_a_non_member_is_refused(certs: Path) -> Non
     assert len(shop.refused) == 2
 
 
+def _as_bank(certs: Path, address: str) -> grpc.Channel:
+    """A channel to shop at ``address`` under bank's certificate: the test process as bank."""
+    bank = _identity(certs, "bank")
+    credentials = grpc.ssl_channel_credentials(bank.ca, bank.key, bank.certificate)
+    return grpc.secure_channel(address, credentials, [("grpc.ssl_target_name_override", "shop")])
+
+
+def test_a_delivery_whose_caller_set_no_deadline_is_answered(certs: Path) -> None:
+    """gRPC tells a call without a deadline as about 2^63 seconds left, more than the server's
+    wait for its party can take: the caller was answered UNKNOWN ("timestamp out of range for
+    platform time_t"), though the party acted on its message. It waits the endpoint's deadline."""
+    shop = PartyEndpoint("shop", identity=_identity(certs, "shop"), deadline=20.0)
+    with _Serving(shop), _as_bank(certs, shop.address) as channel:
+        metadata = (("svfl-stream", "s"), ("svfl-sequence", "1"))
+        call = channel.unary_unary(DELIVER).future(wire.encode(_greeting()), metadata=metadata)
+        try:
+            assert call.result(timeout=30) == b""
+        finally:
+            call.cancel()
+    assert wire.encode(shop.receive(0.0)) == wire.encode(_greeting())
+
+
 def test_messages_to_one_peer_travel_in_one_delivery_acted_on_in_order_up_to_a_refusal(
     certs: Path, tmp_path: Path
 ) -> None:

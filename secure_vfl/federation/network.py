@@ -326,6 +326,13 @@ def _metadata(context: grpc.ServicerContext) -> dict[str, str]:
     return {key: str(value) for key, value in context.invocation_metadata()}
 
 
+def _time_left(context: grpc.ServicerContext) -> float | None:
+    """The seconds left of the caller's own deadline; None where it set none (gRPC says about
+    2^63 seconds then, more than a thread can wait for)."""
+    left = context.time_remaining()
+    return left if left is not None and left < threading.TIMEOUT_MAX else None
+
+
 def _elapsed(start: float) -> str:
     return f"{time.monotonic() - start:.1f} s"
 
@@ -755,8 +762,8 @@ class PartyEndpoint:
             for part in parts:
                 self._record(part)
             self._queue.put(arrival)
-        remaining = context.time_remaining()
-        if not arrival.done.wait(timeout=remaining if remaining is not None else self.deadline):
+        left = _time_left(context)
+        if not arrival.done.wait(timeout=left if left is not None else self.deadline):
             context.abort(
                 grpc.StatusCode.DEADLINE_EXCEEDED,
                 f"{self.name} did not act on {message.kind} from {message.sender} in time.",
