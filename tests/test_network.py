@@ -294,14 +294,21 @@ def test_a_message_above_4_mb_arrives_intact_through_chunks(
 
 
 def _listener(
-    launcher: Launcher, certs: Path, directory: Path, name: str = "shop", **settings: Any
+    launcher: Launcher,
+    certs: Path,
+    directory: Path,
+    name: str = "shop",
+    deadline: float = 2.0,
+    **settings: Any,
 ) -> Peer:
+    """A party process that takes the first message that arrives (its endpoint's and each
+    wait's deadline: ``deadline``)."""
     peer = launcher.start(
         name,
         "listen",
         certs=str(certs),
         received=str(directory / f"{name}.received"),
-        deadline=2.0,
+        deadline=deadline,
         total=90.0,
         **settings,
     )
@@ -1298,6 +1305,81 @@ def test_a_delivery_whose_caller_set_no_deadline_is_answered(certs: Path) -> Non
         finally:
             call.cancel()
     assert wire.encode(shop.receive(0.0)) == wire.encode(_greeting())
+
+
+def _unfinished(release: threading.Event, every: float | None = None) -> Iterator[bytes]:
+    """A streamed message's chunks as a caller that ties up a server sends them: one, then
+    nothing more until ``release`` (``every``: another one every so many seconds, a trickle).
+    Its stream announces 5 MB (:data:`_ANNOUNCED`), which it never completes."""
+    yield b"\0" * 1024
+    while not release.wait(every):
+        yield b"\0" * 1024
+
+
+def _never_sent(release: threading.Event) -> Iterator[bytes]:
+    """The message of a ``Deliver`` call (unary: one message) that never comes."""
+    release.wait()
+    yield from ()
+
+
+_ANNOUNCED = (("svfl-size", "5000000"),)
+_HOLDING = {  # the calls a caller can hold a server's threads with: their method and messages
+    "streams": (DELIVER_STREAM, _unfinished, _ANNOUNCED),
+    "deliveries": (DELIVER, _never_sent, ()),
+}
+
+
+def _ended(calls: list[Any], count: int, seconds: float) -> list[Any]:
+    """Those of ``calls`` (gRPC futures) that ended, once ``count`` have or ``seconds`` passed."""
+    end = time.monotonic() + seconds
+    while sum(call.done() for call in calls) < count and time.monotonic() < end:
+        time.sleep(0.05)
+    return [call for call in calls if call.done()]
+
+
+@pytest.mark.parametrize("holding", sorted(_HOLDING))
+def test_a_caller_is_refused_calls_past_its_limit_and_other_members_still_get_through(
+    launcher: Launcher, certs: Path, tmp_path: Path, holding: str
+) -> None:
+    """Any holder of a certificate of the CA held every thread of a party's server with 16
+    calls it never finished (streams, or unary deliveries whose message never came, which
+    gRPC waited for before the party's code saw the call), and no member's delivery got
+    through. One caller has at most CALLS_PER_CALLER calls served at once; those past it are
+    refused at once, saying whose and why, and another member's delivery goes through."""
+    listener = _listener(launcher, certs, tmp_path, deadline=60.0)  # nothing broken off
+    method, messages, metadata = _HOLDING[holding]
+    extra = network.SERVER_THREADS - network.CALLS_PER_CALLER
+    reason = (
+        f"shop: bank already has {network.CALLS_PER_CALLER} calls in flight here, the most "
+        "one caller may have at once; refused."
+    )
+    release = threading.Event()
+    with _as_bank(certs, listener.address) as channel:
+        holding_call = channel.stream_unary(method)
+        calls = [
+            holding_call.future(messages(release), timeout=120, metadata=metadata)
+            for _ in range(network.SERVER_THREADS)
+        ]
+        try:
+            refused = _ended(calls, extra, seconds=30)
+            assert len(refused) == extra
+            for ended in refused:
+                assert ended.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert ended.details() == reason
+            assert not any(call.done() for call in calls if call not in refused)  # still held
+            aggregator = _identity(certs, "aggregator")
+            with PartyEndpoint("aggregator", identity=aggregator, deadline=20.0) as sender:
+                sender.add_peer("shop", listener.address)
+                sender.send(_greeting(sender="aggregator"))
+            outcome = listener.outcome(timeout=60)
+        finally:
+            for call in calls:
+                call.cancel()
+            release.set()
+    (arrived,) = read_capture(tmp_path / "shop.received")
+    assert wire.encode(arrived) == wire.encode(_greeting(sender="aggregator"))
+    # Each refusal was logged and kept where the party's server keeps its refusals.
+    assert outcome == {"ok": True, "refusals": [], "refused": [reason] * extra}
 
 
 def test_messages_to_one_peer_travel_in_one_delivery_acted_on_in_order_up_to_a_refusal(

@@ -101,6 +101,7 @@ on a new stream meets the protocols' own checks (sessions, rounds, batches), as 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import errno
 import logging
@@ -171,6 +172,16 @@ accept a connection again (a restarted one accepts in milliseconds). A quick pro
 party's at an epoch boundary, an imputation coordinator's before a round) does not wait for an
 address that refuses: a peer that stays dead costs it milliseconds."""
 SERVER_THREADS = 16
+CALLS_PER_CALLER = 4
+"""At most this many calls of one caller are served at once (more are refused at once,
+``RESOURCE_EXHAUSTED``): well under :data:`SERVER_THREADS`, so that one certificate of the CA
+cannot hold every server thread. A peer has one or two in flight here: ``send_all`` has one
+delivery to a peer on its way at a time (the next to it goes once the peer acted on the last),
+and while it waits its party acts on what arrives, which may send to the same peer again (a
+nested ``send_all``, or a detached reply once it answered, :attr:`PartyEndpoint.after`): the
+label party's gradient to a data party while its head task to it is in flight, the most any
+server met in the deployment tests (tests/test_deploy.py). A retry after a lost connection may
+find its first attempt still waiting here for the party: three. Four leaves one to spare."""
 SENDER_THREADS = 64
 """At most this many outgoing calls of a party at once (one per peer a ``send_all`` reaches;
 started as needed, then kept for the endpoint's life). Each call blocks in one of them: a gRPC
@@ -465,6 +476,7 @@ class PartyEndpoint:
         self._deliveries: dict[tuple[str, str], _Recent] = {}
         self._verdicts: dict[bytes, _Verdict] = {}  # by caller certificate (PEM), oldest first
         self._verdicts_lock = threading.Lock()
+        self._in_flight: Counter[str] = Counter()  # calls being served, by caller (_slot)
         self._closing: list[threading.Thread] = []  # closing the channels reconnect replaced
         if insecure:
             logger.warning(
@@ -483,7 +495,8 @@ class PartyEndpoint:
         handlers = grpc.method_handlers_generic_handler(
             SERVICE,
             {
-                "Deliver": grpc.unary_unary_rpc_method_handler(self._serve_message),
+                # A unary call on the wire, served as a stream of one message (_serve_message).
+                "Deliver": grpc.stream_unary_rpc_method_handler(self._serve_message),
                 "DeliverStream": grpc.stream_unary_rpc_method_handler(self._serve_stream),
             },
         )
@@ -597,31 +610,88 @@ class PartyEndpoint:
 
     # -- the server side: gRPC threads decode, check identity and hand over ------------------
 
-    def _serve_message(self, data: bytes, context: grpc.ServicerContext) -> bytes:
-        return self._accept(data, context)
+    def _serve_message(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        """``Deliver``: a unary call, served as a client stream of one message, so that the call
+        is counted (:meth:`_slot`) from its start. Served as unary, gRPC reads the message on a
+        server thread before this code sees the call, as long as the caller's own deadline
+        allows (for ever, without one)."""
+        with self._slot(context) as caller:
+            try:
+                data = self._one_message(requests, caller)
+            except _Refusal as refusal:
+                self._refuse(context, refusal)
+            return self._accept(data, context)
 
     def _serve_stream(self, chunks: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
-        try:
-            self._caller(context)  # a caller that may not call is refused before it streams
-            declared = self._declared_size(_metadata(context))
-            buffer = bytearray()
-            for chunk in chunks:
-                if len(buffer) + len(chunk) > declared:
+        with self._slot(context):  # refused before it streams, if it is
+            try:
+                declared = self._declared_size(_metadata(context))
+                buffer = bytearray()
+                for chunk in chunks:
+                    if len(buffer) + len(chunk) > declared:
+                        raise _Refusal(
+                            grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"{self.name}: a streamed message longer than the {declared} bytes "
+                            "announced.",
+                        )
+                    buffer += chunk
+                if len(buffer) != declared:
                     raise _Refusal(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"{self.name}: a streamed message longer than the {declared} bytes "
-                        "announced.",
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{self.name}: a streamed message of {declared} bytes announced, "
+                        f"{len(buffer)} arrived.",
                     )
-                buffer += chunk
-            if len(buffer) != declared:
+            except _Refusal as refusal:
+                self._refuse(context, refusal)
+            return self._accept(bytes(buffer), context)
+
+    @contextlib.contextmanager
+    def _slot(self, context: grpc.ServicerContext) -> Iterator[str]:
+        """Serve a call as one of its caller's at most :data:`CALLS_PER_CALLER` at once, or
+        refuse it at once (``RESOURCE_EXHAUSTED``); its place is given back however the call
+        ends. The caller (yielded) is its certificate's name; without TLS, its connection's
+        address (``context.peer()``), all a plaintext caller has. A caller that may not call
+        at all is refused here too (:meth:`_caller`)."""
+        try:
+            caller = self._caller(context) or f"the plaintext peer at {context.peer()}"
+            with self._lock:
+                admitted = self._in_flight[caller] < CALLS_PER_CALLER
+                if admitted:
+                    self._in_flight[caller] += 1
+            if not admitted:
                 raise _Refusal(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{self.name}: a streamed message of {declared} bytes announced, "
-                    f"{len(buffer)} arrived.",
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{self.name}: {caller} already has {CALLS_PER_CALLER} calls in flight "
+                    "here, the most one caller may have at once; refused.",
                 )
         except _Refusal as refusal:
             self._refuse(context, refusal)
-        return self._accept(bytes(buffer), context)
+        try:
+            yield caller
+        finally:
+            with self._lock:
+                self._in_flight[caller] -= 1
+                if not self._in_flight[caller]:
+                    del self._in_flight[caller]
+
+    def _one_message(self, requests: Iterator[bytes], caller: str) -> bytes:
+        """The one message of ``caller``'s ``Deliver`` call, refused (``INVALID_ARGUMENT``)
+        without one, or at a second."""
+        data: bytes | None = None
+        for request in requests:
+            if data is not None:
+                raise _Refusal(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{self.name}: a delivery of one gRPC message expected from {caller}, "
+                    "found more.",
+                )
+            data = request
+        if data is None:
+            raise _Refusal(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{self.name}: a delivery of one gRPC message expected from {caller}, found none.",
+            )
+        return data
 
     def _declared_size(self, metadata: Mapping[str, str]) -> int:
         text = metadata.get(_SIZE, "")
