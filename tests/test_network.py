@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -1380,6 +1381,97 @@ def test_a_caller_is_refused_calls_past_its_limit_and_other_members_still_get_th
     assert wire.encode(arrived) == wire.encode(_greeting(sender="aggregator"))
     # Each refusal was logged and kept where the party's server keeps its refusals.
     assert outcome == {"ok": True, "refusals": [], "refused": [reason] * extra}
+
+
+@pytest.mark.parametrize("held", ["stops", "trickles", "never-sent"])
+def test_a_call_whose_messages_do_not_all_arrive_within_the_deadline_is_broken_off(
+    launcher: Launcher, certs: Path, tmp_path: Path, held: str
+) -> None:
+    """A stream whose caller stops sending its chunks, or trickles them, or a delivery whose
+    message never comes, held a server thread (and what had arrived) as long as the caller's
+    own deadline, here far off (none at all was as good). It is broken off once the receiving
+    party's deadline (2 s here) has passed, with DEADLINE_EXCEEDED saying so; the caller's
+    next delivery goes through."""
+    listener = _listener(launcher, certs, tmp_path)  # its endpoint's deadline: 2 s
+    release = threading.Event()
+    if held == "never-sent":
+        method, messages, metadata = DELIVER, _never_sent(release), ()
+        what = "a delivery"
+    else:
+        method, metadata = DELIVER_STREAM, _ANNOUNCED
+        messages = _unfinished(release, every=0.3 if held == "trickles" else None)
+        what = "a streamed message of 5000000 bytes"
+    with _as_bank(certs, listener.address) as channel:
+        try:
+            with pytest.raises(grpc.RpcError) as broken:
+                channel.stream_unary(method)(messages, timeout=30, metadata=metadata)
+        finally:
+            release.set()
+    assert broken.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    reason = str(broken.value.details())
+    assert re.fullmatch(
+        rf"shop: {what} from bank did not arrive within the deadline \(2 s; \d+ bytes did\); "
+        r"broken off\.",
+        reason,
+    ), reason
+    outcome = _legitimate_delivery(certs, listener, tmp_path)
+    assert outcome["ok"] and outcome["refused"] == [reason]
+
+
+def test_without_tls_a_caller_is_its_connection_and_its_places_come_back_however_calls_end(
+    certs: Path,
+) -> None:
+    """A plaintext caller tells no name: its limit is its connection's (the address gRPC
+    gives, ``context.peer()``), another connection is another caller. A caller's places come
+    back however its calls end: cancelled by it, broken off at the deadline, refused."""
+    shop = PartyEndpoint("shop", insecure=True, deadline=2.0)
+    limit = network.CALLS_PER_CALLER
+    release = threading.Event()
+    with (
+        _Serving(shop),
+        grpc.insecure_channel(shop.address) as first,
+        # A connection of its own (gRPC shares one between a process's channels to an address).
+        grpc.insecure_channel(shop.address, [("grpc.use_local_subchannel_pool", 1)]) as second,
+    ):
+        stream, deliver = first.stream_unary(DELIVER_STREAM), first.unary_unary(DELIVER)
+        held = [
+            stream.future(_unfinished(release), timeout=30, metadata=_ANNOUNCED)
+            for _ in range(limit + 1)
+        ]
+        try:
+            (refused,) = _ended(held, 1, seconds=20)
+            assert refused.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert re.fullmatch(
+                rf"shop: the plaintext peer at ipv4:127\.0\.0\.1:\d+ already has {limit} calls "
+                r"in flight here, the most one caller may have at once; refused\.",
+                str(refused.details()),
+            ), refused.details()
+            metadata = (("svfl-stream", "s"), ("svfl-sequence", "1"))
+            second.unary_unary(DELIVER)(wire.encode(_greeting()), timeout=10, metadata=metadata)
+            for call in held[:2]:
+                call.cancel()  # the others are broken off at the deadline
+            assert len(_ended(held, len(held), seconds=20)) == len(held)
+        finally:
+            for call in held:
+                call.cancel()
+            release.set()
+        end = time.monotonic() + 10
+        while shop._in_flight and time.monotonic() < end:  # a cancellation takes a moment
+            time.sleep(0.05)
+        assert not shop._in_flight
+        # Refused deliveries, more of them than the limit, one after another: none keeps a place.
+        for _ in range(limit + 1):
+            with pytest.raises(grpc.RpcError) as too_long:
+                stream(iter([b"x" * 11]), timeout=10, metadata=(("svfl-size", "10"),))
+            assert too_long.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "longer than the 10 bytes announced" in str(too_long.value.details())
+            with pytest.raises(grpc.RpcError) as garbage:
+                deliver(b"\x00garbage", timeout=10, metadata=metadata)
+            assert garbage.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        metadata = (("svfl-stream", "s"), ("svfl-sequence", "2"))
+        deliver(wire.encode(_greeting()), timeout=10, metadata=metadata)
+        assert not shop._in_flight
+    assert [shop.receive(0.0).round for _ in range(2)] == [1, 1]
 
 
 def test_messages_to_one_peer_travel_in_one_delivery_acted_on_in_order_up_to_a_refusal(

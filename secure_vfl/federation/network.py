@@ -205,6 +205,10 @@ what it acted on): the receiver's own wait for it raises its refusal
 (:meth:`PartyEndpoint.await_reply`)."""
 MAX_BUNDLE = 64
 """The most messages one delivery carries."""
+_DEADLINE_ROUNDING = 1.0
+"""How much later than its sender's a call's deadline may be here: gRPC sends a deadline
+rounded up (to 10 ms below 10 s, 100 ms below 100 s, a second below 18 hours), so a peer with
+this party's deadline reads as one with a slightly later one."""
 _DIAGNOSIS = f"/{SERVICE}/Diagnose"
 """A method no endpoint serves: called on a channel whose connection failed, to learn why (the
 call fails at once with the connection's last error, or, connected after all, is answered
@@ -612,38 +616,24 @@ class PartyEndpoint:
 
     def _serve_message(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
         """``Deliver``: a unary call, served as a client stream of one message, so that the call
-        is counted (:meth:`_slot`) from its start. Served as unary, gRPC reads the message on a
-        server thread before this code sees the call, as long as the caller's own deadline
-        allows (for ever, without one)."""
+        is counted (:meth:`_slot`) and its message timed (:meth:`_within`) from its start.
+        Served as unary, gRPC reads the message on a server thread before this code sees the
+        call, as long as the caller's own deadline allows (for ever, without one)."""
         with self._slot(context) as caller:
             try:
-                data = self._one_message(requests, caller)
+                data = self._one_message(requests, context, caller)
             except _Refusal as refusal:
                 self._refuse(context, refusal)
             return self._accept(data, context)
 
     def _serve_stream(self, chunks: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
-        with self._slot(context):  # refused before it streams, if it is
+        with self._slot(context) as caller:  # refused before it streams, if it is
             try:
                 declared = self._declared_size(_metadata(context))
-                buffer = bytearray()
-                for chunk in chunks:
-                    if len(buffer) + len(chunk) > declared:
-                        raise _Refusal(
-                            grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"{self.name}: a streamed message longer than the {declared} bytes "
-                            "announced.",
-                        )
-                    buffer += chunk
-                if len(buffer) != declared:
-                    raise _Refusal(
-                        grpc.StatusCode.INVALID_ARGUMENT,
-                        f"{self.name}: a streamed message of {declared} bytes announced, "
-                        f"{len(buffer)} arrived.",
-                    )
+                data = self._reassemble(chunks, context, caller, declared)
             except _Refusal as refusal:
                 self._refuse(context, refusal)
-            return self._accept(bytes(buffer), context)
+            return self._accept(data, context)
 
     @contextlib.contextmanager
     def _slot(self, context: grpc.ServicerContext) -> Iterator[str]:
@@ -674,11 +664,13 @@ class PartyEndpoint:
                 if not self._in_flight[caller]:
                     del self._in_flight[caller]
 
-    def _one_message(self, requests: Iterator[bytes], caller: str) -> bytes:
-        """The one message of ``caller``'s ``Deliver`` call, refused (``INVALID_ARGUMENT``)
-        without one, or at a second."""
+    def _one_message(
+        self, requests: Iterator[bytes], context: grpc.ServicerContext, caller: str
+    ) -> bytes:
+        """The one message of ``caller``'s ``Deliver`` call (:meth:`_within`), refused
+        (``INVALID_ARGUMENT``) without one, or at a second."""
         data: bytes | None = None
-        for request in requests:
+        for request in self._within(requests, context, caller, "a delivery"):
             if data is not None:
                 raise _Refusal(
                     grpc.StatusCode.INVALID_ARGUMENT,
@@ -692,6 +684,76 @@ class PartyEndpoint:
                 f"{self.name}: a delivery of one gRPC message expected from {caller}, found none.",
             )
         return data
+
+    def _reassemble(
+        self, chunks: Iterator[bytes], context: grpc.ServicerContext, caller: str, declared: int
+    ) -> bytes:
+        """The ``declared`` bytes of ``caller``'s streamed message from its ``chunks``
+        (:meth:`_within`); what arrived of a stream refused or broken off is let go at once."""
+        buffer = bytearray()
+        what = f"a streamed message of {declared} bytes"
+        try:
+            for chunk in self._within(chunks, context, caller, what):
+                if len(buffer) + len(chunk) > declared:
+                    raise _Refusal(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"{self.name}: a streamed message longer than the {declared} bytes "
+                        "announced.",
+                    )
+                buffer += chunk
+        except BaseException:
+            buffer.clear()
+            raise
+        if len(buffer) != declared:
+            raise _Refusal(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{self.name}: a streamed message of {declared} bytes announced, "
+                f"{len(buffer)} arrived.",
+            )
+        return bytes(buffer)
+
+    def _within(
+        self, requests: Iterator[bytes], context: grpc.ServicerContext, caller: str, what: str
+    ) -> Iterator[bytes]:
+        """The gRPC messages of a call (``requests``: ``what`` ``caller`` sends) as they
+        arrive, all within the endpoint's :attr:`deadline` from now, else ``DEADLINE_EXCEEDED``.
+        gRPC's iterator waits for the next one as long as the caller's own deadline (which
+        gRPC keeps) allows: read here where that comes first (a peer's deliveries), else by a
+        thread of the call's own, which ends with the call (a caller with a later deadline, a
+        set-up message's, or none)."""
+        left = _time_left(context)
+        if left is not None and left <= self.deadline + _DEADLINE_ROUNDING:
+            yield from requests
+            return
+        end = time.monotonic() + self.deadline
+        handed: queue.SimpleQueue[bytes | BaseException | None] = queue.SimpleQueue()
+
+        def read() -> None:
+            try:
+                for request in requests:
+                    handed.put(request)
+            except BaseException as error:  # grpc.RpcError: the call was cancelled
+                handed.put(error)
+            else:
+                handed.put(None)
+
+        threading.Thread(target=read, name=f"{self.name}-read", daemon=True).start()
+        arrived = 0
+        while True:
+            try:
+                item = handed.get(timeout=max(end - time.monotonic(), 0.0))
+            except queue.Empty:
+                raise _Refusal(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"{self.name}: {what} from {caller} did not arrive within the deadline "
+                    f"({self.deadline:g} s; {arrived} bytes did); broken off.",
+                ) from None
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            arrived += len(item)
+            yield item
 
     def _declared_size(self, metadata: Mapping[str, str]) -> int:
         text = metadata.get(_SIZE, "")
