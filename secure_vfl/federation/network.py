@@ -30,6 +30,13 @@ party checks its own certificate against its federation's CA before it listens o
 (:func:`identity_problems`, the checks of ``secure-vfl certs check`` a handshake depends on). A
 server binds its port alone (``grpc.so_reuseport`` off): a second party at a port in use cannot
 listen, rather than share its connections.
+One caller (a certificate's name; without TLS, which tells no name, a connection's address,
+``context.peer()``) has at most :data:`CALLS_PER_CALLER` calls served at once; more are refused at
+once (``RESOURCE_EXHAUSTED``, logged and kept in :attr:`PartyEndpoint.refused` as every refusal),
+so that no holder of a certificate of the CA holds all :data:`SERVER_THREADS` threads of a server
+with calls it never finishes. ``Deliver`` is served as a client stream of one message (a unary call
+on the wire), so that its call is counted from its start, as a stream's is: gRPC reads a unary
+call's message before the server's code sees the call.
 
 **Revocation.** gRPC's Python API takes no certificate revocation list, so the server applies
 the CA's (``secure-vfl certs revoke``, :attr:`TlsIdentity.crl`) itself: a caller whose
@@ -96,6 +103,15 @@ acted on twice (the receiver answers it with the first attempt's outcome), and a
 sequence number is refused as a replay. That makes retries safe; it is not what stops replays:
 TLS keeps a network attacker from replaying anything, and a party that replays its own messages
 on a new stream meets the protocols' own checks (sessions, rounds, batches), as in one process.
+A call's messages (a delivery, or a streamed message's chunks) have the receiving party's
+``deadline`` from the call's start to arrive; a call still short of them then is broken off
+(``DEADLINE_EXCEEDED``, what arrived dropped, logged and kept in :attr:`PartyEndpoint.refused`).
+gRPC waits for a call's next message as long as the caller's own deadline allows, and that is the
+caller's to choose (a set-up message's is 600 s; a caller may set none): where it ends first (a
+peer's delivery: its deadline is its sender's) gRPC ends the call then, on the server too; any
+other call's messages are read by a thread of its own, which the server stops waiting for at its
+deadline. Waiting for the party to act on a delivery is not part of that time: it lasts the
+caller's deadline (the endpoint's where it set none).
 """
 
 from __future__ import annotations
