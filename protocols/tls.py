@@ -42,18 +42,18 @@ a certificate the CA revoked; and a revocation list ``DIR/crl.pem`` that cannot 
 signed by the CA or is past its next update.
 
 ``revoke(DIR, NAME)`` revokes party ``NAME``'s certificate (a stolen key, an organisation that
-left): it adds the certificate's serial number to the CA's certificate revocation list (X.509
-CRL), ``DIR/crl.pem``, signed with ``DIR/ca.key`` and written atomically, keeping the
-revocations already there; its next update is the CA's expiry. Hand every party the new
-``crl.pem``, beside its ``ca.pem`` (or where its federation file's ``crl`` says): a party
-refuses to start with a revoked certificate, and its server refuses every caller whose
-certificate the list revokes (:mod:`secure_vfl.federation.network`; gRPC's Python API takes no
-CRL, so the party applies it). To admit the party again, remove ``NAME.pem`` and ``NAME.key``
-and issue new ones (``make_federation(DIR, [NAME])``, ``certs init``: the CA is reused). What a
-revocation cannot do: a client sees nothing of a server's certificate in gRPC's Python API, so
-whoever holds the revoked key can still answer as that party wherever they can take its
-address; move the party's address, or, where the key may be used anywhere on the path, make a
-new CA and certificates for every party.
+left): it adds the certificate's serial number to the CA's certificate revocation list (X.509 CRL),
+``DIR/crl.pem``, signed with ``DIR/ca.key`` and written atomically, keeping the revocations already
+there; its next update is the CA's expiry. Hand every party the new ``crl.pem``, beside its
+``ca.pem`` (or where its federation file's ``crl`` says), and restart it: a party reads the list
+when it starts. A party refuses to start with a revoked certificate, and its server refuses every
+caller whose certificate the list revokes (:mod:`secure_vfl.federation.network`; gRPC's Python API
+takes no CRL, so the party applies it). To admit the party again, revoke first (``revoke`` reads
+the serial number from ``NAME.pem``), then remove ``NAME.pem`` and ``NAME.key`` and issue new ones
+(``make_federation(DIR, [NAME])``, ``certs init``: the CA is reused). What a revocation cannot do:
+a client sees nothing of a server's certificate in gRPC's Python API, so whoever holds the revoked
+key can still answer as that party wherever they can take its address; move the party's address,
+or, where the key may be used anywhere on the path, make a new CA and certificates for every party.
 """
 
 from __future__ import annotations
@@ -409,10 +409,12 @@ def _refuse_passing_for(directory: Path, parties: Sequence[str], hosts: Sequence
             )
 
 
-def _load_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
-    """The CA of ``directory`` and its key (to issue more party certificates); ConfigError,
-    naming the file, unless both are there and readable, the certificate is a CA's and the key
-    is its own."""
+def _load_ca(
+    directory: Path, purpose: str = "to issue certificates"
+) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    """The CA of ``directory`` and its key (``purpose``: to issue more party certificates, or
+    to sign a revocation list); ConfigError, naming the file, unless both are there and
+    readable, the certificate is a CA's and the key is its own."""
     found = {}
     for name, what, load in (
         (CA_CERT, "CA certificate", parse_certificate),
@@ -422,7 +424,7 @@ def _load_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivate
         if not path.is_file():
             raise ConfigError(
                 f"{directory} holds part of a CA: its certificate and key ({CA_CERT}, {CA_KEY}) "
-                f"expected to issue certificates; found no file {path}."
+                f"expected {purpose}; found no file {path}."
             )
         found[name], problems = _load(path, load, what)  # what `certs check` says of it
         if problems:
@@ -431,8 +433,8 @@ def _load_ca(directory: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivate
     assert isinstance(ca, x509.Certificate)
     if not is_ca(ca):
         raise ConfigError(
-            f"{directory / CA_CERT}: a CA certificate (basic constraints CA:TRUE) expected to "
-            f"issue certificates; found one that is not a CA's ({ca.subject.rfc4514_string()})."
+            f"{directory / CA_CERT}: a CA certificate (basic constraints CA:TRUE) expected "
+            f"{purpose}; found one that is not a CA's ({ca.subject.rfc4514_string()})."
         )
     if not isinstance(key, ec.EllipticCurvePrivateKey) or not same_key(ca, key):
         raise ConfigError(f"{directory / CA_KEY} is not the key of {directory / CA_CERT}.")
@@ -739,7 +741,7 @@ def revoke(directory: Path, name: str, *, reason: str | None = None) -> Revocati
     if not directory.is_dir():
         found = "a file" if directory.exists() else "nothing"
         raise ConfigError(f"a directory of certificates expected. Found {found} at {directory}.")
-    ca, ca_key = _load_ca(directory)
+    ca, ca_key = _load_ca(directory, "to sign a revocation list")
     now = _now()
     if now >= ca.not_valid_after_utc:
         raise ConfigError(

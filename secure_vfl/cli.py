@@ -1276,8 +1276,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="revoke a party's certificate: add it to the CA's revocation list DIR/crl.pem",
         description="Revoke party NAME's current certificate (DIR/NAME.pem) by its serial number: "
         "write DIR/crl.pem, signed with DIR/ca.key, keeping the revocations already there. Hand "
-        "every party the new crl.pem beside its ca.pem: its server refuses the revoked "
-        "certificate's calls, and a party with it does not start. A revoked certificate's "
+        "every party the new crl.pem beside its ca.pem and restart it: its server refuses the "
+        "revoked certificate's calls, and a party with it does not start. A revoked certificate's "
         "holder can still answer at the party's address (clients cannot see a server's "
         "revocation): move the address, or make a new CA.",
     )
@@ -1353,8 +1353,9 @@ def _revoke(tls: Any, directory: Path, name: str, reason: str | None) -> int:
         f"{done.count} revoked certificate(s)."
     )
     print(
-        f"Hand every party the new {done.crl.name}, beside its ca.pem: its server then refuses "
-        f"{name}'s calls. Whoever holds {name}'s key can still answer at {name}'s address "
+        f"Hand every party the new {done.crl.name}, beside its ca.pem, and restart it (a party "
+        f"reads the list when it starts): its server then refuses {name}'s calls. Whoever "
+        f"holds {name}'s key can still answer at {name}'s address "
         "(clients cannot see a server's revocation): move it in the federation file, or make a "
         f"new CA. To admit {name} again, remove {directory / (name + '.pem')} and "
         f"{directory / (name + '.key')}, then `secure-vfl certs init --out {directory} --party "

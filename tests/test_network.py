@@ -1474,6 +1474,35 @@ def test_without_tls_a_caller_is_its_connection_and_its_places_come_back_however
     assert [shop.receive(0.0).round for _ in range(2)] == [1, 1]
 
 
+def test_a_call_whose_caller_went_away_gives_its_place_back_and_a_retry_is_answered() -> None:
+    """A delivery's call held its caller's place until the party acted on its message, even once
+    its caller had gone away (a dropped connection, a caller that gave up): retries of one
+    delivery during one long action of the party (a set-up) used up the caller's places, and
+    the next was refused for good (RESOURCE_EXHAUSTED is not retried). A call now gives its
+    place back when it ends; the retry is answered with the party's outcome once it acts."""
+    shop = PartyEndpoint("shop", insecure=True, deadline=60.0)  # its party acts on nothing yet
+    try:
+        with grpc.insecure_channel(shop.address) as channel:
+            deliver = channel.unary_unary(DELIVER)
+            data = wire.encode(_greeting())
+            metadata = (("svfl-stream", "s"), ("svfl-sequence", "1"))
+            for _ in range(network.CALLS_PER_CALLER + 1):  # the first attempt and its retries
+                attempt = deliver.future(data, timeout=30, metadata=metadata)
+                time.sleep(0.3)  # it reaches the server and waits there for the party
+                attempt.cancel()
+            end = time.monotonic() + 10
+            while shop._in_flight and time.monotonic() < end:  # a cancellation takes a moment
+                time.sleep(0.05)
+            assert not shop._in_flight
+            retry = deliver.future(data, timeout=30, metadata=metadata)
+            assert shop.receive(10.0).round == 1  # the party acts on it, once
+            assert retry.result(timeout=10) == b""
+            with pytest.raises(TransportError):
+                shop.receive(0.0)  # nothing more arrived: the attempts were one delivery
+    finally:
+        shop.close()
+
+
 def test_messages_to_one_peer_travel_in_one_delivery_acted_on_in_order_up_to_a_refusal(
     certs: Path, tmp_path: Path
 ) -> None:

@@ -753,7 +753,9 @@ def test_revoke_refuses_what_it_cannot_revoke_before_writing(certs: Path, tmp_pa
     without_key = tmp_path / "without-key"
     shutil.copytree(certs, without_key)
     (without_key / "ca.key").unlink()
-    with pytest.raises(ConfigError, match=r"certificate and key .* expected to issue"):
+    with pytest.raises(
+        ConfigError, match=r"certificate and key .* expected to sign a revocation list"
+    ):
         tls.revoke(without_key, "shop")
     assert not (certs / "crl.pem").exists() and not (without_key / "crl.pem").exists()
 

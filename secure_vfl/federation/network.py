@@ -12,35 +12,38 @@ request to the same party): the metadata ``svfl-count`` announces them, and the 
 encodings, each after its 4-byte big-endian length (the capture file's records), within the
 same size limit.
 
-**Identity.** Mutual TLS by default, with the federation's certificates
-(:mod:`protocols.tls`, ``secure-vfl certs init``): a party's name is its certificate's common
-name, also its first DNS name. The server takes the caller's name from the caller's certificate
-(``x509_pem_cert`` of ``context.auth_context()``, parsed once per certificate), its common name,
-and refuses, with ``PERMISSION_DENIED``, any message whose header names another sender; the
-client checks that the server's certificate holds the DNS name of the party it means to reach
+**Identity.** Mutual TLS by default, with the federation's certificates (:mod:`protocols.tls`,
+``secure-vfl certs init``): a party's name is its certificate's common name, also its first DNS
+name. The server takes the caller's name from the caller's certificate (``x509_pem_cert`` of
+``context.auth_context()``, parsed once per certificate), its common name, and refuses, with
+``PERMISSION_DENIED``, any message whose header names another sender; the client checks that the
+server's certificate holds the DNS name of the party it means to reach
 (``grpc.ssl_target_name_override``). Both ends must see one name, so the server also refuses
 (``UNAUTHENTICATED``) a caller certificate whose DNS names lack its common name or name another
-member (the rule a party's start-up applies to its own, :func:`~secure_vfl.federation.
-certificates.name_mismatches`): a CA that issued the common name ``a`` with the DNS name ``b``
-would otherwise have made a certificate that calls as ``a`` and serves as ``b``. (The auth
-context's ``x509_subject_alternative_name`` is no substitute: it lists DNS names, IP addresses,
-URIs and e-mail addresses alike.) A certificate from another CA fails the TLS handshake.
-Plaintext only with ``insecure=True``, which logs a warning on every endpoint. A deployed
-party checks its own certificate against its federation's CA before it listens or connects
+member (the rule a party's start-up applies to its own,
+:func:`~secure_vfl.federation.certificates.name_mismatches`): a CA that issued the common name
+``a`` with the DNS name ``b`` would otherwise have made a certificate that calls as ``a`` and
+serves as ``b``. That closes the calling half only: a client checks no more than that the server's
+certificate holds the DNS name it dials, so such a certificate still serves as ``b``. A party's
+start-up and ``certs check`` refuse it as a party's own; one the CA issued elsewhere is revoked
+(below). (The auth context's ``x509_subject_alternative_name`` is no substitute: it lists DNS
+names, IP addresses, URIs and e-mail addresses alike.) A certificate from another CA fails the TLS
+handshake. Plaintext only with ``insecure=True``, which logs a warning on every endpoint. A
+deployed party checks its own certificate against its federation's CA before it listens or connects
 (:func:`identity_problems`, the checks of ``secure-vfl certs check`` a handshake depends on). A
 server binds its port alone (``grpc.so_reuseport`` off): a second party at a port in use cannot
-listen, rather than share its connections.
-One caller (a certificate's name; without TLS, which tells no name, a connection's address,
-``context.peer()``) has at most :data:`CALLS_PER_CALLER` calls served at once; more are refused at
-once (``RESOURCE_EXHAUSTED``, logged and kept in :attr:`PartyEndpoint.refused` as every refusal),
-so that no holder of a certificate of the CA holds all :data:`SERVER_THREADS` threads of a server
-with calls it never finishes. ``Deliver`` is served as a client stream of one message (a unary call
-on the wire), so that its call is counted from its start, as a stream's is: gRPC reads a unary
-call's message before the server's code sees the call.
+listen, rather than share its connections. One caller (a certificate's name; without TLS, which
+tells no name, a connection's address, ``context.peer()``) has at most :data:`CALLS_PER_CALLER`
+calls served at once; more are refused at once (``RESOURCE_EXHAUSTED``, logged and kept in
+:attr:`PartyEndpoint.refused` as every refusal), so that no holder of a certificate of the CA holds
+all :data:`SERVER_THREADS` threads of a server with calls it never finishes. ``Deliver`` is served
+as a client stream of one message (a unary call on the wire), so that its call is counted from its
+start, as a stream's is: gRPC reads a unary call's message before the server's code sees the call.
 
 **Revocation.** gRPC's Python API takes no certificate revocation list, so the server applies
-the CA's (``secure-vfl certs revoke``, :attr:`TlsIdentity.crl`) itself: a caller whose
-certificate's serial number the list holds is refused (``PERMISSION_DENIED``, naming the caller
+the CA's (``secure-vfl certs revoke``, :attr:`TlsIdentity.crl`) itself, as it was when the
+party started (a new list takes a restart): a caller whose certificate's serial number the list
+holds is refused (``PERMISSION_DENIED``, naming the caller
 and when its certificate was revoked); a deployed party with a revoked certificate of its own
 does not start. The client side cannot do the same: gRPC's Python API shows a client nothing of
 the server's certificate (it checks only the chain and the name), so whoever holds a revoked
@@ -225,6 +228,9 @@ _DEADLINE_ROUNDING = 1.0
 """How much later than its sender's a call's deadline may be here: gRPC sends a deadline
 rounded up (to 10 ms below 10 s, 100 ms below 100 s, a second below 18 hours), so a peer with
 this party's deadline reads as one with a slightly later one."""
+_CALL_END_POLL = 0.1
+"""How often a server thread waiting for its party to act on a delivery looks whether the
+call has ended meanwhile (its caller went away), in seconds."""
 _DIAGNOSIS = f"/{SERVICE}/Diagnose"
 """A method no endpoint serves: called on a channel whose connection failed, to learn why (the
 call fails at once with the connection's last error, or, connected after all, is answered
@@ -876,7 +882,9 @@ class PartyEndpoint:
                 f"{wire.shown(caller)}'s (serial {certificate.serial_number:x}) was {revoked} "
                 "(the federation's certificate revocation list).",
             )
-        mismatches = name_mismatches(certificate, caller, self.members or ())
+        # Without a federation's members (the library's endpoints), its peers are the parties.
+        parties = self.members if self.members is not None else {*self._peers, self.name}
+        mismatches = name_mismatches(certificate, caller, parties)
         if mismatches:
             raise _Refusal(
                 grpc.StatusCode.UNAUTHENTICATED,
@@ -911,11 +919,13 @@ class PartyEndpoint:
                 self._record(part)
             self._queue.put(arrival)
         left = _time_left(context)
-        if not arrival.done.wait(timeout=left if left is not None else self.deadline):
-            context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"{self.name} did not act on {message.kind} from {message.sender} in time.",
-            )
+        if not self._await_acted(arrival, context, left if left is not None else self.deadline):
+            if context.is_active():
+                context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"{self.name} did not act on {message.kind} from {message.sender} in time.",
+                )
+            return b""  # the caller went away: no one reads an answer
         if arrival.refusal is not None:
             code = grpc.StatusCode.ABORTED
             if arrival.failed:
@@ -924,6 +934,24 @@ class PartyEndpoint:
                 code = grpc.StatusCode.FAILED_PRECONDITION
             context.abort(code, arrival.refusal)
         return b""
+
+    def _await_acted(
+        self, arrival: _Arrival, context: grpc.ServicerContext, seconds: float
+    ) -> bool:
+        """Wait until the party has acted on ``arrival``, at most ``seconds``, or until the
+        call ends first (its caller gave up, or its connection dropped): whether it acted. A
+        call whose caller went away gives its place (:meth:`_slot`) back then, not once the
+        party acts: the caller's retry of the delivery, answered from the same arrival, takes
+        a place of its own, and retries during one long action of the party (a set-up) would
+        otherwise use up its :data:`CALLS_PER_CALLER` and be refused for good."""
+        ended = threading.Event()
+        if not context.add_callback(ended.set):
+            return arrival.done.is_set()  # the call has ended already
+        end = time.monotonic() + seconds
+        while not arrival.done.wait(timeout=min(_CALL_END_POLL, max(end - time.monotonic(), 0))):
+            if ended.is_set() or time.monotonic() >= end:
+                return False
+        return True
 
     def _check(self, data: bytes, caller: str | None) -> Message:
         """The message ``data`` encodes, refused unless the codec accepts it, it comes in the
