@@ -460,6 +460,21 @@ def test_a_caller_certificate_whose_dns_names_name_another_party_is_refused(
     assert outcome == {"ok": True, "refusals": [], "refused": refusals}
 
 
+def test_without_a_federations_members_a_server_checks_callers_against_its_peers(
+    certs: Path,
+) -> None:
+    """An endpoint made without a federation's members (the library's, the benchmarks') took
+    a caller certificate that also names one of its peers among its DNS names: it checked
+    the names against no party at all. Its peers and itself are the parties then."""
+    with PartyEndpoint("shop", identity=_identity(certs, "shop"), deadline=5.0) as shop:
+        shop.add_peer("aggregator", "127.0.0.1:1")  # never called
+        _, certificate = _certificate_naming(certs, "bank", ["bank", "aggregator"])
+        with pytest.raises(network._Refusal, match=r"names the parties \['aggregator'\]"):
+            shop._judge(certificate)
+        _, bank = _certificate_naming(certs, "bank", ["bank", "localhost"])
+        assert shop._judge(bank) == "bank"
+
+
 def test_a_server_judges_each_caller_certificate_once_and_keeps_a_bounded_number(
     certs: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
