@@ -81,6 +81,7 @@ from secure_vfl.federation.certificates import (
     REVOCATION_REASONS,
     UNREADABLE_PEM,
     Problem,
+    certificate_name,
     check_party_name,
     crl_issuer_problems,
     crl_problems,
@@ -722,18 +723,31 @@ def _crl_to_extend(
     return crl, number
 
 
-def revoke(directory: Path, name: str, *, reason: str | None = None) -> Revocation:
-    """Revoke party ``name``'s certificate in ``directory`` (``NAME.pem``, by its serial
-    number): write the CA's revocation list ``DIR/crl.pem``, signed with ``DIR/ca.key``, with
-    every revocation it held and this one (``reason``: one of :data:`REVOCATION_REASONS`, or
-    none), a CRL number one above the last, and its next update at the CA's expiry (the list
-    holds as long as the CA, which signs nothing after). A certificate already revoked leaves
-    the list as it is. ConfigError, before anything is written, for a bad name or reason, a
-    CA that cannot sign (missing, expired, its key not there), a certificate missing or not
-    this CA's, or a ``crl.pem`` that is not the CA's. The list is written atomically (the old
-    one or the whole new one); two revocations at once may lose one of the two entries: run
-    them one after another."""
-    _check_party_name(name)
+def revoke(
+    directory: Path,
+    name: str | None = None,
+    *,
+    certificate: Path | None = None,
+    reason: str | None = None,
+) -> Revocation:
+    """Revoke party ``name``'s certificate in ``directory`` (``NAME.pem``), or the certificate file
+    ``certificate`` (one kept from before the party's was issued again, whose key may be out
+    there; its party is its common name), by its serial number: write the CA's revocation list
+    ``DIR/crl.pem``, signed with ``DIR/ca.key``, with every revocation it held and this one
+    (``reason``: one of :data:`REVOCATION_REASONS`, or none), a CRL number one above the last,
+    and its next update at the CA's expiry (the list holds as long as the CA, which signs
+    nothing after). A certificate already revoked leaves the list as it is. ConfigError, before
+    anything is written, for a bad name or reason, a CA that cannot sign (missing, expired, its
+    key not there), a certificate missing or not this CA's, or a ``crl.pem`` that is not the
+    CA's. The list is written atomically (the old one or the whole new one); two revocations at
+    once may lose one of the two entries: run them one after another."""
+    if (name is None) == (certificate is None):
+        raise ConfigError(
+            "a party name or a certificate file to revoke expected (one of the two). Found "
+            f"{'both' if name is not None else 'neither'}."
+        )
+    if name is not None:
+        _check_party_name(name)
     if reason is not None and reason not in REVOCATION_REASONS:
         raise ConfigError(
             f"a reason among {', '.join(REVOCATION_REASONS)} expected. Found {reason!r}."
@@ -749,16 +763,19 @@ def revoke(directory: Path, name: str, *, reason: str | None = None) -> Revocati
             f"expired on {ca.not_valid_after_utc:%Y-%m-%d %H:%M} UTC: every certificate it "
             "issued is refused already; make a new one in another --out."
         )
-    path = directory / f"{name}.pem"
+    path = certificate if certificate is not None else directory / f"{name}.pem"
     if not path.is_file():
-        raise ConfigError(f"{name}'s certificate expected at {path} to revoke. Found none.")
-    certificate = read_certificate(path.read_bytes(), str(path))
-    problems = issuer_problems(path, certificate, ca)
+        whose = f"{name}'s certificate" if name is not None else "a certificate"
+        raise ConfigError(f"{whose} expected at {path} to revoke. Found none.")
+    revoked = read_certificate(path.read_bytes(), str(path))
+    problems = issuer_problems(path, revoked, ca)
     if problems:
         raise ConfigError(f"{problems[0]} A certificate this CA issued expected to revoke.")
+    if name is None:
+        name = certificate_name(path.read_bytes(), str(path))
     crl_path = directory / CRL_FILE
     old, number = _crl_to_extend(crl_path, ca)
-    serial = certificate.serial_number
+    serial = revoked.serial_number
     known = old.get_revoked_certificate_by_serial_number(serial) if old is not None else None
     if old is not None and known is not None:
         return Revocation(name, serial, revocation_words(known), crl_path, len(old), True)

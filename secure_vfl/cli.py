@@ -1284,8 +1284,16 @@ def build_parser() -> argparse.ArgumentParser:
     revoke.add_argument(
         "--dir", required=True, type=path_arg, metavar="DIR", help="a directory made by certs init"
     )
-    revoke.add_argument(
-        "--party", required=True, metavar="NAME", help="the party whose certificate is revoked"
+    revoked = revoke.add_mutually_exclusive_group(required=True)
+    revoked.add_argument(
+        "--party", metavar="NAME", help="the party whose certificate (DIR/NAME.pem) is revoked"
+    )
+    revoked.add_argument(
+        "--cert",
+        type=existing_file,
+        metavar="FILE",
+        help="a certificate file of the CA to revoke: one kept from before its party's was "
+        "issued again (its key may be out there)",
     )
     revoke.add_argument(
         "--reason",
@@ -1315,7 +1323,7 @@ def run_certs_command(args: argparse.Namespace) -> int:
     from protocols import tls
 
     if args.certs_action == "revoke":
-        return _revoke(tls, args.dir, args.party, args.reason)
+        return _revoke(tls, args.dir, args.party, args.cert, args.reason)
     if args.certs_action == "init":
         hosts = tuple(args.san) if args.san else tls.DEFAULT_HOSTS
         with run_warnings() as noted:
@@ -1339,9 +1347,13 @@ def run_certs_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _revoke(tls: Any, directory: Path, name: str, reason: str | None) -> int:
-    """`certs revoke`: revoke ``name``'s certificate and say what to do next."""
-    done = tls.revoke(directory, name, reason=reason)
+def _revoke(
+    tls: Any, directory: Path, name: str | None, certificate: Path | None, reason: str | None
+) -> int:
+    """`certs revoke`: revoke ``name``'s certificate (or the file ``certificate``) and say what
+    to do next."""
+    done = tls.revoke(directory, name, certificate=certificate, reason=reason)
+    name = done.party
     if done.already:
         print(
             f"{name}'s certificate (serial {done.serial:x}) was {done.revoked} already; "
@@ -1354,12 +1366,16 @@ def _revoke(tls: Any, directory: Path, name: str, reason: str | None) -> int:
     )
     print(
         f"Hand every party the new {done.crl.name}, beside its ca.pem, and restart it (a party "
-        f"reads the list when it starts): its server then refuses {name}'s calls. Whoever "
-        f"holds {name}'s key can still answer at {name}'s address "
-        "(clients cannot see a server's revocation): move it in the federation file, or make a "
-        f"new CA. To admit {name} again, remove {directory / (name + '.pem')} and "
-        f"{directory / (name + '.key')}, then `secure-vfl certs init --out {directory} --party "
-        f"{name}`."
+        "reads the list when it starts): its server then refuses the calls made with this "
+        f"certificate. Whoever holds its key can still answer at {name}'s address (clients "
+        "cannot see a server's revocation): move it in the federation file, or make a new CA."
+        + (
+            ""
+            if certificate is not None
+            else f" To admit {name} again, remove {directory / (name + '.pem')} and "
+            f"{directory / (name + '.key')}, then `secure-vfl certs init --out {directory} "
+            f"--party {name}`."
+        )
     )
     return 0
 

@@ -760,6 +760,30 @@ def test_revoke_refuses_what_it_cannot_revoke_before_writing(certs: Path, tmp_pa
     assert not (certs / "crl.pem").exists() and not (without_key / "crl.pem").exists()
 
 
+def test_revoke_takes_a_certificate_kept_from_before_its_party_was_issued_again(
+    certs: Path, tmp_path: Path
+) -> None:
+    """Once a party's certificate was issued again (its files removed, `certs init`), nothing
+    could revoke the old one, whose key may be out there: revoke read DIR/NAME.pem only. The
+    old file revokes its own serial number; the party's new certificate stays good."""
+    old = tmp_path / "bank-old.pem"
+    shutil.copy(certs / "bank.pem", old)
+    (certs / "bank.pem").unlink()
+    (certs / "bank.key").unlink()
+    tls.make_federation(certs, ["bank"])
+    done = tls.revoke(certs, certificate=old, reason="key-compromise")
+    assert done.party == "bank" and not done.already
+    crl = x509.load_pem_x509_crl((certs / "crl.pem").read_bytes())
+    serial = x509.load_pem_x509_certificate(old.read_bytes()).serial_number
+    assert [entry.serial_number for entry in crl] == [serial]
+    assert tls.check_federation(certs) == []  # bank's new certificate is not the old one
+    for both_or_neither in ({"name": "bank", "certificate": old}, {}):
+        with pytest.raises(ConfigError, match="a party name or a certificate file to revoke"):
+            tls.revoke(certs, **both_or_neither)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"a certificate expected at .*missing\.pem to revoke"):
+        tls.revoke(certs, certificate=tmp_path / "missing.pem")
+
+
 def test_revoke_refuses_to_replace_a_crl_that_is_not_the_cas(certs: Path, tmp_path: Path) -> None:
     """Its revocations would be lost: a list of another CA, or bytes that are no list."""
     tls.make_federation(tmp_path / "other", ["bank"])
@@ -993,7 +1017,8 @@ def test_certs_revoke_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     said = capsys.readouterr().out
     assert f"bank's certificate (serial {_serial(out, 'bank'):x}) revoked on " in said
     assert "(key-compromise): " in said and "now lists 1 revoked certificate(s)" in said
-    assert "Whoever holds bank's key can still answer at bank's address" in said
+    assert "Whoever holds its key can still answer at bank's address" in said
+    assert "To admit bank again, remove" in said
     assert main(argv) == 0
     assert "already;" in capsys.readouterr().out
     assert main(["certs", "check", "--dir", str(out)]) == 1
@@ -1003,3 +1028,13 @@ def test_certs_revoke_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit):
         main([*argv, "--reason", "stolen"])
     assert "invalid choice: 'stolen'" in capsys.readouterr().err
+    # A certificate named by its file (as one kept from before its party's was issued again).
+    old = tmp_path / "shop-old.pem"
+    shutil.copy(out / "shop.pem", old)
+    assert main(["certs", "revoke", "--dir", str(out), "--cert", str(old)]) == 0
+    said = capsys.readouterr().out
+    assert f"shop's certificate (serial {_serial(out, 'shop'):x}) revoked on " in said
+    assert "now lists 2 revoked" in said and "To admit" not in said
+    with pytest.raises(SystemExit):
+        main(["certs", "revoke", "--dir", str(out), "--cert", str(old), "--party", "shop"])
+    assert "not allowed with argument" in capsys.readouterr().err
