@@ -1498,6 +1498,18 @@ def _endpoint(
     )
 
 
+def _revocation_note(federation: Federation, endpoint: PartyEndpoint) -> str:
+    """What a serving party says of the revocation list it applies (read when it started, so
+    its operator can see whether a new one reached it): the file and how many certificates it
+    revokes, or that there is none; nothing without TLS."""
+    if endpoint.identity is None:
+        return ""
+    crl = federation.crl_file()
+    if crl is None:
+        return " (no certificate revocation list)"
+    return f" (revocation list {crl}: {endpoint.revoked_count} revoked)"
+
+
 def serve(
     federation: Federation,
     name: str,
@@ -1592,7 +1604,7 @@ def serve(
             "its imputed directory": server.imputed_dir,
         }
     )
-    on_event(f"{name}: serving at {member.address}")
+    on_event(f"{name}: serving at {member.address}{_revocation_note(federation, endpoint)}")
     label = federation.label_party
     start = time.monotonic()
     heard = False  # a message from the label party came

@@ -966,6 +966,29 @@ def test_a_party_loads_the_crl_beside_its_ca_and_will_not_start_revoked(tmp_path
     )
 
 
+def test_a_serving_party_says_which_revocation_list_it_applies(tmp_path: Path) -> None:
+    """A party reads the list when it starts: its "serving at" line says which it applies and
+    how many it revokes (or that there is none), so its operator sees whether a new one
+    reached it."""
+    from secure_vfl.deployment import _revocation_note
+    from secure_vfl.federation.federation_file import read_federation
+    from secure_vfl.federation.network import PartyEndpoint
+
+    certs = tmp_path / "certs"
+    tls.make_federation(certs, ["bank", "shop", "aggregator"])
+    federation = read_federation(_federation_file(tmp_path, certs))
+    with PartyEndpoint("shop", identity=federation.identity("shop")) as shop:
+        assert _revocation_note(federation, shop) == " (no certificate revocation list)"
+    tls.revoke(certs, "bank")
+    with PartyEndpoint("shop", identity=federation.identity("shop")) as shop:
+        assert shop.revoked_count == 1
+        assert _revocation_note(federation, shop) == (
+            f" (revocation list {certs / 'crl.pem'}: 1 revoked)"
+        )
+    with PartyEndpoint("shop", insecure=True) as plaintext:
+        assert _revocation_note(federation, plaintext) == ""
+
+
 def test_a_party_refuses_to_start_with_a_bad_crl_saying_what_is_wrong(tmp_path: Path) -> None:
     from secure_vfl.federation.federation_file import read_federation
 

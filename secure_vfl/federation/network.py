@@ -815,6 +815,11 @@ class PartyEndpoint:
             return False
         return caller is None or caller == AGGREGATOR
 
+    @property
+    def revoked_count(self) -> int:
+        """How many certificates the revocation list this endpoint applies revokes."""
+        return len(self._revoked)
+
     def _caller(self, context: grpc.ServicerContext) -> str | None:
         """The caller's party name, from its certificate (None without TLS), refused unless
         the certificate names that party alone (:meth:`_judge`). Judged once per certificate:
