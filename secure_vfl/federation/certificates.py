@@ -244,25 +244,39 @@ def validity_problems(
     return []
 
 
-def issuer_problems(
-    path: Path, certificate: x509.Certificate, ca: x509.Certificate
+def _signer_problems(
+    path: Path, issuer: x509.Name, ca: x509.Certificate, verifies: Callable[[], bool]
 ) -> list[Problem]:
-    """A problem unless ``ca`` issued ``certificate`` (its name and its signature)."""
-    if certificate.issuer != ca.subject:
+    """A problem unless what is at ``path`` names ``ca`` as its ``issuer`` and its signature
+    ``verifies`` under the CA's key."""
+    if issuer != ca.subject:
         return [
             Problem(
                 path,
-                f"issued by {certificate.issuer.rfc4514_string()!r}, not by this federation's CA "
+                f"issued by {issuer.rfc4514_string()!r}, not by this federation's CA "
                 f"{ca.subject.rfc4514_string()!r}.",
             )
         ]
-    try:
-        certificate.verify_directly_issued_by(ca)
-    except (ValueError, TypeError, InvalidSignature):
+    if not verifies():
         return [
             Problem(path, "not signed by this federation's CA (the signature does not verify).")
         ]
     return []
+
+
+def issuer_problems(
+    path: Path, certificate: x509.Certificate, ca: x509.Certificate
+) -> list[Problem]:
+    """A problem unless ``ca`` issued ``certificate`` (its name and its signature)."""
+
+    def verifies() -> bool:
+        try:
+            certificate.verify_directly_issued_by(ca)
+        except (ValueError, TypeError, InvalidSignature):
+            return False
+        return True
+
+    return _signer_problems(path, certificate.issuer, ca, verifies)
 
 
 def crl_issuer_problems(
@@ -270,23 +284,14 @@ def crl_issuer_problems(
 ) -> list[Problem]:
     """A problem unless ``ca`` issued ``crl`` (at ``path``): its name and its signature. A list
     anyone could write would let them refuse any party."""
-    if crl.issuer != ca.subject:
-        return [
-            Problem(
-                path,
-                f"issued by {crl.issuer.rfc4514_string()!r}, not by this federation's CA "
-                f"{ca.subject.rfc4514_string()!r}.",
-            )
-        ]
-    try:
-        valid = crl.is_signature_valid(ca.public_key())  # type: ignore[arg-type]
-    except (ValueError, TypeError):  # a key that signs nothing (X25519): it signed no list
-        valid = False
-    if not valid:
-        return [
-            Problem(path, "not signed by this federation's CA (the signature does not verify).")
-        ]
-    return []
+
+    def verifies() -> bool:
+        try:
+            return crl.is_signature_valid(ca.public_key())  # type: ignore[arg-type]
+        except (ValueError, TypeError):  # a key that signs nothing (X25519): it signed no list
+            return False
+
+    return _signer_problems(path, crl.issuer, ca, verifies)
 
 
 def crl_validity_problems(
