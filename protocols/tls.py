@@ -771,6 +771,12 @@ def revoke(
     problems = issuer_problems(path, revoked, ca)
     if problems:
         raise ConfigError(f"{problems[0]} A certificate this CA issued expected to revoke.")
+    if is_ca(revoked):
+        raise ConfigError(
+            f"{path}: a party's certificate expected to revoke; found the CA's own (it signs "
+            "its own list, and no list revokes it). To stop trusting the CA, make a new one "
+            "(`secure-vfl certs init` into another --out) and hand out its certificates."
+        )
     if name is None:
         name = certificate_name(path.read_bytes(), str(path))
     crl_path = directory / CRL_FILE

@@ -1274,7 +1274,8 @@ def build_parser() -> argparse.ArgumentParser:
     revoke = certs_actions.add_parser(
         "revoke",
         help="revoke a party's certificate: add it to the CA's revocation list DIR/crl.pem",
-        description="Revoke party NAME's current certificate (DIR/NAME.pem) by its serial number: "
+        description="Revoke party NAME's current certificate (DIR/NAME.pem), or the certificate "
+        "file --cert FILE, by its serial number: "
         "write DIR/crl.pem, signed with DIR/ca.key, keeping the revocations already there. Hand "
         "every party the new crl.pem beside its ca.pem and restart it: its server refuses the "
         "revoked certificate's calls, and a party with it does not start. A revoked certificate's "
@@ -1347,6 +1348,16 @@ def run_certs_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _is_current(directory: Path, name: str, serial: int) -> bool:
+    """Whether party ``name``'s certificate in ``directory`` has the serial number ``serial``."""
+    from secure_vfl.federation.certificates import UNREADABLE_PEM, parse_certificate
+
+    try:
+        return parse_certificate((directory / f"{name}.pem").read_bytes()).serial_number == serial
+    except (OSError, *UNREADABLE_PEM):
+        return False
+
+
 def _revoke(
     tls: Any, directory: Path, name: str | None, certificate: Path | None, reason: str | None
 ) -> int:
@@ -1371,7 +1382,7 @@ def _revoke(
         "cannot see a server's revocation): move it in the federation file, or make a new CA."
         + (
             ""
-            if certificate is not None
+            if certificate is not None and not _is_current(directory, name, done.serial)
             else f" To admit {name} again, remove {directory / (name + '.pem')} and "
             f"{directory / (name + '.key')}, then `secure-vfl certs init --out {directory} "
             f"--party {name}`."

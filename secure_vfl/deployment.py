@@ -1505,7 +1505,7 @@ def _revocation_note(federation: Federation, endpoint: PartyEndpoint) -> str:
     if endpoint.identity is None:
         return ""
     crl = federation.crl_file()
-    if crl is None:
+    if endpoint.identity.crl is None or crl is None:
         return " (no certificate revocation list)"
     return f" (revocation list {crl}: {endpoint.revoked_count} revoked)"
 

@@ -782,6 +782,8 @@ def test_revoke_takes_a_certificate_kept_from_before_its_party_was_issued_again(
             tls.revoke(certs, **both_or_neither)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"a certificate expected at .*missing\.pem to revoke"):
         tls.revoke(certs, certificate=tmp_path / "missing.pem")
+    with pytest.raises(ConfigError, match=r"ca\.pem: a party's certificate expected to revoke; "):
+        tls.revoke(certs, certificate=certs / "ca.pem")  # self-signed: its issuer is the CA
 
 
 def test_revoke_refuses_to_replace_a_crl_that_is_not_the_cas(certs: Path, tmp_path: Path) -> None:
@@ -977,9 +979,12 @@ def test_a_serving_party_says_which_revocation_list_it_applies(tmp_path: Path) -
     certs = tmp_path / "certs"
     tls.make_federation(certs, ["bank", "shop", "aggregator"])
     federation = read_federation(_federation_file(tmp_path, certs))
-    with PartyEndpoint("shop", identity=federation.identity("shop")) as shop:
+    before = federation.identity("shop")
+    with PartyEndpoint("shop", identity=before) as shop:
         assert _revocation_note(federation, shop) == " (no certificate revocation list)"
     tls.revoke(certs, "bank")
+    with PartyEndpoint("shop", identity=before) as shop:  # read before the list was there
+        assert _revocation_note(federation, shop) == " (no certificate revocation list)"
     with PartyEndpoint("shop", identity=federation.identity("shop")) as shop:
         assert shop.revoked_count == 1
         assert _revocation_note(federation, shop) == (
@@ -1051,13 +1056,23 @@ def test_certs_revoke_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit):
         main([*argv, "--reason", "stolen"])
     assert "invalid choice: 'stolen'" in capsys.readouterr().err
-    # A certificate named by its file (as one kept from before its party's was issued again).
+    # A certificate named by its file: one kept from before its party's was issued again, and
+    # one that is the party's current certificate (then it needs a new one, as with --party).
     old = tmp_path / "shop-old.pem"
     shutil.copy(out / "shop.pem", old)
+    (out / "shop.pem").unlink()
+    (out / "shop.key").unlink()
+    assert main(["certs", "init", "--out", str(out), "--party", "shop"]) == 0
+    current = tmp_path / "shop-current.pem"
+    shutil.copy(out / "shop.pem", current)
+    capsys.readouterr()
     assert main(["certs", "revoke", "--dir", str(out), "--cert", str(old)]) == 0
     said = capsys.readouterr().out
-    assert f"shop's certificate (serial {_serial(out, 'shop'):x}) revoked on " in said
+    assert f"shop's certificate (serial {_serial(tmp_path, 'shop-old'):x}) revoked on " in said
     assert "now lists 2 revoked" in said and "To admit" not in said
+    assert main(["certs", "revoke", "--dir", str(out), "--cert", str(current)]) == 0
+    said = capsys.readouterr().out
+    assert "now lists 3 revoked" in said and "To admit shop again, remove" in said
     with pytest.raises(SystemExit):
         main(["certs", "revoke", "--dir", str(out), "--cert", str(old), "--party", "shop"])
     assert "not allowed with argument" in capsys.readouterr().err

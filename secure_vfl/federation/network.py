@@ -955,7 +955,7 @@ class PartyEndpoint:
         end = time.monotonic() + seconds
         while not arrival.done.wait(timeout=min(_CALL_END_POLL, max(end - time.monotonic(), 0))):
             if ended.is_set() or time.monotonic() >= end:
-                return False
+                return arrival.done.is_set()  # it may have acted since the wait timed out
         return True
 
     def _check(self, data: bytes, caller: str | None) -> Message:
