@@ -1489,6 +1489,42 @@ def test_without_tls_a_caller_is_its_connection_and_its_places_come_back_however
     assert [shop.receive(0.0).round for _ in range(2)] == [1, 1]
 
 
+def test_members_holding_their_calls_together_cannot_keep_another_member_out() -> None:
+    """A server had 16 threads whatever its federation: four members holding their 4 calls
+    each left no thread for a fifth, whose delivery gRPC refused ("Concurrent RPC limit
+    exceeded"). A server that knows its members has a thread for each member's every call
+    and as many more. (Plaintext callers here: each connection is a caller of its own.)"""
+    members = [f"member-{k}" for k in range(6)]
+    shop = PartyEndpoint("shop", insecure=True, deadline=30.0, members=members)
+    assert shop.server_threads == network.CALLS_PER_CALLER * (len(members) + 1)
+    release = threading.Event()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_Serving(shop))
+        channels = [  # a connection each (gRPC shares one between a process's channels)
+            stack.enter_context(
+                grpc.insecure_channel(shop.address, [("grpc.use_local_subchannel_pool", 1)])
+            )
+            for _ in range(len(members))
+        ]
+        held = [
+            channel.stream_unary(DELIVER_STREAM).future(
+                _unfinished(release), timeout=60, metadata=_ANNOUNCED
+            )
+            for channel in channels[:-1]
+            for _ in range(network.CALLS_PER_CALLER)
+        ]
+        try:
+            assert len(held) > network.SERVER_THREADS
+            assert _ended(held, 1, seconds=3) == []  # every one is served, none refused
+            metadata = (("svfl-stream", "s"), ("svfl-sequence", "1"))
+            deliver = channels[-1].unary_unary(DELIVER)
+            assert deliver(wire.encode(_greeting()), timeout=20, metadata=metadata) == b""
+        finally:
+            for call in held:
+                call.cancel()
+            release.set()
+
+
 def test_a_call_whose_caller_went_away_gives_its_place_back_and_a_retry_is_answered() -> None:
     """A delivery's call held its caller's place until the party acted on its message, even once
     its caller had gone away (a dropped connection, a caller that gave up): retries of one

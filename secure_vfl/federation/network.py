@@ -36,7 +36,10 @@ listen, rather than share its connections. One caller (a certificate's name; wit
 tells no name, a connection's address, ``context.peer()``) has at most :data:`CALLS_PER_CALLER`
 calls served at once; more are refused at once (``RESOURCE_EXHAUSTED``, logged and kept in
 :attr:`PartyEndpoint.refused` as every refusal), so that no holder of a certificate of the CA holds
-all :data:`SERVER_THREADS` threads of a server with calls it never finishes. ``Deliver`` is served
+all the threads of a server with calls it never finishes; a server that knows its federation's
+members has threads for all their calls at once and as many more
+(:attr:`PartyEndpoint.server_threads`), so members holding theirs together cannot keep another
+out either (one that does not, :data:`SERVER_THREADS`). ``Deliver`` is served
 as a client stream of one message (a unary call on the wire), so that its call is counted from its
 start, as a stream's is: gRPC reads a unary call's message before the server's code sees the call.
 
@@ -191,6 +194,9 @@ accept a connection again (a restarted one accepts in milliseconds). A quick pro
 party's at an epoch boundary, an imputation coordinator's before a round) does not wait for an
 address that refuses: a peer that stays dead costs it milliseconds."""
 SERVER_THREADS = 16
+"""The threads of a party's gRPC server, at least: one per call served at once. An endpoint
+that knows its federation's members has more where they need them
+(:attr:`PartyEndpoint.server_threads`)."""
 CALLS_PER_CALLER = 4
 """At most this many calls of one caller are served at once (more are refused at once,
 ``RESOURCE_EXHAUSTED``): well under :data:`SERVER_THREADS`, so that one certificate of the CA
@@ -459,6 +465,15 @@ class PartyEndpoint:
         self.max_message_bytes = max_message_bytes
         self.capture = capture
         self.members = frozenset(members) if members is not None else None
+        self.server_threads = (
+            SERVER_THREADS
+            if self.members is None
+            else max(SERVER_THREADS, CALLS_PER_CALLER * (len(self.members) + 1))
+        )
+        """Calls this endpoint's server serves at once, each on a thread of its own: with the
+        federation's members, enough for every member's :data:`CALLS_PER_CALLER` and as many
+        more (refusals of callers that are no member take a thread while they are refused), so
+        that members holding their calls together cannot keep another member out."""
         """The parties whose certificates may call this one (a federation's members); None:
         any the CA certified. A CA outlives its federations (one CA for several is the
         documented way), so a certificate it issued to an organisation that left, or to one
@@ -527,7 +542,7 @@ class PartyEndpoint:
             },
         )
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=SERVER_THREADS),
+            futures.ThreadPoolExecutor(max_workers=self.server_threads),
             handlers=(handlers,),
             options=[
                 ("grpc.max_receive_message_length", FRAME_LIMIT),
@@ -536,7 +551,7 @@ class PartyEndpoint:
                 # bind too, and the two would share its connections.
                 ("grpc.so_reuseport", 0),
             ],
-            maximum_concurrent_rpcs=SERVER_THREADS,
+            maximum_concurrent_rpcs=self.server_threads,
         )
         refusal = _bind_refusal(listen)
         if refusal is not None:
