@@ -800,8 +800,8 @@ def revoke(
         )
     )
     new = entry.build()
-    for revoked in [*(old if old is not None else []), new]:
-        builder = builder.add_revoked_certificate(revoked)
+    for listed in [*(old if old is not None else []), new]:
+        builder = builder.add_revoked_certificate(listed)
     crl = builder.sign(ca_key, hashes.SHA256())
     _write(crl_path, crl.public_bytes(serialization.Encoding.PEM), private=False)
     return Revocation(name, serial, revocation_words(new), crl_path, len(crl), False)
