@@ -45,15 +45,16 @@ signed by the CA or is past its next update.
 left): it adds the certificate's serial number to the CA's certificate revocation list (X.509 CRL),
 ``DIR/crl.pem``, signed with ``DIR/ca.key`` and written atomically, keeping the revocations already
 there; its next update is the CA's expiry. Hand every party the new ``crl.pem``, beside its
-``ca.pem`` (or where its federation file's ``crl`` says), and restart it: a party reads the list
-when it starts. A party refuses to start with a revoked certificate, and its server refuses every
+``ca.pem`` (or where its federation file's ``crl`` says): a running party reads the list again when
+the file changes, within seconds, and applies it if it keeps every revocation of the list in force
+(no restart). A party refuses to start with a revoked certificate, and its server refuses every
 caller whose certificate the list revokes (:mod:`secure_vfl.federation.network`; gRPC's Python API
-takes no CRL, so the party applies it). To admit the party again, revoke first (``revoke`` reads
-the serial number from ``NAME.pem``), then remove ``NAME.pem`` and ``NAME.key`` and issue new ones
-(``make_federation(DIR, [NAME])``, ``certs init``: the CA is reused). What a revocation cannot do:
-a client sees nothing of a server's certificate in gRPC's Python API, so whoever holds the revoked
-key can still answer as that party wherever they can take its address; move the party's address,
-or, where the key may be used anywhere on the path, make a new CA and certificates for every party.
+takes no CRL, so the party applies it). To admit the party again, revoke first (``revoke`` reads the
+serial number from ``NAME.pem``), then remove ``NAME.pem`` and ``NAME.key`` and issue new ones
+(``make_federation(DIR, [NAME])``, ``certs init``: the CA is reused). What a revocation cannot do: a
+client sees nothing of a server's certificate in gRPC's Python API, so whoever holds the revoked key
+can still answer as that party wherever they can take its address; move the party's address, or,
+where the key may be used anywhere on the path, make a new CA and certificates for every party.
 """
 
 from __future__ import annotations

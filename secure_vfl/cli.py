@@ -1277,7 +1277,8 @@ def build_parser() -> argparse.ArgumentParser:
         description="Revoke party NAME's current certificate (DIR/NAME.pem), or the certificate "
         "file --cert FILE, by its serial number: "
         "write DIR/crl.pem, signed with DIR/ca.key, keeping the revocations already there. Hand "
-        "every party the new crl.pem beside its ca.pem and restart it: its server refuses the "
+        "every party the new crl.pem beside its ca.pem (a running party reads it within "
+        "seconds, no restart): its server refuses the "
         "revoked certificate's calls, and a party with it does not start. A revoked certificate's "
         "holder can still answer at the party's address (clients cannot see a server's "
         "revocation): move the address, or make a new CA.",
@@ -1376,8 +1377,8 @@ def _revoke(
         f"{done.count} revoked certificate(s)."
     )
     print(
-        f"Hand every party the new {done.crl.name}, beside its ca.pem, and restart it (a party "
-        "reads the list when it starts): its server then refuses the calls made with this "
+        f"Hand every party the new {done.crl.name}, beside its ca.pem (a running party reads "
+        "it again within seconds, no restart): its server then refuses the calls made with this "
         f"certificate. Whoever holds its key can still answer at {name}'s address (clients "
         "cannot see a server's revocation): move it in the federation file, or make a new CA."
         + (

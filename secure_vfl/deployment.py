@@ -1499,14 +1499,16 @@ def _endpoint(
 
 
 def _revocation_note(federation: Federation, endpoint: PartyEndpoint) -> str:
-    """What a serving party says of the revocation list it applies (read when it started, so
-    its operator can see whether a new one reached it): the file and how many certificates it
-    revokes, or that there is none; nothing without TLS."""
+    """What a serving party says of the revocation list it applies as it starts (a new one
+    put there later is applied, and logged, when it arrives): the file and how many
+    certificates it revokes, or that there is none yet and where one would be read; nothing
+    without TLS."""
     if endpoint.identity is None:
         return ""
     crl = federation.crl_file()
     if endpoint.identity.crl is None or crl is None:
-        return " (no certificate revocation list)"
+        watched = endpoint.identity.crl_path
+        return " (no certificate revocation list" + (f" yet at {watched})" if watched else ")")
     return f" (revocation list {crl}: {endpoint.revoked_count} revoked)"
 
 

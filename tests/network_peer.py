@@ -3,8 +3,8 @@
     python tests/network_peer.py SPEC.json
 
 SPEC (JSON): ``name``; ``certs`` (a directory from ``certs init``: ``ca.pem``, ``NAME.pem``,
-``NAME.key``, and ``crl.pem`` if there is one, the CA's revocation list) or ``insecure: true``;
-optionally ``members`` (the only parties that may call it);
+``NAME.key``, and ``crl.pem`` if there is one, the CA's revocation list, read again when it
+changes) or ``insecure: true``; optionally ``members`` (the only parties that may call it);
 ``program`` and its settings; ``result`` (where to write the outcome). The process starts its
 endpoint on a free loopback port and prints ``PORT <n>``, reads its peers' addresses as one JSON
 line on stdin, runs its program, writes ``result`` atomically, then keeps serving until stdin
@@ -21,6 +21,7 @@ Programs:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import time
@@ -43,11 +44,14 @@ def _endpoint(spec: dict[str, Any]) -> PartyEndpoint:
     if not spec.get("insecure"):
         certs = Path(spec["certs"])
         crl = certs / "crl.pem"
-        identity = TlsIdentity.from_files(
-            certs / "ca.pem",
-            certs / f"{name}.pem",
-            certs / f"{name}.key",
-            crl=crl if crl.exists() else None,
+        identity = dataclasses.replace(
+            TlsIdentity.from_files(
+                certs / "ca.pem",
+                certs / f"{name}.pem",
+                certs / f"{name}.key",
+                crl=crl if crl.exists() else None,
+            ),
+            crl_path=crl,  # read again when it changes, as a deployed party's
         )
     return PartyEndpoint(
         name,

@@ -475,19 +475,22 @@ def test_without_a_federations_members_a_server_checks_callers_against_its_peers
         assert shop._judge(bank) == "bank"
 
 
+class _CallerContext:
+    """What PartyEndpoint._caller reads of gRPC's servicer context: the caller's certificate."""
+
+    def __init__(self, pem: bytes) -> None:
+        self.pem = pem
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return {"x509_pem_cert": [self.pem]}
+
+
 def test_a_server_judges_each_caller_certificate_once_and_keeps_a_bounded_number(
     certs: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The caller's certificate is parsed once, not on every call; the verdicts kept stay
     within CALLER_CERTIFICATES_KEPT however many certificates call (the oldest go first)."""
-
-    class Context:  # what _caller reads of gRPC's servicer context
-        def __init__(self, pem: bytes) -> None:
-            self.pem = pem
-
-        def auth_context(self) -> dict[str, list[bytes]]:
-            return {"x509_pem_cert": [self.pem]}
-
+    Context = _CallerContext
     parsed = collections.Counter[bytes]()
     parse = network.parse_certificate
 
@@ -556,6 +559,106 @@ def test_a_revoked_partys_calls_are_refused_while_the_others_go_through(
     assert second.outcome(timeout=60) == {"ok": True, "refusals": [], "refused": []}
     (arrived,) = read_capture(tmp_path / "shop.received")
     assert arrived.sender == "bank"
+
+
+def test_a_revocation_reaches_a_running_party_without_a_restart(
+    launcher: Launcher, tmp_path: Path
+) -> None:
+    """A party process serving when the CA revokes a caller's certificate refuses that
+    caller's next call once the new list is beside its CA (within CRL_RECHECK_SECONDS), over
+    the connection the caller already had: no restart."""
+    pki = tmp_path / "pki"
+    tls.make_federation(pki, ["bank", "shop", "aggregator"])
+    listener = _listener(launcher, pki, tmp_path, members=["bank", "shop", "aggregator"])
+    with PartyEndpoint(
+        "bank", identity=_identity(pki, "bank"), deadline=20.0, retry=FAST_RETRY
+    ) as bank:
+        bank.add_peer("shop", listener.address)
+        bank.send(_greeting())
+        assert listener.outcome(timeout=60) == {"ok": True, "refusals": [], "refused": []}
+        revoked = tls.revoke(pki, "bank", reason="key-compromise")
+        time.sleep(network.CRL_RECHECK_SECONDS + 0.5)
+        with pytest.raises(ProtocolError) as refused:
+            bank.send(_greeting())
+    assert str(refused.value) == (
+        "representation from bank to shop refused (PERMISSION_DENIED): shop: a caller "
+        f"certificate the CA has not revoked expected; 'bank''s (serial {revoked.serial:x}) was "
+        f"{revoked.revoked} (the federation's certificate revocation list)."
+    )
+
+
+def test_a_running_server_applies_a_new_revocation_list_that_keeps_every_revocation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A server read the revocation list once, when it started: a revocation reached a
+    running federation only when every party was restarted. It now reads the list again when
+    the file changes (or first appears beside the CA) and applies it, dropping the verdicts
+    it kept; it keeps the list in force, and logs why once, when the new file is not a list,
+    not the CA's, lacks a revocation of the list in force (an older list put back) or is gone."""
+    monkeypatch.setattr(network, "CRL_RECHECK_SECONDS", 0.0)  # looked at on every call
+    pki = tmp_path / "pki"
+    tls.make_federation(pki, ["bank", "shop", "aggregator"])
+    crl = pki / "crl.pem"
+    identity = dataclasses.replace(_identity(pki, "shop"), crl_path=crl)
+    pems = {name: (pki / f"{name}.pem").read_bytes() for name in ("bank", "aggregator")}
+    kept = "shop: keeps applying the certificate revocation list it has"
+
+    def logged(text: str) -> int:
+        return sum(text in record.getMessage() for record in caplog.records)
+
+    with (
+        PartyEndpoint("shop", identity=identity, members=["bank", "shop", "aggregator"]) as shop,
+        caplog.at_level("WARNING", logger=network.__name__),
+    ):
+
+        def refusal(name: str) -> network._Refusal:
+            with pytest.raises(network._Refusal) as refused:
+                shop._caller(_CallerContext(pems[name]))  # type: ignore[arg-type]
+            assert refused.value.code == grpc.StatusCode.PERMISSION_DENIED
+            return refused.value
+
+        assert shop._caller(_CallerContext(pems["bank"])) == "bank"  # type: ignore[arg-type]
+        bank = tls.revoke(pki, "bank", reason="key-compromise")  # the CA's first: the file appears
+        assert f"'bank''s (serial {bank.serial:x}) was {bank.revoked}" in refusal("bank").reason
+        assert logged(f"applies the new certificate revocation list {crl}: 1 revoked (0 before)")
+        assert shop._caller(_CallerContext(pems["aggregator"])) == "aggregator"  # type: ignore[arg-type]
+        first = crl.read_bytes()
+        aggregator = tls.revoke(pki, "aggregator")
+        second = crl.read_bytes()
+        refusal("aggregator")
+        assert shop.revoked_count == 2
+
+        crl.write_bytes(first)  # an older list of the CA's would admit aggregator again
+        refusal("aggregator")
+        assert logged(
+            f"{kept} (2 revoked), not the one now at {crl}: lacks 1 revocation(s) of the list in "
+            f"force (serial {aggregator.serial:x}); a list that keeps every revocation expected"
+        )
+        other = tmp_path / "other"
+        tls.make_federation(other, ["bank"])
+        tls.revoke(other, "bank")
+        crl.write_bytes((other / "crl.pem").read_bytes())  # another CA's list
+        refusal("bank")
+        assert logged(f"{kept} (2 revoked), not the one now at {crl}: ") == 2
+        assert logged("this federation's CA") == 1
+        crl.write_bytes(b"garbage")
+        for _ in range(3):  # said once
+            refusal("aggregator")
+        assert logged("found no PEM block") == 1
+        crl.unlink()
+        refusal("bank")
+        assert logged(f"its certificate revocation list {crl} is gone; it keeps applying") == 1
+        assert shop.revoked_count == 2
+
+        crl.write_bytes(second)  # back as it was: nothing to apply
+        refusal("bank")
+        shop_revoked = tls.revoke(pki, "shop")
+        refusal("aggregator")
+        assert logged(
+            f"3 revoked (2 before); it revokes this party's own certificate "
+            f"({shop_revoked.revoked}): every peer that has it refuses this party's calls"
+        )
+        assert logged("applies the new certificate revocation list") == 3
 
 
 def test_a_peer_whose_certificate_this_party_refuses_is_given_up_at_once(

@@ -969,9 +969,8 @@ def test_a_party_loads_the_crl_beside_its_ca_and_will_not_start_revoked(tmp_path
 
 
 def test_a_serving_party_says_which_revocation_list_it_applies(tmp_path: Path) -> None:
-    """A party reads the list when it starts: its "serving at" line says which it applies and
-    how many it revokes (or that there is none), so its operator sees whether a new one
-    reached it."""
+    """A party's "serving at" line says which list it applies as it starts and how many it
+    revokes (or that there is none yet, and where one would be read)."""
     from secure_vfl.deployment import _revocation_note
     from secure_vfl.federation.federation_file import read_federation
     from secure_vfl.federation.network import PartyEndpoint
@@ -980,11 +979,12 @@ def test_a_serving_party_says_which_revocation_list_it_applies(tmp_path: Path) -
     tls.make_federation(certs, ["bank", "shop", "aggregator"])
     federation = read_federation(_federation_file(tmp_path, certs))
     before = federation.identity("shop")
+    none = f" (no certificate revocation list yet at {certs / 'crl.pem'})"
     with PartyEndpoint("shop", identity=before) as shop:
-        assert _revocation_note(federation, shop) == " (no certificate revocation list)"
+        assert _revocation_note(federation, shop) == none
     tls.revoke(certs, "bank")
     with PartyEndpoint("shop", identity=before) as shop:  # read before the list was there
-        assert _revocation_note(federation, shop) == " (no certificate revocation list)"
+        assert _revocation_note(federation, shop) == none
     with PartyEndpoint("shop", identity=federation.identity("shop")) as shop:
         assert shop.revoked_count == 1
         assert _revocation_note(federation, shop) == (

@@ -324,6 +324,43 @@ def crl_problems(
     return [*crl_issuer_problems(path, crl, ca), *crl_validity_problems(path, crl, now)]
 
 
+def crl_replacement_problems(
+    path: Path,
+    new: x509.CertificateRevocationList,
+    old: x509.CertificateRevocationList | None,
+    ca: x509.Certificate,
+) -> list[Problem]:
+    """What keeps a running party from applying ``new`` (at ``path``) in place of the list
+    ``old`` it applies (None: none): ``new`` not ``ca``'s, issued before ``old``, or without
+    a revocation ``old`` holds. Revocations only accumulate (``certs revoke`` keeps those
+    already listed), so a list that lacks one is an older list of the CA's put back, which
+    would admit a revoked certificate again."""
+    problems = crl_issuer_problems(path, new, ca)
+    if problems or old is None:
+        return problems
+    if new.last_update_utc < old.last_update_utc:
+        problems.append(
+            Problem(
+                path,
+                f"issued {new.last_update_utc:%Y-%m-%d %H:%M:%S} UTC, before the list in force "
+                f"({old.last_update_utc:%Y-%m-%d %H:%M:%S} UTC); a newer list expected.",
+            )
+        )
+    missing = sorted({entry.serial_number for entry in old} - {e.serial_number for e in new})
+    if missing:
+        shown = ", ".join(f"{serial:x}" for serial in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        problems.append(
+            Problem(
+                path,
+                f"lacks {len(missing)} revocation(s) of the list in force (serial {shown}{more}); "
+                "a list that keeps every revocation expected (an older list would admit them "
+                "again).",
+            )
+        )
+    return problems
+
+
 def revocation_problems(
     path: Path, certificate: x509.Certificate, crl: x509.CertificateRevocationList, crl_path: Path
 ) -> list[Problem]:
@@ -538,6 +575,9 @@ class TlsIdentity:
     certificate: bytes
     key: bytes = dataclasses.field(repr=False)
     crl: bytes | None = None
+    crl_path: Path | None = dataclasses.field(default=None, compare=False)
+    """Where the CA's revocation list is, or will be once the CA revokes a first certificate:
+    a party's server reads it again when it changes (None: it keeps ``crl``)."""
 
     @classmethod
     def from_files(
@@ -564,6 +604,7 @@ class TlsIdentity:
             certificate.read_bytes(),
             key.read_bytes(),
             crl.read_bytes() if crl is not None else None,
+            crl,
         )
         identity._check(ca, certificate, key, crl)
         return identity

@@ -187,7 +187,8 @@ class Federation:
 
     def identity(self, name: str) -> TlsIdentity:
         """``name``'s TLS identity: the CA, its own certificate and its own key (no other
-        party's key is opened) and the CA's revocation list (:meth:`crl_file`), checked before
+        party's key is opened) and the CA's revocation list (:meth:`crl_file`; its server reads
+        the list again when it changes, or appears beside the CA), checked before
         the party listens or connects: ConfigError naming this file, the party and what is
         wrong unless the certificate is valid now, signed by this file's CA, names the party
         (and no other member) and takes its key, as every peer's handshake needs
@@ -229,7 +230,10 @@ class Federation:
                 name,
                 member.host,
             )
-        return identity
+        # A running party reads the list again where it is, or where the CA's first revocation
+        # will put it.
+        watched = self.crl if self.crl is not None else self.ca.with_name(CRL_FILE)
+        return dataclasses.replace(identity, crl_path=watched)
 
     def own_file(self, name: str, key: str) -> Path:
         """Party ``name``'s own ``key`` file (``data`` or ``labels``), checked before the party

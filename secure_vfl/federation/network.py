@@ -44,9 +44,10 @@ as a client stream of one message (a unary call on the wire), so that its call i
 start, as a stream's is: gRPC reads a unary call's message before the server's code sees the call.
 
 **Revocation.** gRPC's Python API takes no certificate revocation list, so the server applies
-the CA's (``secure-vfl certs revoke``, :attr:`TlsIdentity.crl`) itself, as it was when the
-party started (a new list takes a restart): a caller whose certificate's serial number the list
-holds is refused (``PERMISSION_DENIED``, naming the caller
+the CA's (``secure-vfl certs revoke``, :attr:`TlsIdentity.crl`) itself, read again when its
+file (:attr:`TlsIdentity.crl_path`) changes, within :data:`CRL_RECHECK_SECONDS`, if the new list
+keeps every revocation of the one in force (:class:`_Revocations`): a caller whose
+certificate's serial number the list holds is refused (``PERMISSION_DENIED``, naming the caller
 and when its certificate was revoked); a deployed party with a revoked certificate of its own
 does not start. The client side cannot do the same: gRPC's Python API shows a client nothing of
 the server's certificate (it checks only the chain and the name), so whoever holds a revoked
@@ -138,6 +139,7 @@ import zlib
 from collections import Counter
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent import futures
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, NoReturn
 
 # gRPC's core prints a failed TLS handshake as an INFO line of its own ("Handshake failed with
@@ -161,8 +163,10 @@ from secure_vfl.federation.certificates import (
     TlsIdentity,
     check_party_name,
     common_names,
+    crl_replacement_problems,
     name_mismatches,
     parse_certificate,
+    read_certificate,
     read_crl,
     revoked_serials,
     unreadable,
@@ -221,6 +225,9 @@ REFUSALS_KEPT = 64
 CALLER_CERTIFICATES_KEPT = 64
 """Caller certificates whose verdict (the caller's name, or why it is refused) an endpoint
 keeps, so that a certificate is parsed once, not on every call; the oldest goes first."""
+CRL_RECHECK_SECONDS = 2.0
+"""How often, at most, a server looks whether the file of its revocation list changed (when a
+call comes): a revocation reaches a running party within this long of its list's arrival."""
 
 _NOT_DELIVERED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _STREAM, _SEQUENCE, _SIZE, _COUNT = "svfl-stream", "svfl-sequence", "svfl-size", "svfl-count"
@@ -356,6 +363,112 @@ class _Refusal(Exception):
         self.reason = reason
 
 
+_GONE = b""  # what _Revocations last read of a file that is not there
+
+
+class _Revocations:
+    """The CA's revocation list a server applies, read again from its file
+    (:attr:`TlsIdentity.crl_path`) when the file changes, looked at when a call comes, at most
+    every :data:`CRL_RECHECK_SECONDS`. A new list is applied only if the CA signed it, it is not
+    older than the list in force and it keeps every revocation of that list
+    (:func:`~secure_vfl.federation.certificates.crl_replacement_problems`); otherwise, and when
+    the file is gone or unreadable, the list in force stays and the party's log says why, once
+    for each content of the file. ``generation`` counts the lists applied."""
+
+    def __init__(self, name: str, identity: TlsIdentity | None) -> None:
+        self.name = name
+        self.path = identity.crl_path if identity is not None else None
+        self.pem = identity.crl if identity is not None else None
+        self.crl = read_crl(self.pem, f"{name}'s certificate revocation list") if self.pem else None
+        self.serials = revoked_serials(self.crl) if self.crl is not None else {}
+        """The serial numbers the list in force revokes, with when and why."""
+        self.generation = 0
+        self._ca = read_certificate(identity.ca, f"{name}'s CA") if identity is not None else None
+        self._own = parse_certificate(identity.certificate) if identity is not None else None
+        self._read: bytes | str | None = self.pem
+        """The file's content last judged, or why it could not be read: its bytes are
+        compared, not its time stamps (a file replaced within a clock tick by one of its size
+        looks the same)."""
+        self._next = time.monotonic() + CRL_RECHECK_SECONDS
+        self._lock = threading.Lock()
+
+    def refresh(self) -> bool:
+        """Look whether the file changed, if it is time to, and apply the new list if it
+        may be: whether the list in force changed. Never raises (a call is being served)."""
+        if self.path is None or time.monotonic() < self._next:
+            return False
+        if not self._lock.acquire(blocking=False):  # another call is looking
+            return False
+        try:
+            self._next = time.monotonic() + CRL_RECHECK_SECONDS
+            return self._look(self.path)
+        finally:
+            self._lock.release()
+
+    def _look(self, path: Path) -> bool:
+        try:
+            pem = path.read_bytes()
+        except FileNotFoundError:
+            if self.pem is not None and self._read != _GONE:
+                logger.warning(
+                    "%s: its certificate revocation list %s is gone; it keeps applying the "
+                    "one it read (%d revoked).",
+                    self.name,
+                    path,
+                    len(self.serials),
+                )
+            self._read = _GONE
+            return False
+        except OSError as error:
+            return self._keep(path, f"it cannot be read ({error.strerror or error})")
+        if pem == self._read:
+            return False
+        if pem == self.pem:  # back as it was
+            self._read = pem
+            return False
+        try:
+            crl = read_crl(pem, str(path))
+        except ConfigError as error:
+            return self._keep(path, str(error), pem)
+        assert self._ca is not None
+        problems = crl_replacement_problems(path, crl, self.crl, self._ca)
+        if problems:
+            return self._keep(path, " ".join(problem.what for problem in problems), pem)
+        before = len(self.serials)
+        self.pem, self.crl, self.serials, self._read = pem, crl, revoked_serials(crl), pem
+        self.generation += 1
+        assert self._own is not None
+        own = self.serials.get(self._own.serial_number)
+        logger.warning(
+            "%s: applies the new certificate revocation list %s: %d revoked (%d before)%s.",
+            self.name,
+            path,
+            len(self.serials),
+            before,
+            f"; it revokes this party's own certificate ({own}): every peer that has it "
+            "refuses this party's calls"
+            if own is not None
+            else "",
+        )
+        return True
+
+    def _keep(self, path: Path, why: str, pem: bytes | None = None) -> bool:
+        """Keep the list in force, saying ``why`` not the file's (``pem``: what it holds, not
+        judged again; None: unread, read again at the next look and said again only if the
+        reason changed)."""
+        if why != self._read:
+            logger.warning(
+                "%s: keeps applying the certificate revocation list it has (%d revoked), not "
+                "the one now at %s: %s",
+                self.name,
+                len(self.serials),
+                path,
+                why,
+            )
+        self._read = pem if pem is not None else why
+        return False
+
+
 @dataclasses.dataclass(frozen=True)
 class _Verdict:
     """What a server concluded of one caller certificate: the caller's party name, or the
@@ -478,13 +591,9 @@ class PartyEndpoint:
         any the CA certified. A CA outlives its federations (one CA for several is the
         documented way), so a certificate it issued to an organisation that left, or to one
         of another federation, would otherwise reach this party."""
-        self._revoked = (
-            revoked_serials(read_crl(identity.crl, f"{name}'s certificate revocation list"))
-            if identity is not None and identity.crl is not None
-            else {}
-        )
-        """The serial numbers of the certificates the CA revoked (its CRL, ``identity.crl``),
-        with when and why: callers holding one are refused."""
+        self._revocations = _Revocations(name, identity)
+        """The CA's revocation list (``identity.crl``, read again from ``identity.crl_path``
+        when it changes): callers whose certificates it lists are refused."""
         self._capture_lock = threading.Lock()  # the party's thread sends, gRPC's receive
         self.handler: Callable[[Message], None] | None = None
         self.after: Callable[[], None] | None = None
@@ -833,7 +942,7 @@ class PartyEndpoint:
     @property
     def revoked_count(self) -> int:
         """How many certificates the revocation list this endpoint applies revokes."""
-        return len(self._revoked)
+        return len(self._revocations.serials)
 
     def _caller(self, context: grpc.ServicerContext) -> str | None:
         """The caller's party name, from its certificate (None without TLS), refused unless
@@ -848,15 +957,21 @@ class PartyEndpoint:
                 f"{self.name}: one caller certificate expected, found {len(certificates)}.",
             )
         pem = bytes(certificates[0])
+        if self._revocations.refresh():
+            with self._verdicts_lock:  # judged against the list no longer in force
+                self._verdicts.clear()
         with self._verdicts_lock:
             verdict = self._verdicts.get(pem)
+            generation = self._revocations.generation
         if verdict is None:
             try:
                 verdict = _Verdict(self._judge(pem))
             except _Refusal as refusal:
                 verdict = _Verdict("", (refusal.code, refusal.reason))
             with self._verdicts_lock:
-                self._verdicts[pem] = verdict
+                # Kept only if judged against the list still in force.
+                if generation == self._revocations.generation:
+                    self._verdicts[pem] = verdict
                 while len(self._verdicts) > CALLER_CERTIFICATES_KEPT:
                     del self._verdicts[next(iter(self._verdicts))]
         if verdict.refusal is not None:
@@ -894,7 +1009,7 @@ class PartyEndpoint:
                 f"{self.name}: a caller whose certificate names {wire.shown(caller)}, not a "
                 f"member of the federation ({', '.join(sorted(self.members))}).",
             )
-        revoked = self._revoked.get(certificate.serial_number)
+        revoked = self._revocations.serials.get(certificate.serial_number)
         if revoked is not None:
             raise _Refusal(
                 grpc.StatusCode.PERMISSION_DENIED,
