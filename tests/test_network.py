@@ -1657,6 +1657,60 @@ def test_a_call_whose_caller_went_away_gives_its_place_back_and_a_retry_is_answe
         shop.close()
 
 
+def test_a_caller_whose_calls_end_first_queues_no_more_than_its_limit_of_deliveries(
+    certs: Path,
+) -> None:
+    """A call that ends before the party acts on its delivery (cancelled, or past its caller's
+    deadline) leaves the delivery queued for the party, as it should be (a retry is answered
+    from it): a caller that ended each call at once queued as many deliveries as it sent, each
+    up to the codec's limit, while the party was busy. At most UNACTED_PER_CALLER wait for one
+    caller; the next is refused at once, saying why, another member's still gets through, and
+    the caller's own do again once the party has acted on its queue."""
+    limit = network.UNACTED_PER_CALLER
+    shop = PartyEndpoint("shop", identity=_identity(certs, "shop"), deadline=60.0)  # acts later
+    aggregator = _identity(certs, "aggregator")
+    as_aggregator = grpc.secure_channel(
+        shop.address,
+        grpc.ssl_channel_credentials(aggregator.ca, aggregator.key, aggregator.certificate),
+        [("grpc.ssl_target_name_override", "shop")],
+    )
+    try:
+        with _as_bank(certs, shop.address) as channel, as_aggregator:
+            deliver = channel.unary_unary(DELIVER)
+            data = wire.encode(_greeting())
+
+            def delivery(number: int) -> dict[str, Any]:
+                metadata = (("svfl-stream", "s"), ("svfl-sequence", str(number)))
+                return {"request": data, "timeout": 30, "metadata": metadata}
+
+            for number in range(limit):
+                with pytest.raises(grpc.RpcError) as ended:
+                    deliver(**{**delivery(number), "timeout": 0.5})  # gone before it is acted on
+                assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            with pytest.raises(grpc.RpcError) as refused:
+                deliver(**delivery(limit))
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            reason = (
+                f"shop: bank already has {limit} deliveries here that the party has not acted "
+                "on, the most one caller may have; refused."
+            )
+            assert refused.value.details() == reason
+            assert list(shop.refused) == [reason]
+            other = as_aggregator.unary_unary(DELIVER).future(
+                wire.encode(_greeting(sender="aggregator")),
+                timeout=30,
+                metadata=(("svfl-stream", "a"), ("svfl-sequence", "0")),
+            )
+            senders = [shop.receive(10.0).sender for _ in range(limit + 1)]
+            assert senders == ["bank"] * limit + ["aggregator"]
+            assert other.result(timeout=10) == b""
+            again = deliver.future(**delivery(limit + 1))
+            assert shop.receive(10.0).sender == "bank"
+            assert again.result(timeout=10) == b""
+    finally:
+        shop.close()
+
+
 def test_messages_to_one_peer_travel_in_one_delivery_acted_on_in_order_up_to_a_refusal(
     certs: Path, tmp_path: Path
 ) -> None:

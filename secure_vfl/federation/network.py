@@ -36,7 +36,9 @@ listen, rather than share its connections. One caller (a certificate's name; wit
 tells no name, a connection's address, ``context.peer()``) has at most :data:`CALLS_PER_CALLER`
 calls served at once; more are refused at once (``RESOURCE_EXHAUSTED``, logged and kept in
 :attr:`PartyEndpoint.refused` as every refusal), so that no holder of a certificate of the CA holds
-all the threads of a server with calls it never finishes; a server that knows its federation's
+all the threads of a server with calls it never finishes, and at most :data:`UNACTED_PER_CALLER`
+of its deliveries wait for the party to act on them (a call that ends first leaves its delivery
+queued); a server that knows its federation's
 members has threads for all their calls at once and as many more
 (:attr:`PartyEndpoint.server_threads`), so members holding theirs together cannot keep another
 out either (one that does not, :data:`SERVER_THREADS`). ``Deliver`` is served
@@ -211,6 +213,13 @@ nested ``send_all``, or a detached reply once it answered, :attr:`PartyEndpoint.
 label party's gradient to a data party while its head task to it is in flight, the most any
 server met in the deployment tests (tests/test_deploy.py). A retry after a lost connection may
 find its first attempt still waiting here for the party: three. Four leaves one to spare."""
+UNACTED_PER_CALLER = 4 * CALLS_PER_CALLER
+"""At most this many of one caller's deliveries wait here for the party to act on them; a new
+one beyond is refused at once (``RESOURCE_EXHAUSTED``). An honest caller has no more waiting
+than calls in flight (each call waits until the party acts, and a retry finds its first
+attempt's delivery), but a call that ends first (its caller cancelled it, or its deadline
+passed) leaves its delivery queued: without a bound, a caller that ends its calls at once could
+queue deliveries, each up to the codec's size limit, until the party's memory ran out."""
 SENDER_THREADS = 64
 """At most this many outgoing calls of a party at once (one per peer a ``send_all`` reaches;
 started as needed, then kept for the endpoint's life). Each call blocks in one of them: a gRPC
@@ -308,6 +317,7 @@ class _Arrival:
     sizes: tuple[int, ...]
     size: int  # of the delivery's bytes
     checksum: int  # CRC-32 of the bytes: tells a retry (the same bytes) from a reuse
+    caller: str  # whose deliveries it counts among (UNACTED_PER_CALLER)
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     refusal: str | None = None
     failed: bool = False  # the handler raised something other than a ProtocolError
@@ -627,6 +637,7 @@ class PartyEndpoint:
         self._verdicts: dict[bytes, _Verdict] = {}  # by caller certificate (PEM), oldest first
         self._verdicts_lock = threading.Lock()
         self._in_flight: Counter[str] = Counter()  # calls being served, by caller (_slot)
+        self._unacted: Counter[str] = Counter()  # deliveries the party has not acted on, by caller
         self._closing: list[threading.Thread] = []  # closing the channels reconnect replaced
         if insecure:
             logger.warning(
@@ -1156,14 +1167,22 @@ class PartyEndpoint:
                     f"{self.name}: {message.kind} from {sender} replays delivery {number} of its "
                     "stream; refused.",
                 )
+            if self._unacted[sender] >= UNACTED_PER_CALLER:
+                raise _Refusal(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{self.name}: {sender} already has {UNACTED_PER_CALLER} deliveries here that "
+                    "the party has not acted on, the most one caller may have; refused.",
+                )
             arrival = _Arrival(
                 messages,
                 tuple(len(part) for part in parts),
                 len(data),
                 checksum,
+                sender,
                 detached=metadata.get(_DETACHED) == "1",
             )
             recent.keep(number, arrival)
+            self._unacted[sender] += 1
             return arrival, True
 
     # -- the party's thread: acting on what arrived ------------------------------------------
@@ -1181,6 +1200,10 @@ class PartyEndpoint:
                 # (a step's tensors) do not.
                 item.messages = ()
                 item.done.set()
+                with self._lock:
+                    self._unacted[item.caller] -= 1
+                    if not self._unacted[item.caller]:
+                        del self._unacted[item.caller]
             if item.refusal is not None and item.detached:
                 self._detached_refusals.append(item.refusal)
             if self.after is not None:
