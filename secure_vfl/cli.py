@@ -2113,7 +2113,8 @@ def run_train(args: argparse.Namespace) -> int:
         if step % 10 == 0 and not math.isnan(loss):  # NaN: an empty Poisson draw
             bar.set_postfix(loss=f"{loss:.3f}")
 
-    with _capture(args.capture, args, out=out) as capture, run_warnings() as noted:
+    parties = _file_party_names(config)  # result.parties' names, known before the run
+    with _capture(args.capture, args, out=out) as capture, _printed_warnings(parties) as noted:
         # PSI's messages go to the capture too, but their bytes are not training traffic.
         alignment = Channel(transport=InProcessTransport(capture=capture))
         # PSI's points, both sides' of each data party's session (no total: sizes come later).
@@ -2143,8 +2144,7 @@ def run_train(args: argparse.Namespace) -> int:
                 bar.close()
     with _finishing():
         payload = result.to_json()
-        found = [*party_named(noted, result.parties), *payload["warnings"]]
-        payload["warnings"] = list(dict.fromkeys(found))
+        payload["warnings"] = list(dict.fromkeys([*noted, *payload["warnings"]]))
         with _unfinished(out, "result.json"):
             plots = write_run_plots(payload, out)
             manifest = save_model(
@@ -2169,7 +2169,8 @@ def run_train(args: argparse.Namespace) -> int:
     print(_summary(result, out, payload))
     print(f"model: {out / MODEL_DIR} (secure-vfl predict --model {out} --party-file ...)")
     print("plots: " + ", ".join(str(path) for path in plots))
-    _print_warnings(payload["warnings"])
+    # those raised in the run were printed then; the result's own (a collapse) are printed now
+    _print_warnings([text for text in payload["warnings"] if text not in noted])
     return 0
 
 
@@ -2768,7 +2769,7 @@ def run_impute(args: argparse.Namespace) -> int:
             "--save-imputed to replace them too (or remove the folder)."
         )
     store = _results_store(args, out)
-    with run_warnings() as noted:
+    with _printed_warnings() as noted:
         task = prepare_imputation_task(config)
     bar: Any = None
 
@@ -2782,7 +2783,7 @@ def run_impute(args: argparse.Namespace) -> int:
         bar.update(1)
         bar.set_postfix(val_rmse=f"{rmse:.3f}")
 
-    with _capture(args.capture, args, out=out) as capture, run_warnings() as running:
+    with _capture(args.capture, args, out=out) as capture, _printed_warnings() as running:
         try:
             result, imputer = run_imputation(
                 config,
@@ -2824,7 +2825,6 @@ def run_impute(args: argparse.Namespace) -> int:
     print(_impute_summary(result, out))
     if keeps_model:
         print(f"model: {out / MODEL_DIR} (secure-vfl fill --model {out} --client-file ...)")
-    _print_warnings(payload["warnings"])
     return 0
 
 
@@ -3668,27 +3668,35 @@ def run_party_command(args: argparse.Namespace) -> int:
 
 
 @contextmanager
-def _printed_warnings() -> Iterator[None]:
-    """Print each :class:`~secure_vfl.errors.RunWarning` raised inside as it is raised, as the
-    commands print theirs (``secure-vfl: warning: ...``): a served party runs until the label
-    party ends the run, and its operator should see a warning about its own rows (new rows far
-    outside its training range, say) when it happens, not once per line of code."""
+def _printed_warnings(parties: Mapping[str, str] | None = None) -> Iterator[list[str]]:
+    """Print each :class:`~secure_vfl.errors.RunWarning` raised inside as it is raised
+    (``secure-vfl: warning: ...``, above any progress bar), and collect its text in the list
+    yielded, in the order raised (``result.json``'s warnings): a run may take minutes, and a
+    served party runs until the label party ends it, so a warning (a party lost, new rows far
+    outside a party's training range) is seen when it happens, not at the end nor once per line
+    of code. ``parties`` (internal name -> the user's) names the parties in each text as the
+    run's result does. Other warnings are shown as usual, as they are raised."""
     import warnings
+
+    from tqdm import tqdm
 
     from secure_vfl.errors import RunWarning
 
+    noted: list[str] = []
     with warnings.catch_warnings():
         warnings.simplefilter("always", RunWarning)
         shown = warnings.showwarning
 
         def show(message: Any, category: Any, *where: Any, **more: Any) -> None:
-            if issubclass(category, RunWarning):
-                print(f"secure-vfl: warning: {message}", file=sys.stderr, flush=True)
-            else:
-                shown(message, category, *where, **more)
+            with tqdm.external_write_mode(file=sys.stderr):  # a bar is cleared, then redrawn
+                if issubclass(category, RunWarning):
+                    noted.append(party_named(str(message), parties or {}))
+                    _print_warnings(noted[-1:])
+                else:
+                    shown(message, category, *where, **more)
 
         warnings.showwarning = show
-        yield
+        yield noted
 
 
 def _refuse_deployment_flags(args: argparse.Namespace, *others: str) -> None:

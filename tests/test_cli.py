@@ -6,10 +6,12 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
 import pytest
+from test_cli_own_data import train_argv, write_case
 
 from secure_vfl.cli import main
 from secure_vfl.federation.channel import read_capture
@@ -344,6 +346,70 @@ def test_a_served_party_prints_its_run_warnings_as_they_come(
         assert capsys.readouterr().err == "secure-vfl: warning: rows far outside\n" * 2
         with pytest.warns(DeprecationWarning):  # other warnings as before
             warnings.warn("old", DeprecationWarning, stacklevel=1)
+
+
+def test_a_run_warning_is_printed_on_a_line_of_its_own_above_the_progress_bar(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The bar is cleared, the warning printed from the start of the line, the bar redrawn: it
+    does not run on from the bar's text."""
+    import warnings
+
+    from tqdm import tqdm
+
+    from secure_vfl.cli import _printed_warnings
+    from secure_vfl.errors import RunWarning
+
+    with _printed_warnings(), tqdm(total=2, desc="laser", file=sys.stderr, leave=False) as bar:
+        bar.update(1)
+        capsys.readouterr()
+        warnings.warn("party-1 is lost", RunWarning, stacklevel=1)
+        err = capsys.readouterr().err
+    assert err.startswith("\r ")  # the bar's line cleared
+    assert "\rsecure-vfl: warning: party-1 is lost\n\rlaser:" in err
+
+
+def test_train_prints_a_run_warning_as_it_is_raised_in_the_users_party_names(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A RunWarning raised at a training step was printed only after the run's summary, which
+    may come minutes later. It is printed as raised, once, naming the party as result.json
+    does (``shop``, not the internal ``party-1``), and listed in result.json once."""
+    import warnings
+
+    import secure_vfl.experiment as experiment
+    from secure_vfl.errors import RunWarning
+
+    build_method = experiment.build_method
+    stderr_at_step_2: list[str] = []
+
+    def built(*args: Any, **kwargs: Any) -> Any:
+        method = build_method(*args, **kwargs)
+        fit = method.fit
+
+        def fit_warning(*, on_step: Any, progress: Any) -> Any:
+            def step(number: int, loss: float) -> None:
+                if number == 1:
+                    warnings.warn("party-1 is slow at step 1", RunWarning, stacklevel=1)
+                elif number == 2:
+                    stderr_at_step_2.append(capsys.readouterr().err)
+                on_step(number, loss)
+
+            return fit(on_step=step, progress=progress)
+
+        method.fit = fit_warning
+        return method
+
+    monkeypatch.setattr(experiment, "build_method", built)
+    bank, shop, labels = write_case(tmp_path)
+    assert main(train_argv(bank, shop, labels, tmp_path / "run")) == 0
+    line = "secure-vfl: warning: shop is slow at step 1\n"
+    [during] = stderr_at_step_2
+    after = capsys.readouterr()
+    assert during.count(line) == 1
+    assert "accuracy" in after.out and "shop is slow" not in after.err  # not again at the end
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["warnings"].count("shop is slow at step 1") == 1
 
 
 def test_datasets_install_reads_names_and_all_in_any_order(

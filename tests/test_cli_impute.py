@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -126,6 +127,40 @@ def test_impute_writes_result_store_row_and_imputed_tables(
     assert main(again) == 2  # refused before any work: nothing replaced
     assert (out / "result.json").read_bytes() == written
     assert len(ResultsStore(tmp_path / "results.sqlite").rows()) == 1
+
+
+def test_impute_prints_a_run_warning_as_it_is_raised_and_lists_it_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A RunWarning raised in a FedAvg round was printed only after the run's summary, which
+    may come minutes later. It is printed as raised, once, and listed in result.json once."""
+    import secure_vfl.experiment as experiment
+    from secure_vfl.errors import RunWarning
+
+    fit_and_score = experiment.fit_and_score
+    stderr_at_round_2: list[str] = []
+
+    def fitted(imputer: Any, score: Any, *, rounds: int, on_round: Any) -> Any:
+        def round_done(number: int, rmse: float) -> None:
+            if number == 1:
+                warnings.warn("client-2 is slow in round 1", RunWarning, stacklevel=1)
+            elif number == 2:
+                stderr_at_round_2.append(capsys.readouterr().err)
+            on_round(number, rmse)
+
+        return fit_and_score(imputer, score, rounds=rounds, on_round=round_done)
+
+    monkeypatch.setattr(experiment, "fit_and_score", fitted)
+    out = tmp_path / "fedhf"
+    argv = ["impute", "--method", "fedhf", "--dataset", "ozone", "--rounds", "2"]
+    assert main([*argv, "--client-fraction", "0.5", "--out", str(out), "--quiet"]) == 0
+    line = "secure-vfl: warning: client-2 is slow in round 1\n"
+    [during] = stderr_at_round_2
+    after = capsys.readouterr()
+    assert during.count(line) == 1
+    assert "RMSE" in after.out and "client-2 is slow" not in after.err  # not again at the end
+    result = json.loads((out / "result.json").read_text())
+    assert result["warnings"] == ["client-2 is slow in round 1"]
 
 
 def test_impute_prints_and_keeps_each_features_rmse_also_in_its_own_units(
