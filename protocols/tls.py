@@ -108,6 +108,7 @@ from secure_vfl.io import (
     atomic_write,
     fsync_directory,
     left_beside,
+    lock_directory,
     temporary_prefix,
     unwritable,
 )
@@ -740,8 +741,10 @@ def revoke(
     nothing after). A certificate already revoked leaves the list as it is. ConfigError, before
     anything is written, for a bad name or reason, a CA that cannot sign (missing, expired, its
     key not there), a certificate missing or not this CA's, or a ``crl.pem`` that is not the
-    CA's. The list is written atomically (the old one or the whole new one); two revocations at
-    once may lose one of the two entries: run them one after another."""
+    CA's, and while another command holds the directory's lock (:func:`~secure_vfl.io.
+    lock_directory`): the list is read, extended and written atomically under that lock, so a
+    revocation at the same time cannot lose the other's entry (nor write a list that lacks it,
+    which running parties refuse to apply)."""
     if (name is None) == (certificate is None):
         raise ConfigError(
             "a party name or a certificate file to revoke expected (one of the two). Found "
@@ -780,7 +783,24 @@ def revoke(
         )
     if name is None:
         name = certificate_name(path.read_bytes(), str(path))
-    crl_path = directory / CRL_FILE
+    release = lock_directory(directory, "--dir")
+    try:
+        return _extend_crl(directory / CRL_FILE, ca, ca_key, name, revoked, reason)
+    finally:
+        release()
+
+
+def _extend_crl(
+    crl_path: Path,
+    ca: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    name: str,
+    revoked: x509.Certificate,
+    reason: str | None,
+) -> Revocation:
+    """Write ``crl_path``: the list there (if any) with ``revoked`` added (:func:`revoke`, which
+    holds the directory's lock)."""
+    now = _now()
     old, number = _crl_to_extend(crl_path, ca)
     serial = revoked.serial_number
     known = old.get_revoked_certificate_by_serial_number(serial) if old is not None else None

@@ -739,6 +739,33 @@ def test_revoke_writes_a_crl_the_ca_signed_and_keeps_the_revocations_already_the
     assert (certs / "crl.pem").read_bytes() == before
 
 
+def test_revoke_extends_the_list_under_the_directorys_lock(tmp_path: Path) -> None:
+    """Two revocations at once each read the list, added their entry and wrote it: the later
+    write lost the other's entry (and running parties refuse a list that lacks one they
+    apply). revoke now reads, extends and writes the list holding the directory's lock, and
+    refuses, naming the holder, while another command holds it."""
+    from secure_vfl.io import LOCK_FILE, lock_directory
+
+    pki = tmp_path / "pki"
+    tls.make_federation(pki, ["bank", "shop"])
+    release = lock_directory(pki, "--dir")
+    try:
+        with pytest.raises(ConfigError) as refused:
+            tls.revoke(pki, "bank")
+    finally:
+        release()
+    assert str(refused.value) == (
+        f"--dir {pki}: a folder no other command writes in expected; process {os.getpid()} is "
+        f"writing there (it holds {pki / LOCK_FILE}). Wait for it to finish, or choose another "
+        "--dir."
+    )
+    assert not (pki / "crl.pem").exists()
+    tls.revoke(pki, "bank")
+    tls.revoke(pki, "shop")
+    assert {entry.serial_number for entry in _crl(pki)} == {_serial(pki, n) for n in PARTIES}
+    assert not (pki / LOCK_FILE).exists()  # given back
+
+
 def test_revoke_refuses_what_it_cannot_revoke_before_writing(certs: Path, tmp_path: Path) -> None:
     tls.make_federation(tmp_path / "other", ["bank"])
     with pytest.raises(ConfigError, match=r"a reason among key-compromise, .* Found 'stolen'"):
