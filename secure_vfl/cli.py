@@ -2413,7 +2413,7 @@ def run_attack_command(args: argparse.Namespace) -> int:
         bar.update(1)
 
     try:
-        with run_warnings() as noted, _named_errors(mapping):
+        with _printed_warnings(mapping) as noted, _named_errors(mapping):
             result = run_attack(
                 config,
                 name,
@@ -2432,8 +2432,8 @@ def run_attack_command(args: argparse.Namespace) -> int:
     payload = _attack_relabelled(result.to_json(), mapping)
     if mapping:
         payload["parties"] = mapping
-    found = [*noted, *payload["training"].get("warnings", [])]
-    payload["warnings"] = list(dict.fromkeys(party_named(text, mapping) for text in found))
+    # Both in the users' names already (the training's relabelled with the payload).
+    payload["warnings"] = list(dict.fromkeys([*noted, *payload["training"].get("warnings", [])]))
     payload["provenance"] = provenance()
     with _finishing():
         atomic_write_json(out / "result.json", payload)
@@ -2444,7 +2444,8 @@ def run_attack_command(args: argparse.Namespace) -> int:
             {**entry, "provenance": payload["provenance"]}, kind=f"attack:{name}", out_dir=out
         )
     print(party_named(_attack_summary(result, out), mapping))
-    _print_warnings(payload["warnings"])
+    # Those raised in the run were printed as they were raised.
+    _print_warnings([text for text in payload["warnings"] if text not in noted])
     return 0
 
 
@@ -2964,7 +2965,7 @@ def run_impute_deployed(args: argparse.Namespace) -> int:
         bar.set_postfix(val_rmse=f"{rmse:.3f}")
 
     try:
-        with _capture(args.capture, args, out=out) as capture, run_warnings() as noted:
+        with _capture(args.capture, args, out=out) as capture, _printed_warnings() as noted:
             result, kept = impute_deployed(
                 config,
                 federation,
@@ -3006,7 +3007,7 @@ def run_impute_deployed(args: argparse.Namespace) -> int:
         for name, part in model["clients"].items()
         if "why" in part
     ]
-    _print_warnings([*noted, *unsaved])
+    _print_warnings(unsaved)  # those raised in the run were printed then
     return 0
 
 
@@ -3801,7 +3802,7 @@ def run_train_deployed(args: argparse.Namespace) -> int:
         aligning.close()
         bar = tqdm(total=total, desc=config.method, unit="step", disable=_no_bar(args), leave=False)
 
-    with run_warnings() as noted, _capture(args.capture, args, out=out) as capture:
+    with _printed_warnings() as noted, _capture(args.capture, args, out=out) as capture:
         try:
             result = train_deployed(
                 config,
@@ -3835,7 +3836,8 @@ def run_train_deployed(args: argparse.Namespace) -> int:
     print(_summary(result, out, payload))
     print(_deployed_model_line(manifest, out / MODEL_DIR))
     print("plots: " + ", ".join(str(path) for path in plots))
-    _print_warnings(payload["warnings"])
+    # Those raised in the run were printed as they were raised.
+    _print_warnings([text for text in payload["warnings"] if text not in noted])
     return 0
 
 

@@ -412,6 +412,41 @@ def test_train_prints_a_run_warning_as_it_is_raised_in_the_users_party_names(
     assert result["warnings"].count("shop is slow at step 1") == 1
 
 
+def test_attack_prints_a_run_warning_as_it_is_raised_and_lists_it_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """attack, too, printed the warnings raised during its training only after its summary."""
+    import warnings
+
+    import attacks.runner as runner
+    from secure_vfl.errors import RunWarning
+
+    run_attack = runner.run_attack
+    stderr_at_step_2: list[str] = []
+
+    def attacked(*args: Any, on_step: Any, **kwargs: Any) -> Any:
+        def step(number: int, loss: float) -> None:
+            if number == 1:
+                warnings.warn("party-1 is slow at step 1", RunWarning, stacklevel=1)
+            elif number == 2:
+                stderr_at_step_2.append(capsys.readouterr().err)
+            on_step(number, loss)
+
+        return run_attack(*args, on_step=step, **kwargs)
+
+    monkeypatch.setattr(runner, "run_attack", attacked)
+    argv = ["attack", "--method", "laser", "--dataset", "breast-cancer", "--heads", "active"]
+    argv += ["--epochs", "1", "--attack", "gradient-replacement-backdoor"]
+    assert main([*argv, "--out", str(tmp_path / "run")]) == 0
+    line = "secure-vfl: warning: party-1 is slow at step 1\n"
+    [during] = stderr_at_step_2
+    after = capsys.readouterr()
+    assert during.count(line) == 1
+    assert "slow at step 1" not in after.err  # not again at the end
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["warnings"].count("party-1 is slow at step 1") == 1
+
+
 def test_datasets_install_reads_names_and_all_in_any_order(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
