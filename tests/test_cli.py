@@ -369,16 +369,32 @@ def test_a_run_warning_is_printed_on_a_line_of_its_own_above_the_progress_bar(
     assert "\rsecure-vfl: warning: party-1 is lost\n\rlaser:" in err
 
 
+def warning_at_step_1(
+    callback: Any, text: str, capsys: pytest.CaptureFixture[str], seen: list[str]
+) -> Any:
+    """``callback`` (a run's per-step or per-round callback), made to raise the RunWarning
+    ``text`` at step 1 and to add what stderr holds by step 2 to ``seen``."""
+    import warnings
+
+    from secure_vfl.errors import RunWarning
+
+    def step(number: int, value: float) -> None:
+        if number == 1:
+            warnings.warn(text, RunWarning, stacklevel=1)
+        elif number == 2:
+            seen.append(capsys.readouterr().err)
+        callback(number, value)
+
+    return step
+
+
 def test_train_prints_a_run_warning_as_it_is_raised_in_the_users_party_names(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A RunWarning raised at a training step was printed only after the run's summary, which
     may come minutes later. It is printed as raised, once, naming the party as result.json
     does (``shop``, not the internal ``party-1``), and listed in result.json once."""
-    import warnings
-
     import secure_vfl.experiment as experiment
-    from secure_vfl.errors import RunWarning
 
     build_method = experiment.build_method
     stderr_at_step_2: list[str] = []
@@ -388,13 +404,7 @@ def test_train_prints_a_run_warning_as_it_is_raised_in_the_users_party_names(
         fit = method.fit
 
         def fit_warning(*, on_step: Any, progress: Any) -> Any:
-            def step(number: int, loss: float) -> None:
-                if number == 1:
-                    warnings.warn("party-1 is slow at step 1", RunWarning, stacklevel=1)
-                elif number == 2:
-                    stderr_at_step_2.append(capsys.readouterr().err)
-                on_step(number, loss)
-
+            step = warning_at_step_1(on_step, "party-1 is slow at step 1", capsys, stderr_at_step_2)
             return fit(on_step=step, progress=progress)
 
         method.fit = fit_warning
@@ -416,22 +426,13 @@ def test_attack_prints_a_run_warning_as_it_is_raised_and_lists_it_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """attack, too, printed the warnings raised during its training only after its summary."""
-    import warnings
-
     import attacks.runner as runner
-    from secure_vfl.errors import RunWarning
 
     run_attack = runner.run_attack
     stderr_at_step_2: list[str] = []
 
     def attacked(*args: Any, on_step: Any, **kwargs: Any) -> Any:
-        def step(number: int, loss: float) -> None:
-            if number == 1:
-                warnings.warn("party-1 is slow at step 1", RunWarning, stacklevel=1)
-            elif number == 2:
-                stderr_at_step_2.append(capsys.readouterr().err)
-            on_step(number, loss)
-
+        step = warning_at_step_1(on_step, "party-1 is slow at step 1", capsys, stderr_at_step_2)
         return run_attack(*args, on_step=step, **kwargs)
 
     monkeypatch.setattr(runner, "run_attack", attacked)

@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from opacus.accountants import RDPAccountant
+from test_cli import warning_at_step_1
 from test_paillier import paillier_aggregator
 
 from secure_vfl.cli import main
@@ -135,19 +136,13 @@ def test_impute_prints_a_run_warning_as_it_is_raised_and_lists_it_once(
     """A RunWarning raised in a FedAvg round was printed only after the run's summary, which
     may come minutes later. It is printed as raised, once, and listed in result.json once."""
     import secure_vfl.experiment as experiment
-    from secure_vfl.errors import RunWarning
 
     fit_and_score = experiment.fit_and_score
     stderr_at_round_2: list[str] = []
 
     def fitted(imputer: Any, score: Any, *, rounds: int, on_round: Any) -> Any:
-        def round_done(number: int, rmse: float) -> None:
-            if number == 1:
-                warnings.warn("client-2 is slow in round 1", RunWarning, stacklevel=1)
-            elif number == 2:
-                stderr_at_round_2.append(capsys.readouterr().err)
-            on_round(number, rmse)
-
+        text = "client-2 is slow in round 1"
+        round_done = warning_at_step_1(on_round, text, capsys, stderr_at_round_2)
         return fit_and_score(imputer, score, rounds=rounds, on_round=round_done)
 
     monkeypatch.setattr(experiment, "fit_and_score", fitted)
