@@ -661,6 +661,60 @@ def test_a_running_server_applies_a_new_revocation_list_that_keeps_every_revocat
         assert logged("applies the new certificate revocation list") == 3
 
 
+def test_a_running_server_reads_no_revocation_list_file_that_is_not_plain_or_too_large(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The file at the list's path was read whole, whatever it was, on a server thread: a
+    named pipe blocked that call for good, holding the look's lock (no later list was ever
+    applied), and /dev/zero or a huge file was read until memory ran out (MemoryError out of
+    the call). Neither is read now: the list in force stays, the log says why, once, and a
+    list put there later is applied."""
+    monkeypatch.setattr(network, "CRL_RECHECK_SECONDS", 0.0)
+    pki = tmp_path / "pki"
+    tls.make_federation(pki, ["bank", "shop"])
+    crl = pki / "crl.pem"
+    identity = dataclasses.replace(_identity(pki, "shop"), crl_path=crl)
+    bank = (pki / "bank.pem").read_bytes()
+    outcome: list[Any] = []
+
+    def call(shop: PartyEndpoint) -> Any:
+        caller = threading.Thread(
+            target=lambda: outcome.append(shop._caller(_CallerContext(bank))),  # type: ignore[arg-type]
+            daemon=True,  # one that never returns must not hold the test up
+        )
+        caller.start()
+        caller.join(5.0)
+        assert not caller.is_alive(), "the call is still reading the list's file"
+        return outcome.pop()
+
+    with (
+        PartyEndpoint("shop", identity=identity, members=["bank", "shop"]) as shop,
+        caplog.at_level("WARNING", logger=network.__name__),
+    ):
+        os.mkfifo(crl)
+        for _ in range(2):  # said once
+            assert call(shop) == "bank"
+        said = [r.getMessage() for r in caplog.records if "not the one now at" in r.getMessage()]
+        assert said == [
+            "shop: keeps applying the certificate revocation list it has (0 revoked), not the "
+            f"one now at {crl}: it is not a plain file (a named pipe)"
+        ]
+        crl.unlink()
+        staged = tmp_path / "staged"
+        staged.mkdir()
+        for name in ("ca.pem", "ca.key", "bank.pem"):
+            (staged / name).write_bytes((pki / name).read_bytes())
+        tls.revoke(staged, "bank")
+        monkeypatch.setattr(network, "CRL_MAX_BYTES", 64)
+        os.replace(staged / "crl.pem", crl)
+        assert call(shop) == "bank"  # too large: not read
+        assert any("it is larger than 64 bytes" in r.getMessage() for r in caplog.records)
+        monkeypatch.setattr(network, "CRL_MAX_BYTES", 16 * 1024 * 1024)
+        with pytest.raises(network._Refusal):
+            shop._caller(_CallerContext(bank))  # type: ignore[arg-type]
+        assert shop.revoked_count == 1
+
+
 def test_a_peer_whose_certificate_this_party_refuses_is_given_up_at_once(
     certs: Path, tmp_path: Path
 ) -> None:

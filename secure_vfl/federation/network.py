@@ -135,6 +135,7 @@ import queue
 import re
 import secrets
 import socket
+import stat
 import threading
 import time
 import zlib
@@ -175,7 +176,7 @@ from secure_vfl.federation.certificates import (
 )
 from secure_vfl.federation.channel import CAPTURE_LENGTH, Channel, ChannelLayer, append_record
 from secure_vfl.federation.messages import AGGREGATOR, Message
-from secure_vfl.io import decimal
+from secure_vfl.io import decimal, file_kind
 
 if TYPE_CHECKING:
     from secure_vfl.federation.parties import Party
@@ -237,6 +238,11 @@ keeps, so that a certificate is parsed once, not on every call; the oldest goes 
 CRL_RECHECK_SECONDS = 2.0
 """How often, at most, a server looks whether the file of its revocation list changed (when a
 call comes): a revocation reaches a running party within this long of its list's arrival."""
+CRL_MAX_BYTES = 16 * 1024 * 1024
+"""The largest file a running server reads as its revocation list (a list of about 200,000
+revocations): a larger one, or one that is not a plain file, is not read (the list in force
+stays). The read happens on a call's thread: a named pipe would block it for good, holding the
+look (no later list applied), and /dev/zero would be read until memory ran out."""
 
 _NOT_DELIVERED = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _STREAM, _SEQUENCE, _SIZE, _COUNT = "svfl-stream", "svfl-sequence", "svfl-size", "svfl-count"
@@ -382,8 +388,9 @@ class _Revocations:
     every :data:`CRL_RECHECK_SECONDS`. A new list is applied only if the CA signed it, it is not
     older than the list in force and it keeps every revocation of that list
     (:func:`~secure_vfl.federation.certificates.crl_replacement_problems`); otherwise, and when
-    the file is gone or unreadable, the list in force stays and the party's log says why, once
-    for each content of the file. ``generation`` counts the lists applied."""
+    the file is gone, unreadable, not a plain file or larger than :data:`CRL_MAX_BYTES`, the list
+    in force stays and the party's log says why, once for each content of the file.
+    ``generation`` counts the lists applied."""
 
     def __init__(self, name: str, identity: TlsIdentity | None) -> None:
         self.name = name
@@ -417,7 +424,7 @@ class _Revocations:
 
     def _look(self, path: Path) -> bool:
         try:
-            pem = path.read_bytes()
+            pem = _list_file(path)
         except FileNotFoundError:
             if self.pem is not None and self._read != _GONE:
                 logger.warning(
@@ -431,6 +438,8 @@ class _Revocations:
             return False
         except OSError as error:
             return self._keep(path, f"it cannot be read ({error.strerror or error})")
+        if isinstance(pem, str):
+            return self._keep(path, f"it is {pem}")
         if pem == self._read:
             return False
         if pem == self.pem:  # back as it was
@@ -477,6 +486,27 @@ class _Revocations:
             )
         self._read = pem if pem is not None else why
         return False
+
+
+def _list_file(path: Path) -> bytes | str:
+    """The bytes of the revocation list's file at ``path``, or why they are not read: it is not
+    a plain file (opened without blocking, so a named pipe is seen, not waited on), or it holds
+    more than :data:`CRL_MAX_BYTES`. OSError where it cannot be opened or read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return f"not a plain file ({file_kind(path)})"
+        chunks: list[bytes] = []
+        size = 0
+        while size <= CRL_MAX_BYTES:
+            chunk = os.read(fd, min(1 << 16, CRL_MAX_BYTES + 1 - size))
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+            size += len(chunk)
+        return f"larger than {CRL_MAX_BYTES} bytes"
+    finally:
+        os.close(fd)
 
 
 @dataclasses.dataclass(frozen=True)
