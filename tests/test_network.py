@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import io
 import json
 import os
 import re
@@ -1759,6 +1760,50 @@ def test_a_caller_whose_calls_end_first_queues_no_more_than_its_limit_of_deliver
             assert senders == ["bank"] * limit + ["aggregator"]
             assert other.result(timeout=10) == b""
             again = deliver.future(**delivery(limit + 1))
+            assert shop.receive(10.0).sender == "bank"
+            assert again.result(timeout=10) == b""
+    finally:
+        shop.close()
+
+
+def test_a_delivery_that_could_not_be_recorded_does_not_count_among_those_waiting(
+    certs: Path,
+) -> None:
+    """A delivery whose bytes the capture file refused (a full disk) was counted among its
+    caller's deliveries waiting for the party (UNACTED_PER_CALLER) but never handed to the
+    party, so never counted off: after that many such failures the caller was refused for
+    good, though nothing of it waited. Such a delivery is now answered as failed (a retry
+    too) and counts no more."""
+
+    class FullDisk(io.BytesIO):
+        full = True
+        name = "capture.bin"
+
+        def write(self, data: Any) -> int:
+            if self.full:
+                raise OSError(28, "No space left on device")
+            return super().write(data)
+
+    capture = FullDisk()
+    shop = PartyEndpoint("shop", identity=_identity(certs, "shop"), deadline=30.0, capture=capture)
+    try:
+        with _as_bank(certs, shop.address) as channel:
+            deliver = channel.unary_unary(DELIVER)
+            data = wire.encode(_greeting())
+
+            def metadata(number: int) -> tuple[tuple[str, str], ...]:
+                return (("svfl-stream", "s"), ("svfl-sequence", str(number)))
+
+            for number in range(network.UNACTED_PER_CALLER):
+                with pytest.raises(grpc.RpcError):
+                    deliver(data, timeout=10, metadata=metadata(number))
+            assert not shop._unacted
+            with pytest.raises(grpc.RpcError) as retried:  # answered from the first attempt
+                deliver(data, timeout=10, metadata=metadata(0))
+            assert retried.value.code() == grpc.StatusCode.INTERNAL
+            assert "shop could not record representation from bank" in retried.value.details()
+            capture.full = False  # room again
+            again = deliver.future(data, timeout=10, metadata=metadata(network.UNACTED_PER_CALLER))
             assert shop.receive(10.0).sender == "bank"
             assert again.result(timeout=10) == b""
     finally:

@@ -1091,8 +1091,18 @@ class PartyEndpoint:
             self._refuse(context, refusal)
         message = messages[0]
         if new:
-            for part in parts:
-                self._record(part)
+            try:
+                for part in parts:
+                    self._record(part)
+            except BaseException as error:  # the capture file refused it: never queued
+                arrival.refusal = self.redact(
+                    f"{self.name} could not record {message.kind} from {message.sender}: {error}"
+                )
+                arrival.failed = True
+                arrival.messages = ()
+                arrival.done.set()  # a retry is answered so, not left waiting
+                self._acted(arrival)
+                raise
             self._queue.put(arrival)
         left = _time_left(context)
         if not self._await_acted(arrival, context, left if left is not None else self.deadline):
@@ -1230,10 +1240,7 @@ class PartyEndpoint:
                 # (a step's tensors) do not.
                 item.messages = ()
                 item.done.set()
-                with self._lock:
-                    self._unacted[item.caller] -= 1
-                    if not self._unacted[item.caller]:
-                        del self._unacted[item.caller]
+                self._acted(item)
             if item.refusal is not None and item.detached:
                 self._detached_refusals.append(item.refusal)
             if self.after is not None:
@@ -1241,6 +1248,15 @@ class PartyEndpoint:
                     self.after()
                 except ProtocolError as error:  # the receiver refused it: its own wait says so
                     logger.warning("%s: %s", self.name, error)
+
+    def _acted(self, arrival: _Arrival) -> None:
+        """Count ``arrival``, registered by :meth:`_register`, off its caller's deliveries
+        waiting for the party (:data:`UNACTED_PER_CALLER`): the party acted on it, or it never
+        reached the party's queue."""
+        with self._lock:
+            self._unacted[arrival.caller] -= 1
+            if not self._unacted[arrival.caller]:
+                del self._unacted[arrival.caller]
 
     def _act_on_message(self, item: _Arrival, message: Message) -> bool:
         """Hand one message of ``item`` to the handler (or keep it); whether it was accepted
