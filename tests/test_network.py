@@ -645,11 +645,15 @@ def test_a_running_server_applies_a_new_revocation_list_that_keeps_every_revocat
         crl.write_bytes(b"garbage")
         for _ in range(3):  # said once
             refusal("aggregator")
+        assert logged(f"not the one now at {crl}: a PEM certificate revocation list") == 1
         assert logged("found no PEM block") == 1
         crl.unlink()
         refusal("bank")
         assert logged(f"its certificate revocation list {crl} is gone; it keeps applying") == 1
         assert shop.revoked_count == 2
+        crl.write_bytes(b"")  # an empty file where the list was: said too
+        refusal("bank")
+        assert logged(f"not the one now at {crl}: ") == 4
 
         crl.write_bytes(second)  # back as it was: nothing to apply
         refusal("bank")
@@ -714,6 +718,37 @@ def test_a_running_server_reads_no_revocation_list_file_that_is_not_plain_or_too
         with pytest.raises(network._Refusal):
             shop._caller(_CallerContext(bank))  # type: ignore[arg-type]
         assert shop.revoked_count == 1
+
+
+def test_a_verdict_judged_against_a_list_replaced_meanwhile_is_not_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server thread judging a caller while another applies a new list (which revokes that
+    caller) would keep its verdict, judged against the old list, past the other's clearing of
+    the kept verdicts: the revoked caller would pass until the next list. The verdict is kept
+    only if judged against the list still in force."""
+    monkeypatch.setattr(network, "CRL_RECHECK_SECONDS", 0.0)
+    pki = tmp_path / "pki"
+    tls.make_federation(pki, ["bank", "shop", "aggregator"])
+    identity = dataclasses.replace(_identity(pki, "shop"), crl_path=pki / "crl.pem")
+    bank, aggregator = ((pki / f"{name}.pem").read_bytes() for name in ("bank", "aggregator"))
+    with PartyEndpoint("shop", identity=identity) as shop:
+        shop.add_peer("aggregator", "127.0.0.1:1")  # never called
+        judge = shop._judge
+
+        def judged_while_a_new_list_arrives(pem: bytes) -> str:
+            caller = judge(pem)  # against the list in force: none
+            if pem == bank:
+                tls.revoke(pki, "bank")
+                # another call comes meanwhile: it applies the new list and drops the verdicts
+                assert shop._caller(_CallerContext(aggregator)) == "aggregator"  # type: ignore[arg-type]
+            return caller
+
+        monkeypatch.setattr(shop, "_judge", judged_while_a_new_list_arrives)
+        assert shop._caller(_CallerContext(bank)) == "bank"  # type: ignore[arg-type]
+        assert bank not in shop._verdicts
+        with pytest.raises(network._Refusal, match=r"'bank''s .* was revoked on"):
+            shop._caller(_CallerContext(bank))  # type: ignore[arg-type]
 
 
 def test_a_peer_whose_certificate_this_party_refuses_is_given_up_at_once(

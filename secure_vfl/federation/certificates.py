@@ -332,9 +332,9 @@ def crl_replacement_problems(
 ) -> list[Problem]:
     """What keeps a running party from applying ``new`` (at ``path``) in place of the list
     ``old`` it applies (None: none): ``new`` not ``ca``'s, issued before ``old``, or without
-    a revocation ``old`` holds. Revocations only accumulate (``certs revoke`` keeps those
-    already listed), so a list that lacks one is an older list of the CA's put back, which
-    would admit a revoked certificate again."""
+    a revocation ``old`` holds. ``certs revoke`` keeps those already listed, so a list that
+    lacks one is an older list of the CA's put back, which would admit a revoked certificate
+    again (or a list from a CA tool that drops expired entries: a restart applies it)."""
     problems = crl_issuer_problems(path, new, ca)
     if problems or old is None:
         return problems

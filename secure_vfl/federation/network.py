@@ -379,7 +379,7 @@ class _Refusal(Exception):
         self.reason = reason
 
 
-_GONE = b""  # what _Revocations last read of a file that is not there
+_GONE = "gone"  # what _Revocations last read of a file that is not there (not a content)
 
 
 class _Revocations:
@@ -447,8 +447,8 @@ class _Revocations:
             return False
         try:
             crl = read_crl(pem, str(path))
-        except ConfigError as error:
-            return self._keep(path, str(error), pem)
+        except ConfigError as error:  # it names the file, which _keep names too
+            return self._keep(path, str(error).removeprefix(f"{path}: "), pem)
         assert self._ca is not None
         problems = crl_replacement_problems(path, crl, self.crl, self._ca)
         if problems:
