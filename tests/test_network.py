@@ -1845,6 +1845,62 @@ def test_a_delivery_that_could_not_be_recorded_does_not_count_among_those_waitin
         shop.close()
 
 
+def test_a_callers_refusals_are_logged_up_to_a_bound_in_each_span(
+    certs: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every refused delivery was logged: a caller sending bytes the codec refuses as fast as
+    it could call filled the party's log, and buried what else it said. At most
+    REFUSALS_LOGGED of one caller's refusals are logged in each span of REFUSAL_LOG_SECONDS,
+    with a line saying the next are not and, when the next span begins, how many were not;
+    every refusal is still kept and answered, and another caller's are logged."""
+    monkeypatch.setattr(network, "REFUSALS_LOGGED", 3)
+    monkeypatch.setattr(network, "REFUSAL_LOG_SECONDS", 3.0)
+    shop = PartyEndpoint("shop", identity=_identity(certs, "shop"), deadline=20.0)
+    aggregator = _identity(certs, "aggregator")
+    as_aggregator = grpc.secure_channel(
+        shop.address,
+        grpc.ssl_channel_credentials(aggregator.ca, aggregator.key, aggregator.certificate),
+        [("grpc.ssl_target_name_override", "shop")],
+    )
+    metadata = (("svfl-stream", "s"), ("svfl-sequence", "1"))
+
+    def refused(channel: grpc.Channel) -> None:
+        with pytest.raises(grpc.RpcError) as error:
+            channel.unary_unary(DELIVER)(b"garbage", timeout=10, metadata=metadata)
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    def logged(text: str) -> int:
+        return sum(text in record.getMessage() for record in caplog.records)
+
+    try:
+        with (
+            caplog.at_level("WARNING", logger=network.__name__),
+            _as_bank(certs, shop.address) as channel,
+            as_aggregator,
+        ):
+            start = time.monotonic()
+            for _ in range(6):
+                refused(channel)
+            refused(as_aggregator)
+            assert time.monotonic() - start < 3.0  # one span
+            assert logged("shop: a message from bank that the codec refuses") == 3
+            assert (
+                logged(
+                    "shop: 3 refusals of deliveries from bank within 3 s; the next ones are not "
+                    "logged until 3 s have passed"
+                )
+                == 1
+            )
+            assert logged("shop: a message from aggregator that the codec refuses") == 1
+            assert len(shop.refused) == 7  # kept all the same
+            time.sleep(3.0 - (time.monotonic() - start) + 0.2)  # the next span
+            refused(channel)
+            assert logged("shop: 3 more refusals of deliveries from bank were not logged.") == 1
+            assert logged("shop: a message from bank that the codec refuses") == 4
+    finally:
+        shop.close()
+
+
 def test_messages_to_one_peer_travel_in_one_delivery_acted_on_in_order_up_to_a_refusal(
     certs: Path, tmp_path: Path
 ) -> None:

@@ -232,6 +232,15 @@ STREAMS_KEPT = 4
 """Sender streams (endpoint lifetimes) remembered per peer."""
 REFUSALS_KEPT = 64
 """The latest deliveries' refusals an endpoint keeps (:attr:`PartyEndpoint.refused`)."""
+REFUSALS_LOGGED = 20
+"""At most this many refusals of one caller's deliveries are logged in
+:data:`REFUSAL_LOG_SECONDS` (the rest are counted, and said when the next span begins):
+refused calls cost a caller little, and without a bound one could fill the party's log, and
+bury what else it says, as fast as it can call."""
+REFUSAL_LOG_SECONDS = 60.0
+REFUSAL_LOG_CALLERS = 256
+"""The callers whose refusals an endpoint counts for :data:`REFUSALS_LOGGED` (the oldest
+forgotten first)."""
 CALLER_CERTIFICATES_KEPT = 64
 """Caller certificates whose verdict (the caller's name, or why it is refused) an endpoint
 keeps, so that a certificate is parsed once, not on every call; the oldest goes first."""
@@ -518,6 +527,16 @@ class _Verdict:
     refusal: tuple[grpc.StatusCode, str] | None = None
 
 
+def _refusal_source(context: grpc.ServicerContext) -> str:
+    """Whose refused delivery this is, for :data:`REFUSALS_LOGGED`: the caller certificate's
+    common name (the handshake verified it; unread if the certificate names several), else the
+    caller's address without its port (every connection of a host, without TLS)."""
+    names = context.auth_context().get("x509_common_name", [])
+    if len(names) == 1:
+        return bytes(names[0]).decode("utf-8", "replace")
+    return context.peer().rpartition(":")[0] or context.peer()
+
+
 def _metadata(context: grpc.ServicerContext) -> dict[str, str]:
     return {key: str(value) for key, value in context.invocation_metadata()}
 
@@ -667,6 +686,8 @@ class PartyEndpoint:
         self._verdicts: dict[bytes, _Verdict] = {}  # by caller certificate (PEM), oldest first
         self._verdicts_lock = threading.Lock()
         self._in_flight: Counter[str] = Counter()  # calls being served, by caller (_slot)
+        # By the source of refused deliveries: when the span began and how many were refused.
+        self._refusal_windows: dict[str, tuple[float, int]] = {}
         self._unacted: Counter[str] = Counter()  # deliveries the party has not acted on, by caller
         self._closing: list[threading.Thread] = []  # closing the channels reconnect replaced
         if insecure:
@@ -958,13 +979,51 @@ class PartyEndpoint:
         the reason; nothing reaches the party, but for a reply sent after its sender answered
         (:data:`_DETACHED`, the aggregator's sum), whose refusal no sender relays: that one is
         raised in the wait of the party that awaits it (:meth:`await_reply`), woken for it."""
-        logger.warning("%s", refusal.reason)
+        self._log_refusal(_refusal_source(context), refusal.reason)
         self.refused.append(refusal.reason)
         if self._unrelayed(context):
             self._detached_refusals.append(refusal.reason)
             self._queue.put(_WAKE)
         context.abort(refusal.code, refusal.reason)
         raise AssertionError("context.abort returns only by raising")  # pragma: no cover
+
+    def _log_refusal(self, source: str, reason: str) -> None:
+        """Log the refusal ``reason`` of a delivery from ``source`` (:func:`_refusal_source`),
+        unless :data:`REFUSALS_LOGGED` of its refusals were logged in the last
+        :data:`REFUSAL_LOG_SECONDS`: then say once that the next ones are not, and how many
+        were not when the next span begins."""
+        now = time.monotonic()
+        with self._lock:
+            window = self._refusal_windows.pop(source, None)  # back in last: the latest
+            unlogged = 0
+            if window is None or now - window[0] >= REFUSAL_LOG_SECONDS:
+                if window is not None:
+                    unlogged = max(window[1] - REFUSALS_LOGGED, 0)
+                window = (now, 0)
+            window = (window[0], window[1] + 1)
+            self._refusal_windows[source] = window
+            while len(self._refusal_windows) > REFUSAL_LOG_CALLERS:
+                del self._refusal_windows[next(iter(self._refusal_windows))]
+        if unlogged:
+            logger.warning(
+                "%s: %d more refusals of deliveries from %s were not logged.",
+                self.name,
+                unlogged,
+                source,
+            )
+        if window[1] <= REFUSALS_LOGGED:
+            logger.warning("%s", reason)
+        elif window[1] == REFUSALS_LOGGED + 1:
+            logger.warning(
+                "%s: %d refusals of deliveries from %s within %g s; the next ones are not logged "
+                "until %g s have passed (the latest %d of all are kept in its refused list).",
+                self.name,
+                REFUSALS_LOGGED,
+                source,
+                REFUSAL_LOG_SECONDS,
+                REFUSAL_LOG_SECONDS,
+                REFUSALS_KEPT,
+            )
 
     def _unrelayed(self, context: grpc.ServicerContext) -> bool:
         """Whether a refused delivery was a reply whose refusal no sender relays: marked
@@ -1283,7 +1342,7 @@ class PartyEndpoint:
         if refusal is None:
             return True
         item.refusal = self.redact(refusal)
-        logger.warning("%s", refusal)
+        self._log_refusal(item.caller, refusal)
         return False
 
     def act_on_next(
