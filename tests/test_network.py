@@ -1901,6 +1901,39 @@ def test_a_callers_refusals_are_logged_up_to_a_bound_in_each_span(
         shop.close()
 
 
+def test_a_plaintext_callers_party_refusals_count_against_its_host_whatever_name_it_claims(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The party's refusals were counted by the sender name a message claims, which a plaintext
+    caller chooses: a new name for each delivery had every refusal logged. They count against
+    the caller's host, as the server's refusals do."""
+    monkeypatch.setattr(network, "REFUSALS_LOGGED", 3)
+
+    def refuse(message: Message) -> None:
+        raise ProtocolError(f"no {message.sender} here")
+
+    shop = PartyEndpoint("shop", insecure=True, deadline=20.0)
+    shop.handler = refuse
+    with (
+        caplog.at_level("WARNING", logger=network.__name__),
+        _Serving(shop),
+        grpc.insecure_channel(shop.address) as channel,
+    ):
+        metadata = (("svfl-stream", "s"), ("svfl-sequence", "1"))
+        for k in range(6):
+            with pytest.raises(grpc.RpcError) as error:
+                channel.unary_unary(DELIVER)(
+                    wire.encode(_greeting(sender=f"name-{k}")), timeout=10, metadata=metadata
+                )
+            assert error.value.code() == grpc.StatusCode.ABORTED
+        with pytest.raises(grpc.RpcError):
+            channel.unary_unary(DELIVER)(b"garbage", timeout=10, metadata=metadata)
+    messages = [record.getMessage() for record in caplog.records]
+    assert sum("shop refused representation from name-" in text for text in messages) == 3
+    assert sum("from ipv4:127.0.0.1 within" in text for text in messages) == 1
+    assert not any("the codec refuses" in text for text in messages)  # the same host's
+
+
 def test_messages_to_one_peer_travel_in_one_delivery_acted_on_in_order_up_to_a_refusal(
     certs: Path, tmp_path: Path
 ) -> None:

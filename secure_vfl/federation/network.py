@@ -333,6 +333,7 @@ class _Arrival:
     size: int  # of the delivery's bytes
     checksum: int  # CRC-32 of the bytes: tells a retry (the same bytes) from a reuse
     caller: str  # whose deliveries it counts among (UNACTED_PER_CALLER)
+    source: str  # whose refusals its refusal counts among (REFUSALS_LOGGED, _refusal_source)
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     refusal: str | None = None
     failed: bool = False  # the handler raised something other than a ProtocolError
@@ -1016,7 +1017,8 @@ class PartyEndpoint:
         elif window[1] == REFUSALS_LOGGED + 1:
             logger.warning(
                 "%s: %d refusals of deliveries from %s within %g s; the next ones are not logged "
-                "until %g s have passed (the latest %d of all are kept in its refused list).",
+                "until %g s have passed (the latest %d its server refused are kept in its refused "
+                "list).",
                 self.name,
                 REFUSALS_LOGGED,
                 source,
@@ -1145,7 +1147,9 @@ class PartyEndpoint:
                     f"{sorted({message.sender for message in messages})}; a delivery is one "
                     "sender's.",
                 )
-            arrival, new = self._register(sender, metadata, messages, parts, data)
+            arrival, new = self._register(
+                sender, metadata, messages, parts, data, _refusal_source(context)
+            )
         except _Refusal as refusal:
             self._refuse(context, refusal)
         message = messages[0]
@@ -1231,10 +1235,12 @@ class PartyEndpoint:
         messages: tuple[Message, ...],
         parts: Sequence[bytes],
         data: bytes,
+        source: str,
     ) -> tuple[_Arrival, bool]:
         """The arrival of this delivery, and whether it is new: a retry (same stream and
         sequence number, same bytes) gets the first attempt's; an old sequence number, or a
-        reused one with other bytes, is refused as a replay."""
+        reused one with other bytes, is refused as a replay. ``source``: the caller's, whose
+        refusals the party's refusal of it counts among (:func:`_refusal_source`)."""
         message = messages[0]
         stream, sequence = metadata.get(_STREAM, ""), metadata.get(_SEQUENCE, "")
         number = decimal(sequence)
@@ -1278,6 +1284,7 @@ class PartyEndpoint:
                 len(data),
                 checksum,
                 sender,
+                source,
                 detached=metadata.get(_DETACHED) == "1",
             )
             recent.keep(number, arrival)
@@ -1342,7 +1349,9 @@ class PartyEndpoint:
         if refusal is None:
             return True
         item.refusal = self.redact(refusal)
-        self._log_refusal(item.caller, refusal)
+        # Not item.caller: without TLS, that is the name the message claims, which a caller
+        # could change with each delivery to have every refusal logged.
+        self._log_refusal(item.source, refusal)
         return False
 
     def act_on_next(
