@@ -1934,6 +1934,38 @@ def test_a_plaintext_callers_party_refusals_count_against_its_host_whatever_name
     assert not any("the codec refuses" in text for text in messages)  # the same host's
 
 
+def test_a_partys_own_failure_is_logged_past_the_bound_of_a_callers_refusals(
+    certs: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The bound on a caller's refusals in the log is for what the caller did wrong: a
+    failure of the party's own (its code raised acting on the message) is logged however
+    many of the caller's deliveries were refused before."""
+    monkeypatch.setattr(network, "REFUSALS_LOGGED", 1)
+    shop = PartyEndpoint("shop", identity=_identity(certs, "shop"), deadline=20.0)
+
+    def broken(message: Message) -> None:
+        raise RuntimeError("the party's own bug")
+
+    shop.handler = broken
+    with (
+        caplog.at_level("WARNING", logger=network.__name__),
+        _Serving(shop),
+        _as_bank(certs, shop.address) as channel,
+    ):
+        deliver = channel.unary_unary(DELIVER)
+        for number in range(3):  # refused by the codec: one logged
+            metadata = (("svfl-stream", "s"), ("svfl-sequence", str(number)))
+            with pytest.raises(grpc.RpcError):
+                deliver(b"garbage", timeout=10, metadata=metadata)
+        metadata = (("svfl-stream", "s"), ("svfl-sequence", "3"))
+        with pytest.raises(grpc.RpcError) as failed:
+            deliver(wire.encode(_greeting()), timeout=10, metadata=metadata)
+    assert failed.value.code() == grpc.StatusCode.INTERNAL
+    said = [record.getMessage() for record in caplog.records]
+    assert sum("the codec refuses" in line for line in said) == 1
+    assert sum("shop failed acting on representation from bank" in line for line in said) == 1
+
+
 def test_messages_to_one_peer_travel_in_one_delivery_acted_on_in_order_up_to_a_refusal(
     certs: Path, tmp_path: Path
 ) -> None:

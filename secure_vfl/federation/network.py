@@ -1349,9 +1349,12 @@ class PartyEndpoint:
         if refusal is None:
             return True
         item.refusal = self.redact(refusal)
-        # Not item.caller: without TLS, that is the name the message claims, which a caller
-        # could change with each delivery to have every refusal logged.
-        self._log_refusal(item.source, refusal)
+        if item.failed:  # the party's own failure (its code, data or files): always said
+            logger.warning("%s", refusal)
+        else:
+            # Not item.caller: without TLS, that is the name the message claims, which a caller
+            # could change with each delivery to have every refusal logged.
+            self._log_refusal(item.source, refusal)
         return False
 
     def act_on_next(
