@@ -1897,6 +1897,10 @@ def test_a_callers_refusals_are_logged_up_to_a_bound_in_each_span(
             refused(channel)
             assert logged("shop: 3 more refusals of deliveries from bank were not logged.") == 1
             assert logged("shop: a message from bank that the codec refuses") == 4
+            for _ in range(4):  # five in this span: two past the bound...
+                refused(channel)
+            shop.close()  # ...said when the party stops, as no later refusal will
+            assert logged("shop: 2 more refusals of deliveries from bank were not logged.") == 1
     finally:
         shop.close()
 

@@ -806,6 +806,20 @@ class PartyEndpoint:
                 item.refusal = f"{self.name} stopped before acting on {item.messages[0].kind}."
                 item.done.set()
         stopped.wait(grace + 1.0)
+        with self._lock:  # what no later refusal will say now
+            unlogged = {
+                source: count - REFUSALS_LOGGED
+                for source, (_, count) in self._refusal_windows.items()
+                if count > REFUSALS_LOGGED
+            }
+            self._refusal_windows.clear()
+        for source, count in unlogged.items():
+            logger.warning(
+                "%s: %d more refusals of deliveries from %s were not logged.",
+                self.name,
+                count,
+                source,
+            )
         for channel in self._channels.values():
             channel.close()
         self._channels.clear()
