@@ -234,7 +234,8 @@ REFUSALS_KEPT = 64
 """The latest deliveries' refusals an endpoint keeps (:attr:`PartyEndpoint.refused`)."""
 REFUSALS_LOGGED = 20
 """At most this many refusals of one caller's deliveries are logged in
-:data:`REFUSAL_LOG_SECONDS` (the rest are counted, and said when the next span begins):
+:data:`REFUSAL_LOG_SECONDS` (the rest are counted, and said at the caller's first refusal
+after the span, or when the endpoint closes):
 refused calls cost a caller little, and without a bound one could fill the party's log, and
 bury what else it says, as fast as it can call."""
 REFUSAL_LOG_SECONDS = 60.0
@@ -814,12 +815,7 @@ class PartyEndpoint:
             }
             self._refusal_windows.clear()
         for source, count in unlogged.items():
-            logger.warning(
-                "%s: %d more refusals of deliveries from %s were not logged.",
-                self.name,
-                count,
-                source,
-            )
+            self._say_unlogged(source, count)
         for channel in self._channels.values():
             channel.close()
         self._channels.clear()
@@ -1020,12 +1016,7 @@ class PartyEndpoint:
             while len(self._refusal_windows) > REFUSAL_LOG_CALLERS:
                 del self._refusal_windows[next(iter(self._refusal_windows))]
         if unlogged:
-            logger.warning(
-                "%s: %d more refusals of deliveries from %s were not logged.",
-                self.name,
-                unlogged,
-                source,
-            )
+            self._say_unlogged(source, unlogged)
         if window[1] <= REFUSALS_LOGGED:
             logger.warning("%s", reason)
         elif window[1] == REFUSALS_LOGGED + 1:
@@ -1040,6 +1031,11 @@ class PartyEndpoint:
                 REFUSAL_LOG_SECONDS,
                 REFUSALS_KEPT,
             )
+
+    def _say_unlogged(self, source: str, count: int) -> None:
+        logger.warning(
+            "%s: %d more refusals of deliveries from %s were not logged.", self.name, count, source
+        )
 
     def _unrelayed(self, context: grpc.ServicerContext) -> bool:
         """Whether a refused delivery was a reply whose refusal no sender relays: marked
