@@ -103,13 +103,14 @@ def public_context_max_bytes(poly_modulus_degree: int, coeff_mod_bit_sizes: Sequ
 def load_public_context(
     published: bytes, *, modulus: tuple[int, Sequence[int]] | None = None, who: str = "a receiver"
 ) -> ts.Context:
-    """A sender's (or the aggregator's) context, loaded from the bytes receiver ``who``
-    published; refuse one that carries a secret key (the receiver would have leaked it), one of
-    another scheme (BFV) or without its public key, and, given ``modulus`` (N and the bit sizes
-    of the coefficient modulus' primes), one of other parameters: each would fail only at the
-    next sum, having replaced the good one. SEAL shows its primes' count and their product's
-    bit length (not each size): a product of k primes of b_i bits has between sum(b_i) - k + 1
-    and sum(b_i) bits."""
+    """A sender's (or the aggregator's) context, loaded from the bytes receiver ``who`` published;
+    refuse one that carries a secret key (the receiver would have leaked it) or evaluation keys
+    (Galois, relinearization: nothing here needs them, and they take megabytes), one of another
+    scheme (BFV) or without its public key, and, given ``modulus`` (N and the bit sizes of the
+    coefficient modulus' primes), one of other parameters: each would fail only at the next sum,
+    having replaced the good one. SEAL shows its primes' count and their product's bit length
+    (not each size): a product of k primes of b_i bits has between sum(b_i) - k + 1 and sum(b_i)
+    bits."""
     try:
         context = ts.context_from(published)
     except (ValueError, RuntimeError) as error:
@@ -120,6 +121,20 @@ def load_public_context(
         raise ProtocolError(
             f"a published CKKS context from {who} must not hold the secret key; publish it "
             "serialized with save_secret_key=False."
+        )
+    evaluation = [
+        name
+        for name, held in (
+            ("Galois", context.has_galois_keys()),
+            ("relinearization", context.has_relin_keys()),
+        )
+        if held
+    ]
+    if evaluation:
+        raise ProtocolError(
+            f"a published CKKS context without evaluation keys expected from {who} (secure sums "
+            f"only add ciphertexts), found {' and '.join(evaluation)} keys; publish it "
+            "serialized with save_galois_keys=False and save_relin_keys=False."
         )
     key_data = context.data.seal_context().key_context_data()
     scheme = key_data.parms().scheme()

@@ -139,6 +139,11 @@ def test_the_public_context_cannot_decrypt_and_carries_no_secret_key() -> None:
     # A context published with its secret key is refused by a sender.
     with pytest.raises(ProtocolError, match="must not hold the secret key"):
         load_public_context(secret.serialize(save_secret_key=True))
+    # Nor one with evaluation keys, which no sum needs (a fresh context has relinearization keys).
+    with pytest.raises(
+        ProtocolError, match=r"without evaluation keys expected .* found relinearization keys"
+    ):
+        load_public_context(secret.serialize(save_secret_key=False, save_relin_keys=True))
     # What a receiver half announces has no secret key either.
     announced = CkksAggregator().receiver().public_key()
     assert not ts.context_from(announced).has_secret_key()
