@@ -2169,8 +2169,7 @@ def run_train(args: argparse.Namespace) -> int:
     print(_summary(result, out, payload))
     print(f"model: {out / MODEL_DIR} (secure-vfl predict --model {out} --party-file ...)")
     print("plots: " + ", ".join(str(path) for path in plots))
-    # those raised in the run were printed then; the result's own (a collapse) are printed now
-    _print_warnings([text for text in payload["warnings"] if text not in noted])
+    _print_warnings(payload["warnings"], printed=noted)
     return 0
 
 
@@ -2444,8 +2443,7 @@ def run_attack_command(args: argparse.Namespace) -> int:
             {**entry, "provenance": payload["provenance"]}, kind=f"attack:{name}", out_dir=out
         )
     print(party_named(_attack_summary(result, out), mapping))
-    # Those raised in the run were printed as they were raised.
-    _print_warnings([text for text in payload["warnings"] if text not in noted])
+    _print_warnings(payload["warnings"], printed=noted)
     return 0
 
 
@@ -2829,8 +2827,12 @@ def run_impute(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_warnings(warnings: Sequence[str]) -> None:
+def _print_warnings(warnings: Sequence[str], *, printed: Sequence[str] = ()) -> None:
+    """Print ``warnings`` but those ``printed`` already (as they were raised,
+    :func:`_printed_warnings`): what is left is the result's own (predictions collapsed)."""
     for warning in warnings:
+        if warning in printed:
+            continue
         print(f"secure-vfl: warning: {warning}", file=sys.stderr)
 
 
@@ -3836,8 +3838,7 @@ def run_train_deployed(args: argparse.Namespace) -> int:
     print(_summary(result, out, payload))
     print(_deployed_model_line(manifest, out / MODEL_DIR))
     print("plots: " + ", ".join(str(path) for path in plots))
-    # Those raised in the run were printed as they were raised.
-    _print_warnings([text for text in payload["warnings"] if text not in noted])
+    _print_warnings(payload["warnings"], printed=noted)
     return 0
 
 
