@@ -2802,7 +2802,7 @@ def run_impute(args: argparse.Namespace) -> int:
             payload = result.to_json()
             payload["config"]["privacy"] = _impute_privacy_config(args)
             payload["provenance"] = provenance()
-            payload["warnings"] = [*noted, *running]
+            payload["warnings"] = list(dict.fromkeys([*noted, *running]))
             payload["model"] = None
             if keeps_model:
                 manifest = saved_imputer.save_imputer(
@@ -3633,7 +3633,7 @@ def run_party_command(args: argparse.Namespace) -> int:
     from secure_vfl.federation.federation_file import read_federation
 
     federation = read_federation(args.federation)
-    with _capture(args.capture, args) as capture, _printed_warnings():
+    with _capture(args.capture, args) as capture, _printed_warnings(every_time=True):
         outcome = serve(
             federation,
             args.name,
@@ -3671,14 +3671,18 @@ def run_party_command(args: argparse.Namespace) -> int:
 
 
 @contextmanager
-def _printed_warnings(parties: Mapping[str, str] | None = None) -> Iterator[list[str]]:
+def _printed_warnings(
+    parties: Mapping[str, str] | None = None, *, every_time: bool = False
+) -> Iterator[list[str]]:
     """Print each :class:`~secure_vfl.errors.RunWarning` raised inside as it is raised
     (``secure-vfl: warning: ...``, above any progress bar), and collect its text in the list
     yielded, in the order raised (``result.json``'s warnings): a run may take minutes, and a
     served party runs until the label party ends it, so a warning (a party lost, new rows far
     outside a party's training range) is seen when it happens, not at the end nor once per line
-    of code. ``parties`` (internal name -> the user's) names the parties in each text as the
-    run's result does. Other warnings are shown as usual, as they are raised."""
+    of code. A text raised again is neither printed nor listed again but ``every_time`` (a
+    served party, whose every request is an event of its own). ``parties`` (internal name -> the
+    user's) names the parties in each text as the run's result does. Other warnings are shown as
+    usual, as they are raised."""
     import warnings
 
     from tqdm import tqdm
@@ -3693,8 +3697,10 @@ def _printed_warnings(parties: Mapping[str, str] | None = None) -> Iterator[list
         def show(message: Any, category: Any, *where: Any, **more: Any) -> None:
             with tqdm.external_write_mode(file=sys.stderr):  # a bar is cleared, then redrawn
                 if issubclass(category, RunWarning):
-                    noted.append(party_named(str(message), parties or {}))
-                    _print_warnings(noted[-1:])
+                    text = party_named(str(message), parties or {})
+                    if every_time or text not in noted:
+                        noted.append(text)
+                        _print_warnings([text])
                 else:
                     shown(message, category, *where, **more)
 

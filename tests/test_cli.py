@@ -340,7 +340,7 @@ def test_a_served_party_prints_its_run_warnings_as_they_come(
     from secure_vfl.cli import _printed_warnings
     from secure_vfl.errors import RunWarning
 
-    with _printed_warnings():
+    with _printed_warnings(every_time=True):  # as `party serve` calls it
         for _ in range(2):
             warnings.warn("rows far outside", RunWarning, stacklevel=1)
         assert capsys.readouterr().err == "secure-vfl: warning: rows far outside\n" * 2
@@ -373,14 +373,16 @@ def warning_at_step_1(
     callback: Any, text: str, capsys: pytest.CaptureFixture[str], seen: list[str]
 ) -> Any:
     """``callback`` (a run's per-step or per-round callback), made to raise the RunWarning
-    ``text`` at step 1 and to add what stderr holds by step 2 to ``seen``."""
+    ``text`` twice at step 1 (the same warning again: printed and listed once) and to add what
+    stderr holds by step 2 to ``seen``."""
     import warnings
 
     from secure_vfl.errors import RunWarning
 
     def step(number: int, value: float) -> None:
         if number == 1:
-            warnings.warn(text, RunWarning, stacklevel=1)
+            for _ in range(2):
+                warnings.warn(text, RunWarning, stacklevel=1)
         elif number == 2:
             seen.append(capsys.readouterr().err)
         callback(number, value)
