@@ -106,6 +106,20 @@ def test_bad_party_files_are_refused_naming_the_problem(tmp_path, text, message)
         read_party_file(write(tmp_path / "party.csv", text))
 
 
+def test_a_whole_number_beyond_64_bits_leaves_its_column_numbers(tmp_path):
+    # pandas read such a column as text, an empty cell as '' where the number came first, else
+    # as Python ints: one-hot encoded in silence, each number (and the empty cells) a category
+    huge = write(tmp_path / "huge.csv", "id,x\n1,1" + "0" * 41 + "\n2,\n3,1.5\n")
+    with pytest.raises(DataError, match=r"column 'x' must hold finite float32 values. Found 1"):
+        read_party_file(huge)
+    big = "2" + "0" * 19  # beyond 64 bits, within float32
+    table = read_party_file(write(tmp_path / "big.csv", f"id,x,y\n1,{big},1\n2,,2\n3,1.5,{big}\n"))
+    np.testing.assert_array_equal(table.frame["x"], [2e19, np.nan, 1.5])
+    np.testing.assert_array_equal(table.frame["y"], [1, 2, 2e19])
+    text = read_party_file(write(tmp_path / "text.csv", f"id,x\n1,{big}\n2,\n3,a\n"))
+    assert text.frame["x"].tolist()[::2] == [big, "a"] and pd.isna(text.frame["x"][1])
+
+
 @pytest.mark.parametrize(
     ("header", "repeated"),
     [("id,x,x,y", "'x'"), ("id,x,id", "'id'"), ("\ufeffid,x,id,x", "'id', 'x'")],

@@ -189,11 +189,12 @@ def _read_csv(
 ) -> pd.DataFrame:
     """``path`` as pandas reads it, but that the first column is never taken for an index (a
     trailing comma on every data row made pandas shift every column onto the one before it),
-    and a row with more fields than the header is refused (pandas would drop them)."""
+    and a row with more fields than the header is refused (pandas would drop them), and a
+    column of numbers stays numbers with a whole number beyond 64 bits (:func:`_beyond_64_bits`)."""
     with warnings.catch_warnings():
         warnings.simplefilter("error", pd.errors.ParserWarning)
         try:
-            return pd.read_csv(
+            frame = pd.read_csv(
                 path,
                 dtype=str if literal else {id_column: str},
                 index_col=False,
@@ -208,6 +209,33 @@ def _read_csv(
                 "after the last column would be lost); expected as many fields in every row as "
                 "in the header."
             ) from None
+    if not literal:
+        for column in frame.columns:
+            if column != id_column and _beyond_64_bits(frame[column]):
+                frame[column] = _read_again(path, column)
+    return frame
+
+
+_LONG_INTEGER = r"\s*[-+]?\d{19,}\s*"
+
+
+def _beyond_64_bits(column: pd.Series) -> bool:
+    """Whether pandas may have read ``column`` as it does one holding a whole number beyond 64
+    bits (``1`` and 20 zeros): every cell as text, or as a Python int, and an empty cell as
+    ``''`` rather than missing, so that a column of numbers would be one-hot encoded in
+    silence, its empty cells a category."""
+    if pd.api.types.is_numeric_dtype(column):
+        return False
+    return bool(column.dropna().astype(str).str.fullmatch(_LONG_INTEGER).any())
+
+
+def _read_again(path: Path, column: str) -> pd.Series:
+    """A CSV's ``column`` read again as numbers (float64), or, where a cell is text, as text;
+    an empty cell missing either way."""
+    try:
+        return pd.read_csv(path, usecols=[column], dtype=np.float64, index_col=False)[column]
+    except ValueError:  # a text cell: a column of categories
+        return pd.read_csv(path, usecols=[column], dtype=str, index_col=False)[column]
 
 
 def _parser_reason(reason: str) -> str:
