@@ -416,6 +416,14 @@ class PrivacyEngine:
                 "--dp-sgd applies to methods with one bottom model per party. "
                 "Found --method combinatorial."
             )
+        pretrain_epochs = config.method_config.pretrain_epochs
+        if self.spec.dp_sgd is not None and pretrain_epochs > 0:
+            raise ConfigError(  # else the model guarantee priced a model trained in the clear
+                "--dp-sgd prices a party's bottom model for whoever sees it, and "
+                "--pretrain-epochs first trains that model on the party's own training rows "
+                "(SimSiam) without noise, which no epsilon bounds; expected --pretrain-epochs 0 "
+                f"with --dp-sgd. Found --pretrain-epochs {pretrain_epochs}."
+            )
         if self.spec.dp_gradients is not None and method in ("local", "ensemble"):
             raise ConfigError(
                 "--dp-gradients noises the gradients a head sends to other parties; "

@@ -249,6 +249,18 @@ def test_methods_that_cannot_host_a_mechanism_are_refused() -> None:
     gradients.refuse(_config("laser"))
 
 
+def test_dp_sgd_refuses_a_bottom_model_pretrained_in_the_clear() -> None:
+    """--pretrain-epochs trains each bottom model on its party's training rows by SimSiam
+    without noise before DP-SGD: the run reported 4.12 for whoever sees that model (breast
+    cancer, --dp-sgd 1:1, 8 draws), which a model trained in the clear does not have."""
+    engine = PrivacyEngine(PrivacySpec(dp_sgd=(1.0, 0.1)))
+    with pytest.raises(ConfigError, match="expected --pretrain-epochs 0 with --dp-sgd"):
+        engine.refuse(_config("laser", pretrain_epochs=1))
+    engine.refuse(_config("laser"))
+    # the other mechanisms price releases given the model state; pretraining stays theirs
+    PrivacyEngine(PrivacySpec(dp_embeddings=(1.0, 1.0))).refuse(_config("laser", pretrain_epochs=1))
+
+
 def test_the_terms_of_a_guarantee_without_a_mechanism_are_refused(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
