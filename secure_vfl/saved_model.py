@@ -399,7 +399,7 @@ def refuse_other_kind(payload: Any, schema: str, where: str) -> None:
     """DataError where the manifest ``payload`` (read from ``where``) is another kind of model
     than ``schema``'s, saying which command uses the one found."""
     found = payload.get("schema") if isinstance(payload, dict) else None
-    if found != schema and found in MODEL_KINDS:
+    if isinstance(found, str) and found != schema and found in MODEL_KINDS:
         expected, other = MODEL_KINDS[schema], MODEL_KINDS[found]
         raise DataError(
             f"{where}: {expected.what} (saved by {expected.saved_by}) expected, found "

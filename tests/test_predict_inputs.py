@@ -370,6 +370,8 @@ def test_a_model_saved_over_another_keeps_none_of_its_files(files: Path, tmp_pat
         (lambda m: m.pop("parties"), "missing ['parties']"),
         (lambda m: m["parties"][1].pop("role"), "party entry 1's keys"),
         (lambda m: m["parties"][1].update(bar=1), "unknown ['bar']"),
+        # A schema that is not text was looked up among the model kinds: TypeError.
+        (lambda m: m.update(schema=[m["schema"]]), "a 'secure-vfl/model-manifest' document"),
     ],
 )
 def test_a_manifest_with_a_missing_or_unknown_key_names_the_keys(
