@@ -13,6 +13,7 @@ import re
 import secrets
 import shutil
 import stat
+import sys
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -222,12 +223,16 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def parse_json(text: str | bytes, where: str, *, error: type[SecureVFLError] = DataError) -> Any:
     """The JSON document ``text`` (str, or UTF-8 bytes), or ``error`` saying why it is not one
-    at ``where``: malformed, not UTF-8, an object that names a member twice, or nested deeper
-    than the parser goes (which raises RecursionError, not a JSON error)."""
+    at ``where``: malformed, not UTF-8, an object that names a member twice, an integer longer
+    than ``int`` reads, or nested deeper than the parser goes (the last two raise ValueError and
+    RecursionError, not a JSON error)."""
     try:
         return json.loads(text, object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, json.JSONDecodeError, _DuplicateKey) as problem:
         raise error(f"{where}: JSON expected ({problem}).") from None
+    except ValueError:  # an integer longer than int() reads (sys.get_int_max_str_digits)
+        limit = sys.get_int_max_str_digits()
+        raise error(f"{where}: JSON expected (a number of more than {limit} digits).") from None
     except RecursionError:
         raise error(f"{where}: JSON expected (nested too deeply to read).") from None
 

@@ -304,6 +304,8 @@ def test_atomic_write_syncs_the_file_before_the_rename_and_the_directory_after(
         # Python keeps the last, another reader the first: two documents in one.
         (b'{"run": "a", "files": {}, "run": "b"}', "the name 'run' given twice in one object"),
         (b'[{"x": {"k": 1, "k": 1}}]', "the name 'k' given twice"),
+        # Python's int() reads at most 4300 digits and raises a ValueError of its own.
+        (b'{"version": ' + b"9" * 5000 + b"}", "a number of more than 4300 digits"),
     ],
 )
 def test_parse_json_refuses_what_is_not_json_with_the_error_asked_for(
