@@ -154,20 +154,25 @@ class DirectLabelInference(Attack):
         inferred: dict[int, int] = {}
         for observation in observer.observations:
             rows = _shuffled(observation, context)
-            live = np.abs(observation.gradient).sum(axis=1) > 0
+            # A blank row (a defense zeroed it: sparsification of a binary task's two entries of
+            # equal magnitude) is scored too, as a guess of class 0: scoring only the rows left
+            # readable credited the attack with 1.0 while half of them were blank.
             guess = observation.gradient.argmin(axis=1)
-            guessed.append(guess[live])
-            truths.append(labels[rows[live]])
+            guessed.append(guess)
+            truths.append(labels[rows])
+            live = np.abs(observation.gradient).sum(axis=1) > 0
+            for row, blank in zip(rows[~live].tolist(), guess[~live].tolist(), strict=True):
+                inferred.setdefault(row, blank)  # a row's last readable guess wins
             inferred.update(zip(rows[live].tolist(), guess[live].tolist(), strict=True))
         if not inferred:
             raise ConfigError(f"{self.name}: {observer.name} received no gradient to read.")
         every_guess, every_truth = np.concatenate(guessed), np.concatenate(truths)
         rows = np.fromiter(inferred, dtype=np.int64)
         guesses = np.fromiter(inferred.values(), dtype=np.int64)
-        return {  # over every gradient row received
+        return {  # over every gradient row received, blank ones included
             "balanced_accuracy": balanced_accuracy(every_guess, every_truth),
             "accuracy": float((every_guess == every_truth).mean()),
-            "rows_accuracy": float((guesses == labels[rows]).mean()),  # last guess per row
+            "rows_accuracy": float((guesses == labels[rows]).mean()),  # last readable guess per row
             "rows": float(len(rows)),
         }
 
