@@ -293,6 +293,22 @@ class DirectionScoring(_ScoringAttack):
         self.known = known
         self._known: np.ndarray = np.zeros(0, dtype=np.int64)
 
+    def check(self, config: TrainConfig, data: VerticalData, attacker: str) -> None:
+        """Also ConfigError when ``known`` grants every row of the rare class the attacker
+        holds: the known rows are never scored, so no batch would hold a scored positive."""
+        super().check(config, data, attacker)
+        positive = _binary_positive(data, self.name)
+        held = int(
+            (data.train.mask[:, party_index(attacker)] & (data.train.labels == positive)).sum()
+        )
+        if self.known >= held:
+            raise ConfigError(
+                f"{self.name}: known={self.known} grants every one of the {held} training rows "
+                f"of the rare class {positive} that {attacker} holds, and known rows are never "
+                f"scored, leaving no positive to score: expected known < {held} "
+                "(--attack-option known=N)."
+            )
+
     def prepare(self, party: Party, context: AttackContext) -> None:
         data = context.data
         positive = _binary_positive(data, self.name)

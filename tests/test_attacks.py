@@ -243,6 +243,18 @@ def test_an_attack_that_does_not_apply_is_refused_with_what_it_needs() -> None:
         run_attack(_digits_direct(1), "no-such-attack")
 
 
+def test_direction_scoring_that_would_grant_every_positive_is_refused_before_training() -> None:
+    """Known rows are never scored: granting all the rare class's rows the attacker holds left
+    no positive to score, and the run trained to the end before saying that no batch held rows
+    of both classes (breast-cancer, party-1 holds 170 of class 0)."""
+    config = _binary("breast-cancer", "standard", 1)
+    expected = "known=170 grants every one of the 170 training rows of the rare class 0"
+    with pytest.raises(ConfigError, match=expected) as refused:
+        run_attack(config, "direction-scoring", options={"known": 170})
+    assert "expected known < 170" in str(refused.value)
+    assert run_attack(config, "direction-scoring", options={"known": 169}).attack["batches"] >= 1
+
+
 def test_label_inference_by_a_label_holder_or_a_backdoor_with_no_crossing_gradient_is_refused() -> (
     None
 ):
