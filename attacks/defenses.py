@@ -24,6 +24,7 @@ of every head holder (the parties whose gradients carry labels):
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -32,7 +33,7 @@ from torch import Tensor
 
 from protocols.noise import NoiseSource, SecureNoise
 from secure_vfl import checks
-from secure_vfl.errors import ConfigError, DivergenceError
+from secure_vfl.errors import ConfigError, DivergenceError, RunWarning
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import GradientMessage, RepresentRequest
 from secure_vfl.federation.parties import DataParty
@@ -64,13 +65,24 @@ class _Sparsifier:
 
     def __init__(self, fraction: float) -> None:
         self.fraction = fraction
+        self._warned = False
 
     def on_message(self, message: Any) -> Any:
         if not isinstance(message, GradientMessage) or message.gradient.numel() == 0:
             return message
         gradient = message.gradient
-        drop = math.floor(self.fraction * gradient.shape[1])
+        width = gradient.shape[1]
+        drop = math.floor(self.fraction * width)
         if drop == 0:
+            if self.fraction > 0 and not self._warned:  # 0 asks for nothing: a sweep's origin
+                self._warned = True
+                warnings.warn(
+                    f"gradient-sparsification:{self.fraction:g} zeroes none of the {width} "
+                    f"entries of each gradient row (floor({self.fraction:g} x {width}) = 0): the "
+                    f"run is undefended; expected FRACTION >= 1/{width} to zero one.",
+                    RunWarning,
+                    stacklevel=2,
+                )
             return message
         threshold = gradient.abs().kthvalue(drop, dim=1, keepdim=True).values
         kept = torch.where(gradient.abs() > threshold, gradient, torch.zeros_like(gradient))

@@ -13,7 +13,7 @@ from attacks.defenses import Marvell, _Marvell, _Sparsifier, marvell_variances, 
 from attacks.runner import parse_defenses, run_attack
 from protocols.noise import SeededNoise
 from protocols.privacy import PrivacySpec
-from secure_vfl.errors import ConfigError, DivergenceError
+from secure_vfl.errors import ConfigError, DivergenceError, RunWarning, run_warnings
 from secure_vfl.experiment import TrainConfig
 from secure_vfl.federation.messages import GradientMessage, RepresentRequest
 from secure_vfl.methods import MethodConfig
@@ -34,7 +34,8 @@ def test_sparsification_keeps_the_largest_entries_of_each_row() -> None:
     values = torch.tensor([[0.1, -3.0, 0.2, 1.0], [5.0, 0.0, -0.5, 0.4]])
     sent = _Sparsifier(0.5).on_message(_gradient(values))
     assert torch.equal(sent.gradient, torch.tensor([[0.0, -3.0, 0.0, 1.0], [5.0, 0.0, -0.5, 0.0]]))
-    unchanged = _Sparsifier(0.1).on_message(_gradient(values))  # floor(0.4) = 0 entries dropped
+    with pytest.warns(RunWarning, match="zeroes none of the 4 entries"):  # floor(0.4) = 0
+        unchanged = _Sparsifier(0.1).on_message(_gradient(values))
     assert torch.equal(unchanged.gradient, values)
 
 
@@ -143,6 +144,28 @@ def test_sparsification_does_not_stop_direct_label_inference() -> None:
         config, "direct-label-inference", defenses=["gradient-sparsification:0.9"]
     )
     assert defended.attack["accuracy"] >= 0.95
+
+
+def test_a_sparsification_that_zeroes_no_entry_is_warned_of() -> None:
+    """floor(0.4 x 2) = 0: on two gradient entries a fraction below one half zeroes none, and
+    the run, listed as defended, went undefended without a word."""
+    config = TrainConfig(
+        method="laser",
+        dataset="breast-cancer",
+        parties=4,
+        seed=0,
+        method_config=MethodConfig(
+            heads="active", epochs=1, top_model="none", representation_dim=2
+        ),
+    )
+    with run_warnings() as noted:
+        run_attack(config, "direct-label-inference", defenses=["gradient-sparsification:0.4"])
+    expected = "gradient-sparsification:0.4 zeroes none of the 2 entries of each gradient row"
+    assert [text for text in noted if expected in text] == [noted[0]]  # once, not per message
+    assert "FRACTION >= 1/2" in noted[0]
+    with run_warnings() as noted:  # 0 asks for no sparsification: nothing to warn of
+        run_attack(config, "direct-label-inference", defenses=["gradient-sparsification:0"])
+    assert not [text for text in noted if "gradient-sparsification" in text]
 
 
 def test_marvell_refuses_a_task_that_is_not_binary() -> None:
