@@ -105,12 +105,13 @@ def _observer(party: Party, attack: str) -> GradientObserver:
     return party
 
 
-def _shuffled(observation: Observation, context: AttackContext) -> np.ndarray:
-    """The rows of ``observation``, permuted under the negative control (each gradient then
-    belongs to a random row of the batch: the signal is destroyed, the marginals kept)."""
+def _shuffled(rows: np.ndarray, context: AttackContext) -> np.ndarray:
+    """The scored ``rows`` of a batch, permuted among themselves under the negative control
+    (each gradient then belongs to a random one of them: the signal is destroyed, the labels
+    scored are the same)."""
     if context.control:
-        return context.rng.permutation(observation.rows)
-    return observation.rows
+        return context.rng.permutation(rows)
+    return rows
 
 
 def _refuse_observer(config: TrainConfig, data: VerticalData, attack: str, attacker: str) -> None:
@@ -153,7 +154,7 @@ class DirectLabelInference(Attack):
         truths: list[np.ndarray] = []
         inferred: dict[int, int] = {}
         for observation in observer.observations:
-            rows = _shuffled(observation, context)
+            rows = _shuffled(observation.rows, context)
             # A blank row (a defense zeroed it: sparsification of a binary task's two entries of
             # equal magnitude) is scored too, as a guess of class 0: scoring only the rows left
             # readable credited the attack with 1.0 while half of them were blank.
@@ -234,7 +235,8 @@ class _ScoringAttack(Attack):
             if scored is None:
                 continue
             scores, keep = scored
-            rows = _shuffled(observation, context)[keep]
+            # Permuted among the scored rows only: a known row's label is never scored.
+            rows = _shuffled(observation.rows[keep], context)
             auc = _batch_auc(scores[keep], labels[rows] == positive_class)
             if auc is not None:
                 aucs.append(auc)

@@ -158,6 +158,47 @@ def test_gradient_scoring_succeeds_and_its_shuffled_control_sits_at_one_half(
     assert control.chance == 0.5
 
 
+def test_the_direction_scoring_control_scores_the_labels_of_the_rows_it_scores(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The control permuted every row of a batch, the known positives among them, and then
+    took the scored positions: a known row's label was scored in another's place and the
+    batch's scored labels were not those of its scored rows. They are, permuted among them."""
+    import attacks.label_inference as label_inference
+
+    expected: list[list[bool]] = []
+    scored: list[list[bool]] = []
+    config = _binary("breast-cancer", "laser", 1)
+    labels = {}
+    scores = label_inference.DirectionScoring.scores
+
+    def noted_scores(self: Any, observation: Any, known: np.ndarray) -> Any:
+        result = scores(self, observation, known)
+        if result is not None:
+            rows = observation.rows[result[1]]
+            expected.append(sorted((labels["train"][rows] == labels["positive"]).tolist()))
+        return result
+
+    def noted_auc(batch_scores: np.ndarray, positive: np.ndarray) -> Any:
+        scored.append(sorted(positive.tolist()))
+        return batch_auc(batch_scores, positive)
+
+    batch_auc = label_inference._batch_auc
+    prepare = label_inference.DirectionScoring.prepare
+
+    def noted_prepare(self: Any, party: Any, context: Any) -> None:
+        labels["train"] = context.data.train.labels
+        labels["positive"] = label_inference._binary_positive(context.data, self.name)
+        prepare(self, party, context)
+
+    monkeypatch.setattr(label_inference.DirectionScoring, "scores", noted_scores)
+    monkeypatch.setattr(label_inference.DirectionScoring, "prepare", noted_prepare)
+    monkeypatch.setattr(label_inference, "_batch_auc", noted_auc)
+    run_attack(config, "direction-scoring", control=True)
+    assert len(scored) >= 5
+    assert expected == scored
+
+
 def test_scores_that_rank_the_rare_class_last_are_a_leak_not_a_defense(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
