@@ -223,8 +223,16 @@ class PassiveModelCompletion(Attack):
     def check(self, config: TrainConfig, data: VerticalData, attacker: str) -> None:
         super().check(config, data, attacker)
         refuse_label_holder(config, data, self.name, attacker)
-        if not data.train.mask[:, party_index(attacker)].any():
+        k = party_index(attacker)
+        if not data.train.mask[:, k].any():
             raise ConfigError(f"{self.name}: {attacker} holds no training row.")
+        test_name, test = next(iter(data.tests.items()))
+        if not test.mask[:, k].any():  # the completed model is scored on those rows
+            raise ConfigError(
+                f"{self.name}: the completed model is scored on the rows of the first test split "
+                f"that {attacker} holds; expected at least one. Found none in {test_name!r} "
+                "(its missingness: --missing-test)."
+            )
 
     def prepare(self, party: Party, context: AttackContext) -> None:
         """Grant ``known`` labelled rows per class among the training rows the attacker holds;

@@ -209,6 +209,21 @@ def test_attack_command_runs_model_completion(tmp_path: Path) -> None:
     assert row["config"]["control"] is False and row["config"]["defense"] == ""
 
 
+def test_completion_without_a_test_row_the_attacker_holds_is_refused_before_training() -> None:
+    """The completed model is scored on the first test split's rows the attacker holds: with
+    none, balanced accuracy, AP and DCS were NaN after the whole training."""
+    from secure_vfl.experiment import prepare_data
+
+    config = _digits_split(epochs=1)
+    data = prepare_data(config)
+    attack = PassiveModelCompletion()
+    attack.check(config, data, "party-1")  # as prepared: it holds test rows
+    [(name, test)] = data.tests.items()
+    test.mask[:, 1] = False
+    with pytest.raises(ConfigError, match=f"expected at least one. Found none in '{name}'"):
+        attack.check(config, data, "party-1")
+
+
 def test_passive_completion_applies_to_every_method_whose_labels_stay_with_the_label_party() -> (
     None
 ):
