@@ -393,3 +393,23 @@ def test_a_malformed_preprocessing_file_says_what_it_lacks(edit: Any, message: s
     with pytest.raises(DataError, match=re.escape(message)) as refused:
         PartyPreprocessing.from_json(payload, "p.json")
     assert "Error(" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("frame", "policy"),
+    [
+        # a numeric column named as the one-hot input of city's category paris
+        (pd.DataFrame({"city=paris": [1.0, 2.0], "city": ["paris", "rome"]}), "refuse"),
+        # a numeric column named as income's missing-cell indicator
+        (pd.DataFrame({"income": [1.0, None], "income:missing": [0.5, 0.7]}), "mean-indicator"),
+    ],
+    ids=["category", "indicator"],
+)
+def test_a_column_named_as_another_columns_input_is_refused(
+    frame: pd.DataFrame, policy: str
+) -> None:
+    """Two inputs of one name shared one training range (the later one's), so a new row's
+    warning of values far outside it judged one column by the other's range."""
+    name = frame.columns[0] if policy == "refuse" else frame.columns[1]
+    with pytest.raises(DataError, match=f"found \\['{re.escape(name)}'\\] twice"):
+        PartyPreprocessing.fit(frame, missing_cells=policy, where="t")

@@ -38,6 +38,7 @@ from __future__ import annotations
 import math
 import re
 import warnings
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -218,6 +219,10 @@ class PartyPreprocessing:
             std=np.ones(width),
             categories=categories,
         )
+        kept = indicators if missing_cells == "mean-indicator" else ()
+        _refuse_shared_input_names(
+            [*encoding.encoded_columns, *(f"{c}{INDICATOR_SUFFIX}" for c in kept)], where
+        )
         encoded, _ = encoding.encode(frame, where)
         ranges = {}
         for column, values in zip(encoding.encoded_columns, encoded.T, strict=True):
@@ -238,7 +243,7 @@ class PartyPreprocessing:
             categories=categories,
             missing_cells=missing_cells,
             fill=fill,
-            indicators=indicators if missing_cells == "mean-indicator" else (),
+            indicators=kept,
             ranges=ranges,
         )
 
@@ -697,6 +702,20 @@ def _fill(encoded: np.ndarray, fill: np.ndarray | None) -> np.ndarray:
     if fill is None:
         return encoded
     return np.where(np.isnan(encoded), fill[None, :], encoded)
+
+
+def _refuse_shared_input_names(names: Sequence[str], where: str) -> None:
+    """DataError where two model inputs would have one name: a column named as another
+    column's one-hot input (``column=category``) or missing-cell indicator (``column:missing``)
+    is. Each input's training range and each warning about it go by its name."""
+    shared = [name for name, count in Counter(names).items() if count > 1]
+    if shared:
+        raise DataError(
+            f"{where}: each model input needs a name of its own, found {shown_names(shared)} "
+            f"twice: a column's own name, and a category of another column "
+            f"(column=category) or a missing-cell indicator (column{INDICATOR_SUFFIX}); "
+            "rename the column."
+        )
 
 
 def _missing_refusal(
