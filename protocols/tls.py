@@ -38,8 +38,8 @@ unreadable (a key without its certificate, or a certificate without its key), a 
 expired or not yet valid or valid beyond its CA, one not signed by this CA, a name that is not in
 its certificate, a DNS name that is not a host name, a key that does not match its certificate, a
 key file readable by others, a key type gRPC cannot use, a certificate without both TLS usages,
-a certificate the CA revoked; and a revocation list ``DIR/crl.pem`` that cannot be read, is not
-signed by the CA or is past its next update.
+a party's certificate that is a CA's, a certificate the CA revoked; and a revocation list
+``DIR/crl.pem`` that cannot be read, is not signed by the CA or is past its next update.
 
 ``revoke(DIR, NAME)`` revokes party ``NAME``'s certificate (a stolen key, an organisation that
 left): it adds the certificate's serial number to the CA's certificate revocation list (X.509 CRL),
@@ -577,6 +577,14 @@ def check_party(
     problems += issuer_problems(cert_path, certificate, ca)
     problems += name_problems(cert_path, certificate, name, parties)
     problems += usage_problems(cert_path, certificate)
+    if is_ca(certificate):
+        problems.append(
+            Problem(
+                cert_path,
+                "a CA certificate (basic constraints CA:TRUE); a party's certificate that is not "
+                "a CA's expected (with its key the party could issue certificates of its own).",
+            )
+        )
     if crl is not None:
         problems += revocation_problems(cert_path, certificate, crl, directory / CRL_FILE)
     if key is not None and not same_key(certificate, key):
@@ -775,7 +783,7 @@ def revoke(
     problems = issuer_problems(path, revoked, ca)
     if problems:
         raise ConfigError(f"{problems[0]} A certificate this CA issued expected to revoke.")
-    if is_ca(revoked):
+    if revoked.public_key() == ca.public_key():  # not is_ca: a party's may say CA:TRUE too
         raise ConfigError(
             f"{path}: a party's certificate expected to revoke; found the CA's own (it signs "
             "its own list, and no list revokes it). To stop trusting the CA, make a new one "

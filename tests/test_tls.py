@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 from cryptography import x509
-from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
@@ -811,6 +811,38 @@ def test_revoke_takes_a_certificate_kept_from_before_its_party_was_issued_again(
         tls.revoke(certs, certificate=tmp_path / "missing.pem")
     with pytest.raises(ConfigError, match=r"ca\.pem: a party's certificate expected to revoke; "):
         tls.revoke(certs, certificate=certs / "ca.pem")  # self-signed: its issuer is the CA
+
+
+def test_a_party_certificate_that_is_a_ca_is_reported_and_can_be_revoked(certs: Path) -> None:
+    """A party's certificate with basic constraints CA:TRUE (an organisation's PKI may issue
+    one) passed `certs check`, and `certs revoke` refused it as "the CA's own", so it could not
+    be revoked: the guard read CA:TRUE, not the CA's key."""
+    ca, ca_key = _ca(certs)
+    key = serialization.load_pem_private_key((certs / "bank.key").read_bytes(), None)
+    assert isinstance(key, ec.EllipticCurvePrivateKey)
+    certificate = tls.party_certificate("bank", key, ca, ca_key)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(certificate.subject)
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(certificate.not_valid_before_utc)
+        .not_valid_after(certificate.not_valid_after_utc)
+    )
+    for extension in certificate.extensions:
+        if not isinstance(extension.value, x509.BasicConstraints):
+            builder = builder.add_extension(extension.value, extension.critical)
+    builder = builder.add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+    pem = builder.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
+    (certs / "bank.pem").write_bytes(pem)
+    assert _problems(certs) == [
+        f"{certs / 'bank.pem'}: a CA certificate (basic constraints CA:TRUE); a party's "
+        "certificate that is not a CA's expected (with its key the party could issue "
+        "certificates of its own)."
+    ]
+    done = tls.revoke(certs, "bank", reason="key-compromise")
+    assert done.party == "bank" and not done.already and done.count == 1
 
 
 def test_revoke_refuses_to_replace_a_crl_that_is_not_the_cas(certs: Path, tmp_path: Path) -> None:
