@@ -813,6 +813,41 @@ def test_revoke_takes_a_certificate_kept_from_before_its_party_was_issued_again(
         tls.revoke(certs, certificate=certs / "ca.pem")  # self-signed: its issuer is the CA
 
 
+def _rebuilt(
+    certificate: x509.Certificate, signer: ec.EllipticCurvePrivateKey, extension: x509.ExtensionType
+) -> bytes:
+    """``certificate`` signed again by ``signer``, PEM, with ``extension`` (critical) in place of
+    its extension of that type."""
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(certificate.subject)
+        .issuer_name(certificate.issuer)
+        .public_key(certificate.public_key())  # type: ignore[arg-type]
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(certificate.not_valid_before_utc)
+        .not_valid_after(certificate.not_valid_after_utc)
+    )
+    for kept in certificate.extensions:
+        if not isinstance(kept.value, type(extension)):
+            builder = builder.add_extension(kept.value, kept.critical)
+    builder = builder.add_extension(extension, critical=True)
+    return builder.sign(signer, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
+
+
+def _key_usage(*, digital_signature: bool, key_cert_sign: bool) -> x509.KeyUsage:
+    return x509.KeyUsage(
+        digital_signature=digital_signature,
+        content_commitment=False,
+        key_encipherment=not digital_signature,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=key_cert_sign,
+        crl_sign=True,
+        encipher_only=False,
+        decipher_only=False,
+    )
+
+
 def test_a_party_certificate_that_is_a_ca_is_reported_and_can_be_revoked(certs: Path) -> None:
     """A party's certificate with basic constraints CA:TRUE (an organisation's PKI may issue
     one) passed `certs check`, and `certs revoke` refused it as "the CA's own", so it could not
@@ -821,21 +856,8 @@ def test_a_party_certificate_that_is_a_ca_is_reported_and_can_be_revoked(certs: 
     key = serialization.load_pem_private_key((certs / "bank.key").read_bytes(), None)
     assert isinstance(key, ec.EllipticCurvePrivateKey)
     certificate = tls.party_certificate("bank", key, ca, ca_key)
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(certificate.subject)
-        .issuer_name(ca.subject)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(certificate.not_valid_before_utc)
-        .not_valid_after(certificate.not_valid_after_utc)
-    )
-    for extension in certificate.extensions:
-        if not isinstance(extension.value, x509.BasicConstraints):
-            builder = builder.add_extension(extension.value, extension.critical)
-    builder = builder.add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
-    pem = builder.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
-    (certs / "bank.pem").write_bytes(pem)
+    ca_true = x509.BasicConstraints(ca=True, path_length=None)
+    (certs / "bank.pem").write_bytes(_rebuilt(certificate, ca_key, ca_true))
     assert _problems(certs) == [
         f"{certs / 'bank.pem'}: a CA certificate (basic constraints CA:TRUE); a party's "
         "certificate that is not a CA's expected (with its key the party could issue "
@@ -1005,6 +1027,35 @@ def _federation_file(directory: Path, certs: Path, extra: str = "") -> Path:
     path = directory / "federation.toml"
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def test_check_and_start_up_refuse_key_usages_grpc_refuses(certs: Path, tmp_path: Path) -> None:
+    """A party certificate whose key usage lacks digital signature (its party cannot even
+    listen: gRPC refuses the certificate), or a CA whose key usage lacks certificate signing
+    (every handshake fails), passed `certs check` and a party's start-up alike."""
+    from secure_vfl.federation.federation_file import read_federation
+
+    ca, ca_key = _ca(certs)
+    bank = x509.load_pem_x509_certificate((certs / "bank.pem").read_bytes())
+    no_signature = _key_usage(digital_signature=False, key_cert_sign=False)
+    (certs / "bank.pem").write_bytes(_rebuilt(bank, ca_key, no_signature))
+    no_cert_sign = _key_usage(digital_signature=True, key_cert_sign=False)
+    (certs / "ca.pem").write_bytes(_rebuilt(ca, ca_key, no_cert_sign))
+    ca_problem = (
+        f"{certs / 'ca.pem'}: the certificate signing key usage expected of a CA (every peer's "
+        "handshake refuses the certificates it issued otherwise); found a key usage without it."
+    )
+    bank_problem = (
+        f"{certs / 'bank.pem'}: the digital signature key usage expected (TLS signs the "
+        "handshake with the key); found a key usage without it."
+    )
+    assert _problems(certs) == [ca_problem, bank_problem]
+    federation = read_federation(_federation_file(tmp_path, certs))
+    with pytest.raises(ConfigError) as refused:
+        federation.identity("bank")
+    assert ca_problem in str(refused.value) and bank_problem in str(refused.value)
+    with pytest.raises(ConfigError, match="the certificate signing key usage expected of a CA"):
+        federation.identity("shop")
 
 
 def test_a_party_loads_the_crl_beside_its_ca_and_will_not_start_revoked(tmp_path: Path) -> None:

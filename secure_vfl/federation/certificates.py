@@ -427,16 +427,50 @@ def name_problems(
     return [Problem(path, what) for what in name_mismatches(certificate, name, parties)]
 
 
+def _key_usage(certificate: x509.Certificate) -> x509.KeyUsage | None:
+    try:
+        return certificate.extensions.get_extension_for_class(x509.KeyUsage).value
+    except x509.ExtensionNotFound:
+        return None  # no restriction: any usage
+
+
 def usage_problems(path: Path, certificate: x509.Certificate) -> list[Problem]:
-    """A problem unless ``certificate`` may serve TLS servers and clients both."""
+    """A problem unless ``certificate`` may serve TLS servers and clients both, and its key may
+    sign a handshake (gRPC's TLS refuses a certificate whose key usage lacks digital signature:
+    its party cannot listen)."""
+    problems = []
+    key_usage = _key_usage(certificate)
+    if key_usage is not None and not key_usage.digital_signature:
+        problems.append(
+            Problem(
+                path,
+                "the digital signature key usage expected (TLS signs the handshake with the "
+                "key); found a key usage without it.",
+            )
+        )
     try:
         usages = certificate.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     except x509.ExtensionNotFound:
-        return []  # no restriction: any usage
+        return problems  # no restriction: any usage
     needed = {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}
     if not needed <= set(usages):
-        return [Problem(path, "TLS server and client authentication usages expected.")]
-    return []
+        problems.append(Problem(path, "TLS server and client authentication usages expected."))
+    return problems
+
+
+def ca_usage_problems(path: Path, ca: x509.Certificate) -> list[Problem]:
+    """A problem unless the CA certificate ``ca`` (at ``path``) may sign certificates: gRPC's
+    TLS refuses every certificate a CA whose key usage lacks certificate signing issued."""
+    key_usage = _key_usage(ca)
+    if key_usage is None or key_usage.key_cert_sign:
+        return []
+    return [
+        Problem(
+            path,
+            "the certificate signing key usage expected of a CA (every peer's handshake refuses "
+            "the certificates it issued otherwise); found a key usage without it.",
+        )
+    ]
 
 
 MIN_RSA_BITS = 2048  # 112-bit security, as NIST SP 800-57 asks of keys in use today
@@ -522,9 +556,10 @@ def identity_problems(
 ) -> list[Problem]:
     """What stops party ``name`` with ``identity`` (read by :meth:`TlsIdentity.from_files`
     from ``files``: the CA's certificate, the party's certificate and key) from any TLS
-    handshake in its federation: the CA or the certificate not valid at ``now``, a
-    certificate the CA did not sign, one that does not name the party (or names another of
-    ``parties`` too), one without both TLS usages, a key type gRPC cannot use. The checks of
+    handshake in its federation: the CA or the certificate not valid at ``now``, a CA that
+    may not sign certificates, a certificate the CA did not sign, one that does not name the
+    party (or names another of ``parties`` too), one without both TLS usages or whose key may
+    not sign, a key type gRPC cannot use. The checks of
     ``secure-vfl certs check`` that a handshake depends on."""
     now = now if now is not None else datetime.datetime.now(datetime.UTC)
     ca_path, certificate_path, key_path = files
@@ -533,6 +568,7 @@ def identity_problems(
     key = serialization.load_pem_private_key(identity.key, None)
     return [
         *validity_problems(ca_path, ca, now),
+        *ca_usage_problems(ca_path, ca),
         *validity_problems(certificate_path, certificate, now),
         *issuer_problems(certificate_path, certificate, ca),
         *name_problems(certificate_path, certificate, name, parties),
