@@ -38,9 +38,10 @@ unreadable (a key without its certificate, or a certificate without its key), a 
 expired or not yet valid or valid beyond its CA, one not signed by this CA, a name that is not in
 its certificate, a DNS name that is not a host name, a key that does not match its certificate, a
 key file readable by others, a key type gRPC cannot use, a certificate without both TLS usages
-or whose key usage lacks digital signature (a CA's: certificate signing), a party's certificate
-that is a CA's, a certificate the CA revoked; and a revocation list ``DIR/crl.pem`` that cannot
-be read, is not signed by the CA or is past its next update.
+or whose key usage lacks digital signature (a CA's: certificate signing), a CA key that is weak
+or of a type gRPC cannot verify, a party's certificate that is a CA's, a certificate the CA
+revoked; and a revocation list ``DIR/crl.pem`` that cannot be read, is not signed by the CA or
+is past its next update.
 
 ``revoke(DIR, NAME)`` revokes party ``NAME``'s certificate (a stolen key, an organisation that
 left): it adds the certificate's serial number to the CA's certificate revocation list (X.509 CRL),
@@ -83,6 +84,7 @@ from secure_vfl.federation.certificates import (
     REVOCATION_REASONS,
     UNREADABLE_PEM,
     Problem,
+    ca_key_problems,
     ca_usage_problems,
     certificate_name,
     check_party_name,
@@ -603,6 +605,7 @@ def _check_ca(directory: Path, now: datetime.datetime) -> tuple[object, list[Pro
     if not is_ca(ca):
         problems.append(Problem(path, "not a CA certificate (basic constraints CA:TRUE)."))
     problems += ca_usage_problems(path, ca)
+    problems += ca_key_problems(path, ca)
     key_path = directory / CA_KEY
     if key_path.exists():  # optional: the CA key may be kept elsewhere
         key, key_problems = _load(key_path, _load_key, "private key")

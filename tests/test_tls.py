@@ -1058,6 +1058,50 @@ def test_check_and_start_up_refuse_key_usages_grpc_refuses(certs: Path, tmp_path
         federation.identity("shop")
 
 
+def test_check_and_start_up_refuse_a_weak_ca_key_or_one_grpc_cannot_verify(
+    tmp_path: Path,
+) -> None:
+    """A CA with an RSA key of 1024 bits (anyone who breaks it issues any party's certificate)
+    or on secp256k1 (every handshake fails) passed `certs check` and a party's start-up: only
+    the parties' keys were judged."""
+    from secure_vfl.federation.federation_file import read_federation
+
+    for ca_key, found in (
+        (rsa.generate_private_key(65537, 1024), "an RSA key of 1024 bits: shorter than 112-bit"),
+        (ec.generate_private_key(ec.SECP256K1()), "an EC key on secp256k1: gRPC's TLS verifies"),
+    ):
+        certs = tmp_path / found.split(":")[0].replace(" ", "-")
+        tls.make_federation(certs, ["bank", "shop"])
+        ca, _ = _ca(certs)
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "another PKI's CA")])
+        weak = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(ca_key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(ca.not_valid_before_utc)
+            .not_valid_after(ca.not_valid_after_utc)
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .sign(ca_key, hashes.SHA256())
+        )
+        (certs / "ca.pem").write_bytes(weak.public_bytes(serialization.Encoding.PEM))
+        (certs / "ca.key").unlink()
+        for party in ("bank", "shop"):
+            key = serialization.load_pem_private_key((certs / f"{party}.key").read_bytes(), None)
+            assert isinstance(key, ec.EllipticCurvePrivateKey)
+            issued = tls.party_certificate(party, key, weak, ca_key)  # type: ignore[arg-type]
+            (certs / f"{party}.pem").write_bytes(issued.public_bytes(serialization.Encoding.PEM))
+        problem = (
+            f"{certs / 'ca.pem'}: a CA key on EC P-256, P-384 or P-521, Ed25519, or RSA of at "
+            f"least 2048 bits expected, found {found}"
+        )
+        assert [line[: len(problem)] for line in _problems(certs)] == [problem]
+        federation = read_federation(_federation_file(tmp_path, certs))
+        with pytest.raises(ConfigError, match=re.escape(problem)):
+            federation.identity("bank")
+
+
 def test_a_party_loads_the_crl_beside_its_ca_and_will_not_start_revoked(tmp_path: Path) -> None:
     from secure_vfl.federation.federation_file import read_federation
 

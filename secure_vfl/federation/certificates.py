@@ -513,6 +513,36 @@ def key_type_problems(path: Path, key: object) -> list[Problem]:
     ]
 
 
+def ca_key_problems(path: Path, ca: x509.Certificate) -> list[Problem]:
+    """A problem unless the key of the CA certificate ``ca`` (at ``path``) is one gRPC's TLS
+    verifies the certificates it signed with, and strong enough: EC P-256, P-384 or P-521,
+    Ed25519, or RSA of at least 2048 bits (a weaker CA key lets whoever breaks it issue a
+    certificate for any party). Tested with grpcio 1.85.1: a secp256k1, brainpool or Ed448 CA
+    fails every handshake."""
+    key = ca.public_key()
+    if isinstance(key, ec.EllipticCurvePublicKey) and isinstance(
+        key.curve, ec.SECP256R1 | ec.SECP384R1 | ec.SECP521R1
+    ):
+        return []
+    if isinstance(key, ed25519.Ed25519PublicKey):
+        return []
+    if isinstance(key, rsa.RSAPublicKey) and key.key_size >= MIN_RSA_BITS:
+        return []
+    if isinstance(key, rsa.RSAPublicKey):
+        found, why = f"an RSA key of {key.key_size} bits", "shorter than 112-bit security"
+    elif isinstance(key, ec.EllipticCurvePublicKey):
+        found, why = f"an EC key on {key.curve.name}", "gRPC's TLS verifies no signature of it"
+    else:
+        found, why = f"a {type(key).__name__}", "gRPC's TLS verifies no signature of it"
+    return [
+        Problem(
+            path,
+            "a CA key on EC P-256, P-384 or P-521, Ed25519, or RSA of at least "
+            f"{MIN_RSA_BITS} bits expected, found {found}: {why}.",
+        )
+    ]
+
+
 def covers_host(certificate: x509.Certificate, host: str) -> bool:
     """Whether ``certificate`` names ``host`` (an IP address or a DNS host name, as in an
     address) among its subject alternative names, as a standard TLS client checks it: an IP
@@ -557,10 +587,10 @@ def identity_problems(
     """What stops party ``name`` with ``identity`` (read by :meth:`TlsIdentity.from_files`
     from ``files``: the CA's certificate, the party's certificate and key) from any TLS
     handshake in its federation: the CA or the certificate not valid at ``now``, a CA that
-    may not sign certificates, a certificate the CA did not sign, one that does not name the
-    party (or names another of ``parties`` too), one without both TLS usages or whose key may
-    not sign, a key type gRPC cannot use. The checks of
-    ``secure-vfl certs check`` that a handshake depends on."""
+    may not sign certificates or whose key is weak or of a type gRPC cannot verify, a
+    certificate the CA did not sign, one that does not name the party (or names another of
+    ``parties`` too), one without both TLS usages or whose key may not sign, a key type gRPC
+    cannot use. The checks of ``secure-vfl certs check`` that a handshake depends on."""
     now = now if now is not None else datetime.datetime.now(datetime.UTC)
     ca_path, certificate_path, key_path = files
     ca = read_certificate(identity.ca, str(ca_path))
@@ -569,6 +599,7 @@ def identity_problems(
     return [
         *validity_problems(ca_path, ca, now),
         *ca_usage_problems(ca_path, ca),
+        *ca_key_problems(ca_path, ca),
         *validity_problems(certificate_path, certificate, now),
         *issuer_problems(certificate_path, certificate, ca),
         *name_problems(certificate_path, certificate, name, parties),
