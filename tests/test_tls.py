@@ -1058,6 +1058,30 @@ def test_check_and_start_up_refuse_key_usages_grpc_refuses(certs: Path, tmp_path
         federation.identity("shop")
 
 
+def test_check_and_start_up_refuse_a_critical_extension_tls_cannot_read(
+    certs: Path, tmp_path: Path
+) -> None:
+    """A certificate with a critical extension no TLS library knows fails every handshake (the
+    peer refuses it), yet passed `certs check` and a party's start-up."""
+    from secure_vfl.federation.federation_file import read_federation
+
+    ca, ca_key = _ca(certs)
+    bank = x509.load_pem_x509_certificate((certs / "bank.pem").read_bytes())
+    unknown = x509.UnrecognizedExtension(x509.ObjectIdentifier("1.3.6.1.4.1.55555.1"), b"\x05\x00")
+    (certs / "bank.pem").write_bytes(_rebuilt(bank, ca_key, unknown))
+    problem = (
+        f"{certs / 'bank.pem'}: no critical extension TLS cannot read expected; found "
+        "1.3.6.1.4.1.55555.1 (a peer refuses the certificate in every handshake)."
+    )
+    assert _problems(certs) == [problem]
+    federation = read_federation(_federation_file(tmp_path, certs))
+    with pytest.raises(ConfigError, match=re.escape(problem)):
+        federation.identity("bank")
+    federation.identity("shop")
+    (certs / "ca.pem").write_bytes(_rebuilt(ca, ca_key, unknown))
+    assert any(p.startswith(f"{certs / 'ca.pem'}: no critical extension") for p in _problems(certs))
+
+
 def test_check_and_start_up_refuse_a_weak_ca_key_or_one_grpc_cannot_verify(
     tmp_path: Path,
 ) -> None:

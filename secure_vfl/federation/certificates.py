@@ -434,11 +434,26 @@ def _key_usage(certificate: x509.Certificate) -> x509.KeyUsage | None:
         return None  # no restriction: any usage
 
 
+def unknown_critical_problems(path: Path, certificate: x509.Certificate) -> list[Problem]:
+    """A problem for each critical extension of ``certificate`` that no TLS library knows: a
+    verifier refuses a certificate with a critical extension it cannot read, so every
+    handshake with it fails."""
+    return [
+        Problem(
+            path,
+            f"no critical extension TLS cannot read expected; found {extension.oid.dotted_string}"
+            " (a peer refuses the certificate in every handshake).",
+        )
+        for extension in certificate.extensions
+        if extension.critical and isinstance(extension.value, x509.UnrecognizedExtension)
+    ]
+
+
 def usage_problems(path: Path, certificate: x509.Certificate) -> list[Problem]:
     """A problem unless ``certificate`` may serve TLS servers and clients both, and its key may
     sign a handshake (gRPC's TLS refuses a certificate whose key usage lacks digital signature:
-    its party cannot listen)."""
-    problems = []
+    its party cannot listen), and it has no critical extension TLS cannot read."""
+    problems = unknown_critical_problems(path, certificate)
     key_usage = _key_usage(certificate)
     if key_usage is not None and not key_usage.digital_signature:
         problems.append(
@@ -460,16 +475,19 @@ def usage_problems(path: Path, certificate: x509.Certificate) -> list[Problem]:
 
 def ca_usage_problems(path: Path, ca: x509.Certificate) -> list[Problem]:
     """A problem unless the CA certificate ``ca`` (at ``path``) may sign certificates: gRPC's
-    TLS refuses every certificate a CA whose key usage lacks certificate signing issued."""
+    TLS refuses every certificate a CA whose key usage lacks certificate signing issued, or one
+    with a critical extension TLS cannot read."""
+    problems = unknown_critical_problems(path, ca)
     key_usage = _key_usage(ca)
     if key_usage is None or key_usage.key_cert_sign:
-        return []
+        return problems
     return [
+        *problems,
         Problem(
             path,
             "the certificate signing key usage expected of a CA (every peer's handshake refuses "
             "the certificates it issued otherwise); found a key usage without it.",
-        )
+        ),
     ]
 
 
