@@ -34,14 +34,14 @@ reaches beyond the CA's expiry, and says the most it can issue, rather than quie
 certificate.
 
 ``check_federation(DIR)`` reports every problem with a set of certificates: a file missing or
-unreadable (a key without its certificate, or a certificate without its key), a certificate
-expired or not yet valid or valid beyond its CA, one not signed by this CA, a name that is not in
-its certificate, a DNS name that is not a host name, a key that does not match its certificate, a
-key file readable by others, a key type gRPC cannot use, a certificate without both TLS usages
-or whose key usage lacks digital signature (a CA's: certificate signing), a CA key that is weak
-or of a type gRPC cannot verify, a party's certificate that is a CA's, a certificate the CA
-revoked; and a revocation list ``DIR/crl.pem`` that cannot be read, is not signed by the CA or
-is past its next update.
+unreadable (a key without its certificate, or a certificate without its key), a certificate expired
+or not yet valid or valid beyond its CA, one not signed by this CA, a name that is not in its
+certificate, a DNS name that is not a host name, a key that does not match its certificate, a key
+file readable by others, a key type gRPC cannot use, a certificate without both TLS usages or whose
+key usage lacks digital signature (a CA's: certificate signing), a certificate with a critical
+extension TLS cannot read, a CA key that is weak or of a type gRPC cannot verify, a party's
+certificate that is a CA's, a certificate the CA revoked; and a revocation list ``DIR/crl.pem``
+that cannot be read, is not signed by the CA or is past its next update.
 
 ``revoke(DIR, NAME)`` revokes party ``NAME``'s certificate (a stolen key, an organisation that
 left): it adds the certificate's serial number to the CA's certificate revocation list (X.509 CRL),
