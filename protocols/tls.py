@@ -443,8 +443,14 @@ def _load_ca(
             f"{directory / CA_CERT}: a CA certificate (basic constraints CA:TRUE) expected "
             f"{purpose}; found one that is not a CA's ({ca.subject.rfc4514_string()})."
         )
-    if not isinstance(key, ec.EllipticCurvePrivateKey) or not same_key(ca, key):
+    if not same_key(ca, key):
         raise ConfigError(f"{directory / CA_KEY} is not the key of {directory / CA_CERT}.")
+    if not isinstance(key, ec.EllipticCurvePrivateKey):  # a CA another tool made
+        raise ConfigError(
+            f"{directory / CA_KEY}: an EC key expected {purpose} (secure-vfl signs with the "
+            f"CA's EC key); found a {type(key).__name__}. Make a new set with `secure-vfl certs "
+            "init`, or issue and revoke with the tool that made this CA."
+        )
     return ca, key
 
 

@@ -1058,6 +1058,38 @@ def test_check_and_start_up_refuse_key_usages_grpc_refuses(certs: Path, tmp_path
         federation.identity("shop")
 
 
+def test_revoke_names_a_ca_key_it_cannot_sign_with_rather_than_calling_it_another_key(
+    tmp_path: Path,
+) -> None:
+    """An RSA CA (another tool's) with its own key: `certs revoke` said the key was not the
+    CA's, when it is; secure-vfl signs only with an EC key, and says so."""
+    key = rsa.generate_private_key(65537, 2048)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "another tool's CA")])
+    now = datetime.datetime.now(datetime.UTC)
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(days=30))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    (tmp_path / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    (tmp_path / "ca.key").write_bytes(pem)
+    (tmp_path / "ca.key").chmod(0o600)
+    with pytest.raises(ConfigError, match="an EC key expected to sign a revocation list") as error:
+        tls.revoke(tmp_path, "bank")
+    assert "is not the key of" not in str(error.value)
+
+
 def test_check_and_start_up_refuse_a_critical_extension_tls_cannot_read(
     certs: Path, tmp_path: Path
 ) -> None:
