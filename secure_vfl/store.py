@@ -243,9 +243,13 @@ class ResultsStore:
             missing = [column for column in _ADDED_COLUMNS if column not in columns]
             if missing:  # schema 2 to 4: what was not kept stays empty for their rows
                 with connection:
-                    connection.execute("BEGIN")  # every column and the version, or none
-                    for column in missing:
-                        connection.execute(f"ALTER TABLE runs ADD COLUMN {column} TEXT")
+                    connection.execute("BEGIN IMMEDIATE")  # every column and the version, or none
+                    # read again under the write lock: a command that opened the store at the
+                    # same time may have added them (a second ADD COLUMN failed that command)
+                    present = {row[1] for row in connection.execute("PRAGMA table_info(runs)")}
+                    for column in _ADDED_COLUMNS:
+                        if column not in present:
+                            connection.execute(f"ALTER TABLE runs ADD COLUMN {column} TEXT")
                     connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
             return
         if not columns >= _FIRST_COLUMNS:
@@ -258,7 +262,17 @@ class ResultsStore:
     def _migrate_first_schema(self, connection: sqlite3.Connection) -> None:
         """Rewrite a schema-0 store in one transaction: every row gets the new columns (as far
         as its stored config tells them), and repeated rows of one run directory (what
-        ``--overwrite`` used to leave) collapse to the latest."""
+        ``--overwrite`` used to leave) collapse to the latest. The rows are read under the
+        write lock: a command that opened the store at the same time migrates it first (this
+        one then finds it migrated) or waits."""
+        with connection:
+            connection.execute("BEGIN IMMEDIATE")
+            if "run_key" in {row[1] for row in connection.execute("PRAGMA table_info(runs)")}:
+                return  # migrated meanwhile (a rename of the new table failed this command)
+            self._rewrite_first_schema(connection)
+
+    def _rewrite_first_schema(self, connection: sqlite3.Connection) -> None:
+        """:meth:`_migrate_first_schema`'s rewrite, inside its transaction."""
         connection.row_factory = sqlite3.Row
         old = [dict(row) for row in connection.execute("SELECT * FROM runs ORDER BY id")]
         connection.row_factory = None
@@ -288,41 +302,39 @@ class ResultsStore:
                     f"--store {self.path}: run {row['id']}: {error} Expected a results store "
                     "written by secure-vfl; the store was left as it was."
                 ) from None
-        with connection:
-            # DDL commits at once outside a transaction (Python's sqlite3 opens one only before
-            # a row is written): without BEGIN, a failure left the table renamed and empty.
-            connection.execute("BEGIN")
-            connection.execute("ALTER TABLE runs RENAME TO runs_schema0")
-            connection.execute(SCHEMA)
-            for key, row in latest.items():
-                summary = summaries[key]
-                connection.execute(
-                    "INSERT INTO runs (id, run_key, created_at, kind, method, dataset, seed, "
-                    "backend, dp, epsilon, epsilon_max, version, git_commit, config, metrics, "
-                    "wall_time_s, out_dir) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
-                    "?, ?)",
-                    (
-                        row["id"],
-                        key,
-                        row["created_at"],
-                        row["kind"],
-                        row["method"],
-                        row["dataset"],
-                        row["seed"],
-                        summary.backend,
-                        summary.dp,
-                        None,
-                        None,
-                        None,
-                        None,
-                        row["config"],
-                        row["metrics"],
-                        row["wall_time_s"],
-                        row["out_dir"],
-                    ),
-                )
-            connection.execute("DROP TABLE runs_schema0")
-            connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        # DDL commits at once outside a transaction (Python's sqlite3 opens one only before a
+        # row is written): without the caller's BEGIN, a failure left the table renamed and empty.
+        connection.execute("ALTER TABLE runs RENAME TO runs_schema0")
+        connection.execute(SCHEMA)
+        for key, row in latest.items():
+            summary = summaries[key]
+            connection.execute(
+                "INSERT INTO runs (id, run_key, created_at, kind, method, dataset, seed, "
+                "backend, dp, epsilon, epsilon_max, version, git_commit, config, metrics, "
+                "wall_time_s, out_dir) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, "
+                "?, ?)",
+                (
+                    row["id"],
+                    key,
+                    row["created_at"],
+                    row["kind"],
+                    row["method"],
+                    row["dataset"],
+                    row["seed"],
+                    summary.backend,
+                    summary.dp,
+                    None,
+                    None,
+                    None,
+                    None,
+                    row["config"],
+                    row["metrics"],
+                    row["wall_time_s"],
+                    row["out_dir"],
+                ),
+            )
+        connection.execute("DROP TABLE runs_schema0")
+        connection.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def _unreadable_row(self, row: dict[str, Any], cell: str, expected: str) -> ConfigError:
         return ConfigError(

@@ -388,6 +388,55 @@ def test_a_second_to_fourth_schema_store_gains_its_missing_columns_in_place(
     connection.close()
 
 
+@pytest.mark.parametrize("schema", [0, 4])
+def test_an_old_store_that_another_command_migrates_meanwhile_keeps_its_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, schema: int
+) -> None:
+    """Two commands started at once on an old store both read its columns, then both migrated
+    it: the second's ADD COLUMN failed its command ("duplicate column name"), and a first
+    schema's rewrite, run again over the migrated table, emptied the columns of a run the
+    other command had recorded in between (its parties, its provenance)."""
+    path = tmp_path / "results.sqlite"
+    if schema == 0:
+        metrics = json.dumps({"mcar:0": {"accuracy": 90.0, "f1": 88.0}})
+        _first_schema_store(path, [(json.dumps({"seed": 0}), metrics, str(tmp_path / "old"))])
+    else:
+        ResultsStore(path).add(_entry(0), kind="train", out_dir=tmp_path / "old")
+        with sqlite3.connect(path) as connection:
+            connection.execute("ALTER TABLE runs DROP COLUMN git_modified")
+            connection.execute("PRAGMA user_version = 4")
+        connection.close()
+    other = {**_entry(1), "parties": {"party-0": "bank", "party-1": "shop"}}
+    connect = sqlite3.connect
+    interleaved: list[bool] = []
+
+    class OtherCommandBetween(sqlite3.Connection):
+        """This command's connection: the other command migrates the store and records its
+        run right after this one first read the store's columns."""
+
+        def execute(self, sql: str, *parameters: Any) -> Any:
+            cursor = super().execute(sql, *parameters)
+            if not sql.startswith("PRAGMA table_info") or interleaved:
+                return cursor
+            interleaved.append(True)
+            columns = cursor.fetchall()
+            ResultsStore(path).add(other, kind="train", out_dir=tmp_path / "new")
+            return iter(columns)
+
+    def connecting(*args: Any, **kwargs: Any) -> sqlite3.Connection:
+        kwargs.setdefault("factory", OtherCommandBetween if not interleaved else sqlite3.Connection)
+        return connect(*args, **kwargs)
+
+    monkeypatch.setattr(sqlite3, "connect", connecting)
+    ResultsStore(path).check()
+    monkeypatch.undo()
+    assert interleaved
+    rows = ResultsStore(path).rows()
+    assert [row["out_dir"] for row in rows] == [str(tmp_path / "old"), str(tmp_path / "new")]
+    assert rows[1]["parties"] == other["parties"]
+    assert rows[1]["version"] == provenance()["version"]
+
+
 def test_a_store_of_a_newer_schema_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "results.sqlite"
     with sqlite3.connect(path) as connection:
