@@ -394,7 +394,9 @@ class ResultsStore:
             if missing:
                 recorded = [] if empty else connection.execute("SELECT out_dir FROM runs")
                 names = {Path(directory).name for directory in missing}
-                alike = sorted({d for (d,) in recorded if d and Path(d).name in names})
+                alike = sorted(
+                    {d for (d,) in recorded if isinstance(d, str) and d and Path(d).name in names}
+                )
                 hint = (  # a folder moved or copied: the store records where it was written
                     f" It records {', '.join(alike[:5])} of those names (the path a run was "
                     "written to): give that path."
@@ -462,6 +464,10 @@ class ResultsStore:
             cell = entry[column]
             if not (cell is None or type(cell) in (int, float)):
                 self._damaged(entry, column, "a number")
+        for column in ("kind", "method", "dataset", "backend", "dp", "out_dir"):
+            cell = entry[column]  # a blob there failed `runs list` with a traceback
+            if not (isinstance(cell, str) or (cell is None and column == "out_dir")):
+                self._damaged(entry, column, "text")
         return entry
 
     def _damaged(self, entry: dict[str, Any], column: str, expected: str) -> NoReturn:

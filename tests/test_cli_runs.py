@@ -244,6 +244,25 @@ def test_runs_list_names_a_damaged_cell_of_the_store(
     assert f"run 1's `{column}` holds {cell!r}; expected {expected}" in err, err
 
 
+@pytest.mark.parametrize("column", ["kind", "method", "dataset", "backend", "dp", "out_dir"])
+def test_runs_list_and_remove_name_a_text_cell_of_the_store_that_holds_no_text(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], column: str
+) -> None:
+    """A blob in a text column (an edited or damaged store) failed `runs list` with a
+    traceback (TypeError, AttributeError), and `runs remove` too where it was `out_dir`."""
+    store = ResultsStore(tmp_path / "results.sqlite")
+    store.add(_entry(0), kind="train", out_dir=tmp_path / "a")
+    blob = b"\xff\x00"
+    with sqlite3.connect(store.path) as connection:
+        connection.execute(f"UPDATE runs SET {column} = ?", (blob,))
+    connection.close()
+    assert main(["runs", "list", "--store", str(store.path)]) == 2
+    err = capsys.readouterr().err
+    assert f"run 1's `{column}` holds {blob!r}; expected text" in err, err
+    assert main(["runs", "remove", str(tmp_path / "b"), "--store", str(store.path)]) == 2
+    assert "Nothing was removed." in capsys.readouterr().err
+
+
 def _first_schema_store(path: Path, rows: list[tuple[str, str, str]]) -> None:
     """A results store of the first schema at ``path`` holding ``rows`` (config, metrics and
     out_dir cells) of training runs."""
