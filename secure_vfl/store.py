@@ -182,7 +182,7 @@ class ResultsStore:
     def _connect(self, *, create: bool = True) -> sqlite3.Connection:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         made = not self.path.exists()
-        connection = sqlite3.connect(self.path)
+        connection = sqlite3.connect(self.path, timeout=BUSY_SECONDS)
         try:
             self._prepare(connection, create=create)
         except BaseException as error:
@@ -196,6 +196,12 @@ class ResultsStore:
                 raise OutputError(
                     f"--store {self.path} cannot be written: {error}; nothing was recorded."
                 ) from refusal
+            if _busy(error):  # not the store's fault: another program is writing to it
+                raise OutputError(
+                    f"--store {self.path} is held by another program's write ({error}) for "
+                    f"longer than the {BUSY_SECONDS:g} s a command waits; nothing was read or "
+                    "recorded: try again once it is done."
+                ) from None
             raise ConfigError(
                 f"--store {self.path} could not be used as a results store ({error}); expected "
                 "a results store written by secure-vfl or a new path."
@@ -477,12 +483,21 @@ class ResultsStore:
         )
 
 
+BUSY_SECONDS = 5.0
+"""How long a command waits for another's write to the store to end (SQLite's busy timeout)."""
+
 _REFUSALS = {  # SQLite's codes for a refusal of the file system, as the errno of an OSError
     sqlite3.SQLITE_FULL: errno.ENOSPC,
     sqlite3.SQLITE_IOERR: errno.EIO,
     sqlite3.SQLITE_READONLY: errno.EROFS,
     sqlite3.SQLITE_PERM: errno.EPERM,
 }
+
+
+def _busy(error: sqlite3.Error) -> bool:
+    """Whether SQLite's ``error`` says another connection holds a lock on the database."""
+    code = getattr(error, "sqlite_errorcode", -1) & 0xFF
+    return code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
 
 
 def _refusal(error: sqlite3.Error, path: Path) -> OSError | None:

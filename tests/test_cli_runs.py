@@ -407,6 +407,31 @@ def test_a_second_to_fourth_schema_store_gains_its_missing_columns_in_place(
     connection.close()
 
 
+def test_a_store_another_program_holds_is_named_busy_not_unreadable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store locked by another program's write for longer than a command waits was called
+    no results store ("expected a results store written by secure-vfl or a new path", exit 2),
+    as if it were another file: it is one the system holds (exit 1), to try again."""
+    from secure_vfl.errors import OutputError
+
+    path = tmp_path / "results.sqlite"
+    ResultsStore(path).add(_entry(0), kind="train", out_dir=tmp_path / "old")
+    monkeypatch.setattr(secure_vfl.store, "BUSY_SECONDS", 0.05)
+    holder = sqlite3.connect(path, isolation_level=None)
+    try:
+        holder.execute("BEGIN EXCLUSIVE")
+        for use in (
+            lambda: ResultsStore(path).rows(),
+            lambda: ResultsStore(path).add(_entry(1), kind="train", out_dir=tmp_path / "new"),
+        ):
+            with pytest.raises(OutputError, match="is held by another program's write"):
+                use()
+    finally:
+        holder.close()
+    assert [row["seed"] for row in ResultsStore(path).rows()] == [0]
+
+
 @pytest.mark.parametrize("schema", [0, 4])
 def test_an_old_store_that_another_command_migrates_meanwhile_keeps_its_runs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, schema: int
