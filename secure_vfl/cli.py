@@ -2239,6 +2239,8 @@ def _checkpoint_plan(
         _lock_checkpoints(directory, out)
     if resume is None:  # a fresh run would replace a killed run's checkpoints
         _refuse_stale_checkpoints(directory, out, label_party, args.overwrite)
+    else:  # so would a resumed one, writing into another run's --checkpoint-dir
+        _refuse_another_runs_checkpoints(directory, resume, label_party, args.overwrite)
     return CheckpointPlan(
         directory=directory,
         every=args.checkpoint_every or 0,
@@ -2315,6 +2317,27 @@ def _refuse_stale_checkpoints(
             f"{directory} holds the checkpoints of an earlier run (its last of step "
             f"{steps[-1]}); expected --resume {again} to go on from them, or --overwrite to "
             "start afresh and replace them."
+        )
+
+
+def _refuse_another_runs_checkpoints(
+    directory: Path, resume: Any, label_party: str, overwrite: bool
+) -> None:
+    """Refuse a resumed run whose checkpoints would go where another run's are (``directory``,
+    a --checkpoint-dir), unless ``overwrite``: its first checkpoint removed them without a word
+    (a fresh run there is refused alike). The resumed run's own, from a resume into the same
+    directory before, are its to go on with."""
+    from secure_vfl.checkpoints import read_checkpoint, written_steps
+
+    steps = written_steps(directory, label_party) if directory.is_dir() else []
+    if not steps or overwrite or directory.resolve() == resume.root.resolve():
+        return
+    found = read_checkpoint(directory, label_party, steps[-1]).run_id
+    if found != resume.run_id:
+        raise ConfigError(
+            f"--checkpoint-dir {directory} holds the checkpoints of another run (run {found}, "
+            f"its last of step {steps[-1]}) than the resumed one (run {resume.run_id}); "
+            "expected another directory, or --overwrite to replace them."
         )
 
 

@@ -31,6 +31,7 @@ from secure_vfl.checkpoints import (
     write_checkpoint,
     written_steps,
 )
+from secure_vfl.cli import main
 from secure_vfl.data.vertical import VerticalData
 from secure_vfl.errors import (
     ConfigError,
@@ -655,6 +656,52 @@ def test_a_resume_on_other_training_rows_is_refused_by_the_party_whose_rows_chan
 def test_resume_without_a_checkpoint_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"label party party-0 expected.*found none"):
         find_resume_point(tmp_path, label_party="party-0", settings={})
+
+
+CLI_RUN = [
+    "train",
+    "--method",
+    "laser",
+    "--dataset",
+    "breast-cancer",
+    "--epochs",
+    "1",
+    "--batch-size",
+    "64",
+    "--quiet",
+]
+
+
+def _killed_cli_run(out: Path, *argv: str) -> int:
+    """A `train` run with checkpoints every 3 steps, as its kill leaves it: its checkpoints
+    and no result; the step of its latest."""
+    assert main([*CLI_RUN, *argv, "--checkpoint-every", "3", "--out", str(out)]) == 0
+    (out / "result.json").unlink()
+    shutil.rmtree(out / "model")
+    return written_steps(out / "checkpoints", "party-0")[-1]
+
+
+def test_a_resume_into_another_runs_checkpoint_dir_is_refused_and_keeps_them(
+    tmp_path: Path, one_thread: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A fresh run into a --checkpoint-dir holding another run's checkpoints is refused; a
+    resumed one went ahead and its first checkpoint removed them."""
+    killed = tmp_path / "killed"
+    _killed_cli_run(killed)
+    other = tmp_path / "other"
+    another = ["--seed", "1", "--checkpoint-every", "4", "--checkpoint-dir", str(other)]
+    assert main([*CLI_RUN, *another, "--out", str(tmp_path / "o")]) == 0
+    steps = written_steps(other, "party-0")
+    capsys.readouterr()
+    argv = [*CLI_RUN, "--checkpoint-every", "1", "--resume", str(killed)]
+    assert main([*argv, "--checkpoint-dir", str(other), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert f"--checkpoint-dir {other} holds the checkpoints of another run" in err
+    assert "expected another directory, or --overwrite" in err
+    assert written_steps(other, "party-0") == steps
+    mine = tmp_path / "mine"  # the resumed run's own, from a resume into it before, go on
+    assert main([*argv, "--checkpoint-dir", str(mine), "--out", str(tmp_path / "r1")]) == 0
+    assert main([*argv, "--checkpoint-dir", str(mine), "--out", str(tmp_path / "r2")]) == 0
 
 
 def _dp_engine(**kwargs: Any) -> PrivacyEngine:
