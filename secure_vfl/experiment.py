@@ -495,7 +495,8 @@ def traffic_report(
 ) -> dict[str, Any]:
     """Bytes each party (and the aggregator) put on the wire, per phase and per training step
     (a FedAvg round for imputation), and the seconds spent in protection (secure sums, the
-    parties' hooks such as DP noise, and the channel's layers).
+    parties' hooks such as DP noise, and the channel's layers). ``train_steps``: the steps
+    whose bytes ``channel`` counts (a resumed run's: those after its checkpoint).
 
     Bytes are the encoded messages that crossed ``channel``'s transport: under a secure scheme
     split at the party boundary (every method: each half runs inside its own party) they are the
@@ -728,13 +729,14 @@ def run_training(
         )
     run_checkpoints = RunCheckpoints(checkpoints) if checkpoints is not None else None
     progress = run_checkpoints.restore_run(method) if run_checkpoints is not None else None
+    resumed_at = progress.step if progress is not None else 0  # fit moves progress on
     if privacy is not None:
         privacy.make_private(
             in_process_parties(channel),
             method=config.method,
             method_config=config.method_config,
             predictions=len(data.tests),  # each test record is released once per split
-            resumed_at=progress.step if progress is not None else 0,
+            resumed_at=resumed_at,
         )
     steps = method.total_steps
     step_done = on_step
@@ -769,7 +771,7 @@ def run_training(
         samples={"train": data.train.n, **{name: s.n for name, s in data.tests.items()}},
         dropped=dict(data.dropped),
         privacy=report,
-        traffic=traffic_report(aggregator, train_steps=steps, channel=channel),
+        traffic=traffic_report(aggregator, train_steps=steps - resumed_at, channel=channel),
         warnings=[
             *collapse_warnings(predictions, data, noised=report is not None),  # DP ran
             *target_warnings(report),

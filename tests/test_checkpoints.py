@@ -177,6 +177,23 @@ def test_a_killed_run_resumed_from_its_checkpoint_equals_an_uninterrupted_run(
     _assert_same_run(whole, whole_channel, resumed, resumed_channel)
 
 
+def test_a_resumed_runs_traffic_is_per_step_of_the_steps_it_trained(
+    tmp_path: Path, make_data: MakeData, one_thread: None
+) -> None:
+    """Its bytes are those of the steps after its checkpoint: divided by every step of the run,
+    its bytes per step read 11 of 21 steps' bytes as a whole run's (about half the true)."""
+    config = _config()
+    data = make_data()
+    whole, _ = _train(config, data)
+    resumed, _ = _killed_then_resumed(tmp_path, config, data)
+    traffic = resumed.traffic
+    assert traffic["train_steps"] == whole.traffic["train_steps"] - (STOP - STOP % EVERY) > 0
+    for party, sent in traffic["bytes"].items():
+        assert traffic["bytes_per_step"][party] == sent["train"] / traffic["train_steps"]
+    party = whole.traffic["bytes_per_step"]["party-1"]
+    assert traffic["bytes_per_step"]["party-1"] == pytest.approx(party, rel=0.2)
+
+
 def test_a_pretrained_run_resumes_to_the_uninterrupted_run(
     tmp_path: Path, make_data: MakeData, one_thread: None
 ) -> None:
