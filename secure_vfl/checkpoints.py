@@ -870,7 +870,14 @@ def read_checkpoint(
 def _file(directory: Path, name: str) -> bytes:
     path = directory / name
     if not path.is_file():
-        raise IntegrityError(f"{path}: a checkpoint file expected; found none (truncated?).")
+        found = (
+            "a directory"
+            if path.is_dir()
+            else "a link to nothing"
+            if path.is_symlink()
+            else "none (truncated?)"
+        )
+        raise IntegrityError(f"{path}: a checkpoint file expected; found {found}.")
     return path.read_bytes()
 
 

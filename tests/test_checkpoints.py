@@ -579,6 +579,23 @@ def test_a_truncated_tensor_file_is_refused_with_its_hash(
         _resume(tmp_path, config)
 
 
+def test_a_directory_or_dead_link_in_a_checkpoint_files_place_is_named_as_such(
+    tmp_path: Path, make_data: MakeData, one_thread: None
+) -> None:
+    """Either was refused as "found none (truncated?)"."""
+    config, directory = _checkpointed(tmp_path, make_data)
+    (directory / STATE_FILE).unlink()
+    (directory / STATE_FILE).mkdir()
+    with pytest.raises(
+        IntegrityError, match=r"state\.json: a checkpoint file expected; found a dir"
+    ):
+        _resume(tmp_path, config)
+    (directory / STATE_FILE).rmdir()
+    (directory / STATE_FILE).symlink_to(tmp_path / "nowhere")
+    with pytest.raises(IntegrityError, match=r"file expected; found a link to nothing\.$"):
+        _resume(tmp_path, config)
+
+
 def test_a_checkpoint_whose_manifest_was_altered_is_refused(
     tmp_path: Path, make_data: MakeData, one_thread: None
 ) -> None:
