@@ -478,9 +478,12 @@ def plot(table: Sequence[dict[str, Any]], out: Path, *, attack: str, metric: str
         )
     axes.set_xscale("log")
     unbounded = any(r["epsilon"] is not None and math.isinf(r["epsilon"]) for r in table)
+    if unbounded:  # at the right edge, whatever else is drawn (with nothing finite, alone)
+        low = min(finite) / 2 if finite else edge / 100
+        axes.set_xlim(low, edge * 1.2)
     axes.set_xlabel(
         "epsilon of what is noised (largest party's"
-        + ("; epsilon = inf drawn at the right edge)" if unbounded else ")")
+        + ("; inf at the right edge)" if unbounded else ")")
     )
     axes.set_ylabel("main accuracy (%)")
     axes.set_title(f"{attack}: utility against privacy")

@@ -461,3 +461,37 @@ def test_the_attack_utility_plot_judges_each_setting_against_its_own_chance(
     plot([row, defended | {"chance": 0.232}], tmp_path, attack="backdoor", metric="asr")
     assert lines == [0.232]
     assert (tmp_path / "attack_utility.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("finite", [[], [0.5, 8.0]], ids=["inf-alone", "inf-and-finite"])
+def test_an_unbounded_epsilon_is_drawn_at_the_right_edge_of_the_utility_plot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, finite: list[float]
+) -> None:
+    """With no finite epsilon, the setting of epsilon inf stood in the middle of the axis while
+    its label said it was drawn at the right edge."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.axes import Axes
+
+    from attacks.sweep import plot
+
+    drawn: dict[str, Any] = {}
+    plotted = Axes.plot
+
+    def keep(self: Axes, *args: Any, **options: Any) -> Any:
+        if drawn.setdefault("axes", self) is self:  # utility_epsilon.png's, the first
+            drawn.setdefault("x", []).extend(args[0])
+        return plotted(self, *args, **options)
+
+    monkeypatch.setattr(Axes, "plot", keep)
+    row = {"template": "dp-gradients:S:1", "seeds": 1, "main_accuracy": 0.8}
+    row |= {"performance": 0.9, "chance": 0.5}
+    rows = [row | {"setting": "S=0", "epsilon": math.inf}]
+    rows += [row | {"setting": f"S={e}", "epsilon": e} for e in finite]
+    plot(rows, tmp_path, attack="direct-label-inference", metric="auc")
+    low, high = drawn["axes"].get_xlim()
+    edge = max(drawn["x"])
+    assert edge not in finite  # the unbounded one
+    assert math.log(high / edge) < 0.25 * math.log(high / low)  # near the right edge
+    assert min(finite, default=edge) > low
