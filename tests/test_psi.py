@@ -580,6 +580,35 @@ def test_matches_out_of_turn_replayed_or_repeating_refused():
     assert responder.rows is rows
 
 
+@pytest.mark.parametrize(
+    ("samples", "error"),
+    [
+        (-1, r"samples must be an integer >= 0, found -1"),
+        (2**40, r"at most 10 aligned samples expected \(its ids\), found 1099511627776"),
+    ],
+)
+def test_matches_for_a_negative_or_impossible_number_of_samples_refused(samples, error):
+    """B made its row array of `samples` before checking it: a negative count raised numpy's
+    ValueError and a huge one a MemoryError; aligned samples are some of A's ids."""
+    mine, theirs = [f"m{i}" for i in range(10)], [f"m{i}" for i in range(4, 30)]
+    requester = RequesterSession(mine, session_id="s", key=KEY_A, chunk_size=8, workers=1)
+    responder = ResponderSession(theirs, session_id="s", key=KEY_B, chunk_size=8, workers=1)
+    for request in requester.requests():
+        requester.receive(responder.respond(request))
+    while requester.result is None:
+        requester.receive(responder.answer(requester.next_request()))
+    matches = requester.matches(np.arange(len(mine), dtype=np.int64), len(mine))
+    none = np.zeros(0, dtype=np.int64)
+    with pytest.raises(ProtocolError, match=error):
+        responder.receive_matches(
+            dataclasses.replace(
+                matches, samples=samples, sample_positions=none, peer_positions=none
+            )
+        )
+    assert responder.rows is None
+    assert responder.receive_matches(matches).shape == (len(mine),)
+
+
 def test_each_secret_scalar_and_generator_is_reachable_from_its_own_party_only():
     channel = Channel()
     label = np.array([f"p{i}" for i in range(40)])

@@ -108,6 +108,7 @@ class PsiMatchMessage(PsiMessage):
 
     def validate(self) -> None:
         super().validate()
+        self._check_total("samples", self.samples)
         for name in ("sample_positions", "peer_positions"):
             array = getattr(self, name)
             if not isinstance(array, np.ndarray) or array.dtype != np.int64 or array.ndim != 1:

@@ -567,6 +567,11 @@ class ResponderSession(_Session):
         if self.rows is not None:
             raise ProtocolError(f"{self.name}: one matches message per session; already had.")
         self._check(message, PsiMatchMessage, ROUND_MATCHES)
+        if message.samples > (self._peer_total or 0):  # aligned samples are some of A's ids
+            raise ProtocolError(
+                f"{message.kind} from {message.sender}: at most {self._peer_total} aligned "
+                f"samples expected (its ids), found {message.samples}."
+            )
         peer = message.peer_positions
         if peer.size and (peer.min() < 0 or peer.max() >= self._own_order.shape[0]):
             raise ProtocolError(
