@@ -8,7 +8,13 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from secure_vfl.data.party_files import party_name, party_names, read_label_file, read_party_file
+from secure_vfl.data.party_files import (
+    party_name,
+    party_names,
+    read_id_file,
+    read_label_file,
+    read_party_file,
+)
 from secure_vfl.errors import ConfigError, DataError, RunWarning
 
 
@@ -31,6 +37,20 @@ def test_reads_parquet_party_file(tmp_path):
     table = read_party_file(path)
     assert table.ids.tolist() == ["3", "1"]
     assert table.frame.shape == (2, 2)
+
+
+def test_an_id_with_a_nul_character_is_refused_not_cut(tmp_path):
+    """A numpy str array drops trailing NULs: `a\\x00` was read as `a`, so it matched another
+    party's (or PSI's peer's) `a`, and `a` beside it was refused as a repeat."""
+    csv = tmp_path / "bank.csv"
+    csv.write_bytes(b"id,x\nb,1\na\x00,2\n")
+    parquet = tmp_path / "bank.parquet"
+    pd.DataFrame({"id": ["b", "a\x00"], "x": [1.0, 2.0]}).to_parquet(parquet)
+    for path in (csv, parquet):
+        with pytest.raises(DataError, match=r"without NUL characters. Found 1 .* data row 2: "):
+            read_party_file(path)
+        with pytest.raises(DataError, match="without NUL characters"):
+            read_id_file(path)
 
 
 def test_ids_and_labels_in_named_columns_keep_leading_zeros(tmp_path):

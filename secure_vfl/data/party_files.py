@@ -361,7 +361,15 @@ def read_ids(frame: pd.DataFrame, path: Path, id_column: str) -> np.ndarray:
             f"{path}: every row must have an id. Found {empty} empty (first at data row "
             f"{first + 1})."
         )
-    ids = column.astype(str).to_numpy(dtype=str)
+    text = column.astype(str)
+    nul = text.str.contains("\x00", regex=False).to_numpy(dtype=bool)
+    if nul.any():  # a numpy str array drops trailing NULs: 'a\x00' would be (and match) 'a'
+        first = int(np.flatnonzero(nul)[0])
+        raise DataError(
+            f"{path}: ids must be text without NUL characters. Found {int(nul.sum())} with one, "
+            f"first at data row {first + 1}: {text.iloc[first][:40]!r} (a UTF-16 file?)."
+        )
+    ids = text.to_numpy(dtype=str)
     _check_unique(ids, str(path))
     spaced = [value for value in ids.tolist() if value != value.strip()]
     if spaced:  # another party's file, or PSI, cannot say that ' a' was meant as 'a'
