@@ -58,8 +58,15 @@ def fresh_key() -> bytes:
     return secrets.token_bytes(POINT_BYTES)
 
 
+_NUMBER = b"\xff#"
+"""Prefix of a number's bytes: 0xFF occurs in no UTF-8 text, so the number 7 is not the text
+``#7`` (whose bytes are ``b"#7"``)."""
+
+
 def _id_bytes(value: object) -> bytes:
-    """Canonical bytes of one id, so that equal ids (as JoinAligner compares them) hash equally."""
+    """Canonical bytes of one id, so that equal ids (as JoinAligner compares them) hash equally
+    and a text id never hashes as a number: text as UTF-8, bytes as they are, numbers after
+    :data:`_NUMBER`."""
     if isinstance(value, bytes | np.bytes_):
         return bytes(value)
     if isinstance(value, str | np.str_):
@@ -67,12 +74,12 @@ def _id_bytes(value: object) -> bytes:
     if isinstance(value, bool | np.bool_):
         raise DataError(f"ids must be text or numbers. Found a boolean {value!r}.")
     if isinstance(value, int | np.integer):
-        return b"#" + str(int(value)).encode("ascii")
+        return _NUMBER + str(int(value)).encode("ascii")
     if isinstance(value, float | np.floating):
         number = float(value)
         if number.is_integer():
-            return b"#" + str(int(number)).encode("ascii")
-        return b"#" + repr(number).encode("ascii")
+            return _NUMBER + str(int(number)).encode("ascii")
+        return _NUMBER + repr(number).encode("ascii")
     raise DataError(f"ids must be text or numbers. Found {type(value).__name__} {value!r}.")
 
 

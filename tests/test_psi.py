@@ -186,7 +186,16 @@ def test_double_masking_commutes_and_keys_and_hash_are_consistent():
     assert hash_to_point("id-3") == hash_to_point("id-3") == _points(hashed.tobytes())[3]
     assert hash_to_point("id-3") != hash_to_point("id-4")
     assert hash_to_point(7) == hash_to_point(7.0) == hash_to_point(np.int64(7))
+    assert hash_to_point(7) not in {hash_to_point("#7"), hash_to_point("7"), hash_to_point(b"#7")}
     assert all(p[31] < 0x80 for p in (hash_to_point(x) for x in ids))
+
+
+def test_a_text_id_never_matches_a_number():
+    """Numbers were hashed as the text `#` + digits: the text id `#7` matched the number 7 (a
+    wrong intersection), and one side holding both was refused as a peer sending repeats."""
+    result = run_psi(["#7", "#7.5", "x"], [7, 7.5, "y"], workers=1)
+    assert result.size == 0
+    assert run_psi(["#7", 7, "x"], [7, "x"], workers=1).indices.tolist() == [1, 2]
 
 
 def test_parallel_masking_equals_serial_and_names_the_bad_point():
