@@ -553,6 +553,27 @@ def test_chunks_repeated_replayed_or_beyond_the_total_refused():
     assert results[-1].size == 5 and list(results[-1].indices) == [5, 6, 7, 8, 9]
 
 
+@pytest.mark.parametrize("total", [2**55, 2**62])
+def test_a_cardinality_request_announcing_more_points_than_memory_holds_refused(total):
+    """In cardinality mode B made room for the announced total on A's first chunk: a total beyond
+    memory raised numpy's MemoryError (or ValueError) instead of a refusal."""
+    requester = RequesterSession(
+        ["a", "b"], session_id="s", key=KEY_A, mode="cardinality", workers=1
+    )
+    responder = ResponderSession(
+        ["a", "c"], session_id="s", key=KEY_B, mode="cardinality", workers=1
+    )
+    (request,) = requester.requests()
+    with pytest.raises(
+        ProtocolError, match=f"a total of points this party can hold expected.*{total}"
+    ):
+        responder.respond(dataclasses.replace(request, total=total))
+    requester.receive(responder.respond(request))  # nothing refused changed B's state
+    while requester.result is None:
+        requester.receive(responder.answer(requester.next_request()))
+    assert requester.result.size == 1
+
+
 def test_matches_out_of_turn_replayed_or_repeating_refused():
     mine, theirs = [f"m{i}" for i in range(10)], [f"m{i}" for i in range(4, 30)]
     requester = RequesterSession(mine, session_id="s", key=KEY_A, chunk_size=8, workers=1)

@@ -31,10 +31,10 @@ most one response is in flight, and memory stays bounded on both sides whatever 
 
 Refused from a peer, with no state change: points that are not 32 bytes, non-canonical encodings
 (which an honest party never sends), low-order points (the shared secret is all zero), duplicate
-masked values (across chunks too), chunks that do not fit the announced totals, messages from
-another session, round, sender, chunk or mode (replays), responses asked for out of turn or
-twice, and matches out of turn, twice, with repeated positions or for more samples than A
-has ids.
+masked values (across chunks too), chunks that do not fit the announced totals (in cardinality
+mode, a total beyond memory too), messages from another session, round, sender, chunk or mode
+(replays), responses asked for out of turn or twice, and matches out of turn, twice, with
+repeated positions or for more samples than A has ids.
 
 Parties are actors (:class:`~secure_vfl.federation.parties.Party`): :class:`PsiRequester` and
 :class:`PsiResponder` each own their ids, shuffle generator and per-session secret scalar, and

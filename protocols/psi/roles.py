@@ -481,7 +481,13 @@ class ResponderSession(_Session):
         doubled = self._pool.mask(self._key, points, what=where, offset=self._peer_received)
         buffer = self._doubled
         if self.mode == "cardinality" and buffer is None:
-            buffer = np.empty(total, dtype=f"S{POINT_BYTES}")
+            try:  # kept whole until A's last chunk is in: the answer is shuffled over all
+                buffer = np.empty(total, dtype=f"S{POINT_BYTES}")
+            except (MemoryError, ValueError):  # numpy: ValueError when beyond any array
+                raise ProtocolError(
+                    f"{where}: a total of points this party can hold expected (cardinality mode "
+                    f"keeps {POINT_BYTES} bytes of each), found {total}."
+                ) from None
 
         last = received == total
         if self._own_order is None:
