@@ -304,6 +304,28 @@ def test_client_files_with_an_empty_or_repeated_id_or_a_column_nobody_observed_a
     assert features == ("bp", "chol")
 
 
+def test_a_feature_with_values_in_test_rows_only_is_refused_naming_it(tmp_path):
+    """Its values all fell in the seed's test rows: every method imputed it from nothing (mean
+    0, std 1), and its hidden entries' raw errors were scored as std units (RMSE 1025 on a
+    column near 1000), where a deployed run refuses it from the statistics' counts."""
+    site, rare = tmp_path / "site.csv", tmp_path / "rare.csv"
+    frame = pd.DataFrame({"age": np.arange(40.0), "bp": np.arange(40.0) * 2})
+    for path in (site, rare):
+        frame.to_csv(path, index=False)
+    test_rows = make_task_from_client_files([site, rare], seed=0).files[1].in_test
+    frame["chol"] = np.where(test_rows, 1000.0 + np.arange(40.0), np.nan)
+    frame.to_csv(rare, index=False)
+    with pytest.raises(DataError, match=r"training rows, to impute it from; found none of 'chol'"):
+        make_task_from_client_files([site, rare], seed=0)
+    make_task_from_client_files([site, rare], seed=1)  # another split has some in training
+    wide = table(rows=40)
+    wide["x9"] = np.nan
+    wide.loc[0, "x9"] = 1.0  # its one value, in a row that seed 14 deals to a test split
+    rng = np.random.default_rng(14)
+    with pytest.raises(DataError, match=r"none of 'x9' in the training rows.*fewer clients"):
+        make_imputation_task(wide, name="wide", clients=4, availability=1.0, rng=rng)
+
+
 def test_a_parquet_column_of_nulls_is_missing_and_one_of_numbers_as_text_is_named(tmp_path):
     """Both ended in an IndexError traceback: no cell of the column was text."""
     import pyarrow as pa

@@ -375,6 +375,7 @@ def _split_clients(
     splits = [
         _split_client(client, test_fraction, rng) for client, rng in zip(clients, rngs, strict=True)
     ]
+    _check_trained_features(features, [train for train, _, _ in splits], files=sources is not None)
     files = None
     if sources is not None:
         files = tuple(
@@ -388,6 +389,29 @@ def _split_clients(
         test=tuple(test for _, test, _ in splits),
         files=files,
     )
+
+
+def _check_trained_features(
+    features: Sequence[str], train: Sequence[ClientData], *, files: bool
+) -> None:
+    """Refuse a feature that some client has but no client has a value of in its training
+    rows (its values, if any, all fell in test rows): every method would impute it from
+    nothing (mean 0, std 1) and score it in raw units as if they were std units. A deployed
+    run's coordinator refuses it from the statistics' counts."""
+    available = np.any([client.available for client in train], axis=0)
+    observed = np.any([client.observed.any(axis=0) for client in train], axis=0)
+    unobserved = [repr(features[int(j)]) for j in np.flatnonzero(available & ~observed)]
+    if unobserved:
+        hint = (
+            "drop the column, add its values or split with another seed"
+            if files
+            else "fewer clients, a larger availability or another seed"
+        )
+        raise DataError(
+            "every feature column needs a value in some client's training rows, to impute it "
+            f"from; found none of {', '.join(unobserved)} in the training rows of this split: "
+            f"{hint}."
+        )
 
 
 def _client_file(source: _ClientSource, in_test: np.ndarray) -> ClientFile:
