@@ -652,10 +652,18 @@ IMPUTATION_ADVICE = "try a lower --lr or fewer --local-epochs"
 """What to try when an imputation diverged."""
 
 
-def refuse_empty_tests(data: VerticalData) -> None:
-    """DataError for a test split that holds no sample (every one lost all its blocks to the
-    test missingness, or none was set aside), before any training: its metrics would be NaN
-    (printed, with numpy's warnings, and the run exited 0)."""
+def refuse_empty_splits(data: VerticalData) -> None:
+    """DataError, before any training, for a training split that holds no sample (every one
+    lost all its blocks to the training missingness: the run trained on nothing, every epoch's
+    loss null, and printed the untrained model's accuracy), or a test split that holds none
+    (every one lost all its blocks to the test missingness, or none was set aside): its
+    metrics would be NaN (printed, with numpy's warnings, and the run exited 0)."""
+    if data.train.n == 0:
+        raise DataError(
+            f"the training split holds no sample ({data.dropped.get('train', 0)} dropped for "
+            "having no observed block); expected a training missingness that leaves some "
+            "(--missing-train, --p-miss-train)."
+        )
     for name, split in data.tests.items():
         if split.n == 0:
             dropped = data.dropped.get(name, 0)
@@ -713,7 +721,7 @@ def run_training(
         data = prepare_data(config)
     else:
         check_data(config, data)
-    refuse_empty_tests(data)
+    refuse_empty_splits(data)
     channel = channel if channel is not None else Channel()
     if aggregator is None and privacy is not None:
         aggregator = privacy.aggregator()

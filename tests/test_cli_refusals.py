@@ -437,6 +437,20 @@ def test_heads_all_with_a_one_head_method_is_refused_and_the_run_records_active(
     assert TrainConfig(method="laser", dataset="wine").method_config.heads == "all"
 
 
+def test_a_training_missingness_that_leaves_no_training_sample_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It trained on nothing (every epoch's loss null), printed the untrained model's accuracy
+    and exited 0."""
+    train = ["train", "--method", "laser", "--dataset", "iris", "--epochs", "1", "--quiet"]
+    train += ["--missing-train", "mcar:0.99999", "--out", str(tmp_path / "t")]
+    assert main(train) == 2
+    err = capsys.readouterr().err
+    assert "the training split holds no sample (120 dropped for having no observed block)" in err
+    assert "--missing-train" in err
+    assert not (tmp_path / "t").exists()
+
+
 def test_a_test_split_or_an_imputation_with_nothing_to_score_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
