@@ -231,6 +231,20 @@ def test_parse_mechanism_refuses_bad_text_and_names_accepted_forms(text, message
         parse_mechanism(text)
 
 
+@pytest.mark.parametrize("text", ["beta:inf,2", "beta:nan,2", "mar1:nan,0.15", "mar2:0.5,inf,0.15"])
+def test_non_finite_beta_and_mar_parameters_are_refused_naming_the_mechanism(text):
+    """beta:inf,2 and beta:nan,2 drew NaN rates, refused only when sampled as "`p` must be in
+    [0, 1). Found nan."; a NaN or infinite MAR threshold or budget never ended a visit, so every
+    block was observed under the mechanism's name (warned as mcar:0, blaming one-column blocks).
+    """
+    name = text.partition(":")[0]
+    with pytest.raises(ConfigError, match=f"'{name}' parameters must be finite numbers"):
+        parse_mechanism(text)
+    if name == "beta":
+        with pytest.raises(ConfigError, match="must be finite and > 0"):
+            beta_rates(4, rng=rng(), a=float(text.split(":")[1].split(",")[0]))
+
+
 def test_parse_errors_list_the_accepted_forms():
     with pytest.raises(ConfigError, match="dirichlet:ALPHA"):
         parse_mechanism("mcr:0.2")

@@ -52,8 +52,8 @@ def beta_rates(
     """Per-party missing rates drawn i.i.d. from Beta(a, b) (LASER-VFL: Beta(2, 2), mean 0.5)."""
     if parties < 1:
         raise ConfigError(f"`parties` must be >= 1. Found {parties}.")
-    if a <= 0 or b <= 0:
-        raise ConfigError(f"Beta parameters must be > 0. Found a={a}, b={b}.")
+    if not (0 < a < math.inf and 0 < b < math.inf):
+        raise ConfigError(f"Beta parameters must be finite and > 0. Found a={a}, b={b}.")
     # A draw of exactly 1.0 would make a party never observed; keep rates in [0, 1).
     return np.minimum(rng.beta(a, b, size=parties), np.nextafter(1.0, 0.0))
 
@@ -244,6 +244,12 @@ class Mechanism:
         if expected is not None and len(params) != expected:
             raise ConfigError(
                 f"{self.name!r} takes {expected} parameters. Found {len(params)}: {params}. "
+                f"Accepted forms: {ACCEPTED_FORMS}."
+            )
+        if self.name in ("beta", "mar1", "mar2") and not all(map(math.isfinite, params)):
+            # NaN/inf drew NaN rates (beta) or never ended a visit (MAR): every block observed
+            raise ConfigError(
+                f"{self.name!r} parameters must be finite numbers. Found {params}. "
                 f"Accepted forms: {ACCEPTED_FORMS}."
             )
         if self.name == "mcar":
