@@ -190,6 +190,8 @@ def test_drop_unobserved_keeps_rows_with_a_block_and_counts_the_rest():
         ("MCAR:0.20", "mcar:0.2"),
         ("mcar:0.1,0.2,0.3,0.4", "mcar:0.1,0.2,0.3,0.4"),
         ("mcar:0", "mcar:0"),
+        ("mcar:-0", "mcar:0"),  # was mcar:-0: a second zero-missingness split, another name
+        ("mnar:-0.0", "mnar:0"),
         ("beta", "beta"),
         ("dirichlet:inf", "dirichlet:inf"),
         ("dirichlet:0.1", "dirichlet:0.1"),

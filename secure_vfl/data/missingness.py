@@ -231,7 +231,7 @@ class Mechanism:
             raise ConfigError(
                 f"unknown missingness mechanism {self.name!r}; expected one of: {ACCEPTED_FORMS}."
             )
-        params = tuple(float(v) for v in self.params)
+        params = tuple(float(v) + 0.0 for v in self.params)  # -0.0 is 0.0: one label
         if not params:
             if self.name in ("mcar", "mnar", "dirichlet"):
                 raise ConfigError(
