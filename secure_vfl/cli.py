@@ -1614,6 +1614,11 @@ def _train_config(args: argparse.Namespace, *, secure_sums: bool = False) -> Any
             f"--heads active: {args.method} trains a head at every party. Expected --heads all "
             "or no --heads."
         )
+    if args.release == "dp" and args.method != "laser":  # else MethodConfig asked for --heads
+        raise ConfigError(
+            "--release dp releases the rows of LASER's subsets that a secure sum cannot hide; "
+            f"expected --method laser --heads active. Found --method {args.method}."
+        )
     method_config = MethodConfig(
         heads=args.heads or "all",
         batching=args.batching,

@@ -355,6 +355,22 @@ def test_the_command_line_refuses_release_dp_where_it_cannot_hold(
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("method", ["false-vfl-1", "plugvfl", "local"])
+def test_release_dp_with_another_method_names_the_method_not_the_heads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], method: str
+) -> None:
+    """Without --heads it answered "expected ... --heads active. Found ... heads='all'": a
+    FALSE-VFL or PlugVFL run has only the label party's head and a local run refuses --heads
+    active, so following the advice only led to another refusal."""
+    args = ["train", "--method", method, "--dataset", "iris", "--epochs", "1", "--parties", "3"]
+    args += ["--secure-agg", "masks", "--release", "dp", "--release-noise", "1:1"]
+    assert main([*args, "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert f"expected --method laser --heads active. Found --method {method}." in err
+    assert "heads='all'" not in err
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_clipped_exposed_row_backpropagates_through_its_clipping() -> None:
     """The gradient of a row the mechanism clipped comes back multiplied by the clip's Jacobian
     (no radial push that the clip would cancel); other rows' gradients pass unchanged."""
