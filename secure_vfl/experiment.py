@@ -653,16 +653,25 @@ IMPUTATION_ADVICE = "try a lower --lr or fewer --local-epochs"
 
 
 def refuse_empty_splits(data: VerticalData) -> None:
-    """DataError, before any training, for a training split that holds no sample (every one
-    lost all its blocks to the training missingness: the run trained on nothing, every epoch's
-    loss null, and printed the untrained model's accuracy), or a test split that holds none
-    (every one lost all its blocks to the test missingness, or none was set aside): its
-    metrics would be NaN (printed, with numpy's warnings, and the run exited 0)."""
-    if data.train.n == 0:
+    """DataError, before any training, for a training split that holds no sample, or samples
+    of one class only (the others lost all their blocks to the training missingness: the run
+    trained on nothing, every epoch's loss null, or a constant, and printed the model's
+    accuracy), or a test split that holds none (every one lost all its blocks to the test
+    missingness, or none was set aside): its metrics would be NaN (printed, with numpy's
+    warnings, and the run exited 0)."""
+    classes = np.unique(data.train.labels)
+    if classes.size < 2:
+        dropped = data.dropped.get("train", 0)
+        held = (
+            "no sample"
+            if data.train.n == 0
+            else f"{data.train.n} sample(s), all of one class "
+            f"({(data.classes or tuple(range(data.num_classes)))[int(classes[0])]!r})"
+        )
         raise DataError(
-            f"the training split holds no sample ({data.dropped.get('train', 0)} dropped for "
-            "having no observed block); expected a training missingness that leaves some "
-            "(--missing-train, --p-miss-train)."
+            f"the training split holds {held} ({dropped} dropped for having no observed "
+            "block); expected a training missingness that leaves samples of at least 2 "
+            "classes (--missing-train, --p-miss-train)."
         )
     for name, split in data.tests.items():
         if split.n == 0:

@@ -451,6 +451,19 @@ def test_a_training_missingness_that_leaves_no_training_sample_is_refused(
     assert not (tmp_path / "t").exists()
 
 
+def test_a_training_missingness_that_leaves_one_class_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It trained on the 3 samples left, all of class 0, printed the model's accuracy without
+    a warning and exited 0."""
+    train = ["train", "--method", "laser", "--dataset", "iris", "--epochs", "1", "--quiet"]
+    train += ["--missing-train", "mcar:0.995", "--seed", "18", "--out", str(tmp_path / "t")]
+    assert main(train) == 2
+    err = capsys.readouterr().err
+    assert "the training split holds 3 sample(s), all of one class (0) (117 dropped" in err
+    assert not (tmp_path / "t").exists()
+
+
 def test_a_test_split_or_an_imputation_with_nothing_to_score_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
