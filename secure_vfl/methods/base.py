@@ -220,16 +220,6 @@ def training_rows(method: str, data: VerticalData, config: MethodConfig, seed: i
                 f"parties holds; found none of {labelled} (fewer parties or less training "
                 "missingness would leave some; laser and plugvfl train on incomplete samples)."
             )
-        classes = np.unique(data.train.labels[rows])
-        if classes.size < 2:  # it trained on one class, and warned only of collapsed predictions
-            values = data.classes or tuple(range(data.num_classes))
-            raise ConfigError(
-                f"standard trains on the labelled samples every one of the {data.parties} "
-                f"parties holds: {rows.size} of {labelled}, all of one class "
-                f"({values[int(classes[0])]!r}); a classifier needs at least 2: expected fewer "
-                "parties or less training missingness (or --aligned-labeled N, which keeps N "
-                "samples complete)."
-            )
     return rows
 
 
