@@ -68,7 +68,12 @@ from secure_vfl.io import (
     replace_directory,
 )
 from secure_vfl.methods.base import in_process_parties
-from secure_vfl.methods.false_vfl import FalseVflConfig, FalseVflMethod, predict_as_saved
+from secure_vfl.methods.false_vfl import (
+    FalseVflConfig,
+    FalseVflMethod,
+    draws_as_saved,
+    predict_as_saved,
+)
 
 MANIFEST_SCHEMA = "secure-vfl/model-manifest"
 IMPUTER_SCHEMA = "secure-vfl/imputer-manifest"
@@ -556,7 +561,9 @@ def predict_tables(
     """Predict new rows with a trained federation (in memory or loaded): party k is handed its
     own table ``tables[k]`` (with the path it came from) or None, and holds its rows of the
     aligned ids after its own preprocessing; the label party's program then predicts from
-    the blocks present. Refuses an absent party where the method cannot do without it, and
+    the blocks present (FALSE-VFL, as its saved model does: every row with the same draws,
+    :func:`~secure_vfl.methods.false_vfl.draws_as_saved`). Refuses an absent party where the
+    method cannot do without it, and
     output columns that collide (:func:`output_columns`), before any row is read. The output
     names the ids ``id_column`` (default: the one the model was trained with) and the
     predicted label ``label_column``."""
@@ -581,15 +588,16 @@ def predict_tables(
         entry = tables[k]
         table, source = entry if entry is not None else (None, "")
         party.hold_rows(split, table, rows[:, k], source=source)
-    return predict_rows(
-        method,
-        sample_ids,
-        rows,
-        names,
-        split=split,
-        id_column=id_column,
-        label_column=label_column,
-    )
+    with draws_as_saved(method, parties):  # a trained FALSE-VFL in memory draws as saved
+        return predict_rows(
+            method,
+            sample_ids,
+            rows,
+            names,
+            split=split,
+            id_column=id_column,
+            label_column=label_column,
+        )
 
 
 def refuse_same_tables(

@@ -646,6 +646,29 @@ def test_a_saved_false_vfl_2_model_predicts_a_row_from_the_row_alone(
     np.testing.assert_allclose(some.probabilities, predictions.probabilities[at], atol=1e-6)
 
 
+def test_a_false_vfl_model_in_memory_predicts_new_rows_as_its_saved_model(
+    files: Files, tmp_path: Path
+) -> None:
+    """predict_tables on a trained FALSE-VFL still in memory drew each row's latent samples
+    from the label party's generator, after the rows before it: its probabilities differed
+    from the saved model's (by 0.31 here), between calls and with the other rows."""
+    method, channel = _train(files, tmp_path / "model", "false-vfl-2", epochs=1)
+    tables = _tables(files.new, "retailer")
+    in_memory = predict_tables(method, channel, tables)
+    saved = SavedModel.load(tmp_path / "model").predict(
+        {n: t for n, t in zip(PARTIES, tables, strict=True) if t}
+    )
+    np.testing.assert_array_equal(in_memory.probabilities, saved.probabilities)
+    again = predict_tables(method, channel, tables)
+    np.testing.assert_array_equal(again.probabilities, in_memory.probabilities)
+    chosen = in_memory.ids[:5]
+    few = [None if t is None else (t[0].subset(np.isin(t[0].ids, chosen)), t[1]) for t in tables]
+    some = predict_tables(method, channel, few)
+    np.testing.assert_allclose(some.probabilities, in_memory.probabilities[:5], atol=1e-6)
+    # Its test splits keep their per-row draws (as the papers evaluate).
+    assert not method.shared_draws  # type: ignore[attr-defined]
+
+
 def test_readme_commands_for_saved_models_run(tmp_path: Path) -> None:
     """docs/models.md's "Saved models and prediction" commands, as written (2 epochs)."""
     import shlex

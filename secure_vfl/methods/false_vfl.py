@@ -74,7 +74,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal, cast
@@ -493,6 +494,28 @@ def predict_as_saved(party: Party, seed: int, index: int) -> None:
     (:attr:`LatentParty.shared_draws`), in one process or its own; any other has no draws."""
     if isinstance(party, LatentParty):
         party.shared_draws = seed + 1 + index
+
+
+@contextmanager
+def draws_as_saved(method: object, parties: Sequence[Party]) -> Iterator[None]:
+    """While it lasts, a FALSE-VFL ``method`` still in memory (``parties``: its in-process
+    parties, in block order) predicts new rows as its saved model does: every row with the
+    same draws, from its seed (:attr:`FalseVflMethod.shared_draws`, :func:`predict_as_saved`),
+    so a row's prediction is a function of the row alone and equals the saved model's. Its
+    test splits keep their per-row draws afterwards; any other method is left as it is."""
+    if not isinstance(method, FalseVflMethod) or method.shared_draws:
+        yield
+        return
+    method.shared_draws = True
+    for index, party in enumerate(parties):
+        predict_as_saved(party, method.seed, index)
+    try:
+        yield
+    finally:
+        method.shared_draws = False
+        for party in parties:
+            if isinstance(party, LatentParty):
+                party.shared_draws = None
 
 
 def build_latent_party(
