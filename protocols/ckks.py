@@ -28,6 +28,10 @@ the noise is absolute). A sum of K ciphertexts adds the K errors, so every secur
 ``K * 2^-20`` of the exact sum of its float32 inputs (:meth:`CkksAggregator.step`), before the
 final rounding to float32. Values must be finite with |value| <= ``max_magnitude`` (4096 by
 default) and ``parties * max_magnitude <= 2^18``, so no slot sum reaches the data prime.
+Encoding and decoding also round, in double precision, relative to the magnitude (about
+|sum| * 2^-52 measured): a longer chain of data primes would hold larger sums, but they would
+miss the bound (a sum of 4 x 1e10 by 1e-3), so every chain holds what one 60-bit data prime
+does (:func:`headroom_bits`): |sum| * scale below 2^58, |sum| <= 2^28 at the smallest scale.
 
 Promises (semi-honest parties, non-colluding aggregator): the aggregator and the network see only
 ciphertexts under the receiver's key; the receiver learns only sums over >= 2 contributors (a
@@ -63,6 +67,15 @@ DEFAULT_MAX_MAGNITUDE = 4096.0
 ERROR_BITS = 20  # stated per-ciphertext, per-slot error: 2^-20
 MIN_SCALE_BITS = 30
 HE_STANDARD_MAX_BITS = {4096: 109, 8192: 218, 16384: 438, 32768: 881}  # 128-bit security
+PRECISE_DATA_BITS = 60
+"""The most data-prime bits a slot sum may use: double-precision encoding and decoding stay
+within the stated error bound only for |sum| * scale below 2^(60 - 2) (module docstring)."""
+
+
+def headroom_bits(coeff_mod_bit_sizes: Sequence[int]) -> int:
+    """The bits a slot sum times the scale stays below: the data primes' (all but the last,
+    special prime), at most :data:`PRECISE_DATA_BITS`, less two spare bits."""
+    return min(sum(coeff_mod_bit_sizes[:-1]), PRECISE_DATA_BITS) - 2
 
 
 def make_secret_context(
@@ -198,10 +211,10 @@ class CkksAggregator:
             )
         if isinstance(scale_bits, bool) or not isinstance(scale_bits, int):
             raise ConfigError(f"`scale_bits` must be an integer. Found {scale_bits!r}.")
-        data_bits = sum(bits[:-1])
-        if not 30 <= scale_bits <= data_bits - 4:
+        data_bits, headroom = sum(bits[:-1]), headroom_bits(bits)
+        if not 30 <= scale_bits <= headroom - 2:
             raise ConfigError(
-                f"`scale_bits` must be in [30, {data_bits - 4}] for {data_bits} data-prime bits. "
+                f"`scale_bits` must be in [30, {headroom - 2}] for {data_bits} data-prime bits. "
                 f"Found {scale_bits}."
             )
         if not (np.isfinite(max_magnitude) and max_magnitude > 0):
@@ -212,8 +225,8 @@ class CkksAggregator:
         self.coeff_mod_bit_sizes = tuple(bits)
         self.scale_bits = scale_bits
         self.max_magnitude = float(max_magnitude)
-        # |slot sum| * 2^scale must stay below 2^(data_bits - 2): two bits to spare.
-        self.sum_limit = float(2 ** (data_bits - 2 - scale_bits))
+        # |slot sum| * 2^scale must stay below 2^headroom (headroom_bits).
+        self.sum_limit = float(2 ** (headroom - scale_bits))
 
     @property
     def slots(self) -> int:
@@ -515,7 +528,7 @@ class CkksReceiver:
         self._published = public_context_bytes(self._secret)
         self.max_magnitude = max_magnitude
         self.scale_bits = scale_bits
-        self._headroom_bits = sum(coeff_mod_bit_sizes[:-1]) - 2
+        self._headroom_bits = headroom_bits(coeff_mod_bit_sizes)
         self._most_scale_bits = scale_bits
         self._stated_bound = bound
         self._bound = bound

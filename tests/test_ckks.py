@@ -107,6 +107,25 @@ def test_the_smallest_scale_offered_sums_within_its_stated_bound() -> None:
     assert float(((sums.double() - expected).abs() - bound).max()) <= 0.0
 
 
+def test_a_longer_modulus_chain_holds_no_larger_sums_than_double_precision_keeps_exact() -> None:
+    """Three 60-bit primes took |value| <= 1e10, whose double-precision encoding and decoding
+    err by ~|sum| 2^-52 (1e-3 here), far past the stated bound: honest sums failed as tampered
+    with. Every chain now holds what one 60-bit data prime does, and refuses larger values."""
+    messages, selection = full_batch(11)
+    signs = torch.where(messages[0].representation >= 0, 1.0, -1.0)
+    big = [dataclasses.replace(m, representation=signs * 1e10) for m in messages]
+    aggregator = CkksAggregator(coeff_mod_bit_sizes=(60, 60, 60), max_magnitude=1e10)
+    with pytest.raises(ProtocolError, match=r"could sum beyond 262144, the most a 40-bit scale"):
+        SumParties(aggregator).combine(big, selection)
+    held = CkksAggregator(coeff_mod_bit_sizes=(60, 60, 60), max_magnitude=65536.0)
+    full = [dataclasses.replace(m, representation=signs * 65536.0) for m in messages]
+    sums = SumParties(held).combine(full, selection).sums
+    expected, _ = oracle(full, selection)
+    assert float((sums.double() - expected).abs().max()) <= held.step(4)
+    with pytest.raises(ConfigError, match=r"`scale_bits` must be in \[30, 56\] for 120"):
+        CkksAggregator(coeff_mod_bit_sizes=(60, 60, 60), scale_bits=57)
+
+
 def test_a_contribution_is_packed_into_n_over_2_slot_vectors() -> None:
     # T=1, B=256, d=64: 16384 values in 4 ciphertexts of 4096 slots, not 256.
     messages, _ = full_batch(2, batch=256, width=64, tasks=1)
