@@ -526,6 +526,23 @@ def test_a_tls_identity_says_when_certificate_and_key_are_swapped(certs: Path) -
         TlsIdentity.from_files(certs / "ca.pem", certs / "shop.pem", certs / "bank.pem")
 
 
+def test_a_certificate_file_holding_a_private_key_is_refused(certs: Path) -> None:
+    """A CA file with the CA's key appended passed every check, and it is the file handed to
+    every party; so did a party's certificate with its key appended."""
+    beside = "found a private key beside the certificate (a certificate file is handed to others"
+    shop = certs / "shop.pem"
+    shop.write_bytes(shop.read_bytes() + (certs / "shop.key").read_bytes())
+    problems = _problems(certs, "shop")
+    assert len(problems) == 1 and problems[0].startswith(
+        f"{shop}: a PEM certificate expected; {beside}"
+    ), problems
+    ca = certs / "ca.pem"
+    ca.write_bytes(ca.read_bytes() + (certs / "ca.key").read_bytes())
+    assert _problems(certs, "bank")[0].startswith(f"{ca}: a PEM CA certificate expected; {beside}")
+    with pytest.raises(ConfigError, match=re.escape(f"{ca}: a PEM certificate expected; {beside}")):
+        TlsIdentity.from_files(ca, certs / "bank.pem", certs / "bank.key")
+
+
 def test_a_file_of_several_certificates_is_refused_where_one_is_expected(certs: Path) -> None:
     """`certs check` passed a party's file with another party's certificate appended, and a
     CA file with a second certificate, which gRPC would trust too: every check read the first."""

@@ -50,7 +50,8 @@ UNREADABLE_PEM = (
 
 
 class SeveralBlocks(ValueError):
-    """A PEM file of more than one certificate (or revocation list) where one is expected."""
+    """A PEM file of more than one certificate (or revocation list) where one is expected, or a
+    certificate file that holds a private key too."""
 
 
 def unreadable(data: bytes, error: Exception) -> str:
@@ -79,7 +80,14 @@ def parse_certificate(pem: bytes) -> x509.Certificate:
     parses a certificate's public key, names and extensions only when they are first read, so
     a malformed one fails here (one of :data:`UNREADABLE_PEM`), not in whatever reads it first.
     A file of several certificates is refused (:class:`SeveralBlocks`): every check would
-    read the first, and gRPC would trust (a CA file) or send (a party's) them all."""
+    read the first, and gRPC would trust (a CA file) or send (a party's) them all. So is a file
+    that holds a private key beside its certificate: certificate files are handed to others (the
+    CA's to every party), keys are not."""
+    if b"PRIVATE KEY-----" in pem:
+        raise SeveralBlocks(
+            "a private key beside the certificate (a certificate file is handed to others, the "
+            "CA's to every party: keep the key in a file of its own, mode 0600)"
+        )
     count = pem.count(b"-----BEGIN CERTIFICATE-----")
     if count > 1:
         raise SeveralBlocks(
