@@ -930,18 +930,20 @@ def test_check_reports_a_revoked_certificate_and_a_reissued_one_checks_clean(cer
 
 def _crl_signed_by(directory: Path, key: ec.EllipticCurvePrivateKey, **dates: Any) -> bytes:
     """A revocation list in the name of ``directory``'s CA (or ``issuer``), signed with
-    ``key``, with ``dates`` (``last_update``, ``next_update``) instead of now and a day on."""
+    ``key``, with ``dates`` (``last_update``, ``next_update``) instead of now and a day on, and
+    the critical ``extensions`` given."""
     ca, _ = _ca(directory)
     now = datetime.datetime.now(datetime.UTC)
     issuer = x509.Name.from_rfc4514_string(dates["issuer"]) if "issuer" in dates else ca.subject
-    crl = (
+    builder = (
         x509.CertificateRevocationListBuilder()
         .issuer_name(issuer)
         .last_update(dates.get("last_update", now))
         .next_update(dates.get("next_update", now + datetime.timedelta(days=1)))
-        .sign(key, tls.hashes.SHA256())
     )
-    return crl.public_bytes(serialization.Encoding.PEM)
+    for extension in dates.get("extensions", ()):
+        builder = builder.add_extension(extension, critical=True)
+    return builder.sign(key, tls.hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
 
 
 def test_check_reports_a_crl_it_cannot_read_not_signed_by_the_ca_or_out_of_date(
@@ -973,6 +975,35 @@ def test_check_reports_a_crl_it_cannot_read_not_signed_by_the_ca_or_out_of_date(
         f"{path}: out of date since 2020-01-02 00:00 UTC (its next update); a newer one from the "
         "federation's CA expected."
     ]
+
+
+def test_check_reports_a_crl_issued_in_the_future_a_delta_list_or_an_unknown_critical_one(
+    certs: Path,
+) -> None:
+    """Each was taken as the federation's list: one issued in the future would make a running
+    party refuse every honest list issued before then, a delta list lacks its base's
+    revocations, and RFC 5280 forbids using a list with a critical extension one cannot read."""
+    path = certs / "crl.pem"
+    _, ca_key = _ca(certs)
+    later = datetime.datetime.now(datetime.UTC) + datetime.timedelta(days=2)
+    path.write_bytes(
+        _crl_signed_by(certs, ca_key, last_update=later, next_update=later + datetime.timedelta(1))
+    )
+    assert _problems(certs) == [
+        f"{path}: issued in the future ({later:%Y-%m-%d %H:%M} UTC, after now: the CA's clock "
+        "ahead?); a running party would refuse every honest list issued before then. A list "
+        "issued before now expected."
+    ]
+    unknown = x509.UnrecognizedExtension(x509.ObjectIdentifier("1.3.6.1.4.1.55555.1"), b"\x05\x00")
+    for extension, found in (
+        (x509.DeltaCRLIndicator(1), "a delta list (it holds the changes since a base list"),
+        (unknown, "a list with a critical extension this code cannot read (1.3.6.1.4.1.55555.1;"),
+    ):
+        path.write_bytes(_crl_signed_by(certs, ca_key, extensions=[extension]))
+        (problem,) = _problems(certs)
+        assert problem.startswith(
+            f"{path}: a PEM certificate revocation list expected; found {found}"
+        ), problem
 
 
 def test_a_list_the_ca_did_not_sign_revokes_nothing_in_check(certs: Path, tmp_path: Path) -> None:

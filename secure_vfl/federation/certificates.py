@@ -49,16 +49,17 @@ UNREADABLE_PEM = (
 )
 
 
-class SeveralBlocks(ValueError):
-    """A PEM file of more than one certificate (or revocation list) where one is expected, or a
-    certificate file that holds a private key too."""
+class UnusablePem(ValueError):
+    """A PEM file that parses but cannot be used as what it is read for: more than one
+    certificate (or revocation list) where one is expected, a certificate file that holds a
+    private key too, or a revocation list no check here can apply whole."""
 
 
 def unreadable(data: bytes, error: Exception) -> str:
     """What ``data`` holds instead of a readable PEM certificate, key or revocation list
     (cryptography raised ``error``), in words: no PEM block at all, one that does not parse (its
     reason, without the link to cryptography's FAQ that it carries), or several blocks."""
-    if isinstance(error, SeveralBlocks):
+    if isinstance(error, UnusablePem):
         return str(error)
     if b"-----BEGIN " not in data:
         return "no PEM block (-----BEGIN ...-----)"
@@ -79,18 +80,18 @@ def parse_certificate(pem: bytes) -> x509.Certificate:
     """The PEM certificate ``pem`` with every part the checks read parsed now: cryptography
     parses a certificate's public key, names and extensions only when they are first read, so
     a malformed one fails here (one of :data:`UNREADABLE_PEM`), not in whatever reads it first.
-    A file of several certificates is refused (:class:`SeveralBlocks`): every check would
+    A file of several certificates is refused (:class:`UnusablePem`): every check would
     read the first, and gRPC would trust (a CA file) or send (a party's) them all. So is a file
     that holds a private key beside its certificate: certificate files are handed to others (the
     CA's to every party), keys are not."""
     if b"PRIVATE KEY-----" in pem:
-        raise SeveralBlocks(
+        raise UnusablePem(
             "a private key beside the certificate (a certificate file is handed to others, the "
             "CA's to every party: keep the key in a file of its own, mode 0600)"
         )
     count = pem.count(b"-----BEGIN CERTIFICATE-----")
     if count > 1:
-        raise SeveralBlocks(
+        raise UnusablePem(
             f"{count} certificates (one expected: every check reads the first, and TLS would "
             "trust or send them all)"
         )
@@ -138,10 +139,10 @@ Without one the entry carries no reason, as RFC 5280 asks rather than ``unspecif
 def parse_crl(pem: bytes) -> x509.CertificateRevocationList:
     """The PEM certificate revocation list ``pem`` with every part the checks read parsed now
     (its issuer, dates, extensions and entries), or one of :data:`UNREADABLE_PEM`. A file of
-    several lists is refused (:class:`SeveralBlocks`): every check would read the first."""
+    several lists is refused (:class:`UnusablePem`): every check would read the first."""
     count = pem.count(b"-----BEGIN X509 CRL-----")
     if count > 1:
-        raise SeveralBlocks(
+        raise UnusablePem(
             f"{count} revocation lists (one expected: every check would read the first)"
         )
     crl = x509.load_pem_x509_crl(pem)
@@ -150,6 +151,22 @@ def parse_crl(pem: bytes) -> x509.CertificateRevocationList:
     for entry in crl:
         for part in ("serial_number", "revocation_date_utc", "extensions"):
             getattr(entry, part)
+    if any(isinstance(extension.value, x509.DeltaCRLIndicator) for extension in crl.extensions):
+        raise UnusablePem(
+            "a delta list (it holds the changes since a base list, so the revocations of the "
+            "base would be missing; a complete list expected)"
+        )
+    unknown = [
+        extension.oid.dotted_string
+        for extensions in (crl.extensions, *(entry.extensions for entry in crl))
+        for extension in extensions
+        if extension.critical and isinstance(extension.value, x509.UnrecognizedExtension)
+    ]
+    if unknown:
+        raise UnusablePem(
+            f"a list with a critical extension this code cannot read ({unknown[0]}; RFC 5280 "
+            "forbids using such a list)"
+        )
     return crl
 
 
@@ -305,9 +322,18 @@ def crl_issuer_problems(
 def crl_validity_problems(
     path: Path, crl: x509.CertificateRevocationList, now: datetime.datetime
 ) -> list[Problem]:
-    """A problem if ``crl`` (at ``path``) is past its next update, or names none: a revocation
-    since then would be missing from it."""
+    """A problem if ``crl`` (at ``path``) is past its next update, or names none (a revocation
+    since then would be missing from it), or was issued after ``now``."""
     next_update = crl.next_update_utc
+    if crl.last_update_utc > now:
+        return [
+            Problem(
+                path,
+                f"issued in the future ({crl.last_update_utc:%Y-%m-%d %H:%M} UTC, after now: the "
+                "CA's clock ahead?); a running party would refuse every honest list issued "
+                "before then. A list issued before now expected.",
+            )
+        ]
     if next_update is None:
         return [
             Problem(
