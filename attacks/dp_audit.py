@@ -272,8 +272,7 @@ def audit_label_dp(
             f"Found {config.method_config.top_model!r}."
         )
     data = prepare_data(config)
-    classes = int(data.train.labels.max()) + 1
-    canaries = LabelCanaries.draw(data.train.labels, classes, rng)
+    canaries = LabelCanaries.draw(data.train.labels, data.num_classes, rng)
     train = dataclasses.replace(data.train, labels=canaries.labels)
     spec = PrivacySpec(
         dp_gradients=gradient_noise,

@@ -179,3 +179,37 @@ def test_label_audit_refuses_a_top_model() -> None:
     config = TrainConfig(method="laser", dataset="digits", parties=2)
     with pytest.raises(ConfigError, match="top_model='none'"):
         audit_label_dp(config, gradient_noise=(1.0, 0.01), rng=np.random.default_rng(0))
+
+
+def test_label_canaries_are_drawn_from_every_class_of_the_dataset(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The classes were the highest training label + 1: with the top class absent from
+    training, no canary took it, though the model predicts it."""
+    import dataclasses
+
+    import attacks.dp_audit as dp_audit
+
+    prepare = dp_audit.prepare_data
+
+    def without_top_class(config: TrainConfig) -> object:
+        data = prepare(config)
+        labels = data.train.labels.copy()
+        labels[labels == data.num_classes - 1] = 0
+        return dataclasses.replace(data, train=dataclasses.replace(data.train, labels=labels))
+
+    trained: list[np.ndarray] = []
+
+    class Stop(Exception):
+        pass
+
+    def run_training(config: TrainConfig, *, data: object, **_: object) -> None:
+        trained.append(data.train.labels)  # type: ignore[attr-defined]
+        raise Stop
+
+    monkeypatch.setattr(dp_audit, "prepare_data", without_top_class)
+    monkeypatch.setattr(dp_audit, "run_training", run_training)
+    with pytest.raises(Stop):
+        audit_label_dp(_tiny_run(), gradient_noise=(1.0, 0.01), rng=np.random.default_rng(0))
+    (canaries,) = trained
+    assert int(canaries.max()) == 9
