@@ -377,7 +377,7 @@ def _dp(config: dict[str, Any], settings: dict[str, Any], report: dict[str, Any]
             where = f"privacy.noise.{reported}" if used else f"config.privacy.{setting}"
             raise ConfigError(f"{where}: a sigma and a clip expected, found {pair!r:.60}.")
         sigma, clip = pair
-        parts.append(f"{shown} {sigma:.3g}:{clip:g}")
+        parts.append(f"{shown} {sigma:g}:{clip:g}")
     for defense in str(config.get("defense") or "").split(", "):
         if defense.startswith("dp-") and not parts:
             parts.append(defense)

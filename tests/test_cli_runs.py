@@ -1184,3 +1184,18 @@ def test_tables_keep_their_columns_in_line_after_wide_and_combining_characters()
     table = _feature_lines(result)
     assert len({display_width(line) for line in table}) == 1, table
     assert table[1].startswith("臭氧濃度" + " " * 24 + "0.5000")
+
+
+def test_runs_tell_apart_noise_levels_that_differ_in_the_fourth_digit() -> None:
+    """SIGMA was shown to 3 significant digits: sigmas a target epsilon calibrated to 1.001 and
+    1.002 were both `gradients 1:0.05` in `runs list` and `runs compare`."""
+    from secure_vfl.runs import summarise
+
+    def dp(sigma: float) -> str:
+        return summarise({"config": {"privacy": {"dp_gradients": [sigma, 0.05]}}}).dp
+
+    assert (dp(1.001), dp(1.002), dp(1.0)) == (
+        "gradients 1.001:0.05",
+        "gradients 1.002:0.05",
+        "gradients 1:0.05",
+    )
