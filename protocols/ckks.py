@@ -267,7 +267,7 @@ def scale_bits_for(value_range: SumRange, *, headroom_bits: int, most: int) -> i
     2^``headroom_bits`` (the data prime less two spare bits): ``K * bound * 2^scale <=
     2^headroom``. A smaller scale trades precision for range: the encryption noise is absolute,
     so the error bound grows by 2^(most - scale). ConfigError below 2^30."""
-    room = math.floor(headroom_bits - math.log2(value_range.sum_bound))
+    room = value_range.bits_within(2**headroom_bits)
     if room < MIN_SCALE_BITS:
         raise ConfigError(
             f"CKKS sums of {value_range.contributors} values of {value_range.describe()} "

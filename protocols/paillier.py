@@ -278,7 +278,7 @@ def fraction_bits_for(value_range: SumRange, *, value_bits: int, most: int) -> i
     """The most fraction bits, up to ``most``, at which every ``|value| <=
     value_range.value_bound`` fits ``value_bits`` (``bound * 2^f <= 2^(v-1) - 1``); the
     packing's slots already leave room for the contributors. ConfigError if none fit."""
-    room = math.floor(math.log2(((1 << (value_bits - 1)) - 1) / value_range.value_bound))
+    room = value_range.bits_within((1 << (value_bits - 1)) - 1, per_value=True)
     if room < 0:
         raise ConfigError(
             f"Paillier slots of {value_bits} value bits cannot hold values of "

@@ -46,7 +46,6 @@ headroom, as an inconsistent key produces, is detected).
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -87,7 +86,7 @@ def fraction_bits_for(value_range: SumRange, *, most: int) -> int:
     """The most fraction bits, up to ``most``, at which ``value_range.contributors`` values of
     ``|value| <= value_range.value_bound`` sum within the headroom (``bound * 2^f <= 2^62 /
     K``); ConfigError if not even whole numbers fit."""
-    room = math.floor(HEADROOM_BITS - math.log2(value_range.sum_bound))
+    room = value_range.bits_within(2**HEADROOM_BITS)
     if room < 0:
         raise ConfigError(
             f"pairwise masks cannot hold sums of {value_range.contributors} values of "

@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from fractions import Fraction
 from statistics import NormalDist
 from typing import Protocol, TypeVar, runtime_checkable
 
@@ -89,6 +90,18 @@ class SumRange:
     def sum_bound(self) -> float:
         """The largest |sum| the range allows: ``contributors * value_bound``."""
         return self.contributors * self.value_bound
+
+    def bits_within(self, limit: int, *, per_value: bool = False) -> int:
+        """The largest integer ``f`` with ``sum_bound * 2^f <= limit`` (``value_bound`` with
+        ``per_value``), computed exactly: a floating-point logarithm of a bound just above a
+        power of two rounds to that power and gave one bit too many."""
+        bound = Fraction(self.value_bound) * (1 if per_value else self.contributors)
+        bits = limit.bit_length() - bound.numerator.bit_length() + bound.denominator.bit_length()
+        while bound * Fraction(2) ** bits > limit:
+            bits -= 1
+        while bound * Fraction(2) ** (bits + 1) <= limit:
+            bits += 1
+        return bits
 
     def describe(self) -> str:
         """One line for errors and reports: the bound and where it comes from."""

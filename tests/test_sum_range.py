@@ -368,3 +368,31 @@ def test_a_target_epsilon_no_noise_reaches_is_a_config_error() -> None:
 
 def test_ranged_wrapper_is_a_sealing_scheme() -> None:
     assert isinstance(Ranged(MaskingAggregator(), SumRange(1.0, 2)), SealingScheme)
+
+
+def test_each_backend_sizes_its_encoding_exactly_for_a_bound_just_above_a_power_of_two() -> None:
+    """The bits were floor(headroom - log2(bound)): log2 of a bound just above a power of two
+    rounds to that power, so masks, CKKS and Paillier took one bit too many and the range's own
+    largest value overflowed the headroom."""
+    from fractions import Fraction
+
+    from protocols import ckks, paillier, secagg
+
+    rng = np.random.default_rng(0)
+    bounds = [math.nextafter(2.0**k, math.inf) for k in range(-8, 20)]
+    bounds += list(rng.uniform(0.01, 1e5, 200))
+    for bound in bounds:
+        for contributors in (1, 3, 4):
+            value_range = SumRange(bound, contributors)
+            total = Fraction(bound) * contributors
+            bits = secagg.fraction_bits_for(value_range, most=200)
+            assert total * 2**bits <= 2**secagg.HEADROOM_BITS < total * 2 ** (bits + 1)
+            scale = ckks.scale_bits_for(value_range, headroom_bits=78, most=200)
+            assert total * 2**scale <= 2**78 < total * 2 ** (scale + 1)
+            value_bits = paillier.fraction_bits_for(value_range, value_bits=48, most=200)
+            assert (
+                Fraction(bound) * 2**value_bits
+                <= 2**47 - 1
+                < Fraction(bound) * 2 ** (value_bits + 1)
+            )
+    assert secagg.fraction_bits_for(SumRange(bounds[12], 1), most=200) == 57  # 16 + 1 ulp
