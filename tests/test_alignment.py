@@ -56,6 +56,25 @@ class AlignerContract:
         with pytest.raises(DataError, match="label party ids must be unique"):
             self.make_aligner().align([np.array(["a"])], np.array(["a", "a"]))
 
+    def test_ids_mixing_text_and_numbers_are_refused_naming_one(self):
+        """numpy sorts an object array by comparing its values: text beside numbers raised a
+        raw TypeError ('<' not supported between 'int' and 'str')."""
+        aligner = self.make_aligner()
+        with pytest.raises(
+            DataError,
+            match=r"party 0 ids must be all text or all numbers\. "
+            r"Found int 1 among text ids\.",
+        ):
+            aligner.align([np.array(["a", 1, "b"], dtype=object)], np.array(["a", "b"]))
+        with pytest.raises(DataError, match=r"label party ids .* Found str 'a' among number"):
+            aligner.align([np.array([1, 2])], np.array([2, "a"], dtype=object))
+        with pytest.raises(DataError, match=r"Found bool True among number ids"):
+            aligner.align([np.array([1, True], dtype=object)], np.array([1, 2]))
+        mixed_numbers = aligner.align(
+            [np.array([1, 2.5], dtype=object)], np.array([2.5, 3], dtype=object)
+        )
+        assert mixed_numbers.sample_ids.tolist() == [2.5]
+
 
 class TestJoinAligner(AlignerContract):
     def make_aligner(self) -> Aligner:

@@ -6,6 +6,7 @@ private set intersection protocol can stand behind the same interface as the pla
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -69,10 +70,29 @@ class Aligner(Protocol):
 def check_unique_ids(ids: np.ndarray, who: str) -> None:
     if ids.ndim != 1:
         raise DataError(f"{who} ids must be 1-D. Found shape {ids.shape}.")
+    if ids.dtype.kind == "O" and ids.size:  # numpy sorts them by comparing: text and numbers do not
+        values = ids.tolist()
+        text = isinstance(values[0], str)
+        odd = next((value for value in values if _is_text_id(value) != text), None)
+        if odd is None and not text:
+            odd = next((value for value in values if not _is_number_id(value)), None)
+        if odd is not None:
+            raise DataError(
+                f"{who} ids must be all text or all numbers. Found {type(odd).__name__} "
+                f"{odd!r:.40} among {'text' if text else 'number'} ids."
+            )
     unique, counts = np.unique(ids, return_counts=True)
     if unique.size != ids.size:
         repeated = unique[counts > 1][:3].tolist()
         raise DataError(f"{who} ids must be unique. Found repeats, e.g. {repeated}.")
+
+
+def _is_text_id(value: object) -> bool:
+    return isinstance(value, str)
+
+
+def _is_number_id(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool | np.bool_)
 
 
 def id_kind(ids: np.ndarray) -> str:
