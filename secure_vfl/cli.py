@@ -1535,11 +1535,14 @@ def _read_ids(path: Path, column: str) -> list[str]:
     from secure_vfl.data.party_files import read_id_file
 
     ids: list[str] = read_id_file(path, id_column=column).tolist()
-    broken = next((i for i, value in enumerate(ids) if "\n" in value or "\r" in value), None)
+    # Any character str.splitlines() splits at (U+2028, \x85, \x1c, ... as well as \n, \r).
+    broken = next((i for i, value in enumerate(ids) if value.splitlines() != [value]), None)
     if broken is not None:
+        value = ids[broken]
+        char = next(c for c in value if len(f"a{c}b".splitlines()) > 1)
         raise ConfigError(
-            f"{path}: an id of one line expected, found a line break in {ids[broken][:40]!r} at "
-            f"data row {broken + 1}."
+            f"{path}: an id of one line expected, found a line break ({char!r}) in "
+            f"{value[:40]!r} at data row {broken + 1}."
         )
     return ids
 

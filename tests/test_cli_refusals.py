@@ -296,13 +296,15 @@ def test_psi_refuses_ids_it_cannot_match_or_write_one_a_line(
     theirs.write_text("id\na\nc\n")
     cases = {
         "id\n": "must have at least one row. Found none.",
-        'id\n"x\ny"\nc\n': "found a line break in 'x\\ny' at data row 1",
+        'id\n"x\ny"\nc\n': "found a line break ('\\n') in 'x\\ny' at data row 1",
+        # str.splitlines() splits at U+2028: a reader of --out by lines saw two ids
+        "id\nc\nx\u2028y\n": "found a line break ('\\u2028') in 'x\\u2028y' at data row 2",
         "id,id\n1,2\n": "column names must be distinct. Found ['id'] repeated.",
         "id,x\na,1\nb,2,3\n": "line 3 has 3 fields; expected 2, as the lines before",
     }
     for text, message in cases.items():
         mine = tmp_path / "mine.csv"
-        mine.write_text(text)
+        mine.write_text(text, encoding="utf-8")
         out = tmp_path / "common.txt"
         argv = ["psi", "--mine", str(mine), "--theirs", str(theirs), "--out", str(out)]
         assert message in refused(argv, capsys) and not out.exists()
