@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import Counter
+from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import pytest
@@ -21,6 +23,7 @@ from secure_vfl.federation.messages import (
     LatentGradientMessage,
     LatentMessage,
     LikelihoodMessage,
+    Message,
     RepresentationMessage,
     RepresentRequest,
     SumMessage,
@@ -684,3 +687,64 @@ def test_false_vfl_parties_are_replaceable_roles(make_data: MakeData) -> None:
     assert [type(p) for p in _parties(method)[:3]] == [LatentLabelParty, LatentParty, LatentParty]
     with pytest.raises(ConfigError, match="keeps its role"):
         _method(make_data(), 1, roles={"party-0": "test-curious-latent-party"})
+
+
+class _TamperedReplies:
+    """An outgoing hook that rewrites a party's replies of one kind: what a faulty or malicious
+    party could send the label party in place of the answer it was asked for."""
+
+    def __init__(self, kind: str, change: Callable[[Message], Message]) -> None:
+        self.kind = kind
+        self.change = change
+
+    def on_message(self, message: Message) -> Message:
+        return self.change(message) if message.kind == self.kind else message
+
+
+def _a_row_left_out(message: Message, field: str) -> Message:
+    rows = message.positions[1:]  # type: ignore[attr-defined]
+    return dataclasses.replace(message, positions=rows, **{field: getattr(message, field)[1:]})
+
+
+def _a_sample_left_out(message: Message, field: str) -> Message:
+    return dataclasses.replace(message, **{field: getattr(message, field)[:, :-1].contiguous()})
+
+
+def _rows_beyond_the_batch(message: Message, field: str) -> Message:
+    rows = message.positions + 10_000  # type: ignore[attr-defined]
+    return dataclasses.replace(message, positions=rows)
+
+
+@pytest.mark.parametrize("change", [_a_row_left_out, _a_sample_left_out, _rows_beyond_the_batch])
+@pytest.mark.parametrize(
+    ("kind", "field", "when"),
+    [
+        ("likelihood", "log_likelihood", "training"),
+        ("likelihood", "log_likelihood", "prediction"),
+        ("latent-gradient", "gradient", "training"),
+    ],
+)
+def test_the_label_party_refuses_a_reply_that_does_not_answer_what_it_sent(
+    make_data: MakeData,
+    change: Callable[[Message, str], Message],
+    kind: str,
+    field: str,
+    when: str,
+) -> None:
+    """A party's log-likelihoods (or their latent gradient) for other rows or another number of
+    samples than it was sent were taken as they came: a row left out was scored without that
+    party's term (or trained without its gradient), silently; other shapes stopped the run with
+    torch's RuntimeError. Now a ProtocolError names the sender, what was expected and what was
+    found, and nothing is applied."""
+    method = _method(make_data(train_missing="mcar:0.3"), 1)
+    party = _parties(method)[2]
+    party.outgoing.append(_TamperedReplies(kind, partial(change, field=field)))
+    modules = [p.latent_model for p in _parties(method)] + [method.label_party.label_model]
+    before = _parameters(modules)
+    with pytest.raises(ProtocolError, match=rf"party-0: .* from {party.name} .*expected.* found"):
+        if when == "training":
+            method.train_step(np.arange(32), 0, 0)
+        else:
+            method.predict("mcar:0.5")
+    assert all(torch.equal(a, b) for a, b in zip(_parameters(modules), before, strict=True))
+    assert not method.fed.dropped  # a refusal, not a lost party

@@ -425,6 +425,36 @@ class LatentLabelParty(LatentParty):
         return labels
 
 
+def _check_reply(
+    receiver: str,
+    reply: LikelihoodMessage | LatentGradientMessage,
+    positions: Tensor,
+    values: Tensor,
+    shape: Sequence[int],
+) -> None:
+    """Refuse (ProtocolError) a party's log-likelihoods or latent gradient ``values`` that do not
+    answer the latent samples it was sent: the batch ``positions`` they were for, each with
+    ``shape`` (its samples, and for a gradient the latent width). Taken as they came, a row left
+    out was weighed without the party's term and other shapes failed in torch."""
+    found = (reply.positions.tolist(), tuple(values.shape[1:]))
+    if found != (positions.tolist(), tuple(shape)):
+        sent, answered = _positions_text(positions), _positions_text(reply.positions)
+        if found[0] != positions.tolist() and answered == sent:
+            answered += " (others between)"
+        raise ProtocolError(
+            f"{receiver}: a {reply.kind} reply from {reply.sender} for the {sent} it was "
+            f"sent latent samples for, shape {tuple(shape)} per row, expected; found "
+            f"{answered}, shape {found[1]} per row."
+        )
+
+
+def _positions_text(positions: Tensor) -> str:
+    """``positions`` for an error message: how many, the first and the last."""
+    if positions.numel() == 0:
+        return "no batch positions"
+    return f"{positions.numel()} batch positions {int(positions[0])} to {int(positions[-1])}"
+
+
 def _drop_before(store: dict[tuple[int, str], Any], round: int) -> bool:
     """Delete the entries of ``store`` (keyed by round and tag) of rounds before ``round``;
     whether there were any."""
@@ -871,7 +901,7 @@ class FalseVflMethod:
         noise = draws((rows.shape[0], samples, mean.shape[1]))
         samples_graph = mean.unsqueeze(1) + noise * scale
         sent = samples_graph.detach()
-        asked = []
+        asked: dict[str, Tensor] = {}  # each party asked and the positions it was sent
         for k, name in enumerate(fed.names):
             positions = torch.nonzero(scored[:, k]).flatten()
             if positions.numel() == 0:
@@ -889,14 +919,15 @@ class FalseVflMethod:
                     backward=train,
                 )
             )
-            asked.append(name)
+            asked[name] = positions
         total = torch.zeros(rows.shape[0], samples)
         likelihoods: dict[str, tuple[Tensor, Tensor]] = {}
-        for name in asked:
+        for name, positions in asked.items():
             reply = cast(
                 LikelihoodMessage,
                 label.take("likelihood", sender=name, round=round, batch_id=batch_id, tag=tag),
             )
+            _check_reply(label.name, reply, positions, reply.log_likelihood, (samples,))
             value = reply.log_likelihood.clone().requires_grad_(train)
             likelihoods[name] = (reply.positions, value)
             total = total.index_add(0, reply.positions, value)
@@ -1018,6 +1049,8 @@ class FalseVflMethod:
                 LatentGradientMessage,
                 label.take("latent-gradient", sender=name, round=round, batch_id=batch_id, tag=tag),
             )
+            positions = forward.likelihoods[name][0]
+            _check_reply(label.name, reply, positions, reply.gradient, samples_grad.shape[1:])
             samples_grad.index_add_(0, reply.positions, reply.gradient)
         forward.samples_graph.backward(samples_grad)
         assert forward.sums.grad is not None
