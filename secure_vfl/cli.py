@@ -2085,6 +2085,7 @@ def run_train(args: argparse.Namespace) -> int:
     from secure_vfl.federation.channel import Channel, InProcessTransport
     from secure_vfl.io import atomic_write_json
     from secure_vfl.methods.base import in_process_parties
+    from secure_vfl.models.simsiam import pretrain_progress
     from secure_vfl.plots import write_run_plots
     from secure_vfl.saved_model import MANIFEST_FILE, MODEL_DIR, save_model
 
@@ -2112,8 +2113,11 @@ def run_train(args: argparse.Namespace) -> int:
     bar: Any = None
     trained: list[Any] = []  # the run's parties, each of which saves its own part
 
+    pretraining = _PretrainingBars(args, config.method)  # bottom models pretrained first
+
     def on_start(total: int) -> None:
         nonlocal bar
+        pretraining.close()
         bar = tqdm(total=total, desc=config.method, unit="step", disable=_no_bar(args), leave=False)
 
     def on_step(step: int, loss: float) -> None:
@@ -2137,17 +2141,19 @@ def run_train(args: argparse.Namespace) -> int:
             data = prepare_data(config, aligner=engine.aligner(alignment, progress=aligning.update))
         channel.transport = InProcessTransport(capture=capture)
         try:
-            result = run_training(
-                config,
-                data=data,
-                channel=channel,
-                privacy=engine,
-                on_ready=lambda ready: trained.extend(in_process_parties(ready)),
-                on_start=on_start,
-                on_step=on_step,
-                checkpoints=checkpoints,
-            )
+            with pretrain_progress(pretraining):
+                result = run_training(
+                    config,
+                    data=data,
+                    channel=channel,
+                    privacy=engine,
+                    on_ready=lambda ready: trained.extend(in_process_parties(ready)),
+                    on_start=on_start,
+                    on_step=on_step,
+                    checkpoints=checkpoints,
+                )
         finally:
+            pretraining.close()
             if bar is not None:
                 bar.close()
     with _finishing():
@@ -3924,6 +3930,37 @@ def _printable(text: str) -> str:
     return "".join(
         char if char.isprintable() or char in "\n\t" else repr(char)[1:-1] for char in text
     )
+
+
+class _PretrainingBars:
+    """One progress bar per party while it pretrains its bottom model (SimSiam, before training
+    starts): the hook :func:`~secure_vfl.models.simsiam.pretrain_progress` installs."""
+
+    def __init__(self, args: argparse.Namespace, method: str) -> None:
+        self._disable = _no_bar(args)
+        self._method = method
+        self._bar: Any = None
+        self._party = ""
+
+    def __call__(self, party: str, done: int, total: int) -> None:
+        from tqdm import tqdm
+
+        if party != self._party or self._bar is None:
+            self.close()
+            self._party = party
+            self._bar = tqdm(
+                total=total,
+                desc=f"{self._method} pretraining {party}",
+                unit="batch",
+                disable=self._disable,
+                leave=False,
+            )
+        self._bar.update(done - self._bar.n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
 
 
 def _no_bar(args: argparse.Namespace) -> bool | None:

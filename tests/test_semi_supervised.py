@@ -26,7 +26,7 @@ from secure_vfl.methods.base import (
     training_rows,
 )
 from secure_vfl.models.networks import make_bottom
-from secure_vfl.models.simsiam import pretrain_simsiam
+from secure_vfl.models.simsiam import pretrain_progress, pretrain_simsiam
 
 FAST = MethodConfig(epochs=2, batch_size=32, lr=0.05, labeled=60)
 SPLIT_METHODS = ["laser", "local", "ensemble", "standard", "plugvfl", "combinatorial"]
@@ -98,6 +98,30 @@ def test_pretraining_is_local_and_reproducible(make_data: MakeData) -> None:
         pa, pb, pc = (list(p.model.parameters()) for p in (a, b, c))
         assert all(torch.equal(x, y) for x, y in zip(pa, pb, strict=True))
         assert any(not torch.equal(x, z) for x, z in zip(pa, pc, strict=True))
+
+
+def test_pretraining_reports_each_partys_batches_to_the_installed_progress(
+    make_data: MakeData,
+) -> None:
+    """Pretraining ran before training's first step with no progress shown (the CLI's bar
+    starts with training); each party now reports every batch, up to its epochs x batches."""
+    data = make_data(n=200)
+    config = dataclasses.replace(FAST, pretrain_epochs=3)
+    reports: list[tuple[str, int, int]] = []
+    with pretrain_progress(lambda party, done, total: reports.append((party, done, total))):
+        federation = build_federation(data, config, seed=3, channel=None, aggregator=None)
+    names = [party.name for party in in_process_parties(federation.channel)]
+    assert [party for party, _, _ in reports] == sorted(
+        (party for party, _, _ in reports), key=names.index
+    )
+    for k, name in enumerate(names):
+        own = int(data.train.mask[:, k].sum())
+        batches = -(-own // config.batch_size)
+        done = [(d, t) for party, d, t in reports if party == name]
+        assert done == [(i, 3 * batches) for i in range(1, 3 * batches + 1)], name
+    reports.clear()
+    build_federation(data, config, seed=3, channel=None, aggregator=None)  # outside the block
+    assert reports == []
 
 
 def test_combinatorial_refuses_pretraining(make_data: MakeData) -> None:

@@ -57,7 +57,7 @@ from secure_vfl.federation.parties import (
 from secure_vfl.federation.parts import ClassValue
 from secure_vfl.federation.tickets import Contribution, TicketIssuer
 from secure_vfl.models.networks import make_bottom
-from secure_vfl.models.simsiam import pretrain_simsiam
+from secure_vfl.models.simsiam import pretrain_simsiam, progress_of
 from secure_vfl.registry import Registry
 
 logger = logging.getLogger(__name__)
@@ -1142,6 +1142,7 @@ def build_party(
                     batch_size=config.batch_size,
                     lr=config.lr,
                     generator=torch.Generator().manual_seed(seed + 500 + k),
+                    progress=progress_of(name),
                 )
     own_heads = {
         key: Head(labels, module, _optimizer(module, config))

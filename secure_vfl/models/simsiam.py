@@ -13,11 +13,45 @@ are standardised, images scaled to [0, 1]); image patches are also shifted by up
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import math
+from collections.abc import Callable, Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from secure_vfl.errors import ConfigError
+
+PretrainProgress = Callable[[str, int, int], object]
+"""Told ``(party, batches done, batches in all)`` after each batch of a party's pretraining."""
+
+_PROGRESS: contextvars.ContextVar[PretrainProgress | None] = contextvars.ContextVar(
+    "pretrain_progress", default=None
+)
+
+
+@contextlib.contextmanager
+def pretrain_progress(progress: PretrainProgress) -> Iterator[None]:
+    """Within the block, every party that pretrains its bottom model (a method built with
+    ``pretrain_epochs``) reports each batch to ``progress`` (a progress bar: the CLI's), as
+    training reports its steps; pretraining happens while the parties are made, before the
+    training's own progress starts."""
+    token = _PROGRESS.set(progress)
+    try:
+        yield
+    finally:
+        _PROGRESS.reset(token)
+
+
+def progress_of(party: str) -> Callable[[int, int], object] | None:
+    """The hook :func:`pretrain_simsiam` reports to for ``party``: the one installed by
+    :func:`pretrain_progress` around this call, or None."""
+    progress = _PROGRESS.get()
+    if progress is None:
+        return None
+    return lambda done, total: progress(party, done, total)
 
 
 def augment(
@@ -63,13 +97,15 @@ def pretrain_simsiam(
     batch_size: int,
     lr: float,
     generator: torch.Generator,
+    progress: Callable[[int, int], object] | None = None,
 ) -> list[float]:
     """Pretrain ``bottom`` in place on ``rows`` (a party's own block); mean loss per epoch.
 
     SGD with momentum 0.9 (SimSiam's optimiser); batches of fewer than 2 rows are skipped
     (batch norm needs two). ``bottom`` is left with no gradient: the last batch's would
     otherwise enter the first training step (and a run resumed from a checkpoint, pretrained
-    again, would add it to the step after the checkpoint).
+    again, would add it to the step after the checkpoint). ``progress(done, total)`` is told
+    after every batch (skipped ones too) how many of the ``epochs`` x batches are done.
     """
     if epochs < 0:
         raise ConfigError(f"`pretrain_epochs` must be >= 0. Found {epochs}.")
@@ -84,12 +120,17 @@ def pretrain_simsiam(
     bottom.train()
     head.train()
     losses = []
+    batches = math.ceil(rows.shape[0] / batch_size)
+    done = 0
     for _ in range(epochs):
         order = torch.randperm(rows.shape[0], generator=generator)
         total, count = 0.0, 0
         for start in range(0, rows.shape[0], batch_size):
+            done += 1
             batch = rows[order[start : start + batch_size]]
             if batch.shape[0] < 2:
+                if progress is not None:
+                    progress(done, epochs * batches)
                 continue
             z1 = head.projector(bottom(augment(batch, generator)))
             z2 = head.projector(bottom(augment(batch, generator)))
@@ -99,6 +140,8 @@ def pretrain_simsiam(
             optimiser.step()
             total += loss.item() * batch.shape[0]
             count += batch.shape[0]
+            if progress is not None:
+                progress(done, epochs * batches)
         losses.append(total / max(count, 1))
     optimiser.zero_grad(set_to_none=True)
     return losses
