@@ -154,12 +154,7 @@ def build_predicting_party(
     config = served_config("predict-setup", name, body)
     # Nothing trains: no labelled subset, no pretraining (as a model loaded in one process).
     config = dataclasses.replace(config, labeled=None, pretrain_epochs=0)
-    shapes = served_shapes(body)
-    if len(shapes) != len(body["names"]):
-        raise ProtocolError(
-            f"predict-setup: one block shape per party expected ({len(body['names'])}); found "
-            f"{len(shapes)}."
-        )
+    shapes = served_shapes("predict-setup", body)
     to_rows = _row_mapping(body["align"], aligned, name, table.ids.size)
     n = table.ids.size if aligned is None else aligned.size
     rows = to_rows(_rows(body["rows"], "rows", low=-1, high=n), "rows")

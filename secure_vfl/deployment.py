@@ -112,6 +112,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from secure_vfl import checks
 from secure_vfl.checkpoints import (
     CheckpointPlan,
     ResumePoint,
@@ -1282,6 +1283,7 @@ def build_served_party(
     fit_rows = to_rows(_rows(body["fit_rows"], "fit_rows", low=0, high=n), "fit_rows")
     if fit_rows.size == 0:
         raise ProtocolError(f"setup: {name} must hold a training row; found none.")
+    shapes = served_shapes("setup", body)
     blocks, preprocessing = party_blocks(
         table,
         fit_rows,
@@ -1289,7 +1291,6 @@ def build_served_party(
         missing_cells=served_missing_cells("setup", body),
         where=f"{name} ({table.name})",
     )
-    shapes = served_shapes(body)
     if shapes[index] != tuple(blocks["train"].shape[1:]):
         raise ProtocolError(
             f"setup: block shape {shapes[index]} announced for {name}, which encodes its "
@@ -1322,15 +1323,39 @@ def served_config(where: str, name: str, body: Mapping[str, Any]) -> Any:
         raise ProtocolError(f"{where}: a method of {DEPLOYED_METHODS} expected.")
     check_requested(where, body["method_config"], {"representation_dim": MAX_LAYER_WIDTH})
     check_requested(where, body, {"num_classes": MAX_CLASSES})
+    if body["num_classes"] < 2:
+        raise ProtocolError(
+            f"{where}: `num_classes` of at least 2 expected, found {body['num_classes']}."
+        )
+    try:
+        checks.seed("seed", body["seed"])
+    except ConfigError as error:
+        raise ProtocolError(f"{where}: {error}") from None
     try:
         return MethodConfig(**body["method_config"])
     except (TypeError, ConfigError) as error:
         raise ProtocolError(f"{where}: a valid method configuration expected: {error}") from None
 
 
-def served_shapes(body: Mapping[str, Any]) -> list[tuple[int, ...]]:
-    """The block shapes of a set-up ``body``."""
-    return [tuple(int(d) for d in shape) for shape in body["block_shapes"]]
+def served_shapes(where: str, body: Mapping[str, Any]) -> list[tuple[int, ...]]:
+    """The block shapes of a set-up ``body`` (``where``: its topic), one per party, each a list
+    of positive integers; ProtocolError naming what was found otherwise."""
+    shapes, names = body["block_shapes"], body["names"]
+    if len(shapes) != len(names):
+        raise ProtocolError(
+            f"{where}: one block shape per party expected ({len(names)}); found {len(shapes)}."
+        )
+    for shape in shapes:
+        if (
+            not isinstance(shape, list)
+            or not shape
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
+        ):
+            raise ProtocolError(
+                f"{where}: `block_shapes` of lists of positive integers expected; found "
+                f"{shown(shape)}."
+            )
+    return [tuple(shape) for shape in shapes]
 
 
 def served_models(

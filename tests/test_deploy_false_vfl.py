@@ -4,6 +4,7 @@ party, and the party that builds itself from it (the process tests are in test_d
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
@@ -153,3 +154,39 @@ def test_each_party_applies_the_runs_missing_cells_policy_to_its_own_file(
     unknown = {**bodies["shop"], "missing_cells": "drop"}
     with pytest.raises(ProtocolError, match="`missing_cells` one of"):
         build_served_party("shop", _deployment("bank", "shop", "setup", unknown), shop, print)
+
+
+def test_a_setup_with_a_malformed_seed_class_count_or_block_shapes_is_refused_naming_it(
+    tmp_path: Path,
+) -> None:
+    """A set-up whose `block_shapes` lacked the party's (or held a shape that is not a list of
+    positive integers), whose seed was outside [0, 2**32) or whose class count was below 2 failed
+    with a bare IndexError, TypeError or ValueError ("Overflow when unpacking long long") as the
+    refusal the label party read, or was built on; each is refused naming the field."""
+    federation, tables = _site(tmp_path)
+    config = dataclasses.replace(
+        _laser(tmp_path), method_config=MethodConfig(epochs=1, heads="active")
+    )
+    body = setup_bodies(config, _label_side(config, federation, tables), federation, "none")["shop"]
+    shapes = body["block_shapes"]
+    wrong: dict[str, dict[str, Any]] = {
+        "one block shape per party expected (4); found 1": {"block_shapes": shapes[:1]},
+        "`block_shapes` of lists of positive integers expected": {
+            "block_shapes": [shapes[0], 7, *shapes[2:]]
+        },
+        "found ['a']": {"block_shapes": [shapes[0], ["a"], *shapes[2:]]},
+        "found [0]": {"block_shapes": [*shapes[:3], [0]]},
+        "found [True]": {"block_shapes": [*shapes[:3], [True]]},
+        "`seed` must be an integer seed in [0, 2**32). Found 1208925819614629174706176": {
+            "seed": 2**80
+        },
+        "`seed` must be an integer >= 0. Found -1": {"seed": -1},
+        "`num_classes` of at least 2 expected, found 1": {"num_classes": 1},
+    }
+    for expected_error, change in wrong.items():
+        setup = _deployment("bank", "shop", "setup", {**body, **change})
+        with pytest.raises(ProtocolError, match=re.escape(expected_error)):
+            build_served_party("shop", setup, tables["shop"], lambda scheme: None)
+    build_served_party(
+        "shop", _deployment("bank", "shop", "setup", body), tables["shop"], lambda scheme: None
+    )
