@@ -46,6 +46,7 @@ plan. The yardstick is then the released standardisation.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import logging
@@ -96,7 +97,7 @@ from secure_vfl.federation.aggregator import PlainAggregator, SealingScheme
 from secure_vfl.federation.federation_file import Federation, Member
 from secure_vfl.federation.messages import AGGREGATOR, Message
 from secure_vfl.federation.network import NetworkChannel
-from secure_vfl.io import atomic_write
+from secure_vfl.io import atomic_write, shown_names
 from secure_vfl.methods.imputation import ImputeConfig
 from secure_vfl.methods.imputation.clients import ImputationClient, TrainingPlan
 from secure_vfl.methods.imputation.evaluation import TEST_FRACTION, scores_of
@@ -282,6 +283,12 @@ def build_served_client(
     features = body["features"]
     if not all(isinstance(f, str) for f in features):
         raise ProtocolError("impute-setup: `features` must be a list of column names.")
+    named_twice = sorted(f for f, n in collections.Counter(features).items() if n > 1)
+    if named_twice:
+        raise ProtocolError(
+            "impute-setup: `features` must name distinct columns; found "
+            f"{shown_names(named_twice)} more than once."
+        )
     index, seed = body["index"], body["seed"]
     if index < 0 or seed < 0:
         raise ProtocolError(

@@ -166,6 +166,39 @@ def test_a_deployed_coordinator_refuses_a_label_column_no_client_has(tmp_path: P
     assert schemas == {"site0": (["a", "b", "c"], 30), "site1": (["a", "b", "c"], 30)}
 
 
+def test_a_deployed_client_refuses_a_setup_naming_a_feature_twice(tmp_path: Path) -> None:
+    """An `impute-setup` whose `features` named a column twice failed in the client with numpy's
+    "IndexError: index 3 is out of bounds for axis 1 with size 3", the text the coordinator read
+    as its refusal; it is refused naming the column, before the client reads its file."""
+    from secure_vfl.deployed_imputation import build_served_client
+    from secure_vfl.deployment import _deployment
+    from secure_vfl.errors import ProtocolError
+    from secure_vfl.federation.federation_file import Member
+
+    [path, _] = write_clients(tmp_path)
+    member = Member("site0", "127.0.0.1:1", tmp_path, tmp_path, data=path)
+    body = {
+        "method": "fedhf",
+        "config": {"rounds": 1},
+        "seed": 0,
+        "index": 0,
+        "features": ["a", "b", "c"],
+        "test_fraction": 0.2,
+        "secure_agg": "none",
+        "id_column": "id",
+        "label_column": "label",
+        "privacy": None,
+    }
+
+    def build(features: list[str]) -> Any:
+        setup = _deployment("bank", "site0", "impute-setup", {**body, "features": features})
+        return build_served_client(member, setup, lambda _: None, clients=2)
+
+    with pytest.raises(ProtocolError, match=r"`features` must name distinct columns.*\['a'\]"):
+        build(["a", "b", "a", "c"])
+    assert build(["a", "b", "c"]).features == ("a", "b", "c")
+
+
 def test_client_files_read_as_party_files_do(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     """A label `NA` was blanked in the imputed table; True/False with an empty cell and Parquet
     decimals were 'non-numeric'; a text cell was refused without naming it; client files in the
