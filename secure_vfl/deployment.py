@@ -1592,6 +1592,14 @@ def serve(
     path = data if data is not None else member.data
     if path is not None and name == AGGREGATOR:
         raise ConfigError("the aggregation server holds no table: serve it without --data.")
+    if imputed_dir is not None and name == AGGREGATOR:
+        raise ConfigError(
+            "the aggregation server writes no imputed table: serve it without --imputed-dir."
+        )
+    if psi_only and name == AGGREGATOR:
+        raise ConfigError(
+            "the aggregation server holds no ids to align: serve it without --align psi."
+        )
     if data is None and member.data is not None:
         federation.own_file(name, "data")
     for option, directory in (

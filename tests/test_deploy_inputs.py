@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import datetime
 import logging
+import re
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from cryptography import x509
@@ -354,6 +356,36 @@ def test_a_served_party_refuses_a_directory_option_naming_a_file_before_it_liste
     err = _refused([*_serve(federation, "shop"), option, str(given)], capsys)
     where = f"lies under {a_file}," if under else "is"
     assert f"{option} {given} {where} a file; a directory, or a path where one can" in err, err
+
+
+@pytest.mark.parametrize(
+    ("option", "said"),
+    [
+        (
+            {"imputed_dir": Path("imputed")},
+            "writes no imputed table: serve it without --imputed-dir",
+        ),
+        ({"psi_only": True}, "holds no ids to align: serve it without --align psi"),
+    ],
+)
+def test_the_aggregation_server_refuses_a_data_partys_option_before_it_listens(
+    tmp_path: Path, option: dict[str, Any], said: str
+) -> None:
+    """`party serve --name aggregator` took --imputed-dir and --align psi and ignored them (it
+    writes no table and aligns nothing), where it refuses --model-dir, --checkpoint-dir and
+    --data. Its certificates are missing here: before the fix it was refused for those."""
+    from secure_vfl.deployment import serve
+
+    federation = read_federation(write_federation(tmp_path, tmp_path / "none", [1, 2, 3, 4, 5]))
+    with pytest.raises(ConfigError, match=f"^the aggregation server {re.escape(said)}"):
+        serve(
+            federation,
+            "aggregator",
+            secure_sums=lambda scheme: None,
+            deadline=1.0,
+            wait=1.0,
+            **option,
+        )
 
 
 def test_directories_that_exist_or_can_be_made_are_accepted(tmp_path: Path) -> None:
