@@ -287,6 +287,24 @@ def test_a_federation_file_saved_with_a_byte_order_mark_is_read(tmp_path: Path) 
     assert read_federation(path) == plain
 
 
+@pytest.mark.parametrize(("line", "key"), [("ca = ", "ca"), ("cert = ", "aggregator.cert")])
+def test_a_path_with_a_nul_character_is_refused_when_the_file_is_read(
+    tmp_path: Path, line: str, key: str
+) -> None:
+    """TOML lets a string hold U+0000, which no file name can: `ca = "c\\u0000a.pem"` was read,
+    then the roster's SHA-256 of the CA (which `--insecure` reaches without opening it first)
+    failed with a bare "ValueError: embedded null byte"."""
+    path = write_federation(tmp_path, tmp_path, free_loopback_ports(5))
+    text = path.read_text()
+    old = next(row for row in text.splitlines() if row.startswith(line))
+    path.write_text(text.replace(old, old.replace('.pem"', '\\u0000.pem"'), 1))
+    with pytest.raises(ConfigError) as caught:
+        read_federation(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: `{key}` must be a file path"), message
+    assert "without a NUL character" in message and "\\x00.pem" in message, message
+
+
 def test_certificates_and_addresses_check_hosts_by_one_rule() -> None:
     assert tls.host_problem is certificates.host_problem is federation_file.host_problem
 

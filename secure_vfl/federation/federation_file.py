@@ -334,6 +334,10 @@ def _name(path: Path, key: str, value: Any) -> str:
 def _path(path: Path, key: str, value: Any) -> Path:
     if not isinstance(value, str) or not value:
         raise ConfigError(f"{path}: `{key}` must be a file path (a string). Found {value!r}.")
+    if "\0" in value:  # TOML's \u0000, which no file name holds (open() raises ValueError)
+        raise ConfigError(
+            f"{path}: `{key}` must be a file path, without a NUL character. Found {value!r}."
+        )
     given = Path(value)
     return given if given.is_absolute() else path.parent / given
 
