@@ -748,3 +748,35 @@ def test_the_label_party_refuses_a_reply_that_does_not_answer_what_it_sent(
             method.predict("mcar:0.5")
     assert all(torch.equal(a, b) for a, b in zip(_parameters(modules), before, strict=True))
     assert not method.fed.dropped  # a refusal, not a lost party
+
+
+@pytest.mark.parametrize("batching", ["grouped", "mixed"])
+def test_an_epochs_loss_is_the_mean_over_the_rows_its_steps_trained(
+    make_data: MakeData, batching: str
+) -> None:
+    """Under secure sums a row without a posterior is skipped: each step's loss is the mean over
+    the rows it trained, but the epoch weighed it by every row drawn and counted a batch of
+    skipped rows only as a loss of 0 (grouped batches: 16.41 reported for 17.18)."""
+    data = make_data(n=300, test_missing=("mcar:0",))
+    config = MethodConfig(epochs=1, batch_size=64, labeled=100, secure_sums=True, batching=batching)
+    method = METHODS.get("false-vfl-1")(data, config, seed=5, false_vfl=SMALL)
+    steps: list[tuple[int, float, int, int]] = []
+    seen: list[float] = []
+    step = method.train_step
+
+    def recorded(rows: np.ndarray, round: int, batch_id: int) -> float:
+        loss = step(rows, round, batch_id)
+        trained = method._with_posterior("train", rows).size
+        steps.append((method.stage, loss, trained, len(rows)))
+        return loss
+
+    method.train_step = recorded  # type: ignore[method-assign]
+    losses = method.fit(on_step=lambda _, loss: seen.append(loss))
+    assert sum(n - trained for _, _, trained, n in steps) > 0  # some rows were skipped
+    for stage in (1, 2):
+        ours = [(loss, trained) for s, loss, trained, _ in steps if s == stage]
+        expected = sum(loss * n for loss, n in ours) / sum(n for _, n in ours)
+        assert losses[stage - 1] == pytest.approx(expected, rel=1e-12)
+    skipped = [i for i, (_, _, trained, _) in enumerate(steps) if trained == 0]
+    assert all(math.isnan(seen[i]) for i in skipped)
+    assert not any(math.isnan(loss) for i, loss in enumerate(seen) if i not in skipped)

@@ -1221,9 +1221,10 @@ def batches(n: int, size: int) -> list[Tensor]:
 class TrainingProgress:
     """Where a training run stands, as the label party drives it: the epoch, the training steps
     done (``step``, the next step's round), the next batch of the epoch, the epoch's batch
-    order (None until it is drawn), the loss summed so far in the epoch over ``count`` rows and
-    the mean loss of every finished epoch. :func:`train_epochs` starts from it and keeps it up
-    to date, so a checkpoint taken between two steps resumes exactly there."""
+    order (None until it is drawn), the loss summed so far in the epoch over the ``count`` rows
+    its steps trained on and the mean loss of every finished epoch. :func:`train_epochs` starts
+    from it and keeps it up to date, so a checkpoint taken between two steps resumes exactly
+    there."""
 
     epoch: int = 0
     step: int = 0
@@ -1294,6 +1295,7 @@ def train_epochs(
     progress: TrainingProgress | None = None,
     on_epoch: Callable[[int], object] | None = None,
     on_empty: Callable[[int], object] | None = None,
+    trained: Callable[[np.ndarray], int] = len,
 ) -> list[float]:
     """Run ``step(rows, round, batch_id)`` over every batch of every epoch; mean loss per epoch.
 
@@ -1306,6 +1308,11 @@ def train_epochs(
     A batch of no rows (a Poisson draw that came out empty) is a step all the same: instead of
     ``step``, ``on_empty(round)`` tells the parties it passed (:meth:`Federation.pass_draw`),
     and ``on_step`` sees a loss of NaN; the epoch's mean loss is over the rows drawn.
+
+    ``trained(rows)``, asked after the step, is how many of the batch's rows it trained on
+    (every one by default; FALSE-VFL under secure sums skips rows without a posterior): the
+    step's loss is their mean and weighs that many rows, and a step that trained on none shows
+    ``on_step`` a loss of NaN.
     """
     progress = progress if progress is not None else TrainingProgress()
     while progress.epoch < epochs:
@@ -1317,8 +1324,12 @@ def train_epochs(
             rows = progress.order[progress.batch]
             if len(rows):
                 loss = step(rows, progress.step, progress.batch)
-                progress.total += loss * len(rows)
-                progress.count += len(rows)
+                count = trained(rows)
+                if count:
+                    progress.total += loss * count
+                    progress.count += count
+                else:
+                    loss = math.nan
             else:
                 loss = math.nan
                 if on_empty is not None:

@@ -974,6 +974,11 @@ class FalseVflMethod:
             fault["epoch"] = self._epoch(round)
         return loss
 
+    def _trained_rows(self, rows_np: np.ndarray) -> int:
+        """How many of the training ``rows_np`` a step trains on: those with a posterior (all
+        of them without secure sums), the rows its loss is the mean over."""
+        return int(self._with_posterior("train", rows_np).size)
+
     def _attempt(
         self, rows_np: np.ndarray, round: int, batch_id: int
     ) -> tuple[float, list[GradientMessage] | None]:
@@ -1114,6 +1119,7 @@ class FalseVflMethod:
             on_step=on_step,
             progress=progress,
             on_epoch=lambda round: self.fed.rejoin(round=round),
+            trained=self._trained_rows,
         )
         # Stage 2 goes on with the same progress: its epochs after stage 1's, its steps' rounds
         # after stage 1's (no two steps of a run share one: a fault names the run's step).
@@ -1125,6 +1131,7 @@ class FalseVflMethod:
             rng=self.fed.rng,
             on_step=on_step,
             progress=progress,
+            trained=self._trained_rows,
         )
         self.fed.flush(round=progress.step - 1)  # stage 1's last closing gradients, if held
         return losses
