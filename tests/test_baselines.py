@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import numpy as np
 import pytest
 import torch
 from conftest import MakeData
 
-from secure_vfl.errors import ConfigError
+from secure_vfl.errors import ConfigError, RunWarning
 from secure_vfl.federation.channel import Channel, RecordingLayer
 from secure_vfl.methods import METHODS, MethodConfig
 from secure_vfl.methods.base import in_process_parties
@@ -56,6 +57,30 @@ def test_standard_vfl_without_a_complete_training_sample_is_refused(make_data: M
     with pytest.raises(ConfigError, match=rf"the 4 parties holds; found none of {data.train.n}"):
         METHODS.get("standard")(data, FAST, seed=0)
     assert METHODS.get("plugvfl")(data, FAST, seed=0)  # trains on incomplete samples
+
+
+def test_standard_vfl_warns_when_its_complete_training_samples_hold_one_class(
+    make_data: MakeData,
+) -> None:
+    """Its top model learned that class alone and the run said nothing (incomplete samples
+    guessed at random) or blamed the epochs and learning rate (--standard-incomplete zero)."""
+    data = make_data(n=100, seed=7, train_missing="mcar:0.6", test_missing=("mcar:0",))
+    complete = data.train.mask.all(axis=1)
+    assert complete.sum() == 3 and np.unique(data.train.labels[complete]).tolist() == [1]
+    method = METHODS.get("standard")(data, FAST, seed=0)
+    with pytest.warns(RunWarning) as caught:
+        method.fit()
+    assert [str(w.message) for w in caught if w.category is RunWarning] == [
+        "standard trains on the labelled samples every one of the 4 parties holds, and the 3 "
+        "of them hold one class (1): its top model learns that class alone. Expected complete "
+        "samples of at least 2 classes: fewer parties or less training missingness would "
+        "leave more (or --aligned-labeled N, a registered dataset); laser and plugvfl train "
+        "on incomplete samples."
+    ]
+    assert (method.predict("mcar:0") == 1).all()  # what it warned of
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RunWarning)
+        METHODS.get("standard")(make_data(), FAST, seed=0).fit()  # two classes: no warning
 
 
 def test_standard_vfl_can_zero_impute_instead_of_guessing(make_data: MakeData) -> None:

@@ -15,6 +15,7 @@ Local and Ensemble share LASER's code (:mod:`secure_vfl.methods.laser`).
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
 
@@ -25,7 +26,7 @@ from torch import Tensor, nn
 
 from secure_vfl.data.samplers import BatchSampler, loss_normaliser
 from secure_vfl.data.vertical import VerticalData
-from secure_vfl.errors import ConfigError
+from secure_vfl.errors import ConfigError, RunWarning
 from secure_vfl.federation.aggregator import SumBackend, dense_representations
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import AGGREGATOR
@@ -191,6 +192,7 @@ class ConcatFusionMethod:
     ) -> list[float]:
         if self.train_rows.size == 0:
             return [float("nan")] * self.config.epochs
+        self._warn_of_one_class()
         return train_epochs(
             self.train_step,
             self.sampler,
@@ -199,6 +201,25 @@ class ConcatFusionMethod:
             on_step=on_step,
             progress=progress,
             on_empty=lambda round: self.fed.pass_draw(round=round),
+        )
+
+    def _warn_of_one_class(self) -> None:
+        """Warn (:class:`RunWarning`) when Standard VFL's training rows, the labelled ones every
+        party holds, hold one class: its top model learns that class alone, which no number
+        of epochs or learning rate changes."""
+        classes = np.unique(self.data.train.labels[self.train_rows])
+        if self.name != "standard" or classes.size > 1:
+            return
+        values = self.data.classes or tuple(range(self.data.num_classes))
+        warnings.warn(
+            f"standard trains on the labelled samples every one of the {self.data.parties} "
+            f"parties holds, and the {self.train_rows.size} of them hold one class "
+            f"({values[int(classes[0])]!r}): its top model learns that class alone. Expected "
+            "complete samples of at least 2 classes: fewer parties or less training "
+            "missingness would leave more (or --aligned-labeled N, a registered dataset); "
+            "laser and plugvfl train on incomplete samples.",
+            RunWarning,
+            stacklevel=2,
         )
 
     def _logits(self, split_name: str) -> np.ndarray:
