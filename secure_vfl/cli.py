@@ -1830,6 +1830,9 @@ def _summary(result: Any, out: Path, payload: dict[str, Any]) -> str:
     labeled_text = f", {labeled} labelled" if labeled is not None else ""
     if result.config.get("aligned_labeled"):
         labeled_text += f", {result.config['aligned_labeled']} kept aligned"
+    if result.trained_on is not None:  # Standard VFL: only the samples every party holds
+        ones = " labelled ones" if labeled is not None else ""
+        labeled_text += f"; trained on the {result.trained_on}{ones} held by every party"
     lines = [
         f"{result.method} on {result.dataset} (train {result.config['train_missing']}, "
         f"{result.samples['train']} training samples{labeled_text}) in "

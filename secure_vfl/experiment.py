@@ -40,6 +40,7 @@ from secure_vfl.federation.alignment import Aligner, make_aligner
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.parties import DataParty
 from secure_vfl.methods.base import StepCallback, in_process_parties
+from secure_vfl.methods.baselines import ConcatFusionMethod
 from secure_vfl.methods.false_vfl import FalseVflConfig, FalseVflMethod
 from secure_vfl.methods.imputation import (
     IMPUTERS,
@@ -313,13 +314,16 @@ class TrainResult:
     dataset, whose labels are the indices)."""
     provenance: dict[str, Any] | None = None
     """The package version and git commit that ran (:func:`secure_vfl.runs.provenance`)."""
+    trained_on: int | None = None
+    """How many of the training samples Standard VFL trained on: the labelled ones every party
+    holds (``samples["train"]`` counts the whole split); None for the other methods."""
 
     def to_json(self, *, named: bool = True) -> dict[str, Any]:
-        """``result.json``'s fields; ``columns``, ``left_out_columns`` and ``classes`` only
-        where the run has them. ``named``: the per-party figures (privacy, traffic) and the
-        texts (warnings, guarantees) in the users' party names (``parties``); else in the
-        actors', without ``parties`` (for a record that is named as a whole later, as an
-        attack's is)."""
+        """``result.json``'s fields; ``columns``, ``left_out_columns``, ``classes`` and
+        ``trained_on`` only where the run has them. ``named``: the per-party figures (privacy,
+        traffic) and the texts (warnings, guarantees) in the users' party names
+        (``parties``); else in the actors', without ``parties`` (for a record that is named as
+        a whole later, as an attack's is)."""
         payload = asdict(self)
         if named:
             for key in ("privacy", "traffic", "warnings"):
@@ -329,6 +333,8 @@ class TrainResult:
         for key in ("columns", "left_out_columns", "classes"):
             if not payload[key]:
                 del payload[key]
+        if payload["trained_on"] is None:
+            del payload["trained_on"]
         return payload
 
 
@@ -796,6 +802,11 @@ def run_training(
         faults=list(method.fed.faults),
         **_about_data(data),
         provenance=provenance(),
+        trained_on=(
+            int(method.train_rows.size)
+            if isinstance(method, ConcatFusionMethod) and method.name == "standard"
+            else None
+        ),
     )
 
 

@@ -873,6 +873,33 @@ def test_the_train_summary_keeps_its_columns_for_a_long_missingness_name(
     assert row.startswith(long + " ") and len(row) == len(header)  # numbers aligned right
 
 
+def test_the_train_summary_says_standard_vfl_trains_only_on_the_samples_every_party_holds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It read "(train mcar:0.3, 120 training samples)", as if Standard VFL had used them all."""
+    config = secure_vfl.experiment.TrainConfig(
+        method="standard", dataset="iris", train_missing="mcar:0.3", test_missing=("mcar:0",)
+    )
+    mask = secure_vfl.experiment.prepare_data(config).train.mask
+    held, complete = mask.shape[0], int(mask.all(axis=1).sum())
+    assert 0 < complete < held
+    argv = ["train", "--dataset", "iris", "--p-miss-train", "0.3", "--epochs", "1", "--quiet"]
+    assert main([*argv, "--method", "standard", "--out", str(tmp_path / "s")]) == 0
+    summary = capsys.readouterr().out.splitlines()[0]
+    assert f", {held} training samples; trained on the {complete} held by every party)" in summary
+    assert json.loads((tmp_path / "s" / "result.json").read_text())["trained_on"] == complete
+    assert (
+        main([*argv, "--method", "standard", "--labeled", "60", "--out", str(tmp_path / "l")]) == 0
+    )
+    summary = capsys.readouterr().out.splitlines()[0]
+    labelled = json.loads((tmp_path / "l" / "result.json").read_text())["trained_on"]
+    assert labelled < complete
+    assert f", 60 labelled; trained on the {labelled} labelled ones held by every party)" in summary
+    assert main([*argv, "--method", "plugvfl", "--out", str(tmp_path / "p")]) == 0
+    assert f", {held} training samples) in" in capsys.readouterr().out.splitlines()[0]
+    assert "trained_on" not in json.loads((tmp_path / "p" / "result.json").read_text())
+
+
 def test_a_damaged_stored_run_is_named_with_its_store_and_id(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
