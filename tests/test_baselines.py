@@ -154,6 +154,29 @@ def test_combinatorial_has_one_predictor_per_subset_and_uses_the_exact_one(
     assert used == {"subset:" + ",".join(map(str, s)) for s in observed_sets if s != (0,)}
 
 
+def test_combinatorial_warns_of_predictors_that_no_training_sample_trains(
+    make_data: MakeData,
+) -> None:
+    """Its predictor of every party saw no training sample (none held by all four) and, after
+    20 epochs, scored 20 % (chance 33 %) on the test rows, which it predicts alone, without a
+    word."""
+    data = make_data(n=80, seed=0, train_missing="mcar:0.7", test_missing=("mcar:0",))
+    method = METHODS.get("combinatorial")(data, FAST, seed=0)
+    with pytest.warns(RunWarning) as caught:
+        method.fit()
+    assert [str(w.message) for w in caught if w.category is RunWarning] == [
+        "combinatorial trained 2 of its 15 predictors on no sample: no labelled training "
+        "sample is held by every party of {party-0, party-1, party-2} or of {party-0, party-1, "
+        "party-2, party-3}; each predicts the samples whose observed set is exactly its "
+        "parties from its initial weights. Expected less training missingness or fewer "
+        "parties; laser shares each party's model across every set of parties, which "
+        "incomplete samples then train."
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RunWarning)
+        METHODS.get("combinatorial")(make_data(parties=3), FAST, seed=0).fit()  # all trained
+
+
 def test_methods_that_need_labels_at_every_party_refuse_a_single_head(
     make_data: MakeData,
 ) -> None:

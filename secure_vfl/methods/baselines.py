@@ -335,6 +335,7 @@ class Combinatorial:
             roles=roles,
         )
         self.data = self.fed.data  # labels, masks and its own block only
+        self.train_rows = training_rows("combinatorial", data, config, seed)
         self.sampler = training_sampler("combinatorial", data, config, seed)
 
     def _ask(
@@ -420,6 +421,7 @@ class Combinatorial:
     def fit(
         self, *, on_step: StepCallback | None = None, progress: TrainingProgress | None = None
     ) -> list[float]:
+        self._warn_of_untrained()
         return train_epochs(
             self.train_step,
             self.sampler,
@@ -427,6 +429,28 @@ class Combinatorial:
             rng=self.fed.rng,
             on_step=on_step,
             progress=progress,
+        )
+
+    def _warn_of_untrained(self) -> None:
+        """Warn (:class:`RunWarning`) of the predictors no training row trains: those of the
+        subsets that no labelled training row observes whole. Each would predict the samples
+        observed by exactly its parties from its initial weights."""
+        untrained = [
+            subset for subset in self.subsets if not self._covering(subset)[self.train_rows].any()
+        ]
+        if not untrained:
+            return
+        named = ["{" + ", ".join(self.fed.names[k] for k in subset) + "}" for subset in untrained]
+        more = len(named) - 4
+        sets = " or of ".join(named[:4]) + (f" (and {more} more sets)" if more > 0 else "")
+        warnings.warn(
+            f"combinatorial trained {len(untrained)} of its {len(self.subsets)} predictors on "
+            f"no sample: no labelled training sample is held by every party of {sets}; each "
+            "predicts the samples whose observed set is exactly its parties from its initial "
+            "weights. Expected less training missingness or fewer parties; laser shares each "
+            "party's model across every set of parties, which incomplete samples then train.",
+            RunWarning,
+            stacklevel=2,
         )
 
     def predict(self, split_name: str) -> np.ndarray:
