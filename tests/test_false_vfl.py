@@ -626,6 +626,33 @@ def test_a_party_refuses_bad_or_replayed_latent_messages_and_keeps_its_state(
         assert _pending(party) == before, expected
 
 
+def test_latent_samples_of_another_width_are_refused_before_the_open_step_is_forgotten(
+    make_data: MakeData,
+) -> None:
+    """Latent samples for the next step, of a width its decoder does not read: the party
+    forgot its open step (likelihoods, forward pass, gradients) first, then torch failed on the
+    decoder's matrix product (a RuntimeError, not a refusal)."""
+    method, recorder = _latent_step(make_data)
+    party = _parties(method)[2]
+    latent = next(
+        m for m in recorder.messages if isinstance(m, LatentMessage) and m.receiver == party.name
+    )
+    before = _pending(party)
+    assert list(before) == [(0, "stage1")]
+    generator = party.generator.get_state()
+    rows, kappa, width = latent.samples.shape
+    wider = dataclasses.replace(
+        latent, round=1, samples=torch.zeros(rows, kappa, width + 1), batch_id=4
+    )
+    with pytest.raises(
+        ProtocolError,
+        match=f"^{party.name}: latent samples of width {width} expected, found {width + 1}",
+    ):
+        party.receive(wider)
+    assert _pending(party) == before
+    assert torch.equal(party.generator.get_state(), generator)
+
+
 def test_a_party_refuses_a_likelihood_gradient_it_is_not_owed(make_data: MakeData) -> None:
     method, recorder = _latent_step(make_data)
     party = _parties(method)[1]

@@ -249,6 +249,12 @@ class LatentParty(DataParty):
                 f"{message.tag!r} (a replayed message?)."
             )
         model = self.latent_model
+        width = model.encoder.latent
+        if message.samples.shape[2] != width:
+            raise ProtocolError(
+                f"{self.name}: latent samples of width {width} expected, found "
+                f"{message.samples.shape[2]} from {message.sender} for round {message.round}."
+            )
         missingness = model.missingness
         if missingness is None and not bool(held.all()):
             raise ProtocolError(
