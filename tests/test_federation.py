@@ -248,6 +248,45 @@ def test_a_head_holds_its_gradients_only_for_its_own_driver() -> None:
         party.held_gradients(3, 0)
 
 
+def test_a_head_task_for_rows_beyond_its_labels_is_refused_on_receipt() -> None:
+    """A head task naming training rows its head holds no label of was kept; its sum then
+    failed in indexing (an IndexError) once the head had run, and a negative row trained the
+    head on another row's label without a word."""
+    torch.manual_seed(0)
+    channel = Channel()
+    head = Head({"train": torch.tensor([0, 1, 1])}, nn.Linear(2, 2), None)
+    party = DataParty(
+        "party-1", {"train": torch.randn(5, 3)}, nn.Linear(3, 2), None, heads={"": head}
+    )
+    driver = _Inbox("party-0")
+    party.connect(channel)
+    driver.connect(channel)
+    task = HeadTask(
+        sender="party-0",
+        receiver="party-1",
+        round=3,
+        batch_id=0,
+        rows=torch.tensor([0, 1]),
+        weights=torch.ones(1, 2),
+        normaliser=2.0,
+        selection=torch.ones(1, 2, 2, dtype=torch.bool),
+        present=torch.ones(2, 2, dtype=torch.bool),
+        parties=("party-0", "party-1"),
+        tag="train",
+    )
+    for batch_id, rows in enumerate(([0, 3], [-1, 2]), start=1):
+        wrong = dataclasses.replace(task, batch_id=batch_id, rows=torch.tensor(rows))
+        with pytest.raises(
+            ProtocolError,
+            match=rf"^party-1: a head task from party-0 .* rows in \[0, 3\) of its labels "
+            rf"expected, found \[{min(rows)}, {max(rows)}\]",
+        ):
+            driver.send(wrong)
+        assert not party._tasks
+    driver.send(task)
+    assert list(party._tasks) == [(3, 0, "train")]
+
+
 def test_data_party_refuses_gradients_it_did_not_ask_for() -> None:
     _, driver, _ = _federation()
     with pytest.raises(ProtocolError, match="no pending forward pass"):

@@ -500,6 +500,11 @@ class Head:
         """The labels of ``rows`` of ``split``."""
         return self._labels[split][rows]
 
+    def size(self, split: str) -> int:
+        """How many rows of ``split`` it holds labels of (0 for a split it does not hold)."""
+        labels = self._labels.get(split)
+        return 0 if labels is None else int(labels.shape[0])
+
     def all_labels(self, split: str) -> Tensor:
         """A copy of every label of ``split`` (for mechanisms the label holder runs itself)."""
         return self._labels[split].clone()
@@ -1105,6 +1110,15 @@ class DataParty(SecureSumParty):
                 f"{self.name}: a head task from {task.sender} that holds its gradients; a head "
                 "holds them only for its own driver."
             )
+        if isinstance(task, HeadTask) and task.rows.numel():
+            size = self.heads[head].size("train")
+            low, high = int(task.rows.min()), int(task.rows.max())
+            if low < 0 or high >= size:
+                raise ProtocolError(
+                    f"{self.name}: a head task from {task.sender} for round {task.round}, "
+                    f"batch {task.batch_id}: training rows in [0, {size}) of its labels "
+                    f"expected, found [{low}, {high}]."
+                )
         key = (task.round, task.batch_id, task.tag)
         if key in self._tasks:
             raise ProtocolError(
