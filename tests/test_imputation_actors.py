@@ -47,6 +47,7 @@ from secure_vfl.methods.imputation import (
     hidden_test_entries,
     in_process_clients,
 )
+from secure_vfl.methods.imputation.clients import RESTART_TAG
 from secure_vfl.methods.imputation.evaluation import (
     TEST_FRACTION,
     ScoredErrors,
@@ -509,8 +510,8 @@ def test_a_score_that_cannot_be_one_is_refused(sse: float, count: int) -> None:
 class _ShortFeatureErrorsClient(ImputationClient):
     """A client that contributes its first feature's errors only to the feature-errors sum."""
 
-    def _compute(self, computation: str, arguments: np.ndarray) -> np.ndarray:
-        vector = super()._compute(computation, arguments)
+    def _compute(self, computation: str, arguments: np.ndarray, round: int) -> np.ndarray:
+        vector = super()._compute(computation, arguments, round)
         return vector[: wide_width(2)] if computation == "feature-errors" else vector
 
 
@@ -540,11 +541,11 @@ class _DivergedClient(ImputationClient):
 class _MiscountingClient(ImputationClient):
     """A client that adds 500 to its first feature's count in the feature-errors sum."""
 
-    def _compute(self, computation: str, arguments: np.ndarray) -> np.ndarray:
+    def _compute(self, computation: str, arguments: np.ndarray, round: int) -> np.ndarray:
         if computation == "feature-errors":
             assert self._feature_errors is not None
             self._feature_errors[len(self._feature_errors) // 2] += 500
-        return super()._compute(computation, arguments)
+        return super()._compute(computation, arguments, round)
 
 
 ROLES.register("test-diverged-client", _DivergedClient)
@@ -595,6 +596,35 @@ def test_requests_and_downloads_are_checked_on_their_own() -> None:
         ComputeRequest(**header, computation="rows", arguments=torch.zeros(0), tag="t").validate()
     with pytest.raises(ProtocolError, match=re.escape("parameters must be a 1-d torch.float32")):
         ParametersMessage(**header, parameters=torch.zeros(2, 2)).validate()
+
+
+def test_a_refused_training_request_leaves_what_a_restart_puts_back() -> None:
+    """A training request of the round a client last trained in (another batch id: not a
+    replay) with a row count it refuses: before it was refused, the client had noted its
+    optimiser's moments and generator as the round's start, so a restart of the round put back
+    those of after its training, not of before it."""
+    recorder = RecordingLayer()
+    imputer = _imputer(PlainAggregator(), recorder, method="fed-dae")
+    imputer.fit()
+    coordinator = imputer.federation.own
+    client = in_process_clients(imputer.federation.channel)[0]
+    train = _last(recorder, ComputeRequest, receiver=client.name, computation="train")
+    download = _last(recorder, ParametersMessage, receiver=client.name)
+    assert client._round_start is not None and client._round_start[0] == train.round
+    assert client.optimiser is not None and client.generator is not None
+    start = copy.deepcopy(client._round_start)
+    bad = dataclasses.replace(
+        train, batch_id=train.batch_id + 5, arguments=torch.tensor([1.0], dtype=torch.float64)
+    )
+    with pytest.raises(ProtocolError, match="the federation's row count"):
+        coordinator.send(bad)
+    coordinator.send(dataclasses.replace(download, round=train.round, batch_id=99, tag=RESTART_TAG))
+    restored, moments = client.optimiser.state_dict()["state"], start[1]["state"]
+    assert restored.keys() == moments.keys() and restored
+    for index, values in moments.items():
+        for name, value in values.items():
+            assert torch.equal(restored[index][name], value), (index, name)
+    assert torch.equal(client.generator.get_state(), start[2])
 
 
 class _CuriousClient(ImputationClient):

@@ -396,13 +396,7 @@ class ImputationClient(SecureSumParty):
 
     def on_compute_request(self, request: ComputeRequest) -> None:
         """Run the named local computation and contribute its vector to the sum ``tag``."""
-        if request.computation == "train" and self.optimiser is not None:
-            self._round_start = (
-                request.round,
-                copy.deepcopy(self.optimiser.state_dict()),
-                self.generator.get_state() if self.generator is not None else None,
-            )
-        vector = self._compute(request.computation, request.arguments.numpy())
+        vector = self._compute(request.computation, request.arguments.numpy(), request.round)
         self.contribute(
             RepresentationMessage(
                 **self.reply_header(request, AGGREGATOR),
@@ -442,11 +436,11 @@ class ImputationClient(SecureSumParty):
         )
         self.send(ScoreMessage(**self.reply_header(request), sse=errors.sse, count=errors.count))
 
-    def _compute(self, computation: str, arguments: np.ndarray) -> np.ndarray:
+    def _compute(self, computation: str, arguments: np.ndarray, round: int) -> np.ndarray:
         if computation in EXCHANGES:
             return exchange_contribution(self._data, computation, arguments, self.privacy)
         if computation == "train":
-            return self._federated_update(arguments).numpy()
+            return self._federated_update(arguments, round).numpy()
         if arguments.size:
             raise ProtocolError(
                 f"{self.name}: no arguments for {computation!r} expected, found {arguments.size}."
@@ -464,16 +458,23 @@ class ImputationClient(SecureSumParty):
             return wide_digits(self._feature_errors)
         raise ProtocolError(f"{self.name}: no local computation named {computation!r}.")
 
-    def _federated_update(self, arguments: np.ndarray) -> Tensor:
+    def _federated_update(self, arguments: np.ndarray, round: int) -> Tensor:
         """Train ``local_epochs`` and return [w * theta, w], w = n / N its share of the
-        federation's N rows (eq. 8's weights, so no value sent exceeds max |theta|)."""
-        training, shard, model, _ = self._ready()
+        federation's N rows (eq. 8's weights, so no value sent exceeds max |theta|). What it
+        trains from (its optimiser's moments, its generator) is noted as ``round``'s start,
+        which a restart of the round puts back; only once the request is found good."""
+        training, shard, model, optimiser = self._ready()
         total_rows = float(arguments[0]) if arguments.shape == (1,) else math.nan
         if not (total_rows.is_integer() and total_rows >= max(1, shard.n)):
             raise ProtocolError(
                 f"{self.name}: one argument, the federation's row count (an integer >= its own "
                 f"{shard.n} rows and >= 1), expected; found {arguments.tolist()}."
             )
+        self._round_start = (
+            round,
+            copy.deepcopy(optimiser.state_dict()),
+            self.generator.get_state() if self.generator is not None else None,
+        )
         self.train(training.config.local_epochs)
         share = float(shard.n) / int(total_rows)
         theta = flat_parameters(model)
