@@ -13,10 +13,10 @@ import torch
 from conftest import MakeData
 
 from secure_vfl.data.vertical import VerticalData
-from secure_vfl.errors import ConfigError
+from secure_vfl.errors import ConfigError, ProtocolError
 from secure_vfl.federation.aggregator import PlainAggregator
 from secure_vfl.federation.channel import Channel, RecordingLayer
-from secure_vfl.federation.messages import GradientMessage, SumMessage
+from secure_vfl.federation.messages import GradientMessage, Message, PredictionMessage, SumMessage
 from secure_vfl.federation.releases import ReleaseBlocks, partition
 from secure_vfl.methods import METHODS, MethodConfig
 from secure_vfl.methods.base import in_process_parties
@@ -419,3 +419,61 @@ def test_more_epochs_than_a_run_can_plan_are_refused_before_anything_is_drawn(na
     MethodConfig(**{name: MAX_EPOCHS})  # the most is accepted
     with pytest.raises(ConfigError, match=rf"`{name}` must be at most 100000\. Found 100001\."):
         MethodConfig(**{name: MAX_EPOCHS + 1})
+
+
+class _TamperedPrediction:
+    """party-2's outgoing hook: its head's answers changed by ``change`` (a curious or faulty
+    head party)."""
+
+    def __init__(self, **change: object) -> None:
+        self.change = change
+
+    def on_message(self, message: Message) -> Message:
+        if not isinstance(message, PredictionMessage):
+            return message
+        values = {k: v(message) if callable(v) else v for k, v in self.change.items()}
+        return dataclasses.replace(message, **values)
+
+
+@pytest.mark.parametrize(
+    ("change", "probabilities", "expected"),
+    [
+        (  # a row of the batch left out: taken as a head with no prediction for it
+            {
+                "positions": lambda m: m.positions[:-1],
+                "predictions": lambda m: m.predictions[:-1],
+            },
+            False,
+            r"predictions for \d+ batch positions .* expected, found \d+",
+        ),
+        (  # rows beyond the batch: an IndexError
+            {"positions": lambda m: m.positions + 5000},
+            False,
+            r"predictions for \d+ batch positions .* expected",
+        ),
+        (  # classes the task has not: counted as wrong answers
+            {"predictions": lambda m: m.predictions + 100},
+            False,
+            r"classes in \[0, 3\) expected, found \[\d+, \d+\]",
+        ),
+        (  # probabilities over other classes: a numpy broadcast error
+            {"probabilities": lambda m: torch.full((m.positions.numel(), 7), 1 / 7)},
+            True,
+            r"probabilities over its 3 classes .* expected, found shape \(\d+, 7\)",
+        ),
+    ],
+)
+def test_a_head_partys_prediction_is_refused_unless_it_answers_what_was_asked(
+    make_data: MakeData, change: dict[str, object], probabilities: bool, expected: str
+) -> None:
+    config = MethodConfig(heads="all", epochs=1, batch_size=64, representation_dim=8)
+    method = _train(make_data(), config)
+    party = method.fed.channel.parties["party-2"]
+    party.outgoing.append(_TamperedPrediction(**change))
+    with pytest.raises(
+        ProtocolError, match=f"^party-0: party-2's answer to its predict task .*{expected}"
+    ):
+        if probabilities:
+            method.predict_proba("mcar:0")
+        else:
+            method.head_predictions("mcar:0")

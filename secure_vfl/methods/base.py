@@ -893,6 +893,7 @@ class Federation:
             PredictionMessage,
             self.own.take("prediction", sender=head_party, round=round, batch_id=batch_id, tag=tag),
         )
+        self._check_prediction(answer, positions)
         if not probabilities:
             return answer.positions, answer.predictions
         if answer.probabilities is None:
@@ -900,6 +901,31 @@ class Federation:
                 f"{head_party}: class probabilities were asked for; its answer holds none."
             )
         return answer.positions, answer.probabilities
+
+    def _check_prediction(self, answer: PredictionMessage, positions: Tensor) -> None:
+        """Refuse (ProtocolError) a head's answer that is not one for ``positions``, the batch
+        rows its predict task asked for, in the task's classes: a row left out was taken for a
+        head with no prediction there, and other rows or widths failed in indexing."""
+        where = f"{self.own.name}: {answer.sender}'s answer to its predict task {answer.tag!r}"
+        if not torch.equal(answer.positions, positions):
+            found = answer.positions.numel()
+            raise ProtocolError(
+                f"{where}: predictions for {positions.numel()} batch positions (those asked) "
+                f"expected, found {found}{' others' if found == positions.numel() else ''}."
+            )
+        classes = self.data.num_classes
+        predicted = answer.predictions
+        if predicted.numel() and not 0 <= int(predicted.min()) <= int(predicted.max()) < classes:
+            raise ProtocolError(
+                f"{where}: classes in [0, {classes}) expected, found "
+                f"[{int(predicted.min())}, {int(predicted.max())}]."
+            )
+        found_probabilities = answer.probabilities
+        if found_probabilities is not None and found_probabilities.shape[1] != classes:
+            raise ProtocolError(
+                f"{where}: probabilities over its {classes} classes per row expected, found "
+                f"shape {tuple(found_probabilities.shape)}."
+            )
 
     def take_loss(self, head_party: str, *, round: int, batch_id: int, tag: str) -> float:
         """The loss ``head_party`` reported for its task ``tag`` of this step."""
