@@ -10,8 +10,9 @@ import pytest
 import torch
 from conftest import MakeData
 
-from secure_vfl.errors import ConfigError, RunWarning
+from secure_vfl.errors import ConfigError, ProtocolError, RunWarning
 from secure_vfl.federation.channel import Channel, RecordingLayer
+from secure_vfl.federation.messages import Message, RepresentationMessage
 from secure_vfl.methods import METHODS, MethodConfig
 from secure_vfl.methods.base import in_process_parties
 from secure_vfl.methods.baselines import Combinatorial, ConcatFusionMethod
@@ -191,3 +192,37 @@ def test_combinatorial_refuses_too_many_parties(make_data: MakeData) -> None:
     data = make_data(parties=9)
     with pytest.raises(ConfigError, match=r"K must be <= 8\. Found K=9"):
         METHODS.get("combinatorial")(data, FAST, seed=0)
+
+
+class _DropsItsLastRow:
+    """A data party's outgoing hook: its representations leave without their last row."""
+
+    def on_message(self, message: Message) -> Message:
+        if isinstance(message, RepresentationMessage) and message.positions.numel() > 1:
+            return dataclasses.replace(
+                message,
+                positions=message.positions[:-1],
+                representation=message.representation[:-1],
+            )
+        return message
+
+
+@pytest.mark.parametrize("name", ["standard", "plugvfl"])
+def test_a_representation_of_other_rows_than_asked_is_refused_before_the_head_trains(
+    make_data: MakeData, name: str
+) -> None:
+    """A party's representations of fewer rows than the label party asked it for: the head
+    trained on zeros where its mask says the party's row is, and stepped."""
+    method = METHODS.get(name)(make_data(), FAST, seed=0)
+    assert isinstance(method, ConcatFusionMethod)
+    method.fed.channel.parties["party-2"].outgoing.append(_DropsItsLastRow())
+    head = [p.detach().clone() for p in method.head.module.parameters()]
+    rows = method.train_rows[:32]
+    with pytest.raises(
+        ProtocolError,
+        match=r"^party-0: representations of party-2's (\d+) rows asked for expected, found ",
+    ):
+        method.train_step(rows, 0, 0)
+    after = list(method.head.module.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(head, after, strict=True))
+    assert all(p.grad is None for p in after)

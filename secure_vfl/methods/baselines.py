@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 from secure_vfl.data.samplers import BatchSampler, loss_normaliser
 from secure_vfl.data.vertical import VerticalData
-from secure_vfl.errors import ConfigError, RunWarning
+from secure_vfl.errors import ConfigError, ProtocolError, RunWarning
 from secure_vfl.federation.aggregator import SumBackend, dense_representations
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import AGGREGATOR
@@ -143,6 +143,15 @@ class ConcatFusionMethod:
             train=train,
         )
         messages = self.fed.take_representations(asked, round=round, batch_id=batch_id)
+        for message in messages:  # the rows each was asked for, no other: its mask column
+            expected = torch.nonzero(mask[:, self.fed.names.index(message.sender)]).flatten()
+            if not torch.equal(message.positions, expected):
+                found = message.positions.numel()
+                raise ProtocolError(
+                    f"{self.fed.own.name}: representations of {message.sender}'s "
+                    f"{expected.numel()} rows asked for expected, found {found}"
+                    f"{' others' if found == expected.numel() else ''} (round {round})."
+                )
         dense, _ = dense_representations(messages, self.fed.names, rows.numel())
         return dense.permute(1, 0, 2)
 
