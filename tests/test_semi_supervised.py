@@ -187,8 +187,14 @@ def test_cli_aligned_labeled_run_records_its_reserve(
     argv = ["train", "--method", "standard", "--dataset", "digits", "--p-miss-train", "0.5"]
     argv += ["--labeled", "200", "--aligned-labeled", "100", "--epochs", "1", "--quiet"]
     assert main([*argv, "--out", str(out)]) == 0
-    assert json.loads((out / "result.json").read_text())["config"]["aligned_labeled"] == 100
-    assert "200 labelled, 100 kept aligned)" in capsys.readouterr().out
+    result = json.loads((out / "result.json").read_text())
+    assert result["config"]["aligned_labeled"] == 100
+    # standard trains on the labelled samples every party holds: the 100 kept aligned at least
+    assert result["trained_on"] >= 100
+    assert (
+        f"200 labelled, 100 kept aligned; trained on the {result['trained_on']} labelled ones "
+        "held by every party)"
+    ) in capsys.readouterr().out
     for flags, refusal in (
         (["--labeled", "99"], "expected `labeled` of at least 100, found 99"),
         (
