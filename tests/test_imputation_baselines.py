@@ -15,7 +15,8 @@ from secure_vfl.data.imputation import (
     load_imputation_dataset,
     make_imputation_task,
 )
-from secure_vfl.errors import DataError
+from secure_vfl.errors import ConfigError, DataError
+from secure_vfl.federation.channel import Channel, RecordingLayer
 from secure_vfl.methods.imputation import (
     IMPUTERS,
     ImputeConfig,
@@ -190,3 +191,26 @@ def test_impute_refuses_rows_of_another_schema(task) -> None:
         imputer.impute(0, task.test[1])
     with pytest.raises(DataError, match=r"`client_index` must be in \[0, 4\). Found 4."):
         imputer.impute(4, task.test[0])
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, "0"])
+@pytest.mark.parametrize("name", ["fedhf", "mice", "dae", "fed-dae"])
+def test_a_seed_that_is_not_a_non_negative_integer_is_refused_before_any_message(
+    task, name, seed
+) -> None:
+    """Regression: a negative seed reached numpy's SeedSequence (a raw ValueError), and MICE's
+    only once fitted, after the statistics had been exchanged."""
+    recorder = RecordingLayer()
+    with pytest.raises(ConfigError, match=r"`seed` must be an integer >= 0\. Found "):
+        IMPUTERS.get(name)(task, TINY, seed=seed, channel=Channel([recorder])).fit()
+    assert recorder.messages == []
+
+
+@pytest.mark.parametrize("name", ["fedhf", "mean"])
+def test_evaluate_refuses_a_seed_that_is_not_a_non_negative_integer(task, name) -> None:
+    standardisation = federated_statistics(task.train).standardisation
+    imputer = IMPUTERS.get(name)(task, TINY, seed=0)
+    imputer.fit()
+    for seed in (-1, 1.5):
+        with pytest.raises(ConfigError, match=r"`seed` must be an integer >= 0\. Found "):
+            evaluate(imputer, task, standardisation=standardisation, seed=seed)  # type: ignore[arg-type]

@@ -20,7 +20,9 @@ RoundCallback = Callable[[int, float], None]
 
 
 def derived_seed(seed: int, *keys: int) -> int:
-    """An independent 63-bit seed for the stream named by ``keys`` under the run's ``seed``."""
+    """An independent 63-bit seed for the stream named by ``keys`` under the run's ``seed``;
+    ConfigError for a ``seed`` that is not an integer >= 0."""
+    seed = checks.integer("seed", seed, low=0)
     state = np.random.SeedSequence([seed, *keys]).generate_state(2, dtype=np.uint32)
     return int((int(state[0]) << 31) ^ int(state[1]))
 

@@ -243,6 +243,7 @@ def make_mice(
     Imputations are clipped to each column's observed training range: on wide, collinear data
     (chorizon, 99 features) the unclipped chained regressions diverge to infinity.
     """
+    states = [derived_seed(seed, 4, k) % 2**32 for k in range(len(task.train))]
     statistics = federated_statistics(
         task.train, aggregator=aggregator, channel=channel, privacy=privacy, roles=roles
     )
@@ -252,7 +253,7 @@ def make_mice(
         statistics.standardisation,
         lambda k, z: IterativeImputer(
             max_iter=MICE_ITERATIONS,
-            random_state=derived_seed(seed, 4, k) % 2**32,
+            random_state=states[k],
             min_value=np.nanmin(z, axis=0),
             # scikit-learn wants min < max; a constant column gets a 1e-6 wide range
             max_value=np.maximum(np.nanmax(z, axis=0), np.nanmin(z, axis=0) + 1e-6),

@@ -117,6 +117,7 @@ class ReconstructionImputer:
         self.task = task
         self.config = config
         self.federated = federated
+        self.rng = np.random.default_rng(derived_seed(seed, 1))  # the cohorts' draws
         if federation is None:
             federation = build_imputation_federation(
                 _task(task).train,
@@ -145,7 +146,6 @@ class ReconstructionImputer:
         without DP)."""
         self.graph = graph
         """The feature graph it published (None: not a graph model)."""
-        self.rng = np.random.default_rng(derived_seed(seed, 1))
         self.best: Tensor | None = None
         self.best_round = 0
         self.theta: Tensor | None = None
