@@ -21,6 +21,7 @@ from secure_vfl.methods.imputation import (
     IMPUTERS,
     ImputeConfig,
     Imputer,
+    ReconstructionImputer,
     evaluate,
     federated_statistics,
     hidden_test_entries,
@@ -214,3 +215,23 @@ def test_evaluate_refuses_a_seed_that_is_not_a_non_negative_integer(task, name) 
     for seed in (-1, 1.5):
         with pytest.raises(ConfigError, match=r"`seed` must be an integer >= 0\. Found "):
             evaluate(imputer, task, standardisation=standardisation, seed=seed)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1.0, 1.5, float("nan"), True])
+@pytest.mark.parametrize("name", ["fedhf", "mean"])
+def test_evaluate_refuses_a_hidden_fraction_outside_0_1_alike_for_every_method(
+    task, name, fraction
+) -> None:
+    """Regression: a method whose clients score themselves refused it as a malformed
+    score-request (a ProtocolError naming the coordinator, after marking a client as asked for
+    a score), while the evaluator's path scored fraction 1 and called 0 too few test rows."""
+    standardisation = federated_statistics(task.train).standardisation
+    imputer = IMPUTERS.get(name)(task, TINY, seed=0)
+    imputer.fit()
+    with pytest.raises(ConfigError, match=r"`fraction` must be in \(0, 1\)\. Found "):
+        evaluate(imputer, task, standardisation=standardisation, seed=0, fraction=fraction)
+    if isinstance(imputer, ReconstructionImputer):
+        with pytest.raises(ConfigError, match=r"`fraction` must be in \(0, 1\)\. Found "):
+            imputer.score(standardisation, seed=0, fraction=fraction)
+        assert imputer.federation.own.scoring == set()
+    assert evaluate(imputer, task, standardisation=standardisation, seed=0)["rmse"] > 0

@@ -18,6 +18,7 @@ from typing import Protocol, TypedDict, runtime_checkable
 
 import numpy as np
 
+from secure_vfl import checks
 from secure_vfl.data.imputation import ClientData, ImputationTask, hide_entries
 from secure_vfl.errors import DataError
 from secure_vfl.methods.imputation.base import Imputer, derived_seed
@@ -76,6 +77,12 @@ class ScoredErrors:
 SCORE_STREAM = 5
 """The key of the test draws' seeds under the run's seed (:func:`~secure_vfl.methods.imputation.
 base.derived_seed`; 0 to 4 are the clients' training streams and MICE's)."""
+
+
+def checked_fraction(fraction: object) -> float:
+    """``fraction``, if it is a share of the test entries that can be hidden and scored: in
+    (0, 1), for every method alike (a self-scoring client refuses any other); else ConfigError."""
+    return checks.real("fraction", fraction, low=0, high=1, low_open=True, high_open=True)
 
 
 def score_seed(seed: int, client_index: int) -> int:
@@ -207,7 +214,9 @@ def evaluate(
 ) -> ImputationScores:
     """Score ``imputer`` on the hidden test entries; a fitted imputer is expected. One whose
     clients score themselves is asked to (by messages); any other imputes each client's
-    corrupted test rows here. Both see the same entries and give the same scores."""
+    corrupted test rows here. Both see the same entries and give the same scores. ConfigError,
+    before anything is asked, for a ``fraction`` outside (0, 1)."""
+    fraction = checked_fraction(fraction)
     std = standardisation.std
     if isinstance(imputer, SelfScoring):
         scored = imputer.score(standardisation, seed=seed, fraction=fraction)

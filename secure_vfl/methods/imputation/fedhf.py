@@ -43,7 +43,7 @@ from secure_vfl.methods.imputation.clients import (
     TrainingPlan,
     flat_parameters,
 )
-from secure_vfl.methods.imputation.evaluation import ScoredErrors, score_seed
+from secure_vfl.methods.imputation.evaluation import ScoredErrors, checked_fraction, score_seed
 from secure_vfl.methods.imputation.federation import (
     ImputationFederation,
     build_imputation_federation,
@@ -287,7 +287,9 @@ class ReconstructionImputer:
         """Each client scores its (best-validation) model on its own test rows, its hidden
         entries drawn by its own generator (:func:`~secure_vfl.methods.imputation.evaluation.
         score_seed`): its squared error and count, by messages, and per feature their sum over
-        the clients (see :class:`~secure_vfl.methods.imputation.evaluation.SelfScoring`)."""
+        the clients (see :class:`~secure_vfl.methods.imputation.evaluation.SelfScoring`).
+        ConfigError, before any message, for a ``fraction`` outside (0, 1)."""
+        fraction = checked_fraction(fraction)
         self._scorings += 1
         return self.federation.score(
             standardisation.std,
