@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from protocols.secagg import MaskingAggregator
 from secure_vfl.data.imputation import ClientData, ImputationTask
+from secure_vfl.errors import ConfigError
 from secure_vfl.federation.aggregator import PlainAggregator
 from secure_vfl.federation.channel import Channel, RecordingLayer
 from secure_vfl.federation.messages import (
@@ -344,6 +345,28 @@ def test_fedhf_model_updates_travel_only_through_the_seam_with_client_sampling()
         ("best", first + 3),
     ]
     assert len(downloads) == 4 * 4 and all(m.parameters.shape == (size,) for m in downloads)
+
+
+@pytest.mark.parametrize("name", ["fedhf", "fed-dae"])
+def test_a_secure_fedavg_cohort_of_one_client_is_refused_before_any_message(name: str) -> None:
+    """Regression: a client_fraction that samples one client a round under a secure sum ran the
+    statistics, then failed the first round with a client's refusal to seal a sum of one ("task
+    0, row 0"), naming neither the setting nor the fraction that works."""
+    task = synthetic_task(rows=20, test_rows=5, features=6)
+    recorder = RecordingLayer()
+    lone = ImputeConfig(rounds=1, local_epochs=1, hidden=8, layers=1, client_fraction=0.25)
+    with pytest.raises(
+        ConfigError,
+        match=r"`client_fraction` 0\.25 of 4 clients samples 1 a round; a secure sum \(masks\) "
+        r"needs at least 2 .* expected a client_fraction of at least 0\.375\.",
+    ):
+        IMPUTERS.get(name)(
+            task, lone, seed=0, aggregator=MaskingAggregator(), channel=Channel([recorder])
+        )
+    assert recorder.messages == []
+    IMPUTERS.get(name)(task, lone, seed=0).fit()  # plain sums take a cohort of one
+    pair = ImputeConfig(rounds=1, local_epochs=1, hidden=8, layers=1, client_fraction=0.375)
+    IMPUTERS.get(name)(task, pair, seed=0, aggregator=MaskingAggregator()).fit()
 
 
 @pytest.fixture(scope="module")

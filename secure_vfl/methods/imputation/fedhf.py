@@ -15,6 +15,7 @@ the clients' sizes, which keeps model updates inside the secure backends' fixed-
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ from torch import Tensor, nn
 
 from secure_vfl.data.imputation import ClientData, ImputationTask
 from secure_vfl.errors import ConfigError, ProtocolError
-from secure_vfl.federation.aggregator import SumBackend
+from secure_vfl.federation.aggregator import SealingScheme, SumBackend
 from secure_vfl.federation.channel import Channel
 from secure_vfl.methods.base import isolated_seed
 from secure_vfl.methods.imputation.base import (
@@ -61,6 +62,24 @@ from secure_vfl.models.feature_graph import FeatureGraph, FeatureGraphImputer
 from secure_vfl.registry import Registry
 
 _NO_ARGUMENTS = np.zeros(0)
+
+
+def cohort_size(client_fraction: float, clients: int) -> int:
+    """How many of ``clients`` a FedAvg round samples: ``client_fraction`` of them, rounded half
+    up, at least 1."""
+    return max(1, int(client_fraction * clients + 0.5))
+
+
+def _check_cohort(client_fraction: float, clients: int, scheme: str) -> None:
+    """ConfigError when a round would sample one client of several under a secure sum, which
+    refuses a sum of one (it is that client's update in the clear)."""
+    if scheme and clients >= 2 and cohort_size(client_fraction, clients) < 2:
+        least = math.ceil(1.5 / clients * 1e4) / 1e4  # samples 2, even shown to 4 decimals
+        raise ConfigError(
+            f"`client_fraction` {client_fraction:g} of {clients} clients samples 1 a round; a "
+            f"secure sum ({scheme}) needs at least 2 (the sum of one is its update in the clear): "
+            f"expected a client_fraction of at least {least:g}."
+        )
 
 
 def _message_round(round: int) -> int:
@@ -118,6 +137,11 @@ class ReconstructionImputer:
         self.config = config
         self.federated = federated
         self.rng = np.random.default_rng(derived_seed(seed, 1))  # the cohorts' draws
+        if federated:
+            if federation is not None:
+                _check_cohort(config.client_fraction, len(federation.names), federation.scheme)
+            elif isinstance(aggregator, SealingScheme):
+                _check_cohort(config.client_fraction, len(_task(task).train), aggregator.scheme)
         if federation is None:
             federation = build_imputation_federation(
                 _task(task).train,
@@ -172,7 +196,7 @@ class ReconstructionImputer:
     def _sample_clients(self) -> list[str]:
         """The cohort S_t: a uniformly random share ``client_fraction`` of the clients."""
         names = self.federation.names
-        count = max(1, int(self.config.client_fraction * len(names) + 0.5))
+        count = cohort_size(self.config.client_fraction, len(names))
         chosen = self.rng.choice(len(names), size=count, replace=False)
         return [names[k] for k in sorted(int(k) for k in chosen)]
 
