@@ -125,7 +125,8 @@ class PerClientSklearnImputer:
             z = self.standardisation.standardise(client.values)[:, columns].astype(np.float64)
             estimator = self.make_estimator(k, z)
             with warnings.catch_warnings():
-                # IterativeImputer warns when max_iter (fixed at 10, as the paper) is reached.
+                # IterativeImputer warns when max_iter (fixed at 10; the paper gives no
+                # count) is reached.
                 warnings.simplefilter("ignore", ConvergenceWarning)
                 estimator.fit(z)
             self.estimators[k] = estimator
