@@ -18,10 +18,20 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 QUICK_NOTE = (
-    "**A `--quick` smoke run**: subsets and epochs far too small to reproduce anything; the "
-    "pattern checks and the target below are printed to exercise the code, not as results.\n\n"
+    "**A `--quick` smoke run**: sizes, steps and epochs far too small to measure or reproduce "
+    "anything; the figures, checks and targets below are printed to exercise the code, not as "
+    "results.\n\n"
 )
 """Heads a --quick run's results: a smoke run, not a result."""
+
+
+def quick_marked(text: str, quick: bool) -> str:
+    """A report ``text`` with :data:`QUICK_NOTE` after its title where it comes from a
+    ``--quick`` run, so that neither what it prints nor a ``*_quick`` file reads as a result."""
+    if not quick:
+        return text
+    title, _, rest = text.partition("\n\n")
+    return f"{title}\n\n{QUICK_NOTE}{rest}"
 
 
 def run_jobs(

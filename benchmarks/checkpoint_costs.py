@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _shared import RESULTS, child_env, command_line, output_directory, write_outputs
+from _shared import RESULTS, child_env, command_line, output_directory, quick_marked, write_outputs
 
 from secure_vfl.cli import positive_int
 
@@ -163,6 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "it can be milliseconds.",
     ]
     text = "\n".join(lines) + "\n"
+    text = quick_marked(text, args.quick)
     print(text)
     if not args.quick:
         payload = {"rows": rows, "journal_line_ms": line, "repeats": repeats, "load": load}

@@ -45,7 +45,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _shared import RESULTS, Processes, child_env, command_line, output_directory, write_outputs
+from _shared import (
+    RESULTS,
+    Processes,
+    child_env,
+    command_line,
+    output_directory,
+    quick_marked,
+    write_outputs,
+)
 
 from secure_vfl.cli import positive_int
 
@@ -461,6 +469,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     runs.append({**run, "repeat": repeat})
     rows = summarise(runs)
     text = _table(rows, argv, (load_before, os.getloadavg()), epochs)
+    text = quick_marked(text, args.quick)
     print(text)
     if not args.quick:
         write_outputs(args.out, args.stem, text, {"rows": rows, "runs": runs})

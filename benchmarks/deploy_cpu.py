@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _shared import RESULTS, child_env, command_line, output_directory, write_outputs
+from _shared import RESULTS, child_env, command_line, output_directory, quick_marked, write_outputs
 from deploy_costs import (
     PARTIES,
     SUMS,
@@ -207,6 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             alone = next(r for r in rows if r["sums"] == row["sums"] and r["mode"] == "in-process")
             row["bound"] = row["cpu"] / cores / alone["wall"]
     text = _table(rows, argv, (short, long))
+    text = quick_marked(text, args.quick)
     print(text)
     if not args.quick:
         write_outputs(args.out, args.stem, text, {"rows": rows, "runs": list(measured.items())})

@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from _shared import RESULTS, command_line, output_directory, write_outputs
+from _shared import RESULTS, command_line, output_directory, quick_marked, write_outputs
 
 from attacks.dp_audit import GUESS_COUNTS, audit_ceiling, audit_label_dp
 from secure_vfl.cli import non_negative_int, open_probability, positive_float, positive_int
@@ -193,6 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "all_as_expected": all(expected(row) for row in rows),
     }
     text = render(rows, args, command, top)
+    text = quick_marked(text, args.quick)
     write_outputs(args.out, "dp_audit_quick" if args.quick else "dp_audit", text, payload)
     print(text)
     return (

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, cast
 
-from _shared import RESULTS, PortServer, command_line, output_directory, write_outputs
+from _shared import RESULTS, PortServer, command_line, output_directory, quick_marked, write_outputs
 
 from secure_vfl.cli import positive_int
 
@@ -267,6 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for heads in ("all", "active")
         ]
     text = _table(rows, argv, (load_before, os.getloadavg()[0]))
+    text = quick_marked(text, args.quick)
     print(text)
     if not args.quick:
         write_outputs(args.out, "grpc_costs", text, {"rows": rows})

@@ -40,7 +40,7 @@ from concurrent import futures
 from pathlib import Path
 from typing import Any
 
-from _shared import RESULTS, PortServer, command_line, output_directory, write_outputs
+from _shared import RESULTS, PortServer, command_line, output_directory, quick_marked, write_outputs
 from grpc_costs import _readdressed, record_step_messages, serve_dropping
 
 TRANSPORTS = ("endpoint", "grpc unary", "grpc stream")
@@ -297,6 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = measure_all(steps=steps, repeats=repeats, directory=Path(directory))
     command = command_line("grpc_floor.py", argv)
     text = render(result, command)
+    text = quick_marked(text, args.quick)
     stem = "grpc_floor_quick" if args.quick else "grpc_floor"  # never over the committed result
     write_outputs(args.out, stem, text, {"command": command, **result})
     print(text)

@@ -26,7 +26,7 @@ from multiprocessing import get_context
 from typing import Any, Literal
 
 import numpy as np
-from _shared import RESULTS, command_line, output_directory, write_outputs
+from _shared import RESULTS, command_line, output_directory, quick_marked, write_outputs
 
 from secure_vfl.cli import parties_count
 
@@ -169,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             fast, slow = step_rows[(k, batching, True)], step_rows[(k, batching, False)]
             lines.append(f"| {k} | {batching} | {fast:.2f} | {slow:.2f} | {slow / fast:.2f}x |")
     text = "\n".join(lines) + "\n"
+    text = quick_marked(text, args.quick)
     stem = "laser_speed_quick" if args.quick else "laser_speed"
     write_outputs(args.out, stem, text, {"command": command, "results": results})
     print(text)

@@ -35,7 +35,7 @@ from typing import Any, cast
 
 import numpy as np
 import torch
-from _shared import RESULTS, command_line, output_directory, write_outputs
+from _shared import RESULTS, command_line, output_directory, quick_marked, write_outputs
 from psi_costs import table as psi_table_lines
 from psi_costs import target_line as psi_target_line
 
@@ -479,6 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     payload["dp"] = dp_training(epochs, repeats)
     payload["dp_command"] = command
     text = report(payload, steps=steps, train_epochs=train_epochs, subset=subset)
+    text = quick_marked(text, args.quick)
     write_outputs(args.out, stem, text, payload)
     print(text)
     return 0

@@ -42,7 +42,7 @@ from multiprocessing import get_context
 from typing import Any
 
 import numpy as np
-from _shared import RESULTS, command_line, output_directory, write_outputs
+from _shared import RESULTS, command_line, output_directory, quick_marked, write_outputs
 
 from secure_vfl.cli import positive_int, seed
 from secure_vfl.errors import ConfigError
@@ -292,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         target_line(rows),
     ]
     text = "\n".join(lines) + "\n"
+    text = quick_marked(text, args.quick)
     stem = "psi_costs_quick" if args.quick else "psi_costs"
     write_outputs(args.out, stem, text, {"command": command, "psi": rows})
     print(text)

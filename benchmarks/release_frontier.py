@@ -28,7 +28,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _shared import RESULTS, command_line, output_directory, run_jobs, save_figure, write_outputs
+from _shared import (
+    RESULTS,
+    command_line,
+    output_directory,
+    quick_marked,
+    run_jobs,
+    save_figure,
+    write_outputs,
+)
 
 from secure_vfl.cli import positive_float, positive_int, seed
 
@@ -263,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         f"Best `--release dp` run at epsilon <= 8 within 3 points of plaintext on every test "
         f"missingness: **{'yes' if within else 'no'}**.\n"
     )
+    text = quick_marked(text, args.quick)
     stem = "release_frontier_quick" if args.quick else "release_frontier"
     write_outputs(args.out, stem, text, {"command": command, "results": results, "checks": checks})
     plot(results, args.out / f"{stem}.png")

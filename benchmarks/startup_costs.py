@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _shared import RESULTS, command_line, output_directory, write_outputs
+from _shared import RESULTS, command_line, output_directory, quick_marked, write_outputs
 
 from secure_vfl.cli import positive_int
 
@@ -101,6 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"imports {', '.join(SERVED)}; with DP-SGD also protocols.dp_sgd (Opacus).",
     ]
     text = "\n".join(lines) + "\n"
+    text = quick_marked(text, args.quick)
     print(text)
     if not args.quick:
         write_outputs(args.out, "startup_costs", text, {"rows": rows, "repeats": repeats})

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _shared import RESULTS, command_line, output_directory, run_jobs, write_outputs
+from _shared import RESULTS, command_line, output_directory, quick_marked, run_jobs, write_outputs
 
 from secure_vfl.cli import positive_int
 
@@ -212,6 +212,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{len(finished)} of {len(jobs)} jobs already done in {done}; running the rest")
     results = finished + run_jobs(run_task, pending, workers=args.workers)
     text = render(results, command_line("suite_table.py", argv))
+    text = quick_marked(text, args.quick)
     print(text)
     if not args.quick:
         write_outputs(args.out, "attack_suite", text, {"results": results})

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import numpy as np
-from _shared import RESULTS, command_line, output_directory, write_outputs
+from _shared import RESULTS, command_line, output_directory, quick_marked, write_outputs
 
 from secure_vfl.cli import positive_int
 
@@ -385,6 +385,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "Python would give.",
     ]
     text = "\n".join(lines) + "\n"
+    text = quick_marked(text, args.quick)
     print(text)
     if not args.quick:
         write_outputs(

@@ -25,22 +25,47 @@ QUICK = [
 ]
 
 
-@pytest.mark.parametrize("script", QUICK)
-def test_a_benchmark_runs_its_quick_mode(script: str, tmp_path: Path) -> None:
-    out = tmp_path / "out"
+@pytest.fixture(scope="module", params=QUICK)
+def quick_run(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """A script's ``--quick`` run (run once for every test of it) and its ``--out``."""
+    work = tmp_path_factory.mktemp(Path(request.param).stem)
+    out = work / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg"}
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), "--quick", "--out", str(out)],
-        cwd=tmp_path,
+        [sys.executable, str(ROOT / "benchmarks" / request.param), "--quick", "--out", str(out)],
+        cwd=work,
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
         check=False,
     )
+    return done, out
+
+
+def test_a_benchmark_runs_its_quick_mode(
+    quick_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    done, out = quick_run
+    script = Path(done.args[1]).name
     assert done.returncode == 0, done.stderr[-2000:]
     assert "|" in done.stdout  # its table
     assert "Traceback" not in done.stderr
     written = {path.name for path in out.rglob("*")} if out.exists() else set()
     assert not [name for name in written if name.endswith(".tmp")], written  # atomic writes
     assert not (ROOT / "benchmarks" / "results" / f"{Path(script).stem}_quick.md").exists()
+
+
+def test_a_quick_run_says_it_is_a_smoke_run(
+    quick_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    """dp_audit's, psi_costs' and release_frontier's --quick reports (written as *_quick beside
+    the committed results) and wire_costs' and startup_costs' printed ones read as results:
+    "All as expected", a target missed, a verdict from one epoch."""
+    done, out = quick_run
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "**A `--quick` smoke run**" in done.stdout
+    for report in out.glob("*.md"):
+        assert "**A `--quick` smoke run**" in report.read_text(), report.name
