@@ -18,8 +18,9 @@ from pathlib import Path
 
 from attacks.suite import markdown, run_suite
 from secure_vfl.cli import positive_int, seed
+from secure_vfl.errors import ConfigError
 from secure_vfl.experiment import TrainConfig
-from secure_vfl.io import atomic_write
+from secure_vfl.io import atomic_write, check_directory
 from secure_vfl.methods import MethodConfig
 
 DEFENSES = ("dp-gradients:1:0.01", "marvell:4", "gradient-sparsification:0.9")
@@ -65,6 +66,10 @@ def main() -> int:
         "--out", type=Path, default=Path("runs") / "attack-suite-demo", help="output directory"
     )
     args = parser.parse_args()
+    try:  # before the runs, not when their first file is written
+        check_directory("--out", args.out)
+    except ConfigError as error:
+        parser.error(str(error))
     config = TrainConfig(
         method="standard",
         dataset="german-credit",

@@ -22,13 +22,14 @@ from pathlib import Path
 
 from protocols.privacy import PrivacyEngine, PrivacySpec
 from secure_vfl.cli import positive_int, seed
+from secure_vfl.errors import ConfigError
 from secure_vfl.experiment import (
     ImputeResult,
     ImputeRunConfig,
     prepare_imputation_task,
     run_imputation,
 )
-from secure_vfl.io import atomic_write
+from secure_vfl.io import atomic_write, check_directory
 from secure_vfl.methods.imputation import ImputeConfig
 
 # mlbench's description of the Ozone columns the dataset keeps (the first three are the date):
@@ -93,6 +94,10 @@ def main() -> int:
         "--out", type=Path, default=Path("runs") / "imputation-demo", help="output directory"
     )
     args = parser.parse_args()
+    try:  # before the runs, not when their first file is written
+        check_directory("--out", args.out)
+    except ConfigError as error:
+        parser.error(str(error))
     impute_config = ImputeConfig(rounds=args.rounds)
     base = ImputeRunConfig(method="mean", dataset="ozone", seed=args.seed)
     task = prepare_imputation_task(base)  # the same sites and missing values for every method

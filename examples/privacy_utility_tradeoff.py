@@ -18,7 +18,9 @@ from pathlib import Path
 
 from attacks.sweep import run_sweep, write_sweep
 from secure_vfl.cli import positive_int
+from secure_vfl.errors import ConfigError
 from secure_vfl.experiment import TrainConfig
+from secure_vfl.io import check_directory
 from secure_vfl.methods import MethodConfig
 
 
@@ -31,6 +33,10 @@ def main() -> int:
         "--out", type=Path, default=Path("runs") / "privacy-utility-demo", help="output directory"
     )
     args = parser.parse_args()
+    try:  # before the runs, not when their first file is written
+        check_directory("--out", args.out)
+    except ConfigError as error:
+        parser.error(str(error))
     config = TrainConfig(
         method="standard",
         dataset="german-credit",

@@ -48,6 +48,8 @@ from sklearn.datasets import load_digits
 
 from secure_vfl.cli import main as secure_vfl
 from secure_vfl.cli import positive_float, positive_int, seed
+from secure_vfl.errors import ConfigError
+from secure_vfl.io import check_directory
 from secure_vfl.runs import columns as table_columns
 
 PARTIES = 4
@@ -96,6 +98,11 @@ def main() -> None:
     parser.add_argument("--seed", type=seed, default=0)
     parser.add_argument("--workdir", type=Path, help="keep the files and results here")
     args = parser.parse_args()
+    if args.workdir is not None:
+        try:  # before the runs, not when their first file is written
+            check_directory("--workdir", args.workdir)
+        except ConfigError as error:
+            parser.error(str(error))
 
     with tempfile.TemporaryDirectory() as scratch:
         workdir = args.workdir or Path(scratch)

@@ -311,3 +311,31 @@ def test_every_committed_benchmark_result_carries_the_command_that_made_it(
     with pytest.raises(ValueError, match="without the command that made them"):
         write_outputs(tmp_path, "unsaid", "# T\n", {"a": 1})
     assert not (tmp_path / "unsaid.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("name", "args"),
+    [
+        ("attack_suite.py", ["--epochs", "1", "--out"]),
+        ("federated_imputation.py", ["--rounds", "1", "--out"]),
+        ("privacy_utility_tradeoff.py", ["--epochs", "1", "--seeds", "1", "--out"]),
+        ("secure_training_demo.py", ["--epochs", "1", "--workdir"]),
+    ],
+)
+def test_an_example_refuses_an_output_directory_that_is_a_file_before_its_runs(
+    name: str, args: list[str], tmp_path: Path
+) -> None:
+    # They trained, then ended in a traceback (FileExistsError, OutputError) at their first write.
+    taken = tmp_path / "taken"
+    taken.write_text("precious\n")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name), *args, str(taken)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    assert f"{args[-1]} {taken} is a file; a directory" in done.stderr
+    assert done.stdout == ""  # nothing ran
+    assert taken.read_text() == "precious\n"
