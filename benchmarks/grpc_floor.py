@@ -284,7 +284,7 @@ def render(result: dict[str, Any], command: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a smoke run (fewer steps)")
     parser.add_argument("--serve", choices=TRANSPORTS, help=argparse.SUPPRESS)
     parser.add_argument("--certs", type=Path, help=argparse.SUPPRESS)

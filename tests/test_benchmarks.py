@@ -5,6 +5,7 @@ start party processes) and the slow ones are left to their own runs."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -69,3 +70,40 @@ def test_a_quick_run_says_it_is_a_smoke_run(
     assert "**A `--quick` smoke run**" in done.stdout
     for report in out.glob("*.md"):
         assert "**A `--quick` smoke run**" in report.read_text(), report.name
+
+
+def test_every_benchmark_help_gives_its_description_whole() -> None:
+    """false_table's, grpc_floor's and suite_table's --help stopped their description mid-
+    sentence ("... (Fashion-MNIST block, trained"): the first line of a docstring whose first
+    sentence runs over two."""
+    scripts = sorted(str(path) for path in (ROOT / "benchmarks").glob("[a-z]*.py"))
+    shown = subprocess.run(
+        [sys.executable, "-c", _HELP_OF_EACH, str(ROOT / "benchmarks"), *scripts],
+        env={**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "100"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    helps = json.loads(shown.stdout)
+    assert len(helps) == len(scripts) >= 16
+    cut = {}
+    for script, text in helps.items():
+        description = text.split("\n\n")[1]  # after the usage lines, before the options
+        if not description.rstrip().endswith("."):
+            cut[Path(script).name] = description
+    assert not cut, cut
+
+
+_HELP_OF_EACH = """
+import contextlib, io, json, runpy, sys
+sys.path.insert(0, sys.argv[1])
+helps = {}
+for script in sys.argv[2:]:
+    sys.argv = [script, "--help"]
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown), contextlib.suppress(SystemExit):
+        runpy.run_path(script, run_name="__main__")
+    helps[script] = shown.getvalue()
+print(json.dumps(helps))
+"""
