@@ -112,7 +112,11 @@ def add_site_arguments(parser: argparse.ArgumentParser, stem: str) -> None:
 def wrote_site_only(parser: argparse.ArgumentParser, args: argparse.Namespace) -> bool:
     """Write the site if ``--write-site`` asks (then the script stops); check ``--site``'s."""
     if args.write_site is not None:
-        args.write_site.mkdir(parents=True, exist_ok=False)
+        try:
+            args.write_site.mkdir(parents=True, exist_ok=False)
+        except OSError as error:
+            found = "it exists" if args.write_site.exists() else error.strerror or str(error)
+            parser.error(f"--write-site {args.write_site}: a new directory expected; {found}.")
         write_site(args.write_site)
         print(f"wrote the party files and certificates to {args.write_site}")
         return True

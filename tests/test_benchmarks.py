@@ -107,3 +107,28 @@ for script in sys.argv[2:]:
     helps[script] = shown.getvalue()
 print(json.dumps(helps))
 """
+
+
+@pytest.mark.parametrize("script", ["deploy_costs.py", "deploy_cpu.py"])
+def test_write_site_refuses_a_directory_that_exists(script: str, tmp_path: Path) -> None:
+    """--write-site DIR (a new directory) given one that exists, or a file, ended in a
+    FileExistsError traceback."""
+    taken = tmp_path / "site"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("mine\n")
+    afile = tmp_path / "afile"
+    afile.write_text("mine\n")
+    for target in (taken, afile):
+        done = subprocess.run(
+            [sys.executable, str(ROOT / "benchmarks" / script), "--write-site", str(target)],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert "Traceback" not in done.stderr
+        assert f"--write-site {target}: a new directory expected" in done.stderr
+    assert [path.name for path in taken.iterdir()] == ["notes.txt"]
+    assert afile.read_text() == "mine\n"
