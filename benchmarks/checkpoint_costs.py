@@ -107,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=output_directory, default=RESULTS)
     args = parser.parse_args(argv)
     short, long, repeats = (1, 2, 1) if args.quick else (args.short, args.long, args.repeats)
+    if not short < long:  # an epoch's cost is the long runs less the short ones
+        parser.error(f"--short < --long expected; found {short} and {long}.")
     load_before = os.getloadavg()[0]
     samples: dict[str, list[dict[str, float]]] = {config: [] for config in CONFIGS}
     with tempfile.TemporaryDirectory(prefix="checkpoint-costs-") as tmp:

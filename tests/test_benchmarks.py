@@ -132,3 +132,24 @@ def test_write_site_refuses_a_directory_that_exists(script: str, tmp_path: Path)
         assert f"--write-site {target}: a new directory expected" in done.stderr
     assert [path.name for path in taken.iterdir()] == ["notes.txt"]
     assert afile.read_text() == "mine\n"
+
+
+@pytest.mark.parametrize(("short", "long"), [("2", "2"), ("3", "2")])
+def test_checkpoint_costs_refuses_a_long_run_no_longer_than_the_short_one(
+    short: str, long: str, tmp_path: Path
+) -> None:
+    """Its per-epoch costs are the long runs less the short ones: --short 2 --long 2 divided by
+    zero after two trainings (a traceback), --short 3 --long 2 reported negative epochs."""
+    script = str(ROOT / "benchmarks" / "checkpoint_costs.py")
+    done = subprocess.run(
+        [sys.executable, script, "--short", short, "--long", long, "--out", str(tmp_path / "out")],
+        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 2, (done.stdout[-1000:], done.stderr[-2000:])
+    assert "Traceback" not in done.stderr
+    assert f"--short < --long expected; found {short} and {long}" in done.stderr
+    assert not (tmp_path / "out").exists()
