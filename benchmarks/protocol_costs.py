@@ -467,7 +467,18 @@ def main(argv: list[str] | None = None) -> int:
         kept = args.out / f"{stem}.json"
         if not kept.is_file():
             parser.error(f"--only dp keeps the other sections of {kept}; it does not exist.")
-        payload = json.loads(kept.read_text())
+        try:
+            payload = json.loads(kept.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+            parser.error(
+                f"--only dp keeps the other sections of {kept}; it cannot be read: {error}"
+            )
+        sections = ("command", "secure_sums", "secure_training", "psi")
+        if not isinstance(payload, dict) or not all(key in payload for key in sections):
+            parser.error(
+                f"--only dp keeps the other sections of {kept}; it holds no {', '.join(sections)}"
+                " (the JSON protocol_costs.py writes expected)."
+            )
     else:
         psi_sizes = [10_000] if args.quick else [10_000, 100_000, 1_000_000]
         payload = {
