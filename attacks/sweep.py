@@ -417,11 +417,16 @@ def markdown(
         failed = f" (failed: {row['failed']})" if row["failed"] else ""
         epsilon = row["epsilon"]
         shown = "-" if epsilon is None else ("inf" if math.isinf(epsilon) else f"{epsilon:.2f}")
+
+        def spread(key: str, digits: int, scale: float = 1.0, row: dict[str, Any] = row) -> str:
+            # one seed scored has no spread to show (0 would say the seeds agreed)
+            sd = "-" if row["seeds"] < 2 else f"{scale * row[f'{key}_sd']:.{digits}f}"
+            return f"{scale * row[key]:.{digits}f} ± {sd}"
+
         lines.append(
             f"| {row['template']} | {row['setting']} | {row['seeds']}{failed} | "
-            f"{100 * row['main_accuracy']:.2f} ± {100 * row['main_accuracy_sd']:.2f} | "
-            f"{row['attack']:.3f} ± {row['attack_sd']:.3f} | "
-            f"{row['performance']:.3f} ± {row['performance_sd']:.3f} | {shown} | "
+            f"{spread('main_accuracy', 2, 100)} | {spread('attack', 3)} | "
+            f"{spread('performance', 3)} | {shown} | "
             f"{row['dcs']:.3f} | {row['dcs_chance']:.3f} |"
         )
     lines += ["", EPSILON_NOTE]

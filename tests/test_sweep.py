@@ -264,6 +264,8 @@ def test_a_diverged_run_is_counted_not_averaged(tmp_path: Path) -> None:
     assert table[1] == {"template": ok["template"], "setting": "SIGMA=3", "seeds": 0, "failed": 1}
     text, plots = write_sweep(rows, tmp_path, attack="norm-scoring", command="test")
     assert "| SIGMA=1 | 1 (failed: 1) |" in text and "| SIGMA=3 | 0 (failed: 1) |" in text
+    # one seed scored has no spread: "± 0.00" said the seeds agreed
+    assert "| 1 (failed: 1) | 70.00 ± - | 0.600 ± - | 0.600 ± - | 2.00 |" in text
     assert "- d seed 1: training diverged: non-finite" in text  # each run not scored, with why
     assert all(path.exists() for path in plots)
 
