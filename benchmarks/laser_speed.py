@@ -69,7 +69,10 @@ def run(job: Job) -> dict[str, Any]:
     data = prepare_data(config)
     before = _rss_mib()
     method = build_method(config, data)
+    import torch
+
     out: dict[str, Any] = dataclasses.asdict(job)
+    out["threads"] = torch.get_num_threads()  # torch's default in this process
     if job.kind == "epoch":
         times: list[float] = []
         last = [time.perf_counter()]
@@ -104,8 +107,16 @@ def run(job: Job) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--parties", nargs="+", type=parties_count, default=[2, 4, 6, 8])
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--parties",
+        nargs="+",
+        type=parties_count,
+        default=[2, 4, 6, 8],
+        help="the numbers of parties of the epoch-time table (default: 2 4 6 8)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run: fewer epochs and steps (not a result)"
+    )
     parser.add_argument("--out", type=output_directory, default=RESULTS)
     args = parser.parse_args(argv)
 
@@ -135,7 +146,9 @@ def main(argv: list[str] | None = None) -> int:
         "# LASER-VFL speed and memory",
         "",
         f"Command: `{command}`  ",
-        "Satellite (4435 training rows), train p_miss 0.1, batch 128, torch threads: default (2). "
+        "Satellite (4435 training rows), train p_miss 0.1, batch 128, torch threads: "
+        f"{', '.join(str(t) for t in sorted({r['threads'] for r in results}))} (torch's default "
+        "in each run's process). "
         "Epoch time is the median over "
         f"{epochs} epochs; peak memory is the process's maximum RSS growth once data is loaded.",
         "",
