@@ -29,7 +29,7 @@ Paillier (2048-bit) takes about 9 s a training step here, mostly the senders' r^
 obfuscators: around 20 minutes for the default 10 epochs.
 
     python examples/secure_training_demo.py [--secure-agg masks|paillier|ckks] [--epochs N]
-        [--target-epsilon E] [--seed S] [--workdir DIR]
+        [--target-epsilon E] [--seed S] [--workdir DIR [--overwrite]]
 """
 
 from __future__ import annotations
@@ -97,12 +97,25 @@ def main() -> None:
     parser.add_argument("--target-epsilon", type=positive_float, default=8.0)
     parser.add_argument("--seed", type=seed, default=0)
     parser.add_argument("--workdir", type=Path, help="keep the files and results here")
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the files and runs an earlier demo left in --workdir",
+    )
     args = parser.parse_args()
     if args.workdir is not None:
         try:  # before the runs, not when their first file is written
             check_directory("--workdir", args.workdir)
         except ConfigError as error:
             parser.error(str(error))
+        names = [f"party-{k}.csv" for k in range(PARTIES)] + ["labels.csv"]
+        names += [f"run-{i}" for i in range(3)]
+        existing = [str(args.workdir / name) for name in names if (args.workdir / name).exists()]
+        if existing and not args.overwrite:
+            parser.error(
+                f"{', '.join(existing[:3])}{' ...' if len(existing) > 3 else ''} exist; expected "
+                "a new --workdir (or --overwrite to replace them)."
+            )
 
     with tempfile.TemporaryDirectory() as scratch:
         workdir = args.workdir or Path(scratch)

@@ -339,3 +339,17 @@ def test_an_example_refuses_an_output_directory_that_is_a_file_before_its_runs(
     assert f"{args[-1]} {taken} is a file; a directory" in done.stderr
     assert done.stdout == ""  # nothing ran
     assert taken.read_text() == "precious\n"
+
+
+def test_the_secure_training_demo_keeps_an_earlier_demos_files_unless_told(tmp_path: Path) -> None:
+    """--workdir replaced the party files, labels and runs an earlier demo left there, silently
+    (own_party_files.py refuses them without --overwrite, as this does now)."""
+    (tmp_path / "labels.csv").write_text("id,label\nmine,1\n")
+    argv = [sys.executable, str(ROOT / "examples" / "secure_training_demo.py")]
+    argv += ["--epochs", "1", "--workdir", str(tmp_path)]
+    done = subprocess.run(argv, capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"{tmp_path / 'labels.csv'} exist; expected a new --workdir (or --overwrite" in (
+        done.stderr
+    )
+    assert done.stdout == "" and (tmp_path / "labels.csv").read_text() == "id,label\nmine,1\n"
