@@ -392,3 +392,14 @@ def test_fedhf_beats_column_means_on_correlated_data(trained_fedhf) -> None:
         baseline = IMPUTERS.get(name)(task, QUICK, seed=0)
         scores = evaluate(baseline, task, standardisation=standardisation, seed=0)
         assert fedhf["rmse"] < 0.9 * scores["rmse"], (name, fedhf["rmse"], scores["rmse"])
+
+
+@pytest.mark.parametrize("name", ["fedhf", "fed-dae", "dae"])
+def test_an_imputer_trains_once(name: str) -> None:
+    """A second fit() of fedhf or fed-dae was refused as a replay of round 1 (a ProtocolError
+    about a message, not about the call); dae trained R more rounds from its first best."""
+    task = synthetic_task(rows=20, test_rows=5, features=6)
+    imputer = IMPUTERS.get(name)(task, ImputeConfig(rounds=2, hidden=8, layers=1), seed=0)
+    assert len(imputer.fit()) == 2
+    with pytest.raises(ConfigError, match=rf"{name}: fit\(\) was called on this imputer already"):
+        imputer.fit()

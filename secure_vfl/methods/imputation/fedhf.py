@@ -172,6 +172,7 @@ class ReconstructionImputer:
         """The feature graph it published (None: not a graph model)."""
         self.best: Tensor | None = None
         self.best_round = 0
+        self._fitted = False  # an imputer trains once (fit)
         self.theta: Tensor | None = None
         self.total_rows = 0
         if federated:
@@ -275,7 +276,15 @@ class ReconstructionImputer:
         """R rounds of local training (+ FedAvg when federated); validation RMSE per round.
 
         Federated, the coordinator downloads the best-validation parameters at the end; per
-        client, each client restores its own best."""
+        client, each client restores its own best. ConfigError on a second call: the clients'
+        rounds have moved on (federated, a second fit was refused as a replay of round 1) and
+        per client it trained R more rounds from the best of the first."""
+        if self._fitted:
+            raise ConfigError(
+                f"{self.name}: fit() was called on this imputer already; an imputer trains once: "
+                "build another (a new run) to train again."
+            )
+        self._fitted = True
         curve: list[float] = []
         best_rmse = float("inf")
         for round in range(self.config.rounds):
