@@ -13,7 +13,7 @@ import torch
 from test_fedhf import synthetic_task
 
 from protocols.secagg import MaskingAggregator
-from secure_vfl.errors import ProtocolError, TransportError
+from secure_vfl.errors import ProtocolError, RunWarning, TransportError
 from secure_vfl.federation.aggregator import PlainAggregator, SealingScheme, SumBackend
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import AGGREGATOR, Message, SealedSumMessage
@@ -305,3 +305,20 @@ def test_the_coordinator_stops_expecting_the_abandoned_rounds_sum() -> None:
     inbox = list(coordinator._inbox)
     coordinator.receive(late)
     assert coordinator._inbox == inbox
+
+
+def test_a_loss_that_leaves_a_secure_cohort_of_one_samples_two() -> None:
+    """Four clients at client_fraction 0.4 under masks sample 2 a round; with one lost, 0.4 of
+    the three left rounds to 1, and the round failed on the aggregator's refusal of a sum of
+    one ("a sum reveals a single party's representation ..."). It samples 2, saying so."""
+    config = ImputeConfig(rounds=4, local_epochs=1, hidden=8, layers=1, client_fraction=0.4)
+    channel = LosingClient("client-2", "compute-request", _message_round(ROUND))
+    task = synthetic_task(rows=40, test_rows=12, features=6)
+    imputer = IMPUTERS.get("fedhf")(
+        task, config, seed=0, aggregator=MaskingAggregator(), channel=channel
+    )
+    with pytest.warns(RunWarning, match=r"fedhf: `client_fraction` 0.4 of the 3 clients left "
+                      r"samples 1 a round, and a secure sum \(masks\) needs 2"):  # fmt: skip
+        curve = imputer.fit()
+    assert len(curve) == config.rounds and np.all(np.isfinite(curve))
+    assert imputer.federation.names == ["client-0", "client-1", "client-3"]

@@ -16,6 +16,7 @@ the clients' sizes, which keeps model updates inside the secure backends' fixed-
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from secure_vfl.data.imputation import ClientData, ImputationTask
-from secure_vfl.errors import ConfigError, ProtocolError
+from secure_vfl.errors import ConfigError, ProtocolError, RunWarning
 from secure_vfl.federation.aggregator import SealingScheme, SumBackend
 from secure_vfl.federation.channel import Channel
 from secure_vfl.methods.base import isolated_seed
@@ -173,6 +174,7 @@ class ReconstructionImputer:
         self.best: Tensor | None = None
         self.best_round = 0
         self._fitted = False  # an imputer trains once (fit)
+        self._warned_cohort = False
         self.theta: Tensor | None = None
         self.total_rows = 0
         if federated:
@@ -195,9 +197,23 @@ class ReconstructionImputer:
         return in_process_clients(self.federation.channel)
 
     def _sample_clients(self) -> list[str]:
-        """The cohort S_t: a uniformly random share ``client_fraction`` of the clients."""
+        """The cohort S_t: a uniformly random share ``client_fraction`` of the clients; under a
+        secure sum at least 2 (lost clients may leave the share at 1 of the rest, whose sum the
+        aggregator would refuse as one client's update in the clear; recovery stops the run
+        before only one is left)."""
         names = self.federation.names
         count = cohort_size(self.config.client_fraction, len(names))
+        if self.federation.scheme and count < 2 <= len(names):
+            if not self._warned_cohort:
+                warnings.warn(
+                    f"{self.name}: `client_fraction` {self.config.client_fraction:g} of the "
+                    f"{len(names)} clients left samples 1 a round, and a secure sum "
+                    f"({self.federation.scheme}) needs 2: each round samples 2 from now on.",
+                    RunWarning,
+                    stacklevel=2,
+                )
+                self._warned_cohort = True
+            count = 2
         chosen = self.rng.choice(len(names), size=count, replace=False)
         return [names[k] for k in sorted(int(k) for k in chosen)]
 
