@@ -1490,20 +1490,22 @@ def _capture(
 def _cut_torn_tail(path: Path) -> None:
     """Before a capture is appended to: refuse a file that is not one (ConfigError), and cut
     a torn last record that a killed command left (warned of): appended after it, the records
-    that follow would be read as its remainder, and the file could not be read past it."""
+    that follow would be read as its remainder, and the file could not be read past it. A file
+    that grows while it is read is another command's capture in progress, its last record
+    still being written: it is left as it is."""
     import os
 
     from secure_vfl.errors import ProtocolError
     from secure_vfl.federation.channel import whole_records
 
+    size = path.stat().st_size
     try:
         whole = whole_records(path)
     except ProtocolError as error:
         raise ConfigError(
             f"--capture {error}; expected a capture to append to, or a new path."
         ) from None
-    size = path.stat().st_size
-    if whole < size:
+    if whole < size and path.stat().st_size == size:
         os.truncate(path, whole)
         _print_warnings(
             [

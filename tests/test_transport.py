@@ -344,6 +344,42 @@ def test_a_capture_torn_by_a_killed_command_is_cut_before_the_next_appends(
     assert "is not a capture file (its record at byte" in capsys.readouterr().err
 
 
+def test_records_another_command_appends_while_a_capture_is_checked_are_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two commands capturing into one file: the second's check for a torn last record read
+    the file's size, then its records, then its size again, and cut everything the first
+    appended in between as a torn record (a run appending while another starts lost MiBs)."""
+    import argparse
+
+    from secure_vfl.cli import _capture
+    from secure_vfl.federation import channel
+
+    message = RepresentationMessage(
+        sender="party-1", receiver="aggregator", round=0, batch_id=0, positions=torch.arange(2),
+        representation=torch.zeros(2, 3),
+    )  # fmt: skip
+    record = struct.pack(">I", len(wire.encode(message))) + wire.encode(message)
+    scan = channel.whole_records
+    appended = b""  # what the other command writes while the check reads (set below)
+
+    def another_command_appends(path: Path) -> int:
+        end = scan(path)
+        with path.open("ab") as handle:  # the other command's write lands now
+            handle.write(appended)
+        return end
+
+    monkeypatch.setattr(channel, "whole_records", another_command_appends)
+    capture = tmp_path / "shared.capture"
+    # After whole records, its next record; after its record half written, the other half.
+    for before, appended in ((record, record), (record + record[:7], record[7:])):
+        capture.write_bytes(before)
+        with _capture(capture, argparse.Namespace()):
+            pass
+        assert capture.read_bytes() == before + appended
+        assert "torn record" not in capsys.readouterr().err
+
+
 class CuriousParty(DataParty):
     """A passive party that keeps every gradient it receives and notes when training ended."""
 
