@@ -186,6 +186,27 @@ def test_read_capture_refuses_a_truncated_record(tmp_path: Path) -> None:
         list(read_capture(path))
 
 
+def test_a_truncated_capture_record_is_named_by_its_number_and_byte(tmp_path: Path) -> None:
+    """A torn record after whole ones was refused naming the file only, not which record, as
+    a record the codec refuses is named."""
+    message = RepresentationMessage(
+        sender="party-1", receiver="aggregator", round=0, batch_id=0, positions=torch.arange(2),
+        representation=torch.zeros(2, 3),
+    )  # fmt: skip
+    data = wire.encode(message)
+    record = struct.pack(">I", len(data)) + data
+    path = tmp_path / "torn.capture"
+    at = 2 * len(record)
+    for torn, refusal in (
+        (record[:-1], f"a record of {len(data)} bytes expected, found {len(data) - 1}"),
+        (record[:3], "a truncated record length at the end of the file"),
+    ):
+        path.write_bytes(record + record + torn)
+        with pytest.raises(ProtocolError) as refused:
+            list(read_capture(path))
+        assert str(refused.value) == f"{path}, record 3 (at byte {at}): {refusal}."
+
+
 def test_a_capture_is_a_file_of_its_own_and_a_refused_run_leaves_none(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

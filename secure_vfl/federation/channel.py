@@ -110,32 +110,31 @@ def capture_records(path: Path | str, *, end: int | None = None) -> Iterator[tup
     """Each message of the capture file ``path`` with its encoded size in bytes (what crossed),
     in the order they crossed, up to byte ``end`` (None: the end of the file; a record's
     boundary, such as :func:`whole_records` finds). ProtocolError on a truncated record or a
-    message the codec refuses, naming the file."""
+    message the codec refuses, naming the file and the record (its number and first byte)."""
     path = Path(path)
     with path.open("rb") as handle:
         read = records = 0
         while (end is None or read < end) and (header := handle.read(CAPTURE_LENGTH.size)):
+            records += 1
+            where = f"{path}, record {records} (at byte {read})"  # read after the fact
             if len(header) < CAPTURE_LENGTH.size:
-                raise ProtocolError(f"{path}: a truncated record length at the end of the file.")
+                raise ProtocolError(f"{where}: a truncated record length at the end of the file.")
             (length,) = CAPTURE_LENGTH.unpack(header)
             data = handle.read(length)
             if len(data) != length:
                 raise ProtocolError(
-                    f"{path}: a record of {length} bytes expected, found {len(data)}."
+                    f"{where}: a record of {length} bytes expected, found {len(data)}."
                 )
-            records += 1
             try:
                 message = wire.decode(data)
-            except ProtocolError as error:  # say which file and record: read after the fact
+            except ProtocolError as error:
                 hint = (
                     " The file was captured by another release of secure-vfl; read it with that "
                     "release."
                     if isinstance(error, VersionError)
                     else ""
                 )
-                raise type(error)(
-                    f"{path}, record {records} (at byte {read}): {error}{hint}"
-                ) from None
+                raise type(error)(f"{where}: {error}{hint}") from None
             read += CAPTURE_LENGTH.size + length
             yield length, message
 
