@@ -601,6 +601,31 @@ def test_absurd_dimensions_are_refused_before_allocating() -> None:
         decode(scalars()[:-8] + struct.pack("<Q", 2**60))
 
 
+@pytest.mark.parametrize("message_kind", ["test-tensor", "test-array"])
+@pytest.mark.parametrize(
+    ("code", "shape", "payload"),
+    [
+        (1, (0, 2**40), b""),  # empty, with a side whose array would not fit in memory
+        (7, (2**20, 0, 2**20), b""),
+        (2, (0,) * wire.MAX_NDIM, b""),
+        (6, (1,) * wire.MAX_NDIM, b"\x07"),  # as many dimensions as numpy allows
+        (2, (), struct.pack("<d", -0.0)),  # zero-dim; the sign of zero is kept
+        (1, (2,), struct.pack("<2I", 0x80000000, 0x00000001)),  # -0.0 and the least subnormal
+        (5, (), struct.pack("<Q", 2**64 - 1)),
+    ],
+    ids=str,
+)
+def test_edge_arrays_decode_and_encode_to_the_same_bytes(
+    message_kind: str, code: int, shape: tuple[int, ...], payload: bytes
+) -> None:
+    data = header(message_kind) + array_block(code, shape, payload)
+    decoded = decode(data)
+    assert isinstance(decoded, TensorMessage | ArrayMessage)
+    value = decoded.tensor if isinstance(decoded, TensorMessage) else decoded.array
+    assert tuple(value.shape) == shape
+    assert encode(decoded) == data
+
+
 @pytest.mark.parametrize(
     ("message_kind", "code", "value"),
     [
