@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -67,7 +68,7 @@ from secure_vfl.deployment import (
     served_shapes,
     start_psi,
 )
-from secure_vfl.errors import ConfigError, DataError, IntegrityError, ProtocolError
+from secure_vfl.errors import ConfigError, DataError, IntegrityError, ProtocolError, RunWarning
 from secure_vfl.federation.federation_file import Federation
 from secure_vfl.federation.messages import AGGREGATOR, Message
 from secure_vfl.federation.network import NetworkChannel
@@ -237,6 +238,14 @@ def predict_deployed(
             f"`secure-vfl party serve --federation {federation.path} --name {name}"
             f"{'' if name == AGGREGATOR else ' --data NEW_ROWS.csv'}`."
         )
+    if manifest.method_config.get("release") == "dp":
+        raise ConfigError(
+            f"model {manifest.run_id[:12]} was trained with --release dp: its predictions ask "
+            "parties for DP releases of the rows a secure sum cannot hide, which no party's "
+            "accountant prices outside a training run (a deployed party refused them). Expected "
+            "a model trained with --release drop; this one predicts in one process, its parts "
+            f"copied beside its manifest (`predict --model {model} --party-file ...`)."
+        )
     trained = [entry.name for entry in manifest.parties]
     if trained != federation.names:
         raise ConfigError(
@@ -254,6 +263,15 @@ def predict_deployed(
     backend = secure_sums(secure_agg) if secure_sums is not None else None
     if secure_agg != "none" and backend is None:
         raise ConfigError(f"--secure-agg {secure_agg} needs the secure-sum backends; found none.")
+    if backend is not None:
+        warnings.warn(
+            "under secure sums, predict new ids only: a sample the model trained on gets its "
+            "prediction's sums from one fixed grouping of the parties and had its training "
+            "sums from another, and the label party can subtract one from the other to isolate "
+            "a party's representation of it (docs/security-review.md, F29).",
+            RunWarning,
+            stacklevel=2,
+        )
     endpoint = _endpoint(federation, name, insecure=insecure, deadline=deadline, capture=capture)
     outcome = "failed"
     try:

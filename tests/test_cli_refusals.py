@@ -603,3 +603,27 @@ def test_numbers_are_read_as_written_never_with_underscores_or_other_scripts_dig
     out = tmp_path / "out"
     assert message in refused([*argv, "--quiet", "--out", str(out)], capsys)
     assert not out.exists()
+
+
+def test_a_model_trained_with_release_dp_is_refused_where_its_parts_live(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its prediction asked each data party for DP releases that no accountant prices outside
+    training, and a deployed party refused them mid-prediction (ProtocolError: "asked to send
+    36 rows as a DP release ... but it holds no release mechanism")."""
+    from test_deploy import write_federation
+
+    from secure_vfl.federation.network import free_loopback_ports
+
+    out = tmp_path / "run"
+    argv = ["train", "--method", "laser", "--dataset", "breast-cancer", "--heads", "active"]
+    argv += ["--secure-agg", "masks", "--release", "dp", "--release-noise", "1:1", "--epochs"]
+    argv += ["1", "--quiet", "--out", str(out)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    path = write_federation(tmp_path, tmp_path / "certs", free_loopback_ports(5))
+    predict = ["predict", "--federation", str(path), "--name", "bank", "--model", str(out)]
+    err = refused([*predict, "--secure-agg", "masks", "--out", str(tmp_path / "p.csv")], capsys)
+    assert "was trained with --release dp: its predictions ask parties for DP releases" in err
+    assert f"`predict --model {out} --party-file ...`" in err
+    assert not (tmp_path / "p.csv").exists()
