@@ -2785,8 +2785,8 @@ def run_impute(args: argparse.Namespace) -> int:
     )
     _check_output_dir(out, "result.json", overwrite=args.overwrite, kind="impute", lock=True)
     keeps_model = saved_imputer.keeps_model(config.method)
-    if keeps_model:
-        _check_output_dir(out / MODEL_DIR, MANIFEST_FILE, overwrite=args.overwrite)
+    if keeps_model:  # a folder of the user's own there (no manifest) is not replaced unasked
+        _check_output_dir(out / MODEL_DIR, "", overwrite=args.overwrite)
         _refuse_inside(
             out / MODEL_DIR, args.client_file or (), "the model folder", "it is saved whole"
         )

@@ -451,3 +451,24 @@ def test_an_altered_part_or_manifest_is_refused(tmp_path: Path) -> None:
         (model / "manifest.json").write_text(json.dumps(payload))
         with pytest.raises(DataError, match=message):
             SavedImputer.load(model)
+
+
+def test_impute_keeps_a_model_folder_of_the_users_own_without_overwrite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A model/ folder that holds no imputer (the user's own files) is not replaced unasked.
+    (tmp_path / "run" / "model").mkdir(parents=True)
+    (tmp_path / "run" / "model" / "notes.txt").write_text("mine")
+    assert main(impute_argv(tmp_path, "fed-mean", "run")) == 2
+    assert "run/model exists; expected a new --out directory (or --overwrite)" in (
+        capsys.readouterr().err
+    )
+    assert (tmp_path / "run" / "model" / "notes.txt").read_text() == "mine"
+    assert not (tmp_path / "run" / "result.json").exists()
+    # With --overwrite it is replaced whole by the imputer.
+    assert main([*impute_argv(tmp_path, "fed-mean", "run"), "--overwrite"]) == 0
+    assert sorted(p.name for p in (tmp_path / "run" / "model").iterdir()) == [
+        "client-0",
+        "client-1",
+        "manifest.json",
+    ]
