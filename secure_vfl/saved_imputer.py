@@ -432,7 +432,12 @@ class SavedImputer:
             if item.name == MANIFEST_FILE and item.is_file():
                 continue
             entry = entries.get(item.name)
-            if entry is None or not item.is_dir():
+            if entry is not None and not item.is_dir():
+                raise IntegrityError(
+                    f"{item}: {entry.name}'s part directory expected, found a file or something "
+                    "else. Refused: save the imputer again."
+                )
+            if entry is None:
                 raise IntegrityError(
                     f"{item} is not listed in {manifest_path}; the imputer's directory holds "
                     f"only {MANIFEST_FILE} and its clients' directories. Refused: remove it or "

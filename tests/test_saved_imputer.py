@@ -472,3 +472,14 @@ def test_impute_keeps_a_model_folder_of_the_users_own_without_overwrite(
         "client-1",
         "manifest.json",
     ]
+
+
+def test_a_clients_part_that_is_a_file_is_refused_as_such_not_as_unlisted(tmp_path: Path) -> None:
+    run = impute(tmp_path, method="fed-mean")
+    shutil.rmtree(run / "model" / "client-0")
+    (run / "model" / "client-0").write_text("x")
+    with pytest.raises(IntegrityError) as refused:
+        SavedImputer.load(run)
+    message = str(refused.value)
+    assert "client-0: site0's part directory expected, found a file" in message
+    assert "not listed" not in message
