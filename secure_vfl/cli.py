@@ -2092,7 +2092,7 @@ def run_train(args: argparse.Namespace) -> int:
     from secure_vfl.methods.base import in_process_parties
     from secure_vfl.models.simsiam import pretrain_progress
     from secure_vfl.plots import write_run_plots
-    from secure_vfl.saved_model import MANIFEST_FILE, MODEL_DIR, save_model
+    from secure_vfl.saved_model import MODEL_DIR, save_model
 
     engine = _privacy_engine(args)
     config = _train_config(args)
@@ -2111,7 +2111,8 @@ def run_train(args: argparse.Namespace) -> int:
             "--resume with the --out of a killed run."
         )
     _check_output_dir(out, "result.json", overwrite=args.overwrite, kind="train", lock=True)
-    _check_output_dir(out / MODEL_DIR, MANIFEST_FILE, overwrite=args.overwrite)
+    # a folder of the user's own there (no manifest) is not replaced unasked either
+    _check_output_dir(out / MODEL_DIR, "", overwrite=args.overwrite)
     store = _results_store(args, out)
     checkpoints = _checkpoint_plan(args, config, out)  # a bad checkpoint: refused here
     channel = Channel()
@@ -3817,7 +3818,7 @@ def run_train_deployed(args: argparse.Namespace) -> int:
     from secure_vfl.federation.federation_file import read_federation
     from secure_vfl.io import atomic_write_json
     from secure_vfl.plots import write_run_plots
-    from secure_vfl.saved_model import MANIFEST_FILE, MODEL_DIR, read_manifest
+    from secure_vfl.saved_model import MODEL_DIR, read_manifest
 
     _refuse_deployed_flags(args)
     federation = read_federation(args.federation)
@@ -3830,7 +3831,8 @@ def run_train_deployed(args: argparse.Namespace) -> int:
     engine.refuse(config)
     out = _run_out(args, Path("runs") / f"{config.method}-deployed-s{config.seed}")
     _check_output_dir(out, "result.json", overwrite=args.overwrite, kind="train", lock=True)
-    _check_output_dir(out / MODEL_DIR, MANIFEST_FILE, overwrite=args.overwrite)
+    # a folder of the user's own there (no manifest) is not replaced unasked either
+    _check_output_dir(out / MODEL_DIR, "", overwrite=args.overwrite)
     store = _results_store(args, out)
     checkpoints = _checkpoint_plan(  # the label party's checkpoint; each party checks its own
         args, config, out, label_party=federation.label_party, check_parties=False

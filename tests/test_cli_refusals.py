@@ -627,3 +627,20 @@ def test_a_model_trained_with_release_dp_is_refused_where_its_parts_live(
     assert "was trained with --release dp: its predictions ask parties for DP releases" in err
     assert f"`predict --model {out} --party-file ...`" in err
     assert not (tmp_path / "p.csv").exists()
+
+
+@pytest.mark.usefixtures("no_training")
+def test_train_keeps_a_model_folder_of_the_users_own_without_overwrite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Only a model/ holding a manifest was refused: one of the user's own files was replaced
+    by the run's model, its files gone, without --overwrite."""
+    (tmp_path / "o" / "model").mkdir(parents=True)
+    (tmp_path / "o" / "model" / "notes.txt").write_text("mine")
+    argv = ["train", "--method", "local", "--dataset", "breast-cancer", "--epochs", "1"]
+    err = refused([*argv, "--quiet", "--out", str(tmp_path / "o")], capsys)
+    assert (
+        f"{tmp_path / 'o' / 'model'} exists; expected a new --out directory (or --overwrite)"
+        in (err)
+    )
+    assert (tmp_path / "o" / "model" / "notes.txt").read_text() == "mine"
