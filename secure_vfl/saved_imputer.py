@@ -20,6 +20,7 @@ not be there: a client may keep only its own directory and the manifest.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -501,8 +502,13 @@ class SavedImputer:
                 f"{shown_names(unknown)}."
             )
         rows = client_from_frame(client, source.features, self.manifest.features, where=str(path))
+        present = rows.available
+        # A column of its schema the file lacks: missing cells of a feature the client has, as
+        # the model read them in training (not a feature it lacks, which FedHF reads otherwise);
+        # filled for the model, not written (the table keeps the file's own columns).
+        rows = dataclasses.replace(rows, available=part.available.astype(bool))
         filled = part.impute(rows)
-        empty = ~rows.observed & rows.available[None, :]
+        empty = ~rows.observed & present[None, :]
         table = source.imputed_frame(
             filled, filled[:0], self.manifest.features, as_written=True, forms=entry.forms
         )

@@ -483,3 +483,26 @@ def test_a_clients_part_that_is_a_file_is_refused_as_such_not_as_unlisted(tmp_pa
     message = str(refused.value)
     assert "client-0: site0's part directory expected, found a file" in message
     assert "not listed" not in message
+
+
+def test_a_column_a_file_lacks_is_read_as_missing_cells_of_the_clients_feature(
+    tmp_path: Path,
+) -> None:
+    """A trained column the file lacked was taken as a feature the client does not have, which
+    FedHF reads otherwise (its availability input): the other columns' fills differed, by up to
+    4e-4, from the same file with that column present and empty, as the docs say it reads."""
+    run = impute(tmp_path, method="fedhf")
+    saved = SavedImputer.load(run / "model")
+    (tmp_path / "new").mkdir()
+    rows = pd.read_csv(client_files(tmp_path / "new", seed=7)[1])  # new rows of site1
+    lacking, empty = rows.drop(columns=["x5"]), rows.assign(x5=np.nan)
+    lacking.to_csv(tmp_path / "lacking.csv", index=False)
+    empty.to_csv(tmp_path / "empty.csv", index=False)
+    fills = [
+        saved.fill(tmp_path / name, client="site1", id_column="id", label_column="label")
+        for name in ("lacking.csv", "empty.csv")
+    ]
+    others = ["x2", "x3", "x4"]
+    pd.testing.assert_frame_equal(fills[0].table[others], fills[1].table[others])
+    assert "x5" not in fills[0].table.columns  # the table keeps the file's own columns
+    assert fills[0].filled == int(lacking[others].isna().sum().sum()) > 0
