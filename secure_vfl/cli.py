@@ -3189,6 +3189,7 @@ def run_fill(args: argparse.Namespace) -> int:
                 client=client,
                 id_column=args.id_column or imputer.manifest.id_column,
                 label_column=args.label_column or imputer.manifest.label_column,
+                ids_required=args.id_column is not None,
             )
             for client, path in zip(clients, files, strict=True)
         ]

@@ -485,14 +485,28 @@ class SavedImputer:
             )
         return part
 
-    def fill(self, path: Path, *, client: str, id_column: str, label_column: str) -> Filled:
+    def fill(
+        self,
+        path: Path,
+        *,
+        client: str,
+        id_column: str,
+        label_column: str,
+        ids_required: bool = False,
+    ) -> Filled:
         """Client ``client`` fills the empty cells of its file at ``path`` (CSV or Parquet: its
-        id column and label column, if any, and some of its feature columns, in any order)."""
+        id column and label column, if any, and some of its feature columns, in any order).
+        With ``ids_required`` (an id column the user named) a file without it is refused."""
         entry = self.manifest.client(client)
         part = self.part(client)
         source = read_client_file(
             Path(path), id_column=id_column, label_column=label_column, ids_optional=True
         )
+        if ids_required and source.id_column is None:
+            raise DataError(
+                f"{path} must have the id column `{id_column}` (--id-column). Found columns: "
+                f"{list(source.columns)}."
+            )
         columns = [str(c) for c in source.features.columns]
         unknown = [c for c in columns if c not in entry.columns]
         if unknown:

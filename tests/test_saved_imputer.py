@@ -506,3 +506,20 @@ def test_a_column_a_file_lacks_is_read_as_missing_cells_of_the_clients_feature(
     pd.testing.assert_frame_equal(fills[0].table[others], fills[1].table[others])
     assert "x5" not in fills[0].table.columns  # the table keeps the file's own columns
     assert fills[0].filled == int(lacking[others].isna().sum().sum()) > 0
+
+
+def test_fill_refuses_a_file_without_the_id_column_it_was_told(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--id-column patient` on a file with no `patient` column was taken silently, and the
+    filled table came out without ids though the user named their column."""
+    run = impute(tmp_path, method="fed-mean")
+    rows = tmp_path / "new" / "site0.csv"  # its rows without any id column
+    rows.parent.mkdir()
+    pd.read_csv(tmp_path / "site0.csv").drop(columns=["id"]).to_csv(rows, index=False)
+    out = tmp_path / "out"
+    argv = ["fill", "--model", str(run), "--out", str(out), "--client-file", str(rows)]
+    err = fill_error([*argv, "--id-column", "patient"], capsys)
+    assert f"{rows} must have the id column `patient` (--id-column)" in err
+    assert not (out / "site0.csv").exists()
+    assert main(argv) == 0  # no id column named: ids are optional
