@@ -298,7 +298,7 @@ def test_outputs_that_cannot_all_be_written_leave_no_result_json_and_say_how_to_
     assert len(ResultsStore(tmp_path / "results.sqlite").rows()) == 1
     monkeypatch.setattr(secure_vfl.io, "atomic_write_json", real_json)
     assert main(again) == 2
-    assert "manifest.json exists" in one_line(capsys)
+    assert f"{tmp_path / 'again' / 'model'} exists; expected a new --out" in one_line(capsys)
     assert main([*again, "--overwrite"]) == 0
     assert len(ResultsStore(tmp_path / "results.sqlite").rows()) == 2
     capsys.readouterr()
