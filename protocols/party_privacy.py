@@ -212,7 +212,8 @@ def _noise(value: Mapping[str, Any]) -> dict[str, Noise]:
 class RequestedRows:
     """Incoming hook of a deployed data party: the training rows each step asked it for, its
     view of the Poisson schedule (it never sees the whole sample). ProtocolError for a training
-    request outside the plan's steps or records."""
+    request outside the plan's steps or records, on arrival; the rows of a request are kept
+    once the party accepts it (:meth:`on_accepted`): one it refuses released nothing."""
 
     def __init__(self, steps: int, records: int) -> None:
         self.steps = steps
@@ -231,10 +232,15 @@ class RequestedRows:
                     f"up to {rows.max(initial=-1)}; the privacy plan has {self.steps} steps over "
                     f"{self.records} records."
                 )
+        return message
+
+    def on_accepted(self, message: Message) -> None:
+        """Keep (and journal) the rows of a training request the party acts on."""
+        if isinstance(message, RepresentRequest) and message.phase == "train":
+            rows = message.rows.numpy()
             self._rows.setdefault(message.round, []).append(rows.astype(np.int64))
             if self.journal is not None:
                 self.journal({"step": message.round, "rows": rows.tolist()})
-        return message
 
     checkpoint_key = "requested-rows"
     """Its view of the batches so far is part of the party's checkpoint: a resumed party prices

@@ -186,7 +186,7 @@ def test_a_served_party_prices_the_rows_it_was_asked_for_as_the_schedule_would()
         for view in (requested.schedule, lambda: [rows.numpy() for rows in schedule])
     ]
     for step, rows in enumerate(schedule):
-        requested.on_message(_request(step, rows))
+        requested.on_accepted(requested.on_message(_request(step, rows)))
         for half in halves:
             half.accountant.on_event(GaussianRelease("shop", 1.5, 0.25, "embedding", step))
     assert halves[0].guarantees() == halves[1].guarantees()
@@ -198,9 +198,10 @@ def test_a_served_party_prices_the_rows_it_was_asked_for_as_the_schedule_would()
 
 def test_a_served_partys_view_of_the_batches_survives_its_checkpoint_and_refuses_another() -> None:
     requested = RequestedRows(3, PLAN.records)
-    requested.on_message(_request(0, torch.tensor([0, 3, 5])))
-    requested.on_message(_request(0, torch.tensor([3, 9])))  # another request of the step
-    requested.on_message(_request(2, torch.tensor([7])))
+    requested.on_accepted(requested.on_message(_request(0, torch.tensor([0, 3, 5]))))
+    # another request of the step
+    requested.on_accepted(requested.on_message(_request(0, torch.tensor([3, 9]))))
+    requested.on_accepted(requested.on_message(_request(2, torch.tensor([7]))))
     state = json.loads(json.dumps(requested.checkpoint_state()))  # as the checkpoint keeps it
     assert state == {"0": [0, 3, 5, 9], "2": [7]}
     again = RequestedRows(3, PLAN.records)
@@ -221,7 +222,7 @@ def test_a_party_rejoining_under_dp_takes_back_its_releases_and_rows_from_its_jo
     start_journal(tmp_path, first, RUN)
     [requested] = [hook for hook in first.incoming if isinstance(hook, RequestedRows)]
     for step, rows in enumerate([torch.tensor([0, 3]), torch.tensor([3, 7])]):
-        requested.on_message(_request(step, rows))
+        requested.on_accepted(requested.on_message(_request(step, rows)))
         first.accountant.on_event(GaussianRelease("shop", 1.5, 0.25, "embedding", step))
         first.accountant.on_event(GaussianRelease("shop", 0.8, 0.25, "dp-sgd", step))
     # Its process dies; a new one, set up anew, rejoins the run.
@@ -233,7 +234,7 @@ def test_a_party_rejoining_under_dp_takes_back_its_releases_and_rows_from_its_jo
     assert [e.discarded for e in again.accountant.events if e.kind == "dp-sgd"] == [True, True]
     [view] = [hook for hook in again.incoming if isinstance(hook, RequestedRows)]
     assert [rows.tolist() for rows in view.schedule()[:3]] == [[0, 3], [3, 7], []]
-    view.on_message(_request(2, torch.tensor([1])))  # the journal goes on
+    view.on_accepted(view.on_message(_request(2, torch.tensor([1]))))  # the journal goes on
     again.accountant.on_event(GaussianRelease("shop", 1.5, 0.25, "embedding", 2))
     third = _party()
     served_half("shop", PLAN.to_json(), third)
@@ -436,7 +437,7 @@ def test_a_dp_party_rejoining_from_its_checkpoint_prices_its_releases_up_to_its_
     own.start(first, {**CHECKPOINTS, "step": 0, "manifest": None, "committed": None})
     [requested] = [hook for hook in first.incoming if isinstance(hook, RequestedRows)]
     for step, rows in enumerate([torch.tensor([0, 3]), torch.tensor([3, 7])]):
-        requested.on_message(_request(step, rows))
+        requested.on_accepted(requested.on_message(_request(step, rows)))
         first.accountant.on_event(GaussianRelease("shop", 1.5, 0.25, "embedding", step))
         first.accountant.on_event(GaussianRelease("shop", 0.8, 0.25, "dp-sgd", step))
         if step == 0:

@@ -36,7 +36,7 @@ from protocols.dp import (
 from protocols.dp_sgd import make_private_party
 from protocols.noise import SecureNoise, SeededNoise
 from protocols.privacy import PrivacyEngine, PrivacySpec
-from secure_vfl.errors import ConfigError
+from secure_vfl.errors import ConfigError, ProtocolError
 from secure_vfl.federation.channel import Channel
 from secure_vfl.federation.messages import (
     GradientMessage,
@@ -625,6 +625,45 @@ def test_dp_sgd_step_without_gradients_is_noise_only_and_the_next_one_backpropag
     update(1)
     assert events[1:] == [GaussianRelease("party-1", 1.0, 0.1, "dp-sgd", 1)]
     assert any(not torch.equal(a, b) for a, b in zip(noised, party.model.parameters(), strict=True))
+
+
+def test_a_training_request_the_party_refuses_leaves_no_requested_rows() -> None:
+    """A served party prices each step over the rows it was asked for (``RequestedRows``, which
+    its journal keeps): a request it refuses (a model or split it does not hold, a second
+    forward pass of the step) released nothing and is not recorded; one it answers is."""
+    from protocols.party_privacy import RequestedRows
+
+    party = DataParty("party-1", {"train": torch.randn(5, 3)}, nn.Linear(3, 2), None)
+    channel, label = Channel(), Party("party-0")
+    party.connect(channel)
+    label.connect(channel)
+    requested = RequestedRows(steps=10, records=5)
+    notes: list[Any] = []
+    requested.journal = notes.append
+    party.incoming.insert(0, requested)
+    request = RepresentRequest(
+        sender="party-0",
+        receiver="party-1",
+        round=3,
+        batch_id=0,
+        split="train",
+        rows=torch.tensor([0, 4]),
+        positions=torch.tensor([0, 1]),
+        reply_to="party-0",
+    )
+    for refused, said in [
+        (dataclass_replace(request, model="nope"), "model 'nope' requested"),
+        (dataclass_replace(request, split="valid", batch_id=1), "split 'valid' requested"),
+    ]:
+        with pytest.raises(ProtocolError, match=said):
+            label.send(refused)
+    assert requested.schedule()[3].tolist() == [] and notes == []
+    label.expect("representation", senders=["party-1"], round=3, batch_id=2)
+    label.send(dataclass_replace(request, rows=torch.tensor([1, 2]), batch_id=2))
+    with pytest.raises(ProtocolError, match="a second forward pass"):
+        label.send(dataclass_replace(request, batch_id=3))
+    assert requested.schedule()[3].tolist() == [1, 2]
+    assert notes == [{"step": 3, "rows": [1, 2]}]
 
 
 def test_prediction_releases_are_noised_and_priced_for_the_rows_requested() -> None:

@@ -359,6 +359,16 @@ class Party:
         if identity is not None:
             self.receipts.take(identity)
 
+    def note_accepted(self, request: Message) -> None:
+        """Tell the incoming hooks that keep what a request asks for (``on_accepted``: the rows
+        a privacy hook prices and journals) that this party acts on ``request``: its handler
+        calls this once its checks passed, before it acts, so a request it refuses leaves no
+        record there."""
+        for layer in self.incoming:
+            accepted = getattr(layer, "on_accepted", None)
+            if accepted is not None:
+                accepted(request)
+
     def expect(
         self,
         kind: str,
@@ -977,6 +987,7 @@ class DataParty(SecureSumParty):
                 f"{self.name}: a second forward pass for round {request.round}, tag "
                 f"{request.tag!r} (a replayed request?)."
             )
+        self.note_accepted(request)
         if train:
             model.train()
             output = model(x)
