@@ -787,8 +787,8 @@ class ExposureNoise(_RowNoise):
     hide (``release="dp"``): a sum whose only contributor besides the receiver is this party.
 
     Installed inside the party (``party.exposure``, and as an incoming hook that notes which
-    rows each representation request asked for); when a seal request flags rows of its
-    contribution as exposed, it clips exactly those rows to ``clip`` and adds
+    rows each representation request the party accepted asked for); when a seal request flags
+    rows of its contribution as exposed, it clips exactly those rows to ``clip`` and adds
     N(0, (sigma clip)^2) per coordinate (the same clipping and noise as :class:`EmbeddingNoise`)
     and records one :class:`GaussianRelease` of kind ``"exposure"`` naming the records concerned
     (training rows, or test rows with their split), spent by the party: one event per step (a
@@ -808,15 +808,19 @@ class ExposureNoise(_RowNoise):
         self._clipped: dict[tuple[int, str], tuple[Tensor, Tensor, Tensor]] = {}
 
     def on_message(self, message: M) -> M:
-        """Incoming hook: note the rows each representation request asks for; pass the
-        gradient of the rows it clipped through the clipping's Jacobian."""
-        if isinstance(message, RepresentRequest):
-            self._requests[(message.phase, message.tag)] = message
-        elif isinstance(message, GradientMessage) and message.sender != message.receiver:
+        """Incoming hook: pass the gradient of the rows it clipped through the clipping's
+        Jacobian."""
+        if isinstance(message, GradientMessage) and message.sender != message.receiver:
             clipped = self._clipped.get((message.round, message.tag))
             if clipped is not None:
                 return dataclasses.replace(message, gradient=_through_clip(message, *clipped))
         return message
+
+    def on_accepted(self, message: Message) -> None:
+        """Note the rows of each representation request the party acts on (one it refuses
+        replaces none)."""
+        if isinstance(message, RepresentRequest):
+            self._requests[(message.phase, message.tag)] = message
 
     def release_exposed(
         self, contribution: RepresentationMessage, exposed: Tensor

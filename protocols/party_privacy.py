@@ -343,7 +343,7 @@ class PartyPrivacy:
             party.outgoing.append(self._row_noise("gradient", GradientNoise))
         if "exposure" in noise:
             exposure = self._row_noise("exposure", ExposureNoise)
-            party.incoming.append(exposure)  # notes the rows each request asks for
+            party.incoming.append(exposure)  # notes the rows each accepted request asks for
             party.exposure = exposure
         if "dp-sgd" in noise:
             from protocols.dp_sgd import make_private_party  # Opacus: only where DP-SGD runs

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import replace as dataclass_replace
 from pathlib import Path
 from typing import Any
 
@@ -384,7 +385,7 @@ def test_a_clipped_exposed_row_backpropagates_through_its_clipping() -> None:
     )
     header = {"sender": "party-0", "receiver": "party-1", "round": 3, "batch_id": 0}
     positions = torch.tensor([0, 2])
-    layer.on_message(
+    layer.on_accepted(
         RepresentRequest(
             **header,
             split="train",
@@ -407,3 +408,50 @@ def test_a_clipped_exposed_row_backpropagates_through_its_clipping() -> None:
     )
     back = layer.on_message(gradient).gradient
     assert torch.allclose(back, torch.tensor([[0.0, 0.5], [1.0, 1.0]]))
+
+
+def test_a_request_the_party_refuses_leaves_the_exposed_rows_of_the_one_it_answered() -> None:
+    """The exposure mechanism names the rows of the request a contribution answered: a later
+    request the party refuses (a model it does not hold) neither replaces that request nor
+    makes the release of its exposed rows fail."""
+    from protocols.dp import ExposureNoise
+    from protocols.noise import noise_source
+    from secure_vfl.federation.messages import RepresentRequest
+    from secure_vfl.federation.parties import DataParty, Party
+
+    party = DataParty("party-1", {"train": torch.randn(10, 3)}, torch.nn.Linear(3, 2), None)
+    channel, label = Channel(), Party("party-0")
+    party.connect(channel)
+    label.connect(channel)
+    events: list[Any] = []
+    layer = ExposureNoise(
+        0.0, 1.0, sample_rate=0.5, noise=noise_source([0, 1]), on_event=events.append
+    )
+    party.incoming.append(layer)
+    party.exposure = layer
+    request = RepresentRequest(
+        sender="party-0",
+        receiver="party-1",
+        round=3,
+        batch_id=0,
+        split="train",
+        rows=torch.tensor([7, 9]),
+        positions=torch.tensor([0, 2]),
+        reply_to="party-0",
+    )
+    label.expect("representation", senders=["party-1"], round=3, batch_id=0)
+    label.send(request)
+    contribution = RepresentationMessage(
+        sender="party-1",
+        receiver="aggregator",
+        round=3,
+        batch_id=0,
+        positions=request.positions,
+        representation=torch.tensor([[0.3, 0.4], [0.0, 0.5]]),
+    )
+    for later in ({"round": 4}, {}):  # a later step's request, and one of the same step
+        refused = dataclass_replace(request, rows=torch.tensor([1, 2]), model="nope", **later)
+        with pytest.raises(ProtocolError, match="model 'nope' requested"):
+            label.send(refused)
+        layer.release_exposed(contribution, torch.tensor([True, True]))
+    assert [(e.kind, e.round, e.rows) for e in events] == [("exposure", 3, (7, 9))] * 2
