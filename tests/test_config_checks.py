@@ -104,6 +104,8 @@ WRONG: list[tuple[Any, dict[str, Any], str]] = [
     (FalseVflConfig, {"hidden": 10**30}, "`hidden` must be at most 65536. Found 10000"),
     (ImputeConfig, {"hidden": 10**30}, "`hidden` must be at most 65536. Found 10000"),
     (ImputeConfig, {"layers": 65}, "`layers` must be at most 64. Found 65."),  # was ignored
+    # beyond the features it only padded the graph: (batch, features, top_k, hidden) in memory
+    (ImputeConfig, {"top_k": 10**6}, "`top_k` must be at most 4096. Found 1000000."),
     (
         PrivacySpec,
         {"seed": 2**32},

@@ -195,7 +195,7 @@ def test_impute_refuses_rows_of_another_schema(task) -> None:
 
 
 @pytest.mark.parametrize("seed", [-1, 1.5, "0"])
-@pytest.mark.parametrize("name", ["fedhf", "mice", "dae", "fed-dae"])
+@pytest.mark.parametrize("name", ["fedhf", "mice", "dae", "fed-dae", "mean", "fed-mean", "knn"])
 def test_a_seed_that_is_not_a_non_negative_integer_is_refused_before_any_message(
     task, name, seed
 ) -> None:

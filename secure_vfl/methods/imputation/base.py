@@ -27,9 +27,10 @@ def derived_seed(seed: int, *keys: int) -> int:
     return int((int(state[0]) << 31) ^ int(state[1]))
 
 
-MAX_WIDTH = {"hidden": 65536, "layers": 64}
-"""The widest and deepest imputation network a config may ask for (a larger one was refused
-only by torch, mid-run, or ignored)."""
+MAX_WIDTH = {"hidden": 65536, "layers": 64, "top_k": 4096}
+"""The widest and deepest imputation network a config may ask for, and the most neighbours per
+feature (a larger one was refused only by torch, mid-run, or ignored; neighbours beyond a
+federation's features only pad the graph, each slot in every batch's memory)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,7 +61,7 @@ class ImputeConfig:
             name: checks.integer(name, getattr(self, name), low=1) for name in counts
         }
         values["lr"] = checks.real("lr", self.lr, low=0, low_open=True, high=checks.FLOAT32_MAX)
-        for name in ("hidden", "layers"):  # a network's width and depth
+        for name in ("hidden", "layers", "top_k"):  # a network's width, depth and fan-in
             if values[name] > MAX_WIDTH[name]:  # type: ignore[operator]
                 raise ConfigError(
                     f"`{name}` must be at most {MAX_WIDTH[name]}. Found {values[name]}."

@@ -26,6 +26,7 @@ from sklearn.experimental import enable_iterative_imputer  # noqa: F401  (regist
 from sklearn.impute import IterativeImputer, KNNImputer
 from torch import Tensor, nn
 
+from secure_vfl import checks
 from secure_vfl.data.imputation import ClientData, ImputationTask
 from secure_vfl.errors import DataError
 from secure_vfl.federation.aggregator import SumBackend
@@ -182,6 +183,7 @@ def make_mean(
     roles: Mapping[str, str] | None = None,
 ) -> ColumnMeanImputer:
     """Per-client column means of its training rows (federated mean where never observed)."""
+    checks.integer("seed", seed, low=0)  # it draws nothing, but a run's seed is checked alike
     statistics = federated_statistics(
         task.train, aggregator=aggregator, channel=channel, privacy=privacy, roles=roles
     )
@@ -200,6 +202,7 @@ def make_fed_mean(
     roles: Mapping[str, str] | None = None,
 ) -> ColumnMeanImputer:
     """Fed-Mean: every client fills with the global means of the federated statistics."""
+    checks.integer("seed", seed, low=0)  # it draws nothing, but a run's seed is checked alike
     statistics = federated_statistics(
         task.train, aggregator=aggregator, channel=channel, privacy=privacy, roles=roles
     )
@@ -218,6 +221,7 @@ def make_knn(
     roles: Mapping[str, str] | None = None,
 ) -> PerClientSklearnImputer:
     """kNN per client: ``KNNImputer(n_neighbors=5)``, donors = the client's training rows."""
+    checks.integer("seed", seed, low=0)  # it draws nothing, but a run's seed is checked alike
     statistics = federated_statistics(
         task.train, aggregator=aggregator, channel=channel, privacy=privacy, roles=roles
     )
