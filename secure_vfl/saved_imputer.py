@@ -497,6 +497,8 @@ class SavedImputer:
         """Client ``client`` fills the empty cells of its file at ``path`` (CSV or Parquet: its
         id column and label column, if any, and some of its feature columns, in any order).
         With ``ids_required`` (an id column the user named) a file without it is refused."""
+        if id_column == label_column:
+            raise ConfigError(f"the id and label columns must differ. Found both {id_column!r}.")
         entry = self.manifest.client(client)
         part = self.part(client)
         source = read_client_file(

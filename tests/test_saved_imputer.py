@@ -523,3 +523,6 @@ def test_fill_refuses_a_file_without_the_id_column_it_was_told(
     assert f"{rows} must have the id column `patient` (--id-column)" in err
     assert not (out / "site0.csv").exists()
     assert main(argv) == 0  # no id column named: ids are optional
+    # one column cannot be both (impute refuses the pair too)
+    err = fill_error([*argv, "--id-column", "id", "--label-column", "id", "--overwrite"], capsys)
+    assert "the id and label columns must differ. Found both 'id'." in err
