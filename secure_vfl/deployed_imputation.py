@@ -464,10 +464,20 @@ def impute_deployed(
                 "label_column": config.label_column,
                 "privacy": plan.to_json() if plan is not None else None,
             }
-            endpoint.send(
-                _deployment(name, member.name, "impute-setup", body),
-                deadline=max(deadline, SETUP_DEADLINE),
-            )
+            try:
+                endpoint.send(
+                    _deployment(name, member.name, "impute-setup", body),
+                    deadline=max(deadline, SETUP_DEADLINE),
+                )
+            except TransportError as error:  # gone while it set up: said as a loss below is
+                if error.party != member.name:
+                    raise
+                raise TransportError(
+                    f"{member.name} lost before FedAvg's first round, while it was set up: start "
+                    f"it again and rerun (a client lost in a later round is dropped and FedAvg "
+                    f"goes on). {error}",
+                    member.name,
+                ) from error
         endpoint.send(_deployment(name, AGGREGATOR, "setup", {"secure_agg": secure_agg}))
         aggregator = secure_sums(secure_agg) or PlainAggregator()
         channel = NetworkChannel(endpoint)
