@@ -215,10 +215,14 @@ def test_a_gradient_that_closes_the_step_is_the_gradient_and_the_update() -> Non
         driver.send(dataclasses.replace(_gradient([0, 1], gradient), step=True))
 
 
-def test_a_head_holds_its_gradients_only_for_its_own_driver() -> None:
+def _head_party_and_task(
+    labels: list[int], *, hold: bool = False
+) -> tuple[DataParty, _Inbox, HeadTask]:
+    """party-1 holding a head with training ``labels``, its driver party-0 on one channel, and
+    a head task of round 3 for training rows 0 and 1 (``hold``: it keeps its gradients)."""
     torch.manual_seed(0)
     channel = Channel()
-    head = Head({"train": torch.tensor([0, 1])}, nn.Linear(2, 2), None)
+    head = Head({"train": torch.tensor(labels)}, nn.Linear(2, 2), None)
     party = DataParty(
         "party-1", {"train": torch.randn(5, 3)}, nn.Linear(3, 2), None, heads={"": head}
     )
@@ -237,8 +241,13 @@ def test_a_head_holds_its_gradients_only_for_its_own_driver() -> None:
         present=torch.ones(2, 2, dtype=torch.bool),
         parties=("party-0", "party-1"),
         tag="train",
-        hold=True,
+        hold=hold,
     )
+    return party, driver, task
+
+
+def test_a_head_holds_its_gradients_only_for_its_own_driver() -> None:
+    party, driver, task = _head_party_and_task([0, 1], hold=True)
     with pytest.raises(ProtocolError, match="holds them only for its own driver"):
         driver.send(task)
     assert not party._tasks  # refused before it changed anything
@@ -252,28 +261,7 @@ def test_a_head_task_for_rows_beyond_its_labels_is_refused_on_receipt() -> None:
     """A head task naming training rows its head holds no label of was kept; its sum then
     failed in indexing (an IndexError) once the head had run, and a negative row trained the
     head on another row's label without a word."""
-    torch.manual_seed(0)
-    channel = Channel()
-    head = Head({"train": torch.tensor([0, 1, 1])}, nn.Linear(2, 2), None)
-    party = DataParty(
-        "party-1", {"train": torch.randn(5, 3)}, nn.Linear(3, 2), None, heads={"": head}
-    )
-    driver = _Inbox("party-0")
-    party.connect(channel)
-    driver.connect(channel)
-    task = HeadTask(
-        sender="party-0",
-        receiver="party-1",
-        round=3,
-        batch_id=0,
-        rows=torch.tensor([0, 1]),
-        weights=torch.ones(1, 2),
-        normaliser=2.0,
-        selection=torch.ones(1, 2, 2, dtype=torch.bool),
-        present=torch.ones(2, 2, dtype=torch.bool),
-        parties=("party-0", "party-1"),
-        tag="train",
-    )
+    party, driver, task = _head_party_and_task([0, 1, 1])
     for batch_id, rows in enumerate(([0, 3], [-1, 2]), start=1):
         wrong = dataclasses.replace(task, batch_id=batch_id, rows=torch.tensor(rows))
         with pytest.raises(
