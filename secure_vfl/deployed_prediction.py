@@ -263,15 +263,6 @@ def predict_deployed(
     backend = secure_sums(secure_agg) if secure_sums is not None else None
     if secure_agg != "none" and backend is None:
         raise ConfigError(f"--secure-agg {secure_agg} needs the secure-sum backends; found none.")
-    if backend is not None:
-        warnings.warn(
-            "under secure sums, predict new ids only: a sample the model trained on gets its "
-            "prediction's sums from one fixed grouping of the parties and had its training "
-            "sums from another, and the label party can subtract one from the other to isolate "
-            "a party's representation of it (docs/security-review.md, F29).",
-            RunWarning,
-            stacklevel=2,
-        )
     endpoint = _endpoint(federation, name, insecure=insecure, deadline=deadline, capture=capture)
     outcome = "failed"
     try:
@@ -289,6 +280,18 @@ def predict_deployed(
         # here, the run still ends at every party that waits for it.
         entry = manifest.parties[0]
         part = read_party_part(directory / entry.directory, entry, manifest)
+        trained_secure = bool(manifest.method_config.get("secure_sums"))
+        if backend is not None and trained_secure and part.training_samples is None:
+            warnings.warn(
+                f"model {manifest.run_id[:12]} keeps no record of the samples it trained on "
+                "(saved by an earlier secure-vfl): predict new ids only with it, or train it "
+                "again. A training sample would get its prediction's sums from one fixed "
+                "grouping of the parties and had its training sums from another, and the label "
+                "party could subtract one from the other to isolate a party's representation "
+                "of it (docs/security-review.md, F29).",
+                RunWarning,
+                stacklevel=2,
+            )
         refuse_unfit_parts(manifest, {0: part}, secure_sums=backend is not None)
         channel = NetworkChannel(endpoint)
         channel.party_names = federation.names

@@ -166,6 +166,7 @@ from secure_vfl.federation.federation_file import Federation, roster_differences
 from secure_vfl.federation.messages import AGGREGATOR, DeploymentMessage, Message
 from secure_vfl.federation.network import PROBE_SECONDS, NetworkChannel, PartyEndpoint
 from secure_vfl.federation.parties import ROLES, DataParty, Party, make_aggregation_server
+from secure_vfl.federation.parts import TrainingSamples
 from secure_vfl.federation.wire import shown
 from secure_vfl.io import (
     atomic_directory,
@@ -2271,6 +2272,11 @@ def train_deployed(
         lost = lost_parties(result.faults)
         if model_dir is not None:
             own_party = in_process_parties(channel)[0]
+            if secure_agg != "none":  # so that a prediction sums them as training did (F29)
+                plan = side.plan
+                own_party.training_samples = TrainingSamples.of(
+                    plan.ids["train"], plan.mask("train")
+                )
             _, lost_saving = save_deployed(
                 model_dir,
                 endpoint,

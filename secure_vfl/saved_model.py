@@ -699,6 +699,14 @@ def predict_rows(
         raise DataError(f"{label_party.name} keeps no class values; cannot name the labels.")
     id_column = output_id_column(label_party, id_column, label_column)
     mask = rows >= 0
+    blocks = getattr(method, "blocks", None)
+    samples = label_party.training_samples
+    if isinstance(blocks, ReleaseBlocks) and samples is not None:
+        # The ids the model trained on are summed as in training (F29), the others by the
+        # fixed partition.
+        blocks = blocks.with_training(samples.mask)
+        blocks.match(split, samples.rows_of(sample_ids))
+        cast(Any, method).blocks = blocks
     method.fed.learn_split(split, mask)
     probabilities = method.predict_proba(split)
     _warn_unused_blocks(method, split, mask, names)
@@ -733,6 +741,9 @@ def _warn_unused_blocks(
         f"{names[int(k)]} ({int(unused[:, k].sum())} rows)"
         for k in np.flatnonzero(unused.any(axis=0))
     )
+    again = blocks.matched(split)
+    if again:  # their blocks are their own, as in training
+        together += f"; for the {again} ids it trained on, their training blocks"
     warnings.warn(
         RunWarning(
             "the model was trained under secure sums: it predicts from the label party's "
@@ -967,6 +978,15 @@ def read_party_part(directory: Path, entry: PartEntry, manifest: Manifest) -> pa
             f"{who}: {directory / parts.CLASSES_FILE}: {manifest.num_classes} class values, "
             "distinct as text, expected (the manifest's num_classes), found "
             f"{len(classes)}: {list(classes)!r:.120}."
+        )
+    samples = part.training_samples
+    if samples is not None and (
+        entry.role != LABEL_PARTY_ROLE or samples.mask.shape[1] != len(manifest.parties)
+    ):
+        raise DataError(
+            f"{who}: {directory / parts.TRAINING_SAMPLES_FILE}: the label party's training "
+            f"samples over the manifest's {len(manifest.parties)} parties expected, found "
+            f"{samples.mask.shape[1]} parties at the {entry.role}."
         )
     return part
 

@@ -14,7 +14,7 @@ import shutil
 import signal
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pandas as pd
@@ -52,7 +52,12 @@ from secure_vfl.federation.federation_file import read_federation
 from secure_vfl.federation.messages import DeploymentMessage
 from secure_vfl.federation.network import free_loopback_ports
 from secure_vfl.federation.parties import DataParty
-from secure_vfl.federation.parts import PART_INDEX, sha256
+from secure_vfl.federation.parts import (
+    PART_INDEX,
+    TRAINING_SAMPLES_FILE,
+    TrainingSamples,
+    sha256,
+)
 from secure_vfl.methods import MethodConfig
 from secure_vfl.methods.base import in_process_parties
 from secure_vfl.saved_model import (
@@ -145,20 +150,22 @@ def predict_where_parts_live(
     absent: str | None = None,
     serve: Sequence[str] = (),
     aggregator: Sequence[str] = (),
+    files: str = "new",
 ) -> int:
     """`predict --federation` of the model at ``out`` into ``written``, every data party but
-    ``absent`` serving its new rows with its part (``serve``: its further flags); the label
-    party's exit code (every serving process exits 0 when it does)."""
+    ``absent`` serving its new rows (``files``: the folder of the site they are in; "" for the
+    training files) with its part (``serve``: its further flags); the label party's exit code
+    (every serving process exits 0 when it does)."""
     federation = write_federation(site, site / "certs", free_loopback_ports(5))
     served = []
     for n in PARTIES[1:]:
         if n != absent:
-            rows = ["--data", str(site / "new" / f"{n}.csv"), "--model-dir", str(models[n])]
+            rows = ["--data", str(site / files / f"{n}.csv"), "--model-dir", str(models[n])]
             served.append(processes.serve(federation, n, *rows, *serve))
     served.append(processes.serve(federation, "aggregator", *aggregator))
     label = processes.start(
         "predict", "--federation", str(federation), "--name", "bank", "--model", str(out),
-        "--party-file", str(site / "new" / "bank.csv"), "--out", str(written), *flags,
+        "--party-file", str(site / files / "bank.csv"), "--out", str(written), *flags,
         log="bank",
     )  # fmt: skip
     code = label.wait(timeout=PROCESS_SECONDS)
@@ -318,6 +325,20 @@ def test_a_model_trained_under_masks_predicts_under_masks_where_its_parts_live(
         kinds = {message.kind for message in messages}
         assert "sealed" in kinds and "representation" not in kinds, kinds
         assert absent not in {message.sender for message in messages}
+    # The ids it trained on, predicted again (each party serving its training file): the label
+    # party's part keeps its training samples (salted digests, no id in the clear), and both
+    # paths sum those ids by their training blocks (F29), so they agree.
+    samples = out / "model" / "bank" / TRAINING_SAMPLES_FILE
+    assert samples.is_file() and b"p0001" not in samples.read_bytes()
+    written = tmp_path / "training-ids.csv"
+    code = predict_where_parts_live(
+        site, processes, out, models, written, "--secure-agg", "masks", files=""
+    )
+    assert code == 0, processes.log("bank")
+    training = {name: (read_party_file(site / f"{name}.csv"), name) for name in PARTIES}
+    assert_predicted(written, expected.predict(training), atol=1e-5)
+    trained = TrainingSamples.from_bytes(samples.read_bytes(), str(samples)).digests.shape[0]
+    assert cast(Any, expected.method).blocks.matched("predict") == trained > 100
 
 
 def test_a_false_vfl_model_predicts_where_its_parts_live_as_from_its_copied_parts(

@@ -13,7 +13,7 @@ import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pandas as pd
@@ -26,7 +26,7 @@ from secure_vfl.data.party_files import PartyTable, read_party_file
 from secure_vfl.errors import ConfigError, DataError, IntegrityError, RunWarning
 from secure_vfl.experiment import TrainConfig, build_method, prepare_data
 from secure_vfl.federation.channel import Channel
-from secure_vfl.federation.parts import PART_INDEX
+from secure_vfl.federation.parts import PART_INDEX, TRAINING_SAMPLES_FILE, TrainingSamples
 from secure_vfl.methods import MethodConfig
 from secure_vfl.methods.base import Method, in_process_parties
 from secure_vfl.saved_model import SavedModel, predict_tables, save_model
@@ -779,3 +779,88 @@ def test_a_method_predicts_once_trained_and_trains_once(files: Files, name: str)
     assert len(predict_tables(method, channel, _tables(files.new)).ids) == len(files.new_ids)
     with pytest.raises(ConfigError, match=r"fit\(\) was called on this method already .trained."):
         method.fit()
+
+
+def _with_training_samples(source: Path, copy: Path, index: int, samples: TrainingSamples) -> Path:
+    """The model at ``source`` copied to ``copy``, party ``index``'s part given ``samples``
+    as a deployed label party saves them (its part index and the manifest's hashes
+    rewritten to match, as whoever writes the directory can)."""
+    import hashlib
+    import shutil
+
+    shutil.copytree(source, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    entry = manifest["parties"][index]
+    part = copy / entry["directory"]
+    (part / TRAINING_SAMPLES_FILE).write_bytes(samples.to_bytes())
+    payload = json.loads((part / PART_INDEX).read_text())
+    (part / PART_INDEX).write_text(
+        json.dumps({**payload, "training_samples": TRAINING_SAMPLES_FILE})
+    )
+    for name in (TRAINING_SAMPLES_FILE, PART_INDEX):
+        entry["files"][name] = hashlib.sha256((part / name).read_bytes()).hexdigest()
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
+def test_training_samples_kept_in_the_label_partys_part_are_matched_by_id_in_prediction(
+    files: Files, tmp_path: Path
+) -> None:
+    """A deployed label party under secure sums keeps the samples it trained on (salted
+    digests of their ids, and who held each); a prediction of those ids sums their parties by
+    their training blocks (F29). Here on a model trained in one process under secure sums,
+    its label party's part given such a record, and refused where it does not belong."""
+    directory = tmp_path / "secure" / "model"
+    _train(files, directory, "laser", heads="active", secure_sums=True)
+    trained_ids = pd.read_csv(files.train[0], dtype={"id": str})["id"].to_numpy(str)[:50]
+    mask = np.random.default_rng(0).random((50, 3)) < 0.8
+    samples = TrainingSamples.of(trained_ids, mask)
+    assert b"".join(value.encode() for value in trained_ids[:3]) not in samples.to_bytes()
+    model = SavedModel.load(_with_training_samples(directory, tmp_path / "kept", 0, samples))
+    tables = {n: t for n, t in zip(PARTIES, _tables(files.train), strict=True) if t}
+    model.predict(tables)
+    assert cast(Any, model.method).blocks.matched("predict") == 50
+    # New ids: none of them was trained on.
+    model.predict({n: t for n, t in zip(PARTIES, _tables(files.new), strict=True) if t})
+    assert cast(Any, model.method).blocks.matched("predict") == 0
+    # Digests match by the exact id and salt only.
+    rows = samples.rows_of(
+        np.array([trained_ids[7], "unknown", trained_ids[0], f"{trained_ids[0]} "])
+    )
+    assert rows.tolist() == [7, -1, 0, -1]
+    again = TrainingSamples.from_bytes(samples.to_bytes(), "here")
+    assert again.rows_of(trained_ids).tolist() == list(range(50))
+    # Only the label party keeps them, over the manifest's parties.
+    with pytest.raises(DataError, match="the label party's training samples over the manifest"):
+        SavedModel.load(_with_training_samples(directory, tmp_path / "data-party", 1, samples))
+    wrong = TrainingSamples.of(trained_ids, np.ones((50, 4), dtype=bool))
+    with pytest.raises(DataError, match="3 parties expected, found 4 parties"):
+        SavedModel.load(_with_training_samples(directory, tmp_path / "width", 0, wrong))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"digests": torch.zeros((2, 31), dtype=torch.uint8)}, r"digests of shape \(N, 32\)"),
+        ({"mask": torch.ones((3, 3), dtype=torch.bool)}, "a \\(N, K\\) bool mask of 2 rows"),
+        ({"mask": torch.ones((2, 3), dtype=torch.int64)}, "bool mask"),
+        ({"digests": torch.zeros((2, 32), dtype=torch.uint8)}, "distinct digests"),
+        ({"salt": torch.zeros(4, dtype=torch.uint8)}, "a salt of 16 bytes expected, found 4"),
+        ({"salt": torch.zeros((2, 8), dtype=torch.uint8)}, "a 1-d uint8 salt"),
+        ({"extra": torch.zeros(1)}, "tensors salt, digests and mask expected"),
+    ],
+)
+def test_a_malformed_training_samples_file_is_refused_naming_it(
+    change: dict[str, torch.Tensor], message: str
+) -> None:
+    from secure_vfl.tensor_file import dumps
+
+    samples = TrainingSamples.of(np.array(["a", "b"]), np.ones((2, 3), dtype=bool))
+    tree = {
+        "salt": torch.frombuffer(bytearray(samples.salt), dtype=torch.uint8),
+        "digests": torch.from_numpy(samples.digests),
+        "mask": torch.from_numpy(samples.mask),
+        **change,
+    }
+    with pytest.raises(DataError, match=f"part/training-samples: .*{message}"):
+        TrainingSamples.from_bytes(dumps(tree), "part/training-samples")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import defaultdict
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -20,12 +21,13 @@ from conftest import MakeData
 
 from protocols.privacy import PrivacyEngine, PrivacySpec
 from secure_vfl.data.vertical import VerticalData, VerticalSplit
-from secure_vfl.experiment import TrainConfig, run_training
+from secure_vfl.experiment import TrainConfig, build_method, run_training
 from secure_vfl.federation.aggregator import PlainAggregator
 from secure_vfl.federation.channel import Channel, RecordingLayer
 from secure_vfl.federation.messages import RepresentRequest, SumRequest
 from secure_vfl.federation.releases import BlockPlan, ReleaseBlocks, isolated_terms
 from secure_vfl.methods import METHODS, MethodConfig
+from secure_vfl.methods.base import in_process_parties
 from secure_vfl.methods.false_vfl import FalseVflConfig
 
 RECEIVER = 0
@@ -273,3 +275,127 @@ def test_false_vfl_posteriors_over_a_whole_run_isolate_no_party(
     releases = ledger.releases()
     assert {group for group, _ in releases} == {"train", "test"}
     assert not ledger.isolated()
+
+
+def _training_and_repredicted_releases(
+    blocks: ReleaseBlocks, train_mask: np.ndarray, predict_mask: np.ndarray
+) -> np.ndarray:
+    """Per training sample (B, m, K): the clean part of every sum its training steps may ask
+    for (each union of its usable blocks, with any of its parties dropped) and of its
+    prediction sum when it is predicted again as row i of a later split (a saved model's
+    prediction of the ids it trained on), the receiver's own column cleared."""
+    samples, parties = train_mask.shape
+    rows = torch.arange(samples)
+    vectors: list[list[np.ndarray]] = [[] for _ in range(samples)]
+    masks = [train_mask] + [train_mask & (np.arange(parties) != k) for k in range(1, parties)]
+    for mask in masks:
+        selection, _ = blocks.plan("train", rows, torch.from_numpy(mask)).tasks()
+        for task in selection[0].numpy():
+            for b in range(samples):
+                vectors[b].append(task[b].astype(float))
+    union = blocks.plan("predict", rows, torch.from_numpy(predict_mask)).union().numpy()
+    for b in range(samples):
+        vectors[b].append(union[b].astype(float))
+    released = np.array(vectors)
+    released[:, :, RECEIVER] = 0
+    return released
+
+
+@pytest.mark.parametrize("parties", [5, 6, 7])
+def test_a_training_sample_predicted_again_with_its_training_blocks_isolates_no_party(
+    parties: int,
+) -> None:
+    """F29: a saved model predicting the ids it trained on (every party holding them again).
+    With the fixed partition of other splits, a prediction sum and a training sum of the same
+    sample group its parties two ways and their difference isolates one party (the negative
+    control: the audit finds such samples); matched to their training rows, the samples'
+    prediction sums are unions of their training blocks, and nothing is isolated."""
+    rng = np.random.default_rng(parties)
+    train_mask = rng.random((300, parties)) < 0.8
+    train_mask[:, RECEIVER] = True
+    predict_mask = np.ones_like(train_mask)
+    none = np.zeros(train_mask.shape, dtype=bool)
+    fixed = ReleaseBlocks(train_mask, receiver=RECEIVER, seed=3)
+    leaked = isolated_terms(
+        _training_and_repredicted_releases(fixed, train_mask, predict_mask), none
+    )
+    assert leaked.any(axis=1).sum() > 10
+    matched = ReleaseBlocks(train_mask, receiver=RECEIVER, seed=3)
+    matched.match("predict", np.arange(train_mask.shape[0]))
+    released = _training_and_repredicted_releases(matched, train_mask, predict_mask)
+    assert not isolated_terms(released, none).any()
+    assert matched.matched("predict") == train_mask.shape[0]
+    # A rebuilt rule (a saved model's: no training rows) given the training mask is the same.
+    rebuilt = ReleaseBlocks(train_mask[:1], receiver=RECEIVER, seed=3).with_training(train_mask)
+    rows = torch.arange(train_mask.shape[0])
+    assert torch.equal(rebuilt.blocks_of("train", rows)[0], matched.blocks_of("train", rows)[0])
+
+
+def test_only_the_matched_rows_of_a_split_take_their_training_blocks() -> None:
+    rng = np.random.default_rng(0)
+    train_mask = rng.random((40, 5)) < 0.7
+    blocks = ReleaseBlocks(train_mask, receiver=RECEIVER, seed=1)
+    rows = torch.arange(6)
+    fixed, _ = blocks.blocks_of("predict", rows)
+    blocks.match("predict", np.array([-1, 7, -1, 39, 0, -1]))
+    block, _ = blocks.blocks_of("predict", rows)
+    training, _ = blocks.blocks_of("train", torch.tensor([7, 39, 0]))
+    assert torch.equal(block[[1, 3, 4]], training)
+    assert torch.equal(block[[0, 2, 5]], fixed[[0, 2, 5]])
+    assert blocks.matched("predict") == 3 and blocks.matched("mcar:0") == 0
+    with pytest.raises(ValueError, match=r"in \[-1, 40\)"):
+        blocks.match("predict", np.array([40]))
+    with pytest.raises(ValueError, match="training split"):
+        blocks.match("train", np.array([0]))
+
+
+@pytest.mark.parametrize("matched", [False, True])
+def test_a_trained_model_predicting_its_training_samples_again_isolates_no_party(
+    make_data: MakeData, matched: bool
+) -> None:
+    """F29, end to end in one process: a 5-party run under masks trains (each training sample
+    summed by its own blocks, from its observed parties at the start), then predicts its
+    training samples again with every party holding them, as a deployed prediction of the
+    parties' training files does. Every sum of the run and of the prediction is recorded from
+    the messages. Matched to their training rows (what a deployed model's label party does
+    with the ids it trained on), nothing is isolated; by the fixed partition alone (the
+    negative control), the audit finds parties isolated."""
+    data = make_data(parties=5, train_missing="mcar:0.3", n=240)
+    train = data.train
+    again = VerticalSplit(blocks=train.blocks, labels=train.labels, mask=np.ones_like(train.mask))
+    data = dataclasses.replace(data, tests={"again": again})
+    config = _config(5, "drop", epochs=2)
+    privacy = PrivacyEngine(PrivacySpec(secure_agg="masks"))
+    channel = Channel()
+    ledger = ReleaseLedger()
+    method = build_method(config, data, channel=channel, aggregator=privacy.aggregator())
+    privacy.make_private(
+        in_process_parties(channel),
+        method=config.method,
+        method_config=config.method_config,
+        predictions=1,
+    )
+    ledger.attach(channel)
+    method.fit()
+    blocks = cast(Any, method).blocks
+    if matched:
+        blocks.match("again", np.arange(train.n))
+    method.predict_proba("again")
+    releases = ledger.releases()
+    parties = 5
+    merged: dict[int, set[tuple[bool, ...]]] = defaultdict(set)
+    for (_, row), (clean, exposed) in releases.items():
+        assert not exposed
+        merged[row].update(clean)
+    assert {group for group, _ in releases} == {"train", "test"}
+    most = max(len(vectors) for vectors in merged.values())
+    released = np.zeros((len(merged), most, parties))
+    for i, vectors in enumerate(merged.values()):
+        for j, vector in enumerate(sorted(vectors)):
+            released[i, j] = vector
+    found = isolated_terms(released, np.zeros((len(merged), parties), dtype=bool))
+    if matched:
+        assert blocks.matched("again") == train.n
+        assert not found.any()
+    else:
+        assert found.any(axis=1).sum() > 5

@@ -657,7 +657,8 @@ class RowPlan:
     it does not hold it or the missingness hides it; ``fit_rows[k]``: the rows party k's
     standardiser fits on (the training rows it holds), in the order the in-process pipeline
     (:func:`vertical_from_party_files`) fits on them, so both give the same blocks.
-    ``labels[split]`` and ``dropped`` are as in :class:`VerticalData`.
+    ``labels[split]`` and ``dropped`` are as in :class:`VerticalData`; ``ids[split]`` (N_split,)
+    the label party's id of each sample.
     """
 
     rows: dict[str, np.ndarray]
@@ -665,6 +666,7 @@ class RowPlan:
     labels: dict[str, np.ndarray]
     dropped: dict[str, int]
     classes: tuple[object, ...]
+    ids: dict[str, np.ndarray]
 
     def mask(self, split: str) -> np.ndarray:
         """The availability mask (N_split, K) of ``split``."""
@@ -783,7 +785,7 @@ def plan_rows_by(
         "alignment_no_party": alignment.dropped,
         "alignment_no_label": unlabelled,
     }
-    rows, split_labels = {}, {}
+    rows, split_labels, split_ids = {}, {}, {}
     for name, mechanism, held, split_index in [
         ("train", train_missing, train_rows, train_index),
         *[(m.label, m, test_rows, test_index) for m in test_missing],
@@ -795,7 +797,8 @@ def plan_rows_by(
         keep, dropped[name] = drop_unobserved(mask)
         rows[name] = np.where(mask, held, -1)[keep]
         split_labels[name] = labels[split_index][keep]
-    return RowPlan(rows, fit_rows, split_labels, dropped, label_table.classes)
+        split_ids[name] = alignment.sample_ids[split_index][keep]
+    return RowPlan(rows, fit_rows, split_labels, dropped, label_table.classes, split_ids)
 
 
 def party_blocks(

@@ -828,6 +828,8 @@ class DataParty(SecureSumParty):
         # label value of each class: its own, kept in its saved part.
         self.preprocessing: PartyPreprocessing | None = None
         self.classes: tuple[ClassValue, ...] | None = None
+        # The label party of a deployed run under secure sums: the samples it trained on.
+        self.training_samples: parts.TrainingSamples | None = None
         self._training_digest: str | None = None
 
     @property
@@ -918,6 +920,7 @@ class DataParty(SecureSumParty):
             modules=self.own_modules(),
             preprocessing=self.preprocessing,
             classes=self.classes,
+            training_samples=self.training_samples,
         )
 
     def load_part(self, part: parts.Part) -> None:
@@ -926,6 +929,7 @@ class DataParty(SecureSumParty):
         and the class values."""
         parts.load_states(self.own_modules(), part.states, party=self.name)
         self.preprocessing, self.classes = part.preprocessing, part.classes
+        self.training_samples = part.training_samples
 
     def hold_rows(
         self, split: str, table: PartyTable | None, rows: np.ndarray, *, source: str

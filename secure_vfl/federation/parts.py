@@ -8,7 +8,11 @@ another party's state. A part is
   ``label-model`` ...), written atomically as a tensor file (:mod:`secure_vfl.tensor_file`:
   safetensors, raw buffers under a JSON header; no pickle, so no code runs from a model file);
 - ``preprocessing.json`` (:class:`~secure_vfl.data.party_preprocessing.PartyPreprocessing`) and,
-  at the label party, ``classes.json`` (the label file's own label values, in class order).
+  at the label party, ``classes.json`` (the label file's own label values, in class order);
+- at the label party of a deployed run under secure sums, ``training-samples.safetensors``
+  (:class:`TrainingSamples`): which samples it trained on, by salted digests of their ids, and
+  which parties held each as the run started, so that a later prediction of such a sample sums
+  its parties as its training did (:meth:`~secure_vfl.federation.releases.ReleaseBlocks.match`).
 
 Every file is checked against the SHA-256 the federation's manifest lists for it before it is
 parsed: a missing, extra or altered file is refused (:class:`~secure_vfl.errors.IntegrityError`).
@@ -19,11 +23,14 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import secrets
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import torch
 from torch import Tensor, nn
 
 from secure_vfl.data.party_files import LABEL_COLUMN
@@ -38,17 +45,97 @@ PART_VERSION = 2  # 2: state dicts as tensor files (1: torch.save)
 PART_INDEX = "part.json"
 PREPROCESSING_FILE = "preprocessing.json"
 CLASSES_FILE = "classes.json"
+TRAINING_SAMPLES_FILE = f"training-samples{SUFFIX}"
 ClassValue = str | int | float | bool
+SALT_BYTES = 16
+
+
+@dataclass(frozen=True, eq=False)
+class TrainingSamples:
+    """The samples a run trained on, as its label party keeps them in its part: each one's
+    id as ``SHA-256(salt || UTF-8 id)`` (``digests`` (N, 32) uint8, in training-row order; the
+    ids themselves are not kept, but whoever holds the part can test whether a given id was
+    trained on) and which parties held it as the run started (``mask`` (N, K) bool)."""
+
+    salt: bytes
+    digests: np.ndarray
+    mask: np.ndarray
+
+    def __post_init__(self) -> None:
+        digests, mask = self.digests, self.mask
+        if len(self.salt) != SALT_BYTES:
+            raise DataError(f"a salt of {SALT_BYTES} bytes expected, found {len(self.salt)}.")
+        if digests.dtype != np.uint8 or digests.ndim != 2 or digests.shape[1] != 32:
+            raise DataError(
+                f"digests of shape (N, 32) uint8 expected, found {digests.shape} {digests.dtype}."
+            )
+        if mask.dtype != np.bool_ or mask.ndim != 2 or mask.shape[0] != digests.shape[0]:
+            raise DataError(
+                f"a (N, K) bool mask of {digests.shape[0]} rows expected, found {mask.shape} "
+                f"{mask.dtype}."
+            )
+        if digests.shape[0] == 0 or len(np.unique(digests, axis=0)) != digests.shape[0]:
+            raise DataError(
+                f"distinct digests of at least one sample expected, found {digests.shape[0]} "
+                "samples with repeats or none."
+            )
+
+    @classmethod
+    def of(cls, ids: np.ndarray, mask: np.ndarray) -> TrainingSamples:
+        """The training samples ``ids`` (N,) str, held as ``mask`` (N, K) says, under a
+        fresh random salt."""
+        salt = secrets.token_bytes(SALT_BYTES)
+        return cls(salt, _digests(salt, ids), np.asarray(mask, dtype=bool).copy())
+
+    def rows_of(self, ids: np.ndarray) -> np.ndarray:
+        """Each of ``ids``' training row (int64), -1 for an id the run did not train on."""
+        row_of = {digest.tobytes(): row for row, digest in enumerate(self.digests)}
+        asked = _digests(self.salt, ids)
+        return np.array([row_of.get(digest.tobytes(), -1) for digest in asked], dtype=np.int64)
+
+    def to_bytes(self) -> bytes:
+        return dumps(
+            {
+                "salt": torch.frombuffer(bytearray(self.salt), dtype=torch.uint8),
+                "digests": torch.from_numpy(self.digests),
+                "mask": torch.from_numpy(self.mask),
+            }
+        )
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> TrainingSamples:
+        tree = loads(data, where)
+        if not (
+            isinstance(tree, dict)
+            and set(tree) == {"salt", "digests", "mask"}
+            and all(isinstance(value, Tensor) for value in tree.values())
+        ):
+            raise DataError(f"{where}: tensors salt, digests and mask expected; found others.")
+        salt = tree["salt"]
+        if salt.dtype != torch.uint8 or salt.dim() != 1:
+            raise DataError(f"{where}: a 1-d uint8 salt expected, found {salt.dtype}.")
+        try:
+            return cls(bytes(salt.numpy()), tree["digests"].numpy(), tree["mask"].numpy())
+        except DataError as error:
+            raise DataError(f"{where}: {error}") from None
+
+
+def _digests(salt: bytes, ids: np.ndarray) -> np.ndarray:
+    """(N, 32) uint8: SHA-256 of the salt and each id's UTF-8 text."""
+    rows = [hashlib.sha256(salt + str(value).encode("utf-8")).digest() for value in ids]
+    return np.frombuffer(b"".join(rows), dtype=np.uint8).reshape(len(rows), 32).copy()
 
 
 @dataclass(frozen=True)
 class Part:
     """What a party reads back from its part: module states by name, its preprocessing (None
-    where it kept none) and, at the label party, its class values."""
+    where it kept none) and, at the label party, its class values and (a deployed run under
+    secure sums) its training samples."""
 
     states: dict[str, dict[str, Tensor]]
     preprocessing: PartyPreprocessing | None
     classes: tuple[ClassValue, ...] | None
+    training_samples: TrainingSamples | None = None
 
 
 def sha256(data: bytes) -> str:
@@ -75,6 +162,7 @@ def save_part(
     modules: Mapping[str, nn.Module],
     preprocessing: PartyPreprocessing | None,
     classes: Sequence[ClassValue] | None,
+    training_samples: TrainingSamples | None = None,
 ) -> dict[str, str]:
     """Write one party's part into ``directory`` (each file atomically); return the SHA-256 of
     every file written, by file name, for the federation's manifest."""
@@ -107,18 +195,20 @@ def save_part(
                 "classes": list(classes),
             },
         )
-    write_json(
-        PART_INDEX,
-        {
-            "schema": PART_SCHEMA,
-            "version": PART_VERSION,
-            "party": party,
-            "role": role,
-            "modules": files,
-            "preprocessing": PREPROCESSING_FILE if preprocessing is not None else None,
-            "classes": CLASSES_FILE if classes is not None else None,
-        },
-    )
+    if training_samples is not None:
+        write_bytes(TRAINING_SAMPLES_FILE, training_samples.to_bytes())
+    contents: dict[str, Any] = {
+        "schema": PART_SCHEMA,
+        "version": PART_VERSION,
+        "party": party,
+        "role": role,
+        "modules": files,
+        "preprocessing": PREPROCESSING_FILE if preprocessing is not None else None,
+        "classes": CLASSES_FILE if classes is not None else None,
+    }
+    if training_samples is not None:  # an older part names no such file
+        contents["training_samples"] = TRAINING_SAMPLES_FILE
+    write_json(PART_INDEX, contents)
     return written
 
 
@@ -194,12 +284,17 @@ def load_part(directory: Path, files: Mapping[str, str], *, party: str) -> Part:
     modules = index.get("modules")
     if not isinstance(modules, Mapping) or not all(isinstance(v, str) for v in modules.values()):
         raise DataError(f"{where}: a mapping of module names to files expected.")
-    for key in ("preprocessing", "classes"):
+    for key in ("preprocessing", "classes", "training_samples"):
         if not isinstance(index.get(key), str | None):
             raise DataError(
                 f"{where}: {key}: a file name or null expected, found {index[key]!r:.60}."
             )
-    named = [*modules.values(), index.get("preprocessing"), index.get("classes")]
+    named = [
+        *modules.values(),
+        index.get("preprocessing"),
+        index.get("classes"),
+        index.get("training_samples"),
+    ]
     used = {PART_INDEX, *(name for name in named if name is not None)}
     if used != set(files):
         raise IntegrityError(
@@ -220,7 +315,18 @@ def load_part(directory: Path, files: Mapping[str, str], *, party: str) -> Part:
     if index.get("classes") is not None:
         name = str(index["classes"])
         classes = read_classes(verified_bytes(directory, name, files, party), str(directory / name))
-    return Part(states=states, preprocessing=preprocessing, classes=classes)
+    training_samples = None
+    if index.get("training_samples") is not None:
+        name = str(index["training_samples"])
+        training_samples = TrainingSamples.from_bytes(
+            verified_bytes(directory, name, files, party), str(directory / name)
+        )
+    return Part(
+        states=states,
+        preprocessing=preprocessing,
+        classes=classes,
+        training_samples=training_samples,
+    )
 
 
 def refuse_unfit(

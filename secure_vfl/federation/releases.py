@@ -170,6 +170,10 @@ class ReleaseBlocks:
       later (a deployment's new split), so nothing per row can key them; a partition that
       depends on neither row nor mask cannot differ between them. (Training rows are never
       predicted under another mask in a run: the train and test samples are disjoint.)
+    - a training sample predicted again later (a saved model's prediction of an id it trained
+      on, which only its id can tell): its training blocks, by :meth:`match`. The fixed
+      partition would group its other parties another way, and a prediction sum minus a
+      training sum could then isolate one party's term (docs/security-review.md, F29).
 
     Under ``expose`` (``release="dp"``) a block that is not usable may release its
     *exposable* members that are observed, each as a DP release of that party (clipped and
@@ -194,8 +198,36 @@ class ReleaseBlocks:
         fixed_priority = np.random.default_rng([seed, _FIXED_STREAM]).random((1, parties))
         self._fixed = partition(everyone, fixed_priority)
         self.receiver = receiver
+        self.seed = seed
         self.expose = expose
         self.blocks = max(1, (parties - 1) // 2)
+        self._matched: dict[str, np.ndarray] = {}  # by split: each row's training row, or -1
+
+    def with_training(self, train_mask: np.ndarray) -> ReleaseBlocks:
+        """The same rule for a run whose training mask was ``train_mask`` (N, K): what a
+        rebuilt method, which has no training rows, needs to give a training sample its blocks
+        (the same seed and mask give the same blocks)."""
+        return ReleaseBlocks(train_mask, receiver=self.receiver, seed=self.seed, expose=self.expose)
+
+    def match(self, split: str, train_rows: np.ndarray) -> None:
+        """Row ``i`` of ``split`` (not training) is training sample ``train_rows[i]`` (-1: a
+        sample the run did not train on): such a row's sums use its training blocks, every
+        other row the fixed partition. ValueError for a training row this rule does not have."""
+        if split == "train":
+            raise ValueError("the training split's rows are the training samples already.")
+        train_rows = np.asarray(train_rows, dtype=np.int64)
+        count = self._train[0].shape[0]
+        if train_rows.ndim != 1 or ((train_rows < -1) | (train_rows >= count)).any():
+            raise ValueError(
+                f"1-d training rows in [-1, {count}) expected, found shape {train_rows.shape} "
+                f"in [{train_rows.min(initial=0)}, {train_rows.max(initial=0)}]."
+            )
+        self._matched[split] = train_rows
+
+    def matched(self, split: str) -> int:
+        """How many rows of ``split`` are training samples with their training blocks."""
+        found = self._matched.get(split)
+        return 0 if found is None else int((found >= 0).sum())
 
     def unused(self, split: str, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """For the rows of ``split`` (not training) whose observed sets are ``mask`` (N, K):
@@ -225,6 +257,16 @@ class ReleaseBlocks:
             return block, exposable
         shape = (rows.numel(), self._fixed[0].shape[1])
         block, exposable = (torch.from_numpy(a).expand(*shape) for a in self._fixed)
+        matched = self._matched.get(split)
+        if matched is None:
+            return block, exposable
+        train = matched[rows.numpy()]
+        again = torch.from_numpy(train >= 0)
+        if not bool(again.any()):
+            return block, exposable
+        block, exposable = block.clone(), exposable.clone()
+        block[again] = torch.from_numpy(self._train[0][train[train >= 0]])
+        exposable[again] = torch.from_numpy(self._train[1][train[train >= 0]])
         return block, exposable
 
     def plan(self, split: str, rows: Tensor, mask: Tensor) -> BlockPlan:
