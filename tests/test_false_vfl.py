@@ -807,3 +807,27 @@ def test_an_epochs_loss_is_the_mean_over_the_rows_its_steps_trained(
     skipped = [i for i, (_, _, trained, _) in enumerate(steps) if trained == 0]
     assert all(math.isnan(seen[i]) for i in skipped)
     assert not any(math.isnan(loss) for i, loss in enumerate(seen) if i not in skipped)
+
+
+def test_a_step_finds_its_rows_with_a_posterior_once(make_data: MakeData) -> None:
+    """Under secure sums each step's rows with a posterior come from the step's block plan;
+    the epoch's count of rows trained reuses the attempt's, not a second plan of the batch."""
+    data = make_data(n=200, test_missing=("mcar:0",))
+    config = MethodConfig(epochs=1, batch_size=64, labeled=100, secure_sums=True)
+    method = METHODS.get("false-vfl-1")(data, config, seed=5, false_vfl=SMALL)
+    plans: list[int] = []
+    steps: list[int] = []
+    find, step = method._with_posterior, method.train_step
+
+    def counted(split: str, rows: np.ndarray) -> np.ndarray:
+        plans.append(len(rows))
+        return find(split, rows)
+
+    def stepped(rows: np.ndarray, round: int, batch_id: int) -> float:
+        steps.append(len(rows))
+        return step(rows, round, batch_id)
+
+    method._with_posterior = counted  # type: ignore[method-assign]
+    method.train_step = stepped  # type: ignore[method-assign]
+    method.fit()
+    assert steps and plans == steps

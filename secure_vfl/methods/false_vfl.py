@@ -763,6 +763,7 @@ class FalseVflMethod:
         self.fed.tolerates_dropouts = True  # a lost party is a missing block
         self.fed.epoch_steps = len(self.sampler)  # stage 1's; train_step dates stage 2's faults
         self.blocks: ReleaseBlocks | None = None
+        self._step_rows = 0  # the rows the last training attempt trained on
         if config.secure_sums:
             self.blocks = ReleaseBlocks(data.train.mask, receiver=0, seed=seed)
 
@@ -981,9 +982,10 @@ class FalseVflMethod:
         return loss
 
     def _trained_rows(self, rows_np: np.ndarray) -> int:
-        """How many of the training ``rows_np`` a step trains on: those with a posterior (all
-        of them without secure sums), the rows its loss is the mean over."""
-        return int(self._with_posterior("train", rows_np).size)
+        """How many of the training ``rows_np`` the step just taken trained on: those with a
+        posterior (all of them without secure sums), the rows its loss is the mean over, as its
+        last attempt found them (its plan is not made again)."""
+        return self._step_rows
 
     def _attempt(
         self, rows_np: np.ndarray, round: int, batch_id: int
@@ -992,6 +994,7 @@ class FalseVflMethod:
         other parties' steps (stage 1 on rows that have a posterior), or None if nobody
         updates."""
         rows_np = self._with_posterior("train", rows_np)
+        self._step_rows = int(rows_np.size)
         if rows_np.size == 0:
             return 0.0, None
         rows = torch.from_numpy(rows_np)
