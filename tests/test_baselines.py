@@ -226,3 +226,31 @@ def test_a_representation_of_other_rows_than_asked_is_refused_before_the_head_tr
     after = list(method.head.module.parameters())
     assert all(torch.equal(a, b) for a, b in zip(head, after, strict=True))
     assert all(p.grad is None for p in after)
+
+
+@pytest.mark.parametrize("name", ["local", "ensemble"])
+@pytest.mark.parametrize("batching", ["grouped", "mixed"])
+def test_a_local_head_averages_its_loss_over_the_rows_its_party_observes(
+    make_data: MakeData, name: str, batching: str
+) -> None:
+    """Local and Ensemble train each party's model on the samples it observes: a head's loss
+    of a batch is the mean over its party's observed rows of it. Under mixed batching it was
+    divided by the whole batch, scaling each head's step by its party's observed share."""
+    data = make_data(train_missing="mcar:0.4")
+    recorder = RecordingLayer()
+    config = dataclasses.replace(FAST, batching=batching)
+    method = METHODS.get(name)(data, config, seed=0, channel=Channel([recorder]))
+    # The label party's task to its own head crosses no boundary: its incoming hook sees it.
+    in_process_parties(method.fed.channel)[0].incoming.append(recorder)
+    batch = next(iter(method.sampler.epoch(np.random.default_rng(0))))
+    method.train_step(batch, 0, 0)
+    mask = data.train.mask[batch]
+    tasks = [m for m in recorder.messages if m.kind == "head-task"]
+    for party, observed in enumerate(mask.sum(axis=0)):
+        task = next((m for m in tasks if m.receiver == f"party-{party}"), None)
+        if observed == 0:
+            assert task is None
+            continue
+        assert task is not None and task.normaliser == observed
+    if batching == "mixed":
+        assert (mask.sum(axis=0) < len(batch)).any()  # some head saw part of the batch

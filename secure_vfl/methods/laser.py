@@ -316,7 +316,7 @@ class MeanFusionMethod:
                 selection[i, chunk],
                 weights[i, chunk],
                 mask,
-                normaliser=loss_normaliser(self.sampler, rows.numel()),
+                normaliser=self._normaliser(self.head_index[i], mask),
                 round=round,
                 batch_id=batch_id,
                 tag=tag,
@@ -345,6 +345,20 @@ class MeanFusionMethod:
             for i, tag, _ in tasks
         )
         return loss, hold
+
+    def _normaliser(self, head: int, mask: Tensor) -> float:
+        """What head ``head``'s summed loss of the batch (availability ``mask``) is divided
+        by: LASER's objective is a mean over the batch's samples; a Local or Ensemble head
+        trains its party's own model on the samples it observes, a mean over those (the same
+        under grouped batching, where a party observes all of a batch or none of it; under
+        mixed batching dividing by the batch scaled each head's step by its observed share)."""
+        if self.planner != "local":
+            return loss_normaliser(self.sampler, mask.shape[0])
+        return loss_normaliser(
+            self.sampler,
+            int(mask[:, head].sum()),
+            counted=lambda: np.asarray(self.data.train.mask[:, head]),
+        )
 
     @property
     def total_steps(self) -> int:
