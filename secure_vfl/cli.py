@@ -1466,8 +1466,6 @@ def _capture(
         raise ConfigError(f"--capture expects a file path. Found the directory {path}.")
     made = not path.exists()
     make_parent(path)
-    if path.is_file() and path.stat().st_size > 0:
-        _cut_torn_tail(path)
     try:
         handle = path.open("ab")
     except OSError as error:
@@ -1475,6 +1473,8 @@ def _capture(
             f"--capture {path} cannot be opened: {error.strerror or error}; nothing was run."
         ) from None
     try:
+        if path.is_file() and path.stat().st_size > 0:
+            _cut_torn_tail(path, handle)
         yield handle
     except BaseException:
         with suppress(OSError):  # what a refused write left buffered fails again: said already
@@ -1487,32 +1487,41 @@ def _capture(
             path.unlink()
 
 
-def _cut_torn_tail(path: Path) -> None:
-    """Before a capture is appended to: refuse a file that is not one (ConfigError), and cut
-    a torn last record that a killed command left (warned of): appended after it, the records
-    that follow would be read as its remainder, and the file could not be read past it. A file
-    that grows while it is read is another command's capture in progress, its last record
-    still being written: it is left as it is."""
+def _cut_torn_tail(path: Path, handle: BinaryIO) -> None:
+    """Before a capture is appended to (``handle``, open on it): refuse a file that is not one
+    (ConfigError), and cut a torn last record that a killed command left (warned of): appended
+    after it, the records that follow would be read as its remainder, and the file could not
+    be read past it. Under the capture's lock, which every command takes to append a record: a
+    record another command is writing is whole before this one reads. A file that grows while
+    it is read is still another's capture in progress (a writer that takes no lock, of an
+    earlier release): it is left as it is."""
     import os
 
     from secure_vfl.errors import ProtocolError
-    from secure_vfl.federation.channel import whole_records
+    from secure_vfl.federation.channel import capture_lock, whole_records
 
-    size = path.stat().st_size
     try:
-        whole = whole_records(path)
-    except ProtocolError as error:
-        raise ConfigError(
-            f"--capture {error}; expected a capture to append to, or a new path."
+        with capture_lock(handle):
+            size = path.stat().st_size
+            try:
+                whole = whole_records(path)
+            except ProtocolError as error:
+                raise ConfigError(
+                    f"--capture {error}; expected a capture to append to, or a new path."
+                ) from None
+            if whole < size and path.stat().st_size == size:
+                os.ftruncate(handle.fileno(), whole)
+                _print_warnings(
+                    [
+                        f"--capture {path} ended in a torn record (a command stopped while "
+                        f"writing it): its last {size - whole} bytes were cut before this "
+                        "run's records."
+                    ]
+                )
+    except OSError as error:
+        raise OutputError(
+            f"--capture {path} cannot be opened: {error.strerror or error}; nothing was run."
         ) from None
-    if whole < size and path.stat().st_size == size:
-        os.truncate(path, whole)
-        _print_warnings(
-            [
-                f"--capture {path} ended in a torn record (a command stopped while writing it): "
-                f"its last {size - whole} bytes were cut before this run's records."
-            ]
-        )
 
 
 def _path_arguments(args: argparse.Namespace) -> list[tuple[str, Path]]:

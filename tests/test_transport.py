@@ -401,6 +401,85 @@ def test_records_another_command_appends_while_a_capture_is_checked_are_kept(
         assert "torn record" not in capsys.readouterr().err
 
 
+_STALLING_WRITER = """
+import sys
+from secure_vfl.federation.channel import append_record
+
+class Stalls:  # the capture file, whose writer stalls halfway through a record
+    def __init__(self, handle):
+        self.handle, self.name = handle, handle.name
+    def fileno(self):
+        return self.handle.fileno()
+    def write(self, data):
+        half = len(data) // 2
+        self.handle.write(data[:half])
+        self.handle.flush()
+        print("half", flush=True)
+        sys.stdin.readline()
+        return self.handle.write(data[half:])
+    def flush(self):
+        self.handle.flush()
+
+with open(sys.argv[1], "ab") as handle:
+    append_record(Stalls(handle), bytes.fromhex(sys.argv[2]))
+"""
+
+
+def test_a_record_another_process_is_writing_is_not_cut_as_torn(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A command starting on a capture that another process was appending to, stalled halfway
+    through a record, took the half record for a torn one (a killed command's) and cut it; the
+    other half then followed the records before it, and the file could not be read past them."""
+    import argparse
+    import subprocess
+    import sys
+    import threading
+
+    from secure_vfl.cli import _capture
+
+    message = RepresentationMessage(
+        sender="party-1", receiver="aggregator", round=0, batch_id=0, positions=torch.arange(2),
+        representation=torch.zeros(2, 3),
+    )  # fmt: skip
+    data = wire.encode(message)
+    record = struct.pack(">I", len(data)) + data
+    capture = tmp_path / "shared.capture"
+    capture.write_bytes(record)
+    failures: list[BaseException] = []
+
+    def another_command_starts() -> None:
+        try:
+            with _capture(capture, argparse.Namespace()):
+                pass
+        except BaseException as error:
+            failures.append(error)
+
+    writer = subprocess.Popen(
+        [sys.executable, "-c", _STALLING_WRITER, str(capture), data.hex()],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert writer.stdout is not None and writer.stdout.readline() == "half\n"
+        other = threading.Thread(target=another_command_starts)
+        other.start()
+        other.join(timeout=1)  # unlocked, it has cut the half record by now
+        assert writer.stdin is not None
+        writer.stdin.write("\n")
+        writer.stdin.flush()
+        assert writer.wait(timeout=60) == 0
+        other.join(timeout=60)
+        assert not other.is_alive() and failures == []
+    finally:
+        writer.kill()
+        writer.wait(timeout=30)
+    assert capture.read_bytes() == record + record
+    assert [m.kind for m in read_capture(capture)] == ["representation"] * 2
+    assert "torn record" not in capsys.readouterr().err
+
+
 class CuriousParty(DataParty):
     """A passive party that keeps every gradient it receives and notes when training ended."""
 

@@ -15,10 +15,13 @@ the same layers and then over gRPC, returning once the receiver has acted on the
 
 from __future__ import annotations
 
+import fcntl
+import io
 import struct
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeVar, cast
 
@@ -85,18 +88,40 @@ class InProcessTransport:
 
 
 def append_record(capture: BinaryIO, data: bytes) -> None:
-    """Append ``data`` to ``capture`` as one record in one write, flushed: two commands that
-    append to one file at once keep their records whole (a length written apart from its
-    message let the other's record in between), and a refused write fails here, not when the
-    file is closed. OutputError naming the file where the system refuses it (a full disk)."""
+    """Append ``data`` to ``capture`` as one record in one write, flushed, under the capture's
+    lock (:func:`capture_lock`): two commands that append to one file at once keep their records
+    whole (a length written apart from its message let the other's record in between), and a
+    refused write fails here, not when the file is closed. OutputError naming the file where
+    the system refuses it (a full disk)."""
     try:
-        capture.write(CAPTURE_LENGTH.pack(len(data)) + data)
-        capture.flush()
+        with capture_lock(capture):
+            capture.write(CAPTURE_LENGTH.pack(len(data)) + data)
+            capture.flush()
     except OSError as error:
         name = getattr(capture, "name", "the capture file")
         raise OutputError(
             f"--capture {name} cannot be written: {error.strerror or error}; the run stopped."
         ) from error
+
+
+@contextmanager
+def capture_lock(capture: BinaryIO) -> Iterator[None]:
+    """Hold the lock every command takes to append a record to the capture file ``capture`` or
+    to cut a torn record off its end (an exclusive ``flock``, dropped by the system when its
+    holder dies): a command starting on the file while another is halfway through a record
+    waits for it, instead of cutting the half record as a killed command's. A capture that is
+    no file (an ``io.BytesIO``) has no other writer and no lock. OSError where the system
+    refuses the lock."""
+    try:
+        descriptor = capture.fileno()
+    except (AttributeError, io.UnsupportedOperation):
+        yield
+        return
+    fcntl.flock(descriptor, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(descriptor, fcntl.LOCK_UN)
 
 
 def read_capture(path: Path | str) -> Iterator[Message]:
