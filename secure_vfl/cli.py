@@ -1451,7 +1451,8 @@ def _capture(
     another path of the command (``args``: an input file, ``--out``, the store), which one
     would overwrite the other, or among what the run writes in ``out`` (its output folder,
     given or by default) or in the saved model it reads (:func:`_refuse_captured_over`); a
-    file it made and nothing was written to (a run refused before any message) is removed."""
+    file it made and nothing was written to (a run refused before any message) is removed
+    (:func:`_close_capture`)."""
     if path is None:
         yield None
         return
@@ -1464,10 +1465,9 @@ def _capture(
     _refuse_captured_over(path, args, out)
     if path.is_dir():
         raise ConfigError(f"--capture expects a file path. Found the directory {path}.")
-    made = not path.exists()
     make_parent(path)
     try:
-        handle = path.open("ab")
+        handle, made = _open_capture(path)
     except OSError as error:
         raise OutputError(
             f"--capture {path} cannot be opened: {error.strerror or error}; nothing was run."
@@ -1478,13 +1478,42 @@ def _capture(
         yield handle
     except BaseException:
         with suppress(OSError):  # what a refused write left buffered fails again: said already
-            handle.close()
+            _close_capture(path, handle, made=made)
         raise
     else:
-        handle.close()  # nothing is left to write: each record was flushed as it came
-    finally:
-        if made and path.is_file() and path.stat().st_size == 0:
-            path.unlink()
+        _close_capture(path, handle, made=made)  # each record was flushed as it came
+
+
+def _open_capture(path: Path) -> tuple[BinaryIO, bool]:
+    """``path`` opened to append to, and whether this command made the file: of commands
+    started on one new path at once, exactly one did (the file is created exclusively)."""
+    import os
+
+    def exclusive(name: str, flags: int) -> int:
+        return os.open(name, flags | os.O_EXCL, 0o666)
+
+    try:
+        return open(path, "ab", opener=exclusive), True
+    except FileExistsError:
+        return path.open("ab"), False
+
+
+def _close_capture(path: Path, handle: BinaryIO, *, made: bool) -> None:
+    """Close the capture ``handle`` on ``path``, removing the file first if this command made
+    it (``made``) and no record was written to it (a run refused before any message): under
+    the capture's lock, and only the file it made, still at ``path``. Another command may hold
+    it open still; its next record makes the file anew (:func:`~secure_vfl.federation.channel.
+    append_record`)."""
+    import os
+
+    from secure_vfl.federation.channel import capture_lock
+
+    if made:
+        with suppress(OSError), capture_lock(handle):  # else the empty file stays
+            held = os.fstat(handle.fileno())
+            if held.st_size == 0 and os.path.samestat(held, path.stat()):
+                path.unlink()
+    handle.close()
 
 
 def _cut_torn_tail(path: Path, handle: BinaryIO) -> None:

@@ -8,6 +8,7 @@ import json
 import struct
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -478,6 +479,50 @@ def test_a_record_another_process_is_writing_is_not_cut_as_torn(
     assert capture.read_bytes() == record + record
     assert [m.kind for m in read_capture(capture)] == ["representation"] * 2
     assert "torn record" not in capsys.readouterr().err
+
+
+def test_a_run_refused_on_a_new_capture_keeps_another_runs_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two runs started on one new capture path: the one refused before any message removed
+    the empty file it took for its own, which the other held open, and the other's records went
+    to a file no name reached (its capture lost). Both took the file for theirs when each
+    looked for it before either made it; and the one that did make it removed it under the
+    other as well."""
+    import argparse
+
+    from secure_vfl import cli
+    from secure_vfl.federation.channel import append_record
+
+    message = RepresentationMessage(
+        sender="party-1", receiver="aggregator", round=0, batch_id=0, positions=torch.arange(2),
+        representation=torch.zeros(2, 3),
+    )  # fmt: skip
+    make_parent = cli.make_parent
+    for other_starts_first in (True, False):
+        capture = tmp_path / f"new-{other_starts_first}.capture"
+        running = cli._capture(capture, argparse.Namespace())
+        refused = cli._capture(capture, argparse.Namespace())
+        held: list[Any] = []
+
+        def the_other_starts_meanwhile(
+            path: Path, running: Any = running, held: list[Any] = held
+        ) -> None:
+            monkeypatch.setattr(cli, "make_parent", make_parent)
+            make_parent(path)
+            held.append(running.__enter__())  # after the refused run looked for the file
+
+        if other_starts_first:
+            monkeypatch.setattr(cli, "make_parent", the_other_starts_meanwhile)
+            refused.__enter__()
+        else:  # the refused run made the file, the other opened it
+            refused.__enter__()
+            held.append(running.__enter__())
+        refusal = ConfigError("refused before any message")
+        assert refused.__exit__(ConfigError, refusal, None) is False  # raised on: refused
+        append_record(held[0], wire.encode(message))
+        running.__exit__(None, None, None)
+        assert [m.kind for m in read_capture(capture)] == ["representation"]
 
 
 class CuriousParty(DataParty):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fcntl
 import io
+import os
 import struct
 import time
 from collections import Counter, defaultdict
@@ -94,7 +95,7 @@ def append_record(capture: BinaryIO, data: bytes) -> None:
     refused write fails here, not when the file is closed. OutputError naming the file where
     the system refuses it (a full disk)."""
     try:
-        with capture_lock(capture):
+        with capture_lock(capture, follow=True):
             capture.write(CAPTURE_LENGTH.pack(len(data)) + data)
             capture.flush()
     except OSError as error:
@@ -105,19 +106,30 @@ def append_record(capture: BinaryIO, data: bytes) -> None:
 
 
 @contextmanager
-def capture_lock(capture: BinaryIO) -> Iterator[None]:
+def capture_lock(capture: BinaryIO, *, follow: bool = False) -> Iterator[None]:
     """Hold the lock every command takes to append a record to the capture file ``capture`` or
     to cut a torn record off its end (an exclusive ``flock``, dropped by the system when its
     holder dies): a command starting on the file while another is halfway through a record
     waits for it, instead of cutting the half record as a killed command's. A capture that is
     no file (an ``io.BytesIO``) has no other writer and no lock. OSError where the system
-    refuses the lock."""
+    refuses the lock.
+
+    ``follow``: where the file ``capture`` holds was removed (the command that made it was
+    refused before any message and removed it, empty, not knowing that this one held it too),
+    ``capture`` is first pointed at the file at its name, made anew if none is there."""
     try:
         descriptor = capture.fileno()
     except (AttributeError, io.UnsupportedOperation):
         yield
         return
     fcntl.flock(descriptor, fcntl.LOCK_EX)
+    name = getattr(capture, "name", None)
+    while follow and isinstance(name, str) and os.fstat(descriptor).st_nlink == 0:
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+        reopened = os.open(name, flags, 0o666)
+        os.dup2(reopened, descriptor, inheritable=False)  # ``capture`` writes there now
+        os.close(reopened)
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
     try:
         yield
     finally:
