@@ -109,6 +109,24 @@ def _rows_message(sender: str, receiver: str, round: int = 1) -> RepresentationM
     )
 
 
+def test_a_message_the_receivers_codec_refuses_is_counted_and_captured_as_it_crossed() -> None:
+    """In one process a message that crossed and that the receiver's codec refused (a diverged
+    run's NaN) was neither counted nor captured; over the network the sender counts and
+    captures it, as it crossed (what the network and an eavesdropper saw)."""
+    from secure_vfl.errors import NonFiniteError
+
+    capture = io.BytesIO()
+    channel = Channel(transport=InProcessTransport(capture=capture))
+    message = dataclasses.replace(
+        _rows_message("party-1", "aggregator"), representation=torch.full((2, 3), float("nan"))
+    )
+    data = wire.encode(message)  # the sender's codec leaves values in tensors to the receiver
+    with pytest.raises(NonFiniteError, match="representation from party-1 \\(round 1\\)"):
+        channel.send(message)
+    assert channel.transport.bytes == Counter({("party-1", "aggregator", "train"): len(data)})
+    assert capture.getvalue() == struct.pack(">I", len(data)) + data
+
+
 class _Forward(Party):
     """Passes a representation on to ``to``: at once, or (``after``) once it has acted."""
 

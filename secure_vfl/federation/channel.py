@@ -69,7 +69,9 @@ class Transport(Protocol):
 class InProcessTransport:
     """All parties in one process, but every message crosses as bytes: encoded by the sender,
     decoded (and validated) on receipt. ``capture`` appends each message as a record
-    ``[4-byte big-endian length][encoded message]`` (see :func:`read_capture`)."""
+    ``[4-byte big-endian length][encoded message]`` (see :func:`read_capture`). A message is
+    counted and captured once encoded, before the receiver decodes it: one the receiver's codec
+    refuses (a diverged run's NaN) crossed all the same, as over the network."""
 
     def __init__(self, *, capture: BinaryIO | None = None) -> None:
         self.bytes: Counter[tuple[str, str, str]] = Counter()
@@ -79,13 +81,16 @@ class InProcessTransport:
     def deliver(self, message: M) -> M:
         start = time.perf_counter()
         data = wire.encode(message)
-        received = wire.decode(data)
         self.codec_seconds += time.perf_counter() - start
         phase = getattr(message, "phase", "train")
         self.bytes[(message.sender, message.receiver, phase)] += len(data)
         if self.capture is not None:
             append_record(self.capture, data)
-        return cast(M, received)
+        start = time.perf_counter()
+        try:
+            return cast(M, wire.decode(data))
+        finally:
+            self.codec_seconds += time.perf_counter() - start
 
 
 def append_record(capture: BinaryIO, data: bytes) -> None:
