@@ -1318,8 +1318,17 @@ def served_config(where: str, name: str, body: Mapping[str, Any]) -> Any:
     from secure_vfl.methods import MethodConfig
 
     names, index = body["names"], body["index"]
+    seen: set[str] = set()
+    for k, entry in enumerate(names):
+        if not isinstance(entry, str) or not entry or entry in seen:
+            again = " twice" if isinstance(entry, str) and entry else ""
+            raise ProtocolError(
+                f"{where}: `names`, a list of distinct non-empty party names expected; found "
+                f"{shown(entry)}{again} (at index {k})."
+            )
+        seen.add(entry)
     if not 1 <= index < len(names) or names[index] != name:
-        raise ProtocolError(f"{where}: {name} expected at index {index} of {names}.")
+        raise ProtocolError(f"{where}: {name} expected at index {index} of {shown(names)}.")
     if body["method"] not in DEPLOYED_METHODS:
         raise ProtocolError(f"{where}: a method of {DEPLOYED_METHODS} expected.")
     check_requested(where, body["method_config"], {"representation_dim": MAX_LAYER_WIDTH})

@@ -190,3 +190,28 @@ def test_a_setup_with_a_malformed_seed_class_count_or_block_shapes_is_refused_na
     build_served_party(
         "shop", _deployment("bank", "shop", "setup", body), tables["shop"], lambda scheme: None
     )
+
+
+def test_a_setup_whose_names_are_not_distinct_non_empty_strings_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Only `names[index]` was read, so a set-up whose other names were numbers, empty or the
+    party's own name again was built on; `names` must be a list of distinct non-empty
+    strings."""
+    federation, tables = _site(tmp_path)
+    body = setup_bodies(
+        _laser(tmp_path), _label_side(_laser(tmp_path), federation, tables), federation, "none"
+    )["shop"]
+    names = body["names"]
+    assert names == list(PARTIES)
+    wrong: dict[str, list[Any]] = {
+        "found 7": [names[0], names[1], 7, names[3]],
+        "found ''": [names[0], names[1], "", names[3]],
+        "found None": [None, *names[1:]],
+        "found 'shop' twice": [names[0], names[1], "shop", names[3]],
+    }
+    for expected_error, change in wrong.items():
+        setup = _deployment("bank", "shop", "setup", {**body, "names": change})
+        with pytest.raises(ProtocolError, match=re.escape(expected_error)) as refused:
+            build_served_party("shop", setup, tables["shop"], lambda scheme: None)
+        assert "a list of distinct non-empty party names expected" in str(refused.value)
