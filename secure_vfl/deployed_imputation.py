@@ -97,7 +97,7 @@ from secure_vfl.federation.aggregator import PlainAggregator, SealingScheme
 from secure_vfl.federation.federation_file import Federation, Member
 from secure_vfl.federation.messages import AGGREGATOR, Message
 from secure_vfl.federation.network import NetworkChannel
-from secure_vfl.io import atomic_write, shown_names
+from secure_vfl.io import atomic_write, shown, shown_names
 from secure_vfl.methods.imputation import ImputeConfig
 from secure_vfl.methods.imputation.clients import ImputationClient, TrainingPlan
 from secure_vfl.methods.imputation.evaluation import TEST_FRACTION, scores_of
@@ -175,9 +175,20 @@ def deployable_methods() -> list[str]:
 # -- a client: its own process ------------------------------------------------------------------
 
 
+def _distinct_columns(topic: str, body: Mapping[str, Any]) -> None:
+    """Refuse a ``topic`` body whose id column is its label column (ProtocolError), as one
+    process refuses the pair: the id column is no label."""
+    if body["id_column"] == body["label_column"]:
+        raise ProtocolError(
+            f"{topic}: distinct id and label columns expected; found {shown(body['id_column'])} "
+            "as both."
+        )
+
+
 def served_columns(member: Member, message: Message) -> dict[str, Any]:
     """The ``columns`` answer of the client ``member`` to a ``columns-request``."""
     body = _body(message, "columns-request", COLUMNS_REQUEST_KEYS)
+    _distinct_columns("columns-request", body)
     path = _client_file(member)
     columns, rows, label = client_file_columns(
         path, id_column=body["id_column"], label_column=body["label_column"]
@@ -275,6 +286,7 @@ def build_served_client(
     other than 1 without: each client's share would be too small for the guarantee it
     reports)."""
     body = _body(message, "impute-setup", IMPUTE_SETUP_KEYS)
+    _distinct_columns("impute-setup", body)
     method = body["method"]
     if method not in deployable_methods():
         raise ProtocolError(

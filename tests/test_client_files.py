@@ -270,3 +270,46 @@ def test_features_named_alike_and_id_like_columns_are_warned_of(
     )
     assert main([*argv, "--overwrite", "--id-column", "PatientID"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_a_deployed_client_refuses_the_id_column_as_the_label_column(tmp_path: Path) -> None:
+    """A `columns-request` (or `impute-setup`) naming one column as both the id and the label
+    was answered (the id column then read as a feature, or the label as an unknown one); as in
+    one process, the two must differ: refused naming the column, before the file is read."""
+    from secure_vfl.deployed_imputation import build_served_client, served_columns
+    from secure_vfl.deployment import _deployment
+    from secure_vfl.errors import ProtocolError
+    from secure_vfl.federation.federation_file import Member
+
+    [path, _] = write_clients(tmp_path)
+    member = Member("site0", "127.0.0.1:1", tmp_path, tmp_path, data=path)
+    expected = "distinct id and label columns expected; found 'id' as both"
+    for column in ("id", "label"):
+        request = _deployment(
+            "bank", "site0", "columns-request", {"id_column": column, "label_column": column}
+        )
+        with pytest.raises(ProtocolError, match=expected.replace("'id'", repr(column))):
+            served_columns(member, request)
+    body = {
+        "method": "fedhf",
+        "config": {"rounds": 1},
+        "seed": 0,
+        "index": 0,
+        "features": ["a", "b", "c"],
+        "test_fraction": 0.2,
+        "secure_agg": "none",
+        "id_column": "id",
+        "label_column": "id",
+        "privacy": None,
+    }
+    setup = _deployment("bank", "site0", "impute-setup", body)
+    with pytest.raises(ProtocolError, match=expected):
+        build_served_client(member, setup, lambda _: None, clients=2)
+    request = _deployment(
+        "bank", "site0", "columns-request", {"id_column": "id", "label_column": "label"}
+    )
+    assert served_columns(member, request) == {
+        "columns": ["a", "b", "c"],
+        "rows": 30,
+        "label": True,
+    }
