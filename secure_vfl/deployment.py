@@ -1772,7 +1772,8 @@ def collect_ids(
     endpoint: PartyEndpoint, federation: Federation, names: Sequence[str] | None = None
 ) -> tuple[list[Any], list[int]]:
     """Every data party's (or those ``names``) ids and block width, asked for by message (the
-    plain join)."""
+    plain join); ProtocolError, naming the party, for ids that are not distinct non-empty
+    text, as its party file holds them."""
     ids, widths = [], []
     for name in federation.names[1:] if names is None else names:
         endpoint.send(_deployment(endpoint.name, name, "ids-request", {}))
@@ -1780,7 +1781,16 @@ def collect_ids(
         body = _body(message, "ids", {"ids": list, "width": int})
         if not all(isinstance(i, str) for i in body["ids"]) or body["width"] < 1:
             raise ProtocolError(f"ids from {name}: text ids and a width >= 1 expected.")
-        ids.append(np.asarray(body["ids"], dtype=str))
+        held = np.asarray(body["ids"], dtype=str)
+        unique, counts = np.unique(held, return_counts=True)
+        empty = unique.size > 0 and unique[0] == ""  # sorted: an empty id comes first
+        if empty or unique.size != held.size:
+            found = "''" if empty else f"{shown(str(unique[counts > 1][0]))} more than once"
+            raise ProtocolError(
+                f"ids from {name}: distinct non-empty text ids expected (as its party file "
+                f"holds them); found {found}."
+            )
+        ids.append(held)
         widths.append(body["width"])
     return ids, widths
 

@@ -215,3 +215,40 @@ def test_a_setup_whose_names_are_not_distinct_non_empty_strings_is_refused(
         with pytest.raises(ProtocolError, match=re.escape(expected_error)) as refused:
             build_served_party("shop", setup, tables["shop"], lambda scheme: None)
         assert "a list of distinct non-empty party names expected" in str(refused.value)
+
+
+class _AnsweringIds:
+    """The label party's endpoint in one process: each data party answers its `ids-request`
+    with the ids it is given here (a malicious one's, say)."""
+
+    def __init__(self, ids: dict[str, list[Any]]) -> None:
+        self.name = "bank"
+        self.ids = ids
+        self.answers: list[Any] = []
+
+    def send(self, message: Any) -> None:
+        body = {"ids": self.ids[message.receiver], "width": 2}
+        self.answers.append(_deployment(message.receiver, self.name, "ids", body))
+
+    def receive(self, *, sender: str, kind: str) -> Any:
+        return self.answers.pop(0)
+
+
+def test_a_data_party_sending_repeated_ids_is_refused_by_its_name(tmp_path: Path) -> None:
+    """Repeated ids from a data party in the plain join were refused as "party 1 ids must be
+    unique" (its place in the join, which the user never sees), after every party had answered,
+    and a prediction took them silently (the later row of an id won); the `ids` message is
+    refused naming the party, as the user names it."""
+    from secure_vfl.deployment import collect_ids
+
+    federation, tables = _site(tmp_path)
+    ids = {name: tables[name].ids.tolist() for name in PARTIES[1:]}
+    assert collect_ids(_AnsweringIds(ids), federation)[0][0].tolist() == ids["shop"]
+    for wrong, expected_error in [
+        ([*ids["insurer"], ids["insurer"][3]], f"found {ids['insurer'][3]!r} more than once"),
+        (["", *ids["insurer"]], "found ''"),
+    ]:
+        endpoint = _AnsweringIds({**ids, "insurer": wrong})
+        with pytest.raises(ProtocolError, match=re.escape(expected_error)) as refused:
+            collect_ids(endpoint, federation)
+        assert str(refused.value).startswith("ids from insurer: distinct non-empty text ids")
