@@ -18,8 +18,10 @@ from secure_vfl.federation.messages import (
     GradientMessage,
     HeadTask,
     Message,
+    PredictTask,
     RepresentationMessage,
     RepresentRequest,
+    SumMessage,
     UpdateRequest,
     check_header,
 )
@@ -222,7 +224,7 @@ def _head_party_and_task(
     a head task of round 3 for training rows 0 and 1 (``hold``: it keeps its gradients)."""
     torch.manual_seed(0)
     channel = Channel()
-    head = Head({"train": torch.tensor(labels)}, nn.Linear(2, 2), None)
+    head = Head({"train": torch.tensor(labels)}, nn.Linear(2, 2), None, width=2)
     party = DataParty(
         "party-1", {"train": torch.randn(5, 3)}, nn.Linear(3, 2), None, heads={"": head}
     )
@@ -273,6 +275,51 @@ def test_a_head_task_for_rows_beyond_its_labels_is_refused_on_receipt() -> None:
         assert not party._tasks
     driver.send(task)
     assert list(party._tasks) == [(3, 0, "train")]
+
+
+def test_a_sum_of_another_width_than_its_head_takes_is_refused_and_the_task_kept() -> None:
+    """A sum of the right tasks and rows but another width (only a malicious aggregator sends
+    one) failed inside torch ("mat1 and mat2 shapes cannot be multiplied", a RuntimeError) once
+    the head task had been forgotten; it is refused naming the widths, the task kept."""
+    party, driver, task = _head_party_and_task([0, 1])
+    alone = torch.tensor([True, False])  # party-0 alone contributed: it alone is owed gradients
+    task = dataclasses.replace(
+        task, selection=alone.expand(1, 2, 2).clone(), present=alone.expand(2, 2).clone()
+    )
+    predict = PredictTask(
+        sender="party-0",
+        receiver="party-1",
+        round=4,
+        batch_id=0,
+        positions=torch.tensor([1]),
+        tag="p",
+    )
+    driver.send(task)
+    driver.send(predict)
+
+    def sum_for(message: HeadTask | PredictTask, width: int) -> SumMessage:
+        shape = (1, 2)
+        return SumMessage(
+            sender=AGGREGATOR,
+            receiver="party-1",
+            round=message.round,
+            batch_id=0,
+            tag=message.tag,
+            sums=torch.ones(*shape, width),
+            counts=torch.ones(shape, dtype=torch.int64),
+        )
+
+    for message in (task, predict):
+        with pytest.raises(
+            ProtocolError,
+            match=rf"^party-1: the sum '{message.tag}' of round {message.round} from aggregator: "
+            r"sums of width 2 \(what its head takes\) expected, found 3\.$",
+        ):
+            party.receive(sum_for(message, 3))
+        assert (message.round, 0, message.tag) in party._tasks
+        party.receive(sum_for(message, 2))  # the right sum is still taken
+        assert (message.round, 0, message.tag) not in party._tasks
+    assert [m.kind for m in driver._inbox] == ["gradient", "loss", "prediction"]
 
 
 def test_data_party_refuses_gradients_it_did_not_ask_for() -> None:

@@ -494,17 +494,21 @@ class Party:
 
 
 class Head:
-    """Labels of every split and a fusion head (LASER's g_k, a split network's top model)."""
+    """Labels of every split and a fusion head (LASER's g_k, a split network's top model) on
+    representations of ``width`` (the sums it is delivered are of that width)."""
 
     def __init__(
         self,
         labels: Mapping[str, Tensor],
         module: nn.Module,
         optimizer: torch.optim.Optimizer | None,
+        *,
+        width: int,
     ) -> None:
         self._labels = dict(labels)
         self.module = module
         self.optimizer = optimizer
+        self.width = width
 
     def labels(self, split: str, rows: Tensor) -> Tensor:
         """The labels of ``rows`` of ``split``."""
@@ -766,11 +770,18 @@ def _check_from_aggregator(name: str, message: Message) -> None:
         )
 
 
-def _check_sum_fits(name: str, message: SumMessage, task: HeadTask | PredictTask) -> None:
-    """Refuse a sum that is not the one ``task`` waits for: a training task's sums of its tasks
-    and rows, each over as many contributors as its selection names; a prediction's, sums of
-    the rows it predicts."""
+def _check_sum_fits(
+    name: str, message: SumMessage, task: HeadTask | PredictTask, width: int
+) -> None:
+    """Refuse a sum that is not the one ``task`` waits for: sums of the ``width`` its head
+    takes; a training task's sums of its tasks and rows, each over as many contributors as its
+    selection names; a prediction's, sums of the rows it predicts."""
     where = f"{name}: the sum {message.tag!r} of round {message.round} from {message.sender}"
+    if message.sums.shape[2] != width:
+        raise ProtocolError(
+            f"{where}: sums of width {width} (what its head takes) expected, found "
+            f"{message.sums.shape[2]}."
+        )
     found = tuple(message.sums.shape[:2])
     if isinstance(task, HeadTask):
         expected = tuple(task.weights.shape)
@@ -1158,7 +1169,7 @@ class DataParty(SecureSumParty):
         if task is None:
             self.keep(message)
             return
-        _check_sum_fits(self.name, message, task)
+        _check_sum_fits(self.name, message, task, self.heads[task.head].width)
         del self._tasks[key]
         counts = message.counts.clamp(min=1).unsqueeze(-1).to(message.sums.dtype)
         means = message.sums / counts

@@ -1171,7 +1171,7 @@ def build_party(
                     progress=progress_of(name),
                 )
     own_heads = {
-        key: Head(labels, module, _optimizer(module, config))
+        key: Head(labels, module, _optimizer(module, config), width=config.representation_dim)
         for key, module in (heads or {}).items()
     }
     if make_party is None:
