@@ -37,14 +37,17 @@ def atomic_write(
 
     The file gets ``mode`` (a private key: 0o600, which it has from its creation on, so it is
     never readable by others), or by default that of an ordinary file under the umask. A
-    symbolic link is followed (the file it names is replaced, the link kept); anything else
-    that is not a regular file (a device, a pipe, a directory) is refused, as is a path that
-    cannot be written (OutputError). ``replace=False``: a file at ``path`` is kept, even one
+    symbolic link is followed (the file it names is replaced or, not there yet, made; the link
+    kept), but no folder is made where it points (:func:`writable_file`); anything else that is
+    not a regular file (a device, a pipe, a directory) is refused, as is a path that cannot be
+    written (OutputError). ``replace=False``: a file at ``path`` is kept, even one
     another process wrote after the caller checked there was none (ConfigError); the new file
     is linked into place, which fails where one is there (on a file system without hard
     links it is renamed, and that last check is lost)."""
-    path = writable_file(path)
-    make_parent(path)
+    target = writable_file(path)
+    if target == path:  # a link's file goes in a folder that is there (writable_file)
+        make_parent(path)
+    path = target
     for stale in left_beside(path, ".tmp", directories=False):  # a killed write's
         stale.unlink(missing_ok=True)
     try:
@@ -95,11 +98,21 @@ def _link_into_place(tmp: Path, path: Path) -> None:
 
 def writable_file(path: Path) -> Path:
     """The file that writing ``path`` replaces: ``path`` itself, or the file a symbolic link at
-    ``path`` names. OutputError if something other than a regular file is there (a device such
-    as /dev/null, a pipe, a socket, a directory): replacing it would not write to it."""
+    ``path`` names, there or not yet. OutputError if something other than a regular file is
+    there (a device such as /dev/null, a pipe, a socket, a directory): replacing it would not
+    write to it; or if the link names a file in a folder that is not there: the user's path
+    implies no folder where a link points, and one made there would be a surprise."""
     try:
         if path.is_symlink():
-            path = path.resolve()
+            named = path.resolve()
+            if not named.parent.is_dir():
+                missing = "is not a folder" if named.parent.exists() else "does not exist"
+                raise OutputError(
+                    f"{path}: a link to a file in a folder that is there (or a new path) "
+                    f"expected, found a symbolic link to {named}, whose folder {named.parent} "
+                    f"{missing}; nothing was written."
+                )
+            path = named
         there = path.exists()
     except OSError as error:  # e.g. a name too long for the file system
         raise unwritable(path, error) from None

@@ -88,6 +88,30 @@ def test_atomic_write_follows_a_link_and_refuses_what_is_not_a_regular_file(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link.csv", "pipe", "target.csv"]
 
 
+def test_a_dangling_link_is_written_as_a_live_one_but_never_makes_folders_elsewhere(
+    tmp_path: Path,
+) -> None:
+    """A link to a file not there yet is followed as a live link is (the file it names is
+    written, the link kept), but only into a folder that exists: the user's path implies no
+    folder where the link points, and writing made the link's whole target tree."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    link = tmp_path / "link.json"
+    link.symlink_to(elsewhere / "result.json")
+    atomic_write_text(link, "new")
+    assert link.is_symlink() and (elsewhere / "result.json").read_text() == "new"
+    far = tmp_path / "far.json"
+    far.symlink_to(tmp_path / "nowhere" / "deep" / "result.json")
+    with pytest.raises(
+        OutputError,
+        match=r"far\.json: a link to a file in a folder that is there .* found a "
+        r"symbolic link to .*nowhere/deep/result\.json, whose folder .* does not exist; nothing",
+    ):
+        atomic_write_text(far, "x")
+    assert far.is_symlink() and not (tmp_path / "nowhere").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "far.json", "link.json"]
+
+
 def test_a_path_that_cannot_be_written_is_an_output_error_that_leaves_nothing(
     tmp_path: Path,
 ) -> None:
