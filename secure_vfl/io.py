@@ -116,6 +116,8 @@ def writable_file(path: Path) -> Path:
         there = path.exists()
     except OSError as error:  # e.g. a name too long for the file system
         raise unwritable(path, error) from None
+    except RuntimeError:  # a link loop: Python before 3.13 resolves it to RuntimeError
+        raise unwritable(path, OSError(errno.ELOOP, "a loop of symbolic links")) from None
     if there and not path.is_file():
         raise OutputError(
             f"{path}: a regular file (or a new path) expected, found {file_kind(path)}; "

@@ -112,6 +112,15 @@ def test_a_dangling_link_is_written_as_a_live_one_but_never_makes_folders_elsewh
     assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere", "far.json", "link.json"]
 
 
+def test_a_link_loop_is_an_output_error_not_a_runtime_error(tmp_path: Path) -> None:
+    """Python 3.11 resolves a link loop to RuntimeError, which reached the user raw."""
+    (tmp_path / "a.json").symlink_to(tmp_path / "b.json")
+    (tmp_path / "b.json").symlink_to(tmp_path / "a.json")
+    with pytest.raises(OutputError, match=r"a\.json cannot be written: .*loop.*nothing was"):
+        atomic_write_text(tmp_path / "a.json", "x")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.json"]
+
+
 def test_a_path_that_cannot_be_written_is_an_output_error_that_leaves_nothing(
     tmp_path: Path,
 ) -> None:
