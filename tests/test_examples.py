@@ -290,6 +290,40 @@ def test_the_party_files_example_keeps_files_it_did_not_write(tmp_path: Path) ->
     assert (tmp_path / "bank.csv").read_text().startswith("id,")
 
 
+def test_the_party_files_example_writes_whole_files_and_refuses_what_it_cannot_write_first(
+    tmp_path: Path,
+) -> None:
+    """It wrote each CSV in place (a hard link of bank.csv was truncated with it, and a kill
+    left half a file), and a `new` that is a file, a `new/bank.csv` that is a folder or an
+    --out under a file ended in a traceback, the first after writing half the files."""
+    script = [sys.executable, str(ROOT / "examples" / "own_party_files.py")]
+    (tmp_path / "bank.csv").write_text("precious\n")
+    os.link(tmp_path / "bank.csv", tmp_path / "kept.csv")  # e.g. a backup's hard link
+    subprocess.run([*script, "--out", str(tmp_path), "--overwrite"], check=True)
+    assert (tmp_path / "bank.csv").read_text().startswith("id,")
+    assert (tmp_path / "kept.csv").read_text() == "precious\n"  # replaced, not written over
+    assert not list(tmp_path.glob(".*.tmp")) and not list(tmp_path.glob("new/.*.tmp"))
+
+    folder = tmp_path / "folder"
+    (folder / "new" / "bank.csv").mkdir(parents=True)
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "new").write_text("precious\n")
+    for out, said in (
+        (folder, r"new/bank\.csv: a regular file \(or a new path\) expected, found a directory"),
+        (blocked, r"new is a file; a directory, or a path where one can be made, expected"),
+        (tmp_path / "kept.csv" / "sub", r"lies under .*kept\.csv, a file; a directory"),
+    ):
+        done = subprocess.run(
+            [*script, "--out", str(out), "--overwrite"], capture_output=True, text=True
+        )
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+        assert re.search(said, done.stderr), done.stderr
+    assert sorted(p.name for p in folder.rglob("*")) == ["bank.csv", "new"]  # nothing written
+    assert sorted(p.name for p in blocked.iterdir()) == ["new"]
+    assert (blocked / "new").read_text() == "precious\n"
+
+
 def test_every_committed_benchmark_result_carries_the_command_that_made_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
