@@ -12,12 +12,18 @@
 # party learns every party's ids) or `psi` (DH-PSI with each data party: it learns only which
 # of its ids each party holds), in training and in prediction.
 #
-#     bash examples/deploy_localhost.sh [DIR] [EPOCHS] [ALIGN]
+#     bash examples/deploy_localhost.sh [--overwrite] [DIR] [EPOCHS] [ALIGN]
+#
+# A DIR that holds what an earlier demo wrote (its files, certificates, runs, models) is refused
+# before anything is written or started, unless --overwrite, which removes those first. Each
+# file is written whole or not at all.
 #
 # It runs with the project's .venv when there is one (no need to activate it); PYTHON=... names
 # another interpreter.
 set -euo pipefail
 
+OVERWRITE=0
+if [ "${1:-}" = --overwrite ]; then OVERWRITE=1; shift; fi
 DIR=${1:-$(mktemp -d)}
 EPOCHS=${2:-5}
 ALIGN=${3:-join}
@@ -32,9 +38,35 @@ fi
 # cores (benchmarks/README.md, "How to read the deploy costs").
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 svfl() { "$PYTHON" -m secure_vfl "$@"; }  # the `secure-vfl` command
+
+# What the demo writes in DIR. An earlier demo's would be replaced in part only: `certs init`
+# refuses a CA that is there (after the files were written), each data party's model folder would
+# hold two runs and the model's copy would land inside the old one.
+OUTPUTS=(bank.csv shop.csv insurer.csv telco.csv labels.csv federation.toml certs run
+         models-shop models-insurer models-telco model-copy predictions.csv
+         predictions-deployed.csv)
+for name in shop insurer telco aggregator; do OUTPUTS+=("$name.log" "$name-predict.log"); done
+if [ -e "$DIR" ] && [ ! -d "$DIR" ]; then
+    echo "deploy_localhost.sh: DIR $DIR is a file; expected a directory (or a new path)." >&2
+    exit 2
+fi
+FOUND=()
+for name in "${OUTPUTS[@]}"; do
+    if [ -e "$DIR/$name" ] || [ -L "$DIR/$name" ]; then FOUND+=("$DIR/$name"); fi
+done
+if [ "${#FOUND[@]}" -gt 0 ]; then
+    if [ "$OVERWRITE" = 0 ]; then
+        more=""; [ "${#FOUND[@]}" -le 3 ] || more=" ..."
+        echo "deploy_localhost.sh: ${FOUND[*]:0:3}$more exist (an earlier demo's?); expected a" \
+            "new DIR (or --overwrite to replace them)." >&2
+        exit 2
+    fi
+    rm -rf -- "${FOUND[@]}"
+fi
 mkdir -p "$DIR"
 PIDS=()
-trap 'for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done' EXIT
+trap 'for pid in "${PIDS[@]}"; do kill "$pid" 2>/dev/null || true; done
+      rm -rf -- "$DIR/.federation.toml.$$.tmp" "$DIR/.model-copy.$$.tmp"' EXIT
 
 # Free ports for the four parties and the aggregator, chosen by the OS.
 read -r P0 P1 P2 P3 PA < <("$PYTHON" -c \
@@ -48,6 +80,8 @@ import numpy as np
 import pandas as pd
 from sklearn.datasets import load_breast_cancer
 
+from secure_vfl.io import atomic_write
+
 out = Path(sys.argv[1])
 bunch = load_breast_cancer(as_frame=True)
 ids = [f"p{i:04d}" for i in range(len(bunch.data))]
@@ -55,14 +89,16 @@ for name, columns in zip(("bank", "shop", "insurer", "telco"),
                          np.array_split(np.array(bunch.data.columns), 4)):
     frame = bunch.data[list(columns)].copy()
     frame.insert(0, "id", ids)
-    frame.to_csv(out / f"{name}.csv", index=False)
-pd.DataFrame({"id": ids, "label": bunch.target}).to_csv(out / "labels.csv", index=False)
+    atomic_write(out / f"{name}.csv", lambda tmp: frame.to_csv(tmp, index=False), replace=False)
+labels = pd.DataFrame({"id": ids, "label": bunch.target})
+atomic_write(out / "labels.csv", lambda tmp: labels.to_csv(tmp, index=False), replace=False)
 PY
 
 svfl certs init --out "$DIR/certs" \
     --party bank --party shop --party insurer --party telco --party aggregator
 
-cat > "$DIR/federation.toml" <<TOML
+# Written beside its place and renamed there: whole or absent.
+cat > "$DIR/.federation.toml.$$.tmp" <<TOML
 ca = "certs/ca.pem"
 label_party = "bank"
 
@@ -96,6 +132,7 @@ cert = "certs/telco.pem"
 key = "certs/telco.key"
 data = "telco.csv"
 TOML
+mv -- "$DIR/.federation.toml.$$.tmp" "$DIR/federation.toml"
 
 # The data parties, each keeping its part of the model in its own directory, and the
 # aggregation server, in the background; each logs to DIR/NAME$1.log.
@@ -127,10 +164,12 @@ echo "every party finished; result: $DIR/run/result.json"
 # SHA-256 each party reported) and predict; here on the training files themselves.
 RUN_ID=$("$PYTHON" -c 'import json, sys; print(json.load(open(sys.argv[1]))["model"]["run_id"])' \
     "$DIR/run/result.json")
-cp -r "$DIR/run/model" "$DIR/model-copy"
+# Copied beside its place and renamed there: whole or absent.
+cp -r "$DIR/run/model" "$DIR/.model-copy.$$.tmp"
 for name in shop insurer telco; do
-    cp -r "$DIR/models-$name/$name/$RUN_ID" "$DIR/model-copy/$name"
+    cp -r "$DIR/models-$name/$name/$RUN_ID" "$DIR/.model-copy.$$.tmp/$name"
 done
+mv -- "$DIR/.model-copy.$$.tmp" "$DIR/model-copy"
 svfl predict --model "$DIR/model-copy" --party-file "$DIR/bank.csv" --party-file "$DIR/shop.csv" \
     --party-file "$DIR/insurer.csv" --party-file "$DIR/telco.csv" --out "$DIR/predictions.csv"
 

@@ -221,6 +221,31 @@ def test_deploy_localhost_example_trains_four_processes_and_stops_them(tmp_path:
         assert "predicting with its own part" in (demo / f"{name}-predict.log").read_text()
 
 
+def test_the_localhost_demo_keeps_an_earlier_demos_files_unless_told(tmp_path: Path) -> None:
+    """Run again into the same DIR, it wrote its CSV files over the earlier ones (in place),
+    then stopped at `certs init`, which refuses a CA that is there; now it refuses the DIR
+    before it writes or starts anything, as the other examples do, unless --overwrite."""
+    demo = tmp_path / "demo"
+    demo.mkdir()
+    (demo / "bank.csv").write_text("precious\n")
+    (demo / "run").mkdir()
+    script = ["bash", str(ROOT / "examples" / "deploy_localhost.sh")]
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([*script, str(demo), "1"], capture_output=True, text=True, env=env)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"{demo / 'bank.csv'} {demo / 'run'} exist (an earlier demo's?); expected a new" in (
+        done.stderr
+    )
+    assert "or --overwrite to replace them" in done.stderr and done.stdout == ""
+    assert sorted(p.name for p in demo.iterdir()) == ["bank.csv", "run"]
+    assert (demo / "bank.csv").read_text() == "precious\n"
+    taken = tmp_path / "taken"
+    taken.write_text("precious\n")
+    done = subprocess.run([*script, str(taken)], capture_output=True, text=True, env=env)
+    assert done.returncode == 2 and f"DIR {taken} is a file; expected a directory" in done.stderr
+    assert taken.read_text() == "precious\n"
+
+
 def _described(pids: list[int], demo: Path) -> str:
     """What a failed check shows of processes left running: each one's state and command line,
     and the end of every party's log."""
