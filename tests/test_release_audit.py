@@ -18,13 +18,19 @@ import numpy as np
 import pytest
 import torch
 from conftest import MakeData
+from test_faults import LosingChannel
 
 from protocols.privacy import PrivacyEngine, PrivacySpec
 from secure_vfl.data.vertical import VerticalData, VerticalSplit
 from secure_vfl.experiment import TrainConfig, build_method, run_training
 from secure_vfl.federation.aggregator import PlainAggregator
 from secure_vfl.federation.channel import Channel, RecordingLayer
-from secure_vfl.federation.messages import RepresentRequest, SumRequest
+from secure_vfl.federation.messages import (
+    RepresentRequest,
+    SealedSumMessage,
+    SumMessage,
+    SumRequest,
+)
 from secure_vfl.federation.releases import BlockPlan, ReleaseBlocks, isolated_terms
 from secure_vfl.methods import METHODS, MethodConfig
 from secure_vfl.methods.base import in_process_parties
@@ -35,9 +41,10 @@ Sample = tuple[str, int]
 
 
 class ReleaseLedger:
-    """Every sum the label party asks for in a run, per sample: the clean part of each sum (an
+    """Every sum the label party receives in a run, per sample: the clean part of each sum (an
     indicator vector over the parties, the receiver's own column cleared) and the parties whose
-    row entered some sum as a DP release (``dp_rows``)."""
+    row entered some sum as a DP release (``dp_rows``). A sum asked for but never delivered (the
+    attempt of a step a party was lost in, which the driver abandons) released nothing."""
 
     def __init__(self) -> None:
         self.recorder = RecordingLayer()
@@ -48,29 +55,49 @@ class ReleaseLedger:
     def releases(self) -> dict[Sample, tuple[set[tuple[bool, ...]], set[int]]]:
         """sample -> (the distinct clean vectors released about it, its exposed parties). A
         sample is ``("train", row)`` or ``("test", row)``: every test split holds the same
-        test samples in the same order."""
+        test samples in the same order. Each delivered sum is read through its request (its
+        rows, its ``dp_rows``) and, sealed, by the shares that entered it."""
         rows: dict[tuple[int, int, str, str], tuple[str, dict[int, int]]] = {}
+        summed: set[tuple[int, int, str, str]] = set()  # representations some request sums
+        asked: dict[tuple[int, int, str, str, str], tuple[SumRequest, str, dict[int, int]]] = {}
         out: dict[Sample, tuple[set[tuple[bool, ...]], set[int]]] = defaultdict(
             lambda: (set(), set())
         )
         for message in self.recorder.messages:
             if isinstance(message, RepresentRequest):
                 key = (message.round, message.batch_id, message.phase, message.tag)
-                split, positions = rows.setdefault(key, (message.split, {}))
+                if key in summed or key not in rows:  # a new pass (a retry under the same key)
+                    rows[key] = (message.split, {})
+                    summed.discard(key)
+                split, positions = rows[key]
                 assert split == message.split
                 positions.update(
                     zip(message.positions.tolist(), message.rows.tolist(), strict=True)
                 )
             elif type(message) is SumRequest:
-                key = (message.round, message.batch_id, message.phase, message.source_tag)
-                split, positions = rows[key]
+                source = (message.round, message.batch_id, message.phase, message.source_tag)
+                summed.add(source)
+                split, positions = rows.get(source, ("", {}))
+                sum_key = (*source[:3], message.tag, message.deliver_to)
+                asked[sum_key] = (message, split, positions)
+            elif isinstance(message, SumMessage | SealedSumMessage):
+                sum_key = (message.round, message.batch_id, message.phase, message.tag)
+                found = asked.pop((*sum_key, message.receiver), None)
+                assert found is not None, f"a sum delivered that nobody asked for: {sum_key}"
+                request, split, positions = found
+                selection = request.selection
+                if isinstance(message, SealedSumMessage):  # the shares that entered it
+                    assert message.parties == request.parties
+                    selection = message.selection
+                assert torch.equal(selection.sum(dim=2), message.counts)
                 group = "train" if split == "train" else "test"
-                dp = message.dp_rows
-                for t, b in zip(*np.nonzero(message.selection.any(dim=2).numpy()), strict=True):
-                    members = message.selection[t, b].clone()
+                dp = request.dp_rows
+                for t, b in zip(*np.nonzero(selection.any(dim=2).numpy()), strict=True):
+                    members = selection[t, b].clone()
                     members[RECEIVER] = False
                     if not bool(members.any()):
                         continue  # the receiver's own term alone (its own request is local)
+                    assert int(b) in positions, f"a sum of row {b} that no request asked for"
                     noised = members & dp[b] if dp is not None else torch.zeros_like(members)
                     clean, exposed = out[(group, positions[int(b)])]
                     clean.add(tuple((members & ~noised).tolist()))
@@ -183,6 +210,30 @@ def test_a_party_dropped_mid_run_leaves_no_term_isolated(make_data: MakeData) ->
     for name in data.tests:
         method.predict(name)
     assert "party-2" in method.fed.dropped
+    assert not ledger.isolated()
+
+
+@pytest.mark.parametrize("kind", ["represent-request", "gradient"])
+def test_the_audit_counts_the_sums_delivered_when_a_party_is_lost_mid_step_under_dp(
+    make_data: MakeData, kind: str
+) -> None:
+    """The ledger took every sum *asked* for as a release: the attempt a party is lost in asks
+    for a sum over rows whose requests never reached the lost party, which the aggregator then
+    never delivers, and under ``--release dp`` the audit ended in a KeyError. Only the sums the
+    label party received count, with the shares that entered them."""
+    data = _audit_data(make_data, 4, (0.0, 0.5))
+    channel, ledger = LosingChannel(kind), ReleaseLedger()
+    spec = PrivacySpec(secure_agg="masks", release="dp", release_noise=(0.5, 0.3))
+    config = _config(4, "dp", epochs=2)
+    run_training(
+        config, data=data, channel=channel, privacy=PrivacyEngine(spec), on_ready=ledger.attach
+    )
+    assert channel.lost
+    messages = ledger.recorder.messages
+    asked = sum(type(m) is SumRequest for m in messages)
+    assert sum(isinstance(m, SealedSumMessage) for m in messages) == asked - 1  # one abandoned
+    releases = ledger.releases()
+    assert releases and any(exposed for _, exposed in releases.values())
     assert not ledger.isolated()
 
 
