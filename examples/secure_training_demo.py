@@ -39,6 +39,7 @@ import contextlib
 import io
 import json
 import tempfile
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -49,7 +50,7 @@ from sklearn.datasets import load_digits
 from secure_vfl.cli import main as secure_vfl
 from secure_vfl.cli import positive_float, positive_int, seed
 from secure_vfl.errors import ConfigError
-from secure_vfl.io import check_directory
+from secure_vfl.io import atomic_write, check_directory
 from secure_vfl.runs import columns as table_columns
 
 PARTIES = 4
@@ -68,13 +69,16 @@ def write_party_files(directory: Path, rng: np.random.Generator) -> tuple[list[P
         table = pd.DataFrame(features[np.ix_(order, cols)], columns=[f"pixel_{c}" for c in cols])
         table.insert(0, "id", ids[order])
         path = directory / f"party-{k}.csv"
-        table.to_csv(path, index=False)
+        atomic_write(path, partial(_write_csv, table))
         paths.append(path)
     label_path = directory / "labels.csv"
-    pd.DataFrame({"id": ids, "label": labels}).sample(frac=1.0, random_state=0).to_csv(
-        label_path, index=False
-    )
+    frame = pd.DataFrame({"id": ids, "label": labels}).sample(frac=1.0, random_state=0)
+    atomic_write(label_path, partial(_write_csv, frame))
     return paths, label_path
+
+
+def _write_csv(frame: pd.DataFrame, path: Path) -> None:
+    frame.to_csv(path, index=False)
 
 
 def train(argv: list[str]) -> tuple[dict[str, Any], float]:
