@@ -1,6 +1,7 @@
 """How LASER-VFL and its baselines scale with the number of parties, and what vectorising buys.
 
-Three measurements in one run, each configuration in a fresh process (so peak memory is its own):
+Three measurements in one run, each configuration in a fresh process (so peak memory is its own;
+a ``--quick`` smoke run runs them all in one process and shows no memory):
 
 1. epoch time and peak training memory (RSS above the process's footprint before the model is
    built) for every method at K = 2, 4, 6, 8 parties (Combinatorial only up to K = 6: it trains
@@ -10,7 +11,7 @@ Three measurements in one run, each configuration in a fresh process (so peak me
    call and one head evaluation per (head, subset size)), and the speed-up.
 
     python benchmarks/laser_speed.py            # the committed configuration
-    python benchmarks/laser_speed.py --quick    # a smoke run
+    python benchmarks/laser_speed.py --quick    # a smoke run: 2 parties, seconds
 """
 
 from __future__ import annotations
@@ -105,41 +106,66 @@ def run(job: Job) -> dict[str, Any]:
     return out
 
 
+def plan(parties: list[int] | None, *, quick: bool) -> list[Job]:
+    """The configurations of a run: every method's epochs at each of ``parties`` (None: 2, 4,
+    6 and 8; Combinatorial up to 6), then LASER's steps at 4 and 8 parties in both batching
+    modes, vectorised and looped. ``quick``: a smoke run of the same kinds of configuration:
+    1 epoch, 20 steps, and 2 parties for both tables unless ``parties`` says otherwise."""
+    step_parties: tuple[int, ...]
+    if quick:
+        epochs, steps, step_parties = 1, 20, (2,)
+        parties = [2] if parties is None else parties
+    else:
+        epochs, steps, step_parties = 3, 200, (4, 8)
+        parties = [2, 4, 6, 8] if parties is None else parties
+    jobs = [
+        Job("epoch", method, k, epochs=epochs)
+        for k in parties
+        for method in METHODS
+        if method != "combinatorial" or k <= 6
+    ]
+    jobs += [
+        Job("steps", "laser", k, batching=batching, vectorised=vectorised, steps=steps)
+        for k in step_parties
+        for batching in ("grouped", "mixed")
+        for vectorised in (True, False)
+    ]
+    return jobs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument(
         "--parties",
         nargs="+",
         type=parties_count,
-        default=[2, 4, 6, 8],
-        help="the numbers of parties of the epoch-time table (default: 2 4 6 8)",
+        help="the numbers of parties of the epoch-time table (default: 2 4 6 8; --quick: 2)",
     )
     parser.add_argument(
-        "--quick", action="store_true", help="a smoke run: fewer epochs and steps (not a result)"
+        "--quick",
+        action="store_true",
+        help="a smoke run: 1 epoch, 20 steps, 2 parties (not a result)",
     )
     parser.add_argument("--out", type=output_directory, default=RESULTS)
     args = parser.parse_args(argv)
 
     from tqdm import tqdm
 
-    epochs, steps = (1, 20) if args.quick else (3, 200)
-    jobs = [
-        Job("epoch", method, k, epochs=epochs)
-        for k in args.parties
-        for method in METHODS
-        if method != "combinatorial" or k <= 6
-    ]
-    jobs += [
-        Job("steps", "laser", k, batching=batching, vectorised=vectorised, steps=steps)
-        for k in (4, 8)
-        for batching in ("grouped", "mixed")
-        for vectorised in (True, False)
-    ]
-    results = []
+    jobs = plan(args.parties, quick=args.quick)
+    epochs, steps = jobs[0].epochs, jobs[-1].steps
+    args.parties = list(dict.fromkeys(job.parties for job in jobs if job.kind == "epoch"))
+    step_parties = list(dict.fromkeys(job.parties for job in jobs if job.kind == "steps"))
+    # Each configuration in a fresh process of its own, but a smoke run's all in one (most of
+    # a fresh one's time is the interpreter's start; its peak memory is then not shown).
     context = get_context("spawn")
-    for job in tqdm(jobs, desc="configurations", unit="config"):
-        with ProcessPoolExecutor(1, mp_context=context) as pool:
-            results.append(pool.submit(run, job).result())
+    fresh = None if args.quick else 1
+    with ProcessPoolExecutor(1, mp_context=context, max_tasks_per_child=fresh) as pool:
+        futures = [pool.submit(run, job) for job in jobs]
+        results = [
+            future.result() for future in tqdm(futures, desc="configurations", unit="config")
+        ]
+    if args.quick:  # a process's peak, not this configuration's
+        results = [{k: v for k, v in r.items() if k != "peak_mib"} for r in results]
 
     command = command_line("laser_speed.py", argv)
     lines = [
@@ -150,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{', '.join(str(t) for t in sorted({r['threads'] for r in results}))} (torch's default "
         "in each run's process). "
         "Epoch time is the median over "
-        f"{epochs} epochs; peak memory is the process's maximum RSS growth once data is loaded.",
+        f"{epochs} epochs; peak memory is the process's maximum RSS growth once data is loaded"
+        + (" (not shown: a smoke run's configurations share one process)." if args.quick else "."),
         "",
         "## Epoch time (s) and peak training memory (MiB) by number of parties",
         "",
@@ -162,7 +189,11 @@ def main(argv: list[str] | None = None) -> int:
         cells = []
         for k in args.parties:
             r = epoch_rows.get((method, k))
-            cells.append(f"{r['epoch_s']:.2f} s / {r['peak_mib']:.0f} MiB" if r else "–")
+            if r is None:
+                cells.append("–")
+            else:
+                memory = "–" if args.quick else f"{r['peak_mib']:.0f} MiB"
+                cells.append(f"{r['epoch_s']:.2f} s / {memory}")
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     step_rows = {
         (r["parties"], r["batching"], r["vectorised"]): r["step_ms"]
@@ -177,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         "| K | batching | vectorised | looped | speed-up |",
         "|---|---|---|---|---|",
     ]
-    for k in (4, 8):
+    for k in step_parties:
         for batching in ("grouped", "mixed"):
             fast, slow = step_rows[(k, batching, True)], step_rows[(k, batching, False)]
             lines.append(f"| {k} | {batching} | {fast:.2f} | {slow:.2f} | {slow / fast:.2f}x |")

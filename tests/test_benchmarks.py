@@ -23,6 +23,7 @@ QUICK = [
     "false_table.py",
     "fedhf_table.py",
     "laser_table.py",
+    "laser_speed.py",
 ]
 
 
@@ -177,3 +178,26 @@ def test_protocol_costs_only_dp_refuses_kept_results_it_cannot_use(
         done.stderr
     )
     assert (tmp_path / "protocol_costs.json").read_text() == kept
+
+
+def test_laser_speed_quick_is_a_smoke_run_of_every_configuration_kind(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """laser_speed --quick ran all 31 configurations of the full run (each a fresh interpreter
+    importing torch: over 5 minutes on 2 cores) where the other benchmarks' smoke runs take a
+    minute or less. It must keep every method, both batchings and both task forwards, in few
+    configurations (run in one process), and leave the full run's as they are."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import laser_speed
+
+    def kinds(jobs: list[laser_speed.Job]) -> set[tuple[str, str, str, bool]]:
+        return {(job.kind, job.method, job.batching, job.vectorised) for job in jobs}
+
+    full = laser_speed.plan(None, quick=False)
+    quick = laser_speed.plan(None, quick=True)
+    assert len(full) == 31
+    assert {job.parties for job in full} == {2, 4, 6, 8}
+    assert {(job.epochs, job.steps) for job in full} == {(3, 200)}
+    assert len(quick) <= 10
+    assert kinds(quick) == kinds(full)
+    assert laser_speed.plan([3], quick=True)[0].parties == 3  # --parties still chooses
