@@ -17,12 +17,13 @@
    distance to the plain one after the same steps, and (not Paillier) accuracy after training.
 
     python benchmarks/protocol_costs.py            # the committed configuration
-    python benchmarks/protocol_costs.py --quick    # a smoke run: minutes, Paillier-2048 stays in
+    python benchmarks/protocol_costs.py --quick    # a smoke run: small sizes, Paillier-2048 kept
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -193,16 +194,17 @@ def secure_sums(
     return rows
 
 
-def psi(sizes: list[int]) -> list[dict[str, Any]]:
+def psi(sizes: tuple[int, ...], repeats: int = 3) -> list[dict[str, Any]]:
     """``benchmarks/psi_costs.py`` in its own interpreter (its memory figures need a process
-    that has not loaded torch and this script's data): 3 repeats up to 10^5 ids, 1 above."""
+    that has not loaded torch and this script's data): ``repeats`` up to 10^5 ids, 1 above."""
     import json
     import subprocess
     import tempfile
 
     with tempfile.TemporaryDirectory() as out:
         command = [sys.executable, str(Path(__file__).with_name("psi_costs.py"))]
-        command += ["--sizes", *map(str, sizes), "--repeats", "3", "--repeats-above", "100000"]
+        command += ["--sizes", *map(str, sizes), "--repeats", str(repeats)]
+        command += ["--repeats-above", "100000"]
         command += ["1", "--modes", "intersection", "--out", out]
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
         rows: list[dict[str, Any]] = json.loads((Path(out) / "psi_costs.json").read_text())["psi"]
@@ -397,14 +399,17 @@ def stock_pools(method: Any, aggregator: Any, batch: np.ndarray) -> float:
     return time.perf_counter() - start
 
 
-def secure_training(steps: int, epochs: int, train: int, test: int) -> list[dict[str, Any]]:
+def secure_training(
+    steps: int, epochs: int, train: int, test: int, *, batch_size: int = 128, width: int = 128
+) -> list[dict[str, Any]]:
     """LASER (heads=active, the secure planner) on the Fashion-MNIST CNN through each backend.
 
     Per backend: the median time of ``steps`` training steps (after one warm-up step) from the
     same seed and batches, the aggregation bytes per step, and the largest parameter difference
     to the plain run after those steps; Paillier's obfuscator pools are stocked before each
     step, untimed (reported apart). Then, except for Paillier (minutes per epoch), a full
-    training of ``epochs`` epochs for the accuracy delta.
+    training of ``epochs`` epochs for the accuracy delta. ``batch_size`` rows a step, each
+    party's representation ``width`` wide.
     """
     from secure_vfl.experiment import TrainConfig, build_method, run_training
     from secure_vfl.methods import MethodConfig
@@ -414,7 +419,14 @@ def secure_training(steps: int, epochs: int, train: int, test: int) -> list[dict
         method="laser",
         dataset="fashion-mnist",
         test_missing=("mcar:0",),
-        method_config=MethodConfig(heads="active", secure_sums=True, epochs=epochs, lr=0.03),
+        method_config=MethodConfig(
+            heads="active",
+            secure_sums=True,
+            epochs=epochs,
+            lr=0.03,
+            batch_size=batch_size,
+            representation_dim=width,
+        ),
     )
     rows: list[dict[str, Any]] = []
     reference: list[torch.Tensor] = []
@@ -459,6 +471,32 @@ def secure_training(steps: int, epochs: int, train: int, test: int) -> list[dict
     return rows
 
 
+@dataclasses.dataclass(frozen=True)
+class RunSizes:
+    """How much each section of a run measures."""
+
+    repeats: int  # secure sums: fresh rounds per backend (Paillier: a third, at least 2)
+    shapes: tuple[tuple[int, int, int], ...]  # secure sums: T x B x d
+    steps: int  # secure training: timed steps per backend
+    train_epochs: int  # secure training: epochs of the accuracy runs
+    subset: tuple[int, int]  # secure training: Fashion-MNIST training and test rows
+    psi_sizes: tuple[int, ...]  # ids per side
+    psi_repeats: int  # up to 10^5 ids (1 above)
+    dp_epochs: int
+    dp_repeats: int
+    batch_size: int = 128  # secure training
+    width: int = 128  # secure training: the representation's width
+
+
+def run_sizes(*, quick: bool) -> RunSizes:
+    """The committed configuration's sizes, or a ``quick`` smoke run's."""
+    if quick:
+        # a smoke run: Paillier-2048's obfuscators (about 10 ms each) for small sums and
+        # steps, 10^3 PSI ids, one DP run per protection
+        return RunSizes(3, ((1, 32, 16),), 2, 1, (320, 80), (1000,), 1, 1, 1, 16, 32)
+    return RunSizes(7, SHAPES, 10, 3, (10_000, 2000), (10_000, 100_000, 1_000_000), 3, 5, 7)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true")
@@ -470,10 +508,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=output_directory, default=RESULTS)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    repeats, epochs = (3, 1) if args.quick else (7, 5)
+    size = run_sizes(quick=args.quick)
     stem = "protocol_costs_quick" if args.quick else "protocol_costs"
     command = command_line("protocol_costs.py", argv)
-    steps, train_epochs, subset = (3, 1, (1000, 200)) if args.quick else (10, 3, (10_000, 2000))
     if args.only == "dp":
         kept = args.out / f"{stem}.json"
         if not kept.is_file():
@@ -491,27 +528,31 @@ def main(argv: list[str] | None = None) -> int:
                 " (the JSON protocol_costs.py writes expected)."
             )
     else:
-        psi_sizes = [10_000] if args.quick else [10_000, 100_000, 1_000_000]
         payload = {
             "command": command,
-            "secure_sums": secure_sums(repeats, SHAPES[:1] if args.quick else SHAPES),
-            "secure_training": secure_training(steps, train_epochs, *subset),
-            "psi": psi(psi_sizes),
+            "secure_sums": secure_sums(size.repeats, size.shapes),
+            "secure_training": secure_training(
+                size.steps,
+                size.train_epochs,
+                *size.subset,
+                batch_size=size.batch_size,
+                width=size.width,
+            ),
+            "psi": psi(size.psi_sizes, size.psi_repeats),
         }
-    payload["dp"] = dp_training(epochs, repeats)
+    payload["dp"] = dp_training(size.dp_epochs, size.dp_repeats)
     payload["dp_command"] = command
-    text = report(payload, steps=steps, train_epochs=train_epochs, subset=subset)
+    text = report(payload, size)
     text = quick_marked(text, args.quick)
     write_outputs(args.out, stem, text, payload)
     print(text)
     return 0
 
 
-def report(
-    payload: dict[str, Any], *, steps: int, train_epochs: int, subset: tuple[int, int]
-) -> str:
+def report(payload: dict[str, Any], size: RunSizes) -> str:
     """The Markdown report of every section in ``payload`` (the secure-training section was
-    run with ``steps``, ``train_epochs`` and ``subset``)."""
+    run with ``size``'s)."""
+    steps, train_epochs, subset = size.steps, size.train_epochs, size.subset
     sums, training, psi_table = payload["secure_sums"], payload["secure_training"], payload["psi"]
     lines = [
         "# Protocol costs",
@@ -538,7 +579,8 @@ def report(
     lines += [
         "",
         f"## Secure training: LASER (heads=active, secure planner), Fashion-MNIST CNN, "
-        f"4 parties, {subset[0]} / {subset[1]} rows",
+        f"4 parties, {subset[0]} / {subset[1]} rows, batch {size.batch_size}, "
+        f"representation width {size.width}",
         "",
         f"Step time: median of {steps} steps after a warm-up, same seed and batches for every "
         "backend; max |parameter - plain| after those steps. Accuracy: a full training of "
@@ -566,7 +608,9 @@ def report(
         "",
         "## PSI: ours (X25519, both cores) against openmined-psi (P-256, RAW, one thread)",
         "",
-        "Half the ids shared; each run in a fresh process; medians of 3 repeats (1 at 10^6).",
+        "Half the ids shared; each run in a fresh process; medians over repeats ("
+        + ", ".join(f"{len(r['ours_seconds_all'])} at {r['ids']:,} ids" for r in psi_table)
+        + ").",
         "",
         *psi_table_lines(psi_table),
         "",

@@ -239,3 +239,29 @@ def test_protocol_costs_stocks_the_paillier_pools_a_training_step_draws(
         method.train_step(batch, step, 0)
         assert [pool.generated for pool in pools] == stocked  # none computed in the step
         assert not any(len(pool) for pool in pools)  # and none left over
+
+
+def test_protocol_costs_quick_is_a_smoke_run_of_every_section(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """protocol_costs --quick took over 5 minutes on 2 cores, most of it Paillier-2048
+    obfuscators for the issue's 256 x 64 sum and for 128-row, 128-wide training steps, where
+    the other benchmarks' smoke runs take a minute or less. Its Paillier work (values sealed,
+    each sum and step) must be a small fraction of the full run's, its PSI and DP runs few,
+    and the full run's sizes as committed."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import math
+
+    from protocol_costs import SHAPES, RunSizes, run_sizes
+
+    def sealed(size: RunSizes) -> int:
+        sums = sum(math.prod(shape) for shape in size.shapes) * max(2, size.repeats // 3)
+        return sums + size.batch_size * size.width * (size.steps + 1)
+
+    full, quick = run_sizes(quick=False), run_sizes(quick=True)
+    assert full == RunSizes(
+        7, SHAPES, 10, 3, (10_000, 2000), (10_000, 100_000, 1_000_000), 3, 5, 7, 128, 128
+    )
+    assert 100 * sealed(quick) <= sealed(full)
+    assert quick.shapes and quick.steps >= 2 and quick.repeats >= 2  # a median of each
+    assert max(quick.psi_sizes) <= 1000 and quick.psi_repeats == 1 and quick.dp_repeats == 1
