@@ -165,7 +165,7 @@ def test_privacy_utility_example_prints_the_sweep_and_saves_its_plots(tmp_path: 
         "none",
         "SIGMA=0.3",
         "SIGMA=1",
-        "SIGMA=3",
+        "SIGMA=2",
         "SCALE=0.5",
         "SCALE=2",
         "SCALE=8",
@@ -412,3 +412,26 @@ def test_the_secure_training_demo_keeps_an_earlier_demos_files_unless_told(tmp_p
         done.stderr
     )
     assert done.stdout == "" and (tmp_path / "labels.csv").read_text() == "id,label\nmine,1\n"
+
+
+def test_privacy_utility_example_defaults_do_not_diverge() -> None:
+    """At its default epochs, gradient DP at SIGMA 3 (clip 0.01) diverged in about 6 runs of
+    10 (10 of 16 seeds, fresh noise): a cell of the demo's table lost to divergence more often
+    than not. Its strongest SIGMA must train to the end; the noise is made reproducible here
+    so that the seeds tested are the same every time."""
+    import runpy
+
+    from attacks.sweep import run_sweep
+    from protocols.privacy import PrivacySpec
+
+    example = runpy.run_path(str(ROOT / "examples" / "privacy_utility_tradeoff.py"))
+    rows = run_sweep(
+        example["sweep_config"](example["EPOCHS"]),
+        "norm-scoring",
+        templates=[t for t in example["TEMPLATES"] if "SIGMA" in t],
+        grid={"SIGMA": (max(example["GRID"]["SIGMA"]),)},
+        seeds=8,
+        workers=2,
+        privacy=PrivacySpec(seed=0, insecure_reproducible_noise=True),
+    )
+    assert [row["failed"] for row in rows] == [None] * 16, [row["failed"] for row in rows]
