@@ -98,6 +98,58 @@ def journal_line_ms(directory: Path, repeats: int) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in timings.items()}
 
 
+def cost_lines(rows: dict[str, dict[str, float]]) -> list[str]:
+    """The table of each configuration's epoch and what the journal and the checkpoints cost,
+    from ``rows`` (per configuration: ``epoch_s``, ``journaled``). Each is a difference of two
+    runs' wall times, which the runs' noise can exceed (a --quick run's are one epoch apart):
+    an epoch of no time or less, or a cost below zero, is not shown ("–"), and a line says why.
+    """
+    base = rows["none"]["epoch_s"]
+    releases = rows["journal"]["journaled"]
+    steps = releases / PARTIES  # every party releases its representation once a step
+    hidden = False
+
+    def shown(value: float, form: str, *, valid: bool) -> str:
+        nonlocal hidden
+        hidden |= not valid
+        return format(value, form) if valid else "–"
+
+    lines = [
+        "| checkpoints | epoch (s) | vs none | extra per epoch (ms) | releases journaled / epoch |",
+        "|---|---|---|---|---|",
+    ]
+    for config, row in rows.items():
+        epoch = row["epoch_s"]
+        costs = 0 < base <= epoch  # checkpoints cannot make an epoch faster
+        lines.append(
+            f"| {config} | {shown(epoch, '.3f', valid=epoch > 0)} | "
+            f"{shown(epoch / base if base else 0.0, '.3f', valid=costs)}x | "
+            f"{shown(1000 * (epoch - base), '.0f', valid=costs)} | "
+            f"{row['journaled']:.0f} |"
+        )
+    journal, written = rows["journal"]["epoch_s"], rows["every 10"]["epoch_s"]
+    if releases > 0:
+        per_release = shown(1000 * (journal - base) / releases, ".2f", valid=0 < base <= journal)
+        each = shown(1000 * (written - journal) / (steps / 10), ".0f", valid=0 < journal <= written)
+        lines += [
+            "",
+            f"The journal: {per_release} ms per release ({releases:.0f} releases in "
+            f"{steps:.0f} steps an epoch). The checkpoints themselves (every party's, every 10 "
+            f"steps, beyond the journal): {each} ms each.",
+        ]
+    else:
+        lines += ["", "The journal: no release was journaled, so no cost per release is given."]
+    if hidden:
+        lines += [
+            "",
+            "Not shown (–): a difference of the long and short runs that no epoch or cost can "
+            "be (an epoch of no time or less, a cost below zero, an epoch faster than without "
+            "checkpoints): the runs' noise exceeded what they differ by. More epochs between "
+            "--short and --long, or more --repeats, measure it.",
+        ]
+    return lines
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--short", type=positive_int, default=1, help="epochs of the short runs")
@@ -123,11 +175,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         config: {key: statistics.median(s[key] for s in runs) for key in runs[0]}
         for config, runs in samples.items()
     }
-    base = rows["none"]["epoch_s"]
-    releases = rows["journal"]["journaled"]
-    steps = releases / PARTIES  # every party releases its representation once a step
-    journal_ms = 1000 * (rows["journal"]["epoch_s"] - base)
-    written_ms = 1000 * (rows["every 10"]["epoch_s"] - rows["journal"]["epoch_s"])
     lines = [
         "# What checkpoints cost a DP training run in one process",
         "",
@@ -139,19 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"`wall_time_s` between {long}- and {short}-epoch runs, per epoch (start, data and "
         "evaluation cancel out).",
         "",
-        "| checkpoints | epoch (s) | vs none | extra per epoch (ms) | releases journaled / epoch |",
-        "|---|---|---|---|---|",
-    ]
-    for config, row in rows.items():
-        lines.append(
-            f"| {config} | {row['epoch_s']:.3f} | {row['epoch_s'] / base:.3f}x | "
-            f"{1000 * (row['epoch_s'] - base):.0f} | {row['journaled']:.0f} |"
-        )
-    lines += [
-        "",
-        f"The journal: {journal_ms / releases:.2f} ms per release ({releases:.0f} releases in "
-        f"{steps:.0f} steps an epoch). The checkpoints themselves (every party's, every 10 "
-        f"steps, beyond the journal): {written_ms / (steps / 10):.0f} ms each.",
+        *cost_lines(rows),
     ]
     lines += [
         "",

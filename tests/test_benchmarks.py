@@ -265,3 +265,47 @@ def test_protocol_costs_quick_is_a_smoke_run_of_every_section(
     assert 100 * sealed(quick) <= sealed(full)
     assert quick.shapes and quick.steps >= 2 and quick.repeats >= 2  # a median of each
     assert max(quick.psi_sizes) <= 1000 and quick.psi_repeats == 1 and quick.dp_repeats == 1
+
+
+@pytest.mark.parametrize(
+    "epochs",
+    [(0.35, 0.30, 0.42), (0.35, 0.41, 0.38), (-0.02, 0.4, 0.5), (0.35, 0.4, -0.1)],
+)
+def test_checkpoint_costs_shows_no_impossible_cost(
+    epochs: tuple[float, float, float], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An epoch's costs are differences of two runs' wall times, and in a --quick run (1 and 2
+    epochs) the runs' noise can exceed them: it printed a negative epoch, negative ratios and
+    extras, a journal line or a checkpoint of negative milliseconds. What cannot be a time or
+    a cost is not shown, and the report says why; what can is."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import re
+
+    from checkpoint_costs import cost_lines
+
+    rows = {
+        config: {"epoch_s": epoch, "journaled": 0.0 if config == "none" else 140.0}
+        for config, epoch in zip(["none", "journal", "every 10"], epochs, strict=True)
+    }
+    text = "\n".join(cost_lines(rows))
+    assert not re.search(r"(?<![|\w])-\d", text), text  # no negative figure
+    assert "not shown" in text.lower()
+    for config, epoch in zip(rows, epochs, strict=True):  # a positive epoch is shown
+        if epoch > 0:
+            assert f"| {config} | {epoch:.3f} |" in text
+
+
+def test_checkpoint_costs_without_journaled_releases_says_so(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A journal run that journaled nothing divided by zero (a traceback after every run)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from checkpoint_costs import cost_lines
+
+    rows = {
+        "none": {"epoch_s": 0.35, "journaled": 0.0},
+        "journal": {"epoch_s": 0.41, "journaled": 0.0},
+        "every 10": {"epoch_s": 0.49, "journaled": 0.0},
+    }
+    text = "\n".join(cost_lines(rows))
+    assert "no release was journaled" in text
