@@ -134,12 +134,29 @@ def _table(rows: list[dict[str, Any]], argv: Sequence[str] | None, epochs: tuple
         "CPU by process (ms) | lower bound of deployed / in-process here |",
         "|---|---|---|---|---|---|---|",
     ]
+    # Each figure is a difference of a long and a short run; where their noise exceeds it, what
+    # no step can take (no time or less, CPU below zero or beyond the cores) is not shown.
+    wall_ok = {(row["sums"], row["mode"]): row["wall"] > 0 for row in rows}
+    cpu_ok = {
+        (row["sums"], row["mode"]): row["cpu"] > 0
+        and min(row["cpu_by_process"].values()) >= 0
+        and (row["wall"] <= 0 or row["cpu"] / row["wall"] <= cores)
+        for row in rows
+    }
+    hidden = False
     for row in rows:
+        key = (row["sums"], row["mode"])
+        wall, cpu = wall_ok[key], cpu_ok[key]
+        bound = wall_ok[(row["sums"], "in-process")] and cpu and "bound" in row
+        hidden |= not (wall and cpu) or ("bound" in row and not bound)
         by = ", ".join(f"{k} {1000 * v:.1f}" for k, v in row["cpu_by_process"].items())
-        bound = f"{row['bound']:.2f}x" if "bound" in row else "-"
+        shown_wall = f"{1000 * row['wall']:.1f}" if wall else "–"
+        shown_cpu = f"{1000 * row['cpu']:.1f}" if cpu else "–"
+        busy = f"{row['cpu'] / row['wall']:.2f}" if wall and cpu else "–"
+        shown_bound = f"{row['bound']:.2f}x" if bound else "–" if "bound" in row else "-"
         lines.append(
-            f"| {row['sums']} | {row['mode']} | {1000 * row['wall']:.1f} | {1000 * row['cpu']:.1f} "
-            f"| {row['cpu'] / row['wall']:.2f} | {by} | {bound} |"
+            f"| {row['sums']} | {row['mode']} | {shown_wall} | {shown_cpu} | {busy} "
+            f"| {by if cpu else '–'} | {shown_bound} |"
         )
     repeats = min(row["repeats"] for row in rows)
     lines += [
@@ -150,6 +167,15 @@ def _table(rows: list[dict[str, Any]], argv: Sequence[str] | None, epochs: tuple
         "ratio can be on this machine however the messages overlap (the issue's target: 1.5x). "
         f"The machine: {machine()}.",
     ]
+    if hidden:
+        lines += [
+            "",
+            "Not shown (–): a difference of the long and short runs that no step can take (no "
+            f"time or less, CPU below zero or more than {cores} cores over its wall time): the "
+            "runs' noise (their start and evaluation, whole processes' CPU) exceeded what they "
+            "differ by, and a bound built on it is not shown either. More epochs between "
+            "--short and --long, or more --repeats, measure it.",
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -182,9 +208,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     ]
                     step = per_step(*runs)
                     measured.setdefault((sums, mode), []).append(step)
+                    possible = (
+                        0 < step["cpu"] <= (os.cpu_count() or 1) * step["wall"]
+                        and min(step["cpu_by_process"].values()) >= 0
+                    )
                     print(
                         f"repeat {repeat} {sums:5s} {mode:10s} wall {1000 * step['wall']:.1f} ms, "
-                        f"CPU {1000 * step['cpu']:.1f} ms per step",
+                        f"CPU {1000 * step['cpu']:.1f} ms per step"
+                        + ("" if possible else " (not possible: within the runs' noise)"),
                         flush=True,
                     )
     cores = os.cpu_count() or 1
