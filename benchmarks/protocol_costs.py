@@ -502,8 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument(
         "--only",
-        choices=["dp"],
-        help="re-run one section and keep the others from the committed results (the .json)",
+        choices=["dp", "training"],
+        help="re-run one section (DP, or secure training) and keep the others from the "
+        "committed results (the .json)",
     )
     parser.add_argument("--out", type=output_directory, default=RESULTS)
     args = parser.parse_args(argv)
@@ -511,37 +512,39 @@ def main(argv: list[str] | None = None) -> int:
     size = run_sizes(quick=args.quick)
     stem = "protocol_costs_quick" if args.quick else "protocol_costs"
     command = command_line("protocol_costs.py", argv)
-    if args.only == "dp":
+    if args.only is not None:
         kept = args.out / f"{stem}.json"
+        keeps = f"--only {args.only} keeps the other sections of {kept}"
         if not kept.is_file():
-            parser.error(f"--only dp keeps the other sections of {kept}; it does not exist.")
+            parser.error(f"{keeps}; it does not exist.")
         try:
             payload = json.loads(kept.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-            parser.error(
-                f"--only dp keeps the other sections of {kept}; it cannot be read: {error}"
-            )
-        sections = ("command", "secure_sums", "secure_training", "psi")
+            parser.error(f"{keeps}; it cannot be read: {error}")
+        sections = ("command", "secure_sums", "secure_training", "psi", "dp")
         if not isinstance(payload, dict) or not all(key in payload for key in sections):
             parser.error(
-                f"--only dp keeps the other sections of {kept}; it holds no {', '.join(sections)}"
-                " (the JSON protocol_costs.py writes expected)."
+                f"{keeps}; it holds no {', '.join(sections)} (the JSON protocol_costs.py writes "
+                "expected)."
             )
     else:
         payload = {
             "command": command,
             "secure_sums": secure_sums(size.repeats, size.shapes),
-            "secure_training": secure_training(
-                size.steps,
-                size.train_epochs,
-                *size.subset,
-                batch_size=size.batch_size,
-                width=size.width,
-            ),
             "psi": psi(size.psi_sizes, size.psi_repeats),
         }
-    payload["dp"] = dp_training(size.dp_epochs, size.dp_repeats)
-    payload["dp_command"] = command
+    if args.only in (None, "training"):
+        payload["secure_training"] = secure_training(
+            size.steps,
+            size.train_epochs,
+            *size.subset,
+            batch_size=size.batch_size,
+            width=size.width,
+        )
+        payload["training_command"] = command
+    if args.only in (None, "dp"):
+        payload["dp"] = dp_training(size.dp_epochs, size.dp_repeats)
+        payload["dp_command"] = command
     text = report(payload, size)
     text = quick_marked(text, args.quick)
     write_outputs(args.out, stem, text, payload)
@@ -582,6 +585,7 @@ def report(payload: dict[str, Any], size: RunSizes) -> str:
         f"4 parties, {subset[0]} / {subset[1]} rows, batch {size.batch_size}, "
         f"representation width {size.width}",
         "",
+        f"Command: `{payload.get('training_command', payload['command']).strip()}`. "
         f"Step time: median of {steps} steps after a warm-up, same seed and batches for every "
         "backend; max |parameter - plain| after those steps. Accuracy: a full training of "
         f"{train_epochs} epochs (Paillier's epochs take minutes of pool filling: not run).",

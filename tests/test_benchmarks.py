@@ -156,16 +156,18 @@ def test_checkpoint_costs_refuses_a_long_run_no_longer_than_the_short_one(
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("only", ["dp", "training"])
 @pytest.mark.parametrize("kept", ["{broken", "[]", '{"command": "python benchmarks/x.py"}'])
-def test_protocol_costs_only_dp_refuses_kept_results_it_cannot_use(
-    kept: str, tmp_path: Path
+def test_protocol_costs_only_one_section_refuses_kept_results_it_cannot_use(
+    kept: str, only: str, tmp_path: Path
 ) -> None:
-    """--only dp keeps the other sections of the results' JSON: one that does not parse ended in
-    a JSONDecodeError traceback, one without those sections in a traceback after the DP runs."""
+    """--only dp (or training) keeps the other sections of the results' JSON: one that does not
+    parse ended in a JSONDecodeError traceback, one without those sections in a traceback after
+    the DP runs."""
     (tmp_path / "protocol_costs.json").write_text(kept)
     script = str(ROOT / "benchmarks" / "protocol_costs.py")
     done = subprocess.run(
-        [sys.executable, script, "--only", "dp", "--out", str(tmp_path)],
+        [sys.executable, script, "--only", only, "--out", str(tmp_path)],
         env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
@@ -174,7 +176,7 @@ def test_protocol_costs_only_dp_refuses_kept_results_it_cannot_use(
     )
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
-    assert f"--only dp keeps the other sections of {tmp_path / 'protocol_costs.json'}" in (
+    assert f"--only {only} keeps the other sections of {tmp_path / 'protocol_costs.json'}" in (
         done.stderr
     )
     assert (tmp_path / "protocol_costs.json").read_text() == kept
