@@ -166,6 +166,23 @@ def test_a_deployed_coordinator_refuses_a_label_column_no_client_has(tmp_path: P
     assert schemas == {"site0": (["a", "b", "c"], 30), "site1": (["a", "b", "c"], 30)}
 
 
+def _impute_setup(**changes: Any) -> dict[str, Any]:
+    """An `impute-setup` body for the client of `write_clients`, with ``changes``."""
+    return {
+        "method": "fedhf",
+        "config": {"rounds": 1},
+        "seed": 0,
+        "index": 0,
+        "features": ["a", "b", "c"],
+        "test_fraction": 0.2,
+        "secure_agg": "none",
+        "id_column": "id",
+        "label_column": "label",
+        "privacy": None,
+        **changes,
+    }
+
+
 def test_a_deployed_client_refuses_a_setup_naming_a_feature_twice(tmp_path: Path) -> None:
     """An `impute-setup` whose `features` named a column twice failed in the client with numpy's
     "IndexError: index 3 is out of bounds for axis 1 with size 3", the text the coordinator read
@@ -177,18 +194,7 @@ def test_a_deployed_client_refuses_a_setup_naming_a_feature_twice(tmp_path: Path
 
     [path, _] = write_clients(tmp_path)
     member = Member("site0", "127.0.0.1:1", tmp_path, tmp_path, data=path)
-    body = {
-        "method": "fedhf",
-        "config": {"rounds": 1},
-        "seed": 0,
-        "index": 0,
-        "features": ["a", "b", "c"],
-        "test_fraction": 0.2,
-        "secure_agg": "none",
-        "id_column": "id",
-        "label_column": "label",
-        "privacy": None,
-    }
+    body = _impute_setup()
 
     def build(features: list[str]) -> Any:
         setup = _deployment("bank", "site0", "impute-setup", {**body, "features": features})
@@ -290,18 +296,7 @@ def test_a_deployed_client_refuses_the_id_column_as_the_label_column(tmp_path: P
         )
         with pytest.raises(ProtocolError, match=expected.replace("'id'", repr(column))):
             served_columns(member, request)
-    body = {
-        "method": "fedhf",
-        "config": {"rounds": 1},
-        "seed": 0,
-        "index": 0,
-        "features": ["a", "b", "c"],
-        "test_fraction": 0.2,
-        "secure_agg": "none",
-        "id_column": "id",
-        "label_column": "id",
-        "privacy": None,
-    }
+    body = _impute_setup(label_column="id")
     setup = _deployment("bank", "site0", "impute-setup", body)
     with pytest.raises(ProtocolError, match=expected):
         build_served_client(member, setup, lambda _: None, clients=2)

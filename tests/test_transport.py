@@ -205,19 +205,24 @@ def test_read_capture_refuses_a_truncated_record(tmp_path: Path) -> None:
         list(read_capture(path))
 
 
-def test_a_truncated_capture_record_is_named_by_its_number_and_byte(tmp_path: Path) -> None:
-    """A torn record after whole ones was refused naming the file only, not which record, as
-    a record the codec refuses is named."""
+def _record() -> bytes:
+    """One capture record: a small representation message with its 4-byte length."""
     message = RepresentationMessage(
         sender="party-1", receiver="aggregator", round=0, batch_id=0, positions=torch.arange(2),
         representation=torch.zeros(2, 3),
     )  # fmt: skip
     data = wire.encode(message)
-    record = struct.pack(">I", len(data)) + data
+    return struct.pack(">I", len(data)) + data
+
+
+def test_a_truncated_capture_record_is_named_by_its_number_and_byte(tmp_path: Path) -> None:
+    """A torn record after whole ones was refused naming the file only, not which record, as
+    a record the codec refuses is named."""
+    record = _record()
     path = tmp_path / "torn.capture"
     at = 2 * len(record)
     for torn, refusal in (
-        (record[:-1], f"a record of {len(data)} bytes expected, found {len(data) - 1}"),
+        (record[:-1], f"a record of {len(record) - 4} bytes expected, found {len(record) - 5}"),
         (record[:3], "a truncated record length at the end of the file"),
     ):
         path.write_bytes(record + record + torn)
@@ -457,12 +462,7 @@ def test_a_record_another_process_is_writing_is_not_cut_as_torn(
 
     from secure_vfl.cli import _capture
 
-    message = RepresentationMessage(
-        sender="party-1", receiver="aggregator", round=0, batch_id=0, positions=torch.arange(2),
-        representation=torch.zeros(2, 3),
-    )  # fmt: skip
-    data = wire.encode(message)
-    record = struct.pack(">I", len(data)) + data
+    record = _record()
     capture = tmp_path / "shared.capture"
     capture.write_bytes(record)
     failures: list[BaseException] = []
@@ -475,7 +475,7 @@ def test_a_record_another_process_is_writing_is_not_cut_as_torn(
             failures.append(error)
 
     writer = subprocess.Popen(
-        [sys.executable, "-c", _STALLING_WRITER, str(capture), data.hex()],
+        [sys.executable, "-c", _STALLING_WRITER, str(capture), record[4:].hex()],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
