@@ -70,6 +70,9 @@ HE_STANDARD_MAX_BITS = {4096: 109, 8192: 218, 16384: 438, 32768: 881}  # 128-bit
 PRECISE_DATA_BITS = 60
 """The most data-prime bits a slot sum may use: double-precision encoding and decoding stay
 within the stated error bound only for |sum| * scale below 2^(60 - 2) (module docstring)."""
+SKIPPED = b""
+"""A chunk of slots a contributor enters no sum with (its selection says so): not encrypted,
+sent empty, added as nothing; a chunk of sums nobody entered comes back empty."""
 
 
 def headroom_bits(coeff_mod_bit_sizes: Sequence[int]) -> int:
@@ -311,23 +314,58 @@ def load_vector(context: ts.Context, data: bytes, who: str) -> ts.CKKSVector:
         ) from error
 
 
+def entered_chunks(mine: np.ndarray, width: int, slots: int) -> np.ndarray:
+    """Which ciphertexts of a (T, B, ``width``) sum, ``slots`` values to a ciphertext, hold a
+    value of a contributor whose selection column is ``mine`` (T, B): (ciphertexts,) bool."""
+    filled = np.repeat(np.asarray(mine, dtype=bool).reshape(-1), width)
+    count = -(-filled.size // slots)
+    padded = np.zeros(count * slots, dtype=bool)
+    padded[: filled.size] = filled
+    return np.asarray(padded.reshape(count, slots).any(axis=1))
+
+
 def add_ciphertexts(
-    public: ts.Context, arrived: Mapping[str, Sequence[bytes]], values: int, slots: int
+    public: ts.Context,
+    arrived: Mapping[str, Sequence[bytes]],
+    values: int,
+    slots: int,
+    entered: Mapping[str, np.ndarray] | None = None,
 ) -> list[bytes]:
     """Slot-wise homomorphic sums of every contributor's ciphertexts of ``values`` values,
-    ``slots`` to a ciphertext (public context only). A ciphertext of another size or scale than
-    the first contributor's is an IntegrityError naming its sender."""
+    ``slots`` to a ciphertext (public context only). A contributor leaves empty
+    (:data:`SKIPPED`) exactly the ciphertexts its selection puts none of its values in:
+    ``entered[name]`` (ciphertexts,) bool, from the public selection (:func:`entered_chunks`;
+    None: every ciphertext is entered). An empty one adds nothing, and a chunk nobody entered
+    sums to an empty one. An empty ciphertext where it entered (its term would be missing from
+    sums that count it), a full one where it did not (it would add to sums it is not in), and a
+    ciphertext of another size or scale than the first contributor's are IntegrityErrors
+    naming its sender."""
     count = -(-values // slots)
     for name, sent in arrived.items():
         if len(sent) != count:
             raise IntegrityError(f"{count} ciphertexts expected from {name}, found {len(sent)}.")
     if not arrived:
         return []
+    everywhere = np.ones(count, dtype=bool)
+    chunks = {name: everywhere if entered is None else entered[name] for name in arrived}
     totals: list[bytes] = []
     for i in range(count):
         size = min(slots, values - i * slots)
         total: ts.CKKSVector | None = None
         for name, sent in arrived.items():
+            if (sent[i] == SKIPPED) == bool(chunks[name][i]):
+                raise IntegrityError(
+                    f"CKKS ciphertext {i} from {name}: "
+                    + (
+                        "a ciphertext of its values expected (its selection enters sums "
+                        "there), found it empty."
+                        if chunks[name][i]
+                        else "an empty one expected (its selection enters no sum there), "
+                        f"found {len(sent[i])} bytes."
+                    )
+                )
+            if sent[i] == SKIPPED:
+                continue
             vector = load_vector(public, sent[i], f"from {name}")
             if vector.size() != size:
                 raise IntegrityError(
@@ -344,8 +382,7 @@ def add_ciphertexts(
                     f"CKKS ciphertext {i} from {name} does not add to the others' ({error}): "
                     "sealed under other parameters, or tampered with."
                 ) from None
-        assert total is not None
-        totals.append(bytes(total.serialize()))
+        totals.append(SKIPPED if total is None else bytes(total.serialize()))
     return totals
 
 
@@ -372,9 +409,22 @@ def open_sums(
             f"a CKKS sum of {total} values in {expected} ciphertext(s) expected, found "
             f"{len(summed)}."
         )
-    decrypted = np.concatenate(
-        [np.asarray(load_vector(secret, c, "of the sum").decrypt()) for c in summed]
-    )
+    # A chunk of slots no contributor entered came back empty: its sums are 0, and every sum
+    # with a slot in it must have no contributor (else the aggregator dropped a chunk).
+    entered = np.repeat(counts.reshape(-1) > 0, width)
+    chunks = []
+    for i, ciphertext in enumerate(summed):
+        size = min(slots, total - i * slots)
+        if ciphertext == SKIPPED:
+            if entered[i * slots : i * slots + size].any():
+                raise IntegrityError(
+                    f"CKKS sum ciphertext {i} came back empty, but its sums have contributors: "
+                    "the aggregator dropped it."
+                )
+            chunks.append(np.zeros(size))
+        else:
+            chunks.append(np.asarray(load_vector(secret, ciphertext, "of the sum").decrypt()))
+    decrypted = np.concatenate(chunks)
     if decrypted.size < total:
         raise IntegrityError(
             f"a CKKS sum of {total} values expected, found {decrypted.size} slots."
@@ -465,13 +515,20 @@ class CkksSender:
         )
         mine = selection[..., column]
         slots = np.where(mine[..., None], dense[None], 0.0).reshape(-1)
+        # A chunk of slots that enters no sum is not encrypted (SKIPPED): the selection, which
+        # the aggregator and the receiver know, says so, not the values.
+        entered = entered_chunks(mine, dense.shape[1], self.slots)
         sealed = tuple(
             bytes(
                 ts.ckks_vector(
-                    public, slots[i : i + self.slots].tolist(), scale=float(2**self.scale_bits)
+                    public,
+                    slots[i * self.slots : (i + 1) * self.slots].tolist(),
+                    scale=float(2**self.scale_bits),
                 ).serialize()
             )
-            for i in range(0, slots.size, self.slots)
+            if filled
+            else SKIPPED
+            for i, filled in enumerate(entered)
         )
         self.seconds += time.perf_counter() - start
         return sealed
@@ -499,13 +556,19 @@ class CkksAdder:
         receiver: str,
         shape: tuple[int, int, int],
         parties: int,
+        selection: Mapping[str, np.ndarray] | None = None,
     ) -> tuple[bytes, ...]:
         start = time.perf_counter()
         public = self._publics.get(receiver)
         if public is None:
             raise ProtocolError(f"no CKKS public context of {receiver} was announced.")
+        entered = None
+        if selection is not None:
+            entered = {
+                name: entered_chunks(selection[name], shape[2], self.slots) for name in payloads
+            }
         summed = tuple(
-            add_ciphertexts(public, payloads, shape[0] * shape[1] * shape[2], self.slots)
+            add_ciphertexts(public, payloads, shape[0] * shape[1] * shape[2], self.slots, entered)
         )
         self.seconds += time.perf_counter() - start
         return summed

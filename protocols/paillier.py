@@ -495,6 +495,7 @@ class PaillierAdder:
         receiver: str,
         shape: tuple[int, int, int],
         parties: int,
+        selection: Mapping[str, np.ndarray] | None = None,
     ) -> tuple[bytes, ...]:
         start = time.perf_counter()
         public = self._publics.get(receiver)

@@ -405,6 +405,7 @@ class MaskAdder:
         receiver: str,
         shape: tuple[int, int, int],
         parties: int,
+        selection: Mapping[str, np.ndarray] | None = None,
     ) -> tuple[bytes, ...]:
         start = time.perf_counter()
         total = np.zeros(shape, dtype=np.uint64)

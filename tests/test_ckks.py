@@ -348,3 +348,85 @@ def test_laser_trained_through_ckks_matches_laser_trained_in_the_clear(
     assert all(
         torch.allclose(a, b, atol=1e-5, rtol=1e-4) for a, b in zip(plain, secure, strict=True)
     )
+
+
+class SumTap:
+    """A channel layer that rewrites the aggregator's sealed sum's ciphertexts in transit."""
+
+    def __init__(self, rewrite: Callable[[list[bytes]], list[bytes]]) -> None:
+        self.rewrite = rewrite
+
+    def on_message(self, message):  # type: ignore[no-untyped-def]
+        if not isinstance(message, SealedSumMessage):
+            return message
+        return dataclasses.replace(message, payload=tuple(self.rewrite(list(message.payload))))
+
+
+def test_a_chunk_of_slots_a_party_enters_no_sum_with_is_not_encrypted() -> None:
+    """A secure step asks for several sums (the label party's own term, a block, both): each
+    party's values fill only some of them, and a ciphertext of slots it enters no sum with was
+    an encryption of zeros. Such a chunk is sent empty (the public selection says which), added
+    as nothing; the sums are the same within the bound, and a sum chunk with contributors that
+    comes back empty is refused."""
+    messages, _ = full_batch(3, batch=32, width=128, tasks=3)
+    selection = torch.zeros(3, 32, 4, dtype=torch.bool)
+    selection[0, :, 0] = True  # the receiver's own term alone
+    selection[1, :, 1:] = True  # the block of the others
+    selection[2, :, :] = True  # both
+    parties = SumParties(CkksAggregator())
+    result = parties.combine(messages, selection)
+    assert within_bound(result.sums, messages, selection) <= 0.0
+    # 32 rows x 128 values: one ciphertext per sum; each party fills two of the three.
+    payloads = {m.sender: m.payload for m in parties.crossed(SealedMessage)}
+    assert [len(p[0]) > 0 for p in payloads.values()] == [True, False, False, False]
+    assert all(len(p[1]) > 0 for n, p in payloads.items() if n != PARTIES[0])
+    assert not payloads[PARTIES[0]][1]
+    assert all(p[2] for p in payloads.values())
+    assert all(parties.crossed(SealedSumMessage)[-1].payload)
+
+    def dropped(sent: list[bytes]) -> list[bytes]:
+        return [sent[0], b"", sent[2]]
+
+    with pytest.raises(IntegrityError, match="ciphertext 1 came back empty, but its sums"):
+        SumParties(CkksAggregator(), layers=[SumTap(dropped)]).combine(messages, selection)
+
+
+class ShareTap:
+    """A channel layer that rewrites one party's sealed share's ciphertexts in transit."""
+
+    def __init__(self, sender: str, rewrite: Callable[[list[bytes]], list[bytes]]) -> None:
+        self.sender, self.rewrite = sender, rewrite
+
+    def on_message(self, message):  # type: ignore[no-untyped-def]
+        if not isinstance(message, SealedMessage) or message.sender != self.sender:
+            return message
+        return dataclasses.replace(message, payload=tuple(self.rewrite(list(message.payload))))
+
+
+def test_the_aggregator_refuses_a_share_whose_empty_chunks_are_not_its_selections() -> None:
+    """Which ciphertexts a contributor leaves empty is fixed by the public selection: one left
+    empty where its values go would drop its term from sums that count it (the receiver would
+    take a sum of fewer parties for a sum of more), one filled where it enters no sum would add
+    to sums it is not in. The aggregator refuses both, naming the sender and the ciphertext."""
+    messages, _ = full_batch(3, batch=32, width=128, tasks=3)
+    selection = torch.zeros(3, 32, 4, dtype=torch.bool)
+    selection[0, :, 0] = True
+    selection[1, :, 1:] = True
+    selection[2, :, :] = True
+    member = PARTIES[1]
+
+    def emptied(sent: list[bytes]) -> list[bytes]:
+        return [sent[0], sent[1], b""]
+
+    def filled(sent: list[bytes]) -> list[bytes]:
+        return [sent[1], sent[1], sent[2]]
+
+    for rewrite, found in (
+        (emptied, "ciphertext 2 from .*found it empty"),
+        (filled, "ciphertext 0 from .*an empty one expected"),
+    ):
+        parties = SumParties(CkksAggregator(), layers=[ShareTap(member, rewrite)])
+        with pytest.raises(IntegrityError, match=found):
+            parties.combine(messages, selection)
+    untouched = SumParties(CkksAggregator(), layers=[ShareTap(member, lambda sent: sent)])
+    assert within_bound(untouched.combine(messages, selection).sums, messages, selection) <= 0.0

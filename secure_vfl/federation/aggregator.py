@@ -128,8 +128,11 @@ class AdderHalf(Protocol):
         receiver: str,
         shape: tuple[int, int, int],
         parties: int,
+        selection: Mapping[str, np.ndarray] | None = None,
     ) -> tuple[bytes, ...]:
-        """The sealed (T, B, d) sums of the contributors' ``payloads`` for ``receiver``."""
+        """The sealed (T, B, d) sums of the contributors' ``payloads`` for ``receiver``;
+        ``selection[name]`` (T, B) bool, the sums each contributor enters (public: a half may
+        check a payload's layout against it; None: not checked)."""
         ...
 
 

@@ -1517,6 +1517,9 @@ class AggregationServer(Party):
             receiver=request.deliver_to,
             shape=(selection.shape[0], selection.shape[1], width),
             parties=len(request.parties),
+            selection={
+                name: selection[..., request.parties.index(name)].numpy() for name in expected
+            },
         )
         self._served.spend(context)
         del self._sealed[request.tag]
