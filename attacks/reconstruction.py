@@ -159,7 +159,8 @@ class RepresentationLog:
         if mine is not None:
             own[mine.positions.numpy()] = mine.representation.numpy()
             own_known[mine.positions.numpy()] = True
-        selection = task.selection.numpy()  # (T, B, K)
+        # (T, B, K): what each sum it got is over, its task's or, delivered per part, its part's
+        selection = (task.selection if task.parts is None else task.parts).numpy()
         rows = task.rows.tolist()
         for t in range(selection.shape[0]):
             for position, row in enumerate(rows):

@@ -386,13 +386,15 @@ def _aggregation_bytes(method: Any) -> int:
 def stock_pools(method: Any, aggregator: Any, batch: np.ndarray) -> float:
     """Stock every party's Paillier obfuscator pool with what the training step of ``batch``
     seals, as each party's offline phase; the seconds it took. A party seals its
-    representation once per task of the step's plan (every union of the rows' usable blocks
-    under the secure planner), for each head."""
+    representation into each sum the step asks for, for each head: under the secure planner
+    the parts (the blocks of the rows and the label party's own term) whose sums the head adds
+    up into its tasks'."""
     start = time.perf_counter()
     mask = torch.from_numpy(method.data.train.mask[batch])
-    selection = method.plan(torch.from_numpy(batch), mask)[0]  # (heads, tasks, rows, parties)
-    heads, tasks = selection.shape[:2]
-    values = tasks * len(batch) * method.config.representation_dim
+    plan = method.plan(torch.from_numpy(batch), mask)
+    heads, tasks = plan.selection.shape[:2]  # (heads, tasks, rows, parties)
+    sums = tasks if plan.parts is None else plan.parts.shape[0]
+    values = sums * len(batch) * method.config.representation_dim
     needed = heads * aggregator.layout(len(PARTIES)).ciphertexts(values)
     for party in in_process_parties(method.fed.channel):
         party.sealer.prepare(RECEIVER, obfuscators=needed)  # type: ignore[union-attr]

@@ -322,6 +322,84 @@ def test_a_sum_of_another_width_than_its_head_takes_is_refused_and_the_task_kept
     assert [m.kind for m in driver._inbox] == ["gradient", "loss", "prediction"]
 
 
+def _three_tasks_of_two_parts(task: HeadTask) -> tuple[HeadTask, HeadTask]:
+    """``task`` with the tasks {party-0}, {party-1} and both, weighted unevenly: once with its
+    sums per task, once per part ({party-0}, {party-1}), whose sums the head adds up."""
+    selection = torch.tensor([[True, False], [False, True], [True, True]])
+    tasks = dataclasses.replace(
+        task,
+        weights=torch.tensor([[1.0, 0.5], [2.0, 1.0], [0.25, 3.0]]),
+        selection=selection.unsqueeze(1).expand(3, 2, 2).clone(),
+        present=torch.tensor([[True, False], [True, False]]),  # party-0 is owed gradients
+    )
+    parts = torch.eye(2, dtype=torch.bool).unsqueeze(1).expand(2, 2, 2).clone()
+    return tasks, dataclasses.replace(tasks, parts=parts)
+
+
+def test_a_head_adds_up_its_tasks_sums_from_the_sums_of_their_parts() -> None:
+    """Under secure sums every contributor seals its term once a step, into its own part, and
+    the head adds each task's sum from its parts': the same loss and the same gradients as
+    the tasks' sums delivered whole."""
+    terms = torch.randn(2, 2, 2, generator=torch.Generator().manual_seed(1))  # (part, row, w)
+    answers = []
+    for with_parts in (False, True):
+        party, driver, task = _head_party_and_task([0, 1])
+        tasks, parted = _three_tasks_of_two_parts(task)
+        sent = parted if with_parts else tasks
+        driver.send(sent)
+        sums = terms if with_parts else torch.stack([terms[0], terms[1], terms.sum(dim=0)])
+        layout = sent.parts if sent.parts is not None else sent.selection
+        party.receive(
+            SumMessage(
+                sender=AGGREGATOR,
+                receiver="party-1",
+                round=3,
+                batch_id=0,
+                tag="train",
+                sums=sums,
+                counts=layout.sum(dim=2),
+            )
+        )
+        answers.append(driver._inbox)
+    plain, parted_answers = answers
+    assert [m.kind for m in parted_answers] == ["gradient", "loss"]
+    assert parted_answers[1].loss == pytest.approx(plain[1].loss, rel=1e-6)
+    assert torch.allclose(parted_answers[0].gradient, plain[0].gradient, atol=1e-6)
+
+
+def test_a_head_task_whose_parts_do_not_make_up_its_tasks_is_refused() -> None:
+    """The parts must be disjoint at each row and every task a union of them; sums of the
+    parts, not of the tasks, are what such a task takes."""
+    party, driver, task = _head_party_and_task([0, 1])
+    _, parted = _three_tasks_of_two_parts(task)
+    assert parted.parts is not None
+    both = torch.ones(1, 2, 2, dtype=torch.bool)
+    for parts, found in (
+        (torch.cat([parted.parts, both]), "disjoint parts expected, found a party in two"),
+        (parted.parts[:1], "each task a union of parts expected"),
+        (parted.parts[:, :1], r"parts \(S, 2, 2\) expected, found \(2, 1, 2\)"),
+    ):
+        with pytest.raises(ProtocolError, match=found):
+            driver.send(dataclasses.replace(parted, parts=parts))
+        assert not party._tasks
+    driver.send(parted)
+    with pytest.raises(
+        ProtocolError, match=r"sums of \(parts, rows\) \(2, 2\) expected, found \(3, 2\)"
+    ):
+        party.receive(
+            SumMessage(
+                sender=AGGREGATOR,
+                receiver="party-1",
+                round=3,
+                batch_id=0,
+                tag="train",
+                sums=torch.zeros(3, 2, 2),
+                counts=parted.selection.sum(dim=2),
+            )
+        )
+    assert (3, 0, "train") in party._tasks
+
+
 def test_data_party_refuses_gradients_it_did_not_ask_for() -> None:
     _, driver, _ = _federation()
     with pytest.raises(ProtocolError, match="no pending forward pass"):

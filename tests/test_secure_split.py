@@ -39,6 +39,7 @@ from secure_vfl.federation.messages import (
     SealedSumMessage,
     SealRequest,
     SumMessage,
+    SumRequest,
 )
 from secure_vfl.federation.parties import DataParty, Party
 from secure_vfl.methods import METHODS, MethodConfig
@@ -194,6 +195,38 @@ def test_a_secure_step_sends_each_party_its_messages_at_once_in_their_order(
     assert ("sum-request", AGGREGATOR) in first
     delivered = [m for m in recorder.messages if m.receiver == "party-1"]
     assert [m.kind for m in delivered][: len(kinds)] == kinds
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_a_secure_laser_step_seals_each_term_once_into_its_own_part(
+    make_data: MakeData, backend: str
+) -> None:
+    """LASER under secure sums trains on every union of a row's blocks (and the label party's
+    own term); the sums asked for are the blocks' (the head task's ``parts``), which the head
+    adds up, so each contributor's row goes into one sum a step, not into every task it is in."""
+    recorder = RecordingLayer()
+    method = _method(make_data, backend, Channel([recorder]))
+    label = method.fed.own
+    tasks: list[HeadTask] = []
+    take_task = label.on_head_task  # the label party's own head: a task it sends itself
+
+    def noted(task: HeadTask) -> None:
+        tasks.append(task)
+        take_task(task)
+
+    label.on_head_task = noted  # type: ignore[method-assign]
+    method.train_step(ROWS, 0, 0)
+    (task,) = tasks
+    (request,) = [m for m in recorder.messages if type(m) is SumRequest]
+    seals = [m for m in recorder.messages if isinstance(m, SealRequest)]
+    assert task.parts is not None and torch.equal(request.selection, task.parts)
+    assert task.selection.shape[0] > task.parts.shape[0]  # fewer sums than tasks
+    # One seal request to each other party (the label party's own does not cross the channel).
+    assert sorted(m.receiver for m in seals) == sorted(request.parties[1:])
+    assert int(request.selection.sum(dim=0).max()) == 1  # a row's term in one sum
+    assert torch.equal(
+        task.composition().float().sum(dim=1) > 0, task.selection.any(dim=2)
+    )  # every task that has a row is made of parts there
 
 
 def _stepped(make_data: MakeData, backend: str = "masks"):  # type: ignore[no-untyped-def]

@@ -103,6 +103,20 @@ def samples() -> list[Message]:
             tag="t",
             head="h",
         ),
+        messages.HeadTask(
+            **HEADER,
+            rows=torch.tensor([9, 8, 7]),
+            weights=torch.rand(3, 3, generator=generator),
+            normaliser=1.5,
+            selection=torch.tensor([[True, False], [False, True], [True, True]])
+            .unsqueeze(1)
+            .expand(3, 3, 2)
+            .contiguous(),
+            present=torch.ones(3, 2, dtype=torch.bool),
+            parties=parties,
+            tag="p",
+            parts=torch.eye(2, dtype=torch.bool).unsqueeze(1).expand(2, 3, 2).contiguous(),
+        ),
         messages.PredictTask(**HEADER, positions=positions, tag="t"),
         messages.LossMessage(**HEADER, loss=0.25, tag="t"),
         messages.KeyRequest(**HEADER, scheme="masks", contributors=parties, receivers=("party-2",)),

@@ -22,7 +22,7 @@ from secure_vfl.errors import NonFiniteError, ProtocolError
 from secure_vfl.federation.tickets import TICKET_KEY_BYTES
 from secure_vfl.federation.wire import register_message
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 """The messages' layouts: 2 since sealed sums carry their members' selection, sum and seal
 requests their DP-released rows, and the abort message exists; 3 since a gradient may close its
 receiver's step (``GradientMessage.step``) and a head task may hold its gradients for the driver
@@ -32,7 +32,9 @@ per-feature errors to a sum (the ``feature-errors`` computation); 6 since a plai
 its request's phase (``SumMessage.phase``); 7 since a representation request names the heads'
 parties whose gradients its forward pass takes (``RepresentRequest.gradients_from``); 8 since
 every request for a contribution to the aggregator, and the contribution, carries its ticket
-(:mod:`~secure_vfl.federation.tickets`; the ``ticket-key`` message exists). A party of another
+(:mod:`~secure_vfl.federation.tickets`; the ``ticket-key`` message exists); 9 since a head
+task's sums may come as the disjoint parts its tasks are unions of (``HeadTask.parts``). A party
+of another
 version is refused on its first message, naming both."""
 PHASES = ("train", "predict")
 
@@ -455,6 +457,11 @@ class HeadTask(Message):
     With ``hold`` (only from the party itself: the label party's own head, when its task is the
     step's only one) the head sends no gradient to another party but keeps them for the driver,
     which sends them as the step's last (``GradientMessage.step``) once the step's loss is in.
+
+    With ``parts`` (S, B, K) the sums come per part instead of per task: at each row the parts
+    are disjoint and every task is a union of them (:meth:`composition`), so the head adds each
+    task's sum from its parts' (under secure sums, each contributor then seals its term once a
+    step, into its own part, however many tasks it enters).
     """
 
     rows: Tensor
@@ -466,6 +473,7 @@ class HeadTask(Message):
     tag: str
     head: str = ""
     hold: bool = False
+    parts: Tensor | None = None
     kind: ClassVar[str] = "head-task"
 
     def validate(self) -> None:
@@ -491,6 +499,37 @@ class HeadTask(Message):
                 f"{self.kind} from {self.sender}: a positive normaliser expected, "
                 f"found {self.normaliser}."
             )
+        if self.parts is not None:
+            self._check_parts(self.parts, batch)
+
+    def _check_parts(self, parts: Tensor, batch: int) -> None:
+        _check_tensor(self, "parts", parts, dims=3, dtype=torch.bool)
+        if tuple(parts.shape[1:]) != (batch, len(self.parties)):
+            raise ProtocolError(
+                f"{self.kind} from {self.sender}: parts (S, {batch}, {len(self.parties)}) "
+                f"expected, found {tuple(parts.shape)}."
+            )
+        if bool((parts.sum(dim=0) > 1).any()):
+            raise ProtocolError(
+                f"{self.kind} from {self.sender}: disjoint parts expected, found a party in "
+                "two parts of one row."
+            )
+        covered = torch.einsum("tsb,sbk->tbk", self.composition().float(), parts.float()) > 0
+        if not torch.equal(covered, self.selection):
+            raise ProtocolError(
+                f"{self.kind} from {self.sender}: each task a union of parts expected, found "
+                "a task whose selection the parts it contains do not cover."
+            )
+
+    def composition(self) -> Tensor:
+        """(T, S, B) bool: which parts' sums make up each task's at each row (the non-empty
+        parts inside its selection); all False without ``parts``."""
+        if self.parts is None:
+            return torch.zeros(
+                self.selection.shape[0], 0, self.selection.shape[1], dtype=torch.bool
+            )
+        inside = ~(self.parts.unsqueeze(0) & ~self.selection.unsqueeze(1)).any(dim=3)
+        return inside & self.parts.any(dim=2).unsqueeze(0)
 
 
 @register_message

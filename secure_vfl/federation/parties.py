@@ -784,12 +784,15 @@ def _check_sum_fits(
         )
     found = tuple(message.sums.shape[:2])
     if isinstance(task, HeadTask):
-        expected = tuple(task.weights.shape)
+        # Sums per part when the task has parts (each task adds its parts'), else per task.
+        layout = task.selection if task.parts is None else task.parts
+        expected = tuple(layout.shape[:2])
         if found != expected:
+            what = "tasks" if task.parts is None else "parts"
             raise ProtocolError(
-                f"{where}: sums of (tasks, rows) {expected} expected, found {found}."
+                f"{where}: sums of ({what}, rows) {expected} expected, found {found}."
             )
-        if not torch.equal(message.counts, task.selection.sum(dim=2)):
+        if not torch.equal(message.counts, layout.sum(dim=2)):
             raise ProtocolError(
                 f"{where}: each sum over the contributors its task selected expected, found "
                 "other counts."
@@ -1171,8 +1174,12 @@ class DataParty(SecureSumParty):
             return
         _check_sum_fits(self.name, message, task, self.heads[task.head].width)
         del self._tasks[key]
-        counts = message.counts.clamp(min=1).unsqueeze(-1).to(message.sums.dtype)
-        means = message.sums / counts
+        sums, counts = message.sums, message.counts
+        if isinstance(task, HeadTask) and task.parts is not None:  # each task's from its parts'
+            sums = torch.einsum("tsb,sbw->tbw", task.composition().to(sums.dtype), sums)
+            counts = task.selection.sum(dim=2)
+        counts = counts.clamp(min=1).unsqueeze(-1).to(sums.dtype)
+        means = sums / counts
         if isinstance(task, PredictTask):
             self._predict(task, means)
         else:

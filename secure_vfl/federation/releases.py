@@ -101,6 +101,18 @@ class BlockPlan:
     exposed: Tensor
     observed: Tensor
 
+    def parts(self) -> Tensor:
+        """(S, B, K): the slots as the sums to ask for, those no row of the batch fills left
+        out (the first kept for an empty batch). At each row they are disjoint and every task
+        of :meth:`tasks` is a union of them, so the receiver adds each task's sum from theirs
+        and every contributor enters one sum a step; each is itself a task wherever it is
+        filled, so asking for them releases nothing the tasks would not."""
+        parts = self.slots.transpose(0, 1)
+        used = parts.flatten(1).any(dim=1)
+        if not bool(used.any()):
+            used[0] = True
+        return parts[used].contiguous()
+
     def union(self) -> Tensor:
         """(B, K): every releasable part of each row together (prediction's selection)."""
         return self.slots.any(dim=1)

@@ -813,12 +813,14 @@ class Federation:
         dp_rows: Tensor | None = None,
         hold: bool = False,
         send_sums: bool = True,
+        parts: Tensor | None = None,
     ) -> list[Message]:
         """Tell ``head_party`` what its head ``head`` trains on; then ask for its sums (with
         ``dp_rows``, see :meth:`sum_requests`), or with ``send_sums`` False return those
         requests unsent (for :meth:`request_representations`). With ``hold`` (``head_party`` is
         the label party itself) the head keeps the gradients it owes the others for
-        :meth:`update`."""
+        :meth:`update`. With ``parts`` (S, B, K; every task a union of them) the sums asked for
+        are the parts', which the head adds up into its tasks' (:class:`HeadTask`)."""
         self.own.expect("loss", senders=[head_party], round=round, batch_id=batch_id, tag=tag)
         self.own.send(
             HeadTask(
@@ -832,10 +834,11 @@ class Federation:
                 tag=tag,
                 head=head,
                 hold=hold,
+                parts=parts,
             )
         )
         sums = self.sum_requests(
-            selection,
+            selection if parts is None else parts,
             deliver_to=head_party,
             round=round,
             batch_id=batch_id,

@@ -16,11 +16,13 @@ sums of the same sample that overlap differently in different steps, epochs or t
 sample's fixed *blocks* of >= 2 other parties that are wholly observed there, with or without
 its own term (:class:`~secure_vfl.federation.releases.ReleaseBlocks`, where the rule and why it
 is safe are stated; ``tests/test_release_audit.py`` audits whole runs). Training evaluates the
-head on every such union of a sample's usable blocks, in one sum request per step, each
-weighted ``(2^n - 1) / (n |A|)`` (n = |observed set|, A its releasable subsets): LASER's
-single-head objective with its subset distribution conditioned on being releasable, exactly,
-so a row keeps its plaintext loss mass (:meth:`~secure_vfl.federation.releases.BlockPlan.tasks`
-says why not the objective merely restricted to A). Prediction uses the union of all usable
+head on every such union of a sample's usable blocks, in one sum request per step that asks
+for each block's sum once (the head adds the unions from them: each contributor seals its row
+into one sum), each weighted ``(2^n - 1) / (n |A|)`` (n = |observed set|, A its releasable
+subsets): LASER's single-head objective with its subset distribution conditioned on being
+releasable, exactly, so a row keeps its plaintext loss mass
+(:meth:`~secure_vfl.federation.releases.BlockPlan.tasks` says why not the objective merely
+restricted to A). Prediction uses the union of all usable
 blocks (plus its own). A sample whose other parties are in no usable block gets its own block
 alone (its prior, without one).
 ``heads="all"`` cannot be made secure this way: LASER's head k must be trained on, and predict
@@ -41,7 +43,7 @@ import itertools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from functools import partial
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -97,6 +99,17 @@ def laser_weights(observed: Tensor, sizes: Tensor) -> Tensor:
     valid = (s >= 1) & (s <= n)
     weight = table[(n - 1).clamp(min=0), (s - 1).clamp(min=0)] / s.clamp(min=1)
     return torch.where(valid, weight, torch.zeros_like(weight))
+
+
+class StepPlan(NamedTuple):
+    """A step's tasks: selection (H, T, B, K) and weights (H, T, B); the rows (B, K) sent as DP
+    releases (``release="dp"``); and under secure sums the parts (S, B, K) whose sums the head
+    adds up into its tasks' (:class:`~secure_vfl.federation.messages.HeadTask`)."""
+
+    selection: Tensor
+    weights: Tensor
+    dp_rows: Tensor | None = None
+    parts: Tensor | None = None
 
 
 def sample_tasks(
@@ -225,22 +238,24 @@ class MeanFusionMethod:
                 data.train.mask, receiver=0, seed=seed, expose=config.release == "dp"
             )
 
-    def plan(self, rows: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Selection (H, T, B, K) and weights (H, T, B) of this batch's tasks, and under
+    def plan(self, rows: Tensor, mask: Tensor) -> StepPlan:
+        """Selection (H, T, B, K) and weights (H, T, B) of this batch's tasks; under
         ``release="dp"`` the rows (B, K) their parties send as DP releases (else None).
 
         Under secure sums the tasks are every union of the rows' usable blocks
         (:class:`~secure_vfl.federation.releases.ReleaseBlocks`), weighted as
-        :meth:`~secure_vfl.federation.releases.BlockPlan.tasks` says.
+        :meth:`~secure_vfl.federation.releases.BlockPlan.tasks` says, and the sums asked for
+        are the blocks' (``parts``, S x B x K), from which the head adds up its tasks': each
+        party seals its representation once a step, into its own block's sum.
         """
         if self.planner == "local":
-            return (*local_tasks(mask, self.head_index), None)
+            return StepPlan(*local_tasks(mask, self.head_index))
         if self.blocks is not None:
             plan = self.blocks.plan("train", rows, mask)
             selection, weights = plan.tasks()
-            return selection, weights, self._dp_rows(plan.exposed)
+            return StepPlan(selection, weights, self._dp_rows(plan.exposed), plan.parts())
         heads = self.head_index if self.config.heads == "all" else None
-        return (*sample_tasks(mask, heads, self.fed.generator), None)
+        return StepPlan(*sample_tasks(mask, heads, self.fed.generator))
 
     def _dp_rows(self, exposed: Tensor) -> Tensor | None:
         """Under ``release="dp"`` the rows its plan exposes (which their parties send as DP
@@ -288,7 +303,7 @@ class MeanFusionMethod:
         fed = self.fed
         rows = torch.from_numpy(rows_np)
         mask = torch.from_numpy(self.data.train.mask[rows_np])
-        selection, weights, dp_rows = self.plan(rows, mask)
+        selection, weights, dp_rows, parts = self.plan(rows, mask)
         tasks: list[tuple[int, str, slice]] = []
         for i in range(len(self.head_index)):
             # Under secure sums a step's sums are one request (each exposure sealed once).
@@ -323,6 +338,7 @@ class MeanFusionMethod:
                 dp_rows=dp_rows,
                 hold=hold,
                 send_sums=not together,
+                parts=parts,
             )
 
         sums = assign(*tasks[0]) if together else []
