@@ -350,28 +350,12 @@ def add_ciphertexts(
     chunks = {name: everywhere if entered is None else entered[name] for name in arrived}
     totals: list[bytes] = []
     for i in range(count):
-        size = min(slots, values - i * slots)
         total: ts.CKKSVector | None = None
         for name, sent in arrived.items():
-            if (sent[i] == SKIPPED) == bool(chunks[name][i]):
-                raise IntegrityError(
-                    f"CKKS ciphertext {i} from {name}: "
-                    + (
-                        "a ciphertext of its values expected (its selection enters sums "
-                        "there), found it empty."
-                        if chunks[name][i]
-                        else "an empty one expected (its selection enters no sum there), "
-                        f"found {len(sent[i])} bytes."
-                    )
-                )
+            _check_skipped(sent, i, bool(chunks[name][i]), name)
             if sent[i] == SKIPPED:
                 continue
-            vector = load_vector(public, sent[i], f"from {name}")
-            if vector.size() != size:
-                raise IntegrityError(
-                    f"CKKS ciphertext {i} from {name}: {size} values expected, found "
-                    f"{vector.size()}."
-                )
+            vector = _load_values(public, sent, i, values=values, slots=slots, name=name)
             if total is None:
                 total = vector
                 continue
@@ -384,6 +368,57 @@ def add_ciphertexts(
                 ) from None
         totals.append(SKIPPED if total is None else bytes(total.serialize()))
     return totals
+
+
+def check_ciphertexts(
+    public: ts.Context,
+    sent: Sequence[bytes],
+    values: int,
+    slots: int,
+    name: str,
+    entered: np.ndarray | None = None,
+) -> None:
+    """Refuse (IntegrityError) ``name``'s ciphertexts unless they are as many as seal
+    ``values`` values, ``slots`` to a ciphertext, empty exactly where ``entered`` (ciphertexts,)
+    says its selection puts none of its values (None: nowhere), and each other deserializes to
+    its share of them."""
+    count = -(-values // slots)
+    if len(sent) != count:
+        raise IntegrityError(f"{count} ciphertexts expected from {name}, found {len(sent)}.")
+    for i in range(count):
+        filled = True if entered is None else bool(entered[i])
+        _check_skipped(sent, i, filled, name)
+        if filled:
+            _load_values(public, sent, i, values=values, slots=slots, name=name)
+
+
+def _check_skipped(sent: Sequence[bytes], i: int, entered: bool, name: str) -> None:
+    """Refuse ciphertext ``i`` of ``name`` empty where its values go (``entered``), or full
+    where they do not (its selection enters no sum there)."""
+    if (sent[i] == SKIPPED) == entered:
+        raise IntegrityError(
+            f"CKKS ciphertext {i} from {name}: "
+            + (
+                "a ciphertext of its values expected (its selection enters sums there), found "
+                "it empty."
+                if entered
+                else "an empty one expected (its selection enters no sum there), found "
+                f"{len(sent[i])} bytes."
+            )
+        )
+
+
+def _load_values(
+    public: ts.Context, sent: Sequence[bytes], i: int, *, values: int, slots: int, name: str
+) -> ts.CKKSVector:
+    """Ciphertext ``i`` of ``sent``; IntegrityError unless it holds the values it must."""
+    size = min(slots, values - i * slots)
+    vector = load_vector(public, sent[i], f"from {name}")
+    if vector.size() != size:
+        raise IntegrityError(
+            f"CKKS ciphertext {i} from {name}: {size} values expected, found {vector.size()}."
+        )
+    return vector
 
 
 def open_sums(
@@ -572,6 +607,26 @@ class CkksAdder:
         )
         self.seconds += time.perf_counter() - start
         return summed
+
+    def check(
+        self,
+        payload: tuple[bytes, ...],
+        *,
+        sender: str,
+        receiver: str,
+        shape: tuple[int, int, int],
+        parties: int,
+        selection: np.ndarray | None = None,
+    ) -> None:
+        start = time.perf_counter()
+        public = self._publics.get(receiver)
+        if public is None:
+            raise ProtocolError(f"no CKKS public context of {receiver} was announced.")
+        entered = None if selection is None else entered_chunks(selection, shape[2], self.slots)
+        check_ciphertexts(
+            public, payload, shape[0] * shape[1] * shape[2], self.slots, sender, entered
+        )
+        self.seconds += time.perf_counter() - start
 
 
 class CkksReceiver:

@@ -498,16 +498,7 @@ class PaillierAdder:
         selection: Mapping[str, np.ndarray] | None = None,
     ) -> tuple[bytes, ...]:
         start = time.perf_counter()
-        public = self._publics.get(receiver)
-        if public is None:
-            raise ProtocolError(f"no Paillier public key of {receiver} was announced.")
-        layout = PackingLayout.for_sum(
-            key_bits=self.key_bits,
-            value_bits=self.value_bits,
-            fraction_bits=0,
-            parties=parties,
-        )
-        count = layout.ciphertexts(shape[0] * shape[1] * shape[2])
+        public, count = self._sealed_for(receiver, shape, parties)
         nsquare = gmpy2.mpz(public.nsquare)
         totals: list[gmpy2.mpz] | None = None
         for name, payload in payloads.items():
@@ -524,6 +515,43 @@ class PaillierAdder:
                 totals = [gmpy2.mul(t, v) % nsquare for t, v in zip(totals, values, strict=True)]
         self.seconds += time.perf_counter() - start
         return _write_ciphertexts([int(t) for t in totals or []], self.key_bits)
+
+    def check(
+        self,
+        payload: tuple[bytes, ...],
+        *,
+        sender: str,
+        receiver: str,
+        shape: tuple[int, int, int],
+        parties: int,
+        selection: np.ndarray | None = None,
+    ) -> None:
+        start = time.perf_counter()
+        public, count = self._sealed_for(receiver, shape, parties)
+        _read_ciphertexts(
+            payload,
+            key_bits=self.key_bits,
+            nsquare=public.nsquare,
+            count=count,
+            who=f"Paillier share from {sender}",
+        )
+        self.seconds += time.perf_counter() - start
+
+    def _sealed_for(
+        self, receiver: str, shape: tuple[int, int, int], parties: int
+    ) -> tuple[paillier.PaillierPublicKey, int]:
+        """``receiver``'s public key and how many ciphertexts seal (T, B, d) sums of
+        ``parties``."""
+        public = self._publics.get(receiver)
+        if public is None:
+            raise ProtocolError(f"no Paillier public key of {receiver} was announced.")
+        layout = PackingLayout.for_sum(
+            key_bits=self.key_bits,
+            value_bits=self.value_bits,
+            fraction_bits=0,
+            parties=parties,
+        )
+        return public, layout.ciphertexts(shape[0] * shape[1] * shape[2])
 
 
 class PaillierReceiver:

@@ -414,6 +414,21 @@ class MaskAdder:
         self.seconds += time.perf_counter() - start
         return (total.astype("<u8").tobytes(),)
 
+    def check(
+        self,
+        payload: tuple[bytes, ...],
+        *,
+        sender: str,
+        receiver: str,
+        shape: tuple[int, int, int],
+        parties: int,
+        selection: np.ndarray | None = None,
+    ) -> None:
+        start = time.perf_counter()
+        size = 8 * shape[0] * shape[1] * shape[2]
+        check_payload(payload, count=1, size=size, who=f"masked share from {sender}")
+        self.seconds += time.perf_counter() - start
+
 
 class MaskReceiver:
     """The receiver's half: its own X25519 key pair, with which it derives every contributor's

@@ -565,3 +565,112 @@ class SecureAggregatorContract(AggregatorContract):
         assert parties.crossed(SealedMessage) == []
         result = parties.combine(messages, selection, round=3, batch_id=7)
         self.assert_close_to_oracle(result.sums, messages, selection)
+
+    @pytest.mark.parametrize("order", ["request first", "shares first"])
+    @pytest.mark.parametrize("fault", ["an item cut short", "an item too many"])
+    def test_a_malformed_share_is_refused_naming_its_sender_and_nothing_of_it_kept(
+        self, order: str, fault: str
+    ) -> None:
+        """A share whose payload does not fit its sum was kept; it failed the sum only once
+        the last share or the request came (blaming that one's sender, the request lost).
+        Refused as soon as its sum's request and it are both here, naming its sender; nothing
+        of it is kept, so the share as its party sealed it is taken after."""
+        messages, selection = full_batch(15)
+        sealed: list[SealedMessage] = []
+
+        class Malform:
+            def on_message(self, message: M) -> M:
+                # Party-2's first share only: sent again, it crosses intact.
+                if not isinstance(message, SealedMessage) or message.sender != PARTIES[2] or sealed:
+                    return message
+                sealed.append(message)
+                first, *rest = message.payload
+                payload = (
+                    (first[:-8], *rest)
+                    if fault == "an item cut short"
+                    else (*message.payload, first)
+                )
+                return dataclasses.replace(message, payload=payload)  # type: ignore[return-value]
+
+        parties = SumParties(self.make_aggregator(), layers=[Malform()])
+        request = SumRequest(**parties._header(AGGREGATOR, 0, 0), **parties._plan(selection, ""))
+        refused = (
+            r"^aggregator: the sealed share from party-2 for round 0, batch 0, tag '' "
+            r"does not fit its sum: .*(expected|does not deserialize)"
+        )
+        parties.contribute(messages)
+        if order == "request first":
+            parties.driver.send(request)
+            parties.seal(selection, only=PARTIES[:2])
+            with pytest.raises(ProtocolError, match=refused):
+                parties.seal(selection, only=[PARTIES[2]])
+            parties.seal(selection, only=[PARTIES[3]])  # another's share is not blamed
+            assert list(parties.server._waiting)  # the request still waits
+        else:
+            parties.seal(selection)
+            with pytest.raises(ProtocolError, match=refused):
+                parties.driver.send(request)
+            assert not parties.server._waiting
+        assert sorted(parties.server._sealed[""]) == [PARTIES[0], PARTIES[1], PARTIES[3]]
+        parties.channel.post(sealed[0], sender=parties.parties[PARTIES[2]])
+        if order == "shares first":
+            parties.driver.send(request)
+        summed = parties.driver.take("sum", sender=AGGREGATOR, round=0, batch_id=0, tag="")
+        assert isinstance(summed, SumMessage)
+        self.assert_close_to_oracle(summed.sums, messages, selection)
+
+    @pytest.mark.parametrize("order", ["request first", "shares first"])
+    def test_a_share_from_a_party_its_sum_does_not_select_is_refused_naming_it(
+        self, order: str
+    ) -> None:
+        """A share the driver asked for under a tag whose sum does not select its party was
+        kept; the sum then failed on whichever message came last."""
+        messages, selection = full_batch(16)
+        selection[..., 3] = False
+        selection[selection[..., 1:].sum(dim=2) == 1] = False
+        asked = selection.clone()
+        asked[0, :, 3] = asked[0, :, 1]  # party-3 is asked, with party-1 in every sum it enters
+        parties = SumParties(self.make_aggregator())
+        request = SumRequest(**parties._header(AGGREGATOR, 0, 0), **parties._plan(selection, ""))
+        refused = (
+            r"^aggregator: the sealed share from party-3 for round 0, batch 0, tag '' "
+            r"does not fit its sum: a share from one of \['party-0', 'party-1', 'party-2'\] "
+            r"\(the contributors it selects\) expected\.$"
+        )
+        parties.contribute(messages)
+        stray = SealRequest(**parties._header(PARTIES[3], 0, 0), **parties._plan(asked, ""))
+        if order == "request first":
+            parties.driver.send(request)
+            parties.seal(selection, only=PARTIES[:2])
+            with pytest.raises(ProtocolError, match=refused):
+                parties.driver.send(stray)
+            parties.seal(selection, only=[PARTIES[2]])
+        else:
+            parties.seal(selection)
+            parties.driver.send(stray)
+            with pytest.raises(ProtocolError, match=refused):
+                parties.driver.send(request)
+            assert sorted(parties.server._sealed[""]) == PARTIES[:3]
+            parties.driver.send(request)  # the request refused was not kept: sent again
+        summed = parties.driver.take("sum", sender=AGGREGATOR, round=0, batch_id=0, tag="")
+        assert isinstance(summed, SumMessage)
+        self.assert_close_to_oracle(summed.sums, messages, selection)
+
+    def test_a_share_of_another_width_than_those_kept_for_its_sum_is_refused_on_arrival(
+        self,
+    ) -> None:
+        messages, selection = full_batch(17)
+        wider = dataclasses.replace(
+            messages[2], representation=torch.cat([messages[2].representation] * 2, dim=1)
+        )
+        parties = SumParties(self.make_aggregator())
+        parties.contribute([*messages[:2], wider, messages[3]])
+        parties.seal(selection, only=PARTIES[:2])
+        with pytest.raises(
+            ProtocolError,
+            match=r"^aggregator: the sealed share from party-2 for round 0, batch 0, "
+            r"tag '' does not fit its sum: of width 16, where the shares kept for it "
+            r"\(from party-0, party-1\) are of width 8: shares of one width expected\.$",
+        ):
+            parties.seal(selection, only=[PARTIES[2]])
+        assert sorted(parties.server._sealed[""]) == PARTIES[:2]

@@ -135,6 +135,23 @@ class AdderHalf(Protocol):
         check a payload's layout against it; None: not checked)."""
         ...
 
+    def check(
+        self,
+        payload: tuple[bytes, ...],
+        *,
+        sender: str,
+        receiver: str,
+        shape: tuple[int, int, int],
+        parties: int,
+        selection: np.ndarray | None = None,
+    ) -> None:
+        """Refuse (ProtocolError, IntegrityError) ``sender``'s ``payload`` if :meth:`add` could
+        not add it into the (T, B, d) sums of ``parties`` for ``receiver`` that ``selection``
+        (T, B) says it enters: the wrong number of items, items of the wrong size, or that do
+        not parse. The server checks each share on its own before it keeps it, so a refusal
+        names that share's sender."""
+        ...
+
 
 @dataclass(frozen=True)
 class SumMembers:

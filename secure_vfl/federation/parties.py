@@ -134,9 +134,9 @@ class Receipts:
         self._taken: dict[_Stream, dict[int, set[_Item]]] = {}
         self._newest: dict[_Stream, int] = {}
 
-    def check(self, name: str, message: Message) -> tuple[_Stream, int, _Item]:
-        """Refuse ``message`` if one of its identity was taken (ProtocolError); else return its
-        identity, for :meth:`take`."""
+    @staticmethod
+    def identity(message: Message) -> tuple[_Stream, int, _Item]:
+        """What tells ``message`` apart from every other message its receiver takes."""
         get = message.__dict__.get
         stream = (message.session, message.kind, message.sender, get("phase", ""))
         item = (
@@ -146,7 +146,12 @@ class Receipts:
             get("role", ""),
             get("deliver_to", ""),
         )
-        round = message.round
+        return stream, message.round, item
+
+    def check(self, name: str, message: Message) -> tuple[_Stream, int, _Item]:
+        """Refuse ``message`` if one of its identity was taken (ProtocolError); else return its
+        identity, for :meth:`take`."""
+        stream, round, item = self.identity(message)
         newest = self._newest.get(stream)
         if newest is not None and round < newest - REPLAY_WINDOW:
             raise ProtocolError(
@@ -162,6 +167,13 @@ class Receipts:
                 f"batch {item[0]}{tag} (a replay?): it takes each message once."
             )
         return stream, round, item
+
+    def forget(self, message: Message) -> None:
+        """Forget that ``message`` was taken: a message kept and refused later, once it could be
+        checked (a sealed share that does not fit the request for its sum, which came after
+        it), is as if it never came."""
+        stream, round, item = self.identity(message)
+        self._taken.get(stream, {}).get(round, set()).discard(item)
 
     def take(self, identity: tuple[_Stream, int, _Item]) -> None:
         """Record the message of ``identity`` (from :meth:`check`) as taken; forget the rounds
@@ -1316,8 +1328,13 @@ class AggregationServer(Party):
         self._tickets.learn(message.session, message.key, by=self.name)
 
     def _enter_batch(self, message: SealedMessage | RepresentationMessage) -> None:
-        """Check ``message``'s ticket, and that its batch is neither past nor abandoned; move to
-        its batch (the driver asked for it: only a ticket says so)."""
+        """Check ``message``'s ticket, and that its batch is neither past nor abandoned
+        (:meth:`_admit`); move to its batch (the driver asked for it: only a ticket says so)."""
+        self._admit(message)
+        self._move_to((message.round, message.batch_id, message.phase))
+
+    def _admit(self, message: SealedMessage | RepresentationMessage) -> None:
+        """Refuse ``message`` without its ticket, or for a batch past or abandoned."""
         contribution = Contribution(
             kind=message.kind,
             session=message.session,
@@ -1341,6 +1358,9 @@ class AggregationServer(Party):
                 f"batch {message.batch_id} ({message.phase}), tag {message.tag!r}, a batch it "
                 "has moved past (a replay, or for the wrong round?)."
             )
+
+    def _move_to(self, batch: tuple[int, int, str]) -> None:
+        """Make ``batch`` the current one (what it kept of another is dropped)."""
         if batch != self._batch:
             if self._batch is not None:
                 self._past.add(self._batch)
@@ -1393,9 +1413,63 @@ class AggregationServer(Party):
             )
         # A share of a sum already served is a replay: refused before it touches the batch.
         self._served.check(message.deliver_to, message.round, message.batch_id, message.tag)
-        self._enter_batch(message)
+        self._admit(message)
+        batch = (message.round, message.batch_id, message.phase)
+        self._check_share(message, self._waiting.get((*batch, message.tag)))
+        self._move_to(batch)
         self._keep(self._sealed, message, "sealed shares")
         self._serve_waiting(message.tag)
+
+    def _check_share(self, message: SealedMessage, request: SumRequest | None) -> None:
+        """Refuse a sealed share that cannot enter its sum, before anything of it is kept: of
+        another width or receiver than the shares kept for that sum; once the sum's
+        ``request`` is here too (None: not yet), from a party it does not select, for another
+        receiver, or with a payload that does not seal sums of its shape (the adder's
+        :meth:`~secure_vfl.federation.aggregator.AdderHalf.check`). Either way the refusal
+        names the share's sender."""
+        assert self.adder is not None
+        where = (
+            f"{self.name}: the sealed share from {message.sender} for round {message.round}, "
+            f"batch {message.batch_id}, tag {message.tag!r} does not fit its sum"
+        )
+        batch = (message.round, message.batch_id, message.phase)
+        kept = self._sealed.get(message.tag, {}) if batch == self._batch else {}
+        others = [m for m in kept.values() if m.sender != message.sender]
+        kept_from = f"the shares kept for it (from {', '.join(m.sender for m in others)})"
+        if others and message.width != others[0].width:
+            raise ProtocolError(
+                f"{where}: of width {message.width}, where {kept_from} are of width "
+                f"{others[0].width}: shares of one width expected."
+            )
+        if others and message.deliver_to != others[0].deliver_to:
+            raise ProtocolError(
+                f"{where}: for {message.deliver_to}, where {kept_from} are for "
+                f"{others[0].deliver_to}: shares for one receiver expected."
+            )
+        if request is None:
+            return
+        selection = request.selection
+        selected = [name for k, name in enumerate(request.parties) if bool(selection[..., k].any())]
+        if message.sender not in selected:
+            raise ProtocolError(
+                f"{where}: a share from one of {selected} (the contributors it selects) expected."
+            )
+        if message.deliver_to != request.deliver_to:
+            raise ProtocolError(
+                f"{where}: a share for {request.deliver_to} expected, found one for "
+                f"{message.deliver_to}."
+            )
+        try:
+            self.adder.check(
+                message.payload,
+                sender=message.sender,
+                receiver=request.deliver_to,
+                shape=(selection.shape[0], selection.shape[1], message.width),
+                parties=len(request.parties),
+                selection=selection[..., request.parties.index(message.sender)].numpy(),
+            )
+        except ProtocolError as error:  # IntegrityError included: said as the server's refusal
+            raise type(error)(f"{where}: {error}") from None
 
     def on_representation(self, message: RepresentationMessage) -> None:
         if self.adder is not None:
@@ -1431,10 +1505,26 @@ class AggregationServer(Party):
                 f"{self.name}: a second request for the sum {request.tag!r} of round "
                 f"{request.round}, batch {request.batch_id} (a replay?)."
             )
+        if self.adder is not None and batch == self._batch:
+            self._check_kept_shares(request)
         if batch != self._batch or self._missing(request):
             self._waiting[key] = request
             return
         self._serve(request)
+
+    def _check_kept_shares(self, request: SumRequest) -> None:
+        """Check the shares kept for ``request``'s sum, which came before it, as a share that
+        comes after it is checked on arrival (:meth:`_check_share`). One that does not fit is
+        refused as that share would have been, and the request with it (nothing waits for a
+        sum that cannot be served): the share is dropped, and forgotten as taken, so the
+        server is as it was before it came; the request is not kept."""
+        for share in list(self._sealed.get(request.tag, {}).values()):
+            try:
+                self._check_share(share, request)
+            except ProtocolError:
+                del self._sealed[request.tag][share.sender]
+                self.receipts.forget(share)
+                raise
 
     def _source(self, request: SumRequest) -> str:
         """The tag its contributions are kept under: sealed shares under the sum's own tag,
@@ -1498,24 +1588,14 @@ class AggregationServer(Party):
 
     def _add_sealed(self, request: SumRequest) -> None:
         """Combine the sealed shares of exactly the selected contributors, once per context
-        (a sum over a single contributor was refused on arrival, :meth:`on_sum_request`)."""
+        (a sum over a single contributor was refused on arrival, :meth:`on_sum_request`; each
+        share was checked against the request, :meth:`_check_share`, before it was kept or
+        before the request was)."""
         assert self.adder is not None
         selection = request.selection
         expected = [name for k, name in enumerate(request.parties) if bool(selection[..., k].any())]
         arrived = self._sealed.get(request.tag, {})
-        if sorted(arrived) != sorted(expected):
-            raise ProtocolError(
-                f"{self.name}: sealed shares of sums {request.tag!r} from {expected} expected, "
-                f"found them from {sorted(arrived)}."
-            )
-        widths = {message.width for message in arrived.values()}
-        if len(widths) > 1 or any(m.deliver_to != request.deliver_to for m in arrived.values()):
-            raise ProtocolError(
-                f"{self.name}: sealed shares for {request.deliver_to} of one width expected, "
-                f"found widths {sorted(widths)} for "
-                f"{sorted({m.deliver_to for m in arrived.values()})}."
-            )
-        width = widths.pop() if widths else 1
+        width = next(iter(arrived.values())).width if arrived else 1
         context = self._served.check(
             request.deliver_to, request.round, request.batch_id, request.tag
         )
