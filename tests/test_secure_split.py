@@ -32,6 +32,7 @@ from secure_vfl.federation.messages import (
     DRIVEN_KINDS,
     GradientMessage,
     HeadTask,
+    PredictTask,
     PublicKeyMessage,
     RepresentationMessage,
     RepresentRequest,
@@ -336,6 +337,73 @@ def test_a_tampered_or_truncated_sealed_sum_is_refused(make_data: MakeData, back
     opened(102, tuple(bytes([0x7F]) * len(item) for item in sealed.payload))
     # No ciphertext at all: Paillier and CKKS opened it as sums of zeros.
     assert "expected, found 0" in opened(103, ())
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_a_sealed_sum_that_does_not_fit_its_task_is_refused_before_the_key_opens_it(
+    make_data: MakeData, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sealed sum for a task of the receiver's head was opened first (a decryption, for
+    nothing) and only then checked against the task; one of another width failed inside the
+    opener ("sealed items of ... bytes expected", or "... ciphertexts expected"), saying nothing
+    of the head. Its width, tasks and rows and counts are checked against the task first."""
+    method, recorder = _stepped(make_data, backend)
+    sealed = dataclasses.replace(_last(recorder, SealedSumMessage), round=5)
+    receiver = _party(method, sealed.receiver)
+    assert isinstance(receiver, DataParty) and receiver.opener is not None
+    opened: list[int] = []
+    opener = receiver.opener
+    real_open = opener.open
+    monkeypatch.setattr(opener, "open", lambda *a, **k: opened.append(1) or real_open(*a, **k))
+    tasks, batch, _ = sealed.selection.shape
+    predict = PredictTask(
+        **receiver.reply_header(sealed, receiver.name),
+        positions=torch.arange(batch),
+        tag="predict/x",
+    )
+    train = HeadTask(
+        **receiver.reply_header(sealed, receiver.name),
+        rows=torch.arange(batch),
+        weights=torch.ones(tasks, batch),
+        normaliser=float(batch),
+        selection=sealed.selection,
+        present=sealed.selection.any(dim=0),
+        parties=sealed.parties,
+        tag=sealed.tag,
+    )
+    width = sealed.width
+    more = sealed.selection.clone()
+    more[0, 0] = True
+    assert not torch.equal(more, sealed.selection)
+    for task in (train, predict):
+        receiver.receive(dataclasses.replace(task, sender=receiver.name))
+        owed = dataclasses.replace(sealed, tag=task.tag)
+        wrong = [
+            (dataclasses.replace(owed, width=width + 1), rf"width {width} \(what its head takes\)")
+        ]
+        if task is train:
+            wrong += [
+                (
+                    dataclasses.replace(owed, selection=sealed.selection[:, 1:]),
+                    rf"sums of \(tasks, rows\) \({tasks}, {batch}\) expected, found "
+                    rf"\({tasks}, {batch - 1}\)",
+                ),
+                (dataclasses.replace(owed, selection=more), "over the contributors its task"),
+            ]
+        else:
+            wrong.append(
+                (
+                    dataclasses.replace(owed, selection=sealed.selection[:, : batch // 2]),
+                    rf"up to position {batch - 1}\) expected, found {batch // 2} rows",
+                )
+            )
+        for message, said in wrong:
+            with pytest.raises(
+                ProtocolError, match=rf"^{receiver.name}: the sum '{task.tag}' of round 5 .*{said}"
+            ):
+                receiver.receive(message)
+            assert opened == []  # its key did no work on it
+            assert (5, sealed.batch_id, task.tag) in receiver._tasks  # the task still waits
 
 
 def _every_head_stepped(make_data: MakeData, aggregator: SumBackend):  # type: ignore[no-untyped-def]

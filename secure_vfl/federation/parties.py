@@ -738,6 +738,7 @@ class SecureSumParty(Party):
             if self._late("sum", message):
                 return
             raise self._unasked(message)
+        self.check_sealed_sum(message)  # so is what it expects of the sum
         sums = self.opener.open(message.payload, members=sum_members(message), width=message.width)
         self.take_sum(
             SumMessage(
@@ -752,6 +753,11 @@ class SecureSumParty(Party):
                 phase=message.phase,
             )
         )
+
+    def check_sealed_sum(self, message: SealedSumMessage) -> None:
+        """Refuse a sealed sum it is owed whose header (width, tasks and rows, counts) does not
+        fit what it expects of it, before its key opens it. A party that keeps no such
+        expectation (the sums it asks for itself) has its program check the opened sum."""
 
     def on_sum(self, message: SumMessage) -> None:
         """A plain sum from the aggregation server, which it acts on (:meth:`take_sum`); under a
@@ -783,18 +789,21 @@ def _check_from_aggregator(name: str, message: Message) -> None:
 
 
 def _check_sum_fits(
-    name: str, message: SumMessage, task: HeadTask | PredictTask, width: int
+    name: str, message: SumMessage | SealedSumMessage, task: HeadTask | PredictTask, width: int
 ) -> None:
     """Refuse a sum that is not the one ``task`` waits for: sums of the ``width`` its head
     takes; a training task's sums of its tasks and rows, each over as many contributors as its
-    selection names; a prediction's, sums of the rows it predicts."""
+    selection names; a prediction's, sums of the rows it predicts. A sealed sum is checked by
+    its header (its width and selection), before it is opened."""
     where = f"{name}: the sum {message.tag!r} of round {message.round} from {message.sender}"
-    if message.sums.shape[2] != width:
+    if isinstance(message, SealedSumMessage):
+        found_width, found = message.width, tuple(message.selection.shape[:2])
+    else:
+        found_width, found = message.sums.shape[2], tuple(message.sums.shape[:2])
+    if found_width != width:
         raise ProtocolError(
-            f"{where}: sums of width {width} (what its head takes) expected, found "
-            f"{message.sums.shape[2]}."
+            f"{where}: sums of width {width} (what its head takes) expected, found {found_width}."
         )
-    found = tuple(message.sums.shape[:2])
     if isinstance(task, HeadTask):
         # Sums per part when the task has parts (each task adds its parts'), else per task.
         layout = task.selection if task.parts is None else task.parts
@@ -1173,6 +1182,13 @@ class DataParty(SecureSumParty):
         asked for such a sum itself."""
         key = (message.round, message.batch_id, message.tag)
         return key in self._tasks or super().owes_sum(message)
+
+    def check_sealed_sum(self, message: SealedSumMessage) -> None:
+        """Refuse a sealed sum for a task of its head that does not fit the task (as
+        :meth:`take_sum` refuses an opened one), before its key opens it."""
+        task = self._tasks.get((message.round, message.batch_id, message.tag))
+        if task is not None:
+            _check_sum_fits(self.name, message, task, self.heads[task.head].width)
 
     def take_sum(self, message: SumMessage) -> None:
         """A sum for a task of its head is acted on (the driver sends a task before asking
