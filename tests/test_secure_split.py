@@ -375,6 +375,8 @@ def test_a_sealed_sum_that_does_not_fit_its_task_is_refused_before_the_key_opens
     more = sealed.selection.clone()
     more[0, 0] = True
     assert not torch.equal(more, sealed.selection)
+    swapped = sealed.selection[..., [1, 0, *range(2, sealed.selection.shape[2])]].contiguous()
+    assert not torch.equal(swapped, sealed.selection)
     for task in (train, predict):
         receiver.receive(dataclasses.replace(task, sender=receiver.name))
         owed = dataclasses.replace(sealed, tag=task.tag)
@@ -389,6 +391,10 @@ def test_a_sealed_sum_that_does_not_fit_its_task_is_refused_before_the_key_opens
                     rf"\({tasks}, {batch - 1}\)",
                 ),
                 (dataclasses.replace(owed, selection=more), "over the contributors its task"),
+                (  # the same counts, other members: the opener would take off others' masks
+                    dataclasses.replace(owed, selection=swapped),
+                    "over exactly the contributors its task selected expected, found other",
+                ),
             ]
         else:
             wrong.append(

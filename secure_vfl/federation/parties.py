@@ -818,6 +818,13 @@ def _check_sum_fits(
                 f"{where}: each sum over the contributors its task selected expected, found "
                 "other counts."
             )
+        if isinstance(message, SealedSumMessage) and not (
+            message.parties == task.parties and torch.equal(message.selection, layout)
+        ):  # the members it is opened for: whose self-masks come off
+            raise ProtocolError(
+                f"{where}: each sum over exactly the contributors its task selected expected, "
+                "found other members."
+            )
     elif (
         task.positions.numel()
         and not 0 <= int(task.positions.min()) <= int(task.positions.max()) < found[1]
