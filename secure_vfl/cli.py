@@ -1452,7 +1452,8 @@ def _capture(
     would overwrite the other, or among what the run writes in ``out`` (its output folder,
     given or by default) or in the saved model it reads (:func:`_refuse_captured_over`); a
     file it made and nothing was written to (a run refused before any message) is removed
-    (:func:`_close_capture`)."""
+    (:func:`_close_capture`). A symbolic link is followed: to a file not there yet, that file is
+    made (only in a folder that is there) and removed as one this command made."""
     if path is None:
         yield None
         return
@@ -1465,6 +1466,11 @@ def _capture(
     _refuse_captured_over(path, args, out)
     if path.is_dir():
         raise ConfigError(f"--capture expects a file path. Found the directory {path}.")
+    if path.is_symlink() and not path.exists():  # opened through the link, its file made here
+        try:  # would not count as made by this command, and stayed, empty, after a refusal
+            path = writable_file(path)
+        except OutputError as error:
+            raise OutputError(f"--capture {error}") from None
     make_parent(path)
     try:
         handle, made = _open_capture(path)

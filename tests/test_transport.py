@@ -282,6 +282,39 @@ def test_a_capture_is_a_file_of_its_own_and_a_refused_run_leaves_none(
     assert not capture.exists()
 
 
+def test_a_dangling_capture_link_is_followed_and_a_refused_run_makes_nothing_where_it_points(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--capture LINK` where LINK names a file not there yet: a run refused before any message
+    left an empty file where the link points (the file was opened through the link, so the
+    command did not know it had made it), and a link into a missing folder was refused as a
+    bare `No such file or directory`."""
+    train = ["train", "--method", "laser", "--dataset", "iris", "--epochs", "1", "--quiet"]
+    link, target = tmp_path / "link.capture", tmp_path / "elsewhere.capture"
+    link.symlink_to(target)
+    refused = [*train, "--parties", "10", "--out", str(tmp_path / "r"), "--capture", str(link)]
+    assert main(refused) == 2  # ten parties for iris' four features
+    assert "must be at most the number of features" in capsys.readouterr().err
+    assert link.is_symlink() and not target.exists() and not (tmp_path / "r").exists()
+    (tmp_path / "a.csv").write_text("id\na\nb\n", encoding="utf-8")
+    (tmp_path / "b.csv").write_text("id\nb\nc\n", encoding="utf-8")
+    psi = ["psi", "--mine", str(tmp_path / "a.csv"), "--theirs", str(tmp_path / "b.csv")]
+    assert main([*psi, "--capture", str(link)]) == 0  # followed: the file it names is made
+    assert link.is_symlink() and [m.kind for m in read_capture(target)] == [
+        "psi-request",
+        "psi-response",
+    ]
+    far = tmp_path / "far.capture"
+    far.symlink_to(tmp_path / "nowhere" / "c.capture")
+    assert main([*psi, "--capture", str(far)]) == 2
+    assert (
+        f"--capture {far}: a link to a file in a folder that is there (or a new path) expected, "
+        f"found a symbolic link to {tmp_path / 'nowhere' / 'c.capture'}, whose folder "
+        f"{tmp_path / 'nowhere'} does not exist" in capsys.readouterr().err
+    )
+    assert far.is_symlink() and not (tmp_path / "nowhere").exists()
+
+
 def test_the_label_party_holds_no_other_party(make_data: MakeData) -> None:
     method = METHODS.get("laser")(make_data(), FAST, seed=0)
     own = method.fed.own
