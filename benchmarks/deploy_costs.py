@@ -56,6 +56,7 @@ from _shared import (
 )
 
 from secure_vfl.cli import positive_int
+from secure_vfl.io import counted
 
 PARTIES = ("bank", "shop", "insurer", "telco")  # the label party first
 PROCESSES = len(PARTIES) + 1  # a deployment: every party and the aggregation server
@@ -398,7 +399,8 @@ def _table(
         "",
         "Satellite (6435 rows; the label party `bank` with 9 columns and the labels, three data "
         "parties with 9 columns each; 20 % of the rows held out for testing), LASER "
-        f"`--heads active`, batch 128, seed 0, {epochs} epochs, every run from the command line. "
+        f"`--heads active`, batch 128, seed 0, {counted(epochs, 'epoch')}, every run from the "
+        "command line. "
         "The deployments are on 127.0.0.1: three `party serve` processes, the aggregation "
         "server and the label party's `train --federation`. Every process, the in-process run's "
         "too, runs one torch thread (`OMP_NUM_THREADS=1`).",

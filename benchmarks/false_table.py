@@ -41,6 +41,7 @@ from _shared import (
 )
 
 from secure_vfl.cli import non_negative_int, positive_int
+from secure_vfl.io import counted
 
 PATTERNS = ["mcar:0", "mcar:0.2", "mcar:0.5", "mar1", "mar2", "mnar:0.7", "mnar:0.9"]
 PAPER_PATTERNS = ["MCAR0", "MCAR2", "MCAR5", "MAR1", "MAR2", "MNAR7", "MNAR9"]
@@ -257,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         "# FALSE-VFL on Fashion-MNIST, compared with the paper's Table 13 (Fashion-MNIST block)\n\n"
         f"Command: `{command}`  \n"
         f"Seeds {args.seeds}; {len(results)} trainings in {elapsed / 60:.1f} min on this machine "
-        f"({args.workers} workers x 1 thread).\n\n"
+        f"({counted(args.workers, 'worker')} x 1 thread).\n\n"
         f"Setup: {dataclasses.asdict(plan)}; 8 parties (14x7 patches), trained under MCAR 0.2; "
         f"{plan.aligned_labeled} of the labelled samples kept fully aligned (out of the training "
         "missingness, as the paper's); every optimiser with weight decay "

@@ -30,6 +30,7 @@ from _shared import (
 )
 
 from secure_vfl.cli import non_negative_int, positive_int
+from secure_vfl.io import counted
 
 METHODS = ["mean", "knn", "mice", "dae", "fed-mean", "fed-dae", "fedhf"]
 FEDERATED_BASELINES = ["fed-mean", "fed-dae"]
@@ -192,8 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         "# FedHF-Impute on offline datasets, compared with the paper's Table II\n\n"
         f"{QUICK_NOTE if args.quick else ''}"
         f"Command: `{command}`  \n"
-        f"Seeds {args.seeds}; {len(results)} runs in {elapsed / 60:.1f} min ({args.workers} "
-        "workers x 1 thread). K = 4 clients, each keeping a random 60 % of the features; "
+        f"Seeds {args.seeds}; {len(results)} runs in {elapsed / 60:.1f} min "
+        f"({counted(args.workers, 'worker')} x 1 thread). K = 4 clients, each keeping a random "
+        "60 % of the features; "
         f"{args.rounds} FedAvg rounds of 2 local epochs, batch 16. RMSE in standardised space on "
         "a fixed-seed 20 % of each client's observed-and-available test entries; mean ± population "
         "std (numpy's, ddof 0) over seeds and clients.\n\n"

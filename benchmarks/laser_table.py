@@ -33,6 +33,7 @@ from _shared import (
 )
 
 from secure_vfl.cli import non_negative_int, positive_int
+from secure_vfl.io import counted
 
 METHODS = ["local", "standard", "ensemble", "combinatorial", "plugvfl", "laser"]
 P_MISS = [0.0, 0.1, 0.5]
@@ -284,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         "# LASER-VFL Table 1 pattern, reproduced\n\n"
         f"Command: `{command}`  \n"
         f"Seeds {args.seeds}; {len(results)} trainings in {elapsed / 60:.1f} min on this machine "
-        f"({args.workers} workers x 1 thread).\n\n{setup}\n\n"
+        f"({counted(args.workers, 'worker')} x 1 thread).\n\n{setup}\n\n"
         f"{QUICK_NOTE if args.quick else ''}{body}"
     )
     stem = "laser_table_quick" if args.quick else "laser_table"

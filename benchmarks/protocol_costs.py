@@ -52,6 +52,7 @@ from secure_vfl.federation.aggregator import (
     sum_context,
 )
 from secure_vfl.federation.messages import AGGREGATOR, RepresentationMessage, party_name
+from secure_vfl.io import counted
 from secure_vfl.methods.base import in_process_parties
 
 PARTIES = [party_name(k) for k in range(4)]
@@ -308,16 +309,17 @@ def dp_training(epochs: int, repeats: int) -> dict[str, Any]:
 def dp_lines(dp: dict[str, Any], command: str) -> list[str]:
     """The DP section of the report (both ratios from the same interleaved runs)."""
     lines = [
-        f"## Differential privacy: LASER (heads=active) on Satellite, {dp['epochs']} epochs",
+        "## Differential privacy: LASER (heads=active) on Satellite, "
+        + counted(dp["epochs"], "epoch"),
         "",
     ]
     before = ", ".join(f"{x:.2f}" for x in dp["load_average_before"])
     after = ", ".join(f"{x:.2f}" for x in dp["load_average_after"])
     lines += [
-        f"Command: `{command}`. One thread; {dp['repeats']} rounds of one run per protection, "
-        "interleaved. Run: median wall time of a whole run (training, prediction, the privacy "
-        "report); step: median time of a training step (every step but each run's first). "
-        f"Load average (1, 5, 15 min) before: {before}; after: {after} (2 cores, shared).",
+        f"Command: `{command}`. One thread; {counted(dp['repeats'], 'round')} of one run per "
+        "protection, interleaved. Run: median wall time of a whole run (training, prediction, "
+        "the privacy report); step: median time of a training step (every step but each run's "
+        f"first). Load average (1, 5, 15 min) before: {before}; after: {after} (2 cores, shared).",
         "",
         "| protection | run | ratio | step | ratio | accuracy % | max epsilon (delta 1e-5) |",
         "|---|---|---|---|---|---|---|",
@@ -331,8 +333,8 @@ def dp_lines(dp: dict[str, Any], command: str) -> list[str]:
             f"| {r['accuracy']:.1f} | {eps} |"
         )
     notes = [
-        f"{r['protection']}: {len(r['diverged'])} of {dp['repeats']} runs diverged (not timed; "
-        f"first: {r['diverged'][0]})"
+        f"{r['protection']}: {len(r['diverged'])} of {counted(dp['repeats'], 'run')} diverged "
+        f"(not timed; first: {r['diverged'][0]})"
         for r in dp["rows"]
         if r["diverged"]
     ]
@@ -590,7 +592,8 @@ def report(payload: dict[str, Any], size: RunSizes) -> str:
         f"Command: `{payload.get('training_command', payload['command']).strip()}`. "
         f"Step time: median of {steps} steps after a warm-up, same seed and batches for every "
         "backend; max |parameter - plain| after those steps. Accuracy: a full training of "
-        f"{train_epochs} epochs (Paillier's epochs take minutes of pool filling: not run).",
+        f"{counted(train_epochs, 'epoch')} (Paillier's epochs take minutes of pool filling: not "
+        "run).",
         "",
         "| backend | step | ratio | aggregation bytes / step | ratio | max param. diff | "
         "accuracy % | delta |",

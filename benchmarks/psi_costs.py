@@ -46,6 +46,7 @@ from _shared import RESULTS, command_line, output_directory, quick_marked, write
 
 from secure_vfl.cli import positive_int, seed
 from secure_vfl.errors import ConfigError
+from secure_vfl.io import counted
 
 IMPLEMENTATIONS = ("ours", "openmined-psi")
 MODES = ("intersection", "cardinality")
@@ -267,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     command = command_line("psi_costs.py", argv)
     import private_set_intersection.python as openmined
 
-    repeats_note = f"{args.repeats} repeats" + (
+    repeats_note = counted(args.repeats, "repeat") + (
         f" ({args.repeats_above[1]} above {args.repeats_above[0]:,} ids)"
         if args.repeats_above is not None
         else ""
@@ -277,8 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"Command: `{command.strip()}`  ",
         f"Two sets of N random ids, N/2 shared (seed {args.seed}); both roles in one process; "
-        f"each run in a fresh process; medians over {repeats_note}. Ours: {rows[0]['workers']} "
-        f"worker processes on a {os.cpu_count()}-core machine; openmined-psi "
+        f"each run in a fresh process; medians over {repeats_note}. Ours: "
+        f"{counted(rows[0]['workers'], 'worker process', 'worker processes')} on a "
+        f"{os.cpu_count()}-core machine; openmined-psi "
         f"{openmined.__version__}: P-256, RAW data structure (the exact setting: the server's "
         "whole masked set is sent), one thread. CPU s: user + system time of all of a run's "
         "processes. Peak RSS growth: the high-water resident set above the process's before "

@@ -39,6 +39,7 @@ from _shared import (
 )
 
 from secure_vfl.cli import positive_float, positive_int, seed
+from secure_vfl.io import counted
 
 EPSILONS = [1.0, 2.0, 4.0, 8.0]
 DELTA = 1e-5
@@ -255,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     body, checks = table(results)
     setup = "\n".join(
         f"- {p.dataset} ({'unaligned' if p.train_missing == UNALIGNED else 'aligned'}): 4 "
-        f"parties, laser --heads active, train {p.train_missing}, {p.epochs} epochs, SGD lr "
-        f"{p.lr} momentum 0.8, batch {p.batch_size}, representations of width "
+        f"parties, laser --heads active, train {p.train_missing}, {counted(p.epochs, 'epoch')}, "
+        f"SGD lr {p.lr} momentum 0.8, batch {p.batch_size}, representations of width "
         f"{p.representation_dim}; --release dp with CLIP {args.clip:g}, SIGMA calibrated to "
         f"each target epsilon at delta {DELTA:g}"
         for p in plans
@@ -266,8 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         "# Release policies: secure LASER's accuracy against epsilon\n\n"
         f"Command: `{command}`  \n"
         f"Seed {args.seed}; {len(results)} trainings in {elapsed / 60:.1f} min on this machine "
-        f"({args.workers} workers x 1 thread; one run per cell: the DP noise is fresh every "
-        f"run).\n\n{setup}\n\n{body}\n"
+        f"({counted(args.workers, 'worker')} x 1 thread; one run per cell: the DP noise is fresh "
+        f"every run).\n\n{setup}\n\n{body}\n"
         f"Best `--release dp` run at epsilon <= 8 within 3 points of plaintext on every test "
         f"missingness: **{'yes' if within else 'no'}**.\n"
     )

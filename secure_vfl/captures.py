@@ -29,6 +29,7 @@ from secure_vfl.errors import ConfigError
 from secure_vfl.federation import wire
 from secure_vfl.federation.channel import capture_records, whole_records
 from secure_vfl.federation.messages import Message
+from secure_vfl.io import counted
 from secure_vfl.runs import columns, name_text, padded
 
 _HEADER = frozenset(wire.HEADER_FIELDS)
@@ -140,8 +141,8 @@ def show_lines(
             number, message.round, message.batch_id, message.kind, route, size, content(message)
         )
     filtered = kinds or party is not None or rounds is not None
-    counted = f"{shown} of {_count(total, 'message')}" if filtered else ""
-    yield f"{counted or _count(total, 'message')}, {byte_size(shown_bytes)} encoded."
+    tally = f"{shown} of {counted(total, 'message')}" if filtered else ""
+    yield f"{tally or counted(total, 'message')}, {byte_size(shown_bytes)} encoded."
     yield from _after_records(torn)
     if party is not None and party not in parties:
         named = ", ".join(name_text(name) for name in sorted(parties)) or "none"
@@ -150,10 +151,6 @@ def show_lines(
             "(in one process the data parties are party-0, party-1, ... in the order of their "
             "blocks, whatever their files are called)."
         )
-
-
-def _count(number: int, noun: str) -> str:
-    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def _show_row(*cells: object) -> str:
@@ -206,13 +203,13 @@ def summary_lines(path: Path, *, rounds: tuple[int, int] | None = None) -> list[
     total = sum(flow.messages for flow in flows.values())
     size = sum(flow.bytes for flow in flows.values())
     if rounds is None:
-        counted = _count(total, "message")
+        tally = counted(total, "message")
     else:
         shown = (
             f"round {rounds[0]}" if rounds[0] == rounds[1] else f"rounds {rounds[0]}-{rounds[1]}"
         )
-        counted = f"{total} of {_count(every, 'message')} ({shown})"
-    lines = [f"{path}: {counted}, {byte_size(size)} encoded, {_count(len(sessions), 'session')}."]
+        tally = f"{total} of {counted(every, 'message')} ({shown})"
+    lines = [f"{path}: {tally}, {byte_size(size)} encoded, {counted(len(sessions), 'session')}."]
     if flows:
         rows = [("sender -> receiver", "kind", "messages", "bytes", "rounds")]
         for (sender, receiver, kind), flow in sorted(flows.items()):

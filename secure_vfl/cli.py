@@ -24,7 +24,14 @@ from pathlib import Path
 from typing import Any, BinaryIO, NoReturn
 
 from secure_vfl.errors import ConfigError, OutputError, SecureVFLError, run_warnings
-from secure_vfl.io import check_directory, make_parent, plain_integer, plain_number, writable_file
+from secure_vfl.io import (
+    check_directory,
+    counted,
+    make_parent,
+    plain_integer,
+    plain_number,
+    writable_file,
+)
 from secure_vfl.runs import party_named
 
 EXIT_USAGE = 2
@@ -1990,17 +1997,12 @@ def _alignment_lines(report: dict[str, Any]) -> list[str]:
     ]
 
 
-def _count(number: int, noun: str) -> str:
-    """``1 column``, ``2 columns``."""
-    return f"{number} {noun}{'' if number == 1 else 's'}"
-
-
 def _column_lines(columns: dict[str, dict[str, Any]]) -> list[str]:
     """The summary's column report: per party, what its preprocessing did to its columns."""
     lines = ["columns:"]
     for name, entry in columns.items():
         parts = [
-            f"{_count(entry['columns'], 'column')} -> {_count(entry['inputs'], 'model input')}"
+            f"{counted(entry['columns'], 'column')} -> {counted(entry['inputs'], 'model input')}"
         ]
         if entry["encoded"]:
             encoded = ", ".join(f"{c} ({n} categories)" for c, n in entry["encoded"].items())
@@ -3394,7 +3396,7 @@ def _prediction_summary(model: Any, predictions: Any, out: Path | None) -> str:
     held = predictions.mask.sum(axis=0)
     lines = [
         f"{manifest.method} model {manifest.run_id[:12]} ({len(manifest.parties)} parties): "
-        f"{len(predictions.ids)} rows",
+        f"{counted(len(predictions.ids), 'row')}",
         "rows held: "
         + ", ".join(f"{name} {int(n)}" for name, n in zip(predictions.parties, held, strict=True)),
     ]
@@ -3404,8 +3406,8 @@ def _prediction_summary(model: Any, predictions: Any, out: Path | None) -> str:
     unscored = sum(label is None for label in labels)
     if unscored:
         predicted += (
-            f"; no prediction for {unscored} rows ({manifest.method} cannot predict them from "
-            "the blocks present; their cells are left empty)"
+            f"; no prediction for {counted(unscored, 'row')} ({manifest.method} cannot predict "
+            "them from the blocks present; their cells are left empty)"
         )
     lines.append(f"predicted: {predicted}")
     if out is not None:

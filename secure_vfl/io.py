@@ -152,6 +152,12 @@ def shown_names(names: Sequence[object], limit: int = 10) -> str:
     return f"[{', '.join(shown(name) for name in names[:limit])}]{more}"
 
 
+def counted(number: int, noun: str, plural: str | None = None) -> str:
+    """``number`` and ``noun`` as a reader says them: ``1 epoch``, ``0 epochs``, ``2 epochs``
+    (``plural`` where an added s does not make it: ``3 parties``)."""
+    return f"{number} {noun if number == 1 else plural or noun + 's'}"
+
+
 def _shortened(text: str) -> str:
     """``text``, cut short past 120 characters (a path as long as the system refuses)."""
     return text if len(text) <= 120 else f"{text[:80]}... ({len(text)} characters)"

@@ -63,6 +63,7 @@ from secure_vfl.io import (
     atomic_write_json,
     check_document,
     check_keys,
+    counted,
     left_beside,
     parse_json,
     replace_directory,
@@ -738,7 +739,7 @@ def _warn_unused_blocks(
         "{" + ", ".join(names[k] for k in block) + "}" for block in blocks.fixed_blocks()
     )
     left_out = ", ".join(
-        f"{names[int(k)]} ({int(unused[:, k].sum())} rows)"
+        f"{names[int(k)]} ({counted(int(unused[:, k].sum()), 'row')})"
         for k in np.flatnonzero(unused.any(axis=0))
     )
     again = blocks.matched(split)
@@ -749,8 +750,8 @@ def _warn_unused_blocks(
             "the model was trained under secure sums: it predicts from the label party's "
             f"block and whole blocks of other parties ({together}), each used only where all "
             f"its members hold the row. Left out: {left_out or 'none'}; "
-            f"{int(prior.sum())} of {len(mask)} rows predicted from the prior (nothing usable "
-            "held). Give every member of a block to use it."
+            f"{int(prior.sum())} of {counted(len(mask), 'row')} predicted from the prior (nothing "
+            "usable held). Give every member of a block to use it."
         ),
         stacklevel=2,
     )

@@ -348,3 +348,24 @@ def test_deploy_cpu_shows_no_cpu_figure_that_cannot_be(monkeypatch: pytest.Monke
     assert not re.search(r"(?<![|\w])-\d", text), text  # no negative time
     assert "| 12.7 | 13.6 | 1.07 |" in table["| masks in-process"]
     assert "not shown" in text.lower()
+
+
+def test_protocol_costs_reports_one_epoch_and_one_run_in_the_singular(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A --quick run (1 epoch, 1 run per protection) read "1 epochs", "1 rounds of one run"
+    and "1 of 1 runs diverged"."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import re
+
+    from protocol_costs import dp_lines
+
+    row = {"protection": "none", "seconds": 2.0, "step_s": 0.01, "accuracy": 80.0,
+           "max_epsilon": None, "diverged": []}  # fmt: skip
+    diverged = {**row, "protection": "dp-sgd", "diverged": ["DivergenceError at step 3"]}
+    dp = {"epochs": 1, "repeats": 1, "load_average_before": [0.5] * 3,
+          "load_average_after": [0.6] * 3, "rows": [row, diverged], "all_diverged": {}}  # fmt: skip
+    text = "\n".join(dp_lines(dp, "protocol_costs.py --quick"))
+    assert "on Satellite, 1 epoch\n" in text and "One thread; 1 round of one run" in text
+    assert "dp-sgd: 1 of 1 run diverged" in text
+    assert not re.search(r"\b1 (epochs|rounds|runs)\b", text), text

@@ -24,6 +24,7 @@ from secure_vfl.io import (
     atomic_write_text,
     check_directory,
     check_keys,
+    counted,
     decimal,
     parse_json,
     replace_directory,
@@ -427,3 +428,11 @@ def test_a_write_that_must_not_replace_keeps_a_file_written_meanwhile(tmp_path: 
     assert (tmp_path / "new.csv").read_text() == "x\n"
     atomic_write(path, lambda tmp: tmp.write_text("replaced\n"))  # the default replaces
     assert path.read_text() == "replaced\n"
+
+
+def test_counted_says_one_noun_and_every_other_count_in_the_plural() -> None:
+    """A --quick run's reports said "1 epochs", "1 repeats" and "1 rounds"."""
+    assert counted(1, "epoch") == "1 epoch"
+    assert [counted(n, "repeat") for n in (0, 2, 10)] == ["0 repeats", "2 repeats", "10 repeats"]
+    assert counted(1, "party", "parties") == "1 party"
+    assert counted(3, "party", "parties") == "3 parties"

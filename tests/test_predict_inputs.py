@@ -282,6 +282,22 @@ def test_rows_a_method_cannot_predict_are_left_empty_and_labels_keep_their_type(
     assert all(label is not None for label in every.labels())
 
 
+def test_the_summary_of_one_row_left_unpredicted_says_row() -> None:
+    """`predict` on a file of one row said "2 rows" rightly but "1 rows" and "no prediction
+    for 1 rows" for one."""
+    from types import SimpleNamespace
+
+    from secure_vfl.cli import _prediction_summary
+
+    manifest = SimpleNamespace(method="standard", run_id="0123456789abcdef", parties=["a", "b"])
+    predictions = SimpleNamespace(
+        ids=np.array(["x"]), mask=np.array([[True, False]]), parties=["a", "b"],
+        classes=[0, 1], labels=lambda: [None],
+    )  # fmt: skip
+    text = _prediction_summary(SimpleNamespace(manifest=manifest), predictions, Path("p.csv"))
+    assert "(2 parties): 1 row\n" in text and "no prediction for 1 row (" in text
+
+
 # -- what the model directory holds ---------------------------------------------------------------
 
 
