@@ -9,6 +9,10 @@ settings: it is the reference every defense is priced against.
 Outputs: ``sweep.json`` (every run), ``sweep.md`` (means and standard deviations over seeds per
 setting) and two plots: main accuracy against epsilon, and the attack's headline metric against
 main accuracy, one series per defense template.
+
+A run is ``scored``, ``diverged`` (training did not survive the setting: a result, said with the
+step where it diverged) or ``not applicable`` (the defense does not apply to the task); each
+place the sweep shows a run or a setting says which.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*$")
 UNDEFENDED = "none"
 MAX_RUNS = 100_000
 """The most runs (settings x seeds) a sweep takes: more is a typo, not a sweep."""
+SCORED, DIVERGED, NOT_APPLICABLE = "scored", "diverged", "not applicable"
+"""A run's ``status``: scored; its training diverged (``step`` says where, where known); or its
+defense does not apply to the task."""
 
 
 @dataclass(frozen=True)
@@ -181,13 +188,15 @@ def _attack_row(job: dict[str, Any]) -> dict[str, Any]:
                 cache=job["cache"],
             )
     except DivergenceError as error:  # it says so, where, and what to try
-        return {**row, "failed": str(error)}
+        return {**row, "status": DIVERGED, "step": error.step, "failed": str(error)}
     except ConfigError as error:  # the defense does not apply to this task (as in a suite)
-        return {**row, "failed": f"not applicable: {error}"}
+        return {**row, "status": NOT_APPLICABLE, "step": None, "failed": f"not applicable: {error}"}
     payload = result.to_json()
     epsilon = payload["epsilon"]
     return {
         **row,
+        "status": SCORED,
+        "step": None,
         "failed": None,
         "attacker": payload["attacker"],  # who attacked (its default where none was given)
         "main_accuracy": payload["main"]["accuracy"],
@@ -342,6 +351,34 @@ def run_sweep(
     return _executor_map(jobs, workers=workers, executor=executor, on_done=on_done)()
 
 
+def status_text(row: Mapping[str, Any]) -> str:
+    """A run's status as the sweep shows it: ``diverged at step 12`` (``diverged`` where no step
+    is known), ``not applicable`` or ``scored``."""
+    if row["status"] == DIVERGED and row["step"] is not None:
+        return f"{DIVERGED} at step {row['step']}"
+    return str(row["status"])
+
+
+def unscored_line(row: Mapping[str, Any]) -> str:
+    """The line that says why a run was not scored: its setting, seed, status and error."""
+    if row["status"] == DIVERGED:
+        return f"{row['defense']} seed {row['seed']} ({status_text(row)}): {row['failed']}"
+    return f"{row['defense']} seed {row['seed']}: {row['failed']}"
+
+
+def _unscored_cell(row: Mapping[str, Any]) -> str:
+    """What a table row's seeds cell adds for the runs of its setting not scored:
+    `` (2 diverged at steps 3, 5; 1 not applicable)``, or nothing."""
+    said = []
+    if row["diverged"]:
+        steps = ", ".join(str(step) for step in row["diverged_steps"] if step is not None)
+        at = f" at step{'s' if ',' in steps else ''} {steps}" if steps else ""
+        said.append(f"{row['diverged']} {DIVERGED}{at}")
+    if row["not_applicable"]:
+        said.append(f"{row['not_applicable']} {NOT_APPLICABLE}")
+    return f" ({'; '.join(said)})" if said else ""
+
+
 def _mean_sd(values: Sequence[float]) -> tuple[float, float]:
     finite = [v for v in values if v is not None and math.isfinite(v)]
     if not finite:
@@ -356,11 +393,15 @@ def summarise(rows: Sequence[dict[str, Any]], metric: str) -> list[dict[str, Any
         groups.setdefault((row["template"], row["setting"]), []).append(row)
     table = []
     for (template, setting), group in groups.items():
-        members = [m for m in group if m["failed"] is None]
+        members = [m for m in group if m["status"] == SCORED]
+        unscored = {
+            "failed": len(group) - len(members),  # not scored, for whatever reason
+            "diverged": sum(m["status"] == DIVERGED for m in group),
+            "diverged_steps": [m["step"] for m in group if m["status"] == DIVERGED],
+            "not_applicable": sum(m["status"] == NOT_APPLICABLE for m in group),
+        }
         if not members:
-            table.append(
-                {"template": template, "setting": setting, "seeds": 0, "failed": len(group)}
-            )
+            table.append({"template": template, "setting": setting, "seeds": 0, **unscored})
             continue
         main, main_sd = _mean_sd([m["main_accuracy"] for m in members])
         attack, attack_sd = _mean_sd([m["attack"][metric] for m in members])
@@ -383,7 +424,7 @@ def summarise(rows: Sequence[dict[str, Any]], metric: str) -> list[dict[str, Any
                 "dcs": statistics.fmean(m["dcs"] for m in members),
                 "dcs_chance": statistics.fmean(m["dcs_chance"] for m in members),
                 "chance": statistics.fmean(m["chance"] for m in members),
-                "failed": len(group) - len(members),
+                **unscored,
             }
         )
     return table
@@ -395,9 +436,11 @@ def markdown(
     attack: str,
     metric: str,
     command: str,
+    diverged: Sequence[str] = (),
     failures: Sequence[str] = (),
 ) -> str:
-    """The table of means over seeds, then ``failures``: each run not scored, with why."""
+    """The table of means over seeds, then ``diverged`` (each run whose training diverged,
+    with where) and ``failures`` (each run whose defense does not apply, with why)."""
     lines = [
         f"# Privacy-utility sweep: {attack}",
         "",
@@ -410,11 +453,11 @@ def markdown(
     for row in table:
         if not row["seeds"]:
             lines.append(
-                f"| {row['template']} | {row['setting']} | 0 (failed: {row['failed']}) "
+                f"| {row['template']} | {row['setting']} | 0{_unscored_cell(row)} "
                 "| - | - | - | - | - | - |"
             )
             continue
-        failed = f" (failed: {row['failed']})" if row["failed"] else ""
+        failed = _unscored_cell(row)
         epsilon = row["epsilon"]
         shown = "-" if epsilon is None else ("inf" if math.isinf(epsilon) else f"{epsilon:.2f}")
 
@@ -430,8 +473,11 @@ def markdown(
             f"{row['dcs']:.3f} | {row['dcs_chance']:.3f} |"
         )
     lines += ["", EPSILON_NOTE]
+    if diverged:
+        lines += ["", "Runs that diverged (a result of the setting, not scored):", ""]
+        lines += [f"- {line}" for line in diverged]
     if failures:
-        lines += ["", "Runs not scored (diverged, or the defense does not apply):", ""]
+        lines += ["", "Runs not scored (the defense does not apply):", ""]
         lines += [f"- {failure}" for failure in failures]
     return "\n".join(lines) + "\n"
 
@@ -446,6 +492,8 @@ def plot(table: Sequence[dict[str, Any]], out: Path, *, attack: str, metric: str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    lost = [row["setting"] for row in table if not row["seeds"] and row["diverged"]]
+    lost_note = f"{DIVERGED}, not drawn: {', '.join(lost)}" if lost else ""
     table = [row for row in table if row["seeds"]]  # settings whose every run failed: none
     series: dict[str, list[dict[str, Any]]] = {}
     for row in table:
@@ -506,6 +554,7 @@ def plot(table: Sequence[dict[str, Any]], out: Path, *, attack: str, metric: str
             fontsize=6,
             color="grey",
         )
+    _note(axes, lost_note, 0.06 if priceless else 0.01)
     _legend(axes)
     figure.tight_layout()
     paths.append(_save(figure, out / "utility_epsilon.png"))
@@ -537,11 +586,19 @@ def plot(table: Sequence[dict[str, Any]], out: Path, *, attack: str, metric: str
     axes.set_xlabel("main accuracy (%)")
     axes.set_ylabel(f"attack performance (AP, from its {metric})")
     axes.set_title(f"{attack}: attack against utility, per defense")
+    _note(axes, lost_note, 0.01)
     _legend(axes)
     figure.tight_layout()
     paths.append(_save(figure, out / "attack_utility.png"))
     plt.close(figure)
     return paths
+
+
+def _note(axes: Any, text: str, height: float) -> None:
+    """``text`` small and grey at the bottom left of ``axes`` (``height`` up), where there is
+    any: the settings a plot leaves out, and why."""
+    if text:
+        axes.text(0.01, height, text, transform=axes.transAxes, fontsize=6, color="grey")
 
 
 def _legend(axes: Any) -> None:
@@ -562,12 +619,11 @@ def write_sweep(
     into ``out``; return the Markdown table and the plot paths."""
     metric = ATTACKS.get(attack)().metric
     table = summarise(rows, metric)
-    failures = [
-        f"{row['defense']} seed {row['seed']}: {row['failed']}"
-        for row in rows
-        if row["failed"] is not None
-    ]
-    text = markdown(table, attack=attack, metric=metric, command=command, failures=failures)
+    diverged = [unscored_line(row) for row in rows if row["status"] == DIVERGED]
+    failures = [unscored_line(row) for row in rows if row["status"] == NOT_APPLICABLE]
+    text = markdown(
+        table, attack=attack, metric=metric, command=command, diverged=diverged, failures=failures
+    )
     atomic_write_text(out / "sweep.md", text)
     plots = plot(table, out, attack=attack, metric=metric)
     atomic_write_json(

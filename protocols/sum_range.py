@@ -176,5 +176,6 @@ class DivergenceGuard:
         raise DivergenceError(
             f"training diverged under the DP noise {where}: {message.sender}'s {what} for "
             f"{message.receiver} has {found}; {ADVICE}"
-            f"{'' if self.value_range.clipped else CLIP_ADVICE}."
+            f"{'' if self.value_range.clipped else CLIP_ADVICE}.",
+            step=message.round if phase == "train" else None,
         )

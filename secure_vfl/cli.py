@@ -2589,7 +2589,7 @@ def _release_refusal(found: str) -> ConfigError:
 
 
 def run_sweep_command(args: argparse.Namespace) -> int:
-    from attacks.sweep import parse_grid, run_sweep, write_sweep
+    from attacks.sweep import DIVERGED, SCORED, parse_grid, run_sweep, unscored_line, write_sweep
 
     if args.release == "dp":
         raise _release_refusal("sweep")
@@ -2638,8 +2638,8 @@ def run_sweep_command(args: argparse.Namespace) -> int:
             text, plots = write_sweep(rows, out, attack=args.attack, command=command)
         scored = []
         for row in rows:
-            if row["failed"] is not None:
-                print(f"{row['defense']} seed {row['seed']}: {row['failed']}", file=sys.stderr)
+            if row["status"] != SCORED:
+                print(unscored_line(row), file=sys.stderr)
                 continue
             _print_warnings([f"{row['defense']} seed {row['seed']}: {w}" for w in row["warnings"]])
             entry = _attack_entry(
@@ -2651,11 +2651,11 @@ def run_sweep_command(args: argparse.Namespace) -> int:
         store.replace_runs(out, scored)  # a sweep written again replaces all its runs
     print(text)
     print("plots: " + ", ".join(str(p) for p in plots))
-    failed = sum(row["failed"] is not None for row in rows)
-    if failed == len(rows):
+    if not any(row["status"] == SCORED for row in rows):
+        diverged = sum(row["status"] == DIVERGED for row in rows)
         print(
-            f"secure-vfl: error: no run of the sweep was scored ({failed} failed); see "
-            f"{out / 'sweep.md'}.",
+            f"secure-vfl: error: no run of the sweep was scored ({diverged} {DIVERGED}, "
+            f"{len(rows) - diverged} not applicable); see {out / 'sweep.md'}.",
             file=sys.stderr,
         )
         return 1

@@ -76,7 +76,17 @@ class IntegrityError(ProtocolError):
     """A message's content is corrupt: non-finite values, a tampered or replayed payload."""
 
 
-class NonFiniteError(IntegrityError):
+class _AtStep(IntegrityError):
+    """An error of a training step: ``step`` is its number where the raiser knows it (None at
+    prediction, or where no step is known), for a caller to report without reading the
+    message (a sweep's table says at which step a setting diverged)."""
+
+    def __init__(self, message: str, *, step: int | None = None) -> None:
+        super().__init__(message)
+        self.step = step
+
+
+class NonFiniteError(_AtStep):
     """A message holds NaN or infinite values where values must be finite: in training, the sign
     that it diverged (:func:`~secure_vfl.experiment.run_training` says so, and what to try)."""
 
@@ -91,10 +101,10 @@ class OutOfRangeError(ProtocolError):
         self.found, self.limit = found, limit
 
 
-class DivergenceError(IntegrityError):
+class DivergenceError(_AtStep):
     """Training diverged: a value a party was about to send or seal (a representation, a
     gradient) is non-finite, or beyond the range the run's secure sums were sized for. The
-    message says at which step, which party, and what to try."""
+    message says at which step (``step``, where known), which party, and what to try."""
 
 
 class RegistryError(SecureVFLError, KeyError):

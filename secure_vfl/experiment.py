@@ -779,7 +779,9 @@ def run_training(
         predictions = predict_tests(method, data)
     except NonFiniteError as error:  # a party's values ran off to NaN or infinity
         advice = privacy.divergence_advice() if privacy is not None else DIVERGENCE_ADVICE
-        raise DivergenceError(f"training diverged: {str(error).rstrip('.')}; {advice}.") from None
+        raise DivergenceError(
+            f"training diverged: {str(error).rstrip('.')}; {advice}.", step=error.step
+        ) from None
     report = privacy.report() if privacy is not None else None
     return TrainResult(
         method=config.method,

@@ -245,6 +245,8 @@ def test_a_diverged_run_is_counted_not_averaged(tmp_path: Path) -> None:
         "setting": "SIGMA=1",
         "defense": "d",
         "seed": 0,
+        "status": "scored",
+        "step": None,
         "failed": None,
         "main_accuracy": 0.7,
         "attack": {"auc": 0.6},
@@ -254,19 +256,24 @@ def test_a_diverged_run_is_counted_not_averaged(tmp_path: Path) -> None:
         "dcs": 0.8,
         "dcs_chance": 0.9,
     }
+    diverged = {"status": "diverged", "failed": "training diverged: non-finite"}
     rows = [
         ok,
-        {**ok, "seed": 1, "failed": "training diverged: non-finite"},
-        {**ok, "setting": "SIGMA=3", "failed": "training diverged: non-finite"},
+        {**ok, "seed": 1, **diverged, "step": 4},
+        {**ok, "setting": "SIGMA=3", **diverged, "step": None},
     ]
     table = summarise(rows, "auc")
     assert table[0]["seeds"] == 1 and table[0]["failed"] == 1 and table[0]["attack"] == 0.6
-    assert table[1] == {"template": ok["template"], "setting": "SIGMA=3", "seeds": 0, "failed": 1}
+    assert table[0]["diverged"] == 1 and table[0]["diverged_steps"] == [4]
+    assert table[1] == {"template": ok["template"], "setting": "SIGMA=3", "seeds": 0, "failed": 1,
+                        "diverged": 1, "diverged_steps": [None], "not_applicable": 0}  # fmt: skip
     text, plots = write_sweep(rows, tmp_path, attack="norm-scoring", command="test")
-    assert "| SIGMA=1 | 1 (failed: 1) |" in text and "| SIGMA=3 | 0 (failed: 1) |" in text
+    assert "| SIGMA=1 | 1 (1 diverged at step 4) |" in text
+    assert "| SIGMA=3 | 0 (1 diverged) |" in text  # where no step is known
     # one seed scored has no spread: "± 0.00" said the seeds agreed
-    assert "| 1 (failed: 1) | 70.00 ± - | 0.600 ± - | 0.600 ± - | 2.00 |" in text
-    assert "- d seed 1: training diverged: non-finite" in text  # each run not scored, with why
+    assert "| 1 (1 diverged at step 4) | 70.00 ± - | 0.600 ± - | 0.600 ± - | 2.00 |" in text
+    # each run not scored, with why
+    assert "- d seed 1 (diverged at step 4): training diverged: non-finite" in text
     assert all(path.exists() for path in plots)
 
     # AUCs of 0.1 and 0.9 are two strong attacks (AP 0.9 each), not a mean at chance
@@ -370,6 +377,43 @@ def test_a_malformed_setting_or_an_attack_that_does_not_apply_is_refused_before_
                 config, "direct-label-inference", templates=[], grid={}, attacker=attacker,
                 on_start=started,
             )  # fmt: skip
+
+
+def test_a_diverged_setting_is_shown_as_diverged_with_its_step_wherever_the_sweep_shows_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A setting whose training diverged (here: noise of std 1e30 overflows at the first step)
+    was "failed" in the table, as one whose defense does not apply: a result of that setting
+    read as a fault. Its rows, the table, the list under it, the plots and what the command
+    prints say "diverged" and at which step."""
+    import attacks.sweep
+
+    notes: list[str] = []
+
+    def save(figure: Any, path: Path) -> Path:
+        notes.extend(text.get_text() for axes in figure.axes for text in axes.texts)
+        path.write_bytes(PNG)
+        return path
+
+    monkeypatch.setattr(attacks.sweep, "_save", save)
+    out = tmp_path / "sweep"
+    argv = ["sweep", "--attack", "direct-label-inference", *LABEL_LEAK_RUN, "--defense"]
+    argv += ["dp-gradients:SIGMA:0.01", "--grid", "SIGMA=1,1e30", "--seeds", "1", "--workers", "1"]
+    assert main([*argv, "--quiet", "--out", str(out)]) == 0
+    stored = json.loads((out / "sweep.json").read_text())
+    rows = {row["setting"]: row for row in stored["rows"]}
+    assert rows["SIGMA=1e+30"]["status"] == "diverged" and rows["SIGMA=1e+30"]["step"] == 1
+    assert rows["SIGMA=1"]["status"] == "scored" and rows["SIGMA=1"]["step"] is None
+    table = {row["setting"]: row for row in stored["table"]}
+    assert table["SIGMA=1e+30"]["diverged"] == 1 and table["SIGMA=1e+30"]["seeds"] == 0
+    assert table["SIGMA=1"]["diverged"] == 0
+    text = (out / "sweep.md").read_text()
+    assert "| SIGMA=1e+30 | 0 (1 diverged at step 1) |" in text and "failed" not in text
+    assert "- dp-gradients:1e+30:0.01 seed 0 (diverged at step 1): training diverged" in text
+    assert any("diverged, not drawn: SIGMA=1e+30" in note for note in notes), notes
+    printed = capsys.readouterr()
+    assert "dp-gradients:1e+30:0.01 seed 0 (diverged at step 1): training diverged" in printed.err
+    assert "| SIGMA=1e+30 | 0 (1 diverged at step 1) |" in printed.out
 
 
 def test_a_defense_that_does_not_apply_is_a_failed_row_and_the_accounting_reaches_each_run(

@@ -563,7 +563,8 @@ class LossMessage(Message):
         super().validate()
         if not math.isfinite(self.loss):
             raise NonFiniteError(
-                f"{self.kind} from {self.sender} (round {self.round}): the loss is not finite."
+                f"{self.kind} from {self.sender} (round {self.round}): the loss is not finite.",
+                step=self.round,
             )
 
 

@@ -700,7 +700,8 @@ class SecureSumParty(Party):
             f"training diverged {where}: {self.name}'s representation for the {self.scheme} "
             f"sums of {request.deliver_to} has {error.found}, beyond what they encode, "
             f"{error.limit}; try a lower --lr or fewer --epochs, or --dp-embeddings SIGMA:CLIP, "
-            "which clips every representation."
+            "which clips every representation.",
+            step=request.round if request.phase == "train" else None,
         )
 
     def on_abort(self, request: AbortRequest) -> None:

@@ -745,7 +745,10 @@ def _decode(data: bytes, max_bytes: int) -> Message:
     except NonFiniteError as error:  # say whose, and at which step: a run that diverged
         phase = values.get("phase", "train")  # a message's phase precedes its tensors
         when = f"round {round}" if phase == "train" else f"phase {shown(phase)}"
-        raise NonFiniteError(f"{schema.kind} from {names[0]} ({when}): {error}") from None
+        raise NonFiniteError(
+            f"{schema.kind} from {names[0]} ({when}): {error}",
+            step=round if phase == "train" else None,
+        ) from None
     if offset != len(view):
         raise ProtocolError(
             f"{schema.kind}: the message ends after {offset} bytes, found {len(view) - offset} "
