@@ -34,6 +34,21 @@ def quick_marked(text: str, quick: bool) -> str:
     return f"{title}\n\n{QUICK_NOTE}{rest}"
 
 
+def medians_of(repeats: int) -> str:
+    """How a report's figures were taken over ``repeats`` repeats: ``Medians of 3 repeats``;
+    of one (a --quick run's) there is no median, and the report says so."""
+    if repeats == 1:
+        return "One repeat (each figure is its only measurement, no median)"
+    return f"Medians of {repeats} repeats"
+
+
+def verdict(met: bool, quick: bool, words: tuple[str, str] = ("MET", "MISSED")) -> str:
+    """A target's verdict, ``words`` (met, missed), said to be a smoke run's where ``quick``:
+    a --quick run's sizes are too small for a verdict to mean anything."""
+    said = words[0] if met else words[1]
+    return f"{said} (smoke run)" if quick else said
+
+
 def run_jobs(
     job: Callable[..., dict[str, Any]], jobs: Sequence[tuple[Any, ...]], *, workers: int
 ) -> list[dict[str, Any]]:

@@ -35,7 +35,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _shared import RESULTS, child_env, command_line, output_directory, quick_marked, write_outputs
+from _shared import (
+    RESULTS,
+    child_env,
+    command_line,
+    medians_of,
+    output_directory,
+    quick_marked,
+    write_outputs,
+)
 
 from secure_vfl.cli import positive_int
 
@@ -194,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"(appended and fsynced) {line['append']:.3f} ms, a note (appended) {line['note']:.3f} "
         "ms (a deployed party notes the rows each step asked it for).",
         "",
-        f"Medians of {repeats} repeats; within each repeat the configurations ran in turn. Load "
+        f"{medians_of(repeats)}; within each repeat the configurations ran in turn. Load "
         f"average (1 min) {load[0]:.1f} before and {load[1]:.1f} after, on {os.cpu_count()} "
         "CPUs. The fsync's cost is the file system's: on a disk that flushes its cache for real "
         "it can be milliseconds.",

@@ -50,8 +50,10 @@ from _shared import (
     Processes,
     child_env,
     command_line,
+    medians_of,
     output_directory,
     quick_marked,
+    verdict,
     write_outputs,
 )
 
@@ -390,7 +392,11 @@ def _table(
     argv: Sequence[str] | None,
     load: tuple[tuple[float, float, float], tuple[float, float, float]],
     epochs: int,
+    *,
+    quick: bool,
 ) -> str:
+    """The report of a run of ``epochs`` epochs (``quick``: a --quick smoke run's, whose
+    verdicts say so)."""
     names = {"in-process": "in-process", "grpc+mtls": "gRPC + mTLS", "grpc": "gRPC (insecure)"}
     lines = [
         "# A deployed LASER run against the same run in one process",
@@ -430,12 +436,12 @@ def _table(
     lines += ["", "## Targets", "", "| target | sums | measured | limit | verdict |"]
     lines += ["|---|---|---|---|---|"]
     for target, sums, ratio, limit in found:
-        verdict = "MET" if ratio <= limit else "MISSED"
-        lines.append(f"| {target} | {sums} | {ratio:.2f}x | {limit:.2f}x | {verdict} |")
+        said = verdict(ratio <= limit, quick)
+        lines.append(f"| {target} | {sums} | {ratio:.2f}x | {limit:.2f}x | {said} |")
     repeats = min(row["repeats"] for row in rows)
     lines += [
         "",
-        f"Medians of {repeats} repeats; within each repeat the six configurations ran one after "
+        f"{medians_of(repeats)}; within each repeat the six configurations ran one after "
         f"the other. The machine: {machine()}. Its load "
         f"average (1, 5, 15 minutes) {load[0][0]:.1f}, {load[0][1]:.1f}, {load[0][2]:.1f} at "
         f"the start and {load[1][0]:.1f}, {load[1][1]:.1f}, {load[1][2]:.1f} at the end, so "
@@ -474,7 +480,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     )
                     runs.append({**run, "repeat": repeat})
     rows = summarise(runs)
-    text = _table(rows, argv, (load_before, os.getloadavg()), epochs)
+    text = _table(rows, argv, (load_before, os.getloadavg()), epochs, quick=args.quick)
     text = quick_marked(text, args.quick)
     print(text)
     if not args.quick:

@@ -30,7 +30,15 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _shared import RESULTS, child_env, command_line, output_directory, quick_marked, write_outputs
+from _shared import (
+    RESULTS,
+    child_env,
+    command_line,
+    medians_of,
+    output_directory,
+    quick_marked,
+    write_outputs,
+)
 from deploy_costs import (
     PARTIES,
     SUMS,
@@ -161,7 +169,7 @@ def _table(rows: list[dict[str, Any]], argv: Sequence[str] | None, epochs: tuple
     repeats = min(row["repeats"] for row in rows)
     lines += [
         "",
-        f"Medians of {repeats} repeats. A step cannot take less wall time than its CPU time over "
+        f"{medians_of(repeats)}. A step cannot take less wall time than its CPU time over "
         f"the machine's {cores} cores, so the last column, the deployed step's CPU over {cores} "
         "cores against the in-process step's wall time, is the least the deployed/in-process "
         "ratio can be on this machine however the messages overlap (the issue's target: 1.5x). "

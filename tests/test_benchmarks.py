@@ -369,3 +369,30 @@ def test_protocol_costs_reports_one_epoch_and_one_run_in_the_singular(
     assert "on Satellite, 1 epoch\n" in text and "One thread; 1 round of one run" in text
     assert "dp-sgd: 1 of 1 run diverged" in text
     assert not re.search(r"\b1 (epochs|rounds|runs)\b", text), text
+
+
+def test_deploy_costs_quick_calls_one_repeat_no_median_and_its_verdicts_a_smoke_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A --quick run (1 epoch, 1 repeat) said "Medians of 1 repeats" and printed its targets
+    MET or MISSED in the committed report's words, far below the note that it is a smoke
+    run."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from deploy_costs import _table
+
+    def row(sums: str, mode: str, epoch: float, vs_in_process: float) -> dict[str, object]:
+        return {"sums": sums, "mode": mode, "epoch_seconds": epoch, "command_seconds": 7.0,
+                "train_bytes_per_epoch": 2**25, "bytes_per_step": 7e5, "steps_per_epoch": 41,
+                "vs_in_process": vs_in_process, "vs_grpc": 1.1, "same_metrics": True,
+                "repeats": 1}  # fmt: skip
+
+    rows = [row(sums, mode, epoch, ratio) for sums in ("plain", "masks")
+            for mode, epoch, ratio in (("in-process", 0.5, 1.0), ("grpc+mtls", 1.0, 2.0),
+                                       ("grpc", 0.9, 1.8))]  # fmt: skip
+    load = ((1.0, 1.0, 1.0), (1.0, 1.0, 1.0))
+    quick = _table(rows, ["--quick"], load, 1, quick=True)
+    assert "Medians of 1 repeat" not in quick and "One repeat" in quick
+    verdicts = [line for line in quick.splitlines() if line.startswith("| deployed (mTLS)")]
+    assert verdicts and all(line.endswith("(smoke run) |") for line in verdicts), verdicts
+    full = _table([{**r, "repeats": 3} for r in rows], [], load, 3, quick=False)
+    assert "Medians of 3 repeats" in full and "smoke run" not in full
