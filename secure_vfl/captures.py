@@ -27,7 +27,7 @@ from torch import Tensor
 
 from secure_vfl.errors import ConfigError
 from secure_vfl.federation import wire
-from secure_vfl.federation.channel import capture_records, whole_records
+from secure_vfl.federation.channel import NonFiniteRecord, capture_records, whole_records
 from secure_vfl.federation.messages import Message
 from secure_vfl.io import counted
 from secure_vfl.runs import columns, name_text, padded
@@ -75,14 +75,29 @@ def byte_size(count: int) -> str:
     return f"{value:.1f} GiB"
 
 
-def _records(path: Path) -> tuple[Iterator[tuple[int, Message]], int]:
-    """The whole records of the capture ``path`` (encoded size, message) and how many bytes
+def _records(path: Path) -> tuple[Iterator[tuple[int, Message | NonFiniteRecord]], int]:
+    """The whole records of the capture ``path`` (encoded size, message; a message refused for
+    non-finite values only, a diverged run's, as its header and the refusal) and how many bytes
     follow them. ConfigError where there is no file; ProtocolError where it is not a capture."""
     if not path.is_file():
         found = "a directory" if path.is_dir() else "nothing"
         raise ConfigError(f"a capture file (--capture FILE) expected at {path}, found {found}.")
     end = whole_records(path)
-    return capture_records(path, end=end), max(path.stat().st_size - end, 0)
+    return capture_records(path, end=end, non_finite=True), max(path.stat().st_size - end, 0)
+
+
+def _header(record: Message | NonFiniteRecord) -> Message | wire.Header:
+    """What a record's header says (a message is its own header)."""
+    return record.header if isinstance(record, NonFiniteRecord) else record
+
+
+def _non_finite_line(count: int) -> list[str]:
+    if not count:
+        return []
+    return [
+        f"{counted(count, 'message')} with non-finite values (a run that diverged: what "
+        "crossed, as it crossed), shown by header only: no party would take it."
+    ]
 
 
 def _after_records(torn: int) -> list[str]:
@@ -121,8 +136,9 @@ def show_lines(
     parties: set[str] = set()
     yield _show_row("#", "round", "batch", "kind", "sender -> receiver", "bytes", "fields")
     session = ""
-    shown = shown_bytes = total = 0
-    for number, (size, message) in enumerate(records, start=1):
+    shown = shown_bytes = total = non_finite = 0
+    for number, (size, record) in enumerate(records, start=1):
+        message = _header(record)
         total += 1
         parties.update((message.sender, message.receiver))
         if kinds and message.kind not in kinds:
@@ -137,12 +153,16 @@ def show_lines(
         shown += 1
         shown_bytes += size
         route = f"{name_text(message.sender)} -> {name_text(message.receiver)}"
-        yield _show_row(
-            number, message.round, message.batch_id, message.kind, route, size, content(message)
-        )
+        if isinstance(record, NonFiniteRecord):
+            non_finite += 1
+            fields = f"non-finite values, not decoded: {record.reason}"
+        else:
+            fields = content(record)
+        yield _show_row(number, message.round, message.batch_id, message.kind, route, size, fields)
     filtered = kinds or party is not None or rounds is not None
     tally = f"{shown} of {counted(total, 'message')}" if filtered else ""
     yield f"{tally or counted(total, 'message')}, {byte_size(shown_bytes)} encoded."
+    yield from _non_finite_line(non_finite)
     yield from _after_records(torn)
     if party is not None and party not in parties:
         named = ", ".join(name_text(name) for name in sorted(parties)) or "none"
@@ -188,7 +208,9 @@ def summary_lines(path: Path, *, rounds: tuple[int, int] | None = None) -> list[
     sent_bytes: Counter[str] = Counter()
     received_bytes: Counter[str] = Counter()
     sessions: set[str] = set()
-    for size, message in records:
+    non_finite = 0
+    for size, record in records:
+        message = _header(record)
         every += 1
         if rounds is not None and not rounds[0] <= message.round <= rounds[1]:
             continue
@@ -200,6 +222,7 @@ def summary_lines(path: Path, *, rounds: tuple[int, int] | None = None) -> list[
         received_bytes[message.receiver] += size
         if message.session:  # a deployment's control messages belong to none
             sessions.add(message.session)
+        non_finite += isinstance(record, NonFiniteRecord)
     total = sum(flow.messages for flow in flows.values())
     size = sum(flow.bytes for flow in flows.values())
     if rounds is None:
@@ -234,4 +257,4 @@ def summary_lines(path: Path, *, rounds: tuple[int, int] | None = None) -> list[
             for name in parties
         ]
         lines += ["", *columns(rows, right=(1, 2, 3, 4))]
-    return lines + _after_records(torn)
+    return lines + _non_finite_line(non_finite) + _after_records(torn)

@@ -185,6 +185,52 @@ def test_bytes_after_the_last_whole_record_are_left_out_and_said(
     assert summary_lines(path)[-1] == torn[-1]
 
 
+def test_a_message_with_non_finite_values_is_shown_by_its_header_and_counted(
+    laser_capture: tuple[Path, RecordingLayer], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A capture of a run that diverged ends in the message that carried the NaN, as it
+    crossed; the codec refuses it, and show stopped there (exit 2). It is shown by its header,
+    what was refused said, and counted in show and summary alike; a record refused for anything
+    else still stops the reading."""
+    path, recorder = laser_capture
+    last = recorder.messages[-1]
+    diverged = RepresentationMessage(
+        sender="party-2",
+        receiver="aggregator",
+        round=7,
+        batch_id=3,
+        session=last.session,
+        positions=torch.arange(2),
+        representation=torch.tensor([[1.0, float("nan")], [0.0, 2.0]]),
+    )
+    data = wire.encode(diverged)
+    with path.open("ab") as handle:
+        append_record(handle, data)
+    lines = list(show_lines(path))
+    row = _message_lines(lines)[-1]
+    assert (row["round"], row["batch"], row["kind"]) == ("7", "3", "representation")
+    assert (row["sender"], row["receiver"], row["bytes"]) == (
+        "party-2",
+        "aggregator",
+        str(len(data)),
+    )
+    assert row["fields"].startswith("non-finite values, not decoded: representation from party-2")
+    count = len(recorder.messages) + 1
+    assert lines[-2].startswith(f"{count} messages, ")
+    assert lines[-1].startswith("1 message with non-finite values (a run that diverged")
+    summary = summary_lines(path)
+    assert summary[0].startswith(f"{path}: {count} messages")
+    assert summary[-1] == lines[-1]
+    assert main(["capture", "show", str(path), "--kind", "representation"]) == 0
+    assert "non-finite values, not decoded" in capsys.readouterr().out
+    with pytest.raises(ProtocolError, match=r"record .*finite values expected"):
+        list(read_capture(path))  # a reader that acts on messages still refuses it
+    with path.open("ab") as handle:
+        append_record(handle, wire.encode(last)[:-3])  # a whole record, its message cut short
+    with pytest.raises(ProtocolError, match="truncated"):
+        list(show_lines(path))
+
+
 def test_what_is_not_a_capture_is_refused_naming_it(tmp_path: Path) -> None:
     notes = tmp_path / "notes.txt"
     notes.write_text("id,x\n1,2\n", encoding="utf-8")

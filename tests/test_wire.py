@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from torch import Tensor
 
-from secure_vfl.errors import IntegrityError, ProtocolError, RegistryError
+from secure_vfl.errors import IntegrityError, NonFiniteError, ProtocolError, RegistryError
 from secure_vfl.federation import messages, wire
 from secure_vfl.federation.messages import (
     AGGREGATOR,
@@ -941,3 +941,24 @@ def test_a_tensor_numpy_cannot_read_is_refused_as_a_protocol_error() -> None:
     with pytest.raises(ProtocolError, match=r"test-tensor\.tensor: a tensor numpy can read"):
         encode(TensorMessage(**HEADER, tensor=negated))
     assert_round_trip(TensorMessage(**HEADER, tensor=negated.resolve_neg()))
+
+
+def test_the_header_is_read_without_the_fields_and_garbage_refused() -> None:
+    """``header_of`` reads what a capture shows of a message the codec refuses for its values;
+    it parses the head and the header only, and refuses what is not a message's."""
+    message = GradientMessage(
+        sender="party-0",
+        receiver="party-2",
+        round=5,
+        batch_id=1,
+        session="s",
+        positions=torch.tensor([0, 1]),
+        gradient=torch.tensor([[float("inf")], [1.0]]),
+    )
+    data = encode(message)
+    with pytest.raises(NonFiniteError):
+        decode(data)
+    assert wire.header_of(data) == wire.Header("gradient", "party-0", "party-2", "s", 5, 1)
+    for junk in (b"", b"SVFL", b"not a message", data[:20]):
+        with pytest.raises(ProtocolError):
+            wire.header_of(junk)

@@ -23,10 +23,11 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, BinaryIO, Literal, Protocol, TypeVar, cast, overload
 
-from secure_vfl.errors import OutputError, ProtocolError, VersionError
+from secure_vfl.errors import NonFiniteError, OutputError, ProtocolError, VersionError
 from secure_vfl.federation import wire
 from secure_vfl.federation.messages import Message, check_header
 
@@ -148,11 +149,38 @@ def read_capture(path: Path | str) -> Iterator[Message]:
         yield message
 
 
-def capture_records(path: Path | str, *, end: int | None = None) -> Iterator[tuple[int, Message]]:
+@dataclass(frozen=True)
+class NonFiniteRecord:
+    """A captured message the codec refuses for non-finite values, the first fault it finds in
+    it (a run that diverged: what crossed, as it crossed): its header, read without its other
+    fields, and the refusal."""
+
+    header: wire.Header
+    reason: str
+
+
+@overload
+def capture_records(
+    path: Path | str, *, end: int | None = None, non_finite: Literal[False] = False
+) -> Iterator[tuple[int, Message]]: ...
+
+
+@overload
+def capture_records(
+    path: Path | str, *, end: int | None = None, non_finite: bool
+) -> Iterator[tuple[int, Message | NonFiniteRecord]]: ...
+
+
+def capture_records(
+    path: Path | str, *, end: int | None = None, non_finite: bool = False
+) -> Iterator[tuple[int, Message | NonFiniteRecord]]:
     """Each message of the capture file ``path`` with its encoded size in bytes (what crossed),
     in the order they crossed, up to byte ``end`` (None: the end of the file; a record's
     boundary, such as :func:`whole_records` finds). ProtocolError on a truncated record or a
-    message the codec refuses, naming the file and the record (its number and first byte)."""
+    message the codec refuses, naming the file and the record (its number and first byte);
+    with ``non_finite``, a message the codec refuses for non-finite values (the first fault it
+    finds in it) is a :class:`NonFiniteRecord` instead (a capture of a run that diverged ends
+    in one)."""
     path = Path(path)
     with path.open("rb") as handle:
         read = records = 0
@@ -168,7 +196,11 @@ def capture_records(path: Path | str, *, end: int | None = None) -> Iterator[tup
                     f"{where}: a record of {length} bytes expected, found {len(data)}."
                 )
             try:
-                message = wire.decode(data)
+                message: Message | NonFiniteRecord = wire.decode(data)
+            except NonFiniteError as error:
+                if not non_finite:
+                    raise type(error)(f"{where}: {error}") from None
+                message = NonFiniteRecord(wire.header_of(data), str(error))
             except ProtocolError as error:
                 hint = (
                     " The file was captured by another release of secure-vfl; read it with that "

@@ -764,6 +764,34 @@ def _decode(data: bytes, max_bytes: int) -> Message:
     return message
 
 
+@dataclasses.dataclass(frozen=True)
+class Header:
+    """What every message's header says: its kind, who sent it to whom, in which session, for
+    which round and batch."""
+
+    kind: str
+    sender: str
+    receiver: str
+    session: str
+    round: int
+    batch_id: int
+
+
+def header_of(data: bytes) -> Header:
+    """The header of the message ``data`` encodes, read without its other fields: what a
+    capture shows of a message :func:`decode` refuses for its values (a diverged run's NaN).
+    ProtocolError where the head or the header itself does not parse."""
+    try:
+        view = memoryview(data).cast("B")
+        schema = _schema_of(view)
+        names, round, batch_id, _ = schema.decode_header(view, len(schema.head))
+    except ProtocolError:
+        raise
+    except Exception as error:
+        raise ProtocolError(f"undecodable header: {type(error).__name__}: {error}") from error
+    return Header(schema.kind, *names, round=round, batch_id=batch_id)
+
+
 def _schema_of(view: memoryview) -> _Schema:
     """The schema of the message in ``view``, whose head it starts with. A registered head is
     found in one look-up; anything else is parsed field by field, which names what is wrong."""
