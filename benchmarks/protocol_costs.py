@@ -388,17 +388,21 @@ def _aggregation_bytes(method: Any) -> int:
 def stock_pools(method: Any, aggregator: Any, batch: np.ndarray) -> float:
     """Stock every party's Paillier obfuscator pool with what the training step of ``batch``
     seals, as each party's offline phase; the seconds it took. A party seals its
-    representation into each sum the step asks for, for each head: under the secure planner
-    the parts (the blocks of the rows and the label party's own term) whose sums the head adds
-    up into its tasks'."""
+    representation into the sums the step asks for, for each head (under the secure planner
+    the parts, the blocks of the rows and the label party's own term, whose sums the head adds
+    up into its tasks'), one obfuscator for each plaintext of the layout it puts a value in
+    (one it enters no sum in is left empty)."""
+    from secure_vfl.federation.aggregator import entered_items
+
     start = time.perf_counter()
     mask = torch.from_numpy(method.data.train.mask[batch])
     plan = method.plan(torch.from_numpy(batch), mask)
-    heads, tasks = plan.selection.shape[:2]  # (heads, tasks, rows, parties)
-    sums = tasks if plan.parts is None else plan.parts.shape[0]
-    values = sums * len(batch) * method.config.representation_dim
-    needed = heads * aggregator.layout(len(PARTIES)).ciphertexts(values)
-    for party in in_process_parties(method.fed.channel):
+    heads = plan.selection.shape[0]  # (heads, tasks, rows, parties)
+    slots = aggregator.layout(len(PARTIES)).slots
+    width = method.config.representation_dim
+    for k, party in enumerate(in_process_parties(method.fed.channel)):
+        layouts = [plan.selection[h] if plan.parts is None else plan.parts for h in range(heads)]
+        needed = sum(int(entered_items(s[..., k].numpy(), width, slots).sum()) for s in layouts)
         party.sealer.prepare(RECEIVER, obfuscators=needed)  # type: ignore[union-attr]
     return time.perf_counter() - start
 

@@ -55,6 +55,7 @@ import numpy as np
 import tenseal as ts
 
 from secure_vfl.errors import ConfigError, IntegrityError, OutOfRangeError, ProtocolError
+from secure_vfl.federation.aggregator import SKIPPED, check_skipped, entered_items
 
 if TYPE_CHECKING:
     from protocols.sum_range import SumRange
@@ -70,9 +71,6 @@ HE_STANDARD_MAX_BITS = {4096: 109, 8192: 218, 16384: 438, 32768: 881}  # 128-bit
 PRECISE_DATA_BITS = 60
 """The most data-prime bits a slot sum may use: double-precision encoding and decoding stay
 within the stated error bound only for |sum| * scale below 2^(60 - 2) (module docstring)."""
-SKIPPED = b""
-"""A chunk of slots a contributor enters no sum with (its selection says so): not encrypted,
-sent empty, added as nothing; a chunk of sums nobody entered comes back empty."""
 
 
 def headroom_bits(coeff_mod_bit_sizes: Sequence[int]) -> int:
@@ -314,16 +312,6 @@ def load_vector(context: ts.Context, data: bytes, who: str) -> ts.CKKSVector:
         ) from error
 
 
-def entered_chunks(mine: np.ndarray, width: int, slots: int) -> np.ndarray:
-    """Which ciphertexts of a (T, B, ``width``) sum, ``slots`` values to a ciphertext, hold a
-    value of a contributor whose selection column is ``mine`` (T, B): (ciphertexts,) bool."""
-    filled = np.repeat(np.asarray(mine, dtype=bool).reshape(-1), width)
-    count = -(-filled.size // slots)
-    padded = np.zeros(count * slots, dtype=bool)
-    padded[: filled.size] = filled
-    return np.asarray(padded.reshape(count, slots).any(axis=1))
-
-
 def add_ciphertexts(
     public: ts.Context,
     arrived: Mapping[str, Sequence[bytes]],
@@ -347,12 +335,13 @@ def add_ciphertexts(
     if not arrived:
         return []
     everywhere = np.ones(count, dtype=bool)
-    chunks = {name: everywhere if entered is None else entered[name] for name in arrived}
+    for name, sent in arrived.items():
+        filled = everywhere if entered is None else entered[name]
+        check_skipped(sent, filled, f"CKKS share from {name}")
     totals: list[bytes] = []
     for i in range(count):
         total: ts.CKKSVector | None = None
         for name, sent in arrived.items():
-            _check_skipped(sent, i, bool(chunks[name][i]), name)
             if sent[i] == SKIPPED:
                 continue
             vector = _load_values(public, sent, i, values=values, slots=slots, name=name)
@@ -385,27 +374,11 @@ def check_ciphertexts(
     count = -(-values // slots)
     if len(sent) != count:
         raise IntegrityError(f"{count} ciphertexts expected from {name}, found {len(sent)}.")
+    filled = np.ones(count, dtype=bool) if entered is None else entered
+    check_skipped(sent, filled, f"CKKS share from {name}")
     for i in range(count):
-        filled = True if entered is None else bool(entered[i])
-        _check_skipped(sent, i, filled, name)
-        if filled:
+        if sent[i] != SKIPPED:
             _load_values(public, sent, i, values=values, slots=slots, name=name)
-
-
-def _check_skipped(sent: Sequence[bytes], i: int, entered: bool, name: str) -> None:
-    """Refuse ciphertext ``i`` of ``name`` empty where its values go (``entered``), or full
-    where they do not (its selection enters no sum there)."""
-    if (sent[i] == SKIPPED) == entered:
-        raise IntegrityError(
-            f"CKKS ciphertext {i} from {name}: "
-            + (
-                "a ciphertext of its values expected (its selection enters sums there), found "
-                "it empty."
-                if entered
-                else "an empty one expected (its selection enters no sum there), found "
-                f"{len(sent[i])} bytes."
-            )
-        )
 
 
 def _load_values(
@@ -552,7 +525,7 @@ class CkksSender:
         slots = np.where(mine[..., None], dense[None], 0.0).reshape(-1)
         # A chunk of slots that enters no sum is not encrypted (SKIPPED): the selection, which
         # the aggregator and the receiver know, says so, not the values.
-        entered = entered_chunks(mine, dense.shape[1], self.slots)
+        entered = entered_items(mine, dense.shape[1], self.slots)
         sealed = tuple(
             bytes(
                 ts.ckks_vector(
@@ -600,7 +573,7 @@ class CkksAdder:
         entered = None
         if selection is not None:
             entered = {
-                name: entered_chunks(selection[name], shape[2], self.slots) for name in payloads
+                name: entered_items(selection[name], shape[2], self.slots) for name in payloads
             }
         summed = tuple(
             add_ciphertexts(public, payloads, shape[0] * shape[1] * shape[2], self.slots, entered)
@@ -622,7 +595,7 @@ class CkksAdder:
         public = self._publics.get(receiver)
         if public is None:
             raise ProtocolError(f"no CKKS public context of {receiver} was announced.")
-        entered = None if selection is None else entered_chunks(selection, shape[2], self.slots)
+        entered = None if selection is None else entered_items(selection, shape[2], self.slots)
         check_ciphertexts(
             public, payload, shape[0] * shape[1] * shape[2], self.slots, sender, entered
         )

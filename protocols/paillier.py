@@ -46,7 +46,7 @@ import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import gmpy2
 import numpy as np
@@ -54,7 +54,7 @@ from phe import paillier
 
 from protocols.secagg import decode_fixed_point, encode_fixed_point
 from secure_vfl.errors import ConfigError, IntegrityError, OutOfRangeError, ProtocolError
-from secure_vfl.federation.aggregator import check_payload
+from secure_vfl.federation.aggregator import SKIPPED, check_payload, check_skipped, entered_items
 
 if TYPE_CHECKING:
     from protocols.sum_range import SumRange
@@ -375,19 +375,39 @@ def read_public_key(key: bytes, *, key_bits: int, who: str) -> paillier.Paillier
 
 
 def _read_ciphertexts(
-    payload: tuple[bytes, ...], *, key_bits: int, nsquare: int, count: int, who: str
-) -> list[int]:
-    """Sealed items as integers in [1, n^2); refuse the wrong count, size or range."""
-    check_payload(payload, count=count, size=_ciphertext_bytes(key_bits), who=who)
-    values = [int.from_bytes(item, "big") for item in payload]
-    if any(not 0 < v < nsquare for v in values):
+    payload: tuple[bytes, ...],
+    *,
+    key_bits: int,
+    nsquare: int,
+    count: int,
+    who: str,
+    entered: np.ndarray | None = None,
+) -> list[int | None]:
+    """Sealed items as integers in [1, n^2), None for an empty one (:data:`SKIPPED`), which
+    must be exactly those ``entered`` (items,) leaves out (None: none may be); refuse the
+    wrong count, size or range."""
+    check_payload(payload, count=count, size=None, who=who)
+    check_skipped(payload, np.ones(count, dtype=bool) if entered is None else entered, who)
+    full = tuple(item for item in payload if item != SKIPPED)
+    check_payload(full, count=len(full), size=_ciphertext_bytes(key_bits), who=who)
+    values = [None if item == SKIPPED else int.from_bytes(item, "big") for item in payload]
+    if any(v is not None and not 0 < v < nsquare for v in values):
         raise IntegrityError(f"{who}: a ciphertext outside [1, n^2) (not a Paillier ciphertext).")
     return values
 
 
-def _write_ciphertexts(values: Sequence[int], key_bits: int) -> tuple[bytes, ...]:
+def _entered(
+    selection: Mapping[str, np.ndarray] | None, name: str, width: int, layout: PackingLayout
+) -> np.ndarray | None:
+    """Which items ``name``'s share fills, from its (T, B) selection (None: every item)."""
+    if selection is None:
+        return None
+    return entered_items(selection[name], width, layout.slots)
+
+
+def _write_ciphertexts(values: Sequence[int | None], key_bits: int) -> tuple[bytes, ...]:
     width = _ciphertext_bytes(key_bits)
-    return tuple(int(v).to_bytes(width, "big") for v in values)
+    return tuple(SKIPPED if v is None else int(v).to_bytes(width, "big") for v in values)
 
 
 class PaillierSender:
@@ -467,9 +487,14 @@ class PaillierSender:
         mine = selection[..., column]
         offset_values = (encoded + layout.offset).astype(np.uint64)
         slots = np.where(mine[..., None], offset_values[None], np.uint64(0))
-        ciphertexts = pool.encrypt(layout.pack(slots.reshape(-1)))
+        # A plaintext of slots it enters no sum with is not encrypted (SKIPPED): the public
+        # selection says which, not the values.
+        entered = entered_items(mine, values.shape[1], layout.slots)
+        packed = layout.pack(slots.reshape(-1))
+        ciphertexts = iter(pool.encrypt([p for p, e in zip(packed, entered, strict=True) if e]))
         sealed = _write_ciphertexts(
-            [c.ciphertext(be_secure=False) for c in ciphertexts], self.key_bits
+            [next(ciphertexts).ciphertext(be_secure=False) if e else None for e in entered],
+            self.key_bits,
         )
         self.seconds += time.perf_counter() - start
         return sealed
@@ -498,9 +523,13 @@ class PaillierAdder:
         selection: Mapping[str, np.ndarray] | None = None,
     ) -> tuple[bytes, ...]:
         start = time.perf_counter()
-        public, count = self._sealed_for(receiver, shape, parties)
+        public, layout, count = self._sealed_for(receiver, shape, parties)
         nsquare = gmpy2.mpz(public.nsquare)
-        totals: list[gmpy2.mpz] | None = None
+        if not payloads:
+            return ()
+        # An empty item (a sender's plaintext of slots it enters no sum with) adds nothing; an
+        # item nobody filled comes back empty.
+        totals: list[Any] = [None] * count
         for name, payload in payloads.items():
             values = _read_ciphertexts(
                 payload,
@@ -508,13 +537,16 @@ class PaillierAdder:
                 nsquare=public.nsquare,
                 count=count,
                 who=f"Paillier share from {name}",
+                entered=_entered(selection, name, shape[2], layout),
             )
-            if totals is None:
-                totals = [gmpy2.mpz(v) for v in values]
-            else:
-                totals = [gmpy2.mul(t, v) % nsquare for t, v in zip(totals, values, strict=True)]
+            for i, value in enumerate(values):
+                if value is not None:
+                    total = totals[i]
+                    totals[i] = (
+                        gmpy2.mpz(value) if total is None else gmpy2.mul(total, value) % nsquare
+                    )
         self.seconds += time.perf_counter() - start
-        return _write_ciphertexts([int(t) for t in totals or []], self.key_bits)
+        return _write_ciphertexts(totals, self.key_bits)
 
     def check(
         self,
@@ -527,21 +559,24 @@ class PaillierAdder:
         selection: np.ndarray | None = None,
     ) -> None:
         start = time.perf_counter()
-        public, count = self._sealed_for(receiver, shape, parties)
+        public, layout, count = self._sealed_for(receiver, shape, parties)
         _read_ciphertexts(
             payload,
             key_bits=self.key_bits,
             nsquare=public.nsquare,
             count=count,
             who=f"Paillier share from {sender}",
+            entered=_entered(
+                None if selection is None else {sender: selection}, sender, shape[2], layout
+            ),
         )
         self.seconds += time.perf_counter() - start
 
     def _sealed_for(
         self, receiver: str, shape: tuple[int, int, int], parties: int
-    ) -> tuple[paillier.PaillierPublicKey, int]:
-        """``receiver``'s public key and how many ciphertexts seal (T, B, d) sums of
-        ``parties``."""
+    ) -> tuple[paillier.PaillierPublicKey, PackingLayout, int]:
+        """``receiver``'s public key, the packing of sums of ``parties`` and how many
+        ciphertexts seal (T, B, d) of them."""
         public = self._publics.get(receiver)
         if public is None:
             raise ProtocolError(f"no Paillier public key of {receiver} was announced.")
@@ -551,7 +586,7 @@ class PaillierAdder:
             fraction_bits=0,
             parties=parties,
         )
-        return public, layout.ciphertexts(shape[0] * shape[1] * shape[2])
+        return public, layout, layout.ciphertexts(shape[0] * shape[1] * shape[2])
 
 
 class PaillierReceiver:
@@ -610,8 +645,10 @@ class PaillierReceiver:
                 nsquare=self._public.nsquare,
                 count=layout.ciphertexts(values),
                 who="the Paillier sum",
+                entered=entered_items(counts > 0, width, layout.slots),
             )
-            plaintexts = [self._private.raw_decrypt(c) for c in ciphertexts]
+            # An item nobody filled came back empty: its slots sum to 0 over 0 contributors.
+            plaintexts = [0 if c is None else self._private.raw_decrypt(c) for c in ciphertexts]
             sums = open_slots(plaintexts, layout, counts, shape, key_bits=self.key_bits)
         self.seconds += time.perf_counter() - start
         return sums

@@ -422,8 +422,8 @@ def test_the_aggregator_refuses_a_share_whose_empty_chunks_are_not_its_selection
         return [sent[1], sent[1], sent[2]]
 
     for rewrite, found in (
-        (emptied, "ciphertext 2 from .*found it empty"),
-        (filled, "ciphertext 0 from .*an empty one expected"),
+        (emptied, "share from party-1: item 2: .*found it empty"),
+        (filled, "share from party-1: item 0: an empty one .*expected"),
     ):
         parties = SumParties(CkksAggregator(), layers=[ShareTap(member, rewrite)])
         with pytest.raises(IntegrityError, match=found):

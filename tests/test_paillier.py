@@ -40,7 +40,7 @@ from secure_vfl.errors import (
     OutOfRangeError,
     ProtocolError,
 )
-from secure_vfl.federation.aggregator import PlainAggregator, SumBackend
+from secure_vfl.federation.aggregator import PlainAggregator, SumBackend, entered_items
 from secure_vfl.federation.messages import (
     Message,
     PublicKeyMessage,
@@ -268,10 +268,15 @@ def test_obfuscators_come_from_the_pool_and_are_never_reused() -> None:
     pool = senders[0].pool(RECEIVER)  # type: ignore[union-attr]
     assert (len(pool), pool.generated) == (20, 20)
     parties.combine(messages, selection)
-    used = aggregator.layout(4).ciphertexts(2 * 16 * 8)
-    assert (len(pool), pool.generated) == (20 - used, 20)
-    seen = [c for m in parties.crossed(SealedMessage) for c in ciphertexts(m)]
-    assert len(seen) == 4 * used and len(set(seen)) == len(seen)
+    # One obfuscator per plaintext a party fills; one it enters no sum in is left empty.
+    filled = [
+        int(entered_items(selection[..., k].numpy(), 8, aggregator.layout(4).slots).sum())
+        for k in range(4)
+    ]
+    assert 0 < filled[0] <= aggregator.layout(4).ciphertexts(2 * 16 * 8)
+    assert (len(pool), pool.generated) == (20 - filled[0], 20)
+    seen = [c for m in parties.crossed(SealedMessage) for c in ciphertexts(m) if c]
+    assert len(seen) == sum(filled) and len(set(seen)) == len(seen)
     pool.draw(len(pool) + 3)  # a shortfall refills on demand
     assert (len(pool), pool.generated) == (0, 23)
 
@@ -367,3 +372,55 @@ def test_laser_trained_through_paillier_matches_laser_trained_in_the_clear(
     assert all(
         torch.allclose(a, b, atol=1e-5, rtol=1e-4) for a, b in zip(plain, secure, strict=True)
     )
+
+
+class Items:
+    """A channel layer that rewrites ``sender``'s sealed share's items in transit."""
+
+    def __init__(self, sender: str, rewrite: Callable[[list[bytes]], list[bytes]]) -> None:
+        self.sender, self.rewrite = sender, rewrite
+
+    def on_message(self, message):  # type: ignore[no-untyped-def]
+        if not isinstance(message, SealedMessage) or message.sender != self.sender:
+            return message
+        return dataclasses.replace(message, payload=tuple(self.rewrite(list(message.payload))))
+
+
+def test_a_plaintext_a_party_enters_no_sum_in_is_not_encrypted_and_its_layout_checked() -> None:
+    """A step's sums per part (the label party's own term, the block of the others): each
+    party fills some of the packed plaintexts only, and encrypting the others (zeros) cost a
+    full encryption each. They go empty (the public selection says which), add as nothing,
+    and the sums are those of the plain sum; an empty item where its values go, or a full one
+    where none do, is refused at the aggregation server naming its sender and the item."""
+    messages, _ = full_batch(3, batch=32, width=16, tasks=2)
+    selection = torch.zeros(2, 32, 4, dtype=torch.bool)
+    selection[0, :, 0] = True  # the receiver's own term
+    selection[1, :, 1:] = True  # the block of the others
+    aggregator = paillier_aggregator()
+    parties = SumParties(aggregator)
+    plain = combine(PlainAggregator(), messages, selection)
+    assert torch.allclose(parties.combine(messages, selection).sums, plain, atol=4 * 2.0**-16)
+    slots = aggregator.layout(4).slots
+    payloads = {m.sender: m.payload for m in parties.crossed(SealedMessage)}
+    for k, name in enumerate(PARTIES):
+        entered = entered_items(selection[..., k].numpy(), 16, slots)
+        assert [bool(item) for item in payloads[name]] == entered.tolist()
+        assert 0 < entered.sum() < entered.size  # some left empty, some filled
+    member = PARTIES[1]
+    entered = entered_items(selection[..., 1].numpy(), 16, slots)
+    full, empty = int(entered.argmax()), int((~entered).argmax())
+
+    def emptied(items: list[bytes]) -> list[bytes]:
+        return [b"" if i == full else item for i, item in enumerate(items)]
+
+    def filled(items: list[bytes]) -> list[bytes]:
+        return [items[full] if i == empty else item for i, item in enumerate(items)]
+
+    for rewrite, said in (
+        (emptied, rf"share from {member}: item {full}: .*found it empty"),
+        (filled, rf"share from {member}: item {empty}: an empty one .*expected"),
+    ):
+        with pytest.raises(IntegrityError, match=said):
+            SumParties(paillier_aggregator(), layers=[Items(member, rewrite)]).combine(
+                messages, selection
+            )

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from secure_vfl.errors import ProtocolError
+from secure_vfl.errors import IntegrityError, ProtocolError
 from secure_vfl.federation.messages import (
     AGGREGATOR,
     KeyRequest,
@@ -238,6 +238,39 @@ def sum_members(message: SealedSumMessage) -> SumMembers:
             message.session, message.receiver, message.round, message.batch_id, message.tag
         ),
     )
+
+
+SKIPPED = b""
+"""An item of a sealed payload (a ciphertext) that holds none of its sender's values: which
+items those are follows from the public selection (:func:`entered_items`), so a sender leaves
+them empty instead of encrypting zeros, the adder adds them as nothing, and an item of sums
+nobody entered comes back empty."""
+
+
+def entered_items(entered: np.ndarray, width: int, per_item: int) -> np.ndarray:
+    """Which items of a sealed (T, B, ``width``) layout, ``per_item`` values to an item in C
+    order, hold a value of a (T, B) sum that ``entered`` flags (a contributor's selection
+    column; or the sums with members, counts > 0): (items,) bool."""
+    filled = np.repeat(np.asarray(entered, dtype=bool).reshape(-1), width)
+    count = -(-filled.size // per_item)
+    padded = np.zeros(count * per_item, dtype=bool)
+    padded[: filled.size] = filled
+    return np.asarray(padded.reshape(count, per_item).any(axis=1))
+
+
+def check_skipped(payload: Sequence[bytes], entered: np.ndarray, who: str) -> None:
+    """Refuse (IntegrityError) a payload whose empty items (:data:`SKIPPED`) are not exactly
+    those ``entered`` (items,) leaves out: an empty one where values go (a term missing from
+    sums that count it), or a full one where none do (it would add to sums it is not in)."""
+    for i, (item, filled) in enumerate(zip(payload, entered, strict=True)):
+        if (item == SKIPPED) == bool(filled):
+            found = "it empty" if filled else f"{len(item)} bytes"
+            expected = (
+                "one of its values (its selection enters sums there)"
+                if filled
+                else "an empty one (no sum it enters has a value there)"
+            )
+            raise IntegrityError(f"{who}: item {i}: {expected} expected, found {found}.")
 
 
 def check_payload(payload: tuple[bytes, ...], *, count: int, size: int | None, who: str) -> None:
