@@ -16,9 +16,9 @@ rows, and it must sit at chance); both are tested.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -42,6 +42,38 @@ EPSILON_NOTE = (
     "messages the run's worst party is at inf."
 )
 """What a sweep's and a suite's epsilon column is, said under its table."""
+SCORED, DIVERGED, NOT_APPLICABLE = "scored", "diverged", "not applicable"
+"""A sweep's or a suite's run's ``status``: scored; its training diverged (``step`` says where,
+where known: a result of its defense's setting); or its defense does not apply to the task."""
+
+
+def status_text(outcome: Mapping[str, Any]) -> str:
+    """A run's ``status`` (with its ``step``) as a sweep or a suite shows it: ``diverged at step
+    12`` (``diverged`` where no step is known), ``not applicable`` or ``scored``."""
+    if outcome["status"] == DIVERGED and outcome["step"] is not None:
+        return f"{DIVERGED} at step {outcome['step']}"
+    return str(outcome["status"])
+
+
+def unscored_text(name: str, outcome: Mapping[str, Any], why: str) -> str:
+    """The line that says why the run ``name`` was not scored: ``name (diverged at step 3):
+    why``, or ``name: not applicable: why``."""
+    if outcome["status"] == DIVERGED:
+        return f"{name} ({status_text(outcome)}): {why}"
+    return f"{name}: {why}"
+
+
+def unscored_note(diverged_steps: Sequence[int | None], not_applicable: int) -> str:
+    """What a table's cell adds for the runs not scored: `` (2 diverged at steps 3, 5; 1 not
+    applicable)`` (the steps known of the runs that diverged), or nothing."""
+    said = []
+    if diverged_steps:
+        steps = ", ".join(str(step) for step in diverged_steps if step is not None)
+        at = f" at step{'s' if ',' in steps else ''} {steps}" if steps else ""
+        said.append(f"{len(diverged_steps)} {DIVERGED}{at}")
+    if not_applicable:
+        said.append(f"{not_applicable} {NOT_APPLICABLE}")
+    return f" ({'; '.join(said)})" if said else ""
 
 
 def balanced_accuracy(predicted: np.ndarray, labels: np.ndarray) -> float:

@@ -1,17 +1,29 @@
 """The attack suite: every attack that applies to a task, undefended and under each defense,
 scored as VFLAIR does (Zou et al., ICLR 2024): per (attack, defense) the DCS; per attack kind and
 defense the T-DCS, the mean DCS of that kind's attacks; per defense the C-DCS, the mean of its
-T-DCS over the kinds."""
+T-DCS over the kinds.
+
+A run not scored is ``diverged`` (its training did not survive the defense's setting: a result,
+said with the step where it diverged) or ``not applicable`` (the defense does not apply to the
+task); the report's ``unscored`` says which, its lists and its T-DCS table too.
+"""
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from attacks.base import ATTACKS, EPSILON_NOTE
+from attacks.base import (
+    ATTACKS,
+    DIVERGED,
+    EPSILON_NOTE,
+    NOT_APPLICABLE,
+    unscored_note,
+    unscored_text,
+)
 from attacks.runner import AttackResult, defense_as_taken, run_attack
 from protocols.privacy import PrivacySpec
 from secure_vfl.data.vertical import VerticalData
@@ -24,11 +36,14 @@ UNDEFENDED = "none"
 
 @dataclass(frozen=True)
 class SuiteReport:
-    """Every run of a suite, the attacks skipped (with why) and the scores."""
+    """Every run of a suite, the attacks skipped (with why), the runs not scored (with why,
+    and whether they diverged or do not apply) and the scores."""
 
     runs: list[dict[str, Any]]
     skipped: dict[str, str]
-    failed: dict[str, str]  # "attack / defense" -> why (e.g. training diverged under DP noise)
+    failed: dict[str, str]  # "attack / defense" -> why it was not scored
+    # "attack / defense" -> {"status": DIVERGED or NOT_APPLICABLE, "step": where it diverged}
+    unscored: dict[str, dict[str, Any]]
     t_dcs: dict[str, dict[str, float]]  # defense -> kind -> T-DCS
     c_dcs: dict[str, float]  # defense -> C-DCS
     t_dcs_chance: dict[str, dict[str, float]]
@@ -39,6 +54,7 @@ class SuiteReport:
             "runs": self.runs,
             "skipped": self.skipped,
             "failed": self.failed,
+            "unscored": self.unscored,
             "t_dcs": self.t_dcs,
             "c_dcs": self.c_dcs,
             "t_dcs_chance": self.t_dcs_chance,
@@ -93,8 +109,8 @@ def run_suite(
     undefended and under each defense (one spec each, e.g. ``dp-gradients:1:0.01``) added to
     ``privacy`` (its DP accounting: delta, adjacency; default none);
     ``on_run(attack, defense, result)`` after each. An unknown attack or a malformed defense is
-    refused (ConfigError) before anything runs; a defense that does not apply to a run is
-    listed with why, as a run that diverges is."""
+    refused (ConfigError) before anything runs; a run whose training diverges, or whose defense
+    does not apply, is not scored but listed with why (and which it is, in ``unscored``)."""
     for name, given in (("attacks", attacks), ("defenses", defenses)):
         if isinstance(given, str):  # its letters would be taken as names
             raise ConfigError(f"`{name}` must be a list of names. Found the str {given!r}.")
@@ -133,6 +149,7 @@ def run_suite(
         )
     runs = []
     failed: dict[str, str] = {}
+    unscored: dict[str, dict[str, Any]] = {}
     for name in names:
         kind = ATTACKS.get(name)().kind
         for defense in (UNDEFENDED, *defenses):
@@ -148,9 +165,11 @@ def run_suite(
                     )
             except DivergenceError as error:  # it says so, where, and what to try
                 failed[f"{name} / {defense}"] = str(error)
+                unscored[f"{name} / {defense}"] = {"status": DIVERGED, "step": error.step}
                 continue
             except ConfigError as error:  # the defense does not apply to this method
                 failed[f"{name} / {defense}"] = f"not applicable: {error}"
+                unscored[f"{name} / {defense}"] = {"status": NOT_APPLICABLE, "step": None}
                 continue
             if on_run is not None:
                 on_run(name, defense, result)
@@ -179,7 +198,29 @@ def run_suite(
     t_dcs, c_dcs = _scores(runs, "dcs")
     t_chance, c_chance = _scores(runs, "dcs_chance")
     skipped = {name: why for name, why in verdicts.items() if why is not None}
-    return SuiteReport(runs, skipped, failed, t_dcs, c_dcs, t_chance, c_chance)
+    return SuiteReport(runs, skipped, failed, unscored, t_dcs, c_dcs, t_chance, c_chance)
+
+
+def unscored_lines(report: SuiteReport, status: str) -> list[str]:
+    """Each run of ``report`` not scored for ``status`` (diverged, not applicable), with why:
+    ``attack / defense (diverged at step 3): training diverged ...``."""
+    return [
+        unscored_text(run, outcome, report.failed[run])
+        for run, outcome in report.unscored.items()
+        if outcome["status"] == status
+    ]
+
+
+def _defense_note(report: SuiteReport, defense: str) -> str:
+    """What the T-DCS table says of ``defense``'s runs not scored, its scores being over the
+    others: `` (1 diverged at step 3; 2 not applicable)``, or nothing."""
+    mine: list[Mapping[str, Any]] = [
+        outcome for run, outcome in report.unscored.items() if run.split(" / ", 1)[1] == defense
+    ]
+    return unscored_note(
+        [m["step"] for m in mine if m["status"] == DIVERGED],
+        sum(m["status"] == NOT_APPLICABLE for m in mine),
+    )
 
 
 def markdown(report: SuiteReport, *, command: str) -> str:
@@ -224,17 +265,28 @@ def markdown(report: SuiteReport, *, command: str) -> str:
             for k in kinds
         ]
         lines.append(
-            f"| {defense} | "
+            f"| {defense}{_defense_note(report, defense)} | "
             + " | ".join(cells)
             + f" | {report.c_dcs[defense]:.3f} ({report.c_dcs_chance[defense]:.3f}) |"
         )
+    if report.runs:  # a defense no run of which was scored: its row, with why
+        unscored = dict.fromkeys(run.split(" / ", 1)[1] for run in report.unscored)
+        for defense in (d for d in unscored if d not in report.t_dcs):
+            lines.append(
+                f"| {defense}{_defense_note(report, defense)} |" + " - |" * (len(kinds) + 1)
+            )
     warned = [(run, text) for run in report.runs for text in run.get("warnings", [])]
     if warned:
         lines += ["", "Warnings (a run's scores may mean little):", ""]
         lines += [f"- {run['attack']} / {run['defense']}: {text}" for run, text in warned]
-    if report.failed:
-        lines += ["", "Runs that failed or do not apply (not scored):", ""]
-        lines += [f"- {run}: {why}" for run, why in report.failed.items()]
+    diverged = unscored_lines(report, DIVERGED)
+    if diverged:
+        lines += ["", "Runs that diverged (a result of the defense's setting, not scored):", ""]
+        lines += [f"- {line}" for line in diverged]
+    not_applicable = unscored_lines(report, NOT_APPLICABLE)
+    if not_applicable:
+        lines += ["", "Runs not scored (the defense does not apply):", ""]
+        lines += [f"- {line}" for line in not_applicable]
     if report.skipped:
         lines += ["", "Not applicable to this run:", ""]
         lines += [f"- {name}: {why}" for name, why in report.skipped.items()]

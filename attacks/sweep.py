@@ -30,7 +30,15 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
-from attacks.base import ATTACKS, EPSILON_NOTE
+from attacks.base import (
+    ATTACKS,
+    DIVERGED,
+    EPSILON_NOTE,
+    NOT_APPLICABLE,
+    SCORED,
+    unscored_note,
+    unscored_text,
+)
 from protocols.privacy import PrivacySpec
 from secure_vfl import checks
 from secure_vfl.errors import ConfigError, DivergenceError, run_warnings
@@ -41,9 +49,6 @@ PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*$")
 UNDEFENDED = "none"
 MAX_RUNS = 100_000
 """The most runs (settings x seeds) a sweep takes: more is a typo, not a sweep."""
-SCORED, DIVERGED, NOT_APPLICABLE = "scored", "diverged", "not applicable"
-"""A run's ``status``: scored; its training diverged (``step`` says where, where known); or its
-defense does not apply to the task."""
 
 
 @dataclass(frozen=True)
@@ -351,32 +356,9 @@ def run_sweep(
     return _executor_map(jobs, workers=workers, executor=executor, on_done=on_done)()
 
 
-def status_text(row: Mapping[str, Any]) -> str:
-    """A run's status as the sweep shows it: ``diverged at step 12`` (``diverged`` where no step
-    is known), ``not applicable`` or ``scored``."""
-    if row["status"] == DIVERGED and row["step"] is not None:
-        return f"{DIVERGED} at step {row['step']}"
-    return str(row["status"])
-
-
 def unscored_line(row: Mapping[str, Any]) -> str:
     """The line that says why a run was not scored: its setting, seed, status and error."""
-    if row["status"] == DIVERGED:
-        return f"{row['defense']} seed {row['seed']} ({status_text(row)}): {row['failed']}"
-    return f"{row['defense']} seed {row['seed']}: {row['failed']}"
-
-
-def _unscored_cell(row: Mapping[str, Any]) -> str:
-    """What a table row's seeds cell adds for the runs of its setting not scored:
-    `` (2 diverged at steps 3, 5; 1 not applicable)``, or nothing."""
-    said = []
-    if row["diverged"]:
-        steps = ", ".join(str(step) for step in row["diverged_steps"] if step is not None)
-        at = f" at step{'s' if ',' in steps else ''} {steps}" if steps else ""
-        said.append(f"{row['diverged']} {DIVERGED}{at}")
-    if row["not_applicable"]:
-        said.append(f"{row['not_applicable']} {NOT_APPLICABLE}")
-    return f" ({'; '.join(said)})" if said else ""
+    return unscored_text(f"{row['defense']} seed {row['seed']}", row, row["failed"])
 
 
 def _mean_sd(values: Sequence[float]) -> tuple[float, float]:
@@ -451,13 +433,12 @@ def markdown(
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in table:
+        failed = unscored_note(row["diverged_steps"], row["not_applicable"])
         if not row["seeds"]:
             lines.append(
-                f"| {row['template']} | {row['setting']} | 0{_unscored_cell(row)} "
-                "| - | - | - | - | - | - |"
+                f"| {row['template']} | {row['setting']} | 0{failed} | - | - | - | - | - | - |"
             )
             continue
-        failed = _unscored_cell(row)
         epsilon = row["epsilon"]
         shown = "-" if epsilon is None else ("inf" if math.isinf(epsilon) else f"{epsilon:.2f}")
 

@@ -2589,7 +2589,8 @@ def _release_refusal(found: str) -> ConfigError:
 
 
 def run_sweep_command(args: argparse.Namespace) -> int:
-    from attacks.sweep import DIVERGED, SCORED, parse_grid, run_sweep, unscored_line, write_sweep
+    from attacks.base import DIVERGED, SCORED
+    from attacks.sweep import parse_grid, run_sweep, unscored_line, write_sweep
 
     if args.release == "dp":
         raise _release_refusal("sweep")
@@ -2664,7 +2665,8 @@ def run_sweep_command(args: argparse.Namespace) -> int:
 
 def _run_suite_command(args: argparse.Namespace, config: Any) -> int:
     from attacks import ATTACKS
-    from attacks.suite import markdown, run_suite
+    from attacks.base import DIVERGED, NOT_APPLICABLE
+    from attacks.suite import markdown, run_suite, unscored_lines
     from secure_vfl.io import atomic_write_json, atomic_write_text
 
     out = _run_out(args, Path("runs") / f"suite-{config.method}-{config.data_name}")
@@ -2729,6 +2731,8 @@ def _run_suite_command(args: argparse.Namespace, config: Any) -> int:
             atomic_write_json(out / "suite.json", report.to_json())
         store.replace_runs(out, entries)  # a suite written again replaces all its runs
     print(text)
+    for line in [*unscored_lines(report, DIVERGED), *unscored_lines(report, NOT_APPLICABLE)]:
+        print(line, file=sys.stderr)
     _print_warnings(
         [
             f"{run['attack']} / {run['defense']}: {party_named(warning, mapping)}"
@@ -2737,9 +2741,10 @@ def _run_suite_command(args: argparse.Namespace, config: Any) -> int:
         ]
     )
     if not report.runs:
+        diverged = sum(o["status"] == DIVERGED for o in report.unscored.values())
         print(
-            f"secure-vfl: error: no run of the suite was scored ({len(report.failed)} failed or "
-            f"do not apply); see {out / 'suite.md'}.",
+            f"secure-vfl: error: no run of the suite was scored ({diverged} {DIVERGED}, "
+            f"{len(report.unscored) - diverged} {NOT_APPLICABLE}); see {out / 'suite.md'}.",
             file=sys.stderr,
         )
         return 1

@@ -102,7 +102,7 @@ def test_a_diverged_run_is_reported_not_scored(monkeypatch: pytest.MonkeyPatch) 
     report = suite.run_suite(_direct(), defenses=["dp-gradients:9:1"])
     assert {r["defense"] for r in report.runs} == {"none"}
     assert "diverged" in report.failed["direct-label-inference / dp-gradients:9:1"]
-    assert "Runs that failed" in suite.markdown(report, command="test")
+    assert "Runs that diverged" in suite.markdown(report, command="test")
 
 
 def test_a_defense_that_does_not_apply_to_the_method_is_reported() -> None:
@@ -287,3 +287,51 @@ def test_a_refused_or_interrupted_suite_leaves_the_store_and_the_report_as_they_
     monkeypatch.setattr(suite, "run_suite", interrupted)
     assert main([*argv, "--overwrite"]) == 130
     assert store.rows() == before and (out / "suite.md").read_bytes() == report
+
+
+def test_a_diverged_run_is_shown_as_diverged_with_its_step_apart_from_a_defense_that_does_not_apply(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The suite lumped a run whose training diverged (here: gradient noise of std 1e30
+    overflows at the first step) with one whose defense does not apply (Marvell on ten
+    classes) under "failed": a result of the defense's setting read as a fault. Its JSON, its
+    tables, the lists under them and what the command prints say which, and the step."""
+    real = suite.run_suite
+
+    def one_attack(config: TrainConfig, **kwargs: Any) -> Any:
+        return real(config, attacks=["direct-label-inference"], **kwargs)
+
+    monkeypatch.setattr(suite, "run_suite", one_attack)
+    out = tmp_path / "suite"
+    argv = [*SUITE_ARGV, "--defense", "dp-gradients:1e30:0.01", "--defense", "marvell:4"]
+    assert main([*argv, "--out", str(out)]) == 0
+    report = json.loads((out / "suite.json").read_text())
+    diverged, other = (
+        "direct-label-inference / dp-gradients:1e30:0.01",
+        "direct-label-inference / marvell:4",
+    )
+    assert report["unscored"] == {
+        diverged: {"status": "diverged", "step": 1},
+        other: {"status": "not applicable", "step": None},
+    }
+    assert "training diverged" in report["failed"][diverged]  # why, as before
+    text = (out / "suite.md").read_text()
+    assert "failed" not in text
+    assert f"- {diverged} (diverged at step 1): training diverged" in text
+    assert f"- {other}: not applicable: marvell protects binary tasks" in text
+    # the defenses no run of which was scored are in the T-DCS table, with why
+    assert "| dp-gradients:1e30:0.01 (1 diverged at step 1) | - |" in text
+    assert "| marvell:4 (1 not applicable) | - |" in text
+    err = capsys.readouterr().err
+    assert f"{diverged} (diverged at step 1): training diverged" in err
+    assert f"{other}: not applicable: marvell" in err
+
+    def unscored(config: TrainConfig, name: str, **kwargs: Any) -> Any:
+        if kwargs["defenses"]:
+            raise ConfigError("marvell protects binary tasks; found 10 classes.")
+        raise DivergenceError("training diverged: at step 3", step=3)
+
+    monkeypatch.setattr(suite, "run_attack", unscored)
+    assert main([*argv, "--out", str(tmp_path / "none")]) == 1
+    err = capsys.readouterr().err
+    assert "no run of the suite was scored (1 diverged, 2 not applicable)" in err
