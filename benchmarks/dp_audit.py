@@ -35,7 +35,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from _shared import RESULTS, command_line, output_directory, quick_marked, write_outputs
+from _shared import RESULTS, command_line, output_directory, quick_marked, verdict, write_outputs
 
 from attacks.dp_audit import GUESS_COUNTS, audit_ceiling, audit_label_dp
 from secure_vfl.cli import non_negative_int, open_probability, positive_float, positive_int
@@ -138,7 +138,7 @@ def _table(rows: Sequence[dict[str, Any]]) -> str:
 def render(
     rows: Sequence[dict[str, Any]], args: argparse.Namespace, command: str, top: float
 ) -> str:
-    ok = all(expected(row) for row in rows)
+    ok = verdict(all(expected(row) for row in rows), args.quick, ("yes", "NO"))
     dp = [row for row in rows if row["kind"] == "dp"]
     ratio = max(row["epsilon_lower"] / row["claimed_epsilon"] for row in dp)
     return (
@@ -157,7 +157,7 @@ def render(
         f"{rows[0]['canaries']} canaries can show (every guess right). The DP noise is fresh "
         "every run (secure generator): figures vary a little between invocations.\n\n"
         f"{_table(rows)}\n\n"
-        f"All as expected: **{'yes' if ok else 'NO'}**. The DP runs' lower bounds reach at most "
+        f"All as expected: **{ok}**. The DP runs' lower bounds reach at most "
         f"{ratio:.0%} of their reported epsilon: the audit is sound but loose (the reported "
         "figure is the most-used record's, the two candidate labels move a clipped row by about "
         "1.5 C of the 2 C replace-one allows (softmax near uniform), and one run's canaries "

@@ -35,6 +35,7 @@ from _shared import (
     quick_marked,
     run_jobs,
     save_figure,
+    verdict,
     write_outputs,
 )
 
@@ -270,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         f"({counted(args.workers, 'worker')} x 1 thread; one run per cell: the DP noise is fresh "
         f"every run).\n\n{setup}\n\n{body}\n"
         f"Best `--release dp` run at epsilon <= 8 within 3 points of plaintext on every test "
-        f"missingness: **{'yes' if within else 'no'}**.\n"
+        f"missingness: **{verdict(within, args.quick, ('yes', 'no'))}**.\n"
     )
     text = quick_marked(text, args.quick)
     stem = "release_frontier_quick" if args.quick else "release_frontier"

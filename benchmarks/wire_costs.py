@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 import numpy as np
-from _shared import RESULTS, command_line, output_directory, quick_marked, write_outputs
+from _shared import RESULTS, command_line, output_directory, quick_marked, verdict, write_outputs
 
 from secure_vfl.cli import positive_int
 
@@ -337,11 +337,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 else "not installed | - |"
             )
         )
-    met = all(row["codec_share"] <= TARGET for row in rows)
+    met = verdict(all(row["codec_share"] <= TARGET for row in rows), args.quick, ("met", "MISSED"))
     lines += [
         "",
         f"Target: encoding + decoding at most {100 * TARGET:.0f} % of a step: "
-        f"{'met' if met else 'MISSED'}. Medians of {repeats} repeats of {steps} steps; the "
+        f"{met}. Medians of {repeats} repeats of {steps} steps; the "
         "share is measured within each repeat (codec seconds / step seconds). Load average "
         f"(1 min) {load[0]:.1f} before and {load[1]:.1f} after, on {os.cpu_count()} CPUs: other "
         "work on the machine slows the step and the codec alike, not always in proportion.",

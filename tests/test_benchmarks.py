@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -396,3 +397,62 @@ def test_deploy_costs_quick_calls_one_repeat_no_median_and_its_verdicts_a_smoke_
     assert verdicts and all(line.endswith("(smoke run) |") for line in verdicts), verdicts
     full = _table([{**r, "repeats": 3} for r in rows], [], load, 3, quick=False)
     assert "Medians of 3 repeats" in full and "smoke run" not in full
+
+
+def test_every_quick_verdict_says_it_is_a_smoke_run(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """wire_costs' "Target ...: met/MISSED", false_table's and psi_costs' target lines,
+    release_frontier's "**yes/no**" and dp_audit's "All as expected: **yes**" read, in a
+    --quick run, as the committed report's verdicts, the smoke-run note far above them. Each
+    through its real --quick path where that is cheap (the measurements stubbed), and each
+    full run's verdict as before."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import dp_audit
+    import false_table
+    import psi_costs
+    import release_frontier
+    import wire_costs
+
+    def measured(heads: str, *, steps: int, repeats: int) -> dict[str, Any]:
+        return {"heads": heads, "steps": steps, "repeats": repeats, "codec_share": 0.05,
+                "step_ms": 10.0, "codec_ms_per_step": 0.5, "messages_per_step": 8.0,
+                "bytes_per_step": 4096.0, "back_to_back_codec_ms_per_step": 0.3,
+                "back_to_back_share": 0.03, "copies_step_ms": 10.0, "copies_ms_per_step": 0.2,
+                "copies_share": 0.02, "msgspec_step_ms": 10.0, "msgspec_ms_per_step": 0.3,
+                "msgspec_share": 0.03}  # fmt: skip
+
+    monkeypatch.setattr(wire_costs, "measure", measured)
+    assert wire_costs.main(["--quick", "--out", str(tmp_path / "wire")]) == 0
+    assert "of a step: met (smoke run)." in capsys.readouterr().out
+
+    def trained(job: Any, jobs: Any, *, workers: int) -> list[dict[str, Any]]:
+        return [{"dataset": plan.dataset, "setting": "aligned", "policy": policy,
+                 "target_epsilon": epsilon, "diverged": None, "noise": None,
+                 "accuracy": {t: 90.0 for t in plan.test_missing},
+                 "epsilon": {"party-0": epsilon} if epsilon else {}}
+                for plan, policy, epsilon, *_ in jobs]  # fmt: skip
+
+    monkeypatch.setattr(release_frontier, "run_jobs", trained)
+    monkeypatch.setattr(release_frontier, "plot", lambda *args: None)
+    assert release_frontier.main(["--quick", "--out", str(tmp_path / "frontier")]) == 0
+    assert "on every test missingness: **yes (smoke run)**." in capsys.readouterr().out
+
+    def audited(args: Any) -> list[dict[str, Any]]:
+        return [{"seed": 0, "kind": "dp", "sigma": 2.0, "claimed_epsilon": 3.0,
+                 "claim_from_sigma": 2.0, "guesses": 100, "correct": 60, "epsilon_lower": 0.5,
+                 "passed": True, "canaries": 1438}]  # fmt: skip
+
+    monkeypatch.setattr(dp_audit, "run", audited)
+    assert dp_audit.main(["--quick", "--out", str(tmp_path / "audit")]) == 0
+    assert "All as expected: **yes (smoke run)**." in capsys.readouterr().out
+
+    results = [{"variant": variant, "seed": 0, "accuracy": dict.fromkeys(false_table.PATTERNS, a)}
+               for variant, a in (("FALSE-VFL-I", 70.0), ("Vanilla VFL", 60.0))]  # fmt: skip
+    assert "): met (smoke run) — FALSE-VFL-I" in false_table.table(results, quick=True)[0]
+    assert "): met — FALSE-VFL-I" in false_table.table(results, quick=False)[0]
+
+    rows = [{"ids": psi_costs.TARGET_SIZE, "mode": "intersection", "ratio": 0.7,
+             "ours_cores_busy": 2.0, "cpu_ratio": 1.1}]  # fmt: skip
+    assert "**missed (smoke run)**, 0.70x" in psi_costs.target_line(rows, quick=True)
+    assert "**missed**, 0.70x" in psi_costs.target_line(rows, quick=False)
