@@ -30,7 +30,6 @@ import numpy as np
 from _shared import RESULTS, command_line, output_directory, quick_marked, write_outputs
 
 from secure_vfl.cli import parties_count
-from secure_vfl.io import counted
 
 METHODS = ["local", "standard", "ensemble", "plugvfl", "laser", "combinatorial"]
 
@@ -176,7 +175,12 @@ def main(argv: list[str] | None = None) -> int:
         "Satellite (4435 training rows), train p_miss 0.1, batch 128, torch threads: "
         f"{', '.join(str(t) for t in sorted({r['threads'] for r in results}))} (torch's default "
         "in each run's process). "
-        f"Epoch time is the median over {counted(epochs, 'epoch')}; peak memory is the "
+        + (
+            f"Epoch time is the median over {epochs} epochs"
+            if epochs > 1
+            else "Epoch time is that of the one epoch (no median)"
+        )
+        + "; peak memory is the "
         "process's maximum RSS growth once data is loaded"
         + (" (not shown: a smoke run's configurations share one process)." if args.quick else "."),
         "",

@@ -315,11 +315,13 @@ def dp_lines(dp: dict[str, Any], command: str) -> list[str]:
     ]
     before = ", ".join(f"{x:.2f}" for x in dp["load_average_before"])
     after = ", ".join(f"{x:.2f}" for x in dp["load_average_after"])
+    run = "median wall time of a whole run" if dp["repeats"] > 1 else "wall time of its one run"
     lines += [
         f"Command: `{command}`. One thread; {counted(dp['repeats'], 'round')} of one run per "
-        "protection, interleaved. Run: median wall time of a whole run (training, prediction, "
-        "the privacy report); step: median time of a training step (every step but each run's "
-        f"first). Load average (1, 5, 15 min) before: {before}; after: {after} (2 cores, shared).",
+        f"protection, interleaved. Run: {run} (training, prediction, the privacy report)"
+        f"{'' if dp['repeats'] > 1 else ', no median'}; step: median time of a training step "
+        "(every step but each run's first). Load average (1, 5, 15 min) before: "
+        f"{before}; after: {after} (2 cores, shared).",
         "",
         "| protection | run | ratio | step | ratio | accuracy % | max epsilon (delta 1e-5) |",
         "|---|---|---|---|---|---|---|",

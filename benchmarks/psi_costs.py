@@ -274,12 +274,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.repeats_above is not None
         else ""
     )
+    once = args.repeats == 1 and (args.repeats_above is None or args.repeats_above[1] == 1)
+    over = "one run each (no median)" if once else f"medians over {repeats_note}"
+    load = "" if once else " (median)"
     lines = [
         "# PSI costs: our DH-PSI (X25519) against openmined-psi",
         "",
         f"Command: `{command.strip()}`  ",
         f"Two sets of N random ids, N/2 shared (seed {args.seed}); both roles in one process; "
-        f"each run in a fresh process; medians over {repeats_note}. Ours: "
+        f"each run in a fresh process; {over}. Ours: "
         f"{counted(rows[0]['workers'], 'worker process', 'worker processes')} on a "
         f"{os.cpu_count()}-core machine; openmined-psi "
         f"{openmined.__version__}: P-256, RAW data structure (the exact setting: the server's "
@@ -287,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
         "processes. Peak RSS growth: the high-water resident set above the process's before "
         "the run (imports and ids loaded); workers' peak counts pages shared with the main "
         "process. Cores busy: our CPU s over wall s (2.0 when both cores were ours); load "
-        "before: the machine's 1-minute load average before the runs (median), as other "
+        f"before: the machine's 1-minute load average before the runs{load}, as other "
         "people's jobs share this machine.",
         "",
         *table(rows),

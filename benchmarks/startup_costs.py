@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from _shared import RESULTS, command_line, output_directory, quick_marked, write_outputs
+from _shared import RESULTS, command_line, medians_of, output_directory, quick_marked, write_outputs
 
 from secure_vfl.cli import positive_int
 
@@ -97,7 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     lines += [
         "",
-        f"Medians of {repeats} interleaved repeats, on {os.cpu_count()} CPUs. A served party "
+        f"{medians_of(repeats)}{', the cases interleaved' if repeats > 1 else ''}, on "
+        f"{os.cpu_count()} CPUs. A served party "
         f"imports {', '.join(SERVED)}; with DP-SGD also protocols.dp_sgd (Opacus).",
     ]
     text = "\n".join(lines) + "\n"

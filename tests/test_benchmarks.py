@@ -456,3 +456,32 @@ def test_every_quick_verdict_says_it_is_a_smoke_run(
              "ours_cores_busy": 2.0, "cpu_ratio": 1.1}]  # fmt: skip
     assert "**missed (smoke run)**, 0.70x" in psi_costs.target_line(rows, quick=True)
     assert "**missed**, 0.70x" in psi_costs.target_line(rows, quick=False)
+
+
+def test_a_quick_run_calls_no_single_measurement_a_median(
+    quick_run: tuple[subprocess.CompletedProcess[str], Path],
+) -> None:
+    """laser_speed --quick said "the median over 1 epoch", startup_costs "Medians of 1
+    interleaved repeats" and psi_costs "medians over 1 repeat": one value is no median."""
+    import re
+
+    done, _ = quick_run
+    said = re.findall(r"\bmedians? (?:over|of) 1 [\w ]*", done.stdout, flags=re.IGNORECASE)
+    assert not said, said
+
+
+def test_protocol_costs_calls_one_dp_run_no_median(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The DP section of a --quick run (one run per protection) gave each protection's "median
+    wall time of a whole run": the time of its one run."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from protocol_costs import dp_lines
+
+    row = {"protection": "none", "seconds": 2.0, "step_s": 0.01, "accuracy": 80.0,
+           "max_epsilon": None, "diverged": []}  # fmt: skip
+    dp = {"epochs": 1, "repeats": 1, "load_average_before": [0.5] * 3,
+          "load_average_after": [0.6] * 3, "rows": [row], "all_diverged": {}}  # fmt: skip
+    quick = "\n".join(dp_lines(dp, "protocol_costs.py --quick"))
+    assert "median wall time" not in quick and "no median" in quick, quick
+    assert "step: median time of a training step" in quick  # over the run's steps
+    full = "\n".join(dp_lines({**dp, "repeats": 3}, "protocol_costs.py"))
+    assert "Run: median wall time of a whole run" in full and "no median" not in full
