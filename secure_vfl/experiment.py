@@ -1103,8 +1103,9 @@ def fit_and_score(
     on_round: Callable[[int, float], None] | None,
 ) -> tuple[list[float], Score]:
     """``imputer.fit`` over ``rounds`` FedAvg rounds, then ``score()``; a client's values that
-    ran off to NaN or infinity raise DivergenceError, with the FedAvg round and what to try
-    (a message's own round counts messages, not FedAvg rounds)."""
+    ran off to NaN or infinity, or past what its secure sums encode, raise DivergenceError,
+    with the FedAvg round (its ``step``; None where it diverged after the last, in scoring)
+    and what to try (a message's own round counts messages, not FedAvg rounds)."""
     done = 0
 
     def round_done(round: int, rmse: float) -> None:
@@ -1117,10 +1118,16 @@ def fit_and_score(
         curve = imputer.fit(on_round=round_done)
         return list(curve), score()
     except NonFiniteError as error:
-        when = "after its last FedAvg round" if done >= rounds else f"in FedAvg round {done + 1}"
+        step = None if done >= rounds else done + 1
+        when = "after its last FedAvg round" if step is None else f"in FedAvg round {step}"
         raise DivergenceError(
-            f"imputation diverged {when}: {str(error).rstrip('.')}; {IMPUTATION_ADVICE}."
+            f"imputation diverged {when}: {str(error).rstrip('.')}; {IMPUTATION_ADVICE}.",
+            step=step,
         ) from None
+    except DivergenceError as error:  # a client's update past what its secure sums encode
+        if error.step is not None or done >= rounds:
+            raise
+        raise DivergenceError(f"in FedAvg round {done + 1}, {error}", step=done + 1) from None
 
 
 def check_task(config: ImputeRunConfig, task: ImputationTask) -> None:

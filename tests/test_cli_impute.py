@@ -679,6 +679,19 @@ def test_an_imputation_that_diverges_says_in_which_fedavg_round_and_what_to_try(
     assert not out.exists()
 
 
+def test_an_imputation_that_diverges_carries_its_fedavg_round_as_its_step() -> None:
+    """Its DivergenceError named the FedAvg round in its text only (step None), so a caller
+    could not report where it diverged without reading the message, as it can a training's."""
+    from secure_vfl.errors import DivergenceError
+
+    config = ImputeRunConfig(
+        method="fedhf", dataset="ozone", impute_config=ImputeConfig(rounds=2, lr=1e6)
+    )
+    with pytest.raises(DivergenceError, match="in FedAvg round 1: ") as raised:
+        run_imputation(config)
+    assert raised.value.step == 1
+
+
 def test_one_client_file_is_refused_as_one_file(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

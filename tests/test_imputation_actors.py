@@ -695,8 +695,10 @@ def test_a_secure_imputation_that_diverges_says_so_in_its_own_flags() -> None:
         impute_config=ImputeConfig(rounds=3, local_epochs=1, hidden=16, lr=1e30),
     )
     said = (
-        r"^the imputation diverged: client-\d's contribution to the masks sums of server has "
-        r".*, beyond what they encode, \|value\| <= .*; try a lower --lr or fewer --local-epochs\.$"
+        r"^in FedAvg round 1, the imputation diverged: client-\d's contribution to the masks sums "
+        r"of server has .*, beyond what they encode, \|value\| <= .*; try a lower --lr or fewer "
+        r"--local-epochs\.$"
     )
-    with pytest.raises(DivergenceError, match=said):
+    with pytest.raises(DivergenceError, match=said) as raised:
         run_imputation(config, task=synthetic_task(seed=0), aggregator=MaskingAggregator())
+    assert raised.value.step == 1  # the FedAvg round, for a caller to report (it had none)
