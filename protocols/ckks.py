@@ -37,7 +37,8 @@ Promises (semi-honest parties, non-colluding aggregator): the aggregator and the
 ciphertexts under the receiver's key; the receiver learns only sums over >= 2 contributors (a
 sum over one is refused before any state changes); each (receiver, round, batch id, tag) context
 is served once. CKKS gives **no integrity**: ciphertexts are malleable and carry no MAC. A
-ciphertext whose bytes no longer parse is refused (:class:`IntegrityError`), and a decrypted sum
+ciphertext whose bytes no longer parse, or sealed at a scale no sender of the run uses, is
+refused on arrival at the aggregator (:class:`IntegrityError`), and a decrypted sum
 outside what honest inputs can produce (|sum| > contributors * max_magnitude + bound, or a
 nonzero slot nobody entered) is refused too, which catches garbage and the wrong secret key with
 overwhelming probability; but a valid ciphertext of a small shift added in transit moves the
@@ -112,6 +113,18 @@ def public_context_max_bytes(poly_modulus_degree: int, coeff_mod_bit_sizes: Sequ
     defaults; measured 256.2 KiB), plus 64 KiB for the parameters and the serialization's
     framing."""
     return 2 * poly_modulus_degree * 8 * len(coeff_mod_bit_sizes) + 64 * 1024
+
+
+def scale_text(scale: float) -> str:
+    """``scale`` as 2^s when it is a power of two, else as a number."""
+    bits = math.log2(scale) if math.isfinite(scale) and scale > 0 else None
+    return f"2^{int(bits)}" if bits is not None and bits.is_integer() else f"{scale:.6g}"
+
+
+def ciphertext_scale(vector: ts.CKKSVector) -> float:
+    """The scale ``vector`` was sealed at (tenseal's own ``CKKSVector.scale()`` does not reach
+    it)."""
+    return float(vector.data.ciphertext()[0].scale)
 
 
 def load_public_context(
@@ -250,7 +263,11 @@ class CkksAggregator:
         )
 
     def adder(self) -> CkksAdder:
-        return CkksAdder(slots=self.slots, modulus_bits=tuple(self.coeff_mod_bit_sizes))
+        return CkksAdder(
+            slots=self.slots,
+            modulus_bits=tuple(self.coeff_mod_bit_sizes),
+            scale_bits=self.scale_bits,
+        )
 
     def receiver(self) -> CkksReceiver:
         """A fresh receiver half: its own secret context."""
@@ -318,16 +335,18 @@ def add_ciphertexts(
     values: int,
     slots: int,
     entered: Mapping[str, np.ndarray] | None = None,
+    scale_bits: tuple[int, int] | None = None,
 ) -> list[bytes]:
     """Slot-wise homomorphic sums of every contributor's ciphertexts of ``values`` values,
     ``slots`` to a ciphertext (public context only). A contributor leaves empty
-    (:data:`SKIPPED`) exactly the ciphertexts its selection puts none of its values in:
-    ``entered[name]`` (ciphertexts,) bool, from the public selection (:func:`entered_chunks`;
-    None: every ciphertext is entered). An empty one adds nothing, and a chunk nobody entered
-    sums to an empty one. An empty ciphertext where it entered (its term would be missing from
-    sums that count it), a full one where it did not (it would add to sums it is not in), and a
-    ciphertext of another size or scale than the first contributor's are IntegrityErrors
-    naming its sender."""
+    (:data:`~secure_vfl.federation.aggregator.SKIPPED`) exactly the ciphertexts its selection
+    puts none of its values in: ``entered[name]`` (ciphertexts,) bool, from the public
+    selection (:func:`~secure_vfl.federation.aggregator.entered_items`; None: every ciphertext
+    is entered). An empty one adds nothing, and a chunk nobody entered sums to an empty one. An empty ciphertext where it entered (its term would be missing from
+    sums that count it), a full one where it did not (it would add to sums it is not in), a
+    ciphertext of another size or of a scale outside ``scale_bits`` (:func:`check_ciphertexts`),
+    and one of another scale than the first contributor's are IntegrityErrors naming its
+    sender."""
     count = -(-values // slots)
     for name, sent in arrived.items():
         if len(sent) != count:
@@ -344,7 +363,9 @@ def add_ciphertexts(
         for name, sent in arrived.items():
             if sent[i] == SKIPPED:
                 continue
-            vector = _load_values(public, sent, i, values=values, slots=slots, name=name)
+            vector = _load_values(
+                public, sent, i, values=values, slots=slots, name=name, scale_bits=scale_bits
+            )
             if total is None:
                 total = vector
                 continue
@@ -366,11 +387,13 @@ def check_ciphertexts(
     slots: int,
     name: str,
     entered: np.ndarray | None = None,
+    scale_bits: tuple[int, int] | None = None,
 ) -> None:
     """Refuse (IntegrityError) ``name``'s ciphertexts unless they are as many as seal
     ``values`` values, ``slots`` to a ciphertext, empty exactly where ``entered`` (ciphertexts,)
     says its selection puts none of its values (None: nowhere), and each other deserializes to
-    its share of them."""
+    its share of them, sealed at a scale 2^s with s in ``scale_bits`` (least, most), the
+    scales this run's senders may use (None: not checked)."""
     count = -(-values // slots)
     if len(sent) != count:
         raise IntegrityError(f"{count} ciphertexts expected from {name}, found {len(sent)}.")
@@ -378,19 +401,38 @@ def check_ciphertexts(
     check_skipped(sent, filled, f"CKKS share from {name}")
     for i in range(count):
         if sent[i] != SKIPPED:
-            _load_values(public, sent, i, values=values, slots=slots, name=name)
+            _load_values(
+                public, sent, i, values=values, slots=slots, name=name, scale_bits=scale_bits
+            )
 
 
 def _load_values(
-    public: ts.Context, sent: Sequence[bytes], i: int, *, values: int, slots: int, name: str
+    public: ts.Context,
+    sent: Sequence[bytes],
+    i: int,
+    *,
+    values: int,
+    slots: int,
+    name: str,
+    scale_bits: tuple[int, int] | None,
 ) -> ts.CKKSVector:
-    """Ciphertext ``i`` of ``sent``; IntegrityError unless it holds the values it must."""
+    """Ciphertext ``i`` of ``sent``; IntegrityError unless it holds the values it must, sealed
+    at 2^s with s in ``scale_bits`` (None: not checked)."""
     size = min(slots, values - i * slots)
     vector = load_vector(public, sent[i], f"from {name}")
     if vector.size() != size:
         raise IntegrityError(
             f"CKKS ciphertext {i} from {name}: {size} values expected, found {vector.size()}."
         )
+    if scale_bits is not None:
+        least, most = scale_bits
+        scale = ciphertext_scale(vector)
+        if scale not in {float(2**bits) for bits in range(least, most + 1)}:
+            raise IntegrityError(
+                f"CKKS ciphertext {i} from {name}: sealed at a scale of 2^s with s in "
+                f"[{least}, {most}] expected (the scales this run's senders use), found "
+                f"{scale_text(scale)}."
+            )
     return vector
 
 
@@ -543,10 +585,14 @@ class CkksSender:
 
 
 class CkksAdder:
-    """The aggregator's half: adds ciphertexts with only each receiver's public context."""
+    """The aggregator's half: adds ciphertexts with only each receiver's public context.
+    ``scale_bits`` is the run's configured scale: a sender seals at it, or at a smaller one
+    (down to 2^:data:`MIN_SCALE_BITS`) that a DP run's range leaves room for
+    (:func:`scale_bits_for`), so a ciphertext at any other scale is refused on arrival."""
 
-    def __init__(self, *, slots: int, modulus_bits: tuple[int, ...]) -> None:
+    def __init__(self, *, slots: int, modulus_bits: tuple[int, ...], scale_bits: int) -> None:
         self.slots, self.modulus_bits = slots, modulus_bits
+        self.scale_bits = (MIN_SCALE_BITS, scale_bits)
         self._publics: dict[str, ts.Context] = {}
         self.seconds = 0.0
         self.max_key_bytes = public_context_max_bytes(2 * slots, modulus_bits)
@@ -575,8 +621,9 @@ class CkksAdder:
             entered = {
                 name: entered_items(selection[name], shape[2], self.slots) for name in payloads
             }
+        values = shape[0] * shape[1] * shape[2]
         summed = tuple(
-            add_ciphertexts(public, payloads, shape[0] * shape[1] * shape[2], self.slots, entered)
+            add_ciphertexts(public, payloads, values, self.slots, entered, self.scale_bits)
         )
         self.seconds += time.perf_counter() - start
         return summed
@@ -596,9 +643,8 @@ class CkksAdder:
         if public is None:
             raise ProtocolError(f"no CKKS public context of {receiver} was announced.")
         entered = None if selection is None else entered_items(selection, shape[2], self.slots)
-        check_ciphertexts(
-            public, payload, shape[0] * shape[1] * shape[2], self.slots, sender, entered
-        )
+        values = shape[0] * shape[1] * shape[2]
+        check_ciphertexts(public, payload, values, self.slots, sender, entered, self.scale_bits)
         self.seconds += time.perf_counter() - start
 
 

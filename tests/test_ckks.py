@@ -12,6 +12,7 @@ import pytest
 import tenseal as ts
 import torch
 from aggregator_contract import (
+    AGGREGATOR,
     PARTIES,
     SecureAggregatorContract,
     SumParties,
@@ -34,6 +35,8 @@ from secure_vfl.federation.messages import (
     RepresentationMessage,
     SealedMessage,
     SealedSumMessage,
+    SumMessage,
+    SumRequest,
 )
 from secure_vfl.methods import MethodConfig
 from secure_vfl.methods.base import in_process_parties
@@ -249,7 +252,7 @@ def test_a_share_of_another_size_or_scale_is_refused_naming_its_sender() -> None
     for rewrite, pattern in [
         (replaced(3, 40), r"ciphertext 0 from party-1: \d+ values expected, found \d+"),
         # Below the scales a sender may use (at least 2**30): it cannot be the honest one's.
-        (replaced(0, 25), "ciphertext 0 from party-1 does not add"),
+        (replaced(0, 25), r"ciphertext 0 from party-1: sealed at a scale of 2\^s .* found 2\^25"),
     ]:
         parties = SumParties(CkksAggregator(), layers=[Tap(PARTIES[1], rewrite)])
         receiver = parties.parties[PARTIES[0]]
@@ -257,6 +260,64 @@ def test_a_share_of_another_size_or_scale_is_refused_naming_its_sender() -> None
         public["ckks"] = load_public_context(receiver.opener.public_key())
         with pytest.raises(IntegrityError, match=pattern):
             parties.combine(messages, selection)
+
+
+@pytest.mark.parametrize("scale_bits", [25, 41])
+@pytest.mark.parametrize("order", ["request first", "shares first"])
+def test_a_share_sealed_at_another_scale_is_refused_on_arrival_naming_its_sender(
+    order: str, scale_bits: int
+) -> None:
+    """A share sealed at a scale no sender of the run uses (below 2^30, or above its 2^40)
+    passed the server's check of each share and failed only when the shares were added: with
+    the request first, the refusal fell on the last share to come (an honest party blamed), the
+    request was dropped and the bad share stayed kept. Refused on arrival naming its sender,
+    nothing of it kept, the request still waiting for the honest share."""
+    messages, selection = full_batch(10)
+    selection[0, 0, :] = True
+    public: dict[str, ts.Context] = {}
+    sealed: list[SealedMessage] = []
+
+    class Rescale:
+        def on_message(self, message):  # type: ignore[no-untyped-def]
+            # Party-1's first share only: sent again, it crosses intact.
+            if not isinstance(message, SealedMessage) or message.sender != PARTIES[1] or sealed:
+                return message
+            sealed.append(message)
+            first, *rest = message.payload
+            size = ts.ckks_vector_from(public["ckks"], first).size()
+            vector = ts.ckks_vector(public["ckks"], [0.5] * size, scale=float(2**scale_bits))
+            return dataclasses.replace(message, payload=(bytes(vector.serialize()), *rest))
+
+    parties = SumParties(CkksAggregator(), layers=[Rescale()])
+    receiver = parties.parties[PARTIES[0]]
+    assert receiver.opener is not None
+    public["ckks"] = load_public_context(receiver.opener.public_key())
+    request = SumRequest(**parties._header(AGGREGATOR, 0, 0), **parties._plan(selection, ""))
+    refused = (
+        r"^aggregator: the sealed share from party-1 for round 0, batch 0, tag '' does not fit "
+        r"its sum: CKKS ciphertext 0 from party-1: sealed at a scale of 2\^s with s in \[30, 40\] "
+        rf"expected \(the scales this run's senders use\), found 2\^{scale_bits}\.$"
+    )
+    parties.contribute(messages)
+    if order == "request first":
+        parties.driver.send(request)
+        parties.seal(selection, only=[PARTIES[0]])
+        with pytest.raises(IntegrityError, match=refused):
+            parties.seal(selection, only=[PARTIES[1]])
+        parties.seal(selection, only=PARTIES[2:])  # the honest ones are not blamed
+        assert list(parties.server._waiting)  # the request still waits
+    else:
+        parties.seal(selection)
+        with pytest.raises(IntegrityError, match=refused):
+            parties.driver.send(request)
+        assert not parties.server._waiting
+    assert sorted(parties.server._sealed[""]) == [PARTIES[0], *PARTIES[2:]]
+    parties.channel.post(sealed[0], sender=parties.parties[PARTIES[1]])
+    if order == "shares first":
+        parties.driver.send(request)
+    summed = parties.driver.take("sum", sender=AGGREGATOR, round=0, batch_id=0, tag="")
+    assert isinstance(summed, SumMessage)
+    assert within_bound(summed.sums, messages, selection) <= 0.0
 
 
 def test_a_receivers_context_is_checked_against_the_runs_parameters() -> None:
