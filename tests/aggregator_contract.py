@@ -29,6 +29,7 @@ from secure_vfl.federation.messages import (
     Message,
     RepresentationMessage,
     SealedMessage,
+    SealedSumMessage,
     SealRequest,
     SumMessage,
     SumRequest,
@@ -146,6 +147,31 @@ class SumDriver(SecureSumParty):
                     tag=message.tag,
                 )
         super().send_all(messages)
+
+
+class TamperedSum:
+    """The aggregation server's outgoing hook that changes the first sum it sends: sums of
+    another width, or over other members (a plain sum shows them by its counts, a sealed one
+    by its parties); ``kept`` keeps the sum as it was."""
+
+    def __init__(self, fault: str) -> None:
+        self.fault = fault
+        self.kept: list[Message] = []
+
+    def on_message(self, message: Message) -> Message:
+        if message.kind not in ("sum", "sealed-sum") or self.kept:
+            return message
+        self.kept.append(message)
+        wider = self.fault == "another width"
+        if isinstance(message, SealedSumMessage):
+            if wider:
+                return dataclasses.replace(message, width=message.width + 1)
+            return dataclasses.replace(message, parties=message.parties[::-1])
+        assert isinstance(message, SumMessage)
+        if wider:
+            extra = torch.zeros(*message.sums.shape[:2], 1)
+            return dataclasses.replace(message, sums=torch.cat([message.sums, extra], dim=2))
+        return dataclasses.replace(message, counts=message.counts + 1)
 
 
 def vector_sum(

@@ -11,14 +11,17 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
+from aggregator_contract import TamperedSum
 from conftest import MakeData
 
+from protocols.ckks import CkksAggregator
 from protocols.secagg import MaskingAggregator
 from secure_vfl.data.vertical import VerticalData, labeled_subset
 from secure_vfl.errors import ConfigError, IntegrityError, ProtocolError
 from secure_vfl.federation.aggregator import PlainAggregator
 from secure_vfl.federation.channel import Channel, RecordingLayer
 from secure_vfl.federation.messages import (
+    AGGREGATOR,
     GradientMessage,
     LatentGradientMessage,
     LatentMessage,
@@ -831,3 +834,46 @@ def test_a_step_finds_its_rows_with_a_posterior_once(make_data: MakeData) -> Non
     method.train_step = stepped  # type: ignore[method-assign]
     method.fit()
     assert steps and plans == steps
+
+
+@pytest.mark.parametrize("fault", ["another width", "other members"])
+@pytest.mark.parametrize("backend", ["plain", "masks", "ckks"])
+def test_a_posterior_sum_not_as_asked_is_refused_before_it_is_opened_and_still_awaited(
+    make_data: MakeData, backend: str, fault: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The label party sliced its posterior sum as it came: one of another width was opened
+    (a decryption for nothing) and then split into means and precisions of the wrong width, one
+    over other members was taken as the posterior. Its width and members are checked against
+    what it asked for before its key opens it, and its expectation kept for the right sum."""
+    aggregator = {
+        "plain": PlainAggregator(),
+        "masks": MaskingAggregator(),
+        "ckks": CkksAggregator(),
+    }[backend]
+    config = dataclasses.replace(FAST, secure_sums=True)
+    method = _method(make_data(train_missing="mcar:0.3"), 1, config, aggregator=aggregator)
+    label = method.label_party
+    opened: list[int] = []
+    if label.opener is not None:
+        real_open = label.opener.open
+        monkeypatch.setattr(
+            label.opener, "open", lambda *a, **k: opened.append(1) or real_open(*a, **k)
+        )
+    server = method.fed.channel.parties[AGGREGATOR]
+    tamper = TamperedSum(fault)
+    server.outgoing.append(tamper)
+    said = (
+        r"width 12 \(what it asked for\) expected, found 13"
+        if fault == "another width"
+        else "its request selected expected, found other "
+        + ("counts" if backend == "plain" else "members")
+    )
+    with pytest.raises(
+        ProtocolError, match=rf"^party-0: the sum 'stage1' of round 0 from aggregator: .*{said}"
+    ):
+        method.train_step(np.arange(32), 0, 0)
+    assert opened == []  # its key did no work on it
+    original = tamper.kept[0]
+    method.fed.channel.post(original, sender=server)  # the right sum is still taken
+    summed = label.take("sum", sender=AGGREGATOR, round=0, batch_id=original.batch_id, tag="stage1")
+    assert isinstance(summed, SumMessage) and summed.sums.shape[2] == 2 * SMALL.latent_dim

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from aggregator_contract import TamperedSum
 from reachability import reachable
 from test_fedhf import synthetic_task
 from test_secure_split import BACKENDS, _secret
@@ -702,3 +703,43 @@ def test_a_secure_imputation_that_diverges_says_so_in_its_own_flags() -> None:
     with pytest.raises(DivergenceError, match=said) as raised:
         run_imputation(config, task=synthetic_task(seed=0), aggregator=MaskingAggregator())
     assert raised.value.step == 1  # the FedAvg round, for a caller to report (it had none)
+
+
+@pytest.mark.parametrize("fault", ["another width", "other members"])
+@pytest.mark.parametrize("backend", ["plain", *BACKENDS])
+def test_a_coordinators_sum_not_as_asked_is_refused_before_it_is_opened_and_still_awaited(
+    backend: str, fault: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The coordinator opened each sum it asked for before checking its width and clients
+    (under masks, one over other clients failed inside the opener, the masks not cancelling),
+    and its expectation was spent on the refused sum. Checked against what it asked for before
+    its key opens it; the right sum is still taken after."""
+    aggregator = PlainAggregator() if backend == "plain" else BACKENDS[backend]()
+    imputer = _imputer(aggregator)
+    coordinator = imputer.federation.own
+    opened: list[int] = []
+    if coordinator.opener is not None:
+        real_open = coordinator.opener.open
+        monkeypatch.setattr(
+            coordinator.opener, "open", lambda *a, **k: opened.append(1) or real_open(*a, **k)
+        )
+    server = imputer.federation.channel.parties[AGGREGATOR]
+    tamper = TamperedSum(fault)
+    server.outgoing.append(tamper)
+    said = (
+        r"sums of width (\d+) \(what it asked for\) expected, found \d+\."
+        if fault == "another width"
+        else "its request selected expected, found other "
+        + ("counts" if backend == "plain" else "members")
+    )
+    with pytest.raises(
+        ProtocolError, match=rf"^server: the sum '[^']*' of round \d+ from aggregator: .*{said}"
+    ):
+        imputer.fit()
+    assert opened == []  # its key did no work on it
+    original = tamper.kept[0]
+    imputer.federation.channel.post(original, sender=server)
+    summed = coordinator.take(
+        "sum", sender=AGGREGATOR, round=original.round, batch_id=original.batch_id, tag=original.tag
+    )
+    assert isinstance(summed, SumMessage)

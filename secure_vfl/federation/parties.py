@@ -557,10 +557,25 @@ class SecureSumParty(Party):
         self._held: dict[tuple[int, int, str, str], RepresentationMessage] = {}
         self._sealed = ContextLedger()
         self._key_sessions = KeySessions()
+        # The layout of each sum it asked for itself, by (round, batch id, tag): expect_sums.
+        self._sum_layouts: dict[tuple[int, int, str], SumLayout] = {}
         # What it sends for rows a sum cannot hide (release="dp"; None: it refuses to).
         self.exposure: ExposedRowRelease | None = None
 
     # -- secure sums: key set-up, sealing what it holds, opening what it is owed -------------
+
+    def expect_sums(self, layout: SumLayout, *, round: int, batch_id: int, tag: str) -> None:
+        """Expect the sums ``tag`` of ``(round, batch_id)`` it asks the aggregation server for
+        itself (:meth:`expect`), laid out as ``layout`` says: one that comes otherwise is
+        refused (ProtocolError) before its key opens it or its inbox keeps it, and the
+        expectation stays for the right one."""
+        self.expect("sum", senders=[AGGREGATOR], round=round, batch_id=batch_id, tag=tag)
+        self._sum_layouts[(round, batch_id, tag)] = layout
+
+    def abandon_expected(self, round: int) -> None:
+        super().abandon_expected(round)
+        for key in [key for key in self._sum_layouts if key[0] == round]:
+            del self._sum_layouts[key]
 
     def install(self, scheme: str, sealer: SenderHalf | None, opener: ReceiverHalf | None) -> None:
         """Take this party's halves of a secure-sum scheme (made inside it: their keys are its
@@ -756,9 +771,11 @@ class SecureSumParty(Party):
         )
 
     def check_sealed_sum(self, message: SealedSumMessage) -> None:
-        """Refuse a sealed sum it is owed whose header (width, tasks and rows, counts) does not
-        fit what it expects of it, before its key opens it. A party that keeps no such
-        expectation (the sums it asks for itself) has its program check the opened sum."""
+        """Refuse a sealed sum it is owed whose header (width, tasks and rows, members) does
+        not fit what it expects of it (:meth:`expect_sums`), before its key opens it."""
+        layout = self._sum_layouts.get((message.round, message.batch_id, message.tag))
+        if layout is not None:
+            layout.check(_sum_where(self.name, message), message)
 
     def on_sum(self, message: SumMessage) -> None:
         """A plain sum from the aggregation server, which it acts on (:meth:`take_sum`); under a
@@ -777,8 +794,14 @@ class SecureSumParty(Party):
 
     def take_sum(self, message: SumMessage) -> None:
         """A sum it is owed (plain, or opened) waits in its inbox until its program takes it
-        (if it asked for it: :meth:`keep`)."""
+        (if it asked for it: :meth:`keep`), once it fits the layout it asked for
+        (:meth:`expect_sums`)."""
+        key = (message.round, message.batch_id, message.tag)
+        layout = self._sum_layouts.get(key)
+        if layout is not None:
+            layout.check(_sum_where(self.name, message), message)
         self.keep(message)
+        self._sum_layouts.pop(key, None)
 
 
 def _check_from_aggregator(name: str, message: Message) -> None:
@@ -789,44 +812,87 @@ def _check_from_aggregator(name: str, message: Message) -> None:
         )
 
 
+def _sum_where(name: str, message: SumMessage | SealedSumMessage) -> str:
+    return f"{name}: the sum {message.tag!r} of round {message.round} from {message.sender}"
+
+
+def _sum_shape(message: SumMessage | SealedSumMessage) -> tuple[int, tuple[int, int]]:
+    """The width and (tasks, rows) of the sums ``message`` carries: a sealed one's by its
+    header, before it is opened."""
+    if isinstance(message, SealedSumMessage):
+        tasks, rows = message.selection.shape[:2]
+        return message.width, (int(tasks), int(rows))
+    tasks, rows, width = message.sums.shape
+    return int(width), (int(tasks), int(rows))
+
+
+@dataclasses.dataclass(frozen=True)
+class SumLayout:
+    """What a receiver expects of sums: (T, B, ``width``) sums, sum ``(t, b)`` over the
+    contributors ``selection[t, b, k]`` of ``parties`` names. The words of a refusal say where
+    each comes from: ``width_from`` (whose width), ``selected_by`` (who selected the members)
+    and ``axis`` (what the first axis counts)."""
+
+    selection: Tensor
+    parties: tuple[str, ...]
+    width: int
+    width_from: str = "what it asked for"
+    selected_by: str = "its request"
+    axis: str = "tasks"
+
+    def check(self, where: str, message: SumMessage | SealedSumMessage) -> None:
+        """Refuse (ProtocolError, after ``where``) sums of another width, (tasks, rows), or
+        members than this layout's; a sealed sum by its header, before it is opened."""
+        found_width, found = _sum_shape(message)
+        if found_width != self.width:
+            raise ProtocolError(
+                f"{where}: sums of width {self.width} ({self.width_from}) expected, found "
+                f"{found_width}."
+            )
+        expected = tuple(self.selection.shape[:2])
+        if found != expected:
+            raise ProtocolError(
+                f"{where}: sums of ({self.axis}, rows) {expected} expected, found {found}."
+            )
+        if not torch.equal(message.counts, self.selection.sum(dim=2)):
+            raise ProtocolError(
+                f"{where}: each sum over the contributors {self.selected_by} selected expected, "
+                "found other counts."
+            )
+        if isinstance(message, SealedSumMessage) and not (
+            message.parties == self.parties and torch.equal(message.selection, self.selection)
+        ):  # the members it is opened for: whose self-masks come off
+            raise ProtocolError(
+                f"{where}: each sum over exactly the contributors {self.selected_by} selected "
+                "expected, found other members."
+            )
+
+
 def _check_sum_fits(
     name: str, message: SumMessage | SealedSumMessage, task: HeadTask | PredictTask, width: int
 ) -> None:
     """Refuse a sum that is not the one ``task`` waits for: sums of the ``width`` its head
-    takes; a training task's sums of its tasks and rows, each over as many contributors as its
-    selection names; a prediction's, sums of the rows it predicts. A sealed sum is checked by
-    its header (its width and selection), before it is opened."""
-    where = f"{name}: the sum {message.tag!r} of round {message.round} from {message.sender}"
-    if isinstance(message, SealedSumMessage):
-        found_width, found = message.width, tuple(message.selection.shape[:2])
-    else:
-        found_width, found = message.sums.shape[2], tuple(message.sums.shape[:2])
+    takes; a training task's sums of its tasks and rows, each over the contributors its
+    selection names (:class:`SumLayout`); a prediction's, sums of the rows it predicts. A
+    sealed sum is checked by its header (its width and selection), before it is opened."""
+    where = _sum_where(name, message)
+    if isinstance(task, HeadTask):
+        # Sums per part when the task has parts (each task adds its parts'), else per task.
+        SumLayout(
+            selection=task.selection if task.parts is None else task.parts,
+            parties=task.parties,
+            width=width,
+            width_from="what its head takes",
+            selected_by="its task",
+            axis="tasks" if task.parts is None else "parts",
+        ).check(where, message)
+        return
+    found_width, found = _sum_shape(message)
     if found_width != width:
         raise ProtocolError(
             f"{where}: sums of width {width} (what its head takes) expected, found {found_width}."
         )
-    if isinstance(task, HeadTask):
-        # Sums per part when the task has parts (each task adds its parts'), else per task.
-        layout = task.selection if task.parts is None else task.parts
-        expected = tuple(layout.shape[:2])
-        if found != expected:
-            what = "tasks" if task.parts is None else "parts"
-            raise ProtocolError(
-                f"{where}: sums of ({what}, rows) {expected} expected, found {found}."
-            )
-        if not torch.equal(message.counts, layout.sum(dim=2)):
-            raise ProtocolError(
-                f"{where}: each sum over the contributors its task selected expected, found "
-                "other counts."
-            )
-        if isinstance(message, SealedSumMessage) and not (
-            message.parties == task.parties and torch.equal(message.selection, layout)
-        ):  # the members it is opened for: whose self-masks come off
-            raise ProtocolError(
-                f"{where}: each sum over exactly the contributors its task selected expected, "
-                "found other members."
-            )
-    elif (
+    if (
         task.positions.numel()
         and not 0 <= int(task.positions.min()) <= int(task.positions.max()) < found[1]
     ):
@@ -1195,18 +1261,20 @@ class DataParty(SecureSumParty):
         """Refuse a sealed sum for a task of its head that does not fit the task (as
         :meth:`take_sum` refuses an opened one), before its key opens it."""
         task = self._tasks.get((message.round, message.batch_id, message.tag))
-        if task is not None:
+        if task is None:
+            super().check_sealed_sum(message)
+        else:
             _check_sum_fits(self.name, message, task, self.heads[task.head].width)
 
     def take_sum(self, message: SumMessage) -> None:
         """A sum for a task of its head is acted on (the driver sends a task before asking
         for its sums, so the task is here first); any other waits in the inbox only if this
-        party asked for it (:meth:`keep`: FALSE-VFL's label party takes its posterior's sum
-        itself)."""
+        party asked for it, as it asked (:meth:`SecureSumParty.take_sum`: FALSE-VFL's label
+        party takes its posterior's sum itself)."""
         key = (message.round, message.batch_id, message.tag)
         task = self._tasks.get(key)
         if task is None:
-            self.keep(message)
+            super().take_sum(message)
             return
         _check_sum_fits(self.name, message, task, self.heads[task.head].width)
         del self._tasks[key]

@@ -104,7 +104,7 @@ from secure_vfl.federation.messages import (
     UpdateRequest,
     party_name,
 )
-from secure_vfl.federation.parties import ROLES, DataParty, Party, RoleFactory
+from secure_vfl.federation.parties import ROLES, DataParty, Party, RoleFactory, SumLayout
 from secure_vfl.federation.releases import ReleaseBlocks
 from secure_vfl.methods.base import (
     MAX_REPRESENTATION_DIM,
@@ -841,8 +841,15 @@ class FalseVflMethod:
         # representation requests: the aggregator serves the sum once the representations
         # (shares) it sums are in, and a party acts on its messages in their order (over the
         # network, one delivery), so it seals what it has just computed.
-        self.label_party.expect(
-            "sum", senders=[AGGREGATOR], round=round, batch_id=batch_id, tag=tag
+        self.label_party.expect_sums(
+            SumLayout(
+                selection=selection.unsqueeze(0),
+                parties=tuple(fed.names),
+                width=2 * self.options.latent_dim,  # each party's (mean, precision)
+            ),
+            round=round,
+            batch_id=batch_id,
+            tag=tag,
         )
         asked = fed.request_representations(
             split,

@@ -47,6 +47,7 @@ from secure_vfl.federation.messages import (
 from secure_vfl.federation.parties import (
     ROLES,
     SecureSumParty,
+    SumLayout,
     make_aggregation_server,
     ticket_issuer,
 )
@@ -288,7 +289,8 @@ class ImputationFederation:
 
         ``(round, tag)`` names the sum (secure backends never serve one context twice). Under a
         secure scheme each client is asked to seal what it kept; only the sum reaches the
-        coordinator, and one over other clients or of another width is refused.
+        coordinator, and one over other clients or of another width is refused before it is
+        opened (:meth:`~secure_vfl.federation.parties.SecureSumParty.expect_sums`).
         """
         parties = tuple(self.names if cohort is None else cohort)
         values = torch.from_numpy(np.array(arguments, dtype=np.float64).reshape(-1))
@@ -306,7 +308,12 @@ class ImputationFederation:
         selection = torch.ones(1, 1, len(parties), dtype=torch.bool)
         # Under a secure scheme each client first seals what it kept; then the aggregator adds.
         sealers = list(parties) if self.scheme else []
-        self.own.expect("sum", senders=[AGGREGATOR], round=round, batch_id=self.attempt, tag=tag)
+        self.own.expect_sums(
+            SumLayout(selection=selection, parties=parties, width=width),
+            round=round,
+            batch_id=self.attempt,
+            tag=tag,
+        )
         plan: dict[str, Any] = {
             "selection": selection,
             "parties": parties,
@@ -322,12 +329,6 @@ class ImputationFederation:
             SumMessage,
             self.own.take("sum", sender=AGGREGATOR, round=round, batch_id=self.attempt, tag=tag),
         )
-        if tuple(summed.sums.shape) != (1, 1, width) or summed.counts.tolist() != [[len(parties)]]:
-            raise ProtocolError(
-                f"{self.own.name}: the sum {tag!r} of {len(parties)} clients' {width} values "
-                f"expected, found sums of shape {tuple(summed.sums.shape)} over "
-                f"{summed.counts.tolist()} clients."
-            )
         return summed.sums[0, 0].numpy()
 
     def publish(
