@@ -456,5 +456,5 @@ def test_vector_sums_go_through_the_channel_and_the_aggregator() -> None:
     kinds = ["ticket-key", "representation", "representation", "sum-request", "sum"]
     assert recorder.kinds() == kinds
     assert all(m.round == 4 for m in recorder.messages[1:])
-    with pytest.raises(ProtocolError, match="width 2 expected, found 3"):
+    with pytest.raises(ProtocolError, match=r"of width 3, where .* \(from a\) are of width 2"):
         vector_sum(PlainAggregator(), {"a": torch.ones(2), "b": torch.ones(3)})

@@ -528,7 +528,9 @@ def test_feature_errors_of_another_width_are_refused() -> None:
     imputer.fit()
     standardisation = federated_statistics(task.train).standardisation
     width = wide_width(2 * len(task.features) + 1)
-    with pytest.raises(ProtocolError, match=f"from {name}: width {width} expected, found 14"):
+    # Refused on arrival, naming its sender, against the clients' kept before it.
+    said = rf"the representation from {name} .*: of width 14, where .* are of width {width}:"
+    with pytest.raises(ProtocolError, match=said):
         imputer.score(standardisation, seed=0, fraction=0.2)
 
 

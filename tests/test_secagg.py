@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 from aggregator_contract import (
+    AGGREGATOR,
     PARTIES,
     RECEIVER,
     AggregatorContract,
@@ -52,6 +53,8 @@ from secure_vfl.federation.messages import (
     RepresentationMessage,
     SealedMessage,
     SealedSumMessage,
+    SumMessage,
+    SumRequest,
 )
 from secure_vfl.methods import MethodConfig
 from secure_vfl.methods.base import in_process_parties
@@ -73,6 +76,62 @@ def ring(message: Message) -> np.ndarray:
 class TestPlainAggregatorContract(AggregatorContract):
     def make_aggregator(self) -> SumBackend:
         return PlainAggregator()
+
+    @pytest.mark.parametrize("order", ["request first", "representations first"])
+    @pytest.mark.parametrize("fault", ["another width", "rows outside the batch", "a row missing"])
+    def test_a_bad_representation_is_refused_naming_its_sender_and_nothing_of_it_kept(
+        self, order: str, fault: str
+    ) -> None:
+        """The server kept a plain representation before checking it against its sum: the sum
+        failed once the last representation or the request came (on that one's sender, and
+        a row missing named nobody), the request was lost and the bad representation stayed
+        kept. Refused as soon as its sum's request and it are both here (its width against
+        those kept for the sum on arrival), naming its sender; nothing of it is kept."""
+        messages, selection = full_batch(18)
+        good = messages[2]
+        if fault == "another width":
+            bad = dataclasses.replace(good, representation=torch.cat([good.representation] * 2, 1))
+            said = (
+                r"of width 16, where the representations kept for it \(from party-0, party-1\) "
+                r"are of width 8: representations of one width expected\."
+            )
+        elif fault == "rows outside the batch":
+            bad = dataclasses.replace(good, positions=good.positions + 16)
+            said = r"rows of a batch of 16 expected, found row 31\."
+        else:
+            row = int(torch.nonzero(selection[..., 2].any(dim=0))[0])
+            kept = good.positions != row
+            bad = dataclasses.replace(
+                good, positions=good.positions[kept], representation=good.representation[kept]
+            )
+            said = rf"the rows the sum selects of party-2 expected, found row {row} missing\."
+        parties = SumParties(self.make_aggregator())
+        request = SumRequest(**parties._header(AGGREGATOR, 0, 0), **parties._plan(selection, ""))
+        refused = (
+            r"^aggregator: the representation from party-2 for round 0, batch 0, tag '' does "
+            rf"not fit its sum: {said}$"
+        )
+        if order == "request first" or fault == "another width":
+            if order == "request first":
+                parties.driver.send(request)
+            parties.contribute(messages[:2])
+            with pytest.raises(ProtocolError, match=refused):
+                parties.contribute([bad])
+            parties.contribute([messages[3]])  # another's representation is not blamed
+            if order == "request first":
+                assert list(parties.server._waiting)  # the request still waits
+        else:
+            parties.contribute([*messages[:2], bad, messages[3]])
+            with pytest.raises(ProtocolError, match=refused):
+                parties.driver.send(request)
+            assert not parties.server._waiting
+        assert sorted(parties.server._contributions[""]) == [PARTIES[0], PARTIES[1], PARTIES[3]]
+        parties.contribute([good])  # sent again as its party made it: taken
+        if order == "representations first":
+            parties.driver.send(request)
+        summed = parties.driver.take("sum", sender=AGGREGATOR, round=0, batch_id=0, tag="")
+        assert isinstance(summed, SumMessage)
+        self.assert_close_to_oracle(summed.sums, messages, selection)
 
 
 class TestMaskingAggregatorContract(SecureAggregatorContract):

@@ -1419,12 +1419,6 @@ class AggregationServer(Party):
         """The driver's key of its session's tickets (:mod:`~secure_vfl.federation.tickets`)."""
         self._tickets.learn(message.session, message.key, by=self.name)
 
-    def _enter_batch(self, message: SealedMessage | RepresentationMessage) -> None:
-        """Check ``message``'s ticket, and that its batch is neither past nor abandoned
-        (:meth:`_admit`); move to its batch (the driver asked for it: only a ticket says so)."""
-        self._admit(message)
-        self._move_to((message.round, message.batch_id, message.phase))
-
     def _admit(self, message: SealedMessage | RepresentationMessage) -> None:
         """Refuse ``message`` without its ticket, or for a batch past or abandoned."""
         contribution = Contribution(
@@ -1505,41 +1499,84 @@ class AggregationServer(Party):
             )
         # A share of a sum already served is a replay: refused before it touches the batch.
         self._served.check(message.deliver_to, message.round, message.batch_id, message.tag)
+        self._take_contribution(message)
+
+    def on_representation(self, message: RepresentationMessage) -> None:
+        if self.adder is not None:
+            raise ProtocolError(
+                f"{self.name}: a representation in the clear from {message.sender}, but sums "
+                f"are sealed by {self.scheme!r} here; it refuses to see it."
+            )
+        self._take_contribution(message)
+
+    def _take_contribution(self, message: SealedMessage | RepresentationMessage) -> None:
+        """Check ``message``'s ticket and batch (:meth:`_admit`) and that it fits its sum
+        (:meth:`_check_contribution`), then move to its batch (the driver asked for it: only a
+        ticket says so), keep it and serve the requests it completes."""
         self._admit(message)
         batch = (message.round, message.batch_id, message.phase)
-        self._check_share(message, self._waiting.get((*batch, message.tag)))
+        waiting = [
+            request
+            for key, request in self._waiting.items()
+            if key[:3] == batch and self._source(request) == message.tag
+        ]
+        self._check_contribution(message, waiting)
         self._move_to(batch)
-        self._keep(self._sealed, message, "sealed shares")
+        store, what = self._store(message)
+        self._keep(store, message, what)
         self._serve_waiting(message.tag)
 
-    def _check_share(self, message: SealedMessage, request: SumRequest | None) -> None:
-        """Refuse a sealed share that cannot enter its sum, before anything of it is kept: of
-        another width or receiver than the shares kept for that sum; once the sum's
-        ``request`` is here too (None: not yet), from a party it does not select, for another
-        receiver, or with a payload that does not seal sums of its shape (the adder's
-        :meth:`~secure_vfl.federation.aggregator.AdderHalf.check`). Either way the refusal
-        names the share's sender."""
-        assert self.adder is not None
+    def _store(
+        self, message: SealedMessage | RepresentationMessage
+    ) -> tuple[dict[str, dict[str, Any]], str]:
+        """Where ``message``'s kind is kept for the current batch, and what it is called."""
+        if isinstance(message, SealedMessage):
+            return self._sealed, "sealed shares"
+        return self._contributions, "representations"
+
+    def _check_contribution(
+        self, message: SealedMessage | RepresentationMessage, requests: Sequence[SumRequest]
+    ) -> None:
+        """Refuse a contribution that cannot enter its sum, before anything of it is kept: of
+        another width (a share: or receiver) than those kept for that sum; and against each
+        of the sum ``requests`` here too (none: not yet), a share as :meth:`_check_share`
+        says, a representation as :meth:`_check_representation` says. Either way the refusal
+        names the contribution's sender."""
+        sealed = isinstance(message, SealedMessage)
+        noun = "sealed share" if sealed else "representation"
         where = (
-            f"{self.name}: the sealed share from {message.sender} for round {message.round}, "
+            f"{self.name}: the {noun} from {message.sender} for round {message.round}, "
             f"batch {message.batch_id}, tag {message.tag!r} does not fit its sum"
         )
         batch = (message.round, message.batch_id, message.phase)
-        kept = self._sealed.get(message.tag, {}) if batch == self._batch else {}
+        store, _ = self._store(message)
+        kept = store.get(message.tag, {}) if batch == self._batch else {}
         others = [m for m in kept.values() if m.sender != message.sender]
-        kept_from = f"the shares kept for it (from {', '.join(m.sender for m in others)})"
-        if others and message.width != others[0].width:
+        what = "shares" if sealed else "representations"
+        kept_from = f"the {what} kept for it (from {', '.join(m.sender for m in others)})"
+        width = _contribution_width(message)
+        if others and width != _contribution_width(others[0]):
             raise ProtocolError(
-                f"{where}: of width {message.width}, where {kept_from} are of width "
-                f"{others[0].width}: shares of one width expected."
+                f"{where}: of width {width}, where {kept_from} are of width "
+                f"{_contribution_width(others[0])}: {what} of one width expected."
             )
-        if others and message.deliver_to != others[0].deliver_to:
-            raise ProtocolError(
-                f"{where}: for {message.deliver_to}, where {kept_from} are for "
-                f"{others[0].deliver_to}: shares for one receiver expected."
-            )
-        if request is None:
-            return
+        if isinstance(message, SealedMessage):
+            if others and message.deliver_to != others[0].deliver_to:
+                raise ProtocolError(
+                    f"{where}: for {message.deliver_to}, where {kept_from} are for "
+                    f"{others[0].deliver_to}: shares for one receiver expected."
+                )
+            for request in requests:
+                self._check_share(where, message, request)
+        else:
+            for request in requests:
+                _check_representation(where, message, request)
+
+    def _check_share(self, where: str, message: SealedMessage, request: SumRequest) -> None:
+        """Refuse a sealed share from a party its sum's ``request`` does not select, for
+        another receiver, or with a payload that does not seal sums of its shape (the adder's
+        :meth:`~secure_vfl.federation.aggregator.AdderHalf.check`)."""
+        assert self.adder is not None
         selection = request.selection
         selected = [name for k, name in enumerate(request.parties) if bool(selection[..., k].any())]
         if message.sender not in selected:
@@ -1562,16 +1599,6 @@ class AggregationServer(Party):
             )
         except ProtocolError as error:  # IntegrityError included: said as the server's refusal
             raise type(error)(f"{where}: {error}") from None
-
-    def on_representation(self, message: RepresentationMessage) -> None:
-        if self.adder is not None:
-            raise ProtocolError(
-                f"{self.name}: a representation in the clear from {message.sender}, but sums "
-                f"are sealed by {self.scheme!r} here; it refuses to see it."
-            )
-        self._enter_batch(message)
-        self._keep(self._contributions, message, "representations")
-        self._serve_waiting(message.tag)
 
     def on_sum_request(self, request: SumRequest) -> None:
         """Serve the sum at once if every contribution it sums is here; else keep the request
@@ -1597,25 +1624,29 @@ class AggregationServer(Party):
                 f"{self.name}: a second request for the sum {request.tag!r} of round "
                 f"{request.round}, batch {request.batch_id} (a replay?)."
             )
-        if self.adder is not None and batch == self._batch:
-            self._check_kept_shares(request)
+        if batch == self._batch:
+            self._check_kept(request)
         if batch != self._batch or self._missing(request):
             self._waiting[key] = request
             return
         self._serve(request)
 
-    def _check_kept_shares(self, request: SumRequest) -> None:
-        """Check the shares kept for ``request``'s sum, which came before it, as a share that
-        comes after it is checked on arrival (:meth:`_check_share`). One that does not fit is
-        refused as that share would have been, and the request with it (nothing waits for a
-        sum that cannot be served): the share is dropped, and forgotten as taken, so the
-        server is as it was before it came; the request is not kept."""
-        for share in list(self._sealed.get(request.tag, {}).values()):
+    def _check_kept(self, request: SumRequest) -> None:
+        """Check the contributions kept for ``request``'s sum, which came before it, as one
+        that comes after it is checked on arrival (:meth:`_check_contribution`). One that does
+        not fit is refused as it would have been, and the request with it (nothing waits for a
+        sum that cannot be served): the contribution is dropped, and forgotten as taken, so
+        the server is as it was before it came; the request is not kept."""
+        store: dict[str, dict[str, Any]] = (
+            self._sealed if self.adder is not None else self._contributions
+        )
+        kept = store.get(self._source(request), {})
+        for message in list(kept.values()):
             try:
-                self._check_share(share, request)
+                self._check_contribution(message, [request])
             except ProtocolError:
-                del self._sealed[request.tag][share.sender]
-                self.receipts.forget(share)
+                del kept[message.sender]
+                self.receipts.forget(message)
                 raise
 
     def _source(self, request: SumRequest) -> str:
@@ -1681,7 +1712,7 @@ class AggregationServer(Party):
     def _add_sealed(self, request: SumRequest) -> None:
         """Combine the sealed shares of exactly the selected contributors, once per context
         (a sum over a single contributor was refused on arrival, :meth:`on_sum_request`; each
-        share was checked against the request, :meth:`_check_share`, before it was kept or
+        share was checked against the request, :meth:`_check_contribution`, before it was kept or
         before the request was)."""
         assert self.adder is not None
         selection = request.selection
@@ -1714,6 +1745,34 @@ class AggregationServer(Party):
                 payload=payload,
                 phase=request.phase,
             ),
+        )
+
+
+def _contribution_width(message: SealedMessage | RepresentationMessage) -> int:
+    if isinstance(message, SealedMessage):
+        return message.width
+    return int(message.representation.shape[1])
+
+
+def _check_representation(where: str, message: RepresentationMessage, request: SumRequest) -> None:
+    """Refuse a plain representation with rows outside the batch its sum's ``request``
+    sums, or without a row the request selects of its sender (a party the request does not
+    name is not added: nothing to check)."""
+    if message.sender not in request.parties:
+        return
+    selection = request.selection
+    batch = selection.shape[1]
+    positions = message.positions
+    if positions.numel() and int(positions.max()) >= batch:
+        raise ProtocolError(
+            f"{where}: rows of a batch of {batch} expected, found row {int(positions.max())}."
+        )
+    selected = selection[..., request.parties.index(message.sender)].any(dim=0)
+    selected[positions] = False
+    if bool(selected.any()):
+        raise ProtocolError(
+            f"{where}: the rows the sum selects of {message.sender} expected, found row "
+            f"{int(torch.nonzero(selected)[0])} missing."
         )
 
 
