@@ -623,9 +623,10 @@ def report(payload: dict[str, Any], size: RunSizes) -> str:
         "",
         "## PSI: ours (X25519, both cores) against openmined-psi (P-256, RAW, one thread)",
         "",
-        "Half the ids shared; each run in a fresh process; medians over repeats ("
+        "Half the ids shared; each run in a fresh process; medians over repeats where there "
+        "are several ("
         + ", ".join(f"{len(r['ours_seconds_all'])} at {r['ids']:,} ids" for r in psi_table)
-        + ").",
+        + "; of one, its only measurement).",
         "",
         *psi_table_lines(psi_table),
         "",

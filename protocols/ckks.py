@@ -342,11 +342,11 @@ def add_ciphertexts(
     (:data:`~secure_vfl.federation.aggregator.SKIPPED`) exactly the ciphertexts its selection
     puts none of its values in: ``entered[name]`` (ciphertexts,) bool, from the public
     selection (:func:`~secure_vfl.federation.aggregator.entered_items`; None: every ciphertext
-    is entered). An empty one adds nothing, and a chunk nobody entered sums to an empty one. An empty ciphertext where it entered (its term would be missing from
-    sums that count it), a full one where it did not (it would add to sums it is not in), a
-    ciphertext of another size or of a scale outside ``scale_bits`` (:func:`check_ciphertexts`),
-    and one of another scale than the first contributor's are IntegrityErrors naming its
-    sender."""
+    is entered). An empty one adds nothing, and a chunk nobody entered sums to an empty one.
+    An empty ciphertext where it entered (its term would be missing from sums that count it), a
+    full one where it did not (it would add to sums it is not in), a ciphertext of another size
+    or of a scale outside ``scale_bits`` (:func:`check_ciphertexts`), and one of another scale
+    than the first contributor's are IntegrityErrors naming its sender."""
     count = -(-values // slots)
     for name, sent in arrived.items():
         if len(sent) != count:
