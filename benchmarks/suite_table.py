@@ -26,6 +26,7 @@ from typing import Any
 
 from _shared import RESULTS, command_line, output_directory, quick_marked, run_jobs, write_outputs
 
+from attacks.base import status_text
 from secure_vfl.cli import positive_int
 
 DEFENSES = (
@@ -174,16 +175,21 @@ def render(results: list[dict[str, Any]], command: str) -> str:
                 if defense in r["report"]["c_dcs_chance"]
             ]
             lines.append(f"| {defense} | {_mean_sd(c_dcs[defense])} | {_mean_sd(chance)} |")
-        notes: dict[tuple[str, str], list[int]] = {}  # (what, why) -> the seeds it was so
+        notes: dict[tuple[str, str, str], list[int]] = {}  # (what, status, why) -> its seeds
         for result in mine:
             report = result["report"]
-            for name, why in {**report["skipped"], **report["failed"]}.items():
-                notes.setdefault((name, why), []).append(result["seed"])
+            unscored = report.get("unscored", {})  # absent from reports before it was kept
+            for name, why in report["skipped"].items():
+                notes.setdefault((name, "skipped", why), []).append(result["seed"])
+            for name, why in report["failed"].items():
+                status = status_text(unscored[name]) if name in unscored else ""
+                notes.setdefault((name, status, why), []).append(result["seed"])
         if notes:
             lines += ["", "Not scored:", ""]
-            for (name, why), seeds in notes.items():
-                at = "" if len(seeds) == len(mine) else f" (seed {', '.join(map(str, seeds))})"
-                lines.append(f"- {name}{at}: {why}")
+            for (name, status, why), seeds in notes.items():
+                at = "" if len(seeds) == len(mine) else f"seed {', '.join(map(str, seeds))}"
+                said = "; ".join(part for part in (status, at) if part)
+                lines.append(f"- {name}{f' ({said})' if said else ''}: {why}")
         lines.append("")
     missing = results[0]["missing"] if results else []
     if missing:

@@ -485,3 +485,48 @@ def test_protocol_costs_calls_one_dp_run_no_median(monkeypatch: pytest.MonkeyPat
     assert "step: median time of a training step" in quick  # over the run's steps
     full = "\n".join(dp_lines({**dp, "repeats": 3}, "protocol_costs.py"))
     assert "Run: median wall time of a whole run" in full and "no median" not in full
+
+
+def test_the_suite_tables_not_scored_list_says_which_diverged_and_which_do_not_apply(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its "Not scored" list put a skipped attack, a run whose training diverged and a defense
+    that does not apply alike, only the why telling them apart; it says which each is, and
+    reads a report written before the suite kept ``unscored``."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import suite_table
+
+    label = suite_table.TASKS[0][0]
+    run = {
+        "attack": "a",
+        "defense": "none",
+        "metric": "auc",
+        "value": 0.9,
+        "chance": 0.5,
+        "main_accuracy": 0.8,
+        "dcs": 0.7,
+        "dcs_chance": 0.6,
+    }
+
+    def report(seed: int, unscored: dict[str, Any] | None) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "runs": [run],
+            "skipped": {"b": "needs a head"},
+            "failed": {"a / dp": "training diverged", "a / marvell": "binary labels only"},
+            "c_dcs": {"none": 0.7},
+            "c_dcs_chance": {"none": 0.6},
+        }
+        if unscored is not None:
+            body["unscored"] = unscored
+        return {"task": label, "seed": seed, "report": body, "missing": []}
+
+    outcomes = {
+        "a / dp": {"status": "diverged", "step": 3},
+        "a / marvell": {"status": "not applicable", "step": None},
+    }
+    text = suite_table.render([report(0, outcomes), report(1, outcomes)], "cmd")
+    assert "- b (skipped): needs a head" in text
+    assert "- a / dp (diverged at step 3): training diverged" in text
+    assert "- a / marvell (not applicable): binary labels only" in text
+    old = suite_table.render([report(0, None)], "cmd")  # a report of before: no status known
+    assert "- a / dp: training diverged" in old
