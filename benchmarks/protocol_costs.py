@@ -415,9 +415,10 @@ def secure_training(
     """LASER (heads=active, the secure planner) on the Fashion-MNIST CNN through each backend.
 
     Per backend: the median time of ``steps`` training steps (after one warm-up step) from the
-    same seed and batches, the aggregation bytes per step, and the largest parameter difference
-    to the plain run after those steps; Paillier's obfuscator pools are stocked before each
-    step, untimed (reported apart). Then, except for Paillier (minutes per epoch), a full
+    same seed and batches, the backends' steps interleaved, and the median of each step's ratio
+    to the plain step; the aggregation bytes per step, and the largest parameter difference to
+    the plain run after those steps; Paillier's obfuscator pools are stocked before each step,
+    untimed (reported apart). Then, except for Paillier (minutes per epoch), a full
     training of ``epochs`` epochs for the accuracy delta. ``batch_size`` rows a step, each
     party's representation ``width`` wide.
     """
@@ -438,23 +439,37 @@ def secure_training(
             representation_dim=width,
         ),
     )
-    rows: list[dict[str, Any]] = []
-    reference: list[torch.Tensor] = []
-    for name, make in _backends().items():
-        aggregator = make()
-        method = build_method(config, data, aggregator=aggregator)
-        batches = list(method.sampler.epoch(np.random.default_rng(0)))[: steps + 1]
-        times, offline = [], []
-        for step, batch in enumerate(batches):
+    # Every backend's method built first, then their steps interleaved (step i of each in turn,
+    # the backends' order turning each step): a drift of the machine's speed over the minutes
+    # the section takes then weighs on every backend alike, and each step's ratio to the plain
+    # step is of two steps taken side by side.
+    backends = _backends()
+    methods, aggregators = {}, {}
+    for name, make in backends.items():
+        aggregators[name] = make()
+        methods[name] = build_method(config, data, aggregator=aggregators[name])
+    names = list(backends)
+    batches = list(methods["plain"].sampler.epoch(np.random.default_rng(0)))[: steps + 1]
+    times: dict[str, list[float]] = {name: [] for name in names}
+    offline: dict[str, list[float]] = {name: [] for name in names}
+    bytes_before: dict[str, int] = {}
+    for step, batch in enumerate(batches):
+        turn = step % len(names)
+        for name in names[turn:] + names[:turn]:
+            method = methods[name]
             if name == "paillier":  # each party's offline phase: stock its own sender's pool
-                offline.append(stock_pools(method, cast(Any, aggregator), batch))
+                offline[name].append(stock_pools(method, cast(Any, aggregators[name]), batch))
             if step == 1:
-                bytes_before = _aggregation_bytes(method)
+                bytes_before[name] = _aggregation_bytes(method)
             start = time.perf_counter()
             method.train_step(batch, step, 0)
             if step > 0:  # the first step pays for lazy initialisation
-                times.append(time.perf_counter() - start)
-        step_bytes = (_aggregation_bytes(method) - bytes_before) / len(times)
+                times[name].append(time.perf_counter() - start)
+    rows: list[dict[str, Any]] = []
+    reference: list[torch.Tensor] = []
+    for name, make in backends.items():
+        method = methods[name]
+        step_bytes = (_aggregation_bytes(method) - bytes_before[name]) / len(times[name])
         parties = in_process_parties(cast(Any, method).fed.channel)
         parameters = [
             t.detach().clone()
@@ -465,14 +480,18 @@ def secure_training(
             reference = parameters
         row: dict[str, Any] = {
             "backend": name,
-            "step_s": statistics.median(times),
+            "step_s": statistics.median(times[name]),
+            # the median of each step's ratio to the plain step taken beside it
+            "step_ratio": statistics.median(
+                t / p for t, p in zip(times[name], times["plain"], strict=True)
+            ),
             "aggregation_bytes_per_step": step_bytes,
             "max_parameter_difference": max(
                 float((a - b).abs().max()) for a, b in zip(parameters, reference, strict=True)
             ),
         }
-        if offline:
-            row["offline_s_per_step"] = statistics.median(offline)
+        if offline[name]:
+            row["offline_s_per_step"] = statistics.median(offline[name])
         if name != "paillier":
             result = run_training(config, data=data, aggregator=make())
             row["accuracy"] = result.metrics["mcar:0"]["accuracy"]
@@ -597,7 +616,9 @@ def report(payload: dict[str, Any], size: RunSizes) -> str:
         "",
         f"Command: `{payload.get('training_command', payload['command']).strip()}`. "
         f"Step time: median of {steps} steps after a warm-up, same seed and batches for every "
-        "backend; max |parameter - plain| after those steps. Accuracy: a full training of "
+        "backend, the backends' steps interleaved (each step of every backend in turn); ratio: "
+        "the median of each step's ratio to the plain step taken beside it; max |parameter - "
+        "plain| after those steps. Accuracy: a full training of "
         f"{counted(train_epochs, 'epoch')} (Paillier's epochs take minutes of pool filling: not "
         "run).",
         "",
@@ -615,7 +636,8 @@ def report(payload: dict[str, Any], size: RunSizes) -> str:
         )
         lines.append(
             f"| {r['backend']} | {1000 * r['step_s']:.0f} ms{offline} | "
-            f"{r['step_s'] / plain_step:.2f}x | {r['aggregation_bytes_per_step'] / 1e3:.0f} kB | "
+            f"{r.get('step_ratio', r['step_s'] / plain_step):.2f}x | "
+            f"{r['aggregation_bytes_per_step'] / 1e3:.0f} kB | "
             f"{r['aggregation_bytes_per_step'] / plain_bytes:.1f}x | "
             f"{r['max_parameter_difference']:.1e} | {accuracy} | {delta} |"
         )
