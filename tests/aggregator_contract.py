@@ -11,7 +11,7 @@ float32 accumulation error, which bounds even the plain backend's float32 einsum
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import numpy as np
@@ -93,6 +93,25 @@ def oracle(messages: list[RepresentationMessage], selection: Tensor) -> tuple[Te
         torch.einsum("tbk,kbd->tbd", chosen, dense),
         torch.einsum("tbk,kbd->tbd", chosen, dense.abs()),
     )
+
+
+class PayloadTap:
+    """A channel layer that rewrites in transit the items (ciphertexts, masked ring elements)
+    of every ``kind`` message (a sealed share; or a sealed sum) from ``sender`` (None: any)."""
+
+    def __init__(
+        self,
+        rewrite: Callable[[list[bytes]], list[bytes]],
+        *,
+        sender: str | None = None,
+        kind: type[SealedMessage | SealedSumMessage] = SealedMessage,
+    ) -> None:
+        self.rewrite, self.sender, self.kind = rewrite, sender, kind
+
+    def on_message(self, message: Message) -> Message:
+        if not isinstance(message, self.kind) or self.sender not in (None, message.sender):
+            return message
+        return dataclasses.replace(message, payload=tuple(self.rewrite(list(message.payload))))
 
 
 def full_batch(

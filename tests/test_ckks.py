@@ -14,6 +14,7 @@ import torch
 from aggregator_contract import (
     AGGREGATOR,
     PARTIES,
+    PayloadTap,
     SecureAggregatorContract,
     SumParties,
     combine,
@@ -61,18 +62,6 @@ def within_bound(
     expected, magnitude = oracle(messages, selection)
     bound = CkksAggregator().step(selection.shape[2]) + 2.0**-24 * magnitude
     return float(((sums.double() - expected).abs() - bound).max())
-
-
-class Tap:
-    """A channel layer that rewrites ``sender``'s sealed share's ciphertexts in transit."""
-
-    def __init__(self, sender: str, rewrite: Callable[[list[bytes]], list[bytes]]) -> None:
-        self.sender, self.rewrite = sender, rewrite
-
-    def on_message(self, message):  # type: ignore[no-untyped-def]
-        if not isinstance(message, SealedMessage) or message.sender != self.sender:
-            return message
-        return dataclasses.replace(message, payload=tuple(self.rewrite(list(message.payload))))
 
 
 def test_the_secure_sum_is_within_the_stated_bound_of_the_float64_sum() -> None:
@@ -225,10 +214,10 @@ def test_corrupted_ciphertext_bytes_are_refused() -> None:
     messages, selection = full_batch(10)
     selection[0, 0, :] = True
     for tap, pattern in [
-        (Tap(PARTIES[2], corrupt_header), "from party-2 does not deserialize"),
-        (Tap(PARTIES[1], truncate), "from party-1 does not deserialize"),
-        (Tap(PARTIES[3], corrupt_body), "tampered with"),
-        (Tap(PARTIES[0], drop), "1 ciphertexts expected from party-0, found 0"),
+        (PayloadTap(corrupt_header, sender=PARTIES[2]), "from party-2 does not deserialize"),
+        (PayloadTap(truncate, sender=PARTIES[1]), "from party-1 does not deserialize"),
+        (PayloadTap(corrupt_body, sender=PARTIES[3]), "tampered with"),
+        (PayloadTap(drop, sender=PARTIES[0]), "1 ciphertexts expected from party-0, found 0"),
     ]:
         with pytest.raises(IntegrityError, match=pattern):
             SumParties(CkksAggregator(), layers=[tap]).combine(messages, selection)
@@ -254,7 +243,7 @@ def test_a_share_of_another_size_or_scale_is_refused_naming_its_sender() -> None
         # Below the scales a sender may use (at least 2**30): it cannot be the honest one's.
         (replaced(0, 25), r"ciphertext 0 from party-1: sealed at a scale of 2\^s .* found 2\^25"),
     ]:
-        parties = SumParties(CkksAggregator(), layers=[Tap(PARTIES[1], rewrite)])
+        parties = SumParties(CkksAggregator(), layers=[PayloadTap(rewrite, sender=PARTIES[1])])
         receiver = parties.parties[PARTIES[0]]
         assert receiver.opener is not None
         public["ckks"] = load_public_context(receiver.opener.public_key())
@@ -411,18 +400,6 @@ def test_laser_trained_through_ckks_matches_laser_trained_in_the_clear(
     )
 
 
-class SumTap:
-    """A channel layer that rewrites the aggregator's sealed sum's ciphertexts in transit."""
-
-    def __init__(self, rewrite: Callable[[list[bytes]], list[bytes]]) -> None:
-        self.rewrite = rewrite
-
-    def on_message(self, message):  # type: ignore[no-untyped-def]
-        if not isinstance(message, SealedSumMessage):
-            return message
-        return dataclasses.replace(message, payload=tuple(self.rewrite(list(message.payload))))
-
-
 def test_a_chunk_of_slots_a_party_enters_no_sum_with_is_not_encrypted() -> None:
     """A secure step asks for several sums (the label party's own term, a block, both): each
     party's values fill only some of them, and a ciphertext of slots it enters no sum with was
@@ -449,19 +426,9 @@ def test_a_chunk_of_slots_a_party_enters_no_sum_with_is_not_encrypted() -> None:
         return [sent[0], b"", sent[2]]
 
     with pytest.raises(IntegrityError, match="ciphertext 1 came back empty, but its sums"):
-        SumParties(CkksAggregator(), layers=[SumTap(dropped)]).combine(messages, selection)
-
-
-class ShareTap:
-    """A channel layer that rewrites one party's sealed share's ciphertexts in transit."""
-
-    def __init__(self, sender: str, rewrite: Callable[[list[bytes]], list[bytes]]) -> None:
-        self.sender, self.rewrite = sender, rewrite
-
-    def on_message(self, message):  # type: ignore[no-untyped-def]
-        if not isinstance(message, SealedMessage) or message.sender != self.sender:
-            return message
-        return dataclasses.replace(message, payload=tuple(self.rewrite(list(message.payload))))
+        SumParties(CkksAggregator(), layers=[PayloadTap(dropped, kind=SealedSumMessage)]).combine(
+            messages, selection
+        )
 
 
 def test_the_aggregator_refuses_a_share_whose_empty_chunks_are_not_its_selections() -> None:
@@ -486,8 +453,8 @@ def test_the_aggregator_refuses_a_share_whose_empty_chunks_are_not_its_selection
         (emptied, "share from party-1: item 2: .*found it empty"),
         (filled, "share from party-1: item 0: an empty one .*expected"),
     ):
-        parties = SumParties(CkksAggregator(), layers=[ShareTap(member, rewrite)])
+        parties = SumParties(CkksAggregator(), layers=[PayloadTap(rewrite, sender=member)])
         with pytest.raises(IntegrityError, match=found):
             parties.combine(messages, selection)
-    untouched = SumParties(CkksAggregator(), layers=[ShareTap(member, lambda sent: sent)])
+    untouched = SumParties(CkksAggregator(), layers=[PayloadTap(lambda sent: sent, sender=member)])
     assert within_bound(untouched.combine(messages, selection).sums, messages, selection) <= 0.0

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 from aggregator_contract import vector_sum
-from torch import nn
+from torch import Tensor, nn
 
 from secure_vfl.errors import IntegrityError, ProtocolError
 from secure_vfl.federation.aggregator import PlainAggregator
@@ -322,6 +322,19 @@ def test_a_sum_of_another_width_than_its_head_takes_is_refused_and_the_task_kept
     assert [m.kind for m in driver._inbox] == ["gradient", "loss", "prediction"]
 
 
+def _train_sum(sums: Tensor, counts: Tensor) -> SumMessage:
+    """The aggregator's sums for party-1's head task of round 3 (``_head_party_and_task``)."""
+    return SumMessage(
+        sender=AGGREGATOR,
+        receiver="party-1",
+        round=3,
+        batch_id=0,
+        tag="train",
+        sums=sums,
+        counts=counts,
+    )
+
+
 def _three_tasks_of_two_parts(task: HeadTask) -> tuple[HeadTask, HeadTask]:
     """``task`` with the tasks {party-0}, {party-1} and both, weighted unevenly: once with its
     sums per task, once per part ({party-0}, {party-1}), whose sums the head adds up."""
@@ -349,17 +362,7 @@ def test_a_head_adds_up_its_tasks_sums_from_the_sums_of_their_parts() -> None:
         driver.send(sent)
         sums = terms if with_parts else torch.stack([terms[0], terms[1], terms.sum(dim=0)])
         layout = sent.parts if sent.parts is not None else sent.selection
-        party.receive(
-            SumMessage(
-                sender=AGGREGATOR,
-                receiver="party-1",
-                round=3,
-                batch_id=0,
-                tag="train",
-                sums=sums,
-                counts=layout.sum(dim=2),
-            )
-        )
+        party.receive(_train_sum(sums, layout.sum(dim=2)))
         answers.append(driver._inbox)
     plain, parted_answers = answers
     assert [m.kind for m in parted_answers] == ["gradient", "loss"]
@@ -386,17 +389,7 @@ def test_a_head_task_whose_parts_do_not_make_up_its_tasks_is_refused() -> None:
     with pytest.raises(
         ProtocolError, match=r"sums of \(parts, rows\) \(2, 2\) expected, found \(3, 2\)"
     ):
-        party.receive(
-            SumMessage(
-                sender=AGGREGATOR,
-                receiver="party-1",
-                round=3,
-                batch_id=0,
-                tag="train",
-                sums=torch.zeros(3, 2, 2),
-                counts=parted.selection.sum(dim=2),
-            )
-        )
+        party.receive(_train_sum(torch.zeros(3, 2, 2), parted.selection.sum(dim=2)))
     assert (3, 0, "train") in party._tasks
 
 

@@ -15,6 +15,7 @@ import torch
 from aggregator_contract import (
     PARTIES,
     RECEIVER,
+    PayloadTap,
     SecureAggregatorContract,
     SumParties,
     combine,
@@ -374,18 +375,6 @@ def test_laser_trained_through_paillier_matches_laser_trained_in_the_clear(
     )
 
 
-class Items:
-    """A channel layer that rewrites ``sender``'s sealed share's items in transit."""
-
-    def __init__(self, sender: str, rewrite: Callable[[list[bytes]], list[bytes]]) -> None:
-        self.sender, self.rewrite = sender, rewrite
-
-    def on_message(self, message):  # type: ignore[no-untyped-def]
-        if not isinstance(message, SealedMessage) or message.sender != self.sender:
-            return message
-        return dataclasses.replace(message, payload=tuple(self.rewrite(list(message.payload))))
-
-
 def test_a_plaintext_a_party_enters_no_sum_in_is_not_encrypted_and_its_layout_checked() -> None:
     """A step's sums per part (the label party's own term, the block of the others): each
     party fills some of the packed plaintexts only, and encrypting the others (zeros) cost a
@@ -421,6 +410,6 @@ def test_a_plaintext_a_party_enters_no_sum_in_is_not_encrypted_and_its_layout_ch
         (filled, rf"share from {member}: item {empty}: an empty one .*expected"),
     ):
         with pytest.raises(IntegrityError, match=said):
-            SumParties(paillier_aggregator(), layers=[Items(member, rewrite)]).combine(
+            SumParties(paillier_aggregator(), layers=[PayloadTap(rewrite, sender=member)]).combine(
                 messages, selection
             )
