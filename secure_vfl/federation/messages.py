@@ -34,8 +34,7 @@ parties whose gradients its forward pass takes (``RepresentRequest.gradients_fro
 every request for a contribution to the aggregator, and the contribution, carries its ticket
 (:mod:`~secure_vfl.federation.tickets`; the ``ticket-key`` message exists); 9 since a head
 task's sums may come as the disjoint parts its tasks are unions of (``HeadTask.parts``). A party
-of another
-version is refused on its first message, naming both."""
+of another version is refused on its first message, naming both."""
 PHASES = ("train", "predict")
 
 PartyId = str

@@ -22,9 +22,8 @@ into one sum), each weighted ``(2^n - 1) / (n |A|)`` (n = |observed set|, A its 
 subsets): LASER's single-head objective with its subset distribution conditioned on being
 releasable, exactly, so a row keeps its plaintext loss mass
 (:meth:`~secure_vfl.federation.releases.BlockPlan.tasks` says why not the objective merely
-restricted to A). Prediction uses the union of all usable
-blocks (plus its own). A sample whose other parties are in no usable block gets its own block
-alone (its prior, without one).
+restricted to A). Prediction uses the union of all usable blocks (plus its own). A sample
+whose other parties are in no usable block gets its own block alone (its prior, without one).
 ``heads="all"`` cannot be made secure this way: LASER's head k must be trained on, and predict
 from, the pair {k, j}, and a sum of two terms one of which the receiver holds is the other term
 in the clear.
