@@ -1105,7 +1105,8 @@ def fit_and_score(
     """``imputer.fit`` over ``rounds`` FedAvg rounds, then ``score()``; a client's values that
     ran off to NaN or infinity, or past what its secure sums encode, raise DivergenceError,
     with the FedAvg round (its ``step``; None where it diverged after the last, in scoring)
-    and what to try (a message's own round counts messages, not FedAvg rounds)."""
+    and what to try (a message's own round counts messages, not FedAvg rounds, and is left
+    out)."""
     done = 0
 
     def round_done(round: int, rmse: float) -> None:
@@ -1120,9 +1121,11 @@ def fit_and_score(
     except NonFiniteError as error:
         step = None if done >= rounds else done + 1
         when = "after its last FedAvg round" if step is None else f"in FedAvg round {step}"
+        said = str(error).rstrip(".")
+        if error.step is not None:  # the message's own round, which counts messages: not said
+            said = said.replace(f" (round {error.step})", "", 1)
         raise DivergenceError(
-            f"imputation diverged {when}: {str(error).rstrip('.')}; {IMPUTATION_ADVICE}.",
-            step=step,
+            f"imputation diverged {when}: {said}; {IMPUTATION_ADVICE}.", step=step
         ) from None
     except DivergenceError as error:  # a client's update past what its secure sums encode
         if error.step is not None or done >= rounds:

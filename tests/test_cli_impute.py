@@ -690,6 +690,8 @@ def test_an_imputation_that_diverges_carries_its_fedavg_round_as_its_step() -> N
     with pytest.raises(DivergenceError, match="in FedAvg round 1: ") as raised:
         run_imputation(config)
     assert raised.value.step == 1
+    # the message's own round counts messages, not FedAvg rounds: it said "(round 4)" beside it
+    assert "(round " not in str(raised.value), str(raised.value)
 
 
 def test_one_client_file_is_refused_as_one_file(
