@@ -730,6 +730,36 @@ def test_unexpected_exceptions_while_decoding_become_protocol_errors() -> None:
             decode(not_bytes)
 
 
+def test_a_decoded_message_is_built_as_its_constructor_builds_it() -> None:
+    """Decoding builds a message without calling its generated ``__init__`` (it only stores
+    the fields): the result has exactly the constructor's attributes, and a class whose
+    construction does more (a ``__post_init__``, its own ``__init__``) is built by calling it."""
+    for message in core_messages():
+        decoded = decode(encode(message))
+        assert type(decoded) is type(message)
+        assert vars(decoded).keys() == vars(message).keys()
+        assert encode(decoded) == encode(message)
+    with pytest.raises(ProtocolError, match="ZeroDivisionError: unlucky"):
+        decode(encode(FragileMessage(**HEADER, count=1))[:-8] + struct.pack("<q", 13))
+
+    @dataclass(frozen=True, kw_only=True)
+    class Counted(Message):
+        count: int
+        kind: ClassVar[str] = "test-counted"
+
+    built = []
+
+    def init(self: Counted, **values: object) -> None:
+        built.append(values["count"])
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    Counted.__init__ = init  # type: ignore[assignment]
+    register_message(Counted)
+    assert decode(encode(Counted(**HEADER, count=4))).count == 4
+    assert built == [4, 4]  # constructed, then decoded through the constructor
+
+
 # ---- encode refusals -------------------------------------------------------------------------
 
 

@@ -35,6 +35,7 @@ takes the full path, so a cache changes how fast a message is read, never what i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import numbers
 import operator
@@ -261,8 +262,11 @@ def _str_codec(where: str) -> _Codec:
 
     def decode_str(view: memoryview, offset: int) -> tuple[str, int]:
         start = offset + 8
-        if start > len(view) or (end := start + _U64.unpack_from(view, offset)[0]) > len(view):
+        size = len(view)
+        if start > size or (end := start + _U64.unpack_from(view, offset)[0]) > size:
             start, end = _span(where, view, offset)  # raises: the message is truncated
+        if end == start:  # an unset tag or model, on most messages
+            return "", end
         try:
             return str(view[start:end], "utf-8"), end
         except UnicodeDecodeError as error:
@@ -604,6 +608,7 @@ class _Schema:
     decode_header: _HeaderDecoder
     encoders: tuple[_Encoder, ...]
     decoders: tuple[tuple[str, _Decoder], ...]
+    build: Callable[[dict[str, Any]], Message]  # the message from every field's decoded value
 
 
 _SCHEMA_VERSION_ENCODER, _SCHEMA_VERSION_DECODER = _int_codec("schema_version")
@@ -660,6 +665,9 @@ def register_message(cls: type[MessageT]) -> type[MessageT]:
     own = [name for name in codecs if name not in HEADER_FIELDS]
     encode_header, decode_header = _header_codec(kind)
     prefix = _PREFIX.pack(MAGIC, WIRE_VERSION) + _encoded_text(kind, kind)
+    build: Callable[[dict[str, Any]], Message] = lambda values: cls(**values)  # noqa: E731
+    if _plain_init(cls):
+        build = functools.partial(_filled, cls)
     schema = _Schema(
         cls=cls,
         kind=kind,
@@ -671,11 +679,37 @@ def register_message(cls: type[MessageT]) -> type[MessageT]:
         decode_header=decode_header,
         encoders=tuple(codecs[name][0] for name in own),
         decoders=tuple((name, codecs[name][1]) for name in own),
+        build=build,
     )
     _SCHEMAS.register(kind, schema)
     _SCHEMA_BY_CLASS[cls] = schema
     _SCHEMA_BY_HEAD[schema.head] = schema
     return cls
+
+
+def _plain_init(cls: type) -> bool:
+    """Whether the ``__init__`` of the dataclass ``cls`` only stores its arguments: the one
+    ``dataclass`` generates, with no ``__post_init__`` and no descriptor or slot in the way."""
+    init = getattr(cls, "__init__", None)
+    return (
+        getattr(init, "__qualname__", "") == f"{cls.__qualname__}.__init__"
+        and getattr(getattr(init, "__code__", None), "co_filename", "") == "<string>"
+        and not hasattr(cls, "__post_init__")
+        and not hasattr(cls, "__slots__")
+        and all(
+            not hasattr(getattr(cls, field.name, None), "__set__")
+            for field in dataclasses.fields(cls)
+        )
+    )
+
+
+def _filled(cls: type[MessageT], values: dict[str, Any]) -> MessageT:
+    """The message of class ``cls`` whose fields are ``values`` (every one of them), as its
+    generated ``__init__`` makes it but without its per-field ``object.__setattr__`` calls:
+    a decoded message is built for each one received."""
+    message = object.__new__(cls)
+    message.__dict__.update(values)
+    return message
 
 
 def kinds() -> list[str]:
@@ -754,7 +788,7 @@ def _decode(data: bytes, max_bytes: int) -> Message:
             f"{schema.kind}: the message ends after {offset} bytes, found {len(view) - offset} "
             "more."
         )
-    message = schema.cls(**values)
+    message = schema.build(values)
     try:
         message.validate()
     except ProtocolError:
