@@ -43,6 +43,7 @@ class _MessageCounter:
 
     def __init__(self) -> None:
         self.messages = 0
+        self.by_kind: Counter[str] = Counter()
         self.kept: list[Any] | None = None
 
     def keep(self) -> None:
@@ -50,6 +51,7 @@ class _MessageCounter:
 
     def on_message(self, message: Any) -> Any:
         self.messages += 1
+        self.by_kind[message.kind] += 1
         if self.kept is not None:
             self.kept.append(message)
         return message
@@ -193,19 +195,27 @@ def _has_msgspec() -> bool:
     return importlib.util.find_spec("msgspec") is not None
 
 
-def back_to_back_seconds(messages: Sequence[Any], repeats: int) -> float:
+def back_to_back_seconds(messages: Sequence[Any], repeats: int) -> tuple[float, dict[str, float]]:
     """The median over ``repeats`` of the seconds to encode and decode ``messages`` one after
     the other, with nothing between them: the codec's own work with its code and data in the
-    processor's caches (in a step, each message follows the parties' computations)."""
+    processor's caches (in a step, each message follows the parties' computations); and the
+    median seconds of each message kind's."""
     from secure_vfl.federation import wire
 
-    times = []
+    times, by_kind = [], []
     for _ in range(repeats):
+        kinds: dict[str, float] = {}
         start = time.perf_counter()
         for message in messages:
+            begun = time.perf_counter()
             wire.decode(wire.encode(message))
+            kinds[message.kind] = kinds.get(message.kind, 0.0) + time.perf_counter() - begun
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        by_kind.append(kinds)
+    kinds_seen = {message.kind for message in messages}
+    return statistics.median(times), {
+        kind: statistics.median(kinds[kind] for kinds in by_kind) for kind in kinds_seen
+    }
 
 
 def _steps(
@@ -235,6 +245,8 @@ def _steps(
     method.train_step(batches[0], 0, 0)  # warm-up: lazy initialisation
     ratios, step_ms, codec_ms = [], [], []
     round = 1
+    kinds_before = dict(getattr(transport, "codec_seconds_by_kind", {}))
+    messages_before = Counter(counter.by_kind)
     for _ in range(repeats):
         codec_before = transport.codec_seconds
         start = time.perf_counter()
@@ -246,10 +258,21 @@ def _steps(
         ratios.append(codec / elapsed)
         step_ms.append(1000 * elapsed / steps)
         codec_ms.append(1000 * codec / steps)
+    kinds = {
+        kind: seconds - kinds_before.get(kind, 0.0)
+        for kind, seconds in getattr(transport, "codec_seconds_by_kind", {}).items()
+    }
+    messages = Counter(counter.by_kind)
+    messages.subtract(messages_before)
     return {
         "share": statistics.median(ratios),
         "step_ms": statistics.median(step_ms),
         "codec_ms": statistics.median(codec_ms),
+        # Over the measured steps: each kind's codec seconds and messages.
+        "codec_seconds_by_kind": {
+            kind: kinds.get(kind, 0.0) for kind in messages if messages[kind]
+        },
+        "messages_by_kind": {kind: count for kind, count in messages.items() if count},
         "method": method,
         "batches": batches,
         "round": round,
@@ -270,7 +293,23 @@ def measure(heads: str, *, steps: int, repeats: int) -> dict[str, Any]:
     counter.keep()  # one more step's messages, carried again back to back
     run["method"].train_step(run["batches"][round % len(run["batches"])], round, 0)
     assert counter.kept is not None
-    warm_ms = 1000 * back_to_back_seconds(counter.kept, repeats=max(5, repeats))
+    warm, warm_by_kind = back_to_back_seconds(counter.kept, repeats=max(5, repeats))
+    warm_ms = 1000 * warm
+    kept = Counter(message.kind for message in counter.kept)
+    seconds, messages = run["codec_seconds_by_kind"], run["messages_by_kind"]
+    kinds = [
+        {
+            "kind": kind,
+            "messages_per_step": messages[kind] / (steps * repeats),
+            # Encode + decode of one message of the kind, in a step and back to back.
+            "us_per_message": 1e6 * seconds[kind] / messages[kind],
+            "back_to_back_us_per_message": 1e6 * warm_by_kind[kind] / kept[kind]
+            if kept[kind]
+            else None,
+            "share_of_codec": seconds[kind] / sum(seconds.values()),
+        }
+        for kind in sorted(messages, key=lambda kind: -seconds[kind])
+    ]
     copies = _steps(heads, _CopyingTransport(), _MessageCounter(), steps=steps, repeats=repeats)
     library: dict[str, Any] = {"step_ms": None, "codec_ms": None, "share": None}
     if _has_msgspec():
@@ -298,6 +337,7 @@ def measure(heads: str, *, steps: int, repeats: int) -> dict[str, Any]:
         "msgspec_step_ms": library["step_ms"],
         "msgspec_ms_per_step": library["codec_ms"],
         "msgspec_share": library["share"],
+        "kinds": kinds,
     }
 
 
@@ -384,6 +424,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         "which nothing else here needs). It is what moving the codec's per-field work out of "
         "Python would give.",
     ]
+    lines += [
+        "",
+        "## By message kind",
+        "",
+        "Encode + decode of one message of each kind, in the steps above and back to back (the "
+        "same messages as the 'back to back' column), and the kind's share of the codec's time "
+        "in a step.",
+        "",
+        "| heads | kind | messages/step | in a step (µs a message) | back to back (µs a message) "
+        "| share of the codec |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        for kind in row["kinds"]:
+            warm = kind["back_to_back_us_per_message"]
+            lines.append(
+                f"| {row['heads']} | {kind['kind']} | {kind['messages_per_step']:.1f} | "
+                f"{kind['us_per_message']:.1f} | "
+                + ("-" if warm is None else f"{warm:.1f}")
+                + f" | {100 * kind['share_of_codec']:.1f} % |"
+            )
+    lines += [""]
+    for row in rows:
+        cheapest = min(row["kinds"], key=lambda kind: kind["us_per_message"])
+        floor = cheapest["us_per_message"] * row["messages_per_step"] / (1000 * row["step_ms"])
+        lines.append(
+            f"- heads {row['heads']}: its cheapest message in a step ({cheapest['kind']}) "
+            f"costs {cheapest['us_per_message']:.1f} µs; the step's "
+            f"{row['messages_per_step']:.0f} messages at that cost alone would be "
+            f"{100 * floor:.1f} % of a step."
+        )
     text = "\n".join(lines) + "\n"
     text = quick_marked(text, args.quick)
     print(text)

@@ -420,7 +420,10 @@ def test_every_quick_verdict_says_it_is_a_smoke_run(
                 "bytes_per_step": 4096.0, "back_to_back_codec_ms_per_step": 0.3,
                 "back_to_back_share": 0.03, "copies_step_ms": 10.0, "copies_ms_per_step": 0.2,
                 "copies_share": 0.02, "msgspec_step_ms": 10.0, "msgspec_ms_per_step": 0.3,
-                "msgspec_share": 0.03}  # fmt: skip
+                "msgspec_share": 0.03,
+                "kinds": [{"kind": "loss", "messages_per_step": 8.0, "us_per_message": 60.0,
+                           "back_to_back_us_per_message": 30.0,
+                           "share_of_codec": 1.0}]}  # fmt: skip
 
     monkeypatch.setattr(wire_costs, "measure", measured)
     assert wire_costs.main(["--quick", "--out", str(tmp_path / "wire")]) == 0

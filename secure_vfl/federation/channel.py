@@ -72,17 +72,20 @@ class InProcessTransport:
     decoded (and validated) on receipt. ``capture`` appends each message as a record
     ``[4-byte big-endian length][encoded message]`` (see :func:`read_capture`). A message is
     counted and captured once encoded, before the receiver decodes it: one the receiver's codec
-    refuses (a diverged run's NaN) crossed all the same, as over the network."""
+    refuses (a diverged run's NaN) crossed all the same, as over the network.
+    ``codec_seconds`` (and ``codec_seconds_by_kind``, by message kind) add up the time spent
+    encoding and decoding."""
 
     def __init__(self, *, capture: BinaryIO | None = None) -> None:
         self.bytes: Counter[tuple[str, str, str]] = Counter()
         self.capture = capture
         self.codec_seconds = 0.0
+        self.codec_seconds_by_kind: defaultdict[str, float] = defaultdict(float)
 
     def deliver(self, message: M) -> M:
         start = time.perf_counter()
         data = wire.encode(message)
-        self.codec_seconds += time.perf_counter() - start
+        encoding = time.perf_counter() - start
         phase = getattr(message, "phase", "train")
         self.bytes[(message.sender, message.receiver, phase)] += len(data)
         if self.capture is not None:
@@ -91,7 +94,9 @@ class InProcessTransport:
         try:
             return cast(M, wire.decode(data))
         finally:
-            self.codec_seconds += time.perf_counter() - start
+            seconds = encoding + time.perf_counter() - start
+            self.codec_seconds += seconds
+            self.codec_seconds_by_kind[message.kind] += seconds
 
 
 def append_record(capture: BinaryIO, data: bytes) -> None:
