@@ -217,6 +217,32 @@ def test_a_gradient_that_closes_the_step_is_the_gradient_and_the_update() -> Non
         driver.send(dataclasses.replace(_gradient([0, 1], gradient), step=True))
 
 
+def test_gradients_are_added_up_in_the_forward_pass_order_whatever_order_they_arrive_in() -> None:
+    """Over the network the heads train at once, so a forward pass's gradients arrive in any
+    order; floating-point addition depends on it. A party adds them up by sender, heads in the
+    driver's order and then the driver, so every arrival order steps with the same sum."""
+    # In float32, (1e8 + 1) - 1e8 is 0 and (1e8 - 1e8) + 1 is 1: the order shows.
+    values = {"party-2": 1e8, "party-3": -1e8, "party-0": 1.0}
+    grads = []
+    for order in (("party-2", "party-3", "party-0"), ("party-0", "party-2", "party-3")):
+        party, driver, channel = _federation()
+        heads = {name: _Inbox(name) for name in ("party-2", "party-3")}
+        for head in heads.values():
+            head.connect(channel)
+        request = dataclasses.replace(_request([3, 4], [0, 1]), gradients_from=tuple(heads))
+        driver.send(request)
+        for sender in order:
+            message = dataclasses.replace(
+                _gradient([0, 1], torch.full((2, 2), values[sender])), sender=sender
+            )
+            (driver if sender == "party-0" else heads[sender]).send(message)
+        driver.send(UpdateRequest(sender="party-0", receiver="party-1", round=7, batch_id=0))
+        assert party.model.bias.grad is not None
+        grads.append(party.model.bias.grad.clone())
+    assert torch.equal(grads[0], grads[1])
+    assert torch.equal(grads[0], torch.full((2,), 2.0))  # the heads' first, then the driver's
+
+
 def _head_party_and_task(
     labels: list[int], *, hold: bool = False
 ) -> tuple[DataParty, _Inbox, HeadTask]:

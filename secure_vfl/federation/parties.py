@@ -927,9 +927,11 @@ class DataParty(SecureSumParty):
         # clips what it backpropagated from the gradients it received, post-processing that
         # costs no privacy and keeps noisy gradients (--dp-gradients) from blowing up its model.
         self.max_update_norm: float | None = None
-        # Each open forward pass: its output, positions, model and who may send its gradients.
-        self._pending: dict[tuple[int, str], tuple[Tensor, Tensor, str, frozenset[str]]] = {}
-        self._gradients: dict[tuple[int, str], list[Tensor]] = {}
+        # Each open forward pass: its output, positions, model and who may send its gradients
+        # (in the order their gradients are added up).
+        self._pending: dict[tuple[int, str], tuple[Tensor, Tensor, str, tuple[str, ...]]] = {}
+        # The gradients received for each, with their senders, in the order they came.
+        self._gradients: dict[tuple[int, str], list[tuple[str, Tensor]]] = {}
         self._tasks: dict[tuple[int, int, str], HeadTask | PredictTask] = {}
         # A held task's gradients for other parties, by (round, batch): HeadTask.hold.
         self._held_gradients: dict[tuple[int, int], list[GradientMessage]] = {}
@@ -1104,7 +1106,10 @@ class DataParty(SecureSumParty):
         if train:
             model.train()
             output = model(x)
-            senders = frozenset((request.sender, *request.gradients_from))
+            # The heads' holders in the driver's order, then the driver: whatever order their
+            # gradients arrive in (over the network, heads train at once), they are added up in
+            # this one, so a deployed run steps with the same sums as one in process.
+            senders = tuple(dict.fromkeys((*request.gradients_from, request.sender)))
             self._pending[key] = (output, request.positions, request.model, senders)
             sent = output.detach()
         else:
@@ -1149,7 +1154,7 @@ class DataParty(SecureSumParty):
                 f"{output.shape[1]} sent expected, found {message.positions.numel()} rows of "
                 f"shape {tuple(message.gradient.shape)}."
             )
-        self._gradients.setdefault(key, []).append(message.gradient)
+        self._gradients.setdefault(key, []).append((message.sender, message.gradient))
         if message.step:
             self.on_update(
                 UpdateRequest(
@@ -1200,10 +1205,13 @@ class DataParty(SecureSumParty):
             del self._pending[stale]
         if pending is None:
             return ""
-        output, _, model_key, _ = pending
+        output, _, model_key, senders = pending
         if gradients:
+            rank = {sender: i for i, sender in enumerate(senders)}
             total = torch.zeros_like(output)
-            for gradient in gradients:
+            # By sender in the forward pass's order (a stable sort: each sender's in the order
+            # it sent them): addition in floating point depends on the order.
+            for _, gradient in sorted(gradients, key=lambda item: rank.get(item[0], len(rank))):
                 total += gradient
             output.backward(total)
         return model_key
