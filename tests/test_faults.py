@@ -83,25 +83,31 @@ def _train(
 
 
 @pytest.mark.parametrize(
-    ("heads", "kind"),
+    ("changes", "kind", "closing"),
     [
-        ("all", "represent-request"),  # noticed by the driver itself
-        ("all", "gradient"),  # inside party-0's head, inside the aggregator's delivery
-        ("all", "head-task"),  # after two heads trained and sent their gradients
-        ("all", "update"),  # the other parties complete the step
-        ("active", "represent-request"),
-        # The step's last message to it, held back for the next step's first: lost there.
-        ("active", "gradient"),
+        ({"heads": "all"}, "represent-request", False),  # noticed by the driver itself
+        ({"heads": "all"}, "gradient", False),  # inside a head, inside the aggregator's delivery
+        ({"heads": "all"}, "head-task", False),  # after two heads trained and sent their gradients
+        # The label party's head's closing gradient: the step's last message to it, held back
+        # for the next step's first, lost there (heads active: its only gradient).
+        ({"heads": "all"}, "gradient", True),
+        # Chunked tasks (one a task size): the label party's head trains several, holds none,
+        # and the update closes the step: the other parties complete it.
+        ({"heads": "all", "vectorised": False}, "update", False),
+        ({"heads": "active"}, "represent-request", False),
+        ({"heads": "active"}, "gradient", True),
     ],
-)
+    ids=["all-request", "all-gradient", "all-head-task", "all-closing", "all-chunked-update",
+         "active-request", "active-closing"],
+)  # fmt: skip
 def test_a_party_lost_mid_step_is_dropped_and_training_goes_on(
-    make_data: MakeData, heads: str, kind: str
+    make_data: MakeData, changes: dict[str, Any], kind: str, closing: bool
 ) -> None:
     data = make_data(train_missing="mcar:0.2")
-    channel = LosingChannel(kind)
-    method = _train(data, dataclasses.replace(FAST, heads=heads), channel)
+    channel = LosingChannel(kind, closing=closing)
+    method = _train(data, dataclasses.replace(FAST, **changes), channel)
     assert channel.lost
-    noticed = STEP + 1 if heads == "active" and kind == "gradient" else STEP
+    noticed = STEP + 1 if closing else STEP
     assert method.fed.faults == [
         {
             "party": LOST,

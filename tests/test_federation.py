@@ -285,6 +285,33 @@ def test_a_head_holds_its_gradients_only_for_its_own_driver() -> None:
         party.held_gradients(3, 0)
 
 
+def test_a_closing_gradient_with_heads_steps_the_receivers_head_too() -> None:
+    """Under heads all the label party's head closes the other parties' steps, their heads'
+    too (``heads``, as on the update it stands for); without it the head is left as it is,
+    and a gradient that does not close its step cannot carry it."""
+    gradient = torch.tensor([[1.0, -1.0], [0.5, 2.0]])
+    moved = []
+    for heads in (False, True):
+        party, driver, _ = _head_party_and_task([0, 1])
+        head = party.heads[""]
+        head.optimizer = torch.optim.SGD(head.module.parameters(), lr=1.0)
+        for parameter in head.module.parameters():
+            parameter.grad = torch.ones_like(parameter)  # what its task accumulated
+        before = head.module.weight.detach().clone()
+        driver.send(dataclasses.replace(_request([3, 4], [0, 1], round=3), tag=""))
+        closing = dataclasses.replace(_gradient([0, 1], gradient, round=3), step=True, heads=heads)
+        driver.send(closing)
+        assert not party._pending  # the bottom's step is closed either way
+        moved.append(not torch.equal(before, head.module.weight))
+    assert moved == [False, True]
+    party, driver, _ = _head_party_and_task([0, 1])
+    driver.send(_request([3, 4], [0, 1], round=3))
+    with pytest.raises(ProtocolError, match="heads set on a gradient that does not close"):
+        driver.send(dataclasses.replace(_gradient([0, 1], gradient, round=3), heads=True))
+    assert list(party._pending) == [(3, "")]  # refused before it changed anything
+    assert not party._gradients
+
+
 def test_a_head_task_for_rows_beyond_its_labels_is_refused_on_receipt() -> None:
     """A head task naming training rows its head holds no label of was kept; its sum then
     failed in indexing (an IndexError) once the head had run, and a negative row trained the

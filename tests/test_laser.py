@@ -276,6 +276,7 @@ def test_a_training_step_sends_every_message_through_the_channel(make_data: Make
     assert isinstance(method, MeanFusionMethod)
     rows = np.arange(32)
     method.train_step(rows, 0, 0)
+    method.fed.flush(round=0)  # the gradients its head held, which close the others' steps
     parties = [f"party-{k}" for k in range(4)]
     others = parties[1:]  # what the label party (party-0) does for itself crosses no boundary
     routes = Counter((m.kind, m.sender, m.receiver) for m in recorder.messages)
@@ -288,9 +289,11 @@ def test_a_training_step_sends_every_message_through_the_channel(make_data: Make
         + [("sum", "aggregator", p) for p in parties]
         + [("gradient", h, p) for h in parties for p in parties if h != p]
         + [("loss", p, "party-0") for p in others]
-        + [("update", "party-0", p) for p in others]
-    )
+    )  # no update: the label party's head's gradients close the others' steps, heads and all
     assert routes == expected
+    closing = [m for m in recorder.messages if isinstance(m, GradientMessage) and m.step]
+    assert sorted(m.receiver for m in closing) == others
+    assert all(m.sender == "party-0" and m.heads for m in closing)
     for message in recorder.messages:
         assert message.round == 0 and message.batch_id == 0
         # The label party's requests carry rows and plans: no feature or label values.

@@ -51,9 +51,8 @@ CASES = {
         "sum-request",
         "head-task",
         "sum",
-        "gradient",
+        "gradient",  # the label party's head's close the others' steps: no update crosses
         "loss",
-        "update",
     },
     ("laser", "masks", "active"): {
         "key-request",

@@ -89,7 +89,9 @@ def test_a_gradient_from_a_party_whose_head_did_not_train_on_the_pass_is_refused
     channel = run.fed.channel
     for gradient in held:
         for forger in sorted({*channel.parties} - {gradient.sender, gradient.receiver}):
-            forged = dataclasses.replace(gradient, sender=forger, step=False, batch_id=9)
+            forged = dataclasses.replace(
+                gradient, sender=forger, step=False, heads=False, batch_id=9
+            )
             with pytest.raises(ProtocolError, match="takes gradients from \\['party-0'\\] only"):
                 channel.parties[forger].send(forged)
     _trains_as_its_twin(run, twin, rows)

@@ -22,7 +22,7 @@ from secure_vfl.errors import NonFiniteError, ProtocolError
 from secure_vfl.federation.tickets import TICKET_KEY_BYTES
 from secure_vfl.federation.wire import register_message
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 """The messages' layouts: 2 since sealed sums carry their members' selection, sum and seal
 requests their DP-released rows, and the abort message exists; 3 since a gradient may close its
 receiver's step (``GradientMessage.step``) and a head task may hold its gradients for the driver
@@ -33,7 +33,8 @@ its request's phase (``SumMessage.phase``); 7 since a representation request nam
 parties whose gradients its forward pass takes (``RepresentRequest.gradients_from``); 8 since
 every request for a contribution to the aggregator, and the contribution, carries its ticket
 (:mod:`~secure_vfl.federation.tickets`; the ``ticket-key`` message exists); 9 since a head
-task's sums may come as the disjoint parts its tasks are unions of (``HeadTask.parts``). A party
+task's sums may come as the disjoint parts its tasks are unions of (``HeadTask.parts``); 10
+since a closing gradient may step its receiver's head too (``GradientMessage.heads``). A party
 of another version is refused on its first message, naming both."""
 PHASES = ("train", "predict")
 
@@ -199,17 +200,24 @@ class GradientMessage(RowsMessage):
 
     With ``step`` it is the last gradient the receiver's forward pass ``(round, tag)`` gets: the
     receiver acts on it as on the gradient and then the :class:`UpdateRequest` of that step (the
-    driver sends no separate one), saving a message and a round trip per party and step.
+    driver sends no separate one), saving a message and a round trip per party and step; with
+    ``heads`` too, that update steps the receiver's head ``tag`` as well (``UpdateRequest.heads``).
     """
 
     gradient: Tensor
     step: bool = False
+    heads: bool = False
     kind: ClassVar[str] = "gradient"
 
     def validate(self) -> None:
         super().validate()
         _check_tensor(self, "gradient", self.gradient, dims=2, dtype=torch.float32)
         self._check_rows("gradient", self.gradient)
+        if self.heads and not self.step:
+            raise ProtocolError(
+                f"{self.kind} from {self.sender}: heads set on a gradient that does not close "
+                "its step; only a closing gradient (step) stands for an update of the heads."
+            )
 
 
 @register_message
@@ -453,8 +461,8 @@ class HeadTask(Message):
     ``weights[t, b]`` and ``selection[t, b, k]`` (who contributed, so the party knows whom it owes
     gradients); the sums themselves come from the aggregator under ``tag``.
 
-    With ``hold`` (only from the party itself: the label party's own head, when its task is the
-    step's only one) the head sends no gradient to another party but keeps them for the driver,
+    With ``hold`` (only from the party itself: the label party's own head, when it trains one
+    task of the step) the head sends no gradient to another party but keeps them for the driver,
     which sends them as the step's last (``GradientMessage.step``) once the step's loss is in.
 
     With ``parts`` (S, B, K) the sums come per part instead of per task: at each row the parts

@@ -1164,6 +1164,7 @@ class DataParty(SecureSumParty):
                     batch_id=0,
                     session=message.session,
                     tag=message.tag,
+                    heads=message.heads,
                 )
             )
 

@@ -966,16 +966,18 @@ class Federation:
         parties: Sequence[str] | None = None,
         closing: Sequence[GradientMessage] = (),
     ) -> None:
-        """Close a step: every party (or ``parties``) backpropagates what it received for
-        ``(round, tag)`` and steps; with ``heads`` its head ``tag`` steps too. The label party's
-        ``closing`` gradients (its head's held ones, :meth:`assign_head_task`) are the last of
-        the step (``step=True``): their receivers get no separate update. They are held back
+        """Close a step: every party (or ``parties``) backpropagates what it received for ``(round,
+        tag)`` and steps; with ``heads`` its head ``tag`` steps too. The label party's ``closing``
+        gradients (its head's held ones, :meth:`assign_head_task`) are the last of the step
+        (``step=True``, and ``heads``): their receivers get no separate update. They are held back
         (:meth:`~secure_vfl.federation.parties.Party.defer`) to go with the label party's next
-        messages (the next step's requests: one delivery per party and a step that waits once
-        less), or with :meth:`flush`. A party lost here is dropped (:meth:`send_or_drop`); the
-        others' updates complete the step."""
+        messages (the next step's requests: one delivery per party and a step that waits once less),
+        or with :meth:`flush`. A party lost here is dropped (:meth:`send_or_drop`); the others'
+        updates complete the step."""
         live = self.live(parties)
-        last = [dataclasses.replace(m, step=True) for m in closing if m.receiver in live]
+        last = [
+            dataclasses.replace(m, step=True, heads=heads) for m in closing if m.receiver in live
+        ]
         closed = {m.receiver for m in last}
         self.send_or_drop(
             [

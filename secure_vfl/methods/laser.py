@@ -275,11 +275,13 @@ class MeanFusionMethod:
         skipped step would instead leave its rows out of the epoch. A party lost at the update
         is dropped there and the others complete the step.
 
-        When the step has one task and the label party's own head trains it (``heads="active"``
-        with the vectorised plan), the head holds the gradients it owes the other parties
+        When the label party's own head trains one task of the step (with the vectorised plan:
+        under ``heads="active"`` the step's only task, under ``"all"`` one of the heads'), the
+        head holds the gradients it owes the other parties
         (:attr:`~secure_vfl.federation.messages.HeadTask.hold`) and they close those parties'
-        steps (:meth:`~secure_vfl.methods.base.Federation.update`): one message per party
-        instead of a gradient and an update, released only once the attempt has succeeded and
+        steps, their heads' too (:meth:`~secure_vfl.methods.base.Federation.update`): one
+        message per party instead of a gradient and an update, released only once the attempt
+        has succeeded and
         sent ahead of the party's next request (over the network, in the same delivery), so a
         step waits for its receivers once less. A party found lost there is dropped in the next
         step, which is retried without it; the step it closed stands for the others.
@@ -298,7 +300,7 @@ class MeanFusionMethod:
 
     def _attempt(self, rows_np: np.ndarray, round: int, batch_id: int) -> tuple[float, bool]:
         """One attempt at a step, up to its losses (the update closes it); and whether the
-        label party's head holds the gradients of its one task."""
+        label party's head holds the gradients of its task."""
         fed = self.fed
         rows = torch.from_numpy(rows_np)
         mask = torch.from_numpy(self.data.train.mask[rows_np])
@@ -315,7 +317,10 @@ class MeanFusionMethod:
                 for tag, chunk in chunks.items()
                 if bool((weights[i, chunk] > 0).any())
             ]
-        hold = len(tasks) == 1 and fed.names[self.head_index[tasks[0][0]]] == fed.own.name
+        # The label party's own head holds the gradients it owes the others when it trains one
+        # task this step: they close those parties' steps (:meth:`train_step`).
+        own = [task for task in tasks if fed.names[self.head_index[task[0]]] == fed.own.name]
+        held = own[0] if len(own) == 1 else None
         # One task: its sum request (and under a secure scheme each party's seal request) goes
         # out with the representation requests, so the step waits once for all of them: the
         # aggregator serves the sum once the representations (shares) it sums are in, and a
@@ -335,7 +340,7 @@ class MeanFusionMethod:
                 batch_id=batch_id,
                 tag=tag,
                 dp_rows=dp_rows,
-                hold=hold,
+                hold=(i, tag, chunk) == held,
                 send_sums=not together,
                 parts=parts,
             )
@@ -359,7 +364,7 @@ class MeanFusionMethod:
             fed.take_loss(fed.names[self.head_index[i]], round=round, batch_id=batch_id, tag=tag)
             for i, tag, _ in tasks
         )
-        return loss, hold
+        return loss, held is not None
 
     def _normaliser(self, head: int, mask: Tensor) -> float:
         """What head ``head``'s summed loss of the batch (availability ``mask``) is divided
